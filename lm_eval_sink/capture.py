@@ -1,0 +1,244 @@
+"""Capture attention-sink statistics through transformers' attention interface.
+
+One model-agnostic mechanism: a custom attention function registered with
+`transformers.AttentionInterface` (and the matching mask function with `AttentionMaskInterface`)
+and switched on with `model.set_attn_implementation` for the duration of `sink_capture(...)`.
+Every architecture whose attention layers call `ALL_ATTENTION_FUNCTIONS` (Llama, Mistral, Qwen2,
+Qwen3 with per-head q_norm/k_norm, OLMo2 with layerwise QK-norm, Gemma 2/3, ...) works with no
+per-model code: the function receives query and key AFTER rotary embeddings and QK-norm.
+
+For each selected layer it computes, in float32 from the pre-softmax logits (scaling, optional
+soft-capping, causal/padding/sliding-window mask, GQA expanded), then reduces at once, so only
+per-row numbers are kept (never a [query, key] matrix per layer). Then it hands the untouched
+inputs to the model's previous implementation (sdpa or eager), so outputs are unchanged.
+
+Captured quantities, per prompt (positions counted from the prompt's first real token, so left
+padding never shifts "position 0"; the `query` axis holds positions 1..L-1, position 0 has no
+other key and is excluded):
+    sink_logodds[layer, head, query]  float32  logit(sink key) - logsumexp(logits of other keys)
+                                               = log(a_sink / (1 - a_sink)), never saturated
+    sink_pos[layer, head, query]      int64    the sink key = argmax key of the row
+    pos0_mass[layer, head, query]     float32  attention probability on position 0
+    content[query]                    bool     the row's token is the user message's text
+`layer` indexes `PromptCapture.layers` (model layer indices, ascending).
+Footgun: rows whose position 0 lies outside a sliding window have pos0_mass 0; keep calibration
+prompts shorter than the window (they are: ~50 tokens).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from lm_eval_sink.calibration import EncodedPrompts
+from lm_eval_sink.errors import UserError
+
+IMPL_PREFIX = "lm_eval_sink"
+_DELEGATES = ("sdpa", "eager")
+_ACTIVE: contextvars.ContextVar[_Collector | None] = contextvars.ContextVar("lm_eval_sink_capture", default=None)
+
+
+@dataclass(frozen=True, slots=True)
+class PromptCapture:
+    """Sink statistics of one prompt; see the module docstring for names and shapes."""
+
+    layers: tuple[int, ...]
+    sink_logodds: np.ndarray  # [layer, head, query]
+    sink_pos: np.ndarray  # [layer, head, query]
+    pos0_mass: np.ndarray  # [layer, head, query]
+    content: np.ndarray  # [query]
+
+
+class _Collector:
+    """Per-batch store that the attention function fills, one layer at a time."""
+
+    def __init__(self, layers: set[int]) -> None:
+        self.layers = layers
+        self.first_real: torch.Tensor | None = None  # [batch] index of each row's first real token
+        self.records: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _allowed_keys(attention_mask: Any, bsz: int, q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
+    """Bool [batch or 1, heads or 1, query, key]: True where the key may be attended."""
+    if attention_mask is None:  # sdpa skipped the mask: purely causal, no padding
+        q = torch.arange(q_len, device=device)[:, None] + (k_len - q_len)
+        return (torch.arange(k_len, device=device)[None, :] <= q)[None, None]
+    mask = attention_mask[..., -k_len:] if attention_mask.shape[-1] != k_len else attention_mask
+    if mask.dtype == torch.bool:
+        return mask
+    # Additive float mask (eager): masked entries hold the dtype's minimum, a finite number.
+    return mask > torch.finfo(mask.dtype).min / 2
+
+
+def _row_stats(module: Any, query: torch.Tensor, key: torch.Tensor, attention_mask: Any, scaling: float | None, softcap: float | None, first_real: torch.Tensor):
+    bsz, n_heads, q_len, head_dim = query.shape
+    k_len = key.shape[-2]
+    q = query.detach().float()
+    k = key.detach().float()
+    if k.shape[1] != n_heads:  # grouped-query attention: each KV head serves n_heads // kv heads
+        k = k.repeat_interleave(n_heads // k.shape[1], dim=1)
+    scale = scaling if scaling is not None else head_dim**-0.5
+    logits = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    allowed = _allowed_keys(attention_mask, bsz, q_len, k_len, logits.device)
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    sink_pos = logits.argmax(dim=-1)
+    sink_logit = logits.gather(-1, sink_pos[..., None]).squeeze(-1)
+    others = logits.scatter(-1, sink_pos[..., None], float("-inf"))
+    sink_logodds = sink_logit - torch.logsumexp(others, dim=-1)
+    pos0 = first_real.to(logits.device)[:, None, None, None].expand(bsz, n_heads, q_len, 1)
+    pos0_mass = torch.exp(logits.gather(-1, pos0).squeeze(-1) - torch.logsumexp(logits, dim=-1))
+    return sink_logodds.cpu(), sink_pos.cpu(), pos0_mass.cpu()
+
+
+def _delegate_fn(module: Any, name: str):
+    from transformers import AttentionInterface
+
+    if name == "eager":  # the model's own eager function (it knows softcap, sinks, ...)
+        fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        if fn is not None:
+            return fn
+    return AttentionInterface._global_mapping[name] if name in AttentionInterface._global_mapping else AttentionInterface._global_mapping["sdpa"]
+
+
+def _make_attention(delegate: str):
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        collector = _ACTIVE.get()
+        layer = getattr(module, "layer_idx", None)
+        if collector is not None and layer in collector.layers and collector.first_real is not None:
+            collector.records[layer] = _row_stats(module, query, key, attention_mask, scaling, kwargs.get("softcap"), collector.first_real)
+        return _delegate_fn(module, delegate)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+
+    attention.__name__ = f"{IMPL_PREFIX}_{delegate}_attention"
+    return attention
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+
+    masks = {"sdpa": sdpa_mask, "eager": eager_mask}
+    for d in _DELEGATES:
+        name = f"{IMPL_PREFIX}_{d}"
+        if name not in AttentionInterface._global_mapping:
+            AttentionInterface.register(name, _make_attention(d))
+            AttentionMaskInterface.register(name, masks[d])
+
+
+def _attn_config(model: Any) -> Any:
+    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+
+
+def n_layers_of(model: Any) -> int:
+    return int(_attn_config(model).num_hidden_layers)
+
+
+def check_supported(model: Any) -> None:
+    """Refuse models whose attention does not go through transformers' attention interface."""
+    if not getattr(model, "_supports_attention_backend", False):
+        arch = type(model).__name__
+        raise UserError(
+            f"{arch} does not route attention through transformers' AttentionInterface, so Sink Strength cannot be captured",
+            "use a model whose class sets _supports_attention_backend (Llama, Mistral, Qwen2, Qwen3, OLMo2, Gemma 2/3, Phi-3, ...)",
+        )
+
+
+@contextlib.contextmanager
+def sink_capture(model: Any, layers: Sequence[int]) -> Iterator[_Collector]:
+    """Switch `model` to the capturing attention for the block; restore its implementation after."""
+    check_supported(model)
+    _register()
+    previous = _attn_config(model)._attn_implementation or "sdpa"
+    delegate = "eager" if previous == "eager" else "sdpa"
+    collector = _Collector(set(layers))
+    token = _ACTIVE.set(collector)
+    model.set_attn_implementation(f"{IMPL_PREFIX}_{delegate}")
+    try:
+        yield collector
+    finally:
+        model.set_attn_implementation(previous)
+        _ACTIVE.reset(token)
+
+
+def _batch(input_ids: Sequence[Sequence[int]], pad_id: int, device: torch.device):
+    """Left-pad a batch; position ids count from each row's first real token."""
+    width = max(len(x) for x in input_ids)
+    ids = torch.full((len(input_ids), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(input_ids), width), dtype=torch.long)
+    for i, x in enumerate(input_ids):
+        ids[i, width - len(x) :] = torch.tensor(x, dtype=torch.long)
+        mask[i, width - len(x) :] = 1
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    first_real = width - torch.tensor([len(x) for x in input_ids])
+    return ids.to(device), mask.to(device), position_ids.to(device), first_real
+
+
+def capture_prompts(
+    model: Any,
+    encoded: EncodedPrompts,
+    layers: Sequence[int],
+    batch_size: int = 1,
+    progress: bool = True,
+    desc: str = "sink capture",
+) -> list[PromptCapture]:
+    """Run the prompts through `model` under `sink_capture` and return per-prompt statistics."""
+    from tqdm.auto import tqdm
+
+    if batch_size <= 0:
+        raise UserError(f"batch size must be positive, got {batch_size}", "use --batch-size 1 or more")
+    layers = tuple(sorted(set(int(x) for x in layers)))
+    depth = n_layers_of(model)
+    bad = [x for x in layers if not 0 <= x < depth]
+    if bad:
+        raise UserError(f"layer(s) {bad} out of range for a {depth}-layer model", f"use layers 0..{depth - 1}")
+    max_pos = getattr(_attn_config(model), "max_position_embeddings", None)
+    longest = max(len(x) for x in encoded.input_ids)
+    if max_pos and longest > max_pos:
+        raise UserError(f"a calibration prompt has {longest} tokens, more than the model's {max_pos} positions", "use shorter prompts")
+    pad_id = next((t for t in (getattr(model.config, "pad_token_id", None), 0) if t is not None), 0)
+    device = next(model.parameters()).device
+    out: list[PromptCapture] = []
+    starts = range(0, len(encoded), batch_size)
+    with sink_capture(model, layers) as collector, torch.inference_mode():
+        for start in tqdm(starts, desc=desc, disable=not progress, leave=False):
+            chunk = encoded.input_ids[start : start + batch_size]
+            ids, mask, position_ids, first_real = _batch(chunk, int(pad_id), device)
+            collector.first_real = first_real
+            collector.records = {}
+            model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
+            missing = [x for x in layers if x not in collector.records]
+            if missing:
+                raise UserError(
+                    f"{type(model).__name__}: attention of layer(s) {missing[:5]} never reached the capture function",
+                    "this architecture bypasses transformers' attention interface for those layers; it is not supported",
+                )
+            for i, x in enumerate(chunk):
+                p, length = int(first_real[i]), len(x)
+                rows = slice(p + 1, p + length)  # positions 1..L-1 of this prompt
+
+                def take(t: torch.Tensor, i: int = i, rows: slice = rows) -> np.ndarray:
+                    return t[i, :, rows].numpy()
+
+                out.append(
+                    PromptCapture(
+                        layers=layers,
+                        sink_logodds=np.stack([take(collector.records[x][0]) for x in layers]).astype(np.float32),
+                        sink_pos=np.stack([take(collector.records[x][1]) for x in layers]).astype(np.int64) - p,
+                        pos0_mass=np.stack([take(collector.records[x][2]) for x in layers]).astype(np.float32),
+                        content=np.asarray(encoded.content_mask[start + i][1:], dtype=bool),
+                    )
+                )
+            collector.first_real = None
+    bad_rows = [(j, li) for j, c in enumerate(out) for li in range(len(layers)) if not np.isfinite(c.sink_logodds[li]).all()]
+    if bad_rows:
+        j, li = bad_rows[0]
+        raise UserError(f"non-finite sink log-odds at prompt {j}, layer {layers[li]}", "load the model in float32 (--dtype float32)")
+    return out

@@ -1,0 +1,1 @@
+"""lm-eval harness extension."""

