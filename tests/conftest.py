@@ -1,0 +1,56 @@
+"""Shared test fixtures: the embedded default model, ../shared data, tiny tokenizers.
+
+Real lm-eval runs of SmolLM2 happen ONCE per session in the fixtures below and are reused by
+the harness, buckets and protocol tests.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = Path(os.environ.get("LM_EVAL_SINK_SHARED", REPO.parent / "shared"))
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    """../shared/data, or skip with the reason."""
+    d = SHARED / "data"
+    if not (d / "ifeval" / "input_data.jsonl").is_file():
+        pytest.skip(f"benchmark data not found at {d} (set LM_EVAL_SINK_SHARED to the shared folder)")
+    return d
+
+
+@pytest.fixture(scope="session")
+def default_model() -> Path:
+    """The converted SmolLM2-135M-Instruct folder (converted once, then cached)."""
+    from lm_eval_sink.models import default_model_dir
+
+    return default_model_dir()
+
+
+def make_tokenizer(vocab_size: int = 96):
+    """A tiny word-level fast tokenizer with a chat template, trained locally (no hub)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    words = "the a an of to in and is it you that for on with as are this be at or by from write list explain answer give name three two four words using only letters title story json colors".split()
+    trainer = trainers.WordLevelTrainer(vocab_size=vocab_size, special_tokens=["<unk>", *specials])
+    tok.train_from_iterator([" ".join(words)] * 3, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = (
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} </s> {% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+    )
+    return fast
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return make_tokenizer()
