@@ -1,0 +1,6 @@
+"""Post-VL merging controls: TSV/STAR methods for mergekit, bundled configs, validation, sweeps.
+
+`methods` (tensor math + mergekit registration), `configs` (bundled configs, render, strict
+validation), `merge` (validated in-process mergekit runs into verified folders), `sweep` (the
+resumable merge-and-evaluate sweep). Importing this package imports neither torch nor mergekit.
+"""

@@ -1,0 +1,160 @@
+"""Run one validated mergekit config in this process into a verified, staged output folder.
+
+`merge_config()` validates first (no weight read before every check passed), then runs
+mergekit's `run_merge` into `<out>.partial-<uuid>/`, verifies the result (every tensor the
+architecture expects is there with its shape, nothing else, all finite; tokenizer files copied),
+writes `COMPLETE.json` (unit key, inputs, provenance) and renames the folder to `out`.
+Each merge starts and ends with an empty mergekit `LoaderCache` and leaves the global RNG states
+as it found them, so merges in one process do not see each other (a merge seeded with
+`random_seed` is bit-identical on rerun).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lm_eval_sink.errors import UserError
+from lm_eval_sink.io import atomic_write_json, canonical_json, provenance, sha256_text, staged_dir
+from lm_eval_sink.merging.configs import ValidatedConfig, validate_file, validate_text
+
+COMPLETE = "COMPLETE.json"
+_TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")
+
+
+@dataclass(frozen=True, slots=True)
+class MergeResult:
+    out: Path
+    key: str
+    method: str
+    n_tensors: int
+    weight_files: tuple[str, ...]
+
+
+def merge_key(config: ValidatedConfig, random_seed: int | None) -> str:
+    """Identity of a merge: the config's data, its inputs' fingerprints, the seed, mergekit's version."""
+    from lm_eval_sink.io import package_versions
+    from lm_eval_sink.models import model_fingerprint
+
+    return sha256_text(canonical_json({
+        "config": config.data,
+        "inputs": {p: model_fingerprint(p)["fingerprint"] for p in config.inputs},
+        "random_seed": random_seed,
+        "mergekit": package_versions().get("mergekit"),
+    }))
+
+
+@contextlib.contextmanager
+def _isolated() -> Iterator[None]:
+    """Empty mergekit's loader cache and keep python/numpy/torch RNG states around one merge."""
+    import numpy as np
+    import torch
+    from mergekit.io.tasks import LoaderCache
+
+    states = (random.getstate(), np.random.get_state(), torch.random.get_rng_state())
+    LoaderCache().loaders.clear()
+    try:
+        yield
+    finally:
+        LoaderCache().loaders.clear()
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.random.set_rng_state(states[2])
+
+
+def run_mergekit(text: str, out_dir: Path, random_seed: int | None = None, device: str = "cpu", quiet: bool = True) -> None:
+    """mergekit's `run_merge` on YAML text (already validated), writing into `out_dir`."""
+    import yaml
+    from mergekit.config import MergeConfiguration
+    from mergekit.merge import run_merge
+    from mergekit.options import MergeOptions
+
+    from lm_eval_sink.merging.methods import register
+
+    register()
+    config = MergeConfiguration.model_validate(yaml.safe_load(text))
+    options = MergeOptions(random_seed=random_seed, device=device, quiet=quiet, copy_tokenizer=True)
+    with _isolated():
+        run_merge(config, str(out_dir), options=options, config_source=text)
+
+
+def verify_checkpoint(folder: Path, expect_tokenizer: bool = True) -> tuple[int, tuple[str, ...]]:
+    """Check a merged folder: expected tensors and shapes only, all finite. Returns (count, files)."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = Path(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise RuntimeError(f"{folder}: mergekit wrote no *.safetensors")
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    required = {name for name, _ in model.named_parameters()}  # tied duplicates appear once
+    found: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        with safe_open(f, framework="pt") as st:
+            for name in st.keys():
+                tensor = st.get_tensor(name)
+                found[name] = tuple(tensor.shape)
+                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                    raise RuntimeError(f"{folder}: tensor {name} has NaN or inf values")
+    unexpected = sorted(set(found) - set(expected))
+    missing = sorted(required - set(found))
+    wrong = sorted(n for n in found if n in expected and found[n] != expected[n])
+    if unexpected or missing or wrong:
+        raise RuntimeError(f"{folder}: merged tensors do not match {type(model).__name__}: missing {missing[:5]}, unexpected {unexpected[:5]}, wrong shape {wrong[:5]}")
+    if expect_tokenizer and not any((folder / n).is_file() for n in _TOKENIZER_FILES):
+        raise RuntimeError(f"{folder}: mergekit did not copy a tokenizer")
+    return len(found), tuple(f.name for f in files)
+
+
+def _donor_has_tokenizer(config: ValidatedConfig) -> bool:
+    donor = config.base_model or config.inputs[0]
+    return any((Path(donor) / n).is_file() for n in _TOKENIZER_FILES)
+
+
+def merge_config(config: str | Path | ValidatedConfig, out: str | Path, random_seed: int | None = None, device: str = "cpu", force: bool = False, quiet: bool = True, key: str | None = None, extra: dict[str, Any] | None = None) -> MergeResult:
+    """Validate, merge in this process, verify, and publish `out` with its COMPLETE.json."""
+    vc = config if isinstance(config, ValidatedConfig) else validate_file(config)
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out}: is a file, not a folder", "pass a folder path for the merged model")
+    if out.exists() and not force:
+        raise UserError(f"output already exists: {out}", "pass --force to replace it, or choose another output folder")
+    key = key or merge_key(vc, random_seed)
+    with staged_dir(out, force=force) as tmp:
+        run_mergekit(vc.text, tmp, random_seed=random_seed, device=device, quiet=quiet)
+        n_tensors, files = verify_checkpoint(tmp, expect_tokenizer=_donor_has_tokenizer(vc))
+        from lm_eval_sink.models import model_fingerprint
+
+        atomic_write_json(tmp / COMPLETE, {
+            "schema_version": 1,
+            "key": key,
+            "merge_method": vc.method,
+            "config_sha256": sha256_text(vc.text),
+            "random_seed": random_seed,
+            "n_tensors": n_tensors,
+            "weight_files": {f: (tmp / f).stat().st_size for f in files},
+            "provenance": provenance(config_source=vc.source, inputs=[model_fingerprint(p) for p in vc.inputs], device=device, **(extra or {})),
+        })
+    return MergeResult(out=out, key=key, method=vc.method, n_tensors=n_tensors, weight_files=files)
+
+
+def read_complete(folder: Path) -> dict[str, Any] | None:
+    """The folder's COMPLETE.json, or None when absent or unreadable."""
+    try:
+        data = json.loads((Path(folder) / COMPLETE).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+__all__ = ["COMPLETE", "MergeResult", "merge_config", "merge_key", "read_complete", "run_mergekit", "validate_text", "verify_checkpoint"]
