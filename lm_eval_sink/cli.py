@@ -76,6 +76,88 @@ def strength(model_names, prompts_file, n_prompts, last_k, statistic, rows, chat
         click.echo(line)
 
 
+# --- merging controls (issue 7) ---
+
+
+@cli.group()
+def configs() -> None:
+    """Bundled merge controls: list them, render one to mergekit YAML, validate a mergekit YAML."""
+
+
+@configs.command("list")
+def configs_list() -> None:
+    """The bundled merge controls (NAME = file stem in merge_configs/)."""
+    from lm_eval_sink.merging.configs import list_templates
+
+    for t in list_templates():
+        click.echo(f"{t.name:<16} {t.method:<16} {t.paper_setting}: {t.summary}")
+
+
+@configs.command("render")
+@click.argument("name")
+@click.option("--reference", required=True, help="The text LLM (folder).")
+@click.option("--candidate", required=True, help="The extracted VLM language backbone (folder).")
+@click.option("--base", default=None, help="A pretrained ancestor of both (siblings lineage); default: base = reference (chain lineage).")
+@click.option("--tokenizer-source", default=None, help="Output vocabulary: base, union, reference, candidate or a model folder (default: mergekit's rule, the base_model's tokenizer).")
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="The mergekit YAML to write.")
+@click.option("--force", is_flag=True, help="Overwrite an existing file.")
+def configs_render(name, reference, candidate, base, tokenizer_source, output, force) -> None:
+    """Fill a bundled control (NAME) for one model pair and write plain mergekit YAML."""
+    from lm_eval_sink.io import atomic_write_text, check_new_outputs
+    from lm_eval_sink.merging.configs import render
+
+    if output.is_dir():
+        raise UserError(f"-o {output} is a folder", "pass a file path, e.g. -o tsv.yaml")
+    check_new_outputs([output], force)
+    rendered = render(name, reference, candidate, base=base, tokenizer_source=tokenizer_source)
+    atomic_write_text(output, rendered.text)
+    for warning in rendered.warnings:
+        click.echo(f"warning: {warning}", err=True)
+    click.echo(f"{rendered.name} ({rendered.lineage} lineage: {rendered.formula}) -> {output}")
+
+
+@configs.command("validate")
+@click.argument("config_file", type=click.Path(path_type=Path))
+def configs_validate(config_file) -> None:
+    """Check a mergekit YAML against its merge method's declared parameters (reads no weights)."""
+    from lm_eval_sink.merging.configs import validate_file
+
+    vc = validate_file(config_file)
+    click.echo(f"{config_file}: ok (merge_method {vc.method}, {len(vc.inputs)} inputs, base_model {vc.base_model or 'none'})")
+
+
+@cli.command("merge")
+@click.argument("config_file", type=click.Path(path_type=Path))
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--random-seed", type=int, default=None, help="Seed for random methods (DARE): bit-identical reruns.")
+@click.option("--device", default="cpu", show_default=True, help="mergekit's math device.")
+@click.option("--force", is_flag=True, help="Replace an existing OUT folder.")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+def merge(config_file, out, random_seed, device, force, quiet) -> None:
+    """Validate a mergekit YAML, then merge it in-process into a verified OUT folder."""
+    from lm_eval_sink.merging.merge import merge_config
+
+    result = merge_config(config_file, out, random_seed=random_seed, device=device, force=force, quiet=quiet)
+    click.echo(f"{result.method}: {result.n_tensors} tensors verified -> {result.out}")
+
+
+@cli.command("sweep")
+@click.argument("sweep_file", type=click.Path(path_type=Path))
+@click.option("--output", type=click.Path(path_type=Path), default=None, help="Output folder (default: the YAML's 'output').")
+@click.option("--force", is_flag=True, help="Redo every step, replacing earlier outputs.")
+@click.option("--delete-merged", is_flag=True, default=None, help="Delete merged weights once their checkpoint is evaluated.")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+def sweep(sweep_file, output, force, delete_merged, quiet) -> None:
+    """Merge, evaluate (lm-eval) and measure S for every checkpoint of SWEEP.yaml; resumable."""
+    from lm_eval_sink.merging.sweep import load_sweep, run_sweep
+
+    spec = load_sweep(sweep_file, output=output, delete_merged=delete_merged)
+    report = run_sweep(spec, force=force, progress=not quiet)
+    for line in report.lines():
+        click.echo(line)
+    report.raise_for_failures()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: user errors are one line and exit 2; Ctrl-C exits 130."""
     try:

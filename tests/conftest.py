@@ -54,3 +54,37 @@ def make_tokenizer(vocab_size: int = 96):
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     return make_tokenizer()
+
+
+def make_tiny_lm(out: Path, arch: str = "llama", delta_seed: int | None = None, delta_scale: float = 0.02, vocab_extra: int = 0) -> Path:
+    """A tiny random causal LM folder (weights + tokenizer). The same `arch` always starts from the
+    same base weights (seed 0); `delta_seed` adds a task vector delta_scale * N(0, 1) to every
+    parameter, so base / base + tau_1 / base + tau_2 make a reference-candidate-base trio."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    tok = make_tokenizer()
+    dims = dict(vocab_size=len(tok) + vocab_extra, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**dims, tie_word_embeddings=False))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**dims, tie_word_embeddings=True))
+    else:
+        raise ValueError(arch)
+    if delta_seed is not None:
+        g = torch.Generator().manual_seed(delta_seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(delta_scale * torch.randn(p.shape, generator=g))
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return Path(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_trio(tmp_path_factory) -> dict[str, Path]:
+    """Tiny Llama models: base, reference = base + tau_r, candidate = base + tau_c."""
+    root = tmp_path_factory.mktemp("tiny_trio")
+    return {role: make_tiny_lm(root / role, "llama", seed) for role, seed in (("base", None), ("reference", 1), ("candidate", 2))}
