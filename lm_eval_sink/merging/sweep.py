@@ -1,0 +1,583 @@
+"""The merge-and-evaluate sweep: every checkpoint merged, evaluated with lm-eval and measured for S.
+
+A sweep YAML names the models, the merge controls (default: all bundled ones), the lm-eval
+protocol and Sink Strength settings (one set for every checkpoint) and an output folder:
+
+    output: sweep_out                 # paths are relative to this YAML's folder
+    models: {reference: REF, candidate: CAND}          # + base: BASE for the siblings lineage
+    configs: [linear_95_5, tsv]       # bundled names or template files; default: all bundled
+    merge: {random_seed: 0, device: cpu, tokenizer_source: null, delete_merged: false}
+    eval: {tasks: [ifeval], apply_chat_template: true, num_fewshot: 0, gen_kwargs: {max_gen_toks: 256}, limit: 20}
+    strength: {last_k: 10, dtype: float32}             # or `strength: false`
+
+`plan_sweep` turns it into independent units (`merge:<name>`, `eval:<checkpoint>`,
+`strength:<checkpoint>`), each with a key = sha256 of its canonical inputs (config text, input
+fingerprints, settings, versions) and its own output folder. `run_unit` runs one unit from its
+arguments alone (no state shared between units), so a cluster engine can dispatch them.
+A unit builds its output in `<out>.partial-<uuid>/`, writes COMPLETE.json with its key, renames,
+then appends one fsync'd line to `manifest.jsonl`. A unit counts as finished only when its last
+manifest line says done with the current key AND its COMPLETE.json has that key: after kill -9
+at any point, a rerun skips finished units and redoes the rest; `force` redoes everything. A
+failed unit is recorded and reported at the end; the others go on. The table (JSON, CSV,
+Markdown, PNG) is rebuilt from the saved outputs after checking that every run used the same
+harness protocol (`protocols.require_same_harness`).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+from lm_eval_sink.errors import UserError
+from lm_eval_sink.io import atomic_write_json, atomic_write_text, canonical_json, package_versions, provenance, sha256_file, sha256_text, staged_dir
+
+ENDPOINTS = ("reference", "candidate")
+MANIFEST = "manifest.jsonl"
+COMPLETE = "COMPLETE.json"
+_SWEEP_KEYS = ("output", "models", "configs", "merge", "eval", "strength")
+_MODEL_KEYS = ("reference", "candidate", "base")
+_MERGE_KEYS = ("random_seed", "device", "tokenizer_source", "delete_merged")
+_EVAL_KEYS = ("tasks", "apply_chat_template", "num_fewshot", "fewshot_as_multiturn", "system_instruction", "gen_kwargs", "limit", "seed", "batch_size", "device", "dtype", "include_path", "model_args")
+_STRENGTH_EXTRA = ("dtype", "device")
+
+
+# --- the sweep file ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    """A parsed sweep YAML with every path resolved; one source of truth for a sweep's settings."""
+
+    source: str
+    output: Path
+    models: dict[str, str]  # reference, candidate (+ base)
+    configs: tuple[str, ...]  # bundled names or template paths
+    random_seed: int = 0
+    merge_device: str = "cpu"
+    tokenizer_source: str | None = None
+    delete_merged: bool = False
+    eval: Any = None  # harness.runner.EvalSettings
+    strength: Any = None  # strength.StrengthSettings, or None to skip S
+    strength_dtype: str = "auto"
+    strength_device: str = "cpu"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "source": self.source, "output": str(self.output), "models": self.models, "configs": list(self.configs),
+            "merge": {"random_seed": self.random_seed, "device": self.merge_device, "tokenizer_source": self.tokenizer_source, "delete_merged": self.delete_merged},
+            "eval": self.eval.to_json(),
+            "strength": None if self.strength is None else {**asdict(self.strength), "dtype": self.strength_dtype, "device": self.strength_device},
+        }  # fmt: skip
+
+
+def _suggest(word: str, options: tuple[str, ...]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
+    return f"did you mean {close[0]!r}? " if close else ""
+
+
+def _mapping(value: Any, where: str, allowed: tuple[str, ...], src: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise UserError(f"{src}: {where}: expected a mapping, got {type(value).__name__}", f"write {where}: {{key: value}}")
+    for key in value:
+        if key not in allowed:
+            raise UserError(f"{src}: {where}.{key}: unknown key ({_suggest(str(key), allowed)}allowed: {', '.join(allowed)})", "remove or correct the key")
+    return value
+
+
+def _typed(value: Any, types: tuple[type, ...], where: str, src: str, words: str) -> Any:
+    if value is not None and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
+        raise UserError(f"{src}: {where}: expected {words}, got {value!r}", f"set {where} to {words}")
+    return value
+
+
+def load_sweep(path: str | Path, output: str | Path | None = None, delete_merged: bool | None = None) -> SweepSpec:
+    """Parse and check a sweep YAML (strict keys, paths relative to its folder); no model is loaded."""
+    from lm_eval_sink.harness.runner import EvalSettings
+    from lm_eval_sink.merging.configs import _parse_yaml, bundled_names, load_template
+    from lm_eval_sink.models import resolve_model
+    from lm_eval_sink.strength import StrengthSettings
+
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: no such sweep file", "pass a sweep YAML (see the README's Merging section)")
+    src = str(path)
+    data = _mapping(_parse_yaml(path.read_text(encoding="utf-8"), src) or {}, "(top level)", _SWEEP_KEYS, src)
+    here = path.resolve().parent
+
+    def rel(p: Any, where: str) -> str:
+        _typed(p, (str,), where, src, "a path")
+        q = Path(p).expanduser()
+        return str(q if q.is_absolute() else here / q)
+
+    out = Path(output) if output is not None else (Path(rel(data["output"], "output")) if data.get("output") else None)
+    if out is None:
+        raise UserError(f"{src}: output: missing", "add output: FOLDER to the sweep file, or pass --output")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out}: is a file, not a folder", "choose an output folder")
+
+    models_in = _mapping(data.get("models"), "models", _MODEL_KEYS, src)
+    models: dict[str, str] = {}
+    for role in _MODEL_KEYS:
+        if models_in.get(role) is None:
+            if role != "base":
+                raise UserError(f"{src}: models.{role}: missing", f"add models: {{{role}: PATH}}")
+            continue
+        try:
+            models[role] = resolve_model(rel(models_in[role], f"models.{role}"))
+        except UserError as e:
+            raise UserError(f"{src}: models.{role}: {e.message}", e.hint) from None
+
+    configs_in = data.get("configs")
+    if configs_in is None:
+        configs: tuple[str, ...] = tuple(bundled_names())
+    else:
+        if not isinstance(configs_in, list) or not configs_in or not all(isinstance(c, str) for c in configs_in):
+            raise UserError(f"{src}: configs: expected a non-empty list of bundled names or template files", f"e.g. configs: [{', '.join(bundled_names()[:2])}]")
+        configs = tuple(rel(c, "configs") if c.endswith((".yaml", ".yml")) else c for c in configs_in)
+    names = [load_template(c).name for c in configs]  # unknown names fail here, with did-you-mean
+    clash = next((n for n in names if names.count(n) > 1 or n in ENDPOINTS), None)
+    if clash:
+        raise UserError(f"{src}: configs: the checkpoint name {clash!r} is used twice (or is an endpoint's name)", "give each config file its own name")
+
+    merge = _mapping(data.get("merge"), "merge", _MERGE_KEYS, src)
+    ev = dict(_mapping(data.get("eval"), "eval", _EVAL_KEYS, src))
+    if not ev.get("tasks"):
+        raise UserError(f"{src}: eval.tasks: missing", "add eval: {tasks: [ifeval]}")
+    if isinstance(ev["tasks"], list):
+        ev["tasks"] = tuple(ev["tasks"])
+    if ev.get("include_path"):
+        ev["include_path"] = rel(ev["include_path"], "eval.include_path")
+        if not Path(ev["include_path"]).is_dir():
+            raise UserError(f"{src}: eval.include_path: {ev['include_path']} is not a folder", "lm-eval takes ONE folder of task YAMLs")
+    for key, types, words in (("apply_chat_template", (bool,), "true or false"), ("num_fewshot", (int,), "an integer"), ("seed", (int,), "an integer"),
+                              ("limit", (int, float), "a number"), ("gen_kwargs", (dict,), "a mapping"), ("system_instruction", (str,), "a string")):
+        _typed(ev.get(key), types, f"eval.{key}", src, words)
+    try:
+        eval_settings = EvalSettings(**ev)
+    except TypeError as e:
+        raise UserError(f"{src}: eval: {e}", "see the README for the eval keys") from None
+
+    strength_in = data.get("strength", {})
+    strength = None
+    sdtype, sdevice = "auto", "cpu"
+    if strength_in is not False:
+        allowed = tuple(StrengthSettings.__dataclass_fields__) + _STRENGTH_EXTRA
+        st = dict(_mapping(strength_in, "strength", allowed, src))
+        sdtype, sdevice = st.pop("dtype", "auto"), st.pop("device", "cpu")
+        if st.get("prompts_file"):
+            st["prompts_file"] = rel(st["prompts_file"], "strength.prompts_file")
+        strength = StrengthSettings(**st)
+
+    return SweepSpec(
+        source=src,
+        output=out.resolve(),
+        models=models,
+        configs=configs,
+        random_seed=_typed(merge.get("random_seed", 0), (int,), "merge.random_seed", src, "an integer"),
+        merge_device=str(merge.get("device", "cpu")),
+        tokenizer_source=merge.get("tokenizer_source"),
+        delete_merged=bool(merge.get("delete_merged", False)) if delete_merged is None else delete_merged,
+        eval=eval_settings,
+        strength=strength,
+        strength_dtype=sdtype,
+        strength_device=sdevice,
+    )
+
+
+# --- units ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One independent job: its kind, checkpoint, key, output folder and what `run_unit` needs."""
+
+    kind: str  # merge | eval | strength
+    checkpoint: str
+    key: str
+    output: Path
+    inputs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def id(self) -> str:
+        return f"{self.kind}:{self.checkpoint}"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    name: str
+    role: str  # reference | candidate | merge
+    path: str  # model folder (for merges: the merge unit's output)
+    identity: str  # fingerprint (endpoints) or merge key
+    method: str | None = None
+    setting: str | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    spec: SweepSpec
+    checkpoints: tuple[Checkpoint, ...]
+    units: tuple[Unit, ...]
+    lineage: str
+
+
+def _tree_sha(folder: str | None) -> str | None:
+    if not folder:
+        return None
+    files = sorted(p for p in Path(folder).rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    return sha256_text("".join(f"{p.relative_to(folder)}:{sha256_file(p)}\n" for p in files))
+
+
+def plan_sweep(spec: SweepSpec) -> Plan:
+    """Render and validate every merge config and derive each unit's key (reads no weights)."""
+    from lm_eval_sink.merging.configs import load_template, render, validate_text
+    from lm_eval_sink.merging.merge import merge_key
+    from lm_eval_sink.models import model_fingerprint
+
+    out = spec.output
+    versions = package_versions()
+    include_sha = _tree_sha(spec.eval.include_path)
+    checkpoints: list[Checkpoint] = []
+    units: list[Unit] = []
+
+    def evaluate(ck: Checkpoint) -> None:
+        ekey = sha256_text(canonical_json({"kind": "eval", "checkpoint": ck.identity, "settings": spec.eval.to_json(), "include_path_sha256": include_sha,
+                                           "lm_eval": versions.get("lm_eval"), "transformers": versions.get("transformers")}))
+        units.append(Unit("eval", ck.name, ekey, out / "evals" / ck.name, {"model": ck.path, "settings": spec.eval}))
+        if spec.strength is not None:
+            skey = sha256_text(canonical_json({"kind": "strength", "checkpoint": ck.identity, "settings": asdict(spec.strength), "dtype": spec.strength_dtype,
+                                               "device": spec.strength_device, "torch": versions.get("torch"), "transformers": versions.get("transformers")}))
+            units.append(Unit("strength", ck.name, skey, out / "strength" / ck.name,
+                              {"model": ck.path, "settings": spec.strength, "dtype": spec.strength_dtype, "device": spec.strength_device}))
+        checkpoints.append(ck)
+
+    for role in ENDPOINTS:
+        evaluate(Checkpoint(role, role, spec.models[role], model_fingerprint(spec.models[role])["fingerprint"] or spec.models[role]))
+    for config in spec.configs:  # merge -> eval -> strength per checkpoint, so --delete-merged bounds the disk
+        template = load_template(config)
+        rendered = render(config, spec.models["reference"], spec.models["candidate"], base=spec.models.get("base"), tokenizer_source=spec.tokenizer_source)
+        key = merge_key(validate_text(rendered.text, source=f"{template.name} ({rendered.lineage})"), spec.random_seed)
+        target = out / "merges" / template.name
+        units.append(Unit("merge", template.name, key, target, {"text": rendered.text, "random_seed": spec.random_seed, "device": spec.merge_device, "template": template.path}))
+        evaluate(Checkpoint(template.name, "merge", str(target), key, method=str(rendered.config.get("merge_method")), setting=template.paper_setting))
+    return Plan(spec=spec, checkpoints=tuple(checkpoints), units=tuple(units), lineage="siblings" if "base" in spec.models else "chain")
+
+
+def _finish(tmp: Path, unit: Unit, **fields: Any) -> None:
+    atomic_write_json(tmp / COMPLETE, {"schema_version": 1, "unit": unit.id, "key": unit.key, **fields, "provenance": provenance(unit=unit.id)})
+
+
+def run_unit(unit: Unit) -> None:
+    """Run one unit into its staged output folder (replacing an older one). No shared state."""
+    if unit.kind == "merge":
+        from lm_eval_sink.merging.configs import validate_text
+        from lm_eval_sink.merging.merge import merge_config
+
+        vc = validate_text(unit.inputs["text"], source=unit.id)
+        merge_config(vc, unit.output, random_seed=unit.inputs["random_seed"], device=unit.inputs["device"], force=True, quiet=True, key=unit.key,
+                     extra={"unit": unit.id, "template": unit.inputs["template"]})
+    elif unit.kind == "eval":
+        from lm_eval_sink.harness.runner import run_lm_eval
+
+        with staged_dir(unit.output, force=True) as tmp:
+            run = run_lm_eval(unit.inputs["model"], unit.inputs["settings"], tmp / "lm_eval")
+            rel = run.results.relative_to(tmp)
+            _finish(tmp, unit, results=str(rel), samples={t: str(p.relative_to(tmp)) for t, p in run.samples.items()}, model=unit.inputs["model"])
+    elif unit.kind == "strength":
+        from lm_eval_sink.strength import measure_model
+
+        res = measure_model(unit.inputs["model"], unit.inputs["settings"], dtype=unit.inputs["dtype"], device=unit.inputs["device"], progress=False)
+        with staged_dir(unit.output, force=True) as tmp:
+            atomic_write_json(tmp / "strength.json", {**res.to_json(), "provenance": {**res.provenance, "input_key": unit.key}})
+            _finish(tmp, unit, sink_strength=res.sink_strength, model=unit.inputs["model"])
+    else:
+        raise ValueError(f"unknown unit kind {unit.kind!r}")
+
+
+# --- manifest ------------------------------------------------------------------------------
+
+
+class Manifest:
+    """`manifest.jsonl`: one fsync'd JSON line per finished (or failed) unit; a torn last line is ignored."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    def entries(self) -> list[dict[str, Any]]:
+        if not self.path.is_file():
+            return []
+        out = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line torn by kill -9: that unit is simply not finished
+            if isinstance(row, dict) and "unit" in row:
+                out.append(row)
+        return out
+
+    def latest(self) -> dict[str, dict[str, Any]]:
+        last: dict[str, dict[str, Any]] = {}
+        for row in self.entries():
+            if row.get("status") in ("done", "failed"):
+                last[row["unit"]] = row
+        return last
+
+    def append(self, row: dict[str, Any]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        line = json.dumps({**row, "time_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}, sort_keys=True) + "\n"
+        with open(self.path, "a+b") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell() > 0:  # a torn last line from kill -9 must not swallow this one
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    f.write(b"\n")
+            f.write(line.encode("utf-8"))
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _complete_key(folder: Path) -> str | None:
+    try:
+        return json.loads((folder / COMPLETE).read_text(encoding="utf-8")).get("key")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+
+
+def _weights_present(folder: Path) -> bool:
+    try:
+        files = json.loads((folder / COMPLETE).read_text(encoding="utf-8"))["weight_files"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        return False
+    return all((folder / n).is_file() and (folder / n).stat().st_size == size for n, size in files.items())
+
+
+def unit_finished(unit: Unit, latest: dict[str, dict[str, Any]]) -> bool:
+    """Finished = last manifest line done with this key AND COMPLETE.json with this key."""
+    row = latest.get(unit.id)
+    return bool(row and row.get("status") == "done" and row.get("key") == unit.key and _complete_key(unit.output) == unit.key)
+
+
+def _clean_partials(out: Path) -> list[str]:
+    removed = []
+    for sub in ("merges", "evals", "strength"):
+        for p in sorted((out / sub).glob("*.partial-*")) + sorted((out / sub).glob("*.old-*")):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(str(p))
+    return removed
+
+
+def _check_conflicts(plan: Plan) -> None:
+    for unit in plan.units:
+        if unit.output.exists():
+            key = _complete_key(unit.output)
+            if key != unit.key:
+                raise UserError(
+                    f"{unit.output} holds a {unit.kind} made from other inputs than this sweep's (the sweep file, a model or a version changed)",
+                    "pass --force to redo everything, or choose a new output folder",
+                )
+
+
+# --- running ---------------------------------------------------------------------------------
+
+
+@dataclass
+class SweepReport:
+    output: Path
+    ran: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    failures: dict[str, str] = field(default_factory=dict)
+    table_files: list[Path] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        out = [f"sweep {self.output}: {len(self.ran)} steps run, {len(self.skipped)} already finished, {len(self.failures)} failed"]
+        out += [f"note: {n}" for n in self.notes]
+        if self.table_files:
+            out.append("table -> " + ", ".join(str(p) for p in self.table_files))
+        out += [f"failed: {u}: {e}" for u, e in self.failures.items()]
+        return out
+
+    def raise_for_failures(self) -> None:
+        if self.failures:
+            first = next(iter(self.failures.items()))
+            raise UserError(f"{len(self.failures)} sweep step(s) failed ({', '.join(self.failures)}); first: {first[0]}: {first[1]}",
+                            f"see {self.output / MANIFEST}; fix the cause and rerun the same command: finished steps are kept")
+
+
+def run_sweep(spec: SweepSpec, force: bool = False, progress: bool = True) -> SweepReport:
+    """Plan, run every unfinished unit (all of them with `force`), then write the table."""
+    from tqdm.auto import tqdm
+
+    plan = plan_sweep(spec)
+    out = spec.output
+    out.mkdir(parents=True, exist_ok=True)
+    report = SweepReport(output=out)
+    removed = _clean_partials(out)
+    if removed:
+        report.notes.append(f"removed {len(removed)} unfinished output(s) of an interrupted run")
+    if not force:
+        _check_conflicts(plan)
+    atomic_write_json(out / "sweep.json", {"schema_version": 1, "sweep": spec.to_json(), "lineage": plan.lineage,
+                                           "units": {u.id: u.key for u in plan.units}, "provenance": provenance()})
+    manifest = Manifest(out / MANIFEST)
+    latest = {} if force else manifest.latest()
+    finished = {u.id for u in plan.units if unit_finished(u, latest)}
+    by_id = {u.id: u for u in plan.units}
+
+    def needed(unit: Unit) -> bool:
+        if unit.kind != "merge":
+            return unit.id not in finished
+        downstream = [by_id[f"{k}:{unit.checkpoint}"] for k in ("eval", "strength") if f"{k}:{unit.checkpoint}" in by_id]
+        if all(d.id in finished for d in downstream):
+            return unit.id not in finished and not spec.delete_merged
+        return unit.id not in finished or not _weights_present(unit.output)
+
+    for unit in tqdm(plan.units, desc="sweep steps", unit="step", disable=not progress):
+        if not needed(unit):
+            report.skipped.append(unit.id)
+            continue
+        merge_id = f"merge:{unit.checkpoint}"
+        if unit.kind != "merge" and merge_id in report.failures:
+            report.failures[unit.id] = f"not run: {merge_id} failed"
+            continue
+        try:
+            run_unit(unit)
+        except KeyboardInterrupt:
+            raise
+        except Exception as e:  # noqa: BLE001 - one failed step must not stop the sweep
+            msg = e.line() if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
+            report.failures[unit.id] = msg
+            manifest.append({"unit": unit.id, "key": unit.key, "status": "failed", "error": msg, "output": str(unit.output)})
+            continue
+        manifest.append({"unit": unit.id, "key": unit.key, "status": "done", "output": str(unit.output)})
+        finished.add(unit.id)
+        report.ran.append(unit.id)
+        if spec.delete_merged and unit.kind != "merge" and merge_id in by_id:
+            _maybe_delete_weights(by_id[merge_id], [by_id[f"{k}:{unit.checkpoint}"] for k in ("eval", "strength") if f"{k}:{unit.checkpoint}" in by_id], finished, manifest)
+    table = build_table(plan, report.failures)
+    report.table_files = write_table(table, out)
+    report.notes.extend(table["protocol"]["model_differences"])
+    return report
+
+
+def _maybe_delete_weights(merge_unit: Unit, downstream: list[Unit], finished: set[str], manifest: Manifest) -> None:
+    if not all(d.id in finished for d in downstream) or not (merge_unit.output / COMPLETE).is_file():
+        return
+    files = json.loads((merge_unit.output / COMPLETE).read_text(encoding="utf-8")).get("weight_files", {})
+    for name in files:
+        (merge_unit.output / name).unlink(missing_ok=True)
+    manifest.append({"unit": merge_unit.id, "key": merge_unit.key, "status": "weights_deleted", "output": str(merge_unit.output)})
+
+
+# --- the table -------------------------------------------------------------------------------
+
+
+def _metrics(results: dict[str, Any]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for task, values in sorted(results.get("results", {}).items()):
+        for name, value in values.items():
+            if "_stderr" in name or name in ("alias", "name", "sample_len") or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            out[f"{task}/{name}"] = float(value)
+    return out
+
+
+def build_table(plan: Plan, failures: dict[str, str]) -> dict[str, Any]:
+    """Rows = checkpoints, columns = each task metric, its delta vs the reference, S (from saved outputs)."""
+    from lm_eval_sink.protocols import diff, fingerprint_run, require_same_harness
+    from lm_eval_sink.runs import load_results, resolve_run
+
+    by_id = {u.id: u for u in plan.units}
+    results, fingerprints, strengths, status = {}, {}, {}, {}
+    for ck in plan.checkpoints:
+        problems = [f"{u}: {failures[u]}" for u in (f"merge:{ck.name}", f"eval:{ck.name}", f"strength:{ck.name}") if u in failures]
+        status[ck.name] = "; ".join(problems) if problems else "ok"
+        ev = by_id[f"eval:{ck.name}"]
+        if _complete_key(ev.output) == ev.key:
+            complete = json.loads((ev.output / COMPLETE).read_text(encoding="utf-8"))
+            run = resolve_run(ev.output / complete["results"])
+            results[ck.name] = load_results(run)
+            fingerprints[ck.name] = fingerprint_run(run)
+        st = by_id.get(f"strength:{ck.name}")
+        if st is not None and _complete_key(st.output) == st.key:
+            strengths[ck.name] = json.loads((st.output / "strength.json").read_text(encoding="utf-8"))["sink_strength"]
+    require_same_harness(fingerprints)
+    ref_fp = fingerprints.get("reference")
+    model_diffs = []
+    for name, fp in fingerprints.items():
+        if ref_fp is not None and name != "reference":
+            fields = [d.field for d in diff(ref_fp, fp) if d.part == "model"]
+            if fields:
+                model_diffs.append(f"{name} differs from the reference in model-owned protocol fields: {', '.join(fields)}")
+    metrics = {name: _metrics(r) for name, r in results.items()}
+    columns: list[str] = []
+    for name in [c.name for c in plan.checkpoints]:
+        columns += [m for m in metrics.get(name, {}) if m not in columns]
+    ref_m, ref_s = metrics.get("reference", {}), strengths.get("reference")
+    rows = []
+    for ck in plan.checkpoints:
+        m = metrics.get(ck.name, {})
+        s = strengths.get(ck.name)
+        rows.append({
+            "checkpoint": ck.name, "role": ck.role, "method": ck.method, "setting": ck.setting, "status": status[ck.name],
+            "metrics": {c: m.get(c) for c in columns},
+            "delta_vs_reference": {c: (m[c] - ref_m[c]) if c in m and c in ref_m else None for c in columns},
+            "sink_strength": s,
+            "sink_strength_delta_vs_reference": (s - ref_s) if s is not None and ref_s is not None else None,
+        })  # fmt: skip
+    limit = plan.spec.eval.limit
+    return {
+        "schema_version": 1,
+        "lineage": plan.lineage,
+        "models": plan.spec.models,
+        "columns": columns,
+        "rows": rows,
+        "final": limit is None,
+        "final_note": None if limit is None else f"evaluated with limit={limit}: not final scores",
+        "protocol": {"eval": plan.spec.eval.to_json(), "harness_sha256": ref_fp.harness_sha() if ref_fp else None, "model_differences": model_diffs},
+        "strength_settings": None if plan.spec.strength is None else asdict(plan.spec.strength),
+        "provenance": provenance(sweep=plan.spec.source, units={u.id: u.key for u in plan.units}),
+    }
+
+
+def _fmt(x: float | None, signed: bool = False) -> str:
+    if x is None:
+        return "n/a"
+    return f"{x:+.4f}" if signed else f"{x:.4f}"
+
+
+def write_table(table: dict[str, Any], out: Path) -> list[Path]:
+    """table.json, table.csv, table.md and table.png, each written atomically."""
+    from lm_eval_sink.plots import sweep_chart
+
+    cols = table["columns"]
+    head = ["checkpoint", "method", *[x for c in cols for x in (c, f"{c} delta")], "S", "S delta", "status"]
+    rows = [[r["checkpoint"], r["method"] or r["role"], *[x for c in cols for x in (_fmt(r["metrics"][c]), _fmt(r["delta_vs_reference"][c], True))],
+             _fmt(r["sink_strength"]), _fmt(r["sink_strength_delta_vs_reference"], True), r["status"]] for r in table["rows"]]
+    md = f"Merging sweep ({table['lineage']} lineage); deltas vs the reference.\n"
+    if not table["final"]:
+        md += f"**Not final scores:** {table['final_note']}.\n"
+    md += "\n| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n" + "".join("| " + " | ".join(r) + " |\n" for r in rows)
+    import csv
+    import io as _io
+
+    buf = _io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow(head)
+    writer.writerows(rows)
+    paths = [atomic_write_json(out / "table.json", table), atomic_write_text(out / "table.csv", buf.getvalue()), atomic_write_text(out / "table.md", md)]
+    series = {c: [r["metrics"][c] for r in table["rows"]] for c in cols}
+    series["S (Sink Strength)"] = [r["sink_strength"] for r in table["rows"]]
+    paths.append(sweep_chart([r["checkpoint"] for r in table["rows"]], series, out / "table.png", note=table["final_note"]))
+    return paths
+
