@@ -33,7 +33,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.io import atomic_write_json, atomic_write_text, canonical_json, package_versions, provenance, sha256_file, sha256_text, staged_dir
 
@@ -164,8 +163,8 @@ def load_sweep(path: str | Path, output: str | Path | None = None, delete_merged
         _typed(ev.get(key), types, f"eval.{key}", src, words)
     try:
         eval_settings = EvalSettings(**ev)
-    except TypeError as e:
-        raise UserError(f"{src}: eval: {e}", "see the README for the eval keys") from None
+    except UserError as e:
+        raise UserError(f"{src}: eval: {e.message}", e.hint) from None
 
     strength_in = data.get("strength", {})
     strength = None
@@ -176,7 +175,10 @@ def load_sweep(path: str | Path, output: str | Path | None = None, delete_merged
         sdtype, sdevice = st.pop("dtype", "auto"), st.pop("device", "cpu")
         if st.get("prompts_file"):
             st["prompts_file"] = rel(st["prompts_file"], "strength.prompts_file")
-        strength = StrengthSettings(**st)
+        try:
+            strength = StrengthSettings(**st)
+        except UserError as e:
+            raise UserError(f"{src}: strength: {e.message}", e.hint) from None
 
     return SweepSpec(
         source=src,
@@ -462,20 +464,29 @@ def run_sweep(spec: SweepSpec, force: bool = False, progress: bool = True) -> Sw
         manifest.append({"unit": unit.id, "key": unit.key, "status": "done", "output": str(unit.output)})
         finished.add(unit.id)
         report.ran.append(unit.id)
-        if spec.delete_merged and unit.kind != "merge" and merge_id in by_id:
-            _maybe_delete_weights(by_id[merge_id], [by_id[f"{k}:{unit.checkpoint}"] for k in ("eval", "strength") if f"{k}:{unit.checkpoint}" in by_id], finished, manifest)
+        if spec.delete_merged and merge_id in by_id:
+            _maybe_delete_weights(by_id[merge_id], by_id, finished, manifest)
+    if spec.delete_merged:  # also checkpoints finished by an earlier run
+        for unit in plan.units:
+            if unit.kind == "merge":
+                _maybe_delete_weights(unit, by_id, finished, manifest)
     table = build_table(plan, report.failures)
     report.table_files = write_table(table, out)
     report.notes.extend(table["protocol"]["model_differences"])
     return report
 
 
-def _maybe_delete_weights(merge_unit: Unit, downstream: list[Unit], finished: set[str], manifest: Manifest) -> None:
-    if not all(d.id in finished for d in downstream) or not (merge_unit.output / COMPLETE).is_file():
+def _maybe_delete_weights(merge_unit: Unit, by_id: dict[str, Unit], finished: set[str], manifest: Manifest) -> None:
+    """Delete a merged checkpoint's weight files once its eval and strength units are finished."""
+    downstream = [f"{k}:{merge_unit.checkpoint}" for k in ("eval", "strength") if f"{k}:{merge_unit.checkpoint}" in by_id]
+    if not all(d in finished for d in downstream) or _complete_key(merge_unit.output) != merge_unit.key:
         return
     files = json.loads((merge_unit.output / COMPLETE).read_text(encoding="utf-8")).get("weight_files", {})
-    for name in files:
-        (merge_unit.output / name).unlink(missing_ok=True)
+    present = [n for n in files if (merge_unit.output / n).exists()]
+    if not present:
+        return
+    for name in present:
+        (merge_unit.output / name).unlink()
     manifest.append({"unit": merge_unit.id, "key": merge_unit.key, "status": "weights_deleted", "output": str(merge_unit.output)})
 
 

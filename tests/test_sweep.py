@@ -1,0 +1,261 @@
+"""The merge-and-evaluate sweep on tiny models with a tiny local lm-eval task: table, resume, errors.
+
+Real mergekit, real lm-eval (subprocess, through the project's runner) and the real Sink Strength
+capture. One uninterrupted sweep is made per session; the other tests work on copies of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lm_eval_sink.cli import main
+
+TASKS = Path(__file__).parent / "data" / "merging_task"
+TASK = "lm_eval_sink_tiny_choice"
+
+
+def _write_sweep(folder: Path, trio: dict[str, Path], **extra) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    data = {
+        "output": "out",
+        "models": {"reference": str(trio["reference"]), "candidate": str(trio["candidate"])},
+        "configs": ["dare_linear"],
+        "merge": {"random_seed": 0},
+        "eval": {"tasks": [TASK], "include_path": str(TASKS), "batch_size": 1, "seed": 0},
+        "strength": {"n_prompts": 5, "last_k": 2, "dtype": "float32"},
+        **extra,
+    }
+    path = folder / "sweep.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def _rows(out: Path) -> list[dict]:
+    return json.loads((out / "table.json").read_text())["rows"]
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src.parent, dst)
+    return dst / "sweep.yaml"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, tiny_trio) -> Path:
+    """An uninterrupted sweep: reference, candidate and one DARE merge, evaluated and measured."""
+    from lm_eval_sink.merging.sweep import load_sweep, run_sweep
+
+    sweep = _write_sweep(tmp_path_factory.mktemp("sweep_a"), tiny_trio)
+    report = run_sweep(load_sweep(sweep), progress=False)
+    assert not report.failures, report.failures
+    assert report.ran == ["eval:reference", "strength:reference", "eval:candidate", "strength:candidate", "merge:dare_linear", "eval:dare_linear", "strength:dare_linear"]
+    return sweep
+
+
+@pytest.mark.slow
+def test_sweep_writes_table_with_metrics_deltas_and_s(uninterrupted):
+    out = uninterrupted.parent / "out"
+    table = json.loads((out / "table.json").read_text())
+    assert [r["checkpoint"] for r in table["rows"]] == ["reference", "candidate", "dare_linear"]
+    assert table["columns"] == [f"{TASK}/acc,none"]
+    assert table["final"] is True and table["lineage"] == "chain"
+    assert table["provenance"]["versions"]["mergekit"] and table["protocol"]["harness_sha256"]
+    ref, cand, dare = table["rows"]
+    col = f"{TASK}/acc,none"
+    for row in table["rows"]:
+        assert row["status"] == "ok" and 0.0 <= row["metrics"][col] <= 1.0
+        assert row["delta_vs_reference"][col] == pytest.approx(row["metrics"][col] - ref["metrics"][col])
+        assert row["sink_strength_delta_vs_reference"] == pytest.approx(row["sink_strength"] - ref["sink_strength"])
+    # S of each checkpoint is the saved Sink Strength measurement of that checkpoint
+    for name in ("reference", "candidate", "dare_linear"):
+        saved = json.loads((out / "strength" / name / "strength.json").read_text())
+        assert saved["sink_strength"] == next(r for r in table["rows"] if r["checkpoint"] == name)["sink_strength"]
+    assert dare["sink_strength"] != cand["sink_strength"]
+    md = (out / "table.md").read_text()
+    assert "| dare_linear | dare_linear |" in md and "S delta" in md
+    assert (out / "table.csv").read_text().splitlines()[0].startswith("checkpoint,method,")
+    assert (out / "table.png").read_bytes()[:4] == b"\x89PNG"
+    lines = [json.loads(x) for x in (out / "manifest.jsonl").read_text().splitlines()]
+    assert [x["unit"] for x in lines] == ["eval:reference", "strength:reference", "eval:candidate", "strength:candidate", "merge:dare_linear", "eval:dare_linear", "strength:dare_linear"]
+    assert all(x["status"] == "done" for x in lines)
+    merged = out / "merges" / "dare_linear"
+    assert json.loads((merged / "COMPLETE.json").read_text())["key"] == lines[4]["key"]
+
+
+@pytest.mark.slow
+def test_kill_9_mid_sweep_then_resume_gives_the_same_table(uninterrupted, tmp_path, tiny_trio):
+    """Kill -9 (process group: the sweep and its lm_eval child) in the middle of an eval step,
+    with a torn manifest line and a finished step whose manifest line never got written; the
+    rerun redoes exactly the unfinished steps and yields the uninterrupted run's table."""
+    import torch
+
+    from lm_eval_sink.merging.sweep import load_sweep, run_sweep
+
+    sweep = _copy(uninterrupted, tmp_path / "b")
+    out = sweep.parent / "out"
+    # Start again from "reference and candidate done": drop the merge's units and their lines.
+    for sub in ("merges", "evals", "strength"):
+        shutil.rmtree(out / sub / "dare_linear")
+    kept = [x for x in (out / "manifest.jsonl").read_text().splitlines() if "dare_linear" not in x]
+    (out / "manifest.jsonl").write_text("\n".join(kept) + "\n")
+    for f in ("table.json", "table.md", "table.csv", "table.png"):
+        (out / f).unlink()
+
+    pid = os.fork()
+    if pid == 0:  # the sweep, killed below in the middle of eval:dare_linear
+        try:
+            os.setsid()
+            torch.set_num_threads(1)
+            run_sweep(load_sweep(sweep), progress=False)
+        finally:
+            os._exit(0)
+    killed = False
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        if list((out / "evals").glob("dare_linear.partial-*")):
+            time.sleep(2.0)  # let lm_eval start writing
+            os.killpg(pid, signal.SIGKILL)
+            killed = True
+            break
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            break
+        time.sleep(0.05)
+    if killed:
+        os.waitpid(pid, 0)
+    assert killed, "the sweep finished before it could be killed"
+    assert list((out / "evals").glob("dare_linear.partial-*")) and not (out / "evals" / "dare_linear").exists()
+    # As if an earlier kill had also hit between strength:candidate's rename and its manifest
+    # line (its output is complete, its line missing), and this kill tore a line in half.
+    kept = [x for x in (out / "manifest.jsonl").read_text().splitlines() if "strength:candidate" not in x]
+    (out / "manifest.jsonl").write_text("\n".join(kept) + '\n{"unit": "eval:dare_linear", "key": "')
+    assert (out / "strength" / "candidate" / "COMPLETE.json").is_file()
+
+    report = run_sweep(load_sweep(sweep), progress=False)
+    assert not report.failures
+    assert sorted(report.ran) == ["eval:dare_linear", "strength:candidate", "strength:dare_linear"]
+    assert "merge:dare_linear" in report.skipped and any("interrupted run" in n for n in report.notes)
+    assert not list(out.rglob("*.partial-*"))
+    assert _rows(out) == _rows(uninterrupted.parent / "out")
+    done = [json.loads(x)["unit"] for x in (out / "manifest.jsonl").read_text().splitlines() if x.endswith("}")]
+    assert done.count("merge:dare_linear") == 1  # merged once, by the killed run
+
+    again = run_sweep(load_sweep(sweep), progress=False)
+    assert again.ran == [] and len(again.skipped) == 7
+
+
+@pytest.mark.slow
+def test_failed_step_is_reported_at_the_end_and_others_go_on(uninterrupted, tmp_path, tiny_trio, capsys):
+    """A merge that validates but fails in mergekit (corrupt weights): its eval and strength are
+    not run, the other checkpoints stay in the table, and the command exits 2 with one line."""
+    sweep = _copy(uninterrupted, tmp_path / "c")
+    broken = tmp_path / "broken_model"
+    shutil.copytree(tiny_trio["candidate"], broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    template = yaml.safe_load((Path(__file__).parents[1] / "merge_configs" / "linear_uniform.yaml").read_text())
+    for lineage in ("chain", "siblings"):
+        template[lineage]["config"]["models"][1]["model"] = str(broken)
+    (sweep.parent / "broken.yaml").write_text(yaml.safe_dump(template))
+    data = yaml.safe_load(sweep.read_text())
+    data["configs"] = ["dare_linear", "broken.yaml"]
+    sweep.write_text(yaml.safe_dump(data))
+    capsys.readouterr()
+    rc = main(["sweep", str(sweep), "--quiet"])
+    captured = capsys.readouterr()
+    assert rc == 2
+    errors = [x for x in captured.err.splitlines() if x.startswith("error:")]
+    assert len(errors) == 1 and "3 sweep step(s) failed" in errors[0] and "merge:broken" in errors[0]
+    assert "failed: eval:broken: not run: merge:broken failed" in captured.out
+    rows = {r["checkpoint"]: r for r in _rows(sweep.parent / "out")}
+    assert rows["dare_linear"]["status"] == "ok" and rows["dare_linear"]["metrics"] == _rows(uninterrupted.parent / "out")[2]["metrics"]
+    assert rows["broken"]["status"].startswith("merge:broken:") and rows["broken"]["sink_strength"] is None
+    assert not (sweep.parent / "out" / "merges" / "broken").exists()
+
+
+@pytest.mark.slow
+def test_delete_merged_keeps_results_and_skips_on_rerun(uninterrupted, tmp_path):
+    from lm_eval_sink.merging.sweep import load_sweep, run_sweep
+
+    sweep = _copy(uninterrupted, tmp_path / "d")
+    out = sweep.parent / "out"
+    report = run_sweep(load_sweep(sweep, delete_merged=True), progress=False)
+    assert report.ran == []
+    merged = out / "merges" / "dare_linear"
+    assert (merged / "COMPLETE.json").is_file() and not list(merged.glob("*.safetensors"))
+    assert json.loads((out / "manifest.jsonl").read_text().splitlines()[-1])["status"] == "weights_deleted"
+    again = run_sweep(load_sweep(sweep, delete_merged=True), progress=False)
+    assert again.ran == [] and _rows(out) == _rows(uninterrupted.parent / "out")
+
+
+@pytest.mark.slow
+def test_changed_inputs_are_refused_and_other_protocols_are_not_tabulated(uninterrupted, tmp_path, capsys):
+    sweep = _copy(uninterrupted, tmp_path / "e")
+    data = yaml.safe_load(sweep.read_text())
+    data["eval"]["limit"] = 3
+    changed = sweep.with_name("changed.yaml")
+    changed.write_text(yaml.safe_dump(data))
+    capsys.readouterr()
+    assert main(["sweep", str(changed), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "made from other inputs" in err and "--force" in err and len(err.splitlines()) == 1
+    # A run made under another harness protocol (here: its results file says 1-shot) is refused.
+    out = sweep.parent / "out"
+    results = next((out / "evals" / "candidate").rglob("results_*.json"))
+    doc = json.loads(results.read_text())
+    doc["n-shot"][TASK] = 1
+    results.write_text(json.dumps(doc))
+    assert main(["sweep", str(sweep), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "different harness protocols" in err and "reference vs candidate" in err and "num_fewshot" in err
+
+
+@pytest.mark.parametrize(
+    ("edit", "needle"),
+    [
+        (lambda d: d["models"].update(reference="/nonexistent/ref"), "models.reference"),
+        (lambda d: d.update(confgs=["tsv"]), "did you mean 'configs'"),
+        (lambda d: d.update(configs=["tiess"]), "did you mean 'ties'"),
+        (lambda d: d["eval"].pop("tasks"), "eval.tasks: missing"),
+        (lambda d: d["eval"].update(limt=2), "did you mean 'limit'"),
+        (lambda d: d["eval"].update(apply_chat_template="yes"), "eval.apply_chat_template: expected true or false"),
+        (lambda d: d["strength"].update(last_k=0), "strength: --last-k must be positive"),
+        (lambda d: d.pop("output"), "output: missing"),
+    ],
+)
+def test_bad_sweep_file_is_one_line_and_writes_nothing(tmp_path, tiny_trio, capsys, edit, needle):
+    sweep = _write_sweep(tmp_path, tiny_trio)
+    data = yaml.safe_load(sweep.read_text())
+    edit(data)
+    sweep.write_text(yaml.safe_dump(data))
+    capsys.readouterr()
+    assert main(["sweep", str(sweep)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_broken_sweep_yaml_names_the_line(tmp_path, capsys):
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text("output: out\nmodels:\n  reference: [oops\n")
+    capsys.readouterr()
+    assert main(["sweep", str(sweep)]) == 2
+    err = capsys.readouterr().err
+    assert f"{sweep}:" in err and "not valid YAML" in err
+
+
+def test_manifest_ignores_a_torn_line_and_appends_after_it(tmp_path):
+    from lm_eval_sink.merging.sweep import Manifest
+
+    m = Manifest(tmp_path / "manifest.jsonl")
+    m.append({"unit": "eval:a", "key": "k1", "status": "done"})
+    with open(m.path, "a") as f:
+        f.write('{"unit": "eval:b", "ke')
+    m.append({"unit": "eval:c", "key": "k3", "status": "failed", "error": "boom"})
+    latest = m.latest()
+    assert set(latest) == {"eval:a", "eval:c"} and latest["eval:c"]["status"] == "failed"
