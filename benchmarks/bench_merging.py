@@ -13,6 +13,8 @@ code paths and tensor shapes. Chain lineage (base = reference), all eight bundle
    process doing task arithmetic (the baseline), each in a fresh interpreter.
 
 Usage: python benchmarks/bench_merging.py [--workdir DIR]   (needs ~3 GB of free disk)
+On a shared, oversubscribed machine run it with OMP_NUM_THREADS=1 (every process inherits it):
+multi-threaded LAPACK SVDs slow down ~10x under contention, which would swamp both figures.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ def main() -> None:
     ref = default_model_dir()
     cand = perturbed_copy(ref, work / "candidate")
     names = bundled_names()
+    print(f"threads: OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, torch {torch.get_num_threads()}; cpus {os.cpu_count()}, load {os.getloadavg()[0]:.1f}")
     print(f"models: reference {ref} (SmolLM2-135M-Instruct, fp32), candidate = reference + 0.02*std noise (synthetic)")
     cfgs = {}
     for n in names:
@@ -119,6 +122,7 @@ def main() -> None:
         print(f"peak RSS {n}: {rss:.0f} MiB ({secs:.1f} s) vs task_arithmetic {base_rss:.0f} MiB ({base_s:.1f} s): ratio {rss / base_rss:.2f}x")
     for p in work.glob("mem_*"):
         shutil.rmtree(p)
+    print(f"load average at the end: {os.getloadavg()[0]:.1f}")
     print(f"(model size: {(ref / 'model.safetensors').stat().st_size / 2**20:.0f} MiB on disk; workdir {work})")
 
 

@@ -23,7 +23,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import annotated_types as at
 import yaml
@@ -101,7 +101,7 @@ def load_template(name_or_path: str | Path) -> Template:
             raise UserError(f"unknown merge config {text_arg!r}: {_suggest(text_arg, names)}bundled: {', '.join(names)}", "see lm-eval-sink configs list")
         res = _bundled_dir().joinpath(f"{text_arg}.yaml")
         text, where, name = res.read_text(encoding="utf-8"), f"merge_configs/{text_arg}.yaml", text_arg
-    data = _parse_yaml(text, where)
+    data = parse_yaml(text, where)
     if not isinstance(data, dict):
         raise UserError(f"{where}: not a merge-control template (expected a mapping)", "see merge_configs/*.yaml for the format")
     unknown = sorted(set(data) - _TEMPLATE_KEYS)
@@ -263,7 +263,7 @@ class ValidatedConfig:
     inputs: tuple[str, ...]
 
 
-def _parse_yaml(text: str, where: str) -> Any:
+def parse_yaml(text: str, where: str) -> Any:
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -288,7 +288,7 @@ class _Checker:
         self.source = source
         self.roles = roles or {}
 
-    def fail(self, key: str, message: str, hint: str) -> None:
+    def fail(self, key: str, message: str, hint: str) -> NoReturn:
         raise UserError(f"{self.source}: {key}: {message}", hint)
 
     def keys(self, node: Any, allowed: tuple[str, ...], where: str, what: str) -> None:
@@ -308,40 +308,39 @@ class _Checker:
         try:
             return resolve_model(value)
         except UserError as e:
-            self.fail(key, e.message, e.hint or "check the path")
-        raise AssertionError  # unreachable: fail() raises
+            raise UserError(f"{self.source}: {key}: {e.message}", e.hint) from None
 
     def name(self, path: str) -> str:
         role = self.roles.get(path)
         return f"{role} {path}" if role else path
 
 
-def _expectation(param) -> str:
-    """Words for a parameter's type and range, read from its declared annotation."""
+_OPS = {"Gt": (">", lambda v, b: v > b), "Ge": (">=", lambda v, b: v >= b), "Lt": ("<", lambda v, b: v < b), "Le": ("<=", lambda v, b: v <= b)}
+
+
+def _declared(param) -> tuple[Any, list[tuple[str, Any]]]:
+    """A parameter's scalar type and its (operator, bound) pairs: its annotation, else _STOCK_RANGES."""
     import typing
 
-    value_type, constraints = param.value_type, []
+    value_type, meta = param.value_type, []
     if typing.get_origin(value_type) is typing.Annotated:
-        value_type, *meta = typing.get_args(value_type)
-        for m in meta:
-            constraints.extend(getattr(m, "metadata", [m]))
-    constraints.extend(_STOCK_RANGES.get(param.name, ()))
+        value_type, *found = typing.get_args(value_type)
+        for m in found:
+            meta.extend(getattr(m, "metadata", [m]))  # pydantic Field(...) keeps its constraints in .metadata
+    meta.extend(_STOCK_RANGES.get(param.name, ()))
+    bounds = [(type(c).__name__, next(getattr(c, a) for a in ("gt", "ge", "lt", "le") if hasattr(c, a))) for c in meta if type(c).__name__ in _OPS]
+    return value_type, bounds
+
+
+def _expectation(param) -> str:
+    """Words for a parameter's type and range, e.g. 'a number > 0 and <= 1'."""
+    value_type, bounds = _declared(param)
     words = {float: "a number", int: "an integer", bool: "true or false", str: "a string"}.get(value_type, str(value_type))
-    bounds = []
-    for c in constraints:
-        for attr, op in (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<=")):
-            if getattr(c, attr, None) is not None and type(c).__name__.lower() == attr:
-                bounds.append(f"{op} {getattr(c, attr)}")
-    return words + (" " + " and ".join(bounds) if bounds else "")
+    return words + (" " + " and ".join(f"{_OPS[k][0]} {b}" for k, b in bounds) if bounds else "")
 
 
-def _stock_range_ok(name: str, value: Any) -> bool:
-    for c in _STOCK_RANGES.get(name, ()):
-        bound = next(getattr(c, a) for a in ("gt", "ge", "lt", "le") if hasattr(c, a))
-        kind = type(c).__name__.lower()
-        if (kind == "gt" and not value > bound) or (kind == "ge" and not value >= bound) or (kind == "lt" and not value < bound) or (kind == "le" and not value <= bound):
-            return False
-    return True
+def _in_range(param, value: Any) -> bool:
+    return all(_OPS[k][1](value, b) for k, b in _declared(param)[1])
 
 
 def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | None = None) -> ValidatedConfig:
@@ -352,7 +351,7 @@ def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | N
 
     register()
     ck = _Checker(source, roles)
-    data = _parse_yaml(text, source)
+    data = parse_yaml(text, source)
     ck.keys(data, _TOP_KEYS, "", "a mergekit config")
 
     method_name = data.get("merge_method")
@@ -378,7 +377,7 @@ def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | N
             ck.fail(key, f"expected {_expectation(p)}, got {value!r} ({msg})", f"set {pname} to {_expectation(p)}")
         if isinstance(v, float) and not math.isfinite(v):
             ck.fail(key, f"expected a finite number, got {value!r}", f"set {pname} to a finite number")
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and not _stock_range_ok(pname, v):
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and not _in_range(p, v):
             ck.fail(key, f"expected {_expectation(p)}, got {value!r}", f"set {pname} within that range")
 
     def check_setting(key: str, pname: str, setting: Any) -> None:

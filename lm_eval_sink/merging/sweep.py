@@ -102,7 +102,7 @@ def _typed(value: Any, types: tuple[type, ...], where: str, src: str, words: str
 def load_sweep(path: str | Path, output: str | Path | None = None, delete_merged: bool | None = None) -> SweepSpec:
     """Parse and check a sweep YAML (strict keys, paths relative to its folder); no model is loaded."""
     from lm_eval_sink.harness.runner import EvalSettings
-    from lm_eval_sink.merging.configs import _parse_yaml, bundled_names, load_template
+    from lm_eval_sink.merging.configs import TOKENIZER_CHOICES, bundled_names, load_template, parse_yaml
     from lm_eval_sink.models import resolve_model
     from lm_eval_sink.strength import StrengthSettings
 
@@ -110,7 +110,7 @@ def load_sweep(path: str | Path, output: str | Path | None = None, delete_merged
     if not path.is_file():
         raise UserError(f"{path}: no such sweep file", "pass a sweep YAML (see the README's Merging section)")
     src = str(path)
-    data = _mapping(_parse_yaml(path.read_text(encoding="utf-8"), src) or {}, "(top level)", _SWEEP_KEYS, src)
+    data = _mapping(parse_yaml(path.read_text(encoding="utf-8"), src) or {}, "(top level)", _SWEEP_KEYS, src)
     here = path.resolve().parent
 
     def rel(p: Any, where: str) -> str:
@@ -149,6 +149,9 @@ def load_sweep(path: str | Path, output: str | Path | None = None, delete_merged
         raise UserError(f"{src}: configs: the checkpoint name {clash!r} is used twice (or is an endpoint's name)", "give each config file its own name")
 
     merge = _mapping(data.get("merge"), "merge", _MERGE_KEYS, src)
+    tokenizer_source = merge.get("tokenizer_source")
+    if tokenizer_source is not None and tokenizer_source not in TOKENIZER_CHOICES:
+        tokenizer_source = rel(tokenizer_source, "merge.tokenizer_source")
     ev = dict(_mapping(data.get("eval"), "eval", _EVAL_KEYS, src))
     if not ev.get("tasks"):
         raise UserError(f"{src}: eval.tasks: missing", "add eval: {tasks: [ifeval]}")
@@ -187,8 +190,8 @@ def load_sweep(path: str | Path, output: str | Path | None = None, delete_merged
         configs=configs,
         random_seed=_typed(merge.get("random_seed", 0), (int,), "merge.random_seed", src, "an integer"),
         merge_device=str(merge.get("device", "cpu")),
-        tokenizer_source=merge.get("tokenizer_source"),
-        delete_merged=bool(merge.get("delete_merged", False)) if delete_merged is None else delete_merged,
+        tokenizer_source=tokenizer_source,
+        delete_merged=bool(_typed(merge.get("delete_merged", False), (bool,), "merge.delete_merged", src, "true or false")) if delete_merged is None else delete_merged,
         eval=eval_settings,
         strength=strength,
         strength_dtype=sdtype,
