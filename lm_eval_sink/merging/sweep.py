@@ -294,7 +294,14 @@ def run_unit(unit: Unit) -> None:
         from lm_eval_sink.harness.runner import run_lm_eval
 
         with staged_dir(unit.output, force=True) as tmp:
-            run = run_lm_eval(unit.inputs["model"], unit.inputs["settings"], tmp / "lm_eval")
+            try:
+                run = run_lm_eval(unit.inputs["model"], unit.inputs["settings"], tmp / "lm_eval")
+            except UserError as e:  # keep lm-eval's log: the staged folder is about to be removed
+                kept = unit.output.parent.parent / "logs" / f"{unit.kind}-{unit.checkpoint}"
+                kept.mkdir(parents=True, exist_ok=True)
+                for log in (tmp / "lm_eval" / "logs").glob("*.log"):
+                    shutil.copy2(log, kept / log.name)
+                raise UserError(e.message, f"see lm-eval's log in {kept}") from None
             rel = run.results.relative_to(tmp)
             _finish(tmp, unit, results=str(rel), samples={t: str(p.relative_to(tmp)) for t, p in run.samples.items()}, model=unit.inputs["model"])
     elif unit.kind == "strength":
