@@ -76,6 +76,36 @@ def strength(model_names, prompts_file, n_prompts, last_k, statistic, rows, chat
         click.echo(line)
 
 
+# --- buckets (issue 5) ---
+@cli.command()
+@click.argument("reference")
+@click.argument("candidate")
+@click.option("--task", default=None, help="Task whose samples to pair (default: the one task both runs share).")
+@click.option("--metric", default=None, help="Per-sample metric (default: the task's, e.g. prompt_level_strict_acc for ifeval).")
+@click.option("--filter", "filter_name", default=None, help="lm-eval filter (default: the task's, e.g. strict-match for gsm8k_cot*).")
+@click.option("--threshold", type=float, default=None, help="Continuous metrics (eq_bench): pass = score >= THRESHOLD, giving buckets and McNemar.")
+@click.option("--allow-partial", is_flag=True, help="Pair the common docs when the doc sets differ (the drop is recorded).")
+@click.option("--same-protocol", is_flag=True, help="Refuse runs whose protocols differ (chat template, few-shot, limit, ...).")
+@click.option("--tokenizer", default=None, help="Tokenizer (folder, hub id or 'default') to count response tokens for truncation.")
+@click.option("--max-gen-toks", type=int, default=None, help="Generation limit, when the samples do not record it.")
+@click.option("--bootstrap", "n_bootstrap", type=int, default=10_000, show_default=True, help="Bootstrap resamples for the intervals.")
+@click.option("--confidence", type=float, default=0.95, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Bootstrap seed.")
+@click.option("--failure-kinds/--no-failure-kinds", default=True, show_default=True, help="IFEval: classify regressions with lm-eval's checker.")
+@click.option("--output", type=click.Path(path_type=Path), default=None, help="Folder for buckets.json, buckets.md, prompts.csv and PNGs (default: print only).")
+@click.option("--force", is_flag=True, help="Overwrite an existing --output folder.")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+def buckets(reference, candidate, task, metric, filter_name, threshold, allow_partial, same_protocol, tokenizer, max_gen_toks, n_bootstrap, confidence, seed, failure_kinds, output, force, quiet) -> None:
+    """Per-prompt regression buckets of CANDIDATE vs REFERENCE (lm-eval runs: results JSON, samples JSONL or output folder)."""
+    from lm_eval_sink.buckets import BucketSettings, run_buckets
+
+    settings = BucketSettings(metric=metric, filter=filter_name, threshold=threshold, allow_partial=allow_partial, n_bootstrap=n_bootstrap,
+                              confidence=confidence, seed=seed, failure_kinds=failure_kinds, max_gen_toks=max_gen_toks)
+    _, lines = run_buckets(reference, candidate, task, settings, output, force=force, tokenizer=tokenizer, same_protocol=same_protocol, progress=not quiet)
+    for line in lines:
+        click.echo(line)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: user errors are one line and exit 2; Ctrl-C exits 130."""
     try:

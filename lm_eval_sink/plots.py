@@ -61,3 +61,46 @@ def ranking_bars(names: Sequence[str], values: Sequence[float], title: str, path
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
     return save_figure(fig, path)
+
+
+_BUCKET_COLORS = {"both_pass": "tab:green", "regression": "tab:red", "recovered": "tab:blue", "both_fail": "tab:gray"}
+_KIND_COLORS = {"truncation": "#7f0000", "language": "#b30000", "phrase_marker": "#e34a33", "length": "#fc8d59", "format": "#fdbb84", "other": "#fdd49e"}
+
+
+def bucket_bars(counts: dict[str, int], title: str, path: Path, regression_kinds: dict[str, int] | None = None) -> Path:
+    """Bar chart of the four bucket counts; the regression bar stacked by failure kind when given."""
+    plt = _pyplot()
+    names = ["both_pass", "regression", "recovered", "both_fail"]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for x, name in enumerate(names):
+        if name == "regression" and regression_kinds and sum(regression_kinds.values()) == counts[name]:
+            bottom = 0
+            for kind, n in regression_kinds.items():
+                if n:
+                    ax.bar(x, n, bottom=bottom, color=_KIND_COLORS.get(kind, "tab:red"), label=f"regression: {kind}")
+                    bottom += n
+        else:
+            ax.bar(x, counts[name], color=_BUCKET_COLORS[name])
+        ax.text(x, counts[name], str(counts[name]), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("prompts")
+    ax.set_title(title, fontsize=9)
+    if regression_kinds and any(regression_kinds.values()):
+        ax.legend(fontsize=7, loc="upper right")
+    return save_figure(fig, path)
+
+
+def instruction_type_bars(types: Sequence[dict], title: str, path: Path, top: int = 25) -> Path:
+    """Horizontal bars per IFEval instruction type: regressions (left, red) and recoveries (right)."""
+    plt = _pyplot()
+    rows = list(types)[:top][::-1]
+    fig, ax = plt.subplots(figsize=(7, max(2.5, 0.28 * len(rows) + 1.2)))
+    y = range(len(rows))
+    ax.barh(y, [-r["regression"] for r in rows], color="tab:red", label="regression")
+    ax.barh(y, [r["recovered"] for r in rows], color="tab:blue", label="recovered")
+    ax.set_yticks(list(y), [f"{r['instruction_id']} (n={r['n']})" for r in rows], fontsize=7)
+    ax.axvline(0, color="black", lw=0.8)
+    ax.set_xlabel("instructions (regressions left, recoveries right)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
+    return save_figure(fig, path)
