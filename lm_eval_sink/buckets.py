@@ -149,7 +149,7 @@ class BucketReport:
     instruction_types: list[dict[str, Any]] | None
     format_split: dict[str, Any] | None
     failure_kinds: dict[str, Any] | None
-    truncated_regressions: int | None
+    truncation: dict[str, Any] | None
     pairing: dict[str, Any]
     rows: list[dict[str, Any]]
     settings: dict[str, Any]
@@ -265,7 +265,7 @@ def _choose_filter(ref: Sequence[Mapping], cand: Sequence[Mapping], wanted: str 
     if wanted is not None:
         for name, have in zip(labels, (ref_f, cand_f)):
             if wanted not in have:
-                raise UserError(f"filter {wanted!r} is not in the {name} samples (they have: {', '.join(have)})", "pass one of those with --filter")
+                raise UserError(f"filter {wanted!r} is not in the {name} (it has: {', '.join(have)})", "pass one of those with --filter")
         return wanted
     common = [f for f in ref_f if f in cand_f]
     if spec.filter is not None and spec.filter in common:
@@ -405,13 +405,17 @@ def bucket(
     settings: BucketSettings = BucketSettings(),
     *,
     count_tokens: Callable[[str], int] | None = None,
-    labels: tuple[str, str] = ("reference", "candidate"),
+    fallback_max_gen_toks: tuple[int, str] | None = None,
+    labels: tuple[str, str] = ("reference samples", "candidate samples"),
     progress: bool = False,
 ) -> BucketReport:
     """Pair two samples logs of `task` per doc and compute buckets and paired statistics.
 
     `count_tokens` (a tokenizer's counter) makes truncation exact; without it the heuristic of
-    failure_kinds.is_truncated applies. `labels` name the two logs in error messages.
+    failure_kinds.is_truncated applies. The generation limit is `settings.max_gen_toks`, else the
+    one in each candidate sample's generation kwargs, else `fallback_max_gen_toks` (value, where
+    it comes from), else unknown (truncation then cannot be told). `labels` name the two logs in
+    error messages.
     """
     if not reference_samples or not candidate_samples:
         raise UserError(f"{labels[0] if not reference_samples else labels[1]}: no samples", "pass a samples file written by lm-eval --log_samples")
@@ -484,7 +488,7 @@ def bucket(
     by_id = {row["doc_id"]: row for row in rows}
 
     regressions = prompts["regression"] if prompts else []
-    truncated_count = _mark_truncation(regressions, cand_rows, by_id, settings, count_tokens)
+    truncation = _mark_truncation(regressions, cand_rows, by_id, settings, count_tokens, fallback_max_gen_toks)
 
     instruction_level = instruction_types = failure = None
     if spec.family == "ifeval":
@@ -504,7 +508,7 @@ def bucket(
         reference_score=float(ref_v.mean()), candidate_score=float(cand_v.mean()), delta=delta, delta_ci=delta_ci,
         mcnemar_p=mcnemar_p, discordant=discordant, wilcoxon_p=wilcoxon_p, pass_rate=pass_rate,
         instruction_level=instruction_level, instruction_types=instruction_types, format_split=format_split,
-        failure_kinds=failure, truncated_regressions=truncated_count, pairing=pairing, rows=rows,
+        failure_kinds=failure, truncation=truncation, pairing=pairing, rows=rows,
         settings=asdict(settings), notes=notes,
     )
 
@@ -517,19 +521,29 @@ def _wilcoxon(d: np.ndarray) -> float:
     return float(wilcoxon(d, zero_method="wilcox", alternative="two-sided").pvalue)
 
 
-def _mark_truncation(regressions: Sequence[int], cand_rows: Mapping[int, Mapping], by_id: dict[int, dict], settings: BucketSettings, count_tokens) -> int | None:
-    """Mark each regression whose candidate response hit the generation limit; None: no responses."""
-    seen, count = False, 0
+def _mark_truncation(regressions, cand_rows, by_id, settings: BucketSettings, count_tokens, fallback) -> dict[str, Any] | None:
+    """Mark each regression whose candidate response hit the generation limit (None: no responses)."""
+    count, unknown, sources = 0, 0, set()
+    any_response = False
     for i in regressions:
         response = _response(cand_rows[i], filtered=False)
         if response is None:
             continue
-        limit = settings.max_gen_toks or max_gen_toks_of(cand_rows[i])
+        any_response = True
+        limit, source = settings.max_gen_toks, "--max-gen-toks"
+        if limit is None:
+            limit, source = max_gen_toks_of(cand_rows[i]), "the samples' generation kwargs"
+        if limit is None and fallback is not None:
+            limit, source = fallback
+        sources.add(f"{limit} ({source})" if limit is not None else "unknown")
         t = is_truncated(response, limit, count_tokens)
         by_id[i]["truncated"] = t
-        seen = seen or t is not None
         count += bool(t)
-    return count if seen else None
+        unknown += t is None
+    if not any_response:
+        return None
+    method = "token count >= max_gen_toks - max(2, 1%)" if count_tokens is not None else "heuristic: ends mid-sentence and >= max_gen_toks UTF-8 bytes"
+    return {"regressions_truncated": count, "regressions_unknown": unknown, "method": method, "max_gen_toks": sorted(sources)}
 
 
 def _instruction_stats(ids, ref_rows, cand_rows, inst_metric, by_id, settings, labels) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -629,6 +643,8 @@ def _format_split(regressions, candidate_samples, lenient: str, metric: str, by_
 
 # --- runs, provenance and outputs (I/O) -----------------------------------------------------------
 
+_HF_BACKENDS = ("hf", "hf-auto", "huggingface")
+_HF_DEFAULT_MAX_GEN_TOKS = 256  # lm_eval.models.huggingface.HFLM.max_gen_toks (0.4.13)
 _PROTOCOL_FIELDS = ("chat_template_applied", "chat_template_sha", "system_instruction_sha", "fewshot_as_multiturn", "num_fewshot", "task_version", "generation_kwargs", "limit", "batch_size", "dtype", "seeds", "lm_eval_version", "transformers_version")
 
 
@@ -672,8 +688,22 @@ def run_record(run, task: str, samples_path: Path) -> dict[str, Any]:
         protocol=protocol,
         lm_eval_version=res.get("lm_eval_version"),
         task_hash=(res.get("task_hashes") or {}).get(task),
+        default_max_gen_toks=_backend_max_gen_toks(cfg.get("model"), margs),
     )
     return rec
+
+
+def _backend_max_gen_toks(model: Any, model_args: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The generation limit a run used when its task set none: model_args, else lm-eval's hf default."""
+    value = model_args.get("max_gen_toks")
+    if value is not None:
+        try:
+            return {"value": int(value), "source": "the run's model_args"}
+        except (TypeError, ValueError):
+            return None
+    if model in _HF_BACKENDS:
+        return {"value": _HF_DEFAULT_MAX_GEN_TOKS, "source": "lm-eval's hf backend default"}
+    return None
 
 
 def protocol_differences(ref: Mapping[str, Any], cand: Mapping[str, Any]) -> dict[str, Any]:
@@ -682,6 +712,10 @@ def protocol_differences(ref: Mapping[str, Any], cand: Mapping[str, Any]) -> dic
     if a is None or b is None:
         return {}
     return {k: {"reference": a.get(k), "candidate": b.get(k)} for k in _PROTOCOL_FIELDS if a.get(k) != b.get(k)}
+
+
+def _as_fallback(record: Mapping[str, Any] | None) -> tuple[int, str] | None:
+    return (record["value"], record["source"]) if record else None
 
 
 def _pick_task(ref_run, cand_run, task: str | None) -> tuple[str, Path, Path]:
@@ -718,7 +752,8 @@ def compare_runs(reference: str | Path, candidate: str | Path, task: str | None 
         from lm_eval_sink.failure_kinds import tokenizer_counter
 
         count_tokens = tokenizer_counter(tokenizer)
-    report = bucket(read_samples(ref_path), read_samples(cand_path), task, settings, count_tokens=count_tokens, labels=(str(ref_path), str(cand_path)), progress=progress)
+    report = bucket(read_samples(ref_path), read_samples(cand_path), task, settings, count_tokens=count_tokens, fallback_max_gen_toks=_as_fallback(runs["candidate"].get("default_max_gen_toks")),
+                    labels=(f"reference samples {ref_path}", f"candidate samples {cand_path}"), progress=progress)
     notes = list(report.notes)
     if diffs:
         notes.append("protocols differ in " + ", ".join(diffs) + ": the delta mixes model and protocol effects")
@@ -777,8 +812,9 @@ def summary_markdown(report: Mapping[str, Any], top: int = 15) -> str:
     fs = report.get("format_split")
     if fs:
         lines += [f"Regressions split by the {fs['lenient_filter']} filter: format failures (lenient answer right, strict wrong) {_fmt(fs['format_failure'])}, wrong answers {_fmt(fs['wrong_answer'])}, unknown {fs['unknown']}.", ""]
-    if report.get("truncated_regressions") is not None:
-        lines += [f"Regressions whose candidate response hit the generation limit: {report['truncated_regressions']}.", ""]
+    tr = report.get("truncation")
+    if tr:
+        lines += [f"Regressions whose candidate response hit the generation limit: {tr['regressions_truncated']} ({tr['method']}; max_gen_toks {', '.join(tr['max_gen_toks'])}{'; unknown for ' + str(tr['regressions_unknown']) if tr['regressions_unknown'] else ''}).", ""]
     types = report.get("instruction_types")
     if types:
         lines += [

@@ -17,12 +17,13 @@ The failed instructions come from lm-eval's own checker (`lm_eval.tasks.ifeval.u
 `instructions_registry.INSTRUCTION_DICT`), strict or loose as the bucketed metric is, re-run on
 the logged response; nothing is re-implemented.
 
-Truncation: with a token counter (`--tokenizer`), a response is truncated when its token count is
-at least `max_gen_toks - slack` (slack = max(2, 1% of max_gen_toks): decoding and re-encoding may
-merge a few tokens). Without one, the documented heuristic: the response ends mid-sentence (its
-last visible character is a letter, a digit or one of `,;:-(`) and, when `max_gen_toks` is known,
-it is at least `max_gen_toks` bytes long in UTF-8 (every generated token decodes to at least one
-byte, so a shorter response cannot have reached the limit).
+Truncation needs the generation limit `max_gen_toks` (from --max-gen-toks, else the samples'
+generation kwargs, else the run's backend default; unknown: cannot tell). With a token counter
+(`--tokenizer`), a response is truncated when its token count is at least `max_gen_toks - slack`
+(slack = max(2, 1% of max_gen_toks): decoding and re-encoding may merge a few tokens). Without
+one, the documented heuristic: the response ends mid-sentence (its last visible character is a
+letter, a digit or one of `,;:-(`) and is at least `max_gen_toks` bytes long in UTF-8 (every
+generated token decodes to at least one byte, so a shorter response cannot have hit the limit).
 
 Standard library at import; lm-eval's IFEval checker and transformers load lazily when used.
 """
@@ -69,14 +70,12 @@ def ends_mid_sentence(response: str) -> bool:
 
 
 def is_truncated(response: str, max_gen_toks: int | None, count_tokens: Callable[[str], int] | None = None) -> bool | None:
-    """Whether a response hit the generation limit (None: cannot tell, no limit and no counter)."""
+    """Whether a response hit the generation limit (None: the limit is unknown, cannot tell)."""
+    if max_gen_toks is None:
+        return None
     if count_tokens is not None:
-        if max_gen_toks is None:
-            return None
         return count_tokens(response) >= max_gen_toks - truncation_slack(max_gen_toks)
-    if not ends_mid_sentence(response):
-        return False
-    return max_gen_toks is None or len(response.encode("utf-8")) >= max_gen_toks
+    return ends_mid_sentence(response) and len(response.encode("utf-8")) >= max_gen_toks
 
 
 def max_gen_toks_of(sample: Mapping[str, Any]) -> int | None:
