@@ -31,6 +31,7 @@ Standard library at import; lm-eval's IFEval checker and transformers load lazil
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -113,16 +114,21 @@ def tokenizer_counter(name: str) -> Callable[[str], int]:
 
 
 @contextlib.contextmanager
-def _seeded_langdetect() -> Iterator[None]:
-    """langdetect is random unless seeded; seed it for the re-check and restore it afterwards."""
+def _deterministic_quiet_checker() -> Iterator[None]:
+    """Seed langdetect (random unless seeded) and mute the checker's own log lines ("Unable to
+    detect language ...") for the re-check; both are restored afterwards."""
     from langdetect import DetectorFactory
 
-    old = DetectorFactory.seed
+    old_seed = DetectorFactory.seed
+    checker_log = logging.getLogger("lm_eval.tasks.ifeval.instructions")
+    old_level = checker_log.level
     DetectorFactory.seed = 0
+    checker_log.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        DetectorFactory.seed = old
+        DetectorFactory.seed = old_seed
+        checker_log.setLevel(old_level)
 
 
 def _checker():
@@ -139,7 +145,7 @@ def check_instructions(doc: Mapping[str, Any], response: str, loose: bool) -> li
     inp = utils.InputExample(key=doc.get("key"), instruction_id_list=list(doc["instruction_id_list"]), prompt=doc["prompt"], kwargs=list(doc["kwargs"]))
     fn = utils.test_instruction_following_loose if loose else utils.test_instruction_following_strict
     try:
-        with _seeded_langdetect():
+        with _deterministic_quiet_checker():
             return list(fn(inp, response).follow_instruction_list)
     except LookupError as e:
         raise UserError(f"IFEval's checker needs NLTK data it cannot find ({str(e).strip().splitlines()[0]})", "set NLTK_DATA to a folder holding tokenizers/punkt_tab/english") from None

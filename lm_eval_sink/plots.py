@@ -99,8 +99,12 @@ def instruction_type_bars(types: Sequence[dict], title: str, path: Path, top: in
     ax.barh(y, [-r["regression"] for r in rows], color="tab:red", label="regression")
     ax.barh(y, [r["recovered"] for r in rows], color="tab:blue", label="recovered")
     ax.set_yticks(list(y), [f"{r['instruction_id']} (n={r['n']})" for r in rows], fontsize=7)
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{abs(v):g}"))
     ax.axvline(0, color="black", lw=0.8)
     ax.set_xlabel("instructions (regressions left, recoveries right)")
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="best")
     return save_figure(fig, path)
