@@ -465,3 +465,16 @@ def test_real_smollm2_runs(smollm2_instruct_run, smollm2_community_run, default_
                 assert row["failure_kind"] in FAILURE_KINDS
             else:
                 assert row["format_split"] in ("format_failure", "wrong_answer")
+
+
+def test_hub_schema_docs_pair_with_sparse_docs(ifeval_pair):
+    """The hub loader fills absent IFEval kwargs with nulls, a local JSON file does not: same docs."""
+    import copy
+
+    cand = copy.deepcopy(ifeval_pair["cand"])
+    for line in cand:
+        line["doc"]["kwargs"] = [{**kw, "num_words": kw.get("num_words"), "relation": kw.get("relation")} for kw in line["doc"]["kwargs"]]
+        line["doc_hash"] = bl._h(json.dumps(line["doc"], indent=2, ensure_ascii=False))
+    rep = bucket(ifeval_pair["ref"], cand, "ifeval", BucketSettings(n_bootstrap=200, failure_kinds=False))
+    assert rep.pairing["docs_equal_after_dropping_nulls"] == 21
+    assert rep.counts == {"both_pass": 6, "regression": 10, "recovered": 3, "both_fail": 2}
