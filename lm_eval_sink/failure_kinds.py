@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -115,19 +116,26 @@ def tokenizer_counter(name: str) -> Callable[[str], int]:
 
 @contextlib.contextmanager
 def _deterministic_quiet_checker() -> Iterator[None]:
-    """Seed langdetect (random unless seeded) and mute the checker's own log lines ("Unable to
-    detect language ...") for the re-check; both are restored afterwards."""
+    """Make the re-check reproducible and quiet; everything is restored afterwards.
+
+    langdetect is random unless seeded. lm-eval's letter_frequency check draws a random letter from
+    the global `random` when the doc's letter is not a-z (IFEval keys 1122 '#' and 1129 '!'), so
+    `random` is seeded too (the log's own value may then disagree: counted). The checker's own log
+    lines ("Unable to detect language ...") are muted.
+    """
     from langdetect import DetectorFactory
 
-    old_seed = DetectorFactory.seed
+    old_seed, old_state = DetectorFactory.seed, random.getstate()
     checker_log = logging.getLogger("lm_eval.tasks.ifeval.instructions")
     old_level = checker_log.level
     DetectorFactory.seed = 0
+    random.seed(0)
     checker_log.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
         DetectorFactory.seed = old_seed
+        random.setstate(old_state)
         checker_log.setLevel(old_level)
 
 

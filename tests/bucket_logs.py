@@ -33,15 +33,19 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 @contextlib.contextmanager
-def seeded_langdetect():
+def seeded_checker():
+    """langdetect and (for letter_frequency with a non-letter) `random` make lm-eval's IFEval
+    checker nondeterministic: seed both so the hand-made logs are reproducible."""
     from langdetect import DetectorFactory
 
-    old = DetectorFactory.seed
+    old, state = DetectorFactory.seed, random.getstate()
     DetectorFactory.seed = 0
+    random.seed(0)
     try:
         yield
     finally:
         DetectorFactory.seed = old
+        random.setstate(state)
 
 
 def sample_line(doc_id: int, doc: dict, target: Any, prompt: str, gen_kwargs: dict, response: str, filtered: str, filt: str, metrics: dict[str, Any]) -> dict:
@@ -75,7 +79,7 @@ def ifeval_docs(shared_data: Path) -> list[dict]:
 def ifeval_sample(doc_id: int, doc: dict, response: str, gen_kwargs: dict | None = None, chat: bool = False) -> dict:
     from lm_eval.tasks.ifeval import utils
 
-    with seeded_langdetect():
+    with seeded_checker():
         metrics = utils.process_results(doc, [response])
     prompt = SYSTEM_CHAT.format(prompt=doc["prompt"]) if chat else doc["prompt"]
     return sample_line(doc_id, doc, 0, prompt, dict(gen_kwargs or IFEVAL_GEN), response, response, "none", metrics)

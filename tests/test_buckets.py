@@ -478,3 +478,19 @@ def test_hub_schema_docs_pair_with_sparse_docs(ifeval_pair):
     rep = bucket(ifeval_pair["ref"], cand, "ifeval", BucketSettings(n_bootstrap=200, failure_kinds=False))
     assert rep.pairing["docs_equal_after_dropping_nulls"] == 21
     assert rep.counts == {"both_pass": 6, "regression": 10, "recovered": 3, "both_fail": 2}
+
+
+def test_checker_recheck_is_reproducible(shared_data):
+    """lm-eval's letter_frequency check picks a random letter for IFEval key 1122 (letter '#'):
+    the re-check seeds it, gives the same answer every time and leaves `random` as it was."""
+    import random
+
+    from lm_eval_sink.failure_kinds import check_instructions
+
+    doc = next(d for d in bl.ifeval_docs(shared_data) if d["key"] == 1122)
+    response = "this answer has a few letters in it and then some more letters to count here"
+    random.seed(123)
+    state = random.getstate()
+    results = {tuple(check_instructions(doc, response, loose=False)) for _ in range(20)}
+    assert len(results) == 1
+    assert random.getstate() == state
