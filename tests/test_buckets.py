@@ -489,6 +489,7 @@ def test_checker_recheck_is_reproducible(shared_data):
 
     doc = next(d for d in bl.ifeval_docs(shared_data) if d["key"] == 1122)
     response = "this answer has a few letters in it and then some more letters to count here"
+    check_instructions(doc, "import lm-eval's checker first", loose=False)  # imports may draw from random
     random.seed(123)
     state = random.getstate()
     results = {tuple(check_instructions(doc, response, loose=False)) for _ in range(20)}
