@@ -203,7 +203,8 @@ def resampled_sums(columns: np.ndarray, n_boot: int, seed: int) -> np.ndarray:
     for start in range(0, n_boot, _BOOT_CHUNK):
         stop = min(n_boot, start + _BOOT_CHUNK)
         idx = rng.integers(0, n, size=(stop - start, n))
-        out[start:stop] = columns[idx].sum(axis=1)
+        for j in range(columns.shape[1]):
+            out[start:stop, j] = columns[:, j][idx].sum(axis=1)
     return out
 
 
