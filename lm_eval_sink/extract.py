@@ -787,10 +787,7 @@ def _logits(load: Callable[[], Any], ids: list[int]) -> torch.Tensor:
     model.eval()
     with torch.no_grad():
         x = torch.tensor([ids])
-        logits = model(input_ids=x, attention_mask=torch.ones_like(x)).logits.float()
-    del model
-    gc.collect()
-    return logits
+        return model(input_ids=x, attention_mask=torch.ones_like(x)).logits.float()
 
 
 @dataclass(frozen=True, slots=True)
@@ -821,6 +818,7 @@ def verify_pair(vlm_dir: Path, vlm_class: str, backbone_dir: Path, dtype: torch.
         transformers.utils.logging.disable_progress_bar()
     try:
         ref = _logits(lambda: getattr(transformers, vlm_class).from_pretrained(vlm_dir, dtype=dtype, attn_implementation="eager"), ids)
+        gc.collect()  # the VLM is freed before the backbone loads: peak memory is one model, not two
         info: dict[str, Any] = {}
 
         def load_backbone() -> Any:
