@@ -959,6 +959,7 @@ def _iter_units(plan: Plan, tensors: dict[str, TensorInfo], reader: _Reader) -> 
         reader.keep_only({f for f, last in last_use.items() if last >= i})
         outs, rest = forward_rule(unit.rule, [reader.get(s) for s in unit.sources], [plan.expected[t] for t in unit.targets])
         yield unit, outs, rest
+        del outs, rest  # free this unit's tensors before the next one is read
 
 
 def extract_backbone(vlm_path: str | Path, out_dir: str | Path, *, dtype: str = "keep", verify: bool = True, force: bool = False,
@@ -1036,6 +1037,7 @@ def extract_backbone(vlm_path: str | Path, out_dir: str | Path, *, dtype: str = 
                         writer = _ShardWriter(tmp / names[current], shards[current], meta)
                     writer.write(t, _cast(x, want_cast))
                     bar.update(1)
+                outs = rest = x = None  # free this unit before the next is read
             if writer is not None:
                 writer.close()
         finally:
