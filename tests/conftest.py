@@ -54,3 +54,65 @@ def make_tokenizer(vocab_size: int = 96):
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     return make_tokenizer()
+
+
+# Real lm-eval runs of the embedded default model, made ONCE per test session and shared by the
+# harness, buckets and protocols tests. Small and non-final: --limit 5, max_gen_toks 64.
+FIXTURE_LIMIT = 5
+FIXTURE_GEN_KWARGS = {"max_gen_toks": 64}
+
+
+def _fixture_run(tmp_path_factory, shared_data, default_model, name: str, settings):
+    from lm_eval_sink.harness.runner import run_lm_eval
+
+    out = tmp_path_factory.mktemp(name)
+    return run_lm_eval(str(default_model), settings, out, env={"LM_EVAL_SINK_DATA": str(shared_data), "HF_HUB_OFFLINE": "1"})
+
+
+@pytest.fixture(scope="session")
+def smollm2_instruct_run(tmp_path_factory, shared_data, default_model):
+    """sink_strength + ifeval + gsm8k_cot_zeroshot, chat template, 0-shot (the instruct protocol)."""
+    from lm_eval_sink.harness.runner import EvalSettings
+
+    settings = EvalSettings(tasks=("sink_strength", "ifeval", "gsm8k_cot_zeroshot"), apply_chat_template=True, limit=FIXTURE_LIMIT, gen_kwargs=FIXTURE_GEN_KWARGS, batch_size=1)
+    return _fixture_run(tmp_path_factory, shared_data, default_model, "instruct", settings)
+
+
+@pytest.fixture(scope="session")
+def smollm2_community_run(tmp_path_factory, shared_data, default_model):
+    """ifeval + gsm8k_cot_zeroshot, no chat template, each task's default few-shot (community protocol)."""
+    from lm_eval_sink.harness.runner import EvalSettings
+
+    settings = EvalSettings(tasks=("ifeval", "gsm8k_cot_zeroshot"), apply_chat_template=False, limit=FIXTURE_LIMIT, gen_kwargs=FIXTURE_GEN_KWARGS, batch_size=1)
+    return _fixture_run(tmp_path_factory, shared_data, default_model, "community", settings)
+
+
+TINY_TASK = "tiny_gen"
+
+
+@pytest.fixture(scope="session")
+def tiny_task_dir(tmp_path_factory) -> Path:
+    """A folder for --include_path with one tiny local generate_until task (`tiny_gen`, 4 docs)."""
+    import json
+
+    d = tmp_path_factory.mktemp("tiny_task")
+    docs = [{"question": f"Name {w} colors.", "answer": w} for w in ("two", "three", "four", "five")]
+    (d / "tiny_gen.jsonl").write_text("".join(json.dumps(x) + "\n" for x in docs))
+    (d / "tiny_gen.yaml").write_text(
+        f"task: {TINY_TASK}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {d / 'tiny_gen.jsonl'}\n"
+        "output_type: generate_until\ntest_split: test\ndoc_to_text: \"{{question}}\"\ndoc_to_target: \"{{answer}}\"\n"
+        "generation_kwargs:\n  until: [\"\\n\"]\n  max_gen_toks: 4\n  do_sample: false\n"
+        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\nmetadata:\n  version: 1.0\n"
+    )
+    return d
+
+
+@pytest.fixture(scope="session")
+def handset_llama_dir(tmp_path_factory, tiny_tokenizer) -> Path:
+    """The hand-set Llama of sinkmodels.py (3 layers) saved with the tiny tokenizer."""
+    import sinkmodels as sm
+
+    d = tmp_path_factory.mktemp("handset_llama")
+    sm.build("llama", n_layers=3, bos_id=tiny_tokenizer.bos_token_id).save_pretrained(d)
+    tiny_tokenizer.save_pretrained(d)
+    return d
