@@ -39,6 +39,7 @@ import gc
 import json
 import logging
 import math
+import os
 import re
 import shutil
 import struct
@@ -353,11 +354,25 @@ def _weight_files(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.glob("*.safetensors"))
 
 
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken"]
+
+
 def check_model_folder(path: str | Path, role: str) -> Path:
-    """A folder with config.json and safetensors weights, or a UserError naming what is missing."""
+    """A folder with config.json and safetensors weights, or a UserError naming what is missing.
+
+    A hub id (`owner/name`) that is not a local path is downloaded first (config, tokenizer,
+    processor and safetensors files only) unless HF_HUB_OFFLINE is set.
+    """
     folder = Path(path).expanduser()
     if not folder.exists():
-        raise UserError(f"{folder}: no such {role} folder", "pass a local folder written by save_pretrained")
+        text = str(path)
+        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+        if re.fullmatch(r"[\w.-]+/[\w.-]+", text) and not text.startswith((".", "/")) and not offline:
+            from huggingface_hub import snapshot_download
+
+            return check_model_folder(snapshot_download(repo_id=text, allow_patterns=_HUB_PATTERNS), role)
+        raise UserError(f"{folder}: no such {role} folder" + (" (and the hub is offline: HF_HUB_OFFLINE=1)" if offline and "/" in text else ""),
+                        "pass a local folder written by save_pretrained, or a hub id when online")
     if not folder.is_dir():
         raise UserError(f"{folder}: is a file, not a {role} folder", "pass the folder that holds config.json and the weights")
     found = ", ".join(sorted(p.name for p in folder.iterdir())[:8]) or "nothing"
@@ -449,8 +464,6 @@ class _ShardWriter:
         self._next += 1
 
     def close(self) -> None:
-        import os
-
         if self._next != len(self._order):
             raise RuntimeError(f"shard writer: {self.path.name} closed after {self._next} of {len(self._order)} tensors")
         self._f.flush()

@@ -395,7 +395,8 @@ def test_unsupported_architecture_lists_the_supported_ones(tmp_path, capsys):
     _nothing_written(out)
 
 
-def test_folder_without_weights(vlm_dir, tmp_path, capsys):
+def test_folder_without_weights(vlm_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     src = tmp_path / "noweights"
     src.mkdir()
     shutil.copy(vlm_dir("qwen2_vl") / "config.json", src / "config.json")
@@ -405,6 +406,9 @@ def test_folder_without_weights(vlm_dir, tmp_path, capsys):
     _nothing_written(out)
     rc, _, err = _cli(capsys, "extract", str(tmp_path / "missing"), str(out))
     assert rc == 2 and "no such VLM folder" in _assert_one_error_line(err)
+    _nothing_written(out)
+    rc, _, err = _cli(capsys, "extract", "Qwen/Qwen2-VL-2B-Instruct", str(out))  # HF_HUB_OFFLINE=1 in tests
+    assert rc == 2 and "hub is offline" in _assert_one_error_line(err)
     _nothing_written(out)
 
 
