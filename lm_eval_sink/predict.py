@@ -431,7 +431,7 @@ def fit_table_markdown(result: FitResult) -> str:
 
 
 def _opt(x: Any) -> str:
-    return "n/a" if x is None else f"{x}"
+    return "n/a" if x is None else f"{x:.2f}"
 
 
 def run_fit(pairs_file: Path | str | None, output: Path | None, force: bool = False) -> list[str]:

@@ -54,3 +54,45 @@ def make_tokenizer(vocab_size: int = 96):
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     return make_tokenizer()
+
+
+def make_sink_llama(path: Path, gaps, tokenizer, rope_theta: float = 1e12) -> Path:
+    """A tiny Llama whose attention logits are known in closed form; saved with `tokenizer`.
+
+    `gaps[layer][head]` = c: for every query at position t >= 1 (counted from the first token,
+    the BOS) the logit of key 0 is c and every other key's logit is 0, so the sink log-odds at
+    key 0 are c - log(t). How: all non-BOS tokens share one embedding, BOS another; attention
+    outputs and MLPs write nothing (o_proj, down_proj = 0), so each layer sees the embeddings;
+    q and k live in one rotary pair whose frequency is rope_theta ** -0.5 (1e-6), so rotation
+    changes the logits by < 1e-8; with hidden 8 and head_dim 4, c = 4 * W_q * W_k.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    n_layers, n_heads = len(gaps), len(gaps[0])
+    hidden, head_dim = 8, 4
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=16, num_hidden_layers=n_layers, num_attention_heads=n_heads,
+        num_key_value_heads=1, head_dim=head_dim, max_position_embeddings=512, rms_norm_eps=1e-12, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta}, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    with torch.no_grad():
+        emb = torch.zeros(len(tokenizer), hidden)
+        emb[:, 1] = 1.0
+        emb[tokenizer.bos_token_id] = torch.tensor([1.0] + [0.0] * (hidden - 1))
+        model.model.embed_tokens.weight.copy_(emb)
+        for li, layer in enumerate(model.model.layers):
+            attn = layer.self_attn
+            attn.q_proj.weight.zero_()
+            attn.k_proj.weight.zero_()
+            attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+            attn.k_proj.weight[1, 0] = 1.0  # k of BOS: sqrt(8) in dim 1 (rotary pair 1 <-> 3)
+            for h in range(n_heads):
+                attn.q_proj.weight[h * head_dim + 1, 1] = gaps[li][h] / 4.0  # q of other tokens
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
