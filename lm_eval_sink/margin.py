@@ -169,12 +169,15 @@ def build_margin(reference: str, candidate: str, layers: tuple[int, ...], g_base
     m = margin_arrays(g_base, g_cand, quantile)
     tup = {k: tuple(tuple(float(x) for x in row) for row in m[k]) for k in _MATRICES}
     negative = tuple(
-        {"layer": int(layers[li]), "head": int(h), **{k: float(m[k][li, h]) for k in ("margin", "margin_quantile", "g_base_median", "b_gap", "predicted_nonsink_mass", "measured_nonsink_mass_median")}}
+        {"layer": int(layers[li]), "head": int(h), "reference_has_sink": bool(m["g_base_median"][li, h] > 0),
+         **{k: float(m[k][li, h]) for k in ("margin", "margin_quantile", "g_base_median", "b_gap", "predicted_nonsink_mass", "measured_nonsink_mass_median")}}
         for li, h in zip(*np.nonzero(m["margin"] < 0))
     )
     summary = {
         "n_heads_total": int(m["margin"].size),
         "n_negative_margin": len(negative),
+        "n_sink_collapse": sum(h["reference_has_sink"] for h in negative),  # G_base > 0 and margin < 0
+        "n_no_sink_in_reference": int((m["g_base_median"] <= 0).sum()),  # margin < 0 trivially when B_gap >= 0
         "negative_margin_fraction": len(negative) / m["margin"].size,
         "n_negative_margin_quantile": int((m["margin_quantile"] < 0).sum()),
         "margin_median": float(np.median(m["margin"])),
@@ -303,13 +306,14 @@ def measure_margin(reference: str, candidate: str, settings: MarginSettings = Ma
 # ---------------------------------------------------------------------------- reports
 
 
-def margin_table_markdown(m: SinkMargin) -> str:
-    """Summary, per-layer rows and the negative-margin heads."""
+def margin_table_markdown(m: SinkMargin, heads: bool = True) -> str:
+    """Summary, per-layer rows and (with `heads`) one row per negative-margin head."""
     s = m.summary
     lines = [
         f"reference: {m.reference} (S = {m.reference_sink_strength:.4f}); candidate: {m.candidate} (S = {m.candidate_sink_strength:.4f})",
         f"{m.n_prompts} prompts, {m.n_rows} rows per head, layers {m.layers[0]}..{m.layers[-1]}, {m.n_heads} heads; reference sink key at position 0 in {m.reference_pos0_argmax_fraction:.1%} of rows",
-        f"negative margin (B_gap = max shift): {s['n_negative_margin']} of {s['n_heads_total']} heads; with B_gap = q{m.quantile:g} shift: {s['n_negative_margin_quantile']}",
+        f"negative margin (B_gap = max shift): {s['n_negative_margin']} of {s['n_heads_total']} heads ({s['n_sink_collapse']} sink collapses with G_base > 0; "
+        f"{s['n_no_sink_in_reference']} heads have G_base <= 0, no sink in the reference); with B_gap = q{m.quantile:g} shift: {s['n_negative_margin_quantile']}",
         "",
         "| layer | median G_base | median B_gap | median margin | min margin | negative heads |",
         "|---|---|---|---|---|---|",
@@ -319,10 +323,10 @@ def margin_table_markdown(m: SinkMargin) -> str:
         neg_by_layer.setdefault(h["layer"], []).append(h["head"])
     for li, layer in enumerate(m.layers):
         lines.append(f"| {layer} | {np.median(m.g_base_median[li]):.3f} | {np.median(m.b_gap[li]):.3f} | {np.median(m.margin[li]):.3f} | {min(m.margin[li]):.3f} | {', '.join(map(str, neg_by_layer.get(layer, []))) or '-'} |")
-    if m.negative_margin_heads:
-        lines += ["", "| layer | head | G_base | B_gap | margin | predicted non-sink mass | measured non-sink mass (median) |", "|---|---|---|---|---|---|---|"]
+    if heads and m.negative_margin_heads:
+        lines += ["", "| layer | head | G_base | B_gap | margin | sink in reference | predicted non-sink mass | measured non-sink mass (median) |", "|---|---|---|---|---|---|---|---|"]
         for h in m.negative_margin_heads:
-            lines.append(f"| {h['layer']} | {h['head']} | {h['g_base_median']:.3f} | {h['b_gap']:.3f} | {h['margin']:.3f} | {h['predicted_nonsink_mass']:.3f} | {h['measured_nonsink_mass_median']:.3f} |")
+            lines.append(f"| {h['layer']} | {h['head']} | {h['g_base_median']:.3f} | {h['b_gap']:.3f} | {h['margin']:.3f} | {'yes' if h['reference_has_sink'] else 'no'} | {h['predicted_nonsink_mass']:.3f} | {h['measured_nonsink_mass_median']:.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -341,7 +345,7 @@ def run_margin(reference: str, candidate: str, settings: MarginSettings, output:
         check_new_outputs(files, force)
     result, arrays = measure_margin(reference, candidate, settings, dtype=dtype, device=device, progress=progress)
     md = margin_table_markdown(result)
-    lines = md.rstrip("\n").splitlines()
+    lines = margin_table_markdown(result, heads=False).rstrip("\n").splitlines()
     if output is None:
         return lines + ["not saved (pass --output DIR to write margin.json, tables, arrays and the heatmap)"]
     from lm_eval_sink.plots import layer_head_heatmap

@@ -144,6 +144,8 @@ def test_margin_matches_closed_form(margin_run, sink_models):
             assert data["measured_nonsink_mass_median"][li][h] == pytest.approx(data["predicted_nonsink_mass"][li][h], abs=1e-3)
     assert [(x["layer"], x["head"]) for x in data["negative_margin_heads"]] == [(0, 1)]
     assert data["summary"]["n_negative_margin"] == 1 and data["summary"]["n_heads_total"] == 4
+    assert data["summary"]["n_sink_collapse"] == 1 and data["summary"]["n_no_sink_in_reference"] == 0
+    assert data["negative_margin_heads"][0]["reference_has_sink"] is True
     # both models' own S through the Sink Strength API: median over all rows, heads, layers
     ref_rows = np.concatenate([c - log_t for layer in REF_GAPS for c in layer])
     assert data["reference_sink_strength"] == pytest.approx(np.median(ref_rows), abs=1e-4)
