@@ -299,7 +299,8 @@ def measure_margin(reference: str, candidate: str, settings: MarginSettings = Ma
         reference_sink_strength=_strength_summary(ref_s), candidate_sink_strength=_strength_summary(cand_s),
     )
     result = build_margin(reference, candidate, layers, g_base, g_cand, settings.quantile, len(encoded), float((sink_pos == 0).mean()), ref_s.sink_strength, cand_s.sink_strength, prov)
-    arrays = {"sink_logodds_reference": g_base.astype(np.float32), "sink_logodds_candidate": g_cand.astype(np.float32), "sink_pos": sink_pos.astype(np.int64), "layers": np.asarray(layers, dtype=np.int64)}
+    arrays = {"sink_logodds_reference": g_base.astype(np.float32), "sink_logodds_candidate": g_cand.astype(np.float32), "sink_logodds_shift": (g_base - g_cand).astype(np.float32),
+              "sink_pos": sink_pos.astype(np.int64), "layers": np.asarray(layers, dtype=np.int64)}
     return result, arrays
 
 

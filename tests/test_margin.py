@@ -133,6 +133,7 @@ def test_margin_matches_closed_form(margin_run, sink_models):
             # also for the collapsed head, whose own argmax has moved away from key 0
             np.testing.assert_allclose(rows["sink_logodds_reference"][li, h], c - log_t, atol=2e-5)
             np.testing.assert_allclose(rows["sink_logodds_candidate"][li, h], c2 - log_t, atol=2e-5)
+            np.testing.assert_allclose(rows["sink_logodds_shift"][li, h], c - c2, atol=5e-5)
             assert data["b_gap"][li][h] == pytest.approx(c - c2, abs=1e-4)
             assert data["b_gap_quantile"][li][h] == pytest.approx(c - c2, abs=1e-4)
             g_med = np.median(c - log_t)
