@@ -56,43 +56,83 @@ def tiny_tokenizer():
     return make_tokenizer()
 
 
-def make_sink_llama(path: Path, gaps, tokenizer, rope_theta: float = 1e12) -> Path:
-    """A tiny Llama whose attention logits are known in closed form; saved with `tokenizer`.
+# Real lm-eval runs of the embedded default model, made ONCE per test session and shared by the
+# harness, buckets and protocols tests. Small and non-final: --limit 5, max_gen_toks 64.
+FIXTURE_LIMIT = 5
+FIXTURE_GEN_KWARGS = {"max_gen_toks": 64}
 
-    `gaps[layer][head]` = c: for every query at position t >= 1 (counted from the first token,
-    the BOS) the logit of key 0 is c and every other key's logit is 0, so the sink log-odds at
-    key 0 are c - log(t). How: all non-BOS tokens share one embedding, BOS another; attention
-    outputs and MLPs write nothing (o_proj, down_proj = 0), so each layer sees the embeddings;
-    q and k live in one rotary pair whose frequency is rope_theta ** -0.5 (1e-6), so rotation
-    changes the logits by < 1e-8; with hidden 8 and head_dim 4, c = 4 * W_q * W_k.
-    """
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    n_layers, n_heads = len(gaps), len(gaps[0])
-    hidden, head_dim = 8, 4
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=16, num_hidden_layers=n_layers, num_attention_heads=n_heads,
-        num_key_value_heads=1, head_dim=head_dim, max_position_embeddings=512, rms_norm_eps=1e-12, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": rope_theta}, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+def _fixture_run(tmp_path_factory, shared_data, default_model, name: str, settings):
+    from lm_eval_sink.harness.runner import run_lm_eval
+
+    out = tmp_path_factory.mktemp(name)
+    return run_lm_eval(str(default_model), settings, out, env={"LM_EVAL_SINK_DATA": str(shared_data), "HF_HUB_OFFLINE": "1"})
+
+
+@pytest.fixture(scope="session")
+def smollm2_instruct_run(tmp_path_factory, shared_data, default_model):
+    """sink_strength + ifeval + gsm8k_cot_zeroshot, chat template, 0-shot (the instruct protocol)."""
+    from lm_eval_sink.harness.runner import EvalSettings
+
+    settings = EvalSettings(tasks=("sink_strength", "ifeval", "gsm8k_cot_zeroshot"), apply_chat_template=True, limit=FIXTURE_LIMIT, gen_kwargs=FIXTURE_GEN_KWARGS, batch_size=1)
+    return _fixture_run(tmp_path_factory, shared_data, default_model, "instruct", settings)
+
+
+@pytest.fixture(scope="session")
+def smollm2_community_run(tmp_path_factory, shared_data, default_model):
+    """ifeval + gsm8k_cot_zeroshot, no chat template, each task's default few-shot (community protocol)."""
+    from lm_eval_sink.harness.runner import EvalSettings
+
+    settings = EvalSettings(tasks=("ifeval", "gsm8k_cot_zeroshot"), apply_chat_template=False, limit=FIXTURE_LIMIT, gen_kwargs=FIXTURE_GEN_KWARGS, batch_size=1)
+    return _fixture_run(tmp_path_factory, shared_data, default_model, "community", settings)
+
+
+TINY_TASK = "tiny_gen"
+
+
+@pytest.fixture(scope="session")
+def tiny_task_dir(tmp_path_factory) -> Path:
+    """A folder for --include_path with one tiny local generate_until task (`tiny_gen`, 4 docs)."""
+    import json
+
+    d = tmp_path_factory.mktemp("tiny_task")
+    docs = [{"question": f"Name {w} colors.", "answer": w} for w in ("two", "three", "four", "five")]
+    (d / "tiny_gen.jsonl").write_text("".join(json.dumps(x) + "\n" for x in docs))
+    (d / "tiny_gen.yaml").write_text(
+        f"task: {TINY_TASK}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {d / 'tiny_gen.jsonl'}\n"
+        "output_type: generate_until\ntest_split: test\ndoc_to_text: \"{{question}}\"\ndoc_to_target: \"{{answer}}\"\n"
+        "generation_kwargs:\n  until: [\"\\n\"]\n  max_gen_toks: 4\n  do_sample: false\n"
+        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\nmetadata:\n  version: 1.0\n"
     )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    return d
+
+
+@pytest.fixture(scope="session")
+def handset_llama_dir(tmp_path_factory, tiny_tokenizer) -> Path:
+    """The hand-set Llama of sinkmodels.py (3 layers) saved with the tiny tokenizer."""
+    import sinkmodels as sm
+
+    d = tmp_path_factory.mktemp("handset_llama")
+    sm.build("llama", n_layers=3, bos_id=tiny_tokenizer.bos_token_id).save_pretrained(d)
+    tiny_tokenizer.save_pretrained(d)
+    return d
+
+
+def save_sink_llama(path: Path, gaps, tokenizer) -> Path:
+    """sinkmodels' hand-set Llama with chosen sink gaps, saved with `tokenizer` (margin/screen tests).
+
+    `gaps[layer][head]` = c (2 heads): a row at query position t >= 1 has logits [c, 0 x t], so its
+    sink log-odds at key 0 are c - log(t). In sinkmodels' Llama c = alpha * beta * H / sqrt(D).
+    """
+    import sinkmodels as sm
+    import torch
+
+    model = sm.build("llama", n_layers=len(gaps), bos_id=tokenizer.bos_token_id)
+    beta = sm.betas(len(gaps))
     with torch.no_grad():
-        emb = torch.zeros(len(tokenizer), hidden)
-        emb[:, 1] = 1.0
-        emb[tokenizer.bos_token_id] = torch.tensor([1.0] + [0.0] * (hidden - 1))
-        model.model.embed_tokens.weight.copy_(emb)
         for li, layer in enumerate(model.model.layers):
-            attn = layer.self_attn
-            attn.q_proj.weight.zero_()
-            attn.k_proj.weight.zero_()
-            attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-            attn.k_proj.weight[1, 0] = 1.0  # k of BOS: sqrt(8) in dim 1 (rotary pair 1 <-> 3)
-            for h in range(n_heads):
-                attn.q_proj.weight[h * head_dim + 1, 1] = gaps[li][h] / 4.0  # q of other tokens
+            for h, c in enumerate(gaps[li]):
+                layer.self_attn.q_proj.weight[h * sm.D + 1, 1] = c / (beta[li] * sm.H * sm.D**-0.5)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

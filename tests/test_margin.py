@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import make_sink_llama, make_tokenizer
+from conftest import make_tokenizer, save_sink_llama
 
 from lm_eval_sink.cli import main
 from lm_eval_sink.errors import UserError
@@ -94,10 +94,10 @@ def test_margin_arrays_by_hand():
 def sink_models(tmp_path_factory):
     base = tmp_path_factory.mktemp("margin_models")
     tok = make_tokenizer()
-    ref = make_sink_llama(base / "ref", REF_GAPS, tok)
-    cand = make_sink_llama(base / "cand", CAND_GAPS, tok)
-    three = make_sink_llama(base / "three_layers", [*CAND_GAPS, [1.0, 1.0]], tok)
-    other_vocab = make_sink_llama(base / "other_vocab", CAND_GAPS, make_tokenizer(vocab_size=30))
+    ref = save_sink_llama(base / "ref", REF_GAPS, tok)
+    cand = save_sink_llama(base / "cand", CAND_GAPS, tok)
+    three = save_sink_llama(base / "three_layers", [*CAND_GAPS, [1.0, 1.0]], tok)
+    other_vocab = save_sink_llama(base / "other_vocab", CAND_GAPS, make_tokenizer(vocab_size=30))
     return {"ref": ref, "cand": cand, "three": three, "other_vocab": other_vocab, "tokenizer": tok}
 
 

@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import make_sink_llama, make_tokenizer
+from conftest import make_tokenizer, save_sink_llama
 
 from lm_eval_sink.cli import main
 from lm_eval_sink.errors import UserError
@@ -68,8 +68,8 @@ def test_qk_norm_switches_and_composite_configs(tmp_path):
 def screen_models(tmp_path_factory):
     base = tmp_path_factory.mktemp("screen_models")
     tok = make_tokenizer()
-    strong = make_sink_llama(base / "strong", [[5.0, 5.0], [5.0, 5.0]], tok)
-    weak = make_sink_llama(base / "weak", [[2.5, 2.5], [2.5, 2.5]], tok)
+    strong = save_sink_llama(base / "strong", [[5.0, 5.0], [5.0, 5.0]], tok)
+    weak = save_sink_llama(base / "weak", [[2.5, 2.5], [2.5, 2.5]], tok)
     return strong, weak, tok
 
 
