@@ -84,6 +84,86 @@ def tasks_dir_cmd() -> None:
     click.echo(str(tasks_dir()))
 
 
+# --- screening, fits and sink margins (issue 9) ---
+
+
+def _calibration_options(f):
+    """Options shared by `screen` and `margin`: the calibration of a Sink Strength measurement."""
+    for opt in reversed([
+        click.option("--prompts", "prompts_file", type=click.Path(path_type=Path), default=None, help="JSONL with a 'prompt' field, or text with one prompt a line."),
+        click.option("--n-prompts", type=int, default=None, help="First N prompts (builtin set: 5 or 15; default all)."),
+        click.option("--rows", type=click.Choice(["all", "content"]), default="all", show_default=True, help="Rows used: every query position >= 1, or the user message's tokens only."),
+        click.option("--chat-template/--no-chat-template", default=True, show_default=True, help="Render prompts through the chat template."),
+        click.option("--system-prompt", default=None, help="System message before each prompt (chat template only)."),
+        click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True),
+        click.option("--device", default="cpu", show_default=True),
+        click.option("--batch-size", type=int, default=1, show_default=True),
+        click.option("--force", is_flag=True, help="Overwrite earlier results."),
+        click.option("--quiet", is_flag=True, help="No progress bars."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def _last_k(value: str) -> int | None:
+    if value == "all":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise UserError(f"--last-k must be a number or 'all', got {value!r}", "use e.g. --last-k 10") from None
+
+
+@cli.command()
+@click.argument("model_names", metavar="MODEL [MODEL ...]", nargs=-1, required=True)
+@click.option("--pairs", "pairs_file", type=click.Path(path_type=Path), default=None, help="PAIRS.yaml to fit the predictor on (default: the paper's six pairs).")
+@click.option("--last-k", default="10", show_default=True, help="S over the last K layers, or 'all'.")
+@_calibration_options
+@click.option("--output", type=click.Path(path_type=Path), default=None, help="Folder for screen.json/.md/.csv/.png and per-model strength files (default: print only).")
+def screen(model_names, pairs_file, last_k, prompts_file, n_prompts, rows, chat_template, system_prompt, dtype, device, batch_size, force, quiet, output) -> None:
+    """Rank backbones by Sink Strength S and predict their post-VL deltas (MODEL: folder, hub id or 'default')."""
+    from lm_eval_sink.screen import run_screen
+    from lm_eval_sink.strength import StrengthSettings
+
+    settings = StrengthSettings(last_k=_last_k(last_k), rows=rows, n_prompts=n_prompts, prompts_file=str(prompts_file) if prompts_file else None,
+                                use_chat_template=chat_template, system_prompt=system_prompt, batch_size=batch_size)
+    names = list(model_names)
+    for line in run_screen(names, [_slug(n) for n in names], settings, pairs_file, output, dtype=dtype, device=device, force=force, progress=not quiet):
+        click.echo(line)
+
+
+@cli.command()
+@click.argument("pairs_file", metavar="[PAIRS.yaml]", required=False, type=click.Path(path_type=Path))
+@click.option("--output", type=click.Path(path_type=Path), default=None, help="Folder for fit.json, fit.md and fit_<task>.png (default: print only).")
+@click.option("--force", is_flag=True, help="Overwrite earlier results.")
+def fit(pairs_file, output, force) -> None:
+    """Fit S -> delta per task: Spearman rho, exact permutation p, line, leave-one-pair-out errors (no file: the paper's table)."""
+    from lm_eval_sink.predict import run_fit
+
+    for line in run_fit(pairs_file, output, force=force):
+        click.echo(line)
+
+
+@cli.command()
+@click.argument("reference")
+@click.argument("candidate")
+@click.option("--quantile", type=float, default=0.95, show_default=True, help="Quantile of the per-row shift for the second B_gap.")
+@click.option("--last-k", default="all", show_default=True, help="Layers of the margin table: the last K, or 'all'.")
+@click.option("--strength-last-k", default="10", show_default=True, help="K of both models' own Sink Strength S.")
+@_calibration_options
+@click.option("--output", type=click.Path(path_type=Path), default=None, help="Folder for margin.json/.md/.csv, margin_rows.npz and margin_heatmap.png (default: print only).")
+def margin(reference, candidate, quantile, last_k, strength_last_k, prompts_file, n_prompts, rows, chat_template, system_prompt, dtype, device, batch_size, force, quiet, output) -> None:
+    """Per-head sink margins G_base - B_gap of CANDIDATE (e.g. a VLM backbone) against REFERENCE (its LLM)."""
+    from lm_eval_sink.margin import MarginSettings, run_margin
+    from lm_eval_sink.strength import StrengthSettings
+
+    st = StrengthSettings(last_k=_last_k(strength_last_k), rows=rows, n_prompts=n_prompts, prompts_file=str(prompts_file) if prompts_file else None,
+                          use_chat_template=chat_template, system_prompt=system_prompt, batch_size=batch_size)
+    settings = MarginSettings(strength=st, last_k=_last_k(last_k), quantile=quantile)
+    for line in run_margin(reference, candidate, settings, output, dtype=dtype, device=device, force=force, progress=not quiet):
+        click.echo(line)
+
+
 # --- VLM backbone extraction (issue 6) ---
 
 
