@@ -17,6 +17,7 @@ import argparse
 import os
 import random
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -95,10 +96,18 @@ def main() -> None:
     ap.add_argument("--keep", type=Path, default=None, help="keep the synthesized runs here")
     args = ap.parse_args()
     root = args.keep or Path(tempfile.mkdtemp(prefix="bench_buckets_"))
+    try:
+        run(args, root)
+    finally:
+        if args.keep is None:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, root: Path) -> None:
     t = time.perf_counter()
     ifeval = synth_ifeval(args.shared, root)
     gsm8k = synth_gsm8k(args.shared, root)
-    print(f"synthesized logs in {time.perf_counter() - t:.1f} s under {root} (not measured)")
+    print(f"synthesized logs in {time.perf_counter() - t:.1f} s (not measured)")
     t = time.perf_counter()
     subprocess.run([sys.executable, "-c", "import lm_eval.tasks.ifeval.utils"], check=True)
     t_imp = time.perf_counter() - t
