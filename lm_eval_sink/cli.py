@@ -76,6 +76,70 @@ def strength(model_names, prompts_file, n_prompts, last_k, statistic, rows, chat
         click.echo(line)
 
 
+# --- protocols, vendor registry and gap attribution (issue 8) ---
+
+
+def _run_inputs(paths) -> list[dict]:
+    from lm_eval_sink.io import sha256_file
+
+    return [{"path": str(p), "sha256": sha256_file(p)} for p in paths]
+
+
+@cli.group()
+def protocol() -> None:
+    """Protocol fingerprints of lm-eval runs: what was run, and how two runs differ."""
+
+
+@protocol.command("show")
+@click.argument("run")
+@click.option("--json", "as_json", is_flag=True, help="Print the fingerprint as JSON instead of a table.")
+@click.option("-o", "--output", type=click.Path(path_type=Path), default=None, help="Also write the fingerprint JSON (with provenance) here.")
+@click.option("--force", is_flag=True, help="Overwrite --output.")
+def protocol_show(run, as_json, output, force) -> None:
+    """Protocol fingerprint of RUN (a results JSON, samples JSONL or lm-eval output folder)."""
+    from lm_eval_sink.io import atomic_write_json, canonical_json, check_new_outputs, provenance
+    from lm_eval_sink.protocols import fingerprint_run, match_protocol, show_markdown
+    from lm_eval_sink.runs import resolve_run
+
+    if output:
+        check_new_outputs([output], force)
+    files = resolve_run(run)
+    fp = fingerprint_run(files)
+    doc = {"schema_version": 1, "fingerprint": fp.to_json(), "named_protocol": match_protocol(fp),
+           "provenance": provenance(command="protocol show", inputs=_run_inputs([files.results]))}
+    if output:
+        atomic_write_json(output, doc)
+    click.echo(canonical_json(doc) if as_json else show_markdown(fp), nl=False)
+    if output:
+        click.echo(f"wrote {output}")
+
+
+@protocol.command("diff")
+@click.argument("run_a")
+@click.argument("run_b")
+@click.option("--json", "as_json", is_flag=True, help="Print the differences as JSON instead of a table.")
+@click.option("-o", "--output", type=click.Path(path_type=Path), default=None, help="Also write the differences JSON (with provenance) here.")
+@click.option("--force", is_flag=True, help="Overwrite --output.")
+def protocol_diff(run_a, run_b, as_json, output, force) -> None:
+    """Only the protocol fields that differ between RUN_A and RUN_B, each marked whether it can change scores."""
+    from lm_eval_sink.io import atomic_write_json, canonical_json, check_new_outputs, provenance
+    from lm_eval_sink.protocols import diff, diff_markdown, fingerprint_run
+    from lm_eval_sink.runs import resolve_run
+
+    if output:
+        check_new_outputs([output], force)
+    fa, fb = resolve_run(run_a), resolve_run(run_b)
+    a, b = fingerprint_run(fa), fingerprint_run(fb)
+    diffs = diff(a, b)
+    doc = {"schema_version": 1, "a": str(fa.results), "b": str(fb.results), "differences": [d.to_json() for d in diffs],
+           "identical": not diffs, "provenance": provenance(command="protocol diff", inputs=_run_inputs([fa.results, fb.results]))}
+    if output:
+        atomic_write_json(output, doc)
+    click.echo(canonical_json(doc) if as_json else diff_markdown(diffs, str(fa.results), str(fb.results)), nl=False)
+    if output:
+        click.echo(f"wrote {output}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: user errors are one line and exit 2; Ctrl-C exits 130."""
     try:
