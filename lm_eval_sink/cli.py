@@ -140,6 +140,96 @@ def protocol_diff(run_a, run_b, as_json, output, force) -> None:
         click.echo(f"wrote {output}")
 
 
+class _ManyValues(click.Command):
+    """Lets `--reference A B --candidate C` stand for `--reference A --reference B --candidate C`."""
+
+    many = ("--reference", "--candidate")
+
+    def parse_args(self, ctx, args):
+        out, current, take_value = [], None, False
+        for arg in args:
+            if take_value:
+                out.append(arg)
+                take_value = False
+            elif arg in self.many:
+                current, take_value = arg, True
+                out.append(arg)
+            elif arg.startswith("-") and arg != "-":
+                current = None
+                out.append(arg)
+            elif current is not None:
+                out += [current, arg]
+            else:
+                out.append(arg)
+        return super().parse_args(ctx, out)
+
+
+@cli.group()
+def vendor() -> None:
+    """The vendor registry: reported and independently measured scores, each with source and protocol."""
+
+
+@vendor.command("list")
+@click.option("--registry", "registry_file", type=click.Path(path_type=Path), default=None, help="A user registry YAML added to the bundled one.")
+def vendor_list(registry_file) -> None:
+    """Models in the registry with their number of scores and gaps."""
+    from lm_eval_sink.vendors import list_markdown, load_registry
+
+    click.echo(list_markdown(load_registry(registry_file)), nl=False)
+
+
+@vendor.command("show")
+@click.argument("model")
+@click.option("--registry", "registry_file", type=click.Path(path_type=Path), default=None, help="A user registry YAML added to the bundled one.")
+@click.option("--json", "as_json", is_flag=True, help="Print the entries as JSON.")
+def vendor_show(model, registry_file, as_json) -> None:
+    """Every score and gap of MODEL (name, alias or hub id), with source and protocol."""
+    from lm_eval_sink.io import canonical_json
+    from lm_eval_sink.vendors import load_registry, show_markdown
+
+    reg = load_registry(registry_file)
+    if as_json:
+        m = reg.model(model)
+        click.echo(canonical_json({"model": m.name, "hub_id": m.hub_id, "kind": m.kind, "scores": [s.to_json() for s in reg.scores_of(m.name)],
+                                   "gaps": [g.to_json() for g in reg.gaps_of(m.name)]}), nl=False)
+    else:
+        click.echo(show_markdown(reg, model), nl=False)
+
+
+@cli.command(cls=_ManyValues)
+@click.option("--reference", "references", multiple=True, required=True, metavar="RUN...",
+              help="Reference runs (lm-eval output folder, results JSON) or registry entries (vendor:SCORE_ID, vendor:MODEL).")
+@click.option("--candidate", "candidates", multiple=True, required=True, metavar="RUN...", help="Candidate runs or registry entries, as --reference.")
+@click.option("--vendor", "use_vendor", is_flag=True, help="Add vendor-reported scores and reported gaps of the models involved from the registry.")
+@click.option("--registry", "registry_file", type=click.Path(path_type=Path), default=None, help="A user registry YAML added to the bundled one.")
+@click.option("--benchmarks", "benchmarks_file", type=click.Path(path_type=Path), default=None, help="A YAML of benchmark families (construct, metric keys).")
+@click.option("--lineage", "declared_lineage", type=click.Choice(["parent", "not-parent"]), default=None,
+              help="Declare whether the reference is the candidate's parent (checked against model cards).")
+@click.option("--mixture", multiple=True, metavar="KEY=VALUE", help="A fact of the VL training recipe, e.g. text_share=0.1 (repeatable; shown, never inferred).")
+@click.option("--baseline-protocol", default=None, help="Protocol the others' effects are measured against (default: the first one seen).")
+@click.option("--allow-partial", is_flag=True, help="Pair only the docs both sample logs hold (the drop is recorded).")
+@click.option("--output", type=click.Path(path_type=Path), default=None, help="Folder for attribution.json, attribution.md, attribution.png.")
+@click.option("--force", is_flag=True, help="Overwrite --output.")
+def attribute(references, candidates, use_vendor, registry_file, benchmarks_file, declared_lineage, mixture, baseline_protocol, allow_partial, output, force) -> None:
+    """Attribute each benchmark's candidate-minus-reference gap to lineage, protocol, access vs capacity, construct and mixture."""
+    from lm_eval_sink.attribution import run_attribution, to_markdown, write_report
+
+    facts = {}
+    for item in mixture:
+        if "=" not in item or not item.split("=", 1)[0].strip():
+            raise UserError(f"--mixture {item!r} is not KEY=VALUE", "e.g. --mixture text_share=0.1")
+        k, v = item.split("=", 1)
+        facts[k.strip()] = v.strip()
+    if output is not None and output.exists() and not force:
+        raise UserError(f"output already exists: {output}", "pass --force to overwrite, or choose another --output")
+    att = run_attribution(list(references), list(candidates), vendor=use_vendor, registry_file=registry_file, benchmarks_file=benchmarks_file,
+                          declared_lineage=declared_lineage, mixture=facts or None, baseline_protocol=baseline_protocol, allow_partial=allow_partial)
+    click.echo(to_markdown(att), nl=False)
+    if output is not None:
+        paths = write_report(att, output, force=force)
+        click.echo("wrote " + ", ".join(str(p) for p in paths.values()))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: user errors are one line and exit 2; Ctrl-C exits 130."""
     try:
