@@ -678,15 +678,15 @@ def measurements_from_registry(arg: str, role: str, registry: Any) -> tuple[list
 
 
 def relabel(measurements: list[Measurement]) -> list[Measurement]:
-    """Give distinct run protocols distinct labels (a named protocol under two limits gets a sha suffix)."""
+    """Give distinct run protocols of one benchmark distinct labels (a named protocol under two limits gets a sha suffix)."""
     from dataclasses import replace
 
-    by_label: dict[str, set[str]] = {}
+    keys: dict[tuple[str, str], set[str]] = {}
     for m in measurements:
         if m.protocol_key.startswith("run:"):
-            by_label.setdefault(m.protocol_label, set()).add(m.protocol_key)
-    return [replace(m, protocol_label=f"{m.protocol_label}-{m.protocol_key[4:12]}") if len(by_label.get(m.protocol_label, ())) > 1 and
-            m.protocol_key.startswith("run:") else m for m in measurements]
+            keys.setdefault((m.benchmark, m.protocol_label), set()).add(m.protocol_key)
+    return [replace(m, protocol_label=f"{m.protocol_label}-{m.protocol_key[4:12]}")
+            if m.protocol_key.startswith("run:") and len(keys[(m.benchmark, m.protocol_label)]) > 1 else m for m in measurements]
 
 
 def _load(args: list[str], role: str, benchmarks: dict[str, Benchmark], registry: Any) -> tuple[list[Measurement], list[dict[str, Any]], list[dict[str, Any]]]:
