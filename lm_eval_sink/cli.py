@@ -230,6 +230,47 @@ def attribute(references, candidates, use_vendor, registry_file, benchmarks_file
         click.echo("wrote " + ", ".join(str(p) for p in paths.values()))
 
 
+@cli.command("eval")
+@click.argument("model")
+@click.option("--protocol", "protocol_name", required=True, help="Named protocol: instruct, community, or one from --protocol-file.")
+@click.option("--protocol-file", type=click.Path(path_type=Path), default=None, help="A YAML of extra named protocols (see lm_eval_sink/data/protocols.yaml).")
+@click.option("--tasks", required=True, help="Comma-separated lm-eval task names, e.g. ifeval,gsm8k_cot_zeroshot.")
+@click.option("--limit", type=float, default=None, help="Docs per task (or a fraction); the scores are then not final.")
+@click.option("--gen-kwargs", multiple=True, metavar="KEY=VALUE", help="Generation overrides on top of the protocol's, e.g. max_gen_toks=256.")
+@click.option("--batch-size", default=None, help="Batch size, where the protocol does not fix it (default 1).")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None, help="Model dtype, where the protocol does not fix it.")
+@click.option("--seed", type=int, default=None, help="Seed for lm-eval's random generators, where the protocol does not fix it.")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--include-path", default=None, help="One extra folder of lm-eval task YAMLs.")
+@click.option("--no-log-samples", is_flag=True, help="Do not write per-sample logs (attribution then works from aggregate scores only).")
+@click.option("--output", type=click.Path(path_type=Path), required=True, help="lm-eval output folder for this run.")
+@click.option("--force", is_flag=True, help="Write into an existing --output.")
+def eval_cmd(model, protocol_name, protocol_file, tasks, limit, gen_kwargs, batch_size, dtype, seed, device, include_path, no_log_samples, output, force) -> None:
+    """Run lm-eval on MODEL under a named protocol, then print the run's protocol fingerprint check."""
+    from lm_eval_sink.protocols import fingerprint_run, get_protocol, parse_gen_kwargs, settings_fields
+
+    protocol = get_protocol(protocol_name, protocol_file)
+    if output.exists() and any(output.iterdir()) and not force:
+        raise UserError(f"output already exists: {output}", "pass --force to add this run to it, or choose another --output")
+    bs = None if batch_size is None else (int(batch_size) if str(batch_size).isdigit() else str(batch_size))
+    if limit is not None and limit >= 1 and float(limit).is_integer():
+        limit = int(limit)
+    fields = settings_fields(protocol, tasks=[t.strip() for t in tasks.split(",") if t.strip()], limit=limit, gen_kwargs=parse_gen_kwargs(gen_kwargs),
+                             batch_size=bs, dtype=dtype, seed=seed, device=device, include_path=include_path, log_samples=not no_log_samples)
+    from lm_eval_sink.harness.runner import EvalSettings, run_lm_eval
+    from lm_eval_sink.models import resolve_model
+
+    run = run_lm_eval(resolve_model(model), EvalSettings(**fields), output)
+    fp = fingerprint_run(run)
+    off = protocol.mismatches(fp)
+    click.echo(f"results: {run.results}")
+    for task, path in sorted(run.samples.items()):
+        click.echo(f"samples {task}: {path}")
+    click.echo(f"protocol {protocol.name}: " + ("recorded settings match" if not off else "recorded settings DIFFER: " + ", ".join(off)))
+    if fp.harness.get("limit") is not None:
+        click.echo(f"--limit {fp.harness['limit']}: scores are from a subset and are not final")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: user errors are one line and exit 2; Ctrl-C exits 130."""
     try:

@@ -508,3 +508,65 @@ def diff_markdown(diffs: tuple[FieldDiff, ...], name_a: str = "A", name_b: str =
              "| field | part | A | B | can change scores |", "|---|---|---|---|---|"]
     lines += [f"| {d.field} | {d.part} | {_cell(d.a, 40)} | {_cell(d.b, 40)} | {'yes' if d.affects_scores else 'no'} |" for d in diffs]
     return "\n".join(lines) + "\n"
+
+
+# --- protocol -> lm-eval settings ------------------------------------------------------------
+
+
+def settings_fields(protocol: Protocol, *, tasks: list[str], limit: float | None = None, gen_kwargs: dict[str, Any] | None = None,
+                    batch_size: int | str | None = None, dtype: str | None = None, seed: int | None = None, device: str = "cpu",
+                    include_path: str | None = None, log_samples: bool = True) -> dict[str, Any]:
+    """The EvalSettings fields of a run under `protocol` (lm_eval_sink.harness.runner.EvalSettings).
+
+    Settings the protocol fixes cannot be changed by the caller (a UserError says which), except
+    `gen_kwargs`, which are merged on top of the protocol's (they are recorded in the results as
+    overrides, so the run's fingerprint shows them). `limit` marks the run's scores non-final.
+    """
+    if not tasks:
+        raise UserError("no tasks given", "pass --tasks, e.g. --tasks ifeval,gsm8k_cot_zeroshot")
+    for name, given, fixed in (("batch_size", batch_size, protocol.batch_size), ("dtype", dtype, protocol.dtype), ("seed", seed, protocol.seed)):
+        if given is not None and fixed is not None and str(given) != str(fixed):
+            raise UserError(f"protocol {protocol.name!r} fixes {name} = {fixed}, but {given} was asked for",
+                            f"drop the {name} option, or define a protocol with {name}: {given} in a --protocol-file")
+    if limit is not None and limit <= 0:
+        raise UserError(f"--limit must be positive, got {limit}", "pass a number of docs (e.g. 5) or a fraction below 1")
+    merged = {**(protocol.gen_kwargs or {}), **(gen_kwargs or {})} or None
+    return {
+        "tasks": list(tasks),
+        "apply_chat_template": protocol.apply_chat_template,
+        "num_fewshot": protocol.num_fewshot,
+        "fewshot_as_multiturn": protocol.fewshot_as_multiturn if protocol.fewshot_as_multiturn is not None else protocol.apply_chat_template,
+        "system_instruction": protocol.system_instruction,
+        "gen_kwargs": merged,
+        "limit": limit,
+        "seed": protocol.seed if protocol.seed is not None else seed,
+        "batch_size": protocol.batch_size if protocol.batch_size is not None else (batch_size if batch_size is not None else 1),
+        "device": device,
+        "dtype": protocol.dtype if protocol.dtype is not None else (dtype or "auto"),
+        "log_samples": log_samples,
+        "include_path": include_path,
+    }
+
+
+def parse_gen_kwargs(items: tuple[str, ...] | list[str]) -> dict[str, Any]:
+    """`max_gen_toks=64` style overrides: numbers and true/false become numbers and booleans."""
+    out: dict[str, Any] = {}
+    for item in items:
+        for part in str(item).split(","):
+            if not part.strip():
+                continue
+            if "=" not in part:
+                raise UserError(f"--gen-kwargs {part!r} is not KEY=VALUE", "e.g. --gen-kwargs max_gen_toks=256")
+            k, v = (x.strip() for x in part.split("=", 1))
+            low = v.lower()
+            if low in ("true", "false"):
+                out[k] = low == "true"
+            else:
+                try:
+                    out[k] = int(v)
+                except ValueError:
+                    try:
+                        out[k] = float(v)
+                    except ValueError:
+                        out[k] = v
+    return out

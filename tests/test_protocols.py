@@ -216,3 +216,29 @@ def test_cli_bad_inputs_one_line_exit_2(tmp_path, capsys, case):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "Traceback" not in err[0]
     assert not out.exists()
+
+
+def test_named_protocols_map_to_eval_settings():
+    from lm_eval_sink.protocols import parse_gen_kwargs, settings_fields
+
+    ins = settings_fields(get_protocol("instruct"), tasks=["ifeval"], limit=5, gen_kwargs=parse_gen_kwargs(["max_gen_toks=64,do_sample=false"]))
+    assert ins == {"tasks": ["ifeval"], "apply_chat_template": True, "num_fewshot": 0, "fewshot_as_multiturn": True, "system_instruction": None,
+                   "gen_kwargs": {"max_gen_toks": 64, "do_sample": False}, "limit": 5, "seed": None, "batch_size": 8, "device": "cpu", "dtype": "auto",
+                   "log_samples": True, "include_path": None}
+    com = settings_fields(get_protocol("community"), tasks=["ifeval", "gsm8k_cot"], batch_size=2, dtype="float32", seed=3)
+    assert (com["apply_chat_template"], com["num_fewshot"], com["fewshot_as_multiturn"]) == (False, None, False)
+    assert (com["batch_size"], com["dtype"], com["seed"], com["gen_kwargs"]) == (2, "float32", 3, None)
+    with pytest.raises(UserError, match="protocol 'instruct' fixes batch_size = 8, but 4 was asked for"):
+        settings_fields(get_protocol("instruct"), tasks=["ifeval"], batch_size=4)
+    assert settings_fields(get_protocol("instruct"), tasks=["ifeval"], batch_size=8)["batch_size"] == 8
+    with pytest.raises(UserError, match="no tasks"):
+        settings_fields(get_protocol("instruct"), tasks=[])
+    with pytest.raises(UserError, match="not KEY=VALUE"):
+        parse_gen_kwargs(["max_gen_toks"])
+
+
+def test_cli_eval_unknown_protocol_is_one_line(tmp_path, capsys):
+    assert main(["eval", "default", "--protocol", "instrukt", "--tasks", "ifeval", "--output", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "did you mean 'instruct'" in err[0]
+    assert not (tmp_path / "o").exists()
