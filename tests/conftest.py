@@ -54,3 +54,34 @@ def make_tokenizer(vocab_size: int = 96):
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     return make_tokenizer()
+
+
+# Real lm-eval runs of the embedded default model, made ONCE per test session and shared by the
+# harness, buckets and protocols tests. Small and non-final: --limit 5, max_gen_toks 64.
+FIXTURE_LIMIT = 5
+FIXTURE_GEN_KWARGS = {"max_gen_toks": 64}
+
+
+def _fixture_run(tmp_path_factory, shared_data, default_model, name: str, settings):
+    from lm_eval_sink.harness.runner import run_lm_eval
+
+    out = tmp_path_factory.mktemp(name)
+    return run_lm_eval(str(default_model), settings, out, env={"LM_EVAL_SINK_DATA": str(shared_data), "HF_HUB_OFFLINE": "1"})
+
+
+@pytest.fixture(scope="session")
+def smollm2_instruct_run(tmp_path_factory, shared_data, default_model):
+    """sink_strength + ifeval + gsm8k_cot_zeroshot, chat template, 0-shot (the instruct protocol)."""
+    from lm_eval_sink.harness.runner import EvalSettings
+
+    settings = EvalSettings(tasks=("sink_strength", "ifeval", "gsm8k_cot_zeroshot"), apply_chat_template=True, limit=FIXTURE_LIMIT, gen_kwargs=FIXTURE_GEN_KWARGS, batch_size=1)
+    return _fixture_run(tmp_path_factory, shared_data, default_model, "instruct", settings)
+
+
+@pytest.fixture(scope="session")
+def smollm2_community_run(tmp_path_factory, shared_data, default_model):
+    """ifeval + gsm8k_cot_zeroshot, no chat template, each task's default few-shot (community protocol)."""
+    from lm_eval_sink.harness.runner import EvalSettings
+
+    settings = EvalSettings(tasks=("ifeval", "gsm8k_cot_zeroshot"), apply_chat_template=False, limit=FIXTURE_LIMIT, gen_kwargs=FIXTURE_GEN_KWARGS, batch_size=1)
+    return _fixture_run(tmp_path_factory, shared_data, default_model, "community", settings)

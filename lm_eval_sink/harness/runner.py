@@ -1,0 +1,128 @@
+"""The one way this project runs lm-eval: the real `lm_eval` CLI in a subprocess.
+
+`run_lm_eval(model, EvalSettings(...), output_path)` builds the command line from one settings
+object, runs it in its own process (no global state leaks between runs: a sweep step or a cluster
+job can call it the same way), keeps its log beside the results, and returns the resolved run
+(`runs.RunFiles`). Named protocols (`protocols.py`), `lm-eval-sink eval`, sweeps, the demo and
+the test fixtures all go through it. The offline data override (`LM_EVAL_SINK_DATA`) and this
+project's tasks reach the subprocess through the import hook (`hooks.py`).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lm_eval_sink.errors import UserError
+from lm_eval_sink.runs import RunFiles, resolve_run
+
+_ENTRY = "import sys; sys.argv[0] = 'lm_eval'; from lm_eval.__main__ import cli_evaluate; cli_evaluate()"
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """Everything that decides an lm-eval run's protocol, one field per lm-eval flag."""
+
+    tasks: tuple[str, ...]
+    apply_chat_template: bool = False
+    num_fewshot: int | None = None  # None: each task's default
+    fewshot_as_multiturn: bool | None = None  # None: lm-eval's default
+    system_instruction: str | None = None
+    gen_kwargs: dict[str, Any] = field(default_factory=dict)
+    limit: int | float | None = None
+    seed: int = 0
+    batch_size: int | str = 1
+    device: str = "cpu"
+    dtype: str | None = None  # model_args dtype=...; None: the model's own
+    log_samples: bool = True
+    include_path: str | None = None
+    model_args: dict[str, Any] = field(default_factory=dict)  # extra HF from_pretrained kwargs
+
+    def __post_init__(self) -> None:
+        if not self.tasks:
+            raise UserError("no tasks to evaluate", "pass at least one lm-eval task name")
+        if isinstance(self.tasks, str):
+            object.__setattr__(self, "tasks", tuple(t for t in self.tasks.split(",") if t))
+        if self.limit is not None and self.limit <= 0:
+            raise UserError(f"limit must be positive, got {self.limit}", "drop --limit or give a positive number")
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["tasks"] = list(self.tasks)
+        return d
+
+    def command(self, model: str, output_path: Path) -> list[str]:
+        """The lm_eval argument list (without the interpreter)."""
+        margs = {"pretrained": model, **({"dtype": self.dtype} if self.dtype else {}), **self.model_args}
+        args = [
+            "--model", "hf",
+            "--model_args", ",".join(f"{k}={v}" for k, v in margs.items()),
+            "--tasks", ",".join(self.tasks),
+            "--device", self.device,
+            "--batch_size", str(self.batch_size),
+            "--seed", str(self.seed),
+            "--output_path", str(output_path),
+        ]  # fmt: skip
+        if self.log_samples:
+            args.append("--log_samples")
+        if self.apply_chat_template:
+            args.append("--apply_chat_template")
+        if self.fewshot_as_multiturn is not None:
+            args += ["--fewshot_as_multiturn", str(self.fewshot_as_multiturn)]
+        if self.num_fewshot is not None:
+            args += ["--num_fewshot", str(self.num_fewshot)]
+        if self.system_instruction is not None:
+            args += ["--system_instruction", self.system_instruction]
+        if self.gen_kwargs:
+            args += ["--gen_kwargs", ",".join(f"{k}={v}" for k, v in self.gen_kwargs.items())]
+        if self.limit is not None:
+            args += ["--limit", str(self.limit)]
+        if self.include_path:
+            args += ["--include_path", str(self.include_path)]
+        return args
+
+
+def _results_files(output_path: Path) -> set[Path]:
+    return set(output_path.glob("*/results_*.json")) if output_path.is_dir() else set()
+
+
+def run_lm_eval(model: str | Path, settings: EvalSettings, output_path: str | Path, env: dict[str, str] | None = None, echo: bool = False) -> RunFiles:
+    """Run lm-eval on `model` with `settings`; results land under `output_path/<model>/`.
+
+    Earlier runs in `output_path` are kept (lm-eval names files by time). The subprocess log goes
+    to `output_path/logs/lm_eval_<time>.log`. A failed run is a UserError naming the log.
+    """
+    output_path = Path(output_path)
+    if output_path.exists() and not output_path.is_dir():
+        raise UserError(f"{output_path}: is a file, not a folder", "pass a folder for lm-eval's --output_path")
+    log_dir = output_path / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    stamp = _dt.datetime.now().strftime("%Y-%m-%dT%H-%M-%S-%f")
+    log_path = log_dir / f"lm_eval_{stamp}.log"
+    before = _results_files(output_path)
+    cmd = [sys.executable, "-c", _ENTRY, *settings.command(str(model), output_path)]
+    run_env = {**os.environ, **(env or {})}
+    with open(log_path, "w", encoding="utf-8") as log:
+        log.write("$ lm_eval " + " ".join(cmd[3:]) + "\n")
+        log.flush()
+        proc = subprocess.Popen(cmd, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        assert proc.stdout is not None
+        last = ""
+        for line in proc.stdout:
+            log.write(line)
+            if echo:
+                sys.stderr.write(line)
+            if line.strip():
+                last = line.strip()
+        rc = proc.wait()
+    if rc != 0:
+        raise UserError(f"lm_eval exited with {rc}: {last[-300:]}", f"see the full log: {log_path}")
+    new = sorted(_results_files(output_path) - before, key=lambda p: p.stat().st_mtime)
+    if not new:
+        raise UserError(f"lm_eval wrote no results file under {output_path}", f"see the full log: {log_path}")
+    return resolve_run(new[-1])

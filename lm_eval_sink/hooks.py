@@ -1,0 +1,121 @@
+"""One lazy post-import hook mechanism: register this project with lm-eval and mergekit.
+
+lm-eval 0.4.13 and mergekit 0.1.5 have no plugin discovery, yet users expect
+`lm_eval --tasks sink_strength,ifeval` and `mergekit-yaml` (with this project's TSV and STAR
+methods) to work with no extra flag after `pip install`. The package ships
+`lm_eval_sink_hook.pth`, which calls `install()` at interpreter start-up. `install()` only adds a
+tiny finder to `sys.meta_path`; nothing is imported until a watched module (below) is imported
+by someone else, and then the matching callback runs right after that module has finished
+loading. Costs nothing when lm-eval or mergekit is never imported.
+
+Switch it off with `LM_EVAL_SINK_NO_HOOK=1`. A callback that fails (for instance because
+lm-eval's internals changed) logs one warning and leaves the host library untouched.
+An editable install (`pip install -e .`) does not copy the `.pth`: run
+`python -m lm_eval_sink.hooks install` once (`make` does).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import sysconfig
+import warnings
+from pathlib import Path
+
+DISABLE_ENV = "LM_EVAL_SINK_NO_HOOK"
+PTH_NAME = "lm_eval_sink_hook.pth"
+PTH_LINE = 'import os, sys; exec("try:\\n import lm_eval_sink.hooks as h; h.install()\\nexcept Exception:\\n pass") if not os.environ.get("LM_EVAL_SINK_NO_HOOK") else None\n'
+
+# watched module -> "module:function" called once after it has been imported.
+POST_IMPORT: dict[str, str] = {
+    "lm_eval.tasks.manager": "lm_eval_sink.harness.discovery:patch_task_manager",
+    "lm_eval.evaluator": "lm_eval_sink.harness.discovery:patch_evaluator",
+    "lm_eval.__main__": "lm_eval_sink.harness.discovery:patch_cli",
+    "lm_eval.utils": "lm_eval_sink.harness.discovery:patch_table",
+}
+
+
+def _run_callback(module_name: str) -> None:
+    target = POST_IMPORT[module_name]
+    mod_name, _, func_name = target.partition(":")
+    try:
+        getattr(importlib.import_module(mod_name), func_name)()
+    except Exception as e:  # fail soft: the host library keeps working without us
+        warnings.warn(f"lm-eval-sink: could not register with {module_name} ({type(e).__name__}: {e}); set {DISABLE_ENV}=1 to silence", stacklevel=2)
+
+
+class _Loader(importlib.abc.Loader):
+    """Wraps the real loader and runs the callback after the module body has executed."""
+
+    def __init__(self, real: importlib.abc.Loader, name: str) -> None:
+        self.real = real
+        self.name = name
+
+    def create_module(self, spec):
+        return self.real.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.real.exec_module(module)
+        _run_callback(self.name)
+
+    def __getattr__(self, item):  # get_resource_reader, get_source, ... of the real loader
+        return getattr(self.real, item)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def __init__(self) -> None:
+        self.pending = set(POST_IMPORT)
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in self.pending:
+            return None
+        self.pending.discard(fullname)
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = _Loader(spec.loader, fullname)
+        return spec
+
+
+def install() -> None:
+    """Watch the modules of POST_IMPORT (idempotent; already-imported ones are handled now)."""
+    if os.environ.get(DISABLE_ENV):
+        return
+    if any(isinstance(f, _Finder) for f in sys.meta_path):
+        return
+    finder = _Finder()
+    for name in list(finder.pending):
+        if name in sys.modules:
+            finder.pending.discard(name)
+            _run_callback(name)
+    sys.meta_path.insert(0, finder)
+
+
+def pth_path() -> Path:
+    """Where the start-up file goes: this interpreter's purelib (site-packages)."""
+    return Path(sysconfig.get_paths()["purelib"]) / PTH_NAME
+
+
+def write_pth() -> Path:
+    """Install the start-up file into site-packages (for editable installs)."""
+    path = pth_path()
+    if not path.exists() or path.read_text() != PTH_LINE:
+        path.write_text(PTH_LINE)
+    return path
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["install"]:
+        print(write_pth())
+    else:
+        sys.exit("usage: python -m lm_eval_sink.hooks install")
