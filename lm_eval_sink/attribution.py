@@ -451,13 +451,16 @@ def _f(x: float | None, signed: bool = True) -> str:
 
 
 def _fields(fields: list[dict[str, Any]]) -> str:
-    if not fields:
-        return "no recorded field differs"
+    """The score-relevant differing fields, short (the JSON keeps them all, in full)."""
+    shown = [d for d in fields if d.get("affects_scores") is not False]
+    if not shown:
+        return "no recorded field that can change scores differs"
 
     def v(x: Any) -> str:
-        return json.dumps(x, ensure_ascii=False) if not isinstance(x, str) else x
+        text = x if isinstance(x, str) else json.dumps(x, ensure_ascii=False)
+        return text if len(text) <= 24 else text[:21] + "..."
 
-    return "; ".join(f"{d['field']}: {v(d.get('reference'))} vs {v(d.get('candidate'))}" for d in fields[:6]) + (" ..." if len(fields) > 6 else "")
+    return "; ".join(f"{d['field']}: {v(d.get('reference'))} vs {v(d.get('candidate'))}" for d in shown[:6]) + (" ..." if len(shown) > 6 else "")
 
 
 def to_markdown(att: Attribution) -> str:
@@ -653,7 +656,7 @@ def measurements_from_run(arg: str, role: str, benchmarks: dict[str, Benchmark],
         n = ((results.get("n-samples") or {}).get(task) or {}).get("effective")
         samples = str(files.samples[task]) if task in files.samples else None
         out.append(Measurement(role=role, model=info["display"], model_key=info["key"], benchmark=bench.name, task=task, strict=strict, lenient=lenient,
-                               protocol_key=f"run:{key}", protocol_label=named or f"custom-{key[:8]}", source=source, registry_model=info["registry_model"],
+                               protocol_key=f"run:{key}", protocol_label=named or f"custom-{fp.harness_sha()[:8]}", source=source, registry_model=info["registry_model"],
                                samples=samples, limit=fp.harness.get("limit"), n=n, fingerprint=fp))
     if not out:
         raise UserError(f"{files.results}: no scored task in this run ({', '.join(fp.tasks)})", "pass a run of benchmark tasks (e.g. ifeval, gsm8k_cot)")

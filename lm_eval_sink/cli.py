@@ -123,13 +123,14 @@ def protocol_show(run, as_json, output, force) -> None:
 def protocol_diff(run_a, run_b, as_json, output, force) -> None:
     """Only the protocol fields that differ between RUN_A and RUN_B, each marked whether it can change scores."""
     from lm_eval_sink.io import atomic_write_json, canonical_json, check_new_outputs, provenance
-    from lm_eval_sink.protocols import diff, diff_markdown, fingerprint_run
+    from lm_eval_sink.protocols import check_common_tasks, diff, diff_markdown, fingerprint_run
     from lm_eval_sink.runs import resolve_run
 
     if output:
         check_new_outputs([output], force)
     fa, fb = resolve_run(run_a), resolve_run(run_b)
     a, b = fingerprint_run(fa), fingerprint_run(fb)
+    check_common_tasks(a, b)
     diffs = diff(a, b)
     doc = {"schema_version": 1, "a": str(fa.results), "b": str(fb.results), "differences": [d.to_json() for d in diffs],
            "identical": not diffs, "provenance": provenance(command="protocol diff", inputs=_run_inputs([fa.results, fb.results]))}
@@ -247,7 +248,7 @@ def attribute(references, candidates, use_vendor, registry_file, benchmarks_file
 @click.option("--force", is_flag=True, help="Write into an existing --output.")
 def eval_cmd(model, protocol_name, protocol_file, tasks, limit, gen_kwargs, batch_size, dtype, seed, device, include_path, no_log_samples, output, force) -> None:
     """Run lm-eval on MODEL under a named protocol, then print the run's protocol fingerprint check."""
-    from lm_eval_sink.protocols import fingerprint_run, get_protocol, parse_gen_kwargs, settings_fields
+    from lm_eval_sink.protocols import fingerprint_run, get_protocol, limit_text, parse_gen_kwargs, settings_fields
 
     protocol = get_protocol(protocol_name, protocol_file)
     if output.exists() and any(output.iterdir()) and not force:
@@ -268,7 +269,7 @@ def eval_cmd(model, protocol_name, protocol_file, tasks, limit, gen_kwargs, batc
         click.echo(f"samples {task}: {path}")
     click.echo(f"protocol {protocol.name}: " + ("recorded settings match" if not off else "recorded settings DIFFER: " + ", ".join(off)))
     if fp.harness.get("limit") is not None:
-        click.echo(f"--limit {fp.harness['limit']}: scores are from a subset and are not final")
+        click.echo(f"--limit {limit_text(fp.harness['limit'])}: scores are from a subset and are not final")
 
 
 def main(argv: list[str] | None = None) -> int:

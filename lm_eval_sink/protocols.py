@@ -275,6 +275,13 @@ def diff(a: ProtocolFingerprint, b: ProtocolFingerprint) -> tuple[FieldDiff, ...
     return tuple(out)
 
 
+def check_common_tasks(a: ProtocolFingerprint, b: ProtocolFingerprint) -> None:
+    """Runs of entirely different tasks have no per-task protocol to compare: a UserError."""
+    if not set(a.tasks) & set(b.tasks):
+        raise UserError(f"the runs share no task ({a.source or 'A'}: {', '.join(a.tasks)}; {b.source or 'B'}: {', '.join(b.tasks)})",
+                        "compare runs of the same tasks (`lm-eval-sink protocol show` prints one run's protocol)")
+
+
 def field_description(name: str) -> str:
     """What a (dotted) diff field is, from the field tables."""
     parts = name.split(".")
@@ -321,12 +328,13 @@ PROTOCOL_KEYS: dict[str, str] = {
     "gen_kwargs": "generation overrides (mapping), e.g. {max_gen_toks: 256}",
     "batch_size": "batch size (int or 'auto'); null = the caller's choice",
     "dtype": "model dtype (auto, float32, bfloat16, float16) or null = the caller's choice",
-    "seed": "seed for every random generator (int) or null = lm-eval's defaults",
+    "seed": "seed for every random generator (int) or null = the caller's choice",
+    "model_args": "model arguments that change prompts or decoding (mapping), e.g. {enable_thinking: false}",
 }
 _TYPES: dict[str, tuple[type, ...]] = {
     "description": (str,), "apply_chat_template": (bool,), "num_fewshot": (int, type(None)), "fewshot_as_multiturn": (bool, type(None)),
     "system_instruction": (str, type(None)), "gen_kwargs": (dict, type(None)), "batch_size": (int, str, type(None)), "dtype": (str, type(None)),
-    "seed": (int, type(None)),
+    "seed": (int, type(None)), "model_args": (dict, type(None)),
 }
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -345,11 +353,12 @@ class Protocol:
     batch_size: int | str | None = None
     dtype: str | None = None
     seed: int | None = None
+    model_args: dict[str, Any] | None = None
     source: str = "builtin"
 
     def to_json(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in ("name", "description", "apply_chat_template", "num_fewshot", "fewshot_as_multiturn", "system_instruction",
-                                              "gen_kwargs", "batch_size", "dtype", "seed", "source")}
+                                              "gen_kwargs", "batch_size", "dtype", "seed", "model_args", "source")}
 
     def mismatches(self, fp: ProtocolFingerprint) -> list[str]:
         """Fields of `fp` that contradict this protocol (what a results file lets one check)."""
@@ -367,6 +376,9 @@ class Protocol:
             bad.append(f"batch_size={h.get('batch_size')}")
         if self.dtype not in (None, "auto") and h.get("dtype") not in (self.dtype, f"torch.{self.dtype}"):
             bad.append(f"dtype={h.get('dtype')}")
+        for k, v in (self.model_args or {}).items():
+            if str((h.get("model_args") or {}).get(k)) != str(v):
+                bad.append(f"model_args.{k}={(h.get('model_args') or {}).get(k)}")
         return bad
 
 
@@ -467,6 +479,11 @@ def match_protocol(fp: ProtocolFingerprint, protocols: dict[str, Protocol] | Non
 # --- tables ----------------------------------------------------------------------------------
 
 
+def limit_text(limit: Any) -> str:
+    """--limit as given: 5.0 (as lm-eval records it) reads 5."""
+    return str(int(limit)) if isinstance(limit, float) and limit.is_integer() else str(limit)
+
+
 def _cell(value: Any, width: int = 70) -> str:
     return _short(value, width).replace("|", "\\|")
 
@@ -494,7 +511,7 @@ def show_markdown(fp: ProtocolFingerprint, protocols: dict[str, Protocol] | None
     lines = [f"protocol of {fp.source or 'run'} (harness sha256 {fp.harness_sha()[:16]})",
              f"matches named protocol: {named or 'none'}"]
     if fp.harness.get("limit") is not None:
-        lines.append(f"--limit {fp.harness['limit']}: scores are from a subset and are not final")
+        lines.append(f"--limit {limit_text(fp.harness['limit'])}: scores are from a subset and are not final")
     lines += ["", "| part | field | value | can change scores |", "|---|---|---|---|"]
     lines += [f"| {p} | {f} | {_cell(v)} | {'yes' if a else 'no'} |" for p, f, v, a in show_rows(fp)]
     return "\n".join(lines) + "\n"
@@ -516,11 +533,12 @@ def diff_markdown(diffs: tuple[FieldDiff, ...], name_a: str = "A", name_b: str =
 def settings_fields(protocol: Protocol, *, tasks: list[str], limit: float | None = None, gen_kwargs: dict[str, Any] | None = None,
                     batch_size: int | str | None = None, dtype: str | None = None, seed: int | None = None, device: str = "cpu",
                     include_path: str | None = None, log_samples: bool = True) -> dict[str, Any]:
-    """The EvalSettings fields of a run under `protocol` (lm_eval_sink.harness.runner.EvalSettings).
+    """The `lm_eval_sink.harness.runner.EvalSettings` fields of a run under `protocol`.
 
     Settings the protocol fixes cannot be changed by the caller (a UserError says which), except
-    `gen_kwargs`, which are merged on top of the protocol's (they are recorded in the results as
-    overrides, so the run's fingerprint shows them). `limit` marks the run's scores non-final.
+    `gen_kwargs`, which are merged on top of the protocol's (lm-eval records them as overrides, so
+    the run's fingerprint shows them). `limit` marks the run's scores non-final. dtype "auto" or
+    None leaves the model's own dtype; seed None keeps the runner's default.
     """
     if not tasks:
         raise UserError("no tasks given", "pass --tasks, e.g. --tasks ifeval,gsm8k_cot_zeroshot")
@@ -530,22 +548,26 @@ def settings_fields(protocol: Protocol, *, tasks: list[str], limit: float | None
                             f"drop the {name} option, or define a protocol with {name}: {given} in a --protocol-file")
     if limit is not None and limit <= 0:
         raise UserError(f"--limit must be positive, got {limit}", "pass a number of docs (e.g. 5) or a fraction below 1")
-    merged = {**(protocol.gen_kwargs or {}), **(gen_kwargs or {})} or None
-    return {
-        "tasks": list(tasks),
+    chosen_dtype = protocol.dtype if protocol.dtype is not None else dtype
+    fields: dict[str, Any] = {
+        "tasks": tuple(tasks),
         "apply_chat_template": protocol.apply_chat_template,
         "num_fewshot": protocol.num_fewshot,
-        "fewshot_as_multiturn": protocol.fewshot_as_multiturn if protocol.fewshot_as_multiturn is not None else protocol.apply_chat_template,
+        "fewshot_as_multiturn": protocol.fewshot_as_multiturn,
         "system_instruction": protocol.system_instruction,
-        "gen_kwargs": merged,
+        "gen_kwargs": {**(protocol.gen_kwargs or {}), **(gen_kwargs or {})},
         "limit": limit,
-        "seed": protocol.seed if protocol.seed is not None else seed,
         "batch_size": protocol.batch_size if protocol.batch_size is not None else (batch_size if batch_size is not None else 1),
         "device": device,
-        "dtype": protocol.dtype if protocol.dtype is not None else (dtype or "auto"),
+        "dtype": None if chosen_dtype in (None, "auto") else chosen_dtype,
         "log_samples": log_samples,
         "include_path": include_path,
+        "model_args": dict(protocol.model_args or {}),
     }
+    chosen_seed = protocol.seed if protocol.seed is not None else seed
+    if chosen_seed is not None:
+        fields["seed"] = chosen_seed
+    return fields
 
 
 def parse_gen_kwargs(items: tuple[str, ...] | list[str]) -> dict[str, Any]:

@@ -332,3 +332,32 @@ def test_cli_attribute_bad_inputs(tmp_path, capsys, case):
     expected = {"different_tasks": "share no benchmark", "not_lm_eval": "not an lm-eval results file", "missing_metric": "no 'prompt_level_loose_acc,none'",
                 "missing_field": "lacks configs", "bad_mixture": "not KEY=VALUE", "unknown_vendor_entry": "not in the vendor registry"}[case]
     assert expected in err[0]
+
+
+# --- real lm-eval runs ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_real_runs_same_weights_two_protocols_and_per_prompt_self_pairing(smollm2_instruct_run, smollm2_community_run):
+    from lm_eval_sink.runs import load_results
+
+    ri, rc = load_results(smollm2_instruct_run)["results"], load_results(smollm2_community_run)["results"]
+    att = run_attribution([str(smollm2_instruct_run.results)], [str(smollm2_community_run.results)])
+    assert att.lineage[0]["status"] == "same_checkpoint"
+    assert sorted(b["benchmark"] for b in att.benchmarks) == ["GSM8K", "IFEval"]  # sink_strength is a diagnostic
+    ife = _bench(att, "IFEval")
+    [row] = ife["comparisons"]
+    assert row["kind"] == "protocol_artefact"
+    want = round(100 * (rc["ifeval"]["prompt_level_strict_acc,none"] - ri["ifeval"]["prompt_level_strict_acc,none"]), 6)
+    assert row["gap"] == want and row["protocol_part"] == want
+    assert {d["field"] for d in row["differing_fields"]} == {"apply_chat_template", "fewshot_as_multiturn", "chat_template"}
+    # a run against itself: same protocol, real samples paired per prompt, nothing lost
+    self_att = run_attribution([str(smollm2_instruct_run.results)], [str(smollm2_instruct_run.folder)])
+    for name, key in (("IFEval", "prompt_level_strict_acc,none"), ("GSM8K", "exact_match,strict-match")):
+        [row] = _bench(self_att, name)["comparisons"]
+        pp = row["per_prompt"]
+        assert row["kind"] == "same_protocol" and row["split_from"] == "samples"
+        assert (row["gap"], row["access"], row["capacity"], pp["n"], pp["strict_regressions"], pp["prompt_hash_differs"]) == (0.0, 0.0, 0.0, 5, 0, 0)
+        assert pp["matches_results"] is True
+        task = "ifeval" if name == "IFEval" else "gsm8k_cot_zeroshot"
+        assert pp["reference"]["strict"] == round(100 * ri[task][key], 6)

@@ -198,7 +198,7 @@ def test_cli_show_and_diff(tmp_path, capsys):
     assert "already exists" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("case", ["missing", "not_lm_eval", "no_file"])
+@pytest.mark.parametrize("case", ["missing", "not_lm_eval", "no_file", "different_tasks"])
 def test_cli_bad_inputs_one_line_exit_2(tmp_path, capsys, case):
     a, _ = _two_runs(tmp_path)
     bad = tmp_path / "bad" / f"results_{TS}.json"
@@ -209,6 +209,8 @@ def test_cli_bad_inputs_one_line_exit_2(tmp_path, capsys, case):
         bad.write_text(json.dumps(res))
     elif case == "not_lm_eval":
         bad.write_text(json.dumps({"results": {}, "hello": 1}))
+    elif case == "different_tasks":
+        bad = write_run(tmp_path / "g", {"gsm8k_cot": ([1], [1])})
     else:
         bad = tmp_path / "nothing.json"
     out = tmp_path / "out.json"
@@ -216,18 +218,25 @@ def test_cli_bad_inputs_one_line_exit_2(tmp_path, capsys, case):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "Traceback" not in err[0]
     assert not out.exists()
+    assert {"missing": "lacks n-shot", "not_lm_eval": "not an lm-eval results file", "no_file": "no such file", "different_tasks": "share no task"}[case] in err[0]
 
 
 def test_named_protocols_map_to_eval_settings():
     from lm_eval_sink.protocols import parse_gen_kwargs, settings_fields
 
     ins = settings_fields(get_protocol("instruct"), tasks=["ifeval"], limit=5, gen_kwargs=parse_gen_kwargs(["max_gen_toks=64,do_sample=false"]))
-    assert ins == {"tasks": ["ifeval"], "apply_chat_template": True, "num_fewshot": 0, "fewshot_as_multiturn": True, "system_instruction": None,
-                   "gen_kwargs": {"max_gen_toks": 64, "do_sample": False}, "limit": 5, "seed": None, "batch_size": 8, "device": "cpu", "dtype": "auto",
-                   "log_samples": True, "include_path": None}
+    assert ins == {"tasks": ("ifeval",), "apply_chat_template": True, "num_fewshot": 0, "fewshot_as_multiturn": None, "system_instruction": None,
+                   "gen_kwargs": {"max_gen_toks": 64, "do_sample": False}, "limit": 5, "batch_size": 8, "device": "cpu", "dtype": None,
+                   "log_samples": True, "include_path": None, "model_args": {}}
     com = settings_fields(get_protocol("community"), tasks=["ifeval", "gsm8k_cot"], batch_size=2, dtype="float32", seed=3)
-    assert (com["apply_chat_template"], com["num_fewshot"], com["fewshot_as_multiturn"]) == (False, None, False)
-    assert (com["batch_size"], com["dtype"], com["seed"], com["gen_kwargs"]) == (2, "float32", 3, None)
+    assert (com["apply_chat_template"], com["num_fewshot"], com["fewshot_as_multiturn"]) == (False, None, None)
+    assert (com["batch_size"], com["dtype"], com["seed"], com["gen_kwargs"]) == (2, "float32", 3, {})
+    # the fields build the runner's settings object as they are
+    from lm_eval_sink.harness.runner import EvalSettings
+
+    cmd = EvalSettings(**ins).command("/m", Path("/o"))
+    assert cmd[cmd.index("--batch_size") + 1] == "8" and "--apply_chat_template" in cmd and cmd[cmd.index("--num_fewshot") + 1] == "0"
+    assert "--fewshot_as_multiturn" not in EvalSettings(**com).command("/m", Path("/o"))
     with pytest.raises(UserError, match="protocol 'instruct' fixes batch_size = 8, but 4 was asked for"):
         settings_fields(get_protocol("instruct"), tasks=["ifeval"], batch_size=4)
     assert settings_fields(get_protocol("instruct"), tasks=["ifeval"], batch_size=8)["batch_size"] == 8
@@ -242,3 +251,94 @@ def test_cli_eval_unknown_protocol_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "did you mean 'instruct'" in err[0]
     assert not (tmp_path / "o").exists()
+
+
+# --- real lm-eval runs (session fixtures: SmolLM2, --limit 5, max_gen_toks 64, local data) --------
+
+
+@pytest.mark.slow
+def test_real_instruct_run_fingerprint_field_by_field(smollm2_instruct_run, default_model):
+    import transformers
+
+    from lm_eval_sink.io import sha256_text
+    from lm_eval_sink.protocols import fingerprint_run
+
+    fp = fingerprint_run(smollm2_instruct_run)
+    h, m = fp.harness, fp.model
+    assert h["apply_chat_template"] is True
+    assert h["system_instruction"] is None
+    assert h["fewshot_as_multiturn"] is True  # lm-eval's default with a chat template
+    assert h["gen_kwargs"] == {"max_gen_toks": 64}
+    assert h["model_args"] == {}
+    assert h["lm_eval_version"] == "0.4.13"
+    assert h["limit"] == 5
+    assert h["seeds"]["random"] == 0 and set(h["seeds"]) == {"random", "numpy", "torch", "fewshot"}
+    assert h["batch_size"] == "1"
+    assert h["dtype"] == "torch.float32"
+    assert sorted(h["tasks"]) == ["gsm8k_cot_zeroshot", "ifeval", "sink_strength"]
+    ife, gsm = h["tasks"]["ifeval"], h["tasks"]["gsm8k_cot_zeroshot"]
+    assert (ife["version"], ife["num_fewshot"], ife["multiturn"], ife["fewshot"], ife["filters"]) == (4, 0, False, None, None)
+    assert ife["generation_kwargs"]["max_gen_toks"] == 64 and ife["generation_kwargs"]["do_sample"] is False
+    assert [x["metric"] for x in ife["metrics"]] == ["prompt_level_strict_acc", "inst_level_strict_acc", "prompt_level_loose_acc", "inst_level_loose_acc"]
+    assert ife["dataset"]["split"] == "train" and ife["output_type"] == "generate_until"
+    assert (gsm["version"], gsm["num_fewshot"]) == (3, 0)
+    assert [x["name"] for x in gsm["filters"]] == ["strict-match", "flexible-extract"]
+    # the model part: the template lm-eval applied is the model folder's own
+    cfg = json.loads((Path(default_model) / "tokenizer_config.json").read_text())
+    own = cfg.get("chat_template")
+    if own is None and (Path(default_model) / "chat_template.jinja").is_file():
+        own = (Path(default_model) / "chat_template.jinja").read_text()
+    assert m["chat_template"] == own and m["chat_template_sha"] == sha256_text(own)
+    assert m["special_tokens"]["eos"][0] == "<|im_end|>" and m["special_tokens"]["bos"][0] == "<|im_start|>"
+    assert m["max_length"] == 8192 and m["transformers_version"] == transformers.__version__
+    assert fp.run["pretrained"] == str(default_model)
+
+
+@pytest.mark.slow
+def test_real_runs_under_two_protocols_diff_field_by_field(smollm2_instruct_run, smollm2_community_run):
+    from lm_eval_sink.protocols import fingerprint_run
+
+    a, b = fingerprint_run(smollm2_instruct_run), fingerprint_run(smollm2_community_run)
+    assert diff(a, a) == () and diff(b, b) == ()
+    got = {d.field: d for d in diff(a, b)}
+    assert set(got) == {"apply_chat_template", "fewshot_as_multiturn", "tasks", "chat_template"}
+    assert (got["apply_chat_template"].a, got["apply_chat_template"].b, got["apply_chat_template"].affects_scores) == (True, False, True)
+    assert (got["fewshot_as_multiturn"].a, got["fewshot_as_multiturn"].b, got["fewshot_as_multiturn"].affects_scores) == (True, None, False)
+    assert got["tasks"].a == ["gsm8k_cot_zeroshot", "ifeval", "sink_strength"] and got["tasks"].b == ["gsm8k_cot_zeroshot", "ifeval"]
+    assert got["chat_template"].part == "model" and got["chat_template"].a == a.model["chat_template_sha"] and got["chat_template"].b is None
+    assert b.model["chat_template"] is None and b.harness["fewshot_as_multiturn"] is None
+    assert match_protocol(b) == "community" and match_protocol(a) is None  # the fixture runs batch 1, instruct fixes 8
+    with pytest.raises(UserError, match="instruct vs community: apply_chat_template: true vs false"):
+        require_same_harness({"instruct": a, "community": b})
+
+
+@pytest.mark.slow
+def test_real_runs_cli_show_and_diff(smollm2_instruct_run, smollm2_community_run, capsys):
+    assert main(["protocol", "diff", str(smollm2_instruct_run.folder), str(smollm2_instruct_run.results)]) == 0
+    assert "no differences" in capsys.readouterr().out
+    assert main(["protocol", "diff", str(smollm2_instruct_run.results), str(smollm2_community_run.results), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [d["field"] for d in doc["differences"]] == ["apply_chat_template", "fewshot_as_multiturn", "tasks", "chat_template"]
+    assert main(["protocol", "show", str(smollm2_community_run.results)]) == 0
+    out = capsys.readouterr().out
+    assert "matches named protocol: community" in out and "--limit 5: scores are from a subset and are not final" in out
+
+
+@pytest.mark.slow
+def test_real_eval_under_named_protocol(tmp_path, shared_data, default_model, capsys, monkeypatch):
+    from lm_eval_sink.protocols import fingerprint_run
+    from lm_eval_sink.runs import resolve_run
+
+    monkeypatch.setenv("LM_EVAL_SINK_DATA", str(shared_data))
+    out = tmp_path / "run"
+    assert main(["eval", str(default_model), "--protocol", "instruct", "--tasks", "gsm8k_cot_zeroshot", "--limit", "1",
+                 "--gen-kwargs", "max_gen_toks=8", "--output", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "protocol instruct: recorded settings match" in text and "--limit 1: scores are from a subset" in text
+    fp = fingerprint_run(resolve_run(out))
+    assert match_protocol(fp) == "instruct"
+    assert (fp.harness["batch_size"], fp.harness["apply_chat_template"], fp.harness["tasks"]["gsm8k_cot_zeroshot"]["num_fewshot"]) == ("8", True, 0)
+    assert fp.harness["gen_kwargs"] == {"max_gen_toks": 8}
+    # a second eval into the same folder needs --force
+    assert main(["eval", str(default_model), "--protocol", "instruct", "--tasks", "gsm8k_cot_zeroshot", "--output", str(out)]) == 2
+    assert "already exists" in capsys.readouterr().err
