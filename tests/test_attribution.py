@@ -361,3 +361,19 @@ def test_real_runs_same_weights_two_protocols_and_per_prompt_self_pairing(smollm
         assert pp["matches_results"] is True
         task = "ifeval" if name == "IFEval" else "gsm8k_cot_zeroshot"
         assert pp["reference"]["strict"] == round(100 * ri[task][key], 6)
+
+
+def test_vendor_figures_and_reported_gaps_beside_measured_runs(tmp_path):
+    ref = write_run(tmp_path / "r", {"ifeval": REF_IF}, model="/models/Qwen2.5-7B-Instruct")
+    cand = write_run(tmp_path / "c", {"ifeval": CAND_IF}, model="/models/Qwen2.5-VL-7B-Instruct")
+    plain = run_attribution([str(ref)], [str(cand)])
+    assert [r["kind"] for r in _bench(plain, "IFEval")["comparisons"]] == ["same_protocol"]  # no registry figures without --vendor
+    att = run_attribution([str(ref)], [str(cand)], vendor=True)
+    ife = _bench(att, "IFEval")
+    kinds = [(r["kind"], r["protocol"], r["gap"]) for r in ife["comparisons"]]
+    assert kinds[0] == ("same_protocol", "instruct", -40.0)
+    assert ("reported_gap", "instruct", -9.43) in kinds and ("reported_gap", "community", -20.52) in kinds
+    assert ife["protocol_effect"]["gaps"]["instruct"] == [-40.0, -9.43]  # measured and reported under the same named protocol
+    [v] = ife["vendor"]
+    assert v["vendor"]["id"] == "qwen2.5-7b-instruct/ifeval/vendor" and v["measured"]["value"] == 80.0 and v["measured_minus_vendor"] == 8.8
+    assert v["protocol_differences"] == [] and v["vendor_unstated"] == list(STATED_KEYS)  # the vendor states nothing about its protocol
