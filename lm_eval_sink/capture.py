@@ -141,14 +141,17 @@ def n_layers_of(model: Any) -> int:
     return int(_attn_config(model).num_hidden_layers)
 
 
-def check_supported(model: Any) -> None:
-    """Refuse models whose attention does not go through transformers' attention interface."""
-    if not getattr(model, "_supports_attention_backend", False):
-        arch = type(model).__name__
+def check_supported_class(cls: type) -> None:
+    """Refuse model classes whose attention does not go through transformers' attention interface."""
+    if not getattr(cls, "_supports_attention_backend", False):
         raise UserError(
-            f"{arch} does not route attention through transformers' AttentionInterface, so Sink Strength cannot be captured",
+            f"{cls.__name__} does not route attention through transformers' AttentionInterface, so Sink Strength cannot be captured",
             "use a model whose class sets _supports_attention_backend (Llama, Mistral, Qwen2, Qwen3, OLMo2, Gemma 2/3, Phi-3, ...)",
         )
+
+
+def check_supported(model: Any) -> None:
+    check_supported_class(type(model))
 
 
 @contextlib.contextmanager

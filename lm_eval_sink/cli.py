@@ -76,6 +76,14 @@ def strength(model_names, prompts_file, n_prompts, last_k, statistic, rows, chat
         click.echo(line)
 
 
+@cli.command("tasks-dir")
+def tasks_dir_cmd() -> None:
+    """Print the folder of this project's lm-eval tasks (for lm_eval --include_path)."""
+    from lm_eval_sink.harness import tasks_dir
+
+    click.echo(str(tasks_dir()))
+
+
 # --- protocols, vendor registry and gap attribution (issue 8) ---
 
 

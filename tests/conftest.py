@@ -85,3 +85,34 @@ def smollm2_community_run(tmp_path_factory, shared_data, default_model):
 
     settings = EvalSettings(tasks=("ifeval", "gsm8k_cot_zeroshot"), apply_chat_template=False, limit=FIXTURE_LIMIT, gen_kwargs=FIXTURE_GEN_KWARGS, batch_size=1)
     return _fixture_run(tmp_path_factory, shared_data, default_model, "community", settings)
+
+
+TINY_TASK = "tiny_gen"
+
+
+@pytest.fixture(scope="session")
+def tiny_task_dir(tmp_path_factory) -> Path:
+    """A folder for --include_path with one tiny local generate_until task (`tiny_gen`, 4 docs)."""
+    import json
+
+    d = tmp_path_factory.mktemp("tiny_task")
+    docs = [{"question": f"Name {w} colors.", "answer": w} for w in ("two", "three", "four", "five")]
+    (d / "tiny_gen.jsonl").write_text("".join(json.dumps(x) + "\n" for x in docs))
+    (d / "tiny_gen.yaml").write_text(
+        f"task: {TINY_TASK}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {d / 'tiny_gen.jsonl'}\n"
+        "output_type: generate_until\ntest_split: test\ndoc_to_text: \"{{question}}\"\ndoc_to_target: \"{{answer}}\"\n"
+        "generation_kwargs:\n  until: [\"\\n\"]\n  max_gen_toks: 4\n  do_sample: false\n"
+        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\nmetadata:\n  version: 1.0\n"
+    )
+    return d
+
+
+@pytest.fixture(scope="session")
+def handset_llama_dir(tmp_path_factory, tiny_tokenizer) -> Path:
+    """The hand-set Llama of sinkmodels.py (3 layers) saved with the tiny tokenizer."""
+    import sinkmodels as sm
+
+    d = tmp_path_factory.mktemp("handset_llama")
+    sm.build("llama", n_layers=3, bos_id=tiny_tokenizer.bos_token_id).save_pretrained(d)
+    tiny_tokenizer.save_pretrained(d)
+    return d
