@@ -78,6 +78,7 @@ TASK_FIELDS: dict[str, tuple[bool, str]] = {
     "prompt_format": (True, "sha256 of the prompt-defining task fields (doc_to_text, description, delimiters, process_results, ...)"),
     "dataset": (True, "dataset path, name and evaluated split"),
     "output_type": (True, "request type"),
+    "metadata": (True, "task metadata settings (e.g. sink_strength's n_prompts, last_k); version, config path and model_args copies left out"),
 }
 MODEL_FIELDS: dict[str, tuple[bool, str]] = {
     "chat_template": (True, "chat template text (compared by sha256; null when no template was applied)"),
@@ -150,7 +151,7 @@ def _tokens(results: dict[str, Any]) -> dict[str, Any]:
     return {"bos": tok("tokenizer_bos_token"), "eos": tok("tokenizer_eos_token"), "pad": tok("tokenizer_pad_token"), "eot_token_id": results.get("eot_token_id")}
 
 
-def _task_part(name: str, cfg: dict[str, Any], n_shot: Any, version: Any, multiturn_flag: Any) -> dict[str, Any]:
+def _task_part(name: str, cfg: dict[str, Any], n_shot: Any, version: Any, multiturn_flag: Any, model_args: dict[str, Any]) -> dict[str, Any]:
     nf = n_shot if n_shot is not None else cfg.get("num_fewshot")
     fs_cfg = cfg.get("fewshot_config") or {}
     uses_fewshot = bool(nf)
@@ -167,6 +168,8 @@ def _task_part(name: str, cfg: dict[str, Any], n_shot: Any, version: Any, multit
         "prompt_format": sha256_text(canonical_json(prompt)),
         "dataset": {"path": cfg.get("dataset_path"), "name": cfg.get("dataset_name"), "split": cfg.get("test_split") or cfg.get("validation_split")},
         "output_type": cfg.get("output_type"),
+        # lm-eval copies model_args into every task's metadata; those and bookkeeping keys are not task settings
+        "metadata": {k: v for k, v in sorted(meta.items()) if k not in ("version", "config_source") and k not in model_args} or None,
     }
 
 
@@ -204,7 +207,7 @@ def fingerprint(results: dict[str, Any], source: str | Path | None = None) -> Pr
         "seeds": {"random": cfg.get("random_seed"), "numpy": cfg.get("numpy_seed"), "torch": cfg.get("torch_seed"), "fewshot": cfg.get("fewshot_seed")},
         "batch_size": None if cfg.get("batch_size") is None else str(cfg.get("batch_size")),
         "dtype": cfg.get("model_dtype") or model_args.get("dtype"),
-        "tasks": {t: _task_part(t, c, n_shot.get(t), versions.get(t), results.get("fewshot_as_multiturn")) for t, c in sorted(configs.items())},
+        "tasks": {t: _task_part(t, c, n_shot.get(t), versions.get(t), results.get("fewshot_as_multiturn"), model_args) for t, c in sorted(configs.items())},
     }
     model = {
         "chat_template": template,
@@ -369,7 +372,7 @@ class Protocol:
         if (h.get("system_instruction") or None) != (self.system_instruction or None):
             bad.append("system_instruction")
         if self.num_fewshot is not None:
-            off = [t for t, v in h["tasks"].items() if v["num_fewshot"] != self.num_fewshot and not t.startswith("sink_strength")]
+            off = [t for t, v in h["tasks"].items() if v["num_fewshot"] != self.num_fewshot]
             if off:
                 bad.append(f"num_fewshot of {', '.join(off)}")
         if self.batch_size is not None and str(self.batch_size) != str(h.get("batch_size")):

@@ -342,3 +342,14 @@ def test_real_eval_under_named_protocol(tmp_path, shared_data, default_model, ca
     # a second eval into the same folder needs --force
     assert main(["eval", str(default_model), "--protocol", "instruct", "--tasks", "gsm8k_cot_zeroshot", "--output", str(out)]) == 2
     assert "already exists" in capsys.readouterr().err
+
+
+def test_task_metadata_settings_are_compared_but_model_args_copies_are_not():
+    a_res = results_dict(SCORES, model_args={"dtype": "bfloat16"})
+    b_res = results_dict(SCORES, model_args={"dtype": "bfloat16"})
+    for res, n in ((a_res, 15), (b_res, 5)):
+        res["configs"]["ifeval"]["metadata"].update({"n_prompts": n, "pretrained": res["config"]["model_args"]["pretrained"], "dtype": "bfloat16",
+                                                      "config_source": f"/somewhere/{n}.yaml"})
+    a, b = fingerprint(a_res), fingerprint(b_res)
+    assert a.harness["tasks"]["ifeval"]["metadata"] == {"n_prompts": 15}
+    assert [(d.field, d.a, d.b) for d in diff(a, b)] == [("tasks.ifeval.metadata.n_prompts", 15, 5)]
