@@ -96,3 +96,34 @@ def gap_parts(bars: Sequence[dict], path: Path, title: str, footer: str = "") ->
     if footer:
         fig.text(0.01, -0.02, footer, fontsize=6, color="dimgray", ha="left", va="top", wrap=True)
     return save_figure(fig, path)
+
+
+_QK_COLORS = {"per_head": "tab:green", "layerwise": "tab:orange", "none": "tab:red", None: "tab:gray"}
+
+
+def fit_scatter(names: Sequence[str], s: Sequence[float], deltas: Sequence[float], qk_norm: Sequence[str | None], slope: float, intercept: float, task: str, path: Path, screened: Sequence[tuple[str, float, float]] = ()) -> Path:
+    """Reference pairs (S vs delta, coloured by QK-norm class), the fitted line, and screened models.
+
+    `screened` holds (label, S, predicted delta) triples, drawn as black stars on the line.
+    """
+    import numpy as np
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = list(s) + [x for _, x, _ in screened]
+    grid = np.linspace(min(xs) - 0.2, max(xs) + 0.2, 50)
+    ax.plot(grid, slope * grid + intercept, color="black", lw=0.8, label=f"fit: {slope:.2f} * S {intercept:+.2f}")
+    for cls in dict.fromkeys(qk_norm):
+        idx = [i for i, q in enumerate(qk_norm) if q == cls]
+        ax.scatter([s[i] for i in idx], [deltas[i] for i in idx], color=_QK_COLORS.get(cls, "tab:gray"), label=f"pairs, QK-norm: {cls or 'unknown'}", zorder=3)
+    for n, x, y in zip(names, s, deltas):
+        ax.annotate(n, (x, y), fontsize=7, xytext=(4, 2), textcoords="offset points")
+    for label, x, y in screened:
+        ax.scatter([x], [y], marker="*", s=120, color="black", zorder=4)
+        ax.annotate(label, (x, y), fontsize=7, xytext=(4, -10), textcoords="offset points")
+    ax.axhline(0, color="gray", lw=0.5)
+    ax.set_xlabel("Sink Strength S of the reference LLM")
+    ax.set_ylabel(f"{task} delta (points)")
+    ax.set_title(f"{task}: delta vs S" + (" (stars: screened models, predicted)" if screened else ""), fontsize=9)
+    ax.legend(fontsize=7)
+    return save_figure(fig, path)

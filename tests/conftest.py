@@ -116,3 +116,23 @@ def handset_llama_dir(tmp_path_factory, tiny_tokenizer) -> Path:
     sm.build("llama", n_layers=3, bos_id=tiny_tokenizer.bos_token_id).save_pretrained(d)
     tiny_tokenizer.save_pretrained(d)
     return d
+
+
+def save_sink_llama(path: Path, gaps, tokenizer) -> Path:
+    """sinkmodels' hand-set Llama with chosen sink gaps, saved with `tokenizer` (margin/screen tests).
+
+    `gaps[layer][head]` = c (2 heads): a row at query position t >= 1 has logits [c, 0 x t], so its
+    sink log-odds at key 0 are c - log(t). In sinkmodels' Llama c = alpha * beta * H / sqrt(D).
+    """
+    import sinkmodels as sm
+    import torch
+
+    model = sm.build("llama", n_layers=len(gaps), bos_id=tokenizer.bos_token_id)
+    beta = sm.betas(len(gaps))
+    with torch.no_grad():
+        for li, layer in enumerate(model.model.layers):
+            for h, c in enumerate(gaps[li]):
+                layer.self_attn.q_proj.weight[h * sm.D + 1, 1] = c / (beta[li] * sm.H * sm.D**-0.5)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
