@@ -84,7 +84,138 @@ def tasks_dir_cmd() -> None:
     click.echo(str(tasks_dir()))
 
 
-<<<<<<< HEAD
+# --- screening, fits and sink margins (issue 9) ---
+
+
+def _calibration_options(f):
+    """Options shared by `screen` and `margin`: the calibration of a Sink Strength measurement."""
+    for opt in reversed([
+        click.option("--prompts", "prompts_file", type=click.Path(path_type=Path), default=None, help="JSONL with a 'prompt' field, or text with one prompt a line."),
+        click.option("--n-prompts", type=int, default=None, help="First N prompts (builtin set: 5 or 15; default all)."),
+        click.option("--rows", type=click.Choice(["all", "content"]), default="all", show_default=True, help="Rows used: every query position >= 1, or the user message's tokens only."),
+        click.option("--chat-template/--no-chat-template", default=True, show_default=True, help="Render prompts through the chat template."),
+        click.option("--system-prompt", default=None, help="System message before each prompt (chat template only)."),
+        click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True),
+        click.option("--device", default="cpu", show_default=True),
+        click.option("--batch-size", type=int, default=1, show_default=True),
+        click.option("--force", is_flag=True, help="Overwrite earlier results."),
+        click.option("--quiet", is_flag=True, help="No progress bars."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def _last_k(value: str) -> int | None:
+    if value == "all":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise UserError(f"--last-k must be a number or 'all', got {value!r}", "use e.g. --last-k 10") from None
+
+
+@cli.command()
+@click.argument("model_names", metavar="MODEL [MODEL ...]", nargs=-1, required=True)
+@click.option("--pairs", "pairs_file", type=click.Path(path_type=Path), default=None, help="PAIRS.yaml to fit the predictor on (default: the paper's six pairs).")
+@click.option("--last-k", default="10", show_default=True, help="S over the last K layers, or 'all'.")
+@_calibration_options
+@click.option("--output", type=click.Path(path_type=Path), default=None, help="Folder for screen.json/.md/.csv/.png and per-model strength files (default: print only).")
+def screen(model_names, pairs_file, last_k, prompts_file, n_prompts, rows, chat_template, system_prompt, dtype, device, batch_size, force, quiet, output) -> None:
+    """Rank backbones by Sink Strength S and predict their post-VL deltas (MODEL: folder, hub id or 'default')."""
+    from lm_eval_sink.screen import run_screen
+    from lm_eval_sink.strength import StrengthSettings
+
+    settings = StrengthSettings(last_k=_last_k(last_k), rows=rows, n_prompts=n_prompts, prompts_file=str(prompts_file) if prompts_file else None,
+                                use_chat_template=chat_template, system_prompt=system_prompt, batch_size=batch_size)
+    names = list(model_names)
+    for line in run_screen(names, [_slug(n) for n in names], settings, pairs_file, output, dtype=dtype, device=device, force=force, progress=not quiet):
+        click.echo(line)
+
+
+@cli.command()
+@click.argument("pairs_file", metavar="[PAIRS.yaml]", required=False, type=click.Path(path_type=Path))
+@click.option("--output", type=click.Path(path_type=Path), default=None, help="Folder for fit.json, fit.md and fit_<task>.png (default: print only).")
+@click.option("--force", is_flag=True, help="Overwrite earlier results.")
+def fit(pairs_file, output, force) -> None:
+    """Fit S -> delta per task: Spearman rho, exact permutation p, line, leave-one-pair-out errors (no file: the paper's table)."""
+    from lm_eval_sink.predict import run_fit
+
+    for line in run_fit(pairs_file, output, force=force):
+        click.echo(line)
+
+
+@cli.command()
+@click.argument("reference")
+@click.argument("candidate")
+@click.option("--quantile", type=float, default=0.95, show_default=True, help="Quantile of the per-row shift for the second B_gap.")
+@click.option("--last-k", default="all", show_default=True, help="Layers of the margin table: the last K, or 'all'.")
+@click.option("--strength-last-k", default="10", show_default=True, help="K of both models' own Sink Strength S.")
+@_calibration_options
+@click.option("--output", type=click.Path(path_type=Path), default=None, help="Folder for margin.json/.md/.csv, margin_rows.npz and margin_heatmap.png (default: print only).")
+def margin(reference, candidate, quantile, last_k, strength_last_k, prompts_file, n_prompts, rows, chat_template, system_prompt, dtype, device, batch_size, force, quiet, output) -> None:
+    """Per-head sink margins G_base - B_gap of CANDIDATE (e.g. a VLM backbone) against REFERENCE (its LLM)."""
+    from lm_eval_sink.margin import MarginSettings, run_margin
+    from lm_eval_sink.strength import StrengthSettings
+
+    st = StrengthSettings(last_k=_last_k(strength_last_k), rows=rows, n_prompts=n_prompts, prompts_file=str(prompts_file) if prompts_file else None,
+                          use_chat_template=chat_template, system_prompt=system_prompt, batch_size=batch_size)
+    settings = MarginSettings(strength=st, last_k=_last_k(last_k), quantile=quantile)
+    for line in run_margin(reference, candidate, settings, output, dtype=dtype, device=device, force=force, progress=not quiet):
+        click.echo(line)
+
+
+# --- VLM backbone extraction (issue 6) ---
+
+
+def _echo_extraction(report) -> None:
+    """Print an extract/inject report; a failed verification becomes the one error line (exit 2)."""
+    what = "extracted" if report.operation == "extract" else "injected"
+    head = "tied head" if report.tied_embeddings else "untied head"
+    click.echo(f"{what} {report.family} ({report.source_class}) <-> {report.target_class}: {report.tensors_written} tensors, "
+               f"{report.bytes_written / 1e6:.1f} MB in {len(report.shards)} shard(s), {report.dtype}, {head}, {report.seconds:.1f} s")
+    if report.operation == "extract":
+        click.echo(f"chat template: {report.chat_template_source or 'none found'}" + ("" if report.tokenizer else " (no tokenizer in the VLM folder)"))
+    v = report.verification
+    if v is None:
+        click.echo("verification: skipped (--no-verify); structural checks only")
+    elif v.passed:
+        click.echo(f"verification: max |logit difference| {v.max_abs_diff:.3g} <= {v.tolerance:.3g} ({v.dtype}, {v.probe_tokens} probe tokens): passed")
+    marker = "COMPLETE.json" if report.ok else "FAILED.json"
+    report_file = "extraction.json" if report.operation == "extract" else "injection.json"
+    click.echo(f"wrote {report.output} ({report_file}, {marker})")
+    if not report.ok:
+        raise UserError(f"verification failed: {v.reason}; the output is kept at {report.output} and marked failed (FAILED.json, no COMPLETE.json)",
+                        f"see {report_file} for the tensor mapping; the architecture rules do not reproduce this VLM's text path")
+
+
+@cli.command()
+@click.argument("vlm_path", type=click.Path(path_type=Path))
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option("--dtype", type=click.Choice(["keep", "bf16", "fp32"]), default="keep", show_default=True, help="Dtype of the written tensors (keep: as stored in the VLM).")
+@click.option("--verify/--no-verify", default=True, show_default=True, help="Compare the VLM's text path and the backbone's logits on a fixed probe (loads both, one after the other).")
+@click.option("--force", is_flag=True, help="Replace an existing OUT_DIR.")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+def extract(vlm_path, out_dir, dtype, verify, force, quiet) -> None:
+    """Write VLM_PATH's language backbone to OUT_DIR as a standalone causal LM (AutoModelForCausalLM)."""
+    from lm_eval_sink.extract import extract_backbone
+
+    _echo_extraction(extract_backbone(vlm_path, out_dir, dtype=dtype, verify=verify, force=force, progress=not quiet))
+
+
+@cli.command()
+@click.argument("backbone", type=click.Path(path_type=Path))
+@click.argument("vlm_path", type=click.Path(path_type=Path))
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option("--verify/--no-verify", default=True, show_default=True, help="Compare the new VLM's text path with BACKBONE's logits on a fixed probe.")
+@click.option("--force", is_flag=True, help="Replace an existing OUT_DIR.")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+def inject(backbone, vlm_path, out_dir, verify, force, quiet) -> None:
+    """Write a copy of VLM_PATH to OUT_DIR whose language model is BACKBONE (e.g. a merged backbone)."""
+    from lm_eval_sink.extract import inject_backbone
+
+    _echo_extraction(inject_backbone(backbone, vlm_path, out_dir, verify=verify, force=force, progress=not quiet))
+
+
 # --- protocols, vendor registry and gap attribution (issue 8) ---
 
 
@@ -279,138 +410,6 @@ def eval_cmd(model, protocol_name, protocol_file, tasks, limit, gen_kwargs, batc
     click.echo(f"protocol {protocol.name}: " + ("recorded settings match" if not off else "recorded settings DIFFER: " + ", ".join(off)))
     if fp.harness.get("limit") is not None:
         click.echo(f"--limit {limit_text(fp.harness['limit'])}: scores are from a subset and are not final")
-=======
-# --- screening, fits and sink margins (issue 9) ---
-
-
-def _calibration_options(f):
-    """Options shared by `screen` and `margin`: the calibration of a Sink Strength measurement."""
-    for opt in reversed([
-        click.option("--prompts", "prompts_file", type=click.Path(path_type=Path), default=None, help="JSONL with a 'prompt' field, or text with one prompt a line."),
-        click.option("--n-prompts", type=int, default=None, help="First N prompts (builtin set: 5 or 15; default all)."),
-        click.option("--rows", type=click.Choice(["all", "content"]), default="all", show_default=True, help="Rows used: every query position >= 1, or the user message's tokens only."),
-        click.option("--chat-template/--no-chat-template", default=True, show_default=True, help="Render prompts through the chat template."),
-        click.option("--system-prompt", default=None, help="System message before each prompt (chat template only)."),
-        click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True),
-        click.option("--device", default="cpu", show_default=True),
-        click.option("--batch-size", type=int, default=1, show_default=True),
-        click.option("--force", is_flag=True, help="Overwrite earlier results."),
-        click.option("--quiet", is_flag=True, help="No progress bars."),
-    ]):
-        f = opt(f)
-    return f
-
-
-def _last_k(value: str) -> int | None:
-    if value == "all":
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise UserError(f"--last-k must be a number or 'all', got {value!r}", "use e.g. --last-k 10") from None
-
-
-@cli.command()
-@click.argument("model_names", metavar="MODEL [MODEL ...]", nargs=-1, required=True)
-@click.option("--pairs", "pairs_file", type=click.Path(path_type=Path), default=None, help="PAIRS.yaml to fit the predictor on (default: the paper's six pairs).")
-@click.option("--last-k", default="10", show_default=True, help="S over the last K layers, or 'all'.")
-@_calibration_options
-@click.option("--output", type=click.Path(path_type=Path), default=None, help="Folder for screen.json/.md/.csv/.png and per-model strength files (default: print only).")
-def screen(model_names, pairs_file, last_k, prompts_file, n_prompts, rows, chat_template, system_prompt, dtype, device, batch_size, force, quiet, output) -> None:
-    """Rank backbones by Sink Strength S and predict their post-VL deltas (MODEL: folder, hub id or 'default')."""
-    from lm_eval_sink.screen import run_screen
-    from lm_eval_sink.strength import StrengthSettings
-
-    settings = StrengthSettings(last_k=_last_k(last_k), rows=rows, n_prompts=n_prompts, prompts_file=str(prompts_file) if prompts_file else None,
-                                use_chat_template=chat_template, system_prompt=system_prompt, batch_size=batch_size)
-    names = list(model_names)
-    for line in run_screen(names, [_slug(n) for n in names], settings, pairs_file, output, dtype=dtype, device=device, force=force, progress=not quiet):
-        click.echo(line)
-
-
-@cli.command()
-@click.argument("pairs_file", metavar="[PAIRS.yaml]", required=False, type=click.Path(path_type=Path))
-@click.option("--output", type=click.Path(path_type=Path), default=None, help="Folder for fit.json, fit.md and fit_<task>.png (default: print only).")
-@click.option("--force", is_flag=True, help="Overwrite earlier results.")
-def fit(pairs_file, output, force) -> None:
-    """Fit S -> delta per task: Spearman rho, exact permutation p, line, leave-one-pair-out errors (no file: the paper's table)."""
-    from lm_eval_sink.predict import run_fit
-
-    for line in run_fit(pairs_file, output, force=force):
-        click.echo(line)
-
-
-@cli.command()
-@click.argument("reference")
-@click.argument("candidate")
-@click.option("--quantile", type=float, default=0.95, show_default=True, help="Quantile of the per-row shift for the second B_gap.")
-@click.option("--last-k", default="all", show_default=True, help="Layers of the margin table: the last K, or 'all'.")
-@click.option("--strength-last-k", default="10", show_default=True, help="K of both models' own Sink Strength S.")
-@_calibration_options
-@click.option("--output", type=click.Path(path_type=Path), default=None, help="Folder for margin.json/.md/.csv, margin_rows.npz and margin_heatmap.png (default: print only).")
-def margin(reference, candidate, quantile, last_k, strength_last_k, prompts_file, n_prompts, rows, chat_template, system_prompt, dtype, device, batch_size, force, quiet, output) -> None:
-    """Per-head sink margins G_base - B_gap of CANDIDATE (e.g. a VLM backbone) against REFERENCE (its LLM)."""
-    from lm_eval_sink.margin import MarginSettings, run_margin
-    from lm_eval_sink.strength import StrengthSettings
-
-    st = StrengthSettings(last_k=_last_k(strength_last_k), rows=rows, n_prompts=n_prompts, prompts_file=str(prompts_file) if prompts_file else None,
-                          use_chat_template=chat_template, system_prompt=system_prompt, batch_size=batch_size)
-    settings = MarginSettings(strength=st, last_k=_last_k(last_k), quantile=quantile)
-    for line in run_margin(reference, candidate, settings, output, dtype=dtype, device=device, force=force, progress=not quiet):
-        click.echo(line)
-
-
-# --- VLM backbone extraction (issue 6) ---
-
-
-def _echo_extraction(report) -> None:
-    """Print an extract/inject report; a failed verification becomes the one error line (exit 2)."""
-    what = "extracted" if report.operation == "extract" else "injected"
-    head = "tied head" if report.tied_embeddings else "untied head"
-    click.echo(f"{what} {report.family} ({report.source_class}) <-> {report.target_class}: {report.tensors_written} tensors, "
-               f"{report.bytes_written / 1e6:.1f} MB in {len(report.shards)} shard(s), {report.dtype}, {head}, {report.seconds:.1f} s")
-    if report.operation == "extract":
-        click.echo(f"chat template: {report.chat_template_source or 'none found'}" + ("" if report.tokenizer else " (no tokenizer in the VLM folder)"))
-    v = report.verification
-    if v is None:
-        click.echo("verification: skipped (--no-verify); structural checks only")
-    elif v.passed:
-        click.echo(f"verification: max |logit difference| {v.max_abs_diff:.3g} <= {v.tolerance:.3g} ({v.dtype}, {v.probe_tokens} probe tokens): passed")
-    marker = "COMPLETE.json" if report.ok else "FAILED.json"
-    report_file = "extraction.json" if report.operation == "extract" else "injection.json"
-    click.echo(f"wrote {report.output} ({report_file}, {marker})")
-    if not report.ok:
-        raise UserError(f"verification failed: {v.reason}; the output is kept at {report.output} and marked failed (FAILED.json, no COMPLETE.json)",
-                        f"see {report_file} for the tensor mapping; the architecture rules do not reproduce this VLM's text path")
-
-
-@cli.command()
-@click.argument("vlm_path", type=click.Path(path_type=Path))
-@click.argument("out_dir", type=click.Path(path_type=Path))
-@click.option("--dtype", type=click.Choice(["keep", "bf16", "fp32"]), default="keep", show_default=True, help="Dtype of the written tensors (keep: as stored in the VLM).")
-@click.option("--verify/--no-verify", default=True, show_default=True, help="Compare the VLM's text path and the backbone's logits on a fixed probe (loads both, one after the other).")
-@click.option("--force", is_flag=True, help="Replace an existing OUT_DIR.")
-@click.option("--quiet", is_flag=True, help="No progress bars.")
-def extract(vlm_path, out_dir, dtype, verify, force, quiet) -> None:
-    """Write VLM_PATH's language backbone to OUT_DIR as a standalone causal LM (AutoModelForCausalLM)."""
-    from lm_eval_sink.extract import extract_backbone
-
-    _echo_extraction(extract_backbone(vlm_path, out_dir, dtype=dtype, verify=verify, force=force, progress=not quiet))
-
-
-@cli.command()
-@click.argument("backbone", type=click.Path(path_type=Path))
-@click.argument("vlm_path", type=click.Path(path_type=Path))
-@click.argument("out_dir", type=click.Path(path_type=Path))
-@click.option("--verify/--no-verify", default=True, show_default=True, help="Compare the new VLM's text path with BACKBONE's logits on a fixed probe.")
-@click.option("--force", is_flag=True, help="Replace an existing OUT_DIR.")
-@click.option("--quiet", is_flag=True, help="No progress bars.")
-def inject(backbone, vlm_path, out_dir, verify, force, quiet) -> None:
-    """Write a copy of VLM_PATH to OUT_DIR whose language model is BACKBONE (e.g. a merged backbone)."""
-    from lm_eval_sink.extract import inject_backbone
-
-    _echo_extraction(inject_backbone(backbone, vlm_path, out_dir, verify=verify, force=force, progress=not quiet))
->>>>>>> main
 
 
 def main(argv: list[str] | None = None) -> int:
