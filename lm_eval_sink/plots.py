@@ -63,6 +63,41 @@ def ranking_bars(names: Sequence[str], values: Sequence[float], title: str, path
     return save_figure(fig, path)
 
 
+def gap_parts(bars: Sequence[dict], path: Path, title: str, footer: str = "") -> Path:
+    """Stacked bars, one per comparison: its gap split into access, capacity, protocol and unsplit parts.
+
+    `bars`: [{"label", "gap", "parts": {"access", "capacity", "protocol", "unsplit"}}] in points.
+    Negative parts stack downwards from 0, positive ones upwards; a dot marks the total gap.
+    """
+    plt = _pyplot()
+    colors = {"access": "tab:orange", "capacity": "tab:blue", "unsplit": "tab:gray", "protocol": "tab:purple"}
+    fig, ax = plt.subplots(figsize=(max(4.5, 1.1 * len(bars) + 2), 4.2))
+    for i, bar in enumerate(bars):
+        up = down = 0.0
+        for name, color in colors.items():
+            v = float(bar["parts"].get(name) or 0.0)
+            if v == 0:
+                continue
+            base = up if v > 0 else down
+            ax.bar(i, v, bottom=base, color=color, label=name, width=0.6)
+            if v > 0:
+                up += v
+            else:
+                down += v
+        ax.plot(i, bar["gap"], "k.", ms=8)
+    handles, labels = ax.get_legend_handles_labels()
+    seen = dict(zip(labels, handles))
+    if seen:
+        ax.legend(seen.values(), seen.keys(), fontsize=8, loc="best")
+    ax.axhline(0, color="black", lw=0.8)
+    ax.set_xticks(range(len(bars)), [b["label"] for b in bars], fontsize=7)
+    ax.set_ylabel("points")
+    ax.set_title(title, fontsize=9)
+    if footer:
+        fig.text(0.01, -0.02, footer, fontsize=6, color="dimgray", ha="left", va="top", wrap=True)
+    return save_figure(fig, path)
+
+
 _QK_COLORS = {"per_head": "tab:green", "layerwise": "tab:orange", "none": "tab:red", None: "tab:gray"}
 
 
