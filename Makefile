@@ -27,7 +27,7 @@ demo: $(STAMP)
 	LM_EVAL_SINK_DATA=$${LM_EVAL_SINK_DATA:-$(SHARED)/data} $(PY) -m lm_eval_sink.demo
 
 bench: $(STAMP)
-	$(PY) benchmarks/bench_strength.py
+	LM_EVAL_SINK_DATA=$${LM_EVAL_SINK_DATA:-$(SHARED)/data} sh -c 'for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done'
 
 clean:
 	rm -rf $(VENV) demo_out

@@ -17,10 +17,15 @@ padding never shifts "position 0"; the `query` axis holds positions 1..L-1, posi
 other key and is excluded):
     sink_logodds[layer, head, query]  float32  logit(sink key) - logsumexp(logits of other keys)
                                                = log(a_sink / (1 - a_sink)), never saturated
-    sink_pos[layer, head, query]      int64    the sink key = argmax key of the row
+    sink_pos[layer, head, query]      int64    the sink key = argmax key of the row, or the fixed key
+                                               given in `capture_prompts(sink_keys=...)`
     pos0_mass[layer, head, query]     float32  attention probability on position 0
     content[query]                    bool     the row's token is the user message's text
 `layer` indexes `PromptCapture.layers` (model layer indices, ascending).
+With `sink_keys` (one int array [layer, head, query] per prompt, positions counted from the first
+real token, e.g. another model's `sink_pos`), each row's sink key is that fixed key instead of
+the argmax, so `sink_logodds` is the aggregate logit gap at the given key (used by margin.py to
+measure a candidate model at its reference's sink keys). Without it nothing changes.
 Footgun: rows whose position 0 lies outside a sliding window have pos0_mass 0; keep calibration
 prompts shorter than the window (they are: ~50 tokens).
 """
@@ -63,6 +68,7 @@ class _Collector:
         self.layers = layers
         self.first_real: torch.Tensor | None = None  # [batch] index of each row's first real token
         self.records: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.fixed_keys: dict[int, torch.Tensor] | None = None  # layer -> [batch, head, query] key index, -1 = argmax
 
 
 def _allowed_keys(attention_mask: Any, bsz: int, q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
@@ -77,7 +83,7 @@ def _allowed_keys(attention_mask: Any, bsz: int, q_len: int, k_len: int, device:
     return mask > torch.finfo(mask.dtype).min / 2
 
 
-def _row_stats(module: Any, query: torch.Tensor, key: torch.Tensor, attention_mask: Any, scaling: float | None, softcap: float | None, first_real: torch.Tensor):
+def _row_stats(module: Any, query: torch.Tensor, key: torch.Tensor, attention_mask: Any, scaling: float | None, softcap: float | None, first_real: torch.Tensor, fixed_keys: torch.Tensor | None = None):
     bsz, n_heads, q_len, head_dim = query.shape
     k_len = key.shape[-2]
     q = query.detach().float()
@@ -91,6 +97,9 @@ def _row_stats(module: Any, query: torch.Tensor, key: torch.Tensor, attention_ma
     allowed = _allowed_keys(attention_mask, bsz, q_len, k_len, logits.device)
     logits = logits.masked_fill(~allowed, float("-inf"))
     sink_pos = logits.argmax(dim=-1)
+    if fixed_keys is not None:
+        fixed_keys = fixed_keys.to(logits.device)
+        sink_pos = torch.where(fixed_keys >= 0, fixed_keys, sink_pos)
     sink_logit = logits.gather(-1, sink_pos[..., None]).squeeze(-1)
     others = logits.scatter(-1, sink_pos[..., None], float("-inf"))
     sink_logodds = sink_logit - torch.logsumexp(others, dim=-1)
@@ -114,7 +123,8 @@ def _make_attention(delegate: str):
         collector = _ACTIVE.get()
         layer = getattr(module, "layer_idx", None)
         if collector is not None and layer in collector.layers and collector.first_real is not None:
-            collector.records[layer] = _row_stats(module, query, key, attention_mask, scaling, kwargs.get("softcap"), collector.first_real)
+            fixed = collector.fixed_keys[layer] if collector.fixed_keys is not None else None
+            collector.records[layer] = _row_stats(module, query, key, attention_mask, scaling, kwargs.get("softcap"), collector.first_real, fixed)
         return _delegate_fn(module, delegate)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
     attention.__name__ = f"{IMPL_PREFIX}_{delegate}_attention"
@@ -141,14 +151,17 @@ def n_layers_of(model: Any) -> int:
     return int(_attn_config(model).num_hidden_layers)
 
 
-def check_supported(model: Any) -> None:
-    """Refuse models whose attention does not go through transformers' attention interface."""
-    if not getattr(model, "_supports_attention_backend", False):
-        arch = type(model).__name__
+def check_supported_class(cls: type) -> None:
+    """Refuse model classes whose attention does not go through transformers' attention interface."""
+    if not getattr(cls, "_supports_attention_backend", False):
         raise UserError(
-            f"{arch} does not route attention through transformers' AttentionInterface, so Sink Strength cannot be captured",
+            f"{cls.__name__} does not route attention through transformers' AttentionInterface, so Sink Strength cannot be captured",
             "use a model whose class sets _supports_attention_backend (Llama, Mistral, Qwen2, Qwen3, OLMo2, Gemma 2/3, Phi-3, ...)",
         )
+
+
+def check_supported(model: Any) -> None:
+    check_supported_class(type(model))
 
 
 @contextlib.contextmanager
@@ -181,6 +194,31 @@ def _batch(input_ids: Sequence[Sequence[int]], pad_id: int, device: torch.device
     return ids.to(device), mask.to(device), position_ids.to(device), first_real
 
 
+def _check_sink_keys(sink_keys: Sequence[np.ndarray], encoded: EncodedPrompts, n_layers: int, n_heads: int) -> None:
+    if len(sink_keys) != len(encoded):
+        raise UserError(f"sink_keys has {len(sink_keys)} entries for {len(encoded)} prompts", "pass one [layer, head, query] array per prompt")
+    for j, (keys, ids) in enumerate(zip(sink_keys, encoded.input_ids)):
+        keys = np.asarray(keys)
+        want = (n_layers, n_heads, len(ids) - 1)
+        if keys.shape != want:
+            raise UserError(f"sink_keys of prompt {j} have shape {keys.shape}, expected {want} [layer, head, query]", "capture both models with the same layers, heads and token ids")
+        query_pos = np.arange(1, len(ids))
+        if keys.size and ((keys < 0).any() or (keys > query_pos).any()):
+            raise UserError(f"sink_keys of prompt {j} hold a key outside 0..query position", "pass key positions counted from the prompt's first token, at most the query's own position")
+
+
+def _fixed_key_batch(keys: Sequence[np.ndarray], layers: tuple[int, ...], first_real: torch.Tensor, width: int) -> dict[int, torch.Tensor]:
+    """Per layer, [batch, head, query] absolute key index of each padded row (-1: no fixed key)."""
+    n_heads = np.asarray(keys[0]).shape[1]
+    out = {x: torch.full((len(keys), n_heads, width), -1, dtype=torch.long) for x in layers}
+    for i, k in enumerate(keys):
+        p = int(first_real[i])
+        k = torch.as_tensor(np.asarray(k, dtype=np.int64)) + p
+        for li, x in enumerate(layers):
+            out[x][i, :, p + 1 : p + 1 + k.shape[-1]] = k[li]
+    return out
+
+
 def capture_prompts(
     model: Any,
     encoded: EncodedPrompts,
@@ -188,8 +226,13 @@ def capture_prompts(
     batch_size: int = 1,
     progress: bool = True,
     desc: str = "sink capture",
+    sink_keys: Sequence[np.ndarray] | None = None,
 ) -> list[PromptCapture]:
-    """Run the prompts through `model` under `sink_capture` and return per-prompt statistics."""
+    """Run the prompts through `model` under `sink_capture` and return per-prompt statistics.
+
+    `sink_keys`: optional fixed sink key per row (one [layer, head, query] int array per prompt,
+    positions from the first real token); see the module docstring.
+    """
     from tqdm.auto import tqdm
 
     if batch_size <= 0:
@@ -203,6 +246,8 @@ def capture_prompts(
     longest = max(len(x) for x in encoded.input_ids)
     if max_pos and longest > max_pos:
         raise UserError(f"a calibration prompt has {longest} tokens, more than the model's {max_pos} positions", "use shorter prompts")
+    if sink_keys is not None:
+        _check_sink_keys(sink_keys, encoded, len(layers), int(_attn_config(model).num_attention_heads))
     pad_id = next((t for t in (getattr(model.config, "pad_token_id", None), 0) if t is not None), 0)
     device = next(model.parameters()).device
     out: list[PromptCapture] = []
@@ -213,6 +258,8 @@ def capture_prompts(
             ids, mask, position_ids, first_real = _batch(chunk, int(pad_id), device)
             collector.first_real = first_real
             collector.records = {}
+            if sink_keys is not None:
+                collector.fixed_keys = _fixed_key_batch(sink_keys[start : start + batch_size], layers, first_real, ids.shape[1])
             model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
             missing = [x for x in layers if x not in collector.records]
             if missing:
@@ -237,6 +284,7 @@ def capture_prompts(
                     )
                 )
             collector.first_real = None
+            collector.fixed_keys = None
     bad_rows = [(j, li) for j, c in enumerate(out) for li in range(len(layers)) if not np.isfinite(c.sink_logodds[li]).all()]
     if bad_rows:
         j, li = bad_rows[0]

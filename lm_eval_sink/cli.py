@@ -76,6 +76,372 @@ def strength(model_names, prompts_file, n_prompts, last_k, statistic, rows, chat
         click.echo(line)
 
 
+@cli.command("tasks-dir")
+def tasks_dir_cmd() -> None:
+    """Print the folder of this project's lm-eval tasks (for lm_eval --include_path)."""
+    from lm_eval_sink.harness import tasks_dir
+
+    click.echo(str(tasks_dir()))
+
+
+# --- screening, fits and sink margins (issue 9) ---
+
+
+def _calibration_options(f):
+    """Options shared by `screen` and `margin`: the calibration of a Sink Strength measurement."""
+    for opt in reversed([
+        click.option("--prompts", "prompts_file", type=click.Path(path_type=Path), default=None, help="JSONL with a 'prompt' field, or text with one prompt a line."),
+        click.option("--n-prompts", type=int, default=None, help="First N prompts (builtin set: 5 or 15; default all)."),
+        click.option("--rows", type=click.Choice(["all", "content"]), default="all", show_default=True, help="Rows used: every query position >= 1, or the user message's tokens only."),
+        click.option("--chat-template/--no-chat-template", default=True, show_default=True, help="Render prompts through the chat template."),
+        click.option("--system-prompt", default=None, help="System message before each prompt (chat template only)."),
+        click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True),
+        click.option("--device", default="cpu", show_default=True),
+        click.option("--batch-size", type=int, default=1, show_default=True),
+        click.option("--force", is_flag=True, help="Overwrite earlier results."),
+        click.option("--quiet", is_flag=True, help="No progress bars."),
+    ]):
+        f = opt(f)
+    return f
+
+
+def _last_k(value: str) -> int | None:
+    if value == "all":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise UserError(f"--last-k must be a number or 'all', got {value!r}", "use e.g. --last-k 10") from None
+
+
+@cli.command()
+@click.argument("model_names", metavar="MODEL [MODEL ...]", nargs=-1, required=True)
+@click.option("--pairs", "pairs_file", type=click.Path(path_type=Path), default=None, help="PAIRS.yaml to fit the predictor on (default: the paper's six pairs).")
+@click.option("--last-k", default="10", show_default=True, help="S over the last K layers, or 'all'.")
+@_calibration_options
+@click.option("--output", type=click.Path(path_type=Path), default=None, help="Folder for screen.json/.md/.csv/.png and per-model strength files (default: print only).")
+def screen(model_names, pairs_file, last_k, prompts_file, n_prompts, rows, chat_template, system_prompt, dtype, device, batch_size, force, quiet, output) -> None:
+    """Rank backbones by Sink Strength S and predict their post-VL deltas (MODEL: folder, hub id or 'default')."""
+    from lm_eval_sink.screen import run_screen
+    from lm_eval_sink.strength import StrengthSettings
+
+    settings = StrengthSettings(last_k=_last_k(last_k), rows=rows, n_prompts=n_prompts, prompts_file=str(prompts_file) if prompts_file else None,
+                                use_chat_template=chat_template, system_prompt=system_prompt, batch_size=batch_size)
+    names = list(model_names)
+    for line in run_screen(names, [_slug(n) for n in names], settings, pairs_file, output, dtype=dtype, device=device, force=force, progress=not quiet):
+        click.echo(line)
+
+
+@cli.command()
+@click.argument("pairs_file", metavar="[PAIRS.yaml]", required=False, type=click.Path(path_type=Path))
+@click.option("--output", type=click.Path(path_type=Path), default=None, help="Folder for fit.json, fit.md and fit_<task>.png (default: print only).")
+@click.option("--force", is_flag=True, help="Overwrite earlier results.")
+def fit(pairs_file, output, force) -> None:
+    """Fit S -> delta per task: Spearman rho, exact permutation p, line, leave-one-pair-out errors (no file: the paper's table)."""
+    from lm_eval_sink.predict import run_fit
+
+    for line in run_fit(pairs_file, output, force=force):
+        click.echo(line)
+
+
+@cli.command()
+@click.argument("reference")
+@click.argument("candidate")
+@click.option("--quantile", type=float, default=0.95, show_default=True, help="Quantile of the per-row shift for the second B_gap.")
+@click.option("--last-k", default="all", show_default=True, help="Layers of the margin table: the last K, or 'all'.")
+@click.option("--strength-last-k", default="10", show_default=True, help="K of both models' own Sink Strength S.")
+@_calibration_options
+@click.option("--output", type=click.Path(path_type=Path), default=None, help="Folder for margin.json/.md/.csv, margin_rows.npz and margin_heatmap.png (default: print only).")
+def margin(reference, candidate, quantile, last_k, strength_last_k, prompts_file, n_prompts, rows, chat_template, system_prompt, dtype, device, batch_size, force, quiet, output) -> None:
+    """Per-head sink margins G_base - B_gap of CANDIDATE (e.g. a VLM backbone) against REFERENCE (its LLM)."""
+    from lm_eval_sink.margin import MarginSettings, run_margin
+    from lm_eval_sink.strength import StrengthSettings
+
+    st = StrengthSettings(last_k=_last_k(strength_last_k), rows=rows, n_prompts=n_prompts, prompts_file=str(prompts_file) if prompts_file else None,
+                          use_chat_template=chat_template, system_prompt=system_prompt, batch_size=batch_size)
+    settings = MarginSettings(strength=st, last_k=_last_k(last_k), quantile=quantile)
+    for line in run_margin(reference, candidate, settings, output, dtype=dtype, device=device, force=force, progress=not quiet):
+        click.echo(line)
+
+
+# --- VLM backbone extraction (issue 6) ---
+
+
+def _echo_extraction(report) -> None:
+    """Print an extract/inject report; a failed verification becomes the one error line (exit 2)."""
+    what = "extracted" if report.operation == "extract" else "injected"
+    head = "tied head" if report.tied_embeddings else "untied head"
+    click.echo(f"{what} {report.family} ({report.source_class}) <-> {report.target_class}: {report.tensors_written} tensors, "
+               f"{report.bytes_written / 1e6:.1f} MB in {len(report.shards)} shard(s), {report.dtype}, {head}, {report.seconds:.1f} s")
+    if report.operation == "extract":
+        click.echo(f"chat template: {report.chat_template_source or 'none found'}" + ("" if report.tokenizer else " (no tokenizer in the VLM folder)"))
+    v = report.verification
+    if v is None:
+        click.echo("verification: skipped (--no-verify); structural checks only")
+    elif v.passed:
+        click.echo(f"verification: max |logit difference| {v.max_abs_diff:.3g} <= {v.tolerance:.3g} ({v.dtype}, {v.probe_tokens} probe tokens): passed")
+    marker = "COMPLETE.json" if report.ok else "FAILED.json"
+    report_file = "extraction.json" if report.operation == "extract" else "injection.json"
+    click.echo(f"wrote {report.output} ({report_file}, {marker})")
+    if not report.ok:
+        raise UserError(f"verification failed: {v.reason}; the output is kept at {report.output} and marked failed (FAILED.json, no COMPLETE.json)",
+                        f"see {report_file} for the tensor mapping; the architecture rules do not reproduce this VLM's text path")
+
+
+@cli.command()
+@click.argument("vlm_path", type=click.Path(path_type=Path))
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option("--dtype", type=click.Choice(["keep", "bf16", "fp32"]), default="keep", show_default=True, help="Dtype of the written tensors (keep: as stored in the VLM).")
+@click.option("--verify/--no-verify", default=True, show_default=True, help="Compare the VLM's text path and the backbone's logits on a fixed probe (loads both, one after the other).")
+@click.option("--force", is_flag=True, help="Replace an existing OUT_DIR.")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+def extract(vlm_path, out_dir, dtype, verify, force, quiet) -> None:
+    """Write VLM_PATH's language backbone to OUT_DIR as a standalone causal LM (AutoModelForCausalLM)."""
+    from lm_eval_sink.extract import extract_backbone
+
+    _echo_extraction(extract_backbone(vlm_path, out_dir, dtype=dtype, verify=verify, force=force, progress=not quiet))
+
+
+@cli.command()
+@click.argument("backbone", type=click.Path(path_type=Path))
+@click.argument("vlm_path", type=click.Path(path_type=Path))
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option("--verify/--no-verify", default=True, show_default=True, help="Compare the new VLM's text path with BACKBONE's logits on a fixed probe.")
+@click.option("--force", is_flag=True, help="Replace an existing OUT_DIR.")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+def inject(backbone, vlm_path, out_dir, verify, force, quiet) -> None:
+    """Write a copy of VLM_PATH to OUT_DIR whose language model is BACKBONE (e.g. a merged backbone)."""
+    from lm_eval_sink.extract import inject_backbone
+
+    _echo_extraction(inject_backbone(backbone, vlm_path, out_dir, verify=verify, force=force, progress=not quiet))
+
+
+# --- protocols, vendor registry and gap attribution (issue 8) ---
+
+
+def _run_inputs(paths) -> list[dict]:
+    from lm_eval_sink.io import sha256_file
+
+    return [{"path": str(p), "sha256": sha256_file(p)} for p in paths]
+
+
+@cli.group()
+def protocol() -> None:
+    """Protocol fingerprints of lm-eval runs: what was run, and how two runs differ."""
+
+
+@protocol.command("show")
+@click.argument("run")
+@click.option("--json", "as_json", is_flag=True, help="Print the fingerprint as JSON instead of a table.")
+@click.option("-o", "--output", type=click.Path(path_type=Path), default=None, help="Also write the fingerprint JSON (with provenance) here.")
+@click.option("--force", is_flag=True, help="Overwrite --output.")
+def protocol_show(run, as_json, output, force) -> None:
+    """Protocol fingerprint of RUN (a results JSON, samples JSONL or lm-eval output folder)."""
+    from lm_eval_sink.io import atomic_write_json, canonical_json, check_new_outputs, provenance
+    from lm_eval_sink.protocols import fingerprint_run, match_protocol, show_markdown
+    from lm_eval_sink.runs import resolve_run
+
+    if output:
+        check_new_outputs([output], force)
+    files = resolve_run(run)
+    fp = fingerprint_run(files)
+    doc = {"schema_version": 1, "fingerprint": fp.to_json(), "named_protocol": match_protocol(fp),
+           "provenance": provenance(command="protocol show", inputs=_run_inputs([files.results]))}
+    if output:
+        atomic_write_json(output, doc)
+    click.echo(canonical_json(doc) if as_json else show_markdown(fp), nl=False)
+    if output:
+        click.echo(f"wrote {output}")
+
+
+@protocol.command("diff")
+@click.argument("run_a")
+@click.argument("run_b")
+@click.option("--json", "as_json", is_flag=True, help="Print the differences as JSON instead of a table.")
+@click.option("-o", "--output", type=click.Path(path_type=Path), default=None, help="Also write the differences JSON (with provenance) here.")
+@click.option("--force", is_flag=True, help="Overwrite --output.")
+def protocol_diff(run_a, run_b, as_json, output, force) -> None:
+    """Only the protocol fields that differ between RUN_A and RUN_B, each marked whether it can change scores."""
+    from lm_eval_sink.io import atomic_write_json, canonical_json, check_new_outputs, provenance
+    from lm_eval_sink.protocols import check_common_tasks, diff, diff_markdown, fingerprint_run
+    from lm_eval_sink.runs import resolve_run
+
+    if output:
+        check_new_outputs([output], force)
+    fa, fb = resolve_run(run_a), resolve_run(run_b)
+    a, b = fingerprint_run(fa), fingerprint_run(fb)
+    check_common_tasks(a, b)
+    diffs = diff(a, b)
+    doc = {"schema_version": 1, "a": str(fa.results), "b": str(fb.results), "differences": [d.to_json() for d in diffs],
+           "identical": not diffs, "provenance": provenance(command="protocol diff", inputs=_run_inputs([fa.results, fb.results]))}
+    if output:
+        atomic_write_json(output, doc)
+    click.echo(canonical_json(doc) if as_json else diff_markdown(diffs, str(fa.results), str(fb.results)), nl=False)
+    if output:
+        click.echo(f"wrote {output}")
+
+
+class _ManyValues(click.Command):
+    """Lets `--reference A B --candidate C` stand for `--reference A --reference B --candidate C`."""
+
+    many = ("--reference", "--candidate")
+
+    def parse_args(self, ctx, args):
+        out, current, take_value = [], None, False
+        for arg in args:
+            if take_value:
+                out.append(arg)
+                take_value = False
+            elif arg in self.many:
+                current, take_value = arg, True
+                out.append(arg)
+            elif arg.startswith("-") and arg != "-":
+                current = None
+                out.append(arg)
+            elif current is not None:
+                out += [current, arg]
+            else:
+                out.append(arg)
+        return super().parse_args(ctx, out)
+
+
+@cli.group()
+def vendor() -> None:
+    """The vendor registry: reported and independently measured scores, each with source and protocol."""
+
+
+@vendor.command("list")
+@click.option("--registry", "registry_file", type=click.Path(path_type=Path), default=None, help="A user registry YAML added to the bundled one.")
+def vendor_list(registry_file) -> None:
+    """Models in the registry with their number of scores and gaps."""
+    from lm_eval_sink.vendors import list_markdown, load_registry
+
+    click.echo(list_markdown(load_registry(registry_file)), nl=False)
+
+
+@vendor.command("show")
+@click.argument("model")
+@click.option("--registry", "registry_file", type=click.Path(path_type=Path), default=None, help="A user registry YAML added to the bundled one.")
+@click.option("--json", "as_json", is_flag=True, help="Print the entries as JSON.")
+def vendor_show(model, registry_file, as_json) -> None:
+    """Every score and gap of MODEL (name, alias or hub id), with source and protocol."""
+    from lm_eval_sink.io import canonical_json
+    from lm_eval_sink.vendors import load_registry, show_markdown
+
+    reg = load_registry(registry_file)
+    if as_json:
+        m = reg.model(model)
+        click.echo(canonical_json({"model": m.name, "hub_id": m.hub_id, "kind": m.kind, "scores": [s.to_json() for s in reg.scores_of(m.name)],
+                                   "gaps": [g.to_json() for g in reg.gaps_of(m.name)]}), nl=False)
+    else:
+        click.echo(show_markdown(reg, model), nl=False)
+
+
+@cli.command(cls=_ManyValues)
+@click.option("--reference", "references", multiple=True, required=True, metavar="RUN...",
+              help="Reference runs (lm-eval output folder, results JSON) or registry entries (vendor:SCORE_ID, vendor:MODEL).")
+@click.option("--candidate", "candidates", multiple=True, required=True, metavar="RUN...", help="Candidate runs or registry entries, as --reference.")
+@click.option("--vendor", "use_vendor", is_flag=True, help="Add vendor-reported scores and reported gaps of the models involved from the registry.")
+@click.option("--registry", "registry_file", type=click.Path(path_type=Path), default=None, help="A user registry YAML added to the bundled one.")
+@click.option("--benchmarks", "benchmarks_file", type=click.Path(path_type=Path), default=None, help="A YAML of benchmark families (construct, metric keys).")
+@click.option("--lineage", "declared_lineage", type=click.Choice(["parent", "not-parent"]), default=None,
+              help="Declare whether the reference is the candidate's parent (checked against model cards).")
+@click.option("--mixture", multiple=True, metavar="KEY=VALUE", help="A fact of the VL training recipe, e.g. text_share=0.1 (repeatable; shown, never inferred).")
+@click.option("--baseline-protocol", default=None, help="Protocol the others' effects are measured against (default: the first one seen).")
+@click.option("--allow-partial", is_flag=True, help="Pair only the docs both sample logs hold (the drop is recorded).")
+@click.option("--output", type=click.Path(path_type=Path), default=None, help="Folder for attribution.json, attribution.md, attribution.png.")
+@click.option("--force", is_flag=True, help="Overwrite --output.")
+def attribute(references, candidates, use_vendor, registry_file, benchmarks_file, declared_lineage, mixture, baseline_protocol, allow_partial, output, force) -> None:
+    """Attribute each benchmark's candidate-minus-reference gap to lineage, protocol, access vs capacity, construct and mixture."""
+    from lm_eval_sink.attribution import run_attribution, to_markdown, write_report
+
+    facts = {}
+    for item in mixture:
+        if "=" not in item or not item.split("=", 1)[0].strip():
+            raise UserError(f"--mixture {item!r} is not KEY=VALUE", "e.g. --mixture text_share=0.1")
+        k, v = item.split("=", 1)
+        facts[k.strip()] = v.strip()
+    if output is not None and output.exists() and not force:
+        raise UserError(f"output already exists: {output}", "pass --force to overwrite, or choose another --output")
+    att = run_attribution(list(references), list(candidates), vendor=use_vendor, registry_file=registry_file, benchmarks_file=benchmarks_file,
+                          declared_lineage=declared_lineage, mixture=facts or None, baseline_protocol=baseline_protocol, allow_partial=allow_partial)
+    click.echo(to_markdown(att), nl=False)
+    if output is not None:
+        paths = write_report(att, output, force=force)
+        click.echo("wrote " + ", ".join(str(p) for p in paths.values()))
+
+
+@cli.command("eval")
+@click.argument("model")
+@click.option("--protocol", "protocol_name", required=True, help="Named protocol: instruct, community, or one from --protocol-file.")
+@click.option("--protocol-file", type=click.Path(path_type=Path), default=None, help="A YAML of extra named protocols (see lm_eval_sink/data/protocols.yaml).")
+@click.option("--tasks", required=True, help="Comma-separated lm-eval task names, e.g. ifeval,gsm8k_cot_zeroshot.")
+@click.option("--limit", type=float, default=None, help="Docs per task (or a fraction); the scores are then not final.")
+@click.option("--gen-kwargs", multiple=True, metavar="KEY=VALUE", help="Generation overrides on top of the protocol's, e.g. max_gen_toks=256.")
+@click.option("--batch-size", default=None, help="Batch size, where the protocol does not fix it (default 1).")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None, help="Model dtype, where the protocol does not fix it.")
+@click.option("--seed", type=int, default=None, help="Seed for lm-eval's random generators, where the protocol does not fix it.")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--include-path", default=None, help="One extra folder of lm-eval task YAMLs.")
+@click.option("--no-log-samples", is_flag=True, help="Do not write per-sample logs (attribution then works from aggregate scores only).")
+@click.option("--output", type=click.Path(path_type=Path), required=True, help="lm-eval output folder for this run.")
+@click.option("--force", is_flag=True, help="Write into an existing --output.")
+def eval_cmd(model, protocol_name, protocol_file, tasks, limit, gen_kwargs, batch_size, dtype, seed, device, include_path, no_log_samples, output, force) -> None:
+    """Run lm-eval on MODEL under a named protocol, then print the run's protocol fingerprint check."""
+    from lm_eval_sink.protocols import fingerprint_run, get_protocol, limit_text, parse_gen_kwargs, settings_fields
+
+    protocol = get_protocol(protocol_name, protocol_file)
+    if output.exists() and any(output.iterdir()) and not force:
+        raise UserError(f"output already exists: {output}", "pass --force to add this run to it, or choose another --output")
+    bs = None if batch_size is None else (int(batch_size) if str(batch_size).isdigit() else str(batch_size))
+    if limit is not None and limit >= 1 and float(limit).is_integer():
+        limit = int(limit)
+    fields = settings_fields(protocol, tasks=[t.strip() for t in tasks.split(",") if t.strip()], limit=limit, gen_kwargs=parse_gen_kwargs(gen_kwargs),
+                             batch_size=bs, dtype=dtype, seed=seed, device=device, include_path=include_path, log_samples=not no_log_samples)
+    from lm_eval_sink.harness.runner import EvalSettings, run_lm_eval
+    from lm_eval_sink.models import resolve_model
+
+    run = run_lm_eval(resolve_model(model), EvalSettings(**fields), output)
+    fp = fingerprint_run(run)
+    off = protocol.mismatches(fp)
+    click.echo(f"results: {run.results}")
+    for task, path in sorted(run.samples.items()):
+        click.echo(f"samples {task}: {path}")
+    click.echo(f"protocol {protocol.name}: " + ("recorded settings match" if not off else "recorded settings DIFFER: " + ", ".join(off)))
+    if fp.harness.get("limit") is not None:
+        click.echo(f"--limit {limit_text(fp.harness['limit'])}: scores are from a subset and are not final")
+
+
+# --- buckets (issue 5) ---
+@cli.command()
+@click.argument("reference")
+@click.argument("candidate")
+@click.option("--task", default=None, help="Task whose samples to pair (default: the one task both runs share).")
+@click.option("--metric", default=None, help="Per-sample metric (default: the task's, e.g. prompt_level_strict_acc for ifeval).")
+@click.option("--filter", "filter_name", default=None, help="lm-eval filter (default: the task's, e.g. strict-match for gsm8k_cot*).")
+@click.option("--threshold", type=float, default=None, help="Continuous metrics (eq_bench): pass = score >= THRESHOLD, giving buckets and McNemar.")
+@click.option("--allow-partial", is_flag=True, help="Pair the common docs when the doc sets differ (the drop is recorded).")
+@click.option("--same-protocol", is_flag=True, help="Refuse runs whose protocols differ (chat template, few-shot, limit, ...).")
+@click.option("--tokenizer", default=None, help="Tokenizer (folder, hub id or 'default') to count response tokens for truncation.")
+@click.option("--max-gen-toks", type=int, default=None, help="Generation limit, when the samples do not record it.")
+@click.option("--bootstrap", "n_bootstrap", type=int, default=10_000, show_default=True, help="Bootstrap resamples for the intervals.")
+@click.option("--confidence", type=float, default=0.95, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Bootstrap seed.")
+@click.option("--failure-kinds/--no-failure-kinds", default=True, show_default=True, help="IFEval: classify regressions with lm-eval's checker.")
+@click.option("--output", type=click.Path(path_type=Path), default=None, help="Folder for buckets.json, buckets.md, prompts.csv and PNGs (default: print only).")
+@click.option("--force", is_flag=True, help="Overwrite an existing --output folder.")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+def buckets(reference, candidate, task, metric, filter_name, threshold, allow_partial, same_protocol, tokenizer, max_gen_toks, n_bootstrap, confidence, seed, failure_kinds, output, force, quiet) -> None:
+    """Per-prompt regression buckets of CANDIDATE vs REFERENCE (lm-eval runs: results JSON, samples JSONL or output folder)."""
+    from lm_eval_sink.buckets import BucketSettings, run_buckets
+
+    settings = BucketSettings(metric=metric, filter=filter_name, threshold=threshold, allow_partial=allow_partial, n_bootstrap=n_bootstrap,
+                              confidence=confidence, seed=seed, failure_kinds=failure_kinds, max_gen_toks=max_gen_toks)
+    _, lines = run_buckets(reference, candidate, task, settings, output, force=force, tokenizer=tokenizer, same_protocol=same_protocol, progress=not quiet)
+    for line in lines:
+        click.echo(line)
+
+
 # --- merging controls (issue 7) ---
 
 

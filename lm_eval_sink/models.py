@@ -130,8 +130,12 @@ def torch_dtype(name: str):
     return "auto" if name == "auto" else getattr(torch, name)
 
 
-def load_model(name: str | Path, dtype: str = "auto", device: str = "cpu") -> LoadedModel:
-    """Load a causal LM and its tokenizer, with the provenance of what was loaded."""
+def load_model(name: str | Path, dtype: str = "auto", device: str = "cpu", check_attention: bool = True) -> LoadedModel:
+    """Load a causal LM and its tokenizer, with the provenance of what was loaded.
+
+    With `check_attention` (the default, for Sink Strength) a model class whose attention does not
+    go through transformers' attention interface is refused before its weights are read.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model(name)
@@ -144,7 +148,15 @@ def load_model(name: str | Path, dtype: str = "auto", device: str = "cpu") -> Lo
 
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise UserError(f"{path}: model type {config.model_type!r} is not a causal LM", "pass a causal LM (for a VLM, extract its language backbone first)")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=td, attn_implementation="sdpa").to(device)
+    if check_attention:
+        import transformers
+
+        from lm_eval_sink.capture import check_supported_class
+
+        cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type], None)
+        if cls is not None:
+            check_supported_class(cls)  # before any weight is read
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=td, **({"attn_implementation": "sdpa"} if check_attention else {})).to(device)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     info = {

@@ -63,6 +63,117 @@ def ranking_bars(names: Sequence[str], values: Sequence[float], title: str, path
     return save_figure(fig, path)
 
 
+def gap_parts(bars: Sequence[dict], path: Path, title: str, footer: str = "") -> Path:
+    """Stacked bars, one per comparison: its gap split into access, capacity, protocol and unsplit parts.
+
+    `bars`: [{"label", "gap", "parts": {"access", "capacity", "protocol", "unsplit"}}] in points.
+    Negative parts stack downwards from 0, positive ones upwards; a dot marks the total gap.
+    """
+    plt = _pyplot()
+    colors = {"access": "tab:orange", "capacity": "tab:blue", "unsplit": "tab:gray", "protocol": "tab:purple"}
+    fig, ax = plt.subplots(figsize=(max(4.5, 1.1 * len(bars) + 2), 4.2))
+    for i, bar in enumerate(bars):
+        up = down = 0.0
+        for name, color in colors.items():
+            v = float(bar["parts"].get(name) or 0.0)
+            if v == 0:
+                continue
+            base = up if v > 0 else down
+            ax.bar(i, v, bottom=base, color=color, label=name, width=0.6)
+            if v > 0:
+                up += v
+            else:
+                down += v
+        ax.plot(i, bar["gap"], "k.", ms=8)
+    handles, labels = ax.get_legend_handles_labels()
+    seen = dict(zip(labels, handles))
+    if seen:
+        ax.legend(seen.values(), seen.keys(), fontsize=8, loc="best")
+    ax.axhline(0, color="black", lw=0.8)
+    ax.set_xticks(range(len(bars)), [b["label"] for b in bars], fontsize=7)
+    ax.set_ylabel("points")
+    ax.set_title(title, fontsize=9)
+    if footer:
+        fig.text(0.01, -0.02, footer, fontsize=6, color="dimgray", ha="left", va="top", wrap=True)
+    return save_figure(fig, path)
+
+
+_QK_COLORS = {"per_head": "tab:green", "layerwise": "tab:orange", "none": "tab:red", None: "tab:gray"}
+
+
+def fit_scatter(names: Sequence[str], s: Sequence[float], deltas: Sequence[float], qk_norm: Sequence[str | None], slope: float, intercept: float, task: str, path: Path, screened: Sequence[tuple[str, float, float]] = ()) -> Path:
+    """Reference pairs (S vs delta, coloured by QK-norm class), the fitted line, and screened models.
+
+    `screened` holds (label, S, predicted delta) triples, drawn as black stars on the line.
+    """
+    import numpy as np
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = list(s) + [x for _, x, _ in screened]
+    grid = np.linspace(min(xs) - 0.2, max(xs) + 0.2, 50)
+    ax.plot(grid, slope * grid + intercept, color="black", lw=0.8, label=f"fit: {slope:.2f} * S {intercept:+.2f}")
+    for cls in dict.fromkeys(qk_norm):
+        idx = [i for i, q in enumerate(qk_norm) if q == cls]
+        ax.scatter([s[i] for i in idx], [deltas[i] for i in idx], color=_QK_COLORS.get(cls, "tab:gray"), label=f"pairs, QK-norm: {cls or 'unknown'}", zorder=3)
+    for n, x, y in zip(names, s, deltas):
+        ax.annotate(n, (x, y), fontsize=7, xytext=(4, 2), textcoords="offset points")
+    for label, x, y in screened:
+        ax.scatter([x], [y], marker="*", s=120, color="black", zorder=4)
+        ax.annotate(label, (x, y), fontsize=7, xytext=(4, -10), textcoords="offset points")
+    ax.axhline(0, color="gray", lw=0.5)
+    ax.set_xlabel("Sink Strength S of the reference LLM")
+    ax.set_ylabel(f"{task} delta (points)")
+    ax.set_title(f"{task}: delta vs S" + (" (stars: screened models, predicted)" if screened else ""), fontsize=9)
+    ax.legend(fontsize=7)
+
+
+_BUCKET_COLORS = {"both_pass": "tab:green", "regression": "tab:red", "recovered": "tab:blue", "both_fail": "tab:gray"}
+_KIND_COLORS = {"truncation": "#7f0000", "language": "#b30000", "phrase_marker": "#e34a33", "length": "#fc8d59", "format": "#fdbb84", "other": "#fdd49e"}
+
+
+def bucket_bars(counts: dict[str, int], title: str, path: Path, regression_kinds: dict[str, int] | None = None) -> Path:
+    """Bar chart of the four bucket counts; the regression bar stacked by failure kind when given."""
+    plt = _pyplot()
+    names = ["both_pass", "regression", "recovered", "both_fail"]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for x, name in enumerate(names):
+        if name == "regression" and regression_kinds and sum(regression_kinds.values()) == counts[name]:
+            bottom = 0
+            for kind, n in regression_kinds.items():
+                if n:
+                    ax.bar(x, n, bottom=bottom, color=_KIND_COLORS.get(kind, "tab:red"), label=f"regression: {kind}")
+                    bottom += n
+        else:
+            ax.bar(x, counts[name], color=_BUCKET_COLORS[name])
+        ax.text(x, counts[name], str(counts[name]), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("prompts")
+    ax.set_title(title, fontsize=9)
+    if regression_kinds and any(regression_kinds.values()):
+        ax.legend(fontsize=7, loc="upper right")
+    return save_figure(fig, path)
+
+
+def instruction_type_bars(types: Sequence[dict], title: str, path: Path, top: int = 25) -> Path:
+    """Horizontal bars per IFEval instruction type: regressions (left, red) and recoveries (right)."""
+    plt = _pyplot()
+    rows = list(types)[:top][::-1]
+    fig, ax = plt.subplots(figsize=(7, max(2.5, 0.28 * len(rows) + 1.2)))
+    y = range(len(rows))
+    ax.barh(y, [-r["regression"] for r in rows], color="tab:red", label="regression")
+    ax.barh(y, [r["recovered"] for r in rows], color="tab:blue", label="recovered")
+    ax.set_yticks(list(y), [f"{r['instruction_id']} (n={r['n']})" for r in rows], fontsize=7)
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{abs(v):g}"))
+    ax.axvline(0, color="black", lw=0.8)
+    ax.set_xlabel("instructions (regressions left, recoveries right)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="best")
+
+
 def sweep_chart(checkpoints: Sequence[str], series: dict[str, Sequence[float | None]], path: Path, note: str | None = None) -> Path:
     """One panel per metric: merged checkpoints as points, the first two (reference, candidate) as lines."""
     plt = _pyplot()

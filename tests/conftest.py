@@ -87,6 +87,57 @@ def smollm2_community_run(tmp_path_factory, shared_data, default_model):
     return _fixture_run(tmp_path_factory, shared_data, default_model, "community", settings)
 
 
+TINY_TASK = "tiny_gen"
+
+
+@pytest.fixture(scope="session")
+def tiny_task_dir(tmp_path_factory) -> Path:
+    """A folder for --include_path with one tiny local generate_until task (`tiny_gen`, 4 docs)."""
+    import json
+
+    d = tmp_path_factory.mktemp("tiny_task")
+    docs = [{"question": f"Name {w} colors.", "answer": w} for w in ("two", "three", "four", "five")]
+    (d / "tiny_gen.jsonl").write_text("".join(json.dumps(x) + "\n" for x in docs))
+    (d / "tiny_gen.yaml").write_text(
+        f"task: {TINY_TASK}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {d / 'tiny_gen.jsonl'}\n"
+        "output_type: generate_until\ntest_split: test\ndoc_to_text: \"{{question}}\"\ndoc_to_target: \"{{answer}}\"\n"
+        "generation_kwargs:\n  until: [\"\\n\"]\n  max_gen_toks: 4\n  do_sample: false\n"
+        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\nmetadata:\n  version: 1.0\n"
+    )
+    return d
+
+
+@pytest.fixture(scope="session")
+def handset_llama_dir(tmp_path_factory, tiny_tokenizer) -> Path:
+    """The hand-set Llama of sinkmodels.py (3 layers) saved with the tiny tokenizer."""
+    import sinkmodels as sm
+
+    d = tmp_path_factory.mktemp("handset_llama")
+    sm.build("llama", n_layers=3, bos_id=tiny_tokenizer.bos_token_id).save_pretrained(d)
+    tiny_tokenizer.save_pretrained(d)
+    return d
+
+
+def save_sink_llama(path: Path, gaps, tokenizer) -> Path:
+    """sinkmodels' hand-set Llama with chosen sink gaps, saved with `tokenizer` (margin/screen tests).
+
+    `gaps[layer][head]` = c (2 heads): a row at query position t >= 1 has logits [c, 0 x t], so its
+    sink log-odds at key 0 are c - log(t). In sinkmodels' Llama c = alpha * beta * H / sqrt(D).
+    """
+    import sinkmodels as sm
+    import torch
+
+    model = sm.build("llama", n_layers=len(gaps), bos_id=tokenizer.bos_token_id)
+    beta = sm.betas(len(gaps))
+    with torch.no_grad():
+        for li, layer in enumerate(model.model.layers):
+            for h, c in enumerate(gaps[li]):
+                layer.self_attn.q_proj.weight[h * sm.D + 1, 1] = c / (beta[li] * sm.H * sm.D**-0.5)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def make_tiny_lm(out: Path, arch: str = "llama", delta_seed: int | None = None, delta_scale: float = 0.02, vocab_extra: int = 0) -> Path:
     """A tiny random causal LM folder (weights + tokenizer). The same `arch` always starts from the
     same base weights (seed 0); `delta_seed` adds a task vector delta_scale * N(0, 1) to every

@@ -1,0 +1,78 @@
+"""Cost of Sink Strength vs a plain forward of the same batch, on SmolLM2-135M-Instruct (CPU).
+
+Prints, for the 15 calibration prompts in one padded batch: the median wall time of S
+(`capture_prompts` + reduction) over the median of a plain sdpa forward (ratio), and the peak
+resident memory added by each over the loaded model, each measured in its own subprocess (peak RSS
+is per process). Also prints S for K = 10 / all layers and N = 5 / 15.
+Usage: python benchmarks/bench_strength.py [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+CHILD = r"""
+import json, resource, sys, time, torch
+from lm_eval_sink.models import load_model
+from lm_eval_sink.calibration import builtin_prompts, encode_prompts
+from lm_eval_sink.capture import capture_prompts, _batch
+from lm_eval_sink.strength import StrengthSettings, reduce_captures
+mode, repeats = sys.argv[1], int(sys.argv[2])
+torch.set_num_threads(2)
+m = load_model("default", dtype="float32")
+enc = encode_prompts(m.tokenizer, builtin_prompts())
+n = len(enc)
+layers = StrengthSettings().layers_for(30)
+ids, mask, pos, first = _batch(enc.input_ids, 0, torch.device("cpu"))
+def plain():
+    with torch.inference_mode():
+        m.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
+def sink():
+    caps = capture_prompts(m.model, enc, layers, batch_size=n, progress=False)
+    reduce_captures(caps, StrengthSettings(), 30)
+fn = plain if mode == "plain" else sink
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # model loaded, nothing run yet
+fn()  # warm-up
+times = []
+for _ in range(repeats):
+    t = time.perf_counter(); fn(); times.append(time.perf_counter() - t)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"times": times, "peak_kib": peak, "base_kib": base}))
+"""
+
+
+def child(mode: str, repeats: int) -> dict:
+    out = subprocess.run([sys.executable, "-c", CHILD, mode, str(repeats)], capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    plain, sink = child("plain", args.repeats), child("sink", args.repeats)
+    tp, ts = statistics.median(plain["times"]), statistics.median(sink["times"])
+    print(f"15 prompts, one batch, CPU fp32, {args.repeats} runs each (medians)")
+    for name, r, t in (("plain forward", plain, tp), ("Sink Strength", sink, ts)):
+        print(f"{name:14s} {t:.3f} s   peak RSS {r['peak_kib'] / 1024:.0f} MiB (+{(r['peak_kib'] - r['base_kib']) / 1024:.0f} MiB over the loaded model)")
+    print(f"time ratio S / forward: {ts / tp:.2f}   peak RSS ratio: {sink['peak_kib'] / plain['peak_kib']:.3f}   "
+          f"ratio of the increments: {(sink['peak_kib'] - sink['base_kib']) / max(1, plain['peak_kib'] - plain['base_kib']):.2f}")
+
+    from lm_eval_sink.models import load_model
+    from lm_eval_sink.strength import StrengthSettings, measure
+
+    m = load_model("default", dtype="float32")
+    for k in (10, None):
+        for n in (5, 15):
+            t = time.perf_counter()
+            r = measure(m.model, m.tokenizer, StrengthSettings(last_k=k, n_prompts=n), progress=False)
+            print(f"S(K={k or 'all'}, N={n}) = {r.sink_strength:.4f}  (content rows {r.sink_strength_content_rows:.4f}, template rows {r.sink_strength_template_rows:.4f}, template share {r.template_row_fraction:.3f}; {time.perf_counter() - t:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,762 @@
+"""Attribution of a reference-vs-candidate gap: lineage, protocol, access vs capacity, construct, mixture.
+
+"A Gap to a Reference Is Not a Loss" (2026): a gap between a VLM backbone (candidate) and a text
+reference carries four indices that must be separated before it is called a loss. For each
+benchmark family this module reports the observed gap (candidate minus reference, points) and:
+
+- lineage: is the reference the candidate's parent (same checkpoint / parent / not parent /
+  unknown / mismatched), from model-card and config fields, the registry, or the user's
+  declaration; anything but a documented parent is flagged;
+- protocol: gaps measured under one protocol are compared; a pair under different protocols is
+  never compared silently (same model: the whole gap is a protocol artefact; different models:
+  confounded, not attributed); with two or more protocols, the gap under each, the effect of each
+  relative to a baseline protocol, and whether the sign flips;
+- access vs capacity: the part of a gap that vanishes under lenient answer extraction (GSM8K
+  flexible-extract vs strict-match, IFEval loose vs strict) is loss of access (format), the rest
+  capacity. Per prompt from the sample logs when both have them: with s, l the strict and lenient
+  outcomes of doc i, gap = mean(c_s - r_s) = access + capacity, capacity = mean(c_l - r_l),
+  access = gap - capacity, so the parts add up exactly; else from the aggregate results;
+- construct: each family's class (knowledge / procedure / format) from `data/benchmarks.yaml`;
+- mixture: the recipe facts the user declares, shown, never inferred.
+
+The computing functions take plain values and sample rows; the loaders at the end read lm-eval
+runs and registry entries into `Measurement`s. No torch, no transformers.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from lm_eval_sink.errors import UserError
+
+SCHEMA_VERSION = 1
+CONSTRUCTS = ("knowledge", "procedure", "format", "diagnostic")
+_BENCH_KEYS = {"tasks", "construct", "strict", "lenient", "why"}
+LINEAGE_STATUSES = ("same_checkpoint", "parent", "not_parent", "unknown", "mismatched")
+# Config fields that name the language model a VLM (or adapter) was built from.
+LINEAGE_CONFIG_FIELDS = ("text_config._name_or_path", "llm_config._name_or_path", "language_config._name_or_path", "base_model_name_or_path")
+
+
+def _pts(x: float | None) -> float | None:
+    """Points (0-100) rounded so that reruns are byte-identical."""
+    return None if x is None else round(float(x), 6)
+
+
+# --- construct and metrics as data -----------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Benchmark:
+    """A benchmark family: its lm-eval tasks, construct, and strict / lenient results keys."""
+
+    name: str
+    tasks: tuple[str, ...]
+    construct: str
+    strict: str | None
+    lenient: str | None
+    why: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "tasks": list(self.tasks), "construct": self.construct, "strict": self.strict, "lenient": self.lenient, "why": self.why}
+
+
+def _parse_benchmarks(text: str, where: str) -> dict[str, Benchmark]:
+    from lm_eval_sink.protocols import _load_yaml
+    from lm_eval_sink.vendors import _unknown
+
+    data = _load_yaml(text, where)
+    if not isinstance(data, dict) or not isinstance(data.get("benchmarks"), dict):
+        raise UserError(f"{where}: expected a mapping with `benchmarks: {{NAME: {{tasks, construct, strict, lenient, why}}}}`",
+                        "see lm_eval_sink/data/benchmarks.yaml for the format")
+    out = {}
+    for name, body in data["benchmarks"].items():
+        if not isinstance(body, dict):
+            raise UserError(f"{where}: benchmark {name!r} must be a mapping", "see lm_eval_sink/data/benchmarks.yaml")
+        _unknown(body, _BENCH_KEYS, f"benchmark {name!r}", where)
+        if body.get("construct") not in CONSTRUCTS:
+            raise UserError(f"{where}: benchmark {name!r} has construct {body.get('construct')!r}", f"use one of {', '.join(CONSTRUCTS)}")
+        tasks = body.get("tasks")
+        if not isinstance(tasks, list) or not tasks:
+            raise UserError(f"{where}: benchmark {name!r} lists no tasks", "give `tasks: [lm-eval task names or patterns]`")
+        for key in ("strict", "lenient"):
+            v = body.get(key)
+            if v is not None and (not isinstance(v, str) or "," not in v):
+                raise UserError(f"{where}: benchmark {name!r} {key} key {v!r} is not 'metric,filter'", "use the results key, e.g. exact_match,strict-match")
+        if body.get("construct") != "diagnostic" and not body.get("strict"):
+            raise UserError(f"{where}: benchmark {name!r} lacks `strict`", "name the results key of its score, e.g. acc,none")
+        out[str(name)] = Benchmark(str(name), tuple(str(t) for t in tasks), body["construct"], body.get("strict"), body.get("lenient"), str(body.get("why") or ""))
+    return out
+
+
+def load_benchmarks(user_file: str | Path | None = None) -> dict[str, Benchmark]:
+    """Bundled benchmark families, with those of a user YAML added or replacing them by name."""
+    text = resources.files("lm_eval_sink").joinpath("data/benchmarks.yaml").read_text(encoding="utf-8")
+    out = _parse_benchmarks(text, "lm_eval_sink/data/benchmarks.yaml")
+    if user_file is not None:
+        path = Path(user_file)
+        if not path.is_file():
+            raise UserError(f"{path}: no such benchmarks file", "pass a YAML shaped like lm_eval_sink/data/benchmarks.yaml")
+        out.update(_parse_benchmarks(path.read_text(encoding="utf-8"), str(path)))
+    return out
+
+
+def benchmark_of(task: str, benchmarks: dict[str, Benchmark]) -> Benchmark | None:
+    """The family of an lm-eval task: an exact name first, else the longest matching pattern."""
+    for b in benchmarks.values():
+        if task in b.tasks:
+            return b
+    best: tuple[int, Benchmark] | None = None
+    for b in benchmarks.values():
+        for pat in b.tasks:
+            if fnmatch.fnmatchcase(task, pat) and (best is None or len(pat) > best[0]):
+                best = (len(pat), b)
+    return best[1] if best else None
+
+
+# --- measurements ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    """One model's score on one benchmark under one protocol (points), from a run or the registry."""
+
+    role: str  # reference | candidate
+    model: str  # display name
+    model_key: str  # identity: two measurements of the same weights share it
+    benchmark: str
+    task: str | None
+    strict: float | None
+    lenient: float | None
+    protocol_key: str  # equal keys = same protocol
+    protocol_label: str
+    source: dict[str, Any]
+    registry_model: str | None = None
+    samples: str | None = None
+    limit: Any = None
+    n: int | None = None
+    stated: dict[str, Any] | None = None  # registry entries: what the source states about the protocol
+    fingerprint: Any = field(default=None, compare=False)  # ProtocolFingerprint of a run
+
+    def to_json(self) -> dict[str, Any]:
+        return {"role": self.role, "model": self.model, "model_key": self.model_key, "registry_model": self.registry_model, "benchmark": self.benchmark,
+                "task": self.task, "strict": _pts(self.strict), "lenient": _pts(self.lenient), "protocol": self.protocol_label,
+                "protocol_key": self.protocol_key, "source": self.source, "samples": self.samples, "limit": self.limit, "n": self.n,
+                "stated_protocol": self.stated}
+
+
+# --- per-prompt access vs capacity -----------------------------------------------------------
+
+
+def _outcomes(rows: list[dict[str, Any]], key: str, where: str) -> dict[Any, tuple[float, str | None, str | None]]:
+    """doc_id -> (outcome, doc_hash, prompt_hash) for results key `metric,filter`."""
+    metric, flt = key.split(",", 1)
+    sel = [r for r in rows if r.get("filter", "none") == flt]
+    if not sel:
+        have = sorted({str(r.get("filter")) for r in rows})
+        raise UserError(f"{where}: no samples under filter {flt!r} (filters present: {', '.join(have)})", "pass samples of the same task with that filter")
+    out: dict[Any, tuple[float, str | None, str | None]] = {}
+    for r in sel:
+        if metric not in r:
+            raise UserError(f"{where}: doc {r['doc_id']} has no {metric!r} value", "pass samples written by lm-eval --log_samples for this task")
+        if r["doc_id"] in out:
+            raise UserError(f"{where}: doc_id {r['doc_id']} appears twice under filter {flt!r}", "pass one run's samples file, not concatenated logs")
+        v = r[metric]
+        if isinstance(v, list):
+            raise UserError(f"{where}: {metric!r} is a list per doc, not a per-prompt outcome", f"use a prompt-level metric instead of {metric!r}")
+        out[r["doc_id"]] = (float(v), r.get("doc_hash"), r.get("prompt_hash"))
+    return out
+
+
+def per_prompt_split(ref_rows: list[dict[str, Any]], cand_rows: list[dict[str, Any]], strict_key: str, lenient_key: str | None, *,
+                     ref_where: str = "reference", cand_where: str = "candidate", allow_partial: bool = False) -> dict[str, Any]:
+    """Pair two sample logs by doc_id (doc hashes must agree) and split the strict gap per prompt.
+
+    Returns points: `gap` = mean(c_s - r_s); with a lenient key, `capacity` = mean(c_l - r_l) and
+    `access` = gap - capacity, plus counts of strict regressions that the lenient check forgives
+    (access) or not (capacity). Prompt-hash differences are counted (expected across protocols).
+    """
+    rs, cs = _outcomes(ref_rows, strict_key, ref_where), _outcomes(cand_rows, strict_key, cand_where)
+    rl = _outcomes(ref_rows, lenient_key, ref_where) if lenient_key else None
+    cl = _outcomes(cand_rows, lenient_key, cand_where) if lenient_key else None
+    ref_only, cand_only = sorted(set(rs) - set(cs), key=str), sorted(set(cs) - set(rs), key=str)
+    if (ref_only or cand_only) and not allow_partial:
+        raise UserError(f"{ref_where} and {cand_where} hold different docs ({len(rs)} vs {len(cs)}; {len(ref_only)} only in the reference, "
+                        f"{len(cand_only)} only in the candidate)", "run both with the same --limit, or pass --allow-partial to use the common docs")
+    ids = sorted(set(rs) & set(cs), key=lambda d: (str(type(d)), d))
+    if not ids:
+        raise UserError(f"{ref_where} and {cand_where} share no doc_id", "pass sample logs of the same task and data")
+    bad = [d for d in ids if rs[d][1] and cs[d][1] and rs[d][1] != cs[d][1]]
+    if bad:
+        raise UserError(f"{ref_where} and {cand_where}: doc_id {bad[0]} has different doc_hash ({len(bad)} docs differ): they are different documents",
+                        "compare runs of the same task version and dataset")
+    n = len(ids)
+    prompt_diff = sum(1 for d in ids if rs[d][2] != cs[d][2])
+    r_s = [rs[d][0] for d in ids]
+    c_s = [cs[d][0] for d in ids]
+    gap = 100.0 * sum(c - r for c, r in zip(c_s, r_s, strict=True)) / n
+    out: dict[str, Any] = {
+        "n": n, "dropped": {"reference_only": len(ref_only), "candidate_only": len(cand_only)}, "prompt_hash_differs": prompt_diff,
+        "reference": {"strict": _pts(100.0 * sum(r_s) / n)}, "candidate": {"strict": _pts(100.0 * sum(c_s) / n)},
+        "gap": _pts(gap), "access": None, "capacity": None,
+        "strict_regressions": sum(1 for r, c in zip(r_s, c_s, strict=True) if r > c),
+        "strict_recoveries": sum(1 for r, c in zip(r_s, c_s, strict=True) if c > r),
+    }
+    if rl is not None and cl is not None:
+        r_l = [rl[d][0] for d in ids]
+        c_l = [cl[d][0] for d in ids]
+        capacity = 100.0 * sum(c - r for c, r in zip(c_l, r_l, strict=True)) / n
+        access_docs = [d for d, r, c, lc in zip(ids, r_s, c_s, c_l, strict=True) if r > c and lc >= r]
+        capacity_docs = [d for d, r, c, lc in zip(ids, r_s, c_s, c_l, strict=True) if r > c and lc < r]
+        out.update({
+            "reference": {"strict": out["reference"]["strict"], "lenient": _pts(100.0 * sum(r_l) / n)},
+            "candidate": {"strict": out["candidate"]["strict"], "lenient": _pts(100.0 * sum(c_l) / n)},
+            "capacity": _pts(capacity), "access": _pts(gap - capacity),
+            "regressions_access": len(access_docs), "regressions_capacity": len(capacity_docs),
+            "access_doc_ids": access_docs[:50], "capacity_doc_ids": capacity_docs[:50],
+            "lenient_regressions": sum(1 for r, c in zip(r_l, c_l, strict=True) if r > c),
+        })
+    return out
+
+
+def aggregate_split(ref: Measurement, cand: Measurement) -> dict[str, Any]:
+    """Gap and, when both have a lenient score, its access / capacity parts from aggregate scores."""
+    gap = cand.strict - ref.strict
+    if ref.lenient is None or cand.lenient is None:
+        return {"gap": _pts(gap), "access": None, "capacity": None}
+    capacity = cand.lenient - ref.lenient
+    return {"gap": _pts(gap), "access": _pts(gap - capacity), "capacity": _pts(capacity)}
+
+
+# --- lineage ---------------------------------------------------------------------------------
+
+
+def _names(text: str | None) -> set[str]:
+    if not text:
+        return set()
+    t = str(text).rstrip("/").lower()
+    return {t, t.split("/")[-1]}
+
+
+def lineage(ref: dict[str, Any], cand: dict[str, Any], declared: str | None = None) -> dict[str, Any]:
+    """Is the reference the candidate's parent?
+
+    `ref`/`cand`: {"key", "names" (every name the model is known by), "parents" ([(name, source)]
+    stated by its model card, config or the registry)}. `declared`: "parent" | "not-parent" | None.
+    """
+    evidence = [{"parent": p, "source": s} for p, s in cand.get("parents", [])]
+    ref_names = set().union(*(_names(n) for n in ref.get("names", []))) if ref.get("names") else set()
+    if ref["key"] == cand["key"]:
+        found = "same_checkpoint"
+    elif evidence:
+        found = "parent" if any(_names(e["parent"]) & ref_names for e in evidence) else "not_parent"
+    else:
+        found = None
+    if declared not in (None, "parent", "not-parent"):
+        raise UserError(f"--lineage {declared!r} is not one of parent, not-parent", "declare --lineage parent or --lineage not-parent")
+    decl = {"parent": "parent", "not-parent": "not_parent"}.get(declared or "")
+    if found is None and decl is None:
+        status, how = "unknown", "no model-card, config or registry field names the candidate's parent, and none was declared"
+    elif found is None:
+        status, how = decl, "declared by the user"
+    elif decl is None or decl == found or found == "same_checkpoint":
+        status, how = found, "; ".join(f"{e['source']} names {e['parent']}" for e in evidence) or "reference and candidate are the same weights"
+    else:
+        status, how = "mismatched", f"declared {declared}, but " + "; ".join(f"{e['source']} names {e['parent']}" for e in evidence)
+    return {"status": status, "flagged": status not in ("same_checkpoint", "parent"), "how": how, "evidence": evidence, "declared": declared}
+
+
+# --- the attribution -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Attribution:
+    """The full report: per benchmark comparisons, protocol sensitivity, vendor figures; lineage and mixture."""
+
+    benchmarks: list[dict[str, Any]]
+    lineage: list[dict[str, Any]]
+    mixture: dict[str, Any]
+    inputs: list[dict[str, Any]]
+    measurements: list[dict[str, Any]]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema_version": SCHEMA_VERSION, "benchmarks": self.benchmarks, "lineage": self.lineage, "mixture": self.mixture,
+                "inputs": self.inputs, "measurements": self.measurements}
+
+
+def _differing(r: Measurement, c: Measurement) -> list[dict[str, Any]]:
+    """Protocol fields in which two measurements differ (as far as their sources record them)."""
+    from lm_eval_sink.protocols import diff
+    from lm_eval_sink.vendors import compare_stated, compare_stated_pair
+
+    if r.fingerprint is not None and c.fingerprint is not None:
+        out = []
+        for d in diff(r.fingerprint, c.fingerprint):
+            if d.field == "tasks" or (d.field.startswith("tasks.") and not (d.field.startswith(f"tasks.{r.task}.") or d.field.startswith(f"tasks.{c.task}."))):
+                continue
+            out.append({"field": d.field, "reference": d.a, "candidate": d.b, "affects_scores": d.affects_scores})
+        if r.task != c.task:
+            out.insert(0, {"field": "task", "reference": r.task, "candidate": c.task, "affects_scores": True})
+        return out
+    if r.fingerprint is not None or c.fingerprint is not None:
+        run, reg = (r, c) if r.fingerprint is not None else (c, r)
+        differ, _ = compare_stated(reg.stated or {}, run.fingerprint, run.task or "")
+        return [{"field": d["field"], r.role: d["run"] if run is r else d["stated"], c.role: d["stated"] if run is r else d["run"], "affects_scores": True}
+                for d in differ]
+    differ, one_side = compare_stated_pair(r.stated or {}, c.stated or {})
+    return [{"field": d["field"], "reference": d["a"], "candidate": d["b"], "affects_scores": True} for d in differ] + [
+        {"field": k, "reference": (r.stated or {}).get(k, "not stated"), "candidate": (c.stated or {}).get(k, "not stated"), "affects_scores": None}
+        for k in one_side]
+
+
+def _side(m: Measurement) -> dict[str, Any]:
+    return {"model": m.model, "strict": _pts(m.strict), "lenient": _pts(m.lenient), "source": m.source, "task": m.task}
+
+
+def _compare(r: Measurement, c: Measurement, kind: str, samples_rows: Any, bench: Any, allow_partial: bool) -> dict[str, Any]:
+    row: dict[str, Any] = {"kind": kind, "protocol": r.protocol_label if kind == "same_protocol" else f"{r.protocol_label} vs {c.protocol_label}",
+                           "reference": _side(r), "candidate": _side(c), "non_final": r.limit is not None or c.limit is not None,
+                           "limit": {"reference": r.limit, "candidate": c.limit}}
+    split = aggregate_split(r, c)
+    row.update(gap=split["gap"], access=split["access"], capacity=split["capacity"], split_from="aggregate" if split["access"] is not None else None,
+               per_prompt=None, protocol_part=None)
+    if kind == "same_protocol" and r.samples and c.samples and bench is not None and bench.strict:
+        pp = per_prompt_split(samples_rows(r.samples), samples_rows(c.samples), bench.strict, bench.lenient, ref_where=r.samples, cand_where=c.samples,
+                              allow_partial=allow_partial)
+        row["per_prompt"] = pp
+        row.update(gap=pp["gap"], access=pp["access"], capacity=pp["capacity"], split_from="samples" if pp["access"] is not None else None)
+        row["per_prompt"]["matches_results"] = (r.n == c.n == pp["n"] and abs(pp["gap"] - split["gap"]) < 1e-6) if r.n and c.n else None
+    if kind != "same_protocol":
+        row["differing_fields"] = _differing(r, c)
+        row["access"] = row["capacity"] = None
+        row["split_from"] = None
+        if kind == "protocol_artefact":
+            row["protocol_part"] = row["gap"]
+    return row
+
+
+def _protocol_effect(rows: list[dict[str, Any]], baseline: str | None) -> dict[str, Any] | None:
+    gaps: dict[str, list[float]] = {}
+    for row in rows:
+        if row["kind"] in ("same_protocol", "reported_gap"):
+            gaps.setdefault(row["protocol"], []).append(row["gap"])
+    if len(gaps) < 2:
+        return None
+    labels = list(gaps)
+    base = baseline if baseline in gaps else labels[0]
+    base_gap = gaps[base][0]
+    values = [g for gs in gaps.values() for g in gs]
+    return {"gaps": gaps, "baseline": base, "effects": {p: _pts(gs[0] - base_gap) for p, gs in gaps.items() if p != base},
+            "sign_flip": any(v > 0 for v in values) and any(v < 0 for v in values), "spread": _pts(max(values) - min(values)),
+            "baseline_requested": baseline, "baseline_found": baseline in gaps if baseline else None}
+
+
+def attribute(references: list[Measurement], candidates: list[Measurement], *, benchmarks: dict[str, Benchmark], lineage_info: list[dict[str, Any]],
+              reported_gaps: list[Any] = (), vendor_scores: list[Any] = (), mixture: dict[str, str] | None = None, baseline_protocol: str | None = None,
+              allow_partial: bool = False, samples_rows: Any = None, inputs: list[dict[str, Any]] | None = None) -> Attribution:
+    """Pair reference and candidate measurements per benchmark and attribute each gap.
+
+    `reported_gaps`: registry `Gap`s for the pair; `vendor_scores`: registry `Score`s (vendor
+    kind) of the models involved; `samples_rows(path) -> rows` reads sample logs.
+    """
+    ref_b = {m.benchmark for m in references}
+    cand_b = {m.benchmark for m in candidates} | {g.benchmark for g in reported_gaps}
+    common = sorted((ref_b & cand_b) | {g.benchmark for g in reported_gaps})
+    if not common:
+        raise UserError(f"reference and candidate share no benchmark (reference: {', '.join(sorted(ref_b)) or 'none'}; "
+                        f"candidate: {', '.join(sorted(cand_b)) or 'none'})", "pass runs of the same tasks")
+    out = []
+    for name in common:
+        bench = benchmarks.get(name)
+        rs = [m for m in references if m.benchmark == name]
+        cs = [m for m in candidates if m.benchmark == name]
+        rows: list[dict[str, Any]] = []
+        paired: set[int] = set()
+        for r in rs:
+            for c in cs:
+                if r.protocol_key == c.protocol_key:
+                    rows.append(_compare(r, c, "same_protocol", samples_rows, bench, allow_partial))
+                    paired |= {id(r), id(c)}
+        for g in reported_gaps:
+            if g.benchmark == name:
+                rows.append({"kind": "reported_gap", "protocol": g.protocol.id, "gap": _pts(g.value), "access": None, "capacity": None, "split_from": None,
+                             "protocol_part": None, "reference": {"model": g.reference}, "candidate": {"model": g.candidate}, "non_final": False,
+                             "source": {"kind": "registry", "id": g.id, **g.source.to_json()}, "stated_protocol": g.protocol.to_json(), "note": g.note})
+        for r in rs:
+            for c in cs:
+                if r.protocol_key == c.protocol_key:
+                    continue
+                if r.model_key == c.model_key:
+                    rows.append(_compare(r, c, "protocol_artefact", samples_rows, bench, allow_partial))
+                    paired |= {id(r), id(c)}
+        not_compared = []
+        confounded: set[int] = set()
+        for r in rs:
+            for c in cs:
+                if r.protocol_key != c.protocol_key and r.model_key != c.model_key and id(r) not in paired and id(c) not in paired:
+                    row = _compare(r, c, "confounded", samples_rows, bench, allow_partial)
+                    row["gap"] = None  # different models under different protocols: not attributed
+                    not_compared.append(row)
+                    confounded |= {id(r), id(c)}
+        unpaired = [{"role": m.role, "model": m.model, "protocol": m.protocol_label, "strict": _pts(m.strict)} for m in [*rs, *cs]
+                    if id(m) not in paired and id(m) not in confounded]
+        vend = []
+        for s in vendor_scores:
+            if s.benchmark != name:
+                continue
+            for m in [*rs, *cs]:
+                if m.registry_model == s.model and m.source.get("id") != s.id:
+                    vend.append(_vendor_row(s, m))
+        effect = _protocol_effect(rows, baseline_protocol)
+        if effect:
+            for row in rows:
+                if row["kind"] in ("same_protocol", "reported_gap") and row["protocol"] in effect["effects"]:
+                    row["protocol_part"] = effect["effects"][row["protocol"]]
+        out.append({"benchmark": name, "construct": bench.construct if bench else "unknown", "construct_why": bench.why if bench else "not in benchmarks.yaml",
+                    "strict_key": bench.strict if bench else None, "lenient_key": bench.lenient if bench else None,
+                    "comparisons": rows, "not_compared": not_compared, "unpaired": unpaired,
+                    "protocol_effect": effect, "vendor": vend})
+    mix = {"declared": dict(sorted((mixture or {}).items())) or None,
+           "note": "declared by the user, shown as given, never inferred" if mixture else "not declared: how much text, and in what output format, the VL recipe held is unknown"}
+    meas = [m.to_json() for m in [*references, *candidates]]
+    return Attribution(benchmarks=out, lineage=lineage_info, mixture=mix, inputs=list(inputs or []), measurements=meas)
+
+
+def _vendor_row(s: Any, m: Measurement) -> dict[str, Any]:
+    from lm_eval_sink.vendors import compare_stated, compare_stated_pair
+
+    if m.fingerprint is not None:
+        differ, unstated = compare_stated(s.protocol.stated, m.fingerprint, m.task or "")
+        differ = [{"field": d["field"], "vendor": d["stated"], "measured": d["run"]} for d in differ]
+    else:
+        pair, one_side = compare_stated_pair(s.protocol.stated, m.stated or {})
+        differ = [{"field": d["field"], "vendor": d["a"], "measured": d["b"]} for d in pair]
+        unstated = [k for k in one_side if k not in s.protocol.stated]
+    return {"model": s.model, "role": m.role, "vendor": {"id": s.id, "value": _pts(s.value), "source": s.source.to_json(), "protocol": s.protocol.to_json()},
+            "measured": {"value": _pts(m.strict), "protocol": m.protocol_label, "source": m.source}, "measured_minus_vendor": _pts(m.strict - s.value),
+            "protocol_differences": differ, "vendor_unstated": unstated}
+
+
+# --- report ----------------------------------------------------------------------------------
+
+
+def _f(x: float | None, signed: bool = True) -> str:
+    if x is None:
+        return "-"
+    return f"{x:+.2f}" if signed else f"{x:.2f}"
+
+
+def _fields(fields: list[dict[str, Any]]) -> str:
+    """The score-relevant differing fields, short (the JSON keeps them all, in full)."""
+    shown = [d for d in fields if d.get("affects_scores") is not False]
+    if not shown:
+        return "no recorded field that can change scores differs"
+
+    def v(x: Any) -> str:
+        text = x if isinstance(x, str) else json.dumps(x, ensure_ascii=False)
+        return text if len(text) <= 24 else text[:21] + "..."
+
+    return "; ".join(f"{d['field']}: {v(d.get('reference'))} vs {v(d.get('candidate'))}" for d in shown[:6]) + (" ..." if len(shown) > 6 else "")
+
+
+def to_markdown(att: Attribution) -> str:
+    """The report as Markdown: lineage, mixture, one table per benchmark, protocol sensitivity, vendor figures."""
+    L = ["# Gap attribution (candidate minus reference, points)", ""]
+    for li in att.lineage:
+        flag = " **FLAGGED**" if li["flagged"] else ""
+        L.append(f"- lineage {li['reference']} -> {li['candidate']}: {li['status']}{flag} ({li['how']})")
+    mix = att.mixture
+    L.append(f"- mixture: {', '.join(f'{k}={v}' for k, v in mix['declared'].items()) + ' (declared)' if mix['declared'] else mix['note']}")
+    for b in att.benchmarks:
+        L += ["", f"## {b['benchmark']} (construct: {b['construct']}: {b['construct_why']})", ""]
+        if b["comparisons"]:
+            L += ["| protocol | kind | reference | candidate | gap | access | capacity | protocol part | split from | note |", "|---|---|---|---|---|---|---|---|---|---|"]
+            for r in b["comparisons"]:
+                notes = []
+                if r.get("non_final"):
+                    notes.append("--limit run: not final")
+                if r["kind"] == "reported_gap":
+                    notes.append(f"{r['source']['id']} ({r['source']['kind']})")
+                if r["kind"] == "protocol_artefact":
+                    notes.append("same weights: " + _fields(r["differing_fields"]))
+                pp = r.get("per_prompt")
+                if pp:
+                    notes.append(f"{pp['n']} prompts, {pp['strict_regressions']} strict regressions"
+                                 + (f" ({pp['regressions_access']} access, {pp['regressions_capacity']} capacity)" if pp.get("access") is not None else "")
+                                 + (f", prompt hashes differ on {pp['prompt_hash_differs']}" if pp["prompt_hash_differs"] else ""))
+                ref = r["reference"].get("strict")
+                cand = r["candidate"].get("strict")
+                L.append(f"| {r['protocol']} | {r['kind']} | {r['reference']['model']} {_f(ref, False)} | {r['candidate']['model']} {_f(cand, False)} | "
+                         f"{_f(r['gap'])} | {_f(r['access'])} | {_f(r['capacity'])} | {_f(r['protocol_part'])} | {r['split_from'] or '-'} | {'; '.join(notes)} |")
+        pe = b["protocol_effect"]
+        if pe:
+            gaps = ", ".join(f"{_f(g[0])} under {p}" + (f" ({len(g)} sources)" if len(g) > 1 else "") for p, g in pe["gaps"].items())
+            effects = ", ".join(f"{p} {_f(e)}" for p, e in pe["effects"].items())
+            L += ["", f"protocol: gap {gaps}; effect vs {pe['baseline']}: {effects}; spread {_f(pe['spread'], False)}; "
+                  f"sign {'FLIPS' if pe['sign_flip'] else 'unchanged'}"]
+        for r in b["not_compared"]:
+            L.append(f"- not compared (different models under different protocols): {r['reference']['model']} ({r['protocol'].split(' vs ')[0]}) vs "
+                     f"{r['candidate']['model']} ({r['protocol'].split(' vs ')[-1]}): {_fields(r['differing_fields'])}")
+        for u in b["unpaired"]:
+            L.append(f"- no partner: {u['role']} {u['model']} under {u['protocol']} ({_f(u['strict'], False)})")
+        if b["vendor"]:
+            L += ["", "| model | vendor says | source | measured | protocol | measured - vendor | protocol differences |", "|---|---|---|---|---|---|---|"]
+            for v in b["vendor"]:
+                diffs = "; ".join(f"{d['field']}: vendor {d['vendor']} vs {d['measured']}" for d in v["protocol_differences"]) or "none found"
+                if v["vendor_unstated"]:
+                    diffs += f" (vendor does not state {', '.join(v['vendor_unstated'])})"
+                L.append(f"| {v['model']} | {_f(v['vendor']['value'], False)} | {v['vendor']['source']['id']} | {_f(v['measured']['value'], False)} | "
+                         f"{v['measured']['protocol']} | {_f(v['measured_minus_vendor'])} | {diffs} |")
+    return "\n".join(L) + "\n"
+
+
+def plot_rows(att: Attribution) -> list[dict[str, Any]]:
+    """One bar per comparison with its parts (access, capacity, protocol, unsplit), for plots.gap_parts.
+
+    A gap under a non-baseline protocol is drawn as the baseline gap (with the baseline's split)
+    plus the protocol effect; a same-weights comparison is all protocol.
+    """
+    bars = []
+    for b in att.benchmarks:
+        pe = b["protocol_effect"]
+        base_row = next((r for r in b["comparisons"] if pe and r["protocol"] == pe["baseline"] and r["kind"] in ("same_protocol", "reported_gap")), None)
+        for r in b["comparisons"]:
+            if r["gap"] is None:
+                continue
+            parts = {"access": 0.0, "capacity": 0.0, "protocol": 0.0, "unsplit": 0.0}
+            own = r
+            if r["kind"] == "protocol_artefact":
+                parts["protocol"] = r["gap"]
+                own = None
+            elif r.get("protocol_part") is not None and base_row is not None:
+                parts["protocol"] = r["protocol_part"]
+                own = base_row
+            if own is not None:
+                if own["access"] is not None:
+                    parts["access"], parts["capacity"] = own["access"], own["capacity"]
+                else:
+                    parts["unsplit"] = own["gap"]
+            bars.append({"label": f"{b['benchmark']}\n{r['protocol']}", "gap": r["gap"], "parts": parts})
+    return bars
+
+
+# --- loading runs and registry entries -------------------------------------------------------
+
+
+def _results_value(results: dict[str, Any], task: str, key: str, where: str) -> float:
+    vals = results.get("results", {}).get(task) or {}
+    if key not in vals:
+        have = sorted(k for k in vals if "," in k and "_stderr" not in k)
+        raise UserError(f"{where}: task {task!r} has no {key!r} in its results (has: {', '.join(have) or 'nothing'})",
+                        "pass a results file of that task, or set its metric keys in a --benchmarks file")
+    v = vals[key]
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        raise UserError(f"{where}: {task} {key} is {v!r}, not a number", "pass a results file written by lm-eval")
+    return 100.0 * float(v)
+
+
+def _model_card(path: Path) -> list[tuple[str, str]]:
+    """Parents a local model folder states: README front matter `base_model`, and config fields."""
+    out: list[tuple[str, str]] = []
+    readme = path / "README.md"
+    if readme.is_file():
+        text = readme.read_text(encoding="utf-8", errors="replace")
+        if text.startswith("---"):
+            end = text.find("\n---", 3)
+            if end > 0:
+                import yaml
+
+                try:
+                    meta = yaml.safe_load(text[3:end]) or {}
+                except yaml.YAMLError:
+                    meta = {}
+                base = meta.get("base_model") if isinstance(meta, dict) else None
+                for b in [base] if isinstance(base, str) else (base or []):
+                    out.append((str(b), "model card base_model"))
+    cfg_path = path / "config.json"
+    if cfg_path.is_file():
+        try:
+            cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            cfg = {}
+        for dotted in LINEAGE_CONFIG_FIELDS:
+            node: Any = cfg
+            for part in dotted.split("."):
+                node = node.get(part) if isinstance(node, dict) else None
+            if isinstance(node, str) and node:
+                out.append((node, f"config.json {dotted}"))
+    return out
+
+
+def model_info(pretrained: str | None, registry: Any = None) -> dict[str, Any]:
+    """Identity, names and stated parents of a model given by a path or hub id."""
+    key = str(pretrained or "unknown").rstrip("/")
+    names = [key]
+    parents: list[tuple[str, str]] = []
+    p = Path(key)
+    if p.is_dir():
+        key = str(p.resolve())
+        names.append(p.resolve().name)
+        cfg = p / "config.json"
+        if cfg.is_file():
+            try:
+                nop = json.loads(cfg.read_text(encoding="utf-8")).get("_name_or_path")
+            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+                nop = None
+            if nop:
+                names.append(str(nop))
+        parents += _model_card(p)
+    reg_name = None
+    if registry is not None:
+        for n in names:
+            reg_name = registry.identify(n)
+            if reg_name:
+                break
+        if reg_name:
+            entry = registry.models[reg_name]
+            names += sorted(entry.names())
+            if entry.parent:
+                parents.append((entry.parent["model"], f"vendor registry ({entry.parent['source']})"))
+    return {"key": key, "names": names, "parents": parents, "registry_model": reg_name, "display": reg_name or Path(key).name or key}
+
+
+def measurements_from_run(arg: str, role: str, benchmarks: dict[str, Benchmark], registry: Any = None) -> tuple[list[Measurement], dict[str, Any], dict[str, Any]]:
+    """The measurements of one lm-eval run (one per task that belongs to a scored family)."""
+    from lm_eval_sink.io import sha256_file
+    from lm_eval_sink.protocols import fingerprint, match_protocol
+    from lm_eval_sink.runs import load_results, resolve_run
+
+    files = resolve_run(arg)
+    results = load_results(files)
+    fp = fingerprint(results, source=files.results)
+    info = model_info(fp.run.get("pretrained") or fp.run.get("model_name"), registry)
+    if fp.run.get("revision") not in (None, "main"):
+        info["key"] += f"@{fp.run['revision']}"
+    named = match_protocol(fp)
+    source = {"kind": "run", "path": str(files.results), "sha256": sha256_file(files.results)}
+    out = []
+    for task in fp.tasks:
+        bench = benchmark_of(task, benchmarks)
+        if bench is not None and bench.construct == "diagnostic":
+            continue
+        if bench is None:
+            keys = sorted(k for k, v in (results["results"].get(task) or {}).items()
+                          if "," in k and "_stderr" not in k and isinstance(v, (int, float)) and not isinstance(v, bool))
+            if not keys:
+                continue
+            bench = Benchmark(task, (task,), "unknown", keys[0], None, f"not in benchmarks.yaml; scored by {keys[0]} (the first metric)")
+            benchmarks[task] = bench
+        strict = _results_value(results, task, bench.strict, str(files.results))
+        lenient = _results_value(results, task, bench.lenient, str(files.results)) if bench.lenient else None
+        key = fp.harness_sha(tasks=(task,))
+        n = ((results.get("n-samples") or {}).get(task) or {}).get("effective")
+        samples = str(files.samples[task]) if task in files.samples else None
+        out.append(Measurement(role=role, model=info["display"], model_key=info["key"], benchmark=bench.name, task=task, strict=strict, lenient=lenient,
+                               protocol_key=f"run:{key}", protocol_label=named or f"custom-{fp.harness_sha()[:8]}", source=source, registry_model=info["registry_model"],
+                               samples=samples, limit=fp.harness.get("limit"), n=n, fingerprint=fp))
+    if not out:
+        raise UserError(f"{files.results}: no scored task in this run ({', '.join(fp.tasks)})", "pass a run of benchmark tasks (e.g. ifeval, gsm8k_cot)")
+    return out, info, source
+
+
+def measurements_from_registry(arg: str, role: str, registry: Any) -> tuple[list[Measurement], dict[str, Any], dict[str, Any]]:
+    """`vendor:SCORE_ID` (one score) or `vendor:MODEL` (every score of that model, possibly none)."""
+    ref = arg.split(":", 1)[1]
+    scores = [s for s in registry.scores if s.id == ref]
+    model = scores[0].model if scores else registry.model(ref).name
+    if not scores:
+        scores = registry.scores_of(model)
+    entry = registry.models[model]
+    info = {"key": f"registry:{model}", "names": sorted(entry.names()), "registry_model": model, "display": model,
+            "parents": [(entry.parent["model"], f"vendor registry ({entry.parent['source']})")] if entry.parent else []}
+    out = [Measurement(role=role, model=model, model_key=info["key"], benchmark=s.benchmark, task=None, strict=s.value, lenient=None,
+                       protocol_key=f"registry:{s.protocol.id}", protocol_label=s.protocol.id,
+                       source={"kind": "registry", "id": s.id, "source": s.source.id, "source_kind": s.source.kind}, registry_model=model,
+                       stated=s.protocol.stated) for s in scores]
+    return out, info, {"kind": "registry", "arg": arg, "files": list(registry.files)}
+
+
+def relabel(measurements: list[Measurement]) -> list[Measurement]:
+    """Give distinct run protocols of one benchmark distinct labels (a named protocol under two limits gets a sha suffix)."""
+    from dataclasses import replace
+
+    keys: dict[tuple[str, str], set[str]] = {}
+    for m in measurements:
+        if m.protocol_key.startswith("run:"):
+            keys.setdefault((m.benchmark, m.protocol_label), set()).add(m.protocol_key)
+    return [replace(m, protocol_label=f"{m.protocol_label}-{m.protocol_key[4:12]}")
+            if m.protocol_key.startswith("run:") and len(keys[(m.benchmark, m.protocol_label)]) > 1 else m for m in measurements]
+
+
+def _load(args: list[str], role: str, benchmarks: dict[str, Benchmark], registry: Any) -> tuple[list[Measurement], list[dict[str, Any]], list[dict[str, Any]]]:
+    meas, infos, inputs = [], [], []
+    for arg in args:
+        if str(arg).startswith("vendor:"):
+            m, info, src = measurements_from_registry(str(arg), role, registry)
+        else:
+            m, info, src = measurements_from_run(str(arg), role, benchmarks, registry)
+        meas += m
+        infos.append(info)
+        inputs.append({"role": role, "arg": str(arg), **src})
+    return meas, infos, inputs
+
+
+def run_attribution(references: list[str], candidates: list[str], *, vendor: bool = False, registry_file: str | Path | None = None,
+                    benchmarks_file: str | Path | None = None, declared_lineage: str | None = None, mixture: dict[str, str] | None = None,
+                    baseline_protocol: str | None = None, allow_partial: bool = False) -> Attribution:
+    """Load runs (paths) and registry entries (`vendor:ID` / `vendor:MODEL`) and attribute the gaps."""
+    from lm_eval_sink.runs import read_samples
+    from lm_eval_sink.vendors import load_registry
+
+    if not references or not candidates:
+        raise UserError("attribute needs at least one --reference and one --candidate", "pass runs (lm-eval output folders or results JSON) or vendor:ENTRY")
+    benchmarks = load_benchmarks(benchmarks_file)
+    uses_registry = vendor or any(str(a).startswith("vendor:") for a in [*references, *candidates])
+    registry = load_registry(registry_file)  # also recognises models by name for lineage; its scores only with vendor:/--vendor
+    ref_m, ref_info, ref_in = _load(references, "reference", benchmarks, registry)
+    cand_m, cand_info, cand_in = _load(candidates, "candidate", benchmarks, registry)
+    allm = relabel([*ref_m, *cand_m])
+    ref_m, cand_m = allm[: len(ref_m)], allm[len(ref_m):]
+    pairs: dict[tuple[str, str], dict[str, Any]] = {}
+    for ri in ref_info:
+        for ci in cand_info:
+            if (ri["key"], ci["key"]) not in pairs:
+                li = lineage(ri, ci, declared_lineage)
+                pairs[(ri["key"], ci["key"])] = {"reference": ri["display"], "candidate": ci["display"], **li}
+    reported, vendor_scores = [], []
+    if uses_registry:
+        ref_names = {i["registry_model"] for i in ref_info if i["registry_model"]}
+        cand_names = {i["registry_model"] for i in cand_info if i["registry_model"]}
+        reported = [g for r in sorted(ref_names) for c in sorted(cand_names) if r != c for g in registry.gaps_between(r, c)]
+        if vendor:
+            vendor_scores = [s for n in sorted(ref_names | cand_names) for s in registry.scores_of(n) if s.source.kind == "vendor"]
+    cache: dict[str, list[dict[str, Any]]] = {}
+
+    def rows(path: str) -> list[dict[str, Any]]:
+        if path not in cache:
+            cache[path] = read_samples(Path(path))
+        return cache[path]
+
+    return attribute(ref_m, cand_m, benchmarks=benchmarks, lineage_info=list(pairs.values()), reported_gaps=reported, vendor_scores=vendor_scores,
+                     mixture=mixture, baseline_protocol=baseline_protocol, allow_partial=allow_partial, samples_rows=rows, inputs=[*ref_in, *cand_in])
+
+
+def write_report(att: Attribution, out_dir: str | Path, force: bool = False) -> dict[str, Path]:
+    """attribution.json (with provenance), attribution.md and attribution.png in `out_dir`, built atomically."""
+    from lm_eval_sink.io import atomic_write_json, atomic_write_text, canonical_json, provenance, sha256_text, staged_dir
+    from lm_eval_sink.plots import gap_parts
+
+    out_dir = Path(out_dir)
+    body = att.to_json()
+    doc = {**body, "provenance": provenance(command="attribute", inputs=att.inputs, result_sha256=sha256_text(canonical_json(body)))}
+    with staged_dir(out_dir, force=force) as tmp:
+        atomic_write_json(tmp / "attribution.json", doc)
+        atomic_write_text(tmp / "attribution.md", to_markdown(att))
+        footer = f"lm-eval-sink attribute; result sha256 {doc['provenance']['result_sha256'][:16]}; inputs: " + ", ".join(
+            Path(i.get("path") or i.get("arg")).name for i in att.inputs)
+        gap_parts(plot_rows(att), tmp / "attribution.png", title="gap = candidate - reference (points), split into its parts", footer=footer)
+    return {"json": out_dir / "attribution.json", "markdown": out_dir / "attribution.md", "png": out_dir / "attribution.png"}

@@ -1,0 +1,885 @@
+"""Per-prompt regression buckets of two lm-eval runs of one task, with paired statistics.
+
+`bucket(reference_samples, candidate_samples, task, settings)` works on parsed samples logs
+(lists of the dicts lm-eval writes with `--log_samples`) and returns a `BucketReport`:
+- pairing: docs are joined on (doc_id, filter) and must be the same document (equal `doc_hash`,
+  or equal docs once null fields are dropped); different doc sets, filters or documents are one
+  UserError giving how many differ and an example. Different `prompt_hash`es are expected across
+  protocols (chat template, few-shot) and are counted, not refused.
+- buckets for a 0/1 metric: both_pass, regression (reference passes, candidate fails), recovered,
+  both_fail; `delta` = candidate mean minus reference mean with a seeded paired bootstrap interval
+  over docs; `mcnemar_p` = exact two-sided binomial test on the discordant pairs (scipy).
+- a continuous metric (EQ-Bench): the paired difference (`delta`, bootstrap interval, Wilcoxon
+  signed-rank p); pass/fail buckets and McNemar only with a threshold (pass = score >= threshold).
+- IFEval: instruction-level accuracy and delta with a cluster bootstrap (whole prompts are
+  resampled, never single instructions), a per-instruction-type table with exact McNemar p-values
+  and Holm-adjusted ones, and one primary failure kind per regression (failure_kinds.py).
+- tasks with a lenient twin filter (GSM8K-CoT, GPQA-CoT): regressions split into format failures
+  (the lenient filter still finds the right answer) and wrong answers.
+Task knowledge (default metric, filter, kind, lenient filter) is data: data/bucket_tasks.yaml.
+`run_buckets` resolves two runs, adds both runs' provenance and protocol, and writes the outputs.
+numpy/scipy only: no torch or transformers here.
+"""
+
+from __future__ import annotations
+
+import csv
+import difflib
+import fnmatch
+import functools
+import io as _io
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lm_eval_sink.errors import UserError
+from lm_eval_sink.failure_kinds import classify_ifeval, is_truncated, kind_counts, max_gen_toks_of
+
+log = logging.getLogger(__name__)
+
+BUCKETS = ("both_pass", "regression", "recovered", "both_fail")
+KINDS = ("binary", "continuous")
+SCHEMA_VERSION = 1
+_BOOT_CHUNK = 256
+
+
+# --- task knowledge ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TaskSpec:
+    """One entry of data/bucket_tasks.yaml (None fields: the generic path decides)."""
+
+    match: str
+    metric: str | None = None
+    filter: str | None = None
+    kind: str | None = None
+    family: str | None = None
+    instruction_metrics: Mapping[str, str] = field(default_factory=dict)
+    lenient_filter: str | None = None
+    doc_mismatch_hint: str | None = None
+
+
+@functools.cache
+def _task_table() -> tuple[tuple[TaskSpec, ...], dict[str, dict[str, str]]]:
+    import yaml
+
+    text = resources.files("lm_eval_sink").joinpath("data/bucket_tasks.yaml").read_text(encoding="utf-8")
+    data = yaml.safe_load(text)
+    specs = tuple(TaskSpec(**entry) for entry in data["tasks"])
+    for s in specs:
+        if s.kind is not None and s.kind not in KINDS:
+            raise ValueError(f"bucket_tasks.yaml: {s.match}: kind {s.kind!r} is not one of {KINDS}")
+    return specs, dict(data["ifeval_instructions"])
+
+
+def task_spec(task: str | None) -> TaskSpec:
+    """The first table entry matching `task`, else the generic spec."""
+    if task is not None:
+        for spec in _task_table()[0]:
+            if fnmatch.fnmatchcase(task, spec.match):
+                return spec
+    return TaskSpec(match="*")
+
+
+def ifeval_instruction_table() -> dict[str, dict[str, str]]:
+    return _task_table()[1]
+
+
+# --- settings and result -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BucketSettings:
+    """Every knob of a bucket comparison (one source of truth for the defaults)."""
+
+    metric: str | None = None  # None: the task table's, else the first metric of the samples
+    filter: str | None = None  # None: the task table's, else the only filter of the samples
+    threshold: float | None = None  # continuous metrics: pass = score >= threshold
+    allow_partial: bool = False  # pair the common docs when the doc sets differ (records the drop)
+    n_bootstrap: int = 10_000
+    confidence: float = 0.95
+    seed: int = 0
+    failure_kinds: bool = True  # IFEval: re-run lm-eval's checker on regressions
+    max_gen_toks: int | None = None  # None: read from each candidate sample's generation kwargs
+
+    def __post_init__(self) -> None:
+        if self.n_bootstrap < 100:
+            raise UserError(f"--bootstrap must be at least 100, got {self.n_bootstrap}", "use e.g. --bootstrap 10000")
+        if not 0.5 <= self.confidence < 1:
+            raise UserError(f"--confidence must be in [0.5, 1), got {self.confidence}", "use e.g. --confidence 0.95")
+        if self.max_gen_toks is not None and self.max_gen_toks <= 0:
+            raise UserError(f"--max-gen-toks must be positive, got {self.max_gen_toks}", "pass the run's generation limit, e.g. --max-gen-toks 1280")
+        if self.threshold is not None and not np.isfinite(self.threshold):
+            raise UserError(f"--threshold must be a finite number, got {self.threshold}", "use e.g. --threshold 50")
+
+
+@dataclass(frozen=True, slots=True)
+class BucketReport:
+    """Buckets and paired statistics of one task's reference vs candidate samples.
+
+    `counts`/`prompts` are None for a continuous metric without a threshold (`counts_reason`
+    says so). `delta_ci` is the paired bootstrap interval at `confidence`. `rows` holds one record
+    per paired doc, sorted by doc_id.
+    """
+
+    task: str | None
+    metric: str
+    filter: str
+    kind: str
+    threshold: float | None
+    n: int
+    counts: dict[str, int] | None
+    counts_reason: str | None
+    prompts: dict[str, list[int]] | None
+    reference_score: float
+    candidate_score: float
+    delta: float
+    delta_ci: tuple[float, float]
+    mcnemar_p: float | None
+    discordant: int | None
+    wilcoxon_p: float | None
+    pass_rate: dict[str, Any] | None
+    instruction_level: dict[str, Any] | None
+    instruction_types: list[dict[str, Any]] | None
+    format_split: dict[str, Any] | None
+    failure_kinds: dict[str, Any] | None
+    truncation: dict[str, Any] | None
+    pairing: dict[str, Any]
+    rows: list[dict[str, Any]]
+    settings: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
+    runs: dict[str, Any] = field(default_factory=dict)
+    protocol_differences: dict[str, Any] = field(default_factory=dict)
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["delta_ci"] = list(self.delta_ci)
+        d["schema_version"] = SCHEMA_VERSION
+        return d
+
+
+# --- statistics ----------------------------------------------------------------------------------
+
+
+def mcnemar_exact(regressions: int, recovered: int) -> float:
+    """Exact two-sided McNemar p-value: binomial test of the discordant pairs against 1/2."""
+    n = regressions + recovered
+    if n == 0:
+        return 1.0
+    from scipy.stats import binomtest
+
+    return float(binomtest(regressions, n, 0.5, alternative="two-sided").pvalue)
+
+
+def holm(pvalues: Sequence[float]) -> list[float]:
+    """Holm step-down adjusted p-values (family-wise error), in the input order."""
+    m = len(pvalues)
+    order = sorted(range(m), key=lambda i: pvalues[i])
+    out = [0.0] * m
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * pvalues[i]))
+        out[i] = running
+    return out
+
+
+def resampled_sums(columns: np.ndarray, n_boot: int, seed: int) -> np.ndarray:
+    """Column sums over `n_boot` bootstrap resamples of the rows of `columns` [doc, column].
+
+    Rows (docs or whole prompts) are drawn with replacement, seeded; the draws depend only on
+    (number of rows, n_boot, seed), so two statistics over the same docs share the same resamples.
+    """
+    columns = np.asarray(columns, dtype=np.float64)
+    n = columns.shape[0]
+    rng = np.random.default_rng(seed)
+    out = np.empty((n_boot, columns.shape[1]), dtype=np.float64)
+    for start in range(0, n_boot, _BOOT_CHUNK):
+        stop = min(n_boot, start + _BOOT_CHUNK)
+        idx = rng.integers(0, n, size=(stop - start, n))
+        for j in range(columns.shape[1]):
+            out[start:stop, j] = columns[:, j][idx].sum(axis=1)
+    return out
+
+
+def _interval(stats: np.ndarray, confidence: float) -> tuple[float, float]:
+    alpha = 1.0 - confidence
+    lo, hi = np.quantile(stats, [alpha / 2, 1 - alpha / 2])
+    return float(lo), float(hi)
+
+
+def paired_delta_ci(reference: np.ndarray, candidate: np.ndarray, n_boot: int, confidence: float, seed: int) -> tuple[float, float]:
+    """Percentile interval of mean(candidate - reference) under a paired bootstrap over docs."""
+    d = (np.asarray(candidate, dtype=np.float64) - np.asarray(reference, dtype=np.float64))[:, None]
+    sums = resampled_sums(d, n_boot, seed)[:, 0]
+    return _interval(sums / d.shape[0], confidence)
+
+
+def cluster_delta_ci(reference_passed: np.ndarray, candidate_passed: np.ndarray, n_items: np.ndarray, n_boot: int, confidence: float, seed: int) -> tuple[float, float]:
+    """Interval of an item-level accuracy delta, resampling whole clusters (prompts).
+
+    Per prompt: instructions passed by each run and the instruction count; each resample's delta
+    is (sum candidate passed - sum reference passed) / sum instructions.
+    """
+    cols = np.stack([np.asarray(candidate_passed, float) - np.asarray(reference_passed, float), np.asarray(n_items, float)], axis=1)
+    sums = resampled_sums(cols, n_boot, seed)
+    return _interval(sums[:, 0] / sums[:, 1], confidence)
+
+
+def _bucket_of(ref_pass: bool, cand_pass: bool) -> str:
+    if ref_pass:
+        return "both_pass" if cand_pass else "regression"
+    return "recovered" if cand_pass else "both_fail"
+
+
+def _four(ref_pass: Sequence[bool], cand_pass: Sequence[bool]) -> dict[str, int]:
+    counts = dict.fromkeys(BUCKETS, 0)
+    for r, c in zip(ref_pass, cand_pass):
+        counts[_bucket_of(bool(r), bool(c))] += 1
+    return counts
+
+
+# --- pairing -------------------------------------------------------------------------------------
+
+
+def _filter_of(row: Mapping[str, Any]) -> str:
+    return str(row.get("filter", "none"))
+
+
+def _drop_nulls(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _drop_nulls(v) for k, v in obj.items() if v is not None}
+    if isinstance(obj, list):
+        return [_drop_nulls(v) for v in obj]
+    return obj
+
+
+def _choose_filter(ref: Sequence[Mapping], cand: Sequence[Mapping], wanted: str | None, spec: TaskSpec, labels: tuple[str, str]) -> str:
+    ref_f = sorted({_filter_of(r) for r in ref})
+    cand_f = sorted({_filter_of(r) for r in cand})
+    if wanted is not None:
+        for name, have in zip(labels, (ref_f, cand_f)):
+            if wanted not in have:
+                raise UserError(f"filter {wanted!r} is not in the {name} (it has: {', '.join(have)})", "pass one of those with --filter")
+        return wanted
+    common = [f for f in ref_f if f in cand_f]
+    if spec.filter is not None and spec.filter in common:
+        return spec.filter
+    if len(common) == 1 and len(ref_f) == len(cand_f) == 1:
+        return common[0]
+    if not common:
+        raise UserError(f"the two logs share no filter: reference has {', '.join(ref_f)}, candidate has {', '.join(cand_f)}", "pass samples of the same task, run with the same filters")
+    raise UserError(f"the samples hold several filters ({', '.join(common)})", "choose one with --filter")
+
+
+def _by_doc(rows: Sequence[Mapping], filt: str, label: str) -> dict[int, Mapping]:
+    out: dict[int, Mapping] = {}
+    for row in rows:
+        if _filter_of(row) != filt:
+            continue
+        doc_id = row["doc_id"]
+        if not isinstance(doc_id, int) or isinstance(doc_id, bool):
+            raise UserError(f"{label}: doc_id {doc_id!r} is not an integer", "pass a samples file written by lm-eval --log_samples")
+        if doc_id in out:
+            raise UserError(f"{label}: doc_id {doc_id} appears twice under filter {filt!r}", "pass one run's samples file, not several concatenated")
+        out[doc_id] = row
+    return out
+
+
+def _choose_metric(ref_rows: Mapping[int, Mapping], wanted: str | None, spec: TaskSpec, label: str) -> str:
+    first = ref_rows[min(ref_rows)]
+    listed = [m for m in first.get("metrics", []) if isinstance(m, str)]
+    available = listed or sorted(k for k, v in first.items() if isinstance(v, bool | int | float | list) and k != "doc_id")
+    if wanted is None:
+        if spec.metric is not None and spec.metric in first:
+            return spec.metric
+        scalar = [m for m in available if m in first and not isinstance(first[m], list)]
+        if not scalar:
+            raise UserError(f"{label}: no per-sample metric found (keys: {', '.join(sorted(first))})", "pass a samples file written by lm-eval --log_samples")
+        return scalar[0]
+    if wanted not in first:
+        near = difflib.get_close_matches(wanted, available, n=1)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        raise UserError(f"{label}: no metric {wanted!r} in the samples (they have: {', '.join(available)})", f"{hint}pass one of those with --metric")
+    return wanted
+
+
+def _value(row: Mapping, metric: str, label: str) -> float:
+    if metric not in row:
+        raise UserError(f"{label}: doc_id {row['doc_id']} has no metric {metric!r}", "pass samples of one task written by one lm-eval run")
+    v = row[metric]
+    if isinstance(v, list):
+        raise UserError(f"{label}: metric {metric!r} holds a list per doc (an instruction-level metric)", "bucket a prompt-level metric, e.g. --metric prompt_level_strict_acc; instruction-level statistics come with it")
+    if isinstance(v, bool):
+        return float(v)
+    if isinstance(v, int | float) and np.isfinite(v):
+        return float(v)
+    raise UserError(f"{label}: doc_id {row['doc_id']}: metric {metric!r} is {v!r}, not a finite number", "choose a numeric per-sample metric with --metric")
+
+
+def _same_doc(a: Mapping, b: Mapping) -> tuple[bool, bool]:
+    """(same document, same only after dropping null fields)."""
+    ha, hb = a.get("doc_hash"), b.get("doc_hash")
+    if ha is not None and ha == hb:
+        return True, False
+    da, db = a.get("doc"), b.get("doc")
+    if da is None or db is None:
+        return False, False
+    if da == db:
+        return True, False
+    if _drop_nulls(da) == _drop_nulls(db):
+        return True, True
+    return False, False
+
+
+def _describe_doc_diff(a: Any, b: Any) -> str:
+    if isinstance(a, dict) and isinstance(b, dict):
+        keys = sorted(k for k in set(a) | set(b) if _drop_nulls(a.get(k)) != _drop_nulls(b.get(k)))
+        if keys:
+            return f"field {keys[0]!r} differs: {str(a.get(keys[0]))[:40]!r} vs {str(b.get(keys[0]))[:40]!r}"
+    return "the docs differ"
+
+
+def _pair(ref_rows: dict[int, Mapping], cand_rows: dict[int, Mapping], spec: TaskSpec, allow_partial: bool) -> tuple[list[int], dict[str, Any]]:
+    ids_r, ids_c = set(ref_rows), set(cand_rows)
+    only_r, only_c = sorted(ids_r - ids_c), sorted(ids_c - ids_r)
+    if (only_r or only_c) and not allow_partial:
+        example = (only_r or only_c)[0]
+        side = "reference" if only_r else "candidate"
+        raise UserError(
+            f"the runs have different doc sets: {len(only_r)} doc_ids only in the reference, {len(only_c)} only in the candidate "
+            f"(reference {len(ids_r)} docs, candidate {len(ids_c)}; e.g. doc_id {example} is only in the {side})",
+            f"run both with the same --limit/--samples, or pass --allow-partial to pair the {len(ids_r & ids_c)} common docs",
+        )
+    common = sorted(ids_r & ids_c)
+    if not common:
+        raise UserError("the runs share no doc_id", "pass two runs of the same task")
+    different, nulls_only = [], 0
+    for i in common:
+        same, by_nulls = _same_doc(ref_rows[i], cand_rows[i])
+        if not same:
+            different.append(i)
+        nulls_only += by_nulls
+    if different:
+        i = different[0]
+        why = _describe_doc_diff(ref_rows[i].get("doc"), cand_rows[i].get("doc")) if ref_rows[i].get("doc") is not None and cand_rows[i].get("doc") is not None else "doc_hash differs and a doc is missing"
+        raise UserError(
+            f"{len(different)} of {len(common)} paired doc_ids hold different documents in the two runs (e.g. doc_id {i}: {why})",
+            spec.doc_mismatch_hint or "pass two runs of the same task on the same dataset",
+        )
+    prompt_diff = [i for i in common if ref_rows[i].get("prompt_hash") != cand_rows[i].get("prompt_hash")]
+    target_diff = [i for i in common if ref_rows[i].get("target_hash") != cand_rows[i].get("target_hash")]
+    info = {
+        "n_reference": len(ids_r),
+        "n_candidate": len(ids_c),
+        "n_paired": len(common),
+        "dropped_reference_only": only_r,
+        "dropped_candidate_only": only_c,
+        "prompt_hash_differs": {"count": len(prompt_diff), "examples": prompt_diff[:5]},
+        "target_hash_differs": {"count": len(target_diff), "examples": target_diff[:5]},
+        "docs_equal_after_dropping_nulls": nulls_only,
+    }
+    return common, info
+
+
+def _response(row: Mapping, filtered: bool) -> str | None:
+    key = "filtered_resps" if filtered else "resps"
+    v = row.get(key)
+    while isinstance(v, list) and v:
+        v = v[0]
+    return v if isinstance(v, str) else None
+
+
+# --- the comparison ------------------------------------------------------------------------------
+
+
+def bucket(
+    reference_samples: Sequence[Mapping[str, Any]],
+    candidate_samples: Sequence[Mapping[str, Any]],
+    task: str | None = None,
+    settings: BucketSettings = BucketSettings(),
+    *,
+    count_tokens: Callable[[str], int] | None = None,
+    fallback_max_gen_toks: tuple[int, str] | None = None,
+    labels: tuple[str, str] = ("reference samples", "candidate samples"),
+    progress: bool = False,
+) -> BucketReport:
+    """Pair two samples logs of `task` per doc and compute buckets and paired statistics.
+
+    `count_tokens` (a tokenizer's counter) makes truncation exact; without it the heuristic of
+    failure_kinds.is_truncated applies. The generation limit is `settings.max_gen_toks`, else the
+    one in each candidate sample's generation kwargs, else `fallback_max_gen_toks` (value, where
+    it comes from), else unknown (truncation then cannot be told). `labels` name the two logs in
+    error messages.
+    """
+    if not reference_samples or not candidate_samples:
+        raise UserError(f"{labels[0] if not reference_samples else labels[1]}: no samples", "pass a samples file written by lm-eval --log_samples")
+    spec = task_spec(task)
+    filt = _choose_filter(reference_samples, candidate_samples, settings.filter, spec, labels)
+    ref_rows = _by_doc(reference_samples, filt, labels[0])
+    cand_rows = _by_doc(candidate_samples, filt, labels[1])
+    metric = _choose_metric(ref_rows, settings.metric, spec, labels[0])
+    _choose_metric(cand_rows, metric, spec, labels[1])
+    ids, pairing = _pair(ref_rows, cand_rows, spec, settings.allow_partial)
+    ref_v = np.array([_value(ref_rows[i], metric, labels[0]) for i in ids])
+    cand_v = np.array([_value(cand_rows[i], metric, labels[1]) for i in ids])
+    is01 = bool(np.isin(ref_v, (0.0, 1.0)).all() and np.isin(cand_v, (0.0, 1.0)).all())
+    declared = spec.kind if (spec.metric is None or metric == spec.metric) else None
+    kind = declared or ("binary" if is01 else "continuous")
+    if kind == "binary" and settings.threshold is not None:
+        raise UserError(f"--threshold applies to continuous metrics; {metric!r} is 0/1 per doc", "drop --threshold")
+    if kind == "binary" and not is01:
+        bad = next(i for i, a, b in zip(ids, ref_v, cand_v) if a not in (0.0, 1.0) or b not in (0.0, 1.0))
+        raise UserError(f"metric {metric!r} is not 0/1 (e.g. doc_id {bad})", "pass --threshold to bucket a continuous score")
+    n = len(ids)
+    notes: list[str] = []
+    if pairing["prompt_hash_differs"]["count"]:
+        notes.append(f"{pairing['prompt_hash_differs']['count']} of {n} prompts differ between the runs (prompt_hash): the protocols differ (chat template, few-shot, system prompt)")
+    if pairing["dropped_reference_only"] or pairing["dropped_candidate_only"]:
+        notes.append(f"--allow-partial: {len(pairing['dropped_reference_only'])} reference-only and {len(pairing['dropped_candidate_only'])} candidate-only docs dropped")
+
+    delta = float(cand_v.mean() - ref_v.mean())
+    delta_ci = paired_delta_ci(ref_v, cand_v, settings.n_bootstrap, settings.confidence, settings.seed)
+    wilcoxon_p = pass_rate = None
+    counts = prompts = mcnemar_p = discordant = None
+    counts_reason = None
+    if kind == "continuous":
+        wilcoxon_p = _wilcoxon(cand_v - ref_v)
+    if kind == "binary" or settings.threshold is not None:
+        thr = 0.5 if kind == "binary" else settings.threshold
+        ref_pass, cand_pass = ref_v >= thr, cand_v >= thr
+        counts = _four(ref_pass, cand_pass)
+        buckets = [_bucket_of(bool(r), bool(c)) for r, c in zip(ref_pass, cand_pass)]
+        prompts = {b: [i for i, x in zip(ids, buckets) if x == b] for b in BUCKETS}
+        mcnemar_p = mcnemar_exact(counts["regression"], counts["recovered"])
+        discordant = counts["regression"] + counts["recovered"]
+        if kind == "continuous":
+            rp, cp = ref_pass.astype(float), cand_pass.astype(float)
+            pass_rate = {"threshold": thr, "reference": float(rp.mean()), "candidate": float(cp.mean()), "delta": float(cp.mean() - rp.mean()), "delta_ci": list(paired_delta_ci(rp, cp, settings.n_bootstrap, settings.confidence, settings.seed))}
+    else:
+        buckets = [None] * n
+        counts_reason = "continuous metric: pass --threshold T to split docs into pass (score >= T) / fail buckets"
+
+    rows: list[dict[str, Any]] = []
+    for i, b, r, c in zip(ids, buckets, ref_v, cand_v):
+        doc = ref_rows[i].get("doc")
+        rows.append({
+            "doc_id": i,
+            "key": doc.get("key") if isinstance(doc, dict) and isinstance(doc.get("key"), int | str) else None,
+            "bucket": b,
+            "reference": float(r),
+            "candidate": float(c),
+            "difference": float(c - r),
+            "prompt_hash_same": ref_rows[i].get("prompt_hash") == cand_rows[i].get("prompt_hash"),
+            "truncated": None,
+            "failure_kind": None,
+            "failure_detail": None,
+            "n_instructions": None,
+            "reference_instructions_passed": None,
+            "candidate_instructions_passed": None,
+            "lenient_candidate": None,
+            "format_split": None,
+        })
+    by_id = {row["doc_id"]: row for row in rows}
+
+    regressions = prompts["regression"] if prompts else []
+    truncation = _mark_truncation(regressions, cand_rows, by_id, settings, count_tokens, fallback_max_gen_toks)
+
+    instruction_level = instruction_types = failure = None
+    if spec.family == "ifeval":
+        inst_metric = spec.instruction_metrics.get(metric)
+        if inst_metric is not None:
+            instruction_level, instruction_types = _instruction_stats(ids, ref_rows, cand_rows, inst_metric, by_id, settings, labels)
+        if settings.failure_kinds and regressions:
+            failure = _failure_kinds(regressions, cand_rows, by_id, loose="loose" in metric, progress=progress)
+
+    format_split = None
+    if spec.lenient_filter and filt != spec.lenient_filter and prompts is not None:
+        format_split = _format_split(regressions, candidate_samples, spec.lenient_filter, metric, by_id, labels[1])
+
+    return BucketReport(
+        task=task, metric=metric, filter=filt, kind=kind, threshold=settings.threshold, n=n,
+        counts=counts, counts_reason=counts_reason, prompts=prompts,
+        reference_score=float(ref_v.mean()), candidate_score=float(cand_v.mean()), delta=delta, delta_ci=delta_ci,
+        mcnemar_p=mcnemar_p, discordant=discordant, wilcoxon_p=wilcoxon_p, pass_rate=pass_rate,
+        instruction_level=instruction_level, instruction_types=instruction_types, format_split=format_split,
+        failure_kinds=failure, truncation=truncation, pairing=pairing, rows=rows,
+        settings=asdict(settings), notes=notes,
+    )
+
+
+def _wilcoxon(d: np.ndarray) -> float:
+    if not np.any(d != 0):
+        return 1.0
+    from scipy.stats import wilcoxon
+
+    return float(wilcoxon(d, zero_method="wilcox", alternative="two-sided").pvalue)
+
+
+def _mark_truncation(regressions, cand_rows, by_id, settings: BucketSettings, count_tokens, fallback) -> dict[str, Any] | None:
+    """Mark each regression whose candidate response hit the generation limit (None: no responses)."""
+    count, unknown, sources = 0, 0, set()
+    any_response = False
+    for i in regressions:
+        response = _response(cand_rows[i], filtered=False)
+        if response is None:
+            continue
+        any_response = True
+        limit, source = settings.max_gen_toks, "--max-gen-toks"
+        if limit is None:
+            limit, source = max_gen_toks_of(cand_rows[i]), "the samples' generation kwargs"
+        if limit is None and fallback is not None:
+            limit, source = fallback
+        sources.add(f"{limit} ({source})" if limit is not None else "unknown")
+        t = is_truncated(response, limit, count_tokens)
+        by_id[i]["truncated"] = t
+        count += bool(t)
+        unknown += t is None
+    if not any_response:
+        return None
+    method = "token count >= max_gen_toks - max(2, 1%)" if count_tokens is not None else "heuristic: ends mid-sentence and >= max_gen_toks UTF-8 bytes"
+    return {"regressions_truncated": count, "regressions_unknown": unknown, "method": method, "max_gen_toks": sorted(sources)}
+
+
+def _instruction_stats(ids, ref_rows, cand_rows, inst_metric, by_id, settings, labels) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    ref_p, cand_p, n_items = [], [], []
+    per_type: dict[str, list[tuple[bool, bool]]] = {}
+    inst_ref, inst_cand = [], []
+    for i in ids:
+        a, b = ref_rows[i].get(inst_metric), cand_rows[i].get(inst_metric)
+        doc = ref_rows[i].get("doc") or {}
+        names = doc.get("instruction_id_list")
+        for label, v in zip(labels, (a, b)):
+            if not isinstance(v, list):
+                raise UserError(f"{label}: doc_id {i} has no instruction-level list {inst_metric!r}", "pass IFEval samples written by lm-eval --log_samples")
+        if len(a) != len(b) or (isinstance(names, list) and len(names) != len(a)):
+            raise UserError(f"doc_id {i}: the runs list different numbers of instructions ({len(a)} vs {len(b)})", "pass two IFEval runs of the same task version")
+        names = names if isinstance(names, list) else [f"instruction_{k}" for k in range(len(a))]
+        ra, cb = [bool(x) for x in a], [bool(x) for x in b]
+        ref_p.append(sum(ra))
+        cand_p.append(sum(cb))
+        n_items.append(len(ra))
+        inst_ref.extend(ra)
+        inst_cand.extend(cb)
+        by_id[i].update(n_instructions=len(ra), reference_instructions_passed=sum(ra), candidate_instructions_passed=sum(cb))
+        for name, r, c in zip(names, ra, cb):
+            per_type.setdefault(name, []).append((r, c))
+    total = sum(n_items)
+    ref_score, cand_score = sum(ref_p) / total, sum(cand_p) / total
+    level = {
+        "metric": inst_metric,
+        "n_instructions": total,
+        "reference_score": ref_score,
+        "candidate_score": cand_score,
+        "delta": cand_score - ref_score,
+        "delta_ci": list(cluster_delta_ci(np.array(ref_p), np.array(cand_p), np.array(n_items), settings.n_bootstrap, settings.confidence, settings.seed)),
+        "counts": _four(inst_ref, inst_cand),
+        "method": "cluster bootstrap: whole prompts resampled with their instructions",
+    }
+    table = []
+    for name, pairs in per_type.items():
+        counts = _four([r for r, _ in pairs], [c for _, c in pairs])
+        nn = len(pairs)
+        table.append({
+            "instruction_id": name,
+            "n": nn,
+            **counts,
+            "reference_rate": sum(r for r, _ in pairs) / nn,
+            "candidate_rate": sum(c for _, c in pairs) / nn,
+            "delta": (sum(c for _, c in pairs) - sum(r for r, _ in pairs)) / nn,
+            "regression_rate": counts["regression"] / nn,
+            "mcnemar_p": mcnemar_exact(counts["regression"], counts["recovered"]),
+        })
+    for row, p in zip(table, holm([t["mcnemar_p"] for t in table])):
+        row["holm_p"] = p
+    table.sort(key=lambda t: (-t["regression"], -(t["regression"] - t["recovered"]), t["instruction_id"]))
+    return level, table
+
+
+def _failure_kinds(regressions, cand_rows, by_id, loose: bool, progress: bool) -> dict[str, Any]:
+    from tqdm.auto import tqdm
+
+    table = ifeval_instruction_table()
+    kinds, disagreements = [], 0
+    for i in tqdm(regressions, desc="failure kinds", disable=not progress, leave=False):
+        doc = cand_rows[i].get("doc")
+        response = _response(cand_rows[i], filtered=True)
+        if not isinstance(doc, dict) or response is None:
+            by_id[i].update(failure_kind="other", failure_detail="no doc or response in the candidate samples")
+            kinds.append("other")
+            continue
+        fk = classify_ifeval(doc, response, loose, by_id[i]["truncated"], table)
+        disagreements += not fk.checker_agrees
+        by_id[i].update(failure_kind=fk.kind, failure_detail=fk.detail)
+        kinds.append(fk.kind)
+    return {
+        "counts": kind_counts(kinds),
+        "checker": "lm_eval.tasks.ifeval.utils " + ("loose" if loose else "strict") + " check re-run on the candidate responses",
+        "checker_disagreements": disagreements,
+        "rule": "truncation (hit the limit and a failed instruction can break by cutting) > language > phrase_marker > length > format > other",
+    }
+
+
+def _format_split(regressions, candidate_samples, lenient: str, metric: str, by_id, label) -> dict[str, Any] | None:
+    lenient_rows = {r["doc_id"]: r for r in candidate_samples if _filter_of(r) == lenient}
+    if not lenient_rows:
+        return {"lenient_filter": lenient, "format_failure": None, "wrong_answer": None, "unknown": len(regressions), "reason": f"the candidate samples have no {lenient!r} filter"}
+    fmt, wrong, unknown = [], [], []
+    for i in regressions:
+        row = lenient_rows.get(i)
+        if row is None or metric not in row:
+            unknown.append(i)
+            continue
+        ok = _value(row, metric, label) >= 0.5
+        by_id[i].update(lenient_candidate=ok, format_split="format_failure" if ok else "wrong_answer")
+        (fmt if ok else wrong).append(i)
+    return {"lenient_filter": lenient, "format_failure": len(fmt), "wrong_answer": len(wrong), "unknown": len(unknown), "format_failure_ids": fmt, "wrong_answer_ids": wrong}
+
+
+# --- runs, provenance and outputs (I/O) -----------------------------------------------------------
+
+_HF_BACKENDS = ("hf", "hf-auto", "huggingface")
+_HF_DEFAULT_MAX_GEN_TOKS = 256  # lm_eval.models.huggingface.HFLM.max_gen_toks (0.4.13)
+_PROTOCOL_FIELDS = ("chat_template_applied", "chat_template_sha", "system_instruction_sha", "fewshot_as_multiturn", "num_fewshot", "task_version", "generation_kwargs", "limit", "batch_size", "dtype", "seeds", "lm_eval_version", "transformers_version")
+
+
+def run_record(run, task: str, samples_path: Path) -> dict[str, Any]:
+    """Model, protocol and file fingerprints of one run (from its results JSON when present)."""
+    from lm_eval_sink.io import sha256_file
+    from lm_eval_sink.runs import load_results
+
+    rec: dict[str, Any] = {"samples_file": str(samples_path), "samples_sha256": sha256_file(samples_path), "task": task}
+    if run.results is None:
+        rec.update(results_file=None, model=None, protocol=None, lm_eval_version=None, reason="no results_<time>.json beside the samples: model and protocol unknown")
+        return rec
+    res = load_results(run)
+    cfg = res.get("config") or {}
+    margs = cfg.get("model_args")
+    if isinstance(margs, str):
+        margs = dict(kv.split("=", 1) for kv in margs.split(",") if "=" in kv)
+    margs = margs if isinstance(margs, dict) else {}
+    tcfg = (res.get("configs") or {}).get(task) or {}
+    protocol = {
+        "chat_template_applied": res.get("chat_template") is not None or res.get("chat_template_sha") is not None,
+        "chat_template_sha": res.get("chat_template_sha"),
+        "system_instruction_sha": res.get("system_instruction_sha"),
+        "fewshot_as_multiturn": res.get("fewshot_as_multiturn"),
+        "num_fewshot": (res.get("n-shot") or {}).get(task),
+        "task_version": (res.get("versions") or {}).get(task),
+        "generation_kwargs": tcfg.get("generation_kwargs"),
+        "limit": cfg.get("limit"),
+        "batch_size": cfg.get("batch_size"),
+        "dtype": cfg.get("model_dtype") or margs.get("dtype"),
+        "seeds": {k: cfg.get(k) for k in ("random_seed", "numpy_seed", "torch_seed", "fewshot_seed")},
+        "lm_eval_version": res.get("lm_eval_version"),
+        "transformers_version": res.get("transformers_version"),
+    }
+    rec.update(
+        results_file=str(run.results),
+        results_sha256=sha256_file(run.results),
+        model=res.get("model_name") or margs.get("pretrained"),
+        model_args=margs,
+        model_sha=cfg.get("model_sha") or None,
+        protocol=protocol,
+        lm_eval_version=res.get("lm_eval_version"),
+        task_hash=(res.get("task_hashes") or {}).get(task),
+        default_max_gen_toks=_backend_max_gen_toks(cfg.get("model"), margs),
+    )
+    return rec
+
+
+def _backend_max_gen_toks(model: Any, model_args: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The generation limit a run used when its task set none: model_args, else lm-eval's hf default."""
+    value = model_args.get("max_gen_toks")
+    if value is not None:
+        try:
+            return {"value": int(value), "source": "the run's model_args"}
+        except (TypeError, ValueError):
+            return None
+    if model in _HF_BACKENDS:
+        return {"value": _HF_DEFAULT_MAX_GEN_TOKS, "source": "lm-eval's hf backend default"}
+    return None
+
+
+def protocol_differences(ref: Mapping[str, Any], cand: Mapping[str, Any]) -> dict[str, Any]:
+    """Every protocol field whose value differs between the two runs' records."""
+    a, b = ref.get("protocol"), cand.get("protocol")
+    if a is None or b is None:
+        return {}
+    return {k: {"reference": a.get(k), "candidate": b.get(k)} for k in _PROTOCOL_FIELDS if a.get(k) != b.get(k)}
+
+
+def _as_fallback(record: Mapping[str, Any] | None) -> tuple[int, str] | None:
+    return (record["value"], record["source"]) if record else None
+
+
+def _pick_task(ref_run, cand_run, task: str | None) -> tuple[str, Path, Path]:
+    if task is not None:
+        return task, ref_run.samples_for(task)[1], cand_run.samples_for(task)[1]
+    for run in (ref_run, cand_run):
+        if not run.samples:
+            run.samples_for(None)  # raises: the run has no samples files
+    common = sorted(set(ref_run.samples) & set(cand_run.samples))
+    if len(common) == 1:
+        return common[0], ref_run.samples[common[0]], cand_run.samples[common[0]]
+    if len(common) > 1:
+        raise UserError(f"both runs hold samples of several tasks ({', '.join(common)})", "choose one with --task")
+    if len(ref_run.samples) == 1 and len(cand_run.samples) == 1 and (ref_run.timestamp is None or cand_run.timestamp is None):
+        (rt, rp), (_, cp) = next(iter(ref_run.samples.items())), next(iter(cand_run.samples.items()))
+        return rt, rp, cp  # a renamed samples file: its name says nothing; the docs are checked below
+    raise UserError(f"the runs hold samples of different tasks: reference {', '.join(sorted(ref_run.samples))}; candidate {', '.join(sorted(cand_run.samples))}", "pass two runs of the same task, or name it with --task")
+
+
+def compare_runs(reference: str | Path, candidate: str | Path, task: str | None = None, settings: BucketSettings = BucketSettings(), *, tokenizer: str | None = None, same_protocol: bool = False, progress: bool = False) -> BucketReport:
+    """Resolve two lm-eval runs, bucket one task's samples, attach both runs' provenance."""
+    from lm_eval_sink.io import provenance
+    from lm_eval_sink.runs import read_samples, resolve_run
+
+    ref_run, cand_run = resolve_run(reference), resolve_run(candidate)
+    task, ref_path, cand_path = _pick_task(ref_run, cand_run, task)
+    runs = {"reference": run_record(ref_run, task, ref_path), "candidate": run_record(cand_run, task, cand_path)}
+    diffs = protocol_differences(runs["reference"], runs["candidate"])
+    if same_protocol and diffs:
+        shown = "; ".join(f"{k}: {v['reference']!r} vs {v['candidate']!r}" for k, v in diffs.items())
+        raise UserError(f"the runs differ in protocol ({shown[:300]})", "re-run one model with the other's protocol, or drop --same-protocol")
+    count_tokens = None
+    if tokenizer is not None:
+        from lm_eval_sink.failure_kinds import tokenizer_counter
+
+        count_tokens = tokenizer_counter(tokenizer)
+    report = bucket(read_samples(ref_path), read_samples(cand_path), task, settings, count_tokens=count_tokens, fallback_max_gen_toks=_as_fallback(runs["candidate"].get("default_max_gen_toks")),
+                    labels=(f"reference samples {ref_path}", f"candidate samples {cand_path}"), progress=progress)
+    notes = list(report.notes)
+    if diffs:
+        notes.append("protocols differ in " + ", ".join(diffs) + ": the delta mixes model and protocol effects")
+    limits = {k: runs[k]["protocol"]["limit"] for k in runs if runs[k].get("protocol") and runs[k]["protocol"].get("limit") is not None}
+    if limits:
+        notes.append("non-final: run with --limit (" + ", ".join(f"{k} {v:g}" for k, v in limits.items()) + "); these are not full-benchmark scores")
+    prov = provenance(command="buckets", tokenizer=tokenizer, inputs={k: {"samples_sha256": v["samples_sha256"], "results_sha256": v.get("results_sha256")} for k, v in runs.items()})
+    return replace(report, runs=runs, protocol_differences=diffs, notes=notes, provenance=prov)
+
+
+def _fmt(x: Any, pct: bool = False) -> str:
+    if x is None:
+        return "n/a"
+    if isinstance(x, float):
+        return f"{100 * x:.1f}" if pct else f"{x:.4g}"
+    return str(x)
+
+
+def summary_markdown(report: Mapping[str, Any], top: int = 15) -> str:
+    """The Markdown summary of a saved report (buckets.json), tables first."""
+    pct = report["kind"] == "binary"
+    title = f"# Regression buckets: {report['task']} ({report['metric']}, filter {report['filter']})"
+    lines = [title, ""]
+    runs = report.get("runs") or {}
+    for side in ("reference", "candidate"):
+        r = runs.get(side)
+        if r:
+            lines.append(f"- {side}: {r.get('model') or r['samples_file']}")
+    lines += [f"- paired docs: {report['n']}", ""]
+    if report.get("counts"):
+        n = report["n"]
+        lines += ["| bucket | prompts | share |", "|---|---|---|"]
+        lines += [f"| {b} | {report['counts'][b]} | {100 * report['counts'][b] / n:.1f}% |" for b in BUCKETS]
+        lines.append("")
+    else:
+        lines += [f"buckets: {report['counts_reason']}", ""]
+    lo, hi = report["delta_ci"]
+    conf = round(100 * report["settings"]["confidence"])
+    unit = " (points)" if pct else ""
+    lines += [f"| score{unit} | reference | candidate | delta [{conf}% CI] | McNemar p | Wilcoxon p |", "|---|---|---|---|---|---|"]
+    lines.append(f"| {report['metric']} | {_fmt(report['reference_score'], pct)} | {_fmt(report['candidate_score'], pct)} | {_fmt(report['delta'], pct)} [{_fmt(lo, pct)}, {_fmt(hi, pct)}] | {_fmt(report['mcnemar_p'])} | {_fmt(report['wilcoxon_p'])} |")
+    il = report.get("instruction_level")
+    if il:
+        lo, hi = il["delta_ci"]
+        lines.append(f"| {il['metric']} ({il['n_instructions']} instructions, cluster bootstrap) | {_fmt(il['reference_score'], True)} | {_fmt(il['candidate_score'], True)} | {_fmt(il['delta'], True)} [{_fmt(lo, True)}, {_fmt(hi, True)}] | n/a | n/a |")
+    pr = report.get("pass_rate")
+    if pr:
+        lo, hi = pr["delta_ci"]
+        lines.append(f"| pass rate (score >= {pr['threshold']:g}) | {_fmt(pr['reference'], True)} | {_fmt(pr['candidate'], True)} | {_fmt(pr['delta'], True)} [{_fmt(lo, True)}, {_fmt(hi, True)}] | {_fmt(report['mcnemar_p'])} | n/a |")
+    lines.append("")
+    fk = report.get("failure_kinds")
+    if fk:
+        lines += ["Failure kinds of the regressions (one primary kind each):", "", "| kind | regressions |", "|---|---|"]
+        lines += [f"| {k} | {v} |" for k, v in fk["counts"].items()]
+        lines.append("")
+    fs = report.get("format_split")
+    if fs:
+        lines += [f"Regressions split by the {fs['lenient_filter']} filter: format failures (lenient answer right, strict wrong) {_fmt(fs['format_failure'])}, wrong answers {_fmt(fs['wrong_answer'])}, unknown {fs['unknown']}.", ""]
+    tr = report.get("truncation")
+    if tr:
+        lines += [f"Regressions whose candidate response hit the generation limit: {tr['regressions_truncated']} ({tr['method']}; max_gen_toks {', '.join(tr['max_gen_toks'])}{'; unknown for ' + str(tr['regressions_unknown']) if tr['regressions_unknown'] else ''}).", ""]
+    types = report.get("instruction_types")
+    if types:
+        lines += [
+            f"Instruction types by regressions (top {min(top, len(types))} of {len(types)}; McNemar p per type and Holm-adjusted over all {len(types)} types; descriptive, types are not independent tests of one hypothesis):",
+            "",
+            "| instruction_id | n | regression | recovered | reference % | candidate % | delta | McNemar p | Holm p |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for t in types[:top]:
+            lines.append(f"| {t['instruction_id']} | {t['n']} | {t['regression']} | {t['recovered']} | {100 * t['reference_rate']:.1f} | {100 * t['candidate_rate']:.1f} | {100 * t['delta']:+.1f} | {t['mcnemar_p']:.3g} | {t['holm_p']:.3g} |")
+        lines.append("")
+    if report.get("notes"):
+        lines += ["Notes:", ""] + [f"- {n}" for n in report["notes"]] + [""]
+    return "\n".join(lines)
+
+
+CSV_COLUMNS = ("doc_id", "key", "bucket", "reference", "candidate", "difference", "prompt_hash_same", "truncated", "failure_kind", "failure_detail", "n_instructions", "reference_instructions_passed", "candidate_instructions_passed", "lenient_candidate", "format_split")
+
+
+def rows_csv(report: Mapping[str, Any]) -> str:
+    """One CSV row per paired doc of a saved report."""
+    buf = _io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(CSV_COLUMNS)
+    for row in report["rows"]:
+        w.writerow(["" if row.get(c) is None else row[c] for c in CSV_COLUMNS])
+    return buf.getvalue()
+
+
+OUTPUT_FILES = ("buckets.json", "buckets.md", "prompts.csv", "buckets.png", "instruction_types.png")
+
+
+def write_outputs(report: Mapping[str, Any], output: Path, force: bool = False) -> list[Path]:
+    """Write the JSON, Markdown, CSV and PNGs of a report into the folder `output` (staged, atomic)."""
+    from lm_eval_sink.io import atomic_write_json, atomic_write_text, staged_dir
+    from lm_eval_sink.plots import bucket_bars, instruction_type_bars
+
+    output = Path(output)
+    with staged_dir(output, force=force) as tmp:
+        atomic_write_json(tmp / "buckets.json", dict(report))
+        atomic_write_text(tmp / "buckets.md", summary_markdown(report))
+        atomic_write_text(tmp / "prompts.csv", rows_csv(report))
+        what = f"{report['task']}: {report['metric']} ({report['filter']})"
+        if report.get("counts"):
+            kinds = (report.get("failure_kinds") or {}).get("counts")
+            bucket_bars(report["counts"], f"{what}, {report['n']} paired docs", tmp / "buckets.png", regression_kinds=kinds)
+        if report.get("instruction_types"):
+            instruction_type_bars(report["instruction_types"], f"{what}: instruction types by regressions", tmp / "instruction_types.png")
+        names = sorted(p.name for p in tmp.iterdir())
+    return [output / n for n in names]
+
+
+def run_buckets(reference: str | Path, candidate: str | Path, task: str | None, settings: BucketSettings, output: Path | None = None, *, force: bool = False, tokenizer: str | None = None, same_protocol: bool = False, progress: bool = True) -> tuple[BucketReport, list[str]]:
+    """The `buckets` command: compare, then write outputs when `output` is given; returns lines to print."""
+    if output is not None:
+        output = Path(output)
+        if output.exists() and not output.is_dir():
+            raise UserError(f"--output {output} is a file", "pass a folder")
+        if output.exists() and not force:
+            raise UserError(f"output already exists: {output}", "pass --force to overwrite, or choose another --output")
+    report = compare_runs(reference, candidate, task, settings, tokenizer=tokenizer, same_protocol=same_protocol, progress=progress)
+    data = report.to_json()
+    lines = [summary_markdown(data)]
+    if output is not None:
+        written = write_outputs(data, output, force=force)
+        lines.append("wrote " + ", ".join(str(p) for p in written))
+    return report, lines

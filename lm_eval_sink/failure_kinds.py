@@ -1,0 +1,192 @@
+"""Why a regression failed: truncation detection and IFEval failure kinds.
+
+Each IFEval regression (reference passes, candidate fails) gets exactly one primary kind, by this
+rule, applied to the candidate's response:
+1. `truncation`: the response hit the generation limit (`is_truncated`) AND at least one failed
+   instruction can be broken by cutting a response short (the `truncation` column of
+   `ifeval_instructions` in data/bucket_tasks.yaml: an end phrase, a postscript, a closing brace
+   can; a forbidden word, a comma, the language cannot).
+2. Otherwise the kind of the failed instructions, taking the first of this order that occurs:
+   `language` (a wrong-language answer also breaks most other checks, so it explains them),
+   `phrase_marker` (exact phrases, required or forbidden keywords, end phrases, postscripts,
+   placeholders, repeated prompts, "******" separators), `length` (words, sentences, paragraphs),
+   `format` (JSON, bullets, sections, highlights, title, quotation, case, commas), `other`.
+3. `other` also when the response is empty or when lm-eval's checker, re-run here, finds every
+   instruction followed (the log and the re-check disagree; counted separately).
+The failed instructions come from lm-eval's own checker (`lm_eval.tasks.ifeval.utils`, which uses
+`instructions_registry.INSTRUCTION_DICT`), strict or loose as the bucketed metric is, re-run on
+the logged response; nothing is re-implemented.
+
+Truncation needs the generation limit `max_gen_toks` (from --max-gen-toks, else the samples'
+generation kwargs, else the run's backend default; unknown: cannot tell). With a token counter
+(`--tokenizer`), a response is truncated when its token count is at least `max_gen_toks - slack`
+(slack = max(2, 1% of max_gen_toks): decoding and re-encoding may merge a few tokens). Without
+one, the documented heuristic: the response ends mid-sentence (its last visible character is a
+letter, a digit or one of `,;:-(`) and is at least `max_gen_toks` bytes long in UTF-8 (every
+generated token decodes to at least one byte, so a shorter response cannot have hit the limit).
+
+Standard library at import; lm-eval's IFEval checker and transformers load lazily when used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import random
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lm_eval_sink.errors import UserError
+
+FAILURE_KINDS = ("truncation", "language", "phrase_marker", "length", "format", "other")
+_PRIORITY = ("language", "phrase_marker", "length", "format", "other")
+_MID_SENTENCE_TAIL = ",;:-("
+# lm-eval's aliases for the generation limit, in its priority order (models/utils.normalize_gen_kwargs)
+_MAX_GEN_KEYS = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
+_RELATION_KEYS = ("relation", "let_relation", "capital_relation")
+
+
+@dataclass(frozen=True, slots=True)
+class FailureKind:
+    """The primary kind of one regression and what it rests on."""
+
+    kind: str
+    failed_instructions: tuple[str, ...]
+    detail: str
+    checker_agrees: bool  # False: lm-eval's checker, re-run on the response, finds it passing
+
+
+def truncation_slack(max_gen_toks: int) -> int:
+    return max(2, math.ceil(0.01 * max_gen_toks))
+
+
+def ends_mid_sentence(response: str) -> bool:
+    """True when the last visible character is a letter, a digit or one of `,;:-(`."""
+    text = response.rstrip()
+    if not text:
+        return False
+    last = text[-1]
+    return last.isalnum() or last in _MID_SENTENCE_TAIL
+
+
+def is_truncated(response: str, max_gen_toks: int | None, count_tokens: Callable[[str], int] | None = None) -> bool | None:
+    """Whether a response hit the generation limit (None: the limit is unknown, cannot tell)."""
+    if max_gen_toks is None:
+        return None
+    if count_tokens is not None:
+        return count_tokens(response) >= max_gen_toks - truncation_slack(max_gen_toks)
+    return ends_mid_sentence(response) and len(response.encode("utf-8")) >= max_gen_toks
+
+
+def max_gen_toks_of(sample: Mapping[str, Any]) -> int | None:
+    """The generation limit recorded in a samples line (`arguments.gen_args_0.arg_1`), if any."""
+    args = sample.get("arguments")
+    if not isinstance(args, Mapping):
+        return None
+    first = args.get("gen_args_0")
+    kwargs = first.get("arg_1") if isinstance(first, Mapping) else None
+    if not isinstance(kwargs, Mapping):
+        return None
+    for key in _MAX_GEN_KEYS:
+        value = kwargs.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+            return int(value)
+    return None
+
+
+def tokenizer_counter(name: str) -> Callable[[str], int]:
+    """A token counter from a tokenizer folder, hub id or 'default' (loads transformers lazily)."""
+    from lm_eval_sink.models import resolve_model
+
+    path = resolve_model(name)
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise UserError(f"--tokenizer {name}: cannot load a tokenizer ({str(e).splitlines()[0]})", "pass the candidate model's folder or hub id") from None
+
+    def count(text: str) -> int:
+        return len(tok(text, add_special_tokens=False)["input_ids"])
+
+    return count
+
+
+@contextlib.contextmanager
+def _deterministic_quiet_checker() -> Iterator[None]:
+    """Make the re-check reproducible and quiet; everything is restored afterwards.
+
+    langdetect is random unless seeded. lm-eval's letter_frequency check draws a random letter from
+    the global `random` when the doc's letter is not a-z (IFEval keys 1122 '#' and 1129 '!'), so
+    `random` is seeded too (the log's own value may then disagree: counted). The checker's own log
+    lines ("Unable to detect language ...") are muted.
+    """
+    from langdetect import DetectorFactory
+
+    old_seed, old_state = DetectorFactory.seed, random.getstate()
+    checker_log = logging.getLogger("lm_eval.tasks.ifeval.instructions")
+    old_level = checker_log.level
+    DetectorFactory.seed = 0
+    random.seed(0)
+    checker_log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        DetectorFactory.seed = old_seed
+        random.setstate(old_state)
+        checker_log.setLevel(old_level)
+
+
+def _checker():
+    try:
+        from lm_eval.tasks.ifeval import utils
+    except ImportError as e:
+        raise UserError(f"lm-eval's IFEval checker cannot be imported ({e})", "pip install 'lm-eval[ifeval]'") from None
+    return utils
+
+
+def check_instructions(doc: Mapping[str, Any], response: str, loose: bool) -> list[bool]:
+    """lm-eval's own IFEval check of one response: followed or not, per instruction of `doc`."""
+    utils = _checker()
+    inp = utils.InputExample(key=doc.get("key"), instruction_id_list=list(doc["instruction_id_list"]), prompt=doc["prompt"], kwargs=list(doc["kwargs"]))
+    fn = utils.test_instruction_following_loose if loose else utils.test_instruction_following_strict
+    try:
+        with _deterministic_quiet_checker():
+            return list(fn(inp, response).follow_instruction_list)
+    except LookupError as e:
+        raise UserError(f"IFEval's checker needs NLTK data it cannot find ({str(e).strip().splitlines()[0]})", "set NLTK_DATA to a folder holding tokenizers/punkt_tab/english") from None
+    except KeyError as e:
+        raise UserError(f"IFEval instruction {e} is not in lm-eval's instruction registry", "bucket these logs with the lm-eval version that wrote them") from None
+
+
+def _truncation_can_break(instruction_id: str, kwargs: Mapping[str, Any] | None, table: Mapping[str, Mapping[str, str]]) -> bool:
+    rule = table.get(instruction_id, {}).get("truncation", "always")
+    if rule == "at_least":
+        kwargs = kwargs or {}
+        return any(kwargs.get(k) == "at least" for k in _RELATION_KEYS)
+    return rule == "always"
+
+
+def classify_ifeval(doc: Mapping[str, Any], response: str, loose: bool, truncated: bool | None, table: Mapping[str, Mapping[str, str]]) -> FailureKind:
+    """The primary failure kind of one IFEval regression (see the module docstring for the rule)."""
+    ids = list(doc["instruction_id_list"])
+    kwargs = list(doc.get("kwargs") or [{}] * len(ids))
+    if not response.strip():
+        return FailureKind("other", tuple(ids), "empty response", True)
+    followed = check_instructions(doc, response, loose)
+    failed = [(i, kw) for i, kw, ok in zip(ids, kwargs, followed) if not ok]
+    if not failed:
+        return FailureKind("other", (), "lm-eval's checker re-run on the response finds every instruction followed", False)
+    names = tuple(i for i, _ in failed)
+    if truncated and any(_truncation_can_break(i, kw, table) for i, kw in failed):
+        return FailureKind("truncation", names, "hit the generation limit; failed: " + ", ".join(names), True)
+    kinds = {table.get(i, {}).get("kind", "other") for i in names}
+    kind = next(k for k in _PRIORITY if k in kinds or k == "other")
+    return FailureKind(kind, names, "failed: " + ", ".join(names), True)
+
+
+def kind_counts(kinds: Sequence[str]) -> dict[str, int]:
+    """Count per kind, every kind present (zeros included) in the fixed order."""
+    return {k: sum(1 for x in kinds if x == k) for k in FAILURE_KINDS}

@@ -1,0 +1,468 @@
+"""Predict post-VL degradation from Sink Strength: fit and check the paper's predictor.
+
+A PAIRS file (YAML) is a list of reference-LLM / VLM-backbone pairs:
+
+    - name: Qwen2.5-VL-7B                 # unique label
+      reference: Qwen2.5-7B-Instruct      # the text LLM the VLM was built from
+      candidate: Qwen2.5-VL-7B            # the VLM (its language backbone was evaluated)
+      sink_strength: 1.18                 # S of the reference, or a path to a *.strength.json
+      deltas: {ifeval: -9.6}              # task -> candidate minus reference, in points
+      source: arXiv 2609.00746, headline table
+      qk_norm: none                       # optional: per_head | layerwise | none
+      notes: ...                          # optional
+
+Per task (over the pairs that have a delta for it) `fit_pairs` computes Spearman's rho(S, delta)
+(average ranks for ties) with an exact permutation p-value (all n! orderings up to
+EXACT_PERMUTATION_MAX_N pairs, else a seeded Monte Carlo), the least-squares line
+delta = slope * S + intercept, and leave-one-pair-out mean absolute errors of that line
+(`loo_mae`) and of a constant-mean baseline (`baseline_mae`). Pure numpy: no torch here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lm_eval_sink.errors import UserError
+
+SCHEMA_VERSION = 1
+MIN_PAIRS = 3
+EXACT_PERMUTATION_MAX_N = 10
+MONTE_CARLO_PERMUTATIONS = 200_000
+SHIPPED_PAIRS = "data/paper_pairs.yaml"
+SHIPPED_REPORTED = "data/paper_reported.json"
+QK_NORM_CLASSES = ("per_head", "layerwise", "none")
+_REQUIRED = ("name", "reference", "candidate", "sink_strength", "deltas", "source")
+_OPTIONAL = ("qk_norm", "notes")
+_TIE_TOL = 1e-12
+
+
+@dataclass(frozen=True, slots=True)
+class Pair:
+    """One reference LLM / VLM pair: the reference's S and the candidate's deltas (points)."""
+
+    name: str
+    reference: str
+    candidate: str
+    sink_strength: float
+    deltas: dict[str, float]
+    source: str
+    qk_norm: str | None = None
+    notes: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PairTable:
+    """The pairs of one PAIRS file, with where they came from."""
+
+    pairs: tuple[Pair, ...]
+    source: str  # the file path, or "builtin:data/paper_pairs.yaml"
+    sha256: str  # of the file's bytes
+    shipped: bool  # byte-identical to the shipped paper table
+
+    def tasks(self) -> list[str]:
+        return sorted({t for p in self.pairs for t in p.deltas})
+
+
+@dataclass(frozen=True, slots=True)
+class TaskFit:
+    """Spearman rho, permutation p, linear fit and leave-one-pair-out errors for one task."""
+
+    task: str
+    n_pairs: int
+    names: tuple[str, ...]
+    sink_strength: tuple[float, ...]
+    deltas: tuple[float, ...]
+    spearman_rho: float
+    permutation_p: float  # two-sided: P(|rho_perm| >= |rho|)
+    permutation_p_one_sided: float  # P(rho_perm >= rho): higher S goes with smaller losses
+    permutation_method: str  # "exact" or "monte_carlo"
+    n_permutations: int
+    slope: float
+    intercept: float
+    loo_predictions: tuple[float, ...]
+    loo_errors: tuple[float, ...]  # |delta - prediction of the line fitted without that pair|
+    loo_mae: float
+    baseline_errors: tuple[float, ...]  # |delta - mean delta of the other pairs|
+    baseline_mae: float
+    s_min: float
+    s_max: float
+
+    def predict(self, s: float) -> float:
+        return self.slope * s + self.intercept
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        for k in ("names", "sink_strength", "deltas", "loo_predictions", "loo_errors", "baseline_errors"):
+            d[k] = list(d[k])
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> TaskFit:
+        d = dict(d)
+        for k in ("names", "sink_strength", "deltas", "loo_predictions", "loo_errors", "baseline_errors"):
+            d[k] = tuple(d[k])
+        return cls(**d)
+
+
+@dataclass(frozen=True, slots=True)
+class FitResult:
+    """Fits of every task with at least MIN_PAIRS pairs; other tasks are listed with the reason."""
+
+    tasks: dict[str, TaskFit]
+    skipped_tasks: dict[str, str]
+    table: PairTable
+    reported: dict[str, Any] | None = None  # the paper's figures, when the shipped table was fitted
+    rounding_envelope: dict[str, Any] | None = None
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "tasks": {t: f.to_json() for t, f in sorted(self.tasks.items())},
+            "skipped_tasks": dict(sorted(self.skipped_tasks.items())),
+            "pairs": [asdict(p) for p in self.table.pairs],
+            "pairs_file": self.table.source,
+            "pairs_sha256": self.table.sha256,
+            "reported": self.reported,
+            "rounding_envelope": self.rounding_envelope,
+            "provenance": self.provenance,
+        }
+
+
+# ---------------------------------------------------------------------------- PAIRS files
+
+
+def _suggest(key: str, known: tuple[str, ...]) -> str:
+    import difflib
+
+    near = difflib.get_close_matches(key, known, n=1)
+    return f" (did you mean {near[0]!r}?)" if near else ""
+
+
+def _number(value: Any, where: str, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
+        raise UserError(f"{where}: {what} must be a finite number, got {value!r}", "write a plain number such as 1.18")
+    return float(value)
+
+
+def _strength_from_file(value: str, base: Path, where: str) -> float:
+    from lm_eval_sink.io import read_json
+
+    path = Path(value).expanduser()
+    path = path if path.is_absolute() else base / path
+    if not path.is_file():
+        raise UserError(f"{where}: sink_strength file {path} not found", "give a number, or the path of a *.strength.json written by `lm-eval-sink strength`")
+    data = read_json(path)
+    if not isinstance(data, dict) or "sink_strength" not in data:
+        raise UserError(f"{where}: {path} has no 'sink_strength' key", "pass a *.strength.json written by `lm-eval-sink strength`")
+    return _number(data["sink_strength"], where, f"sink_strength in {path}")
+
+
+def parse_pairs(obj: Any, where: str, base: Path | None = None) -> tuple[Pair, ...]:
+    """Validate a parsed PAIRS document (a list of mappings); `where` names it in errors."""
+    if not isinstance(obj, list):
+        raise UserError(f"{where}: a PAIRS file must be a YAML list of pairs, got {type(obj).__name__}", "start each pair with '- name: ...' (see the shipped lm_eval_sink/data/paper_pairs.yaml)")
+    pairs, names = [], set()
+    for i, item in enumerate(obj, 1):
+        at = f"{where}: pair {i}"
+        if not isinstance(item, dict):
+            raise UserError(f"{at} is not a mapping", "each pair needs the keys " + ", ".join(_REQUIRED))
+        unknown = sorted(set(item) - set(_REQUIRED) - set(_OPTIONAL))
+        if unknown:
+            raise UserError(f"{at}: unknown key {unknown[0]!r}{_suggest(str(unknown[0]), _REQUIRED + _OPTIONAL)}", "allowed keys: " + ", ".join(_REQUIRED + _OPTIONAL))
+        missing = [k for k in _REQUIRED if k not in item]
+        if missing:
+            raise UserError(f"{at}: missing key(s) {', '.join(missing)}", "each pair needs " + ", ".join(_REQUIRED))
+        for k in ("name", "reference", "candidate", "source"):
+            if not isinstance(item[k], str) or not item[k].strip():
+                raise UserError(f"{at}: {k} must be a non-empty string, got {item[k]!r}", f"write {k}: <text>")
+        at = f"{where}: pair {item['name']!r}"
+        if item["name"] in names:
+            raise UserError(f"{at} appears twice", "give every pair a unique name")
+        names.add(item["name"])
+        s = item["sink_strength"]
+        if isinstance(s, str):
+            s = _strength_from_file(s, base or Path.cwd(), at)
+        s = _number(s, at, "sink_strength")
+        deltas = item["deltas"]
+        if not isinstance(deltas, dict) or not deltas:
+            raise UserError(f"{at}: deltas must be a non-empty mapping task -> points, got {deltas!r}", "write e.g. deltas: {ifeval: -9.6}")
+        clean = {}
+        for task, v in deltas.items():
+            if not isinstance(task, str) or not task:
+                raise UserError(f"{at}: task name {task!r} in deltas is not a string", "use lm-eval task names such as ifeval")
+            clean[task] = _number(v, at, f"deltas[{task}]")
+        qk = item.get("qk_norm")
+        if qk is not None and qk not in QK_NORM_CLASSES:
+            raise UserError(f"{at}: qk_norm {qk!r} is not a known class{_suggest(str(qk), QK_NORM_CLASSES)}", "use one of " + ", ".join(QK_NORM_CLASSES))
+        notes = item.get("notes")
+        pairs.append(Pair(name=item["name"], reference=item["reference"], candidate=item["candidate"], sink_strength=s, deltas=clean, source=item["source"], qk_norm=qk, notes=None if notes is None else str(notes)))
+    if len(pairs) < MIN_PAIRS:
+        raise UserError(f"{where}: {len(pairs)} pair(s); a fit needs at least {MIN_PAIRS}", "add more pairs")
+    return tuple(pairs)
+
+
+def _shipped_bytes() -> bytes:
+    return resources.files("lm_eval_sink").joinpath(SHIPPED_PAIRS).read_bytes()
+
+
+def read_pairs(path: Path | str | None = None) -> PairTable:
+    """Read and validate a PAIRS file; None reads the shipped paper table."""
+    import yaml
+
+    from lm_eval_sink.io import sha256_bytes
+
+    shipped = _shipped_bytes()
+    if path is None:
+        data, where, base = shipped, f"builtin:{SHIPPED_PAIRS}", None
+    else:
+        p = Path(path)
+        if not p.is_file():
+            raise UserError(f"{p}: no such PAIRS file", "pass a YAML list of pairs (see the shipped lm_eval_sink/data/paper_pairs.yaml), or no file for the paper's table")
+        data, where, base = p.read_bytes(), str(p), p.resolve().parent
+    try:
+        obj = yaml.safe_load(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise UserError(f"{where}: not a UTF-8 text file", "pass a YAML file") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise UserError(f"{where}{line}: invalid YAML ({problem})", "fix the YAML syntax at that line") from None
+    return PairTable(pairs=parse_pairs(obj, where, base), source=where, sha256=sha256_bytes(data), shipped=data == shipped)
+
+
+def reported_statistics() -> dict[str, Any]:
+    """The paper's reported statistics for the shipped table (package data)."""
+    import json
+
+    return json.loads(resources.files("lm_eval_sink").joinpath(SHIPPED_REPORTED).read_text(encoding="utf-8"))
+
+
+# ---------------------------------------------------------------------------- statistics
+
+
+def average_ranks(x: np.ndarray) -> np.ndarray:
+    """Ranks 1..n, ties sharing the mean of their ranks (as Spearman's rho needs)."""
+    x = np.asarray(x, dtype=np.float64)
+    order = np.argsort(x, kind="stable")
+    ranks = np.empty(len(x), dtype=np.float64)
+    sx = x[order]
+    i = 0
+    while i < len(x):
+        j = i
+        while j + 1 < len(x) and abs(sx[j + 1] - sx[i]) <= _TIE_TOL:
+            j += 1
+        ranks[order[i : j + 1]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def _pearson_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Pearson correlation of the vector `a` with each row of `b`."""
+    ac = a - a.mean()
+    bc = b - b.mean(axis=-1, keepdims=True)
+    return (bc @ ac) / (np.sqrt((ac**2).sum()) * np.sqrt((bc**2).sum(axis=-1)))
+
+
+def spearman_rho(s: np.ndarray, d: np.ndarray) -> float:
+    """Spearman's rho: Pearson correlation of average ranks."""
+    rs, rd = average_ranks(s), average_ranks(d)
+    if np.ptp(rs) == 0 or np.ptp(rd) == 0:
+        raise UserError("Spearman's rho is undefined when all S values or all deltas are equal", "use pairs with different values")
+    return float(_pearson_rows(rs, rd[None, :])[0])
+
+
+def permutation_test(s: np.ndarray, d: np.ndarray, seed: int = 0) -> tuple[float, float, str, int]:
+    """(two-sided p, one-sided p, method, permutations) for Spearman's rho under exchangeability.
+
+    Every ordering of the deltas against S is equally likely under the null. Up to
+    EXACT_PERMUTATION_MAX_N pairs all n! orderings are enumerated (exact p); beyond that a seeded
+    Monte Carlo sample is used, with p = (1 + hits) / (1 + permutations).
+    """
+    rs, rd = average_ranks(s), average_ranks(d)
+    observed = float(_pearson_rows(rs, rd[None, :])[0])
+    n = len(rd)
+    hits2 = hits1 = total = 0
+    if n <= EXACT_PERMUTATION_MAX_N:
+        perms = itertools.permutations(range(n))
+        while True:
+            chunk = np.array(list(itertools.islice(perms, 200_000)), dtype=np.int64)
+            if chunk.size == 0:
+                break
+            rho = _pearson_rows(rs, rd[chunk])
+            hits2 += int((np.abs(rho) >= abs(observed) - 1e-9).sum())
+            hits1 += int((rho >= observed - 1e-9).sum())
+            total += len(chunk)
+        return hits2 / total, hits1 / total, "exact", total
+    rng = np.random.default_rng(seed)
+    for start in range(0, MONTE_CARLO_PERMUTATIONS, 50_000):
+        k = min(50_000, MONTE_CARLO_PERMUTATIONS - start)
+        rho = _pearson_rows(rs, rng.permuted(np.tile(rd, (k, 1)), axis=1))
+        hits2 += int((np.abs(rho) >= abs(observed) - 1e-9).sum())
+        hits1 += int((rho >= observed - 1e-9).sum())
+        total += k
+    return (1 + hits2) / (1 + total), (1 + hits1) / (1 + total), "monte_carlo", total
+
+
+def linear_fit(s: np.ndarray, d: np.ndarray) -> tuple[float, float]:
+    """Least-squares (slope, intercept) of d = slope * s + intercept."""
+    s, d = np.asarray(s, dtype=np.float64), np.asarray(d, dtype=np.float64)
+    sc = s - s.mean()
+    ss = float((sc**2).sum())
+    if ss <= _TIE_TOL:
+        raise UserError("a linear fit needs at least two different S values", "add pairs whose references have different S")
+    slope = float((sc * (d - d.mean())).sum() / ss)
+    return slope, float(d.mean() - slope * s.mean())
+
+
+def leave_one_out(s: np.ndarray, d: np.ndarray, names: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """(line predictions, constant-mean predictions) for each pair from the other pairs."""
+    n = len(s)
+    line, const = np.empty(n), np.empty(n)
+    for i in range(n):
+        keep = np.arange(n) != i
+        if np.ptp(s[keep]) <= _TIE_TOL:
+            raise UserError(f"without pair {names[i]!r} all remaining S values are equal, so the leave-one-out line is undefined", "add pairs with different S")
+        slope, intercept = linear_fit(s[keep], d[keep])
+        line[i] = slope * s[i] + intercept
+        const[i] = d[keep].mean()
+    return line, const
+
+
+def fit_task(task: str, names: tuple[str, ...], s: np.ndarray, d: np.ndarray, seed: int = 0) -> TaskFit:
+    """Every statistic of one task's pairs (at least MIN_PAIRS)."""
+    s, d = np.asarray(s, dtype=np.float64), np.asarray(d, dtype=np.float64)
+    if len(s) < MIN_PAIRS:
+        raise UserError(f"task {task}: {len(s)} pair(s); a fit needs at least {MIN_PAIRS}", "add more pairs")
+    rho = spearman_rho(s, d)
+    p2, p1, method, n_perm = permutation_test(s, d, seed)
+    slope, intercept = linear_fit(s, d)
+    line, const = leave_one_out(s, d, names)
+    loo_err, base_err = np.abs(d - line), np.abs(d - const)
+    return TaskFit(
+        task=task, n_pairs=len(s), names=tuple(names), sink_strength=tuple(float(x) for x in s), deltas=tuple(float(x) for x in d),
+        spearman_rho=rho, permutation_p=p2, permutation_p_one_sided=p1, permutation_method=method, n_permutations=n_perm,
+        slope=slope, intercept=intercept, loo_predictions=tuple(float(x) for x in line), loo_errors=tuple(float(x) for x in loo_err),
+        loo_mae=float(loo_err.mean()), baseline_errors=tuple(float(x) for x in base_err), baseline_mae=float(base_err.mean()),
+        s_min=float(s.min()), s_max=float(s.max()),
+    )
+
+
+def task_arrays(table: PairTable, task: str) -> tuple[tuple[str, ...], np.ndarray, np.ndarray]:
+    rows = [p for p in table.pairs if task in p.deltas]
+    return tuple(p.name for p in rows), np.array([p.sink_strength for p in rows]), np.array([p.deltas[task] for p in rows])
+
+
+def rounding_envelope(s: np.ndarray, d: np.ndarray, s_half: float, d_half: float, max_corners: int = 1 << 14) -> dict[str, list[float]]:
+    """Range of loo_mae and baseline_mae over the corners of the rounding box of (S, delta).
+
+    Published figures are rounded (S to 0.01, deltas to 0.1); the unrounded inputs lie within
+    +-s_half, +-d_half. Equal S values move together (they come from the same reference LLM),
+    each delta moves alone. The range over the box's corners shows which reported statistics
+    the rounded table can still be consistent with; it is not a bound over the whole box.
+    """
+    s, d = np.asarray(s, dtype=np.float64), np.asarray(d, dtype=np.float64)
+    groups = np.unique(np.round(s, 12), return_inverse=True)[1]
+    n_dims = int(groups.max()) + 1 + len(d)
+    if 2**n_dims > max_corners:
+        raise UserError(f"{2**n_dims} corners exceed the limit of {max_corners}", "use fewer pairs for the rounding envelope")
+    names = tuple(str(i) for i in range(len(s)))
+    loo, base = [], []
+    for signs in itertools.product((-1.0, 1.0), repeat=n_dims):
+        sg = np.array(signs)
+        ss = s + s_half * sg[: groups.max() + 1][groups]
+        dd = d + d_half * sg[groups.max() + 1 :]
+        line, const = leave_one_out(ss, dd, names)
+        loo.append(float(np.abs(dd - line).mean()))
+        base.append(float(np.abs(dd - const).mean()))
+    return {"loo_mae": [min(loo), max(loo)], "baseline_mae": [min(base), max(base)], "corners": 2**n_dims, "sink_strength_half_width": s_half, "delta_half_width": d_half}
+
+
+def fit_pairs(table: PairTable, seed: int = 0) -> FitResult:
+    """Fit every task of the table; tasks with fewer than MIN_PAIRS pairs are skipped with a reason."""
+    fits, skipped = {}, {}
+    for task in table.tasks():
+        names, s, d = task_arrays(table, task)
+        if len(names) < MIN_PAIRS:
+            skipped[task] = f"{len(names)} pair(s) have a delta for this task; a fit needs at least {MIN_PAIRS}"
+            continue
+        fits[task] = fit_task(task, names, s, d, seed)
+    if not fits:
+        raise UserError(f"{table.source}: no task has deltas for at least {MIN_PAIRS} pairs", "give each pair deltas for the same task(s)")
+    reported = envelope = None
+    if table.shipped:
+        reported = reported_statistics()
+        rnd = reported["rounding"]
+        envelope = {}
+        for task in reported["tasks"]:
+            if task in fits:
+                _, s, d = task_arrays(table, task)
+                envelope[task] = rounding_envelope(s, d, rnd["sink_strength"] / 2, rnd["delta"] / 2)
+    return FitResult(tasks=fits, skipped_tasks=skipped, table=table, reported=reported, rounding_envelope=envelope)
+
+
+# ---------------------------------------------------------------------------- reports
+
+
+def fit_table_markdown(result: FitResult) -> str:
+    """One row per task, with the paper's figures beside ours when the shipped table was fitted."""
+    head = ["task", "pairs", "spearman_rho", "permutation_p", "p_one_sided", "slope", "intercept", "loo_mae", "baseline_mae"]
+    rep = (result.reported or {}).get("tasks", {})
+    if rep:
+        head += ["reported_rho", "reported_loo_mae", "reported_baseline_mae"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for task, f in sorted(result.tasks.items()):
+        row = [task, str(f.n_pairs), f"{f.spearman_rho:.4f}", f"{f.permutation_p:.4f} ({f.permutation_method})", f"{f.permutation_p_one_sided:.4f}", f"{f.slope:.3f}", f"{f.intercept:.3f}", f"{f.loo_mae:.3f}", f"{f.baseline_mae:.3f}"]
+        if rep:
+            r = rep.get(task, {})
+            row += [_opt(r.get("spearman_rho")), _opt(r.get("loo_mae")), _opt(r.get("baseline_mae"))]
+        lines.append("| " + " | ".join(row) + " |")
+    for task, why in sorted(result.skipped_tasks.items()):
+        lines.append(f"\n{task}: not fitted ({why})")
+    return "\n".join(lines) + "\n"
+
+
+def _opt(x: Any) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
+
+
+def run_fit(pairs_file: Path | str | None, output: Path | None, force: bool = False) -> list[str]:
+    """Fit a PAIRS file (None: the shipped table); write fit.json, fit.md, fit.png into `output`."""
+    from lm_eval_sink.io import atomic_write_json, atomic_write_text, check_new_outputs, provenance
+
+    table = read_pairs(pairs_file)
+    paths = []
+    if output is not None:
+        output = Path(output)
+        if output.exists() and not output.is_dir():
+            raise UserError(f"--output {output} is a file", "pass a folder")
+        paths = [output / "fit.json", output / "fit.md"] + [output / f"fit_{t}.png" for t in table.tasks()]
+        check_new_outputs(paths, force)
+    result = fit_pairs(table)
+    md = fit_table_markdown(result)
+    lines = md.rstrip("\n").splitlines()
+    for task, env in sorted((result.rounding_envelope or {}).items()):
+        lines.append(f"{task}: inputs rounded as published allow loo_mae {env['loo_mae'][0]:.3f}..{env['loo_mae'][1]:.3f} and baseline_mae {env['baseline_mae'][0]:.3f}..{env['baseline_mae'][1]:.3f} (corners of the rounding box)")
+    if output is None:
+        lines.append("not saved (pass --output DIR to write fit.json, fit.md and plots)")
+        return lines
+    from lm_eval_sink.plots import fit_scatter
+
+    prov = provenance(pairs_file=table.source, pairs_sha256=table.sha256, seed=0)
+    data = {**result.to_json(), "provenance": prov}
+    atomic_write_json(output / "fit.json", data)
+    atomic_write_text(output / "fit.md", md)
+    written = [output / "fit.json", output / "fit.md"]
+    for task, f in sorted(result.tasks.items()):
+        qk = {p.name: p.qk_norm for p in table.pairs}
+        written.append(fit_scatter(f.names, f.sink_strength, f.deltas, [qk[n] for n in f.names], f.slope, f.intercept, task, output / f"fit_{task}.png"))
+    lines.append("wrote " + ", ".join(str(p) for p in written))
+    return lines

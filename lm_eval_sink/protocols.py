@@ -1,0 +1,597 @@
+"""Protocol fingerprints of lm-eval runs, their differences, and named protocols as data.
+
+A score means little without the protocol that produced it: chat template or not, few-shot
+count, system instruction, generation settings, answer filters, task version, limit, seeds,
+batch size and dtype. `fingerprint(results)` reads them from a parsed lm-eval 0.4.13
+`results_<time>.json` (`lm_eval_sink.runs.load_results`) into two parts:
+
+- `harness`: what the person running lm-eval chose (global fields plus `tasks[task]`);
+- `model`: what the model brought (template text and sha, special tokens, max length,
+  transformers version).
+
+`diff(a, b)` lists only the fields that differ, each marked whether it can change scores;
+`require_same_harness` refuses a same-protocol comparison across different harness settings.
+Named protocols (`instruct`, `community`, or a user YAML) live in `data/protocols.yaml`.
+
+Where lm-eval 0.4.13 records each field (checked on real results files):
+- top level: `chat_template` (null when not applied), `chat_template_sha`, `system_instruction`,
+  `fewshot_as_multiturn`, `n-shot[task]`, `versions[task]`, `lm_eval_version`,
+  `transformers_version`, `tokenizer_{bos,eos,pad}_token` ([text, id]), `eot_token_id`,
+  `max_length`, `task_hashes`;
+- `config`: `model_args` (pretrained, dtype, enable_thinking, ...), `model_dtype`, `batch_size`
+  (a string), `device`, `limit`, `gen_kwargs` (CLI overrides only), `random_seed`, `numpy_seed`,
+  `torch_seed`, `fewshot_seed`;
+- `configs[task]`: effective `num_fewshot`, `generation_kwargs` (task defaults merged with the CLI
+  overrides), `filter_list`, `metric_list`, `fewshot_config`, prompt fields, `metadata.version`.
+Standard library and PyYAML only: no torch, no transformers.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from lm_eval_sink.errors import UserError
+from lm_eval_sink.io import canonical_json, sha256_text
+
+SCHEMA_VERSION = 1
+
+# Keys a results file must have for a fingerprint (lm-eval 0.4.13 writes all of them).
+_REQUIRED_TOP = ("results", "config", "configs", "n-shot", "versions", "lm_eval_version", "chat_template", "system_instruction", "fewshot_as_multiturn")
+_REQUIRED_CONFIG = ("model_args", "batch_size", "limit")
+
+# model_args that name the model (identity, shown under `run`) or are recorded elsewhere
+# (dtype -> harness.dtype); every other model_arg is a harness setting (enable_thinking, ...).
+_IDENTITY_ARGS = frozenset({"pretrained", "revision", "peft", "delta", "tokenizer", "gguf_file", "trust_remote_code", "device_map", "parallelize",
+                            "max_memory_per_gpu", "max_cpu_memory", "offload_folder", "dtype", "device"})
+
+# Task config keys that define the prompt text; hashed together as `prompt_format`.
+_PROMPT_KEYS = ("description", "doc_to_text", "doc_to_target", "doc_to_choice", "doc_to_image", "doc_to_audio", "gen_prefix", "target_delimiter",
+                "fewshot_delimiter", "process_docs", "process_results", "use_prompt", "multiple_input")
+
+# Every field a diff can name: (can it change scores, what it is). Task fields are `tasks.<task>.<key>`.
+HARNESS_FIELDS: dict[str, tuple[bool, str]] = {
+    "apply_chat_template": (True, "prompts rendered through the tokenizer's chat template"),
+    "system_instruction": (True, "system message put before every prompt"),
+    "fewshot_as_multiturn": (True, "few-shot examples sent as chat turns (only matters where a task has few-shot examples)"),
+    "gen_kwargs": (True, "generation overrides given on the command line (--gen_kwargs)"),
+    "model_args": (True, "model arguments that change prompts or decoding (e.g. enable_thinking), identity and dtype excluded"),
+    "lm_eval_version": (True, "lm-evaluation-harness version"),
+    "limit": (True, "--limit: a subset of each task (scores are not final)"),
+    "seeds": (True, "random / numpy / torch / few-shot seeds"),
+    "batch_size": (True, "batch size (padding changes numerics)"),
+    "dtype": (True, "model dtype"),
+    "tasks": (False, "which tasks the run holds (per-task fields are compared for the common tasks)"),
+}
+TASK_FIELDS: dict[str, tuple[bool, str]] = {
+    "version": (True, "task version (metadata.version)"),
+    "num_fewshot": (True, "effective few-shot count"),
+    "multiturn": (True, "few-shot examples sent as chat turns, effective for this task"),
+    "fewshot": (True, "few-shot sampler and split (when few-shot is used)"),
+    "generation_kwargs": (True, "effective generation settings (task defaults + overrides)"),
+    "filters": (True, "answer-extraction filters (e.g. strict-match, flexible-extract)"),
+    "metrics": (True, "metrics and their options"),
+    "prompt_format": (True, "sha256 of the prompt-defining task fields (doc_to_text, description, delimiters, process_results, ...)"),
+    "dataset": (True, "dataset path, name and evaluated split"),
+    "output_type": (True, "request type"),
+    "metadata": (True, "task metadata settings (e.g. sink_strength's n_prompts, last_k); version, config path and model_args copies left out"),
+}
+MODEL_FIELDS: dict[str, tuple[bool, str]] = {
+    "chat_template": (True, "chat template text (compared by sha256; null when no template was applied)"),
+    "special_tokens": (True, "BOS / EOS / PAD tokens and the end-of-turn id"),
+    "max_length": (True, "maximum sequence length (longer prompts are truncated)"),
+    "transformers_version": (False, "transformers version (the template and tokens it yields are compared in their own fields)"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ProtocolFingerprint:
+    """The protocol of one lm-eval run: `harness` (chosen by whoever ran it), `model` (brought by
+    the model), `run` (identity and bookkeeping, never diffed) and the file it came from."""
+
+    harness: dict[str, Any]
+    model: dict[str, Any]
+    run: dict[str, Any] = field(default_factory=dict)
+    source: str | None = None
+
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        return tuple(sorted(self.harness["tasks"]))
+
+    def harness_sha(self, tasks: tuple[str, ...] | None = None) -> str:
+        """sha256 of the harness part (restricted to `tasks` when given): equal means same protocol."""
+        h = dict(self.harness)
+        if tasks is not None:
+            h["tasks"] = {t: v for t, v in self.harness["tasks"].items() if t in tasks}
+        return sha256_text(canonical_json(h))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema_version": SCHEMA_VERSION, "harness": self.harness, "model": self.model, "run": self.run, "source": self.source,
+                "harness_sha": self.harness_sha()}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ProtocolFingerprint:
+        return cls(harness=data["harness"], model=data["model"], run=data.get("run", {}), source=data.get("source"))
+
+
+@dataclass(frozen=True, slots=True)
+class FieldDiff:
+    """One differing field: its dotted name, which part it belongs to, both values."""
+
+    field: str
+    part: str  # "harness" | "model"
+    a: Any
+    b: Any
+    affects_scores: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"field": self.field, "part": self.part, "a": self.a, "b": self.b, "affects_scores": self.affects_scores}
+
+
+def _where(source: str | None) -> str:
+    return f"{source}: " if source else ""
+
+
+def _version(value: Any) -> Any:
+    """Task versions are floats in results (3.0); keep 3.0 and 3 equal and readable."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _tokens(results: dict[str, Any]) -> dict[str, Any]:
+    def tok(key: str) -> Any:
+        v = results.get(key)
+        return list(v) if isinstance(v, (list, tuple)) else v
+
+    return {"bos": tok("tokenizer_bos_token"), "eos": tok("tokenizer_eos_token"), "pad": tok("tokenizer_pad_token"), "eot_token_id": results.get("eot_token_id")}
+
+
+def _task_part(name: str, cfg: dict[str, Any], n_shot: Any, version: Any, multiturn_flag: Any, model_args: dict[str, Any]) -> dict[str, Any]:
+    nf = n_shot if n_shot is not None else cfg.get("num_fewshot")
+    fs_cfg = cfg.get("fewshot_config") or {}
+    uses_fewshot = bool(nf)
+    prompt = {k: cfg.get(k) for k in _PROMPT_KEYS if cfg.get(k) is not None}
+    meta = cfg.get("metadata") or {}
+    return {
+        "version": _version(version if version is not None else meta.get("version")),
+        "num_fewshot": nf,
+        "multiturn": bool(multiturn_flag) and uses_fewshot,
+        "fewshot": {"sampler": fs_cfg.get("sampler"), "split": fs_cfg.get("split") or cfg.get("fewshot_split")} if uses_fewshot else None,
+        "generation_kwargs": cfg.get("generation_kwargs"),
+        "filters": cfg.get("filter_list"),
+        "metrics": cfg.get("metric_list"),
+        "prompt_format": sha256_text(canonical_json(prompt)),
+        "dataset": {"path": cfg.get("dataset_path"), "name": cfg.get("dataset_name"), "split": cfg.get("test_split") or cfg.get("validation_split")},
+        "output_type": cfg.get("output_type"),
+        # lm-eval copies model_args into every task's metadata; those and bookkeeping keys are not task settings
+        "metadata": {k: v for k, v in sorted(meta.items()) if k not in ("version", "config_source") and k not in model_args} or None,
+    }
+
+
+def fingerprint(results: dict[str, Any], source: str | Path | None = None) -> ProtocolFingerprint:
+    """The protocol fingerprint of a parsed lm-eval results JSON; missing fields are a UserError."""
+    src = str(source) if source is not None else None
+    if not isinstance(results, dict):
+        raise UserError(f"{_where(src)}not an lm-eval results file (a JSON object is expected)", "pass a results_<time>.json written by lm-eval")
+    missing = [k for k in _REQUIRED_TOP if k not in results]
+    cfg = results.get("config")
+    if isinstance(cfg, dict):
+        missing += [f"config.{k}" for k in _REQUIRED_CONFIG if k not in cfg]
+    elif "config" not in missing:
+        missing.append("config (not an object)")
+    if missing:
+        raise UserError(f"{_where(src)}lm-eval results file lacks {', '.join(missing)}",
+                        "pass a results_<time>.json written by lm-eval >= 0.4.13 (older versions do not record the protocol)")
+    configs = results["configs"]
+    if not isinstance(configs, dict) or not configs:
+        raise UserError(f"{_where(src)}lm-eval results file has no task configs", "pass a results file of a finished lm-eval run")
+    model_args = cfg.get("model_args") or {}
+    if isinstance(model_args, str):  # older lm-eval wrote the raw "k=v,k=v" string
+        model_args = dict(kv.split("=", 1) for kv in model_args.split(",") if "=" in kv)
+    n_shot = results.get("n-shot") or {}
+    versions = results.get("versions") or {}
+    template = results.get("chat_template")
+    harness = {
+        "apply_chat_template": template is not None,
+        "system_instruction": results.get("system_instruction"),
+        "fewshot_as_multiturn": results.get("fewshot_as_multiturn"),
+        "gen_kwargs": cfg.get("gen_kwargs") or None,
+        "model_args": {k: v for k, v in sorted(model_args.items()) if k not in _IDENTITY_ARGS},
+        "lm_eval_version": results.get("lm_eval_version"),
+        "limit": cfg.get("limit"),
+        "seeds": {"random": cfg.get("random_seed"), "numpy": cfg.get("numpy_seed"), "torch": cfg.get("torch_seed"), "fewshot": cfg.get("fewshot_seed")},
+        "batch_size": None if cfg.get("batch_size") is None else str(cfg.get("batch_size")),
+        "dtype": cfg.get("model_dtype") or model_args.get("dtype"),
+        "tasks": {t: _task_part(t, c, n_shot.get(t), versions.get(t), results.get("fewshot_as_multiturn"), model_args) for t, c in sorted(configs.items())},
+    }
+    model = {
+        "chat_template": template,
+        "chat_template_sha": results.get("chat_template_sha") if template is not None else None,
+        "special_tokens": _tokens(results),
+        "max_length": results.get("max_length"),
+        "transformers_version": results.get("transformers_version"),
+    }
+    run = {
+        "model": cfg.get("model"),
+        "model_name": results.get("model_name"),
+        "pretrained": model_args.get("pretrained"),
+        "revision": cfg.get("model_revision"),
+        "model_sha": cfg.get("model_sha") or None,
+        "model_num_parameters": cfg.get("model_num_parameters"),
+        "device": cfg.get("device"),
+        "date": results.get("date"),
+        "n_samples": results.get("n-samples"),
+        "task_hashes": results.get("task_hashes"),
+    }
+    return ProtocolFingerprint(harness=harness, model=model, run=run, source=src)
+
+
+def fingerprint_run(run: Any) -> ProtocolFingerprint:
+    """Fingerprint of a `RunFiles` (from `lm_eval_sink.runs.resolve_run`)."""
+    from lm_eval_sink.runs import load_results
+
+    return fingerprint(load_results(run), source=run.results)
+
+
+def _template_id(model: dict[str, Any]) -> str | None:
+    if model.get("chat_template") is None:
+        return None
+    return model.get("chat_template_sha") or sha256_text(model["chat_template"])
+
+
+def _pairs(name: str, va: Any, vb: Any) -> list[tuple[str, Any, Any]]:
+    """Differing (field, a, b); mappings are compared key by key (`seeds.random`, `model_args.enable_thinking`)."""
+    if va == vb:
+        return []
+    if isinstance(va, dict) and isinstance(vb, dict):
+        return [(f"{name}.{k}", va.get(k), vb.get(k)) for k in sorted(set(va) | set(vb), key=str) if va.get(k) != vb.get(k)]
+    return [(name, va, vb)]
+
+
+def diff(a: ProtocolFingerprint, b: ProtocolFingerprint) -> tuple[FieldDiff, ...]:
+    """Only the fields that differ between two fingerprints, harness first; empty when identical."""
+    out: list[FieldDiff] = []
+    ha, hb = a.harness, b.harness
+    common = sorted(set(ha["tasks"]) & set(hb["tasks"]))
+    fewshot_used = any(ha["tasks"][t]["num_fewshot"] or hb["tasks"][t]["num_fewshot"] for t in common)
+    for name, (affects, _) in HARNESS_FIELDS.items():
+        if name == "tasks":
+            if sorted(ha["tasks"]) != sorted(hb["tasks"]):
+                out.append(FieldDiff("tasks", "harness", sorted(ha["tasks"]), sorted(hb["tasks"]), affects))
+            continue
+        if name == "fewshot_as_multiturn":
+            affects = fewshot_used
+        out += [FieldDiff(f, "harness", x, y, affects) for f, x, y in _pairs(name, ha.get(name), hb.get(name))]
+    for t in common:
+        ta, tb = ha["tasks"][t], hb["tasks"][t]
+        for key, (affects, _) in TASK_FIELDS.items():
+            out += [FieldDiff(f, "harness", x, y, affects) for f, x, y in _pairs(f"tasks.{t}.{key}", ta.get(key), tb.get(key))]
+    ma, mb = a.model, b.model
+    for name, (affects, _) in MODEL_FIELDS.items():
+        va, vb = (_template_id(ma), _template_id(mb)) if name == "chat_template" else (ma.get(name), mb.get(name))
+        out += [FieldDiff(f, "model", x, y, affects) for f, x, y in _pairs(name, va, vb)]
+    return tuple(out)
+
+
+def check_common_tasks(a: ProtocolFingerprint, b: ProtocolFingerprint) -> None:
+    """Runs of entirely different tasks have no per-task protocol to compare: a UserError."""
+    if not set(a.tasks) & set(b.tasks):
+        raise UserError(f"the runs share no task ({a.source or 'A'}: {', '.join(a.tasks)}; {b.source or 'B'}: {', '.join(b.tasks)})",
+                        "compare runs of the same tasks (`lm-eval-sink protocol show` prints one run's protocol)")
+
+
+def field_description(name: str) -> str:
+    """What a (dotted) diff field is, from the field tables."""
+    parts = name.split(".")
+    if parts[0] == "tasks" and len(parts) >= 3:
+        return TASK_FIELDS.get(parts[2], (None, ""))[1]
+    return (HARNESS_FIELDS.get(parts[0]) or MODEL_FIELDS.get(parts[0]) or (None, ""))[1]
+
+
+def _short(value: Any, width: int = 60) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, ensure_ascii=False)
+    text = text.replace("\n", "\\n")
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def require_same_harness(fingerprints: dict[str, ProtocolFingerprint]) -> None:
+    """Refuse runs whose harness parts differ: a UserError naming every differing field and the runs.
+
+    The first run (in the mapping's order) is the reference the others are compared to.
+    """
+    if len(fingerprints) < 2:
+        return
+    names = list(fingerprints)
+    ref = fingerprints[names[0]]
+    problems: list[str] = []
+    for other in names[1:]:
+        fields = [d for d in diff(ref, fingerprints[other]) if d.part == "harness"]
+        if fields:
+            shown = "; ".join(f"{d.field}: {_short(d.a, 30)} vs {_short(d.b, 30)}" for d in fields)
+            problems.append(f"{names[0]} vs {other}: {shown}")
+    if problems:
+        raise UserError(f"runs were made under different harness protocols ({' | '.join(problems)})",
+                        "re-run them under one protocol (e.g. lm-eval-sink eval --protocol NAME) or compare them with `lm-eval-sink protocol diff`")
+
+
+# --- named protocols -------------------------------------------------------------------------
+
+# The keys a protocol definition may set: EvalSettings fields that define a protocol.
+PROTOCOL_KEYS: dict[str, str] = {
+    "description": "one line saying what the protocol is and where it comes from",
+    "apply_chat_template": "render prompts through the model's chat template (bool)",
+    "num_fewshot": "few-shot count for every task; null = each task's default",
+    "fewshot_as_multiturn": "few-shot examples as chat turns (bool; needs the chat template)",
+    "system_instruction": "system message (string or null)",
+    "gen_kwargs": "generation overrides (mapping), e.g. {max_gen_toks: 256}",
+    "batch_size": "batch size (int or 'auto'); null = the caller's choice",
+    "dtype": "model dtype (auto, float32, bfloat16, float16) or null = the caller's choice",
+    "seed": "seed for every random generator (int) or null = the caller's choice",
+    "model_args": "model arguments that change prompts or decoding (mapping), e.g. {enable_thinking: false}",
+}
+_TYPES: dict[str, tuple[type, ...]] = {
+    "description": (str,), "apply_chat_template": (bool,), "num_fewshot": (int, type(None)), "fewshot_as_multiturn": (bool, type(None)),
+    "system_instruction": (str, type(None)), "gen_kwargs": (dict, type(None)), "batch_size": (int, str, type(None)), "dtype": (str, type(None)),
+    "seed": (int, type(None)), "model_args": (dict, type(None)),
+}
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True, slots=True)
+class Protocol:
+    """A named evaluation protocol: the harness settings it fixes."""
+
+    name: str
+    description: str
+    apply_chat_template: bool
+    num_fewshot: int | None = None
+    fewshot_as_multiturn: bool | None = None
+    system_instruction: str | None = None
+    gen_kwargs: dict[str, Any] | None = None
+    batch_size: int | str | None = None
+    dtype: str | None = None
+    seed: int | None = None
+    model_args: dict[str, Any] | None = None
+    source: str = "builtin"
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in ("name", "description", "apply_chat_template", "num_fewshot", "fewshot_as_multiturn", "system_instruction",
+                                              "gen_kwargs", "batch_size", "dtype", "seed", "model_args", "source")}
+
+    def mismatches(self, fp: ProtocolFingerprint) -> list[str]:
+        """Fields of `fp` that contradict this protocol (what a results file lets one check)."""
+        h = fp.harness
+        bad = []
+        if h["apply_chat_template"] != self.apply_chat_template:
+            bad.append(f"apply_chat_template={h['apply_chat_template']}")
+        if (h.get("system_instruction") or None) != (self.system_instruction or None):
+            bad.append("system_instruction")
+        if self.num_fewshot is not None:
+            off = [t for t, v in h["tasks"].items() if v["num_fewshot"] != self.num_fewshot]
+            if off:
+                bad.append(f"num_fewshot of {', '.join(off)}")
+        if self.batch_size is not None and str(self.batch_size) != str(h.get("batch_size")):
+            bad.append(f"batch_size={h.get('batch_size')}")
+        if self.dtype not in (None, "auto") and h.get("dtype") not in (self.dtype, f"torch.{self.dtype}"):
+            bad.append(f"dtype={h.get('dtype')}")
+        for k, v in (self.model_args or {}).items():
+            if str((h.get("model_args") or {}).get(k)) != str(v):
+                bad.append(f"model_args.{k}={(h.get('model_args') or {}).get(k)}")
+        return bad
+
+
+def _did_you_mean(word: str, options: list[str]) -> str:
+    near = difflib.get_close_matches(word, options, n=1)
+    return f" (did you mean {near[0]!r}?)" if near else ""
+
+
+def _parse_protocol(name: str, body: Any, where: str) -> Protocol:
+    if not isinstance(body, dict):
+        raise UserError(f"{where}: protocol {name!r} must be a mapping of settings, got {type(body).__name__}", f"give it keys from: {', '.join(PROTOCOL_KEYS)}")
+    for key in body:
+        if key not in PROTOCOL_KEYS:
+            raise UserError(f"{where}: protocol {name!r} has unknown key {key!r}{_did_you_mean(str(key), list(PROTOCOL_KEYS))}",
+                            f"allowed keys: {', '.join(PROTOCOL_KEYS)}")
+    for key in ("description", "apply_chat_template"):
+        if key not in body:
+            raise UserError(f"{where}: protocol {name!r} lacks {key!r}", f"add `{key}:` ({PROTOCOL_KEYS[key]})")
+    for key, value in body.items():
+        if not isinstance(value, _TYPES[key]) or (isinstance(value, bool) and bool not in _TYPES[key]):
+            raise UserError(f"{where}: protocol {name!r} key {key!r} has {value!r}", f"expected {PROTOCOL_KEYS[key]}")
+    if body.get("num_fewshot") is not None and body["num_fewshot"] < 0:
+        raise UserError(f"{where}: protocol {name!r} has num_fewshot {body['num_fewshot']}", "use 0 or more, or null for each task's default")
+    if body.get("fewshot_as_multiturn") and not body["apply_chat_template"]:
+        raise UserError(f"{where}: protocol {name!r} sets fewshot_as_multiturn without the chat template", "lm-eval refuses that; set apply_chat_template: true or drop it")
+    if "dtype" in body and body["dtype"] is not None and body["dtype"] not in _DTYPES:
+        raise UserError(f"{where}: protocol {name!r} has dtype {body['dtype']!r}", f"use one of {', '.join(_DTYPES)}")
+    bs = body.get("batch_size")
+    if isinstance(bs, str) and not (bs == "auto" or bs.startswith("auto:")):
+        raise UserError(f"{where}: protocol {name!r} has batch_size {bs!r}", "use a number or 'auto'")
+    if isinstance(bs, int) and bs < 1:
+        raise UserError(f"{where}: protocol {name!r} has batch_size {bs}", "use 1 or more")
+    return Protocol(name=name, source=where, **body)
+
+
+def _load_yaml(text: str, where: str) -> Any:
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f":{mark.line + 1}" if mark is not None else ""
+        raise UserError(f"{where}{at}: not valid YAML ({getattr(e, 'problem', None) or e})", "fix the YAML syntax") from None
+
+
+def parse_protocols(text: str, where: str) -> dict[str, Protocol]:
+    """Protocols from YAML text: `protocols: {name: {key: value}}`; unknown keys are errors."""
+    data = _load_yaml(text, where)
+    if not isinstance(data, dict) or set(data) - {"protocols", "schema_version"} or not isinstance(data.get("protocols"), dict):
+        raise UserError(f"{where}: expected a mapping with one key `protocols:` holding named protocols", "see lm_eval_sink/data/protocols.yaml for the format")
+    return {str(n): _parse_protocol(str(n), body, where) for n, body in data["protocols"].items()}
+
+
+def builtin_protocols() -> dict[str, Protocol]:
+    """The protocols shipped as package data (`instruct`, `community`)."""
+    text = resources.files("lm_eval_sink").joinpath("data/protocols.yaml").read_text(encoding="utf-8")
+    return parse_protocols(text, "lm_eval_sink/data/protocols.yaml")
+
+
+def load_protocols(user_file: str | Path | None = None) -> dict[str, Protocol]:
+    """Builtin protocols plus those of a user YAML (a user protocol may not shadow a builtin one)."""
+    out = builtin_protocols()
+    if user_file is None:
+        return out
+    path = Path(user_file)
+    if not path.is_file():
+        raise UserError(f"{path}: no such protocol file", "pass a YAML file with `protocols: {name: {...}}`")
+    user = parse_protocols(path.read_text(encoding="utf-8"), str(path))
+    clash = sorted(set(user) & set(out))
+    if clash:
+        raise UserError(f"{path}: protocol name(s) {', '.join(clash)} are builtin", "give your protocols other names")
+    out.update(user)
+    return out
+
+
+def get_protocol(name: str, user_file: str | Path | None = None) -> Protocol:
+    """A protocol by name; an unknown name lists the known ones."""
+    known = load_protocols(user_file)
+    if name not in known:
+        raise UserError(f"unknown protocol {name!r}{_did_you_mean(name, list(known))}; known: {', '.join(sorted(known))}",
+                        "pick one of those, or define it in a YAML passed with --protocol-file")
+    return known[name]
+
+
+def match_protocol(fp: ProtocolFingerprint, protocols: dict[str, Protocol] | None = None) -> str | None:
+    """The first named protocol the fingerprint does not contradict, else None.
+
+    Only what the results file records can be checked: 'each task's default few-shot' cannot,
+    so `community` matches any run without template and system instruction at its batch size.
+    """
+    for name, p in (protocols or builtin_protocols()).items():
+        if not p.mismatches(fp):
+            return name
+    return None
+
+
+# --- tables ----------------------------------------------------------------------------------
+
+
+def limit_text(limit: Any) -> str:
+    """--limit as given: 5.0 (as lm-eval records it) reads 5."""
+    return str(int(limit)) if isinstance(limit, float) and limit.is_integer() else str(limit)
+
+
+def _cell(value: Any, width: int = 70) -> str:
+    return _short(value, width).replace("|", "\\|")
+
+
+def show_rows(fp: ProtocolFingerprint) -> list[tuple[str, str, Any, bool]]:
+    """(part, field, value, can change scores) for every fingerprint field, tasks expanded."""
+    rows: list[tuple[str, str, Any, bool]] = []
+    for name, (affects, _) in HARNESS_FIELDS.items():
+        if name == "tasks":
+            for t, part in fp.harness["tasks"].items():
+                rows += [("harness", f"tasks.{t}.{k}", part.get(k), a) for k, (a, _) in TASK_FIELDS.items()]
+        else:
+            rows.append(("harness", name, fp.harness.get(name), affects))
+    for name, (affects, _) in MODEL_FIELDS.items():
+        value = fp.model.get(name)
+        if name == "chat_template" and value is not None:
+            value = f"sha256 {_template_id(fp.model)[:16]}: {value}"
+        rows.append(("model", name, value, affects))
+    return rows
+
+
+def show_markdown(fp: ProtocolFingerprint, protocols: dict[str, Protocol] | None = None) -> str:
+    """The fingerprint as a Markdown table, with the named protocol it matches and a --limit warning."""
+    named = match_protocol(fp, protocols)
+    lines = [f"protocol of {fp.source or 'run'} (harness sha256 {fp.harness_sha()[:16]})",
+             f"matches named protocol: {named or 'none'}"]
+    if fp.harness.get("limit") is not None:
+        lines.append(f"--limit {limit_text(fp.harness['limit'])}: scores are from a subset and are not final")
+    lines += ["", "| part | field | value | can change scores |", "|---|---|---|---|"]
+    lines += [f"| {p} | {f} | {_cell(v)} | {'yes' if a else 'no'} |" for p, f, v, a in show_rows(fp)]
+    return "\n".join(lines) + "\n"
+
+
+def diff_markdown(diffs: tuple[FieldDiff, ...], name_a: str = "A", name_b: str = "B") -> str:
+    """Only the differing fields as a Markdown table (or one line saying there are none)."""
+    if not diffs:
+        return f"no differences between the protocols of {name_a} and {name_b}\n"
+    lines = [f"A = {name_a}", f"B = {name_b}", f"{len(diffs)} differing field(s), {sum(d.affects_scores for d in diffs)} can change scores", "",
+             "| field | part | A | B | can change scores |", "|---|---|---|---|---|"]
+    lines += [f"| {d.field} | {d.part} | {_cell(d.a, 40)} | {_cell(d.b, 40)} | {'yes' if d.affects_scores else 'no'} |" for d in diffs]
+    return "\n".join(lines) + "\n"
+
+
+# --- protocol -> lm-eval settings ------------------------------------------------------------
+
+
+def settings_fields(protocol: Protocol, *, tasks: list[str], limit: float | None = None, gen_kwargs: dict[str, Any] | None = None,
+                    batch_size: int | str | None = None, dtype: str | None = None, seed: int | None = None, device: str = "cpu",
+                    include_path: str | None = None, log_samples: bool = True) -> dict[str, Any]:
+    """The `lm_eval_sink.harness.runner.EvalSettings` fields of a run under `protocol`.
+
+    Settings the protocol fixes cannot be changed by the caller (a UserError says which), except
+    `gen_kwargs`, which are merged on top of the protocol's (lm-eval records them as overrides, so
+    the run's fingerprint shows them). `limit` marks the run's scores non-final. dtype "auto" or
+    None leaves the model's own dtype; seed None keeps the runner's default.
+    """
+    if not tasks:
+        raise UserError("no tasks given", "pass --tasks, e.g. --tasks ifeval,gsm8k_cot_zeroshot")
+    for name, given, fixed in (("batch_size", batch_size, protocol.batch_size), ("dtype", dtype, protocol.dtype), ("seed", seed, protocol.seed)):
+        if given is not None and fixed is not None and str(given) != str(fixed):
+            raise UserError(f"protocol {protocol.name!r} fixes {name} = {fixed}, but {given} was asked for",
+                            f"drop the {name} option, or define a protocol with {name}: {given} in a --protocol-file")
+    if limit is not None and limit <= 0:
+        raise UserError(f"--limit must be positive, got {limit}", "pass a number of docs (e.g. 5) or a fraction below 1")
+    chosen_dtype = protocol.dtype if protocol.dtype is not None else dtype
+    fields: dict[str, Any] = {
+        "tasks": tuple(tasks),
+        "apply_chat_template": protocol.apply_chat_template,
+        "num_fewshot": protocol.num_fewshot,
+        "fewshot_as_multiturn": protocol.fewshot_as_multiturn,
+        "system_instruction": protocol.system_instruction,
+        "gen_kwargs": {**(protocol.gen_kwargs or {}), **(gen_kwargs or {})},
+        "limit": limit,
+        "batch_size": protocol.batch_size if protocol.batch_size is not None else (batch_size if batch_size is not None else 1),
+        "device": device,
+        "dtype": None if chosen_dtype in (None, "auto") else chosen_dtype,
+        "log_samples": log_samples,
+        "include_path": include_path,
+        "model_args": dict(protocol.model_args or {}),
+    }
+    chosen_seed = protocol.seed if protocol.seed is not None else seed
+    if chosen_seed is not None:
+        fields["seed"] = chosen_seed
+    return fields
+
+
+def parse_gen_kwargs(items: tuple[str, ...] | list[str]) -> dict[str, Any]:
+    """`max_gen_toks=64` style overrides: numbers and true/false become numbers and booleans."""
+    out: dict[str, Any] = {}
+    for item in items:
+        for part in str(item).split(","):
+            if not part.strip():
+                continue
+            if "=" not in part:
+                raise UserError(f"--gen-kwargs {part!r} is not KEY=VALUE", "e.g. --gen-kwargs max_gen_toks=256")
+            k, v = (x.strip() for x in part.split("=", 1))
+            low = v.lower()
+            if low in ("true", "false"):
+                out[k] = low == "true"
+            else:
+                try:
+                    out[k] = int(v)
+                except ValueError:
+                    try:
+                        out[k] = float(v)
+                    except ValueError:
+                        out[k] = v
+    return out

@@ -1,0 +1,349 @@
+"""The vendor registry: reported and independently measured scores, each with source and protocol.
+
+Data, not code: `data/vendors.yaml` (bundled) plus an optional user YAML of the same shape. Every
+score and gap names a source (what report or audit, which table, whether it was checked against
+the original) and a protocol (what the source states about how it was measured, in the
+vocabulary of `STATED_KEYS`; anything not stated is unknown). Validated on load: unknown keys,
+undefined sources/protocols/models/benchmarks and duplicate ids are UserErrors naming the entry.
+Standard library and PyYAML only.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from lm_eval_sink.errors import UserError
+
+# What a source may state about a protocol, and where a run's fingerprint records it.
+STATED_KEYS: dict[str, str] = {
+    "apply_chat_template": "harness.apply_chat_template",
+    "num_fewshot": "harness.tasks[task].num_fewshot",
+    "enable_thinking": "harness.model_args.enable_thinking",
+    "system_instruction": "harness.system_instruction",
+    "lm_eval_version": "harness.lm_eval_version",
+    "batch_size": "harness.batch_size",
+    "dtype": "harness.dtype",
+}
+SOURCE_KINDS = ("vendor", "independent", "paper")
+_TOP_KEYS = {"schema_version", "sources", "protocols", "models", "scores", "gaps"}
+_SOURCE_KEYS = {"title", "kind", "url", "checked"}
+_PROTOCOL_KEYS = {"described", "stated"}
+_MODEL_KEYS = {"hub_id", "kind", "aliases", "parent"}
+_SCORE_KEYS = {"id", "model", "benchmark", "metric", "value", "source", "protocol", "note"}
+_GAP_KEYS = {"id", "reference", "candidate", "benchmark", "metric", "value", "source", "protocol", "note"}
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    id: str
+    title: str
+    kind: str  # vendor | independent | paper
+    url: str | None
+    checked: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "title": self.title, "kind": self.kind, "url": self.url, "checked": self.checked}
+
+
+@dataclass(frozen=True, slots=True)
+class StatedProtocol:
+    id: str
+    described: str
+    stated: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "described": self.described, "stated": self.stated}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelEntry:
+    name: str
+    hub_id: str | None
+    kind: str  # llm | vlm
+    aliases: tuple[str, ...] = ()
+    parent: dict[str, str] | None = None  # {"model": NAME, "source": SOURCE_ID} when a source states it
+
+    def names(self) -> set[str]:
+        out = {self.name.lower(), *(a.lower() for a in self.aliases)}
+        if self.hub_id:
+            out |= {self.hub_id.lower(), self.hub_id.split("/")[-1].lower()}
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class Score:
+    """One model's score on one benchmark, as some source reports it (points)."""
+
+    id: str
+    model: str
+    benchmark: str
+    metric: str
+    value: float
+    source: Source
+    protocol: StatedProtocol
+    note: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "model": self.model, "benchmark": self.benchmark, "metric": self.metric, "value": self.value,
+                "source": self.source.to_json(), "protocol": self.protocol.to_json(), "note": self.note}
+
+
+@dataclass(frozen=True, slots=True)
+class Gap:
+    """A reported candidate-minus-reference gap (points) under one protocol."""
+
+    id: str
+    reference: str
+    candidate: str
+    benchmark: str
+    metric: str
+    value: float
+    source: Source
+    protocol: StatedProtocol
+    note: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "reference": self.reference, "candidate": self.candidate, "benchmark": self.benchmark, "metric": self.metric,
+                "value": self.value, "source": self.source.to_json(), "protocol": self.protocol.to_json(), "note": self.note}
+
+
+@dataclass(frozen=True, slots=True)
+class Registry:
+    sources: dict[str, Source]
+    protocols: dict[str, StatedProtocol]
+    models: dict[str, ModelEntry]
+    scores: tuple[Score, ...]
+    gaps: tuple[Gap, ...]
+    files: tuple[str, ...]
+
+    def model(self, name: str) -> ModelEntry:
+        """A model by name, alias or hub id (case-insensitive); unknown names get a did-you-mean."""
+        found = self.identify(name)
+        if found is None:
+            near = difflib.get_close_matches(name, list(self.models), n=1, cutoff=0.5)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise UserError(f"model {name!r} is not in the vendor registry{hint}", f"`lm-eval-sink vendor list` shows the {len(self.models)} models it holds")
+        return self.models[found]
+
+    def identify(self, name: str | None) -> str | None:
+        """The registry name of a model given by name, hub id, alias or a path ending in one of them."""
+        if not name:
+            return None
+        key = str(name).rstrip("/").lower()
+        tail = key.split("/")[-1]
+        for m in self.models.values():
+            names = m.names()
+            if key in names or tail in names:
+                return m.name
+        return None
+
+    def scores_of(self, model: str, benchmark: str | None = None) -> list[Score]:
+        return [s for s in self.scores if s.model == model and (benchmark is None or s.benchmark == benchmark)]
+
+    def gaps_of(self, model: str) -> list[Gap]:
+        return [g for g in self.gaps if model in (g.reference, g.candidate)]
+
+    def gaps_between(self, reference: str, candidate: str, benchmark: str | None = None) -> list[Gap]:
+        return [g for g in self.gaps if g.reference == reference and g.candidate == candidate and (benchmark is None or g.benchmark == benchmark)]
+
+    def score(self, entry_id: str) -> Score:
+        for s in self.scores:
+            if s.id == entry_id:
+                return s
+        ids = [s.id for s in self.scores]
+        near = difflib.get_close_matches(entry_id, ids, n=1, cutoff=0.5)
+        raise UserError(f"no score {entry_id!r} in the vendor registry" + (f" (did you mean {near[0]!r}?)" if near else ""),
+                        "`lm-eval-sink vendor show MODEL` lists each score's id")
+
+
+def _unknown(keys: Any, allowed: set[str], what: str, where: str) -> None:
+    extra = sorted(set(keys) - allowed, key=str)
+    if extra:
+        near = difflib.get_close_matches(str(extra[0]), sorted(allowed), n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise UserError(f"{where}: {what} has unknown key {extra[0]!r}{hint}", f"allowed keys: {', '.join(sorted(allowed))}")
+
+
+def _need(body: dict[str, Any], keys: tuple[str, ...], what: str, where: str) -> None:
+    for k in keys:
+        if body.get(k) in (None, ""):
+            raise UserError(f"{where}: {what} lacks {k!r}", f"every entry needs {', '.join(keys)}")
+
+
+def _mapping(value: Any, what: str, where: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise UserError(f"{where}: {what} must be a mapping, got {type(value).__name__}", "see lm_eval_sink/data/vendors.yaml for the format")
+    return value
+
+
+def _read_yaml(path_or_text: str, where: str) -> dict[str, Any]:
+    from lm_eval_sink.protocols import _load_yaml
+
+    data = _load_yaml(path_or_text, where)
+    if not isinstance(data, dict):
+        raise UserError(f"{where}: expected a mapping with sources, protocols, models, scores, gaps", "see lm_eval_sink/data/vendors.yaml for the format")
+    _unknown(data, _TOP_KEYS, "the registry", where)
+    return data
+
+
+def _merge(parts: list[tuple[str, dict[str, Any]]], benchmarks: set[str]) -> Registry:
+    sources: dict[str, Source] = {}
+    protocols: dict[str, StatedProtocol] = {}
+    models: dict[str, ModelEntry] = {}
+    raw_scores: list[tuple[str, dict[str, Any]]] = []
+    raw_gaps: list[tuple[str, dict[str, Any]]] = []
+    for where, data in parts:
+        for sid, body in _mapping(data.get("sources"), "sources", where).items():
+            body = _mapping(body, f"source {sid!r}", where)
+            _unknown(body, _SOURCE_KEYS, f"source {sid!r}", where)
+            _need(body, ("title", "kind"), f"source {sid!r}", where)
+            if body["kind"] not in SOURCE_KINDS:
+                raise UserError(f"{where}: source {sid!r} has kind {body['kind']!r}", f"use one of {', '.join(SOURCE_KINDS)}")
+            if sid in sources:
+                raise UserError(f"{where}: source {sid!r} is defined twice", "give it another id")
+            sources[sid] = Source(sid, str(body["title"]), body["kind"], body.get("url"), bool(body.get("checked", False)))
+        for pid, body in _mapping(data.get("protocols"), "protocols", where).items():
+            body = _mapping(body, f"protocol {pid!r}", where)
+            _unknown(body, _PROTOCOL_KEYS, f"protocol {pid!r}", where)
+            _need(body, ("described",), f"protocol {pid!r}", where)
+            stated = _mapping(body.get("stated"), f"protocol {pid!r} stated", where)
+            _unknown(stated, set(STATED_KEYS), f"protocol {pid!r} stated", where)
+            if pid in protocols:
+                raise UserError(f"{where}: protocol {pid!r} is defined twice", "give it another id")
+            protocols[pid] = StatedProtocol(pid, str(body["described"]), dict(stated))
+        for name, body in _mapping(data.get("models"), "models", where).items():
+            body = _mapping(body, f"model {name!r}", where)
+            _unknown(body, _MODEL_KEYS, f"model {name!r}", where)
+            _need(body, ("kind",), f"model {name!r}", where)
+            if name in models:
+                raise UserError(f"{where}: model {name!r} is defined twice", "merge the two entries")
+            parent = body.get("parent")
+            if parent is not None and (not isinstance(parent, dict) or set(parent) != {"model", "source"}):
+                raise UserError(f"{where}: model {name!r} parent must be {{model: NAME, source: SOURCE_ID}}", "state where the lineage is documented")
+            models[name] = ModelEntry(str(name), body.get("hub_id"), str(body["kind"]), tuple(body.get("aliases") or ()), parent)
+        for i, body in enumerate(data.get("scores") or []):
+            raw_scores.append((f"{where} scores[{i}]", _mapping(body, "score", where)))
+        for i, body in enumerate(data.get("gaps") or []):
+            raw_gaps.append((f"{where} gaps[{i}]", _mapping(body, "gap", where)))
+
+    def common(where: str, body: dict[str, Any], model_keys: tuple[str, ...]) -> tuple[Source, StatedProtocol]:
+        for k in model_keys:
+            if body[k] not in models:
+                raise UserError(f"{where} ({body['id']}): model {body[k]!r} is not defined under models:", "add it to models:")
+        if body["source"] not in sources:
+            raise UserError(f"{where} ({body['id']}): source {body['source']!r} is not defined under sources:", "every entry needs a defined source")
+        if body["protocol"] not in protocols:
+            raise UserError(f"{where} ({body['id']}): protocol {body['protocol']!r} is not defined under protocols:", "every entry needs a defined protocol")
+        if body["benchmark"] not in benchmarks:
+            raise UserError(f"{where} ({body['id']}): unknown benchmark {body['benchmark']!r}", f"use one of {', '.join(sorted(benchmarks))}")
+        if isinstance(body["value"], bool) or not isinstance(body["value"], (int, float)):
+            raise UserError(f"{where} ({body['id']}): value {body['value']!r} is not a number", "give points (0-100), e.g. 71.2")
+        return sources[body["source"]], protocols[body["protocol"]]
+
+    ids: set[str] = set()
+    scores, gaps = [], []
+    for where, body in raw_scores:
+        _unknown(body, _SCORE_KEYS, "score", where)
+        _need(body, ("id", "model", "benchmark", "metric", "value", "source", "protocol"), "score", where)
+        src, proto = common(where, body, ("model",))
+        scores.append(Score(str(body["id"]), body["model"], body["benchmark"], str(body["metric"]), float(body["value"]), src, proto, body.get("note")))
+    for where, body in raw_gaps:
+        _unknown(body, _GAP_KEYS, "gap", where)
+        _need(body, ("id", "reference", "candidate", "benchmark", "metric", "value", "source", "protocol"), "gap", where)
+        src, proto = common(where, body, ("reference", "candidate"))
+        gaps.append(Gap(str(body["id"]), body["reference"], body["candidate"], body["benchmark"], str(body["metric"]), float(body["value"]), src, proto,
+                        body.get("note")))
+    for entry in [*scores, *gaps]:
+        if entry.id in ids:
+            raise UserError(f"vendor registry: id {entry.id!r} is used twice", "give every score and gap its own id")
+        ids.add(entry.id)
+    for m in models.values():
+        if m.parent and (m.parent["model"] not in models or m.parent["source"] not in sources):
+            raise UserError(f"vendor registry: model {m.name!r} parent names an undefined model or source", "define both first")
+    return Registry(sources, protocols, models, tuple(scores), tuple(gaps), tuple(w for w, _ in parts))
+
+
+def load_registry(user_file: str | Path | None = None) -> Registry:
+    """The bundled registry, plus a user YAML of the same shape (its ids must be new)."""
+    from lm_eval_sink.attribution import load_benchmarks
+
+    text = resources.files("lm_eval_sink").joinpath("data/vendors.yaml").read_text(encoding="utf-8")
+    parts = [("lm_eval_sink/data/vendors.yaml", _read_yaml(text, "lm_eval_sink/data/vendors.yaml"))]
+    if user_file is not None:
+        path = Path(user_file)
+        if not path.is_file():
+            raise UserError(f"{path}: no such registry file", "pass a YAML file shaped like lm_eval_sink/data/vendors.yaml")
+        parts.append((str(path), _read_yaml(path.read_text(encoding="utf-8"), str(path))))
+    return _merge(parts, set(load_benchmarks()))
+
+
+def compare_stated(stated: dict[str, Any], fp: Any, task: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """Fields where a run's fingerprint contradicts what a source states, and the fields the source leaves unstated."""
+    h = fp.harness
+    run_values = {
+        "apply_chat_template": h.get("apply_chat_template"),
+        "num_fewshot": (h["tasks"].get(task) or {}).get("num_fewshot"),
+        "enable_thinking": (h.get("model_args") or {}).get("enable_thinking"),
+        "system_instruction": h.get("system_instruction"),
+        "lm_eval_version": h.get("lm_eval_version"),
+        "batch_size": h.get("batch_size"),
+        "dtype": h.get("dtype"),
+    }
+    differ = []
+    for key, want in stated.items():
+        got = run_values[key]
+        same = str(want) == str(got) if key in ("batch_size", "lm_eval_version") else (want == got or (key == "dtype" and got == f"torch.{want}"))
+        if not same:
+            differ.append({"field": key, "stated": want, "run": got})
+    return differ, [k for k in STATED_KEYS if k not in stated]
+
+
+def compare_stated_pair(a: dict[str, Any], b: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Fields both stated protocols state and disagree on, and the fields only one of them states."""
+    differ = [{"field": k, "a": a[k], "b": b[k]} for k in STATED_KEYS if k in a and k in b and a[k] != b[k]]
+    one_side = [k for k in STATED_KEYS if (k in a) != (k in b)]
+    return differ, one_side
+
+
+def list_markdown(reg: Registry) -> str:
+    lines = ["| model | hub id | kind | scores | gaps |", "|---|---|---|---|---|"]
+    for m in sorted(reg.models.values(), key=lambda m: m.name.lower()):
+        lines.append(f"| {m.name} | {m.hub_id or '-'} | {m.kind} | {len(reg.scores_of(m.name))} | {len(reg.gaps_of(m.name))} |")
+    return "\n".join(lines) + f"\n\n{len(reg.scores)} scores, {len(reg.gaps)} gaps from {len(reg.sources)} sources ({', '.join(reg.files)})\n"
+
+
+def _fmt_stated(p: StatedProtocol) -> str:
+    stated = ", ".join(f"{k}={v}" for k, v in sorted(p.stated.items())) or "nothing stated"
+    return f"{p.id} ({stated})"
+
+
+def show_markdown(reg: Registry, name: str) -> str:
+    m = reg.model(name)
+    lines = [f"## {m.name}", f"hub id: {m.hub_id or 'not recorded'}; kind: {m.kind}"]
+    if m.parent:
+        lines.append(f"parent (stated by {m.parent['source']}): {m.parent['model']}")
+    scores = sorted(reg.scores_of(m.name), key=lambda s: (s.benchmark, s.id))
+    if scores:
+        lines += ["", "| id | benchmark | metric | value | source | protocol |", "|---|---|---|---|---|---|"]
+        lines += [f"| {s.id} | {s.benchmark} | {s.metric} | {s.value:g} | {s.source.id} ({s.source.kind}) | {_fmt_stated(s.protocol)} |" for s in scores]
+    gaps = sorted(reg.gaps_of(m.name), key=lambda g: (g.benchmark, g.id))
+    if gaps:
+        lines += ["", "| id | candidate - reference | benchmark | gap | source | protocol |", "|---|---|---|---|---|---|"]
+        lines += [f"| {g.id} | {g.candidate} - {g.reference} | {g.benchmark} | {g.value:+g} | {g.source.id} ({g.source.kind}) | {_fmt_stated(g.protocol)} |"
+                  for g in gaps]
+    used = sorted({e.source.id for e in [*scores, *gaps]})
+    if used:
+        lines += ["", "sources:"]
+        lines += [f"- {s}: {reg.sources[s].title}" + (f" <{reg.sources[s].url}>" if reg.sources[s].url else "") +
+                  ("" if reg.sources[s].checked else " (not re-checked against the original)") for s in used]
+    protos = sorted({e.protocol.id for e in [*scores, *gaps]})
+    if protos:
+        lines += ["", "protocols:"]
+        lines += [f"- {p}: {reg.protocols[p].described}" for p in protos]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,133 @@
+"""Tiny causal LMs whose attention logits are known in closed form (random weights have no sink).
+
+Construction (every family): all weights zero except
+- embeddings: the BOS token is `c_bos * e[0]`, every other token is `e[1]` (identical);
+- attention-output and MLP-output projections zero, so the residual stream stays the embedding
+  in every layer;
+- q_proj reads dim 1 into head-dim 1 of head h with weight alpha[l, h]; k_proj reads dim 0 into
+  head-dim 1 of the KV head with weight beta[l]; all norm weights 1 (QK-norm weights set below).
+- rope_theta is huge: head-dim pair (1, 3) rotates by position * theta^-1/2 ~ 1e-15 rad, i.e. not
+  at all in float32, so RoPE leaves these logits unchanged.
+Then every non-BOS key is the zero vector (logit 0) and the BOS key has logit g[l, h], known in
+closed form per family (`expected_gap`). A row at query position q (>= 1) has logits
+[g, 0, ..., 0] over q + 1 keys.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+H, D, N_HEADS, N_KV = 8, 4, 2, 1
+C_BOS = 2.0
+THETA = 1e30
+
+
+def _config(family: str, n_layers: int, vocab: int):
+    common = dict(vocab_size=vocab, hidden_size=H, intermediate_size=8, num_hidden_layers=n_layers, num_attention_heads=N_HEADS,
+                  num_key_value_heads=N_KV, head_dim=D, max_position_embeddings=512, rms_norm_eps=1e-12, tie_word_embeddings=False,
+                  rope_theta=THETA, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if family == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(**common)
+    if family == "qwen3":
+        from transformers import Qwen3Config
+
+        return Qwen3Config(**common)
+    if family == "olmo2":
+        from transformers import Olmo2Config
+
+        return Olmo2Config(**common)
+    raise ValueError(family)
+
+
+def alphas(family: str, n_layers: int) -> np.ndarray:
+    """alpha[l, h]: per-layer, per-head query weights (head 1 negative for qwen3: its sink moves)."""
+    a = np.array([[0.5 + 0.5 * l + 0.25 * h for h in range(N_HEADS)] for l in range(n_layers)])
+    if family == "qwen3":
+        a[:, 1] *= -1.0
+    return a
+
+
+def betas(n_layers: int) -> np.ndarray:
+    return np.array([1.0 + 0.1 * l for l in range(n_layers)])
+
+
+def qk_norm_weights(n_layers: int) -> np.ndarray:
+    """Per-layer scale on head-dim 1 of q_norm (Qwen3 per head; OLMo2 on every head's dim 1)."""
+    return np.array([0.8 + 0.3 * l for l in range(n_layers)])
+
+
+def build(family: str, n_layers: int = 3, vocab: int = 96, bos_id: int = 1, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config(family, n_layers, vocab), attn_implementation="sdpa")
+    a, b, w = alphas(family, n_layers), betas(n_layers), qk_norm_weights(n_layers)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+        emb = model.model.embed_tokens.weight
+        emb[:, 1] = 1.0
+        emb[bos_id] = 0.0
+        emb[bos_id, 0] = C_BOS
+        for l, layer in enumerate(model.model.layers):
+            attn = layer.self_attn
+            for h in range(N_HEADS):
+                attn.q_proj.weight[h * D + 1, 1] = a[l, h]
+            attn.k_proj.weight[1, 0] = b[l]
+            if family == "qwen3":
+                attn.q_norm.weight[1] = w[l]
+            if family == "olmo2":
+                for h in range(N_HEADS):
+                    attn.q_norm.weight[h * D + 1] = w[l]
+    model.eval()
+    return model.to(dtype)
+
+
+def expected_gap(family: str, n_layers: int) -> np.ndarray:
+    """g[l, h]: the BOS key's pre-softmax logit (scaled by D**-0.5), in closed form."""
+    a, b, w = alphas(family, n_layers), betas(n_layers), qk_norm_weights(n_layers)
+    scale = D**-0.5
+    g = np.zeros((n_layers, N_HEADS))
+    for l in range(n_layers):
+        for h in range(N_HEADS):
+            if family == "llama":  # pre-norm: normalized embeddings are sqrt(H) * e[j]
+                q, k = a[l, h] * math.sqrt(H), b[l] * math.sqrt(H)
+            elif family == "qwen3":  # per-head RMSNorm of (0, x, 0, 0) is sign(x) * sqrt(D)
+                q, k = math.copysign(math.sqrt(D), a[l, h]) * w[l], math.sqrt(D)
+            else:  # olmo2: no pre-norm; layerwise RMSNorm over all heads' dims together
+                raw = a[l] * 1.0
+                rms_q = math.sqrt(float(np.sum(raw**2)) / (N_HEADS * D))
+                q = raw[h] / rms_q * w[l]
+                k = math.sqrt(N_KV * D)  # one KV head: (0, beta*C_BOS, 0, 0) normalized over D dims
+            g[l, h] = q * k * scale
+    return g
+
+
+def row_logodds(g: float, q: int) -> tuple[float, int]:
+    """(sink log-odds, sink position) of a row with logits [g, 0 x q] (first max wins ties)."""
+    logits = np.array([g] + [0.0] * q)
+    s = int(np.argmax(logits))
+    others = np.delete(logits, s)
+    return float(logits[s] - np.log(np.sum(np.exp(others)))), s
+
+
+def expected_strength(family: str, n_layers: int, lengths: list[int], last_k: int, statistic: str = "median") -> tuple[float, np.ndarray]:
+    """S and the per-(layer, head) statistic for prompts of the given token lengths."""
+    g = expected_gap(family, n_layers)
+    layers = range(n_layers - min(last_k, n_layers), n_layers)
+    reduce = np.median if statistic == "median" else np.mean
+    allv, per = [], np.zeros((len(layers), N_HEADS))
+    for i, l in enumerate(layers):
+        for h in range(N_HEADS):
+            vals = [row_logodds(g[l, h], q)[0] for n in lengths for q in range(1, n)]
+            per[i, h] = reduce(vals)
+            allv += vals
+    return float(reduce(allv)), per

@@ -1,0 +1,168 @@
+"""`lm-eval-sink strength` and the foundation contracts: outputs, --force, resume, bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+import sinkmodels as sm
+from lm_eval_sink.calibration import builtin_prompts, encode_prompts
+from lm_eval_sink.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory, tiny_tokenizer):
+    """Two hand-set models on disk (llama, olmo2) with the tiny tokenizer."""
+    root = tmp_path_factory.mktemp("models")
+    out = {}
+    for fam in ("llama", "olmo2"):
+        d = root / fam
+        sm.build(fam, n_layers=3, bos_id=tiny_tokenizer.bos_token_id).save_pretrained(d)
+        tiny_tokenizer.save_pretrained(d)
+        out[fam] = d
+    return out
+
+
+def _run(capsys, *args):
+    capsys.readouterr()  # drop what fixtures printed
+    rc = main([str(a) for a in args])
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+def _assert_user_error(rc, err, pattern):
+    assert rc == 2
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err
+    assert re.search(pattern, lines[0]), lines[0]
+
+
+def test_strength_cli_writes_json_heatmap_and_ranking(tiny_models, tiny_tokenizer, tmp_path, capsys):
+    out = tmp_path / "out"
+    rc, stdout, _ = _run(capsys, "strength", tiny_models["llama"], tiny_models["olmo2"], "--last-k", "2", "--output", out, "--quiet")
+    assert rc == 0
+    data = json.loads((out / "llama.strength.json").read_text())
+    lengths = [len(x) for x in encode_prompts(tiny_tokenizer, builtin_prompts()).input_ids]
+    want, _ = sm.expected_strength("llama", 3, lengths, last_k=2)
+    assert data["sink_strength"] == pytest.approx(want, abs=1e-5)
+    prov = data["provenance"]
+    for key in ("versions", "model", "settings", "prompt_set", "protocol", "seed", "input_key"):
+        assert key in prov
+    assert prov["model"]["fingerprint"].startswith("sha256:")
+    assert prov["protocol"]["chat_template_applied"] is True and prov["protocol"]["chat_template_sha256"]
+    assert set(prov["versions"]) >= {"lm_eval", "transformers", "torch", "mergekit"}
+    for name in ("llama.heatmap.png", "olmo2.heatmap.png", "ranking.md", "ranking.csv", "ranking.png"):
+        assert (out / name).stat().st_size > 0
+    ranking = (out / "ranking.csv").read_text().splitlines()
+    assert ranking[0].startswith("rank,model,sink_strength") and len(ranking) == 3
+    assert not list(out.glob(".*tmp*"))  # atomic writes leave no temp files
+    # A rerun with the same inputs reuses the results; other settings need --force.
+    rc, stdout, _ = _run(capsys, "strength", tiny_models["llama"], "--last-k", "2", "--output", out, "--quiet")
+    assert rc == 0 and "reused" in stdout
+    before = (out / "llama.strength.json").read_text()
+    rc, _, err = _run(capsys, "strength", tiny_models["llama"], "--last-k", "3", "--output", out, "--quiet")
+    _assert_user_error(rc, err, "already exists.*--force")
+    assert (out / "llama.strength.json").read_text() == before
+    rc, _, _ = _run(capsys, "strength", tiny_models["llama"], "--last-k", "3", "--output", out, "--quiet", "--force")
+    assert rc == 0 and json.loads((out / "llama.strength.json").read_text())["last_k"] == 3
+
+
+def test_prompt_files_text_and_jsonl(tiny_models, tmp_path, capsys):
+    txt = tmp_path / "p.txt"
+    txt.write_text("Write two words.\nList three colors.\n")
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text('{"prompt": "Write two words."}\n{"prompt": "List three colors."}\n')
+    vals = []
+    for f in (txt, jsonl):
+        out = tmp_path / f.suffix.strip(".")
+        rc, _, _ = _run(capsys, "strength", tiny_models["llama"], "--prompts", f, "--output", out, "--quiet")
+        assert rc == 0
+        d = json.loads((out / "llama.strength.json").read_text())
+        assert d["n_prompts"] == 2
+        vals.append(d["sink_strength"])
+    assert vals[0] == vals[1]
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["missing_model", "not_a_model", "unsupported_arch", "empty_prompts", "malformed_prompts", "k_zero", "output_is_file", "bad_n_prompts"],
+)
+def test_bad_input_one_line_exit_2(case, tiny_models, tmp_path, capsys):
+    out = tmp_path / "out"
+    model = tiny_models["llama"]
+    extra: list = []
+    pattern = "."
+    if case == "missing_model":
+        model, pattern = tmp_path / "nope", "no such model folder"
+    elif case == "not_a_model":
+        (tmp_path / "empty").mkdir()
+        model, pattern = tmp_path / "empty", "not a model folder.*config.json"
+    elif case == "unsupported_arch":
+        from transformers import BloomConfig, BloomForCausalLM
+
+        d = tmp_path / "bloom"
+        BloomForCausalLM(BloomConfig(vocab_size=96, hidden_size=16, n_layer=1, n_head=2)).save_pretrained(d)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(tiny_models["llama"] / name, d / name)
+        model, pattern = d, "BloomForCausalLM.*AttentionInterface"
+    elif case == "empty_prompts":
+        f = tmp_path / "e.txt"
+        f.write_text("\n\n")
+        extra, pattern = ["--prompts", f], "empty"
+    elif case == "malformed_prompts":
+        f = tmp_path / "m.jsonl"
+        f.write_text('{"prompt": "ok"}\n{"prompt": \n')
+        extra, pattern = ["--prompts", f], r"m.jsonl:2: not valid JSON"
+    elif case == "k_zero":
+        extra, pattern = ["--last-k", "0"], "last-k must be positive"
+    elif case == "output_is_file":
+        out.write_text("x")
+        pattern = "is a file"
+    elif case == "bad_n_prompts":
+        extra, pattern = ["--n-prompts", "7"], "n-prompts 7"
+    rc, _, err = _run(capsys, "strength", model, "--output", out, "--quiet", *extra)
+    _assert_user_error(rc, err, pattern)
+    if case != "output_is_file":
+        assert not out.exists() or not any(out.iterdir())
+
+
+def test_models_default_prints_converted_folder(default_model, capsys):
+    rc, out, _ = _run(capsys, "models", "default")
+    assert rc == 0
+    folder = Path(out.strip())
+    assert folder == default_model and (folder / "config.json").is_file() and (folder / "COMPLETE.json").is_file()
+
+
+def test_calibration_prompts_share_no_8gram_with_ifeval(shared_data):
+    def grams(text):
+        words = re.findall(r"\w+", text.lower())
+        return {tuple(words[i : i + 8]) for i in range(len(words) - 7)}
+
+    ifeval = set()
+    lines = (shared_data / "ifeval" / "input_data.jsonl").read_text().splitlines()
+    assert len(lines) == 541
+    for line in lines:
+        ifeval |= grams(json.loads(line)["prompt"])
+    prompts = builtin_prompts()
+    assert len(prompts) == 15
+    for p in prompts:
+        assert not grams(p) & ifeval, p
+
+
+def test_one_bos_and_positions_from_first_real_token(default_model, tiny_tokenizer):
+    from transformers import AutoTokenizer
+
+    enc = encode_prompts(tiny_tokenizer, builtin_prompts()[:3])
+    for ids in enc.input_ids:
+        assert ids.count(tiny_tokenizer.bos_token_id) == 1 and ids[0] == tiny_tokenizer.bos_token_id
+    real = AutoTokenizer.from_pretrained(default_model)
+    enc = encode_prompts(real, builtin_prompts()[:3])
+    direct = real.apply_chat_template([{"role": "user", "content": builtin_prompts()[0]}], tokenize=True, add_generation_prompt=True)
+    direct = direct["input_ids"] if isinstance(direct, dict) or hasattr(direct, "keys") else direct
+    assert list(enc.input_ids[0]) == list(direct)
+    assert enc.chat_template_applied and sum(enc.content_mask[0]) > 0

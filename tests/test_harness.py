@@ -1,0 +1,230 @@
+"""The registered harness extension: real `lm_eval` runs in subprocesses."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import sinkmodels as sm
+from conftest import FIXTURE_LIMIT, REPO, TINY_TASK
+from lm_eval_sink.calibration import builtin_prompts, encode_prompts
+from lm_eval_sink.harness import tasks_dir
+from lm_eval_sink.runs import load_results, read_samples
+
+LM_EVAL = [sys.executable, "-c", "import sys; sys.argv[0] = 'lm_eval'; from lm_eval.__main__ import cli_evaluate; cli_evaluate()"]
+DRIVER = Path(__file__).parent / "drivers" / "lm_eval_counting.py"
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env.update(extra)
+    return env
+
+
+def _closed_form_s(tiny_tokenizer, last_k=10):
+    lengths = [len(x) for x in encode_prompts(tiny_tokenizer, builtin_prompts()).input_ids]
+    return sm.expected_strength("llama", 3, lengths, last_k=last_k)
+
+
+def _only_results(out: Path) -> dict:
+    files = list(out.glob("*/results_*.json"))
+    assert len(files) == 1, files
+    return json.loads(files[0].read_text())
+
+
+# ---- the shared SmolLM2 run: the mission's command, with no extra flag ----
+
+
+@pytest.mark.slow
+def test_mission_command_one_results_file(smollm2_instruct_run, default_model):
+    from lm_eval_sink.strength import StrengthSettings, measure_model
+
+    res = load_results(smollm2_instruct_run)
+    assert {"sink_strength", "ifeval", "gsm8k_cot_zeroshot"} <= set(res["results"])
+    s = res["results"]["sink_strength"]
+    api = measure_model(str(default_model), StrengthSettings(), dtype="float32", progress=False)
+    assert s["sink_strength,none"] == pytest.approx(api.sink_strength, abs=1e-5)
+    assert s["pos0_argmax_fraction,none"] == pytest.approx(api.pos0_argmax_fraction, abs=1e-6)
+    assert s["pos0_mass_median,none"] == pytest.approx(api.pos0_mass_median, abs=1e-6)
+    matrix = s["sink_strength_layer_head,none"]
+    assert matrix["layers"] == list(range(20, 30)) and np.allclose(matrix["values"], api.sink_strength_layer_head, atol=1e-5)
+    assert s["chat_template_applied,none"] is True
+    meta = res["configs"]["sink_strength"]["metadata"]
+    assert meta["limit_ignored"] == FIXTURE_LIMIT and res["n-samples"]["sink_strength"]["effective"] == 15
+    assert res["n-samples"]["ifeval"]["effective"] == FIXTURE_LIMIT
+    for metric in ("prompt_level_strict_acc,none", "prompt_level_loose_acc,none"):
+        assert 0.0 <= res["results"]["ifeval"][metric] <= 1.0
+    rows = read_samples(smollm2_instruct_run.samples["sink_strength"])
+    assert len(rows) == 15
+    per_prompt = [r["sink_strength"]["sink_strength_prompt"] for r in sorted(rows, key=lambda r: r["doc_id"])]
+    assert np.allclose(per_prompt, api.per_prompt, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_offline_stock_tasks_record_the_local_dataset(smollm2_instruct_run, shared_data):
+    res = load_results(smollm2_instruct_run)
+    cfg = res["configs"]["ifeval"]
+    assert cfg["dataset_path"] == "json"
+    assert cfg["dataset_kwargs"]["data_files"]["train"] == str(shared_data / "ifeval" / "input_data.jsonl")
+    assert res["configs"]["gsm8k_cot_zeroshot"]["dataset_kwargs"]["data_files"]["test"] == str(shared_data / "gsm8k" / "test.jsonl")
+
+
+# ---- tiny models: one call loads the model once; flags users pass ----
+
+
+def test_one_call_loads_model_once_with_common_flags(handset_llama_dir, tiny_task_dir, tiny_tokenizer, tmp_path):
+    out, count = tmp_path / "out", tmp_path / "count"
+    cmd = [sys.executable, str(DRIVER), str(count), "--model", "hf", "--model_args", f"pretrained={handset_llama_dir}",
+           "--tasks", f"sink_strength,{TINY_TASK}", "--include_path", str(tiny_task_dir), "--limit", "2", "--batch_size", "4",
+           "--seed", "1", "--device", "cpu", "--apply_chat_template", "--predict_only", "--use_cache", str(tmp_path / "cache"),
+           "--log_samples", "--output_path", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert count.read_text() == "1"
+    res = _only_results(out)
+    assert {"sink_strength", TINY_TASK} <= set(res["results"])
+    want, per = _closed_form_s(tiny_tokenizer)
+    got = res["results"]["sink_strength"]
+    assert got["sink_strength,none"] == pytest.approx(want, abs=1e-5)
+    np.testing.assert_allclose(got["sink_strength_layer_head,none"]["values"], per, atol=1e-5)
+    assert res["configs"]["sink_strength"]["metadata"]["limit_ignored"] == 2
+    assert res["configs"]["sink_strength"]["metadata"]["predict_only_kept_metrics"] is True
+    assert len(list(out.glob("*/samples_sink_strength_*.jsonl"))) == 1
+
+
+def test_explicit_include_path_without_hook_and_bf16(handset_llama_dir, tiny_tokenizer, tmp_path):
+    out = tmp_path / "out"
+    cmd = [*LM_EVAL, "--model", "hf", "--model_args", f"pretrained={handset_llama_dir},dtype=bfloat16", "--tasks", "sink_strength_n5",
+           "--include_path", str(tasks_dir()), "--device", "cpu", "--output_path", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, env=_env(LM_EVAL_SINK_NO_HOOK="1"), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = _only_results(out)["results"]["sink_strength_n5"]["sink_strength,none"]
+    lengths = [len(x) for x in encode_prompts(tiny_tokenizer, builtin_prompts()[:5]).input_ids]
+    want, _ = sm.expected_strength("llama", 3, lengths, last_k=10)
+    assert math.isfinite(got) and got == pytest.approx(want, abs=0.05)  # bf16 weights, fp32 capture
+
+
+def test_lm_eval_ls_lists_sink_strength_with_no_flag():
+    proc = subprocess.run([*LM_EVAL, "ls", "tasks"], env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "sink_strength " in proc.stdout.replace("|", " ")
+
+
+def test_hook_switched_off_leaves_lm_eval_untouched():
+    code = "import lm_eval.tasks.manager as m, lm_eval.evaluator as e; print(hasattr(m.TaskManager.__init__, '__wrapped__'), hasattr(e.evaluate, '_lm_eval_sink_patched'))"
+    on = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=300).stdout.split()
+    off = subprocess.run([sys.executable, "-c", code], env=_env(LM_EVAL_SINK_NO_HOOK="1"), capture_output=True, text=True, timeout=300).stdout.split()
+    assert on == ["True", "True"] and off == ["False", "False"]
+
+
+def test_non_hf_backend_gets_one_clear_error(tiny_task_dir, tmp_path):
+    out = tmp_path / "out"
+    cmd = [*LM_EVAL, "--model", "dummy", "--tasks", f"{TINY_TASK},sink_strength", "--include_path", str(tiny_task_dir), "--output_path", str(out)]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    line = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(line) == 1 and "sink_strength" in line[0] and "--model hf" in line[0] and "DummyLM" in line[0]
+    assert "Running generate_until" not in proc.stderr and not list(out.glob("*/results_*.json"))
+
+
+# ---- offline data override: configs equal to stock except dataset keys; hub schema ----
+
+DATASET_KEYS = {"dataset_path", "dataset_name", "dataset_kwargs", "custom_dataset"}
+# google/IFEval's declared `kwargs` features, in the hub's order (dataset card, dataset_info).
+HUB_IFEVAL_KWARGS = ["num_highlights", "relation", "num_words", "num_placeholders", "prompt_to_repeat", "num_bullets", "section_spliter",
+                     "num_sections", "capital_relation", "capital_frequency", "keywords", "num_paragraphs", "language", "let_relation",
+                     "letter", "let_frequency", "end_phrase", "forbidden_words", "keyword", "frequency", "num_sentences",
+                     "postscript_marker", "first_word", "nth_paragraph"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def offline_manager(shared_data):
+    """One hooked TaskManager with LM_EVAL_SINK_DATA set (building the index costs seconds)."""
+    from lm_eval.tasks import TaskManager
+
+    old = os.environ.get("LM_EVAL_SINK_DATA")
+    os.environ["LM_EVAL_SINK_DATA"] = str(shared_data)
+    try:
+        yield TaskManager()
+    finally:
+        if old is None:
+            os.environ.pop("LM_EVAL_SINK_DATA")
+        else:
+            os.environ["LM_EVAL_SINK_DATA"] = old
+
+
+@pytest.mark.parametrize("task", ["ifeval", "gsm8k_cot_zeroshot", "gsm8k_cot", "gsm8k_cot_llama", "eq_bench"])
+def test_overridden_stock_task_config_equals_stock_except_dataset(task, offline_manager):
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    entry = offline_manager.task_index[task]
+    stock_path = Path(load_yaml(entry.yaml_path, resolve_func=False, recursive=False)["include"])
+    generated = load_yaml(entry.yaml_path, resolve_func=False)
+    stock = load_yaml(stock_path, resolve_func=False)
+    assert "lm_eval/tasks" in str(stock_path)
+    diff = {k for k in set(stock) | set(generated) if stock.get(k) != generated.get(k)}
+    assert diff <= DATASET_KEYS, diff
+    assert generated["dataset_path"] == "json"
+
+
+def test_local_ifeval_docs_have_the_hub_schema(offline_manager):
+    task = offline_manager.load(["ifeval"])["tasks"]["ifeval"]
+    docs = list(task.eval_docs)
+    assert len(docs) == 541
+    assert list(docs[0]) == ["key", "prompt", "instruction_id_list", "kwargs"]
+    for doc in (docs[0], docs[100], docs[540]):
+        for kw in doc["kwargs"]:
+            assert list(kw) == HUB_IFEVAL_KWARGS  # every key present, None where unused, the hub's order
+    assert docs[0]["kwargs"][0]["num_highlights"] is None and docs[0]["kwargs"][1]["num_highlights"] == 3
+    gsm = offline_manager.load(["gsm8k_cot_zeroshot"])["tasks"]["gsm8k_cot_zeroshot"]
+    assert len(list(gsm.eval_docs)) == 1319 and list(next(iter(gsm.eval_docs))) == ["question", "answer"]
+
+
+def test_sink_strength_variants_are_indexed(offline_manager):
+    names = set(offline_manager.all_tasks)
+    assert {"sink_strength", "sink_strength_n5", "sink_strength_all_layers", "sink_strength_content", "sink_strength_suite"} <= names
+
+
+def test_without_data_env_the_generated_override_is_not_used(offline_manager, monkeypatch):
+    from lm_eval_sink.harness.offline import data_root
+
+    monkeypatch.delenv("LM_EVAL_SINK_DATA", raising=False)
+    assert data_root() is None  # TaskManager then leaves every stock entry as lm-eval built it
+    assert "offline_tasks" in str(offline_manager.task_index["ifeval"].yaml_path)
+
+
+# ---- the hook itself ----
+
+
+def test_hook_costs_nothing_until_lm_eval_is_imported():
+    code = "import sys, json; print(json.dumps(['lm_eval_sink.hooks' in sys.modules, 'lm_eval_sink.harness' in sys.modules, 'lm_eval' in sys.modules]))"
+    out = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, check=True).stdout
+    assert json.loads(out) == [True, False, False]
+    out = subprocess.run([sys.executable, "-c", code], env=_env(LM_EVAL_SINK_NO_HOOK="1"), capture_output=True, text=True, check=True).stdout
+    assert json.loads(out) == [False, False, False]
+
+
+def test_hook_fails_soft_with_one_warning(monkeypatch):
+    from lm_eval_sink import hooks
+
+    monkeypatch.setitem(hooks.POST_IMPORT, "json", "lm_eval_sink.harness.discovery:no_such_patch")
+    with pytest.warns(UserWarning, match="could not register with json"):
+        hooks._run_callback("json")
+
+
+def test_wheel_ships_hook_tasks_and_configs(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(REPO)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (wheel,) = tmp_path.glob("lm_eval_sink-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "lm_eval_sink_hook.pth" in names
+    assert "lm_eval_sink/tasks/sink_strength/sink_strength.yaml" in names
+    assert "lm_eval_sink/data/offline_datasets.yaml" in names and "lm_eval_sink/data/calibration_prompts.jsonl" in names

@@ -1,0 +1,211 @@
+"""The S -> delta predictor: exact figures on the shipped paper table, PAIRS validation, `fit` CLI."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import numpy as np
+import pytest
+import yaml
+
+from lm_eval_sink.cli import main
+from lm_eval_sink.errors import UserError
+from lm_eval_sink.predict import (
+    average_ranks,
+    fit_pairs,
+    fit_task,
+    parse_pairs,
+    permutation_test,
+    read_pairs,
+    rounding_envelope,
+    spearman_rho,
+    task_arrays,
+)
+
+S = [2.36, 2.36, 1.44, 1.18, 1.18, 0.24]
+D = [-1.8, -5.4, -7.9, -8.9, -9.6, -18.7]
+
+
+def _pair(name, s, d, **extra):
+    return {"name": name, "reference": f"{name}-llm", "candidate": name, "sink_strength": s, "deltas": d, "source": "test", **extra}
+
+
+def _write(tmp_path, obj, name="pairs.yaml"):
+    p = tmp_path / name
+    p.write_text(obj if isinstance(obj, str) else yaml.safe_dump(obj), encoding="utf-8")
+    return p
+
+
+# ---------------------------------------------------------------------------- the shipped table
+
+
+def test_shipped_table_is_the_papers_six_pairs():
+    table = read_pairs()
+    assert table.shipped and len(table.pairs) == 6
+    names, s, d = task_arrays(table, "ifeval")
+    assert list(s) == S and list(d) == D
+    assert [p.qk_norm for p in table.pairs] == ["per_head", "per_head", "none", "none", "none", "layerwise"]
+
+
+def test_exact_statistics_of_the_shipped_table():
+    fit = fit_pairs(read_pairs()).tasks["ifeval"]
+    # ranks: S has two ties; rho = 16.5 / sqrt(16.5 * 17.5) = sqrt(33/35) = 0.97101 (reported 0.97, "0.971")
+    assert fit.spearman_rho == pytest.approx(math.sqrt(33 / 35), abs=1e-12)
+    assert round(fit.spearman_rho, 2) == 0.97
+    # exact permutation test over 6! = 720 orderings: 4 reach rho (the ties' swaps), 4 reach -rho
+    assert fit.permutation_method == "exact" and fit.n_permutations == 720
+    assert fit.permutation_p == pytest.approx(8 / 720, abs=1e-15)
+    assert fit.permutation_p_one_sided == pytest.approx(4 / 720, abs=1e-15)
+    assert fit.slope == pytest.approx(6.636452719255267, abs=1e-9)
+    assert fit.intercept == pytest.approx(-18.405887636779354, abs=1e-9)
+    np.testing.assert_allclose(fit.loo_errors, [1.6126264387861873, 4.538137425880711, 1.1394423482138496, 2.0694682675814775, 1.2045504994450624, 4.997620850005406], atol=1e-9)
+    assert fit.loo_mae == pytest.approx(2.5936409716521154, abs=1e-9)  # reported 2.54
+    np.testing.assert_allclose(fit.baseline_errors, [8.3, 3.98, 0.98, 0.22, 1.06, 11.98], atol=1e-9)
+    assert fit.baseline_mae == pytest.approx(4.42, abs=1e-9)  # reported 4.40
+
+
+def test_independent_checks_with_scipy():
+    from scipy import stats
+
+    assert spearman_rho(np.array(S), np.array(D)) == pytest.approx(stats.spearmanr(S, D).statistic, abs=1e-12)
+    def rho(x, y, axis=-1):  # Spearman's rho through scipy's rankdata, vectorized for permutation_test
+        rx, ry = stats.rankdata(x, axis=axis), stats.rankdata(y, axis=axis)
+        rx, ry = rx - rx.mean(axis=axis, keepdims=True), ry - ry.mean(axis=axis, keepdims=True)
+        return (rx * ry).sum(axis) / np.sqrt((rx**2).sum(axis) * (ry**2).sum(axis))
+
+    exact = stats.permutation_test((np.array(S), np.array(D)), rho, permutation_type="pairings", n_resamples=np.inf, vectorized=True, alternative="two-sided")
+    p2, p1, method, _ = permutation_test(np.array(S), np.array(D))
+    assert p2 == pytest.approx(exact.pvalue, abs=1e-12) and method == "exact"
+    slope, intercept = np.polyfit(S, D, 1)
+    fit = fit_pairs(read_pairs()).tasks["ifeval"]
+    assert fit.slope == pytest.approx(slope, abs=1e-9) and fit.intercept == pytest.approx(intercept, abs=1e-9)
+
+
+def test_swapping_the_tied_rows_changes_no_statistic():
+    a = fit_task("ifeval", tuple("abcdef"), np.array(S), np.array(D))
+    swapped = [D[1], D[0], *D[2:]]
+    b = fit_task("ifeval", tuple("abcdef"), np.array(S), np.array(swapped))
+    for k in ("spearman_rho", "permutation_p", "permutation_p_one_sided", "slope", "intercept", "loo_mae", "baseline_mae"):
+        assert getattr(a, k) == pytest.approx(getattr(b, k), abs=1e-12), k
+    assert sorted(a.loo_errors) == pytest.approx(sorted(b.loo_errors), abs=1e-12)
+
+
+def test_reported_figures_lie_inside_the_rounding_envelope():
+    env = fit_pairs(read_pairs()).rounding_envelope["ifeval"]
+    assert env["corners"] == 2 ** (4 + 6)  # 4 distinct S values, 6 deltas
+    lo, hi = env["loo_mae"]
+    assert lo < 2.54 < hi and lo == pytest.approx(2.48267, abs=1e-4) and hi == pytest.approx(2.70409, abs=1e-4)
+    lo, hi = env["baseline_mae"]
+    assert lo < 4.40 < hi and lo == pytest.approx(4.36, abs=1e-9) and hi == pytest.approx(4.48, abs=1e-9)
+    # without rounding the envelope is the point itself
+    point = rounding_envelope(np.array(S), np.array(D), 0.0, 0.0)
+    assert point["loo_mae"][0] == pytest.approx(2.5936409716521154) == point["loo_mae"][1]
+
+
+# ---------------------------------------------------------------------------- statistics
+
+
+def test_average_ranks_and_permutation_p_against_brute_force():
+    assert list(average_ranks(np.array([3.0, 1.0, 3.0, 2.0]))) == [3.5, 1.0, 3.5, 2.0]
+    s, d = np.array([0.1, 0.5, 0.3, 0.9, 0.7]), np.array([-3.0, -1.0, -4.0, 2.0, 0.5])
+    rho = spearman_rho(s, d)
+    perms = [spearman_rho(s, d[list(p)]) for p in itertools.permutations(range(5))]
+    p2, p1, method, n = permutation_test(s, d)
+    assert n == 120 and method == "exact"
+    assert p2 == pytest.approx(sum(abs(r) >= abs(rho) - 1e-9 for r in perms) / 120)
+    assert p1 == pytest.approx(sum(r >= rho - 1e-9 for r in perms) / 120)
+
+
+def test_monte_carlo_permutations_beyond_the_exact_limit_are_seeded():
+    rng = np.random.default_rng(3)
+    s = rng.normal(size=12)
+    d = 2 * s + rng.normal(size=12)
+    a, b = permutation_test(s, d, seed=0), permutation_test(s, d, seed=0)
+    assert a == b and a[2] == "monte_carlo" and 0 < a[0] < 0.01
+
+
+# ---------------------------------------------------------------------------- PAIRS files
+
+
+def test_user_pairs_with_strength_json_and_skipped_task(tmp_path):
+    (tmp_path / "m.strength.json").write_text(json.dumps({"sink_strength": 1.5}))
+    pairs = [_pair("a", 0.5, {"ifeval": -10.0, "gsm8k": -1.0}), _pair("b", "m.strength.json", {"ifeval": -6.0}), _pair("c", 2.5, {"ifeval": -1.0})]
+    table = read_pairs(_write(tmp_path, pairs))
+    assert not table.shipped and table.pairs[1].sink_strength == 1.5
+    result = fit_pairs(table)
+    assert set(result.tasks) == {"ifeval"} and "1 pair(s)" in result.skipped_tasks["gsm8k"]
+    assert result.reported is None
+    assert result.tasks["ifeval"].slope == pytest.approx(4.5)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("- name: a\n  deltas: {ifeval: -1\n", "invalid YAML"),
+        ({"name": "a"}, "must be a YAML list of pairs"),
+        ([_pair("a", 1.0, {"ifeval": -1.0}), _pair("b", 2.0, {"ifeval": -2.0})], "2 pair(s); a fit needs at least 3"),
+        ([_pair("a", 1.0, {"ifeval": -1.0}), _pair("b", 2.0, {"ifeval": -2.0}), {"name": "c", "reference": "x", "candidate": "c", "sink_strength": 1.0, "deltas": {"ifeval": 1.0}}], "missing key(s) source"),
+        ([_pair("a", 1.0, {"ifeval": -1.0}, sink_strenght=2.0), _pair("b", 2.0, {"ifeval": -2.0}), _pair("c", 3.0, {"ifeval": -3.0})], "did you mean 'sink_strength'"),
+        ([_pair("a", "high", {"ifeval": -1.0}), _pair("b", 2.0, {"ifeval": -2.0}), _pair("c", 3.0, {"ifeval": -3.0})], "sink_strength file"),
+        ([_pair("a", 1.0, {"ifeval": "bad"}), _pair("b", 2.0, {"ifeval": -2.0}), _pair("c", 3.0, {"ifeval": -3.0})], "deltas[ifeval] must be a finite number"),
+        ([_pair("a", 1.0, {"ifeval": -1.0}), _pair("a", 2.0, {"ifeval": -2.0}), _pair("c", 3.0, {"ifeval": -3.0})], "appears twice"),
+        ([_pair("a", 1.0, {"ifeval": -1.0}, qk_norm="perhead"), _pair("b", 2.0, {"ifeval": -2.0}), _pair("c", 3.0, {"ifeval": -3.0})], "qk_norm 'perhead'"),
+        ([_pair("a", 1.0, {"ifeval": -1.0}), _pair("b", 1.0, {"ifeval": -2.0}), _pair("c", 3.0, {"ifeval": -3.0})], "leave-one-out line is undefined"),
+    ],
+)
+def test_malformed_pairs_files_are_one_line_errors(tmp_path, capsys, content, message):
+    path = _write(tmp_path, content)
+    out = tmp_path / "out"
+    code = main(["fit", str(path), "--output", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_yaml_error_names_the_line(tmp_path):
+    path = _write(tmp_path, "- name: a\n  reference: r\n  deltas: {ifeval: -1\n")
+    with pytest.raises(UserError, match=r"pairs\.yaml:\d+: invalid YAML"):
+        read_pairs(path)
+    with pytest.raises(UserError, match="no such PAIRS file"):
+        read_pairs(tmp_path / "nope.yaml")
+    with pytest.raises(UserError, match="not a mapping"):
+        parse_pairs([1, 2, 3], "x")
+
+
+# ---------------------------------------------------------------------------- the fit command
+
+
+def test_fit_cli_writes_json_and_refuses_to_overwrite(tmp_path, capsys):
+    out = tmp_path / "fit"
+    assert main(["fit", "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| ifeval | 6 | 0.9710 | 0.0111 (exact)" in printed and "2.594" in printed and "4.420" in printed
+    data = json.loads((out / "fit.json").read_text())
+    task = data["tasks"]["ifeval"]
+    assert task["spearman_rho"] == pytest.approx(math.sqrt(33 / 35))
+    assert task["loo_mae"] == pytest.approx(2.5936409716521154) and task["baseline_mae"] == pytest.approx(4.42)
+    assert data["reported"]["tasks"]["ifeval"] == {"spearman_rho": 0.97, "loo_mae": 2.54, "baseline_mae": 4.40}
+    assert data["pairs_file"] == "builtin:data/paper_pairs.yaml" and data["schema_version"] == 1
+    assert "versions" in data["provenance"]
+    assert (out / "fit_ifeval.png").stat().st_size > 0 and "reported_rho" in (out / "fit.md").read_text()
+    before = (out / "fit.json").read_bytes()
+    assert main(["fit", "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: output already exists") and len(err.strip().splitlines()) == 1
+    assert (out / "fit.json").read_bytes() == before
+    assert main(["fit", "--output", str(out), "--force"]) == 0
+    again = json.loads((out / "fit.json").read_text())
+    assert {k: v for k, v in again.items() if k != "provenance"} == {k: v for k, v in data.items() if k != "provenance"}
+
+
+def test_fit_of_a_copy_of_the_shipped_file_is_recognised(tmp_path, capsys):
+    from importlib import resources
+
+    copy = tmp_path / "paper.yaml"
+    copy.write_bytes(resources.files("lm_eval_sink").joinpath("data/paper_pairs.yaml").read_bytes())
+    assert main(["fit", str(copy)]) == 0
+    out = capsys.readouterr().out
+    assert "reported_rho" in out and "not saved" in out

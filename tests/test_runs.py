@@ -1,0 +1,121 @@
+"""The shared run resolver and the atomic-write helpers (standard library only)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lm_eval_sink.errors import UserError
+from lm_eval_sink.io import atomic_write_json, canonical_json, staged_dir
+from lm_eval_sink.runs import load_results, read_samples, resolve_run
+
+T1, T2 = "2026-12-01T10-00-00.000001", "2026-12-02T10-00-00.000002"
+
+
+def _run_folder(root, model="org__model", stamps=(T1, T2), tasks=("ifeval",)):
+    folder = root / model
+    folder.mkdir(parents=True)
+    for ts in stamps:
+        (folder / f"results_{ts}.json").write_text(json.dumps({"results": {}, "config": {"ts": ts}}))
+        for t in tasks:
+            (folder / f"samples_{t}_{ts}.jsonl").write_text(json.dumps({"doc_id": 0, "ts": ts}) + "\n")
+    return folder
+
+
+def test_folder_resolves_to_newest_results_and_its_samples(tmp_path):
+    folder = _run_folder(tmp_path, tasks=("ifeval", "gsm8k_cot_zeroshot"))
+    for arg in (folder, tmp_path):  # the model folder, or an output folder holding one model
+        run = resolve_run(arg)
+        assert run.timestamp == T2 and run.results.name == f"results_{T2}.json"
+        assert set(run.samples) == {"ifeval", "gsm8k_cot_zeroshot"}
+        assert all(T2 in p.name for p in run.samples.values())
+    assert load_results(resolve_run(folder))["config"]["ts"] == T2
+
+
+def test_results_and_samples_files_resolve_to_their_own_time(tmp_path):
+    folder = _run_folder(tmp_path)
+    run = resolve_run(folder / f"results_{T1}.json")
+    assert run.timestamp == T1 and run.samples["ifeval"].name == f"samples_ifeval_{T1}.jsonl"
+    run = resolve_run(folder / f"samples_ifeval_{T1}.jsonl")
+    assert run.results.name == f"results_{T1}.json"
+    assert read_samples(run.samples_for(None)[1])[0]["ts"] == T1
+
+
+def test_several_models_is_an_error_listing_them(tmp_path):
+    _run_folder(tmp_path, "org__a")
+    _run_folder(tmp_path, "org__b")
+    with pytest.raises(UserError, match="several models.*org__a, org__b"):
+        resolve_run(tmp_path)
+
+
+@pytest.mark.parametrize("case", ["missing", "empty_dir", "not_results_json", "bad_jsonl", "empty_jsonl", "no_samples"])
+def test_bad_runs_are_user_errors(case, tmp_path):
+    if case == "missing":
+        arg, pattern = tmp_path / "nope", "no such file or folder"
+    elif case == "empty_dir":
+        arg, pattern = tmp_path, "no lm-eval results"
+    elif case == "not_results_json":
+        arg = tmp_path / "results_2026-12-01T10-00-00.json"
+        arg.write_text('{"a": 1}')
+        with pytest.raises(UserError, match="not an lm-eval results file"):
+            load_results(resolve_run(arg))
+        return
+    elif case == "bad_jsonl":
+        arg = tmp_path / f"samples_ifeval_{T1}.jsonl"
+        arg.write_text('{"doc_id": 0}\n{oops\n')
+        with pytest.raises(UserError, match=r":2: not valid JSON"):
+            read_samples(arg)
+        return
+    elif case == "empty_jsonl":
+        arg = tmp_path / f"samples_ifeval_{T1}.jsonl"
+        arg.write_text("\n")
+        with pytest.raises(UserError, match="empty samples file"):
+            read_samples(arg)
+        return
+    else:
+        folder = _run_folder(tmp_path, tasks=())
+        with pytest.raises(UserError, match="no samples files"):
+            resolve_run(folder).samples_for("ifeval")
+        return
+    with pytest.raises(UserError, match=pattern):
+        resolve_run(arg)
+
+
+def test_canonical_json_is_byte_identical_and_refuses_nan(tmp_path):
+    a = atomic_write_json(tmp_path / "a.json", {"b": 1, "a": [1.5, None]}).read_bytes()
+    b = atomic_write_json(tmp_path / "b.json", {"a": [1.5, None], "b": 1}).read_bytes()
+    assert a == b
+    with pytest.raises(ValueError):
+        canonical_json({"x": float("nan")})
+
+
+def test_staged_dir_leaves_nothing_that_looks_complete_on_failure(tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError), staged_dir(out) as tmp:
+        (tmp / "half.bin").write_bytes(b"x")
+        raise RuntimeError("interrupted")
+    assert not out.exists() and not list(tmp_path.iterdir())
+    with staged_dir(out) as tmp:
+        (tmp / "done.txt").write_text("1")
+    with pytest.raises(UserError, match="already exists"), staged_dir(out):
+        pass
+    with staged_dir(out, force=True) as tmp:
+        (tmp / "new.txt").write_text("2")
+    assert sorted(p.name for p in out.iterdir()) == ["new.txt"]
+
+
+def test_light_modules_import_no_torch():
+    """Modules that work on saved logs or numbers stay importable without torch/transformers."""
+    light = ["lm_eval_sink.errors", "lm_eval_sink.io", "lm_eval_sink.runs", "lm_eval_sink.calibration", "lm_eval_sink.strength", "lm_eval_sink.cli"]
+    for extra in ("buckets", "protocols", "attribution", "predict", "margin"):
+        try:
+            __import__(f"lm_eval_sink.{extra}")
+            light.append(f"lm_eval_sink.{extra}")
+        except ImportError:
+            pass
+    code = "import sys; import " + ", ".join(light) + "; print(sorted(m for m in ('torch', 'transformers', 'click', 'matplotlib') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "['click']"  # cli imports click; nothing imports torch, transformers or matplotlib

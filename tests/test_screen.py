@@ -1,0 +1,148 @@
+"""Screening: QK-norm class detection on real configs/weights, `screen` on hand-set tiny models."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import make_tokenizer, save_sink_llama
+
+from lm_eval_sink.cli import main
+from lm_eval_sink.errors import UserError
+from lm_eval_sink.predict import fit_pairs, read_pairs
+from lm_eval_sink.screen import classify_qk_norm, detect_qk_norm
+
+TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64}
+
+
+def _tiny_model_dir(tmp_path, name, config_cls, model_cls):
+    import torch
+
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**TINY))
+    model.save_pretrained(tmp_path / name)
+    return tmp_path / name
+
+
+@pytest.mark.parametrize(
+    ("config_name", "model_name", "expected"),
+    [("LlamaConfig", "LlamaForCausalLM", "none"), ("Qwen3Config", "Qwen3ForCausalLM", "per_head"), ("Olmo2Config", "Olmo2ForCausalLM", "layerwise")],
+)
+def test_qk_norm_class_of_tiny_llama_qwen3_olmo2(tmp_path, config_name, model_name, expected):
+    import transformers
+
+    folder = _tiny_model_dir(tmp_path, "m", getattr(transformers, config_name), getattr(transformers, model_name))
+    found = detect_qk_norm(str(folder))
+    assert found.qk_norm == expected and found.source == "table"
+    # the table agrees with the real module: the same checkpoint, its model type hidden, is
+    # classified from the size of layer 0's q-norm weight in the safetensors header
+    config = json.loads((folder / "config.json").read_text())
+    config["model_type"] = "not_in_the_table"
+    (folder / "config.json").write_text(json.dumps(config))
+    from_weights = detect_qk_norm(str(folder))
+    assert from_weights.qk_norm == expected and from_weights.source.startswith("weights")
+
+
+def test_qk_norm_switches_and_composite_configs(tmp_path):
+    from transformers import CohereConfig, Qwen3VLConfig
+
+    assert classify_qk_norm(CohereConfig(use_qk_norm=True).to_dict()).qk_norm == "per_head"
+    off = classify_qk_norm(CohereConfig(use_qk_norm=False).to_dict())
+    assert off.qk_norm == "none" and off.source == "table (use_qk_norm = false)"
+    vl = classify_qk_norm(Qwen3VLConfig().to_dict())  # a VLM: its text_config decides
+    assert vl.qk_norm == "per_head" and vl.model_type == "qwen3_vl_text"
+    assert classify_qk_norm({"model_type": "molmo2_text", "qk_norm_type": "olmo"}).qk_norm == "layerwise"
+    assert classify_qk_norm({"model_type": "molmo2_text", "qk_norm_type": "qwen3"}).qk_norm == "per_head"
+    with pytest.raises(UserError, match="'mystery' is not in"):
+        classify_qk_norm({"model_type": "mystery"})
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mystery"}))
+    with pytest.raises(UserError, match="could not be inspected"):
+        detect_qk_norm(str(tmp_path))
+
+
+# ---------------------------------------------------------------------------- screen
+
+
+@pytest.fixture(scope="module")
+def screen_models(tmp_path_factory):
+    base = tmp_path_factory.mktemp("screen_models")
+    tok = make_tokenizer()
+    strong = save_sink_llama(base / "strong", [[5.0, 5.0], [5.0, 5.0]], tok)
+    weak = save_sink_llama(base / "weak", [[2.5, 2.5], [2.5, 2.5]], tok)
+    return strong, weak, tok
+
+
+def _expected_s(c: float, tok) -> float:
+    from lm_eval_sink.calibration import builtin_prompts, encode_prompts
+
+    enc = encode_prompts(tok, builtin_prompts())
+    t = np.concatenate([np.arange(1, len(ids)) for ids in enc.input_ids])
+    return float(np.median(c - np.log(t)))
+
+
+def test_screen_ranks_predicts_and_warns(screen_models, tmp_path, capsys):
+    strong, weak, tok = screen_models
+    out = tmp_path / "screen"
+    assert main(["screen", str(weak), str(strong), "--output", str(out), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    data = json.loads((out / "screen.json").read_text())
+    fit = fit_pairs(read_pairs()).tasks["ifeval"]
+    models = data["models"]
+    assert [m["slug"] for m in models] == ["strong", "weak"] and [m["rank"] for m in models] == [1, 2]
+    for m, c in zip(models, (5.0, 2.5)):
+        s = _expected_s(c, tok)
+        assert m["sink_strength"] == pytest.approx(s, abs=1e-4)
+        assert m["qk_norm"] == "none" and m["last_k"] == 2 and m["n_layers"] == 2
+        pred = m["predictions"]["ifeval"]
+        assert pred["predicted_delta"] == pytest.approx(fit.slope * s + fit.intercept, abs=1e-3)
+        assert pred["loo_mae"] == pytest.approx(fit.loo_mae)
+        assert pred["extrapolated"] == (not fit.s_min <= s <= fit.s_max)
+        assert (out / "strength" / f"{m['slug']}.strength.json").is_file()
+    assert models[0]["predictions"]["ifeval"]["extrapolated"] and "outside the fitted range" in models[0]["warnings"][0]
+    assert not models[1]["predictions"]["ifeval"]["extrapolated"] and models[1]["warnings"] == []
+    assert any("comparable only within one setting" in n for n in data["notes"])
+    assert any("K = 2 of 2 layers (100% of depth)" in n for n in data["notes"])
+    assert data["fits"]["ifeval"]["spearman_rho"] == pytest.approx(fit.spearman_rho)
+    assert "warning: strong: ifeval: S = " in printed
+    for name in ("screen.md", "screen.csv", "screen.png"):
+        assert (out / name).stat().st_size > 0
+    assert (out / "screen.csv").read_text().splitlines()[0].startswith("rank,model,sink_strength")
+    before = (out / "screen.json").read_bytes()
+    assert main(["screen", str(weak), "--output", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: output already exists") and len(err.strip().splitlines()) == 1
+    assert (out / "screen.json").read_bytes() == before
+
+
+def test_screen_without_output_writes_nothing(screen_models, tmp_path, capsys, monkeypatch):
+    strong, _, _ = screen_models
+    monkeypatch.chdir(tmp_path)
+    assert main(["screen", str(strong), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "| 1 | strong |" in printed and "not saved" in printed
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_screen_checks_the_pairs_file_before_measuring(screen_models, tmp_path, capsys):
+    strong, _, _ = screen_models
+    bad = tmp_path / "pairs.yaml"
+    bad.write_text("- name: only-one\n  reference: r\n  candidate: c\n  sink_strength: 1.0\n  deltas: {ifeval: -1}\n  source: me\n")
+    out = tmp_path / "out"
+    assert main(["screen", str(strong), "--pairs", str(bad), "--output", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "1 pair(s); a fit needs at least 3" in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_screen_default_model(default_model, tmp_path, capsys):
+    assert main(["screen", "default", "--n-prompts", "5", "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    row = next(line for line in printed.splitlines() if line.startswith("| 1 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    s = float(cells[2])
+    assert cells[1] == "SmolLM2-135M-Instruct" and cells[4] == "none"
+    assert 1.0 < s < 2.5  # 1.7321 with all 15 builtin prompts (fp32)
+    fit = fit_pairs(read_pairs()).tasks["ifeval"]
+    assert cells[5].startswith(f"{fit.slope * s + fit.intercept:+.1f}")

@@ -1,0 +1,182 @@
+"""Sink Strength: closed form, agreement with eager attention, bf16, determinism, batch size."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import sinkmodels as sm
+from lm_eval_sink.calibration import builtin_prompts, encode_prompts, load_prompts
+from lm_eval_sink.capture import capture_prompts
+from lm_eval_sink.errors import UserError
+from lm_eval_sink.strength import StrengthSettings, measure
+
+FAMILIES = ["llama", "qwen3", "olmo2"]
+
+
+def _lengths(tok, n=None):
+    return [len(x) for x in encode_prompts(tok, load_prompts(None, n).prompts).input_ids]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("statistic", ["median", "mean"])
+def test_closed_form(family, statistic, tiny_tokenizer):
+    model = sm.build(family, n_layers=3, bos_id=tiny_tokenizer.bos_token_id)
+    res = measure(model, tiny_tokenizer, StrengthSettings(last_k=2, statistic=statistic), progress=False)
+    want, per = sm.expected_strength(family, 3, _lengths(tiny_tokenizer), last_k=2, statistic=statistic)
+    assert res.sink_strength == pytest.approx(want, abs=1e-5)
+    np.testing.assert_allclose(np.array(res.sink_strength_layer_head), per, atol=1e-5)
+    assert res.layers == (1, 2) and res.last_k == 2 and res.n_layers == 3 and res.n_heads == sm.N_HEADS
+
+
+def test_closed_form_sink_moves_when_bos_logit_is_negative(tiny_tokenizer):
+    # qwen3 head 1 has g < 0: the argmax key leaves position 0 for every row with q >= 1.
+    model = sm.build("qwen3", n_layers=3, bos_id=tiny_tokenizer.bos_token_id)
+    res = measure(model, tiny_tokenizer, StrengthSettings(last_k=3), progress=False)
+    assert res.pos0_argmax_fraction == pytest.approx(0.5)
+    g = sm.expected_gap("qwen3", 3)
+    assert (g[:, 1] < 0).all() and (g[:, 0] > 0).all()
+
+
+def test_last_k_is_clipped_to_depth(tiny_tokenizer):
+    model = sm.build("llama", n_layers=3, bos_id=tiny_tokenizer.bos_token_id)
+    res = measure(model, tiny_tokenizer, StrengthSettings(last_k=10), progress=False)
+    assert res.layers == (0, 1, 2)
+    want, _ = sm.expected_strength("llama", 3, _lengths(tiny_tokenizer), last_k=3)
+    assert res.sink_strength == pytest.approx(want, abs=1e-5)
+
+
+def _random_model(family: str):
+    from transformers import AutoModelForCausalLM, LlamaConfig, Olmo2Config, Qwen3Config
+
+    cls = {"llama": LlamaConfig, "qwen3": Qwen3Config, "olmo2": Olmo2Config}[family]
+    torch.manual_seed(1)
+    cfg = cls(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256, pad_token_id=0)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_agrees_with_eager_attention_probabilities(family, tiny_tokenizer):
+    model = _random_model(family)
+    enc = encode_prompts(tiny_tokenizer, builtin_prompts()[:3])
+    caps = capture_prompts(model, enc, layers=[0, 1], progress=False)
+    model.set_attn_implementation("eager")
+    try:
+        for ids, cap in zip(enc.input_ids, caps):
+            with torch.no_grad():
+                out = model(torch.tensor([ids]), output_attentions=True)
+            for li, layer in enumerate((0, 1)):
+                att = out.attentions[layer][0].double().numpy()  # [head, query, key]
+                for h in range(att.shape[0]):
+                    for q in range(1, len(ids)):
+                        row = att[h, q, : q + 1]
+                        s = int(cap.sink_pos[li, h, q - 1])
+                        assert s == int(np.argmax(row))
+                        p = row[s]
+                        assert cap.sink_logodds[li, h, q - 1] == pytest.approx(math.log(p / (1 - p)), abs=2e-4)
+                        assert cap.pos0_mass[li, h, q - 1] == pytest.approx(row[0], abs=1e-5)
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_capture_leaves_logits_unchanged_and_restores_implementation(family, tiny_tokenizer):
+    model = _random_model(family)
+    enc = encode_prompts(tiny_tokenizer, builtin_prompts()[:2])
+    ids = torch.tensor([enc.input_ids[0]])
+    with torch.no_grad():
+        before = model(ids).logits
+    from lm_eval_sink.capture import sink_capture
+
+    with sink_capture(model, [0, 1]) as collector, torch.no_grad():
+        collector.first_real = torch.tensor([0])
+        during = model(ids).logits
+    assert torch.equal(before, during)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_implementation_restored_after_error(tiny_tokenizer):
+    model = _random_model("llama")
+    from lm_eval_sink.capture import sink_capture
+
+    with pytest.raises(RuntimeError), sink_capture(model, [0]):
+        raise RuntimeError("boom")
+    assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("batch_size", [2, 4, 15])
+def test_batch_size_does_not_change_s(batch_size, tiny_tokenizer):
+    model = _random_model("qwen3")
+    one = measure(model, tiny_tokenizer, StrengthSettings(last_k=2, batch_size=1), progress=False)
+    many = measure(model, tiny_tokenizer, StrengthSettings(last_k=2, batch_size=batch_size), progress=False)
+    assert many.sink_strength == pytest.approx(one.sink_strength, abs=1e-5)
+    np.testing.assert_allclose(many.per_prompt, one.per_prompt, atol=1e-5)
+
+
+def test_deterministic_bit_identical(tiny_tokenizer):
+    model = _random_model("llama")
+    a = measure(model, tiny_tokenizer, StrengthSettings(), progress=False)
+    b = measure(model, tiny_tokenizer, StrengthSettings(), progress=False)
+    assert a.to_json()["sink_strength"] == b.to_json()["sink_strength"]
+    assert a.sink_strength_layer_head == b.sink_strength_layer_head and a.per_prompt == b.per_prompt
+
+
+def test_rows_content_and_template_split(tiny_tokenizer):
+    model = sm.build("llama", n_layers=2, bos_id=tiny_tokenizer.bos_token_id)
+    allr = measure(model, tiny_tokenizer, StrengthSettings(rows="all"), progress=False)
+    cont = measure(model, tiny_tokenizer, StrengthSettings(rows="content"), progress=False)
+    assert cont.sink_strength == pytest.approx(allr.sink_strength_content_rows)
+    assert 0 < allr.template_row_fraction < 1
+    assert cont.n_rows < allr.n_rows
+
+
+def test_unsupported_architecture_is_a_user_error(tiny_tokenizer):
+    from transformers import BloomConfig, BloomForCausalLM
+
+    model = BloomForCausalLM(BloomConfig(vocab_size=96, hidden_size=16, n_layer=1, n_head=2))
+    with pytest.raises(UserError, match="BloomForCausalLM"):
+        measure(model, tiny_tokenizer, StrengthSettings(), progress=False)
+
+
+def test_bad_settings():
+    with pytest.raises(UserError, match="last-k"):
+        StrengthSettings(last_k=0)
+    with pytest.raises(UserError, match="statistic"):
+        StrengthSettings(statistic="mode")
+
+
+# ---- the real SmolLM2-135M-Instruct ----
+
+
+@pytest.fixture(scope="module")
+def smollm2(default_model):
+    from lm_eval_sink.models import load_model
+
+    return load_model(str(default_model), dtype="float32")
+
+
+@pytest.mark.slow
+def test_smollm2_values(smollm2):
+    """S on the real model (figures in the README); finite, positive, and stable across N."""
+    got = {}
+    for k, n in ((10, 15), (10, 5), (None, 15)):
+        r = measure(smollm2.model, smollm2.tokenizer, StrengthSettings(last_k=k, n_prompts=n), progress=False)
+        assert math.isfinite(r.sink_strength)
+        got[(k, n)] = r.sink_strength
+    assert 1.0 < got[(10, 15)] < 2.5
+    assert abs(got[(10, 5)] - got[(10, 15)]) < 0.2
+
+
+@pytest.mark.slow
+def test_smollm2_bf16_finite_and_close_to_fp32(smollm2):
+    fp32 = measure(smollm2.model, smollm2.tokenizer, StrengthSettings(n_prompts=5), progress=False)
+    model16 = smollm2.model.to(torch.bfloat16)
+    try:
+        bf16 = measure(model16, smollm2.tokenizer, StrengthSettings(n_prompts=5), progress=False)
+    finally:
+        smollm2.model.to(torch.float32)
+    assert all(math.isfinite(v) for row in bf16.sink_strength_layer_head for v in row)
+    assert bf16.sink_strength == pytest.approx(fp32.sink_strength, abs=0.05)  # README: bf16 tolerance
