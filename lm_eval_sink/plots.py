@@ -178,7 +178,7 @@ def sweep_chart(checkpoints: Sequence[str], series: dict[str, Sequence[float | N
     """One panel per metric: merged checkpoints as points, the first two (reference, candidate) as lines."""
     plt = _pyplot()
     names = list(series)
-    fig, axes = plt.subplots(len(names), 1, figsize=(max(5, 0.9 * len(checkpoints) + 2), 2.6 * len(names)), squeeze=False)
+    fig, axes = plt.subplots(len(names), 1, figsize=(max(5, 0.9 * len(checkpoints) + 2), 2.2 * len(names) + 0.8), squeeze=False, sharex=True)
     merged = list(checkpoints[2:])
     for ax, name in zip(axes[:, 0], names):
         values = list(series[name])
@@ -187,8 +187,9 @@ def sweep_chart(checkpoints: Sequence[str], series: dict[str, Sequence[float | N
                 ax.axhline(value, color="black", ls=style, lw=1, label=f"{label} {value:.3f}")
         xs = [i for i, v in enumerate(values[2:]) if v is not None]
         ax.plot(xs, [values[2 + i] for i in xs], "o", color="tab:blue", label="merged")
-        ax.set_xticks(range(len(merged)), merged, rotation=30, ha="right", fontsize=8)
-        ax.set_ylabel(name, fontsize=8)
+        ax.set_ylabel(name.replace(",", "\n"), fontsize=7)
         ax.legend(fontsize=7, loc="best")
+    axes[-1, 0].set_xticks(range(len(merged)), merged, rotation=30, ha="right", fontsize=8)
     axes[0, 0].set_title("Merging sweep" + (f" ({note})" if note else ""), fontsize=9)
+    fig.tight_layout()
     return save_figure(fig, path)
