@@ -35,6 +35,7 @@ from typing import Any
 
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.io import atomic_write_json, atomic_write_text, canonical_json, package_versions, provenance, sha256_file, sha256_text, staged_dir
+from lm_eval_sink.merging.configs import TOKENIZER_CHOICES, bundled_names, load_template, parse_yaml, render, suggest, validate_text
 
 ENDPOINTS = ("reference", "candidate")
 MANIFEST = "manifest.jsonl"
@@ -75,13 +76,6 @@ class SweepSpec:
         }  # fmt: skip
 
 
-def _suggest(word: str, options: tuple[str, ...]) -> str:
-    import difflib
-
-    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
-    return f"did you mean {close[0]!r}? " if close else ""
-
-
 def _mapping(value: Any, where: str, allowed: tuple[str, ...], src: str) -> dict[str, Any]:
     if value is None:
         return {}
@@ -89,7 +83,7 @@ def _mapping(value: Any, where: str, allowed: tuple[str, ...], src: str) -> dict
         raise UserError(f"{src}: {where}: expected a mapping, got {type(value).__name__}", f"write {where}: {{key: value}}")
     for key in value:
         if key not in allowed:
-            raise UserError(f"{src}: {where}.{key}: unknown key ({_suggest(str(key), allowed)}allowed: {', '.join(allowed)})", "remove or correct the key")
+            raise UserError(f"{src}: {where}.{key}: unknown key ({suggest(str(key), allowed)}allowed: {', '.join(allowed)})", "remove or correct the key")
     return value
 
 
@@ -102,7 +96,6 @@ def _typed(value: Any, types: tuple[type, ...], where: str, src: str, words: str
 def load_sweep(path: str | Path, output: str | Path | None = None, delete_merged: bool | None = None) -> SweepSpec:
     """Parse and check a sweep YAML (strict keys, paths relative to its folder); no model is loaded."""
     from lm_eval_sink.harness.runner import EvalSettings
-    from lm_eval_sink.merging.configs import TOKENIZER_CHOICES, bundled_names, load_template, parse_yaml
     from lm_eval_sink.models import resolve_model
     from lm_eval_sink.strength import StrengthSettings
 
@@ -244,7 +237,6 @@ def _tree_sha(folder: str | None) -> str | None:
 
 def plan_sweep(spec: SweepSpec) -> Plan:
     """Render and validate every merge config and derive each unit's key (reads no weights)."""
-    from lm_eval_sink.merging.configs import load_template, render, validate_text
     from lm_eval_sink.merging.merge import merge_key
     from lm_eval_sink.models import model_fingerprint
 
@@ -284,7 +276,6 @@ def _finish(tmp: Path, unit: Unit, **fields: Any) -> None:
 def run_unit(unit: Unit) -> None:
     """Run one unit into its staged output folder (replacing an older one). No shared state."""
     if unit.kind == "merge":
-        from lm_eval_sink.merging.configs import validate_text
         from lm_eval_sink.merging.merge import merge_config
 
         vc = validate_text(unit.inputs["text"], source=unit.id)
