@@ -273,7 +273,7 @@ def test_real_instruct_run_fingerprint_field_by_field(smollm2_instruct_run, defa
     assert h["lm_eval_version"] == "0.4.13"
     assert h["limit"] == 5
     assert h["seeds"]["random"] == 0 and set(h["seeds"]) == {"random", "numpy", "torch", "fewshot"}
-    assert h["batch_size"] == "1"
+    assert h["batch_size"] == "8"
     assert h["dtype"] == "torch.float32"
     assert sorted(h["tasks"]) == ["gsm8k_cot_zeroshot", "ifeval", "sink_strength"]
     ife, gsm = h["tasks"]["ifeval"], h["tasks"]["gsm8k_cot_zeroshot"]
@@ -307,7 +307,7 @@ def test_real_runs_under_two_protocols_diff_field_by_field(smollm2_instruct_run,
     assert got["tasks"].a == ["gsm8k_cot_zeroshot", "ifeval", "sink_strength"] and got["tasks"].b == ["gsm8k_cot_zeroshot", "ifeval"]
     assert got["chat_template"].part == "model" and got["chat_template"].a == a.model["chat_template_sha"] and got["chat_template"].b is None
     assert b.model["chat_template"] is None and b.harness["fewshot_as_multiturn"] is None
-    assert match_protocol(b) == "community" and match_protocol(a) is None  # the fixture runs batch 1, instruct fixes 8
+    assert match_protocol(b) == "community" and match_protocol(a) == "instruct"  # the fixtures run the named protocols
     with pytest.raises(UserError, match="instruct vs community: apply_chat_template: true vs false"):
         require_same_harness({"instruct": a, "community": b})
 
