@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.pairing import index_docs, outcome, pair_docs
 
 SCHEMA_VERSION = 1
 CONSTRUCTS = ("knowledge", "procedure", "format", "diagnostic")
@@ -152,63 +153,34 @@ class Measurement:
 # --- per-prompt access vs capacity -----------------------------------------------------------
 
 
-def _outcomes(rows: list[dict[str, Any]], key: str, where: str) -> dict[Any, tuple[float, str | None, str | None]]:
-    """doc_id -> (outcome, doc_hash, prompt_hash) for results key `metric,filter`."""
-    metric, flt = key.split(",", 1)
-    sel = [r for r in rows if r.get("filter", "none") == flt]
-    if not sel:
-        have = sorted({str(r.get("filter")) for r in rows})
-        raise UserError(f"{where}: no samples under filter {flt!r} (filters present: {', '.join(have)})", "pass samples of the same task with that filter")
-    out: dict[Any, tuple[float, str | None, str | None]] = {}
-    for r in sel:
-        if metric not in r:
-            raise UserError(f"{where}: doc {r['doc_id']} has no {metric!r} value", "pass samples written by lm-eval --log_samples for this task")
-        if r["doc_id"] in out:
-            raise UserError(f"{where}: doc_id {r['doc_id']} appears twice under filter {flt!r}", "pass one run's samples file, not concatenated logs")
-        v = r[metric]
-        if isinstance(v, list):
-            raise UserError(f"{where}: {metric!r} is a list per doc, not a per-prompt outcome", f"use a prompt-level metric instead of {metric!r}")
-        out[r["doc_id"]] = (float(v), r.get("doc_hash"), r.get("prompt_hash"))
-    return out
-
-
 def per_prompt_split(ref_rows: list[dict[str, Any]], cand_rows: list[dict[str, Any]], strict_key: str, lenient_key: str | None, *,
-                     ref_where: str = "reference", cand_where: str = "candidate", allow_partial: bool = False) -> dict[str, Any]:
-    """Pair two sample logs by doc_id (doc hashes must agree) and split the strict gap per prompt.
+                     ref_where: str = "reference", cand_where: str = "candidate", allow_partial: bool = False,
+                     doc_mismatch_hint: str | None = None) -> dict[str, Any]:
+    """Pair two sample logs per doc (pairing.py: same documents, same doc sets unless `allow_partial`)
+    and split the strict gap per prompt.
 
     Returns points: `gap` = mean(c_s - r_s); with a lenient key, `capacity` = mean(c_l - r_l) and
     `access` = gap - capacity, plus counts of strict regressions that the lenient check forgives
     (access) or not (capacity). Prompt-hash differences are counted (expected across protocols).
     """
-    rs, cs = _outcomes(ref_rows, strict_key, ref_where), _outcomes(cand_rows, strict_key, cand_where)
-    rl = _outcomes(ref_rows, lenient_key, ref_where) if lenient_key else None
-    cl = _outcomes(cand_rows, lenient_key, cand_where) if lenient_key else None
-    ref_only, cand_only = sorted(set(rs) - set(cs), key=str), sorted(set(cs) - set(rs), key=str)
-    if (ref_only or cand_only) and not allow_partial:
-        raise UserError(f"{ref_where} and {cand_where} hold different docs ({len(rs)} vs {len(cs)}; {len(ref_only)} only in the reference, "
-                        f"{len(cand_only)} only in the candidate)", "run both with the same --limit, or pass --allow-partial to use the common docs")
-    ids = sorted(set(rs) & set(cs), key=lambda d: (str(type(d)), d))
-    if not ids:
-        raise UserError(f"{ref_where} and {cand_where} share no doc_id", "pass sample logs of the same task and data")
-    bad = [d for d in ids if rs[d][1] and cs[d][1] and rs[d][1] != cs[d][1]]
-    if bad:
-        raise UserError(f"{ref_where} and {cand_where}: doc_id {bad[0]} has different doc_hash ({len(bad)} docs differ): they are different documents",
-                        "compare runs of the same task version and dataset")
+    metric, flt = strict_key.split(",", 1)
+    ref_docs, cand_docs = index_docs(ref_rows, flt, ref_where), index_docs(cand_rows, flt, cand_where)
+    ids, pairing = pair_docs(ref_docs, cand_docs, (ref_where, cand_where), allow_partial=allow_partial, doc_mismatch_hint=doc_mismatch_hint)
     n = len(ids)
-    prompt_diff = sum(1 for d in ids if rs[d][2] != cs[d][2])
-    r_s = [rs[d][0] for d in ids]
-    c_s = [cs[d][0] for d in ids]
+    r_s = [outcome(ref_docs[d], metric, ref_where) for d in ids]
+    c_s = [outcome(cand_docs[d], metric, cand_where) for d in ids]
     gap = 100.0 * sum(c - r for c, r in zip(c_s, r_s, strict=True)) / n
     out: dict[str, Any] = {
-        "n": n, "dropped": {"reference_only": len(ref_only), "candidate_only": len(cand_only)}, "prompt_hash_differs": prompt_diff,
+        "n": n, "dropped": {"reference_only": len(pairing["dropped_reference_only"]), "candidate_only": len(pairing["dropped_candidate_only"])},
+        "prompt_hash_differs": pairing["prompt_hash_differs"]["count"],
         "reference": {"strict": _pts(100.0 * sum(r_s) / n)}, "candidate": {"strict": _pts(100.0 * sum(c_s) / n)},
         "gap": _pts(gap), "access": None, "capacity": None,
         "strict_regressions": sum(1 for r, c in zip(r_s, c_s, strict=True) if r > c),
         "strict_recoveries": sum(1 for r, c in zip(r_s, c_s, strict=True) if c > r),
     }
-    if rl is not None and cl is not None:
-        r_l = [rl[d][0] for d in ids]
-        c_l = [cl[d][0] for d in ids]
+    if lenient_key:
+        r_l = _lenient_outcomes(ref_rows, ids, lenient_key, ref_where)
+        c_l = _lenient_outcomes(cand_rows, ids, lenient_key, cand_where)
         capacity = 100.0 * sum(c - r for c, r in zip(c_l, r_l, strict=True)) / n
         access_docs = [d for d, r, c, lc in zip(ids, r_s, c_s, c_l, strict=True) if r > c and lc >= r]
         capacity_docs = [d for d, r, c, lc in zip(ids, r_s, c_s, c_l, strict=True) if r > c and lc < r]
@@ -221,6 +193,17 @@ def per_prompt_split(ref_rows: list[dict[str, Any]], cand_rows: list[dict[str, A
             "lenient_regressions": sum(1 for r, c in zip(r_l, c_l, strict=True) if r > c),
         })
     return out
+
+
+def _lenient_outcomes(rows: list[dict[str, Any]], ids: list[int], key: str, where: str) -> list[float]:
+    """The lenient outcome of each paired doc (the lenient filter must hold every one of them)."""
+    metric, flt = key.split(",", 1)
+    docs = index_docs(rows, flt, where)
+    missing = [d for d in ids if d not in docs]
+    if missing:
+        raise UserError(f"{where}: {len(missing)} paired docs have no sample under filter {flt!r} (e.g. doc_id {missing[0]})",
+                        "pass samples of one lm-eval run, written with every filter of the task")
+    return [outcome(docs[d], metric, where) for d in ids]
 
 
 def aggregate_split(ref: Measurement, cand: Measurement) -> dict[str, Any]:

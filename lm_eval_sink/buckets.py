@@ -2,10 +2,10 @@
 
 `bucket(reference_samples, candidate_samples, task, settings)` works on parsed samples logs
 (lists of the dicts lm-eval writes with `--log_samples`) and returns a `BucketReport`:
-- pairing: docs are joined on (doc_id, filter) and must be the same document (equal `doc_hash`,
-  or equal docs once null fields are dropped); different doc sets, filters or documents are one
-  UserError giving how many differ and an example. Different `prompt_hash`es are expected across
-  protocols (chat template, few-shot) and are counted, not refused.
+- pairing (pairing.py, shared with attribution): docs are joined on (doc_id, filter) and must be
+  the same document; different doc sets, filters or documents are one UserError giving how many
+  differ and an example. Different `prompt_hash`es are expected across protocols (chat template,
+  few-shot) and are counted, not refused.
 - buckets for a 0/1 metric: both_pass, regression (reference passes, candidate fails), recovered,
   both_fail; `delta` = candidate mean minus reference mean with a seeded paired bootstrap interval
   over docs; `mcnemar_p` = exact two-sided binomial test on the discordant pairs (scipy).
@@ -39,6 +39,7 @@ import numpy as np
 
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.failure_kinds import classify_ifeval, is_truncated, kind_counts, max_gen_toks_of
+from lm_eval_sink.pairing import filter_of, index_docs, outcome, pair_docs
 
 log = logging.getLogger(__name__)
 
@@ -245,24 +246,12 @@ def _four(ref_pass: Sequence[bool], cand_pass: Sequence[bool]) -> dict[str, int]
     return counts
 
 
-# --- pairing -------------------------------------------------------------------------------------
-
-
-def _filter_of(row: Mapping[str, Any]) -> str:
-    return str(row.get("filter", "none"))
-
-
-def _drop_nulls(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {k: _drop_nulls(v) for k, v in obj.items() if v is not None}
-    if isinstance(obj, list):
-        return [_drop_nulls(v) for v in obj]
-    return obj
+# --- filter and metric (pairing itself: pairing.py) -----------------------------------------------
 
 
 def _choose_filter(ref: Sequence[Mapping], cand: Sequence[Mapping], wanted: str | None, spec: TaskSpec, labels: tuple[str, str]) -> str:
-    ref_f = sorted({_filter_of(r) for r in ref})
-    cand_f = sorted({_filter_of(r) for r in cand})
+    ref_f = sorted({filter_of(r) for r in ref})
+    cand_f = sorted({filter_of(r) for r in cand})
     if wanted is not None:
         for name, have in zip(labels, (ref_f, cand_f)):
             if wanted not in have:
@@ -276,20 +265,6 @@ def _choose_filter(ref: Sequence[Mapping], cand: Sequence[Mapping], wanted: str 
     if not common:
         raise UserError(f"the two logs share no filter: reference has {', '.join(ref_f)}, candidate has {', '.join(cand_f)}", "pass samples of the same task, run with the same filters")
     raise UserError(f"the samples hold several filters ({', '.join(common)})", "choose one with --filter")
-
-
-def _by_doc(rows: Sequence[Mapping], filt: str, label: str) -> dict[int, Mapping]:
-    out: dict[int, Mapping] = {}
-    for row in rows:
-        if _filter_of(row) != filt:
-            continue
-        doc_id = row["doc_id"]
-        if not isinstance(doc_id, int) or isinstance(doc_id, bool):
-            raise UserError(f"{label}: doc_id {doc_id!r} is not an integer", "pass a samples file written by lm-eval --log_samples")
-        if doc_id in out:
-            raise UserError(f"{label}: doc_id {doc_id} appears twice under filter {filt!r}", "pass one run's samples file, not several concatenated")
-        out[doc_id] = row
-    return out
 
 
 def _choose_metric(ref_rows: Mapping[int, Mapping], wanted: str | None, spec: TaskSpec, label: str) -> str:
@@ -308,84 +283,6 @@ def _choose_metric(ref_rows: Mapping[int, Mapping], wanted: str | None, spec: Ta
         hint = f"did you mean {near[0]!r}? " if near else ""
         raise UserError(f"{label}: no metric {wanted!r} in the samples (they have: {', '.join(available)})", f"{hint}pass one of those with --metric")
     return wanted
-
-
-def _value(row: Mapping, metric: str, label: str) -> float:
-    if metric not in row:
-        raise UserError(f"{label}: doc_id {row['doc_id']} has no metric {metric!r}", "pass samples of one task written by one lm-eval run")
-    v = row[metric]
-    if isinstance(v, list):
-        raise UserError(f"{label}: metric {metric!r} holds a list per doc (an instruction-level metric)", "bucket a prompt-level metric, e.g. --metric prompt_level_strict_acc; instruction-level statistics come with it")
-    if isinstance(v, bool):
-        return float(v)
-    if isinstance(v, int | float) and np.isfinite(v):
-        return float(v)
-    raise UserError(f"{label}: doc_id {row['doc_id']}: metric {metric!r} is {v!r}, not a finite number", "choose a numeric per-sample metric with --metric")
-
-
-def _same_doc(a: Mapping, b: Mapping) -> tuple[bool, bool]:
-    """(same document, same only after dropping null fields)."""
-    ha, hb = a.get("doc_hash"), b.get("doc_hash")
-    if ha is not None and ha == hb:
-        return True, False
-    da, db = a.get("doc"), b.get("doc")
-    if da is None or db is None:
-        return False, False
-    if da == db:
-        return True, False
-    if _drop_nulls(da) == _drop_nulls(db):
-        return True, True
-    return False, False
-
-
-def _describe_doc_diff(a: Any, b: Any) -> str:
-    if isinstance(a, dict) and isinstance(b, dict):
-        keys = sorted(k for k in set(a) | set(b) if _drop_nulls(a.get(k)) != _drop_nulls(b.get(k)))
-        if keys:
-            return f"field {keys[0]!r} differs: {str(a.get(keys[0]))[:40]!r} vs {str(b.get(keys[0]))[:40]!r}"
-    return "the docs differ"
-
-
-def _pair(ref_rows: dict[int, Mapping], cand_rows: dict[int, Mapping], spec: TaskSpec, allow_partial: bool) -> tuple[list[int], dict[str, Any]]:
-    ids_r, ids_c = set(ref_rows), set(cand_rows)
-    only_r, only_c = sorted(ids_r - ids_c), sorted(ids_c - ids_r)
-    if (only_r or only_c) and not allow_partial:
-        example = (only_r or only_c)[0]
-        side = "reference" if only_r else "candidate"
-        raise UserError(
-            f"the runs have different doc sets: {len(only_r)} doc_ids only in the reference, {len(only_c)} only in the candidate "
-            f"(reference {len(ids_r)} docs, candidate {len(ids_c)}; e.g. doc_id {example} is only in the {side})",
-            f"run both with the same --limit/--samples, or pass --allow-partial to pair the {len(ids_r & ids_c)} common docs",
-        )
-    common = sorted(ids_r & ids_c)
-    if not common:
-        raise UserError("the runs share no doc_id", "pass two runs of the same task")
-    different, nulls_only = [], 0
-    for i in common:
-        same, by_nulls = _same_doc(ref_rows[i], cand_rows[i])
-        if not same:
-            different.append(i)
-        nulls_only += by_nulls
-    if different:
-        i = different[0]
-        why = _describe_doc_diff(ref_rows[i].get("doc"), cand_rows[i].get("doc")) if ref_rows[i].get("doc") is not None and cand_rows[i].get("doc") is not None else "doc_hash differs and a doc is missing"
-        raise UserError(
-            f"{len(different)} of {len(common)} paired doc_ids hold different documents in the two runs (e.g. doc_id {i}: {why})",
-            spec.doc_mismatch_hint or "pass two runs of the same task on the same dataset",
-        )
-    prompt_diff = [i for i in common if ref_rows[i].get("prompt_hash") != cand_rows[i].get("prompt_hash")]
-    target_diff = [i for i in common if ref_rows[i].get("target_hash") != cand_rows[i].get("target_hash")]
-    info = {
-        "n_reference": len(ids_r),
-        "n_candidate": len(ids_c),
-        "n_paired": len(common),
-        "dropped_reference_only": only_r,
-        "dropped_candidate_only": only_c,
-        "prompt_hash_differs": {"count": len(prompt_diff), "examples": prompt_diff[:5]},
-        "target_hash_differs": {"count": len(target_diff), "examples": target_diff[:5]},
-        "docs_equal_after_dropping_nulls": nulls_only,
-    }
-    return common, info
 
 
 def _response(row: Mapping, filtered: bool) -> str | None:
@@ -422,13 +319,13 @@ def bucket(
         raise UserError(f"{labels[0] if not reference_samples else labels[1]}: no samples", "pass a samples file written by lm-eval --log_samples")
     spec = task_spec(task)
     filt = _choose_filter(reference_samples, candidate_samples, settings.filter, spec, labels)
-    ref_rows = _by_doc(reference_samples, filt, labels[0])
-    cand_rows = _by_doc(candidate_samples, filt, labels[1])
+    ref_rows = index_docs(reference_samples, filt, labels[0])
+    cand_rows = index_docs(candidate_samples, filt, labels[1])
     metric = _choose_metric(ref_rows, settings.metric, spec, labels[0])
     _choose_metric(cand_rows, metric, spec, labels[1])
-    ids, pairing = _pair(ref_rows, cand_rows, spec, settings.allow_partial)
-    ref_v = np.array([_value(ref_rows[i], metric, labels[0]) for i in ids])
-    cand_v = np.array([_value(cand_rows[i], metric, labels[1]) for i in ids])
+    ids, pairing = pair_docs(ref_rows, cand_rows, labels, allow_partial=settings.allow_partial, doc_mismatch_hint=spec.doc_mismatch_hint)
+    ref_v = np.array([outcome(ref_rows[i], metric, labels[0]) for i in ids])
+    cand_v = np.array([outcome(cand_rows[i], metric, labels[1]) for i in ids])
     is01 = bool(np.isin(ref_v, (0.0, 1.0)).all() and np.isin(cand_v, (0.0, 1.0)).all())
     declared = spec.kind if (spec.metric is None or metric == spec.metric) else None
     kind = declared or ("binary" if is01 else "continuous")
@@ -627,16 +524,16 @@ def _failure_kinds(regressions, cand_rows, by_id, loose: bool, progress: bool) -
 
 
 def _format_split(regressions, candidate_samples, lenient: str, metric: str, by_id, label) -> dict[str, Any] | None:
-    lenient_rows = {r["doc_id"]: r for r in candidate_samples if _filter_of(r) == lenient}
-    if not lenient_rows:
+    if not any(filter_of(r) == lenient for r in candidate_samples):
         return {"lenient_filter": lenient, "format_failure": None, "wrong_answer": None, "unknown": len(regressions), "reason": f"the candidate samples have no {lenient!r} filter"}
+    lenient_rows = index_docs(candidate_samples, lenient, label)
     fmt, wrong, unknown = [], [], []
     for i in regressions:
         row = lenient_rows.get(i)
         if row is None or metric not in row:
             unknown.append(i)
             continue
-        ok = _value(row, metric, label) >= 0.5
+        ok = outcome(row, metric, label) >= 0.5
         by_id[i].update(lenient_candidate=ok, format_split="format_failure" if ok else "wrong_answer")
         (fmt if ok else wrong).append(i)
     return {"lenient_filter": lenient, "format_failure": len(fmt), "wrong_answer": len(wrong), "unknown": len(unknown), "format_failure_ids": fmt, "wrong_answer_ids": wrong}
