@@ -273,15 +273,12 @@ class Attribution:
 
 def _differing(r: Measurement, c: Measurement) -> list[dict[str, Any]]:
     """Protocol fields in which two measurements differ (as far as their sources record them)."""
-    from lm_eval_sink.protocols import diff
+    from lm_eval_sink.protocols import task_diff
     from lm_eval_sink.vendors import compare_stated, compare_stated_pair
 
     if r.fingerprint is not None and c.fingerprint is not None:
-        out = []
-        for d in diff(r.fingerprint, c.fingerprint):
-            if d.field == "tasks" or (d.field.startswith("tasks.") and not (d.field.startswith(f"tasks.{r.task}.") or d.field.startswith(f"tasks.{c.task}."))):
-                continue
-            out.append({"field": d.field, "reference": d.a, "candidate": d.b, "affects_scores": d.affects_scores})
+        out = [{"field": d.field, "reference": d.a, "candidate": d.b, "affects_scores": d.affects_scores}
+               for d in task_diff(r.fingerprint, c.fingerprint, (r.task, c.task))]
         if r.task != c.task:
             out.insert(0, {"field": "task", "reference": r.task, "candidate": c.task, "affects_scores": True})
         return out

@@ -17,7 +17,8 @@
 - tasks with a lenient twin filter (GSM8K-CoT, GPQA-CoT): regressions split into format failures
   (the lenient filter still finds the right answer) and wrong answers.
 Task knowledge (default metric, filter, kind, lenient filter) is data: data/bucket_tasks.yaml.
-`run_buckets` resolves two runs, adds both runs' provenance and protocol, and writes the outputs.
+`run_buckets` resolves two runs, adds both runs' provenance and protocol (the protocols.py fingerprint
+of each run for the task; its differences from protocols.task_diff) and writes the outputs.
 numpy/scipy only: no torch or transformers here.
 """
 
@@ -38,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.failure_kinds import classify_ifeval, is_truncated, kind_counts, max_gen_toks_of
+from lm_eval_sink.failure_kinds import classify_ifeval, is_truncated, kind_counts, max_gen_toks_in, max_gen_toks_of
 from lm_eval_sink.pairing import filter_of, index_docs, outcome, pair_docs
 
 log = logging.getLogger(__name__)
@@ -543,73 +544,78 @@ def _format_split(regressions, candidate_samples, lenient: str, metric: str, by_
 
 _HF_BACKENDS = ("hf", "hf-auto", "huggingface")
 _HF_DEFAULT_MAX_GEN_TOKS = 256  # lm_eval.models.huggingface.HFLM.max_gen_toks (0.4.13)
-_PROTOCOL_FIELDS = ("chat_template_applied", "chat_template_sha", "system_instruction_sha", "fewshot_as_multiturn", "num_fewshot", "task_version", "generation_kwargs", "limit", "batch_size", "dtype", "seeds", "lm_eval_version", "transformers_version")
+# buckets.json names three fingerprint fields its own way (`runs.*.protocol`, `protocol_differences`);
+# every other field keeps the name protocols.task_view / task_diff give it.
+_FIELD_NAMES = {"apply_chat_template": "chat_template_applied", "chat_template": "chat_template_sha", "version": "task_version"}
 
 
-def run_record(run, task: str, samples_path: Path) -> dict[str, Any]:
-    """Model, protocol and file fingerprints of one run (from its results JSON when present)."""
-    from lm_eval_sink.io import sha256_file
+def _field_name(field: str, task: str) -> str:
+    head, dot, rest = field.removeprefix(f"tasks.{task}.").partition(".")
+    return _FIELD_NAMES.get(head, head) + dot + rest
+
+
+def run_fingerprint(run) -> tuple[Any, str | None]:
+    """(the run's protocol fingerprint, None), or (None, why the protocol is unknown)."""
+    from lm_eval_sink.protocols import fingerprint
     from lm_eval_sink.runs import load_results
 
-    rec: dict[str, Any] = {"samples_file": str(samples_path), "samples_sha256": sha256_file(samples_path), "task": task}
     if run.results is None:
-        rec.update(results_file=None, model=None, protocol=None, lm_eval_version=None, reason="no results_<time>.json beside the samples: model and protocol unknown")
+        return None, "no results_<time>.json beside the samples: model and protocol unknown"
+    results = load_results(run)
+    try:
+        return fingerprint(results, source=run.results), None
+    except UserError as e:  # the samples are enough to bucket; the record says why the protocol is missing
+        return None, f"{e.message}: protocol unknown"
+
+
+def run_record(run, fp, reason: str | None, task: str, samples_path: Path) -> dict[str, Any]:
+    """Model, protocol (the fingerprint's fields for `task`) and file fingerprints of one run."""
+    from lm_eval_sink.io import sha256_file
+    from lm_eval_sink.protocols import task_view
+
+    rec: dict[str, Any] = {"samples_file": str(samples_path), "samples_sha256": sha256_file(samples_path), "task": task,
+                           "results_file": None if run.results is None else str(run.results)}
+    if run.results is not None:
+        rec["results_sha256"] = sha256_file(run.results)
+    if fp is None:
+        rec.update(model=None, protocol=None, lm_eval_version=None, reason=reason)
         return rec
-    res = load_results(run)
-    cfg = res.get("config") or {}
-    margs = cfg.get("model_args")
-    if isinstance(margs, str):
-        margs = dict(kv.split("=", 1) for kv in margs.split(",") if "=" in kv)
-    margs = margs if isinstance(margs, dict) else {}
-    tcfg = (res.get("configs") or {}).get(task) or {}
-    protocol = {
-        "chat_template_applied": res.get("chat_template") is not None or res.get("chat_template_sha") is not None,
-        "chat_template_sha": res.get("chat_template_sha"),
-        "system_instruction_sha": res.get("system_instruction_sha"),
-        "fewshot_as_multiturn": res.get("fewshot_as_multiturn"),
-        "num_fewshot": (res.get("n-shot") or {}).get(task),
-        "task_version": (res.get("versions") or {}).get(task),
-        "generation_kwargs": tcfg.get("generation_kwargs"),
-        "limit": cfg.get("limit"),
-        "batch_size": cfg.get("batch_size"),
-        "dtype": cfg.get("model_dtype") or margs.get("dtype"),
-        "seeds": {k: cfg.get(k) for k in ("random_seed", "numpy_seed", "torch_seed", "fewshot_seed")},
-        "lm_eval_version": res.get("lm_eval_version"),
-        "transformers_version": res.get("transformers_version"),
-    }
     rec.update(
-        results_file=str(run.results),
-        results_sha256=sha256_file(run.results),
-        model=res.get("model_name") or margs.get("pretrained"),
-        model_args=margs,
-        model_sha=cfg.get("model_sha") or None,
-        protocol=protocol,
-        lm_eval_version=res.get("lm_eval_version"),
-        task_hash=(res.get("task_hashes") or {}).get(task),
-        default_max_gen_toks=_backend_max_gen_toks(cfg.get("model"), margs),
+        model=fp.run["model_name"] or fp.run["pretrained"],
+        model_args=fp.run["model_args"],
+        model_sha=fp.run["model_sha"],
+        protocol={_field_name(k, task): v for k, v in task_view(fp, task).items()},
+        harness_sha=fp.harness_sha(tasks=(task,)),
+        lm_eval_version=fp.harness["lm_eval_version"],
+        task_hash=(fp.run["task_hashes"] or {}).get(task),
+        default_max_gen_toks=_run_max_gen_toks(fp, task),
     )
     return rec
 
 
-def _backend_max_gen_toks(model: Any, model_args: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The generation limit a run used when its task set none: model_args, else lm-eval's hf default."""
-    value = model_args.get("max_gen_toks")
+def _run_max_gen_toks(fp, task: str) -> dict[str, Any] | None:
+    """The generation limit a run used for `task`: the task's generation kwargs, else model_args, else lm-eval's hf default."""
+    value = max_gen_toks_in((fp.harness["tasks"].get(task) or {}).get("generation_kwargs"))
     if value is not None:
+        return {"value": value, "source": "the run's task generation_kwargs"}
+    raw = fp.harness["model_args"].get("max_gen_toks")
+    if raw is not None:
         try:
-            return {"value": int(value), "source": "the run's model_args"}
+            return {"value": int(raw), "source": "the run's model_args"}
         except (TypeError, ValueError):
             return None
-    if model in _HF_BACKENDS:
+    if fp.run["model"] in _HF_BACKENDS:
         return {"value": _HF_DEFAULT_MAX_GEN_TOKS, "source": "lm-eval's hf backend default"}
     return None
 
 
-def protocol_differences(ref: Mapping[str, Any], cand: Mapping[str, Any]) -> dict[str, Any]:
-    """Every protocol field whose value differs between the two runs' records."""
-    a, b = ref.get("protocol"), cand.get("protocol")
-    if a is None or b is None:
+def protocol_differences(ref_fp, cand_fp, task: str) -> dict[str, Any]:
+    """Every fingerprint field bearing on `task` that differs between the two runs (protocols.task_diff)."""
+    from lm_eval_sink.protocols import task_diff
+
+    if ref_fp is None or cand_fp is None:
         return {}
-    return {k: {"reference": a.get(k), "candidate": b.get(k)} for k in _PROTOCOL_FIELDS if a.get(k) != b.get(k)}
+    return {_field_name(d.field, task): {"reference": d.a, "candidate": d.b, "affects_scores": d.affects_scores} for d in task_diff(ref_fp, cand_fp, (task,))}
 
 
 def _as_fallback(record: Mapping[str, Any] | None) -> tuple[int, str] | None:
@@ -640,8 +646,13 @@ def compare_runs(reference: str | Path, candidate: str | Path, task: str | None 
 
     ref_run, cand_run = resolve_run(reference), resolve_run(candidate)
     task, ref_path, cand_path = _pick_task(ref_run, cand_run, task)
-    runs = {"reference": run_record(ref_run, task, ref_path), "candidate": run_record(cand_run, task, cand_path)}
-    diffs = protocol_differences(runs["reference"], runs["candidate"])
+    fps = {"reference": run_fingerprint(ref_run), "candidate": run_fingerprint(cand_run)}
+    runs = {"reference": run_record(ref_run, *fps["reference"], task, ref_path), "candidate": run_record(cand_run, *fps["candidate"], task, cand_path)}
+    if same_protocol:
+        unknown = [f"{side}: {reason}" for side, (fp, reason) in fps.items() if fp is None]
+        if unknown:
+            raise UserError(f"--same-protocol cannot be checked ({'; '.join(unknown)})", "pass runs with their lm-eval results files, or drop --same-protocol")
+    diffs = protocol_differences(fps["reference"][0], fps["candidate"][0], task)
     if same_protocol and diffs:
         shown = "; ".join(f"{k}: {v['reference']!r} vs {v['candidate']!r}" for k, v in diffs.items())
         raise UserError(f"the runs differ in protocol ({shown[:300]})", "re-run one model with the other's protocol, or drop --same-protocol")
