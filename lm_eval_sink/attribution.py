@@ -16,7 +16,8 @@ benchmark family this module reports the observed gap (candidate minus reference
   capacity. Per prompt from the sample logs when both have them: with s, l the strict and lenient
   outcomes of doc i, gap = mean(c_s - r_s) = access + capacity, capacity = mean(c_l - r_l),
   access = gap - capacity, so the parts add up exactly; else from the aggregate results;
-- construct: each family's class (knowledge / procedure / format) from `data/benchmarks.yaml`;
+- construct: each family's class (knowledge / procedure / format) from `data/benchmarks.yaml`
+  (benchmarks.py: the task table `buckets` reads too);
 - mixture: the recipe facts the user declares, shown, never inferred.
 
 The computing functions take plain values and sample rows; the loaders at the end read lm-eval
@@ -25,19 +26,16 @@ runs and registry entries into `Measurement`s. No torch, no transformers.
 
 from __future__ import annotations
 
-import fnmatch
 import json
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from lm_eval_sink.benchmarks import Benchmark, benchmark_of, load_benchmarks
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.pairing import index_docs, outcome, pair_docs
 
 SCHEMA_VERSION = 1
-CONSTRUCTS = ("knowledge", "procedure", "format", "diagnostic")
-_BENCH_KEYS = {"tasks", "construct", "strict", "lenient", "why"}
 LINEAGE_STATUSES = ("same_checkpoint", "parent", "not_parent", "unknown", "mismatched")
 # Config fields that name the language model a VLM (or adapter) was built from.
 LINEAGE_CONFIG_FIELDS = ("text_config._name_or_path", "llm_config._name_or_path", "language_config._name_or_path", "base_model_name_or_path")
@@ -46,77 +44,6 @@ LINEAGE_CONFIG_FIELDS = ("text_config._name_or_path", "llm_config._name_or_path"
 def _pts(x: float | None) -> float | None:
     """Points (0-100) rounded so that reruns are byte-identical."""
     return None if x is None else round(float(x), 6)
-
-
-# --- construct and metrics as data -----------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Benchmark:
-    """A benchmark family: its lm-eval tasks, construct, and strict / lenient results keys."""
-
-    name: str
-    tasks: tuple[str, ...]
-    construct: str
-    strict: str | None
-    lenient: str | None
-    why: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "tasks": list(self.tasks), "construct": self.construct, "strict": self.strict, "lenient": self.lenient, "why": self.why}
-
-
-def _parse_benchmarks(text: str, where: str) -> dict[str, Benchmark]:
-    from lm_eval_sink.protocols import _load_yaml
-    from lm_eval_sink.vendors import _unknown
-
-    data = _load_yaml(text, where)
-    if not isinstance(data, dict) or not isinstance(data.get("benchmarks"), dict):
-        raise UserError(f"{where}: expected a mapping with `benchmarks: {{NAME: {{tasks, construct, strict, lenient, why}}}}`",
-                        "see lm_eval_sink/data/benchmarks.yaml for the format")
-    out = {}
-    for name, body in data["benchmarks"].items():
-        if not isinstance(body, dict):
-            raise UserError(f"{where}: benchmark {name!r} must be a mapping", "see lm_eval_sink/data/benchmarks.yaml")
-        _unknown(body, _BENCH_KEYS, f"benchmark {name!r}", where)
-        if body.get("construct") not in CONSTRUCTS:
-            raise UserError(f"{where}: benchmark {name!r} has construct {body.get('construct')!r}", f"use one of {', '.join(CONSTRUCTS)}")
-        tasks = body.get("tasks")
-        if not isinstance(tasks, list) or not tasks:
-            raise UserError(f"{where}: benchmark {name!r} lists no tasks", "give `tasks: [lm-eval task names or patterns]`")
-        for key in ("strict", "lenient"):
-            v = body.get(key)
-            if v is not None and (not isinstance(v, str) or "," not in v):
-                raise UserError(f"{where}: benchmark {name!r} {key} key {v!r} is not 'metric,filter'", "use the results key, e.g. exact_match,strict-match")
-        if body.get("construct") != "diagnostic" and not body.get("strict"):
-            raise UserError(f"{where}: benchmark {name!r} lacks `strict`", "name the results key of its score, e.g. acc,none")
-        out[str(name)] = Benchmark(str(name), tuple(str(t) for t in tasks), body["construct"], body.get("strict"), body.get("lenient"), str(body.get("why") or ""))
-    return out
-
-
-def load_benchmarks(user_file: str | Path | None = None) -> dict[str, Benchmark]:
-    """Bundled benchmark families, with those of a user YAML added or replacing them by name."""
-    text = resources.files("lm_eval_sink").joinpath("data/benchmarks.yaml").read_text(encoding="utf-8")
-    out = _parse_benchmarks(text, "lm_eval_sink/data/benchmarks.yaml")
-    if user_file is not None:
-        path = Path(user_file)
-        if not path.is_file():
-            raise UserError(f"{path}: no such benchmarks file", "pass a YAML shaped like lm_eval_sink/data/benchmarks.yaml")
-        out.update(_parse_benchmarks(path.read_text(encoding="utf-8"), str(path)))
-    return out
-
-
-def benchmark_of(task: str, benchmarks: dict[str, Benchmark]) -> Benchmark | None:
-    """The family of an lm-eval task: an exact name first, else the longest matching pattern."""
-    for b in benchmarks.values():
-        if task in b.tasks:
-            return b
-    best: tuple[int, Benchmark] | None = None
-    for b in benchmarks.values():
-        for pat in b.tasks:
-            if fnmatch.fnmatchcase(task, pat) and (best is None or len(pat) > best[0]):
-                best = (len(pat), b)
-    return best[1] if best else None
 
 
 # --- measurements ----------------------------------------------------------------------------
@@ -306,7 +233,7 @@ def _compare(r: Measurement, c: Measurement, kind: str, samples_rows: Any, bench
                per_prompt=None, protocol_part=None)
     if kind == "same_protocol" and r.samples and c.samples and bench is not None and bench.strict:
         pp = per_prompt_split(samples_rows(r.samples), samples_rows(c.samples), bench.strict, bench.lenient, ref_where=r.samples, cand_where=c.samples,
-                              allow_partial=allow_partial)
+                              allow_partial=allow_partial, doc_mismatch_hint=bench.doc_mismatch_hint)
         row["per_prompt"] = pp
         row.update(gap=pp["gap"], access=pp["access"], capacity=pp["capacity"], split_from="samples" if pp["access"] is not None else None)
         row["per_prompt"]["matches_results"] = (r.n == c.n == pp["n"] and abs(pp["gap"] - split["gap"]) < 1e-6) if r.n and c.n else None

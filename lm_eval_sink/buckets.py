@@ -16,7 +16,8 @@
   and Holm-adjusted ones, and one primary failure kind per regression (failure_kinds.py).
 - tasks with a lenient twin filter (GSM8K-CoT, GPQA-CoT): regressions split into format failures
   (the lenient filter still finds the right answer) and wrong answers.
-Task knowledge (default metric, filter, kind, lenient filter) is data: data/bucket_tasks.yaml.
+Task knowledge (default metric and filter = the strict key, kind, lenient filter, IFEval checker) is data:
+data/benchmarks.yaml, the table `attribute` reads too (benchmarks.py).
 `run_buckets` resolves two runs, adds both runs' provenance and protocol (the protocols.py fingerprint
 of each run for the task; its differences from protocols.task_diff) and writes the outputs.
 numpy/scipy only: no torch or transformers here.
@@ -26,18 +27,16 @@ from __future__ import annotations
 
 import csv
 import difflib
-import fnmatch
-import functools
 import io as _io
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from lm_eval_sink.benchmarks import Benchmark, benchmark_of, ifeval_instructions, load_benchmarks
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.failure_kinds import classify_ifeval, is_truncated, kind_counts, max_gen_toks_in, max_gen_toks_of
 from lm_eval_sink.pairing import filter_of, index_docs, outcome, pair_docs
@@ -45,52 +44,10 @@ from lm_eval_sink.pairing import filter_of, index_docs, outcome, pair_docs
 log = logging.getLogger(__name__)
 
 BUCKETS = ("both_pass", "regression", "recovered", "both_fail")
-KINDS = ("binary", "continuous")
 SCHEMA_VERSION = 1
 _BOOT_CHUNK = 256
-
-
-# --- task knowledge ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class TaskSpec:
-    """One entry of data/bucket_tasks.yaml (None fields: the generic path decides)."""
-
-    match: str
-    metric: str | None = None
-    filter: str | None = None
-    kind: str | None = None
-    family: str | None = None
-    instruction_metrics: Mapping[str, str] = field(default_factory=dict)
-    lenient_filter: str | None = None
-    doc_mismatch_hint: str | None = None
-
-
-@functools.cache
-def _task_table() -> tuple[tuple[TaskSpec, ...], dict[str, dict[str, str]]]:
-    import yaml
-
-    text = resources.files("lm_eval_sink").joinpath("data/bucket_tasks.yaml").read_text(encoding="utf-8")
-    data = yaml.safe_load(text)
-    specs = tuple(TaskSpec(**entry) for entry in data["tasks"])
-    for s in specs:
-        if s.kind is not None and s.kind not in KINDS:
-            raise ValueError(f"bucket_tasks.yaml: {s.match}: kind {s.kind!r} is not one of {KINDS}")
-    return specs, dict(data["ifeval_instructions"])
-
-
-def task_spec(task: str | None) -> TaskSpec:
-    """The first table entry matching `task`, else the generic spec."""
-    if task is not None:
-        for spec in _task_table()[0]:
-            if fnmatch.fnmatchcase(task, spec.match):
-                return spec
-    return TaskSpec(match="*")
-
-
-def ifeval_instruction_table() -> dict[str, dict[str, str]]:
-    return _task_table()[1]
+# a task in no family of data/benchmarks.yaml: metric, filter and kind come from the samples
+_GENERIC = Benchmark("generic", ("*",), "unknown", None, None, "")
 
 
 # --- settings and result -------------------------------------------------------------------------
@@ -250,7 +207,7 @@ def _four(ref_pass: Sequence[bool], cand_pass: Sequence[bool]) -> dict[str, int]
 # --- filter and metric (pairing itself: pairing.py) -----------------------------------------------
 
 
-def _choose_filter(ref: Sequence[Mapping], cand: Sequence[Mapping], wanted: str | None, spec: TaskSpec, labels: tuple[str, str]) -> str:
+def _choose_filter(ref: Sequence[Mapping], cand: Sequence[Mapping], wanted: str | None, spec: Benchmark, labels: tuple[str, str]) -> str:
     ref_f = sorted({filter_of(r) for r in ref})
     cand_f = sorted({filter_of(r) for r in cand})
     if wanted is not None:
@@ -268,7 +225,7 @@ def _choose_filter(ref: Sequence[Mapping], cand: Sequence[Mapping], wanted: str 
     raise UserError(f"the samples hold several filters ({', '.join(common)})", "choose one with --filter")
 
 
-def _choose_metric(ref_rows: Mapping[int, Mapping], wanted: str | None, spec: TaskSpec, label: str) -> str:
+def _choose_metric(ref_rows: Mapping[int, Mapping], wanted: str | None, spec: Benchmark, label: str) -> str:
     first = ref_rows[min(ref_rows)]
     listed = [m for m in first.get("metrics", []) if isinstance(m, str)]
     available = listed or sorted(k for k, v in first.items() if isinstance(v, bool | int | float | list) and k != "doc_id")
@@ -318,7 +275,7 @@ def bucket(
     """
     if not reference_samples or not candidate_samples:
         raise UserError(f"{labels[0] if not reference_samples else labels[1]}: no samples", "pass a samples file written by lm-eval --log_samples")
-    spec = task_spec(task)
+    spec = benchmark_of(task, load_benchmarks()) or _GENERIC
     filt = _choose_filter(reference_samples, candidate_samples, settings.filter, spec, labels)
     ref_rows = index_docs(reference_samples, filt, labels[0])
     cand_rows = index_docs(candidate_samples, filt, labels[1])
@@ -390,7 +347,7 @@ def bucket(
     truncation = _mark_truncation(regressions, cand_rows, by_id, settings, count_tokens, fallback_max_gen_toks)
 
     instruction_level = instruction_types = failure = None
-    if spec.family == "ifeval":
+    if spec.checker == "ifeval":
         inst_metric = spec.instruction_metrics.get(metric)
         if inst_metric is not None:
             instruction_level, instruction_types = _instruction_stats(ids, ref_rows, cand_rows, inst_metric, by_id, settings, labels)
@@ -503,7 +460,7 @@ def _instruction_stats(ids, ref_rows, cand_rows, inst_metric, by_id, settings, l
 def _failure_kinds(regressions, cand_rows, by_id, loose: bool, progress: bool) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
-    table = ifeval_instruction_table()
+    table = ifeval_instructions()
     kinds, disagreements = [], 0
     for i in tqdm(regressions, desc="failure kinds", disable=not progress, leave=False):
         doc = cand_rows[i].get("doc")

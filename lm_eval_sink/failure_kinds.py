@@ -4,7 +4,7 @@ Each IFEval regression (reference passes, candidate fails) gets exactly one prim
 rule, applied to the candidate's response:
 1. `truncation`: the response hit the generation limit (`is_truncated`) AND at least one failed
    instruction can be broken by cutting a response short (the `truncation` column of
-   `ifeval_instructions` in data/bucket_tasks.yaml: an end phrase, a postscript, a closing brace
+   `ifeval_instructions` in data/benchmarks.yaml: an end phrase, a postscript, a closing brace
    can; a forbidden word, a comma, the language cannot).
 2. Otherwise the kind of the failed instructions, taking the first of this order that occurs:
    `language` (a wrong-language answer also breaks most other checks, so it explains them),

@@ -271,7 +271,7 @@ def _merge(parts: list[tuple[str, dict[str, Any]]], benchmarks: set[str]) -> Reg
 
 def load_registry(user_file: str | Path | None = None) -> Registry:
     """The bundled registry, plus a user YAML of the same shape (its ids must be new)."""
-    from lm_eval_sink.attribution import load_benchmarks
+    from lm_eval_sink.benchmarks import load_benchmarks
 
     text = resources.files("lm_eval_sink").joinpath("data/vendors.yaml").read_text(encoding="utf-8")
     parts = [("lm_eval_sink/data/vendors.yaml", _read_yaml(text, "lm_eval_sink/data/vendors.yaml"))]

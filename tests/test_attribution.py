@@ -9,14 +9,13 @@ import pytest
 from constructed_runs import TS, write_run
 
 from lm_eval_sink.attribution import (
-    benchmark_of,
     lineage,
-    load_benchmarks,
     per_prompt_split,
     plot_rows,
     run_attribution,
     to_markdown,
 )
+from lm_eval_sink.benchmarks import benchmark_of, load_benchmarks
 from lm_eval_sink.cli import main
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.vendors import STATED_KEYS, load_registry

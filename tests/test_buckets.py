@@ -330,6 +330,14 @@ def test_generic_binary_task_needs_no_table_entry(shared_data):
     assert rep.instruction_types is None and rep.failure_kinds is None and rep.format_split is None
 
 
+def test_task_in_no_family_takes_the_generic_path(shared_data):
+    ref = _boolq_lines(shared_data, [1, 1, 0, 0])
+    cand = _boolq_lines(shared_data, [1, 0, 1, 0])
+    rep = bucket(ref, cand, "my_boolq_variant", FAST)  # in no family of data/benchmarks.yaml
+    assert (rep.metric, rep.filter, rep.kind) == ("acc", "none", "binary")
+    assert rep.counts == {"both_pass": 1, "regression": 1, "recovered": 1, "both_fail": 1}
+
+
 def test_modules_import_no_torch():
     code = ("import sys, lm_eval_sink.buckets, lm_eval_sink.failure_kinds; "
             "bad = [m for m in ('torch', 'transformers', 'lm_eval', 'click', 'lm_eval_sink.plots', 'matplotlib') if m in sys.modules]; "
