@@ -66,17 +66,6 @@ class Benchmark:
         metric, filt = self.lenient.split(",", 1)
         return filt if metric == self.metric else None
 
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "tasks": list(self.tasks), "construct": self.construct, "strict": self.strict, "lenient": self.lenient, "why": self.why,
-                "kind": self.kind, "checker": self.checker, "instruction_metrics": dict(self.instruction_metrics), "doc_mismatch_hint": self.doc_mismatch_hint}
-
-
-def _optional_str(body: dict[str, Any], key: str, name: str, where: str) -> str | None:
-    v = body.get(key)
-    if v is not None and not isinstance(v, str):
-        raise UserError(f"{where}: benchmark {name!r} {key} is {v!r}, not a string", f"see {_BUNDLED} for the format")
-    return v
-
 
 def _parse_entry(name: str, body: Any, where: str) -> Benchmark:
     from lm_eval_sink.vendors import _unknown
@@ -98,13 +87,15 @@ def _parse_entry(name: str, body: Any, where: str) -> Benchmark:
     for key, allowed in (("kind", KINDS), ("checker", CHECKERS)):
         if body.get(key) not in (None, *allowed):
             raise UserError(f"{where}: benchmark {name!r} has {key} {body[key]!r}", f"use one of {', '.join(allowed)}, or leave it out")
+    if not isinstance(body.get("doc_mismatch_hint") or "", str):
+        raise UserError(f"{where}: benchmark {name!r} doc_mismatch_hint is {body['doc_mismatch_hint']!r}, not a string", "write one line of advice")
     inst = body.get("instruction_metrics") or {}
     if not isinstance(inst, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in inst.items()):
         raise UserError(f"{where}: benchmark {name!r} instruction_metrics must map metric names to metric names",
                         "e.g. {prompt_level_strict_acc: inst_level_strict_acc}")
     return Benchmark(str(name), tuple(str(t) for t in tasks), body["construct"], body.get("strict"), body.get("lenient"), str(body.get("why") or ""),
                      kind=body.get("kind"), checker=body.get("checker"), instruction_metrics=dict(inst),
-                     doc_mismatch_hint=_optional_str(body, "doc_mismatch_hint", str(name), where))
+                     doc_mismatch_hint=body.get("doc_mismatch_hint"))
 
 
 def _parse(text: str, where: str, top_keys: set[str]) -> dict[str, Any]:
