@@ -19,7 +19,7 @@ from lm_eval_sink.calibration import builtin_prompts, encode_prompts
 from lm_eval_sink.harness import tasks_dir
 from lm_eval_sink.runs import load_results, read_samples
 
-LM_EVAL = [sys.executable, "-c", "import sys; sys.argv[0] = 'lm_eval'; from lm_eval.__main__ import cli_evaluate; cli_evaluate()"]
+LM_EVAL = [str(Path(sys.executable).with_name("lm_eval"))]  # the real console script of this environment
 DRIVER = Path(__file__).parent / "drivers" / "lm_eval_counting.py"
 
 
