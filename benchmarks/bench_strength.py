@@ -1,7 +1,7 @@
 """Cost of Sink Strength vs a plain forward of the same batch, on SmolLM2-135M-Instruct (CPU).
 
-Prints, for the 15 calibration prompts in one padded batch: the median wall time of S
-(`capture_prompts` + reduction) over the median of a plain sdpa forward (ratio), and the peak
+Prints, for the 15 calibration prompts in one padded batch: the median wall time of S (runs of the
+two alternate in one process) over that of a plain sdpa forward (ratio), and the peak
 resident memory added by each over the loaded model, each measured in its own subprocess (peak RSS
 is per process). Also prints S for K = 10 / all layers and N = 5 / 15.
 Usage: python benchmarks/bench_strength.py [--repeats 5]
@@ -35,12 +35,15 @@ def plain():
 def sink():
     caps = capture_prompts(m.model, enc, layers, batch_size=n, progress=False)
     reduce_captures(caps, StrengthSettings(), 30)
-fn = plain if mode == "plain" else sink
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # model loaded, nothing run yet
-fn()  # warm-up
-times = []
-for _ in range(repeats):
-    t = time.perf_counter(); fn(); times.append(time.perf_counter() - t)
+times = {"plain": [], "sink": []}
+if mode == "time":  # alternate the two, so load on the machine hits both alike
+    plain(); sink()
+    for _ in range(repeats):
+        for name, fn in (("plain", plain), ("sink", sink)):
+            t = time.perf_counter(); fn(); times[name].append(time.perf_counter() - t)
+else:  # peak memory of one kind of call, in a process of its own
+    (plain if mode == "plain" else sink)()
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 print(json.dumps({"times": times, "peak_kib": peak, "base_kib": base}))
 """
@@ -55,9 +58,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
-    plain, sink = child("plain", args.repeats), child("sink", args.repeats)
-    tp, ts = statistics.median(plain["times"]), statistics.median(sink["times"])
-    print(f"15 prompts, one batch, CPU fp32, {args.repeats} runs each (medians)")
+    timing = child("time", args.repeats)
+    plain, sink = child("plain", 0), child("sink", 0)
+    tp, ts = statistics.median(timing["times"]["plain"]), statistics.median(timing["times"]["sink"])
+    print(f"15 prompts, one batch, CPU fp32, {args.repeats} alternating runs each (medians); peak RSS from one call per process")
     for name, r, t in (("plain forward", plain, tp), ("Sink Strength", sink, ts)):
         print(f"{name:14s} {t:.3f} s   peak RSS {r['peak_kib'] / 1024:.0f} MiB (+{(r['peak_kib'] - r['base_kib']) / 1024:.0f} MiB over the loaded model)")
     print(f"time ratio S / forward: {ts / tp:.2f}   peak RSS ratio: {sink['peak_kib'] / plain['peak_kib']:.3f}   "

@@ -16,7 +16,8 @@ benchmark family this module reports the observed gap (candidate minus reference
   capacity. Per prompt from the sample logs when both have them: with s, l the strict and lenient
   outcomes of doc i, gap = mean(c_s - r_s) = access + capacity, capacity = mean(c_l - r_l),
   access = gap - capacity, so the parts add up exactly; else from the aggregate results;
-- construct: each family's class (knowledge / procedure / format) from `data/benchmarks.yaml`;
+- construct: each family's class (knowledge / procedure / format) from `data/benchmarks.yaml`
+  (benchmarks.py: the task table `buckets` reads too);
 - mixture: the recipe facts the user declares, shown, never inferred.
 
 The computing functions take plain values and sample rows; the loaders at the end read lm-eval
@@ -25,18 +26,16 @@ runs and registry entries into `Measurement`s. No torch, no transformers.
 
 from __future__ import annotations
 
-import fnmatch
 import json
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from lm_eval_sink.benchmarks import Benchmark, benchmark_of, load_benchmarks
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.pairing import index_docs, outcome, pair_docs
 
 SCHEMA_VERSION = 1
-CONSTRUCTS = ("knowledge", "procedure", "format", "diagnostic")
-_BENCH_KEYS = {"tasks", "construct", "strict", "lenient", "why"}
 LINEAGE_STATUSES = ("same_checkpoint", "parent", "not_parent", "unknown", "mismatched")
 # Config fields that name the language model a VLM (or adapter) was built from.
 LINEAGE_CONFIG_FIELDS = ("text_config._name_or_path", "llm_config._name_or_path", "language_config._name_or_path", "base_model_name_or_path")
@@ -45,77 +44,6 @@ LINEAGE_CONFIG_FIELDS = ("text_config._name_or_path", "llm_config._name_or_path"
 def _pts(x: float | None) -> float | None:
     """Points (0-100) rounded so that reruns are byte-identical."""
     return None if x is None else round(float(x), 6)
-
-
-# --- construct and metrics as data -----------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Benchmark:
-    """A benchmark family: its lm-eval tasks, construct, and strict / lenient results keys."""
-
-    name: str
-    tasks: tuple[str, ...]
-    construct: str
-    strict: str | None
-    lenient: str | None
-    why: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "tasks": list(self.tasks), "construct": self.construct, "strict": self.strict, "lenient": self.lenient, "why": self.why}
-
-
-def _parse_benchmarks(text: str, where: str) -> dict[str, Benchmark]:
-    from lm_eval_sink.protocols import _load_yaml
-    from lm_eval_sink.vendors import _unknown
-
-    data = _load_yaml(text, where)
-    if not isinstance(data, dict) or not isinstance(data.get("benchmarks"), dict):
-        raise UserError(f"{where}: expected a mapping with `benchmarks: {{NAME: {{tasks, construct, strict, lenient, why}}}}`",
-                        "see lm_eval_sink/data/benchmarks.yaml for the format")
-    out = {}
-    for name, body in data["benchmarks"].items():
-        if not isinstance(body, dict):
-            raise UserError(f"{where}: benchmark {name!r} must be a mapping", "see lm_eval_sink/data/benchmarks.yaml")
-        _unknown(body, _BENCH_KEYS, f"benchmark {name!r}", where)
-        if body.get("construct") not in CONSTRUCTS:
-            raise UserError(f"{where}: benchmark {name!r} has construct {body.get('construct')!r}", f"use one of {', '.join(CONSTRUCTS)}")
-        tasks = body.get("tasks")
-        if not isinstance(tasks, list) or not tasks:
-            raise UserError(f"{where}: benchmark {name!r} lists no tasks", "give `tasks: [lm-eval task names or patterns]`")
-        for key in ("strict", "lenient"):
-            v = body.get(key)
-            if v is not None and (not isinstance(v, str) or "," not in v):
-                raise UserError(f"{where}: benchmark {name!r} {key} key {v!r} is not 'metric,filter'", "use the results key, e.g. exact_match,strict-match")
-        if body.get("construct") != "diagnostic" and not body.get("strict"):
-            raise UserError(f"{where}: benchmark {name!r} lacks `strict`", "name the results key of its score, e.g. acc,none")
-        out[str(name)] = Benchmark(str(name), tuple(str(t) for t in tasks), body["construct"], body.get("strict"), body.get("lenient"), str(body.get("why") or ""))
-    return out
-
-
-def load_benchmarks(user_file: str | Path | None = None) -> dict[str, Benchmark]:
-    """Bundled benchmark families, with those of a user YAML added or replacing them by name."""
-    text = resources.files("lm_eval_sink").joinpath("data/benchmarks.yaml").read_text(encoding="utf-8")
-    out = _parse_benchmarks(text, "lm_eval_sink/data/benchmarks.yaml")
-    if user_file is not None:
-        path = Path(user_file)
-        if not path.is_file():
-            raise UserError(f"{path}: no such benchmarks file", "pass a YAML shaped like lm_eval_sink/data/benchmarks.yaml")
-        out.update(_parse_benchmarks(path.read_text(encoding="utf-8"), str(path)))
-    return out
-
-
-def benchmark_of(task: str, benchmarks: dict[str, Benchmark]) -> Benchmark | None:
-    """The family of an lm-eval task: an exact name first, else the longest matching pattern."""
-    for b in benchmarks.values():
-        if task in b.tasks:
-            return b
-    best: tuple[int, Benchmark] | None = None
-    for b in benchmarks.values():
-        for pat in b.tasks:
-            if fnmatch.fnmatchcase(task, pat) and (best is None or len(pat) > best[0]):
-                best = (len(pat), b)
-    return best[1] if best else None
 
 
 # --- measurements ----------------------------------------------------------------------------
@@ -152,63 +80,34 @@ class Measurement:
 # --- per-prompt access vs capacity -----------------------------------------------------------
 
 
-def _outcomes(rows: list[dict[str, Any]], key: str, where: str) -> dict[Any, tuple[float, str | None, str | None]]:
-    """doc_id -> (outcome, doc_hash, prompt_hash) for results key `metric,filter`."""
-    metric, flt = key.split(",", 1)
-    sel = [r for r in rows if r.get("filter", "none") == flt]
-    if not sel:
-        have = sorted({str(r.get("filter")) for r in rows})
-        raise UserError(f"{where}: no samples under filter {flt!r} (filters present: {', '.join(have)})", "pass samples of the same task with that filter")
-    out: dict[Any, tuple[float, str | None, str | None]] = {}
-    for r in sel:
-        if metric not in r:
-            raise UserError(f"{where}: doc {r['doc_id']} has no {metric!r} value", "pass samples written by lm-eval --log_samples for this task")
-        if r["doc_id"] in out:
-            raise UserError(f"{where}: doc_id {r['doc_id']} appears twice under filter {flt!r}", "pass one run's samples file, not concatenated logs")
-        v = r[metric]
-        if isinstance(v, list):
-            raise UserError(f"{where}: {metric!r} is a list per doc, not a per-prompt outcome", f"use a prompt-level metric instead of {metric!r}")
-        out[r["doc_id"]] = (float(v), r.get("doc_hash"), r.get("prompt_hash"))
-    return out
-
-
 def per_prompt_split(ref_rows: list[dict[str, Any]], cand_rows: list[dict[str, Any]], strict_key: str, lenient_key: str | None, *,
-                     ref_where: str = "reference", cand_where: str = "candidate", allow_partial: bool = False) -> dict[str, Any]:
-    """Pair two sample logs by doc_id (doc hashes must agree) and split the strict gap per prompt.
+                     ref_where: str = "reference", cand_where: str = "candidate", allow_partial: bool = False,
+                     doc_mismatch_hint: str | None = None) -> dict[str, Any]:
+    """Pair two sample logs per doc (pairing.py: same documents, same doc sets unless `allow_partial`)
+    and split the strict gap per prompt.
 
     Returns points: `gap` = mean(c_s - r_s); with a lenient key, `capacity` = mean(c_l - r_l) and
     `access` = gap - capacity, plus counts of strict regressions that the lenient check forgives
     (access) or not (capacity). Prompt-hash differences are counted (expected across protocols).
     """
-    rs, cs = _outcomes(ref_rows, strict_key, ref_where), _outcomes(cand_rows, strict_key, cand_where)
-    rl = _outcomes(ref_rows, lenient_key, ref_where) if lenient_key else None
-    cl = _outcomes(cand_rows, lenient_key, cand_where) if lenient_key else None
-    ref_only, cand_only = sorted(set(rs) - set(cs), key=str), sorted(set(cs) - set(rs), key=str)
-    if (ref_only or cand_only) and not allow_partial:
-        raise UserError(f"{ref_where} and {cand_where} hold different docs ({len(rs)} vs {len(cs)}; {len(ref_only)} only in the reference, "
-                        f"{len(cand_only)} only in the candidate)", "run both with the same --limit, or pass --allow-partial to use the common docs")
-    ids = sorted(set(rs) & set(cs), key=lambda d: (str(type(d)), d))
-    if not ids:
-        raise UserError(f"{ref_where} and {cand_where} share no doc_id", "pass sample logs of the same task and data")
-    bad = [d for d in ids if rs[d][1] and cs[d][1] and rs[d][1] != cs[d][1]]
-    if bad:
-        raise UserError(f"{ref_where} and {cand_where}: doc_id {bad[0]} has different doc_hash ({len(bad)} docs differ): they are different documents",
-                        "compare runs of the same task version and dataset")
+    metric, flt = strict_key.split(",", 1)
+    ref_docs, cand_docs = index_docs(ref_rows, flt, ref_where), index_docs(cand_rows, flt, cand_where)
+    ids, pairing = pair_docs(ref_docs, cand_docs, (ref_where, cand_where), allow_partial=allow_partial, doc_mismatch_hint=doc_mismatch_hint)
     n = len(ids)
-    prompt_diff = sum(1 for d in ids if rs[d][2] != cs[d][2])
-    r_s = [rs[d][0] for d in ids]
-    c_s = [cs[d][0] for d in ids]
+    r_s = [outcome(ref_docs[d], metric, ref_where) for d in ids]
+    c_s = [outcome(cand_docs[d], metric, cand_where) for d in ids]
     gap = 100.0 * sum(c - r for c, r in zip(c_s, r_s, strict=True)) / n
     out: dict[str, Any] = {
-        "n": n, "dropped": {"reference_only": len(ref_only), "candidate_only": len(cand_only)}, "prompt_hash_differs": prompt_diff,
+        "n": n, "dropped": {"reference_only": len(pairing["dropped_reference_only"]), "candidate_only": len(pairing["dropped_candidate_only"])},
+        "prompt_hash_differs": pairing["prompt_hash_differs"]["count"],
         "reference": {"strict": _pts(100.0 * sum(r_s) / n)}, "candidate": {"strict": _pts(100.0 * sum(c_s) / n)},
         "gap": _pts(gap), "access": None, "capacity": None,
         "strict_regressions": sum(1 for r, c in zip(r_s, c_s, strict=True) if r > c),
         "strict_recoveries": sum(1 for r, c in zip(r_s, c_s, strict=True) if c > r),
     }
-    if rl is not None and cl is not None:
-        r_l = [rl[d][0] for d in ids]
-        c_l = [cl[d][0] for d in ids]
+    if lenient_key:
+        r_l = _lenient_outcomes(ref_rows, ids, lenient_key, ref_where)
+        c_l = _lenient_outcomes(cand_rows, ids, lenient_key, cand_where)
         capacity = 100.0 * sum(c - r for c, r in zip(c_l, r_l, strict=True)) / n
         access_docs = [d for d, r, c, lc in zip(ids, r_s, c_s, c_l, strict=True) if r > c and lc >= r]
         capacity_docs = [d for d, r, c, lc in zip(ids, r_s, c_s, c_l, strict=True) if r > c and lc < r]
@@ -221,6 +120,17 @@ def per_prompt_split(ref_rows: list[dict[str, Any]], cand_rows: list[dict[str, A
             "lenient_regressions": sum(1 for r, c in zip(r_l, c_l, strict=True) if r > c),
         })
     return out
+
+
+def _lenient_outcomes(rows: list[dict[str, Any]], ids: list[int], key: str, where: str) -> list[float]:
+    """The lenient outcome of each paired doc (the lenient filter must hold every one of them)."""
+    metric, flt = key.split(",", 1)
+    docs = index_docs(rows, flt, where)
+    missing = [d for d in ids if d not in docs]
+    if missing:
+        raise UserError(f"{where}: {len(missing)} paired docs have no sample under filter {flt!r} (e.g. doc_id {missing[0]})",
+                        "pass samples of one lm-eval run, written with every filter of the task")
+    return [outcome(docs[d], metric, where) for d in ids]
 
 
 def aggregate_split(ref: Measurement, cand: Measurement) -> dict[str, Any]:
@@ -290,15 +200,12 @@ class Attribution:
 
 def _differing(r: Measurement, c: Measurement) -> list[dict[str, Any]]:
     """Protocol fields in which two measurements differ (as far as their sources record them)."""
-    from lm_eval_sink.protocols import diff
+    from lm_eval_sink.protocols import task_diff
     from lm_eval_sink.vendors import compare_stated, compare_stated_pair
 
     if r.fingerprint is not None and c.fingerprint is not None:
-        out = []
-        for d in diff(r.fingerprint, c.fingerprint):
-            if d.field == "tasks" or (d.field.startswith("tasks.") and not (d.field.startswith(f"tasks.{r.task}.") or d.field.startswith(f"tasks.{c.task}."))):
-                continue
-            out.append({"field": d.field, "reference": d.a, "candidate": d.b, "affects_scores": d.affects_scores})
+        out = [{"field": d.field, "reference": d.a, "candidate": d.b, "affects_scores": d.affects_scores}
+               for d in task_diff(r.fingerprint, c.fingerprint, (r.task, c.task))]
         if r.task != c.task:
             out.insert(0, {"field": "task", "reference": r.task, "candidate": c.task, "affects_scores": True})
         return out
@@ -326,7 +233,7 @@ def _compare(r: Measurement, c: Measurement, kind: str, samples_rows: Any, bench
                per_prompt=None, protocol_part=None)
     if kind == "same_protocol" and r.samples and c.samples and bench is not None and bench.strict:
         pp = per_prompt_split(samples_rows(r.samples), samples_rows(c.samples), bench.strict, bench.lenient, ref_where=r.samples, cand_where=c.samples,
-                              allow_partial=allow_partial)
+                              allow_partial=allow_partial, doc_mismatch_hint=bench.doc_mismatch_hint)
         row["per_prompt"] = pp
         row.update(gap=pp["gap"], access=pp["access"], capacity=pp["capacity"], split_from="samples" if pp["access"] is not None else None)
         row["per_prompt"]["matches_results"] = (r.n == c.n == pp["n"] and abs(pp["gap"] - split["gap"]) < 1e-6) if r.n and c.n else None

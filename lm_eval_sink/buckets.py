@@ -2,10 +2,10 @@
 
 `bucket(reference_samples, candidate_samples, task, settings)` works on parsed samples logs
 (lists of the dicts lm-eval writes with `--log_samples`) and returns a `BucketReport`:
-- pairing: docs are joined on (doc_id, filter) and must be the same document (equal `doc_hash`,
-  or equal docs once null fields are dropped); different doc sets, filters or documents are one
-  UserError giving how many differ and an example. Different `prompt_hash`es are expected across
-  protocols (chat template, few-shot) and are counted, not refused.
+- pairing (pairing.py, shared with attribution): docs are joined on (doc_id, filter) and must be
+  the same document; different doc sets, filters or documents are one UserError giving how many
+  differ and an example. Different `prompt_hash`es are expected across protocols (chat template,
+  few-shot) and are counted, not refused.
 - buckets for a 0/1 metric: both_pass, regression (reference passes, candidate fails), recovered,
   both_fail; `delta` = candidate mean minus reference mean with a seeded paired bootstrap interval
   over docs; `mcnemar_p` = exact two-sided binomial test on the discordant pairs (scipy).
@@ -16,8 +16,10 @@
   and Holm-adjusted ones, and one primary failure kind per regression (failure_kinds.py).
 - tasks with a lenient twin filter (GSM8K-CoT, GPQA-CoT): regressions split into format failures
   (the lenient filter still finds the right answer) and wrong answers.
-Task knowledge (default metric, filter, kind, lenient filter) is data: data/bucket_tasks.yaml.
-`run_buckets` resolves two runs, adds both runs' provenance and protocol, and writes the outputs.
+Task knowledge (default metric and filter = the strict key, kind, lenient filter, IFEval checker) is data:
+data/benchmarks.yaml, the table `attribute` reads too (benchmarks.py).
+`run_buckets` resolves two runs, adds both runs' provenance and protocol (the protocols.py fingerprint
+of each run for the task; its differences from protocols.task_diff) and writes the outputs.
 numpy/scipy only: no torch or transformers here.
 """
 
@@ -25,70 +27,27 @@ from __future__ import annotations
 
 import csv
 import difflib
-import fnmatch
-import functools
 import io as _io
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from lm_eval_sink.benchmarks import Benchmark, benchmark_of, ifeval_instructions, load_benchmarks
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.failure_kinds import classify_ifeval, is_truncated, kind_counts, max_gen_toks_of
+from lm_eval_sink.failure_kinds import classify_ifeval, is_truncated, kind_counts, max_gen_toks_in, max_gen_toks_of
+from lm_eval_sink.pairing import filter_of, index_docs, outcome, pair_docs
 
 log = logging.getLogger(__name__)
 
 BUCKETS = ("both_pass", "regression", "recovered", "both_fail")
-KINDS = ("binary", "continuous")
 SCHEMA_VERSION = 1
 _BOOT_CHUNK = 256
-
-
-# --- task knowledge ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class TaskSpec:
-    """One entry of data/bucket_tasks.yaml (None fields: the generic path decides)."""
-
-    match: str
-    metric: str | None = None
-    filter: str | None = None
-    kind: str | None = None
-    family: str | None = None
-    instruction_metrics: Mapping[str, str] = field(default_factory=dict)
-    lenient_filter: str | None = None
-    doc_mismatch_hint: str | None = None
-
-
-@functools.cache
-def _task_table() -> tuple[tuple[TaskSpec, ...], dict[str, dict[str, str]]]:
-    import yaml
-
-    text = resources.files("lm_eval_sink").joinpath("data/bucket_tasks.yaml").read_text(encoding="utf-8")
-    data = yaml.safe_load(text)
-    specs = tuple(TaskSpec(**entry) for entry in data["tasks"])
-    for s in specs:
-        if s.kind is not None and s.kind not in KINDS:
-            raise ValueError(f"bucket_tasks.yaml: {s.match}: kind {s.kind!r} is not one of {KINDS}")
-    return specs, dict(data["ifeval_instructions"])
-
-
-def task_spec(task: str | None) -> TaskSpec:
-    """The first table entry matching `task`, else the generic spec."""
-    if task is not None:
-        for spec in _task_table()[0]:
-            if fnmatch.fnmatchcase(task, spec.match):
-                return spec
-    return TaskSpec(match="*")
-
-
-def ifeval_instruction_table() -> dict[str, dict[str, str]]:
-    return _task_table()[1]
+# a task in no family of data/benchmarks.yaml: metric, filter and kind come from the samples
+_GENERIC = Benchmark("generic", ("*",), "unknown", None, None, "")
 
 
 # --- settings and result -------------------------------------------------------------------------
@@ -245,24 +204,12 @@ def _four(ref_pass: Sequence[bool], cand_pass: Sequence[bool]) -> dict[str, int]
     return counts
 
 
-# --- pairing -------------------------------------------------------------------------------------
+# --- filter and metric (pairing itself: pairing.py) -----------------------------------------------
 
 
-def _filter_of(row: Mapping[str, Any]) -> str:
-    return str(row.get("filter", "none"))
-
-
-def _drop_nulls(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {k: _drop_nulls(v) for k, v in obj.items() if v is not None}
-    if isinstance(obj, list):
-        return [_drop_nulls(v) for v in obj]
-    return obj
-
-
-def _choose_filter(ref: Sequence[Mapping], cand: Sequence[Mapping], wanted: str | None, spec: TaskSpec, labels: tuple[str, str]) -> str:
-    ref_f = sorted({_filter_of(r) for r in ref})
-    cand_f = sorted({_filter_of(r) for r in cand})
+def _choose_filter(ref: Sequence[Mapping], cand: Sequence[Mapping], wanted: str | None, spec: Benchmark, labels: tuple[str, str]) -> str:
+    ref_f = sorted({filter_of(r) for r in ref})
+    cand_f = sorted({filter_of(r) for r in cand})
     if wanted is not None:
         for name, have in zip(labels, (ref_f, cand_f)):
             if wanted not in have:
@@ -278,21 +225,7 @@ def _choose_filter(ref: Sequence[Mapping], cand: Sequence[Mapping], wanted: str 
     raise UserError(f"the samples hold several filters ({', '.join(common)})", "choose one with --filter")
 
 
-def _by_doc(rows: Sequence[Mapping], filt: str, label: str) -> dict[int, Mapping]:
-    out: dict[int, Mapping] = {}
-    for row in rows:
-        if _filter_of(row) != filt:
-            continue
-        doc_id = row["doc_id"]
-        if not isinstance(doc_id, int) or isinstance(doc_id, bool):
-            raise UserError(f"{label}: doc_id {doc_id!r} is not an integer", "pass a samples file written by lm-eval --log_samples")
-        if doc_id in out:
-            raise UserError(f"{label}: doc_id {doc_id} appears twice under filter {filt!r}", "pass one run's samples file, not several concatenated")
-        out[doc_id] = row
-    return out
-
-
-def _choose_metric(ref_rows: Mapping[int, Mapping], wanted: str | None, spec: TaskSpec, label: str) -> str:
+def _choose_metric(ref_rows: Mapping[int, Mapping], wanted: str | None, spec: Benchmark, label: str) -> str:
     first = ref_rows[min(ref_rows)]
     listed = [m for m in first.get("metrics", []) if isinstance(m, str)]
     available = listed or sorted(k for k, v in first.items() if isinstance(v, bool | int | float | list) and k != "doc_id")
@@ -308,84 +241,6 @@ def _choose_metric(ref_rows: Mapping[int, Mapping], wanted: str | None, spec: Ta
         hint = f"did you mean {near[0]!r}? " if near else ""
         raise UserError(f"{label}: no metric {wanted!r} in the samples (they have: {', '.join(available)})", f"{hint}pass one of those with --metric")
     return wanted
-
-
-def _value(row: Mapping, metric: str, label: str) -> float:
-    if metric not in row:
-        raise UserError(f"{label}: doc_id {row['doc_id']} has no metric {metric!r}", "pass samples of one task written by one lm-eval run")
-    v = row[metric]
-    if isinstance(v, list):
-        raise UserError(f"{label}: metric {metric!r} holds a list per doc (an instruction-level metric)", "bucket a prompt-level metric, e.g. --metric prompt_level_strict_acc; instruction-level statistics come with it")
-    if isinstance(v, bool):
-        return float(v)
-    if isinstance(v, int | float) and np.isfinite(v):
-        return float(v)
-    raise UserError(f"{label}: doc_id {row['doc_id']}: metric {metric!r} is {v!r}, not a finite number", "choose a numeric per-sample metric with --metric")
-
-
-def _same_doc(a: Mapping, b: Mapping) -> tuple[bool, bool]:
-    """(same document, same only after dropping null fields)."""
-    ha, hb = a.get("doc_hash"), b.get("doc_hash")
-    if ha is not None and ha == hb:
-        return True, False
-    da, db = a.get("doc"), b.get("doc")
-    if da is None or db is None:
-        return False, False
-    if da == db:
-        return True, False
-    if _drop_nulls(da) == _drop_nulls(db):
-        return True, True
-    return False, False
-
-
-def _describe_doc_diff(a: Any, b: Any) -> str:
-    if isinstance(a, dict) and isinstance(b, dict):
-        keys = sorted(k for k in set(a) | set(b) if _drop_nulls(a.get(k)) != _drop_nulls(b.get(k)))
-        if keys:
-            return f"field {keys[0]!r} differs: {str(a.get(keys[0]))[:40]!r} vs {str(b.get(keys[0]))[:40]!r}"
-    return "the docs differ"
-
-
-def _pair(ref_rows: dict[int, Mapping], cand_rows: dict[int, Mapping], spec: TaskSpec, allow_partial: bool) -> tuple[list[int], dict[str, Any]]:
-    ids_r, ids_c = set(ref_rows), set(cand_rows)
-    only_r, only_c = sorted(ids_r - ids_c), sorted(ids_c - ids_r)
-    if (only_r or only_c) and not allow_partial:
-        example = (only_r or only_c)[0]
-        side = "reference" if only_r else "candidate"
-        raise UserError(
-            f"the runs have different doc sets: {len(only_r)} doc_ids only in the reference, {len(only_c)} only in the candidate "
-            f"(reference {len(ids_r)} docs, candidate {len(ids_c)}; e.g. doc_id {example} is only in the {side})",
-            f"run both with the same --limit/--samples, or pass --allow-partial to pair the {len(ids_r & ids_c)} common docs",
-        )
-    common = sorted(ids_r & ids_c)
-    if not common:
-        raise UserError("the runs share no doc_id", "pass two runs of the same task")
-    different, nulls_only = [], 0
-    for i in common:
-        same, by_nulls = _same_doc(ref_rows[i], cand_rows[i])
-        if not same:
-            different.append(i)
-        nulls_only += by_nulls
-    if different:
-        i = different[0]
-        why = _describe_doc_diff(ref_rows[i].get("doc"), cand_rows[i].get("doc")) if ref_rows[i].get("doc") is not None and cand_rows[i].get("doc") is not None else "doc_hash differs and a doc is missing"
-        raise UserError(
-            f"{len(different)} of {len(common)} paired doc_ids hold different documents in the two runs (e.g. doc_id {i}: {why})",
-            spec.doc_mismatch_hint or "pass two runs of the same task on the same dataset",
-        )
-    prompt_diff = [i for i in common if ref_rows[i].get("prompt_hash") != cand_rows[i].get("prompt_hash")]
-    target_diff = [i for i in common if ref_rows[i].get("target_hash") != cand_rows[i].get("target_hash")]
-    info = {
-        "n_reference": len(ids_r),
-        "n_candidate": len(ids_c),
-        "n_paired": len(common),
-        "dropped_reference_only": only_r,
-        "dropped_candidate_only": only_c,
-        "prompt_hash_differs": {"count": len(prompt_diff), "examples": prompt_diff[:5]},
-        "target_hash_differs": {"count": len(target_diff), "examples": target_diff[:5]},
-        "docs_equal_after_dropping_nulls": nulls_only,
-    }
-    return common, info
 
 
 def _response(row: Mapping, filtered: bool) -> str | None:
@@ -420,15 +275,15 @@ def bucket(
     """
     if not reference_samples or not candidate_samples:
         raise UserError(f"{labels[0] if not reference_samples else labels[1]}: no samples", "pass a samples file written by lm-eval --log_samples")
-    spec = task_spec(task)
+    spec = benchmark_of(task, load_benchmarks()) or _GENERIC
     filt = _choose_filter(reference_samples, candidate_samples, settings.filter, spec, labels)
-    ref_rows = _by_doc(reference_samples, filt, labels[0])
-    cand_rows = _by_doc(candidate_samples, filt, labels[1])
+    ref_rows = index_docs(reference_samples, filt, labels[0])
+    cand_rows = index_docs(candidate_samples, filt, labels[1])
     metric = _choose_metric(ref_rows, settings.metric, spec, labels[0])
     _choose_metric(cand_rows, metric, spec, labels[1])
-    ids, pairing = _pair(ref_rows, cand_rows, spec, settings.allow_partial)
-    ref_v = np.array([_value(ref_rows[i], metric, labels[0]) for i in ids])
-    cand_v = np.array([_value(cand_rows[i], metric, labels[1]) for i in ids])
+    ids, pairing = pair_docs(ref_rows, cand_rows, labels, allow_partial=settings.allow_partial, doc_mismatch_hint=spec.doc_mismatch_hint)
+    ref_v = np.array([outcome(ref_rows[i], metric, labels[0]) for i in ids])
+    cand_v = np.array([outcome(cand_rows[i], metric, labels[1]) for i in ids])
     is01 = bool(np.isin(ref_v, (0.0, 1.0)).all() and np.isin(cand_v, (0.0, 1.0)).all())
     declared = spec.kind if (spec.metric is None or metric == spec.metric) else None
     kind = declared or ("binary" if is01 else "continuous")
@@ -492,7 +347,7 @@ def bucket(
     truncation = _mark_truncation(regressions, cand_rows, by_id, settings, count_tokens, fallback_max_gen_toks)
 
     instruction_level = instruction_types = failure = None
-    if spec.family == "ifeval":
+    if spec.checker == "ifeval":
         inst_metric = spec.instruction_metrics.get(metric)
         if inst_metric is not None:
             instruction_level, instruction_types = _instruction_stats(ids, ref_rows, cand_rows, inst_metric, by_id, settings, labels)
@@ -605,7 +460,7 @@ def _instruction_stats(ids, ref_rows, cand_rows, inst_metric, by_id, settings, l
 def _failure_kinds(regressions, cand_rows, by_id, loose: bool, progress: bool) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
-    table = ifeval_instruction_table()
+    table = ifeval_instructions()
     kinds, disagreements = [], 0
     for i in tqdm(regressions, desc="failure kinds", disable=not progress, leave=False):
         doc = cand_rows[i].get("doc")
@@ -627,16 +482,16 @@ def _failure_kinds(regressions, cand_rows, by_id, loose: bool, progress: bool) -
 
 
 def _format_split(regressions, candidate_samples, lenient: str, metric: str, by_id, label) -> dict[str, Any] | None:
-    lenient_rows = {r["doc_id"]: r for r in candidate_samples if _filter_of(r) == lenient}
-    if not lenient_rows:
+    if not any(filter_of(r) == lenient for r in candidate_samples):
         return {"lenient_filter": lenient, "format_failure": None, "wrong_answer": None, "unknown": len(regressions), "reason": f"the candidate samples have no {lenient!r} filter"}
+    lenient_rows = index_docs(candidate_samples, lenient, label)
     fmt, wrong, unknown = [], [], []
     for i in regressions:
         row = lenient_rows.get(i)
         if row is None or metric not in row:
             unknown.append(i)
             continue
-        ok = _value(row, metric, label) >= 0.5
+        ok = outcome(row, metric, label) >= 0.5
         by_id[i].update(lenient_candidate=ok, format_split="format_failure" if ok else "wrong_answer")
         (fmt if ok else wrong).append(i)
     return {"lenient_filter": lenient, "format_failure": len(fmt), "wrong_answer": len(wrong), "unknown": len(unknown), "format_failure_ids": fmt, "wrong_answer_ids": wrong}
@@ -646,73 +501,78 @@ def _format_split(regressions, candidate_samples, lenient: str, metric: str, by_
 
 _HF_BACKENDS = ("hf", "hf-auto", "huggingface")
 _HF_DEFAULT_MAX_GEN_TOKS = 256  # lm_eval.models.huggingface.HFLM.max_gen_toks (0.4.13)
-_PROTOCOL_FIELDS = ("chat_template_applied", "chat_template_sha", "system_instruction_sha", "fewshot_as_multiturn", "num_fewshot", "task_version", "generation_kwargs", "limit", "batch_size", "dtype", "seeds", "lm_eval_version", "transformers_version")
+# buckets.json names three fingerprint fields its own way (`runs.*.protocol`, `protocol_differences`);
+# every other field keeps the name protocols.task_view / task_diff give it.
+_FIELD_NAMES = {"apply_chat_template": "chat_template_applied", "chat_template": "chat_template_sha", "version": "task_version"}
 
 
-def run_record(run, task: str, samples_path: Path) -> dict[str, Any]:
-    """Model, protocol and file fingerprints of one run (from its results JSON when present)."""
-    from lm_eval_sink.io import sha256_file
+def _field_name(field: str, task: str) -> str:
+    head, dot, rest = field.removeprefix(f"tasks.{task}.").partition(".")
+    return _FIELD_NAMES.get(head, head) + dot + rest
+
+
+def run_fingerprint(run) -> tuple[Any, str | None]:
+    """(the run's protocol fingerprint, None), or (None, why the protocol is unknown)."""
+    from lm_eval_sink.protocols import fingerprint
     from lm_eval_sink.runs import load_results
 
-    rec: dict[str, Any] = {"samples_file": str(samples_path), "samples_sha256": sha256_file(samples_path), "task": task}
     if run.results is None:
-        rec.update(results_file=None, model=None, protocol=None, lm_eval_version=None, reason="no results_<time>.json beside the samples: model and protocol unknown")
+        return None, "no results_<time>.json beside the samples: model and protocol unknown"
+    results = load_results(run)
+    try:
+        return fingerprint(results, source=run.results), None
+    except UserError as e:  # the samples are enough to bucket; the record says why the protocol is missing
+        return None, f"{e.message}: protocol unknown"
+
+
+def run_record(run, fp, reason: str | None, task: str, samples_path: Path) -> dict[str, Any]:
+    """Model, protocol (the fingerprint's fields for `task`) and file fingerprints of one run."""
+    from lm_eval_sink.io import sha256_file
+    from lm_eval_sink.protocols import task_view
+
+    rec: dict[str, Any] = {"samples_file": str(samples_path), "samples_sha256": sha256_file(samples_path), "task": task,
+                           "results_file": None if run.results is None else str(run.results)}
+    if run.results is not None:
+        rec["results_sha256"] = sha256_file(run.results)
+    if fp is None:
+        rec.update(model=None, protocol=None, lm_eval_version=None, reason=reason)
         return rec
-    res = load_results(run)
-    cfg = res.get("config") or {}
-    margs = cfg.get("model_args")
-    if isinstance(margs, str):
-        margs = dict(kv.split("=", 1) for kv in margs.split(",") if "=" in kv)
-    margs = margs if isinstance(margs, dict) else {}
-    tcfg = (res.get("configs") or {}).get(task) or {}
-    protocol = {
-        "chat_template_applied": res.get("chat_template") is not None or res.get("chat_template_sha") is not None,
-        "chat_template_sha": res.get("chat_template_sha"),
-        "system_instruction_sha": res.get("system_instruction_sha"),
-        "fewshot_as_multiturn": res.get("fewshot_as_multiturn"),
-        "num_fewshot": (res.get("n-shot") or {}).get(task),
-        "task_version": (res.get("versions") or {}).get(task),
-        "generation_kwargs": tcfg.get("generation_kwargs"),
-        "limit": cfg.get("limit"),
-        "batch_size": cfg.get("batch_size"),
-        "dtype": cfg.get("model_dtype") or margs.get("dtype"),
-        "seeds": {k: cfg.get(k) for k in ("random_seed", "numpy_seed", "torch_seed", "fewshot_seed")},
-        "lm_eval_version": res.get("lm_eval_version"),
-        "transformers_version": res.get("transformers_version"),
-    }
     rec.update(
-        results_file=str(run.results),
-        results_sha256=sha256_file(run.results),
-        model=res.get("model_name") or margs.get("pretrained"),
-        model_args=margs,
-        model_sha=cfg.get("model_sha") or None,
-        protocol=protocol,
-        lm_eval_version=res.get("lm_eval_version"),
-        task_hash=(res.get("task_hashes") or {}).get(task),
-        default_max_gen_toks=_backend_max_gen_toks(cfg.get("model"), margs),
+        model=fp.run["model_name"] or fp.run["pretrained"],
+        model_args=fp.run["model_args"],
+        model_sha=fp.run["model_sha"],
+        protocol={_field_name(k, task): v for k, v in task_view(fp, task).items()},
+        harness_sha=fp.harness_sha(tasks=(task,)),
+        lm_eval_version=fp.harness["lm_eval_version"],
+        task_hash=(fp.run["task_hashes"] or {}).get(task),
+        default_max_gen_toks=_run_max_gen_toks(fp, task),
     )
     return rec
 
 
-def _backend_max_gen_toks(model: Any, model_args: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The generation limit a run used when its task set none: model_args, else lm-eval's hf default."""
-    value = model_args.get("max_gen_toks")
+def _run_max_gen_toks(fp, task: str) -> dict[str, Any] | None:
+    """The generation limit a run used for `task`: the task's generation kwargs, else model_args, else lm-eval's hf default."""
+    value = max_gen_toks_in((fp.harness["tasks"].get(task) or {}).get("generation_kwargs"))
     if value is not None:
+        return {"value": value, "source": "the run's task generation_kwargs"}
+    raw = fp.harness["model_args"].get("max_gen_toks")
+    if raw is not None:
         try:
-            return {"value": int(value), "source": "the run's model_args"}
+            return {"value": int(raw), "source": "the run's model_args"}
         except (TypeError, ValueError):
             return None
-    if model in _HF_BACKENDS:
+    if fp.run["model"] in _HF_BACKENDS:
         return {"value": _HF_DEFAULT_MAX_GEN_TOKS, "source": "lm-eval's hf backend default"}
     return None
 
 
-def protocol_differences(ref: Mapping[str, Any], cand: Mapping[str, Any]) -> dict[str, Any]:
-    """Every protocol field whose value differs between the two runs' records."""
-    a, b = ref.get("protocol"), cand.get("protocol")
-    if a is None or b is None:
+def protocol_differences(ref_fp, cand_fp, task: str) -> dict[str, Any]:
+    """Every fingerprint field bearing on `task` that differs between the two runs (protocols.task_diff)."""
+    from lm_eval_sink.protocols import task_diff
+
+    if ref_fp is None or cand_fp is None:
         return {}
-    return {k: {"reference": a.get(k), "candidate": b.get(k)} for k in _PROTOCOL_FIELDS if a.get(k) != b.get(k)}
+    return {_field_name(d.field, task): {"reference": d.a, "candidate": d.b, "affects_scores": d.affects_scores} for d in task_diff(ref_fp, cand_fp, (task,))}
 
 
 def _as_fallback(record: Mapping[str, Any] | None) -> tuple[int, str] | None:
@@ -743,8 +603,13 @@ def compare_runs(reference: str | Path, candidate: str | Path, task: str | None 
 
     ref_run, cand_run = resolve_run(reference), resolve_run(candidate)
     task, ref_path, cand_path = _pick_task(ref_run, cand_run, task)
-    runs = {"reference": run_record(ref_run, task, ref_path), "candidate": run_record(cand_run, task, cand_path)}
-    diffs = protocol_differences(runs["reference"], runs["candidate"])
+    fps = {"reference": run_fingerprint(ref_run), "candidate": run_fingerprint(cand_run)}
+    runs = {"reference": run_record(ref_run, *fps["reference"], task, ref_path), "candidate": run_record(cand_run, *fps["candidate"], task, cand_path)}
+    if same_protocol:
+        unknown = [f"{side}: {reason}" for side, (fp, reason) in fps.items() if fp is None]
+        if unknown:
+            raise UserError(f"--same-protocol cannot be checked ({'; '.join(unknown)})", "pass runs with their lm-eval results files, or drop --same-protocol")
+    diffs = protocol_differences(fps["reference"][0], fps["candidate"][0], task)
     if same_protocol and diffs:
         shown = "; ".join(f"{k}: {v['reference']!r} vs {v['candidate']!r}" for k, v in diffs.items())
         raise UserError(f"the runs differ in protocol ({shown[:300]})", "re-run one model with the other's protocol, or drop --same-protocol")

@@ -4,7 +4,7 @@ Each IFEval regression (reference passes, candidate fails) gets exactly one prim
 rule, applied to the candidate's response:
 1. `truncation`: the response hit the generation limit (`is_truncated`) AND at least one failed
    instruction can be broken by cutting a response short (the `truncation` column of
-   `ifeval_instructions` in data/bucket_tasks.yaml: an end phrase, a postscript, a closing brace
+   `ifeval_instructions` in data/benchmarks.yaml: an end phrase, a postscript, a closing brace
    can; a forbidden word, a comma, the language cannot).
 2. Otherwise the kind of the failed instructions, taking the first of this order that occurs:
    `language` (a wrong-language answer also breaks most other checks, so it explains them),
@@ -18,7 +18,8 @@ The failed instructions come from lm-eval's own checker (`lm_eval.tasks.ifeval.u
 the logged response; nothing is re-implemented.
 
 Truncation needs the generation limit `max_gen_toks` (from --max-gen-toks, else the samples'
-generation kwargs, else the run's backend default; unknown: cannot tell). With a token counter
+generation kwargs, else the run's task generation kwargs, model_args or backend default; unknown:
+cannot tell). With a token counter
 (`--tokenizer`), a response is truncated when its token count is at least `max_gen_toks - slack`
 (slack = max(2, 1% of max_gen_toks): decoding and re-encoding may merge a few tokens). Without
 one, the documented heuristic: the response ends mid-sentence (its last visible character is a
@@ -83,10 +84,12 @@ def is_truncated(response: str, max_gen_toks: int | None, count_tokens: Callable
 def max_gen_toks_of(sample: Mapping[str, Any]) -> int | None:
     """The generation limit recorded in a samples line (`arguments.gen_args_0.arg_1`), if any."""
     args = sample.get("arguments")
-    if not isinstance(args, Mapping):
-        return None
-    first = args.get("gen_args_0")
-    kwargs = first.get("arg_1") if isinstance(first, Mapping) else None
+    first = args.get("gen_args_0") if isinstance(args, Mapping) else None
+    return max_gen_toks_in(first.get("arg_1") if isinstance(first, Mapping) else None)
+
+
+def max_gen_toks_in(kwargs: Any) -> int | None:
+    """The generation limit in a generation-kwargs mapping (lm-eval's aliases, in its order), if any."""
     if not isinstance(kwargs, Mapping):
         return None
     for key in _MAX_GEN_KEYS:

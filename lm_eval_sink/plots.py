@@ -126,6 +126,7 @@ def fit_scatter(names: Sequence[str], s: Sequence[float], deltas: Sequence[float
     ax.set_ylabel(f"{task} delta (points)")
     ax.set_title(f"{task}: delta vs S" + (" (stars: screened models, predicted)" if screened else ""), fontsize=9)
     ax.legend(fontsize=7)
+    return save_figure(fig, path)
 
 
 _BUCKET_COLORS = {"both_pass": "tab:green", "regression": "tab:red", "recovered": "tab:blue", "both_fail": "tab:gray"}

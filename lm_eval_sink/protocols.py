@@ -220,6 +220,7 @@ def fingerprint(results: dict[str, Any], source: str | Path | None = None) -> Pr
         "model": cfg.get("model"),
         "model_name": results.get("model_name"),
         "pretrained": model_args.get("pretrained"),
+        "model_args": dict(model_args),
         "revision": cfg.get("model_revision"),
         "model_sha": cfg.get("model_sha") or None,
         "model_num_parameters": cfg.get("model_num_parameters"),
@@ -276,6 +277,22 @@ def diff(a: ProtocolFingerprint, b: ProtocolFingerprint) -> tuple[FieldDiff, ...
         va, vb = (_template_id(ma), _template_id(mb)) if name == "chat_template" else (ma.get(name), mb.get(name))
         out += [FieldDiff(f, "model", x, y, affects) for f, x, y in _pairs(name, va, vb)]
     return tuple(out)
+
+
+def task_diff(a: ProtocolFingerprint, b: ProtocolFingerprint, tasks: tuple[str, ...]) -> tuple[FieldDiff, ...]:
+    """`diff` for a comparison of `tasks` only: without the `tasks` field (which tasks each run
+    holds) and without the per-task fields of other tasks."""
+    prefixes = tuple(f"tasks.{t}." for t in tasks)
+    return tuple(d for d in diff(a, b) if d.field != "tasks" and (not d.field.startswith("tasks.") or d.field.startswith(prefixes)))
+
+
+def task_view(fp: ProtocolFingerprint, task: str) -> dict[str, Any]:
+    """Every fingerprint field that bears on one task, flat: the harness fields, that task's fields
+    (none when the run lacks it) and the model fields, the chat template by its sha256 (null when
+    none was applied). Named as `task_diff` names them, without the `tasks.<task>.` prefix."""
+    model = {k: v for k, v in fp.model.items() if k != "chat_template_sha"}
+    model["chat_template"] = _template_id(fp.model)
+    return {**{k: v for k, v in fp.harness.items() if k != "tasks"}, **(fp.harness["tasks"].get(task) or {}), **model}
 
 
 def check_common_tasks(a: ProtocolFingerprint, b: ProtocolFingerprint) -> None:

@@ -11,7 +11,7 @@ Standard library and PyYAML only.
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -74,41 +74,36 @@ class ModelEntry:
         return out
 
 
-@dataclass(frozen=True, slots=True)
-class Score:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Reported:
+    """What a source reports on one benchmark under a stated protocol (points): a score or a gap."""
+
+    id: str
+    benchmark: str
+    metric: str
+    value: float
+    source: Source
+    protocol: StatedProtocol
+    note: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {**out, "source": self.source.to_json(), "protocol": self.protocol.to_json()}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Score(Reported):
     """One model's score on one benchmark, as some source reports it (points)."""
 
-    id: str
     model: str
-    benchmark: str
-    metric: str
-    value: float
-    source: Source
-    protocol: StatedProtocol
-    note: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "model": self.model, "benchmark": self.benchmark, "metric": self.metric, "value": self.value,
-                "source": self.source.to_json(), "protocol": self.protocol.to_json(), "note": self.note}
 
 
-@dataclass(frozen=True, slots=True)
-class Gap:
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Gap(Reported):
     """A reported candidate-minus-reference gap (points) under one protocol."""
 
-    id: str
     reference: str
     candidate: str
-    benchmark: str
-    metric: str
-    value: float
-    source: Source
-    protocol: StatedProtocol
-    note: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "reference": self.reference, "candidate": self.candidate, "benchmark": self.benchmark, "metric": self.metric,
-                "value": self.value, "source": self.source.to_json(), "protocol": self.protocol.to_json(), "note": self.note}
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,7 +227,8 @@ def _merge(parts: list[tuple[str, dict[str, Any]]], benchmarks: set[str]) -> Reg
         for i, body in enumerate(data.get("gaps") or []):
             raw_gaps.append((f"{where} gaps[{i}]", _mapping(body, "gap", where)))
 
-    def common(where: str, body: dict[str, Any], model_keys: tuple[str, ...]) -> tuple[Source, StatedProtocol]:
+    def common(where: str, body: dict[str, Any], model_keys: tuple[str, ...]) -> dict[str, Any]:
+        """The checked fields every reported entry has (`Reported`'s)."""
         for k in model_keys:
             if body[k] not in models:
                 raise UserError(f"{where} ({body['id']}): model {body[k]!r} is not defined under models:", "add it to models:")
@@ -244,21 +240,19 @@ def _merge(parts: list[tuple[str, dict[str, Any]]], benchmarks: set[str]) -> Reg
             raise UserError(f"{where} ({body['id']}): unknown benchmark {body['benchmark']!r}", f"use one of {', '.join(sorted(benchmarks))}")
         if isinstance(body["value"], bool) or not isinstance(body["value"], (int, float)):
             raise UserError(f"{where} ({body['id']}): value {body['value']!r} is not a number", "give points (0-100), e.g. 71.2")
-        return sources[body["source"]], protocols[body["protocol"]]
+        return {"id": str(body["id"]), "benchmark": body["benchmark"], "metric": str(body["metric"]), "value": float(body["value"]),
+                "source": sources[body["source"]], "protocol": protocols[body["protocol"]], "note": body.get("note")}
 
     ids: set[str] = set()
     scores, gaps = [], []
     for where, body in raw_scores:
         _unknown(body, _SCORE_KEYS, "score", where)
         _need(body, ("id", "model", "benchmark", "metric", "value", "source", "protocol"), "score", where)
-        src, proto = common(where, body, ("model",))
-        scores.append(Score(str(body["id"]), body["model"], body["benchmark"], str(body["metric"]), float(body["value"]), src, proto, body.get("note")))
+        scores.append(Score(**common(where, body, ("model",)), model=body["model"]))
     for where, body in raw_gaps:
         _unknown(body, _GAP_KEYS, "gap", where)
         _need(body, ("id", "reference", "candidate", "benchmark", "metric", "value", "source", "protocol"), "gap", where)
-        src, proto = common(where, body, ("reference", "candidate"))
-        gaps.append(Gap(str(body["id"]), body["reference"], body["candidate"], body["benchmark"], str(body["metric"]), float(body["value"]), src, proto,
-                        body.get("note")))
+        gaps.append(Gap(**common(where, body, ("reference", "candidate")), reference=body["reference"], candidate=body["candidate"]))
     for entry in [*scores, *gaps]:
         if entry.id in ids:
             raise UserError(f"vendor registry: id {entry.id!r} is used twice", "give every score and gap its own id")
@@ -271,7 +265,7 @@ def _merge(parts: list[tuple[str, dict[str, Any]]], benchmarks: set[str]) -> Reg
 
 def load_registry(user_file: str | Path | None = None) -> Registry:
     """The bundled registry, plus a user YAML of the same shape (its ids must be new)."""
-    from lm_eval_sink.attribution import load_benchmarks
+    from lm_eval_sink.benchmarks import load_benchmarks
 
     text = resources.files("lm_eval_sink").joinpath("data/vendors.yaml").read_text(encoding="utf-8")
     parts = [("lm_eval_sink/data/vendors.yaml", _read_yaml(text, "lm_eval_sink/data/vendors.yaml"))]

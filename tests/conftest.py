@@ -69,21 +69,27 @@ def _fixture_run(tmp_path_factory, shared_data, default_model, name: str, settin
     return run_lm_eval(str(default_model), settings, out, env={"LM_EVAL_SINK_DATA": str(shared_data), "HF_HUB_OFFLINE": "1"})
 
 
+def _protocol_settings(protocol: str, tasks: tuple[str, ...]):
+    from lm_eval_sink.harness.runner import EvalSettings
+    from lm_eval_sink.protocols import get_protocol, settings_fields
+
+    return EvalSettings(**settings_fields(get_protocol(protocol), tasks=list(tasks), limit=FIXTURE_LIMIT, gen_kwargs=FIXTURE_GEN_KWARGS, batch_size=FIXTURE_BATCH))
+
+
+FIXTURE_BATCH = 8  # the instruct protocol's; the community run uses the same so the two differ only in protocol
+
+
 @pytest.fixture(scope="session")
 def smollm2_instruct_run(tmp_path_factory, shared_data, default_model):
-    """sink_strength + ifeval + gsm8k_cot_zeroshot, chat template, 0-shot (the instruct protocol)."""
-    from lm_eval_sink.harness.runner import EvalSettings
-
-    settings = EvalSettings(tasks=("sink_strength", "ifeval", "gsm8k_cot_zeroshot"), apply_chat_template=True, limit=FIXTURE_LIMIT, gen_kwargs=FIXTURE_GEN_KWARGS, batch_size=1)
+    """sink_strength + ifeval + gsm8k_cot_zeroshot under the named `instruct` protocol (chat template, 0-shot, batch 8)."""
+    settings = _protocol_settings("instruct", ("sink_strength", "ifeval", "gsm8k_cot_zeroshot"))
     return _fixture_run(tmp_path_factory, shared_data, default_model, "instruct", settings)
 
 
 @pytest.fixture(scope="session")
 def smollm2_community_run(tmp_path_factory, shared_data, default_model):
-    """ifeval + gsm8k_cot_zeroshot, no chat template, each task's default few-shot (community protocol)."""
-    from lm_eval_sink.harness.runner import EvalSettings
-
-    settings = EvalSettings(tasks=("ifeval", "gsm8k_cot_zeroshot"), apply_chat_template=False, limit=FIXTURE_LIMIT, gen_kwargs=FIXTURE_GEN_KWARGS, batch_size=1)
+    """ifeval + gsm8k_cot_zeroshot under the named `community` protocol (no chat template, task-default few-shot)."""
+    settings = _protocol_settings("community", ("ifeval", "gsm8k_cot_zeroshot"))
     return _fixture_run(tmp_path_factory, shared_data, default_model, "community", settings)
 
 

@@ -9,14 +9,13 @@ import pytest
 from constructed_runs import TS, write_run
 
 from lm_eval_sink.attribution import (
-    benchmark_of,
     lineage,
-    load_benchmarks,
     per_prompt_split,
     plot_rows,
     run_attribution,
     to_markdown,
 )
+from lm_eval_sink.benchmarks import benchmark_of, load_benchmarks
 from lm_eval_sink.cli import main
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.vendors import STATED_KEYS, load_registry
@@ -130,7 +129,7 @@ def test_sample_pairing_refuses_different_documents_and_reports_prompts(tmp_path
     rows_c[3]["doc_hash"] = "0" * 64
     with pytest.raises(UserError, match="doc_id 3 has different doc_hash"):
         per_prompt_split(rows_r, rows_c, "prompt_level_strict_acc,none", "prompt_level_loose_acc,none")
-    with pytest.raises(UserError, match=r"different docs \(5 vs 4; 1 only in the reference"):
+    with pytest.raises(UserError, match=r"1 doc_ids only in the reference, 0 only in the candidate \(.*: 5 docs, .*: 4;"):
         per_prompt_split(rows_r, rows_r[:4], "prompt_level_strict_acc,none", None)
     part = per_prompt_split(rows_r, rows_r[:4], "prompt_level_strict_acc,none", None, allow_partial=True)
     assert part["n"] == 4 and part["dropped"] == {"reference_only": 1, "candidate_only": 0} and part["gap"] == 0.0

@@ -330,6 +330,14 @@ def test_generic_binary_task_needs_no_table_entry(shared_data):
     assert rep.instruction_types is None and rep.failure_kinds is None and rep.format_split is None
 
 
+def test_task_in_no_family_takes_the_generic_path(shared_data):
+    ref = _boolq_lines(shared_data, [1, 1, 0, 0])
+    cand = _boolq_lines(shared_data, [1, 0, 1, 0])
+    rep = bucket(ref, cand, "my_boolq_variant", FAST)  # in no family of data/benchmarks.yaml
+    assert (rep.metric, rep.filter, rep.kind) == ("acc", "none", "binary")
+    assert rep.counts == {"both_pass": 1, "regression": 1, "recovered": 1, "both_fail": 1}
+
+
 def test_modules_import_no_torch():
     code = ("import sys, lm_eval_sink.buckets, lm_eval_sink.failure_kinds; "
             "bad = [m for m in ('torch', 'transformers', 'lm_eval', 'click', 'lm_eval_sink.plots', 'matplotlib') if m in sys.modules]; "
@@ -425,6 +433,28 @@ def test_bad_choices_and_runs(ifeval_pair, gsm8k_pair, tmp_path, capsys):
     afile.write_text("x")
     rc = main(["buckets", ref, cand, "--output", str(afile), "--quiet"])
     assert rc == 2 and "is a file" in capsys.readouterr().err
+
+
+def test_protocol_from_the_fingerprint_and_same_protocol_needs_it(ifeval_pair, tmp_path, capsys):
+    from lm_eval_sink.protocols import fingerprint_run, task_diff
+    from lm_eval_sink.runs import resolve_run
+
+    ref, cand = str(ifeval_pair["ref_dir"]), str(ifeval_pair["cand_dir"])
+    out = tmp_path / "p"
+    assert main(["buckets", ref, cand, "--output", str(out), "--quiet", "--bootstrap", "200", "--no-failure-kinds"]) == 0
+    data = json.loads((out / "buckets.json").read_text())
+    fa, fb = fingerprint_run(resolve_run(ref)), fingerprint_run(resolve_run(cand))
+    assert data["runs"]["reference"]["harness_sha"] == fa.harness_sha(tasks=("ifeval",))
+    assert len(data["protocol_differences"]) == len(task_diff(fa, fb, ("ifeval",))) > 0
+    assert data["protocol_differences"]["chat_template_applied"] == {"reference": True, "candidate": False, "affects_scores": True}
+    assert data["runs"]["candidate"]["default_max_gen_toks"] == {"value": 64, "source": "the run's task generation_kwargs"}
+    capsys.readouterr()
+    # a samples file without its results: the protocol is unknown, so --same-protocol cannot hold
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    (lone / "cand.jsonl").write_bytes(next(ifeval_pair["cand_dir"].glob("samples_*.jsonl")).read_bytes())
+    msg = _cli_error(capsys, ["buckets", ref, str(lone / "cand.jsonl"), "--same-protocol"], tmp_path / "o")
+    assert "--same-protocol cannot be checked (candidate: no results_<time>.json" in msg
 
 
 # --- real SmolLM2 runs (session fixtures of the harness issue) ---------------------------------------

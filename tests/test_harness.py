@@ -19,7 +19,7 @@ from lm_eval_sink.calibration import builtin_prompts, encode_prompts
 from lm_eval_sink.harness import tasks_dir
 from lm_eval_sink.runs import load_results, read_samples
 
-LM_EVAL = [sys.executable, "-c", "import sys; sys.argv[0] = 'lm_eval'; from lm_eval.__main__ import cli_evaluate; cli_evaluate()"]
+LM_EVAL = [str(Path(sys.executable).with_name("lm_eval"))]  # the real console script of this environment
 DRIVER = Path(__file__).parent / "drivers" / "lm_eval_counting.py"
 
 
@@ -101,15 +101,31 @@ def test_one_call_loads_model_once_with_common_flags(handset_llama_dir, tiny_tas
 
 
 def test_explicit_include_path_without_hook_and_bf16(handset_llama_dir, tiny_tokenizer, tmp_path):
+    """The explicit --include_path form with the hook off, on a bf16 model (capture stays float32)."""
     out = tmp_path / "out"
     cmd = [*LM_EVAL, "--model", "hf", "--model_args", f"pretrained={handset_llama_dir},dtype=bfloat16", "--tasks", "sink_strength_n5",
            "--include_path", str(tasks_dir()), "--device", "cpu", "--output_path", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, env=_env(LM_EVAL_SINK_NO_HOOK="1"), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    got = _only_results(out)["results"]["sink_strength_n5"]["sink_strength,none"]
+    got = _only_results(out)["results"]["sink_strength_n5"]
     lengths = [len(x) for x in encode_prompts(tiny_tokenizer, builtin_prompts()[:5]).input_ids]
     want, _ = sm.expected_strength("llama", 3, lengths, last_k=10)
-    assert math.isfinite(got) and got == pytest.approx(want, abs=0.05)  # bf16 weights, fp32 capture
+    assert got["chat_template_applied,none"] is True
+    assert math.isfinite(got["sink_strength,none"]) and got["sink_strength,none"] == pytest.approx(want, abs=0.05)  # bf16 weights
+
+
+def test_task_config_can_turn_the_template_off(handset_llama_dir, tiny_tokenizer):
+    """metadata chat_template: false (here through lm-eval's --metadata) tokenizes the prompts as plain text."""
+    import lm_eval
+
+    res = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={handset_llama_dir}", tasks=["sink_strength_n5"], device="cpu", metadata={"chat_template": False})
+    got = res["results"]["sink_strength_n5"]
+    assert got["chat_template_applied,none"] is False
+    # Plain text has no BOS here, so every key is the zero vector: each row is uniform, log-odds = -log(q).
+    enc = encode_prompts(tiny_tokenizer, builtin_prompts()[:5], use_chat_template=False)
+    assert not enc.chat_template_applied and all(tiny_tokenizer.bos_token_id not in ids for ids in enc.input_ids)
+    want = float(np.median([-math.log(q) for ids in enc.input_ids for q in range(1, len(ids))]))
+    assert got["sink_strength,none"] == pytest.approx(want, abs=1e-5)
 
 
 def test_lm_eval_ls_lists_sink_strength_with_no_flag():

@@ -25,6 +25,8 @@ from lm_eval_sink.protocols import (
     load_protocols,
     match_protocol,
     require_same_harness,
+    task_diff,
+    task_view,
 )
 
 SCORES = {"ifeval": {"prompt_level_strict_acc,none": 0.4}, "gsm8k_cot": {"exact_match,strict-match": 0.2}}
@@ -61,6 +63,19 @@ def test_fingerprint_reads_every_field_from_its_place():
     # JSON round trip keeps everything, and the harness sha is stable
     back = ProtocolFingerprint.from_json(json.loads(json.dumps(fp.to_json())))
     assert back == fp and back.harness_sha() == fp.harness_sha()
+
+
+def test_task_diff_and_task_view_keep_one_task():
+    a = fingerprint(results_dict(SCORES, chat=True))
+    b = fingerprint(results_dict({"ifeval": SCORES["ifeval"]}, chat=True, num_fewshot={"ifeval": 3}))
+    want = {"tasks.ifeval.num_fewshot", "tasks.ifeval.multiturn", "tasks.ifeval.fewshot"}
+    assert {d.field for d in diff(a, b)} == {"tasks", *want}
+    assert {d.field for d in task_diff(a, b, ("ifeval",))} == want
+    assert task_diff(a, b, ("gsm8k_cot",)) == ()  # b lacks gsm8k_cot: nothing of it to compare, and which tasks a run holds is no protocol field
+    view = task_view(a, "gsm8k_cot")
+    assert view["apply_chat_template"] is True and view["num_fewshot"] == 0 and view["version"] == 3
+    assert view["chat_template"] == a.model["chat_template_sha"] and "chat_template_sha" not in view
+    assert {d.field.removeprefix("tasks.ifeval.").split(".")[0] for d in task_diff(a, b, ("ifeval",))} <= set(task_view(b, "ifeval"))
 
 
 def test_diff_of_a_run_with_itself_is_empty_and_field_by_field_otherwise():
@@ -273,7 +288,7 @@ def test_real_instruct_run_fingerprint_field_by_field(smollm2_instruct_run, defa
     assert h["lm_eval_version"] == "0.4.13"
     assert h["limit"] == 5
     assert h["seeds"]["random"] == 0 and set(h["seeds"]) == {"random", "numpy", "torch", "fewshot"}
-    assert h["batch_size"] == "1"
+    assert h["batch_size"] == "8"
     assert h["dtype"] == "torch.float32"
     assert sorted(h["tasks"]) == ["gsm8k_cot_zeroshot", "ifeval", "sink_strength"]
     ife, gsm = h["tasks"]["ifeval"], h["tasks"]["gsm8k_cot_zeroshot"]
@@ -307,7 +322,7 @@ def test_real_runs_under_two_protocols_diff_field_by_field(smollm2_instruct_run,
     assert got["tasks"].a == ["gsm8k_cot_zeroshot", "ifeval", "sink_strength"] and got["tasks"].b == ["gsm8k_cot_zeroshot", "ifeval"]
     assert got["chat_template"].part == "model" and got["chat_template"].a == a.model["chat_template_sha"] and got["chat_template"].b is None
     assert b.model["chat_template"] is None and b.harness["fewshot_as_multiturn"] is None
-    assert match_protocol(b) == "community" and match_protocol(a) is None  # the fixture runs batch 1, instruct fixes 8
+    assert match_protocol(b) == "community" and match_protocol(a) == "instruct"  # the fixtures run the named protocols
     with pytest.raises(UserError, match="instruct vs community: apply_chat_template: true vs false"):
         require_same_harness({"instruct": a, "community": b})
 

@@ -1,0 +1,148 @@
+"""Per-document pairing of two lm-eval sample logs of one task: the one implementation that
+`buckets` and `attribution` both use.
+
+`index_docs(rows, filter, label)` takes the parsed lines of a samples file (`runs.read_samples`)
+under one filter, keyed by doc_id; `pair_docs(reference, candidate, labels, ...)` pairs two such
+indexes. The rules:
+- a doc_id is an integer and appears once per filter; a filter with no lines is an error;
+- the two doc_id sets are equal; otherwise a UserError gives the counts and an example, unless
+  `allow_partial`: then the common docs are paired and the dropped doc_ids are recorded;
+- a paired doc_id holds the same document in both logs: equal `doc_hash`. Where the hashes differ
+  or one is missing, the logged docs must be equal once null fields are dropped (the hub's IFEval
+  loader fills absent kwargs with nulls, a local JSON file does not); docs that are exactly equal
+  under two different hashes are refused too (the hashes were not computed from those docs);
+- different `prompt_hash`es (and `target_hash`es) are expected across protocols (chat template,
+  few-shot, system prompt): counted and reported, never refused.
+`outcome(row, metric, label)` reads one doc's per-sample metric as a finite number.
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from lm_eval_sink.errors import UserError
+
+
+def filter_of(row: Mapping[str, Any]) -> str:
+    """The filter a samples line was scored under (lm-eval writes "none" for unfiltered tasks)."""
+    return str(row.get("filter", "none"))
+
+
+def index_docs(rows: Sequence[Mapping[str, Any]], filt: str, label: str) -> dict[int, Mapping[str, Any]]:
+    """doc_id -> the line under filter `filt`; non-integer or repeated doc_ids are UserErrors."""
+    out: dict[int, Mapping[str, Any]] = {}
+    for row in rows:
+        if filter_of(row) != filt:
+            continue
+        doc_id = row["doc_id"]
+        if not isinstance(doc_id, int) or isinstance(doc_id, bool):
+            raise UserError(f"{label}: doc_id {doc_id!r} is not an integer", "pass a samples file written by lm-eval --log_samples")
+        if doc_id in out:
+            raise UserError(f"{label}: doc_id {doc_id} appears twice under filter {filt!r}", "pass one run's samples file, not several concatenated")
+        out[doc_id] = row
+    if not out:
+        have = sorted({filter_of(r) for r in rows})
+        raise UserError(f"{label}: no samples under filter {filt!r} (filters present: {', '.join(have)})", "pass samples of the same task with that filter")
+    return out
+
+
+def outcome(row: Mapping[str, Any], metric: str, label: str) -> float:
+    """The per-sample value of `metric` in one line, as a float (booleans are 0/1)."""
+    if metric not in row:
+        raise UserError(f"{label}: doc_id {row['doc_id']} has no metric {metric!r}", "pass samples of one task written by one lm-eval run")
+    v = row[metric]
+    if isinstance(v, list):
+        raise UserError(f"{label}: metric {metric!r} holds a list per doc (an instruction-level metric)",
+                        "use a prompt-level metric, e.g. prompt_level_strict_acc; instruction-level statistics come with it")
+    if isinstance(v, bool):
+        return float(v)
+    if isinstance(v, int | float) and math.isfinite(v):
+        return float(v)
+    raise UserError(f"{label}: doc_id {row['doc_id']}: metric {metric!r} is {v!r}, not a finite number", "choose a numeric per-sample metric")
+
+
+def _drop_nulls(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _drop_nulls(v) for k, v in obj.items() if v is not None}
+    if isinstance(obj, list):
+        return [_drop_nulls(v) for v in obj]
+    return obj
+
+
+def same_doc(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[bool, bool]:
+    """(the two lines hold the same document, only once null fields are dropped)."""
+    ha, hb = a.get("doc_hash"), b.get("doc_hash")
+    if ha is not None and ha == hb:
+        return True, False
+    da, db = a.get("doc"), b.get("doc")
+    if da is None or db is None:
+        return False, False
+    if da == db:
+        return ha is None or hb is None, False  # equal docs under two different hashes: the hashes are not of these docs
+    if _drop_nulls(da) == _drop_nulls(db):
+        return True, True
+    return False, False
+
+
+def _mismatch(a: Mapping[str, Any], b: Mapping[str, Any]) -> str:
+    """Why two lines are not the same document, for the error message."""
+    da, db = a.get("doc"), b.get("doc")
+    hashes = "has different doc_hash" if a.get("doc_hash") is not None and b.get("doc_hash") is not None else "lacks a doc_hash in one log"
+    if da is None or db is None:
+        return f"{hashes} and a doc is missing"
+    if da == db:
+        return f"{hashes} although the logged docs are equal (the hashes were not computed from these docs)"
+    if isinstance(da, dict) and isinstance(db, dict):
+        keys = sorted(k for k in set(da) | set(db) if _drop_nulls(da.get(k)) != _drop_nulls(db.get(k)))
+        if keys:
+            return f"{hashes}: field {keys[0]!r} differs: {str(da.get(keys[0]))[:40]!r} vs {str(db.get(keys[0]))[:40]!r}"
+    return f"{hashes}: the docs differ"
+
+
+def pair_docs(reference: Mapping[int, Mapping[str, Any]], candidate: Mapping[int, Mapping[str, Any]], labels: tuple[str, str] = ("reference samples", "candidate samples"),
+              *, allow_partial: bool = False, doc_mismatch_hint: str | None = None) -> tuple[list[int], dict[str, Any]]:
+    """Pair two `index_docs` results: the paired doc_ids (sorted) and a record of the pairing.
+
+    The record: docs per log, paired count, dropped doc_ids (only with `allow_partial`),
+    `prompt_hash_differs` / `target_hash_differs` {count, examples} and
+    `docs_equal_after_dropping_nulls`. `doc_mismatch_hint` is the fix offered when a doc_id holds
+    different documents (e.g. GPQA's --seed, which shuffles its choices).
+    """
+    ids_r, ids_c = set(reference), set(candidate)
+    only_r, only_c = sorted(ids_r - ids_c), sorted(ids_c - ids_r)
+    if (only_r or only_c) and not allow_partial:
+        example, side = (only_r[0], "reference") if only_r else (only_c[0], "candidate")
+        raise UserError(
+            f"the runs have different doc sets: {len(only_r)} doc_ids only in the reference, {len(only_c)} only in the candidate "
+            f"({labels[0]}: {len(ids_r)} docs, {labels[1]}: {len(ids_c)}; e.g. doc_id {example} is only in the {side})",
+            f"run both with the same --limit/--samples, or pass --allow-partial to pair the {len(ids_r & ids_c)} common docs",
+        )
+    common = sorted(ids_r & ids_c)
+    if not common:
+        raise UserError(f"{labels[0]} and {labels[1]} share no doc_id", "pass two runs of the same task")
+    different, nulls_only = [], 0
+    for i in common:
+        same, by_nulls = same_doc(reference[i], candidate[i])
+        if not same:
+            different.append(i)
+        nulls_only += by_nulls
+    if different:
+        i = different[0]
+        raise UserError(f"{len(different)} of {len(common)} paired doc_ids hold different documents in the two runs "
+                        f"(e.g. doc_id {i} {_mismatch(reference[i], candidate[i])})", doc_mismatch_hint or "pass two runs of the same task on the same dataset")
+    prompt_diff = [i for i in common if reference[i].get("prompt_hash") != candidate[i].get("prompt_hash")]
+    target_diff = [i for i in common if reference[i].get("target_hash") != candidate[i].get("target_hash")]
+    info = {
+        "n_reference": len(ids_r),
+        "n_candidate": len(ids_c),
+        "n_paired": len(common),
+        "dropped_reference_only": only_r,
+        "dropped_candidate_only": only_c,
+        "prompt_hash_differs": {"count": len(prompt_diff), "examples": prompt_diff[:5]},
+        "target_hash_differs": {"count": len(target_diff), "examples": target_diff[:5]},
+        "docs_equal_after_dropping_nulls": nulls_only,
+    }
+    return common, info
