@@ -99,10 +99,10 @@ def _parse_entry(name: str, body: Any, where: str) -> Benchmark:
 
 
 def _parse(text: str, where: str, top_keys: set[str]) -> dict[str, Any]:
-    from lm_eval_sink.protocols import _load_yaml
+    from lm_eval_sink.io import parse_yaml
     from lm_eval_sink.vendors import _unknown
 
-    data = _load_yaml(text, where)
+    data = parse_yaml(text, where)
     if not isinstance(data, dict) or not isinstance(data.get("benchmarks"), dict):
         raise UserError(f"{where}: expected a mapping with `benchmarks: {{NAME: {{tasks, construct, strict, lenient, why, ...}}}}`",
                         f"see {_BUNDLED} for the format")

@@ -35,6 +35,7 @@ POST_IMPORT: dict[str, str] = {
     "lm_eval.evaluator": "lm_eval_sink.harness.discovery:patch_evaluator",
     "lm_eval.__main__": "lm_eval_sink.harness.discovery:patch_cli",
     "lm_eval.utils": "lm_eval_sink.harness.discovery:patch_table",
+    "mergekit.merge_methods.registry": "lm_eval_sink.merging.methods:register",
 }
 
 

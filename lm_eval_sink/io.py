@@ -85,6 +85,19 @@ def read_json(path: Path) -> Any:
         raise UserError(f"{path}: not valid JSON ({e})", "pass a JSON file written by lm-eval or lm-eval-sink") from None
 
 
+def parse_yaml(text: str, where: str) -> Any:
+    """YAML text -> data; a syntax error is a UserError naming `where` and the line."""
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f":{mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise UserError(f"{where}{line}: not valid YAML ({problem})", "fix the YAML syntax at that line") from None
+
+
 def check_new_outputs(paths: list[Path], force: bool) -> None:
     """Refuse to overwrite existing outputs unless `force`; checked before any work starts."""
     existing = [str(p) for p in paths if Path(p).exists()]

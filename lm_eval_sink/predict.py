@@ -215,9 +215,7 @@ def _shipped_bytes() -> bytes:
 
 def read_pairs(path: Path | str | None = None) -> PairTable:
     """Read and validate a PAIRS file; None reads the shipped paper table."""
-    import yaml
-
-    from lm_eval_sink.io import sha256_bytes
+    from lm_eval_sink.io import parse_yaml, sha256_bytes
 
     shipped = _shipped_bytes()
     if path is None:
@@ -228,14 +226,10 @@ def read_pairs(path: Path | str | None = None) -> PairTable:
             raise UserError(f"{p}: no such PAIRS file", "pass a YAML list of pairs (see the shipped lm_eval_sink/data/paper_pairs.yaml), or no file for the paper's table")
         data, where, base = p.read_bytes(), str(p), p.resolve().parent
     try:
-        obj = yaml.safe_load(data.decode("utf-8"))
+        text = data.decode("utf-8")
     except UnicodeDecodeError:
         raise UserError(f"{where}: not a UTF-8 text file", "pass a YAML file") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = f":{mark.line + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise UserError(f"{where}{line}: invalid YAML ({problem})", "fix the YAML syntax at that line") from None
+    obj = parse_yaml(text, where)
     return PairTable(pairs=parse_pairs(obj, where, base), source=where, sha256=sha256_bytes(data), shipped=data == shipped)
 
 

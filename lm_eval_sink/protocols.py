@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.io import canonical_json, sha256_text
+from lm_eval_sink.io import canonical_json, parse_yaml, sha256_text
 
 SCHEMA_VERSION = 1
 
@@ -434,20 +434,9 @@ def _parse_protocol(name: str, body: Any, where: str) -> Protocol:
     return Protocol(name=name, source=where, **body)
 
 
-def _load_yaml(text: str, where: str) -> Any:
-    import yaml
-
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f":{mark.line + 1}" if mark is not None else ""
-        raise UserError(f"{where}{at}: not valid YAML ({getattr(e, 'problem', None) or e})", "fix the YAML syntax") from None
-
-
 def parse_protocols(text: str, where: str) -> dict[str, Protocol]:
     """Protocols from YAML text: `protocols: {name: {key: value}}`; unknown keys are errors."""
-    data = _load_yaml(text, where)
+    data = parse_yaml(text, where)
     if not isinstance(data, dict) or set(data) - {"protocols", "schema_version"} or not isinstance(data.get("protocols"), dict):
         raise UserError(f"{where}: expected a mapping with one key `protocols:` holding named protocols", "see lm_eval_sink/data/protocols.yaml for the format")
     return {str(n): _parse_protocol(str(n), body, where) for n, body in data["protocols"].items()}

@@ -178,9 +178,9 @@ def _mapping(value: Any, what: str, where: str) -> dict[str, Any]:
 
 
 def _read_yaml(path_or_text: str, where: str) -> dict[str, Any]:
-    from lm_eval_sink.protocols import _load_yaml
+    from lm_eval_sink.io import parse_yaml
 
-    data = _load_yaml(path_or_text, where)
+    data = parse_yaml(path_or_text, where)
     if not isinstance(data, dict):
         raise UserError(f"{where}: expected a mapping with sources, protocols, models, scores, gaps", "see lm_eval_sink/data/vendors.yaml for the format")
     _unknown(data, _TOP_KEYS, "the registry", where)

@@ -143,7 +143,7 @@ def test_user_pairs_with_strength_json_and_skipped_task(tmp_path):
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        ("- name: a\n  deltas: {ifeval: -1\n", "invalid YAML"),
+        ("- name: a\n  deltas: {ifeval: -1\n", "not valid YAML"),
         ({"name": "a"}, "must be a YAML list of pairs"),
         ([_pair("a", 1.0, {"ifeval": -1.0}), _pair("b", 2.0, {"ifeval": -2.0})], "2 pair(s); a fit needs at least 3"),
         ([_pair("a", 1.0, {"ifeval": -1.0}), _pair("b", 2.0, {"ifeval": -2.0}), {"name": "c", "reference": "x", "candidate": "c", "sink_strength": 1.0, "deltas": {"ifeval": 1.0}}], "missing key(s) source"),
@@ -167,7 +167,7 @@ def test_malformed_pairs_files_are_one_line_errors(tmp_path, capsys, content, me
 
 def test_yaml_error_names_the_line(tmp_path):
     path = _write(tmp_path, "- name: a\n  reference: r\n  deltas: {ifeval: -1\n")
-    with pytest.raises(UserError, match=r"pairs\.yaml:\d+: invalid YAML"):
+    with pytest.raises(UserError, match=r"pairs\.yaml:\d+: not valid YAML"):
         read_pairs(path)
     with pytest.raises(UserError, match="no such PAIRS file"):
         read_pairs(tmp_path / "nope.yaml")

@@ -93,10 +93,16 @@ def load_local(data_files: dict[str, str], fill_missing_keys: list[str] | tuple[
 
 
 def generated_dir(root: Path) -> Path:
-    from lm_eval_sink.io import sha256_text
+    """Cache folder of the generated YAMLs, keyed by the data folder AND this generator's code and
+    table, so checkouts at different versions on one machine never read each other's YAMLs."""
+    from importlib.metadata import version
+
+    from lm_eval_sink.io import sha256_file, sha256_text
     from lm_eval_sink.models import cache_dir
 
-    return cache_dir() / "offline_tasks" / sha256_text(str(root))[:16]
+    table = resources.files("lm_eval_sink").joinpath("data/offline_datasets.yaml").read_text(encoding="utf-8")
+    key = "\n".join([str(root), sha256_file(Path(__file__)), sha256_text(table), version("lm_eval")])
+    return cache_dir() / "offline_tasks" / sha256_text(key)[:16]
 
 
 def write_overrides(index_cfgs: dict[str, tuple[dict[str, Any], Path]], root: Path) -> dict[str, Path]:

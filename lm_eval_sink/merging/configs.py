@@ -29,7 +29,7 @@ import annotated_types as at
 import yaml
 
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.io import sha256_file, sha256_text
+from lm_eval_sink.io import parse_yaml, sha256_file, sha256_text
 
 LINEAGES = ("chain", "siblings")
 ROLES = ("reference", "candidate", "base")
@@ -262,16 +262,6 @@ class ValidatedConfig:
     method: str
     base_model: str | None
     inputs: tuple[str, ...]
-
-
-def parse_yaml(text: str, where: str) -> Any:
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        line = f":{mark.line + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise UserError(f"{where}{line}: not valid YAML ({problem})", "fix the YAML syntax at that line") from None
 
 
 def validate_file(path: str | Path) -> ValidatedConfig:

@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.io import atomic_write_json, atomic_write_text, canonical_json, package_versions, provenance, sha256_file, sha256_text, staged_dir
-from lm_eval_sink.merging.configs import TOKENIZER_CHOICES, bundled_names, load_template, parse_yaml, render, suggest, validate_text
+from lm_eval_sink.io import atomic_write_json, atomic_write_text, canonical_json, package_versions, parse_yaml, provenance, sha256_file, sha256_text, staged_dir
+from lm_eval_sink.merging.configs import TOKENIZER_CHOICES, bundled_names, load_template, render, suggest, validate_text
 
 ENDPOINTS = ("reference", "candidate")
 MANIFEST = "manifest.jsonl"
