@@ -173,6 +173,7 @@ def instruction_type_bars(types: Sequence[dict], title: str, path: Path, top: in
     ax.set_xlabel("instructions (regressions left, recoveries right)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7, loc="best")
+    return save_figure(fig, path)
 
 
 def sweep_chart(checkpoints: Sequence[str], series: dict[str, Sequence[float | None]], path: Path, note: str | None = None) -> Path:
