@@ -736,11 +736,10 @@ def write_outputs(report: Mapping[str, Any], output: Path, force: bool = False) 
 def run_buckets(reference: str | Path, candidate: str | Path, task: str | None, settings: BucketSettings, output: Path | None = None, *, force: bool = False, tokenizer: str | None = None, same_protocol: bool = False, progress: bool = True) -> tuple[BucketReport, list[str]]:
     """The `buckets` command: compare, then write outputs when `output` is given; returns lines to print."""
     if output is not None:
+        from lm_eval_sink.io import check_output_dir
+
         output = Path(output)
-        if output.exists() and not output.is_dir():
-            raise UserError(f"--output {output} is a file", "pass a folder")
-        if output.exists() and not force:
-            raise UserError(f"output already exists: {output}", "pass --force to overwrite, or choose another --output")
+        check_output_dir(output, force)
     report = compare_runs(reference, candidate, task, settings, tokenizer=tokenizer, same_protocol=same_protocol, progress=progress)
     data = report.to_json()
     lines = [summary_markdown(data)]

@@ -354,6 +354,7 @@ def vendor_show(model, registry_file, as_json) -> None:
 def attribute(references, candidates, use_vendor, registry_file, benchmarks_file, declared_lineage, mixture, baseline_protocol, allow_partial, output, force) -> None:
     """Attribute each benchmark's candidate-minus-reference gap to lineage, protocol, access vs capacity, construct and mixture."""
     from lm_eval_sink.attribution import run_attribution, to_markdown, write_report
+    from lm_eval_sink.io import check_output_dir
 
     facts = {}
     for item in mixture:
@@ -361,8 +362,8 @@ def attribute(references, candidates, use_vendor, registry_file, benchmarks_file
             raise UserError(f"--mixture {item!r} is not KEY=VALUE", "e.g. --mixture text_share=0.1")
         k, v = item.split("=", 1)
         facts[k.strip()] = v.strip()
-    if output is not None and output.exists() and not force:
-        raise UserError(f"output already exists: {output}", "pass --force to overwrite, or choose another --output")
+    if output is not None:
+        check_output_dir(output, force)
     att = run_attribution(list(references), list(candidates), vendor=use_vendor, registry_file=registry_file, benchmarks_file=benchmarks_file,
                           declared_lineage=declared_lineage, mixture=facts or None, baseline_protocol=baseline_protocol, allow_partial=allow_partial)
     click.echo(to_markdown(att), nl=False)

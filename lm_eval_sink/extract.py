@@ -53,7 +53,7 @@ from typing import Any
 import torch
 
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.io import SCHEMA_VERSION, atomic_write_json, atomic_write_text, provenance, sha256_bytes, staged_dir
+from lm_eval_sink.io import SCHEMA_VERSION, atomic_write_json, atomic_write_text, check_output_dir, provenance, sha256_bytes, staged_dir
 
 log = logging.getLogger(__name__)
 
@@ -905,13 +905,6 @@ class ExtractionReport:
         return out
 
 
-def _check_out(out: Path, force: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise UserError(f"{out}: is a file; OUT_DIR must be a folder", "choose another OUT_DIR")
-    if out.exists() and not force:
-        raise UserError(f"output folder already exists: {out}", "pass --force to replace it, or choose another OUT_DIR")
-
-
 def _fingerprint(path: Path) -> dict[str, Any]:
     from lm_eval_sink.models import model_fingerprint
 
@@ -988,7 +981,7 @@ def extract_backbone(vlm_path: str | Path, out_dir: str | Path, *, dtype: str = 
     if dtype not in DTYPE_CHOICES:
         raise UserError(f"unknown dtype {dtype!r}", f"use one of {', '.join(DTYPE_CHOICES)}")
     out = Path(out_dir).expanduser()
-    _check_out(out, force)
+    check_output_dir(out, force, "OUT_DIR")
     vlm = check_model_folder(vlm_path, "VLM")
     raw_config = json.loads((vlm / "config.json").read_text(encoding="utf-8"))
     fam = family or family_for(raw_config, vlm)
@@ -1131,7 +1124,7 @@ def inject_backbone(backbone_path: str | Path, vlm_path: str | Path, out_dir: st
     """
     start = time.perf_counter()
     out = Path(out_dir).expanduser()
-    _check_out(out, force)
+    check_output_dir(out, force, "OUT_DIR")
     vlm = check_model_folder(vlm_path, "VLM")
     backbone = check_model_folder(backbone_path, "backbone")
     raw_config = json.loads((vlm / "config.json").read_text(encoding="utf-8"))

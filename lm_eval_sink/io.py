@@ -98,6 +98,15 @@ def parse_yaml(text: str, where: str) -> Any:
         raise UserError(f"{where}{line}: not valid YAML ({problem})", "fix the YAML syntax at that line") from None
 
 
+def check_output_dir(out: Path, force: bool, option: str = "--output") -> None:
+    """Refuse an output folder that is a file, or that exists without `force`; `option` names it in the hint."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{option} {out} is a file, not a folder", f"pass a folder path as {option}")
+    if out.exists() and not force:
+        raise UserError(f"output already exists: {out}", f"pass --force to overwrite, or choose another {option}")
+
+
 def check_new_outputs(paths: list[Path], force: bool) -> None:
     """Refuse to overwrite existing outputs unless `force`; checked before any work starts."""
     existing = [str(p) for p in paths if Path(p).exists()]

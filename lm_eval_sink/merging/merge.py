@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.io import atomic_write_json, canonical_json, provenance, sha256_text, staged_dir
+from lm_eval_sink.io import atomic_write_json, canonical_json, check_output_dir, provenance, sha256_text, staged_dir
 from lm_eval_sink.merging.configs import ValidatedConfig, validate_file, validate_text
 
 COMPLETE = "COMPLETE.json"
@@ -125,10 +125,7 @@ def merge_config(config: str | Path | ValidatedConfig, out: str | Path, random_s
     """Validate, merge in this process, verify, and publish `out` with its COMPLETE.json."""
     vc = config if isinstance(config, ValidatedConfig) else validate_file(config)
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise UserError(f"{out}: is a file, not a folder", "pass a folder path for the merged model")
-    if out.exists() and not force:
-        raise UserError(f"output already exists: {out}", "pass --force to replace it, or choose another output folder")
+    check_output_dir(out, force, "OUT")
     key = key or merge_key(vc, random_seed)
     with staged_dir(out, force=force) as tmp:
         run_mergekit(vc.text, tmp, random_seed=random_seed, device=device, quiet=quiet)
