@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lm_eval_sink.errors import UserError
 from lm_eval_sink.io import atomic_write_json, canonical_json, check_output_dir, provenance, sha256_text, staged_dir
 from lm_eval_sink.merging.configs import ValidatedConfig, validate_file, validate_text
 
