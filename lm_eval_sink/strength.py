@@ -10,7 +10,7 @@ The reduction (`reduce_captures`) is pure numpy; `measure` runs the capture on a
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -163,7 +163,7 @@ def measure(model: Any, tokenizer: Any, settings: StrengthSettings = StrengthSet
         "capture_dtype": "float32",
         "seed": settings.seed,
     }
-    return SinkStrength(**{**{f: getattr(result, f) for f in result.__dataclass_fields__}, "provenance": prov})
+    return replace(result, provenance=prov)
 
 
 def measure_model(name: str, settings: StrengthSettings = StrengthSettings(), dtype: str = "auto", device: str = "cpu", progress: bool = True) -> SinkStrength:
@@ -226,7 +226,7 @@ def run_strength(names: list[str], slugs: list[str], settings: StrengthSettings,
             lines.append(f"{slug}: reused {json_path}")
         else:
             res = measure_model(path, settings, dtype=dtype, device=device, progress=progress)
-            res = SinkStrength(**{**{f: getattr(res, f) for f in res.__dataclass_fields__}, "provenance": {**res.provenance, "input_key": key, "model_argument": name}})
+            res = replace(res, provenance={**res.provenance, "input_key": key, "model_argument": name})
             atomic_write_json(json_path, res.to_json())
         png = layer_head_heatmap(res.sink_strength_layer_head, res.layers, f"{slug}: sink log-odds ({res.statistic}, rows={res.rows}), S = {res.sink_strength:.4f}", output / f"{slug}.heatmap.png")
         results.append((slug, res))

@@ -29,9 +29,7 @@ from lm_eval_sink.strength import SinkStrength, StrengthSettings
 log = logging.getLogger(__name__)
 
 REQUEST_TYPE = "sink_strength"
-TASK_NAME = "sink_strength"
 _RESULTS: dict[str, SinkStrength] = {}  # run key -> whole-set result, filled by HFLM.sink_strength
-_SETTING_KEYS = ("n_prompts", "last_k", "statistic", "rows", "chat_template", "system_prompt", "prompts_file", "batch_size")
 
 
 def settings_from_metadata(meta: dict[str, Any]) -> StrengthSettings:
@@ -85,10 +83,10 @@ class SinkStrengthTask(ConfigurableTask):
 
     def construct_requests(self, doc: dict[str, Any], ctx: str, **kwargs: Any) -> Instance:
         # The chat template is applied by the shared tokenization function, per the task's settings,
-        # never by lm-eval's --apply_chat_template (recorded in metadata as `chat_template_applied`).
+        # never by lm-eval's --apply_chat_template (reported as the metric `chat_template_applied`).
         kwargs.pop("apply_chat_template", None)
         kwargs.pop("chat_template", None)
-        settings = {k: v for k, v in asdict(self.strength_settings).items()}
+        settings = asdict(self.strength_settings)
         return Instance(request_type=REQUEST_TYPE, doc=doc, arguments=(doc["prompt"], {"task": self.config.task, "settings": settings}), idx=0, **kwargs)
 
     def override_metric(self, metric_name: str) -> None:
