@@ -60,6 +60,7 @@ def tiny_tokenizer():
 # harness, buckets and protocols tests. Small and non-final: --limit 5, max_gen_toks 64.
 FIXTURE_LIMIT = 5
 FIXTURE_GEN_KWARGS = {"max_gen_toks": 64}
+FIXTURE_BATCH = 8  # the instruct protocol's; the community run uses the same so the two differ only in protocol
 
 
 def _fixture_run(tmp_path_factory, shared_data, default_model, name: str, settings):
@@ -74,9 +75,6 @@ def _protocol_settings(protocol: str, tasks: tuple[str, ...]):
     from lm_eval_sink.protocols import get_protocol, settings_fields
 
     return EvalSettings(**settings_fields(get_protocol(protocol), tasks=list(tasks), limit=FIXTURE_LIMIT, gen_kwargs=FIXTURE_GEN_KWARGS, batch_size=FIXTURE_BATCH))
-
-
-FIXTURE_BATCH = 8  # the instruct protocol's; the community run uses the same so the two differ only in protocol
 
 
 @pytest.fixture(scope="session")
