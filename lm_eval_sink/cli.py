@@ -525,6 +525,31 @@ def sweep(sweep_file, output, force, delete_merged, quiet) -> None:
     report.raise_for_failures()
 
 
+# --- the HTML report (issue 16) ---
+
+
+@cli.command("report")
+@click.option("--strength", "strength_files", nargs=2, type=click.Path(path_type=Path), default=None, metavar="REF.json CAND.json", help="Both models' strength JSON (<name>.strength.json or a sweep's strength.json).")
+@click.option("--margin", "margin_dir", type=click.Path(path_type=Path), default=None, help="Output folder (or margin.json) of `margin`.")
+@click.option("--buckets", "buckets_dirs", multiple=True, type=click.Path(path_type=Path), help="Output folder (or buckets.json) of `buckets`; repeatable (the headline: the IFEval one, else the first).")
+@click.option("--attribution", "attribution_dir", type=click.Path(path_type=Path), default=None, help="Output folder (or attribution.json) of `attribute`.")
+@click.option("--sweep", "sweep_dir", type=click.Path(path_type=Path), default=None, help="Output folder (or table.json) of `sweep`.")
+@click.option("--title", default=None, help="Page title (default: the two models).")
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="The HTML file to write.")
+@click.option("--force", is_flag=True, help="Overwrite an existing file.")
+def report(strength_files, margin_dir, buckets_dirs, attribution_dir, sweep_dir, title, output, force) -> None:
+    """One self-contained HTML page for a reference/candidate pair from this project's outputs (works offline)."""
+    from lm_eval_sink.io import check_new_outputs
+    from lm_eval_sink.report.load import load_inputs
+    from lm_eval_sink.report.render import write_report
+
+    if output.is_dir():
+        raise UserError(f"-o {output} is a folder", "pass a file path, e.g. -o report.html")
+    check_new_outputs([output], force)
+    inputs = load_inputs(output, strength=strength_files, margin=margin_dir, buckets=buckets_dirs, attribution=attribution_dir, sweep=sweep_dir, title=title)
+    click.echo(f"wrote {write_report(inputs, output)}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: user errors are one line and exit 2; Ctrl-C exits 130."""
     try:

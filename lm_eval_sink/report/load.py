@@ -1,0 +1,184 @@
+"""Read and check a report's inputs: the project's own output files, nothing else (no model is loaded).
+
+Checks, each a one-line UserError before anything is written:
+- each input is the output it claims to be (strength JSON, margin.json, buckets.json, attribution.json,
+  a sweep's table.json; a folder stands for the file of that name inside it);
+- all inputs name the same reference and the same candidate: two records are compared by content
+  fingerprint where both carry one, else by model path or name;
+- the two samples files each buckets.json names exist and still have the sha256 it recorded.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from lm_eval_sink.errors import UserError
+from lm_eval_sink.report.view import BucketsInput, Doc, PromptText, ReportInputs, get
+
+ROLES = ("reference", "candidate")
+FILE_OF = {"margin": "margin.json", "buckets": "buckets.json", "attribution": "attribution.json", "sweep": "table.json"}
+REQUIRED = {"strength": "sink_strength", "margin": "margin", "buckets": "counts", "attribution": "benchmarks", "sweep": "rows"}
+
+
+def _file(arg: Path, what: str) -> Path:
+    p = Path(arg)
+    if p.is_dir():
+        p = p / FILE_OF[what]
+    if not p.is_file():
+        flag = f"--{what}"
+        raise UserError(f"{flag} {arg}: no {FILE_OF.get(what, 'strength JSON')} there", f"pass the output folder (or file) of `lm-eval-sink {'sweep' if what == 'sweep' else what}`")
+    return p
+
+
+def _doc(path: Path, what: str, out_dir: Path) -> Doc:
+    from lm_eval_sink.io import read_json, sha256_bytes
+
+    raw = path.read_bytes()
+    data = read_json(path)
+    if not isinstance(data, dict) or REQUIRED[what] not in data:
+        raise UserError(f"{path}: not a {what} output (no '{REQUIRED[what]}' key)", f"pass a file written by `lm-eval-sink {what if what != 'attribution' else 'attribute'}`")
+    return Doc(rel=Path(os.path.relpath(path.resolve(), out_dir.resolve())).as_posix(), data=data, sha256=sha256_bytes(raw))
+
+
+def _norm(name: Any) -> str | None:
+    if not isinstance(name, str) or not name:
+        return None
+    p = Path(name).expanduser()
+    return str(p.resolve()) if p.exists() else name.rstrip("/")
+
+
+def _identities(what: str, doc: Doc, role_hint: str | None = None) -> list[tuple[str, str, str | None, str | None]]:
+    """(input label, role, fingerprint, name) records that input makes about the two models."""
+    d, label = doc.data, f"{what} {doc.rel}"
+    if what == "strength":
+        m = get(d, "provenance", "model") or {}
+        return [(label, role_hint or "", m.get("fingerprint"), _norm(m.get("model")))]
+    if what == "margin":
+        return [(label, r, get(d, "provenance", r, "fingerprint"), _norm(d.get(r))) for r in ROLES]
+    if what == "buckets":
+        return [(label, r, None, _norm(get(d, "runs", r, "model"))) for r in ROLES if get(d, "runs", r, "model")]
+    if what == "attribution":
+        return [(label, m["role"], None, _norm(m.get("model_key"))) for m in d.get("measurements") or [] if m.get("role") in ROLES and m.get("model_key")]
+    if what == "sweep":
+        return [(label, r, None, _norm(get(d, "models", r))) for r in ROLES if get(d, "models", r)]
+    return []
+
+
+def check_same_pair(records: Sequence[tuple[str, str, str | None, str | None]]) -> dict[str, str]:
+    """Every pair of records of one role must agree (fingerprints where both have one, else names); returns role -> shown name."""
+    shown: dict[str, str] = {}
+    for role in ROLES:
+        rs = [r for r in records if r[1] == role]
+        for i, a in enumerate(rs):
+            for b in rs[i + 1:]:
+                if a[2] and b[2]:
+                    same, ka, kb = a[2] == b[2], a[2], b[2]
+                elif a[3] and b[3]:
+                    same, ka, kb = a[3] == b[3], a[3], b[3]
+                else:
+                    continue
+                if not same:
+                    raise UserError(f"the inputs name different {role} models: {a[0]} has {ka}, {b[0]} has {kb}",
+                                    "pass outputs of one reference/candidate pair (one report per pair)")
+        names = [r[3] for r in rs if r[3]]
+        if names:
+            shown[role] = Path(names[0]).name or names[0]
+    return shown
+
+
+def _samples_path(recorded: str, buckets_file: Path) -> Path:
+    p = Path(recorded)
+    if not p.is_absolute() and not p.exists() and (buckets_file.parent / p).exists():
+        p = buckets_file.parent / p
+    return p
+
+
+def _text(sample: dict[str, Any]) -> tuple[str, str]:
+    doc = sample.get("doc") or {}
+    prompt = doc.get("prompt") if isinstance(doc, dict) and isinstance(doc.get("prompt"), str) else None
+    if prompt is None:
+        prompt = str(get(sample, "arguments", "gen_args_0", "arg_0") or "")
+    resp = sample.get("filtered_resps")
+    if isinstance(resp, list) and resp:
+        resp = resp[0]
+    if isinstance(resp, list) and resp:
+        resp = resp[0]
+    return prompt, resp if isinstance(resp, str) else json.dumps(resp, ensure_ascii=False)
+
+
+def _failed(sample: dict[str, Any]) -> tuple[str, ...]:
+    ids, ok = get(sample, "doc", "instruction_id_list"), sample.get("inst_level_strict_acc")
+    if isinstance(ids, list) and isinstance(ok, list) and len(ids) == len(ok):
+        return tuple(i for i, passed in zip(ids, ok) if not passed)
+    return ()
+
+
+def _buckets_input(doc: Doc, path: Path) -> BucketsInput:
+    from lm_eval_sink.io import sha256_file
+    from lm_eval_sink.runs import read_samples
+
+    by_role: dict[str, dict[int, dict[str, Any]]] = {}
+    shown: dict[str, tuple[str, str]] = {}
+    for role in ROLES:
+        run = get(doc.data, "runs", role) or {}
+        recorded, want = run.get("samples_file"), run.get("samples_sha256")
+        if not recorded or not want:
+            raise UserError(f"{path}: no {role} samples file recorded", "re-run `lm-eval-sink buckets` with this version")
+        p = _samples_path(recorded, path)
+        if not p.is_file():
+            raise UserError(f"{path}: the {role} samples file {recorded} is missing", "restore it, or re-run `lm-eval-sink buckets` on the runs you have")
+        got = sha256_file(p)
+        if got != want:
+            raise UserError(f"{path}: the {role} samples file {p} changed since buckets ran (sha256 {got[:12]}..., recorded {want[:12]}...)",
+                            "re-run `lm-eval-sink buckets` on the current runs")
+        by_role[role] = {int(s["doc_id"]): s for s in read_samples(p)}
+        shown[role] = (str(p), got)
+    texts = {}
+    for doc_id, ref in by_role["reference"].items():
+        cand = by_role["candidate"].get(doc_id)
+        if cand is None:
+            continue
+        prompt, r_resp = _text(ref)
+        _, c_resp = _text(cand)
+        texts[doc_id] = PromptText(prompt=prompt, reference=r_resp, candidate=c_resp, failed_instructions=_failed(cand))
+    return BucketsInput(doc=doc, texts=texts, samples=shown)
+
+
+def load_inputs(out: Path, *, strength: Sequence[Path] | None = None, margin: Path | None = None, buckets: Sequence[Path] = (),
+                attribution: Path | None = None, sweep: Path | None = None, title: str | None = None) -> ReportInputs:
+    """Read, validate and cross-check every input; paths in the report are relative to `out`'s folder."""
+    from lm_eval_sink.io import package_versions
+
+    out_dir = Path(out).parent
+    if not (strength or margin or buckets or attribution or sweep):
+        raise UserError("nothing to report", "pass at least one of --strength, --margin, --buckets, --attribution, --sweep")
+    records = []
+    strength_docs = None
+    if strength:
+        if len(strength) != 2:
+            raise UserError(f"--strength takes two files (reference, candidate), got {len(strength)}", "pass --strength REF.strength.json CAND.strength.json")
+        strength_docs = tuple(_doc(_file(p, "strength"), "strength", out_dir) for p in strength)
+        for role, d in zip(ROLES, strength_docs):
+            records += _identities("strength", d, role)
+    docs: dict[str, Doc | None] = {}
+    for what, arg in (("margin", margin), ("attribution", attribution), ("sweep", sweep)):
+        docs[what] = None if arg is None else _doc(_file(arg, what), what, out_dir)
+        if docs[what] is not None:
+            records += _identities(what, docs[what])
+    bucket_docs = []
+    for arg in buckets:
+        path = _file(arg, "buckets")
+        d = _doc(path, "buckets", out_dir)
+        records += _identities("buckets", d)
+        bucket_docs.append((d, path))
+    identities = check_same_pair(records)
+    return ReportInputs(
+        title=title, strength=strength_docs, margin=docs["margin"], attribution=docs["attribution"], sweep=docs["sweep"],
+        buckets=tuple(_buckets_input(d, p) for d, p in bucket_docs), identities=identities, versions=package_versions(),
+        created_utc=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    )  # fmt: skip

@@ -1,0 +1,58 @@
+"""Figures and HTML of a report: one self-contained file (inline CSS, JS and PNG figures, no network).
+
+Figures are redrawn by plots.py from the loaded JSON (never copied from the input folders, which may
+be stale) and embedded as base64 PNG. The template is rendered by Jinja2 with autoescape on, so
+prompts and responses (untrusted text) always appear as text.
+"""
+
+from __future__ import annotations
+
+import base64
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from lm_eval_sink.report.view import ReportInputs, build_view
+
+
+def _png(draw, *args, **kwargs) -> str:
+    """Run a plots.py function into a temp file and return a data: URI of the PNG."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = draw(*args, path=Path(tmp) / "f.png", **kwargs)
+        return "data:image/png;base64," + base64.b64encode(Path(path).read_bytes()).decode("ascii")
+
+
+def figures(view: dict[str, Any]) -> dict[str, str]:
+    """The report's figures, keyed by section."""
+    from lm_eval_sink import plots
+
+    out: dict[str, str] = {}
+    h = view["headline"]
+    if h is not None and h["counts_raw"]:
+        out["buckets"] = _png(plots.bucket_bars, h["counts_raw"], f"{h['task']}: {h['metric']}", regression_kinds=h["kinds_raw"] or None)
+    m = view["margin"]
+    if m is not None and m["matrix"]:
+        out["margin"] = _png(plots.layer_head_heatmap, m["matrix"], m["layers"], "sink margin G_base - B_gap per layer and head", label="margin")
+    s = view["sweep"]
+    if s is not None and len(s["series"]["checkpoints"]) >= 2:
+        series = dict(s["series"]["values"])
+        series["S (Sink Strength)"] = s["series"]["s"]
+        out["sweep"] = _png(plots.sweep_chart, s["series"]["checkpoints"], series, note=s["final_note"])
+    return out
+
+
+def render_html(inputs: ReportInputs) -> str:
+    """The report's HTML text."""
+    from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
+
+    env = Environment(loader=PackageLoader("lm_eval_sink.report", "templates"), autoescape=select_autoescape(["html", "j2"], default=True),
+                      undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    view = build_view(inputs)
+    return env.get_template("report.html.j2").render(v=view, fig=figures(view))
+
+
+def write_report(inputs: ReportInputs, out: Path) -> Path:
+    """Render and write atomically (the caller has checked `out` may be written)."""
+    from lm_eval_sink.io import atomic_write_text
+
+    return atomic_write_text(Path(out), render_html(inputs))

@@ -1,0 +1,286 @@
+"""The report's view model, built from already-loaded outputs: pure, no I/O.
+
+Rules:
+- Every number shown is a `Num`: its value, its text as shown, and `src`, the input file (path
+  relative to the report) and the RFC 6901 JSON pointer it was read from, so a reader can trace it.
+- A section exists only when its input was given.
+- Sink Strength S comes from the `--strength` files when given, else from margin.json; where both
+  hold S and they differ (beyond 1e-6) the mismatch is noted and the strength files are shown.
+- The headline comes from the IFEval buckets output, else the first one given.
+- Prompts and responses are plain text here; escaping is the template's job (autoescape).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+S_TOLERANCE = 1e-6
+
+
+@dataclass(frozen=True, slots=True)
+class Doc:
+    """One loaded JSON input: `rel` is its path relative to the report, `data` its content."""
+
+    rel: str
+    data: Any
+    sha256: str
+
+
+@dataclass(frozen=True, slots=True)
+class Num:
+    """A number as shown (`text`) with where it came from (`src`: "<rel path>#<JSON pointer>"); `scale` is shown/stored."""
+
+    text: str
+    src: str
+    scale: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class PromptText:
+    """Prompt and both responses of one doc, from the two samples files buckets.json names."""
+
+    prompt: str
+    reference: str
+    candidate: str
+    failed_instructions: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class BucketsInput:
+    doc: Doc
+    texts: Mapping[int, PromptText]  # doc_id -> texts
+    samples: Mapping[str, tuple[str, str]]  # role -> (path as shown, sha256)
+
+
+@dataclass(frozen=True, slots=True)
+class ReportInputs:
+    """Everything the report reads, already loaded and checked by the loader."""
+
+    title: str | None = None
+    strength: tuple[Doc, Doc] | None = None
+    margin: Doc | None = None
+    buckets: tuple[BucketsInput, ...] = ()
+    attribution: Doc | None = None
+    sweep: Doc | None = None
+    identities: Mapping[str, str] = field(default_factory=dict)  # role -> what both models are, as shown
+    versions: Mapping[str, str | None] = field(default_factory=dict)
+    created_utc: str = ""
+
+
+def pointer(*parts: Any) -> str:
+    """An RFC 6901 JSON pointer from path parts (`~` -> `~0`, `/` -> `~1`)."""
+    return "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in parts)
+
+
+def get(data: Any, *parts: Any) -> Any:
+    """The value at `parts` (keys and list indices), None when absent."""
+    for p in parts:
+        if isinstance(data, Mapping):
+            data = data.get(p)
+        elif isinstance(data, list) and isinstance(p, int) and 0 <= p < len(data):
+            data = data[p]
+        else:
+            return None
+    return data
+
+
+def fmt(value: float | int, style: str) -> str:
+    """Text of a number: `f4` 4 decimals, `+f4` signed, `pts`/`+pts` percentage points (1 decimal), `int`, `p` p-value."""
+    if style == "int":
+        return str(int(value))
+    if style in ("pts", "+pts"):
+        return f"{100 * value:+.1f}" if style == "+pts" else f"{100 * value:.1f}"
+    if style == "p":
+        return f"{value:.2e}" if 0 < value < 1e-3 else f"{value:.4f}"
+    if style == "+f4":
+        return f"{value:+.4f}"
+    if style == "f2":
+        return f"{value:.2f}"
+    return f"{value:.4f}"
+
+
+def num(doc: Doc, parts: Sequence[Any], style: str = "f4") -> Num | None:
+    """The number at `parts` of `doc`, or None (shown as n/a) when absent or not a number."""
+    value = get(doc.data, *parts)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return Num(fmt(value, style), f"{doc.rel}#{pointer(*parts)}", 100.0 if style.endswith("pts") else 1.0)
+
+
+def _strength(inputs: ReportInputs) -> tuple[dict[str, Any] | None, list[str]]:
+    notes: list[str] = []
+    rows: dict[str, Any] = {}
+    margin = inputs.margin
+    for i, role in enumerate(("reference", "candidate")):
+        if inputs.strength is not None:
+            d = inputs.strength[i]
+            rows[role] = {"s": num(d, ["sink_strength"]), "content": num(d, ["sink_strength_content_rows"]), "template": num(d, ["sink_strength_template_rows"]),
+                          "pos0": num(d, ["pos0_argmax_fraction"], "pts"), "last_k": num(d, ["last_k"], "int"), "n_layers": num(d, ["n_layers"], "int"), "source": d.rel}
+            if margin is not None:
+                ms, ss = get(margin.data, f"{role}_sink_strength"), get(d.data, "sink_strength")
+                if isinstance(ms, (int, float)) and isinstance(ss, (int, float)) and abs(ms - ss) > S_TOLERANCE:
+                    notes.append(f"{role}: S in {d.rel} ({ss:.4f}) differs from margin.json's ({ms:.4f}); the strength file's value is shown "
+                                 "(the two were measured with different settings or weights)")
+        elif margin is not None:
+            rows[role] = {"s": num(margin, [f"{role}_sink_strength"]), "content": num(margin, ["provenance", f"{role}_sink_strength", "sink_strength_content_rows"]),
+                          "template": num(margin, ["provenance", f"{role}_sink_strength", "sink_strength_template_rows"]),
+                          "pos0": num(margin, ["provenance", f"{role}_sink_strength", "pos0_argmax_fraction"], "pts"),
+                          "last_k": num(margin, ["provenance", f"{role}_sink_strength", "last_k"], "int"),
+                          "n_layers": num(margin, ["provenance", f"{role}_sink_strength", "n_layers"], "int"), "source": margin.rel}
+    return ({"rows": rows} if rows else None), notes
+
+
+def _main_kind(counts: Mapping[str, int] | None) -> tuple[str, int] | None:
+    if not counts:
+        return None
+    kind, n = max(counts.items(), key=lambda kv: (kv[1], kv[0]))
+    return (kind, n) if n else None
+
+
+def _buckets_section(b: BucketsInput) -> dict[str, Any]:
+    d = b.doc
+    data = d.data
+    binary = data.get("kind") == "binary"
+    style = "pts" if binary else "f4"
+    counts = data.get("counts") or {}
+    table = []
+    for i, row in enumerate(data.get("rows") or []):
+        if row.get("bucket") != "regression" and not (not binary and (row.get("difference") or 0) < 0):
+            continue
+        text = b.texts.get(int(row["doc_id"]))
+        table.append({
+            "doc_id": num(d, ["rows", i, "doc_id"], "int"), "reference": num(d, ["rows", i, "reference"]), "candidate": num(d, ["rows", i, "candidate"]),
+            "kind": row.get("failure_kind") or "", "detail": row.get("failure_detail") or "",
+            "failed": list(text.failed_instructions) if text else [], "prompt": text.prompt if text else "",
+            "reference_response": text.reference if text else "", "candidate_response": text.candidate if text else "",
+            "truncated": row.get("truncated"),
+        })  # fmt: skip
+    kinds = get(data, "failure_kinds", "counts") or {}
+    types = [{"id": t["instruction_id"], "n": num(d, ["instruction_types", i, "n"], "int"), "regression": num(d, ["instruction_types", i, "regression"], "int"),
+              "recovered": num(d, ["instruction_types", i, "recovered"], "int"), "delta": num(d, ["instruction_types", i, "delta"], "+pts"),
+              "p": num(d, ["instruction_types", i, "mcnemar_p"], "p"), "holm": num(d, ["instruction_types", i, "holm_p"], "p")}
+             for i, t in enumerate(data.get("instruction_types") or [])]
+    runs = data.get("runs") or {}
+    return {
+        "task": data.get("task"), "metric": data.get("metric"), "filter": data.get("filter"), "source": d.rel, "binary": binary,
+        "n": num(d, ["n"], "int"), "reference_score": num(d, ["reference_score"], style), "candidate_score": num(d, ["candidate_score"], style),
+        "delta": num(d, ["delta"], "+" + style if style == "pts" else "+f4"),
+        "delta_lo": num(d, ["delta_ci", 0], "+" + style if style == "pts" else "+f4"), "delta_hi": num(d, ["delta_ci", 1], "+" + style if style == "pts" else "+f4"),
+        "confidence": num(d, ["settings", "confidence"], "pts"), "mcnemar_p": num(d, ["mcnemar_p"], "p"), "wilcoxon_p": num(d, ["wilcoxon_p"], "p"),
+        "counts": [{"bucket": k, "n": num(d, ["counts", k], "int")} for k in ("both_pass", "regression", "recovered", "both_fail") if k in counts],
+        "counts_raw": dict(counts), "kinds_raw": dict(kinds),
+        "kinds": [{"kind": k, "n": num(d, ["failure_kinds", "counts", k], "int")} for k, v in kinds.items() if v],
+        "main_kind": _main_kind(kinds), "regressions": num(d, ["counts", "regression"], "int"),
+        "table": table, "types": types, "notes": list(data.get("notes") or []),
+        "protocol_differences": [{"field": k, "reference": v.get("reference"), "candidate": v.get("candidate"), "affects": v.get("affects_scores")}
+                                 for k, v in (data.get("protocol_differences") or {}).items()],
+        "runs": {role: {"model": r.get("model"), "samples": b.samples.get(role, ("", ""))[0]} for role, r in runs.items()},
+    }  # fmt: skip
+
+
+def _margin_section(d: Doc) -> dict[str, Any]:
+    data = d.data
+    s = ["summary"]
+    heads = [{"layer": num(d, ["negative_margin_heads", i, "layer"], "int"), "head": num(d, ["negative_margin_heads", i, "head"], "int"),
+              "g_base": num(d, ["negative_margin_heads", i, "g_base_median"]), "b_gap": num(d, ["negative_margin_heads", i, "b_gap"]),
+              "margin": num(d, ["negative_margin_heads", i, "margin"], "+f4"), "mass": num(d, ["negative_margin_heads", i, "measured_nonsink_mass_median"], "pts"),
+              "has_sink": h.get("reference_has_sink")}
+             for i, h in enumerate(data.get("negative_margin_heads") or [])]
+    return {
+        "source": d.rel, "reference": data.get("reference"), "candidate": data.get("candidate"),
+        "n_negative": num(d, [*s, "n_negative_margin"], "int"), "n_total": num(d, [*s, "n_heads_total"], "int"),
+        "n_collapse": num(d, [*s, "n_sink_collapse"], "int"), "n_no_sink": num(d, [*s, "n_no_sink_in_reference"], "int"),
+        "margin_median": num(d, [*s, "margin_median"], "+f4"), "margin_min": num(d, [*s, "margin_min"], "+f4"),
+        "quantile": num(d, ["quantile"], "f2"), "n_negative_quantile": num(d, [*s, "n_negative_margin_quantile"], "int"),
+        "heads": heads, "matrix": data.get("margin"), "layers": data.get("layers"),
+    }  # fmt: skip
+
+
+def _attribution_section(d: Doc) -> dict[str, Any]:
+    data = d.data
+    benches = []
+    for bi, b in enumerate(data.get("benchmarks") or []):
+        rows = []
+        for ci, c in enumerate(b.get("comparisons") or []):
+            p = ["benchmarks", bi, "comparisons", ci]
+            rows.append({"protocol": c.get("protocol"), "kind": c.get("kind"), "split_from": c.get("split_from"), "non_final": c.get("non_final"),
+                         "reference": num(d, [*p, "reference", "strict"], "f2"), "candidate": num(d, [*p, "candidate", "strict"], "f2"),
+                         "gap": num(d, [*p, "gap"], "f2"), "protocol_part": num(d, [*p, "protocol_part"], "f2"),
+                         "access": num(d, [*p, "access"], "f2"), "capacity": num(d, [*p, "capacity"], "f2"),
+                         "fields": [f.get("field") for f in c.get("differing_fields") or []]})
+        benches.append({"benchmark": b.get("benchmark"), "construct": b.get("construct"), "rows": rows,
+                        "not_compared": [str(x.get("reason") or x) if isinstance(x, Mapping) else str(x) for x in b.get("not_compared") or []]})
+    return {"source": d.rel, "benchmarks": benches, "lineage": [dict(x) for x in data.get("lineage") or []], "mixture": get(data, "mixture", "note")}
+
+
+def _sweep_section(d: Doc) -> dict[str, Any]:
+    data = d.data
+    cols = list(data.get("columns") or [])
+    rows = []
+    for i, r in enumerate(data.get("rows") or []):
+        rows.append({"checkpoint": r.get("checkpoint"), "method": r.get("method") or r.get("role"), "setting": r.get("setting"), "status": r.get("status"),
+                     "cells": [(num(d, ["rows", i, "metrics", c]), num(d, ["rows", i, "delta_vs_reference", c], "+f4")) for c in cols],
+                     "s": num(d, ["rows", i, "sink_strength"]), "s_delta": num(d, ["rows", i, "sink_strength_delta_vs_reference"], "+f4")})
+    return {"source": d.rel, "columns": cols, "rows": rows, "lineage": data.get("lineage"), "final_note": data.get("final_note"),
+            "model_differences": list(get(data, "protocol", "model_differences") or []),
+            "series": {"checkpoints": [r.get("checkpoint") for r in data.get("rows") or []],
+                       "values": {c: [get(r, "metrics", c) for r in data.get("rows") or []] for c in cols},
+                       "s": [r.get("sink_strength") for r in data.get("rows") or []]}}
+
+
+def _lineage(inputs: ReportInputs) -> dict[str, Any] | None:
+    if inputs.attribution is None:
+        return None
+    items = get(inputs.attribution.data, "lineage") or []
+    if not items:
+        return None
+    first = items[0]
+    return {"status": first.get("status"), "flagged": bool(first.get("flagged")), "how": first.get("how")}
+
+
+def _inputs_table(inputs: ReportInputs) -> list[dict[str, Any]]:
+    rows = []
+    if inputs.strength is not None:
+        for role, d in zip(("reference", "candidate"), inputs.strength):
+            rows.append({"what": f"strength ({role})", "path": d.rel, "sha256": d.sha256, "versions": get(d.data, "provenance", "versions") or {}})
+    for what, d in (("margin", inputs.margin), ("attribution", inputs.attribution), ("sweep", inputs.sweep)):
+        if d is not None:
+            rows.append({"what": what, "path": d.rel, "sha256": d.sha256, "versions": get(d.data, "provenance", "versions") or {}})
+    for b in inputs.buckets:
+        rows.append({"what": f"buckets ({b.doc.data.get('task')})", "path": b.doc.rel, "sha256": b.doc.sha256, "versions": get(b.doc.data, "provenance", "versions") or {}})
+        for role, (path, sha) in b.samples.items():
+            rows.append({"what": f"samples ({role}, {b.doc.data.get('task')})", "path": path, "sha256": sha, "versions": {}})
+    return rows
+
+
+def headline_index(buckets: Sequence[BucketsInput]) -> int | None:
+    """The buckets output the headline comes from: the IFEval one, else the first."""
+    for i, b in enumerate(buckets):
+        if str(b.doc.data.get("task", "")).startswith("ifeval"):
+            return i
+    return 0 if buckets else None
+
+
+def build_view(inputs: ReportInputs) -> dict[str, Any]:
+    """The template's context: header, one entry per section given, provenance, notes."""
+    strength, notes = _strength(inputs)
+    buckets = [_buckets_section(b) for b in inputs.buckets]
+    hi = headline_index(inputs.buckets)
+    title = inputs.title or "lm-eval-sink report: " + " vs ".join(inputs.identities.get(r, r) for r in ("reference", "candidate"))
+    return {
+        "title": title,
+        "identities": dict(inputs.identities),
+        "strength": strength,
+        "headline": buckets[hi] if hi is not None else None,
+        "buckets": buckets,
+        "margin": _margin_section(inputs.margin) if inputs.margin is not None else None,
+        "attribution": _attribution_section(inputs.attribution) if inputs.attribution is not None else None,
+        "sweep": _sweep_section(inputs.sweep) if inputs.sweep is not None else None,
+        "lineage": _lineage(inputs),
+        "notes": notes,
+        "inputs": _inputs_table(inputs),
+        "versions": dict(inputs.versions),
+        "created_utc": inputs.created_utc,
+    }
