@@ -239,7 +239,7 @@ def check_unsharded(model: Any, args: Any = None) -> None:
     """Refuse sharded weights (FSDP, DeepSpeed ZeRO-3): the rules need each full matrix."""
     sharded = False
     if args is not None:
-        sharded = bool(getattr(args, "fsdp", None)) or bool(getattr(args, "fsdp_config", None) and getattr(args, "fsdp", None))
+        sharded = bool(getattr(args, "fsdp", None))
         ds = getattr(args, "hf_deepspeed_config", None)
         sharded = sharded or bool(ds is not None and getattr(ds, "is_zero3", lambda: False)())
     for p in model.parameters():
@@ -325,6 +325,7 @@ def select_sink_heads(model: Any, tokenizer: Any, settings: StrengthSettings = S
             if ok:
                 chosen.setdefault(l, []).append(h)
     geometry = sink_geometry(model, sink_token, sorted(chosen))
+    rot = rotary_dim_of(model, d)
     plans = []
     for l in sorted(chosen):
         x_s, k_s, _ = geometry[l]
@@ -332,12 +333,11 @@ def select_sink_heads(model: Any, tokenizer: Any, settings: StrengthSettings = S
         if norm == 0.0:
             raise UserError(f"layer {l}: the sink token's input to k_proj is zero", "protect other layers (--last-k) or check the model")
         kv = sorted({h // group for h in chosen[l]}) if kind != "layerwise" else list(range(n_kv))
-        rot = rotary_dim_of(model, d)
         bases = {g: sink_basis(k_s[g], rot, tau) for g in kv}
         plans.append(LayerPlan(layer=l, heads=tuple(chosen[l]), kv_heads=tuple(kv), x_hat=tuple(float(v) for v in x_s / norm),
                                k_sink={g: tuple(float(v) for v in k_s[g]) for g in kv}, u_rank={g: int(bases[g][0].shape[1]) for g in kv},
                                excluded_energy={g: float(bases[g][1]) for g in kv}))
-    return ProtectionPlan(n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv, head_dim=d, rotary_dim=rotary_dim_of(model, d), qk_norm=kind,
+    return ProtectionPlan(n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv, head_dim=d, rotary_dim=rot, qk_norm=kind,
                           sink_token_id=int(sink_token), threshold=float(threshold), min_pos0_fraction=float(min_pos0_fraction), tau=float(tau),
                           heads=tuple(heads), layers=tuple(plans), start_sha256=_start_sha(model, sorted(chosen)),
                           provenance={"settings": asdict(settings), "prompt_set": {"source": prompt_set.source, "sha256": prompt_set.sha256}})
