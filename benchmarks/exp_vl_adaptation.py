@@ -282,11 +282,12 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=Config.lr)
     ap.add_argument("--every", type=int, default=Config.every)
     ap.add_argument("--tau", type=float, default=Config.tau)
+    ap.add_argument("--seed", type=int, default=Config.seed)
     ap.add_argument("--scale", type=int, default=1, help="multiply steps and the trajectory interval (e.g. 20 on a GPU)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--runs", default=",".join(RUNS))
     a = ap.parse_args()
-    cfg = Config(steps=a.steps * a.scale, batch=a.batch, lr=a.lr, every=a.every * a.scale, tau=a.tau, device=a.device)
+    cfg = Config(steps=a.steps * a.scale, batch=a.batch, lr=a.lr, every=a.every * a.scale, tau=a.tau, seed=a.seed, device=a.device)
     runs = [r for r in a.runs.split(",") if r]
     bad = [r for r in runs if r not in RUNS]
     if bad:
