@@ -370,3 +370,17 @@ def test_callback_without_attach_warns_once_and_resume_drops_later_lines(tiny_to
     records = read_trajectory(path)
     assert [r["step"] for r in records] == [0, 2, 4]
     assert records[1]["sink_strength"] == json.loads(lines[1])["sink_strength"]  # kept, not re-measured
+
+
+def test_protection_from_plan_as_trainer_callback(selective_dirs, tiny_tokenizer, tmp_path):
+    from lm_eval_sink.io import atomic_write_json
+
+    model = sm.build_selective("llama", vocab=len(tiny_tokenizer), bos_id=tiny_tokenizer.bos_token_id, noise=0.05)
+    plan_path = atomic_write_json(tmp_path / "plan.json", select_sink_heads(model, tiny_tokenizer, StrengthSettings(last_k=2), progress=False).to_json())
+    start, geo0 = _snapshot(model), sink_geometry(model, tiny_tokenizer.bos_token_id, [1])
+    prot = SinkProtection.from_plan(plan_path)
+    _trainer(model, tmp_path / "run", 4, callbacks=[prot]).train()
+    now = _snapshot(model)
+    assert torch.equal(now["model.layers.0.mlp.down_proj.weight"], start["model.layers.0.mlp.down_proj.weight"])
+    assert not torch.equal(now["model.layers.2.mlp.down_proj.weight"], start["model.layers.2.mlp.down_proj.weight"])
+    np.testing.assert_allclose(sink_geometry(model, tiny_tokenizer.bos_token_id, [1])[1][1][0], geo0[1][1][0], atol=1e-6)
