@@ -525,9 +525,6 @@ def sweep(sweep_file, output, force, delete_merged, quiet) -> None:
     report.raise_for_failures()
 
 
-# --- the HTML report (issue 16) ---
-
-
 @cli.command("report")
 @click.option("--strength", "strength_files", nargs=2, type=click.Path(path_type=Path), default=None, metavar="REF.json CAND.json", help="Both models' strength JSON (<name>.strength.json or a sweep's strength.json).")
 @click.option("--margin", "margin_dir", type=click.Path(path_type=Path), default=None, help="Output folder (or margin.json) of `margin`.")
@@ -548,6 +545,25 @@ def report(strength_files, margin_dir, buckets_dirs, attribution_dir, sweep_dir,
     check_new_outputs([output], force)
     inputs = load_inputs(output, strength=strength_files, margin=margin_dir, buckets=buckets_dirs, attribution=attribution_dir, sweep=sweep_dir, title=title)
     click.echo(f"wrote {write_report(inputs, output)}")
+
+
+@cli.command("protect-plan")
+@click.argument("model_name", metavar="MODEL")
+@click.option("--last-k", default="10", show_default=True, help="Heads of the last K layers are candidates, or 'all'.")
+@click.option("--threshold", type=float, default=0.0, show_default=True, help="Protect heads whose median sink log-odds exceeds this.")
+@click.option("--min-pos0-fraction", type=float, default=0.8, show_default=True, help="...and whose sink is position 0 in at least this share of rows.")
+@click.option("--tau", type=float, default=0.0, show_default=True, help="Share of |k_s|^2 Rule Q may leave unprotected (0: the sink logit cannot move through W_q).")
+@_calibration_options
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="The plan JSON to write.")
+def protect_plan(model_name, last_k, threshold, min_pos0_fraction, tau, prompts_file, n_prompts, rows, chat_template, system_prompt, dtype, device, batch_size, force, quiet, output) -> None:
+    """Choose the sink heads to protect during training (MODEL: folder, hub id or 'default'); see docs/training.md."""
+    from lm_eval_sink.strength import StrengthSettings
+    from lm_eval_sink.training.protection import run_protect_plan
+
+    settings = StrengthSettings(last_k=_last_k(last_k), rows=rows, n_prompts=n_prompts, prompts_file=str(prompts_file) if prompts_file else None,
+                                use_chat_template=chat_template, system_prompt=system_prompt, batch_size=batch_size)
+    for line in run_protect_plan(model_name, settings, output, threshold=threshold, min_pos0_fraction=min_pos0_fraction, tau=tau, dtype=dtype, device=device, force=force, progress=not quiet):
+        click.echo(line)
 
 
 def main(argv: list[str] | None = None) -> int:

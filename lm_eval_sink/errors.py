@@ -18,3 +18,7 @@ class UserError(Exception):
     def line(self) -> str:
         """The single line shown to the user."""
         return self.message if not self.hint else f"{self.message} (fix: {self.hint})"
+
+
+class SinkWarning(UserWarning):
+    """A result is still produced, but something the user should know about limits it."""

@@ -131,3 +131,78 @@ def expected_strength(family: str, n_layers: int, lengths: list[int], last_k: in
             per[i, h] = reduce(vals)
             allv += vals
     return float(reduce(allv)), per
+
+
+# ---------------------------------------------------------------------------- head-selective sinks
+# For the training tests: 4 query heads on 2 KV heads (GQA), head_dim 8, ordinary RoPE (theta 1e4).
+# Only KV head 0 (query heads 0 and 1) has a sink: q_proj reads dim 1 into head-dim 3 of heads 0, 1
+# with weight alpha[l, h]; k_proj reads dim 0 into head-dim 3 of KV head 0 with weight beta[l].
+# Head-dim 3 lies in the lowest-frequency rotary plane (3, 7) (0.001 rad a position), so a row at
+# query position q has logits [g cos(0.001 q), 0, ..., 0]; heads 2, 3 have all logits 0 (no sink).
+# `noise` adds seeded Gaussian weights to v_proj, o_proj and the MLP (none written to residual
+# dim 0), to heads 2, 3's q_proj, KV head 1's k_proj and KV head 0's k_proj off the sink plane and
+# reading only the tokens' own dims 9.. (random codes of the non-sink tokens), so gradients reach
+# every head while the sink key stays on head-dim 3; heads 0, 1 keep their sink (not in closed form).
+
+SEL_H, SEL_D, SEL_HEADS, SEL_KV, SEL_DIM, SEL_THETA = 16, 8, 4, 2, 3, 1e4
+SINK_HEADS = (0, 1)
+SEL_TOKEN_DIMS = 9  # with noise: dims 9.. carry each non-sink token's own random code
+
+
+def build_selective(family: str = "llama", n_layers: int = 3, vocab: int = 96, bos_id: int = 1, noise: float = 0.0, bias: bool = False, tied: bool = False):
+    from transformers import AutoModelForCausalLM
+
+    common = dict(vocab_size=vocab, hidden_size=SEL_H, intermediate_size=16, num_hidden_layers=n_layers, num_attention_heads=SEL_HEADS,
+                  num_key_value_heads=SEL_KV, head_dim=SEL_D, max_position_embeddings=512, rms_norm_eps=1e-12, tie_word_embeddings=tied,
+                  rope_theta=SEL_THETA, pad_token_id=0, bos_token_id=bos_id, eos_token_id=2)
+    if family == "llama":
+        from transformers import LlamaConfig
+
+        config = LlamaConfig(**common, attention_bias=bias)
+    elif family == "qwen3":
+        from transformers import Qwen3Config
+
+        config = Qwen3Config(**common)
+    else:
+        from transformers import Olmo2Config
+
+        config = Olmo2Config(**common)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+        emb = model.model.embed_tokens.weight
+        emb[:, 1] = 1.0
+        emb[bos_id] = 0.0
+        emb[bos_id, 0] = C_BOS
+        gen = torch.Generator().manual_seed(1)
+        if noise:
+            tokens = torch.arange(vocab) != bos_id
+            emb[tokens, SEL_TOKEN_DIMS:] = 0.5 * torch.randn((int(tokens.sum()), SEL_H - SEL_TOKEN_DIMS), generator=gen)
+        for l, layer in enumerate(model.model.layers):
+            attn = layer.self_attn
+            for h in SINK_HEADS:
+                attn.q_proj.weight[h * SEL_D + SEL_DIM, 1] = 0.5 + 0.5 * l + 0.25 * h
+            attn.k_proj.weight[SEL_DIM, 0] = 1.0 + 0.1 * l
+            if noise:
+                for mod in (attn.v_proj, attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+                    mod.weight.add_(noise * torch.randn(mod.weight.shape, generator=gen))
+                for mod in (attn.o_proj, layer.mlp.down_proj):  # nothing is written to dim 0 (the sink's) or dims 9.. (tokens')
+                    mod.weight[0] = 0.0
+                    mod.weight[SEL_TOKEN_DIMS:] = 0.0
+                for name in ("post_attention_layernorm", "post_feedforward_layernorm"):  # OLMo2's post-norms: keep the writes small
+                    if family == "olmo2":
+                        getattr(layer, name).weight.fill_(noise)
+                attn.q_proj.weight[2 * SEL_D:] = noise * torch.randn((2 * SEL_D, SEL_H), generator=gen)  # heads 2, 3
+                kw = attn.k_proj.weight
+                kw[SEL_D:] = noise * torch.randn((SEL_D, SEL_H), generator=gen)  # KV head 1
+                block = noise * torch.randn((SEL_D, SEL_H), generator=gen)  # KV head 0, off the sink plane and off dim 0
+                block[[SEL_DIM, SEL_DIM + SEL_D // 2]] = 0.0
+                block[:, :SEL_TOKEN_DIMS] = 0.0  # reads the token dims only: the sink key stays on dim 3
+                kw[:SEL_D] += block
+    model.eval()
+    return model

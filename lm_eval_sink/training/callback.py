@@ -1,0 +1,165 @@
+"""Sink Strength during training: a transformers `TrainerCallback` that records S every N steps.
+
+Steps are optimizer steps (`state.global_step`): step 0 in `on_train_begin`, every `every_n_steps`
+in `on_step_end`, and the last step in `on_train_end` unless it is already recorded; each step
+once. The measurement is `strength.measure` on the model being trained (unwrapped from DDP and
+peft wrappers, LoRA layers active), in eval mode under no_grad; train mode and every parameter's
+`requires_grad` are restored after it. Only the main process measures and writes.
+
+Files in `output_dir` (default `args.output_dir`): `sink_trajectory.jsonl`, one line per step with
+`step`, `epoch` and the strength result's JSON keys except provenance, rewritten atomically on
+each line; `sink_trajectory.png` at the end. A resumed run (global step > 0 at train begin)
+drops the lines later than the resumed step; a fresh run (step 0) starts a new file.
+`cb.attach(trainer)` adds the callback and keeps the trainer, so each measurement also goes
+through `trainer.log` to the `report_to` integrations; without it the figures go to the JSONL
+and `state.log_history` only, with one warning.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+from lm_eval_sink.errors import SinkWarning, UserError
+from lm_eval_sink.strength import SinkStrength, StrengthSettings
+
+TRAJECTORY_JSONL = "sink_trajectory.jsonl"
+TRAJECTORY_PNG = "sink_trajectory.png"
+LOGGED_KEYS = ("sink_strength", "sink_strength_content_rows", "sink_strength_template_rows", "pos0_argmax_fraction", "pos0_mass_median")
+
+
+def unwrap_model(model: Any) -> Any:
+    """The module whose weights are trained: strip DDP-style `.module` and peft wrappers."""
+    while hasattr(model, "module") and not hasattr(model, "config"):
+        model = model.module
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
+    return model
+
+
+def measure_in_training(model: Any, tokenizer: Any, settings: StrengthSettings) -> SinkStrength:
+    """`strength.measure` on a model that is being trained, restoring train mode and requires_grad."""
+    import torch
+
+    from lm_eval_sink.strength import measure
+
+    model = unwrap_model(model)
+    was_training = model.training
+    grads = [(p, p.requires_grad) for p in model.parameters()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            return measure(model, tokenizer, settings, progress=False)
+    finally:
+        model.train(was_training)
+        for p, flag in grads:
+            p.requires_grad_(flag)
+
+
+def trajectory_line(step: int, epoch: float | None, result: SinkStrength) -> dict[str, Any]:
+    """One JSONL record: step, epoch and the result's JSON without provenance."""
+    body = {k: v for k, v in result.to_json().items() if k != "provenance"}
+    return {"step": int(step), "epoch": None if epoch is None else float(epoch), **body}
+
+
+def read_trajectory(path: Path) -> list[dict[str, Any]]:
+    """The records of a `sink_trajectory.jsonl` (empty when absent)."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    out = []
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}:{i + 1}: not valid JSON ({e})", "delete the broken line or the file") from None
+    return out
+
+
+def trajectory_plot(series: dict[str, list[tuple[int, float]]], path: Path, title: str = "Sink Strength during training") -> Path:
+    """S against optimizer step, one line per run."""
+    from lm_eval_sink.plots import _pyplot, save_figure
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for name, points in series.items():
+        ax.plot([p[0] for p in points], [p[1] for p in points], "o-", ms=3, label=name)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("Sink Strength S")
+    ax.set_title(title, fontsize=9)
+    if len(series) > 1:
+        ax.legend(fontsize=7, loc="best")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+class SinkStrengthCallback(TrainerCallback):
+    """Measure Sink Strength every `every_n_steps` optimizer steps; see the module docstring."""
+
+    def __init__(self, tokenizer: Any, settings: StrengthSettings = StrengthSettings(), every_n_steps: int = 100, output_dir: str | Path | None = None) -> None:
+        if every_n_steps <= 0:
+            raise UserError(f"every_n_steps must be positive, got {every_n_steps}", "pass e.g. every_n_steps=100")
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.every_n_steps = int(every_n_steps)
+        self.output_dir = None if output_dir is None else Path(output_dir)
+        self.trainer: Any = None
+        self.records: list[dict[str, Any]] = []
+        self._warned = False
+
+    def attach(self, trainer: Any) -> SinkStrengthCallback:
+        """Add this callback to `trainer` and log each measurement through `trainer.log`."""
+        self.trainer = trainer
+        trainer.add_callback(self)
+        return self
+
+    def _folder(self, args: Any) -> Path:
+        return self.output_dir if self.output_dir is not None else Path(args.output_dir)
+
+    def _done(self) -> set[int]:
+        return {r["step"] for r in self.records}
+
+    def _measure(self, args: Any, state: Any, model: Any) -> None:
+        step = int(state.global_step)
+        if not state.is_world_process_zero or step in self._done():
+            return
+        if model is None:
+            raise UserError("SinkStrengthCallback got no model from the Trainer", "add it to a transformers.Trainer (callbacks=[...] or cb.attach(trainer))")
+        from lm_eval_sink.io import atomic_write_text
+
+        result = measure_in_training(model, self.tokenizer, self.settings)
+        record = trajectory_line(step, state.epoch, result)
+        self.records.append(record)
+        text = "".join(json.dumps(r, sort_keys=True, allow_nan=False) + "\n" for r in self.records)
+        atomic_write_text(self._folder(args) / TRAJECTORY_JSONL, text)
+        logs = {k: record[k] for k in LOGGED_KEYS if record.get(k) is not None}
+        if self.trainer is not None:
+            self.trainer.log(logs)
+        else:
+            state.log_history.append({**logs, "step": step, **({"epoch": state.epoch} if state.epoch is not None else {})})
+            if not self._warned:
+                warnings.warn("SinkStrengthCallback is not attached to a trainer: Sink Strength goes to the JSONL and state.log_history only, not to report_to (use cb.attach(trainer))", SinkWarning, stacklevel=2)
+                self._warned = True
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if state.is_world_process_zero:
+            step = int(state.global_step)
+            old = read_trajectory(self._folder(args) / TRAJECTORY_JSONL) if step > 0 else []
+            self.records = [r for r in old if r["step"] <= step]
+        self._measure(args, state, model)
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step % self.every_n_steps == 0:
+            self._measure(args, state, model)
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        self._measure(args, state, model)
+        if state.is_world_process_zero and self.records:
+            points = [(r["step"], r["sink_strength"]) for r in self.records]
+            trajectory_plot({"S": points}, self._folder(args) / TRAJECTORY_PNG)

@@ -1,0 +1,556 @@
+"""Head-selective sink protection during training: choose sink heads, then keep their sink logit.
+
+Per protected layer l (weights cumulative from the start: W = W0 + dW):
+    x_s       the sink token's input to k_proj (after the input norm); x^ = x_s / |x_s|
+    k_s[g]    its key for KV head g (after k_norm where present; RoPE at position 0 is the identity)
+    Rule K    dW_k[g] <- dW_k[g] (I - x^ x^T) on KV head g's rows; b_k[g] and gamma_k held at the start
+    Rule Q    dW_q[h] <- (I - U U^T) dW_q[h], db_q[h] likewise, gamma_q held; U spans the rotary
+              planes (i, i + r/2) holding at least (1 - tau) of |k_s[g]|^2 for the KV head g of
+              query head h (largest planes first), plus k_s's direction in the unrotated dims.
+Since l_i = alpha (W_q x_i + b_q)^T R_i^T k_s and R_i^T k_s stays in those planes for every
+position i, tau = 0 means no update of W_q or b_q moves any sink logit; with tau > 0,
+|dl_i| <= alpha |dW_q x_i + db_q| |k_s outside U|. k_s is exact only while x_s is: `freeze`
+fixes the position-0 path up to the lowest protected layer (every parameter of the layers below
+except q_proj / k_proj, which position 0 does not use, plus that layer's input norm and the sink
+token's embedding row, reset after each step since it is one row of a trained matrix and, when
+tied, of the output head). Higher protected layers get Rule K on a moving x_s: `report` gives |dk_s|.
+QK-norm: per head (Qwen3, Gemma 3) keeps k_s exact and the numerator of l_i, so
+l_i = l_i0 |u_i0| / |u_i| (u the pre-norm query); layerwise (OLMo2) needs Rule K on all of the
+layer's KV heads and l_i scales by |Q0(x_i)| / |Q(x_i)|, which other heads' updates move:
+`report` gives both ratios. Never preserved: the other keys' logits, hence log-odds and sink
+mass. Only heads whose sink is at position 0 are selected. LoRA (peft): Rule K projects A
+(all of the layer's KV heads at once), Rule Q projects head h's rows of B.
+The math functions are pure numpy; the model functions only read and write parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from transformers import TrainerCallback
+
+from lm_eval_sink.errors import UserError
+from lm_eval_sink.strength import StrengthSettings
+
+SCHEMA_VERSION = 1
+QK_NORM_KINDS = ("none", "per_head", "layerwise")
+
+
+# ---------------------------------------------------------------------------- pure math
+
+
+def select_head(median_logodds: float, pos0_fraction: float, threshold: float, min_pos0_fraction: float) -> tuple[bool, str]:
+    """Whether a head is protected, and why (its sink must be strong and at position 0)."""
+    if pos0_fraction < min_pos0_fraction:
+        return False, f"sink at position 0 in {pos0_fraction:.2f} of rows < {min_pos0_fraction}"
+    if not median_logodds > threshold:
+        return False, f"median log-odds {median_logodds:.3f} <= threshold {threshold}"
+    return True, f"median log-odds {median_logodds:.3f} > {threshold}, position 0 in {pos0_fraction:.2f} of rows"
+
+
+def sink_basis(k_s: np.ndarray, rotary_dim: int, tau: float) -> tuple[np.ndarray, float]:
+    """(U [d, r] orthonormal, excluded energy share) for one KV head's sink key (rotate-half RoPE).
+
+    Planes (i, i + rotary_dim / 2) for i < rotary_dim / 2 are taken largest first until they hold
+    at least (1 - tau) of |k_s|^2; the unrotated dims count as one block along k_s's part there.
+    """
+    k = np.asarray(k_s, dtype=np.float64)
+    d = k.shape[0]
+    half = rotary_dim // 2
+    blocks: list[tuple[float, np.ndarray]] = []
+    for i in range(half):
+        e = np.zeros((d, 2))
+        e[i, 0] = e[i + half, 1] = 1.0
+        blocks.append((float(k[i] ** 2 + k[i + half] ** 2), e))
+    rest = np.zeros(d)
+    rest[rotary_dim:] = k[rotary_dim:]
+    if np.linalg.norm(rest) > 0:
+        blocks.append((float(rest @ rest), (rest / np.linalg.norm(rest))[:, None]))
+    total = float(k @ k)
+    if total == 0.0:
+        return np.zeros((d, 0)), 0.0
+    kept, energy = [], 0.0
+    for e, basis in sorted(blocks, key=lambda b: -b[0]):
+        if energy >= (1.0 - tau) * total or e == 0.0:
+            break
+        kept.append(basis)
+        energy += e
+    return np.concatenate(kept, axis=1), max(0.0, 1.0 - energy / total)
+
+
+def project_rows_off(delta: np.ndarray, x_hat: np.ndarray) -> np.ndarray:
+    """Rule K: delta (I - x^ x^T); delta [out, in], x^ unit [in]."""
+    return delta - np.outer(delta @ x_hat, x_hat)
+
+
+def project_cols_off(delta: np.ndarray, basis: np.ndarray) -> np.ndarray:
+    """Rule Q: (I - U U^T) delta; delta [d, in] (or [d]), U [d, r] orthonormal."""
+    return delta - basis @ (basis.T @ delta)
+
+
+# ---------------------------------------------------------------------------- plan
+
+
+@dataclass(frozen=True, slots=True)
+class HeadChoice:
+    layer: int
+    head: int
+    kv_head: int
+    sink_pos: int  # most frequent argmax key
+    pos0_fraction: float
+    median_logodds: float
+    selected: bool
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class LayerPlan:
+    layer: int
+    heads: tuple[int, ...]  # protected query heads (Rule Q)
+    kv_heads: tuple[int, ...]  # protected KV heads (Rule K)
+    x_hat: tuple[float, ...]
+    k_sink: dict[int, tuple[float, ...]]  # KV head -> k_s
+    u_rank: dict[int, int]  # KV head -> rank of U
+    excluded_energy: dict[int, float]  # KV head -> share of |k_s|^2 outside U
+
+    @property
+    def max_u_rank(self) -> int:
+        return max(self.u_rank.values(), default=0)
+
+
+@dataclass(frozen=True, slots=True)
+class ProtectionPlan:
+    """Which heads to protect, and the sink geometry the rules need (from the start weights)."""
+
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    qk_norm: str
+    sink_token_id: int
+    threshold: float
+    min_pos0_fraction: float
+    tau: float
+    heads: tuple[HeadChoice, ...]
+    layers: tuple[LayerPlan, ...]  # protected layers only, ascending
+    start_sha256: str  # of the protected layers' start q_proj / k_proj weights
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def lowest_layer(self) -> int | None:
+        return self.layers[0].layer if self.layers else None
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        for lp in d["layers"]:
+            lp["k_sink"] = {str(k): list(v) for k, v in lp["k_sink"].items()}
+            lp["u_rank"] = {str(k): v for k, v in lp["u_rank"].items()}
+            lp["excluded_energy"] = {str(k): v for k, v in lp["excluded_energy"].items()}
+            lp["max_u_rank"] = max(lp["u_rank"].values(), default=0)
+        d["schema_version"] = SCHEMA_VERSION
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ProtectionPlan:
+        d = {k: v for k, v in d.items() if k != "schema_version"}
+        d["heads"] = tuple(HeadChoice(**h) for h in d["heads"])
+        layers = []
+        for lp in d["layers"]:
+            lp = {k: v for k, v in lp.items() if k != "max_u_rank"}
+            layers.append(LayerPlan(layer=lp["layer"], heads=tuple(lp["heads"]), kv_heads=tuple(lp["kv_heads"]), x_hat=tuple(lp["x_hat"]),
+                                    k_sink={int(k): tuple(v) for k, v in lp["k_sink"].items()}, u_rank={int(k): v for k, v in lp["u_rank"].items()},
+                                    excluded_energy={int(k): v for k, v in lp["excluded_energy"].items()}))
+        d["layers"] = tuple(layers)
+        return cls(**d)
+
+    def basis(self, layer: LayerPlan, kv_head: int) -> np.ndarray:
+        return sink_basis(np.asarray(layer.k_sink[kv_head]), self.rotary_dim, self.tau)[0]
+
+
+def read_plan(path: str | Path) -> ProtectionPlan:
+    from lm_eval_sink.io import read_json
+
+    data = read_json(Path(path))
+    if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION or "layers" not in data:
+        raise UserError(f"{path}: not a protection plan (schema_version {SCHEMA_VERSION})", "write one with `lm-eval-sink protect-plan MODEL -o plan.json`")
+    return ProtectionPlan.from_json(data)
+
+
+# ---------------------------------------------------------------------------- model access
+
+
+def _base(model: Any) -> Any:
+    from lm_eval_sink.training.callback import unwrap_model
+
+    return unwrap_model(model)
+
+
+def _decoder(model: Any) -> Any:
+    base = _base(model)
+    inner = getattr(base, "model", base)
+    if not hasattr(inner, "layers") or not hasattr(inner, "embed_tokens"):
+        raise UserError(f"{type(base).__name__}: no decoder layers at .model.layers", "use a decoder-only causal LM (Llama, Qwen2/3, OLMo2, Gemma, ...)")
+    return inner
+
+
+def _is_lora(module: Any) -> bool:
+    return hasattr(module, "lora_A") and hasattr(module, "base_layer")
+
+
+def _linear(module: Any) -> Any:
+    return module.base_layer if _is_lora(module) else module
+
+
+def _lora_parts(module: Any) -> list[tuple[Any, Any, float]]:
+    """(A weight [r, in], B weight [out, r], scaling) for each active adapter."""
+    names = module.active_adapters if hasattr(module, "active_adapters") else list(module.lora_A)
+    return [(module.lora_A[n].weight, module.lora_B[n].weight, float(module.scaling[n])) for n in names if n in module.lora_A]
+
+
+def _shape(model: Any) -> tuple[int, int, int, int]:
+    cfg = _base(model).config
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    n_heads = int(cfg.num_attention_heads)
+    n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads)
+    return int(cfg.num_hidden_layers), n_heads, n_kv, head_dim
+
+
+def qk_norm_kind(attn: Any, head_dim: int) -> str:
+    """none, per_head (q_norm over head_dim) or layerwise (q_norm over all heads' dims)."""
+    norm = getattr(attn, "q_norm", None)
+    weight = getattr(norm, "weight", None)
+    if weight is None:
+        return "none"
+    return "per_head" if weight.numel() == head_dim else "layerwise"
+
+
+def rotary_dim_of(model: Any, head_dim: int) -> int:
+    rot = getattr(_decoder(model), "rotary_emb", None)
+    inv = getattr(rot, "inv_freq", None)
+    return head_dim if inv is None else 2 * int(inv.numel())
+
+
+def check_unsharded(model: Any, args: Any = None) -> None:
+    """Refuse sharded weights (FSDP, DeepSpeed ZeRO-3): the rules need each full matrix."""
+    sharded = False
+    if args is not None:
+        sharded = bool(getattr(args, "fsdp", None))
+        ds = getattr(args, "hf_deepspeed_config", None)
+        sharded = sharded or bool(ds is not None and getattr(ds, "is_zero3", lambda: False)())
+    for p in model.parameters():
+        if hasattr(p, "ds_id") or type(p).__name__ in ("DTensor", "FlatParameter") or type(getattr(p, "data", None)).__name__ == "DTensor":
+            sharded = True
+            break
+    if sharded or any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
+        raise UserError("SinkProtection needs unsharded weights, but FSDP / ZeRO-3 shard them", "train with DDP or DeepSpeed ZeRO-1/2, or on one device")
+
+
+def sink_geometry(model: Any, sink_token_id: int, layers: list[int]) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per layer: (x_s [hidden], k_s [kv, d], pre-norm q_s [heads * d]) of the sink token at position 0."""
+    import torch
+
+    dec = _decoder(model)
+    _, _, n_kv, d = _shape(model)
+    got: dict[tuple[int, str], torch.Tensor] = {}
+    hooks = []
+    for l in layers:
+        attn = dec.layers[l].self_attn
+        hooks.append(attn.k_proj.register_forward_pre_hook(lambda m, a, l=l: got.__setitem__((l, "x"), a[0].detach())))
+        key_mod = attn.k_norm if getattr(attn, "k_norm", None) is not None else attn.k_proj
+        hooks.append(key_mod.register_forward_hook(lambda m, a, out, l=l: got.__setitem__((l, "k"), out.detach())))
+        hooks.append(attn.q_proj.register_forward_hook(lambda m, a, out, l=l: got.__setitem__((l, "q"), out.detach())))
+    try:
+        dev = next(_base(model).parameters()).device
+        with torch.no_grad():
+            _base(model)(input_ids=torch.tensor([[sink_token_id]], device=dev), position_ids=torch.zeros((1, 1), dtype=torch.long, device=dev), use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return {l: (got[(l, "x")].reshape(-1).double().cpu().numpy(), got[(l, "k")].reshape(n_kv, d).double().cpu().numpy(), got[(l, "q")].reshape(-1).double().cpu().numpy()) for l in layers}
+
+
+def _start_sha(model: Any, layers: list[int]) -> str:
+    import hashlib
+
+    dec = _decoder(model)
+    h = hashlib.sha256()
+    for l in layers:
+        attn = dec.layers[l].self_attn
+        for mod in (attn.q_proj, attn.k_proj):
+            h.update(_linear(mod).weight.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def select_sink_heads(model: Any, tokenizer: Any, settings: StrengthSettings = StrengthSettings(), threshold: float = 0.0, min_pos0_fraction: float = 0.8, tau: float = 0.0, progress: bool = True) -> ProtectionPlan:
+    """Capture the calibration prompts on the start model and choose the heads to protect.
+
+    A head is selected when its median sink log-odds over the rows (`settings.rows`) exceeds
+    `threshold` and its argmax key is position 0 in at least `min_pos0_fraction` of them.
+    """
+    from lm_eval_sink.calibration import encode_prompts, load_prompts
+    from lm_eval_sink.capture import capture_prompts
+
+    if not 0.0 <= tau < 1.0:
+        raise UserError(f"--tau must lie in [0, 1), got {tau}", "use 0 to keep the sink logit exactly, or e.g. 0.05")
+    if not 0.0 <= min_pos0_fraction <= 1.0:
+        raise UserError(f"--min-pos0-fraction must lie in [0, 1], got {min_pos0_fraction}", "use e.g. 0.8")
+    n_layers, n_heads, n_kv, d = _shape(model)
+    dec = _decoder(model)
+    kind = qk_norm_kind(dec.layers[0].self_attn, d)
+    prompt_set = load_prompts(settings.prompts_file, settings.n_prompts)
+    encoded = encode_prompts(tokenizer, prompt_set.prompts, settings.use_chat_template, settings.system_prompt)
+    first = {ids[0] for ids in encoded.input_ids}
+    if len(first) != 1:
+        raise UserError(f"the calibration prompts start with {len(first)} different tokens {sorted(first)[:5]}", "use prompts whose first token (the sink) is the same, e.g. through the chat template")
+    sink_token = first.pop()
+    layers = settings.layers_for(n_layers)
+    captures = capture_prompts(_base(model), encoded, layers, settings.batch_size, progress=progress, desc="protect-plan capture")
+    logodds = np.concatenate([c.sink_logodds for c in captures], axis=2)
+    pos = np.concatenate([c.sink_pos for c in captures], axis=2)
+    content = np.concatenate([c.content for c in captures])
+    rows = content if settings.rows == "content" else np.ones_like(content)
+    group = n_heads // n_kv
+    heads, chosen = [], {}
+    for li, l in enumerate(layers):
+        for h in range(n_heads):
+            p = pos[li, h, rows]
+            frac, med = float((p == 0).mean()), float(np.median(logodds[li, h, rows]))
+            ok, why = select_head(med, frac, threshold, min_pos0_fraction)
+            heads.append(HeadChoice(layer=l, head=h, kv_head=h // group, sink_pos=int(np.bincount(p).argmax()), pos0_fraction=frac, median_logodds=med, selected=ok, reason=why))
+            if ok:
+                chosen.setdefault(l, []).append(h)
+    geometry = sink_geometry(model, sink_token, sorted(chosen))
+    rot = rotary_dim_of(model, d)
+    plans = []
+    for l in sorted(chosen):
+        x_s, k_s, _ = geometry[l]
+        norm = float(np.linalg.norm(x_s))
+        if norm == 0.0:
+            raise UserError(f"layer {l}: the sink token's input to k_proj is zero", "protect other layers (--last-k) or check the model")
+        kv = sorted({h // group for h in chosen[l]}) if kind != "layerwise" else list(range(n_kv))
+        bases = {g: sink_basis(k_s[g], rot, tau) for g in kv}
+        plans.append(LayerPlan(layer=l, heads=tuple(chosen[l]), kv_heads=tuple(kv), x_hat=tuple(float(v) for v in x_s / norm),
+                               k_sink={g: tuple(float(v) for v in k_s[g]) for g in kv}, u_rank={g: int(bases[g][0].shape[1]) for g in kv},
+                               excluded_energy={g: float(bases[g][1]) for g in kv}))
+    return ProtectionPlan(n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv, head_dim=d, rotary_dim=rot, qk_norm=kind,
+                          sink_token_id=int(sink_token), threshold=float(threshold), min_pos0_fraction=float(min_pos0_fraction), tau=float(tau),
+                          heads=tuple(heads), layers=tuple(plans), start_sha256=_start_sha(model, sorted(chosen)),
+                          provenance={"settings": asdict(settings), "prompt_set": {"source": prompt_set.source, "sha256": prompt_set.sha256}})
+
+
+# ---------------------------------------------------------------------------- protection
+
+
+class SinkProtection(TrainerCallback):
+    """Apply a plan during training: `freeze(model)` once, `project_(model)` after each optimizer step.
+
+    As a Trainer callback it freezes in `on_train_begin` (when `freeze`) and projects in
+    `on_step_end` (when `project`; with `freeze` alone it only resets the sink embedding row).
+    The start weights are taken at the first call, and must be the ones the plan was made from.
+    """
+
+    def __init__(self, plan: ProtectionPlan, freeze: bool = True, project: bool = True) -> None:
+        self.plan = plan
+        self.do_freeze = freeze
+        self.do_project = project
+        self._start: dict[str, Any] | None = None
+        self._frozen = False
+
+    @classmethod
+    def from_plan(cls, path: str | Path, freeze: bool = True, project: bool = True) -> SinkProtection:
+        return cls(read_plan(path), freeze=freeze, project=project)
+
+    def _bind(self, model: Any) -> dict[str, Any]:
+        if self._start is not None:
+            return self._start
+        check_unsharded(_base(model))
+        n_layers, n_heads, n_kv, d = _shape(model)
+        if (n_layers, n_heads, n_kv, d) != (self.plan.n_layers, self.plan.n_heads, self.plan.n_kv_heads, self.plan.head_dim):
+            raise UserError(f"the plan is for {self.plan.n_layers} layers x {self.plan.n_heads} heads ({self.plan.n_kv_heads} KV, dim {self.plan.head_dim}), the model has {n_layers} x {n_heads} ({n_kv}, {d})",
+                            "make the plan from this model with `lm-eval-sink protect-plan`")
+        if _start_sha(model, [lp.layer for lp in self.plan.layers]) != self.plan.start_sha256:
+            raise UserError("the model's q_proj / k_proj weights are not the ones the plan was made from", "bind the protection before training starts, to the model the plan was made from")
+        dec = _decoder(model)
+        start: dict[str, Any] = {"embed_row": dec.embed_tokens.weight[self.plan.sink_token_id].detach().clone()}
+        for lp in self.plan.layers:
+            attn = dec.layers[lp.layer].self_attn
+            for name in ("q_proj", "k_proj"):
+                lin = _linear(getattr(attn, name))
+                start[f"{lp.layer}.{name}.weight"] = lin.weight.detach().clone()
+                if lin.bias is not None:
+                    start[f"{lp.layer}.{name}.bias"] = lin.bias.detach().clone()
+            for name in ("q_norm", "k_norm"):
+                norm = getattr(attn, name, None)
+                if getattr(norm, "weight", None) is not None:
+                    start[f"{lp.layer}.{name}.weight"] = norm.weight.detach().clone()
+        self._start = start
+        return start
+
+    def freeze(self, model: Any) -> list[str]:
+        """Fix the position-0 path up to the lowest protected layer; returns the frozen parameter names."""
+        self._bind(model)
+        low = self.plan.lowest_layer
+        if low is None:
+            return []
+        dec = _decoder(model)
+        names = []
+        for l in range(low):
+            for name, p in dec.layers[l].named_parameters():
+                if not name.startswith(("self_attn.q_proj", "self_attn.k_proj")):
+                    p.requires_grad_(False)
+                    names.append(f"layers.{l}.{name}")
+        norm = getattr(dec.layers[low], "input_layernorm", None)
+        if norm is not None:
+            for name, p in norm.named_parameters():
+                p.requires_grad_(False)
+                names.append(f"layers.{low}.input_layernorm.{name}")
+        self._frozen = True
+        return names
+
+    def project_(self, model: Any) -> None:
+        """Apply Rule K and Rule Q to the cumulative updates; hold biases, QK-norm scales and the sink row."""
+        import torch
+
+        start = self._bind(model)
+        dec = _decoder(model)
+        d = self.plan.head_dim
+        with torch.no_grad():
+            if self._frozen:
+                dec.embed_tokens.weight[self.plan.sink_token_id].copy_(start["embed_row"])
+            for lp in self.plan.layers:
+                attn = dec.layers[lp.layer].self_attn
+                x_hat = torch.tensor(lp.x_hat, dtype=torch.float64)
+                self._rule_k(attn.k_proj, start, lp, x_hat, d)
+                self._rule_q(attn.q_proj, start, lp, d)
+                for name in ("q_norm", "k_norm"):
+                    key = f"{lp.layer}.{name}.weight"
+                    if key in start:
+                        getattr(attn, name).weight.copy_(start[key])
+
+    def _rule_k(self, module: Any, start: dict[str, Any], lp: LayerPlan, x_hat: Any, d: int) -> None:
+        import torch
+
+        if _is_lora(module):
+            for a, _, _ in _lora_parts(module):
+                a64 = a.double()
+                a.copy_((a64 - torch.outer(a64 @ x_hat.to(a.device), x_hat.to(a.device))).to(a.dtype))
+            return
+        w, w0 = module.weight, start[f"{lp.layer}.k_proj.weight"]
+        for g in lp.kv_heads:
+            rows = slice(g * d, (g + 1) * d)
+            delta = (w[rows] - w0[rows]).double()
+            xh = x_hat.to(w.device)
+            w[rows] = (w0[rows].double() + delta - torch.outer(delta @ xh, xh)).to(w.dtype)
+            if module.bias is not None:
+                module.bias[rows] = start[f"{lp.layer}.k_proj.bias"][rows]
+
+    def _rule_q(self, module: Any, start: dict[str, Any], lp: LayerPlan, d: int) -> None:
+        import torch
+
+        group = self.plan.n_heads // self.plan.n_kv_heads
+        lora = _is_lora(module)
+        lin = _linear(module)
+        for h in lp.heads:
+            u = torch.tensor(self.plan.basis(lp, h // group), dtype=torch.float64, device=lin.weight.device)
+            if u.shape[1] == 0:
+                continue
+            rows = slice(h * d, (h + 1) * d)
+            if lora:
+                for _, b, _ in _lora_parts(module):
+                    b64 = b[rows].double()
+                    b[rows] = (b64 - u @ (u.T @ b64)).to(b.dtype)
+                continue
+            w0 = start[f"{lp.layer}.q_proj.weight"]
+            delta = (lin.weight[rows] - w0[rows]).double()
+            lin.weight[rows] = (w0[rows].double() + delta - u @ (u.T @ delta)).to(lin.weight.dtype)
+            if lin.bias is not None:
+                b0 = start[f"{lp.layer}.q_proj.bias"]
+                db = (lin.bias[rows] - b0[rows]).double()
+                lin.bias[rows] = (b0[rows].double() + db - u @ (u.T @ db)).to(lin.bias.dtype)
+
+    def report(self, model: Any, input_ids: Any) -> dict[str, Any]:
+        """Per protected layer: max |dk_s| over its KV heads and the QK-norm ratios on `input_ids` [1, L].
+
+        `q_norm_ratio` is min / max over (position >= 1, protected head) of |u_i0| / |u_i|
+        (per-head QK-norm) or |Q0(x_i)| / |Q(x_i)| (layerwise); 1 means the sink logit through
+        W_q is unchanged; None without QK-norm (there the logit itself is held for tau = 0).
+        """
+        import torch
+
+        start = self._bind(model)
+        dec = _decoder(model)
+        layers = [lp.layer for lp in self.plan.layers]
+        geometry = sink_geometry(model, self.plan.sink_token_id, layers)
+        inputs: dict[int, torch.Tensor] = {}
+        hooks = [dec.layers[l].self_attn.q_proj.register_forward_pre_hook(lambda m, a, l=l: inputs.__setitem__(l, a[0].detach())) for l in layers]
+        try:
+            with torch.no_grad():
+                _base(model)(input_ids=torch.as_tensor(input_ids), use_cache=False)
+        finally:
+            for h in hooks:
+                h.remove()
+        d, out = self.plan.head_dim, {}
+        for lp in self.plan.layers:
+            k_now = geometry[lp.layer][1]
+            dk = max(float(np.linalg.norm(k_now[g] - np.asarray(lp.k_sink[g]))) for g in lp.kv_heads)
+            ratio = None
+            if self.plan.qk_norm != "none":
+                x = inputs[lp.layer][0, 1:].double()
+                lin = _linear(dec.layers[lp.layer].self_attn.q_proj)
+                q_now = dec.layers[lp.layer].self_attn.q_proj(inputs[lp.layer][0, 1:]).double()
+                w0 = start[f"{lp.layer}.q_proj.weight"].double()
+                q0 = x @ w0.T + (start[f"{lp.layer}.q_proj.bias"].double() if lin.bias is not None else 0.0)
+                if self.plan.qk_norm == "per_head":
+                    r = torch.stack([q0[:, h * d:(h + 1) * d].norm(dim=-1) / q_now[:, h * d:(h + 1) * d].norm(dim=-1) for h in lp.heads])
+                else:
+                    r = q0.norm(dim=-1) / q_now.norm(dim=-1)
+                ratio = (float(r.min()), float(r.max()))
+            out[lp.layer] = {"dk_sink": dk, "q_norm_ratio": ratio}
+        return out
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        check_unsharded(_base(model), args)
+        self._bind(model)
+        if self.do_freeze:
+            self.freeze(model)
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if self.do_project:
+            self.project_(model)
+        elif self._frozen:
+            import torch
+
+            with torch.no_grad():
+                _decoder(model).embed_tokens.weight[self.plan.sink_token_id].copy_(self._bind(model)["embed_row"])
+
+
+def run_protect_plan(name: str, settings: StrengthSettings, output: str | Path, threshold: float = 0.0, min_pos0_fraction: float = 0.8, tau: float = 0.0,
+                     dtype: str = "auto", device: str = "cpu", force: bool = False, progress: bool = True) -> list[str]:
+    """`lm-eval-sink protect-plan`: load the model, choose the heads, write the plan JSON; returns the lines to print."""
+    from lm_eval_sink.calibration import load_prompts
+    from lm_eval_sink.io import atomic_write_json, check_new_outputs, provenance
+    from lm_eval_sink.models import load_model
+
+    output = Path(output)
+    if output.is_dir():
+        raise UserError(f"-o {output} is a folder", "pass a file path, e.g. -o plan.json")
+    check_new_outputs([output], force)
+    if not 0.0 <= tau < 1.0:
+        raise UserError(f"--tau must lie in [0, 1), got {tau}", "use 0 to keep the sink logit exactly, or e.g. 0.05")
+    if not 0.0 <= min_pos0_fraction <= 1.0:
+        raise UserError(f"--min-pos0-fraction must lie in [0, 1], got {min_pos0_fraction}", "use e.g. 0.8")
+    load_prompts(settings.prompts_file, settings.n_prompts)  # fail before loading the model
+    loaded = load_model(name, dtype=dtype, device=device)
+    plan = select_sink_heads(loaded.model, loaded.tokenizer, settings, threshold=threshold, min_pos0_fraction=min_pos0_fraction, tau=tau, progress=progress)
+    doc = plan.to_json()
+    doc["provenance"] = {**plan.provenance, **provenance(command="protect-plan", model=loaded.info, dtype=dtype)}
+    atomic_write_json(output, doc)
+    n_sel = sum(h.selected for h in plan.heads)
+    lines = [f"{n_sel} of {len(plan.heads)} heads selected in {len(plan.layers)} layers (qk-norm: {plan.qk_norm}, tau {plan.tau}) -> {output}"]
+    lines += [f"layer {lp.layer}: heads {list(lp.heads)}, KV heads {list(lp.kv_heads)}, rank of U {lp.max_u_rank} of {plan.head_dim}" for lp in plan.layers]
+    return lines
