@@ -63,9 +63,10 @@ def _model_of(ann: Any) -> type[BaseModel] | None:
     return next((a for a in _unwrap(ann) if isinstance(a, type) and issubclass(a, BaseModel)), None)
 
 
-def model_at(model: type[BaseModel], loc: Iterable[Any]) -> type[BaseModel] | None:
-    """The schema that describes the node at `loc` (through fields, dict values and list items)."""
+def _walk(model: type[BaseModel], loc: Iterable[Any]) -> tuple[tuple[Any, ...], list[Any]]:
+    """How far `loc` follows fields, dict values and list items, and the annotations reached there."""
     anns: list[Any] = [model]
+    followed: list[Any] = []
     for part in loc:
         nxt: list[Any] = []
         for ann in anns:
@@ -77,7 +78,19 @@ def model_at(model: type[BaseModel], loc: Iterable[Any]) -> type[BaseModel] | No
                     nxt.append(typing.get_args(a)[1])
                 elif typing.get_origin(a) in (list, tuple) and isinstance(part, int):
                     nxt.append(typing.get_args(a)[0])
+        if not nxt:
+            break
+        followed.append(part)
         anns = nxt
+    return tuple(followed), anns
+
+
+def model_at(model: type[BaseModel], loc: Iterable[Any]) -> type[BaseModel] | None:
+    """The schema that describes the node at `loc` (None past a scalar or an unknown key)."""
+    loc = tuple(loc)
+    followed, anns = _walk(model, loc)
+    if len(followed) < len(loc):
+        return None
     return next((m for m in map(_model_of, anns) if m is not None), None)
 
 
@@ -93,6 +106,11 @@ _EXPECT = {
 def _expectation(err: dict[str, Any]) -> str:
     if err["type"] == "literal_error":
         return f"one of {err['ctx']['expected']}"
+    bounds = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+    if err["type"] in bounds:
+        return f"a value {bounds[err['type']]} {next(iter(err['ctx'].values()))}"
+    if err["type"] == "too_short":
+        return f"at least {err['ctx']['min_length']} item(s)"
     if err["type"] in _EXPECT:
         return _EXPECT[err["type"]]
     msg = str(err["msg"]).removeprefix("Value error, ")
@@ -129,6 +147,7 @@ def user_error(exc: ValidationError, model: type[BaseModel], where: str) -> User
         what = owner.what if owner else "the entry"
         needed = [n for n, f in owner.model_fields.items() if f.is_required()] if owner else [str(loc[-1])]
         return UserError(f"{where}: {key_path(loc)}: missing ({what} lacks {loc[-1]!r})", f"every {what.removeprefix('the ')} needs {', '.join(needed)}")
+    loc = _walk(model, loc)[0]  # without pydantic's union-member tags
     owner = model_at(model, loc[:-1]) if loc else None
     said = f" ({owner.what} has {loc[-1]} {_got(err['input'])})" if owner and loc and isinstance(loc[-1], str) else ""
     described = _description(model, loc)
