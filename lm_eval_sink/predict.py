@@ -25,11 +25,13 @@ import math
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 import numpy as np
+from pydantic import Field
 
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.schema import Strict, parse
 
 SCHEMA_VERSION = 1
 MIN_PAIRS = 3
@@ -38,8 +40,6 @@ MONTE_CARLO_PERMUTATIONS = 200_000
 SHIPPED_PAIRS = "data/paper_pairs.yaml"
 SHIPPED_REPORTED = "data/paper_reported.json"
 QK_NORM_CLASSES = ("per_head", "layerwise", "none")
-_REQUIRED = ("name", "reference", "candidate", "sink_strength", "deltas", "source")
-_OPTIONAL = ("qk_norm", "notes")
 _TIE_TOL = 1e-12
 
 
@@ -139,13 +139,6 @@ class FitResult:
 # ---------------------------------------------------------------------------- PAIRS files
 
 
-def _suggest(key: str, known: tuple[str, ...]) -> str:
-    import difflib
-
-    near = difflib.get_close_matches(key, known, n=1)
-    return f" (did you mean {near[0]!r}?)" if near else ""
-
-
 def _number(value: Any, where: str, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
         raise UserError(f"{where}: {what} must be a finite number, got {value!r}", "write a plain number such as 1.18")
@@ -165,43 +158,42 @@ def _strength_from_file(value: str, base: Path, where: str) -> float:
     return _number(data["sink_strength"], where, f"sink_strength in {path}")
 
 
+class _PairIn(Strict):
+    what: ClassVar[str] = "pair"
+    name: str = Field(min_length=1)
+    reference: str = Field(min_length=1)
+    candidate: str = Field(min_length=1)
+    sink_strength: float | str = Field(description="must be a number or the path of a *.strength.json")
+    deltas: dict[str, Any] = Field(min_length=1, description="must be a non-empty mapping task -> points, e.g. deltas: {ifeval: -9.6}")
+    source: str = Field(min_length=1)
+    qk_norm: Literal[QK_NORM_CLASSES] | None = None
+    notes: Any = None
+
+    @classmethod
+    def required(cls) -> list[str]:
+        return [n for n, f in cls.model_fields.items() if f.is_required()]
+
+
 def parse_pairs(obj: Any, where: str, base: Path | None = None) -> tuple[Pair, ...]:
     """Validate a parsed PAIRS document (a list of mappings); `where` names it in errors."""
     if not isinstance(obj, list):
         raise UserError(f"{where}: a PAIRS file must be a YAML list of pairs, got {type(obj).__name__}", "start each pair with '- name: ...' (see the shipped lm_eval_sink/data/paper_pairs.yaml)")
     pairs, names = [], set()
     for i, item in enumerate(obj, 1):
-        at = f"{where}: pair {i}"
         if not isinstance(item, dict):
-            raise UserError(f"{at} is not a mapping", "each pair needs the keys " + ", ".join(_REQUIRED))
-        unknown = sorted(set(item) - set(_REQUIRED) - set(_OPTIONAL))
-        if unknown:
-            raise UserError(f"{at}: unknown key {unknown[0]!r}{_suggest(str(unknown[0]), _REQUIRED + _OPTIONAL)}", "allowed keys: " + ", ".join(_REQUIRED + _OPTIONAL))
-        missing = [k for k in _REQUIRED if k not in item]
-        if missing:
-            raise UserError(f"{at}: missing key(s) {', '.join(missing)}", "each pair needs " + ", ".join(_REQUIRED))
-        for k in ("name", "reference", "candidate", "source"):
-            if not isinstance(item[k], str) or not item[k].strip():
-                raise UserError(f"{at}: {k} must be a non-empty string, got {item[k]!r}", f"write {k}: <text>")
-        at = f"{where}: pair {item['name']!r}"
-        if item["name"] in names:
+            raise UserError(f"{where}: pair {i} is not a mapping", "each pair needs the keys " + ", ".join(_PairIn.required()))
+        p = parse(_PairIn, item, f"{where}: pair {i}")
+        at = f"{where}: pair {p.name!r}"
+        if p.name in names:
             raise UserError(f"{at} appears twice", "give every pair a unique name")
-        names.add(item["name"])
+        names.add(p.name)
+        item = p.model_dump()
         s = item["sink_strength"]
         if isinstance(s, str):
             s = _strength_from_file(s, base or Path.cwd(), at)
         s = _number(s, at, "sink_strength")
-        deltas = item["deltas"]
-        if not isinstance(deltas, dict) or not deltas:
-            raise UserError(f"{at}: deltas must be a non-empty mapping task -> points, got {deltas!r}", "write e.g. deltas: {ifeval: -9.6}")
-        clean = {}
-        for task, v in deltas.items():
-            if not isinstance(task, str) or not task:
-                raise UserError(f"{at}: task name {task!r} in deltas is not a string", "use lm-eval task names such as ifeval")
-            clean[task] = _number(v, at, f"deltas[{task}]")
+        clean = {task: _number(v, at, f"deltas[{task}]") for task, v in item["deltas"].items()}
         qk = item.get("qk_norm")
-        if qk is not None and qk not in QK_NORM_CLASSES:
-            raise UserError(f"{at}: qk_norm {qk!r} is not a known class{_suggest(str(qk), QK_NORM_CLASSES)}", "use one of " + ", ".join(QK_NORM_CLASSES))
         notes = item.get("notes")
         pairs.append(Pair(name=item["name"], reference=item["reference"], candidate=item["candidate"], sink_strength=s, deltas=clean, source=item["source"], qk_norm=qk, notes=None if notes is None else str(notes)))
     if len(pairs) < MIN_PAIRS:

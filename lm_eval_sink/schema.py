@@ -11,6 +11,7 @@ Checks across entries (an undefined source, a duplicate id) stay with the loader
 from __future__ import annotations
 
 import difflib
+import re
 import types
 import typing
 from collections.abc import Iterable
@@ -131,31 +132,37 @@ def _got(value: Any) -> str:
     return f"a {type(value).__name__}" if isinstance(value, (dict, list)) else repr(value)
 
 
+def _at(where: str, loc: tuple[Any, ...]) -> str:
+    return f"{where}: {key_path(loc)}" if loc else where
+
+
 def user_error(exc: ValidationError, model: type[BaseModel], where: str) -> UserError:
     """The first problem of a ValidationError as one line '<where>: <key path>: <what is wrong>'."""
-    err = exc.errors(include_url=False)[0]
+    errors = exc.errors(include_url=False)
+    err = errors[0]
     loc = tuple(err["loc"])
     if err["type"] == "extra_forbidden":
         parent, key = loc[:-1], loc[-1]
         owner = model_at(model, parent)
-        allowed = sorted(owner.model_fields) if owner else []
+        allowed = list(owner.model_fields) if owner else []
         what = owner.what if owner else "the entry"
-        return UserError(f"{where}: {key_path(parent) or '(top level)'}: {what} has unknown key {key!r}{did_you_mean(str(key), allowed)}",
-                         f"allowed keys: {', '.join(allowed)}")
+        return UserError(f"{_at(where, parent)}: {what} has unknown key {key!r}{did_you_mean(str(key), allowed)}", f"allowed keys: {', '.join(allowed)}")
     if err["type"] == "missing":
         owner = model_at(model, loc[:-1])
         what = owner.what if owner else "the entry"
-        needed = [n for n, f in owner.model_fields.items() if f.is_required()] if owner else [str(loc[-1])]
-        return UserError(f"{where}: {key_path(loc)}: missing ({what} lacks {loc[-1]!r})", f"every {what.removeprefix('the ')} needs {', '.join(needed)}")
+        keys = [str(e["loc"][-1]) for e in errors if e["type"] == "missing" and tuple(e["loc"][:-1]) == loc[:-1]]
+        needed = [n for n, f in owner.model_fields.items() if f.is_required()] if owner else keys
+        return UserError(f"{_at(where, loc)}: missing key(s) {', '.join(keys)} ({what} lacks {keys[0]!r})", f"every {what.removeprefix('the ')} needs {', '.join(needed)}")
     loc = _walk(model, loc)[0]  # without pydantic's union-member tags
     owner = model_at(model, loc[:-1]) if loc else None
     said = f" ({owner.what} has {loc[-1]} {_got(err['input'])})" if owner and loc and isinstance(loc[-1], str) else ""
     described = _description(model, loc)
     if described:
-        return UserError(f"{where}: {key_path(loc)}: {described[0]} {described[1]}, got {_got(err['input'])}", f"see the {described[0]} key's format")
+        return UserError(f"{_at(where, loc)}: {described[0]} {described[1]}, got {_got(err['input'])}", f"see the {described[0]} key's format")
     expected = _expectation(err)
-    return UserError(f"{where}: {key_path(loc) or '(top level)'}: expected {expected}, got {_got(err['input'])}{said}",
-                     f"set {key_path(loc) or 'the file'} to {expected}")
+    if err["type"] == "literal_error" and isinstance(err["input"], str):
+        said += did_you_mean(err["input"], re.findall(r"'([^']*)'", err["ctx"]["expected"]))
+    return UserError(f"{_at(where, loc)}: expected {expected}, got {_got(err['input'])}{said}", f"set {key_path(loc) or 'it'} to {expected}")
 
 
 def parse(model: type[M], data: Any, where: str) -> M:

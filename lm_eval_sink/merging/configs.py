@@ -17,7 +17,6 @@ and architecture or vocabulary mismatches read from config.json. Each problem is
 
 from __future__ import annotations
 
-import difflib
 import importlib.resources
 import json
 import math
@@ -30,6 +29,7 @@ import yaml
 
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.io import parse_yaml, sha256_file, sha256_text
+from lm_eval_sink.schema import did_you_mean
 
 LINEAGES = ("chain", "siblings")
 ROLES = ("reference", "candidate", "base")
@@ -81,12 +81,6 @@ def bundled_names() -> list[str]:
     return [n for n in order if n in found] + [n for n in found if n not in order]
 
 
-def suggest(word: str, options: list[str] | tuple[str, ...]) -> str:
-    """The "did you mean 'x'? " prefix naming the closest option, or an empty string."""
-    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
-    return f"did you mean {close[0]!r}? " if close else ""
-
-
 def load_template(name_or_path: str | Path) -> Template:
     """A bundled template by name, or a template file of the same format by path."""
     text_arg = str(name_or_path)
@@ -99,7 +93,7 @@ def load_template(name_or_path: str | Path) -> Template:
     else:
         names = bundled_names()
         if text_arg not in names:
-            raise UserError(f"unknown merge config {text_arg!r}: {suggest(text_arg, names)}bundled: {', '.join(names)}", "see lm-eval-sink configs list")
+            raise UserError(f"unknown merge config {text_arg!r}{did_you_mean(text_arg, names)}; bundled: {', '.join(names)}", "see lm-eval-sink configs list")
         res = _bundled_dir().joinpath(f"{text_arg}.yaml")
         text, where, name = res.read_text(encoding="utf-8"), f"merge_configs/{text_arg}.yaml", text_arg
     data = parse_yaml(text, where)
@@ -107,14 +101,14 @@ def load_template(name_or_path: str | Path) -> Template:
         raise UserError(f"{where}: not a merge-control template (expected a mapping)", "see merge_configs/*.yaml for the format")
     unknown = sorted(set(data) - _TEMPLATE_KEYS)
     if unknown:
-        raise UserError(f"{where}: {unknown[0]}: unknown template key ({suggest(unknown[0], sorted(_TEMPLATE_KEYS))}expected {', '.join(sorted(_TEMPLATE_KEYS))})", "fix the key")
+        raise UserError(f"{where}: {unknown[0]}: unknown template key{did_you_mean(unknown[0], sorted(_TEMPLATE_KEYS))}; expected {', '.join(sorted(_TEMPLATE_KEYS))}", "fix the key")
     for lineage in LINEAGES:
         block = data.get(lineage)
         if not isinstance(block, dict) or not isinstance(block.get("config"), dict) or not isinstance(block.get("formula"), str):
             raise UserError(f"{where}: {lineage}: expected a mapping with 'formula' and a mergekit 'config'", "see merge_configs/*.yaml for the format")
         extra = sorted(set(block) - _LINEAGE_KEYS)
         if extra:
-            raise UserError(f"{where}: {lineage}.{extra[0]}: unknown key ({suggest(extra[0], sorted(_LINEAGE_KEYS))}expected {', '.join(sorted(_LINEAGE_KEYS))})", "fix the key")
+            raise UserError(f"{where}: {lineage}.{extra[0]}: unknown key{did_you_mean(extra[0], sorted(_LINEAGE_KEYS))}; expected {', '.join(sorted(_LINEAGE_KEYS))}", "fix the key")
     return Template(
         name=name,
         path=where,
@@ -287,7 +281,7 @@ class _Checker:
             self.fail(where or "(top level)", f"expected a mapping ({what}), got {type(node).__name__}", f"write {what} as 'key: value' lines")
         for key in node:
             if key not in allowed:
-                self.fail(f"{where}.{key}" if where else str(key), f"unknown key in {what}; mergekit would ignore it ({suggest(str(key), allowed)}allowed: {', '.join(allowed)})", "remove or correct the key")
+                self.fail(f"{where}.{key}" if where else str(key), f"unknown key in {what}{did_you_mean(str(key), allowed)}; mergekit would ignore it (allowed: {', '.join(allowed)})", "remove or correct the key")
 
     def model_ref(self, value: Any, key: str) -> str:
         from lm_eval_sink.models import resolve_model
@@ -350,7 +344,7 @@ def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | N
     if not isinstance(method_name, str):
         ck.fail("merge_method", f"missing; expected one of {', '.join(names)}", "add e.g. merge_method: task_arithmetic")
     if method_name not in names:
-        ck.fail("merge_method", f"unknown merge method {method_name!r} ({suggest(method_name, names)}known: {', '.join(names)})", "use one of the known methods")
+        ck.fail("merge_method", f"unknown merge method {method_name!r}{did_you_mean(method_name, names)}; known: {', '.join(names)}", "use one of the known methods")
     spec = registry.get(method_name).spec
     params = {p.name: p for p in spec.parameters}
     shared = {p.name for p in spec.shared_parameters}
@@ -402,7 +396,7 @@ def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | N
         for pname, setting in node.items():
             key = f"{where}.{pname}"
             if pname not in params:
-                ck.fail(key, f"unknown parameter of merge method {method_name!r}; mergekit would ignore it ({suggest(str(pname), list(params))}{method_name} takes: {param_list})", "remove or correct the parameter")
+                ck.fail(key, f"unknown parameter of merge method {method_name!r}{did_you_mean(str(pname), params)}; mergekit would ignore it ({method_name} takes: {param_list})", "remove or correct the parameter")
             if per_model and pname in shared:
                 ck.fail(key, f"{pname!r} is a global parameter of {method_name}; mergekit ignores it on a model", "move it to the top-level parameters")
             if per_model and is_base and params[pname].scope == ParameterScope.NON_BASE:

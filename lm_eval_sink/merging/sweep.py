@@ -35,7 +35,8 @@ from typing import Any
 
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.io import atomic_write_json, atomic_write_text, canonical_json, package_versions, parse_yaml, provenance, sha256_file, sha256_text, staged_dir
-from lm_eval_sink.merging.configs import TOKENIZER_CHOICES, bundled_names, load_template, render, suggest, validate_text
+from lm_eval_sink.merging.configs import TOKENIZER_CHOICES, bundled_names, load_template, render, validate_text
+from lm_eval_sink.schema import did_you_mean
 
 ENDPOINTS = ("reference", "candidate")
 MANIFEST = "manifest.jsonl"
@@ -83,7 +84,7 @@ def _mapping(value: Any, where: str, allowed: tuple[str, ...], src: str) -> dict
         raise UserError(f"{src}: {where}: expected a mapping, got {type(value).__name__}", f"write {where}: {{key: value}}")
     for key in value:
         if key not in allowed:
-            raise UserError(f"{src}: {where}.{key}: unknown key ({suggest(str(key), allowed)}allowed: {', '.join(allowed)})", "remove or correct the key")
+            raise UserError(f"{src}: {where}.{key}: unknown key{did_you_mean(str(key), allowed)} (allowed: {', '.join(allowed)})", "remove or correct the key")
     return value
 
 
