@@ -15,7 +15,7 @@ Per task (over the pairs that have a delta for it) `fit_pairs` computes Spearman
 (average ranks for ties) with an exact permutation p-value (all n! orderings up to
 EXACT_PERMUTATION_MAX_N pairs, else a seeded Monte Carlo), the least-squares line
 delta = slope * S + intercept, and leave-one-pair-out mean absolute errors of that line
-(`loo_mae`) and of a constant-mean baseline (`baseline_mae`). Pure numpy: no torch here.
+(`loo_mae`) and of a constant-mean baseline (`baseline_mae`). numpy and scipy.stats: no torch here.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 from pydantic import Field
+from scipy import stats
 
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.schema import Strict, parse
@@ -237,76 +238,53 @@ def reported_statistics() -> dict[str, Any]:
 
 def average_ranks(x: np.ndarray) -> np.ndarray:
     """Ranks 1..n, ties sharing the mean of their ranks (as Spearman's rho needs)."""
-    x = np.asarray(x, dtype=np.float64)
-    order = np.argsort(x, kind="stable")
-    ranks = np.empty(len(x), dtype=np.float64)
-    sx = x[order]
-    i = 0
-    while i < len(x):
-        j = i
-        while j + 1 < len(x) and abs(sx[j + 1] - sx[i]) <= _TIE_TOL:
-            j += 1
-        ranks[order[i : j + 1]] = (i + j) / 2 + 1
-        i = j + 1
-    return ranks
+    return stats.rankdata(np.asarray(x, dtype=np.float64))
 
 
-def _pearson_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Pearson correlation of the vector `a` with each row of `b`."""
-    ac = a - a.mean()
-    bc = b - b.mean(axis=-1, keepdims=True)
-    return (bc @ ac) / (np.sqrt((ac**2).sum()) * np.sqrt((bc**2).sum(axis=-1)))
+def _rho(x: np.ndarray, y: np.ndarray, axis: int = -1) -> np.ndarray:
+    """Spearman's rho along `axis` (vectorized for scipy's permutation_test)."""
+    rx, ry = stats.rankdata(x, axis=axis), stats.rankdata(y, axis=axis)
+    rx, ry = rx - rx.mean(axis=axis, keepdims=True), ry - ry.mean(axis=axis, keepdims=True)
+    return (rx * ry).sum(axis=axis) / np.sqrt((rx**2).sum(axis=axis) * (ry**2).sum(axis=axis))
 
 
 def spearman_rho(s: np.ndarray, d: np.ndarray) -> float:
-    """Spearman's rho: Pearson correlation of average ranks."""
-    rs, rd = average_ranks(s), average_ranks(d)
-    if np.ptp(rs) == 0 or np.ptp(rd) == 0:
+    """Spearman's rho (scipy's spearmanr: Pearson correlation of average ranks)."""
+    if np.ptp(s) == 0 or np.ptp(d) == 0:
         raise UserError("Spearman's rho is undefined when all S values or all deltas are equal", "use pairs with different values")
-    return float(_pearson_rows(rs, rd[None, :])[0])
+    return float(stats.spearmanr(s, d).statistic)
 
 
 def permutation_test(s: np.ndarray, d: np.ndarray, seed: int = 0) -> tuple[float, float, str, int]:
     """(two-sided p, one-sided p, method, permutations) for Spearman's rho under exchangeability.
 
-    Every ordering of the deltas against S is equally likely under the null. Up to
-    EXACT_PERMUTATION_MAX_N pairs all n! orderings are enumerated (exact p); beyond that a seeded
-    Monte Carlo sample is used, with p = (1 + hits) / (1 + permutations).
+    scipy's permutation_test over pairings: every ordering of the deltas against S is equally
+    likely under the null. Up to EXACT_PERMUTATION_MAX_N pairs all n! orderings are enumerated
+    (exact p); beyond that a seeded Monte Carlo sample, with p = (1 + hits) / (1 + permutations).
+    Two-sided counts orderings with |rho| at least the observed |rho|.
     """
-    rs, rd = average_ranks(s), average_ranks(d)
-    observed = float(_pearson_rows(rs, rd[None, :])[0])
-    n = len(rd)
-    hits2 = hits1 = total = 0
-    if n <= EXACT_PERMUTATION_MAX_N:
-        perms = itertools.permutations(range(n))
-        while True:
-            chunk = np.array(list(itertools.islice(perms, 200_000)), dtype=np.int64)
-            if chunk.size == 0:
-                break
-            rho = _pearson_rows(rs, rd[chunk])
-            hits2 += int((np.abs(rho) >= abs(observed) - 1e-9).sum())
-            hits1 += int((rho >= observed - 1e-9).sum())
-            total += len(chunk)
-        return hits2 / total, hits1 / total, "exact", total
-    rng = np.random.default_rng(seed)
-    for start in range(0, MONTE_CARLO_PERMUTATIONS, 50_000):
-        k = min(50_000, MONTE_CARLO_PERMUTATIONS - start)
-        rho = _pearson_rows(rs, rng.permuted(np.tile(rd, (k, 1)), axis=1))
-        hits2 += int((np.abs(rho) >= abs(observed) - 1e-9).sum())
-        hits1 += int((rho >= observed - 1e-9).sum())
-        total += k
-    return (1 + hits2) / (1 + total), (1 + hits1) / (1 + total), "monte_carlo", total
+    s, d = np.asarray(s, dtype=np.float64), np.asarray(d, dtype=np.float64)
+    n = len(d)
+    exact = n <= EXACT_PERMUTATION_MAX_N
+    resamples = np.inf if exact else MONTE_CARLO_PERMUTATIONS
+
+    def run(statistic) -> float:
+        rng = np.random.default_rng(seed)
+        return float(stats.permutation_test((s, d), statistic, permutation_type="pairings", n_resamples=resamples, vectorized=True,
+                                            alternative="greater", rng=rng).pvalue)
+
+    p2 = run(lambda x, y, axis=-1: np.abs(_rho(x, y, axis)))
+    p1 = run(_rho)
+    return p2, p1, "exact" if exact else "monte_carlo", math.factorial(n) if exact else MONTE_CARLO_PERMUTATIONS
 
 
 def linear_fit(s: np.ndarray, d: np.ndarray) -> tuple[float, float]:
-    """Least-squares (slope, intercept) of d = slope * s + intercept."""
+    """Least-squares (slope, intercept) of d = slope * s + intercept (scipy's linregress)."""
     s, d = np.asarray(s, dtype=np.float64), np.asarray(d, dtype=np.float64)
-    sc = s - s.mean()
-    ss = float((sc**2).sum())
-    if ss <= _TIE_TOL:
+    if float(((s - s.mean()) ** 2).sum()) <= _TIE_TOL:
         raise UserError("a linear fit needs at least two different S values", "add pairs whose references have different S")
-    slope = float((sc * (d - d.mean())).sum() / ss)
-    return slope, float(d.mean() - slope * s.mean())
+    fit = stats.linregress(s, d)
+    return float(fit.slope), float(fit.intercept)
 
 
 def leave_one_out(s: np.ndarray, d: np.ndarray, names: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
