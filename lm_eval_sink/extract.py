@@ -450,7 +450,7 @@ class _ShardWriter:
         self.path, self.nbytes = path, offset
         self._order = [(n, d, s) for n, d, s in entries]
         self._next = 0
-        self._f = open(path, "wb")  # noqa: SIM115 - closed in close()
+        self._f = open(path, "wb")
         self._f.write(struct.pack("<Q", len(raw)))
         self._f.write(raw)
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import sinkmodels as sm
-from conftest import FIXTURE_LIMIT, REPO, TINY_TASK
+from helpers import FIXTURE_LIMIT, REPO, TINY_TASK
 from lm_eval_sink.calibration import builtin_prompts, encode_prompts
 from lm_eval_sink.harness import tasks_dir
 from lm_eval_sink.runs import load_results, read_samples

@@ -518,7 +518,7 @@ def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | N
             weights = [own.get("weight", next((lv["weight"] for lv in levels if "weight" in lv), None)) for _, _, own in inputs]
             normalize = next((lv["normalize"] for lv in levels if "normalize" in lv), True)
             if normalize is True and all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights) and sum(weights) == 0:
-                ck.fail(f"{where}", f"the weights sum to 0 and linear (normalize: true) divides by their sum", "use weights with a non-zero sum")
+                ck.fail(f"{where}", "the weights sum to 0 and linear (normalize: true) divides by their sum", "use weights with a non-zero sum")
         all_inputs.extend(p for _, p, _ in inputs if p not in all_inputs)
 
     _check_tokenizer(ck, data, base_model)

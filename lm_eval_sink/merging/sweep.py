@@ -338,7 +338,7 @@ class Manifest:
 
     def append(self, row: dict[str, Any]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        line = json.dumps({**row, "time_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}, sort_keys=True) + "\n"
+        line = json.dumps({**row, "time_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")}, sort_keys=True) + "\n"
         with open(self.path, "a+b") as f:
             f.seek(0, os.SEEK_END)
             if f.tell() > 0:  # a torn last line from kill -9 must not swallow this one
@@ -458,7 +458,7 @@ def run_sweep(spec: SweepSpec, force: bool = False, progress: bool = True) -> Sw
             run_unit(unit)
         except KeyboardInterrupt:
             raise
-        except Exception as e:  # noqa: BLE001 - one failed step must not stop the sweep
+        except Exception as e:
             msg = e.line() if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
             report.failures[unit.id] = msg
             manifest.append({"unit": unit.id, "key": unit.key, "status": "failed", "error": msg, "output": str(unit.output)})
