@@ -165,7 +165,7 @@ class Family:
 
 
 def _bad(file: str, what: str) -> UserError:
-    return UserError(f"architecture file {file}: {what}", "see the README section 'Adding a VLM family' for the schema")
+    return UserError(f"architecture file {file}: {what}", "see docs/extraction.md, 'Adding a VLM family', for the schema")
 
 
 def _check_keys(file: str, where: str, obj: Any, allowed: set[str], required: set[str] = frozenset()) -> None:
@@ -283,7 +283,7 @@ def family_for(config: dict[str, Any], path: Path) -> Family:
         raise UserError(f"{path}: model type {model_type!r} is a text-only causal LM, not a VLM",
                         "evaluate or merge it as it is; extract takes a vision-language model")
     raise UserError(f"{path}: unsupported VLM architecture {model_type!r} (supported: {', '.join(supported_model_types())})",
-                    "add an architectures/<family>.json for it (README: 'Adding a VLM family')")
+                    "add an architectures/<family>.json for it (docs/extraction.md: 'Adding a VLM family')")
 
 
 _MISSING = object()

@@ -102,7 +102,7 @@ def load_sweep(path: str | Path, output: str | Path | None = None, delete_merged
 
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"{path}: no such sweep file", "pass a sweep YAML (see the README's Merging section)")
+        raise UserError(f"{path}: no such sweep file", "pass a sweep YAML (see docs/merging.md)")
     src = str(path)
     data = _mapping(parse_yaml(path.read_text(encoding="utf-8"), src) or {}, "(top level)", _SWEEP_KEYS, src)
     here = path.resolve().parent
