@@ -173,6 +173,21 @@ def parse(model: type[M], data: Any, where: str) -> M:
         raise user_error(e, model, where) from None
 
 
+def models_under(root: type[BaseModel]) -> dict[str, tuple[str, ...]]:
+    """Every pydantic model reachable from `root`'s fields (through Optional, list, dict, unions), by class name, with its keys."""
+    found: dict[str, tuple[str, ...]] = {}
+    todo: list[Any] = [root]
+    while todo:
+        for a in _unwrap(todo.pop()):
+            if isinstance(a, type) and issubclass(a, BaseModel):
+                if a.__name__ not in found:
+                    found[a.__name__] = tuple(f.alias or n for n, f in a.model_fields.items())
+                    todo.extend(f.annotation for f in a.model_fields.values())
+            else:
+                todo.extend(typing.get_args(a))
+    return found
+
+
 def allowed_keys(model: type[BaseModel]) -> tuple[str, ...]:
     """A schema's keys, in declaration order (for messages and listings)."""
     return tuple(model.model_fields)

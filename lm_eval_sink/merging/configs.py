@@ -7,7 +7,8 @@ each with its formula, an optional `identity` (said at render time) and a mergek
 with the placeholders `${reference}`, `${candidate}`, `${base}` and `${out_dtype}`.
 `render()` fills them and returns plain mergekit YAML that `mergekit-yaml FILE OUT` runs as is.
 
-`validate_text()` checks a mergekit config against the declared parameters of its merge method
+`validate_text()` checks a mergekit config against mergekit's own pydantic models (their keys,
+walked recursively: mergekit would accept and drop any other key) and the declared parameters of its merge method
 (mergekit's own `spec`, so TSV/STAR ranges come from their signatures) before any weight is read:
 unknown or misspelled keys (mergekit drops them silently), parameters at a level where mergekit
 ignores them, missing roles and required parameters, wrong types, out-of-range values, paths,
@@ -17,34 +18,26 @@ and architecture or vocabulary mismatches read from config.json. Each problem is
 
 from __future__ import annotations
 
+import functools
 import importlib.resources
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, ClassVar, NoReturn
 
 import annotated_types as at
 import yaml
 
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.io import parse_yaml, sha256_file, sha256_text
-from lm_eval_sink.schema import did_you_mean
+from lm_eval_sink.schema import Strict, did_you_mean, models_under, parse
 
 LINEAGES = ("chain", "siblings")
 ROLES = ("reference", "candidate", "base")
 PLACEHOLDERS = ("${reference}", "${candidate}", "${base}", "${out_dtype}")
 TOKENIZER_CHOICES = ("base", "union", "reference", "candidate")
 DTYPES = ("float32", "float16", "bfloat16", "float64")
-_TEMPLATE_KEYS = {"title", "paper_setting", "summary", *LINEAGES}
-_LINEAGE_KEYS = {"formula", "identity", "config"}
-_TOP_KEYS = ("merge_method", "base_model", "models", "slices", "modules", "parameters", "dtype", "out_dtype", "tokenizer_source", "tokenizer", "chat_template")
-_MODEL_KEYS = ("model", "parameters")
-_SLICE_KEYS = ("sources", "base_model", "residual_weight", "parameters")
-_SOURCE_KEYS = ("model", "layer_range", "parameters")
-_MODULE_KEYS = ("models", "slices", "parameters")
-_TOKENIZER_KEYS = ("source", "tokens", "pad_to_multiple_of")
-_CONDITIONAL_KEYS = ("value", "filter")
 # mergekit declares these stock parameters as plain floats; the ranges where they mean something.
 # (TSV/STAR declare their ranges in their signatures; see methods.py.)
 _STOCK_RANGES: dict[str, tuple[Any, ...]] = {"density": (at.Gt(0), at.Le(1)), "t": (at.Ge(0), at.Le(1))}
@@ -68,6 +61,25 @@ class Template:
     @property
     def method(self) -> str:
         return str(self.lineages["chain"]["config"].get("merge_method"))
+
+
+class _LineageIn(Strict):
+    what: ClassVar[str] = "lineage block"
+    formula: str
+    identity: str | None = None
+    config: dict[str, Any]
+
+
+class _TemplateIn(Strict):
+    what: ClassVar[str] = "template"
+    title: str | None = None
+    paper_setting: str = ""
+    summary: str = ""
+    chain: _LineageIn
+    siblings: _LineageIn
+
+
+assert set(_TemplateIn.model_fields) >= set(LINEAGES)
 
 
 def _bundled_dir():
@@ -99,24 +111,15 @@ def load_template(name_or_path: str | Path) -> Template:
     data = parse_yaml(text, where)
     if not isinstance(data, dict):
         raise UserError(f"{where}: not a merge-control template (expected a mapping)", "see merge_configs/*.yaml for the format")
-    unknown = sorted(set(data) - _TEMPLATE_KEYS)
-    if unknown:
-        raise UserError(f"{where}: {unknown[0]}: unknown template key{did_you_mean(unknown[0], sorted(_TEMPLATE_KEYS))}; expected {', '.join(sorted(_TEMPLATE_KEYS))}", "fix the key")
-    for lineage in LINEAGES:
-        block = data.get(lineage)
-        if not isinstance(block, dict) or not isinstance(block.get("config"), dict) or not isinstance(block.get("formula"), str):
-            raise UserError(f"{where}: {lineage}: expected a mapping with 'formula' and a mergekit 'config'", "see merge_configs/*.yaml for the format")
-        extra = sorted(set(block) - _LINEAGE_KEYS)
-        if extra:
-            raise UserError(f"{where}: {lineage}.{extra[0]}: unknown key{did_you_mean(extra[0], sorted(_LINEAGE_KEYS))}; expected {', '.join(sorted(_LINEAGE_KEYS))}", "fix the key")
+    t = parse(_TemplateIn, data, where)
     return Template(
         name=name,
         path=where,
         sha256=sha256_text(text),
-        title=str(data.get("title", name)),
-        paper_setting=str(data.get("paper_setting", "")),
-        summary=str(data.get("summary", "")),
-        lineages={k: data[k] for k in LINEAGES},
+        title=t.title if t.title is not None else name,
+        paper_setting=t.paper_setting,
+        summary=t.summary,
+        lineages={k: getattr(t, k).model_dump(exclude_unset=True) for k in LINEAGES},
     )
 
 
@@ -258,6 +261,15 @@ class ValidatedConfig:
     inputs: tuple[str, ...]
 
 
+@functools.cache
+def mergekit_keys() -> dict[str, tuple[str, ...]]:
+    """The keys of each section of a mergekit config, from mergekit's own pydantic models (walked from
+    MergeConfiguration). mergekit accepts and drops unknown keys; the validator refuses them."""
+    from mergekit.config import MergeConfiguration
+
+    return models_under(MergeConfiguration)
+
+
 def validate_file(path: str | Path) -> ValidatedConfig:
     """Read and validate a mergekit config file (see `validate_text`)."""
     path = Path(path)
@@ -337,7 +349,7 @@ def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | N
     register()
     ck = _Checker(source, roles)
     data = parse_yaml(text, source)
-    ck.keys(data, _TOP_KEYS, "", "a mergekit config")
+    ck.keys(data, mergekit_keys()["MergeConfiguration"], "", "a mergekit config")
 
     method_name = data.get("merge_method")
     names = sorted(m.spec.name for m in registry.registered_methods())
@@ -370,7 +382,7 @@ def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | N
         if isinstance(setting, scalar):
             check_value(key, pname, setting)
         elif isinstance(setting, dict):
-            ck.keys(setting, _CONDITIONAL_KEYS, key, "a filtered parameter value")
+            ck.keys(setting, mergekit_keys()["ConditionalParameter"], key, "a filtered parameter value")
             if "value" not in setting:
                 ck.fail(key, "a filtered value needs 'value' (and optionally 'filter')", "write {filter: self_attn, value: 0.5}")
             if setting.get("filter") is not None and not isinstance(setting["filter"], str):
@@ -430,7 +442,7 @@ def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | N
             key = f"{where}[{i}]"
             if isinstance(entry, str):
                 entry = {"model": entry}
-            ck.keys(entry, _MODEL_KEYS, key, "a model entry")
+            ck.keys(entry, mergekit_keys()["InputModelDefinition"], key, "a model entry")
             path = ck.model_ref(entry.get("model"), f"{key}.model")
             entries.append((key, path, check_params(entry.get("parameters"), f"{key}.parameters", per_model=True, is_base=path == base)))
         groups.append((where, entries, base, levels))
@@ -440,7 +452,7 @@ def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | N
             ck.fail(where, "expected a non-empty list of {sources: [...]}", "list the output slices")
         for i, sl in enumerate(node):
             key = f"{where}[{i}]"
-            ck.keys(sl, _SLICE_KEYS, key, "an output slice")
+            ck.keys(sl, mergekit_keys()["OutputSliceDefinition"], key, "an output slice")
             sbase = ck.model_ref(sl["base_model"], f"{key}.base_model") if sl.get("base_model") is not None else base_model
             if sl.get("residual_weight") is not None and not isinstance(sl["residual_weight"], (int, float)):
                 ck.fail(f"{key}.residual_weight", f"expected a number, got {sl['residual_weight']!r}", "write a number")
@@ -451,7 +463,7 @@ def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | N
             entries = []
             for j, src in enumerate(sources):
                 skey = f"{key}.sources[{j}]"
-                ck.keys(src, _SOURCE_KEYS, skey, "a slice source")
+                ck.keys(src, mergekit_keys()["InputSliceDefinition"], skey, "a slice source")
                 path = ck.model_ref(src.get("model"), f"{skey}.model")
                 lr = src.get("layer_range")
                 if not (isinstance(lr, list) and len(lr) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in lr) and 0 <= lr[0] < lr[1]):
@@ -472,7 +484,7 @@ def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | N
             ck.fail("modules", "expected a mapping of module name to {models | slices}", "see mergekit's docs on modules")
         for mname, mdef in mods.items():
             key = f"modules.{mname}"
-            ck.keys(mdef, _MODULE_KEYS, key, "a module definition")
+            ck.keys(mdef, mergekit_keys()["OutputModuleDefinition"], key, "a module definition")
             mlevel = check_params(mdef.get("parameters"), f"{key}.parameters", per_model=False, is_base=False)
             if bool(mdef.get("models")) == bool(mdef.get("slices")):
                 ck.fail(key, "exactly one of models or slices must be given", "list the module's inputs")
@@ -536,7 +548,7 @@ def _check_tokenizer(ck: _Checker, data: dict[str, Any], base_model: str | None)
             ck.model_ref(ts, "tokenizer_source")
     tok = data.get("tokenizer")
     if tok is not None:
-        ck.keys(tok, _TOKENIZER_KEYS, "tokenizer", "a tokenizer section")
+        ck.keys(tok, mergekit_keys()["TokenizerConfig"], "tokenizer", "a tokenizer section")
         if ts is not None:
             ck.fail("tokenizer", "give either tokenizer_source or tokenizer, not both", "keep one of them")
         src = tok.get("source", "union")
