@@ -73,8 +73,9 @@ def _walk(model: type[BaseModel], loc: Iterable[Any]) -> tuple[tuple[Any, ...], 
         for ann in anns:
             for a in _unwrap(ann):
                 if isinstance(a, type) and issubclass(a, BaseModel):
-                    if isinstance(part, str) and part in a.model_fields:
-                        nxt.append(a.model_fields[part].annotation)
+                    field = next((f for n, f in a.model_fields.items() if part in (n, f.alias)), None) if isinstance(part, str) else None
+                    if field is not None:
+                        nxt.append(field.annotation)
                 elif typing.get_origin(a) is dict and isinstance(part, str):
                     nxt.append(typing.get_args(a)[1])
                 elif typing.get_origin(a) in (list, tuple) and isinstance(part, int):
@@ -122,7 +123,7 @@ def _description(model: type[BaseModel], loc: tuple[Any, ...]) -> tuple[str, str
     """(key, what it expects) when the innermost field on `loc` that says what it expects does."""
     for end in range(len(loc), 0, -1):
         owner, key = model_at(model, loc[: end - 1]), loc[end - 1]
-        field = owner.model_fields.get(key) if owner and isinstance(key, str) else None
+        field = next((f for n, f in owner.model_fields.items() if key in (n, f.alias)), None) if owner and isinstance(key, str) else None
         if field is not None:
             return (key, field.description) if field.description else None
     return None
@@ -144,14 +145,14 @@ def user_error(exc: ValidationError, model: type[BaseModel], where: str) -> User
     if err["type"] == "extra_forbidden":
         parent, key = loc[:-1], loc[-1]
         owner = model_at(model, parent)
-        allowed = list(owner.model_fields) if owner else []
+        allowed = [f.alias or n for n, f in owner.model_fields.items()] if owner else []
         what = owner.what if owner else "the entry"
         return UserError(f"{_at(where, parent)}: {what} has unknown key {key!r}{did_you_mean(str(key), allowed)}", f"allowed keys: {', '.join(allowed)}")
     if err["type"] == "missing":
         owner = model_at(model, loc[:-1])
         what = owner.what if owner else "the entry"
         keys = [str(e["loc"][-1]) for e in errors if e["type"] == "missing" and tuple(e["loc"][:-1]) == loc[:-1]]
-        needed = [n for n, f in owner.model_fields.items() if f.is_required()] if owner else keys
+        needed = [f.alias or n for n, f in owner.model_fields.items() if f.is_required()] if owner else keys
         return UserError(f"{_at(where, loc)}: missing key(s) {', '.join(keys)} ({what} lacks {keys[0]!r})", f"every {what.removeprefix('the ')} needs {', '.join(needed)}")
     loc = _walk(model, loc)[0]  # without pydantic's union-member tags
     owner = model_at(model, loc[:-1]) if loc else None
