@@ -72,7 +72,7 @@ class Benchmark:
 class _BenchmarkIn(Strict):
     what: ClassVar[str] = "benchmark"
     tasks: list[str] = Field(min_length=1, description="must list lm-eval task names or patterns")
-    construct: Literal[CONSTRUCTS]
+    construct_: Literal[CONSTRUCTS] = Field(alias="construct")  # `construct` is a BaseModel method
     strict: str | None = None
     lenient: str | None = None
     why: str = ""
@@ -97,9 +97,9 @@ def _entry(name: str, b: _BenchmarkIn, where: str) -> Benchmark:
         v = getattr(b, key)
         if v is not None and "," not in v:
             raise UserError(f"{where}: benchmark {name!r} {key} key {v!r} is not 'metric,filter'", "use the results key, e.g. exact_match,strict-match")
-    if b.construct != "diagnostic" and not b.strict:
+    if b.construct_ != "diagnostic" and not b.strict:
         raise UserError(f"{where}: benchmark {name!r} lacks `strict`", "name the results key of its score, e.g. acc,none")
-    return Benchmark(name, tuple(b.tasks), b.construct, b.strict, b.lenient, b.why, kind=b.kind, checker=b.checker,
+    return Benchmark(name, tuple(b.tasks), b.construct_, b.strict, b.lenient, b.why, kind=b.kind, checker=b.checker,
                      instruction_metrics=dict(b.instruction_metrics), doc_mismatch_hint=b.doc_mismatch_hint)
 
 
