@@ -21,6 +21,7 @@ $(STAMP): constraints.txt pyproject.toml
 	touch $(STAMP)
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	LM_EVAL_SINK_DATA=$${LM_EVAL_SINK_DATA:-$(SHARED)/data} $(PY) -m pytest -q --durations=25
 
 demo: $(STAMP)

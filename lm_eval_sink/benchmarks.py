@@ -21,15 +21,17 @@ import functools
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import ClassVar, Literal
+
+from pydantic import Field
 
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.schema import Strict, parse
 
 CONSTRUCTS = ("knowledge", "procedure", "format", "diagnostic")
 KINDS = ("binary", "continuous")
 CHECKERS = ("ifeval",)
 _BUNDLED = "lm_eval_sink/data/benchmarks.yaml"
-_KEYS = {"tasks", "construct", "strict", "lenient", "why", "kind", "checker", "instruction_metrics", "doc_mismatch_hint"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,54 +69,55 @@ class Benchmark:
         return filt if metric == self.metric else None
 
 
-def _parse_entry(name: str, body: Any, where: str) -> Benchmark:
-    from lm_eval_sink.vendors import _unknown
+class _BenchmarkIn(Strict):
+    what: ClassVar[str] = "benchmark"
+    tasks: list[str] = Field(min_length=1, description="must list lm-eval task names or patterns")
+    construct_: Literal[CONSTRUCTS] = Field(alias="construct")  # `construct` is a BaseModel method
+    strict: str | None = None
+    lenient: str | None = None
+    why: str = ""
+    kind: Literal[KINDS] | None = None
+    checker: Literal[CHECKERS] | None = None
+    instruction_metrics: dict[str, str] = Field({}, description="must map metric names to metric names, e.g. {prompt_level_strict_acc: inst_level_strict_acc}")
+    doc_mismatch_hint: str | None = None
 
-    if not isinstance(body, dict):
-        raise UserError(f"{where}: benchmark {name!r} must be a mapping", f"see {_BUNDLED}")
-    _unknown(body, _KEYS, f"benchmark {name!r}", where)
-    if body.get("construct") not in CONSTRUCTS:
-        raise UserError(f"{where}: benchmark {name!r} has construct {body.get('construct')!r}", f"use one of {', '.join(CONSTRUCTS)}")
-    tasks = body.get("tasks")
-    if not isinstance(tasks, list) or not tasks:
-        raise UserError(f"{where}: benchmark {name!r} lists no tasks", "give `tasks: [lm-eval task names or patterns]`")
+
+class _UserFileIn(Strict):
+    what: ClassVar[str] = "the file"
+    schema_version: int | None = None
+    benchmarks: dict[str, _BenchmarkIn]
+
+
+class _BundledIn(_UserFileIn):
+    ifeval_instructions: dict[str, dict[str, str]]
+
+
+def _entry(name: str, b: _BenchmarkIn, where: str) -> Benchmark:
     for key in ("strict", "lenient"):
-        v = body.get(key)
-        if v is not None and (not isinstance(v, str) or "," not in v):
+        v = getattr(b, key)
+        if v is not None and "," not in v:
             raise UserError(f"{where}: benchmark {name!r} {key} key {v!r} is not 'metric,filter'", "use the results key, e.g. exact_match,strict-match")
-    if body.get("construct") != "diagnostic" and not body.get("strict"):
+    if b.construct_ != "diagnostic" and not b.strict:
         raise UserError(f"{where}: benchmark {name!r} lacks `strict`", "name the results key of its score, e.g. acc,none")
-    for key, allowed in (("kind", KINDS), ("checker", CHECKERS)):
-        if body.get(key) not in (None, *allowed):
-            raise UserError(f"{where}: benchmark {name!r} has {key} {body[key]!r}", f"use one of {', '.join(allowed)}, or leave it out")
-    if not isinstance(body.get("doc_mismatch_hint") or "", str):
-        raise UserError(f"{where}: benchmark {name!r} doc_mismatch_hint is {body['doc_mismatch_hint']!r}, not a string", "write one line of advice")
-    inst = body.get("instruction_metrics") or {}
-    if not isinstance(inst, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in inst.items()):
-        raise UserError(f"{where}: benchmark {name!r} instruction_metrics must map metric names to metric names",
-                        "e.g. {prompt_level_strict_acc: inst_level_strict_acc}")
-    return Benchmark(str(name), tuple(str(t) for t in tasks), body["construct"], body.get("strict"), body.get("lenient"), str(body.get("why") or ""),
-                     kind=body.get("kind"), checker=body.get("checker"), instruction_metrics=dict(inst),
-                     doc_mismatch_hint=body.get("doc_mismatch_hint"))
+    return Benchmark(name, tuple(b.tasks), b.construct_, b.strict, b.lenient, b.why, kind=b.kind, checker=b.checker,
+                     instruction_metrics=dict(b.instruction_metrics), doc_mismatch_hint=b.doc_mismatch_hint)
 
 
-def _parse(text: str, where: str, top_keys: set[str]) -> dict[str, Any]:
+def _parse(text: str, where: str, schema: type[_UserFileIn]) -> _UserFileIn:
     from lm_eval_sink.io import parse_yaml
-    from lm_eval_sink.vendors import _unknown
 
     data = parse_yaml(text, where)
     if not isinstance(data, dict) or not isinstance(data.get("benchmarks"), dict):
         raise UserError(f"{where}: expected a mapping with `benchmarks: {{NAME: {{tasks, construct, strict, lenient, why, ...}}}}`",
                         f"see {_BUNDLED} for the format")
-    _unknown(data, top_keys, "the file", where)
-    return data
+    return parse(schema, data, where)
 
 
 @functools.cache
 def _bundled() -> tuple[dict[str, Benchmark], dict[str, dict[str, str]]]:
     text = resources.files("lm_eval_sink").joinpath("data/benchmarks.yaml").read_text(encoding="utf-8")
-    data = _parse(text, _BUNDLED, {"schema_version", "benchmarks", "ifeval_instructions"})
-    return {str(n): _parse_entry(str(n), b, _BUNDLED) for n, b in data["benchmarks"].items()}, dict(data["ifeval_instructions"])
+    data = _parse(text, _BUNDLED, _BundledIn)
+    return {n: _entry(n, b, _BUNDLED) for n, b in data.benchmarks.items()}, dict(data.ifeval_instructions)
 
 
 def load_benchmarks(user_file: str | Path | None = None) -> dict[str, Benchmark]:
@@ -124,8 +127,8 @@ def load_benchmarks(user_file: str | Path | None = None) -> dict[str, Benchmark]
         path = Path(user_file)
         if not path.is_file():
             raise UserError(f"{path}: no such benchmarks file", f"pass a YAML shaped like {_BUNDLED}")
-        data = _parse(path.read_text(encoding="utf-8"), str(path), {"schema_version", "benchmarks"})
-        out.update({str(n): _parse_entry(str(n), b, str(path)) for n, b in data["benchmarks"].items()})
+        data = _parse(path.read_text(encoding="utf-8"), str(path), _UserFileIn)
+        out.update({n: _entry(n, b, str(path)) for n, b in data.benchmarks.items()})
     return out
 
 

@@ -26,7 +26,6 @@ numpy/scipy only: no torch or transformers here.
 from __future__ import annotations
 
 import csv
-import difflib
 import io as _io
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -39,6 +38,7 @@ import numpy as np
 from lm_eval_sink.benchmarks import Benchmark, benchmark_of, ifeval_instructions, load_benchmarks
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.failure_kinds import classify_ifeval, is_truncated, kind_counts, max_gen_toks_in, max_gen_toks_of
+from lm_eval_sink.schema import did_you_mean
 from lm_eval_sink.pairing import filter_of, index_docs, outcome, pair_docs
 
 log = logging.getLogger(__name__)
@@ -237,9 +237,7 @@ def _choose_metric(ref_rows: Mapping[int, Mapping], wanted: str | None, spec: Be
             raise UserError(f"{label}: no per-sample metric found (keys: {', '.join(sorted(first))})", "pass a samples file written by lm-eval --log_samples")
         return scalar[0]
     if wanted not in first:
-        near = difflib.get_close_matches(wanted, available, n=1)
-        hint = f"did you mean {near[0]!r}? " if near else ""
-        raise UserError(f"{label}: no metric {wanted!r} in the samples (they have: {', '.join(available)})", f"{hint}pass one of those with --metric")
+        raise UserError(f"{label}: no metric {wanted!r} in the samples{did_you_mean(wanted, available)} (they have: {', '.join(available)})", "pass one of those with --metric")
     return wanted
 
 

@@ -1,7 +1,8 @@
-"""The one exception type for problems the user can fix.
+"""The one exception type for problems the user can fix, and the one warning category.
 
 Library code raises `UserError`; only `cli.py` catches it, prints one line and exits 2.
-Any other exception is a bug and keeps its traceback.
+Any other exception is a bug and keeps its traceback. `SinkWarning` is every warning this
+project emits (the test suite turns it into an error).
 """
 
 from __future__ import annotations
@@ -21,4 +22,4 @@ class UserError(Exception):
 
 
 class SinkWarning(UserWarning):
-    """A result is still produced, but something the user should know about limits it."""
+    """Something the user should know that does not stop the run (a result limited by it, a hook that could not register)."""

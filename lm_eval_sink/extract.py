@@ -48,11 +48,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
+from pydantic import Field
 
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.schema import Strict, parse
 from lm_eval_sink.io import SCHEMA_VERSION, atomic_write_json, atomic_write_text, check_output_dir, provenance, sha256_bytes, staged_dir
 
 log = logging.getLogger(__name__)
@@ -92,10 +94,6 @@ _TOKENIZER_COPY = (*_TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.j
 # Architecture data
 # ----------------------------------------------------------------------------------------------
 
-_FAMILY_KEYS = {"name", "description", "model_types", "vlm_class", "text_config", "target", "rules", "ignore", "variants"}
-_TARGET_KEYS = {"model_type", "drop_config", "rename_config", "set_config"}
-_VARIANT_KEYS = {"name", "when", "target", "rules"}
-_RULE_KEYS = {"from", "to", "dim", "transpose", "per_index", "drop_rest"}
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 
 
@@ -165,27 +163,54 @@ class Family:
 
 
 def _bad(file: str, what: str) -> UserError:
-    return UserError(f"architecture file {file}: {what}", "see the README section 'Adding a VLM family' for the schema")
+    return UserError(f"architecture file {file}: {what}", "see docs/extraction.md, 'Adding a VLM family', for the schema")
 
 
-def _check_keys(file: str, where: str, obj: Any, allowed: set[str], required: set[str] = frozenset()) -> None:
-    if not isinstance(obj, dict):
-        raise _bad(file, f"{where} must be an object")
-    unknown = sorted(set(obj) - allowed)
-    if unknown:
-        raise _bad(file, f"unknown key(s) {unknown} in {where} (allowed: {sorted(allowed)})")
-    missing = sorted(required - set(obj))
-    if missing:
-        raise _bad(file, f"missing key(s) {missing} in {where}")
+class _RuleIn(Strict):
+    what: ClassVar[str] = "tensor rule"
+    sources: str | list[str] = Field(alias="from")
+    to: str | list[str]
+    dim: int = 0
+    transpose: list[int] | None = None
+    per_index: str | None = None
+    drop_rest: bool = False
 
 
-def _as_tuple(value: Any) -> tuple[str, ...]:
+class _TargetIn(Strict):
+    what: ClassVar[str] = "target"
+    model_type: str | None = None
+    drop_config: list[str] = []
+    rename_config: dict[str, str] = {}
+    set_config: dict[str, Any] = {}
+
+
+class _VariantIn(Strict):
+    what: ClassVar[str] = "variant"
+    name: str
+    when: dict[str, Any]
+    target: _TargetIn = _TargetIn()
+    rules: list[_RuleIn] = []
+
+
+class _FamilyIn(Strict):
+    what: ClassVar[str] = "family"
+    name: str
+    description: str = ""
+    model_types: list[str]
+    vlm_class: str
+    text_config: str
+    target: _TargetIn
+    rules: list[_RuleIn]
+    ignore: list[str] = []
+    variants: list[_VariantIn] = []
+
+
+def _as_tuple(value: str | list[str]) -> tuple[str, ...]:
     return (value,) if isinstance(value, str) else tuple(value)
 
 
-def _parse_rule(file: str, where: str, raw: Any) -> TensorRule:
-    _check_keys(file, where, raw, _RULE_KEYS, {"from", "to"})
-    sources, targets = _as_tuple(raw["from"]), _as_tuple(raw["to"])
+def _parse_rule(file: str, where: str, raw: _RuleIn) -> TensorRule:
+    sources, targets = _as_tuple(raw.sources), _as_tuple(raw.to)
     if not sources or not targets:
         raise _bad(file, f"{where}: 'from' and 'to' must not be empty")
     groups: set[str] | None = None
@@ -198,60 +223,57 @@ def _parse_rule(file: str, where: str, raw: Any) -> TensorRule:
         if groups is not None and names != groups:
             raise _bad(file, f"{where}: all 'from' patterns must have the same named groups")
         groups = names
-    per_index = raw.get("per_index")
-    transpose = tuple(raw["transpose"]) if raw.get("transpose") is not None else None
+    per_index = raw.per_index
+    transpose = tuple(raw.transpose) if raw.transpose is not None else None
     if per_index is not None and len(sources) != 1:
         raise _bad(file, f"{where}: per_index needs exactly one 'from' pattern")
     if transpose is not None and (len(transpose) != 2 or (per_index is not None and 0 in transpose)):
         raise _bad(file, f"{where}: transpose must be two dims (not dim 0 with per_index)")
-    if raw.get("drop_rest") and transpose is not None:
+    if raw.drop_rest and transpose is not None:
         raise _bad(file, f"{where}: drop_rest and transpose cannot be combined")
     known = (groups or set()) | ({per_index} if per_index else set())
     for template in targets:
         unknown = set(_PLACEHOLDER.findall(template)) - known
         if unknown:
             raise _bad(file, f"{where}: template {template!r} uses {sorted(unknown)}, not a group of its 'from' pattern")
-    return TensorRule(sources=sources, targets=targets, dim=int(raw.get("dim", 0)), transpose=transpose,
-                      per_index=per_index, drop_rest=bool(raw.get("drop_rest", False)))
+    return TensorRule(sources=sources, targets=targets, dim=raw.dim, transpose=transpose, per_index=per_index, drop_rest=raw.drop_rest)
 
 
-def _parse_target(file: str, where: str, raw: Any, base: TargetSpec | None = None) -> TargetSpec:
-    _check_keys(file, where, raw, _TARGET_KEYS)
+def _parse_target(raw: _TargetIn, base: TargetSpec | None = None) -> TargetSpec:
     base = base or TargetSpec(model_type=None)
     return TargetSpec(
-        model_type=raw.get("model_type", base.model_type),
-        drop_config=base.drop_config + tuple(raw.get("drop_config", ())),
-        rename_config=base.rename_config + tuple(sorted(raw.get("rename_config", {}).items())),
-        set_config=base.set_config + tuple(sorted(raw.get("set_config", {}).items())),
+        model_type=raw.model_type if "model_type" in raw.model_fields_set else base.model_type,
+        drop_config=base.drop_config + tuple(raw.drop_config),
+        rename_config=base.rename_config + tuple(sorted(raw.rename_config.items())),
+        set_config=base.set_config + tuple(sorted(raw.set_config.items())),
     )
 
 
 def parse_family(text: str, file: str) -> Family:
     """Parse and validate one architecture file (unknown keys, bad regexes, bad templates)."""
     try:
-        raw = json.loads(text)
+        data = json.loads(text)
     except json.JSONDecodeError as e:
         raise _bad(file, f"not valid JSON ({e})") from None
-    _check_keys(file, "the top level", raw, _FAMILY_KEYS, {"name", "model_types", "vlm_class", "text_config", "target", "rules"})
-    target = _parse_target(file, "target", raw["target"])
-    rules = tuple(_parse_rule(file, f"rules[{i}]", r) for i, r in enumerate(raw["rules"]))
+    try:
+        raw = parse(_FamilyIn, data, f"architecture file {file}")
+    except UserError as e:
+        raise UserError(e.message, _bad(file, "").hint) from None
+    target = _parse_target(raw.target)
+    rules = tuple(_parse_rule(file, f"rules[{i}]", r) for i, r in enumerate(raw.rules))
     variants = []
-    for i, v in enumerate(raw.get("variants", [])):
-        _check_keys(file, f"variants[{i}]", v, _VARIANT_KEYS, {"name", "when"})
-        v_rules = tuple(_parse_rule(file, f"variants[{i}].rules[{j}]", r) for j, r in enumerate(v.get("rules", [])))
-        variants.append(Variant(name=v["name"], when=tuple(sorted(v["when"].items())),
-                                target=_parse_target(file, f"variants[{i}].target", v.get("target", {}), target),
-                                rules=v_rules + rules))
+    for i, v in enumerate(raw.variants):
+        v_rules = tuple(_parse_rule(file, f"variants[{i}].rules[{j}]", r) for j, r in enumerate(v.rules))
+        variants.append(Variant(name=v.name, when=tuple(sorted(v.when.items())), target=_parse_target(v.target, target), rules=v_rules + rules))
     if not variants:
         variants.append(Variant(name="default", when=(), target=target, rules=rules))
-    for pattern in raw.get("ignore", []):
+    for pattern in raw.ignore:
         try:
             re.compile(pattern)
         except re.error as e:
             raise _bad(file, f"ignore: bad regex {pattern!r} ({e})") from None
-    return Family(name=raw["name"], description=raw.get("description", ""), model_types=tuple(raw["model_types"]),
-                  vlm_class=raw["vlm_class"], text_config=raw["text_config"], variants=tuple(variants),
-                  ignore=tuple(raw.get("ignore", [])), file=file, sha256=sha256_bytes(text.encode("utf-8")))
+    return Family(name=raw.name, description=raw.description, model_types=tuple(raw.model_types), vlm_class=raw.vlm_class, text_config=raw.text_config,
+                  variants=tuple(variants), ignore=tuple(raw.ignore), file=file, sha256=sha256_bytes(text.encode("utf-8")))
 
 
 def load_families() -> dict[str, Family]:
@@ -283,7 +305,7 @@ def family_for(config: dict[str, Any], path: Path) -> Family:
         raise UserError(f"{path}: model type {model_type!r} is a text-only causal LM, not a VLM",
                         "evaluate or merge it as it is; extract takes a vision-language model")
     raise UserError(f"{path}: unsupported VLM architecture {model_type!r} (supported: {', '.join(supported_model_types())})",
-                    "add an architectures/<family>.json for it (README: 'Adding a VLM family')")
+                    "add an architectures/<family>.json for it (docs/extraction.md: 'Adding a VLM family')")
 
 
 _MISSING = object()
@@ -450,7 +472,7 @@ class _ShardWriter:
         self.path, self.nbytes = path, offset
         self._order = [(n, d, s) for n, d, s in entries]
         self._next = 0
-        self._f = open(path, "wb")  # noqa: SIM115 - closed in close()
+        self._f = open(path, "wb")
         self._f.write(struct.pack("<Q", len(raw)))
         self._f.write(raw)
 

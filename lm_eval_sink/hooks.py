@@ -9,7 +9,9 @@ by someone else, and then the matching callback runs right after that module has
 loading. Costs nothing when lm-eval or mergekit is never imported.
 
 Switch it off with `LM_EVAL_SINK_NO_HOOK=1`. A callback that fails (for instance because
-lm-eval's internals changed) logs one warning and leaves the host library untouched.
+lm-eval's internals changed), or a start-up file that cannot import this package, emits one
+`errors.SinkWarning` and leaves the host library untouched. Each patch and its reason:
+docs/footguns.md.
 An editable install (`pip install -e .`) does not copy the `.pth`: run
 `python -m lm_eval_sink.hooks install` once (`make` does).
 """
@@ -25,9 +27,15 @@ import sysconfig
 import warnings
 from pathlib import Path
 
+from lm_eval_sink.errors import SinkWarning
+
 DISABLE_ENV = "LM_EVAL_SINK_NO_HOOK"
 PTH_NAME = "lm_eval_sink_hook.pth"
-PTH_LINE = 'import os, sys; exec("try:\\n import lm_eval_sink.hooks as h; h.install()\\nexcept Exception:\\n pass") if not os.environ.get("LM_EVAL_SINK_NO_HOOK") else None\n'
+PTH_LINE = (
+    'import os; exec("try:\\n import lm_eval_sink.hooks as h; h.install()\\nexcept Exception as e:\\n import warnings; '
+    'warnings.warn(\'lm-eval-sink: start-up hook failed (%r); set LM_EVAL_SINK_NO_HOOK=1 to silence\' % (e,))") '
+    'if not os.environ.get("LM_EVAL_SINK_NO_HOOK") else None\n'
+)
 
 # watched module -> "module:function" called once after it has been imported.
 POST_IMPORT: dict[str, str] = {
@@ -45,7 +53,7 @@ def _run_callback(module_name: str) -> None:
     try:
         getattr(importlib.import_module(mod_name), func_name)()
     except Exception as e:  # fail soft: the host library keeps working without us
-        warnings.warn(f"lm-eval-sink: could not register with {module_name} ({type(e).__name__}: {e}); set {DISABLE_ENV}=1 to silence", stacklevel=2)
+        warnings.warn(f"lm-eval-sink: could not register with {module_name} ({type(e).__name__}: {e}); set {DISABLE_ENV}=1 to silence", SinkWarning, stacklevel=2)
 
 
 class _Loader(importlib.abc.Loader):

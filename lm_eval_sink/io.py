@@ -172,7 +172,7 @@ def provenance(**fields: Any) -> dict[str, Any]:
     """A provenance block: caller's fields plus versions, code state, argv and UTC time."""
     return {
         "schema_version": SCHEMA_VERSION,
-        "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "created_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "argv": list(sys.argv),
         "versions": package_versions(),
         "code": _git_state(),

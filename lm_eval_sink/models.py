@@ -10,7 +10,6 @@ any checkpoint. `model_fingerprint` records what a result was computed from.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 from dataclasses import dataclass

@@ -15,7 +15,7 @@ Per task (over the pairs that have a delta for it) `fit_pairs` computes Spearman
 (average ranks for ties) with an exact permutation p-value (all n! orderings up to
 EXACT_PERMUTATION_MAX_N pairs, else a seeded Monte Carlo), the least-squares line
 delta = slope * S + intercept, and leave-one-pair-out mean absolute errors of that line
-(`loo_mae`) and of a constant-mean baseline (`baseline_mae`). Pure numpy: no torch here.
+(`loo_mae`) and of a constant-mean baseline (`baseline_mae`). numpy and scipy.stats: no torch here.
 """
 
 from __future__ import annotations
@@ -25,11 +25,14 @@ import math
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 import numpy as np
+from pydantic import Field
+from scipy import stats
 
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.schema import Strict, parse
 
 SCHEMA_VERSION = 1
 MIN_PAIRS = 3
@@ -38,8 +41,6 @@ MONTE_CARLO_PERMUTATIONS = 200_000
 SHIPPED_PAIRS = "data/paper_pairs.yaml"
 SHIPPED_REPORTED = "data/paper_reported.json"
 QK_NORM_CLASSES = ("per_head", "layerwise", "none")
-_REQUIRED = ("name", "reference", "candidate", "sink_strength", "deltas", "source")
-_OPTIONAL = ("qk_norm", "notes")
 _TIE_TOL = 1e-12
 
 
@@ -139,13 +140,6 @@ class FitResult:
 # ---------------------------------------------------------------------------- PAIRS files
 
 
-def _suggest(key: str, known: tuple[str, ...]) -> str:
-    import difflib
-
-    near = difflib.get_close_matches(key, known, n=1)
-    return f" (did you mean {near[0]!r}?)" if near else ""
-
-
 def _number(value: Any, where: str, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
         raise UserError(f"{where}: {what} must be a finite number, got {value!r}", "write a plain number such as 1.18")
@@ -165,43 +159,42 @@ def _strength_from_file(value: str, base: Path, where: str) -> float:
     return _number(data["sink_strength"], where, f"sink_strength in {path}")
 
 
+class _PairIn(Strict):
+    what: ClassVar[str] = "pair"
+    name: str = Field(min_length=1)
+    reference: str = Field(min_length=1)
+    candidate: str = Field(min_length=1)
+    sink_strength: float | str = Field(description="must be a number or the path of a *.strength.json")
+    deltas: dict[str, Any] = Field(min_length=1, description="must be a non-empty mapping task -> points, e.g. deltas: {ifeval: -9.6}")
+    source: str = Field(min_length=1)
+    qk_norm: Literal[QK_NORM_CLASSES] | None = None
+    notes: Any = None
+
+    @classmethod
+    def required(cls) -> list[str]:
+        return [n for n, f in cls.model_fields.items() if f.is_required()]
+
+
 def parse_pairs(obj: Any, where: str, base: Path | None = None) -> tuple[Pair, ...]:
     """Validate a parsed PAIRS document (a list of mappings); `where` names it in errors."""
     if not isinstance(obj, list):
         raise UserError(f"{where}: a PAIRS file must be a YAML list of pairs, got {type(obj).__name__}", "start each pair with '- name: ...' (see the shipped lm_eval_sink/data/paper_pairs.yaml)")
     pairs, names = [], set()
     for i, item in enumerate(obj, 1):
-        at = f"{where}: pair {i}"
         if not isinstance(item, dict):
-            raise UserError(f"{at} is not a mapping", "each pair needs the keys " + ", ".join(_REQUIRED))
-        unknown = sorted(set(item) - set(_REQUIRED) - set(_OPTIONAL))
-        if unknown:
-            raise UserError(f"{at}: unknown key {unknown[0]!r}{_suggest(str(unknown[0]), _REQUIRED + _OPTIONAL)}", "allowed keys: " + ", ".join(_REQUIRED + _OPTIONAL))
-        missing = [k for k in _REQUIRED if k not in item]
-        if missing:
-            raise UserError(f"{at}: missing key(s) {', '.join(missing)}", "each pair needs " + ", ".join(_REQUIRED))
-        for k in ("name", "reference", "candidate", "source"):
-            if not isinstance(item[k], str) or not item[k].strip():
-                raise UserError(f"{at}: {k} must be a non-empty string, got {item[k]!r}", f"write {k}: <text>")
-        at = f"{where}: pair {item['name']!r}"
-        if item["name"] in names:
+            raise UserError(f"{where}: pair {i} is not a mapping", "each pair needs the keys " + ", ".join(_PairIn.required()))
+        p = parse(_PairIn, item, f"{where}: pair {i}")
+        at = f"{where}: pair {p.name!r}"
+        if p.name in names:
             raise UserError(f"{at} appears twice", "give every pair a unique name")
-        names.add(item["name"])
+        names.add(p.name)
+        item = p.model_dump()
         s = item["sink_strength"]
         if isinstance(s, str):
             s = _strength_from_file(s, base or Path.cwd(), at)
         s = _number(s, at, "sink_strength")
-        deltas = item["deltas"]
-        if not isinstance(deltas, dict) or not deltas:
-            raise UserError(f"{at}: deltas must be a non-empty mapping task -> points, got {deltas!r}", "write e.g. deltas: {ifeval: -9.6}")
-        clean = {}
-        for task, v in deltas.items():
-            if not isinstance(task, str) or not task:
-                raise UserError(f"{at}: task name {task!r} in deltas is not a string", "use lm-eval task names such as ifeval")
-            clean[task] = _number(v, at, f"deltas[{task}]")
+        clean = {task: _number(v, at, f"deltas[{task}]") for task, v in item["deltas"].items()}
         qk = item.get("qk_norm")
-        if qk is not None and qk not in QK_NORM_CLASSES:
-            raise UserError(f"{at}: qk_norm {qk!r} is not a known class{_suggest(str(qk), QK_NORM_CLASSES)}", "use one of " + ", ".join(QK_NORM_CLASSES))
         notes = item.get("notes")
         pairs.append(Pair(name=item["name"], reference=item["reference"], candidate=item["candidate"], sink_strength=s, deltas=clean, source=item["source"], qk_norm=qk, notes=None if notes is None else str(notes)))
     if len(pairs) < MIN_PAIRS:
@@ -245,76 +238,51 @@ def reported_statistics() -> dict[str, Any]:
 
 def average_ranks(x: np.ndarray) -> np.ndarray:
     """Ranks 1..n, ties sharing the mean of their ranks (as Spearman's rho needs)."""
-    x = np.asarray(x, dtype=np.float64)
-    order = np.argsort(x, kind="stable")
-    ranks = np.empty(len(x), dtype=np.float64)
-    sx = x[order]
-    i = 0
-    while i < len(x):
-        j = i
-        while j + 1 < len(x) and abs(sx[j + 1] - sx[i]) <= _TIE_TOL:
-            j += 1
-        ranks[order[i : j + 1]] = (i + j) / 2 + 1
-        i = j + 1
-    return ranks
+    return stats.rankdata(np.asarray(x, dtype=np.float64))
 
 
-def _pearson_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Pearson correlation of the vector `a` with each row of `b`."""
-    ac = a - a.mean()
-    bc = b - b.mean(axis=-1, keepdims=True)
-    return (bc @ ac) / (np.sqrt((ac**2).sum()) * np.sqrt((bc**2).sum(axis=-1)))
+def _rho(x: np.ndarray, y: np.ndarray, axis: int = -1) -> np.ndarray:
+    """Spearman's rho along `axis` (vectorized for scipy's permutation_test)."""
+    rx, ry = stats.rankdata(x, axis=axis), stats.rankdata(y, axis=axis)
+    rx, ry = rx - rx.mean(axis=axis, keepdims=True), ry - ry.mean(axis=axis, keepdims=True)
+    return (rx * ry).sum(axis=axis) / np.sqrt((rx**2).sum(axis=axis) * (ry**2).sum(axis=axis))
 
 
 def spearman_rho(s: np.ndarray, d: np.ndarray) -> float:
-    """Spearman's rho: Pearson correlation of average ranks."""
-    rs, rd = average_ranks(s), average_ranks(d)
-    if np.ptp(rs) == 0 or np.ptp(rd) == 0:
+    """Spearman's rho (scipy's spearmanr: Pearson correlation of average ranks)."""
+    if np.ptp(s) == 0 or np.ptp(d) == 0:
         raise UserError("Spearman's rho is undefined when all S values or all deltas are equal", "use pairs with different values")
-    return float(_pearson_rows(rs, rd[None, :])[0])
+    return float(stats.spearmanr(s, d).statistic)
 
 
 def permutation_test(s: np.ndarray, d: np.ndarray, seed: int = 0) -> tuple[float, float, str, int]:
     """(two-sided p, one-sided p, method, permutations) for Spearman's rho under exchangeability.
 
-    Every ordering of the deltas against S is equally likely under the null. Up to
-    EXACT_PERMUTATION_MAX_N pairs all n! orderings are enumerated (exact p); beyond that a seeded
-    Monte Carlo sample is used, with p = (1 + hits) / (1 + permutations).
+    scipy's permutation_test over pairings: every ordering of the deltas against S is equally
+    likely under the null. Up to EXACT_PERMUTATION_MAX_N pairs all n! orderings are enumerated
+    (exact p); beyond that a seeded Monte Carlo sample, with p = (1 + hits) / (1 + permutations).
+    Two-sided counts orderings with |rho| at least the observed |rho|.
     """
-    rs, rd = average_ranks(s), average_ranks(d)
-    observed = float(_pearson_rows(rs, rd[None, :])[0])
-    n = len(rd)
-    hits2 = hits1 = total = 0
-    if n <= EXACT_PERMUTATION_MAX_N:
-        perms = itertools.permutations(range(n))
-        while True:
-            chunk = np.array(list(itertools.islice(perms, 200_000)), dtype=np.int64)
-            if chunk.size == 0:
-                break
-            rho = _pearson_rows(rs, rd[chunk])
-            hits2 += int((np.abs(rho) >= abs(observed) - 1e-9).sum())
-            hits1 += int((rho >= observed - 1e-9).sum())
-            total += len(chunk)
-        return hits2 / total, hits1 / total, "exact", total
-    rng = np.random.default_rng(seed)
-    for start in range(0, MONTE_CARLO_PERMUTATIONS, 50_000):
-        k = min(50_000, MONTE_CARLO_PERMUTATIONS - start)
-        rho = _pearson_rows(rs, rng.permuted(np.tile(rd, (k, 1)), axis=1))
-        hits2 += int((np.abs(rho) >= abs(observed) - 1e-9).sum())
-        hits1 += int((rho >= observed - 1e-9).sum())
-        total += k
-    return (1 + hits2) / (1 + total), (1 + hits1) / (1 + total), "monte_carlo", total
+    s, d = np.asarray(s, dtype=np.float64), np.asarray(d, dtype=np.float64)
+    n = len(d)
+    exact = n <= EXACT_PERMUTATION_MAX_N
+    resamples = np.inf if exact else MONTE_CARLO_PERMUTATIONS
+
+    res = stats.permutation_test((s, d), _rho, permutation_type="pairings", n_resamples=resamples, vectorized=True, alternative="greater",
+                                 rng=np.random.default_rng(seed))
+    observed, null = float(res.statistic), np.asarray(res.null_distribution)
+    hits2 = int((np.abs(null) >= abs(observed) - 1e-9).sum())  # two-sided from the same orderings
+    p2 = hits2 / len(null) if exact else (1 + hits2) / (1 + len(null))
+    return p2, float(res.pvalue), "exact" if exact else "monte_carlo", math.factorial(n) if exact else MONTE_CARLO_PERMUTATIONS
 
 
 def linear_fit(s: np.ndarray, d: np.ndarray) -> tuple[float, float]:
-    """Least-squares (slope, intercept) of d = slope * s + intercept."""
+    """Least-squares (slope, intercept) of d = slope * s + intercept (scipy's linregress)."""
     s, d = np.asarray(s, dtype=np.float64), np.asarray(d, dtype=np.float64)
-    sc = s - s.mean()
-    ss = float((sc**2).sum())
-    if ss <= _TIE_TOL:
+    if float(((s - s.mean()) ** 2).sum()) <= _TIE_TOL:
         raise UserError("a linear fit needs at least two different S values", "add pairs whose references have different S")
-    slope = float((sc * (d - d.mean())).sum() / ss)
-    return slope, float(d.mean() - slope * s.mean())
+    fit = stats.linregress(s, d)
+    return float(fit.slope), float(fit.intercept)
 
 
 def leave_one_out(s: np.ndarray, d: np.ndarray, names: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:

@@ -23,20 +23,22 @@ Where lm-eval 0.4.13 records each field (checked on real results files):
   `torch_seed`, `fewshot_seed`;
 - `configs[task]`: effective `num_fewshot`, `generation_kwargs` (task defaults merged with the CLI
   overrides), `filter_list`, `metric_list`, `fewshot_config`, prompt fields, `metadata.version`.
-Standard library and PyYAML only: no torch, no transformers.
+Standard library, PyYAML and pydantic only: no torch, no transformers.
 """
 
 from __future__ import annotations
 
-import difflib
 import json
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field
 
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.io import canonical_json, parse_yaml, sha256_text
+from lm_eval_sink.schema import Strict, did_you_mean, parse
 
 SCHEMA_VERSION = 1
 
@@ -351,11 +353,6 @@ PROTOCOL_KEYS: dict[str, str] = {
     "seed": "seed for every random generator (int) or null = the caller's choice",
     "model_args": "model arguments that change prompts or decoding (mapping), e.g. {enable_thinking: false}",
 }
-_TYPES: dict[str, tuple[type, ...]] = {
-    "description": (str,), "apply_chat_template": (bool,), "num_fewshot": (int, type(None)), "fewshot_as_multiturn": (bool, type(None)),
-    "system_instruction": (str, type(None)), "gen_kwargs": (dict, type(None)), "batch_size": (int, str, type(None)), "dtype": (str, type(None)),
-    "seed": (int, type(None)), "model_args": (dict, type(None)),
-}
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -402,44 +399,46 @@ class Protocol:
         return bad
 
 
-def _did_you_mean(word: str, options: list[str]) -> str:
-    near = difflib.get_close_matches(word, options, n=1)
-    return f" (did you mean {near[0]!r}?)" if near else ""
+class _ProtocolIn(Strict):
+    what: ClassVar[str] = "protocol"
+    description: str
+    apply_chat_template: bool
+    num_fewshot: int | None = Field(None, ge=0)
+    fewshot_as_multiturn: bool | None = None
+    system_instruction: str | None = None
+    gen_kwargs: dict[str, Any] | None = None
+    batch_size: int | str | None = None
+    dtype: Literal[_DTYPES] | None = None
+    seed: int | None = None
+    model_args: dict[str, Any] | None = None
 
 
-def _parse_protocol(name: str, body: Any, where: str) -> Protocol:
-    if not isinstance(body, dict):
-        raise UserError(f"{where}: protocol {name!r} must be a mapping of settings, got {type(body).__name__}", f"give it keys from: {', '.join(PROTOCOL_KEYS)}")
-    for key in body:
-        if key not in PROTOCOL_KEYS:
-            raise UserError(f"{where}: protocol {name!r} has unknown key {key!r}{_did_you_mean(str(key), list(PROTOCOL_KEYS))}",
-                            f"allowed keys: {', '.join(PROTOCOL_KEYS)}")
-    for key in ("description", "apply_chat_template"):
-        if key not in body:
-            raise UserError(f"{where}: protocol {name!r} lacks {key!r}", f"add `{key}:` ({PROTOCOL_KEYS[key]})")
-    for key, value in body.items():
-        if not isinstance(value, _TYPES[key]) or (isinstance(value, bool) and bool not in _TYPES[key]):
-            raise UserError(f"{where}: protocol {name!r} key {key!r} has {value!r}", f"expected {PROTOCOL_KEYS[key]}")
-    if body.get("num_fewshot") is not None and body["num_fewshot"] < 0:
-        raise UserError(f"{where}: protocol {name!r} has num_fewshot {body['num_fewshot']}", "use 0 or more, or null for each task's default")
-    if body.get("fewshot_as_multiturn") and not body["apply_chat_template"]:
+class _ProtocolsFileIn(Strict):
+    what: ClassVar[str] = "the file"
+    schema_version: int | None = None
+    protocols: dict[str, _ProtocolIn]
+
+
+assert tuple(_ProtocolIn.model_fields) == tuple(PROTOCOL_KEYS)
+
+
+def _protocol(name: str, p: _ProtocolIn, where: str) -> Protocol:
+    if p.fewshot_as_multiturn and not p.apply_chat_template:
         raise UserError(f"{where}: protocol {name!r} sets fewshot_as_multiturn without the chat template", "lm-eval refuses that; set apply_chat_template: true or drop it")
-    if "dtype" in body and body["dtype"] is not None and body["dtype"] not in _DTYPES:
-        raise UserError(f"{where}: protocol {name!r} has dtype {body['dtype']!r}", f"use one of {', '.join(_DTYPES)}")
-    bs = body.get("batch_size")
+    bs = p.batch_size
     if isinstance(bs, str) and not (bs == "auto" or bs.startswith("auto:")):
         raise UserError(f"{where}: protocol {name!r} has batch_size {bs!r}", "use a number or 'auto'")
     if isinstance(bs, int) and bs < 1:
         raise UserError(f"{where}: protocol {name!r} has batch_size {bs}", "use 1 or more")
-    return Protocol(name=name, source=where, **body)
+    return Protocol(name=name, source=where, **p.model_dump())
 
 
 def parse_protocols(text: str, where: str) -> dict[str, Protocol]:
     """Protocols from YAML text: `protocols: {name: {key: value}}`; unknown keys are errors."""
     data = parse_yaml(text, where)
-    if not isinstance(data, dict) or set(data) - {"protocols", "schema_version"} or not isinstance(data.get("protocols"), dict):
+    if not isinstance(data, dict) or not isinstance(data.get("protocols"), dict):
         raise UserError(f"{where}: expected a mapping with one key `protocols:` holding named protocols", "see lm_eval_sink/data/protocols.yaml for the format")
-    return {str(n): _parse_protocol(str(n), body, where) for n, body in data["protocols"].items()}
+    return {n: _protocol(n, p, where) for n, p in parse(_ProtocolsFileIn, data, where).protocols.items()}
 
 
 def builtin_protocols() -> dict[str, Protocol]:
@@ -468,7 +467,7 @@ def get_protocol(name: str, user_file: str | Path | None = None) -> Protocol:
     """A protocol by name; an unknown name lists the known ones."""
     known = load_protocols(user_file)
     if name not in known:
-        raise UserError(f"unknown protocol {name!r}{_did_you_mean(name, list(known))}; known: {', '.join(sorted(known))}",
+        raise UserError(f"unknown protocol {name!r}{did_you_mean(name, known)}; known: {', '.join(sorted(known))}",
                         "pick one of those, or define it in a YAML passed with --protocol-file")
     return known[name]
 

@@ -55,7 +55,7 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def classify_qk_norm(config: dict[str, Any], layer0_q_norm_size: int | None | str = "unknown") -> QKNorm:
+def classify_qk_norm(config: dict[str, Any], layer0_q_norm_size: int | str | None = "unknown") -> QKNorm:
     """Class from a config dict; `layer0_q_norm_size` (size of layer 0's q-norm weight, None when
     the checkpoint has none) decides model types missing from the table."""
     cfg = text_config(config)

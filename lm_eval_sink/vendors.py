@@ -3,20 +3,19 @@
 Data, not code: `data/vendors.yaml` (bundled) plus an optional user YAML of the same shape. Every
 score and gap names a source (what report or audit, which table, whether it was checked against
 the original) and a protocol (what the source states about how it was measured, in the
-vocabulary of `STATED_KEYS`; anything not stated is unknown). Validated on load: unknown keys,
+vocabulary of `STATED_KEYS`; anything not stated is unknown). Validated on load (`schema`): unknown keys,
 undefined sources/protocols/models/benchmarks and duplicate ids are UserErrors naming the entry.
-Standard library and PyYAML only.
 """
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass, fields
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.schema import Strict, did_you_mean, parse
 
 # What a source may state about a protocol, and where a run's fingerprint records it.
 STATED_KEYS: dict[str, str] = {
@@ -29,12 +28,6 @@ STATED_KEYS: dict[str, str] = {
     "dtype": "harness.dtype",
 }
 SOURCE_KINDS = ("vendor", "independent", "paper")
-_TOP_KEYS = {"schema_version", "sources", "protocols", "models", "scores", "gaps"}
-_SOURCE_KEYS = {"title", "kind", "url", "checked"}
-_PROTOCOL_KEYS = {"described", "stated"}
-_MODEL_KEYS = {"hub_id", "kind", "aliases", "parent"}
-_SCORE_KEYS = {"id", "model", "benchmark", "metric", "value", "source", "protocol", "note"}
-_GAP_KEYS = {"id", "reference", "candidate", "benchmark", "metric", "value", "source", "protocol", "note"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,8 +112,7 @@ class Registry:
         """A model by name, alias or hub id (case-insensitive); unknown names get a did-you-mean."""
         found = self.identify(name)
         if found is None:
-            near = difflib.get_close_matches(name, list(self.models), n=1, cutoff=0.5)
-            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            hint = did_you_mean(name, self.models, cutoff=0.5)
             raise UserError(f"model {name!r} is not in the vendor registry{hint}", f"`lm-eval-sink vendor list` shows the {len(self.models)} models it holds")
         return self.models[found]
 
@@ -150,109 +142,134 @@ class Registry:
             if s.id == entry_id:
                 return s
         ids = [s.id for s in self.scores]
-        near = difflib.get_close_matches(entry_id, ids, n=1, cutoff=0.5)
-        raise UserError(f"no score {entry_id!r} in the vendor registry" + (f" (did you mean {near[0]!r}?)" if near else ""),
+        raise UserError(f"no score {entry_id!r} in the vendor registry{did_you_mean(entry_id, ids, cutoff=0.5)}",
                         "`lm-eval-sink vendor show MODEL` lists each score's id")
 
 
-def _unknown(keys: Any, allowed: set[str], what: str, where: str) -> None:
-    extra = sorted(set(keys) - allowed, key=str)
-    if extra:
-        near = difflib.get_close_matches(str(extra[0]), sorted(allowed), n=1)
-        hint = f" (did you mean {near[0]!r}?)" if near else ""
-        raise UserError(f"{where}: {what} has unknown key {extra[0]!r}{hint}", f"allowed keys: {', '.join(sorted(allowed))}")
+class _SourceIn(Strict):
+    what: ClassVar[str] = "source"
+    title: str
+    kind: Literal[SOURCE_KINDS]
+    url: str | None = None
+    checked: bool = False
 
 
-def _need(body: dict[str, Any], keys: tuple[str, ...], what: str, where: str) -> None:
-    for k in keys:
-        if body.get(k) in (None, ""):
-            raise UserError(f"{where}: {what} lacks {k!r}", f"every entry needs {', '.join(keys)}")
+class _StatedIn(Strict):
+    """What a source states, in the vocabulary of STATED_KEYS."""
+
+    what: ClassVar[str] = "stated protocol"
+    apply_chat_template: Any = None
+    num_fewshot: Any = None
+    enable_thinking: Any = None
+    system_instruction: Any = None
+    lm_eval_version: Any = None
+    batch_size: Any = None
+    dtype: Any = None
 
 
-def _mapping(value: Any, what: str, where: str) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise UserError(f"{where}: {what} must be a mapping, got {type(value).__name__}", "see lm_eval_sink/data/vendors.yaml for the format")
-    return value
+class _ProtocolIn(Strict):
+    what: ClassVar[str] = "protocol"
+    described: str
+    stated: _StatedIn = _StatedIn()
 
 
-def _read_yaml(path_or_text: str, where: str) -> dict[str, Any]:
+class _ParentIn(Strict):
+    what: ClassVar[str] = "parent"
+    model: str
+    source: str
+
+
+class _ModelIn(Strict):
+    what: ClassVar[str] = "model"
+    kind: str
+    hub_id: str | None = None
+    aliases: list[str] = []
+    parent: _ParentIn | None = None
+
+
+class _ReportedIn(Strict):
+    id: str
+    benchmark: str
+    metric: str
+    value: float
+    source: str
+    protocol: str
+    note: str | None = None
+
+
+class _ScoreIn(_ReportedIn):
+    what: ClassVar[str] = "score"
+    model: str
+
+
+class _GapIn(_ReportedIn):
+    what: ClassVar[str] = "gap"
+    reference: str
+    candidate: str
+
+
+class _RegistryIn(Strict):
+    what: ClassVar[str] = "the registry"
+    schema_version: int | None = None
+    sources: dict[str, _SourceIn] = {}
+    protocols: dict[str, _ProtocolIn] = {}
+    models: dict[str, _ModelIn] = {}
+    scores: list[_ScoreIn] = []
+    gaps: list[_GapIn] = []
+
+
+assert set(_StatedIn.model_fields) == set(STATED_KEYS)
+
+
+def _read_yaml(path_or_text: str, where: str) -> _RegistryIn:
     from lm_eval_sink.io import parse_yaml
 
     data = parse_yaml(path_or_text, where)
     if not isinstance(data, dict):
         raise UserError(f"{where}: expected a mapping with sources, protocols, models, scores, gaps", "see lm_eval_sink/data/vendors.yaml for the format")
-    _unknown(data, _TOP_KEYS, "the registry", where)
-    return data
+    return parse(_RegistryIn, data, where)
 
 
-def _merge(parts: list[tuple[str, dict[str, Any]]], benchmarks: set[str]) -> Registry:
+def _merge(parts: list[tuple[str, _RegistryIn]], benchmarks: set[str]) -> Registry:
     sources: dict[str, Source] = {}
     protocols: dict[str, StatedProtocol] = {}
     models: dict[str, ModelEntry] = {}
-    raw_scores: list[tuple[str, dict[str, Any]]] = []
-    raw_gaps: list[tuple[str, dict[str, Any]]] = []
+    raw_scores: list[tuple[str, _ScoreIn]] = []
+    raw_gaps: list[tuple[str, _GapIn]] = []
     for where, data in parts:
-        for sid, body in _mapping(data.get("sources"), "sources", where).items():
-            body = _mapping(body, f"source {sid!r}", where)
-            _unknown(body, _SOURCE_KEYS, f"source {sid!r}", where)
-            _need(body, ("title", "kind"), f"source {sid!r}", where)
-            if body["kind"] not in SOURCE_KINDS:
-                raise UserError(f"{where}: source {sid!r} has kind {body['kind']!r}", f"use one of {', '.join(SOURCE_KINDS)}")
+        for sid, src in data.sources.items():
             if sid in sources:
                 raise UserError(f"{where}: source {sid!r} is defined twice", "give it another id")
-            sources[sid] = Source(sid, str(body["title"]), body["kind"], body.get("url"), bool(body.get("checked", False)))
-        for pid, body in _mapping(data.get("protocols"), "protocols", where).items():
-            body = _mapping(body, f"protocol {pid!r}", where)
-            _unknown(body, _PROTOCOL_KEYS, f"protocol {pid!r}", where)
-            _need(body, ("described",), f"protocol {pid!r}", where)
-            stated = _mapping(body.get("stated"), f"protocol {pid!r} stated", where)
-            _unknown(stated, set(STATED_KEYS), f"protocol {pid!r} stated", where)
+            sources[sid] = Source(sid, src.title, src.kind, src.url, src.checked)
+        for pid, proto in data.protocols.items():
             if pid in protocols:
                 raise UserError(f"{where}: protocol {pid!r} is defined twice", "give it another id")
-            protocols[pid] = StatedProtocol(pid, str(body["described"]), dict(stated))
-        for name, body in _mapping(data.get("models"), "models", where).items():
-            body = _mapping(body, f"model {name!r}", where)
-            _unknown(body, _MODEL_KEYS, f"model {name!r}", where)
-            _need(body, ("kind",), f"model {name!r}", where)
+            protocols[pid] = StatedProtocol(pid, proto.described, proto.stated.model_dump(exclude_unset=True))
+        for name, m in data.models.items():
             if name in models:
                 raise UserError(f"{where}: model {name!r} is defined twice", "merge the two entries")
-            parent = body.get("parent")
-            if parent is not None and (not isinstance(parent, dict) or set(parent) != {"model", "source"}):
-                raise UserError(f"{where}: model {name!r} parent must be {{model: NAME, source: SOURCE_ID}}", "state where the lineage is documented")
-            models[name] = ModelEntry(str(name), body.get("hub_id"), str(body["kind"]), tuple(body.get("aliases") or ()), parent)
-        for i, body in enumerate(data.get("scores") or []):
-            raw_scores.append((f"{where} scores[{i}]", _mapping(body, "score", where)))
-        for i, body in enumerate(data.get("gaps") or []):
-            raw_gaps.append((f"{where} gaps[{i}]", _mapping(body, "gap", where)))
+            parent = m.parent.model_dump() if m.parent else None
+            models[name] = ModelEntry(name, m.hub_id, m.kind, tuple(m.aliases), parent)
+        raw_scores += [(f"{where} scores[{i}]", body) for i, body in enumerate(data.scores)]
+        raw_gaps += [(f"{where} gaps[{i}]", body) for i, body in enumerate(data.gaps)]
 
-    def common(where: str, body: dict[str, Any], model_keys: tuple[str, ...]) -> dict[str, Any]:
+    def common(where: str, body: _ReportedIn, model_keys: tuple[str, ...]) -> dict[str, Any]:
         """The checked fields every reported entry has (`Reported`'s)."""
         for k in model_keys:
-            if body[k] not in models:
-                raise UserError(f"{where} ({body['id']}): model {body[k]!r} is not defined under models:", "add it to models:")
-        if body["source"] not in sources:
-            raise UserError(f"{where} ({body['id']}): source {body['source']!r} is not defined under sources:", "every entry needs a defined source")
-        if body["protocol"] not in protocols:
-            raise UserError(f"{where} ({body['id']}): protocol {body['protocol']!r} is not defined under protocols:", "every entry needs a defined protocol")
-        if body["benchmark"] not in benchmarks:
-            raise UserError(f"{where} ({body['id']}): unknown benchmark {body['benchmark']!r}", f"use one of {', '.join(sorted(benchmarks))}")
-        if isinstance(body["value"], bool) or not isinstance(body["value"], (int, float)):
-            raise UserError(f"{where} ({body['id']}): value {body['value']!r} is not a number", "give points (0-100), e.g. 71.2")
-        return {"id": str(body["id"]), "benchmark": body["benchmark"], "metric": str(body["metric"]), "value": float(body["value"]),
-                "source": sources[body["source"]], "protocol": protocols[body["protocol"]], "note": body.get("note")}
+            if getattr(body, k) not in models:
+                raise UserError(f"{where} ({body.id}): model {getattr(body, k)!r} is not defined under models:", "add it to models:")
+        if body.source not in sources:
+            raise UserError(f"{where} ({body.id}): source {body.source!r} is not defined under sources:", "every entry needs a defined source")
+        if body.protocol not in protocols:
+            raise UserError(f"{where} ({body.id}): protocol {body.protocol!r} is not defined under protocols:", "every entry needs a defined protocol")
+        if body.benchmark not in benchmarks:
+            raise UserError(f"{where} ({body.id}): unknown benchmark {body.benchmark!r}", f"use one of {', '.join(sorted(benchmarks))}")
+        return {"id": body.id, "benchmark": body.benchmark, "metric": body.metric, "value": float(body.value),
+                "source": sources[body.source], "protocol": protocols[body.protocol], "note": body.note}
 
     ids: set[str] = set()
-    scores, gaps = [], []
-    for where, body in raw_scores:
-        _unknown(body, _SCORE_KEYS, "score", where)
-        _need(body, ("id", "model", "benchmark", "metric", "value", "source", "protocol"), "score", where)
-        scores.append(Score(**common(where, body, ("model",)), model=body["model"]))
-    for where, body in raw_gaps:
-        _unknown(body, _GAP_KEYS, "gap", where)
-        _need(body, ("id", "reference", "candidate", "benchmark", "metric", "value", "source", "protocol"), "gap", where)
-        gaps.append(Gap(**common(where, body, ("reference", "candidate")), reference=body["reference"], candidate=body["candidate"]))
+    scores = [Score(**common(where, body, ("model",)), model=body.model) for where, body in raw_scores]
+    gaps = [Gap(**common(where, body, ("reference", "candidate")), reference=body.reference, candidate=body.candidate) for where, body in raw_gaps]
     for entry in [*scores, *gaps]:
         if entry.id in ids:
             raise UserError(f"vendor registry: id {entry.id!r} is used twice", "give every score and gap its own id")

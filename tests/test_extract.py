@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from lm_eval_sink.cli import main
@@ -35,7 +34,7 @@ from lm_eval_sink.extract import (
 )
 from lm_eval_sink.errors import UserError
 
-from conftest import make_tokenizer
+from helpers import make_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 TASK_DIR = REPO / "tests" / "data" / "extract_task"
@@ -276,7 +275,7 @@ def test_qwen3_vl_moe_hub_layout_with_transposed_experts(vlm_dir, tmp_path):
             save_file({k: (v.transpose(1, 2).contiguous() if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else v) for k, v in sd.items()}, f, metadata={"format": "pt"})
     shapes = {k: tuple(v.shape) for k, v in _tensors(hub).items() if "layers.0.mlp.experts" in k}
     assert shapes["model.language_model.layers.0.mlp.experts.gate_up_proj"] == (4, 32, 48)
-    a = extract_backbone(src, tmp_path / "a", verify=False)
+    extract_backbone(src, tmp_path / "a", verify=False)
     b = extract_backbone(hub, tmp_path / "b")
     assert b.status == "complete"
     ta, tb = _tensors(tmp_path / "a"), _tensors(tmp_path / "b")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import sinkmodels as sm
-from conftest import FIXTURE_LIMIT, REPO, TINY_TASK
+from helpers import FIXTURE_LIMIT, REPO, TINY_TASK
 from lm_eval_sink.calibration import builtin_prompts, encode_prompts
 from lm_eval_sink.harness import tasks_dir
 from lm_eval_sink.runs import load_results, read_samples
@@ -244,3 +244,37 @@ def test_wheel_ships_hook_tasks_and_configs(tmp_path):
     assert "lm_eval_sink_hook.pth" in names
     assert "lm_eval_sink/tasks/sink_strength/sink_strength.yaml" in names
     assert "lm_eval_sink/data/offline_datasets.yaml" in names and "lm_eval_sink/data/calibration_prompts.jsonl" in names
+
+
+def test_entry_point_resolves_to_the_task_yamls_as_lm_eval_plugins_do():
+    import importlib.util
+    import tomllib
+
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"]["lm_eval.tasks"]
+    assert declared == {"lm_eval_sink": "lm_eval_sink.tasks"}
+    module = declared["lm_eval_sink"].partition(":")[0]  # the proposed contract ignores ':attr'
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.submodule_search_locations
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    found = {p.relative_to(folder).as_posix() for p in folder.rglob("*.yaml")}
+    assert {"sink_strength/sink_strength.yaml", "sink_strength/sink_strength_n5.yaml", "sink_strength/sink_strength_all_layers.yaml",
+            "sink_strength/sink_strength_content.yaml", "sink_strength/_sink_strength_suite.yaml"} <= found
+    assert folder == tasks_dir()
+
+
+def test_include_defaults_false_lists_only_the_given_folder():
+    from lm_eval.tasks import TaskManager
+
+    assert getattr(TaskManager.__init__, "_lm_eval_sink_patched", False)  # the start-up hook is active here
+    folder = Path(__file__).parent / "data" / "merging_task"
+    only = TaskManager(include_defaults=False, include_path=str(folder))
+    assert set(only.all_tasks) == {"lm_eval_sink_tiny_choice"}  # neither lm-eval's tasks nor this project's
+    assert "sink_strength" in TaskManager(include_defaults=False, include_path=[str(folder), str(tasks_dir())]).all_tasks
+
+
+def test_start_up_file_failure_is_one_warning():
+    from lm_eval_sink.hooks import PTH_LINE
+
+    code = f"import sys; sys.modules['lm_eval_sink.hooks'] = None\n{PTH_LINE}"
+    proc = subprocess.run([sys.executable, "-c", code], env=_env(LM_EVAL_SINK_NO_HOOK=""), capture_output=True, text=True, check=True)
+    assert proc.stderr.count("lm-eval-sink: start-up hook failed") == 1

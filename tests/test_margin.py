@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import make_tokenizer, save_sink_llama
+from helpers import make_tokenizer, save_sink_llama
 
 from lm_eval_sink.cli import main
 from lm_eval_sink.errors import UserError

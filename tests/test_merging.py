@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import make_tiny_lm
+from helpers import make_tiny_lm
 from safetensors.torch import load_file
 
 from lm_eval_sink.cli import main

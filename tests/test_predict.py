@@ -155,14 +155,10 @@ def test_user_pairs_with_strength_json_and_skipped_task(tmp_path):
         ([_pair("a", 1.0, {"ifeval": -1.0}), _pair("b", 1.0, {"ifeval": -2.0}), _pair("c", 3.0, {"ifeval": -3.0})], "leave-one-out line is undefined"),
     ],
 )
-def test_malformed_pairs_files_are_one_line_errors(tmp_path, capsys, content, message):
+def test_malformed_pairs_files_are_one_line_errors(tmp_path, user_error, content, message):
     path = _write(tmp_path, content)
     out = tmp_path / "out"
-    code = main(["fit", str(path), "--output", str(out)])
-    err = capsys.readouterr().err
-    assert code == 2
-    assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1
-    assert not out.exists()
+    assert message in user_error(["fit", path, "--output", out], out)
 
 
 def test_yaml_error_names_the_line(tmp_path):

@@ -160,7 +160,7 @@ def smollm2(default_model):
 
 @pytest.mark.slow
 def test_smollm2_values(smollm2):
-    """S on the real model (figures in the README); finite, positive, and stable across N."""
+    """S on the real model (figures in docs/sink-strength.md); finite, positive, and stable across N."""
     got = {}
     for k, n in ((10, 15), (10, 5), (None, 15)):
         r = measure(smollm2.model, smollm2.tokenizer, StrengthSettings(last_k=k, n_prompts=n), progress=False)
@@ -179,4 +179,4 @@ def test_smollm2_bf16_finite_and_close_to_fp32(smollm2):
     finally:
         smollm2.model.to(torch.float32)
     assert all(math.isfinite(v) for row in bf16.sink_strength_layer_head for v in row)
-    assert bf16.sink_strength == pytest.approx(fp32.sink_strength, abs=0.05)  # README: bf16 tolerance
+    assert bf16.sink_strength == pytest.approx(fp32.sink_strength, abs=0.05)  # docs/sink-strength.md: bf16 tolerance

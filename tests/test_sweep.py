@@ -228,16 +228,13 @@ def test_changed_inputs_are_refused_and_other_protocols_are_not_tabulated(uninte
         (lambda d: d.pop("output"), "output: missing"),
     ],
 )
-def test_bad_sweep_file_is_one_line_and_writes_nothing(tmp_path, tiny_trio, capsys, edit, needle):
+def test_bad_sweep_file_is_one_line_and_writes_nothing(tmp_path, tiny_trio, user_error, edit, needle):
     sweep = _write_sweep(tmp_path, tiny_trio)
     data = yaml.safe_load(sweep.read_text())
     edit(data)
     sweep.write_text(yaml.safe_dump(data))
-    capsys.readouterr()
-    assert main(["sweep", str(sweep)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
-    assert not (tmp_path / "out").exists()
+    line = user_error(["sweep", sweep], tmp_path / "out")
+    assert needle in line, line
 
 
 def test_broken_sweep_yaml_names_the_line(tmp_path, capsys):

@@ -1,8 +1,9 @@
 """Glue that makes lm-eval 0.4.13 find this project's tasks with no flag (called by `hooks.py`).
 
-- `patch_task_manager`: every `TaskManager` also indexes `tasks_dir()` (the `sink_strength`
-  tasks) and, with `LM_EVAL_SINK_DATA` set, points the covered stock tasks at local files
-  (`offline.py`). Explicit form without the hook: `--include_path "$(lm-eval-sink tasks-dir)"`.
+- `patch_task_manager`: every `TaskManager` built with lm-eval's defaults also indexes
+  `tasks_dir()` (the `sink_strength` tasks) and, with `LM_EVAL_SINK_DATA` set, points the covered stock tasks at local files
+  (`offline.py`). `include_defaults=False` keeps lm-eval's contract (only the given include
+  paths). Explicit form without the hook: `--include_path "$(lm-eval-sink tasks-dir)"`.
 - `patch_evaluator`: a `sink_strength` task on a backend without attention access (vllm, API
   models, dummy) is refused before any request runs.
 - `patch_cli`: under the `lm_eval` console script, this project's `UserError`s print one line
@@ -13,6 +14,7 @@ Each patch is idempotent and keeps lm-eval's own behaviour for everything else.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import sys
 from importlib import resources
@@ -60,13 +62,22 @@ def patch_task_manager() -> None:
         return
     original = TaskManager.__init__
 
+    signature = inspect.signature(original)
+
     @functools.wraps(original)
-    def __init__(self, *args: Any, include_path: Any = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        if not bound.arguments["include_defaults"]:  # lm-eval's contract: only the given include paths
+            original(*bound.args, **bound.kwargs)
+            return
+        include_path = bound.arguments["include_path"]
         ours = str(tasks_dir())
         paths = [] if include_path is None else list(include_path) if isinstance(include_path, (list, tuple)) else [include_path]
         if ours not in {str(p) for p in paths}:
             paths.insert(0, ours)  # user paths come later, so they can still shadow ours
-        original(self, *args, include_path=paths, **kwargs)
+        bound.arguments["include_path"] = paths
+        original(*bound.args, **bound.kwargs)
         _apply_offline_overrides(self)
 
     setattr(__init__, _MARK, True)

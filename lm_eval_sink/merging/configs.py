@@ -7,7 +7,8 @@ each with its formula, an optional `identity` (said at render time) and a mergek
 with the placeholders `${reference}`, `${candidate}`, `${base}` and `${out_dtype}`.
 `render()` fills them and returns plain mergekit YAML that `mergekit-yaml FILE OUT` runs as is.
 
-`validate_text()` checks a mergekit config against the declared parameters of its merge method
+`validate_text()` checks a mergekit config against mergekit's own pydantic models (their keys,
+walked recursively: mergekit would accept and drop any other key) and the declared parameters of its merge method
 (mergekit's own `spec`, so TSV/STAR ranges come from their signatures) before any weight is read:
 unknown or misspelled keys (mergekit drops them silently), parameters at a level where mergekit
 ignores them, missing roles and required parameters, wrong types, out-of-range values, paths,
@@ -17,34 +18,26 @@ and architecture or vocabulary mismatches read from config.json. Each problem is
 
 from __future__ import annotations
 
-import difflib
+import functools
 import importlib.resources
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, ClassVar, NoReturn
 
 import annotated_types as at
 import yaml
 
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.io import parse_yaml, sha256_file, sha256_text
+from lm_eval_sink.schema import Strict, did_you_mean, models_under, parse
 
 LINEAGES = ("chain", "siblings")
 ROLES = ("reference", "candidate", "base")
 PLACEHOLDERS = ("${reference}", "${candidate}", "${base}", "${out_dtype}")
 TOKENIZER_CHOICES = ("base", "union", "reference", "candidate")
 DTYPES = ("float32", "float16", "bfloat16", "float64")
-_TEMPLATE_KEYS = {"title", "paper_setting", "summary", *LINEAGES}
-_LINEAGE_KEYS = {"formula", "identity", "config"}
-_TOP_KEYS = ("merge_method", "base_model", "models", "slices", "modules", "parameters", "dtype", "out_dtype", "tokenizer_source", "tokenizer", "chat_template")
-_MODEL_KEYS = ("model", "parameters")
-_SLICE_KEYS = ("sources", "base_model", "residual_weight", "parameters")
-_SOURCE_KEYS = ("model", "layer_range", "parameters")
-_MODULE_KEYS = ("models", "slices", "parameters")
-_TOKENIZER_KEYS = ("source", "tokens", "pad_to_multiple_of")
-_CONDITIONAL_KEYS = ("value", "filter")
 # mergekit declares these stock parameters as plain floats; the ranges where they mean something.
 # (TSV/STAR declare their ranges in their signatures; see methods.py.)
 _STOCK_RANGES: dict[str, tuple[Any, ...]] = {"density": (at.Gt(0), at.Le(1)), "t": (at.Ge(0), at.Le(1))}
@@ -70,6 +63,25 @@ class Template:
         return str(self.lineages["chain"]["config"].get("merge_method"))
 
 
+class _LineageIn(Strict):
+    what: ClassVar[str] = "lineage block"
+    formula: str
+    identity: str | None = None
+    config: dict[str, Any]
+
+
+class _TemplateIn(Strict):
+    what: ClassVar[str] = "template"
+    title: str | None = None
+    paper_setting: str = ""
+    summary: str = ""
+    chain: _LineageIn
+    siblings: _LineageIn
+
+
+assert set(_TemplateIn.model_fields) >= set(LINEAGES)
+
+
 def _bundled_dir():
     return importlib.resources.files("lm_eval_sink.merge_configs")
 
@@ -79,12 +91,6 @@ def bundled_names() -> list[str]:
     order = ["linear_95_5", "linear_uniform", "task_arithmetic", "tsv", "star", "ties", "dare_linear", "slerp"]
     found = sorted(p.name[: -len(".yaml")] for p in _bundled_dir().iterdir() if p.name.endswith(".yaml"))
     return [n for n in order if n in found] + [n for n in found if n not in order]
-
-
-def suggest(word: str, options: list[str] | tuple[str, ...]) -> str:
-    """The "did you mean 'x'? " prefix naming the closest option, or an empty string."""
-    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
-    return f"did you mean {close[0]!r}? " if close else ""
 
 
 def load_template(name_or_path: str | Path) -> Template:
@@ -99,30 +105,21 @@ def load_template(name_or_path: str | Path) -> Template:
     else:
         names = bundled_names()
         if text_arg not in names:
-            raise UserError(f"unknown merge config {text_arg!r}: {suggest(text_arg, names)}bundled: {', '.join(names)}", "see lm-eval-sink configs list")
+            raise UserError(f"unknown merge config {text_arg!r}{did_you_mean(text_arg, names)}; bundled: {', '.join(names)}", "see lm-eval-sink configs list")
         res = _bundled_dir().joinpath(f"{text_arg}.yaml")
         text, where, name = res.read_text(encoding="utf-8"), f"merge_configs/{text_arg}.yaml", text_arg
     data = parse_yaml(text, where)
     if not isinstance(data, dict):
         raise UserError(f"{where}: not a merge-control template (expected a mapping)", "see merge_configs/*.yaml for the format")
-    unknown = sorted(set(data) - _TEMPLATE_KEYS)
-    if unknown:
-        raise UserError(f"{where}: {unknown[0]}: unknown template key ({suggest(unknown[0], sorted(_TEMPLATE_KEYS))}expected {', '.join(sorted(_TEMPLATE_KEYS))})", "fix the key")
-    for lineage in LINEAGES:
-        block = data.get(lineage)
-        if not isinstance(block, dict) or not isinstance(block.get("config"), dict) or not isinstance(block.get("formula"), str):
-            raise UserError(f"{where}: {lineage}: expected a mapping with 'formula' and a mergekit 'config'", "see merge_configs/*.yaml for the format")
-        extra = sorted(set(block) - _LINEAGE_KEYS)
-        if extra:
-            raise UserError(f"{where}: {lineage}.{extra[0]}: unknown key ({suggest(extra[0], sorted(_LINEAGE_KEYS))}expected {', '.join(sorted(_LINEAGE_KEYS))})", "fix the key")
+    t = parse(_TemplateIn, data, where)
     return Template(
         name=name,
         path=where,
         sha256=sha256_text(text),
-        title=str(data.get("title", name)),
-        paper_setting=str(data.get("paper_setting", "")),
-        summary=str(data.get("summary", "")),
-        lineages={k: data[k] for k in LINEAGES},
+        title=t.title if t.title is not None else name,
+        paper_setting=t.paper_setting,
+        summary=t.summary,
+        lineages={k: getattr(t, k).model_dump(exclude_unset=True) for k in LINEAGES},
     )
 
 
@@ -264,6 +261,15 @@ class ValidatedConfig:
     inputs: tuple[str, ...]
 
 
+@functools.cache
+def mergekit_keys() -> dict[str, tuple[str, ...]]:
+    """The keys of each section of a mergekit config, from mergekit's own pydantic models (walked from
+    MergeConfiguration). mergekit accepts and drops unknown keys; the validator refuses them."""
+    from mergekit.config import MergeConfiguration
+
+    return models_under(MergeConfiguration)
+
+
 def validate_file(path: str | Path) -> ValidatedConfig:
     """Read and validate a mergekit config file (see `validate_text`)."""
     path = Path(path)
@@ -287,7 +293,7 @@ class _Checker:
             self.fail(where or "(top level)", f"expected a mapping ({what}), got {type(node).__name__}", f"write {what} as 'key: value' lines")
         for key in node:
             if key not in allowed:
-                self.fail(f"{where}.{key}" if where else str(key), f"unknown key in {what}; mergekit would ignore it ({suggest(str(key), allowed)}allowed: {', '.join(allowed)})", "remove or correct the key")
+                self.fail(f"{where}.{key}" if where else str(key), f"unknown key in {what}{did_you_mean(str(key), allowed)}; mergekit would ignore it (allowed: {', '.join(allowed)})", "remove or correct the key")
 
     def model_ref(self, value: Any, key: str) -> str:
         from lm_eval_sink.models import resolve_model
@@ -343,14 +349,14 @@ def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | N
     register()
     ck = _Checker(source, roles)
     data = parse_yaml(text, source)
-    ck.keys(data, _TOP_KEYS, "", "a mergekit config")
+    ck.keys(data, mergekit_keys()["MergeConfiguration"], "", "a mergekit config")
 
     method_name = data.get("merge_method")
     names = sorted(m.spec.name for m in registry.registered_methods())
     if not isinstance(method_name, str):
         ck.fail("merge_method", f"missing; expected one of {', '.join(names)}", "add e.g. merge_method: task_arithmetic")
     if method_name not in names:
-        ck.fail("merge_method", f"unknown merge method {method_name!r} ({suggest(method_name, names)}known: {', '.join(names)})", "use one of the known methods")
+        ck.fail("merge_method", f"unknown merge method {method_name!r}{did_you_mean(method_name, names)}; known: {', '.join(names)}", "use one of the known methods")
     spec = registry.get(method_name).spec
     params = {p.name: p for p in spec.parameters}
     shared = {p.name for p in spec.shared_parameters}
@@ -376,7 +382,7 @@ def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | N
         if isinstance(setting, scalar):
             check_value(key, pname, setting)
         elif isinstance(setting, dict):
-            ck.keys(setting, _CONDITIONAL_KEYS, key, "a filtered parameter value")
+            ck.keys(setting, mergekit_keys()["ConditionalParameter"], key, "a filtered parameter value")
             if "value" not in setting:
                 ck.fail(key, "a filtered value needs 'value' (and optionally 'filter')", "write {filter: self_attn, value: 0.5}")
             if setting.get("filter") is not None and not isinstance(setting["filter"], str):
@@ -402,7 +408,7 @@ def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | N
         for pname, setting in node.items():
             key = f"{where}.{pname}"
             if pname not in params:
-                ck.fail(key, f"unknown parameter of merge method {method_name!r}; mergekit would ignore it ({suggest(str(pname), list(params))}{method_name} takes: {param_list})", "remove or correct the parameter")
+                ck.fail(key, f"unknown parameter of merge method {method_name!r}{did_you_mean(str(pname), params)}; mergekit would ignore it ({method_name} takes: {param_list})", "remove or correct the parameter")
             if per_model and pname in shared:
                 ck.fail(key, f"{pname!r} is a global parameter of {method_name}; mergekit ignores it on a model", "move it to the top-level parameters")
             if per_model and is_base and params[pname].scope == ParameterScope.NON_BASE:
@@ -436,7 +442,7 @@ def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | N
             key = f"{where}[{i}]"
             if isinstance(entry, str):
                 entry = {"model": entry}
-            ck.keys(entry, _MODEL_KEYS, key, "a model entry")
+            ck.keys(entry, mergekit_keys()["InputModelDefinition"], key, "a model entry")
             path = ck.model_ref(entry.get("model"), f"{key}.model")
             entries.append((key, path, check_params(entry.get("parameters"), f"{key}.parameters", per_model=True, is_base=path == base)))
         groups.append((where, entries, base, levels))
@@ -446,7 +452,7 @@ def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | N
             ck.fail(where, "expected a non-empty list of {sources: [...]}", "list the output slices")
         for i, sl in enumerate(node):
             key = f"{where}[{i}]"
-            ck.keys(sl, _SLICE_KEYS, key, "an output slice")
+            ck.keys(sl, mergekit_keys()["OutputSliceDefinition"], key, "an output slice")
             sbase = ck.model_ref(sl["base_model"], f"{key}.base_model") if sl.get("base_model") is not None else base_model
             if sl.get("residual_weight") is not None and not isinstance(sl["residual_weight"], (int, float)):
                 ck.fail(f"{key}.residual_weight", f"expected a number, got {sl['residual_weight']!r}", "write a number")
@@ -457,7 +463,7 @@ def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | N
             entries = []
             for j, src in enumerate(sources):
                 skey = f"{key}.sources[{j}]"
-                ck.keys(src, _SOURCE_KEYS, skey, "a slice source")
+                ck.keys(src, mergekit_keys()["InputSliceDefinition"], skey, "a slice source")
                 path = ck.model_ref(src.get("model"), f"{skey}.model")
                 lr = src.get("layer_range")
                 if not (isinstance(lr, list) and len(lr) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in lr) and 0 <= lr[0] < lr[1]):
@@ -478,7 +484,7 @@ def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | N
             ck.fail("modules", "expected a mapping of module name to {models | slices}", "see mergekit's docs on modules")
         for mname, mdef in mods.items():
             key = f"modules.{mname}"
-            ck.keys(mdef, _MODULE_KEYS, key, "a module definition")
+            ck.keys(mdef, mergekit_keys()["OutputModuleDefinition"], key, "a module definition")
             mlevel = check_params(mdef.get("parameters"), f"{key}.parameters", per_model=False, is_base=False)
             if bool(mdef.get("models")) == bool(mdef.get("slices")):
                 ck.fail(key, "exactly one of models or slices must be given", "list the module's inputs")
@@ -524,7 +530,7 @@ def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | N
             weights = [own.get("weight", next((lv["weight"] for lv in levels if "weight" in lv), None)) for _, _, own in inputs]
             normalize = next((lv["normalize"] for lv in levels if "normalize" in lv), True)
             if normalize is True and all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights) and sum(weights) == 0:
-                ck.fail(f"{where}", f"the weights sum to 0 and linear (normalize: true) divides by their sum", "use weights with a non-zero sum")
+                ck.fail(f"{where}", "the weights sum to 0 and linear (normalize: true) divides by their sum", "use weights with a non-zero sum")
         all_inputs.extend(p for _, p, _ in inputs if p not in all_inputs)
 
     _check_tokenizer(ck, data, base_model)
@@ -542,7 +548,7 @@ def _check_tokenizer(ck: _Checker, data: dict[str, Any], base_model: str | None)
             ck.model_ref(ts, "tokenizer_source")
     tok = data.get("tokenizer")
     if tok is not None:
-        ck.keys(tok, _TOKENIZER_KEYS, "tokenizer", "a tokenizer section")
+        ck.keys(tok, mergekit_keys()["TokenizerConfig"], "tokenizer", "a tokenizer section")
         if ts is not None:
             ck.fail("tokenizer", "give either tokenizer_source or tokenizer, not both", "keep one of them")
         src = tok.get("source", "union")

@@ -35,7 +35,8 @@ from typing import Any
 
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.io import atomic_write_json, atomic_write_text, canonical_json, package_versions, parse_yaml, provenance, sha256_file, sha256_text, staged_dir
-from lm_eval_sink.merging.configs import TOKENIZER_CHOICES, bundled_names, load_template, render, suggest, validate_text
+from lm_eval_sink.merging.configs import TOKENIZER_CHOICES, bundled_names, load_template, render, validate_text
+from lm_eval_sink.schema import did_you_mean
 
 ENDPOINTS = ("reference", "candidate")
 MANIFEST = "manifest.jsonl"
@@ -83,7 +84,7 @@ def _mapping(value: Any, where: str, allowed: tuple[str, ...], src: str) -> dict
         raise UserError(f"{src}: {where}: expected a mapping, got {type(value).__name__}", f"write {where}: {{key: value}}")
     for key in value:
         if key not in allowed:
-            raise UserError(f"{src}: {where}.{key}: unknown key ({suggest(str(key), allowed)}allowed: {', '.join(allowed)})", "remove or correct the key")
+            raise UserError(f"{src}: {where}.{key}: unknown key{did_you_mean(str(key), allowed)} (allowed: {', '.join(allowed)})", "remove or correct the key")
     return value
 
 
@@ -101,7 +102,7 @@ def load_sweep(path: str | Path, output: str | Path | None = None, delete_merged
 
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"{path}: no such sweep file", "pass a sweep YAML (see the README's Merging section)")
+        raise UserError(f"{path}: no such sweep file", "pass a sweep YAML (see docs/merging.md)")
     src = str(path)
     data = _mapping(parse_yaml(path.read_text(encoding="utf-8"), src) or {}, "(top level)", _SWEEP_KEYS, src)
     here = path.resolve().parent
@@ -337,7 +338,7 @@ class Manifest:
 
     def append(self, row: dict[str, Any]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        line = json.dumps({**row, "time_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}, sort_keys=True) + "\n"
+        line = json.dumps({**row, "time_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")}, sort_keys=True) + "\n"
         with open(self.path, "a+b") as f:
             f.seek(0, os.SEEK_END)
             if f.tell() > 0:  # a torn last line from kill -9 must not swallow this one
@@ -457,7 +458,7 @@ def run_sweep(spec: SweepSpec, force: bool = False, progress: bool = True) -> Sw
             run_unit(unit)
         except KeyboardInterrupt:
             raise
-        except Exception as e:  # noqa: BLE001 - one failed step must not stop the sweep
+        except Exception as e:
             msg = e.line() if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
             report.failures[unit.id] = msg
             manifest.append({"unit": unit.id, "key": unit.key, "status": "failed", "error": msg, "output": str(unit.output)})

@@ -1,0 +1,84 @@
+"""Plain test helpers and constants shared by several test modules (fixtures are in conftest.py)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = Path(os.environ.get("LM_EVAL_SINK_SHARED", REPO.parent / "shared"))
+
+# Real lm-eval runs of the embedded default model, made ONCE per test session and shared by the
+# harness, buckets and protocols tests. Small and non-final: --limit 5, max_gen_toks 64.
+FIXTURE_LIMIT = 5
+FIXTURE_GEN_KWARGS = {"max_gen_toks": 64}
+FIXTURE_BATCH = 8  # the instruct protocol's; the community run uses the same so the two differ only in protocol
+
+
+TINY_TASK = "tiny_gen"
+
+
+def make_tokenizer(vocab_size: int = 96):
+    """A tiny word-level fast tokenizer with a chat template, trained locally (no hub)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    words = "the a an of to in and is it you that for on with as are this be at or by from write list explain answer give name three two four words using only letters title story json colors".split()
+    trainer = trainers.WordLevelTrainer(vocab_size=vocab_size, special_tokens=["<unk>", *specials])
+    tok.train_from_iterator([" ".join(words)] * 3, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    fast.chat_template = (
+        "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} </s> {% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+    )
+    return fast
+
+
+def save_sink_llama(path: Path, gaps, tokenizer) -> Path:
+    """sinkmodels' hand-set Llama with chosen sink gaps, saved with `tokenizer` (margin/screen tests).
+
+    `gaps[layer][head]` = c (2 heads): a row at query position t >= 1 has logits [c, 0 x t], so its
+    sink log-odds at key 0 are c - log(t). In sinkmodels' Llama c = alpha * beta * H / sqrt(D).
+    """
+    import sinkmodels as sm
+    import torch
+
+    model = sm.build("llama", n_layers=len(gaps), bos_id=tokenizer.bos_token_id)
+    beta = sm.betas(len(gaps))
+    with torch.no_grad():
+        for li, layer in enumerate(model.model.layers):
+            for h, c in enumerate(gaps[li]):
+                layer.self_attn.q_proj.weight[h * sm.D + 1, 1] = c / (beta[li] * sm.H * sm.D**-0.5)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def make_tiny_lm(out: Path, arch: str = "llama", delta_seed: int | None = None, delta_scale: float = 0.02, vocab_extra: int = 0) -> Path:
+    """A tiny random causal LM folder (weights + tokenizer). The same `arch` always starts from the
+    same base weights (seed 0); `delta_seed` adds a task vector delta_scale * N(0, 1) to every
+    parameter, so base / base + tau_1 / base + tau_2 make a reference-candidate-base trio."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    tok = make_tokenizer()
+    dims = dict(vocab_size=len(tok) + vocab_extra, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**dims, tie_word_embeddings=False))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**dims, tie_word_embeddings=True))
+    else:
+        raise ValueError(arch)
+    if delta_seed is not None:
+        g = torch.Generator().manual_seed(delta_seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(delta_scale * torch.randn(p.shape, generator=g))
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return Path(out)

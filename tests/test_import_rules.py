@@ -1,0 +1,75 @@
+"""The package's import rules, for every module: no import cycle, and statistics modules load no torch."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+
+from helpers import REPO
+
+PACKAGE = REPO / "lm_eval_sink"
+# Pure statistics, data and schema modules: importing them must not load torch or transformers.
+TORCH_FREE = ("schema", "errors", "io", "pairing", "predict", "buckets", "failure_kinds", "benchmarks", "vendors", "protocols", "runs",
+              "attribution", "margin", "screen", "calibration", "merging.configs")
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> project modules it imports anywhere (top level or inside a function)."""
+    names = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in names.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                deps.add(node.module)
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+        graph[name] = {d for d in deps if d in names and d != name}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a path a -> ... -> a, or None."""
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(v: str) -> list[str] | None:
+        state[v] = 1
+        path.append(v)
+        for w in sorted(graph[v]):
+            if state.get(w) == 1:
+                return [*path[path.index(w):], w]
+            if w not in state and (found := visit(w)):
+                return found
+        path.pop()
+        state[v] = 2
+        return None
+
+    for v in sorted(graph):
+        if v not in state and (found := visit(v)):
+            return found
+    return None
+
+
+def test_no_import_cycle_between_project_modules():
+    graph = _import_graph()
+    assert "lm_eval_sink.errors" in graph["lm_eval_sink.schema"]  # the graph is read
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+    assert _cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]  # the check itself finds a cycle
+
+
+def test_statistics_modules_import_no_torch():
+    code = ("import importlib, json, sys\n"
+            f"out = {{}}\nfor m in {list(TORCH_FREE)!r}:\n"
+            "    importlib.import_module('lm_eval_sink.' + m)\n"
+            "    out[m] = sorted(k for k in ('torch', 'transformers') if k in sys.modules)\n"
+            "print(json.dumps(out))")
+    env = {**os.environ, "LM_EVAL_SINK_NO_HOOK": "1"}
+    out = json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout)
+    assert out == {m: [] for m in TORCH_FREE}
