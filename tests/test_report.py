@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 import bucket_logs as bl
-from conftest import make_tokenizer, save_sink_llama
+from helpers import make_tokenizer, save_sink_llama
 from lm_eval_sink.cli import main
 
 REF_GAPS = [[6.0, 4.0], [5.0, 3.0]]

@@ -133,7 +133,7 @@ def _snapshot(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-@pytest.fixture()
+@pytest.fixture
 def trained(tiny_tokenizer):
     """Build a noisy hand-set model of a family, plan (last 2 layers, tau 0), freeze, train 6 steps."""
 

@@ -180,5 +180,5 @@ def load_inputs(out: Path, *, strength: Sequence[Path] | None = None, margin: Pa
     return ReportInputs(
         title=title, strength=strength_docs, margin=docs["margin"], attribution=docs["attribution"], sweep=docs["sweep"],
         buckets=tuple(_buckets_input(d, p) for d, p in bucket_docs), identities=identities, versions=package_versions(),
-        created_utc=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        created_utc=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
     )  # fmt: skip
