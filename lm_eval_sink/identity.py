@@ -1,7 +1,8 @@
 """Content identity of a model: what decides whether an earlier result may be reused.
 
 Rules (`FINGERPRINT_RULE`):
-- a local folder: every regular file below it, whole, hashed with blake2b-256, except lock files,
+- a local folder: every regular file below it, whole, hashed with xxh3-128 (xxhash: several GB/s,
+  so hashing costs less than reading), except lock files,
   dot-files and the COMPLETE/FAILED markers (metadata, not model content); the fingerprint is the
   hash of the sorted `{relative path: file hash}` table, which is kept so a refusal can name the
   file that changed;
@@ -22,7 +23,7 @@ from typing import Any
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.io import atomic_write_json, canonical_json, sha256_text
 
-FINGERPRINT_RULE = "blake2b-whole-files-v2"
+FINGERPRINT_RULE = "xxh3_128-whole-files-v2"
 SKIPPED_NAMES = frozenset({"COMPLETE.json", "FAILED.json", ".lock", ".lock.json"})
 _CHUNK = 8 << 20
 
@@ -34,7 +35,9 @@ def _hash_cache() -> Path:
 
 
 def file_hash(path: Path) -> str:
-    """blake2b-256 of the whole file, cached by its stat identity."""
+    """xxh3-128 of the whole file, cached by its stat identity."""
+    import xxhash
+
     path = Path(path).resolve()
     st = path.stat()
     stat_key = sha256_text(f"{path}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}")
@@ -43,11 +46,11 @@ def file_hash(path: Path) -> str:
         return json.loads(entry.read_text(encoding="utf-8"))["hash"]
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    h = hashlib.blake2b(digest_size=32)
+    h = xxhash.xxh3_128()
     with open(path, "rb") as f:
         while block := f.read(_CHUNK):
             h.update(block)
-    digest = "blake2b:" + h.hexdigest()
+    digest = "xxh3_128:" + h.hexdigest()
     try:
         atomic_write_json(entry, {"path": str(path), "size": st.st_size, "hash": digest})
     except OSError:
@@ -69,7 +72,7 @@ def folder_identity(folder: Path) -> dict[str, str]:
 
 
 def _combine(files: dict[str, str]) -> str:
-    return "blake2b:" + hashlib.blake2b(canonical_json(files).encode("utf-8"), digest_size=32).hexdigest()
+    return "sha256:" + hashlib.sha256(canonical_json(files).encode("utf-8")).hexdigest()
 
 
 def hub_snapshot(repo_id: str) -> tuple[str, dict[str, str]] | None:
@@ -115,6 +118,11 @@ def model_identity(model: str) -> dict[str, Any]:
         snap = _hub_online(model)
     sha, files = snap
     return {"model": model, "revision": sha, "fingerprint_rule": FINGERPRINT_RULE, "fingerprint": _combine(files), "files": files}
+
+
+def local_identity(model: str | None) -> dict[str, Any] | None:
+    """The identity of a run's model when it is a local folder that still exists (provenance of buckets and attribution), else None."""
+    return model_identity(model) if model and Path(model).is_dir() else None
 
 
 def check_same_identity(old: dict[str, Any] | None, new: dict[str, Any], where: Path) -> None:
