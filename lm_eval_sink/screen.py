@@ -195,7 +195,16 @@ def _unique_slugs(slugs: list[str]) -> list[str]:
 
 
 def run_screen(names: list[str], slugs: list[str], settings: Any, pairs_file: Path | str | None, output: Path | None, dtype: str = "auto", device: str = "cpu", force: bool = False, progress: bool = True) -> list[str]:
-    """Screen `names`; with `output` write screen.json/.md/.csv/.png and strength/<slug>.* there."""
+    """Screen `names`; with `output` write screen.json/.md/.csv/.png and strength/<slug>.* there (holding its lock)."""
+    if output is None:
+        return _run_screen(names, slugs, settings, pairs_file, None, dtype, device, force, progress)
+    from lm_eval_sink.locks import hold
+
+    with hold(Path(output)):
+        return _run_screen(names, slugs, settings, pairs_file, Path(output), dtype, device, force, progress)
+
+
+def _run_screen(names: list[str], slugs: list[str], settings: Any, pairs_file: Path | str | None, output: Path | None, dtype: str, device: str, force: bool, progress: bool) -> list[str]:
     from lm_eval_sink.io import atomic_write_json, atomic_write_text, check_new_outputs, provenance
     from lm_eval_sink.models import resolve_model
     from lm_eval_sink.predict import fit_pairs, read_pairs

@@ -11,6 +11,7 @@ The reduction (`reduce_captures`) is pure numpy; `measure` runs the capture on a
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -189,15 +190,9 @@ def run_strength(names: list[str], slugs: list[str], settings: StrengthSettings,
     already exists with the same input key is reused (an interrupted run resumes); a different
     key is refused unless `force`. Returns the lines to print.
     """
-    from pathlib import Path
-
-    from tqdm.auto import tqdm
-
-    from lm_eval_sink.io import atomic_write_json, atomic_write_text, read_json
-    from lm_eval_sink.models import model_fingerprint, resolve_model
-    from lm_eval_sink.plots import layer_head_heatmap, ranking_bars
-
     from lm_eval_sink.calibration import load_prompts
+    from lm_eval_sink.locks import hold
+    from lm_eval_sink.models import resolve_model
 
     output = Path(output)
     if output.exists() and not output.is_dir():
@@ -206,17 +201,30 @@ def run_strength(names: list[str], slugs: list[str], settings: StrengthSettings,
         slugs = [f"{i + 1:02d}-{s}" for i, s in enumerate(slugs)]
     load_prompts(Path(settings.prompts_file) if settings.prompts_file else None, settings.n_prompts)  # fail before loading models
     paths = [resolve_model(n) for n in names]
+    with hold(output):
+        return _run_strength_locked(names, paths, slugs, settings, output, dtype, device, force, progress)
+
+
+def _run_strength_locked(names: list[str], paths: list[str], slugs: list[str], settings: StrengthSettings, output: Path, dtype: str, device: str, force: bool, progress: bool) -> list[str]:
+    from tqdm.auto import tqdm
+
+    from lm_eval_sink.identity import check_same_identity
+    from lm_eval_sink.io import atomic_write_json, atomic_write_text, read_json
+    from lm_eval_sink.models import model_fingerprint
+    from lm_eval_sink.plots import layer_head_heatmap, ranking_bars
+
     plan = []
     for name, path, slug in zip(names, paths, slugs):
-        key = result_key(path, model_fingerprint(path)["fingerprint"], settings, dtype)
+        identity = model_fingerprint(path)
+        key = result_key(path, identity["fingerprint"], settings, dtype)
         json_path = output / f"{slug}.strength.json"
         reuse = None
-        if json_path.exists():
+        if json_path.exists() and not force:
             old = read_json(json_path)
-            if old.get("provenance", {}).get("input_key") == key and not force:
-                reuse = old
-            elif not force:
+            check_same_identity(old.get("provenance", {}).get("model"), identity, json_path)
+            if old.get("provenance", {}).get("input_key") != key:
                 raise UserError(f"output already exists with other inputs: {json_path}", "pass --force to overwrite, or choose another --output")
+            reuse = old
         plan.append((name, path, slug, key, json_path, reuse))
     table_paths = [output / "ranking.md", output / "ranking.csv"] if len(names) > 1 else []
     results, lines = [], []

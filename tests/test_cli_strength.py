@@ -12,6 +12,7 @@ import pytest
 import sinkmodels as sm
 from lm_eval_sink.calibration import builtin_prompts, encode_prompts
 from lm_eval_sink.cli import main
+from lm_eval_sink.identity import FINGERPRINT_RULE
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,7 @@ def test_strength_cli_writes_json_heatmap_and_ranking(tiny_models, tiny_tokenize
     prov = data["provenance"]
     for key in ("versions", "model", "settings", "prompt_set", "protocol", "seed", "input_key"):
         assert key in prov
-    assert prov["model"]["fingerprint"].startswith("sha256:")
+    assert prov["model"]["fingerprint"].startswith("sha256:") and prov["model"]["fingerprint_rule"] == FINGERPRINT_RULE
     assert prov["protocol"]["chat_template_applied"] is True and prov["protocol"]["chat_template_sha256"]
     assert set(prov["versions"]) >= {"lm_eval", "transformers", "torch", "mergekit"}
     for name in ("llama.heatmap.png", "olmo2.heatmap.png", "ranking.md", "ranking.csv", "ranking.png"):

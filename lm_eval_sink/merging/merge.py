@@ -129,11 +129,13 @@ def merge_config(config: str | Path | ValidatedConfig, out: str | Path, random_s
     with staged_dir(out, force=force) as tmp:
         run_mergekit(vc.text, tmp, random_seed=random_seed, device=device, quiet=quiet)
         n_tensors, files = verify_checkpoint(tmp, expect_tokenizer=_donor_has_tokenizer(vc))
+        from lm_eval_sink.identity import FINGERPRINT_RULE
         from lm_eval_sink.models import model_fingerprint
 
         atomic_write_json(tmp / COMPLETE, {
             "schema_version": 1,
             "key": key,
+            "fingerprint_rule": FINGERPRINT_RULE,
             "merge_method": vc.method,
             "config_sha256": sha256_text(vc.text),
             "random_seed": random_seed,

@@ -34,7 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.identity import FINGERPRINT_RULE, check_same_identity, tree_files
 from lm_eval_sink.io import atomic_write_json, atomic_write_text, canonical_json, package_versions, parse_yaml, provenance, sha256_file, sha256_text, staged_dir
+from lm_eval_sink.locks import hold
 from lm_eval_sink.merging.configs import TOKENIZER_CHOICES, bundled_names, load_template, render, validate_text
 from lm_eval_sink.schema import did_you_mean
 
@@ -232,7 +234,7 @@ class Plan:
 def _tree_sha(folder: str | None) -> str | None:
     if not folder:
         return None
-    files = sorted(p for p in Path(folder).rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+    files = tree_files(Path(folder))
     return sha256_text("".join(f"{p.relative_to(folder)}:{sha256_file(p)}\n" for p in files))
 
 
@@ -250,16 +252,17 @@ def plan_sweep(spec: SweepSpec) -> Plan:
     def evaluate(ck: Checkpoint) -> None:
         ekey = sha256_text(canonical_json({"kind": "eval", "checkpoint": ck.identity, "settings": spec.eval.to_json(), "include_path_sha256": include_sha,
                                            "lm_eval": versions.get("lm_eval"), "transformers": versions.get("transformers")}))
-        units.append(Unit("eval", ck.name, ekey, out / "evals" / ck.name, {"model": ck.path, "settings": spec.eval}))
+        units.append(Unit("eval", ck.name, ekey, out / "evals" / ck.name, {"model": ck.path, "settings": spec.eval, "identity": identities.get(ck.name)}))
         if spec.strength is not None:
             skey = sha256_text(canonical_json({"kind": "strength", "checkpoint": ck.identity, "settings": asdict(spec.strength), "dtype": spec.strength_dtype,
                                                "device": spec.strength_device, "torch": versions.get("torch"), "transformers": versions.get("transformers")}))
             units.append(Unit("strength", ck.name, skey, out / "strength" / ck.name,
-                              {"model": ck.path, "settings": spec.strength, "dtype": spec.strength_dtype, "device": spec.strength_device}))
+                              {"model": ck.path, "settings": spec.strength, "dtype": spec.strength_dtype, "device": spec.strength_device, "identity": identities.get(ck.name)}))
         checkpoints.append(ck)
 
+    identities = {role: model_fingerprint(spec.models[role]) for role in ENDPOINTS}
     for role in ENDPOINTS:
-        evaluate(Checkpoint(role, role, spec.models[role], model_fingerprint(spec.models[role])["fingerprint"] or spec.models[role]))
+        evaluate(Checkpoint(role, role, spec.models[role], identities[role]["fingerprint"]))
     for config in spec.configs:  # merge -> eval -> strength per checkpoint, so --delete-merged bounds the disk
         template = load_template(config)
         rendered = render(config, spec.models["reference"], spec.models["candidate"], base=spec.models.get("base"), tokenizer_source=spec.tokenizer_source)
@@ -271,7 +274,8 @@ def plan_sweep(spec: SweepSpec) -> Plan:
 
 
 def _finish(tmp: Path, unit: Unit, **fields: Any) -> None:
-    atomic_write_json(tmp / COMPLETE, {"schema_version": 1, "unit": unit.id, "key": unit.key, **fields, "provenance": provenance(unit=unit.id)})
+    atomic_write_json(tmp / COMPLETE, {"schema_version": 1, "unit": unit.id, "key": unit.key, "fingerprint_rule": FINGERPRINT_RULE, "model_identity": unit.inputs.get("identity"),
+                                       **fields, "provenance": provenance(unit=unit.id)})
 
 
 def run_unit(unit: Unit) -> None:
@@ -371,13 +375,30 @@ def unit_finished(unit: Unit, latest: dict[str, dict[str, Any]]) -> bool:
     return bool(row and row.get("status") == "done" and row.get("key") == unit.key and _complete_key(unit.output) == unit.key)
 
 
-def _clean_partials(out: Path) -> list[str]:
-    removed = []
+def _recover(out: Path, units: tuple[Unit, ...]) -> list[str]:
+    """Tidy what an interrupted run left, never deleting the only complete copy of a unit's output.
+
+    A kill between `staged_dir`'s two renames leaves no `<output>`, the previous copy as
+    `<output>.old-*` and the finished new one as `<output>.partial-*`. Where `<output>` is missing,
+    the `.partial-*` whose COMPLETE.json carries the unit's key is promoted, else the newest
+    complete `.old-*` is restored; only then are the other staging folders deleted.
+    """
+    notes = []
+    for unit in units:
+        parent, name = unit.output.parent, unit.output.name
+        if unit.output.exists() or not parent.is_dir():
+            continue
+        done = [p for p in parent.glob(f"{name}.partial-*") if _complete_key(p) == unit.key]
+        olds = sorted((p for p in parent.glob(f"{name}.old-*") if (p / COMPLETE).is_file()), key=lambda p: (p / COMPLETE).stat().st_mtime_ns, reverse=True)
+        keep = (done or olds or [None])[0]
+        if keep is not None:
+            os.replace(keep, unit.output)
+            notes.append(f"{unit.id}: {'finished output promoted' if done else 'previous output restored'} from {keep.name}")
     for sub in ("merges", "evals", "strength"):
         for p in sorted((out / sub).glob("*.partial-*")) + sorted((out / sub).glob("*.old-*")):
             shutil.rmtree(p, ignore_errors=True)
-            removed.append(str(p))
-    return removed
+            notes.append(f"removed {p.name}, left by an interrupted run")
+    return notes
 
 
 def _check_conflicts(plan: Plan) -> None:
@@ -385,6 +406,13 @@ def _check_conflicts(plan: Plan) -> None:
         if unit.output.exists():
             key = _complete_key(unit.output)
             if key != unit.key:
+                from lm_eval_sink.merging.merge import read_complete
+
+                complete = read_complete(unit.output) or {}
+                if complete.get("fingerprint_rule") != FINGERPRINT_RULE:
+                    raise UserError(f"{unit.output}: made with an older fingerprint rule; rerun with --force", "pass --force to redo everything")
+                if unit.inputs.get("identity") and complete.get("model_identity"):
+                    check_same_identity(complete["model_identity"], unit.inputs["identity"], unit.output)
                 raise UserError(
                     f"{unit.output} holds a {unit.kind} made from other inputs than this sweep's (the sweep file, a model or a version changed)",
                     "pass --force to redo everything, or choose a new output folder",
@@ -419,16 +447,19 @@ class SweepReport:
 
 
 def run_sweep(spec: SweepSpec, force: bool = False, progress: bool = True) -> SweepReport:
-    """Plan, run every unfinished unit (all of them with `force`), then write the table."""
+    """Plan, run every unfinished unit (all of them with `force`), then write the table; the output folder is locked meanwhile."""
+    plan = plan_sweep(spec)
+    with hold(spec.output):
+        return _run_sweep_locked(plan, force, progress)
+
+
+def _run_sweep_locked(plan: Plan, force: bool, progress: bool) -> SweepReport:
     from tqdm.auto import tqdm
 
-    plan = plan_sweep(spec)
+    spec = plan.spec
     out = spec.output
-    out.mkdir(parents=True, exist_ok=True)
     report = SweepReport(output=out)
-    removed = _clean_partials(out)
-    if removed:
-        report.notes.append(f"removed {len(removed)} unfinished output(s) of an interrupted run")
+    report.notes.extend(_recover(out, plan.units))
     if not force:
         _check_conflicts(plan)
     atomic_write_json(out / "sweep.json", {"schema_version": 1, "sweep": spec.to_json(), "lineage": plan.lineage,

@@ -1,0 +1,137 @@
+"""Content identity of a model: what decides whether an earlier result may be reused.
+
+Rules (`FINGERPRINT_RULE`):
+- a local folder: every regular file below it, whole, hashed with xxh3-128 (xxhash: several GB/s,
+  so hashing costs less than reading), except lock files,
+  dot-files and the COMPLETE/FAILED markers (metadata, not model content); the fingerprint is the
+  hash of the sorted `{relative path: file hash}` table, which is kept so a refusal can name the
+  file that changed;
+- a file hash is cached by (path, st_dev, inode, size, mtime_ns, ctime_ns) under the project
+  cache, so a repeated call costs one stat per file; an in-place write changes mtime and ctime;
+- a hub id: its revision sha (online from the hub, offline from the local HF cache), with the
+  blob names as file hashes (the sha256 of each LFS file); the sha is passed as `revision` to loads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from lm_eval_sink.errors import UserError
+from lm_eval_sink.io import atomic_write_json, canonical_json, sha256_text
+
+FINGERPRINT_RULE = "xxh3_128-whole-files-v2"
+SKIPPED_NAMES = frozenset({"COMPLETE.json", "FAILED.json", ".lock", ".lock.json"})
+_CHUNK = 8 << 20
+
+
+def _hash_cache() -> Path:
+    from lm_eval_sink.models import cache_dir
+
+    return cache_dir() / "file_hashes"
+
+
+def file_hash(path: Path) -> str:
+    """xxh3-128 of the whole file, cached by its stat identity."""
+    import xxhash
+
+    path = Path(path).resolve()
+    st = path.stat()
+    stat_key = sha256_text(f"{path}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}")
+    entry = _hash_cache() / stat_key[:2] / f"{stat_key}.json"
+    try:
+        return json.loads(entry.read_text(encoding="utf-8"))["hash"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while block := f.read(_CHUNK):
+            h.update(block)
+    digest = "xxh3_128:" + h.hexdigest()
+    try:
+        atomic_write_json(entry, {"path": str(path), "size": st.st_size, "hash": digest})
+    except OSError:
+        pass  # a read-only cache only costs the re-hash next time
+    return digest
+
+
+def tree_files(folder: Path) -> list[Path]:
+    """The files a folder's identity covers (sorted), lock files and markers left out."""
+    folder = Path(folder)
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in SKIPPED_NAMES and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+                  and "__pycache__" not in p.parts)
+
+
+def folder_identity(folder: Path) -> dict[str, str]:
+    """{relative path: file hash} of a folder."""
+    folder = Path(folder)
+    return {str(p.relative_to(folder)): file_hash(p) for p in tree_files(folder)}
+
+
+def _combine(files: dict[str, str]) -> str:
+    return "sha256:" + hashlib.sha256(canonical_json(files).encode("utf-8")).hexdigest()
+
+
+def hub_snapshot(repo_id: str) -> tuple[str, dict[str, str]] | None:
+    """(revision sha, {file: blob hash}) of a hub model from the local HF cache, or None when not cached."""
+    from huggingface_hub import constants
+
+    root = Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}"
+    ref = root / "refs" / "main"
+    if not ref.is_file():
+        return None
+    sha = ref.read_text(encoding="utf-8").strip()
+    snap = root / "snapshots" / sha
+    if not snap.is_dir():
+        return None
+    files = {}
+    for p in sorted(snap.rglob("*")):
+        if p.is_file():
+            target = Path(os.path.realpath(p))
+            files[str(p.relative_to(snap))] = ("sha256:" if len(target.name) == 64 else "git:") + target.name
+    return sha, files
+
+
+def _hub_online(repo_id: str) -> tuple[str, dict[str, str]]:
+    from huggingface_hub import HfApi
+
+    info = HfApi().model_info(repo_id, files_metadata=True)
+    files = {s.rfilename: (f"sha256:{s.lfs.sha256}" if s.lfs else f"git:{s.blob_id}") for s in info.siblings or []}
+    return info.sha, files
+
+
+def model_identity(model: str) -> dict[str, Any]:
+    """The identity record of a model folder or hub id (see the module rules)."""
+    p = Path(model)
+    if p.is_dir():
+        files = folder_identity(p)
+        revision = p.name if p.parent.name == "snapshots" else None  # a folder inside the HF cache
+        return {"model": str(p), "revision": revision, "fingerprint_rule": FINGERPRINT_RULE, "fingerprint": _combine(files), "files": files}
+    snap = hub_snapshot(model)
+    if snap is None:
+        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+        if offline:
+            raise UserError(f"{model}: not in the local Hugging Face cache and the hub is offline (HF_HUB_OFFLINE=1)", "download it once online, or pass a local model folder")
+        snap = _hub_online(model)
+    sha, files = snap
+    return {"model": model, "revision": sha, "fingerprint_rule": FINGERPRINT_RULE, "fingerprint": _combine(files), "files": files}
+
+
+def local_identity(model: str | None) -> dict[str, Any] | None:
+    """The identity of a run's model when it is a local folder that still exists (provenance of buckets and attribution), else None."""
+    return model_identity(model) if model and Path(model).is_dir() else None
+
+
+def check_same_identity(old: dict[str, Any] | None, new: dict[str, Any], where: Path) -> None:
+    """Refuse reusing `where` when the identity it was made from is not `new`'s (one line, naming the changed file)."""
+    if not isinstance(old, dict) or old.get("fingerprint_rule") != FINGERPRINT_RULE:
+        raise UserError(f"{where}: made with an older fingerprint rule; rerun with --force", "pass --force to recompute it")
+    if old.get("fingerprint") == new["fingerprint"]:
+        return
+    before, after = old.get("files") or {}, new["files"]
+    changed = sorted(n for n in set(before) | set(after) if before.get(n) != after.get(n))
+    shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "") if changed else "the revision"
+    raise UserError(f"{where}: made from other inputs: {new['model']} changed ({shown})", "pass --force to recompute, or choose another --output")

@@ -1,0 +1,209 @@
+"""Content identity (whole-file hashes, hub revisions), locks, and recovery between the two renames."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import sinkmodels as sm
+from lm_eval_sink.cli import main
+from lm_eval_sink.identity import FINGERPRINT_RULE, file_hash, model_identity
+
+ONE_LINE = re.compile(r"^error: .+ \(fix: .+\)$")
+
+
+@pytest.fixture
+def model_dir(tmp_path, tiny_tokenizer) -> Path:
+    d = tmp_path / "llama"
+    sm.build("llama", n_layers=3, bos_id=tiny_tokenizer.bos_token_id).save_pretrained(d)
+    tiny_tokenizer.save_pretrained(d)
+    return d
+
+
+def _run(capsys, *args) -> tuple[int, str, str]:
+    capsys.readouterr()
+    rc = main([str(a) for a in args])
+    cap = capsys.readouterr()
+    return rc, cap.out, cap.err
+
+
+def _one_error(rc: int, err: str, pattern: str) -> str:
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert rc == 2 and len(lines) == 1 and ONE_LINE.match(lines[0]) and "Traceback" not in err, err
+    assert re.search(pattern, lines[0]), lines[0]
+    return lines[0]
+
+
+def _scale_tensor_in_place(path: Path, name: str, factor: float) -> None:
+    """Rewrite one float32 tensor's bytes inside a safetensors file: same size, same header."""
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    start, end = header[name]["data_offsets"]
+    assert header[name]["dtype"] == "F32"
+    with open(path, "r+b") as f:
+        f.seek(8 + n + start)
+        values = np.frombuffer(f.read(end - start), dtype="<f4") * factor
+        f.seek(8 + n + start)
+        f.write(values.astype("<f4").tobytes())
+    assert path.stat().st_size == len(raw)
+
+
+def test_file_hash_is_whole_file_and_cached_by_stat(tmp_path):
+    f = tmp_path / "w.bin"
+    f.write_bytes(b"a" * (3 << 20))
+    first = file_hash(f)
+    assert first.startswith("xxh3_128:") and file_hash(f) == first
+    with open(f, "r+b") as fh:  # the middle byte: outside the first and last MiB the old rule hashed
+        fh.seek(3 << 19)
+        fh.write(b"b")
+    assert file_hash(f) != first
+
+
+def test_identity_skips_locks_and_markers(model_dir):
+    before = model_identity(str(model_dir))
+    (model_dir / ".lock").write_text("")
+    (model_dir / "COMPLETE.json").write_text("{}")
+    after = model_identity(str(model_dir))
+    assert after["fingerprint"] == before["fingerprint"] and after["fingerprint_rule"] == FINGERPRINT_RULE
+    assert "model.safetensors" in after["files"]
+
+
+def test_in_place_weight_change_is_refused_then_recomputed_with_force(model_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert _run(capsys, "strength", model_dir, "--last-k", "2", "--output", out, "--quiet")[0] == 0
+    old = json.loads((out / "llama.strength.json").read_text())
+    _scale_tensor_in_place(model_dir / "model.safetensors", "model.layers.1.self_attn.q_proj.weight", 0.5)
+    rc, _, err = _run(capsys, "strength", model_dir, "--last-k", "2", "--output", out, "--quiet")
+    _one_error(rc, err, r"made from other inputs: .*llama changed \(model\.safetensors\)")
+    assert json.loads((out / "llama.strength.json").read_text()) == old  # nothing written
+    assert _run(capsys, "strength", model_dir, "--last-k", "2", "--output", out, "--quiet", "--force")[0] == 0
+    new = json.loads((out / "llama.strength.json").read_text())
+    assert abs(new["sink_strength"] - old["sink_strength"]) > 1e-3
+    from lm_eval_sink.strength import StrengthSettings, measure_model
+
+    assert abs(measure_model(str(model_dir), StrengthSettings(last_k=2), progress=False).sink_strength - new["sink_strength"]) < 1e-6
+
+
+def test_output_of_the_older_fingerprint_rule_is_refused(model_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert _run(capsys, "strength", model_dir, "--last-k", "2", "--output", out, "--quiet")[0] == 0
+    path = out / "llama.strength.json"
+    data = json.loads(path.read_text())
+    data["provenance"]["model"] = {k: v for k, v in data["provenance"]["model"].items() if k not in ("fingerprint_rule", "files")}
+    path.write_text(json.dumps(data))
+    rc, _, err = _run(capsys, "strength", model_dir, "--last-k", "2", "--output", out, "--quiet")
+    _one_error(rc, err, r"made with an older fingerprint rule; rerun with --force")
+
+
+@pytest.mark.parametrize("kind", ["failed", "partial"])
+def test_folders_of_failed_or_interrupted_runs_are_refused_as_models(model_dir, tmp_path, capsys, kind):
+    if kind == "failed":
+        (model_dir / "FAILED.json").write_text("{}")
+        target, pattern = model_dir, r"left by a failed run"
+    else:
+        target, pattern = model_dir.rename(model_dir.with_name("llama.partial-1234abcd")), r"staging folder left by an interrupted run"
+    out = tmp_path / "out"
+    rc, _, err = _run(capsys, "strength", target, "--output", out, "--quiet")
+    _one_error(rc, err, pattern)
+    assert not out.exists()
+
+
+def test_hub_id_resolves_to_its_revision_from_a_local_snapshot(model_dir, tmp_path):
+    """An HF cache laid out as huggingface_hub writes it: refs/main, snapshots/<sha>/ links into blobs/."""
+    import hashlib
+
+    hub = tmp_path / "hf" / "hub"
+    repo = hub / "models--org--tiny-llama"
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(sha)
+    snap, blobs = repo / "snapshots" / sha, repo / "blobs"
+    snap.mkdir(parents=True)
+    blobs.mkdir()
+    expected = {}
+    for f in sorted(model_dir.iterdir()):
+        data = f.read_bytes()
+        lfs = f.suffix == ".safetensors"
+        blob = hashlib.sha256(data).hexdigest() if lfs else hashlib.sha1(data).hexdigest()
+        (blobs / blob).write_bytes(data)
+        (snap / f.name).symlink_to(os.path.relpath(blobs / blob, snap))
+        expected[f.name] = ("sha256:" if lfs else "git:") + blob
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    env.pop("HF_HUB_CACHE", None)
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "lm_eval_sink.cli", "strength", "org/tiny-llama", "--last-k", "2", "--output", str(out), "--quiet"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    model = json.loads(next(out.glob("*.strength.json")).read_text())["provenance"]["model"]
+    assert model["revision"] == sha and model["files"] == expected and model["fingerprint_rule"] == FINGERPRINT_RULE
+
+
+def test_a_second_process_is_refused_while_the_first_holds_the_lock(model_dir, tmp_path):
+    out = tmp_path / "out"
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from pathlib import Path
+        from lm_eval_sink.locks import hold
+        with hold(Path({str(out)!r})):
+            print("held", flush=True)
+            time.sleep(120)
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        proc = subprocess.run([sys.executable, "-m", "lm_eval_sink.cli", "strength", str(model_dir), "--output", str(out), "--quiet"],
+                              capture_output=True, text=True, timeout=300)
+        _one_error(proc.returncode, proc.stderr, rf"{re.escape(str(out))} is in use by pid {holder.pid} on ")
+        assert not list(out.glob("*.strength.json"))
+    finally:
+        holder.kill()
+        holder.wait()
+    time.sleep(0.1)
+    proc = subprocess.run([sys.executable, "-m", "lm_eval_sink.cli", "strength", str(model_dir), "--last-k", "2", "--output", str(out), "--quiet"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]  # a killed holder frees the lock
+
+
+_KILL_BETWEEN_RENAMES = """
+import json, os, sys
+from pathlib import Path
+from lm_eval_sink.io import atomic_write_json, staged_dir
+real, calls = os.replace, []
+def replace(a, b):
+    calls.append((a, b))
+    if len(calls) == 3:  # after the COMPLETE.json write and <out> -> .old-*: die before .partial-* -> <out>
+        os._exit(137)
+    real(a, b)
+os.replace = replace
+out = Path(sys.argv[1])
+with staged_dir(out, force=True) as tmp:
+    atomic_write_json(tmp / "COMPLETE.json", {"key": sys.argv[2]})
+"""
+
+
+@pytest.mark.parametrize("unit_key", ["new", "other"])
+def test_recovery_after_a_kill_between_the_two_renames_keeps_a_complete_copy(tmp_path, unit_key):
+    from lm_eval_sink.merging.sweep import Unit, _recover
+
+    out = tmp_path / "sweep"
+    target = out / "strength" / "reference"
+    target.mkdir(parents=True)
+    (target / "COMPLETE.json").write_text(json.dumps({"key": "old"}))
+    proc = subprocess.run([sys.executable, "-c", _KILL_BETWEEN_RENAMES, str(target), "new"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 137, proc.stderr
+    assert not target.exists() and len(list(target.parent.glob("reference.old-*"))) == 1 and len(list(target.parent.glob("reference.partial-*"))) == 1
+    notes = _recover(out, (Unit("strength", "reference", unit_key, target, {}),))
+    kept = json.loads((target / "COMPLETE.json").read_text())["key"]
+    assert kept == ("new" if unit_key == "new" else "old")  # the finished new copy, else the previous one
+    assert sorted(p.name for p in target.parent.iterdir()) == ["reference"]
+    assert any(("promoted" if unit_key == "new" else "restored") in n for n in notes)
