@@ -130,6 +130,12 @@ def torch_dtype(name: str):
     return "auto" if name == "auto" else getattr(torch, name)
 
 
+def attn_implementation_for(cls: type) -> str:
+    """The attention implementation to load `cls` with for Sink Strength: sdpa where the class
+    supports it, else eager (attention soft-capping, learned sinks)."""
+    return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+
+
 def load_model(name: str | Path, dtype: str = "auto", device: str = "cpu", check_attention: bool = True) -> LoadedModel:
     """Load a causal LM and its tokenizer, with the provenance of what was loaded.
 
@@ -148,6 +154,7 @@ def load_model(name: str | Path, dtype: str = "auto", device: str = "cpu", check
 
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise UserError(f"{path}: model type {config.model_type!r} is not a causal LM", "pass a causal LM (for a VLM, extract its language backbone first)")
+    impl = None
     if check_attention:
         import transformers
 
@@ -156,7 +163,8 @@ def load_model(name: str | Path, dtype: str = "auto", device: str = "cpu", check
         cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type], None)
         if cls is not None:
             check_supported_class(cls)  # before any weight is read
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=td, **({"attn_implementation": "sdpa"} if check_attention else {})).to(device)
+            impl = attn_implementation_for(cls)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=td, **({"attn_implementation": impl} if impl else {})).to(device)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     info = {
@@ -164,7 +172,7 @@ def load_model(name: str | Path, dtype: str = "auto", device: str = "cpu", check
         "architecture": type(model).__name__,
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "device": str(device),
-        "attn_implementation": "sdpa (captured through lm_eval_sink attention)",
+        "attn_implementation": f"{model.config._attn_implementation} (captured through lm_eval_sink attention)",
     }
     return LoadedModel(model=model, tokenizer=tokenizer, path=path, info=info)
 
