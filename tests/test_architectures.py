@@ -210,3 +210,18 @@ def test_cli_strength_on_eager_only_families(family, tiny_tokenizer, tmp_path, c
     data = json.loads((tmp_path / "out" / f"{family}.strength.json").read_text())
     assert data["attention_layers"] == [0, 1] and re.match(r"eager ", data["provenance"]["model"]["attn_implementation"])
     assert (data["learned_sink_argmax_fraction"] is not None) == (family in LEARNED_SINKS)
+
+
+def test_lm_eval_task_reports_attention_layers_and_learned_sinks(tiny_tokenizer, tmp_path):
+    import lm_eval
+
+    d = tmp_path / "gpt_oss"
+    model = _build("gpt_oss", len(tiny_tokenizer), tiny_tokenizer.pad_token_id)
+    model.save_pretrained(d)
+    tiny_tokenizer.save_pretrained(d)
+    api = measure(model, tiny_tokenizer, StrengthSettings(n_prompts=5), progress=False)
+    got = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={d}", tasks=["sink_strength_n5"], device="cpu")["results"]["sink_strength_n5"]
+    assert got["sink_strength,none"] == pytest.approx(api.sink_strength, abs=1e-5)
+    assert got["attention_layers,none"] == [0, 1]
+    assert got["learned_sink_argmax_fraction,none"] == pytest.approx(api.learned_sink_argmax_fraction, abs=1e-9)
+    assert got["learned_sink_mass_median,none"] == pytest.approx(api.learned_sink_mass_median, abs=1e-5)
