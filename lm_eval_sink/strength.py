@@ -251,7 +251,7 @@ def run_strength(names: list[str], slugs: list[str], settings: StrengthSettings,
             atomic_write_json(json_path, res.to_json())
         png = layer_head_heatmap(res.sink_strength_layer_head, res.layers, f"{slug}: sink log-odds ({res.statistic}, rows={res.rows}), S = {res.sink_strength:.4f}", output / f"{slug}.heatmap.png")
         results.append((slug, res))
-        lines.append(f"{slug}: S = {res.sink_strength:.4f} (last {res.last_k} of {res.n_layers} layers, {res.statistic}, rows={res.rows}; content rows {_fmt(res.sink_strength_content_rows)}, template rows {_fmt(res.sink_strength_template_rows)}, template share {res.template_row_fraction:.2f}) -> {json_path}, {png}")
+        lines.append(f"{slug}: S = {res.sink_strength:.4f} (last {res.last_k} of {len(res.attention_layers) or res.n_layers} attention layers, {res.statistic}, rows={res.rows}; content rows {_fmt(res.sink_strength_content_rows)}, template rows {_fmt(res.sink_strength_template_rows)}, template share {res.template_row_fraction:.2f}) -> {json_path}, {png}")
     if table_paths:
         ranked = sorted(results, key=lambda r: -r[1].sink_strength)
         head = ["rank", "model", "sink_strength", "content_rows", "template_rows", "template_row_fraction", "pos0_argmax_fraction", "pos0_mass_median", "last_k", "n_layers"]
