@@ -156,7 +156,9 @@ def test_qk_norm_class_from_screen(family, tiny_tokenizer):
     assert classify_qk_norm(json.loads(config.to_json_string())).qk_norm == want
 
 
-def test_learned_sink_keys_round_trip_and_refusal_without_learned_sinks(tiny_tokenizer, encoded):
+def test_learned_sink_keys_round_trip_and_margin_refusal_without_learned_sinks(tiny_tokenizer, encoded, tmp_path, capsys):
+    from lm_eval_sink.cli import main
+
     gpt = _build("gpt_oss", len(tiny_tokenizer), tiny_tokenizer.pad_token_id)
     caps = capture_prompts(gpt, encoded, [0, 1], batch_size=2, progress=False)
     assert any((c.sink_pos == -1).any() for c in caps)
@@ -164,9 +166,14 @@ def test_learned_sink_keys_round_trip_and_refusal_without_learned_sinks(tiny_tok
     for a, b in zip(caps, fixed):
         np.testing.assert_allclose(b.sink_logodds, a.sink_logodds, atol=1e-6)
         np.testing.assert_array_equal(b.sink_pos, a.sink_pos)
-    llama = _build("llama", len(tiny_tokenizer), tiny_tokenizer.pad_token_id)
-    with pytest.raises(UserError, match="learned .*sink"):
-        capture_prompts(llama, encoded, [0, 1], progress=False, sink_keys=[c.sink_pos for c in caps])
+    for name, model in (("gpt_oss", gpt), ("llama", _build("llama", len(tiny_tokenizer), tiny_tokenizer.pad_token_id))):
+        model.save_pretrained(tmp_path / name)
+        tiny_tokenizer.save_pretrained(tmp_path / name)
+    capsys.readouterr()
+    rc = main(["margin", str(tmp_path / "gpt_oss"), str(tmp_path / "llama"), "--n-prompts", "5", "--quiet"])
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("error")]  # besides transformers' weight-loading bars
+    assert rc == 2 and "Traceback" not in err and len(lines) == 1 and re.match(r"error: .*learned \(virtual\) sink key .* no learned sinks", lines[0]), err
 
 
 def test_built_mask_matches_the_models_own_4d_mask(tiny_tokenizer, encoded):
