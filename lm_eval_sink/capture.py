@@ -13,9 +13,11 @@ soft-capping, causal/padding/sliding-window mask, GQA expanded), then reduces at
 per-row numbers are kept (never a [query, key] matrix per layer). Then it hands the untouched
 inputs to what the model would call itself, `<modeling module>.ALL_ATTENTION_FUNCTIONS
 .get_interface(impl, <modeling module>.eager_attention_forward)` (never silently sdpa), so outputs
-are bit-identical. Where the mask the delegate receives is not a 4-D tensor (flash: 2-D or None;
-flex: a BlockMask), the capture builds its own [batch, 1, query, key] mask from causal order,
-left padding and the layer's `sliding_window`.
+are bit-identical. Where the mask the delegate receives is not a 4-D tensor (sdpa's causal skip:
+None; flex: a BlockMask; flash: 2-D or None), the capture builds its own [batch, 1, query, key]
+mask from causal order, left padding and the layer's `sliding_window`. Flash implementations are
+refused for now: transformers resolves the flash kernel from the config's implementation name
+(`lazy_import_flash_attention(config._attn_implementation)`), which the capture replaces.
 
 Learned sinks (gpt-oss `s_aux`: one extra logit per head that takes softmax mass but has no
 value): the sink is a virtual key with logit `s_aux[h]` (unmasked, unscaled). A row's sink is the
@@ -183,7 +185,7 @@ def _register(impl: str) -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    name = f"{IMPL_PREFIX}_{re.sub(r'[^A-Za-z0-9_]', '_', impl)}"  # keeps "sdpa" / "flash" / "flex_attention" in the name
+    name = f"{IMPL_PREFIX}_{re.sub(r'[^A-Za-z0-9_]', '_', impl)}"  # keeps "sdpa" / "flex_attention" in the name
     if name not in AttentionInterface._global_mapping:
         AttentionInterface.register(name, _make_attention(impl))
         if impl in AttentionMaskInterface._global_mapping:  # else the model builds no mask, as for `impl` itself
@@ -262,6 +264,8 @@ def sink_capture(model: Any, layers: Sequence[int]) -> Iterator[_Collector]:
     impl = previous if previous is not None else "eager"
     if impl.startswith(IMPL_PREFIX):
         raise UserError(f"{type(model).__name__} is already inside a sink capture ({impl})", "do not nest sink captures")
+    if "flash" in impl:  # transformers picks the flash kernel by the config's implementation name, which the capture renames
+        raise UserError(f"{type(model).__name__} runs {impl}, which the sink capture cannot wrap yet", "load the model with attn_implementation='sdpa' (or 'eager') for Sink Strength")
     name = _register(impl)
     collector = _Collector(set(layers))
     token = _ACTIVE.set(collector)

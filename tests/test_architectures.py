@@ -232,3 +232,12 @@ def test_lm_eval_task_reports_attention_layers_and_learned_sinks(tiny_tokenizer,
     assert got["attention_layers,none"] == [0, 1]
     assert got["learned_sink_argmax_fraction,none"] == pytest.approx(api.learned_sink_argmax_fraction, abs=1e-9)
     assert got["learned_sink_mass_median,none"] == pytest.approx(api.learned_sink_mass_median, abs=1e-5)
+
+
+def test_flash_attention_is_refused_with_one_line(tiny_tokenizer):
+    """No flash kernel on CPU: the implementation name is set directly, as a flash-loaded model carries it."""
+    model = _build("llama", len(tiny_tokenizer), tiny_tokenizer.pad_token_id)
+    model.config._attn_implementation_internal = "flash_attention_2"
+    with pytest.raises(UserError, match="flash_attention_2, which the sink capture cannot wrap") as e:
+        measure(model, tiny_tokenizer, SETTINGS, progress=False)
+    assert "\n" not in str(e.value) and model.config._attn_implementation == "flash_attention_2"
