@@ -50,9 +50,9 @@ class StrengthSettings:
         if self.batch_size <= 0:
             raise UserError(f"batch size must be positive, got {self.batch_size}", "use --batch-size 1 or more")
 
-    def layers_for(self, attention_layers: Sequence[int]) -> tuple[int, ...]:
-        """The last K of the model's attention layers (all of them when K is None)."""
-        att = tuple(attention_layers)
+    def layers_for(self, attention_layers: Sequence[int] | int) -> tuple[int, ...]:
+        """The last K of the model's attention layers (all of them when K is None); an int n means layers 0..n-1."""
+        att = tuple(range(attention_layers)) if isinstance(attention_layers, int) else tuple(attention_layers)
         k = len(att) if self.last_k is None else min(self.last_k, len(att))
         return att[len(att) - k :]
 
