@@ -27,7 +27,7 @@ torch.set_num_threads(2)
 m = load_model("default", dtype="float32")
 enc = encode_prompts(m.tokenizer, builtin_prompts())
 n = len(enc)
-layers = StrengthSettings().layers_for(30)
+layers = StrengthSettings().layers_for(range(30))
 ids, mask, pos, first = _batch(enc.input_ids, 0, torch.device("cpu"))
 def plain():
     with torch.inference_mode():

@@ -1,8 +1,9 @@
 """Capture attention-sink statistics through transformers' attention interface.
 
 One model-agnostic mechanism: a custom attention function registered with
-`transformers.AttentionInterface` (and the matching mask function with `AttentionMaskInterface`)
-and switched on with `model.set_attn_implementation` for the duration of `sink_capture(...)`.
+`transformers.AttentionInterface` as `lm_eval_sink_<impl>` (with the delegate's own mask function
+under the same name in `AttentionMaskInterface`) and switched on with `model.set_attn_implementation`
+for the duration of `sink_capture(...)`; `<impl>` is the implementation the model was loaded with.
 Every architecture whose attention layers call `ALL_ATTENTION_FUNCTIONS` (Llama, Mistral, Qwen2,
 Qwen3 with per-head q_norm/k_norm, OLMo2 with layerwise QK-norm, Gemma 2/3, ...) works with no
 per-model code: the function receives query and key AFTER rotary embeddings and QK-norm.
@@ -10,7 +11,18 @@ per-model code: the function receives query and key AFTER rotary embeddings and 
 For each selected layer it computes, in float32 from the pre-softmax logits (scaling, optional
 soft-capping, causal/padding/sliding-window mask, GQA expanded), then reduces at once, so only
 per-row numbers are kept (never a [query, key] matrix per layer). Then it hands the untouched
-inputs to the model's previous implementation (sdpa or eager), so outputs are unchanged.
+inputs to what the model would call itself, `<modeling module>.ALL_ATTENTION_FUNCTIONS
+.get_interface(impl, <modeling module>.eager_attention_forward)` (never silently sdpa), so outputs
+are bit-identical. Where the mask the delegate receives is not a 4-D tensor (sdpa's causal skip:
+None; flex: a BlockMask; flash: 2-D or None), the capture builds its own [batch, 1, query, key]
+mask from causal order, left padding and the layer's `sliding_window`. Flash implementations are
+refused for now: transformers resolves the flash kernel from the config's implementation name
+(`lazy_import_flash_attention(config._attn_implementation)`), which the capture replaces.
+
+Learned sinks (gpt-oss `s_aux`: one extra logit per head that takes softmax mass but has no
+value): the sink is a virtual key with logit `s_aux[h]` (unmasked, unscaled). A row's sink is the
+argmax over the real keys plus the virtual one; `sink_pos = -1` marks the virtual key, and
+`pos0_mass` divides by the full denominator (real keys and the virtual one).
 
 Captured quantities, per prompt (positions counted from the prompt's first real token, so left
 padding never shifts "position 0"; the `query` axis holds positions 1..L-1, position 0 has no
@@ -20,12 +32,15 @@ other key and is excluded):
     sink_pos[layer, head, query]      int64    the sink key = argmax key of the row, or the fixed key
                                                given in `capture_prompts(sink_keys=...)`
     pos0_mass[layer, head, query]     float32  attention probability on position 0
+    learned_sink_mass[layer, head, query] float32  probability of the virtual key (0 in a layer
+                                               without one); None when no layer has learned sinks
     content[query]                    bool     the row's token is the user message's text
 `layer` indexes `PromptCapture.layers` (model layer indices, ascending).
 With `sink_keys` (one int array [layer, head, query] per prompt, positions counted from the first
 real token, e.g. another model's `sink_pos`), each row's sink key is that fixed key instead of
 the argmax, so `sink_logodds` is the aggregate logit gap at the given key (used by margin.py to
-measure a candidate model at its reference's sink keys). Without it nothing changes.
+measure a candidate model at its reference's sink keys); -1 there is the learned sink key, refused
+for a model without learned sinks. Without it nothing changes.
 Footgun: rows whose position 0 lies outside a sliding window have pos0_mass 0; keep calibration
 prompts shorter than the window (they are: ~50 tokens).
 """
@@ -34,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import re
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -46,7 +62,8 @@ from lm_eval_sink.calibration import EncodedPrompts
 from lm_eval_sink.errors import UserError
 
 IMPL_PREFIX = "lm_eval_sink"
-_DELEGATES = ("sdpa", "eager")
+VIRTUAL_KEY = -1  # sink_pos of a row whose sink is the learned (virtual) sink key
+_NO_FIXED_KEY = -2
 _ACTIVE: contextvars.ContextVar[_Collector | None] = contextvars.ContextVar("lm_eval_sink_capture", default=None)
 
 
@@ -59,6 +76,7 @@ class PromptCapture:
     sink_pos: np.ndarray  # [layer, head, query]
     pos0_mass: np.ndarray  # [layer, head, query]
     content: np.ndarray  # [query]
+    learned_sink_mass: np.ndarray | None = None  # [layer, head, query]
 
 
 class _Collector:
@@ -67,15 +85,26 @@ class _Collector:
     def __init__(self, layers: set[int]) -> None:
         self.layers = layers
         self.first_real: torch.Tensor | None = None  # [batch] index of each row's first real token
-        self.records: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self.fixed_keys: dict[int, torch.Tensor] | None = None  # layer -> [batch, head, query] key index, -1 = argmax
+        self.records: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.fixed_keys: dict[int, torch.Tensor] | None = None  # layer -> [batch, head, query] key index, -2 = argmax
+        self.reached: set[int] = set()  # layers whose attention called the capture
 
 
-def _allowed_keys(attention_mask: Any, bsz: int, q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
+def _built_mask(first_real: torch.Tensor, q_len: int, k_len: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
+    """Bool [batch, 1, query, key] from causal order, left padding and the layer's sliding window
+    (key > query - window, transformers' convention): for delegates whose mask is not 4-D (flash, flex)."""
+    q = torch.arange(q_len, device=device)[:, None] + (k_len - q_len)
+    k = torch.arange(k_len, device=device)[None, :]
+    allowed = k <= q
+    if sliding_window is not None:
+        allowed = allowed & (k > q - int(sliding_window))
+    return allowed[None, None] & (k >= first_real.to(device)[:, None, None, None])
+
+
+def _allowed_keys(attention_mask: Any, first_real: torch.Tensor, q_len: int, k_len: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
     """Bool [batch or 1, heads or 1, query, key]: True where the key may be attended."""
-    if attention_mask is None:  # sdpa skipped the mask: purely causal, no padding
-        q = torch.arange(q_len, device=device)[:, None] + (k_len - q_len)
-        return (torch.arange(k_len, device=device)[None, :] <= q)[None, None]
+    if not (isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 4):  # None (sdpa causal skip), 2-D (flash), BlockMask (flex)
+        return _built_mask(first_real, q_len, k_len, sliding_window, device)
     mask = attention_mask[..., -k_len:] if attention_mask.shape[-1] != k_len else attention_mask
     if mask.dtype == torch.bool:
         return mask
@@ -83,7 +112,8 @@ def _allowed_keys(attention_mask: Any, bsz: int, q_len: int, k_len: int, device:
     return mask > torch.finfo(mask.dtype).min / 2
 
 
-def _row_stats(module: Any, query: torch.Tensor, key: torch.Tensor, attention_mask: Any, scaling: float | None, softcap: float | None, first_real: torch.Tensor, fixed_keys: torch.Tensor | None = None):
+def _row_stats(query: torch.Tensor, key: torch.Tensor, allowed: torch.Tensor, scaling: float | None, softcap: float | None, s_aux: Any, first_real: torch.Tensor, fixed_keys: torch.Tensor | None = None):
+    """Per-row (sink log-odds, sink key from the first real token or VIRTUAL_KEY, pos0 mass, virtual-key mass or None)."""
     bsz, n_heads, q_len, head_dim = query.shape
     k_len = key.shape[-2]
     q = query.detach().float()
@@ -94,53 +124,73 @@ def _row_stats(module: Any, query: torch.Tensor, key: torch.Tensor, attention_ma
     logits = torch.matmul(q, k.transpose(-1, -2)) * scale
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
-    allowed = _allowed_keys(attention_mask, bsz, q_len, k_len, logits.device)
-    logits = logits.masked_fill(~allowed, float("-inf"))
+    logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+    if s_aux is not None:  # learned sink: a virtual key at index k_len, logit s_aux[h], unmasked and unscaled
+        if s_aux.numel() != n_heads:
+            raise UserError(f"learned sink logits (s_aux) have {s_aux.numel()} values for {n_heads} heads", "only one learned sink logit per query head is supported")
+        virtual = s_aux.detach().float().to(logits.device).reshape(1, n_heads, 1, 1).expand(bsz, n_heads, q_len, 1)
+        logits = torch.cat([logits, virtual], dim=-1)
     sink_pos = logits.argmax(dim=-1)
+    start = first_real.to(logits.device)[:, None, None]
     if fixed_keys is not None:
-        fixed_keys = fixed_keys.to(logits.device)
-        sink_pos = torch.where(fixed_keys >= 0, fixed_keys, sink_pos)
+        fixed = fixed_keys.to(logits.device)
+        if s_aux is None and (fixed == VIRTUAL_KEY).any():
+            raise UserError(
+                f"the reference's sink is its learned (virtual) sink key in {int((fixed == VIRTUAL_KEY).sum())} rows, but this model has no learned sinks",
+                "compare two models that both have learned attention sinks (e.g. two gpt-oss checkpoints)",
+            )
+        absolute = torch.where(fixed == VIRTUAL_KEY, k_len, fixed + start)
+        sink_pos = torch.where(fixed != _NO_FIXED_KEY, absolute, sink_pos)
     sink_logit = logits.gather(-1, sink_pos[..., None]).squeeze(-1)
     others = logits.scatter(-1, sink_pos[..., None], float("-inf"))
     sink_logodds = sink_logit - torch.logsumexp(others, dim=-1)
-    pos0 = first_real.to(logits.device)[:, None, None, None].expand(bsz, n_heads, q_len, 1)
-    pos0_mass = torch.exp(logits.gather(-1, pos0).squeeze(-1) - torch.logsumexp(logits, dim=-1))
-    return sink_logodds.cpu(), sink_pos.cpu(), pos0_mass.cpu()
+    denominator = torch.logsumexp(logits, dim=-1)  # real keys and the virtual one
+    pos0 = start[..., None].expand(bsz, n_heads, q_len, 1)
+    pos0_mass = torch.exp(logits.gather(-1, pos0).squeeze(-1) - denominator)
+    virtual_mass = torch.exp(logits[..., -1] - denominator).cpu() if s_aux is not None else None
+    relative = torch.where(sink_pos == k_len, VIRTUAL_KEY, sink_pos - start) if s_aux is not None else sink_pos - start
+    return sink_logodds.cpu(), relative.cpu(), pos0_mass.cpu(), virtual_mass
 
 
-def _delegate_fn(module: Any, name: str):
-    from transformers import AttentionInterface
+def _delegate_fn(module: Any, impl: str):
+    """What the model would call itself: its modeling module's interface, eager = its own eager function."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    if name == "eager":  # the model's own eager function (it knows softcap, sinks, ...)
-        fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
-        if fn is not None:
-            return fn
-    return AttentionInterface._global_mapping[name] if name in AttentionInterface._global_mapping else AttentionInterface._global_mapping["sdpa"]
+    mod = sys.modules[type(module).__module__]
+    eager = getattr(mod, "eager_attention_forward", None)
+    if impl == "eager" and eager is None:
+        raise UserError(f"{type(module).__name__}: {mod.__name__} has no eager_attention_forward to delegate to", "load the model with attn_implementation='sdpa'")
+    return getattr(mod, "ALL_ATTENTION_FUNCTIONS", ALL_ATTENTION_FUNCTIONS).get_interface(impl, eager)
 
 
-def _make_attention(delegate: str):
+def _make_attention(impl: str):
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         collector = _ACTIVE.get()
         layer = getattr(module, "layer_idx", None)
-        if collector is not None and layer in collector.layers and collector.first_real is not None:
-            fixed = collector.fixed_keys[layer] if collector.fixed_keys is not None else None
-            collector.records[layer] = _row_stats(module, query, key, attention_mask, scaling, kwargs.get("softcap"), collector.first_real, fixed)
-        return _delegate_fn(module, delegate)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        if collector is not None:
+            collector.reached.add(layer)
+            if layer in collector.layers and collector.first_real is not None:
+                fixed = collector.fixed_keys[layer] if collector.fixed_keys is not None else None
+                window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
+                allowed = _allowed_keys(attention_mask, collector.first_real, query.shape[-2], key.shape[-2], window, query.device)
+                collector.records[layer] = _row_stats(query, key, allowed, scaling, kwargs.get("softcap"), kwargs.get("s_aux"), collector.first_real, fixed)
+        return _delegate_fn(module, impl)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
-    attention.__name__ = f"{IMPL_PREFIX}_{delegate}_attention"
+    attention.__name__ = f"{IMPL_PREFIX}_{impl}_attention"
     return attention
 
 
-def _register() -> None:
+def _register(impl: str) -> str:
+    """Register the capture for delegate `impl` (and the delegate's own mask function) under one name."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
-    masks = {"sdpa": sdpa_mask, "eager": eager_mask}
-    for d in _DELEGATES:
-        name = f"{IMPL_PREFIX}_{d}"
-        if name not in AttentionInterface._global_mapping:
-            AttentionInterface.register(name, _make_attention(d))
-            AttentionMaskInterface.register(name, masks[d])
+    name = f"{IMPL_PREFIX}_{re.sub(r'[^A-Za-z0-9_]', '_', impl)}"  # keeps "sdpa" / "flex_attention" in the name
+    if name not in AttentionInterface._global_mapping:
+        AttentionInterface.register(name, _make_attention(impl))
+        if impl in AttentionMaskInterface._global_mapping:  # else the model builds no mask, as for `impl` itself
+            AttentionMaskInterface.register(name, AttentionMaskInterface._global_mapping[impl])
+    return name
 
 
 def _attn_config(model: Any) -> Any:
@@ -151,12 +201,51 @@ def n_layers_of(model: Any) -> int:
     return int(_attn_config(model).num_hidden_layers)
 
 
+SOFTMAX_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+NON_ATTENTION_LAYER_TYPES = ("conv", "linear_attention", "mamba", "moe")  # no softmax over keys, so no sink
+
+
+def attention_layers_from_config(config: Any) -> tuple[int, ...] | None:
+    """Softmax-attention layer indices from `config.layer_types` (None when the config has none).
+
+    Conv / linear-attention / Mamba layers of hybrids are skipped; other layer types (sparse or
+    indexed attention, parallel attention+SSM "hybrid" layers) are refused: S is not defined there.
+    """
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    types = getattr(cfg, "layer_types", None)
+    if not types:
+        return None
+    other = sorted({t for t in types if t not in SOFTMAX_LAYER_TYPES + NON_ATTENTION_LAYER_TYPES})
+    if other:
+        raise UserError(f"{cfg.model_type}: layer type(s) {', '.join(other)} are not plain softmax attention, so Sink Strength is not defined for them", "use a model whose attention layers are full, sliding-window or chunked (conv and linear-attention layers are skipped)")
+    layers = tuple(i for i, t in enumerate(types) if t in SOFTMAX_LAYER_TYPES)
+    if not layers:
+        raise UserError(f"{cfg.model_type}: no softmax attention layer (layer types: {', '.join(sorted(set(types)))})", "Sink Strength needs attention layers")
+    return layers
+
+
+def attention_layers(model: Any, probe_ids: Sequence[int]) -> tuple[int, ...]:
+    """The model's attention layers: from `config.layer_types`, else the layers whose attention
+    reached the capture on a short probe (`probe_ids`, a few token ids)."""
+    from_config = attention_layers_from_config(model.config)
+    if from_config is not None:
+        return from_config
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(probe_ids)], dtype=torch.long, device=device)
+    with sink_capture(model, ()) as collector, torch.inference_mode():
+        model(input_ids=ids, use_cache=False)
+    layers = tuple(sorted(x for x in collector.reached if isinstance(x, int)))
+    if not layers:
+        raise UserError(f"{type(model).__name__}: no layer's attention reached the capture function", "this architecture bypasses transformers' attention interface; it is not supported")
+    return layers
+
+
 def check_supported_class(cls: type) -> None:
     """Refuse model classes whose attention does not go through transformers' attention interface."""
     if not getattr(cls, "_supports_attention_backend", False):
         raise UserError(
             f"{cls.__name__} does not route attention through transformers' AttentionInterface, so Sink Strength cannot be captured",
-            "use a model whose class sets _supports_attention_backend (Llama, Mistral, Qwen2, Qwen3, OLMo2, Gemma 2/3, Phi-3, ...)",
+            "use a model whose class sets _supports_attention_backend (Llama, Mistral, Qwen2, Qwen3, OLMo2, Gemma 2/3, Phi-3, gpt-oss, ...)",
         )
 
 
@@ -166,18 +255,25 @@ def check_supported(model: Any) -> None:
 
 @contextlib.contextmanager
 def sink_capture(model: Any, layers: Sequence[int]) -> Iterator[_Collector]:
-    """Switch `model` to the capturing attention for the block; restore its implementation after."""
+    """Switch `model` to the capturing attention for the block; restore its implementation after.
+
+    The capture wraps the implementation the model runs now (None, as at run time, means eager).
+    """
     check_supported(model)
-    _register()
-    previous = _attn_config(model)._attn_implementation or "sdpa"
-    delegate = "eager" if previous == "eager" else "sdpa"
+    previous = _attn_config(model)._attn_implementation
+    impl = previous if previous is not None else "eager"
+    if impl.startswith(IMPL_PREFIX):
+        raise UserError(f"{type(model).__name__} is already inside a sink capture ({impl})", "do not nest sink captures")
+    if "flash" in impl:  # transformers picks the flash kernel by the config's implementation name, which the capture renames
+        raise UserError(f"{type(model).__name__} runs {impl}, which the sink capture cannot wrap yet", "load the model with attn_implementation='sdpa' (or 'eager') for Sink Strength")
+    name = _register(impl)
     collector = _Collector(set(layers))
     token = _ACTIVE.set(collector)
-    model.set_attn_implementation(f"{IMPL_PREFIX}_{delegate}")
+    model.set_attn_implementation(name)
     try:
         yield collector
     finally:
-        model.set_attn_implementation(previous)
+        model.set_attn_implementation(impl)
         _ACTIVE.reset(token)
 
 
@@ -203,17 +299,18 @@ def _check_sink_keys(sink_keys: Sequence[np.ndarray], encoded: EncodedPrompts, n
         if keys.shape != want:
             raise UserError(f"sink_keys of prompt {j} have shape {keys.shape}, expected {want} [layer, head, query]", "capture both models with the same layers, heads and token ids")
         query_pos = np.arange(1, len(ids))
-        if keys.size and ((keys < 0).any() or (keys > query_pos).any()):
-            raise UserError(f"sink_keys of prompt {j} hold a key outside 0..query position", "pass key positions counted from the prompt's first token, at most the query's own position")
+        if keys.size and ((keys < VIRTUAL_KEY).any() or (keys > query_pos).any()):
+            raise UserError(f"sink_keys of prompt {j} hold a key outside 0..query position (or -1, the learned sink key)", "pass key positions counted from the prompt's first token, at most the query's own position")
 
 
 def _fixed_key_batch(keys: Sequence[np.ndarray], layers: tuple[int, ...], first_real: torch.Tensor, width: int) -> dict[int, torch.Tensor]:
-    """Per layer, [batch, head, query] absolute key index of each padded row (-1: no fixed key)."""
+    """Per layer, [batch, head, query] key of each padded row, from the row's first real token
+    (VIRTUAL_KEY: the learned sink key; _NO_FIXED_KEY: none, take the argmax)."""
     n_heads = np.asarray(keys[0]).shape[1]
-    out = {x: torch.full((len(keys), n_heads, width), -1, dtype=torch.long) for x in layers}
+    out = {x: torch.full((len(keys), n_heads, width), _NO_FIXED_KEY, dtype=torch.long) for x in layers}
     for i, k in enumerate(keys):
         p = int(first_real[i])
-        k = torch.as_tensor(np.asarray(k, dtype=np.int64)) + p
+        k = torch.as_tensor(np.asarray(k, dtype=np.int64))
         for li, x in enumerate(layers):
             out[x][i, :, p + 1 : p + 1 + k.shape[-1]] = k[li]
     return out
@@ -274,13 +371,15 @@ def capture_prompts(
                 def take(t: torch.Tensor, i: int = i, rows: slice = rows) -> np.ndarray:
                     return t[i, :, rows].numpy()
 
+                learned = any(collector.records[x][3] is not None for x in layers)
                 out.append(
                     PromptCapture(
                         layers=layers,
                         sink_logodds=np.stack([take(collector.records[x][0]) for x in layers]).astype(np.float32),
-                        sink_pos=np.stack([take(collector.records[x][1]) for x in layers]).astype(np.int64) - p,
+                        sink_pos=np.stack([take(collector.records[x][1]) for x in layers]).astype(np.int64),
                         pos0_mass=np.stack([take(collector.records[x][2]) for x in layers]).astype(np.float32),
                         content=np.asarray(encoded.content_mask[start + i][1:], dtype=bool),
+                        learned_sink_mass=np.stack([take(collector.records[x][3]) if collector.records[x][3] is not None else np.zeros(take(collector.records[x][2]).shape, np.float32) for x in layers]).astype(np.float32) if learned else None,
                     )
                 )
             collector.first_real = None

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.io import atomic_write_json, canonical_json, sha256_text
+from lm_eval_sink.io import atomic_write_json, cache_dir, canonical_json, sha256_text
 
 FINGERPRINT_RULE = "xxh3_128-whole-files-v2"
 SKIPPED_NAMES = frozenset({"COMPLETE.json", "FAILED.json", ".lock", ".lock.json"})
@@ -29,8 +29,6 @@ _CHUNK = 8 << 20
 
 
 def _hash_cache() -> Path:
-    from lm_eval_sink.models import cache_dir
-
     return cache_dir() / "file_hashes"
 
 

@@ -28,6 +28,12 @@ SCHEMA_VERSION = 1
 _RECORDED_PACKAGES = ("lm_eval_sink", "lm_eval", "transformers", "torch", "mergekit", "numpy")
 
 
+def cache_dir() -> Path:
+    """The project cache (converted models, file hashes, offline task YAMLs): $LM_EVAL_SINK_CACHE, else ~/.cache/lm_eval_sink."""
+    env = os.environ.get("LM_EVAL_SINK_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "lm_eval_sink"
+
+
 def canonical_json(obj: Any) -> str:
     """Sorted keys, no NaN, two-space indent, trailing newline: byte-identical on rerun."""
     return json.dumps(obj, sort_keys=True, allow_nan=False, indent=2, ensure_ascii=False) + "\n"

@@ -247,7 +247,7 @@ def measure_margin(reference: str, candidate: str, settings: MarginSettings = Ma
     from transformers import AutoConfig, AutoTokenizer
 
     from lm_eval_sink.calibration import encode_prompts, load_prompts
-    from lm_eval_sink.capture import capture_prompts
+    from lm_eval_sink.capture import attention_layers_from_config, capture_prompts
     from lm_eval_sink.io import provenance
     from lm_eval_sink.models import load_model, resolve_model
     from lm_eval_sink.strength import measure
@@ -271,8 +271,8 @@ def measure_margin(reference: str, candidate: str, settings: MarginSettings = Ma
     top = max(max(x) for x in encoded.input_ids)
     if cand_vocab_size and top >= cand_vocab_size:
         raise UserError(f"the prompts use token id {top} but the candidate's embedding has {cand_vocab_size} rows", "the vocabularies differ: use the LLM the VLM was built from")
-    depth = shapes[0][0]
-    layers = tuple(range(depth)) if settings.last_k is None else tuple(range(depth - min(settings.last_k, depth), depth))
+    att = attention_layers_from_config(configs[0]) or tuple(range(shapes[0][0]))  # hybrids: their attention layers
+    layers = att if settings.last_k is None else att[len(att) - min(settings.last_k, len(att)) :]
 
     ref = load_model(ref_path, dtype=dtype, device=device)
     ref_caps = capture_prompts(ref.model, encoded, layers, st.batch_size, progress=progress, desc="reference capture")

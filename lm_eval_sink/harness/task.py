@@ -121,6 +121,18 @@ def agg_pos0_mass_median(items: list[dict[str, Any]]) -> float:
     return _result(items).pos0_mass_median
 
 
+def agg_learned_sink_argmax_fraction(items: list[dict[str, Any]]) -> float | None:
+    return _result(items).learned_sink_argmax_fraction
+
+
+def agg_learned_sink_mass_median(items: list[dict[str, Any]]) -> float | None:
+    return _result(items).learned_sink_mass_median
+
+
+def agg_attention_layers(items: list[dict[str, Any]]) -> list[int]:
+    return list(_result(items).attention_layers)
+
+
 def agg_content_rows(items: list[dict[str, Any]]) -> float | None:
     return _result(items).sink_strength_content_rows
 
@@ -146,6 +158,9 @@ _AGGREGATES = {
     "sink_strength": agg_sink_strength,
     "pos0_argmax_fraction": agg_pos0_argmax_fraction,
     "pos0_mass_median": agg_pos0_mass_median,
+    "learned_sink_argmax_fraction": agg_learned_sink_argmax_fraction,
+    "learned_sink_mass_median": agg_learned_sink_mass_median,
+    "attention_layers": agg_attention_layers,
     "sink_strength_content_rows": agg_content_rows,
     "sink_strength_template_rows": agg_template_rows,
     "template_row_fraction": agg_template_row_fraction,
