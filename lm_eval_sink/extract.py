@@ -397,6 +397,9 @@ def check_model_folder(path: str | Path, role: str) -> Path:
                         "pass a local folder written by save_pretrained, or a hub id when online")
     if not folder.is_dir():
         raise UserError(f"{folder}: is a file, not a {role} folder", "pass the folder that holds config.json and the weights")
+    from lm_eval_sink.identity import check_finished_folder
+
+    check_finished_folder(folder)
     found = ", ".join(sorted(p.name for p in folder.iterdir())[:8]) or "nothing"
     if not (folder / "config.json").is_file():
         raise UserError(f"{folder}: not a model folder (no config.json; found {found})", "pass a folder written by save_pretrained")

@@ -3,7 +3,7 @@
 Rules (`FINGERPRINT_RULE`):
 - a local folder: every regular file below it, whole, hashed with xxh3-128 (xxhash: several GB/s,
   so hashing costs less than reading), except lock files,
-  dot-files and the COMPLETE/FAILED markers (metadata, not model content); the fingerprint is the
+  dot-files, the COMPLETE/FAILED markers and extraction/injection reports (metadata, not model content); the fingerprint is the
   hash of the sorted `{relative path: file hash}` table, which is kept so a refusal can name the
   file that changed;
 - a file hash is cached by (path, st_dev, inode, size, mtime_ns, ctime_ns) under the project
@@ -24,7 +24,7 @@ from lm_eval_sink.errors import UserError
 from lm_eval_sink.io import atomic_write_json, cache_dir, canonical_json, sha256_text
 
 FINGERPRINT_RULE = "xxh3_128-whole-files-v2"
-SKIPPED_NAMES = frozenset({"COMPLETE.json", "FAILED.json", ".lock", ".lock.json"})
+SKIPPED_NAMES = frozenset({"COMPLETE.json", "FAILED.json", "extraction.json", "injection.json", ".lock", ".lock.json"})
 _CHUNK = 8 << 20
 
 
@@ -116,6 +116,15 @@ def model_identity(model: str) -> dict[str, Any]:
         snap = _hub_online(model)
     sha, files = snap
     return {"model": model, "revision": sha, "fingerprint_rule": FINGERPRINT_RULE, "fingerprint": _combine(files), "files": files}
+
+
+def check_finished_folder(path: Path) -> None:
+    """Refuse, as a model input, a staging folder or a folder a failed run left (FAILED.json without COMPLETE.json)."""
+    path = Path(path)
+    if ".partial-" in path.name or ".old-" in path.name:
+        raise UserError(f"{path}: a staging folder left by an interrupted run, not a model", "pass the finished folder (rerun the command that makes it)")
+    if path.is_dir() and (path / "FAILED.json").is_file() and not (path / "COMPLETE.json").is_file():
+        raise UserError(f"{path}: left by a failed run (FAILED.json, no COMPLETE.json)", "rerun the command that makes it, or pass another folder")
 
 
 def local_identity(model: str | None) -> dict[str, Any] | None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.identity import check_finished_folder
 from lm_eval_sink.io import atomic_write_json, cache_dir, sha256_file, staged_dir
 
 DEFAULT_MODEL = "default"
@@ -76,10 +77,7 @@ def resolve_model(name: str | Path) -> str:
     if text == DEFAULT_MODEL:
         return str(default_model_dir())
     path = Path(text).expanduser()
-    if ".partial-" in path.name or ".old-" in path.name:
-        raise UserError(f"{path}: a staging folder left by an interrupted run, not a model", "pass the finished folder (rerun the command that makes it)")
-    if path.is_dir() and (path / "FAILED.json").is_file() and not (path / "COMPLETE.json").is_file():
-        raise UserError(f"{path}: left by a failed run (FAILED.json, no COMPLETE.json)", "rerun the command that makes it, or pass another folder")
+    check_finished_folder(path)
     if path.exists():
         if not path.is_dir():
             raise UserError(f"{path}: is a file, not a model folder", "pass the folder that holds config.json and the weights")

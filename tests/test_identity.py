@@ -207,3 +207,10 @@ def test_recovery_after_a_kill_between_the_two_renames_keeps_a_complete_copy(tmp
     assert kept == ("new" if unit_key == "new" else "old")  # the finished new copy, else the previous one
     assert sorted(p.name for p in target.parent.iterdir()) == ["reference"]
     assert any(("promoted" if unit_key == "new" else "restored") in n for n in notes)
+
+
+def test_extract_refuses_a_staging_folder_as_its_vlm(model_dir, tmp_path, capsys):
+    partial = model_dir.rename(model_dir.with_name("vlm.partial-1234abcd"))
+    rc, _, err = _run(capsys, "extract", partial, tmp_path / "backbone", "--no-verify", "--quiet")
+    _one_error(rc, err, r"staging folder left by an interrupted run")
+    assert not (tmp_path / "backbone").exists()
