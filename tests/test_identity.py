@@ -214,3 +214,18 @@ def test_extract_refuses_a_staging_folder_as_its_vlm(model_dir, tmp_path, capsys
     rc, _, err = _run(capsys, "extract", partial, tmp_path / "backbone", "--no-verify", "--quiet")
     _one_error(rc, err, r"staging folder left by an interrupted run")
     assert not (tmp_path / "backbone").exists()
+
+
+def test_lm_eval_command_pins_a_hub_id_to_its_revision(tmp_path):
+    hub = tmp_path / "hf" / "hub" / "models--org--tiny"
+    sha = "89abcdef0123456789abcdef0123456789abcdef"
+    (hub / "refs").mkdir(parents=True)
+    (hub / "refs" / "main").write_text(sha)
+    (hub / "snapshots" / sha).mkdir(parents=True)
+    (hub / "snapshots" / sha / "config.json").write_text("{}")
+    code = "from pathlib import Path; from lm_eval_sink.harness.runner import EvalSettings; print(EvalSettings(tasks=('ifeval',)).command('org/tiny', Path('o'))[3])"
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    env.pop("HF_HUB_CACHE", None)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().startswith(f"pretrained=org/tiny,revision={sha}")

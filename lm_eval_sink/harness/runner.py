@@ -21,6 +21,17 @@ from typing import Any
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.runs import RunFiles, resolve_run
 
+def _pinned_revision(model: str) -> dict[str, str]:
+    """A hub id is evaluated at the revision sha its identity names (`identity.model_identity`); a local folder needs none."""
+    import re
+
+    if Path(model).is_dir() or not re.fullmatch(r"[\w.-]+/[\w.-]+", model):
+        return {}
+    from lm_eval_sink.identity import model_identity
+
+    return {"revision": model_identity(model)["revision"]}
+
+
 _ENTRY = "import sys; sys.argv[0] = 'lm_eval'; from lm_eval.__main__ import cli_evaluate; cli_evaluate()"
 
 
@@ -58,7 +69,7 @@ class EvalSettings:
 
     def command(self, model: str, output_path: Path) -> list[str]:
         """The lm_eval argument list (without the interpreter)."""
-        margs = {"pretrained": model, **({"dtype": self.dtype} if self.dtype else {}), **self.model_args}
+        margs = {"pretrained": model, **_pinned_revision(model), **({"dtype": self.dtype} if self.dtype else {}), **self.model_args}
         args = [
             "--model", "hf",
             "--model_args", ",".join(f"{k}={v}" for k, v in margs.items()),
