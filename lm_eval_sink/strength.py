@@ -95,6 +95,12 @@ def _stat(values: np.ndarray, statistic: str) -> float:
     return float(np.median(values) if statistic == "median" else np.mean(values, dtype=np.float64))
 
 
+def prompt_statistic(capture: Any, settings: StrengthSettings) -> float | None:
+    """The statistic over one prompt's selected rows alone (None: the prompt has none)."""
+    rows = capture.content if settings.rows == "content" else np.ones_like(capture.content)
+    return _stat(capture.sink_logodds[:, :, rows].ravel(), settings.statistic) if rows.any() else None
+
+
 def reduce_captures(captures: list, settings: StrengthSettings, n_layers: int) -> SinkStrength:
     """Reduce per-prompt captures (see capture.py) of the selected layers to a SinkStrength."""
     if not captures:
@@ -113,10 +119,7 @@ def reduce_captures(captures: list, settings: StrengthSettings, n_layers: int) -
         raise UserError("no content rows: the template covers every token", "use --rows all")
     st = settings.statistic
     per_lh = tuple(tuple(_stat(logodds[li, h, selected], st) for h in range(n_heads)) for li in range(len(layers)))
-    per_prompt = []
-    for c in captures:
-        rows = c.content if settings.rows == "content" else np.ones_like(c.content)
-        per_prompt.append(_stat(c.sink_logodds[:, :, rows].ravel(), st) if rows.any() else None)
+    per_prompt = [prompt_statistic(c, settings) for c in captures]
     return SinkStrength(
         sink_strength=_stat(logodds[:, :, selected].ravel(), st),
         statistic=st,
