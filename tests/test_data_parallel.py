@@ -3,7 +3,6 @@ single-process S, companion figures and layer x head matrix, with each prompt lo
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
