@@ -120,7 +120,10 @@ def _last_k(value: str) -> int | None:
 @click.option("--last-k", default="10", show_default=True, help="S over the last K layers, or 'all'.")
 @_calibration_options
 @click.option("--output", type=click.Path(path_type=Path), default=None, help="Folder for screen.json/.md/.csv/.png and per-model strength files (default: print only).")
-def screen(model_names, pairs_file, last_k, prompts_file, n_prompts, rows, chat_template, system_prompt, dtype, device, batch_size, force, quiet, output) -> None:
+@click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True, help="ray: one Ray task per model.")
+@click.option("--ray-address", default=None, help="Ray cluster: auto or ray://host:port (default: start Ray here).")
+@click.option("--num-gpus", type=float, default=0, show_default=True, help="GPUs per model's Ray task.")
+def screen(model_names, pairs_file, last_k, prompts_file, n_prompts, rows, chat_template, system_prompt, dtype, device, batch_size, force, quiet, output, engine, ray_address, num_gpus) -> None:
     """Rank backbones by Sink Strength S and predict their post-VL deltas (MODEL: folder, hub id or 'default')."""
     from lm_eval_sink.screen import run_screen
     from lm_eval_sink.strength import StrengthSettings
@@ -128,7 +131,15 @@ def screen(model_names, pairs_file, last_k, prompts_file, n_prompts, rows, chat_
     settings = StrengthSettings(last_k=_last_k(last_k), rows=rows, n_prompts=n_prompts, prompts_file=str(prompts_file) if prompts_file else None,
                                 use_chat_template=chat_template, system_prompt=system_prompt, batch_size=batch_size)
     names = list(model_names)
-    for line in run_screen(names, [_slug(n) for n in names], settings, pairs_file, output, dtype=dtype, device=device, force=force, progress=not quiet):
+    measure_all = None
+    if engine == "ray":
+        from lm_eval_sink.merging.engines import ray_measure_all
+
+        measure_all = ray_measure_all(ray_address, num_gpus=num_gpus, progress=not quiet)
+    elif ray_address is not None:
+        raise UserError("--ray-address needs --engine ray", "add --engine ray, or drop --ray-address")
+    for line in run_screen(names, [_slug(n) for n in names], settings, pairs_file, output, dtype=dtype, device=device, force=force, progress=not quiet,
+                           measure_all=measure_all):
         click.echo(line)
 
 

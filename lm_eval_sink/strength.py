@@ -185,12 +185,15 @@ def result_key(name_path: str, fingerprint: str | None, settings: StrengthSettin
     return sha256_text(canonical_json({"model": name_path, "fingerprint": fingerprint, "settings": asdict(settings), "dtype": dtype}))
 
 
-def run_strength(names: list[str], slugs: list[str], settings: StrengthSettings, output, dtype: str = "auto", device: str = "cpu", force: bool = False, progress: bool = True) -> list[str]:
+def run_strength(names: list[str], slugs: list[str], settings: StrengthSettings, output, dtype: str = "auto", device: str = "cpu", force: bool = False, progress: bool = True,
+                 measure_all: Any = None) -> list[str]:
     """Measure each model and write `<slug>.strength.json` + `<slug>.heatmap.png` into `output`.
 
     With several models also `ranking.md`, `ranking.csv` and `ranking.png`. A model whose JSON
     already exists with the same input key is reused (an interrupted run resumes); a different
-    key is refused unless `force`. Returns the lines to print.
+    key is refused unless `force`. Returns the lines to print. `measure_all(paths, settings, dtype,
+    device)` -> results in order measures every model to (re)do at once (e.g. one Ray task each,
+    `engines.ray_measure_all`); without it each is measured here, one after the other.
     """
     from pathlib import Path
 
@@ -221,6 +224,8 @@ def run_strength(names: list[str], slugs: list[str], settings: StrengthSettings,
             elif not force:
                 raise UserError(f"output already exists with other inputs: {json_path}", "pass --force to overwrite, or choose another --output")
         plan.append((name, path, slug, key, json_path, reuse))
+    todo = list(dict.fromkeys(path for _, path, _, _, _, reuse in plan if reuse is None))
+    measured = dict(zip(todo, measure_all(todo, settings, dtype, device))) if measure_all is not None and todo else {}
     table_paths = [output / "ranking.md", output / "ranking.csv"] if len(names) > 1 else []
     results, lines = [], []
     for name, path, slug, key, json_path, reuse in tqdm(plan, desc="models", disable=not progress or len(plan) == 1):
@@ -228,7 +233,7 @@ def run_strength(names: list[str], slugs: list[str], settings: StrengthSettings,
             res = SinkStrength.from_json(reuse)
             lines.append(f"{slug}: reused {json_path}")
         else:
-            res = measure_model(path, settings, dtype=dtype, device=device, progress=progress)
+            res = measured[path] if path in measured else measure_model(path, settings, dtype=dtype, device=device, progress=progress)
             res = replace(res, provenance={**res.provenance, "input_key": key, "model_argument": name})
             atomic_write_json(json_path, res.to_json())
         png = layer_head_heatmap(res.sink_strength_layer_head, res.layers, f"{slug}: sink log-odds ({res.statistic}, rows={res.rows}), S = {res.sink_strength:.4f}", output / f"{slug}.heatmap.png")

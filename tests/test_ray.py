@@ -116,3 +116,28 @@ def test_kill_9_of_the_ray_driver_then_rerun_gives_the_same_table(ray_cluster, l
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     assert f"{done_before} already finished" in rerun.stdout
     assert _stable(_table(sweep)) == _stable(local_table)
+
+
+def test_screen_on_ray_equals_local_screen(ray_cluster, tmp_path, tiny_trio):
+    models = [str(tiny_trio["reference"]), str(tiny_trio["candidate"])]
+    args = ["--n-prompts", "5", "--last-k", "2", "--dtype", "float32", "--quiet"]
+    assert main(["screen", *models, *args, "--output", str(tmp_path / "local")]) == 0
+    assert main(["screen", *models, *args, "--output", str(tmp_path / "ray"), "--engine", "ray", "--ray-address", "auto"]) == 0
+    local, remote = (json.loads((tmp_path / d / "screen.json").read_text()) for d in ("local", "ray"))
+    assert {k: v for k, v in remote.items() if k != "provenance"} == {k: v for k, v in local.items() if k != "provenance"}
+    for slug in (m["slug"] for m in local["models"]):
+        a, b = (json.loads((tmp_path / d / "strength" / f"{slug}.strength.json").read_text()) for d in ("local", "ray"))
+        assert b["sink_strength"] == a["sink_strength"] and b["sink_strength_layer_head"] == a["sink_strength_layer_head"]
+    assert (tmp_path / "ray" / "screen.png").is_file()
+
+
+def test_worker_checks_are_one_line(tmp_path):
+    from lm_eval_sink.io import package_versions
+    from lm_eval_sink.merging.engines import run_task
+
+    versions = package_versions()
+    _, err = run_task(lambda: 1, {**versions, "torch": "0.0"}, tmp_path, None)
+    assert err.startswith("worker ") and "has torch" in err and "the driver 0.0" in err
+    _, err = run_task(lambda: 1, versions, tmp_path / "gone", None)
+    assert "cannot see the output folder" in err and str(tmp_path / "gone") in err
+    assert run_task(lambda: 1, versions, tmp_path, tmp_path / "t.log") == (1, None)

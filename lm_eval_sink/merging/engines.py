@@ -148,8 +148,8 @@ def task_log(path: Path):
             root.removeHandler(handler)
 
 
-def run_task(fn: Callable[[], Any], driver_versions: dict[str, Any], output_root: Path, log_path: Path) -> tuple[Any, str | None]:
-    """A task's body on a worker: check versions and the output folder, run `fn` into its log.
+def run_task(fn: Callable[[], Any], driver_versions: dict[str, Any], must_see: Path | None, log_path: Path | None, what: str = "output folder") -> tuple[Any, str | None]:
+    """A task's body on a worker: check versions and that `must_see` exists, run `fn` (into its log).
 
     Returns (fn's value, None) or (None, one-line error), so a failed unit is reported as locally.
     """
@@ -161,10 +161,10 @@ def run_task(fn: Callable[[], Any], driver_versions: dict[str, Any], output_root
     if differ:
         k = differ[0]
         return None, f"worker {host} has {k} {mine.get(k)}, the driver {driver_versions.get(k)} ({len(differ)} package(s) differ): install the same versions on every node"
-    if not output_root.is_dir():
-        return None, f"worker {host} cannot see the output folder {output_root}: put it on a filesystem every node mounts at the same path"
+    if must_see is not None and not must_see.exists():
+        return None, f"worker {host} cannot see the {what} {must_see}: put it on a filesystem every node mounts at the same path"
     try:
-        with task_log(log_path):
+        with task_log(log_path) if log_path is not None else contextlib.nullcontext():
             return fn(), None
     except Exception as e:  # noqa: BLE001 - reported as the local engine reports a failed unit
         return None, e.line() if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
@@ -257,3 +257,39 @@ def run_on_ray(units: list[Any], engine: EngineSpec, output_root: Path, record: 
         bar.close()
         for ref in in_flight:
             ray.cancel(ref, force=True)
+
+
+def _remote_measure(path: str, settings: Any, dtype: str, device: str, driver_versions: dict[str, Any]) -> tuple[Any, str | None]:
+    from lm_eval_sink.strength import measure_model
+
+    local = Path(path) if Path(path).is_absolute() else None  # a hub id needs no shared folder
+    return run_task(lambda: measure_model(path, settings, dtype=dtype, device=device, progress=False), driver_versions, local, None, what="model folder")
+
+
+def ray_measure_all(address: str | None, num_gpus: float = 0, progress: bool = True) -> Callable[..., list[Any]]:
+    """A `strength.run_strength(measure_all=...)` that measures each model in its own Ray task."""
+
+    def measure_all(paths: list[str], settings: Any, dtype: str, device: str) -> list[Any]:
+        from tqdm.auto import tqdm
+
+        from lm_eval_sink.io import package_versions
+
+        ray = connect(address)
+        remote = ray.remote(max_retries=1, retry_exceptions=False)(_remote_measure)
+        versions = package_versions()
+        refs = {remote.options(num_cpus=1, num_gpus=num_gpus, name=f"strength:{Path(p).name}").remote(p, settings, dtype, device, versions): p for p in paths}
+        results: dict[str, Any] = {}
+        with tqdm(total=len(refs), desc="models (ray)", disable=not progress) as bar:
+            waiting = list(refs)
+            while waiting:
+                ready, waiting = ray.wait(waiting, num_returns=1)
+                value, error = ray.get(ready[0])
+                if error is not None:
+                    for ref in waiting:
+                        ray.cancel(ref, force=True)
+                    raise UserError(f"{refs[ready[0]]}: {error}", "fix the cause and rerun; models already measured into --output are reused")
+                results[refs[ready[0]]] = value
+                bar.update(1)
+        return [results[p] for p in paths]
+
+    return measure_all
