@@ -389,7 +389,9 @@ def check_model_folder(path: str | Path, role: str) -> Path:
     if not folder.exists():
         text = str(path)
         offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
-        if re.fullmatch(r"[\w.-]+/[\w.-]+", text) and not text.startswith((".", "/")) and not offline:
+        from lm_eval_sink.identity import looks_like_hub_id
+
+        if looks_like_hub_id(text) and not text.startswith((".", "/")) and not offline:
             from huggingface_hub import snapshot_download
 
             return check_model_folder(snapshot_download(repo_id=text, allow_patterns=_HUB_PATTERNS), role)

@@ -73,6 +73,13 @@ def _combine(files: dict[str, str]) -> str:
     return "sha256:" + hashlib.sha256(canonical_json(files).encode("utf-8")).hexdigest()
 
 
+def looks_like_hub_id(text: str) -> bool:
+    """`owner/name`, the shape of a hub model id."""
+    import re
+
+    return re.fullmatch(r"[\w.-]+/[\w.-]+", text) is not None
+
+
 def hub_snapshot(repo_id: str) -> tuple[str, dict[str, str]] | None:
     """(revision sha, {file: blob hash}) of a hub model from the local HF cache, or None when not cached."""
     from huggingface_hub import constants

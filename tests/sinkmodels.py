@@ -61,6 +61,20 @@ def qk_norm_weights(n_layers: int) -> np.ndarray:
     return np.array([0.8 + 0.3 * l for l in range(n_layers)])
 
 
+def _zero_with_bos_sink(model, bos_id: int):
+    """Zero every weight, norms to 1, and the embedding that makes BOS the sink: dim 0 = C_BOS on BOS only, dim 1 = 1 elsewhere."""
+    for p in model.parameters():
+        p.zero_()
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.fill_(1.0)
+    emb = model.model.embed_tokens.weight
+    emb[:, 1] = 1.0
+    emb[bos_id] = 0.0
+    emb[bos_id, 0] = C_BOS
+    return emb
+
+
 def build(family: str, n_layers: int = 3, vocab: int = 96, bos_id: int = 1, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
@@ -68,15 +82,7 @@ def build(family: str, n_layers: int = 3, vocab: int = 96, bos_id: int = 1, dtyp
     model = AutoModelForCausalLM.from_config(_config(family, n_layers, vocab), attn_implementation="sdpa")
     a, b, w = alphas(family, n_layers), betas(n_layers), qk_norm_weights(n_layers)
     with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-        emb = model.model.embed_tokens.weight
-        emb[:, 1] = 1.0
-        emb[bos_id] = 0.0
-        emb[bos_id, 0] = C_BOS
+        _zero_with_bos_sink(model, bos_id)
         for l, layer in enumerate(model.model.layers):
             attn = layer.self_attn
             for h in range(N_HEADS):
@@ -170,15 +176,7 @@ def build_selective(family: str = "llama", n_layers: int = 3, vocab: int = 96, b
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     with torch.no_grad():
-        for p in model.parameters():
-            p.zero_()
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-        emb = model.model.embed_tokens.weight
-        emb[:, 1] = 1.0
-        emb[bos_id] = 0.0
-        emb[bos_id, 0] = C_BOS
+        emb = _zero_with_bos_sink(model, bos_id)
         gen = torch.Generator().manual_seed(1)
         if noise:
             tokens = torch.arange(vocab) != bos_id

@@ -23,11 +23,10 @@ from lm_eval_sink.runs import RunFiles, resolve_run
 
 def _pinned_revision(model: str) -> dict[str, str]:
     """A hub id is evaluated at the revision sha its identity names (`identity.model_identity`); a local folder needs none."""
-    import re
+    from lm_eval_sink.identity import looks_like_hub_id, model_identity
 
-    if Path(model).is_dir() or not re.fullmatch(r"[\w.-]+/[\w.-]+", model):
+    if Path(model).is_dir() or not looks_like_hub_id(model):
         return {}
-    from lm_eval_sink.identity import model_identity
 
     return {"revision": model_identity(model)["revision"]}
 
