@@ -3,15 +3,16 @@
 Everything else is in pyproject.toml. The .pth text comes from lm_eval_sink.hooks (one source).
 """
 
-import importlib.util
+import sys
 from pathlib import Path
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
-_spec = importlib.util.spec_from_file_location("_hooks", Path(__file__).parent / "lm_eval_sink" / "hooks.py")
-_hooks = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_hooks)
+# pip builds in an isolated environment where this package is not installed yet: import it from
+# the source tree (lm_eval_sink/__init__.py, hooks.py and errors.py use only the standard library).
+sys.path.insert(0, str(Path(__file__).parent))
+import lm_eval_sink.hooks as _hooks
 
 
 class build_py_with_hook(build_py):

@@ -246,6 +246,23 @@ def test_wheel_ships_hook_tasks_and_configs(tmp_path):
     assert "lm_eval_sink/data/offline_datasets.yaml" in names and "lm_eval_sink/data/calibration_prompts.jsonl" in names
 
 
+def test_setup_py_runs_where_the_package_is_not_installed(tmp_path):
+    """pip builds a fresh clone in an isolated environment (only setuptools): setup.py must not need an installed lm_eval_sink."""
+    import sysconfig
+
+    code = (
+        "import runpy, sys; sys.path.append(sys.argv[1]); "
+        "import importlib.util as u; assert u.find_spec('lm_eval_sink') is None, 'not isolated'; "
+        "sys.argv = ['setup.py', '-q', 'build_py', '--build-lib', sys.argv[2]]; runpy.run_path('setup.py', run_name='__main__')"
+    )
+    # -I -S: neither the working directory nor the site-packages .pth files (this environment's editable install) are on the path.
+    proc = subprocess.run([sys.executable, "-I", "-S", "-c", code, sysconfig.get_paths()["purelib"], str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    from lm_eval_sink.hooks import PTH_LINE, PTH_NAME
+
+    assert (tmp_path / PTH_NAME).read_text() == PTH_LINE
+
+
 def test_entry_point_resolves_to_the_task_yamls_as_lm_eval_plugins_do():
     import importlib.util
     import tomllib
