@@ -115,20 +115,22 @@ def run(args: argparse.Namespace, root: Path) -> None:
     subprocess.run([sys.executable, "-c", "pass"], check=True)
     print(f"importing lm-eval's IFEval checker in a fresh process: {t_imp - (time.perf_counter() - t):.2f} s (paid once per CLI call with failure kinds)")
     settings = BucketSettings()
-    print(f"{'pair':8} {'docs':>5} {'lines':>6} {'MiB':>5} | {'read (baseline)':>15} | {'bucket':>16} {'ratio':>6} | {'no failure kinds':>16} | {'CLI end to end':>26} | {'CLI --no-failure-kinds':>26}")
+    print(f"{'pair':8} {'docs':>5} {'lines':>6} {'MiB':>5} | {'read (baseline)':>15} | {'bucket':>16} {'ratio':>6} | {'no failure kinds':>16} "
+          f"| {'CLI end to end':>26} | {'CLI --no-failure-kinds':>26}")
     for name, (ref, cand) in (("ifeval", ifeval), ("gsm8k", gsm8k)):
         r_run, c_run = resolve_run(ref), resolve_run(cand)
         r_path, c_path = next(iter(r_run.samples.values())), next(iter(c_run.samples.values()))
         size = (r_path.stat().st_size + c_path.stat().st_size) / 2**20
         lines = sum(1 for _ in open(r_path)) + sum(1 for _ in open(c_path))
-        t_read, m_read, _ = measure(lambda: (read_samples(r_path), read_samples(c_path)))
-        t_b, m_b, rep = measure(lambda: compare_runs(ref, cand, None, settings))
-        t_nf, m_nf, _ = measure(lambda: compare_runs(ref, cand, None, BucketSettings(failure_kinds=False)))
+        t_read, m_read, _ = measure(lambda r=r_path, c=c_path: (read_samples(r), read_samples(c)))
+        t_b, m_b, rep = measure(lambda r=ref, c=cand: compare_runs(r, c, None, settings))
+        t_nf, m_nf, _ = measure(lambda r=ref, c=cand: compare_runs(r, c, None, BucketSettings(failure_kinds=False)))
         wall, rss = cli_end_to_end(ref, cand, root / f"out_{name}")
         wall_nf, rss_nf = cli_end_to_end(ref, cand, root / f"out_{name}_nf", "--no-failure-kinds")
         print(f"{name:8} {rep.n:>5} {lines:>6} {size:>5.1f} | {t_read:6.3f} s {m_read:5.1f} MiB | {t_b:6.3f} s {m_b:5.1f} MiB {t_b / t_read:5.1f}x | {t_nf:6.3f} s {m_nf:5.1f} MiB "
               f"| {wall:5.2f} s, max RSS {rss:4.0f} MiB | {wall_nf:5.2f} s, max RSS {rss_nf:4.0f} MiB")
-        print(f"         counts {rep.counts}, regressions' kinds {(rep.failure_kinds or {}).get('counts')}, format split {(rep.format_split or {}).get('format_failure')}/{(rep.format_split or {}).get('wrong_answer')}")
+        split = rep.format_split or {}
+        print(f"         counts {rep.counts}, regressions' kinds {(rep.failure_kinds or {}).get('counts')}, format split {split.get('format_failure')}/{split.get('wrong_answer')}")
     print(f"machine: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, peak RSS of this process {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
 
 

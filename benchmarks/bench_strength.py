@@ -75,7 +75,8 @@ def main() -> None:
         for n in (5, 15):
             t = time.perf_counter()
             r = measure(m.model, m.tokenizer, StrengthSettings(last_k=k, n_prompts=n), progress=False)
-            print(f"S(K={k or 'all'}, N={n}) = {r.sink_strength:.4f}  (content rows {r.sink_strength_content_rows:.4f}, template rows {r.sink_strength_template_rows:.4f}, template share {r.template_row_fraction:.3f}; {time.perf_counter() - t:.1f} s)")
+            print(f"S(K={k or 'all'}, N={n}) = {r.sink_strength:.4f}  (content rows {r.sink_strength_content_rows:.4f}, "
+                  f"template rows {r.sink_strength_template_rows:.4f}, template share {r.template_row_fraction:.3f}; {time.perf_counter() - t:.1f} s)")
 
 
 if __name__ == "__main__":

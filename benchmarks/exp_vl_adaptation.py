@@ -246,7 +246,8 @@ def train_run(name: str, start_dir: Path, plan_path: Path, out: Path, cfg: Confi
     seconds = time.time() - t
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     loss_end = caption_loss(lm, projector if vision else None, held_out, vision, cfg.batch)
-    report = protection.report(lm, torch.tensor([tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True, tokenize=True, return_dict=False)])) if protection else None
+    prompt = tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True, tokenize=True, return_dict=False)
+    report = protection.report(lm, torch.tensor([prompt])) if protection else None
     frozen = sum(p.numel() for p in lm.parameters() if not p.requires_grad)
     with staged_dir(out / "model", force=(out / "model").exists()) as tmp:
         for p in lm.parameters():

@@ -129,7 +129,7 @@ def encode_prompts(
         flags = _content_flags([tuple(o) for o in enc["offset_mapping"]], start, end)
         # Special tokens (BOS added by the tokenizer, role markers) never count as content.
         special_ids = set(tokenizer.all_special_ids)
-        flags = [f and tid not in special_ids for f, tid in zip(flags, ids)]
+        flags = [f and tid not in special_ids for f, tid in zip(flags, ids, strict=True)]
         ids_out.append(tuple(ids))
         content_out.append(tuple(flags))
     return EncodedPrompts(

@@ -179,7 +179,7 @@ def classify_ifeval(doc: Mapping[str, Any], response: str, loose: bool, truncate
     if not response.strip():
         return FailureKind("other", tuple(ids), "empty response", True)
     followed = check_instructions(doc, response, loose)
-    failed = [(i, kw) for i, kw, ok in zip(ids, kwargs, followed) if not ok]
+    failed = [(i, kw) for i, kw, ok in zip(ids, kwargs, followed, strict=True) if not ok]
     if not failed:
         return FailureKind("other", (), "lm-eval's checker re-run on the response finds every instruction followed", False)
     names = tuple(i for i, _ in failed)

@@ -86,7 +86,7 @@ def gap_parts(bars: Sequence[dict], path: Path, title: str, footer: str = "") ->
                 down += v
         ax.plot(i, bar["gap"], "k.", ms=8)
     handles, labels = ax.get_legend_handles_labels()
-    seen = dict(zip(labels, handles))
+    seen = dict(zip(labels, handles, strict=True))
     if seen:
         ax.legend(seen.values(), seen.keys(), fontsize=8, loc="best")
     ax.axhline(0, color="black", lw=0.8)
@@ -101,7 +101,8 @@ def gap_parts(bars: Sequence[dict], path: Path, title: str, footer: str = "") ->
 _QK_COLORS = {"per_head": "tab:green", "layerwise": "tab:orange", "none": "tab:red", None: "tab:gray"}
 
 
-def fit_scatter(names: Sequence[str], s: Sequence[float], deltas: Sequence[float], qk_norm: Sequence[str | None], slope: float, intercept: float, task: str, path: Path, screened: Sequence[tuple[str, float, float]] = ()) -> Path:
+def fit_scatter(names: Sequence[str], s: Sequence[float], deltas: Sequence[float], qk_norm: Sequence[str | None], slope: float, intercept: float, task: str, path: Path,
+                screened: Sequence[tuple[str, float, float]] = ()) -> Path:
     """Reference pairs (S vs delta, coloured by QK-norm class), the fitted line, and screened models.
 
     `screened` holds (label, S, predicted delta) triples, drawn as black stars on the line.
@@ -116,7 +117,7 @@ def fit_scatter(names: Sequence[str], s: Sequence[float], deltas: Sequence[float
     for cls in dict.fromkeys(qk_norm):
         idx = [i for i, q in enumerate(qk_norm) if q == cls]
         ax.scatter([s[i] for i in idx], [deltas[i] for i in idx], color=_QK_COLORS.get(cls, "tab:gray"), label=f"pairs, QK-norm: {cls or 'unknown'}", zorder=3)
-    for n, x, y in zip(names, s, deltas):
+    for n, x, y in zip(names, s, deltas, strict=True):
         ax.annotate(n, (x, y), fontsize=7, xytext=(4, 2), textcoords="offset points")
     for label, x, y in screened:
         ax.scatter([x], [y], marker="*", s=120, color="black", zorder=4)
@@ -182,7 +183,7 @@ def sweep_chart(checkpoints: Sequence[str], series: dict[str, Sequence[float | N
     names = list(series)
     fig, axes = plt.subplots(len(names), 1, figsize=(max(5, 0.9 * len(checkpoints) + 2), 2.2 * len(names) + 0.8), squeeze=False, sharex=True)
     merged = list(checkpoints[2:])
-    for ax, name in zip(axes[:, 0], names):
+    for ax, name in zip(axes[:, 0], names, strict=True):
         values = list(series[name])
         for value, label, style in ((values[0], checkpoints[0], "--"), (values[1], checkpoints[1], ":")):
             if value is not None:

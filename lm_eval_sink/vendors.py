@@ -14,6 +14,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+from pydantic import Field
+
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.schema import Strict, did_you_mean, parse
 
@@ -183,7 +185,7 @@ class _ModelIn(Strict):
     what: ClassVar[str] = "model"
     kind: str
     hub_id: str | None = None
-    aliases: list[str] = []
+    aliases: list[str] = Field(default_factory=list)
     parent: _ParentIn | None = None
 
 
@@ -211,11 +213,11 @@ class _GapIn(_ReportedIn):
 class _RegistryIn(Strict):
     what: ClassVar[str] = "the registry"
     schema_version: int | None = None
-    sources: dict[str, _SourceIn] = {}
-    protocols: dict[str, _ProtocolIn] = {}
-    models: dict[str, _ModelIn] = {}
-    scores: list[_ScoreIn] = []
-    gaps: list[_GapIn] = []
+    sources: dict[str, _SourceIn] = Field(default_factory=dict)
+    protocols: dict[str, _ProtocolIn] = Field(default_factory=dict)
+    models: dict[str, _ModelIn] = Field(default_factory=dict)
+    scores: list[_ScoreIn] = Field(default_factory=list)
+    gaps: list[_GapIn] = Field(default_factory=list)
 
 
 assert set(_StatedIn.model_fields) == set(STATED_KEYS)

@@ -163,7 +163,7 @@ def test_learned_sink_keys_round_trip_and_margin_refusal_without_learned_sinks(t
     caps = capture_prompts(gpt, encoded, [0, 1], batch_size=2, progress=False)
     assert any((c.sink_pos == -1).any() for c in caps)
     fixed = capture_prompts(gpt, encoded, [0, 1], batch_size=2, progress=False, sink_keys=[c.sink_pos for c in caps])
-    for a, b in zip(caps, fixed):
+    for a, b in zip(caps, fixed, strict=True):
         np.testing.assert_allclose(b.sink_logodds, a.sink_logodds, atol=1e-6)
         np.testing.assert_array_equal(b.sink_pos, a.sink_pos)
     for name, model in (("gpt_oss", gpt), ("llama", _build("llama", len(tiny_tokenizer), tiny_tokenizer.pad_token_id))):

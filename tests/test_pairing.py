@@ -93,5 +93,5 @@ def test_lenient_filter_must_cover_the_paired_docs():
                 out.append({**r, "filter": "flexible-extract", "metrics": ["exact_match"], "exact_match": 1.0})
         return out
 
-    with pytest.raises(UserError, match="1 paired docs have no sample under filter 'flexible-extract' \\(e.g. doc_id 2\\)"):
+    with pytest.raises(UserError, match=r"1 paired docs have no sample under filter 'flexible-extract' \(e.g. doc_id 2\)"):
         per_prompt_split(gsm(3), gsm(2), "exact_match,strict-match", "exact_match,flexible-extract")

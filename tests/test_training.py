@@ -361,7 +361,7 @@ def test_callback_without_attach_warns_once_and_resume_drops_later_lines(tiny_to
     path = tmp_path / "run" / "sink_trajectory.jsonl"
     lines = path.read_text().splitlines()
     fake = json.loads(lines[1]) | {"step": 3}  # a line later than checkpoint-2 that a resumed run would not rewrite
-    atomic_write_text(path, "\n".join(lines[:2] + [json.dumps(fake)] + lines[2:]) + "\n")
+    atomic_write_text(path, "\n".join([*lines[:2], json.dumps(fake), *lines[2:]]) + "\n")
     resumed = _trainer(sm.build_selective("llama", vocab=len(tiny_tokenizer), bos_id=tiny_tokenizer.bos_token_id, noise=0.05), tmp_path / "run", 4,
                        callbacks=[SinkStrengthCallback(tiny_tokenizer, StrengthSettings(n_prompts=5), every_n_steps=2)], save_steps=2)
     with warnings.catch_warnings():

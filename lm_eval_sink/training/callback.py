@@ -144,7 +144,8 @@ class SinkStrengthCallback(TrainerCallback):
         else:
             state.log_history.append({**logs, "step": step, **({"epoch": state.epoch} if state.epoch is not None else {})})
             if not self._warned:
-                warnings.warn("SinkStrengthCallback is not attached to a trainer: Sink Strength goes to the JSONL and state.log_history only, not to report_to (use cb.attach(trainer))", SinkWarning, stacklevel=2)
+                warnings.warn("SinkStrengthCallback is not attached to a trainer: Sink Strength goes to the JSONL and state.log_history only, "
+                              "not to report_to (use cb.attach(trainer))", SinkWarning, stacklevel=2)
                 self._warned = True
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
