@@ -121,11 +121,9 @@ def resolve_model(name: str | Path, role: str = "model", *, local: bool = False)
             return resolve_model(folder, role)
     elif looks_like_id and (not offline or hub_snapshot(text) is not None):  # a cached one loads offline at that revision
         return text
-    if looks_like_id:
-        why = " (and the hub is offline: HF_HUB_OFFLINE=1)" if offline else " (nor a hub model)"
-    else:
-        why = did_you_mean(path.name, [p.name for p in path.parent.iterdir() if p.is_dir()] if path.parent.is_dir() else [])
-    raise UserError(f"{path}: no such {role} folder{why}", "pass a folder written by save_pretrained, a hub id, or 'default' for the embedded SmolLM2-135M-Instruct")
+    why = (" (and the hub is offline: HF_HUB_OFFLINE=1)" if offline else " (nor a hub model)") if looks_like_id else ""
+    near = did_you_mean(path.name, [p.name for p in path.parent.iterdir() if p.is_dir()]) if path.parent.is_dir() else ""
+    raise UserError(f"{path}: no such {role} folder{why}{near}", "pass a folder written by save_pretrained, a hub id, or 'default' for the embedded SmolLM2-135M-Instruct")
 
 
 def model_fingerprint(path: str) -> dict[str, Any]:
