@@ -74,10 +74,10 @@ def _combine(files: dict[str, str]) -> str:
 
 
 def looks_like_hub_id(text: str) -> bool:
-    """`owner/name`, the shape of a hub model id."""
+    """`owner/name`, the shape of a hub model id (each part starts and ends with a letter, digit or `_`: `./x` is a path)."""
     import re
 
-    return re.fullmatch(r"[\w.-]+/[\w.-]+", text) is not None
+    return re.fullmatch(r"\w(?:[\w.-]*\w)?/\w(?:[\w.-]*\w)?", text) is not None
 
 
 def hub_snapshot(repo_id: str) -> tuple[str, dict[str, str]] | None:

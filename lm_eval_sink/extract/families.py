@@ -1,0 +1,224 @@
+"""VLM family files: `lm_eval_sink/architectures/<family>.json`, read through the schema layer.
+
+A family names the VLM class, where its text config lives, the target causal-LM type and how its
+config is derived from the text config, ordered tensor rules and the ignored (vision) tensors;
+`variants` pick another target and extra rules by the text config (docs/extraction.md, 'Adding
+a VLM family'). Reading is strict: unknown keys, bad regexes and templates that use a group
+their pattern does not have are errors naming the file and the key.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, ClassVar
+
+from pydantic import Field
+
+from lm_eval_sink.errors import UserError
+from lm_eval_sink.io import sha256_bytes
+from lm_eval_sink.schema import Strict, parse
+
+_PLACEHOLDER = re.compile(r"\{(\w+)\}")
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRule:
+    """Checkpoint tensors (`sources`, full-match regexes) -> target tensors (`targets`, templates)."""
+
+    sources: tuple[str, ...]
+    targets: tuple[str, ...]
+    dim: int = 0
+    transpose: tuple[int, int] | None = None
+    per_index: str | None = None
+    drop_rest: bool = False
+
+    def patterns(self) -> tuple[re.Pattern[str], ...]:
+        return tuple(re.compile(p) for p in self.sources)
+
+
+@dataclass(frozen=True, slots=True)
+class TargetSpec:
+    """How the causal-LM config is derived from the VLM's text config."""
+
+    model_type: str | None  # None: the text config's own model type
+    drop_config: tuple[str, ...] = ()  # dot paths, e.g. "rope_parameters.mrope_section"
+    rename_config: tuple[tuple[str, str], ...] = ()
+    set_config: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """A family's configuration for text configs matching `when` (dot path -> value)."""
+
+    name: str
+    when: tuple[tuple[str, Any], ...]
+    target: TargetSpec
+    rules: tuple[TensorRule, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """One VLM family, as read from its architectures/*.json file."""
+
+    name: str
+    description: str
+    model_types: tuple[str, ...]
+    vlm_class: str
+    text_config: str
+    variants: tuple[Variant, ...]
+    ignore: tuple[str, ...]
+    file: str
+    sha256: str
+
+    def ignore_patterns(self) -> tuple[re.Pattern[str], ...]:
+        return tuple(re.compile(p) for p in self.ignore)
+
+
+def _bad(file: str, what: str) -> UserError:
+    return UserError(f"architecture file {file}: {what}", "see docs/extraction.md, 'Adding a VLM family', for the schema")
+
+
+class _RuleIn(Strict):
+    what: ClassVar[str] = "tensor rule"
+    sources: str | list[str] = Field(alias="from")
+    to: str | list[str]
+    dim: int = 0
+    transpose: list[int] | None = None
+    per_index: str | None = None
+    drop_rest: bool = False
+
+
+class _TargetIn(Strict):
+    what: ClassVar[str] = "target"
+    model_type: str | None = None
+    drop_config: list[str] = []
+    rename_config: dict[str, str] = {}
+    set_config: dict[str, Any] = {}
+
+
+class _VariantIn(Strict):
+    what: ClassVar[str] = "variant"
+    name: str
+    when: dict[str, Any]
+    target: _TargetIn = _TargetIn()
+    rules: list[_RuleIn] = []
+
+
+class _FamilyIn(Strict):
+    what: ClassVar[str] = "family"
+    name: str
+    description: str = ""
+    model_types: list[str]
+    vlm_class: str
+    text_config: str
+    target: _TargetIn
+    rules: list[_RuleIn]
+    ignore: list[str] = []
+    variants: list[_VariantIn] = []
+
+
+def _as_tuple(value: str | list[str]) -> tuple[str, ...]:
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+def _parse_rule(file: str, where: str, raw: _RuleIn) -> TensorRule:
+    sources, targets = _as_tuple(raw.sources), _as_tuple(raw.to)
+    if not sources or not targets:
+        raise _bad(file, f"{where}: 'from' and 'to' must not be empty")
+    groups: set[str] | None = None
+    for pattern in sources:
+        try:
+            compiled = re.compile(pattern)
+        except re.error as e:
+            raise _bad(file, f"{where}: bad regex {pattern!r} ({e})") from None
+        names = set(compiled.groupindex)
+        if groups is not None and names != groups:
+            raise _bad(file, f"{where}: all 'from' patterns must have the same named groups")
+        groups = names
+    per_index = raw.per_index
+    transpose = tuple(raw.transpose) if raw.transpose is not None else None
+    if per_index is not None and len(sources) != 1:
+        raise _bad(file, f"{where}: per_index needs exactly one 'from' pattern")
+    if transpose is not None and (len(transpose) != 2 or (per_index is not None and 0 in transpose)):
+        raise _bad(file, f"{where}: transpose must be two dims (not dim 0 with per_index)")
+    if raw.drop_rest and transpose is not None:
+        raise _bad(file, f"{where}: drop_rest and transpose cannot be combined")
+    known = (groups or set()) | ({per_index} if per_index else set())
+    for template in targets:
+        unknown = set(_PLACEHOLDER.findall(template)) - known
+        if unknown:
+            raise _bad(file, f"{where}: template {template!r} uses {sorted(unknown)}, not a group of its 'from' pattern")
+    return TensorRule(sources=sources, targets=targets, dim=raw.dim, transpose=transpose, per_index=per_index, drop_rest=raw.drop_rest)
+
+
+def _parse_target(raw: _TargetIn, base: TargetSpec | None = None) -> TargetSpec:
+    base = base or TargetSpec(model_type=None)
+    return TargetSpec(
+        model_type=raw.model_type if "model_type" in raw.model_fields_set else base.model_type,
+        drop_config=base.drop_config + tuple(raw.drop_config),
+        rename_config=base.rename_config + tuple(sorted(raw.rename_config.items())),
+        set_config=base.set_config + tuple(sorted(raw.set_config.items())),
+    )
+
+
+def parse_family(text: str, file: str) -> Family:
+    """Parse and validate one architecture file (unknown keys, bad regexes, bad templates)."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise _bad(file, f"not valid JSON ({e})") from None
+    try:
+        raw = parse(_FamilyIn, data, f"architecture file {file}")
+    except UserError as e:
+        raise UserError(e.message, _bad(file, "").hint) from None
+    target = _parse_target(raw.target)
+    rules = tuple(_parse_rule(file, f"rules[{i}]", r) for i, r in enumerate(raw.rules))
+    variants = []
+    for i, v in enumerate(raw.variants):
+        v_rules = tuple(_parse_rule(file, f"variants[{i}].rules[{j}]", r) for j, r in enumerate(v.rules))
+        variants.append(Variant(name=v.name, when=tuple(sorted(v.when.items())), target=_parse_target(v.target, target), rules=v_rules + rules))
+    if not variants:
+        variants.append(Variant(name="default", when=(), target=target, rules=rules))
+    for pattern in raw.ignore:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise _bad(file, f"ignore: bad regex {pattern!r} ({e})") from None
+    return Family(name=raw.name, description=raw.description, model_types=tuple(raw.model_types), vlm_class=raw.vlm_class, text_config=raw.text_config,
+                  variants=tuple(variants), ignore=tuple(raw.ignore), file=file, sha256=sha256_bytes(text.encode("utf-8")))
+
+
+def load_families() -> dict[str, Family]:
+    """Every family shipped in lm_eval_sink/architectures/*.json (package data), by name."""
+    root = resources.files("lm_eval_sink.architectures")
+    families: dict[str, Family] = {}
+    for entry in sorted(root.iterdir(), key=lambda e: e.name):
+        if entry.name.endswith(".json"):
+            fam = parse_family(entry.read_text(encoding="utf-8"), f"architectures/{entry.name}")
+            if fam.name in families:
+                raise _bad(fam.file, f"family name {fam.name!r} is defined twice")
+            families[fam.name] = fam
+    return families
+
+
+def supported_model_types() -> list[str]:
+    return sorted(mt for fam in load_families().values() for mt in fam.model_types)
+
+
+def family_for(config: dict[str, Any], path: Path) -> Family:
+    """The family of a VLM's config.json contents, or a UserError that says what is supported."""
+    model_type = config.get("model_type")
+    for fam in load_families().values():
+        if model_type in fam.model_types:
+            return fam
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and "vision_config" not in config and "text_config" not in config:
+        raise UserError(f"{path}: model type {model_type!r} is a text-only causal LM, not a VLM",
+                        "evaluate or merge it as it is; extract takes a vision-language model")
+    raise UserError(f"{path}: unsupported VLM architecture {model_type!r} (supported: {', '.join(supported_model_types())})",
+                    "add an architectures/<family>.json for it (docs/extraction.md: 'Adding a VLM family')")

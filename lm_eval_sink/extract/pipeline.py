@@ -1,0 +1,408 @@
+"""The one pipeline that extract and inject share; with `checkpoint`, the only module here that opens files.
+
+Both directions resolve the VLM (`models.resolve_model`, as a local folder), read its family,
+config and safetensors headers and plan (`plan.make_plan`); then `_write` builds the output in a
+`<out>.partial-<id>` sibling (`io.staged_dir`): the non-weight files, the planned shards streamed
+tensor by tensor, the verification (round-trip logits) and the report, marked `COMPLETE.json`,
+or `FAILED.json` when verification fails (the folder is kept for inspection). A direction (`_Job`)
+supplies the layout, the tensor stream, its other files and which folder is the VLM when verified.
+
+Verification memory: the VLM and the backbone are loaded one after the other (never together),
+each in the output dtype, so its peak is about the size of the whole VLM in that dtype plus a
+1 x <=64-token forward pass. `verify=False` skips it (the structural checks remain).
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import itertools
+import logging
+import shutil
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lm_eval_sink.errors import UserError
+from lm_eval_sink.extract.checkpoint import INDEX_FILE, ST_DTYPES, Layout, Reader, ShardWriter, TensorInfo, layout_bytes, read_checkpoint, write_index
+from lm_eval_sink.extract.families import Family, family_for
+from lm_eval_sink.extract.plan import (
+    DTYPE_CHOICES,
+    Plan,
+    check_backbone,
+    extract_layout,
+    make_plan,
+    mirror_layout,
+    output_dtype,
+    production_order,
+    tie_pair,
+)
+from lm_eval_sink.extract.rules import forward_rule, inverse_rule
+from lm_eval_sink.extract.verify import PROBE_TEXT, Verification, compare, logits, multimodal_token_ids, probe_ids
+from lm_eval_sink.io import SCHEMA_VERSION, atomic_write_json, atomic_write_text, check_output_dir, provenance, read_json, staged_dir
+from lm_eval_sink.models import model_fingerprint, resolve_model
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SHARD_BYTES = 5 * 1024**3
+REPORT_FILE = "extraction.json"
+INJECT_REPORT_FILE = "injection.json"
+COMPLETE_FILE = "COMPLETE.json"
+FAILED_FILE = "FAILED.json"
+_REPORT_FILES = {"extract": REPORT_FILE, "inject": INJECT_REPORT_FILE}
+_MARKER_FILES = (COMPLETE_FILE, FAILED_FILE, REPORT_FILE, INJECT_REPORT_FILE)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+_TOKENIZER_COPY = (*_TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json", "merges.txt", "vocab.txt", "chat_template.jinja")
+_Stream = Generator[tuple[str, torch.Tensor], None, None]
+
+
+@dataclass(frozen=True, slots=True)
+class ExtractionReport:
+    """What an extract or inject run produced; written as extraction.json / injection.json."""
+
+    operation: str  # "extract" | "inject"
+    status: str  # "complete" | "unverified" | "failed"
+    output: str
+    vlm: dict[str, Any]  # path + fingerprint of the VLM read
+    backbone: dict[str, Any] | None  # inject: path + fingerprint of the backbone read
+    family: str
+    variant: str
+    architecture_file: str
+    architecture_sha256: str
+    source_class: str
+    target_class: str
+    target_model_type: str
+    dtype: str
+    tied_embeddings: bool
+    tensors_written: int
+    bytes_written: int
+    shards: tuple[str, ...]
+    tensors_ignored: int
+    dropped_rows: dict[str, int]
+    dropped_config_keys: tuple[str, ...]
+    tokenizer: bool
+    chat_template_source: str | None
+    mapping: tuple[dict[str, Any], ...]
+    verification: Verification | None
+    seconds: float
+    schema_version: int = SCHEMA_VERSION
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def ok(self) -> bool:
+        return self.status != "failed"
+
+    def to_json(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "verification"}
+        out["verification"] = self.verification.to_json() if self.verification else None
+        for k in ("shards", "dropped_config_keys", "mapping", "notes"):
+            out[k] = list(out[k])
+        out["provenance"] = provenance(tool=f"lm-eval-sink {self.operation}")
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Vlm:
+    """A VLM read for either direction: its folder, transformers config, family, tensor headers and plan."""
+
+    folder: Path
+    config: Any
+    family: Family
+    tensors: dict[str, TensorInfo]
+    plan: Plan
+
+    def report_fields(self) -> dict[str, Any]:
+        """The report fields both directions take from the VLM and its plan (the VLM's fingerprint included)."""
+        plan = self.plan
+        return {"vlm": model_fingerprint(str(self.folder)), "family": self.family.name, "variant": plan.variant.name,
+                "architecture_file": self.family.file, "architecture_sha256": self.family.sha256, "source_class": plan.source_class,
+                "target_class": plan.target_class, "target_model_type": plan.target_config.model_type,
+                "tensors_ignored": len(plan.ignored), "dropped_config_keys": plan.dropped_config_keys}
+
+
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """What a direction hands the shared pipeline."""
+
+    operation: str  # "extract" | "inject"
+    layout: Layout  # the weight shards to write
+    stream: _Stream  # their tensors, in layout order
+    index: bool  # write model.safetensors.index.json
+    side_files: Callable[[Path], dict[str, Any]]  # writes the other files into the staging folder; returns report fields
+    verify: Callable[[Path], Verification] | None  # checks the staging folder
+    fields: dict[str, Any]  # the direction's report fields known before writing
+
+
+def _output(out_dir: str | Path, force: bool) -> Path:
+    out = Path(out_dir).expanduser()
+    check_output_dir(out, force, "OUT_DIR")
+    return out
+
+
+def _read_vlm(folder: Path, family: Family | None) -> _Vlm:
+    from transformers import AutoConfig
+
+    fam = family or family_for(read_json(folder / "config.json"), folder)
+    tensors = read_checkpoint(folder)
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"{folder}: cannot read the VLM config ({str(e).splitlines()[0]})", "pass a folder written by save_pretrained") from None
+    return _Vlm(folder=folder, config=config, family=fam, tensors=tensors, plan=make_plan(config, tensors, fam, folder))
+
+
+def _write(job: _Job, vlm: _Vlm, out: Path, *, force: bool, start: float, progress: bool) -> ExtractionReport:
+    """Stage `out`, write the other files and the streamed shards, verify, report and mark the folder."""
+    from tqdm.auto import tqdm
+
+    fields = {**vlm.report_fields(), **job.fields}
+    meta = {"format": "pt", "lm_eval_sink": job.operation, "source_family": vlm.family.name}
+    n_tensors = sum(len(entries) for _, entries in job.layout)
+    with staged_dir(out, force=force) as tmp:
+        fields.update(job.side_files(tmp))
+        bar = tqdm(total=n_tensors, desc=job.operation, unit="tensor", disable=not progress)
+        try:
+            for file, entries in job.layout:
+                writer = ShardWriter(tmp / file, entries, meta)
+                for name, tensor in itertools.islice(job.stream, len(entries)):
+                    writer.write(name, tensor)
+                    bar.update(1)
+                writer.close()
+        finally:
+            job.stream.close()
+            bar.close()
+        if job.index:
+            write_index(tmp, job.layout)
+        verification = job.verify(tmp) if job.verify else None
+        status = "unverified" if verification is None else "complete" if verification.passed else "failed"
+        report = ExtractionReport(operation=job.operation, status=status, output=str(out.resolve()), tensors_written=n_tensors,
+                                  bytes_written=layout_bytes(job.layout), shards=tuple(f for f, _ in job.layout), verification=verification,
+                                  seconds=round(time.perf_counter() - start, 3), **fields)
+        _finish(tmp, report)
+    return report
+
+
+def _finish(tmp: Path, report: ExtractionReport) -> None:
+    report_file = _REPORT_FILES[report.operation]
+    atomic_write_json(tmp / report_file, report.to_json())
+    marker = {"schema_version": SCHEMA_VERSION, "operation": report.operation, "status": report.status,
+              "verified": report.verification is not None and report.verification.passed, "report": report_file}
+    if report.status == "failed":
+        marker["reason"] = report.verification.reason if report.verification else None
+        atomic_write_json(tmp / FAILED_FILE, marker)
+    else:
+        atomic_write_json(tmp / COMPLETE_FILE, marker)
+
+
+def _probe(tokenizer_dir: Path, vlm: _Vlm) -> list[int]:
+    """The probe ids, from the tokenizer in `tokenizer_dir` when it has one."""
+    tokens: list[int] = []
+    if any((tokenizer_dir / n).is_file() for n in _TOKENIZER_FILES):
+        from transformers import AutoTokenizer
+
+        tokens = list(AutoTokenizer.from_pretrained(tokenizer_dir)(PROBE_TEXT)["input_ids"])
+    return probe_ids(tokens, int(vlm.plan.target_config.vocab_size), multimodal_token_ids(vlm.config))
+
+
+def _verify(vlm_dir: Path, vlm_class: str, lm_dir: Path, dtype: torch.dtype, ids: list[int], quiet: bool) -> Verification:
+    """Load the VLM, run the probe, free it; load the backbone, run the probe; compare."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    bar = transformers.utils.logging.is_progress_bar_enabled()
+    if quiet:
+        transformers.utils.logging.disable_progress_bar()
+    try:
+        ref = logits(getattr(transformers, vlm_class).from_pretrained(vlm_dir, dtype=dtype, attn_implementation="eager"), ids)
+        gc.collect()  # the VLM is freed before the backbone loads: peak memory is one model, not two
+        model, info = AutoModelForCausalLM.from_pretrained(lm_dir, dtype=dtype, attn_implementation="eager", output_loading_info=True)
+        got = logits(model, ids)
+    finally:
+        if quiet and bar:
+            transformers.utils.logging.enable_progress_bar()
+    return compare(ref, got, dtype, len(ids), info)
+
+
+# ----------------------------------------------------------------------------------------------
+# Extract: VLM -> backbone
+# ----------------------------------------------------------------------------------------------
+
+def _processor_chat_template(folder: Path) -> tuple[str | None, str | None]:
+    for name in ("chat_template.json", "processor_config.json"):
+        p = folder / name
+        if p.is_file():
+            try:
+                template = read_json(p).get("chat_template")
+            except (UserError, AttributeError):
+                template = None
+            if isinstance(template, str) and template:
+                return template, name
+    return None, None
+
+
+def copy_tokenizer(src: Path, dst: Path) -> dict[str, Any]:
+    """Copy the VLM's tokenizer files verbatim into `dst`; add the processor's chat template
+    (as chat_template.jinja) when the tokenizer has none. The copy must load with AutoTokenizer."""
+    present = [n for n in _TOKENIZER_COPY if (src / n).is_file()]
+    if not any(n in present for n in _TOKENIZER_FILES):
+        log.warning("%s has no tokenizer files; the backbone is written without a tokenizer", src)
+        return {"tokenizer": False, "chat_template_source": None}
+    for name in present:
+        shutil.copy2(src / name, dst / name)
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(dst)
+    except (OSError, ValueError, TypeError) as e:
+        raise UserError(f"{src}: its tokenizer does not load ({str(e).splitlines()[0]})", "check the tokenizer files") from None
+    if tok.chat_template:
+        return {"tokenizer": True, "chat_template_source": "tokenizer"}
+    template, name = _processor_chat_template(src)
+    if not template:
+        return {"tokenizer": True, "chat_template_source": None}
+    atomic_write_text(dst / "chat_template.jinja", template)
+    return {"tokenizer": True, "chat_template_source": f"processor ({name})"}
+
+
+def _backbone_files(vlm: Path, config: Any, tmp: Path) -> dict[str, Any]:
+    """The backbone's config, the VLM's generation config and tokenizer (with a chat template)."""
+    config.save_pretrained(tmp)
+    if (vlm / "generation_config.json").is_file():
+        shutil.copy2(vlm / "generation_config.json", tmp / "generation_config.json")
+    tok = copy_tokenizer(vlm, tmp)
+    notes = () if tok["chat_template_source"] else ("no chat template found in the VLM's tokenizer or processor files",)
+    return {**tok, "notes": notes}
+
+
+def _cast(t: torch.Tensor, want: torch.dtype | None) -> torch.Tensor:
+    return t.to(want) if want is not None and t.is_floating_point() and t.dtype != want else t
+
+
+def _forward(plan: Plan, tensors: dict[str, TensorInfo], reader: Reader, skip: set[str], cast: torch.dtype | None) -> _Stream:
+    """Backbone tensors in production order; each source shard is closed once no later unit needs it."""
+    order = production_order(plan, tensors)
+    last_use = {tensors[s].file: i for i, unit in enumerate(order) for s in unit.sources}
+    try:
+        for i, unit in enumerate(order):
+            reader.keep_only({f for f, last in last_use.items() if last >= i})
+            outs, _ = forward_rule(unit.rule, [reader.get(s) for s in unit.sources], [plan.expected[t] for t in unit.targets])
+            for t, x in zip(unit.targets, outs):
+                if t not in skip:
+                    yield t, _cast(x, cast)
+            del outs  # free this unit's tensors before the next one is read
+    finally:
+        reader.close()
+
+
+def extract_backbone(vlm_path: str | Path, out_dir: str | Path, *, dtype: str = "keep", verify: bool = True, force: bool = False,
+                     max_shard_bytes: int = DEFAULT_SHARD_BYTES, family: Family | None = None, progress: bool = False) -> ExtractionReport:
+    """Write the VLM's language model as a standalone causal-LM folder at `out_dir`.
+
+    `dtype`: "keep" (each tensor as stored), "bf16" or "fp32". `family`: override the family
+    found from config.json (tests and new families). The returned report's `status` is
+    "complete" (verified), "unverified" (verify=False) or "failed" (verification failed: the
+    folder is kept at `out_dir` with FAILED.json and no COMPLETE.json). Check `report.ok`.
+    """
+    start = time.perf_counter()
+    if dtype not in DTYPE_CHOICES:
+        raise UserError(f"unknown dtype {dtype!r}", f"use one of {', '.join(DTYPE_CHOICES)}")
+    out = _output(out_dir, force)
+    vlm = _read_vlm(Path(resolve_model(vlm_path, "VLM", local=True)), family)
+    plan, tensors = vlm.plan, vlm.tensors
+    out_dtype = output_dtype(dtype, tensors, plan.units)
+    cast = None if dtype == "keep" else out_dtype
+    reader = Reader(vlm.folder, tensors)
+    pair = tie_pair(plan)  # the VLM ties its head but stores it too: tie only if the data are equal
+    tied = plan.tied or (pair is not None and torch.equal(reader.get(pair[0]), reader.get(pair[1])))
+    reader.close()
+    skip = {plan.head} if tied and not plan.tied else set()
+    config = plan.target_config
+    config.tie_word_embeddings = tied
+    config.dtype = str(out_dtype).removeprefix("torch.")
+    layout = extract_layout(plan, tensors, cast, skip, max_shard_bytes)
+    job = _Job(
+        operation="extract", layout=layout, stream=_forward(plan, tensors, reader, skip, cast), index=len(layout) > 1,
+        side_files=functools.partial(_backbone_files, vlm.folder, config),
+        verify=(lambda tmp: _verify(vlm.folder, vlm.family.vlm_class, tmp, out_dtype, _probe(tmp, vlm), quiet=not progress)) if verify else None,
+        fields={"backbone": None, "dtype": config.dtype, "tied_embeddings": tied, "dropped_rows": plan.dropped_rows,
+                "mapping": tuple({"from": list(u.sources), "to": [t for t in u.targets if t not in skip]} for u in plan.units)})
+    return _write(job, vlm, out, force=force, start=start, progress=progress)
+
+
+# ----------------------------------------------------------------------------------------------
+# Inject: backbone -> a copy of the VLM
+# ----------------------------------------------------------------------------------------------
+
+def _copy_vlm_files(vlm: Path, tmp: Path) -> dict[str, Any]:
+    """Every VLM file but the weights and this package's markers and reports (processor, chat template, tokenizer, ...)."""
+    for item in sorted(vlm.iterdir()):
+        if item.name.endswith(".safetensors") or item.name in (INDEX_FILE, *_MARKER_FILES):
+            continue
+        if item.is_dir():
+            shutil.copytree(item, tmp / item.name)
+        else:
+            shutil.copy2(item, tmp / item.name)
+    return {}
+
+
+def _inverse(plan: Plan, tensors: dict[str, TensorInfo], layout: Layout, vlm_reader: Reader, bb_reader: Reader, alias: dict[str, str]) -> _Stream:
+    """The VLM's tensors in layout order: language tensors rebuilt from the backbone, the others copied."""
+    unit_of = {s: u for u in plan.units for s in u.sources}
+    rebuilt: dict[str, torch.Tensor] = {}  # sources of a unit rebuilt together, until each is written
+    try:
+        for _, entries in layout:
+            for name, _, _ in entries:
+                if name not in unit_of:
+                    yield name, vlm_reader.get(name)
+                    continue
+                if name not in rebuilt:
+                    unit = unit_of[name]
+                    rest = None
+                    if unit.rule.drop_rest:
+                        _, rest = forward_rule(unit.rule, [vlm_reader.get(s) for s in unit.sources], [plan.expected[t] for t in unit.targets])
+                    targets = [bb_reader.get(alias.get(t, t)) for t in unit.targets]
+                    xs = inverse_rule(unit.rule, targets, [tensors[s].shape for s in unit.sources], rest)
+                    rebuilt.update({s: x.to(ST_DTYPES[tensors[s].dtype]).contiguous() for s, x in zip(unit.sources, xs)})
+                yield name, rebuilt.pop(name)
+            vlm_reader.keep_only(set())
+    finally:
+        vlm_reader.close()
+        bb_reader.close()
+
+
+def inject_backbone(backbone_path: str | Path, vlm_path: str | Path, out_dir: str | Path, *, verify: bool = True, force: bool = False,
+                    family: Family | None = None, progress: bool = False) -> ExtractionReport:
+    """Write a copy of the VLM at `out_dir` whose language model is the given backbone.
+
+    Every VLM file except the weights is copied; the weights keep the VLM's shard layout,
+    tensor names and dtypes (backbone tensors are cast to the VLM's dtype), and vision tensors
+    are copied unchanged. Verified like `extract_backbone`: the new VLM's text path on the probe
+    must give the backbone's logits.
+    """
+    start = time.perf_counter()
+    out = _output(out_dir, force)
+    folder = Path(resolve_model(vlm_path, "VLM", local=True))
+    backbone = Path(resolve_model(backbone_path, "backbone", local=True))
+    vlm = _read_vlm(folder, family)
+    plan, tensors = vlm.plan, vlm.tensors
+    bb_tensors = read_checkpoint(backbone)
+    alias = check_backbone(plan, read_json(backbone / "config.json"), bb_tensors, backbone, folder)
+    bb_reader = Reader(backbone, bb_tensors)
+    if plan.tied and plan.head in bb_tensors and not torch.equal(bb_reader.get(plan.head), bb_reader.get(plan.head_source)):
+        raise UserError(f"{backbone}: the backbone's output head differs from its embeddings, but the VLM ties them",
+                        "the VLM cannot store an untied head; merge with tied embeddings")
+    vlm_dtype = output_dtype("keep", tensors, plan.units)
+    layout = mirror_layout(tensors)
+    job = _Job(
+        operation="inject", layout=layout, stream=_inverse(plan, tensors, layout, Reader(folder, tensors), bb_reader, alias),
+        index=len(layout) > 1 or (folder / INDEX_FILE).is_file(), side_files=functools.partial(_copy_vlm_files, folder),
+        verify=(lambda tmp: _verify(tmp, vlm.family.vlm_class, backbone, vlm_dtype, _probe(folder, vlm), quiet=not progress)) if verify else None,
+        fields={"backbone": model_fingerprint(str(backbone)), "dtype": str(vlm_dtype).removeprefix("torch."), "tied_embeddings": plan.tied,
+                "dropped_rows": {}, "tokenizer": any((folder / n).is_file() for n in _TOKENIZER_FILES), "chat_template_source": None,
+                "mapping": tuple({"from": list(u.targets), "to": list(u.sources)} for u in plan.units),
+                "notes": (f"language tensors from {backbone}, vision tensors and every other file from {folder}",)})
+    return _write(job, vlm, out, force=force, start=start, progress=progress)
