@@ -9,13 +9,12 @@ any checkpoint. `model_fingerprint` records what a result was computed from.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.identity import check_finished_folder, looks_like_hub_id
+from lm_eval_sink.identity import check_finished_folder, hub_offline, looks_like_hub_id
 from lm_eval_sink.io import atomic_write_json, cache_dir, sha256_file, staged_dir
 
 DEFAULT_MODEL = "default"
@@ -87,7 +86,7 @@ def resolve_model(name: str | Path) -> str:
             what = " and ".join(missing + ([] if has_weights else ["weights (*.safetensors)"]))
             raise UserError(f"{path}: not a model folder (missing {what}; found {found})", "pass a folder written by save_pretrained, or 'default' for the embedded model")
         return str(path.resolve())
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+    offline = hub_offline()
     looks_like_id = looks_like_hub_id(text)
     if looks_like_id:
         from lm_eval_sink.identity import hub_snapshot
