@@ -253,6 +253,13 @@ def check_supported(model: Any) -> None:
     check_supported_class(type(model))
 
 
+def check_wrappable(impl: str, subject: str, hint: str) -> None:
+    """Refuse flash implementations (flash_attention_2/3/4, hub flash kernels): transformers picks the
+    flash kernel by the config's implementation name, which the capture renames."""
+    if "flash" in impl:
+        raise UserError(f"{subject} runs {impl}, which the sink capture cannot wrap yet", hint)
+
+
 @contextlib.contextmanager
 def sink_capture(model: Any, layers: Sequence[int]) -> Iterator[_Collector]:
     """Switch `model` to the capturing attention for the block; restore its implementation after.
@@ -264,8 +271,7 @@ def sink_capture(model: Any, layers: Sequence[int]) -> Iterator[_Collector]:
     impl = previous if previous is not None else "eager"
     if impl.startswith(IMPL_PREFIX):
         raise UserError(f"{type(model).__name__} is already inside a sink capture ({impl})", "do not nest sink captures")
-    if "flash" in impl:  # transformers picks the flash kernel by the config's implementation name, which the capture renames
-        raise UserError(f"{type(model).__name__} runs {impl}, which the sink capture cannot wrap yet", "load the model with attn_implementation='sdpa' (or 'eager') for Sink Strength")
+    check_wrappable(impl, type(model).__name__, "load the model with attn_implementation='sdpa' (or 'eager') for Sink Strength")
     name = _register(impl)
     collector = _Collector(set(layers))
     token = _ACTIVE.set(collector)

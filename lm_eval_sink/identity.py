@@ -8,8 +8,9 @@ Rules (`FINGERPRINT_RULE`):
   file that changed;
 - a file hash is cached by (path, st_dev, inode, size, mtime_ns, ctime_ns) under the project
   cache, so a repeated call costs one stat per file; an in-place write changes mtime and ctime;
-- a hub id: its revision sha (online from the hub, offline from the local HF cache), with the
-  blob names as file hashes (the sha256 of each LFS file); the sha is passed as `revision` to loads.
+- a hub id (`org/name`, or `org/name@REVISION` with a branch, tag or commit sha): its commit sha
+  (online from the hub, offline from the local HF cache), with the blob names as file hashes (the
+  sha256 of each LFS file); the sha is passed as `revision` to loads.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ from lm_eval_sink.io import atomic_write_json, cache_dir, canonical_json, sha256
 FINGERPRINT_RULE = "xxh3_128-whole-files-v2"
 SKIPPED_NAMES = frozenset({"COMPLETE.json", "FAILED.json", "extraction.json", "injection.json", ".lock", ".lock.json"})
 _CHUNK = 8 << 20
+_SHA = re.compile(r"[0-9a-f]{40}")
 
 
 def _hash_cache() -> Path:
@@ -75,22 +78,54 @@ def _combine(files: dict[str, str]) -> str:
 
 def looks_like_hub_id(text: str) -> bool:
     """`owner/name`, the shape of a hub model id (each part starts and ends with a letter, digit or `_`: `./x` is a path)."""
-    import re
-
     return re.fullmatch(r"\w(?:[\w.-]*\w)?/\w(?:[\w.-]*\w)?", text) is not None
 
 
-def hub_snapshot(repo_id: str) -> tuple[str, dict[str, str]] | None:
-    """(revision sha, {file: blob hash}) of a hub model from the local HF cache, or None when not cached."""
+def split_revision(ref: str) -> tuple[str, str | None]:
+    """`org/name@rev` -> ("org/name", "rev"); no '@' -> (ref, None). mergekit's rule (one '@' at most)."""
+    if ref.count("@") > 1:
+        raise UserError(f"{ref}: more than one '@' (mergekit reads ID@REVISION)", "write org/name@REVISION with one '@'")
+    path, at, rev = ref.partition("@")
+    if at and not rev:
+        raise UserError(f"{ref}: nothing after '@'", "write org/name@REVISION (a branch, tag or commit sha), or drop the '@'")
+    return path, rev or None
+
+
+def _snapshot_root(repo_id: str) -> Path:
     from huggingface_hub import constants
 
-    root = Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}"
-    ref = root / "refs" / "main"
-    if not ref.is_file():
-        return None
-    sha = ref.read_text(encoding="utf-8").strip()
-    snap = root / "snapshots" / sha
-    if not snap.is_dir():
+    return Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}"
+
+
+def _cached_sha(repo_id: str, revision: str | None) -> str | None:
+    """The commit sha a revision names in the local HF cache (`refs/<rev>`; a full sha names itself)."""
+    rev = revision or "main"
+    if _SHA.fullmatch(rev):
+        return rev
+    ref = _snapshot_root(repo_id) / "refs" / rev
+    return ref.read_text(encoding="utf-8").strip() if ref.is_file() else None
+
+
+def snapshot_dir(repo_id: str, sha: str) -> Path | None:
+    """The local HF cache folder of one commit of a hub model, or None when it is not cached."""
+    snap = _snapshot_root(repo_id) / "snapshots" / sha
+    return snap if snap.is_dir() else None
+
+
+def cached_folder(model: str) -> Path | None:
+    """Where a model's files are on this machine: the folder itself, or a hub id's snapshot in the local HF cache (None if neither)."""
+    if Path(model).is_dir():
+        return Path(model)
+    repo_id, revision = split_revision(model)
+    sha = _cached_sha(repo_id, revision)
+    return snapshot_dir(repo_id, sha) if sha else None
+
+
+def hub_snapshot(repo_id: str, revision: str | None = None) -> tuple[str, dict[str, str]] | None:
+    """(revision sha, {file: blob hash}) of a hub model (at `revision`, default main) from the local HF cache, or None when not cached."""
+    sha = _cached_sha(repo_id, revision)
+    snap = snapshot_dir(repo_id, sha) if sha else None
+    if snap is None:
         return None
     files = {}
     for p in sorted(snap.rglob("*")):
@@ -100,27 +135,36 @@ def hub_snapshot(repo_id: str) -> tuple[str, dict[str, str]] | None:
     return sha, files
 
 
-def _hub_online(repo_id: str) -> tuple[str, dict[str, str]]:
+def _hub_online(repo_id: str, revision: str | None) -> tuple[str, dict[str, str]]:
     from huggingface_hub import HfApi
+    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 
-    info = HfApi().model_info(repo_id, files_metadata=True)
+    try:
+        info = HfApi().model_info(repo_id, revision=revision, files_metadata=True)
+    except (RepositoryNotFoundError, RevisionNotFoundError) as e:
+        raise UserError(f"{repo_id}" + (f"@{revision}" if revision else "") + f": not found on the hub ({type(e).__name__})", "check the model id and revision") from None
     files = {s.rfilename: (f"sha256:{s.lfs.sha256}" if s.lfs else f"git:{s.blob_id}") for s in info.siblings or []}
     return info.sha, files
 
 
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE is set (huggingface_hub's own spellings of true)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+
+
 def model_identity(model: str) -> dict[str, Any]:
-    """The identity record of a model folder or hub id (see the module rules)."""
+    """The identity record of a model folder or hub id, `org/name` or `org/name@REVISION` (see the module rules)."""
     p = Path(model)
     if p.is_dir():
         files = folder_identity(p)
         revision = p.name if p.parent.name == "snapshots" else None  # a folder inside the HF cache
         return {"model": str(p), "revision": revision, "fingerprint_rule": FINGERPRINT_RULE, "fingerprint": _combine(files), "files": files}
-    snap = hub_snapshot(model)
+    repo_id, revision = split_revision(model)
+    snap = hub_snapshot(repo_id, revision)
     if snap is None:
-        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
-        if offline:
+        if hub_offline():
             raise UserError(f"{model}: not in the local Hugging Face cache and the hub is offline (HF_HUB_OFFLINE=1)", "download it once online, or pass a local model folder")
-        snap = _hub_online(model)
+        snap = _hub_online(repo_id, revision)
     sha, files = snap
     return {"model": model, "revision": sha, "fingerprint_rule": FINGERPRINT_RULE, "fingerprint": _combine(files), "files": files}
 

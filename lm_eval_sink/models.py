@@ -9,13 +9,12 @@ like any checkpoint. `model_fingerprint` records what a result was computed from
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.identity import check_finished_folder, hub_snapshot, looks_like_hub_id
+from lm_eval_sink.identity import check_finished_folder, hub_offline, hub_snapshot, looks_like_hub_id
 from lm_eval_sink.io import atomic_write_json, cache_dir, sha256_file, staged_dir
 from lm_eval_sink.schema import did_you_mean
 
@@ -113,7 +112,7 @@ def resolve_model(name: str | Path, role: str = "model", *, local: bool = False)
     check_finished_folder(path)
     if path.exists():
         return str(_checked_folder(path, role))
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+    offline = hub_offline()
     looks_like_id = looks_like_hub_id(text)
     if looks_like_id and local:
         folder = _hub_folder(text, offline)

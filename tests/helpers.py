@@ -82,3 +82,27 @@ def make_tiny_lm(out: Path, arch: str = "llama", delta_seed: int | None = None, 
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return Path(out)
+
+
+def hf_cache_snapshot(hub: Path, repo_id: str, folder: Path, sha: str, refs: tuple[str, ...] = ("main",)) -> dict[str, str]:
+    """Lay `folder` out in the HF hub cache `hub` as huggingface_hub writes it: `refs/<ref>` names the
+    commit `sha`, `snapshots/<sha>/` links into `blobs/` (sha256 names for LFS files (*.safetensors),
+    git blob ids for the others). Returns {file: blob hash} as `identity.model_identity` reports it."""
+    import hashlib
+
+    repo = hub / f"models--{repo_id.replace('/', '--')}"
+    snap, blobs = repo / "snapshots" / sha, repo / "blobs"
+    snap.mkdir(parents=True)
+    blobs.mkdir(exist_ok=True)
+    for ref in refs:
+        (repo / "refs" / ref).parent.mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / ref).write_text(sha)
+    files = {}
+    for f in sorted(Path(folder).iterdir()):
+        data = f.read_bytes()
+        lfs = f.suffix == ".safetensors"
+        blob = hashlib.sha256(data).hexdigest() if lfs else hashlib.sha1(data).hexdigest()
+        (blobs / blob).write_bytes(data)
+        (snap / f.name).symlink_to(os.path.relpath(blobs / blob, snap))
+        files[f.name] = ("sha256:" if lfs else "git:") + blob
+    return files

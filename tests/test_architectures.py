@@ -241,3 +241,25 @@ def test_flash_attention_is_refused_with_one_line(tiny_tokenizer):
     with pytest.raises(UserError, match="flash_attention_2, which the sink capture cannot wrap") as e:
         measure(model, tiny_tokenizer, SETTINGS, progress=False)
     assert "\n" not in str(e.value) and model.config._attn_implementation == "flash_attention_2"
+
+
+def test_flex_attention_on_cpu_equals_eager_and_keeps_outputs(tiny_tokenizer, encoded):
+    """flex_attention passes a BlockMask, so the capture builds its own mask (causal, left padding,
+    Mistral's window 6 < every prompt). Runs through torch.compile on CPU (about 35 s cold)."""
+    from lm_eval_sink.capture import _batch
+
+    model = _build("mistral", len(tiny_tokenizer), tiny_tokenizer.pad_token_id)
+    model.set_attn_implementation("flex_attention")
+    res = measure(model, tiny_tokenizer, SETTINGS, progress=False)
+    assert model.config._attn_implementation == "flex_attention"  # restored
+    ref = _eager_reference(model, encoded, res.layers, learned=False)
+    assert res.sink_strength == pytest.approx(ref["S"], abs=1e-4)
+    assert res.pos0_mass_median == pytest.approx(ref["pos0_mass_median"], abs=1e-4)
+    ids, mask, pos, first = _batch(encoded.input_ids[:2], tiny_tokenizer.pad_token_id, torch.device("cpu"))
+    with torch.no_grad():
+        before = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+        with sink_capture(model, range(model.config.num_hidden_layers)) as collector:
+            collector.first_real = first
+            during = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+    assert set(collector.records) == set(range(model.config.num_hidden_layers))
+    assert torch.equal(before, during)

@@ -151,6 +151,21 @@ def test_non_hf_backend_gets_one_clear_error(tiny_task_dir, tmp_path):
     assert "Running generate_until" not in proc.stderr and not list(out.glob("*/results_*.json"))
 
 
+def test_flash_attention_request_gets_one_line_before_the_model_loads(tiny_tokenizer, tmp_path):
+    """No flash kernel on CPU (transformers would raise its ImportError traceback while loading); the refusal comes first, on any machine."""
+    impl = "flash_attention_2"
+    model = tmp_path / "llama"
+    sm.build("llama", n_layers=2, bos_id=tiny_tokenizer.bos_token_id).save_pretrained(model)
+    tiny_tokenizer.save_pretrained(model)
+    out = tmp_path / "out"
+    cmd = [*LM_EVAL, "--model", "hf", "--model_args", f"pretrained={model},attn_implementation={impl}", "--tasks", "ifeval,sink_strength_suite", "--device", "cpu", "--output_path", str(out)]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    line = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert len(line) == 1 and f"task sink_strength_suite runs {impl}, which the sink capture cannot wrap" in line[0] and "attn_implementation=sdpa" in line[0]
+    assert "Initializing hf model" not in proc.stderr and not out.exists()  # lm-eval logs this line when it builds the model
+
+
 # ---- offline data override: configs equal to stock except dataset keys; hub schema ----
 
 DATASET_KEYS = {"dataset_path", "dataset_name", "dataset_kwargs", "custom_dataset"}

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import sinkmodels as sm
+from helpers import hf_cache_snapshot
 from lm_eval_sink.cli import main
 from lm_eval_sink.identity import FINGERPRINT_RULE, file_hash, model_identity
 
@@ -121,24 +122,8 @@ def test_folders_of_failed_or_interrupted_runs_are_refused_as_models(model_dir, 
 
 def test_hub_id_resolves_to_its_revision_from_a_local_snapshot(model_dir, tmp_path):
     """An HF cache laid out as huggingface_hub writes it: refs/main, snapshots/<sha>/ links into blobs/."""
-    import hashlib
-
-    hub = tmp_path / "hf" / "hub"
-    repo = hub / "models--org--tiny-llama"
     sha = "0123456789abcdef0123456789abcdef01234567"
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(sha)
-    snap, blobs = repo / "snapshots" / sha, repo / "blobs"
-    snap.mkdir(parents=True)
-    blobs.mkdir()
-    expected = {}
-    for f in sorted(model_dir.iterdir()):
-        data = f.read_bytes()
-        lfs = f.suffix == ".safetensors"
-        blob = hashlib.sha256(data).hexdigest() if lfs else hashlib.sha1(data).hexdigest()
-        (blobs / blob).write_bytes(data)
-        (snap / f.name).symlink_to(os.path.relpath(blobs / blob, snap))
-        expected[f.name] = ("sha256:" if lfs else "git:") + blob
+    expected = hf_cache_snapshot(tmp_path / "hf" / "hub", "org/tiny-llama", model_dir, sha)
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
     env.pop("HF_HUB_CACHE", None)
     out = tmp_path / "out"

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -430,3 +432,73 @@ def test_rendered_siblings_config_is_plain_mergekit_yaml(tmp_path, tiny_trio):
         uses_base = name not in ("linear_95_5", "linear_uniform", "slerp")
         assert (str(cfg.base_model) == str(tiny_trio["base"].resolve())) == uses_base
         assert any("does not use the base" in w for w in r.warnings) == (not uses_base)
+
+
+def test_hub_id_inputs_are_merged_at_their_pinned_commits(tmp_path, tiny_trio):
+    """An offline HF cache with two commits of org/tiny (old: the reference, main: the candidate): a linear
+    merge of `org/tiny@<old sha>` and `org/tiny` is their mean only if each input loads at its own
+    commit; COMPLETE.json and mergekit_config.yml name both commits. Bad revisions are one line each."""
+    from helpers import hf_cache_snapshot
+
+    old, new = "1" * 40, "2" * 40
+    hub = tmp_path / "hf" / "hub"
+    hf_cache_snapshot(hub, "org/tiny", tiny_trio["reference"], old, refs=("v1",))
+    hf_cache_snapshot(hub, "org/tiny", tiny_trio["candidate"], new)
+    local = str(tiny_trio["base"])
+    configs = {
+        "merge": [f"org/tiny@{old}", "org/tiny"],
+        "tag": ["org/tiny@v1", local],
+        "uncached_sha": [f"org/tiny@{'3' * 40}", local],
+        "unknown_ref": ["org/tiny@v2", local],
+        "local_with_rev": [f"{local}@main", "org/tiny"],
+        "two_ats": ["org/tiny@v1@main", local],
+    }
+    for name, refs in configs.items():
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump({"merge_method": "linear", "dtype": "float32",
+                                                               "models": [{"model": r, "parameters": {"weight": 0.5}} for r in refs]}))
+    driver = textwrap.dedent(f"""
+        import contextlib, io, json, sys
+        from lm_eval_sink.cli import main
+        res = {{}}
+        for name in {sorted(configs)!r}:
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                argv = ["merge", f"{tmp_path}/{{name}}.yaml", f"{tmp_path}/out-{{name}}", "--quiet"] if name == "merge" else ["configs", "validate", f"{tmp_path}/{{name}}.yaml"]
+                res[name] = [main(argv), err.getvalue()]
+        print(json.dumps(res))
+    """)
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    env.pop("HF_HUB_CACHE", None)
+    proc = subprocess.run([sys.executable, "-c", driver], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["merge"][0] == 0 and res["tag"][0] == 0, res
+    for name, needle in (("uncached_sha", "not in the local Hugging Face cache"), ("unknown_ref", "org/tiny@v2: not in the local"),
+                         ("local_with_rev", "names a revision of a hub model"), ("two_ats", "more than one '@'")):
+        rc, err = res[name]
+        lines = err.strip().splitlines()
+        assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0] and "(fix: " in lines[0], (name, err)
+    out = tmp_path / "out-merge"
+    w, r, c = (_weights(p) for p in (out, tiny_trio["reference"], tiny_trio["candidate"]))
+    assert set(w) == set(r)
+    for key in w:
+        torch.testing.assert_close(w[key], 0.5 * r[key] + 0.5 * c[key], atol=1e-6, rtol=0)
+    complete = json.loads((out / "COMPLETE.json").read_text())
+    assert complete["hub_revisions"] == {f"org/tiny@{old}": old, "org/tiny": new}
+    assert {i["model"]: i["revision"] for i in complete["provenance"]["inputs"]} == {f"org/tiny@{old}": old, "org/tiny": new}
+    from mergekit.config import MergeConfiguration
+
+    recipe = MergeConfiguration.model_validate(yaml.safe_load((out / "mergekit_config.yml").read_text()))
+    assert sorted((m.model.model.path, m.model.model.revision) for m in recipe.models) == [("org/tiny", old), ("org/tiny", new)]
+    assert (out / "tokenizer.json").is_file()
+
+
+def test_revision_syntax_is_mergekits():
+    """`split_revision` reads a reference as mergekit's ModelPath does."""
+    from mergekit.common import ModelPath
+
+    from lm_eval_sink.identity import split_revision
+
+    for ref in ("org/name", f"org/name@{'a' * 40}", "org/name@main", "org/name@refs/pr/1", "./local/folder"):
+        parsed = ModelPath.model_validate(ref)
+        assert split_revision(ref) == (parsed.path, parsed.revision), ref

@@ -5,7 +5,8 @@
   (`offline.py`). `include_defaults=False` keeps lm-eval's contract (only the given include
   paths). Explicit form without the hook: `--include_path "$(lm-eval-sink tasks-dir)"`.
 - `patch_evaluator`: a `sink_strength` task on a backend without attention access (vllm, API
-  models, dummy) is refused before any request runs.
+  models, dummy) is refused before any request runs, and one asked of a flash attention
+  implementation (`--model_args attn_implementation=flash_attention_2`) before the model loads.
 - `patch_cli`: under the `lm_eval` console script, this project's `UserError`s print one line
   (`error: ...`) and exit 2 instead of a traceback.
 Each patch is idempotent and keeps lm-eval's own behaviour for everything else.
@@ -100,20 +101,53 @@ def check_backend(lm: Any, task_dict: Any) -> None:
         )
 
 
+@functools.cache
+def own_task_names() -> frozenset[str]:
+    """The task and group names this project's YAMLs define."""
+    import re
+
+    return frozenset(m.group(2) for p in tasks_dir().rglob("*.yaml") for m in re.finditer(r"^(task|group):\s*(\S+)\s*$", p.read_text(encoding="utf-8"), re.M))
+
+
+def check_attention_request(model_args: Any, tasks: Any) -> None:
+    """Refuse, before the model is loaded, a sink_strength task asked of a flash attention implementation."""
+    from lm_eval.utils import simple_parse_args_string
+
+    args = simple_parse_args_string(model_args) if isinstance(model_args, str) else dict(model_args or {})
+    impl = str(args.get("attn_implementation") or "")
+    names = [t if isinstance(t, str) else t.get("task") if isinstance(t, dict) else None for t in tasks or []]
+    ours = sorted(n for n in names if isinstance(n, str) and n in own_task_names())
+    if ours and impl:
+        from lm_eval_sink.capture import check_wrappable
+
+        check_wrappable(impl, f"task {ours[0]}", "pass attn_implementation=sdpa or eager in --model_args for it; other tasks may use flash in a separate call")
+
+
 def patch_evaluator() -> None:
     import lm_eval.evaluator as ev
 
     if getattr(ev.evaluate, _MARK, False):
         return
-    original = ev.evaluate
+    original, original_simple = ev.evaluate, ev.simple_evaluate
 
     @functools.wraps(original)
     def evaluate(lm: Any, task_dict: Any, *args: Any, **kwargs: Any) -> Any:
         check_backend(lm, task_dict)
         return original(lm, task_dict, *args, **kwargs)
 
+    signature = inspect.signature(original_simple)
+
+    @functools.wraps(original_simple)
+    def simple_evaluate(*args: Any, **kwargs: Any) -> Any:
+        try:
+            bound = signature.bind(*args, **kwargs).arguments
+        except TypeError:  # lm-eval's own error for bad arguments, unchanged
+            bound = {}
+        check_attention_request(bound.get("model_args"), bound.get("tasks"))
+        return original_simple(*args, **kwargs)
+
     setattr(evaluate, _MARK, True)
-    ev.evaluate = evaluate
+    ev.evaluate, ev.simple_evaluate = evaluate, simple_evaluate
 
 
 def patch_cli() -> None:

@@ -163,7 +163,10 @@ def _uses(node: Any, placeholder: str) -> bool:
 
 
 def _config_json(path: str) -> dict[str, Any]:
-    p = Path(path) / "config.json"
+    """A model's config.json (a hub id's from its snapshot in the local HF cache), {} when not on this machine."""
+    from lm_eval_sink.identity import cached_folder
+
+    p = (cached_folder(path) or Path(path)) / "config.json"
     try:
         data = json.loads(p.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
@@ -296,14 +299,22 @@ class _Checker:
                 self.fail(f"{where}.{key}" if where else str(key), f"unknown key in {what}{did_you_mean(str(key), allowed)}; mergekit would ignore it (allowed: {', '.join(allowed)})", "remove or correct the key")
 
     def model_ref(self, value: Any, key: str) -> str:
+        """A local folder (resolved) or a hub id, `org/name` or `org/name@REVISION` (kept as written; the revision must exist)."""
+        from lm_eval_sink.identity import looks_like_hub_id, model_identity, split_revision
         from lm_eval_sink.models import resolve_model
 
         if not isinstance(value, str) or not value.strip():
             self.fail(key, f"expected a model path (a string), got {value!r}", "write the model folder's path")
-        if "+" in value or "@" in value:
-            self.fail(key, f"{value!r}: '+' (LoRA) and '@' (revision) references are not supported by this validator", "merge a LoRA into its model first and pass the folder")
+        if "+" in value:
+            self.fail(key, f"{value!r}: '+' (LoRA) references are not supported by this validator", "merge a LoRA into its model first and pass the folder")
         try:
-            return resolve_model(value)
+            path, revision = split_revision(value)
+            if revision is None:
+                return resolve_model(value)
+            if Path(path).expanduser().exists() or not looks_like_hub_id(path):
+                raise UserError(f"{value!r}: '@{revision}' names a revision of a hub model (org/name), and {path} is not a hub id", "drop the '@...' for a local folder")
+            model_identity(value)  # the revision exists: in the local HF cache, or (online) on the hub
+            return value
         except UserError as e:
             raise UserError(f"{self.source}: {key}: {e.message}", e.hint) from None
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -66,20 +67,62 @@ def _isolated() -> Iterator[None]:
         torch.random.set_rng_state(states[2])
 
 
-def run_mergekit(text: str, out_dir: Path, random_seed: int | None = None, device: str = "cpu", quiet: bool = True) -> None:
-    """mergekit's `run_merge` on YAML text (already validated), writing into `out_dir`."""
+def _pinned(node: Any, pin) -> Any:
+    """A copy of a parsed mergekit config with `pin` applied to the ModelPath of every hub-id ModelReference."""
+    from mergekit.common import ModelReference
+    from pydantic import BaseModel
+
+    if isinstance(node, ModelReference):
+        return node if os.path.exists(node.model.path) else node.model_copy(update={"model": pin(node.model)})  # mergekit's own test for a hub id
+    if isinstance(node, BaseModel):
+        return node.model_copy(update={k: _pinned(getattr(node, k), pin) for k in type(node).model_fields})
+    if isinstance(node, list):
+        return [_pinned(v, pin) for v in node]
+    if isinstance(node, dict):
+        return {k: _pinned(v, pin) for k, v in node.items()}
+    return node
+
+
+def run_mergekit(text: str, out_dir: Path, random_seed: int | None = None, device: str = "cpu", quiet: bool = True, revisions: dict[str, str] | None = None) -> dict[str, str]:
+    """mergekit's `run_merge` on YAML text (already validated), writing into `out_dir`.
+
+    Every hub-id input (`org/name`, `org/name@REVISION`; base models, slices and tokenizer sources
+    included) is loaded at one commit: `revisions[ref]` when given, else what `identity.model_identity`
+    resolves. mergekit gets `org/name@<sha>`, or with HF_HUB_OFFLINE that commit's folder in the
+    local HF cache (mergekit lists a hub repo's files over the network even when they are cached);
+    `mergekit_config.yml` holds the `@<sha>` form. Returns {reference as written: commit sha}.
+    """
     import yaml
+    from mergekit.common import ModelPath
     from mergekit.config import MergeConfiguration
     from mergekit.merge import run_merge
     from mergekit.options import MergeOptions
 
+    from lm_eval_sink.identity import hub_offline, model_identity, snapshot_dir
     from lm_eval_sink.merging.methods import register
 
     register()
     config = MergeConfiguration.model_validate(yaml.safe_load(text))
+    pins: dict[str, str] = {}
+
+    def sha_of(path: ModelPath) -> str:
+        ref = str(path)
+        if ref not in pins:
+            pins[ref] = (revisions or {}).get(ref) or model_identity(ref)["revision"]
+        return pins[ref]
+
+    def loadable(path: ModelPath) -> ModelPath:
+        sha = sha_of(path)
+        snap = snapshot_dir(path.path, sha) if hub_offline() else None
+        return ModelPath(path=str(snap)) if snap else ModelPath(path=path.path, revision=sha)
+
+    recipe = _pinned(config, lambda p: ModelPath(path=p.path, revision=sha_of(p)))
+    to_load = _pinned(config, loadable)
+    source = text if not pins else f"# hub inputs pinned to their commits by lm-eval-sink: {', '.join(f'{r} -> {s}' for r, s in pins.items())}\n{recipe.to_yaml()}\n"
     options = MergeOptions(random_seed=random_seed, device=device, quiet=quiet, copy_tokenizer=True)
     with _isolated():
-        run_merge(config, str(out_dir), options=options, config_source=text)
+        run_merge(to_load, str(out_dir), options=options, config_source=source)
+    return pins
 
 
 def verify_checkpoint(folder: Path, expect_tokenizer: bool = True) -> tuple[int, tuple[str, ...]]:
@@ -115,23 +158,25 @@ def verify_checkpoint(folder: Path, expect_tokenizer: bool = True) -> tuple[int,
     return len(found), tuple(f.name for f in files)
 
 
-def _donor_has_tokenizer(config: ValidatedConfig) -> bool:
+def _donor_has_tokenizer(config: ValidatedConfig, identities: dict[str, dict[str, Any]]) -> bool:
     donor = config.base_model or config.inputs[0]
-    return any((Path(donor) / n).is_file() for n in _TOKENIZER_FILES)
+    return any(n in identities[donor]["files"] for n in _TOKENIZER_FILES)
 
 
 def merge_config(config: str | Path | ValidatedConfig, out: str | Path, random_seed: int | None = None, device: str = "cpu", force: bool = False, quiet: bool = True, key: str | None = None, extra: dict[str, Any] | None = None) -> MergeResult:
-    """Validate, merge in this process, verify, and publish `out` with its COMPLETE.json."""
+    """Validate, merge in this process (hub-id inputs at the commits their identities name), verify, and publish `out` with its COMPLETE.json."""
+    from lm_eval_sink.identity import FINGERPRINT_RULE
+    from lm_eval_sink.models import model_fingerprint
+
     vc = config if isinstance(config, ValidatedConfig) else validate_file(config)
     out = Path(out)
     check_output_dir(out, force, "OUT")
     key = key or merge_key(vc, random_seed)
+    identities = {p: model_fingerprint(p) for p in vc.inputs}
+    revisions = {p: ident["revision"] for p, ident in identities.items() if not Path(p).is_dir()}
     with staged_dir(out, force=force) as tmp:
-        run_mergekit(vc.text, tmp, random_seed=random_seed, device=device, quiet=quiet)
-        n_tensors, files = verify_checkpoint(tmp, expect_tokenizer=_donor_has_tokenizer(vc))
-        from lm_eval_sink.identity import FINGERPRINT_RULE
-        from lm_eval_sink.models import model_fingerprint
-
+        pins = run_mergekit(vc.text, tmp, random_seed=random_seed, device=device, quiet=quiet, revisions=revisions)
+        n_tensors, files = verify_checkpoint(tmp, expect_tokenizer=_donor_has_tokenizer(vc, identities))
         atomic_write_json(tmp / COMPLETE, {
             "schema_version": 1,
             "key": key,
@@ -139,9 +184,10 @@ def merge_config(config: str | Path | ValidatedConfig, out: str | Path, random_s
             "merge_method": vc.method,
             "config_sha256": sha256_text(vc.text),
             "random_seed": random_seed,
+            "hub_revisions": pins,
             "n_tensors": n_tensors,
             "weight_files": {f: (tmp / f).stat().st_size for f in files},
-            "provenance": provenance(config_source=vc.source, inputs=[model_fingerprint(p) for p in vc.inputs], device=device, **(extra or {})),
+            "provenance": provenance(config_source=vc.source, inputs=list(identities.values()), device=device, **(extra or {})),
         })
     return MergeResult(out=out, key=key, method=vc.method, n_tensors=n_tensors, weight_files=files)
 
