@@ -30,7 +30,8 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from bench_buckets import synth_ifeval  # noqa: E402
 
-from lm_eval_sink.buckets import BucketSettings, run_buckets  # noqa: E402
+from lm_eval_sink.buckets import BucketSettings  # noqa: E402
+from lm_eval_sink.commands.buckets import run_buckets  # noqa: E402
 from lm_eval_sink.io import atomic_write_json, sha256_file  # noqa: E402
 from lm_eval_sink.report.load import load_inputs  # noqa: E402
 from lm_eval_sink.report.render import write_report  # noqa: E402

@@ -434,7 +434,8 @@ def eval_cmd(model, protocol_name, protocol_file, tasks, limit, gen_kwargs, batc
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def buckets(reference, candidate, task, metric, filter_name, threshold, allow_partial, same_protocol, tokenizer, max_gen_toks, n_bootstrap, confidence, seed, failure_kinds, output, force, quiet) -> None:
     """Per-prompt regression buckets of CANDIDATE vs REFERENCE (lm-eval runs: results JSON, samples JSONL or output folder)."""
-    from lm_eval_sink.buckets import BucketSettings, run_buckets
+    from lm_eval_sink.buckets import BucketSettings
+    from lm_eval_sink.commands.buckets import run_buckets
 
     settings = BucketSettings(metric=metric, filter=filter_name, threshold=threshold, allow_partial=allow_partial, n_bootstrap=n_bootstrap,
                               confidence=confidence, seed=seed, failure_kinds=failure_kinds, max_gen_toks=max_gen_toks)
