@@ -138,7 +138,7 @@ def screen(model_names, pairs_file, last_k, prompts_file, n_prompts, rows, chat_
 @click.option("--force", is_flag=True, help="Overwrite earlier results.")
 def fit(pairs_file, output, force) -> None:
     """Fit S -> delta per task: Spearman rho, exact permutation p, line, leave-one-pair-out errors (no file: the paper's table)."""
-    from lm_eval_sink.predict import run_fit
+    from lm_eval_sink.commands.fit import run_fit
 
     for line in run_fit(pairs_file, output, force=force):
         click.echo(line)
@@ -154,7 +154,8 @@ def fit(pairs_file, output, force) -> None:
 @click.option("--output", type=click.Path(path_type=Path), default=None, help="Folder for margin.json/.md/.csv, margin_rows.npz and margin_heatmap.png (default: print only).")
 def margin(reference, candidate, quantile, last_k, strength_last_k, prompts_file, n_prompts, rows, chat_template, system_prompt, dtype, device, batch_size, force, quiet, output) -> None:
     """Per-head sink margins G_base - B_gap of CANDIDATE (e.g. a VLM backbone) against REFERENCE (its LLM)."""
-    from lm_eval_sink.margin import MarginSettings, run_margin
+    from lm_eval_sink.commands.margin import run_margin
+    from lm_eval_sink.margin import MarginSettings
     from lm_eval_sink.strength import StrengthSettings
 
     st = StrengthSettings(last_k=_last_k(strength_last_k), rows=rows, n_prompts=n_prompts, prompts_file=str(prompts_file) if prompts_file else None,
@@ -353,8 +354,7 @@ def vendor_show(model, registry_file, as_json) -> None:
 @click.option("--force", is_flag=True, help="Overwrite --output.")
 def attribute(references, candidates, use_vendor, registry_file, benchmarks_file, declared_lineage, mixture, baseline_protocol, allow_partial, output, force) -> None:
     """Attribute each benchmark's candidate-minus-reference gap to lineage, protocol, access vs capacity, construct and mixture."""
-    from lm_eval_sink.attribution import run_attribution, to_markdown, write_report
-    from lm_eval_sink.io import check_output_dir
+    from lm_eval_sink.commands.attribute import run_attribute
 
     facts = {}
     for item in mixture:
@@ -362,14 +362,9 @@ def attribute(references, candidates, use_vendor, registry_file, benchmarks_file
             raise UserError(f"--mixture {item!r} is not KEY=VALUE", "e.g. --mixture text_share=0.1")
         k, v = item.split("=", 1)
         facts[k.strip()] = v.strip()
-    if output is not None:
-        check_output_dir(output, force)
-    att = run_attribution(list(references), list(candidates), vendor=use_vendor, registry_file=registry_file, benchmarks_file=benchmarks_file,
-                          declared_lineage=declared_lineage, mixture=facts or None, baseline_protocol=baseline_protocol, allow_partial=allow_partial)
-    click.echo(to_markdown(att), nl=False)
-    if output is not None:
-        paths = write_report(att, output, force=force)
-        click.echo("wrote " + ", ".join(str(p) for p in paths.values()))
+    for line in run_attribute(list(references), list(candidates), output, force=force, vendor=use_vendor, registry_file=registry_file, benchmarks_file=benchmarks_file,
+                              declared_lineage=declared_lineage, mixture=facts or None, baseline_protocol=baseline_protocol, allow_partial=allow_partial):
+        click.echo(line)
 
 
 @cli.command("eval")
@@ -537,15 +532,10 @@ def sweep(sweep_file, output, force, delete_merged, quiet) -> None:
 @click.option("--force", is_flag=True, help="Overwrite an existing file.")
 def report(strength_files, margin_dir, buckets_dirs, attribution_dir, sweep_dir, title, output, force) -> None:
     """One self-contained HTML page for a reference/candidate pair from this project's outputs (works offline)."""
-    from lm_eval_sink.io import check_new_outputs
-    from lm_eval_sink.report.load import load_inputs
-    from lm_eval_sink.report.render import write_report
+    from lm_eval_sink.commands.report import run_report
 
-    if output.is_dir():
-        raise UserError(f"-o {output} is a folder", "pass a file path, e.g. -o report.html")
-    check_new_outputs([output], force)
-    inputs = load_inputs(output, strength=strength_files, margin=margin_dir, buckets=buckets_dirs, attribution=attribution_dir, sweep=sweep_dir, title=title)
-    click.echo(f"wrote {write_report(inputs, output)}")
+    for line in run_report(output, force=force, strength=strength_files, margin=margin_dir, buckets=buckets_dirs, attribution=attribution_dir, sweep=sweep_dir, title=title):
+        click.echo(line)
 
 
 @cli.command("protect-plan")
@@ -559,7 +549,7 @@ def report(strength_files, margin_dir, buckets_dirs, attribution_dir, sweep_dir,
 def protect_plan(model_name, last_k, threshold, min_pos0_fraction, tau, prompts_file, n_prompts, rows, chat_template, system_prompt, dtype, device, batch_size, force, quiet, output) -> None:
     """Choose the sink heads to protect during training (MODEL: folder, hub id or 'default'); see docs/training.md."""
     from lm_eval_sink.strength import StrengthSettings
-    from lm_eval_sink.training.protection import run_protect_plan
+    from lm_eval_sink.commands.protect_plan import run_protect_plan
 
     settings = StrengthSettings(last_k=_last_k(last_k), rows=rows, n_prompts=n_prompts, prompts_file=str(prompts_file) if prompts_file else None,
                                 use_chat_template=chat_template, system_prompt=system_prompt, batch_size=batch_size)

@@ -50,9 +50,3 @@ def render_html(inputs: ReportInputs) -> str:
     view = build_view(inputs)
     return env.get_template("report.html.j2").render(v=view, fig=figures(view))
 
-
-def write_report(inputs: ReportInputs, out: Path) -> Path:
-    """Render and write atomically (the caller has checked `out` may be written)."""
-    from lm_eval_sink.io import atomic_write_text
-
-    return atomic_write_text(Path(out), render_html(inputs))
