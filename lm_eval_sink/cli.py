@@ -181,11 +181,13 @@ def _echo_extraction(report) -> None:
         click.echo("verification: skipped (--no-verify); structural checks only")
     elif v.passed:
         click.echo(f"verification: max |logit difference| {v.max_abs_diff:.3g} <= {v.tolerance:.3g} ({v.dtype}, {v.probe_tokens} probe tokens): passed")
-    marker = "COMPLETE.json" if report.ok else "FAILED.json"
+    from lm_eval_sink.io import COMPLETE
+
+    marker = COMPLETE if report.ok else "FAILED.json"
     report_file = "extraction.json" if report.operation == "extract" else "injection.json"
     click.echo(f"wrote {report.output} ({report_file}, {marker})")
     if not report.ok:
-        raise UserError(f"verification failed: {v.reason}; the output is kept at {report.output} and marked failed (FAILED.json, no COMPLETE.json)",
+        raise UserError(f"verification failed: {v.reason}; the output is kept at {report.output} and marked failed (FAILED.json, no {COMPLETE})",
                         f"see {report_file} for the tensor mapping; the architecture rules do not reproduce this VLM's text path")
 
 
@@ -220,12 +222,6 @@ def inject(backbone, vlm_path, out_dir, verify, force, quiet) -> None:
 # --- protocols, vendor registry and gap attribution (issue 8) ---
 
 
-def _run_inputs(paths) -> list[dict]:
-    from lm_eval_sink.io import sha256_file
-
-    return [{"path": str(p), "sha256": sha256_file(p)} for p in paths]
-
-
 @cli.group()
 def protocol() -> None:
     """Protocol fingerprints of lm-eval runs: what was run, and how two runs differ."""
@@ -238,21 +234,10 @@ def protocol() -> None:
 @click.option("--force", is_flag=True, help="Overwrite --output.")
 def protocol_show(run, as_json, output, force) -> None:
     """Protocol fingerprint of RUN (a results JSON, samples JSONL or lm-eval output folder)."""
-    from lm_eval_sink.io import atomic_write_json, canonical_json, check_new_outputs, provenance
-    from lm_eval_sink.protocols import fingerprint_run, match_protocol, show_markdown
-    from lm_eval_sink.runs import resolve_run
+    from lm_eval_sink.commands.protocol import run_protocol_show
 
-    if output:
-        check_new_outputs([output], force)
-    files = resolve_run(run)
-    fp = fingerprint_run(files)
-    doc = {"schema_version": 1, "fingerprint": fp.to_json(), "named_protocol": match_protocol(fp),
-           "provenance": provenance(command="protocol show", inputs=_run_inputs([files.results]))}
-    if output:
-        atomic_write_json(output, doc)
-    click.echo(canonical_json(doc) if as_json else show_markdown(fp), nl=False)
-    if output:
-        click.echo(f"wrote {output}")
+    for line in run_protocol_show(run, as_json, output, force=force):
+        click.echo(line)
 
 
 @protocol.command("diff")
@@ -263,23 +248,10 @@ def protocol_show(run, as_json, output, force) -> None:
 @click.option("--force", is_flag=True, help="Overwrite --output.")
 def protocol_diff(run_a, run_b, as_json, output, force) -> None:
     """Only the protocol fields that differ between RUN_A and RUN_B, each marked whether it can change scores."""
-    from lm_eval_sink.io import atomic_write_json, canonical_json, check_new_outputs, provenance
-    from lm_eval_sink.protocols import check_common_tasks, diff, diff_markdown, fingerprint_run
-    from lm_eval_sink.runs import resolve_run
+    from lm_eval_sink.commands.protocol import run_protocol_diff
 
-    if output:
-        check_new_outputs([output], force)
-    fa, fb = resolve_run(run_a), resolve_run(run_b)
-    a, b = fingerprint_run(fa), fingerprint_run(fb)
-    check_common_tasks(a, b)
-    diffs = diff(a, b)
-    doc = {"schema_version": 1, "a": str(fa.results), "b": str(fb.results), "differences": [d.to_json() for d in diffs],
-           "identical": not diffs, "provenance": provenance(command="protocol diff", inputs=_run_inputs([fa.results, fb.results]))}
-    if output:
-        atomic_write_json(output, doc)
-    click.echo(canonical_json(doc) if as_json else diff_markdown(diffs, str(fa.results), str(fb.results)), nl=False)
-    if output:
-        click.echo(f"wrote {output}")
+    for line in run_protocol_diff(run_a, run_b, as_json, output, force=force):
+        click.echo(line)
 
 
 class _ManyValues(click.Command):
@@ -466,17 +438,13 @@ def configs_list() -> None:
 @click.option("--force", is_flag=True, help="Overwrite an existing file.")
 def configs_render(name, reference, candidate, base, tokenizer_source, output, force) -> None:
     """Fill a bundled control (NAME) for one model pair and write plain mergekit YAML."""
-    from lm_eval_sink.io import atomic_write_text, check_new_outputs
-    from lm_eval_sink.merging.configs import render
+    from lm_eval_sink.commands.configs import run_configs_render
 
-    if output.is_dir():
-        raise UserError(f"-o {output} is a folder", "pass a file path, e.g. -o tsv.yaml")
-    check_new_outputs([output], force)
-    rendered = render(name, reference, candidate, base=base, tokenizer_source=tokenizer_source)
-    atomic_write_text(output, rendered.text)
-    for warning in rendered.warnings:
+    warnings, lines = run_configs_render(name, reference, candidate, output, base=base, tokenizer_source=tokenizer_source, force=force)
+    for warning in warnings:
         click.echo(f"warning: {warning}", err=True)
-    click.echo(f"{rendered.name} ({rendered.lineage} lineage: {rendered.formula}) -> {output}")
+    for line in lines:
+        click.echo(line)
 
 
 @configs.command("validate")

@@ -104,7 +104,7 @@ def test_statistics_modules_import_no_torch():
     assert out == {m: [] for m in TORCH_FREE}
 
 
-def test_core_modules_do_no_file_io():
-    assert {m: _file_io_calls(m) for m in CORE} == {m: [] for m in CORE}
+def test_core_modules_and_the_cli_do_no_file_io():
+    assert {m: _file_io_calls(m) for m in (*CORE, "cli")} == {m: [] for m in (*CORE, "cli")}
     # the check itself finds the calls a command module makes
     assert "write_outputs: staged_dir" in _file_io_calls("commands.buckets") and "run_report: atomic_write_text" in _file_io_calls("commands.report")
