@@ -108,3 +108,10 @@ def test_core_modules_and_the_cli_do_no_file_io():
     assert {m: _file_io_calls(m) for m in (*CORE, "cli")} == {m: [] for m in (*CORE, "cli")}
     # the check itself finds the calls a command module makes
     assert "write_outputs: staged_dir" in _file_io_calls("commands.buckets") and "run_report: atomic_write_text" in _file_io_calls("commands.report")
+
+
+def test_core_modules_import_no_command():
+    graph = _import_graph()
+    uses = {m: sorted(d for d in graph[f"lm_eval_sink.{m}"] if d.startswith("lm_eval_sink.commands")) for m in CORE}
+    assert uses == {m: [] for m in CORE}
+    assert "lm_eval_sink.buckets" in graph["lm_eval_sink.commands.buckets"]  # the commands' imports are read
