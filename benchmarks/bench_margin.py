@@ -44,7 +44,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)  # the shared CI box: one thread gives stable ratios
 
-    from lm_eval_sink.margin import MarginSettings, lemma1_synthetic, margin_table_markdown, measure_margin
+    from lm_eval_sink.commands.margin import measure_margin
+    from lm_eval_sink.margin import MarginSettings, lemma1_synthetic, margin_table_markdown
     from lm_eval_sink.models import default_model_dir, load_model
     from lm_eval_sink.strength import StrengthSettings, measure
 

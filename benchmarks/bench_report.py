@@ -30,10 +30,12 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from bench_buckets import synth_ifeval  # noqa: E402
 
-from lm_eval_sink.buckets import BucketSettings, run_buckets  # noqa: E402
+from lm_eval_sink.buckets import BucketSettings  # noqa: E402
+from lm_eval_sink.commands.buckets import run_buckets  # noqa: E402
 from lm_eval_sink.io import atomic_write_json, sha256_file  # noqa: E402
-from lm_eval_sink.report.load import load_inputs  # noqa: E402
-from lm_eval_sink.report.render import write_report  # noqa: E402
+from lm_eval_sink.commands.report import load_inputs  # noqa: E402
+from lm_eval_sink.io import atomic_write_text  # noqa: E402
+from lm_eval_sink.report.render import render_html  # noqa: E402
 from lm_eval_sink.runs import read_samples  # noqa: E402
 
 N_CHECKPOINTS = 8
@@ -88,7 +90,7 @@ def main() -> int:
     report = root / "report.html"
 
     def run() -> None:
-        write_report(load_inputs(report, buckets=buckets, sweep=sweep), report)
+        atomic_write_text(report, render_html(load_inputs(report, buckets=buckets, sweep=sweep)))
 
     def timed(fn) -> float:
         t = time.perf_counter()

@@ -265,7 +265,8 @@ def train_run(name: str, start_dir: Path, plan_path: Path, out: Path, cfg: Confi
 
 def margin_of(start_dir: Path, model_dir: Path, path: Path, cfg: Config) -> dict:
     from lm_eval_sink.io import atomic_write_json, read_json
-    from lm_eval_sink.margin import MarginSettings, measure_margin
+    from lm_eval_sink.commands.margin import measure_margin
+    from lm_eval_sink.margin import MarginSettings
     from lm_eval_sink.strength import StrengthSettings
 
     if path.is_file():

@@ -20,8 +20,9 @@ benchmark family this module reports the observed gap (candidate minus reference
   (benchmarks.py: the task table `buckets` reads too);
 - mixture: the recipe facts the user declares, shown, never inferred.
 
-The computing functions take plain values and sample rows; the loaders at the end read lm-eval
-runs and registry entries into `Measurement`s. No torch, no transformers.
+The functions take plain values, parsed results and sample rows and return data: reading lm-eval
+runs, model folders and the registry, and writing the report folder, is commands/attribute.py's.
+No torch, no transformers, no file I/O.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lm_eval_sink.benchmarks import Benchmark, benchmark_of, load_benchmarks
+from lm_eval_sink.benchmarks import Benchmark, benchmark_of
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.pairing import index_docs, outcome, pair_docs
+from lm_eval_sink.tables import markdown_lines
 
 SCHEMA_VERSION = 1
 LINEAGE_STATUSES = ("same_checkpoint", "parent", "not_parent", "unknown", "mismatched")
@@ -381,7 +383,7 @@ def to_markdown(att: Attribution) -> str:
     for b in att.benchmarks:
         L += ["", f"## {b['benchmark']} (construct: {b['construct']}: {b['construct_why']})", ""]
         if b["comparisons"]:
-            L += ["| protocol | kind | reference | candidate | gap | access | capacity | protocol part | split from | note |", "|---|---|---|---|---|---|---|---|---|---|"]
+            rows = []
             for r in b["comparisons"]:
                 notes = []
                 if r.get("non_final"):
@@ -397,8 +399,9 @@ def to_markdown(att: Attribution) -> str:
                                  + (f", prompt hashes differ on {pp['prompt_hash_differs']}" if pp["prompt_hash_differs"] else ""))
                 ref = r["reference"].get("strict")
                 cand = r["candidate"].get("strict")
-                L.append(f"| {r['protocol']} | {r['kind']} | {r['reference']['model']} {_f(ref, False)} | {r['candidate']['model']} {_f(cand, False)} | "
-                         f"{_f(r['gap'])} | {_f(r['access'])} | {_f(r['capacity'])} | {_f(r['protocol_part'])} | {r['split_from'] or '-'} | {'; '.join(notes)} |")
+                rows.append([r["protocol"], r["kind"], f"{r['reference']['model']} {_f(ref, False)}", f"{r['candidate']['model']} {_f(cand, False)}",
+                             _f(r["gap"]), _f(r["access"]), _f(r["capacity"]), _f(r["protocol_part"]), r["split_from"] or "-", "; ".join(notes)])
+            L += markdown_lines(["protocol", "kind", "reference", "candidate", "gap", "access", "capacity", "protocol part", "split from", "note"], rows)
         pe = b["protocol_effect"]
         if pe:
             gaps = ", ".join(f"{_f(g[0])} under {p}" + (f" ({len(g)} sources)" if len(g) > 1 else "") for p, g in pe["gaps"].items())
@@ -411,13 +414,14 @@ def to_markdown(att: Attribution) -> str:
         for u in b["unpaired"]:
             L.append(f"- no partner: {u['role']} {u['model']} under {u['protocol']} ({_f(u['strict'], False)})")
         if b["vendor"]:
-            L += ["", "| model | vendor says | source | measured | protocol | measured - vendor | protocol differences |", "|---|---|---|---|---|---|---|"]
+            rows = []
             for v in b["vendor"]:
                 diffs = "; ".join(f"{d['field']}: vendor {d['vendor']} vs {d['measured']}" for d in v["protocol_differences"]) or "none found"
                 if v["vendor_unstated"]:
                     diffs += f" (vendor does not state {', '.join(v['vendor_unstated'])})"
-                L.append(f"| {v['model']} | {_f(v['vendor']['value'], False)} | {v['vendor']['source']['id']} | {_f(v['measured']['value'], False)} | "
-                         f"{v['measured']['protocol']} | {_f(v['measured_minus_vendor'])} | {diffs} |")
+                rows.append([v["model"], _f(v["vendor"]["value"], False), v["vendor"]["source"]["id"], _f(v["measured"]["value"], False),
+                             v["measured"]["protocol"], _f(v["measured_minus_vendor"]), diffs])
+            L += ["", *markdown_lines(["model", "vendor says", "source", "measured", "protocol", "measured - vendor", "protocol differences"], rows)]
     return "\n".join(L) + "\n"
 
 
@@ -451,7 +455,7 @@ def plot_rows(att: Attribution) -> list[dict[str, Any]]:
     return bars
 
 
-# --- loading runs and registry entries -------------------------------------------------------
+# --- measurements of parsed runs and registry entries---------------------------------------------------
 
 
 def _results_value(results: dict[str, Any], task: str, key: str, where: str) -> float:
@@ -466,86 +470,12 @@ def _results_value(results: dict[str, Any], task: str, key: str, where: str) -> 
     return 100.0 * float(v)
 
 
-def _model_card(path: Path) -> list[tuple[str, str]]:
-    """Parents a local model folder states: README front matter `base_model`, and config fields."""
-    out: list[tuple[str, str]] = []
-    readme = path / "README.md"
-    if readme.is_file():
-        text = readme.read_text(encoding="utf-8", errors="replace")
-        if text.startswith("---"):
-            end = text.find("\n---", 3)
-            if end > 0:
-                import yaml
+def run_measurements(results: dict[str, Any], fp: Any, info: dict[str, Any], source: dict[str, Any], samples: dict[str, Path], role: str, benchmarks: dict[str, Benchmark]) -> list[Measurement]:
+    """The measurements of one lm-eval run (one per task that belongs to a scored family); `benchmarks` gains the unknown tasks."""
+    from lm_eval_sink.protocols import match_protocol
 
-                try:
-                    meta = yaml.safe_load(text[3:end]) or {}
-                except yaml.YAMLError:
-                    meta = {}
-                base = meta.get("base_model") if isinstance(meta, dict) else None
-                for b in [base] if isinstance(base, str) else (base or []):
-                    out.append((str(b), "model card base_model"))
-    cfg_path = path / "config.json"
-    if cfg_path.is_file():
-        try:
-            cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            cfg = {}
-        for dotted in LINEAGE_CONFIG_FIELDS:
-            node: Any = cfg
-            for part in dotted.split("."):
-                node = node.get(part) if isinstance(node, dict) else None
-            if isinstance(node, str) and node:
-                out.append((node, f"config.json {dotted}"))
-    return out
-
-
-def model_info(pretrained: str | None, registry: Any = None) -> dict[str, Any]:
-    """Identity, names and stated parents of a model given by a path or hub id."""
-    key = str(pretrained or "unknown").rstrip("/")
-    names = [key]
-    parents: list[tuple[str, str]] = []
-    p = Path(key)
-    if p.is_dir():
-        key = str(p.resolve())
-        names.append(p.resolve().name)
-        cfg = p / "config.json"
-        if cfg.is_file():
-            try:
-                nop = json.loads(cfg.read_text(encoding="utf-8")).get("_name_or_path")
-            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-                nop = None
-            if nop:
-                names.append(str(nop))
-        parents += _model_card(p)
-    reg_name = None
-    if registry is not None:
-        for n in names:
-            reg_name = registry.identify(n)
-            if reg_name:
-                break
-        if reg_name:
-            entry = registry.models[reg_name]
-            names += sorted(entry.names())
-            if entry.parent:
-                parents.append((entry.parent["model"], f"vendor registry ({entry.parent['source']})"))
-    return {"key": key, "names": names, "parents": parents, "registry_model": reg_name, "display": reg_name or Path(key).name or key}
-
-
-def measurements_from_run(arg: str, role: str, benchmarks: dict[str, Benchmark], registry: Any = None) -> tuple[list[Measurement], dict[str, Any], dict[str, Any]]:
-    """The measurements of one lm-eval run (one per task that belongs to a scored family)."""
-    from lm_eval_sink.identity import local_identity
-    from lm_eval_sink.io import sha256_file
-    from lm_eval_sink.protocols import fingerprint, match_protocol
-    from lm_eval_sink.runs import load_results, resolve_run
-
-    files = resolve_run(arg)
-    results = load_results(files)
-    fp = fingerprint(results, source=files.results)
-    info = model_info(fp.run.get("pretrained") or fp.run.get("model_name"), registry)
-    if fp.run.get("revision") not in (None, "main"):
-        info["key"] += f"@{fp.run['revision']}"
+    where = source["path"]
     named = match_protocol(fp)
-    source = {"kind": "run", "path": str(files.results), "sha256": sha256_file(files.results), "model_identity": local_identity(fp.run.get("pretrained"))}
     out = []
     for task in fp.tasks:
         bench = benchmark_of(task, benchmarks)
@@ -558,17 +488,16 @@ def measurements_from_run(arg: str, role: str, benchmarks: dict[str, Benchmark],
                 continue
             bench = Benchmark(task, (task,), "unknown", keys[0], None, f"not in benchmarks.yaml; scored by {keys[0]} (the first metric)")
             benchmarks[task] = bench
-        strict = _results_value(results, task, bench.strict, str(files.results))
-        lenient = _results_value(results, task, bench.lenient, str(files.results)) if bench.lenient else None
+        strict = _results_value(results, task, bench.strict, where)
+        lenient = _results_value(results, task, bench.lenient, where) if bench.lenient else None
         key = fp.harness_sha(tasks=(task,))
         n = ((results.get("n-samples") or {}).get(task) or {}).get("effective")
-        samples = str(files.samples[task]) if task in files.samples else None
         out.append(Measurement(role=role, model=info["display"], model_key=info["key"], benchmark=bench.name, task=task, strict=strict, lenient=lenient,
                                protocol_key=f"run:{key}", protocol_label=named or f"custom-{fp.harness_sha()[:8]}", source=source, registry_model=info["registry_model"],
-                               samples=samples, limit=fp.harness.get("limit"), n=n, fingerprint=fp))
+                               samples=str(samples[task]) if task in samples else None, limit=fp.harness.get("limit"), n=n, fingerprint=fp))
     if not out:
-        raise UserError(f"{files.results}: no scored task in this run ({', '.join(fp.tasks)})", "pass a run of benchmark tasks (e.g. ifeval, gsm8k_cot)")
-    return out, info, source
+        raise UserError(f"{where}: no scored task in this run ({', '.join(fp.tasks)})", "pass a run of benchmark tasks (e.g. ifeval, gsm8k_cot)")
+    return out
 
 
 def measurements_from_registry(arg: str, role: str, registry: Any) -> tuple[list[Measurement], dict[str, Any], dict[str, Any]]:
@@ -598,73 +527,3 @@ def relabel(measurements: list[Measurement]) -> list[Measurement]:
             keys.setdefault((m.benchmark, m.protocol_label), set()).add(m.protocol_key)
     return [replace(m, protocol_label=f"{m.protocol_label}-{m.protocol_key[4:12]}")
             if m.protocol_key.startswith("run:") and len(keys[(m.benchmark, m.protocol_label)]) > 1 else m for m in measurements]
-
-
-def _load(args: list[str], role: str, benchmarks: dict[str, Benchmark], registry: Any) -> tuple[list[Measurement], list[dict[str, Any]], list[dict[str, Any]]]:
-    meas, infos, inputs = [], [], []
-    for arg in args:
-        if str(arg).startswith("vendor:"):
-            m, info, src = measurements_from_registry(str(arg), role, registry)
-        else:
-            m, info, src = measurements_from_run(str(arg), role, benchmarks, registry)
-        meas += m
-        infos.append(info)
-        inputs.append({"role": role, "arg": str(arg), **src})
-    return meas, infos, inputs
-
-
-def run_attribution(references: list[str], candidates: list[str], *, vendor: bool = False, registry_file: str | Path | None = None,
-                    benchmarks_file: str | Path | None = None, declared_lineage: str | None = None, mixture: dict[str, str] | None = None,
-                    baseline_protocol: str | None = None, allow_partial: bool = False) -> Attribution:
-    """Load runs (paths) and registry entries (`vendor:ID` / `vendor:MODEL`) and attribute the gaps."""
-    from lm_eval_sink.runs import read_samples
-    from lm_eval_sink.vendors import load_registry
-
-    if not references or not candidates:
-        raise UserError("attribute needs at least one --reference and one --candidate", "pass runs (lm-eval output folders or results JSON) or vendor:ENTRY")
-    benchmarks = load_benchmarks(benchmarks_file)
-    uses_registry = vendor or any(str(a).startswith("vendor:") for a in [*references, *candidates])
-    registry = load_registry(registry_file)  # also recognises models by name for lineage; its scores only with vendor:/--vendor
-    ref_m, ref_info, ref_in = _load(references, "reference", benchmarks, registry)
-    cand_m, cand_info, cand_in = _load(candidates, "candidate", benchmarks, registry)
-    allm = relabel([*ref_m, *cand_m])
-    ref_m, cand_m = allm[: len(ref_m)], allm[len(ref_m):]
-    pairs: dict[tuple[str, str], dict[str, Any]] = {}
-    for ri in ref_info:
-        for ci in cand_info:
-            if (ri["key"], ci["key"]) not in pairs:
-                li = lineage(ri, ci, declared_lineage)
-                pairs[(ri["key"], ci["key"])] = {"reference": ri["display"], "candidate": ci["display"], **li}
-    reported, vendor_scores = [], []
-    if uses_registry:
-        ref_names = {i["registry_model"] for i in ref_info if i["registry_model"]}
-        cand_names = {i["registry_model"] for i in cand_info if i["registry_model"]}
-        reported = [g for r in sorted(ref_names) for c in sorted(cand_names) if r != c for g in registry.gaps_between(r, c)]
-        if vendor:
-            vendor_scores = [s for n in sorted(ref_names | cand_names) for s in registry.scores_of(n) if s.source.kind == "vendor"]
-    cache: dict[str, list[dict[str, Any]]] = {}
-
-    def rows(path: str) -> list[dict[str, Any]]:
-        if path not in cache:
-            cache[path] = read_samples(Path(path))
-        return cache[path]
-
-    return attribute(ref_m, cand_m, benchmarks=benchmarks, lineage_info=list(pairs.values()), reported_gaps=reported, vendor_scores=vendor_scores,
-                     mixture=mixture, baseline_protocol=baseline_protocol, allow_partial=allow_partial, samples_rows=rows, inputs=[*ref_in, *cand_in])
-
-
-def write_report(att: Attribution, out_dir: str | Path, force: bool = False) -> dict[str, Path]:
-    """attribution.json (with provenance), attribution.md and attribution.png in `out_dir`, built atomically."""
-    from lm_eval_sink.io import atomic_write_json, atomic_write_text, canonical_json, provenance, sha256_text, staged_dir
-    from lm_eval_sink.plots import gap_parts
-
-    out_dir = Path(out_dir)
-    body = att.to_json()
-    doc = {**body, "provenance": provenance(command="attribute", inputs=att.inputs, result_sha256=sha256_text(canonical_json(body)))}
-    with staged_dir(out_dir, force=force) as tmp:
-        atomic_write_json(tmp / "attribution.json", doc)
-        atomic_write_text(tmp / "attribution.md", to_markdown(att))
-        footer = f"lm-eval-sink attribute; result sha256 {doc['provenance']['result_sha256'][:16]}; inputs: " + ", ".join(
-            Path(i.get("path") or i.get("arg")).name for i in att.inputs)
-        gap_parts(plot_rows(att), tmp / "attribution.png", title="gap = candidate - reference (points), split into its parts", footer=footer)
-    return {"json": out_dir / "attribution.json", "markdown": out_dir / "attribution.md", "png": out_dir / "attribution.png"}

@@ -18,19 +18,16 @@
   (the lenient filter still finds the right answer) and wrong answers.
 Task knowledge (default metric and filter = the strict key, kind, lenient filter, IFEval checker) is data:
 data/benchmarks.yaml, the table `attribute` reads too (benchmarks.py).
-`run_buckets` resolves two runs, adds both runs' provenance and protocol (the protocols.py fingerprint
-of each run for the task; its differences from protocols.task_diff) and writes the outputs.
-numpy/scipy only: no torch or transformers here.
+`protocol_record` / `protocol_differences` turn both runs' protocols.py fingerprints into the report's
+`runs` and `protocol_differences`; `with_runs` attaches them. Resolving runs, hashing files and writing
+the output folder is the command's (commands/buckets.py). numpy/scipy only, no file I/O here.
 """
 
 from __future__ import annotations
 
-import csv
-import io as _io
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -40,6 +37,7 @@ from lm_eval_sink.errors import UserError
 from lm_eval_sink.failure_kinds import classify_ifeval, is_truncated, kind_counts, max_gen_toks_in, max_gen_toks_of
 from lm_eval_sink.schema import did_you_mean
 from lm_eval_sink.pairing import filter_of, index_docs, outcome, pair_docs
+from lm_eval_sink.tables import csv_text, markdown_lines
 
 log = logging.getLogger(__name__)
 
@@ -495,7 +493,7 @@ def _format_split(regressions, candidate_samples, lenient: str, metric: str, by_
     return {"lenient_filter": lenient, "format_failure": len(fmt), "wrong_answer": len(wrong), "unknown": len(unknown), "format_failure_ids": fmt, "wrong_answer_ids": wrong}
 
 
-# --- runs, provenance and outputs (I/O) -----------------------------------------------------------
+# --- protocol records (pure: from protocols.py fingerprints) ---------------------------------------
 
 _HF_BACKENDS = ("hf", "hf-auto", "huggingface")
 _HF_DEFAULT_MAX_GEN_TOKS = 256  # lm_eval.models.huggingface.HFLM.max_gen_toks (0.4.13)
@@ -509,45 +507,20 @@ def _field_name(field: str, task: str) -> str:
     return _FIELD_NAMES.get(head, head) + dot + rest
 
 
-def run_fingerprint(run) -> tuple[Any, str | None]:
-    """(the run's protocol fingerprint, None), or (None, why the protocol is unknown)."""
-    from lm_eval_sink.protocols import fingerprint
-    from lm_eval_sink.runs import load_results
-
-    if run.results is None:
-        return None, "no results_<time>.json beside the samples: model and protocol unknown"
-    results = load_results(run)
-    try:
-        return fingerprint(results, source=run.results), None
-    except UserError as e:  # the samples are enough to bucket; the record says why the protocol is missing
-        return None, f"{e.message}: protocol unknown"
-
-
-def run_record(run, fp, reason: str | None, task: str, samples_path: Path) -> dict[str, Any]:
-    """Model, protocol (the fingerprint's fields for `task`) and file fingerprints of one run."""
-    from lm_eval_sink.identity import local_identity
-    from lm_eval_sink.io import sha256_file
+def protocol_record(fp, task: str) -> dict[str, Any]:
+    """Model and protocol of one run for `task`, from its fingerprint (buckets.json `runs.<side>`, less the file hashes)."""
     from lm_eval_sink.protocols import task_view
 
-    rec: dict[str, Any] = {"samples_file": str(samples_path), "samples_sha256": sha256_file(samples_path), "task": task,
-                           "results_file": None if run.results is None else str(run.results)}
-    if run.results is not None:
-        rec["results_sha256"] = sha256_file(run.results)
-    if fp is None:
-        rec.update(model=None, protocol=None, lm_eval_version=None, reason=reason)
-        return rec
-    rec.update(
-        model=fp.run["model_name"] or fp.run["pretrained"],
-        model_args=fp.run["model_args"],
-        model_sha=fp.run["model_sha"],
-        model_identity=local_identity(fp.run["pretrained"]),
-        protocol={_field_name(k, task): v for k, v in task_view(fp, task).items()},
-        harness_sha=fp.harness_sha(tasks=(task,)),
-        lm_eval_version=fp.harness["lm_eval_version"],
-        task_hash=(fp.run["task_hashes"] or {}).get(task),
-        default_max_gen_toks=_run_max_gen_toks(fp, task),
-    )
-    return rec
+    return {
+        "model": fp.run["model_name"] or fp.run["pretrained"],
+        "model_args": fp.run["model_args"],
+        "model_sha": fp.run["model_sha"],
+        "protocol": {_field_name(k, task): v for k, v in task_view(fp, task).items()},
+        "harness_sha": fp.harness_sha(tasks=(task,)),
+        "lm_eval_version": fp.harness["lm_eval_version"],
+        "task_hash": (fp.run["task_hashes"] or {}).get(task),
+        "default_max_gen_toks": _run_max_gen_toks(fp, task),
+    }
 
 
 def _run_max_gen_toks(fp, task: str) -> dict[str, Any] | None:
@@ -575,59 +548,18 @@ def protocol_differences(ref_fp, cand_fp, task: str) -> dict[str, Any]:
     return {_field_name(d.field, task): {"reference": d.a, "candidate": d.b, "affects_scores": d.affects_scores} for d in task_diff(ref_fp, cand_fp, (task,))}
 
 
-def _as_fallback(record: Mapping[str, Any] | None) -> tuple[int, str] | None:
-    return (record["value"], record["source"]) if record else None
-
-
-def _pick_task(ref_run, cand_run, task: str | None) -> tuple[str, Path, Path]:
-    if task is not None:
-        return task, ref_run.samples_for(task)[1], cand_run.samples_for(task)[1]
-    for run in (ref_run, cand_run):
-        if not run.samples:
-            run.samples_for(None)  # raises: the run has no samples files
-    common = sorted(set(ref_run.samples) & set(cand_run.samples))
-    if len(common) == 1:
-        return common[0], ref_run.samples[common[0]], cand_run.samples[common[0]]
-    if len(common) > 1:
-        raise UserError(f"both runs hold samples of several tasks ({', '.join(common)})", "choose one with --task")
-    if len(ref_run.samples) == 1 and len(cand_run.samples) == 1 and (ref_run.timestamp is None or cand_run.timestamp is None):
-        (rt, rp), (_, cp) = next(iter(ref_run.samples.items())), next(iter(cand_run.samples.items()))
-        return rt, rp, cp  # a renamed samples file: its name says nothing; the docs are checked below
-    raise UserError(f"the runs hold samples of different tasks: reference {', '.join(sorted(ref_run.samples))}; candidate {', '.join(sorted(cand_run.samples))}", "pass two runs of the same task, or name it with --task")
-
-
-def compare_runs(reference: str | Path, candidate: str | Path, task: str | None = None, settings: BucketSettings = BucketSettings(), *, tokenizer: str | None = None, same_protocol: bool = False, progress: bool = False) -> BucketReport:
-    """Resolve two lm-eval runs, bucket one task's samples, attach both runs' provenance."""
-    from lm_eval_sink.io import provenance
-    from lm_eval_sink.runs import read_samples, resolve_run
-
-    ref_run, cand_run = resolve_run(reference), resolve_run(candidate)
-    task, ref_path, cand_path = _pick_task(ref_run, cand_run, task)
-    fps = {"reference": run_fingerprint(ref_run), "candidate": run_fingerprint(cand_run)}
-    runs = {"reference": run_record(ref_run, *fps["reference"], task, ref_path), "candidate": run_record(cand_run, *fps["candidate"], task, cand_path)}
-    if same_protocol:
-        unknown = [f"{side}: {reason}" for side, (fp, reason) in fps.items() if fp is None]
-        if unknown:
-            raise UserError(f"--same-protocol cannot be checked ({'; '.join(unknown)})", "pass runs with their lm-eval results files, or drop --same-protocol")
-    diffs = protocol_differences(fps["reference"][0], fps["candidate"][0], task)
-    if same_protocol and diffs:
-        shown = "; ".join(f"{k}: {v['reference']!r} vs {v['candidate']!r}" for k, v in diffs.items())
-        raise UserError(f"the runs differ in protocol ({shown[:300]})", "re-run one model with the other's protocol, or drop --same-protocol")
-    count_tokens = None
-    if tokenizer is not None:
-        from lm_eval_sink.failure_kinds import tokenizer_counter
-
-        count_tokens = tokenizer_counter(tokenizer)
-    report = bucket(read_samples(ref_path), read_samples(cand_path), task, settings, count_tokens=count_tokens, fallback_max_gen_toks=_as_fallback(runs["candidate"].get("default_max_gen_toks")),
-                    labels=(f"reference samples {ref_path}", f"candidate samples {cand_path}"), progress=progress)
+def with_runs(report: BucketReport, runs: dict[str, Any], diffs: dict[str, Any], provenance: dict[str, Any]) -> BucketReport:
+    """`report` with both runs' records, their protocol differences and the notes they imply."""
     notes = list(report.notes)
     if diffs:
         notes.append("protocols differ in " + ", ".join(diffs) + ": the delta mixes model and protocol effects")
     limits = {k: runs[k]["protocol"]["limit"] for k in runs if runs[k].get("protocol") and runs[k]["protocol"].get("limit") is not None}
     if limits:
         notes.append("non-final: run with --limit (" + ", ".join(f"{k} {v:g}" for k, v in limits.items()) + "); these are not full-benchmark scores")
-    prov = provenance(command="buckets", tokenizer=tokenizer, inputs={k: {"samples_sha256": v["samples_sha256"], "results_sha256": v.get("results_sha256")} for k, v in runs.items()})
-    return replace(report, runs=runs, protocol_differences=diffs, notes=notes, provenance=prov)
+    return replace(report, runs=runs, protocol_differences=diffs, notes=notes, provenance=provenance)
+
+
+# --- reports (text) --------------------------------------------------------------------------------
 
 
 def _fmt(x: Any, pct: bool = False) -> str:
@@ -651,29 +583,31 @@ def summary_markdown(report: Mapping[str, Any], top: int = 15) -> str:
     lines += [f"- paired docs: {report['n']}", ""]
     if report.get("counts"):
         n = report["n"]
-        lines += ["| bucket | prompts | share |", "|---|---|---|"]
-        lines += [f"| {b} | {report['counts'][b]} | {100 * report['counts'][b] / n:.1f}% |" for b in BUCKETS]
+        lines += markdown_lines(["bucket", "prompts", "share"], [[b, report["counts"][b], f"{100 * report['counts'][b] / n:.1f}%"] for b in BUCKETS])
         lines.append("")
     else:
         lines += [f"buckets: {report['counts_reason']}", ""]
     lo, hi = report["delta_ci"]
     conf = round(100 * report["settings"]["confidence"])
     unit = " (points)" if pct else ""
-    lines += [f"| score{unit} | reference | candidate | delta [{conf}% CI] | McNemar p | Wilcoxon p |", "|---|---|---|---|---|---|"]
-    lines.append(f"| {report['metric']} | {_fmt(report['reference_score'], pct)} | {_fmt(report['candidate_score'], pct)} | {_fmt(report['delta'], pct)} [{_fmt(lo, pct)}, {_fmt(hi, pct)}] | {_fmt(report['mcnemar_p'])} | {_fmt(report['wilcoxon_p'])} |")
+    scores = [[report["metric"], _fmt(report["reference_score"], pct), _fmt(report["candidate_score"], pct), f"{_fmt(report['delta'], pct)} [{_fmt(lo, pct)}, {_fmt(hi, pct)}]",
+               _fmt(report["mcnemar_p"]), _fmt(report["wilcoxon_p"])]]
     il = report.get("instruction_level")
     if il:
         lo, hi = il["delta_ci"]
-        lines.append(f"| {il['metric']} ({il['n_instructions']} instructions, cluster bootstrap) | {_fmt(il['reference_score'], True)} | {_fmt(il['candidate_score'], True)} | {_fmt(il['delta'], True)} [{_fmt(lo, True)}, {_fmt(hi, True)}] | n/a | n/a |")
+        scores.append([f"{il['metric']} ({il['n_instructions']} instructions, cluster bootstrap)", _fmt(il["reference_score"], True), _fmt(il["candidate_score"], True),
+                       f"{_fmt(il['delta'], True)} [{_fmt(lo, True)}, {_fmt(hi, True)}]", "n/a", "n/a"])
     pr = report.get("pass_rate")
     if pr:
         lo, hi = pr["delta_ci"]
-        lines.append(f"| pass rate (score >= {pr['threshold']:g}) | {_fmt(pr['reference'], True)} | {_fmt(pr['candidate'], True)} | {_fmt(pr['delta'], True)} [{_fmt(lo, True)}, {_fmt(hi, True)}] | {_fmt(report['mcnemar_p'])} | n/a |")
+        scores.append([f"pass rate (score >= {pr['threshold']:g})", _fmt(pr["reference"], True), _fmt(pr["candidate"], True), f"{_fmt(pr['delta'], True)} [{_fmt(lo, True)}, {_fmt(hi, True)}]",
+                       _fmt(report["mcnemar_p"]), "n/a"])
+    lines += markdown_lines([f"score{unit}", "reference", "candidate", f"delta [{conf}% CI]", "McNemar p", "Wilcoxon p"], scores)
     lines.append("")
     fk = report.get("failure_kinds")
     if fk:
-        lines += ["Failure kinds of the regressions (one primary kind each):", "", "| kind | regressions |", "|---|---|"]
-        lines += [f"| {k} | {v} |" for k, v in fk["counts"].items()]
+        lines += ["Failure kinds of the regressions (one primary kind each):", ""]
+        lines += markdown_lines(["kind", "regressions"], fk["counts"].items())
         lines.append("")
     fs = report.get("format_split")
     if fs:
@@ -686,11 +620,10 @@ def summary_markdown(report: Mapping[str, Any], top: int = 15) -> str:
         lines += [
             f"Instruction types by regressions (top {min(top, len(types))} of {len(types)}; McNemar p per type and Holm-adjusted over all {len(types)} types; descriptive, types are not independent tests of one hypothesis):",
             "",
-            "| instruction_id | n | regression | recovered | reference % | candidate % | delta | McNemar p | Holm p |",
-            "|---|---|---|---|---|---|---|---|---|",
         ]
-        for t in types[:top]:
-            lines.append(f"| {t['instruction_id']} | {t['n']} | {t['regression']} | {t['recovered']} | {100 * t['reference_rate']:.1f} | {100 * t['candidate_rate']:.1f} | {100 * t['delta']:+.1f} | {t['mcnemar_p']:.3g} | {t['holm_p']:.3g} |")
+        lines += markdown_lines(["instruction_id", "n", "regression", "recovered", "reference %", "candidate %", "delta", "McNemar p", "Holm p"],
+                                [[t["instruction_id"], t["n"], t["regression"], t["recovered"], f"{100 * t['reference_rate']:.1f}", f"{100 * t['candidate_rate']:.1f}",
+                                  f"{100 * t['delta']:+.1f}", f"{t['mcnemar_p']:.3g}", f"{t['holm_p']:.3g}"] for t in types[:top]])
         lines.append("")
     if report.get("notes"):
         lines += ["Notes:", ""] + [f"- {n}" for n in report["notes"]] + [""]
@@ -702,48 +635,4 @@ CSV_COLUMNS = ("doc_id", "key", "bucket", "reference", "candidate", "difference"
 
 def rows_csv(report: Mapping[str, Any]) -> str:
     """One CSV row per paired doc of a saved report."""
-    buf = _io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
-    w.writerow(CSV_COLUMNS)
-    for row in report["rows"]:
-        w.writerow(["" if row.get(c) is None else row[c] for c in CSV_COLUMNS])
-    return buf.getvalue()
-
-
-OUTPUT_FILES = ("buckets.json", "buckets.md", "prompts.csv", "buckets.png", "instruction_types.png")
-
-
-def write_outputs(report: Mapping[str, Any], output: Path, force: bool = False) -> list[Path]:
-    """Write the JSON, Markdown, CSV and PNGs of a report into the folder `output` (staged, atomic)."""
-    from lm_eval_sink.io import atomic_write_json, atomic_write_text, staged_dir
-    from lm_eval_sink.plots import bucket_bars, instruction_type_bars
-
-    output = Path(output)
-    with staged_dir(output, force=force) as tmp:
-        atomic_write_json(tmp / "buckets.json", dict(report))
-        atomic_write_text(tmp / "buckets.md", summary_markdown(report))
-        atomic_write_text(tmp / "prompts.csv", rows_csv(report))
-        what = f"{report['task']}: {report['metric']} ({report['filter']})"
-        if report.get("counts"):
-            kinds = (report.get("failure_kinds") or {}).get("counts")
-            bucket_bars(report["counts"], f"{what}, {report['n']} paired docs", tmp / "buckets.png", regression_kinds=kinds)
-        if report.get("instruction_types"):
-            instruction_type_bars(report["instruction_types"], f"{what}: instruction types by regressions", tmp / "instruction_types.png")
-        names = sorted(p.name for p in tmp.iterdir())
-    return [output / n for n in names]
-
-
-def run_buckets(reference: str | Path, candidate: str | Path, task: str | None, settings: BucketSettings, output: Path | None = None, *, force: bool = False, tokenizer: str | None = None, same_protocol: bool = False, progress: bool = True) -> tuple[BucketReport, list[str]]:
-    """The `buckets` command: compare, then write outputs when `output` is given; returns lines to print."""
-    if output is not None:
-        from lm_eval_sink.io import check_output_dir
-
-        output = Path(output)
-        check_output_dir(output, force)
-    report = compare_runs(reference, candidate, task, settings, tokenizer=tokenizer, same_protocol=same_protocol, progress=progress)
-    data = report.to_json()
-    lines = [summary_markdown(data)]
-    if output is not None:
-        written = write_outputs(data, output, force=force)
-        lines.append("wrote " + ", ".join(str(p) for p in written))
-    return report, lines
+    return csv_text(CSV_COLUMNS, (["" if row.get(c) is None else row[c] for c in CSV_COLUMNS] for row in report["rows"]))

@@ -138,7 +138,7 @@ def screen(model_names, pairs_file, last_k, prompts_file, n_prompts, rows, chat_
 @click.option("--force", is_flag=True, help="Overwrite earlier results.")
 def fit(pairs_file, output, force) -> None:
     """Fit S -> delta per task: Spearman rho, exact permutation p, line, leave-one-pair-out errors (no file: the paper's table)."""
-    from lm_eval_sink.predict import run_fit
+    from lm_eval_sink.commands.fit import run_fit
 
     for line in run_fit(pairs_file, output, force=force):
         click.echo(line)
@@ -154,7 +154,8 @@ def fit(pairs_file, output, force) -> None:
 @click.option("--output", type=click.Path(path_type=Path), default=None, help="Folder for margin.json/.md/.csv, margin_rows.npz and margin_heatmap.png (default: print only).")
 def margin(reference, candidate, quantile, last_k, strength_last_k, prompts_file, n_prompts, rows, chat_template, system_prompt, dtype, device, batch_size, force, quiet, output) -> None:
     """Per-head sink margins G_base - B_gap of CANDIDATE (e.g. a VLM backbone) against REFERENCE (its LLM)."""
-    from lm_eval_sink.margin import MarginSettings, run_margin
+    from lm_eval_sink.commands.margin import run_margin
+    from lm_eval_sink.margin import MarginSettings
     from lm_eval_sink.strength import StrengthSettings
 
     st = StrengthSettings(last_k=_last_k(strength_last_k), rows=rows, n_prompts=n_prompts, prompts_file=str(prompts_file) if prompts_file else None,
@@ -180,11 +181,13 @@ def _echo_extraction(report) -> None:
         click.echo("verification: skipped (--no-verify); structural checks only")
     elif v.passed:
         click.echo(f"verification: max |logit difference| {v.max_abs_diff:.3g} <= {v.tolerance:.3g} ({v.dtype}, {v.probe_tokens} probe tokens): passed")
-    marker = "COMPLETE.json" if report.ok else "FAILED.json"
+    from lm_eval_sink.io import COMPLETE
+
+    marker = COMPLETE if report.ok else "FAILED.json"
     report_file = "extraction.json" if report.operation == "extract" else "injection.json"
     click.echo(f"wrote {report.output} ({report_file}, {marker})")
     if not report.ok:
-        raise UserError(f"verification failed: {v.reason}; the output is kept at {report.output} and marked failed (FAILED.json, no COMPLETE.json)",
+        raise UserError(f"verification failed: {v.reason}; the output is kept at {report.output} and marked failed (FAILED.json, no {COMPLETE})",
                         f"see {report_file} for the tensor mapping; the architecture rules do not reproduce this VLM's text path")
 
 
@@ -219,12 +222,6 @@ def inject(backbone, vlm_path, out_dir, verify, force, quiet) -> None:
 # --- protocols, vendor registry and gap attribution (issue 8) ---
 
 
-def _run_inputs(paths) -> list[dict]:
-    from lm_eval_sink.io import sha256_file
-
-    return [{"path": str(p), "sha256": sha256_file(p)} for p in paths]
-
-
 @cli.group()
 def protocol() -> None:
     """Protocol fingerprints of lm-eval runs: what was run, and how two runs differ."""
@@ -237,21 +234,10 @@ def protocol() -> None:
 @click.option("--force", is_flag=True, help="Overwrite --output.")
 def protocol_show(run, as_json, output, force) -> None:
     """Protocol fingerprint of RUN (a results JSON, samples JSONL or lm-eval output folder)."""
-    from lm_eval_sink.io import atomic_write_json, canonical_json, check_new_outputs, provenance
-    from lm_eval_sink.protocols import fingerprint_run, match_protocol, show_markdown
-    from lm_eval_sink.runs import resolve_run
+    from lm_eval_sink.commands.protocol import run_protocol_show
 
-    if output:
-        check_new_outputs([output], force)
-    files = resolve_run(run)
-    fp = fingerprint_run(files)
-    doc = {"schema_version": 1, "fingerprint": fp.to_json(), "named_protocol": match_protocol(fp),
-           "provenance": provenance(command="protocol show", inputs=_run_inputs([files.results]))}
-    if output:
-        atomic_write_json(output, doc)
-    click.echo(canonical_json(doc) if as_json else show_markdown(fp), nl=False)
-    if output:
-        click.echo(f"wrote {output}")
+    for line in run_protocol_show(run, as_json, output, force=force):
+        click.echo(line)
 
 
 @protocol.command("diff")
@@ -262,23 +248,10 @@ def protocol_show(run, as_json, output, force) -> None:
 @click.option("--force", is_flag=True, help="Overwrite --output.")
 def protocol_diff(run_a, run_b, as_json, output, force) -> None:
     """Only the protocol fields that differ between RUN_A and RUN_B, each marked whether it can change scores."""
-    from lm_eval_sink.io import atomic_write_json, canonical_json, check_new_outputs, provenance
-    from lm_eval_sink.protocols import check_common_tasks, diff, diff_markdown, fingerprint_run
-    from lm_eval_sink.runs import resolve_run
+    from lm_eval_sink.commands.protocol import run_protocol_diff
 
-    if output:
-        check_new_outputs([output], force)
-    fa, fb = resolve_run(run_a), resolve_run(run_b)
-    a, b = fingerprint_run(fa), fingerprint_run(fb)
-    check_common_tasks(a, b)
-    diffs = diff(a, b)
-    doc = {"schema_version": 1, "a": str(fa.results), "b": str(fb.results), "differences": [d.to_json() for d in diffs],
-           "identical": not diffs, "provenance": provenance(command="protocol diff", inputs=_run_inputs([fa.results, fb.results]))}
-    if output:
-        atomic_write_json(output, doc)
-    click.echo(canonical_json(doc) if as_json else diff_markdown(diffs, str(fa.results), str(fb.results)), nl=False)
-    if output:
-        click.echo(f"wrote {output}")
+    for line in run_protocol_diff(run_a, run_b, as_json, output, force=force):
+        click.echo(line)
 
 
 class _ManyValues(click.Command):
@@ -353,8 +326,7 @@ def vendor_show(model, registry_file, as_json) -> None:
 @click.option("--force", is_flag=True, help="Overwrite --output.")
 def attribute(references, candidates, use_vendor, registry_file, benchmarks_file, declared_lineage, mixture, baseline_protocol, allow_partial, output, force) -> None:
     """Attribute each benchmark's candidate-minus-reference gap to lineage, protocol, access vs capacity, construct and mixture."""
-    from lm_eval_sink.attribution import run_attribution, to_markdown, write_report
-    from lm_eval_sink.io import check_output_dir
+    from lm_eval_sink.commands.attribute import run_attribute
 
     facts = {}
     for item in mixture:
@@ -362,14 +334,9 @@ def attribute(references, candidates, use_vendor, registry_file, benchmarks_file
             raise UserError(f"--mixture {item!r} is not KEY=VALUE", "e.g. --mixture text_share=0.1")
         k, v = item.split("=", 1)
         facts[k.strip()] = v.strip()
-    if output is not None:
-        check_output_dir(output, force)
-    att = run_attribution(list(references), list(candidates), vendor=use_vendor, registry_file=registry_file, benchmarks_file=benchmarks_file,
-                          declared_lineage=declared_lineage, mixture=facts or None, baseline_protocol=baseline_protocol, allow_partial=allow_partial)
-    click.echo(to_markdown(att), nl=False)
-    if output is not None:
-        paths = write_report(att, output, force=force)
-        click.echo("wrote " + ", ".join(str(p) for p in paths.values()))
+    for line in run_attribute(list(references), list(candidates), output, force=force, vendor=use_vendor, registry_file=registry_file, benchmarks_file=benchmarks_file,
+                              declared_lineage=declared_lineage, mixture=facts or None, baseline_protocol=baseline_protocol, allow_partial=allow_partial):
+        click.echo(line)
 
 
 @cli.command("eval")
@@ -434,7 +401,8 @@ def eval_cmd(model, protocol_name, protocol_file, tasks, limit, gen_kwargs, batc
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def buckets(reference, candidate, task, metric, filter_name, threshold, allow_partial, same_protocol, tokenizer, max_gen_toks, n_bootstrap, confidence, seed, failure_kinds, output, force, quiet) -> None:
     """Per-prompt regression buckets of CANDIDATE vs REFERENCE (lm-eval runs: results JSON, samples JSONL or output folder)."""
-    from lm_eval_sink.buckets import BucketSettings, run_buckets
+    from lm_eval_sink.buckets import BucketSettings
+    from lm_eval_sink.commands.buckets import run_buckets
 
     settings = BucketSettings(metric=metric, filter=filter_name, threshold=threshold, allow_partial=allow_partial, n_bootstrap=n_bootstrap,
                               confidence=confidence, seed=seed, failure_kinds=failure_kinds, max_gen_toks=max_gen_toks)
@@ -470,17 +438,13 @@ def configs_list() -> None:
 @click.option("--force", is_flag=True, help="Overwrite an existing file.")
 def configs_render(name, reference, candidate, base, tokenizer_source, output, force) -> None:
     """Fill a bundled control (NAME) for one model pair and write plain mergekit YAML."""
-    from lm_eval_sink.io import atomic_write_text, check_new_outputs
-    from lm_eval_sink.merging.configs import render
+    from lm_eval_sink.commands.configs import run_configs_render
 
-    if output.is_dir():
-        raise UserError(f"-o {output} is a folder", "pass a file path, e.g. -o tsv.yaml")
-    check_new_outputs([output], force)
-    rendered = render(name, reference, candidate, base=base, tokenizer_source=tokenizer_source)
-    atomic_write_text(output, rendered.text)
-    for warning in rendered.warnings:
+    warnings, lines = run_configs_render(name, reference, candidate, output, base=base, tokenizer_source=tokenizer_source, force=force)
+    for warning in warnings:
         click.echo(f"warning: {warning}", err=True)
-    click.echo(f"{rendered.name} ({rendered.lineage} lineage: {rendered.formula}) -> {output}")
+    for line in lines:
+        click.echo(line)
 
 
 @configs.command("validate")
@@ -536,15 +500,10 @@ def sweep(sweep_file, output, force, delete_merged, quiet) -> None:
 @click.option("--force", is_flag=True, help="Overwrite an existing file.")
 def report(strength_files, margin_dir, buckets_dirs, attribution_dir, sweep_dir, title, output, force) -> None:
     """One self-contained HTML page for a reference/candidate pair from this project's outputs (works offline)."""
-    from lm_eval_sink.io import check_new_outputs
-    from lm_eval_sink.report.load import load_inputs
-    from lm_eval_sink.report.render import write_report
+    from lm_eval_sink.commands.report import run_report
 
-    if output.is_dir():
-        raise UserError(f"-o {output} is a folder", "pass a file path, e.g. -o report.html")
-    check_new_outputs([output], force)
-    inputs = load_inputs(output, strength=strength_files, margin=margin_dir, buckets=buckets_dirs, attribution=attribution_dir, sweep=sweep_dir, title=title)
-    click.echo(f"wrote {write_report(inputs, output)}")
+    for line in run_report(output, force=force, strength=strength_files, margin=margin_dir, buckets=buckets_dirs, attribution=attribution_dir, sweep=sweep_dir, title=title):
+        click.echo(line)
 
 
 @cli.command("protect-plan")
@@ -558,7 +517,7 @@ def report(strength_files, margin_dir, buckets_dirs, attribution_dir, sweep_dir,
 def protect_plan(model_name, last_k, threshold, min_pos0_fraction, tau, prompts_file, n_prompts, rows, chat_template, system_prompt, dtype, device, batch_size, force, quiet, output) -> None:
     """Choose the sink heads to protect during training (MODEL: folder, hub id or 'default'); see docs/training.md."""
     from lm_eval_sink.strength import StrengthSettings
-    from lm_eval_sink.training.protection import run_protect_plan
+    from lm_eval_sink.commands.protect_plan import run_protect_plan
 
     settings = StrengthSettings(last_k=_last_k(last_k), rows=rows, n_prompts=n_prompts, prompts_file=str(prompts_file) if prompts_file else None,
                                 use_chat_template=chat_template, system_prompt=system_prompt, batch_size=batch_size)

@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.io import atomic_write_json, cache_dir, canonical_json, sha256_text
+from lm_eval_sink.io import COMPLETE, atomic_write_json, cache_dir, canonical_json, read_complete, sha256_text
 
 FINGERPRINT_RULE = "xxh3_128-whole-files-v2"
-SKIPPED_NAMES = frozenset({"COMPLETE.json", "FAILED.json", "extraction.json", "injection.json", ".lock", ".lock.json"})
+SKIPPED_NAMES = frozenset({COMPLETE, "FAILED.json", "extraction.json", "injection.json", ".lock", ".lock.json"})
 _CHUNK = 8 << 20
 _SHA = re.compile(r"[0-9a-f]{40}")
 
@@ -174,7 +174,7 @@ def check_finished_folder(path: Path) -> None:
     path = Path(path)
     if ".partial-" in path.name or ".old-" in path.name:
         raise UserError(f"{path}: a staging folder left by an interrupted run, not a model", "pass the finished folder (rerun the command that makes it)")
-    if path.is_dir() and (path / "FAILED.json").is_file() and not (path / "COMPLETE.json").is_file():
+    if path.is_dir() and (path / "FAILED.json").is_file() and read_complete(path) is None:
         raise UserError(f"{path}: left by a failed run (FAILED.json, no COMPLETE.json)", "rerun the command that makes it, or pass another folder")
 
 

@@ -1,8 +1,13 @@
-"""Atomic writes, canonical JSON, fingerprints and provenance records.
+"""Atomic writes, canonical JSON, fingerprints, provenance records and the output-folder mechanism.
 
 Every file this project writes goes through `atomic_write_*` (unique temp sibling, fsync,
-`os.replace`), so a reader sees the old file or the new one, never half of one. Directories are
-built in a `<out>.partial-<uuid>` sibling by `staged_dir` and renamed when complete.
+`os.replace`), so a reader sees the old file or the new one, never half of one. A command that
+writes several files writes them into one output folder, and every such folder is built the same
+way: `check_output_dir` refuses it before any work starts, `staged_dir` builds it in a
+`<out>.partial-<uuid>` sibling and renames it when complete. A folder that others reuse (a model,
+a merge, a sweep unit) also carries a `COMPLETE` marker (`write_complete`, with the input `key`
+that made it and an optional `manifest` of its files); `read_complete` is the one reader, and
+`read_complete(folder, key)` is resume-by-key: the marker only when it was made from those inputs.
 Standard library only (plus the packages whose versions it records, imported lazily).
 """
 
@@ -18,13 +23,14 @@ import shutil
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.errors import UserError
 
 SCHEMA_VERSION = 1
+COMPLETE = "COMPLETE.json"  # the marker of a finished, reusable output folder
 _RECORDED_PACKAGES = ("lm_eval_sink", "lm_eval", "transformers", "torch", "mergekit", "numpy")
 
 
@@ -122,15 +128,15 @@ def check_new_outputs(paths: list[Path], force: bool) -> None:
 
 
 @contextlib.contextmanager
-def staged_dir(out: Path, force: bool = False) -> Iterator[Path]:
+def staged_dir(out: Path, force: bool = False, option: str = "--output") -> Iterator[Path]:
     """Build a directory in `<out>.partial-<uuid>` and rename it to `out` only on success.
 
     An interrupted build leaves only the `.partial-` sibling, never a folder at `out` that looks
-    complete. With `force`, an existing `out` is swapped away by rename, then deleted.
+    complete. With `force`, an existing `out` is swapped away by rename, then deleted. Refusals are
+    `check_output_dir`'s (call it first as well, so nothing runs before a refusal).
     """
     out = Path(out)
-    if out.exists() and not force:
-        raise UserError(f"output already exists: {out}", "pass --force to overwrite, or choose another output folder")
+    check_output_dir(out, force, option)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f"{out.name}.partial-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
@@ -146,6 +152,27 @@ def staged_dir(out: Path, force: bool = False) -> Iterator[Path]:
     os.replace(tmp, out)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def manifest(folder: Path, names: Iterable[str]) -> dict[str, int]:
+    """Byte size of each named file of `folder`: the optional manifest a COMPLETE marker carries."""
+    return {n: (Path(folder) / n).stat().st_size for n in names}
+
+
+def write_complete(folder: Path, marker: Mapping[str, Any]) -> Path:
+    """Write the COMPLETE marker of a staged folder (inside `staged_dir`, before its rename)."""
+    return atomic_write_json(Path(folder) / COMPLETE, dict(marker))
+
+
+def read_complete(folder: Path, key: str | None = None) -> dict[str, Any] | None:
+    """The folder's COMPLETE marker; None when absent, unreadable or (with `key`) made from other inputs."""
+    try:
+        data = json.loads((Path(folder) / COMPLETE).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    if not isinstance(data, dict) or (key is not None and data.get("key") != key):
+        return None
+    return data
 
 
 def package_versions() -> dict[str, str | None]:

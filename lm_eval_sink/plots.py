@@ -1,6 +1,7 @@
 """Figures (matplotlib PNG, Agg backend), drawn only from numbers already computed and saved.
 
-Each function takes plain data and a path and writes the PNG atomically.
+Each function takes plain data and a path and writes the PNG atomically; with `path=None` it
+returns the PNG bytes instead (the HTML report embeds them).
 """
 
 from __future__ import annotations
@@ -21,16 +22,16 @@ def _pyplot():
     return plt
 
 
-def save_figure(fig, path: Path) -> Path:
-    """Render `fig` to PNG bytes and write them atomically; closes the figure."""
+def save_figure(fig, path: Path | None) -> Path | bytes:
+    """Render `fig` to PNG bytes and write them atomically to `path` (None: return them); closes the figure."""
     plt = _pyplot()
     buf = _io.BytesIO()
     fig.savefig(buf, format="png", dpi=120, bbox_inches="tight")
     plt.close(fig)
-    return atomic_write_bytes(Path(path), buf.getvalue())
+    return buf.getvalue() if path is None else atomic_write_bytes(Path(path), buf.getvalue())
 
 
-def layer_head_heatmap(matrix: Sequence[Sequence[float]], layers: Sequence[int], title: str, path: Path, label: str = "sink log-odds", center: float | None = 0.0) -> Path:
+def layer_head_heatmap(matrix: Sequence[Sequence[float]], layers: Sequence[int], title: str, path: Path | None, label: str = "sink log-odds", center: float | None = 0.0) -> Path | bytes:
     """Heatmap of a [layer, head] matrix, layers on the y axis with their model indices."""
     import numpy as np
 
@@ -51,7 +52,7 @@ def layer_head_heatmap(matrix: Sequence[Sequence[float]], layers: Sequence[int],
     return save_figure(fig, path)
 
 
-def ranking_bars(names: Sequence[str], values: Sequence[float], title: str, path: Path, ylabel: str = "Sink Strength S") -> Path:
+def ranking_bars(names: Sequence[str], values: Sequence[float], title: str, path: Path | None, ylabel: str = "Sink Strength S") -> Path | bytes:
     """Bar chart of one number per model, in the given order."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(max(4, 0.8 * len(names) + 2), 3.5))
@@ -63,7 +64,7 @@ def ranking_bars(names: Sequence[str], values: Sequence[float], title: str, path
     return save_figure(fig, path)
 
 
-def gap_parts(bars: Sequence[dict], path: Path, title: str, footer: str = "") -> Path:
+def gap_parts(bars: Sequence[dict], path: Path | None, title: str, footer: str = "") -> Path | bytes:
     """Stacked bars, one per comparison: its gap split into access, capacity, protocol and unsplit parts.
 
     `bars`: [{"label", "gap", "parts": {"access", "capacity", "protocol", "unsplit"}}] in points.
@@ -101,8 +102,8 @@ def gap_parts(bars: Sequence[dict], path: Path, title: str, footer: str = "") ->
 _QK_COLORS = {"per_head": "tab:green", "layerwise": "tab:orange", "none": "tab:red", None: "tab:gray"}
 
 
-def fit_scatter(names: Sequence[str], s: Sequence[float], deltas: Sequence[float], qk_norm: Sequence[str | None], slope: float, intercept: float, task: str, path: Path,
-                screened: Sequence[tuple[str, float, float]] = ()) -> Path:
+def fit_scatter(names: Sequence[str], s: Sequence[float], deltas: Sequence[float], qk_norm: Sequence[str | None], slope: float, intercept: float, task: str, path: Path | None,
+                screened: Sequence[tuple[str, float, float]] = ()) -> Path | bytes:
     """Reference pairs (S vs delta, coloured by QK-norm class), the fitted line, and screened models.
 
     `screened` holds (label, S, predicted delta) triples, drawn as black stars on the line.
@@ -134,7 +135,7 @@ _BUCKET_COLORS = {"both_pass": "tab:green", "regression": "tab:red", "recovered"
 _KIND_COLORS = {"truncation": "#7f0000", "language": "#b30000", "phrase_marker": "#e34a33", "length": "#fc8d59", "format": "#fdbb84", "other": "#fdd49e"}
 
 
-def bucket_bars(counts: dict[str, int], title: str, path: Path, regression_kinds: dict[str, int] | None = None) -> Path:
+def bucket_bars(counts: dict[str, int], title: str, path: Path | None, regression_kinds: dict[str, int] | None = None) -> Path | bytes:
     """Bar chart of the four bucket counts; the regression bar stacked by failure kind when given."""
     plt = _pyplot()
     names = ["both_pass", "regression", "recovered", "both_fail"]
@@ -157,7 +158,7 @@ def bucket_bars(counts: dict[str, int], title: str, path: Path, regression_kinds
     return save_figure(fig, path)
 
 
-def instruction_type_bars(types: Sequence[dict], title: str, path: Path, top: int = 25) -> Path:
+def instruction_type_bars(types: Sequence[dict], title: str, path: Path | None, top: int = 25) -> Path | bytes:
     """Horizontal bars per IFEval instruction type: regressions (left, red) and recoveries (right)."""
     plt = _pyplot()
     rows = list(types)[:top][::-1]
@@ -177,7 +178,7 @@ def instruction_type_bars(types: Sequence[dict], title: str, path: Path, top: in
     return save_figure(fig, path)
 
 
-def sweep_chart(checkpoints: Sequence[str], series: dict[str, Sequence[float | None]], path: Path, note: str | None = None) -> Path:
+def sweep_chart(checkpoints: Sequence[str], series: dict[str, Sequence[float | None]], path: Path | None, note: str | None = None) -> Path | bytes:
     """One panel per metric: merged checkpoints as points, the first two (reference, candidate) as lines."""
     plt = _pyplot()
     names = list(series)

@@ -15,16 +15,16 @@ Per task (over the pairs that have a delta for it) `fit_pairs` computes Spearman
 (average ranks for ties) with an exact permutation p-value (all n! orderings up to
 EXACT_PERMUTATION_MAX_N pairs, else a seeded Monte Carlo), the least-squares line
 delta = slope * S + intercept, and leave-one-pair-out mean absolute errors of that line
-(`loo_mae`) and of a constant-mean baseline (`baseline_mae`). numpy and scipy.stats: no torch here.
+(`loo_mae`) and of a constant-mean baseline (`baseline_mae`). numpy and scipy.stats: no torch and
+no file I/O here (reading PAIRS files and writing fit outputs is commands/fit.py's).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from importlib import resources
-from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -33,6 +33,7 @@ from scipy import stats
 
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.schema import Strict, parse
+from lm_eval_sink.tables import markdown_lines
 
 SCHEMA_VERSION = 1
 MIN_PAIRS = 3
@@ -66,6 +67,7 @@ class PairTable:
     source: str  # the file path, or "builtin:data/paper_pairs.yaml"
     sha256: str  # of the file's bytes
     shipped: bool  # byte-identical to the shipped paper table
+    reported: dict[str, Any] | None = None  # the paper's reported statistics, for the shipped table
 
     def tasks(self) -> list[str]:
         return sorted({t for p in self.pairs for t in p.deltas})
@@ -140,23 +142,10 @@ class FitResult:
 # ---------------------------------------------------------------------------- PAIRS files
 
 
-def _number(value: Any, where: str, what: str) -> float:
+def finite(value: Any, where: str, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
         raise UserError(f"{where}: {what} must be a finite number, got {value!r}", "write a plain number such as 1.18")
     return float(value)
-
-
-def _strength_from_file(value: str, base: Path, where: str) -> float:
-    from lm_eval_sink.io import read_json
-
-    path = Path(value).expanduser()
-    path = path if path.is_absolute() else base / path
-    if not path.is_file():
-        raise UserError(f"{where}: sink_strength file {path} not found", "give a number, or the path of a *.strength.json written by `lm-eval-sink strength`")
-    data = read_json(path)
-    if not isinstance(data, dict) or "sink_strength" not in data:
-        raise UserError(f"{where}: {path} has no 'sink_strength' key", "pass a *.strength.json written by `lm-eval-sink strength`")
-    return _number(data["sink_strength"], where, f"sink_strength in {path}")
 
 
 class _PairIn(Strict):
@@ -175,8 +164,11 @@ class _PairIn(Strict):
         return [n for n, f in cls.model_fields.items() if f.is_required()]
 
 
-def parse_pairs(obj: Any, where: str, base: Path | None = None) -> tuple[Pair, ...]:
-    """Validate a parsed PAIRS document (a list of mappings); `where` names it in errors."""
+def parse_pairs(obj: Any, where: str, read_strength: Callable[[str, str], float] | None = None) -> tuple[Pair, ...]:
+    """Validate a parsed PAIRS document (a list of mappings); `where` names it in errors.
+
+    A `sink_strength` given as a path is read by `read_strength(path, where)` (the command's file reader).
+    """
     if not isinstance(obj, list):
         raise UserError(f"{where}: a PAIRS file must be a YAML list of pairs, got {type(obj).__name__}", "start each pair with '- name: ...' (see the shipped lm_eval_sink/data/paper_pairs.yaml)")
     pairs, names = [], set()
@@ -191,46 +183,17 @@ def parse_pairs(obj: Any, where: str, base: Path | None = None) -> tuple[Pair, .
         item = p.model_dump()
         s = item["sink_strength"]
         if isinstance(s, str):
-            s = _strength_from_file(s, base or Path.cwd(), at)
-        s = _number(s, at, "sink_strength")
-        clean = {task: _number(v, at, f"deltas[{task}]") for task, v in item["deltas"].items()}
+            if read_strength is None:
+                raise UserError(f"{at}: sink_strength {s!r} is a path, and no file is read here", "give a number, or read the PAIRS file with commands.fit.read_pairs")
+            s = read_strength(s, at)
+        s = finite(s, at, "sink_strength")
+        clean = {task: finite(v, at, f"deltas[{task}]") for task, v in item["deltas"].items()}
         qk = item.get("qk_norm")
         notes = item.get("notes")
         pairs.append(Pair(name=item["name"], reference=item["reference"], candidate=item["candidate"], sink_strength=s, deltas=clean, source=item["source"], qk_norm=qk, notes=None if notes is None else str(notes)))
     if len(pairs) < MIN_PAIRS:
         raise UserError(f"{where}: {len(pairs)} pair(s); a fit needs at least {MIN_PAIRS}", "add more pairs")
     return tuple(pairs)
-
-
-def _shipped_bytes() -> bytes:
-    return resources.files("lm_eval_sink").joinpath(SHIPPED_PAIRS).read_bytes()
-
-
-def read_pairs(path: Path | str | None = None) -> PairTable:
-    """Read and validate a PAIRS file; None reads the shipped paper table."""
-    from lm_eval_sink.io import parse_yaml, sha256_bytes
-
-    shipped = _shipped_bytes()
-    if path is None:
-        data, where, base = shipped, f"builtin:{SHIPPED_PAIRS}", None
-    else:
-        p = Path(path)
-        if not p.is_file():
-            raise UserError(f"{p}: no such PAIRS file", "pass a YAML list of pairs (see the shipped lm_eval_sink/data/paper_pairs.yaml), or no file for the paper's table")
-        data, where, base = p.read_bytes(), str(p), p.resolve().parent
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise UserError(f"{where}: not a UTF-8 text file", "pass a YAML file") from None
-    obj = parse_yaml(text, where)
-    return PairTable(pairs=parse_pairs(obj, where, base), source=where, sha256=sha256_bytes(data), shipped=data == shipped)
-
-
-def reported_statistics() -> dict[str, Any]:
-    """The paper's reported statistics for the shipped table (package data)."""
-    import json
-
-    return json.loads(resources.files("lm_eval_sink").joinpath(SHIPPED_REPORTED).read_text(encoding="utf-8"))
 
 
 # ---------------------------------------------------------------------------- statistics
@@ -360,8 +323,8 @@ def fit_pairs(table: PairTable, seed: int = 0) -> FitResult:
     if not fits:
         raise UserError(f"{table.source}: no task has deltas for at least {MIN_PAIRS} pairs", "give each pair deltas for the same task(s)")
     reported = envelope = None
-    if table.shipped:
-        reported = reported_statistics()
+    if table.reported is not None:
+        reported = table.reported
         rnd = reported["rounding"]
         envelope = {}
         for task in reported["tasks"]:
@@ -380,13 +343,14 @@ def fit_table_markdown(result: FitResult) -> str:
     rep = (result.reported or {}).get("tasks", {})
     if rep:
         head += ["reported_rho", "reported_loo_mae", "reported_baseline_mae"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    rows = []
     for task, f in sorted(result.tasks.items()):
         row = [task, str(f.n_pairs), f"{f.spearman_rho:.4f}", f"{f.permutation_p:.4f} ({f.permutation_method})", f"{f.permutation_p_one_sided:.4f}", f"{f.slope:.3f}", f"{f.intercept:.3f}", f"{f.loo_mae:.3f}", f"{f.baseline_mae:.3f}"]
         if rep:
             r = rep.get(task, {})
             row += [_opt(r.get("spearman_rho")), _opt(r.get("loo_mae")), _opt(r.get("baseline_mae"))]
-        lines.append("| " + " | ".join(row) + " |")
+        rows.append(row)
+    lines = markdown_lines(head, rows)
     for task, why in sorted(result.skipped_tasks.items()):
         lines.append(f"\n{task}: not fitted ({why})")
     return "\n".join(lines) + "\n"
@@ -394,37 +358,3 @@ def fit_table_markdown(result: FitResult) -> str:
 
 def _opt(x: Any) -> str:
     return "n/a" if x is None else f"{x:.2f}"
-
-
-def run_fit(pairs_file: Path | str | None, output: Path | None, force: bool = False) -> list[str]:
-    """Fit a PAIRS file (None: the shipped table); write fit.json, fit.md, fit.png into `output`."""
-    from lm_eval_sink.io import atomic_write_json, atomic_write_text, check_new_outputs, provenance
-
-    table = read_pairs(pairs_file)
-    paths = []
-    if output is not None:
-        output = Path(output)
-        if output.exists() and not output.is_dir():
-            raise UserError(f"--output {output} is a file", "pass a folder")
-        paths = [output / "fit.json", output / "fit.md"] + [output / f"fit_{t}.png" for t in table.tasks()]
-        check_new_outputs(paths, force)
-    result = fit_pairs(table)
-    md = fit_table_markdown(result)
-    lines = md.rstrip("\n").splitlines()
-    for task, env in sorted((result.rounding_envelope or {}).items()):
-        lines.append(f"{task}: inputs rounded as published allow loo_mae {env['loo_mae'][0]:.3f}..{env['loo_mae'][1]:.3f} and baseline_mae {env['baseline_mae'][0]:.3f}..{env['baseline_mae'][1]:.3f} (corners of the rounding box)")
-    if output is None:
-        lines.append("not saved (pass --output DIR to write fit.json, fit.md and plots)")
-        return lines
-    from lm_eval_sink.plots import fit_scatter
-
-    prov = provenance(pairs_file=table.source, pairs_sha256=table.sha256, seed=0)
-    data = {**result.to_json(), "provenance": prov}
-    atomic_write_json(output / "fit.json", data)
-    atomic_write_text(output / "fit.md", md)
-    written = [output / "fit.json", output / "fit.md"]
-    for task, f in sorted(result.tasks.items()):
-        qk = {p.name: p.qk_norm for p in table.pairs}
-        written.append(fit_scatter(f.names, f.sink_strength, f.deltas, [qk[n] for n in f.names], f.slope, f.intercept, task, output / f"fit_{task}.png"))
-    lines.append("wrote " + ", ".join(str(p) for p in written))
-    return lines

@@ -39,6 +39,7 @@ from pydantic import Field
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.io import canonical_json, parse_yaml, sha256_text
 from lm_eval_sink.schema import Strict, did_you_mean, parse
+from lm_eval_sink.tables import markdown_lines
 
 SCHEMA_VERSION = 1
 
@@ -520,8 +521,7 @@ def show_markdown(fp: ProtocolFingerprint, protocols: dict[str, Protocol] | None
              f"matches named protocol: {named or 'none'}"]
     if fp.harness.get("limit") is not None:
         lines.append(f"--limit {limit_text(fp.harness['limit'])}: scores are from a subset and are not final")
-    lines += ["", "| part | field | value | can change scores |", "|---|---|---|---|"]
-    lines += [f"| {p} | {f} | {_cell(v)} | {'yes' if a else 'no'} |" for p, f, v, a in show_rows(fp)]
+    lines += ["", *markdown_lines(["part", "field", "value", "can change scores"], [[p, f, _cell(v), "yes" if a else "no"] for p, f, v, a in show_rows(fp)])]
     return "\n".join(lines) + "\n"
 
 
@@ -529,9 +529,8 @@ def diff_markdown(diffs: tuple[FieldDiff, ...], name_a: str = "A", name_b: str =
     """Only the differing fields as a Markdown table (or one line saying there are none)."""
     if not diffs:
         return f"no differences between the protocols of {name_a} and {name_b}\n"
-    lines = [f"A = {name_a}", f"B = {name_b}", f"{len(diffs)} differing field(s), {sum(d.affects_scores for d in diffs)} can change scores", "",
-             "| field | part | A | B | can change scores |", "|---|---|---|---|---|"]
-    lines += [f"| {d.field} | {d.part} | {_cell(d.a, 40)} | {_cell(d.b, 40)} | {'yes' if d.affects_scores else 'no'} |" for d in diffs]
+    lines = [f"A = {name_a}", f"B = {name_b}", f"{len(diffs)} differing field(s), {sum(d.affects_scores for d in diffs)} can change scores", ""]
+    lines += markdown_lines(["field", "part", "A", "B", "can change scores"], [[d.field, d.part, _cell(d.a, 40), _cell(d.b, 40), "yes" if d.affects_scores else "no"] for d in diffs])
     return "\n".join(lines) + "\n"
 
 

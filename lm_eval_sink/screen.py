@@ -207,7 +207,8 @@ def run_screen(names: list[str], slugs: list[str], settings: Any, pairs_file: Pa
 def _run_screen(names: list[str], slugs: list[str], settings: Any, pairs_file: Path | str | None, output: Path | None, dtype: str, device: str, force: bool, progress: bool) -> list[str]:
     from lm_eval_sink.io import atomic_write_json, atomic_write_text, check_new_outputs, provenance
     from lm_eval_sink.models import resolve_model
-    from lm_eval_sink.predict import fit_pairs, read_pairs
+    from lm_eval_sink.commands.fit import read_pairs
+    from lm_eval_sink.predict import fit_pairs
     from lm_eval_sink.strength import SinkStrength, measure_model, run_strength
 
     fit = fit_pairs(read_pairs(pairs_file))  # a bad PAIRS file fails before any model is loaded

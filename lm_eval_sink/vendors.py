@@ -18,6 +18,7 @@ from pydantic import Field
 
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.schema import Strict, did_you_mean, parse
+from lm_eval_sink.tables import markdown_lines
 
 # What a source may state about a protocol, and where a run's fingerprint records it.
 STATED_KEYS: dict[str, str] = {
@@ -325,9 +326,8 @@ def compare_stated_pair(a: dict[str, Any], b: dict[str, Any]) -> tuple[list[dict
 
 
 def list_markdown(reg: Registry) -> str:
-    lines = ["| model | hub id | kind | scores | gaps |", "|---|---|---|---|---|"]
-    for m in sorted(reg.models.values(), key=lambda m: m.name.lower()):
-        lines.append(f"| {m.name} | {m.hub_id or '-'} | {m.kind} | {len(reg.scores_of(m.name))} | {len(reg.gaps_of(m.name))} |")
+    lines = markdown_lines(["model", "hub id", "kind", "scores", "gaps"], [[m.name, m.hub_id or "-", m.kind, len(reg.scores_of(m.name)), len(reg.gaps_of(m.name))]
+                                                                       for m in sorted(reg.models.values(), key=lambda m: m.name.lower())])
     return "\n".join(lines) + f"\n\n{len(reg.scores)} scores, {len(reg.gaps)} gaps from {len(reg.sources)} sources ({', '.join(reg.files)})\n"
 
 
@@ -343,13 +343,12 @@ def show_markdown(reg: Registry, name: str) -> str:
         lines.append(f"parent (stated by {m.parent['source']}): {m.parent['model']}")
     scores = sorted(reg.scores_of(m.name), key=lambda s: (s.benchmark, s.id))
     if scores:
-        lines += ["", "| id | benchmark | metric | value | source | protocol |", "|---|---|---|---|---|---|"]
-        lines += [f"| {s.id} | {s.benchmark} | {s.metric} | {s.value:g} | {s.source.id} ({s.source.kind}) | {_fmt_stated(s.protocol)} |" for s in scores]
+        lines += ["", *markdown_lines(["id", "benchmark", "metric", "value", "source", "protocol"],
+                                      [[s.id, s.benchmark, s.metric, f"{s.value:g}", f"{s.source.id} ({s.source.kind})", _fmt_stated(s.protocol)] for s in scores])]
     gaps = sorted(reg.gaps_of(m.name), key=lambda g: (g.benchmark, g.id))
     if gaps:
-        lines += ["", "| id | candidate - reference | benchmark | gap | source | protocol |", "|---|---|---|---|---|---|"]
-        lines += [f"| {g.id} | {g.candidate} - {g.reference} | {g.benchmark} | {g.value:+g} | {g.source.id} ({g.source.kind}) | {_fmt_stated(g.protocol)} |"
-                  for g in gaps]
+        lines += ["", *markdown_lines(["id", "candidate - reference", "benchmark", "gap", "source", "protocol"],
+                                      [[g.id, f"{g.candidate} - {g.reference}", g.benchmark, f"{g.value:+g}", f"{g.source.id} ({g.source.kind})", _fmt_stated(g.protocol)] for g in gaps])]
     used = sorted({e.source.id for e in [*scores, *gaps]})
     if used:
         lines += ["", "sources:"]

@@ -12,11 +12,11 @@ from lm_eval_sink.attribution import (
     lineage,
     per_prompt_split,
     plot_rows,
-    run_attribution,
     to_markdown,
 )
 from lm_eval_sink.benchmarks import benchmark_of, load_benchmarks
 from lm_eval_sink.cli import main
+from lm_eval_sink.commands.attribute import run_attribution
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.vendors import STATED_KEYS, load_registry
 

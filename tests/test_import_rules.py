@@ -1,4 +1,4 @@
-"""The package's import rules, for every module: no import cycle, and statistics modules load no torch."""
+"""The package's layering rules: no import cycle, statistics modules load no torch, core modules do no file I/O."""
 
 from __future__ import annotations
 
@@ -13,7 +13,36 @@ from helpers import REPO
 PACKAGE = REPO / "lm_eval_sink"
 # Pure statistics, data and schema modules: importing them must not load torch or transformers.
 TORCH_FREE = ("schema", "errors", "io", "pairing", "predict", "buckets", "failure_kinds", "benchmarks", "vendors", "protocols", "runs",
-              "attribution", "margin", "screen", "calibration", "merging.configs")
+              "attribution", "margin", "screen", "calibration", "merging.configs", "tables", "report.view")
+# Core modules take and return data; reading inputs and writing outputs is their commands/<subcommand>.py's.
+CORE = ("buckets", "attribution", "margin", "predict", "tables", "pairing", "report.view", "report.render", "training.protection")
+# Calls that read or write files: builtins and pathlib methods, and the project's readers and writers.
+FILE_IO_CALLS = frozenset({
+    "open", "read_text", "write_text", "read_bytes", "write_bytes", "savez", "savez_compressed", "savefig",
+    "atomic_write_bytes", "atomic_write_text", "atomic_write_json", "staged_dir", "check_output_dir", "check_new_outputs",
+    "write_complete", "read_complete", "read_json", "sha256_file", "read_samples", "resolve_run", "load_results",
+})
+# (module, function) allowed to read a file: the Trainer callback's public `SinkProtection.from_plan(path)` reads its plan.
+FILE_IO_ALLOWED = frozenset({("training.protection", "read_plan")})
+
+
+def _file_io_calls(module: str) -> list[str]:
+    """`function: call` for each file-I/O call in `module` outside FILE_IO_ALLOWED."""
+    path = PACKAGE.joinpath(*module.split(".")).with_suffix(".py")
+    found = []
+
+    def visit(node: ast.AST, where: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            name = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) and where == "<module>" else where
+            if isinstance(child, ast.Call):
+                f = child.func
+                called = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+                if called in FILE_IO_CALLS and (module, name) not in FILE_IO_ALLOWED:
+                    found.append(f"{name}: {called}")
+            visit(child, name)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")), "<module>")
+    return found
 
 
 def _import_graph() -> dict[str, set[str]]:
@@ -73,3 +102,16 @@ def test_statistics_modules_import_no_torch():
     env = {**os.environ, "LM_EVAL_SINK_NO_HOOK": "1"}
     out = json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout)
     assert out == {m: [] for m in TORCH_FREE}
+
+
+def test_core_modules_and_the_cli_do_no_file_io():
+    assert {m: _file_io_calls(m) for m in (*CORE, "cli")} == {m: [] for m in (*CORE, "cli")}
+    # the check itself finds the calls a command module makes
+    assert "write_outputs: staged_dir" in _file_io_calls("commands.buckets") and "run_report: atomic_write_text" in _file_io_calls("commands.report")
+
+
+def test_core_modules_import_no_command():
+    graph = _import_graph()
+    uses = {m: sorted(d for d in graph[f"lm_eval_sink.{m}"] if d.startswith("lm_eval_sink.commands")) for m in CORE}
+    assert uses == {m: [] for m in CORE}
+    assert "lm_eval_sink.buckets" in graph["lm_eval_sink.commands.buckets"]  # the commands' imports are read

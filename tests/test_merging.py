@@ -193,7 +193,7 @@ def test_eight_bundled_configs_ship_as_package_data(capsys):
 def test_bundled_config_merges_loads_and_matches_its_formula(tmp_path, tiny_trio, name, lineage):
     from transformers import AutoModelForCausalLM
 
-    from lm_eval_sink.merging.merge import read_complete
+    from lm_eval_sink.io import read_complete
 
     out = _merge(tmp_path, name, tiny_trio, lineage)
     assert read_complete(out)["merge_method"] == name if name not in ("linear_95_5", "linear_uniform") else read_complete(out)["merge_method"] == "linear"

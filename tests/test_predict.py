@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from lm_eval_sink.cli import main
+from lm_eval_sink.commands.fit import read_pairs
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.predict import (
     average_ranks,
@@ -18,7 +19,6 @@ from lm_eval_sink.predict import (
     fit_task,
     parse_pairs,
     permutation_test,
-    read_pairs,
     rounding_envelope,
     spearman_rho,
     task_arrays,

@@ -1,4 +1,4 @@
-"""The shared run resolver and the atomic-write helpers (standard library only)."""
+"""The shared run resolver, the atomic-write helpers, the output-folder mechanism and the table helper (standard library only)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import sys
 import pytest
 
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.io import atomic_write_json, canonical_json, staged_dir
+from lm_eval_sink.io import COMPLETE, atomic_write_json, canonical_json, manifest, read_complete, staged_dir, write_complete
 from lm_eval_sink.runs import load_results, read_samples, resolve_run
+from lm_eval_sink.tables import csv_text, markdown_table
 
 T1, T2 = "2026-12-01T10-00-00.000001", "2026-12-02T10-00-00.000002"
 
@@ -105,6 +106,26 @@ def test_staged_dir_leaves_nothing_that_looks_complete_on_failure(tmp_path):
     with staged_dir(out, force=True) as tmp:
         (tmp / "new.txt").write_text("2")
     assert sorted(p.name for p in out.iterdir()) == ["new.txt"]
+
+
+def test_complete_marker_is_written_inside_the_staged_folder_and_read_by_key(tmp_path):
+    out = tmp_path / "unit"
+    with staged_dir(out) as tmp:
+        (tmp / "w.bin").write_bytes(b"12345")
+        write_complete(tmp, {"key": "k1", "weight_files": manifest(tmp, ["w.bin"])})
+        assert read_complete(out) is None  # not at `out` until the rename
+    assert read_complete(out) == {"key": "k1", "weight_files": {"w.bin": 5}}
+    assert read_complete(out, "k1")["key"] == "k1"
+    assert read_complete(out, "k2") is None  # made from other inputs: not reused
+    (out / COMPLETE).write_text("{not json")
+    assert read_complete(out) is None and read_complete(tmp_path / "missing") is None
+    with pytest.raises(UserError, match="is a file, not a folder"), staged_dir(out / COMPLETE, force=True):
+        pass
+
+
+def test_table_helper_markdown_and_csv():
+    assert markdown_table(["a", "b"], [[1, "x"], ["2", 0.5]]) == "| a | b |\n|---|---|\n| 1 | x |\n| 2 | 0.5 |\n"
+    assert csv_text(["a", "b"], [["x, y", 'q"'], [1, ""]]) == 'a,b\n"x, y","q"""\n1,\n'
 
 
 def test_light_modules_import_no_torch():

@@ -43,7 +43,7 @@ from lm_eval_sink.extract.plan import (
 )
 from lm_eval_sink.extract.rules import forward_rule, inverse_rule
 from lm_eval_sink.extract.verify import PROBE_TEXT, Verification, compare, logits, multimodal_token_ids, probe_ids
-from lm_eval_sink.io import SCHEMA_VERSION, atomic_write_json, atomic_write_text, check_output_dir, provenance, read_json, staged_dir
+from lm_eval_sink.io import COMPLETE, SCHEMA_VERSION, atomic_write_json, atomic_write_text, check_output_dir, provenance, read_json, staged_dir, write_complete
 from lm_eval_sink.models import model_fingerprint, resolve_model
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 DEFAULT_SHARD_BYTES = 5 * 1024**3
 REPORT_FILE = "extraction.json"
 INJECT_REPORT_FILE = "injection.json"
-COMPLETE_FILE = "COMPLETE.json"
+COMPLETE_FILE = COMPLETE  # the project's one marker name (io.COMPLETE)
 FAILED_FILE = "FAILED.json"
 _REPORT_FILES = {"extract": REPORT_FILE, "inject": INJECT_REPORT_FILE}
 _MARKER_FILES = (COMPLETE_FILE, FAILED_FILE, REPORT_FILE, INJECT_REPORT_FILE)
@@ -195,7 +195,7 @@ def _finish(tmp: Path, report: ExtractionReport) -> None:
         marker["reason"] = report.verification.reason if report.verification else None
         atomic_write_json(tmp / FAILED_FILE, marker)
     else:
-        atomic_write_json(tmp / COMPLETE_FILE, marker)
+        write_complete(tmp, marker)
 
 
 def _probe(tokenizer_dir: Path, vlm: _Vlm) -> list[int]:

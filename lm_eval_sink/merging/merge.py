@@ -12,7 +12,6 @@ as it found them, so merges in one process do not see each other (a merge seeded
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import random
 from collections.abc import Iterator
@@ -20,10 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lm_eval_sink.io import atomic_write_json, canonical_json, check_output_dir, provenance, sha256_text, staged_dir
+from lm_eval_sink.io import canonical_json, check_output_dir, manifest, provenance, sha256_text, staged_dir, write_complete
 from lm_eval_sink.merging.configs import ValidatedConfig, validate_file, validate_text
 
-COMPLETE = "COMPLETE.json"
 _TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")
 
 
@@ -177,7 +175,7 @@ def merge_config(config: str | Path | ValidatedConfig, out: str | Path, random_s
     with staged_dir(out, force=force) as tmp:
         pins = run_mergekit(vc.text, tmp, random_seed=random_seed, device=device, quiet=quiet, revisions=revisions)
         n_tensors, files = verify_checkpoint(tmp, expect_tokenizer=_donor_has_tokenizer(vc, identities))
-        atomic_write_json(tmp / COMPLETE, {
+        write_complete(tmp, {
             "schema_version": 1,
             "key": key,
             "fingerprint_rule": FINGERPRINT_RULE,
@@ -186,19 +184,10 @@ def merge_config(config: str | Path | ValidatedConfig, out: str | Path, random_s
             "random_seed": random_seed,
             "hub_revisions": pins,
             "n_tensors": n_tensors,
-            "weight_files": {f: (tmp / f).stat().st_size for f in files},
+            "weight_files": manifest(tmp, files),
             "provenance": provenance(config_source=vc.source, inputs=list(identities.values()), device=device, **(extra or {})),
         })
     return MergeResult(out=out, key=key, method=vc.method, n_tensors=n_tensors, weight_files=files)
 
 
-def read_complete(folder: Path) -> dict[str, Any] | None:
-    """The folder's COMPLETE.json, or None when absent or unreadable."""
-    try:
-        data = json.loads((Path(folder) / COMPLETE).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-__all__ = ["COMPLETE", "MergeResult", "merge_config", "merge_key", "read_complete", "run_mergekit", "validate_text", "verify_checkpoint"]
+__all__ = ["MergeResult", "merge_config", "merge_key", "run_mergekit", "validate_text", "verify_checkpoint"]

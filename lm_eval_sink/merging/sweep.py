@@ -406,7 +406,7 @@ def _check_conflicts(plan: Plan) -> None:
         if unit.output.exists():
             key = _complete_key(unit.output)
             if key != unit.key:
-                from lm_eval_sink.merging.merge import read_complete
+                from lm_eval_sink.io import read_complete
 
                 complete = read_complete(unit.output) or {}
                 if complete.get("fingerprint_rule") != FINGERPRINT_RULE:

@@ -1,5 +1,6 @@
 """One self-contained HTML report per reference/candidate pair, from the project's own outputs.
 
-`load.load_inputs` reads and cross-checks the inputs, `view.build_view` (pure) turns them into the
-template's context, `render.write_report` draws the figures and writes the HTML.
+`commands.report.load_inputs` reads and cross-checks the inputs, `view.build_view` (pure) turns them
+into the template's context, `render.render_html` draws the figures and returns the HTML text, which
+`commands.report.run_report` writes.
 """

@@ -8,18 +8,14 @@ prompts and responses (untrusted text) always appear as text.
 from __future__ import annotations
 
 import base64
-import tempfile
-from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.report.view import ReportInputs, build_view
 
 
 def _png(draw, *args, **kwargs) -> str:
-    """Run a plots.py function into a temp file and return a data: URI of the PNG."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = draw(*args, path=Path(tmp) / "f.png", **kwargs)
-        return "data:image/png;base64," + base64.b64encode(Path(path).read_bytes()).decode("ascii")
+    """A data: URI of the PNG a plots.py function draws (its bytes, no file)."""
+    return "data:image/png;base64," + base64.b64encode(draw(*args, path=None, **kwargs)).decode("ascii")
 
 
 def figures(view: dict[str, Any]) -> dict[str, str]:
@@ -50,9 +46,3 @@ def render_html(inputs: ReportInputs) -> str:
     view = build_view(inputs)
     return env.get_template("report.html.j2").render(v=view, fig=figures(view))
 
-
-def write_report(inputs: ReportInputs, out: Path) -> Path:
-    """Render and write atomically (the caller has checked `out` may be written)."""
-    from lm_eval_sink.io import atomic_write_text
-
-    return atomic_write_text(Path(out), render_html(inputs))

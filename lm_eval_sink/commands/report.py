@@ -1,4 +1,6 @@
-"""Read and check a report's inputs: the project's own output files, nothing else (no model is loaded).
+"""`lm-eval-sink report`: read and check a report's inputs, render the page (report/), write the HTML file.
+
+The inputs are the project's own output files, nothing else (no model is loaded).
 
 Checks, each a one-line UserError before anything is written:
 - each input is the output it claims to be (strength JSON, margin.json, buckets.json, attribution.json,
@@ -182,3 +184,15 @@ def load_inputs(out: Path, *, strength: Sequence[Path] | None = None, margin: Pa
         buckets=tuple(_buckets_input(d, p) for d, p in bucket_docs), identities=identities, versions=package_versions(),
         created_utc=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
     )  # fmt: skip
+
+
+def run_report(output: Path, *, force: bool = False, **inputs: Any) -> list[str]:
+    """The `report` command: refuse `output` early, load the inputs (`inputs`: load_inputs's), write the page atomically."""
+    from lm_eval_sink.io import atomic_write_text, check_new_outputs
+    from lm_eval_sink.report.render import render_html
+
+    output = Path(output)
+    if output.is_dir():
+        raise UserError(f"-o {output} is a folder", "pass a file path, e.g. -o report.html")
+    check_new_outputs([output], force)
+    return [f"wrote {atomic_write_text(output, render_html(load_inputs(output, **inputs)))}"]

@@ -1,0 +1,41 @@
+"""`make demo` (`python -m lm_eval_sink.demo`): lm-eval with sink_strength and ifeval on the embedded model, the heatmap, S and IFEval.
+
+Runs `lm_eval --model hf --model_args pretrained=<SmolLM2 folder> --tasks sink_strength,ifeval
+--apply_chat_template --limit N --gen_kwargs max_gen_toks=M --log_samples` through the shared runner
+(local data with LM_EVAL_SINK_DATA), draws the per-layer, per-head heatmap from the results file,
+and prints S, IFEval prompt-level strict/loose accuracy and the paths. The IFEval figures come from
+N prompts with short generations: a demonstration, not a score.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+DEMO_LIMIT = 8
+DEMO_MAX_GEN_TOKS = 128
+
+
+def run_demo(output: Path, limit: int = DEMO_LIMIT, max_gen_toks: int = DEMO_MAX_GEN_TOKS) -> list[str]:
+    """Run the demo and return the lines to print."""
+    from lm_eval_sink.harness.runner import EvalSettings, run_lm_eval
+    from lm_eval_sink.models import default_model_dir
+    from lm_eval_sink.plots import layer_head_heatmap
+    from lm_eval_sink.runs import load_results
+
+    model = default_model_dir()
+    settings = EvalSettings(tasks=("sink_strength", "ifeval"), apply_chat_template=True, limit=limit, gen_kwargs={"max_gen_toks": max_gen_toks})
+    run = run_lm_eval(str(model), settings, output, echo=True)
+    res = load_results(run)
+    s = res["results"]["sink_strength"]
+    ife = res["results"]["ifeval"]
+    matrix = s["sink_strength_layer_head,none"]
+    png = layer_head_heatmap(matrix["values"], matrix["layers"], f"SmolLM2-135M-Instruct: sink log-odds, S = {s['sink_strength,none']:.4f}", run.results.with_name(run.results.stem.replace("results_", "sink_strength_heatmap_") + ".png"))
+    return [
+        f"model:                  {model}",
+        f"Sink Strength S:        {s['sink_strength,none']:.4f} (last 10 layers, 15 prompts; content rows {s['sink_strength_content_rows,none']:.4f}, template rows {s['sink_strength_template_rows,none']:.4f})",
+        f"position-0 share:       {s['pos0_argmax_fraction,none']:.3f} of rows, median mass {s['pos0_mass_median,none']:.3f}",
+        f"IFEval prompt strict:   {ife['prompt_level_strict_acc,none']:.3f}   loose: {ife['prompt_level_loose_acc,none']:.3f}   (limit {limit}, max_gen_toks {max_gen_toks}: not a final score)",
+        f"results:                {run.results}",
+        f"samples:                {', '.join(str(p) for p in run.samples.values())}",
+        f"heatmap:                {png}",
+    ]
