@@ -1,6 +1,6 @@
 """Scale benchmark: the tiny merge-and-evaluate sweep under the local engine and the Ray engine.
 
-The sweep of tests/test_ray.py: tiny random Llama reference and candidate (tests/conftest.py's
+The sweep of tests/test_ray.py: tiny random Llama reference and candidate (tests/helpers.py's
 `make_tiny_lm`), two controls (linear_95_5, dare_linear), the tiny local lm-eval task of
 tests/data/merging_task, Sink Strength on 5 prompts: 10 units (2 merges, 4 evals, 4 strength).
 
@@ -45,14 +45,16 @@ def timed_sweep(path: Path, env: dict[str, str]) -> float:
 
 
 def main() -> None:
-    from conftest import make_tiny_lm
+    from helpers import make_tiny_lm
+
+    from lm_eval_sink.merging.engines import LOOPBACK_ENV
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--workdir", type=Path, default=None)
     args = ap.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_scale_"))
     models = {"reference": make_tiny_lm(work / "reference", "llama", 1), "candidate": make_tiny_lm(work / "candidate", "llama", 2)}
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", LOOPBACK_ENV: "0", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("RAY_ADDRESS", None)
     local = timed_sweep(sweep_file(work / "local", models, None), env)
     print(f"local engine: {local:.1f} s (10 units)")
@@ -60,10 +62,10 @@ def main() -> None:
     for cpus in (1, 2):
         temp = work / f"ray_tmp_{cpus}"
         t = time.perf_counter()
-        out = subprocess.run([RAY, "start", "--head", "--num-cpus", str(cpus), "--include-dashboard=false", "--temp-dir", str(temp),
-                              "--node-ip-address", "127.0.0.1", "--port", "0", "--disable-usage-stats"], env=env, check=True, capture_output=True, text=True)
+        subprocess.run([RAY, "start", "--head", "--num-cpus", str(cpus), "--include-dashboard=false", "--temp-dir", str(temp),
+                              "--node-ip-address", "127.0.0.1", "--port", "0", "--disable-usage-stats"], env=env, check=True, capture_output=True)
         start = time.perf_counter() - t
-        address = next(x.split("'")[1] for x in (out.stdout + out.stderr).splitlines() if "ray start --address=" in x)
+        address = (temp / "ray_current_cluster").read_text().strip()
         try:
             wall = timed_sweep(sweep_file(work / f"ray{cpus}", models, {"kind": "ray", "address": address}), env)
         finally:

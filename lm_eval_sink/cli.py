@@ -133,8 +133,9 @@ def screen(model_names, pairs_file, last_k, prompts_file, n_prompts, rows, chat_
     names = list(model_names)
     measure_all = None
     if engine == "ray":
-        from lm_eval_sink.merging.engines import ray_measure_all
+        from lm_eval_sink.merging.engines import import_ray, ray_measure_all
 
+        import_ray(local_only=ray_address is None)
         measure_all = ray_measure_all(ray_address, num_gpus=num_gpus, progress=not quiet)
     elif ray_address is not None:
         raise UserError("--ray-address needs --engine ray", "add --engine ray, or drop --ray-address")

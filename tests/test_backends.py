@@ -122,3 +122,16 @@ def test_sweep_vllm_eval_settings_under_ray(tmp_path, tiny_trio):
     spec = load_sweep(path)
     assert spec.eval.backend == "vllm" and spec.eval.device is None and spec.engine.resources["eval"].num_gpus == 2
     assert spec.eval.command("/m", Path("/o"))[:2] == ["--model", "vllm"]
+
+
+def test_ray_engine_without_ray_installed_is_one_line_naming_the_extra(tmp_path, tiny_trio, user_error, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError, as where it is not installed
+    path = _sweep(tmp_path, tiny_trio, engine={"kind": "ray"})
+    line = user_error(["sweep", path, "--quiet"], tmp_path / "out")
+    assert "needs ray, which is not installed" in line and "lm-eval-sink[ray]" in line
+    line = user_error(["sweep", _sweep(tmp_path, tiny_trio), "--engine", "ray", "--quiet"], tmp_path / "out")
+    assert "lm-eval-sink[ray]" in line
+    line = user_error(["screen", tiny_trio["reference"], "--engine", "ray", "--n-prompts", "5", "--output", tmp_path / "screen"], tmp_path / "screen")
+    assert "lm-eval-sink[ray]" in line

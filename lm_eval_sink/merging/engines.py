@@ -40,6 +40,9 @@ UNIT_KINDS = ("merge", "eval", "strength")
 _ENGINE_KEYS = ("kind", "address", "max_pending_merges", "resources")
 _RESOURCE_KEYS = ("num_cpus", "num_gpus", "memory")
 # Passed to every worker when set in the driver's environment.
+# "0": Ray 2.60 keeps 127.0.0.1 as the node address and listens on it alone (otherwise it replaces
+# 127.0.0.1 by the node's reachable address and listens on every interface).
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 ENV_VARS = ("HF_HUB_OFFLINE", "HF_HOME", "NLTK_DATA", "LM_EVAL_SINK_DATA", "TOKENIZERS_PARALLELISM", "LM_EVAL_SINK_CACHE")
 
 
@@ -72,6 +75,8 @@ def parse_engine(value: Any, src: str, kind: str | None = None, address: str | N
     if chosen not in KINDS:
         raise UserError(f"{src}: engine.kind: unknown engine {chosen!r}", f"use one of {', '.join(KINDS)}")
     addr = address if address is not None else _typed(data.get("address"), (str,), "engine.address", src, "auto or ray://host:port")
+    if chosen == "ray":
+        import_ray(local_only=addr is None)  # fail before anything is planned or written
     if addr is not None and addr != "auto" and not addr.startswith("ray://") and ":" not in addr:
         raise UserError(f"{src}: engine.address: {addr!r} is not auto, ray://host:port or host:port", "use address: auto for a cluster started with `ray start --head`")
     pending = _typed(data.get("max_pending_merges"), (int,), "engine.max_pending_merges", src, "a positive integer")
@@ -105,7 +110,13 @@ def check_vllm_units(engine: EngineSpec, eval_settings: Any, src: str) -> None:
                         f"set engine.resources.eval.num_gpus: {tp} (or tensor_parallel_size: {gpus:g})")
 
 
-def _import_ray():
+def import_ray(local_only: bool = False) -> Any:
+    """The ray module, or one line naming the extra that installs it.
+
+    `local_only`: Ray will be started inside this process (no address), so it is kept on 127.0.0.1
+    (Ray reads `LOOPBACK_ENV` when it is first imported; a user's own setting wins)."""
+    if local_only:
+        os.environ.setdefault(LOOPBACK_ENV, "0")
     try:
         import ray
     except ImportError:
@@ -119,12 +130,12 @@ def worker_env() -> dict[str, str]:
 
 def connect(address: str | None) -> Any:
     """ray.init for the driver: a local Ray (address None) or a running cluster; one line on failure."""
-    ray = _import_ray()
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    ray = import_ray(local_only=address is None)
     if ray.is_initialized():
         return ray
     kwargs: dict[str, Any] = {"runtime_env": {"env_vars": worker_env()}, "log_to_driver": False}
-    if address is None:
+    if address is None:  # Ray inside the driver: this machine only, on the loopback interface
         kwargs.update(include_dashboard=False, _node_ip_address="127.0.0.1")
     try:
         ray.init(address=address, **kwargs)
@@ -287,7 +298,7 @@ def ray_measure_all(address: str | None, num_gpus: float = 0, progress: bool = T
                 if error is not None:
                     for ref in waiting:
                         ray.cancel(ref, force=True)
-                    raise UserError(f"{refs[ready[0]]}: {error}", "fix the cause and rerun; models already measured into --output are reused")
+                    raise UserError(f"{refs[ready[0]]}: {error}", "fix the cause and rerun (results reused from --output are those written before this run)")
                 results[refs[ready[0]]] = value
                 bar.update(1)
         return [results[p] for p in paths]
