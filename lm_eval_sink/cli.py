@@ -120,7 +120,10 @@ def _last_k(value: str) -> int | None:
 @click.option("--last-k", default="10", show_default=True, help="S over the last K layers, or 'all'.")
 @_calibration_options
 @click.option("--output", type=click.Path(path_type=Path), default=None, help="Folder for screen.json/.md/.csv/.png and per-model strength files (default: print only).")
-def screen(model_names, pairs_file, last_k, prompts_file, n_prompts, rows, chat_template, system_prompt, dtype, device, batch_size, force, quiet, output) -> None:
+@click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True, help="ray: one Ray task per model.")
+@click.option("--ray-address", default=None, help="Ray cluster: auto or ray://host:port (default: start Ray here).")
+@click.option("--num-gpus", type=float, default=0, show_default=True, help="GPUs per model's Ray task.")
+def screen(model_names, pairs_file, last_k, prompts_file, n_prompts, rows, chat_template, system_prompt, dtype, device, batch_size, force, quiet, output, engine, ray_address, num_gpus) -> None:
     """Rank backbones by Sink Strength S and predict their post-VL deltas (MODEL: folder, hub id or 'default')."""
     from lm_eval_sink.screen import run_screen
     from lm_eval_sink.strength import StrengthSettings
@@ -128,7 +131,16 @@ def screen(model_names, pairs_file, last_k, prompts_file, n_prompts, rows, chat_
     settings = StrengthSettings(last_k=_last_k(last_k), rows=rows, n_prompts=n_prompts, prompts_file=str(prompts_file) if prompts_file else None,
                                 use_chat_template=chat_template, system_prompt=system_prompt, batch_size=batch_size)
     names = list(model_names)
-    for line in run_screen(names, [_slug(n) for n in names], settings, pairs_file, output, dtype=dtype, device=device, force=force, progress=not quiet):
+    measure_all = None
+    if engine == "ray":
+        from lm_eval_sink.merging.engines import import_ray, ray_measure_all
+
+        import_ray(local_only=ray_address is None)
+        measure_all = ray_measure_all(ray_address, num_gpus=num_gpus, progress=not quiet)
+    elif ray_address is not None:
+        raise UserError("--ray-address needs --engine ray", "add --engine ray, or drop --ray-address")
+    for line in run_screen(names, [_slug(n) for n in names], settings, pairs_file, output, dtype=dtype, device=device, force=force, progress=not quiet,
+                           measure_all=measure_all):
         click.echo(line)
 
 
@@ -349,15 +361,28 @@ def attribute(references, candidates, use_vendor, registry_file, benchmarks_file
 @click.option("--batch-size", default=None, help="Batch size, where the protocol does not fix it (default 1).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None, help="Model dtype, where the protocol does not fix it.")
 @click.option("--seed", type=int, default=None, help="Seed for lm-eval's random generators, where the protocol does not fix it.")
-@click.option("--device", default="cpu", show_default=True)
+@click.option("--device", default=None, help="HF only: torch device (default cpu).")
+@click.option("--backend", type=click.Choice(["hf", "vllm"]), default="hf", show_default=True, help="lm-eval model backend; vllm needs vllm installed (no sink_strength).")
+@click.option("--model-args", "model_args", default=None, metavar="K=V,...", help="Extra backend arguments, e.g. tensor_parallel_size=2,max_model_len=4096.")
 @click.option("--include-path", default=None, help="One extra folder of lm-eval task YAMLs.")
 @click.option("--no-log-samples", is_flag=True, help="Do not write per-sample logs (attribution then works from aggregate scores only).")
 @click.option("--output", type=click.Path(path_type=Path), required=True, help="lm-eval output folder for this run.")
 @click.option("--force", is_flag=True, help="Write into an existing --output.")
-def eval_cmd(model, protocol_name, protocol_file, tasks, limit, gen_kwargs, batch_size, dtype, seed, device, include_path, no_log_samples, output, force) -> None:
+def eval_cmd(model, protocol_name, protocol_file, tasks, limit, gen_kwargs, batch_size, dtype, seed, device, backend, model_args, include_path, no_log_samples, output, force) -> None:
     """Run lm-eval on MODEL under a named protocol, then print the run's protocol fingerprint check."""
+    from lm_eval_sink.harness.runner import require_backend
     from lm_eval_sink.protocols import fingerprint_run, get_protocol, limit_text, parse_gen_kwargs, settings_fields
 
+    if device is not None and backend != "hf":
+        raise UserError("--device is an HF-only flag", "drop --device with --backend vllm (vLLM places the model; pass --model-args tensor_parallel_size=N)")
+    require_backend(backend)
+    margs = {}
+    for part in (model_args or "").split(","):
+        if part.strip():
+            if "=" not in part:
+                raise UserError(f"--model-args {part!r} is not KEY=VALUE", "e.g. --model-args tensor_parallel_size=2,max_model_len=4096")
+            k, v = part.split("=", 1)
+            margs[k.strip()] = v.strip()
     protocol = get_protocol(protocol_name, protocol_file)
     if output.exists() and any(output.iterdir()) and not force:
         raise UserError(f"output already exists: {output}", "pass --force to add this run to it, or choose another --output")
@@ -365,7 +390,8 @@ def eval_cmd(model, protocol_name, protocol_file, tasks, limit, gen_kwargs, batc
     if limit is not None and limit >= 1 and float(limit).is_integer():
         limit = int(limit)
     fields = settings_fields(protocol, tasks=[t.strip() for t in tasks.split(",") if t.strip()], limit=limit, gen_kwargs=parse_gen_kwargs(gen_kwargs),
-                             batch_size=bs, dtype=dtype, seed=seed, device=device, include_path=include_path, log_samples=not no_log_samples)
+                             batch_size=bs, dtype=dtype, seed=seed, device=device, include_path=include_path, log_samples=not no_log_samples,
+                             backend=backend, model_args=margs)
     from lm_eval_sink.harness.runner import EvalSettings, run_lm_eval
     from lm_eval_sink.models import resolve_model
 
@@ -478,11 +504,13 @@ def merge(config_file, out, random_seed, device, force, quiet) -> None:
 @click.option("--force", is_flag=True, help="Redo every step, replacing earlier outputs.")
 @click.option("--delete-merged", is_flag=True, default=None, help="Delete merged weights once their checkpoint is evaluated.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
-def sweep(sweep_file, output, force, delete_merged, quiet) -> None:
+@click.option("--engine", type=click.Choice(["local", "ray"]), default=None, help="Where units run (default: the file's engine.kind, else local).")
+@click.option("--ray-address", default=None, help="Ray cluster: auto, ray://host:port (default: the file's engine.address; none starts Ray here).")
+def sweep(sweep_file, output, force, delete_merged, quiet, engine, ray_address) -> None:
     """Merge, evaluate (lm-eval) and measure S for every checkpoint of SWEEP.yaml; resumable."""
     from lm_eval_sink.merging.sweep import load_sweep, run_sweep
 
-    spec = load_sweep(sweep_file, output=output, delete_merged=delete_merged)
+    spec = load_sweep(sweep_file, output=output, delete_merged=delete_merged, engine=engine, ray_address=ray_address)
     report = run_sweep(spec, force=force, progress=not quiet)
     for line in report.lines():
         click.echo(line)

@@ -52,12 +52,19 @@ _REQUIRED_CONFIG = ("model_args", "batch_size", "limit")
 _IDENTITY_ARGS = frozenset({"pretrained", "revision", "peft", "delta", "tokenizer", "gguf_file", "trust_remote_code", "device_map", "parallelize",
                             "max_memory_per_gpu", "max_cpu_memory", "offload_folder", "dtype", "device"})
 
+# vLLM arguments that only place or pace the model (GPUs, memory, scheduling): never compared.
+VLLM_RESOURCE_ARGS = frozenset({"tensor_parallel_size", "data_parallel_size", "gpu_memory_utilization", "max_num_seqs", "enforce_eager",
+                                "distributed_executor_backend"})
+# lm-eval records `config.model` as the --model name, or the class name when given a model object.
+_BACKEND_CLASSES = {"HFLM": "hf", "VLLM": "vllm"}
+
 # Task config keys that define the prompt text; hashed together as `prompt_format`.
 _PROMPT_KEYS = ("description", "doc_to_text", "doc_to_target", "doc_to_choice", "doc_to_image", "doc_to_audio", "gen_prefix", "target_delimiter",
                 "fewshot_delimiter", "process_docs", "process_results", "use_prompt", "multiple_input")
 
 # Every field a diff can name: (can it change scores, what it is). Task fields are `tasks.<task>.<key>`.
 HARNESS_FIELDS: dict[str, tuple[bool, str]] = {
+    "backend": (True, "lm-eval model backend (--model hf or vllm): a different inference engine"),
     "apply_chat_template": (True, "prompts rendered through the tokenizer's chat template"),
     "system_instruction": (True, "system message put before every prompt"),
     "fewshot_as_multiturn": (True, "few-shot examples sent as chat turns (only matters where a task has few-shot examples)"),
@@ -199,12 +206,14 @@ def fingerprint(results: dict[str, Any], source: str | Path | None = None) -> Pr
     n_shot = results.get("n-shot") or {}
     versions = results.get("versions") or {}
     template = results.get("chat_template")
+    backend = cfg.get("model")
     harness = {
+        "backend": _BACKEND_CLASSES.get(backend, backend),
         "apply_chat_template": template is not None,
         "system_instruction": results.get("system_instruction"),
         "fewshot_as_multiturn": results.get("fewshot_as_multiturn"),
         "gen_kwargs": cfg.get("gen_kwargs") or None,
-        "model_args": {k: v for k, v in sorted(model_args.items()) if k not in _IDENTITY_ARGS},
+        "model_args": {k: v for k, v in sorted(model_args.items()) if k not in _IDENTITY_ARGS and k not in VLLM_RESOURCE_ARGS},
         "lm_eval_version": results.get("lm_eval_version"),
         "limit": cfg.get("limit"),
         "seeds": {"random": cfg.get("random_seed"), "numpy": cfg.get("numpy_seed"), "torch": cfg.get("torch_seed"), "fewshot": cfg.get("fewshot_seed")},
@@ -538,14 +547,17 @@ def diff_markdown(diffs: tuple[FieldDiff, ...], name_a: str = "A", name_b: str =
 
 
 def settings_fields(protocol: Protocol, *, tasks: list[str], limit: float | None = None, gen_kwargs: dict[str, Any] | None = None,
-                    batch_size: int | str | None = None, dtype: str | None = None, seed: int | None = None, device: str = "cpu",
-                    include_path: str | None = None, log_samples: bool = True) -> dict[str, Any]:
+                    batch_size: int | str | None = None, dtype: str | None = None, seed: int | None = None, device: str | None = "cpu",
+                    include_path: str | None = None, log_samples: bool = True, backend: str = "hf",
+                    model_args: dict[str, Any] | None = None) -> dict[str, Any]:
     """The `lm_eval_sink.harness.runner.EvalSettings` fields of a run under `protocol`.
 
     Settings the protocol fixes cannot be changed by the caller (a UserError says which), except
     `gen_kwargs`, which are merged on top of the protocol's (lm-eval records them as overrides, so
     the run's fingerprint shows them). `limit` marks the run's scores non-final. dtype "auto" or
-    None leaves the model's own dtype; seed None keeps the runner's default.
+    None leaves the model's own dtype; seed None keeps the runner's default. `model_args` are
+    added to the protocol's (a key the protocol fixes to another value is refused); `device` None
+    means the backend's default (cpu for hf; vllm takes none).
     """
     if not tasks:
         raise UserError("no tasks given", "pass --tasks, e.g. --tasks ifeval,gsm8k_cot_zeroshot")
@@ -565,12 +577,17 @@ def settings_fields(protocol: Protocol, *, tasks: list[str], limit: float | None
         "gen_kwargs": {**(protocol.gen_kwargs or {}), **(gen_kwargs or {})},
         "limit": limit,
         "batch_size": protocol.batch_size if protocol.batch_size is not None else (batch_size if batch_size is not None else 1),
-        "device": device,
+        "device": device if device is not None or backend != "hf" else "cpu",
         "dtype": None if chosen_dtype in (None, "auto") else chosen_dtype,
         "log_samples": log_samples,
         "include_path": include_path,
-        "model_args": dict(protocol.model_args or {}),
+        "model_args": {**(protocol.model_args or {}), **(model_args or {})},
+        "backend": backend,
     }
+    for k, v in (model_args or {}).items():
+        fixed = (protocol.model_args or {}).get(k)
+        if fixed is not None and str(fixed) != str(v):
+            raise UserError(f"protocol {protocol.name!r} fixes model_args {k} = {fixed}, but {v} was asked for", f"drop {k} from --model-args")
     chosen_seed = protocol.seed if protocol.seed is not None else seed
     if chosen_seed is not None:
         fields["seed"] = chosen_seed

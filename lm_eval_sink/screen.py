@@ -194,17 +194,21 @@ def _unique_slugs(slugs: list[str]) -> list[str]:
     return slugs if len(set(slugs)) == len(slugs) else [f"{i + 1:02d}-{s}" for i, s in enumerate(slugs)]
 
 
-def run_screen(names: list[str], slugs: list[str], settings: Any, pairs_file: Path | str | None, output: Path | None, dtype: str = "auto", device: str = "cpu", force: bool = False, progress: bool = True) -> list[str]:
-    """Screen `names`; with `output` write screen.json/.md/.csv/.png and strength/<slug>.* there (holding its lock)."""
+def run_screen(names: list[str], slugs: list[str], settings: Any, pairs_file: Path | str | None, output: Path | None, dtype: str = "auto", device: str = "cpu", force: bool = False, progress: bool = True,
+               measure_all: Any = None) -> list[str]:
+    """Screen `names`; with `output` write screen.json/.md/.csv/.png and strength/<slug>.* there (holding its lock).
+
+    `measure_all`: see `strength.run_strength` (e.g. one Ray task per model)."""
     if output is None:
-        return _run_screen(names, slugs, settings, pairs_file, None, dtype, device, force, progress)
+        return _run_screen(names, slugs, settings, pairs_file, None, dtype, device, force, progress, measure_all)
     from lm_eval_sink.locks import hold
 
     with hold(Path(output)):
-        return _run_screen(names, slugs, settings, pairs_file, Path(output), dtype, device, force, progress)
+        return _run_screen(names, slugs, settings, pairs_file, Path(output), dtype, device, force, progress, measure_all)
 
 
-def _run_screen(names: list[str], slugs: list[str], settings: Any, pairs_file: Path | str | None, output: Path | None, dtype: str, device: str, force: bool, progress: bool) -> list[str]:
+def _run_screen(names: list[str], slugs: list[str], settings: Any, pairs_file: Path | str | None, output: Path | None, dtype: str, device: str, force: bool, progress: bool,
+                measure_all: Any) -> list[str]:
     from lm_eval_sink.io import atomic_write_json, atomic_write_text, check_new_outputs, provenance
     from lm_eval_sink.models import resolve_model
     from lm_eval_sink.commands.fit import read_pairs
@@ -222,11 +226,11 @@ def _run_screen(names: list[str], slugs: list[str], settings: Any, pairs_file: P
             raise UserError(f"--output {output} is a file", "pass a folder")
         files = [output / f"screen.{ext}" for ext in ("json", "md", "csv", "png")]
         check_new_outputs(files, force)
-        lines = run_strength(names, slugs, settings, output / "strength", dtype=dtype, device=device, force=force, progress=progress)
+        lines = run_strength(names, slugs, settings, output / "strength", dtype=dtype, device=device, force=force, progress=progress, measure_all=measure_all)
         strengths = [SinkStrength.from_json(json.loads((output / "strength" / f"{s}.strength.json").read_text(encoding="utf-8"))) for s in slugs]
     else:
         lines = []
-        strengths = [measure_model(p, settings, dtype=dtype, device=device, progress=progress) for p in paths]
+        strengths = measure_all(paths, settings, dtype, device) if measure_all is not None else [measure_model(p, settings, dtype=dtype, device=device, progress=progress) for p in paths]
     order = sorted(range(len(names)), key=lambda i: -strengths[i].sink_strength)
     models = []
     for rank, i in enumerate(order, 1):

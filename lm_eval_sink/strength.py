@@ -107,6 +107,12 @@ def _stat(values: np.ndarray, statistic: str) -> float:
     return float(np.median(values) if statistic == "median" else np.mean(values, dtype=np.float64))
 
 
+def prompt_statistic(capture: Any, settings: StrengthSettings) -> float | None:
+    """The statistic over one prompt's selected rows alone (None: the prompt has none)."""
+    rows = capture.content if settings.rows == "content" else np.ones_like(capture.content)
+    return _stat(capture.sink_logodds[:, :, rows].ravel(), settings.statistic) if rows.any() else None
+
+
 def reduce_captures(captures: list, settings: StrengthSettings, n_layers: int, attention_layers: Sequence[int] | None = None) -> SinkStrength:
     """Reduce per-prompt captures (see capture.py) of the selected layers to a SinkStrength.
 
@@ -131,10 +137,7 @@ def reduce_captures(captures: list, settings: StrengthSettings, n_layers: int, a
         raise UserError("no content rows: the template covers every token", "use --rows all")
     st = settings.statistic
     per_lh = tuple(tuple(_stat(logodds[li, h, selected], st) for h in range(n_heads)) for li in range(len(layers)))
-    per_prompt = []
-    for c in captures:
-        rows = c.content if settings.rows == "content" else np.ones_like(c.content)
-        per_prompt.append(_stat(c.sink_logodds[:, :, rows].ravel(), st) if rows.any() else None)
+    per_prompt = [prompt_statistic(c, settings) for c in captures]
     return SinkStrength(
         sink_strength=_stat(logodds[:, :, selected].ravel(), st),
         statistic=st,
@@ -204,12 +207,15 @@ def result_key(name_path: str, fingerprint: str | None, settings: StrengthSettin
     return sha256_text(canonical_json({"model": name_path, "fingerprint": fingerprint, "settings": asdict(settings), "dtype": dtype}))
 
 
-def run_strength(names: list[str], slugs: list[str], settings: StrengthSettings, output, dtype: str = "auto", device: str = "cpu", force: bool = False, progress: bool = True) -> list[str]:
+def run_strength(names: list[str], slugs: list[str], settings: StrengthSettings, output, dtype: str = "auto", device: str = "cpu", force: bool = False, progress: bool = True,
+                 measure_all: Any = None) -> list[str]:
     """Measure each model and write `<slug>.strength.json` + `<slug>.heatmap.png` into `output`.
 
     With several models also `ranking.md`, `ranking.csv` and `ranking.png`. A model whose JSON
     already exists with the same input key is reused (an interrupted run resumes); a different
-    key is refused unless `force`. Returns the lines to print.
+    key is refused unless `force`. Returns the lines to print. `measure_all(paths, settings, dtype,
+    device)` -> results in order measures every model to (re)do at once (e.g. one Ray task each,
+    `engines.ray_measure_all`); without it each is measured here, one after the other.
     """
     from lm_eval_sink.calibration import load_prompts
     from lm_eval_sink.locks import hold
@@ -223,10 +229,11 @@ def run_strength(names: list[str], slugs: list[str], settings: StrengthSettings,
     load_prompts(Path(settings.prompts_file) if settings.prompts_file else None, settings.n_prompts)  # fail before loading models
     paths = [resolve_model(n) for n in names]
     with hold(output):
-        return _run_strength_locked(names, paths, slugs, settings, output, dtype, device, force, progress)
+        return _run_strength_locked(names, paths, slugs, settings, output, dtype, device, force, progress, measure_all)
 
 
-def _run_strength_locked(names: list[str], paths: list[str], slugs: list[str], settings: StrengthSettings, output: Path, dtype: str, device: str, force: bool, progress: bool) -> list[str]:
+def _run_strength_locked(names: list[str], paths: list[str], slugs: list[str], settings: StrengthSettings, output: Path, dtype: str, device: str, force: bool, progress: bool,
+                         measure_all: Any) -> list[str]:
     from tqdm.auto import tqdm
 
     from lm_eval_sink.identity import check_same_identity
@@ -247,6 +254,8 @@ def _run_strength_locked(names: list[str], paths: list[str], slugs: list[str], s
                 raise UserError(f"output already exists with other inputs: {json_path}", "pass --force to overwrite, or choose another --output")
             reuse = old
         plan.append((name, path, slug, key, json_path, reuse))
+    todo = list(dict.fromkeys(path for _, path, _, _, _, reuse in plan if reuse is None))
+    measured = dict(zip(todo, measure_all(todo, settings, dtype, device))) if measure_all is not None and todo else {}
     table_paths = [output / "ranking.md", output / "ranking.csv"] if len(names) > 1 else []
     results, lines = [], []
     for name, path, slug, key, json_path, reuse in tqdm(plan, desc="models", disable=not progress or len(plan) == 1):
@@ -254,7 +263,7 @@ def _run_strength_locked(names: list[str], paths: list[str], slugs: list[str], s
             res = SinkStrength.from_json(reuse)
             lines.append(f"{slug}: reused {json_path}")
         else:
-            res = measure_model(path, settings, dtype=dtype, device=device, progress=progress)
+            res = measured[path] if path in measured else measure_model(path, settings, dtype=dtype, device=device, progress=progress)
             res = replace(res, provenance={**res.provenance, "input_key": key, "model_argument": name})
             atomic_write_json(json_path, res.to_json())
         png = layer_head_heatmap(res.sink_strength_layer_head, res.layers, f"{slug}: sink log-odds ({res.statistic}, rows={res.rows}), S = {res.sink_strength:.4f}", output / f"{slug}.heatmap.png")

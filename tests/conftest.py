@@ -8,11 +8,18 @@ the harness, buckets and protocol tests.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from helpers import FIXTURE_BATCH, FIXTURE_GEN_KWARGS, FIXTURE_LIMIT, SHARED, TINY_TASK, make_tiny_lm, make_tokenizer
+from lm_eval_sink.merging.engines import LOOPBACK_ENV
+
+# Every Ray the tests start or reach stays on 127.0.0.1 and sends no usage statistics. Ray reads
+# these when it is imported, so they are set before any test module imports it.
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault(LOOPBACK_ENV, "0")
 
 
 @pytest.fixture(scope="session")

@@ -234,6 +234,27 @@ def test_lm_eval_task_reports_attention_layers_and_learned_sinks(tiny_tokenizer,
     assert got["learned_sink_mass_median,none"] == pytest.approx(api.learned_sink_mass_median, abs=1e-5)
 
 
+def test_data_parallel_items_of_learned_sinks_reduce_to_the_single_process_result(tiny_tokenizer, encoded):
+    """Each prompt's item (as one rank builds it, JSON round-tripped as lm-eval gathers and logs it),
+    in shuffled order, reduces on 'rank 0' to what `measure` gives: learned-sink figures and attention layers too."""
+    import random
+
+    from lm_eval_sink.harness.task import PromptRows, _result
+
+    model = _build("gpt_oss", len(tiny_tokenizer), tiny_tokenizer.pad_token_id)
+    want = measure(model, tiny_tokenizer, SETTINGS, progress=False)
+    att = attention_layers_from_config(model.config)
+    captures = capture_prompts(model, encoded, SETTINGS.layers_for(att), SETTINGS.batch_size, progress=False)
+    items = [json.loads(json.dumps(PromptRows.build(i, c, SETTINGS, 2, att, False, None).payload)) for i, c in enumerate(captures)]
+    random.Random(0).shuffle(items)
+    got = _result(items)
+    assert got.attention_layers == want.attention_layers == (0, 1)
+    assert got.learned_sink_argmax_fraction == want.learned_sink_argmax_fraction is not None
+    assert got.learned_sink_mass_median == pytest.approx(want.learned_sink_mass_median, abs=1e-7)
+    assert got.sink_strength == pytest.approx(want.sink_strength, abs=1e-7) and got.per_prompt == pytest.approx(want.per_prompt, abs=1e-7)
+    np.testing.assert_allclose(got.sink_strength_layer_head, want.sink_strength_layer_head, atol=1e-7)
+
+
 def test_flash_attention_is_refused_with_one_line(tiny_tokenizer):
     """No flash kernel on CPU: the implementation name is set directly, as a flash-loaded model carries it."""
     model = _build("llama", len(tiny_tokenizer), tiny_tokenizer.pad_token_id)

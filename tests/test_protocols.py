@@ -242,7 +242,7 @@ def test_named_protocols_map_to_eval_settings():
     ins = settings_fields(get_protocol("instruct"), tasks=["ifeval"], limit=5, gen_kwargs=parse_gen_kwargs(["max_gen_toks=64,do_sample=false"]))
     assert ins == {"tasks": ("ifeval",), "apply_chat_template": True, "num_fewshot": 0, "fewshot_as_multiturn": None, "system_instruction": None,
                    "gen_kwargs": {"max_gen_toks": 64, "do_sample": False}, "limit": 5, "batch_size": 8, "device": "cpu", "dtype": None,
-                   "log_samples": True, "include_path": None, "model_args": {}}
+                   "log_samples": True, "include_path": None, "model_args": {}, "backend": "hf"}
     com = settings_fields(get_protocol("community"), tasks=["ifeval", "gsm8k_cot"], batch_size=2, dtype="float32", seed=3)
     assert (com["apply_chat_template"], com["num_fewshot"], com["fewshot_as_multiturn"]) == (False, None, None)
     assert (com["batch_size"], com["dtype"], com["seed"], com["gen_kwargs"]) == (2, "float32", 3, {})

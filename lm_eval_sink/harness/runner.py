@@ -4,7 +4,10 @@
 object, runs it in its own process (no global state leaks between runs: a sweep step or a cluster
 job can call it the same way), keeps its log beside the results, and returns the resolved run
 (`runs.RunFiles`). Named protocols (`protocols.py`), `lm-eval-sink eval`, sweeps, the demo and
-the test fixtures all go through it. The offline data override (`LM_EVAL_SINK_DATA`) and this
+the test fixtures all go through it. `backend` is lm-eval's `--model`: `hf` (transformers, the
+only one with attention access, so the only one for `sink_strength`) or `vllm` (`device` is then
+not passed: vLLM places the model itself, through model_args such as tensor_parallel_size).
+The offline data override (`LM_EVAL_SINK_DATA`) and this
 project's tasks reach the subprocess through the import hook (`hooks.py`).
 """
 
@@ -20,6 +23,9 @@ from typing import Any
 
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.runs import RunFiles, resolve_run
+
+BACKENDS = ("hf", "vllm")
+
 
 def _pinned_revision(model: str) -> dict[str, str]:
     """A hub id is evaluated at the revision sha its identity names (`identity.model_identity`); a local folder needs none."""
@@ -39,6 +45,7 @@ class EvalSettings:
     """Everything that decides an lm-eval run's protocol, one field per lm-eval flag."""
 
     tasks: tuple[str, ...]
+    backend: str = "hf"  # lm-eval --model: hf | vllm
     apply_chat_template: bool = False
     num_fewshot: int | None = None  # None: each task's default
     fewshot_as_multiturn: bool | None = None  # None: lm-eval's default
@@ -47,11 +54,11 @@ class EvalSettings:
     limit: int | float | None = None
     seed: int = 0
     batch_size: int | str = 1
-    device: str = "cpu"
+    device: str | None = "cpu"  # HF only; None for vllm
     dtype: str | None = None  # model_args dtype=...; None: the model's own
     log_samples: bool = True
     include_path: str | None = None
-    model_args: dict[str, Any] = field(default_factory=dict)  # extra HF from_pretrained kwargs
+    model_args: dict[str, Any] = field(default_factory=dict)  # extra backend kwargs (HF from_pretrained / vllm.LLM)
 
     def __post_init__(self) -> None:
         if not self.tasks:
@@ -60,6 +67,17 @@ class EvalSettings:
             object.__setattr__(self, "tasks", tuple(t for t in self.tasks.split(",") if t))
         if self.limit is not None and self.limit <= 0:
             raise UserError(f"limit must be positive, got {self.limit}", "drop --limit or give a positive number")
+        if self.backend not in BACKENDS:
+            raise UserError(f"unknown backend {self.backend!r}", f"use one of {', '.join(BACKENDS)}")
+        if self.backend == "hf" and self.device is None:
+            object.__setattr__(self, "device", "cpu")
+        if self.backend == "vllm":
+            if self.device is not None:
+                raise UserError(f"device {self.device!r} is an HF-only setting", "drop device/--device for backend vllm (vLLM places the model; set tensor_parallel_size in model_args)")
+            sink = [t for t in self.tasks if t.startswith("sink_strength")]
+            if sink:
+                raise UserError(f"task {sink[0]} needs attention weights, which the vllm backend does not expose",
+                                "evaluate sink_strength with backend hf (a sweep's strength: units do), the other tasks with vllm")
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -70,10 +88,10 @@ class EvalSettings:
         """The lm_eval argument list (without the interpreter)."""
         margs = {"pretrained": model, **_pinned_revision(model), **({"dtype": self.dtype} if self.dtype else {}), **self.model_args}
         args = [
-            "--model", "hf",
+            "--model", self.backend,
             "--model_args", ",".join(f"{k}={v}" for k, v in margs.items()),
             "--tasks", ",".join(self.tasks),
-            "--device", self.device,
+            *(["--device", self.device] if self.device is not None else []),
             "--batch_size", str(self.batch_size),
             "--seed", str(self.seed),
             "--output_path", str(output_path),
@@ -97,6 +115,14 @@ class EvalSettings:
         return args
 
 
+def require_backend(backend: str) -> None:
+    """Refuse a backend whose package is not installed here (vllm is optional, never pinned)."""
+    import importlib.util
+
+    if backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise UserError("backend vllm asked for, but vllm is not installed", "pip install vllm (or lm-eval[vllm]) on a GPU machine, or use backend hf")
+
+
 def _results_files(output_path: Path) -> set[Path]:
     return set(output_path.glob("*/results_*.json")) if output_path.is_dir() else set()
 
@@ -107,6 +133,7 @@ def run_lm_eval(model: str | Path, settings: EvalSettings, output_path: str | Pa
     Earlier runs in `output_path` are kept (lm-eval names files by time). The subprocess log goes
     to `output_path/logs/lm_eval_<time>.log`. A failed run is a UserError naming the log.
     """
+    require_backend(settings.backend)
     output_path = Path(output_path)
     if output_path.exists() and not output_path.is_dir():
         raise UserError(f"{output_path}: is a file, not a folder", "pass a folder for lm-eval's --output_path")

@@ -3,33 +3,40 @@
 Declared in `tasks/sink_strength/*.yaml` (`class: !function lm_eval_sink.harness.task.SinkStrengthTask`);
 the variants differ only in their `metadata` (n_prompts, last_k, statistic, rows, chat_template).
 Each calibration prompt is one document and one request of the request type `sink_strength`,
-which this module adds to lm-eval's HFLM as a method. That method groups the requests of one task
-and runs `strength.measure` (the same function as `lm-eval-sink strength`) on HFLM's model and
-tokenizer, so S is identical to the CLI/API value. The whole-set result is kept in `_RESULTS`;
-each document's metric item is a small dict (its per-prompt value and the run key), and the
-aggregation functions read the whole-set figures back, so the results JSON gets S itself, not a
-mean of per-prompt values. `--limit` and `--samples` never cut the calibration set (recorded as
+which this module adds to lm-eval's HFLM as a method. That method captures exactly the prompts of
+the requests it is given (under lm-eval's data parallel mode each rank gets a share, padded with
+copies of its last request), with the same tokenization, capture and reduction functions as
+`lm-eval-sink strength`. Each document's item (`PromptRows`) carries that prompt's rows in compact
+form (base64 little-endian arrays with their shape); the aggregation functions rebuild the
+captures on rank 0, in prompt order, and reduce them with `strength.reduce_captures`, so the
+results JSON gets exactly the single-process S, companion figures and layer x head matrix, not a
+mean of per-prompt values, whichever rank measured which prompt. In the samples file the arrays
+appear once per document, under the `sink_strength` metric; the other metrics and the responses
+show a short note. `--limit` and `--samples` never cut the calibration set (recorded as
 `limit_ignored` in the task's metadata); `--predict_only` keeps the metrics (S is the output).
 Only the `hf` backend gives access to attention; others are refused in `discovery.patch_evaluator`.
 """
 
 from __future__ import annotations
 
+import base64
 import logging
-import uuid
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
+from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from lm_eval.api.instance import Instance
 from lm_eval.api.task import ConfigurableTask
 from lm_eval.models.huggingface import HFLM
 
-from lm_eval_sink.strength import SinkStrength, StrengthSettings
+from lm_eval_sink.strength import SinkStrength, StrengthSettings, prompt_statistic, reduce_captures
 
 log = logging.getLogger(__name__)
 
 REQUEST_TYPE = "sink_strength"
-_RESULTS: dict[str, SinkStrength] = {}  # run key -> whole-set result, filled by HFLM.sink_strength
+PRIMARY = "sink_strength"  # the metric whose samples-file value holds each document's arrays
 
 
 def settings_from_metadata(meta: dict[str, Any]) -> StrengthSettings:
@@ -96,60 +103,132 @@ class SinkStrengthTask(ConfigurableTask):
         super().override_metric(metric_name)
 
 
-def process_results(doc: dict[str, Any], results: list[dict[str, Any]]) -> dict[str, Any]:
-    """Each metric gets the same small per-prompt item; aggregations read the whole-set result."""
+def encode_array(a: np.ndarray) -> dict[str, Any]:
+    """A JSON-safe compact array: little-endian bytes in base64, with dtype and shape."""
+    a = np.ascontiguousarray(a)
+    le = a.astype(a.dtype.newbyteorder("<"), copy=False)
+    return {"dtype": le.dtype.str, "shape": list(a.shape), "b64": base64.b64encode(le.tobytes()).decode("ascii")}
+
+
+def decode_array(d: dict[str, Any]) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(d["b64"]), dtype=np.dtype(d["dtype"])).reshape(d["shape"])
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """One document's item: its prompt's rows as the whole-set statistics need them.
+
+    `payload` is JSON-safe (it goes into the samples file once, under `sink_strength`); the same
+    object is every metric's item, so lm-eval's gather across ranks pickles it once per document.
+    Printed (responses, other metrics in the samples file) it is a one-line note.
+    """
+
+    payload: dict[str, Any]
+
+    def __str__(self) -> str:
+        p = self.payload
+        return f"sink_strength rows of prompt {p['prompt_id']} ({p['sink_logodds']['shape']}): see the '{PRIMARY}' field"
+
+    @classmethod
+    def build(cls, prompt_id: int, capture: Any, settings: StrengthSettings, n_layers: int, attention_layers: Sequence[int], chat_template_applied: bool, chat_template_sha256: str | None) -> PromptRows:
+        pos = np.asarray(capture.sink_pos)
+        pos_dtype = np.int16 if pos.size == 0 or (int(pos.min()) > np.iinfo(np.int16).min and int(pos.max()) < np.iinfo(np.int16).max) else np.int32
+        learned = capture.learned_sink_mass
+        return cls({
+            "prompt_id": prompt_id,
+            "sink_strength_prompt": prompt_statistic(capture, settings),
+            "settings": asdict(settings),
+            "n_layers": n_layers,
+            "attention_layers": [int(x) for x in attention_layers],
+            "layers": list(capture.layers),
+            "chat_template_applied": chat_template_applied,
+            "chat_template_sha256": chat_template_sha256,
+            "sink_logodds": encode_array(np.asarray(capture.sink_logodds, dtype=np.float32)),
+            "sink_pos": encode_array(pos.astype(pos_dtype)),
+            "pos0_mass": encode_array(np.asarray(capture.pos0_mass, dtype=np.float32)),
+            "content": encode_array(np.asarray(capture.content, dtype=bool)),
+            "learned_sink_mass": None if learned is None else encode_array(np.asarray(learned, dtype=np.float32)),
+        })  # fmt: skip
+
+
+def process_results(doc: dict[str, Any], results: list[Any]) -> dict[str, Any]:
+    """The arrays once (under `sink_strength`), the same object behind every other metric."""
     item = results[0]
-    return {name: item for name in _AGGREGATES}
+    return {name: item.payload if name == PRIMARY else item for name in _AGGREGATES}
 
 
-def _result(items: list[dict[str, Any]]) -> SinkStrength:
-    keys = {it["run"] for it in items}
-    if len(keys) != 1:
-        raise RuntimeError(f"sink_strength: items from {len(keys)} measurements in one aggregation")
-    return _RESULTS[keys.pop()]
+def _result(items: list[Any]) -> SinkStrength:
+    """The whole-set result from all documents' items (gathered from every rank)."""
+    from lm_eval_sink.capture import PromptCapture
+
+    payloads = sorted((it if isinstance(it, dict) else it.payload for it in items), key=lambda p: p["prompt_id"])
+    ids = [p["prompt_id"] for p in payloads]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise RuntimeError(f"sink_strength: {len(ids) - len(set(ids))} duplicate prompt item(s), e.g. prompt {dup}")
+    heads = {(repr(sorted(p["settings"].items())), p["n_layers"], tuple(p["attention_layers"]), tuple(p["layers"]), p["learned_sink_mass"] is None) for p in payloads}
+    if len(heads) != 1:
+        raise RuntimeError(f"sink_strength: items from {len(heads)} measurement settings in one aggregation")
+    first = payloads[0]
+    captures = [
+        PromptCapture(
+            layers=tuple(p["layers"]),
+            sink_logodds=decode_array(p["sink_logodds"]),
+            sink_pos=decode_array(p["sink_pos"]).astype(np.int64),
+            pos0_mass=decode_array(p["pos0_mass"]),
+            content=decode_array(p["content"]),
+            learned_sink_mass=None if p["learned_sink_mass"] is None else decode_array(p["learned_sink_mass"]),
+        )
+        for p in payloads
+    ]
+    return reduce_captures(captures, StrengthSettings(**first["settings"]), first["n_layers"], first["attention_layers"])
 
 
-def agg_sink_strength(items: list[dict[str, Any]]) -> float:
+def _chat_template_applied(items: list[Any]) -> bool:
+    return bool((items[0] if isinstance(items[0], dict) else items[0].payload)["chat_template_applied"])
+
+
+def agg_sink_strength(items: list[Any]) -> float:
     return _result(items).sink_strength
 
 
-def agg_pos0_argmax_fraction(items: list[dict[str, Any]]) -> float:
+def agg_pos0_argmax_fraction(items: list[Any]) -> float:
     return _result(items).pos0_argmax_fraction
 
 
-def agg_pos0_mass_median(items: list[dict[str, Any]]) -> float:
+def agg_pos0_mass_median(items: list[Any]) -> float:
     return _result(items).pos0_mass_median
 
 
-def agg_learned_sink_argmax_fraction(items: list[dict[str, Any]]) -> float | None:
+def agg_learned_sink_argmax_fraction(items: list[Any]) -> float | None:
     return _result(items).learned_sink_argmax_fraction
 
 
-def agg_learned_sink_mass_median(items: list[dict[str, Any]]) -> float | None:
+def agg_learned_sink_mass_median(items: list[Any]) -> float | None:
     return _result(items).learned_sink_mass_median
 
 
-def agg_attention_layers(items: list[dict[str, Any]]) -> list[int]:
+def agg_attention_layers(items: list[Any]) -> list[int]:
     return list(_result(items).attention_layers)
 
 
-def agg_content_rows(items: list[dict[str, Any]]) -> float | None:
+def agg_content_rows(items: list[Any]) -> float | None:
     return _result(items).sink_strength_content_rows
 
 
-def agg_template_rows(items: list[dict[str, Any]]) -> float | None:
+def agg_template_rows(items: list[Any]) -> float | None:
     return _result(items).sink_strength_template_rows
 
 
-def agg_template_row_fraction(items: list[dict[str, Any]]) -> float:
+def agg_template_row_fraction(items: list[Any]) -> float:
     return _result(items).template_row_fraction
 
 
-def agg_chat_template_applied(items: list[dict[str, Any]]) -> bool:
-    return bool(_result(items).provenance["protocol"]["chat_template_applied"])
+def agg_chat_template_applied(items: list[Any]) -> bool:
+    return _chat_template_applied(items)
 
 
-def agg_layer_head(items: list[dict[str, Any]]) -> dict[str, Any]:
+def agg_layer_head(items: list[Any]) -> dict[str, Any]:
     r = _result(items)
     return {"layers": list(r.layers), "values": [list(row) for row in r.sink_strength_layer_head]}
 
@@ -169,30 +248,34 @@ _AGGREGATES = {
 }
 
 
-def _hflm_sink_strength(self: HFLM, requests: list[Instance]) -> list[dict[str, Any]]:
-    """HFLM method for `sink_strength` requests: one `strength.measure` per task, on this model."""
-    from lm_eval_sink.strength import measure
+def _hflm_sink_strength(self: HFLM, requests: list[Instance]) -> list[PromptRows]:
+    """HFLM method for `sink_strength` requests: capture exactly these requests' prompts, per task.
 
-    out: list[dict[str, Any] | None] = [None] * len(requests)
+    lm-eval pads a rank's list with copies of its last request; a copy is measured once.
+    """
+    from lm_eval_sink.calibration import encode_prompts
+    from lm_eval_sink.capture import attention_layers, capture_prompts, n_layers_of
+
+    out: list[PromptRows | None] = [None] * len(requests)
     by_task: dict[str, list[int]] = {}
     for i, req in enumerate(requests):
         by_task.setdefault(req.arguments[1]["task"], []).append(i)
+    depth = n_layers_of(self.model)
     for task, idxs in by_task.items():
         settings = StrengthSettings(**requests[idxs[0]].arguments[1]["settings"])
-        model_info = {"model": getattr(self.model.config, "_name_or_path", None), "architecture": type(self.model).__name__}
-        result = measure(self.model, self.tokenizer, settings, progress=True, provenance={"model": model_info, "via": "lm-eval task " + task})
-        key = uuid.uuid4().hex
-        _RESULTS[key] = result
-        proto = result.provenance["protocol"]
+        first_of: dict[int, int] = {}  # id(request) -> index of its first occurrence
         for i in idxs:
-            pid = int(requests[i].doc["prompt_id"])
-            out[i] = {
-                "run": key,
-                "prompt_id": pid,
-                "sink_strength_prompt": result.per_prompt[pid],
-                "chat_template_applied": proto["chat_template_applied"],
-                "chat_template_sha256": proto["chat_template_sha256"],
-            }
+            first_of.setdefault(id(requests[i]), i)
+        unique = list(first_of.values())
+        encoded = encode_prompts(self.tokenizer, [requests[i].arguments[0] for i in unique], settings.use_chat_template, settings.system_prompt)
+        att = attention_layers(self.model, encoded.input_ids[0][:2])
+        captures = capture_prompts(self.model, encoded, settings.layers_for(att), settings.batch_size, progress=self.rank == 0, desc=f"{task} (rank {self.rank})")
+        items = {
+            id(requests[i]): PromptRows.build(int(requests[i].doc["prompt_id"]), c, settings, depth, att, encoded.chat_template_applied, encoded.chat_template_sha256)
+            for i, c in zip(unique, captures)
+        }
+        for i in idxs:
+            out[i] = items[id(requests[i])]
     return out  # type: ignore[return-value]
 
 

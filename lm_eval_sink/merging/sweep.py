@@ -9,6 +9,10 @@ protocol and Sink Strength settings (one set for every checkpoint) and an output
     merge: {random_seed: 0, device: cpu, tokenizer_source: null, delete_merged: false}
     eval: {tasks: [ifeval], apply_chat_template: true, num_fewshot: 0, gen_kwargs: {max_gen_toks: 256}, limit: 20}
     strength: {last_k: 10, dtype: float32}             # or `strength: false`
+    engine: {kind: ray, address: auto}                 # where units run: see engines.py (default local)
+
+`eval: {backend: vllm, model_args: {...}}` evaluates with vLLM; `eval: false` skips evaluation
+(not together with `strength: false`).
 
 `plan_sweep` turns it into independent units (`merge:<name>`, `eval:<checkpoint>`,
 `strength:<checkpoint>`), each with a key = sha256 of its canonical inputs (config text, input
@@ -43,10 +47,10 @@ from lm_eval_sink.schema import did_you_mean
 ENDPOINTS = ("reference", "candidate")
 MANIFEST = "manifest.jsonl"
 COMPLETE = "COMPLETE.json"
-_SWEEP_KEYS = ("output", "models", "configs", "merge", "eval", "strength")
+_SWEEP_KEYS = ("output", "models", "configs", "merge", "eval", "strength", "engine")
 _MODEL_KEYS = ("reference", "candidate", "base")
 _MERGE_KEYS = ("random_seed", "device", "tokenizer_source", "delete_merged")
-_EVAL_KEYS = ("tasks", "apply_chat_template", "num_fewshot", "fewshot_as_multiturn", "system_instruction", "gen_kwargs", "limit", "seed", "batch_size", "device", "dtype", "include_path", "model_args")
+_EVAL_KEYS = ("tasks", "backend", "apply_chat_template", "num_fewshot", "fewshot_as_multiturn", "system_instruction", "gen_kwargs", "limit", "seed", "batch_size", "device", "dtype", "include_path", "model_args")
 _STRENGTH_EXTRA = ("dtype", "device")
 
 
@@ -65,16 +69,17 @@ class SweepSpec:
     merge_device: str = "cpu"
     tokenizer_source: str | None = None
     delete_merged: bool = False
-    eval: Any = None  # harness.runner.EvalSettings
+    eval: Any = None  # harness.runner.EvalSettings, or None to skip evaluation
     strength: Any = None  # strength.StrengthSettings, or None to skip S
     strength_dtype: str = "auto"
     strength_device: str = "cpu"
+    engine: Any = None  # engines.EngineSpec; part of no unit key
 
     def to_json(self) -> dict[str, Any]:
         return {
             "source": self.source, "output": str(self.output), "models": self.models, "configs": list(self.configs),
             "merge": {"random_seed": self.random_seed, "device": self.merge_device, "tokenizer_source": self.tokenizer_source, "delete_merged": self.delete_merged},
-            "eval": self.eval.to_json(),
+            "eval": None if self.eval is None else self.eval.to_json(),
             "strength": None if self.strength is None else {**asdict(self.strength), "dtype": self.strength_dtype, "device": self.strength_device},
         }  # fmt: skip
 
@@ -96,9 +101,38 @@ def _typed(value: Any, types: tuple[type, ...], where: str, src: str, words: str
     return value
 
 
-def load_sweep(path: str | Path, output: str | Path | None = None, delete_merged: bool | None = None) -> SweepSpec:
-    """Parse and check a sweep YAML (strict keys, paths relative to its folder); no model is loaded."""
+def _eval_settings(value: Any, src: str, rel: Any) -> Any:
+    """The `eval:` block as harness.runner.EvalSettings (backend vllm: no device)."""
     from lm_eval_sink.harness.runner import EvalSettings
+
+    ev = dict(_mapping(value, "eval", _EVAL_KEYS, src))
+    if not ev.get("tasks"):
+        raise UserError(f"{src}: eval.tasks: missing", "add eval: {tasks: [ifeval]}")
+    if ev.get("backend", "hf") != "hf":
+        ev.setdefault("device", None)
+    if isinstance(ev["tasks"], list):
+        ev["tasks"] = tuple(ev["tasks"])
+    if ev.get("include_path"):
+        ev["include_path"] = rel(ev["include_path"], "eval.include_path")
+        if not Path(ev["include_path"]).is_dir():
+            raise UserError(f"{src}: eval.include_path: {ev['include_path']} is not a folder", "lm-eval takes ONE folder of task YAMLs")
+    for key, types, words in (("apply_chat_template", (bool,), "true or false"), ("num_fewshot", (int,), "an integer"), ("seed", (int,), "an integer"),
+                              ("limit", (int, float), "a number"), ("gen_kwargs", (dict,), "a mapping"), ("system_instruction", (str,), "a string"),
+                              ("model_args", (dict,), "a mapping"), ("backend", (str,), "hf or vllm")):
+        _typed(ev.get(key), types, f"eval.{key}", src, words)
+    try:
+        eval_settings = EvalSettings(**ev)
+    except UserError as e:
+        raise UserError(f"{src}: eval: {e.message}", e.hint) from None
+    return eval_settings
+
+
+def load_sweep(path: str | Path, output: str | Path | None = None, delete_merged: bool | None = None, engine: str | None = None,
+               ray_address: str | None = None) -> SweepSpec:
+    """Parse and check a sweep YAML (strict keys, paths relative to its folder); no model is loaded.
+
+    `engine` / `ray_address` override the file's engine.kind / engine.address (the CLI's flags).
+    """
     from lm_eval_sink.models import resolve_model
     from lm_eval_sink.strength import StrengthSettings
 
@@ -148,23 +182,9 @@ def load_sweep(path: str | Path, output: str | Path | None = None, delete_merged
     tokenizer_source = merge.get("tokenizer_source")
     if tokenizer_source is not None and tokenizer_source not in TOKENIZER_CHOICES:
         tokenizer_source = rel(tokenizer_source, "merge.tokenizer_source")
-    ev = dict(_mapping(data.get("eval"), "eval", _EVAL_KEYS, src))
-    if not ev.get("tasks"):
-        raise UserError(f"{src}: eval.tasks: missing", "add eval: {tasks: [ifeval]}")
-    if isinstance(ev["tasks"], list):
-        ev["tasks"] = tuple(ev["tasks"])
-    if ev.get("include_path"):
-        ev["include_path"] = rel(ev["include_path"], "eval.include_path")
-        if not Path(ev["include_path"]).is_dir():
-            raise UserError(f"{src}: eval.include_path: {ev['include_path']} is not a folder", "lm-eval takes ONE folder of task YAMLs")
-    for key, types, words in (("apply_chat_template", (bool,), "true or false"), ("num_fewshot", (int,), "an integer"), ("seed", (int,), "an integer"),
-                              ("limit", (int, float), "a number"), ("gen_kwargs", (dict,), "a mapping"), ("system_instruction", (str,), "a string")):
-        _typed(ev.get(key), types, f"eval.{key}", src, words)
-    try:
-        eval_settings = EvalSettings(**ev)
-    except UserError as e:
-        raise UserError(f"{src}: eval: {e.message}", e.hint) from None
-
+    eval_settings = None if data.get("eval") is False else _eval_settings(data.get("eval"), src, rel)
+    if eval_settings is None and data.get("strength") is False:
+        raise UserError(f"{src}: eval: false and strength: false leave nothing to do", "keep eval or strength (or both)")
     strength_in = data.get("strength", {})
     strength = None
     sdtype, sdevice = "auto", "cpu"
@@ -192,7 +212,16 @@ def load_sweep(path: str | Path, output: str | Path | None = None, delete_merged
         strength=strength,
         strength_dtype=sdtype,
         strength_device=sdevice,
+        engine=_engine(data.get("engine"), src, engine, ray_address, eval_settings),
     )
+
+
+def _engine(value: Any, src: str, kind: str | None, address: str | None, eval_settings: Any) -> Any:
+    from lm_eval_sink.merging.engines import check_vllm_units, parse_engine
+
+    spec = parse_engine(value, src, kind=kind, address=address)
+    check_vllm_units(spec, eval_settings, src)
+    return spec
 
 
 # --- units ---------------------------------------------------------------------------------
@@ -245,14 +274,15 @@ def plan_sweep(spec: SweepSpec) -> Plan:
 
     out = spec.output
     versions = package_versions()
-    include_sha = _tree_sha(spec.eval.include_path)
+    include_sha = _tree_sha(spec.eval.include_path) if spec.eval is not None else None
     checkpoints: list[Checkpoint] = []
     units: list[Unit] = []
 
     def evaluate(ck: Checkpoint) -> None:
-        ekey = sha256_text(canonical_json({"kind": "eval", "checkpoint": ck.identity, "settings": spec.eval.to_json(), "include_path_sha256": include_sha,
-                                           "lm_eval": versions.get("lm_eval"), "transformers": versions.get("transformers")}))
-        units.append(Unit("eval", ck.name, ekey, out / "evals" / ck.name, {"model": ck.path, "settings": spec.eval, "identity": identities.get(ck.name)}))
+        if spec.eval is not None:
+            ekey = sha256_text(canonical_json({"kind": "eval", "checkpoint": ck.identity, "settings": spec.eval.to_json(), "include_path_sha256": include_sha,
+                                               "lm_eval": versions.get("lm_eval"), "transformers": versions.get("transformers")}))
+            units.append(Unit("eval", ck.name, ekey, out / "evals" / ck.name, {"model": ck.path, "settings": spec.eval, "identity": identities.get(ck.name)}))
         if spec.strength is not None:
             skey = sha256_text(canonical_json({"kind": "strength", "checkpoint": ck.identity, "settings": asdict(spec.strength), "dtype": spec.strength_dtype,
                                                "device": spec.strength_device, "torch": versions.get("torch"), "transformers": versions.get("transformers")}))
@@ -447,15 +477,13 @@ class SweepReport:
 
 
 def run_sweep(spec: SweepSpec, force: bool = False, progress: bool = True) -> SweepReport:
-    """Plan, run every unfinished unit (all of them with `force`), then write the table; the output folder is locked meanwhile."""
+    """Plan, run every unfinished unit (all of them with `force`) on the spec's engine, then write the table; the output folder is locked meanwhile."""
     plan = plan_sweep(spec)
     with hold(spec.output):
         return _run_sweep_locked(plan, force, progress)
 
 
 def _run_sweep_locked(plan: Plan, force: bool, progress: bool) -> SweepReport:
-    from tqdm.auto import tqdm
-
     spec = plan.spec
     out = spec.output
     report = SweepReport(output=out)
@@ -477,28 +505,27 @@ def _run_sweep_locked(plan: Plan, force: bool, progress: bool) -> SweepReport:
             return unit.id not in finished and not spec.delete_merged
         return unit.id not in finished or not _weights_present(unit.output)
 
-    for unit in tqdm(plan.units, desc="sweep steps", unit="step", disable=not progress):
-        if not needed(unit):
-            report.skipped.append(unit.id)
-            continue
-        merge_id = f"merge:{unit.checkpoint}"
-        if unit.kind != "merge" and merge_id in report.failures:
-            report.failures[unit.id] = f"not run: {merge_id} failed"
-            continue
-        try:
-            run_unit(unit)
-        except KeyboardInterrupt:
-            raise
-        except Exception as e:
-            msg = e.line() if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
-            report.failures[unit.id] = msg
-            manifest.append({"unit": unit.id, "key": unit.key, "status": "failed", "error": msg, "output": str(unit.output)})
-            continue
+    def record(unit: Unit, error: str | None) -> None:
+        """The driver's bookkeeping of one unit that ran (or could not run), whatever the engine."""
+        if error is not None:
+            report.failures[unit.id] = error
+            if not error.startswith("not run: "):
+                manifest.append({"unit": unit.id, "key": unit.key, "status": "failed", "error": error, "output": str(unit.output)})
+            return
         manifest.append({"unit": unit.id, "key": unit.key, "status": "done", "output": str(unit.output)})
         finished.add(unit.id)
         report.ran.append(unit.id)
-        if spec.delete_merged and merge_id in by_id:
-            _maybe_delete_weights(by_id[merge_id], by_id, finished, manifest)
+        if spec.delete_merged and f"merge:{unit.checkpoint}" in by_id:
+            _maybe_delete_weights(by_id[f"merge:{unit.checkpoint}"], by_id, finished, manifest)
+
+    todo = [u for u in plan.units if needed(u)]
+    report.skipped.extend(u.id for u in plan.units if u not in todo)
+    if spec.engine is not None and spec.engine.kind == "ray":
+        from lm_eval_sink.merging.engines import run_on_ray
+
+        run_on_ray(todo, spec.engine, out, record, progress=progress)
+    else:
+        _run_local(todo, record, report.failures, progress)
     if spec.delete_merged:  # also checkpoints finished by an earlier run
         for unit in plan.units:
             if unit.kind == "merge":
@@ -507,6 +534,25 @@ def _run_sweep_locked(plan: Plan, force: bool, progress: bool) -> SweepReport:
     report.table_files = write_table(table, out)
     report.notes.extend(table["protocol"]["model_differences"])
     return report
+
+
+def _run_local(units: list[Unit], record: Any, failures: dict[str, str], progress: bool) -> None:
+    """The local engine: each unit in plan order, in this process."""
+    from tqdm.auto import tqdm
+
+    for unit in tqdm(units, desc="sweep steps", unit="step", disable=not progress):
+        merge_id = f"merge:{unit.checkpoint}"
+        if unit.kind != "merge" and merge_id in failures:
+            record(unit, f"not run: {merge_id} failed")
+            continue
+        try:
+            run_unit(unit)
+        except KeyboardInterrupt:
+            raise
+        except Exception as e:  # one failed step must not stop the sweep
+            record(unit, e.line() if isinstance(e, UserError) else f"{type(e).__name__}: {e}")
+            continue
+        record(unit, None)
 
 
 def _maybe_delete_weights(merge_unit: Unit, by_id: dict[str, Unit], finished: set[str], manifest: Manifest) -> None:
@@ -546,8 +592,8 @@ def build_table(plan: Plan, failures: dict[str, str]) -> dict[str, Any]:
     for ck in plan.checkpoints:
         problems = [f"{u}: {failures[u]}" for u in (f"merge:{ck.name}", f"eval:{ck.name}", f"strength:{ck.name}") if u in failures]
         status[ck.name] = "; ".join(problems) if problems else "ok"
-        ev = by_id[f"eval:{ck.name}"]
-        if _complete_key(ev.output) == ev.key:
+        ev = by_id.get(f"eval:{ck.name}")
+        if ev is not None and _complete_key(ev.output) == ev.key:
             complete = json.loads((ev.output / COMPLETE).read_text(encoding="utf-8"))
             run = resolve_run(ev.output / complete["results"])
             results[ck.name] = load_results(run)
@@ -579,7 +625,7 @@ def build_table(plan: Plan, failures: dict[str, str]) -> dict[str, Any]:
             "sink_strength": s,
             "sink_strength_delta_vs_reference": (s - ref_s) if s is not None and ref_s is not None else None,
         })  # fmt: skip
-    limit = plan.spec.eval.limit
+    limit = plan.spec.eval.limit if plan.spec.eval is not None else None
     return {
         "schema_version": 1,
         "lineage": plan.lineage,
@@ -588,7 +634,7 @@ def build_table(plan: Plan, failures: dict[str, str]) -> dict[str, Any]:
         "rows": rows,
         "final": limit is None,
         "final_note": None if limit is None else f"evaluated with limit={limit}: not final scores",
-        "protocol": {"eval": plan.spec.eval.to_json(), "harness_sha256": ref_fp.harness_sha() if ref_fp else None, "model_differences": model_diffs},
+        "protocol": {"eval": None if plan.spec.eval is None else plan.spec.eval.to_json(), "harness_sha256": ref_fp.harness_sha() if ref_fp else None, "model_differences": model_diffs},
         "strength_settings": None if plan.spec.strength is None else asdict(plan.spec.strength),
         "provenance": provenance(sweep=plan.spec.source, units={u.id: u.key for u in plan.units}),
     }
