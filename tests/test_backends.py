@@ -101,10 +101,13 @@ def _sweep(tmp_path: Path, trio: dict[str, Path], **extra) -> Path:
      "data_parallel_size = 2 under the ray engine"),
     ({"eval": {"tasks": ["ifeval"], "backend": "vllm", "model_args": {"tensor_parallel_size": 2}}, "engine": {"kind": "ray", "resources": {"eval": {"num_gpus": 1}}}},
      "tensor_parallel_size = 2 but engine.resources.eval.num_gpus = 1"),
-    ({"engine": {"kind": "ray", "workers": 2}}, "engine.workers: unknown key"),
-    ({"engine": {"kind": "ray", "resources": {"eval": {"gpus": 1}}}}, "engine.resources.eval.gpus: unknown key"),
-    ({"engine": {"kind": "slurm"}}, "engine.kind: unknown engine 'slurm'"),
+    ({"engine": {"kind": "ray", "workers": 2}}, "engine: the engine section has unknown key 'workers'"),
+    ({"engine": {"kind": "ray", "resources": {"eval": {"gpus": 1}}}}, "engine.resources.eval: the resources entry has unknown key 'gpus' (did you mean 'num_gpus'?)"),
+    ({"engine": {"kind": "slurm"}}, "engine.kind: expected one of 'local' or 'ray', got 'slurm'"),
     ({"eval": False, "strength": False}, "eval: false and strength: false leave nothing to do"),
+    ({"engine": {"kind": "ray", "resources": {"eval": {"num_gpus": -1}}}}, "engine.resources.eval.num_gpus: expected a value >= 0.0, got -1"),
+    ({"engine": {"max_pending_merges": 0}}, "engine.max_pending_merges: expected a value >= 1, got 0"),
+    ({"merge": {"random_seed": "7"}}, "merge.random_seed: expected an integer, got '7'"),
 ])  # fmt: skip
 def test_sweep_plan_time_refusals(tmp_path, tiny_trio, capsys, extra, needle):
     path = _sweep(tmp_path, tiny_trio, **extra)

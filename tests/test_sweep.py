@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from lm_eval_sink.cli import main
+from lm_eval_sink.errors import UserError
 
 TASKS = Path(__file__).parent / "data" / "merging_task"
 TASK = "lm_eval_sink_tiny_choice"
@@ -256,3 +257,24 @@ def test_manifest_ignores_a_torn_line_and_appends_after_it(tmp_path):
     m.append({"unit": "eval:c", "key": "k3", "status": "failed", "error": "boom"})
     latest = m.latest()
     assert set(latest) == {"eval:a", "eval:c"} and latest["eval:c"]["status"] == "failed"
+
+
+def test_hub_ids_in_a_sweep_file_stay_hub_ids(tmp_path, tiny_trio, monkeypatch):
+    """`models: {reference: org/tiny}` names the hub model (here in an offline HF cache), not a folder beside the sweep file."""
+    from huggingface_hub import constants
+
+    from helpers import hf_cache_snapshot
+    from lm_eval_sink.merging.sweep import load_sweep
+
+    hub = tmp_path / "hf" / "hub"
+    hf_cache_snapshot(hub, "org/tiny", tiny_trio["reference"], "1" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub))
+    sweep = _write_sweep(tmp_path / "s", tiny_trio)
+    data = yaml.safe_load(sweep.read_text())
+    data["models"]["reference"] = "org/tiny"
+    sweep.write_text(yaml.safe_dump(data))
+    assert load_sweep(sweep).models["reference"] == "org/tiny"
+    data["models"]["reference"] = "org/missing"
+    sweep.write_text(yaml.safe_dump(data))
+    with pytest.raises(UserError, match="models.reference: org/missing: no such model folder"):
+        load_sweep(sweep)

@@ -31,14 +31,15 @@ import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field
 
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.schema import Strict
 
 KINDS = ("local", "ray")
 UNIT_KINDS = ("merge", "eval", "strength")
-_ENGINE_KEYS = ("kind", "address", "max_pending_merges", "resources")
-_RESOURCE_KEYS = ("num_cpus", "num_gpus", "memory")
 # Passed to every worker when set in the driver's environment.
 # "0": Ray 2.60 keeps 127.0.0.1 as the node address and listens on it alone (otherwise it replaces
 # 127.0.0.1 by the node's reachable address and listens on every interface).
@@ -66,32 +67,44 @@ class EngineSpec:
     resources: dict[str, Resources] = field(default_factory=lambda: {k: Resources() for k in UNIT_KINDS})
 
 
-def parse_engine(value: Any, src: str, kind: str | None = None, address: str | None = None) -> EngineSpec:
-    """The `engine:` block of a sweep file, with the CLI's --engine / --ray-address on top."""
-    from lm_eval_sink.merging.sweep import _mapping, _typed
+class ResourcesIn(Strict):
+    what: ClassVar[str] = "the resources entry"
+    num_cpus: float | None = Field(None, ge=0)
+    num_gpus: float | None = Field(None, ge=0)
+    memory: int | None = Field(None, ge=0)
 
-    data = dict(_mapping(value, "engine", _ENGINE_KEYS, src))
-    chosen = kind or data.get("kind") or "local"
-    if chosen not in KINDS:
-        raise UserError(f"{src}: engine.kind: unknown engine {chosen!r}", f"use one of {', '.join(KINDS)}")
-    addr = address if address is not None else _typed(data.get("address"), (str,), "engine.address", src, "auto or ray://host:port")
+
+class UnitResourcesIn(Strict):
+    what: ClassVar[str] = "the resources section"
+    merge: ResourcesIn | None = None
+    eval: ResourcesIn | None = None
+    strength: ResourcesIn | None = None
+
+
+class EngineIn(Strict):
+    """The sweep file's `engine:` section as written (the module docstring shows it)."""
+
+    what: ClassVar[str] = "the engine section"
+    kind: Literal[KINDS] | None = None
+    address: str | None = None
+    max_pending_merges: int | None = Field(None, ge=1)
+    resources: UnitResourcesIn = UnitResourcesIn()
+
+
+def parse_engine(value: EngineIn | None, src: str, kind: str | None = None, address: str | None = None) -> EngineSpec:
+    """The validated `engine:` section with the CLI's --engine / --ray-address on top; defaults from Resources."""
+    value = value or EngineIn()
+    chosen = kind or value.kind or "local"
+    addr = address if address is not None else value.address
     if chosen == "ray":
         import_ray(local_only=addr is None)  # fail before anything is planned or written
     if addr is not None and addr != "auto" and not addr.startswith("ray://") and ":" not in addr:
         raise UserError(f"{src}: engine.address: {addr!r} is not auto, ray://host:port or host:port", "use address: auto for a cluster started with `ray start --head`")
-    pending = _typed(data.get("max_pending_merges"), (int,), "engine.max_pending_merges", src, "a positive integer")
-    if pending is not None and pending < 1:
-        raise UserError(f"{src}: engine.max_pending_merges: must be at least 1, got {pending}", "set max_pending_merges: 1 or more")
-    res_in = _mapping(data.get("resources"), "engine.resources", UNIT_KINDS, src)
     resources = {}
     for k in UNIT_KINDS:
-        r = _mapping(res_in.get(k), f"engine.resources.{k}", _RESOURCE_KEYS, src)
-        for key, words in (("num_cpus", "a number >= 0"), ("num_gpus", "a number >= 0"), ("memory", "a number of bytes")):
-            v = _typed(r.get(key), (int, float), f"engine.resources.{k}.{key}", src, words)
-            if v is not None and v < 0:
-                raise UserError(f"{src}: engine.resources.{k}.{key}: must not be negative, got {v}", f"set {key} to {words}")
-        resources[k] = Resources(num_cpus=r.get("num_cpus", 1), num_gpus=r.get("num_gpus", 0), memory=None if r.get("memory") is None else int(r["memory"]))
-    return EngineSpec(kind=chosen, address=addr, max_pending_merges=pending, resources=resources)
+        given = getattr(value.resources, k)
+        resources[k] = Resources(**(given.model_dump(exclude_none=True) if given else {}))
+    return EngineSpec(kind=chosen, address=addr, max_pending_merges=value.max_pending_merges, resources=resources)
 
 
 def check_vllm_units(engine: EngineSpec, eval_settings: Any, src: str) -> None:
@@ -182,10 +195,8 @@ def run_task(fn: Callable[[], Any], driver_versions: dict[str, Any], must_see: P
 
 
 def _remote_unit(unit: Any, driver_versions: dict[str, Any], output_root: str) -> tuple[str, str | None]:
-    from lm_eval_sink.merging.sweep import run_unit
-
     log_path = Path(output_root) / "logs" / f"{unit.kind}-{unit.checkpoint}" / "task.log"
-    _, error = run_task(lambda: run_unit(unit), driver_versions, Path(output_root), log_path)
+    _, error = run_task(unit.run, driver_versions, Path(output_root), log_path)
     return unit.id, error
 
 

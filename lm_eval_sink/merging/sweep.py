@@ -29,31 +29,30 @@ harness protocol (`protocols.require_same_harness`).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import json
 import os
 import shutil
+import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, create_model
 
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.identity import FINGERPRINT_RULE, check_same_identity, tree_files
+from lm_eval_sink.identity import FINGERPRINT_RULE, check_same_identity, looks_like_hub_id, tree_files
 from lm_eval_sink.io import atomic_write_json, atomic_write_text, canonical_json, package_versions, parse_yaml, provenance, sha256_file, sha256_text, staged_dir
 from lm_eval_sink.locks import hold
 from lm_eval_sink.merging.configs import TOKENIZER_CHOICES, bundled_names, load_template, render, validate_text
-from lm_eval_sink.schema import did_you_mean
+from lm_eval_sink.merging.engines import EngineIn, check_vllm_units, parse_engine, run_on_ray
+from lm_eval_sink.schema import Strict, parse
+from lm_eval_sink.strength import StrengthSettings
 
 ENDPOINTS = ("reference", "candidate")
 MANIFEST = "manifest.jsonl"
 COMPLETE = "COMPLETE.json"
-_SWEEP_KEYS = ("output", "models", "configs", "merge", "eval", "strength", "engine")
-_MODEL_KEYS = ("reference", "candidate", "base")
-_MERGE_KEYS = ("random_seed", "device", "tokenizer_source", "delete_merged")
-_EVAL_KEYS = ("tasks", "backend", "apply_chat_template", "num_fewshot", "fewshot_as_multiturn", "system_instruction", "gen_kwargs", "limit", "seed", "batch_size", "device", "dtype", "include_path", "model_args")
-_STRENGTH_EXTRA = ("dtype", "device")
-
-
 # --- the sweep file ------------------------------------------------------------------------
 
 
@@ -84,144 +83,161 @@ class SweepSpec:
         }  # fmt: skip
 
 
-def _mapping(value: Any, where: str, allowed: tuple[str, ...], src: str) -> dict[str, Any]:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise UserError(f"{src}: {where}: expected a mapping, got {type(value).__name__}", f"write {where}: {{key: value}}")
-    for key in value:
-        if key not in allowed:
-            raise UserError(f"{src}: {where}.{key}: unknown key{did_you_mean(str(key), allowed)} (allowed: {', '.join(allowed)})", "remove or correct the key")
-    return value
+class _ModelsIn(Strict):
+    what: ClassVar[str] = "the models section"
+    reference: str
+    candidate: str
+    base: str | None = None
 
 
-def _typed(value: Any, types: tuple[type, ...], where: str, src: str, words: str) -> Any:
-    if value is not None and (not isinstance(value, types) or (isinstance(value, bool) and bool not in types)):
-        raise UserError(f"{src}: {where}: expected {words}, got {value!r}", f"set {where} to {words}")
-    return value
+class _MergeIn(Strict):
+    what: ClassVar[str] = "the merge section"
+    random_seed: int = 0
+    device: str = "cpu"
+    tokenizer_source: str | None = None
+    delete_merged: bool = False
 
 
-def _eval_settings(value: Any, src: str, rel: Any) -> Any:
-    """The `eval:` block as harness.runner.EvalSettings (backend vllm: no device)."""
+class _EvalIn(Strict):
+    """The keys of harness.runner.EvalSettings; a key left out takes EvalSettings' default (its one source)."""
+
+    what: ClassVar[str] = "the eval section"
+    tasks: list[str] = Field(min_length=1)
+    backend: Literal["hf", "vllm"] | None = None
+    apply_chat_template: bool | None = None
+    num_fewshot: int | None = None
+    fewshot_as_multiturn: bool | None = None
+    system_instruction: str | None = None
+    gen_kwargs: dict[str, Any] | None = None
+    limit: int | float | None = None
+    seed: int | None = None
+    batch_size: int | str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    include_path: str | None = None
+    model_args: dict[str, Any] | None = None
+
+
+# The strength section: StrengthSettings' fields (its checks and defaults stay there) plus where S is measured.
+_StrengthIn = create_model(
+    "_StrengthIn", __base__=Strict, dtype=(str, "auto"), device=(str, "cpu"),
+    **{f.name: (typing.get_type_hints(StrengthSettings)[f.name] | None, None) for f in dataclasses.fields(StrengthSettings)},
+)  # fmt: skip
+_StrengthIn.what = "the strength section"
+
+
+class SweepFileIn(Strict):
+    """A sweep YAML as written; `eval: false` / `strength: false` are taken out before validation."""
+
+    what: ClassVar[str] = "the sweep file"
+    output: str | None = None
+    models: _ModelsIn
+    configs: list[str] | None = Field(None, min_length=1)
+    merge: _MergeIn = _MergeIn()
+    eval: _EvalIn | None = None
+    strength: _StrengthIn | None = None
+    engine: EngineIn | None = None
+
+
+def _eval_settings(ev: _EvalIn, src: str, rel: Any) -> Any:
+    """The `eval:` section as harness.runner.EvalSettings (backend vllm: no device)."""
     from lm_eval_sink.harness.runner import EvalSettings
 
-    ev = dict(_mapping(value, "eval", _EVAL_KEYS, src))
-    if not ev.get("tasks"):
-        raise UserError(f"{src}: eval.tasks: missing", "add eval: {tasks: [ifeval]}")
-    if ev.get("backend", "hf") != "hf":
-        ev.setdefault("device", None)
-    if isinstance(ev["tasks"], list):
-        ev["tasks"] = tuple(ev["tasks"])
-    if ev.get("include_path"):
-        ev["include_path"] = rel(ev["include_path"], "eval.include_path")
-        if not Path(ev["include_path"]).is_dir():
-            raise UserError(f"{src}: eval.include_path: {ev['include_path']} is not a folder", "lm-eval takes ONE folder of task YAMLs")
-    for key, types, words in (("apply_chat_template", (bool,), "true or false"), ("num_fewshot", (int,), "an integer"), ("seed", (int,), "an integer"),
-                              ("limit", (int, float), "a number"), ("gen_kwargs", (dict,), "a mapping"), ("system_instruction", (str,), "a string"),
-                              ("model_args", (dict,), "a mapping"), ("backend", (str,), "hf or vllm")):
-        _typed(ev.get(key), types, f"eval.{key}", src, words)
+    given = ev.model_dump(exclude_none=True)
+    given["tasks"] = tuple(given["tasks"])
+    if given.get("backend", "hf") != "hf":
+        given.setdefault("device", None)
+    if ev.include_path:
+        given["include_path"] = rel(ev.include_path)
+        if not Path(given["include_path"]).is_dir():
+            raise UserError(f"{src}: eval.include_path: {given['include_path']} is not a folder", "lm-eval takes ONE folder of task YAMLs")
     try:
-        eval_settings = EvalSettings(**ev)
+        return EvalSettings(**given)
     except UserError as e:
         raise UserError(f"{src}: eval: {e.message}", e.hint) from None
-    return eval_settings
 
 
 def load_sweep(path: str | Path, output: str | Path | None = None, delete_merged: bool | None = None, engine: str | None = None,
                ray_address: str | None = None) -> SweepSpec:
-    """Parse and check a sweep YAML (strict keys, paths relative to its folder); no model is loaded.
+    """Parse and check a sweep YAML (the SweepFileIn schema, paths relative to its folder); no model is loaded.
 
     `engine` / `ray_address` override the file's engine.kind / engine.address (the CLI's flags).
     """
     from lm_eval_sink.models import resolve_model
-    from lm_eval_sink.strength import StrengthSettings
 
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no such sweep file", "pass a sweep YAML (see docs/merging.md)")
     src = str(path)
-    data = _mapping(parse_yaml(path.read_text(encoding="utf-8"), src) or {}, "(top level)", _SWEEP_KEYS, src)
+    data = parse_yaml(path.read_text(encoding="utf-8"), src) or {}
+    skipped = {k for k in ("eval", "strength") if isinstance(data, dict) and data.get(k) is False}
+    if skipped == {"eval", "strength"}:
+        raise UserError(f"{src}: eval: false and strength: false leave nothing to do", "keep eval or strength (or both)")
+    if "eval" not in skipped and isinstance(data, dict) and data.get("eval") is None:
+        data = {**data, "eval": {}}  # evaluation is on unless switched off: its tasks are required
+    sweep = parse(SweepFileIn, {k: v for k, v in data.items() if k not in skipped} if isinstance(data, dict) else data, src)
     here = path.resolve().parent
 
-    def rel(p: Any, where: str) -> str:
-        _typed(p, (str,), where, src, "a path")
+    def rel(p: str) -> str:
         q = Path(p).expanduser()
         return str(q if q.is_absolute() else here / q)
 
-    out = Path(output) if output is not None else (Path(rel(data["output"], "output")) if data.get("output") else None)
+    out = Path(output) if output is not None else (Path(rel(sweep.output)) if sweep.output else None)
     if out is None:
         raise UserError(f"{src}: output: missing", "add output: FOLDER to the sweep file, or pass --output")
     if out.exists() and not out.is_dir():
         raise UserError(f"{out}: is a file, not a folder", "choose an output folder")
 
-    models_in = _mapping(data.get("models"), "models", _MODEL_KEYS, src)
+    def model(name: str) -> str:
+        """A folder relative to the sweep file, unless the name is a hub id (`org/name`) with no such folder there."""
+        return name if looks_like_hub_id(name) and not Path(rel(name)).exists() else rel(name)
+
     models: dict[str, str] = {}
-    for role in _MODEL_KEYS:
-        if models_in.get(role) is None:
-            if role != "base":
-                raise UserError(f"{src}: models.{role}: missing", f"add models: {{{role}: PATH}}")
-            continue
+    for role, name in sweep.models.model_dump(exclude_none=True).items():
         try:
-            models[role] = resolve_model(rel(models_in[role], f"models.{role}"))
+            models[role] = resolve_model(model(name))
         except UserError as e:
             raise UserError(f"{src}: models.{role}: {e.message}", e.hint) from None
 
-    configs_in = data.get("configs")
-    if configs_in is None:
-        configs: tuple[str, ...] = tuple(bundled_names())
-    else:
-        if not isinstance(configs_in, list) or not configs_in or not all(isinstance(c, str) for c in configs_in):
-            raise UserError(f"{src}: configs: expected a non-empty list of bundled names or template files", f"e.g. configs: [{', '.join(bundled_names()[:2])}]")
-        configs = tuple(rel(c, "configs") if c.endswith((".yaml", ".yml")) else c for c in configs_in)
+    configs = tuple(bundled_names()) if sweep.configs is None else tuple(rel(c) if c.endswith((".yaml", ".yml")) else c for c in sweep.configs)
     names = [load_template(c).name for c in configs]  # unknown names fail here, with did-you-mean
     clash = next((n for n in names if names.count(n) > 1 or n in ENDPOINTS), None)
     if clash:
         raise UserError(f"{src}: configs: the checkpoint name {clash!r} is used twice (or is an endpoint's name)", "give each config file its own name")
 
-    merge = _mapping(data.get("merge"), "merge", _MERGE_KEYS, src)
-    tokenizer_source = merge.get("tokenizer_source")
+    merge = sweep.merge
+    tokenizer_source = merge.tokenizer_source
     if tokenizer_source is not None and tokenizer_source not in TOKENIZER_CHOICES:
-        tokenizer_source = rel(tokenizer_source, "merge.tokenizer_source")
-    eval_settings = None if data.get("eval") is False else _eval_settings(data.get("eval"), src, rel)
-    if eval_settings is None and data.get("strength") is False:
-        raise UserError(f"{src}: eval: false and strength: false leave nothing to do", "keep eval or strength (or both)")
-    strength_in = data.get("strength", {})
+        tokenizer_source = model(tokenizer_source)
+    eval_settings = None if "eval" in skipped else _eval_settings(sweep.eval, src, rel)
     strength = None
-    sdtype, sdevice = "auto", "cpu"
-    if strength_in is not False:
-        allowed = tuple(StrengthSettings.__dataclass_fields__) + _STRENGTH_EXTRA
-        st = dict(_mapping(strength_in, "strength", allowed, src))
-        sdtype, sdevice = st.pop("dtype", "auto"), st.pop("device", "cpu")
+    st = (sweep.strength or _StrengthIn()).model_dump(exclude_none=True)
+    sdtype, sdevice = st.pop("dtype"), st.pop("device")
+    if "strength" not in skipped:
         if st.get("prompts_file"):
-            st["prompts_file"] = rel(st["prompts_file"], "strength.prompts_file")
+            st["prompts_file"] = rel(st["prompts_file"])
         try:
             strength = StrengthSettings(**st)
         except UserError as e:
             raise UserError(f"{src}: strength: {e.message}", e.hint) from None
 
+    spec = parse_engine(sweep.engine, src, kind=engine, address=ray_address)
+    check_vllm_units(spec, eval_settings, src)
     return SweepSpec(
         source=src,
         output=out.resolve(),
         models=models,
         configs=configs,
-        random_seed=_typed(merge.get("random_seed", 0), (int,), "merge.random_seed", src, "an integer"),
-        merge_device=str(merge.get("device", "cpu")),
+        random_seed=merge.random_seed,
+        merge_device=merge.device,
         tokenizer_source=tokenizer_source,
-        delete_merged=bool(_typed(merge.get("delete_merged", False), (bool,), "merge.delete_merged", src, "true or false")) if delete_merged is None else delete_merged,
+        delete_merged=merge.delete_merged if delete_merged is None else delete_merged,
         eval=eval_settings,
         strength=strength,
         strength_dtype=sdtype,
         strength_device=sdevice,
-        engine=_engine(data.get("engine"), src, engine, ray_address, eval_settings),
+        engine=spec,
     )
-
-
-def _engine(value: Any, src: str, kind: str | None, address: str | None, eval_settings: Any) -> Any:
-    from lm_eval_sink.merging.engines import check_vllm_units, parse_engine
-
-    spec = parse_engine(value, src, kind=kind, address=address)
-    check_vllm_units(spec, eval_settings, src)
-    return spec
 
 
 # --- units ---------------------------------------------------------------------------------
@@ -240,6 +256,10 @@ class Unit:
     @property
     def id(self) -> str:
         return f"{self.kind}:{self.checkpoint}"
+
+    def run(self) -> None:
+        """`run_unit(self)`: engines call units through this, so they need not import this module."""
+        run_unit(self)
 
 
 @dataclass(frozen=True)
@@ -521,8 +541,6 @@ def _run_sweep_locked(plan: Plan, force: bool, progress: bool) -> SweepReport:
     todo = [u for u in plan.units if needed(u)]
     report.skipped.extend(u.id for u in plan.units if u not in todo)
     if spec.engine is not None and spec.engine.kind == "ray":
-        from lm_eval_sink.merging.engines import run_on_ray
-
         run_on_ray(todo, spec.engine, out, record, progress=progress)
     else:
         _run_local(todo, record, report.failures, progress)
