@@ -197,7 +197,7 @@ def _bucket_of(ref_pass: bool, cand_pass: bool) -> str:
 
 def _four(ref_pass: Sequence[bool], cand_pass: Sequence[bool]) -> dict[str, int]:
     counts = dict.fromkeys(BUCKETS, 0)
-    for r, c in zip(ref_pass, cand_pass):
+    for r, c in zip(ref_pass, cand_pass, strict=True):
         counts[_bucket_of(bool(r), bool(c))] += 1
     return counts
 
@@ -209,7 +209,7 @@ def _choose_filter(ref: Sequence[Mapping], cand: Sequence[Mapping], wanted: str 
     ref_f = sorted({filter_of(r) for r in ref})
     cand_f = sorted({filter_of(r) for r in cand})
     if wanted is not None:
-        for name, have in zip(labels, (ref_f, cand_f)):
+        for name, have in zip(labels, (ref_f, cand_f), strict=True):
             if wanted not in have:
                 raise UserError(f"filter {wanted!r} is not in the {name} (it has: {', '.join(have)})", "pass one of those with --filter")
         return wanted
@@ -286,7 +286,7 @@ def bucket(
     if kind == "binary" and settings.threshold is not None:
         raise UserError(f"--threshold applies to continuous metrics; {metric!r} is 0/1 per doc", "drop --threshold")
     if kind == "binary" and not is01:
-        bad = next(i for i, a, b in zip(ids, ref_v, cand_v) if a not in (0.0, 1.0) or b not in (0.0, 1.0))
+        bad = next(i for i, a, b in zip(ids, ref_v, cand_v, strict=True) if a not in (0.0, 1.0) or b not in (0.0, 1.0))
         raise UserError(f"metric {metric!r} is not 0/1 (e.g. doc_id {bad})", "pass --threshold to bucket a continuous score")
     n = len(ids)
     notes: list[str] = []
@@ -306,19 +306,20 @@ def bucket(
         thr = 0.5 if kind == "binary" else settings.threshold
         ref_pass, cand_pass = ref_v >= thr, cand_v >= thr
         counts = _four(ref_pass, cand_pass)
-        buckets = [_bucket_of(bool(r), bool(c)) for r, c in zip(ref_pass, cand_pass)]
-        prompts = {b: [i for i, x in zip(ids, buckets) if x == b] for b in BUCKETS}
+        buckets = [_bucket_of(bool(r), bool(c)) for r, c in zip(ref_pass, cand_pass, strict=True)]
+        prompts = {b: [i for i, x in zip(ids, buckets, strict=True) if x == b] for b in BUCKETS}
         mcnemar_p = mcnemar_exact(counts["regression"], counts["recovered"])
         discordant = counts["regression"] + counts["recovered"]
         if kind == "continuous":
             rp, cp = ref_pass.astype(float), cand_pass.astype(float)
-            pass_rate = {"threshold": thr, "reference": float(rp.mean()), "candidate": float(cp.mean()), "delta": float(cp.mean() - rp.mean()), "delta_ci": list(paired_delta_ci(rp, cp, settings.n_bootstrap, settings.confidence, settings.seed))}
+            pass_rate = {"threshold": thr, "reference": float(rp.mean()), "candidate": float(cp.mean()), "delta": float(cp.mean() - rp.mean()), "delta_ci": list(paired_delta_ci(rp, cp,
+                settings.n_bootstrap, settings.confidence, settings.seed))}
     else:
         buckets = [None] * n
         counts_reason = "continuous metric: pass --threshold T to split docs into pass (score >= T) / fail buckets"
 
     rows: list[dict[str, Any]] = []
-    for i, b, r, c in zip(ids, buckets, ref_v, cand_v):
+    for i, b, r, c in zip(ids, buckets, ref_v, cand_v, strict=True):
         doc = ref_rows[i].get("doc")
         rows.append({
             "doc_id": i,
@@ -406,7 +407,7 @@ def _instruction_stats(ids, ref_rows, cand_rows, inst_metric, by_id, settings, l
         a, b = ref_rows[i].get(inst_metric), cand_rows[i].get(inst_metric)
         doc = ref_rows[i].get("doc") or {}
         names = doc.get("instruction_id_list")
-        for label, v in zip(labels, (a, b)):
+        for label, v in zip(labels, (a, b), strict=True):
             if not isinstance(v, list):
                 raise UserError(f"{label}: doc_id {i} has no instruction-level list {inst_metric!r}", "pass IFEval samples written by lm-eval --log_samples")
         if len(a) != len(b) or (isinstance(names, list) and len(names) != len(a)):
@@ -419,7 +420,7 @@ def _instruction_stats(ids, ref_rows, cand_rows, inst_metric, by_id, settings, l
         inst_ref.extend(ra)
         inst_cand.extend(cb)
         by_id[i].update(n_instructions=len(ra), reference_instructions_passed=sum(ra), candidate_instructions_passed=sum(cb))
-        for name, r, c in zip(names, ra, cb):
+        for name, r, c in zip(names, ra, cb, strict=True):
             per_type.setdefault(name, []).append((r, c))
     total = sum(n_items)
     ref_score, cand_score = sum(ref_p) / total, sum(cand_p) / total
@@ -447,7 +448,7 @@ def _instruction_stats(ids, ref_rows, cand_rows, inst_metric, by_id, settings, l
             "regression_rate": counts["regression"] / nn,
             "mcnemar_p": mcnemar_exact(counts["regression"], counts["recovered"]),
         })
-    for row, p in zip(table, holm([t["mcnemar_p"] for t in table])):
+    for row, p in zip(table, holm([t["mcnemar_p"] for t in table]), strict=True):
         row["holm_p"] = p
     table.sort(key=lambda t: (-t["regression"], -(t["regression"] - t["recovered"]), t["instruction_id"]))
     return level, table
@@ -611,14 +612,17 @@ def summary_markdown(report: Mapping[str, Any], top: int = 15) -> str:
         lines.append("")
     fs = report.get("format_split")
     if fs:
-        lines += [f"Regressions split by the {fs['lenient_filter']} filter: format failures (lenient answer right, strict wrong) {_fmt(fs['format_failure'])}, wrong answers {_fmt(fs['wrong_answer'])}, unknown {fs['unknown']}.", ""]
+        lines += [f"Regressions split by the {fs['lenient_filter']} filter: format failures (lenient answer right, strict wrong) {_fmt(fs['format_failure'])}, "
+                  f"wrong answers {_fmt(fs['wrong_answer'])}, unknown {fs['unknown']}.", ""]
     tr = report.get("truncation")
     if tr:
-        lines += [f"Regressions whose candidate response hit the generation limit: {tr['regressions_truncated']} ({tr['method']}; max_gen_toks {', '.join(tr['max_gen_toks'])}{'; unknown for ' + str(tr['regressions_unknown']) if tr['regressions_unknown'] else ''}).", ""]
+        unknown = f"; unknown for {tr['regressions_unknown']}" if tr["regressions_unknown"] else ""
+        lines += [f"Regressions whose candidate response hit the generation limit: {tr['regressions_truncated']} ({tr['method']}; max_gen_toks {', '.join(tr['max_gen_toks'])}{unknown}).", ""]
     types = report.get("instruction_types")
     if types:
         lines += [
-            f"Instruction types by regressions (top {min(top, len(types))} of {len(types)}; McNemar p per type and Holm-adjusted over all {len(types)} types; descriptive, types are not independent tests of one hypothesis):",
+            f"Instruction types by regressions (top {min(top, len(types))} of {len(types)}; McNemar p per type and Holm-adjusted over all {len(types)} types; "
+            "descriptive, types are not independent tests of one hypothesis):",
             "",
         ]
         lines += markdown_lines(["instruction_id", "n", "regression", "recovered", "reference %", "candidate %", "delta", "McNemar p", "Holm p"],
@@ -630,7 +634,8 @@ def summary_markdown(report: Mapping[str, Any], top: int = 15) -> str:
     return "\n".join(lines)
 
 
-CSV_COLUMNS = ("doc_id", "key", "bucket", "reference", "candidate", "difference", "prompt_hash_same", "truncated", "failure_kind", "failure_detail", "n_instructions", "reference_instructions_passed", "candidate_instructions_passed", "lenient_candidate", "format_split")
+CSV_COLUMNS = ("doc_id", "key", "bucket", "reference", "candidate", "difference", "prompt_hash_same", "truncated", "failure_kind", "failure_detail", "n_instructions", "reference_instructions_passed",
+    "candidate_instructions_passed", "lenient_candidate", "format_split")
 
 
 def rows_csv(report: Mapping[str, Any]) -> str:

@@ -112,7 +112,8 @@ def _allowed_keys(attention_mask: Any, first_real: torch.Tensor, q_len: int, k_l
     return mask > torch.finfo(mask.dtype).min / 2
 
 
-def _row_stats(query: torch.Tensor, key: torch.Tensor, allowed: torch.Tensor, scaling: float | None, softcap: float | None, s_aux: Any, first_real: torch.Tensor, fixed_keys: torch.Tensor | None = None):
+def _row_stats(query: torch.Tensor, key: torch.Tensor, allowed: torch.Tensor, scaling: float | None, softcap: float | None, s_aux: Any, first_real: torch.Tensor,
+    fixed_keys: torch.Tensor | None = None):
     """Per-row (sink log-odds, sink key from the first real token or VIRTUAL_KEY, pos0 mass, virtual-key mass or None)."""
     bsz, n_heads, q_len, head_dim = query.shape
     k_len = key.shape[-2]
@@ -217,7 +218,8 @@ def attention_layers_from_config(config: Any) -> tuple[int, ...] | None:
         return None
     other = sorted({t for t in types if t not in SOFTMAX_LAYER_TYPES + NON_ATTENTION_LAYER_TYPES})
     if other:
-        raise UserError(f"{cfg.model_type}: layer type(s) {', '.join(other)} are not plain softmax attention, so Sink Strength is not defined for them", "use a model whose attention layers are full, sliding-window or chunked (conv and linear-attention layers are skipped)")
+        raise UserError(f"{cfg.model_type}: layer type(s) {', '.join(other)} are not plain softmax attention, so Sink Strength is not defined for them",
+            "use a model whose attention layers are full, sliding-window or chunked (conv and linear-attention layers are skipped)")
     layers = tuple(i for i, t in enumerate(types) if t in SOFTMAX_LAYER_TYPES)
     if not layers:
         raise UserError(f"{cfg.model_type}: no softmax attention layer (layer types: {', '.join(sorted(set(types)))})", "Sink Strength needs attention layers")
@@ -299,14 +301,15 @@ def _batch(input_ids: Sequence[Sequence[int]], pad_id: int, device: torch.device
 def _check_sink_keys(sink_keys: Sequence[np.ndarray], encoded: EncodedPrompts, n_layers: int, n_heads: int) -> None:
     if len(sink_keys) != len(encoded):
         raise UserError(f"sink_keys has {len(sink_keys)} entries for {len(encoded)} prompts", "pass one [layer, head, query] array per prompt")
-    for j, (keys, ids) in enumerate(zip(sink_keys, encoded.input_ids)):
+    for j, (keys, ids) in enumerate(zip(sink_keys, encoded.input_ids, strict=True)):
         keys = np.asarray(keys)
         want = (n_layers, n_heads, len(ids) - 1)
         if keys.shape != want:
             raise UserError(f"sink_keys of prompt {j} have shape {keys.shape}, expected {want} [layer, head, query]", "capture both models with the same layers, heads and token ids")
         query_pos = np.arange(1, len(ids))
         if keys.size and ((keys < VIRTUAL_KEY).any() or (keys > query_pos).any()):
-            raise UserError(f"sink_keys of prompt {j} hold a key outside 0..query position (or -1, the learned sink key)", "pass key positions counted from the prompt's first token, at most the query's own position")
+            raise UserError(f"sink_keys of prompt {j} hold a key outside 0..query position (or -1, the learned sink key)",
+                "pass key positions counted from the prompt's first token, at most the query's own position")
 
 
 def _fixed_key_batch(keys: Sequence[np.ndarray], layers: tuple[int, ...], first_real: torch.Tensor, width: int) -> dict[int, torch.Tensor]:
@@ -385,7 +388,8 @@ def capture_prompts(
                         sink_pos=np.stack([take(collector.records[x][1]) for x in layers]).astype(np.int64),
                         pos0_mass=np.stack([take(collector.records[x][2]) for x in layers]).astype(np.float32),
                         content=np.asarray(encoded.content_mask[start + i][1:], dtype=bool),
-                        learned_sink_mass=np.stack([take(collector.records[x][3]) if collector.records[x][3] is not None else np.zeros(take(collector.records[x][2]).shape, np.float32) for x in layers]).astype(np.float32) if learned else None,
+                        learned_sink_mass=np.stack([take(collector.records[x][3]) if collector.records[x][3] is not None else np.zeros(take(collector.records[x][2]).shape,
+                            np.float32) for x in layers]).astype(np.float32) if learned else None,
                     )
                 )
             collector.first_real = None

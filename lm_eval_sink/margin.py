@@ -171,7 +171,7 @@ def build_margin(reference: str, candidate: str, layers: tuple[int, ...], g_base
     negative = tuple(
         {"layer": int(layers[li]), "head": int(h), "reference_has_sink": bool(m["g_base_median"][li, h] > 0),
          **{k: float(m[k][li, h]) for k in ("margin", "margin_quantile", "g_base_median", "b_gap", "predicted_nonsink_mass", "measured_nonsink_mass_median")}}
-        for li, h in zip(*np.nonzero(m["margin"] < 0))
+        for li, h in zip(*np.nonzero(m["margin"] < 0), strict=True)
     )
     summary = {
         "n_heads_total": int(m["margin"].size),
@@ -216,7 +216,8 @@ def check_same_vocab(ref_vocab: dict[str, int], cand_vocab: dict[str, int]) -> N
     if missing or moved:
         t = (missing or moved)[0]
         what = f"token {t!r} (id {ref_vocab[t]} in the reference) is " + ("missing from the candidate" if missing else f"id {cand_vocab[t]} in the candidate")
-        raise UserError(f"the vocabularies differ: {len(missing)} reference token(s) missing and {len(moved)} with another id in the candidate; {what}", "margin needs identical token ids: compare a VLM backbone with the LLM it was built from")
+        raise UserError(f"the vocabularies differ: {len(missing)} reference token(s) missing and {len(moved)} with another id in the candidate; {what}",
+            "margin needs identical token ids: compare a VLM backbone with the LLM it was built from")
 
 
 # ---------------------------------------------------------------------------- reports

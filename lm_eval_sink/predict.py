@@ -190,7 +190,8 @@ def parse_pairs(obj: Any, where: str, read_strength: Callable[[str, str], float]
         clean = {task: finite(v, at, f"deltas[{task}]") for task, v in item["deltas"].items()}
         qk = item.get("qk_norm")
         notes = item.get("notes")
-        pairs.append(Pair(name=item["name"], reference=item["reference"], candidate=item["candidate"], sink_strength=s, deltas=clean, source=item["source"], qk_norm=qk, notes=None if notes is None else str(notes)))
+        pairs.append(Pair(name=item["name"], reference=item["reference"], candidate=item["candidate"], sink_strength=s, deltas=clean, source=item["source"], qk_norm=qk,
+            notes=None if notes is None else str(notes)))
     if len(pairs) < MIN_PAIRS:
         raise UserError(f"{where}: {len(pairs)} pair(s); a fit needs at least {MIN_PAIRS}", "add more pairs")
     return tuple(pairs)
@@ -345,7 +346,8 @@ def fit_table_markdown(result: FitResult) -> str:
         head += ["reported_rho", "reported_loo_mae", "reported_baseline_mae"]
     rows = []
     for task, f in sorted(result.tasks.items()):
-        row = [task, str(f.n_pairs), f"{f.spearman_rho:.4f}", f"{f.permutation_p:.4f} ({f.permutation_method})", f"{f.permutation_p_one_sided:.4f}", f"{f.slope:.3f}", f"{f.intercept:.3f}", f"{f.loo_mae:.3f}", f"{f.baseline_mae:.3f}"]
+        row = [task, str(f.n_pairs), f"{f.spearman_rho:.4f}", f"{f.permutation_p:.4f} ({f.permutation_method})", f"{f.permutation_p_one_sided:.4f}", f"{f.slope:.3f}", f"{f.intercept:.3f}",
+            f"{f.loo_mae:.3f}", f"{f.baseline_mae:.3f}"]
         if rep:
             r = rep.get(task, {})
             row += [_opt(r.get("spearman_rho")), _opt(r.get("loo_mae")), _opt(r.get("baseline_mae"))]

@@ -226,7 +226,8 @@ def results_json(task_samples: dict[str, list[dict]], *, model: str, chat_templa
     }
 
 
-def write_run(out: Path, task_samples: dict[str, list[dict]], *, model: str = "test-model", chat_template: bool = True, limit: float | None = None, gen_kwargs: dict | None = None, ts: str = "2026-12-01T10-00-00.000000", n_shot: int = 0) -> Path:
+def write_run(out: Path, task_samples: dict[str, list[dict]], *, model: str = "test-model", chat_template: bool = True, limit: float | None = None, gen_kwargs: dict | None = None,
+    ts: str = "2026-12-01T10-00-00.000000", n_shot: int = 0) -> Path:
     """Write one run as lm-eval lays it out; returns the model folder."""
     folder = Path(out) / model.replace("/", "__")
     folder.mkdir(parents=True, exist_ok=True)
@@ -255,7 +256,7 @@ def build_response(doc: dict, rng: random.Random, n_sentences: int = 12) -> str:
     kws = [{k: v for k, v in kw.items() if v is not None} for kw in doc["kwargs"]]
     paras = [" ".join(_sentences(rng, max(1, n_sentences // 3))) for _ in range(3)]
     prefix, suffix, sep = [], [], "\n\n"
-    for iid, kw in zip(ids, kws):
+    for iid, kw in zip(ids, kws, strict=True):
         if iid == "keywords:existence":
             paras[0] += " " + " ".join(kw["keywords"]) + "."
         elif iid == "keywords:frequency" and kw.get("relation") == "at least":
@@ -286,7 +287,7 @@ def build_response(doc: dict, rng: random.Random, n_sentences: int = 12) -> str:
             paras = ["My answer is yes."]
         elif iid == "combination:two_responses":
             paras = [paras[0], "******", paras[-1]]
-    text = "\n\n".join(prefix + [sep.join(paras)] + suffix)
+    text = "\n\n".join([*prefix, sep.join(paras), *suffix])
     if "change_case:english_lowercase" in ids:
         text = text.lower()
     if "change_case:english_capital" in ids:

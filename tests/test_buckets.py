@@ -241,7 +241,7 @@ def gsm8k_pair(shared_data, tmp_path_factory):
     docs = bl.gsm8k_docs(shared_data)[:12]
     design = [("right", "right")] * 4 + [("right", "format")] * 3 + [("right", "wrong")] * 2 + [("wrong", "right")] + [("wrong", "wrong")] * 2
     ref, cand = [], []
-    for i, (doc, (rv, cv)) in enumerate(zip(docs, design)):
+    for i, (doc, (rv, cv)) in enumerate(zip(docs, design, strict=True)):
         ref += bl.gsm8k_samples(i, doc, bl.gsm8k_response(doc, rv))
         cand += bl.gsm8k_samples(i, doc, bl.gsm8k_response(doc, cv))
     root = tmp_path_factory.mktemp("gsm8k_pair")
@@ -308,7 +308,7 @@ def test_eqbench_paired_difference_and_threshold(shared_data):
 def _boolq_lines(shared_data, outcomes):
     docs = bl.read_jsonl(shared_data / "boolq" / "validation.jsonl")[: len(outcomes)]
     lines = []
-    for i, (doc, ok) in enumerate(zip(docs, outcomes)):
+    for i, (doc, ok) in enumerate(zip(docs, outcomes, strict=True)):
         prompt = f"{doc['passage']}\nQuestion: {doc['question']}?\nAnswer:"
         gold = 1 if doc["answer"] else 0
         ll = [-0.5, -2.0] if (gold == 0) == ok else [-2.0, -0.5]  # [no, yes]: the higher one is chosen

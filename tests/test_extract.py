@@ -65,19 +65,27 @@ def _configs():
     mrope8 = {"rope_type": "default", "mrope_section": [2, 1, 1], "type": "mrope"}
     mrope16 = {"rope_type": "default", "mrope_section": [4, 2, 2], "mrope_interleaved": True}
     return {
-        "qwen2_vl": lambda: T.Qwen2VLConfig(text_config=_text(rope_scaling=mrope8), vision_config=dict(depth=1, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=14, spatial_merge_size=2), **IMAGE_IDS),
-        "qwen2_5_vl": lambda: T.Qwen2_5_VLConfig(text_config=_text(rope_scaling=mrope8), vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32, fullatt_block_indexes=[0], window_size=28), **IMAGE_IDS),
+        "qwen2_vl": lambda: T.Qwen2VLConfig(text_config=_text(rope_scaling=mrope8), vision_config=dict(depth=1, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=14,
+            spatial_merge_size=2), **IMAGE_IDS),
+        "qwen2_5_vl": lambda: T.Qwen2_5_VLConfig(text_config=_text(rope_scaling=mrope8), vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32,
+            fullatt_block_indexes=[0], window_size=28), **IMAGE_IDS),
         "qwen3_vl": lambda: T.Qwen3VLConfig(text_config=_text(head_dim=16, rope_scaling=mrope16), vision_config=_QWEN3_VISION, **IMAGE_IDS),
-        "qwen3_vl_moe": lambda: T.Qwen3VLMoeConfig(text_config=_text(head_dim=16, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, rope_scaling=mrope16), vision_config=_QWEN3_VISION, **IMAGE_IDS),
+        "qwen3_vl_moe": lambda: T.Qwen3VLMoeConfig(text_config=_text(head_dim=16, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, rope_scaling=mrope16),
+            vision_config=_QWEN3_VISION, **IMAGE_IDS),
         "llava": lambda: T.LlavaConfig(text_config=dict(model_type="llama", **_text()), vision_config=_CLIP, image_token_index=120),
         "llava_next": lambda: T.LlavaNextConfig(text_config=dict(model_type="mistral", **_text()), vision_config=_CLIP, image_token_index=120, image_grid_pinpoints=[[28, 28]]),
-        "llava_onevision": lambda: T.LlavaOnevisionConfig(text_config=dict(model_type="qwen2", **_text()), vision_config=_SIGLIP, image_token_index=120, video_token_index=121, image_grid_pinpoints=[[28, 28]]),
-        "internvl": lambda: T.InternVLConfig(text_config=dict(model_type="qwen2", **_text()), vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=[28, 28], patch_size=[14, 14]), image_token_id=120),
+        "llava_onevision": lambda: T.LlavaOnevisionConfig(text_config=dict(model_type="qwen2", **_text()), vision_config=_SIGLIP, image_token_index=120, video_token_index=121,
+            image_grid_pinpoints=[[28, 28]]),
+        "internvl": lambda: T.InternVLConfig(text_config=dict(model_type="qwen2", **_text()), vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+            image_size=[28, 28], patch_size=[14, 14]), image_token_id=120),
         "idefics3": lambda: T.Idefics3Config(text_config=dict(model_type="llama", **_text()), vision_config=_IDEFICS_VISION, image_token_id=120, scale_factor=1),
         "smolvlm": lambda: T.SmolVLMConfig(text_config=dict(model_type="llama", **_text()), vision_config=_IDEFICS_VISION, image_token_id=120, scale_factor=1),
-        "gemma3": lambda: T.Gemma3Config(text_config=dict(model_type="gemma3_text", head_dim=16, sliding_window=8, **_text()), vision_config=_SIGLIP, mm_tokens_per_image=4, image_token_index=120, boi_token_index=121, eoi_token_index=122),
-        "molmo2": lambda: T.Molmo2Config(text_config=dict(head_dim=16, additional_vocab_size=8, qk_norm_type="qwen3", **_text()), vision_config=_MOLMO2_VISION, adapter_config=_MOLMO2_ADAPTER, **_MOLMO2_IDS),
-        "molmo2_olmo": lambda: T.Molmo2Config(text_config=dict(head_dim=8, additional_vocab_size=8, qk_norm_type="olmo", norm_after=True, **_text()), vision_config=_MOLMO2_VISION, adapter_config=_MOLMO2_ADAPTER, **_MOLMO2_IDS),
+        "gemma3": lambda: T.Gemma3Config(text_config=dict(model_type="gemma3_text", head_dim=16, sliding_window=8, **_text()), vision_config=_SIGLIP, mm_tokens_per_image=4, image_token_index=120,
+            boi_token_index=121, eoi_token_index=122),
+        "molmo2": lambda: T.Molmo2Config(text_config=dict(head_dim=16, additional_vocab_size=8, qk_norm_type="qwen3", **_text()), vision_config=_MOLMO2_VISION, adapter_config=_MOLMO2_ADAPTER,
+            **_MOLMO2_IDS),
+        "molmo2_olmo": lambda: T.Molmo2Config(text_config=dict(head_dim=8, additional_vocab_size=8, qk_norm_type="olmo", norm_after=True, **_text()), vision_config=_MOLMO2_VISION,
+            adapter_config=_MOLMO2_ADAPTER, **_MOLMO2_IDS),
     }
 
 
@@ -354,7 +362,7 @@ def test_cli_failed_verification_exits_nonzero_and_keeps_the_output(vlm_dir, tmp
     sd["model.norm.weight"] = torch.full_like(sd["model.norm.weight"], float("nan"))
     save_file(sd, shard, metadata={"format": "pt"})
     out = tmp_path / "out"
-    rc, stdout, err = _cli(capsys, "extract", str(src), str(out))
+    rc, _, err = _cli(capsys, "extract", str(src), str(out))
     assert rc == 2
     assert "verification failed" in _assert_one_error_line(err)
     assert (out / FAILED_FILE).is_file() and not (out / COMPLETE_FILE).exists()

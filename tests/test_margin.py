@@ -201,7 +201,7 @@ def test_fixed_sink_keys_at_the_argmax_reproduce_the_default_capture(sink_models
     enc = encode_prompts(loaded.tokenizer, builtin_prompts()[:4])
     default = capture_prompts(loaded.model, enc, [0, 1], batch_size=2, progress=False)
     fixed = capture_prompts(loaded.model, enc, [0, 1], batch_size=2, progress=False, sink_keys=[c.sink_pos for c in default])
-    for a, b in zip(default, fixed):
+    for a, b in zip(default, fixed, strict=True):
         assert np.array_equal(a.sink_logodds, b.sink_logodds) and np.array_equal(a.sink_pos, b.sink_pos)
     # the collapsed head (layer 0, head 1) has its own argmax elsewhere; at key 0 its gap is c' - log t
     at_bos = capture_prompts(loaded.model, enc, [0, 1], batch_size=2, progress=False, sink_keys=[np.zeros_like(c.sink_pos) for c in default])

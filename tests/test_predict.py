@@ -44,7 +44,7 @@ def _write(tmp_path, obj, name="pairs.yaml"):
 def test_shipped_table_is_the_papers_six_pairs():
     table = read_pairs()
     assert table.shipped and len(table.pairs) == 6
-    names, s, d = task_arrays(table, "ifeval")
+    _, s, d = task_arrays(table, "ifeval")
     assert list(s) == S and list(d) == D
     assert [p.qk_norm for p in table.pairs] == ["per_head", "per_head", "none", "none", "none", "layerwise"]
 
@@ -76,7 +76,7 @@ def test_independent_checks_with_scipy():
         return (rx * ry).sum(axis) / np.sqrt((rx**2).sum(axis) * (ry**2).sum(axis))
 
     exact = stats.permutation_test((np.array(S), np.array(D)), rho, permutation_type="pairings", n_resamples=np.inf, vectorized=True, alternative="two-sided")
-    p2, p1, method, _ = permutation_test(np.array(S), np.array(D))
+    p2, _, method, _ = permutation_test(np.array(S), np.array(D))
     assert p2 == pytest.approx(exact.pvalue, abs=1e-12) and method == "exact"
     slope, intercept = np.polyfit(S, D, 1)
     fit = fit_pairs(read_pairs()).tasks["ifeval"]
@@ -146,7 +146,8 @@ def test_user_pairs_with_strength_json_and_skipped_task(tmp_path):
         ("- name: a\n  deltas: {ifeval: -1\n", "not valid YAML"),
         ({"name": "a"}, "must be a YAML list of pairs"),
         ([_pair("a", 1.0, {"ifeval": -1.0}), _pair("b", 2.0, {"ifeval": -2.0})], "2 pair(s); a fit needs at least 3"),
-        ([_pair("a", 1.0, {"ifeval": -1.0}), _pair("b", 2.0, {"ifeval": -2.0}), {"name": "c", "reference": "x", "candidate": "c", "sink_strength": 1.0, "deltas": {"ifeval": 1.0}}], "missing key(s) source"),
+        ([_pair("a", 1.0, {"ifeval": -1.0}), _pair("b", 2.0, {"ifeval": -2.0}), {"name": "c", "reference": "x", "candidate": "c", "sink_strength": 1.0, "deltas": {"ifeval": 1.0}}],
+            "missing key(s) source"),
         ([_pair("a", 1.0, {"ifeval": -1.0}, sink_strenght=2.0), _pair("b", 2.0, {"ifeval": -2.0}), _pair("c", 3.0, {"ifeval": -3.0})], "did you mean 'sink_strength'"),
         ([_pair("a", "high", {"ifeval": -1.0}), _pair("b", 2.0, {"ifeval": -2.0}), _pair("c", 3.0, {"ifeval": -3.0})], "sink_strength file"),
         ([_pair("a", 1.0, {"ifeval": "bad"}), _pair("b", 2.0, {"ifeval": -2.0}), _pair("c", 3.0, {"ifeval": -3.0})], "deltas[ifeval] must be a finite number"),

@@ -208,7 +208,7 @@ def test_cli_show_and_diff(tmp_path, capsys):
     out_json = tmp_path / "d.json"
     assert main(["protocol", "diff", str(a), str(b), "-o", str(out_json)]) == 0
     data = json.loads(out_json.read_text())
-    assert data["provenance"]["inputs"][0]["sha256"] and [d["field"] for d in data["differences"]][0] == "apply_chat_template"
+    assert data["provenance"]["inputs"][0]["sha256"] and next(d["field"] for d in data["differences"]) == "apply_chat_template"
     assert main(["protocol", "diff", str(a), str(b), "-o", str(out_json)]) == 2
     assert "already exists" in capsys.readouterr().err
 

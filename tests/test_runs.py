@@ -48,7 +48,7 @@ def test_results_and_samples_files_resolve_to_their_own_time(tmp_path):
 def test_several_models_is_an_error_listing_them(tmp_path):
     _run_folder(tmp_path, "org__a")
     _run_folder(tmp_path, "org__b")
-    with pytest.raises(UserError, match="several models.*org__a, org__b"):
+    with pytest.raises(UserError, match=r"several models.*org__a, org__b"):
         resolve_run(tmp_path)
 
 
@@ -89,15 +89,19 @@ def test_canonical_json_is_byte_identical_and_refuses_nan(tmp_path):
     a = atomic_write_json(tmp_path / "a.json", {"b": 1, "a": [1.5, None]}).read_bytes()
     b = atomic_write_json(tmp_path / "b.json", {"a": [1.5, None], "b": 1}).read_bytes()
     assert a == b
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="not JSON compliant"):
         canonical_json({"x": float("nan")})
 
 
 def test_staged_dir_leaves_nothing_that_looks_complete_on_failure(tmp_path):
     out = tmp_path / "out"
-    with pytest.raises(RuntimeError), staged_dir(out) as tmp:
-        (tmp / "half.bin").write_bytes(b"x")
-        raise RuntimeError("interrupted")
+    def interrupted_build() -> None:
+        with staged_dir(out) as tmp:
+            (tmp / "half.bin").write_bytes(b"x")
+            raise RuntimeError("interrupted")
+
+    with pytest.raises(RuntimeError, match="interrupted"):
+        interrupted_build()
     assert not out.exists() and not list(tmp_path.iterdir())
     with staged_dir(out) as tmp:
         (tmp / "done.txt").write_text("1")

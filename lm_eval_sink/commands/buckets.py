@@ -54,10 +54,12 @@ def _pick_task(ref_run, cand_run, task: str | None) -> tuple[str, Path, Path]:
     if len(ref_run.samples) == 1 and len(cand_run.samples) == 1 and (ref_run.timestamp is None or cand_run.timestamp is None):
         (rt, rp), (_, cp) = next(iter(ref_run.samples.items())), next(iter(cand_run.samples.items()))
         return rt, rp, cp  # a renamed samples file: its name says nothing; the docs are checked below
-    raise UserError(f"the runs hold samples of different tasks: reference {', '.join(sorted(ref_run.samples))}; candidate {', '.join(sorted(cand_run.samples))}", "pass two runs of the same task, or name it with --task")
+    raise UserError(f"the runs hold samples of different tasks: reference {', '.join(sorted(ref_run.samples))}; candidate {', '.join(sorted(cand_run.samples))}",
+        "pass two runs of the same task, or name it with --task")
 
 
-def compare_runs(reference: str | Path, candidate: str | Path, task: str | None = None, settings: BucketSettings = BucketSettings(), *, tokenizer: str | None = None, same_protocol: bool = False, progress: bool = False) -> BucketReport:
+def compare_runs(reference: str | Path, candidate: str | Path, task: str | None = None, settings: BucketSettings = BucketSettings(), *, tokenizer: str | None = None, same_protocol: bool = False,
+    progress: bool = False) -> BucketReport:
     """Resolve two lm-eval runs, bucket one task's samples, attach both runs' provenance."""
     from lm_eval_sink.io import provenance
     from lm_eval_sink.runs import read_samples, resolve_run

@@ -29,10 +29,12 @@ def run_demo(output: Path, limit: int = DEMO_LIMIT, max_gen_toks: int = DEMO_MAX
     s = res["results"]["sink_strength"]
     ife = res["results"]["ifeval"]
     matrix = s["sink_strength_layer_head,none"]
-    png = layer_head_heatmap(matrix["values"], matrix["layers"], f"SmolLM2-135M-Instruct: sink log-odds, S = {s['sink_strength,none']:.4f}", run.results.with_name(run.results.stem.replace("results_", "sink_strength_heatmap_") + ".png"))
+    png = layer_head_heatmap(matrix["values"], matrix["layers"], f"SmolLM2-135M-Instruct: sink log-odds, S = {s['sink_strength,none']:.4f}", run.results.with_name(run.results.stem.replace("results_",
+        "sink_strength_heatmap_") + ".png"))
     return [
         f"model:                  {model}",
-        f"Sink Strength S:        {s['sink_strength,none']:.4f} (last 10 layers, 15 prompts; content rows {s['sink_strength_content_rows,none']:.4f}, template rows {s['sink_strength_template_rows,none']:.4f})",
+        f"Sink Strength S:        {s['sink_strength,none']:.4f} (last 10 layers, 15 prompts; content rows {s['sink_strength_content_rows,none']:.4f}, "
+        f"template rows {s['sink_strength_template_rows,none']:.4f})",
         f"position-0 share:       {s['pos0_argmax_fraction,none']:.3f} of rows, median mass {s['pos0_mass_median,none']:.3f}",
         f"IFEval prompt strict:   {ife['prompt_level_strict_acc,none']:.3f}   loose: {ife['prompt_level_loose_acc,none']:.3f}   (limit {limit}, max_gen_toks {max_gen_toks}: not a final score)",
         f"results:                {run.results}",

@@ -68,7 +68,8 @@ def run_fit(pairs_file: Path | str | None, output: Path | None, force: bool = Fa
     md = fit_table_markdown(result)
     lines = md.rstrip("\n").splitlines()
     for task, env in sorted((result.rounding_envelope or {}).items()):
-        lines.append(f"{task}: inputs rounded as published allow loo_mae {env['loo_mae'][0]:.3f}..{env['loo_mae'][1]:.3f} and baseline_mae {env['baseline_mae'][0]:.3f}..{env['baseline_mae'][1]:.3f} (corners of the rounding box)")
+        lines.append(f"{task}: inputs rounded as published allow loo_mae {env['loo_mae'][0]:.3f}..{env['loo_mae'][1]:.3f} "
+                     f"and baseline_mae {env['baseline_mae'][0]:.3f}..{env['baseline_mae'][1]:.3f} (corners of the rounding box)")
     if output is None:
         lines.append("not saved (pass --output DIR to write fit.json, fit.md and plots)")
         return lines

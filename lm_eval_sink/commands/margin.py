@@ -31,7 +31,8 @@ def _strength_summary(s: Any) -> dict[str, Any]:
     return {k: getattr(s, k) for k in ("sink_strength", "statistic", "rows", "last_k", "n_layers", "sink_strength_content_rows", "sink_strength_template_rows", "pos0_argmax_fraction")}
 
 
-def measure_margin(reference: str, candidate: str, settings: MarginSettings = MarginSettings(), dtype: str = "auto", device: str = "cpu", progress: bool = True) -> tuple[SinkMargin, dict[str, np.ndarray]]:
+def measure_margin(reference: str, candidate: str, settings: MarginSettings = MarginSettings(), dtype: str = "auto", device: str = "cpu", progress: bool = True) -> tuple[SinkMargin, dict[str,
+    np.ndarray]]:
     """Capture both models on the reference's token ids; return the margins and the per-row arrays.
 
     Checks layer/head shapes and vocabularies before loading any weights. Models are loaded one
@@ -57,7 +58,8 @@ def measure_margin(reference: str, candidate: str, settings: MarginSettings = Ma
             raise UserError(f"{role} {path}: cannot read the model config ({str(e).splitlines()[0]})", "pass a folder written by save_pretrained") from None
     shapes = [_shape_of(c) for c in configs]
     if shapes[0] != shapes[1]:
-        raise UserError(f"the reference has {shapes[0][0]} layers x {shapes[0][1]} heads, the candidate {shapes[1][0]} x {shapes[1][1]}", "margin compares the same heads of two models of one architecture (a VLM backbone and its LLM)")
+        raise UserError(f"the reference has {shapes[0][0]} layers x {shapes[0][1]} heads, the candidate {shapes[1][0]} x {shapes[1][1]}",
+            "margin compares the same heads of two models of one architecture (a VLM backbone and its LLM)")
     ref_tok, cand_tok = AutoTokenizer.from_pretrained(ref_path), AutoTokenizer.from_pretrained(cand_path)
     check_same_vocab(ref_tok.get_vocab(), cand_tok.get_vocab())
     prompt_set = load_prompts(Path(st.prompts_file) if st.prompts_file else None, st.n_prompts)
@@ -112,7 +114,7 @@ def run_margin(reference: str, candidate: str, settings: MarginSettings, output:
     md = margin_table_markdown(result)
     lines = margin_table_markdown(result, heads=False).rstrip("\n").splitlines()
     if output is None:
-        return lines + ["not saved (pass --output DIR to write margin.json, tables, arrays and the heatmap)"]
+        return [*lines, "not saved (pass --output DIR to write margin.json, tables, arrays and the heatmap)"]
     from lm_eval_sink.plots import layer_head_heatmap
 
     names = OUTPUT_FILES
@@ -123,6 +125,7 @@ def run_margin(reference: str, candidate: str, settings: MarginSettings, output:
         atomic_write_text(tmp / names[1], md)
         atomic_write_text(tmp / names[2], margin_csv(result))
         atomic_write_bytes(tmp / names[3], buf.getvalue())
-        layer_head_heatmap(result.margin, result.layers, f"margin G_base - B_gap (nats): {result.summary['n_negative_margin']} of {result.summary['n_heads_total']} heads < 0", tmp / names[4], label="margin (nats)")
+        layer_head_heatmap(result.margin, result.layers, f"margin G_base - B_gap (nats): {result.summary['n_negative_margin']} of {result.summary['n_heads_total']} heads < 0", tmp / names[4],
+            label="margin (nats)")
     files = [output / n for n in names]
-    return lines + ["wrote " + ", ".join(str(p) for p in files)]
+    return [*lines, "wrote " + ", ".join(str(p) for p in files)]

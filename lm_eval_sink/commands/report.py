@@ -116,7 +116,7 @@ def _text(sample: dict[str, Any]) -> tuple[str, str]:
 def _failed(sample: dict[str, Any]) -> tuple[str, ...]:
     ids, ok = get(sample, "doc", "instruction_id_list"), sample.get("inst_level_strict_acc")
     if isinstance(ids, list) and isinstance(ok, list) and len(ids) == len(ok):
-        return tuple(i for i, passed in zip(ids, ok) if not passed)
+        return tuple(i for i, passed in zip(ids, ok, strict=True) if not passed)
     return ()
 
 
@@ -165,7 +165,7 @@ def load_inputs(out: Path, *, strength: Sequence[Path] | None = None, margin: Pa
         if len(strength) != 2:
             raise UserError(f"--strength takes two files (reference, candidate), got {len(strength)}", "pass --strength REF.strength.json CAND.strength.json")
         strength_docs = tuple(_doc(_file(p, "strength"), "strength", out_dir) for p in strength)
-        for role, d in zip(ROLES, strength_docs):
+        for role, d in zip(ROLES, strength_docs, strict=True):
             records += _identities("strength", d, role)
     docs: dict[str, Doc | None] = {}
     for what, arg in (("margin", margin), ("attribution", attribution), ("sweep", sweep)):

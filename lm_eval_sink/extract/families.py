@@ -95,9 +95,9 @@ class _RuleIn(Strict):
 class _TargetIn(Strict):
     what: ClassVar[str] = "target"
     model_type: str | None = None
-    drop_config: list[str] = []
-    rename_config: dict[str, str] = {}
-    set_config: dict[str, Any] = {}
+    drop_config: list[str] = Field(default_factory=list)
+    rename_config: dict[str, str] = Field(default_factory=dict)
+    set_config: dict[str, Any] = Field(default_factory=dict)
 
 
 class _VariantIn(Strict):
@@ -105,7 +105,7 @@ class _VariantIn(Strict):
     name: str
     when: dict[str, Any]
     target: _TargetIn = _TargetIn()
-    rules: list[_RuleIn] = []
+    rules: list[_RuleIn] = Field(default_factory=list)
 
 
 class _FamilyIn(Strict):
@@ -117,8 +117,8 @@ class _FamilyIn(Strict):
     text_config: str
     target: _TargetIn
     rules: list[_RuleIn]
-    ignore: list[str] = []
-    variants: list[_VariantIn] = []
+    ignore: list[str] = Field(default_factory=list)
+    variants: list[_VariantIn] = Field(default_factory=list)
 
 
 def _as_tuple(value: str | list[str]) -> tuple[str, ...]:

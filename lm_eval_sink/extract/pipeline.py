@@ -290,7 +290,7 @@ def _forward(plan: Plan, tensors: dict[str, TensorInfo], reader: Reader, skip: s
         for i, unit in enumerate(order):
             reader.keep_only({f for f, last in last_use.items() if last >= i})
             outs, _ = forward_rule(unit.rule, [reader.get(s) for s in unit.sources], [plan.expected[t] for t in unit.targets])
-            for t, x in zip(unit.targets, outs):
+            for t, x in zip(unit.targets, outs, strict=True):
                 if t not in skip:
                     yield t, _cast(x, cast)
             del outs  # free this unit's tensors before the next one is read
@@ -366,7 +366,7 @@ def _inverse(plan: Plan, tensors: dict[str, TensorInfo], layout: Layout, vlm_rea
                         _, rest = forward_rule(unit.rule, [vlm_reader.get(s) for s in unit.sources], [plan.expected[t] for t in unit.targets])
                     targets = [bb_reader.get(alias.get(t, t)) for t in unit.targets]
                     xs = inverse_rule(unit.rule, targets, [tensors[s].shape for s in unit.sources], rest)
-                    rebuilt.update({s: x.to(ST_DTYPES[tensors[s].dtype]).contiguous() for s, x in zip(unit.sources, xs)})
+                    rebuilt.update({s: x.to(ST_DTYPES[tensors[s].dtype]).contiguous() for s, x in zip(unit.sources, xs, strict=True)})
                 yield name, rebuilt.pop(name)
             vlm_reader.keep_only(set())
     finally:

@@ -221,7 +221,7 @@ def make_plan(vlm_config: Any, tensors: dict[str, TensorInfo], family: Family, p
             outs, rest = forward_rule(unit.rule, metas, [expected[t] for t in unit.targets])
         except ValueError as e:
             raise UserError(f"{path}: {', '.join(unit.sources)}: {e}", "the text config and the tensors disagree") from None
-        for t, o in zip(unit.targets, outs):
+        for t, o in zip(unit.targets, outs, strict=True):
             if tuple(o.shape) != expected[t]:
                 raise UserError(f"{path}: {t} would have shape {tuple(o.shape)}, {target_class} expects {expected[t]}",
                                 "the text config and the tensors disagree")
@@ -277,7 +277,7 @@ def extract_layout(plan: Plan, tensors: dict[str, TensorInfo], cast: torch.dtype
             size = 0
         shards[-1].append(e)
         size += entry_bytes(e)
-    return tuple(zip(shard_names(len(shards)), (tuple(s) for s in shards)))
+    return tuple(zip(shard_names(len(shards)), (tuple(s) for s in shards), strict=True))
 
 
 def mirror_layout(tensors: dict[str, TensorInfo]) -> Layout:

@@ -16,7 +16,7 @@ from lm_eval_sink.extract.families import TensorRule
 def _combined(shapes: list[tuple[int, ...]], dim: int) -> tuple[int, ...]:
     first = list(shapes[0])
     for s in shapes[1:]:
-        if len(s) != len(first) or any(a != b for i, (a, b) in enumerate(zip(s, first)) if i != dim):
+        if len(s) != len(first) or any(a != b for i, (a, b) in enumerate(zip(s, first, strict=True)) if i != dim):
             raise ValueError(f"shapes {shapes} cannot be concatenated along dim {dim}")
     first[dim] = sum(s[dim] for s in shapes)
     return tuple(first)
@@ -25,7 +25,7 @@ def _combined(shapes: list[tuple[int, ...]], dim: int) -> tuple[int, ...]:
 def _fits(shape: tuple[int, ...], want: tuple[int, ...], dim: int, allow_more: bool) -> bool:
     if len(shape) != len(want):
         return False
-    return all(a == b or (allow_more and i == dim and a > b) for i, (a, b) in enumerate(zip(shape, want)))
+    return all(a == b or (allow_more and i == dim and a > b) for i, (a, b) in enumerate(zip(shape, want, strict=True)))
 
 
 def forward_rule(rule: TensorRule, sources: list[torch.Tensor], target_shapes: list[tuple[int, ...]]) -> tuple[list[torch.Tensor], torch.Tensor | None]:

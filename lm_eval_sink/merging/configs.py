@@ -296,7 +296,8 @@ class _Checker:
             self.fail(where or "(top level)", f"expected a mapping ({what}), got {type(node).__name__}", f"write {what} as 'key: value' lines")
         for key in node:
             if key not in allowed:
-                self.fail(f"{where}.{key}" if where else str(key), f"unknown key in {what}{did_you_mean(str(key), allowed)}; mergekit would ignore it (allowed: {', '.join(allowed)})", "remove or correct the key")
+                self.fail(f"{where}.{key}" if where else str(key), f"unknown key in {what}{did_you_mean(str(key), allowed)}; mergekit would ignore it (allowed: {', '.join(allowed)})",
+                    "remove or correct the key")
 
     def model_ref(self, value: Any, key: str) -> str:
         """A local folder (resolved) or a hub id, `org/name` or `org/name@REVISION` (kept as written; the revision must exist)."""
@@ -419,7 +420,8 @@ def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | N
         for pname, setting in node.items():
             key = f"{where}.{pname}"
             if pname not in params:
-                ck.fail(key, f"unknown parameter of merge method {method_name!r}{did_you_mean(str(pname), params)}; mergekit would ignore it ({method_name} takes: {param_list})", "remove or correct the parameter")
+                ck.fail(key, f"unknown parameter of merge method {method_name!r}{did_you_mean(str(pname), params)}; mergekit would ignore it ({method_name} takes: {param_list})",
+                    "remove or correct the parameter")
             if per_model and pname in shared:
                 ck.fail(key, f"{pname!r} is a global parameter of {method_name}; mergekit ignores it on a model", "move it to the top-level parameters")
             if per_model and is_base and params[pname].scope == ParameterScope.NON_BASE:
@@ -512,7 +514,8 @@ def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | N
         if dup:
             ck.fail(where, f"{dup} is listed twice", "list each input model once")
         if spec.contract.base == BasePolicy.REQUIRED and base is None:
-            ck.fail("base_model", f"missing; merge method {method_name!r} needs a base_model (task vectors are taken against it)", "add base_model: PATH (the reference in the chain lineage, the common ancestor for siblings)")
+            ck.fail("base_model", f"missing; merge method {method_name!r} needs a base_model (task vectors are taken against it)",
+                "add base_model: PATH (the reference in the chain lineage, the common ancestor for siblings)")
         if spec.contract.base == BasePolicy.FORBIDDEN and base is not None:
             ck.fail("base_model", f"merge method {method_name!r} takes no base_model", "remove base_model")
         inputs = list(entries)
@@ -535,8 +538,10 @@ def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | N
                     continue
                 if p.name not in own and not at_level:
                     if key == "base_model":
-                        ck.fail("base_model", f"mergekit adds base_model as an input of {method_name!r}, which needs {p.name!r} for every input", f"list it under models with a {p.name}, or drop base_model")
-                    ck.fail(f"{key}.parameters.{p.name}", f"missing; merge method {method_name!r} needs {p.name!r} for this model (expected {_expectation(p)})", f"add parameters: {{{p.name}: ...}} to the model, or at the top level")
+                        ck.fail("base_model", f"mergekit adds base_model as an input of {method_name!r}, which needs {p.name!r} for every input",
+                            f"list it under models with a {p.name}, or drop base_model")
+                    ck.fail(f"{key}.parameters.{p.name}", f"missing; merge method {method_name!r} needs {p.name!r} for this model (expected {_expectation(p)})",
+                        f"add parameters: {{{p.name}: ...}} to the model, or at the top level")
         if method_name == "linear":
             weights = [own.get("weight", next((lv["weight"] for lv in levels if "weight" in lv), None)) for _, _, own in inputs]
             normalize = next((lv["normalize"] for lv in levels if "normalize" in lv), True)

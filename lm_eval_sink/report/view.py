@@ -243,7 +243,7 @@ def _lineage(inputs: ReportInputs) -> dict[str, Any] | None:
 def _inputs_table(inputs: ReportInputs) -> list[dict[str, Any]]:
     rows = []
     if inputs.strength is not None:
-        for role, d in zip(("reference", "candidate"), inputs.strength):
+        for role, d in zip(("reference", "candidate"), inputs.strength, strict=True):
             rows.append({"what": f"strength ({role})", "path": d.rel, "sha256": d.sha256, "versions": get(d.data, "provenance", "versions") or {}})
     for what, d in (("margin", inputs.margin), ("attribution", inputs.attribution), ("sweep", inputs.sweep)):
         if d is not None:

@@ -286,7 +286,8 @@ def _start_sha(model: Any, layers: list[int]) -> str:
     return h.hexdigest()
 
 
-def select_sink_heads(model: Any, tokenizer: Any, settings: StrengthSettings = StrengthSettings(), threshold: float = 0.0, min_pos0_fraction: float = 0.8, tau: float = 0.0, progress: bool = True) -> ProtectionPlan:
+def select_sink_heads(model: Any, tokenizer: Any, settings: StrengthSettings = StrengthSettings(), threshold: float = 0.0, min_pos0_fraction: float = 0.8, tau: float = 0.0,
+    progress: bool = True) -> ProtectionPlan:
     """Capture the calibration prompts on the start model and choose the heads to protect.
 
     A head is selected when its median sink log-odds over the rows (`settings.rows`) exceeds
@@ -371,7 +372,8 @@ class SinkProtection(TrainerCallback):
         check_unsharded(_base(model))
         n_layers, n_heads, n_kv, d = _shape(model)
         if (n_layers, n_heads, n_kv, d) != (self.plan.n_layers, self.plan.n_heads, self.plan.n_kv_heads, self.plan.head_dim):
-            raise UserError(f"the plan is for {self.plan.n_layers} layers x {self.plan.n_heads} heads ({self.plan.n_kv_heads} KV, dim {self.plan.head_dim}), the model has {n_layers} x {n_heads} ({n_kv}, {d})",
+            raise UserError(f"the plan is for {self.plan.n_layers} layers x {self.plan.n_heads} heads ({self.plan.n_kv_heads} KV, dim {self.plan.head_dim}), "
+                            f"the model has {n_layers} x {n_heads} ({n_kv}, {d})",
                             "make the plan from this model with `lm-eval-sink protect-plan`")
         if _start_sha(model, [lp.layer for lp in self.plan.layers]) != self.plan.start_sha256:
             raise UserError("the model's q_proj / k_proj weights are not the ones the plan was made from", "bind the protection before training starts, to the model the plan was made from")
