@@ -109,7 +109,7 @@ def test_core_modules_and_the_cli_do_no_file_io():
     assert {m: _file_io_calls(m) for m in (*CORE, "cli")} == {m: [] for m in (*CORE, "cli")}
     # the check itself finds the calls a command module makes
     assert "write_outputs: staged_dir" in _file_io_calls("commands.buckets") and "run_report: atomic_write_text" in _file_io_calls("commands.report")
-    assert "_run_locked: atomic_write_json" in _file_io_calls("commands.strength") and "detect_qk_norm: open" in _file_io_calls("commands.screen")
+    assert "_run_locked: atomic_write_json" in _file_io_calls("commands.strength") and "detect_qk_norm: read_text" in _file_io_calls("commands.screen")
 
 
 def test_core_modules_import_no_command():
