@@ -6,7 +6,7 @@ computed another way), classifies their QK norm from the config (the table
 `data/qk_norm_classes.json`; unknown model types from the layer-0 q-norm tensor's size, which
 commands/screen.py reads from the safetensors header) and predicts each task's delta from a fit of
 a PAIRS table (`predict.py`; default: the paper's six pairs) with the fit's leave-one-pair-out mean
-absolute error as its uncertainty. Pure: takes configs, results and fits, returns data and text.
+absolute error as its uncertainty. Takes configs, results and fits, returns data and text; the one file it reads is its own packaged table.
 S depends on the calibration prompts and on K (the last K layers) relative to depth: the
 project's prompts are not the paper's, so a predicted delta from the shipped table is only
 indicative; fits of pairs measured with one setting are comparable among themselves.
