@@ -83,7 +83,7 @@ def measure_one(path: str) -> dict:
     from lm_eval_sink.calibration import encode_prompts, load_prompts
     from lm_eval_sink.capture import capture_prompts
     from lm_eval_sink.models import load_model
-    from lm_eval_sink.screen import detect_qk_norm
+    from lm_eval_sink.commands.screen import detect_qk_norm
     from lm_eval_sink.strength import StrengthSettings, measure
 
     t0 = time.perf_counter()

@@ -59,16 +59,10 @@ def _slug(name: str) -> str:
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def strength(model_names, prompts_file, n_prompts, last_k, statistic, rows, chat_template, system_prompt, dtype, device, batch_size, seed, output, force, quiet) -> None:
     """Sink Strength S of one or more models (MODEL: a folder, a hub id when online, or 'default')."""
-    from lm_eval_sink.strength import StrengthSettings, run_strength
+    from lm_eval_sink.commands.strength import run_strength
+    from lm_eval_sink.strength import StrengthSettings
 
-    if last_k == "all":
-        k = None
-    else:
-        try:
-            k = int(last_k)
-        except ValueError:
-            raise UserError(f"--last-k must be a number or 'all', got {last_k!r}", "use e.g. --last-k 10") from None
-    settings = StrengthSettings(last_k=k, statistic=statistic, rows=rows, n_prompts=n_prompts, prompts_file=str(prompts_file) if prompts_file else None,
+    settings = StrengthSettings(last_k=_last_k(last_k), statistic=statistic, rows=rows, n_prompts=n_prompts, prompts_file=str(prompts_file) if prompts_file else None,
                                 use_chat_template=chat_template, system_prompt=system_prompt, batch_size=batch_size, seed=seed)
     names = list(model_names)
     report = run_strength(names, [_slug(n) for n in names], settings, output, dtype=dtype, device=device, force=force, progress=not quiet)
@@ -125,7 +119,7 @@ def _last_k(value: str) -> int | None:
 @click.option("--num-gpus", type=float, default=0, show_default=True, help="GPUs per model's Ray task.")
 def screen(model_names, pairs_file, last_k, prompts_file, n_prompts, rows, chat_template, system_prompt, dtype, device, batch_size, force, quiet, output, engine, ray_address, num_gpus) -> None:
     """Rank backbones by Sink Strength S and predict their post-VL deltas (MODEL: folder, hub id or 'default')."""
-    from lm_eval_sink.screen import run_screen
+    from lm_eval_sink.commands.screen import run_screen
     from lm_eval_sink.strength import StrengthSettings
 
     settings = StrengthSettings(last_k=_last_k(last_k), rows=rows, n_prompts=n_prompts, prompts_file=str(prompts_file) if prompts_file else None,

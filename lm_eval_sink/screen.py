@@ -1,11 +1,12 @@
 """Screen candidate backbones before VL training: S, QK-norm class and predicted deltas.
 
-`screen` measures each model's Sink Strength with the Sink Strength API (`strength.run_strength`
-/ `strength.measure_model`; S is never computed another way here), detects its QK-norm class from
-its config (the table `data/qk_norm_classes.json`; unknown model types from the layer-0 q-norm
-tensor's size in the safetensors header), ranks the models by S and predicts each task's delta
-from a fit of a PAIRS table (`predict.py`; default: the paper's six pairs) with the fit's
-leave-one-pair-out mean absolute error as its uncertainty.
+`screen` ranks models by their Sink Strength (measured with the Sink Strength API by
+commands/screen.py: `commands.strength.run_strength` / `strength.measure_model`; S is never
+computed another way), classifies their QK norm from the config (the table
+`data/qk_norm_classes.json`; unknown model types from the layer-0 q-norm tensor's size, which
+commands/screen.py reads from the safetensors header) and predicts each task's delta from a fit of
+a PAIRS table (`predict.py`; default: the paper's six pairs) with the fit's leave-one-pair-out mean
+absolute error as its uncertainty. Takes configs, results and fits, returns data and text; the one file it reads is its own packaged table.
 S depends on the calibration prompts and on K (the last K layers) relative to depth: the
 project's prompts are not the paper's, so a predicted delta from the shipped table is only
 indicative; fits of pairs measured with one setting are comparable among themselves.
@@ -15,13 +16,12 @@ No torch at module level.
 from __future__ import annotations
 
 import json
-import struct
 from dataclasses import asdict, dataclass, field
 from importlib import resources
-from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.tables import csv_text, markdown_lines
 
 SCHEMA_VERSION = 1
 QK_NORM_DATA = "data/qk_norm_classes.json"
@@ -83,46 +83,6 @@ def classify_qk_norm(config: dict[str, Any], layer0_q_norm_size: int | str | Non
     raise UserError(f"model type {model_type!r}: layer-0 q-norm size {layer0_q_norm_size} is neither head_dim {head_dim} nor heads x head_dim {heads * head_dim}", f"add the model type to {QK_NORM_DATA}")
 
 
-def _safetensors_shapes(folder: Path) -> dict[str, list[int]]:
-    """Tensor name -> shape from the safetensors headers (no weights are read)."""
-    shapes: dict[str, list[int]] = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        shapes.update({k: v["shape"] for k, v in header.items() if k != "__metadata__"})
-    return shapes
-
-
-def detect_qk_norm(model_path: str) -> QKNorm:
-    """QK-norm class of a local model folder (config.json, then the safetensors header if needed),
-    or of a hub id through transformers' AutoConfig when the hub is reachable."""
-    folder = Path(model_path)
-    if not folder.is_dir():
-        from transformers import AutoConfig
-
-        return classify_qk_norm(AutoConfig.from_pretrained(model_path).to_dict())
-    try:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"{folder}/config.json cannot be read ({e})", "pass a model folder written by save_pretrained") from None
-    if text_config(config).get("model_type") in qk_norm_table()["model_types"]:
-        return classify_qk_norm(config)
-    shapes = _safetensors_shapes(folder)
-    if not shapes:
-        return classify_qk_norm(config)  # raises: unknown type and no safetensors to inspect
-    suffixes = qk_norm_table()["weight_rule"]["layer0_suffixes"]
-    size = next((int(_prod(v)) for k, v in sorted(shapes.items()) if any(k.endswith(s) for s in suffixes)), None)
-    return classify_qk_norm(config, size)
-
-
-def _prod(shape: list[int]) -> int:
-    out = 1
-    for x in shape:
-        out *= int(x)
-    return out
-
-
 # ---------------------------------------------------------------------------- screening
 
 
@@ -175,62 +135,10 @@ def predictions_for(s: float, fit: Any) -> tuple[dict[str, dict[str, Any]], list
     return out, warnings
 
 
-def screen_table_markdown(result: ScreenResult) -> str:
-    tasks = sorted(result.fit.tasks)
-    head = ["rank", "model", "S", "last_k/layers", "qk_norm"] + [f"predicted {t} delta (± LOO MAE)" for t in tasks] + ["warnings"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for m in result.models:
-        cells = [str(m.rank), m.slug, f"{m.sink_strength:.4f}", f"{m.last_k}/{m.n_layers}", m.qk_norm]
-        for t in tasks:
-            p = m.predictions[t]
-            cells.append(f"{p['predicted_delta']:+.1f} ± {p['loo_mae']:.1f}" + (" (extrapolated)" if p["extrapolated"] else ""))
-        cells.append(str(len(m.warnings)))
-        lines.append("| " + " | ".join(cells) + " |")
-    lines += [""] + [f"note: {n}" for n in result.notes]
-    return "\n".join(lines) + "\n"
+def screen(names: list[str], slugs: list[str], paths: list[str], strengths: list[Any], classes: list[QKNorm], fit: Any, strength_files: list[str | None]) -> ScreenResult:
+    """Rank the models by S (highest first), predict each fitted task's delta, and add the calibration notes.
 
-
-def _unique_slugs(slugs: list[str]) -> list[str]:
-    return slugs if len(set(slugs)) == len(slugs) else [f"{i + 1:02d}-{s}" for i, s in enumerate(slugs)]
-
-
-def run_screen(names: list[str], slugs: list[str], settings: Any, pairs_file: Path | str | None, output: Path | None, dtype: str = "auto", device: str = "cpu", force: bool = False, progress: bool = True,
-               measure_all: Any = None) -> list[str]:
-    """Screen `names`; with `output` write screen.json/.md/.csv/.png and strength/<slug>.* there (holding its lock).
-
-    `measure_all`: see `strength.run_strength` (e.g. one Ray task per model)."""
-    if output is None:
-        return _run_screen(names, slugs, settings, pairs_file, None, dtype, device, force, progress, measure_all)
-    from lm_eval_sink.locks import hold
-
-    with hold(Path(output)):
-        return _run_screen(names, slugs, settings, pairs_file, Path(output), dtype, device, force, progress, measure_all)
-
-
-def _run_screen(names: list[str], slugs: list[str], settings: Any, pairs_file: Path | str | None, output: Path | None, dtype: str, device: str, force: bool, progress: bool,
-                measure_all: Any) -> list[str]:
-    from lm_eval_sink.io import atomic_write_json, atomic_write_text, check_new_outputs, provenance
-    from lm_eval_sink.models import resolve_model
-    from lm_eval_sink.commands.fit import read_pairs
-    from lm_eval_sink.predict import fit_pairs
-    from lm_eval_sink.strength import SinkStrength, measure_model, run_strength
-
-    fit = fit_pairs(read_pairs(pairs_file))  # a bad PAIRS file fails before any model is loaded
-    slugs = _unique_slugs(slugs)
-    paths = [resolve_model(n) for n in names]
-    classes = [detect_qk_norm(p) for p in paths]
-    files = []
-    if output is not None:
-        output = Path(output)
-        if output.exists() and not output.is_dir():
-            raise UserError(f"--output {output} is a file", "pass a folder")
-        files = [output / f"screen.{ext}" for ext in ("json", "md", "csv", "png")]
-        check_new_outputs(files, force)
-        lines = run_strength(names, slugs, settings, output / "strength", dtype=dtype, device=device, force=force, progress=progress, measure_all=measure_all)
-        strengths = [SinkStrength.from_json(json.loads((output / "strength" / f"{s}.strength.json").read_text(encoding="utf-8"))) for s in slugs]
-    else:
-        lines = []
-        strengths = measure_all(paths, settings, dtype, device) if measure_all is not None else [measure_model(p, settings, dtype=dtype, device=device, progress=progress) for p in paths]
+    `strengths` are SinkStrength results in the order of `names`; `strength_files` where each is saved (None: not saved)."""
     order = sorted(range(len(names)), key=lambda i: -strengths[i].sink_strength)
     models = []
     for rank, i in enumerate(order, 1):
@@ -239,37 +147,33 @@ def _run_screen(names: list[str], slugs: list[str], settings: Any, pairs_file: P
         models.append(ScreenedModel(
             rank=rank, model=names[i], slug=slugs[i], path=paths[i], sink_strength=st.sink_strength, last_k=st.last_k, n_layers=st.n_layers,
             qk_norm=classes[i].qk_norm, qk_norm_source=classes[i].source, model_type=classes[i].model_type, predictions=preds, warnings=tuple(warnings),
-            strength_file=str(output / "strength" / f"{slugs[i]}.strength.json") if output is not None else None,
+            strength_file=strength_files[i],
         ))
     prompt_set = strengths[0].provenance.get("prompt_set", {})
     notes = [CALIBRATION_NOTE, f"calibration prompts: {prompt_set.get('source')} ({prompt_set.get('n_prompts')} prompts, sha256 {str(prompt_set.get('sha256'))[:12]})"]
     notes += [f"{m.slug}: K = {m.last_k} of {m.n_layers} layers ({m.last_k / m.n_layers:.0%} of depth)" for m in models]
-    result = ScreenResult(models=tuple(models), fit=fit, notes=tuple(notes))
-    md = screen_table_markdown(result)
-    out_lines = md.rstrip("\n").splitlines() + [f"warning: {m.slug}: {w}" for m in models for w in m.warnings]
-    if output is None:
-        return out_lines + ["not saved (pass --output DIR to write screen.json, tables and the plot)"]
-    from lm_eval_sink.plots import fit_scatter
+    return ScreenResult(models=tuple(models), fit=fit, notes=tuple(notes))
 
-    data = {**result.to_json(), "provenance": provenance(models=[m.path for m in models], settings=asdict(settings), dtype=dtype, device=device, seed=settings.seed)}
-    atomic_write_json(files[0], data)
-    atomic_write_text(files[1], md)
-    tasks = sorted(fit.tasks)
+
+def screen_table_markdown(result: ScreenResult) -> str:
+    """The ranking with predicted deltas as a Markdown table, then the notes."""
+    tasks = sorted(result.fit.tasks)
+    head = ["rank", "model", "S", "last_k/layers", "qk_norm"] + [f"predicted {t} delta (± LOO MAE)" for t in tasks] + ["warnings"]
+    rows = []
+    for m in result.models:
+        cells = [str(m.rank), m.slug, f"{m.sink_strength:.4f}", f"{m.last_k}/{m.n_layers}", m.qk_norm]
+        for t in tasks:
+            p = m.predictions[t]
+            cells.append(f"{p['predicted_delta']:+.1f} ± {p['loo_mae']:.1f}" + (" (extrapolated)" if p["extrapolated"] else ""))
+        rows.append([*cells, str(len(m.warnings))])
+    return "\n".join([*markdown_lines(head, rows), "", *(f"note: {n}" for n in result.notes)]) + "\n"
+
+
+def screen_csv(result: ScreenResult) -> str:
+    """One CSV record per model: S, QK-norm class and each task's predicted delta, LOO MAE, extrapolated flag."""
+    tasks = sorted(result.fit.tasks)
     head = ["rank", "model", "sink_strength", "last_k", "n_layers", "qk_norm", "qk_norm_source"] + [f"{t}_{k}" for t in tasks for k in ("predicted_delta", "loo_mae", "extrapolated")]
-    rows = [[str(m.rank), m.slug, f"{m.sink_strength:.6f}", str(m.last_k), str(m.n_layers), m.qk_norm, m.qk_norm_source] + [str(v) if not isinstance(v, float) else f"{v:.6f}" for t in tasks for v in (m.predictions[t]["predicted_delta"], m.predictions[t]["loo_mae"], m.predictions[t]["extrapolated"])] for m in models]
-    atomic_write_text(files[2], csv_text([head, *rows]))
-    first = tasks[0] if "ifeval" not in tasks else "ifeval"
-    f = fit.tasks[first]
-    qk = {p.name: p.qk_norm for p in fit.table.pairs}
-    fit_scatter(f.names, f.sink_strength, f.deltas, [qk[n] for n in f.names], f.slope, f.intercept, first, files[3], screened=[(m.slug, m.sink_strength, m.predictions[first]["predicted_delta"]) for m in models])
-    return lines + out_lines + ["wrote " + ", ".join(str(p) for p in files)]
-
-
-def csv_text(rows: list[list[str]]) -> str:
-    """Rows as CSV text (stdlib quoting, '\\n' line ends)."""
-    import csv
-    import io
-
-    buf = io.StringIO()
-    csv.writer(buf, lineterminator="\n").writerows(rows)
-    return buf.getvalue()
+    rows = [[str(m.rank), m.slug, f"{m.sink_strength:.6f}", str(m.last_k), str(m.n_layers), m.qk_norm, m.qk_norm_source]
+            + [str(v) if not isinstance(v, float) else f"{v:.6f}" for t in tasks for v in (m.predictions[t]["predicted_delta"], m.predictions[t]["loo_mae"], m.predictions[t]["extrapolated"])]
+            for m in result.models]
+    return csv_text(head, rows)

@@ -9,13 +9,13 @@ capture.py); the share of such rows and the median virtual-key mass are reported
 user message's own tokens. S over all, content and template rows is always reported, with the
 share of template rows, because an injected default system prompt can fix most of the median.
 The reduction (`reduce_captures`) is pure numpy; `measure` runs the capture on a loaded model.
+`lm-eval-sink strength` (output folder, resume, tables, heatmaps) is commands/strength.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -207,79 +207,20 @@ def result_key(name_path: str, fingerprint: str | None, settings: StrengthSettin
     return sha256_text(canonical_json({"model": name_path, "fingerprint": fingerprint, "settings": asdict(settings), "dtype": dtype}))
 
 
-def run_strength(names: list[str], slugs: list[str], settings: StrengthSettings, output, dtype: str = "auto", device: str = "cpu", force: bool = False, progress: bool = True,
-                 measure_all: Any = None) -> list[str]:
-    """Measure each model and write `<slug>.strength.json` + `<slug>.heatmap.png` into `output`.
-
-    With several models also `ranking.md`, `ranking.csv` and `ranking.png`. A model whose JSON
-    already exists with the same input key is reused (an interrupted run resumes); a different
-    key is refused unless `force`. Returns the lines to print. `measure_all(paths, settings, dtype,
-    device)` -> results in order measures every model to (re)do at once (e.g. one Ray task each,
-    `engines.ray_measure_all`); without it each is measured here, one after the other.
-    """
-    from lm_eval_sink.calibration import load_prompts
-    from lm_eval_sink.locks import hold
-    from lm_eval_sink.models import resolve_model
-
-    output = Path(output)
-    if output.exists() and not output.is_dir():
-        raise UserError(f"--output {output} is a file", "pass a folder")
-    if len(set(slugs)) != len(slugs):
-        slugs = [f"{i + 1:02d}-{s}" for i, s in enumerate(slugs)]
-    load_prompts(Path(settings.prompts_file) if settings.prompts_file else None, settings.n_prompts)  # fail before loading models
-    paths = [resolve_model(n) for n in names]
-    with hold(output):
-        return _run_strength_locked(names, paths, slugs, settings, output, dtype, device, force, progress, measure_all)
+RANKING_HEAD = ("rank", "model", "sink_strength", "content_rows", "template_rows", "template_row_fraction", "pos0_argmax_fraction", "pos0_mass_median", "last_k", "n_layers")
 
 
-def _run_strength_locked(names: list[str], paths: list[str], slugs: list[str], settings: StrengthSettings, output: Path, dtype: str, device: str, force: bool, progress: bool,
-                         measure_all: Any) -> list[str]:
-    from tqdm.auto import tqdm
-
-    from lm_eval_sink.identity import check_same_identity
-    from lm_eval_sink.io import atomic_write_json, atomic_write_text, read_json
-    from lm_eval_sink.models import model_fingerprint
-    from lm_eval_sink.plots import layer_head_heatmap, ranking_bars
-
-    plan = []
-    for name, path, slug in zip(names, paths, slugs):
-        identity = model_fingerprint(path)
-        key = result_key(path, identity["fingerprint"], settings, dtype)
-        json_path = output / f"{slug}.strength.json"
-        reuse = None
-        if json_path.exists() and not force:
-            old = read_json(json_path)
-            check_same_identity(old.get("provenance", {}).get("model"), identity, json_path)
-            if old.get("provenance", {}).get("input_key") != key:
-                raise UserError(f"output already exists with other inputs: {json_path}", "pass --force to overwrite, or choose another --output")
-            reuse = old
-        plan.append((name, path, slug, key, json_path, reuse))
-    todo = list(dict.fromkeys(path for _, path, _, _, _, reuse in plan if reuse is None))
-    measured = dict(zip(todo, measure_all(todo, settings, dtype, device))) if measure_all is not None and todo else {}
-    table_paths = [output / "ranking.md", output / "ranking.csv"] if len(names) > 1 else []
-    results, lines = [], []
-    for name, path, slug, key, json_path, reuse in tqdm(plan, desc="models", disable=not progress or len(plan) == 1):
-        if reuse is not None:
-            res = SinkStrength.from_json(reuse)
-            lines.append(f"{slug}: reused {json_path}")
-        else:
-            res = measured[path] if path in measured else measure_model(path, settings, dtype=dtype, device=device, progress=progress)
-            res = replace(res, provenance={**res.provenance, "input_key": key, "model_argument": name})
-            atomic_write_json(json_path, res.to_json())
-        png = layer_head_heatmap(res.sink_strength_layer_head, res.layers, f"{slug}: sink log-odds ({res.statistic}, rows={res.rows}), S = {res.sink_strength:.4f}", output / f"{slug}.heatmap.png")
-        results.append((slug, res))
-        lines.append(f"{slug}: S = {res.sink_strength:.4f} (last {res.last_k} of {len(res.attention_layers) or res.n_layers} attention layers, {res.statistic}, rows={res.rows}; content rows {_fmt(res.sink_strength_content_rows)}, template rows {_fmt(res.sink_strength_template_rows)}, template share {res.template_row_fraction:.2f}) -> {json_path}, {png}")
-    if table_paths:
-        ranked = sorted(results, key=lambda r: -r[1].sink_strength)
-        head = ["rank", "model", "sink_strength", "content_rows", "template_rows", "template_row_fraction", "pos0_argmax_fraction", "pos0_mass_median", "last_k", "n_layers"]
-        rows = [[str(i + 1), s, f"{r.sink_strength:.4f}", _fmt(r.sink_strength_content_rows), _fmt(r.sink_strength_template_rows), f"{r.template_row_fraction:.3f}", f"{r.pos0_argmax_fraction:.3f}", f"{r.pos0_mass_median:.3f}", str(r.last_k), str(r.n_layers)] for i, (s, r) in enumerate(ranked)]
-        md = "| " + " | ".join(head) + " |\n|" + "---|" * len(head) + "\n" + "".join("| " + " | ".join(r) + " |\n" for r in rows)
-        atomic_write_text(table_paths[0], md)
-        atomic_write_text(table_paths[1], ",".join(head) + "\n" + "".join(",".join(r) + "\n" for r in rows))
-        ranking_bars([s for s, _ in ranked], [r.sink_strength for _, r in ranked], "Sink Strength ranking", output / "ranking.png")
-        lines.append(f"ranking -> {table_paths[0]}, {table_paths[1]}, {output / 'ranking.png'}")
-    return lines
+def ranking_rows(results: Sequence[tuple[str, SinkStrength]]) -> list[tuple[str, SinkStrength]]:
+    """(slug, result) pairs by falling S: the order of the ranking table and plot."""
+    return sorted(results, key=lambda r: -r[1].sink_strength)
 
 
-def _fmt(x: float | None) -> str:
+def ranking_table(ranked: Sequence[tuple[str, SinkStrength]]) -> list[list[str]]:
+    """The cells of the ranking table (header RANKING_HEAD), one row per model in the given order."""
+    return [[str(i + 1), s, f"{r.sink_strength:.4f}", fmt_optional(r.sink_strength_content_rows), fmt_optional(r.sink_strength_template_rows), f"{r.template_row_fraction:.3f}",
+             f"{r.pos0_argmax_fraction:.3f}", f"{r.pos0_mass_median:.3f}", str(r.last_k), str(r.n_layers)] for i, (s, r) in enumerate(ranked)]
+
+
+def fmt_optional(x: float | None) -> str:
+    """A figure to 4 decimals, or `n/a` when the rows it needs are absent."""
     return "n/a" if x is None else f"{x:.4f}"

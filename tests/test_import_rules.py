@@ -15,15 +15,16 @@ PACKAGE = REPO / "lm_eval_sink"
 TORCH_FREE = ("schema", "errors", "io", "pairing", "predict", "buckets", "failure_kinds", "benchmarks", "vendors", "protocols", "runs",
               "attribution", "margin", "screen", "calibration", "merging.configs", "tables", "report.view")
 # Core modules take and return data; reading inputs and writing outputs is their commands/<subcommand>.py's.
-CORE = ("buckets", "attribution", "margin", "predict", "tables", "pairing", "report.view", "report.render", "training.protection")
+CORE = ("buckets", "attribution", "margin", "predict", "tables", "pairing", "report.view", "report.render", "training.protection", "strength", "screen")
 # Calls that read or write files: builtins and pathlib methods, and the project's readers and writers.
 FILE_IO_CALLS = frozenset({
     "open", "read_text", "write_text", "read_bytes", "write_bytes", "savez", "savez_compressed", "savefig",
     "atomic_write_bytes", "atomic_write_text", "atomic_write_json", "staged_dir", "check_output_dir", "check_new_outputs",
     "write_complete", "read_complete", "read_json", "sha256_file", "read_samples", "resolve_run", "load_results",
 })
-# (module, function) allowed to read a file: the Trainer callback's public `SinkProtection.from_plan(path)` reads its plan.
-FILE_IO_ALLOWED = frozenset({("training.protection", "read_plan")})
+# (module, function) allowed to read a file: the Trainer callback's public `SinkProtection.from_plan(path)` reads its plan;
+# the QK-norm classifier reads its table from the package's own data (importlib.resources), never a user's file.
+FILE_IO_ALLOWED = frozenset({("training.protection", "read_plan"), ("screen", "qk_norm_table")})
 
 
 def _file_io_calls(module: str) -> list[str]:
@@ -108,6 +109,7 @@ def test_core_modules_and_the_cli_do_no_file_io():
     assert {m: _file_io_calls(m) for m in (*CORE, "cli")} == {m: [] for m in (*CORE, "cli")}
     # the check itself finds the calls a command module makes
     assert "write_outputs: staged_dir" in _file_io_calls("commands.buckets") and "run_report: atomic_write_text" in _file_io_calls("commands.report")
+    assert "_run_locked: atomic_write_json" in _file_io_calls("commands.strength") and "detect_qk_norm: read_text" in _file_io_calls("commands.screen")
 
 
 def test_core_modules_import_no_command():

@@ -9,10 +9,11 @@ import pytest
 from helpers import make_tokenizer, save_sink_llama
 
 from lm_eval_sink.cli import main
-from lm_eval_sink.errors import UserError
 from lm_eval_sink.commands.fit import read_pairs
+from lm_eval_sink.commands.screen import detect_qk_norm
+from lm_eval_sink.errors import UserError
 from lm_eval_sink.predict import fit_pairs
-from lm_eval_sink.screen import classify_qk_norm, detect_qk_norm
+from lm_eval_sink.screen import classify_qk_norm
 
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64}
 

@@ -1,0 +1,117 @@
+"""`lm-eval-sink screen`: resolve models, read their QK-norm class, measure S, rank and predict, write the output folder.
+
+With `--output DIR`: each model's Sink Strength goes through `commands.strength.run_strength`
+into `DIR/strength/` (resumable by key there), then `screen.json`, `.md`, `.csv` and `.png` into
+`DIR` (refused before any work when they exist, unless `--force`); the folder is held with
+`locks.hold` for the run. Without it nothing is written.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from lm_eval_sink.errors import UserError
+from lm_eval_sink.screen import QKNorm, classify_qk_norm, qk_norm_table, screen, screen_csv, screen_table_markdown, text_config
+
+SCREEN_FILES = ("screen.json", "screen.md", "screen.csv", "screen.png")
+
+
+def _safetensors_shapes(folder: Path) -> dict[str, list[int]]:
+    """Tensor name -> shape from the safetensors headers (no weights are read)."""
+    shapes: dict[str, list[int]] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        shapes.update({k: v["shape"] for k, v in header.items() if k != "__metadata__"})
+    return shapes
+
+
+def _prod(shape: list[int]) -> int:
+    out = 1
+    for x in shape:
+        out *= int(x)
+    return out
+
+
+def detect_qk_norm(model_path: str) -> QKNorm:
+    """QK-norm class of a local model folder (config.json, then the safetensors header if needed),
+    or of a hub id through transformers' AutoConfig when the hub is reachable."""
+    folder = Path(model_path)
+    if not folder.is_dir():
+        from transformers import AutoConfig
+
+        return classify_qk_norm(AutoConfig.from_pretrained(model_path).to_dict())
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"{folder}/config.json cannot be read ({e})", "pass a model folder written by save_pretrained") from None
+    if text_config(config).get("model_type") in qk_norm_table()["model_types"]:
+        return classify_qk_norm(config)
+    shapes = _safetensors_shapes(folder)
+    if not shapes:
+        return classify_qk_norm(config)  # raises: unknown type and no safetensors to inspect
+    suffixes = qk_norm_table()["weight_rule"]["layer0_suffixes"]
+    size = next((int(_prod(v)) for k, v in sorted(shapes.items()) if any(k.endswith(s) for s in suffixes)), None)
+    return classify_qk_norm(config, size)
+
+
+def run_screen(names: list[str], slugs: list[str], settings: Any, pairs_file: Path | str | None, output: Path | None, dtype: str = "auto", device: str = "cpu", force: bool = False, progress: bool = True,
+               measure_all: Any = None) -> list[str]:
+    """Screen `names`; with `output` write screen.json/.md/.csv/.png and strength/<slug>.* there (holding its lock).
+
+    `measure_all`: see `commands.strength.run_strength` (e.g. one Ray task per model). Returns the lines to print."""
+    if output is None:
+        return _run(names, slugs, settings, pairs_file, None, dtype, device, force, progress, measure_all)
+    from lm_eval_sink.locks import hold
+
+    with hold(Path(output)):
+        return _run(names, slugs, settings, pairs_file, Path(output), dtype, device, force, progress, measure_all)
+
+
+def _run(names: list[str], slugs: list[str], settings: Any, pairs_file: Path | str | None, output: Path | None, dtype: str, device: str, force: bool, progress: bool,
+         measure_all: Any) -> list[str]:
+    from lm_eval_sink.commands.fit import read_pairs
+    from lm_eval_sink.commands.strength import run_strength, unique_slugs
+    from lm_eval_sink.io import atomic_write_json, atomic_write_text, check_new_outputs, provenance, read_json
+    from lm_eval_sink.models import resolve_model
+    from lm_eval_sink.predict import fit_pairs
+    from lm_eval_sink.strength import SinkStrength, measure_model
+
+    fit = fit_pairs(read_pairs(pairs_file))  # a bad PAIRS file fails before any model is loaded
+    slugs = unique_slugs(slugs)
+    paths = [resolve_model(n) for n in names]
+    classes = [detect_qk_norm(p) for p in paths]
+    if output is not None:
+        if output.exists() and not output.is_dir():
+            raise UserError(f"--output {output} is a file", "pass a folder")
+        files = [output / name for name in SCREEN_FILES]
+        check_new_outputs(files, force)
+        lines = run_strength(names, slugs, settings, output / "strength", dtype=dtype, device=device, force=force, progress=progress, measure_all=measure_all)
+        strength_files = [output / "strength" / f"{s}.strength.json" for s in slugs]
+        strengths = [SinkStrength.from_json(read_json(f)) for f in strength_files]
+    else:
+        lines, strength_files = [], [None] * len(names)
+        strengths = measure_all(paths, settings, dtype, device) if measure_all is not None else [measure_model(p, settings, dtype=dtype, device=device, progress=progress) for p in paths]
+    result = screen(names, slugs, paths, strengths, classes, fit, [None if f is None else str(f) for f in strength_files])
+    md = screen_table_markdown(result)
+    out_lines = md.rstrip("\n").splitlines() + [f"warning: {m.slug}: {w}" for m in result.models for w in m.warnings]
+    if output is None:
+        return out_lines + ["not saved (pass --output DIR to write screen.json, tables and the plot)"]
+    from lm_eval_sink.plots import fit_scatter
+
+    data = {**result.to_json(), "provenance": provenance(models=[m.path for m in result.models], settings=asdict(settings), dtype=dtype, device=device, seed=settings.seed)}
+    atomic_write_json(files[0], data)
+    atomic_write_text(files[1], md)
+    atomic_write_text(files[2], screen_csv(result))
+    tasks = sorted(fit.tasks)
+    first = tasks[0] if "ifeval" not in tasks else "ifeval"
+    f = fit.tasks[first]
+    qk = {p.name: p.qk_norm for p in fit.table.pairs}
+    fit_scatter(f.names, f.sink_strength, f.deltas, [qk[n] for n in f.names], f.slope, f.intercept, first, files[3],
+                screened=[(m.slug, m.sink_strength, m.predictions[first]["predicted_delta"]) for m in result.models])
+    return lines + out_lines + ["wrote " + ", ".join(str(p) for p in files)]

@@ -1,0 +1,104 @@
+"""`lm-eval-sink strength`: resolve models, measure each (or reuse its finished result), write JSON, heatmaps and the ranking.
+
+The output folder holds `<slug>.strength.json` + `<slug>.heatmap.png` per model, and with several
+models `ranking.md`, `ranking.csv`, `ranking.png`; several runs may fill one folder. The unit of
+resume is one model's JSON (written atomically as soon as it is measured): its
+`provenance.input_key` is the key of its inputs (model path, content fingerprint, settings,
+dtype), so a finished model is reused by key and a changed one is refused without `--force`.
+The folder is held with `locks.hold` for the whole run (one writer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from lm_eval_sink.errors import UserError
+from lm_eval_sink.strength import RANKING_HEAD, SinkStrength, StrengthSettings, fmt_optional, measure_model, ranking_rows, ranking_table, result_key
+
+
+def unique_slugs(slugs: list[str]) -> list[str]:
+    """The slugs as given, or all of them numbered when two are equal (file names must differ)."""
+    return slugs if len(set(slugs)) == len(slugs) else [f"{i + 1:02d}-{s}" for i, s in enumerate(slugs)]
+
+
+def run_strength(names: list[str], slugs: list[str], settings: StrengthSettings, output, dtype: str = "auto", device: str = "cpu", force: bool = False, progress: bool = True,
+                 measure_all: Any = None) -> list[str]:
+    """Measure each model and write `<slug>.strength.json` + `<slug>.heatmap.png` into `output`.
+
+    With several models also `ranking.md`, `ranking.csv` and `ranking.png`. A model whose JSON
+    already exists with the same input key is reused (an interrupted run resumes); a different
+    key is refused unless `force`. Returns the lines to print. `measure_all(paths, settings, dtype,
+    device)` -> results in order measures every model to (re)do at once (e.g. one Ray task each,
+    `engines.ray_measure_all`); without it each is measured here, one after the other.
+    """
+    from lm_eval_sink.calibration import load_prompts
+    from lm_eval_sink.locks import hold
+    from lm_eval_sink.models import resolve_model
+
+    output = Path(output)
+    if output.exists() and not output.is_dir():
+        raise UserError(f"--output {output} is a file", "pass a folder")
+    slugs = unique_slugs(slugs)
+    load_prompts(Path(settings.prompts_file) if settings.prompts_file else None, settings.n_prompts)  # fail before loading models
+    paths = [resolve_model(n) for n in names]
+    with hold(output):
+        return _run_locked(names, paths, slugs, settings, output, dtype, device, force, progress, measure_all)
+
+
+def _reusable(json_path: Path, identity: dict[str, Any], key: str, force: bool) -> dict[str, Any] | None:
+    """The finished result at `json_path` when it was made from the inputs `key`; None when there is none (or `force`).
+
+    A result of the same model folder whose content changed, or of other settings, is refused."""
+    from lm_eval_sink.identity import check_same_identity
+    from lm_eval_sink.io import read_json
+
+    if force or not json_path.exists():
+        return None
+    old = read_json(json_path)
+    check_same_identity(old.get("provenance", {}).get("model"), identity, json_path)
+    if old.get("provenance", {}).get("input_key") != key:
+        raise UserError(f"output already exists with other inputs: {json_path}", "pass --force to overwrite, or choose another --output")
+    return old
+
+
+def _run_locked(names: list[str], paths: list[str], slugs: list[str], settings: StrengthSettings, output: Path, dtype: str, device: str, force: bool, progress: bool,
+                measure_all: Any) -> list[str]:
+    from tqdm.auto import tqdm
+
+    from lm_eval_sink.io import atomic_write_json, atomic_write_text
+    from lm_eval_sink.models import model_fingerprint
+    from lm_eval_sink.plots import layer_head_heatmap, ranking_bars
+    from lm_eval_sink.tables import csv_text, markdown_table
+
+    plan = []
+    for name, path, slug in zip(names, paths, slugs):
+        identity = model_fingerprint(path)
+        key = result_key(path, identity["fingerprint"], settings, dtype)
+        json_path = output / f"{slug}.strength.json"
+        plan.append((name, path, slug, key, json_path, _reusable(json_path, identity, key, force)))
+    todo = list(dict.fromkeys(path for _, path, _, _, _, reuse in plan if reuse is None))
+    measured = dict(zip(todo, measure_all(todo, settings, dtype, device))) if measure_all is not None and todo else {}
+    results, lines = [], []
+    for name, path, slug, key, json_path, reuse in tqdm(plan, desc="models", disable=not progress or len(plan) == 1):
+        if reuse is not None:
+            res = SinkStrength.from_json(reuse)
+            lines.append(f"{slug}: reused {json_path}")
+        else:
+            res = measured[path] if path in measured else measure_model(path, settings, dtype=dtype, device=device, progress=progress)
+            res = replace(res, provenance={**res.provenance, "input_key": key, "model_argument": name})
+            atomic_write_json(json_path, res.to_json())
+        png = layer_head_heatmap(res.sink_strength_layer_head, res.layers, f"{slug}: sink log-odds ({res.statistic}, rows={res.rows}), S = {res.sink_strength:.4f}", output / f"{slug}.heatmap.png")
+        results.append((slug, res))
+        lines.append(f"{slug}: S = {res.sink_strength:.4f} (last {res.last_k} of {len(res.attention_layers) or res.n_layers} attention layers, {res.statistic}, rows={res.rows}; "
+                     f"content rows {fmt_optional(res.sink_strength_content_rows)}, template rows {fmt_optional(res.sink_strength_template_rows)}, template share {res.template_row_fraction:.2f}) -> {json_path}, {png}")
+    if len(names) > 1:
+        ranked = ranking_rows(results)
+        rows = ranking_table(ranked)
+        md, csv, plot = output / "ranking.md", output / "ranking.csv", output / "ranking.png"
+        atomic_write_text(md, markdown_table(RANKING_HEAD, rows))
+        atomic_write_text(csv, csv_text(RANKING_HEAD, rows))
+        ranking_bars([s for s, _ in ranked], [r.sink_strength for _, r in ranked], "Sink Strength ranking", plot)
+        lines.append(f"ranking -> {md}, {csv}, {plot}")
+    return lines
