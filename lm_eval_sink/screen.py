@@ -80,7 +80,8 @@ def classify_qk_norm(config: dict[str, Any], layer0_q_norm_size: int | str | Non
         return QKNorm("per_head", model_type, f"weights (layer-0 q-norm size {head_dim} = head_dim)")
     if layer0_q_norm_size == heads * head_dim:
         return QKNorm("layerwise", model_type, f"weights (layer-0 q-norm size {layer0_q_norm_size} = heads x head_dim)")
-    raise UserError(f"model type {model_type!r}: layer-0 q-norm size {layer0_q_norm_size} is neither head_dim {head_dim} nor heads x head_dim {heads * head_dim}", f"add the model type to {QK_NORM_DATA}")
+    raise UserError(f"model type {model_type!r}: layer-0 q-norm size {layer0_q_norm_size} is neither head_dim {head_dim} nor heads x head_dim {heads * head_dim}",
+        f"add the model type to {QK_NORM_DATA}")
 
 
 # ---------------------------------------------------------------------------- screening
@@ -116,7 +117,8 @@ class ScreenResult:
         return {
             "schema_version": SCHEMA_VERSION,
             "models": [{**asdict(m), "warnings": list(m.warnings)} for m in self.models],
-            "fits": {t: {k: getattr(f, k) for k in ("spearman_rho", "permutation_p", "slope", "intercept", "loo_mae", "baseline_mae", "n_pairs", "s_min", "s_max")} for t, f in sorted(self.fit.tasks.items())},
+            "fits": {t: {k: getattr(f, k) for k in ("spearman_rho", "permutation_p", "slope", "intercept", "loo_mae", "baseline_mae", "n_pairs", "s_min", "s_max")} for t,
+                f in sorted(self.fit.tasks.items())},
             "pairs_file": self.fit.table.source,
             "pairs_sha256": self.fit.table.sha256,
             "notes": list(self.notes),

@@ -92,7 +92,7 @@ def test_screen_ranks_predicts_and_warns(screen_models, tmp_path, capsys):
     fit = fit_pairs(read_pairs()).tasks["ifeval"]
     models = data["models"]
     assert [m["slug"] for m in models] == ["strong", "weak"] and [m["rank"] for m in models] == [1, 2]
-    for m, c in zip(models, (5.0, 2.5)):
+    for m, c in zip(models, (5.0, 2.5), strict=True):
         s = _expected_s(c, tok)
         assert m["sink_strength"] == pytest.approx(s, abs=1e-4)
         assert m["qk_norm"] == "none" and m["last_k"] == 2 and m["n_layers"] == 2

@@ -65,7 +65,7 @@ def test_agrees_with_eager_attention_probabilities(family, tiny_tokenizer):
     caps = capture_prompts(model, enc, layers=[0, 1], progress=False)
     model.set_attn_implementation("eager")
     try:
-        for ids, cap in zip(enc.input_ids, caps):
+        for ids, cap in zip(enc.input_ids, caps, strict=True):
             with torch.no_grad():
                 out = model(torch.tensor([ids]), output_attentions=True)
             for li, layer in enumerate((0, 1)):

@@ -60,7 +60,8 @@ def detect_qk_norm(model_path: str) -> QKNorm:
     return classify_qk_norm(config, size)
 
 
-def run_screen(names: list[str], slugs: list[str], settings: Any, pairs_file: Path | str | None, output: Path | None, dtype: str = "auto", device: str = "cpu", force: bool = False, progress: bool = True,
+def run_screen(names: list[str], slugs: list[str], settings: Any, pairs_file: Path | str | None, output: Path | None, dtype: str = "auto", device: str = "cpu", force: bool = False,
+    progress: bool = True,
                measure_all: Any = None) -> list[str]:
     """Screen `names`; with `output` write screen.json/.md/.csv/.png and strength/<slug>.* there (holding its lock).
 
@@ -101,7 +102,7 @@ def _run(names: list[str], slugs: list[str], settings: Any, pairs_file: Path | s
     md = screen_table_markdown(result)
     out_lines = md.rstrip("\n").splitlines() + [f"warning: {m.slug}: {w}" for m in result.models for w in m.warnings]
     if output is None:
-        return out_lines + ["not saved (pass --output DIR to write screen.json, tables and the plot)"]
+        return [*out_lines, "not saved (pass --output DIR to write screen.json, tables and the plot)"]
     from lm_eval_sink.plots import fit_scatter
 
     data = {**result.to_json(), "provenance": provenance(models=[m.path for m in result.models], settings=asdict(settings), dtype=dtype, device=device, seed=settings.seed)}

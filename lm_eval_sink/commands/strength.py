@@ -73,13 +73,13 @@ def _run_locked(names: list[str], paths: list[str], slugs: list[str], settings: 
     from lm_eval_sink.tables import csv_text, markdown_table
 
     plan = []
-    for name, path, slug in zip(names, paths, slugs):
+    for name, path, slug in zip(names, paths, slugs, strict=True):
         identity = model_fingerprint(path)
         key = result_key(path, identity["fingerprint"], settings, dtype)
         json_path = output / f"{slug}.strength.json"
         plan.append((name, path, slug, key, json_path, _reusable(json_path, identity, key, force)))
     todo = list(dict.fromkeys(path for _, path, _, _, _, reuse in plan if reuse is None))
-    measured = dict(zip(todo, measure_all(todo, settings, dtype, device))) if measure_all is not None and todo else {}
+    measured = dict(zip(todo, measure_all(todo, settings, dtype, device), strict=True)) if measure_all is not None and todo else {}
     results, lines = [], []
     for name, path, slug, key, json_path, reuse in tqdm(plan, desc="models", disable=not progress or len(plan) == 1):
         if reuse is not None:
@@ -92,7 +92,8 @@ def _run_locked(names: list[str], paths: list[str], slugs: list[str], settings: 
         png = layer_head_heatmap(res.sink_strength_layer_head, res.layers, f"{slug}: sink log-odds ({res.statistic}, rows={res.rows}), S = {res.sink_strength:.4f}", output / f"{slug}.heatmap.png")
         results.append((slug, res))
         lines.append(f"{slug}: S = {res.sink_strength:.4f} (last {res.last_k} of {len(res.attention_layers) or res.n_layers} attention layers, {res.statistic}, rows={res.rows}; "
-                     f"content rows {fmt_optional(res.sink_strength_content_rows)}, template rows {fmt_optional(res.sink_strength_template_rows)}, template share {res.template_row_fraction:.2f}) -> {json_path}, {png}")
+                     f"content rows {fmt_optional(res.sink_strength_content_rows)}, template rows {fmt_optional(res.sink_strength_template_rows)}, template share {res.template_row_fraction:.2f})"
+                     f" -> {json_path}, {png}")
     if len(names) > 1:
         ranked = ranking_rows(results)
         rows = ranking_table(ranked)

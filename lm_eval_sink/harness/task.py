@@ -130,7 +130,8 @@ class PromptRows:
         return f"sink_strength rows of prompt {p['prompt_id']} ({p['sink_logodds']['shape']}): see the '{PRIMARY}' field"
 
     @classmethod
-    def build(cls, prompt_id: int, capture: Any, settings: StrengthSettings, n_layers: int, attention_layers: Sequence[int], chat_template_applied: bool, chat_template_sha256: str | None) -> PromptRows:
+    def build(cls, prompt_id: int, capture: Any, settings: StrengthSettings, n_layers: int, attention_layers: Sequence[int], chat_template_applied: bool,
+        chat_template_sha256: str | None) -> PromptRows:
         pos = np.asarray(capture.sink_pos)
         pos_dtype = np.int16 if pos.size == 0 or (int(pos.min()) > np.iinfo(np.int16).min and int(pos.max()) < np.iinfo(np.int16).max) else np.int32
         learned = capture.learned_sink_mass
@@ -272,7 +273,7 @@ def _hflm_sink_strength(self: HFLM, requests: list[Instance]) -> list[PromptRows
         captures = capture_prompts(self.model, encoded, settings.layers_for(att), settings.batch_size, progress=self.rank == 0, desc=f"{task} (rank {self.rank})")
         items = {
             id(requests[i]): PromptRows.build(int(requests[i].doc["prompt_id"]), c, settings, depth, att, encoded.chat_template_applied, encoded.chat_template_sha256)
-            for i, c in zip(unique, captures)
+            for i, c in zip(unique, captures, strict=True)
         }
         for i in idxs:
             out[i] = items[id(requests[i])]
