@@ -45,7 +45,7 @@ def timed_sweep(path: Path, env: dict[str, str]) -> float:
 
 
 def main() -> None:
-    from helpers import make_tiny_lm
+    from helpers import make_tiny_lm, stop_ray_cluster
 
     from lm_eval_sink.merging.engines import LOOPBACK_ENV
 
@@ -69,7 +69,7 @@ def main() -> None:
         try:
             wall = timed_sweep(sweep_file(work / f"ray{cpus}", models, {"kind": "ray", "address": address}), env)
         finally:
-            subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True)
+            stop_ray_cluster(temp)
         ray_times[cpus] = wall
         print(f"ray engine, {cpus} worker slot(s): {wall:.1f} s = {wall / local:.2f} x local (cluster start {start:.1f} s, not included)")
     print(f"two workers vs one: speed-up {ray_times[1] / ray_times[2]:.2f} x")

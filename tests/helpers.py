@@ -106,3 +106,50 @@ def hf_cache_snapshot(hub: Path, repo_id: str, folder: Path, sha: str, refs: tup
         (snap / f.name).symlink_to(os.path.relpath(blobs / blob, snap))
         files[f.name] = ("sha256:" if lfs else "git:") + blob
     return files
+
+
+def stop_ray_cluster(temp_dir: Path, grace: float = 3.0) -> None:
+    """Stop the Ray cluster that `ray start --temp-dir temp_dir` started, and nothing else.
+
+    `ray stop` stops every Ray process of the machine (other users' clusters too). Here the
+    cluster's processes are those whose command line names its temp dir, plus their descendants
+    (agents and workers rename themselves `ray::...`): SIGTERM, then SIGKILL for those still alive
+    after `grace` seconds.
+    """
+    import signal
+    import time
+
+    cmdlines, parents = {}, {}
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmdlines[int(proc.name)] = (proc / "cmdline").read_bytes()
+                parents[int(proc.name)] = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    pids = {p for p, c in cmdlines.items() if str(temp_dir).encode() in c and p != os.getpid()}
+    while True:
+        more = {p for p, parent in parents.items() if parent in pids} - pids
+        if not more:
+            break
+        pids |= more
+
+    def alive() -> list[int]:
+        out = []
+        for p in pids:
+            try:
+                if Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":  # a zombie is gone already
+                    out.append(p)
+            except (OSError, IndexError):
+                continue
+        return out
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in alive():
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + grace
+        while alive() and time.time() < deadline:
+            time.sleep(0.2)

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers import stop_ray_cluster
+
 from lm_eval_sink.cli import main
 
 pytest.importorskip("ray")
@@ -46,7 +48,7 @@ def ray_cluster(tmp_path_factory):
 
         if ray.is_initialized():
             ray.shutdown()
-        subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        stop_ray_cluster(temp)  # this cluster only (`ray stop` would stop every Ray on the machine)
         for k, v in old.items():
             if v is None:
                 os.environ.pop(k, None)
