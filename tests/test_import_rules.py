@@ -15,7 +15,7 @@ PACKAGE = REPO / "lm_eval_sink"
 TORCH_FREE = ("schema", "errors", "io", "pairing", "predict", "buckets", "failure_kinds", "benchmarks", "vendors", "protocols", "runs",
               "attribution", "margin", "screen", "calibration", "merging.configs", "tables", "report.view")
 # Core modules take and return data; reading inputs and writing outputs is their commands/<subcommand>.py's.
-CORE = ("buckets", "attribution", "margin", "predict", "tables", "pairing", "report.view", "report.render", "training.protection")
+CORE = ("buckets", "attribution", "margin", "predict", "tables", "pairing", "report.view", "report.render", "training.protection", "merging.sweep")
 # Calls that read or write files: builtins and pathlib methods, and the project's readers and writers.
 FILE_IO_CALLS = frozenset({
     "open", "read_text", "write_text", "read_bytes", "write_bytes", "savez", "savez_compressed", "savefig",
