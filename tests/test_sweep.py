@@ -278,3 +278,18 @@ def test_hub_ids_in_a_sweep_file_stay_hub_ids(tmp_path, tiny_trio, monkeypatch):
     sweep.write_text(yaml.safe_dump(data))
     with pytest.raises(UserError, match="models.reference: org/missing: no such model folder"):
         load_sweep(sweep)
+
+
+def test_table_text_is_the_markdown_and_csv_of_the_table():
+    """The core renders a table from data alone: cells formatted to 4 places, deltas signed, n/a where missing."""
+    from lm_eval_sink.merging.sweep import table_text
+
+    rows = [{"checkpoint": "reference", "role": "reference", "method": None, "status": "ok", "metrics": {"t/acc": 0.5}, "delta_vs_reference": {"t/acc": 0.0},
+             "sink_strength": -2.0, "sink_strength_delta_vs_reference": 0.0},
+            {"checkpoint": "tsv", "role": "merge", "method": "tsv", "status": "eval:tsv: boom", "metrics": {"t/acc": None}, "delta_vs_reference": {"t/acc": None},
+             "sink_strength": -1.5, "sink_strength_delta_vs_reference": 0.5}]
+    md, csv = table_text({"columns": ["t/acc"], "rows": rows, "lineage": "chain", "final": False, "final_note": "evaluated with limit=5: not final scores"})
+    assert md == ("Merging sweep (chain lineage); deltas vs the reference.\n**Not final scores:** evaluated with limit=5: not final scores.\n\n"
+                  "| checkpoint | method | t/acc | t/acc delta | S | S delta | status |\n|---|---|---|---|---|---|---|\n"
+                  "| reference | reference | 0.5000 | +0.0000 | -2.0000 | +0.0000 | ok |\n| tsv | tsv | n/a | n/a | -1.5000 | +0.5000 | eval:tsv: boom |\n")
+    assert csv == "checkpoint,method,t/acc,t/acc delta,S,S delta,status\nreference,reference,0.5000,+0.0000,-2.0000,+0.0000,ok\ntsv,tsv,n/a,n/a,-1.5000,+0.5000,eval:tsv: boom\n"

@@ -30,6 +30,8 @@ from lm_eval_sink.merging.sweep import ENDPOINTS, EvalIn, Plan, RenderedMerge, S
 from lm_eval_sink.strength import StrengthSettings
 
 MANIFEST = "manifest.jsonl"
+
+
 # --- the sweep file ------------------------------------------------------------------------
 
 

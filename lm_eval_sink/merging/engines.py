@@ -12,8 +12,8 @@ The sweep file's `engine:` block (all keys optional):
         strength: {num_gpus: 1}
 
 Under Ray each unit is one task (`max_retries=1` for a lost worker, `retry_exceptions=False`)
-calling the same `run` (`commands.sweep.run_unit`, passed in) as the local engine; ordering and the pending-merge bound are
-the only rules the driver adds, dispatch is `ray.wait`. The driver alone writes the manifest
+calling the `run` it is given (`commands.sweep.run_unit`, as the local engine); ordering and the
+pending-merge bound are the only rules the driver adds, dispatch is `ray.wait`. The driver alone writes the manifest
 and the table; a worker builds its unit's staged folder and its own log
 `<out>/logs/<kind>-<checkpoint>/task.log`. Workers get the driver's data and cache variables
 through `runtime_env={"env_vars": ...}` (no code upload: the package must be installed on every
@@ -210,9 +210,10 @@ def eval_slots(ray: Any, engine: EngineSpec) -> int:
 
 
 def run_on_ray(units: list[Any], engine: EngineSpec, output_root: Path, record: Callable[[Any, str | None], None], run: Callable[[Any], None], progress: bool = True) -> None:
-    """Run `units` (in plan order) as Ray tasks, each calling `run(unit)` (a module-level function:
-    Ray sends it by reference, so this module imports no sweep code); `record(unit, error)` is called on the driver as
-    each finishes (error None) or fails (a line; 'not run: ...' for units after a failed merge).
+    """Run `units` (in plan order) as Ray tasks calling `run(unit)`; `record(unit, error)` is called
+    on the driver as each finishes (error None) or fails (a line; 'not run: ...' for units after a
+    failed merge). `run` is a module-level function, which Ray sends by reference: this module
+    imports no sweep code.
 
     An eval/strength unit of a checkpoint whose merge is among `units` starts after that merge;
     at most `max_pending_merges` merged checkpoints wait for their evaluation at any time.

@@ -42,6 +42,8 @@ from lm_eval_sink.strength import StrengthSettings
 from lm_eval_sink.tables import csv_text, markdown_table
 
 ENDPOINTS = ("reference", "candidate")
+
+
 # --- the sweep file ------------------------------------------------------------------------
 
 
