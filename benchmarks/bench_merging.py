@@ -92,7 +92,8 @@ def main() -> None:
         cfgs[n].write_text(render(n, ref, cand).text)
 
     # 1. one sweep process vs eight mergekit-yaml calls
-    from lm_eval_sink.merging.sweep import Unit, run_unit
+    from lm_eval_sink.commands.sweep import run_unit
+    from lm_eval_sink.merging.sweep import Unit
 
     t0 = time.time()
     import mergekit.merge  # noqa: F401  (the import is part of the sweep's cost)

@@ -42,7 +42,7 @@ N_CHECKPOINTS = 8
 
 
 def sweep_table(out: Path) -> Path:
-    """table.json of an 8-checkpoint sweep (schema of merging/sweep.build_table; constructed values)."""
+    """table.json of an 8-checkpoint sweep (schema of merging.sweep.build_table; constructed values)."""
     rng = random.Random(0)
     cols = ["ifeval/prompt_level_strict_acc,none", "ifeval/inst_level_strict_acc,none", "gsm8k_cot_zeroshot/exact_match,strict-match"]
     names = ["reference", "candidate", "linear_95_5", "linear_90_10", "ties", "dare_linear", "slerp", "tsv"]

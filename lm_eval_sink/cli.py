@@ -364,40 +364,11 @@ def attribute(references, candidates, use_vendor, registry_file, benchmarks_file
 @click.option("--force", is_flag=True, help="Write into an existing --output.")
 def eval_cmd(model, protocol_name, protocol_file, tasks, limit, gen_kwargs, batch_size, dtype, seed, device, backend, model_args, include_path, no_log_samples, output, force) -> None:
     """Run lm-eval on MODEL under a named protocol, then print the run's protocol fingerprint check."""
-    from lm_eval_sink.harness.runner import require_backend
-    from lm_eval_sink.protocols import fingerprint_run, get_protocol, limit_text, parse_gen_kwargs, settings_fields
+    from lm_eval_sink.commands.eval import run_eval
 
-    if device is not None and backend != "hf":
-        raise UserError("--device is an HF-only flag", "drop --device with --backend vllm (vLLM places the model; pass --model-args tensor_parallel_size=N)")
-    require_backend(backend)
-    margs = {}
-    for part in (model_args or "").split(","):
-        if part.strip():
-            if "=" not in part:
-                raise UserError(f"--model-args {part!r} is not KEY=VALUE", "e.g. --model-args tensor_parallel_size=2,max_model_len=4096")
-            k, v = part.split("=", 1)
-            margs[k.strip()] = v.strip()
-    protocol = get_protocol(protocol_name, protocol_file)
-    if output.exists() and any(output.iterdir()) and not force:
-        raise UserError(f"output already exists: {output}", "pass --force to add this run to it, or choose another --output")
-    bs = None if batch_size is None else (int(batch_size) if str(batch_size).isdigit() else str(batch_size))
-    if limit is not None and limit >= 1 and float(limit).is_integer():
-        limit = int(limit)
-    fields = settings_fields(protocol, tasks=[t.strip() for t in tasks.split(",") if t.strip()], limit=limit, gen_kwargs=parse_gen_kwargs(gen_kwargs),
-                             batch_size=bs, dtype=dtype, seed=seed, device=device, include_path=include_path, log_samples=not no_log_samples,
-                             backend=backend, model_args=margs)
-    from lm_eval_sink.harness.runner import EvalSettings, run_lm_eval
-    from lm_eval_sink.models import resolve_model
-
-    run = run_lm_eval(resolve_model(model), EvalSettings(**fields), output)
-    fp = fingerprint_run(run)
-    off = protocol.mismatches(fp)
-    click.echo(f"results: {run.results}")
-    for task, path in sorted(run.samples.items()):
-        click.echo(f"samples {task}: {path}")
-    click.echo(f"protocol {protocol.name}: " + ("recorded settings match" if not off else "recorded settings DIFFER: " + ", ".join(off)))
-    if fp.harness.get("limit") is not None:
-        click.echo(f"--limit {limit_text(fp.harness['limit'])}: scores are from a subset and are not final")
+    for line in run_eval(model, protocol_name, protocol_file, tasks, output, limit=limit, gen_kwargs=gen_kwargs, batch_size=batch_size, dtype=dtype, seed=seed,
+                         device=device, backend=backend, model_args=model_args, include_path=include_path, log_samples=not no_log_samples, force=force):
+        click.echo(line)
 
 
 # --- buckets (issue 5) ---
@@ -486,10 +457,10 @@ def configs_validate(config_file) -> None:
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def merge(config_file, out, random_seed, device, force, quiet) -> None:
     """Validate a mergekit YAML, then merge it in-process into a verified OUT folder."""
-    from lm_eval_sink.merging.merge import merge_config
+    from lm_eval_sink.commands.merge import run_merge
 
-    result = merge_config(config_file, out, random_seed=random_seed, device=device, force=force, quiet=quiet)
-    click.echo(f"{result.method}: {result.n_tensors} tensors verified -> {result.out}")
+    for line in run_merge(config_file, out, random_seed=random_seed, device=device, force=force, quiet=quiet):
+        click.echo(line)
 
 
 @cli.command("sweep")
@@ -502,7 +473,7 @@ def merge(config_file, out, random_seed, device, force, quiet) -> None:
 @click.option("--ray-address", default=None, help="Ray cluster: auto, ray://host:port (default: the file's engine.address; none starts Ray here).")
 def sweep(sweep_file, output, force, delete_merged, quiet, engine, ray_address) -> None:
     """Merge, evaluate (lm-eval) and measure S for every checkpoint of SWEEP.yaml; resumable."""
-    from lm_eval_sink.merging.sweep import load_sweep, run_sweep
+    from lm_eval_sink.commands.sweep import load_sweep, run_sweep
 
     spec = load_sweep(sweep_file, output=output, delete_merged=delete_merged, engine=engine, ray_address=ray_address)
     report = run_sweep(spec, force=force, progress=not quiet)

@@ -118,7 +118,7 @@ def test_sweep_plan_time_refusals(tmp_path, tiny_trio, capsys, extra, needle):
 
 
 def test_sweep_vllm_eval_settings_under_ray(tmp_path, tiny_trio):
-    from lm_eval_sink.merging.sweep import load_sweep
+    from lm_eval_sink.commands.sweep import load_sweep
 
     path = _sweep(tmp_path, tiny_trio, eval={"tasks": ["ifeval"], "backend": "vllm", "batch_size": "auto", "model_args": {"tensor_parallel_size": 2, "max_model_len": 4096}},
                   engine={"kind": "ray", "resources": {"eval": {"num_gpus": 2}}})

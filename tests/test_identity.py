@@ -178,7 +178,8 @@ with staged_dir(out, force=True) as tmp:
 
 @pytest.mark.parametrize("unit_key", ["new", "other"])
 def test_recovery_after_a_kill_between_the_two_renames_keeps_a_complete_copy(tmp_path, unit_key):
-    from lm_eval_sink.merging.sweep import Unit, _recover
+    from lm_eval_sink.commands.sweep import _recover
+    from lm_eval_sink.merging.sweep import Unit
 
     out = tmp_path / "sweep"
     target = out / "strength" / "reference"

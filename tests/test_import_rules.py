@@ -13,9 +13,10 @@ from helpers import REPO
 PACKAGE = REPO / "lm_eval_sink"
 # Pure statistics, data and schema modules: importing them must not load torch or transformers.
 TORCH_FREE = ("schema", "errors", "io", "pairing", "predict", "buckets", "failure_kinds", "benchmarks", "vendors", "protocols", "runs",
-              "attribution", "margin", "screen", "calibration", "merging.configs", "tables", "report.view")
+              "attribution", "margin", "screen", "calibration", "merging.configs", "merging.sweep", "tables", "report.view")
 # Core modules take and return data; reading inputs and writing outputs is their commands/<subcommand>.py's.
-CORE = ("buckets", "attribution", "margin", "predict", "tables", "pairing", "report.view", "report.render", "training.protection", "strength", "screen")
+CORE = ("buckets", "attribution", "margin", "predict", "tables", "pairing", "report.view", "report.render", "training.protection", "strength", "screen",
+        "merging.sweep")
 # Calls that read or write files: builtins and pathlib methods, and the project's readers and writers.
 FILE_IO_CALLS = frozenset({
     "open", "read_text", "write_text", "read_bytes", "write_bytes", "savez", "savez_compressed", "savefig",

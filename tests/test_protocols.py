@@ -268,6 +268,13 @@ def test_cli_eval_unknown_protocol_is_one_line(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+def test_cli_eval_output_that_is_a_file_is_one_line(tmp_path, user_error):
+    out = tmp_path / "o"
+    out.write_text("not a folder")
+    line = user_error(["eval", "default", "--protocol", "instruct", "--tasks", "ifeval", "--output", out], tmp_path / "o" / "logs")
+    assert "is a file, not a folder" in line and out.read_text() == "not a folder"
+
+
 # --- real lm-eval runs (session fixtures: SmolLM2, --limit 5, max_gen_toks 64, local data) --------
 
 

@@ -47,7 +47,7 @@ def _ifeval_runs(root: Path, ref: Path, cand: Path, shared_data: Path) -> tuple[
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory, shared_data) -> dict[str, Path]:
     """Real outputs of strength, margin, buckets, attribute and a sweep (one DARE merge) for one pair."""
-    from lm_eval_sink.merging.sweep import load_sweep, run_sweep
+    from lm_eval_sink.commands.sweep import load_sweep, run_sweep
 
     root = tmp_path_factory.mktemp("report_inputs")
     tok = make_tokenizer()

@@ -51,7 +51,7 @@ def _copy(src: Path, dst: Path) -> Path:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, tiny_trio) -> Path:
     """An uninterrupted sweep: reference, candidate and one DARE merge, evaluated and measured."""
-    from lm_eval_sink.merging.sweep import load_sweep, run_sweep
+    from lm_eval_sink.commands.sweep import load_sweep, run_sweep
 
     sweep = _write_sweep(tmp_path_factory.mktemp("sweep_a"), tiny_trio)
     report = run_sweep(load_sweep(sweep), progress=False)
@@ -97,7 +97,7 @@ def test_kill_9_mid_sweep_then_resume_gives_the_same_table(uninterrupted, tmp_pa
     rerun redoes exactly the unfinished steps and yields the uninterrupted run's table."""
     import torch
 
-    from lm_eval_sink.merging.sweep import load_sweep, run_sweep
+    from lm_eval_sink.commands.sweep import load_sweep, run_sweep
 
     sweep = _copy(uninterrupted, tmp_path / "b")
     out = sweep.parent / "out"
@@ -181,7 +181,7 @@ def test_failed_step_is_reported_at_the_end_and_others_go_on(uninterrupted, tmp_
 
 @pytest.mark.slow
 def test_delete_merged_keeps_results_and_skips_on_rerun(uninterrupted, tmp_path):
-    from lm_eval_sink.merging.sweep import load_sweep, run_sweep
+    from lm_eval_sink.commands.sweep import load_sweep, run_sweep
 
     sweep = _copy(uninterrupted, tmp_path / "d")
     out = sweep.parent / "out"
@@ -248,7 +248,7 @@ def test_broken_sweep_yaml_names_the_line(tmp_path, capsys):
 
 
 def test_manifest_ignores_a_torn_line_and_appends_after_it(tmp_path):
-    from lm_eval_sink.merging.sweep import Manifest
+    from lm_eval_sink.commands.sweep import Manifest
 
     m = Manifest(tmp_path / "manifest.jsonl")
     m.append({"unit": "eval:a", "key": "k1", "status": "done"})
@@ -264,7 +264,7 @@ def test_hub_ids_in_a_sweep_file_stay_hub_ids(tmp_path, tiny_trio, monkeypatch):
     from huggingface_hub import constants
 
     from helpers import hf_cache_snapshot
-    from lm_eval_sink.merging.sweep import load_sweep
+    from lm_eval_sink.commands.sweep import load_sweep
 
     hub = tmp_path / "hf" / "hub"
     hf_cache_snapshot(hub, "org/tiny", tiny_trio["reference"], "1" * 40)
@@ -278,3 +278,18 @@ def test_hub_ids_in_a_sweep_file_stay_hub_ids(tmp_path, tiny_trio, monkeypatch):
     sweep.write_text(yaml.safe_dump(data))
     with pytest.raises(UserError, match="models.reference: org/missing: no such model folder"):
         load_sweep(sweep)
+
+
+def test_table_text_is_the_markdown_and_csv_of_the_table():
+    """The core renders a table from data alone: cells formatted to 4 places, deltas signed, n/a where missing."""
+    from lm_eval_sink.merging.sweep import table_text
+
+    rows = [{"checkpoint": "reference", "role": "reference", "method": None, "status": "ok", "metrics": {"t/acc": 0.5}, "delta_vs_reference": {"t/acc": 0.0},
+             "sink_strength": -2.0, "sink_strength_delta_vs_reference": 0.0},
+            {"checkpoint": "tsv", "role": "merge", "method": "tsv", "status": "eval:tsv: boom", "metrics": {"t/acc": None}, "delta_vs_reference": {"t/acc": None},
+             "sink_strength": -1.5, "sink_strength_delta_vs_reference": 0.5}]
+    md, csv = table_text({"columns": ["t/acc"], "rows": rows, "lineage": "chain", "final": False, "final_note": "evaluated with limit=5: not final scores"})
+    assert md == ("Merging sweep (chain lineage); deltas vs the reference.\n**Not final scores:** evaluated with limit=5: not final scores.\n\n"
+                  "| checkpoint | method | t/acc | t/acc delta | S | S delta | status |\n|---|---|---|---|---|---|---|\n"
+                  "| reference | reference | 0.5000 | +0.0000 | -2.0000 | +0.0000 | ok |\n| tsv | tsv | n/a | n/a | -1.5000 | +0.5000 | eval:tsv: boom |\n")
+    assert csv == "checkpoint,method,t/acc,t/acc delta,S,S delta,status\nreference,reference,0.5000,+0.0000,-2.0000,+0.0000,ok\ntsv,tsv,n/a,n/a,-1.5000,+0.5000,eval:tsv: boom\n"

@@ -2,5 +2,6 @@
 
 `methods` (tensor math + mergekit registration), `configs` (bundled configs, render, strict
 validation), `merge` (validated in-process mergekit runs into verified folders), `sweep` (the
-resumable merge-and-evaluate sweep). Importing this package imports neither torch nor mergekit.
+sweep's core: schema, units and their keys, the table; `commands/sweep.py` runs it), `engines`
+(local or Ray). Importing this package imports neither torch nor mergekit.
 """

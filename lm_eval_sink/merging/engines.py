@@ -12,8 +12,8 @@ The sweep file's `engine:` block (all keys optional):
         strength: {num_gpus: 1}
 
 Under Ray each unit is one task (`max_retries=1` for a lost worker, `retry_exceptions=False`)
-calling the same `sweep.run_unit` as the local engine; ordering and the pending-merge bound are
-the only rules the driver adds, dispatch is `ray.wait`. The driver alone writes the manifest
+calling the `run` it is given (`commands.sweep.run_unit`, as the local engine); ordering and the
+pending-merge bound are the only rules the driver adds, dispatch is `ray.wait`. The driver alone writes the manifest
 and the table; a worker builds its unit's staged folder and its own log
 `<out>/logs/<kind>-<checkpoint>/task.log`. Workers get the driver's data and cache variables
 through `runtime_env={"env_vars": ...}` (no code upload: the package must be installed on every
@@ -194,9 +194,9 @@ def run_task(fn: Callable[[], Any], driver_versions: dict[str, Any], must_see: P
         return None, e.line() if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
 
 
-def _remote_unit(unit: Any, driver_versions: dict[str, Any], output_root: str) -> tuple[str, str | None]:
+def _remote_unit(unit: Any, run: Callable[[Any], None], driver_versions: dict[str, Any], output_root: str) -> tuple[str, str | None]:
     log_path = Path(output_root) / "logs" / f"{unit.kind}-{unit.checkpoint}" / "task.log"
-    _, error = run_task(unit.run, driver_versions, Path(output_root), log_path)
+    _, error = run_task(lambda: run(unit), driver_versions, Path(output_root), log_path)
     return unit.id, error
 
 
@@ -209,9 +209,11 @@ def eval_slots(ray: Any, engine: EngineSpec) -> int:
     return max(1, int(min(slots)) if slots else 1)
 
 
-def run_on_ray(units: list[Any], engine: EngineSpec, output_root: Path, record: Callable[[Any, str | None], None], progress: bool = True) -> None:
-    """Run `units` (in plan order) as Ray tasks; `record(unit, error)` is called on the driver as
-    each finishes (error None) or fails (a line; 'not run: ...' for units after a failed merge).
+def run_on_ray(units: list[Any], engine: EngineSpec, output_root: Path, record: Callable[[Any, str | None], None], run: Callable[[Any], None], progress: bool = True) -> None:
+    """Run `units` (in plan order) as Ray tasks calling `run(unit)`; `record(unit, error)` is called
+    on the driver as each finishes (error None) or fails (a line; 'not run: ...' for units after a
+    failed merge). `run` is a module-level function, which Ray sends by reference: this module
+    imports no sweep code.
 
     An eval/strength unit of a checkpoint whose merge is among `units` starts after that merge;
     at most `max_pending_merges` merged checkpoints wait for their evaluation at any time.
@@ -264,7 +266,7 @@ def run_on_ray(units: list[Any], engine: EngineSpec, output_root: Path, record: 
                 if u.kind == "merge":
                     pending.add(u.checkpoint)
                 opts = engine.resources[u.kind].options()
-                in_flight[remote.options(**opts, name=u.id).remote(u, versions, str(output_root))] = u
+                in_flight[remote.options(**opts, name=u.id).remote(u, run, versions, str(output_root))] = u
             if not in_flight:
                 raise RuntimeError(f"ray engine: {len(waiting)} unit(s) can never start")  # a bug, not an input error
             finished, _ = ray.wait(list(in_flight), num_returns=1)

@@ -1,0 +1,18 @@
+"""`lm-eval-sink merge`: one mergekit YAML into a verified, published OUT folder.
+
+The work is `merging.merge.merge_config`, which sweep merge units call too: it validates before
+any weight is read, checks OUT first, builds it with `io.staged_dir` and writes its COMPLETE
+marker (key, inputs' identities, provenance).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def run_merge(config_file: Path, out: Path, random_seed: int | None = None, device: str = "cpu", force: bool = False, quiet: bool = True) -> list[str]:
+    """The `merge` command: merge, verify, publish; returns the line to print."""
+    from lm_eval_sink.merging.merge import merge_config
+
+    result = merge_config(config_file, out, random_seed=random_seed, device=device, force=force, quiet=quiet)
+    return [f"{result.method}: {result.n_tensors} tensors verified -> {result.out}"]

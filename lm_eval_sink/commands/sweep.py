@@ -1,0 +1,440 @@
+"""`lm-eval-sink sweep`: read and check a sweep file, plan it, run its unfinished units, write the table.
+
+`run_unit` runs one unit from its arguments alone (no state shared between units), so a cluster
+engine can dispatch it. A unit builds its output in `<out>.partial-<uuid>/` (`io.staged_dir`),
+writes its `io.COMPLETE` marker with its key, renames, then appends one fsync'd line to
+`manifest.jsonl`. A unit counts as finished only when its last manifest line says done with the
+current key AND its marker has that key (`io.read_complete(folder, key)`): after kill -9 at any
+point, a rerun skips finished units and redoes the rest; `force` redoes everything. A failed unit
+is recorded and reported at the end; the others go on. The table (JSON, CSV, Markdown, PNG) is
+rebuilt from the saved outputs (`merging.sweep.build_table`).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lm_eval_sink.errors import UserError
+from lm_eval_sink.identity import FINGERPRINT_RULE, check_same_identity, looks_like_hub_id, tree_files
+from lm_eval_sink.io import COMPLETE, atomic_write_json, atomic_write_text, package_versions, parse_yaml, provenance, read_complete, sha256_file, sha256_text, staged_dir, write_complete
+from lm_eval_sink.locks import hold
+from lm_eval_sink.merging.configs import TOKENIZER_CHOICES, bundled_names, load_template, render, validate_text
+from lm_eval_sink.merging.engines import check_vllm_units, parse_engine, run_on_ray
+from lm_eval_sink.merging.sweep import ENDPOINTS, EvalIn, Plan, RenderedMerge, StrengthIn, SweepSpec, Unit, build_table, parse_sweep_data, plan_units, table_text
+from lm_eval_sink.strength import StrengthSettings
+
+MANIFEST = "manifest.jsonl"
+
+
+# --- the sweep file ------------------------------------------------------------------------
+
+
+def _eval_settings(ev: EvalIn, src: str, rel: Any) -> Any:
+    """The `eval:` section as harness.runner.EvalSettings (backend vllm: no device)."""
+    from lm_eval_sink.harness.runner import EvalSettings
+
+    given = ev.model_dump(exclude_none=True)
+    given["tasks"] = tuple(given["tasks"])
+    if given.get("backend", "hf") != "hf":
+        given.setdefault("device", None)
+    if ev.include_path:
+        given["include_path"] = rel(ev.include_path)
+        if not Path(given["include_path"]).is_dir():
+            raise UserError(f"{src}: eval.include_path: {given['include_path']} is not a folder", "lm-eval takes ONE folder of task YAMLs")
+    try:
+        return EvalSettings(**given)
+    except UserError as e:
+        raise UserError(f"{src}: eval: {e.message}", e.hint) from None
+
+
+def load_sweep(path: str | Path, output: str | Path | None = None, delete_merged: bool | None = None, engine: str | None = None,
+               ray_address: str | None = None) -> SweepSpec:
+    """Read and check a sweep YAML (the SweepFileIn schema, paths relative to its folder); no model is loaded.
+
+    `engine` / `ray_address` override the file's engine.kind / engine.address (the CLI's flags).
+    """
+    from lm_eval_sink.models import resolve_model
+
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: no such sweep file", "pass a sweep YAML (see docs/merging.md)")
+    src = str(path)
+    sweep, skipped = parse_sweep_data(parse_yaml(path.read_text(encoding="utf-8"), src) or {}, src)
+    here = path.resolve().parent
+
+    def rel(p: str) -> str:
+        q = Path(p).expanduser()
+        return str(q if q.is_absolute() else here / q)
+
+    out = Path(output) if output is not None else (Path(rel(sweep.output)) if sweep.output else None)
+    if out is None:
+        raise UserError(f"{src}: output: missing", "add output: FOLDER to the sweep file, or pass --output")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out}: is a file, not a folder", "choose an output folder")
+
+    def model(name: str) -> str:
+        """A folder relative to the sweep file, unless the name is a hub id (`org/name`) with no such folder there."""
+        return name if looks_like_hub_id(name) and not Path(rel(name)).exists() else rel(name)
+
+    models: dict[str, str] = {}
+    for role, name in sweep.models.model_dump(exclude_none=True).items():
+        try:
+            models[role] = resolve_model(model(name))
+        except UserError as e:
+            raise UserError(f"{src}: models.{role}: {e.message}", e.hint) from None
+
+    configs = tuple(bundled_names()) if sweep.configs is None else tuple(rel(c) if c.endswith((".yaml", ".yml")) else c for c in sweep.configs)
+    names = [load_template(c).name for c in configs]  # unknown names fail here, with did-you-mean
+    clash = next((n for n in names if names.count(n) > 1 or n in ENDPOINTS), None)
+    if clash:
+        raise UserError(f"{src}: configs: the checkpoint name {clash!r} is used twice (or is an endpoint's name)", "give each config file its own name")
+
+    merge = sweep.merge
+    tokenizer_source = merge.tokenizer_source
+    if tokenizer_source is not None and tokenizer_source not in TOKENIZER_CHOICES:
+        tokenizer_source = model(tokenizer_source)
+    eval_settings = None if "eval" in skipped else _eval_settings(sweep.eval, src, rel)
+    strength = None
+    st = (sweep.strength or StrengthIn()).model_dump(exclude_none=True)
+    sdtype, sdevice = st.pop("dtype"), st.pop("device")
+    if "strength" not in skipped:
+        if st.get("prompts_file"):
+            st["prompts_file"] = rel(st["prompts_file"])
+        try:
+            strength = StrengthSettings(**st)
+        except UserError as e:
+            raise UserError(f"{src}: strength: {e.message}", e.hint) from None
+
+    spec = parse_engine(sweep.engine, src, kind=engine, address=ray_address)
+    check_vllm_units(spec, eval_settings, src)
+    return SweepSpec(
+        source=src,
+        output=out.resolve(),
+        models=models,
+        configs=configs,
+        random_seed=merge.random_seed,
+        merge_device=merge.device,
+        tokenizer_source=tokenizer_source,
+        delete_merged=merge.delete_merged if delete_merged is None else delete_merged,
+        eval=eval_settings,
+        strength=strength,
+        strength_dtype=sdtype,
+        strength_device=sdevice,
+        engine=spec,
+    )
+
+
+def _tree_sha(folder: str | None) -> str | None:
+    if not folder:
+        return None
+    files = tree_files(Path(folder))
+    return sha256_text("".join(f"{p.relative_to(folder)}:{sha256_file(p)}\n" for p in files))
+
+
+def plan_sweep(spec: SweepSpec) -> Plan:
+    """Fingerprint the endpoints, render and validate every merge config, derive each unit's key (reads no weights)."""
+    from lm_eval_sink.merging.merge import merge_key
+    from lm_eval_sink.models import model_fingerprint
+
+    merges = []
+    for config in spec.configs:
+        template = load_template(config)
+        rendered = render(config, spec.models["reference"], spec.models["candidate"], base=spec.models.get("base"), tokenizer_source=spec.tokenizer_source)
+        key = merge_key(validate_text(rendered.text, source=f"{template.name} ({rendered.lineage})"), spec.random_seed)
+        merges.append(RenderedMerge(template.name, template.path, rendered.text, key, str(rendered.config.get("merge_method")), template.paper_setting))
+    identities = {role: model_fingerprint(spec.models[role]) for role in ENDPOINTS}
+    return plan_units(spec, identities, merges, package_versions(), _tree_sha(spec.eval.include_path) if spec.eval is not None else None)
+
+
+# --- units ---------------------------------------------------------------------------------
+
+
+def _finish(tmp: Path, unit: Unit, **fields: Any) -> None:
+    write_complete(tmp, {"schema_version": 1, "unit": unit.id, "key": unit.key, "fingerprint_rule": FINGERPRINT_RULE, "model_identity": unit.inputs.get("identity"),
+                         **fields, "provenance": provenance(unit=unit.id)})
+
+
+def run_unit(unit: Unit) -> None:
+    """Run one unit into its staged output folder (replacing an older one). No shared state."""
+    if unit.kind == "merge":
+        from lm_eval_sink.merging.merge import merge_config
+
+        vc = validate_text(unit.inputs["text"], source=unit.id)
+        merge_config(vc, unit.output, random_seed=unit.inputs["random_seed"], device=unit.inputs["device"], force=True, quiet=True, key=unit.key,
+                     extra={"unit": unit.id, "template": unit.inputs["template"]})
+    elif unit.kind == "eval":
+        from lm_eval_sink.harness.runner import run_lm_eval
+
+        with staged_dir(unit.output, force=True) as tmp:
+            try:
+                run = run_lm_eval(unit.inputs["model"], unit.inputs["settings"], tmp / "lm_eval")
+            except UserError as e:  # keep lm-eval's log: the staged folder is about to be removed
+                kept = unit.output.parent.parent / "logs" / f"{unit.kind}-{unit.checkpoint}"
+                kept.mkdir(parents=True, exist_ok=True)
+                for log in (tmp / "lm_eval" / "logs").glob("*.log"):
+                    shutil.copy2(log, kept / log.name)
+                raise UserError(e.message, f"see lm-eval's log in {kept}") from None
+            rel = run.results.relative_to(tmp)
+            _finish(tmp, unit, results=str(rel), samples={t: str(p.relative_to(tmp)) for t, p in run.samples.items()}, model=unit.inputs["model"])
+    elif unit.kind == "strength":
+        from lm_eval_sink.strength import measure_model
+
+        res = measure_model(unit.inputs["model"], unit.inputs["settings"], dtype=unit.inputs["dtype"], device=unit.inputs["device"], progress=False)
+        with staged_dir(unit.output, force=True) as tmp:
+            atomic_write_json(tmp / "strength.json", {**res.to_json(), "provenance": {**res.provenance, "input_key": unit.key}})
+            _finish(tmp, unit, sink_strength=res.sink_strength, model=unit.inputs["model"])
+    else:
+        raise ValueError(f"unknown unit kind {unit.kind!r}")
+
+
+# --- manifest and recovery -----------------------------------------------------------------
+
+
+class Manifest:
+    """`manifest.jsonl`: one fsync'd JSON line per finished (or failed) unit; a torn last line is ignored."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    def entries(self) -> list[dict[str, Any]]:
+        if not self.path.is_file():
+            return []
+        out = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line torn by kill -9: that unit is simply not finished
+            if isinstance(row, dict) and "unit" in row:
+                out.append(row)
+        return out
+
+    def latest(self) -> dict[str, dict[str, Any]]:
+        last: dict[str, dict[str, Any]] = {}
+        for row in self.entries():
+            if row.get("status") in ("done", "failed"):
+                last[row["unit"]] = row
+        return last
+
+    def append(self, row: dict[str, Any]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        line = json.dumps({**row, "time_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")}, sort_keys=True) + "\n"
+        with open(self.path, "a+b") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell() > 0:  # a torn last line from kill -9 must not swallow this one
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    f.write(b"\n")
+            f.write(line.encode("utf-8"))
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _weights_present(folder: Path) -> bool:
+    files = (read_complete(folder) or {}).get("weight_files")
+    return isinstance(files, dict) and all((folder / n).is_file() and (folder / n).stat().st_size == size for n, size in files.items())
+
+
+def unit_finished(unit: Unit, latest: dict[str, dict[str, Any]]) -> bool:
+    """Finished = last manifest line done with this key AND the COMPLETE marker with this key."""
+    row = latest.get(unit.id)
+    return bool(row and row.get("status") == "done" and row.get("key") == unit.key and read_complete(unit.output, unit.key) is not None)
+
+
+def _recover(out: Path, units: tuple[Unit, ...]) -> list[str]:
+    """Tidy what an interrupted run left, never deleting the only complete copy of a unit's output.
+
+    A kill between `staged_dir`'s two renames leaves no `<output>`, the previous copy as
+    `<output>.old-*` and the finished new one as `<output>.partial-*`. Where `<output>` is missing,
+    the `.partial-*` whose COMPLETE marker carries the unit's key is promoted, else the newest
+    complete `.old-*` is restored; only then are the other staging folders deleted.
+    """
+    notes = []
+    for unit in units:
+        parent, name = unit.output.parent, unit.output.name
+        if unit.output.exists() or not parent.is_dir():
+            continue
+        done = [p for p in parent.glob(f"{name}.partial-*") if read_complete(p, unit.key) is not None]
+        olds = sorted((p for p in parent.glob(f"{name}.old-*") if (p / COMPLETE).is_file()), key=lambda p: (p / COMPLETE).stat().st_mtime_ns, reverse=True)
+        keep = (done or olds or [None])[0]
+        if keep is not None:
+            os.replace(keep, unit.output)
+            notes.append(f"{unit.id}: {'finished output promoted' if done else 'previous output restored'} from {keep.name}")
+    for sub in ("merges", "evals", "strength"):
+        for p in sorted((out / sub).glob("*.partial-*")) + sorted((out / sub).glob("*.old-*")):
+            shutil.rmtree(p, ignore_errors=True)
+            notes.append(f"removed {p.name}, left by an interrupted run")
+    return notes
+
+
+def _check_conflicts(plan: Plan) -> None:
+    for unit in plan.units:
+        if unit.output.exists() and read_complete(unit.output, unit.key) is None:
+            complete = read_complete(unit.output) or {}
+            if complete.get("fingerprint_rule") != FINGERPRINT_RULE:
+                raise UserError(f"{unit.output}: made with an older fingerprint rule; rerun with --force", "pass --force to redo everything")
+            if unit.inputs.get("identity") and complete.get("model_identity"):
+                check_same_identity(complete["model_identity"], unit.inputs["identity"], unit.output)
+            raise UserError(
+                f"{unit.output} holds a {unit.kind} made from other inputs than this sweep's (the sweep file, a model or a version changed)",
+                "pass --force to redo everything, or choose a new output folder",
+            )
+
+
+# --- running ---------------------------------------------------------------------------------
+
+
+@dataclass
+class SweepReport:
+    output: Path
+    ran: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    failures: dict[str, str] = field(default_factory=dict)
+    table_files: list[Path] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        out = [f"sweep {self.output}: {len(self.ran)} steps run, {len(self.skipped)} already finished, {len(self.failures)} failed"]
+        out += [f"note: {n}" for n in self.notes]
+        if self.table_files:
+            out.append("table -> " + ", ".join(str(p) for p in self.table_files))
+        out += [f"failed: {u}: {e}" for u, e in self.failures.items()]
+        return out
+
+    def raise_for_failures(self) -> None:
+        if self.failures:
+            first = next(iter(self.failures.items()))
+            raise UserError(f"{len(self.failures)} sweep step(s) failed ({', '.join(self.failures)}); first: {first[0]}: {first[1]}",
+                            f"see {self.output / MANIFEST}; fix the cause and rerun the same command: finished steps are kept")
+
+
+def run_sweep(spec: SweepSpec, force: bool = False, progress: bool = True) -> SweepReport:
+    """Plan, run every unfinished unit (all of them with `force`) on the spec's engine, then write the table; the output folder is locked meanwhile."""
+    plan = plan_sweep(spec)
+    with hold(spec.output):
+        return _run_sweep_locked(plan, force, progress)
+
+
+def _run_sweep_locked(plan: Plan, force: bool, progress: bool) -> SweepReport:
+    spec = plan.spec
+    out = spec.output
+    report = SweepReport(output=out)
+    report.notes.extend(_recover(out, plan.units))
+    if not force:
+        _check_conflicts(plan)
+    atomic_write_json(out / "sweep.json", {"schema_version": 1, "sweep": spec.to_json(), "lineage": plan.lineage,
+                                           "units": {u.id: u.key for u in plan.units}, "provenance": provenance()})
+    manifest = Manifest(out / MANIFEST)
+    latest = {} if force else manifest.latest()
+    finished = {u.id for u in plan.units if unit_finished(u, latest)}
+    by_id = {u.id: u for u in plan.units}
+
+    def needed(unit: Unit) -> bool:
+        if unit.kind != "merge":
+            return unit.id not in finished
+        downstream = [by_id[f"{k}:{unit.checkpoint}"] for k in ("eval", "strength") if f"{k}:{unit.checkpoint}" in by_id]
+        if all(d.id in finished for d in downstream):
+            return unit.id not in finished and not spec.delete_merged
+        return unit.id not in finished or not _weights_present(unit.output)
+
+    def record(unit: Unit, error: str | None) -> None:
+        """The driver's bookkeeping of one unit that ran (or could not run), whatever the engine."""
+        if error is not None:
+            report.failures[unit.id] = error
+            if not error.startswith("not run: "):
+                manifest.append({"unit": unit.id, "key": unit.key, "status": "failed", "error": error, "output": str(unit.output)})
+            return
+        manifest.append({"unit": unit.id, "key": unit.key, "status": "done", "output": str(unit.output)})
+        finished.add(unit.id)
+        report.ran.append(unit.id)
+        if spec.delete_merged and f"merge:{unit.checkpoint}" in by_id:
+            _maybe_delete_weights(by_id[f"merge:{unit.checkpoint}"], by_id, finished, manifest)
+
+    todo = [u for u in plan.units if needed(u)]
+    report.skipped.extend(u.id for u in plan.units if u not in todo)
+    if spec.engine is not None and spec.engine.kind == "ray":
+        run_on_ray(todo, spec.engine, out, record, run_unit, progress=progress)
+    else:
+        _run_local(todo, record, report.failures, progress)
+    if spec.delete_merged:  # also checkpoints finished by an earlier run
+        for unit in plan.units:
+            if unit.kind == "merge":
+                _maybe_delete_weights(unit, by_id, finished, manifest)
+    table = {**build_table(plan, report.failures, *_saved_outputs(plan)), "provenance": provenance(sweep=spec.source, units={u.id: u.key for u in plan.units})}
+    report.table_files = write_table(table, out)
+    report.notes.extend(table["protocol"]["model_differences"])
+    return report
+
+
+def _run_local(units: list[Unit], record: Any, failures: dict[str, str], progress: bool) -> None:
+    """The local engine: each unit in plan order, in this process."""
+    from tqdm.auto import tqdm
+
+    for unit in tqdm(units, desc="sweep steps", unit="step", disable=not progress):
+        merge_id = f"merge:{unit.checkpoint}"
+        if unit.kind != "merge" and merge_id in failures:
+            record(unit, f"not run: {merge_id} failed")
+            continue
+        try:
+            run_unit(unit)
+        except KeyboardInterrupt:
+            raise
+        except Exception as e:  # one failed step must not stop the sweep
+            record(unit, e.line() if isinstance(e, UserError) else f"{type(e).__name__}: {e}")
+            continue
+        record(unit, None)
+
+
+def _maybe_delete_weights(merge_unit: Unit, by_id: dict[str, Unit], finished: set[str], manifest: Manifest) -> None:
+    """Delete a merged checkpoint's weight files once its eval and strength units are finished."""
+    downstream = [f"{k}:{merge_unit.checkpoint}" for k in ("eval", "strength") if f"{k}:{merge_unit.checkpoint}" in by_id]
+    complete = read_complete(merge_unit.output, merge_unit.key)
+    if not all(d in finished for d in downstream) or complete is None:
+        return
+    present = [n for n in complete.get("weight_files", {}) if (merge_unit.output / n).exists()]
+    if not present:
+        return
+    for name in present:
+        (merge_unit.output / name).unlink()
+    manifest.append({"unit": merge_unit.id, "key": merge_unit.key, "status": "weights_deleted", "output": str(merge_unit.output)})
+
+
+# --- the table -------------------------------------------------------------------------------
+
+
+def _saved_outputs(plan: Plan) -> tuple[dict[str, Any], dict[str, Any], dict[str, float]]:
+    """Per checkpoint with a finished unit: its lm-eval results, their protocol fingerprint, its saved S."""
+    from lm_eval_sink.protocols import fingerprint_run
+    from lm_eval_sink.runs import load_results, resolve_run
+
+    by_id = {u.id: u for u in plan.units}
+    results, fingerprints, strengths = {}, {}, {}
+    for ck in plan.checkpoints:
+        ev = by_id.get(f"eval:{ck.name}")
+        complete = read_complete(ev.output, ev.key) if ev is not None else None
+        if complete is not None:
+            run = resolve_run(ev.output / complete["results"])
+            results[ck.name] = load_results(run)
+            fingerprints[ck.name] = fingerprint_run(run)
+        st = by_id.get(f"strength:{ck.name}")
+        if st is not None and read_complete(st.output, st.key) is not None:
+            strengths[ck.name] = json.loads((st.output / "strength.json").read_text(encoding="utf-8"))["sink_strength"]
+    return results, fingerprints, strengths
+
+
+def write_table(table: dict[str, Any], out: Path) -> list[Path]:
+    """table.json, table.csv, table.md and table.png, each written atomically."""
+    from lm_eval_sink.plots import sweep_chart
+
+    md, csv = table_text(table)
+    paths = [atomic_write_json(out / "table.json", table), atomic_write_text(out / "table.csv", csv), atomic_write_text(out / "table.md", md)]
+    series = {c: [r["metrics"][c] for r in table["rows"]] for c in table["columns"]}
+    series["S (Sink Strength)"] = [r["sink_strength"] for r in table["rows"]]
+    paths.append(sweep_chart([r["checkpoint"] for r in table["rows"]], series, out / "table.png", note=table["final_note"]))
+    return paths
