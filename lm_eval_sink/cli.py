@@ -390,7 +390,8 @@ def eval_cmd(model, protocol_name, protocol_file, tasks, limit, gen_kwargs, batc
 @click.option("--output", type=click.Path(path_type=Path), default=None, help="Folder for buckets.json, buckets.md, prompts.csv and PNGs (default: print only).")
 @click.option("--force", is_flag=True, help="Overwrite an existing --output folder.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
-def buckets(reference, candidate, task, metric, filter_name, threshold, allow_partial, same_protocol, tokenizer, max_gen_toks, n_bootstrap, confidence, seed, failure_kinds, output, force, quiet) -> None:
+def buckets(reference, candidate, task, metric, filter_name, threshold, allow_partial, same_protocol, tokenizer, max_gen_toks, n_bootstrap, confidence, seed, failure_kinds, output, force,
+    quiet) -> None:
     """Per-prompt regression buckets of CANDIDATE vs REFERENCE (lm-eval runs: results JSON, samples JSONL or output folder)."""
     from lm_eval_sink.buckets import BucketSettings
     from lm_eval_sink.commands.buckets import run_buckets
@@ -483,9 +484,11 @@ def sweep(sweep_file, output, force, delete_merged, quiet, engine, ray_address) 
 
 
 @cli.command("report")
-@click.option("--strength", "strength_files", nargs=2, type=click.Path(path_type=Path), default=None, metavar="REF.json CAND.json", help="Both models' strength JSON (<name>.strength.json or a sweep's strength.json).")
+@click.option("--strength", "strength_files", nargs=2, type=click.Path(path_type=Path), default=None, metavar="REF.json CAND.json",
+    help="Both models' strength JSON (<name>.strength.json or a sweep's strength.json).")
 @click.option("--margin", "margin_dir", type=click.Path(path_type=Path), default=None, help="Output folder (or margin.json) of `margin`.")
-@click.option("--buckets", "buckets_dirs", multiple=True, type=click.Path(path_type=Path), help="Output folder (or buckets.json) of `buckets`; repeatable (the headline: the IFEval one, else the first).")
+@click.option("--buckets", "buckets_dirs", multiple=True, type=click.Path(path_type=Path),
+    help="Output folder (or buckets.json) of `buckets`; repeatable (the headline: the IFEval one, else the first).")
 @click.option("--attribution", "attribution_dir", type=click.Path(path_type=Path), default=None, help="Output folder (or attribution.json) of `attribute`.")
 @click.option("--sweep", "sweep_dir", type=click.Path(path_type=Path), default=None, help="Output folder (or table.json) of `sweep`.")
 @click.option("--title", default=None, help="Page title (default: the two models).")

@@ -133,7 +133,8 @@ def test_tsv_and_star_one_dimensional_parameters_average():
     torch.testing.assert_close(_via_mergekit("tsv", torch.ones(3), [a, b], alpha=2.0), torch.ones(3) + 2 * torch.tensor([2.0, 1.0, 1.0]))
 
 
-@pytest.mark.parametrize(("eta", "kept"), [(0.4, [10.0, 0, 0, 0]), (0.6, [6.25, 3.75, 0, 0]), (0.75, [6.25, 3.75, 0, 0]), (0.85, [5 * 10 / 9.5, 3 * 10 / 9.5, 1.5 * 10 / 9.5, 0]), (1.0, [5.0, 3.0, 1.5, 0.5])])
+@pytest.mark.parametrize(("eta", "kept"), [(0.4, [10.0, 0, 0, 0]), (0.6, [6.25, 3.75, 0, 0]), (0.75, [6.25, 3.75, 0, 0]), (0.85, [5 * 10 / 9.5, 3 * 10 / 9.5, 1.5 * 10 / 9.5, 0]), (1.0, [5.0, 3.0, 1.5,
+    0.5])])
 def test_star_truncates_and_keeps_the_nuclear_norm(eta, kept):
     # Singular values (5, 3, 1.5, 0.5), sum 10: eta picks the smallest rank whose sum reaches
     # 10 * eta (5 | 8 | 9.5 | 10), and the kept values are scaled by 10 / (their sum).
@@ -330,20 +331,25 @@ BAD_CONFIGS = {
     "misspelled_parameter": (lambda t: _config(t, models=[{"model": str(t["candidate"]), "parameters": {"weight": 1.0, "densty": 0.2}}]), ["models[0].parameters.densty", "did you mean 'density'"]),
     "misspelled_global": (lambda t: _config(t, parameters={"lamda": 1.0}), ["parameters.lamda", "did you mean 'lambda'"]),
     "global_on_model": (lambda t: _config(t, models=[{"model": str(t["candidate"]), "parameters": {"weight": 1.0, "lambda": 0.5}}]), ["models[0].parameters.lambda", "global parameter"]),
-    "task_param_on_base": (lambda t: _config(t, models=[{"model": str(t["reference"]), "parameters": {"weight": 1.0}}, {"model": str(t["candidate"]), "parameters": {"weight": 1.0}}]), ["models[0].parameters.weight", "base model"]),
+    "task_param_on_base": (lambda t: _config(t, models=[{"model": str(t["reference"]), "parameters": {"weight": 1.0}}, {"model": str(t["candidate"]), "parameters": {"weight": 1.0}}]),
+        ["models[0].parameters.weight", "base model"]),
     "missing_base": (lambda t: _config(t, base_model=None), ["base_model", "needs a base_model"]),
     "missing_weight": (lambda t: _config(t, merge_method="task_arithmetic", models=[{"model": str(t["candidate"])}]), ["models[0].parameters.weight", "missing"]),
     "missing_t": (lambda t: {"merge_method": "slerp", "base_model": str(t["reference"]), "models": [{"model": str(t["reference"])}, {"model": str(t["candidate"])}]}, ["parameters", "'t'"]),
-    "slerp_three_inputs": (lambda t: {"merge_method": "slerp", "base_model": str(t["reference"]), "models": [{"model": str(t[r])} for r in ("reference", "candidate", "base")], "parameters": {"t": 0.5}}, ["models", "exactly 2 inputs"]),
+    "slerp_three_inputs": (lambda t: {"merge_method": "slerp", "base_model": str(t["reference"]), "models": [{"model": str(t[r])} for r in ("reference", "candidate", "base")],
+        "parameters": {"t": 0.5}}, ["models", "exactly 2 inputs"]),
     "wrong_type": (lambda t: _config(t, models=[{"model": str(t["candidate"]), "parameters": {"weight": 1.0, "density": "high"}}]), ["models[0].parameters.density", "expected a number", "'high'"]),
     "bool_for_number": (lambda t: _config(t, parameters={"lambda": True}), ["parameters.lambda", "expected a number"]),
     "density_above_one": (lambda t: _config(t, models=[{"model": str(t["candidate"]), "parameters": {"weight": 1.0, "density": 1.5}}]), ["density", "<= 1", "1.5"]),
     "density_zero_in_gradient": (lambda t: _config(t, models=[{"model": str(t["candidate"]), "parameters": {"weight": 1.0, "density": [0.5, 0.0]}}]), ["density[1]", "> 0"]),
     "star_eta_percent": (lambda t: _config(t, merge_method="star", models=[{"model": str(t["candidate"])}], parameters={"eta": 40}), ["parameters.eta", "<= 1.0", "40"]),
     "tsv_alpha_nan": (lambda t: _config(t, merge_method="tsv", models=[{"model": str(t["candidate"])}], parameters={"alpha": float("nan")}), ["parameters.alpha", "finite"]),
-    "slerp_t_range": (lambda t: {"merge_method": "slerp", "base_model": str(t["reference"]), "models": [{"model": str(t["reference"])}, {"model": str(t["candidate"])}], "parameters": {"t": 1.5}}, ["parameters.t", "<= 1"]),
-    "linear_weights_sum_zero": (lambda t: {"merge_method": "linear", "models": [{"model": str(t["reference"]), "parameters": {"weight": 1.0}}, {"model": str(t["candidate"]), "parameters": {"weight": -1.0}}]}, ["sum to 0"]),
-    "linear_base_without_weight": (lambda t: {"merge_method": "linear", "base_model": str(t["base"]), "models": [{"model": str(t["reference"]), "parameters": {"weight": 1.0}}, {"model": str(t["candidate"]), "parameters": {"weight": 1.0}}]}, ["base_model", "weight"]),
+    "slerp_t_range": (lambda t: {"merge_method": "slerp", "base_model": str(t["reference"]), "models": [{"model": str(t["reference"])}, {"model": str(t["candidate"])}], "parameters": {"t": 1.5}},
+        ["parameters.t", "<= 1"]),
+    "linear_weights_sum_zero": (lambda t: {"merge_method": "linear", "models": [{"model": str(t["reference"]), "parameters": {"weight": 1.0}}, {"model": str(t["candidate"]),
+        "parameters": {"weight": -1.0}}]}, ["sum to 0"]),
+    "linear_base_without_weight": (lambda t: {"merge_method": "linear", "base_model": str(t["base"]), "models": [{"model": str(t["reference"]), "parameters": {"weight": 1.0}},
+        {"model": str(t["candidate"]), "parameters": {"weight": 1.0}}]}, ["base_model", "weight"]),
     "missing_model_path": (lambda t: _config(t, models=[{"model": "/nonexistent/model", "parameters": {"weight": 1.0}}]), ["models[0].model", "/nonexistent/model"]),
     "unknown_model_key": (lambda t: _config(t, models=[{"model": str(t["candidate"]), "parameter": {"weight": 1.0}}]), ["models[0].parameter", "did you mean 'parameters'"]),
     "bad_dtype": (lambda t: _config(t, dtype="fp32"), ["dtype", "float32"]),

@@ -276,7 +276,7 @@ def test_hub_ids_in_a_sweep_file_stay_hub_ids(tmp_path, tiny_trio, monkeypatch):
     assert load_sweep(sweep).models["reference"] == "org/tiny"
     data["models"]["reference"] = "org/missing"
     sweep.write_text(yaml.safe_dump(data))
-    with pytest.raises(UserError, match="models.reference: org/missing: no such model folder"):
+    with pytest.raises(UserError, match=r"models\.reference: org/missing: no such model folder"):
         load_sweep(sweep)
 
 

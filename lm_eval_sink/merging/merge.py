@@ -161,7 +161,8 @@ def _donor_has_tokenizer(config: ValidatedConfig, identities: dict[str, dict[str
     return any(n in identities[donor]["files"] for n in _TOKENIZER_FILES)
 
 
-def merge_config(config: str | Path | ValidatedConfig, out: str | Path, random_seed: int | None = None, device: str = "cpu", force: bool = False, quiet: bool = True, key: str | None = None, extra: dict[str, Any] | None = None) -> MergeResult:
+def merge_config(config: str | Path | ValidatedConfig, out: str | Path, random_seed: int | None = None, device: str = "cpu", force: bool = False, quiet: bool = True, key: str | None = None,
+    extra: dict[str, Any] | None = None) -> MergeResult:
     """Validate, merge in this process (hub-id inputs at the commits their identities name), verify, and publish `out` with its COMPLETE.json."""
     from lm_eval_sink.identity import FINGERPRINT_RULE
     from lm_eval_sink.models import model_fingerprint
