@@ -46,8 +46,10 @@ def synth_ifeval(shared: Path, out: Path) -> tuple[Path, Path]:
         if rng.random() < 0.35:
             text = bl.perturb(text, rng, limit_bytes=rng.randint(1024, 1400))  # cuts: ~4-5.5 bytes per token
         cand.append(bl.ifeval_sample(i, doc, text, gen, chat=True))
-    return (bl.write_run(out / "ifeval_ref", {"ifeval": ref}, model="reference-llm", limit=None),
-            bl.write_run(out / "ifeval_cand", {"ifeval": cand}, model="candidate-backbone", limit=None))
+    return (
+        bl.write_run(out / "ifeval_ref", {"ifeval": ref}, model="reference-llm", limit=None),
+        bl.write_run(out / "ifeval_cand", {"ifeval": cand}, model="candidate-backbone", limit=None),
+    )
 
 
 def synth_gsm8k(shared: Path, out: Path) -> tuple[Path, Path]:
@@ -60,8 +62,10 @@ def synth_gsm8k(shared: Path, out: Path) -> tuple[Path, Path]:
         lead = " ".join(s for s in bl._sentences(rng, rng.randint(3, 10)))
         ref += bl.gsm8k_samples(i, doc, lead + " " + bl.gsm8k_response(doc, rv))
         cand += bl.gsm8k_samples(i, doc, lead + " " + bl.gsm8k_response(doc, cv))
-    return (bl.write_run(out / "gsm8k_ref", {"gsm8k_cot_zeroshot": ref}, model="reference-llm"),
-            bl.write_run(out / "gsm8k_cand", {"gsm8k_cot_zeroshot": cand}, model="candidate-backbone"))
+    return (
+        bl.write_run(out / "gsm8k_ref", {"gsm8k_cot_zeroshot": ref}, model="reference-llm"),
+        bl.write_run(out / "gsm8k_cand", {"gsm8k_cot_zeroshot": cand}, model="candidate-backbone"),
+    )
 
 
 def measure(fn, repeats: int = 3) -> tuple[float, float, object]:
@@ -80,10 +84,28 @@ def measure(fn, repeats: int = 3) -> tuple[float, float, object]:
 
 
 def cli_end_to_end(ref: Path, cand: Path, out: Path, *extra: str) -> tuple[float, float]:
-    code = ("import resource, sys; from lm_eval_sink.cli import main; rc = main(sys.argv[1:]); "
-            "print('MAXRSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(rc)")
+    code = (
+        "import resource, sys; from lm_eval_sink.cli import main; rc = main(sys.argv[1:]); "
+        "print('MAXRSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(rc)"
+    )
     t = time.perf_counter()
-    res = subprocess.run([sys.executable, "-c", code, "buckets", str(ref), str(cand), "--output", str(out), "--quiet", "--force", *extra], capture_output=True, text=True)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            "buckets",
+            str(ref),
+            str(cand),
+            "--output",
+            str(out),
+            "--quiet",
+            "--force",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+    )
     wall = time.perf_counter() - t
     if res.returncode != 0:
         raise SystemExit(res.stderr)
@@ -93,7 +115,9 @@ def cli_end_to_end(ref: Path, cand: Path, out: Path, *extra: str) -> tuple[float
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shared", type=Path, default=Path(os.environ.get("LM_EVAL_SINK_DATA", REPO.parent / "shared" / "data")))
+    ap.add_argument(
+        "--shared", type=Path, default=Path(os.environ.get("LM_EVAL_SINK_DATA", REPO.parent / "shared" / "data"))
+    )
     ap.add_argument("--keep", type=Path, default=None, help="keep the synthesized runs here")
     args = ap.parse_args()
     root = args.keep or Path(tempfile.mkdtemp(prefix="bench_buckets_"))
@@ -114,10 +138,14 @@ def run(args: argparse.Namespace, root: Path) -> None:
     t_imp = time.perf_counter() - t
     t = time.perf_counter()
     subprocess.run([sys.executable, "-c", "pass"], check=True)
-    print(f"importing lm-eval's IFEval checker in a fresh process: {t_imp - (time.perf_counter() - t):.2f} s (paid once per CLI call with failure kinds)")
+    print(
+        f"importing lm-eval's IFEval checker in a fresh process: {t_imp - (time.perf_counter() - t):.2f} s (paid once per CLI call with failure kinds)"
+    )
     settings = BucketSettings()
-    print(f"{'pair':8} {'docs':>5} {'lines':>6} {'MiB':>5} | {'read (baseline)':>15} | {'bucket':>16} {'ratio':>6} | {'no failure kinds':>16} "
-          f"| {'CLI end to end':>26} | {'CLI --no-failure-kinds':>26}")
+    print(
+        f"{'pair':8} {'docs':>5} {'lines':>6} {'MiB':>5} | {'read (baseline)':>15} | {'bucket':>16} {'ratio':>6} | {'no failure kinds':>16} "
+        f"| {'CLI end to end':>26} | {'CLI --no-failure-kinds':>26}"
+    )
     for name, (ref, cand) in (("ifeval", ifeval), ("gsm8k", gsm8k)):
         r_run, c_run = resolve_run(ref), resolve_run(cand)
         r_path, c_path = next(iter(r_run.samples.values())), next(iter(c_run.samples.values()))
@@ -128,11 +156,17 @@ def run(args: argparse.Namespace, root: Path) -> None:
         t_nf, m_nf, _ = measure(lambda r=ref, c=cand: compare_runs(r, c, None, BucketSettings(failure_kinds=False)))
         wall, rss = cli_end_to_end(ref, cand, root / f"out_{name}")
         wall_nf, rss_nf = cli_end_to_end(ref, cand, root / f"out_{name}_nf", "--no-failure-kinds")
-        print(f"{name:8} {rep.n:>5} {lines:>6} {size:>5.1f} | {t_read:6.3f} s {m_read:5.1f} MiB | {t_b:6.3f} s {m_b:5.1f} MiB {t_b / t_read:5.1f}x | {t_nf:6.3f} s {m_nf:5.1f} MiB "
-              f"| {wall:5.2f} s, max RSS {rss:4.0f} MiB | {wall_nf:5.2f} s, max RSS {rss_nf:4.0f} MiB")
+        print(
+            f"{name:8} {rep.n:>5} {lines:>6} {size:>5.1f} | {t_read:6.3f} s {m_read:5.1f} MiB | {t_b:6.3f} s {m_b:5.1f} MiB {t_b / t_read:5.1f}x | {t_nf:6.3f} s {m_nf:5.1f} MiB "
+            f"| {wall:5.2f} s, max RSS {rss:4.0f} MiB | {wall_nf:5.2f} s, max RSS {rss_nf:4.0f} MiB"
+        )
         split = rep.format_split or {}
-        print(f"         counts {rep.counts}, regressions' kinds {(rep.failure_kinds or {}).get('counts')}, format split {split.get('format_failure')}/{split.get('wrong_answer')}")
-    print(f"machine: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, peak RSS of this process {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
+        print(
+            f"         counts {rep.counts}, regressions' kinds {(rep.failure_kinds or {}).get('counts')}, format split {split.get('format_failure')}/{split.get('wrong_answer')}"
+        )
+    print(
+        f"machine: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, peak RSS of this process {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB"
+    )
 
 
 if __name__ == "__main__":

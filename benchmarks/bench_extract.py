@@ -64,11 +64,26 @@ def build_vlm(folder: Path) -> None:
 
     torch.manual_seed(0)
     config = Qwen2VLConfig(
-        text_config=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4,
-                         vocab_size=32000, max_position_embeddings=4096, rope_scaling={"type": "mrope", "mrope_section": [16, 8, 8]},
-                         bos_token_id=1, eos_token_id=2),
-        vision_config=dict(depth=2, embed_dim=256, hidden_size=1024, num_heads=4, mlp_ratio=2, patch_size=14, spatial_merge_size=2),
-        image_token_id=31990, video_token_id=31991, vision_start_token_id=31992, vision_end_token_id=31993)
+        text_config=dict(
+            hidden_size=1024,
+            intermediate_size=4096,
+            num_hidden_layers=16,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            vocab_size=32000,
+            max_position_embeddings=4096,
+            rope_scaling={"type": "mrope", "mrope_section": [16, 8, 8]},
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+        vision_config=dict(
+            depth=2, embed_dim=256, hidden_size=1024, num_heads=4, mlp_ratio=2, patch_size=14, spatial_merge_size=2
+        ),
+        image_token_id=31990,
+        video_token_id=31991,
+        vision_start_token_id=31992,
+        vision_end_token_id=31993,
+    )
     model = AutoModelForImageTextToText.from_config(config)
     tmp = folder.with_name(folder.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -79,7 +94,9 @@ def build_vlm(folder: Path) -> None:
 def run(job: str, vlm: Path, out: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, "-c", CHILD, job, str(vlm), str(out)], capture_output=True, text=True, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, job, str(vlm), str(out)], capture_output=True, text=True, env=env
+    )
     if proc.returncode != 0:
         raise SystemExit(f"{job} failed:\n{proc.stderr[-3000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -106,11 +123,15 @@ def main() -> None:
     print(f"synthetic Qwen2-VL: {size / 1e9:.2f} GB on disk in {len(shards)} shards (largest {largest / 1e9:.2f} GB)")
     results = {job: run(job, vlm, args.workdir / f"out_{job}") for job in args.jobs.split(",")}
     copy_s = results["copy"]["seconds"] if "copy" in results else None
-    print(f"{'job':<10} {'time s':>8} {'x copy':>7} {'peak RSS GB':>12} {'above imports GB':>17} {'/ size':>7} {'/ shard':>8}")
+    print(
+        f"{'job':<10} {'time s':>8} {'x copy':>7} {'peak RSS GB':>12} {'above imports GB':>17} {'/ size':>7} {'/ shard':>8}"
+    )
     for job, r in results.items():
         above = r["peak_rss"] - r["start_rss"]
         ratio_t = f"{r['seconds'] / copy_s:.1f}" if copy_s else "-"
-        print(f"{job:<10} {r['seconds']:>8.2f} {ratio_t:>7} {r['peak_rss'] / 1e9:>12.2f} {above / 1e9:>17.2f} {above / size:>7.2f} {above / largest:>8.2f}")
+        print(
+            f"{job:<10} {r['seconds']:>8.2f} {ratio_t:>7} {r['peak_rss'] / 1e9:>12.2f} {above / 1e9:>17.2f} {above / size:>7.2f} {above / largest:>8.2f}"
+        )
 
 
 if __name__ == "__main__":

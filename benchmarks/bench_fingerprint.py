@@ -66,7 +66,9 @@ def main() -> None:
         print(f"files: {len(list(model.iterdir()))}, {gb:.2f} GB (page cache warm), median of {args.repeats}")
         print(f"plain read            {r:8.3f} s  {gb / r:6.2f} GB/s")
         print(f"fingerprint, no cache {c:8.3f} s  {gb / c:6.2f} GB/s  ratio to plain read {c / r:.2f}")
-        print(f"fingerprint, cached   {w * 1e3:8.3f} ms ({w / len(first['files']) * 1e6:.0f} us a file)  ratio to plain read {w / r:.5f}")
+        print(
+            f"fingerprint, cached   {w * 1e3:8.3f} ms ({w / len(first['files']) * 1e6:.0f} us a file)  ratio to plain read {w / r:.5f}"
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

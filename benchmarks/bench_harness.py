@@ -25,13 +25,17 @@ def main() -> None:
     times = {}
     with tempfile.TemporaryDirectory() as tmp:
         for tasks in (("ifeval",), ("sink_strength", "ifeval")):
-            settings = EvalSettings(tasks=tasks, apply_chat_template=True, limit=args.limit, gen_kwargs={"max_gen_toks": args.max_gen_toks})
+            settings = EvalSettings(
+                tasks=tasks, apply_chat_template=True, limit=args.limit, gen_kwargs={"max_gen_toks": args.max_gen_toks}
+            )
             t = time.perf_counter()
             run_lm_eval(model, settings, f"{tmp}/{'_'.join(tasks)}")
             times[tasks] = time.perf_counter() - t
             print(f"--tasks {','.join(tasks)}: {times[tasks]:.1f} s")
     base, both = times[("ifeval",)], times[("sink_strength", "ifeval")]
-    print(f"IFEval --limit {args.limit}, max_gen_toks {args.max_gen_toks}: adding sink_strength costs {both - base:+.1f} s, ratio {both / base:.3f}")
+    print(
+        f"IFEval --limit {args.limit}, max_gen_toks {args.max_gen_toks}: adding sink_strength costs {both - base:+.1f} s, ratio {both / base:.3f}"
+    )
 
 
 if __name__ == "__main__":

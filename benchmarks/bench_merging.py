@@ -58,8 +58,10 @@ def run_cli(cfg: Path, out: Path, via_hook: bool) -> None:
     if via_hook:
         cmd = [str(Path(sys.executable).with_name("mergekit-yaml")), str(cfg), str(out), "--random-seed", "0"]
     else:
-        code = ("import sys; from lm_eval_sink.merging.methods import register; register(); "
-                "from mergekit.scripts.run_yaml import main; sys.argv[0] = 'mergekit-yaml'; main()")
+        code = (
+            "import sys; from lm_eval_sink.merging.methods import register; register(); "
+            "from mergekit.scripts.run_yaml import main; sys.argv[0] = 'mergekit-yaml'; main()"
+        )
         cmd = [sys.executable, "-c", code, str(cfg), str(out), "--random-seed", "0"]
     subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
@@ -70,7 +72,13 @@ def peak_rss_mib(cfg: Path, out: Path) -> tuple[float, float]:
         "merge_config(sys.argv[1], sys.argv[2], random_seed=0); "
         "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, time.time() - t)"
     )
-    proc = subprocess.run([sys.executable, "-c", code, str(cfg), str(out)], check=True, capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(cfg), str(out)],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     rss, secs = proc.stdout.split()[-2:]
     return float(rss), float(secs)
 
@@ -84,7 +92,9 @@ def main() -> None:
     ref = default_model_dir()
     cand = perturbed_copy(ref, work / "candidate")
     names = bundled_names()
-    print(f"threads: OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, torch {torch.get_num_threads()}; cpus {os.cpu_count()}, load {os.getloadavg()[0]:.1f}")
+    print(
+        f"threads: OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, torch {torch.get_num_threads()}; cpus {os.cpu_count()}, load {os.getloadavg()[0]:.1f}"
+    )
     print(f"models: reference {ref} (SmolLM2-135M-Instruct, fp32), candidate = reference + 0.02*std noise (synthetic)")
     cfgs = {}
     for n in names:
@@ -99,7 +109,13 @@ def main() -> None:
     import mergekit.merge  # noqa: F401  (the import is part of the sweep's cost)
 
     for n in names:
-        unit = Unit("merge", n, f"bench-{n}", work / "sweep" / n, {"text": cfgs[n].read_text(), "random_seed": 0, "device": "cpu", "template": n})
+        unit = Unit(
+            "merge",
+            n,
+            f"bench-{n}",
+            work / "sweep" / n,
+            {"text": cfgs[n].read_text(), "random_seed": 0, "device": "cpu", "template": n},
+        )
         run_unit(unit)
         shutil.rmtree(unit.output)
     in_process = time.time() - t0
@@ -112,15 +128,23 @@ def main() -> None:
         per_call.append(time.time() - t1)
         shutil.rmtree(work / "cli" / n)
     cli = time.time() - t0
-    how = "console script, TSV/STAR via the import hook" if via_hook else "the import hook is not installed: mergekit-yaml's entry point after register()"
-    print(f"eight merges: one sweep process {in_process:.1f} s vs eight mergekit-yaml calls {cli:.1f} s ({how}); "
-          f"ratio CLI / sweep = {cli / in_process:.2f}x; mean per CLI call {sum(per_call) / len(per_call):.1f} s")
+    how = (
+        "console script, TSV/STAR via the import hook"
+        if via_hook
+        else "the import hook is not installed: mergekit-yaml's entry point after register()"
+    )
+    print(
+        f"eight merges: one sweep process {in_process:.1f} s vs eight mergekit-yaml calls {cli:.1f} s ({how}); "
+        f"ratio CLI / sweep = {cli / in_process:.2f}x; mean per CLI call {sum(per_call) / len(per_call):.1f} s"
+    )
 
     # 2. peak memory of TSV / STAR vs task arithmetic, each in a fresh process
     base_rss, base_s = peak_rss_mib(cfgs["task_arithmetic"], work / "mem_ta")
     for n in ("tsv", "star"):
         rss, secs = peak_rss_mib(cfgs[n], work / f"mem_{n}")
-        print(f"peak RSS {n}: {rss:.0f} MiB ({secs:.1f} s) vs task_arithmetic {base_rss:.0f} MiB ({base_s:.1f} s): ratio {rss / base_rss:.2f}x")
+        print(
+            f"peak RSS {n}: {rss:.0f} MiB ({secs:.1f} s) vs task_arithmetic {base_rss:.0f} MiB ({base_s:.1f} s): ratio {rss / base_rss:.2f}x"
+        )
     for p in work.glob("mem_*"):
         shutil.rmtree(p)
     print(f"load average at the end: {os.getloadavg()[0]:.1f}")

@@ -44,17 +44,42 @@ N_CHECKPOINTS = 8
 def sweep_table(out: Path) -> Path:
     """table.json of an 8-checkpoint sweep (schema of merging.sweep.build_table; constructed values)."""
     rng = random.Random(0)
-    cols = ["ifeval/prompt_level_strict_acc,none", "ifeval/inst_level_strict_acc,none", "gsm8k_cot_zeroshot/exact_match,strict-match"]
+    cols = [
+        "ifeval/prompt_level_strict_acc,none",
+        "ifeval/inst_level_strict_acc,none",
+        "gsm8k_cot_zeroshot/exact_match,strict-match",
+    ]
     names = ["reference", "candidate", "linear_95_5", "linear_90_10", "ties", "dare_linear", "slerp", "tsv"]
     ref = {c: rng.uniform(0.3, 0.7) for c in cols}
     rows = []
     for i, name in enumerate(names):
         m = ref if i == 0 else {c: v - rng.uniform(0, 0.1) for c, v in ref.items()}
         s = 1.7 - 0.05 * i
-        rows.append({"checkpoint": name, "role": name if i < 2 else "merge", "method": None if i < 2 else name, "setting": None, "status": "ok",
-                     "metrics": m, "delta_vs_reference": {c: m[c] - ref[c] for c in cols}, "sink_strength": s, "sink_strength_delta_vs_reference": s - 1.7})
-    table = {"schema_version": 1, "lineage": "chain", "models": {"reference": "reference-llm", "candidate": "candidate-backbone"}, "columns": cols, "rows": rows,
-             "final": True, "final_note": None, "protocol": {"eval": {}, "harness_sha256": None, "model_differences": []}, "strength_settings": None, "provenance": {}}
+        rows.append(
+            {
+                "checkpoint": name,
+                "role": name if i < 2 else "merge",
+                "method": None if i < 2 else name,
+                "setting": None,
+                "status": "ok",
+                "metrics": m,
+                "delta_vs_reference": {c: m[c] - ref[c] for c in cols},
+                "sink_strength": s,
+                "sink_strength_delta_vs_reference": s - 1.7,
+            }
+        )
+    table = {
+        "schema_version": 1,
+        "lineage": "chain",
+        "models": {"reference": "reference-llm", "candidate": "candidate-backbone"},
+        "columns": cols,
+        "rows": rows,
+        "final": True,
+        "final_note": None,
+        "protocol": {"eval": {}, "harness_sha256": None, "model_differences": []},
+        "strength_settings": None,
+        "provenance": {},
+    }
     atomic_write_json(out / "table.json", table)
     return out
 
@@ -102,11 +127,29 @@ def main() -> int:
     base = sorted(timed(baseline) for _ in range(5))
     t_report, t_base = times[2], base[2]
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "lm_eval_sink.cli", "report", "--buckets", str(buckets[0]), "--buckets", str(buckets[1]), "--sweep", str(sweep),
-                    "-o", str(root / "cli.html")], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lm_eval_sink.cli",
+            "report",
+            "--buckets",
+            str(buckets[0]),
+            "--buckets",
+            str(buckets[1]),
+            "--sweep",
+            str(sweep),
+            "-o",
+            str(root / "cli.html"),
+        ],
+        check=True,
+        capture_output=True,
+    )
     t_cli = time.perf_counter() - t
     size = report.stat().st_size / 2**20
-    print(f"inputs: 2 IFEval bucket outputs ({n} prompts each; {regressions[0]} and {regressions[1]} regressions), {N_CHECKPOINTS}-checkpoint sweep table")
+    print(
+        f"inputs: 2 IFEval bucket outputs ({n} prompts each; {regressions[0]} and {regressions[1]} regressions), {N_CHECKPOINTS}-checkpoint sweep table"
+    )
     print("| step | median of 5 |")
     print("|---|---|")
     print(f"| baseline: read every input (JSON, 4 samples files, sha256) | {t_base:.3f} s |")

@@ -30,9 +30,19 @@ RAY = str(Path(sys.executable).with_name("ray"))
 
 def sweep_file(folder: Path, models: dict[str, Path], engine: dict | None) -> Path:
     folder.mkdir(parents=True)
-    data = {"output": "out", "models": {k: str(v) for k, v in models.items()}, "configs": ["linear_95_5", "dare_linear"],
-            "eval": {"tasks": ["lm_eval_sink_tiny_choice"], "include_path": str(REPO / "tests" / "data" / "merging_task"), "batch_size": 1, "seed": 0},
-            "strength": {"n_prompts": 5, "last_k": 2, "dtype": "float32"}, **({"engine": engine} if engine else {})}
+    data = {
+        "output": "out",
+        "models": {k: str(v) for k, v in models.items()},
+        "configs": ["linear_95_5", "dare_linear"],
+        "eval": {
+            "tasks": ["lm_eval_sink_tiny_choice"],
+            "include_path": str(REPO / "tests" / "data" / "merging_task"),
+            "batch_size": 1,
+            "seed": 0,
+        },
+        "strength": {"n_prompts": 5, "last_k": 2, "dtype": "float32"},
+        **({"engine": engine} if engine else {}),
+    }
     path = folder / "sweep.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
@@ -40,7 +50,12 @@ def sweep_file(folder: Path, models: dict[str, Path], engine: dict | None) -> Pa
 
 def timed_sweep(path: Path, env: dict[str, str]) -> float:
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "lm_eval_sink.cli", "sweep", str(path), "--quiet"], env=env, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "lm_eval_sink.cli", "sweep", str(path), "--quiet"],
+        env=env,
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     return time.perf_counter() - t
 
 
@@ -53,8 +68,17 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=None)
     args = ap.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench_scale_"))
-    models = {"reference": make_tiny_lm(work / "reference", "llama", 1), "candidate": make_tiny_lm(work / "candidate", "llama", 2)}
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", LOOPBACK_ENV: "0", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    models = {
+        "reference": make_tiny_lm(work / "reference", "llama", 1),
+        "candidate": make_tiny_lm(work / "candidate", "llama", 2),
+    }
+    env = {
+        **os.environ,
+        "RAY_USAGE_STATS_ENABLED": "0",
+        LOOPBACK_ENV: "0",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
     env.pop("RAY_ADDRESS", None)
     local = timed_sweep(sweep_file(work / "local", models, None), env)
     print(f"local engine: {local:.1f} s (10 units)")
@@ -62,8 +86,26 @@ def main() -> None:
     for cpus in (1, 2):
         temp = work / f"ray_tmp_{cpus}"
         t = time.perf_counter()
-        subprocess.run([RAY, "start", "--head", "--num-cpus", str(cpus), "--include-dashboard=false", "--temp-dir", str(temp),
-                              "--node-ip-address", "127.0.0.1", "--port", "0", "--disable-usage-stats"], env=env, check=True, capture_output=True)
+        subprocess.run(
+            [
+                RAY,
+                "start",
+                "--head",
+                "--num-cpus",
+                str(cpus),
+                "--include-dashboard=false",
+                "--temp-dir",
+                str(temp),
+                "--node-ip-address",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--disable-usage-stats",
+            ],
+            env=env,
+            check=True,
+            capture_output=True,
+        )
         start = time.perf_counter() - t
         address = (temp / "ray_current_cluster").read_text().strip()
         try:
@@ -71,7 +113,9 @@ def main() -> None:
         finally:
             stop_ray_cluster(temp)
         ray_times[cpus] = wall
-        print(f"ray engine, {cpus} worker slot(s): {wall:.1f} s = {wall / local:.2f} x local (cluster start {start:.1f} s, not included)")
+        print(
+            f"ray engine, {cpus} worker slot(s): {wall:.1f} s = {wall / local:.2f} x local (cluster start {start:.1f} s, not included)"
+        )
     print(f"two workers vs one: speed-up {ray_times[1] / ray_times[2]:.2f} x")
 
 

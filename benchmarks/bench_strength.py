@@ -50,7 +50,9 @@ print(json.dumps({"times": times, "peak_kib": peak, "base_kib": base}))
 
 
 def child(mode: str, repeats: int) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, mode, str(repeats)], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, mode, str(repeats)], capture_output=True, text=True, check=True
+    ).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -61,11 +63,17 @@ def main() -> None:
     timing = child("time", args.repeats)
     plain, sink = child("plain", 0), child("sink", 0)
     tp, ts = statistics.median(timing["times"]["plain"]), statistics.median(timing["times"]["sink"])
-    print(f"15 prompts, one batch, CPU fp32, {args.repeats} alternating runs each (medians); peak RSS from one call per process")
+    print(
+        f"15 prompts, one batch, CPU fp32, {args.repeats} alternating runs each (medians); peak RSS from one call per process"
+    )
     for name, r, t in (("plain forward", plain, tp), ("Sink Strength", sink, ts)):
-        print(f"{name:14s} {t:.3f} s   peak RSS {r['peak_kib'] / 1024:.0f} MiB (+{(r['peak_kib'] - r['base_kib']) / 1024:.0f} MiB over the loaded model)")
-    print(f"time ratio S / forward: {ts / tp:.2f}   peak RSS ratio: {sink['peak_kib'] / plain['peak_kib']:.3f}   "
-          f"ratio of the increments: {(sink['peak_kib'] - sink['base_kib']) / max(1, plain['peak_kib'] - plain['base_kib']):.2f}")
+        print(
+            f"{name:14s} {t:.3f} s   peak RSS {r['peak_kib'] / 1024:.0f} MiB (+{(r['peak_kib'] - r['base_kib']) / 1024:.0f} MiB over the loaded model)"
+        )
+    print(
+        f"time ratio S / forward: {ts / tp:.2f}   peak RSS ratio: {sink['peak_kib'] / plain['peak_kib']:.3f}   "
+        f"ratio of the increments: {(sink['peak_kib'] - sink['base_kib']) / max(1, plain['peak_kib'] - plain['base_kib']):.2f}"
+    )
 
     from lm_eval_sink.models import load_model
     from lm_eval_sink.strength import StrengthSettings, measure
@@ -75,8 +83,10 @@ def main() -> None:
         for n in (5, 15):
             t = time.perf_counter()
             r = measure(m.model, m.tokenizer, StrengthSettings(last_k=k, n_prompts=n), progress=False)
-            print(f"S(K={k or 'all'}, N={n}) = {r.sink_strength:.4f}  (content rows {r.sink_strength_content_rows:.4f}, "
-                  f"template rows {r.sink_strength_template_rows:.4f}, template share {r.template_row_fraction:.3f}; {time.perf_counter() - t:.1f} s)")
+            print(
+                f"S(K={k or 'all'}, N={n}) = {r.sink_strength:.4f}  (content rows {r.sink_strength_content_rows:.4f}, "
+                f"template rows {r.sink_strength_template_rows:.4f}, template share {r.template_row_fraction:.3f}; {time.perf_counter() - t:.1f} s)"
+            )
 
 
 if __name__ == "__main__":

@@ -36,8 +36,48 @@ import numpy as np
 import torch
 
 # The 40 IFEval keys evaluated (the first 40 of the 541-prompt file, fixed here).
-IFEVAL_KEYS = (1000, 1001, 1005, 1012, 1019, 102, 1021, 1040, 1051, 1069, 1072, 1075, 1082, 1087, 1092, 1094, 1098, 1107, 1108, 1122,
-               1127, 1128, 1129, 1130, 1131, 1132, 1137, 1139, 1147, 1148, 1153, 1154, 1162, 1174, 1180, 1187, 1203, 1216, 1217, 1219)
+IFEVAL_KEYS = (
+    1000,
+    1001,
+    1005,
+    1012,
+    1019,
+    102,
+    1021,
+    1040,
+    1051,
+    1069,
+    1072,
+    1075,
+    1082,
+    1087,
+    1092,
+    1094,
+    1098,
+    1107,
+    1108,
+    1122,
+    1127,
+    1128,
+    1129,
+    1130,
+    1131,
+    1132,
+    1137,
+    1139,
+    1147,
+    1148,
+    1153,
+    1154,
+    1162,
+    1174,
+    1180,
+    1187,
+    1203,
+    1216,
+    1217,
+    1219,
+)
 RUNS = ("vision", "text-only", "vision+freeze", "vision+protection")
 COLOURS = ("red", "blue", "green", "yellow", "black", "white", "orange", "purple")
 SHAPES = ("circle", "square", "triangle", "star", "cross", "heart", "ring", "arrow")
@@ -46,7 +86,9 @@ QUESTION = "Describe the image."
 # Seconds measured on the 2-core shared machine (see docs/training.md), for the printed estimate.
 COST_TRAIN_STEP = 5.0  # batch 4, sequence 64, one thread (measured 4.2-5.4 s)
 COST_STRENGTH = 7.0  # one Sink Strength measurement, 15 prompts
-COST_IFEVAL_PROMPT = 2.0  # one IFEval prompt at max_gen_toks 128, batch 8, lm-eval start-up included (40 prompts: 30-96 s)
+COST_IFEVAL_PROMPT = (
+    2.0  # one IFEval prompt at max_gen_toks 128, batch 8, lm-eval start-up included (40 prompts: 30-96 s)
+)
 
 
 @dataclass(frozen=True)
@@ -82,7 +124,12 @@ class Synthetic:
 
     def sample(self) -> tuple[tuple[int, int, int, int], np.ndarray]:
         g = self.gen
-        attrs = (int(g.integers(len(COLOURS))), int(g.integers(len(SHAPES))), int(g.integers(1, 6)), int(g.integers(len(SIZES))))
+        attrs = (
+            int(g.integers(len(COLOURS))),
+            int(g.integers(len(SHAPES))),
+            int(g.integers(1, 6)),
+            int(g.integers(len(SIZES))),
+        )
         base = self.codes[0][attrs[0]] + self.codes[1][attrs[1]] + self.codes[2][attrs[2] - 1] + self.codes[3][attrs[3]]
         feats = base[None, :] + 0.3 * g.normal(size=(self.cfg.n_visual, self.cfg.feature_dim))
         return attrs, feats.astype(np.float32)
@@ -90,7 +137,9 @@ class Synthetic:
 
 def encode_example(tokenizer, caption: str, seq_len: int) -> tuple[list[int], list[int]]:
     """(input_ids, labels): chat template with the question, the caption as the assistant turn."""
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": QUESTION}], tokenize=False, add_generation_prompt=True
+    )
     p_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     c_ids = tokenizer(caption + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
     ids = (p_ids + c_ids)[:seq_len]
@@ -107,8 +156,14 @@ class CaptionData(torch.utils.data.Dataset):
             attrs, feats = syn.sample()
             ids, labels = encode_example(tokenizer, caption_of(attrs), width)
             pad = width - len(ids)
-            self.items.append({"input_ids": ids + [tokenizer.pad_token_id or 0] * pad, "labels": labels + [-100] * pad,
-                               "attention_mask": [1] * len(ids) + [0] * pad, "image": feats})
+            self.items.append(
+                {
+                    "input_ids": ids + [tokenizer.pad_token_id or 0] * pad,
+                    "labels": labels + [-100] * pad,
+                    "attention_mask": [1] * len(ids) + [0] * pad,
+                    "image": feats,
+                }
+            )
         self.vision = vision
 
     def __len__(self) -> int:
@@ -132,7 +187,9 @@ def vl_embeds(lm, projector, batch: dict, vision: bool) -> tuple[torch.Tensor, t
     b, m = vis.shape[:2]
     emb = torch.cat([emb[:, :1], vis, emb[:, 1:]], dim=1)
     mask = torch.cat([mask[:, :1], torch.ones((b, m), dtype=mask.dtype, device=mask.device), mask[:, 1:]], dim=1)
-    labels = torch.cat([labels[:, :1], torch.full((b, m), -100, dtype=labels.dtype, device=labels.device), labels[:, 1:]], dim=1)
+    labels = torch.cat(
+        [labels[:, :1], torch.full((b, m), -100, dtype=labels.dtype, device=labels.device), labels[:, 1:]], dim=1
+    )
     return emb, mask, labels
 
 
@@ -142,11 +199,16 @@ def caption_loss(lm, projector, data: CaptionData, vision: bool, batch: int) -> 
     total, count = 0.0, 0
     with torch.no_grad():
         for i in range(0, len(data), batch):
-            b = {k: v.to(next(lm.parameters()).device) for k, v in collate([data[j] for j in range(i, min(i + batch, len(data)))]).items()}
+            b = {
+                k: v.to(next(lm.parameters()).device)
+                for k, v in collate([data[j] for j in range(i, min(i + batch, len(data)))]).items()
+            }
             emb, mask, labels = vl_embeds(lm, projector, b, vision)
             logits = lm(inputs_embeds=emb, attention_mask=mask).logits[:, :-1].float()
             tgt = labels[:, 1:]
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=-100, reduction="sum")
+            loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=-100, reduction="sum"
+            )
             total += float(loss)
             count += int((tgt != -100).sum())
     return total / count
@@ -156,13 +218,21 @@ def ifeval_subset(out: Path) -> Path:
     """A data folder holding only the 40 chosen IFEval prompts (from LM_EVAL_SINK_DATA)."""
     src_root = os.environ.get("LM_EVAL_SINK_DATA")
     if not src_root:
-        raise SystemExit("error: LM_EVAL_SINK_DATA is not set (fix: point it at the offline data folder, e.g. LM_EVAL_SINK_DATA=/work/shared/data)")
+        raise SystemExit(
+            "error: LM_EVAL_SINK_DATA is not set (fix: point it at the offline data folder, e.g. LM_EVAL_SINK_DATA=/work/shared/data)"
+        )
     from lm_eval_sink.io import atomic_write_text
 
-    rows = {json.loads(line)["key"]: line for line in Path(src_root, "ifeval", "input_data.jsonl").read_text(encoding="utf-8").splitlines() if line.strip()}
+    rows = {
+        json.loads(line)["key"]: line
+        for line in Path(src_root, "ifeval", "input_data.jsonl").read_text(encoding="utf-8").splitlines()
+        if line.strip()
+    }
     missing = [k for k in IFEVAL_KEYS if k not in rows]
     if missing:
-        raise SystemExit(f"error: IFEval keys {missing[:5]} are not in {src_root}/ifeval/input_data.jsonl (fix: use the full 541-prompt file)")
+        raise SystemExit(
+            f"error: IFEval keys {missing[:5]} are not in {src_root}/ifeval/input_data.jsonl (fix: use the full 541-prompt file)"
+        )
     folder = out / "ifeval40"
     atomic_write_text(folder / "ifeval" / "input_data.jsonl", "".join(rows[k] + "\n" for k in IFEVAL_KEYS))
     return folder
@@ -177,12 +247,19 @@ def ifeval_score(model_dir: Path, out: Path, data: Path, device: str) -> dict:
     done = out / "ifeval.json"
     if done.is_file():
         return read_json(done)
-    fields = settings_fields(get_protocol("instruct"), tasks=["ifeval"], gen_kwargs={"max_gen_toks": 128}, dtype="float32", device=device)
+    fields = settings_fields(
+        get_protocol("instruct"), tasks=["ifeval"], gen_kwargs={"max_gen_toks": 128}, dtype="float32", device=device
+    )
     t = time.time()
     run = run_lm_eval(model_dir, EvalSettings(**fields), out / "lm_eval", env={"LM_EVAL_SINK_DATA": str(data)})
     res = json.loads(Path(run.results).read_text(encoding="utf-8"))["results"]["ifeval"]
-    record = {"prompt_level_strict_acc": res["prompt_level_strict_acc,none"], "inst_level_strict_acc": res["inst_level_strict_acc,none"],
-              "n_prompts": len(IFEVAL_KEYS), "results": str(run.results), "seconds": round(time.time() - t, 1)}
+    record = {
+        "prompt_level_strict_acc": res["prompt_level_strict_acc,none"],
+        "inst_level_strict_acc": res["inst_level_strict_acc,none"],
+        "n_prompts": len(IFEVAL_KEYS),
+        "results": str(run.results),
+        "seconds": round(time.time() - t, 1),
+    }
     atomic_write_json(done, record)
     return record
 
@@ -193,7 +270,9 @@ def strength_json(model_dir: Path, path: Path, cfg: Config) -> dict:
 
     if path.is_file():
         return read_json(path)
-    res = measure_model(str(model_dir), StrengthSettings(last_k=cfg.last_k), dtype="float32", device=cfg.device, progress=False)
+    res = measure_model(
+        str(model_dir), StrengthSettings(last_k=cfg.last_k), dtype="float32", device=cfg.device, progress=False
+    )
     atomic_write_json(path, res.to_json())
     return res.to_json()
 
@@ -216,7 +295,9 @@ def train_run(name: str, start_dir: Path, plan_path: Path, out: Path, cfg: Confi
     tok = AutoTokenizer.from_pretrained(start_dir)
     lm = AutoModelForCausalLM.from_pretrained(start_dir, dtype=torch.float32).to(cfg.device)
     hidden = lm.config.hidden_size
-    projector = torch.nn.Sequential(torch.nn.Linear(cfg.feature_dim, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, hidden)).to(cfg.device)
+    projector = torch.nn.Sequential(
+        torch.nn.Linear(cfg.feature_dim, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, hidden)
+    ).to(cfg.device)
     callbacks = []
     protection = None
     if name in ("vision+freeze", "vision+protection"):
@@ -235,18 +316,43 @@ def train_run(name: str, start_dir: Path, plan_path: Path, out: Path, cfg: Confi
             out = model(inputs_embeds=emb, attention_mask=mask, labels=labels)
             return (out.loss, out) if return_outputs else out.loss
 
-    args = TrainingArguments(output_dir=str(out / "trainer"), max_steps=cfg.steps, per_device_train_batch_size=cfg.batch, learning_rate=cfg.lr,
-                             lr_scheduler_type="constant", warmup_steps=0, logging_steps=1, save_strategy="no", report_to=[], seed=cfg.seed,
-                             data_seed=cfg.seed, remove_unused_columns=False, dataloader_num_workers=0, use_cpu=cfg.device == "cpu",
-                             disable_tqdm=False, max_grad_norm=1.0)
-    trainer = VLTrainer(model=lm, args=args, train_dataset=train, data_collator=collate, optimizers=(optimizer, None), callbacks=callbacks)
-    cb = SinkStrengthCallback(tok, StrengthSettings(last_k=cfg.last_k), every_n_steps=cfg.every, output_dir=out).attach(trainer)
+    args = TrainingArguments(
+        output_dir=str(out / "trainer"),
+        max_steps=cfg.steps,
+        per_device_train_batch_size=cfg.batch,
+        learning_rate=cfg.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=cfg.seed,
+        data_seed=cfg.seed,
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        use_cpu=cfg.device == "cpu",
+        disable_tqdm=False,
+        max_grad_norm=1.0,
+    )
+    trainer = VLTrainer(
+        model=lm,
+        args=args,
+        train_dataset=train,
+        data_collator=collate,
+        optimizers=(optimizer, None),
+        callbacks=callbacks,
+    )
+    cb = SinkStrengthCallback(tok, StrengthSettings(last_k=cfg.last_k), every_n_steps=cfg.every, output_dir=out).attach(
+        trainer
+    )
     t = time.time()
     trainer.train()
     seconds = time.time() - t
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     loss_end = caption_loss(lm, projector if vision else None, held_out, vision, cfg.batch)
-    prompt = tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True, tokenize=True, return_dict=False)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": QUESTION}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     report = protection.report(lm, torch.tensor([prompt])) if protection else None
     frozen = sum(p.numel() for p in lm.parameters() if not p.requires_grad)
     with staged_dir(out / "model", force=(out / "model").exists()) as tmp:
@@ -254,11 +360,17 @@ def train_run(name: str, start_dir: Path, plan_path: Path, out: Path, cfg: Confi
             p.requires_grad_(True)
         lm.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-    record = {"run": name, "train_seconds": round(seconds, 1), "train_loss_first": losses[0] if losses else None,
-              "train_loss_last5": float(np.mean(losses[-5:])) if losses else None, "heldout_caption_loss_start": loss_start,
-              "heldout_caption_loss_end": loss_end, "frozen_parameters": frozen,
-              "trajectory": [(r["step"], r["sink_strength"]) for r in cb.records],
-              "protection_report": None if report is None else {str(k): v for k, v in report.items()}}
+    record = {
+        "run": name,
+        "train_seconds": round(seconds, 1),
+        "train_loss_first": losses[0] if losses else None,
+        "train_loss_last5": float(np.mean(losses[-5:])) if losses else None,
+        "heldout_caption_loss_start": loss_start,
+        "heldout_caption_loss_end": loss_end,
+        "frozen_parameters": frozen,
+        "trajectory": [(r["step"], r["sink_strength"]) for r in cb.records],
+        "protection_report": None if report is None else {str(k): v for k, v in report.items()},
+    }
     atomic_write_json(record_path, record)
     return record
 
@@ -271,7 +383,14 @@ def margin_of(start_dir: Path, model_dir: Path, path: Path, cfg: Config) -> dict
 
     if path.is_file():
         return read_json(path)
-    m, _ = measure_margin(str(start_dir), str(model_dir), MarginSettings(strength=StrengthSettings(last_k=cfg.last_k), last_k=cfg.last_k), dtype="float32", device=cfg.device, progress=False)
+    m, _ = measure_margin(
+        str(start_dir),
+        str(model_dir),
+        MarginSettings(strength=StrengthSettings(last_k=cfg.last_k), last_k=cfg.last_k),
+        dtype="float32",
+        device=cfg.device,
+        progress=False,
+    )
     atomic_write_json(path, m.to_json())
     return m.to_json()
 
@@ -285,11 +404,21 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=Config.every)
     ap.add_argument("--tau", type=float, default=Config.tau)
     ap.add_argument("--seed", type=int, default=Config.seed)
-    ap.add_argument("--scale", type=int, default=1, help="multiply steps and the trajectory interval (e.g. 20 on a GPU)")
+    ap.add_argument(
+        "--scale", type=int, default=1, help="multiply steps and the trajectory interval (e.g. 20 on a GPU)"
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--runs", default=",".join(RUNS))
     a = ap.parse_args()
-    cfg = Config(steps=a.steps * a.scale, batch=a.batch, lr=a.lr, every=a.every * a.scale, tau=a.tau, seed=a.seed, device=a.device)
+    cfg = Config(
+        steps=a.steps * a.scale,
+        batch=a.batch,
+        lr=a.lr,
+        every=a.every * a.scale,
+        tau=a.tau,
+        seed=a.seed,
+        device=a.device,
+    )
     runs = [r for r in a.runs.split(",") if r]
     bad = [r for r in runs if r not in RUNS]
     if bad:
@@ -306,13 +435,29 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     cfg_path = out / "config.json"
     if cfg_path.is_file() and read_json(cfg_path)["config"] != asdict(cfg):
-        raise SystemExit(f"error: {out} holds a run with other settings (fix: use another --output, or the same options)")
+        raise SystemExit(
+            f"error: {out} holds a run with other settings (fix: use another --output, or the same options)"
+        )
     start_dir = Path(resolve_model("default"))
-    atomic_write_json(cfg_path, {"config": asdict(cfg), "runs": runs, "ifeval_keys": list(IFEVAL_KEYS), "start_model": model_fingerprint(str(start_dir))})
+    atomic_write_json(
+        cfg_path,
+        {
+            "config": asdict(cfg),
+            "runs": runs,
+            "ifeval_keys": list(IFEVAL_KEYS),
+            "start_model": model_fingerprint(str(start_dir)),
+        },
+    )
     n_measure = cfg.steps // cfg.every + 2
-    est = len(runs) * (cfg.steps * COST_TRAIN_STEP + n_measure * COST_STRENGTH + 3 * COST_STRENGTH) + (len(runs) + 1) * len(IFEVAL_KEYS) * COST_IFEVAL_PROMPT
-    print(f"estimate on this machine's measured costs: ~{est / 60:.0f} min ({len(runs)} runs x {cfg.steps} steps, batch {cfg.batch}, seq {cfg.seq_len}, lr {cfg.lr}; "
-          f"{len(runs) + 1} IFEval runs of {len(IFEVAL_KEYS)} prompts; finished stages in {out} are reused)", flush=True)
+    est = (
+        len(runs) * (cfg.steps * COST_TRAIN_STEP + n_measure * COST_STRENGTH + 3 * COST_STRENGTH)
+        + (len(runs) + 1) * len(IFEVAL_KEYS) * COST_IFEVAL_PROMPT
+    )
+    print(
+        f"estimate on this machine's measured costs: ~{est / 60:.0f} min ({len(runs)} runs x {cfg.steps} steps, batch {cfg.batch}, seq {cfg.seq_len}, lr {cfg.lr}; "
+        f"{len(runs) + 1} IFEval runs of {len(IFEVAL_KEYS)} prompts; finished stages in {out} are reused)",
+        flush=True,
+    )
     t0 = time.time()
     data = ifeval_subset(out)
     start = out / "start"
@@ -321,14 +466,23 @@ def main() -> None:
     plan_path = start / "plan.json"
     if not plan_path.is_file():
         loaded = load_model(str(start_dir), dtype="float32")
-        plan = select_sink_heads(loaded.model, loaded.tokenizer, StrengthSettings(last_k=cfg.last_k), tau=cfg.tau, progress=False)
-        atomic_write_json(plan_path, {**plan.to_json(), "provenance": {**plan.provenance, **provenance(model=loaded.info)}})
+        plan = select_sink_heads(
+            loaded.model, loaded.tokenizer, StrengthSettings(last_k=cfg.last_k), tau=cfg.tau, progress=False
+        )
+        atomic_write_json(
+            plan_path, {**plan.to_json(), "provenance": {**plan.provenance, **provenance(model=loaded.info)}}
+        )
         del loaded
     plan = read_json(plan_path)
-    print(f"start: S = {s_start['sink_strength']:.4f}; plan protects {sum(h['selected'] for h in plan['heads'])} of {len(plan['heads'])} heads in layers "
-          f"{[lp['layer'] for lp in plan['layers']]}, rank of U {sorted({lp['max_u_rank'] for lp in plan['layers']})} of {plan['head_dim']} (tau {cfg.tau})", flush=True)
+    print(
+        f"start: S = {s_start['sink_strength']:.4f}; plan protects {sum(h['selected'] for h in plan['heads'])} of {len(plan['heads'])} heads in layers "
+        f"{[lp['layer'] for lp in plan['layers']]}, rank of U {sorted({lp['max_u_rank'] for lp in plan['layers']})} of {plan['head_dim']} (tau {cfg.tau})",
+        flush=True,
+    )
     if_start = ifeval_score(start_dir, start, data, cfg.device)
-    print(f"start: IFEval prompt-strict {if_start['prompt_level_strict_acc']:.3f} ({if_start['seconds']} s)", flush=True)
+    print(
+        f"start: IFEval prompt-strict {if_start['prompt_level_strict_acc']:.3f} ({if_start['seconds']} s)", flush=True
+    )
     rows = {}
     for name in runs:
         folder = out / name.replace("+", "_")
@@ -337,22 +491,71 @@ def main() -> None:
         s_end = strength_json(folder / "model", folder / "strength.json", cfg)
         ife = ifeval_score(folder / "model", folder, data, cfg.device)
         mg = margin_of(start_dir, folder / "model", folder / "margin.json", cfg)
-        rows[name] = {"train": tr, "s_end": s_end["sink_strength"], "ifeval": ife["prompt_level_strict_acc"], "ifeval_seconds": ife["seconds"], "margin": mg["summary"]}
-        print(f"{name}: S {s_start['sink_strength']:.4f} -> {s_end['sink_strength']:.4f}, IFEval {if_start['prompt_level_strict_acc']:.3f} -> {ife['prompt_level_strict_acc']:.3f}, "
-              f"held-out caption loss {tr['heldout_caption_loss_start']:.3f} -> {tr['heldout_caption_loss_end']:.3f}, margin median {mg['summary']['margin_median']:.3f}, "
-              f"negative-margin heads {mg['summary']['n_negative_margin']}/{mg['summary']['n_heads_total']} ({time.time() - t0:.0f} s so far)", flush=True)
-    head = ["run", "S start", "S end", "IFEval start", "IFEval end", "caption loss (held-out) start", "end", "train loss last 5", "margin median", "margin min", "negative-margin heads", "train s"]
+        rows[name] = {
+            "train": tr,
+            "s_end": s_end["sink_strength"],
+            "ifeval": ife["prompt_level_strict_acc"],
+            "ifeval_seconds": ife["seconds"],
+            "margin": mg["summary"],
+        }
+        print(
+            f"{name}: S {s_start['sink_strength']:.4f} -> {s_end['sink_strength']:.4f}, IFEval {if_start['prompt_level_strict_acc']:.3f} -> {ife['prompt_level_strict_acc']:.3f}, "
+            f"held-out caption loss {tr['heldout_caption_loss_start']:.3f} -> {tr['heldout_caption_loss_end']:.3f}, margin median {mg['summary']['margin_median']:.3f}, "
+            f"negative-margin heads {mg['summary']['n_negative_margin']}/{mg['summary']['n_heads_total']} ({time.time() - t0:.0f} s so far)",
+            flush=True,
+        )
+    head = [
+        "run",
+        "S start",
+        "S end",
+        "IFEval start",
+        "IFEval end",
+        "caption loss (held-out) start",
+        "end",
+        "train loss last 5",
+        "margin median",
+        "margin min",
+        "negative-margin heads",
+        "train s",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, r in rows.items():
         tr, mg = r["train"], r["margin"]
-        lines.append("| " + " | ".join([name, f"{s_start['sink_strength']:.4f}", f"{r['s_end']:.4f}", f"{if_start['prompt_level_strict_acc']:.3f}", f"{r['ifeval']:.3f}",
-                                        f"{tr['heldout_caption_loss_start']:.3f}", f"{tr['heldout_caption_loss_end']:.3f}", f"{tr['train_loss_last5']:.3f}",
-                                        f"{mg['margin_median']:.3f}", f"{mg['margin_min']:.3f}", f"{mg['n_negative_margin']}/{mg['n_heads_total']}", f"{tr['train_seconds']:.0f}"]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    name,
+                    f"{s_start['sink_strength']:.4f}",
+                    f"{r['s_end']:.4f}",
+                    f"{if_start['prompt_level_strict_acc']:.3f}",
+                    f"{r['ifeval']:.3f}",
+                    f"{tr['heldout_caption_loss_start']:.3f}",
+                    f"{tr['heldout_caption_loss_end']:.3f}",
+                    f"{tr['train_loss_last5']:.3f}",
+                    f"{mg['margin_median']:.3f}",
+                    f"{mg['margin_min']:.3f}",
+                    f"{mg['n_negative_margin']}/{mg['n_heads_total']}",
+                    f"{tr['train_seconds']:.0f}",
+                ]
+            )
+            + " |"
+        )
     atomic_write_text(out / "results.md", "\n".join(lines) + "\n")
-    atomic_write_json(out / "results.json", {"config": asdict(cfg), "start": {"sink_strength": s_start["sink_strength"], "ifeval": if_start}, "runs": rows,
-                                             "wall_seconds_this_invocation": round(time.time() - t0, 1)})
-    trajectory_plot({n: [tuple(p) for p in r["train"]["trajectory"]] for n, r in rows.items()}, out / "trajectories.png",
-                    f"SmolLM2-135M-Instruct, {cfg.steps} steps, batch {cfg.batch}, lr {cfg.lr}")
+    atomic_write_json(
+        out / "results.json",
+        {
+            "config": asdict(cfg),
+            "start": {"sink_strength": s_start["sink_strength"], "ifeval": if_start},
+            "runs": rows,
+            "wall_seconds_this_invocation": round(time.time() - t0, 1),
+        },
+    )
+    trajectory_plot(
+        {n: [tuple(p) for p in r["train"]["trajectory"]] for n, r in rows.items()},
+        out / "trajectories.png",
+        f"SmolLM2-135M-Instruct, {cfg.steps} steps, batch {cfg.batch}, lr {cfg.lr}",
+    )
     print("\n".join(lines))
     print(f"-> {out / 'results.md'}, {out / 'trajectories.png'} ({time.time() - t0:.0f} s this invocation)")
 

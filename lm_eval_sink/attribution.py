@@ -40,7 +40,12 @@ from lm_eval_sink.tables import markdown_lines
 SCHEMA_VERSION = 1
 LINEAGE_STATUSES = ("same_checkpoint", "parent", "not_parent", "unknown", "mismatched")
 # Config fields that name the language model a VLM (or adapter) was built from.
-LINEAGE_CONFIG_FIELDS = ("text_config._name_or_path", "llm_config._name_or_path", "language_config._name_or_path", "base_model_name_or_path")
+LINEAGE_CONFIG_FIELDS = (
+    "text_config._name_or_path",
+    "llm_config._name_or_path",
+    "language_config._name_or_path",
+    "base_model_name_or_path",
+)
 
 
 def _pts(x: float | None) -> float | None:
@@ -73,18 +78,39 @@ class Measurement:
     fingerprint: Any = field(default=None, compare=False)  # ProtocolFingerprint of a run
 
     def to_json(self) -> dict[str, Any]:
-        return {"role": self.role, "model": self.model, "model_key": self.model_key, "registry_model": self.registry_model, "benchmark": self.benchmark,
-                "task": self.task, "strict": _pts(self.strict), "lenient": _pts(self.lenient), "protocol": self.protocol_label,
-                "protocol_key": self.protocol_key, "source": self.source, "samples": self.samples, "limit": self.limit, "n": self.n,
-                "stated_protocol": self.stated}
+        return {
+            "role": self.role,
+            "model": self.model,
+            "model_key": self.model_key,
+            "registry_model": self.registry_model,
+            "benchmark": self.benchmark,
+            "task": self.task,
+            "strict": _pts(self.strict),
+            "lenient": _pts(self.lenient),
+            "protocol": self.protocol_label,
+            "protocol_key": self.protocol_key,
+            "source": self.source,
+            "samples": self.samples,
+            "limit": self.limit,
+            "n": self.n,
+            "stated_protocol": self.stated,
+        }
 
 
 # --- per-prompt access vs capacity -----------------------------------------------------------
 
 
-def per_prompt_split(ref_rows: list[dict[str, Any]], cand_rows: list[dict[str, Any]], strict_key: str, lenient_key: str | None, *,
-                     ref_where: str = "reference", cand_where: str = "candidate", allow_partial: bool = False,
-                     doc_mismatch_hint: str | None = None) -> dict[str, Any]:
+def per_prompt_split(
+    ref_rows: list[dict[str, Any]],
+    cand_rows: list[dict[str, Any]],
+    strict_key: str,
+    lenient_key: str | None,
+    *,
+    ref_where: str = "reference",
+    cand_where: str = "candidate",
+    allow_partial: bool = False,
+    doc_mismatch_hint: str | None = None,
+) -> dict[str, Any]:
     """Pair two sample logs per doc (pairing.py: same documents, same doc sets unless `allow_partial`)
     and split the strict gap per prompt.
 
@@ -94,16 +120,25 @@ def per_prompt_split(ref_rows: list[dict[str, Any]], cand_rows: list[dict[str, A
     """
     metric, flt = strict_key.split(",", 1)
     ref_docs, cand_docs = index_docs(ref_rows, flt, ref_where), index_docs(cand_rows, flt, cand_where)
-    ids, pairing = pair_docs(ref_docs, cand_docs, (ref_where, cand_where), allow_partial=allow_partial, doc_mismatch_hint=doc_mismatch_hint)
+    ids, pairing = pair_docs(
+        ref_docs, cand_docs, (ref_where, cand_where), allow_partial=allow_partial, doc_mismatch_hint=doc_mismatch_hint
+    )
     n = len(ids)
     r_s = [outcome(ref_docs[d], metric, ref_where) for d in ids]
     c_s = [outcome(cand_docs[d], metric, cand_where) for d in ids]
     gap = 100.0 * sum(c - r for c, r in zip(c_s, r_s, strict=True)) / n
     out: dict[str, Any] = {
-        "n": n, "dropped": {"reference_only": len(pairing["dropped_reference_only"]), "candidate_only": len(pairing["dropped_candidate_only"])},
+        "n": n,
+        "dropped": {
+            "reference_only": len(pairing["dropped_reference_only"]),
+            "candidate_only": len(pairing["dropped_candidate_only"]),
+        },
         "prompt_hash_differs": pairing["prompt_hash_differs"]["count"],
-        "reference": {"strict": _pts(100.0 * sum(r_s) / n)}, "candidate": {"strict": _pts(100.0 * sum(c_s) / n)},
-        "gap": _pts(gap), "access": None, "capacity": None,
+        "reference": {"strict": _pts(100.0 * sum(r_s) / n)},
+        "candidate": {"strict": _pts(100.0 * sum(c_s) / n)},
+        "gap": _pts(gap),
+        "access": None,
+        "capacity": None,
         "strict_regressions": sum(1 for r, c in zip(r_s, c_s, strict=True) if r > c),
         "strict_recoveries": sum(1 for r, c in zip(r_s, c_s, strict=True) if c > r),
     }
@@ -113,14 +148,19 @@ def per_prompt_split(ref_rows: list[dict[str, Any]], cand_rows: list[dict[str, A
         capacity = 100.0 * sum(c - r for c, r in zip(c_l, r_l, strict=True)) / n
         access_docs = [d for d, r, c, lc in zip(ids, r_s, c_s, c_l, strict=True) if r > c and lc >= r]
         capacity_docs = [d for d, r, c, lc in zip(ids, r_s, c_s, c_l, strict=True) if r > c and lc < r]
-        out.update({
-            "reference": {"strict": out["reference"]["strict"], "lenient": _pts(100.0 * sum(r_l) / n)},
-            "candidate": {"strict": out["candidate"]["strict"], "lenient": _pts(100.0 * sum(c_l) / n)},
-            "capacity": _pts(capacity), "access": _pts(gap - capacity),
-            "regressions_access": len(access_docs), "regressions_capacity": len(capacity_docs),
-            "access_doc_ids": access_docs[:50], "capacity_doc_ids": capacity_docs[:50],
-            "lenient_regressions": sum(1 for r, c in zip(r_l, c_l, strict=True) if r > c),
-        })
+        out.update(
+            {
+                "reference": {"strict": out["reference"]["strict"], "lenient": _pts(100.0 * sum(r_l) / n)},
+                "candidate": {"strict": out["candidate"]["strict"], "lenient": _pts(100.0 * sum(c_l) / n)},
+                "capacity": _pts(capacity),
+                "access": _pts(gap - capacity),
+                "regressions_access": len(access_docs),
+                "regressions_capacity": len(capacity_docs),
+                "access_doc_ids": access_docs[:50],
+                "capacity_doc_ids": capacity_docs[:50],
+                "lenient_regressions": sum(1 for r, c in zip(r_l, c_l, strict=True) if r > c),
+            }
+        )
     return out
 
 
@@ -130,8 +170,10 @@ def _lenient_outcomes(rows: list[dict[str, Any]], ids: list[int], key: str, wher
     docs = index_docs(rows, flt, where)
     missing = [d for d in ids if d not in docs]
     if missing:
-        raise UserError(f"{where}: {len(missing)} paired docs have no sample under filter {flt!r} (e.g. doc_id {missing[0]})",
-                        "pass samples of one lm-eval run, written with every filter of the task")
+        raise UserError(
+            f"{where}: {len(missing)} paired docs have no sample under filter {flt!r} (e.g. doc_id {missing[0]})",
+            "pass samples of one lm-eval run, written with every filter of the task",
+        )
     return [outcome(docs[d], metric, where) for d in ids]
 
 
@@ -169,17 +211,36 @@ def lineage(ref: dict[str, Any], cand: dict[str, Any], declared: str | None = No
     else:
         found = None
     if declared not in (None, "parent", "not-parent"):
-        raise UserError(f"--lineage {declared!r} is not one of parent, not-parent", "declare --lineage parent or --lineage not-parent")
+        raise UserError(
+            f"--lineage {declared!r} is not one of parent, not-parent",
+            "declare --lineage parent or --lineage not-parent",
+        )
     decl = {"parent": "parent", "not-parent": "not_parent"}.get(declared or "")
     if found is None and decl is None:
-        status, how = "unknown", "no model-card, config or registry field names the candidate's parent, and none was declared"
+        status, how = (
+            "unknown",
+            "no model-card, config or registry field names the candidate's parent, and none was declared",
+        )
     elif found is None:
         status, how = decl, "declared by the user"
     elif decl is None or decl == found or found == "same_checkpoint":
-        status, how = found, "; ".join(f"{e['source']} names {e['parent']}" for e in evidence) or "reference and candidate are the same weights"
+        status, how = (
+            found,
+            "; ".join(f"{e['source']} names {e['parent']}" for e in evidence)
+            or "reference and candidate are the same weights",
+        )
     else:
-        status, how = "mismatched", f"declared {declared}, but " + "; ".join(f"{e['source']} names {e['parent']}" for e in evidence)
-    return {"status": status, "flagged": status not in ("same_checkpoint", "parent"), "how": how, "evidence": evidence, "declared": declared}
+        status, how = (
+            "mismatched",
+            f"declared {declared}, but " + "; ".join(f"{e['source']} names {e['parent']}" for e in evidence),
+        )
+    return {
+        "status": status,
+        "flagged": status not in ("same_checkpoint", "parent"),
+        "how": how,
+        "evidence": evidence,
+        "declared": declared,
+    }
 
 
 # --- the attribution -------------------------------------------------------------------------
@@ -196,8 +257,14 @@ class Attribution:
     measurements: list[dict[str, Any]]
 
     def to_json(self) -> dict[str, Any]:
-        return {"schema_version": SCHEMA_VERSION, "benchmarks": self.benchmarks, "lineage": self.lineage, "mixture": self.mixture,
-                "inputs": self.inputs, "measurements": self.measurements}
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "benchmarks": self.benchmarks,
+            "lineage": self.lineage,
+            "mixture": self.mixture,
+            "inputs": self.inputs,
+            "measurements": self.measurements,
+        }
 
 
 def _differing(r: Measurement, c: Measurement) -> list[dict[str, Any]]:
@@ -206,39 +273,82 @@ def _differing(r: Measurement, c: Measurement) -> list[dict[str, Any]]:
     from lm_eval_sink.vendors import compare_stated, compare_stated_pair
 
     if r.fingerprint is not None and c.fingerprint is not None:
-        out = [{"field": d.field, "reference": d.a, "candidate": d.b, "affects_scores": d.affects_scores}
-               for d in task_diff(r.fingerprint, c.fingerprint, (r.task, c.task))]
+        out = [
+            {"field": d.field, "reference": d.a, "candidate": d.b, "affects_scores": d.affects_scores}
+            for d in task_diff(r.fingerprint, c.fingerprint, (r.task, c.task))
+        ]
         if r.task != c.task:
             out.insert(0, {"field": "task", "reference": r.task, "candidate": c.task, "affects_scores": True})
         return out
     if r.fingerprint is not None or c.fingerprint is not None:
         run, reg = (r, c) if r.fingerprint is not None else (c, r)
         differ, _ = compare_stated(reg.stated or {}, run.fingerprint, run.task or "")
-        return [{"field": d["field"], r.role: d["run"] if run is r else d["stated"], c.role: d["stated"] if run is r else d["run"], "affects_scores": True}
-                for d in differ]
+        return [
+            {
+                "field": d["field"],
+                r.role: d["run"] if run is r else d["stated"],
+                c.role: d["stated"] if run is r else d["run"],
+                "affects_scores": True,
+            }
+            for d in differ
+        ]
     differ, one_side = compare_stated_pair(r.stated or {}, c.stated or {})
     return [{"field": d["field"], "reference": d["a"], "candidate": d["b"], "affects_scores": True} for d in differ] + [
-        {"field": k, "reference": (r.stated or {}).get(k, "not stated"), "candidate": (c.stated or {}).get(k, "not stated"), "affects_scores": None}
-        for k in one_side]
+        {
+            "field": k,
+            "reference": (r.stated or {}).get(k, "not stated"),
+            "candidate": (c.stated or {}).get(k, "not stated"),
+            "affects_scores": None,
+        }
+        for k in one_side
+    ]
 
 
 def _side(m: Measurement) -> dict[str, Any]:
     return {"model": m.model, "strict": _pts(m.strict), "lenient": _pts(m.lenient), "source": m.source, "task": m.task}
 
 
-def _compare(r: Measurement, c: Measurement, kind: str, samples_rows: Any, bench: Any, allow_partial: bool) -> dict[str, Any]:
-    row: dict[str, Any] = {"kind": kind, "protocol": r.protocol_label if kind == "same_protocol" else f"{r.protocol_label} vs {c.protocol_label}",
-                           "reference": _side(r), "candidate": _side(c), "non_final": r.limit is not None or c.limit is not None,
-                           "limit": {"reference": r.limit, "candidate": c.limit}}
+def _compare(
+    r: Measurement, c: Measurement, kind: str, samples_rows: Any, bench: Any, allow_partial: bool
+) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "kind": kind,
+        "protocol": r.protocol_label if kind == "same_protocol" else f"{r.protocol_label} vs {c.protocol_label}",
+        "reference": _side(r),
+        "candidate": _side(c),
+        "non_final": r.limit is not None or c.limit is not None,
+        "limit": {"reference": r.limit, "candidate": c.limit},
+    }
     split = aggregate_split(r, c)
-    row.update(gap=split["gap"], access=split["access"], capacity=split["capacity"], split_from="aggregate" if split["access"] is not None else None,
-               per_prompt=None, protocol_part=None)
+    row.update(
+        gap=split["gap"],
+        access=split["access"],
+        capacity=split["capacity"],
+        split_from="aggregate" if split["access"] is not None else None,
+        per_prompt=None,
+        protocol_part=None,
+    )
     if kind == "same_protocol" and r.samples and c.samples and bench is not None and bench.strict:
-        pp = per_prompt_split(samples_rows(r.samples), samples_rows(c.samples), bench.strict, bench.lenient, ref_where=r.samples, cand_where=c.samples,
-                              allow_partial=allow_partial, doc_mismatch_hint=bench.doc_mismatch_hint)
+        pp = per_prompt_split(
+            samples_rows(r.samples),
+            samples_rows(c.samples),
+            bench.strict,
+            bench.lenient,
+            ref_where=r.samples,
+            cand_where=c.samples,
+            allow_partial=allow_partial,
+            doc_mismatch_hint=bench.doc_mismatch_hint,
+        )
         row["per_prompt"] = pp
-        row.update(gap=pp["gap"], access=pp["access"], capacity=pp["capacity"], split_from="samples" if pp["access"] is not None else None)
-        row["per_prompt"]["matches_results"] = (r.n == c.n == pp["n"] and abs(pp["gap"] - split["gap"]) < 1e-6) if r.n and c.n else None
+        row.update(
+            gap=pp["gap"],
+            access=pp["access"],
+            capacity=pp["capacity"],
+            split_from="samples" if pp["access"] is not None else None,
+        )
+        row["per_prompt"]["matches_results"] = (
+            (r.n == c.n == pp["n"] and abs(pp["gap"] - split["gap"]) < 1e-6) if r.n and c.n else None
+        )
     if kind != "same_protocol":
         row["differing_fields"] = _differing(r, c)
         row["access"] = row["capacity"] = None
@@ -259,14 +369,31 @@ def _protocol_effect(rows: list[dict[str, Any]], baseline: str | None) -> dict[s
     base = baseline if baseline in gaps else labels[0]
     base_gap = gaps[base][0]
     values = [g for gs in gaps.values() for g in gs]
-    return {"gaps": gaps, "baseline": base, "effects": {p: _pts(gs[0] - base_gap) for p, gs in gaps.items() if p != base},
-            "sign_flip": any(v > 0 for v in values) and any(v < 0 for v in values), "spread": _pts(max(values) - min(values)),
-            "baseline_requested": baseline, "baseline_found": baseline in gaps if baseline else None}
+    return {
+        "gaps": gaps,
+        "baseline": base,
+        "effects": {p: _pts(gs[0] - base_gap) for p, gs in gaps.items() if p != base},
+        "sign_flip": any(v > 0 for v in values) and any(v < 0 for v in values),
+        "spread": _pts(max(values) - min(values)),
+        "baseline_requested": baseline,
+        "baseline_found": baseline in gaps if baseline else None,
+    }
 
 
-def attribute(references: list[Measurement], candidates: list[Measurement], *, benchmarks: dict[str, Benchmark], lineage_info: list[dict[str, Any]],
-              reported_gaps: list[Any] = (), vendor_scores: list[Any] = (), mixture: dict[str, str] | None = None, baseline_protocol: str | None = None,
-              allow_partial: bool = False, samples_rows: Any = None, inputs: list[dict[str, Any]] | None = None) -> Attribution:
+def attribute(
+    references: list[Measurement],
+    candidates: list[Measurement],
+    *,
+    benchmarks: dict[str, Benchmark],
+    lineage_info: list[dict[str, Any]],
+    reported_gaps: list[Any] = (),
+    vendor_scores: list[Any] = (),
+    mixture: dict[str, str] | None = None,
+    baseline_protocol: str | None = None,
+    allow_partial: bool = False,
+    samples_rows: Any = None,
+    inputs: list[dict[str, Any]] | None = None,
+) -> Attribution:
     """Pair reference and candidate measurements per benchmark and attribute each gap.
 
     `reported_gaps`: registry `Gap`s for the pair; `vendor_scores`: registry `Score`s (vendor
@@ -276,8 +403,11 @@ def attribute(references: list[Measurement], candidates: list[Measurement], *, b
     cand_b = {m.benchmark for m in candidates} | {g.benchmark for g in reported_gaps}
     common = sorted((ref_b & cand_b) | {g.benchmark for g in reported_gaps})
     if not common:
-        raise UserError(f"reference and candidate share no benchmark (reference: {', '.join(sorted(ref_b)) or 'none'}; "
-                        f"candidate: {', '.join(sorted(cand_b)) or 'none'})", "pass runs of the same tasks")
+        raise UserError(
+            f"reference and candidate share no benchmark (reference: {', '.join(sorted(ref_b)) or 'none'}; "
+            f"candidate: {', '.join(sorted(cand_b)) or 'none'})",
+            "pass runs of the same tasks",
+        )
     out = []
     for name in common:
         bench = benchmarks.get(name)
@@ -292,9 +422,23 @@ def attribute(references: list[Measurement], candidates: list[Measurement], *, b
                     paired |= {id(r), id(c)}
         for g in reported_gaps:
             if g.benchmark == name:
-                rows.append({"kind": "reported_gap", "protocol": g.protocol.id, "gap": _pts(g.value), "access": None, "capacity": None, "split_from": None,
-                             "protocol_part": None, "reference": {"model": g.reference}, "candidate": {"model": g.candidate}, "non_final": False,
-                             "source": {"kind": "registry", "id": g.id, **g.source.to_json()}, "stated_protocol": g.protocol.to_json(), "note": g.note})
+                rows.append(
+                    {
+                        "kind": "reported_gap",
+                        "protocol": g.protocol.id,
+                        "gap": _pts(g.value),
+                        "access": None,
+                        "capacity": None,
+                        "split_from": None,
+                        "protocol_part": None,
+                        "reference": {"model": g.reference},
+                        "candidate": {"model": g.candidate},
+                        "non_final": False,
+                        "source": {"kind": "registry", "id": g.id, **g.source.to_json()},
+                        "stated_protocol": g.protocol.to_json(),
+                        "note": g.note,
+                    }
+                )
         for r in rs:
             for c in cs:
                 if r.protocol_key == c.protocol_key:
@@ -306,13 +450,21 @@ def attribute(references: list[Measurement], candidates: list[Measurement], *, b
         confounded: set[int] = set()
         for r in rs:
             for c in cs:
-                if r.protocol_key != c.protocol_key and r.model_key != c.model_key and id(r) not in paired and id(c) not in paired:
+                if (
+                    r.protocol_key != c.protocol_key
+                    and r.model_key != c.model_key
+                    and id(r) not in paired
+                    and id(c) not in paired
+                ):
                     row = _compare(r, c, "confounded", samples_rows, bench, allow_partial)
                     row["gap"] = None  # different models under different protocols: not attributed
                     not_compared.append(row)
                     confounded |= {id(r), id(c)}
-        unpaired = [{"role": m.role, "model": m.model, "protocol": m.protocol_label, "strict": _pts(m.strict)} for m in [*rs, *cs]
-                    if id(m) not in paired and id(m) not in confounded]
+        unpaired = [
+            {"role": m.role, "model": m.model, "protocol": m.protocol_label, "strict": _pts(m.strict)}
+            for m in [*rs, *cs]
+            if id(m) not in paired and id(m) not in confounded
+        ]
         vend = []
         for s in vendor_scores:
             if s.benchmark != name:
@@ -325,12 +477,26 @@ def attribute(references: list[Measurement], candidates: list[Measurement], *, b
             for row in rows:
                 if row["kind"] in ("same_protocol", "reported_gap") and row["protocol"] in effect["effects"]:
                     row["protocol_part"] = effect["effects"][row["protocol"]]
-        out.append({"benchmark": name, "construct": bench.construct if bench else "unknown", "construct_why": bench.why if bench else "not in benchmarks.yaml",
-                    "strict_key": bench.strict if bench else None, "lenient_key": bench.lenient if bench else None,
-                    "comparisons": rows, "not_compared": not_compared, "unpaired": unpaired,
-                    "protocol_effect": effect, "vendor": vend})
-    mix = {"declared": dict(sorted((mixture or {}).items())) or None,
-           "note": "declared by the user, shown as given, never inferred" if mixture else "not declared: how much text, and in what output format, the VL recipe held is unknown"}
+        out.append(
+            {
+                "benchmark": name,
+                "construct": bench.construct if bench else "unknown",
+                "construct_why": bench.why if bench else "not in benchmarks.yaml",
+                "strict_key": bench.strict if bench else None,
+                "lenient_key": bench.lenient if bench else None,
+                "comparisons": rows,
+                "not_compared": not_compared,
+                "unpaired": unpaired,
+                "protocol_effect": effect,
+                "vendor": vend,
+            }
+        )
+    mix = {
+        "declared": dict(sorted((mixture or {}).items())) or None,
+        "note": "declared by the user, shown as given, never inferred"
+        if mixture
+        else "not declared: how much text, and in what output format, the VL recipe held is unknown",
+    }
     meas = [m.to_json() for m in [*references, *candidates]]
     return Attribution(benchmarks=out, lineage=lineage_info, mixture=mix, inputs=list(inputs or []), measurements=meas)
 
@@ -345,9 +511,15 @@ def _vendor_row(s: Any, m: Measurement) -> dict[str, Any]:
         pair, one_side = compare_stated_pair(s.protocol.stated, m.stated or {})
         differ = [{"field": d["field"], "vendor": d["a"], "measured": d["b"]} for d in pair]
         unstated = [k for k in one_side if k not in s.protocol.stated]
-    return {"model": s.model, "role": m.role, "vendor": {"id": s.id, "value": _pts(s.value), "source": s.source.to_json(), "protocol": s.protocol.to_json()},
-            "measured": {"value": _pts(m.strict), "protocol": m.protocol_label, "source": m.source}, "measured_minus_vendor": _pts(m.strict - s.value),
-            "protocol_differences": differ, "vendor_unstated": unstated}
+    return {
+        "model": s.model,
+        "role": m.role,
+        "vendor": {"id": s.id, "value": _pts(s.value), "source": s.source.to_json(), "protocol": s.protocol.to_json()},
+        "measured": {"value": _pts(m.strict), "protocol": m.protocol_label, "source": m.source},
+        "measured_minus_vendor": _pts(m.strict - s.value),
+        "protocol_differences": differ,
+        "vendor_unstated": unstated,
+    }
 
 
 # --- report ----------------------------------------------------------------------------------
@@ -369,7 +541,9 @@ def _fields(fields: list[dict[str, Any]]) -> str:
         text = x if isinstance(x, str) else json.dumps(x, ensure_ascii=False)
         return text if len(text) <= 24 else text[:21] + "..."
 
-    return "; ".join(f"{d['field']}: {v(d.get('reference'))} vs {v(d.get('candidate'))}" for d in shown[:6]) + (" ..." if len(shown) > 6 else "")
+    return "; ".join(f"{d['field']}: {v(d.get('reference'))} vs {v(d.get('candidate'))}" for d in shown[:6]) + (
+        " ..." if len(shown) > 6 else ""
+    )
 
 
 def to_markdown(att: Attribution) -> str:
@@ -379,7 +553,9 @@ def to_markdown(att: Attribution) -> str:
         flag = " **FLAGGED**" if li["flagged"] else ""
         L.append(f"- lineage {li['reference']} -> {li['candidate']}: {li['status']}{flag} ({li['how']})")
     mix = att.mixture
-    L.append(f"- mixture: {', '.join(f'{k}={v}' for k, v in mix['declared'].items()) + ' (declared)' if mix['declared'] else mix['note']}")
+    L.append(
+        f"- mixture: {', '.join(f'{k}={v}' for k, v in mix['declared'].items()) + ' (declared)' if mix['declared'] else mix['note']}"
+    )
     for b in att.benchmarks:
         L += ["", f"## {b['benchmark']} (construct: {b['construct']}: {b['construct_why']})", ""]
         if b["comparisons"]:
@@ -394,34 +570,105 @@ def to_markdown(att: Attribution) -> str:
                     notes.append("same weights: " + _fields(r["differing_fields"]))
                 pp = r.get("per_prompt")
                 if pp:
-                    notes.append(f"{pp['n']} prompts, {pp['strict_regressions']} strict regressions"
-                                 + (f" ({pp['regressions_access']} access, {pp['regressions_capacity']} capacity)" if pp.get("access") is not None else "")
-                                 + (f", prompt hashes differ on {pp['prompt_hash_differs']}" if pp["prompt_hash_differs"] else ""))
+                    notes.append(
+                        f"{pp['n']} prompts, {pp['strict_regressions']} strict regressions"
+                        + (
+                            f" ({pp['regressions_access']} access, {pp['regressions_capacity']} capacity)"
+                            if pp.get("access") is not None
+                            else ""
+                        )
+                        + (
+                            f", prompt hashes differ on {pp['prompt_hash_differs']}"
+                            if pp["prompt_hash_differs"]
+                            else ""
+                        )
+                    )
                 ref = r["reference"].get("strict")
                 cand = r["candidate"].get("strict")
-                rows.append([r["protocol"], r["kind"], f"{r['reference']['model']} {_f(ref, False)}", f"{r['candidate']['model']} {_f(cand, False)}",
-                             _f(r["gap"]), _f(r["access"]), _f(r["capacity"]), _f(r["protocol_part"]), r["split_from"] or "-", "; ".join(notes)])
-            L += markdown_lines(["protocol", "kind", "reference", "candidate", "gap", "access", "capacity", "protocol part", "split from", "note"], rows)
+                rows.append(
+                    [
+                        r["protocol"],
+                        r["kind"],
+                        f"{r['reference']['model']} {_f(ref, False)}",
+                        f"{r['candidate']['model']} {_f(cand, False)}",
+                        _f(r["gap"]),
+                        _f(r["access"]),
+                        _f(r["capacity"]),
+                        _f(r["protocol_part"]),
+                        r["split_from"] or "-",
+                        "; ".join(notes),
+                    ]
+                )
+            L += markdown_lines(
+                [
+                    "protocol",
+                    "kind",
+                    "reference",
+                    "candidate",
+                    "gap",
+                    "access",
+                    "capacity",
+                    "protocol part",
+                    "split from",
+                    "note",
+                ],
+                rows,
+            )
         pe = b["protocol_effect"]
         if pe:
-            gaps = ", ".join(f"{_f(g[0])} under {p}" + (f" ({len(g)} sources)" if len(g) > 1 else "") for p, g in pe["gaps"].items())
+            gaps = ", ".join(
+                f"{_f(g[0])} under {p}" + (f" ({len(g)} sources)" if len(g) > 1 else "") for p, g in pe["gaps"].items()
+            )
             effects = ", ".join(f"{p} {_f(e)}" for p, e in pe["effects"].items())
-            L += ["", f"protocol: gap {gaps}; effect vs {pe['baseline']}: {effects}; spread {_f(pe['spread'], False)}; "
-                  f"sign {'FLIPS' if pe['sign_flip'] else 'unchanged'}"]
+            L += [
+                "",
+                f"protocol: gap {gaps}; effect vs {pe['baseline']}: {effects}; spread {_f(pe['spread'], False)}; "
+                f"sign {'FLIPS' if pe['sign_flip'] else 'unchanged'}",
+            ]
         for r in b["not_compared"]:
-            L.append(f"- not compared (different models under different protocols): {r['reference']['model']} ({r['protocol'].split(' vs ')[0]}) vs "
-                     f"{r['candidate']['model']} ({r['protocol'].split(' vs ')[-1]}): {_fields(r['differing_fields'])}")
+            L.append(
+                f"- not compared (different models under different protocols): {r['reference']['model']} ({r['protocol'].split(' vs ')[0]}) vs "
+                f"{r['candidate']['model']} ({r['protocol'].split(' vs ')[-1]}): {_fields(r['differing_fields'])}"
+            )
         for u in b["unpaired"]:
             L.append(f"- no partner: {u['role']} {u['model']} under {u['protocol']} ({_f(u['strict'], False)})")
         if b["vendor"]:
             rows = []
             for v in b["vendor"]:
-                diffs = "; ".join(f"{d['field']}: vendor {d['vendor']} vs {d['measured']}" for d in v["protocol_differences"]) or "none found"
+                diffs = (
+                    "; ".join(
+                        f"{d['field']}: vendor {d['vendor']} vs {d['measured']}" for d in v["protocol_differences"]
+                    )
+                    or "none found"
+                )
                 if v["vendor_unstated"]:
                     diffs += f" (vendor does not state {', '.join(v['vendor_unstated'])})"
-                rows.append([v["model"], _f(v["vendor"]["value"], False), v["vendor"]["source"]["id"], _f(v["measured"]["value"], False),
-                             v["measured"]["protocol"], _f(v["measured_minus_vendor"]), diffs])
-            L += ["", *markdown_lines(["model", "vendor says", "source", "measured", "protocol", "measured - vendor", "protocol differences"], rows)]
+                rows.append(
+                    [
+                        v["model"],
+                        _f(v["vendor"]["value"], False),
+                        v["vendor"]["source"]["id"],
+                        _f(v["measured"]["value"], False),
+                        v["measured"]["protocol"],
+                        _f(v["measured_minus_vendor"]),
+                        diffs,
+                    ]
+                )
+            L += [
+                "",
+                *markdown_lines(
+                    [
+                        "model",
+                        "vendor says",
+                        "source",
+                        "measured",
+                        "protocol",
+                        "measured - vendor",
+                        "protocol differences",
+                    ],
+                    rows,
+                ),
+            ]
     return "\n".join(L) + "\n"
 
 
@@ -434,7 +681,14 @@ def plot_rows(att: Attribution) -> list[dict[str, Any]]:
     bars = []
     for b in att.benchmarks:
         pe = b["protocol_effect"]
-        base_row = next((r for r in b["comparisons"] if pe and r["protocol"] == pe["baseline"] and r["kind"] in ("same_protocol", "reported_gap")), None)
+        base_row = next(
+            (
+                r
+                for r in b["comparisons"]
+                if pe and r["protocol"] == pe["baseline"] and r["kind"] in ("same_protocol", "reported_gap")
+            ),
+            None,
+        )
         for r in b["comparisons"]:
             if r["gap"] is None:
                 continue
@@ -462,15 +716,25 @@ def _results_value(results: dict[str, Any], task: str, key: str, where: str) -> 
     vals = results.get("results", {}).get(task) or {}
     if key not in vals:
         have = sorted(k for k in vals if "," in k and "_stderr" not in k)
-        raise UserError(f"{where}: task {task!r} has no {key!r} in its results (has: {', '.join(have) or 'nothing'})",
-                        "pass a results file of that task, or set its metric keys in a --benchmarks file")
+        raise UserError(
+            f"{where}: task {task!r} has no {key!r} in its results (has: {', '.join(have) or 'nothing'})",
+            "pass a results file of that task, or set its metric keys in a --benchmarks file",
+        )
     v = vals[key]
     if not isinstance(v, (int, float)) or isinstance(v, bool):
         raise UserError(f"{where}: {task} {key} is {v!r}, not a number", "pass a results file written by lm-eval")
     return 100.0 * float(v)
 
 
-def run_measurements(results: dict[str, Any], fp: Any, info: dict[str, Any], source: dict[str, Any], samples: dict[str, Path], role: str, benchmarks: dict[str, Benchmark]) -> list[Measurement]:
+def run_measurements(
+    results: dict[str, Any],
+    fp: Any,
+    info: dict[str, Any],
+    source: dict[str, Any],
+    samples: dict[str, Path],
+    role: str,
+    benchmarks: dict[str, Benchmark],
+) -> list[Measurement]:
     """The measurements of one lm-eval run (one per task that belongs to a scored family); `benchmarks` gains the unknown tasks."""
     from lm_eval_sink.protocols import match_protocol
 
@@ -482,25 +746,56 @@ def run_measurements(results: dict[str, Any], fp: Any, info: dict[str, Any], sou
         if bench is not None and bench.construct == "diagnostic":
             continue
         if bench is None:
-            keys = sorted(k for k, v in (results["results"].get(task) or {}).items()
-                          if "," in k and "_stderr" not in k and isinstance(v, (int, float)) and not isinstance(v, bool))
+            keys = sorted(
+                k
+                for k, v in (results["results"].get(task) or {}).items()
+                if "," in k and "_stderr" not in k and isinstance(v, (int, float)) and not isinstance(v, bool)
+            )
             if not keys:
                 continue
-            bench = Benchmark(task, (task,), "unknown", keys[0], None, f"not in benchmarks.yaml; scored by {keys[0]} (the first metric)")
+            bench = Benchmark(
+                task,
+                (task,),
+                "unknown",
+                keys[0],
+                None,
+                f"not in benchmarks.yaml; scored by {keys[0]} (the first metric)",
+            )
             benchmarks[task] = bench
         strict = _results_value(results, task, bench.strict, where)
         lenient = _results_value(results, task, bench.lenient, where) if bench.lenient else None
         key = fp.harness_sha(tasks=(task,))
         n = ((results.get("n-samples") or {}).get(task) or {}).get("effective")
-        out.append(Measurement(role=role, model=info["display"], model_key=info["key"], benchmark=bench.name, task=task, strict=strict, lenient=lenient,
-                               protocol_key=f"run:{key}", protocol_label=named or f"custom-{fp.harness_sha()[:8]}", source=source, registry_model=info["registry_model"],
-                               samples=str(samples[task]) if task in samples else None, limit=fp.harness.get("limit"), n=n, fingerprint=fp))
+        out.append(
+            Measurement(
+                role=role,
+                model=info["display"],
+                model_key=info["key"],
+                benchmark=bench.name,
+                task=task,
+                strict=strict,
+                lenient=lenient,
+                protocol_key=f"run:{key}",
+                protocol_label=named or f"custom-{fp.harness_sha()[:8]}",
+                source=source,
+                registry_model=info["registry_model"],
+                samples=str(samples[task]) if task in samples else None,
+                limit=fp.harness.get("limit"),
+                n=n,
+                fingerprint=fp,
+            )
+        )
     if not out:
-        raise UserError(f"{where}: no scored task in this run ({', '.join(fp.tasks)})", "pass a run of benchmark tasks (e.g. ifeval, gsm8k_cot)")
+        raise UserError(
+            f"{where}: no scored task in this run ({', '.join(fp.tasks)})",
+            "pass a run of benchmark tasks (e.g. ifeval, gsm8k_cot)",
+        )
     return out
 
 
-def measurements_from_registry(arg: str, role: str, registry: Any) -> tuple[list[Measurement], dict[str, Any], dict[str, Any]]:
+def measurements_from_registry(
+    arg: str, role: str, registry: Any
+) -> tuple[list[Measurement], dict[str, Any], dict[str, Any]]:
     """`vendor:SCORE_ID` (one score) or `vendor:MODEL` (every score of that model, possibly none)."""
     ref = arg.split(":", 1)[1]
     scores = [s for s in registry.scores if s.id == ref]
@@ -508,12 +803,30 @@ def measurements_from_registry(arg: str, role: str, registry: Any) -> tuple[list
     if not scores:
         scores = registry.scores_of(model)
     entry = registry.models[model]
-    info = {"key": f"registry:{model}", "names": sorted(entry.names()), "registry_model": model, "display": model,
-            "parents": [(entry.parent["model"], f"vendor registry ({entry.parent['source']})")] if entry.parent else []}
-    out = [Measurement(role=role, model=model, model_key=info["key"], benchmark=s.benchmark, task=None, strict=s.value, lenient=None,
-                       protocol_key=f"registry:{s.protocol.id}", protocol_label=s.protocol.id,
-                       source={"kind": "registry", "id": s.id, "source": s.source.id, "source_kind": s.source.kind}, registry_model=model,
-                       stated=s.protocol.stated) for s in scores]
+    info = {
+        "key": f"registry:{model}",
+        "names": sorted(entry.names()),
+        "registry_model": model,
+        "display": model,
+        "parents": [(entry.parent["model"], f"vendor registry ({entry.parent['source']})")] if entry.parent else [],
+    }
+    out = [
+        Measurement(
+            role=role,
+            model=model,
+            model_key=info["key"],
+            benchmark=s.benchmark,
+            task=None,
+            strict=s.value,
+            lenient=None,
+            protocol_key=f"registry:{s.protocol.id}",
+            protocol_label=s.protocol.id,
+            source={"kind": "registry", "id": s.id, "source": s.source.id, "source_kind": s.source.kind},
+            registry_model=model,
+            stated=s.protocol.stated,
+        )
+        for s in scores
+    ]
     return out, info, {"kind": "registry", "arg": arg, "files": list(registry.files)}
 
 
@@ -525,5 +838,9 @@ def relabel(measurements: list[Measurement]) -> list[Measurement]:
     for m in measurements:
         if m.protocol_key.startswith("run:"):
             keys.setdefault((m.benchmark, m.protocol_label), set()).add(m.protocol_key)
-    return [replace(m, protocol_label=f"{m.protocol_label}-{m.protocol_key[4:12]}")
-            if m.protocol_key.startswith("run:") and len(keys[(m.benchmark, m.protocol_label)]) > 1 else m for m in measurements]
+    return [
+        replace(m, protocol_label=f"{m.protocol_label}-{m.protocol_key[4:12]}")
+        if m.protocol_key.startswith("run:") and len(keys[(m.benchmark, m.protocol_label)]) > 1
+        else m
+        for m in measurements
+    ]

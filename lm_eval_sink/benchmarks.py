@@ -47,7 +47,9 @@ class Benchmark:
     why: str
     kind: str | None = None  # binary | continuous
     checker: str | None = None  # ifeval: failure kinds of regressions from lm-eval's IFEval checker
-    instruction_metrics: dict[str, str] = field(default_factory=dict)  # prompt-level metric -> instruction-level list metric
+    instruction_metrics: dict[str, str] = field(
+        default_factory=dict
+    )  # prompt-level metric -> instruction-level list metric
     doc_mismatch_hint: str | None = None
 
     @property
@@ -78,7 +80,9 @@ class _BenchmarkIn(Strict):
     why: str = ""
     kind: Literal[KINDS] | None = None
     checker: Literal[CHECKERS] | None = None
-    instruction_metrics: dict[str, str] = Field({}, description="must map metric names to metric names, e.g. {prompt_level_strict_acc: inst_level_strict_acc}")
+    instruction_metrics: dict[str, str] = Field(
+        {}, description="must map metric names to metric names, e.g. {prompt_level_strict_acc: inst_level_strict_acc}"
+    )
     doc_mismatch_hint: str | None = None
 
 
@@ -96,11 +100,26 @@ def _entry(name: str, b: _BenchmarkIn, where: str) -> Benchmark:
     for key in ("strict", "lenient"):
         v = getattr(b, key)
         if v is not None and "," not in v:
-            raise UserError(f"{where}: benchmark {name!r} {key} key {v!r} is not 'metric,filter'", "use the results key, e.g. exact_match,strict-match")
+            raise UserError(
+                f"{where}: benchmark {name!r} {key} key {v!r} is not 'metric,filter'",
+                "use the results key, e.g. exact_match,strict-match",
+            )
     if b.construct_ != "diagnostic" and not b.strict:
-        raise UserError(f"{where}: benchmark {name!r} lacks `strict`", "name the results key of its score, e.g. acc,none")
-    return Benchmark(name, tuple(b.tasks), b.construct_, b.strict, b.lenient, b.why, kind=b.kind, checker=b.checker,
-                     instruction_metrics=dict(b.instruction_metrics), doc_mismatch_hint=b.doc_mismatch_hint)
+        raise UserError(
+            f"{where}: benchmark {name!r} lacks `strict`", "name the results key of its score, e.g. acc,none"
+        )
+    return Benchmark(
+        name,
+        tuple(b.tasks),
+        b.construct_,
+        b.strict,
+        b.lenient,
+        b.why,
+        kind=b.kind,
+        checker=b.checker,
+        instruction_metrics=dict(b.instruction_metrics),
+        doc_mismatch_hint=b.doc_mismatch_hint,
+    )
 
 
 def _parse(text: str, where: str, schema: type[_UserFileIn]) -> _UserFileIn:
@@ -108,8 +127,10 @@ def _parse(text: str, where: str, schema: type[_UserFileIn]) -> _UserFileIn:
 
     data = parse_yaml(text, where)
     if not isinstance(data, dict) or not isinstance(data.get("benchmarks"), dict):
-        raise UserError(f"{where}: expected a mapping with `benchmarks: {{NAME: {{tasks, construct, strict, lenient, why, ...}}}}`",
-                        f"see {_BUNDLED} for the format")
+        raise UserError(
+            f"{where}: expected a mapping with `benchmarks: {{NAME: {{tasks, construct, strict, lenient, why, ...}}}}`",
+            f"see {_BUNDLED} for the format",
+        )
     return parse(schema, data, where)
 
 

@@ -71,7 +71,10 @@ class BucketSettings:
         if not 0.5 <= self.confidence < 1:
             raise UserError(f"--confidence must be in [0.5, 1), got {self.confidence}", "use e.g. --confidence 0.95")
         if self.max_gen_toks is not None and self.max_gen_toks <= 0:
-            raise UserError(f"--max-gen-toks must be positive, got {self.max_gen_toks}", "pass the run's generation limit, e.g. --max-gen-toks 1280")
+            raise UserError(
+                f"--max-gen-toks must be positive, got {self.max_gen_toks}",
+                "pass the run's generation limit, e.g. --max-gen-toks 1280",
+            )
         if self.threshold is not None and not np.isfinite(self.threshold):
             raise UserError(f"--threshold must be a finite number, got {self.threshold}", "use e.g. --threshold 50")
 
@@ -171,20 +174,31 @@ def _interval(stats: np.ndarray, confidence: float) -> tuple[float, float]:
     return float(lo), float(hi)
 
 
-def paired_delta_ci(reference: np.ndarray, candidate: np.ndarray, n_boot: int, confidence: float, seed: int) -> tuple[float, float]:
+def paired_delta_ci(
+    reference: np.ndarray, candidate: np.ndarray, n_boot: int, confidence: float, seed: int
+) -> tuple[float, float]:
     """Percentile interval of mean(candidate - reference) under a paired bootstrap over docs."""
     d = (np.asarray(candidate, dtype=np.float64) - np.asarray(reference, dtype=np.float64))[:, None]
     sums = resampled_sums(d, n_boot, seed)[:, 0]
     return _interval(sums / d.shape[0], confidence)
 
 
-def cluster_delta_ci(reference_passed: np.ndarray, candidate_passed: np.ndarray, n_items: np.ndarray, n_boot: int, confidence: float, seed: int) -> tuple[float, float]:
+def cluster_delta_ci(
+    reference_passed: np.ndarray,
+    candidate_passed: np.ndarray,
+    n_items: np.ndarray,
+    n_boot: int,
+    confidence: float,
+    seed: int,
+) -> tuple[float, float]:
     """Interval of an item-level accuracy delta, resampling whole clusters (prompts).
 
     Per prompt: instructions passed by each run and the instruction count; each resample's delta
     is (sum candidate passed - sum reference passed) / sum instructions.
     """
-    cols = np.stack([np.asarray(candidate_passed, float) - np.asarray(reference_passed, float), np.asarray(n_items, float)], axis=1)
+    cols = np.stack(
+        [np.asarray(candidate_passed, float) - np.asarray(reference_passed, float), np.asarray(n_items, float)], axis=1
+    )
     sums = resampled_sums(cols, n_boot, seed)
     return _interval(sums[:, 0] / sums[:, 1], confidence)
 
@@ -205,13 +219,18 @@ def _four(ref_pass: Sequence[bool], cand_pass: Sequence[bool]) -> dict[str, int]
 # --- filter and metric (pairing itself: pairing.py) -----------------------------------------------
 
 
-def _choose_filter(ref: Sequence[Mapping], cand: Sequence[Mapping], wanted: str | None, spec: Benchmark, labels: tuple[str, str]) -> str:
+def _choose_filter(
+    ref: Sequence[Mapping], cand: Sequence[Mapping], wanted: str | None, spec: Benchmark, labels: tuple[str, str]
+) -> str:
     ref_f = sorted({filter_of(r) for r in ref})
     cand_f = sorted({filter_of(r) for r in cand})
     if wanted is not None:
         for name, have in zip(labels, (ref_f, cand_f), strict=True):
             if wanted not in have:
-                raise UserError(f"filter {wanted!r} is not in the {name} (it has: {', '.join(have)})", "pass one of those with --filter")
+                raise UserError(
+                    f"filter {wanted!r} is not in the {name} (it has: {', '.join(have)})",
+                    "pass one of those with --filter",
+                )
         return wanted
     common = [f for f in ref_f if f in cand_f]
     if spec.filter is not None and spec.filter in common:
@@ -219,23 +238,34 @@ def _choose_filter(ref: Sequence[Mapping], cand: Sequence[Mapping], wanted: str 
     if len(common) == 1 and len(ref_f) == len(cand_f) == 1:
         return common[0]
     if not common:
-        raise UserError(f"the two logs share no filter: reference has {', '.join(ref_f)}, candidate has {', '.join(cand_f)}", "pass samples of the same task, run with the same filters")
+        raise UserError(
+            f"the two logs share no filter: reference has {', '.join(ref_f)}, candidate has {', '.join(cand_f)}",
+            "pass samples of the same task, run with the same filters",
+        )
     raise UserError(f"the samples hold several filters ({', '.join(common)})", "choose one with --filter")
 
 
 def _choose_metric(ref_rows: Mapping[int, Mapping], wanted: str | None, spec: Benchmark, label: str) -> str:
     first = ref_rows[min(ref_rows)]
     listed = [m for m in first.get("metrics", []) if isinstance(m, str)]
-    available = listed or sorted(k for k, v in first.items() if isinstance(v, bool | int | float | list) and k != "doc_id")
+    available = listed or sorted(
+        k for k, v in first.items() if isinstance(v, bool | int | float | list) and k != "doc_id"
+    )
     if wanted is None:
         if spec.metric is not None and spec.metric in first:
             return spec.metric
         scalar = [m for m in available if m in first and not isinstance(first[m], list)]
         if not scalar:
-            raise UserError(f"{label}: no per-sample metric found (keys: {', '.join(sorted(first))})", "pass a samples file written by lm-eval --log_samples")
+            raise UserError(
+                f"{label}: no per-sample metric found (keys: {', '.join(sorted(first))})",
+                "pass a samples file written by lm-eval --log_samples",
+            )
         return scalar[0]
     if wanted not in first:
-        raise UserError(f"{label}: no metric {wanted!r} in the samples{did_you_mean(wanted, available)} (they have: {', '.join(available)})", "pass one of those with --metric")
+        raise UserError(
+            f"{label}: no metric {wanted!r} in the samples{did_you_mean(wanted, available)} (they have: {', '.join(available)})",
+            "pass one of those with --metric",
+        )
     return wanted
 
 
@@ -270,14 +300,19 @@ def bucket(
     error messages.
     """
     if not reference_samples or not candidate_samples:
-        raise UserError(f"{labels[0] if not reference_samples else labels[1]}: no samples", "pass a samples file written by lm-eval --log_samples")
+        raise UserError(
+            f"{labels[0] if not reference_samples else labels[1]}: no samples",
+            "pass a samples file written by lm-eval --log_samples",
+        )
     spec = benchmark_of(task, load_benchmarks()) or _GENERIC
     filt = _choose_filter(reference_samples, candidate_samples, settings.filter, spec, labels)
     ref_rows = index_docs(reference_samples, filt, labels[0])
     cand_rows = index_docs(candidate_samples, filt, labels[1])
     metric = _choose_metric(ref_rows, settings.metric, spec, labels[0])
     _choose_metric(cand_rows, metric, spec, labels[1])
-    ids, pairing = pair_docs(ref_rows, cand_rows, labels, allow_partial=settings.allow_partial, doc_mismatch_hint=spec.doc_mismatch_hint)
+    ids, pairing = pair_docs(
+        ref_rows, cand_rows, labels, allow_partial=settings.allow_partial, doc_mismatch_hint=spec.doc_mismatch_hint
+    )
     ref_v = np.array([outcome(ref_rows[i], metric, labels[0]) for i in ids])
     cand_v = np.array([outcome(cand_rows[i], metric, labels[1]) for i in ids])
     is01 = bool(np.isin(ref_v, (0.0, 1.0)).all() and np.isin(cand_v, (0.0, 1.0)).all())
@@ -287,13 +322,19 @@ def bucket(
         raise UserError(f"--threshold applies to continuous metrics; {metric!r} is 0/1 per doc", "drop --threshold")
     if kind == "binary" and not is01:
         bad = next(i for i, a, b in zip(ids, ref_v, cand_v, strict=True) if a not in (0.0, 1.0) or b not in (0.0, 1.0))
-        raise UserError(f"metric {metric!r} is not 0/1 (e.g. doc_id {bad})", "pass --threshold to bucket a continuous score")
+        raise UserError(
+            f"metric {metric!r} is not 0/1 (e.g. doc_id {bad})", "pass --threshold to bucket a continuous score"
+        )
     n = len(ids)
     notes: list[str] = []
     if pairing["prompt_hash_differs"]["count"]:
-        notes.append(f"{pairing['prompt_hash_differs']['count']} of {n} prompts differ between the runs (prompt_hash): the protocols differ (chat template, few-shot, system prompt)")
+        notes.append(
+            f"{pairing['prompt_hash_differs']['count']} of {n} prompts differ between the runs (prompt_hash): the protocols differ (chat template, few-shot, system prompt)"
+        )
     if pairing["dropped_reference_only"] or pairing["dropped_candidate_only"]:
-        notes.append(f"--allow-partial: {len(pairing['dropped_reference_only'])} reference-only and {len(pairing['dropped_candidate_only'])} candidate-only docs dropped")
+        notes.append(
+            f"--allow-partial: {len(pairing['dropped_reference_only'])} reference-only and {len(pairing['dropped_candidate_only'])} candidate-only docs dropped"
+        )
 
     delta = float(cand_v.mean() - ref_v.mean())
     delta_ci = paired_delta_ci(ref_v, cand_v, settings.n_bootstrap, settings.confidence, settings.seed)
@@ -312,8 +353,13 @@ def bucket(
         discordant = counts["regression"] + counts["recovered"]
         if kind == "continuous":
             rp, cp = ref_pass.astype(float), cand_pass.astype(float)
-            pass_rate = {"threshold": thr, "reference": float(rp.mean()), "candidate": float(cp.mean()), "delta": float(cp.mean() - rp.mean()), "delta_ci": list(paired_delta_ci(rp, cp,
-                settings.n_bootstrap, settings.confidence, settings.seed))}
+            pass_rate = {
+                "threshold": thr,
+                "reference": float(rp.mean()),
+                "candidate": float(cp.mean()),
+                "delta": float(cp.mean() - rp.mean()),
+                "delta_ci": list(paired_delta_ci(rp, cp, settings.n_bootstrap, settings.confidence, settings.seed)),
+            }
     else:
         buckets = [None] * n
         counts_reason = "continuous metric: pass --threshold T to split docs into pass (score >= T) / fail buckets"
@@ -321,23 +367,25 @@ def bucket(
     rows: list[dict[str, Any]] = []
     for i, b, r, c in zip(ids, buckets, ref_v, cand_v, strict=True):
         doc = ref_rows[i].get("doc")
-        rows.append({
-            "doc_id": i,
-            "key": doc.get("key") if isinstance(doc, dict) and isinstance(doc.get("key"), int | str) else None,
-            "bucket": b,
-            "reference": float(r),
-            "candidate": float(c),
-            "difference": float(c - r),
-            "prompt_hash_same": ref_rows[i].get("prompt_hash") == cand_rows[i].get("prompt_hash"),
-            "truncated": None,
-            "failure_kind": None,
-            "failure_detail": None,
-            "n_instructions": None,
-            "reference_instructions_passed": None,
-            "candidate_instructions_passed": None,
-            "lenient_candidate": None,
-            "format_split": None,
-        })
+        rows.append(
+            {
+                "doc_id": i,
+                "key": doc.get("key") if isinstance(doc, dict) and isinstance(doc.get("key"), int | str) else None,
+                "bucket": b,
+                "reference": float(r),
+                "candidate": float(c),
+                "difference": float(c - r),
+                "prompt_hash_same": ref_rows[i].get("prompt_hash") == cand_rows[i].get("prompt_hash"),
+                "truncated": None,
+                "failure_kind": None,
+                "failure_detail": None,
+                "n_instructions": None,
+                "reference_instructions_passed": None,
+                "candidate_instructions_passed": None,
+                "lenient_candidate": None,
+                "format_split": None,
+            }
+        )
     by_id = {row["doc_id"]: row for row in rows}
 
     regressions = prompts["regression"] if prompts else []
@@ -347,7 +395,9 @@ def bucket(
     if spec.checker == "ifeval":
         inst_metric = spec.instruction_metrics.get(metric)
         if inst_metric is not None:
-            instruction_level, instruction_types = _instruction_stats(ids, ref_rows, cand_rows, inst_metric, by_id, settings, labels)
+            instruction_level, instruction_types = _instruction_stats(
+                ids, ref_rows, cand_rows, inst_metric, by_id, settings, labels
+            )
         if settings.failure_kinds and regressions:
             failure = _failure_kinds(regressions, cand_rows, by_id, loose="loose" in metric, progress=progress)
 
@@ -356,13 +406,32 @@ def bucket(
         format_split = _format_split(regressions, candidate_samples, spec.lenient_filter, metric, by_id, labels[1])
 
     return BucketReport(
-        task=task, metric=metric, filter=filt, kind=kind, threshold=settings.threshold, n=n,
-        counts=counts, counts_reason=counts_reason, prompts=prompts,
-        reference_score=float(ref_v.mean()), candidate_score=float(cand_v.mean()), delta=delta, delta_ci=delta_ci,
-        mcnemar_p=mcnemar_p, discordant=discordant, wilcoxon_p=wilcoxon_p, pass_rate=pass_rate,
-        instruction_level=instruction_level, instruction_types=instruction_types, format_split=format_split,
-        failure_kinds=failure, truncation=truncation, pairing=pairing, rows=rows,
-        settings=asdict(settings), notes=notes,
+        task=task,
+        metric=metric,
+        filter=filt,
+        kind=kind,
+        threshold=settings.threshold,
+        n=n,
+        counts=counts,
+        counts_reason=counts_reason,
+        prompts=prompts,
+        reference_score=float(ref_v.mean()),
+        candidate_score=float(cand_v.mean()),
+        delta=delta,
+        delta_ci=delta_ci,
+        mcnemar_p=mcnemar_p,
+        discordant=discordant,
+        wilcoxon_p=wilcoxon_p,
+        pass_rate=pass_rate,
+        instruction_level=instruction_level,
+        instruction_types=instruction_types,
+        format_split=format_split,
+        failure_kinds=failure,
+        truncation=truncation,
+        pairing=pairing,
+        rows=rows,
+        settings=asdict(settings),
+        notes=notes,
     )
 
 
@@ -374,7 +443,9 @@ def _wilcoxon(d: np.ndarray) -> float:
     return float(wilcoxon(d, zero_method="wilcox", alternative="two-sided").pvalue)
 
 
-def _mark_truncation(regressions, cand_rows, by_id, settings: BucketSettings, count_tokens, fallback) -> dict[str, Any] | None:
+def _mark_truncation(
+    regressions, cand_rows, by_id, settings: BucketSettings, count_tokens, fallback
+) -> dict[str, Any] | None:
     """Mark each regression whose candidate response hit the generation limit (None: no responses)."""
     count, unknown, sources = 0, 0, set()
     any_response = False
@@ -395,11 +466,22 @@ def _mark_truncation(regressions, cand_rows, by_id, settings: BucketSettings, co
         unknown += t is None
     if not any_response:
         return None
-    method = "token count >= max_gen_toks - max(2, 1%)" if count_tokens is not None else "heuristic: ends mid-sentence and >= max_gen_toks UTF-8 bytes"
-    return {"regressions_truncated": count, "regressions_unknown": unknown, "method": method, "max_gen_toks": sorted(sources)}
+    method = (
+        "token count >= max_gen_toks - max(2, 1%)"
+        if count_tokens is not None
+        else "heuristic: ends mid-sentence and >= max_gen_toks UTF-8 bytes"
+    )
+    return {
+        "regressions_truncated": count,
+        "regressions_unknown": unknown,
+        "method": method,
+        "max_gen_toks": sorted(sources),
+    }
 
 
-def _instruction_stats(ids, ref_rows, cand_rows, inst_metric, by_id, settings, labels) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def _instruction_stats(
+    ids, ref_rows, cand_rows, inst_metric, by_id, settings, labels
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     ref_p, cand_p, n_items = [], [], []
     per_type: dict[str, list[tuple[bool, bool]]] = {}
     inst_ref, inst_cand = [], []
@@ -409,9 +491,15 @@ def _instruction_stats(ids, ref_rows, cand_rows, inst_metric, by_id, settings, l
         names = doc.get("instruction_id_list")
         for label, v in zip(labels, (a, b), strict=True):
             if not isinstance(v, list):
-                raise UserError(f"{label}: doc_id {i} has no instruction-level list {inst_metric!r}", "pass IFEval samples written by lm-eval --log_samples")
+                raise UserError(
+                    f"{label}: doc_id {i} has no instruction-level list {inst_metric!r}",
+                    "pass IFEval samples written by lm-eval --log_samples",
+                )
         if len(a) != len(b) or (isinstance(names, list) and len(names) != len(a)):
-            raise UserError(f"doc_id {i}: the runs list different numbers of instructions ({len(a)} vs {len(b)})", "pass two IFEval runs of the same task version")
+            raise UserError(
+                f"doc_id {i}: the runs list different numbers of instructions ({len(a)} vs {len(b)})",
+                "pass two IFEval runs of the same task version",
+            )
         names = names if isinstance(names, list) else [f"instruction_{k}" for k in range(len(a))]
         ra, cb = [bool(x) for x in a], [bool(x) for x in b]
         ref_p.append(sum(ra))
@@ -419,7 +507,9 @@ def _instruction_stats(ids, ref_rows, cand_rows, inst_metric, by_id, settings, l
         n_items.append(len(ra))
         inst_ref.extend(ra)
         inst_cand.extend(cb)
-        by_id[i].update(n_instructions=len(ra), reference_instructions_passed=sum(ra), candidate_instructions_passed=sum(cb))
+        by_id[i].update(
+            n_instructions=len(ra), reference_instructions_passed=sum(ra), candidate_instructions_passed=sum(cb)
+        )
         for name, r, c in zip(names, ra, cb, strict=True):
             per_type.setdefault(name, []).append((r, c))
     total = sum(n_items)
@@ -430,7 +520,16 @@ def _instruction_stats(ids, ref_rows, cand_rows, inst_metric, by_id, settings, l
         "reference_score": ref_score,
         "candidate_score": cand_score,
         "delta": cand_score - ref_score,
-        "delta_ci": list(cluster_delta_ci(np.array(ref_p), np.array(cand_p), np.array(n_items), settings.n_bootstrap, settings.confidence, settings.seed)),
+        "delta_ci": list(
+            cluster_delta_ci(
+                np.array(ref_p),
+                np.array(cand_p),
+                np.array(n_items),
+                settings.n_bootstrap,
+                settings.confidence,
+                settings.seed,
+            )
+        ),
         "counts": _four(inst_ref, inst_cand),
         "method": "cluster bootstrap: whole prompts resampled with their instructions",
     }
@@ -438,16 +537,18 @@ def _instruction_stats(ids, ref_rows, cand_rows, inst_metric, by_id, settings, l
     for name, pairs in per_type.items():
         counts = _four([r for r, _ in pairs], [c for _, c in pairs])
         nn = len(pairs)
-        table.append({
-            "instruction_id": name,
-            "n": nn,
-            **counts,
-            "reference_rate": sum(r for r, _ in pairs) / nn,
-            "candidate_rate": sum(c for _, c in pairs) / nn,
-            "delta": (sum(c for _, c in pairs) - sum(r for r, _ in pairs)) / nn,
-            "regression_rate": counts["regression"] / nn,
-            "mcnemar_p": mcnemar_exact(counts["regression"], counts["recovered"]),
-        })
+        table.append(
+            {
+                "instruction_id": name,
+                "n": nn,
+                **counts,
+                "reference_rate": sum(r for r, _ in pairs) / nn,
+                "candidate_rate": sum(c for _, c in pairs) / nn,
+                "delta": (sum(c for _, c in pairs) - sum(r for r, _ in pairs)) / nn,
+                "regression_rate": counts["regression"] / nn,
+                "mcnemar_p": mcnemar_exact(counts["regression"], counts["recovered"]),
+            }
+        )
     for row, p in zip(table, holm([t["mcnemar_p"] for t in table]), strict=True):
         row["holm_p"] = p
     table.sort(key=lambda t: (-t["regression"], -(t["regression"] - t["recovered"]), t["instruction_id"]))
@@ -472,7 +573,9 @@ def _failure_kinds(regressions, cand_rows, by_id, loose: bool, progress: bool) -
         kinds.append(fk.kind)
     return {
         "counts": kind_counts(kinds),
-        "checker": "lm_eval.tasks.ifeval.utils " + ("loose" if loose else "strict") + " check re-run on the candidate responses",
+        "checker": "lm_eval.tasks.ifeval.utils "
+        + ("loose" if loose else "strict")
+        + " check re-run on the candidate responses",
         "checker_disagreements": disagreements,
         "rule": "truncation (hit the limit and a failed instruction can break by cutting) > language > phrase_marker > length > format > other",
     }
@@ -480,7 +583,13 @@ def _failure_kinds(regressions, cand_rows, by_id, loose: bool, progress: bool) -
 
 def _format_split(regressions, candidate_samples, lenient: str, metric: str, by_id, label) -> dict[str, Any] | None:
     if not any(filter_of(r) == lenient for r in candidate_samples):
-        return {"lenient_filter": lenient, "format_failure": None, "wrong_answer": None, "unknown": len(regressions), "reason": f"the candidate samples have no {lenient!r} filter"}
+        return {
+            "lenient_filter": lenient,
+            "format_failure": None,
+            "wrong_answer": None,
+            "unknown": len(regressions),
+            "reason": f"the candidate samples have no {lenient!r} filter",
+        }
     lenient_rows = index_docs(candidate_samples, lenient, label)
     fmt, wrong, unknown = [], [], []
     for i in regressions:
@@ -491,7 +600,14 @@ def _format_split(regressions, candidate_samples, lenient: str, metric: str, by_
         ok = outcome(row, metric, label) >= 0.5
         by_id[i].update(lenient_candidate=ok, format_split="format_failure" if ok else "wrong_answer")
         (fmt if ok else wrong).append(i)
-    return {"lenient_filter": lenient, "format_failure": len(fmt), "wrong_answer": len(wrong), "unknown": len(unknown), "format_failure_ids": fmt, "wrong_answer_ids": wrong}
+    return {
+        "lenient_filter": lenient,
+        "format_failure": len(fmt),
+        "wrong_answer": len(wrong),
+        "unknown": len(unknown),
+        "format_failure_ids": fmt,
+        "wrong_answer_ids": wrong,
+    }
 
 
 # --- protocol records (pure: from protocols.py fingerprints) ---------------------------------------
@@ -500,7 +616,11 @@ _HF_BACKENDS = ("hf", "hf-auto", "huggingface")
 _HF_DEFAULT_MAX_GEN_TOKS = 256  # lm_eval.models.huggingface.HFLM.max_gen_toks (0.4.13)
 # buckets.json names three fingerprint fields its own way (`runs.*.protocol`, `protocol_differences`);
 # every other field keeps the name protocols.task_view / task_diff give it.
-_FIELD_NAMES = {"apply_chat_template": "chat_template_applied", "chat_template": "chat_template_sha", "version": "task_version"}
+_FIELD_NAMES = {
+    "apply_chat_template": "chat_template_applied",
+    "chat_template": "chat_template_sha",
+    "version": "task_version",
+}
 
 
 def _field_name(field: str, task: str) -> str:
@@ -546,17 +666,30 @@ def protocol_differences(ref_fp, cand_fp, task: str) -> dict[str, Any]:
 
     if ref_fp is None or cand_fp is None:
         return {}
-    return {_field_name(d.field, task): {"reference": d.a, "candidate": d.b, "affects_scores": d.affects_scores} for d in task_diff(ref_fp, cand_fp, (task,))}
+    return {
+        _field_name(d.field, task): {"reference": d.a, "candidate": d.b, "affects_scores": d.affects_scores}
+        for d in task_diff(ref_fp, cand_fp, (task,))
+    }
 
 
-def with_runs(report: BucketReport, runs: dict[str, Any], diffs: dict[str, Any], provenance: dict[str, Any]) -> BucketReport:
+def with_runs(
+    report: BucketReport, runs: dict[str, Any], diffs: dict[str, Any], provenance: dict[str, Any]
+) -> BucketReport:
     """`report` with both runs' records, their protocol differences and the notes they imply."""
     notes = list(report.notes)
     if diffs:
         notes.append("protocols differ in " + ", ".join(diffs) + ": the delta mixes model and protocol effects")
-    limits = {k: runs[k]["protocol"]["limit"] for k in runs if runs[k].get("protocol") and runs[k]["protocol"].get("limit") is not None}
+    limits = {
+        k: runs[k]["protocol"]["limit"]
+        for k in runs
+        if runs[k].get("protocol") and runs[k]["protocol"].get("limit") is not None
+    }
     if limits:
-        notes.append("non-final: run with --limit (" + ", ".join(f"{k} {v:g}" for k, v in limits.items()) + "); these are not full-benchmark scores")
+        notes.append(
+            "non-final: run with --limit ("
+            + ", ".join(f"{k} {v:g}" for k, v in limits.items())
+            + "); these are not full-benchmark scores"
+        )
     return replace(report, runs=runs, protocol_differences=diffs, notes=notes, provenance=provenance)
 
 
@@ -584,26 +717,55 @@ def summary_markdown(report: Mapping[str, Any], top: int = 15) -> str:
     lines += [f"- paired docs: {report['n']}", ""]
     if report.get("counts"):
         n = report["n"]
-        lines += markdown_lines(["bucket", "prompts", "share"], [[b, report["counts"][b], f"{100 * report['counts'][b] / n:.1f}%"] for b in BUCKETS])
+        lines += markdown_lines(
+            ["bucket", "prompts", "share"],
+            [[b, report["counts"][b], f"{100 * report['counts'][b] / n:.1f}%"] for b in BUCKETS],
+        )
         lines.append("")
     else:
         lines += [f"buckets: {report['counts_reason']}", ""]
     lo, hi = report["delta_ci"]
     conf = round(100 * report["settings"]["confidence"])
     unit = " (points)" if pct else ""
-    scores = [[report["metric"], _fmt(report["reference_score"], pct), _fmt(report["candidate_score"], pct), f"{_fmt(report['delta'], pct)} [{_fmt(lo, pct)}, {_fmt(hi, pct)}]",
-               _fmt(report["mcnemar_p"]), _fmt(report["wilcoxon_p"])]]
+    scores = [
+        [
+            report["metric"],
+            _fmt(report["reference_score"], pct),
+            _fmt(report["candidate_score"], pct),
+            f"{_fmt(report['delta'], pct)} [{_fmt(lo, pct)}, {_fmt(hi, pct)}]",
+            _fmt(report["mcnemar_p"]),
+            _fmt(report["wilcoxon_p"]),
+        ]
+    ]
     il = report.get("instruction_level")
     if il:
         lo, hi = il["delta_ci"]
-        scores.append([f"{il['metric']} ({il['n_instructions']} instructions, cluster bootstrap)", _fmt(il["reference_score"], True), _fmt(il["candidate_score"], True),
-                       f"{_fmt(il['delta'], True)} [{_fmt(lo, True)}, {_fmt(hi, True)}]", "n/a", "n/a"])
+        scores.append(
+            [
+                f"{il['metric']} ({il['n_instructions']} instructions, cluster bootstrap)",
+                _fmt(il["reference_score"], True),
+                _fmt(il["candidate_score"], True),
+                f"{_fmt(il['delta'], True)} [{_fmt(lo, True)}, {_fmt(hi, True)}]",
+                "n/a",
+                "n/a",
+            ]
+        )
     pr = report.get("pass_rate")
     if pr:
         lo, hi = pr["delta_ci"]
-        scores.append([f"pass rate (score >= {pr['threshold']:g})", _fmt(pr["reference"], True), _fmt(pr["candidate"], True), f"{_fmt(pr['delta'], True)} [{_fmt(lo, True)}, {_fmt(hi, True)}]",
-                       _fmt(report["mcnemar_p"]), "n/a"])
-    lines += markdown_lines([f"score{unit}", "reference", "candidate", f"delta [{conf}% CI]", "McNemar p", "Wilcoxon p"], scores)
+        scores.append(
+            [
+                f"pass rate (score >= {pr['threshold']:g})",
+                _fmt(pr["reference"], True),
+                _fmt(pr["candidate"], True),
+                f"{_fmt(pr['delta'], True)} [{_fmt(lo, True)}, {_fmt(hi, True)}]",
+                _fmt(report["mcnemar_p"]),
+                "n/a",
+            ]
+        )
+    lines += markdown_lines(
+        [f"score{unit}", "reference", "candidate", f"delta [{conf}% CI]", "McNemar p", "Wilcoxon p"], scores
+    )
     lines.append("")
     fk = report.get("failure_kinds")
     if fk:
@@ -612,12 +774,18 @@ def summary_markdown(report: Mapping[str, Any], top: int = 15) -> str:
         lines.append("")
     fs = report.get("format_split")
     if fs:
-        lines += [f"Regressions split by the {fs['lenient_filter']} filter: format failures (lenient answer right, strict wrong) {_fmt(fs['format_failure'])}, "
-                  f"wrong answers {_fmt(fs['wrong_answer'])}, unknown {fs['unknown']}.", ""]
+        lines += [
+            f"Regressions split by the {fs['lenient_filter']} filter: format failures (lenient answer right, strict wrong) {_fmt(fs['format_failure'])}, "
+            f"wrong answers {_fmt(fs['wrong_answer'])}, unknown {fs['unknown']}.",
+            "",
+        ]
     tr = report.get("truncation")
     if tr:
         unknown = f"; unknown for {tr['regressions_unknown']}" if tr["regressions_unknown"] else ""
-        lines += [f"Regressions whose candidate response hit the generation limit: {tr['regressions_truncated']} ({tr['method']}; max_gen_toks {', '.join(tr['max_gen_toks'])}{unknown}).", ""]
+        lines += [
+            f"Regressions whose candidate response hit the generation limit: {tr['regressions_truncated']} ({tr['method']}; max_gen_toks {', '.join(tr['max_gen_toks'])}{unknown}).",
+            "",
+        ]
     types = report.get("instruction_types")
     if types:
         lines += [
@@ -625,19 +793,60 @@ def summary_markdown(report: Mapping[str, Any], top: int = 15) -> str:
             "descriptive, types are not independent tests of one hypothesis):",
             "",
         ]
-        lines += markdown_lines(["instruction_id", "n", "regression", "recovered", "reference %", "candidate %", "delta", "McNemar p", "Holm p"],
-                                [[t["instruction_id"], t["n"], t["regression"], t["recovered"], f"{100 * t['reference_rate']:.1f}", f"{100 * t['candidate_rate']:.1f}",
-                                  f"{100 * t['delta']:+.1f}", f"{t['mcnemar_p']:.3g}", f"{t['holm_p']:.3g}"] for t in types[:top]])
+        lines += markdown_lines(
+            [
+                "instruction_id",
+                "n",
+                "regression",
+                "recovered",
+                "reference %",
+                "candidate %",
+                "delta",
+                "McNemar p",
+                "Holm p",
+            ],
+            [
+                [
+                    t["instruction_id"],
+                    t["n"],
+                    t["regression"],
+                    t["recovered"],
+                    f"{100 * t['reference_rate']:.1f}",
+                    f"{100 * t['candidate_rate']:.1f}",
+                    f"{100 * t['delta']:+.1f}",
+                    f"{t['mcnemar_p']:.3g}",
+                    f"{t['holm_p']:.3g}",
+                ]
+                for t in types[:top]
+            ],
+        )
         lines.append("")
     if report.get("notes"):
         lines += ["Notes:", ""] + [f"- {n}" for n in report["notes"]] + [""]
     return "\n".join(lines)
 
 
-CSV_COLUMNS = ("doc_id", "key", "bucket", "reference", "candidate", "difference", "prompt_hash_same", "truncated", "failure_kind", "failure_detail", "n_instructions", "reference_instructions_passed",
-    "candidate_instructions_passed", "lenient_candidate", "format_split")
+CSV_COLUMNS = (
+    "doc_id",
+    "key",
+    "bucket",
+    "reference",
+    "candidate",
+    "difference",
+    "prompt_hash_same",
+    "truncated",
+    "failure_kind",
+    "failure_detail",
+    "n_instructions",
+    "reference_instructions_passed",
+    "candidate_instructions_passed",
+    "lenient_candidate",
+    "format_split",
+)
 
 
 def rows_csv(report: Mapping[str, Any]) -> str:
     """One CSV row per paired doc of a saved report."""
-    return csv_text(CSV_COLUMNS, (["" if row.get(c) is None else row[c] for c in CSV_COLUMNS] for row in report["rows"]))
+    return csv_text(
+        CSV_COLUMNS, (["" if row.get(c) is None else row[c] for c in CSV_COLUMNS] for row in report["rows"])
+    )

@@ -60,7 +60,10 @@ def read_prompt_file(path: Path) -> tuple[str, ...]:
     """A JSONL file with a `prompt` field per line, or plain text with one prompt a line."""
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"{path}: no such prompt file", "pass a JSONL file with a 'prompt' field per line, or a text file with one prompt a line")
+        raise UserError(
+            f"{path}: no such prompt file",
+            "pass a JSONL file with a 'prompt' field per line, or a text file with one prompt a line",
+        )
     lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
     if not lines:
         raise UserError(f"{path}: the prompt file is empty", "put at least one prompt in it, one per line")
@@ -72,9 +75,13 @@ def read_prompt_file(path: Path) -> tuple[str, ...]:
         try:
             row = json.loads(ln)
         except json.JSONDecodeError as e:
-            raise UserError(f"{path}:{n}: not valid JSON ({e.msg})", "each line must be an object like {\"prompt\": \"...\"}") from None
+            raise UserError(
+                f"{path}:{n}: not valid JSON ({e.msg})", 'each line must be an object like {"prompt": "..."}'
+            ) from None
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
-            raise UserError(f"{path}:{n}: no non-empty string field 'prompt'", "each line must be an object like {\"prompt\": \"...\"}")
+            raise UserError(
+                f"{path}:{n}: no non-empty string field 'prompt'", 'each line must be an object like {"prompt": "..."}'
+            )
         prompts.append(row["prompt"])
     return tuple(prompts)
 
@@ -86,9 +93,14 @@ def load_prompts(path: Path | None = None, n_prompts: int | None = None) -> Prom
         if n_prompts <= 0:
             raise UserError(f"--n-prompts must be positive, got {n_prompts}", "use 5 or 15")
         if path is None and n_prompts not in ALLOWED_N_PROMPTS:
-            raise UserError(f"--n-prompts {n_prompts} is not a calibrated setting", f"use one of {ALLOWED_N_PROMPTS}, or pass --prompts FILE")
+            raise UserError(
+                f"--n-prompts {n_prompts} is not a calibrated setting",
+                f"use one of {ALLOWED_N_PROMPTS}, or pass --prompts FILE",
+            )
         if n_prompts > len(prompts):
-            raise UserError(f"--n-prompts {n_prompts} but only {len(prompts)} prompts are available", f"use at most {len(prompts)}")
+            raise UserError(
+                f"--n-prompts {n_prompts} but only {len(prompts)} prompts are available", f"use at most {len(prompts)}"
+            )
         prompts = prompts[:n_prompts]
     return PromptSet(prompts=tuple(prompts), source="builtin" if path is None else str(path))
 
@@ -112,18 +124,26 @@ def encode_prompts(
         if not prompt.strip():
             raise UserError("a calibration prompt is empty", "remove empty prompts from the prompt file")
         if apply:
-            messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [{"role": "user", "content": prompt}]
+            messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+                {"role": "user", "content": prompt}
+            ]
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
             special = False
             start = text.rfind(prompt.strip())
             if start < 0:
-                raise UserError("the chat template does not contain the prompt's text verbatim", "use --no-chat-template or a tokenizer whose template keeps the message text")
+                raise UserError(
+                    "the chat template does not contain the prompt's text verbatim",
+                    "use --no-chat-template or a tokenizer whose template keeps the message text",
+                )
             end = start + len(prompt.strip())
         else:
             text, special = prompt, True
             start, end = 0, len(prompt)
         if not getattr(tokenizer, "is_fast", False):
-            raise UserError(f"{type(tokenizer).__name__} is a slow tokenizer without offsets", "load the model's fast tokenizer (tokenizer.json)")
+            raise UserError(
+                f"{type(tokenizer).__name__} is a slow tokenizer without offsets",
+                "load the model's fast tokenizer (tokenizer.json)",
+            )
         enc = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
         ids = list(enc["input_ids"])
         flags = _content_flags([tuple(o) for o in enc["offset_mapping"]], start, end)

@@ -90,7 +90,9 @@ class _Collector:
         self.reached: set[int] = set()  # layers whose attention called the capture
 
 
-def _built_mask(first_real: torch.Tensor, q_len: int, k_len: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
+def _built_mask(
+    first_real: torch.Tensor, q_len: int, k_len: int, sliding_window: int | None, device: torch.device
+) -> torch.Tensor:
     """Bool [batch, 1, query, key] from causal order, left padding and the layer's sliding window
     (key > query - window, transformers' convention): for delegates whose mask is not 4-D (flash, flex)."""
     q = torch.arange(q_len, device=device)[:, None] + (k_len - q_len)
@@ -101,9 +103,18 @@ def _built_mask(first_real: torch.Tensor, q_len: int, k_len: int, sliding_window
     return allowed[None, None] & (k >= first_real.to(device)[:, None, None, None])
 
 
-def _allowed_keys(attention_mask: Any, first_real: torch.Tensor, q_len: int, k_len: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
+def _allowed_keys(
+    attention_mask: Any,
+    first_real: torch.Tensor,
+    q_len: int,
+    k_len: int,
+    sliding_window: int | None,
+    device: torch.device,
+) -> torch.Tensor:
     """Bool [batch or 1, heads or 1, query, key]: True where the key may be attended."""
-    if not (isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 4):  # None (sdpa causal skip), 2-D (flash), BlockMask (flex)
+    if not (
+        isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 4
+    ):  # None (sdpa causal skip), 2-D (flash), BlockMask (flex)
         return _built_mask(first_real, q_len, k_len, sliding_window, device)
     mask = attention_mask[..., -k_len:] if attention_mask.shape[-1] != k_len else attention_mask
     if mask.dtype == torch.bool:
@@ -112,8 +123,16 @@ def _allowed_keys(attention_mask: Any, first_real: torch.Tensor, q_len: int, k_l
     return mask > torch.finfo(mask.dtype).min / 2
 
 
-def _row_stats(query: torch.Tensor, key: torch.Tensor, allowed: torch.Tensor, scaling: float | None, softcap: float | None, s_aux: Any, first_real: torch.Tensor,
-    fixed_keys: torch.Tensor | None = None):
+def _row_stats(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    allowed: torch.Tensor,
+    scaling: float | None,
+    softcap: float | None,
+    s_aux: Any,
+    first_real: torch.Tensor,
+    fixed_keys: torch.Tensor | None = None,
+):
     """Per-row (sink log-odds, sink key from the first real token or VIRTUAL_KEY, pos0 mass, virtual-key mass or None)."""
     bsz, n_heads, q_len, head_dim = query.shape
     k_len = key.shape[-2]
@@ -128,7 +147,10 @@ def _row_stats(query: torch.Tensor, key: torch.Tensor, allowed: torch.Tensor, sc
     logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
     if s_aux is not None:  # learned sink: a virtual key at index k_len, logit s_aux[h], unmasked and unscaled
         if s_aux.numel() != n_heads:
-            raise UserError(f"learned sink logits (s_aux) have {s_aux.numel()} values for {n_heads} heads", "only one learned sink logit per query head is supported")
+            raise UserError(
+                f"learned sink logits (s_aux) have {s_aux.numel()} values for {n_heads} heads",
+                "only one learned sink logit per query head is supported",
+            )
         virtual = s_aux.detach().float().to(logits.device).reshape(1, n_heads, 1, 1).expand(bsz, n_heads, q_len, 1)
         logits = torch.cat([logits, virtual], dim=-1)
     sink_pos = logits.argmax(dim=-1)
@@ -160,7 +182,10 @@ def _delegate_fn(module: Any, impl: str):
     mod = sys.modules[type(module).__module__]
     eager = getattr(mod, "eager_attention_forward", None)
     if impl == "eager" and eager is None:
-        raise UserError(f"{type(module).__name__}: {mod.__name__} has no eager_attention_forward to delegate to", "load the model with attn_implementation='sdpa'")
+        raise UserError(
+            f"{type(module).__name__}: {mod.__name__} has no eager_attention_forward to delegate to",
+            "load the model with attn_implementation='sdpa'",
+        )
     return getattr(mod, "ALL_ATTENTION_FUNCTIONS", ALL_ATTENTION_FUNCTIONS).get_interface(impl, eager)
 
 
@@ -172,10 +197,25 @@ def _make_attention(impl: str):
             collector.reached.add(layer)
             if layer in collector.layers and collector.first_real is not None:
                 fixed = collector.fixed_keys[layer] if collector.fixed_keys is not None else None
-                window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
-                allowed = _allowed_keys(attention_mask, collector.first_real, query.shape[-2], key.shape[-2], window, query.device)
-                collector.records[layer] = _row_stats(query, key, allowed, scaling, kwargs.get("softcap"), kwargs.get("s_aux"), collector.first_real, fixed)
-        return _delegate_fn(module, impl)(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+                window = (
+                    kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
+                )
+                allowed = _allowed_keys(
+                    attention_mask, collector.first_real, query.shape[-2], key.shape[-2], window, query.device
+                )
+                collector.records[layer] = _row_stats(
+                    query,
+                    key,
+                    allowed,
+                    scaling,
+                    kwargs.get("softcap"),
+                    kwargs.get("s_aux"),
+                    collector.first_real,
+                    fixed,
+                )
+        return _delegate_fn(module, impl)(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
 
     attention.__name__ = f"{IMPL_PREFIX}_{impl}_attention"
     return attention
@@ -218,11 +258,16 @@ def attention_layers_from_config(config: Any) -> tuple[int, ...] | None:
         return None
     other = sorted({t for t in types if t not in SOFTMAX_LAYER_TYPES + NON_ATTENTION_LAYER_TYPES})
     if other:
-        raise UserError(f"{cfg.model_type}: layer type(s) {', '.join(other)} are not plain softmax attention, so Sink Strength is not defined for them",
-            "use a model whose attention layers are full, sliding-window or chunked (conv and linear-attention layers are skipped)")
+        raise UserError(
+            f"{cfg.model_type}: layer type(s) {', '.join(other)} are not plain softmax attention, so Sink Strength is not defined for them",
+            "use a model whose attention layers are full, sliding-window or chunked (conv and linear-attention layers are skipped)",
+        )
     layers = tuple(i for i, t in enumerate(types) if t in SOFTMAX_LAYER_TYPES)
     if not layers:
-        raise UserError(f"{cfg.model_type}: no softmax attention layer (layer types: {', '.join(sorted(set(types)))})", "Sink Strength needs attention layers")
+        raise UserError(
+            f"{cfg.model_type}: no softmax attention layer (layer types: {', '.join(sorted(set(types)))})",
+            "Sink Strength needs attention layers",
+        )
     return layers
 
 
@@ -238,7 +283,10 @@ def attention_layers(model: Any, probe_ids: Sequence[int]) -> tuple[int, ...]:
         model(input_ids=ids, use_cache=False)
     layers = tuple(sorted(x for x in collector.reached if isinstance(x, int)))
     if not layers:
-        raise UserError(f"{type(model).__name__}: no layer's attention reached the capture function", "this architecture bypasses transformers' attention interface; it is not supported")
+        raise UserError(
+            f"{type(model).__name__}: no layer's attention reached the capture function",
+            "this architecture bypasses transformers' attention interface; it is not supported",
+        )
     return layers
 
 
@@ -272,8 +320,12 @@ def sink_capture(model: Any, layers: Sequence[int]) -> Iterator[_Collector]:
     previous = _attn_config(model)._attn_implementation
     impl = previous if previous is not None else "eager"
     if impl.startswith(IMPL_PREFIX):
-        raise UserError(f"{type(model).__name__} is already inside a sink capture ({impl})", "do not nest sink captures")
-    check_wrappable(impl, type(model).__name__, "load the model with attn_implementation='sdpa' (or 'eager') for Sink Strength")
+        raise UserError(
+            f"{type(model).__name__} is already inside a sink capture ({impl})", "do not nest sink captures"
+        )
+    check_wrappable(
+        impl, type(model).__name__, "load the model with attn_implementation='sdpa' (or 'eager') for Sink Strength"
+    )
     name = _register(impl)
     collector = _Collector(set(layers))
     token = _ACTIVE.set(collector)
@@ -300,19 +352,29 @@ def _batch(input_ids: Sequence[Sequence[int]], pad_id: int, device: torch.device
 
 def _check_sink_keys(sink_keys: Sequence[np.ndarray], encoded: EncodedPrompts, n_layers: int, n_heads: int) -> None:
     if len(sink_keys) != len(encoded):
-        raise UserError(f"sink_keys has {len(sink_keys)} entries for {len(encoded)} prompts", "pass one [layer, head, query] array per prompt")
+        raise UserError(
+            f"sink_keys has {len(sink_keys)} entries for {len(encoded)} prompts",
+            "pass one [layer, head, query] array per prompt",
+        )
     for j, (keys, ids) in enumerate(zip(sink_keys, encoded.input_ids, strict=True)):
         keys = np.asarray(keys)
         want = (n_layers, n_heads, len(ids) - 1)
         if keys.shape != want:
-            raise UserError(f"sink_keys of prompt {j} have shape {keys.shape}, expected {want} [layer, head, query]", "capture both models with the same layers, heads and token ids")
+            raise UserError(
+                f"sink_keys of prompt {j} have shape {keys.shape}, expected {want} [layer, head, query]",
+                "capture both models with the same layers, heads and token ids",
+            )
         query_pos = np.arange(1, len(ids))
         if keys.size and ((keys < VIRTUAL_KEY).any() or (keys > query_pos).any()):
-            raise UserError(f"sink_keys of prompt {j} hold a key outside 0..query position (or -1, the learned sink key)",
-                "pass key positions counted from the prompt's first token, at most the query's own position")
+            raise UserError(
+                f"sink_keys of prompt {j} hold a key outside 0..query position (or -1, the learned sink key)",
+                "pass key positions counted from the prompt's first token, at most the query's own position",
+            )
 
 
-def _fixed_key_batch(keys: Sequence[np.ndarray], layers: tuple[int, ...], first_real: torch.Tensor, width: int) -> dict[int, torch.Tensor]:
+def _fixed_key_batch(
+    keys: Sequence[np.ndarray], layers: tuple[int, ...], first_real: torch.Tensor, width: int
+) -> dict[int, torch.Tensor]:
     """Per layer, [batch, head, query] key of each padded row, from the row's first real token
     (VIRTUAL_KEY: the learned sink key; _NO_FIXED_KEY: none, take the argmax)."""
     n_heads = np.asarray(keys[0]).shape[1]
@@ -351,7 +413,10 @@ def capture_prompts(
     max_pos = getattr(_attn_config(model), "max_position_embeddings", None)
     longest = max(len(x) for x in encoded.input_ids)
     if max_pos and longest > max_pos:
-        raise UserError(f"a calibration prompt has {longest} tokens, more than the model's {max_pos} positions", "use shorter prompts")
+        raise UserError(
+            f"a calibration prompt has {longest} tokens, more than the model's {max_pos} positions",
+            "use shorter prompts",
+        )
     if sink_keys is not None:
         _check_sink_keys(sink_keys, encoded, len(layers), int(_attn_config(model).num_attention_heads))
     pad_id = next((t for t in (getattr(model.config, "pad_token_id", None), 0) if t is not None), 0)
@@ -365,7 +430,9 @@ def capture_prompts(
             collector.first_real = first_real
             collector.records = {}
             if sink_keys is not None:
-                collector.fixed_keys = _fixed_key_batch(sink_keys[start : start + batch_size], layers, first_real, ids.shape[1])
+                collector.fixed_keys = _fixed_key_batch(
+                    sink_keys[start : start + batch_size], layers, first_real, ids.shape[1]
+                )
             model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
             missing = [x for x in layers if x not in collector.records]
             if missing:
@@ -388,14 +455,26 @@ def capture_prompts(
                         sink_pos=np.stack([take(collector.records[x][1]) for x in layers]).astype(np.int64),
                         pos0_mass=np.stack([take(collector.records[x][2]) for x in layers]).astype(np.float32),
                         content=np.asarray(encoded.content_mask[start + i][1:], dtype=bool),
-                        learned_sink_mass=np.stack([take(collector.records[x][3]) if collector.records[x][3] is not None else np.zeros(take(collector.records[x][2]).shape,
-                            np.float32) for x in layers]).astype(np.float32) if learned else None,
+                        learned_sink_mass=np.stack(
+                            [
+                                take(collector.records[x][3])
+                                if collector.records[x][3] is not None
+                                else np.zeros(take(collector.records[x][2]).shape, np.float32)
+                                for x in layers
+                            ]
+                        ).astype(np.float32)
+                        if learned
+                        else None,
                     )
                 )
             collector.first_real = None
             collector.fixed_keys = None
-    bad_rows = [(j, li) for j, c in enumerate(out) for li in range(len(layers)) if not np.isfinite(c.sink_logodds[li]).all()]
+    bad_rows = [
+        (j, li) for j, c in enumerate(out) for li in range(len(layers)) if not np.isfinite(c.sink_logodds[li]).all()
+    ]
     if bad_rows:
         j, li = bad_rows[0]
-        raise UserError(f"non-finite sink log-odds at prompt {j}, layer {layers[li]}", "load the model in float32 (--dtype float32)")
+        raise UserError(
+            f"non-finite sink log-odds at prompt {j}, layer {layers[li]}", "load the model in float32 (--dtype float32)"
+        )
     return out

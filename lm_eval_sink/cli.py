@@ -43,29 +43,77 @@ def _slug(name: str) -> str:
 
 @cli.command()
 @click.argument("model_names", metavar="MODEL [MODEL ...]", nargs=-1, required=True)
-@click.option("--prompts", "prompts_file", type=click.Path(path_type=Path), default=None, help="JSONL with a 'prompt' field, or text with one prompt a line.")
+@click.option(
+    "--prompts",
+    "prompts_file",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="JSONL with a 'prompt' field, or text with one prompt a line.",
+)
 @click.option("--n-prompts", type=int, default=None, help="First N prompts (builtin set: 5 or 15; default all).")
 @click.option("--last-k", default="10", show_default=True, help="Number of last layers, or 'all'.")
 @click.option("--statistic", type=click.Choice(["median", "mean"]), default="median", show_default=True)
-@click.option("--rows", type=click.Choice(["all", "content"]), default="all", show_default=True, help="Rows S is taken over: every query position >= 1, or the user message's tokens only.")
-@click.option("--chat-template/--no-chat-template", default=True, show_default=True, help="Render prompts through the tokenizer's chat template.")
+@click.option(
+    "--rows",
+    type=click.Choice(["all", "content"]),
+    default="all",
+    show_default=True,
+    help="Rows S is taken over: every query position >= 1, or the user message's tokens only.",
+)
+@click.option(
+    "--chat-template/--no-chat-template",
+    default=True,
+    show_default=True,
+    help="Render prompts through the tokenizer's chat template.",
+)
 @click.option("--system-prompt", default=None, help="System message to put before each prompt (chat template only).")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True)
+@click.option(
+    "--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True
+)
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--batch-size", type=int, default=1, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--output", type=click.Path(path_type=Path), required=True, help="Folder for the JSON, tables and heatmaps.")
+@click.option(
+    "--output", type=click.Path(path_type=Path), required=True, help="Folder for the JSON, tables and heatmaps."
+)
 @click.option("--force", is_flag=True, help="Overwrite earlier results.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
-def strength(model_names, prompts_file, n_prompts, last_k, statistic, rows, chat_template, system_prompt, dtype, device, batch_size, seed, output, force, quiet) -> None:
+def strength(
+    model_names,
+    prompts_file,
+    n_prompts,
+    last_k,
+    statistic,
+    rows,
+    chat_template,
+    system_prompt,
+    dtype,
+    device,
+    batch_size,
+    seed,
+    output,
+    force,
+    quiet,
+) -> None:
     """Sink Strength S of one or more models (MODEL: a folder, a hub id when online, or 'default')."""
     from lm_eval_sink.commands.strength import run_strength
     from lm_eval_sink.strength import StrengthSettings
 
-    settings = StrengthSettings(last_k=_last_k(last_k), statistic=statistic, rows=rows, n_prompts=n_prompts, prompts_file=str(prompts_file) if prompts_file else None,
-                                use_chat_template=chat_template, system_prompt=system_prompt, batch_size=batch_size, seed=seed)
+    settings = StrengthSettings(
+        last_k=_last_k(last_k),
+        statistic=statistic,
+        rows=rows,
+        n_prompts=n_prompts,
+        prompts_file=str(prompts_file) if prompts_file else None,
+        use_chat_template=chat_template,
+        system_prompt=system_prompt,
+        batch_size=batch_size,
+        seed=seed,
+    )
     names = list(model_names)
-    report = run_strength(names, [_slug(n) for n in names], settings, output, dtype=dtype, device=device, force=force, progress=not quiet)
+    report = run_strength(
+        names, [_slug(n) for n in names], settings, output, dtype=dtype, device=device, force=force, progress=not quiet
+    )
     for line in report:
         click.echo(line)
 
@@ -83,18 +131,46 @@ def tasks_dir_cmd() -> None:
 
 def _calibration_options(f):
     """Options shared by `screen` and `margin`: the calibration of a Sink Strength measurement."""
-    for opt in reversed([
-        click.option("--prompts", "prompts_file", type=click.Path(path_type=Path), default=None, help="JSONL with a 'prompt' field, or text with one prompt a line."),
-        click.option("--n-prompts", type=int, default=None, help="First N prompts (builtin set: 5 or 15; default all)."),
-        click.option("--rows", type=click.Choice(["all", "content"]), default="all", show_default=True, help="Rows used: every query position >= 1, or the user message's tokens only."),
-        click.option("--chat-template/--no-chat-template", default=True, show_default=True, help="Render prompts through the chat template."),
-        click.option("--system-prompt", default=None, help="System message before each prompt (chat template only)."),
-        click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True),
-        click.option("--device", default="cpu", show_default=True),
-        click.option("--batch-size", type=int, default=1, show_default=True),
-        click.option("--force", is_flag=True, help="Overwrite earlier results."),
-        click.option("--quiet", is_flag=True, help="No progress bars."),
-    ]):
+    for opt in reversed(
+        [
+            click.option(
+                "--prompts",
+                "prompts_file",
+                type=click.Path(path_type=Path),
+                default=None,
+                help="JSONL with a 'prompt' field, or text with one prompt a line.",
+            ),
+            click.option(
+                "--n-prompts", type=int, default=None, help="First N prompts (builtin set: 5 or 15; default all)."
+            ),
+            click.option(
+                "--rows",
+                type=click.Choice(["all", "content"]),
+                default="all",
+                show_default=True,
+                help="Rows used: every query position >= 1, or the user message's tokens only.",
+            ),
+            click.option(
+                "--chat-template/--no-chat-template",
+                default=True,
+                show_default=True,
+                help="Render prompts through the chat template.",
+            ),
+            click.option(
+                "--system-prompt", default=None, help="System message before each prompt (chat template only)."
+            ),
+            click.option(
+                "--dtype",
+                type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+                default="auto",
+                show_default=True,
+            ),
+            click.option("--device", default="cpu", show_default=True),
+            click.option("--batch-size", type=int, default=1, show_default=True),
+            click.option("--force", is_flag=True, help="Overwrite earlier results."),
+            click.option("--quiet", is_flag=True, help="No progress bars."),
+        ]
+    ):
         f = opt(f)
     return f
 
@@ -110,20 +186,62 @@ def _last_k(value: str) -> int | None:
 
 @cli.command()
 @click.argument("model_names", metavar="MODEL [MODEL ...]", nargs=-1, required=True)
-@click.option("--pairs", "pairs_file", type=click.Path(path_type=Path), default=None, help="PAIRS.yaml to fit the predictor on (default: the paper's six pairs).")
+@click.option(
+    "--pairs",
+    "pairs_file",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="PAIRS.yaml to fit the predictor on (default: the paper's six pairs).",
+)
 @click.option("--last-k", default="10", show_default=True, help="S over the last K layers, or 'all'.")
 @_calibration_options
-@click.option("--output", type=click.Path(path_type=Path), default=None, help="Folder for screen.json/.md/.csv/.png and per-model strength files (default: print only).")
-@click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True, help="ray: one Ray task per model.")
+@click.option(
+    "--output",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Folder for screen.json/.md/.csv/.png and per-model strength files (default: print only).",
+)
+@click.option(
+    "--engine",
+    type=click.Choice(["local", "ray"]),
+    default="local",
+    show_default=True,
+    help="ray: one Ray task per model.",
+)
 @click.option("--ray-address", default=None, help="Ray cluster: auto or ray://host:port (default: start Ray here).")
 @click.option("--num-gpus", type=float, default=0, show_default=True, help="GPUs per model's Ray task.")
-def screen(model_names, pairs_file, last_k, prompts_file, n_prompts, rows, chat_template, system_prompt, dtype, device, batch_size, force, quiet, output, engine, ray_address, num_gpus) -> None:
+def screen(
+    model_names,
+    pairs_file,
+    last_k,
+    prompts_file,
+    n_prompts,
+    rows,
+    chat_template,
+    system_prompt,
+    dtype,
+    device,
+    batch_size,
+    force,
+    quiet,
+    output,
+    engine,
+    ray_address,
+    num_gpus,
+) -> None:
     """Rank backbones by Sink Strength S and predict their post-VL deltas (MODEL: folder, hub id or 'default')."""
     from lm_eval_sink.commands.screen import run_screen
     from lm_eval_sink.strength import StrengthSettings
 
-    settings = StrengthSettings(last_k=_last_k(last_k), rows=rows, n_prompts=n_prompts, prompts_file=str(prompts_file) if prompts_file else None,
-                                use_chat_template=chat_template, system_prompt=system_prompt, batch_size=batch_size)
+    settings = StrengthSettings(
+        last_k=_last_k(last_k),
+        rows=rows,
+        n_prompts=n_prompts,
+        prompts_file=str(prompts_file) if prompts_file else None,
+        use_chat_template=chat_template,
+        system_prompt=system_prompt,
+        batch_size=batch_size,
+    )
     names = list(model_names)
     measure_all = None
     if engine == "ray":
@@ -133,14 +251,29 @@ def screen(model_names, pairs_file, last_k, prompts_file, n_prompts, rows, chat_
         measure_all = ray_measure_all(ray_address, num_gpus=num_gpus, progress=not quiet)
     elif ray_address is not None:
         raise UserError("--ray-address needs --engine ray", "add --engine ray, or drop --ray-address")
-    for line in run_screen(names, [_slug(n) for n in names], settings, pairs_file, output, dtype=dtype, device=device, force=force, progress=not quiet,
-                           measure_all=measure_all):
+    for line in run_screen(
+        names,
+        [_slug(n) for n in names],
+        settings,
+        pairs_file,
+        output,
+        dtype=dtype,
+        device=device,
+        force=force,
+        progress=not quiet,
+        measure_all=measure_all,
+    ):
         click.echo(line)
 
 
 @cli.command()
 @click.argument("pairs_file", metavar="[PAIRS.yaml]", required=False, type=click.Path(path_type=Path))
-@click.option("--output", type=click.Path(path_type=Path), default=None, help="Folder for fit.json, fit.md and fit_<task>.png (default: print only).")
+@click.option(
+    "--output",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Folder for fit.json, fit.md and fit_<task>.png (default: print only).",
+)
 @click.option("--force", is_flag=True, help="Overwrite earlier results.")
 def fit(pairs_file, output, force) -> None:
     """Fit S -> delta per task: Spearman rho, exact permutation p, line, leave-one-pair-out errors (no file: the paper's table)."""
@@ -153,21 +286,58 @@ def fit(pairs_file, output, force) -> None:
 @cli.command()
 @click.argument("reference")
 @click.argument("candidate")
-@click.option("--quantile", type=float, default=0.95, show_default=True, help="Quantile of the per-row shift for the second B_gap.")
+@click.option(
+    "--quantile",
+    type=float,
+    default=0.95,
+    show_default=True,
+    help="Quantile of the per-row shift for the second B_gap.",
+)
 @click.option("--last-k", default="all", show_default=True, help="Layers of the margin table: the last K, or 'all'.")
 @click.option("--strength-last-k", default="10", show_default=True, help="K of both models' own Sink Strength S.")
 @_calibration_options
-@click.option("--output", type=click.Path(path_type=Path), default=None, help="Folder for margin.json/.md/.csv, margin_rows.npz and margin_heatmap.png (default: print only).")
-def margin(reference, candidate, quantile, last_k, strength_last_k, prompts_file, n_prompts, rows, chat_template, system_prompt, dtype, device, batch_size, force, quiet, output) -> None:
+@click.option(
+    "--output",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Folder for margin.json/.md/.csv, margin_rows.npz and margin_heatmap.png (default: print only).",
+)
+def margin(
+    reference,
+    candidate,
+    quantile,
+    last_k,
+    strength_last_k,
+    prompts_file,
+    n_prompts,
+    rows,
+    chat_template,
+    system_prompt,
+    dtype,
+    device,
+    batch_size,
+    force,
+    quiet,
+    output,
+) -> None:
     """Per-head sink margins G_base - B_gap of CANDIDATE (e.g. a VLM backbone) against REFERENCE (its LLM)."""
     from lm_eval_sink.commands.margin import run_margin
     from lm_eval_sink.margin import MarginSettings
     from lm_eval_sink.strength import StrengthSettings
 
-    st = StrengthSettings(last_k=_last_k(strength_last_k), rows=rows, n_prompts=n_prompts, prompts_file=str(prompts_file) if prompts_file else None,
-                          use_chat_template=chat_template, system_prompt=system_prompt, batch_size=batch_size)
+    st = StrengthSettings(
+        last_k=_last_k(strength_last_k),
+        rows=rows,
+        n_prompts=n_prompts,
+        prompts_file=str(prompts_file) if prompts_file else None,
+        use_chat_template=chat_template,
+        system_prompt=system_prompt,
+        batch_size=batch_size,
+    )
     settings = MarginSettings(strength=st, last_k=_last_k(last_k), quantile=quantile)
-    for line in run_margin(reference, candidate, settings, output, dtype=dtype, device=device, force=force, progress=not quiet):
+    for line in run_margin(
+        reference, candidate, settings, output, dtype=dtype, device=device, force=force, progress=not quiet
+    ):
         click.echo(line)
 
 
@@ -178,30 +348,50 @@ def _echo_extraction(report) -> None:
     """Print an extract/inject report; a failed verification becomes the one error line (exit 2)."""
     what = "extracted" if report.operation == "extract" else "injected"
     head = "tied head" if report.tied_embeddings else "untied head"
-    click.echo(f"{what} {report.family} ({report.source_class}) <-> {report.target_class}: {report.tensors_written} tensors, "
-               f"{report.bytes_written / 1e6:.1f} MB in {len(report.shards)} shard(s), {report.dtype}, {head}, {report.seconds:.1f} s")
+    click.echo(
+        f"{what} {report.family} ({report.source_class}) <-> {report.target_class}: {report.tensors_written} tensors, "
+        f"{report.bytes_written / 1e6:.1f} MB in {len(report.shards)} shard(s), {report.dtype}, {head}, {report.seconds:.1f} s"
+    )
     if report.operation == "extract":
-        click.echo(f"chat template: {report.chat_template_source or 'none found'}" + ("" if report.tokenizer else " (no tokenizer in the VLM folder)"))
+        click.echo(
+            f"chat template: {report.chat_template_source or 'none found'}"
+            + ("" if report.tokenizer else " (no tokenizer in the VLM folder)")
+        )
     v = report.verification
     if v is None:
         click.echo("verification: skipped (--no-verify); structural checks only")
     elif v.passed:
-        click.echo(f"verification: max |logit difference| {v.max_abs_diff:.3g} <= {v.tolerance:.3g} ({v.dtype}, {v.probe_tokens} probe tokens): passed")
+        click.echo(
+            f"verification: max |logit difference| {v.max_abs_diff:.3g} <= {v.tolerance:.3g} ({v.dtype}, {v.probe_tokens} probe tokens): passed"
+        )
     from lm_eval_sink.io import COMPLETE
 
     marker = COMPLETE if report.ok else "FAILED.json"
     report_file = "extraction.json" if report.operation == "extract" else "injection.json"
     click.echo(f"wrote {report.output} ({report_file}, {marker})")
     if not report.ok:
-        raise UserError(f"verification failed: {v.reason}; the output is kept at {report.output} and marked failed (FAILED.json, no {COMPLETE})",
-                        f"see {report_file} for the tensor mapping; the architecture rules do not reproduce this VLM's text path")
+        raise UserError(
+            f"verification failed: {v.reason}; the output is kept at {report.output} and marked failed (FAILED.json, no {COMPLETE})",
+            f"see {report_file} for the tensor mapping; the architecture rules do not reproduce this VLM's text path",
+        )
 
 
 @cli.command()
 @click.argument("vlm_path", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path))
-@click.option("--dtype", type=click.Choice(["keep", "bf16", "fp32"]), default="keep", show_default=True, help="Dtype of the written tensors (keep: as stored in the VLM).")
-@click.option("--verify/--no-verify", default=True, show_default=True, help="Compare the VLM's text path and the backbone's logits on a fixed probe (loads both, one after the other).")
+@click.option(
+    "--dtype",
+    type=click.Choice(["keep", "bf16", "fp32"]),
+    default="keep",
+    show_default=True,
+    help="Dtype of the written tensors (keep: as stored in the VLM).",
+)
+@click.option(
+    "--verify/--no-verify",
+    default=True,
+    show_default=True,
+    help="Compare the VLM's text path and the backbone's logits on a fixed probe (loads both, one after the other).",
+)
 @click.option("--force", is_flag=True, help="Replace an existing OUT_DIR.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def extract(vlm_path, out_dir, dtype, verify, force, quiet) -> None:
@@ -215,7 +405,12 @@ def extract(vlm_path, out_dir, dtype, verify, force, quiet) -> None:
 @click.argument("backbone", type=click.Path(path_type=Path))
 @click.argument("vlm_path", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path))
-@click.option("--verify/--no-verify", default=True, show_default=True, help="Compare the new VLM's text path with BACKBONE's logits on a fixed probe.")
+@click.option(
+    "--verify/--no-verify",
+    default=True,
+    show_default=True,
+    help="Compare the new VLM's text path with BACKBONE's logits on a fixed probe.",
+)
 @click.option("--force", is_flag=True, help="Replace an existing OUT_DIR.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def inject(backbone, vlm_path, out_dir, verify, force, quiet) -> None:
@@ -236,7 +431,13 @@ def protocol() -> None:
 @protocol.command("show")
 @click.argument("run")
 @click.option("--json", "as_json", is_flag=True, help="Print the fingerprint as JSON instead of a table.")
-@click.option("-o", "--output", type=click.Path(path_type=Path), default=None, help="Also write the fingerprint JSON (with provenance) here.")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Also write the fingerprint JSON (with provenance) here.",
+)
 @click.option("--force", is_flag=True, help="Overwrite --output.")
 def protocol_show(run, as_json, output, force) -> None:
     """Protocol fingerprint of RUN (a results JSON, samples JSONL or lm-eval output folder)."""
@@ -250,7 +451,13 @@ def protocol_show(run, as_json, output, force) -> None:
 @click.argument("run_a")
 @click.argument("run_b")
 @click.option("--json", "as_json", is_flag=True, help="Print the differences as JSON instead of a table.")
-@click.option("-o", "--output", type=click.Path(path_type=Path), default=None, help="Also write the differences JSON (with provenance) here.")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Also write the differences JSON (with provenance) here.",
+)
 @click.option("--force", is_flag=True, help="Overwrite --output.")
 def protocol_diff(run_a, run_b, as_json, output, force) -> None:
     """Only the protocol fields that differ between RUN_A and RUN_B, each marked whether it can change scores."""
@@ -290,7 +497,13 @@ def vendor() -> None:
 
 
 @vendor.command("list")
-@click.option("--registry", "registry_file", type=click.Path(path_type=Path), default=None, help="A user registry YAML added to the bundled one.")
+@click.option(
+    "--registry",
+    "registry_file",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="A user registry YAML added to the bundled one.",
+)
 def vendor_list(registry_file) -> None:
     """Models in the registry with their number of scores and gaps."""
     from lm_eval_sink.vendors import list_markdown, load_registry
@@ -300,7 +513,13 @@ def vendor_list(registry_file) -> None:
 
 @vendor.command("show")
 @click.argument("model")
-@click.option("--registry", "registry_file", type=click.Path(path_type=Path), default=None, help="A user registry YAML added to the bundled one.")
+@click.option(
+    "--registry",
+    "registry_file",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="A user registry YAML added to the bundled one.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the entries as JSON.")
 def vendor_show(model, registry_file, as_json) -> None:
     """Every score and gap of MODEL (name, alias or hub id), with source and protocol."""
@@ -310,27 +529,98 @@ def vendor_show(model, registry_file, as_json) -> None:
     reg = load_registry(registry_file)
     if as_json:
         m = reg.model(model)
-        click.echo(canonical_json({"model": m.name, "hub_id": m.hub_id, "kind": m.kind, "scores": [s.to_json() for s in reg.scores_of(m.name)],
-                                   "gaps": [g.to_json() for g in reg.gaps_of(m.name)]}), nl=False)
+        click.echo(
+            canonical_json(
+                {
+                    "model": m.name,
+                    "hub_id": m.hub_id,
+                    "kind": m.kind,
+                    "scores": [s.to_json() for s in reg.scores_of(m.name)],
+                    "gaps": [g.to_json() for g in reg.gaps_of(m.name)],
+                }
+            ),
+            nl=False,
+        )
     else:
         click.echo(show_markdown(reg, model), nl=False)
 
 
 @cli.command(cls=_ManyValues)
-@click.option("--reference", "references", multiple=True, required=True, metavar="RUN...",
-              help="Reference runs (lm-eval output folder, results JSON) or registry entries (vendor:SCORE_ID, vendor:MODEL).")
-@click.option("--candidate", "candidates", multiple=True, required=True, metavar="RUN...", help="Candidate runs or registry entries, as --reference.")
-@click.option("--vendor", "use_vendor", is_flag=True, help="Add vendor-reported scores and reported gaps of the models involved from the registry.")
-@click.option("--registry", "registry_file", type=click.Path(path_type=Path), default=None, help="A user registry YAML added to the bundled one.")
-@click.option("--benchmarks", "benchmarks_file", type=click.Path(path_type=Path), default=None, help="A YAML of benchmark families (construct, metric keys).")
-@click.option("--lineage", "declared_lineage", type=click.Choice(["parent", "not-parent"]), default=None,
-              help="Declare whether the reference is the candidate's parent (checked against model cards).")
-@click.option("--mixture", multiple=True, metavar="KEY=VALUE", help="A fact of the VL training recipe, e.g. text_share=0.1 (repeatable; shown, never inferred).")
-@click.option("--baseline-protocol", default=None, help="Protocol the others' effects are measured against (default: the first one seen).")
+@click.option(
+    "--reference",
+    "references",
+    multiple=True,
+    required=True,
+    metavar="RUN...",
+    help="Reference runs (lm-eval output folder, results JSON) or registry entries (vendor:SCORE_ID, vendor:MODEL).",
+)
+@click.option(
+    "--candidate",
+    "candidates",
+    multiple=True,
+    required=True,
+    metavar="RUN...",
+    help="Candidate runs or registry entries, as --reference.",
+)
+@click.option(
+    "--vendor",
+    "use_vendor",
+    is_flag=True,
+    help="Add vendor-reported scores and reported gaps of the models involved from the registry.",
+)
+@click.option(
+    "--registry",
+    "registry_file",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="A user registry YAML added to the bundled one.",
+)
+@click.option(
+    "--benchmarks",
+    "benchmarks_file",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="A YAML of benchmark families (construct, metric keys).",
+)
+@click.option(
+    "--lineage",
+    "declared_lineage",
+    type=click.Choice(["parent", "not-parent"]),
+    default=None,
+    help="Declare whether the reference is the candidate's parent (checked against model cards).",
+)
+@click.option(
+    "--mixture",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="A fact of the VL training recipe, e.g. text_share=0.1 (repeatable; shown, never inferred).",
+)
+@click.option(
+    "--baseline-protocol",
+    default=None,
+    help="Protocol the others' effects are measured against (default: the first one seen).",
+)
 @click.option("--allow-partial", is_flag=True, help="Pair only the docs both sample logs hold (the drop is recorded).")
-@click.option("--output", type=click.Path(path_type=Path), default=None, help="Folder for attribution.json, attribution.md, attribution.png.")
+@click.option(
+    "--output",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Folder for attribution.json, attribution.md, attribution.png.",
+)
 @click.option("--force", is_flag=True, help="Overwrite --output.")
-def attribute(references, candidates, use_vendor, registry_file, benchmarks_file, declared_lineage, mixture, baseline_protocol, allow_partial, output, force) -> None:
+def attribute(
+    references,
+    candidates,
+    use_vendor,
+    registry_file,
+    benchmarks_file,
+    declared_lineage,
+    mixture,
+    baseline_protocol,
+    allow_partial,
+    output,
+    force,
+) -> None:
     """Attribute each benchmark's candidate-minus-reference gap to lineage, protocol, access vs capacity, construct and mixture."""
     from lm_eval_sink.commands.attribute import run_attribute
 
@@ -340,34 +630,116 @@ def attribute(references, candidates, use_vendor, registry_file, benchmarks_file
             raise UserError(f"--mixture {item!r} is not KEY=VALUE", "e.g. --mixture text_share=0.1")
         k, v = item.split("=", 1)
         facts[k.strip()] = v.strip()
-    for line in run_attribute(list(references), list(candidates), output, force=force, vendor=use_vendor, registry_file=registry_file, benchmarks_file=benchmarks_file,
-                              declared_lineage=declared_lineage, mixture=facts or None, baseline_protocol=baseline_protocol, allow_partial=allow_partial):
+    for line in run_attribute(
+        list(references),
+        list(candidates),
+        output,
+        force=force,
+        vendor=use_vendor,
+        registry_file=registry_file,
+        benchmarks_file=benchmarks_file,
+        declared_lineage=declared_lineage,
+        mixture=facts or None,
+        baseline_protocol=baseline_protocol,
+        allow_partial=allow_partial,
+    ):
         click.echo(line)
 
 
 @cli.command("eval")
 @click.argument("model")
-@click.option("--protocol", "protocol_name", required=True, help="Named protocol: instruct, community, or one from --protocol-file.")
-@click.option("--protocol-file", type=click.Path(path_type=Path), default=None, help="A YAML of extra named protocols (see lm_eval_sink/data/protocols.yaml).")
+@click.option(
+    "--protocol",
+    "protocol_name",
+    required=True,
+    help="Named protocol: instruct, community, or one from --protocol-file.",
+)
+@click.option(
+    "--protocol-file",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="A YAML of extra named protocols (see lm_eval_sink/data/protocols.yaml).",
+)
 @click.option("--tasks", required=True, help="Comma-separated lm-eval task names, e.g. ifeval,gsm8k_cot_zeroshot.")
 @click.option("--limit", type=float, default=None, help="Docs per task (or a fraction); the scores are then not final.")
-@click.option("--gen-kwargs", multiple=True, metavar="KEY=VALUE", help="Generation overrides on top of the protocol's, e.g. max_gen_toks=256.")
+@click.option(
+    "--gen-kwargs",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Generation overrides on top of the protocol's, e.g. max_gen_toks=256.",
+)
 @click.option("--batch-size", default=None, help="Batch size, where the protocol does not fix it (default 1).")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default=None, help="Model dtype, where the protocol does not fix it.")
-@click.option("--seed", type=int, default=None, help="Seed for lm-eval's random generators, where the protocol does not fix it.")
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+    default=None,
+    help="Model dtype, where the protocol does not fix it.",
+)
+@click.option(
+    "--seed", type=int, default=None, help="Seed for lm-eval's random generators, where the protocol does not fix it."
+)
 @click.option("--device", default=None, help="HF only: torch device (default cpu).")
-@click.option("--backend", type=click.Choice(["hf", "vllm"]), default="hf", show_default=True, help="lm-eval model backend; vllm needs vllm installed (no sink_strength).")
-@click.option("--model-args", "model_args", default=None, metavar="K=V,...", help="Extra backend arguments, e.g. tensor_parallel_size=2,max_model_len=4096.")
+@click.option(
+    "--backend",
+    type=click.Choice(["hf", "vllm"]),
+    default="hf",
+    show_default=True,
+    help="lm-eval model backend; vllm needs vllm installed (no sink_strength).",
+)
+@click.option(
+    "--model-args",
+    "model_args",
+    default=None,
+    metavar="K=V,...",
+    help="Extra backend arguments, e.g. tensor_parallel_size=2,max_model_len=4096.",
+)
 @click.option("--include-path", default=None, help="One extra folder of lm-eval task YAMLs.")
-@click.option("--no-log-samples", is_flag=True, help="Do not write per-sample logs (attribution then works from aggregate scores only).")
+@click.option(
+    "--no-log-samples",
+    is_flag=True,
+    help="Do not write per-sample logs (attribution then works from aggregate scores only).",
+)
 @click.option("--output", type=click.Path(path_type=Path), required=True, help="lm-eval output folder for this run.")
 @click.option("--force", is_flag=True, help="Write into an existing --output.")
-def eval_cmd(model, protocol_name, protocol_file, tasks, limit, gen_kwargs, batch_size, dtype, seed, device, backend, model_args, include_path, no_log_samples, output, force) -> None:
+def eval_cmd(
+    model,
+    protocol_name,
+    protocol_file,
+    tasks,
+    limit,
+    gen_kwargs,
+    batch_size,
+    dtype,
+    seed,
+    device,
+    backend,
+    model_args,
+    include_path,
+    no_log_samples,
+    output,
+    force,
+) -> None:
     """Run lm-eval on MODEL under a named protocol, then print the run's protocol fingerprint check."""
     from lm_eval_sink.commands.eval import run_eval
 
-    for line in run_eval(model, protocol_name, protocol_file, tasks, output, limit=limit, gen_kwargs=gen_kwargs, batch_size=batch_size, dtype=dtype, seed=seed,
-                         device=device, backend=backend, model_args=model_args, include_path=include_path, log_samples=not no_log_samples, force=force):
+    for line in run_eval(
+        model,
+        protocol_name,
+        protocol_file,
+        tasks,
+        output,
+        limit=limit,
+        gen_kwargs=gen_kwargs,
+        batch_size=batch_size,
+        dtype=dtype,
+        seed=seed,
+        device=device,
+        backend=backend,
+        model_args=model_args,
+        include_path=include_path,
+        log_samples=not no_log_samples,
+        force=force,
+    ):
         click.echo(line)
 
 
@@ -376,29 +748,100 @@ def eval_cmd(model, protocol_name, protocol_file, tasks, limit, gen_kwargs, batc
 @click.argument("reference")
 @click.argument("candidate")
 @click.option("--task", default=None, help="Task whose samples to pair (default: the one task both runs share).")
-@click.option("--metric", default=None, help="Per-sample metric (default: the task's, e.g. prompt_level_strict_acc for ifeval).")
-@click.option("--filter", "filter_name", default=None, help="lm-eval filter (default: the task's, e.g. strict-match for gsm8k_cot*).")
-@click.option("--threshold", type=float, default=None, help="Continuous metrics (eq_bench): pass = score >= THRESHOLD, giving buckets and McNemar.")
-@click.option("--allow-partial", is_flag=True, help="Pair the common docs when the doc sets differ (the drop is recorded).")
-@click.option("--same-protocol", is_flag=True, help="Refuse runs whose protocols differ (chat template, few-shot, limit, ...).")
-@click.option("--tokenizer", default=None, help="Tokenizer (folder, hub id or 'default') to count response tokens for truncation.")
+@click.option(
+    "--metric", default=None, help="Per-sample metric (default: the task's, e.g. prompt_level_strict_acc for ifeval)."
+)
+@click.option(
+    "--filter",
+    "filter_name",
+    default=None,
+    help="lm-eval filter (default: the task's, e.g. strict-match for gsm8k_cot*).",
+)
+@click.option(
+    "--threshold",
+    type=float,
+    default=None,
+    help="Continuous metrics (eq_bench): pass = score >= THRESHOLD, giving buckets and McNemar.",
+)
+@click.option(
+    "--allow-partial", is_flag=True, help="Pair the common docs when the doc sets differ (the drop is recorded)."
+)
+@click.option(
+    "--same-protocol", is_flag=True, help="Refuse runs whose protocols differ (chat template, few-shot, limit, ...)."
+)
+@click.option(
+    "--tokenizer", default=None, help="Tokenizer (folder, hub id or 'default') to count response tokens for truncation."
+)
 @click.option("--max-gen-toks", type=int, default=None, help="Generation limit, when the samples do not record it.")
-@click.option("--bootstrap", "n_bootstrap", type=int, default=10_000, show_default=True, help="Bootstrap resamples for the intervals.")
+@click.option(
+    "--bootstrap",
+    "n_bootstrap",
+    type=int,
+    default=10_000,
+    show_default=True,
+    help="Bootstrap resamples for the intervals.",
+)
 @click.option("--confidence", type=float, default=0.95, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Bootstrap seed.")
-@click.option("--failure-kinds/--no-failure-kinds", default=True, show_default=True, help="IFEval: classify regressions with lm-eval's checker.")
-@click.option("--output", type=click.Path(path_type=Path), default=None, help="Folder for buckets.json, buckets.md, prompts.csv and PNGs (default: print only).")
+@click.option(
+    "--failure-kinds/--no-failure-kinds",
+    default=True,
+    show_default=True,
+    help="IFEval: classify regressions with lm-eval's checker.",
+)
+@click.option(
+    "--output",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Folder for buckets.json, buckets.md, prompts.csv and PNGs (default: print only).",
+)
 @click.option("--force", is_flag=True, help="Overwrite an existing --output folder.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
-def buckets(reference, candidate, task, metric, filter_name, threshold, allow_partial, same_protocol, tokenizer, max_gen_toks, n_bootstrap, confidence, seed, failure_kinds, output, force,
-    quiet) -> None:
+def buckets(
+    reference,
+    candidate,
+    task,
+    metric,
+    filter_name,
+    threshold,
+    allow_partial,
+    same_protocol,
+    tokenizer,
+    max_gen_toks,
+    n_bootstrap,
+    confidence,
+    seed,
+    failure_kinds,
+    output,
+    force,
+    quiet,
+) -> None:
     """Per-prompt regression buckets of CANDIDATE vs REFERENCE (lm-eval runs: results JSON, samples JSONL or output folder)."""
     from lm_eval_sink.buckets import BucketSettings
     from lm_eval_sink.commands.buckets import run_buckets
 
-    settings = BucketSettings(metric=metric, filter=filter_name, threshold=threshold, allow_partial=allow_partial, n_bootstrap=n_bootstrap,
-                              confidence=confidence, seed=seed, failure_kinds=failure_kinds, max_gen_toks=max_gen_toks)
-    _, lines = run_buckets(reference, candidate, task, settings, output, force=force, tokenizer=tokenizer, same_protocol=same_protocol, progress=not quiet)
+    settings = BucketSettings(
+        metric=metric,
+        filter=filter_name,
+        threshold=threshold,
+        allow_partial=allow_partial,
+        n_bootstrap=n_bootstrap,
+        confidence=confidence,
+        seed=seed,
+        failure_kinds=failure_kinds,
+        max_gen_toks=max_gen_toks,
+    )
+    _, lines = run_buckets(
+        reference,
+        candidate,
+        task,
+        settings,
+        output,
+        force=force,
+        tokenizer=tokenizer,
+        same_protocol=same_protocol,
+        progress=not quiet,
+    )
     for line in lines:
         click.echo(line)
 
@@ -424,15 +867,25 @@ def configs_list() -> None:
 @click.argument("name")
 @click.option("--reference", required=True, help="The text LLM (folder).")
 @click.option("--candidate", required=True, help="The extracted VLM language backbone (folder).")
-@click.option("--base", default=None, help="A pretrained ancestor of both (siblings lineage); default: base = reference (chain lineage).")
-@click.option("--tokenizer-source", default=None, help="Output vocabulary: base, union, reference, candidate or a model folder (default: mergekit's rule, the base_model's tokenizer).")
+@click.option(
+    "--base",
+    default=None,
+    help="A pretrained ancestor of both (siblings lineage); default: base = reference (chain lineage).",
+)
+@click.option(
+    "--tokenizer-source",
+    default=None,
+    help="Output vocabulary: base, union, reference, candidate or a model folder (default: mergekit's rule, the base_model's tokenizer).",
+)
 @click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="The mergekit YAML to write.")
 @click.option("--force", is_flag=True, help="Overwrite an existing file.")
 def configs_render(name, reference, candidate, base, tokenizer_source, output, force) -> None:
     """Fill a bundled control (NAME) for one model pair and write plain mergekit YAML."""
     from lm_eval_sink.commands.configs import run_configs_render
 
-    warnings, lines = run_configs_render(name, reference, candidate, output, base=base, tokenizer_source=tokenizer_source, force=force)
+    warnings, lines = run_configs_render(
+        name, reference, candidate, output, base=base, tokenizer_source=tokenizer_source, force=force
+    )
     for warning in warnings:
         click.echo(f"warning: {warning}", err=True)
     for line in lines:
@@ -446,7 +899,9 @@ def configs_validate(config_file) -> None:
     from lm_eval_sink.merging.configs import validate_file
 
     vc = validate_file(config_file)
-    click.echo(f"{config_file}: ok (merge_method {vc.method}, {len(vc.inputs)} inputs, base_model {vc.base_model or 'none'})")
+    click.echo(
+        f"{config_file}: ok (merge_method {vc.method}, {len(vc.inputs)} inputs, base_model {vc.base_model or 'none'})"
+    )
 
 
 @cli.command("merge")
@@ -466,12 +921,25 @@ def merge(config_file, out, random_seed, device, force, quiet) -> None:
 
 @cli.command("sweep")
 @click.argument("sweep_file", type=click.Path(path_type=Path))
-@click.option("--output", type=click.Path(path_type=Path), default=None, help="Output folder (default: the YAML's 'output').")
+@click.option(
+    "--output", type=click.Path(path_type=Path), default=None, help="Output folder (default: the YAML's 'output')."
+)
 @click.option("--force", is_flag=True, help="Redo every step, replacing earlier outputs.")
-@click.option("--delete-merged", is_flag=True, default=None, help="Delete merged weights once their checkpoint is evaluated.")
+@click.option(
+    "--delete-merged", is_flag=True, default=None, help="Delete merged weights once their checkpoint is evaluated."
+)
 @click.option("--quiet", is_flag=True, help="No progress bars.")
-@click.option("--engine", type=click.Choice(["local", "ray"]), default=None, help="Where units run (default: the file's engine.kind, else local).")
-@click.option("--ray-address", default=None, help="Ray cluster: auto, ray://host:port (default: the file's engine.address; none starts Ray here).")
+@click.option(
+    "--engine",
+    type=click.Choice(["local", "ray"]),
+    default=None,
+    help="Where units run (default: the file's engine.kind, else local).",
+)
+@click.option(
+    "--ray-address",
+    default=None,
+    help="Ray cluster: auto, ray://host:port (default: the file's engine.address; none starts Ray here).",
+)
 def sweep(sweep_file, output, force, delete_merged, quiet, engine, ray_address) -> None:
     """Merge, evaluate (lm-eval) and measure S for every checkpoint of SWEEP.yaml; resumable."""
     from lm_eval_sink.commands.sweep import load_sweep, run_sweep
@@ -484,13 +952,43 @@ def sweep(sweep_file, output, force, delete_merged, quiet, engine, ray_address) 
 
 
 @cli.command("report")
-@click.option("--strength", "strength_files", nargs=2, type=click.Path(path_type=Path), default=None, metavar="REF.json CAND.json",
-    help="Both models' strength JSON (<name>.strength.json or a sweep's strength.json).")
-@click.option("--margin", "margin_dir", type=click.Path(path_type=Path), default=None, help="Output folder (or margin.json) of `margin`.")
-@click.option("--buckets", "buckets_dirs", multiple=True, type=click.Path(path_type=Path),
-    help="Output folder (or buckets.json) of `buckets`; repeatable (the headline: the IFEval one, else the first).")
-@click.option("--attribution", "attribution_dir", type=click.Path(path_type=Path), default=None, help="Output folder (or attribution.json) of `attribute`.")
-@click.option("--sweep", "sweep_dir", type=click.Path(path_type=Path), default=None, help="Output folder (or table.json) of `sweep`.")
+@click.option(
+    "--strength",
+    "strength_files",
+    nargs=2,
+    type=click.Path(path_type=Path),
+    default=None,
+    metavar="REF.json CAND.json",
+    help="Both models' strength JSON (<name>.strength.json or a sweep's strength.json).",
+)
+@click.option(
+    "--margin",
+    "margin_dir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Output folder (or margin.json) of `margin`.",
+)
+@click.option(
+    "--buckets",
+    "buckets_dirs",
+    multiple=True,
+    type=click.Path(path_type=Path),
+    help="Output folder (or buckets.json) of `buckets`; repeatable (the headline: the IFEval one, else the first).",
+)
+@click.option(
+    "--attribution",
+    "attribution_dir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Output folder (or attribution.json) of `attribute`.",
+)
+@click.option(
+    "--sweep",
+    "sweep_dir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Output folder (or table.json) of `sweep`.",
+)
 @click.option("--title", default=None, help="Page title (default: the two models).")
 @click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="The HTML file to write.")
 @click.option("--force", is_flag=True, help="Overwrite an existing file.")
@@ -498,26 +996,88 @@ def report(strength_files, margin_dir, buckets_dirs, attribution_dir, sweep_dir,
     """One self-contained HTML page for a reference/candidate pair from this project's outputs (works offline)."""
     from lm_eval_sink.commands.report import run_report
 
-    for line in run_report(output, force=force, strength=strength_files, margin=margin_dir, buckets=buckets_dirs, attribution=attribution_dir, sweep=sweep_dir, title=title):
+    for line in run_report(
+        output,
+        force=force,
+        strength=strength_files,
+        margin=margin_dir,
+        buckets=buckets_dirs,
+        attribution=attribution_dir,
+        sweep=sweep_dir,
+        title=title,
+    ):
         click.echo(line)
 
 
 @cli.command("protect-plan")
 @click.argument("model_name", metavar="MODEL")
 @click.option("--last-k", default="10", show_default=True, help="Heads of the last K layers are candidates, or 'all'.")
-@click.option("--threshold", type=float, default=0.0, show_default=True, help="Protect heads whose median sink log-odds exceeds this.")
-@click.option("--min-pos0-fraction", type=float, default=0.8, show_default=True, help="...and whose sink is position 0 in at least this share of rows.")
-@click.option("--tau", type=float, default=0.0, show_default=True, help="Share of |k_s|^2 Rule Q may leave unprotected (0: the sink logit cannot move through W_q).")
+@click.option(
+    "--threshold",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Protect heads whose median sink log-odds exceeds this.",
+)
+@click.option(
+    "--min-pos0-fraction",
+    type=float,
+    default=0.8,
+    show_default=True,
+    help="...and whose sink is position 0 in at least this share of rows.",
+)
+@click.option(
+    "--tau",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Share of |k_s|^2 Rule Q may leave unprotected (0: the sink logit cannot move through W_q).",
+)
 @_calibration_options
 @click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="The plan JSON to write.")
-def protect_plan(model_name, last_k, threshold, min_pos0_fraction, tau, prompts_file, n_prompts, rows, chat_template, system_prompt, dtype, device, batch_size, force, quiet, output) -> None:
+def protect_plan(
+    model_name,
+    last_k,
+    threshold,
+    min_pos0_fraction,
+    tau,
+    prompts_file,
+    n_prompts,
+    rows,
+    chat_template,
+    system_prompt,
+    dtype,
+    device,
+    batch_size,
+    force,
+    quiet,
+    output,
+) -> None:
     """Choose the sink heads to protect during training (MODEL: folder, hub id or 'default'); see docs/training.md."""
     from lm_eval_sink.strength import StrengthSettings
     from lm_eval_sink.commands.protect_plan import run_protect_plan
 
-    settings = StrengthSettings(last_k=_last_k(last_k), rows=rows, n_prompts=n_prompts, prompts_file=str(prompts_file) if prompts_file else None,
-                                use_chat_template=chat_template, system_prompt=system_prompt, batch_size=batch_size)
-    for line in run_protect_plan(model_name, settings, output, threshold=threshold, min_pos0_fraction=min_pos0_fraction, tau=tau, dtype=dtype, device=device, force=force, progress=not quiet):
+    settings = StrengthSettings(
+        last_k=_last_k(last_k),
+        rows=rows,
+        n_prompts=n_prompts,
+        prompts_file=str(prompts_file) if prompts_file else None,
+        use_chat_template=chat_template,
+        system_prompt=system_prompt,
+        batch_size=batch_size,
+    )
+    for line in run_protect_plan(
+        model_name,
+        settings,
+        output,
+        threshold=threshold,
+        min_pos0_fraction=min_pos0_fraction,
+        tau=tau,
+        dtype=dtype,
+        device=device,
+        force=force,
+        progress=not quiet,
+    ):
         click.echo(line)
 
 

@@ -72,7 +72,9 @@ def ends_mid_sentence(response: str) -> bool:
     return last.isalnum() or last in _MID_SENTENCE_TAIL
 
 
-def is_truncated(response: str, max_gen_toks: int | None, count_tokens: Callable[[str], int] | None = None) -> bool | None:
+def is_truncated(
+    response: str, max_gen_toks: int | None, count_tokens: Callable[[str], int] | None = None
+) -> bool | None:
     """Whether a response hit the generation limit (None: the limit is unknown, cannot tell)."""
     if max_gen_toks is None:
         return None
@@ -109,7 +111,10 @@ def tokenizer_counter(name: str) -> Callable[[str], int]:
 
         tok = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
-        raise UserError(f"--tokenizer {name}: cannot load a tokenizer ({str(e).splitlines()[0]})", "pass the candidate model's folder or hub id") from None
+        raise UserError(
+            f"--tokenizer {name}: cannot load a tokenizer ({str(e).splitlines()[0]})",
+            "pass the candidate model's folder or hub id",
+        ) from None
 
     def count(text: str) -> int:
         return len(tok(text, add_special_tokens=False)["input_ids"])
@@ -153,18 +158,31 @@ def _checker():
 def check_instructions(doc: Mapping[str, Any], response: str, loose: bool) -> list[bool]:
     """lm-eval's own IFEval check of one response: followed or not, per instruction of `doc`."""
     utils = _checker()
-    inp = utils.InputExample(key=doc.get("key"), instruction_id_list=list(doc["instruction_id_list"]), prompt=doc["prompt"], kwargs=list(doc["kwargs"]))
+    inp = utils.InputExample(
+        key=doc.get("key"),
+        instruction_id_list=list(doc["instruction_id_list"]),
+        prompt=doc["prompt"],
+        kwargs=list(doc["kwargs"]),
+    )
     fn = utils.test_instruction_following_loose if loose else utils.test_instruction_following_strict
     try:
         with _deterministic_quiet_checker():
             return list(fn(inp, response).follow_instruction_list)
     except LookupError as e:
-        raise UserError(f"IFEval's checker needs NLTK data it cannot find ({str(e).strip().splitlines()[0]})", "set NLTK_DATA to a folder holding tokenizers/punkt_tab/english") from None
+        raise UserError(
+            f"IFEval's checker needs NLTK data it cannot find ({str(e).strip().splitlines()[0]})",
+            "set NLTK_DATA to a folder holding tokenizers/punkt_tab/english",
+        ) from None
     except KeyError as e:
-        raise UserError(f"IFEval instruction {e} is not in lm-eval's instruction registry", "bucket these logs with the lm-eval version that wrote them") from None
+        raise UserError(
+            f"IFEval instruction {e} is not in lm-eval's instruction registry",
+            "bucket these logs with the lm-eval version that wrote them",
+        ) from None
 
 
-def _truncation_can_break(instruction_id: str, kwargs: Mapping[str, Any] | None, table: Mapping[str, Mapping[str, str]]) -> bool:
+def _truncation_can_break(
+    instruction_id: str, kwargs: Mapping[str, Any] | None, table: Mapping[str, Mapping[str, str]]
+) -> bool:
     rule = table.get(instruction_id, {}).get("truncation", "always")
     if rule == "at_least":
         kwargs = kwargs or {}
@@ -172,7 +190,9 @@ def _truncation_can_break(instruction_id: str, kwargs: Mapping[str, Any] | None,
     return rule == "always"
 
 
-def classify_ifeval(doc: Mapping[str, Any], response: str, loose: bool, truncated: bool | None, table: Mapping[str, Mapping[str, str]]) -> FailureKind:
+def classify_ifeval(
+    doc: Mapping[str, Any], response: str, loose: bool, truncated: bool | None, table: Mapping[str, Mapping[str, str]]
+) -> FailureKind:
     """The primary failure kind of one IFEval regression (see the module docstring for the rule)."""
     ids = list(doc["instruction_id_list"])
     kwargs = list(doc.get("kwargs") or [{}] * len(ids))
@@ -181,7 +201,9 @@ def classify_ifeval(doc: Mapping[str, Any], response: str, loose: bool, truncate
     followed = check_instructions(doc, response, loose)
     failed = [(i, kw) for i, kw, ok in zip(ids, kwargs, followed, strict=True) if not ok]
     if not failed:
-        return FailureKind("other", (), "lm-eval's checker re-run on the response finds every instruction followed", False)
+        return FailureKind(
+            "other", (), "lm-eval's checker re-run on the response finds every instruction followed", False
+        )
     names = tuple(i for i, _ in failed)
     if truncated and any(_truncation_can_break(i, kw, table) for i, kw in failed):
         return FailureKind("truncation", names, "hit the generation limit; failed: " + ", ".join(names), True)

@@ -33,7 +33,7 @@ DISABLE_ENV = "LM_EVAL_SINK_NO_HOOK"
 PTH_NAME = "lm_eval_sink_hook.pth"
 PTH_LINE = (
     'import os; exec("try:\\n import lm_eval_sink.hooks as h; h.install()\\nexcept Exception as e:\\n import warnings; '
-    'warnings.warn(\'lm-eval-sink: start-up hook failed (%r); set LM_EVAL_SINK_NO_HOOK=1 to silence\' % (e,))") '
+    "warnings.warn('lm-eval-sink: start-up hook failed (%r); set LM_EVAL_SINK_NO_HOOK=1 to silence' % (e,))\") "
     'if not os.environ.get("LM_EVAL_SINK_NO_HOOK") else None\n'
 )
 
@@ -53,7 +53,11 @@ def _run_callback(module_name: str) -> None:
     try:
         getattr(importlib.import_module(mod_name), func_name)()
     except Exception as e:  # fail soft: the host library keeps working without us
-        warnings.warn(f"lm-eval-sink: could not register with {module_name} ({type(e).__name__}: {e}); set {DISABLE_ENV}=1 to silence", SinkWarning, stacklevel=2)
+        warnings.warn(
+            f"lm-eval-sink: could not register with {module_name} ({type(e).__name__}: {e}); set {DISABLE_ENV}=1 to silence",
+            SinkWarning,
+            stacklevel=2,
+        )
 
 
 class _Loader(importlib.abc.Loader):

@@ -62,8 +62,14 @@ def file_hash(path: Path) -> str:
 def tree_files(folder: Path) -> list[Path]:
     """The files a folder's identity covers (sorted), lock files and markers left out."""
     folder = Path(folder)
-    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name not in SKIPPED_NAMES and not any(part.startswith(".") for part in p.relative_to(folder).parts)
-                  and "__pycache__" not in p.parts)
+    return sorted(
+        p
+        for p in folder.rglob("*")
+        if p.is_file()
+        and p.name not in SKIPPED_NAMES
+        and not any(part.startswith(".") for part in p.relative_to(folder).parts)
+        and "__pycache__" not in p.parts
+    )
 
 
 def folder_identity(folder: Path) -> dict[str, str]:
@@ -84,10 +90,14 @@ def looks_like_hub_id(text: str) -> bool:
 def split_revision(ref: str) -> tuple[str, str | None]:
     """`org/name@rev` -> ("org/name", "rev"); no '@' -> (ref, None). mergekit's rule (one '@' at most)."""
     if ref.count("@") > 1:
-        raise UserError(f"{ref}: more than one '@' (mergekit reads ID@REVISION)", "write org/name@REVISION with one '@'")
+        raise UserError(
+            f"{ref}: more than one '@' (mergekit reads ID@REVISION)", "write org/name@REVISION with one '@'"
+        )
     path, at, rev = ref.partition("@")
     if at and not rev:
-        raise UserError(f"{ref}: nothing after '@'", "write org/name@REVISION (a branch, tag or commit sha), or drop the '@'")
+        raise UserError(
+            f"{ref}: nothing after '@'", "write org/name@REVISION (a branch, tag or commit sha), or drop the '@'"
+        )
     return path, rev or None
 
 
@@ -142,7 +152,10 @@ def _hub_online(repo_id: str, revision: str | None) -> tuple[str, dict[str, str]
     try:
         info = HfApi().model_info(repo_id, revision=revision, files_metadata=True)
     except (RepositoryNotFoundError, RevisionNotFoundError) as e:
-        raise UserError(f"{repo_id}" + (f"@{revision}" if revision else "") + f": not found on the hub ({type(e).__name__})", "check the model id and revision") from None
+        raise UserError(
+            f"{repo_id}" + (f"@{revision}" if revision else "") + f": not found on the hub ({type(e).__name__})",
+            "check the model id and revision",
+        ) from None
     files = {s.rfilename: (f"sha256:{s.lfs.sha256}" if s.lfs else f"git:{s.blob_id}") for s in info.siblings or []}
     return info.sha, files
 
@@ -158,24 +171,45 @@ def model_identity(model: str) -> dict[str, Any]:
     if p.is_dir():
         files = folder_identity(p)
         revision = p.name if p.parent.name == "snapshots" else None  # a folder inside the HF cache
-        return {"model": str(p), "revision": revision, "fingerprint_rule": FINGERPRINT_RULE, "fingerprint": _combine(files), "files": files}
+        return {
+            "model": str(p),
+            "revision": revision,
+            "fingerprint_rule": FINGERPRINT_RULE,
+            "fingerprint": _combine(files),
+            "files": files,
+        }
     repo_id, revision = split_revision(model)
     snap = hub_snapshot(repo_id, revision)
     if snap is None:
         if hub_offline():
-            raise UserError(f"{model}: not in the local Hugging Face cache and the hub is offline (HF_HUB_OFFLINE=1)", "download it once online, or pass a local model folder")
+            raise UserError(
+                f"{model}: not in the local Hugging Face cache and the hub is offline (HF_HUB_OFFLINE=1)",
+                "download it once online, or pass a local model folder",
+            )
         snap = _hub_online(repo_id, revision)
     sha, files = snap
-    return {"model": model, "revision": sha, "fingerprint_rule": FINGERPRINT_RULE, "fingerprint": _combine(files), "files": files}
+    return {
+        "model": model,
+        "revision": sha,
+        "fingerprint_rule": FINGERPRINT_RULE,
+        "fingerprint": _combine(files),
+        "files": files,
+    }
 
 
 def check_finished_folder(path: Path) -> None:
     """Refuse, as a model input, a staging folder or a folder a failed run left (FAILED.json without COMPLETE.json)."""
     path = Path(path)
     if ".partial-" in path.name or ".old-" in path.name:
-        raise UserError(f"{path}: a staging folder left by an interrupted run, not a model", "pass the finished folder (rerun the command that makes it)")
+        raise UserError(
+            f"{path}: a staging folder left by an interrupted run, not a model",
+            "pass the finished folder (rerun the command that makes it)",
+        )
     if path.is_dir() and (path / "FAILED.json").is_file() and read_complete(path) is None:
-        raise UserError(f"{path}: left by a failed run (FAILED.json, no COMPLETE.json)", "rerun the command that makes it, or pass another folder")
+        raise UserError(
+            f"{path}: left by a failed run (FAILED.json, no COMPLETE.json)",
+            "rerun the command that makes it, or pass another folder",
+        )
 
 
 def local_identity(model: str | None) -> dict[str, Any] | None:
@@ -186,10 +220,19 @@ def local_identity(model: str | None) -> dict[str, Any] | None:
 def check_same_identity(old: dict[str, Any] | None, new: dict[str, Any], where: Path) -> None:
     """Refuse reusing `where` when the identity it was made from is not `new`'s (one line, naming the changed file)."""
     if not isinstance(old, dict) or old.get("fingerprint_rule") != FINGERPRINT_RULE:
-        raise UserError(f"{where}: made with an older fingerprint rule; rerun with --force", "pass --force to recompute it")
+        raise UserError(
+            f"{where}: made with an older fingerprint rule; rerun with --force", "pass --force to recompute it"
+        )
     if old.get("fingerprint") == new["fingerprint"]:
         return
     before, after = old.get("files") or {}, new["files"]
     changed = sorted(n for n in set(before) | set(after) if before.get(n) != after.get(n))
-    shown = ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "") if changed else "the revision"
-    raise UserError(f"{where}: made from other inputs: {new['model']} changed ({shown})", "pass --force to recompute, or choose another --output")
+    shown = (
+        ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
+        if changed
+        else "the revision"
+    )
+    raise UserError(
+        f"{where}: made from other inputs: {new['model']} changed ({shown})",
+        "pass --force to recompute, or choose another --output",
+    )

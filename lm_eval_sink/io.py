@@ -94,7 +94,9 @@ def read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{path}: not valid JSON ({e})", "pass a JSON file written by lm-eval or lm-eval-sink") from None
+        raise UserError(
+            f"{path}: not valid JSON ({e})", "pass a JSON file written by lm-eval or lm-eval-sink"
+        ) from None
 
 
 def parse_yaml(text: str, where: str) -> Any:
@@ -192,8 +194,12 @@ def _git_state() -> dict[str, Any]:
     if not (root / ".git").exists():
         return {"commit": None, "dirty": None}
     try:
-        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
-        status = subprocess.run(["git", "-C", str(root), "status", "--porcelain"], capture_output=True, text=True, timeout=5)
+        commit = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
+        )
+        status = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain"], capture_output=True, text=True, timeout=5
+        )
     except (OSError, subprocess.SubprocessError):
         return {"commit": None, "dirty": None}
     if commit.returncode != 0:

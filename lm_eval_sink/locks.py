@@ -52,10 +52,20 @@ def hold(folder: Path, sibling: bool = False) -> Iterator[Path]:
     try:
         lock.acquire()
     except Timeout:
-        raise UserError(f"{folder} is in use by {_holder(record)}", "wait for that run to finish (or stop it), or choose another output folder") from None
+        raise UserError(
+            f"{folder} is in use by {_holder(record)}",
+            "wait for that run to finish (or stop it), or choose another output folder",
+        ) from None
     try:
-        atomic_write_json(record, {"host": socket.gethostname(), "pid": os.getpid(), "argv": list(sys.argv),
-                                   "started_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")})
+        atomic_write_json(
+            record,
+            {
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "argv": list(sys.argv),
+                "started_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+            },
+        )
         yield path
     finally:
         with contextlib.suppress(OSError):

@@ -55,7 +55,9 @@ def lemma1_bound(g_base: Any, b_gap: Any) -> Any:
 def lemma1_required_margin(eta: float) -> float:
     """The margin G_base - B_gap needed to keep the sink mass at least 1 - eta."""
     if not 0.0 < eta < 1.0:
-        raise UserError(f"eta must lie strictly between 0 and 1, got {eta}", "use e.g. eta = 0.1 for a sink level of 0.9")
+        raise UserError(
+            f"eta must lie strictly between 0 and 1, got {eta}", "use e.g. eta = 0.1 for a sink level of 0.9"
+        )
     return math.log((1.0 - eta) / eta)
 
 
@@ -94,7 +96,9 @@ def lemma1_synthetic(g_base: float = 3.0, b_gap: float = 0.4, n_keys: int = 64, 
     p /= p.sum()
     non_sink = float(p[1:].sum())
     bound = float(lemma1_bound(g_base, b_gap))
-    return Lemma1Case(g_base=g_base, b_gap=b_gap, n_keys=n_keys, non_sink_mass=non_sink, bound=bound, ratio=non_sink / bound)
+    return Lemma1Case(
+        g_base=g_base, b_gap=b_gap, n_keys=n_keys, non_sink_mass=non_sink, bound=bound, ratio=non_sink / bound
+    )
 
 
 # ---------------------------------------------------------------------------- margins from arrays
@@ -105,7 +109,10 @@ def margin_arrays(g_base: np.ndarray, g_cand: np.ndarray, quantile: float = DEFA
     g_base = np.asarray(g_base, dtype=np.float64)
     g_cand = np.asarray(g_cand, dtype=np.float64)
     if g_base.shape != g_cand.shape or g_base.ndim != 3 or g_base.shape[2] == 0:
-        raise UserError(f"gap arrays of shapes {g_base.shape} and {g_cand.shape} do not match as [layer, head, row] with rows", "capture both models on the same token ids and layers")
+        raise UserError(
+            f"gap arrays of shapes {g_base.shape} and {g_cand.shape} do not match as [layer, head, row] with rows",
+            "capture both models on the same token ids and layers",
+        )
     if not 0.0 <= quantile <= 1.0:
         raise UserError(f"--quantile must lie in [0, 1], got {quantile}", "use e.g. 0.95")
     shift = g_base - g_cand
@@ -124,7 +131,16 @@ def margin_arrays(g_base: np.ndarray, g_cand: np.ndarray, quantile: float = DEFA
     }
 
 
-_MATRICES = ("g_base_median", "candidate_gap_median", "b_gap", "b_gap_quantile", "margin", "margin_quantile", "predicted_nonsink_mass", "measured_nonsink_mass_median")
+_MATRICES = (
+    "g_base_median",
+    "candidate_gap_median",
+    "b_gap",
+    "b_gap_quantile",
+    "margin",
+    "margin_quantile",
+    "predicted_nonsink_mass",
+    "measured_nonsink_mass_median",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,14 +179,39 @@ class SinkMargin:
         return d
 
 
-def build_margin(reference: str, candidate: str, layers: tuple[int, ...], g_base: np.ndarray, g_cand: np.ndarray, quantile: float, n_prompts: int,
-                 pos0_fraction: float, reference_s: float, candidate_s: float, provenance: dict[str, Any] | None = None) -> SinkMargin:
+def build_margin(
+    reference: str,
+    candidate: str,
+    layers: tuple[int, ...],
+    g_base: np.ndarray,
+    g_cand: np.ndarray,
+    quantile: float,
+    n_prompts: int,
+    pos0_fraction: float,
+    reference_s: float,
+    candidate_s: float,
+    provenance: dict[str, Any] | None = None,
+) -> SinkMargin:
     """A SinkMargin from per-row gaps [layer, head, row] (pure)."""
     m = margin_arrays(g_base, g_cand, quantile)
     tup = {k: tuple(tuple(float(x) for x in row) for row in m[k]) for k in _MATRICES}
     negative = tuple(
-        {"layer": int(layers[li]), "head": int(h), "reference_has_sink": bool(m["g_base_median"][li, h] > 0),
-         **{k: float(m[k][li, h]) for k in ("margin", "margin_quantile", "g_base_median", "b_gap", "predicted_nonsink_mass", "measured_nonsink_mass_median")}}
+        {
+            "layer": int(layers[li]),
+            "head": int(h),
+            "reference_has_sink": bool(m["g_base_median"][li, h] > 0),
+            **{
+                k: float(m[k][li, h])
+                for k in (
+                    "margin",
+                    "margin_quantile",
+                    "g_base_median",
+                    "b_gap",
+                    "predicted_nonsink_mass",
+                    "measured_nonsink_mass_median",
+                )
+            },
+        }
         for li, h in zip(*np.nonzero(m["margin"] < 0), strict=True)
     )
     summary = {
@@ -186,9 +227,22 @@ def build_margin(reference: str, candidate: str, layers: tuple[int, ...], g_base
         "b_gap_median": float(np.median(m["b_gap"])),
         "b_gap_max": float(m["b_gap"].max()),
     }
-    return SinkMargin(reference=reference, candidate=candidate, layers=tuple(int(x) for x in layers), n_heads=int(m["margin"].shape[1]), n_prompts=n_prompts,
-                      n_rows=int(np.asarray(g_base).shape[2]), quantile=quantile, negative_margin_heads=negative, reference_pos0_argmax_fraction=pos0_fraction,
-                      reference_sink_strength=reference_s, candidate_sink_strength=candidate_s, summary=summary, provenance=provenance or {}, **tup)
+    return SinkMargin(
+        reference=reference,
+        candidate=candidate,
+        layers=tuple(int(x) for x in layers),
+        n_heads=int(m["margin"].shape[1]),
+        n_prompts=n_prompts,
+        n_rows=int(np.asarray(g_base).shape[2]),
+        quantile=quantile,
+        negative_margin_heads=negative,
+        reference_pos0_argmax_fraction=pos0_fraction,
+        reference_sink_strength=reference_s,
+        candidate_sink_strength=candidate_s,
+        summary=summary,
+        provenance=provenance or {},
+        **tup,
+    )
 
 
 # ---------------------------------------------------------------------------- measuring two models
@@ -215,9 +269,13 @@ def check_same_vocab(ref_vocab: dict[str, int], cand_vocab: dict[str, int]) -> N
     moved = [t for t in ref_vocab if t in cand_vocab and cand_vocab[t] != ref_vocab[t]]
     if missing or moved:
         t = (missing or moved)[0]
-        what = f"token {t!r} (id {ref_vocab[t]} in the reference) is " + ("missing from the candidate" if missing else f"id {cand_vocab[t]} in the candidate")
-        raise UserError(f"the vocabularies differ: {len(missing)} reference token(s) missing and {len(moved)} with another id in the candidate; {what}",
-            "margin needs identical token ids: compare a VLM backbone with the LLM it was built from")
+        what = f"token {t!r} (id {ref_vocab[t]} in the reference) is " + (
+            "missing from the candidate" if missing else f"id {cand_vocab[t]} in the candidate"
+        )
+        raise UserError(
+            f"the vocabularies differ: {len(missing)} reference token(s) missing and {len(moved)} with another id in the candidate; {what}",
+            "margin needs identical token ids: compare a VLM backbone with the LLM it was built from",
+        )
 
 
 # ---------------------------------------------------------------------------- reports
@@ -236,16 +294,59 @@ def margin_table_markdown(m: SinkMargin, heads: bool = True) -> str:
     neg_by_layer: dict[int, list[int]] = {}
     for h in m.negative_margin_heads:
         neg_by_layer.setdefault(h["layer"], []).append(h["head"])
-    lines += markdown_lines(["layer", "median G_base", "median B_gap", "median margin", "min margin", "negative heads"],
-                            [[layer, f"{np.median(m.g_base_median[li]):.3f}", f"{np.median(m.b_gap[li]):.3f}", f"{np.median(m.margin[li]):.3f}", f"{min(m.margin[li]):.3f}",
-                              ", ".join(map(str, neg_by_layer.get(layer, []))) or "-"] for li, layer in enumerate(m.layers)])
+    lines += markdown_lines(
+        ["layer", "median G_base", "median B_gap", "median margin", "min margin", "negative heads"],
+        [
+            [
+                layer,
+                f"{np.median(m.g_base_median[li]):.3f}",
+                f"{np.median(m.b_gap[li]):.3f}",
+                f"{np.median(m.margin[li]):.3f}",
+                f"{min(m.margin[li]):.3f}",
+                ", ".join(map(str, neg_by_layer.get(layer, []))) or "-",
+            ]
+            for li, layer in enumerate(m.layers)
+        ],
+    )
     if heads and m.negative_margin_heads:
-        lines += ["", *markdown_lines(["layer", "head", "G_base", "B_gap", "margin", "sink in reference", "predicted non-sink mass", "measured non-sink mass (median)"],
-                                      [[h["layer"], h["head"], f"{h['g_base_median']:.3f}", f"{h['b_gap']:.3f}", f"{h['margin']:.3f}", "yes" if h["reference_has_sink"] else "no",
-                                        f"{h['predicted_nonsink_mass']:.3f}", f"{h['measured_nonsink_mass_median']:.3f}"] for h in m.negative_margin_heads])]
+        lines += [
+            "",
+            *markdown_lines(
+                [
+                    "layer",
+                    "head",
+                    "G_base",
+                    "B_gap",
+                    "margin",
+                    "sink in reference",
+                    "predicted non-sink mass",
+                    "measured non-sink mass (median)",
+                ],
+                [
+                    [
+                        h["layer"],
+                        h["head"],
+                        f"{h['g_base_median']:.3f}",
+                        f"{h['b_gap']:.3f}",
+                        f"{h['margin']:.3f}",
+                        "yes" if h["reference_has_sink"] else "no",
+                        f"{h['predicted_nonsink_mass']:.3f}",
+                        f"{h['measured_nonsink_mass_median']:.3f}",
+                    ]
+                    for h in m.negative_margin_heads
+                ],
+            ),
+        ]
     return "\n".join(lines) + "\n"
 
 
 def margin_csv(m: SinkMargin) -> str:
     """margin.csv: one row per layer and head with every per-head matrix."""
-    return csv_text(["layer", "head", *_MATRICES], ([str(layer), str(h)] + [f"{getattr(m, k)[li][h]:.6f}" for k in _MATRICES] for li, layer in enumerate(m.layers) for h in range(m.n_heads)))
+    return csv_text(
+        ["layer", "head", *_MATRICES],
+        (
+            [str(layer), str(h)] + [f"{getattr(m, k)[li][h]:.6f}" for k in _MATRICES]
+            for li, layer in enumerate(m.layers)
+            for h in range(m.n_heads)
+        ),
+    )

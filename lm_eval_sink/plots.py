@@ -31,7 +31,14 @@ def save_figure(fig, path: Path | None) -> Path | bytes:
     return buf.getvalue() if path is None else atomic_write_bytes(Path(path), buf.getvalue())
 
 
-def layer_head_heatmap(matrix: Sequence[Sequence[float]], layers: Sequence[int], title: str, path: Path | None, label: str = "sink log-odds", center: float | None = 0.0) -> Path | bytes:
+def layer_head_heatmap(
+    matrix: Sequence[Sequence[float]],
+    layers: Sequence[int],
+    title: str,
+    path: Path | None,
+    label: str = "sink log-odds",
+    center: float | None = 0.0,
+) -> Path | bytes:
     """Heatmap of a [layer, head] matrix, layers on the y axis with their model indices."""
     import numpy as np
 
@@ -52,7 +59,9 @@ def layer_head_heatmap(matrix: Sequence[Sequence[float]], layers: Sequence[int],
     return save_figure(fig, path)
 
 
-def ranking_bars(names: Sequence[str], values: Sequence[float], title: str, path: Path | None, ylabel: str = "Sink Strength S") -> Path | bytes:
+def ranking_bars(
+    names: Sequence[str], values: Sequence[float], title: str, path: Path | None, ylabel: str = "Sink Strength S"
+) -> Path | bytes:
     """Bar chart of one number per model, in the given order."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(max(4, 0.8 * len(names) + 2), 3.5))
@@ -102,8 +111,17 @@ def gap_parts(bars: Sequence[dict], path: Path | None, title: str, footer: str =
 _QK_COLORS = {"per_head": "tab:green", "layerwise": "tab:orange", "none": "tab:red", None: "tab:gray"}
 
 
-def fit_scatter(names: Sequence[str], s: Sequence[float], deltas: Sequence[float], qk_norm: Sequence[str | None], slope: float, intercept: float, task: str, path: Path | None,
-                screened: Sequence[tuple[str, float, float]] = ()) -> Path | bytes:
+def fit_scatter(
+    names: Sequence[str],
+    s: Sequence[float],
+    deltas: Sequence[float],
+    qk_norm: Sequence[str | None],
+    slope: float,
+    intercept: float,
+    task: str,
+    path: Path | None,
+    screened: Sequence[tuple[str, float, float]] = (),
+) -> Path | bytes:
     """Reference pairs (S vs delta, coloured by QK-norm class), the fitted line, and screened models.
 
     `screened` holds (label, S, predicted delta) triples, drawn as black stars on the line.
@@ -117,7 +135,13 @@ def fit_scatter(names: Sequence[str], s: Sequence[float], deltas: Sequence[float
     ax.plot(grid, slope * grid + intercept, color="black", lw=0.8, label=f"fit: {slope:.2f} * S {intercept:+.2f}")
     for cls in dict.fromkeys(qk_norm):
         idx = [i for i, q in enumerate(qk_norm) if q == cls]
-        ax.scatter([s[i] for i in idx], [deltas[i] for i in idx], color=_QK_COLORS.get(cls, "tab:gray"), label=f"pairs, QK-norm: {cls or 'unknown'}", zorder=3)
+        ax.scatter(
+            [s[i] for i in idx],
+            [deltas[i] for i in idx],
+            color=_QK_COLORS.get(cls, "tab:gray"),
+            label=f"pairs, QK-norm: {cls or 'unknown'}",
+            zorder=3,
+        )
     for n, x, y in zip(names, s, deltas, strict=True):
         ax.annotate(n, (x, y), fontsize=7, xytext=(4, 2), textcoords="offset points")
     for label, x, y in screened:
@@ -132,10 +156,19 @@ def fit_scatter(names: Sequence[str], s: Sequence[float], deltas: Sequence[float
 
 
 _BUCKET_COLORS = {"both_pass": "tab:green", "regression": "tab:red", "recovered": "tab:blue", "both_fail": "tab:gray"}
-_KIND_COLORS = {"truncation": "#7f0000", "language": "#b30000", "phrase_marker": "#e34a33", "length": "#fc8d59", "format": "#fdbb84", "other": "#fdd49e"}
+_KIND_COLORS = {
+    "truncation": "#7f0000",
+    "language": "#b30000",
+    "phrase_marker": "#e34a33",
+    "length": "#fc8d59",
+    "format": "#fdbb84",
+    "other": "#fdd49e",
+}
 
 
-def bucket_bars(counts: dict[str, int], title: str, path: Path | None, regression_kinds: dict[str, int] | None = None) -> Path | bytes:
+def bucket_bars(
+    counts: dict[str, int], title: str, path: Path | None, regression_kinds: dict[str, int] | None = None
+) -> Path | bytes:
     """Bar chart of the four bucket counts; the regression bar stacked by failure kind when given."""
     plt = _pyplot()
     names = ["both_pass", "regression", "recovered", "both_fail"]
@@ -178,11 +211,15 @@ def instruction_type_bars(types: Sequence[dict], title: str, path: Path | None, 
     return save_figure(fig, path)
 
 
-def sweep_chart(checkpoints: Sequence[str], series: dict[str, Sequence[float | None]], path: Path | None, note: str | None = None) -> Path | bytes:
+def sweep_chart(
+    checkpoints: Sequence[str], series: dict[str, Sequence[float | None]], path: Path | None, note: str | None = None
+) -> Path | bytes:
     """One panel per metric: merged checkpoints as points, the first two (reference, candidate) as lines."""
     plt = _pyplot()
     names = list(series)
-    fig, axes = plt.subplots(len(names), 1, figsize=(max(5, 0.9 * len(checkpoints) + 2), 2.2 * len(names) + 0.8), squeeze=False, sharex=True)
+    fig, axes = plt.subplots(
+        len(names), 1, figsize=(max(5, 0.9 * len(checkpoints) + 2), 2.2 * len(names) + 0.8), squeeze=False, sharex=True
+    )
     merged = list(checkpoints[2:])
     for ax, name in zip(axes[:, 0], names, strict=True):
         values = list(series[name])

@@ -154,7 +154,9 @@ class _PairIn(Strict):
     reference: str = Field(min_length=1)
     candidate: str = Field(min_length=1)
     sink_strength: float | str = Field(description="must be a number or the path of a *.strength.json")
-    deltas: dict[str, Any] = Field(min_length=1, description="must be a non-empty mapping task -> points, e.g. deltas: {ifeval: -9.6}")
+    deltas: dict[str, Any] = Field(
+        min_length=1, description="must be a non-empty mapping task -> points, e.g. deltas: {ifeval: -9.6}"
+    )
     source: str = Field(min_length=1)
     qk_norm: Literal[QK_NORM_CLASSES] | None = None
     notes: Any = None
@@ -170,11 +172,16 @@ def parse_pairs(obj: Any, where: str, read_strength: Callable[[str, str], float]
     A `sink_strength` given as a path is read by `read_strength(path, where)` (the command's file reader).
     """
     if not isinstance(obj, list):
-        raise UserError(f"{where}: a PAIRS file must be a YAML list of pairs, got {type(obj).__name__}", "start each pair with '- name: ...' (see the shipped lm_eval_sink/data/paper_pairs.yaml)")
+        raise UserError(
+            f"{where}: a PAIRS file must be a YAML list of pairs, got {type(obj).__name__}",
+            "start each pair with '- name: ...' (see the shipped lm_eval_sink/data/paper_pairs.yaml)",
+        )
     pairs, names = [], set()
     for i, item in enumerate(obj, 1):
         if not isinstance(item, dict):
-            raise UserError(f"{where}: pair {i} is not a mapping", "each pair needs the keys " + ", ".join(_PairIn.required()))
+            raise UserError(
+                f"{where}: pair {i} is not a mapping", "each pair needs the keys " + ", ".join(_PairIn.required())
+            )
         p = parse(_PairIn, item, f"{where}: pair {i}")
         at = f"{where}: pair {p.name!r}"
         if p.name in names:
@@ -184,14 +191,27 @@ def parse_pairs(obj: Any, where: str, read_strength: Callable[[str, str], float]
         s = item["sink_strength"]
         if isinstance(s, str):
             if read_strength is None:
-                raise UserError(f"{at}: sink_strength {s!r} is a path, and no file is read here", "give a number, or read the PAIRS file with commands.fit.read_pairs")
+                raise UserError(
+                    f"{at}: sink_strength {s!r} is a path, and no file is read here",
+                    "give a number, or read the PAIRS file with commands.fit.read_pairs",
+                )
             s = read_strength(s, at)
         s = finite(s, at, "sink_strength")
         clean = {task: finite(v, at, f"deltas[{task}]") for task, v in item["deltas"].items()}
         qk = item.get("qk_norm")
         notes = item.get("notes")
-        pairs.append(Pair(name=item["name"], reference=item["reference"], candidate=item["candidate"], sink_strength=s, deltas=clean, source=item["source"], qk_norm=qk,
-            notes=None if notes is None else str(notes)))
+        pairs.append(
+            Pair(
+                name=item["name"],
+                reference=item["reference"],
+                candidate=item["candidate"],
+                sink_strength=s,
+                deltas=clean,
+                source=item["source"],
+                qk_norm=qk,
+                notes=None if notes is None else str(notes),
+            )
+        )
     if len(pairs) < MIN_PAIRS:
         raise UserError(f"{where}: {len(pairs)} pair(s); a fit needs at least {MIN_PAIRS}", "add more pairs")
     return tuple(pairs)
@@ -215,7 +235,9 @@ def _rho(x: np.ndarray, y: np.ndarray, axis: int = -1) -> np.ndarray:
 def spearman_rho(s: np.ndarray, d: np.ndarray) -> float:
     """Spearman's rho (scipy's spearmanr: Pearson correlation of average ranks)."""
     if np.ptp(s) == 0 or np.ptp(d) == 0:
-        raise UserError("Spearman's rho is undefined when all S values or all deltas are equal", "use pairs with different values")
+        raise UserError(
+            "Spearman's rho is undefined when all S values or all deltas are equal", "use pairs with different values"
+        )
     return float(stats.spearmanr(s, d).statistic)
 
 
@@ -232,19 +254,33 @@ def permutation_test(s: np.ndarray, d: np.ndarray, seed: int = 0) -> tuple[float
     exact = n <= EXACT_PERMUTATION_MAX_N
     resamples = np.inf if exact else MONTE_CARLO_PERMUTATIONS
 
-    res = stats.permutation_test((s, d), _rho, permutation_type="pairings", n_resamples=resamples, vectorized=True, alternative="greater",
-                                 rng=np.random.default_rng(seed))
+    res = stats.permutation_test(
+        (s, d),
+        _rho,
+        permutation_type="pairings",
+        n_resamples=resamples,
+        vectorized=True,
+        alternative="greater",
+        rng=np.random.default_rng(seed),
+    )
     observed, null = float(res.statistic), np.asarray(res.null_distribution)
     hits2 = int((np.abs(null) >= abs(observed) - 1e-9).sum())  # two-sided from the same orderings
     p2 = hits2 / len(null) if exact else (1 + hits2) / (1 + len(null))
-    return p2, float(res.pvalue), "exact" if exact else "monte_carlo", math.factorial(n) if exact else MONTE_CARLO_PERMUTATIONS
+    return (
+        p2,
+        float(res.pvalue),
+        "exact" if exact else "monte_carlo",
+        math.factorial(n) if exact else MONTE_CARLO_PERMUTATIONS,
+    )
 
 
 def linear_fit(s: np.ndarray, d: np.ndarray) -> tuple[float, float]:
     """Least-squares (slope, intercept) of d = slope * s + intercept (scipy's linregress)."""
     s, d = np.asarray(s, dtype=np.float64), np.asarray(d, dtype=np.float64)
     if float(((s - s.mean()) ** 2).sum()) <= _TIE_TOL:
-        raise UserError("a linear fit needs at least two different S values", "add pairs whose references have different S")
+        raise UserError(
+            "a linear fit needs at least two different S values", "add pairs whose references have different S"
+        )
     fit = stats.linregress(s, d)
     return float(fit.slope), float(fit.intercept)
 
@@ -256,7 +292,10 @@ def leave_one_out(s: np.ndarray, d: np.ndarray, names: tuple[str, ...]) -> tuple
     for i in range(n):
         keep = np.arange(n) != i
         if np.ptp(s[keep]) <= _TIE_TOL:
-            raise UserError(f"without pair {names[i]!r} all remaining S values are equal, so the leave-one-out line is undefined", "add pairs with different S")
+            raise UserError(
+                f"without pair {names[i]!r} all remaining S values are equal, so the leave-one-out line is undefined",
+                "add pairs with different S",
+            )
         slope, intercept = linear_fit(s[keep], d[keep])
         line[i] = slope * s[i] + intercept
         const[i] = d[keep].mean()
@@ -274,20 +313,40 @@ def fit_task(task: str, names: tuple[str, ...], s: np.ndarray, d: np.ndarray, se
     line, const = leave_one_out(s, d, names)
     loo_err, base_err = np.abs(d - line), np.abs(d - const)
     return TaskFit(
-        task=task, n_pairs=len(s), names=tuple(names), sink_strength=tuple(float(x) for x in s), deltas=tuple(float(x) for x in d),
-        spearman_rho=rho, permutation_p=p2, permutation_p_one_sided=p1, permutation_method=method, n_permutations=n_perm,
-        slope=slope, intercept=intercept, loo_predictions=tuple(float(x) for x in line), loo_errors=tuple(float(x) for x in loo_err),
-        loo_mae=float(loo_err.mean()), baseline_errors=tuple(float(x) for x in base_err), baseline_mae=float(base_err.mean()),
-        s_min=float(s.min()), s_max=float(s.max()),
+        task=task,
+        n_pairs=len(s),
+        names=tuple(names),
+        sink_strength=tuple(float(x) for x in s),
+        deltas=tuple(float(x) for x in d),
+        spearman_rho=rho,
+        permutation_p=p2,
+        permutation_p_one_sided=p1,
+        permutation_method=method,
+        n_permutations=n_perm,
+        slope=slope,
+        intercept=intercept,
+        loo_predictions=tuple(float(x) for x in line),
+        loo_errors=tuple(float(x) for x in loo_err),
+        loo_mae=float(loo_err.mean()),
+        baseline_errors=tuple(float(x) for x in base_err),
+        baseline_mae=float(base_err.mean()),
+        s_min=float(s.min()),
+        s_max=float(s.max()),
     )
 
 
 def task_arrays(table: PairTable, task: str) -> tuple[tuple[str, ...], np.ndarray, np.ndarray]:
     rows = [p for p in table.pairs if task in p.deltas]
-    return tuple(p.name for p in rows), np.array([p.sink_strength for p in rows]), np.array([p.deltas[task] for p in rows])
+    return (
+        tuple(p.name for p in rows),
+        np.array([p.sink_strength for p in rows]),
+        np.array([p.deltas[task] for p in rows]),
+    )
 
 
-def rounding_envelope(s: np.ndarray, d: np.ndarray, s_half: float, d_half: float, max_corners: int = 1 << 14) -> dict[str, list[float]]:
+def rounding_envelope(
+    s: np.ndarray, d: np.ndarray, s_half: float, d_half: float, max_corners: int = 1 << 14
+) -> dict[str, list[float]]:
     """Range of loo_mae and baseline_mae over the corners of the rounding box of (S, delta).
 
     Published figures are rounded (S to 0.01, deltas to 0.1); the unrounded inputs lie within
@@ -299,7 +358,9 @@ def rounding_envelope(s: np.ndarray, d: np.ndarray, s_half: float, d_half: float
     groups = np.unique(np.round(s, 12), return_inverse=True)[1]
     n_dims = int(groups.max()) + 1 + len(d)
     if 2**n_dims > max_corners:
-        raise UserError(f"{2**n_dims} corners exceed the limit of {max_corners}", "use fewer pairs for the rounding envelope")
+        raise UserError(
+            f"{2**n_dims} corners exceed the limit of {max_corners}", "use fewer pairs for the rounding envelope"
+        )
     names = tuple(str(i) for i in range(len(s)))
     loo, base = [], []
     for signs in itertools.product((-1.0, 1.0), repeat=n_dims):
@@ -309,7 +370,13 @@ def rounding_envelope(s: np.ndarray, d: np.ndarray, s_half: float, d_half: float
         line, const = leave_one_out(ss, dd, names)
         loo.append(float(np.abs(dd - line).mean()))
         base.append(float(np.abs(dd - const).mean()))
-    return {"loo_mae": [min(loo), max(loo)], "baseline_mae": [min(base), max(base)], "corners": 2**n_dims, "sink_strength_half_width": s_half, "delta_half_width": d_half}
+    return {
+        "loo_mae": [min(loo), max(loo)],
+        "baseline_mae": [min(base), max(base)],
+        "corners": 2**n_dims,
+        "sink_strength_half_width": s_half,
+        "delta_half_width": d_half,
+    }
 
 
 def fit_pairs(table: PairTable, seed: int = 0) -> FitResult:
@@ -322,7 +389,10 @@ def fit_pairs(table: PairTable, seed: int = 0) -> FitResult:
             continue
         fits[task] = fit_task(task, names, s, d, seed)
     if not fits:
-        raise UserError(f"{table.source}: no task has deltas for at least {MIN_PAIRS} pairs", "give each pair deltas for the same task(s)")
+        raise UserError(
+            f"{table.source}: no task has deltas for at least {MIN_PAIRS} pairs",
+            "give each pair deltas for the same task(s)",
+        )
     reported = envelope = None
     if table.reported is not None:
         reported = table.reported
@@ -340,14 +410,33 @@ def fit_pairs(table: PairTable, seed: int = 0) -> FitResult:
 
 def fit_table_markdown(result: FitResult) -> str:
     """One row per task, with the paper's figures beside ours when the shipped table was fitted."""
-    head = ["task", "pairs", "spearman_rho", "permutation_p", "p_one_sided", "slope", "intercept", "loo_mae", "baseline_mae"]
+    head = [
+        "task",
+        "pairs",
+        "spearman_rho",
+        "permutation_p",
+        "p_one_sided",
+        "slope",
+        "intercept",
+        "loo_mae",
+        "baseline_mae",
+    ]
     rep = (result.reported or {}).get("tasks", {})
     if rep:
         head += ["reported_rho", "reported_loo_mae", "reported_baseline_mae"]
     rows = []
     for task, f in sorted(result.tasks.items()):
-        row = [task, str(f.n_pairs), f"{f.spearman_rho:.4f}", f"{f.permutation_p:.4f} ({f.permutation_method})", f"{f.permutation_p_one_sided:.4f}", f"{f.slope:.3f}", f"{f.intercept:.3f}",
-            f"{f.loo_mae:.3f}", f"{f.baseline_mae:.3f}"]
+        row = [
+            task,
+            str(f.n_pairs),
+            f"{f.spearman_rho:.4f}",
+            f"{f.permutation_p:.4f} ({f.permutation_method})",
+            f"{f.permutation_p_one_sided:.4f}",
+            f"{f.slope:.3f}",
+            f"{f.intercept:.3f}",
+            f"{f.loo_mae:.3f}",
+            f"{f.baseline_mae:.3f}",
+        ]
         if rep:
             r = rep.get(task, {})
             row += [_opt(r.get("spearman_rho")), _opt(r.get("loo_mae")), _opt(r.get("baseline_mae"))]

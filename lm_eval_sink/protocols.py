@@ -44,32 +44,85 @@ from lm_eval_sink.tables import markdown_lines
 SCHEMA_VERSION = 1
 
 # Keys a results file must have for a fingerprint (lm-eval 0.4.13 writes all of them).
-_REQUIRED_TOP = ("results", "config", "configs", "n-shot", "versions", "lm_eval_version", "chat_template", "system_instruction", "fewshot_as_multiturn")
+_REQUIRED_TOP = (
+    "results",
+    "config",
+    "configs",
+    "n-shot",
+    "versions",
+    "lm_eval_version",
+    "chat_template",
+    "system_instruction",
+    "fewshot_as_multiturn",
+)
 _REQUIRED_CONFIG = ("model_args", "batch_size", "limit")
 
 # model_args that name the model (identity, shown under `run`) or are recorded elsewhere
 # (dtype -> harness.dtype); every other model_arg is a harness setting (enable_thinking, ...).
-_IDENTITY_ARGS = frozenset({"pretrained", "revision", "peft", "delta", "tokenizer", "gguf_file", "trust_remote_code", "device_map", "parallelize",
-                            "max_memory_per_gpu", "max_cpu_memory", "offload_folder", "dtype", "device"})
+_IDENTITY_ARGS = frozenset(
+    {
+        "pretrained",
+        "revision",
+        "peft",
+        "delta",
+        "tokenizer",
+        "gguf_file",
+        "trust_remote_code",
+        "device_map",
+        "parallelize",
+        "max_memory_per_gpu",
+        "max_cpu_memory",
+        "offload_folder",
+        "dtype",
+        "device",
+    }
+)
 
 # vLLM arguments that only place or pace the model (GPUs, memory, scheduling): never compared.
-VLLM_RESOURCE_ARGS = frozenset({"tensor_parallel_size", "data_parallel_size", "gpu_memory_utilization", "max_num_seqs", "enforce_eager",
-                                "distributed_executor_backend"})
+VLLM_RESOURCE_ARGS = frozenset(
+    {
+        "tensor_parallel_size",
+        "data_parallel_size",
+        "gpu_memory_utilization",
+        "max_num_seqs",
+        "enforce_eager",
+        "distributed_executor_backend",
+    }
+)
 # lm-eval records `config.model` as the --model name, or the class name when given a model object.
 _BACKEND_CLASSES = {"HFLM": "hf", "VLLM": "vllm"}
 
 # Task config keys that define the prompt text; hashed together as `prompt_format`.
-_PROMPT_KEYS = ("description", "doc_to_text", "doc_to_target", "doc_to_choice", "doc_to_image", "doc_to_audio", "gen_prefix", "target_delimiter",
-                "fewshot_delimiter", "process_docs", "process_results", "use_prompt", "multiple_input")
+_PROMPT_KEYS = (
+    "description",
+    "doc_to_text",
+    "doc_to_target",
+    "doc_to_choice",
+    "doc_to_image",
+    "doc_to_audio",
+    "gen_prefix",
+    "target_delimiter",
+    "fewshot_delimiter",
+    "process_docs",
+    "process_results",
+    "use_prompt",
+    "multiple_input",
+)
 
 # Every field a diff can name: (can it change scores, what it is). Task fields are `tasks.<task>.<key>`.
 HARNESS_FIELDS: dict[str, tuple[bool, str]] = {
     "backend": (True, "lm-eval model backend (--model hf or vllm): a different inference engine"),
     "apply_chat_template": (True, "prompts rendered through the tokenizer's chat template"),
     "system_instruction": (True, "system message put before every prompt"),
-    "fewshot_as_multiturn": (True, "few-shot examples sent as chat turns (only matters where a task has few-shot examples)"),
+    "fewshot_as_multiturn": (
+        True,
+        "few-shot examples sent as chat turns (only matters where a task has few-shot examples)",
+    ),
     "gen_kwargs": (True, "generation overrides given on the command line (--gen_kwargs)"),
-    "model_args": (True, "model arguments that change prompts or decoding (e.g. enable_thinking), identity and dtype excluded"),
+    "model_args": (
+        True,
+        "model arguments that change prompts or decoding (e.g. enable_thinking), identity and dtype excluded",
+    ),
     "lm_eval_version": (True, "lm-evaluation-harness version"),
     "limit": (True, "--limit: a subset of each task (scores are not final)"),
     "seeds": (True, "random / numpy / torch / few-shot seeds"),
@@ -85,16 +138,25 @@ TASK_FIELDS: dict[str, tuple[bool, str]] = {
     "generation_kwargs": (True, "effective generation settings (task defaults + overrides)"),
     "filters": (True, "answer-extraction filters (e.g. strict-match, flexible-extract)"),
     "metrics": (True, "metrics and their options"),
-    "prompt_format": (True, "sha256 of the prompt-defining task fields (doc_to_text, description, delimiters, process_results, ...)"),
+    "prompt_format": (
+        True,
+        "sha256 of the prompt-defining task fields (doc_to_text, description, delimiters, process_results, ...)",
+    ),
     "dataset": (True, "dataset path, name and evaluated split"),
     "output_type": (True, "request type"),
-    "metadata": (True, "task metadata settings (e.g. sink_strength's n_prompts, last_k); version, config path and model_args copies left out"),
+    "metadata": (
+        True,
+        "task metadata settings (e.g. sink_strength's n_prompts, last_k); version, config path and model_args copies left out",
+    ),
 }
 MODEL_FIELDS: dict[str, tuple[bool, str]] = {
     "chat_template": (True, "chat template text (compared by sha256; null when no template was applied)"),
     "special_tokens": (True, "BOS / EOS / PAD tokens and the end-of-turn id"),
     "max_length": (True, "maximum sequence length (longer prompts are truncated)"),
-    "transformers_version": (False, "transformers version (the template and tokens it yields are compared in their own fields)"),
+    "transformers_version": (
+        False,
+        "transformers version (the template and tokens it yields are compared in their own fields)",
+    ),
 }
 
 
@@ -120,8 +182,14 @@ class ProtocolFingerprint:
         return sha256_text(canonical_json(h))
 
     def to_json(self) -> dict[str, Any]:
-        return {"schema_version": SCHEMA_VERSION, "harness": self.harness, "model": self.model, "run": self.run, "source": self.source,
-                "harness_sha": self.harness_sha()}
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "harness": self.harness,
+            "model": self.model,
+            "run": self.run,
+            "source": self.source,
+            "harness_sha": self.harness_sha(),
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ProtocolFingerprint:
@@ -158,10 +226,17 @@ def _tokens(results: dict[str, Any]) -> dict[str, Any]:
         v = results.get(key)
         return list(v) if isinstance(v, (list, tuple)) else v
 
-    return {"bos": tok("tokenizer_bos_token"), "eos": tok("tokenizer_eos_token"), "pad": tok("tokenizer_pad_token"), "eot_token_id": results.get("eot_token_id")}
+    return {
+        "bos": tok("tokenizer_bos_token"),
+        "eos": tok("tokenizer_eos_token"),
+        "pad": tok("tokenizer_pad_token"),
+        "eot_token_id": results.get("eot_token_id"),
+    }
 
 
-def _task_part(name: str, cfg: dict[str, Any], n_shot: Any, version: Any, multiturn_flag: Any, model_args: dict[str, Any]) -> dict[str, Any]:
+def _task_part(
+    name: str, cfg: dict[str, Any], n_shot: Any, version: Any, multiturn_flag: Any, model_args: dict[str, Any]
+) -> dict[str, Any]:
     nf = n_shot if n_shot is not None else cfg.get("num_fewshot")
     fs_cfg = cfg.get("fewshot_config") or {}
     uses_fewshot = bool(nf)
@@ -171,15 +246,24 @@ def _task_part(name: str, cfg: dict[str, Any], n_shot: Any, version: Any, multit
         "version": _version(version if version is not None else meta.get("version")),
         "num_fewshot": nf,
         "multiturn": bool(multiturn_flag) and uses_fewshot,
-        "fewshot": {"sampler": fs_cfg.get("sampler"), "split": fs_cfg.get("split") or cfg.get("fewshot_split")} if uses_fewshot else None,
+        "fewshot": {"sampler": fs_cfg.get("sampler"), "split": fs_cfg.get("split") or cfg.get("fewshot_split")}
+        if uses_fewshot
+        else None,
         "generation_kwargs": cfg.get("generation_kwargs"),
         "filters": cfg.get("filter_list"),
         "metrics": cfg.get("metric_list"),
         "prompt_format": sha256_text(canonical_json(prompt)),
-        "dataset": {"path": cfg.get("dataset_path"), "name": cfg.get("dataset_name"), "split": cfg.get("test_split") or cfg.get("validation_split")},
+        "dataset": {
+            "path": cfg.get("dataset_path"),
+            "name": cfg.get("dataset_name"),
+            "split": cfg.get("test_split") or cfg.get("validation_split"),
+        },
         "output_type": cfg.get("output_type"),
         # lm-eval copies model_args into every task's metadata; those and bookkeeping keys are not task settings
-        "metadata": {k: v for k, v in sorted(meta.items()) if k not in ("version", "config_source") and k not in model_args} or None,
+        "metadata": {
+            k: v for k, v in sorted(meta.items()) if k not in ("version", "config_source") and k not in model_args
+        }
+        or None,
     }
 
 
@@ -187,7 +271,10 @@ def fingerprint(results: dict[str, Any], source: str | Path | None = None) -> Pr
     """The protocol fingerprint of a parsed lm-eval results JSON; missing fields are a UserError."""
     src = str(source) if source is not None else None
     if not isinstance(results, dict):
-        raise UserError(f"{_where(src)}not an lm-eval results file (a JSON object is expected)", "pass a results_<time>.json written by lm-eval")
+        raise UserError(
+            f"{_where(src)}not an lm-eval results file (a JSON object is expected)",
+            "pass a results_<time>.json written by lm-eval",
+        )
     missing = [k for k in _REQUIRED_TOP if k not in results]
     cfg = results.get("config")
     if isinstance(cfg, dict):
@@ -195,11 +282,15 @@ def fingerprint(results: dict[str, Any], source: str | Path | None = None) -> Pr
     elif "config" not in missing:
         missing.append("config (not an object)")
     if missing:
-        raise UserError(f"{_where(src)}lm-eval results file lacks {', '.join(missing)}",
-                        "pass a results_<time>.json written by lm-eval >= 0.4.13 (older versions do not record the protocol)")
+        raise UserError(
+            f"{_where(src)}lm-eval results file lacks {', '.join(missing)}",
+            "pass a results_<time>.json written by lm-eval >= 0.4.13 (older versions do not record the protocol)",
+        )
     configs = results["configs"]
     if not isinstance(configs, dict) or not configs:
-        raise UserError(f"{_where(src)}lm-eval results file has no task configs", "pass a results file of a finished lm-eval run")
+        raise UserError(
+            f"{_where(src)}lm-eval results file has no task configs", "pass a results file of a finished lm-eval run"
+        )
     model_args = cfg.get("model_args") or {}
     if isinstance(model_args, str):  # older lm-eval wrote the raw "k=v,k=v" string
         model_args = dict(kv.split("=", 1) for kv in model_args.split(",") if "=" in kv)
@@ -213,13 +304,23 @@ def fingerprint(results: dict[str, Any], source: str | Path | None = None) -> Pr
         "system_instruction": results.get("system_instruction"),
         "fewshot_as_multiturn": results.get("fewshot_as_multiturn"),
         "gen_kwargs": cfg.get("gen_kwargs") or None,
-        "model_args": {k: v for k, v in sorted(model_args.items()) if k not in _IDENTITY_ARGS and k not in VLLM_RESOURCE_ARGS},
+        "model_args": {
+            k: v for k, v in sorted(model_args.items()) if k not in _IDENTITY_ARGS and k not in VLLM_RESOURCE_ARGS
+        },
         "lm_eval_version": results.get("lm_eval_version"),
         "limit": cfg.get("limit"),
-        "seeds": {"random": cfg.get("random_seed"), "numpy": cfg.get("numpy_seed"), "torch": cfg.get("torch_seed"), "fewshot": cfg.get("fewshot_seed")},
+        "seeds": {
+            "random": cfg.get("random_seed"),
+            "numpy": cfg.get("numpy_seed"),
+            "torch": cfg.get("torch_seed"),
+            "fewshot": cfg.get("fewshot_seed"),
+        },
         "batch_size": None if cfg.get("batch_size") is None else str(cfg.get("batch_size")),
         "dtype": cfg.get("model_dtype") or model_args.get("dtype"),
-        "tasks": {t: _task_part(t, c, n_shot.get(t), versions.get(t), results.get("fewshot_as_multiturn"), model_args) for t, c in sorted(configs.items())},
+        "tasks": {
+            t: _task_part(t, c, n_shot.get(t), versions.get(t), results.get("fewshot_as_multiturn"), model_args)
+            for t, c in sorted(configs.items())
+        },
     }
     model = {
         "chat_template": template,
@@ -262,7 +363,9 @@ def _pairs(name: str, va: Any, vb: Any) -> list[tuple[str, Any, Any]]:
     if va == vb:
         return []
     if isinstance(va, dict) and isinstance(vb, dict):
-        return [(f"{name}.{k}", va.get(k), vb.get(k)) for k in sorted(set(va) | set(vb), key=str) if va.get(k) != vb.get(k)]
+        return [
+            (f"{name}.{k}", va.get(k), vb.get(k)) for k in sorted(set(va) | set(vb), key=str) if va.get(k) != vb.get(k)
+        ]
     return [(name, va, vb)]
 
 
@@ -283,7 +386,10 @@ def diff(a: ProtocolFingerprint, b: ProtocolFingerprint) -> tuple[FieldDiff, ...
     for t in common:
         ta, tb = ha["tasks"][t], hb["tasks"][t]
         for key, (affects, _) in TASK_FIELDS.items():
-            out += [FieldDiff(f, "harness", x, y, affects) for f, x, y in _pairs(f"tasks.{t}.{key}", ta.get(key), tb.get(key))]
+            out += [
+                FieldDiff(f, "harness", x, y, affects)
+                for f, x, y in _pairs(f"tasks.{t}.{key}", ta.get(key), tb.get(key))
+            ]
     ma, mb = a.model, b.model
     for name, (affects, _) in MODEL_FIELDS.items():
         va, vb = (_template_id(ma), _template_id(mb)) if name == "chat_template" else (ma.get(name), mb.get(name))
@@ -295,7 +401,11 @@ def task_diff(a: ProtocolFingerprint, b: ProtocolFingerprint, tasks: tuple[str, 
     """`diff` for a comparison of `tasks` only: without the `tasks` field (which tasks each run
     holds) and without the per-task fields of other tasks."""
     prefixes = tuple(f"tasks.{t}." for t in tasks)
-    return tuple(d for d in diff(a, b) if d.field != "tasks" and (not d.field.startswith("tasks.") or d.field.startswith(prefixes)))
+    return tuple(
+        d
+        for d in diff(a, b)
+        if d.field != "tasks" and (not d.field.startswith("tasks.") or d.field.startswith(prefixes))
+    )
 
 
 def task_view(fp: ProtocolFingerprint, task: str) -> dict[str, Any]:
@@ -310,8 +420,10 @@ def task_view(fp: ProtocolFingerprint, task: str) -> dict[str, Any]:
 def check_common_tasks(a: ProtocolFingerprint, b: ProtocolFingerprint) -> None:
     """Runs of entirely different tasks have no per-task protocol to compare: a UserError."""
     if not set(a.tasks) & set(b.tasks):
-        raise UserError(f"the runs share no task ({a.source or 'A'}: {', '.join(a.tasks)}; {b.source or 'B'}: {', '.join(b.tasks)})",
-                        "compare runs of the same tasks (`lm-eval-sink protocol show` prints one run's protocol)")
+        raise UserError(
+            f"the runs share no task ({a.source or 'A'}: {', '.join(a.tasks)}; {b.source or 'B'}: {', '.join(b.tasks)})",
+            "compare runs of the same tasks (`lm-eval-sink protocol show` prints one run's protocol)",
+        )
 
 
 def field_description(name: str) -> str:
@@ -344,8 +456,10 @@ def require_same_harness(fingerprints: dict[str, ProtocolFingerprint]) -> None:
             shown = "; ".join(f"{d.field}: {_short(d.a, 30)} vs {_short(d.b, 30)}" for d in fields)
             problems.append(f"{names[0]} vs {other}: {shown}")
     if problems:
-        raise UserError(f"runs were made under different harness protocols ({' | '.join(problems)})",
-                        "re-run them under one protocol (e.g. lm-eval-sink eval --protocol NAME) or compare them with `lm-eval-sink protocol diff`")
+        raise UserError(
+            f"runs were made under different harness protocols ({' | '.join(problems)})",
+            "re-run them under one protocol (e.g. lm-eval-sink eval --protocol NAME) or compare them with `lm-eval-sink protocol diff`",
+        )
 
 
 # --- named protocols -------------------------------------------------------------------------
@@ -384,8 +498,23 @@ class Protocol:
     source: str = "builtin"
 
     def to_json(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in ("name", "description", "apply_chat_template", "num_fewshot", "fewshot_as_multiturn", "system_instruction",
-                                              "gen_kwargs", "batch_size", "dtype", "seed", "model_args", "source")}
+        return {
+            k: getattr(self, k)
+            for k in (
+                "name",
+                "description",
+                "apply_chat_template",
+                "num_fewshot",
+                "fewshot_as_multiturn",
+                "system_instruction",
+                "gen_kwargs",
+                "batch_size",
+                "dtype",
+                "seed",
+                "model_args",
+                "source",
+            )
+        }
 
     def mismatches(self, fp: ProtocolFingerprint) -> list[str]:
         """Fields of `fp` that contradict this protocol (what a results file lets one check)."""
@@ -434,7 +563,10 @@ assert tuple(_ProtocolIn.model_fields) == tuple(PROTOCOL_KEYS)
 
 def _protocol(name: str, p: _ProtocolIn, where: str) -> Protocol:
     if p.fewshot_as_multiturn and not p.apply_chat_template:
-        raise UserError(f"{where}: protocol {name!r} sets fewshot_as_multiturn without the chat template", "lm-eval refuses that; set apply_chat_template: true or drop it")
+        raise UserError(
+            f"{where}: protocol {name!r} sets fewshot_as_multiturn without the chat template",
+            "lm-eval refuses that; set apply_chat_template: true or drop it",
+        )
     bs = p.batch_size
     if isinstance(bs, str) and not (bs == "auto" or bs.startswith("auto:")):
         raise UserError(f"{where}: protocol {name!r} has batch_size {bs!r}", "use a number or 'auto'")
@@ -447,7 +579,10 @@ def parse_protocols(text: str, where: str) -> dict[str, Protocol]:
     """Protocols from YAML text: `protocols: {name: {key: value}}`; unknown keys are errors."""
     data = parse_yaml(text, where)
     if not isinstance(data, dict) or not isinstance(data.get("protocols"), dict):
-        raise UserError(f"{where}: expected a mapping with one key `protocols:` holding named protocols", "see lm_eval_sink/data/protocols.yaml for the format")
+        raise UserError(
+            f"{where}: expected a mapping with one key `protocols:` holding named protocols",
+            "see lm_eval_sink/data/protocols.yaml for the format",
+        )
     return {n: _protocol(n, p, where) for n, p in parse(_ProtocolsFileIn, data, where).protocols.items()}
 
 
@@ -477,8 +612,10 @@ def get_protocol(name: str, user_file: str | Path | None = None) -> Protocol:
     """A protocol by name; an unknown name lists the known ones."""
     known = load_protocols(user_file)
     if name not in known:
-        raise UserError(f"unknown protocol {name!r}{did_you_mean(name, known)}; known: {', '.join(sorted(known))}",
-                        "pick one of those, or define it in a YAML passed with --protocol-file")
+        raise UserError(
+            f"unknown protocol {name!r}{did_you_mean(name, known)}; known: {', '.join(sorted(known))}",
+            "pick one of those, or define it in a YAML passed with --protocol-file",
+        )
     return known[name]
 
 
@@ -526,11 +663,19 @@ def show_rows(fp: ProtocolFingerprint) -> list[tuple[str, str, Any, bool]]:
 def show_markdown(fp: ProtocolFingerprint, protocols: dict[str, Protocol] | None = None) -> str:
     """The fingerprint as a Markdown table, with the named protocol it matches and a --limit warning."""
     named = match_protocol(fp, protocols)
-    lines = [f"protocol of {fp.source or 'run'} (harness sha256 {fp.harness_sha()[:16]})",
-             f"matches named protocol: {named or 'none'}"]
+    lines = [
+        f"protocol of {fp.source or 'run'} (harness sha256 {fp.harness_sha()[:16]})",
+        f"matches named protocol: {named or 'none'}",
+    ]
     if fp.harness.get("limit") is not None:
         lines.append(f"--limit {limit_text(fp.harness['limit'])}: scores are from a subset and are not final")
-    lines += ["", *markdown_lines(["part", "field", "value", "can change scores"], [[p, f, _cell(v), "yes" if a else "no"] for p, f, v, a in show_rows(fp)])]
+    lines += [
+        "",
+        *markdown_lines(
+            ["part", "field", "value", "can change scores"],
+            [[p, f, _cell(v), "yes" if a else "no"] for p, f, v, a in show_rows(fp)],
+        ),
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -538,18 +683,37 @@ def diff_markdown(diffs: tuple[FieldDiff, ...], name_a: str = "A", name_b: str =
     """Only the differing fields as a Markdown table (or one line saying there are none)."""
     if not diffs:
         return f"no differences between the protocols of {name_a} and {name_b}\n"
-    lines = [f"A = {name_a}", f"B = {name_b}", f"{len(diffs)} differing field(s), {sum(d.affects_scores for d in diffs)} can change scores", ""]
-    lines += markdown_lines(["field", "part", "A", "B", "can change scores"], [[d.field, d.part, _cell(d.a, 40), _cell(d.b, 40), "yes" if d.affects_scores else "no"] for d in diffs])
+    lines = [
+        f"A = {name_a}",
+        f"B = {name_b}",
+        f"{len(diffs)} differing field(s), {sum(d.affects_scores for d in diffs)} can change scores",
+        "",
+    ]
+    lines += markdown_lines(
+        ["field", "part", "A", "B", "can change scores"],
+        [[d.field, d.part, _cell(d.a, 40), _cell(d.b, 40), "yes" if d.affects_scores else "no"] for d in diffs],
+    )
     return "\n".join(lines) + "\n"
 
 
 # --- protocol -> lm-eval settings ------------------------------------------------------------
 
 
-def settings_fields(protocol: Protocol, *, tasks: list[str], limit: float | None = None, gen_kwargs: dict[str, Any] | None = None,
-                    batch_size: int | str | None = None, dtype: str | None = None, seed: int | None = None, device: str | None = "cpu",
-                    include_path: str | None = None, log_samples: bool = True, backend: str = "hf",
-                    model_args: dict[str, Any] | None = None) -> dict[str, Any]:
+def settings_fields(
+    protocol: Protocol,
+    *,
+    tasks: list[str],
+    limit: float | None = None,
+    gen_kwargs: dict[str, Any] | None = None,
+    batch_size: int | str | None = None,
+    dtype: str | None = None,
+    seed: int | None = None,
+    device: str | None = "cpu",
+    include_path: str | None = None,
+    log_samples: bool = True,
+    backend: str = "hf",
+    model_args: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The `lm_eval_sink.harness.runner.EvalSettings` fields of a run under `protocol`.
 
     Settings the protocol fixes cannot be changed by the caller (a UserError says which), except
@@ -561,12 +725,20 @@ def settings_fields(protocol: Protocol, *, tasks: list[str], limit: float | None
     """
     if not tasks:
         raise UserError("no tasks given", "pass --tasks, e.g. --tasks ifeval,gsm8k_cot_zeroshot")
-    for name, given, fixed in (("batch_size", batch_size, protocol.batch_size), ("dtype", dtype, protocol.dtype), ("seed", seed, protocol.seed)):
+    for name, given, fixed in (
+        ("batch_size", batch_size, protocol.batch_size),
+        ("dtype", dtype, protocol.dtype),
+        ("seed", seed, protocol.seed),
+    ):
         if given is not None and fixed is not None and str(given) != str(fixed):
-            raise UserError(f"protocol {protocol.name!r} fixes {name} = {fixed}, but {given} was asked for",
-                            f"drop the {name} option, or define a protocol with {name}: {given} in a --protocol-file")
+            raise UserError(
+                f"protocol {protocol.name!r} fixes {name} = {fixed}, but {given} was asked for",
+                f"drop the {name} option, or define a protocol with {name}: {given} in a --protocol-file",
+            )
     if limit is not None and limit <= 0:
-        raise UserError(f"--limit must be positive, got {limit}", "pass a number of docs (e.g. 5) or a fraction below 1")
+        raise UserError(
+            f"--limit must be positive, got {limit}", "pass a number of docs (e.g. 5) or a fraction below 1"
+        )
     chosen_dtype = protocol.dtype if protocol.dtype is not None else dtype
     fields: dict[str, Any] = {
         "tasks": tuple(tasks),
@@ -576,7 +748,9 @@ def settings_fields(protocol: Protocol, *, tasks: list[str], limit: float | None
         "system_instruction": protocol.system_instruction,
         "gen_kwargs": {**(protocol.gen_kwargs or {}), **(gen_kwargs or {})},
         "limit": limit,
-        "batch_size": protocol.batch_size if protocol.batch_size is not None else (batch_size if batch_size is not None else 1),
+        "batch_size": protocol.batch_size
+        if protocol.batch_size is not None
+        else (batch_size if batch_size is not None else 1),
         "device": device if device is not None or backend != "hf" else "cpu",
         "dtype": None if chosen_dtype in (None, "auto") else chosen_dtype,
         "log_samples": log_samples,
@@ -587,7 +761,10 @@ def settings_fields(protocol: Protocol, *, tasks: list[str], limit: float | None
     for k, v in (model_args or {}).items():
         fixed = (protocol.model_args or {}).get(k)
         if fixed is not None and str(fixed) != str(v):
-            raise UserError(f"protocol {protocol.name!r} fixes model_args {k} = {fixed}, but {v} was asked for", f"drop {k} from --model-args")
+            raise UserError(
+                f"protocol {protocol.name!r} fixes model_args {k} = {fixed}, but {v} was asked for",
+                f"drop {k} from --model-args",
+            )
     chosen_seed = protocol.seed if protocol.seed is not None else seed
     if chosen_seed is not None:
         fields["seed"] = chosen_seed

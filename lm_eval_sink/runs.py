@@ -40,7 +40,8 @@ class RunFiles:
         if not self.samples:
             where = self.results or self.folder
             raise UserError(
-                f"{where}: this run has no samples files", "re-run lm-eval with --log_samples (it writes samples_<task>_<time>.jsonl)"
+                f"{where}: this run has no samples files",
+                "re-run lm-eval with --log_samples (it writes samples_<task>_<time>.jsonl)",
             )
         if task is None:
             if len(self.samples) > 1:
@@ -67,7 +68,9 @@ def _samples_of(folder: Path, ts: str) -> dict[str, Path]:
 
 
 def _model_folder(folder: Path) -> RunFiles:
-    results = sorted((p for p in folder.iterdir() if _RESULTS_RE.match(p.name)), key=lambda p: _RESULTS_RE.match(p.name)["ts"])
+    results = sorted(
+        (p for p in folder.iterdir() if _RESULTS_RE.match(p.name)), key=lambda p: _RESULTS_RE.match(p.name)["ts"]
+    )
     if results:
         newest = results[-1]
         ts = _RESULTS_RE.match(newest.name)["ts"]
@@ -76,31 +79,47 @@ def _model_folder(folder: Path) -> RunFiles:
     if samples:
         ts = max(_SAMPLES_RE.match(p.name)["ts"] for p in samples)
         return RunFiles(folder=folder, timestamp=ts, results=None, samples=_samples_of(folder, ts))
-    raise UserError(f"{folder}: no lm-eval results_*.json or samples_*.jsonl here", "pass an lm-eval --output_path folder, a results JSON or a samples JSONL")
+    raise UserError(
+        f"{folder}: no lm-eval results_*.json or samples_*.jsonl here",
+        "pass an lm-eval --output_path folder, a results JSON or a samples JSONL",
+    )
 
 
 def resolve_run(arg: str | Path) -> RunFiles:
     """Resolve a results file, a samples file or an lm-eval output folder to one run's files."""
     path = Path(arg)
     if not path.exists():
-        raise UserError(f"{path}: no such file or folder", "pass an lm-eval results JSON, samples JSONL or --output_path folder")
+        raise UserError(
+            f"{path}: no such file or folder", "pass an lm-eval results JSON, samples JSONL or --output_path folder"
+        )
     if path.is_file():
         m = _RESULTS_RE.match(path.name)
         if m:
-            return RunFiles(folder=path.parent, timestamp=m["ts"], results=path, samples=_samples_of(path.parent, m["ts"]))
+            return RunFiles(
+                folder=path.parent, timestamp=m["ts"], results=path, samples=_samples_of(path.parent, m["ts"])
+            )
         m = _SAMPLES_RE.match(path.name)
         if m:
             res = path.parent / f"results_{m['ts']}.json"
-            return RunFiles(folder=path.parent, timestamp=m["ts"], results=res if res.is_file() else None, samples={m["task"]: path})
+            return RunFiles(
+                folder=path.parent, timestamp=m["ts"], results=res if res.is_file() else None, samples={m["task"]: path}
+            )
         if path.suffix == ".json":  # a results file renamed by the user
             return RunFiles(folder=path.parent, timestamp=None, results=path, samples={})
         if path.suffix == ".jsonl":
             return RunFiles(folder=path.parent, timestamp=None, results=None, samples={path.stem: path})
-        raise UserError(f"{path}: not an lm-eval results JSON or samples JSONL", "pass results_<time>.json, samples_<task>_<time>.jsonl or their folder")
+        raise UserError(
+            f"{path}: not an lm-eval results JSON or samples JSONL",
+            "pass results_<time>.json, samples_<task>_<time>.jsonl or their folder",
+        )
     direct = [p for p in path.iterdir() if _RESULTS_RE.match(p.name) or _SAMPLES_RE.match(p.name)]
     if direct:
         return _model_folder(path)
-    models = sorted(p for p in path.iterdir() if p.is_dir() and any(_RESULTS_RE.match(q.name) or _SAMPLES_RE.match(q.name) for q in p.iterdir()))
+    models = sorted(
+        p
+        for p in path.iterdir()
+        if p.is_dir() and any(_RESULTS_RE.match(q.name) or _SAMPLES_RE.match(q.name) for q in p.iterdir())
+    )
     if len(models) == 1:
         return _model_folder(models[0])
     if len(models) > 1:
@@ -108,19 +127,28 @@ def resolve_run(arg: str | Path) -> RunFiles:
             f"{path}: holds runs of several models ({', '.join(m.name for m in models)})",
             f"pass one of them, e.g. {models[0]}",
         )
-    raise UserError(f"{path}: no lm-eval results_*.json or samples_*.jsonl here or one folder down", "pass an lm-eval --output_path folder, a results JSON or a samples JSONL")
+    raise UserError(
+        f"{path}: no lm-eval results_*.json or samples_*.jsonl here or one folder down",
+        "pass an lm-eval --output_path folder, a results JSON or a samples JSONL",
+    )
 
 
 def load_results(run: RunFiles) -> dict[str, Any]:
     """The run's results JSON; a run without one, or a JSON that is not lm-eval's, is a UserError."""
     if run.results is None:
-        raise UserError(f"{run.folder}: no results_<time>.json for this run", "pass the lm-eval output folder that holds the results file")
+        raise UserError(
+            f"{run.folder}: no results_<time>.json for this run",
+            "pass the lm-eval output folder that holds the results file",
+        )
     try:
         data = json.loads(run.results.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"{run.results}: not valid JSON ({e})", "pass a results file written by lm-eval") from None
     if not isinstance(data, dict) or "results" not in data or "config" not in data:
-        raise UserError(f"{run.results}: not an lm-eval results file (no 'results' and 'config' keys)", "pass a results_<time>.json written by lm-eval")
+        raise UserError(
+            f"{run.results}: not an lm-eval results file (no 'results' and 'config' keys)",
+            "pass a results_<time>.json written by lm-eval",
+        )
     return data
 
 
@@ -137,9 +165,15 @@ def read_samples(path: Path) -> list[dict[str, Any]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{n}: not valid JSON ({e.msg})", "pass a samples_<task>_<time>.jsonl written by lm-eval --log_samples") from None
+                raise UserError(
+                    f"{path}:{n}: not valid JSON ({e.msg})",
+                    "pass a samples_<task>_<time>.jsonl written by lm-eval --log_samples",
+                ) from None
             if not isinstance(row, dict) or "doc_id" not in row:
-                raise UserError(f"{path}:{n}: not an lm-eval sample (no doc_id)", "pass a samples_<task>_<time>.jsonl written by lm-eval --log_samples")
+                raise UserError(
+                    f"{path}:{n}: not an lm-eval sample (no doc_id)",
+                    "pass a samples_<task>_<time>.jsonl written by lm-eval --log_samples",
+                )
             rows.append(row)
     if not rows:
         raise UserError(f"{path}: empty samples file", "re-run lm-eval with --log_samples; the file holds no samples")

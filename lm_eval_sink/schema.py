@@ -73,7 +73,11 @@ def _walk(model: type[BaseModel], loc: Iterable[Any]) -> tuple[tuple[Any, ...], 
         for ann in anns:
             for a in _unwrap(ann):
                 if isinstance(a, type) and issubclass(a, BaseModel):
-                    field = next((f for n, f in a.model_fields.items() if part in (n, f.alias)), None) if isinstance(part, str) else None
+                    field = (
+                        next((f for n, f in a.model_fields.items() if part in (n, f.alias)), None)
+                        if isinstance(part, str)
+                        else None
+                    )
                     if field is not None:
                         nxt.append(field.annotation)
                 elif typing.get_origin(a) is dict and isinstance(part, str):
@@ -97,11 +101,20 @@ def model_at(model: type[BaseModel], loc: Iterable[Any]) -> type[BaseModel] | No
 
 
 _EXPECT = {
-    "bool_type": "true or false", "bool_parsing": "true or false",
-    "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
-    "float_type": "a number", "float_parsing": "a number", "finite_number": "a finite number",
-    "string_type": "a string", "list_type": "a list", "tuple_type": "a list",
-    "dict_type": "a mapping", "model_type": "a mapping", "model_attributes_type": "a mapping",
+    "bool_type": "true or false",
+    "bool_parsing": "true or false",
+    "int_type": "an integer",
+    "int_parsing": "an integer",
+    "int_from_float": "an integer",
+    "float_type": "a number",
+    "float_parsing": "a number",
+    "finite_number": "a finite number",
+    "string_type": "a string",
+    "list_type": "a list",
+    "tuple_type": "a list",
+    "dict_type": "a mapping",
+    "model_type": "a mapping",
+    "model_attributes_type": "a mapping",
 }
 
 
@@ -123,7 +136,11 @@ def _description(model: type[BaseModel], loc: tuple[Any, ...]) -> tuple[str, str
     """(key, what it expects) when the innermost field on `loc` that says what it expects does."""
     for end in range(len(loc), 0, -1):
         owner, key = model_at(model, loc[: end - 1]), loc[end - 1]
-        field = next((f for n, f in owner.model_fields.items() if key in (n, f.alias)), None) if owner and isinstance(key, str) else None
+        field = (
+            next((f for n, f in owner.model_fields.items() if key in (n, f.alias)), None)
+            if owner and isinstance(key, str)
+            else None
+        )
         if field is not None:
             return (key, field.description) if field.description else None
     return None
@@ -147,23 +164,35 @@ def user_error(exc: ValidationError, model: type[BaseModel], where: str) -> User
         owner = model_at(model, parent)
         allowed = [f.alias or n for n, f in owner.model_fields.items()] if owner else []
         what = owner.what if owner else "the entry"
-        return UserError(f"{_at(where, parent)}: {what} has unknown key {key!r}{did_you_mean(str(key), allowed)}", f"allowed keys: {', '.join(allowed)}")
+        return UserError(
+            f"{_at(where, parent)}: {what} has unknown key {key!r}{did_you_mean(str(key), allowed)}",
+            f"allowed keys: {', '.join(allowed)}",
+        )
     if err["type"] == "missing":
         owner = model_at(model, loc[:-1])
         what = owner.what if owner else "the entry"
         keys = [str(e["loc"][-1]) for e in errors if e["type"] == "missing" and tuple(e["loc"][:-1]) == loc[:-1]]
         needed = [f.alias or n for n, f in owner.model_fields.items() if f.is_required()] if owner else keys
-        return UserError(f"{_at(where, loc)}: missing key(s) {', '.join(keys)} ({what} lacks {keys[0]!r})", f"every {what.removeprefix('the ')} needs {', '.join(needed)}")
+        return UserError(
+            f"{_at(where, loc)}: missing key(s) {', '.join(keys)} ({what} lacks {keys[0]!r})",
+            f"every {what.removeprefix('the ')} needs {', '.join(needed)}",
+        )
     loc = _walk(model, loc)[0]  # without pydantic's union-member tags
     owner = model_at(model, loc[:-1]) if loc else None
     said = f" ({owner.what} has {loc[-1]} {_got(err['input'])})" if owner and loc and isinstance(loc[-1], str) else ""
     described = _description(model, loc)
     if described:
-        return UserError(f"{_at(where, loc)}: {described[0]} {described[1]}, got {_got(err['input'])}", f"see the {described[0]} key's format")
+        return UserError(
+            f"{_at(where, loc)}: {described[0]} {described[1]}, got {_got(err['input'])}",
+            f"see the {described[0]} key's format",
+        )
     expected = _expectation(err)
     if err["type"] == "literal_error" and isinstance(err["input"], str):
         said += did_you_mean(err["input"], re.findall(r"'([^']*)'", err["ctx"]["expected"]))
-    return UserError(f"{_at(where, loc)}: expected {expected}, got {_got(err['input'])}{said}", f"set {key_path(loc) or 'it'} to {expected}")
+    return UserError(
+        f"{_at(where, loc)}: expected {expected}, got {_got(err['input'])}{said}",
+        f"set {key_path(loc) or 'it'} to {expected}",
+    )
 
 
 def parse(model: type[M], data: Any, where: str) -> M:

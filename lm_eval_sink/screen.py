@@ -71,7 +71,10 @@ def classify_qk_norm(config: dict[str, Any], layer0_q_norm_size: int | str | Non
         return QKNorm(entry["cases"].get(value, entry["default"]), model_type, f"table ({entry['switch']} = {value})")
     if layer0_q_norm_size == "unknown":
         known = ", ".join(sorted(table["model_types"]))
-        raise UserError(f"model type {model_type!r} is not in {QK_NORM_DATA} and its weights could not be inspected", f"add it to the table (known: {known})")
+        raise UserError(
+            f"model type {model_type!r} is not in {QK_NORM_DATA} and its weights could not be inspected",
+            f"add it to the table (known: {known})",
+        )
     if layer0_q_norm_size is None:
         return QKNorm("none", model_type, "weights (no layer-0 q-norm tensor)")
     heads = int(cfg.get("num_attention_heads") or 0)
@@ -80,8 +83,10 @@ def classify_qk_norm(config: dict[str, Any], layer0_q_norm_size: int | str | Non
         return QKNorm("per_head", model_type, f"weights (layer-0 q-norm size {head_dim} = head_dim)")
     if layer0_q_norm_size == heads * head_dim:
         return QKNorm("layerwise", model_type, f"weights (layer-0 q-norm size {layer0_q_norm_size} = heads x head_dim)")
-    raise UserError(f"model type {model_type!r}: layer-0 q-norm size {layer0_q_norm_size} is neither head_dim {head_dim} nor heads x head_dim {heads * head_dim}",
-        f"add the model type to {QK_NORM_DATA}")
+    raise UserError(
+        f"model type {model_type!r}: layer-0 q-norm size {layer0_q_norm_size} is neither head_dim {head_dim} nor heads x head_dim {heads * head_dim}",
+        f"add the model type to {QK_NORM_DATA}",
+    )
 
 
 # ---------------------------------------------------------------------------- screening
@@ -117,8 +122,23 @@ class ScreenResult:
         return {
             "schema_version": SCHEMA_VERSION,
             "models": [{**asdict(m), "warnings": list(m.warnings)} for m in self.models],
-            "fits": {t: {k: getattr(f, k) for k in ("spearman_rho", "permutation_p", "slope", "intercept", "loo_mae", "baseline_mae", "n_pairs", "s_min", "s_max")} for t,
-                f in sorted(self.fit.tasks.items())},
+            "fits": {
+                t: {
+                    k: getattr(f, k)
+                    for k in (
+                        "spearman_rho",
+                        "permutation_p",
+                        "slope",
+                        "intercept",
+                        "loo_mae",
+                        "baseline_mae",
+                        "n_pairs",
+                        "s_min",
+                        "s_max",
+                    )
+                }
+                for t, f in sorted(self.fit.tasks.items())
+            },
             "pairs_file": self.fit.table.source,
             "pairs_sha256": self.fit.table.sha256,
             "notes": list(self.notes),
@@ -131,13 +151,28 @@ def predictions_for(s: float, fit: Any) -> tuple[dict[str, dict[str, Any]], list
     out, warnings = {}, []
     for task, f in sorted(fit.tasks.items()):
         outside = not (f.s_min <= s <= f.s_max)
-        out[task] = {"predicted_delta": f.predict(s), "loo_mae": f.loo_mae, "extrapolated": outside, "fit_s_range": [f.s_min, f.s_max]}
+        out[task] = {
+            "predicted_delta": f.predict(s),
+            "loo_mae": f.loo_mae,
+            "extrapolated": outside,
+            "fit_s_range": [f.s_min, f.s_max],
+        }
         if outside:
-            warnings.append(f"{task}: S = {s:.4f} lies outside the fitted range {f.s_min:.2f}..{f.s_max:.2f}; the predicted delta is an extrapolation")
+            warnings.append(
+                f"{task}: S = {s:.4f} lies outside the fitted range {f.s_min:.2f}..{f.s_max:.2f}; the predicted delta is an extrapolation"
+            )
     return out, warnings
 
 
-def screen(names: list[str], slugs: list[str], paths: list[str], strengths: list[Any], classes: list[QKNorm], fit: Any, strength_files: list[str | None]) -> ScreenResult:
+def screen(
+    names: list[str],
+    slugs: list[str],
+    paths: list[str],
+    strengths: list[Any],
+    classes: list[QKNorm],
+    fit: Any,
+    strength_files: list[str | None],
+) -> ScreenResult:
     """Rank the models by S (highest first), predict each fitted task's delta, and add the calibration notes.
 
     `strengths` are SinkStrength results in the order of `names`; `strength_files` where each is saved (None: not saved)."""
@@ -146,13 +181,28 @@ def screen(names: list[str], slugs: list[str], paths: list[str], strengths: list
     for rank, i in enumerate(order, 1):
         st = strengths[i]
         preds, warnings = predictions_for(st.sink_strength, fit)
-        models.append(ScreenedModel(
-            rank=rank, model=names[i], slug=slugs[i], path=paths[i], sink_strength=st.sink_strength, last_k=st.last_k, n_layers=st.n_layers,
-            qk_norm=classes[i].qk_norm, qk_norm_source=classes[i].source, model_type=classes[i].model_type, predictions=preds, warnings=tuple(warnings),
-            strength_file=strength_files[i],
-        ))
+        models.append(
+            ScreenedModel(
+                rank=rank,
+                model=names[i],
+                slug=slugs[i],
+                path=paths[i],
+                sink_strength=st.sink_strength,
+                last_k=st.last_k,
+                n_layers=st.n_layers,
+                qk_norm=classes[i].qk_norm,
+                qk_norm_source=classes[i].source,
+                model_type=classes[i].model_type,
+                predictions=preds,
+                warnings=tuple(warnings),
+                strength_file=strength_files[i],
+            )
+        )
     prompt_set = strengths[0].provenance.get("prompt_set", {})
-    notes = [CALIBRATION_NOTE, f"calibration prompts: {prompt_set.get('source')} ({prompt_set.get('n_prompts')} prompts, sha256 {str(prompt_set.get('sha256'))[:12]})"]
+    notes = [
+        CALIBRATION_NOTE,
+        f"calibration prompts: {prompt_set.get('source')} ({prompt_set.get('n_prompts')} prompts, sha256 {str(prompt_set.get('sha256'))[:12]})",
+    ]
     notes += [f"{m.slug}: K = {m.last_k} of {m.n_layers} layers ({m.last_k / m.n_layers:.0%} of depth)" for m in models]
     return ScreenResult(models=tuple(models), fit=fit, notes=tuple(notes))
 
@@ -160,13 +210,19 @@ def screen(names: list[str], slugs: list[str], paths: list[str], strengths: list
 def screen_table_markdown(result: ScreenResult) -> str:
     """The ranking with predicted deltas as a Markdown table, then the notes."""
     tasks = sorted(result.fit.tasks)
-    head = ["rank", "model", "S", "last_k/layers", "qk_norm"] + [f"predicted {t} delta (± LOO MAE)" for t in tasks] + ["warnings"]
+    head = (
+        ["rank", "model", "S", "last_k/layers", "qk_norm"]
+        + [f"predicted {t} delta (± LOO MAE)" for t in tasks]
+        + ["warnings"]
+    )
     rows = []
     for m in result.models:
         cells = [str(m.rank), m.slug, f"{m.sink_strength:.4f}", f"{m.last_k}/{m.n_layers}", m.qk_norm]
         for t in tasks:
             p = m.predictions[t]
-            cells.append(f"{p['predicted_delta']:+.1f} ± {p['loo_mae']:.1f}" + (" (extrapolated)" if p["extrapolated"] else ""))
+            cells.append(
+                f"{p['predicted_delta']:+.1f} ± {p['loo_mae']:.1f}" + (" (extrapolated)" if p["extrapolated"] else "")
+            )
         rows.append([*cells, str(len(m.warnings))])
     return "\n".join([*markdown_lines(head, rows), "", *(f"note: {n}" for n in result.notes)]) + "\n"
 
@@ -174,8 +230,20 @@ def screen_table_markdown(result: ScreenResult) -> str:
 def screen_csv(result: ScreenResult) -> str:
     """One CSV record per model: S, QK-norm class and each task's predicted delta, LOO MAE, extrapolated flag."""
     tasks = sorted(result.fit.tasks)
-    head = ["rank", "model", "sink_strength", "last_k", "n_layers", "qk_norm", "qk_norm_source"] + [f"{t}_{k}" for t in tasks for k in ("predicted_delta", "loo_mae", "extrapolated")]
-    rows = [[str(m.rank), m.slug, f"{m.sink_strength:.6f}", str(m.last_k), str(m.n_layers), m.qk_norm, m.qk_norm_source]
-            + [str(v) if not isinstance(v, float) else f"{v:.6f}" for t in tasks for v in (m.predictions[t]["predicted_delta"], m.predictions[t]["loo_mae"], m.predictions[t]["extrapolated"])]
-            for m in result.models]
+    head = ["rank", "model", "sink_strength", "last_k", "n_layers", "qk_norm", "qk_norm_source"] + [
+        f"{t}_{k}" for t in tasks for k in ("predicted_delta", "loo_mae", "extrapolated")
+    ]
+    rows = [
+        [str(m.rank), m.slug, f"{m.sink_strength:.6f}", str(m.last_k), str(m.n_layers), m.qk_norm, m.qk_norm_source]
+        + [
+            str(v) if not isinstance(v, float) else f"{v:.6f}"
+            for t in tasks
+            for v in (
+                m.predictions[t]["predicted_delta"],
+                m.predictions[t]["loo_mae"],
+                m.predictions[t]["extrapolated"],
+            )
+        ]
+        for m in result.models
+    ]
     return csv_text(head, rows)

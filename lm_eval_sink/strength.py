@@ -80,7 +80,9 @@ class SinkStrength:
     n_prompts: int
     n_rows: int
     attention_layers: tuple[int, ...] = ()  # the model's attention layers (n_layers is the depth)
-    learned_sink_argmax_fraction: float | None = None  # share of rows whose sink is the learned (virtual) key; None: no learned sinks
+    learned_sink_argmax_fraction: float | None = (
+        None  # share of rows whose sink is the learned (virtual) key; None: no learned sinks
+    )
     learned_sink_mass_median: float | None = None  # median probability of the virtual key
     provenance: dict[str, Any] = field(default_factory=dict)
 
@@ -113,11 +115,14 @@ def prompt_statistic(capture: Any, settings: StrengthSettings) -> float | None:
     return _stat(capture.sink_logodds[:, :, rows].ravel(), settings.statistic) if rows.any() else None
 
 
-def reduce_captures(captures: list, settings: StrengthSettings, n_layers: int, attention_layers: Sequence[int] | None = None) -> SinkStrength:
+def reduce_captures(
+    captures: list, settings: StrengthSettings, n_layers: int, attention_layers: Sequence[int] | None = None
+) -> SinkStrength:
     """Reduce per-prompt captures (see capture.py) of the selected layers to a SinkStrength.
 
     `attention_layers` defaults to all `n_layers` layers."""
     from lm_eval_sink.capture import VIRTUAL_KEY
+
     if not captures:
         raise UserError("no calibration prompts were captured", "pass at least one prompt")
     layers = captures[0].layers
@@ -162,7 +167,13 @@ def reduce_captures(captures: list, settings: StrengthSettings, n_layers: int, a
     )
 
 
-def measure(model: Any, tokenizer: Any, settings: StrengthSettings = StrengthSettings(), progress: bool = True, provenance: dict[str, Any] | None = None) -> SinkStrength:
+def measure(
+    model: Any,
+    tokenizer: Any,
+    settings: StrengthSettings = StrengthSettings(),
+    progress: bool = True,
+    provenance: dict[str, Any] | None = None,
+) -> SinkStrength:
     """Sink Strength of a loaded model: encode the calibration prompts, capture, reduce."""
     from lm_eval_sink.calibration import encode_prompts, load_prompts
     from lm_eval_sink.capture import attention_layers, capture_prompts, n_layers_of
@@ -191,23 +202,44 @@ def measure(model: Any, tokenizer: Any, settings: StrengthSettings = StrengthSet
     return replace(result, provenance=prov)
 
 
-def measure_model(name: str, settings: StrengthSettings = StrengthSettings(), dtype: str = "auto", device: str = "cpu", progress: bool = True) -> SinkStrength:
+def measure_model(
+    name: str,
+    settings: StrengthSettings = StrengthSettings(),
+    dtype: str = "auto",
+    device: str = "cpu",
+    progress: bool = True,
+) -> SinkStrength:
     """Load a model by path, hub id or `default`, and measure its Sink Strength."""
     from lm_eval_sink.io import provenance
     from lm_eval_sink.models import load_model
 
     loaded = load_model(name, dtype=dtype, device=device)
-    return measure(loaded.model, loaded.tokenizer, settings, progress=progress, provenance=provenance(model=loaded.info))
+    return measure(
+        loaded.model, loaded.tokenizer, settings, progress=progress, provenance=provenance(model=loaded.info)
+    )
 
 
 def result_key(name_path: str, fingerprint: str | None, settings: StrengthSettings, dtype: str) -> str:
     """Identity of a measurement's inputs: a finished output with the same key is reused."""
     from lm_eval_sink.io import canonical_json, sha256_text
 
-    return sha256_text(canonical_json({"model": name_path, "fingerprint": fingerprint, "settings": asdict(settings), "dtype": dtype}))
+    return sha256_text(
+        canonical_json({"model": name_path, "fingerprint": fingerprint, "settings": asdict(settings), "dtype": dtype})
+    )
 
 
-RANKING_HEAD = ("rank", "model", "sink_strength", "content_rows", "template_rows", "template_row_fraction", "pos0_argmax_fraction", "pos0_mass_median", "last_k", "n_layers")
+RANKING_HEAD = (
+    "rank",
+    "model",
+    "sink_strength",
+    "content_rows",
+    "template_rows",
+    "template_row_fraction",
+    "pos0_argmax_fraction",
+    "pos0_mass_median",
+    "last_k",
+    "n_layers",
+)
 
 
 def ranking_rows(results: Sequence[tuple[str, SinkStrength]]) -> list[tuple[str, SinkStrength]]:
@@ -217,8 +249,21 @@ def ranking_rows(results: Sequence[tuple[str, SinkStrength]]) -> list[tuple[str,
 
 def ranking_table(ranked: Sequence[tuple[str, SinkStrength]]) -> list[list[str]]:
     """The cells of the ranking table (header RANKING_HEAD), one row per model in the given order."""
-    return [[str(i + 1), s, f"{r.sink_strength:.4f}", fmt_optional(r.sink_strength_content_rows), fmt_optional(r.sink_strength_template_rows), f"{r.template_row_fraction:.3f}",
-             f"{r.pos0_argmax_fraction:.3f}", f"{r.pos0_mass_median:.3f}", str(r.last_k), str(r.n_layers)] for i, (s, r) in enumerate(ranked)]
+    return [
+        [
+            str(i + 1),
+            s,
+            f"{r.sink_strength:.4f}",
+            fmt_optional(r.sink_strength_content_rows),
+            fmt_optional(r.sink_strength_template_rows),
+            f"{r.template_row_fraction:.3f}",
+            f"{r.pos0_argmax_fraction:.3f}",
+            f"{r.pos0_mass_median:.3f}",
+            str(r.last_k),
+            str(r.n_layers),
+        ]
+        for i, (s, r) in enumerate(ranked)
+    ]
 
 
 def fmt_optional(x: float | None) -> str:

@@ -116,7 +116,10 @@ class Registry:
         found = self.identify(name)
         if found is None:
             hint = did_you_mean(name, self.models, cutoff=0.5)
-            raise UserError(f"model {name!r} is not in the vendor registry{hint}", f"`lm-eval-sink vendor list` shows the {len(self.models)} models it holds")
+            raise UserError(
+                f"model {name!r} is not in the vendor registry{hint}",
+                f"`lm-eval-sink vendor list` shows the {len(self.models)} models it holds",
+            )
         return self.models[found]
 
     def identify(self, name: str | None) -> str | None:
@@ -138,15 +141,21 @@ class Registry:
         return [g for g in self.gaps if model in (g.reference, g.candidate)]
 
     def gaps_between(self, reference: str, candidate: str, benchmark: str | None = None) -> list[Gap]:
-        return [g for g in self.gaps if g.reference == reference and g.candidate == candidate and (benchmark is None or g.benchmark == benchmark)]
+        return [
+            g
+            for g in self.gaps
+            if g.reference == reference and g.candidate == candidate and (benchmark is None or g.benchmark == benchmark)
+        ]
 
     def score(self, entry_id: str) -> Score:
         for s in self.scores:
             if s.id == entry_id:
                 return s
         ids = [s.id for s in self.scores]
-        raise UserError(f"no score {entry_id!r} in the vendor registry{did_you_mean(entry_id, ids, cutoff=0.5)}",
-                        "`lm-eval-sink vendor show MODEL` lists each score's id")
+        raise UserError(
+            f"no score {entry_id!r} in the vendor registry{did_you_mean(entry_id, ids, cutoff=0.5)}",
+            "`lm-eval-sink vendor show MODEL` lists each score's id",
+        )
 
 
 class _SourceIn(Strict):
@@ -229,7 +238,10 @@ def _read_yaml(path_or_text: str, where: str) -> _RegistryIn:
 
     data = parse_yaml(path_or_text, where)
     if not isinstance(data, dict):
-        raise UserError(f"{where}: expected a mapping with sources, protocols, models, scores, gaps", "see lm_eval_sink/data/vendors.yaml for the format")
+        raise UserError(
+            f"{where}: expected a mapping with sources, protocols, models, scores, gaps",
+            "see lm_eval_sink/data/vendors.yaml for the format",
+        )
     return parse(_RegistryIn, data, where)
 
 
@@ -260,26 +272,49 @@ def _merge(parts: list[tuple[str, _RegistryIn]], benchmarks: set[str]) -> Regist
         """The checked fields every reported entry has (`Reported`'s)."""
         for k in model_keys:
             if getattr(body, k) not in models:
-                raise UserError(f"{where} ({body.id}): model {getattr(body, k)!r} is not defined under models:", "add it to models:")
+                raise UserError(
+                    f"{where} ({body.id}): model {getattr(body, k)!r} is not defined under models:", "add it to models:"
+                )
         if body.source not in sources:
-            raise UserError(f"{where} ({body.id}): source {body.source!r} is not defined under sources:", "every entry needs a defined source")
+            raise UserError(
+                f"{where} ({body.id}): source {body.source!r} is not defined under sources:",
+                "every entry needs a defined source",
+            )
         if body.protocol not in protocols:
-            raise UserError(f"{where} ({body.id}): protocol {body.protocol!r} is not defined under protocols:", "every entry needs a defined protocol")
+            raise UserError(
+                f"{where} ({body.id}): protocol {body.protocol!r} is not defined under protocols:",
+                "every entry needs a defined protocol",
+            )
         if body.benchmark not in benchmarks:
-            raise UserError(f"{where} ({body.id}): unknown benchmark {body.benchmark!r}", f"use one of {', '.join(sorted(benchmarks))}")
-        return {"id": body.id, "benchmark": body.benchmark, "metric": body.metric, "value": float(body.value),
-                "source": sources[body.source], "protocol": protocols[body.protocol], "note": body.note}
+            raise UserError(
+                f"{where} ({body.id}): unknown benchmark {body.benchmark!r}",
+                f"use one of {', '.join(sorted(benchmarks))}",
+            )
+        return {
+            "id": body.id,
+            "benchmark": body.benchmark,
+            "metric": body.metric,
+            "value": float(body.value),
+            "source": sources[body.source],
+            "protocol": protocols[body.protocol],
+            "note": body.note,
+        }
 
     ids: set[str] = set()
     scores = [Score(**common(where, body, ("model",)), model=body.model) for where, body in raw_scores]
-    gaps = [Gap(**common(where, body, ("reference", "candidate")), reference=body.reference, candidate=body.candidate) for where, body in raw_gaps]
+    gaps = [
+        Gap(**common(where, body, ("reference", "candidate")), reference=body.reference, candidate=body.candidate)
+        for where, body in raw_gaps
+    ]
     for entry in [*scores, *gaps]:
         if entry.id in ids:
             raise UserError(f"vendor registry: id {entry.id!r} is used twice", "give every score and gap its own id")
         ids.add(entry.id)
     for m in models.values():
         if m.parent and (m.parent["model"] not in models or m.parent["source"] not in sources):
-            raise UserError(f"vendor registry: model {m.name!r} parent names an undefined model or source", "define both first")
+            raise UserError(
+                f"vendor registry: model {m.name!r} parent names an undefined model or source", "define both first"
+            )
     return Registry(sources, protocols, models, tuple(scores), tuple(gaps), tuple(w for w, _ in parts))
 
 
@@ -292,7 +327,9 @@ def load_registry(user_file: str | Path | None = None) -> Registry:
     if user_file is not None:
         path = Path(user_file)
         if not path.is_file():
-            raise UserError(f"{path}: no such registry file", "pass a YAML file shaped like lm_eval_sink/data/vendors.yaml")
+            raise UserError(
+                f"{path}: no such registry file", "pass a YAML file shaped like lm_eval_sink/data/vendors.yaml"
+            )
         parts.append((str(path), _read_yaml(path.read_text(encoding="utf-8"), str(path))))
     return _merge(parts, set(load_benchmarks()))
 
@@ -312,7 +349,11 @@ def compare_stated(stated: dict[str, Any], fp: Any, task: str) -> tuple[list[dic
     differ = []
     for key, want in stated.items():
         got = run_values[key]
-        same = str(want) == str(got) if key in ("batch_size", "lm_eval_version") else (want == got or (key == "dtype" and got == f"torch.{want}"))
+        same = (
+            str(want) == str(got)
+            if key in ("batch_size", "lm_eval_version")
+            else (want == got or (key == "dtype" and got == f"torch.{want}"))
+        )
         if not same:
             differ.append({"field": key, "stated": want, "run": got})
     return differ, [k for k in STATED_KEYS if k not in stated]
@@ -326,9 +367,17 @@ def compare_stated_pair(a: dict[str, Any], b: dict[str, Any]) -> tuple[list[dict
 
 
 def list_markdown(reg: Registry) -> str:
-    lines = markdown_lines(["model", "hub id", "kind", "scores", "gaps"], [[m.name, m.hub_id or "-", m.kind, len(reg.scores_of(m.name)), len(reg.gaps_of(m.name))]
-                                                                       for m in sorted(reg.models.values(), key=lambda m: m.name.lower())])
-    return "\n".join(lines) + f"\n\n{len(reg.scores)} scores, {len(reg.gaps)} gaps from {len(reg.sources)} sources ({', '.join(reg.files)})\n"
+    lines = markdown_lines(
+        ["model", "hub id", "kind", "scores", "gaps"],
+        [
+            [m.name, m.hub_id or "-", m.kind, len(reg.scores_of(m.name)), len(reg.gaps_of(m.name))]
+            for m in sorted(reg.models.values(), key=lambda m: m.name.lower())
+        ],
+    )
+    return (
+        "\n".join(lines)
+        + f"\n\n{len(reg.scores)} scores, {len(reg.gaps)} gaps from {len(reg.sources)} sources ({', '.join(reg.files)})\n"
+    )
 
 
 def _fmt_stated(p: StatedProtocol) -> str:
@@ -343,17 +392,51 @@ def show_markdown(reg: Registry, name: str) -> str:
         lines.append(f"parent (stated by {m.parent['source']}): {m.parent['model']}")
     scores = sorted(reg.scores_of(m.name), key=lambda s: (s.benchmark, s.id))
     if scores:
-        lines += ["", *markdown_lines(["id", "benchmark", "metric", "value", "source", "protocol"],
-                                      [[s.id, s.benchmark, s.metric, f"{s.value:g}", f"{s.source.id} ({s.source.kind})", _fmt_stated(s.protocol)] for s in scores])]
+        lines += [
+            "",
+            *markdown_lines(
+                ["id", "benchmark", "metric", "value", "source", "protocol"],
+                [
+                    [
+                        s.id,
+                        s.benchmark,
+                        s.metric,
+                        f"{s.value:g}",
+                        f"{s.source.id} ({s.source.kind})",
+                        _fmt_stated(s.protocol),
+                    ]
+                    for s in scores
+                ],
+            ),
+        ]
     gaps = sorted(reg.gaps_of(m.name), key=lambda g: (g.benchmark, g.id))
     if gaps:
-        lines += ["", *markdown_lines(["id", "candidate - reference", "benchmark", "gap", "source", "protocol"],
-                                      [[g.id, f"{g.candidate} - {g.reference}", g.benchmark, f"{g.value:+g}", f"{g.source.id} ({g.source.kind})", _fmt_stated(g.protocol)] for g in gaps])]
+        lines += [
+            "",
+            *markdown_lines(
+                ["id", "candidate - reference", "benchmark", "gap", "source", "protocol"],
+                [
+                    [
+                        g.id,
+                        f"{g.candidate} - {g.reference}",
+                        g.benchmark,
+                        f"{g.value:+g}",
+                        f"{g.source.id} ({g.source.kind})",
+                        _fmt_stated(g.protocol),
+                    ]
+                    for g in gaps
+                ],
+            ),
+        ]
     used = sorted({e.source.id for e in [*scores, *gaps]})
     if used:
         lines += ["", "sources:"]
-        lines += [f"- {s}: {reg.sources[s].title}" + (f" <{reg.sources[s].url}>" if reg.sources[s].url else "") +
-                  ("" if reg.sources[s].checked else " (not re-checked against the original)") for s in used]
+        lines += [
+            f"- {s}: {reg.sources[s].title}"
+            + (f" <{reg.sources[s].url}>" if reg.sources[s].url else "")
+            + ("" if reg.sources[s].checked else " (not re-checked against the original)")
+            for s in used
+        ]
     protos = sorted({e.protocol.id for e in [*scores, *gaps]})
     if protos:
         lines += ["", "protocols:"]

@@ -48,7 +48,17 @@ def seeded_checker():
         random.setstate(state)
 
 
-def sample_line(doc_id: int, doc: dict, target: Any, prompt: str, gen_kwargs: dict, response: str, filtered: str, filt: str, metrics: dict[str, Any]) -> dict:
+def sample_line(
+    doc_id: int,
+    doc: dict,
+    target: Any,
+    prompt: str,
+    gen_kwargs: dict,
+    response: str,
+    filtered: str,
+    filt: str,
+    metrics: dict[str, Any],
+) -> dict:
     """One samples line as lm-eval's evaluator + EvaluationTracker write it."""
     line = {
         "doc_id": doc_id,
@@ -93,10 +103,16 @@ DESIGNED = {
     "punctuation:no_comma": {"pass": _BODY, "fail": "Here is my answer, and I hope it helps you today."},
     "startend:end_checker": {"pass": _BODY + " {end_phrase}", "fail": _BODY, "truncated": TRUNCATED},
     "detectable_content:postscript": {"pass": _BODY + "\n\n{postscript_marker} Thanks for reading.", "fail": _BODY},
-    "change_case:english_lowercase": {"pass": "here is my answer to the question and i hope it helps you today.", "fail": _BODY},
+    "change_case:english_lowercase": {
+        "pass": "here is my answer to the question and i hope it helps you today.",
+        "fail": _BODY,
+    },
     "startend:quotation": {"pass": '"' + _BODY + '"', "fail": _BODY},
     "detectable_format:title": {"pass": "<<My Answer>>\n" + _BODY, "fail": _BODY},
-    "language:response_language": {"pass": "이것은 한국어로 작성된 답변입니다. 여러 문장을 써서 언어가 정확하게 감지되도록 합니다.", "fail": _BODY},
+    "language:response_language": {
+        "pass": "이것은 한국어로 작성된 답변입니다. 여러 문장을 써서 언어가 정확하게 감지되도록 합니다.",
+        "fail": _BODY,
+    },
     "detectable_format:json_format": {"pass": '{"answer": "Here is my answer."}', "fail": "answer: yes"},
 }
 
@@ -111,7 +127,11 @@ def designed_response(doc: dict, variant: str) -> str:
 
 def find_single(docs: list[dict], iid: str, n: int, **kwargs: Any) -> list[int]:
     """Indices of the first `n` docs whose only instruction is `iid` (with those kwargs)."""
-    out = [i for i, d in enumerate(docs) if d["instruction_id_list"] == [iid] and all(d["kwargs"][0].get(k) == v for k, v in kwargs.items())]
+    out = [
+        i
+        for i, d in enumerate(docs)
+        if d["instruction_id_list"] == [iid] and all(d["kwargs"][0].get(k) == v for k, v in kwargs.items())
+    ]
     if len(out) < n:
         raise ValueError(f"only {len(out)} docs with the single instruction {iid}")
     return out[:n]
@@ -132,7 +152,9 @@ def gsm8k_answer(doc: dict) -> str:
     return doc["answer"].split("####")[-1].strip()
 
 
-def gsm8k_samples(doc_id: int, doc: dict, response: str, gen_kwargs: dict | None = None, chat: bool = False) -> list[dict]:
+def gsm8k_samples(
+    doc_id: int, doc: dict, response: str, gen_kwargs: dict | None = None, chat: bool = False
+) -> list[dict]:
     """One line per filter (strict-match, flexible-extract), scored by lm-eval's regex filters and exact_match."""
     from lm_eval.api.metrics import exact_match_hf_evaluate
     from lm_eval.filters.extraction import RegexFilter
@@ -147,9 +169,15 @@ def gsm8k_samples(doc_id: int, doc: dict, response: str, gen_kwargs: dict | None
     lines = []
     for f in cfg["filter_list"]:
         regex = f["filter"][0]
-        filtered = RegexFilter(regex_pattern=regex["regex_pattern"], group_select=regex.get("group_select", 0)).apply([[response]], [doc])[0][0]
-        score = float(exact_match_hf_evaluate(predictions=[filtered], references=[doc["answer"]], **metric)["exact_match"])
-        lines.append(sample_line(doc_id, doc, doc["answer"], prompt, gen, response, filtered, f["name"], {"exact_match": score}))
+        filtered = RegexFilter(regex_pattern=regex["regex_pattern"], group_select=regex.get("group_select", 0)).apply(
+            [[response]], [doc]
+        )[0][0]
+        score = float(
+            exact_match_hf_evaluate(predictions=[filtered], references=[doc["answer"]], **metric)["exact_match"]
+        )
+        lines.append(
+            sample_line(doc_id, doc, doc["answer"], prompt, gen, response, filtered, f["name"], {"exact_match": score})
+        )
     return lines
 
 
@@ -183,18 +211,46 @@ def eqbench_sample(doc_id: int, doc: dict, scores: list[int] | None) -> dict:
         response = "Revised scores:\n" + "\n".join(f"{ref[f'emotion{k + 1}']}: {s}" for k, s in enumerate(scores))
     with contextlib.redirect_stdout(None):
         metrics = calculate_score_fullscale(doc, [response])
-    return sample_line(doc_id, doc, doc["reference_answer_fullscale"], doc["prompt"], {"do_sample": False, "temperature": 0.0, "max_gen_toks": 80}, response, response, "none", metrics)
+    return sample_line(
+        doc_id,
+        doc,
+        doc["reference_answer_fullscale"],
+        doc["prompt"],
+        {"do_sample": False, "temperature": 0.0, "max_gen_toks": 80},
+        response,
+        response,
+        "none",
+        metrics,
+    )
 
 
 # --- runs on disk ---------------------------------------------------------------------------------
 
 
-def results_json(task_samples: dict[str, list[dict]], *, model: str, chat_template: bool, limit: float | None, gen_kwargs: dict | None, n_shot: int = 0, seed: int = 0) -> dict:
+def results_json(
+    task_samples: dict[str, list[dict]],
+    *,
+    model: str,
+    chat_template: bool,
+    limit: float | None,
+    gen_kwargs: dict | None,
+    n_shot: int = 0,
+    seed: int = 0,
+) -> dict:
     """A results_<ts>.json with the keys lm-eval 0.4.13 writes (those the tools read, with real values)."""
-    template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}" if chat_template else None
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        if chat_template
+        else None
+    )
     configs = {}
     for task, lines in task_samples.items():
-        configs[task] = {"task": task, "num_fewshot": n_shot, "generation_kwargs": lines[0]["arguments"]["gen_args_0"]["arg_1"], "metadata": {"version": 1.0}}
+        configs[task] = {
+            "task": task,
+            "num_fewshot": n_shot,
+            "generation_kwargs": lines[0]["arguments"]["gen_args_0"]["arg_1"],
+            "metadata": {"version": 1.0},
+        }
     return {
         "results": {t: {"alias": t} for t in task_samples},
         "configs": configs,
@@ -222,16 +278,30 @@ def results_json(task_samples: dict[str, list[dict]], *, model: str, chat_templa
         "system_instruction": None,
         "system_instruction_sha": None,
         "fewshot_as_multiturn": bool(chat_template),
-        "task_hashes": {t: _h("".join(s["doc_hash"] + s["prompt_hash"] + s["target_hash"] for s in lines)) for t, lines in task_samples.items()},
+        "task_hashes": {
+            t: _h("".join(s["doc_hash"] + s["prompt_hash"] + s["target_hash"] for s in lines))
+            for t, lines in task_samples.items()
+        },
     }
 
 
-def write_run(out: Path, task_samples: dict[str, list[dict]], *, model: str = "test-model", chat_template: bool = True, limit: float | None = None, gen_kwargs: dict | None = None,
-    ts: str = "2026-12-01T10-00-00.000000", n_shot: int = 0) -> Path:
+def write_run(
+    out: Path,
+    task_samples: dict[str, list[dict]],
+    *,
+    model: str = "test-model",
+    chat_template: bool = True,
+    limit: float | None = None,
+    gen_kwargs: dict | None = None,
+    ts: str = "2026-12-01T10-00-00.000000",
+    n_shot: int = 0,
+) -> Path:
     """Write one run as lm-eval lays it out; returns the model folder."""
     folder = Path(out) / model.replace("/", "__")
     folder.mkdir(parents=True, exist_ok=True)
-    res = results_json(task_samples, model=model, chat_template=chat_template, limit=limit, gen_kwargs=gen_kwargs, n_shot=n_shot)
+    res = results_json(
+        task_samples, model=model, chat_template=chat_template, limit=limit, gen_kwargs=gen_kwargs, n_shot=n_shot
+    )
     (folder / f"results_{ts}.json").write_text(json.dumps(res, indent=2, ensure_ascii=False), encoding="utf-8")
     for task, lines in task_samples.items():
         with open(folder / f"samples_{task}_{ts}.jsonl", "w", encoding="utf-8") as f:
@@ -242,8 +312,10 @@ def write_run(out: Path, task_samples: dict[str, list[dict]], *, model: str = "t
 
 # --- realistic full-size logs for the benchmark ---------------------------------------------------
 
-_WORDS = ("the plan works because each step builds on the last one and keeps the reader focused on what matters most "
-          "we start with a clear goal then we gather the facts and finally we check every result against the goal").split()
+_WORDS = (
+    "the plan works because each step builds on the last one and keeps the reader focused on what matters most "
+    "we start with a clear goal then we gather the facts and finally we check every result against the goal"
+).split()
 
 
 def _sentences(rng: random.Random, n: int) -> list[str]:
@@ -274,7 +346,9 @@ def build_response(doc: dict, rng: random.Random, n_sentences: int = 12) -> str:
         elif iid == "detectable_content:number_placeholders":
             paras[0] += " " + " ".join(f"[place {k}]" for k in range(kw["num_placeholders"]))
         elif iid == "detectable_format:multiple_sections":
-            paras = [f"{kw['section_spliter']} {k + 1}\n" + " ".join(_sentences(rng, 2)) for k in range(kw["num_sections"])]
+            paras = [
+                f"{kw['section_spliter']} {k + 1}\n" + " ".join(_sentences(rng, 2)) for k in range(kw["num_sections"])
+            ]
         elif iid == "combination:repeat_prompt":
             prefix.append(kw["prompt_to_repeat"])
         elif iid == "detectable_format:title":

@@ -50,14 +50,24 @@ def _fixture_run(tmp_path_factory, shared_data, default_model, name: str, settin
     from lm_eval_sink.harness.runner import run_lm_eval
 
     out = tmp_path_factory.mktemp(name)
-    return run_lm_eval(str(default_model), settings, out, env={"LM_EVAL_SINK_DATA": str(shared_data), "HF_HUB_OFFLINE": "1"})
+    return run_lm_eval(
+        str(default_model), settings, out, env={"LM_EVAL_SINK_DATA": str(shared_data), "HF_HUB_OFFLINE": "1"}
+    )
 
 
 def _protocol_settings(protocol: str, tasks: tuple[str, ...]):
     from lm_eval_sink.harness.runner import EvalSettings
     from lm_eval_sink.protocols import get_protocol, settings_fields
 
-    return EvalSettings(**settings_fields(get_protocol(protocol), tasks=list(tasks), limit=FIXTURE_LIMIT, gen_kwargs=FIXTURE_GEN_KWARGS, batch_size=FIXTURE_BATCH))
+    return EvalSettings(
+        **settings_fields(
+            get_protocol(protocol),
+            tasks=list(tasks),
+            limit=FIXTURE_LIMIT,
+            gen_kwargs=FIXTURE_GEN_KWARGS,
+            batch_size=FIXTURE_BATCH,
+        )
+    )
 
 
 @pytest.fixture(scope="session")
@@ -84,8 +94,8 @@ def tiny_task_dir(tmp_path_factory) -> Path:
     (d / "tiny_gen.jsonl").write_text("".join(json.dumps(x) + "\n" for x in docs))
     (d / "tiny_gen.yaml").write_text(
         f"task: {TINY_TASK}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {d / 'tiny_gen.jsonl'}\n"
-        "output_type: generate_until\ntest_split: test\ndoc_to_text: \"{{question}}\"\ndoc_to_target: \"{{answer}}\"\n"
-        "generation_kwargs:\n  until: [\"\\n\"]\n  max_gen_toks: 4\n  do_sample: false\n"
+        'output_type: generate_until\ntest_split: test\ndoc_to_text: "{{question}}"\ndoc_to_target: "{{answer}}"\n'
+        'generation_kwargs:\n  until: ["\\n"]\n  max_gen_toks: 4\n  do_sample: false\n'
         "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\nmetadata:\n  version: 1.0\n"
     )
     return d
@@ -106,7 +116,10 @@ def handset_llama_dir(tmp_path_factory, tiny_tokenizer) -> Path:
 def tiny_trio(tmp_path_factory) -> dict[str, Path]:
     """Tiny Llama models: base, reference = base + tau_r, candidate = base + tau_c."""
     root = tmp_path_factory.mktemp("tiny_trio")
-    return {role: make_tiny_lm(root / role, "llama", seed) for role, seed in (("base", None), ("reference", 1), ("candidate", 2))}
+    return {
+        role: make_tiny_lm(root / role, "llama", seed)
+        for role, seed in (("base", None), ("reference", 1), ("candidate", 2))
+    }
 
 
 @pytest.fixture

@@ -29,7 +29,9 @@ def make_tokenizer(vocab_size: int = 96):
     words = "the a an of to in and is it you that for on with as are this be at or by from write list explain answer give name three two four words using only letters title story json colors".split()
     trainer = trainers.WordLevelTrainer(vocab_size=vocab_size, special_tokens=["<unk>", *specials])
     tok.train_from_iterator([" ".join(words)] * 3, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", bos_token="<s>", eos_token="</s>"
+    )
     fast.chat_template = (
         "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} </s> {% endfor %}"
         "{% if add_generation_prompt %}<|assistant|> {% endif %}"
@@ -57,7 +59,9 @@ def save_sink_llama(path: Path, gaps, tokenizer) -> Path:
     return path
 
 
-def make_tiny_lm(out: Path, arch: str = "llama", delta_seed: int | None = None, delta_scale: float = 0.02, vocab_extra: int = 0) -> Path:
+def make_tiny_lm(
+    out: Path, arch: str = "llama", delta_seed: int | None = None, delta_scale: float = 0.02, vocab_extra: int = 0
+) -> Path:
     """A tiny random causal LM folder (weights + tokenizer). The same `arch` always starts from the
     same base weights (seed 0); `delta_seed` adds a task vector delta_scale * N(0, 1) to every
     parameter, so base / base + tau_1 / base + tau_2 make a reference-candidate-base trio."""
@@ -65,8 +69,18 @@ def make_tiny_lm(out: Path, arch: str = "llama", delta_seed: int | None = None, 
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     tok = make_tokenizer()
-    dims = dict(vocab_size=len(tok) + vocab_extra, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=256, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    dims = dict(
+        vocab_size=len(tok) + vocab_extra,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     torch.manual_seed(0)
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**dims, tie_word_embeddings=False))
@@ -84,7 +98,9 @@ def make_tiny_lm(out: Path, arch: str = "llama", delta_seed: int | None = None, 
     return Path(out)
 
 
-def hf_cache_snapshot(hub: Path, repo_id: str, folder: Path, sha: str, refs: tuple[str, ...] = ("main",)) -> dict[str, str]:
+def hf_cache_snapshot(
+    hub: Path, repo_id: str, folder: Path, sha: str, refs: tuple[str, ...] = ("main",)
+) -> dict[str, str]:
     """Lay `folder` out in the HF hub cache `hub` as huggingface_hub writes it: `refs/<ref>` names the
     commit `sha`, `snapshots/<sha>/` links into `blobs/` (sha256 names for LFS files (*.safetensors),
     git blob ids for the others). Returns {file: blob hash} as `identity.model_identity` reports it."""

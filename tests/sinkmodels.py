@@ -26,9 +26,22 @@ THETA = 1e30
 
 
 def _config(family: str, n_layers: int, vocab: int):
-    common = dict(vocab_size=vocab, hidden_size=H, intermediate_size=8, num_hidden_layers=n_layers, num_attention_heads=N_HEADS,
-                  num_key_value_heads=N_KV, head_dim=D, max_position_embeddings=512, rms_norm_eps=1e-12, tie_word_embeddings=False,
-                  rope_theta=THETA, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=H,
+        intermediate_size=8,
+        num_hidden_layers=n_layers,
+        num_attention_heads=N_HEADS,
+        num_key_value_heads=N_KV,
+        head_dim=D,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-12,
+        tie_word_embeddings=False,
+        rope_theta=THETA,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     if family == "llama":
         from transformers import LlamaConfig
 
@@ -125,7 +138,9 @@ def row_logodds(g: float, q: int) -> tuple[float, int]:
     return float(logits[s] - np.log(np.sum(np.exp(others)))), s
 
 
-def expected_strength(family: str, n_layers: int, lengths: list[int], last_k: int, statistic: str = "median") -> tuple[float, np.ndarray]:
+def expected_strength(
+    family: str, n_layers: int, lengths: list[int], last_k: int, statistic: str = "median"
+) -> tuple[float, np.ndarray]:
     """S and the per-(layer, head) statistic for prompts of the given token lengths."""
     g = expected_gap(family, n_layers)
     layers = range(n_layers - min(last_k, n_layers), n_layers)
@@ -155,12 +170,33 @@ SINK_HEADS = (0, 1)
 SEL_TOKEN_DIMS = 9  # with noise: dims 9.. carry each non-sink token's own random code
 
 
-def build_selective(family: str = "llama", n_layers: int = 3, vocab: int = 96, bos_id: int = 1, noise: float = 0.0, bias: bool = False, tied: bool = False):
+def build_selective(
+    family: str = "llama",
+    n_layers: int = 3,
+    vocab: int = 96,
+    bos_id: int = 1,
+    noise: float = 0.0,
+    bias: bool = False,
+    tied: bool = False,
+):
     from transformers import AutoModelForCausalLM
 
-    common = dict(vocab_size=vocab, hidden_size=SEL_H, intermediate_size=16, num_hidden_layers=n_layers, num_attention_heads=SEL_HEADS,
-                  num_key_value_heads=SEL_KV, head_dim=SEL_D, max_position_embeddings=512, rms_norm_eps=1e-12, tie_word_embeddings=tied,
-                  rope_theta=SEL_THETA, pad_token_id=0, bos_token_id=bos_id, eos_token_id=2)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=SEL_H,
+        intermediate_size=16,
+        num_hidden_layers=n_layers,
+        num_attention_heads=SEL_HEADS,
+        num_key_value_heads=SEL_KV,
+        head_dim=SEL_D,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-12,
+        tie_word_embeddings=tied,
+        rope_theta=SEL_THETA,
+        pad_token_id=0,
+        bos_token_id=bos_id,
+        eos_token_id=2,
+    )
     if family == "llama":
         from transformers import LlamaConfig
 
@@ -189,16 +225,24 @@ def build_selective(family: str = "llama", n_layers: int = 3, vocab: int = 96, b
             if noise:
                 for mod in (attn.v_proj, attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
                     mod.weight.add_(noise * torch.randn(mod.weight.shape, generator=gen))
-                for mod in (attn.o_proj, layer.mlp.down_proj):  # nothing is written to dim 0 (the sink's) or dims 9.. (tokens')
+                for mod in (
+                    attn.o_proj,
+                    layer.mlp.down_proj,
+                ):  # nothing is written to dim 0 (the sink's) or dims 9.. (tokens')
                     mod.weight[0] = 0.0
                     mod.weight[SEL_TOKEN_DIMS:] = 0.0
-                for name in ("post_attention_layernorm", "post_feedforward_layernorm"):  # OLMo2's post-norms: keep the writes small
+                for name in (
+                    "post_attention_layernorm",
+                    "post_feedforward_layernorm",
+                ):  # OLMo2's post-norms: keep the writes small
                     if family == "olmo2":
                         getattr(layer, name).weight.fill_(noise)
-                attn.q_proj.weight[2 * SEL_D:] = noise * torch.randn((2 * SEL_D, SEL_H), generator=gen)  # heads 2, 3
+                attn.q_proj.weight[2 * SEL_D :] = noise * torch.randn((2 * SEL_D, SEL_H), generator=gen)  # heads 2, 3
                 kw = attn.k_proj.weight
                 kw[SEL_D:] = noise * torch.randn((SEL_D, SEL_H), generator=gen)  # KV head 1
-                block = noise * torch.randn((SEL_D, SEL_H), generator=gen)  # KV head 0, off the sink plane and off dim 0
+                block = noise * torch.randn(
+                    (SEL_D, SEL_H), generator=gen
+                )  # KV head 0, off the sink plane and off dim 0
                 block[[SEL_DIM, SEL_DIM + SEL_D // 2]] = 0.0
                 block[:, :SEL_TOKEN_DIMS] = 0.0  # reads the token dims only: the sink key stays on dim 3
                 kw[:SEL_D] += block

@@ -40,10 +40,25 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}, "per_head"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", MOE, "per_head"),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", {}, "none"),
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"sliding_window": WINDOW, "attn_logit_softcapping": 1.0, "query_pre_attn_scalar": 8}, "none"),
-    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"], "query_pre_attn_scalar": 8}, "per_head"),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {"sliding_window": WINDOW, "attn_logit_softcapping": 1.0, "query_pre_attn_scalar": 8},
+        "none",
+    ),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"], "query_pre_attn_scalar": 8},
+        "per_head",
+    ),
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}, "layerwise"),
-    "olmo3": ("Olmo3Config", "Olmo3ForCausalLM", {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]}, "layerwise"),
+    "olmo3": (
+        "Olmo3Config",
+        "Olmo3ForCausalLM",
+        {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]},
+        "layerwise",
+    ),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", MOE, "layerwise"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": WINDOW}, "none"),
     "granite": ("GraniteConfig", "GraniteForCausalLM", {"attention_multiplier": 0.2}, "none"),
@@ -51,10 +66,36 @@ FAMILIES = {
     "glm4": ("Glm4Config", "Glm4ForCausalLM", {}, "none"),
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {}, "none"),
     "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", {"sliding_window": WINDOW}, "none"),
-    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", {**MOE, "sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]}, "none"),
-    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {**MOE, "kv_lora_rank": 16, "q_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8, "v_head_dim": 8,
-                                                                  "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1, "n_shared_experts": 1, "num_key_value_heads": 4}, "none"),
-    "lfm2": ("Lfm2Config", "Lfm2ForCausalLM", {"num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"]}, "per_head"),  # hybrid
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        {**MOE, "sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]},
+        "none",
+    ),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        {
+            **MOE,
+            "kv_lora_rank": 16,
+            "q_lora_rank": 16,
+            "qk_nope_head_dim": 8,
+            "qk_rope_head_dim": 8,
+            "v_head_dim": 8,
+            "n_group": 1,
+            "topk_group": 1,
+            "first_k_dense_replace": 1,
+            "n_shared_experts": 1,
+            "num_key_value_heads": 4,
+        },
+        "none",
+    ),
+    "lfm2": (
+        "Lfm2Config",
+        "Lfm2ForCausalLM",
+        {"num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"]},
+        "per_head",
+    ),  # hybrid
 }
 LEARNED_SINKS = {"gpt_oss"}
 EAGER_ONLY = {"gemma2", "gpt_oss"}  # no sdpa: attention soft-capping, learned sinks
@@ -63,8 +104,20 @@ EAGER_ONLY = {"gemma2", "gpt_oss"}  # no sdpa: attention soft-capping, learned s
 def _build(family: str, vocab_size: int, pad_id: int):
     cfg_name, model_name, extra, _ = FAMILIES[family]
     cfg_cls, model_cls = getattr(transformers, cfg_name), getattr(transformers, model_name)
-    common = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=8, max_position_embeddings=256, pad_token_id=pad_id, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        pad_token_id=pad_id,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
     accepted = set(inspect.signature(cfg_cls.__init__).parameters)
     config = cfg_cls(**{k: v for k, v in {**common, **extra}.items() if k in accepted})
     torch.manual_seed(0)
@@ -84,13 +137,21 @@ def _eager_reference(model, encoded, layers, learned: bool) -> dict[str, float]:
     """S and companions from eager attention probabilities (float64), independent of the capture."""
     ref = copy.deepcopy(model)
     ref.set_attn_implementation("eager")
-    att_layers = [i for i, t in enumerate(getattr(model.config, "layer_types", None) or ["full_attention"] * model.config.num_hidden_layers) if "attention" in t]
+    att_layers = [
+        i
+        for i, t in enumerate(
+            getattr(model.config, "layer_types", None) or ["full_attention"] * model.config.num_hidden_layers
+        )
+        if "attention" in t
+    ]
     logodds, mass0, virtual, is_virtual = [], [], [], []
     with torch.no_grad():
         for ids in encoded.input_ids:
             att = ref(torch.tensor([ids]), output_attentions=True, use_cache=False).attentions
             index = {x: (x if len(att) == model.config.num_hidden_layers else att_layers.index(x)) for x in layers}
-            rows = np.stack([att[index[x]][0].double().numpy() for x in layers])[:, :, 1:, :]  # [layer, head, query >= 1, key]
+            rows = np.stack([att[index[x]][0].double().numpy() for x in layers])[
+                :, :, 1:, :
+            ]  # [layer, head, query >= 1, key]
             v = 1.0 - rows.sum(-1) if learned else np.zeros(rows.shape[:-1])
             both = np.concatenate([rows, v[..., None]], axis=-1)
             p = both.max(-1)
@@ -100,8 +161,13 @@ def _eager_reference(model, encoded, layers, learned: bool) -> dict[str, float]:
             is_virtual.append(both.argmax(-1) == rows.shape[-1])
     cat = lambda xs: np.concatenate(xs, axis=2)  # noqa: E731
     lo = cat(logodds)
-    return {"S": float(np.median(lo)), "pos0_mass_median": float(np.median(cat(mass0))), "learned_fraction": float(cat(is_virtual).mean()),
-            "learned_mass_median": float(np.median(cat(virtual))), "median_is_mean_of_middle": float(np.mean(np.sort(lo.ravel())[[(lo.size - 1) // 2, lo.size // 2]]))}
+    return {
+        "S": float(np.median(lo)),
+        "pos0_mass_median": float(np.median(cat(mass0))),
+        "learned_fraction": float(cat(is_virtual).mean()),
+        "learned_mass_median": float(np.median(cat(virtual))),
+        "median_is_mean_of_middle": float(np.mean(np.sort(lo.ravel())[[(lo.size - 1) // 2, lo.size // 2]])),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +184,9 @@ def test_sink_strength_equals_eager_reference(family, tiny_tokenizer, encoded):
     res = measure(model, tiny_tokenizer, SETTINGS, progress=False)
     assert model.config._attn_implementation == ("eager" if family in EAGER_ONLY else "sdpa")  # restored
     want_att = attention_layers_from_config(model.config) or tuple(range(model.config.num_hidden_layers))
-    assert res.attention_layers == want_att and res.layers == want_att and res.n_layers == model.config.num_hidden_layers
+    assert (
+        res.attention_layers == want_att and res.layers == want_att and res.n_layers == model.config.num_hidden_layers
+    )
     ref = _eager_reference(model, encoded, res.layers, family in LEARNED_SINKS)
     assert ref["S"] == pytest.approx(ref["median_is_mean_of_middle"], abs=1e-12)
     assert res.sink_strength == pytest.approx(ref["S"], abs=1e-4)
@@ -152,11 +220,19 @@ def test_qk_norm_class_from_screen(family, tiny_tokenizer):
     cfg_name, _, extra, want = FAMILIES[family]
     cfg_cls = getattr(transformers, cfg_name)
     accepted = set(inspect.signature(cfg_cls.__init__).parameters)
-    config = cfg_cls(**{k: v for k, v in {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, **extra}.items() if k in accepted})
+    config = cfg_cls(
+        **{
+            k: v
+            for k, v in {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, **extra}.items()
+            if k in accepted
+        }
+    )
     assert classify_qk_norm(json.loads(config.to_json_string())).qk_norm == want
 
 
-def test_learned_sink_keys_round_trip_and_margin_refusal_without_learned_sinks(tiny_tokenizer, encoded, tmp_path, capsys):
+def test_learned_sink_keys_round_trip_and_margin_refusal_without_learned_sinks(
+    tiny_tokenizer, encoded, tmp_path, capsys
+):
     from lm_eval_sink.cli import main
 
     gpt = _build("gpt_oss", len(tiny_tokenizer), tiny_tokenizer.pad_token_id)
@@ -173,7 +249,12 @@ def test_learned_sink_keys_round_trip_and_margin_refusal_without_learned_sinks(t
     rc = main(["margin", str(tmp_path / "gpt_oss"), str(tmp_path / "llama"), "--n-prompts", "5", "--quiet"])
     err = capsys.readouterr().err
     lines = [ln for ln in err.splitlines() if ln.startswith("error")]  # besides transformers' weight-loading bars
-    assert rc == 2 and "Traceback" not in err and len(lines) == 1 and re.match(r"error: .*learned \(virtual\) sink key .* no learned sinks", lines[0]), err
+    assert (
+        rc == 2
+        and "Traceback" not in err
+        and len(lines) == 1
+        and re.match(r"error: .*learned \(virtual\) sink key .* no learned sinks", lines[0])
+    ), err
 
 
 def test_built_mask_matches_the_models_own_4d_mask(tiny_tokenizer, encoded):
@@ -215,7 +296,9 @@ def test_cli_strength_on_eager_only_families(family, tiny_tokenizer, tmp_path, c
     err = capsys.readouterr().err
     assert rc in (0, None) and "Traceback" not in err
     data = json.loads((tmp_path / "out" / f"{family}.strength.json").read_text())
-    assert data["attention_layers"] == [0, 1] and re.match(r"eager ", data["provenance"]["model"]["attn_implementation"])
+    assert data["attention_layers"] == [0, 1] and re.match(
+        r"eager ", data["provenance"]["model"]["attn_implementation"]
+    )
     assert (data["learned_sink_argmax_fraction"] is not None) == (family in LEARNED_SINKS)
 
 
@@ -227,7 +310,9 @@ def test_lm_eval_task_reports_attention_layers_and_learned_sinks(tiny_tokenizer,
     model.save_pretrained(d)
     tiny_tokenizer.save_pretrained(d)
     api = measure(model, tiny_tokenizer, StrengthSettings(n_prompts=5), progress=False)
-    got = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={d}", tasks=["sink_strength_n5"], device="cpu")["results"]["sink_strength_n5"]
+    got = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={d}", tasks=["sink_strength_n5"], device="cpu")[
+        "results"
+    ]["sink_strength_n5"]
     assert got["sink_strength,none"] == pytest.approx(api.sink_strength, abs=1e-5)
     assert got["attention_layers,none"] == [0, 1]
     assert got["learned_sink_argmax_fraction,none"] == pytest.approx(api.learned_sink_argmax_fraction, abs=1e-9)
@@ -245,13 +330,18 @@ def test_data_parallel_items_of_learned_sinks_reduce_to_the_single_process_resul
     want = measure(model, tiny_tokenizer, SETTINGS, progress=False)
     att = attention_layers_from_config(model.config)
     captures = capture_prompts(model, encoded, SETTINGS.layers_for(att), SETTINGS.batch_size, progress=False)
-    items = [json.loads(json.dumps(PromptRows.build(i, c, SETTINGS, 2, att, False, None).payload)) for i, c in enumerate(captures)]
+    items = [
+        json.loads(json.dumps(PromptRows.build(i, c, SETTINGS, 2, att, False, None).payload))
+        for i, c in enumerate(captures)
+    ]
     random.Random(0).shuffle(items)
     got = _result(items)
     assert got.attention_layers == want.attention_layers == (0, 1)
     assert got.learned_sink_argmax_fraction == want.learned_sink_argmax_fraction is not None
     assert got.learned_sink_mass_median == pytest.approx(want.learned_sink_mass_median, abs=1e-7)
-    assert got.sink_strength == pytest.approx(want.sink_strength, abs=1e-7) and got.per_prompt == pytest.approx(want.per_prompt, abs=1e-7)
+    assert got.sink_strength == pytest.approx(want.sink_strength, abs=1e-7) and got.per_prompt == pytest.approx(
+        want.per_prompt, abs=1e-7
+    )
     np.testing.assert_allclose(got.sink_strength_layer_head, want.sink_strength_layer_head, atol=1e-7)
 
 

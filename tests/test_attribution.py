@@ -30,8 +30,16 @@ CAND_GSM = ([0, 1, 0, 0], [1, 1, 0, 1])
 
 
 def _pair(tmp_path: Path, name: str = "p", samples: bool = True, **kw) -> tuple[Path, Path]:
-    ref = write_run(tmp_path / name / "ref", {"ifeval": REF_IF, "gsm8k_cot": REF_GSM}, model="/models/llm", samples=samples, **kw)
-    cand = write_run(tmp_path / name / "cand", {"ifeval": CAND_IF, "gsm8k_cot": CAND_GSM}, model="/models/vlm-backbone", samples=samples, **kw)
+    ref = write_run(
+        tmp_path / name / "ref", {"ifeval": REF_IF, "gsm8k_cot": REF_GSM}, model="/models/llm", samples=samples, **kw
+    )
+    cand = write_run(
+        tmp_path / name / "cand",
+        {"ifeval": CAND_IF, "gsm8k_cot": CAND_GSM},
+        model="/models/vlm-backbone",
+        samples=samples,
+        **kw,
+    )
     return ref, cand
 
 
@@ -48,10 +56,18 @@ def test_per_prompt_split_is_exact(tmp_path):
     assert row["kind"] == "same_protocol" and row["protocol"] == "instruct" and row["split_from"] == "samples"
     assert row["gap"] == -40.0 and row["capacity"] == -20.0 and row["access"] == -20.0
     pp = row["per_prompt"]
-    assert pp["n"] == 5 and pp["strict_regressions"] == 2 and pp["regressions_access"] == 1 and pp["regressions_capacity"] == 1
+    assert (
+        pp["n"] == 5
+        and pp["strict_regressions"] == 2
+        and pp["regressions_access"] == 1
+        and pp["regressions_capacity"] == 1
+    )
     assert pp["access_doc_ids"] == [1] and pp["capacity_doc_ids"] == [2]
     assert pp["strict_recoveries"] == 0 and pp["prompt_hash_differs"] == 0 and pp["matches_results"] is True
-    assert pp["reference"] == {"strict": 80.0, "lenient": 100.0} and pp["candidate"] == {"strict": 40.0, "lenient": 80.0}
+    assert pp["reference"] == {"strict": 80.0, "lenient": 100.0} and pp["candidate"] == {
+        "strict": 40.0,
+        "lenient": 80.0,
+    }
     gsm = _bench(att, "GSM8K")
     [row] = gsm["comparisons"]
     assert gsm["construct"] == "procedure"
@@ -71,8 +87,20 @@ def test_aggregate_split_without_samples(tmp_path):
 def test_two_protocols_gap_per_protocol_and_sign_flip(tmp_path):
     ri, ci = _pair(tmp_path, "instruct")
     # community-style runs where the candidate is AHEAD on IFEval: +20 strict
-    rc = write_run(tmp_path / "community" / "ref", {"ifeval": ([1, 0, 0, 0, 0], [1, 0, 0, 0, 0])}, model="/models/llm", chat=False, batch_size=1)
-    cc = write_run(tmp_path / "community" / "cand", {"ifeval": ([1, 1, 0, 0, 0], [1, 1, 0, 0, 0])}, model="/models/vlm-backbone", chat=False, batch_size=1)
+    rc = write_run(
+        tmp_path / "community" / "ref",
+        {"ifeval": ([1, 0, 0, 0, 0], [1, 0, 0, 0, 0])},
+        model="/models/llm",
+        chat=False,
+        batch_size=1,
+    )
+    cc = write_run(
+        tmp_path / "community" / "cand",
+        {"ifeval": ([1, 1, 0, 0, 0], [1, 1, 0, 0, 0])},
+        model="/models/vlm-backbone",
+        chat=False,
+        batch_size=1,
+    )
     att = run_attribution([str(ri), str(rc)], [str(ci), str(cc)])
     ife = _bench(att, "IFEval")
     kinds = sorted((r["kind"], r["protocol"]) for r in ife["comparisons"])
@@ -96,7 +124,12 @@ def test_two_protocols_gap_per_protocol_and_sign_flip(tmp_path):
 
 
 def test_same_weights_under_two_protocols_is_a_protocol_artefact(tmp_path):
-    a = write_run(tmp_path / "a", {"ifeval": ([1, 1, 1, 1, 0], [1, 1, 1, 1, 1])}, model="/models/qwen3", model_args={"enable_thinking": False})
+    a = write_run(
+        tmp_path / "a",
+        {"ifeval": ([1, 1, 1, 1, 0], [1, 1, 1, 1, 1])},
+        model="/models/qwen3",
+        model_args={"enable_thinking": False},
+    )
     b = write_run(tmp_path / "b", {"ifeval": ([1, 0, 0, 0, 0], [1, 1, 0, 0, 0])}, model="/models/qwen3")
     att = run_attribution([str(a)], [str(b)])
     [row] = _bench(att, "IFEval")["comparisons"]
@@ -129,7 +162,9 @@ def test_sample_pairing_refuses_different_documents_and_reports_prompts(tmp_path
     rows_c[3]["doc_hash"] = "0" * 64
     with pytest.raises(UserError, match="doc_id 3 has different doc_hash"):
         per_prompt_split(rows_r, rows_c, "prompt_level_strict_acc,none", "prompt_level_loose_acc,none")
-    with pytest.raises(UserError, match=r"1 doc_ids only in the reference, 0 only in the candidate \(.*: 5 docs, .*: 4;"):
+    with pytest.raises(
+        UserError, match=r"1 doc_ids only in the reference, 0 only in the candidate \(.*: 5 docs, .*: 4;"
+    ):
         per_prompt_split(rows_r, rows_r[:4], "prompt_level_strict_acc,none", None)
     part = per_prompt_split(rows_r, rows_r[:4], "prompt_level_strict_acc,none", None, allow_partial=True)
     assert part["n"] == 4 and part["dropped"] == {"reference_only": 1, "candidate_only": 0} and part["gap"] == 0.0
@@ -158,16 +193,29 @@ def test_lineage_from_model_card_config_registry_and_declaration(tmp_path):
     cand = write_run(tmp_path / "c", {"ifeval": CAND_IF}, model=str(cand_dir))
     cand2 = write_run(tmp_path / "c2", {"ifeval": CAND_IF}, model=str(other))
     [li] = run_attribution([str(ref)], [str(cand)]).lineage
-    assert li["status"] == "parent" and li["flagged"] is False and li["evidence"] == [{"parent": "Qwen/Qwen2.5-7B-Instruct", "source": "model card base_model"}]
+    assert (
+        li["status"] == "parent"
+        and li["flagged"] is False
+        and li["evidence"] == [{"parent": "Qwen/Qwen2.5-7B-Instruct", "source": "model card base_model"}]
+    )
     [li] = run_attribution([str(ref)], [str(cand2)]).lineage
-    assert li["status"] == "not_parent" and li["flagged"] is True and "config.json text_config._name_or_path names Qwen/Qwen2.5-7B" in li["how"]
+    assert (
+        li["status"] == "not_parent"
+        and li["flagged"] is True
+        and "config.json text_config._name_or_path names Qwen/Qwen2.5-7B" in li["how"]
+    )
     [li] = run_attribution([str(ref)], [str(cand2)], declared_lineage="parent").lineage
     assert li["status"] == "mismatched" and li["flagged"] is True
     # no evidence anywhere: unknown unless declared
     plain = {"key": "/a", "names": ["/a"], "parents": []}
     assert lineage(plain, {"key": "/b", "names": ["/b"], "parents": []})["status"] == "unknown"
     assert lineage(plain, {"key": "/b", "names": ["/b"], "parents": []}, "parent") == {
-        "status": "parent", "flagged": False, "how": "declared by the user", "evidence": [], "declared": "parent"}
+        "status": "parent",
+        "flagged": False,
+        "how": "declared by the user",
+        "evidence": [],
+        "declared": "parent",
+    }
 
 
 def test_mixture_is_shown_as_declared_never_inferred(tmp_path):
@@ -182,7 +230,9 @@ def test_benchmarks_are_data():
     assert benchmark_of("gsm8k_cot_zeroshot", b).name == "GSM8K"
     assert benchmark_of("mmlu_pro_math", b).name == "MMLU-Pro"  # the longest matching pattern wins over mmlu_*
     assert benchmark_of("mmlu_anatomy", b).name == "MMLU"
-    assert benchmark_of("ifeval", b).construct == "format" and benchmark_of("sink_strength", b).construct == "diagnostic"
+    assert (
+        benchmark_of("ifeval", b).construct == "format" and benchmark_of("sink_strength", b).construct == "diagnostic"
+    )
     assert benchmark_of("hellaswag", b) is None
 
 
@@ -199,21 +249,43 @@ def test_registry_loads_and_every_entry_has_source_and_protocol():
     assert vals["qwen3-8b/ifeval/nothink-template"] == 83.18 and vals["qwen3-8b/ifeval/default-template"] == 34.75
     assert vals["qwen2.5-7b-instruct/ifeval/vendor"] == 71.2 and vals["qwen2.5-7b-instruct/gsm8k/vendor"] == 91.6
     gaps = {(g.candidate, g.benchmark, g.protocol.id): g.value for g in reg.gaps}
-    assert gaps[("Qwen2.5-VL-7B", "IFEval", "instruct")] == -9.43 and gaps[("Qwen2.5-VL-7B", "IFEval", "community")] == -20.52
+    assert (
+        gaps[("Qwen2.5-VL-7B", "IFEval", "instruct")] == -9.43
+        and gaps[("Qwen2.5-VL-7B", "IFEval", "community")] == -20.52
+    )
     assert gaps[("Qwen2.5-VL-7B", "IFEval", "sink-paper-headline")] == -9.6  # same pair, another source, kept apart
     assert reg.identify("/data/models/Qwen2.5-VL-7B-Instruct") == "Qwen2.5-VL-7B"
 
 
-@pytest.mark.parametrize(("extra", "message"), [
-    ("scores:\n  - {id: x, model: Qwen3-8B, benchmark: IFEval, metric: m, value: 1, source: nowhere, protocol: instruct}\n", "source 'nowhere' is not defined"),
-    ("scores:\n  - {id: x, model: Qwen3-8B, benchmark: IFEval, metric: m, value: 1, source: qwen3-report}\n", "score lacks 'protocol'"),
-    ("scores:\n  - {id: x, model: Qwen3-8B, benchmark: IFEval, metric: m, value: 1, source: qwen3-report, protocol: instruct, vlaue: 2}\n",
-     "unknown key 'vlaue' (did you mean 'value'?)"),
-    ("protocols:\n  p: {described: d, stated: {num_shots: 5}}\n", "unknown key 'num_shots' (did you mean 'num_fewshot'?)"),
-    ("scores:\n  - {id: qwen3-8b/ifeval/vendor-nothink, model: Qwen3-8B, benchmark: IFEval, metric: m, value: 1, source: qwen3-report, protocol: instruct}\n",
-     "used twice"),
-    ("scores:\n  - {id: x, model: Qwen3-8B, benchmark: IFEVAL, metric: m, value: 1, source: qwen3-report, protocol: instruct}\n", "unknown benchmark 'IFEVAL'"),
-])
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            "scores:\n  - {id: x, model: Qwen3-8B, benchmark: IFEval, metric: m, value: 1, source: nowhere, protocol: instruct}\n",
+            "source 'nowhere' is not defined",
+        ),
+        (
+            "scores:\n  - {id: x, model: Qwen3-8B, benchmark: IFEval, metric: m, value: 1, source: qwen3-report}\n",
+            "score lacks 'protocol'",
+        ),
+        (
+            "scores:\n  - {id: x, model: Qwen3-8B, benchmark: IFEval, metric: m, value: 1, source: qwen3-report, protocol: instruct, vlaue: 2}\n",
+            "unknown key 'vlaue' (did you mean 'value'?)",
+        ),
+        (
+            "protocols:\n  p: {described: d, stated: {num_shots: 5}}\n",
+            "unknown key 'num_shots' (did you mean 'num_fewshot'?)",
+        ),
+        (
+            "scores:\n  - {id: qwen3-8b/ifeval/vendor-nothink, model: Qwen3-8B, benchmark: IFEval, metric: m, value: 1, source: qwen3-report, protocol: instruct}\n",
+            "used twice",
+        ),
+        (
+            "scores:\n  - {id: x, model: Qwen3-8B, benchmark: IFEVAL, metric: m, value: 1, source: qwen3-report, protocol: instruct}\n",
+            "unknown benchmark 'IFEVAL'",
+        ),
+    ],
+)
 def test_user_registry_is_validated(tmp_path, extra, message):
     f = tmp_path / "reg.yaml"
     f.write_text(extra)
@@ -223,15 +295,24 @@ def test_user_registry_is_validated(tmp_path, extra, message):
 
 
 def test_readme_example_protocol_artefact_qwen3():
-    att = run_attribution(["vendor:qwen3-8b/ifeval/nothink-template"], ["vendor:qwen3-8b/ifeval/default-template"], vendor=True)
+    att = run_attribution(
+        ["vendor:qwen3-8b/ifeval/nothink-template"], ["vendor:qwen3-8b/ifeval/default-template"], vendor=True
+    )
     ife = _bench(att, "IFEval")
     [row] = ife["comparisons"]
     assert row["kind"] == "protocol_artefact" and row["gap"] == -48.43 and row["protocol_part"] == -48.43
-    assert row["differing_fields"] == [{"field": "enable_thinking", "reference": False, "candidate": True, "affects_scores": True}]
+    assert row["differing_fields"] == [
+        {"field": "enable_thinking", "reference": False, "candidate": True, "affects_scores": True}
+    ]
     assert att.lineage[0]["status"] == "same_checkpoint"
     vend = {v["measured"]["protocol"]: v for v in ife["vendor"]}
-    assert vend["qwen3-nothink-template"]["measured_minus_vendor"] == 0.18 and vend["qwen3-nothink-template"]["protocol_differences"] == []
-    assert vend["qwen3-default-template"]["protocol_differences"] == [{"field": "enable_thinking", "vendor": False, "measured": True}]
+    assert (
+        vend["qwen3-nothink-template"]["measured_minus_vendor"] == 0.18
+        and vend["qwen3-nothink-template"]["protocol_differences"] == []
+    )
+    assert vend["qwen3-default-template"]["protocol_differences"] == [
+        {"field": "enable_thinking", "vendor": False, "measured": True}
+    ]
 
 
 def test_readme_example_gap_changes_with_protocol_qwen25_vl():
@@ -251,7 +332,22 @@ def test_cli_attribute_writes_json_markdown_png_with_provenance(tmp_path, capsys
     ref, cand = _pair(tmp_path)
     out = tmp_path / "att"
     # `--reference A --candidate B` and the many-values form give the same report
-    assert main(["attribute", "--reference", str(ref), "--candidate", str(cand), "--mixture", "text_share=0.1", "--output", str(out)]) == 0
+    assert (
+        main(
+            [
+                "attribute",
+                "--reference",
+                str(ref),
+                "--candidate",
+                str(cand),
+                "--mixture",
+                "text_share=0.1",
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     stdout = capsys.readouterr().out
     assert "| instruct | same_protocol | llm 80.00 | vlm-backbone 40.00 | -40.00 | -20.00 | -20.00 |" in stdout
     doc = json.loads((out / "attribution.json").read_text())
@@ -262,7 +358,22 @@ def test_cli_attribute_writes_json_markdown_png_with_provenance(tmp_path, capsys
     assert (out / "attribution.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # rerun: same result, byte for byte apart from the provenance block
     out2 = tmp_path / "att2"
-    assert main(["attribute", "--reference", str(ref), "--candidate", str(cand), "--mixture", "text_share=0.1", "--output", str(out2)]) == 0
+    assert (
+        main(
+            [
+                "attribute",
+                "--reference",
+                str(ref),
+                "--candidate",
+                str(cand),
+                "--mixture",
+                "text_share=0.1",
+                "--output",
+                str(out2),
+            ]
+        )
+        == 0
+    )
     doc2 = json.loads((out2 / "attribution.json").read_text())
     assert doc2["provenance"]["result_sha256"] == doc["provenance"]["result_sha256"]
     assert (out2 / "attribution.md").read_bytes() == (out / "attribution.md").read_bytes()
@@ -320,7 +431,9 @@ def _bad(tmp_path: Path, case: str) -> list[str]:
     raise AssertionError(case)
 
 
-@pytest.mark.parametrize("case", ["different_tasks", "not_lm_eval", "missing_metric", "missing_field", "bad_mixture", "unknown_vendor_entry"])
+@pytest.mark.parametrize(
+    "case", ["different_tasks", "not_lm_eval", "missing_metric", "missing_field", "bad_mixture", "unknown_vendor_entry"]
+)
 def test_cli_attribute_bad_inputs(tmp_path, capsys, case):
     args = _bad(tmp_path, case)
     out = tmp_path / "out"
@@ -328,8 +441,14 @@ def test_cli_attribute_bad_inputs(tmp_path, capsys, case):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ")
     assert not out.exists() and not list(tmp_path.glob("out.partial-*"))
-    expected = {"different_tasks": "share no benchmark", "not_lm_eval": "not an lm-eval results file", "missing_metric": "no 'prompt_level_loose_acc,none'",
-                "missing_field": "lacks configs", "bad_mixture": "not KEY=VALUE", "unknown_vendor_entry": "not in the vendor registry"}[case]
+    expected = {
+        "different_tasks": "share no benchmark",
+        "not_lm_eval": "not an lm-eval results file",
+        "missing_metric": "no 'prompt_level_loose_acc,none'",
+        "missing_field": "lacks configs",
+        "bad_mixture": "not KEY=VALUE",
+        "unknown_vendor_entry": "not in the vendor registry",
+    }[case]
     assert expected in err[0]
 
 
@@ -349,14 +468,25 @@ def test_real_runs_same_weights_two_protocols_and_per_prompt_self_pairing(smollm
     assert row["kind"] == "protocol_artefact"
     want = round(100 * (rc["ifeval"]["prompt_level_strict_acc,none"] - ri["ifeval"]["prompt_level_strict_acc,none"]), 6)
     assert row["gap"] == want and row["protocol_part"] == want
-    assert {d["field"] for d in row["differing_fields"]} == {"apply_chat_template", "fewshot_as_multiturn", "chat_template"}
+    assert {d["field"] for d in row["differing_fields"]} == {
+        "apply_chat_template",
+        "fewshot_as_multiturn",
+        "chat_template",
+    }
     # a run against itself: same protocol, real samples paired per prompt, nothing lost
     self_att = run_attribution([str(smollm2_instruct_run.results)], [str(smollm2_instruct_run.folder)])
     for name, key in (("IFEval", "prompt_level_strict_acc,none"), ("GSM8K", "exact_match,strict-match")):
         [row] = _bench(self_att, name)["comparisons"]
         pp = row["per_prompt"]
         assert row["kind"] == "same_protocol" and row["split_from"] == "samples"
-        assert (row["gap"], row["access"], row["capacity"], pp["n"], pp["strict_regressions"], pp["prompt_hash_differs"]) == (0.0, 0.0, 0.0, 5, 0, 0)
+        assert (
+            row["gap"],
+            row["access"],
+            row["capacity"],
+            pp["n"],
+            pp["strict_regressions"],
+            pp["prompt_hash_differs"],
+        ) == (0.0, 0.0, 0.0, 5, 0, 0)
         assert pp["matches_results"] is True
         task = "ifeval" if name == "IFEval" else "gsm8k_cot_zeroshot"
         assert pp["reference"]["strict"] == round(100 * ri[task][key], 6)
@@ -366,13 +496,24 @@ def test_vendor_figures_and_reported_gaps_beside_measured_runs(tmp_path):
     ref = write_run(tmp_path / "r", {"ifeval": REF_IF}, model="/models/Qwen2.5-7B-Instruct")
     cand = write_run(tmp_path / "c", {"ifeval": CAND_IF}, model="/models/Qwen2.5-VL-7B-Instruct")
     plain = run_attribution([str(ref)], [str(cand)])
-    assert [r["kind"] for r in _bench(plain, "IFEval")["comparisons"]] == ["same_protocol"]  # no registry figures without --vendor
+    assert [r["kind"] for r in _bench(plain, "IFEval")["comparisons"]] == [
+        "same_protocol"
+    ]  # no registry figures without --vendor
     att = run_attribution([str(ref)], [str(cand)], vendor=True)
     ife = _bench(att, "IFEval")
     kinds = [(r["kind"], r["protocol"], r["gap"]) for r in ife["comparisons"]]
     assert kinds[0] == ("same_protocol", "instruct", -40.0)
     assert ("reported_gap", "instruct", -9.43) in kinds and ("reported_gap", "community", -20.52) in kinds
-    assert ife["protocol_effect"]["gaps"]["instruct"] == [-40.0, -9.43]  # measured and reported under the same named protocol
+    assert ife["protocol_effect"]["gaps"]["instruct"] == [
+        -40.0,
+        -9.43,
+    ]  # measured and reported under the same named protocol
     [v] = ife["vendor"]
-    assert v["vendor"]["id"] == "qwen2.5-7b-instruct/ifeval/vendor" and v["measured"]["value"] == 80.0 and v["measured_minus_vendor"] == 8.8
-    assert v["protocol_differences"] == [] and v["vendor_unstated"] == list(STATED_KEYS)  # the vendor states nothing about its protocol
+    assert (
+        v["vendor"]["id"] == "qwen2.5-7b-instruct/ifeval/vendor"
+        and v["measured"]["value"] == 80.0
+        and v["measured_minus_vendor"] == 8.8
+    )
+    assert v["protocol_differences"] == [] and v["vendor_unstated"] == list(
+        STATED_KEYS
+    )  # the vendor states nothing about its protocol

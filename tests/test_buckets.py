@@ -13,7 +13,16 @@ import numpy as np
 import pytest
 
 import bucket_logs as bl
-from lm_eval_sink.buckets import BUCKETS, BucketSettings, bucket, cluster_delta_ci, holm, mcnemar_exact, paired_delta_ci, resampled_sums
+from lm_eval_sink.buckets import (
+    BUCKETS,
+    BucketSettings,
+    bucket,
+    cluster_delta_ci,
+    holm,
+    mcnemar_exact,
+    paired_delta_ci,
+    resampled_sums,
+)
 from lm_eval_sink.cli import main
 from lm_eval_sink.failure_kinds import FAILURE_KINDS, ends_mid_sentence, is_truncated, tokenizer_counter
 
@@ -82,12 +91,19 @@ def ifeval_pair(shared_data, tmp_path_factory):
         used[iid] = used.get(iid, 0) + 1
         r = bl.ifeval_sample(idx, docs[idx], bl.designed_response(docs[idx], rv), chat=True)
         c = bl.ifeval_sample(idx, docs[idx], bl.designed_response(docs[idx], cv), chat=False)
-        assert (r["prompt_level_strict_acc"], c["prompt_level_strict_acc"]) == (rv == "pass", cv == "pass"), f"designed response broken for {iid}"
+        assert (r["prompt_level_strict_acc"], c["prompt_level_strict_acc"]) == (rv == "pass", cv == "pass"), (
+            f"designed response broken for {iid}"
+        )
         ref.append(r)
         cand.append(c)
         expected[idx] = (want_bucket, want_kind)
-    two = next(i for i, d in enumerate(docs) if d["instruction_id_list"] == ["punctuation:no_comma", "startend:end_checker"])
-    r, c = bl.ifeval_sample(two, docs[two], TWO_INSTRUCTIONS[0], chat=True), bl.ifeval_sample(two, docs[two], TWO_INSTRUCTIONS[1], chat=False)
+    two = next(
+        i for i, d in enumerate(docs) if d["instruction_id_list"] == ["punctuation:no_comma", "startend:end_checker"]
+    )
+    r, c = (
+        bl.ifeval_sample(two, docs[two], TWO_INSTRUCTIONS[0], chat=True),
+        bl.ifeval_sample(two, docs[two], TWO_INSTRUCTIONS[1], chat=False),
+    )
     assert r["inst_level_strict_acc"] == [True, True] and c["inst_level_strict_acc"] == [False, True]
     ref.append(r)
     cand.append(c)
@@ -110,7 +126,14 @@ def test_ifeval_counts_mcnemar_and_kinds_are_exact(ifeval_pair):
     assert rep.delta_ci[0] <= rep.delta <= rep.delta_ci[1]
     kinds = {row["doc_id"]: row["failure_kind"] for row in rep.rows}
     assert {i: kinds[i] for i in exp} == {i: k for i, (_, k) in exp.items()}
-    assert rep.failure_kinds["counts"] == {"truncation": 1, "language": 1, "phrase_marker": 2, "length": 0, "format": 6, "other": 0}
+    assert rep.failure_kinds["counts"] == {
+        "truncation": 1,
+        "language": 1,
+        "phrase_marker": 2,
+        "length": 0,
+        "format": 6,
+        "other": 0,
+    }
     assert rep.failure_kinds["checker_disagreements"] == 0
     assert rep.truncation["regressions_truncated"] == 1
     assert rep.pairing["prompt_hash_differs"]["count"] == 21
@@ -143,7 +166,12 @@ def test_loose_metric_and_seeded_bootstrap(ifeval_pair):
     cols = np.array([[r["candidate"] - r["reference"]] for r in a.rows])
     assert np.array_equal(resampled_sums(cols, 300, 0), resampled_sums(cols, 300, 0))
     assert not np.array_equal(resampled_sums(cols, 300, 0), resampled_sums(cols, 300, 1))
-    loose = bucket(ifeval_pair["ref"], ifeval_pair["cand"], "ifeval", BucketSettings(n_bootstrap=2000, metric="prompt_level_loose_acc"))
+    loose = bucket(
+        ifeval_pair["ref"],
+        ifeval_pair["cand"],
+        "ifeval",
+        BucketSettings(n_bootstrap=2000, metric="prompt_level_loose_acc"),
+    )
     assert loose.instruction_level["metric"] == "inst_level_loose_acc"
     assert "loose" in loose.failure_kinds["checker"]
 
@@ -172,7 +200,9 @@ def test_cluster_bootstrap_resamples_whole_prompts():
 
 def test_truncation_rule():
     assert ends_mid_sentence("and the text is cut") and ends_mid_sentence("the total is 18")
-    assert not ends_mid_sentence("A full sentence.") and not ends_mid_sentence('{"a": 1}') and not ends_mid_sentence("   ")
+    assert (
+        not ends_mid_sentence("A full sentence.") and not ends_mid_sentence('{"a": 1}') and not ends_mid_sentence("   ")
+    )
     assert is_truncated(bl.TRUNCATED, 64) is True
     assert is_truncated(bl.TRUNCATED, 200) is False  # too few bytes to hold 200 tokens
     assert is_truncated("answer: yes", 8) is True and is_truncated("answer: yes", 64) is False
@@ -186,11 +216,28 @@ def test_truncation_rule():
 
 def test_cli_writes_every_output(ifeval_pair, tmp_path, capsys):
     out = tmp_path / "out"
-    rc = main(["buckets", str(ifeval_pair["ref_dir"]), str(ifeval_pair["cand_dir"]), "--output", str(out), "--bootstrap", "2000", "--quiet"])
+    rc = main(
+        [
+            "buckets",
+            str(ifeval_pair["ref_dir"]),
+            str(ifeval_pair["cand_dir"]),
+            "--output",
+            str(out),
+            "--bootstrap",
+            "2000",
+            "--quiet",
+        ]
+    )
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     assert "| regression | 10 |" in captured.out
-    assert sorted(p.name for p in out.iterdir()) == ["buckets.json", "buckets.md", "buckets.png", "instruction_types.png", "prompts.csv"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "buckets.json",
+        "buckets.md",
+        "buckets.png",
+        "instruction_types.png",
+        "prompts.csv",
+    ]
     data = json.loads((out / "buckets.json").read_text())
     assert data["counts"] == {"both_pass": 6, "regression": 10, "recovered": 3, "both_fail": 2}
     assert data["mcnemar_p"] == pytest.approx(756 / 8192, rel=1e-12)
@@ -214,7 +261,22 @@ def test_cli_writes_every_output(ifeval_pair, tmp_path, capsys):
     rc = main(["buckets", str(ifeval_pair["ref_dir"]), str(ifeval_pair["cand_dir"]), "--output", str(out), "--quiet"])
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("error: output already exists") and (out / "buckets.json").read_bytes() == before
-    assert main(["buckets", str(ifeval_pair["ref_dir"]), str(ifeval_pair["cand_dir"]), "--output", str(out), "--force", "--quiet", "--bootstrap", "500"]) == 0
+    assert (
+        main(
+            [
+                "buckets",
+                str(ifeval_pair["ref_dir"]),
+                str(ifeval_pair["cand_dir"]),
+                "--output",
+                str(out),
+                "--force",
+                "--quiet",
+                "--bootstrap",
+                "500",
+            ]
+        )
+        == 0
+    )
     assert json.loads((out / "buckets.json").read_text())["settings"]["n_bootstrap"] == 500
 
 
@@ -222,7 +284,20 @@ def test_cli_writes_every_output(ifeval_pair, tmp_path, capsys):
 def test_cli_tokenizer_counts_tokens(ifeval_pair, default_model, capsys, tmp_path):
     """With the real SmolLM2 tokenizer the cut response has far fewer than 64 tokens: no truncation."""
     out = tmp_path / "tok"
-    rc = main(["buckets", str(ifeval_pair["ref_dir"]), str(ifeval_pair["cand_dir"]), "--tokenizer", str(default_model), "--output", str(out), "--quiet", "--bootstrap", "500"])
+    rc = main(
+        [
+            "buckets",
+            str(ifeval_pair["ref_dir"]),
+            str(ifeval_pair["cand_dir"]),
+            "--tokenizer",
+            str(default_model),
+            "--output",
+            str(out),
+            "--quiet",
+            "--bootstrap",
+            "500",
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     data = json.loads((out / "buckets.json").read_text())
     assert data["truncation"]["regressions_truncated"] == 0
@@ -235,11 +310,16 @@ def test_cli_tokenizer_counts_tokens(ifeval_pair, default_model, capsys, tmp_pat
 # --- GSM8K, EQ-Bench, generic --------------------------------------------------------------------
 
 
-
 @pytest.fixture(scope="module")
 def gsm8k_pair(shared_data, tmp_path_factory):
     docs = bl.gsm8k_docs(shared_data)[:12]
-    design = [("right", "right")] * 4 + [("right", "format")] * 3 + [("right", "wrong")] * 2 + [("wrong", "right")] + [("wrong", "wrong")] * 2
+    design = (
+        [("right", "right")] * 4
+        + [("right", "format")] * 3
+        + [("right", "wrong")] * 2
+        + [("wrong", "right")]
+        + [("wrong", "wrong")] * 2
+    )
     ref, cand = [], []
     for i, (doc, (rv, cv)) in enumerate(zip(docs, design, strict=True)):
         ref += bl.gsm8k_samples(i, doc, bl.gsm8k_response(doc, rv))
@@ -261,18 +341,40 @@ def test_gsm8k_format_failures_vs_wrong_answers(gsm8k_pair, tmp_path, capsys):
     fs = rep.format_split
     assert (fs["format_failure"], fs["wrong_answer"], fs["unknown"]) == (3, 2, 0)
     assert fs["format_failure_ids"] == [4, 5, 6] and fs["wrong_answer_ids"] == [7, 8]
-    flex = bucket(gsm8k_pair["ref"], gsm8k_pair["cand"], "gsm8k_cot_zeroshot", BucketSettings(n_bootstrap=500, filter="flexible-extract"))
+    flex = bucket(
+        gsm8k_pair["ref"],
+        gsm8k_pair["cand"],
+        "gsm8k_cot_zeroshot",
+        BucketSettings(n_bootstrap=500, filter="flexible-extract"),
+    )
     assert flex.counts == {"both_pass": 7, "regression": 2, "recovered": 1, "both_fail": 2}
     assert flex.format_split is None
     out = tmp_path / "g"
-    assert main(["buckets", str(gsm8k_pair["ref_dir"]), str(gsm8k_pair["cand_dir"]), "--output", str(out), "--quiet", "--bootstrap", "500"]) == 0
+    assert (
+        main(
+            [
+                "buckets",
+                str(gsm8k_pair["ref_dir"]),
+                str(gsm8k_pair["cand_dir"]),
+                "--output",
+                str(out),
+                "--quiet",
+                "--bootstrap",
+                "500",
+            ]
+        )
+        == 0
+    )
     data = json.loads((out / "buckets.json").read_text())
     assert data["format_split"]["format_failure"] == 3
     # "So the result is 18" ends mid-sentence but is far shorter than the hf default of 256 tokens
     assert data["truncation"]["regressions_truncated"] == 0
     assert data["truncation"]["max_gen_toks"] == ["256 (lm-eval's hf backend default)"]
     assert "instruction_types.png" not in {p.name for p in out.iterdir()}
-    assert "Regressions split by the flexible-extract filter: format failures (lenient answer right, strict wrong) 3, wrong answers 2" in capsys.readouterr().out
+    assert (
+        "Regressions split by the flexible-extract filter: format failures (lenient answer right, strict wrong) 3, wrong answers 2"
+        in capsys.readouterr().out
+    )
 
 
 def test_eqbench_paired_difference_and_threshold(shared_data):
@@ -298,8 +400,12 @@ def test_eqbench_paired_difference_and_threshold(shared_data):
     assert rep.wilcoxon_p == pytest.approx(2 / 2**6)  # exact signed-rank: all 6 differences negative
     thr = 95.0
     rep_t = bucket(ref, cand, "eq_bench", BucketSettings(n_bootstrap=500, threshold=thr))
-    want = {"both_pass": int(((r >= thr) & (c >= thr)).sum()), "regression": int(((r >= thr) & (c < thr)).sum()),
-            "recovered": int(((r < thr) & (c >= thr)).sum()), "both_fail": int(((r < thr) & (c < thr)).sum())}
+    want = {
+        "both_pass": int(((r >= thr) & (c >= thr)).sum()),
+        "regression": int(((r >= thr) & (c < thr)).sum()),
+        "recovered": int(((r < thr) & (c >= thr)).sum()),
+        "both_fail": int(((r < thr) & (c < thr)).sum()),
+    }
     assert rep_t.counts == want and want["regression"] > 0
     assert rep_t.pass_rate["delta"] == pytest.approx((want["recovered"] - want["regression"]) / 6)
     assert rep_t.mcnemar_p == pytest.approx(_binom_two_sided(want["regression"], want["recovered"]))
@@ -313,7 +419,10 @@ def _boolq_lines(shared_data, outcomes):
         gold = 1 if doc["answer"] else 0
         ll = [-0.5, -2.0] if (gold == 0) == ok else [-2.0, -0.5]  # [no, yes]: the higher one is chosen
         line = bl.sample_line(i, doc, gold, prompt, " no", str(ll), str(ll), "none", {"acc": 1.0 if ok else 0.0})
-        line["arguments"] = {"gen_args_0": {"arg_0": prompt, "arg_1": " no"}, "gen_args_1": {"arg_0": prompt, "arg_1": " yes"}}
+        line["arguments"] = {
+            "gen_args_0": {"arg_0": prompt, "arg_1": " no"},
+            "gen_args_1": {"arg_0": prompt, "arg_1": " yes"},
+        }
         line["resps"] = [[[str(ll[0]), "False"]], [[str(ll[1]), "False"]]]
         line["filtered_resps"] = [[str(ll[0]), "False"], [str(ll[1]), "False"]]
         lines.append(line)
@@ -339,9 +448,11 @@ def test_task_in_no_family_takes_the_generic_path(shared_data):
 
 
 def test_modules_import_no_torch():
-    code = ("import sys, lm_eval_sink.buckets, lm_eval_sink.failure_kinds; "
-            "bad = [m for m in ('torch', 'transformers', 'lm_eval', 'click', 'lm_eval_sink.plots', 'matplotlib') if m in sys.modules]; "
-            "print(bad); sys.exit(1 if bad else 0)")
+    code = (
+        "import sys, lm_eval_sink.buckets, lm_eval_sink.failure_kinds; "
+        "bad = [m for m in ('torch', 'transformers', 'lm_eval', 'click', 'lm_eval_sink.plots', 'matplotlib') if m in sys.modules]; "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout + res.stderr
 
@@ -368,7 +479,9 @@ def _copy_run(src: Path, dst: Path, edit=None) -> Path:
         if p.name.startswith("samples_") and edit is not None:
             lines = bl.read_jsonl(p)
             p_text = edit(lines)
-            (dst / p.name).write_text(p_text if isinstance(p_text, str) else "".join(json.dumps(x) + "\n" for x in p_text))
+            (dst / p.name).write_text(
+                p_text if isinstance(p_text, str) else "".join(json.dumps(x) + "\n" for x in p_text)
+            )
         else:
             (dst / p.name).write_bytes(p.read_bytes())
     return dst
@@ -403,12 +516,21 @@ def test_mismatched_docs_and_doc_sets(ifeval_pair, tmp_path, capsys):
 
     swapped = _copy_run(ifeval_pair["cand_dir"], tmp_path / "swap", swap_doc)
     msg = _cli_error(capsys, ["buckets", ref, str(swapped)], tmp_path / "o1")
-    assert f"1 of 21 paired doc_ids hold different documents in the two runs (e.g. doc_id {ifeval_pair['cand'][5]['doc_id']}" in msg
+    assert (
+        f"1 of 21 paired doc_ids hold different documents in the two runs (e.g. doc_id {ifeval_pair['cand'][5]['doc_id']}"
+        in msg
+    )
     short = _copy_run(ifeval_pair["cand_dir"], tmp_path / "short", lambda lines: lines[3:])
     msg = _cli_error(capsys, ["buckets", ref, str(short)], tmp_path / "o2")
-    assert "different doc sets: 3 doc_ids only in the reference, 0 only in the candidate" in msg and "--allow-partial" in msg
+    assert (
+        "different doc sets: 3 doc_ids only in the reference, 0 only in the candidate" in msg
+        and "--allow-partial" in msg
+    )
     out = tmp_path / "partial"
-    assert main(["buckets", ref, str(short), "--allow-partial", "--output", str(out), "--quiet", "--bootstrap", "500"]) == 0
+    assert (
+        main(["buckets", ref, str(short), "--allow-partial", "--output", str(out), "--quiet", "--bootstrap", "500"])
+        == 0
+    )
     data = json.loads((out / "buckets.json").read_text())
     assert data["n"] == 18 and len(data["pairing"]["dropped_reference_only"]) == 3
     capsys.readouterr()
@@ -416,10 +538,18 @@ def test_mismatched_docs_and_doc_sets(ifeval_pair, tmp_path, capsys):
 
 def test_bad_choices_and_runs(ifeval_pair, gsm8k_pair, tmp_path, capsys):
     ref, cand = str(ifeval_pair["ref_dir"]), str(ifeval_pair["cand_dir"])
-    assert "did you mean 'prompt_level_strict_acc'" in _cli_error(capsys, ["buckets", ref, cand, "--metric", "prompt_level_strict"], tmp_path / "o1")
-    assert "holds a list per doc" in _cli_error(capsys, ["buckets", ref, cand, "--metric", "inst_level_strict_acc"], tmp_path / "o2")
-    assert "filter 'strict-match' is not in the reference samples /" in _cli_error(capsys, ["buckets", ref, cand, "--filter", "strict-match"], tmp_path / "o3")
-    assert "--threshold applies to continuous metrics" in _cli_error(capsys, ["buckets", ref, cand, "--threshold", "0.5"], tmp_path / "o4")
+    assert "did you mean 'prompt_level_strict_acc'" in _cli_error(
+        capsys, ["buckets", ref, cand, "--metric", "prompt_level_strict"], tmp_path / "o1"
+    )
+    assert "holds a list per doc" in _cli_error(
+        capsys, ["buckets", ref, cand, "--metric", "inst_level_strict_acc"], tmp_path / "o2"
+    )
+    assert "filter 'strict-match' is not in the reference samples /" in _cli_error(
+        capsys, ["buckets", ref, cand, "--filter", "strict-match"], tmp_path / "o3"
+    )
+    assert "--threshold applies to continuous metrics" in _cli_error(
+        capsys, ["buckets", ref, cand, "--threshold", "0.5"], tmp_path / "o4"
+    )
     assert "different tasks" in _cli_error(capsys, ["buckets", ref, str(gsm8k_pair["cand_dir"])], tmp_path / "o5")
     assert "differ in protocol" in _cli_error(capsys, ["buckets", ref, cand, "--same-protocol"], tmp_path / "o6")
     assert "no such file or folder" in _cli_error(capsys, ["buckets", ref, str(tmp_path / "missing")], tmp_path / "o7")
@@ -441,13 +571,22 @@ def test_protocol_from_the_fingerprint_and_same_protocol_needs_it(ifeval_pair, t
 
     ref, cand = str(ifeval_pair["ref_dir"]), str(ifeval_pair["cand_dir"])
     out = tmp_path / "p"
-    assert main(["buckets", ref, cand, "--output", str(out), "--quiet", "--bootstrap", "200", "--no-failure-kinds"]) == 0
+    assert (
+        main(["buckets", ref, cand, "--output", str(out), "--quiet", "--bootstrap", "200", "--no-failure-kinds"]) == 0
+    )
     data = json.loads((out / "buckets.json").read_text())
     fa, fb = fingerprint_run(resolve_run(ref)), fingerprint_run(resolve_run(cand))
     assert data["runs"]["reference"]["harness_sha"] == fa.harness_sha(tasks=("ifeval",))
     assert len(data["protocol_differences"]) == len(task_diff(fa, fb, ("ifeval",))) > 0
-    assert data["protocol_differences"]["chat_template_applied"] == {"reference": True, "candidate": False, "affects_scores": True}
-    assert data["runs"]["candidate"]["default_max_gen_toks"] == {"value": 64, "source": "the run's task generation_kwargs"}
+    assert data["protocol_differences"]["chat_template_applied"] == {
+        "reference": True,
+        "candidate": False,
+        "affects_scores": True,
+    }
+    assert data["runs"]["candidate"]["default_max_gen_toks"] == {
+        "value": 64,
+        "source": "the run's task generation_kwargs",
+    }
     capsys.readouterr()
     # a samples file without its results: the protocol is unknown, so --same-protocol cannot hold
     lone = tmp_path / "lone"
@@ -465,12 +604,32 @@ def _raw_outcomes(path: Path, metric: str, filt: str) -> dict[int, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("task", "metric", "filt"), [("ifeval", "prompt_level_strict_acc", "none"), ("gsm8k_cot_zeroshot", "exact_match", "strict-match")])
-def test_real_smollm2_runs(smollm2_instruct_run, smollm2_community_run, default_model, task, metric, filt, tmp_path, capsys):
+@pytest.mark.parametrize(
+    ("task", "metric", "filt"),
+    [("ifeval", "prompt_level_strict_acc", "none"), ("gsm8k_cot_zeroshot", "exact_match", "strict-match")],
+)
+def test_real_smollm2_runs(
+    smollm2_instruct_run, smollm2_community_run, default_model, task, metric, filt, tmp_path, capsys
+):
     """Bucket the instruct-protocol run against the community-protocol run of the same model."""
     ref_run, cand_run = smollm2_instruct_run, smollm2_community_run
     out = tmp_path / task
-    rc = main(["buckets", str(ref_run.results), str(cand_run.results), "--task", task, "--tokenizer", str(default_model), "--output", str(out), "--quiet", "--bootstrap", "1000"])
+    rc = main(
+        [
+            "buckets",
+            str(ref_run.results),
+            str(cand_run.results),
+            "--task",
+            task,
+            "--tokenizer",
+            str(default_model),
+            "--output",
+            str(out),
+            "--quiet",
+            "--bootstrap",
+            "1000",
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     data = json.loads((out / "buckets.json").read_text())
     r = _raw_outcomes(ref_run.samples[task], metric, filt)
@@ -486,7 +645,9 @@ def test_real_smollm2_runs(smollm2_instruct_run, smollm2_community_run, default_
     assert "chat_template_applied" in data["protocol_differences"]
     assert any(n.startswith("non-final") for n in data["notes"])
     count = tokenizer_counter(str(default_model))
-    cand_lines = {row["doc_id"]: row for row in bl.read_jsonl(cand_run.samples[task]) if row.get("filter", "none") == filt}
+    cand_lines = {
+        row["doc_id"]: row for row in bl.read_jsonl(cand_run.samples[task]) if row.get("filter", "none") == filt
+    }
     for row in data["rows"]:
         if row["bucket"] == "regression":
             resp = cand_lines[row["doc_id"]]["resps"][0][0]
@@ -503,7 +664,9 @@ def test_hub_schema_docs_pair_with_sparse_docs(ifeval_pair):
 
     cand = copy.deepcopy(ifeval_pair["cand"])
     for line in cand:
-        line["doc"]["kwargs"] = [{**kw, "num_words": kw.get("num_words"), "relation": kw.get("relation")} for kw in line["doc"]["kwargs"]]
+        line["doc"]["kwargs"] = [
+            {**kw, "num_words": kw.get("num_words"), "relation": kw.get("relation")} for kw in line["doc"]["kwargs"]
+        ]
         line["doc_hash"] = bl._h(json.dumps(line["doc"], indent=2, ensure_ascii=False))
     rep = bucket(ifeval_pair["ref"], cand, "ifeval", BucketSettings(n_bootstrap=200, failure_kinds=False))
     assert rep.pairing["docs_equal_after_dropping_nulls"] == 21

@@ -45,7 +45,9 @@ def _assert_user_error(rc, err, pattern):
 
 def test_strength_cli_writes_json_heatmap_and_ranking(tiny_models, tiny_tokenizer, tmp_path, capsys):
     out = tmp_path / "out"
-    rc, stdout, _ = _run(capsys, "strength", tiny_models["llama"], tiny_models["olmo2"], "--last-k", "2", "--output", out, "--quiet")
+    rc, stdout, _ = _run(
+        capsys, "strength", tiny_models["llama"], tiny_models["olmo2"], "--last-k", "2", "--output", out, "--quiet"
+    )
     assert rc == 0
     data = json.loads((out / "llama.strength.json").read_text())
     lengths = [len(x) for x in encode_prompts(tiny_tokenizer, builtin_prompts()).input_ids]
@@ -91,7 +93,16 @@ def test_prompt_files_text_and_jsonl(tiny_models, tmp_path, capsys):
 
 @pytest.mark.parametrize(
     "case",
-    ["missing_model", "not_a_model", "unsupported_arch", "empty_prompts", "malformed_prompts", "k_zero", "output_is_file", "bad_n_prompts"],
+    [
+        "missing_model",
+        "not_a_model",
+        "unsupported_arch",
+        "empty_prompts",
+        "malformed_prompts",
+        "k_zero",
+        "output_is_file",
+        "bad_n_prompts",
+    ],
 )
 def test_bad_input_one_line_exit_2(case, tiny_models, tmp_path, capsys):
     out = tmp_path / "out"
@@ -163,7 +174,9 @@ def test_one_bos_and_positions_from_first_real_token(default_model, tiny_tokeniz
         assert ids.count(tiny_tokenizer.bos_token_id) == 1 and ids[0] == tiny_tokenizer.bos_token_id
     real = AutoTokenizer.from_pretrained(default_model)
     enc = encode_prompts(real, builtin_prompts()[:3])
-    direct = real.apply_chat_template([{"role": "user", "content": builtin_prompts()[0]}], tokenize=True, add_generation_prompt=True)
+    direct = real.apply_chat_template(
+        [{"role": "user", "content": builtin_prompts()[0]}], tokenize=True, add_generation_prompt=True
+    )
     direct = direct["input_ids"] if isinstance(direct, dict) or hasattr(direct, "keys") else direct
     assert list(enc.input_ids[0]) == list(direct)
     assert enc.chat_template_applied and sum(enc.content_mask[0]) > 0

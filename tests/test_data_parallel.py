@@ -19,7 +19,13 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 
 def _run(cmd: list[str], out: Path):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "ACCELERATE_USE_CPU": "true"}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+        "ACCELERATE_USE_CPU": "true",
+    }
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return resolve_run(next(out.glob("*/results_*.json")))

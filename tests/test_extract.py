@@ -43,19 +43,78 @@ IMAGE_IDS = dict(image_token_id=120, video_token_id=121, vision_start_token_id=1
 
 
 def _text(**kw):
-    base = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                vocab_size=TEXT_VOCAB, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+    base = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=TEXT_VOCAB,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     base.update(kw)
     return base
 
 
-_CLIP = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
-_SIGLIP = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
-_IDEFICS_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14)
-_QWEN3_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32, deepstack_visual_indexes=[0], num_position_embeddings=16)
-_MOLMO2_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=16, image_size=[28, 28], patch_size=14)
-_MOLMO2_ADAPTER = dict(vision_feature_layer=[-1], hidden_size=32, num_attention_heads=2, num_key_value_heads=2, head_dim=16, intermediate_size=64, text_hidden_size=32)
-_MOLMO2_IDS = dict(image_start_token_id=128, low_res_image_start_token_id=129, image_end_token_id=130, image_patch_id=131, frame_start_token_id=132, frame_end_token_id=133)
+_CLIP = dict(
+    model_type="clip_vision_model",
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    image_size=28,
+    patch_size=14,
+)
+_SIGLIP = dict(
+    model_type="siglip_vision_model",
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    image_size=28,
+    patch_size=14,
+)
+_IDEFICS_VISION = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+)
+_QWEN3_VISION = dict(
+    depth=2,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    out_hidden_size=32,
+    deepstack_visual_indexes=[0],
+    num_position_embeddings=16,
+)
+_MOLMO2_VISION = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=16,
+    image_size=[28, 28],
+    patch_size=14,
+)
+_MOLMO2_ADAPTER = dict(
+    vision_feature_layer=[-1],
+    hidden_size=32,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=64,
+    text_hidden_size=32,
+)
+_MOLMO2_IDS = dict(
+    image_start_token_id=128,
+    low_res_image_start_token_id=129,
+    image_end_token_id=130,
+    image_patch_id=131,
+    frame_start_token_id=132,
+    frame_end_token_id=133,
+)
 
 
 def _configs():
@@ -65,36 +124,118 @@ def _configs():
     mrope8 = {"rope_type": "default", "mrope_section": [2, 1, 1], "type": "mrope"}
     mrope16 = {"rope_type": "default", "mrope_section": [4, 2, 2], "mrope_interleaved": True}
     return {
-        "qwen2_vl": lambda: T.Qwen2VLConfig(text_config=_text(rope_scaling=mrope8), vision_config=dict(depth=1, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=14,
-            spatial_merge_size=2), **IMAGE_IDS),
-        "qwen2_5_vl": lambda: T.Qwen2_5_VLConfig(text_config=_text(rope_scaling=mrope8), vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=32,
-            fullatt_block_indexes=[0], window_size=28), **IMAGE_IDS),
-        "qwen3_vl": lambda: T.Qwen3VLConfig(text_config=_text(head_dim=16, rope_scaling=mrope16), vision_config=_QWEN3_VISION, **IMAGE_IDS),
-        "qwen3_vl_moe": lambda: T.Qwen3VLMoeConfig(text_config=_text(head_dim=16, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, rope_scaling=mrope16),
-            vision_config=_QWEN3_VISION, **IMAGE_IDS),
-        "llava": lambda: T.LlavaConfig(text_config=dict(model_type="llama", **_text()), vision_config=_CLIP, image_token_index=120),
-        "llava_next": lambda: T.LlavaNextConfig(text_config=dict(model_type="mistral", **_text()), vision_config=_CLIP, image_token_index=120, image_grid_pinpoints=[[28, 28]]),
-        "llava_onevision": lambda: T.LlavaOnevisionConfig(text_config=dict(model_type="qwen2", **_text()), vision_config=_SIGLIP, image_token_index=120, video_token_index=121,
-            image_grid_pinpoints=[[28, 28]]),
-        "internvl": lambda: T.InternVLConfig(text_config=dict(model_type="qwen2", **_text()), vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-            image_size=[28, 28], patch_size=[14, 14]), image_token_id=120),
-        "idefics3": lambda: T.Idefics3Config(text_config=dict(model_type="llama", **_text()), vision_config=_IDEFICS_VISION, image_token_id=120, scale_factor=1),
-        "smolvlm": lambda: T.SmolVLMConfig(text_config=dict(model_type="llama", **_text()), vision_config=_IDEFICS_VISION, image_token_id=120, scale_factor=1),
-        "gemma3": lambda: T.Gemma3Config(text_config=dict(model_type="gemma3_text", head_dim=16, sliding_window=8, **_text()), vision_config=_SIGLIP, mm_tokens_per_image=4, image_token_index=120,
-            boi_token_index=121, eoi_token_index=122),
-        "molmo2": lambda: T.Molmo2Config(text_config=dict(head_dim=16, additional_vocab_size=8, qk_norm_type="qwen3", **_text()), vision_config=_MOLMO2_VISION, adapter_config=_MOLMO2_ADAPTER,
-            **_MOLMO2_IDS),
-        "molmo2_olmo": lambda: T.Molmo2Config(text_config=dict(head_dim=8, additional_vocab_size=8, qk_norm_type="olmo", norm_after=True, **_text()), vision_config=_MOLMO2_VISION,
-            adapter_config=_MOLMO2_ADAPTER, **_MOLMO2_IDS),
+        "qwen2_vl": lambda: T.Qwen2VLConfig(
+            text_config=_text(rope_scaling=mrope8),
+            vision_config=dict(
+                depth=1, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2, patch_size=14, spatial_merge_size=2
+            ),
+            **IMAGE_IDS,
+        ),
+        "qwen2_5_vl": lambda: T.Qwen2_5_VLConfig(
+            text_config=_text(rope_scaling=mrope8),
+            vision_config=dict(
+                depth=1,
+                hidden_size=32,
+                intermediate_size=64,
+                num_heads=2,
+                out_hidden_size=32,
+                fullatt_block_indexes=[0],
+                window_size=28,
+            ),
+            **IMAGE_IDS,
+        ),
+        "qwen3_vl": lambda: T.Qwen3VLConfig(
+            text_config=_text(head_dim=16, rope_scaling=mrope16), vision_config=_QWEN3_VISION, **IMAGE_IDS
+        ),
+        "qwen3_vl_moe": lambda: T.Qwen3VLMoeConfig(
+            text_config=_text(
+                head_dim=16,
+                moe_intermediate_size=24,
+                num_experts=4,
+                num_experts_per_tok=2,
+                decoder_sparse_step=1,
+                rope_scaling=mrope16,
+            ),
+            vision_config=_QWEN3_VISION,
+            **IMAGE_IDS,
+        ),
+        "llava": lambda: T.LlavaConfig(
+            text_config=dict(model_type="llama", **_text()), vision_config=_CLIP, image_token_index=120
+        ),
+        "llava_next": lambda: T.LlavaNextConfig(
+            text_config=dict(model_type="mistral", **_text()),
+            vision_config=_CLIP,
+            image_token_index=120,
+            image_grid_pinpoints=[[28, 28]],
+        ),
+        "llava_onevision": lambda: T.LlavaOnevisionConfig(
+            text_config=dict(model_type="qwen2", **_text()),
+            vision_config=_SIGLIP,
+            image_token_index=120,
+            video_token_index=121,
+            image_grid_pinpoints=[[28, 28]],
+        ),
+        "internvl": lambda: T.InternVLConfig(
+            text_config=dict(model_type="qwen2", **_text()),
+            vision_config=dict(
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                image_size=[28, 28],
+                patch_size=[14, 14],
+            ),
+            image_token_id=120,
+        ),
+        "idefics3": lambda: T.Idefics3Config(
+            text_config=dict(model_type="llama", **_text()),
+            vision_config=_IDEFICS_VISION,
+            image_token_id=120,
+            scale_factor=1,
+        ),
+        "smolvlm": lambda: T.SmolVLMConfig(
+            text_config=dict(model_type="llama", **_text()),
+            vision_config=_IDEFICS_VISION,
+            image_token_id=120,
+            scale_factor=1,
+        ),
+        "gemma3": lambda: T.Gemma3Config(
+            text_config=dict(model_type="gemma3_text", head_dim=16, sliding_window=8, **_text()),
+            vision_config=_SIGLIP,
+            mm_tokens_per_image=4,
+            image_token_index=120,
+            boi_token_index=121,
+            eoi_token_index=122,
+        ),
+        "molmo2": lambda: T.Molmo2Config(
+            text_config=dict(head_dim=16, additional_vocab_size=8, qk_norm_type="qwen3", **_text()),
+            vision_config=_MOLMO2_VISION,
+            adapter_config=_MOLMO2_ADAPTER,
+            **_MOLMO2_IDS,
+        ),
+        "molmo2_olmo": lambda: T.Molmo2Config(
+            text_config=dict(head_dim=8, additional_vocab_size=8, qk_norm_type="olmo", norm_after=True, **_text()),
+            vision_config=_MOLMO2_VISION,
+            adapter_config=_MOLMO2_ADAPTER,
+            **_MOLMO2_IDS,
+        ),
     }
 
 
 # Target class per built model; the families saved sharded exercise cross-shard streaming.
 EXPECTED_TARGET = {
-    "qwen2_vl": "Qwen2ForCausalLM", "qwen2_5_vl": "Qwen2ForCausalLM", "qwen3_vl": "Qwen3ForCausalLM",
-    "qwen3_vl_moe": "Qwen3MoeForCausalLM", "llava": "LlamaForCausalLM", "llava_next": "MistralForCausalLM",
-    "llava_onevision": "Qwen2ForCausalLM", "internvl": "Qwen2ForCausalLM", "idefics3": "LlamaForCausalLM",
-    "smolvlm": "LlamaForCausalLM", "gemma3": "Gemma3ForCausalLM", "molmo2": "Qwen3ForCausalLM",
+    "qwen2_vl": "Qwen2ForCausalLM",
+    "qwen2_5_vl": "Qwen2ForCausalLM",
+    "qwen3_vl": "Qwen3ForCausalLM",
+    "qwen3_vl_moe": "Qwen3MoeForCausalLM",
+    "llava": "LlamaForCausalLM",
+    "llava_next": "MistralForCausalLM",
+    "llava_onevision": "Qwen2ForCausalLM",
+    "internvl": "Qwen2ForCausalLM",
+    "idefics3": "LlamaForCausalLM",
+    "smolvlm": "LlamaForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "molmo2": "Qwen3ForCausalLM",
     "molmo2_olmo": "Olmo2ForCausalLM",
 }
 SHARDED = {"qwen2_vl", "qwen3_vl_moe", "llava_onevision", "internvl", "gemma3", "molmo2", "smolvlm"}
@@ -186,6 +327,7 @@ def _nothing_written(out: Path) -> None:
 # Architecture data
 # ----------------------------------------------------------------------------------------------
 
+
 def test_every_shipped_family_is_tested_and_names_real_transformers_classes():
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
@@ -212,6 +354,7 @@ def test_architecture_file_with_a_typo_is_rejected_naming_the_key():
 # ----------------------------------------------------------------------------------------------
 # Every family: extract, reload, compare logits, inject back exactly
 # ----------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_TARGET))
 def test_extract_reload_compare_and_inject_back(name, vlm_dir, tmp_path):
@@ -258,10 +401,28 @@ def test_qwen2_vl_in_memory_layout_extracts_to_the_same_tensors(vlm_dir, tmp_pat
     shutil.copytree(src, renamed)
     for f in renamed.glob("*.safetensors"):
         sd = load_file(f)
-        new = {("model.language_model." + k[len("model."):] if k.startswith("model.") else "model." + k if k.startswith("visual.") else k): v for k, v in sd.items()}
+        new = {
+            (
+                "model.language_model." + k[len("model.") :]
+                if k.startswith("model.")
+                else "model." + k
+                if k.startswith("visual.")
+                else k
+            ): v
+            for k, v in sd.items()
+        }
         save_file(new, f, metadata={"format": "pt"})
     index = json.loads((renamed / "model.safetensors.index.json").read_text())
-    index["weight_map"] = {("model.language_model." + k[len("model."):] if k.startswith("model.") else "model." + k if k.startswith("visual.") else k): v for k, v in index["weight_map"].items()}
+    index["weight_map"] = {
+        (
+            "model.language_model." + k[len("model.") :]
+            if k.startswith("model.")
+            else "model." + k
+            if k.startswith("visual.")
+            else k
+        ): v
+        for k, v in index["weight_map"].items()
+    }
     (renamed / "model.safetensors.index.json").write_text(json.dumps(index))
     a = extract_backbone(src, tmp_path / "a", verify=False)
     b = extract_backbone(renamed, tmp_path / "b")
@@ -280,7 +441,18 @@ def test_qwen3_vl_moe_hub_layout_with_transposed_experts(vlm_dir, tmp_path):
     for f in hub.glob("*.safetensors"):
         sd = load_file(f)
         if any(k.endswith(("experts.gate_up_proj", "experts.down_proj")) for k in sd):
-            save_file({k: (v.transpose(1, 2).contiguous() if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else v) for k, v in sd.items()}, f, metadata={"format": "pt"})
+            save_file(
+                {
+                    k: (
+                        v.transpose(1, 2).contiguous()
+                        if k.endswith(("experts.gate_up_proj", "experts.down_proj"))
+                        else v
+                    )
+                    for k, v in sd.items()
+                },
+                f,
+                metadata={"format": "pt"},
+            )
     shapes = {k: tuple(v.shape) for k, v in _tensors(hub).items() if "layers.0.mlp.experts" in k}
     assert shapes["model.language_model.layers.0.mlp.experts.gate_up_proj"] == (4, 32, 48)
     extract_backbone(src, tmp_path / "a", verify=False)
@@ -329,12 +501,15 @@ def test_output_sharding_and_processor_chat_template(vlm_dir, tmp_path):
 
     out_tok = AutoTokenizer.from_pretrained(tmp_path / "out")
     assert out_tok.chat_template == template
-    assert "<|assistant|>" in out_tok.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False, add_generation_prompt=True)
+    assert "<|assistant|>" in out_tok.apply_chat_template(
+        [{"role": "user", "content": "hello"}], tokenize=False, add_generation_prompt=True
+    )
 
 
 # ----------------------------------------------------------------------------------------------
 # Verification is a real guard; failures keep the output, marked failed
 # ----------------------------------------------------------------------------------------------
+
 
 def test_mis_mapped_tensors_fail_verification_and_are_marked_failed(vlm_dir, tmp_path):
     text = (REPO / "lm_eval_sink" / "architectures" / "qwen2_vl.json").read_text()
@@ -370,8 +545,12 @@ def test_cli_failed_verification_exits_nonzero_and_keeps_the_output(vlm_dir, tmp
 
 def test_killed_extraction_leaves_no_folder_that_looks_complete(vlm_dir, tmp_path):
     src, out = vlm_dir("qwen3_vl"), tmp_path / "backbone"
-    proc = subprocess.Popen([sys.executable, "-m", "lm_eval_sink.cli", "extract", str(src), str(out), "--quiet"],
-                            env=SUBPROCESS_ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lm_eval_sink.cli", "extract", str(src), str(out), "--quiet"],
+        env=SUBPROCESS_ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     partial = None
     deadline = time.monotonic() + 300  # a safety net, not a timing assertion
     while partial is None and proc.poll() is None and time.monotonic() < deadline:
@@ -389,6 +568,7 @@ def test_killed_extraction_leaves_no_folder_that_looks_complete(vlm_dir, tmp_pat
 # ----------------------------------------------------------------------------------------------
 # Bad input: one error line, exit 2, nothing written
 # ----------------------------------------------------------------------------------------------
+
 
 def test_unsupported_architecture_lists_the_supported_ones(tmp_path, capsys):
     src = tmp_path / "paligemma"
@@ -465,14 +645,32 @@ def test_bad_dtype_and_mismatched_backbone(vlm_dir, tmp_path, capsys):
 # The extracted folder works with the real lm-eval and mergekit; a merge goes back into the VLM
 # ----------------------------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_extracted_backbone_evaluates_with_lm_eval(vlm_dir, tmp_path):
     out = tmp_path / "backbone"
     assert extract_backbone(vlm_dir("qwen3_vl"), out).status == "complete"
     lm_eval = Path(sys.executable).parent / "lm_eval"
     results = tmp_path / "results"
-    cmd = [str(lm_eval), "--model", "hf", "--model_args", f"pretrained={out},dtype=float32", "--tasks", "extract_tiny_choice",
-           "--include_path", str(TASK_DIR), "--device", "cpu", "--limit", "2", "--batch_size", "1", "--output_path", str(results)]
+    cmd = [
+        str(lm_eval),
+        "--model",
+        "hf",
+        "--model_args",
+        f"pretrained={out},dtype=float32",
+        "--tasks",
+        "extract_tiny_choice",
+        "--include_path",
+        str(TASK_DIR),
+        "--device",
+        "cpu",
+        "--limit",
+        "2",
+        "--batch_size",
+        "1",
+        "--output_path",
+        str(results),
+    ]
     proc = subprocess.run(cmd, cwd=TASK_DIR, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     files = list(results.rglob("results_*.json"))
@@ -495,11 +693,23 @@ def test_merge_with_mergekit_then_inject_into_the_vlm(vlm_dir, tmp_path):
     torch.manual_seed(1)
     AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(backbone)).save_pretrained(text_llm)
     make_tokenizer().save_pretrained(text_llm)
-    config_text = yaml.safe_dump({"merge_method": "linear", "dtype": "float32", "models": [
-        {"model": str(backbone), "parameters": {"weight": 0.5}}, {"model": str(text_llm), "parameters": {"weight": 0.5}}]})
+    config_text = yaml.safe_dump(
+        {
+            "merge_method": "linear",
+            "dtype": "float32",
+            "models": [
+                {"model": str(backbone), "parameters": {"weight": 0.5}},
+                {"model": str(text_llm), "parameters": {"weight": 0.5}},
+            ],
+        }
+    )
     merged = tmp_path / "merged"
-    run_merge(MergeConfiguration.model_validate(yaml.safe_load(config_text)), str(merged),
-              options=MergeOptions(copy_tokenizer=True, quiet=True), config_source=config_text)
+    run_merge(
+        MergeConfiguration.model_validate(yaml.safe_load(config_text)),
+        str(merged),
+        options=MergeOptions(copy_tokenizer=True, quiet=True),
+        config_source=config_text,
+    )
     a, b, m = _tensors(backbone), _tensors(text_llm), _tensors(merged)
     key = "model.layers.1.self_attn.q_proj.weight"
     assert torch.allclose(m[key], 0.5 * a[key] + 0.5 * b[key], atol=1e-6)
@@ -512,5 +722,7 @@ def test_merge_with_mergekit_then_inject_into_the_vlm(vlm_dir, tmp_path):
     assert all(torch.equal(original[k], new[k]) for k in original if k.startswith("visual."))
     assert torch.allclose(new[key], m[key])
     ids = _probe(2)
-    diff = (_vlm_logits(vlm_merged, "Qwen2VLForConditionalGeneration", ids) - _lm_logits(merged, ids)).abs().max().item()
+    diff = (
+        (_vlm_logits(vlm_merged, "Qwen2VLForConditionalGeneration", ids) - _lm_logits(merged, ids)).abs().max().item()
+    )
     assert diff <= 1e-5

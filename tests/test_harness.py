@@ -55,7 +55,9 @@ def test_mission_command_one_results_file(smollm2_instruct_run, default_model):
     assert s["pos0_argmax_fraction,none"] == pytest.approx(api.pos0_argmax_fraction, abs=1e-6)
     assert s["pos0_mass_median,none"] == pytest.approx(api.pos0_mass_median, abs=1e-6)
     matrix = s["sink_strength_layer_head,none"]
-    assert matrix["layers"] == list(range(20, 30)) and np.allclose(matrix["values"], api.sink_strength_layer_head, atol=1e-5)
+    assert matrix["layers"] == list(range(20, 30)) and np.allclose(
+        matrix["values"], api.sink_strength_layer_head, atol=1e-5
+    )
     assert s["chat_template_applied,none"] is True
     meta = res["configs"]["sink_strength"]["metadata"]
     assert meta["limit_ignored"] == FIXTURE_LIMIT and res["n-samples"]["sink_strength"]["effective"] == 15
@@ -74,7 +76,9 @@ def test_offline_stock_tasks_record_the_local_dataset(smollm2_instruct_run, shar
     cfg = res["configs"]["ifeval"]
     assert cfg["dataset_path"] == "json"
     assert cfg["dataset_kwargs"]["data_files"]["train"] == str(shared_data / "ifeval" / "input_data.jsonl")
-    assert res["configs"]["gsm8k_cot_zeroshot"]["dataset_kwargs"]["data_files"]["test"] == str(shared_data / "gsm8k" / "test.jsonl")
+    assert res["configs"]["gsm8k_cot_zeroshot"]["dataset_kwargs"]["data_files"]["test"] == str(
+        shared_data / "gsm8k" / "test.jsonl"
+    )
 
 
 # ---- tiny models: one call loads the model once; flags users pass ----
@@ -111,14 +115,22 @@ def test_explicit_include_path_without_hook_and_bf16(handset_llama_dir, tiny_tok
     lengths = [len(x) for x in encode_prompts(tiny_tokenizer, builtin_prompts()[:5]).input_ids]
     want, _ = sm.expected_strength("llama", 3, lengths, last_k=10)
     assert got["chat_template_applied,none"] is True
-    assert math.isfinite(got["sink_strength,none"]) and got["sink_strength,none"] == pytest.approx(want, abs=0.05)  # bf16 weights
+    assert math.isfinite(got["sink_strength,none"]) and got["sink_strength,none"] == pytest.approx(
+        want, abs=0.05
+    )  # bf16 weights
 
 
 def test_task_config_can_turn_the_template_off(handset_llama_dir, tiny_tokenizer):
     """metadata chat_template: false (here through lm-eval's --metadata) tokenizes the prompts as plain text."""
     import lm_eval
 
-    res = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={handset_llama_dir}", tasks=["sink_strength_n5"], device="cpu", metadata={"chat_template": False})
+    res = lm_eval.simple_evaluate(
+        model="hf",
+        model_args=f"pretrained={handset_llama_dir}",
+        tasks=["sink_strength_n5"],
+        device="cpu",
+        metadata={"chat_template": False},
+    )
     got = res["results"]["sink_strength_n5"]
     assert got["chat_template_applied,none"] is False
     # Plain text has no BOS here, so every key is the zero vector: each row is uniform, log-odds = -log(q).
@@ -135,14 +147,28 @@ def test_lm_eval_ls_lists_sink_strength_with_no_flag():
 
 def test_hook_switched_off_leaves_lm_eval_untouched():
     code = "import lm_eval.tasks.manager as m, lm_eval.evaluator as e; print(hasattr(m.TaskManager.__init__, '__wrapped__'), hasattr(e.evaluate, '_lm_eval_sink_patched'))"
-    on = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=300).stdout.split()
-    off = subprocess.run([sys.executable, "-c", code], env=_env(LM_EVAL_SINK_NO_HOOK="1"), capture_output=True, text=True, timeout=300).stdout.split()
+    on = subprocess.run(
+        [sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=300
+    ).stdout.split()
+    off = subprocess.run(
+        [sys.executable, "-c", code], env=_env(LM_EVAL_SINK_NO_HOOK="1"), capture_output=True, text=True, timeout=300
+    ).stdout.split()
     assert on == ["True", "True"] and off == ["False", "False"]
 
 
 def test_non_hf_backend_gets_one_clear_error(tiny_task_dir, tmp_path):
     out = tmp_path / "out"
-    cmd = [*LM_EVAL, "--model", "dummy", "--tasks", f"{TINY_TASK},sink_strength", "--include_path", str(tiny_task_dir), "--output_path", str(out)]
+    cmd = [
+        *LM_EVAL,
+        "--model",
+        "dummy",
+        "--tasks",
+        f"{TINY_TASK},sink_strength",
+        "--include_path",
+        str(tiny_task_dir),
+        "--output_path",
+        str(out),
+    ]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
@@ -158,12 +184,30 @@ def test_flash_attention_request_gets_one_line_before_the_model_loads(tiny_token
     sm.build("llama", n_layers=2, bos_id=tiny_tokenizer.bos_token_id).save_pretrained(model)
     tiny_tokenizer.save_pretrained(model)
     out = tmp_path / "out"
-    cmd = [*LM_EVAL, "--model", "hf", "--model_args", f"pretrained={model},attn_implementation={impl}", "--tasks", "ifeval,sink_strength_suite", "--device", "cpu", "--output_path", str(out)]
+    cmd = [
+        *LM_EVAL,
+        "--model",
+        "hf",
+        "--model_args",
+        f"pretrained={model},attn_implementation={impl}",
+        "--tasks",
+        "ifeval,sink_strength_suite",
+        "--device",
+        "cpu",
+        "--output_path",
+        str(out),
+    ]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
     line = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert len(line) == 1 and f"task sink_strength_suite runs {impl}, which the sink capture cannot wrap" in line[0] and "attn_implementation=sdpa" in line[0]
-    assert "Initializing hf model" not in proc.stderr and not out.exists()  # lm-eval logs this line when it builds the model
+    assert (
+        len(line) == 1
+        and f"task sink_strength_suite runs {impl}, which the sink capture cannot wrap" in line[0]
+        and "attn_implementation=sdpa" in line[0]
+    )
+    assert (
+        "Initializing hf model" not in proc.stderr and not out.exists()
+    )  # lm-eval logs this line when it builds the model
 
 
 # ---- offline data override: configs equal to stock except dataset keys; hub schema ----
@@ -221,7 +265,13 @@ def test_local_ifeval_docs_have_the_hub_schema(offline_manager):
 
 def test_sink_strength_variants_are_indexed(offline_manager):
     names = set(offline_manager.all_tasks)
-    assert {"sink_strength", "sink_strength_n5", "sink_strength_all_layers", "sink_strength_content", "sink_strength_suite"} <= names
+    assert {
+        "sink_strength",
+        "sink_strength_n5",
+        "sink_strength_all_layers",
+        "sink_strength_content",
+        "sink_strength_suite",
+    } <= names
 
 
 def test_without_data_env_the_generated_override_is_not_used(offline_manager, monkeypatch):
@@ -239,7 +289,9 @@ def test_hook_costs_nothing_until_lm_eval_is_imported():
     code = "import sys, json; print(json.dumps(['lm_eval_sink.hooks' in sys.modules, 'lm_eval_sink.harness' in sys.modules, 'lm_eval' in sys.modules]))"
     out = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, check=True).stdout
     assert json.loads(out) == [True, False, False]
-    out = subprocess.run([sys.executable, "-c", code], env=_env(LM_EVAL_SINK_NO_HOOK="1"), capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=_env(LM_EVAL_SINK_NO_HOOK="1"), capture_output=True, text=True, check=True
+    ).stdout
     assert json.loads(out) == [False, False, False]
 
 
@@ -252,7 +304,23 @@ def test_hook_fails_soft_with_one_warning(monkeypatch):
 
 
 def test_wheel_ships_hook_tasks_and_configs(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(REPO)], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(REPO),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     (wheel,) = tmp_path.glob("lm_eval_sink-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
@@ -271,7 +339,13 @@ def test_setup_py_runs_where_the_package_is_not_installed(tmp_path):
         "sys.argv = ['setup.py', '-q', 'build_py', '--build-lib', sys.argv[2]]; runpy.run_path('setup.py', run_name='__main__')"
     )
     # -I -S: neither the working directory nor the site-packages .pth files (this environment's editable install) are on the path.
-    proc = subprocess.run([sys.executable, "-I", "-S", "-c", code, sysconfig.get_paths()["purelib"], str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", code, sysconfig.get_paths()["purelib"], str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     from lm_eval_sink.hooks import PTH_LINE, PTH_NAME
 
@@ -289,8 +363,13 @@ def test_entry_point_resolves_to_the_task_yamls_as_lm_eval_plugins_do():
     assert spec is not None and spec.submodule_search_locations
     folder = Path(next(iter(spec.submodule_search_locations)))
     found = {p.relative_to(folder).as_posix() for p in folder.rglob("*.yaml")}
-    assert {"sink_strength/sink_strength.yaml", "sink_strength/sink_strength_n5.yaml", "sink_strength/sink_strength_all_layers.yaml",
-            "sink_strength/sink_strength_content.yaml", "sink_strength/_sink_strength_suite.yaml"} <= found
+    assert {
+        "sink_strength/sink_strength.yaml",
+        "sink_strength/sink_strength_n5.yaml",
+        "sink_strength/sink_strength_all_layers.yaml",
+        "sink_strength/sink_strength_content.yaml",
+        "sink_strength/_sink_strength_suite.yaml",
+    } <= found
     assert folder == tasks_dir()
 
 
@@ -301,12 +380,16 @@ def test_include_defaults_false_lists_only_the_given_folder():
     folder = Path(__file__).parent / "data" / "merging_task"
     only = TaskManager(include_defaults=False, include_path=str(folder))
     assert set(only.all_tasks) == {"lm_eval_sink_tiny_choice"}  # neither lm-eval's tasks nor this project's
-    assert "sink_strength" in TaskManager(include_defaults=False, include_path=[str(folder), str(tasks_dir())]).all_tasks
+    assert (
+        "sink_strength" in TaskManager(include_defaults=False, include_path=[str(folder), str(tasks_dir())]).all_tasks
+    )
 
 
 def test_start_up_file_failure_is_one_warning():
     from lm_eval_sink.hooks import PTH_LINE
 
     code = f"import sys; sys.modules['lm_eval_sink.hooks'] = None\n{PTH_LINE}"
-    proc = subprocess.run([sys.executable, "-c", code], env=_env(LM_EVAL_SINK_NO_HOOK=""), capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=_env(LM_EVAL_SINK_NO_HOOK=""), capture_output=True, text=True, check=True
+    )
     assert proc.stderr.count("lm-eval-sink: start-up hook failed") == 1

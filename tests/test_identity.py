@@ -49,7 +49,7 @@ def _scale_tensor_in_place(path: Path, name: str, factor: float) -> None:
     """Rewrite one float32 tensor's bytes inside a safetensors file: same size, same header."""
     raw = path.read_bytes()
     n = struct.unpack("<Q", raw[:8])[0]
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     start, end = header[name]["data_offsets"]
     assert header[name]["dtype"] == "F32"
     with open(path, "r+b") as f:
@@ -93,7 +93,13 @@ def test_in_place_weight_change_is_refused_then_recomputed_with_force(model_dir,
     assert abs(new["sink_strength"] - old["sink_strength"]) > 1e-3
     from lm_eval_sink.strength import StrengthSettings, measure_model
 
-    assert abs(measure_model(str(model_dir), StrengthSettings(last_k=2), progress=False).sink_strength - new["sink_strength"]) < 1e-6
+    assert (
+        abs(
+            measure_model(str(model_dir), StrengthSettings(last_k=2), progress=False).sink_strength
+            - new["sink_strength"]
+        )
+        < 1e-6
+    )
 
 
 def test_output_of_the_older_fingerprint_rule_is_refused(model_dir, tmp_path, capsys):
@@ -101,7 +107,9 @@ def test_output_of_the_older_fingerprint_rule_is_refused(model_dir, tmp_path, ca
     assert _run(capsys, "strength", model_dir, "--last-k", "2", "--output", out, "--quiet")[0] == 0
     path = out / "llama.strength.json"
     data = json.loads(path.read_text())
-    data["provenance"]["model"] = {k: v for k, v in data["provenance"]["model"].items() if k not in ("fingerprint_rule", "files")}
+    data["provenance"]["model"] = {
+        k: v for k, v in data["provenance"]["model"].items() if k not in ("fingerprint_rule", "files")
+    }
     path.write_text(json.dumps(data))
     rc, _, err = _run(capsys, "strength", model_dir, "--last-k", "2", "--output", out, "--quiet")
     _one_error(rc, err, r"made with an older fingerprint rule; rerun with --force")
@@ -113,7 +121,10 @@ def test_folders_of_failed_or_interrupted_runs_are_refused_as_models(model_dir, 
         (model_dir / "FAILED.json").write_text("{}")
         target, pattern = model_dir, r"left by a failed run"
     else:
-        target, pattern = model_dir.rename(model_dir.with_name("llama.partial-1234abcd")), r"staging folder left by an interrupted run"
+        target, pattern = (
+            model_dir.rename(model_dir.with_name("llama.partial-1234abcd")),
+            r"staging folder left by an interrupted run",
+        )
     out = tmp_path / "out"
     rc, _, err = _run(capsys, "strength", target, "--output", out, "--quiet")
     _one_error(rc, err, pattern)
@@ -127,8 +138,24 @@ def test_hub_id_resolves_to_its_revision_from_a_local_snapshot(model_dir, tmp_pa
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
     env.pop("HF_HUB_CACHE", None)
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "lm_eval_sink.cli", "strength", "org/tiny-llama", "--last-k", "2", "--output", str(out), "--quiet"],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lm_eval_sink.cli",
+            "strength",
+            "org/tiny-llama",
+            "--last-k",
+            "2",
+            "--output",
+            str(out),
+            "--quiet",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     model = json.loads(next(out.glob("*.strength.json")).read_text())["provenance"]["model"]
     assert model["revision"] == sha and model["files"] == expected and model["fingerprint_rule"] == FINGERPRINT_RULE
@@ -136,26 +163,53 @@ def test_hub_id_resolves_to_its_revision_from_a_local_snapshot(model_dir, tmp_pa
 
 def test_a_second_process_is_refused_while_the_first_holds_the_lock(model_dir, tmp_path):
     out = tmp_path / "out"
-    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         import sys, time
         from pathlib import Path
         from lm_eval_sink.locks import hold
         with hold(Path({str(out)!r})):
             print("held", flush=True)
             time.sleep(120)
-    """)], stdout=subprocess.PIPE, text=True)
+    """),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
-        proc = subprocess.run([sys.executable, "-m", "lm_eval_sink.cli", "strength", str(model_dir), "--output", str(out), "--quiet"],
-                              capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, "-m", "lm_eval_sink.cli", "strength", str(model_dir), "--output", str(out), "--quiet"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         _one_error(proc.returncode, proc.stderr, rf"{re.escape(str(out))} is in use by pid {holder.pid} on ")
         assert not list(out.glob("*.strength.json"))
     finally:
         holder.kill()
         holder.wait()
     time.sleep(0.1)
-    proc = subprocess.run([sys.executable, "-m", "lm_eval_sink.cli", "strength", str(model_dir), "--last-k", "2", "--output", str(out), "--quiet"],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lm_eval_sink.cli",
+            "strength",
+            str(model_dir),
+            "--last-k",
+            "2",
+            "--output",
+            str(out),
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]  # a killed holder frees the lock
 
 
@@ -185,9 +239,15 @@ def test_recovery_after_a_kill_between_the_two_renames_keeps_a_complete_copy(tmp
     target = out / "strength" / "reference"
     target.mkdir(parents=True)
     (target / "COMPLETE.json").write_text(json.dumps({"key": "old"}))
-    proc = subprocess.run([sys.executable, "-c", _KILL_BETWEEN_RENAMES, str(target), "new"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILL_BETWEEN_RENAMES, str(target), "new"], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 137, proc.stderr
-    assert not target.exists() and len(list(target.parent.glob("reference.old-*"))) == 1 and len(list(target.parent.glob("reference.partial-*"))) == 1
+    assert (
+        not target.exists()
+        and len(list(target.parent.glob("reference.old-*"))) == 1
+        and len(list(target.parent.glob("reference.partial-*"))) == 1
+    )
     notes = _recover(out, (Unit("strength", "reference", unit_key, target, {}),))
     kept = json.loads((target / "COMPLETE.json").read_text())["key"]
     assert kept == ("new" if unit_key == "new" else "old")  # the finished new copy, else the previous one

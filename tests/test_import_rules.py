@@ -12,17 +12,68 @@ from helpers import REPO
 
 PACKAGE = REPO / "lm_eval_sink"
 # Pure statistics, data and schema modules: importing them must not load torch or transformers.
-TORCH_FREE = ("schema", "errors", "io", "pairing", "predict", "buckets", "failure_kinds", "benchmarks", "vendors", "protocols", "runs",
-              "attribution", "margin", "screen", "calibration", "merging.configs", "merging.sweep", "tables", "report.view")
+TORCH_FREE = (
+    "schema",
+    "errors",
+    "io",
+    "pairing",
+    "predict",
+    "buckets",
+    "failure_kinds",
+    "benchmarks",
+    "vendors",
+    "protocols",
+    "runs",
+    "attribution",
+    "margin",
+    "screen",
+    "calibration",
+    "merging.configs",
+    "merging.sweep",
+    "tables",
+    "report.view",
+)
 # Core modules take and return data; reading inputs and writing outputs is their commands/<subcommand>.py's.
-CORE = ("buckets", "attribution", "margin", "predict", "tables", "pairing", "report.view", "report.render", "training.protection", "strength", "screen",
-        "merging.sweep")
+CORE = (
+    "buckets",
+    "attribution",
+    "margin",
+    "predict",
+    "tables",
+    "pairing",
+    "report.view",
+    "report.render",
+    "training.protection",
+    "strength",
+    "screen",
+    "merging.sweep",
+)
 # Calls that read or write files: builtins and pathlib methods, and the project's readers and writers.
-FILE_IO_CALLS = frozenset({
-    "open", "read_text", "write_text", "read_bytes", "write_bytes", "savez", "savez_compressed", "savefig",
-    "atomic_write_bytes", "atomic_write_text", "atomic_write_json", "staged_dir", "check_output_dir", "check_new_outputs",
-    "write_complete", "read_complete", "read_json", "sha256_file", "read_samples", "resolve_run", "load_results",
-})
+FILE_IO_CALLS = frozenset(
+    {
+        "open",
+        "read_text",
+        "write_text",
+        "read_bytes",
+        "write_bytes",
+        "savez",
+        "savez_compressed",
+        "savefig",
+        "atomic_write_bytes",
+        "atomic_write_text",
+        "atomic_write_json",
+        "staged_dir",
+        "check_output_dir",
+        "check_new_outputs",
+        "write_complete",
+        "read_complete",
+        "read_json",
+        "sha256_file",
+        "read_samples",
+        "resolve_run",
+        "load_results",
+    }
+)
 # (module, function) allowed to read a file: the Trainer callback's public `SinkProtection.from_plan(path)` reads its plan;
 # the QK-norm classifier reads its table from the package's own data (importlib.resources), never a user's file.
 FILE_IO_ALLOWED = frozenset({("training.protection", "read_plan"), ("screen", "qk_norm_table")})
@@ -35,7 +86,11 @@ def _file_io_calls(module: str) -> list[str]:
 
     def visit(node: ast.AST, where: str) -> None:
         for child in ast.iter_child_nodes(node):
-            name = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) and where == "<module>" else where
+            name = (
+                child.name
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) and where == "<module>"
+                else where
+            )
             if isinstance(child, ast.Call):
                 f = child.func
                 called = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
@@ -75,7 +130,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(v)
         for w in sorted(graph[v]):
             if state.get(w) == 1:
-                return [*path[path.index(w):], w]
+                return [*path[path.index(w) :], w]
             if w not in state and (found := visit(w)):
                 return found
         path.pop()
@@ -96,21 +151,29 @@ def test_no_import_cycle_between_project_modules():
 
 
 def test_statistics_modules_import_no_torch():
-    code = ("import importlib, json, sys\n"
-            f"out = {{}}\nfor m in {list(TORCH_FREE)!r}:\n"
-            "    importlib.import_module('lm_eval_sink.' + m)\n"
-            "    out[m] = sorted(k for k in ('torch', 'transformers') if k in sys.modules)\n"
-            "print(json.dumps(out))")
+    code = (
+        "import importlib, json, sys\n"
+        f"out = {{}}\nfor m in {list(TORCH_FREE)!r}:\n"
+        "    importlib.import_module('lm_eval_sink.' + m)\n"
+        "    out[m] = sorted(k for k in ('torch', 'transformers') if k in sys.modules)\n"
+        "print(json.dumps(out))"
+    )
     env = {**os.environ, "LM_EVAL_SINK_NO_HOOK": "1"}
-    out = json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout)
+    out = json.loads(
+        subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    )
     assert out == {m: [] for m in TORCH_FREE}
 
 
 def test_core_modules_and_the_cli_do_no_file_io():
     assert {m: _file_io_calls(m) for m in (*CORE, "cli")} == {m: [] for m in (*CORE, "cli")}
     # the check itself finds the calls a command module makes
-    assert "write_outputs: staged_dir" in _file_io_calls("commands.buckets") and "run_report: atomic_write_text" in _file_io_calls("commands.report")
-    assert "_run_locked: atomic_write_json" in _file_io_calls("commands.strength") and "detect_qk_norm: read_text" in _file_io_calls("commands.screen")
+    assert "write_outputs: staged_dir" in _file_io_calls(
+        "commands.buckets"
+    ) and "run_report: atomic_write_text" in _file_io_calls("commands.report")
+    assert "_run_locked: atomic_write_json" in _file_io_calls(
+        "commands.strength"
+    ) and "detect_qk_norm: read_text" in _file_io_calls("commands.screen")
 
 
 def test_core_modules_import_no_command():

@@ -112,7 +112,18 @@ def _query_positions(tok) -> np.ndarray:
 @pytest.fixture(scope="module")
 def margin_run(sink_models, tmp_path_factory):
     out = tmp_path_factory.mktemp("margin_out") / "m"
-    code = main(["margin", str(sink_models["ref"]), str(sink_models["cand"]), "--output", str(out), "--quiet", "--strength-last-k", "2"])
+    code = main(
+        [
+            "margin",
+            str(sink_models["ref"]),
+            str(sink_models["cand"]),
+            "--output",
+            str(out),
+            "--quiet",
+            "--strength-last-k",
+            "2",
+        ]
+    )
     assert code == 0
     return out
 
@@ -141,8 +152,12 @@ def test_margin_matches_closed_form(margin_run, sink_models):
             assert data["margin"][li][h] == pytest.approx(g_med - (c - c2), abs=1e-4)
             assert data["predicted_nonsink_mass"][li][h] == pytest.approx(1 / (1 + np.exp(g_med - (c - c2))), abs=1e-5)
             # every row moved by exactly B_gap: Lemma 1 is tight, measured = predicted
-            assert data["measured_nonsink_mass_median"][li][h] == pytest.approx(np.median(1 / (1 + np.exp(c2 - log_t))), abs=1e-5)
-            assert data["measured_nonsink_mass_median"][li][h] == pytest.approx(data["predicted_nonsink_mass"][li][h], abs=1e-3)
+            assert data["measured_nonsink_mass_median"][li][h] == pytest.approx(
+                np.median(1 / (1 + np.exp(c2 - log_t))), abs=1e-5
+            )
+            assert data["measured_nonsink_mass_median"][li][h] == pytest.approx(
+                data["predicted_nonsink_mass"][li][h], abs=1e-3
+            )
     assert [(x["layer"], x["head"]) for x in data["negative_margin_heads"]] == [(0, 1)]
     assert data["summary"]["n_negative_margin"] == 1 and data["summary"]["n_heads_total"] == 4
     assert data["summary"]["n_sink_collapse"] == 1 and data["summary"]["n_no_sink_in_reference"] == 0
@@ -170,7 +185,10 @@ def test_margin_refuses_to_overwrite(margin_run, sink_models, capsys):
 
 @pytest.mark.parametrize(
     ("which", "message"),
-    [("three", "the reference has 2 layers x 2 heads, the candidate 3 x 2"), ("other_vocab", "the vocabularies differ")],
+    [
+        ("three", "the reference has 2 layers x 2 heads, the candidate 3 x 2"),
+        ("other_vocab", "the vocabularies differ"),
+    ],
 )
 def test_margin_shape_and_vocab_errors(sink_models, tmp_path, capsys, which, message):
     out = tmp_path / "out"
@@ -200,11 +218,15 @@ def test_fixed_sink_keys_at_the_argmax_reproduce_the_default_capture(sink_models
     loaded = load_model(str(sink_models["cand"]), dtype="float32")
     enc = encode_prompts(loaded.tokenizer, builtin_prompts()[:4])
     default = capture_prompts(loaded.model, enc, [0, 1], batch_size=2, progress=False)
-    fixed = capture_prompts(loaded.model, enc, [0, 1], batch_size=2, progress=False, sink_keys=[c.sink_pos for c in default])
+    fixed = capture_prompts(
+        loaded.model, enc, [0, 1], batch_size=2, progress=False, sink_keys=[c.sink_pos for c in default]
+    )
     for a, b in zip(default, fixed, strict=True):
         assert np.array_equal(a.sink_logodds, b.sink_logodds) and np.array_equal(a.sink_pos, b.sink_pos)
     # the collapsed head (layer 0, head 1) has its own argmax elsewhere; at key 0 its gap is c' - log t
-    at_bos = capture_prompts(loaded.model, enc, [0, 1], batch_size=2, progress=False, sink_keys=[np.zeros_like(c.sink_pos) for c in default])
+    at_bos = capture_prompts(
+        loaded.model, enc, [0, 1], batch_size=2, progress=False, sink_keys=[np.zeros_like(c.sink_pos) for c in default]
+    )
     t = np.arange(1, len(enc.input_ids[0]))
     assert (default[0].sink_pos[0, 1] != 0).any()
     np.testing.assert_allclose(at_bos[0].sink_logodds[0, 1], -1.0 - np.log(t), atol=2e-5)

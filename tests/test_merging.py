@@ -77,7 +77,9 @@ def test_tsv_rank1_orthogonal_tasks_add_up():
     base = torch.randn(6, 5, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(tsv_delta([t1, t2]), t1 + t2, atol=1e-5, rtol=0)
     torch.testing.assert_close(_via_mergekit("tsv", base, [t1, t2]), base + t1 + t2, atol=1e-5, rtol=0)
-    torch.testing.assert_close(_via_mergekit("tsv", base, [t1, t2], alpha=0.5), base + 0.5 * (t1 + t2), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        _via_mergekit("tsv", base, [t1, t2], alpha=0.5), base + 0.5 * (t1 + t2), atol=1e-5, rtol=0
+    )
 
 
 def test_tsv_rank1_overlapping_tasks_follow_symmetric_orthogonalisation():
@@ -123,18 +125,30 @@ def test_tsv_one_task_is_the_task_vector_and_truncation_matches_numpy():
     got = tsv_delta([torch.tensor(t, dtype=torch.float32) for t in tasks])
     np.testing.assert_allclose(got.numpy(), expected, atol=1e-4)
     base = torch.zeros(4, 4)
-    np.testing.assert_allclose(_via_mergekit("tsv", base, [torch.tensor(t, dtype=torch.float32) for t in tasks]).numpy(), expected, atol=1e-4)
+    np.testing.assert_allclose(
+        _via_mergekit("tsv", base, [torch.tensor(t, dtype=torch.float32) for t in tasks]).numpy(), expected, atol=1e-4
+    )
 
 
 def test_tsv_and_star_one_dimensional_parameters_average():
     a, b = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([3.0, 0.0, -1.0])
     torch.testing.assert_close(tsv_delta([a, b]), torch.tensor([2.0, 1.0, 1.0]))
     torch.testing.assert_close(star_delta([a, b], 0.4), torch.tensor([2.0, 1.0, 1.0]))
-    torch.testing.assert_close(_via_mergekit("tsv", torch.ones(3), [a, b], alpha=2.0), torch.ones(3) + 2 * torch.tensor([2.0, 1.0, 1.0]))
+    torch.testing.assert_close(
+        _via_mergekit("tsv", torch.ones(3), [a, b], alpha=2.0), torch.ones(3) + 2 * torch.tensor([2.0, 1.0, 1.0])
+    )
 
 
-@pytest.mark.parametrize(("eta", "kept"), [(0.4, [10.0, 0, 0, 0]), (0.6, [6.25, 3.75, 0, 0]), (0.75, [6.25, 3.75, 0, 0]), (0.85, [5 * 10 / 9.5, 3 * 10 / 9.5, 1.5 * 10 / 9.5, 0]), (1.0, [5.0, 3.0, 1.5,
-    0.5])])
+@pytest.mark.parametrize(
+    ("eta", "kept"),
+    [
+        (0.4, [10.0, 0, 0, 0]),
+        (0.6, [6.25, 3.75, 0, 0]),
+        (0.75, [6.25, 3.75, 0, 0]),
+        (0.85, [5 * 10 / 9.5, 3 * 10 / 9.5, 1.5 * 10 / 9.5, 0]),
+        (1.0, [5.0, 3.0, 1.5, 0.5]),
+    ],
+)
 def test_star_truncates_and_keeps_the_nuclear_norm(eta, kept):
     # Singular values (5, 3, 1.5, 0.5), sum 10: eta picks the smallest rank whose sum reaches
     # 10 * eta (5 | 8 | 9.5 | 10), and the kept values are scaled by 10 / (their sum).
@@ -197,7 +211,11 @@ def test_bundled_config_merges_loads_and_matches_its_formula(tmp_path, tiny_trio
     from lm_eval_sink.io import read_complete
 
     out = _merge(tmp_path, name, tiny_trio, lineage)
-    assert read_complete(out)["merge_method"] == name if name not in ("linear_95_5", "linear_uniform") else read_complete(out)["merge_method"] == "linear"
+    assert (
+        read_complete(out)["merge_method"] == name
+        if name not in ("linear_95_5", "linear_uniform")
+        else read_complete(out)["merge_method"] == "linear"
+    )
     model = AutoModelForCausalLM.from_pretrained(out)
     logits = model(torch.tensor([[2, 10, 11, 12]])).logits
     assert torch.isfinite(logits).all()
@@ -241,7 +259,10 @@ def test_bundled_config_merges_loads_and_matches_its_formula(tmp_path, tiny_trio
 def test_qwen2_tied_embeddings_merge_and_load(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    trio = {role: make_tiny_lm(tmp_path / role, "qwen2", seed) for role, seed in (("base", None), ("reference", 3), ("candidate", 4))}
+    trio = {
+        role: make_tiny_lm(tmp_path / role, "qwen2", seed)
+        for role, seed in (("base", None), ("reference", 3), ("candidate", 4))
+    }
     for name in ("tsv", "ties", "star"):
         out = _merge(tmp_path, name, trio, "siblings")
         model = AutoModelForCausalLM.from_pretrained(out)
@@ -253,7 +274,22 @@ def test_chain_identities_return_the_candidate_and_render_warns(tmp_path, tiny_t
     c = _weights(tiny_trio["candidate"])
     for name in ("task_arithmetic", "tsv"):
         out = tmp_path / f"{name}.yaml"
-        assert main(["configs", "render", name, "--reference", str(tiny_trio["reference"]), "--candidate", str(tiny_trio["candidate"]), "-o", str(out)]) == 0
+        assert (
+            main(
+                [
+                    "configs",
+                    "render",
+                    name,
+                    "--reference",
+                    str(tiny_trio["reference"]),
+                    "--candidate",
+                    str(tiny_trio["candidate"]),
+                    "-o",
+                    str(out),
+                ]
+            )
+            == 0
+        )
         err = capsys.readouterr().err
         assert err.startswith("warning: ") and "returns the candidate unchanged" in err
         assert main(["merge", str(out), str(tmp_path / name), "--quiet"]) == 0
@@ -261,9 +297,26 @@ def test_chain_identities_return_the_candidate_and_render_warns(tmp_path, tiny_t
         for k in c:  # float32 rounding of reference + (candidate - reference) only
             torch.testing.assert_close(w[k], c[k], atol=2e-6, rtol=1e-6)
     for name in ("ties", "dare_linear", "star"):
-        assert main(["configs", "render", name, "--reference", str(tiny_trio["reference"]), "--candidate", str(tiny_trio["candidate"]), "-o", str(tmp_path / f"{name}.yaml")]) == 0
+        assert (
+            main(
+                [
+                    "configs",
+                    "render",
+                    name,
+                    "--reference",
+                    str(tiny_trio["reference"]),
+                    "--candidate",
+                    str(tiny_trio["candidate"]),
+                    "-o",
+                    str(tmp_path / f"{name}.yaml"),
+                ]
+            )
+            == 0
+        )
         assert "warning" not in capsys.readouterr().err
-        assert main(["merge", str(tmp_path / f"{name}.yaml"), str(tmp_path / name), "--random-seed", "0", "--quiet"]) == 0
+        assert (
+            main(["merge", str(tmp_path / f"{name}.yaml"), str(tmp_path / name), "--random-seed", "0", "--quiet"]) == 0
+        )
         w = _weights(tmp_path / name)
         assert max(float((w[k] - c[k]).abs().max()) for k in c) > 1e-3
 
@@ -278,7 +331,10 @@ def test_seeded_merges_are_bit_identical_and_leave_rng_alone(tmp_path, tiny_trio
     wa, wb, wc = _weights(a), _weights(b), _weights(c)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert any(not torch.equal(wa[k], wc[k]) for k in wa)
-    t1, t2 = _weights(_merge(tmp_path / "d", "tsv", tiny_trio, "siblings")), _weights(_merge(tmp_path / "e", "tsv", tiny_trio, "siblings"))
+    t1, t2 = (
+        _weights(_merge(tmp_path / "d", "tsv", tiny_trio, "siblings")),
+        _weights(_merge(tmp_path / "e", "tsv", tiny_trio, "siblings")),
+    )
     assert all(torch.equal(t1[k], t2[k]) for k in t1)
 
 
@@ -303,9 +359,13 @@ def test_plain_mergekit_yaml_runs_a_rendered_tsv_config(tmp_path, tiny_trio):
     cfg.write_text(render("tsv", tiny_trio["reference"], tiny_trio["candidate"], base=tiny_trio["base"]).text)
     exe = Path(sys.executable).with_name("mergekit-yaml")
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([str(exe), str(cfg), str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [str(exe), str(cfg), str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    w, r, c, b = (_weights(p) for p in (tmp_path / "out", tiny_trio["reference"], tiny_trio["candidate"], tiny_trio["base"]))
+    w, r, c, b = (
+        _weights(p) for p in (tmp_path / "out", tiny_trio["reference"], tiny_trio["candidate"], tiny_trio["base"])
+    )
     key = "model.layers.0.mlp.down_proj.weight"
     torch.testing.assert_close(w[key], b[key] + tsv_delta([r[key] - b[key], c[key] - b[key]]), atol=1e-5, rtol=1e-5)
 
@@ -326,35 +386,133 @@ def _config(trio, **override):
 
 
 BAD_CONFIGS = {
-    "unknown_top_key": (lambda t: {**_config(t), "merge_methd": "ties"}, ["merge_methd", "did you mean 'merge_method'"]),
+    "unknown_top_key": (
+        lambda t: {**_config(t), "merge_methd": "ties"},
+        ["merge_methd", "did you mean 'merge_method'"],
+    ),
     "unknown_method": (lambda t: _config(t, merge_method="dare-ties"), ["merge_method", "did you mean 'dare_ties'"]),
-    "misspelled_parameter": (lambda t: _config(t, models=[{"model": str(t["candidate"]), "parameters": {"weight": 1.0, "densty": 0.2}}]), ["models[0].parameters.densty", "did you mean 'density'"]),
-    "misspelled_global": (lambda t: _config(t, parameters={"lamda": 1.0}), ["parameters.lamda", "did you mean 'lambda'"]),
-    "global_on_model": (lambda t: _config(t, models=[{"model": str(t["candidate"]), "parameters": {"weight": 1.0, "lambda": 0.5}}]), ["models[0].parameters.lambda", "global parameter"]),
-    "task_param_on_base": (lambda t: _config(t, models=[{"model": str(t["reference"]), "parameters": {"weight": 1.0}}, {"model": str(t["candidate"]), "parameters": {"weight": 1.0}}]),
-        ["models[0].parameters.weight", "base model"]),
+    "misspelled_parameter": (
+        lambda t: _config(t, models=[{"model": str(t["candidate"]), "parameters": {"weight": 1.0, "densty": 0.2}}]),
+        ["models[0].parameters.densty", "did you mean 'density'"],
+    ),
+    "misspelled_global": (
+        lambda t: _config(t, parameters={"lamda": 1.0}),
+        ["parameters.lamda", "did you mean 'lambda'"],
+    ),
+    "global_on_model": (
+        lambda t: _config(t, models=[{"model": str(t["candidate"]), "parameters": {"weight": 1.0, "lambda": 0.5}}]),
+        ["models[0].parameters.lambda", "global parameter"],
+    ),
+    "task_param_on_base": (
+        lambda t: _config(
+            t,
+            models=[
+                {"model": str(t["reference"]), "parameters": {"weight": 1.0}},
+                {"model": str(t["candidate"]), "parameters": {"weight": 1.0}},
+            ],
+        ),
+        ["models[0].parameters.weight", "base model"],
+    ),
     "missing_base": (lambda t: _config(t, base_model=None), ["base_model", "needs a base_model"]),
-    "missing_weight": (lambda t: _config(t, merge_method="task_arithmetic", models=[{"model": str(t["candidate"])}]), ["models[0].parameters.weight", "missing"]),
-    "missing_t": (lambda t: {"merge_method": "slerp", "base_model": str(t["reference"]), "models": [{"model": str(t["reference"])}, {"model": str(t["candidate"])}]}, ["parameters", "'t'"]),
-    "slerp_three_inputs": (lambda t: {"merge_method": "slerp", "base_model": str(t["reference"]), "models": [{"model": str(t[r])} for r in ("reference", "candidate", "base")],
-        "parameters": {"t": 0.5}}, ["models", "exactly 2 inputs"]),
-    "wrong_type": (lambda t: _config(t, models=[{"model": str(t["candidate"]), "parameters": {"weight": 1.0, "density": "high"}}]), ["models[0].parameters.density", "expected a number", "'high'"]),
+    "missing_weight": (
+        lambda t: _config(t, merge_method="task_arithmetic", models=[{"model": str(t["candidate"])}]),
+        ["models[0].parameters.weight", "missing"],
+    ),
+    "missing_t": (
+        lambda t: {
+            "merge_method": "slerp",
+            "base_model": str(t["reference"]),
+            "models": [{"model": str(t["reference"])}, {"model": str(t["candidate"])}],
+        },
+        ["parameters", "'t'"],
+    ),
+    "slerp_three_inputs": (
+        lambda t: {
+            "merge_method": "slerp",
+            "base_model": str(t["reference"]),
+            "models": [{"model": str(t[r])} for r in ("reference", "candidate", "base")],
+            "parameters": {"t": 0.5},
+        },
+        ["models", "exactly 2 inputs"],
+    ),
+    "wrong_type": (
+        lambda t: _config(t, models=[{"model": str(t["candidate"]), "parameters": {"weight": 1.0, "density": "high"}}]),
+        ["models[0].parameters.density", "expected a number", "'high'"],
+    ),
     "bool_for_number": (lambda t: _config(t, parameters={"lambda": True}), ["parameters.lambda", "expected a number"]),
-    "density_above_one": (lambda t: _config(t, models=[{"model": str(t["candidate"]), "parameters": {"weight": 1.0, "density": 1.5}}]), ["density", "<= 1", "1.5"]),
-    "density_zero_in_gradient": (lambda t: _config(t, models=[{"model": str(t["candidate"]), "parameters": {"weight": 1.0, "density": [0.5, 0.0]}}]), ["density[1]", "> 0"]),
-    "star_eta_percent": (lambda t: _config(t, merge_method="star", models=[{"model": str(t["candidate"])}], parameters={"eta": 40}), ["parameters.eta", "<= 1.0", "40"]),
-    "tsv_alpha_nan": (lambda t: _config(t, merge_method="tsv", models=[{"model": str(t["candidate"])}], parameters={"alpha": float("nan")}), ["parameters.alpha", "finite"]),
-    "slerp_t_range": (lambda t: {"merge_method": "slerp", "base_model": str(t["reference"]), "models": [{"model": str(t["reference"])}, {"model": str(t["candidate"])}], "parameters": {"t": 1.5}},
-        ["parameters.t", "<= 1"]),
-    "linear_weights_sum_zero": (lambda t: {"merge_method": "linear", "models": [{"model": str(t["reference"]), "parameters": {"weight": 1.0}}, {"model": str(t["candidate"]),
-        "parameters": {"weight": -1.0}}]}, ["sum to 0"]),
-    "linear_base_without_weight": (lambda t: {"merge_method": "linear", "base_model": str(t["base"]), "models": [{"model": str(t["reference"]), "parameters": {"weight": 1.0}},
-        {"model": str(t["candidate"]), "parameters": {"weight": 1.0}}]}, ["base_model", "weight"]),
-    "missing_model_path": (lambda t: _config(t, models=[{"model": "/nonexistent/model", "parameters": {"weight": 1.0}}]), ["models[0].model", "/nonexistent/model"]),
-    "unknown_model_key": (lambda t: _config(t, models=[{"model": str(t["candidate"]), "parameter": {"weight": 1.0}}]), ["models[0].parameter", "did you mean 'parameters'"]),
+    "density_above_one": (
+        lambda t: _config(t, models=[{"model": str(t["candidate"]), "parameters": {"weight": 1.0, "density": 1.5}}]),
+        ["density", "<= 1", "1.5"],
+    ),
+    "density_zero_in_gradient": (
+        lambda t: _config(
+            t, models=[{"model": str(t["candidate"]), "parameters": {"weight": 1.0, "density": [0.5, 0.0]}}]
+        ),
+        ["density[1]", "> 0"],
+    ),
+    "star_eta_percent": (
+        lambda t: _config(t, merge_method="star", models=[{"model": str(t["candidate"])}], parameters={"eta": 40}),
+        ["parameters.eta", "<= 1.0", "40"],
+    ),
+    "tsv_alpha_nan": (
+        lambda t: _config(
+            t, merge_method="tsv", models=[{"model": str(t["candidate"])}], parameters={"alpha": float("nan")}
+        ),
+        ["parameters.alpha", "finite"],
+    ),
+    "slerp_t_range": (
+        lambda t: {
+            "merge_method": "slerp",
+            "base_model": str(t["reference"]),
+            "models": [{"model": str(t["reference"])}, {"model": str(t["candidate"])}],
+            "parameters": {"t": 1.5},
+        },
+        ["parameters.t", "<= 1"],
+    ),
+    "linear_weights_sum_zero": (
+        lambda t: {
+            "merge_method": "linear",
+            "models": [
+                {"model": str(t["reference"]), "parameters": {"weight": 1.0}},
+                {"model": str(t["candidate"]), "parameters": {"weight": -1.0}},
+            ],
+        },
+        ["sum to 0"],
+    ),
+    "linear_base_without_weight": (
+        lambda t: {
+            "merge_method": "linear",
+            "base_model": str(t["base"]),
+            "models": [
+                {"model": str(t["reference"]), "parameters": {"weight": 1.0}},
+                {"model": str(t["candidate"]), "parameters": {"weight": 1.0}},
+            ],
+        },
+        ["base_model", "weight"],
+    ),
+    "missing_model_path": (
+        lambda t: _config(t, models=[{"model": "/nonexistent/model", "parameters": {"weight": 1.0}}]),
+        ["models[0].model", "/nonexistent/model"],
+    ),
+    "unknown_model_key": (
+        lambda t: _config(t, models=[{"model": str(t["candidate"]), "parameter": {"weight": 1.0}}]),
+        ["models[0].parameter", "did you mean 'parameters'"],
+    ),
     "bad_dtype": (lambda t: _config(t, dtype="fp32"), ["dtype", "float32"]),
-    "both_tokenizer_keys": (lambda t: _config(t, tokenizer_source="union", tokenizer={"source": "union"}), ["tokenizer", "not both"]),
-    "duplicate_model": (lambda t: _config(t, models=[{"model": str(t["candidate"]), "parameters": {"weight": 1.0}}, {"model": str(t["candidate"]), "parameters": {"weight": 1.0}}]), ["listed twice"]),
+    "both_tokenizer_keys": (
+        lambda t: _config(t, tokenizer_source="union", tokenizer={"source": "union"}),
+        ["tokenizer", "not both"],
+    ),
+    "duplicate_model": (
+        lambda t: _config(
+            t,
+            models=[
+                {"model": str(t["candidate"]), "parameters": {"weight": 1.0}},
+                {"model": str(t["candidate"]), "parameters": {"weight": 1.0}},
+            ],
+        ),
+        ["listed twice"],
+    ),
 }
 
 
@@ -391,9 +549,25 @@ def test_yaml_syntax_error_names_the_line(tmp_path, capsys):
 def test_vocabulary_mismatch_names_both_sizes_unless_tokenizer_source(tmp_path, tiny_trio, capsys):
     bigger = make_tiny_lm(tmp_path / "vlm", "llama", delta_seed=5, vocab_extra=4)
     out = tmp_path / "r.yaml"
-    argv = ["configs", "render", "ties", "--reference", str(tiny_trio["reference"]), "--candidate", str(bigger), "-o", str(out)]
+    argv = [
+        "configs",
+        "render",
+        "ties",
+        "--reference",
+        str(tiny_trio["reference"]),
+        "--candidate",
+        str(bigger),
+        "-o",
+        str(out),
+    ]
     line = _error(capsys, argv)
-    assert "vocab_size 46" in line and "vocab_size 50" in line and "reference" in line and "candidate" in line and "tokenizer_source" in line
+    assert (
+        "vocab_size 46" in line
+        and "vocab_size 50" in line
+        and "reference" in line
+        and "candidate" in line
+        and "tokenizer_source" in line
+    )
     assert not out.exists()
     assert main([*argv, "--tokenizer-source", "reference"]) == 0
     assert yaml.safe_load(out.read_text())["tokenizer_source"] == str(tiny_trio["reference"].resolve())
@@ -402,15 +576,67 @@ def test_vocabulary_mismatch_names_both_sizes_unless_tokenizer_source(tmp_path, 
 
 def test_architecture_mismatch_and_render_errors(tmp_path, tiny_trio, capsys):
     qwen = make_tiny_lm(tmp_path / "qwen", "qwen2", delta_seed=1)
-    line = _error(capsys, ["configs", "render", "linear_uniform", "--reference", str(tiny_trio["reference"]), "--candidate", str(qwen), "-o", str(tmp_path / "x.yaml")])
+    line = _error(
+        capsys,
+        [
+            "configs",
+            "render",
+            "linear_uniform",
+            "--reference",
+            str(tiny_trio["reference"]),
+            "--candidate",
+            str(qwen),
+            "-o",
+            str(tmp_path / "x.yaml"),
+        ],
+    )
     assert "model_type differs" in line and "llama" in line and "qwen2" in line
-    line = _error(capsys, ["configs", "render", "tsv", "--reference", str(tmp_path / "nope"), "--candidate", str(tiny_trio["candidate"]), "-o", str(tmp_path / "x.yaml")])
+    line = _error(
+        capsys,
+        [
+            "configs",
+            "render",
+            "tsv",
+            "--reference",
+            str(tmp_path / "nope"),
+            "--candidate",
+            str(tiny_trio["candidate"]),
+            "-o",
+            str(tmp_path / "x.yaml"),
+        ],
+    )
     assert "--reference" in line and "nope" in line
-    line = _error(capsys, ["configs", "render", "tiess", "--reference", str(tiny_trio["reference"]), "--candidate", str(tiny_trio["candidate"]), "-o", str(tmp_path / "x.yaml")])
+    line = _error(
+        capsys,
+        [
+            "configs",
+            "render",
+            "tiess",
+            "--reference",
+            str(tiny_trio["reference"]),
+            "--candidate",
+            str(tiny_trio["candidate"]),
+            "-o",
+            str(tmp_path / "x.yaml"),
+        ],
+    )
     assert "did you mean 'ties'" in line
     assert not (tmp_path / "x.yaml").exists()
     (tmp_path / "x.yaml").write_text("keep me")
-    line = _error(capsys, ["configs", "render", "ties", "--reference", str(tiny_trio["reference"]), "--candidate", str(tiny_trio["candidate"]), "-o", str(tmp_path / "x.yaml")])
+    line = _error(
+        capsys,
+        [
+            "configs",
+            "render",
+            "ties",
+            "--reference",
+            str(tiny_trio["reference"]),
+            "--candidate",
+            str(tiny_trio["candidate"]),
+            "-o",
+            str(tmp_path / "x.yaml"),
+        ],
+    )
     assert "already exists" in line and (tmp_path / "x.yaml").read_text() == "keep me"
 
 
@@ -460,8 +686,15 @@ def test_hub_id_inputs_are_merged_at_their_pinned_commits(tmp_path, tiny_trio):
         "two_ats": ["org/tiny@v1@main", local],
     }
     for name, refs in configs.items():
-        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump({"merge_method": "linear", "dtype": "float32",
-                                                               "models": [{"model": r, "parameters": {"weight": 0.5}} for r in refs]}))
+        (tmp_path / f"{name}.yaml").write_text(
+            yaml.safe_dump(
+                {
+                    "merge_method": "linear",
+                    "dtype": "float32",
+                    "models": [{"model": r, "parameters": {"weight": 0.5}} for r in refs],
+                }
+            )
+        )
     driver = textwrap.dedent(f"""
         import contextlib, io, json, sys
         from lm_eval_sink.cli import main
@@ -479,11 +712,21 @@ def test_hub_id_inputs_are_merged_at_their_pinned_commits(tmp_path, tiny_trio):
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     assert res["merge"][0] == 0 and res["tag"][0] == 0, res
-    for name, needle in (("uncached_sha", "not in the local Hugging Face cache"), ("unknown_ref", "org/tiny@v2: not in the local"),
-                         ("local_with_rev", "names a revision of a hub model"), ("two_ats", "more than one '@'")):
+    for name, needle in (
+        ("uncached_sha", "not in the local Hugging Face cache"),
+        ("unknown_ref", "org/tiny@v2: not in the local"),
+        ("local_with_rev", "names a revision of a hub model"),
+        ("two_ats", "more than one '@'"),
+    ):
         rc, err = res[name]
         lines = err.strip().splitlines()
-        assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0] and "(fix: " in lines[0], (name, err)
+        assert (
+            rc == 2
+            and len(lines) == 1
+            and lines[0].startswith("error: ")
+            and needle in lines[0]
+            and "(fix: " in lines[0]
+        ), (name, err)
     out = tmp_path / "out-merge"
     w, r, c = (_weights(p) for p in (out, tiny_trio["reference"], tiny_trio["candidate"]))
     assert set(w) == set(r)
@@ -491,11 +734,17 @@ def test_hub_id_inputs_are_merged_at_their_pinned_commits(tmp_path, tiny_trio):
         torch.testing.assert_close(w[key], 0.5 * r[key] + 0.5 * c[key], atol=1e-6, rtol=0)
     complete = json.loads((out / "COMPLETE.json").read_text())
     assert complete["hub_revisions"] == {f"org/tiny@{old}": old, "org/tiny": new}
-    assert {i["model"]: i["revision"] for i in complete["provenance"]["inputs"]} == {f"org/tiny@{old}": old, "org/tiny": new}
+    assert {i["model"]: i["revision"] for i in complete["provenance"]["inputs"]} == {
+        f"org/tiny@{old}": old,
+        "org/tiny": new,
+    }
     from mergekit.config import MergeConfiguration
 
     recipe = MergeConfiguration.model_validate(yaml.safe_load((out / "mergekit_config.yml").read_text()))
-    assert sorted((m.model.model.path, m.model.model.revision) for m in recipe.models) == [("org/tiny", old), ("org/tiny", new)]
+    assert sorted((m.model.model.path, m.model.model.revision) for m in recipe.models) == [
+        ("org/tiny", old),
+        ("org/tiny", new),
+    ]
     assert (out / "tokenizer.json").is_file()
 
 

@@ -22,8 +22,18 @@ def _rows(n: int, outcomes: list[int] | None = None) -> list[dict]:
     rows = []
     for i in range(n):
         doc = {"question": f"q{i}", "answer": str(i)}
-        rows.append({"doc_id": i, "doc": doc, "doc_hash": _h(doc), "prompt_hash": _h(f"p{i}"), "target_hash": _h(str(i)), "filter": "none",
-                     "metrics": ["acc"], "acc": float((outcomes or [1] * n)[i])})
+        rows.append(
+            {
+                "doc_id": i,
+                "doc": doc,
+                "doc_hash": _h(doc),
+                "prompt_hash": _h(f"p{i}"),
+                "target_hash": _h(str(i)),
+                "filter": "none",
+                "metrics": ["acc"],
+                "acc": float((outcomes or [1] * n)[i]),
+            }
+        )
     return rows
 
 
@@ -33,8 +43,14 @@ def test_same_doc_rules():
     assert same_doc(a, {"doc": {"k": 1}, "doc_hash": "h2"}) == (True, True)  # differ only by a null field
     assert same_doc(a, {"doc": {"k": 2}, "doc_hash": "h2"}) == (False, False)
     assert same_doc(a, {"doc_hash": "h2"}) == (False, False)  # nothing to compare
-    assert same_doc({"doc": {"k": 1}, "doc_hash": "h1"}, {"doc": {"k": 1}, "doc_hash": "h2"}) == (False, False)  # hashes not of these docs
-    assert same_doc({"doc": {"k": 1}}, {"doc": {"k": 1}, "doc_hash": "h2"}) == (True, False)  # a missing hash: the docs decide
+    assert same_doc({"doc": {"k": 1}, "doc_hash": "h1"}, {"doc": {"k": 1}, "doc_hash": "h2"}) == (
+        False,
+        False,
+    )  # hashes not of these docs
+    assert same_doc({"doc": {"k": 1}}, {"doc": {"k": 1}, "doc_hash": "h2"}) == (
+        True,
+        False,
+    )  # a missing hash: the docs decide
 
 
 def test_both_commands_refuse_the_same_logs_with_the_same_message():
@@ -43,13 +59,20 @@ def test_both_commands_refuse_the_same_logs_with_the_same_message():
     swapped[2]["doc"] = {"question": "other", "answer": "2"}
     swapped[2]["doc_hash"] = _h(swapped[2]["doc"])
     msgs = []
-    for call in (lambda c: bucket(ref, c, "boolq", BucketSettings(n_bootstrap=100)),
-                 lambda c: per_prompt_split(ref, c, "acc,none", None, ref_where="reference samples", cand_where="candidate samples")):
+    for call in (
+        lambda c: bucket(ref, c, "boolq", BucketSettings(n_bootstrap=100)),
+        lambda c: per_prompt_split(
+            ref, c, "acc,none", None, ref_where="reference samples", cand_where="candidate samples"
+        ),
+    ):
         with pytest.raises(UserError) as e:
             call(swapped)
         msgs.append(e.value.line())
     assert msgs[0] == msgs[1]
-    assert "1 of 6 paired doc_ids hold different documents in the two runs (e.g. doc_id 2 has different doc_hash: field 'question' differs" in msgs[0]
+    assert (
+        "1 of 6 paired doc_ids hold different documents in the two runs (e.g. doc_id 2 has different doc_hash: field 'question' differs"
+        in msgs[0]
+    )
 
 
 def test_partial_pairing_only_when_asked_and_recorded():
@@ -93,5 +116,7 @@ def test_lenient_filter_must_cover_the_paired_docs():
                 out.append({**r, "filter": "flexible-extract", "metrics": ["exact_match"], "exact_match": 1.0})
         return out
 
-    with pytest.raises(UserError, match=r"1 paired docs have no sample under filter 'flexible-extract' \(e.g. doc_id 2\)"):
+    with pytest.raises(
+        UserError, match=r"1 paired docs have no sample under filter 'flexible-extract' \(e.g. doc_id 2\)"
+    ):
         per_prompt_split(gsm(3), gsm(2), "exact_match,strict-match", "exact_match,flexible-extract")

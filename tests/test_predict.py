@@ -29,7 +29,15 @@ D = [-1.8, -5.4, -7.9, -8.9, -9.6, -18.7]
 
 
 def _pair(name, s, d, **extra):
-    return {"name": name, "reference": f"{name}-llm", "candidate": name, "sink_strength": s, "deltas": d, "source": "test", **extra}
+    return {
+        "name": name,
+        "reference": f"{name}-llm",
+        "candidate": name,
+        "sink_strength": s,
+        "deltas": d,
+        "source": "test",
+        **extra,
+    }
 
 
 def _write(tmp_path, obj, name="pairs.yaml"):
@@ -60,7 +68,18 @@ def test_exact_statistics_of_the_shipped_table():
     assert fit.permutation_p_one_sided == pytest.approx(4 / 720, abs=1e-15)
     assert fit.slope == pytest.approx(6.636452719255267, abs=1e-9)
     assert fit.intercept == pytest.approx(-18.405887636779354, abs=1e-9)
-    np.testing.assert_allclose(fit.loo_errors, [1.6126264387861873, 4.538137425880711, 1.1394423482138496, 2.0694682675814775, 1.2045504994450624, 4.997620850005406], atol=1e-9)
+    np.testing.assert_allclose(
+        fit.loo_errors,
+        [
+            1.6126264387861873,
+            4.538137425880711,
+            1.1394423482138496,
+            2.0694682675814775,
+            1.2045504994450624,
+            4.997620850005406,
+        ],
+        atol=1e-9,
+    )
     assert fit.loo_mae == pytest.approx(2.5936409716521154, abs=1e-9)  # reported 2.54
     np.testing.assert_allclose(fit.baseline_errors, [8.3, 3.98, 0.98, 0.22, 1.06, 11.98], atol=1e-9)
     assert fit.baseline_mae == pytest.approx(4.42, abs=1e-9)  # reported 4.40
@@ -70,12 +89,20 @@ def test_independent_checks_with_scipy():
     from scipy import stats
 
     assert spearman_rho(np.array(S), np.array(D)) == pytest.approx(stats.spearmanr(S, D).statistic, abs=1e-12)
+
     def rho(x, y, axis=-1):  # Spearman's rho through scipy's rankdata, vectorized for permutation_test
         rx, ry = stats.rankdata(x, axis=axis), stats.rankdata(y, axis=axis)
         rx, ry = rx - rx.mean(axis=axis, keepdims=True), ry - ry.mean(axis=axis, keepdims=True)
         return (rx * ry).sum(axis) / np.sqrt((rx**2).sum(axis) * (ry**2).sum(axis))
 
-    exact = stats.permutation_test((np.array(S), np.array(D)), rho, permutation_type="pairings", n_resamples=np.inf, vectorized=True, alternative="two-sided")
+    exact = stats.permutation_test(
+        (np.array(S), np.array(D)),
+        rho,
+        permutation_type="pairings",
+        n_resamples=np.inf,
+        vectorized=True,
+        alternative="two-sided",
+    )
     p2, _, method, _ = permutation_test(np.array(S), np.array(D))
     assert p2 == pytest.approx(exact.pvalue, abs=1e-12) and method == "exact"
     slope, intercept = np.polyfit(S, D, 1)
@@ -87,7 +114,15 @@ def test_swapping_the_tied_rows_changes_no_statistic():
     a = fit_task("ifeval", tuple("abcdef"), np.array(S), np.array(D))
     swapped = [D[1], D[0], *D[2:]]
     b = fit_task("ifeval", tuple("abcdef"), np.array(S), np.array(swapped))
-    for k in ("spearman_rho", "permutation_p", "permutation_p_one_sided", "slope", "intercept", "loo_mae", "baseline_mae"):
+    for k in (
+        "spearman_rho",
+        "permutation_p",
+        "permutation_p_one_sided",
+        "slope",
+        "intercept",
+        "loo_mae",
+        "baseline_mae",
+    ):
         assert getattr(a, k) == pytest.approx(getattr(b, k), abs=1e-12), k
     assert sorted(a.loo_errors) == pytest.approx(sorted(b.loo_errors), abs=1e-12)
 
@@ -131,7 +166,11 @@ def test_monte_carlo_permutations_beyond_the_exact_limit_are_seeded():
 
 def test_user_pairs_with_strength_json_and_skipped_task(tmp_path):
     (tmp_path / "m.strength.json").write_text(json.dumps({"sink_strength": 1.5}))
-    pairs = [_pair("a", 0.5, {"ifeval": -10.0, "gsm8k": -1.0}), _pair("b", "m.strength.json", {"ifeval": -6.0}), _pair("c", 2.5, {"ifeval": -1.0})]
+    pairs = [
+        _pair("a", 0.5, {"ifeval": -10.0, "gsm8k": -1.0}),
+        _pair("b", "m.strength.json", {"ifeval": -6.0}),
+        _pair("c", 2.5, {"ifeval": -1.0}),
+    ]
     table = read_pairs(_write(tmp_path, pairs))
     assert not table.shipped and table.pairs[1].sink_strength == 1.5
     result = fit_pairs(table)
@@ -146,14 +185,50 @@ def test_user_pairs_with_strength_json_and_skipped_task(tmp_path):
         ("- name: a\n  deltas: {ifeval: -1\n", "not valid YAML"),
         ({"name": "a"}, "must be a YAML list of pairs"),
         ([_pair("a", 1.0, {"ifeval": -1.0}), _pair("b", 2.0, {"ifeval": -2.0})], "2 pair(s); a fit needs at least 3"),
-        ([_pair("a", 1.0, {"ifeval": -1.0}), _pair("b", 2.0, {"ifeval": -2.0}), {"name": "c", "reference": "x", "candidate": "c", "sink_strength": 1.0, "deltas": {"ifeval": 1.0}}],
-            "missing key(s) source"),
-        ([_pair("a", 1.0, {"ifeval": -1.0}, sink_strenght=2.0), _pair("b", 2.0, {"ifeval": -2.0}), _pair("c", 3.0, {"ifeval": -3.0})], "did you mean 'sink_strength'"),
-        ([_pair("a", "high", {"ifeval": -1.0}), _pair("b", 2.0, {"ifeval": -2.0}), _pair("c", 3.0, {"ifeval": -3.0})], "sink_strength file"),
-        ([_pair("a", 1.0, {"ifeval": "bad"}), _pair("b", 2.0, {"ifeval": -2.0}), _pair("c", 3.0, {"ifeval": -3.0})], "deltas[ifeval] must be a finite number"),
-        ([_pair("a", 1.0, {"ifeval": -1.0}), _pair("a", 2.0, {"ifeval": -2.0}), _pair("c", 3.0, {"ifeval": -3.0})], "appears twice"),
-        ([_pair("a", 1.0, {"ifeval": -1.0}, qk_norm="perhead"), _pair("b", 2.0, {"ifeval": -2.0}), _pair("c", 3.0, {"ifeval": -3.0})], "qk_norm 'perhead'"),
-        ([_pair("a", 1.0, {"ifeval": -1.0}), _pair("b", 1.0, {"ifeval": -2.0}), _pair("c", 3.0, {"ifeval": -3.0})], "leave-one-out line is undefined"),
+        (
+            [
+                _pair("a", 1.0, {"ifeval": -1.0}),
+                _pair("b", 2.0, {"ifeval": -2.0}),
+                {"name": "c", "reference": "x", "candidate": "c", "sink_strength": 1.0, "deltas": {"ifeval": 1.0}},
+            ],
+            "missing key(s) source",
+        ),
+        (
+            [
+                _pair("a", 1.0, {"ifeval": -1.0}, sink_strenght=2.0),
+                _pair("b", 2.0, {"ifeval": -2.0}),
+                _pair("c", 3.0, {"ifeval": -3.0}),
+            ],
+            "did you mean 'sink_strength'",
+        ),
+        (
+            [
+                _pair("a", "high", {"ifeval": -1.0}),
+                _pair("b", 2.0, {"ifeval": -2.0}),
+                _pair("c", 3.0, {"ifeval": -3.0}),
+            ],
+            "sink_strength file",
+        ),
+        (
+            [_pair("a", 1.0, {"ifeval": "bad"}), _pair("b", 2.0, {"ifeval": -2.0}), _pair("c", 3.0, {"ifeval": -3.0})],
+            "deltas[ifeval] must be a finite number",
+        ),
+        (
+            [_pair("a", 1.0, {"ifeval": -1.0}), _pair("a", 2.0, {"ifeval": -2.0}), _pair("c", 3.0, {"ifeval": -3.0})],
+            "appears twice",
+        ),
+        (
+            [
+                _pair("a", 1.0, {"ifeval": -1.0}, qk_norm="perhead"),
+                _pair("b", 2.0, {"ifeval": -2.0}),
+                _pair("c", 3.0, {"ifeval": -3.0}),
+            ],
+            "qk_norm 'perhead'",
+        ),
+        (
+            [_pair("a", 1.0, {"ifeval": -1.0}), _pair("b", 1.0, {"ifeval": -2.0}), _pair("c", 3.0, {"ifeval": -3.0})],
+            "leave-one-out line is undefined",
+        ),
     ],
 )
 def test_malformed_pairs_files_are_one_line_errors(tmp_path, user_error, content, message):

@@ -33,7 +33,13 @@ SCORES = {"ifeval": {"prompt_level_strict_acc,none": 0.4}, "gsm8k_cot": {"exact_
 
 
 def test_fingerprint_reads_every_field_from_its_place():
-    res = results_dict(SCORES, chat=True, num_fewshot={"gsm8k_cot": 8}, system_instruction="Be brief.", model_args={"enable_thinking": False, "dtype": "bfloat16"})
+    res = results_dict(
+        SCORES,
+        chat=True,
+        num_fewshot={"gsm8k_cot": 8},
+        system_instruction="Be brief.",
+        model_args={"enable_thinking": False, "dtype": "bfloat16"},
+    )
     fp = fingerprint(res, source="r.json")
     h, m = fp.harness, fp.model
     assert h["apply_chat_template"] is True
@@ -57,7 +63,12 @@ def test_fingerprint_reads_every_field_from_its_place():
     assert i["num_fewshot"] == 0 and i["multiturn"] is False and i["fewshot"] is None and i["filters"] is None
     assert m["chat_template"].startswith("{% for m in messages")
     assert m["chat_template_sha"] == res["chat_template_sha"]
-    assert m["special_tokens"] == {"bos": ["<|im_start|>", "1"], "eos": ["<|im_end|>", "2"], "pad": ["<|im_end|>", "2"], "eot_token_id": 2}
+    assert m["special_tokens"] == {
+        "bos": ["<|im_start|>", "1"],
+        "eos": ["<|im_end|>", "2"],
+        "pad": ["<|im_end|>", "2"],
+        "eot_token_id": 2,
+    }
     assert m["max_length"] == 8192 and m["transformers_version"] == "5.24.0"
     assert fp.run["pretrained"] == "/models/ref" and fp.source == "r.json"
     # JSON round trip keeps everything, and the harness sha is stable
@@ -71,20 +82,35 @@ def test_task_diff_and_task_view_keep_one_task():
     want = {"tasks.ifeval.num_fewshot", "tasks.ifeval.multiturn", "tasks.ifeval.fewshot"}
     assert {d.field for d in diff(a, b)} == {"tasks", *want}
     assert {d.field for d in task_diff(a, b, ("ifeval",))} == want
-    assert task_diff(a, b, ("gsm8k_cot",)) == ()  # b lacks gsm8k_cot: nothing of it to compare, and which tasks a run holds is no protocol field
+    assert (
+        task_diff(a, b, ("gsm8k_cot",)) == ()
+    )  # b lacks gsm8k_cot: nothing of it to compare, and which tasks a run holds is no protocol field
     view = task_view(a, "gsm8k_cot")
     assert view["apply_chat_template"] is True and view["num_fewshot"] == 0 and view["version"] == 3
     assert view["chat_template"] == a.model["chat_template_sha"] and "chat_template_sha" not in view
-    assert {d.field.removeprefix("tasks.ifeval.").split(".")[0] for d in task_diff(a, b, ("ifeval",))} <= set(task_view(b, "ifeval"))
+    assert {d.field.removeprefix("tasks.ifeval.").split(".")[0] for d in task_diff(a, b, ("ifeval",))} <= set(
+        task_view(b, "ifeval")
+    )
 
 
 def test_diff_of_a_run_with_itself_is_empty_and_field_by_field_otherwise():
     a = fingerprint(results_dict(SCORES, chat=True))
     assert diff(a, a) == ()
-    b = fingerprint(results_dict(SCORES, chat=False, num_fewshot={"gsm8k_cot": 8}, batch_size=1, model_args={"enable_thinking": False}))
+    b = fingerprint(
+        results_dict(
+            SCORES, chat=False, num_fewshot={"gsm8k_cot": 8}, batch_size=1, model_args={"enable_thinking": False}
+        )
+    )
     got = {d.field: d for d in diff(a, b)}
-    assert set(got) == {"apply_chat_template", "fewshot_as_multiturn", "model_args.enable_thinking", "batch_size",
-                        "tasks.gsm8k_cot.num_fewshot", "tasks.gsm8k_cot.fewshot", "chat_template"}
+    assert set(got) == {
+        "apply_chat_template",
+        "fewshot_as_multiturn",
+        "model_args.enable_thinking",
+        "batch_size",
+        "tasks.gsm8k_cot.num_fewshot",
+        "tasks.gsm8k_cot.fewshot",
+        "chat_template",
+    }
     assert got["apply_chat_template"] == FieldDiff("apply_chat_template", "harness", True, False, True)
     assert got["batch_size"].a == "8" and got["batch_size"].b == "1"
     assert got["tasks.gsm8k_cot.num_fewshot"].a == 0 and got["tasks.gsm8k_cot.num_fewshot"].b == 8
@@ -144,11 +170,16 @@ def test_named_protocols_are_data_and_user_yaml_is_validated(tmp_path):
     assert (ins.apply_chat_template, ins.num_fewshot, ins.batch_size) == (True, 0, 8)
     assert (com.apply_chat_template, com.num_fewshot) == (False, None)
     good = tmp_path / "p.yaml"
-    good.write_text("protocols:\n  short:\n    description: instruct with short generations\n    apply_chat_template: true\n"
-                    "    num_fewshot: 0\n    gen_kwargs: {max_gen_toks: 256}\n    batch_size: 4\n", encoding="utf-8")
+    good.write_text(
+        "protocols:\n  short:\n    description: instruct with short generations\n    apply_chat_template: true\n"
+        "    num_fewshot: 0\n    gen_kwargs: {max_gen_toks: 256}\n    batch_size: 4\n",
+        encoding="utf-8",
+    )
     assert get_protocol("short", good).gen_kwargs == {"max_gen_toks": 256}
     bad = tmp_path / "bad.yaml"
-    bad.write_text("protocols:\n  x:\n    description: d\n    apply_chat_template: true\n    num_fewshots: 0\n", encoding="utf-8")
+    bad.write_text(
+        "protocols:\n  x:\n    description: d\n    apply_chat_template: true\n    num_fewshots: 0\n", encoding="utf-8"
+    )
     with pytest.raises(UserError, match=r"unknown key 'num_fewshots' \(did you mean 'num_fewshot'\?\)"):
         load_protocols(bad)
     bad.write_text("protocols:\n  x:\n    description: d\n    apply_chat_template: yes please\n", encoding="utf-8")
@@ -167,7 +198,10 @@ def test_named_protocols_are_data_and_user_yaml_is_validated(tmp_path):
 def test_match_protocol_labels_runs():
     assert match_protocol(fingerprint(results_dict(SCORES, chat=True, batch_size=8))) == "instruct"
     assert match_protocol(fingerprint(results_dict(SCORES, chat=True, batch_size=1))) is None
-    assert match_protocol(fingerprint(results_dict(SCORES, chat=False, num_fewshot={"gsm8k_cot": 8}, batch_size=1))) == "community"
+    assert (
+        match_protocol(fingerprint(results_dict(SCORES, chat=False, num_fewshot={"gsm8k_cot": 8}, batch_size=1)))
+        == "community"
+    )
     assert match_protocol(fingerprint(results_dict(SCORES, chat=False, system_instruction="x"))) is None
 
 
@@ -197,7 +231,9 @@ def test_cli_show_and_diff(tmp_path, capsys):
     a, b = _two_runs(tmp_path)
     assert main(["protocol", "show", str(a)]) == 0
     out = capsys.readouterr().out
-    assert "apply_chat_template" in out and "tasks.ifeval.num_fewshot" in out and "matches named protocol: instruct" in out
+    assert (
+        "apply_chat_template" in out and "tasks.ifeval.num_fewshot" in out and "matches named protocol: instruct" in out
+    )
     assert main(["protocol", "diff", str(a), str(a)]) == 0
     assert "no differences" in capsys.readouterr().out
     assert main(["protocol", "diff", str(a.parent), str(b.parent)]) == 0
@@ -208,7 +244,10 @@ def test_cli_show_and_diff(tmp_path, capsys):
     out_json = tmp_path / "d.json"
     assert main(["protocol", "diff", str(a), str(b), "-o", str(out_json)]) == 0
     data = json.loads(out_json.read_text())
-    assert data["provenance"]["inputs"][0]["sha256"] and next(d["field"] for d in data["differences"]) == "apply_chat_template"
+    assert (
+        data["provenance"]["inputs"][0]["sha256"]
+        and next(d["field"] for d in data["differences"]) == "apply_chat_template"
+    )
     assert main(["protocol", "diff", str(a), str(b), "-o", str(out_json)]) == 2
     assert "already exists" in capsys.readouterr().err
 
@@ -233,24 +272,53 @@ def test_cli_bad_inputs_one_line_exit_2(tmp_path, capsys, case):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "Traceback" not in err[0]
     assert not out.exists()
-    assert {"missing": "lacks n-shot", "not_lm_eval": "not an lm-eval results file", "no_file": "no such file", "different_tasks": "share no task"}[case] in err[0]
+    assert {
+        "missing": "lacks n-shot",
+        "not_lm_eval": "not an lm-eval results file",
+        "no_file": "no such file",
+        "different_tasks": "share no task",
+    }[case] in err[0]
 
 
 def test_named_protocols_map_to_eval_settings():
     from lm_eval_sink.protocols import parse_gen_kwargs, settings_fields
 
-    ins = settings_fields(get_protocol("instruct"), tasks=["ifeval"], limit=5, gen_kwargs=parse_gen_kwargs(["max_gen_toks=64,do_sample=false"]))
-    assert ins == {"tasks": ("ifeval",), "apply_chat_template": True, "num_fewshot": 0, "fewshot_as_multiturn": None, "system_instruction": None,
-                   "gen_kwargs": {"max_gen_toks": 64, "do_sample": False}, "limit": 5, "batch_size": 8, "device": "cpu", "dtype": None,
-                   "log_samples": True, "include_path": None, "model_args": {}, "backend": "hf"}
-    com = settings_fields(get_protocol("community"), tasks=["ifeval", "gsm8k_cot"], batch_size=2, dtype="float32", seed=3)
+    ins = settings_fields(
+        get_protocol("instruct"),
+        tasks=["ifeval"],
+        limit=5,
+        gen_kwargs=parse_gen_kwargs(["max_gen_toks=64,do_sample=false"]),
+    )
+    assert ins == {
+        "tasks": ("ifeval",),
+        "apply_chat_template": True,
+        "num_fewshot": 0,
+        "fewshot_as_multiturn": None,
+        "system_instruction": None,
+        "gen_kwargs": {"max_gen_toks": 64, "do_sample": False},
+        "limit": 5,
+        "batch_size": 8,
+        "device": "cpu",
+        "dtype": None,
+        "log_samples": True,
+        "include_path": None,
+        "model_args": {},
+        "backend": "hf",
+    }
+    com = settings_fields(
+        get_protocol("community"), tasks=["ifeval", "gsm8k_cot"], batch_size=2, dtype="float32", seed=3
+    )
     assert (com["apply_chat_template"], com["num_fewshot"], com["fewshot_as_multiturn"]) == (False, None, None)
     assert (com["batch_size"], com["dtype"], com["seed"], com["gen_kwargs"]) == (2, "float32", 3, {})
     # the fields build the runner's settings object as they are
     from lm_eval_sink.harness.runner import EvalSettings
 
     cmd = EvalSettings(**ins).command("/m", Path("/o"))
-    assert cmd[cmd.index("--batch_size") + 1] == "8" and "--apply_chat_template" in cmd and cmd[cmd.index("--num_fewshot") + 1] == "0"
+    assert (
+        cmd[cmd.index("--batch_size") + 1] == "8"
+        and "--apply_chat_template" in cmd
+        and cmd[cmd.index("--num_fewshot") + 1] == "0"
+    )
     assert "--fewshot_as_multiturn" not in EvalSettings(**com).command("/m", Path("/o"))
     with pytest.raises(UserError, match="protocol 'instruct' fixes batch_size = 8, but 4 was asked for"):
         settings_fields(get_protocol("instruct"), tasks=["ifeval"], batch_size=4)
@@ -262,7 +330,9 @@ def test_named_protocols_map_to_eval_settings():
 
 
 def test_cli_eval_unknown_protocol_is_one_line(tmp_path, capsys):
-    assert main(["eval", "default", "--protocol", "instrukt", "--tasks", "ifeval", "--output", str(tmp_path / "o")]) == 2
+    assert (
+        main(["eval", "default", "--protocol", "instrukt", "--tasks", "ifeval", "--output", str(tmp_path / "o")]) == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "did you mean 'instruct'" in err[0]
     assert not (tmp_path / "o").exists()
@@ -271,7 +341,9 @@ def test_cli_eval_unknown_protocol_is_one_line(tmp_path, capsys):
 def test_cli_eval_output_that_is_a_file_is_one_line(tmp_path, user_error):
     out = tmp_path / "o"
     out.write_text("not a folder")
-    line = user_error(["eval", "default", "--protocol", "instruct", "--tasks", "ifeval", "--output", out], tmp_path / "o" / "logs")
+    line = user_error(
+        ["eval", "default", "--protocol", "instruct", "--tasks", "ifeval", "--output", out], tmp_path / "o" / "logs"
+    )
     assert "is a file, not a folder" in line and out.read_text() == "not a folder"
 
 
@@ -299,9 +371,20 @@ def test_real_instruct_run_fingerprint_field_by_field(smollm2_instruct_run, defa
     assert h["dtype"] == "torch.float32"
     assert sorted(h["tasks"]) == ["gsm8k_cot_zeroshot", "ifeval", "sink_strength"]
     ife, gsm = h["tasks"]["ifeval"], h["tasks"]["gsm8k_cot_zeroshot"]
-    assert (ife["version"], ife["num_fewshot"], ife["multiturn"], ife["fewshot"], ife["filters"]) == (4, 0, False, None, None)
+    assert (ife["version"], ife["num_fewshot"], ife["multiturn"], ife["fewshot"], ife["filters"]) == (
+        4,
+        0,
+        False,
+        None,
+        None,
+    )
     assert ife["generation_kwargs"]["max_gen_toks"] == 64 and ife["generation_kwargs"]["do_sample"] is False
-    assert [x["metric"] for x in ife["metrics"]] == ["prompt_level_strict_acc", "inst_level_strict_acc", "prompt_level_loose_acc", "inst_level_loose_acc"]
+    assert [x["metric"] for x in ife["metrics"]] == [
+        "prompt_level_strict_acc",
+        "inst_level_strict_acc",
+        "prompt_level_loose_acc",
+        "inst_level_loose_acc",
+    ]
     assert ife["dataset"]["split"] == "train" and ife["output_type"] == "generate_until"
     assert (gsm["version"], gsm["num_fewshot"]) == (3, 0)
     assert [x["name"] for x in gsm["filters"]] == ["strict-match", "flexible-extract"]
@@ -324,10 +407,25 @@ def test_real_runs_under_two_protocols_diff_field_by_field(smollm2_instruct_run,
     assert diff(a, a) == () and diff(b, b) == ()
     got = {d.field: d for d in diff(a, b)}
     assert set(got) == {"apply_chat_template", "fewshot_as_multiturn", "tasks", "chat_template"}
-    assert (got["apply_chat_template"].a, got["apply_chat_template"].b, got["apply_chat_template"].affects_scores) == (True, False, True)
-    assert (got["fewshot_as_multiturn"].a, got["fewshot_as_multiturn"].b, got["fewshot_as_multiturn"].affects_scores) == (True, None, False)
-    assert got["tasks"].a == ["gsm8k_cot_zeroshot", "ifeval", "sink_strength"] and got["tasks"].b == ["gsm8k_cot_zeroshot", "ifeval"]
-    assert got["chat_template"].part == "model" and got["chat_template"].a == a.model["chat_template_sha"] and got["chat_template"].b is None
+    assert (got["apply_chat_template"].a, got["apply_chat_template"].b, got["apply_chat_template"].affects_scores) == (
+        True,
+        False,
+        True,
+    )
+    assert (
+        got["fewshot_as_multiturn"].a,
+        got["fewshot_as_multiturn"].b,
+        got["fewshot_as_multiturn"].affects_scores,
+    ) == (True, None, False)
+    assert got["tasks"].a == ["gsm8k_cot_zeroshot", "ifeval", "sink_strength"] and got["tasks"].b == [
+        "gsm8k_cot_zeroshot",
+        "ifeval",
+    ]
+    assert (
+        got["chat_template"].part == "model"
+        and got["chat_template"].a == a.model["chat_template_sha"]
+        and got["chat_template"].b is None
+    )
     assert b.model["chat_template"] is None and b.harness["fewshot_as_multiturn"] is None
     assert match_protocol(b) == "community" and match_protocol(a) == "instruct"  # the fixtures run the named protocols
     with pytest.raises(UserError, match="instruct vs community: apply_chat_template: true vs false"):
@@ -338,9 +436,16 @@ def test_real_runs_under_two_protocols_diff_field_by_field(smollm2_instruct_run,
 def test_real_runs_cli_show_and_diff(smollm2_instruct_run, smollm2_community_run, capsys):
     assert main(["protocol", "diff", str(smollm2_instruct_run.folder), str(smollm2_instruct_run.results)]) == 0
     assert "no differences" in capsys.readouterr().out
-    assert main(["protocol", "diff", str(smollm2_instruct_run.results), str(smollm2_community_run.results), "--json"]) == 0
+    assert (
+        main(["protocol", "diff", str(smollm2_instruct_run.results), str(smollm2_community_run.results), "--json"]) == 0
+    )
     doc = json.loads(capsys.readouterr().out)
-    assert [d["field"] for d in doc["differences"]] == ["apply_chat_template", "fewshot_as_multiturn", "tasks", "chat_template"]
+    assert [d["field"] for d in doc["differences"]] == [
+        "apply_chat_template",
+        "fewshot_as_multiturn",
+        "tasks",
+        "chat_template",
+    ]
     assert main(["protocol", "show", str(smollm2_community_run.results)]) == 0
     out = capsys.readouterr().out
     assert "matches named protocol: community" in out and "--limit 5: scores are from a subset and are not final" in out
@@ -353,16 +458,51 @@ def test_real_eval_under_named_protocol(tmp_path, shared_data, default_model, ca
 
     monkeypatch.setenv("LM_EVAL_SINK_DATA", str(shared_data))
     out = tmp_path / "run"
-    assert main(["eval", str(default_model), "--protocol", "instruct", "--tasks", "gsm8k_cot_zeroshot", "--limit", "1",
-                 "--gen-kwargs", "max_gen_toks=8", "--output", str(out)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                str(default_model),
+                "--protocol",
+                "instruct",
+                "--tasks",
+                "gsm8k_cot_zeroshot",
+                "--limit",
+                "1",
+                "--gen-kwargs",
+                "max_gen_toks=8",
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "protocol instruct: recorded settings match" in text and "--limit 1: scores are from a subset" in text
     fp = fingerprint_run(resolve_run(out))
     assert match_protocol(fp) == "instruct"
-    assert (fp.harness["batch_size"], fp.harness["apply_chat_template"], fp.harness["tasks"]["gsm8k_cot_zeroshot"]["num_fewshot"]) == ("8", True, 0)
+    assert (
+        fp.harness["batch_size"],
+        fp.harness["apply_chat_template"],
+        fp.harness["tasks"]["gsm8k_cot_zeroshot"]["num_fewshot"],
+    ) == ("8", True, 0)
     assert fp.harness["gen_kwargs"] == {"max_gen_toks": 8}
     # a second eval into the same folder needs --force
-    assert main(["eval", str(default_model), "--protocol", "instruct", "--tasks", "gsm8k_cot_zeroshot", "--output", str(out)]) == 2
+    assert (
+        main(
+            [
+                "eval",
+                str(default_model),
+                "--protocol",
+                "instruct",
+                "--tasks",
+                "gsm8k_cot_zeroshot",
+                "--output",
+                str(out),
+            ]
+        )
+        == 2
+    )
     assert "already exists" in capsys.readouterr().err
 
 
@@ -370,8 +510,14 @@ def test_task_metadata_settings_are_compared_but_model_args_copies_are_not():
     a_res = results_dict(SCORES, model_args={"dtype": "bfloat16"})
     b_res = results_dict(SCORES, model_args={"dtype": "bfloat16"})
     for res, n in ((a_res, 15), (b_res, 5)):
-        res["configs"]["ifeval"]["metadata"].update({"n_prompts": n, "pretrained": res["config"]["model_args"]["pretrained"], "dtype": "bfloat16",
-                                                      "config_source": f"/somewhere/{n}.yaml"})
+        res["configs"]["ifeval"]["metadata"].update(
+            {
+                "n_prompts": n,
+                "pretrained": res["config"]["model_args"]["pretrained"],
+                "dtype": "bfloat16",
+                "config_source": f"/somewhere/{n}.yaml",
+            }
+        )
     a, b = fingerprint(a_res), fingerprint(b_res)
     assert a.harness["tasks"]["ifeval"]["metadata"] == {"n_prompts": 15}
     assert [(d.field, d.a, d.b) for d in diff(a, b)] == [("tasks.ifeval.metadata.n_prompts", 15, 5)]

@@ -87,18 +87,29 @@ def local_table(tmp_path_factory, tiny_trio) -> dict:
 
 
 @pytest.mark.slow
-def test_ray_driver_killed_after_its_first_unit_then_rerun_gives_the_local_table(ray_cluster, local_table, tmp_path, tiny_trio, capsys):
+def test_ray_driver_killed_after_its_first_unit_then_rerun_gives_the_local_table(
+    ray_cluster, local_table, tmp_path, tiny_trio, capsys
+):
     """One sweep's worth of work for both claims: every unit runs under the Ray engine (the first in a
     driver subprocess that is SIGKILLed once it has finished, the rest in the rerun), and the table
     equals the local engine's; then the local engine finds everything finished (the engine is in no key)."""
-    sweep = _write_sweep(tmp_path / "k", tiny_trio, engine={"kind": "ray", "max_pending_merges": 1,
-                                                             "resources": {"merge": {"num_cpus": 1}, "eval": {"num_cpus": 1}}})
+    sweep = _write_sweep(
+        tmp_path / "k",
+        tiny_trio,
+        engine={
+            "kind": "ray",
+            "max_pending_merges": 1,
+            "resources": {"merge": {"num_cpus": 1}, "eval": {"num_cpus": 1}},
+        },
+    )
     out = sweep.parent / "out"
     manifest = out / "manifest.jsonl"
     cmd = [sys.executable, "-m", "lm_eval_sink.cli", "sweep", str(sweep), "--quiet", "--ray-address", "auto"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None and not (manifest.is_file() and '"done"' in manifest.read_text()):
+    while (
+        time.time() < deadline and proc.poll() is None and not (manifest.is_file() and '"done"' in manifest.read_text())
+    ):
         time.sleep(0.1)
     assert proc.poll() is None, proc.stderr.read()[-2000:]
     os.kill(proc.pid, signal.SIGKILL)
@@ -109,11 +120,19 @@ def test_ray_driver_killed_after_its_first_unit_then_rerun_gives_the_local_table
     assert main(["sweep", str(sweep), "--quiet", "--ray-address", "auto"]) == 0
     assert f"{done_before} already finished" in capsys.readouterr().out
     assert _stable(_table(sweep)) == _stable(local_table)
-    assert len(local_table["rows"]) == 4 and all(r["status"] == "ok" for r in local_table["rows"]) and local_table["columns"]
+    assert (
+        len(local_table["rows"]) == 4
+        and all(r["status"] == "ok" for r in local_table["rows"])
+        and local_table["columns"]
+    )
     # one "done" manifest line per unit, written by the drivers; each worker's log in its own file
     rows = [json.loads(x) for x in manifest.read_text().splitlines()]
-    assert sorted(r["unit"] for r in rows if r["status"] == "done") == sorted(json.loads((out / "sweep.json").read_text())["units"])
-    assert (out / "logs" / "merge-dare_linear" / "task.log").is_file() and (out / "logs" / "eval-reference" / "task.log").is_file()
+    assert sorted(r["unit"] for r in rows if r["status"] == "done") == sorted(
+        json.loads((out / "sweep.json").read_text())["units"]
+    )
+    assert (out / "logs" / "merge-dare_linear" / "task.log").is_file() and (
+        out / "logs" / "eval-reference" / "task.log"
+    ).is_file()
     assert main(["sweep", str(sweep), "--quiet", "--engine", "local"]) == 0
     assert "0 steps run, 10 already finished" in capsys.readouterr().out
     assert _stable(_table(sweep)) == _stable(local_table)
@@ -123,13 +142,26 @@ def test_screen_on_ray_equals_local_screen(ray_cluster, tmp_path, tiny_trio):
     models = [str(tiny_trio["reference"]), str(tiny_trio["candidate"])]
     args = ["--n-prompts", "5", "--last-k", "2", "--dtype", "float32", "--quiet"]
     assert main(["screen", *models, *args, "--output", str(tmp_path / "local")]) == 0
-    assert main(["screen", *models, *args, "--output", str(tmp_path / "ray"), "--engine", "ray", "--ray-address", "auto"]) == 0
-    local, remote = (json.loads((tmp_path / d / "screen.json").read_text().replace(str(tmp_path / d), "OUT")) for d in ("local", "ray"))
-    assert {k: v for k, v in remote.items() if k != "provenance"} == {k: v for k, v in local.items() if k != "provenance"}
-    assert [m["strength_file"] for m in remote["models"]] == ["OUT/strength/candidate.strength.json", "OUT/strength/reference.strength.json"]
+    assert (
+        main(["screen", *models, *args, "--output", str(tmp_path / "ray"), "--engine", "ray", "--ray-address", "auto"])
+        == 0
+    )
+    local, remote = (
+        json.loads((tmp_path / d / "screen.json").read_text().replace(str(tmp_path / d), "OUT"))
+        for d in ("local", "ray")
+    )
+    assert {k: v for k, v in remote.items() if k != "provenance"} == {
+        k: v for k, v in local.items() if k != "provenance"
+    }
+    assert [m["strength_file"] for m in remote["models"]] == [
+        "OUT/strength/candidate.strength.json",
+        "OUT/strength/reference.strength.json",
+    ]
     for slug in (m["slug"] for m in local["models"]):
         a, b = (json.loads((tmp_path / d / "strength" / f"{slug}.strength.json").read_text()) for d in ("local", "ray"))
-        assert b["sink_strength"] == a["sink_strength"] and b["sink_strength_layer_head"] == a["sink_strength_layer_head"]
+        assert (
+            b["sink_strength"] == a["sink_strength"] and b["sink_strength_layer_head"] == a["sink_strength_layer_head"]
+        )
     assert (tmp_path / "ray" / "screen.png").is_file()
 
 

@@ -26,7 +26,10 @@ SECTIONS = ("summary", "strength", "buckets-1", "margin", "attribution", "sweep"
 def _ifeval_runs(root: Path, ref: Path, cand: Path, shared_data: Path) -> tuple[Path, Path]:
     """12 real IFEval prompts, scored by lm-eval's checker: the candidate fails 8; one response holds markup."""
     docs = bl.ifeval_docs(shared_data)
-    idxs = bl.find_single(docs, "punctuation:no_comma", 6)[:6] + bl.find_single(docs, "change_case:english_lowercase", 6)[:6]
+    idxs = (
+        bl.find_single(docs, "punctuation:no_comma", 6)[:6]
+        + bl.find_single(docs, "change_case:english_lowercase", 6)[:6]
+    )
     rs, cs = [], []
     for j, i in enumerate(idxs):
         rs.append(bl.ifeval_sample(i, docs[i], bl.designed_response(docs[i], "pass"), chat=True))
@@ -35,7 +38,9 @@ def _ifeval_runs(root: Path, ref: Path, cand: Path, shared_data: Path) -> tuple[
     dirs = []
     for side, model, samples in (("ref", ref, rs), ("cand", cand, cs)):
         d = bl.write_run(root / side, {"ifeval": samples}, model=str(model), chat_template=True)
-        f = next(d.glob("results_*.json"))  # the aggregate scores lm-eval writes beside the samples (attribute reads them)
+        f = next(
+            d.glob("results_*.json")
+        )  # the aggregate scores lm-eval writes beside the samples (attribute reads them)
         res = json.loads(f.read_text())
         for k in ("prompt_level_strict_acc", "prompt_level_loose_acc"):
             res["results"]["ifeval"][f"{k},none"] = sum(bool(s[k]) for s in samples) / len(samples)
@@ -51,26 +56,54 @@ def outputs(tmp_path_factory, shared_data) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("report_inputs")
     tok = make_tokenizer()
-    ref, cand = save_sink_llama(root / "models" / "ref", REF_GAPS, tok), save_sink_llama(root / "models" / "cand", CAND_GAPS, tok)
-    o = {"root": root, "ref": ref, "cand": cand, "strength": root / "strength", "margin": root / "margin", "buckets": root / "buckets",
-         "attribution": root / "attribution", "sweep": root / "sweep"}
+    ref, cand = (
+        save_sink_llama(root / "models" / "ref", REF_GAPS, tok),
+        save_sink_llama(root / "models" / "cand", CAND_GAPS, tok),
+    )
+    o = {
+        "root": root,
+        "ref": ref,
+        "cand": cand,
+        "strength": root / "strength",
+        "margin": root / "margin",
+        "buckets": root / "buckets",
+        "attribution": root / "attribution",
+        "sweep": root / "sweep",
+    }
     assert main(["strength", str(ref), str(cand), "--output", str(o["strength"]), "--quiet", "--last-k", "2"]) == 0
     assert main(["margin", str(ref), str(cand), "--output", str(o["margin"]), "--quiet", "--strength-last-k", "2"]) == 0
     rd, cd = _ifeval_runs(root / "runs", ref, cand, shared_data)
     o["runs"] = (rd, cd)
     assert main(["buckets", str(rd), str(cd), "--output", str(o["buckets"]), "--quiet", "--bootstrap", "1000"]) == 0
     assert main(["attribute", "--reference", str(rd), "--candidate", str(cd), "--output", str(o["attribution"])]) == 0
-    spec = {"output": str(o["sweep"]), "models": {"reference": str(ref), "candidate": str(cand)}, "configs": ["dare_linear"], "merge": {"random_seed": 0},
-            "eval": {"tasks": ["lm_eval_sink_tiny_choice"], "include_path": str(SWEEP_TASKS), "batch_size": 1, "seed": 0},
-            "strength": {"n_prompts": 5, "last_k": 2, "dtype": "float32"}}
+    spec = {
+        "output": str(o["sweep"]),
+        "models": {"reference": str(ref), "candidate": str(cand)},
+        "configs": ["dare_linear"],
+        "merge": {"random_seed": 0},
+        "eval": {"tasks": ["lm_eval_sink_tiny_choice"], "include_path": str(SWEEP_TASKS), "batch_size": 1, "seed": 0},
+        "strength": {"n_prompts": 5, "last_k": 2, "dtype": "float32"},
+    }
     (root / "sweep.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
     assert not run_sweep(load_sweep(root / "sweep.yaml"), progress=False).failures
     return o
 
 
 def _args(o: dict[str, Path]) -> list[str]:
-    return ["report", "--strength", str(o["strength"] / "ref.strength.json"), str(o["strength"] / "cand.strength.json"), "--margin", str(o["margin"]),
-            "--buckets", str(o["buckets"]), "--attribution", str(o["attribution"]), "--sweep", str(o["sweep"])]
+    return [
+        "report",
+        "--strength",
+        str(o["strength"] / "ref.strength.json"),
+        str(o["strength"] / "cand.strength.json"),
+        "--margin",
+        str(o["margin"]),
+        "--buckets",
+        str(o["buckets"]),
+        "--attribution",
+        str(o["attribution"]),
+        "--sweep",
+        str(o["sweep"]),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -148,11 +181,19 @@ def test_every_section_and_every_number_traces_to_its_input(report, outputs):
         value = _resolve(report, src)
         assert _matches(text, value, scale), (src, text, value)
         files.add(src.partition("#")[0])
-    assert files == {"../strength/ref.strength.json", "../strength/cand.strength.json", "../margin/margin.json", "../buckets/buckets.json",
-                     "../attribution/attribution.json", "../sweep/table.json"}
+    assert files == {
+        "../strength/ref.strength.json",
+        "../strength/cand.strength.json",
+        "../margin/margin.json",
+        "../buckets/buckets.json",
+        "../attribution/attribution.json",
+        "../sweep/table.json",
+    }
     buckets = json.loads((outputs["buckets"] / "buckets.json").read_text())
     regressed = {str(r["doc_id"]) for r in buckets["rows"] if r["bucket"] == "regression"}
-    shown_docs = {text for src, _, text in p.found if src.startswith("../buckets/buckets.json#/rows/") and src.endswith("/doc_id")}
+    shown_docs = {
+        text for src, _, text in p.found if src.startswith("../buckets/buckets.json#/rows/") and src.endswith("/doc_id")
+    }
     assert shown_docs == regressed and len(regressed) == buckets["counts"]["regression"] == 8
     sweep = json.loads((outputs["sweep"] / "table.json").read_text())
     for i, _ in enumerate(sweep["rows"]):  # every checkpoint with its S delta and metric deltas
@@ -180,7 +221,21 @@ def test_sections_follow_the_inputs_and_strength_files_win_over_margin(outputs, 
     # the sweep's strength files (5 prompts) against margin.json's S (15 prompts): the files win, the mismatch is noted
     st = outputs["sweep"] / "strength"
     out2 = tmp_path / "s.html"
-    assert main(["report", "--strength", str(st / "reference" / "strength.json"), str(st / "candidate" / "strength.json"), "--margin", str(outputs["margin"]), "-o", str(out2)]) == 0
+    assert (
+        main(
+            [
+                "report",
+                "--strength",
+                str(st / "reference" / "strength.json"),
+                str(st / "candidate" / "strength.json"),
+                "--margin",
+                str(outputs["margin"]),
+                "-o",
+                str(out2),
+            ]
+        )
+        == 0
+    )
     text = out2.read_text()
     assert "differs from margin.json" in text
     s_shown = [(src, t) for src, _, t in _parse(out2).found if src.endswith("#/sink_strength")]
@@ -198,7 +253,21 @@ def test_bad_inputs_are_one_line_and_write_nothing(outputs, report, tmp_path, ca
     out = tmp_path / "r.html"
     st = outputs["strength"]
     # candidate's strength file given as the reference's: another model than margin.json's reference
-    assert main(["report", "--strength", str(st / "cand.strength.json"), str(st / "ref.strength.json"), "--margin", str(outputs["margin"]), "-o", str(out)]) == 2
+    assert (
+        main(
+            [
+                "report",
+                "--strength",
+                str(st / "cand.strength.json"),
+                str(st / "ref.strength.json"),
+                "--margin",
+                str(outputs["margin"]),
+                "-o",
+                str(out),
+            ]
+        )
+        == 2
+    )
     assert "different reference models" in _one_error(capsys) and not out.exists()
     # buckets of another pair (the runs name other models)
     other = tmp_path / "other"
@@ -237,13 +306,23 @@ def test_bad_inputs_are_one_line_and_write_nothing(outputs, report, tmp_path, ca
 
 # ---------------------------------------------------------------------------- the real browser
 
-CHROME_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run")
+CHROME_FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+)
 
 
 def _browser(tmp_path: Path):
     chromium, driver_bin = shutil.which("chromium"), shutil.which("chromedriver")
     if not chromium or not driver_bin:
-        pytest.skip("Debian's chromium and chromium-driver are not installed (apt-get install chromium chromium-driver; .ci/run does it)")
+        pytest.skip(
+            "Debian's chromium and chromium-driver are not installed (apt-get install chromium chromium-driver; .ci/run does it)"
+        )
     try:
         from selenium import webdriver
         from selenium.webdriver.chrome.service import Service
@@ -283,7 +362,9 @@ def test_real_browser_opens_the_report_offline_without_errors(report, tmp_path):
     try:
         # the detector itself: a page asking for an external image is caught (request or CSP console error)
         control = tmp_path / "control.html"
-        control.write_text('<!DOCTYPE html><html><body><img src="http://192.0.2.1/x.png"><script>console.error("boom")</script></body></html>')
+        control.write_text(
+            '<!DOCTYPE html><html><body><img src="http://192.0.2.1/x.png"><script>console.error("boom")</script></body></html>'
+        )
         driver.get(control.as_uri())
         assert _foreign(_requests(driver), control.as_uri()) == ["http://192.0.2.1/x.png"]
         assert any(e["level"] == "SEVERE" for e in driver.get_log("browser"))
@@ -308,7 +389,10 @@ def test_real_browser_opens_the_report_offline_without_errors(report, tmp_path):
         header = driver.find_elements(By.CSS_SELECTOR, "#reg-1 thead th")[0]
         header.click()
         header.click()  # descending by doc id
-        ids = [int(r.find_element(By.CSS_SELECTOR, "td .num").text) for r in driver.find_elements(By.CSS_SELECTOR, "#reg-1 tbody tr")]
+        ids = [
+            int(r.find_element(By.CSS_SELECTOR, "td .num").text)
+            for r in driver.find_elements(By.CSS_SELECTOR, "#reg-1 tbody tr")
+        ]
         assert ids == sorted(ids, reverse=True)
         assert [e for e in driver.get_log("browser") if e["level"] == "SEVERE"] == []
         shot = tmp_path / "report.png"

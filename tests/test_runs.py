@@ -9,7 +9,15 @@ import sys
 import pytest
 
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.io import COMPLETE, atomic_write_json, canonical_json, manifest, read_complete, staged_dir, write_complete
+from lm_eval_sink.io import (
+    COMPLETE,
+    atomic_write_json,
+    canonical_json,
+    manifest,
+    read_complete,
+    staged_dir,
+    write_complete,
+)
 from lm_eval_sink.runs import load_results, read_samples, resolve_run
 from lm_eval_sink.tables import csv_text, markdown_table
 
@@ -95,6 +103,7 @@ def test_canonical_json_is_byte_identical_and_refuses_nan(tmp_path):
 
 def test_staged_dir_leaves_nothing_that_looks_complete_on_failure(tmp_path):
     out = tmp_path / "out"
+
     def interrupted_build() -> None:
         with staged_dir(out) as tmp:
             (tmp / "half.bin").write_bytes(b"x")
@@ -134,13 +143,24 @@ def test_table_helper_markdown_and_csv():
 
 def test_light_modules_import_no_torch():
     """Modules that work on saved logs or numbers stay importable without torch/transformers."""
-    light = ["lm_eval_sink.errors", "lm_eval_sink.io", "lm_eval_sink.runs", "lm_eval_sink.calibration", "lm_eval_sink.strength", "lm_eval_sink.cli"]
+    light = [
+        "lm_eval_sink.errors",
+        "lm_eval_sink.io",
+        "lm_eval_sink.runs",
+        "lm_eval_sink.calibration",
+        "lm_eval_sink.strength",
+        "lm_eval_sink.cli",
+    ]
     for extra in ("buckets", "protocols", "attribution", "predict", "margin"):
         try:
             __import__(f"lm_eval_sink.{extra}")
             light.append(f"lm_eval_sink.{extra}")
         except ImportError:
             pass
-    code = "import sys; import " + ", ".join(light) + "; print(sorted(m for m in ('torch', 'transformers', 'click', 'matplotlib') if m in sys.modules))"
+    code = (
+        "import sys; import "
+        + ", ".join(light)
+        + "; print(sorted(m for m in ('torch', 'transformers', 'click', 'matplotlib') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "['click']"  # cli imports click; nothing imports torch, transformers or matplotlib

@@ -15,7 +15,14 @@ from lm_eval_sink.errors import UserError
 from lm_eval_sink.predict import fit_pairs
 from lm_eval_sink.screen import classify_qk_norm
 
-TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64}
+TINY = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 64,
+}
 
 
 def _tiny_model_dir(tmp_path, name, config_cls, model_cls):
@@ -29,7 +36,11 @@ def _tiny_model_dir(tmp_path, name, config_cls, model_cls):
 
 @pytest.mark.parametrize(
     ("config_name", "model_name", "expected"),
-    [("LlamaConfig", "LlamaForCausalLM", "none"), ("Qwen3Config", "Qwen3ForCausalLM", "per_head"), ("Olmo2Config", "Olmo2ForCausalLM", "layerwise")],
+    [
+        ("LlamaConfig", "LlamaForCausalLM", "none"),
+        ("Qwen3Config", "Qwen3ForCausalLM", "per_head"),
+        ("Olmo2Config", "Olmo2ForCausalLM", "layerwise"),
+    ],
 )
 def test_qk_norm_class_of_tiny_llama_qwen3_olmo2(tmp_path, config_name, model_name, expected):
     import transformers
@@ -129,7 +140,9 @@ def test_screen_without_output_writes_nothing(screen_models, tmp_path, capsys, m
 def test_screen_checks_the_pairs_file_before_measuring(screen_models, tmp_path, capsys):
     strong, _, _ = screen_models
     bad = tmp_path / "pairs.yaml"
-    bad.write_text("- name: only-one\n  reference: r\n  candidate: c\n  sink_strength: 1.0\n  deltas: {ifeval: -1}\n  source: me\n")
+    bad.write_text(
+        "- name: only-one\n  reference: r\n  candidate: c\n  sink_strength: 1.0\n  deltas: {ifeval: -1}\n  source: me\n"
+    )
     out = tmp_path / "out"
     assert main(["screen", str(strong), "--pairs", str(bad), "--output", str(out), "--quiet"]) == 2
     err = capsys.readouterr().err

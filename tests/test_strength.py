@@ -54,7 +54,17 @@ def _random_model(family: str):
 
     cls = {"llama": LlamaConfig, "qwen3": Qwen3Config, "olmo2": Olmo2Config}[family]
     torch.manual_seed(1)
-    cfg = cls(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256, pad_token_id=0)
+    cfg = cls(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        pad_token_id=0,
+    )
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
 
 

@@ -56,7 +56,15 @@ def uninterrupted(tmp_path_factory, tiny_trio) -> Path:
     sweep = _write_sweep(tmp_path_factory.mktemp("sweep_a"), tiny_trio)
     report = run_sweep(load_sweep(sweep), progress=False)
     assert not report.failures, report.failures
-    assert report.ran == ["eval:reference", "strength:reference", "eval:candidate", "strength:candidate", "merge:dare_linear", "eval:dare_linear", "strength:dare_linear"]
+    assert report.ran == [
+        "eval:reference",
+        "strength:reference",
+        "eval:candidate",
+        "strength:candidate",
+        "merge:dare_linear",
+        "eval:dare_linear",
+        "strength:dare_linear",
+    ]
     return sweep
 
 
@@ -84,7 +92,15 @@ def test_sweep_writes_table_with_metrics_deltas_and_s(uninterrupted):
     assert (out / "table.csv").read_text().splitlines()[0].startswith("checkpoint,method,")
     assert (out / "table.png").read_bytes()[:4] == b"\x89PNG"
     lines = [json.loads(x) for x in (out / "manifest.jsonl").read_text().splitlines()]
-    assert [x["unit"] for x in lines] == ["eval:reference", "strength:reference", "eval:candidate", "strength:candidate", "merge:dare_linear", "eval:dare_linear", "strength:dare_linear"]
+    assert [x["unit"] for x in lines] == [
+        "eval:reference",
+        "strength:reference",
+        "eval:candidate",
+        "strength:candidate",
+        "merge:dare_linear",
+        "eval:dare_linear",
+        "strength:dare_linear",
+    ]
     assert all(x["status"] == "done" for x in lines)
     merged = out / "merges" / "dare_linear"
     assert json.loads((merged / "COMPLETE.json").read_text())["key"] == lines[4]["key"]
@@ -174,7 +190,10 @@ def test_failed_step_is_reported_at_the_end_and_others_go_on(uninterrupted, tmp_
     assert len(errors) == 1 and "3 sweep step(s) failed" in errors[0] and "merge:broken" in errors[0]
     assert "failed: eval:broken: not run: merge:broken failed" in captured.out
     rows = {r["checkpoint"]: r for r in _rows(sweep.parent / "out")}
-    assert rows["dare_linear"]["status"] == "ok" and rows["dare_linear"]["metrics"] == _rows(uninterrupted.parent / "out")[2]["metrics"]
+    assert (
+        rows["dare_linear"]["status"] == "ok"
+        and rows["dare_linear"]["metrics"] == _rows(uninterrupted.parent / "out")[2]["metrics"]
+    )
     assert rows["broken"]["status"].startswith("merge:broken:") and rows["broken"]["sink_strength"] is None
     assert not (sweep.parent / "out" / "merges" / "broken").exists()
 
@@ -204,7 +223,12 @@ def test_changed_inputs_are_refused_and_other_protocols_are_not_tabulated(uninte
     capsys.readouterr()
     assert main(["sweep", str(changed), "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: ") and "made from other inputs" in err and "--force" in err and len(err.splitlines()) == 1
+    assert (
+        err.startswith("error: ")
+        and "made from other inputs" in err
+        and "--force" in err
+        and len(err.splitlines()) == 1
+    )
     # A run made under another harness protocol (here: its results file says 1-shot) is refused.
     out = sweep.parent / "out"
     results = next((out / "evals" / "candidate").rglob("results_*.json"))
@@ -284,12 +308,43 @@ def test_table_text_is_the_markdown_and_csv_of_the_table():
     """The core renders a table from data alone: cells formatted to 4 places, deltas signed, n/a where missing."""
     from lm_eval_sink.merging.sweep import table_text
 
-    rows = [{"checkpoint": "reference", "role": "reference", "method": None, "status": "ok", "metrics": {"t/acc": 0.5}, "delta_vs_reference": {"t/acc": 0.0},
-             "sink_strength": -2.0, "sink_strength_delta_vs_reference": 0.0},
-            {"checkpoint": "tsv", "role": "merge", "method": "tsv", "status": "eval:tsv: boom", "metrics": {"t/acc": None}, "delta_vs_reference": {"t/acc": None},
-             "sink_strength": -1.5, "sink_strength_delta_vs_reference": 0.5}]
-    md, csv = table_text({"columns": ["t/acc"], "rows": rows, "lineage": "chain", "final": False, "final_note": "evaluated with limit=5: not final scores"})
-    assert md == ("Merging sweep (chain lineage); deltas vs the reference.\n**Not final scores:** evaluated with limit=5: not final scores.\n\n"
-                  "| checkpoint | method | t/acc | t/acc delta | S | S delta | status |\n|---|---|---|---|---|---|---|\n"
-                  "| reference | reference | 0.5000 | +0.0000 | -2.0000 | +0.0000 | ok |\n| tsv | tsv | n/a | n/a | -1.5000 | +0.5000 | eval:tsv: boom |\n")
-    assert csv == "checkpoint,method,t/acc,t/acc delta,S,S delta,status\nreference,reference,0.5000,+0.0000,-2.0000,+0.0000,ok\ntsv,tsv,n/a,n/a,-1.5000,+0.5000,eval:tsv: boom\n"
+    rows = [
+        {
+            "checkpoint": "reference",
+            "role": "reference",
+            "method": None,
+            "status": "ok",
+            "metrics": {"t/acc": 0.5},
+            "delta_vs_reference": {"t/acc": 0.0},
+            "sink_strength": -2.0,
+            "sink_strength_delta_vs_reference": 0.0,
+        },
+        {
+            "checkpoint": "tsv",
+            "role": "merge",
+            "method": "tsv",
+            "status": "eval:tsv: boom",
+            "metrics": {"t/acc": None},
+            "delta_vs_reference": {"t/acc": None},
+            "sink_strength": -1.5,
+            "sink_strength_delta_vs_reference": 0.5,
+        },
+    ]
+    md, csv = table_text(
+        {
+            "columns": ["t/acc"],
+            "rows": rows,
+            "lineage": "chain",
+            "final": False,
+            "final_note": "evaluated with limit=5: not final scores",
+        }
+    )
+    assert md == (
+        "Merging sweep (chain lineage); deltas vs the reference.\n**Not final scores:** evaluated with limit=5: not final scores.\n\n"
+        "| checkpoint | method | t/acc | t/acc delta | S | S delta | status |\n|---|---|---|---|---|---|---|\n"
+        "| reference | reference | 0.5000 | +0.0000 | -2.0000 | +0.0000 | ok |\n| tsv | tsv | n/a | n/a | -1.5000 | +0.5000 | eval:tsv: boom |\n"
+    )
+    assert (
+        csv
+        == "checkpoint,method,t/acc,t/acc delta,S,S delta,status\nreference,reference,0.5000,+0.0000,-2.0000,+0.0000,ok\ntsv,tsv,n/a,n/a,-1.5000,+0.5000,eval:tsv: boom\n"
+    )

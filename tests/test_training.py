@@ -52,7 +52,9 @@ def selective_dirs(tmp_path_factory, tiny_tokenizer):
     out = {}
     for fam in ("llama", "qwen3", "olmo2"):
         d = tmp_path_factory.mktemp(f"sel-{fam}")
-        sm.build_selective(fam, n_layers=3, vocab=len(tiny_tokenizer), bos_id=tiny_tokenizer.bos_token_id).save_pretrained(d)
+        sm.build_selective(
+            fam, n_layers=3, vocab=len(tiny_tokenizer), bos_id=tiny_tokenizer.bos_token_id
+        ).save_pretrained(d)
         tiny_tokenizer.save_pretrained(d)
         out[fam] = d
     return out
@@ -64,7 +66,10 @@ def test_protect_plan_selects_exactly_the_sink_heads(family, selective_dirs, tmp
     assert main(["protect-plan", str(selective_dirs[family]), "--quiet", "-o", str(plan_path)]) == 0
     assert capsys.readouterr().out.startswith("6 of 12 heads selected in 3 layers")
     doc = json.loads(plan_path.read_text())
-    assert doc["provenance"]["command"] == "protect-plan" and doc["qk_norm"] == {"llama": "none", "qwen3": "per_head", "olmo2": "layerwise"}[family]
+    assert (
+        doc["provenance"]["command"] == "protect-plan"
+        and doc["qk_norm"] == {"llama": "none", "qwen3": "per_head", "olmo2": "layerwise"}[family]
+    )
     selected = {(h["layer"], h["head"]) for h in doc["heads"] if h["selected"]}
     assert selected == {(l, h) for l in range(3) for h in sm.SINK_HEADS}
     for h in doc["heads"]:
@@ -146,13 +151,23 @@ def trained(tiny_tokenizer):
         if lora:
             from peft import LoraConfig, get_peft_model
 
-            model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj"], lora_dropout=0.0))
+            model = get_peft_model(
+                model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj"], lora_dropout=0.0)
+            )
         base = model.get_base_model() if lora else model
         start = _snapshot(base)
         prot = SinkProtection(plan)
         frozen = prot.freeze(model)
         _train(model, 6, prot, vocab, bos)
-        return {"model": base, "plan": plan, "prot": prot, "start": start, "start_geo": start_geo, "frozen": frozen, "bos": bos}
+        return {
+            "model": base,
+            "plan": plan,
+            "prot": prot,
+            "start": start,
+            "start_geo": start_geo,
+            "frozen": frozen,
+            "bos": bos,
+        }
 
     return make
 
@@ -163,7 +178,9 @@ def test_dense_protection_holds_sink_key_and_logit(trained):
     now = _snapshot(model)
     # Frozen: every parameter of layer 0 except q/k, and layer 1's input norm: bit-identical.
     assert t["frozen"] and all(torch.equal(now[f"model.{n}"], start[f"model.{n}"]) for n in t["frozen"])
-    assert not torch.equal(now["model.layers.0.self_attn.q_proj.weight"], start["model.layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(
+        now["model.layers.0.self_attn.q_proj.weight"], start["model.layers.0.self_attn.q_proj.weight"]
+    )
     # The sink row of the tied embedding / output head is reset after every step.
     assert torch.equal(now["model.embed_tokens.weight"][t["bos"]], start["model.embed_tokens.weight"][t["bos"]])
     geo = sink_geometry(model, t["bos"], [1, 2])
@@ -180,9 +197,14 @@ def test_dense_protection_holds_sink_key_and_logit(trained):
         assert not torch.equal(now[pre + "k_proj.bias"][d:], start[pre + "k_proj.bias"][d:])
         off_plane = [i for i in range(d) if i not in (sm.SEL_DIM, sm.SEL_DIM + d // 2)]
         for h in sm.SINK_HEADS:  # protected heads still learn off the sink planes (rank of U: 2 of 8)
-            assert not torch.equal(now[pre + "q_proj.weight"][h * d:(h + 1) * d][off_plane], start[pre + "q_proj.weight"][h * d:(h + 1) * d][off_plane])
+            assert not torch.equal(
+                now[pre + "q_proj.weight"][h * d : (h + 1) * d][off_plane],
+                start[pre + "q_proj.weight"][h * d : (h + 1) * d][off_plane],
+            )
         for h in (2, 3):  # unprotected query heads changed
-            assert not torch.equal(now[pre + "q_proj.weight"][h * d:(h + 1) * d], start[pre + "q_proj.weight"][h * d:(h + 1) * d])
+            assert not torch.equal(
+                now[pre + "q_proj.weight"][h * d : (h + 1) * d], start[pre + "q_proj.weight"][h * d : (h + 1) * d]
+            )
         # Sink logit of a fixed query input through W_q (tau = 0), at every position: unchanged.
         x = torch.randn(sm.SEL_H, generator=torch.Generator().manual_seed(l))
         k_s0 = torch.tensor(t["start_geo"][l][1], dtype=torch.float32)
@@ -210,7 +232,9 @@ def test_per_head_qk_norm_keeps_numerator(trained):
     with torch.no_grad():
         l_now, l_start = _rotated_logits(model, l, norm(u_now), k_s0), _rotated_logits(model, l, norm(u_start), k_s0)
     ratio = (u_start.norm(dim=-1) / u_now.norm(dim=-1)).double()
-    np.testing.assert_allclose(l_now[:, :2], (l_start * ratio)[:, :2], rtol=1e-4, atol=1e-6)  # l_i = l_i0 |u_i0| / |u_i|
+    np.testing.assert_allclose(
+        l_now[:, :2], (l_start * ratio)[:, :2], rtol=1e-4, atol=1e-6
+    )  # l_i = l_i0 |u_i0| / |u_i|
     assert not np.allclose(ratio[:2], 1.0, atol=1e-4)  # ... and not invariant
     lo, hi = t["prot"].report(model, torch.tensor([[t["bos"], 5, 6, 7]]))[1]["q_norm_ratio"]
     assert 0 < lo <= hi and (lo, hi) != (1.0, 1.0)
@@ -255,13 +279,26 @@ def test_lora_projection_equals_dense_rule(trained):
                 b.copy_(torch.randn(b.shape, generator=gen))
                 before[name] = (s * b @ a).double().numpy()
         prot.project_(model)
-        after = {n: (getattr(attn, n).scaling["default"] * getattr(attn, n).lora_B["default"].weight @ getattr(attn, n).lora_A["default"].weight).detach().double().numpy()
-                 for n in ("q_proj", "k_proj")}
+        after = {
+            n: (
+                getattr(attn, n).scaling["default"]
+                * getattr(attn, n).lora_B["default"].weight
+                @ getattr(attn, n).lora_A["default"].weight
+            )
+            .detach()
+            .double()
+            .numpy()
+            for n in ("q_proj", "k_proj")
+        }
         x_hat = np.asarray(lp.x_hat)
-        np.testing.assert_allclose(after["k_proj"][:d], project_rows_off(before["k_proj"][:d], x_hat), atol=1e-5)  # Rule K on KV head 0
+        np.testing.assert_allclose(
+            after["k_proj"][:d], project_rows_off(before["k_proj"][:d], x_hat), atol=1e-5
+        )  # Rule K on KV head 0
         for h in lp.heads:
             rows = slice(h * d, (h + 1) * d)
-            np.testing.assert_allclose(after["q_proj"][rows], project_cols_off(before["q_proj"][rows], plan.basis(lp, 0)), atol=1e-5)
+            np.testing.assert_allclose(
+                after["q_proj"][rows], project_cols_off(before["q_proj"][rows], plan.basis(lp, 0)), atol=1e-5
+            )
         for h in (2, 3):
             rows = slice(h * d, (h + 1) * d)
             np.testing.assert_allclose(after["q_proj"][rows], before["q_proj"][rows], atol=1e-6)
@@ -315,8 +352,19 @@ def _trainer(model, out, max_steps, callbacks=(), save_steps=None):
         ids = torch.randint(3, model.config.vocab_size, (10,), generator=gen)
         ids[0] = 2
         data.append({"input_ids": ids, "labels": ids.clone()})
-    args = TrainingArguments(output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=2, learning_rate=5e-3, report_to=[], use_cpu=True,
-                             save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500, logging_steps=1, disable_tqdm=True, seed=0)
+    args = TrainingArguments(
+        output_dir=str(out),
+        max_steps=max_steps,
+        per_device_train_batch_size=2,
+        learning_rate=5e-3,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="steps" if save_steps else "no",
+        save_steps=save_steps or 500,
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=0,
+    )
     return Trainer(model=model, args=args, train_dataset=data, callbacks=list(callbacks))
 
 
@@ -334,7 +382,12 @@ def test_callback_under_trainer_matches_strength_cli(tiny_tokenizer, tmp_path, c
     trainer.train()
     records = read_trajectory(tmp_path / "run" / "sink_trajectory.jsonl")
     assert [r["step"] for r in records] == [0, 2, 4, 5]  # step 0, every 2, and the last one once
-    assert "provenance" not in records[0] and {"epoch", "sink_strength", "sink_strength_layer_head", "pos0_argmax_fraction"} <= set(records[0])
+    assert "provenance" not in records[0] and {
+        "epoch",
+        "sink_strength",
+        "sink_strength_layer_head",
+        "pos0_argmax_fraction",
+    } <= set(records[0])
     assert (tmp_path / "run" / "sink_trajectory.png").stat().st_size > 1000
     assert all(training and seen == flags for _, training, seen in probe.seen)
     logged = [h for h in trainer.state.log_history if "sink_strength" in h]
@@ -362,8 +415,13 @@ def test_callback_without_attach_warns_once_and_resume_drops_later_lines(tiny_to
     lines = path.read_text().splitlines()
     fake = json.loads(lines[1]) | {"step": 3}  # a line later than checkpoint-2 that a resumed run would not rewrite
     atomic_write_text(path, "\n".join([*lines[:2], json.dumps(fake), *lines[2:]]) + "\n")
-    resumed = _trainer(sm.build_selective("llama", vocab=len(tiny_tokenizer), bos_id=tiny_tokenizer.bos_token_id, noise=0.05), tmp_path / "run", 4,
-                       callbacks=[SinkStrengthCallback(tiny_tokenizer, StrengthSettings(n_prompts=5), every_n_steps=2)], save_steps=2)
+    resumed = _trainer(
+        sm.build_selective("llama", vocab=len(tiny_tokenizer), bos_id=tiny_tokenizer.bos_token_id, noise=0.05),
+        tmp_path / "run",
+        4,
+        callbacks=[SinkStrengthCallback(tiny_tokenizer, StrengthSettings(n_prompts=5), every_n_steps=2)],
+        save_steps=2,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", SinkWarning)
         resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
@@ -376,11 +434,16 @@ def test_protection_from_plan_as_trainer_callback(selective_dirs, tiny_tokenizer
     from lm_eval_sink.io import atomic_write_json
 
     model = sm.build_selective("llama", vocab=len(tiny_tokenizer), bos_id=tiny_tokenizer.bos_token_id, noise=0.05)
-    plan_path = atomic_write_json(tmp_path / "plan.json", select_sink_heads(model, tiny_tokenizer, StrengthSettings(last_k=2), progress=False).to_json())
+    plan_path = atomic_write_json(
+        tmp_path / "plan.json",
+        select_sink_heads(model, tiny_tokenizer, StrengthSettings(last_k=2), progress=False).to_json(),
+    )
     start, geo0 = _snapshot(model), sink_geometry(model, tiny_tokenizer.bos_token_id, [1])
     prot = SinkProtection.from_plan(plan_path)
     _trainer(model, tmp_path / "run", 4, callbacks=[prot]).train()
     now = _snapshot(model)
     assert torch.equal(now["model.layers.0.mlp.down_proj.weight"], start["model.layers.0.mlp.down_proj.weight"])
     assert not torch.equal(now["model.layers.2.mlp.down_proj.weight"], start["model.layers.2.mlp.down_proj.weight"])
-    np.testing.assert_allclose(sink_geometry(model, tiny_tokenizer.bos_token_id, [1])[1][1][0], geo0[1][1][0], atol=1e-6)
+    np.testing.assert_allclose(
+        sink_geometry(model, tiny_tokenizer.bos_token_id, [1])[1][1][0], geo0[1][1][0], atol=1e-6
+    )

@@ -6,7 +6,18 @@ import json
 from pathlib import Path
 from typing import Any
 
-from lm_eval_sink.attribution import LINEAGE_CONFIG_FIELDS, Attribution, Measurement, attribute, lineage, measurements_from_registry, plot_rows, relabel, run_measurements, to_markdown
+from lm_eval_sink.attribution import (
+    LINEAGE_CONFIG_FIELDS,
+    Attribution,
+    Measurement,
+    attribute,
+    lineage,
+    measurements_from_registry,
+    plot_rows,
+    relabel,
+    run_measurements,
+    to_markdown,
+)
 from lm_eval_sink.benchmarks import Benchmark, load_benchmarks
 from lm_eval_sink.errors import UserError
 
@@ -73,10 +84,18 @@ def model_info(pretrained: str | None, registry: Any = None) -> dict[str, Any]:
             names += sorted(entry.names())
             if entry.parent:
                 parents.append((entry.parent["model"], f"vendor registry ({entry.parent['source']})"))
-    return {"key": key, "names": names, "parents": parents, "registry_model": reg_name, "display": reg_name or Path(key).name or key}
+    return {
+        "key": key,
+        "names": names,
+        "parents": parents,
+        "registry_model": reg_name,
+        "display": reg_name or Path(key).name or key,
+    }
 
 
-def measurements_from_run(arg: str, role: str, benchmarks: dict[str, Benchmark], registry: Any = None) -> tuple[list[Measurement], dict[str, Any], dict[str, Any]]:
+def measurements_from_run(
+    arg: str, role: str, benchmarks: dict[str, Benchmark], registry: Any = None
+) -> tuple[list[Measurement], dict[str, Any], dict[str, Any]]:
     """Resolve and read one lm-eval run, identify its model; its measurements (attribution.run_measurements)."""
     from lm_eval_sink.identity import local_identity
     from lm_eval_sink.io import sha256_file
@@ -89,11 +108,18 @@ def measurements_from_run(arg: str, role: str, benchmarks: dict[str, Benchmark],
     info = model_info(fp.run.get("pretrained") or fp.run.get("model_name"), registry)
     if fp.run.get("revision") not in (None, "main"):
         info["key"] += f"@{fp.run['revision']}"
-    source = {"kind": "run", "path": str(files.results), "sha256": sha256_file(files.results), "model_identity": local_identity(fp.run.get("pretrained"))}
+    source = {
+        "kind": "run",
+        "path": str(files.results),
+        "sha256": sha256_file(files.results),
+        "model_identity": local_identity(fp.run.get("pretrained")),
+    }
     return run_measurements(results, fp, info, source, files.samples, role, benchmarks), info, source
 
 
-def _load(args: list[str], role: str, benchmarks: dict[str, Benchmark], registry: Any) -> tuple[list[Measurement], list[dict[str, Any]], list[dict[str, Any]]]:
+def _load(
+    args: list[str], role: str, benchmarks: dict[str, Benchmark], registry: Any
+) -> tuple[list[Measurement], list[dict[str, Any]], list[dict[str, Any]]]:
     meas, infos, inputs = [], [], []
     for arg in args:
         if str(arg).startswith("vendor:"):
@@ -106,22 +132,36 @@ def _load(args: list[str], role: str, benchmarks: dict[str, Benchmark], registry
     return meas, infos, inputs
 
 
-def run_attribution(references: list[str], candidates: list[str], *, vendor: bool = False, registry_file: str | Path | None = None,
-                    benchmarks_file: str | Path | None = None, declared_lineage: str | None = None, mixture: dict[str, str] | None = None,
-                    baseline_protocol: str | None = None, allow_partial: bool = False) -> Attribution:
+def run_attribution(
+    references: list[str],
+    candidates: list[str],
+    *,
+    vendor: bool = False,
+    registry_file: str | Path | None = None,
+    benchmarks_file: str | Path | None = None,
+    declared_lineage: str | None = None,
+    mixture: dict[str, str] | None = None,
+    baseline_protocol: str | None = None,
+    allow_partial: bool = False,
+) -> Attribution:
     """Load runs (paths) and registry entries (`vendor:ID` / `vendor:MODEL`) and attribute the gaps."""
     from lm_eval_sink.runs import read_samples
     from lm_eval_sink.vendors import load_registry
 
     if not references or not candidates:
-        raise UserError("attribute needs at least one --reference and one --candidate", "pass runs (lm-eval output folders or results JSON) or vendor:ENTRY")
+        raise UserError(
+            "attribute needs at least one --reference and one --candidate",
+            "pass runs (lm-eval output folders or results JSON) or vendor:ENTRY",
+        )
     benchmarks = load_benchmarks(benchmarks_file)
     uses_registry = vendor or any(str(a).startswith("vendor:") for a in [*references, *candidates])
-    registry = load_registry(registry_file)  # also recognises models by name for lineage; its scores only with vendor:/--vendor
+    registry = load_registry(
+        registry_file
+    )  # also recognises models by name for lineage; its scores only with vendor:/--vendor
     ref_m, ref_info, ref_in = _load(references, "reference", benchmarks, registry)
     cand_m, cand_info, cand_in = _load(candidates, "candidate", benchmarks, registry)
     allm = relabel([*ref_m, *cand_m])
-    ref_m, cand_m = allm[: len(ref_m)], allm[len(ref_m):]
+    ref_m, cand_m = allm[: len(ref_m)], allm[len(ref_m) :]
     pairs: dict[tuple[str, str], dict[str, Any]] = {}
     for ri in ref_info:
         for ci in cand_info:
@@ -132,9 +172,13 @@ def run_attribution(references: list[str], candidates: list[str], *, vendor: boo
     if uses_registry:
         ref_names = {i["registry_model"] for i in ref_info if i["registry_model"]}
         cand_names = {i["registry_model"] for i in cand_info if i["registry_model"]}
-        reported = [g for r in sorted(ref_names) for c in sorted(cand_names) if r != c for g in registry.gaps_between(r, c)]
+        reported = [
+            g for r in sorted(ref_names) for c in sorted(cand_names) if r != c for g in registry.gaps_between(r, c)
+        ]
         if vendor:
-            vendor_scores = [s for n in sorted(ref_names | cand_names) for s in registry.scores_of(n) if s.source.kind == "vendor"]
+            vendor_scores = [
+                s for n in sorted(ref_names | cand_names) for s in registry.scores_of(n) if s.source.kind == "vendor"
+            ]
     cache: dict[str, list[dict[str, Any]]] = {}
 
     def rows(path: str) -> list[dict[str, Any]]:
@@ -142,28 +186,64 @@ def run_attribution(references: list[str], candidates: list[str], *, vendor: boo
             cache[path] = read_samples(Path(path))
         return cache[path]
 
-    return attribute(ref_m, cand_m, benchmarks=benchmarks, lineage_info=list(pairs.values()), reported_gaps=reported, vendor_scores=vendor_scores,
-                     mixture=mixture, baseline_protocol=baseline_protocol, allow_partial=allow_partial, samples_rows=rows, inputs=[*ref_in, *cand_in])
+    return attribute(
+        ref_m,
+        cand_m,
+        benchmarks=benchmarks,
+        lineage_info=list(pairs.values()),
+        reported_gaps=reported,
+        vendor_scores=vendor_scores,
+        mixture=mixture,
+        baseline_protocol=baseline_protocol,
+        allow_partial=allow_partial,
+        samples_rows=rows,
+        inputs=[*ref_in, *cand_in],
+    )
 
 
 def write_report(att: Attribution, out_dir: str | Path, force: bool = False) -> dict[str, Path]:
     """attribution.json (with provenance), attribution.md and attribution.png in `out_dir`, built atomically."""
-    from lm_eval_sink.io import atomic_write_json, atomic_write_text, canonical_json, provenance, sha256_text, staged_dir
+    from lm_eval_sink.io import (
+        atomic_write_json,
+        atomic_write_text,
+        canonical_json,
+        provenance,
+        sha256_text,
+        staged_dir,
+    )
     from lm_eval_sink.plots import gap_parts
 
     out_dir = Path(out_dir)
     body = att.to_json()
-    doc = {**body, "provenance": provenance(command="attribute", inputs=att.inputs, result_sha256=sha256_text(canonical_json(body)))}
+    doc = {
+        **body,
+        "provenance": provenance(
+            command="attribute", inputs=att.inputs, result_sha256=sha256_text(canonical_json(body))
+        ),
+    }
     with staged_dir(out_dir, force=force) as tmp:
         atomic_write_json(tmp / "attribution.json", doc)
         atomic_write_text(tmp / "attribution.md", to_markdown(att))
-        footer = f"lm-eval-sink attribute; result sha256 {doc['provenance']['result_sha256'][:16]}; inputs: " + ", ".join(
-            Path(i.get("path") or i.get("arg")).name for i in att.inputs)
-        gap_parts(plot_rows(att), tmp / "attribution.png", title="gap = candidate - reference (points), split into its parts", footer=footer)
-    return {"json": out_dir / "attribution.json", "markdown": out_dir / "attribution.md", "png": out_dir / "attribution.png"}
+        footer = (
+            f"lm-eval-sink attribute; result sha256 {doc['provenance']['result_sha256'][:16]}; inputs: "
+            + ", ".join(Path(i.get("path") or i.get("arg")).name for i in att.inputs)
+        )
+        gap_parts(
+            plot_rows(att),
+            tmp / "attribution.png",
+            title="gap = candidate - reference (points), split into its parts",
+            footer=footer,
+        )
+    return {
+        "json": out_dir / "attribution.json",
+        "markdown": out_dir / "attribution.md",
+        "png": out_dir / "attribution.png",
+    }
 
 
-def run_attribute(references: list[str], candidates: list[str], output: Path | None = None, *, force: bool = False, **options: Any) -> list[str]:
+def run_attribute(
+    references: list[str], candidates: list[str], output: Path | None = None, *, force: bool = False, **options: Any
+) -> list[str]:
     """The `attribute` command: refuse the output folder early, attribute (`options`: run_attribution's), print the Markdown, write the folder."""
     from lm_eval_sink.io import check_output_dir
 

@@ -5,7 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from lm_eval_sink.buckets import BucketReport, BucketSettings, bucket, protocol_differences, protocol_record, rows_csv, summary_markdown, with_runs
+from lm_eval_sink.buckets import (
+    BucketReport,
+    BucketSettings,
+    bucket,
+    protocol_differences,
+    protocol_record,
+    rows_csv,
+    summary_markdown,
+    with_runs,
+)
 from lm_eval_sink.errors import UserError
 
 
@@ -28,8 +37,12 @@ def run_record(run, fp, reason: str | None, task: str, samples_path: Path) -> di
     from lm_eval_sink.identity import local_identity
     from lm_eval_sink.io import sha256_file
 
-    rec: dict[str, Any] = {"samples_file": str(samples_path), "samples_sha256": sha256_file(samples_path), "task": task,
-                           "results_file": None if run.results is None else str(run.results)}
+    rec: dict[str, Any] = {
+        "samples_file": str(samples_path),
+        "samples_sha256": sha256_file(samples_path),
+        "task": task,
+        "results_file": None if run.results is None else str(run.results),
+    }
     if run.results is not None:
         rec["results_sha256"] = sha256_file(run.results)
     if fp is None:
@@ -51,15 +64,29 @@ def _pick_task(ref_run, cand_run, task: str | None) -> tuple[str, Path, Path]:
         return common[0], ref_run.samples[common[0]], cand_run.samples[common[0]]
     if len(common) > 1:
         raise UserError(f"both runs hold samples of several tasks ({', '.join(common)})", "choose one with --task")
-    if len(ref_run.samples) == 1 and len(cand_run.samples) == 1 and (ref_run.timestamp is None or cand_run.timestamp is None):
+    if (
+        len(ref_run.samples) == 1
+        and len(cand_run.samples) == 1
+        and (ref_run.timestamp is None or cand_run.timestamp is None)
+    ):
         (rt, rp), (_, cp) = next(iter(ref_run.samples.items())), next(iter(cand_run.samples.items()))
         return rt, rp, cp  # a renamed samples file: its name says nothing; the docs are checked below
-    raise UserError(f"the runs hold samples of different tasks: reference {', '.join(sorted(ref_run.samples))}; candidate {', '.join(sorted(cand_run.samples))}",
-        "pass two runs of the same task, or name it with --task")
+    raise UserError(
+        f"the runs hold samples of different tasks: reference {', '.join(sorted(ref_run.samples))}; candidate {', '.join(sorted(cand_run.samples))}",
+        "pass two runs of the same task, or name it with --task",
+    )
 
 
-def compare_runs(reference: str | Path, candidate: str | Path, task: str | None = None, settings: BucketSettings = BucketSettings(), *, tokenizer: str | None = None, same_protocol: bool = False,
-    progress: bool = False) -> BucketReport:
+def compare_runs(
+    reference: str | Path,
+    candidate: str | Path,
+    task: str | None = None,
+    settings: BucketSettings = BucketSettings(),
+    *,
+    tokenizer: str | None = None,
+    same_protocol: bool = False,
+    progress: bool = False,
+) -> BucketReport:
     """Resolve two lm-eval runs, bucket one task's samples, attach both runs' provenance."""
     from lm_eval_sink.io import provenance
     from lm_eval_sink.runs import read_samples, resolve_run
@@ -67,24 +94,48 @@ def compare_runs(reference: str | Path, candidate: str | Path, task: str | None 
     ref_run, cand_run = resolve_run(reference), resolve_run(candidate)
     task, ref_path, cand_path = _pick_task(ref_run, cand_run, task)
     fps = {"reference": run_fingerprint(ref_run), "candidate": run_fingerprint(cand_run)}
-    runs = {"reference": run_record(ref_run, *fps["reference"], task, ref_path), "candidate": run_record(cand_run, *fps["candidate"], task, cand_path)}
+    runs = {
+        "reference": run_record(ref_run, *fps["reference"], task, ref_path),
+        "candidate": run_record(cand_run, *fps["candidate"], task, cand_path),
+    }
     if same_protocol:
         unknown = [f"{side}: {reason}" for side, (fp, reason) in fps.items() if fp is None]
         if unknown:
-            raise UserError(f"--same-protocol cannot be checked ({'; '.join(unknown)})", "pass runs with their lm-eval results files, or drop --same-protocol")
+            raise UserError(
+                f"--same-protocol cannot be checked ({'; '.join(unknown)})",
+                "pass runs with their lm-eval results files, or drop --same-protocol",
+            )
     diffs = protocol_differences(fps["reference"][0], fps["candidate"][0], task)
     if same_protocol and diffs:
         shown = "; ".join(f"{k}: {v['reference']!r} vs {v['candidate']!r}" for k, v in diffs.items())
-        raise UserError(f"the runs differ in protocol ({shown[:300]})", "re-run one model with the other's protocol, or drop --same-protocol")
+        raise UserError(
+            f"the runs differ in protocol ({shown[:300]})",
+            "re-run one model with the other's protocol, or drop --same-protocol",
+        )
     count_tokens = None
     if tokenizer is not None:
         from lm_eval_sink.failure_kinds import tokenizer_counter
 
         count_tokens = tokenizer_counter(tokenizer)
     fallback = runs["candidate"].get("default_max_gen_toks")
-    report = bucket(read_samples(ref_path), read_samples(cand_path), task, settings, count_tokens=count_tokens, fallback_max_gen_toks=(fallback["value"], fallback["source"]) if fallback else None,
-                    labels=(f"reference samples {ref_path}", f"candidate samples {cand_path}"), progress=progress)
-    prov = provenance(command="buckets", tokenizer=tokenizer, inputs={k: {"samples_sha256": v["samples_sha256"], "results_sha256": v.get("results_sha256")} for k, v in runs.items()})
+    report = bucket(
+        read_samples(ref_path),
+        read_samples(cand_path),
+        task,
+        settings,
+        count_tokens=count_tokens,
+        fallback_max_gen_toks=(fallback["value"], fallback["source"]) if fallback else None,
+        labels=(f"reference samples {ref_path}", f"candidate samples {cand_path}"),
+        progress=progress,
+    )
+    prov = provenance(
+        command="buckets",
+        tokenizer=tokenizer,
+        inputs={
+            k: {"samples_sha256": v["samples_sha256"], "results_sha256": v.get("results_sha256")}
+            for k, v in runs.items()
+        },
+    )
     return with_runs(report, runs, diffs, prov)
 
 
@@ -101,22 +152,38 @@ def write_outputs(report: dict[str, Any], output: Path, force: bool = False) -> 
         what = f"{report['task']}: {report['metric']} ({report['filter']})"
         if report.get("counts"):
             kinds = (report.get("failure_kinds") or {}).get("counts")
-            bucket_bars(report["counts"], f"{what}, {report['n']} paired docs", tmp / "buckets.png", regression_kinds=kinds)
+            bucket_bars(
+                report["counts"], f"{what}, {report['n']} paired docs", tmp / "buckets.png", regression_kinds=kinds
+            )
         if report.get("instruction_types"):
-            instruction_type_bars(report["instruction_types"], f"{what}: instruction types by regressions", tmp / "instruction_types.png")
+            instruction_type_bars(
+                report["instruction_types"], f"{what}: instruction types by regressions", tmp / "instruction_types.png"
+            )
         names = sorted(p.name for p in tmp.iterdir())
     return [output / n for n in names]
 
 
-def run_buckets(reference: str | Path, candidate: str | Path, task: str | None, settings: BucketSettings, output: Path | None = None, *, force: bool = False, tokenizer: str | None = None,
-                same_protocol: bool = False, progress: bool = True) -> tuple[BucketReport, list[str]]:
+def run_buckets(
+    reference: str | Path,
+    candidate: str | Path,
+    task: str | None,
+    settings: BucketSettings,
+    output: Path | None = None,
+    *,
+    force: bool = False,
+    tokenizer: str | None = None,
+    same_protocol: bool = False,
+    progress: bool = True,
+) -> tuple[BucketReport, list[str]]:
     """The `buckets` command: compare, then write the output folder when `output` is given; returns the report and the lines to print."""
     if output is not None:
         from lm_eval_sink.io import check_output_dir
 
         output = Path(output)
         check_output_dir(output, force)
-    report = compare_runs(reference, candidate, task, settings, tokenizer=tokenizer, same_protocol=same_protocol, progress=progress)
+    report = compare_runs(
+        reference, candidate, task, settings, tokenizer=tokenizer, same_protocol=same_protocol, progress=progress
+    )
     data = report.to_json()
     lines = [summary_markdown(data)]
     if output is not None:

@@ -7,8 +7,16 @@ from pathlib import Path
 from lm_eval_sink.errors import UserError
 
 
-def run_configs_render(name: str, reference: str, candidate: str, output: Path, *, base: str | None = None, tokenizer_source: str | None = None,
-                       force: bool = False) -> tuple[list[str], list[str]]:
+def run_configs_render(
+    name: str,
+    reference: str,
+    candidate: str,
+    output: Path,
+    *,
+    base: str | None = None,
+    tokenizer_source: str | None = None,
+    force: bool = False,
+) -> tuple[list[str], list[str]]:
     """The `configs render` command: (warnings for stderr, lines to print)."""
     from lm_eval_sink.io import atomic_write_text, check_new_outputs
     from lm_eval_sink.merging.configs import render

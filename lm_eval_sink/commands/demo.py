@@ -23,14 +23,23 @@ def run_demo(output: Path, limit: int = DEMO_LIMIT, max_gen_toks: int = DEMO_MAX
     from lm_eval_sink.runs import load_results
 
     model = default_model_dir()
-    settings = EvalSettings(tasks=("sink_strength", "ifeval"), apply_chat_template=True, limit=limit, gen_kwargs={"max_gen_toks": max_gen_toks})
+    settings = EvalSettings(
+        tasks=("sink_strength", "ifeval"),
+        apply_chat_template=True,
+        limit=limit,
+        gen_kwargs={"max_gen_toks": max_gen_toks},
+    )
     run = run_lm_eval(str(model), settings, output, echo=True)
     res = load_results(run)
     s = res["results"]["sink_strength"]
     ife = res["results"]["ifeval"]
     matrix = s["sink_strength_layer_head,none"]
-    png = layer_head_heatmap(matrix["values"], matrix["layers"], f"SmolLM2-135M-Instruct: sink log-odds, S = {s['sink_strength,none']:.4f}", run.results.with_name(run.results.stem.replace("results_",
-        "sink_strength_heatmap_") + ".png"))
+    png = layer_head_heatmap(
+        matrix["values"],
+        matrix["layers"],
+        f"SmolLM2-135M-Instruct: sink log-odds, S = {s['sink_strength,none']:.4f}",
+        run.results.with_name(run.results.stem.replace("results_", "sink_strength_heatmap_") + ".png"),
+    )
     return [
         f"model:                  {model}",
         f"Sink Strength S:        {s['sink_strength,none']:.4f} (last 10 layers, 15 prompts; content rows {s['sink_strength_content_rows,none']:.4f}, "

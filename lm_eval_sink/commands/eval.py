@@ -12,22 +12,44 @@ from pathlib import Path
 from lm_eval_sink.errors import UserError
 
 
-def run_eval(model: str, protocol_name: str, protocol_file: Path | None, tasks: str, output: Path, *, limit: float | None = None, gen_kwargs: tuple[str, ...] = (),
-             batch_size: str | None = None, dtype: str | None = None, seed: int | None = None, device: str | None = None, backend: str = "hf",
-             model_args: str | None = None, include_path: str | None = None, log_samples: bool = True, force: bool = False) -> list[str]:
+def run_eval(
+    model: str,
+    protocol_name: str,
+    protocol_file: Path | None,
+    tasks: str,
+    output: Path,
+    *,
+    limit: float | None = None,
+    gen_kwargs: tuple[str, ...] = (),
+    batch_size: str | None = None,
+    dtype: str | None = None,
+    seed: int | None = None,
+    device: str | None = None,
+    backend: str = "hf",
+    model_args: str | None = None,
+    include_path: str | None = None,
+    log_samples: bool = True,
+    force: bool = False,
+) -> list[str]:
     """The `eval` command: check the inputs and the output folder, run lm-eval, return the lines to print."""
     from lm_eval_sink.harness.runner import EvalSettings, require_backend, run_lm_eval
     from lm_eval_sink.models import resolve_model
     from lm_eval_sink.protocols import fingerprint_run, get_protocol, limit_text, parse_gen_kwargs, settings_fields
 
     if device is not None and backend != "hf":
-        raise UserError("--device is an HF-only flag", "drop --device with --backend vllm (vLLM places the model; pass --model-args tensor_parallel_size=N)")
+        raise UserError(
+            "--device is an HF-only flag",
+            "drop --device with --backend vllm (vLLM places the model; pass --model-args tensor_parallel_size=N)",
+        )
     require_backend(backend)
     margs = {}
     for part in (model_args or "").split(","):
         if part.strip():
             if "=" not in part:
-                raise UserError(f"--model-args {part!r} is not KEY=VALUE", "e.g. --model-args tensor_parallel_size=2,max_model_len=4096")
+                raise UserError(
+                    f"--model-args {part!r} is not KEY=VALUE",
+                    "e.g. --model-args tensor_parallel_size=2,max_model_len=4096",
+                )
             k, v = part.split("=", 1)
             margs[k.strip()] = v.strip()
     protocol = get_protocol(protocol_name, protocol_file)
@@ -35,19 +57,35 @@ def run_eval(model: str, protocol_name: str, protocol_file: Path | None, tasks: 
     if output.exists() and not output.is_dir():
         raise UserError(f"--output {output} is a file, not a folder", "pass a folder path as --output")
     if output.exists() and any(output.iterdir()) and not force:
-        raise UserError(f"output already exists: {output}", "pass --force to add this run to it, or choose another --output")
+        raise UserError(
+            f"output already exists: {output}", "pass --force to add this run to it, or choose another --output"
+        )
     bs = None if batch_size is None else (int(batch_size) if str(batch_size).isdigit() else str(batch_size))
     if limit is not None and limit >= 1 and float(limit).is_integer():
         limit = int(limit)
-    fields = settings_fields(protocol, tasks=[t.strip() for t in tasks.split(",") if t.strip()], limit=limit, gen_kwargs=parse_gen_kwargs(gen_kwargs),
-                             batch_size=bs, dtype=dtype, seed=seed, device=device, include_path=include_path, log_samples=log_samples,
-                             backend=backend, model_args=margs)
+    fields = settings_fields(
+        protocol,
+        tasks=[t.strip() for t in tasks.split(",") if t.strip()],
+        limit=limit,
+        gen_kwargs=parse_gen_kwargs(gen_kwargs),
+        batch_size=bs,
+        dtype=dtype,
+        seed=seed,
+        device=device,
+        include_path=include_path,
+        log_samples=log_samples,
+        backend=backend,
+        model_args=margs,
+    )
     run = run_lm_eval(resolve_model(model), EvalSettings(**fields), output)
     fp = fingerprint_run(run)
     off = protocol.mismatches(fp)
     lines = [f"results: {run.results}"]
     lines += [f"samples {task}: {path}" for task, path in sorted(run.samples.items())]
-    lines.append(f"protocol {protocol.name}: " + ("recorded settings match" if not off else "recorded settings DIFFER: " + ", ".join(off)))
+    lines.append(
+        f"protocol {protocol.name}: "
+        + ("recorded settings match" if not off else "recorded settings DIFFER: " + ", ".join(off))
+    )
     if fp.harness.get("limit") is not None:
         lines.append(f"--limit {limit_text(fp.harness['limit'])}: scores are from a subset and are not final")
     return lines

@@ -7,7 +7,15 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.predict import SHIPPED_PAIRS, SHIPPED_REPORTED, PairTable, finite, fit_pairs, fit_table_markdown, parse_pairs
+from lm_eval_sink.predict import (
+    SHIPPED_PAIRS,
+    SHIPPED_REPORTED,
+    PairTable,
+    finite,
+    fit_pairs,
+    fit_table_markdown,
+    parse_pairs,
+)
 
 
 def _strength_from_file(value: str, base: Path, where: str) -> float:
@@ -16,10 +24,15 @@ def _strength_from_file(value: str, base: Path, where: str) -> float:
     path = Path(value).expanduser()
     path = path if path.is_absolute() else base / path
     if not path.is_file():
-        raise UserError(f"{where}: sink_strength file {path} not found", "give a number, or the path of a *.strength.json written by `lm-eval-sink strength`")
+        raise UserError(
+            f"{where}: sink_strength file {path} not found",
+            "give a number, or the path of a *.strength.json written by `lm-eval-sink strength`",
+        )
     data = read_json(path)
     if not isinstance(data, dict) or "sink_strength" not in data:
-        raise UserError(f"{where}: {path} has no 'sink_strength' key", "pass a *.strength.json written by `lm-eval-sink strength`")
+        raise UserError(
+            f"{where}: {path} has no 'sink_strength' key", "pass a *.strength.json written by `lm-eval-sink strength`"
+        )
     return finite(data["sink_strength"], where, f"sink_strength in {path}")
 
 
@@ -37,7 +50,10 @@ def read_pairs(path: Path | str | None = None) -> PairTable:
     else:
         p = Path(path)
         if not p.is_file():
-            raise UserError(f"{p}: no such PAIRS file", "pass a YAML list of pairs (see the shipped lm_eval_sink/data/paper_pairs.yaml), or no file for the paper's table")
+            raise UserError(
+                f"{p}: no such PAIRS file",
+                "pass a YAML list of pairs (see the shipped lm_eval_sink/data/paper_pairs.yaml), or no file for the paper's table",
+            )
         data, where, base = p.read_bytes(), str(p), p.resolve().parent
     try:
         text = data.decode("utf-8")
@@ -46,7 +62,13 @@ def read_pairs(path: Path | str | None = None) -> PairTable:
     obj = parse_yaml(text, where)
     base = base or Path.cwd()
     pairs = parse_pairs(obj, where, lambda value, at: _strength_from_file(value, base, at))
-    return PairTable(pairs=pairs, source=where, sha256=sha256_bytes(data), shipped=data == shipped, reported=reported_statistics() if data == shipped else None)
+    return PairTable(
+        pairs=pairs,
+        source=where,
+        sha256=sha256_bytes(data),
+        shipped=data == shipped,
+        reported=reported_statistics() if data == shipped else None,
+    )
 
 
 def reported_statistics() -> dict[str, Any]:
@@ -68,8 +90,10 @@ def run_fit(pairs_file: Path | str | None, output: Path | None, force: bool = Fa
     md = fit_table_markdown(result)
     lines = md.rstrip("\n").splitlines()
     for task, env in sorted((result.rounding_envelope or {}).items()):
-        lines.append(f"{task}: inputs rounded as published allow loo_mae {env['loo_mae'][0]:.3f}..{env['loo_mae'][1]:.3f} "
-                     f"and baseline_mae {env['baseline_mae'][0]:.3f}..{env['baseline_mae'][1]:.3f} (corners of the rounding box)")
+        lines.append(
+            f"{task}: inputs rounded as published allow loo_mae {env['loo_mae'][0]:.3f}..{env['loo_mae'][1]:.3f} "
+            f"and baseline_mae {env['baseline_mae'][0]:.3f}..{env['baseline_mae'][1]:.3f} (corners of the rounding box)"
+        )
     if output is None:
         lines.append("not saved (pass --output DIR to write fit.json, fit.md and plots)")
         return lines
@@ -82,7 +106,16 @@ def run_fit(pairs_file: Path | str | None, output: Path | None, force: bool = Fa
         atomic_write_json(tmp / "fit.json", data)
         atomic_write_text(tmp / "fit.md", md)
         for task, f in sorted(result.tasks.items()):
-            fit_scatter(f.names, f.sink_strength, f.deltas, [qk[n] for n in f.names], f.slope, f.intercept, task, tmp / f"fit_{task}.png")
+            fit_scatter(
+                f.names,
+                f.sink_strength,
+                f.deltas,
+                [qk[n] for n in f.names],
+                f.slope,
+                f.intercept,
+                task,
+                tmp / f"fit_{task}.png",
+            )
     written = [output / "fit.json", output / "fit.md"] + [output / f"fit_{task}.png" for task in sorted(result.tasks)]
     lines.append("wrote " + ", ".join(str(p) for p in written))
     return lines

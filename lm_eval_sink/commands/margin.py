@@ -9,7 +9,14 @@ from typing import Any
 import numpy as np
 
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.margin import MarginSettings, SinkMargin, build_margin, check_same_vocab, margin_csv, margin_table_markdown
+from lm_eval_sink.margin import (
+    MarginSettings,
+    SinkMargin,
+    build_margin,
+    check_same_vocab,
+    margin_csv,
+    margin_table_markdown,
+)
 
 OUTPUT_FILES = ("margin.json", "margin.md", "margin.csv", "margin_rows.npz", "margin_heatmap.png")
 
@@ -28,11 +35,29 @@ def _concat_rows(captures: list, quantity: str, rows: str) -> np.ndarray:
 
 
 def _strength_summary(s: Any) -> dict[str, Any]:
-    return {k: getattr(s, k) for k in ("sink_strength", "statistic", "rows", "last_k", "n_layers", "sink_strength_content_rows", "sink_strength_template_rows", "pos0_argmax_fraction")}
+    return {
+        k: getattr(s, k)
+        for k in (
+            "sink_strength",
+            "statistic",
+            "rows",
+            "last_k",
+            "n_layers",
+            "sink_strength_content_rows",
+            "sink_strength_template_rows",
+            "pos0_argmax_fraction",
+        )
+    }
 
 
-def measure_margin(reference: str, candidate: str, settings: MarginSettings = MarginSettings(), dtype: str = "auto", device: str = "cpu", progress: bool = True) -> tuple[SinkMargin, dict[str,
-    np.ndarray]]:
+def measure_margin(
+    reference: str,
+    candidate: str,
+    settings: MarginSettings = MarginSettings(),
+    dtype: str = "auto",
+    device: str = "cpu",
+    progress: bool = True,
+) -> tuple[SinkMargin, dict[str, np.ndarray]]:
     """Capture both models on the reference's token ids; return the margins and the per-row arrays.
 
     Checks layer/head shapes and vocabularies before loading any weights. Models are loaded one
@@ -55,11 +80,16 @@ def measure_margin(reference: str, candidate: str, settings: MarginSettings = Ma
         try:
             configs.append(AutoConfig.from_pretrained(path))
         except (OSError, ValueError) as e:
-            raise UserError(f"{role} {path}: cannot read the model config ({str(e).splitlines()[0]})", "pass a folder written by save_pretrained") from None
+            raise UserError(
+                f"{role} {path}: cannot read the model config ({str(e).splitlines()[0]})",
+                "pass a folder written by save_pretrained",
+            ) from None
     shapes = [_shape_of(c) for c in configs]
     if shapes[0] != shapes[1]:
-        raise UserError(f"the reference has {shapes[0][0]} layers x {shapes[0][1]} heads, the candidate {shapes[1][0]} x {shapes[1][1]}",
-            "margin compares the same heads of two models of one architecture (a VLM backbone and its LLM)")
+        raise UserError(
+            f"the reference has {shapes[0][0]} layers x {shapes[0][1]} heads, the candidate {shapes[1][0]} x {shapes[1][1]}",
+            "margin compares the same heads of two models of one architecture (a VLM backbone and its LLM)",
+        )
     ref_tok, cand_tok = AutoTokenizer.from_pretrained(ref_path), AutoTokenizer.from_pretrained(cand_path)
     check_same_vocab(ref_tok.get_vocab(), cand_tok.get_vocab())
     prompt_set = load_prompts(Path(st.prompts_file) if st.prompts_file else None, st.n_prompts)
@@ -67,7 +97,10 @@ def measure_margin(reference: str, candidate: str, settings: MarginSettings = Ma
     cand_vocab_size = int(getattr(configs[1].get_text_config(), "vocab_size", 0) or 0)
     top = max(max(x) for x in encoded.input_ids)
     if cand_vocab_size and top >= cand_vocab_size:
-        raise UserError(f"the prompts use token id {top} but the candidate's embedding has {cand_vocab_size} rows", "the vocabularies differ: use the LLM the VLM was built from")
+        raise UserError(
+            f"the prompts use token id {top} but the candidate's embedding has {cand_vocab_size} rows",
+            "the vocabularies differ: use the LLM the VLM was built from",
+        )
     att = attention_layers_from_config(configs[0]) or tuple(range(shapes[0][0]))  # hybrids: their attention layers
     layers = att if settings.last_k is None else att[len(att) - min(settings.last_k, len(att)) :]
 
@@ -78,7 +111,15 @@ def measure_margin(reference: str, candidate: str, settings: MarginSettings = Ma
     del ref
     gc.collect()
     cand = load_model(cand_path, dtype=dtype, device=device)
-    cand_caps = capture_prompts(cand.model, encoded, layers, st.batch_size, progress=progress, desc="candidate capture", sink_keys=[c.sink_pos for c in ref_caps])
+    cand_caps = capture_prompts(
+        cand.model,
+        encoded,
+        layers,
+        st.batch_size,
+        progress=progress,
+        desc="candidate capture",
+        sink_keys=[c.sink_pos for c in ref_caps],
+    )
     cand_s = measure(cand.model, cand.tokenizer, st, progress=progress)
     cand_info = cand.info
     del cand
@@ -89,19 +130,57 @@ def measure_margin(reference: str, candidate: str, settings: MarginSettings = Ma
         raise UserError("no rows to compare (the prompts have no content tokens)", "use --rows all")
     sink_pos = _concat_rows(ref_caps, "sink_pos", st.rows)
     prov = provenance(
-        reference=ref_info, candidate=cand_info, settings={"strength": asdict(st), "last_k": settings.last_k, "quantile": settings.quantile},
+        reference=ref_info,
+        candidate=cand_info,
+        settings={"strength": asdict(st), "last_k": settings.last_k, "quantile": settings.quantile},
         prompt_set={"source": prompt_set.source, "n_prompts": len(prompt_set.prompts), "sha256": prompt_set.sha256},
-        protocol={"tokenizer": "reference", "chat_template_applied": encoded.chat_template_applied, "chat_template_sha256": encoded.chat_template_sha256, "system_prompt": encoded.system_prompt},
-        sink_keys="the reference's argmax key per row, positions from the first real token", capture_dtype="float32", dtype=dtype, device=device, seed=st.seed,
-        reference_sink_strength=_strength_summary(ref_s), candidate_sink_strength=_strength_summary(cand_s),
+        protocol={
+            "tokenizer": "reference",
+            "chat_template_applied": encoded.chat_template_applied,
+            "chat_template_sha256": encoded.chat_template_sha256,
+            "system_prompt": encoded.system_prompt,
+        },
+        sink_keys="the reference's argmax key per row, positions from the first real token",
+        capture_dtype="float32",
+        dtype=dtype,
+        device=device,
+        seed=st.seed,
+        reference_sink_strength=_strength_summary(ref_s),
+        candidate_sink_strength=_strength_summary(cand_s),
     )
-    result = build_margin(reference, candidate, layers, g_base, g_cand, settings.quantile, len(encoded), float((sink_pos == 0).mean()), ref_s.sink_strength, cand_s.sink_strength, prov)
-    arrays = {"sink_logodds_reference": g_base.astype(np.float32), "sink_logodds_candidate": g_cand.astype(np.float32), "sink_logodds_shift": (g_base - g_cand).astype(np.float32),
-              "sink_pos": sink_pos.astype(np.int64), "layers": np.asarray(layers, dtype=np.int64)}
+    result = build_margin(
+        reference,
+        candidate,
+        layers,
+        g_base,
+        g_cand,
+        settings.quantile,
+        len(encoded),
+        float((sink_pos == 0).mean()),
+        ref_s.sink_strength,
+        cand_s.sink_strength,
+        prov,
+    )
+    arrays = {
+        "sink_logodds_reference": g_base.astype(np.float32),
+        "sink_logodds_candidate": g_cand.astype(np.float32),
+        "sink_logodds_shift": (g_base - g_cand).astype(np.float32),
+        "sink_pos": sink_pos.astype(np.int64),
+        "layers": np.asarray(layers, dtype=np.int64),
+    }
     return result, arrays
 
 
-def run_margin(reference: str, candidate: str, settings: MarginSettings, output: Path | None, dtype: str = "auto", device: str = "cpu", force: bool = False, progress: bool = True) -> list[str]:
+def run_margin(
+    reference: str,
+    candidate: str,
+    settings: MarginSettings,
+    output: Path | None,
+    dtype: str = "auto",
+    device: str = "cpu",
+    force: bool = False,
+    progress: bool = True,
+) -> list[str]:
     """The `margin` command: measure and report; with `output` write the folder of margin.json/.md/.csv, margin_rows.npz, margin_heatmap.png."""
     import io as _io
 
@@ -125,7 +204,12 @@ def run_margin(reference: str, candidate: str, settings: MarginSettings, output:
         atomic_write_text(tmp / names[1], md)
         atomic_write_text(tmp / names[2], margin_csv(result))
         atomic_write_bytes(tmp / names[3], buf.getvalue())
-        layer_head_heatmap(result.margin, result.layers, f"margin G_base - B_gap (nats): {result.summary['n_negative_margin']} of {result.summary['n_heads_total']} heads < 0", tmp / names[4],
-            label="margin (nats)")
+        layer_head_heatmap(
+            result.margin,
+            result.layers,
+            f"margin G_base - B_gap (nats): {result.summary['n_negative_margin']} of {result.summary['n_heads_total']} heads < 0",
+            tmp / names[4],
+            label="margin (nats)",
+        )
     files = [output / n for n in names]
     return [*lines, "wrote " + ", ".join(str(p) for p in files)]

@@ -10,7 +10,14 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def run_merge(config_file: Path, out: Path, random_seed: int | None = None, device: str = "cpu", force: bool = False, quiet: bool = True) -> list[str]:
+def run_merge(
+    config_file: Path,
+    out: Path,
+    random_seed: int | None = None,
+    device: str = "cpu",
+    force: bool = False,
+    quiet: bool = True,
+) -> list[str]:
     """The `merge` command: merge, verify, publish; returns the line to print."""
     from lm_eval_sink.merging.merge import merge_config
 

@@ -31,12 +31,18 @@ def run_protocol_show(run: str, as_json: bool = False, output: Path | None = Non
         check_new_outputs([output], force)
     files = resolve_run(run)
     fp = fingerprint_run(files)
-    doc = {"schema_version": 1, "fingerprint": fp.to_json(), "named_protocol": match_protocol(fp),
-           "provenance": provenance(command="protocol show", inputs=_run_inputs([files.results]))}
+    doc = {
+        "schema_version": 1,
+        "fingerprint": fp.to_json(),
+        "named_protocol": match_protocol(fp),
+        "provenance": provenance(command="protocol show", inputs=_run_inputs([files.results])),
+    }
     return _emit(doc, show_markdown(fp), as_json, output)
 
 
-def run_protocol_diff(run_a: str, run_b: str, as_json: bool = False, output: Path | None = None, *, force: bool = False) -> list[str]:
+def run_protocol_diff(
+    run_a: str, run_b: str, as_json: bool = False, output: Path | None = None, *, force: bool = False
+) -> list[str]:
     """The `protocol diff` command: only the fields that differ between two runs' protocols."""
     from lm_eval_sink.io import check_new_outputs, provenance
     from lm_eval_sink.protocols import check_common_tasks, diff, diff_markdown, fingerprint_run
@@ -48,6 +54,12 @@ def run_protocol_diff(run_a: str, run_b: str, as_json: bool = False, output: Pat
     a, b = fingerprint_run(fa), fingerprint_run(fb)
     check_common_tasks(a, b)
     diffs = diff(a, b)
-    doc = {"schema_version": 1, "a": str(fa.results), "b": str(fb.results), "differences": [d.to_json() for d in diffs],
-           "identical": not diffs, "provenance": provenance(command="protocol diff", inputs=_run_inputs([fa.results, fb.results]))}
+    doc = {
+        "schema_version": 1,
+        "a": str(fa.results),
+        "b": str(fb.results),
+        "differences": [d.to_json() for d in diffs],
+        "identical": not diffs,
+        "provenance": provenance(command="protocol diff", inputs=_run_inputs([fa.results, fb.results])),
+    }
     return _emit(doc, diff_markdown(diffs, str(fa.results), str(fb.results)), as_json, output)

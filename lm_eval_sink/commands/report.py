@@ -24,7 +24,13 @@ from lm_eval_sink.report.view import BucketsInput, Doc, PromptText, ReportInputs
 
 ROLES = ("reference", "candidate")
 FILE_OF = {"margin": "margin.json", "buckets": "buckets.json", "attribution": "attribution.json", "sweep": "table.json"}
-REQUIRED = {"strength": "sink_strength", "margin": "margin", "buckets": "counts", "attribution": "benchmarks", "sweep": "rows"}
+REQUIRED = {
+    "strength": "sink_strength",
+    "margin": "margin",
+    "buckets": "counts",
+    "attribution": "benchmarks",
+    "sweep": "rows",
+}
 
 
 def _file(arg: Path, what: str) -> Path:
@@ -33,7 +39,10 @@ def _file(arg: Path, what: str) -> Path:
         p = p / FILE_OF[what]
     if not p.is_file():
         flag = f"--{what}"
-        raise UserError(f"{flag} {arg}: no {FILE_OF.get(what, 'strength JSON')} there", f"pass the output folder (or file) of `lm-eval-sink {'sweep' if what == 'sweep' else what}`")
+        raise UserError(
+            f"{flag} {arg}: no {FILE_OF.get(what, 'strength JSON')} there",
+            f"pass the output folder (or file) of `lm-eval-sink {'sweep' if what == 'sweep' else what}`",
+        )
     return p
 
 
@@ -43,8 +52,13 @@ def _doc(path: Path, what: str, out_dir: Path) -> Doc:
     raw = path.read_bytes()
     data = read_json(path)
     if not isinstance(data, dict) or REQUIRED[what] not in data:
-        raise UserError(f"{path}: not a {what} output (no '{REQUIRED[what]}' key)", f"pass a file written by `lm-eval-sink {what if what != 'attribution' else 'attribute'}`")
-    return Doc(rel=Path(os.path.relpath(path.resolve(), out_dir.resolve())).as_posix(), data=data, sha256=sha256_bytes(raw))
+        raise UserError(
+            f"{path}: not a {what} output (no '{REQUIRED[what]}' key)",
+            f"pass a file written by `lm-eval-sink {what if what != 'attribution' else 'attribute'}`",
+        )
+    return Doc(
+        rel=Path(os.path.relpath(path.resolve(), out_dir.resolve())).as_posix(), data=data, sha256=sha256_bytes(raw)
+    )
 
 
 def _norm(name: Any) -> str | None:
@@ -65,7 +79,11 @@ def _identities(what: str, doc: Doc, role_hint: str | None = None) -> list[tuple
     if what == "buckets":
         return [(label, r, None, _norm(get(d, "runs", r, "model"))) for r in ROLES if get(d, "runs", r, "model")]
     if what == "attribution":
-        return [(label, m["role"], None, _norm(m.get("model_key"))) for m in d.get("measurements") or [] if m.get("role") in ROLES and m.get("model_key")]
+        return [
+            (label, m["role"], None, _norm(m.get("model_key")))
+            for m in d.get("measurements") or []
+            if m.get("role") in ROLES and m.get("model_key")
+        ]
     if what == "sweep":
         return [(label, r, None, _norm(get(d, "models", r))) for r in ROLES if get(d, "models", r)]
     return []
@@ -77,7 +95,7 @@ def check_same_pair(records: Sequence[tuple[str, str, str | None, str | None]]) 
     for role in ROLES:
         rs = [r for r in records if r[1] == role]
         for i, a in enumerate(rs):
-            for b in rs[i + 1:]:
+            for b in rs[i + 1 :]:
                 if a[2] and b[2]:
                     same, ka, kb = a[2] == b[2], a[2], b[2]
                 elif a[3] and b[3]:
@@ -85,8 +103,10 @@ def check_same_pair(records: Sequence[tuple[str, str, str | None, str | None]]) 
                 else:
                     continue
                 if not same:
-                    raise UserError(f"the inputs name different {role} models: {a[0]} has {ka}, {b[0]} has {kb}",
-                                    "pass outputs of one reference/candidate pair (one report per pair)")
+                    raise UserError(
+                        f"the inputs name different {role} models: {a[0]} has {ka}, {b[0]} has {kb}",
+                        "pass outputs of one reference/candidate pair (one report per pair)",
+                    )
         names = [r[3] for r in rs if r[3]]
         if names:
             shown[role] = Path(names[0]).name or names[0]
@@ -130,14 +150,21 @@ def _buckets_input(doc: Doc, path: Path) -> BucketsInput:
         run = get(doc.data, "runs", role) or {}
         recorded, want = run.get("samples_file"), run.get("samples_sha256")
         if not recorded or not want:
-            raise UserError(f"{path}: no {role} samples file recorded", "re-run `lm-eval-sink buckets` with this version")
+            raise UserError(
+                f"{path}: no {role} samples file recorded", "re-run `lm-eval-sink buckets` with this version"
+            )
         p = _samples_path(recorded, path)
         if not p.is_file():
-            raise UserError(f"{path}: the {role} samples file {recorded} is missing", "restore it, or re-run `lm-eval-sink buckets` on the runs you have")
+            raise UserError(
+                f"{path}: the {role} samples file {recorded} is missing",
+                "restore it, or re-run `lm-eval-sink buckets` on the runs you have",
+            )
         got = sha256_file(p)
         if got != want:
-            raise UserError(f"{path}: the {role} samples file {p} changed since buckets ran (sha256 {got[:12]}..., recorded {want[:12]}...)",
-                            "re-run `lm-eval-sink buckets` on the current runs")
+            raise UserError(
+                f"{path}: the {role} samples file {p} changed since buckets ran (sha256 {got[:12]}..., recorded {want[:12]}...)",
+                "re-run `lm-eval-sink buckets` on the current runs",
+            )
         by_role[role] = {int(s["doc_id"]): s for s in read_samples(p)}
         shown[role] = (str(p), got)
     texts = {}
@@ -151,19 +178,32 @@ def _buckets_input(doc: Doc, path: Path) -> BucketsInput:
     return BucketsInput(doc=doc, texts=texts, samples=shown)
 
 
-def load_inputs(out: Path, *, strength: Sequence[Path] | None = None, margin: Path | None = None, buckets: Sequence[Path] = (),
-                attribution: Path | None = None, sweep: Path | None = None, title: str | None = None) -> ReportInputs:
+def load_inputs(
+    out: Path,
+    *,
+    strength: Sequence[Path] | None = None,
+    margin: Path | None = None,
+    buckets: Sequence[Path] = (),
+    attribution: Path | None = None,
+    sweep: Path | None = None,
+    title: str | None = None,
+) -> ReportInputs:
     """Read, validate and cross-check every input; paths in the report are relative to `out`'s folder."""
     from lm_eval_sink.io import package_versions
 
     out_dir = Path(out).parent
     if not (strength or margin or buckets or attribution or sweep):
-        raise UserError("nothing to report", "pass at least one of --strength, --margin, --buckets, --attribution, --sweep")
+        raise UserError(
+            "nothing to report", "pass at least one of --strength, --margin, --buckets, --attribution, --sweep"
+        )
     records = []
     strength_docs = None
     if strength:
         if len(strength) != 2:
-            raise UserError(f"--strength takes two files (reference, candidate), got {len(strength)}", "pass --strength REF.strength.json CAND.strength.json")
+            raise UserError(
+                f"--strength takes two files (reference, candidate), got {len(strength)}",
+                "pass --strength REF.strength.json CAND.strength.json",
+            )
         strength_docs = tuple(_doc(_file(p, "strength"), "strength", out_dir) for p in strength)
         for role, d in zip(ROLES, strength_docs, strict=True):
             records += _identities("strength", d, role)

@@ -15,7 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.screen import QKNorm, classify_qk_norm, qk_norm_table, screen, screen_csv, screen_table_markdown, text_config
+from lm_eval_sink.screen import (
+    QKNorm,
+    classify_qk_norm,
+    qk_norm_table,
+    screen,
+    screen_csv,
+    screen_table_markdown,
+    text_config,
+)
 
 SCREEN_FILES = ("screen.json", "screen.md", "screen.csv", "screen.png")
 
@@ -49,7 +57,9 @@ def detect_qk_norm(model_path: str) -> QKNorm:
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
-        raise UserError(f"{folder}/config.json cannot be read ({e})", "pass a model folder written by save_pretrained") from None
+        raise UserError(
+            f"{folder}/config.json cannot be read ({e})", "pass a model folder written by save_pretrained"
+        ) from None
     if text_config(config).get("model_type") in qk_norm_table()["model_types"]:
         return classify_qk_norm(config)
     shapes = _safetensors_shapes(folder)
@@ -60,9 +70,18 @@ def detect_qk_norm(model_path: str) -> QKNorm:
     return classify_qk_norm(config, size)
 
 
-def run_screen(names: list[str], slugs: list[str], settings: Any, pairs_file: Path | str | None, output: Path | None, dtype: str = "auto", device: str = "cpu", force: bool = False,
+def run_screen(
+    names: list[str],
+    slugs: list[str],
+    settings: Any,
+    pairs_file: Path | str | None,
+    output: Path | None,
+    dtype: str = "auto",
+    device: str = "cpu",
+    force: bool = False,
     progress: bool = True,
-               measure_all: Any = None) -> list[str]:
+    measure_all: Any = None,
+) -> list[str]:
     """Screen `names`; with `output` write screen.json/.md/.csv/.png and strength/<slug>.* there (holding its lock).
 
     `measure_all`: see `commands.strength.run_strength` (e.g. one Ray task per model). Returns the lines to print."""
@@ -74,8 +93,18 @@ def run_screen(names: list[str], slugs: list[str], settings: Any, pairs_file: Pa
         return _run(names, slugs, settings, pairs_file, Path(output), dtype, device, force, progress, measure_all)
 
 
-def _run(names: list[str], slugs: list[str], settings: Any, pairs_file: Path | str | None, output: Path | None, dtype: str, device: str, force: bool, progress: bool,
-         measure_all: Any) -> list[str]:
+def _run(
+    names: list[str],
+    slugs: list[str],
+    settings: Any,
+    pairs_file: Path | str | None,
+    output: Path | None,
+    dtype: str,
+    device: str,
+    force: bool,
+    progress: bool,
+    measure_all: Any,
+) -> list[str]:
     from lm_eval_sink.commands.fit import read_pairs
     from lm_eval_sink.commands.strength import run_strength, unique_slugs
     from lm_eval_sink.io import atomic_write_json, atomic_write_text, check_new_outputs, provenance, read_json
@@ -92,20 +121,45 @@ def _run(names: list[str], slugs: list[str], settings: Any, pairs_file: Path | s
             raise UserError(f"--output {output} is a file", "pass a folder")
         files = [output / name for name in SCREEN_FILES]
         check_new_outputs(files, force)
-        lines = run_strength(names, slugs, settings, output / "strength", dtype=dtype, device=device, force=force, progress=progress, measure_all=measure_all)
+        lines = run_strength(
+            names,
+            slugs,
+            settings,
+            output / "strength",
+            dtype=dtype,
+            device=device,
+            force=force,
+            progress=progress,
+            measure_all=measure_all,
+        )
         strength_files = [output / "strength" / f"{s}.strength.json" for s in slugs]
         strengths = [SinkStrength.from_json(read_json(f)) for f in strength_files]
     else:
         lines, strength_files = [], [None] * len(names)
-        strengths = measure_all(paths, settings, dtype, device) if measure_all is not None else [measure_model(p, settings, dtype=dtype, device=device, progress=progress) for p in paths]
-    result = screen(names, slugs, paths, strengths, classes, fit, [None if f is None else str(f) for f in strength_files])
+        strengths = (
+            measure_all(paths, settings, dtype, device)
+            if measure_all is not None
+            else [measure_model(p, settings, dtype=dtype, device=device, progress=progress) for p in paths]
+        )
+    result = screen(
+        names, slugs, paths, strengths, classes, fit, [None if f is None else str(f) for f in strength_files]
+    )
     md = screen_table_markdown(result)
     out_lines = md.rstrip("\n").splitlines() + [f"warning: {m.slug}: {w}" for m in result.models for w in m.warnings]
     if output is None:
         return [*out_lines, "not saved (pass --output DIR to write screen.json, tables and the plot)"]
     from lm_eval_sink.plots import fit_scatter
 
-    data = {**result.to_json(), "provenance": provenance(models=[m.path for m in result.models], settings=asdict(settings), dtype=dtype, device=device, seed=settings.seed)}
+    data = {
+        **result.to_json(),
+        "provenance": provenance(
+            models=[m.path for m in result.models],
+            settings=asdict(settings),
+            dtype=dtype,
+            device=device,
+            seed=settings.seed,
+        ),
+    }
     atomic_write_json(files[0], data)
     atomic_write_text(files[1], md)
     atomic_write_text(files[2], screen_csv(result))
@@ -113,6 +167,15 @@ def _run(names: list[str], slugs: list[str], settings: Any, pairs_file: Path | s
     first = tasks[0] if "ifeval" not in tasks else "ifeval"
     f = fit.tasks[first]
     qk = {p.name: p.qk_norm for p in fit.table.pairs}
-    fit_scatter(f.names, f.sink_strength, f.deltas, [qk[n] for n in f.names], f.slope, f.intercept, first, files[3],
-                screened=[(m.slug, m.sink_strength, m.predictions[first]["predicted_delta"]) for m in result.models])
+    fit_scatter(
+        f.names,
+        f.sink_strength,
+        f.deltas,
+        [qk[n] for n in f.names],
+        f.slope,
+        f.intercept,
+        first,
+        files[3],
+        screened=[(m.slug, m.sink_strength, m.predictions[first]["predicted_delta"]) for m in result.models],
+    )
     return lines + out_lines + ["wrote " + ", ".join(str(p) for p in files)]

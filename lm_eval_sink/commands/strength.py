@@ -15,7 +15,16 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.strength import RANKING_HEAD, SinkStrength, StrengthSettings, fmt_optional, measure_model, ranking_rows, ranking_table, result_key
+from lm_eval_sink.strength import (
+    RANKING_HEAD,
+    SinkStrength,
+    StrengthSettings,
+    fmt_optional,
+    measure_model,
+    ranking_rows,
+    ranking_table,
+    result_key,
+)
 
 
 def unique_slugs(slugs: list[str]) -> list[str]:
@@ -23,8 +32,17 @@ def unique_slugs(slugs: list[str]) -> list[str]:
     return slugs if len(set(slugs)) == len(slugs) else [f"{i + 1:02d}-{s}" for i, s in enumerate(slugs)]
 
 
-def run_strength(names: list[str], slugs: list[str], settings: StrengthSettings, output, dtype: str = "auto", device: str = "cpu", force: bool = False, progress: bool = True,
-                 measure_all: Any = None) -> list[str]:
+def run_strength(
+    names: list[str],
+    slugs: list[str],
+    settings: StrengthSettings,
+    output,
+    dtype: str = "auto",
+    device: str = "cpu",
+    force: bool = False,
+    progress: bool = True,
+    measure_all: Any = None,
+) -> list[str]:
     """Measure each model and write `<slug>.strength.json` + `<slug>.heatmap.png` into `output`.
 
     With several models also `ranking.md`, `ranking.csv` and `ranking.png`. A model whose JSON
@@ -41,7 +59,9 @@ def run_strength(names: list[str], slugs: list[str], settings: StrengthSettings,
     if output.exists() and not output.is_dir():
         raise UserError(f"--output {output} is a file", "pass a folder")
     slugs = unique_slugs(slugs)
-    load_prompts(Path(settings.prompts_file) if settings.prompts_file else None, settings.n_prompts)  # fail before loading models
+    load_prompts(
+        Path(settings.prompts_file) if settings.prompts_file else None, settings.n_prompts
+    )  # fail before loading models
     paths = [resolve_model(n) for n in names]
     with hold(output):
         return _run_locked(names, paths, slugs, settings, output, dtype, device, force, progress, measure_all)
@@ -59,12 +79,25 @@ def _reusable(json_path: Path, identity: dict[str, Any], key: str, force: bool) 
     old = read_json(json_path)
     check_same_identity(old.get("provenance", {}).get("model"), identity, json_path)
     if old.get("provenance", {}).get("input_key") != key:
-        raise UserError(f"output already exists with other inputs: {json_path}", "pass --force to overwrite, or choose another --output")
+        raise UserError(
+            f"output already exists with other inputs: {json_path}",
+            "pass --force to overwrite, or choose another --output",
+        )
     return old
 
 
-def _run_locked(names: list[str], paths: list[str], slugs: list[str], settings: StrengthSettings, output: Path, dtype: str, device: str, force: bool, progress: bool,
-                measure_all: Any) -> list[str]:
+def _run_locked(
+    names: list[str],
+    paths: list[str],
+    slugs: list[str],
+    settings: StrengthSettings,
+    output: Path,
+    dtype: str,
+    device: str,
+    force: bool,
+    progress: bool,
+    measure_all: Any,
+) -> list[str]:
     from tqdm.auto import tqdm
 
     from lm_eval_sink.io import atomic_write_json, atomic_write_text
@@ -79,21 +112,36 @@ def _run_locked(names: list[str], paths: list[str], slugs: list[str], settings: 
         json_path = output / f"{slug}.strength.json"
         plan.append((name, path, slug, key, json_path, _reusable(json_path, identity, key, force)))
     todo = list(dict.fromkeys(path for _, path, _, _, _, reuse in plan if reuse is None))
-    measured = dict(zip(todo, measure_all(todo, settings, dtype, device), strict=True)) if measure_all is not None and todo else {}
+    measured = (
+        dict(zip(todo, measure_all(todo, settings, dtype, device), strict=True))
+        if measure_all is not None and todo
+        else {}
+    )
     results, lines = [], []
     for name, path, slug, key, json_path, reuse in tqdm(plan, desc="models", disable=not progress or len(plan) == 1):
         if reuse is not None:
             res = SinkStrength.from_json(reuse)
             lines.append(f"{slug}: reused {json_path}")
         else:
-            res = measured[path] if path in measured else measure_model(path, settings, dtype=dtype, device=device, progress=progress)
+            res = (
+                measured[path]
+                if path in measured
+                else measure_model(path, settings, dtype=dtype, device=device, progress=progress)
+            )
             res = replace(res, provenance={**res.provenance, "input_key": key, "model_argument": name})
             atomic_write_json(json_path, res.to_json())
-        png = layer_head_heatmap(res.sink_strength_layer_head, res.layers, f"{slug}: sink log-odds ({res.statistic}, rows={res.rows}), S = {res.sink_strength:.4f}", output / f"{slug}.heatmap.png")
+        png = layer_head_heatmap(
+            res.sink_strength_layer_head,
+            res.layers,
+            f"{slug}: sink log-odds ({res.statistic}, rows={res.rows}), S = {res.sink_strength:.4f}",
+            output / f"{slug}.heatmap.png",
+        )
         results.append((slug, res))
-        lines.append(f"{slug}: S = {res.sink_strength:.4f} (last {res.last_k} of {len(res.attention_layers) or res.n_layers} attention layers, {res.statistic}, rows={res.rows}; "
-                     f"content rows {fmt_optional(res.sink_strength_content_rows)}, template rows {fmt_optional(res.sink_strength_template_rows)}, template share {res.template_row_fraction:.2f})"
-                     f" -> {json_path}, {png}")
+        lines.append(
+            f"{slug}: S = {res.sink_strength:.4f} (last {res.last_k} of {len(res.attention_layers) or res.n_layers} attention layers, {res.statistic}, rows={res.rows}; "
+            f"content rows {fmt_optional(res.sink_strength_content_rows)}, template rows {fmt_optional(res.sink_strength_template_rows)}, template share {res.template_row_fraction:.2f})"
+            f" -> {json_path}, {png}"
+        )
     if len(names) > 1:
         ranked = ranking_rows(results)
         rows = ranking_table(ranked)

@@ -22,11 +22,35 @@ from typing import Any
 
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.identity import FINGERPRINT_RULE, check_same_identity, looks_like_hub_id, tree_files
-from lm_eval_sink.io import COMPLETE, atomic_write_json, atomic_write_text, package_versions, parse_yaml, provenance, read_complete, sha256_file, sha256_text, staged_dir, write_complete
+from lm_eval_sink.io import (
+    COMPLETE,
+    atomic_write_json,
+    atomic_write_text,
+    package_versions,
+    parse_yaml,
+    provenance,
+    read_complete,
+    sha256_file,
+    sha256_text,
+    staged_dir,
+    write_complete,
+)
 from lm_eval_sink.locks import hold
 from lm_eval_sink.merging.configs import TOKENIZER_CHOICES, bundled_names, load_template, render, validate_text
 from lm_eval_sink.merging.engines import check_vllm_units, parse_engine, run_on_ray
-from lm_eval_sink.merging.sweep import ENDPOINTS, EvalIn, Plan, RenderedMerge, StrengthIn, SweepSpec, Unit, build_table, parse_sweep_data, plan_units, table_text
+from lm_eval_sink.merging.sweep import (
+    ENDPOINTS,
+    EvalIn,
+    Plan,
+    RenderedMerge,
+    StrengthIn,
+    SweepSpec,
+    Unit,
+    build_table,
+    parse_sweep_data,
+    plan_units,
+    table_text,
+)
 from lm_eval_sink.strength import StrengthSettings
 
 MANIFEST = "manifest.jsonl"
@@ -46,15 +70,23 @@ def _eval_settings(ev: EvalIn, src: str, rel: Any) -> Any:
     if ev.include_path:
         given["include_path"] = rel(ev.include_path)
         if not Path(given["include_path"]).is_dir():
-            raise UserError(f"{src}: eval.include_path: {given['include_path']} is not a folder", "lm-eval takes ONE folder of task YAMLs")
+            raise UserError(
+                f"{src}: eval.include_path: {given['include_path']} is not a folder",
+                "lm-eval takes ONE folder of task YAMLs",
+            )
     try:
         return EvalSettings(**given)
     except UserError as e:
         raise UserError(f"{src}: eval: {e.message}", e.hint) from None
 
 
-def load_sweep(path: str | Path, output: str | Path | None = None, delete_merged: bool | None = None, engine: str | None = None,
-               ray_address: str | None = None) -> SweepSpec:
+def load_sweep(
+    path: str | Path,
+    output: str | Path | None = None,
+    delete_merged: bool | None = None,
+    engine: str | None = None,
+    ray_address: str | None = None,
+) -> SweepSpec:
     """Read and check a sweep YAML (the SweepFileIn schema, paths relative to its folder); no model is loaded.
 
     `engine` / `ray_address` override the file's engine.kind / engine.address (the CLI's flags).
@@ -89,11 +121,18 @@ def load_sweep(path: str | Path, output: str | Path | None = None, delete_merged
         except UserError as e:
             raise UserError(f"{src}: models.{role}: {e.message}", e.hint) from None
 
-    configs = tuple(bundled_names()) if sweep.configs is None else tuple(rel(c) if c.endswith((".yaml", ".yml")) else c for c in sweep.configs)
+    configs = (
+        tuple(bundled_names())
+        if sweep.configs is None
+        else tuple(rel(c) if c.endswith((".yaml", ".yml")) else c for c in sweep.configs)
+    )
     names = [load_template(c).name for c in configs]  # unknown names fail here, with did-you-mean
     clash = next((n for n in names if names.count(n) > 1 or n in ENDPOINTS), None)
     if clash:
-        raise UserError(f"{src}: configs: the checkpoint name {clash!r} is used twice (or is an endpoint's name)", "give each config file its own name")
+        raise UserError(
+            f"{src}: configs: the checkpoint name {clash!r} is used twice (or is an endpoint's name)",
+            "give each config file its own name",
+        )
 
     merge = sweep.merge
     tokenizer_source = merge.tokenizer_source
@@ -145,19 +184,50 @@ def plan_sweep(spec: SweepSpec) -> Plan:
     merges = []
     for config in spec.configs:
         template = load_template(config)
-        rendered = render(config, spec.models["reference"], spec.models["candidate"], base=spec.models.get("base"), tokenizer_source=spec.tokenizer_source)
+        rendered = render(
+            config,
+            spec.models["reference"],
+            spec.models["candidate"],
+            base=spec.models.get("base"),
+            tokenizer_source=spec.tokenizer_source,
+        )
         key = merge_key(validate_text(rendered.text, source=f"{template.name} ({rendered.lineage})"), spec.random_seed)
-        merges.append(RenderedMerge(template.name, template.path, rendered.text, key, str(rendered.config.get("merge_method")), template.paper_setting))
+        merges.append(
+            RenderedMerge(
+                template.name,
+                template.path,
+                rendered.text,
+                key,
+                str(rendered.config.get("merge_method")),
+                template.paper_setting,
+            )
+        )
     identities = {role: model_fingerprint(spec.models[role]) for role in ENDPOINTS}
-    return plan_units(spec, identities, merges, package_versions(), _tree_sha(spec.eval.include_path) if spec.eval is not None else None)
+    return plan_units(
+        spec,
+        identities,
+        merges,
+        package_versions(),
+        _tree_sha(spec.eval.include_path) if spec.eval is not None else None,
+    )
 
 
 # --- units ---------------------------------------------------------------------------------
 
 
 def _finish(tmp: Path, unit: Unit, **fields: Any) -> None:
-    write_complete(tmp, {"schema_version": 1, "unit": unit.id, "key": unit.key, "fingerprint_rule": FINGERPRINT_RULE, "model_identity": unit.inputs.get("identity"),
-                         **fields, "provenance": provenance(unit=unit.id)})
+    write_complete(
+        tmp,
+        {
+            "schema_version": 1,
+            "unit": unit.id,
+            "key": unit.key,
+            "fingerprint_rule": FINGERPRINT_RULE,
+            "model_identity": unit.inputs.get("identity"),
+            **fields,
+            "provenance": provenance(unit=unit.id),
+        },
+    )
 
 
 def run_unit(unit: Unit) -> None:
@@ -166,8 +236,16 @@ def run_unit(unit: Unit) -> None:
         from lm_eval_sink.merging.merge import merge_config
 
         vc = validate_text(unit.inputs["text"], source=unit.id)
-        merge_config(vc, unit.output, random_seed=unit.inputs["random_seed"], device=unit.inputs["device"], force=True, quiet=True, key=unit.key,
-                     extra={"unit": unit.id, "template": unit.inputs["template"]})
+        merge_config(
+            vc,
+            unit.output,
+            random_seed=unit.inputs["random_seed"],
+            device=unit.inputs["device"],
+            force=True,
+            quiet=True,
+            key=unit.key,
+            extra={"unit": unit.id, "template": unit.inputs["template"]},
+        )
     elif unit.kind == "eval":
         from lm_eval_sink.harness.runner import run_lm_eval
 
@@ -181,13 +259,27 @@ def run_unit(unit: Unit) -> None:
                     shutil.copy2(log, kept / log.name)
                 raise UserError(e.message, f"see lm-eval's log in {kept}") from None
             rel = run.results.relative_to(tmp)
-            _finish(tmp, unit, results=str(rel), samples={t: str(p.relative_to(tmp)) for t, p in run.samples.items()}, model=unit.inputs["model"])
+            _finish(
+                tmp,
+                unit,
+                results=str(rel),
+                samples={t: str(p.relative_to(tmp)) for t, p in run.samples.items()},
+                model=unit.inputs["model"],
+            )
     elif unit.kind == "strength":
         from lm_eval_sink.strength import measure_model
 
-        res = measure_model(unit.inputs["model"], unit.inputs["settings"], dtype=unit.inputs["dtype"], device=unit.inputs["device"], progress=False)
+        res = measure_model(
+            unit.inputs["model"],
+            unit.inputs["settings"],
+            dtype=unit.inputs["dtype"],
+            device=unit.inputs["device"],
+            progress=False,
+        )
         with staged_dir(unit.output, force=True) as tmp:
-            atomic_write_json(tmp / "strength.json", {**res.to_json(), "provenance": {**res.provenance, "input_key": unit.key}})
+            atomic_write_json(
+                tmp / "strength.json", {**res.to_json(), "provenance": {**res.provenance, "input_key": unit.key}}
+            )
             _finish(tmp, unit, sink_strength=res.sink_strength, model=unit.inputs["model"])
     else:
         raise ValueError(f"unknown unit kind {unit.kind!r}")
@@ -224,7 +316,10 @@ class Manifest:
 
     def append(self, row: dict[str, Any]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        line = json.dumps({**row, "time_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")}, sort_keys=True) + "\n"
+        line = (
+            json.dumps({**row, "time_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")}, sort_keys=True)
+            + "\n"
+        )
         with open(self.path, "a+b") as f:
             f.seek(0, os.SEEK_END)
             if f.tell() > 0:  # a torn last line from kill -9 must not swallow this one
@@ -238,13 +333,20 @@ class Manifest:
 
 def _weights_present(folder: Path) -> bool:
     files = (read_complete(folder) or {}).get("weight_files")
-    return isinstance(files, dict) and all((folder / n).is_file() and (folder / n).stat().st_size == size for n, size in files.items())
+    return isinstance(files, dict) and all(
+        (folder / n).is_file() and (folder / n).stat().st_size == size for n, size in files.items()
+    )
 
 
 def unit_finished(unit: Unit, latest: dict[str, dict[str, Any]]) -> bool:
     """Finished = last manifest line done with this key AND the COMPLETE marker with this key."""
     row = latest.get(unit.id)
-    return bool(row and row.get("status") == "done" and row.get("key") == unit.key and read_complete(unit.output, unit.key) is not None)
+    return bool(
+        row
+        and row.get("status") == "done"
+        and row.get("key") == unit.key
+        and read_complete(unit.output, unit.key) is not None
+    )
 
 
 def _recover(out: Path, units: tuple[Unit, ...]) -> list[str]:
@@ -261,11 +363,17 @@ def _recover(out: Path, units: tuple[Unit, ...]) -> list[str]:
         if unit.output.exists() or not parent.is_dir():
             continue
         done = [p for p in parent.glob(f"{name}.partial-*") if read_complete(p, unit.key) is not None]
-        olds = sorted((p for p in parent.glob(f"{name}.old-*") if (p / COMPLETE).is_file()), key=lambda p: (p / COMPLETE).stat().st_mtime_ns, reverse=True)
+        olds = sorted(
+            (p for p in parent.glob(f"{name}.old-*") if (p / COMPLETE).is_file()),
+            key=lambda p: (p / COMPLETE).stat().st_mtime_ns,
+            reverse=True,
+        )
         keep = (done or olds or [None])[0]
         if keep is not None:
             os.replace(keep, unit.output)
-            notes.append(f"{unit.id}: {'finished output promoted' if done else 'previous output restored'} from {keep.name}")
+            notes.append(
+                f"{unit.id}: {'finished output promoted' if done else 'previous output restored'} from {keep.name}"
+            )
     for sub in ("merges", "evals", "strength"):
         for p in sorted((out / sub).glob("*.partial-*")) + sorted((out / sub).glob("*.old-*")):
             shutil.rmtree(p, ignore_errors=True)
@@ -278,7 +386,10 @@ def _check_conflicts(plan: Plan) -> None:
         if unit.output.exists() and read_complete(unit.output, unit.key) is None:
             complete = read_complete(unit.output) or {}
             if complete.get("fingerprint_rule") != FINGERPRINT_RULE:
-                raise UserError(f"{unit.output}: made with an older fingerprint rule; rerun with --force", "pass --force to redo everything")
+                raise UserError(
+                    f"{unit.output}: made with an older fingerprint rule; rerun with --force",
+                    "pass --force to redo everything",
+                )
             if unit.inputs.get("identity") and complete.get("model_identity"):
                 check_same_identity(complete["model_identity"], unit.inputs["identity"], unit.output)
             raise UserError(
@@ -300,7 +411,9 @@ class SweepReport:
     notes: list[str] = field(default_factory=list)
 
     def lines(self) -> list[str]:
-        out = [f"sweep {self.output}: {len(self.ran)} steps run, {len(self.skipped)} already finished, {len(self.failures)} failed"]
+        out = [
+            f"sweep {self.output}: {len(self.ran)} steps run, {len(self.skipped)} already finished, {len(self.failures)} failed"
+        ]
         out += [f"note: {n}" for n in self.notes]
         if self.table_files:
             out.append("table -> " + ", ".join(str(p) for p in self.table_files))
@@ -310,8 +423,10 @@ class SweepReport:
     def raise_for_failures(self) -> None:
         if self.failures:
             first = next(iter(self.failures.items()))
-            raise UserError(f"{len(self.failures)} sweep step(s) failed ({', '.join(self.failures)}); first: {first[0]}: {first[1]}",
-                            f"see {self.output / MANIFEST}; fix the cause and rerun the same command: finished steps are kept")
+            raise UserError(
+                f"{len(self.failures)} sweep step(s) failed ({', '.join(self.failures)}); first: {first[0]}: {first[1]}",
+                f"see {self.output / MANIFEST}; fix the cause and rerun the same command: finished steps are kept",
+            )
 
 
 def run_sweep(spec: SweepSpec, force: bool = False, progress: bool = True) -> SweepReport:
@@ -328,8 +443,16 @@ def _run_sweep_locked(plan: Plan, force: bool, progress: bool) -> SweepReport:
     report.notes.extend(_recover(out, plan.units))
     if not force:
         _check_conflicts(plan)
-    atomic_write_json(out / "sweep.json", {"schema_version": 1, "sweep": spec.to_json(), "lineage": plan.lineage,
-                                           "units": {u.id: u.key for u in plan.units}, "provenance": provenance()})
+    atomic_write_json(
+        out / "sweep.json",
+        {
+            "schema_version": 1,
+            "sweep": spec.to_json(),
+            "lineage": plan.lineage,
+            "units": {u.id: u.key for u in plan.units},
+            "provenance": provenance(),
+        },
+    )
     manifest = Manifest(out / MANIFEST)
     latest = {} if force else manifest.latest()
     finished = {u.id for u in plan.units if unit_finished(u, latest)}
@@ -338,7 +461,9 @@ def _run_sweep_locked(plan: Plan, force: bool, progress: bool) -> SweepReport:
     def needed(unit: Unit) -> bool:
         if unit.kind != "merge":
             return unit.id not in finished
-        downstream = [by_id[f"{k}:{unit.checkpoint}"] for k in ("eval", "strength") if f"{k}:{unit.checkpoint}" in by_id]
+        downstream = [
+            by_id[f"{k}:{unit.checkpoint}"] for k in ("eval", "strength") if f"{k}:{unit.checkpoint}" in by_id
+        ]
         if all(d.id in finished for d in downstream):
             return unit.id not in finished and not spec.delete_merged
         return unit.id not in finished or not _weights_present(unit.output)
@@ -348,7 +473,9 @@ def _run_sweep_locked(plan: Plan, force: bool, progress: bool) -> SweepReport:
         if error is not None:
             report.failures[unit.id] = error
             if not error.startswith("not run: "):
-                manifest.append({"unit": unit.id, "key": unit.key, "status": "failed", "error": error, "output": str(unit.output)})
+                manifest.append(
+                    {"unit": unit.id, "key": unit.key, "status": "failed", "error": error, "output": str(unit.output)}
+                )
             return
         manifest.append({"unit": unit.id, "key": unit.key, "status": "done", "output": str(unit.output)})
         finished.add(unit.id)
@@ -366,7 +493,10 @@ def _run_sweep_locked(plan: Plan, force: bool, progress: bool) -> SweepReport:
         for unit in plan.units:
             if unit.kind == "merge":
                 _maybe_delete_weights(unit, by_id, finished, manifest)
-    table = {**build_table(plan, report.failures, *_saved_outputs(plan)), "provenance": provenance(sweep=spec.source, units={u.id: u.key for u in plan.units})}
+    table = {
+        **build_table(plan, report.failures, *_saved_outputs(plan)),
+        "provenance": provenance(sweep=spec.source, units={u.id: u.key for u in plan.units}),
+    }
     report.table_files = write_table(table, out)
     report.notes.extend(table["protocol"]["model_differences"])
     return report
@@ -393,7 +523,9 @@ def _run_local(units: list[Unit], record: Any, failures: dict[str, str], progres
 
 def _maybe_delete_weights(merge_unit: Unit, by_id: dict[str, Unit], finished: set[str], manifest: Manifest) -> None:
     """Delete a merged checkpoint's weight files once its eval and strength units are finished."""
-    downstream = [f"{k}:{merge_unit.checkpoint}" for k in ("eval", "strength") if f"{k}:{merge_unit.checkpoint}" in by_id]
+    downstream = [
+        f"{k}:{merge_unit.checkpoint}" for k in ("eval", "strength") if f"{k}:{merge_unit.checkpoint}" in by_id
+    ]
     complete = read_complete(merge_unit.output, merge_unit.key)
     if not all(d in finished for d in downstream) or complete is None:
         return
@@ -402,7 +534,9 @@ def _maybe_delete_weights(merge_unit: Unit, by_id: dict[str, Unit], finished: se
         return
     for name in present:
         (merge_unit.output / name).unlink()
-    manifest.append({"unit": merge_unit.id, "key": merge_unit.key, "status": "weights_deleted", "output": str(merge_unit.output)})
+    manifest.append(
+        {"unit": merge_unit.id, "key": merge_unit.key, "status": "weights_deleted", "output": str(merge_unit.output)}
+    )
 
 
 # --- the table -------------------------------------------------------------------------------
@@ -433,8 +567,14 @@ def write_table(table: dict[str, Any], out: Path) -> list[Path]:
     from lm_eval_sink.plots import sweep_chart
 
     md, csv = table_text(table)
-    paths = [atomic_write_json(out / "table.json", table), atomic_write_text(out / "table.csv", csv), atomic_write_text(out / "table.md", md)]
+    paths = [
+        atomic_write_json(out / "table.json", table),
+        atomic_write_text(out / "table.csv", csv),
+        atomic_write_text(out / "table.md", md),
+    ]
     series = {c: [r["metrics"][c] for r in table["rows"]] for c in table["columns"]}
     series["S (Sink Strength)"] = [r["sink_strength"] for r in table["rows"]]
-    paths.append(sweep_chart([r["checkpoint"] for r in table["rows"]], series, out / "table.png", note=table["final_note"]))
+    paths.append(
+        sweep_chart([r["checkpoint"] for r in table["rows"]], series, out / "table.png", note=table["final_note"])
+    )
     return paths

@@ -20,9 +20,18 @@ from lm_eval_sink.io import atomic_write_json
 
 INDEX_FILE = "model.safetensors.index.json"
 ST_CODES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
 }
 ST_DTYPES = {v: k for k, v in ST_CODES.items()}
 Entry = tuple[str, torch.dtype, tuple[int, ...]]  # one tensor of an output shard: name, dtype, shape
@@ -50,12 +59,16 @@ def _weight_files(folder: Path) -> list[str]:
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise UserError(f"{index}: not a safetensors index ({e})", "re-save the model with save_pretrained") from None
+            raise UserError(
+                f"{index}: not a safetensors index ({e})", "re-save the model with save_pretrained"
+            ) from None
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if not (folder / f).is_file()]
         if missing:
-            raise UserError(f"{folder}: the index names shards that are missing: {', '.join(missing[:3])}",
-                            "copy the complete checkpoint (every model-*.safetensors shard)")
+            raise UserError(
+                f"{folder}: the index names shards that are missing: {', '.join(missing[:3])}",
+                "copy the complete checkpoint (every model-*.safetensors shard)",
+            )
         return files
     return sorted(p.name for p in folder.glob("*.safetensors"))
 
@@ -66,8 +79,10 @@ def read_checkpoint(folder: Path) -> dict[str, TensorInfo]:
 
     files = _weight_files(folder)
     if not files:
-        raise UserError(f"{folder}: no *.safetensors weights (pytorch_model*.bin is not read: streaming needs safetensors)",
-                        "convert once: load the model and save_pretrained(folder) (safetensors is the default)")
+        raise UserError(
+            f"{folder}: no *.safetensors weights (pytorch_model*.bin is not read: streaming needs safetensors)",
+            "convert once: load the model and save_pretrained(folder) (safetensors is the default)",
+        )
     tensors: dict[str, TensorInfo] = {}
     for name in files:
         try:
@@ -75,16 +90,23 @@ def read_checkpoint(folder: Path) -> dict[str, TensorInfo]:
                 for key in f.keys():
                     sl = f.get_slice(key)
                     if key in tensors:
-                        raise UserError(f"{folder}: tensor {key} is in both {tensors[key].file} and {name}", "re-save the checkpoint")
+                        raise UserError(
+                            f"{folder}: tensor {key} is in both {tensors[key].file} and {name}",
+                            "re-save the checkpoint",
+                        )
                     tensors[key] = TensorInfo(file=name, dtype=sl.get_dtype(), shape=tuple(sl.get_shape()))
         except UserError:
             raise
         except Exception as e:  # safetensors raises its own error types for corrupt files
-            raise UserError(f"{folder / name}: not a readable safetensors file ({str(e).splitlines()[0]})",
-                            "re-download or re-save the checkpoint") from None
+            raise UserError(
+                f"{folder / name}: not a readable safetensors file ({str(e).splitlines()[0]})",
+                "re-download or re-save the checkpoint",
+            ) from None
     unknown = sorted({t.dtype for t in tensors.values()} - set(ST_DTYPES))
     if unknown:
-        raise UserError(f"{folder}: tensor dtype(s) {unknown} are not supported", "save the checkpoint in bf16/fp16/fp32")
+        raise UserError(
+            f"{folder}: tensor dtype(s) {unknown} are not supported", "save the checkpoint in bf16/fp16/fp32"
+        )
     return tensors
 
 
@@ -120,7 +142,11 @@ class ShardWriter:
         offset = 0
         for entry in entries:
             name, dtype, shape = entry
-            header[name] = {"dtype": ST_CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + entry_bytes(entry)]}
+            header[name] = {
+                "dtype": ST_CODES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + entry_bytes(entry)],
+            }
             offset += entry_bytes(entry)
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
         raw += b" " * (-len(raw) % 8)
@@ -134,7 +160,9 @@ class ShardWriter:
     def write(self, name: str, tensor: torch.Tensor) -> None:
         want_name, want_dtype, want_shape = self._order[self._next]
         if name != want_name or tensor.dtype != want_dtype or tuple(tensor.shape) != want_shape:
-            raise RuntimeError(f"shard writer: got {name} {tensor.dtype} {tuple(tensor.shape)}, planned {want_name} {want_dtype} {want_shape}")
+            raise RuntimeError(
+                f"shard writer: got {name} {tensor.dtype} {tuple(tensor.shape)}, planned {want_name} {want_dtype} {want_shape}"
+            )
         data = tensor.detach().contiguous().reshape(-1)
         if data.numel():
             self._f.write(memoryview(data.view(torch.uint8).numpy()))
@@ -142,7 +170,9 @@ class ShardWriter:
 
     def close(self) -> None:
         if self._next != len(self._order):
-            raise RuntimeError(f"shard writer: {self.path.name} closed after {self._next} of {len(self._order)} tensors")
+            raise RuntimeError(
+                f"shard writer: {self.path.name} closed after {self._next} of {len(self._order)} tensors"
+            )
         self._f.flush()
         os.fsync(self._f.fileno())
         self._f.close()
@@ -159,4 +189,7 @@ def layout_bytes(layout: Layout) -> int:
 def write_index(folder: Path, layout: Layout) -> None:
     """model.safetensors.index.json for a written layout (tensor -> shard file, total bytes)."""
     weight_map = {name: file for file, entries in layout for name, _, _ in entries}
-    atomic_write_json(folder / INDEX_FILE, {"metadata": {"total_size": layout_bytes(layout)}, "weight_map": dict(sorted(weight_map.items()))})
+    atomic_write_json(
+        folder / INDEX_FILE,
+        {"metadata": {"total_size": layout_bytes(layout)}, "weight_map": dict(sorted(weight_map.items()))},
+    )

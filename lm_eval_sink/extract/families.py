@@ -79,7 +79,9 @@ class Family:
 
 
 def _bad(file: str, what: str) -> UserError:
-    return UserError(f"architecture file {file}: {what}", "see docs/extraction.md, 'Adding a VLM family', for the schema")
+    return UserError(
+        f"architecture file {file}: {what}", "see docs/extraction.md, 'Adding a VLM family', for the schema"
+    )
 
 
 class _RuleIn(Strict):
@@ -151,8 +153,12 @@ def _parse_rule(file: str, where: str, raw: _RuleIn) -> TensorRule:
     for template in targets:
         unknown = set(_PLACEHOLDER.findall(template)) - known
         if unknown:
-            raise _bad(file, f"{where}: template {template!r} uses {sorted(unknown)}, not a group of its 'from' pattern")
-    return TensorRule(sources=sources, targets=targets, dim=raw.dim, transpose=transpose, per_index=per_index, drop_rest=raw.drop_rest)
+            raise _bad(
+                file, f"{where}: template {template!r} uses {sorted(unknown)}, not a group of its 'from' pattern"
+            )
+    return TensorRule(
+        sources=sources, targets=targets, dim=raw.dim, transpose=transpose, per_index=per_index, drop_rest=raw.drop_rest
+    )
 
 
 def _parse_target(raw: _TargetIn, base: TargetSpec | None = None) -> TargetSpec:
@@ -180,7 +186,14 @@ def parse_family(text: str, file: str) -> Family:
     variants = []
     for i, v in enumerate(raw.variants):
         v_rules = tuple(_parse_rule(file, f"variants[{i}].rules[{j}]", r) for j, r in enumerate(v.rules))
-        variants.append(Variant(name=v.name, when=tuple(sorted(v.when.items())), target=_parse_target(v.target, target), rules=v_rules + rules))
+        variants.append(
+            Variant(
+                name=v.name,
+                when=tuple(sorted(v.when.items())),
+                target=_parse_target(v.target, target),
+                rules=v_rules + rules,
+            )
+        )
     if not variants:
         variants.append(Variant(name="default", when=(), target=target, rules=rules))
     for pattern in raw.ignore:
@@ -188,8 +201,17 @@ def parse_family(text: str, file: str) -> Family:
             re.compile(pattern)
         except re.error as e:
             raise _bad(file, f"ignore: bad regex {pattern!r} ({e})") from None
-    return Family(name=raw.name, description=raw.description, model_types=tuple(raw.model_types), vlm_class=raw.vlm_class, text_config=raw.text_config,
-                  variants=tuple(variants), ignore=tuple(raw.ignore), file=file, sha256=sha256_bytes(text.encode("utf-8")))
+    return Family(
+        name=raw.name,
+        description=raw.description,
+        model_types=tuple(raw.model_types),
+        vlm_class=raw.vlm_class,
+        text_config=raw.text_config,
+        variants=tuple(variants),
+        ignore=tuple(raw.ignore),
+        file=file,
+        sha256=sha256_bytes(text.encode("utf-8")),
+    )
 
 
 def load_families() -> dict[str, Family]:
@@ -217,8 +239,16 @@ def family_for(config: dict[str, Any], path: Path) -> Family:
             return fam
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and "vision_config" not in config and "text_config" not in config:
-        raise UserError(f"{path}: model type {model_type!r} is a text-only causal LM, not a VLM",
-                        "evaluate or merge it as it is; extract takes a vision-language model")
-    raise UserError(f"{path}: unsupported VLM architecture {model_type!r} (supported: {', '.join(supported_model_types())})",
-                    "add an architectures/<family>.json for it (docs/extraction.md: 'Adding a VLM family')")
+    if (
+        model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        and "vision_config" not in config
+        and "text_config" not in config
+    ):
+        raise UserError(
+            f"{path}: model type {model_type!r} is a text-only causal LM, not a VLM",
+            "evaluate or merge it as it is; extract takes a vision-language model",
+        )
+    raise UserError(
+        f"{path}: unsupported VLM architecture {model_type!r} (supported: {', '.join(supported_model_types())})",
+        "add an architectures/<family>.json for it (docs/extraction.md: 'Adding a VLM family')",
+    )

@@ -28,7 +28,17 @@ from typing import Any
 import torch
 
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.extract.checkpoint import INDEX_FILE, ST_DTYPES, Layout, Reader, ShardWriter, TensorInfo, layout_bytes, read_checkpoint, write_index
+from lm_eval_sink.extract.checkpoint import (
+    INDEX_FILE,
+    ST_DTYPES,
+    Layout,
+    Reader,
+    ShardWriter,
+    TensorInfo,
+    layout_bytes,
+    read_checkpoint,
+    write_index,
+)
 from lm_eval_sink.extract.families import Family, family_for
 from lm_eval_sink.extract.plan import (
     DTYPE_CHOICES,
@@ -43,7 +53,17 @@ from lm_eval_sink.extract.plan import (
 )
 from lm_eval_sink.extract.rules import forward_rule, inverse_rule
 from lm_eval_sink.extract.verify import PROBE_TEXT, Verification, compare, logits, multimodal_token_ids, probe_ids
-from lm_eval_sink.io import COMPLETE, SCHEMA_VERSION, atomic_write_json, atomic_write_text, check_output_dir, provenance, read_json, staged_dir, write_complete
+from lm_eval_sink.io import (
+    COMPLETE,
+    SCHEMA_VERSION,
+    atomic_write_json,
+    atomic_write_text,
+    check_output_dir,
+    provenance,
+    read_json,
+    staged_dir,
+    write_complete,
+)
 from lm_eval_sink.models import model_fingerprint, resolve_model
 
 log = logging.getLogger(__name__)
@@ -56,7 +76,14 @@ FAILED_FILE = "FAILED.json"
 _REPORT_FILES = {"extract": REPORT_FILE, "inject": INJECT_REPORT_FILE}
 _MARKER_FILES = (COMPLETE_FILE, FAILED_FILE, REPORT_FILE, INJECT_REPORT_FILE)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
-_TOKENIZER_COPY = (*_TOKENIZER_FILES, "special_tokens_map.json", "added_tokens.json", "merges.txt", "vocab.txt", "chat_template.jinja")
+_TOKENIZER_COPY = (
+    *_TOKENIZER_FILES,
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "merges.txt",
+    "vocab.txt",
+    "chat_template.jinja",
+)
 _Stream = Generator[tuple[str, torch.Tensor], None, None]
 
 
@@ -118,10 +145,18 @@ class _Vlm:
     def report_fields(self) -> dict[str, Any]:
         """The report fields both directions take from the VLM and its plan (the VLM's fingerprint included)."""
         plan = self.plan
-        return {"vlm": model_fingerprint(str(self.folder)), "family": self.family.name, "variant": plan.variant.name,
-                "architecture_file": self.family.file, "architecture_sha256": self.family.sha256, "source_class": plan.source_class,
-                "target_class": plan.target_class, "target_model_type": plan.target_config.model_type,
-                "tensors_ignored": len(plan.ignored), "dropped_config_keys": plan.dropped_config_keys}
+        return {
+            "vlm": model_fingerprint(str(self.folder)),
+            "family": self.family.name,
+            "variant": plan.variant.name,
+            "architecture_file": self.family.file,
+            "architecture_sha256": self.family.sha256,
+            "source_class": plan.source_class,
+            "target_class": plan.target_class,
+            "target_model_type": plan.target_config.model_type,
+            "tensors_ignored": len(plan.ignored),
+            "dropped_config_keys": plan.dropped_config_keys,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +167,9 @@ class _Job:
     layout: Layout  # the weight shards to write
     stream: _Stream  # their tensors, in layout order
     index: bool  # write model.safetensors.index.json
-    side_files: Callable[[Path], dict[str, Any]]  # writes the other files into the staging folder; returns report fields
+    side_files: Callable[
+        [Path], dict[str, Any]
+    ]  # writes the other files into the staging folder; returns report fields
     verify: Callable[[Path], Verification] | None  # checks the staging folder
     fields: dict[str, Any]  # the direction's report fields known before writing
 
@@ -151,7 +188,10 @@ def _read_vlm(folder: Path, family: Family | None) -> _Vlm:
     try:
         config = AutoConfig.from_pretrained(folder)
     except (OSError, ValueError, KeyError) as e:
-        raise UserError(f"{folder}: cannot read the VLM config ({str(e).splitlines()[0]})", "pass a folder written by save_pretrained") from None
+        raise UserError(
+            f"{folder}: cannot read the VLM config ({str(e).splitlines()[0]})",
+            "pass a folder written by save_pretrained",
+        ) from None
     return _Vlm(folder=folder, config=config, family=fam, tensors=tensors, plan=make_plan(config, tensors, fam, folder))
 
 
@@ -179,9 +219,17 @@ def _write(job: _Job, vlm: _Vlm, out: Path, *, force: bool, start: float, progre
             write_index(tmp, job.layout)
         verification = job.verify(tmp) if job.verify else None
         status = "unverified" if verification is None else "complete" if verification.passed else "failed"
-        report = ExtractionReport(operation=job.operation, status=status, output=str(out.resolve()), tensors_written=n_tensors,
-                                  bytes_written=layout_bytes(job.layout), shards=tuple(f for f, _ in job.layout), verification=verification,
-                                  seconds=round(time.perf_counter() - start, 3), **fields)
+        report = ExtractionReport(
+            operation=job.operation,
+            status=status,
+            output=str(out.resolve()),
+            tensors_written=n_tensors,
+            bytes_written=layout_bytes(job.layout),
+            shards=tuple(f for f, _ in job.layout),
+            verification=verification,
+            seconds=round(time.perf_counter() - start, 3),
+            **fields,
+        )
         _finish(tmp, report)
     return report
 
@@ -189,8 +237,13 @@ def _write(job: _Job, vlm: _Vlm, out: Path, *, force: bool, start: float, progre
 def _finish(tmp: Path, report: ExtractionReport) -> None:
     report_file = _REPORT_FILES[report.operation]
     atomic_write_json(tmp / report_file, report.to_json())
-    marker = {"schema_version": SCHEMA_VERSION, "operation": report.operation, "status": report.status,
-              "verified": report.verification is not None and report.verification.passed, "report": report_file}
+    marker = {
+        "schema_version": SCHEMA_VERSION,
+        "operation": report.operation,
+        "status": report.status,
+        "verified": report.verification is not None and report.verification.passed,
+        "report": report_file,
+    }
     if report.status == "failed":
         marker["reason"] = report.verification.reason if report.verification else None
         atomic_write_json(tmp / FAILED_FILE, marker)
@@ -208,7 +261,9 @@ def _probe(tokenizer_dir: Path, vlm: _Vlm) -> list[int]:
     return probe_ids(tokens, int(vlm.plan.target_config.vocab_size), multimodal_token_ids(vlm.config))
 
 
-def _verify(vlm_dir: Path, vlm_class: str, lm_dir: Path, dtype: torch.dtype, ids: list[int], quiet: bool) -> Verification:
+def _verify(
+    vlm_dir: Path, vlm_class: str, lm_dir: Path, dtype: torch.dtype, ids: list[int], quiet: bool
+) -> Verification:
     """Load the VLM, run the probe, free it; load the backbone, run the probe; compare."""
     import transformers
     from transformers import AutoModelForCausalLM
@@ -217,9 +272,13 @@ def _verify(vlm_dir: Path, vlm_class: str, lm_dir: Path, dtype: torch.dtype, ids
     if quiet:
         transformers.utils.logging.disable_progress_bar()
     try:
-        ref = logits(getattr(transformers, vlm_class).from_pretrained(vlm_dir, dtype=dtype, attn_implementation="eager"), ids)
+        ref = logits(
+            getattr(transformers, vlm_class).from_pretrained(vlm_dir, dtype=dtype, attn_implementation="eager"), ids
+        )
         gc.collect()  # the VLM is freed before the backbone loads: peak memory is one model, not two
-        model, info = AutoModelForCausalLM.from_pretrained(lm_dir, dtype=dtype, attn_implementation="eager", output_loading_info=True)
+        model, info = AutoModelForCausalLM.from_pretrained(
+            lm_dir, dtype=dtype, attn_implementation="eager", output_loading_info=True
+        )
         got = logits(model, ids)
     finally:
         if quiet and bar:
@@ -230,6 +289,7 @@ def _verify(vlm_dir: Path, vlm_class: str, lm_dir: Path, dtype: torch.dtype, ids
 # ----------------------------------------------------------------------------------------------
 # Extract: VLM -> backbone
 # ----------------------------------------------------------------------------------------------
+
 
 def _processor_chat_template(folder: Path) -> tuple[str | None, str | None]:
     for name in ("chat_template.json", "processor_config.json"):
@@ -258,7 +318,9 @@ def copy_tokenizer(src: Path, dst: Path) -> dict[str, Any]:
     try:
         tok = AutoTokenizer.from_pretrained(dst)
     except (OSError, ValueError, TypeError) as e:
-        raise UserError(f"{src}: its tokenizer does not load ({str(e).splitlines()[0]})", "check the tokenizer files") from None
+        raise UserError(
+            f"{src}: its tokenizer does not load ({str(e).splitlines()[0]})", "check the tokenizer files"
+        ) from None
     if tok.chat_template:
         return {"tokenizer": True, "chat_template_source": "tokenizer"}
     template, name = _processor_chat_template(src)
@@ -282,14 +344,18 @@ def _cast(t: torch.Tensor, want: torch.dtype | None) -> torch.Tensor:
     return t.to(want) if want is not None and t.is_floating_point() and t.dtype != want else t
 
 
-def _forward(plan: Plan, tensors: dict[str, TensorInfo], reader: Reader, skip: set[str], cast: torch.dtype | None) -> _Stream:
+def _forward(
+    plan: Plan, tensors: dict[str, TensorInfo], reader: Reader, skip: set[str], cast: torch.dtype | None
+) -> _Stream:
     """Backbone tensors in production order; each source shard is closed once no later unit needs it."""
     order = production_order(plan, tensors)
     last_use = {tensors[s].file: i for i, unit in enumerate(order) for s in unit.sources}
     try:
         for i, unit in enumerate(order):
             reader.keep_only({f for f, last in last_use.items() if last >= i})
-            outs, _ = forward_rule(unit.rule, [reader.get(s) for s in unit.sources], [plan.expected[t] for t in unit.targets])
+            outs, _ = forward_rule(
+                unit.rule, [reader.get(s) for s in unit.sources], [plan.expected[t] for t in unit.targets]
+            )
             for t, x in zip(unit.targets, outs, strict=True):
                 if t not in skip:
                     yield t, _cast(x, cast)
@@ -298,8 +364,17 @@ def _forward(plan: Plan, tensors: dict[str, TensorInfo], reader: Reader, skip: s
         reader.close()
 
 
-def extract_backbone(vlm_path: str | Path, out_dir: str | Path, *, dtype: str = "keep", verify: bool = True, force: bool = False,
-                     max_shard_bytes: int = DEFAULT_SHARD_BYTES, family: Family | None = None, progress: bool = False) -> ExtractionReport:
+def extract_backbone(
+    vlm_path: str | Path,
+    out_dir: str | Path,
+    *,
+    dtype: str = "keep",
+    verify: bool = True,
+    force: bool = False,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    family: Family | None = None,
+    progress: bool = False,
+) -> ExtractionReport:
     """Write the VLM's language model as a standalone causal-LM folder at `out_dir`.
 
     `dtype`: "keep" (each tensor as stored), "bf16" or "fp32". `family`: override the family
@@ -325,17 +400,33 @@ def extract_backbone(vlm_path: str | Path, out_dir: str | Path, *, dtype: str = 
     config.dtype = str(out_dtype).removeprefix("torch.")
     layout = extract_layout(plan, tensors, cast, skip, max_shard_bytes)
     job = _Job(
-        operation="extract", layout=layout, stream=_forward(plan, tensors, reader, skip, cast), index=len(layout) > 1,
+        operation="extract",
+        layout=layout,
+        stream=_forward(plan, tensors, reader, skip, cast),
+        index=len(layout) > 1,
         side_files=functools.partial(_backbone_files, vlm.folder, config),
-        verify=(lambda tmp: _verify(vlm.folder, vlm.family.vlm_class, tmp, out_dtype, _probe(tmp, vlm), quiet=not progress)) if verify else None,
-        fields={"backbone": None, "dtype": config.dtype, "tied_embeddings": tied, "dropped_rows": plan.dropped_rows,
-                "mapping": tuple({"from": list(u.sources), "to": [t for t in u.targets if t not in skip]} for u in plan.units)})
+        verify=(
+            lambda tmp: _verify(vlm.folder, vlm.family.vlm_class, tmp, out_dtype, _probe(tmp, vlm), quiet=not progress)
+        )
+        if verify
+        else None,
+        fields={
+            "backbone": None,
+            "dtype": config.dtype,
+            "tied_embeddings": tied,
+            "dropped_rows": plan.dropped_rows,
+            "mapping": tuple(
+                {"from": list(u.sources), "to": [t for t in u.targets if t not in skip]} for u in plan.units
+            ),
+        },
+    )
     return _write(job, vlm, out, force=force, start=start, progress=progress)
 
 
 # ----------------------------------------------------------------------------------------------
 # Inject: backbone -> a copy of the VLM
 # ----------------------------------------------------------------------------------------------
+
 
 def _copy_vlm_files(vlm: Path, tmp: Path) -> dict[str, Any]:
     """Every VLM file but the weights and this package's markers and reports (processor, chat template, tokenizer, ...)."""
@@ -349,7 +440,14 @@ def _copy_vlm_files(vlm: Path, tmp: Path) -> dict[str, Any]:
     return {}
 
 
-def _inverse(plan: Plan, tensors: dict[str, TensorInfo], layout: Layout, vlm_reader: Reader, bb_reader: Reader, alias: dict[str, str]) -> _Stream:
+def _inverse(
+    plan: Plan,
+    tensors: dict[str, TensorInfo],
+    layout: Layout,
+    vlm_reader: Reader,
+    bb_reader: Reader,
+    alias: dict[str, str],
+) -> _Stream:
     """The VLM's tensors in layout order: language tensors rebuilt from the backbone, the others copied."""
     unit_of = {s: u for u in plan.units for s in u.sources}
     rebuilt: dict[str, torch.Tensor] = {}  # sources of a unit rebuilt together, until each is written
@@ -363,10 +461,19 @@ def _inverse(plan: Plan, tensors: dict[str, TensorInfo], layout: Layout, vlm_rea
                     unit = unit_of[name]
                     rest = None
                     if unit.rule.drop_rest:
-                        _, rest = forward_rule(unit.rule, [vlm_reader.get(s) for s in unit.sources], [plan.expected[t] for t in unit.targets])
+                        _, rest = forward_rule(
+                            unit.rule,
+                            [vlm_reader.get(s) for s in unit.sources],
+                            [plan.expected[t] for t in unit.targets],
+                        )
                     targets = [bb_reader.get(alias.get(t, t)) for t in unit.targets]
                     xs = inverse_rule(unit.rule, targets, [tensors[s].shape for s in unit.sources], rest)
-                    rebuilt.update({s: x.to(ST_DTYPES[tensors[s].dtype]).contiguous() for s, x in zip(unit.sources, xs, strict=True)})
+                    rebuilt.update(
+                        {
+                            s: x.to(ST_DTYPES[tensors[s].dtype]).contiguous()
+                            for s, x in zip(unit.sources, xs, strict=True)
+                        }
+                    )
                 yield name, rebuilt.pop(name)
             vlm_reader.keep_only(set())
     finally:
@@ -374,8 +481,16 @@ def _inverse(plan: Plan, tensors: dict[str, TensorInfo], layout: Layout, vlm_rea
         bb_reader.close()
 
 
-def inject_backbone(backbone_path: str | Path, vlm_path: str | Path, out_dir: str | Path, *, verify: bool = True, force: bool = False,
-                    family: Family | None = None, progress: bool = False) -> ExtractionReport:
+def inject_backbone(
+    backbone_path: str | Path,
+    vlm_path: str | Path,
+    out_dir: str | Path,
+    *,
+    verify: bool = True,
+    force: bool = False,
+    family: Family | None = None,
+    progress: bool = False,
+) -> ExtractionReport:
     """Write a copy of the VLM at `out_dir` whose language model is the given backbone.
 
     Every VLM file except the weights is copied; the weights keep the VLM's shard layout,
@@ -392,17 +507,37 @@ def inject_backbone(backbone_path: str | Path, vlm_path: str | Path, out_dir: st
     bb_tensors = read_checkpoint(backbone)
     alias = check_backbone(plan, read_json(backbone / "config.json"), bb_tensors, backbone, folder)
     bb_reader = Reader(backbone, bb_tensors)
-    if plan.tied and plan.head in bb_tensors and not torch.equal(bb_reader.get(plan.head), bb_reader.get(plan.head_source)):
-        raise UserError(f"{backbone}: the backbone's output head differs from its embeddings, but the VLM ties them",
-                        "the VLM cannot store an untied head; merge with tied embeddings")
+    if (
+        plan.tied
+        and plan.head in bb_tensors
+        and not torch.equal(bb_reader.get(plan.head), bb_reader.get(plan.head_source))
+    ):
+        raise UserError(
+            f"{backbone}: the backbone's output head differs from its embeddings, but the VLM ties them",
+            "the VLM cannot store an untied head; merge with tied embeddings",
+        )
     vlm_dtype = output_dtype("keep", tensors, plan.units)
     layout = mirror_layout(tensors)
     job = _Job(
-        operation="inject", layout=layout, stream=_inverse(plan, tensors, layout, Reader(folder, tensors), bb_reader, alias),
-        index=len(layout) > 1 or (folder / INDEX_FILE).is_file(), side_files=functools.partial(_copy_vlm_files, folder),
-        verify=(lambda tmp: _verify(tmp, vlm.family.vlm_class, backbone, vlm_dtype, _probe(folder, vlm), quiet=not progress)) if verify else None,
-        fields={"backbone": model_fingerprint(str(backbone)), "dtype": str(vlm_dtype).removeprefix("torch."), "tied_embeddings": plan.tied,
-                "dropped_rows": {}, "tokenizer": any((folder / n).is_file() for n in _TOKENIZER_FILES), "chat_template_source": None,
-                "mapping": tuple({"from": list(u.targets), "to": list(u.sources)} for u in plan.units),
-                "notes": (f"language tensors from {backbone}, vision tensors and every other file from {folder}",)})
+        operation="inject",
+        layout=layout,
+        stream=_inverse(plan, tensors, layout, Reader(folder, tensors), bb_reader, alias),
+        index=len(layout) > 1 or (folder / INDEX_FILE).is_file(),
+        side_files=functools.partial(_copy_vlm_files, folder),
+        verify=(
+            lambda tmp: _verify(tmp, vlm.family.vlm_class, backbone, vlm_dtype, _probe(folder, vlm), quiet=not progress)
+        )
+        if verify
+        else None,
+        fields={
+            "backbone": model_fingerprint(str(backbone)),
+            "dtype": str(vlm_dtype).removeprefix("torch."),
+            "tied_embeddings": plan.tied,
+            "dropped_rows": {},
+            "tokenizer": any((folder / n).is_file() for n in _TOKENIZER_FILES),
+            "chat_template_source": None,
+            "mapping": tuple({"from": list(u.targets), "to": list(u.sources)} for u in plan.units),
+            "notes": (f"language tensors from {backbone}, vision tensors and every other file from {folder}",),
+        },
+    )
     return _write(job, vlm, out, force=force, start=start, progress=progress)

@@ -59,8 +59,10 @@ def select_variant(family: Family, text_config: dict[str, Any], path: Path) -> V
     wanted = "; ".join(f"{v.name}: " + ", ".join(f"{k}={val!r}" for k, val in v.when) for v in family.variants)
     keys = sorted({k for v in family.variants for k, _ in v.when})
     found = ", ".join(f"{k}={_dotget(text_config, k)!r}" for k in keys)
-    raise UserError(f"{path}: this {family.name} text config ({found}) matches no supported variant ({wanted})",
-                    f"extend architectures/{family.name}.json with a variant for it")
+    raise UserError(
+        f"{path}: this {family.name} text config ({found}) matches no supported variant ({wanted})",
+        f"extend architectures/{family.name}.json with a variant for it",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +94,9 @@ class Plan:
     source_class: str
 
 
-def _claim(tensors: dict[str, TensorInfo], rules: tuple[TensorRule, ...], ignore: tuple[re.Pattern[str], ...], path: Path) -> tuple[list[Unit], list[str]]:
+def _claim(
+    tensors: dict[str, TensorInfo], rules: tuple[TensorRule, ...], ignore: tuple[re.Pattern[str], ...], path: Path
+) -> tuple[list[Unit], list[str]]:
     compiled = [r.patterns() for r in rules]
     groups: dict[tuple[int, tuple[tuple[str, str], ...]], dict[int, str]] = {}
     ignored, leftover = [], []
@@ -103,22 +107,28 @@ def _claim(tensors: dict[str, TensorInfo], rules: tuple[TensorRule, ...], ignore
                 pi, m = hit
                 slot = groups.setdefault((ri, tuple(sorted(m.groupdict().items()))), {})
                 if pi in slot:
-                    raise UserError(f"{path}: tensors {slot[pi]} and {name} both match one rule slot", "fix the architecture rules")
+                    raise UserError(
+                        f"{path}: tensors {slot[pi]} and {name} both match one rule slot", "fix the architecture rules"
+                    )
                 slot[pi] = name
                 break
         else:
             (ignored if any(p.fullmatch(name) for p in ignore) else leftover).append(name)
     if leftover:
         shown = ", ".join(leftover[:6]) + (f" and {len(leftover) - 6} more" if len(leftover) > 6 else "")
-        raise UserError(f"{path}: {len(leftover)} tensor(s) are neither language-model nor ignored vision tensors: {shown}",
-                        "the checkpoint layout is not covered by the family's architecture rules; extend its JSON")
+        raise UserError(
+            f"{path}: {len(leftover)} tensor(s) are neither language-model nor ignored vision tensors: {shown}",
+            "the checkpoint layout is not covered by the family's architecture rules; extend its JSON",
+        )
     units = []
     for (ri, key), slot in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1])):
         rule = rules[ri]
         if len(slot) != len(rule.sources):
             have = ", ".join(slot[i] for i in sorted(slot))
             missing = [rule.sources[i] for i in range(len(rule.sources)) if i not in slot]
-            raise UserError(f"{path}: {have} found without its partner(s) matching {missing}", "the checkpoint is incomplete")
+            raise UserError(
+                f"{path}: {have} found without its partner(s) matching {missing}", "the checkpoint is incomplete"
+            )
         sources = tuple(slot[i] for i in range(len(rule.sources)))
         values = dict(key)
         if rule.per_index:
@@ -130,29 +140,44 @@ def _claim(tensors: dict[str, TensorInfo], rules: tuple[TensorRule, ...], ignore
     return units, ignored
 
 
-def _target_config(family: Family, variant: Variant, text: dict[str, Any], tie: bool, path: Path) -> tuple[Any, str, list[str]]:
+def _target_config(
+    family: Family, variant: Variant, text: dict[str, Any], tie: bool, path: Path
+) -> tuple[Any, str, list[str]]:
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     d = json.loads(json.dumps(text))  # deep copy
     model_type = variant.target.model_type or d.get("model_type")
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise UserError(f"{path}: target model type {model_type!r} has no causal-LM class in this transformers",
-                        f"fix target.model_type in architectures/{family.name}.json")
+        raise UserError(
+            f"{path}: target model type {model_type!r} has no causal-LM class in this transformers",
+            f"fix target.model_type in architectures/{family.name}.json",
+        )
     dropped = [p for p in variant.target.drop_config if _dotdel(d, p)]
     for old, new in variant.target.rename_config:
         if old in d:
             d[new] = d.pop(old)
     d.update(dict(variant.target.set_config))
-    for key in ("model_type", "architectures", "_name_or_path", "transformers_version", "dtype", "torch_dtype", "auto_map", "tie_word_embeddings"):
+    for key in (
+        "model_type",
+        "architectures",
+        "_name_or_path",
+        "transformers_version",
+        "dtype",
+        "torch_dtype",
+        "auto_map",
+        "tie_word_embeddings",
+    ):
         d.pop(key, None)
     # Keys the target class does not declare are kept: modeling code reads some of them with
     # getattr (Qwen3-MoE's head_dim), so only the family's drop_config removes keys.
     try:
         config = AutoConfig.for_model(model_type, tie_word_embeddings=tie, **d)
     except (TypeError, ValueError) as e:
-        raise UserError(f"{path}: cannot build a {model_type} config from the VLM's text config ({str(e).splitlines()[0]})",
-                        f"fix target in architectures/{family.name}.json") from None
+        raise UserError(
+            f"{path}: cannot build a {model_type} config from the VLM's text config ({str(e).splitlines()[0]})",
+            f"fix target in architectures/{family.name}.json",
+        ) from None
     config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]]
     return config, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type], dropped
 
@@ -181,7 +206,10 @@ def make_plan(vlm_config: Any, tensors: dict[str, TensorInfo], family: Family, p
     """
     text_config = getattr(vlm_config, family.text_config, None)
     if text_config is None:
-        raise UserError(f"{path}: the {family.name} config has no {family.text_config!r}", "check that this is a complete VLM config")
+        raise UserError(
+            f"{path}: the {family.name} config has no {family.text_config!r}",
+            "check that this is a complete VLM config",
+        )
     text = text_config.to_dict()
     variant = select_variant(family, text, path)
     config, target_class, dropped = _target_config(family, variant, text, tie=True, path=path)
@@ -191,15 +219,19 @@ def make_plan(vlm_config: Any, tensors: dict[str, TensorInfo], family: Family, p
     for unit in units:
         for t in unit.targets:
             if t in produced:
-                raise UserError(f"{path}: backbone tensor {t} is produced from both {produced[t]} and {unit.sources[0]}",
-                                "the checkpoint mixes two layouts of the same weights; re-save it")
+                raise UserError(
+                    f"{path}: backbone tensor {t} is produced from both {produced[t]} and {unit.sources[0]}",
+                    "the checkpoint mixes two layouts of the same weights; re-save it",
+                )
             produced[t] = unit.sources[0]
     head, head_source = next(iter(tie_map.items()), (None, None))
     vlm_ties = bool(getattr(vlm_config, "tie_word_embeddings", False))
     if head is not None and head not in produced:
         if not vlm_ties:
-            raise UserError(f"{path}: the output head is missing ({head} has no source tensor) and the VLM does not tie it",
-                            "the checkpoint is incomplete")
+            raise UserError(
+                f"{path}: the output head is missing ({head} has no source tensor) and the VLM does not tie it",
+                "the checkpoint is incomplete",
+            )
         tied = True
     else:
         tied = False  # decided later against the data when the VLM ties and stores its head too
@@ -212,25 +244,44 @@ def make_plan(vlm_config: Any, tensors: dict[str, TensorInfo], family: Family, p
             parts.append(f"missing {len(missing)}: {', '.join(missing[:4])}")
         if extra:
             parts.append(f"unexpected {len(extra)}: {', '.join(extra[:4])}")
-        raise UserError(f"{path}: the language tensors do not form a {target_class} ({'; '.join(parts)})",
-                        f"the checkpoint does not match architectures/{family.name}.json; extend its rules")
+        raise UserError(
+            f"{path}: the language tensors do not form a {target_class} ({'; '.join(parts)})",
+            f"the checkpoint does not match architectures/{family.name}.json; extend its rules",
+        )
     dropped_rows: dict[str, int] = {}
     for unit in units:  # shapes, checked on meta tensors
         metas = [torch.empty(tensors[s].shape, device="meta") for s in unit.sources]
         try:
             outs, rest = forward_rule(unit.rule, metas, [expected[t] for t in unit.targets])
         except ValueError as e:
-            raise UserError(f"{path}: {', '.join(unit.sources)}: {e}", "the text config and the tensors disagree") from None
+            raise UserError(
+                f"{path}: {', '.join(unit.sources)}: {e}", "the text config and the tensors disagree"
+            ) from None
         for t, o in zip(unit.targets, outs, strict=True):
             if tuple(o.shape) != expected[t]:
-                raise UserError(f"{path}: {t} would have shape {tuple(o.shape)}, {target_class} expects {expected[t]}",
-                                "the text config and the tensors disagree")
+                raise UserError(
+                    f"{path}: {t} would have shape {tuple(o.shape)}, {target_class} expects {expected[t]}",
+                    "the text config and the tensors disagree",
+                )
         if rest is not None:
             dropped_rows[unit.targets[0]] = int(rest.shape[unit.rule.dim])
     source_class = (vlm_config.architectures or [family.vlm_class])[0]
-    return Plan(family=family, variant=variant, target_config=config, target_class=target_class, units=tuple(units),
-                expected=expected, tied=tied, vlm_ties=vlm_ties, head=head, head_source=head_source, ignored=tuple(ignored),
-                dropped_config_keys=tuple(dropped), dropped_rows=dropped_rows, source_class=source_class)
+    return Plan(
+        family=family,
+        variant=variant,
+        target_config=config,
+        target_class=target_class,
+        units=tuple(units),
+        expected=expected,
+        tied=tied,
+        vlm_ties=vlm_ties,
+        head=head,
+        head_source=head_source,
+        ignored=tuple(ignored),
+        dropped_config_keys=tuple(dropped),
+        dropped_rows=dropped_rows,
+        source_class=source_class,
+    )
 
 
 def output_dtype(choice: str, tensors: dict[str, TensorInfo], units: tuple[Unit, ...]) -> torch.dtype:
@@ -257,12 +308,19 @@ def tie_pair(plan: Plan) -> tuple[str, str] | None:
         return None
     head_unit = next(u for u in plan.units if plan.head in u.targets)
     embed_unit = next(u for u in plan.units if plan.head_source in u.targets)
-    if head_unit.rule.per_index is None and len(head_unit.sources) == len(head_unit.targets) == 1 and len(embed_unit.sources) == 1 and not embed_unit.rule.drop_rest:
+    if (
+        head_unit.rule.per_index is None
+        and len(head_unit.sources) == len(head_unit.targets) == 1
+        and len(embed_unit.sources) == 1
+        and not embed_unit.rule.drop_rest
+    ):
         return head_unit.sources[0], embed_unit.sources[0]
     return None
 
 
-def extract_layout(plan: Plan, tensors: dict[str, TensorInfo], cast: torch.dtype | None, skip: set[str], max_shard_bytes: int) -> Layout:
+def extract_layout(
+    plan: Plan, tensors: dict[str, TensorInfo], cast: torch.dtype | None, skip: set[str], max_shard_bytes: int
+) -> Layout:
     """The backbone's shards: targets in production order (floating ones cast to `cast`), cut at `max_shard_bytes`."""
     entries: list[Entry] = []
     for unit in production_order(plan, tensors):
@@ -283,15 +341,21 @@ def extract_layout(plan: Plan, tensors: dict[str, TensorInfo], cast: torch.dtype
 def mirror_layout(tensors: dict[str, TensorInfo]) -> Layout:
     """The VLM's own shards: each file's tensors, sorted by name, in their stored dtype."""
     files = sorted({t.file for t in tensors.values()})
-    return tuple((f, tuple((n, ST_DTYPES[t.dtype], t.shape) for n, t in sorted(tensors.items()) if t.file == f)) for f in files)
+    return tuple(
+        (f, tuple((n, ST_DTYPES[t.dtype], t.shape) for n, t in sorted(tensors.items()) if t.file == f)) for f in files
+    )
 
 
-def check_backbone(plan: Plan, config: dict[str, Any], tensors: dict[str, TensorInfo], backbone: Path, vlm: Path) -> dict[str, str]:
+def check_backbone(
+    plan: Plan, config: dict[str, Any], tensors: dict[str, TensorInfo], backbone: Path, vlm: Path
+) -> dict[str, str]:
     """Check a backbone (its config.json contents and tensors) against the plan; return aliases {needed: stored}."""
     want_type = plan.target_config.model_type
     if config.get("model_type") != want_type:
-        raise UserError(f"{backbone}: backbone model type {config.get('model_type')!r} does not match the VLM's language model ({want_type!r})",
-                        f"pass a {plan.target_class} backbone extracted from (or merged with) this VLM")
+        raise UserError(
+            f"{backbone}: backbone model type {config.get('model_type')!r} does not match the VLM's language model ({want_type!r})",
+            f"pass a {plan.target_class} backbone extracted from (or merged with) this VLM",
+        )
     needed = [t for u in plan.units for t in u.targets]
     alias: dict[str, str] = {}
     missing = []
@@ -307,12 +371,17 @@ def check_backbone(plan: Plan, config: dict[str, Any], tensors: dict[str, Tensor
         extra = []  # checked against the embedding when written
     if missing or extra:
         parts = ([f"missing {len(missing)}: {', '.join(missing[:4])}"] if missing else []) + (
-            [f"not in the VLM {len(extra)}: {', '.join(extra[:4])}"] if extra else [])
-        raise UserError(f"{backbone}: backbone tensors do not match the VLM's language model ({'; '.join(parts)})",
-                        f"pass a backbone with the architecture of {vlm}'s language model")
+            [f"not in the VLM {len(extra)}: {', '.join(extra[:4])}"] if extra else []
+        )
+        raise UserError(
+            f"{backbone}: backbone tensors do not match the VLM's language model ({'; '.join(parts)})",
+            f"pass a backbone with the architecture of {vlm}'s language model",
+        )
     for t in needed:
         have = tensors[alias.get(t, t)].shape
         if have != plan.expected[t]:
-            raise UserError(f"{backbone}: {t} has shape {list(have)}, the VLM's language model has {list(plan.expected[t])}",
-                            "pass a backbone of the same size (layers, hidden size, vocabulary) as the VLM's language model")
+            raise UserError(
+                f"{backbone}: {t} has shape {list(have)}, the VLM's language model has {list(plan.expected[t])}",
+                "pass a backbone of the same size (layers, hidden size, vocabulary) as the VLM's language model",
+            )
     return alias

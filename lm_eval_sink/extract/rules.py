@@ -28,7 +28,9 @@ def _fits(shape: tuple[int, ...], want: tuple[int, ...], dim: int, allow_more: b
     return all(a == b or (allow_more and i == dim and a > b) for i, (a, b) in enumerate(zip(shape, want, strict=True)))
 
 
-def forward_rule(rule: TensorRule, sources: list[torch.Tensor], target_shapes: list[tuple[int, ...]]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+def forward_rule(
+    rule: TensorRule, sources: list[torch.Tensor], target_shapes: list[tuple[int, ...]]
+) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """Apply a rule to source tensors: returns the target tensors and the dropped rest (or None)."""
     x = sources[0] if len(sources) == 1 else torch.cat(sources, dim=rule.dim)
     k = len(rule.targets)
@@ -60,11 +62,15 @@ def forward_rule(rule: TensorRule, sources: list[torch.Tensor], target_shapes: l
     return out, rest
 
 
-def inverse_rule(rule: TensorRule, targets: list[torch.Tensor], source_shapes: list[tuple[int, ...]], rest: torch.Tensor | None) -> list[torch.Tensor]:
+def inverse_rule(
+    rule: TensorRule, targets: list[torch.Tensor], source_shapes: list[tuple[int, ...]], rest: torch.Tensor | None
+) -> list[torch.Tensor]:
     """The inverse of `forward_rule`: rebuild the source tensors from the targets (and the rest)."""
     k = len(rule.targets)
     if rule.per_index:
-        pieces = [torch.cat(targets[i:i + k], dim=rule.dim) if k > 1 else targets[i] for i in range(0, len(targets), k)]
+        pieces = [
+            torch.cat(targets[i : i + k], dim=rule.dim) if k > 1 else targets[i] for i in range(0, len(targets), k)
+        ]
         x = torch.stack(pieces, dim=0)
         dim = rule.dim + 1
     else:

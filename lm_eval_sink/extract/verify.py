@@ -36,15 +36,25 @@ class Verification:
     reason: str | None
 
     def to_json(self) -> dict[str, Any]:
-        return {"passed": self.passed, "max_abs_diff": self.max_abs_diff, "tolerance": self.tolerance, "dtype": self.dtype,
-                "probe_tokens": self.probe_tokens, "reason": self.reason}
+        return {
+            "passed": self.passed,
+            "max_abs_diff": self.max_abs_diff,
+            "tolerance": self.tolerance,
+            "dtype": self.dtype,
+            "probe_tokens": self.probe_tokens,
+            "reason": self.reason,
+        }
 
 
 def multimodal_token_ids(vlm_config: Any) -> set[int]:
     """The VLM config's image/video/vision token ids (`*_token_id`, `*_token_index`), kept out of the probe."""
     ids: set[int] = set()
     for key, value in vlm_config.to_dict().items():
-        if isinstance(value, int) and not isinstance(value, bool) and (key.endswith("_token_id") or key.endswith("_token_index")):
+        if (
+            isinstance(value, int)
+            and not isinstance(value, bool)
+            and (key.endswith("_token_id") or key.endswith("_token_index"))
+        ):
             if key not in ("bos_token_id", "eos_token_id", "pad_token_id"):
                 ids.add(value)
     return ids
@@ -70,15 +80,28 @@ def logits(model: Any, ids: list[int]) -> torch.Tensor:
         return model(input_ids=x, attention_mask=torch.ones_like(x)).logits.float()
 
 
-def compare(ref: torch.Tensor, got: torch.Tensor, dtype: torch.dtype, probe_tokens: int, loading_info: dict[str, Any]) -> Verification:
+def compare(
+    ref: torch.Tensor, got: torch.Tensor, dtype: torch.dtype, probe_tokens: int, loading_info: dict[str, Any]
+) -> Verification:
     """The verdict on the VLM's logits `ref` vs the backbone's `got` (and how the backbone loaded)."""
     name = str(dtype).removeprefix("torch.")
     atol, rtol = TOLERANCES.get(name, TOLERANCES["bfloat16"])
-    problems = [f"{k}: {sorted(v)[:4]}" for k, v in loading_info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v]
+    problems = [
+        f"{k}: {sorted(v)[:4]}"
+        for k, v in loading_info.items()
+        if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v
+    ]
     if problems:
         return Verification(False, None, None, name, probe_tokens, "backbone loads with " + "; ".join(problems))
     if ref.shape != got.shape:
-        return Verification(False, None, None, name, probe_tokens, f"logit shapes differ: VLM {tuple(ref.shape)}, backbone {tuple(got.shape)}")
+        return Verification(
+            False,
+            None,
+            None,
+            name,
+            probe_tokens,
+            f"logit shapes differ: VLM {tuple(ref.shape)}, backbone {tuple(got.shape)}",
+        )
     if not (torch.isfinite(ref).all() and torch.isfinite(got).all()):
         return Verification(False, None, None, name, probe_tokens, "non-finite logits (NaN or inf)")
     diff = float((ref - got).abs().max())

@@ -74,7 +74,13 @@ def patch_task_manager() -> None:
             return
         include_path = bound.arguments["include_path"]
         ours = str(tasks_dir())
-        paths = [] if include_path is None else list(include_path) if isinstance(include_path, (list, tuple)) else [include_path]
+        paths = (
+            []
+            if include_path is None
+            else list(include_path)
+            if isinstance(include_path, (list, tuple))
+            else [include_path]
+        )
         if ours not in {str(p) for p in paths}:
             paths.insert(0, ours)  # user paths come later, so they can still shadow ours
         bound.arguments["include_path"] = paths
@@ -106,7 +112,11 @@ def own_task_names() -> frozenset[str]:
     """The task and group names this project's YAMLs define."""
     import re
 
-    return frozenset(m.group(2) for p in tasks_dir().rglob("*.yaml") for m in re.finditer(r"^(task|group):\s*(\S+)\s*$", p.read_text(encoding="utf-8"), re.M))
+    return frozenset(
+        m.group(2)
+        for p in tasks_dir().rglob("*.yaml")
+        for m in re.finditer(r"^(task|group):\s*(\S+)\s*$", p.read_text(encoding="utf-8"), re.M)
+    )
 
 
 def check_attention_request(model_args: Any, tasks: Any) -> None:
@@ -120,7 +130,11 @@ def check_attention_request(model_args: Any, tasks: Any) -> None:
     if ours and impl:
         from lm_eval_sink.capture import check_wrappable
 
-        check_wrappable(impl, f"task {ours[0]}", "pass attn_implementation=sdpa or eager in --model_args for it; other tasks may use flash in a separate call")
+        check_wrappable(
+            impl,
+            f"task {ours[0]}",
+            "pass attn_implementation=sdpa or eager in --model_args for it; other tasks may use flash in a separate call",
+        )
 
 
 def patch_evaluator() -> None:
@@ -180,7 +194,9 @@ def _compact_matrices(result_dict: dict[str, Any]) -> dict[str, Any]:
             metrics = dict(metrics)
             for key, value in metrics.items():
                 if key.startswith("sink_strength_layer_head,") and isinstance(value, dict):
-                    metrics[key] = f"[{len(value.get('layers', []))} layers x {len(value.get('values', [[]])[0])} heads: see results JSON]"
+                    metrics[key] = (
+                        f"[{len(value.get('layers', []))} layers x {len(value.get('values', [[]])[0])} heads: see results JSON]"
+                    )
             out[column][task] = metrics
     return out
 

@@ -31,14 +31,21 @@ class OfflineDataset:
     fill_missing_keys: tuple[str, ...] = ()  # list-of-dict columns completed to the hub schema
 
     def matches(self, cfg: dict[str, Any]) -> bool:
-        return cfg.get("dataset_path") == self.dataset_path and (self.dataset_name is None or cfg.get("dataset_name") == self.dataset_name)
+        return cfg.get("dataset_path") == self.dataset_path and (
+            self.dataset_name is None or cfg.get("dataset_name") == self.dataset_name
+        )
 
 
 def offline_table() -> tuple[OfflineDataset, ...]:
     import yaml
 
     text = resources.files("lm_eval_sink").joinpath("data/offline_datasets.yaml").read_text(encoding="utf-8")
-    return tuple(OfflineDataset(d["dataset_path"], d.get("dataset_name"), dict(d["splits"]), tuple(d.get("fill_missing_keys", ()))) for d in yaml.safe_load(text))
+    return tuple(
+        OfflineDataset(
+            d["dataset_path"], d.get("dataset_name"), dict(d["splits"]), tuple(d.get("fill_missing_keys", ()))
+        )
+        for d in yaml.safe_load(text)
+    )
 
 
 def data_root() -> Path | None:
@@ -47,7 +54,9 @@ def data_root() -> Path | None:
     return Path(value).expanduser().resolve() if value else None
 
 
-def override_config(cfg: dict[str, Any], source_yaml: Path, root: Path, table: tuple[OfflineDataset, ...]) -> dict[str, Any] | None:
+def override_config(
+    cfg: dict[str, Any], source_yaml: Path, root: Path, table: tuple[OfflineDataset, ...]
+) -> dict[str, Any] | None:
     """The generated YAML's content for one stock task config, or None when it is not covered."""
     entry = next((d for d in table if d.matches(cfg)), None)
     if entry is None:

@@ -73,11 +73,16 @@ class EvalSettings:
             object.__setattr__(self, "device", "cpu")
         if self.backend == "vllm":
             if self.device is not None:
-                raise UserError(f"device {self.device!r} is an HF-only setting", "drop device/--device for backend vllm (vLLM places the model; set tensor_parallel_size in model_args)")
+                raise UserError(
+                    f"device {self.device!r} is an HF-only setting",
+                    "drop device/--device for backend vllm (vLLM places the model; set tensor_parallel_size in model_args)",
+                )
             sink = [t for t in self.tasks if t.startswith("sink_strength")]
             if sink:
-                raise UserError(f"task {sink[0]} needs attention weights, which the vllm backend does not expose",
-                                "evaluate sink_strength with backend hf (a sweep's strength: units do), the other tasks with vllm")
+                raise UserError(
+                    f"task {sink[0]} needs attention weights, which the vllm backend does not expose",
+                    "evaluate sink_strength with backend hf (a sweep's strength: units do), the other tasks with vllm",
+                )
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -86,7 +91,12 @@ class EvalSettings:
 
     def command(self, model: str, output_path: Path) -> list[str]:
         """The lm_eval argument list (without the interpreter)."""
-        margs = {"pretrained": model, **_pinned_revision(model), **({"dtype": self.dtype} if self.dtype else {}), **self.model_args}
+        margs = {
+            "pretrained": model,
+            **_pinned_revision(model),
+            **({"dtype": self.dtype} if self.dtype else {}),
+            **self.model_args,
+        }
         args = [
             "--model", self.backend,
             "--model_args", ",".join(f"{k}={v}" for k, v in margs.items()),
@@ -120,14 +130,23 @@ def require_backend(backend: str) -> None:
     import importlib.util
 
     if backend == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise UserError("backend vllm asked for, but vllm is not installed", "pip install vllm (or lm-eval[vllm]) on a GPU machine, or use backend hf")
+        raise UserError(
+            "backend vllm asked for, but vllm is not installed",
+            "pip install vllm (or lm-eval[vllm]) on a GPU machine, or use backend hf",
+        )
 
 
 def _results_files(output_path: Path) -> set[Path]:
     return set(output_path.glob("*/results_*.json")) if output_path.is_dir() else set()
 
 
-def run_lm_eval(model: str | Path, settings: EvalSettings, output_path: str | Path, env: dict[str, str] | None = None, echo: bool = False) -> RunFiles:
+def run_lm_eval(
+    model: str | Path,
+    settings: EvalSettings,
+    output_path: str | Path,
+    env: dict[str, str] | None = None,
+    echo: bool = False,
+) -> RunFiles:
     """Run lm-eval on `model` with `settings`; results land under `output_path/<model>/`.
 
     Earlier runs in `output_path` are kept (lm-eval names files by time). The subprocess log goes
@@ -147,7 +166,9 @@ def run_lm_eval(model: str | Path, settings: EvalSettings, output_path: str | Pa
     with open(log_path, "w", encoding="utf-8") as log:
         log.write("$ lm_eval " + " ".join(cmd[3:]) + "\n")
         log.flush()
-        proc = subprocess.Popen(cmd, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        proc = subprocess.Popen(
+            cmd, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+        )
         assert proc.stdout is not None
         last = ""
         for line in proc.stdout:

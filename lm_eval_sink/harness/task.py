@@ -85,7 +85,9 @@ class SinkStrengthTask(ConfigurableTask):
             log.info("%s: --limit/--samples ignored: the calibration set is always used whole", self.config.task)
         super().build_all_requests(limit=None, samples=None, **kwargs)
 
-    def doc_iterator(self, *, rank: int = 0, limit: int | None = None, world_size: int = 1, samples: list[int] | None = None):
+    def doc_iterator(
+        self, *, rank: int = 0, limit: int | None = None, world_size: int = 1, samples: list[int] | None = None
+    ):
         return super().doc_iterator(rank=rank, limit=None, world_size=world_size, samples=None)
 
     def construct_requests(self, doc: dict[str, Any], ctx: str, **kwargs: Any) -> Instance:
@@ -94,7 +96,13 @@ class SinkStrengthTask(ConfigurableTask):
         kwargs.pop("apply_chat_template", None)
         kwargs.pop("chat_template", None)
         settings = asdict(self.strength_settings)
-        return Instance(request_type=REQUEST_TYPE, doc=doc, arguments=(doc["prompt"], {"task": self.config.task, "settings": settings}), idx=0, **kwargs)
+        return Instance(
+            request_type=REQUEST_TYPE,
+            doc=doc,
+            arguments=(doc["prompt"], {"task": self.config.task, "settings": settings}),
+            idx=0,
+            **kwargs,
+        )
 
     def override_metric(self, metric_name: str) -> None:
         if metric_name == "bypass":  # --predict_only: S is the output itself, keep it
@@ -127,13 +135,27 @@ class PromptRows:
 
     def __str__(self) -> str:
         p = self.payload
-        return f"sink_strength rows of prompt {p['prompt_id']} ({p['sink_logodds']['shape']}): see the '{PRIMARY}' field"
+        return (
+            f"sink_strength rows of prompt {p['prompt_id']} ({p['sink_logodds']['shape']}): see the '{PRIMARY}' field"
+        )
 
     @classmethod
-    def build(cls, prompt_id: int, capture: Any, settings: StrengthSettings, n_layers: int, attention_layers: Sequence[int], chat_template_applied: bool,
-        chat_template_sha256: str | None) -> PromptRows:
+    def build(
+        cls,
+        prompt_id: int,
+        capture: Any,
+        settings: StrengthSettings,
+        n_layers: int,
+        attention_layers: Sequence[int],
+        chat_template_applied: bool,
+        chat_template_sha256: str | None,
+    ) -> PromptRows:
         pos = np.asarray(capture.sink_pos)
-        pos_dtype = np.int16 if pos.size == 0 or (int(pos.min()) > np.iinfo(np.int16).min and int(pos.max()) < np.iinfo(np.int16).max) else np.int32
+        pos_dtype = (
+            np.int16
+            if pos.size == 0 or (int(pos.min()) > np.iinfo(np.int16).min and int(pos.max()) < np.iinfo(np.int16).max)
+            else np.int32
+        )
         learned = capture.learned_sink_mass
         return cls({
             "prompt_id": prompt_id,
@@ -167,7 +189,16 @@ def _result(items: list[Any]) -> SinkStrength:
     if len(set(ids)) != len(ids):
         dup = next(i for i in ids if ids.count(i) > 1)
         raise RuntimeError(f"sink_strength: {len(ids) - len(set(ids))} duplicate prompt item(s), e.g. prompt {dup}")
-    heads = {(repr(sorted(p["settings"].items())), p["n_layers"], tuple(p["attention_layers"]), tuple(p["layers"]), p["learned_sink_mass"] is None) for p in payloads}
+    heads = {
+        (
+            repr(sorted(p["settings"].items())),
+            p["n_layers"],
+            tuple(p["attention_layers"]),
+            tuple(p["layers"]),
+            p["learned_sink_mass"] is None,
+        )
+        for p in payloads
+    }
     if len(heads) != 1:
         raise RuntimeError(f"sink_strength: items from {len(heads)} measurement settings in one aggregation")
     first = payloads[0]
@@ -182,7 +213,9 @@ def _result(items: list[Any]) -> SinkStrength:
         )
         for p in payloads
     ]
-    return reduce_captures(captures, StrengthSettings(**first["settings"]), first["n_layers"], first["attention_layers"])
+    return reduce_captures(
+        captures, StrengthSettings(**first["settings"]), first["n_layers"], first["attention_layers"]
+    )
 
 
 def _chat_template_applied(items: list[Any]) -> bool:
@@ -268,11 +301,31 @@ def _hflm_sink_strength(self: HFLM, requests: list[Instance]) -> list[PromptRows
         for i in idxs:
             first_of.setdefault(id(requests[i]), i)
         unique = list(first_of.values())
-        encoded = encode_prompts(self.tokenizer, [requests[i].arguments[0] for i in unique], settings.use_chat_template, settings.system_prompt)
+        encoded = encode_prompts(
+            self.tokenizer,
+            [requests[i].arguments[0] for i in unique],
+            settings.use_chat_template,
+            settings.system_prompt,
+        )
         att = attention_layers(self.model, encoded.input_ids[0][:2])
-        captures = capture_prompts(self.model, encoded, settings.layers_for(att), settings.batch_size, progress=self.rank == 0, desc=f"{task} (rank {self.rank})")
+        captures = capture_prompts(
+            self.model,
+            encoded,
+            settings.layers_for(att),
+            settings.batch_size,
+            progress=self.rank == 0,
+            desc=f"{task} (rank {self.rank})",
+        )
         items = {
-            id(requests[i]): PromptRows.build(int(requests[i].doc["prompt_id"]), c, settings, depth, att, encoded.chat_template_applied, encoded.chat_template_sha256)
+            id(requests[i]): PromptRows.build(
+                int(requests[i].doc["prompt_id"]),
+                c,
+                settings,
+                depth,
+                att,
+                encoded.chat_template_applied,
+                encoded.chat_template_sha256,
+            )
             for i, c in zip(unique, captures, strict=True)
         }
         for i in idxs:

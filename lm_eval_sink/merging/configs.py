@@ -99,18 +99,25 @@ def load_template(name_or_path: str | Path) -> Template:
     if text_arg.endswith((".yaml", ".yml")) or "/" in text_arg:
         path = Path(text_arg)
         if not path.is_file():
-            raise UserError(f"{path}: no such template file", "pass a bundled name (lm-eval-sink configs list) or a template YAML")
+            raise UserError(
+                f"{path}: no such template file", "pass a bundled name (lm-eval-sink configs list) or a template YAML"
+            )
         text, where = path.read_text(encoding="utf-8"), str(path)
         name = path.stem
     else:
         names = bundled_names()
         if text_arg not in names:
-            raise UserError(f"unknown merge config {text_arg!r}{did_you_mean(text_arg, names)}; bundled: {', '.join(names)}", "see lm-eval-sink configs list")
+            raise UserError(
+                f"unknown merge config {text_arg!r}{did_you_mean(text_arg, names)}; bundled: {', '.join(names)}",
+                "see lm-eval-sink configs list",
+            )
         res = _bundled_dir().joinpath(f"{text_arg}.yaml")
         text, where, name = res.read_text(encoding="utf-8"), f"merge_configs/{text_arg}.yaml", text_arg
     data = parse_yaml(text, where)
     if not isinstance(data, dict):
-        raise UserError(f"{where}: not a merge-control template (expected a mapping)", "see merge_configs/*.yaml for the format")
+        raise UserError(
+            f"{where}: not a merge-control template (expected a mapping)", "see merge_configs/*.yaml for the format"
+        )
     t = parse(_TemplateIn, data, where)
     return Template(
         name=name,
@@ -149,7 +156,10 @@ def _substitute(node: Any, values: dict[str, str], where: str) -> Any:
         return [_substitute(v, values, f"{where}[{i}]") for i, v in enumerate(node)]
     if isinstance(node, str) and "${" in node:
         if node not in values:
-            raise UserError(f"{where}: unknown or unfilled placeholder {node!r}", f"templates may use {', '.join(PLACEHOLDERS)} as whole values")
+            raise UserError(
+                f"{where}: unknown or unfilled placeholder {node!r}",
+                f"templates may use {', '.join(PLACEHOLDERS)} as whole values",
+            )
         return values[node]
     return node
 
@@ -195,7 +205,13 @@ def _tokenizer_digest(path: str) -> str | None:
     return sha256_text("".join(f"{f.name}:{sha256_file(f)}" for f in present)) if present else None
 
 
-def render(name: str | Path, reference: str | Path, candidate: str | Path, base: str | Path | None = None, tokenizer_source: str | None = None) -> Rendered:
+def render(
+    name: str | Path,
+    reference: str | Path,
+    candidate: str | Path,
+    base: str | Path | None = None,
+    tokenizer_source: str | None = None,
+) -> Rendered:
     """Fill a template for one pair (chain lineage) or trio (siblings lineage) and validate it.
 
     `tokenizer_source`: None (mergekit's rule: the base_model's tokenizer; the reference's in the
@@ -204,7 +220,10 @@ def render(name: str | Path, reference: str | Path, candidate: str | Path, base:
     from lm_eval_sink.models import resolve_model
 
     template = load_template(name)
-    paths = {"reference": _resolve_role(resolve_model, "--reference", reference), "candidate": _resolve_role(resolve_model, "--candidate", candidate)}
+    paths = {
+        "reference": _resolve_role(resolve_model, "--reference", reference),
+        "candidate": _resolve_role(resolve_model, "--candidate", candidate),
+    }
     lineage = "siblings" if base is not None else "chain"
     if base is not None:
         paths["base"] = _resolve_role(resolve_model, "--base", base)
@@ -216,10 +235,20 @@ def render(name: str | Path, reference: str | Path, candidate: str | Path, base:
     if block.get("identity"):
         warnings.append(f"{template.name} ({lineage} lineage): {block['identity']}")
     if base is not None and not _uses(block["config"], "${base}"):
-        warnings.append(f"{template.name}: this control does not use the base model (--base only selects the siblings formula: {block['formula']})")
+        warnings.append(
+            f"{template.name}: this control does not use the base model (--base only selects the siblings formula: {block['formula']})"
+        )
     if tokenizer_source is not None:
-        config["tokenizer_source"] = paths[tokenizer_source] if tokenizer_source in ("reference", "candidate") else _tokenizer_source_arg(tokenizer_source, resolve_model)
-    elif base is not None and _uses(block["config"], "${base}") and _tokenizer_digest(paths["base"]) != _tokenizer_digest(paths["reference"]):
+        config["tokenizer_source"] = (
+            paths[tokenizer_source]
+            if tokenizer_source in ("reference", "candidate")
+            else _tokenizer_source_arg(tokenizer_source, resolve_model)
+        )
+    elif (
+        base is not None
+        and _uses(block["config"], "${base}")
+        and _tokenizer_digest(paths["base"]) != _tokenizer_digest(paths["reference"])
+    ):
         warnings.append(
             f"{template.name}: mergekit copies the tokenizer and config of base_model, and the base's tokenizer files differ from the reference's "
             "(chat template, special tokens?); pass --tokenizer-source reference to build the output vocabulary from the reference's tokenizer"
@@ -233,7 +262,14 @@ def render(name: str | Path, reference: str | Path, candidate: str | Path, base:
     text = "\n".join(header) + "\n" + yaml.safe_dump(config, sort_keys=False, default_flow_style=None, width=1000)
     roles = {p: role for role, p in paths.items()}
     validate_text(text, source=f"{template.name} ({lineage})", roles=roles)
-    return Rendered(name=template.name, lineage=lineage, text=text, config=config, formula=str(block["formula"]), warnings=tuple(warnings))
+    return Rendered(
+        name=template.name,
+        lineage=lineage,
+        text=text,
+        config=config,
+        formula=str(block["formula"]),
+        warnings=tuple(warnings),
+    )
 
 
 def _resolve_role(resolve_model, flag: str, value: str | Path) -> str:
@@ -277,7 +313,9 @@ def validate_file(path: str | Path) -> ValidatedConfig:
     """Read and validate a mergekit config file (see `validate_text`)."""
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"{path}: no such config file", "pass a mergekit YAML, e.g. one written by lm-eval-sink configs render")
+        raise UserError(
+            f"{path}: no such config file", "pass a mergekit YAML, e.g. one written by lm-eval-sink configs render"
+        )
     return validate_text(path.read_text(encoding="utf-8"), source=str(path))
 
 
@@ -293,11 +331,18 @@ class _Checker:
 
     def keys(self, node: Any, allowed: tuple[str, ...], where: str, what: str) -> None:
         if not isinstance(node, dict):
-            self.fail(where or "(top level)", f"expected a mapping ({what}), got {type(node).__name__}", f"write {what} as 'key: value' lines")
+            self.fail(
+                where or "(top level)",
+                f"expected a mapping ({what}), got {type(node).__name__}",
+                f"write {what} as 'key: value' lines",
+            )
         for key in node:
             if key not in allowed:
-                self.fail(f"{where}.{key}" if where else str(key), f"unknown key in {what}{did_you_mean(str(key), allowed)}; mergekit would ignore it (allowed: {', '.join(allowed)})",
-                    "remove or correct the key")
+                self.fail(
+                    f"{where}.{key}" if where else str(key),
+                    f"unknown key in {what}{did_you_mean(str(key), allowed)}; mergekit would ignore it (allowed: {', '.join(allowed)})",
+                    "remove or correct the key",
+                )
 
     def model_ref(self, value: Any, key: str) -> str:
         """A local folder (resolved) or a hub id, `org/name` or `org/name@REVISION` (kept as written; the revision must exist)."""
@@ -307,13 +352,20 @@ class _Checker:
         if not isinstance(value, str) or not value.strip():
             self.fail(key, f"expected a model path (a string), got {value!r}", "write the model folder's path")
         if "+" in value:
-            self.fail(key, f"{value!r}: '+' (LoRA) references are not supported by this validator", "merge a LoRA into its model first and pass the folder")
+            self.fail(
+                key,
+                f"{value!r}: '+' (LoRA) references are not supported by this validator",
+                "merge a LoRA into its model first and pass the folder",
+            )
         try:
             path, revision = split_revision(value)
             if revision is None:
                 return resolve_model(value)
             if Path(path).expanduser().exists() or not looks_like_hub_id(path):
-                raise UserError(f"{value!r}: '@{revision}' names a revision of a hub model (org/name), and {path} is not a hub id", "drop the '@...' for a local folder")
+                raise UserError(
+                    f"{value!r}: '@{revision}' names a revision of a hub model (org/name), and {path} is not a hub id",
+                    "drop the '@...' for a local folder",
+                )
             model_identity(value)  # the revision exists: in the local HF cache, or (online) on the hub
             return value
         except UserError as e:
@@ -324,7 +376,12 @@ class _Checker:
         return f"{role} {path}" if role else path
 
 
-_OPS = {"Gt": (">", lambda v, b: v > b), "Ge": (">=", lambda v, b: v >= b), "Lt": ("<", lambda v, b: v < b), "Le": ("<=", lambda v, b: v <= b)}
+_OPS = {
+    "Gt": (">", lambda v, b: v > b),
+    "Ge": (">=", lambda v, b: v >= b),
+    "Lt": ("<", lambda v, b: v < b),
+    "Le": ("<=", lambda v, b: v <= b),
+}
 
 
 def _declared(param) -> tuple[Any, list[tuple[str, Any]]]:
@@ -337,14 +394,20 @@ def _declared(param) -> tuple[Any, list[tuple[str, Any]]]:
         for m in found:
             meta.extend(getattr(m, "metadata", [m]))  # pydantic Field(...) keeps its constraints in .metadata
     meta.extend(_STOCK_RANGES.get(param.name, ()))
-    bounds = [(type(c).__name__, next(getattr(c, a) for a in ("gt", "ge", "lt", "le") if hasattr(c, a))) for c in meta if type(c).__name__ in _OPS]
+    bounds = [
+        (type(c).__name__, next(getattr(c, a) for a in ("gt", "ge", "lt", "le") if hasattr(c, a)))
+        for c in meta
+        if type(c).__name__ in _OPS
+    ]
     return value_type, bounds
 
 
 def _expectation(param) -> str:
     """Words for a parameter's type and range, e.g. 'a number > 0 and <= 1'."""
     value_type, bounds = _declared(param)
-    words = {float: "a number", int: "an integer", bool: "true or false", str: "a string"}.get(value_type, str(value_type))
+    words = {float: "a number", int: "an integer", bool: "true or false", str: "a string"}.get(
+        value_type, str(value_type)
+    )
     return words + (" " + " and ".join(f"{_OPS[k][0]} {b}" for k, b in bounds) if bounds else "")
 
 
@@ -366,9 +429,15 @@ def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | N
     method_name = data.get("merge_method")
     names = sorted(m.spec.name for m in registry.registered_methods())
     if not isinstance(method_name, str):
-        ck.fail("merge_method", f"missing; expected one of {', '.join(names)}", "add e.g. merge_method: task_arithmetic")
+        ck.fail(
+            "merge_method", f"missing; expected one of {', '.join(names)}", "add e.g. merge_method: task_arithmetic"
+        )
     if method_name not in names:
-        ck.fail("merge_method", f"unknown merge method {method_name!r}{did_you_mean(method_name, names)}; known: {', '.join(names)}", "use one of the known methods")
+        ck.fail(
+            "merge_method",
+            f"unknown merge method {method_name!r}{did_you_mean(method_name, names)}; known: {', '.join(names)}",
+            "use one of the known methods",
+        )
     spec = registry.get(method_name).spec
     params = {p.name: p for p in spec.parameters}
     shared = {p.name for p in spec.shared_parameters}
@@ -396,9 +465,15 @@ def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | N
         elif isinstance(setting, dict):
             ck.keys(setting, mergekit_keys()["ConditionalParameter"], key, "a filtered parameter value")
             if "value" not in setting:
-                ck.fail(key, "a filtered value needs 'value' (and optionally 'filter')", "write {filter: self_attn, value: 0.5}")
+                ck.fail(
+                    key,
+                    "a filtered value needs 'value' (and optionally 'filter')",
+                    "write {filter: self_attn, value: 0.5}",
+                )
             if setting.get("filter") is not None and not isinstance(setting["filter"], str):
-                ck.fail(f"{key}.filter", f"expected a string, got {setting['filter']!r}", "write a tensor-name substring")
+                ck.fail(
+                    f"{key}.filter", f"expected a string, got {setting['filter']!r}", "write a tensor-name substring"
+                )
             check_setting(f"{key}.value", pname, setting["value"])
         elif isinstance(setting, list) and setting:
             if all(isinstance(s, scalar) for s in setting):
@@ -408,7 +483,11 @@ def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | N
                 for i, s in enumerate(setting):
                     check_setting(f"{key}[{i}]", pname, s)
             else:
-                ck.fail(key, "expected a value, a gradient list of values or a list of {filter, value}", "do not mix values and filters in one list")
+                ck.fail(
+                    key,
+                    "expected a value, a gradient list of values or a list of {filter, value}",
+                    "do not mix values and filters in one list",
+                )
         else:
             ck.fail(key, f"expected {_expectation(params[pname])}, got {setting!r}", f"give {pname} a value")
 
@@ -416,24 +495,47 @@ def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | N
         if node is None:
             return {}
         if not isinstance(node, dict):
-            ck.fail(where, f"expected a mapping of parameters, got {type(node).__name__}", f"write e.g. {where}: {{{next(iter(params), 'weight')}: 1.0}}")
+            ck.fail(
+                where,
+                f"expected a mapping of parameters, got {type(node).__name__}",
+                f"write e.g. {where}: {{{next(iter(params), 'weight')}: 1.0}}",
+            )
         for pname, setting in node.items():
             key = f"{where}.{pname}"
             if pname not in params:
-                ck.fail(key, f"unknown parameter of merge method {method_name!r}{did_you_mean(str(pname), params)}; mergekit would ignore it ({method_name} takes: {param_list})",
-                    "remove or correct the parameter")
+                ck.fail(
+                    key,
+                    f"unknown parameter of merge method {method_name!r}{did_you_mean(str(pname), params)}; mergekit would ignore it ({method_name} takes: {param_list})",
+                    "remove or correct the parameter",
+                )
             if per_model and pname in shared:
-                ck.fail(key, f"{pname!r} is a global parameter of {method_name}; mergekit ignores it on a model", "move it to the top-level parameters")
+                ck.fail(
+                    key,
+                    f"{pname!r} is a global parameter of {method_name}; mergekit ignores it on a model",
+                    "move it to the top-level parameters",
+                )
             if per_model and is_base and params[pname].scope == ParameterScope.NON_BASE:
-                ck.fail(key, f"{method_name} ignores {pname!r} on the base model (it applies to task vectors only)", "remove it from the base model's entry")
+                ck.fail(
+                    key,
+                    f"{method_name} ignores {pname!r} on the base model (it applies to task vectors only)",
+                    "remove it from the base model's entry",
+                )
             check_setting(key, pname, setting)
         return node
 
     for key in ("dtype", "out_dtype"):
         if key in data and data[key] is not None and str(data[key]).removeprefix("torch.") not in DTYPES:
-            ck.fail(key, f"expected one of {', '.join(DTYPES)}, got {data[key]!r}", "use e.g. float32 for compute and the model's dtype for out_dtype")
+            ck.fail(
+                key,
+                f"expected one of {', '.join(DTYPES)}, got {data[key]!r}",
+                "use e.g. float32 for compute and the model's dtype for out_dtype",
+            )
     if "chat_template" in data and data["chat_template"] is not None and not isinstance(data["chat_template"], str):
-        ck.fail("chat_template", f"expected a string (a template name, 'auto' or Jinja text), got {data['chat_template']!r}", "quote the template")
+        ck.fail(
+            "chat_template",
+            f"expected a string (a template name, 'auto' or Jinja text), got {data['chat_template']!r}",
+            "quote the template",
+        )
 
     base_model = None
     if data.get("base_model") is not None:
@@ -442,7 +544,11 @@ def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | N
 
     blocks = [k for k in ("models", "slices", "modules") if data.get(k)]
     if len(blocks) != 1:
-        ck.fail("models", f"exactly one of models, slices or modules must be given (found {', '.join(blocks) or 'none'})", "list the input models under models:")
+        ck.fail(
+            "models",
+            f"exactly one of models, slices or modules must be given (found {', '.join(blocks) or 'none'})",
+            "list the input models under models:",
+        )
 
     # Each group: (where, [(key, path, params)], base, [level params]) as mergekit resolves them.
     groups: list[tuple[str, list[tuple[str, str, dict]], str | None, list[dict]]] = []
@@ -457,7 +563,13 @@ def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | N
                 entry = {"model": entry}
             ck.keys(entry, mergekit_keys()["InputModelDefinition"], key, "a model entry")
             path = ck.model_ref(entry.get("model"), f"{key}.model")
-            entries.append((key, path, check_params(entry.get("parameters"), f"{key}.parameters", per_model=True, is_base=path == base)))
+            entries.append(
+                (
+                    key,
+                    path,
+                    check_params(entry.get("parameters"), f"{key}.parameters", per_model=True, is_base=path == base),
+                )
+            )
         groups.append((where, entries, base, levels))
 
     def slice_list(node: Any, where: str, levels: list[dict]) -> None:
@@ -466,7 +578,9 @@ def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | N
         for i, sl in enumerate(node):
             key = f"{where}[{i}]"
             ck.keys(sl, mergekit_keys()["OutputSliceDefinition"], key, "an output slice")
-            sbase = ck.model_ref(sl["base_model"], f"{key}.base_model") if sl.get("base_model") is not None else base_model
+            sbase = (
+                ck.model_ref(sl["base_model"], f"{key}.base_model") if sl.get("base_model") is not None else base_model
+            )
             if sl.get("residual_weight") is not None and not isinstance(sl["residual_weight"], (int, float)):
                 ck.fail(f"{key}.residual_weight", f"expected a number, got {sl['residual_weight']!r}", "write a number")
             slevel = check_params(sl.get("parameters"), f"{key}.parameters", per_model=False, is_base=False)
@@ -479,12 +593,33 @@ def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | N
                 ck.keys(src, mergekit_keys()["InputSliceDefinition"], skey, "a slice source")
                 path = ck.model_ref(src.get("model"), f"{skey}.model")
                 lr = src.get("layer_range")
-                if not (isinstance(lr, list) and len(lr) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in lr) and 0 <= lr[0] < lr[1]):
-                    ck.fail(f"{skey}.layer_range", f"expected [start, end] with 0 <= start < end, got {lr!r}", "write e.g. layer_range: [0, 24]")
+                if not (
+                    isinstance(lr, list)
+                    and len(lr) == 2
+                    and all(isinstance(x, int) and not isinstance(x, bool) for x in lr)
+                    and 0 <= lr[0] < lr[1]
+                ):
+                    ck.fail(
+                        f"{skey}.layer_range",
+                        f"expected [start, end] with 0 <= start < end, got {lr!r}",
+                        "write e.g. layer_range: [0, 24]",
+                    )
                 n_layers = _config_value(_config_json(path), "num_hidden_layers")
                 if isinstance(n_layers, int) and lr[1] > n_layers:
-                    ck.fail(f"{skey}.layer_range", f"end {lr[1]} exceeds the {n_layers} layers of {path}", f"use an end <= {n_layers}")
-                entries.append((skey, path, check_params(src.get("parameters"), f"{skey}.parameters", per_model=True, is_base=path == sbase)))
+                    ck.fail(
+                        f"{skey}.layer_range",
+                        f"end {lr[1]} exceeds the {n_layers} layers of {path}",
+                        f"use an end <= {n_layers}",
+                    )
+                entries.append(
+                    (
+                        skey,
+                        path,
+                        check_params(
+                            src.get("parameters"), f"{skey}.parameters", per_model=True, is_base=path == sbase
+                        ),
+                    )
+                )
             groups.append((key, entries, sbase, [slevel, *levels]))
 
     if data.get("models"):
@@ -494,7 +629,9 @@ def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | N
     else:
         mods = data["modules"]
         if not isinstance(mods, dict):
-            ck.fail("modules", "expected a mapping of module name to {models | slices}", "see mergekit's docs on modules")
+            ck.fail(
+                "modules", "expected a mapping of module name to {models | slices}", "see mergekit's docs on modules"
+            )
         for mname, mdef in mods.items():
             key = f"modules.{mname}"
             ck.keys(mdef, mergekit_keys()["OutputModuleDefinition"], key, "a module definition")
@@ -514,15 +651,20 @@ def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | N
         if dup:
             ck.fail(where, f"{dup} is listed twice", "list each input model once")
         if spec.contract.base == BasePolicy.REQUIRED and base is None:
-            ck.fail("base_model", f"missing; merge method {method_name!r} needs a base_model (task vectors are taken against it)",
-                "add base_model: PATH (the reference in the chain lineage, the common ancestor for siblings)")
+            ck.fail(
+                "base_model",
+                f"missing; merge method {method_name!r} needs a base_model (task vectors are taken against it)",
+                "add base_model: PATH (the reference in the chain lineage, the common ancestor for siblings)",
+            )
         if spec.contract.base == BasePolicy.FORBIDDEN and base is not None:
             ck.fail("base_model", f"merge method {method_name!r} takes no base_model", "remove base_model")
         inputs = list(entries)
         if base is not None and base not in paths:
             inputs.append(("base_model", base, {}))  # mergekit adds the base as an input
         try:
-            spec.contract.validate_ids([p for _, p, _ in inputs], base if spec.contract.base != BasePolicy.IGNORED else None, group_name=where)
+            spec.contract.validate_ids(
+                [p for _, p, _ in inputs], base if spec.contract.base != BasePolicy.IGNORED else None, group_name=where
+            )
         except ValueError as e:
             ck.fail(where, f"{e} (merge method {method_name!r})", "adjust the list of input models")
         for p in spec.parameters:
@@ -531,27 +673,49 @@ def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | N
             at_level = any(p.name in lv for lv in levels)
             if p.scope == ParameterScope.SHARED:
                 if not at_level:
-                    ck.fail("parameters", f"missing required parameter {p.name!r} of merge method {method_name!r} (expected {_expectation(p)})", f"add parameters: {{{p.name}: ...}}")
+                    ck.fail(
+                        "parameters",
+                        f"missing required parameter {p.name!r} of merge method {method_name!r} (expected {_expectation(p)})",
+                        f"add parameters: {{{p.name}: ...}}",
+                    )
                 continue
             for key, path, own in inputs:
                 if p.scope == ParameterScope.NON_BASE and path == base:
                     continue
                 if p.name not in own and not at_level:
                     if key == "base_model":
-                        ck.fail("base_model", f"mergekit adds base_model as an input of {method_name!r}, which needs {p.name!r} for every input",
-                            f"list it under models with a {p.name}, or drop base_model")
-                    ck.fail(f"{key}.parameters.{p.name}", f"missing; merge method {method_name!r} needs {p.name!r} for this model (expected {_expectation(p)})",
-                        f"add parameters: {{{p.name}: ...}} to the model, or at the top level")
+                        ck.fail(
+                            "base_model",
+                            f"mergekit adds base_model as an input of {method_name!r}, which needs {p.name!r} for every input",
+                            f"list it under models with a {p.name}, or drop base_model",
+                        )
+                    ck.fail(
+                        f"{key}.parameters.{p.name}",
+                        f"missing; merge method {method_name!r} needs {p.name!r} for this model (expected {_expectation(p)})",
+                        f"add parameters: {{{p.name}: ...}} to the model, or at the top level",
+                    )
         if method_name == "linear":
-            weights = [own.get("weight", next((lv["weight"] for lv in levels if "weight" in lv), None)) for _, _, own in inputs]
+            weights = [
+                own.get("weight", next((lv["weight"] for lv in levels if "weight" in lv), None)) for _, _, own in inputs
+            ]
             normalize = next((lv["normalize"] for lv in levels if "normalize" in lv), True)
-            if normalize is True and all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights) and sum(weights) == 0:
-                ck.fail(f"{where}", "the weights sum to 0 and linear (normalize: true) divides by their sum", "use weights with a non-zero sum")
+            if (
+                normalize is True
+                and all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights)
+                and sum(weights) == 0
+            ):
+                ck.fail(
+                    f"{where}",
+                    "the weights sum to 0 and linear (normalize: true) divides by their sum",
+                    "use weights with a non-zero sum",
+                )
         all_inputs.extend(p for _, p, _ in inputs if p not in all_inputs)
 
     _check_tokenizer(ck, data, base_model)
     _check_compatible(ck, data, all_inputs, bool(data.get("models")))
-    return ValidatedConfig(source=source, text=text, data=data, method=method_name, base_model=base_model, inputs=tuple(all_inputs))
+    return ValidatedConfig(
+        source=source, text=text, data=data, method=method_name, base_model=base_model, inputs=tuple(all_inputs)
+    )
 
 
 def _check_tokenizer(ck: _Checker, data: dict[str, Any], base_model: str | None) -> None:
@@ -587,7 +751,11 @@ def _check_compatible(ck: _Checker, data: dict[str, Any], inputs: list[str], who
         for other in inputs[1:]:
             b = _config_value(configs[other], key)
             if a is not None and b is not None and a != b:
-                ck.fail("models", f"{key} differs: {ck.name(first)} has {a}, {ck.name(other)} has {b}", "merge models of one architecture and size")
+                ck.fail(
+                    "models",
+                    f"{key} differs: {ck.name(first)} has {a}, {ck.name(other)} has {b}",
+                    "merge models of one architecture and size",
+                )
     if data.get("tokenizer_source") is None and data.get("tokenizer") is None:
         a = _config_value(configs[first], "vocab_size")
         for other in inputs[1:]:

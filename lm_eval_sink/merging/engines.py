@@ -44,7 +44,14 @@ UNIT_KINDS = ("merge", "eval", "strength")
 # "0": Ray 2.60 keeps 127.0.0.1 as the node address and listens on it alone (otherwise it replaces
 # 127.0.0.1 by the node's reachable address and listens on every interface).
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-ENV_VARS = ("HF_HUB_OFFLINE", "HF_HOME", "NLTK_DATA", "LM_EVAL_SINK_DATA", "TOKENIZERS_PARALLELISM", "LM_EVAL_SINK_CACHE")
+ENV_VARS = (
+    "HF_HUB_OFFLINE",
+    "HF_HOME",
+    "NLTK_DATA",
+    "LM_EVAL_SINK_DATA",
+    "TOKENIZERS_PARALLELISM",
+    "LM_EVAL_SINK_CACHE",
+)
 
 
 @dataclass(frozen=True)
@@ -54,7 +61,11 @@ class Resources:
     memory: int | None = None  # bytes
 
     def options(self) -> dict[str, Any]:
-        return {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus, **({"memory": self.memory} if self.memory else {})}
+        return {
+            "num_cpus": self.num_cpus,
+            "num_gpus": self.num_gpus,
+            **({"memory": self.memory} if self.memory else {}),
+        }
 
 
 @dataclass(frozen=True)
@@ -99,7 +110,10 @@ def parse_engine(value: EngineIn | None, src: str, kind: str | None = None, addr
     if chosen == "ray":
         import_ray(local_only=addr is None)  # fail before anything is planned or written
     if addr is not None and addr != "auto" and not addr.startswith("ray://") and ":" not in addr:
-        raise UserError(f"{src}: engine.address: {addr!r} is not auto, ray://host:port or host:port", "use address: auto for a cluster started with `ray start --head`")
+        raise UserError(
+            f"{src}: engine.address: {addr!r} is not auto, ray://host:port or host:port",
+            "use address: auto for a cluster started with `ray start --head`",
+        )
     resources = {}
     for k in UNIT_KINDS:
         given = getattr(value.resources, k)
@@ -117,10 +131,15 @@ def check_vllm_units(engine: EngineSpec, eval_settings: Any, src: str) -> None:
     tp = int(margs.get("tensor_parallel_size", 1))
     gpus = engine.resources["eval"].num_gpus
     if dp != 1:
-        raise UserError(f"{src}: eval.model_args.data_parallel_size = {dp} under the ray engine", "use data_parallel_size: 1; Ray already runs one eval task per checkpoint in parallel")
+        raise UserError(
+            f"{src}: eval.model_args.data_parallel_size = {dp} under the ray engine",
+            "use data_parallel_size: 1; Ray already runs one eval task per checkpoint in parallel",
+        )
     if tp != gpus:
-        raise UserError(f"{src}: eval.model_args.tensor_parallel_size = {tp} but engine.resources.eval.num_gpus = {gpus:g}",
-                        f"set engine.resources.eval.num_gpus: {tp} (or tensor_parallel_size: {gpus:g})")
+        raise UserError(
+            f"{src}: eval.model_args.tensor_parallel_size = {tp} but engine.resources.eval.num_gpus = {gpus:g}",
+            f"set engine.resources.eval.num_gpus: {tp} (or tensor_parallel_size: {gpus:g})",
+        )
 
 
 def import_ray(local_only: bool = False) -> Any:
@@ -153,8 +172,10 @@ def connect(address: str | None) -> Any:
     try:
         ray.init(address=address, **kwargs)
     except (ConnectionError, RuntimeError, ValueError) as e:
-        raise UserError(f"cannot connect to the Ray cluster at {address}: {str(e).splitlines()[0][:200]}",
-                        "start one with `ray start --head`, pass --ray-address, or use --engine local") from None
+        raise UserError(
+            f"cannot connect to the Ray cluster at {address}: {str(e).splitlines()[0][:200]}",
+            "start one with `ray start --head`, pass --ray-address, or use --engine local",
+        ) from None
     return ray
 
 
@@ -172,7 +193,13 @@ def task_log(path: Path):
             root.removeHandler(handler)
 
 
-def run_task(fn: Callable[[], Any], driver_versions: dict[str, Any], must_see: Path | None, log_path: Path | None, what: str = "output folder") -> tuple[Any, str | None]:
+def run_task(
+    fn: Callable[[], Any],
+    driver_versions: dict[str, Any],
+    must_see: Path | None,
+    log_path: Path | None,
+    what: str = "output folder",
+) -> tuple[Any, str | None]:
     """A task's body on a worker: check versions and that `must_see` exists, run `fn` (into its log).
 
     Returns (fn's value, None) or (None, one-line error), so a failed unit is reported as locally.
@@ -184,9 +211,15 @@ def run_task(fn: Callable[[], Any], driver_versions: dict[str, Any], must_see: P
     differ = sorted(k for k in set(mine) | set(driver_versions) if mine.get(k) != driver_versions.get(k))
     if differ:
         k = differ[0]
-        return None, f"worker {host} has {k} {mine.get(k)}, the driver {driver_versions.get(k)} ({len(differ)} package(s) differ): install the same versions on every node"
+        return (
+            None,
+            f"worker {host} has {k} {mine.get(k)}, the driver {driver_versions.get(k)} ({len(differ)} package(s) differ): install the same versions on every node",
+        )
     if must_see is not None and not must_see.exists():
-        return None, f"worker {host} cannot see the {what} {must_see}: put it on a filesystem every node mounts at the same path"
+        return (
+            None,
+            f"worker {host} cannot see the {what} {must_see}: put it on a filesystem every node mounts at the same path",
+        )
     try:
         with task_log(log_path) if log_path is not None else contextlib.nullcontext():
             return fn(), None
@@ -194,7 +227,9 @@ def run_task(fn: Callable[[], Any], driver_versions: dict[str, Any], must_see: P
         return None, e.line() if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
 
 
-def _remote_unit(unit: Any, run: Callable[[Any], None], driver_versions: dict[str, Any], output_root: str) -> tuple[str, str | None]:
+def _remote_unit(
+    unit: Any, run: Callable[[Any], None], driver_versions: dict[str, Any], output_root: str
+) -> tuple[str, str | None]:
     log_path = Path(output_root) / "logs" / f"{unit.kind}-{unit.checkpoint}" / "task.log"
     _, error = run_task(lambda: run(unit), driver_versions, Path(output_root), log_path)
     return unit.id, error
@@ -209,7 +244,14 @@ def eval_slots(ray: Any, engine: EngineSpec) -> int:
     return max(1, int(min(slots)) if slots else 1)
 
 
-def run_on_ray(units: list[Any], engine: EngineSpec, output_root: Path, record: Callable[[Any, str | None], None], run: Callable[[Any], None], progress: bool = True) -> None:
+def run_on_ray(
+    units: list[Any],
+    engine: EngineSpec,
+    output_root: Path,
+    record: Callable[[Any, str | None], None],
+    run: Callable[[Any], None],
+    progress: bool = True,
+) -> None:
     """Run `units` (in plan order) as Ray tasks calling `run(unit)`; `record(unit, error)` is called
     on the driver as each finishes (error None) or fails (a line; 'not run: ...' for units after a
     failed merge). `run` is a module-level function, which Ray sends by reference: this module
@@ -227,7 +269,9 @@ def run_on_ray(units: list[Any], engine: EngineSpec, output_root: Path, record: 
     remote = ray.remote(max_retries=1, retry_exceptions=False)(_remote_unit)
     bound = engine.max_pending_merges or eval_slots(ray, engine)
     merges = {u.checkpoint: u for u in units if u.kind == "merge"}
-    downstream: dict[str, set[str]] = {c: {u.id for u in units if u.kind != "merge" and u.checkpoint == c} for c in merges}
+    downstream: dict[str, set[str]] = {
+        c: {u.id for u in units if u.kind != "merge" and u.checkpoint == c} for c in merges
+    }
     waiting = list(units)  # not yet submitted, plan order
     merged: set[str] = set()  # checkpoints whose merge finished
     pending: set[str] = set()  # checkpoints merging or merged with downstream units left
@@ -283,11 +327,19 @@ def run_on_ray(units: list[Any], engine: EngineSpec, output_root: Path, record: 
             ray.cancel(ref, force=True)
 
 
-def _remote_measure(path: str, settings: Any, dtype: str, device: str, driver_versions: dict[str, Any]) -> tuple[Any, str | None]:
+def _remote_measure(
+    path: str, settings: Any, dtype: str, device: str, driver_versions: dict[str, Any]
+) -> tuple[Any, str | None]:
     from lm_eval_sink.strength import measure_model
 
     local = Path(path) if Path(path).is_absolute() else None  # a hub id needs no shared folder
-    return run_task(lambda: measure_model(path, settings, dtype=dtype, device=device, progress=False), driver_versions, local, None, what="model folder")
+    return run_task(
+        lambda: measure_model(path, settings, dtype=dtype, device=device, progress=False),
+        driver_versions,
+        local,
+        None,
+        what="model folder",
+    )
 
 
 def ray_measure_all(address: str | None, num_gpus: float = 0, progress: bool = True) -> Callable[..., list[Any]]:
@@ -301,7 +353,12 @@ def ray_measure_all(address: str | None, num_gpus: float = 0, progress: bool = T
         ray = connect(address)
         remote = ray.remote(max_retries=1, retry_exceptions=False)(_remote_measure)
         versions = package_versions()
-        refs = {remote.options(num_cpus=1, num_gpus=num_gpus, name=f"strength:{Path(p).name}").remote(p, settings, dtype, device, versions): p for p in paths}
+        refs = {
+            remote.options(num_cpus=1, num_gpus=num_gpus, name=f"strength:{Path(p).name}").remote(
+                p, settings, dtype, device, versions
+            ): p
+            for p in paths
+        }
         results: dict[str, Any] = {}
         with tqdm(total=len(refs), desc="models (ray)", disable=not progress) as bar:
             waiting = list(refs)
@@ -311,7 +368,10 @@ def ray_measure_all(address: str | None, num_gpus: float = 0, progress: bool = T
                 if error is not None:
                     for ref in waiting:
                         ray.cancel(ref, force=True)
-                    raise UserError(f"{refs[ready[0]]}: {error}", "fix the cause and rerun (results reused from --output are those written before this run)")
+                    raise UserError(
+                        f"{refs[ready[0]]}: {error}",
+                        "fix the cause and rerun (results reused from --output are those written before this run)",
+                    )
                 results[refs[ready[0]]] = value
                 bar.update(1)
         return [results[p] for p in paths]

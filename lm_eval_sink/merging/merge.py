@@ -19,7 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lm_eval_sink.io import canonical_json, check_output_dir, manifest, provenance, sha256_text, staged_dir, write_complete
+from lm_eval_sink.io import (
+    canonical_json,
+    check_output_dir,
+    manifest,
+    provenance,
+    sha256_text,
+    staged_dir,
+    write_complete,
+)
 from lm_eval_sink.merging.configs import ValidatedConfig, validate_file, validate_text
 
 _TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")
@@ -39,12 +47,16 @@ def merge_key(config: ValidatedConfig, random_seed: int | None) -> str:
     from lm_eval_sink.io import package_versions
     from lm_eval_sink.models import model_fingerprint
 
-    return sha256_text(canonical_json({
-        "config": config.data,
-        "inputs": {p: model_fingerprint(p)["fingerprint"] for p in config.inputs},
-        "random_seed": random_seed,
-        "mergekit": package_versions().get("mergekit"),
-    }))
+    return sha256_text(
+        canonical_json(
+            {
+                "config": config.data,
+                "inputs": {p: model_fingerprint(p)["fingerprint"] for p in config.inputs},
+                "random_seed": random_seed,
+                "mergekit": package_versions().get("mergekit"),
+            }
+        )
+    )
 
 
 @contextlib.contextmanager
@@ -71,7 +83,9 @@ def _pinned(node: Any, pin) -> Any:
     from pydantic import BaseModel
 
     if isinstance(node, ModelReference):
-        return node if os.path.exists(node.model.path) else node.model_copy(update={"model": pin(node.model)})  # mergekit's own test for a hub id
+        return (
+            node if os.path.exists(node.model.path) else node.model_copy(update={"model": pin(node.model)})
+        )  # mergekit's own test for a hub id
     if isinstance(node, BaseModel):
         return node.model_copy(update={k: _pinned(getattr(node, k), pin) for k in type(node).model_fields})
     if isinstance(node, list):
@@ -81,7 +95,14 @@ def _pinned(node: Any, pin) -> Any:
     return node
 
 
-def run_mergekit(text: str, out_dir: Path, random_seed: int | None = None, device: str = "cpu", quiet: bool = True, revisions: dict[str, str] | None = None) -> dict[str, str]:
+def run_mergekit(
+    text: str,
+    out_dir: Path,
+    random_seed: int | None = None,
+    device: str = "cpu",
+    quiet: bool = True,
+    revisions: dict[str, str] | None = None,
+) -> dict[str, str]:
     """mergekit's `run_merge` on YAML text (already validated), writing into `out_dir`.
 
     Every hub-id input (`org/name`, `org/name@REVISION`; base models, slices and tokenizer sources
@@ -116,7 +137,11 @@ def run_mergekit(text: str, out_dir: Path, random_seed: int | None = None, devic
 
     recipe = _pinned(config, lambda p: ModelPath(path=p.path, revision=sha_of(p)))
     to_load = _pinned(config, loadable)
-    source = text if not pins else f"# hub inputs pinned to their commits by lm-eval-sink: {', '.join(f'{r} -> {s}' for r, s in pins.items())}\n{recipe.to_yaml()}\n"
+    source = (
+        text
+        if not pins
+        else f"# hub inputs pinned to their commits by lm-eval-sink: {', '.join(f'{r} -> {s}' for r, s in pins.items())}\n{recipe.to_yaml()}\n"
+    )
     options = MergeOptions(random_seed=random_seed, device=device, quiet=quiet, copy_tokenizer=True)
     with _isolated():
         run_merge(to_load, str(out_dir), options=options, config_source=source)
@@ -150,7 +175,9 @@ def verify_checkpoint(folder: Path, expect_tokenizer: bool = True) -> tuple[int,
     missing = sorted(required - set(found))
     wrong = sorted(n for n in found if n in expected and found[n] != expected[n])
     if unexpected or missing or wrong:
-        raise RuntimeError(f"{folder}: merged tensors do not match {type(model).__name__}: missing {missing[:5]}, unexpected {unexpected[:5]}, wrong shape {wrong[:5]}")
+        raise RuntimeError(
+            f"{folder}: merged tensors do not match {type(model).__name__}: missing {missing[:5]}, unexpected {unexpected[:5]}, wrong shape {wrong[:5]}"
+        )
     if expect_tokenizer and not any((folder / n).is_file() for n in _TOKENIZER_FILES):
         raise RuntimeError(f"{folder}: mergekit did not copy a tokenizer")
     return len(found), tuple(f.name for f in files)
@@ -161,8 +188,16 @@ def _donor_has_tokenizer(config: ValidatedConfig, identities: dict[str, dict[str
     return any(n in identities[donor]["files"] for n in _TOKENIZER_FILES)
 
 
-def merge_config(config: str | Path | ValidatedConfig, out: str | Path, random_seed: int | None = None, device: str = "cpu", force: bool = False, quiet: bool = True, key: str | None = None,
-    extra: dict[str, Any] | None = None) -> MergeResult:
+def merge_config(
+    config: str | Path | ValidatedConfig,
+    out: str | Path,
+    random_seed: int | None = None,
+    device: str = "cpu",
+    force: bool = False,
+    quiet: bool = True,
+    key: str | None = None,
+    extra: dict[str, Any] | None = None,
+) -> MergeResult:
     """Validate, merge in this process (hub-id inputs at the commits their identities name), verify, and publish `out` with its COMPLETE.json."""
     from lm_eval_sink.identity import FINGERPRINT_RULE
     from lm_eval_sink.models import model_fingerprint
@@ -176,18 +211,23 @@ def merge_config(config: str | Path | ValidatedConfig, out: str | Path, random_s
     with staged_dir(out, force=force) as tmp:
         pins = run_mergekit(vc.text, tmp, random_seed=random_seed, device=device, quiet=quiet, revisions=revisions)
         n_tensors, files = verify_checkpoint(tmp, expect_tokenizer=_donor_has_tokenizer(vc, identities))
-        write_complete(tmp, {
-            "schema_version": 1,
-            "key": key,
-            "fingerprint_rule": FINGERPRINT_RULE,
-            "merge_method": vc.method,
-            "config_sha256": sha256_text(vc.text),
-            "random_seed": random_seed,
-            "hub_revisions": pins,
-            "n_tensors": n_tensors,
-            "weight_files": manifest(tmp, files),
-            "provenance": provenance(config_source=vc.source, inputs=list(identities.values()), device=device, **(extra or {})),
-        })
+        write_complete(
+            tmp,
+            {
+                "schema_version": 1,
+                "key": key,
+                "fingerprint_rule": FINGERPRINT_RULE,
+                "merge_method": vc.method,
+                "config_sha256": sha256_text(vc.text),
+                "random_seed": random_seed,
+                "hub_revisions": pins,
+                "n_tensors": n_tensors,
+                "weight_files": manifest(tmp, files),
+                "provenance": provenance(
+                    config_source=vc.source, inputs=list(identities.values()), device=device, **(extra or {})
+                ),
+            },
+        )
     return MergeResult(out=out, key=key, method=vc.method, n_tensors=n_tensors, weight_files=files)
 
 

@@ -131,8 +131,16 @@ def register() -> None:
         return (base.to(torch.float32) + star_delta(deltas, eta)).to(base.dtype)
 
     methods = {
-        "tsv": merge_method(tsv, name="tsv", pretty_name="Task Singular Vectors (TSV-Merge)", reference_url=TSV_URL, contract=contract),
-        "star": merge_method(star, name="star", pretty_name="Spectral Truncation And Rescale (STAR)", reference_url=STAR_URL, contract=contract),
+        "tsv": merge_method(
+            tsv, name="tsv", pretty_name="Task Singular Vectors (TSV-Merge)", reference_url=TSV_URL, contract=contract
+        ),
+        "star": merge_method(
+            star,
+            name="star",
+            pretty_name="Spectral Truncation And Rescale (STAR)",
+            reference_url=STAR_URL,
+            contract=contract,
+        ),
     }
     for name, method in methods.items():
         if name not in present:

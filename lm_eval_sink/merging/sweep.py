@@ -130,15 +130,18 @@ class SweepFileIn(Strict):
     engine: EngineIn | None = None
 
 
-
 def parse_sweep_data(data: Any, src: str) -> tuple[SweepFileIn, frozenset[str]]:
     """A sweep file's data as SweepFileIn, and which of eval / strength it switches off (`false`)."""
     skipped = frozenset(k for k in ("eval", "strength") if isinstance(data, dict) and data.get(k) is False)
     if skipped == {"eval", "strength"}:
-        raise UserError(f"{src}: eval: false and strength: false leave nothing to do", "keep eval or strength (or both)")
+        raise UserError(
+            f"{src}: eval: false and strength: false leave nothing to do", "keep eval or strength (or both)"
+        )
     if "eval" not in skipped and isinstance(data, dict) and data.get("eval") is None:
         data = {**data, "eval": {}}  # evaluation is on unless switched off: its tasks are required
-    return parse(SweepFileIn, {k: v for k, v in data.items() if k not in skipped} if isinstance(data, dict) else data, src), skipped
+    return parse(
+        SweepFileIn, {k: v for k, v in data.items() if k not in skipped} if isinstance(data, dict) else data, src
+    ), skipped
 
 
 # --- units ---------------------------------------------------------------------------------
@@ -189,7 +192,13 @@ class RenderedMerge:
     setting: str | None
 
 
-def plan_units(spec: SweepSpec, identities: dict[str, dict[str, Any]], merges: list[RenderedMerge], versions: dict[str, str | None], include_sha: str | None) -> Plan:
+def plan_units(
+    spec: SweepSpec,
+    identities: dict[str, dict[str, Any]],
+    merges: list[RenderedMerge],
+    versions: dict[str, str | None],
+    include_sha: str | None,
+) -> Plan:
     """Every unit with its key, in run order (merge -> eval -> strength per checkpoint, so `delete_merged` bounds the disk).
 
     `identities`: the endpoints' `models.model_fingerprint`; `include_sha`: the fingerprint of the
@@ -201,23 +210,78 @@ def plan_units(spec: SweepSpec, identities: dict[str, dict[str, Any]], merges: l
 
     def evaluate(ck: Checkpoint) -> None:
         if spec.eval is not None:
-            ekey = sha256_text(canonical_json({"kind": "eval", "checkpoint": ck.identity, "settings": spec.eval.to_json(), "include_path_sha256": include_sha,
-                                               "lm_eval": versions.get("lm_eval"), "transformers": versions.get("transformers")}))
-            units.append(Unit("eval", ck.name, ekey, out / "evals" / ck.name, {"model": ck.path, "settings": spec.eval, "identity": identities.get(ck.name)}))
+            ekey = sha256_text(
+                canonical_json(
+                    {
+                        "kind": "eval",
+                        "checkpoint": ck.identity,
+                        "settings": spec.eval.to_json(),
+                        "include_path_sha256": include_sha,
+                        "lm_eval": versions.get("lm_eval"),
+                        "transformers": versions.get("transformers"),
+                    }
+                )
+            )
+            units.append(
+                Unit(
+                    "eval",
+                    ck.name,
+                    ekey,
+                    out / "evals" / ck.name,
+                    {"model": ck.path, "settings": spec.eval, "identity": identities.get(ck.name)},
+                )
+            )
         if spec.strength is not None:
-            skey = sha256_text(canonical_json({"kind": "strength", "checkpoint": ck.identity, "settings": asdict(spec.strength), "dtype": spec.strength_dtype,
-                                               "device": spec.strength_device, "torch": versions.get("torch"), "transformers": versions.get("transformers")}))
-            units.append(Unit("strength", ck.name, skey, out / "strength" / ck.name,
-                              {"model": ck.path, "settings": spec.strength, "dtype": spec.strength_dtype, "device": spec.strength_device, "identity": identities.get(ck.name)}))
+            skey = sha256_text(
+                canonical_json(
+                    {
+                        "kind": "strength",
+                        "checkpoint": ck.identity,
+                        "settings": asdict(spec.strength),
+                        "dtype": spec.strength_dtype,
+                        "device": spec.strength_device,
+                        "torch": versions.get("torch"),
+                        "transformers": versions.get("transformers"),
+                    }
+                )
+            )
+            units.append(
+                Unit(
+                    "strength",
+                    ck.name,
+                    skey,
+                    out / "strength" / ck.name,
+                    {
+                        "model": ck.path,
+                        "settings": spec.strength,
+                        "dtype": spec.strength_dtype,
+                        "device": spec.strength_device,
+                        "identity": identities.get(ck.name),
+                    },
+                )
+            )
         checkpoints.append(ck)
 
     for role in ENDPOINTS:
         evaluate(Checkpoint(role, role, spec.models[role], identities[role]["fingerprint"]))
     for m in merges:
         target = out / "merges" / m.name
-        units.append(Unit("merge", m.name, m.key, target, {"text": m.text, "random_seed": spec.random_seed, "device": spec.merge_device, "template": m.template}))
+        units.append(
+            Unit(
+                "merge",
+                m.name,
+                m.key,
+                target,
+                {"text": m.text, "random_seed": spec.random_seed, "device": spec.merge_device, "template": m.template},
+            )
+        )
         evaluate(Checkpoint(m.name, "merge", str(target), m.key, method=m.method, setting=m.setting))
-    return Plan(spec=spec, checkpoints=tuple(checkpoints), units=tuple(units), lineage="siblings" if "base" in spec.models else "chain")
+    return Plan(
+        spec=spec,
+        checkpoints=tuple(checkpoints),
+        units=tuple(units),
+        lineage="siblings" if "base" in spec.models else "chain",
+    )
 
 
 # --- the table -------------------------------------------------------------------------------
@@ -227,13 +291,24 @@ def _metrics(results: dict[str, Any]) -> dict[str, float]:
     out: dict[str, float] = {}
     for task, values in sorted(results.get("results", {}).items()):
         for name, value in values.items():
-            if "_stderr" in name or name in ("alias", "name", "sample_len") or isinstance(value, bool) or not isinstance(value, (int, float)):
+            if (
+                "_stderr" in name
+                or name in ("alias", "name", "sample_len")
+                or isinstance(value, bool)
+                or not isinstance(value, (int, float))
+            ):
                 continue
             out[f"{task}/{name}"] = float(value)
     return out
 
 
-def build_table(plan: Plan, failures: dict[str, str], results: dict[str, Any], fingerprints: dict[str, Any], strengths: dict[str, float]) -> dict[str, Any]:
+def build_table(
+    plan: Plan,
+    failures: dict[str, str],
+    results: dict[str, Any],
+    fingerprints: dict[str, Any],
+    strengths: dict[str, float],
+) -> dict[str, Any]:
     """Rows = checkpoints, columns = each task metric, its delta vs the reference, S (the caller adds provenance).
 
     `results` / `fingerprints` / `strengths`: per checkpoint with a finished unit, its lm-eval
@@ -243,7 +318,11 @@ def build_table(plan: Plan, failures: dict[str, str], results: dict[str, Any], f
 
     status = {}
     for ck in plan.checkpoints:
-        problems = [f"{u}: {failures[u]}" for u in (f"merge:{ck.name}", f"eval:{ck.name}", f"strength:{ck.name}") if u in failures]
+        problems = [
+            f"{u}: {failures[u]}"
+            for u in (f"merge:{ck.name}", f"eval:{ck.name}", f"strength:{ck.name}")
+            if u in failures
+        ]
         status[ck.name] = "; ".join(problems) if problems else "ok"
     require_same_harness(fingerprints)
     ref_fp = fingerprints.get("reference")
@@ -252,7 +331,9 @@ def build_table(plan: Plan, failures: dict[str, str], results: dict[str, Any], f
         if ref_fp is not None and name != "reference":
             fields = [d.field for d in diff(ref_fp, fp) if d.part == "model"]
             if fields:
-                model_diffs.append(f"{name} differs from the reference in model-owned protocol fields: {', '.join(fields)}")
+                model_diffs.append(
+                    f"{name} differs from the reference in model-owned protocol fields: {', '.join(fields)}"
+                )
     metrics = {name: _metrics(r) for name, r in results.items()}
     columns: list[str] = []
     for name in [c.name for c in plan.checkpoints]:
@@ -278,7 +359,11 @@ def build_table(plan: Plan, failures: dict[str, str], results: dict[str, Any], f
         "rows": rows,
         "final": limit is None,
         "final_note": None if limit is None else f"evaluated with limit={limit}: not final scores",
-        "protocol": {"eval": None if plan.spec.eval is None else plan.spec.eval.to_json(), "harness_sha256": ref_fp.harness_sha() if ref_fp else None, "model_differences": model_diffs},
+        "protocol": {
+            "eval": None if plan.spec.eval is None else plan.spec.eval.to_json(),
+            "harness_sha256": ref_fp.harness_sha() if ref_fp else None,
+            "model_differences": model_diffs,
+        },
         "strength_settings": None if plan.spec.strength is None else asdict(plan.spec.strength),
     }
 
@@ -293,8 +378,17 @@ def table_text(table: dict[str, Any]) -> tuple[str, str]:
     """The table as Markdown (a title line, the not-final note if any, the table) and as CSV."""
     cols = table["columns"]
     head = ["checkpoint", "method", *[x for c in cols for x in (c, f"{c} delta")], "S", "S delta", "status"]
-    rows = [[r["checkpoint"], r["method"] or r["role"], *[x for c in cols for x in (_fmt(r["metrics"][c]), _fmt(r["delta_vs_reference"][c], True))],
-             _fmt(r["sink_strength"]), _fmt(r["sink_strength_delta_vs_reference"], True), r["status"]] for r in table["rows"]]
+    rows = [
+        [
+            r["checkpoint"],
+            r["method"] or r["role"],
+            *[x for c in cols for x in (_fmt(r["metrics"][c]), _fmt(r["delta_vs_reference"][c], True))],
+            _fmt(r["sink_strength"]),
+            _fmt(r["sink_strength_delta_vs_reference"], True),
+            r["status"],
+        ]
+        for r in table["rows"]
+    ]
     md = f"Merging sweep ({table['lineage']} lineage); deltas vs the reference.\n"
     if not table["final"]:
         md += f"**Not final scores:** {table['final_note']}.\n"

@@ -25,10 +25,18 @@ def figures(view: dict[str, Any]) -> dict[str, str]:
     out: dict[str, str] = {}
     h = view["headline"]
     if h is not None and h["counts_raw"]:
-        out["buckets"] = _png(plots.bucket_bars, h["counts_raw"], f"{h['task']}: {h['metric']}", regression_kinds=h["kinds_raw"] or None)
+        out["buckets"] = _png(
+            plots.bucket_bars, h["counts_raw"], f"{h['task']}: {h['metric']}", regression_kinds=h["kinds_raw"] or None
+        )
     m = view["margin"]
     if m is not None and m["matrix"]:
-        out["margin"] = _png(plots.layer_head_heatmap, m["matrix"], m["layers"], "sink margin G_base - B_gap per layer and head", label="margin")
+        out["margin"] = _png(
+            plots.layer_head_heatmap,
+            m["matrix"],
+            m["layers"],
+            "sink margin G_base - B_gap per layer and head",
+            label="margin",
+        )
     s = view["sweep"]
     if s is not None and len(s["series"]["checkpoints"]) >= 2:
         series = dict(s["series"]["values"])
@@ -41,8 +49,12 @@ def render_html(inputs: ReportInputs) -> str:
     """The report's HTML text."""
     from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
 
-    env = Environment(loader=PackageLoader("lm_eval_sink.report", "templates"), autoescape=select_autoescape(["html", "j2"], default=True),
-                      undefined=StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    env = Environment(
+        loader=PackageLoader("lm_eval_sink.report", "templates"),
+        autoescape=select_autoescape(["html", "j2"], default=True),
+        undefined=StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
     view = build_view(inputs)
     return env.get_template("report.html.j2").render(v=view, fig=figures(view))
-

@@ -116,19 +116,32 @@ def _strength(inputs: ReportInputs) -> tuple[dict[str, Any] | None, list[str]]:
     for i, role in enumerate(("reference", "candidate")):
         if inputs.strength is not None:
             d = inputs.strength[i]
-            rows[role] = {"s": num(d, ["sink_strength"]), "content": num(d, ["sink_strength_content_rows"]), "template": num(d, ["sink_strength_template_rows"]),
-                          "pos0": num(d, ["pos0_argmax_fraction"], "pts"), "last_k": num(d, ["last_k"], "int"), "n_layers": num(d, ["n_layers"], "int"), "source": d.rel}
+            rows[role] = {
+                "s": num(d, ["sink_strength"]),
+                "content": num(d, ["sink_strength_content_rows"]),
+                "template": num(d, ["sink_strength_template_rows"]),
+                "pos0": num(d, ["pos0_argmax_fraction"], "pts"),
+                "last_k": num(d, ["last_k"], "int"),
+                "n_layers": num(d, ["n_layers"], "int"),
+                "source": d.rel,
+            }
             if margin is not None:
                 ms, ss = get(margin.data, f"{role}_sink_strength"), get(d.data, "sink_strength")
                 if isinstance(ms, (int, float)) and isinstance(ss, (int, float)) and abs(ms - ss) > S_TOLERANCE:
-                    notes.append(f"{role}: S in {d.rel} ({ss:.4f}) differs from margin.json's ({ms:.4f}); the strength file's value is shown "
-                                 "(the two were measured with different settings or weights)")
+                    notes.append(
+                        f"{role}: S in {d.rel} ({ss:.4f}) differs from margin.json's ({ms:.4f}); the strength file's value is shown "
+                        "(the two were measured with different settings or weights)"
+                    )
         elif margin is not None:
-            rows[role] = {"s": num(margin, [f"{role}_sink_strength"]), "content": num(margin, ["provenance", f"{role}_sink_strength", "sink_strength_content_rows"]),
-                          "template": num(margin, ["provenance", f"{role}_sink_strength", "sink_strength_template_rows"]),
-                          "pos0": num(margin, ["provenance", f"{role}_sink_strength", "pos0_argmax_fraction"], "pts"),
-                          "last_k": num(margin, ["provenance", f"{role}_sink_strength", "last_k"], "int"),
-                          "n_layers": num(margin, ["provenance", f"{role}_sink_strength", "n_layers"], "int"), "source": margin.rel}
+            rows[role] = {
+                "s": num(margin, [f"{role}_sink_strength"]),
+                "content": num(margin, ["provenance", f"{role}_sink_strength", "sink_strength_content_rows"]),
+                "template": num(margin, ["provenance", f"{role}_sink_strength", "sink_strength_template_rows"]),
+                "pos0": num(margin, ["provenance", f"{role}_sink_strength", "pos0_argmax_fraction"], "pts"),
+                "last_k": num(margin, ["provenance", f"{role}_sink_strength", "last_k"], "int"),
+                "n_layers": num(margin, ["provenance", f"{role}_sink_strength", "n_layers"], "int"),
+                "source": margin.rel,
+            }
     return ({"rows": rows} if rows else None), notes
 
 
@@ -158,10 +171,18 @@ def _buckets_section(b: BucketsInput) -> dict[str, Any]:
             "truncated": row.get("truncated"),
         })  # fmt: skip
     kinds = get(data, "failure_kinds", "counts") or {}
-    types = [{"id": t["instruction_id"], "n": num(d, ["instruction_types", i, "n"], "int"), "regression": num(d, ["instruction_types", i, "regression"], "int"),
-              "recovered": num(d, ["instruction_types", i, "recovered"], "int"), "delta": num(d, ["instruction_types", i, "delta"], "+pts"),
-              "p": num(d, ["instruction_types", i, "mcnemar_p"], "p"), "holm": num(d, ["instruction_types", i, "holm_p"], "p")}
-             for i, t in enumerate(data.get("instruction_types") or [])]
+    types = [
+        {
+            "id": t["instruction_id"],
+            "n": num(d, ["instruction_types", i, "n"], "int"),
+            "regression": num(d, ["instruction_types", i, "regression"], "int"),
+            "recovered": num(d, ["instruction_types", i, "recovered"], "int"),
+            "delta": num(d, ["instruction_types", i, "delta"], "+pts"),
+            "p": num(d, ["instruction_types", i, "mcnemar_p"], "p"),
+            "holm": num(d, ["instruction_types", i, "holm_p"], "p"),
+        }
+        for i, t in enumerate(data.get("instruction_types") or [])
+    ]
     runs = data.get("runs") or {}
     return {
         "task": data.get("task"), "metric": data.get("metric"), "filter": data.get("filter"), "source": d.rel, "binary": binary,
@@ -183,11 +204,18 @@ def _buckets_section(b: BucketsInput) -> dict[str, Any]:
 def _margin_section(d: Doc) -> dict[str, Any]:
     data = d.data
     s = ["summary"]
-    heads = [{"layer": num(d, ["negative_margin_heads", i, "layer"], "int"), "head": num(d, ["negative_margin_heads", i, "head"], "int"),
-              "g_base": num(d, ["negative_margin_heads", i, "g_base_median"]), "b_gap": num(d, ["negative_margin_heads", i, "b_gap"]),
-              "margin": num(d, ["negative_margin_heads", i, "margin"], "+f4"), "mass": num(d, ["negative_margin_heads", i, "measured_nonsink_mass_median"], "pts"),
-              "has_sink": h.get("reference_has_sink")}
-             for i, h in enumerate(data.get("negative_margin_heads") or [])]
+    heads = [
+        {
+            "layer": num(d, ["negative_margin_heads", i, "layer"], "int"),
+            "head": num(d, ["negative_margin_heads", i, "head"], "int"),
+            "g_base": num(d, ["negative_margin_heads", i, "g_base_median"]),
+            "b_gap": num(d, ["negative_margin_heads", i, "b_gap"]),
+            "margin": num(d, ["negative_margin_heads", i, "margin"], "+f4"),
+            "mass": num(d, ["negative_margin_heads", i, "measured_nonsink_mass_median"], "pts"),
+            "has_sink": h.get("reference_has_sink"),
+        }
+        for i, h in enumerate(data.get("negative_margin_heads") or [])
+    ]
     return {
         "source": d.rel, "reference": data.get("reference"), "candidate": data.get("candidate"),
         "n_negative": num(d, [*s, "n_negative_margin"], "int"), "n_total": num(d, [*s, "n_heads_total"], "int"),
@@ -205,14 +233,37 @@ def _attribution_section(d: Doc) -> dict[str, Any]:
         rows = []
         for ci, c in enumerate(b.get("comparisons") or []):
             p = ["benchmarks", bi, "comparisons", ci]
-            rows.append({"protocol": c.get("protocol"), "kind": c.get("kind"), "split_from": c.get("split_from"), "non_final": c.get("non_final"),
-                         "reference": num(d, [*p, "reference", "strict"], "f2"), "candidate": num(d, [*p, "candidate", "strict"], "f2"),
-                         "gap": num(d, [*p, "gap"], "f2"), "protocol_part": num(d, [*p, "protocol_part"], "f2"),
-                         "access": num(d, [*p, "access"], "f2"), "capacity": num(d, [*p, "capacity"], "f2"),
-                         "fields": [f.get("field") for f in c.get("differing_fields") or []]})
-        benches.append({"benchmark": b.get("benchmark"), "construct": b.get("construct"), "rows": rows,
-                        "not_compared": [str(x.get("reason") or x) if isinstance(x, Mapping) else str(x) for x in b.get("not_compared") or []]})
-    return {"source": d.rel, "benchmarks": benches, "lineage": [dict(x) for x in data.get("lineage") or []], "mixture": get(data, "mixture", "note")}
+            rows.append(
+                {
+                    "protocol": c.get("protocol"),
+                    "kind": c.get("kind"),
+                    "split_from": c.get("split_from"),
+                    "non_final": c.get("non_final"),
+                    "reference": num(d, [*p, "reference", "strict"], "f2"),
+                    "candidate": num(d, [*p, "candidate", "strict"], "f2"),
+                    "gap": num(d, [*p, "gap"], "f2"),
+                    "protocol_part": num(d, [*p, "protocol_part"], "f2"),
+                    "access": num(d, [*p, "access"], "f2"),
+                    "capacity": num(d, [*p, "capacity"], "f2"),
+                    "fields": [f.get("field") for f in c.get("differing_fields") or []],
+                }
+            )
+        benches.append(
+            {
+                "benchmark": b.get("benchmark"),
+                "construct": b.get("construct"),
+                "rows": rows,
+                "not_compared": [
+                    str(x.get("reason") or x) if isinstance(x, Mapping) else str(x) for x in b.get("not_compared") or []
+                ],
+            }
+        )
+    return {
+        "source": d.rel,
+        "benchmarks": benches,
+        "lineage": [dict(x) for x in data.get("lineage") or []],
+        "mixture": get(data, "mixture", "note"),
+    }
 
 
 def _sweep_section(d: Doc) -> dict[str, Any]:
@@ -220,14 +271,33 @@ def _sweep_section(d: Doc) -> dict[str, Any]:
     cols = list(data.get("columns") or [])
     rows = []
     for i, r in enumerate(data.get("rows") or []):
-        rows.append({"checkpoint": r.get("checkpoint"), "method": r.get("method") or r.get("role"), "setting": r.get("setting"), "status": r.get("status"),
-                     "cells": [(num(d, ["rows", i, "metrics", c]), num(d, ["rows", i, "delta_vs_reference", c], "+f4")) for c in cols],
-                     "s": num(d, ["rows", i, "sink_strength"]), "s_delta": num(d, ["rows", i, "sink_strength_delta_vs_reference"], "+f4")})
-    return {"source": d.rel, "columns": cols, "rows": rows, "lineage": data.get("lineage"), "final_note": data.get("final_note"),
-            "model_differences": list(get(data, "protocol", "model_differences") or []),
-            "series": {"checkpoints": [r.get("checkpoint") for r in data.get("rows") or []],
-                       "values": {c: [get(r, "metrics", c) for r in data.get("rows") or []] for c in cols},
-                       "s": [r.get("sink_strength") for r in data.get("rows") or []]}}
+        rows.append(
+            {
+                "checkpoint": r.get("checkpoint"),
+                "method": r.get("method") or r.get("role"),
+                "setting": r.get("setting"),
+                "status": r.get("status"),
+                "cells": [
+                    (num(d, ["rows", i, "metrics", c]), num(d, ["rows", i, "delta_vs_reference", c], "+f4"))
+                    for c in cols
+                ],
+                "s": num(d, ["rows", i, "sink_strength"]),
+                "s_delta": num(d, ["rows", i, "sink_strength_delta_vs_reference"], "+f4"),
+            }
+        )
+    return {
+        "source": d.rel,
+        "columns": cols,
+        "rows": rows,
+        "lineage": data.get("lineage"),
+        "final_note": data.get("final_note"),
+        "model_differences": list(get(data, "protocol", "model_differences") or []),
+        "series": {
+            "checkpoints": [r.get("checkpoint") for r in data.get("rows") or []],
+            "values": {c: [get(r, "metrics", c) for r in data.get("rows") or []] for c in cols},
+            "s": [r.get("sink_strength") for r in data.get("rows") or []],
+        },
+    }
 
 
 def _lineage(inputs: ReportInputs) -> dict[str, Any] | None:
@@ -244,14 +314,37 @@ def _inputs_table(inputs: ReportInputs) -> list[dict[str, Any]]:
     rows = []
     if inputs.strength is not None:
         for role, d in zip(("reference", "candidate"), inputs.strength, strict=True):
-            rows.append({"what": f"strength ({role})", "path": d.rel, "sha256": d.sha256, "versions": get(d.data, "provenance", "versions") or {}})
+            rows.append(
+                {
+                    "what": f"strength ({role})",
+                    "path": d.rel,
+                    "sha256": d.sha256,
+                    "versions": get(d.data, "provenance", "versions") or {},
+                }
+            )
     for what, d in (("margin", inputs.margin), ("attribution", inputs.attribution), ("sweep", inputs.sweep)):
         if d is not None:
-            rows.append({"what": what, "path": d.rel, "sha256": d.sha256, "versions": get(d.data, "provenance", "versions") or {}})
+            rows.append(
+                {
+                    "what": what,
+                    "path": d.rel,
+                    "sha256": d.sha256,
+                    "versions": get(d.data, "provenance", "versions") or {},
+                }
+            )
     for b in inputs.buckets:
-        rows.append({"what": f"buckets ({b.doc.data.get('task')})", "path": b.doc.rel, "sha256": b.doc.sha256, "versions": get(b.doc.data, "provenance", "versions") or {}})
+        rows.append(
+            {
+                "what": f"buckets ({b.doc.data.get('task')})",
+                "path": b.doc.rel,
+                "sha256": b.doc.sha256,
+                "versions": get(b.doc.data, "provenance", "versions") or {},
+            }
+        )
         for role, (path, sha) in b.samples.items():
-            rows.append({"what": f"samples ({role}, {b.doc.data.get('task')})", "path": path, "sha256": sha, "versions": {}})
+            rows.append(
+                {"what": f"samples ({role}, {b.doc.data.get('task')})", "path": path, "sha256": sha, "versions": {}}
+            )
     return rows
 
 
@@ -268,7 +361,9 @@ def build_view(inputs: ReportInputs) -> dict[str, Any]:
     strength, notes = _strength(inputs)
     buckets = [_buckets_section(b) for b in inputs.buckets]
     hi = headline_index(inputs.buckets)
-    title = inputs.title or "lm-eval-sink report: " + " vs ".join(inputs.identities.get(r, r) for r in ("reference", "candidate"))
+    title = inputs.title or "lm-eval-sink report: " + " vs ".join(
+        inputs.identities.get(r, r) for r in ("reference", "candidate")
+    )
     return {
         "title": title,
         "identities": dict(inputs.identities),

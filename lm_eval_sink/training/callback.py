@@ -29,7 +29,13 @@ from lm_eval_sink.strength import SinkStrength, StrengthSettings
 
 TRAJECTORY_JSONL = "sink_trajectory.jsonl"
 TRAJECTORY_PNG = "sink_trajectory.png"
-LOGGED_KEYS = ("sink_strength", "sink_strength_content_rows", "sink_strength_template_rows", "pos0_argmax_fraction", "pos0_mass_median")
+LOGGED_KEYS = (
+    "sink_strength",
+    "sink_strength_content_rows",
+    "sink_strength_template_rows",
+    "pos0_argmax_fraction",
+    "pos0_mass_median",
+)
 
 
 def unwrap_model(model: Any) -> Any:
@@ -81,7 +87,9 @@ def read_trajectory(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def trajectory_plot(series: dict[str, list[tuple[int, float]]], path: Path, title: str = "Sink Strength during training") -> Path:
+def trajectory_plot(
+    series: dict[str, list[tuple[int, float]]], path: Path, title: str = "Sink Strength during training"
+) -> Path:
     """S against optimizer step, one line per run."""
     from lm_eval_sink.plots import _pyplot, save_figure
 
@@ -102,7 +110,13 @@ def trajectory_plot(series: dict[str, list[tuple[int, float]]], path: Path, titl
 class SinkStrengthCallback(TrainerCallback):
     """Measure Sink Strength every `every_n_steps` optimizer steps; see the module docstring."""
 
-    def __init__(self, tokenizer: Any, settings: StrengthSettings = StrengthSettings(), every_n_steps: int = 100, output_dir: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        settings: StrengthSettings = StrengthSettings(),
+        every_n_steps: int = 100,
+        output_dir: str | Path | None = None,
+    ) -> None:
         if every_n_steps <= 0:
             raise UserError(f"every_n_steps must be positive, got {every_n_steps}", "pass e.g. every_n_steps=100")
         self.tokenizer = tokenizer
@@ -130,7 +144,10 @@ class SinkStrengthCallback(TrainerCallback):
         if not state.is_world_process_zero or step in self._done():
             return
         if model is None:
-            raise UserError("SinkStrengthCallback got no model from the Trainer", "add it to a transformers.Trainer (callbacks=[...] or cb.attach(trainer))")
+            raise UserError(
+                "SinkStrengthCallback got no model from the Trainer",
+                "add it to a transformers.Trainer (callbacks=[...] or cb.attach(trainer))",
+            )
         from lm_eval_sink.io import atomic_write_text
 
         result = measure_in_training(model, self.tokenizer, self.settings)
@@ -142,10 +159,16 @@ class SinkStrengthCallback(TrainerCallback):
         if self.trainer is not None:
             self.trainer.log(logs)
         else:
-            state.log_history.append({**logs, "step": step, **({"epoch": state.epoch} if state.epoch is not None else {})})
+            state.log_history.append(
+                {**logs, "step": step, **({"epoch": state.epoch} if state.epoch is not None else {})}
+            )
             if not self._warned:
-                warnings.warn("SinkStrengthCallback is not attached to a trainer: Sink Strength goes to the JSONL and state.log_history only, "
-                              "not to report_to (use cb.attach(trainer))", SinkWarning, stacklevel=2)
+                warnings.warn(
+                    "SinkStrengthCallback is not attached to a trainer: Sink Strength goes to the JSONL and state.log_history only, "
+                    "not to report_to (use cb.attach(trainer))",
+                    SinkWarning,
+                    stacklevel=2,
+                )
                 self._warned = True
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):

@@ -42,7 +42,9 @@ QK_NORM_KINDS = ("none", "per_head", "layerwise")
 # ---------------------------------------------------------------------------- pure math
 
 
-def select_head(median_logodds: float, pos0_fraction: float, threshold: float, min_pos0_fraction: float) -> tuple[bool, str]:
+def select_head(
+    median_logodds: float, pos0_fraction: float, threshold: float, min_pos0_fraction: float
+) -> tuple[bool, str]:
     """Whether a head is protected, and why (its sink must be strong and at position 0)."""
     if pos0_fraction < min_pos0_fraction:
         return False, f"sink at position 0 in {pos0_fraction:.2f} of rows < {min_pos0_fraction}"
@@ -161,9 +163,17 @@ class ProtectionPlan:
         layers = []
         for lp in d["layers"]:
             lp = {k: v for k, v in lp.items() if k != "max_u_rank"}
-            layers.append(LayerPlan(layer=lp["layer"], heads=tuple(lp["heads"]), kv_heads=tuple(lp["kv_heads"]), x_hat=tuple(lp["x_hat"]),
-                                    k_sink={int(k): tuple(v) for k, v in lp["k_sink"].items()}, u_rank={int(k): v for k, v in lp["u_rank"].items()},
-                                    excluded_energy={int(k): v for k, v in lp["excluded_energy"].items()}))
+            layers.append(
+                LayerPlan(
+                    layer=lp["layer"],
+                    heads=tuple(lp["heads"]),
+                    kv_heads=tuple(lp["kv_heads"]),
+                    x_hat=tuple(lp["x_hat"]),
+                    k_sink={int(k): tuple(v) for k, v in lp["k_sink"].items()},
+                    u_rank={int(k): v for k, v in lp["u_rank"].items()},
+                    excluded_energy={int(k): v for k, v in lp["excluded_energy"].items()},
+                )
+            )
         d["layers"] = tuple(layers)
         return cls(**d)
 
@@ -176,7 +186,10 @@ def read_plan(path: str | Path) -> ProtectionPlan:
 
     data = read_json(Path(path))
     if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION or "layers" not in data:
-        raise UserError(f"{path}: not a protection plan (schema_version {SCHEMA_VERSION})", "write one with `lm-eval-sink protect-plan MODEL -o plan.json`")
+        raise UserError(
+            f"{path}: not a protection plan (schema_version {SCHEMA_VERSION})",
+            "write one with `lm-eval-sink protect-plan MODEL -o plan.json`",
+        )
     return ProtectionPlan.from_json(data)
 
 
@@ -193,7 +206,10 @@ def _decoder(model: Any) -> Any:
     base = _base(model)
     inner = getattr(base, "model", base)
     if not hasattr(inner, "layers") or not hasattr(inner, "embed_tokens"):
-        raise UserError(f"{type(base).__name__}: no decoder layers at .model.layers", "use a decoder-only causal LM (Llama, Qwen2/3, OLMo2, Gemma, ...)")
+        raise UserError(
+            f"{type(base).__name__}: no decoder layers at .model.layers",
+            "use a decoder-only causal LM (Llama, Qwen2/3, OLMo2, Gemma, ...)",
+        )
     return inner
 
 
@@ -208,7 +224,11 @@ def _linear(module: Any) -> Any:
 def _lora_parts(module: Any) -> list[tuple[Any, Any, float]]:
     """(A weight [r, in], B weight [out, r], scaling) for each active adapter."""
     names = module.active_adapters if hasattr(module, "active_adapters") else list(module.lora_A)
-    return [(module.lora_A[n].weight, module.lora_B[n].weight, float(module.scaling[n])) for n in names if n in module.lora_A]
+    return [
+        (module.lora_A[n].weight, module.lora_B[n].weight, float(module.scaling[n]))
+        for n in names
+        if n in module.lora_A
+    ]
 
 
 def _shape(model: Any) -> tuple[int, int, int, int]:
@@ -243,14 +263,23 @@ def check_unsharded(model: Any, args: Any = None) -> None:
         ds = getattr(args, "hf_deepspeed_config", None)
         sharded = sharded or bool(ds is not None and getattr(ds, "is_zero3", lambda: False)())
     for p in model.parameters():
-        if hasattr(p, "ds_id") or type(p).__name__ in ("DTensor", "FlatParameter") or type(getattr(p, "data", None)).__name__ == "DTensor":
+        if (
+            hasattr(p, "ds_id")
+            or type(p).__name__ in ("DTensor", "FlatParameter")
+            or type(getattr(p, "data", None)).__name__ == "DTensor"
+        ):
             sharded = True
             break
     if sharded or any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
-        raise UserError("SinkProtection needs unsharded weights, but FSDP / ZeRO-3 shard them", "train with DDP or DeepSpeed ZeRO-1/2, or on one device")
+        raise UserError(
+            "SinkProtection needs unsharded weights, but FSDP / ZeRO-3 shard them",
+            "train with DDP or DeepSpeed ZeRO-1/2, or on one device",
+        )
 
 
-def sink_geometry(model: Any, sink_token_id: int, layers: list[int]) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+def sink_geometry(
+    model: Any, sink_token_id: int, layers: list[int]
+) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Per layer: (x_s [hidden], k_s [kv, d], pre-norm q_s [heads * d]) of the sink token at position 0."""
     import torch
 
@@ -267,11 +296,22 @@ def sink_geometry(model: Any, sink_token_id: int, layers: list[int]) -> dict[int
     try:
         dev = next(_base(model).parameters()).device
         with torch.no_grad():
-            _base(model)(input_ids=torch.tensor([[sink_token_id]], device=dev), position_ids=torch.zeros((1, 1), dtype=torch.long, device=dev), use_cache=False)
+            _base(model)(
+                input_ids=torch.tensor([[sink_token_id]], device=dev),
+                position_ids=torch.zeros((1, 1), dtype=torch.long, device=dev),
+                use_cache=False,
+            )
     finally:
         for h in hooks:
             h.remove()
-    return {l: (got[(l, "x")].reshape(-1).double().cpu().numpy(), got[(l, "k")].reshape(n_kv, d).double().cpu().numpy(), got[(l, "q")].reshape(-1).double().cpu().numpy()) for l in layers}
+    return {
+        l: (
+            got[(l, "x")].reshape(-1).double().cpu().numpy(),
+            got[(l, "k")].reshape(n_kv, d).double().cpu().numpy(),
+            got[(l, "q")].reshape(-1).double().cpu().numpy(),
+        )
+        for l in layers
+    }
 
 
 def _start_sha(model: Any, layers: list[int]) -> str:
@@ -286,8 +326,15 @@ def _start_sha(model: Any, layers: list[int]) -> str:
     return h.hexdigest()
 
 
-def select_sink_heads(model: Any, tokenizer: Any, settings: StrengthSettings = StrengthSettings(), threshold: float = 0.0, min_pos0_fraction: float = 0.8, tau: float = 0.0,
-    progress: bool = True) -> ProtectionPlan:
+def select_sink_heads(
+    model: Any,
+    tokenizer: Any,
+    settings: StrengthSettings = StrengthSettings(),
+    threshold: float = 0.0,
+    min_pos0_fraction: float = 0.8,
+    tau: float = 0.0,
+    progress: bool = True,
+) -> ProtectionPlan:
     """Capture the calibration prompts on the start model and choose the heads to protect.
 
     A head is selected when its median sink log-odds over the rows (`settings.rows`) exceeds
@@ -307,10 +354,15 @@ def select_sink_heads(model: Any, tokenizer: Any, settings: StrengthSettings = S
     encoded = encode_prompts(tokenizer, prompt_set.prompts, settings.use_chat_template, settings.system_prompt)
     first = {ids[0] for ids in encoded.input_ids}
     if len(first) != 1:
-        raise UserError(f"the calibration prompts start with {len(first)} different tokens {sorted(first)[:5]}", "use prompts whose first token (the sink) is the same, e.g. through the chat template")
+        raise UserError(
+            f"the calibration prompts start with {len(first)} different tokens {sorted(first)[:5]}",
+            "use prompts whose first token (the sink) is the same, e.g. through the chat template",
+        )
     sink_token = first.pop()
     layers = settings.layers_for(n_layers)
-    captures = capture_prompts(_base(model), encoded, layers, settings.batch_size, progress=progress, desc="protect-plan capture")
+    captures = capture_prompts(
+        _base(model), encoded, layers, settings.batch_size, progress=progress, desc="protect-plan capture"
+    )
     logodds = np.concatenate([c.sink_logodds for c in captures], axis=2)
     pos = np.concatenate([c.sink_pos for c in captures], axis=2)
     content = np.concatenate([c.content for c in captures])
@@ -322,7 +374,18 @@ def select_sink_heads(model: Any, tokenizer: Any, settings: StrengthSettings = S
             p = pos[li, h, rows]
             frac, med = float((p == 0).mean()), float(np.median(logodds[li, h, rows]))
             ok, why = select_head(med, frac, threshold, min_pos0_fraction)
-            heads.append(HeadChoice(layer=l, head=h, kv_head=h // group, sink_pos=int(np.bincount(p).argmax()), pos0_fraction=frac, median_logodds=med, selected=ok, reason=why))
+            heads.append(
+                HeadChoice(
+                    layer=l,
+                    head=h,
+                    kv_head=h // group,
+                    sink_pos=int(np.bincount(p).argmax()),
+                    pos0_fraction=frac,
+                    median_logodds=med,
+                    selected=ok,
+                    reason=why,
+                )
+            )
             if ok:
                 chosen.setdefault(l, []).append(h)
     geometry = sink_geometry(model, sink_token, sorted(chosen))
@@ -332,16 +395,42 @@ def select_sink_heads(model: Any, tokenizer: Any, settings: StrengthSettings = S
         x_s, k_s, _ = geometry[l]
         norm = float(np.linalg.norm(x_s))
         if norm == 0.0:
-            raise UserError(f"layer {l}: the sink token's input to k_proj is zero", "protect other layers (--last-k) or check the model")
+            raise UserError(
+                f"layer {l}: the sink token's input to k_proj is zero",
+                "protect other layers (--last-k) or check the model",
+            )
         kv = sorted({h // group for h in chosen[l]}) if kind != "layerwise" else list(range(n_kv))
         bases = {g: sink_basis(k_s[g], rot, tau) for g in kv}
-        plans.append(LayerPlan(layer=l, heads=tuple(chosen[l]), kv_heads=tuple(kv), x_hat=tuple(float(v) for v in x_s / norm),
-                               k_sink={g: tuple(float(v) for v in k_s[g]) for g in kv}, u_rank={g: int(bases[g][0].shape[1]) for g in kv},
-                               excluded_energy={g: float(bases[g][1]) for g in kv}))
-    return ProtectionPlan(n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv, head_dim=d, rotary_dim=rot, qk_norm=kind,
-                          sink_token_id=int(sink_token), threshold=float(threshold), min_pos0_fraction=float(min_pos0_fraction), tau=float(tau),
-                          heads=tuple(heads), layers=tuple(plans), start_sha256=_start_sha(model, sorted(chosen)),
-                          provenance={"settings": asdict(settings), "prompt_set": {"source": prompt_set.source, "sha256": prompt_set.sha256}})
+        plans.append(
+            LayerPlan(
+                layer=l,
+                heads=tuple(chosen[l]),
+                kv_heads=tuple(kv),
+                x_hat=tuple(float(v) for v in x_s / norm),
+                k_sink={g: tuple(float(v) for v in k_s[g]) for g in kv},
+                u_rank={g: int(bases[g][0].shape[1]) for g in kv},
+                excluded_energy={g: float(bases[g][1]) for g in kv},
+            )
+        )
+    return ProtectionPlan(
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        head_dim=d,
+        rotary_dim=rot,
+        qk_norm=kind,
+        sink_token_id=int(sink_token),
+        threshold=float(threshold),
+        min_pos0_fraction=float(min_pos0_fraction),
+        tau=float(tau),
+        heads=tuple(heads),
+        layers=tuple(plans),
+        start_sha256=_start_sha(model, sorted(chosen)),
+        provenance={
+            "settings": asdict(settings),
+            "prompt_set": {"source": prompt_set.source, "sha256": prompt_set.sha256},
+        },
+    )
 
 
 # ---------------------------------------------------------------------------- protection
@@ -371,12 +460,22 @@ class SinkProtection(TrainerCallback):
             return self._start
         check_unsharded(_base(model))
         n_layers, n_heads, n_kv, d = _shape(model)
-        if (n_layers, n_heads, n_kv, d) != (self.plan.n_layers, self.plan.n_heads, self.plan.n_kv_heads, self.plan.head_dim):
-            raise UserError(f"the plan is for {self.plan.n_layers} layers x {self.plan.n_heads} heads ({self.plan.n_kv_heads} KV, dim {self.plan.head_dim}), "
-                            f"the model has {n_layers} x {n_heads} ({n_kv}, {d})",
-                            "make the plan from this model with `lm-eval-sink protect-plan`")
+        if (n_layers, n_heads, n_kv, d) != (
+            self.plan.n_layers,
+            self.plan.n_heads,
+            self.plan.n_kv_heads,
+            self.plan.head_dim,
+        ):
+            raise UserError(
+                f"the plan is for {self.plan.n_layers} layers x {self.plan.n_heads} heads ({self.plan.n_kv_heads} KV, dim {self.plan.head_dim}), "
+                f"the model has {n_layers} x {n_heads} ({n_kv}, {d})",
+                "make the plan from this model with `lm-eval-sink protect-plan`",
+            )
         if _start_sha(model, [lp.layer for lp in self.plan.layers]) != self.plan.start_sha256:
-            raise UserError("the model's q_proj / k_proj weights are not the ones the plan was made from", "bind the protection before training starts, to the model the plan was made from")
+            raise UserError(
+                "the model's q_proj / k_proj weights are not the ones the plan was made from",
+                "bind the protection before training starts, to the model the plan was made from",
+            )
         dec = _decoder(model)
         start: dict[str, Any] = {"embed_row": dec.embed_tokens.weight[self.plan.sink_token_id].detach().clone()}
         for lp in self.plan.layers:
@@ -489,7 +588,12 @@ class SinkProtection(TrainerCallback):
         layers = [lp.layer for lp in self.plan.layers]
         geometry = sink_geometry(model, self.plan.sink_token_id, layers)
         inputs: dict[int, torch.Tensor] = {}
-        hooks = [dec.layers[l].self_attn.q_proj.register_forward_pre_hook(lambda m, a, l=l: inputs.__setitem__(l, a[0].detach())) for l in layers]
+        hooks = [
+            dec.layers[l].self_attn.q_proj.register_forward_pre_hook(
+                lambda m, a, l=l: inputs.__setitem__(l, a[0].detach())
+            )
+            for l in layers
+        ]
         try:
             with torch.no_grad():
                 _base(model)(input_ids=torch.as_tensor(input_ids), use_cache=False)
@@ -508,7 +612,12 @@ class SinkProtection(TrainerCallback):
                 w0 = start[f"{lp.layer}.q_proj.weight"].double()
                 q0 = x @ w0.T + (start[f"{lp.layer}.q_proj.bias"].double() if lin.bias is not None else 0.0)
                 if self.plan.qk_norm == "per_head":
-                    r = torch.stack([q0[:, h * d:(h + 1) * d].norm(dim=-1) / q_now[:, h * d:(h + 1) * d].norm(dim=-1) for h in lp.heads])
+                    r = torch.stack(
+                        [
+                            q0[:, h * d : (h + 1) * d].norm(dim=-1) / q_now[:, h * d : (h + 1) * d].norm(dim=-1)
+                            for h in lp.heads
+                        ]
+                    )
                 else:
                     r = q0.norm(dim=-1) / q_now.norm(dim=-1)
                 ratio = (float(r.min()), float(r.max()))

@@ -21,7 +21,13 @@ if accelerator.num_processes > 1:
     lm._rank = accelerator.local_process_index
     lm._world_size = accelerator.num_processes
 tracker = EvaluationTracker(output_path=out)
-res = lm_eval.simple_evaluate(model=lm, tasks=["sink_strength", "tiny_gen"], task_manager=TaskManager(include_path=task_dir), log_samples=True, evaluation_tracker=tracker)
+res = lm_eval.simple_evaluate(
+    model=lm,
+    tasks=["sink_strength", "tiny_gen"],
+    task_manager=TaskManager(include_path=task_dir),
+    log_samples=True,
+    evaluation_tracker=tracker,
+)
 if lm.rank == 0:
     res["config"]["world_size"] = lm.world_size
     samples = res.pop("samples")
