@@ -22,6 +22,7 @@ $(STAMP): constraints.txt pyproject.toml
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	LM_EVAL_SINK_DATA=$${LM_EVAL_SINK_DATA:-$(SHARED)/data} $(PY) -m pytest -q --durations=25
 
 demo: $(STAMP)

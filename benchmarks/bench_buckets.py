@@ -139,11 +139,13 @@ def run(args: argparse.Namespace, root: Path) -> None:
     t = time.perf_counter()
     subprocess.run([sys.executable, "-c", "pass"], check=True)
     print(
-        f"importing lm-eval's IFEval checker in a fresh process: {t_imp - (time.perf_counter() - t):.2f} s (paid once per CLI call with failure kinds)"
+        "importing lm-eval's IFEval checker in a fresh process: "
+        f"{t_imp - (time.perf_counter() - t):.2f} s (paid once per CLI call with failure kinds)"
     )
     settings = BucketSettings()
     print(
-        f"{'pair':8} {'docs':>5} {'lines':>6} {'MiB':>5} | {'read (baseline)':>15} | {'bucket':>16} {'ratio':>6} | {'no failure kinds':>16} "
+        f"{'pair':8} {'docs':>5} {'lines':>6} {'MiB':>5} | {'read (baseline)':>15} | {'bucket':>16} "
+        f"{'ratio':>6} | {'no failure kinds':>16} "
         f"| {'CLI end to end':>26} | {'CLI --no-failure-kinds':>26}"
     )
     for name, (ref, cand) in (("ifeval", ifeval), ("gsm8k", gsm8k)):
@@ -157,15 +159,19 @@ def run(args: argparse.Namespace, root: Path) -> None:
         wall, rss = cli_end_to_end(ref, cand, root / f"out_{name}")
         wall_nf, rss_nf = cli_end_to_end(ref, cand, root / f"out_{name}_nf", "--no-failure-kinds")
         print(
-            f"{name:8} {rep.n:>5} {lines:>6} {size:>5.1f} | {t_read:6.3f} s {m_read:5.1f} MiB | {t_b:6.3f} s {m_b:5.1f} MiB {t_b / t_read:5.1f}x | {t_nf:6.3f} s {m_nf:5.1f} MiB "
+            f"{name:8} {rep.n:>5} {lines:>6} {size:>5.1f} | {t_read:6.3f} s {m_read:5.1f} MiB | "
+            f"{t_b:6.3f} s {m_b:5.1f} MiB {t_b / t_read:5.1f}x | {t_nf:6.3f} s {m_nf:5.1f} MiB "
             f"| {wall:5.2f} s, max RSS {rss:4.0f} MiB | {wall_nf:5.2f} s, max RSS {rss_nf:4.0f} MiB"
         )
         split = rep.format_split or {}
         print(
-            f"         counts {rep.counts}, regressions' kinds {(rep.failure_kinds or {}).get('counts')}, format split {split.get('format_failure')}/{split.get('wrong_answer')}"
+            f"         counts {rep.counts}, regressions' kinds "
+            f"{(rep.failure_kinds or {}).get('counts')}, format split "
+            f"{split.get('format_failure')}/{split.get('wrong_answer')}"
         )
     print(
-        f"machine: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, peak RSS of this process {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB"
+        f"machine: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, peak RSS of this process "
+        f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB"
     )
 
 

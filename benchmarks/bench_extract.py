@@ -124,13 +124,15 @@ def main() -> None:
     results = {job: run(job, vlm, args.workdir / f"out_{job}") for job in args.jobs.split(",")}
     copy_s = results["copy"]["seconds"] if "copy" in results else None
     print(
-        f"{'job':<10} {'time s':>8} {'x copy':>7} {'peak RSS GB':>12} {'above imports GB':>17} {'/ size':>7} {'/ shard':>8}"
+        f"{'job':<10} {'time s':>8} {'x copy':>7} {'peak RSS GB':>12} {'above imports GB':>17} "
+        f"{'/ size':>7} {'/ shard':>8}"
     )
     for job, r in results.items():
         above = r["peak_rss"] - r["start_rss"]
         ratio_t = f"{r['seconds'] / copy_s:.1f}" if copy_s else "-"
         print(
-            f"{job:<10} {r['seconds']:>8.2f} {ratio_t:>7} {r['peak_rss'] / 1e9:>12.2f} {above / 1e9:>17.2f} {above / size:>7.2f} {above / largest:>8.2f}"
+            f"{job:<10} {r['seconds']:>8.2f} {ratio_t:>7} {r['peak_rss'] / 1e9:>12.2f} "
+            f"{above / 1e9:>17.2f} {above / size:>7.2f} {above / largest:>8.2f}"
         )
 
 

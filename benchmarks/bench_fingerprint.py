@@ -67,7 +67,8 @@ def main() -> None:
         print(f"plain read            {r:8.3f} s  {gb / r:6.2f} GB/s")
         print(f"fingerprint, no cache {c:8.3f} s  {gb / c:6.2f} GB/s  ratio to plain read {c / r:.2f}")
         print(
-            f"fingerprint, cached   {w * 1e3:8.3f} ms ({w / len(first['files']) * 1e6:.0f} us a file)  ratio to plain read {w / r:.5f}"
+            f"fingerprint, cached   {w * 1e3:8.3f} ms ({w / len(first['files']) * 1e6:.0f} us a file)  "
+            f"ratio to plain read {w / r:.5f}"
         )
     finally:
         shutil.rmtree(root, ignore_errors=True)

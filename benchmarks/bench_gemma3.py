@@ -140,18 +140,22 @@ def main() -> None:
 
     rows = [measure_one(str(default_model_dir())), measure_one(str(gemma))]
     print(
-        "| model | architecture | attention | qk_norm | layers (attention) | S (K=10) | S eager | max row diff vs eager | pos0 argmax | pos0 mass median |"
+        "| model | architecture | attention | qk_norm | layers (attention) | S (K=10) | S eager | "
+        "max row diff vs eager | pos0 argmax | pos0 mass median |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         name = Path(r["model"]).name
         print(
-            f"| {name} | {r['architecture']} | {r['attn_implementation'].split()[0]} | {r['qk_norm']} | {r['n_layers']} ({r['attention_layers']}) | {r['sink_strength']:.4f} | "
-            f"{r['sink_strength_eager']:.4f} | {r['max_abs_row_difference_vs_eager']:.1e} | {r['pos0_argmax_fraction']:.3f} | {r['pos0_mass_median']:.3f} |"
+            f"| {name} | {r['architecture']} | {r['attn_implementation'].split()[0]} | {r['qk_norm']} | "
+            f"{r['n_layers']} ({r['attention_layers']}) | {r['sink_strength']:.4f} | "
+            f"{r['sink_strength_eager']:.4f} | {r['max_abs_row_difference_vs_eager']:.1e} | "
+            f"{r['pos0_argmax_fraction']:.3f} | {r['pos0_mass_median']:.3f} |"
         )
     for r in rows:
         print(
-            f"{Path(r['model']).name}: load {r['load_s']} s, S {r['measure_s']} s, rows {r['n_rows']}, chat template applied {r['chat_template_applied']}, qk-norm source {r['qk_norm_source']}"
+            f"{Path(r['model']).name}: load {r['load_s']} s, S {r['measure_s']} s, rows {r['n_rows']}, "
+            f"chat template applied {r['chat_template_applied']}, qk-norm source {r['qk_norm_source']}"
         )
     assert all(math.isfinite(r["sink_strength"]) for r in rows)
     if args.json:

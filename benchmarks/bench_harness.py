@@ -34,7 +34,8 @@ def main() -> None:
             print(f"--tasks {','.join(tasks)}: {times[tasks]:.1f} s")
     base, both = times[("ifeval",)], times[("sink_strength", "ifeval")]
     print(
-        f"IFEval --limit {args.limit}, max_gen_toks {args.max_gen_toks}: adding sink_strength costs {both - base:+.1f} s, ratio {both / base:.3f}"
+        f"IFEval --limit {args.limit}, max_gen_toks {args.max_gen_toks}: adding sink_strength costs "
+        f"{both - base:+.1f} s, ratio {both / base:.3f}"
     )
 
 

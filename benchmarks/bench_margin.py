@@ -63,19 +63,24 @@ def main() -> None:
         t_margin, c_margin = time.perf_counter() - t0, time.process_time() - c0
     case = lemma1_synthetic()
     print(
-        f"candidate: SmolLM2-135M-Instruct with W_q, W_k of the last {args.last_k} layers perturbed (operator norm eps = {args.eps} x ||W||_2)"
+        f"candidate: SmolLM2-135M-Instruct with W_q, W_k of the last {args.last_k} layers perturbed "
+        f"(operator norm eps = {args.eps} x ||W||_2)"
     )
     print(margin_table_markdown(result, heads=False))
     s = result.summary
     print(
-        f"summary: negative margin {s['n_negative_margin']}/{s['n_heads_total']} heads ({s['n_sink_collapse']} with G_base > 0); median margin {s['margin_median']:.3f}; "
-        f"median B_gap {s['b_gap_median']:.3f}, max {s['b_gap_max']:.3f}; S reference {result.reference_sink_strength:.4f}, candidate {result.candidate_sink_strength:.4f}"
+        f"summary: negative margin {s['n_negative_margin']}/{s['n_heads_total']} heads "
+        f"({s['n_sink_collapse']} with G_base > 0); median margin {s['margin_median']:.3f}; "
+        f"median B_gap {s['b_gap_median']:.3f}, max {s['b_gap_max']:.3f}; S reference "
+        f"{result.reference_sink_strength:.4f}, candidate {result.candidate_sink_strength:.4f}"
     )
     print(
-        f"Lemma 1 synthetic (G = 3.0, B_gap = 0.4, N = 64): non-sink mass {case.non_sink_mass:.4f}, bound {case.bound:.4f}, ratio {case.ratio:.2f}"
+        f"Lemma 1 synthetic (G = 3.0, B_gap = 0.4, N = 64): non-sink mass {case.non_sink_mass:.4f}, "
+        f"bound {case.bound:.4f}, ratio {case.ratio:.2f}"
     )
     print(
-        f"cost: margin (2 loads, 2 all-layer captures, 2 S measurements) = {c_margin / c_strength:.1f}x CPU time of one Sink Strength measurement "
+        "cost: margin (2 loads, 2 all-layer captures, 2 S measurements) = "
+        f"{c_margin / c_strength:.1f}x CPU time of one Sink Strength measurement "
         f"({c_margin:.1f} s vs {c_strength:.1f} s CPU; wall {t_margin:.1f} s vs {t_strength:.1f} s)"
     )
 

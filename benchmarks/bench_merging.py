@@ -93,7 +93,8 @@ def main() -> None:
     cand = perturbed_copy(ref, work / "candidate")
     names = bundled_names()
     print(
-        f"threads: OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, torch {torch.get_num_threads()}; cpus {os.cpu_count()}, load {os.getloadavg()[0]:.1f}"
+        f"threads: OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, torch "
+        f"{torch.get_num_threads()}; cpus {os.cpu_count()}, load {os.getloadavg()[0]:.1f}"
     )
     print(f"models: reference {ref} (SmolLM2-135M-Instruct, fp32), candidate = reference + 0.02*std noise (synthetic)")
     cfgs = {}
@@ -143,7 +144,8 @@ def main() -> None:
     for n in ("tsv", "star"):
         rss, secs = peak_rss_mib(cfgs[n], work / f"mem_{n}")
         print(
-            f"peak RSS {n}: {rss:.0f} MiB ({secs:.1f} s) vs task_arithmetic {base_rss:.0f} MiB ({base_s:.1f} s): ratio {rss / base_rss:.2f}x"
+            f"peak RSS {n}: {rss:.0f} MiB ({secs:.1f} s) vs task_arithmetic {base_rss:.0f} MiB "
+            f"({base_s:.1f} s): ratio {rss / base_rss:.2f}x"
         )
     for p in work.glob("mem_*"):
         shutil.rmtree(p)

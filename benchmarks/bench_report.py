@@ -148,7 +148,8 @@ def main() -> int:
     t_cli = time.perf_counter() - t
     size = report.stat().st_size / 2**20
     print(
-        f"inputs: 2 IFEval bucket outputs ({n} prompts each; {regressions[0]} and {regressions[1]} regressions), {N_CHECKPOINTS}-checkpoint sweep table"
+        f"inputs: 2 IFEval bucket outputs ({n} prompts each; {regressions[0]} and {regressions[1]} "
+        f"regressions), {N_CHECKPOINTS}-checkpoint sweep table"
     )
     print("| step | median of 5 |")
     print("|---|---|")

@@ -114,7 +114,8 @@ def main() -> None:
             stop_ray_cluster(temp)
         ray_times[cpus] = wall
         print(
-            f"ray engine, {cpus} worker slot(s): {wall:.1f} s = {wall / local:.2f} x local (cluster start {start:.1f} s, not included)"
+            f"ray engine, {cpus} worker slot(s): {wall:.1f} s = {wall / local:.2f} x local (cluster "
+            f"start {start:.1f} s, not included)"
         )
     print(f"two workers vs one: speed-up {ray_times[1] / ray_times[2]:.2f} x")
 

@@ -64,15 +64,18 @@ def main() -> None:
     plain, sink = child("plain", 0), child("sink", 0)
     tp, ts = statistics.median(timing["times"]["plain"]), statistics.median(timing["times"]["sink"])
     print(
-        f"15 prompts, one batch, CPU fp32, {args.repeats} alternating runs each (medians); peak RSS from one call per process"
+        f"15 prompts, one batch, CPU fp32, {args.repeats} alternating runs each (medians); peak RSS "
+        "from one call per process"
     )
     for name, r, t in (("plain forward", plain, tp), ("Sink Strength", sink, ts)):
         print(
-            f"{name:14s} {t:.3f} s   peak RSS {r['peak_kib'] / 1024:.0f} MiB (+{(r['peak_kib'] - r['base_kib']) / 1024:.0f} MiB over the loaded model)"
+            f"{name:14s} {t:.3f} s   peak RSS {r['peak_kib'] / 1024:.0f} MiB "
+            f"(+{(r['peak_kib'] - r['base_kib']) / 1024:.0f} MiB over the loaded model)"
         )
     print(
         f"time ratio S / forward: {ts / tp:.2f}   peak RSS ratio: {sink['peak_kib'] / plain['peak_kib']:.3f}   "
-        f"ratio of the increments: {(sink['peak_kib'] - sink['base_kib']) / max(1, plain['peak_kib'] - plain['base_kib']):.2f}"
+        "ratio of the increments: "
+        f"{(sink['peak_kib'] - sink['base_kib']) / max(1, plain['peak_kib'] - plain['base_kib']):.2f}"
     )
 
     from lm_eval_sink.models import load_model
@@ -85,7 +88,8 @@ def main() -> None:
             r = measure(m.model, m.tokenizer, StrengthSettings(last_k=k, n_prompts=n), progress=False)
             print(
                 f"S(K={k or 'all'}, N={n}) = {r.sink_strength:.4f}  (content rows {r.sink_strength_content_rows:.4f}, "
-                f"template rows {r.sink_strength_template_rows:.4f}, template share {r.template_row_fraction:.3f}; {time.perf_counter() - t:.1f} s)"
+                f"template rows {r.sink_strength_template_rows:.4f}, template share "
+                f"{r.template_row_fraction:.3f}; {time.perf_counter() - t:.1f} s)"
             )
 
 

@@ -219,7 +219,8 @@ def ifeval_subset(out: Path) -> Path:
     src_root = os.environ.get("LM_EVAL_SINK_DATA")
     if not src_root:
         raise SystemExit(
-            "error: LM_EVAL_SINK_DATA is not set (fix: point it at the offline data folder, e.g. LM_EVAL_SINK_DATA=/work/shared/data)"
+            "error: LM_EVAL_SINK_DATA is not set (fix: point it at the offline data folder, e.g. "
+            "LM_EVAL_SINK_DATA=/work/shared/data)"
         )
     from lm_eval_sink.io import atomic_write_text
 
@@ -231,7 +232,8 @@ def ifeval_subset(out: Path) -> Path:
     missing = [k for k in IFEVAL_KEYS if k not in rows]
     if missing:
         raise SystemExit(
-            f"error: IFEval keys {missing[:5]} are not in {src_root}/ifeval/input_data.jsonl (fix: use the full 541-prompt file)"
+            f"error: IFEval keys {missing[:5]} are not in {src_root}/ifeval/input_data.jsonl (fix: use "
+            "the full 541-prompt file)"
         )
     folder = out / "ifeval40"
     atomic_write_text(folder / "ifeval" / "input_data.jsonl", "".join(rows[k] + "\n" for k in IFEVAL_KEYS))
@@ -454,7 +456,8 @@ def main() -> None:
         + (len(runs) + 1) * len(IFEVAL_KEYS) * COST_IFEVAL_PROMPT
     )
     print(
-        f"estimate on this machine's measured costs: ~{est / 60:.0f} min ({len(runs)} runs x {cfg.steps} steps, batch {cfg.batch}, seq {cfg.seq_len}, lr {cfg.lr}; "
+        f"estimate on this machine's measured costs: ~{est / 60:.0f} min ({len(runs)} runs x "
+        f"{cfg.steps} steps, batch {cfg.batch}, seq {cfg.seq_len}, lr {cfg.lr}; "
         f"{len(runs) + 1} IFEval runs of {len(IFEVAL_KEYS)} prompts; finished stages in {out} are reused)",
         flush=True,
     )
@@ -475,8 +478,11 @@ def main() -> None:
         del loaded
     plan = read_json(plan_path)
     print(
-        f"start: S = {s_start['sink_strength']:.4f}; plan protects {sum(h['selected'] for h in plan['heads'])} of {len(plan['heads'])} heads in layers "
-        f"{[lp['layer'] for lp in plan['layers']]}, rank of U {sorted({lp['max_u_rank'] for lp in plan['layers']})} of {plan['head_dim']} (tau {cfg.tau})",
+        f"start: S = {s_start['sink_strength']:.4f}; plan protects "
+        f"{sum(h['selected'] for h in plan['heads'])} of {len(plan['heads'])} heads in layers "
+        f"{[lp['layer'] for lp in plan['layers']]}, rank of U "
+        f"{sorted({lp['max_u_rank'] for lp in plan['layers']})} of {plan['head_dim']} (tau "
+        f"{cfg.tau})",
         flush=True,
     )
     if_start = ifeval_score(start_dir, start, data, cfg.device)
@@ -499,9 +505,13 @@ def main() -> None:
             "margin": mg["summary"],
         }
         print(
-            f"{name}: S {s_start['sink_strength']:.4f} -> {s_end['sink_strength']:.4f}, IFEval {if_start['prompt_level_strict_acc']:.3f} -> {ife['prompt_level_strict_acc']:.3f}, "
-            f"held-out caption loss {tr['heldout_caption_loss_start']:.3f} -> {tr['heldout_caption_loss_end']:.3f}, margin median {mg['summary']['margin_median']:.3f}, "
-            f"negative-margin heads {mg['summary']['n_negative_margin']}/{mg['summary']['n_heads_total']} ({time.time() - t0:.0f} s so far)",
+            f"{name}: S {s_start['sink_strength']:.4f} -> {s_end['sink_strength']:.4f}, IFEval "
+            f"{if_start['prompt_level_strict_acc']:.3f} -> {ife['prompt_level_strict_acc']:.3f}, "
+            f"held-out caption loss {tr['heldout_caption_loss_start']:.3f} -> "
+            f"{tr['heldout_caption_loss_end']:.3f}, margin median {mg['summary']['margin_median']:.3f}, "
+            "negative-margin heads "
+            f"{mg['summary']['n_negative_margin']}/{mg['summary']['n_heads_total']} "
+            f"({time.time() - t0:.0f} s so far)",
             flush=True,
         )
     head = [

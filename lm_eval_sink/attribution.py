@@ -553,9 +553,8 @@ def to_markdown(att: Attribution) -> str:
         flag = " **FLAGGED**" if li["flagged"] else ""
         L.append(f"- lineage {li['reference']} -> {li['candidate']}: {li['status']}{flag} ({li['how']})")
     mix = att.mixture
-    L.append(
-        f"- mixture: {', '.join(f'{k}={v}' for k, v in mix['declared'].items()) + ' (declared)' if mix['declared'] else mix['note']}"
-    )
+    declared = ", ".join(f"{k}={v}" for k, v in mix["declared"].items())
+    L.append(f"- mixture: {declared + ' (declared)' if mix['declared'] else mix['note']}")
     for b in att.benchmarks:
         L += ["", f"## {b['benchmark']} (construct: {b['construct']}: {b['construct_why']})", ""]
         if b["comparisons"]:
@@ -627,7 +626,8 @@ def to_markdown(att: Attribution) -> str:
             ]
         for r in b["not_compared"]:
             L.append(
-                f"- not compared (different models under different protocols): {r['reference']['model']} ({r['protocol'].split(' vs ')[0]}) vs "
+                f"- not compared (different models under different protocols): {r['reference']['model']} "
+                f"({r['protocol'].split(' vs ')[0]}) vs "
                 f"{r['candidate']['model']} ({r['protocol'].split(' vs ')[-1]}): {_fields(r['differing_fields'])}"
             )
         for u in b["unpaired"]:
@@ -735,7 +735,8 @@ def run_measurements(
     role: str,
     benchmarks: dict[str, Benchmark],
 ) -> list[Measurement]:
-    """The measurements of one lm-eval run (one per task that belongs to a scored family); `benchmarks` gains the unknown tasks."""
+    """The measurements of one lm-eval run (one per task that belongs to a scored family); `benchmarks` gains the
+    unknown tasks."""
     from lm_eval_sink.protocols import match_protocol
 
     where = source["path"]
@@ -831,7 +832,8 @@ def measurements_from_registry(
 
 
 def relabel(measurements: list[Measurement]) -> list[Measurement]:
-    """Give distinct run protocols of one benchmark distinct labels (a named protocol under two limits gets a sha suffix)."""
+    """Give distinct run protocols of one benchmark distinct labels (a named protocol under two limits gets a sha
+    suffix)."""
     from dataclasses import replace
 
     keys: dict[tuple[str, str], set[str]] = {}

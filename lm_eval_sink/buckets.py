@@ -263,7 +263,8 @@ def _choose_metric(ref_rows: Mapping[int, Mapping], wanted: str | None, spec: Be
         return scalar[0]
     if wanted not in first:
         raise UserError(
-            f"{label}: no metric {wanted!r} in the samples{did_you_mean(wanted, available)} (they have: {', '.join(available)})",
+            f"{label}: no metric {wanted!r} in the samples{did_you_mean(wanted, available)} (they have: "
+            f"{', '.join(available)})",
             "pass one of those with --metric",
         )
     return wanted
@@ -329,11 +330,13 @@ def bucket(
     notes: list[str] = []
     if pairing["prompt_hash_differs"]["count"]:
         notes.append(
-            f"{pairing['prompt_hash_differs']['count']} of {n} prompts differ between the runs (prompt_hash): the protocols differ (chat template, few-shot, system prompt)"
+            f"{pairing['prompt_hash_differs']['count']} of {n} prompts differ between the runs "
+            "(prompt_hash): the protocols differ (chat template, few-shot, system prompt)"
         )
     if pairing["dropped_reference_only"] or pairing["dropped_candidate_only"]:
         notes.append(
-            f"--allow-partial: {len(pairing['dropped_reference_only'])} reference-only and {len(pairing['dropped_candidate_only'])} candidate-only docs dropped"
+            f"--allow-partial: {len(pairing['dropped_reference_only'])} reference-only and "
+            f"{len(pairing['dropped_candidate_only'])} candidate-only docs dropped"
         )
 
     delta = float(cand_v.mean() - ref_v.mean())
@@ -577,7 +580,8 @@ def _failure_kinds(regressions, cand_rows, by_id, loose: bool, progress: bool) -
         + ("loose" if loose else "strict")
         + " check re-run on the candidate responses",
         "checker_disagreements": disagreements,
-        "rule": "truncation (hit the limit and a failed instruction can break by cutting) > language > phrase_marker > length > format > other",
+        "rule": "truncation (hit the limit and a failed instruction can break by cutting) > language > "
+        "phrase_marker > length > format > other",
     }
 
 
@@ -629,7 +633,8 @@ def _field_name(field: str, task: str) -> str:
 
 
 def protocol_record(fp, task: str) -> dict[str, Any]:
-    """Model and protocol of one run for `task`, from its fingerprint (buckets.json `runs.<side>`, less the file hashes)."""
+    """Model and protocol of one run for `task`, from its fingerprint (buckets.json `runs.<side>`, less the file
+    hashes)."""
     from lm_eval_sink.protocols import task_view
 
     return {
@@ -645,7 +650,8 @@ def protocol_record(fp, task: str) -> dict[str, Any]:
 
 
 def _run_max_gen_toks(fp, task: str) -> dict[str, Any] | None:
-    """The generation limit a run used for `task`: the task's generation kwargs, else model_args, else lm-eval's hf default."""
+    """The generation limit a run used for `task`: the task's generation kwargs, else model_args, else lm-eval's hf
+    default."""
     value = max_gen_toks_in((fp.harness["tasks"].get(task) or {}).get("generation_kwargs"))
     if value is not None:
         return {"value": value, "source": "the run's task generation_kwargs"}
@@ -775,7 +781,8 @@ def summary_markdown(report: Mapping[str, Any], top: int = 15) -> str:
     fs = report.get("format_split")
     if fs:
         lines += [
-            f"Regressions split by the {fs['lenient_filter']} filter: format failures (lenient answer right, strict wrong) {_fmt(fs['format_failure'])}, "
+            f"Regressions split by the {fs['lenient_filter']} filter: format failures (lenient answer "
+            f"right, strict wrong) {_fmt(fs['format_failure'])}, "
             f"wrong answers {_fmt(fs['wrong_answer'])}, unknown {fs['unknown']}.",
             "",
         ]
@@ -783,13 +790,16 @@ def summary_markdown(report: Mapping[str, Any], top: int = 15) -> str:
     if tr:
         unknown = f"; unknown for {tr['regressions_unknown']}" if tr["regressions_unknown"] else ""
         lines += [
-            f"Regressions whose candidate response hit the generation limit: {tr['regressions_truncated']} ({tr['method']}; max_gen_toks {', '.join(tr['max_gen_toks'])}{unknown}).",
+            "Regressions whose candidate response hit the generation limit: "
+            f"{tr['regressions_truncated']} ({tr['method']}; max_gen_toks "
+            f"{', '.join(tr['max_gen_toks'])}{unknown}).",
             "",
         ]
     types = report.get("instruction_types")
     if types:
         lines += [
-            f"Instruction types by regressions (top {min(top, len(types))} of {len(types)}; McNemar p per type and Holm-adjusted over all {len(types)} types; "
+            f"Instruction types by regressions (top {min(top, len(types))} of {len(types)}; McNemar p "
+            f"per type and Holm-adjusted over all {len(types)} types; "
             "descriptive, types are not independent tests of one hypothesis):",
             "",
         ]

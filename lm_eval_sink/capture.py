@@ -133,7 +133,7 @@ def _row_stats(
     first_real: torch.Tensor,
     fixed_keys: torch.Tensor | None = None,
 ):
-    """Per-row (sink log-odds, sink key from the first real token or VIRTUAL_KEY, pos0 mass, virtual-key mass or None)."""
+    """Per-row (sink log-odds, sink key: first real token or VIRTUAL_KEY, pos0 mass, virtual-key mass or None)."""
     bsz, n_heads, q_len, head_dim = query.shape
     k_len = key.shape[-2]
     q = query.detach().float()
@@ -159,7 +159,8 @@ def _row_stats(
         fixed = fixed_keys.to(logits.device)
         if s_aux is None and (fixed == VIRTUAL_KEY).any():
             raise UserError(
-                f"the reference's sink is its learned (virtual) sink key in {int((fixed == VIRTUAL_KEY).sum())} rows, but this model has no learned sinks",
+                "the reference's sink is its learned (virtual) sink key in "
+                f"{int((fixed == VIRTUAL_KEY).sum())} rows, but this model has no learned sinks",
                 "compare two models that both have learned attention sinks (e.g. two gpt-oss checkpoints)",
             )
         absolute = torch.where(fixed == VIRTUAL_KEY, k_len, fixed + start)
@@ -259,8 +260,10 @@ def attention_layers_from_config(config: Any) -> tuple[int, ...] | None:
     other = sorted({t for t in types if t not in SOFTMAX_LAYER_TYPES + NON_ATTENTION_LAYER_TYPES})
     if other:
         raise UserError(
-            f"{cfg.model_type}: layer type(s) {', '.join(other)} are not plain softmax attention, so Sink Strength is not defined for them",
-            "use a model whose attention layers are full, sliding-window or chunked (conv and linear-attention layers are skipped)",
+            f"{cfg.model_type}: layer type(s) {', '.join(other)} are not plain softmax attention, so "
+            "Sink Strength is not defined for them",
+            "use a model whose attention layers are full, sliding-window or chunked (conv and "
+            "linear-attention layers are skipped)",
         )
     layers = tuple(i for i, t in enumerate(types) if t in SOFTMAX_LAYER_TYPES)
     if not layers:
@@ -294,8 +297,10 @@ def check_supported_class(cls: type) -> None:
     """Refuse model classes whose attention does not go through transformers' attention interface."""
     if not getattr(cls, "_supports_attention_backend", False):
         raise UserError(
-            f"{cls.__name__} does not route attention through transformers' AttentionInterface, so Sink Strength cannot be captured",
-            "use a model whose class sets _supports_attention_backend (Llama, Mistral, Qwen2, Qwen3, OLMo2, Gemma 2/3, Phi-3, gpt-oss, ...)",
+            f"{cls.__name__} does not route attention through transformers' AttentionInterface, so Sink "
+            "Strength cannot be captured",
+            "use a model whose class sets _supports_attention_backend (Llama, Mistral, Qwen2, Qwen3, "
+            "OLMo2, Gemma 2/3, Phi-3, gpt-oss, ...)",
         )
 
 
@@ -438,7 +443,8 @@ def capture_prompts(
             if missing:
                 raise UserError(
                     f"{type(model).__name__}: attention of layer(s) {missing[:5]} never reached the capture function",
-                    "this architecture bypasses transformers' attention interface for those layers; it is not supported",
+                    "this architecture bypasses transformers' attention interface for those layers; it is not "
+                    "supported",
                 )
             for i, x in enumerate(chunk):
                 p, length = int(first_real[i]), len(x)

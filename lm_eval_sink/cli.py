@@ -276,7 +276,8 @@ def screen(
 )
 @click.option("--force", is_flag=True, help="Overwrite earlier results.")
 def fit(pairs_file, output, force) -> None:
-    """Fit S -> delta per task: Spearman rho, exact permutation p, line, leave-one-pair-out errors (no file: the paper's table)."""
+    """Fit S -> delta per task: Spearman rho, exact permutation p, line, leave-one-pair-out errors (no file: the paper's
+    table)."""
     from lm_eval_sink.commands.fit import run_fit
 
     for line in run_fit(pairs_file, output, force=force):
@@ -350,7 +351,8 @@ def _echo_extraction(report) -> None:
     head = "tied head" if report.tied_embeddings else "untied head"
     click.echo(
         f"{what} {report.family} ({report.source_class}) <-> {report.target_class}: {report.tensors_written} tensors, "
-        f"{report.bytes_written / 1e6:.1f} MB in {len(report.shards)} shard(s), {report.dtype}, {head}, {report.seconds:.1f} s"
+        f"{report.bytes_written / 1e6:.1f} MB in {len(report.shards)} shard(s), {report.dtype}, "
+        f"{head}, {report.seconds:.1f} s"
     )
     if report.operation == "extract":
         click.echo(
@@ -362,7 +364,8 @@ def _echo_extraction(report) -> None:
         click.echo("verification: skipped (--no-verify); structural checks only")
     elif v.passed:
         click.echo(
-            f"verification: max |logit difference| {v.max_abs_diff:.3g} <= {v.tolerance:.3g} ({v.dtype}, {v.probe_tokens} probe tokens): passed"
+            f"verification: max |logit difference| {v.max_abs_diff:.3g} <= {v.tolerance:.3g} "
+            f"({v.dtype}, {v.probe_tokens} probe tokens): passed"
         )
     from lm_eval_sink.io import COMPLETE
 
@@ -371,7 +374,8 @@ def _echo_extraction(report) -> None:
     click.echo(f"wrote {report.output} ({report_file}, {marker})")
     if not report.ok:
         raise UserError(
-            f"verification failed: {v.reason}; the output is kept at {report.output} and marked failed (FAILED.json, no {COMPLETE})",
+            f"verification failed: {v.reason}; the output is kept at {report.output} and marked failed "
+            f"(FAILED.json, no {COMPLETE})",
             f"see {report_file} for the tensor mapping; the architecture rules do not reproduce this VLM's text path",
         )
 
@@ -621,7 +625,8 @@ def attribute(
     output,
     force,
 ) -> None:
-    """Attribute each benchmark's candidate-minus-reference gap to lineage, protocol, access vs capacity, construct and mixture."""
+    """Attribute each benchmark's candidate-minus-reference gap to lineage, protocol, access vs capacity, construct and
+    mixture."""
     from lm_eval_sink.commands.attribute import run_attribute
 
     facts = {}
@@ -816,7 +821,8 @@ def buckets(
     force,
     quiet,
 ) -> None:
-    """Per-prompt regression buckets of CANDIDATE vs REFERENCE (lm-eval runs: results JSON, samples JSONL or output folder)."""
+    """Per-prompt regression buckets of CANDIDATE vs REFERENCE (lm-eval runs: results JSON, samples JSONL or output
+    folder)."""
     from lm_eval_sink.buckets import BucketSettings
     from lm_eval_sink.commands.buckets import run_buckets
 
@@ -875,7 +881,8 @@ def configs_list() -> None:
 @click.option(
     "--tokenizer-source",
     default=None,
-    help="Output vocabulary: base, union, reference, candidate or a model folder (default: mergekit's rule, the base_model's tokenizer).",
+    help="Output vocabulary: base, union, reference, candidate or a model folder (default: "
+    "mergekit's rule, the base_model's tokenizer).",
 )
 @click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="The mergekit YAML to write.")
 @click.option("--force", is_flag=True, help="Overwrite an existing file.")

@@ -22,4 +22,5 @@ class UserError(Exception):
 
 
 class SinkWarning(UserWarning):
-    """Something the user should know that does not stop the run (a result limited by it, a hook that could not register)."""
+    """Something the user should know that does not stop the run (a result limited by it, a hook that could not
+    register)."""

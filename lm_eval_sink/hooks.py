@@ -54,7 +54,8 @@ def _run_callback(module_name: str) -> None:
         getattr(importlib.import_module(mod_name), func_name)()
     except Exception as e:  # fail soft: the host library keeps working without us
         warnings.warn(
-            f"lm-eval-sink: could not register with {module_name} ({type(e).__name__}: {e}); set {DISABLE_ENV}=1 to silence",
+            f"lm-eval-sink: could not register with {module_name} ({type(e).__name__}: {e}); set "
+            f"{DISABLE_ENV}=1 to silence",
             SinkWarning,
             stacklevel=2,
         )

@@ -3,7 +3,8 @@
 Rules (`FINGERPRINT_RULE`):
 - a local folder: every regular file below it, whole, hashed with xxh3-128 (xxhash: several GB/s,
   so hashing costs less than reading), except lock files,
-  dot-files, the COMPLETE/FAILED markers and extraction/injection reports (metadata, not model content); the fingerprint is the
+  dot-files, the COMPLETE/FAILED markers and extraction/injection reports (metadata, not model content); the
+  fingerprint is the
   hash of the sorted `{relative path: file hash}` table, which is kept so a refusal can name the
   file that changed;
 - a file hash is cached by (path, st_dev, inode, size, mtime_ns, ctime_ns) under the project
@@ -83,7 +84,8 @@ def _combine(files: dict[str, str]) -> str:
 
 
 def looks_like_hub_id(text: str) -> bool:
-    """`owner/name`, the shape of a hub model id (each part starts and ends with a letter, digit or `_`: `./x` is a path)."""
+    """`owner/name`, the shape of a hub model id (each part starts and ends with a letter, digit or `_`: `./x` is a
+    path)."""
     return re.fullmatch(r"\w(?:[\w.-]*\w)?/\w(?:[\w.-]*\w)?", text) is not None
 
 
@@ -123,7 +125,8 @@ def snapshot_dir(repo_id: str, sha: str) -> Path | None:
 
 
 def cached_folder(model: str) -> Path | None:
-    """Where a model's files are on this machine: the folder itself, or a hub id's snapshot in the local HF cache (None if neither)."""
+    """Where a model's files are on this machine: the folder itself, or a hub id's snapshot in the local HF cache (None
+    if neither)."""
     if Path(model).is_dir():
         return Path(model)
     repo_id, revision = split_revision(model)
@@ -132,7 +135,8 @@ def cached_folder(model: str) -> Path | None:
 
 
 def hub_snapshot(repo_id: str, revision: str | None = None) -> tuple[str, dict[str, str]] | None:
-    """(revision sha, {file: blob hash}) of a hub model (at `revision`, default main) from the local HF cache, or None when not cached."""
+    """(revision sha, {file: blob hash}) of a hub model (at `revision`, default main) from the local HF cache, or None
+    when not cached."""
     sha = _cached_sha(repo_id, revision)
     snap = snapshot_dir(repo_id, sha) if sha else None
     if snap is None:
@@ -213,7 +217,8 @@ def check_finished_folder(path: Path) -> None:
 
 
 def local_identity(model: str | None) -> dict[str, Any] | None:
-    """The identity of a run's model when it is a local folder that still exists (provenance of buckets and attribution), else None."""
+    """The identity of a run's model when it is a local folder that still exists (provenance of buckets and
+    attribution), else None."""
     return model_identity(model) if model and Path(model).is_dir() else None
 
 

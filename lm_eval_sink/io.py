@@ -35,7 +35,8 @@ _RECORDED_PACKAGES = ("lm_eval_sink", "lm_eval", "transformers", "torch", "merge
 
 
 def cache_dir() -> Path:
-    """The project cache (converted models, file hashes, offline task YAMLs): $LM_EVAL_SINK_CACHE, else ~/.cache/lm_eval_sink."""
+    """The project cache (converted models, file hashes, offline task YAMLs): $LM_EVAL_SINK_CACHE, else
+    ~/.cache/lm_eval_sink."""
     env = os.environ.get("LM_EVAL_SINK_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "lm_eval_sink"
 

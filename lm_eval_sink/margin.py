@@ -273,7 +273,8 @@ def check_same_vocab(ref_vocab: dict[str, int], cand_vocab: dict[str, int]) -> N
             "missing from the candidate" if missing else f"id {cand_vocab[t]} in the candidate"
         )
         raise UserError(
-            f"the vocabularies differ: {len(missing)} reference token(s) missing and {len(moved)} with another id in the candidate; {what}",
+            f"the vocabularies differ: {len(missing)} reference token(s) missing and {len(moved)} with "
+            f"another id in the candidate; {what}",
             "margin needs identical token ids: compare a VLM backbone with the LLM it was built from",
         )
 
@@ -285,10 +286,15 @@ def margin_table_markdown(m: SinkMargin, heads: bool = True) -> str:
     """Summary, per-layer rows and (with `heads`) one row per negative-margin head."""
     s = m.summary
     lines = [
-        f"reference: {m.reference} (S = {m.reference_sink_strength:.4f}); candidate: {m.candidate} (S = {m.candidate_sink_strength:.4f})",
-        f"{m.n_prompts} prompts, {m.n_rows} rows per head, layers {m.layers[0]}..{m.layers[-1]}, {m.n_heads} heads; reference sink key at position 0 in {m.reference_pos0_argmax_fraction:.1%} of rows",
-        f"negative margin (B_gap = max shift): {s['n_negative_margin']} of {s['n_heads_total']} heads ({s['n_sink_collapse']} sink collapses with G_base > 0; "
-        f"{s['n_no_sink_in_reference']} heads have G_base <= 0, no sink in the reference); with B_gap = q{m.quantile:g} shift: {s['n_negative_margin_quantile']}",
+        f"reference: {m.reference} (S = {m.reference_sink_strength:.4f}); candidate: {m.candidate} "
+        f"(S = {m.candidate_sink_strength:.4f})",
+        f"{m.n_prompts} prompts, {m.n_rows} rows per head, layers {m.layers[0]}..{m.layers[-1]}, "
+        f"{m.n_heads} heads; reference sink key at position 0 in "
+        f"{m.reference_pos0_argmax_fraction:.1%} of rows",
+        f"negative margin (B_gap = max shift): {s['n_negative_margin']} of {s['n_heads_total']} "
+        f"heads ({s['n_sink_collapse']} sink collapses with G_base > 0; "
+        f"{s['n_no_sink_in_reference']} heads have G_base <= 0, no sink in the reference); with "
+        f"B_gap = q{m.quantile:g} shift: {s['n_negative_margin_quantile']}",
         "",
     ]
     neg_by_layer: dict[int, list[int]] = {}

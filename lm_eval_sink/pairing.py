@@ -147,9 +147,11 @@ def pair_docs(
     if (only_r or only_c) and not allow_partial:
         example, side = (only_r[0], "reference") if only_r else (only_c[0], "candidate")
         raise UserError(
-            f"the runs have different doc sets: {len(only_r)} doc_ids only in the reference, {len(only_c)} only in the candidate "
+            f"the runs have different doc sets: {len(only_r)} doc_ids only in the reference, "
+            f"{len(only_c)} only in the candidate "
             f"({labels[0]}: {len(ids_r)} docs, {labels[1]}: {len(ids_c)}; e.g. doc_id {example} is only in the {side})",
-            f"run both with the same --limit/--samples, or pass --allow-partial to pair the {len(ids_r & ids_c)} common docs",
+            "run both with the same --limit/--samples, or pass --allow-partial to pair the "
+            f"{len(ids_r & ids_c)} common docs",
         )
     common = sorted(ids_r & ids_c)
     if not common:

@@ -146,7 +146,8 @@ TASK_FIELDS: dict[str, tuple[bool, str]] = {
     "output_type": (True, "request type"),
     "metadata": (
         True,
-        "task metadata settings (e.g. sink_strength's n_prompts, last_k); version, config path and model_args copies left out",
+        "task metadata settings (e.g. sink_strength's n_prompts, last_k); version, config path and "
+        "model_args copies left out",
     ),
 }
 MODEL_FIELDS: dict[str, tuple[bool, str]] = {
@@ -421,7 +422,8 @@ def check_common_tasks(a: ProtocolFingerprint, b: ProtocolFingerprint) -> None:
     """Runs of entirely different tasks have no per-task protocol to compare: a UserError."""
     if not set(a.tasks) & set(b.tasks):
         raise UserError(
-            f"the runs share no task ({a.source or 'A'}: {', '.join(a.tasks)}; {b.source or 'B'}: {', '.join(b.tasks)})",
+            f"the runs share no task ({a.source or 'A'}: {', '.join(a.tasks)}; {b.source or 'B'}: "
+            f"{', '.join(b.tasks)})",
             "compare runs of the same tasks (`lm-eval-sink protocol show` prints one run's protocol)",
         )
 
@@ -458,7 +460,8 @@ def require_same_harness(fingerprints: dict[str, ProtocolFingerprint]) -> None:
     if problems:
         raise UserError(
             f"runs were made under different harness protocols ({' | '.join(problems)})",
-            "re-run them under one protocol (e.g. lm-eval-sink eval --protocol NAME) or compare them with `lm-eval-sink protocol diff`",
+            "re-run them under one protocol (e.g. lm-eval-sink eval --protocol NAME) or compare them "
+            "with `lm-eval-sink protocol diff`",
         )
 
 

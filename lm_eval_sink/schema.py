@@ -204,7 +204,8 @@ def parse(model: type[M], data: Any, where: str) -> M:
 
 
 def models_under(root: type[BaseModel]) -> dict[str, tuple[str, ...]]:
-    """Every pydantic model reachable from `root`'s fields (through Optional, list, dict, unions), by class name, with its keys."""
+    """Every pydantic model reachable from `root`'s fields (through Optional, list, dict, unions), by class name, with
+    its keys."""
     found: dict[str, tuple[str, ...]] = {}
     todo: list[Any] = [root]
     while todo:

@@ -6,7 +6,8 @@ computed another way), classifies their QK norm from the config (the table
 `data/qk_norm_classes.json`; unknown model types from the layer-0 q-norm tensor's size, which
 commands/screen.py reads from the safetensors header) and predicts each task's delta from a fit of
 a PAIRS table (`predict.py`; default: the paper's six pairs) with the fit's leave-one-pair-out mean
-absolute error as its uncertainty. Takes configs, results and fits, returns data and text; the one file it reads is its own packaged table.
+absolute error as its uncertainty. Takes configs, results and fits, returns data and text; the one file it reads is
+its own packaged table.
 S depends on the calibration prompts and on K (the last K layers) relative to depth: the
 project's prompts are not the paper's, so a predicted delta from the shipped table is only
 indicative; fits of pairs measured with one setting are comparable among themselves.
@@ -84,7 +85,8 @@ def classify_qk_norm(config: dict[str, Any], layer0_q_norm_size: int | str | Non
     if layer0_q_norm_size == heads * head_dim:
         return QKNorm("layerwise", model_type, f"weights (layer-0 q-norm size {layer0_q_norm_size} = heads x head_dim)")
     raise UserError(
-        f"model type {model_type!r}: layer-0 q-norm size {layer0_q_norm_size} is neither head_dim {head_dim} nor heads x head_dim {heads * head_dim}",
+        f"model type {model_type!r}: layer-0 q-norm size {layer0_q_norm_size} is neither head_dim "
+        f"{head_dim} nor heads x head_dim {heads * head_dim}",
         f"add the model type to {QK_NORM_DATA}",
     )
 
@@ -159,7 +161,8 @@ def predictions_for(s: float, fit: Any) -> tuple[dict[str, dict[str, Any]], list
         }
         if outside:
             warnings.append(
-                f"{task}: S = {s:.4f} lies outside the fitted range {f.s_min:.2f}..{f.s_max:.2f}; the predicted delta is an extrapolation"
+                f"{task}: S = {s:.4f} lies outside the fitted range {f.s_min:.2f}..{f.s_max:.2f}; the "
+                "predicted delta is an extrapolation"
             )
     return out, warnings
 
@@ -175,7 +178,8 @@ def screen(
 ) -> ScreenResult:
     """Rank the models by S (highest first), predict each fitted task's delta, and add the calibration notes.
 
-    `strengths` are SinkStrength results in the order of `names`; `strength_files` where each is saved (None: not saved)."""
+    `strengths` are SinkStrength results in the order of `names`; `strength_files` where each is saved (None: not
+    saved)."""
     order = sorted(range(len(names)), key=lambda i: -strengths[i].sink_strength)
     models = []
     for rank, i in enumerate(order, 1):
@@ -201,7 +205,8 @@ def screen(
     prompt_set = strengths[0].provenance.get("prompt_set", {})
     notes = [
         CALIBRATION_NOTE,
-        f"calibration prompts: {prompt_set.get('source')} ({prompt_set.get('n_prompts')} prompts, sha256 {str(prompt_set.get('sha256'))[:12]})",
+        f"calibration prompts: {prompt_set.get('source')} ({prompt_set.get('n_prompts')} prompts, "
+        f"sha256 {str(prompt_set.get('sha256'))[:12]})",
     ]
     notes += [f"{m.slug}: K = {m.last_k} of {m.n_layers} layers ({m.last_k / m.n_layers:.0%} of depth)" for m in models]
     return ScreenResult(models=tuple(models), fit=fit, notes=tuple(notes))

@@ -72,7 +72,7 @@ def _protocol_settings(protocol: str, tasks: tuple[str, ...]):
 
 @pytest.fixture(scope="session")
 def smollm2_instruct_run(tmp_path_factory, shared_data, default_model):
-    """sink_strength + ifeval + gsm8k_cot_zeroshot under the named `instruct` protocol (chat template, 0-shot, batch 8)."""
+    """sink_strength + ifeval + gsm8k_cot_zeroshot under the `instruct` protocol (chat template, 0-shot, batch 8)."""
     settings = _protocol_settings("instruct", ("sink_strength", "ifeval", "gsm8k_cot_zeroshot"))
     return _fixture_run(tmp_path_factory, shared_data, default_model, "instruct", settings)
 
@@ -96,7 +96,8 @@ def tiny_task_dir(tmp_path_factory) -> Path:
         f"task: {TINY_TASK}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {d / 'tiny_gen.jsonl'}\n"
         'output_type: generate_until\ntest_split: test\ndoc_to_text: "{{question}}"\ndoc_to_target: "{{answer}}"\n'
         'generation_kwargs:\n  until: ["\\n"]\n  max_gen_toks: 4\n  do_sample: false\n'
-        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\nmetadata:\n  version: 1.0\n"
+        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: "
+        "true\nmetadata:\n  version: 1.0\n"
     )
     return d
 

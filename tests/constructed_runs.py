@@ -234,7 +234,7 @@ def write_run(
     ts: str = TS,
     **kw: Any,
 ) -> Path:
-    """Write `<folder>/results_<ts>.json` (+ samples) for per-task (strict, lenient) outcomes; returns the results path."""
+    """Write `<folder>/results_<ts>.json` (+ samples) for per-task (strict, lenient) outcomes; returns its path."""
     folder.mkdir(parents=True, exist_ok=True)
     res = results_dict({t: metric_values(t, s, l) for t, (s, l) in outcomes.items()}, **kw)
     path = folder / f"results_{ts}.json"

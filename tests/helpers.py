@@ -26,7 +26,10 @@ def make_tokenizer(vocab_size: int = 96):
     specials = ["<pad>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
     tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    words = "the a an of to in and is it you that for on with as are this be at or by from write list explain answer give name three two four words using only letters title story json colors".split()
+    words = (
+        "the a an of to in and is it you that for on with as are this be at or by from write list "
+        "explain answer give name three two four words using only letters title story json colors".split()
+    )
     trainer = trainers.WordLevelTrainer(vocab_size=vocab_size, special_tokens=["<unk>", *specials])
     tok.train_from_iterator([" ".join(words)] * 3, trainer=trainer)
     fast = PreTrainedTokenizerFast(

@@ -75,7 +75,8 @@ def qk_norm_weights(n_layers: int) -> np.ndarray:
 
 
 def _zero_with_bos_sink(model, bos_id: int):
-    """Zero every weight, norms to 1, and the embedding that makes BOS the sink: dim 0 = C_BOS on BOS only, dim 1 = 1 elsewhere."""
+    """Zero every weight, norms to 1, and the embedding that makes BOS the sink: dim 0 = C_BOS on BOS only, dim 1 = 1
+    elsewhere."""
     for p in model.parameters():
         p.zero_()
     for name, p in model.named_parameters():

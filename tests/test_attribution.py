@@ -261,7 +261,8 @@ def test_registry_loads_and_every_entry_has_source_and_protocol():
     ("extra", "message"),
     [
         (
-            "scores:\n  - {id: x, model: Qwen3-8B, benchmark: IFEval, metric: m, value: 1, source: nowhere, protocol: instruct}\n",
+            "scores:\n  - {id: x, model: Qwen3-8B, benchmark: IFEval, metric: m, value: 1, source: "
+            "nowhere, protocol: instruct}\n",
             "source 'nowhere' is not defined",
         ),
         (
@@ -269,7 +270,8 @@ def test_registry_loads_and_every_entry_has_source_and_protocol():
             "score lacks 'protocol'",
         ),
         (
-            "scores:\n  - {id: x, model: Qwen3-8B, benchmark: IFEval, metric: m, value: 1, source: qwen3-report, protocol: instruct, vlaue: 2}\n",
+            "scores:\n  - {id: x, model: Qwen3-8B, benchmark: IFEval, metric: m, value: 1, source: "
+            "qwen3-report, protocol: instruct, vlaue: 2}\n",
             "unknown key 'vlaue' (did you mean 'value'?)",
         ),
         (
@@ -277,11 +279,13 @@ def test_registry_loads_and_every_entry_has_source_and_protocol():
             "unknown key 'num_shots' (did you mean 'num_fewshot'?)",
         ),
         (
-            "scores:\n  - {id: qwen3-8b/ifeval/vendor-nothink, model: Qwen3-8B, benchmark: IFEval, metric: m, value: 1, source: qwen3-report, protocol: instruct}\n",
+            "scores:\n  - {id: qwen3-8b/ifeval/vendor-nothink, model: Qwen3-8B, benchmark: IFEval, "
+            "metric: m, value: 1, source: qwen3-report, protocol: instruct}\n",
             "used twice",
         ),
         (
-            "scores:\n  - {id: x, model: Qwen3-8B, benchmark: IFEVAL, metric: m, value: 1, source: qwen3-report, protocol: instruct}\n",
+            "scores:\n  - {id: x, model: Qwen3-8B, benchmark: IFEVAL, metric: m, value: 1, source: "
+            "qwen3-report, protocol: instruct}\n",
             "unknown benchmark 'IFEVAL'",
         ),
     ],

@@ -32,11 +32,23 @@ def test_vllm_command_line_is_exact():
         seed=3,
     )
     assert s.command("/m/ref", Path("/o")) == [
-        "--model", "vllm",
-        "--model_args", "pretrained=/m/ref,dtype=bfloat16,tensor_parallel_size=2,gpu_memory_utilization=0.9,max_model_len=4096,enable_thinking=False",
-        "--tasks", "ifeval,gsm8k_cot_zeroshot", "--batch_size", "auto", "--seed", "3", "--output_path", "/o", "--log_samples",
-        "--apply_chat_template", "--gen_kwargs", "max_gen_toks=256",
-    ]  # fmt: skip
+        "--model",
+        "vllm",
+        "--model_args",
+        "pretrained=/m/ref,dtype=bfloat16,tensor_parallel_size=2,gpu_memory_utilization=0.9,max_model_len=4096,enable_thinking=False",
+        "--tasks",
+        "ifeval,gsm8k_cot_zeroshot",
+        "--batch_size",
+        "auto",
+        "--seed",
+        "3",
+        "--output_path",
+        "/o",
+        "--log_samples",
+        "--apply_chat_template",
+        "--gen_kwargs",
+        "max_gen_toks=256",
+    ]
     hf = EvalSettings(tasks=("ifeval",), batch_size="auto").command("/m/ref", Path("/o"))
     assert (
         hf[:2] == ["--model", "hf"]
@@ -45,11 +57,17 @@ def test_vllm_command_line_is_exact():
     )
 
 
-@pytest.mark.parametrize(("kwargs", "needle"), [
-    ({"tasks": ("ifeval", "sink_strength"), "backend": "vllm", "device": None}, "task sink_strength needs attention weights, which the vllm backend"),
-    ({"tasks": ("ifeval",), "backend": "vllm", "device": "cuda"}, "device 'cuda' is an HF-only setting"),
-    ({"tasks": ("ifeval",), "backend": "sglang"}, "unknown backend 'sglang'"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        (
+            {"tasks": ("ifeval", "sink_strength"), "backend": "vllm", "device": None},
+            "task sink_strength needs attention weights, which the vllm backend",
+        ),
+        ({"tasks": ("ifeval",), "backend": "vllm", "device": "cuda"}, "device 'cuda' is an HF-only setting"),
+        ({"tasks": ("ifeval",), "backend": "sglang"}, "unknown backend 'sglang'"),
+    ],
+)
 def test_refused_settings(kwargs, needle):
     with pytest.raises(UserError, match=needle.replace("(", r"\(").replace(")", r"\)")):
         EvalSettings(**kwargs)
@@ -174,20 +192,42 @@ def _sweep(tmp_path: Path, trio: dict[str, Path], **extra) -> Path:
     return path
 
 
-@pytest.mark.parametrize(("extra", "needle"), [
-    ({"eval": {"tasks": ["ifeval", "sink_strength"], "backend": "vllm"}}, "eval: task sink_strength needs attention weights"),
-    ({"eval": {"tasks": ["ifeval"], "backend": "vllm", "model_args": {"data_parallel_size": 2}}, "engine": {"kind": "ray"}},
-     "data_parallel_size = 2 under the ray engine"),
-    ({"eval": {"tasks": ["ifeval"], "backend": "vllm", "model_args": {"tensor_parallel_size": 2}}, "engine": {"kind": "ray", "resources": {"eval": {"num_gpus": 1}}}},
-     "tensor_parallel_size = 2 but engine.resources.eval.num_gpus = 1"),
-    ({"engine": {"kind": "ray", "workers": 2}}, "engine: the engine section has unknown key 'workers'"),
-    ({"engine": {"kind": "ray", "resources": {"eval": {"gpus": 1}}}}, "engine.resources.eval: the resources entry has unknown key 'gpus' (did you mean 'num_gpus'?)"),
-    ({"engine": {"kind": "slurm"}}, "engine.kind: expected one of 'local' or 'ray', got 'slurm'"),
-    ({"eval": False, "strength": False}, "eval: false and strength: false leave nothing to do"),
-    ({"engine": {"kind": "ray", "resources": {"eval": {"num_gpus": -1}}}}, "engine.resources.eval.num_gpus: expected a value >= 0.0, got -1"),
-    ({"engine": {"max_pending_merges": 0}}, "engine.max_pending_merges: expected a value >= 1, got 0"),
-    ({"merge": {"random_seed": "7"}}, "merge.random_seed: expected an integer, got '7'"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (
+            {"eval": {"tasks": ["ifeval", "sink_strength"], "backend": "vllm"}},
+            "eval: task sink_strength needs attention weights",
+        ),
+        (
+            {
+                "eval": {"tasks": ["ifeval"], "backend": "vllm", "model_args": {"data_parallel_size": 2}},
+                "engine": {"kind": "ray"},
+            },
+            "data_parallel_size = 2 under the ray engine",
+        ),
+        (
+            {
+                "eval": {"tasks": ["ifeval"], "backend": "vllm", "model_args": {"tensor_parallel_size": 2}},
+                "engine": {"kind": "ray", "resources": {"eval": {"num_gpus": 1}}},
+            },
+            "tensor_parallel_size = 2 but engine.resources.eval.num_gpus = 1",
+        ),
+        ({"engine": {"kind": "ray", "workers": 2}}, "engine: the engine section has unknown key 'workers'"),
+        (
+            {"engine": {"kind": "ray", "resources": {"eval": {"gpus": 1}}}},
+            "engine.resources.eval: the resources entry has unknown key 'gpus' (did you mean 'num_gpus'?)",
+        ),
+        ({"engine": {"kind": "slurm"}}, "engine.kind: expected one of 'local' or 'ray', got 'slurm'"),
+        ({"eval": False, "strength": False}, "eval: false and strength: false leave nothing to do"),
+        (
+            {"engine": {"kind": "ray", "resources": {"eval": {"num_gpus": -1}}}},
+            "engine.resources.eval.num_gpus: expected a value >= 0.0, got -1",
+        ),
+        ({"engine": {"max_pending_merges": 0}}, "engine.max_pending_merges: expected a value >= 1, got 0"),
+        ({"merge": {"random_seed": "7"}}, "merge.random_seed: expected an integer, got '7'"),
+    ],
+)
 def test_sweep_plan_time_refusals(tmp_path, tiny_trio, capsys, extra, needle):
     path = _sweep(tmp_path, tiny_trio, **extra)
     assert main(["sweep", str(path), "--quiet"]) == 2

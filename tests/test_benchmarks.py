@@ -43,7 +43,8 @@ def test_one_entry_serves_both_commands():
 def test_user_file_adds_and_replaces_families(tmp_path):
     f = tmp_path / "b.yaml"
     f.write_text(
-        "benchmarks:\n  GSM8K:\n    tasks: [gsm8k_cot_zeroshot]\n    construct: procedure\n    strict: exact_match,flexible-extract\n"
+        "benchmarks:\n  GSM8K:\n    tasks: [gsm8k_cot_zeroshot]\n    construct: procedure\n    "
+        "strict: exact_match,flexible-extract\n"
         "  Mine:\n    tasks: [my_task]\n    construct: format\n    strict: score,none\n    kind: continuous\n"
     )
     b = load_benchmarks(f)

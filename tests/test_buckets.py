@@ -372,8 +372,8 @@ def test_gsm8k_format_failures_vs_wrong_answers(gsm8k_pair, tmp_path, capsys):
     assert data["truncation"]["max_gen_toks"] == ["256 (lm-eval's hf backend default)"]
     assert "instruction_types.png" not in {p.name for p in out.iterdir()}
     assert (
-        "Regressions split by the flexible-extract filter: format failures (lenient answer right, strict wrong) 3, wrong answers 2"
-        in capsys.readouterr().out
+        "Regressions split by the flexible-extract filter: format failures (lenient answer right, "
+        "strict wrong) 3, wrong answers 2" in capsys.readouterr().out
     )
 
 
@@ -450,7 +450,8 @@ def test_task_in_no_family_takes_the_generic_path(shared_data):
 def test_modules_import_no_torch():
     code = (
         "import sys, lm_eval_sink.buckets, lm_eval_sink.failure_kinds; "
-        "bad = [m for m in ('torch', 'transformers', 'lm_eval', 'click', 'lm_eval_sink.plots', 'matplotlib') if m in sys.modules]; "
+        "bad = [m for m in ('torch', 'transformers', 'lm_eval', 'click', 'lm_eval_sink.plots', "
+        "'matplotlib') if m in sys.modules]; "
         "print(bad); sys.exit(1 if bad else 0)"
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -517,8 +518,8 @@ def test_mismatched_docs_and_doc_sets(ifeval_pair, tmp_path, capsys):
     swapped = _copy_run(ifeval_pair["cand_dir"], tmp_path / "swap", swap_doc)
     msg = _cli_error(capsys, ["buckets", ref, str(swapped)], tmp_path / "o1")
     assert (
-        f"1 of 21 paired doc_ids hold different documents in the two runs (e.g. doc_id {ifeval_pair['cand'][5]['doc_id']}"
-        in msg
+        "1 of 21 paired doc_ids hold different documents in the two runs (e.g. doc_id "
+        f"{ifeval_pair['cand'][5]['doc_id']}" in msg
     )
     short = _copy_run(ifeval_pair["cand_dir"], tmp_path / "short", lambda lines: lines[3:])
     msg = _cli_error(capsys, ["buckets", ref, str(short)], tmp_path / "o2")

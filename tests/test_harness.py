@@ -86,10 +86,34 @@ def test_offline_stock_tasks_record_the_local_dataset(smollm2_instruct_run, shar
 
 def test_one_call_loads_model_once_with_common_flags(handset_llama_dir, tiny_task_dir, tiny_tokenizer, tmp_path):
     out, count = tmp_path / "out", tmp_path / "count"
-    cmd = [sys.executable, str(DRIVER), str(count), "--model", "hf", "--model_args", f"pretrained={handset_llama_dir}",
-           "--tasks", f"sink_strength,{TINY_TASK}", "--include_path", str(tiny_task_dir), "--limit", "2", "--batch_size", "4",
-           "--seed", "1", "--device", "cpu", "--apply_chat_template", "--predict_only", "--use_cache", str(tmp_path / "cache"),
-           "--log_samples", "--output_path", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(DRIVER),
+        str(count),
+        "--model",
+        "hf",
+        "--model_args",
+        f"pretrained={handset_llama_dir}",
+        "--tasks",
+        f"sink_strength,{TINY_TASK}",
+        "--include_path",
+        str(tiny_task_dir),
+        "--limit",
+        "2",
+        "--batch_size",
+        "4",
+        "--seed",
+        "1",
+        "--device",
+        "cpu",
+        "--apply_chat_template",
+        "--predict_only",
+        "--use_cache",
+        str(tmp_path / "cache"),
+        "--log_samples",
+        "--output_path",
+        str(out),
+    ]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert count.read_text() == "1"
@@ -107,8 +131,21 @@ def test_one_call_loads_model_once_with_common_flags(handset_llama_dir, tiny_tas
 def test_explicit_include_path_without_hook_and_bf16(handset_llama_dir, tiny_tokenizer, tmp_path):
     """The explicit --include_path form with the hook off, on a bf16 model (capture stays float32)."""
     out = tmp_path / "out"
-    cmd = [*LM_EVAL, "--model", "hf", "--model_args", f"pretrained={handset_llama_dir},dtype=bfloat16", "--tasks", "sink_strength_n5",
-           "--include_path", str(tasks_dir()), "--device", "cpu", "--output_path", str(out)]  # fmt: skip
+    cmd = [
+        *LM_EVAL,
+        "--model",
+        "hf",
+        "--model_args",
+        f"pretrained={handset_llama_dir},dtype=bfloat16",
+        "--tasks",
+        "sink_strength_n5",
+        "--include_path",
+        str(tasks_dir()),
+        "--device",
+        "cpu",
+        "--output_path",
+        str(out),
+    ]
     proc = subprocess.run(cmd, env=_env(LM_EVAL_SINK_NO_HOOK="1"), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = _only_results(out)["results"]["sink_strength_n5"]
@@ -146,7 +183,11 @@ def test_lm_eval_ls_lists_sink_strength_with_no_flag():
 
 
 def test_hook_switched_off_leaves_lm_eval_untouched():
-    code = "import lm_eval.tasks.manager as m, lm_eval.evaluator as e; print(hasattr(m.TaskManager.__init__, '__wrapped__'), hasattr(e.evaluate, '_lm_eval_sink_patched'))"
+    code = (
+        "import lm_eval.tasks.manager as m, lm_eval.evaluator as e; "
+        "print(hasattr(m.TaskManager.__init__, '__wrapped__'), hasattr(e.evaluate, "
+        "'_lm_eval_sink_patched'))"
+    )
     on = subprocess.run(
         [sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=300
     ).stdout.split()
@@ -178,7 +219,8 @@ def test_non_hf_backend_gets_one_clear_error(tiny_task_dir, tmp_path):
 
 
 def test_flash_attention_request_gets_one_line_before_the_model_loads(tiny_tokenizer, tmp_path):
-    """No flash kernel on CPU (transformers would raise its ImportError traceback while loading); the refusal comes first, on any machine."""
+    """No flash kernel on CPU (transformers would raise its ImportError traceback while loading); the refusal comes
+    first, on any machine."""
     impl = "flash_attention_2"
     model = tmp_path / "llama"
     sm.build("llama", n_layers=2, bos_id=tiny_tokenizer.bos_token_id).save_pretrained(model)
@@ -214,10 +256,32 @@ def test_flash_attention_request_gets_one_line_before_the_model_loads(tiny_token
 
 DATASET_KEYS = {"dataset_path", "dataset_name", "dataset_kwargs", "custom_dataset"}
 # google/IFEval's declared `kwargs` features, in the hub's order (dataset card, dataset_info).
-HUB_IFEVAL_KWARGS = ["num_highlights", "relation", "num_words", "num_placeholders", "prompt_to_repeat", "num_bullets", "section_spliter",
-                     "num_sections", "capital_relation", "capital_frequency", "keywords", "num_paragraphs", "language", "let_relation",
-                     "letter", "let_frequency", "end_phrase", "forbidden_words", "keyword", "frequency", "num_sentences",
-                     "postscript_marker", "first_word", "nth_paragraph"]  # fmt: skip
+HUB_IFEVAL_KWARGS = [
+    "num_highlights",
+    "relation",
+    "num_words",
+    "num_placeholders",
+    "prompt_to_repeat",
+    "num_bullets",
+    "section_spliter",
+    "num_sections",
+    "capital_relation",
+    "capital_frequency",
+    "keywords",
+    "num_paragraphs",
+    "language",
+    "let_relation",
+    "letter",
+    "let_frequency",
+    "end_phrase",
+    "forbidden_words",
+    "keyword",
+    "frequency",
+    "num_sentences",
+    "postscript_marker",
+    "first_word",
+    "nth_paragraph",
+]
 
 
 @pytest.fixture(scope="module")
@@ -286,7 +350,10 @@ def test_without_data_env_the_generated_override_is_not_used(offline_manager, mo
 
 
 def test_hook_costs_nothing_until_lm_eval_is_imported():
-    code = "import sys, json; print(json.dumps(['lm_eval_sink.hooks' in sys.modules, 'lm_eval_sink.harness' in sys.modules, 'lm_eval' in sys.modules]))"
+    code = (
+        "import sys, json; print(json.dumps(['lm_eval_sink.hooks' in sys.modules, "
+        "'lm_eval_sink.harness' in sys.modules, 'lm_eval' in sys.modules]))"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, check=True).stdout
     assert json.loads(out) == [True, False, False]
     out = subprocess.run(
@@ -330,15 +397,18 @@ def test_wheel_ships_hook_tasks_and_configs(tmp_path):
 
 
 def test_setup_py_runs_where_the_package_is_not_installed(tmp_path):
-    """pip builds a fresh clone in an isolated environment (only setuptools): setup.py must not need an installed lm_eval_sink."""
+    """pip builds a fresh clone in an isolated environment (only setuptools): setup.py must not need an installed
+    lm_eval_sink."""
     import sysconfig
 
     code = (
         "import runpy, sys; sys.path.append(sys.argv[1]); "
         "import importlib.util as u; assert u.find_spec('lm_eval_sink') is None, 'not isolated'; "
-        "sys.argv = ['setup.py', '-q', 'build_py', '--build-lib', sys.argv[2]]; runpy.run_path('setup.py', run_name='__main__')"
+        "sys.argv = ['setup.py', '-q', 'build_py', '--build-lib', sys.argv[2]]; "
+        "runpy.run_path('setup.py', run_name='__main__')"
     )
-    # -I -S: neither the working directory nor the site-packages .pth files (this environment's editable install) are on the path.
+    # -I -S: neither the working directory nor the site-packages .pth files (this environment's editable install) are on
+    # the path.
     proc = subprocess.run(
         [sys.executable, "-I", "-S", "-c", code, sysconfig.get_paths()["purelib"], str(tmp_path)],
         cwd=REPO,

@@ -269,7 +269,10 @@ def test_lm_eval_command_pins_a_hub_id_to_its_revision(tmp_path):
     (hub / "refs" / "main").write_text(sha)
     (hub / "snapshots" / sha).mkdir(parents=True)
     (hub / "snapshots" / sha / "config.json").write_text("{}")
-    code = "from pathlib import Path; from lm_eval_sink.harness.runner import EvalSettings; print(EvalSettings(tasks=('ifeval',)).command('org/tiny', Path('o'))[3])"
+    code = (
+        "from pathlib import Path; from lm_eval_sink.harness.runner import EvalSettings; "
+        "print(EvalSettings(tasks=('ifeval',)).command('org/tiny', Path('o'))[3])"
+    )
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
     env.pop("HF_HUB_CACHE", None)
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

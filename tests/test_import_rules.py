@@ -74,7 +74,8 @@ FILE_IO_CALLS = frozenset(
         "load_results",
     }
 )
-# (module, function) allowed to read a file: the Trainer callback's public `SinkProtection.from_plan(path)` reads its plan;
+# (module, function) allowed to read a file: the Trainer callback's public `SinkProtection.from_plan(path)` reads its
+# plan;
 # the QK-norm classifier reads its table from the package's own data (importlib.resources), never a user's file.
 FILE_IO_ALLOWED = frozenset({("training.protection", "read_plan"), ("screen", "qk_norm_table")})
 

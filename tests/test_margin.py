@@ -237,6 +237,9 @@ def test_fixed_sink_keys_at_the_argmax_reproduce_the_default_capture(sink_models
 
 
 def test_statistics_modules_import_no_torch():
-    code = "import sys, lm_eval_sink.margin, lm_eval_sink.predict, lm_eval_sink.screen; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    code = (
+        "import sys, lm_eval_sink.margin, lm_eval_sink.predict, lm_eval_sink.screen; "
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]"

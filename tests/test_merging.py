@@ -184,7 +184,10 @@ def test_register_is_idempotent_and_methods_module_imports_no_mergekit():
     assert names.count("tsv") == 1 and names.count("star") == 1
     spec = registry.get("star").spec
     assert [p.name for p in spec.parameters] == ["eta"] and spec.parameters[0].default == 0.4
-    code = "import sys, lm_eval_sink.merging.methods, lm_eval_sink.merging.configs; print(sorted(m for m in sys.modules if m.startswith('mergekit')))"
+    code = (
+        "import sys, lm_eval_sink.merging.methods, lm_eval_sink.merging.configs; "
+        "print(sorted(m for m in sys.modules if m.startswith('mergekit')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -702,7 +705,8 @@ def test_hub_id_inputs_are_merged_at_their_pinned_commits(tmp_path, tiny_trio):
         for name in {sorted(configs)!r}:
             err = io.StringIO()
             with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-                argv = ["merge", f"{tmp_path}/{{name}}.yaml", f"{tmp_path}/out-{{name}}", "--quiet"] if name == "merge" else ["configs", "validate", f"{tmp_path}/{{name}}.yaml"]
+                merge = ["merge", f"{tmp_path}/{{name}}.yaml", f"{tmp_path}/out-{{name}}", "--quiet"]
+                argv = merge if name == "merge" else ["configs", "validate", f"{tmp_path}/{{name}}.yaml"]
                 res[name] = [main(argv), err.getvalue()]
         print(json.dumps(res))
     """)

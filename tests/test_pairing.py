@@ -70,8 +70,8 @@ def test_both_commands_refuse_the_same_logs_with_the_same_message():
         msgs.append(e.value.line())
     assert msgs[0] == msgs[1]
     assert (
-        "1 of 6 paired doc_ids hold different documents in the two runs (e.g. doc_id 2 has different doc_hash: field 'question' differs"
-        in msgs[0]
+        "1 of 6 paired doc_ids hold different documents in the two runs (e.g. doc_id 2 has "
+        "different doc_hash: field 'question' differs" in msgs[0]
     )
 
 

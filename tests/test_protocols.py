@@ -213,7 +213,11 @@ def test_field_tables_cover_every_fingerprint_key():
 
 
 def test_protocols_module_imports_no_torch():
-    code = "import sys, lm_eval_sink.protocols, lm_eval_sink.attribution, lm_eval_sink.vendors; print(sorted(m for m in ('torch', 'transformers', 'lm_eval', 'matplotlib') if m in sys.modules))"
+    code = (
+        "import sys, lm_eval_sink.protocols, lm_eval_sink.attribution, lm_eval_sink.vendors; "
+        "print(sorted(m for m in ('torch', 'transformers', 'lm_eval', 'matplotlib') if m in "
+        "sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 

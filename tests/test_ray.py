@@ -28,13 +28,26 @@ _VOLATILE = ("provenance", "created_utc", "time_utc")
 
 @pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory):
-    """`ray start --head` with 2 CPUs, listening on 127.0.0.1 alone; the address is exported for `auto`; stopped after."""
+    """`ray start --head` with 2 CPUs, on 127.0.0.1 alone; the address is exported for `auto`; stopped after."""
     from lm_eval_sink.merging.engines import LOOPBACK_ENV
 
     temp = tmp_path_factory.mktemp("ray")
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", LOOPBACK_ENV: "0"}
-    cmd = [RAY, "start", "--head", "--num-cpus", "2", "--include-dashboard=false", "--temp-dir", str(temp), "--node-ip-address", "127.0.0.1",
-           "--port", "0", "--disable-usage-stats"]  # fmt: skip
+    cmd = [
+        RAY,
+        "start",
+        "--head",
+        "--num-cpus",
+        "2",
+        "--include-dashboard=false",
+        "--temp-dir",
+        str(temp),
+        "--node-ip-address",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--disable-usage-stats",
+    ]
     old = {k: os.environ.get(k) for k in ("RAY_ADDRESS", "RAY_USAGE_STATS_ENABLED", LOOPBACK_ENV)}
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)

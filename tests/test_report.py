@@ -321,7 +321,8 @@ def _browser(tmp_path: Path):
     chromium, driver_bin = shutil.which("chromium"), shutil.which("chromedriver")
     if not chromium or not driver_bin:
         pytest.skip(
-            "Debian's chromium and chromium-driver are not installed (apt-get install chromium chromium-driver; .ci/run does it)"
+            "Debian's chromium and chromium-driver are not installed (apt-get install chromium "
+            "chromium-driver; .ci/run does it)"
         )
     try:
         from selenium import webdriver
@@ -363,7 +364,8 @@ def test_real_browser_opens_the_report_offline_without_errors(report, tmp_path):
         # the detector itself: a page asking for an external image is caught (request or CSP console error)
         control = tmp_path / "control.html"
         control.write_text(
-            '<!DOCTYPE html><html><body><img src="http://192.0.2.1/x.png"><script>console.error("boom")</script></body></html>'
+            "<!DOCTYPE html><html><body><img "
+            'src="http://192.0.2.1/x.png"><script>console.error("boom")</script></body></html>'
         )
         driver.get(control.as_uri())
         assert _foreign(_requests(driver), control.as_uri()) == ["http://192.0.2.1/x.png"]

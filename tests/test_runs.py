@@ -1,4 +1,5 @@
-"""The shared run resolver, the atomic-write helpers, the output-folder mechanism and the table helper (standard library only)."""
+"""The shared run resolver, the atomic-write helpers, the output-folder mechanism and the table helper (standard library
+only)."""
 
 from __future__ import annotations
 

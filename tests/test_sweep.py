@@ -284,7 +284,8 @@ def test_manifest_ignores_a_torn_line_and_appends_after_it(tmp_path):
 
 
 def test_hub_ids_in_a_sweep_file_stay_hub_ids(tmp_path, tiny_trio, monkeypatch):
-    """`models: {reference: org/tiny}` names the hub model (here in an offline HF cache), not a folder beside the sweep file."""
+    """`models: {reference: org/tiny}` names the hub model (here in an offline HF cache), not a folder beside the sweep
+    file."""
     from huggingface_hub import constants
 
     from helpers import hf_cache_snapshot
@@ -340,11 +341,14 @@ def test_table_text_is_the_markdown_and_csv_of_the_table():
         }
     )
     assert md == (
-        "Merging sweep (chain lineage); deltas vs the reference.\n**Not final scores:** evaluated with limit=5: not final scores.\n\n"
+        "Merging sweep (chain lineage); deltas vs the reference.\n**Not final scores:** evaluated "
+        "with limit=5: not final scores.\n\n"
         "| checkpoint | method | t/acc | t/acc delta | S | S delta | status |\n|---|---|---|---|---|---|---|\n"
-        "| reference | reference | 0.5000 | +0.0000 | -2.0000 | +0.0000 | ok |\n| tsv | tsv | n/a | n/a | -1.5000 | +0.5000 | eval:tsv: boom |\n"
+        "| reference | reference | 0.5000 | +0.0000 | -2.0000 | +0.0000 | ok |\n| tsv | tsv | n/a "
+        "| n/a | -1.5000 | +0.5000 | eval:tsv: boom |\n"
     )
     assert (
-        csv
-        == "checkpoint,method,t/acc,t/acc delta,S,S delta,status\nreference,reference,0.5000,+0.0000,-2.0000,+0.0000,ok\ntsv,tsv,n/a,n/a,-1.5000,+0.5000,eval:tsv: boom\n"
+        csv == "checkpoint,method,t/acc,t/acc delta,S,S delta,status\n"
+        "reference,reference,0.5000,+0.0000,-2.0000,+0.0000,ok\n"
+        "tsv,tsv,n/a,n/a,-1.5000,+0.5000,eval:tsv: boom\n"
     )

@@ -1,4 +1,6 @@
-"""`lm-eval-sink attribute`: read runs, model folders and registry entries, attribute the gaps, write the report folder."""
+"""`lm-eval-sink attribute`: read runs, model folders and registry entries, attribute the gaps, write the report
+folder.
+"""
 
 from __future__ import annotations
 
@@ -244,7 +246,8 @@ def write_report(att: Attribution, out_dir: str | Path, force: bool = False) -> 
 def run_attribute(
     references: list[str], candidates: list[str], output: Path | None = None, *, force: bool = False, **options: Any
 ) -> list[str]:
-    """The `attribute` command: refuse the output folder early, attribute (`options`: run_attribution's), print the Markdown, write the folder."""
+    """The `attribute` command: refuse the output folder early, attribute (`options`: run_attribution's), print the
+    Markdown, write the folder."""
     from lm_eval_sink.io import check_output_dir
 
     if output is not None:

@@ -72,7 +72,8 @@ def _pick_task(ref_run, cand_run, task: str | None) -> tuple[str, Path, Path]:
         (rt, rp), (_, cp) = next(iter(ref_run.samples.items())), next(iter(cand_run.samples.items()))
         return rt, rp, cp  # a renamed samples file: its name says nothing; the docs are checked below
     raise UserError(
-        f"the runs hold samples of different tasks: reference {', '.join(sorted(ref_run.samples))}; candidate {', '.join(sorted(cand_run.samples))}",
+        f"the runs hold samples of different tasks: reference {', '.join(sorted(ref_run.samples))}; "
+        f"candidate {', '.join(sorted(cand_run.samples))}",
         "pass two runs of the same task, or name it with --task",
     )
 
@@ -175,7 +176,8 @@ def run_buckets(
     same_protocol: bool = False,
     progress: bool = True,
 ) -> tuple[BucketReport, list[str]]:
-    """The `buckets` command: compare, then write the output folder when `output` is given; returns the report and the lines to print."""
+    """The `buckets` command: compare, then write the output folder when `output` is given; returns the report and the
+    lines to print."""
     if output is not None:
         from lm_eval_sink.io import check_output_dir
 

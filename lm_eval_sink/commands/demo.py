@@ -1,4 +1,5 @@
-"""`make demo` (`python -m lm_eval_sink.demo`): lm-eval with sink_strength and ifeval on the embedded model, the heatmap, S and IFEval.
+"""`make demo` (`python -m lm_eval_sink.demo`): lm-eval with sink_strength and ifeval on the embedded model, the
+heatmap, S and IFEval.
 
 Runs `lm_eval --model hf --model_args pretrained=<SmolLM2 folder> --tasks sink_strength,ifeval
 --apply_chat_template --limit N --gen_kwargs max_gen_toks=M --log_samples` through the shared runner
@@ -42,10 +43,14 @@ def run_demo(output: Path, limit: int = DEMO_LIMIT, max_gen_toks: int = DEMO_MAX
     )
     return [
         f"model:                  {model}",
-        f"Sink Strength S:        {s['sink_strength,none']:.4f} (last 10 layers, 15 prompts; content rows {s['sink_strength_content_rows,none']:.4f}, "
+        f"Sink Strength S:        {s['sink_strength,none']:.4f} (last 10 layers, 15 prompts; "
+        f"content rows {s['sink_strength_content_rows,none']:.4f}, "
         f"template rows {s['sink_strength_template_rows,none']:.4f})",
-        f"position-0 share:       {s['pos0_argmax_fraction,none']:.3f} of rows, median mass {s['pos0_mass_median,none']:.3f}",
-        f"IFEval prompt strict:   {ife['prompt_level_strict_acc,none']:.3f}   loose: {ife['prompt_level_loose_acc,none']:.3f}   (limit {limit}, max_gen_toks {max_gen_toks}: not a final score)",
+        f"position-0 share:       {s['pos0_argmax_fraction,none']:.3f} of rows, median mass "
+        f"{s['pos0_mass_median,none']:.3f}",
+        f"IFEval prompt strict:   {ife['prompt_level_strict_acc,none']:.3f}   loose: "
+        f"{ife['prompt_level_loose_acc,none']:.3f}   (limit {limit}, max_gen_toks {max_gen_toks}: "
+        "not a final score)",
         f"results:                {run.results}",
         f"samples:                {', '.join(str(p) for p in run.samples.values())}",
         f"heatmap:                {png}",

@@ -1,7 +1,8 @@
 """`lm-eval-sink eval`: lm-eval on one model under a named protocol, then the run's protocol check.
 
 The output is lm-eval's own `--output_path` folder (it names its files by model and time), so an
-existing folder is added to with `force` rather than replaced. `--model-args K=V,...` is split here; `harness.runner` builds and runs
+existing folder is added to with `force` rather than replaced. `--model-args K=V,...` is split here; `harness.runner`
+builds and runs
 the lm-eval command line.
 """
 

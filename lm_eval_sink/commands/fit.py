@@ -52,7 +52,8 @@ def read_pairs(path: Path | str | None = None) -> PairTable:
         if not p.is_file():
             raise UserError(
                 f"{p}: no such PAIRS file",
-                "pass a YAML list of pairs (see the shipped lm_eval_sink/data/paper_pairs.yaml), or no file for the paper's table",
+                "pass a YAML list of pairs (see the shipped lm_eval_sink/data/paper_pairs.yaml), or no "
+                "file for the paper's table",
             )
         data, where, base = p.read_bytes(), str(p), p.resolve().parent
     try:
@@ -79,7 +80,8 @@ def reported_statistics() -> dict[str, Any]:
 
 
 def run_fit(pairs_file: Path | str | None, output: Path | None, force: bool = False) -> list[str]:
-    """The `fit` command: fit a PAIRS file (None: the shipped table); write fit.json, fit.md, fit_<task>.png into the folder `output`."""
+    """The `fit` command: fit a PAIRS file (None: the shipped table); write fit.json, fit.md, fit_<task>.png into the
+    folder `output`."""
     from lm_eval_sink.io import atomic_write_json, atomic_write_text, check_output_dir, provenance, staged_dir
 
     table = read_pairs(pairs_file)

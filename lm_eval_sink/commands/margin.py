@@ -1,4 +1,5 @@
-"""`lm-eval-sink margin`: resolve and load both models, capture them on the reference's token ids, write the output folder."""
+"""`lm-eval-sink margin`: resolve and load both models, capture them on the reference's token ids, write the output
+folder."""
 
 from __future__ import annotations
 
@@ -87,7 +88,8 @@ def measure_margin(
     shapes = [_shape_of(c) for c in configs]
     if shapes[0] != shapes[1]:
         raise UserError(
-            f"the reference has {shapes[0][0]} layers x {shapes[0][1]} heads, the candidate {shapes[1][0]} x {shapes[1][1]}",
+            f"the reference has {shapes[0][0]} layers x {shapes[0][1]} heads, the candidate "
+            f"{shapes[1][0]} x {shapes[1][1]}",
             "margin compares the same heads of two models of one architecture (a VLM backbone and its LLM)",
         )
     ref_tok, cand_tok = AutoTokenizer.from_pretrained(ref_path), AutoTokenizer.from_pretrained(cand_path)
@@ -181,7 +183,8 @@ def run_margin(
     force: bool = False,
     progress: bool = True,
 ) -> list[str]:
-    """The `margin` command: measure and report; with `output` write the folder of margin.json/.md/.csv, margin_rows.npz, margin_heatmap.png."""
+    """The `margin` command: measure and report; with `output` write the folder of margin.json/.md/.csv,
+    margin_rows.npz, margin_heatmap.png."""
     import io as _io
 
     from lm_eval_sink.io import atomic_write_bytes, atomic_write_json, atomic_write_text, check_output_dir, staged_dir
@@ -207,7 +210,8 @@ def run_margin(
         layer_head_heatmap(
             result.margin,
             result.layers,
-            f"margin G_base - B_gap (nats): {result.summary['n_negative_margin']} of {result.summary['n_heads_total']} heads < 0",
+            f"margin G_base - B_gap (nats): {result.summary['n_negative_margin']} of "
+            f"{result.summary['n_heads_total']} heads < 0",
             tmp / names[4],
             label="margin (nats)",
         )

@@ -21,7 +21,7 @@ def run_protect_plan(
     force: bool = False,
     progress: bool = True,
 ) -> list[str]:
-    """`lm-eval-sink protect-plan`: load the model, choose the heads, write the plan JSON; returns the lines to print."""
+    """`lm-eval-sink protect-plan`: load the model, choose the heads, write the plan JSON; returns lines to print."""
     from lm_eval_sink.calibration import load_prompts
     from lm_eval_sink.io import atomic_write_json, check_new_outputs, provenance
     from lm_eval_sink.models import load_model
@@ -50,10 +50,12 @@ def run_protect_plan(
     atomic_write_json(output, doc)
     n_sel = sum(h.selected for h in plan.heads)
     lines = [
-        f"{n_sel} of {len(plan.heads)} heads selected in {len(plan.layers)} layers (qk-norm: {plan.qk_norm}, tau {plan.tau}) -> {output}"
+        f"{n_sel} of {len(plan.heads)} heads selected in {len(plan.layers)} layers (qk-norm: "
+        f"{plan.qk_norm}, tau {plan.tau}) -> {output}"
     ]
     lines += [
-        f"layer {lp.layer}: heads {list(lp.heads)}, KV heads {list(lp.kv_heads)}, rank of U {lp.max_u_rank} of {plan.head_dim}"
+        f"layer {lp.layer}: heads {list(lp.heads)}, KV heads {list(lp.kv_heads)}, rank of U "
+        f"{lp.max_u_rank} of {plan.head_dim}"
         for lp in plan.layers
     ]
     return lines

@@ -90,7 +90,8 @@ def _identities(what: str, doc: Doc, role_hint: str | None = None) -> list[tuple
 
 
 def check_same_pair(records: Sequence[tuple[str, str, str | None, str | None]]) -> dict[str, str]:
-    """Every pair of records of one role must agree (fingerprints where both have one, else names); returns role -> shown name."""
+    """Every pair of records of one role must agree (fingerprints where both have one, else names); returns role ->
+    shown name."""
     shown: dict[str, str] = {}
     for role in ROLES:
         rs = [r for r in records if r[1] == role]
@@ -162,7 +163,8 @@ def _buckets_input(doc: Doc, path: Path) -> BucketsInput:
         got = sha256_file(p)
         if got != want:
             raise UserError(
-                f"{path}: the {role} samples file {p} changed since buckets ran (sha256 {got[:12]}..., recorded {want[:12]}...)",
+                f"{path}: the {role} samples file {p} changed since buckets ran (sha256 {got[:12]}..., "
+                f"recorded {want[:12]}...)",
                 "re-run `lm-eval-sink buckets` on the current runs",
             )
         by_role[role] = {int(s["doc_id"]): s for s in read_samples(p)}
@@ -220,14 +222,21 @@ def load_inputs(
         bucket_docs.append((d, path))
     identities = check_same_pair(records)
     return ReportInputs(
-        title=title, strength=strength_docs, margin=docs["margin"], attribution=docs["attribution"], sweep=docs["sweep"],
-        buckets=tuple(_buckets_input(d, p) for d, p in bucket_docs), identities=identities, versions=package_versions(),
+        title=title,
+        strength=strength_docs,
+        margin=docs["margin"],
+        attribution=docs["attribution"],
+        sweep=docs["sweep"],
+        buckets=tuple(_buckets_input(d, p) for d, p in bucket_docs),
+        identities=identities,
+        versions=package_versions(),
         created_utc=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-    )  # fmt: skip
+    )
 
 
 def run_report(output: Path, *, force: bool = False, **inputs: Any) -> list[str]:
-    """The `report` command: refuse `output` early, load the inputs (`inputs`: load_inputs's), write the page atomically."""
+    """The `report` command: refuse `output` early, load the inputs (`inputs`: load_inputs's), write the page
+    atomically."""
     from lm_eval_sink.io import atomic_write_text, check_new_outputs
     from lm_eval_sink.report.render import render_html
 

@@ -1,4 +1,5 @@
-"""`lm-eval-sink screen`: resolve models, read their QK-norm class, measure S, rank and predict, write the output folder.
+"""`lm-eval-sink screen`: resolve models, read their QK-norm class, measure S, rank and predict, write the output
+folder.
 
 With `--output DIR`: each model's Sink Strength goes through `commands.strength.run_strength`
 into `DIR/strength/` (resumable by key there), then `screen.json`, `.md`, `.csv` and `.png` into

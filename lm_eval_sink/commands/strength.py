@@ -1,4 +1,5 @@
-"""`lm-eval-sink strength`: resolve models, measure each (or reuse its finished result), write JSON, heatmaps and the ranking.
+"""`lm-eval-sink strength`: resolve models, measure each (or reuse its finished result), write JSON, heatmaps and the
+ranking.
 
 The output folder holds `<slug>.strength.json` + `<slug>.heatmap.png` per model, and with several
 models `ranking.md`, `ranking.csv`, `ranking.png`; several runs may fill one folder. The unit of
@@ -138,8 +139,12 @@ def _run_locked(
         )
         results.append((slug, res))
         lines.append(
-            f"{slug}: S = {res.sink_strength:.4f} (last {res.last_k} of {len(res.attention_layers) or res.n_layers} attention layers, {res.statistic}, rows={res.rows}; "
-            f"content rows {fmt_optional(res.sink_strength_content_rows)}, template rows {fmt_optional(res.sink_strength_template_rows)}, template share {res.template_row_fraction:.2f})"
+            f"{slug}: S = {res.sink_strength:.4f} (last {res.last_k} of "
+            f"{len(res.attention_layers) or res.n_layers} attention layers, {res.statistic}, "
+            f"rows={res.rows}; "
+            f"content rows {fmt_optional(res.sink_strength_content_rows)}, template rows "
+            f"{fmt_optional(res.sink_strength_template_rows)}, template share "
+            f"{res.template_row_fraction:.2f})"
             f" -> {json_path}, {png}"
         )
     if len(names) > 1:

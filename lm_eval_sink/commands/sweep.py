@@ -393,7 +393,8 @@ def _check_conflicts(plan: Plan) -> None:
             if unit.inputs.get("identity") and complete.get("model_identity"):
                 check_same_identity(complete["model_identity"], unit.inputs["identity"], unit.output)
             raise UserError(
-                f"{unit.output} holds a {unit.kind} made from other inputs than this sweep's (the sweep file, a model or a version changed)",
+                f"{unit.output} holds a {unit.kind} made from other inputs than this sweep's (the sweep "
+                "file, a model or a version changed)",
                 "pass --force to redo everything, or choose a new output folder",
             )
 
@@ -412,7 +413,8 @@ class SweepReport:
 
     def lines(self) -> list[str]:
         out = [
-            f"sweep {self.output}: {len(self.ran)} steps run, {len(self.skipped)} already finished, {len(self.failures)} failed"
+            f"sweep {self.output}: {len(self.ran)} steps run, {len(self.skipped)} already finished, "
+            f"{len(self.failures)} failed"
         ]
         out += [f"note: {n}" for n in self.notes]
         if self.table_files:
@@ -424,13 +426,15 @@ class SweepReport:
         if self.failures:
             first = next(iter(self.failures.items()))
             raise UserError(
-                f"{len(self.failures)} sweep step(s) failed ({', '.join(self.failures)}); first: {first[0]}: {first[1]}",
+                f"{len(self.failures)} sweep step(s) failed ({', '.join(self.failures)}); first: "
+                f"{first[0]}: {first[1]}",
                 f"see {self.output / MANIFEST}; fix the cause and rerun the same command: finished steps are kept",
             )
 
 
 def run_sweep(spec: SweepSpec, force: bool = False, progress: bool = True) -> SweepReport:
-    """Plan, run every unfinished unit (all of them with `force`) on the spec's engine, then write the table; the output folder is locked meanwhile."""
+    """Plan, run every unfinished unit (all of them with `force`) on the spec's engine, then write the table; the output
+    folder is locked meanwhile."""
     plan = plan_sweep(spec)
     with hold(spec.output):
         return _run_sweep_locked(plan, force, progress)

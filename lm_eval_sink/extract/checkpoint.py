@@ -161,7 +161,8 @@ class ShardWriter:
         want_name, want_dtype, want_shape = self._order[self._next]
         if name != want_name or tensor.dtype != want_dtype or tuple(tensor.shape) != want_shape:
             raise RuntimeError(
-                f"shard writer: got {name} {tensor.dtype} {tuple(tensor.shape)}, planned {want_name} {want_dtype} {want_shape}"
+                f"shard writer: got {name} {tensor.dtype} {tuple(tensor.shape)}, planned {want_name} "
+                f"{want_dtype} {want_shape}"
             )
         data = tensor.detach().contiguous().reshape(-1)
         if data.numel():

@@ -429,7 +429,9 @@ def extract_backbone(
 
 
 def _copy_vlm_files(vlm: Path, tmp: Path) -> dict[str, Any]:
-    """Every VLM file but the weights and this package's markers and reports (processor, chat template, tokenizer, ...)."""
+    """Every VLM file but the weights and this package's markers and reports (processor, chat template, tokenizer,
+    ...).
+    """
     for item in sorted(vlm.iterdir()):
         if item.name.endswith(".safetensors") or item.name in (INDEX_FILE, *_MARKER_FILES):
             continue

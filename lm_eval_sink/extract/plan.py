@@ -353,7 +353,8 @@ def check_backbone(
     want_type = plan.target_config.model_type
     if config.get("model_type") != want_type:
         raise UserError(
-            f"{backbone}: backbone model type {config.get('model_type')!r} does not match the VLM's language model ({want_type!r})",
+            f"{backbone}: backbone model type {config.get('model_type')!r} does not match the VLM's "
+            f"language model ({want_type!r})",
             f"pass a {plan.target_class} backbone extracted from (or merged with) this VLM",
         )
     needed = [t for u in plan.units for t in u.targets]

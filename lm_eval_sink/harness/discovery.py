@@ -1,7 +1,8 @@
 """Glue that makes lm-eval 0.4.13 find this project's tasks with no flag (called by `hooks.py`).
 
 - `patch_task_manager`: every `TaskManager` built with lm-eval's defaults also indexes
-  `tasks_dir()` (the `sink_strength` tasks) and, with `LM_EVAL_SINK_DATA` set, points the covered stock tasks at local files
+  `tasks_dir()` (the `sink_strength` tasks) and, with `LM_EVAL_SINK_DATA` set, points the covered stock tasks at
+  local files
   (`offline.py`). `include_defaults=False` keeps lm-eval's contract (only the given include
   paths). Explicit form without the hook: `--include_path "$(lm-eval-sink tasks-dir)"`.
 - `patch_evaluator`: a `sink_strength` task on a backend without attention access (vllm, API
@@ -133,7 +134,8 @@ def check_attention_request(model_args: Any, tasks: Any) -> None:
         check_wrappable(
             impl,
             f"task {ours[0]}",
-            "pass attn_implementation=sdpa or eager in --model_args for it; other tasks may use flash in a separate call",
+            "pass attn_implementation=sdpa or eager in --model_args for it; other tasks may use flash "
+            "in a separate call",
         )
 
 
@@ -195,7 +197,8 @@ def _compact_matrices(result_dict: dict[str, Any]) -> dict[str, Any]:
             for key, value in metrics.items():
                 if key.startswith("sink_strength_layer_head,") and isinstance(value, dict):
                     metrics[key] = (
-                        f"[{len(value.get('layers', []))} layers x {len(value.get('values', [[]])[0])} heads: see results JSON]"
+                        f"[{len(value.get('layers', []))} layers x {len(value.get('values', [[]])[0])} heads: see "
+                        "results JSON]"
                     )
             out[column][task] = metrics
     return out

@@ -28,7 +28,8 @@ BACKENDS = ("hf", "vllm")
 
 
 def _pinned_revision(model: str) -> dict[str, str]:
-    """A hub id is evaluated at the revision sha its identity names (`identity.model_identity`); a local folder needs none."""
+    """A hub id is evaluated at the revision sha its identity names (`identity.model_identity`); a local folder needs
+    none."""
     from lm_eval_sink.identity import looks_like_hub_id, model_identity
 
     if Path(model).is_dir() or not looks_like_hub_id(model):
@@ -75,7 +76,8 @@ class EvalSettings:
             if self.device is not None:
                 raise UserError(
                     f"device {self.device!r} is an HF-only setting",
-                    "drop device/--device for backend vllm (vLLM places the model; set tensor_parallel_size in model_args)",
+                    "drop device/--device for backend vllm (vLLM places the model; set tensor_parallel_size in "
+                    "model_args)",
                 )
             sink = [t for t in self.tasks if t.startswith("sink_strength")]
             if sink:
@@ -98,14 +100,20 @@ class EvalSettings:
             **self.model_args,
         }
         args = [
-            "--model", self.backend,
-            "--model_args", ",".join(f"{k}={v}" for k, v in margs.items()),
-            "--tasks", ",".join(self.tasks),
+            "--model",
+            self.backend,
+            "--model_args",
+            ",".join(f"{k}={v}" for k, v in margs.items()),
+            "--tasks",
+            ",".join(self.tasks),
             *(["--device", self.device] if self.device is not None else []),
-            "--batch_size", str(self.batch_size),
-            "--seed", str(self.seed),
-            "--output_path", str(output_path),
-        ]  # fmt: skip
+            "--batch_size",
+            str(self.batch_size),
+            "--seed",
+            str(self.seed),
+            "--output_path",
+            str(output_path),
+        ]
         if self.log_samples:
             args.append("--log_samples")
         if self.apply_chat_template:

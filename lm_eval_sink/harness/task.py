@@ -157,21 +157,23 @@ class PromptRows:
             else np.int32
         )
         learned = capture.learned_sink_mass
-        return cls({
-            "prompt_id": prompt_id,
-            "sink_strength_prompt": prompt_statistic(capture, settings),
-            "settings": asdict(settings),
-            "n_layers": n_layers,
-            "attention_layers": [int(x) for x in attention_layers],
-            "layers": list(capture.layers),
-            "chat_template_applied": chat_template_applied,
-            "chat_template_sha256": chat_template_sha256,
-            "sink_logodds": encode_array(np.asarray(capture.sink_logodds, dtype=np.float32)),
-            "sink_pos": encode_array(pos.astype(pos_dtype)),
-            "pos0_mass": encode_array(np.asarray(capture.pos0_mass, dtype=np.float32)),
-            "content": encode_array(np.asarray(capture.content, dtype=bool)),
-            "learned_sink_mass": None if learned is None else encode_array(np.asarray(learned, dtype=np.float32)),
-        })  # fmt: skip
+        return cls(
+            {
+                "prompt_id": prompt_id,
+                "sink_strength_prompt": prompt_statistic(capture, settings),
+                "settings": asdict(settings),
+                "n_layers": n_layers,
+                "attention_layers": [int(x) for x in attention_layers],
+                "layers": list(capture.layers),
+                "chat_template_applied": chat_template_applied,
+                "chat_template_sha256": chat_template_sha256,
+                "sink_logodds": encode_array(np.asarray(capture.sink_logodds, dtype=np.float32)),
+                "sink_pos": encode_array(pos.astype(pos_dtype)),
+                "pos0_mass": encode_array(np.asarray(capture.pos0_mass, dtype=np.float32)),
+                "content": encode_array(np.asarray(capture.content, dtype=bool)),
+                "learned_sink_mass": None if learned is None else encode_array(np.asarray(learned, dtype=np.float32)),
+            }
+        )
 
 
 def process_results(doc: dict[str, Any], results: list[Any]) -> dict[str, Any]:

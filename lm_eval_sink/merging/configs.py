@@ -236,7 +236,8 @@ def render(
         warnings.append(f"{template.name} ({lineage} lineage): {block['identity']}")
     if base is not None and not _uses(block["config"], "${base}"):
         warnings.append(
-            f"{template.name}: this control does not use the base model (--base only selects the siblings formula: {block['formula']})"
+            f"{template.name}: this control does not use the base model (--base only selects the "
+            f"siblings formula: {block['formula']})"
         )
     if tokenizer_source is not None:
         config["tokenizer_source"] = (
@@ -250,14 +251,18 @@ def render(
         and _tokenizer_digest(paths["base"]) != _tokenizer_digest(paths["reference"])
     ):
         warnings.append(
-            f"{template.name}: mergekit copies the tokenizer and config of base_model, and the base's tokenizer files differ from the reference's "
-            "(chat template, special tokens?); pass --tokenizer-source reference to build the output vocabulary from the reference's tokenizer"
+            f"{template.name}: mergekit copies the tokenizer and config of base_model, and the base's "
+            "tokenizer files differ from the reference's "
+            "(chat template, special tokens?); pass --tokenizer-source reference to build the output "
+            "vocabulary from the reference's tokenizer"
         )
     header = [
-        f"# Rendered by lm-eval-sink from {template.path} (sha256 {template.sha256[:16]}): {template.title}, {lineage} lineage.",
+        f"# Rendered by lm-eval-sink from {template.path} (sha256 {template.sha256[:16]}): "
+        f"{template.title}, {lineage} lineage.",
         *(f"# {role}: {p}" for role, p in paths.items()),
         f"# {block['formula']}",
-        "# Plain mergekit YAML: mergekit-yaml THIS_FILE OUT (tsv and star need lm-eval-sink installed); or lm-eval-sink merge THIS_FILE OUT.",
+        "# Plain mergekit YAML: mergekit-yaml THIS_FILE OUT (tsv and star need lm-eval-sink "
+        "installed); or lm-eval-sink merge THIS_FILE OUT.",
     ]
     text = "\n".join(header) + "\n" + yaml.safe_dump(config, sort_keys=False, default_flow_style=None, width=1000)
     roles = {p: role for role, p in paths.items()}
@@ -340,12 +345,14 @@ class _Checker:
             if key not in allowed:
                 self.fail(
                     f"{where}.{key}" if where else str(key),
-                    f"unknown key in {what}{did_you_mean(str(key), allowed)}; mergekit would ignore it (allowed: {', '.join(allowed)})",
+                    f"unknown key in {what}{did_you_mean(str(key), allowed)}; mergekit would ignore it "
+                    f"(allowed: {', '.join(allowed)})",
                     "remove or correct the key",
                 )
 
     def model_ref(self, value: Any, key: str) -> str:
-        """A local folder (resolved) or a hub id, `org/name` or `org/name@REVISION` (kept as written; the revision must exist)."""
+        """A local folder (resolved) or a hub id, `org/name` or `org/name@REVISION` (kept as written; the revision must
+        exist)."""
         from lm_eval_sink.identity import looks_like_hub_id, model_identity, split_revision
         from lm_eval_sink.models import resolve_model
 
@@ -505,7 +512,8 @@ def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | N
             if pname not in params:
                 ck.fail(
                     key,
-                    f"unknown parameter of merge method {method_name!r}{did_you_mean(str(pname), params)}; mergekit would ignore it ({method_name} takes: {param_list})",
+                    f"unknown parameter of merge method {method_name!r}{did_you_mean(str(pname), params)}; "
+                    f"mergekit would ignore it ({method_name} takes: {param_list})",
                     "remove or correct the parameter",
                 )
             if per_model and pname in shared:
@@ -675,7 +683,8 @@ def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | N
                 if not at_level:
                     ck.fail(
                         "parameters",
-                        f"missing required parameter {p.name!r} of merge method {method_name!r} (expected {_expectation(p)})",
+                        f"missing required parameter {p.name!r} of merge method {method_name!r} (expected "
+                        f"{_expectation(p)})",
                         f"add parameters: {{{p.name}: ...}}",
                     )
                 continue
@@ -686,12 +695,14 @@ def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | N
                     if key == "base_model":
                         ck.fail(
                             "base_model",
-                            f"mergekit adds base_model as an input of {method_name!r}, which needs {p.name!r} for every input",
+                            f"mergekit adds base_model as an input of {method_name!r}, "
+                            f"which needs {p.name!r} for every input",
                             f"list it under models with a {p.name}, or drop base_model",
                         )
                     ck.fail(
                         f"{key}.parameters.{p.name}",
-                        f"missing; merge method {method_name!r} needs {p.name!r} for this model (expected {_expectation(p)})",
+                        f"missing; merge method {method_name!r} needs {p.name!r} for this model (expected "
+                        f"{_expectation(p)})",
                         f"add parameters: {{{p.name}: ...}} to the model, or at the top level",
                     )
         if method_name == "linear":
@@ -763,6 +774,8 @@ def _check_compatible(ck: _Checker, data: dict[str, Any], inputs: list[str], who
             if a is not None and b is not None and a != b:
                 ck.fail(
                     "tokenizer_source",
-                    f"vocabulary sizes differ: {ck.name(first)} has vocab_size {a}, {ck.name(other)} has vocab_size {b}",
-                    "choose the output vocabulary with tokenizer_source: base | union | PATH (render: --tokenizer-source reference)",
+                    f"vocabulary sizes differ: {ck.name(first)} has vocab_size {a}, {ck.name(other)} has "
+                    f"vocab_size {b}",
+                    "choose the output vocabulary with tokenizer_source: base | union | PATH (render: "
+                    "--tokenizer-source reference)",
                 )

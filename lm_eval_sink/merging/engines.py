@@ -213,12 +213,14 @@ def run_task(
         k = differ[0]
         return (
             None,
-            f"worker {host} has {k} {mine.get(k)}, the driver {driver_versions.get(k)} ({len(differ)} package(s) differ): install the same versions on every node",
+            f"worker {host} has {k} {mine.get(k)}, the driver {driver_versions.get(k)} ({len(differ)} "
+            "package(s) differ): install the same versions on every node",
         )
     if must_see is not None and not must_see.exists():
         return (
             None,
-            f"worker {host} cannot see the {what} {must_see}: put it on a filesystem every node mounts at the same path",
+            f"worker {host} cannot see the {what} {must_see}: put it on a filesystem every node mounts "
+            "at the same path",
         )
     try:
         with task_log(log_path) if log_path is not None else contextlib.nullcontext():

@@ -140,7 +140,8 @@ def run_mergekit(
     source = (
         text
         if not pins
-        else f"# hub inputs pinned to their commits by lm-eval-sink: {', '.join(f'{r} -> {s}' for r, s in pins.items())}\n{recipe.to_yaml()}\n"
+        else "# hub inputs pinned to their commits by lm-eval-sink: "
+        f"{', '.join(f'{r} -> {s}' for r, s in pins.items())}\n{recipe.to_yaml()}\n"
     )
     options = MergeOptions(random_seed=random_seed, device=device, quiet=quiet, copy_tokenizer=True)
     with _isolated():
@@ -176,7 +177,8 @@ def verify_checkpoint(folder: Path, expect_tokenizer: bool = True) -> tuple[int,
     wrong = sorted(n for n in found if n in expected and found[n] != expected[n])
     if unexpected or missing or wrong:
         raise RuntimeError(
-            f"{folder}: merged tensors do not match {type(model).__name__}: missing {missing[:5]}, unexpected {unexpected[:5]}, wrong shape {wrong[:5]}"
+            f"{folder}: merged tensors do not match {type(model).__name__}: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}, wrong shape {wrong[:5]}"
         )
     if expect_tokenizer and not any((folder / n).is_file() for n in _TOKENIZER_FILES):
         raise RuntimeError(f"{folder}: mergekit did not copy a tokenizer")
@@ -198,7 +200,8 @@ def merge_config(
     key: str | None = None,
     extra: dict[str, Any] | None = None,
 ) -> MergeResult:
-    """Validate, merge in this process (hub-id inputs at the commits their identities name), verify, and publish `out` with its COMPLETE.json."""
+    """Validate, merge in this process (hub-id inputs at the commits their identities name), verify, and publish `out`
+    with its COMPLETE.json."""
     from lm_eval_sink.identity import FINGERPRINT_RULE
     from lm_eval_sink.models import model_fingerprint
 

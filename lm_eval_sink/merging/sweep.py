@@ -67,11 +67,21 @@ class SweepSpec:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "source": self.source, "output": str(self.output), "models": self.models, "configs": list(self.configs),
-            "merge": {"random_seed": self.random_seed, "device": self.merge_device, "tokenizer_source": self.tokenizer_source, "delete_merged": self.delete_merged},
+            "source": self.source,
+            "output": str(self.output),
+            "models": self.models,
+            "configs": list(self.configs),
+            "merge": {
+                "random_seed": self.random_seed,
+                "device": self.merge_device,
+                "tokenizer_source": self.tokenizer_source,
+                "delete_merged": self.delete_merged,
+            },
             "eval": None if self.eval is None else self.eval.to_json(),
-            "strength": None if self.strength is None else {**asdict(self.strength), "dtype": self.strength_dtype, "device": self.strength_device},
-        }  # fmt: skip
+            "strength": None
+            if self.strength is None
+            else {**asdict(self.strength), "dtype": self.strength_dtype, "device": self.strength_device},
+        }
 
 
 class _ModelsIn(Strict):
@@ -111,9 +121,15 @@ class EvalIn(Strict):
 
 # The strength section: StrengthSettings' fields (its checks and defaults stay there) plus where S is measured.
 StrengthIn = create_model(
-    "StrengthIn", __base__=Strict, dtype=(str, "auto"), device=(str, "cpu"),
-    **{f.name: (typing.get_type_hints(StrengthSettings)[f.name] | None, None) for f in dataclasses.fields(StrengthSettings)},
-)  # fmt: skip
+    "StrengthIn",
+    __base__=Strict,
+    dtype=(str, "auto"),
+    device=(str, "cpu"),
+    **{
+        f.name: (typing.get_type_hints(StrengthSettings)[f.name] | None, None)
+        for f in dataclasses.fields(StrengthSettings)
+    },
+)
 StrengthIn.what = "the strength section"
 
 
@@ -199,7 +215,8 @@ def plan_units(
     versions: dict[str, str | None],
     include_sha: str | None,
 ) -> Plan:
-    """Every unit with its key, in run order (merge -> eval -> strength per checkpoint, so `delete_merged` bounds the disk).
+    """Every unit with its key, in run order (merge -> eval -> strength per checkpoint, so `delete_merged` bounds the
+    disk).
 
     `identities`: the endpoints' `models.model_fingerprint`; `include_sha`: the fingerprint of the
     eval include_path's files (None without one).
@@ -343,13 +360,19 @@ def build_table(
     for ck in plan.checkpoints:
         m = metrics.get(ck.name, {})
         s = strengths.get(ck.name)
-        rows.append({
-            "checkpoint": ck.name, "role": ck.role, "method": ck.method, "setting": ck.setting, "status": status[ck.name],
-            "metrics": {c: m.get(c) for c in columns},
-            "delta_vs_reference": {c: (m[c] - ref_m[c]) if c in m and c in ref_m else None for c in columns},
-            "sink_strength": s,
-            "sink_strength_delta_vs_reference": (s - ref_s) if s is not None and ref_s is not None else None,
-        })  # fmt: skip
+        rows.append(
+            {
+                "checkpoint": ck.name,
+                "role": ck.role,
+                "method": ck.method,
+                "setting": ck.setting,
+                "status": status[ck.name],
+                "metrics": {c: m.get(c) for c in columns},
+                "delta_vs_reference": {c: (m[c] - ref_m[c]) if c in m and c in ref_m else None for c in columns},
+                "sink_strength": s,
+                "sink_strength_delta_vs_reference": (s - ref_s) if s is not None and ref_s is not None else None,
+            }
+        )
     limit = plan.spec.eval.limit if plan.spec.eval is not None else None
     return {
         "schema_version": 1,

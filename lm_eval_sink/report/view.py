@@ -30,7 +30,9 @@ class Doc:
 
 @dataclass(frozen=True, slots=True)
 class Num:
-    """A number as shown (`text`) with where it came from (`src`: "<rel path>#<JSON pointer>"); `scale` is shown/stored."""
+    """A number as shown (`text`) with where it came from (`src`: "<rel path>#<JSON pointer>"); `scale` is
+    shown/stored.
+    """
 
     text: str
     src: str
@@ -87,7 +89,7 @@ def get(data: Any, *parts: Any) -> Any:
 
 
 def fmt(value: float | int, style: str) -> str:
-    """Text of a number: `f4` 4 decimals, `+f4` signed, `pts`/`+pts` percentage points (1 decimal), `int`, `p` p-value."""
+    """Text of a number: `f4` 4 decimals, `+f4` signed, `pts`/`+pts` points (1 decimal), `int`, `p` p-value."""
     if style == "int":
         return str(int(value))
     if style in ("pts", "+pts"):
@@ -129,7 +131,8 @@ def _strength(inputs: ReportInputs) -> tuple[dict[str, Any] | None, list[str]]:
                 ms, ss = get(margin.data, f"{role}_sink_strength"), get(d.data, "sink_strength")
                 if isinstance(ms, (int, float)) and isinstance(ss, (int, float)) and abs(ms - ss) > S_TOLERANCE:
                     notes.append(
-                        f"{role}: S in {d.rel} ({ss:.4f}) differs from margin.json's ({ms:.4f}); the strength file's value is shown "
+                        f"{role}: S in {d.rel} ({ss:.4f}) differs from margin.json's ({ms:.4f}); the strength "
+                        "file's value is shown "
                         "(the two were measured with different settings or weights)"
                     )
         elif margin is not None:
@@ -163,13 +166,20 @@ def _buckets_section(b: BucketsInput) -> dict[str, Any]:
         if row.get("bucket") != "regression" and not (not binary and (row.get("difference") or 0) < 0):
             continue
         text = b.texts.get(int(row["doc_id"]))
-        table.append({
-            "doc_id": num(d, ["rows", i, "doc_id"], "int"), "reference": num(d, ["rows", i, "reference"]), "candidate": num(d, ["rows", i, "candidate"]),
-            "kind": row.get("failure_kind") or "", "detail": row.get("failure_detail") or "",
-            "failed": list(text.failed_instructions) if text else [], "prompt": text.prompt if text else "",
-            "reference_response": text.reference if text else "", "candidate_response": text.candidate if text else "",
-            "truncated": row.get("truncated"),
-        })  # fmt: skip
+        table.append(
+            {
+                "doc_id": num(d, ["rows", i, "doc_id"], "int"),
+                "reference": num(d, ["rows", i, "reference"]),
+                "candidate": num(d, ["rows", i, "candidate"]),
+                "kind": row.get("failure_kind") or "",
+                "detail": row.get("failure_detail") or "",
+                "failed": list(text.failed_instructions) if text else [],
+                "prompt": text.prompt if text else "",
+                "reference_response": text.reference if text else "",
+                "candidate_response": text.candidate if text else "",
+                "truncated": row.get("truncated"),
+            }
+        )
     kinds = get(data, "failure_kinds", "counts") or {}
     types = [
         {
@@ -185,20 +195,46 @@ def _buckets_section(b: BucketsInput) -> dict[str, Any]:
     ]
     runs = data.get("runs") or {}
     return {
-        "task": data.get("task"), "metric": data.get("metric"), "filter": data.get("filter"), "source": d.rel, "binary": binary,
-        "n": num(d, ["n"], "int"), "reference_score": num(d, ["reference_score"], style), "candidate_score": num(d, ["candidate_score"], style),
+        "task": data.get("task"),
+        "metric": data.get("metric"),
+        "filter": data.get("filter"),
+        "source": d.rel,
+        "binary": binary,
+        "n": num(d, ["n"], "int"),
+        "reference_score": num(d, ["reference_score"], style),
+        "candidate_score": num(d, ["candidate_score"], style),
         "delta": num(d, ["delta"], "+" + style if style == "pts" else "+f4"),
-        "delta_lo": num(d, ["delta_ci", 0], "+" + style if style == "pts" else "+f4"), "delta_hi": num(d, ["delta_ci", 1], "+" + style if style == "pts" else "+f4"),
-        "confidence": num(d, ["settings", "confidence"], "pts"), "mcnemar_p": num(d, ["mcnemar_p"], "p"), "wilcoxon_p": num(d, ["wilcoxon_p"], "p"),
-        "counts": [{"bucket": k, "n": num(d, ["counts", k], "int")} for k in ("both_pass", "regression", "recovered", "both_fail") if k in counts],
-        "counts_raw": dict(counts), "kinds_raw": dict(kinds),
+        "delta_lo": num(d, ["delta_ci", 0], "+" + style if style == "pts" else "+f4"),
+        "delta_hi": num(d, ["delta_ci", 1], "+" + style if style == "pts" else "+f4"),
+        "confidence": num(d, ["settings", "confidence"], "pts"),
+        "mcnemar_p": num(d, ["mcnemar_p"], "p"),
+        "wilcoxon_p": num(d, ["wilcoxon_p"], "p"),
+        "counts": [
+            {"bucket": k, "n": num(d, ["counts", k], "int")}
+            for k in ("both_pass", "regression", "recovered", "both_fail")
+            if k in counts
+        ],
+        "counts_raw": dict(counts),
+        "kinds_raw": dict(kinds),
         "kinds": [{"kind": k, "n": num(d, ["failure_kinds", "counts", k], "int")} for k, v in kinds.items() if v],
-        "main_kind": _main_kind(kinds), "regressions": num(d, ["counts", "regression"], "int"),
-        "table": table, "types": types, "notes": list(data.get("notes") or []),
-        "protocol_differences": [{"field": k, "reference": v.get("reference"), "candidate": v.get("candidate"), "affects": v.get("affects_scores")}
-                                 for k, v in (data.get("protocol_differences") or {}).items()],
-        "runs": {role: {"model": r.get("model"), "samples": b.samples.get(role, ("", ""))[0]} for role, r in runs.items()},
-    }  # fmt: skip
+        "main_kind": _main_kind(kinds),
+        "regressions": num(d, ["counts", "regression"], "int"),
+        "table": table,
+        "types": types,
+        "notes": list(data.get("notes") or []),
+        "protocol_differences": [
+            {
+                "field": k,
+                "reference": v.get("reference"),
+                "candidate": v.get("candidate"),
+                "affects": v.get("affects_scores"),
+            }
+            for k, v in (data.get("protocol_differences") or {}).items()
+        ],
+        "runs": {
+            role: {"model": r.get("model"), "samples": b.samples.get(role, ("", ""))[0]} for role, r in runs.items()
+        },
+    }
 
 
 def _margin_section(d: Doc) -> dict[str, Any]:
@@ -217,13 +253,21 @@ def _margin_section(d: Doc) -> dict[str, Any]:
         for i, h in enumerate(data.get("negative_margin_heads") or [])
     ]
     return {
-        "source": d.rel, "reference": data.get("reference"), "candidate": data.get("candidate"),
-        "n_negative": num(d, [*s, "n_negative_margin"], "int"), "n_total": num(d, [*s, "n_heads_total"], "int"),
-        "n_collapse": num(d, [*s, "n_sink_collapse"], "int"), "n_no_sink": num(d, [*s, "n_no_sink_in_reference"], "int"),
-        "margin_median": num(d, [*s, "margin_median"], "+f4"), "margin_min": num(d, [*s, "margin_min"], "+f4"),
-        "quantile": num(d, ["quantile"], "f2"), "n_negative_quantile": num(d, [*s, "n_negative_margin_quantile"], "int"),
-        "heads": heads, "matrix": data.get("margin"), "layers": data.get("layers"),
-    }  # fmt: skip
+        "source": d.rel,
+        "reference": data.get("reference"),
+        "candidate": data.get("candidate"),
+        "n_negative": num(d, [*s, "n_negative_margin"], "int"),
+        "n_total": num(d, [*s, "n_heads_total"], "int"),
+        "n_collapse": num(d, [*s, "n_sink_collapse"], "int"),
+        "n_no_sink": num(d, [*s, "n_no_sink_in_reference"], "int"),
+        "margin_median": num(d, [*s, "margin_median"], "+f4"),
+        "margin_min": num(d, [*s, "margin_min"], "+f4"),
+        "quantile": num(d, ["quantile"], "f2"),
+        "n_negative_quantile": num(d, [*s, "n_negative_margin_quantile"], "int"),
+        "heads": heads,
+        "matrix": data.get("margin"),
+        "layers": data.get("layers"),
+    }
 
 
 def _attribution_section(d: Doc) -> dict[str, Any]:

@@ -164,7 +164,8 @@ class SinkStrengthCallback(TrainerCallback):
             )
             if not self._warned:
                 warnings.warn(
-                    "SinkStrengthCallback is not attached to a trainer: Sink Strength goes to the JSONL and state.log_history only, "
+                    "SinkStrengthCallback is not attached to a trainer: Sink Strength goes to the JSONL and "
+                    "state.log_history only, "
                     "not to report_to (use cb.attach(trainer))",
                     SinkWarning,
                     stacklevel=2,

@@ -467,7 +467,8 @@ class SinkProtection(TrainerCallback):
             self.plan.head_dim,
         ):
             raise UserError(
-                f"the plan is for {self.plan.n_layers} layers x {self.plan.n_heads} heads ({self.plan.n_kv_heads} KV, dim {self.plan.head_dim}), "
+                f"the plan is for {self.plan.n_layers} layers x {self.plan.n_heads} heads "
+                f"({self.plan.n_kv_heads} KV, dim {self.plan.head_dim}), "
                 f"the model has {n_layers} x {n_heads} ({n_kv}, {d})",
                 "make the plan from this model with `lm-eval-sink protect-plan`",
             )
