@@ -16,7 +16,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator
 
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.schema import Strict, did_you_mean, parse
@@ -191,20 +191,20 @@ class _CheckedIn(Strict):
     """The check fields every source, score and gap has: `checked: true` needs `checked_at`."""
 
     checked: bool = False
-    checked_at: str | None = None
+    checked_at: str | None = Field(
+        default=None,
+        validate_default=True,
+        description="must say where the figure was seen (the URL, the table or section, the exact cell text) "
+        "when checked is true, and be left out when checked is false (say what was searched in checked_note)",
+    )
     checked_note: str | None = None
 
-    @model_validator(mode="after")
-    def _check_has_its_place(self) -> _CheckedIn:
-        if self.checked and not (self.checked_at or "").strip():
-            raise ValueError(
-                "checked: true needs checked_at (the URL, the table or section, and the exact cell text seen there)"
-            )
-        if not self.checked and self.checked_at is not None:
-            raise ValueError(
-                "checked_at is only for checked: true; say what was searched in checked_note instead"
-            )
-        return self
+    @field_validator("checked_at")
+    @classmethod
+    def _place_iff_checked(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if bool(info.data.get("checked")) != bool((value or "").strip()):
+            raise ValueError("checked_at goes with checked: true")
+        return value
 
     def check(self) -> Check:
         return Check(self.checked, self.checked_at, self.checked_note)
@@ -420,9 +420,9 @@ def compare_stated_pair(a: dict[str, Any], b: dict[str, Any]) -> tuple[list[dict
 
 def list_markdown(reg: Registry) -> str:
     lines = markdown_lines(
-        ["model", "hub id", "kind", "scores", "gaps"],
+        ["model", "hub id", "kind", "scores", "gaps", "checked at source"],
         [
-            [m.name, m.hub_id or "-", m.kind, len(reg.scores_of(m.name)), len(reg.gaps_of(m.name))]
+            [m.name, m.hub_id or "-", m.kind, len(reg.scores_of(m.name)), len(reg.gaps_of(m.name)), _n_checked(reg, m)]
             for m in sorted(reg.models.values(), key=lambda m: m.name.lower())
         ],
     )
@@ -430,6 +430,12 @@ def list_markdown(reg: Registry) -> str:
         "\n".join(lines)
         + f"\n\n{len(reg.scores)} scores, {len(reg.gaps)} gaps from {len(reg.sources)} sources ({', '.join(reg.files)})\n"
     )
+
+
+def _n_checked(reg: Registry, m: ModelEntry) -> str:
+    """How many of a model's scores and gaps were compared with their original, of how many."""
+    entries = [*reg.scores_of(m.name), *reg.gaps_of(m.name)]
+    return f"{sum(e.checked for e in entries)}/{len(entries)}"
 
 
 def _yes_no(check: Check) -> str:
