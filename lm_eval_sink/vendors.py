@@ -428,7 +428,8 @@ def list_markdown(reg: Registry) -> str:
     )
     return (
         "\n".join(lines)
-        + f"\n\n{len(reg.scores)} scores, {len(reg.gaps)} gaps from {len(reg.sources)} sources ({', '.join(reg.files)})\n"
+        + f"\n\n{len(reg.scores)} scores, {len(reg.gaps)} gaps from {len(reg.sources)} sources"
+        + f" ({', '.join(reg.files)})\n"
     )
 
 
