@@ -264,6 +264,7 @@ class Attribution:
             "mixture": self.mixture,
             "inputs": self.inputs,
             "measurements": self.measurements,
+            "unchecked_registry_figures": unchecked_figures(self),
         }
 
 
@@ -437,6 +438,7 @@ def attribute(
                         "source": {"kind": "registry", "id": g.id, **g.source.to_json()},
                         "stated_protocol": g.protocol.to_json(),
                         "note": g.note,
+                        "entry": {"id": g.id, **g.check.to_json()},
                     }
                 )
         for r in rs:
@@ -514,7 +516,13 @@ def _vendor_row(s: Any, m: Measurement) -> dict[str, Any]:
     return {
         "model": s.model,
         "role": m.role,
-        "vendor": {"id": s.id, "value": _pts(s.value), "source": s.source.to_json(), "protocol": s.protocol.to_json()},
+        "vendor": {
+            "id": s.id,
+            "value": _pts(s.value),
+            "source": s.source.to_json(),
+            "protocol": s.protocol.to_json(),
+            **s.check.to_json(),
+        },
         "measured": {"value": _pts(m.strict), "protocol": m.protocol_label, "source": m.source},
         "measured_minus_vendor": _pts(m.strict - s.value),
         "protocol_differences": differ,
@@ -564,7 +572,8 @@ def to_markdown(att: Attribution) -> str:
                 if r.get("non_final"):
                     notes.append("--limit run: not final")
                 if r["kind"] == "reported_gap":
-                    notes.append(f"{r['source']['id']} ({r['source']['kind']})")
+                    unchecked = "" if r["entry"]["checked"] else ", UNCHECKED"
+                    notes.append(f"{r['source']['id']} ({r['source']['kind']}{unchecked})")
                 if r["kind"] == "protocol_artefact":
                     notes.append("same weights: " + _fields(r["differing_fields"]))
                 pp = r.get("per_prompt")
@@ -647,7 +656,7 @@ def to_markdown(att: Attribution) -> str:
                     [
                         v["model"],
                         _f(v["vendor"]["value"], False),
-                        v["vendor"]["source"]["id"],
+                        v["vendor"]["source"]["id"] + ("" if v["vendor"]["checked"] else " (UNCHECKED)"),
                         _f(v["measured"]["value"], False),
                         v["measured"]["protocol"],
                         _f(v["measured_minus_vendor"]),
@@ -669,7 +678,30 @@ def to_markdown(att: Attribution) -> str:
                     rows,
                 ),
             ]
+    unchecked = unchecked_figures(att)
+    if unchecked:
+        L += [
+            "",
+            "## Registry figures not checked against their original source",
+            "",
+            *(f"- {u}" for u in unchecked),
+            "",
+            "Treat them as unverified; `lm-eval-sink vendor show MODEL` says what was searched for each.",
+        ]
     return "\n".join(L) + "\n"
+
+
+def unchecked_figures(att: Attribution) -> list[str]:
+    """Ids of the registry figures the report used that nobody compared with their original source."""
+    ids = [
+        m["source"]["id"]
+        for m in att.measurements
+        if m["source"].get("kind") == "registry" and not m["source"].get("checked")
+    ]
+    for b in att.benchmarks:
+        ids += [r["entry"]["id"] for r in b["comparisons"] if r["kind"] == "reported_gap" and not r["entry"]["checked"]]
+        ids += [v["vendor"]["id"] for v in b["vendor"] if not v["vendor"]["checked"]]
+    return sorted(set(ids))
 
 
 def plot_rows(att: Attribution) -> list[dict[str, Any]]:
@@ -822,7 +854,13 @@ def measurements_from_registry(
             lenient=None,
             protocol_key=f"registry:{s.protocol.id}",
             protocol_label=s.protocol.id,
-            source={"kind": "registry", "id": s.id, "source": s.source.id, "source_kind": s.source.kind},
+            source={
+                "kind": "registry",
+                "id": s.id,
+                "source": s.source.id,
+                "source_kind": s.source.kind,
+                **s.check.to_json(),
+            },
             registry_model=model,
             stated=s.protocol.stated,
         )

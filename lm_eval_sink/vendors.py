@@ -1,10 +1,12 @@
 """The vendor registry: reported and independently measured scores, each with source and protocol.
 
 Data, not code: `data/vendors.yaml` (bundled) plus an optional user YAML of the same shape. Every
-score and gap names a source (what report or audit, which table, whether it was checked against
-the original) and a protocol (what the source states about how it was measured, in the
-vocabulary of `STATED_KEYS`; anything not stated is unknown). Validated on load (`schema`): unknown keys,
-undefined sources/protocols/models/benchmarks and duplicate ids are UserErrors naming the entry.
+score and gap names a source (what report or audit, which table) and a protocol (what the source
+states about how it was measured, in the vocabulary of `STATED_KEYS`; anything not stated is
+unknown). Every source, score and gap says whether it was compared with the original (`Check`:
+`checked: true` needs `checked_at`, the place and the exact cell text; an unchecked one says why in
+`checked_note`). Validated on load (`schema`): unknown keys, undefined sources/protocols/models/benchmarks,
+duplicate ids and a check without its place are UserErrors naming the entry.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, ValidationInfo, field_validator
 
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.schema import Strict, did_you_mean, parse
@@ -34,15 +36,37 @@ SOURCE_KINDS = ("vendor", "independent", "paper")
 
 
 @dataclass(frozen=True, slots=True)
+class Check:
+    """Whether a figure (or a source) was compared with its original here, where, or why not."""
+
+    checked: bool = False
+    at: str | None = None  # the URL, table or section, and the exact cell text seen there
+    note: str | None = None  # for an unchecked entry: what was searched; otherwise a remark
+
+    def to_json(self) -> dict[str, Any]:
+        return {"checked": self.checked, "checked_at": self.at, "checked_note": self.note}
+
+    def label(self) -> str:
+        """One line for reports: where it was checked, or that it was not and why."""
+        if self.checked:
+            return f"checked at {self.at}" + (f" ({self.note})" if self.note else "")
+        return "NOT checked against the original" + (f": {self.note}" if self.note else "")
+
+
+@dataclass(frozen=True, slots=True)
 class Source:
     id: str
     title: str
     kind: str  # vendor | independent | paper
     url: str | None
-    checked: bool
+    check: Check = Check()
+
+    @property
+    def checked(self) -> bool:
+        return self.check.checked
 
     def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "title": self.title, "kind": self.kind, "url": self.url, "checked": self.checked}
+        return {"id": self.id, "title": self.title, "kind": self.kind, "url": self.url, **self.check.to_json()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,10 +105,15 @@ class Reported:
     source: Source
     protocol: StatedProtocol
     note: str | None = None
+    check: Check = Check()
+
+    @property
+    def checked(self) -> bool:
+        return self.check.checked
 
     def to_json(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
-        return {**out, "source": self.source.to_json(), "protocol": self.protocol.to_json()}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "check"}
+        return {**out, "source": self.source.to_json(), "protocol": self.protocol.to_json(), **self.check.to_json()}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -158,12 +187,34 @@ class Registry:
         )
 
 
-class _SourceIn(Strict):
+class _CheckedIn(Strict):
+    """The check fields every source, score and gap has: `checked: true` needs `checked_at`."""
+
+    checked: bool = False
+    checked_at: str | None = Field(
+        default=None,
+        validate_default=True,
+        description="must say where the figure was seen (the URL, the table or section, the exact cell text) "
+        "when checked is true, and be left out when checked is false (say what was searched in checked_note)",
+    )
+    checked_note: str | None = None
+
+    @field_validator("checked_at")
+    @classmethod
+    def _place_iff_checked(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if bool(info.data.get("checked")) != bool((value or "").strip()):
+            raise ValueError("checked_at goes with checked: true")
+        return value
+
+    def check(self) -> Check:
+        return Check(self.checked, self.checked_at, self.checked_note)
+
+
+class _SourceIn(_CheckedIn):
     what: ClassVar[str] = "source"
     title: str
     kind: Literal[SOURCE_KINDS]
     url: str | None = None
-    checked: bool = False
 
 
 class _StatedIn(Strict):
@@ -199,7 +250,7 @@ class _ModelIn(Strict):
     parent: _ParentIn | None = None
 
 
-class _ReportedIn(Strict):
+class _ReportedIn(_CheckedIn):
     id: str
     benchmark: str
     metric: str
@@ -255,7 +306,7 @@ def _merge(parts: list[tuple[str, _RegistryIn]], benchmarks: set[str]) -> Regist
         for sid, src in data.sources.items():
             if sid in sources:
                 raise UserError(f"{where}: source {sid!r} is defined twice", "give it another id")
-            sources[sid] = Source(sid, src.title, src.kind, src.url, src.checked)
+            sources[sid] = Source(sid, src.title, src.kind, src.url, src.check())
         for pid, proto in data.protocols.items():
             if pid in protocols:
                 raise UserError(f"{where}: protocol {pid!r} is defined twice", "give it another id")
@@ -298,6 +349,7 @@ def _merge(parts: list[tuple[str, _RegistryIn]], benchmarks: set[str]) -> Regist
             "source": sources[body.source],
             "protocol": protocols[body.protocol],
             "note": body.note,
+            "check": body.check(),
         }
 
     ids: set[str] = set()
@@ -368,16 +420,27 @@ def compare_stated_pair(a: dict[str, Any], b: dict[str, Any]) -> tuple[list[dict
 
 def list_markdown(reg: Registry) -> str:
     lines = markdown_lines(
-        ["model", "hub id", "kind", "scores", "gaps"],
+        ["model", "hub id", "kind", "scores", "gaps", "checked at source"],
         [
-            [m.name, m.hub_id or "-", m.kind, len(reg.scores_of(m.name)), len(reg.gaps_of(m.name))]
+            [m.name, m.hub_id or "-", m.kind, len(reg.scores_of(m.name)), len(reg.gaps_of(m.name)), _n_checked(reg, m)]
             for m in sorted(reg.models.values(), key=lambda m: m.name.lower())
         ],
     )
     return (
-        "\n".join(lines) + f"\n\n{len(reg.scores)} scores, {len(reg.gaps)} gaps from {len(reg.sources)} sources "
-        f"({', '.join(reg.files)})\n"
+        "\n".join(lines)
+        + f"\n\n{len(reg.scores)} scores, {len(reg.gaps)} gaps from {len(reg.sources)} sources"
+        + f" ({', '.join(reg.files)})\n"
     )
+
+
+def _n_checked(reg: Registry, m: ModelEntry) -> str:
+    """How many of a model's scores and gaps were compared with their original, of how many."""
+    entries = [*reg.scores_of(m.name), *reg.gaps_of(m.name)]
+    return f"{sum(e.checked for e in entries)}/{len(entries)}"
+
+
+def _yes_no(check: Check) -> str:
+    return "yes" if check.checked else "NO"
 
 
 def _fmt_stated(p: StatedProtocol) -> str:
@@ -395,7 +458,7 @@ def show_markdown(reg: Registry, name: str) -> str:
         lines += [
             "",
             *markdown_lines(
-                ["id", "benchmark", "metric", "value", "source", "protocol"],
+                ["id", "benchmark", "metric", "value", "source", "protocol", "checked"],
                 [
                     [
                         s.id,
@@ -404,6 +467,7 @@ def show_markdown(reg: Registry, name: str) -> str:
                         f"{s.value:g}",
                         f"{s.source.id} ({s.source.kind})",
                         _fmt_stated(s.protocol),
+                        _yes_no(s.check),
                     ]
                     for s in scores
                 ],
@@ -414,7 +478,7 @@ def show_markdown(reg: Registry, name: str) -> str:
         lines += [
             "",
             *markdown_lines(
-                ["id", "candidate - reference", "benchmark", "gap", "source", "protocol"],
+                ["id", "candidate - reference", "benchmark", "gap", "source", "protocol", "checked"],
                 [
                     [
                         g.id,
@@ -423,18 +487,23 @@ def show_markdown(reg: Registry, name: str) -> str:
                         f"{g.value:+g}",
                         f"{g.source.id} ({g.source.kind})",
                         _fmt_stated(g.protocol),
+                        _yes_no(g.check),
                     ]
                     for g in gaps
                 ],
             ),
         ]
-    used = sorted({e.source.id for e in [*scores, *gaps]})
+    entries = [*scores, *gaps]
+    if entries:
+        lines += ["", "checks (each figure against its original):"]
+        lines += [f"- {e.id}: {e.check.label()}" for e in entries]
+    used = sorted({e.source.id for e in entries})
     if used:
         lines += ["", "sources:"]
         lines += [
             f"- {s}: {reg.sources[s].title}"
             + (f" <{reg.sources[s].url}>" if reg.sources[s].url else "")
-            + ("" if reg.sources[s].checked else " (not re-checked against the original)")
+            + f"; {reg.sources[s].check.label()}"
             for s in used
         ]
     protos = sorted({e.protocol.id for e in [*scores, *gaps]})
