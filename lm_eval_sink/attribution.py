@@ -561,7 +561,7 @@ def to_markdown(att: Attribution) -> str:
         flag = " **FLAGGED**" if li["flagged"] else ""
         L.append(f"- lineage {li['reference']} -> {li['candidate']}: {li['status']}{flag} ({li['how']})")
     mix = att.mixture
-    declared = ", ".join(f"{k}={v}" for k, v in mix["declared"].items())
+    declared = ", ".join(f"{k}={v}" for k, v in (mix["declared"] or {}).items())
     L.append(f"- mixture: {declared + ' (declared)' if mix['declared'] else mix['note']}")
     for b in att.benchmarks:
         L += ["", f"## {b['benchmark']} (construct: {b['construct']}: {b['construct_why']})", ""]
