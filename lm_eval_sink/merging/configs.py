@@ -495,7 +495,25 @@ def _validator_error(ck: _Checker, node: Any, loc: tuple[Any, ...], message: str
         ck.fail(where, "exactly one of models or slices must be given", "list the module's inputs")
     if message.startswith("Cannot specify both tokenizer_source and tokenizer"):
         ck.fail("tokenizer", "give either tokenizer_source or tokenizer, not both", "keep one of them")
-    ck.fail(where or "(top level)", f"mergekit refuses it: {message}", "see mergekit's config format (docs/merging.md)")
+    at = next((path for path, value in _strings(node) if message.endswith(f": {value}")), None)
+    if at is not None and message.startswith("Invalid model path"):
+        ck.model_ref(_value_at(node, at), key_path((*loc, *at)))  # this project's words for a bad reference
+    key = key_path((*loc, *at)) if at is not None else where
+    ck.fail(key or "(top level)", f"mergekit refuses it: {message}", "see mergekit's config format (docs/merging.md)")
+
+
+def _strings(node: Any, loc: tuple[Any, ...] = ()) -> list[tuple[tuple[Any, ...], str]]:
+    """Every string value under `node`, with its location (to find the key a validator's message quotes)."""
+    if isinstance(node, str):
+        return [(loc, node)]
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    return [found for k, v in items for found in _strings(v, (*loc, k))]
+
+
+def _value_at(node: Any, loc: tuple[Any, ...]) -> Any:
+    for part in loc:
+        node = node[part]
+    return node
 
 
 # --- the merge method's declared parameters --------------------------------------------------
