@@ -148,6 +148,8 @@ class Rendered:
     config: dict[str, Any]
     formula: str
     warnings: tuple[str, ...]
+    template: Template
+    validated: ValidatedConfig  # `text` as checked by validate_text, once
 
 
 def _substitute(node: Any, values: dict[str, str], where: str) -> Any:
@@ -207,7 +209,7 @@ def _tokenizer_digest(path: str) -> str | None:
 
 
 def render(
-    name: str | Path,
+    name: str | Path | Template,
     reference: str | Path,
     candidate: str | Path,
     base: str | Path | None = None,
@@ -220,7 +222,7 @@ def render(
     """
     from lm_eval_sink.models import resolve_model
 
-    template = load_template(name)
+    template = name if isinstance(name, Template) else load_template(name)
     paths = {
         "reference": _resolve_role(resolve_model, "--reference", reference),
         "candidate": _resolve_role(resolve_model, "--candidate", candidate),
@@ -262,7 +264,7 @@ def render(
     ]
     text = "\n".join(header) + "\n" + yaml.safe_dump(config, sort_keys=False, default_flow_style=None, width=1000)
     roles = {p: role for role, p in paths.items()}
-    validate_text(text, source=f"{template.name} ({lineage})", roles=roles)
+    validated = validate_text(text, source=f"{template.name} ({lineage})", roles=roles)
     return Rendered(
         name=template.name,
         lineage=lineage,
@@ -270,6 +272,8 @@ def render(
         config=config,
         formula=str(block["formula"]),
         warnings=tuple(warnings),
+        template=template,
+        validated=validated,
     )
 
 
@@ -299,6 +303,7 @@ class ValidatedConfig:
     method: str
     base_model: str | None
     inputs: tuple[str, ...]
+    mergekit: Any  # mergekit's MergeConfiguration of `data` (mergekit's planner rewrites it: merge a copy)
 
 
 def validate_file(path: str | Path) -> ValidatedConfig:
@@ -336,7 +341,13 @@ def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | N
     _check_tokenizer(ck, config, base_model)
     _check_compatible(ck, config, inputs, bool(config.models))
     return ValidatedConfig(
-        source=source, text=text, data=data, method=method.name, base_model=base_model, inputs=tuple(inputs)
+        source=source,
+        text=text,
+        data=data,
+        method=method.name,
+        base_model=base_model,
+        inputs=tuple(inputs),
+        mergekit=config,
     )
 
 
