@@ -588,6 +588,7 @@ def _saved_outputs(plan: Plan, markers: Markers) -> tuple[dict[str, Any], dict[s
 
 def write_table(table: dict[str, Any], out: Path) -> list[Path]:
     """table.json, table.csv, table.md and table.png, each written atomically."""
+    from lm_eval_sink.benchmarks import load_benchmarks, metric_labels
     from lm_eval_sink.plots import sweep_chart
 
     md, csv = table_text(table)
@@ -596,9 +597,11 @@ def write_table(table: dict[str, Any], out: Path) -> list[Path]:
         atomic_write_text(out / "table.csv", csv),
         atomic_write_text(out / "table.md", md),
     ]
-    series = {c: [r["metrics"][c] for r in table["rows"]] for c in table["columns"]}
-    series["S (Sink Strength)"] = [r["sink_strength"] for r in table["rows"]]
-    paths.append(
-        sweep_chart([r["checkpoint"] for r in table["rows"]], series, out / "table.png", note=table["final_note"])
-    )
+    labels = metric_labels(table["columns"], load_benchmarks())
+    series = {
+        label: [r["metrics"][c] for r in table["rows"]] for c, label in zip(table["columns"], labels, strict=True)
+    }
+    strength = [r["sink_strength"] for r in table["rows"]]
+    checkpoints = [r["checkpoint"] for r in table["rows"]]
+    paths.append(sweep_chart(checkpoints, series, out / "table.png", note=table["final_note"], strength=strength))
     return paths
