@@ -234,35 +234,16 @@ def render(
     values = {f"${{{role}}}": p for role, p in paths.items()}
     values["${out_dtype}"] = stored_dtype(paths["reference"])
     config = _substitute(block["config"], values, f"{template.path}: {lineage}.config")
-    warnings = []
-    if block.get("identity"):
-        warnings.append(f"{template.name} ({lineage} lineage): {block['identity']}")
-    if base is not None and not _uses(block["config"], "${base}"):
-        warnings.append(
-            f"{template.name}: this control does not use the base model (--base only selects the siblings formula: {block['formula']})"
-        )
     if tokenizer_source is not None:
         config["tokenizer_source"] = (
             paths[tokenizer_source]
             if tokenizer_source in ("reference", "candidate")
             else _tokenizer_source_arg(tokenizer_source, resolve_model)
         )
-    elif (
-        base is not None
-        and _uses(block["config"], "${base}")
-        and _tokenizer_digest(paths["base"]) != _tokenizer_digest(paths["reference"])
-    ):
-        warnings.append(
-            f"{template.name}: mergekit copies the tokenizer and config of base_model, and the base's tokenizer files differ from the reference's "
-            "(chat template, special tokens?); pass --tokenizer-source reference to build the output vocabulary from the reference's tokenizer"
-        )
-    header = [
-        f"# Rendered by lm-eval-sink from {template.path} (sha256 {template.sha256[:16]}): {template.title}, {lineage} lineage.",
-        *(f"# {role}: {p}" for role, p in paths.items()),
-        f"# {block['formula']}",
-        "# Plain mergekit YAML: mergekit-yaml THIS_FILE OUT (tsv and star need lm-eval-sink installed); or lm-eval-sink merge THIS_FILE OUT.",
-    ]
-    text = "\n".join(header) + "\n" + yaml.safe_dump(config, sort_keys=False, default_flow_style=None, width=1000)
+    warnings = _render_warnings(template, lineage, block, paths, tokenizer_source)
+    text = _header(template, lineage, block, paths) + yaml.safe_dump(
+        config, sort_keys=False, default_flow_style=None, width=1000
+    )
     roles = {p: role for role, p in paths.items()}
     validated = validate_text(text, source=f"{template.name} ({lineage})", roles=roles)
     return Rendered(
@@ -275,6 +256,46 @@ def render(
         template=template,
         validated=validated,
     )
+
+
+def _render_warnings(
+    template: Template, lineage: str, block: dict[str, Any], paths: dict[str, str], tokenizer_source: str | None
+) -> list[str]:
+    """What the user should know about a filled template: an identity, an unused base, a base tokenizer that differs."""
+    warnings = []
+    if block.get("identity"):
+        warnings.append(f"{template.name} ({lineage} lineage): {block['identity']}")
+    uses_base = _uses(block["config"], "${base}")
+    if "base" in paths and not uses_base:
+        warnings.append(
+            f"{template.name}: this control does not use the base model "
+            f"(--base only selects the siblings formula: {block['formula']})"
+        )
+    if (
+        tokenizer_source is None
+        and "base" in paths
+        and uses_base
+        and _tokenizer_digest(paths["base"]) != _tokenizer_digest(paths["reference"])
+    ):
+        warnings.append(
+            f"{template.name}: mergekit copies the tokenizer and config of base_model, "
+            "and the base's tokenizer files differ from the reference's (chat template, special tokens?); "
+            "pass --tokenizer-source reference to build the output vocabulary from the reference's tokenizer"
+        )
+    return warnings
+
+
+def _header(template: Template, lineage: str, block: dict[str, Any], paths: dict[str, str]) -> str:
+    """The comment lines above a rendered config: its template, models and formula, and how to run it."""
+    lines = [
+        f"# Rendered by lm-eval-sink from {template.path} (sha256 {template.sha256[:16]}): "
+        f"{template.title}, {lineage} lineage.",
+        *(f"# {role}: {p}" for role, p in paths.items()),
+        f"# {block['formula']}",
+        "# Plain mergekit YAML: mergekit-yaml THIS_FILE OUT (tsv and star need lm-eval-sink installed); "
+        "or lm-eval-sink merge THIS_FILE OUT.",
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def _resolve_role(resolve_model, flag: str, value: str | Path) -> str:
