@@ -171,3 +171,28 @@ def benchmark_of(task: str | None, benchmarks: dict[str, Benchmark]) -> Benchmar
 def ifeval_instructions() -> dict[str, dict[str, str]]:
     """IFEval instruction id -> {kind: primary failure kind, truncation: always | never | at_least}."""
     return _bundled()[1]
+
+
+def metric_label(column: str, benchmarks: dict[str, Benchmark]) -> str:
+    """A readable name for a results column `task/metric,filter`: the family's name for its strict score
+    ("IFEval"), ", lenient" for its lenient one, else the metric (and a filter other than none) after it."""
+    task, _, key = column.partition("/")
+    family = benchmark_of(task, benchmarks)
+    metric, _, filt = key.partition(",")
+    plain = metric + (f" ({filt})" if filt and filt != "none" else "")
+    if family is None:
+        return f"{task} {plain}" if key else column
+    if key == family.strict:
+        return family.name
+    if key == family.lenient:
+        return f"{family.name}, lenient"
+    return f"{family.name} {plain}"
+
+
+def metric_labels(columns: list[str], benchmarks: dict[str, Benchmark]) -> list[str]:
+    """`metric_label` of each column; columns that would share a label keep their task name in it."""
+    labels = [metric_label(c, benchmarks) for c in columns]
+    return [
+        f"{label} ({c.partition('/')[0]})" if labels.count(label) > 1 else label
+        for c, label in zip(columns, labels, strict=True)
+    ]

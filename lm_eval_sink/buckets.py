@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -316,6 +316,57 @@ def bucket(
     )
     ref_v = np.array([outcome(ref_rows[i], metric, labels[0]) for i in ids])
     cand_v = np.array([outcome(cand_rows[i], metric, labels[1]) for i in ids])
+    kind = _kind(ids, ref_v, cand_v, metric, spec, settings)
+    stats = paired_stats(ids, ref_v, cand_v, kind, settings)
+    rows = _doc_rows(ids, stats.prompts, ref_v, cand_v, ref_rows, cand_rows)
+    by_id = {row["doc_id"]: row for row in rows}
+    regressions = stats.prompts["regression"] if stats.prompts else []
+    truncation = _mark_truncation(regressions, cand_rows, by_id, settings, count_tokens, fallback_max_gen_toks)
+    instruction_level, instruction_types, failure = _ifeval_passes(
+        spec, metric, ids, ref_rows, cand_rows, by_id, regressions, settings, labels, progress
+    )
+    format_split = None
+    if spec.lenient_filter and filt != spec.lenient_filter and stats.prompts is not None:
+        format_split = _format_split(regressions, candidate_samples, spec.lenient_filter, metric, by_id, labels[1])
+    return BucketReport(
+        task=task,
+        metric=metric,
+        filter=filt,
+        kind=kind,
+        threshold=settings.threshold,
+        n=len(ids),
+        reference_score=float(ref_v.mean()),
+        candidate_score=float(cand_v.mean()),
+        **{f.name: getattr(stats, f.name) for f in fields(stats)},
+        instruction_level=instruction_level,
+        instruction_types=instruction_types,
+        format_split=format_split,
+        failure_kinds=failure,
+        truncation=truncation,
+        pairing=pairing,
+        rows=rows,
+        settings=asdict(settings),
+        notes=_pairing_notes(pairing, len(ids)),
+    )
+
+
+def _ifeval_passes(spec: Benchmark, metric, ids, ref_rows, cand_rows, by_id, regressions, settings, labels, progress):
+    """IFEval only: instruction-level statistics and the failure kinds of the regressions (None elsewhere)."""
+    if spec.checker != "ifeval":
+        return None, None, None
+    instruction_level = instruction_types = failure = None
+    inst_metric = spec.instruction_metrics.get(metric)
+    if inst_metric is not None:
+        instruction_level, instruction_types = _instruction_stats(
+            ids, ref_rows, cand_rows, inst_metric, by_id, settings, labels
+        )
+    if settings.failure_kinds and regressions:
+        failure = _failure_kinds(regressions, cand_rows, by_id, loose="loose" in metric, progress=progress)
+    return instruction_level, instruction_types, failure
+
+
+def _kind(ids, ref_v: np.ndarray, cand_v: np.ndarray, metric: str, spec: Benchmark, settings: BucketSettings) -> str:
+    """binary (0/1 per doc) or continuous: the benchmark's declared kind for its metric, else what the values are."""
     is01 = bool(np.isin(ref_v, (0.0, 1.0)).all() and np.isin(cand_v, (0.0, 1.0)).all())
     declared = spec.kind if (spec.metric is None or metric == spec.metric) else None
     kind = declared or ("binary" if is01 else "continuous")
@@ -326,8 +377,62 @@ def bucket(
         raise UserError(
             f"metric {metric!r} is not 0/1 (e.g. doc_id {bad})", "pass --threshold to bucket a continuous score"
         )
-    n = len(ids)
-    notes: list[str] = []
+    return kind
+
+
+@dataclass(frozen=True, slots=True)
+class PairedStats:
+    """The paired statistics of one metric over the paired docs (BucketReport's fields of the same names)."""
+
+    delta: float
+    delta_ci: tuple[float, float]
+    wilcoxon_p: float | None
+    counts: dict[str, int] | None
+    counts_reason: str | None
+    prompts: dict[str, list[int]] | None
+    mcnemar_p: float | None
+    discordant: int | None
+    pass_rate: dict[str, Any] | None
+
+
+def paired_stats(ids, ref_v: np.ndarray, cand_v: np.ndarray, kind: str, settings: BucketSettings) -> PairedStats:
+    """Delta with its bootstrap interval; Wilcoxon for a continuous metric; buckets and McNemar for pass/fail."""
+    delta_ci = paired_delta_ci(ref_v, cand_v, settings.n_bootstrap, settings.confidence, settings.seed)
+    wilcoxon_p = _wilcoxon(cand_v - ref_v) if kind == "continuous" else None
+    if kind != "binary" and settings.threshold is None:
+        reason = "continuous metric: pass --threshold T to split docs into pass (score >= T) / fail buckets"
+        return PairedStats(
+            float(cand_v.mean() - ref_v.mean()), delta_ci, wilcoxon_p, None, reason, None, None, None, None
+        )
+    thr = 0.5 if kind == "binary" else settings.threshold
+    ref_pass, cand_pass = ref_v >= thr, cand_v >= thr
+    counts = _four(ref_pass, cand_pass)
+    buckets = [_bucket_of(bool(r), bool(c)) for r, c in zip(ref_pass, cand_pass, strict=True)]
+    pass_rate = None
+    if kind == "continuous":
+        rp, cp = ref_pass.astype(float), cand_pass.astype(float)
+        pass_rate = {
+            "threshold": thr,
+            "reference": float(rp.mean()),
+            "candidate": float(cp.mean()),
+            "delta": float(cp.mean() - rp.mean()),
+            "delta_ci": list(paired_delta_ci(rp, cp, settings.n_bootstrap, settings.confidence, settings.seed)),
+        }
+    return PairedStats(
+        delta=float(cand_v.mean() - ref_v.mean()),
+        delta_ci=delta_ci,
+        wilcoxon_p=wilcoxon_p,
+        counts=counts,
+        counts_reason=None,
+        prompts={b: [i for i, x in zip(ids, buckets, strict=True) if x == b] for b in BUCKETS},
+        mcnemar_p=mcnemar_exact(counts["regression"], counts["recovered"]),
+        discordant=counts["regression"] + counts["recovered"],
+        pass_rate=pass_rate,
+    )
+
+
+def _pairing_notes(pairing: Mapping[str, Any], n: int) -> list[str]:
+    notes = []
     if pairing["prompt_hash_differs"]["count"]:
         notes.append(
             f"{pairing['prompt_hash_differs']['count']} of {n} prompts differ between the runs "
@@ -338,104 +443,41 @@ def bucket(
             f"--allow-partial: {len(pairing['dropped_reference_only'])} reference-only and "
             f"{len(pairing['dropped_candidate_only'])} candidate-only docs dropped"
         )
+    return notes
 
-    delta = float(cand_v.mean() - ref_v.mean())
-    delta_ci = paired_delta_ci(ref_v, cand_v, settings.n_bootstrap, settings.confidence, settings.seed)
-    wilcoxon_p = pass_rate = None
-    counts = prompts = mcnemar_p = discordant = None
-    counts_reason = None
-    if kind == "continuous":
-        wilcoxon_p = _wilcoxon(cand_v - ref_v)
-    if kind == "binary" or settings.threshold is not None:
-        thr = 0.5 if kind == "binary" else settings.threshold
-        ref_pass, cand_pass = ref_v >= thr, cand_v >= thr
-        counts = _four(ref_pass, cand_pass)
-        buckets = [_bucket_of(bool(r), bool(c)) for r, c in zip(ref_pass, cand_pass, strict=True)]
-        prompts = {b: [i for i, x in zip(ids, buckets, strict=True) if x == b] for b in BUCKETS}
-        mcnemar_p = mcnemar_exact(counts["regression"], counts["recovered"])
-        discordant = counts["regression"] + counts["recovered"]
-        if kind == "continuous":
-            rp, cp = ref_pass.astype(float), cand_pass.astype(float)
-            pass_rate = {
-                "threshold": thr,
-                "reference": float(rp.mean()),
-                "candidate": float(cp.mean()),
-                "delta": float(cp.mean() - rp.mean()),
-                "delta_ci": list(paired_delta_ci(rp, cp, settings.n_bootstrap, settings.confidence, settings.seed)),
-            }
-    else:
-        buckets = [None] * n
-        counts_reason = "continuous metric: pass --threshold T to split docs into pass (score >= T) / fail buckets"
 
-    rows: list[dict[str, Any]] = []
-    for i, b, r, c in zip(ids, buckets, ref_v, cand_v, strict=True):
+def _doc_rows(ids, prompts, ref_v, cand_v, ref_rows, cand_rows) -> list[dict[str, Any]]:
+    """One record per paired doc; the task-specific fields start empty and are filled by the later passes."""
+    bucket_of = {i: b for b, docs in (prompts or {}).items() for i in docs}
+    rows = []
+    for i, r, c in zip(ids, ref_v, cand_v, strict=True):
         doc = ref_rows[i].get("doc")
         rows.append(
             {
                 "doc_id": i,
                 "key": doc.get("key") if isinstance(doc, dict) and isinstance(doc.get("key"), int | str) else None,
-                "bucket": b,
+                "bucket": bucket_of.get(i),
                 "reference": float(r),
                 "candidate": float(c),
                 "difference": float(c - r),
                 "prompt_hash_same": ref_rows[i].get("prompt_hash") == cand_rows[i].get("prompt_hash"),
-                "truncated": None,
-                "failure_kind": None,
-                "failure_detail": None,
-                "n_instructions": None,
-                "reference_instructions_passed": None,
-                "candidate_instructions_passed": None,
-                "lenient_candidate": None,
-                "format_split": None,
+                **dict.fromkeys(_LATER_FIELDS),
             }
         )
-    by_id = {row["doc_id"]: row for row in rows}
+    return rows
 
-    regressions = prompts["regression"] if prompts else []
-    truncation = _mark_truncation(regressions, cand_rows, by_id, settings, count_tokens, fallback_max_gen_toks)
 
-    instruction_level = instruction_types = failure = None
-    if spec.checker == "ifeval":
-        inst_metric = spec.instruction_metrics.get(metric)
-        if inst_metric is not None:
-            instruction_level, instruction_types = _instruction_stats(
-                ids, ref_rows, cand_rows, inst_metric, by_id, settings, labels
-            )
-        if settings.failure_kinds and regressions:
-            failure = _failure_kinds(regressions, cand_rows, by_id, loose="loose" in metric, progress=progress)
-
-    format_split = None
-    if spec.lenient_filter and filt != spec.lenient_filter and prompts is not None:
-        format_split = _format_split(regressions, candidate_samples, spec.lenient_filter, metric, by_id, labels[1])
-
-    return BucketReport(
-        task=task,
-        metric=metric,
-        filter=filt,
-        kind=kind,
-        threshold=settings.threshold,
-        n=n,
-        counts=counts,
-        counts_reason=counts_reason,
-        prompts=prompts,
-        reference_score=float(ref_v.mean()),
-        candidate_score=float(cand_v.mean()),
-        delta=delta,
-        delta_ci=delta_ci,
-        mcnemar_p=mcnemar_p,
-        discordant=discordant,
-        wilcoxon_p=wilcoxon_p,
-        pass_rate=pass_rate,
-        instruction_level=instruction_level,
-        instruction_types=instruction_types,
-        format_split=format_split,
-        failure_kinds=failure,
-        truncation=truncation,
-        pairing=pairing,
-        rows=rows,
-        settings=asdict(settings),
-        notes=notes,
-    )
+# Per-doc fields set by the truncation, IFEval and lenient-filter passes (None until then).
+_LATER_FIELDS = (
+    "truncated",
+    "failure_kind",
+    "failure_detail",
+    "n_instructions",
+    "reference_instructions_passed",
+    "candidate_instructions_passed",
+    "lenient_candidate",
+    "format_split",
+)
 
 
 def _wilcoxon(d: np.ndarray) -> float:

@@ -212,25 +212,47 @@ def instruction_type_bars(types: Sequence[dict], title: str, path: Path | None, 
 
 
 def sweep_chart(
-    checkpoints: Sequence[str], series: dict[str, Sequence[float | None]], path: Path | None, note: str | None = None
+    checkpoints: Sequence[str],
+    series: dict[str, Sequence[float | None]],
+    path: Path | None,
+    note: str | None = None,
+    strength: Sequence[float | None] | None = None,
 ) -> Path | bytes:
-    """One panel per metric: merged checkpoints as points, the first two (reference, candidate) as lines."""
+    """One compact figure: a labelled row per checkpoint, a marker per metric at its change vs the reference
+    (the first checkpoint, the zero line); `strength` (S per checkpoint) in a narrow panel beside it."""
     plt = _pyplot()
-    names = list(series)
+    rows = list(checkpoints[1:])
+    with_s = strength is not None and any(v is not None for v in strength)
     fig, axes = plt.subplots(
-        len(names), 1, figsize=(max(5, 0.9 * len(checkpoints) + 2), 2.2 * len(names) + 0.8), squeeze=False, sharex=True
+        1,
+        2 if with_s else 1,
+        figsize=(8.0 if with_s else 6.0, 0.3 * len(rows) + 1.6),
+        sharey=True,
+        squeeze=False,
+        gridspec_kw={"width_ratios": [3, 1]} if with_s else None,
     )
-    merged = list(checkpoints[2:])
-    for ax, name in zip(axes[:, 0], names, strict=True):
-        values = list(series[name])
-        for value, label, style in ((values[0], checkpoints[0], "--"), (values[1], checkpoints[1], ":")):
-            if value is not None:
-                ax.axhline(value, color="black", ls=style, lw=1, label=f"{label} {value:.3f}")
-        xs = [i for i, v in enumerate(values[2:]) if v is not None]
-        ax.plot(xs, [values[2 + i] for i in xs], "o", color="tab:blue", label="merged")
-        ax.set_ylabel(name.replace(",", "\n"), fontsize=7)
-        ax.legend(fontsize=7, loc="best")
-    axes[-1, 0].set_xticks(range(len(merged)), merged, rotation=30, ha="right", fontsize=8)
-    axes[0, 0].set_title("Merging sweep" + (f" ({note})" if note else ""), fontsize=9)
+    ax = axes[0, 0]
+    for k, (name, values) in enumerate(series.items()):
+        ref = values[0]
+        points = [(i, v - ref) for i, v in enumerate(values[1:]) if v is not None and ref is not None]
+        ax.plot([d for _, d in points], [i for i, _ in points], "osD^vP*X"[k % 8], ls="none", alpha=0.85, label=name)
+    ax.axvline(0, color="black", lw=1)
+    ax.set_yticks(range(len(rows)), rows, fontsize=8)
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_xlabel(f"change vs {checkpoints[0]}", fontsize=8)
+    ax.tick_params(axis="x", labelsize=7)
+    below = 0.6 / (0.3 * len(rows) + 0.6)  # the tick labels and axis label take about 0.6 inch
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -below), ncol=4, frameon=False)
+    if with_s:
+        sax = axes[0, 1]
+        points = [(i, v) for i, v in enumerate(strength[1:]) if v is not None]
+        sax.plot([v for _, v in points], [i for i, _ in points], "o", color="tab:red")
+        if strength[0] is not None:
+            sax.axvline(strength[0], color="black", ls="--", lw=1)
+        sax.grid(axis="x", alpha=0.3)
+        sax.set_xlabel(f"S (dashed: {checkpoints[0]})", fontsize=8)
+        sax.tick_params(axis="x", labelsize=7)
+    fig.suptitle("Merging sweep" + (f" ({note})" if note else ""), fontsize=9)
     fig.tight_layout()
     return save_figure(fig, path)

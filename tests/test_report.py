@@ -402,3 +402,37 @@ def test_real_browser_opens_the_report_offline_without_errors(report, tmp_path):
         print(f"screenshot: {shot}")
     finally:
         driver.quit()
+
+
+FOUR_METRICS = (
+    "ifeval/prompt_level_strict_acc,none",
+    "ifeval/prompt_level_loose_acc,none",
+    "gsm8k/exact_match,strict-match",
+    "gsm8k/exact_match,flexible-extract",
+)
+
+
+@pytest.mark.slow
+def test_sweep_with_four_metrics_fits_a_1280_px_window_under_readable_names(outputs, tmp_path):
+    """The sweep's table.json with its columns renamed to four raw lm-eval keys: the page shows the
+    benchmarks' names, one cell per metric, and does not scroll sideways at 1280 px."""
+    from selenium.webdriver.common.by import By
+
+    table = json.loads((outputs["sweep"] / "table.json").read_text())
+    first = table["columns"][0]
+    for row in table["rows"]:
+        for part in ("metrics", "delta_vs_reference"):
+            row[part] = dict.fromkeys(FOUR_METRICS, row[part][first])
+    table["columns"] = list(FOUR_METRICS)
+    (tmp_path / "sweep4").mkdir()
+    (tmp_path / "sweep4" / "table.json").write_text(json.dumps(table))
+    page = tmp_path / "report.html"
+    assert main(["report", "--sweep", str(tmp_path / "sweep4"), "-o", str(page)]) == 0
+    driver = _browser(tmp_path)
+    try:
+        driver.get(page.as_uri())
+        heads = [th.text for th in driver.find_elements(By.CSS_SELECTOR, "#sweep thead th")]
+        assert heads == ["checkpoint", "method", "IFEval", "IFEval, lenient", "GSM8K", "GSM8K, lenient", "S", "status"]
+        assert driver.execute_script("return document.documentElement.scrollWidth") <= 1280
+    finally:
+        driver.quit()

@@ -36,7 +36,7 @@ from lm_eval_sink.io import (
     write_complete,
 )
 from lm_eval_sink.locks import hold
-from lm_eval_sink.merging.configs import TOKENIZER_CHOICES, bundled_names, load_template, render, validate_text
+from lm_eval_sink.merging.configs import TOKENIZER_CHOICES, bundled_names, load_template, render
 from lm_eval_sink.merging.engines import check_vllm_units, parse_engine, run_on_ray
 from lm_eval_sink.merging.sweep import (
     ENDPOINTS,
@@ -87,71 +87,35 @@ def load_sweep(
     engine: str | None = None,
     ray_address: str | None = None,
 ) -> SweepSpec:
-    """Read and check a sweep YAML (the SweepFileIn schema, paths relative to its folder); no model is loaded.
+    """Read and check a sweep YAML once: its schema (paths relative to its folder), its models, and every
+    merge control rendered for them and validated (`SweepSpec.merges`); no weights are read.
 
     `engine` / `ray_address` override the file's engine.kind / engine.address (the CLI's flags).
     """
-    from lm_eval_sink.models import resolve_model
-
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no such sweep file", "pass a sweep YAML (see docs/merging.md)")
-    src = str(path)
+    src, here = str(path), path.resolve().parent
     sweep, skipped = parse_sweep_data(parse_yaml(path.read_text(encoding="utf-8"), src) or {}, src)
-    here = path.resolve().parent
-
-    def rel(p: str) -> str:
-        q = Path(p).expanduser()
-        return str(q if q.is_absolute() else here / q)
-
-    out = Path(output) if output is not None else (Path(rel(sweep.output)) if sweep.output else None)
+    out = Path(output) if output is not None else (Path(_rel(here, sweep.output)) if sweep.output else None)
     if out is None:
         raise UserError(f"{src}: output: missing", "add output: FOLDER to the sweep file, or pass --output")
     if out.exists() and not out.is_dir():
         raise UserError(f"{out}: is a file, not a folder", "choose an output folder")
-
-    def model(name: str) -> str:
-        """A folder relative to the sweep file, unless the name is a hub id (`org/name`) with no such folder there."""
-        return name if looks_like_hub_id(name) and not Path(rel(name)).exists() else rel(name)
-
-    models: dict[str, str] = {}
-    for role, name in sweep.models.model_dump(exclude_none=True).items():
-        try:
-            models[role] = resolve_model(model(name))
-        except UserError as e:
-            raise UserError(f"{src}: models.{role}: {e.message}", e.hint) from None
-
-    configs = (
-        tuple(bundled_names())
-        if sweep.configs is None
-        else tuple(rel(c) if c.endswith((".yaml", ".yml")) else c for c in sweep.configs)
-    )
-    names = [load_template(c).name for c in configs]  # unknown names fail here, with did-you-mean
-    clash = next((n for n in names if names.count(n) > 1 or n in ENDPOINTS), None)
-    if clash:
-        raise UserError(
-            f"{src}: configs: the checkpoint name {clash!r} is used twice (or is an endpoint's name)",
-            "give each config file its own name",
-        )
-
+    models = _models(sweep, src, here)
+    configs, templates = _templates(sweep, src, here)
     merge = sweep.merge
     tokenizer_source = merge.tokenizer_source
     if tokenizer_source is not None and tokenizer_source not in TOKENIZER_CHOICES:
-        tokenizer_source = model(tokenizer_source)
-    eval_settings = None if "eval" in skipped else _eval_settings(sweep.eval, src, rel)
-    strength = None
-    st = (sweep.strength or StrengthIn()).model_dump(exclude_none=True)
-    sdtype, sdevice = st.pop("dtype"), st.pop("device")
-    if "strength" not in skipped:
-        if st.get("prompts_file"):
-            st["prompts_file"] = rel(st["prompts_file"])
-        try:
-            strength = StrengthSettings(**st)
-        except UserError as e:
-            raise UserError(f"{src}: strength: {e.message}", e.hint) from None
-
-    spec = parse_engine(sweep.engine, src, kind=engine, address=ray_address)
-    check_vllm_units(spec, eval_settings, src)
+        tokenizer_source = _model_arg(here, tokenizer_source)
+    eval_settings = None if "eval" in skipped else _eval_settings(sweep.eval, src, lambda p: _rel(here, p))
+    strength, sdtype, sdevice = _strength(sweep.strength, "strength" in skipped, src, here)
+    engine_spec = parse_engine(sweep.engine, src, kind=engine, address=ray_address)
+    check_vllm_units(engine_spec, eval_settings, src)
+    merges = tuple(
+        render(t, models["reference"], models["candidate"], base=models.get("base"), tokenizer_source=tokenizer_source)
+        for t in templates
+    )
     return SweepSpec(
         source=src,
         output=out.resolve(),
@@ -165,8 +129,64 @@ def load_sweep(
         strength=strength,
         strength_dtype=sdtype,
         strength_device=sdevice,
-        engine=spec,
+        engine=engine_spec,
+        merges=merges,
     )
+
+
+def _rel(here: Path, p: str) -> str:
+    """A path of the sweep file, relative to its folder."""
+    q = Path(p).expanduser()
+    return str(q if q.is_absolute() else here / q)
+
+
+def _model_arg(here: Path, name: str) -> str:
+    """A folder relative to the sweep file, unless the name is a hub id (`org/name`) with no such folder there."""
+    return name if looks_like_hub_id(name) and not Path(_rel(here, name)).exists() else _rel(here, name)
+
+
+def _models(sweep: Any, src: str, here: Path) -> dict[str, str]:
+    from lm_eval_sink.models import resolve_model
+
+    models: dict[str, str] = {}
+    for role, name in sweep.models.model_dump(exclude_none=True).items():
+        try:
+            models[role] = resolve_model(_model_arg(here, name))
+        except UserError as e:
+            raise UserError(f"{src}: models.{role}: {e.message}", e.hint) from None
+    return models
+
+
+def _templates(sweep: Any, src: str, here: Path) -> tuple[tuple[str, ...], list[Any]]:
+    """The `configs:` entries (bundled names, template paths made absolute) and their templates, each loaded once."""
+    configs = (
+        tuple(bundled_names())
+        if sweep.configs is None
+        else tuple(_rel(here, c) if c.endswith((".yaml", ".yml")) else c for c in sweep.configs)
+    )
+    templates = [load_template(c) for c in configs]  # unknown names fail here, with did-you-mean
+    names = [t.name for t in templates]
+    clash = next((n for n in names if names.count(n) > 1 or n in ENDPOINTS), None)
+    if clash:
+        raise UserError(
+            f"{src}: configs: the checkpoint name {clash!r} is used twice (or is an endpoint's name)",
+            "give each config file its own name",
+        )
+    return configs, templates
+
+
+def _strength(section: Any, skipped: bool, src: str, here: Path) -> tuple[Any, str, str]:
+    """The `strength:` section as (StrengthSettings or None when switched off, dtype, device)."""
+    st = (section or StrengthIn()).model_dump(exclude_none=True)
+    sdtype, sdevice = st.pop("dtype"), st.pop("device")
+    if skipped:
+        return None, sdtype, sdevice
+    if st.get("prompts_file"):
+        st["prompts_file"] = _rel(here, st["prompts_file"])
+    try:
+        return StrengthSettings(**st), sdtype, sdevice
+    except UserError as e:
+        raise UserError(f"{src}: strength: {e.message}", e.hint) from None
 
 
 def _tree_sha(folder: str | None) -> str | None:
@@ -177,31 +197,21 @@ def _tree_sha(folder: str | None) -> str | None:
 
 
 def plan_sweep(spec: SweepSpec) -> Plan:
-    """Fingerprint the endpoints, render and validate every merge config, derive each unit's key (reads no weights)."""
+    """Fingerprint the endpoints and derive each unit's key from the spec's validated merges (reads no weights)."""
     from lm_eval_sink.merging.merge import merge_key
     from lm_eval_sink.models import model_fingerprint
 
-    merges = []
-    for config in spec.configs:
-        template = load_template(config)
-        rendered = render(
-            config,
-            spec.models["reference"],
-            spec.models["candidate"],
-            base=spec.models.get("base"),
-            tokenizer_source=spec.tokenizer_source,
+    merges = [
+        RenderedMerge(
+            r.name,
+            r.template.path,
+            r.validated,
+            merge_key(r.validated, spec.random_seed),
+            r.validated.method,
+            r.template.paper_setting,
         )
-        key = merge_key(validate_text(rendered.text, source=f"{template.name} ({rendered.lineage})"), spec.random_seed)
-        merges.append(
-            RenderedMerge(
-                template.name,
-                template.path,
-                rendered.text,
-                key,
-                str(rendered.config.get("merge_method")),
-                template.paper_setting,
-            )
-        )
+        for r in spec.merges
+    ]
     identities = {role: model_fingerprint(spec.models[role]) for role in ENDPOINTS}
     return plan_units(
         spec,
@@ -235,9 +245,8 @@ def run_unit(unit: Unit) -> None:
     if unit.kind == "merge":
         from lm_eval_sink.merging.merge import merge_config
 
-        vc = validate_text(unit.inputs["text"], source=unit.id)
         merge_config(
-            vc,
+            unit.inputs["config"],  # validated when the sweep file was loaded; mergekit gets a copy
             unit.output,
             random_seed=unit.inputs["random_seed"],
             device=unit.inputs["device"],
@@ -331,21 +340,32 @@ class Manifest:
             os.fsync(f.fileno())
 
 
-def _weights_present(folder: Path) -> bool:
-    files = (read_complete(folder) or {}).get("weight_files")
+Markers = dict[str, dict[str, Any] | None]  # unit id -> its COMPLETE marker as read (None: none there)
+
+
+def read_markers(units: tuple[Unit, ...] | list[Unit]) -> Markers:
+    """Each unit's COMPLETE marker, read once (again only for a unit that runs: `record` rereads it)."""
+    return {u.id: read_complete(u.output) for u in units}
+
+
+def current(unit: Unit, markers: Markers) -> dict[str, Any] | None:
+    """The unit's marker when it was made from the unit's inputs (its key), else None."""
+    marker = markers.get(unit.id)
+    return marker if marker is not None and marker.get("key") == unit.key else None
+
+
+def _weights_present(unit: Unit, markers: Markers) -> bool:
+    files = (markers.get(unit.id) or {}).get("weight_files")
     return isinstance(files, dict) and all(
-        (folder / n).is_file() and (folder / n).stat().st_size == size for n, size in files.items()
+        (unit.output / n).is_file() and (unit.output / n).stat().st_size == size for n, size in files.items()
     )
 
 
-def unit_finished(unit: Unit, latest: dict[str, dict[str, Any]]) -> bool:
+def unit_finished(unit: Unit, latest: dict[str, dict[str, Any]], markers: Markers) -> bool:
     """Finished = last manifest line done with this key AND the COMPLETE marker with this key."""
     row = latest.get(unit.id)
     return bool(
-        row
-        and row.get("status") == "done"
-        and row.get("key") == unit.key
-        and read_complete(unit.output, unit.key) is not None
+        row and row.get("status") == "done" and row.get("key") == unit.key and current(unit, markers) is not None
     )
 
 
@@ -381,10 +401,10 @@ def _recover(out: Path, units: tuple[Unit, ...]) -> list[str]:
     return notes
 
 
-def _check_conflicts(plan: Plan) -> None:
+def _check_conflicts(plan: Plan, markers: Markers) -> None:
     for unit in plan.units:
-        if unit.output.exists() and read_complete(unit.output, unit.key) is None:
-            complete = read_complete(unit.output) or {}
+        if unit.output.exists() and current(unit, markers) is None:
+            complete = markers.get(unit.id) or {}
             if complete.get("fingerprint_rule") != FINGERPRINT_RULE:
                 raise UserError(
                     f"{unit.output}: made with an older fingerprint rule; rerun with --force",
@@ -445,8 +465,9 @@ def _run_sweep_locked(plan: Plan, force: bool, progress: bool) -> SweepReport:
     out = spec.output
     report = SweepReport(output=out)
     report.notes.extend(_recover(out, plan.units))
+    markers = read_markers(plan.units)
     if not force:
-        _check_conflicts(plan)
+        _check_conflicts(plan, markers)
     atomic_write_json(
         out / "sweep.json",
         {
@@ -459,7 +480,7 @@ def _run_sweep_locked(plan: Plan, force: bool, progress: bool) -> SweepReport:
     )
     manifest = Manifest(out / MANIFEST)
     latest = {} if force else manifest.latest()
-    finished = {u.id for u in plan.units if unit_finished(u, latest)}
+    finished = {u.id for u in plan.units if unit_finished(u, latest, markers)}
     by_id = {u.id: u for u in plan.units}
 
     def needed(unit: Unit) -> bool:
@@ -470,7 +491,7 @@ def _run_sweep_locked(plan: Plan, force: bool, progress: bool) -> SweepReport:
         ]
         if all(d.id in finished for d in downstream):
             return unit.id not in finished and not spec.delete_merged
-        return unit.id not in finished or not _weights_present(unit.output)
+        return unit.id not in finished or not _weights_present(unit, markers)
 
     def record(unit: Unit, error: str | None) -> None:
         """The driver's bookkeeping of one unit that ran (or could not run), whatever the engine."""
@@ -482,10 +503,11 @@ def _run_sweep_locked(plan: Plan, force: bool, progress: bool) -> SweepReport:
                 )
             return
         manifest.append({"unit": unit.id, "key": unit.key, "status": "done", "output": str(unit.output)})
+        markers.update(read_markers([unit]))
         finished.add(unit.id)
         report.ran.append(unit.id)
         if spec.delete_merged and f"merge:{unit.checkpoint}" in by_id:
-            _maybe_delete_weights(by_id[f"merge:{unit.checkpoint}"], by_id, finished, manifest)
+            _maybe_delete_weights(by_id[f"merge:{unit.checkpoint}"], by_id, finished, manifest, markers)
 
     todo = [u for u in plan.units if needed(u)]
     report.skipped.extend(u.id for u in plan.units if u not in todo)
@@ -496,9 +518,9 @@ def _run_sweep_locked(plan: Plan, force: bool, progress: bool) -> SweepReport:
     if spec.delete_merged:  # also checkpoints finished by an earlier run
         for unit in plan.units:
             if unit.kind == "merge":
-                _maybe_delete_weights(unit, by_id, finished, manifest)
+                _maybe_delete_weights(unit, by_id, finished, manifest, markers)
     table = {
-        **build_table(plan, report.failures, *_saved_outputs(plan)),
+        **build_table(plan, report.failures, *_saved_outputs(plan, markers)),
         "provenance": provenance(sweep=spec.source, units={u.id: u.key for u in plan.units}),
     }
     report.table_files = write_table(table, out)
@@ -525,12 +547,14 @@ def _run_local(units: list[Unit], record: Any, failures: dict[str, str], progres
         record(unit, None)
 
 
-def _maybe_delete_weights(merge_unit: Unit, by_id: dict[str, Unit], finished: set[str], manifest: Manifest) -> None:
+def _maybe_delete_weights(
+    merge_unit: Unit, by_id: dict[str, Unit], finished: set[str], manifest: Manifest, markers: Markers
+) -> None:
     """Delete a merged checkpoint's weight files once its eval and strength units are finished."""
     downstream = [
         f"{k}:{merge_unit.checkpoint}" for k in ("eval", "strength") if f"{k}:{merge_unit.checkpoint}" in by_id
     ]
-    complete = read_complete(merge_unit.output, merge_unit.key)
+    complete = current(merge_unit, markers)
     if not all(d in finished for d in downstream) or complete is None:
         return
     present = [n for n in complete.get("weight_files", {}) if (merge_unit.output / n).exists()]
@@ -546,7 +570,7 @@ def _maybe_delete_weights(merge_unit: Unit, by_id: dict[str, Unit], finished: se
 # --- the table -------------------------------------------------------------------------------
 
 
-def _saved_outputs(plan: Plan) -> tuple[dict[str, Any], dict[str, Any], dict[str, float]]:
+def _saved_outputs(plan: Plan, markers: Markers) -> tuple[dict[str, Any], dict[str, Any], dict[str, float]]:
     """Per checkpoint with a finished unit: its lm-eval results, their protocol fingerprint, its saved S."""
     from lm_eval_sink.protocols import fingerprint_run
     from lm_eval_sink.runs import load_results, resolve_run
@@ -555,19 +579,20 @@ def _saved_outputs(plan: Plan) -> tuple[dict[str, Any], dict[str, Any], dict[str
     results, fingerprints, strengths = {}, {}, {}
     for ck in plan.checkpoints:
         ev = by_id.get(f"eval:{ck.name}")
-        complete = read_complete(ev.output, ev.key) if ev is not None else None
+        complete = current(ev, markers) if ev is not None else None
         if complete is not None:
             run = resolve_run(ev.output / complete["results"])
             results[ck.name] = load_results(run)
             fingerprints[ck.name] = fingerprint_run(run)
         st = by_id.get(f"strength:{ck.name}")
-        if st is not None and read_complete(st.output, st.key) is not None:
+        if st is not None and current(st, markers) is not None:
             strengths[ck.name] = json.loads((st.output / "strength.json").read_text(encoding="utf-8"))["sink_strength"]
     return results, fingerprints, strengths
 
 
 def write_table(table: dict[str, Any], out: Path) -> list[Path]:
     """table.json, table.csv, table.md and table.png, each written atomically."""
+    from lm_eval_sink.benchmarks import load_benchmarks, metric_labels
     from lm_eval_sink.plots import sweep_chart
 
     md, csv = table_text(table)
@@ -576,9 +601,11 @@ def write_table(table: dict[str, Any], out: Path) -> list[Path]:
         atomic_write_text(out / "table.csv", csv),
         atomic_write_text(out / "table.md", md),
     ]
-    series = {c: [r["metrics"][c] for r in table["rows"]] for c in table["columns"]}
-    series["S (Sink Strength)"] = [r["sink_strength"] for r in table["rows"]]
-    paths.append(
-        sweep_chart([r["checkpoint"] for r in table["rows"]], series, out / "table.png", note=table["final_note"])
-    )
+    labels = metric_labels(table["columns"], load_benchmarks())
+    series = {
+        label: [r["metrics"][c] for r in table["rows"]] for c, label in zip(table["columns"], labels, strict=True)
+    }
+    strength = [r["sink_strength"] for r in table["rows"]]
+    checkpoints = [r["checkpoint"] for r in table["rows"]]
+    paths.append(sweep_chart(checkpoints, series, out / "table.png", note=table["final_note"], strength=strength))
     return paths

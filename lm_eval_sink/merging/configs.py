@@ -7,18 +7,19 @@ each with its formula, an optional `identity` (said at render time) and a mergek
 with the placeholders `${reference}`, `${candidate}`, `${base}` and `${out_dtype}`.
 `render()` fills them and returns plain mergekit YAML that `mergekit-yaml FILE OUT` runs as is.
 
-`validate_text()` checks a mergekit config against mergekit's own pydantic models (their keys,
-walked recursively: mergekit would accept and drop any other key) and the declared parameters of its merge method
-(mergekit's own `spec`, so TSV/STAR ranges come from their signatures) before any weight is read:
-unknown or misspelled keys (mergekit drops them silently), parameters at a level where mergekit
-ignores them, missing roles and required parameters, wrong types, out-of-range values, paths,
-and architecture or vocabulary mismatches read from config.json. Each problem is one
-`UserError` line naming the file, the key and what was expected.
+`validate_text()` checks a mergekit config before any weight is read, in two layers. First
+structure, through mergekit's own pydantic models (`MergeConfiguration` and the models under it):
+their errors, and the bare `RuntimeError`s of their validators, become one line naming the key.
+Then what mergekit leaves unchecked: unknown keys at every level (its models drop them silently),
+and per merge method its declared parameters (mergekit's own `spec`, so TSV/STAR ranges come from
+their signatures): names, the level they are read at, types, ranges, finite numbers, required
+ones, the roles of the inputs (base model, count), paths, and architecture or vocabulary
+mismatches read from config.json. Each problem is one `UserError` line naming the file, the key
+and what was expected.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib.resources
 import json
 import math
@@ -31,7 +32,7 @@ import yaml
 
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.io import parse_yaml, sha256_file, sha256_text
-from lm_eval_sink.schema import Strict, did_you_mean, models_under, parse
+from lm_eval_sink.schema import Strict, did_you_mean, key_path, model_at, parse
 
 LINEAGES = ("chain", "siblings")
 ROLES = ("reference", "candidate", "base")
@@ -147,6 +148,8 @@ class Rendered:
     config: dict[str, Any]
     formula: str
     warnings: tuple[str, ...]
+    template: Template
+    validated: ValidatedConfig  # `text` as checked by validate_text, once
 
 
 def _substitute(node: Any, values: dict[str, str], where: str) -> Any:
@@ -206,7 +209,7 @@ def _tokenizer_digest(path: str) -> str | None:
 
 
 def render(
-    name: str | Path,
+    name: str | Path | Template,
     reference: str | Path,
     candidate: str | Path,
     base: str | Path | None = None,
@@ -219,7 +222,7 @@ def render(
     """
     from lm_eval_sink.models import resolve_model
 
-    template = load_template(name)
+    template = name if isinstance(name, Template) else load_template(name)
     paths = {
         "reference": _resolve_role(resolve_model, "--reference", reference),
         "candidate": _resolve_role(resolve_model, "--candidate", candidate),
@@ -231,42 +234,18 @@ def render(
     values = {f"${{{role}}}": p for role, p in paths.items()}
     values["${out_dtype}"] = stored_dtype(paths["reference"])
     config = _substitute(block["config"], values, f"{template.path}: {lineage}.config")
-    warnings = []
-    if block.get("identity"):
-        warnings.append(f"{template.name} ({lineage} lineage): {block['identity']}")
-    if base is not None and not _uses(block["config"], "${base}"):
-        warnings.append(
-            f"{template.name}: this control does not use the base model (--base only selects the "
-            f"siblings formula: {block['formula']})"
-        )
     if tokenizer_source is not None:
         config["tokenizer_source"] = (
             paths[tokenizer_source]
             if tokenizer_source in ("reference", "candidate")
             else _tokenizer_source_arg(tokenizer_source, resolve_model)
         )
-    elif (
-        base is not None
-        and _uses(block["config"], "${base}")
-        and _tokenizer_digest(paths["base"]) != _tokenizer_digest(paths["reference"])
-    ):
-        warnings.append(
-            f"{template.name}: mergekit copies the tokenizer and config of base_model, and the base's "
-            "tokenizer files differ from the reference's "
-            "(chat template, special tokens?); pass --tokenizer-source reference to build the output "
-            "vocabulary from the reference's tokenizer"
-        )
-    header = [
-        f"# Rendered by lm-eval-sink from {template.path} (sha256 {template.sha256[:16]}): "
-        f"{template.title}, {lineage} lineage.",
-        *(f"# {role}: {p}" for role, p in paths.items()),
-        f"# {block['formula']}",
-        "# Plain mergekit YAML: mergekit-yaml THIS_FILE OUT (tsv and star need lm-eval-sink "
-        "installed); or lm-eval-sink merge THIS_FILE OUT.",
-    ]
-    text = "\n".join(header) + "\n" + yaml.safe_dump(config, sort_keys=False, default_flow_style=None, width=1000)
+    warnings = _render_warnings(template, lineage, block, paths, tokenizer_source)
+    text = _header(template, lineage, block, paths) + yaml.safe_dump(
+        config, sort_keys=False, default_flow_style=None, width=1000
+    )
     roles = {p: role for role, p in paths.items()}
-    validate_text(text, source=f"{template.name} ({lineage})", roles=roles)
+    validated = validate_text(text, source=f"{template.name} ({lineage})", roles=roles)
     return Rendered(
         name=template.name,
         lineage=lineage,
@@ -274,7 +253,49 @@ def render(
         config=config,
         formula=str(block["formula"]),
         warnings=tuple(warnings),
+        template=template,
+        validated=validated,
     )
+
+
+def _render_warnings(
+    template: Template, lineage: str, block: dict[str, Any], paths: dict[str, str], tokenizer_source: str | None
+) -> list[str]:
+    """What the user should know about a filled template: an identity, an unused base, a base tokenizer that differs."""
+    warnings = []
+    if block.get("identity"):
+        warnings.append(f"{template.name} ({lineage} lineage): {block['identity']}")
+    uses_base = _uses(block["config"], "${base}")
+    if "base" in paths and not uses_base:
+        warnings.append(
+            f"{template.name}: this control does not use the base model "
+            f"(--base only selects the siblings formula: {block['formula']})"
+        )
+    if (
+        tokenizer_source is None
+        and "base" in paths
+        and uses_base
+        and _tokenizer_digest(paths["base"]) != _tokenizer_digest(paths["reference"])
+    ):
+        warnings.append(
+            f"{template.name}: mergekit copies the tokenizer and config of base_model, "
+            "and the base's tokenizer files differ from the reference's (chat template, special tokens?); "
+            "pass --tokenizer-source reference to build the output vocabulary from the reference's tokenizer"
+        )
+    return warnings
+
+
+def _header(template: Template, lineage: str, block: dict[str, Any], paths: dict[str, str]) -> str:
+    """The comment lines above a rendered config: its template, models and formula, and how to run it."""
+    lines = [
+        f"# Rendered by lm-eval-sink from {template.path} (sha256 {template.sha256[:16]}): "
+        f"{template.title}, {lineage} lineage.",
+        *(f"# {role}: {p}" for role, p in paths.items()),
+        f"# {block['formula']}",
+        "# Plain mergekit YAML: mergekit-yaml THIS_FILE OUT (tsv and star need lm-eval-sink installed); "
+        "or lm-eval-sink merge THIS_FILE OUT.",
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def _resolve_role(resolve_model, flag: str, value: str | Path) -> str:
@@ -303,15 +324,7 @@ class ValidatedConfig:
     method: str
     base_model: str | None
     inputs: tuple[str, ...]
-
-
-@functools.cache
-def mergekit_keys() -> dict[str, tuple[str, ...]]:
-    """The keys of each section of a mergekit config, from mergekit's own pydantic models (walked from
-    MergeConfiguration). mergekit accepts and drops unknown keys; the validator refuses them."""
-    from mergekit.config import MergeConfiguration
-
-    return models_under(MergeConfiguration)
+    mergekit: Any  # mergekit's MergeConfiguration of `data` (mergekit's planner rewrites it: merge a copy)
 
 
 def validate_file(path: str | Path) -> ValidatedConfig:
@@ -324,8 +337,43 @@ def validate_file(path: str | Path) -> ValidatedConfig:
     return validate_text(path.read_text(encoding="utf-8"), source=str(path))
 
 
+def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | None = None) -> ValidatedConfig:
+    """Validate mergekit YAML text: mergekit's own models, then what they leave unchecked (no weights read).
+
+    `roles` maps a model path to the role it plays (reference, candidate, base), for messages.
+    """
+    ck = _Checker(source, roles)
+    data = parse_yaml(text, source)
+    _check_unknown_keys(ck, data)
+    method = _Method(ck, data.get("merge_method"))
+    config = _mergekit_config(ck, data)
+    for key in ("dtype", "out_dtype"):
+        value = getattr(config, key)
+        if value is not None and value.removeprefix("torch.") not in DTYPES:
+            ck.fail(
+                key,
+                f"expected one of {', '.join(DTYPES)}, got {value!r}",
+                "use e.g. float32 for compute and the model's dtype for out_dtype",
+            )
+    base_model = ck.model_ref(str(config.base_model), "base_model") if config.base_model is not None else None
+    inputs: list[str] = []
+    for group in _groups(ck, method, config, base_model):
+        inputs.extend(p for p in _check_group(ck, method, group) if p not in inputs)
+    _check_tokenizer(ck, config, base_model)
+    _check_compatible(ck, config, inputs, bool(config.models))
+    return ValidatedConfig(
+        source=source,
+        text=text,
+        data=data,
+        method=method.name,
+        base_model=base_model,
+        inputs=tuple(inputs),
+        mergekit=config,
+    )
+
+
 class _Checker:
-    """Walks one config; every problem becomes a UserError '<source>: <key>: <expected>'."""
+    """Reports for one config; every problem becomes a UserError '<source>: <key>: <expected>'."""
 
     def __init__(self, source: str, roles: dict[str, str] | None) -> None:
         self.source = source
@@ -334,25 +382,11 @@ class _Checker:
     def fail(self, key: str, message: str, hint: str) -> NoReturn:
         raise UserError(f"{self.source}: {key}: {message}", hint)
 
-    def keys(self, node: Any, allowed: tuple[str, ...], where: str, what: str) -> None:
-        if not isinstance(node, dict):
-            self.fail(
-                where or "(top level)",
-                f"expected a mapping ({what}), got {type(node).__name__}",
-                f"write {what} as 'key: value' lines",
-            )
-        for key in node:
-            if key not in allowed:
-                self.fail(
-                    f"{where}.{key}" if where else str(key),
-                    f"unknown key in {what}{did_you_mean(str(key), allowed)}; mergekit would ignore it "
-                    f"(allowed: {', '.join(allowed)})",
-                    "remove or correct the key",
-                )
-
     def model_ref(self, value: Any, key: str) -> str:
-        """A local folder (resolved) or a hub id, `org/name` or `org/name@REVISION` (kept as written; the revision must
-        exist)."""
+        """A local folder (resolved) or a hub id, `org/name` or `org/name@REVISION`.
+
+        A hub id is kept as written; its revision must exist.
+        """
         from lm_eval_sink.identity import looks_like_hub_id, model_identity, split_revision
         from lm_eval_sink.models import resolve_model
 
@@ -382,6 +416,139 @@ class _Checker:
         role = self.roles.get(path)
         return f"{role} {path}" if role else path
 
+
+# --- structure: mergekit's own models ----------------------------------------------------
+
+# How messages name a node described by one of mergekit's models.
+_WHAT = {
+    "MergeConfiguration": "a mergekit config",
+    "InputModelDefinition": "a model entry",
+    "OutputSliceDefinition": "an output slice",
+    "InputSliceDefinition": "a slice source",
+    "OutputModuleDefinition": "a module definition",
+    "TokenizerConfig": "a tokenizer section",
+    "ConditionalParameter": "a filtered parameter value",
+}
+
+
+def _check_unknown_keys(ck: _Checker, node: Any, loc: tuple[Any, ...] = ()) -> None:
+    """Refuse a key that mergekit's models do not declare, at every level (mergekit would drop it silently)."""
+    from mergekit.config import MergeConfiguration
+
+    model = model_at(MergeConfiguration, loc)
+    if not loc and not isinstance(node, dict):
+        ck.fail(
+            "(top level)",
+            f"expected a mapping (a mergekit config), got {type(node).__name__}",
+            "write a config as 'key: value' lines",
+        )
+    if isinstance(node, dict):
+        allowed = tuple(model.model_fields) if model is not None else ()
+        for key, value in node.items():
+            if model is not None and key not in allowed:
+                what = _WHAT.get(model.__name__, f"a {model.__name__}")
+                ck.fail(
+                    key_path((*loc, key)),
+                    f"unknown key in {what}{did_you_mean(str(key), allowed)}; "
+                    f"mergekit would ignore it (allowed: {', '.join(allowed)})",
+                    "remove or correct the key",
+                )
+            _check_unknown_keys(ck, value, (*loc, key))
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            _check_unknown_keys(ck, value, (*loc, i))
+
+
+def _mergekit_config(ck: _Checker, data: dict[str, Any]):
+    """`data` as mergekit's MergeConfiguration; its errors as one line naming the key (modules first, to name one)."""
+    from mergekit.config import MergeConfiguration, OutputModuleDefinition
+
+    if isinstance(data.get("modules"), dict):
+        for name, module in data["modules"].items():
+            _mergekit_parse(ck, OutputModuleDefinition, module, (f"modules.{name}",))
+    return _mergekit_parse(ck, MergeConfiguration, data, ())
+
+
+def _mergekit_parse(ck: _Checker, model: type, node: Any, loc: tuple[Any, ...]):
+    from pydantic import ValidationError
+
+    try:
+        return model.model_validate(node)
+    except ValidationError as e:
+        _schema_error(ck, node, loc, e.errors(include_url=False))
+    except RuntimeError as e:  # mergekit's validators raise RuntimeError, which pydantic passes on bare
+        _validator_error(ck, node, loc, str(e))
+
+
+def _data_path(node: Any, loc: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A pydantic location without its union-member tags: the parts that name keys and items of `node`."""
+    path = []
+    for part in loc:
+        if (isinstance(node, dict) and part in node) or (
+            isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)
+        ):
+            path.append(part)
+            node = node[part]
+    return tuple(path)
+
+
+def _schema_error(ck: _Checker, node: Any, loc: tuple[Any, ...], errors: list[dict[str, Any]]) -> NoReturn:
+    """The first key mergekit's schema refuses, with what each form it accepts there says (a missing key first)."""
+    missing = next((e for e in errors if e["type"] == "missing"), None)
+    if missing is not None:
+        key = key_path((*loc, *_data_path(node, missing["loc"])))
+        ck.fail(key or "(top level)", f"missing key {missing['loc'][-1]!r} (mergekit's schema)", "add the key")
+    path = _data_path(node, errors[0]["loc"])
+    said = []
+    for err in errors:
+        msg = err["msg"][:1].lower() + err["msg"][1:]
+        if _data_path(node, err["loc"]) == path and msg not in said:
+            said.append(msg)
+    value = errors[0]["input"]
+    got = f"a {type(value).__name__}" if isinstance(value, (dict, list)) else repr(value)
+    ck.fail(
+        key_path((*loc, *path)) or "(top level)",
+        f"{'; or '.join(said[:3])} (mergekit's schema), got {got}",
+        "see mergekit's config format (docs/merging.md)",
+    )
+
+
+def _validator_error(ck: _Checker, node: Any, loc: tuple[Any, ...], message: str) -> NoReturn:
+    """One of mergekit's model validators said no: the key it concerns and this project's words for it."""
+    where = key_path(loc)
+    if message.startswith("Exactly one of"):
+        found = [k for k in ("models", "slices", "modules") if node.get(k)]
+        ck.fail(
+            "models",
+            f"exactly one of models, slices or modules must be given (found {', '.join(found) or 'none'})",
+            "list the input models under models:",
+        )
+    if message.startswith("Must specify either output slices or models"):
+        ck.fail(where, "exactly one of models or slices must be given", "list the module's inputs")
+    if message.startswith("Cannot specify both tokenizer_source and tokenizer"):
+        ck.fail("tokenizer", "give either tokenizer_source or tokenizer, not both", "keep one of them")
+    at = next((path for path, value in _strings(node) if message.endswith(f": {value}")), None)
+    if at is not None and message.startswith("Invalid model path"):
+        ck.model_ref(_value_at(node, at), key_path((*loc, *at)))  # this project's words for a bad reference
+    key = key_path((*loc, *at)) if at is not None else where
+    ck.fail(key or "(top level)", f"mergekit refuses it: {message}", "see mergekit's config format (docs/merging.md)")
+
+
+def _strings(node: Any, loc: tuple[Any, ...] = ()) -> list[tuple[tuple[Any, ...], str]]:
+    """Every string value under `node`, with its location (to find the key a validator's message quotes)."""
+    if isinstance(node, str):
+        return [(loc, node)]
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    return [found for k, v in items for found in _strings(v, (*loc, k))]
+
+
+def _value_at(node: Any, loc: tuple[Any, ...]) -> Any:
+    for part in loc:
+        node = node[part]
+    return node
+
+
+# --- the merge method's declared parameters --------------------------------------------------
 
 _OPS = {
     "Gt": (">", lambda v, b: v > b),
@@ -422,335 +589,269 @@ def _in_range(param, value: Any) -> bool:
     return all(_OPS[k][1](value, b) for k, b in _declared(param)[1])
 
 
-def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | None = None) -> ValidatedConfig:
-    """Validate mergekit YAML text against its merge method's declared parameters (no weights read)."""
-    from lm_eval_sink.merging.methods import register
-    from mergekit.merge_methods import registry
-    from mergekit.merge_methods.base import BasePolicy, ParameterScope
+class _Method:
+    """One registered merge method's declared parameters: names, scopes, types and ranges, checked per setting."""
 
-    register()
-    ck = _Checker(source, roles)
-    data = parse_yaml(text, source)
-    ck.keys(data, mergekit_keys()["MergeConfiguration"], "", "a mergekit config")
+    def __init__(self, ck: _Checker, name: Any) -> None:
+        from lm_eval_sink.merging.methods import register
+        from mergekit.merge_methods import registry
 
-    method_name = data.get("merge_method")
-    names = sorted(m.spec.name for m in registry.registered_methods())
-    if not isinstance(method_name, str):
-        ck.fail(
-            "merge_method", f"missing; expected one of {', '.join(names)}", "add e.g. merge_method: task_arithmetic"
-        )
-    if method_name not in names:
-        ck.fail(
-            "merge_method",
-            f"unknown merge method {method_name!r}{did_you_mean(method_name, names)}; known: {', '.join(names)}",
-            "use one of the known methods",
-        )
-    spec = registry.get(method_name).spec
-    params = {p.name: p for p in spec.parameters}
-    shared = {p.name for p in spec.shared_parameters}
-    param_list = ", ".join(params) or "no parameters"
+        register()
+        names = sorted(m.spec.name for m in registry.registered_methods())
+        if not isinstance(name, str):
+            ck.fail(
+                "merge_method", f"missing; expected one of {', '.join(names)}", "add e.g. merge_method: task_arithmetic"
+            )
+        if name not in names:
+            ck.fail(
+                "merge_method",
+                f"unknown merge method {name!r}{did_you_mean(name, names)}; known: {', '.join(names)}",
+                "use one of the known methods",
+            )
+        self.ck, self.name = ck, name
+        self.spec = registry.get(name).spec
+        self.params = {p.name: p for p in self.spec.parameters}
+        self.shared = {p.name for p in self.spec.shared_parameters}
 
-    def check_value(key: str, pname: str, value: Any) -> None:
-        p = params[pname]
-        if isinstance(value, bool) and _expectation(p).startswith("a number"):
-            ck.fail(key, f"expected {_expectation(p)}, got {value!r}", f"write a number for {pname}")
+    def check_params(self, node: dict[str, Any] | None, where: str, per_model: bool, is_base: bool) -> dict[str, Any]:
+        """A `parameters:` mapping at one level: every name declared, at a level where mergekit reads it."""
+        from mergekit.merge_methods.base import ParameterScope
+
+        for pname, setting in (node or {}).items():
+            key = f"{where}.{pname}"
+            if pname not in self.params:
+                self.ck.fail(
+                    key,
+                    f"unknown parameter of merge method {self.name!r}{did_you_mean(str(pname), self.params)}; "
+                    f"mergekit would ignore it ({self.name} takes: {', '.join(self.params) or 'no parameters'})",
+                    "remove or correct the parameter",
+                )
+            if per_model and pname in self.shared:
+                self.ck.fail(
+                    key,
+                    f"{pname!r} is a global parameter of {self.name}; mergekit ignores it on a model",
+                    "move it to the top-level parameters",
+                )
+            if per_model and is_base and self.params[pname].scope == ParameterScope.NON_BASE:
+                self.ck.fail(
+                    key,
+                    f"{self.name} ignores {pname!r} on the base model (it applies to task vectors only)",
+                    "remove it from the base model's entry",
+                )
+            self.check_setting(key, pname, setting)
+        return node or {}
+
+    def check_setting(self, key: str, pname: str, setting: Any) -> None:
+        """A value, a gradient list of values, a {filter, value} or a list of them (mergekit's ParameterSetting)."""
+        from mergekit.config import ConditionalParameter
+
+        if isinstance(setting, ConditionalParameter):
+            self.check_setting(f"{key}.value", pname, setting.value)
+        elif isinstance(setting, list) and setting:
+            conditional = isinstance(setting[0], ConditionalParameter)
+            for i, s in enumerate(setting):
+                self.check_setting(f"{key}[{i}]", pname, s) if conditional else self.check_value(
+                    f"{key}[{i}]", pname, s
+                )
+        elif isinstance(setting, list):
+            expected = _expectation(self.params[pname])
+            self.ck.fail(key, f"expected {expected}, got {setting!r}", f"give {pname} a value")
+        else:
+            self.check_value(key, pname, setting)
+
+    def check_value(self, key: str, pname: str, value: Any) -> None:
+        """One scalar: the declared type (a bool is no number), range and a finite number."""
+        p, ck = self.params[pname], self.ck
+        expected = _expectation(p)
+        if isinstance(value, bool) and expected.startswith("a number"):
+            ck.fail(key, f"expected {expected}, got {value!r}", f"write a number for {pname}")
         try:
             v = p.validate(value)
         except Exception as e:  # pydantic ValidationError: the type or declared range
             errs = getattr(e, "errors", None)
             msg = errs()[0]["msg"] if callable(errs) else str(e)
-            ck.fail(key, f"expected {_expectation(p)}, got {value!r} ({msg})", f"set {pname} to {_expectation(p)}")
+            ck.fail(key, f"expected {expected}, got {value!r} ({msg})", f"set {pname} to {expected}")
         if isinstance(v, float) and not math.isfinite(v):
             ck.fail(key, f"expected a finite number, got {value!r}", f"set {pname} to a finite number")
         if isinstance(v, (int, float)) and not isinstance(v, bool) and not _in_range(p, v):
-            ck.fail(key, f"expected {_expectation(p)}, got {value!r}", f"set {pname} within that range")
+            ck.fail(key, f"expected {expected}, got {value!r}", f"set {pname} within that range")
 
-    def check_setting(key: str, pname: str, setting: Any) -> None:
-        scalar = (bool, int, float, str)
-        if isinstance(setting, scalar):
-            check_value(key, pname, setting)
-        elif isinstance(setting, dict):
-            ck.keys(setting, mergekit_keys()["ConditionalParameter"], key, "a filtered parameter value")
-            if "value" not in setting:
-                ck.fail(
-                    key,
-                    "a filtered value needs 'value' (and optionally 'filter')",
-                    "write {filter: self_attn, value: 0.5}",
-                )
-            if setting.get("filter") is not None and not isinstance(setting["filter"], str):
-                ck.fail(
-                    f"{key}.filter", f"expected a string, got {setting['filter']!r}", "write a tensor-name substring"
-                )
-            check_setting(f"{key}.value", pname, setting["value"])
-        elif isinstance(setting, list) and setting:
-            if all(isinstance(s, scalar) for s in setting):
-                for i, s in enumerate(setting):
-                    check_value(f"{key}[{i}]", pname, s)
-            elif all(isinstance(s, dict) for s in setting):
-                for i, s in enumerate(setting):
-                    check_setting(f"{key}[{i}]", pname, s)
-            else:
-                ck.fail(
-                    key,
-                    "expected a value, a gradient list of values or a list of {filter, value}",
-                    "do not mix values and filters in one list",
-                )
+
+# --- groups of inputs, as mergekit resolves them -----------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Group:
+    """Inputs merged together (a models list, or one output slice): (key, path, own parameters) each."""
+
+    where: str
+    entries: tuple[tuple[str, str, dict[str, Any]], ...]
+    base: str | None
+    levels: tuple[dict[str, Any], ...]  # the parameters of the enclosing levels, innermost first
+
+
+def _groups(ck: _Checker, method: _Method, config, base_model: str | None) -> list[_Group]:
+    """Every group of the config (models, slices, or per module either), with its parameters checked."""
+    top = method.check_params(config.parameters, "parameters", per_model=False, is_base=False)
+    if config.models:
+        return [_model_group(ck, method, config.models, "models", base_model, (top,))]
+    if config.slices:
+        return [
+            g
+            for i, s in enumerate(config.slices)
+            for g in [_slice_group(ck, method, s, f"slices[{i}]", base_model, (top,))]
+        ]
+    groups = []
+    for name, module in config.modules.items():
+        key = f"modules.{name}"
+        levels = (method.check_params(module.parameters, f"{key}.parameters", per_model=False, is_base=False), top)
+        if module.models:
+            groups.append(_model_group(ck, method, module.models, f"{key}.models", base_model, levels))
         else:
-            ck.fail(key, f"expected {_expectation(params[pname])}, got {setting!r}", f"give {pname} a value")
-
-    def check_params(node: Any, where: str, per_model: bool, is_base: bool) -> dict[str, Any]:
-        if node is None:
-            return {}
-        if not isinstance(node, dict):
-            ck.fail(
-                where,
-                f"expected a mapping of parameters, got {type(node).__name__}",
-                f"write e.g. {where}: {{{next(iter(params), 'weight')}: 1.0}}",
-            )
-        for pname, setting in node.items():
-            key = f"{where}.{pname}"
-            if pname not in params:
-                ck.fail(
-                    key,
-                    f"unknown parameter of merge method {method_name!r}{did_you_mean(str(pname), params)}; "
-                    f"mergekit would ignore it ({method_name} takes: {param_list})",
-                    "remove or correct the parameter",
-                )
-            if per_model and pname in shared:
-                ck.fail(
-                    key,
-                    f"{pname!r} is a global parameter of {method_name}; mergekit ignores it on a model",
-                    "move it to the top-level parameters",
-                )
-            if per_model and is_base and params[pname].scope == ParameterScope.NON_BASE:
-                ck.fail(
-                    key,
-                    f"{method_name} ignores {pname!r} on the base model (it applies to task vectors only)",
-                    "remove it from the base model's entry",
-                )
-            check_setting(key, pname, setting)
-        return node
-
-    for key in ("dtype", "out_dtype"):
-        if key in data and data[key] is not None and str(data[key]).removeprefix("torch.") not in DTYPES:
-            ck.fail(
-                key,
-                f"expected one of {', '.join(DTYPES)}, got {data[key]!r}",
-                "use e.g. float32 for compute and the model's dtype for out_dtype",
-            )
-    if "chat_template" in data and data["chat_template"] is not None and not isinstance(data["chat_template"], str):
-        ck.fail(
-            "chat_template",
-            f"expected a string (a template name, 'auto' or Jinja text), got {data['chat_template']!r}",
-            "quote the template",
-        )
-
-    base_model = None
-    if data.get("base_model") is not None:
-        base_model = ck.model_ref(data["base_model"], "base_model")
-    global_params = check_params(data.get("parameters"), "parameters", per_model=False, is_base=False)
-
-    blocks = [k for k in ("models", "slices", "modules") if data.get(k)]
-    if len(blocks) != 1:
-        ck.fail(
-            "models",
-            f"exactly one of models, slices or modules must be given (found {', '.join(blocks) or 'none'})",
-            "list the input models under models:",
-        )
-
-    # Each group: (where, [(key, path, params)], base, [level params]) as mergekit resolves them.
-    groups: list[tuple[str, list[tuple[str, str, dict]], str | None, list[dict]]] = []
-
-    def model_list(node: Any, where: str, base: str | None, levels: list[dict]) -> None:
-        if not isinstance(node, list) or not node:
-            ck.fail(where, "expected a non-empty list of {model: PATH, parameters: {...}}", "list each input model")
-        entries = []
-        for i, entry in enumerate(node):
-            key = f"{where}[{i}]"
-            if isinstance(entry, str):
-                entry = {"model": entry}
-            ck.keys(entry, mergekit_keys()["InputModelDefinition"], key, "a model entry")
-            path = ck.model_ref(entry.get("model"), f"{key}.model")
-            entries.append(
-                (
-                    key,
-                    path,
-                    check_params(entry.get("parameters"), f"{key}.parameters", per_model=True, is_base=path == base),
-                )
-            )
-        groups.append((where, entries, base, levels))
-
-    def slice_list(node: Any, where: str, levels: list[dict]) -> None:
-        if not isinstance(node, list) or not node:
-            ck.fail(where, "expected a non-empty list of {sources: [...]}", "list the output slices")
-        for i, sl in enumerate(node):
-            key = f"{where}[{i}]"
-            ck.keys(sl, mergekit_keys()["OutputSliceDefinition"], key, "an output slice")
-            sbase = (
-                ck.model_ref(sl["base_model"], f"{key}.base_model") if sl.get("base_model") is not None else base_model
-            )
-            if sl.get("residual_weight") is not None and not isinstance(sl["residual_weight"], (int, float)):
-                ck.fail(f"{key}.residual_weight", f"expected a number, got {sl['residual_weight']!r}", "write a number")
-            slevel = check_params(sl.get("parameters"), f"{key}.parameters", per_model=False, is_base=False)
-            sources = sl.get("sources")
-            if not isinstance(sources, list) or not sources:
-                ck.fail(f"{key}.sources", "expected a non-empty list of {model, layer_range}", "list the source slices")
-            entries = []
-            for j, src in enumerate(sources):
-                skey = f"{key}.sources[{j}]"
-                ck.keys(src, mergekit_keys()["InputSliceDefinition"], skey, "a slice source")
-                path = ck.model_ref(src.get("model"), f"{skey}.model")
-                lr = src.get("layer_range")
-                if not (
-                    isinstance(lr, list)
-                    and len(lr) == 2
-                    and all(isinstance(x, int) and not isinstance(x, bool) for x in lr)
-                    and 0 <= lr[0] < lr[1]
-                ):
-                    ck.fail(
-                        f"{skey}.layer_range",
-                        f"expected [start, end] with 0 <= start < end, got {lr!r}",
-                        "write e.g. layer_range: [0, 24]",
-                    )
-                n_layers = _config_value(_config_json(path), "num_hidden_layers")
-                if isinstance(n_layers, int) and lr[1] > n_layers:
-                    ck.fail(
-                        f"{skey}.layer_range",
-                        f"end {lr[1]} exceeds the {n_layers} layers of {path}",
-                        f"use an end <= {n_layers}",
-                    )
-                entries.append(
-                    (
-                        skey,
-                        path,
-                        check_params(
-                            src.get("parameters"), f"{skey}.parameters", per_model=True, is_base=path == sbase
-                        ),
-                    )
-                )
-            groups.append((key, entries, sbase, [slevel, *levels]))
-
-    if data.get("models"):
-        model_list(data["models"], "models", base_model, [global_params])
-    elif data.get("slices"):
-        slice_list(data["slices"], "slices", [global_params])
-    else:
-        mods = data["modules"]
-        if not isinstance(mods, dict):
-            ck.fail(
-                "modules", "expected a mapping of module name to {models | slices}", "see mergekit's docs on modules"
-            )
-        for mname, mdef in mods.items():
-            key = f"modules.{mname}"
-            ck.keys(mdef, mergekit_keys()["OutputModuleDefinition"], key, "a module definition")
-            mlevel = check_params(mdef.get("parameters"), f"{key}.parameters", per_model=False, is_base=False)
-            if bool(mdef.get("models")) == bool(mdef.get("slices")):
-                ck.fail(key, "exactly one of models or slices must be given", "list the module's inputs")
-            if mdef.get("models"):
-                model_list(mdef["models"], f"{key}.models", base_model, [mlevel, global_params])
-            else:
-                slice_list(mdef["slices"], f"{key}.slices", [mlevel, global_params])
-
-    # Roles, required parameters and the weight sum, per group, as mergekit will resolve them.
-    all_inputs: list[str] = []
-    for where, entries, base, levels in groups:
-        paths = [p for _, p, _ in entries]
-        dup = next((p for p in paths if paths.count(p) > 1), None)
-        if dup:
-            ck.fail(where, f"{dup} is listed twice", "list each input model once")
-        if spec.contract.base == BasePolicy.REQUIRED and base is None:
-            ck.fail(
-                "base_model",
-                f"missing; merge method {method_name!r} needs a base_model (task vectors are taken against it)",
-                "add base_model: PATH (the reference in the chain lineage, the common ancestor for siblings)",
-            )
-        if spec.contract.base == BasePolicy.FORBIDDEN and base is not None:
-            ck.fail("base_model", f"merge method {method_name!r} takes no base_model", "remove base_model")
-        inputs = list(entries)
-        if base is not None and base not in paths:
-            inputs.append(("base_model", base, {}))  # mergekit adds the base as an input
-        try:
-            spec.contract.validate_ids(
-                [p for _, p, _ in inputs], base if spec.contract.base != BasePolicy.IGNORED else None, group_name=where
-            )
-        except ValueError as e:
-            ck.fail(where, f"{e} (merge method {method_name!r})", "adjust the list of input models")
-        for p in spec.parameters:
-            if not p.required:
-                continue
-            at_level = any(p.name in lv for lv in levels)
-            if p.scope == ParameterScope.SHARED:
-                if not at_level:
-                    ck.fail(
-                        "parameters",
-                        f"missing required parameter {p.name!r} of merge method {method_name!r} (expected "
-                        f"{_expectation(p)})",
-                        f"add parameters: {{{p.name}: ...}}",
-                    )
-                continue
-            for key, path, own in inputs:
-                if p.scope == ParameterScope.NON_BASE and path == base:
-                    continue
-                if p.name not in own and not at_level:
-                    if key == "base_model":
-                        ck.fail(
-                            "base_model",
-                            f"mergekit adds base_model as an input of {method_name!r}, "
-                            f"which needs {p.name!r} for every input",
-                            f"list it under models with a {p.name}, or drop base_model",
-                        )
-                    ck.fail(
-                        f"{key}.parameters.{p.name}",
-                        f"missing; merge method {method_name!r} needs {p.name!r} for this model (expected "
-                        f"{_expectation(p)})",
-                        f"add parameters: {{{p.name}: ...}} to the model, or at the top level",
-                    )
-        if method_name == "linear":
-            weights = [
-                own.get("weight", next((lv["weight"] for lv in levels if "weight" in lv), None)) for _, _, own in inputs
+            groups += [
+                _slice_group(ck, method, s, f"{key}.slices[{i}]", base_model, levels)
+                for i, s in enumerate(module.slices)
             ]
-            normalize = next((lv["normalize"] for lv in levels if "normalize" in lv), True)
-            if (
-                normalize is True
-                and all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights)
-                and sum(weights) == 0
-            ):
+    return groups
+
+
+def _model_group(ck: _Checker, method: _Method, models, where: str, base: str | None, levels) -> _Group:
+    entries = []
+    for i, entry in enumerate(models):
+        key = f"{where}[{i}]"
+        path = ck.model_ref(str(entry.model), f"{key}.model")
+        own = method.check_params(entry.parameters, f"{key}.parameters", per_model=True, is_base=path == base)
+        entries.append((key, path, own))
+    return _Group(where, tuple(entries), base, levels)
+
+
+def _slice_group(ck: _Checker, method: _Method, sl, key: str, base_model: str | None, levels) -> _Group:
+    base = ck.model_ref(str(sl.base_model), f"{key}.base_model") if sl.base_model is not None else base_model
+    level = method.check_params(sl.parameters, f"{key}.parameters", per_model=False, is_base=False)
+    entries = []
+    for j, src in enumerate(sl.sources):
+        skey = f"{key}.sources[{j}]"
+        path = ck.model_ref(str(src.model), f"{skey}.model")
+        start, end = src.layer_range
+        if not 0 <= start < end:
+            ck.fail(
+                f"{skey}.layer_range",
+                f"expected [start, end] with 0 <= start < end, got {[start, end]!r}",
+                "write e.g. layer_range: [0, 24]",
+            )
+        n_layers = _config_value(_config_json(path), "num_hidden_layers")
+        if isinstance(n_layers, int) and end > n_layers:
+            ck.fail(
+                f"{skey}.layer_range", f"end {end} exceeds the {n_layers} layers of {path}", f"use an end <= {n_layers}"
+            )
+        own = method.check_params(src.parameters, f"{skey}.parameters", per_model=True, is_base=path == base)
+        entries.append((skey, path, own))
+    return _Group(key, tuple(entries), base, (level, *levels))
+
+
+# --- the method's contract on each group ------------------------------------------------------
+
+
+def _check_group(ck: _Checker, method: _Method, group: _Group) -> list[str]:
+    """Roles, required parameters and the weight sum of one group; returns its inputs (with an implied base)."""
+    paths = [p for _, p, _ in group.entries]
+    dup = next((p for p in paths if paths.count(p) > 1), None)
+    if dup:
+        ck.fail(group.where, f"{dup} is listed twice", "list each input model once")
+    inputs = list(group.entries)
+    if group.base is not None and group.base not in paths:
+        inputs.append(("base_model", group.base, {}))  # mergekit adds the base as an input
+    _check_roles(ck, method, group, [p for _, p, _ in inputs])
+    _check_required(ck, method, group, inputs)
+    if method.name == "linear":
+        _check_linear_sum(ck, group, inputs)
+    return [p for _, p, _ in inputs]
+
+
+def _check_roles(ck: _Checker, method: _Method, group: _Group, paths: list[str]) -> None:
+    from mergekit.merge_methods.base import BasePolicy
+
+    policy = method.spec.contract.base
+    if policy == BasePolicy.REQUIRED and group.base is None:
+        ck.fail(
+            "base_model",
+            f"missing; merge method {method.name!r} needs a base_model (task vectors are taken against it)",
+            "add base_model: PATH (the reference in the chain lineage, the common ancestor for siblings)",
+        )
+    if policy == BasePolicy.FORBIDDEN and group.base is not None:
+        ck.fail("base_model", f"merge method {method.name!r} takes no base_model", "remove base_model")
+    try:
+        method.spec.contract.validate_ids(
+            paths, group.base if policy != BasePolicy.IGNORED else None, group_name=group.where
+        )
+    except ValueError as e:
+        ck.fail(group.where, f"{e} (merge method {method.name!r})", "adjust the list of input models")
+
+
+def _check_required(ck: _Checker, method: _Method, group: _Group, inputs: list[tuple[str, str, dict]]) -> None:
+    """Each required parameter where mergekit looks for it: at some level, or on every input it applies to."""
+    from mergekit.merge_methods.base import ParameterScope
+
+    for p in (p for p in method.spec.parameters if p.required):
+        at_level = any(p.name in level for level in group.levels)
+        if p.scope == ParameterScope.SHARED and not at_level:
+            ck.fail(
+                "parameters",
+                f"missing required parameter {p.name!r} of merge method {method.name!r} (expected {_expectation(p)})",
+                f"add parameters: {{{p.name}: ...}}",
+            )
+        if p.scope == ParameterScope.SHARED or at_level:
+            continue
+        for key, path, own in inputs:
+            if p.name in own or (p.scope == ParameterScope.NON_BASE and path == group.base):
+                continue
+            if key == "base_model":
                 ck.fail(
-                    f"{where}",
-                    "the weights sum to 0 and linear (normalize: true) divides by their sum",
-                    "use weights with a non-zero sum",
+                    "base_model",
+                    f"mergekit adds base_model as an input of {method.name!r}, which needs {p.name!r} for every input",
+                    f"list it under models with a {p.name}, or drop base_model",
                 )
-        all_inputs.extend(p for _, p, _ in inputs if p not in all_inputs)
-
-    _check_tokenizer(ck, data, base_model)
-    _check_compatible(ck, data, all_inputs, bool(data.get("models")))
-    return ValidatedConfig(
-        source=source, text=text, data=data, method=method_name, base_model=base_model, inputs=tuple(all_inputs)
-    )
+            ck.fail(
+                f"{key}.parameters.{p.name}",
+                f"missing; merge method {method.name!r} needs {p.name!r} for this model (expected {_expectation(p)})",
+                f"add parameters: {{{p.name}: ...}} to the model, or at the top level",
+            )
 
 
-def _check_tokenizer(ck: _Checker, data: dict[str, Any], base_model: str | None) -> None:
-    ts = data.get("tokenizer_source")
-    if ts is not None:
-        if ts in ("base", "union"):
-            if ts == "base" and base_model is None:
-                ck.fail("tokenizer_source", "'base' needs a base_model", "add base_model, or use union or a model path")
-        else:
-            ck.model_ref(ts, "tokenizer_source")
-    tok = data.get("tokenizer")
+def _check_linear_sum(ck: _Checker, group: _Group, inputs: list[tuple[str, str, dict]]) -> None:
+    """linear with normalize: true divides by the sum of the weights."""
+    default = next((level["weight"] for level in group.levels if "weight" in level), None)
+    weights = [own.get("weight", default) for _, _, own in inputs]
+    normalize = next((level["normalize"] for level in group.levels if "normalize" in level), True)
+    numbers = all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights)
+    if normalize is True and numbers and sum(weights) == 0:
+        ck.fail(
+            group.where,
+            "the weights sum to 0 and linear (normalize: true) divides by their sum",
+            "use weights with a non-zero sum",
+        )
+
+
+# --- tokenizer and compatibility ------------------------------------------------------------
+
+
+def _check_tokenizer(ck: _Checker, config, base_model: str | None) -> None:
+    """tokenizer_source / tokenizer: models that resolve, 'base' only with a base_model, a positive padding."""
+    ts = config.tokenizer_source
+    if ts == "base" and base_model is None:
+        ck.fail("tokenizer_source", "'base' needs a base_model", "add base_model, or use union or a model path")
+    if ts is not None and ts not in ("base", "union"):
+        ck.model_ref(str(ts), "tokenizer_source")
+    tok = config.tokenizer
     if tok is not None:
-        ck.keys(tok, mergekit_keys()["TokenizerConfig"], "tokenizer", "a tokenizer section")
-        if ts is not None:
-            ck.fail("tokenizer", "give either tokenizer_source or tokenizer, not both", "keep one of them")
-        src = tok.get("source", "union")
-        if src not in ("base", "union"):
-            ck.model_ref(src, "tokenizer.source")
-        pad = tok.get("pad_to_multiple_of")
-        if pad is not None and not (isinstance(pad, int) and not isinstance(pad, bool) and pad > 0):
+        if tok.source not in ("base", "union"):
+            ck.model_ref(str(tok.source), "tokenizer.source")
+        pad = tok.pad_to_multiple_of
+        if pad is not None and pad <= 0:
             ck.fail("tokenizer.pad_to_multiple_of", f"expected a positive integer, got {pad!r}", "write e.g. 64")
 
 
-def _check_compatible(ck: _Checker, data: dict[str, Any], inputs: list[str], whole_models: bool) -> None:
+def _check_compatible(ck: _Checker, config, inputs: list[str], whole_models: bool) -> None:
     """Same architecture, width (and depth for whole-model merges) and vocabulary, from config.json."""
     if len(inputs) < 2:
         return
@@ -767,15 +868,15 @@ def _check_compatible(ck: _Checker, data: dict[str, Any], inputs: list[str], who
                     f"{key} differs: {ck.name(first)} has {a}, {ck.name(other)} has {b}",
                     "merge models of one architecture and size",
                 )
-    if data.get("tokenizer_source") is None and data.get("tokenizer") is None:
+    if config.tokenizer_source is None and config.tokenizer is None:
         a = _config_value(configs[first], "vocab_size")
         for other in inputs[1:]:
             b = _config_value(configs[other], "vocab_size")
             if a is not None and b is not None and a != b:
                 ck.fail(
                     "tokenizer_source",
-                    f"vocabulary sizes differ: {ck.name(first)} has vocab_size {a}, {ck.name(other)} has "
-                    f"vocab_size {b}",
-                    "choose the output vocabulary with tokenizer_source: base | union | PATH (render: "
-                    "--tokenizer-source reference)",
+                    f"vocabulary sizes differ: {ck.name(first)} has vocab_size {a}, "
+                    f"{ck.name(other)} has vocab_size {b}",
+                    "choose the output vocabulary with tokenizer_source: base | union | PATH "
+                    "(render: --tokenizer-source reference)",
                 )

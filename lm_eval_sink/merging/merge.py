@@ -102,6 +102,7 @@ def run_mergekit(
     device: str = "cpu",
     quiet: bool = True,
     revisions: dict[str, str] | None = None,
+    config: Any = None,
 ) -> dict[str, str]:
     """mergekit's `run_merge` on YAML text (already validated), writing into `out_dir`.
 
@@ -110,6 +111,7 @@ def run_mergekit(
     resolves. mergekit gets `org/name@<sha>`, or with HF_HUB_OFFLINE that commit's folder in the
     local HF cache (mergekit lists a hub repo's files over the network even when they are cached);
     `mergekit_config.yml` holds the `@<sha>` form. Returns {reference as written: commit sha}.
+    `config`: the MergeConfiguration of `text` when already parsed (a deep copy is merged).
     """
     import yaml
     from mergekit.common import ModelPath
@@ -121,7 +123,7 @@ def run_mergekit(
     from lm_eval_sink.merging.methods import register
 
     register()
-    config = MergeConfiguration.model_validate(yaml.safe_load(text))
+    config = MergeConfiguration.model_validate(yaml.safe_load(text)) if config is None else config.model_copy(deep=True)
     pins: dict[str, str] = {}
 
     def sha_of(path: ModelPath) -> str:
@@ -212,7 +214,9 @@ def merge_config(
     identities = {p: model_fingerprint(p) for p in vc.inputs}
     revisions = {p: ident["revision"] for p, ident in identities.items() if not Path(p).is_dir()}
     with staged_dir(out, force=force) as tmp:
-        pins = run_mergekit(vc.text, tmp, random_seed=random_seed, device=device, quiet=quiet, revisions=revisions)
+        pins = run_mergekit(
+            vc.text, tmp, random_seed=random_seed, device=device, quiet=quiet, revisions=revisions, config=vc.mergekit
+        )
         n_tensors, files = verify_checkpoint(tmp, expect_tokenizer=_donor_has_tokenizer(vc, identities))
         write_complete(
             tmp,

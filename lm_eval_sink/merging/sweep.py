@@ -64,6 +64,7 @@ class SweepSpec:
     strength_dtype: str = "auto"
     strength_device: str = "cpu"
     engine: Any = None  # engines.EngineSpec; part of no unit key
+    merges: tuple[Any, ...] = ()  # configs.Rendered per entry of `configs`: rendered and validated once, at load
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -202,8 +203,8 @@ class RenderedMerge:
 
     name: str
     template: str  # the template's path
-    text: str  # the mergekit YAML
-    key: str  # merging.merge.merge_key of the validated text
+    config: Any  # configs.ValidatedConfig: the mergekit YAML, checked once when the sweep file was loaded
+    key: str  # merging.merge.merge_key of the validated config
     method: str
     setting: str | None
 
@@ -289,7 +290,12 @@ def plan_units(
                 m.name,
                 m.key,
                 target,
-                {"text": m.text, "random_seed": spec.random_seed, "device": spec.merge_device, "template": m.template},
+                {
+                    "config": m.config,
+                    "random_seed": spec.random_seed,
+                    "device": spec.merge_device,
+                    "template": m.template,
+                },
             )
         )
         evaluate(Checkpoint(m.name, "merge", str(target), m.key, method=m.method, setting=m.setting))

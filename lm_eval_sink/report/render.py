@@ -39,9 +39,13 @@ def figures(view: dict[str, Any]) -> dict[str, str]:
         )
     s = view["sweep"]
     if s is not None and len(s["series"]["checkpoints"]) >= 2:
-        series = dict(s["series"]["values"])
-        series["S (Sink Strength)"] = s["series"]["s"]
-        out["sweep"] = _png(plots.sweep_chart, s["series"]["checkpoints"], series, note=s["final_note"])
+        out["sweep"] = _png(
+            plots.sweep_chart,
+            s["series"]["checkpoints"],
+            s["series"]["values"],
+            note=s["final_note"],
+            strength=s["series"]["s"],
+        )
     return out
 
 

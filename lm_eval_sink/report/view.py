@@ -311,8 +311,13 @@ def _attribution_section(d: Doc) -> dict[str, Any]:
 
 
 def _sweep_section(d: Doc) -> dict[str, Any]:
+    """The sweep's table: a column per metric under its readable name (the results key on hover), each cell
+    the value with its change vs the reference under it; and the series of the sweep's figure."""
+    from lm_eval_sink.benchmarks import load_benchmarks, metric_labels
+
     data = d.data
     cols = list(data.get("columns") or [])
+    labels = metric_labels(cols, load_benchmarks())
     rows = []
     for i, r in enumerate(data.get("rows") or []):
         rows.append(
@@ -331,14 +336,17 @@ def _sweep_section(d: Doc) -> dict[str, Any]:
         )
     return {
         "source": d.rel,
-        "columns": cols,
+        "metrics": [{"key": c, "label": label} for c, label in zip(cols, labels, strict=True)],
         "rows": rows,
         "lineage": data.get("lineage"),
         "final_note": data.get("final_note"),
         "model_differences": list(get(data, "protocol", "model_differences") or []),
         "series": {
             "checkpoints": [r.get("checkpoint") for r in data.get("rows") or []],
-            "values": {c: [get(r, "metrics", c) for r in data.get("rows") or []] for c in cols},
+            "values": {
+                label: [get(r, "metrics", c) for r in data.get("rows") or []]
+                for c, label in zip(cols, labels, strict=True)
+            },
             "s": [r.get("sink_strength") for r in data.get("rows") or []],
         },
     }
