@@ -26,13 +26,14 @@ from lm_eval_sink.io import (
     COMPLETE,
     atomic_write_json,
     atomic_write_text,
-    package_versions,
     parse_yaml,
     provenance,
     read_complete,
     sha256_file,
     sha256_text,
     staged_dir,
+    version_change,
+    versioned_key,
     write_complete,
 )
 from lm_eval_sink.locks import hold
@@ -178,8 +179,10 @@ def _tree_sha(folder: str | None) -> str | None:
 
 def plan_sweep(spec: SweepSpec) -> Plan:
     """Fingerprint the endpoints, render and validate every merge config, derive each unit's key (reads no weights)."""
-    from lm_eval_sink.merging.merge import merge_key
+    from lm_eval_sink.harness.runner import eval_versions
+    from lm_eval_sink.merging.merge import merge_inputs_key, merge_versions
     from lm_eval_sink.models import model_fingerprint
+    from lm_eval_sink.strength import key_versions
 
     merges = []
     for config in spec.configs:
@@ -191,23 +194,27 @@ def plan_sweep(spec: SweepSpec) -> Plan:
             base=spec.models.get("base"),
             tokenizer_source=spec.tokenizer_source,
         )
-        key = merge_key(validate_text(rendered.text, source=f"{template.name} ({rendered.lineage})"), spec.random_seed)
+        vc = validate_text(rendered.text, source=f"{template.name} ({rendered.lineage})")
+        inputs_key, versions = merge_inputs_key(vc, spec.random_seed), merge_versions(vc)
         merges.append(
             RenderedMerge(
                 template.name,
                 template.path,
                 rendered.text,
-                key,
+                versioned_key(inputs_key, versions),
                 str(rendered.config.get("merge_method")),
                 template.paper_setting,
+                inputs_key,
+                versions,
             )
         )
     identities = {role: model_fingerprint(spec.models[role]) for role in ENDPOINTS}
+    versions = {"eval": eval_versions(spec.eval) if spec.eval is not None else {}, "strength": key_versions()}
     return plan_units(
         spec,
         identities,
         merges,
-        package_versions(),
+        versions,
         _tree_sha(spec.eval.include_path) if spec.eval is not None else None,
     )
 
@@ -222,6 +229,8 @@ def _finish(tmp: Path, unit: Unit, **fields: Any) -> None:
             "schema_version": 1,
             "unit": unit.id,
             "key": unit.key,
+            "inputs_key": unit.inputs_key,
+            "key_versions": unit.versions,
             "fingerprint_rule": FINGERPRINT_RULE,
             "model_identity": unit.inputs.get("identity"),
             **fields,
@@ -381,7 +390,10 @@ def _recover(out: Path, units: tuple[Unit, ...]) -> list[str]:
     return notes
 
 
-def _check_conflicts(plan: Plan) -> None:
+def _check_conflicts(plan: Plan) -> list[str]:
+    """Refuse a unit output made from other inputs; one made from the same inputs by other versions is
+    recomputed (its key differs): returns a note per such unit naming the versions that changed."""
+    notes = []
     for unit in plan.units:
         if unit.output.exists() and read_complete(unit.output, unit.key) is None:
             complete = read_complete(unit.output) or {}
@@ -390,12 +402,18 @@ def _check_conflicts(plan: Plan) -> None:
                     f"{unit.output}: made with an older fingerprint rule; rerun with --force",
                     "pass --force to redo everything",
                 )
+            changed = version_change(complete, unit.inputs_key, unit.versions)
+            if changed:
+                notes.append(f"{unit.id}: recomputed: {changed}")
+                continue
             if unit.inputs.get("identity") and complete.get("model_identity"):
                 check_same_identity(complete["model_identity"], unit.inputs["identity"], unit.output)
             raise UserError(
-                f"{unit.output} holds a {unit.kind} made from other inputs than this sweep's (the sweep file, a model or a version changed)",
+                f"{unit.output} holds a {unit.kind} made from other inputs than this sweep's"
+                " (the sweep file or a model changed)",
                 "pass --force to redo everything, or choose a new output folder",
             )
+    return notes
 
 
 # --- running ---------------------------------------------------------------------------------
@@ -442,7 +460,7 @@ def _run_sweep_locked(plan: Plan, force: bool, progress: bool) -> SweepReport:
     report = SweepReport(output=out)
     report.notes.extend(_recover(out, plan.units))
     if not force:
-        _check_conflicts(plan)
+        report.notes.extend(_check_conflicts(plan))
     atomic_write_json(
         out / "sweep.json",
         {
