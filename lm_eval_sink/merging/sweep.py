@@ -172,9 +172,9 @@ class Checkpoint:
     role: str  # reference | candidate | merge
     path: str  # model folder (for merges: the merge unit's output)
     identity: str  # fingerprint (endpoints) or the merge's inputs key
-    versions: dict[str, Any] = field(default_factory=dict)  # a merge's versions, `merge `-prefixed
     method: str | None = None
     setting: str | None = None
+    versions: dict[str, Any] = field(default_factory=dict)  # a merge's versions, `merge `-prefixed
 
 
 @dataclass(frozen=True)
@@ -247,7 +247,9 @@ def plan_units(
         inputs = {"text": m.text, "random_seed": spec.random_seed, "device": spec.merge_device, "template": m.template}
         units.append(Unit("merge", m.name, m.key, target, inputs, m.inputs_key, m.versions))
         merged = {f"merge {k}": v for k, v in m.versions.items()}
-        evaluate(Checkpoint(m.name, "merge", str(target), m.inputs_key, m.method, m.setting, merged))
+        evaluate(
+            Checkpoint(m.name, "merge", str(target), m.inputs_key, method=m.method, setting=m.setting, versions=merged)
+        )
     return Plan(
         spec=spec,
         checkpoints=tuple(checkpoints),
