@@ -31,9 +31,11 @@ from lm_eval_sink.errors import UserError
 
 SCHEMA_VERSION = 1
 COMPLETE = "COMPLETE.json"  # the marker of a finished, reusable output folder
-# Recorded in every provenance block. lm_eval_sink's own version is the package metadata's (an
-# editable install says 0.1.0); the git commit beside it (`code`) tells such installs apart.
-_RECORDED_PACKAGES = ("lm_eval_sink", "lm_eval", "transformers", "torch", "mergekit", "numpy", "vllm")
+# Recorded in every provenance block (and compared between Ray nodes). lm_eval_sink's own version is the
+# package metadata's (an editable install says 0.1.0); the git commit beside it (`code`) tells such
+# installs apart. vLLM is optional (GPU nodes only): recorded in provenance, not compared.
+_RECORDED_PACKAGES = ("lm_eval_sink", "lm_eval", "transformers", "torch", "mergekit", "numpy")
+_PROVENANCE_PACKAGES = (*_RECORDED_PACKAGES, "vllm")
 
 
 def cache_dir() -> Path:
@@ -277,7 +279,7 @@ def provenance(**fields: Any) -> dict[str, Any]:
         "schema_version": SCHEMA_VERSION,
         "created_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "argv": list(sys.argv),
-        "versions": package_versions(),
+        "versions": package_versions(_PROVENANCE_PACKAGES),
         "code": _git_state(),
         **fields,
     }

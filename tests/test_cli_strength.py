@@ -88,6 +88,8 @@ def test_changed_method_or_package_version_recomputes_the_same_versions_reuse(
     assert _run(capsys, *args)[0] == 0
     first = json.loads((out / "llama.strength.json").read_text())
     assert first["provenance"]["key_versions"]["strength method"] == strength.METHOD_VERSION
+    assert set(first["provenance"]["key_versions"]) == {"strength method", "torch", "transformers"}
+    assert "vllm" in first["provenance"]["versions"]  # recorded (None when not installed), not keyed here
     rc, stdout, _ = _run(capsys, *args)
     assert rc == 0 and "llama: reused" in stdout and "recomputed" not in stdout
 

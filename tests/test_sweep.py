@@ -332,6 +332,17 @@ def test_hub_ids_in_a_sweep_file_stay_hub_ids(tmp_path, tiny_trio, monkeypatch):
         load_sweep(sweep)
 
 
+def test_eval_versions_name_the_packages_of_the_backend():
+    """An eval unit is keyed by lm-eval, transformers and torch; vLLM's version joins with backend vllm, the
+    strength method's with a sink_strength task."""
+    from lm_eval_sink.harness.runner import EvalSettings, eval_versions
+
+    hf = eval_versions(EvalSettings(tasks=("ifeval",)))
+    assert set(hf) == {"lm_eval", "transformers", "torch"} and hf["lm_eval"]
+    assert set(eval_versions(EvalSettings(tasks=("ifeval",), backend="vllm", device=None))) == {*hf, "vllm"}
+    assert eval_versions(EvalSettings(tasks=("sink_strength",)))["strength method"] >= 1
+
+
 def test_table_text_is_the_markdown_and_csv_of_the_table():
     """The core renders a table from data alone: cells formatted to 4 places, deltas signed, n/a where missing."""
     from lm_eval_sink.merging.sweep import table_text
