@@ -19,8 +19,9 @@ merges), into independent units (`merge:<name>`, `eval:<checkpoint>`, `strength:
 each with its own output folder and a key (`io.versioned_key`) of its inputs (config text, input
 fingerprints, settings: `inputs_key`) and of the versions of the code that computes it
 (`versions`: method versions and package versions; a merged checkpoint's eval and strength units
-also hold its merge's, prefixed `merge `), so a unit made by other versions is recomputed. `build_table` makes the table (rows = checkpoints, columns =
-task metrics, deltas vs the reference, S) from the saved outputs, after checking that every run
+also hold its merge's, prefixed `merge `), so a unit made by other versions is recomputed.
+`build_table` makes the table (rows = checkpoints, columns = task metrics, deltas vs the
+reference, S) from the saved outputs, after checking that every run
 used the same harness protocol (`protocols.require_same_harness`); `table_text` renders it as
 Markdown and CSV. This module does no file I/O: reading the sweep file, running units, the
 manifest, recovery and writing are `commands/sweep.py`'s.
