@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 
 BUCKETS = ("both_pass", "regression", "recovered", "both_fail")
 SCHEMA_VERSION = 1
+# The version of the bucket computation (pairing, classification, bootstrap): bump it when a bucket
+# report changes for the same runs and settings, as lm-eval bumps a task's version (docs/identity.md).
+METHOD_VERSION = 1
 _BOOT_CHUNK = 256
 # a task in no family of data/benchmarks.yaml: metric, filter and kind come from the samples
 _GENERIC = Benchmark("generic", ("*",), "unknown", None, None, "")

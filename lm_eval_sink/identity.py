@@ -10,15 +10,15 @@ Rules (`FINGERPRINT_RULE`):
 - a file hash is cached by (path, st_dev, inode, size, mtime_ns, ctime_ns) under the project
   cache, so a repeated call costs one stat per file; an in-place write changes mtime and ctime;
 - a hub id (`org/name`, or `org/name@REVISION` with a branch, tag or commit sha): its commit sha
-  (online from the hub, offline from the local HF cache), with the blob names as file hashes (the
-  sha256 of each LFS file); the sha is passed as `revision` to loads.
+  (from the local HF cache when it holds that revision, else online from the hub), with the blob
+  hashes of the files a load reads (`HUB_LOAD_FILES` and the weights; the same set cached or not) as
+  file hashes (the sha256 of each LFS file); the sha is passed as `revision` to loads.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,6 @@ from lm_eval_sink.io import COMPLETE, atomic_write_json, cache_dir, canonical_js
 FINGERPRINT_RULE = "xxh3_128-whole-files-v2"
 SKIPPED_NAMES = frozenset({COMPLETE, "FAILED.json", "extraction.json", "injection.json", ".lock", ".lock.json"})
 _CHUNK = 8 << 20
-_SHA = re.compile(r"[0-9a-f]{40}")
 
 
 def _hash_cache() -> Path:
@@ -103,25 +102,61 @@ def split_revision(ref: str) -> tuple[str, str | None]:
     return path, rev or None
 
 
-def _snapshot_root(repo_id: str) -> Path:
-    from huggingface_hub import constants
+# The files a load of a hub model reads (transformers' config, tokenizer and chat-template names), plus
+# its top-level weights: the *.safetensors (and their index), else the pytorch_model*.bin. Only these
+# are fingerprinted, from the hub's file list or from the local cache alike, so README, .gitattributes,
+# ONNX exports or a second weight format that no load downloads never tell a cached model from itself.
+HUB_LOAD_FILES = frozenset(
+    {
+        "config.json",
+        "generation_config.json",
+        "tokenizer_config.json",
+        "tokenizer.json",
+        "special_tokens_map.json",
+        "added_tokens.json",
+        "tokenizer.model",
+        "vocab.json",
+        "merges.txt",
+        "vocab.txt",
+        "chat_template.jinja",
+        "chat_template.json",
+    }
+)
 
-    return Path(constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}"
+
+def hub_load_files(files: dict[str, str]) -> dict[str, str]:
+    """The part of a hub revision's {file: blob hash} table that a load reads (`HUB_LOAD_FILES`, weights)."""
+    top = {n: h for n, h in files.items() if "/" not in n}
+    weights = {n for n in top if n.endswith(".safetensors") or n == "model.safetensors.index.json"}
+    if not weights:
+        weights = {n for n in top if n.startswith("pytorch_model") and n.endswith((".bin", ".bin.index.json"))}
+    return {n: h for n, h in sorted(top.items()) if n in HUB_LOAD_FILES or n in weights}
 
 
-def _cached_sha(repo_id: str, revision: str | None) -> str | None:
-    """The commit sha a revision names in the local HF cache (`refs/<rev>`; a full sha names itself)."""
+def _cached_revision(repo_id: str, revision: str | None) -> Any:
+    """huggingface_hub's `CachedRevisionInfo` of `repo_id` at `revision` (a commit sha, branch or tag; default
+    main) in the local HF cache (`scan_cache_dir`), or None when it is not cached."""
+    from huggingface_hub import constants, scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
     rev = revision or "main"
-    if _SHA.fullmatch(rev):
-        return rev
-    ref = _snapshot_root(repo_id) / "refs" / rev
-    return ref.read_text(encoding="utf-8").strip() if ref.is_file() else None
+    try:
+        cache = scan_cache_dir(constants.HF_HUB_CACHE)
+    except CacheNotFound:
+        return None
+    for repo in cache.repos:
+        if repo.repo_id == repo_id and repo.repo_type == "model":
+            return next((r for r in repo.revisions if r.commit_hash == rev or rev in r.refs), None)
+    return None
 
 
 def snapshot_dir(repo_id: str, sha: str) -> Path | None:
-    """The local HF cache folder of one commit of a hub model, or None when it is not cached."""
-    snap = _snapshot_root(repo_id) / "snapshots" / sha
-    return snap if snap.is_dir() else None
+    """The local HF cache folder of one commit of a hub model (`try_to_load_from_cache`), or None when its
+    config is not cached."""
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(repo_id, "config.json", revision=sha)
+    return Path(found).parent if isinstance(found, str) else None
 
 
 def cached_folder(model: str) -> Path | None:
@@ -130,23 +165,28 @@ def cached_folder(model: str) -> Path | None:
     if Path(model).is_dir():
         return Path(model)
     repo_id, revision = split_revision(model)
-    sha = _cached_sha(repo_id, revision)
-    return snapshot_dir(repo_id, sha) if sha else None
+    return snapshot_dir(repo_id, revision or "main")
 
 
 def hub_snapshot(repo_id: str, revision: str | None = None) -> tuple[str, dict[str, str]] | None:
-    """(revision sha, {file: blob hash}) of a hub model (at `revision`, default main) from the local HF cache, or None
-    when not cached."""
-    sha = _cached_sha(repo_id, revision)
-    snap = snapshot_dir(repo_id, sha) if sha else None
-    if snap is None:
+    """(revision sha, {file a load reads: blob hash}) of a hub model (at `revision`, default main) from the
+    local HF cache, or None when not cached. A blob's name is its hash: the sha256 of an LFS file, the git
+    blob id of the others (the same hashes the hub's file metadata gives)."""
+    cached = _cached_revision(repo_id, revision)
+    if cached is None:
         return None
-    files = {}
-    for p in sorted(snap.rglob("*")):
-        if p.is_file():
-            target = Path(os.path.realpath(p))
-            files[str(p.relative_to(snap))] = ("sha256:" if len(target.name) == 64 else "git:") + target.name
-    return sha, files
+    files = {
+        f.file_path.relative_to(cached.snapshot_path).as_posix(): ("sha256:" if len(f.blob_path.name) == 64 else "git:")
+        + f.blob_path.name
+        for f in cached.files
+    }
+    return cached.commit_hash, hub_load_files(files)
+
+
+def listed_files(info: Any) -> dict[str, str]:
+    """{file a load reads: blob hash} of a hub `ModelInfo` fetched with `files_metadata=True`."""
+    files = {s.rfilename: (f"sha256:{s.lfs.sha256}" if s.lfs else f"git:{s.blob_id}") for s in info.siblings or []}
+    return hub_load_files(files)
 
 
 def _hub_online(repo_id: str, revision: str | None) -> tuple[str, dict[str, str]]:
@@ -160,13 +200,15 @@ def _hub_online(repo_id: str, revision: str | None) -> tuple[str, dict[str, str]
             f"{repo_id}" + (f"@{revision}" if revision else "") + f": not found on the hub ({type(e).__name__})",
             "check the model id and revision",
         ) from None
-    files = {s.rfilename: (f"sha256:{s.lfs.sha256}" if s.lfs else f"git:{s.blob_id}") for s in info.siblings or []}
-    return info.sha, files
+    return info.sha, listed_files(info)
 
 
 def hub_offline() -> bool:
-    """HF_HUB_OFFLINE is set (huggingface_hub's own spellings of true)."""
-    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+    """huggingface_hub's offline switch (`is_offline_mode`: HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE, in its
+    own spellings of true, read when huggingface_hub is imported)."""
+    from huggingface_hub import is_offline_mode
+
+    return is_offline_mode()
 
 
 def model_identity(model: str) -> dict[str, Any]:

@@ -31,7 +31,11 @@ from lm_eval_sink.errors import UserError
 
 SCHEMA_VERSION = 1
 COMPLETE = "COMPLETE.json"  # the marker of a finished, reusable output folder
+# Recorded in every provenance block (and compared between Ray nodes). lm_eval_sink's own version is the
+# package metadata's (an editable install says 0.1.0); the git commit beside it (`code`) tells such
+# installs apart. vLLM is optional (GPU nodes only): recorded in provenance, not compared.
 _RECORDED_PACKAGES = ("lm_eval_sink", "lm_eval", "transformers", "torch", "mergekit", "numpy")
+_PROVENANCE_PACKAGES = (*_RECORDED_PACKAGES, "vllm")
 
 
 def cache_dir() -> Path:
@@ -178,16 +182,78 @@ def read_complete(folder: Path, key: str | None = None) -> dict[str, Any] | None
     return data
 
 
-def package_versions() -> dict[str, str | None]:
-    """Installed versions of the packages a result depends on (None when absent)."""
-    names = {"lm_eval_sink": "lm-eval-sink", "lm_eval": "lm_eval"}
+def package_versions(names: Iterable[str] = _RECORDED_PACKAGES) -> dict[str, str | None]:
+    """Installed versions of `names` (None when absent): the one source of both provenance and result keys."""
+    dists = {"lm_eval_sink": "lm-eval-sink", "lm_eval": "lm_eval"}
     out: dict[str, str | None] = {}
-    for mod in _RECORDED_PACKAGES:
+    for mod in names:
         try:
-            out[mod] = importlib.metadata.version(names.get(mod, mod))
+            out[mod] = importlib.metadata.version(dists.get(mod, mod))
         except importlib.metadata.PackageNotFoundError:
             out[mod] = None
     return out
+
+
+# --- results keyed by the code that made them ----------------------------------------------
+#
+# A result key is `versioned_key(inputs_key, versions)`: `inputs_key` hashes what the user chose
+# (models' identities, settings), `versions` (`key_versions`) names the code that computed the
+# number: each method version of this project it used (an integer constant beside the code,
+# bumped when its output changes for the same inputs, like lm-eval's task versions) and the
+# installed versions of the packages that produce it. A record keeps all three (`key`,
+# `inputs_key`, `key_versions`), so a result of the same inputs made by other versions is told
+# apart from one of other inputs (`version_change`). The project's own package version and git
+# commit are recorded, never keyed: a docs change must not invalidate results.
+
+
+def key_versions(methods: Mapping[str, int], packages: Iterable[str]) -> dict[str, Any]:
+    """The versions a result key holds: `{"<name> method": version, package: installed version}`."""
+    return {**{f"{name} method": v for name, v in methods.items()}, **package_versions(packages)}
+
+
+def versioned_key(inputs_key: str, versions: Mapping[str, Any]) -> str:
+    """A result key: the inputs' key and the versions of the code that computes the result."""
+    return sha256_text(canonical_json({"inputs": inputs_key, "versions": dict(versions)}))
+
+
+def version_change(recorded: Mapping[str, Any], inputs_key: str, versions: Mapping[str, Any]) -> str | None:
+    """What changed ("torch 2.13.0 -> 2.14.0, strength method 1 -> 2") when `recorded` (a record with
+    `inputs_key` and `key_versions`) was made from the same inputs by other versions; None otherwise."""
+    if recorded.get("inputs_key") != inputs_key:
+        return None
+    old = recorded.get("key_versions")
+    if not isinstance(old, dict):
+        return "made before results were keyed by code versions"
+    return _changes(old, versions) or None
+
+
+def _changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> str:
+    def shown(v: Any) -> str:
+        return "absent" if v is None else str(v)
+
+    names = sorted(set(old) | set(new))
+    return ", ".join(f"{n} {shown(old.get(n))} -> {shown(new.get(n))}" for n in names if old.get(n) != new.get(n))
+
+
+def check_same_versions(path: Path, versions: Mapping[str, Any], force: bool) -> None:
+    """Refuse (unless `force`) an existing output whose record (`path`: a JSON file with `key_versions` at its
+    top or in its `provenance`) was made by other versions, naming them; other refusals (and records
+    without versions) stay the caller's."""
+    path = Path(path)
+    if force or not path.is_file():
+        return
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return
+    old = (
+        data.get("key_versions", (data.get("provenance") or {}).get("key_versions")) if isinstance(data, dict) else None
+    )
+    changed = _changes(old, versions) if isinstance(old, dict) else None
+    if changed:
+        raise UserError(
+            f"{path}: made by other versions ({changed})", "pass --force to recompute it, or choose another output"
+        )
 
 
 def _git_state() -> dict[str, Any]:
@@ -214,7 +280,7 @@ def provenance(**fields: Any) -> dict[str, Any]:
         "schema_version": SCHEMA_VERSION,
         "created_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "argv": list(sys.argv),
-        "versions": package_versions(),
+        "versions": package_versions(_PROVENANCE_PACKAGES),
         "code": _git_state(),
         **fields,
     }

@@ -23,6 +23,11 @@ import numpy as np
 from lm_eval_sink.errors import UserError
 
 DEFAULT_LAST_K = 10
+# The version of the S computation (capture + reduction): bump it when S or any figure beside it
+# changes for the same model and settings, so results made by the old code are recomputed, not
+# reused (docs/identity.md). With KEY_PACKAGES' versions it is part of every strength result key.
+METHOD_VERSION = 1
+KEY_PACKAGES = ("torch", "transformers")
 STATISTICS = ("median", "mean")
 ROWS = ("all", "content")
 
@@ -219,13 +224,30 @@ def measure_model(
     )
 
 
-def result_key(name_path: str, fingerprint: str | None, settings: StrengthSettings, dtype: str) -> str:
-    """Identity of a measurement's inputs: a finished output with the same key is reused."""
+def key_versions() -> dict[str, Any]:
+    """The versions a Sink Strength result is keyed by: the method's and those of the packages that compute S."""
+    from lm_eval_sink.io import key_versions as versions
+
+    return versions({"strength": METHOD_VERSION}, KEY_PACKAGES)
+
+
+def inputs_key(name_path: str, fingerprint: str | None, settings: StrengthSettings, dtype: str) -> str:
+    """The key of a measurement's inputs (model path, content fingerprint, settings, dtype)."""
     from lm_eval_sink.io import canonical_json, sha256_text
 
     return sha256_text(
         canonical_json({"model": name_path, "fingerprint": fingerprint, "settings": asdict(settings), "dtype": dtype})
     )
+
+
+def result_key(
+    name_path: str, fingerprint: str | None, settings: StrengthSettings, dtype: str, versions: dict[str, Any]
+) -> str:
+    """Identity of a measurement: its inputs and the versions that computed it (`key_versions()`); a finished
+    output with the same key is reused."""
+    from lm_eval_sink.io import versioned_key
+
+    return versioned_key(inputs_key(name_path, fingerprint, settings, dtype), versions)
 
 
 RANKING_HEAD = (

@@ -172,3 +172,18 @@ def stop_ray_cluster(temp_dir: Path, grace: float = 3.0) -> None:
         deadline = time.time() + grace
         while alive() and time.time() < deadline:
             time.sleep(0.2)
+
+
+def set_package_version(monkeypatch, name: str, version: str) -> str | None:
+    """Make `io.package_versions` (the one source of the versions in result keys) report `version` for
+    `name`, as an upgrade of that package would; returns the installed version."""
+    import lm_eval_sink.io as io
+
+    real = io.package_versions
+    installed = real((name,))[name]
+
+    def patched(names=io._RECORDED_PACKAGES):
+        return {n: version if n == name else v for n, v in real(names).items()}
+
+    monkeypatch.setattr(io, "package_versions", patched)
+    return installed

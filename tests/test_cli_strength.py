@@ -75,6 +75,59 @@ def test_strength_cli_writes_json_heatmap_and_ranking(tiny_models, tiny_tokenize
     assert rc == 0 and json.loads((out / "llama.strength.json").read_text())["last_k"] == 3
 
 
+def test_changed_method_or_package_version_recomputes_the_same_versions_reuse(
+    tiny_models, tmp_path, capsys, monkeypatch
+):
+    """A result made by another strength method version or another torch is recomputed, saying which version
+    changed; the same versions reuse it; a result of other settings is still refused."""
+    import lm_eval_sink.strength as strength
+    from helpers import set_package_version
+
+    out, model = tmp_path / "out", tiny_models["llama"]
+    args = ("strength", model, "--last-k", "2", "--output", out, "--quiet")
+    assert _run(capsys, *args)[0] == 0
+    first = json.loads((out / "llama.strength.json").read_text())
+    assert first["provenance"]["key_versions"]["strength method"] == strength.METHOD_VERSION
+    assert set(first["provenance"]["key_versions"]) == {"strength method", "torch", "transformers"}
+    assert "vllm" in first["provenance"]["versions"]  # recorded (None when not installed), not keyed here
+    rc, stdout, _ = _run(capsys, *args)
+    assert rc == 0 and "llama: reused" in stdout and "recomputed" not in stdout
+
+    monkeypatch.setattr(strength, "METHOD_VERSION", strength.METHOD_VERSION + 1)
+    rc, stdout, _ = _run(capsys, *args)
+    v = strength.METHOD_VERSION
+    assert rc == 0 and f"llama: recomputed: strength method {v - 1} -> {v}" in stdout and "reused" not in stdout
+    second = json.loads((out / "llama.strength.json").read_text())
+    assert second["provenance"]["key_versions"]["strength method"] == v
+    assert second["provenance"]["input_key"] != first["provenance"]["input_key"]
+    assert second["sink_strength"] == first["sink_strength"]  # same code underneath: the same S
+    assert "reused" in _run(capsys, *args)[1]
+
+    torch_version = set_package_version(monkeypatch, "torch", "99.0")
+    rc, stdout, _ = _run(capsys, *args)
+    assert rc == 0 and f"llama: recomputed: torch {torch_version} -> 99.0" in stdout
+    assert json.loads((out / "llama.strength.json").read_text())["provenance"]["key_versions"]["torch"] == "99.0"
+    assert "reused" in _run(capsys, *args)[1]
+    rc, _, err = _run(capsys, "strength", model, "--last-k", "3", "--output", out, "--quiet")
+    _assert_user_error(rc, err, "already exists with other inputs.*--force")
+
+
+def test_a_result_made_before_versions_were_keyed_is_recomputed(tiny_models, tmp_path, capsys):
+    """A result whose provenance holds only the inputs' key (written before method versions existed) is recomputed."""
+    out, model = tmp_path / "out", tiny_models["llama"]
+    args = ("strength", model, "--last-k", "2", "--output", out, "--quiet")
+    assert _run(capsys, *args)[0] == 0
+    path = out / "llama.strength.json"
+    data = json.loads(path.read_text())
+    prov = data["provenance"]
+    prov["input_key"] = prov.pop("inputs_key")  # the old layout: input_key was the inputs' key
+    del prov["key_versions"]
+    path.write_text(json.dumps(data))
+    rc, stdout, _ = _run(capsys, *args)
+    assert rc == 0 and "llama: recomputed: made before results were keyed by code versions" in stdout
+    assert "key_versions" in json.loads(path.read_text())["provenance"]
+
+
 def test_prompt_files_text_and_jsonl(tiny_models, tmp_path, capsys):
     txt = tmp_path / "p.txt"
     txt.write_text("Write two words.\nList three colors.\n")

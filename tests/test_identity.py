@@ -131,34 +131,75 @@ def test_folders_of_failed_or_interrupted_runs_are_refused_as_models(model_dir, 
     assert not out.exists()
 
 
+def _with_hub_extras(model_dir: Path, folder: Path) -> Path:
+    """`model_dir` plus files of a hub repo that no load reads: a README, .gitattributes, a second weight format."""
+    import shutil
+
+    shutil.copytree(model_dir, folder)
+    (folder / "README.md").write_text("# tiny\n")
+    (folder / ".gitattributes").write_text("*.safetensors filter=lfs\n")
+    (folder / "pytorch_model.bin").write_bytes(b"\0" * 64)
+    return folder
+
+
 def test_hub_id_resolves_to_its_revision_from_a_local_snapshot(model_dir, tmp_path):
-    """An HF cache laid out as huggingface_hub writes it: refs/main, snapshots/<sha>/ links into blobs/."""
+    """An HF cache laid out as huggingface_hub writes it: refs/main, snapshots/<sha>/ links into blobs/. The
+    identity covers the files a load reads, not the README, .gitattributes or .bin beside them; a second
+    run reuses the first one's output."""
     sha = "0123456789abcdef0123456789abcdef01234567"
-    expected = hf_cache_snapshot(tmp_path / "hf" / "hub", "org/tiny-llama", model_dir, sha)
+    cached = hf_cache_snapshot(
+        tmp_path / "hf" / "hub", "org/tiny-llama", _with_hub_extras(model_dir, tmp_path / "r"), sha
+    )
+    expected = {n: h for n, h in cached.items() if n not in ("README.md", ".gitattributes", "pytorch_model.bin")}
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
     env.pop("HF_HUB_CACHE", None)
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lm_eval_sink.cli",
-            "strength",
-            "org/tiny-llama",
-            "--last-k",
-            "2",
-            "--output",
-            str(out),
-            "--quiet",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    argv = ["strength", "org/tiny-llama", "--last-k", "2", "--output", str(out), "--quiet"]
+    driver = f"from lm_eval_sink.cli import main; assert main({argv!r}) == 0; assert main({argv!r}) == 0"
+    proc = subprocess.run([sys.executable, "-c", driver], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("reused") == 1, proc.stdout
     model = json.loads(next(out.glob("*.strength.json")).read_text())["provenance"]["model"]
     assert model["revision"] == sha and model["files"] == expected and model["fingerprint_rule"] == FINGERPRINT_RULE
+
+
+def test_hub_fingerprint_is_the_same_file_set_cached_or_listed(model_dir, tmp_path, monkeypatch):
+    """A cache holding the whole repo, one holding only what a load downloaded, and the hub's file list
+    (a real `ModelInfo` as the hub API returns it) give one fingerprint; the offline switch is
+    huggingface_hub's."""
+    from huggingface_hub import constants
+    from huggingface_hub.hf_api import ModelInfo
+
+    from lm_eval_sink.errors import UserError
+    from lm_eval_sink.identity import cached_folder, hub_offline, listed_files
+
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    hub = tmp_path / "hub"
+    full = hf_cache_snapshot(hub, "org/full", _with_hub_extras(model_dir, tmp_path / "r"), sha)
+    hf_cache_snapshot(hub, "org/loaded", model_dir, sha)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub))
+    a, b = model_identity("org/full"), model_identity("org/loaded")
+    assert a["fingerprint"] == b["fingerprint"] and a["files"] == b["files"] and a["revision"] == sha
+    assert set(a["files"]) == {p.name for p in model_dir.iterdir()} and "README.md" not in a["files"]
+    assert cached_folder("org/loaded") == hub / "models--org--loaded" / "snapshots" / sha
+    siblings = [
+        {"rfilename": n, "blobId": h[4:] if h.startswith("git:") else "0" * 40}
+        | ({"lfs": {"sha256": h[7:], "size": 1, "pointerSize": 1}} if h.startswith("sha256:") else {})
+        for n, h in {**full, "onnx/model.onnx": "git:" + "1" * 40}.items()
+    ]
+    info = ModelInfo(id="org/full", sha=sha, siblings=siblings)
+    assert listed_files(info) == a["files"]
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    assert hub_offline() is False
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(UserError, match="not in the local Hugging Face cache and the hub is offline"):
+        model_identity("org/absent")
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    code = "from lm_eval_sink.identity import hub_offline; print(hub_offline())"
+    for extra, want in (({}, "False"), ({"TRANSFORMERS_OFFLINE": "1"}, "True"), ({"HF_HUB_OFFLINE": "ON"}, "True")):
+        proc = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True)
+        assert proc.stdout.strip() == want, (extra, proc.stderr[-500:])
 
 
 def test_a_second_process_is_refused_while_the_first_holds_the_lock(model_dir, tmp_path):

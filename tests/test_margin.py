@@ -175,11 +175,22 @@ def test_margin_matches_closed_form(margin_run, sink_models):
     assert "| 0 | 1 |" in (margin_run / "margin.md").read_text()
 
 
-def test_margin_refuses_to_overwrite(margin_run, sink_models, capsys):
+def test_margin_refuses_to_overwrite(margin_run, sink_models, capsys, monkeypatch):
+    """An existing output is refused; one made by other versions (here another torch) is refused naming them."""
+    from helpers import set_package_version
+
     before = (margin_run / "margin.json").read_bytes()
-    code = main(["margin", str(sink_models["ref"]), str(sink_models["cand"]), "--output", str(margin_run), "--quiet"])
+    prov = json.loads(before)["provenance"]
+    assert prov["key_versions"]["margin method"] == 1 and prov["key_versions"]["strength method"] == 1
+    assert prov["input_key"] and prov["inputs_key"] and prov["key_versions"]["torch"]
+    argv = ["margin", str(sink_models["ref"]), str(sink_models["cand"]), "--output", str(margin_run), "--quiet"]
+    code = main(argv)
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: output already exists") and len(err.strip().splitlines()) == 1
+    installed = set_package_version(monkeypatch, "torch", "99.0")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"made by other versions (torch {installed} -> 99.0)" in err and len(err.strip().splitlines()) == 1
     assert (margin_run / "margin.json").read_bytes() == before
 
 

@@ -19,7 +19,7 @@ from helpers import make_tiny_lm
 from safetensors.torch import load_file
 
 from lm_eval_sink.cli import main
-from lm_eval_sink.merging.configs import bundled_names, render
+from lm_eval_sink.merging.configs import bundled_names, render, validate_text
 from lm_eval_sink.merging.methods import register, star_delta, tsv_delta
 
 EIGHT = ["linear_95_5", "linear_uniform", "task_arithmetic", "tsv", "star", "ties", "dare_linear", "slerp"]
@@ -654,6 +654,36 @@ def test_merge_refuses_existing_output_and_replaces_with_force(tmp_path, tiny_tr
     assert main(["merge", str(cfg), str(out), "--force", "--quiet"]) == 0
     assert not (out / "old.txt").exists() and (out / "COMPLETE.json").is_file() and (out / "tokenizer.json").is_file()
     assert (out / "mergekit_config.yml").read_text() == cfg.read_text()
+
+
+def test_merge_key_holds_the_method_and_package_versions(tmp_path, tiny_trio, capsys, monkeypatch):
+    """A bumped TSV version changes the key of a TSV merge only; another mergekit changes every merge's key;
+    `merge` refuses an output made by other versions naming them, and one made by the same as 'already exists'."""
+    import lm_eval_sink.merging.methods as methods
+    from helpers import set_package_version
+    from lm_eval_sink.merging.merge import merge_key
+
+    tsv = validate_text(render("tsv", tiny_trio["reference"], tiny_trio["candidate"], base=tiny_trio["base"]).text)
+    linear = validate_text(render("linear_uniform", tiny_trio["reference"], tiny_trio["candidate"]).text)
+    before = {"tsv": merge_key(tsv, 0), "linear": merge_key(linear, 0)}
+    assert merge_key(tsv, 0) == before["tsv"]  # the same versions: the same key
+    monkeypatch.setitem(methods.METHOD_VERSIONS, "tsv", methods.METHOD_VERSIONS["tsv"] + 1)
+    assert merge_key(tsv, 0) != before["tsv"] and merge_key(linear, 0) == before["linear"]
+    monkeypatch.undo()
+
+    cfg, out = tmp_path / "u.yaml", tmp_path / "out"
+    cfg.write_text(linear.text)
+    assert main(["merge", str(cfg), str(out), "--quiet"]) == 0
+    complete = json.loads((out / "COMPLETE.json").read_text())
+    assert complete["key"] == merge_key(linear, complete["random_seed"]) and complete["key_versions"]["mergekit"]
+    assert "already exists" in _error(capsys, ["merge", str(cfg), str(out)])
+    installed = set_package_version(monkeypatch, "mergekit", "99.0")
+    assert merge_key(linear, 0) != before["linear"]  # another mergekit: another key
+    line = _error(capsys, ["merge", str(cfg), str(out)])
+    assert f"made by other versions (mergekit {installed} -> 99.0)" in line and "--force" in line
+    assert json.loads((out / "COMPLETE.json").read_text()) == complete  # refused: untouched
+    assert main(["merge", str(cfg), str(out), "--force", "--quiet"]) == 0
+    assert json.loads((out / "COMPLETE.json").read_text())["key_versions"]["mergekit"] == "99.0"
 
 
 def test_rendered_siblings_config_is_plain_mergekit_yaml(tmp_path, tiny_trio):

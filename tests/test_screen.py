@@ -94,7 +94,9 @@ def _expected_s(c: float, tok) -> float:
     return float(np.median(c - np.log(t)))
 
 
-def test_screen_ranks_predicts_and_warns(screen_models, tmp_path, capsys):
+def test_screen_ranks_predicts_and_warns(screen_models, tmp_path, capsys, monkeypatch):
+    import lm_eval_sink.strength as strength
+
     strong, weak, tok = screen_models
     out = tmp_path / "screen"
     assert main(["screen", str(weak), str(strong), "--output", str(out), "--quiet"]) == 0
@@ -125,6 +127,12 @@ def test_screen_ranks_predicts_and_warns(screen_models, tmp_path, capsys):
     assert main(["screen", str(weak), "--output", str(out), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: output already exists") and len(err.strip().splitlines()) == 1
+    assert data["provenance"]["key_versions"]["strength method"] == strength.METHOD_VERSION
+    monkeypatch.setattr(strength, "METHOD_VERSION", strength.METHOD_VERSION + 1)
+    assert main(["screen", str(weak), "--output", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    v = strength.METHOD_VERSION
+    assert f"made by other versions (strength method {v - 1} -> {v})" in err and len(err.strip().splitlines()) == 1
     assert (out / "screen.json").read_bytes() == before
 
 

@@ -214,6 +214,34 @@ def test_delete_merged_keeps_results_and_skips_on_rerun(uninterrupted, tmp_path)
 
 
 @pytest.mark.slow
+def test_changed_versions_recompute_the_units_they_key(uninterrupted, tmp_path, monkeypatch):
+    """The same versions reuse every unit; a bumped strength method recomputes the strength units only;
+    another mergekit recomputes the merge and what was measured on it; each says which version changed."""
+    import lm_eval_sink.strength as strength
+    from helpers import set_package_version
+    from lm_eval_sink.commands.sweep import load_sweep, run_sweep
+
+    sweep = _copy(uninterrupted, tmp_path / "v")
+    out = sweep.parent / "out"
+    same = run_sweep(load_sweep(sweep), progress=False)
+    assert same.ran == [] and not [n for n in same.notes if "recomputed" in n]
+    monkeypatch.setattr(strength, "METHOD_VERSION", strength.METHOD_VERSION + 1)
+    v = strength.METHOD_VERSION
+    report = run_sweep(load_sweep(sweep), progress=False)
+    assert report.ran == ["strength:reference", "strength:candidate", "strength:dare_linear"], report.ran
+    assert f"strength:reference: recomputed: strength method {v - 1} -> {v}" in report.notes
+    assert not report.failures and _rows(out) == _rows(uninterrupted.parent / "out")  # the same code: the same S
+    installed = set_package_version(monkeypatch, "mergekit", "99.0")
+    report = run_sweep(load_sweep(sweep), progress=False)
+    assert report.ran == ["merge:dare_linear", "eval:dare_linear", "strength:dare_linear"], report.ran
+    assert f"merge:dare_linear: recomputed: mergekit {installed} -> 99.0" in report.notes
+    assert f"eval:dare_linear: recomputed: merge mergekit {installed} -> 99.0" in report.notes
+    complete = json.loads((out / "merges" / "dare_linear" / "COMPLETE.json").read_text())
+    assert complete["key_versions"]["mergekit"] == "99.0"
+    assert run_sweep(load_sweep(sweep), progress=False).ran == []
+
+
+@pytest.mark.slow
 def test_changed_inputs_are_refused_and_other_protocols_are_not_tabulated(uninterrupted, tmp_path, capsys):
     sweep = _copy(uninterrupted, tmp_path / "e")
     data = yaml.safe_load(sweep.read_text())
@@ -303,6 +331,17 @@ def test_hub_ids_in_a_sweep_file_stay_hub_ids(tmp_path, tiny_trio, monkeypatch):
     sweep.write_text(yaml.safe_dump(data))
     with pytest.raises(UserError, match=r"models\.reference: org/missing: no such model folder"):
         load_sweep(sweep)
+
+
+def test_eval_versions_name_the_packages_of_the_backend():
+    """An eval unit is keyed by lm-eval, transformers and torch; vLLM's version joins with backend vllm, the
+    strength method's with a sink_strength task."""
+    from lm_eval_sink.harness.runner import EvalSettings, eval_versions
+
+    hf = eval_versions(EvalSettings(tasks=("ifeval",)))
+    assert set(hf) == {"lm_eval", "transformers", "torch"} and hf["lm_eval"]
+    assert set(eval_versions(EvalSettings(tasks=("ifeval",), backend="vllm", device=None))) == {*hf, "vllm"}
+    assert eval_versions(EvalSettings(tasks=("sink_strength",)))["strength method"] >= 1
 
 
 def test_table_text_is_the_markdown_and_csv_of_the_table():

@@ -70,7 +70,8 @@ def measure_margin(
 
     from lm_eval_sink.calibration import encode_prompts, load_prompts
     from lm_eval_sink.capture import attention_layers_from_config, capture_prompts
-    from lm_eval_sink.io import provenance
+    from lm_eval_sink.io import canonical_json, provenance, sha256_text, versioned_key
+    from lm_eval_sink.margin import key_versions
     from lm_eval_sink.models import load_model, resolve_model
     from lm_eval_sink.strength import measure
 
@@ -131,10 +132,25 @@ def measure_margin(
     if g_base.shape[2] == 0:
         raise UserError("no rows to compare (the prompts have no content tokens)", "use --rows all")
     sink_pos = _concat_rows(ref_caps, "sink_pos", st.rows)
+    settings_record = {"strength": asdict(st), "last_k": settings.last_k, "quantile": settings.quantile}
+    ikey = sha256_text(
+        canonical_json(
+            {
+                "reference": ref_info["fingerprint"],
+                "candidate": cand_info["fingerprint"],
+                "settings": settings_record,
+                "dtype": dtype,
+            }
+        )
+    )
+    versions = key_versions()
     prov = provenance(
+        input_key=versioned_key(ikey, versions),
+        inputs_key=ikey,
+        key_versions=versions,
         reference=ref_info,
         candidate=cand_info,
-        settings={"strength": asdict(st), "last_k": settings.last_k, "quantile": settings.quantile},
+        settings=settings_record,
         prompt_set={"source": prompt_set.source, "n_prompts": len(prompt_set.prompts), "sha256": prompt_set.sha256},
         protocol={
             "tokenizer": "reference",
@@ -187,10 +203,19 @@ def run_margin(
     margin_rows.npz, margin_heatmap.png."""
     import io as _io
 
-    from lm_eval_sink.io import atomic_write_bytes, atomic_write_json, atomic_write_text, check_output_dir, staged_dir
+    from lm_eval_sink.io import (
+        atomic_write_bytes,
+        atomic_write_json,
+        atomic_write_text,
+        check_output_dir,
+        check_same_versions,
+        staged_dir,
+    )
+    from lm_eval_sink.margin import key_versions
 
     if output is not None:
         output = Path(output)
+        check_same_versions(output / OUTPUT_FILES[0], key_versions(), force)
         check_output_dir(output, force)
     result, arrays = measure_margin(reference, candidate, settings, dtype=dtype, device=device, progress=progress)
     md = margin_table_markdown(result)

@@ -108,10 +108,17 @@ def _run(
 ) -> list[str]:
     from lm_eval_sink.commands.fit import read_pairs
     from lm_eval_sink.commands.strength import run_strength, unique_slugs
-    from lm_eval_sink.io import atomic_write_json, atomic_write_text, check_new_outputs, provenance, read_json
+    from lm_eval_sink.io import (
+        atomic_write_json,
+        atomic_write_text,
+        check_new_outputs,
+        check_same_versions,
+        provenance,
+        read_json,
+    )
     from lm_eval_sink.models import resolve_model
     from lm_eval_sink.predict import fit_pairs
-    from lm_eval_sink.strength import SinkStrength, measure_model
+    from lm_eval_sink.strength import SinkStrength, key_versions, measure_model
 
     fit = fit_pairs(read_pairs(pairs_file))  # a bad PAIRS file fails before any model is loaded
     slugs = unique_slugs(slugs)
@@ -121,6 +128,7 @@ def _run(
         if output.exists() and not output.is_dir():
             raise UserError(f"--output {output} is a file", "pass a folder")
         files = [output / name for name in SCREEN_FILES]
+        check_same_versions(files[0], key_versions(), force)
         check_new_outputs(files, force)
         lines = run_strength(
             names,
@@ -159,6 +167,7 @@ def _run(
             dtype=dtype,
             device=device,
             seed=settings.seed,
+            key_versions=key_versions(),
         ),
     }
     atomic_write_json(files[0], data)

@@ -5,7 +5,9 @@ The output folder holds `<slug>.strength.json` + `<slug>.heatmap.png` per model,
 models `ranking.md`, `ranking.csv`, `ranking.png`; several runs may fill one folder. The unit of
 resume is one model's JSON (written atomically as soon as it is measured): its
 `provenance.input_key` is the key of its inputs (model path, content fingerprint, settings,
-dtype), so a finished model is reused by key and a changed one is refused without `--force`.
+dtype: `inputs_key`) and of the versions that computed it (`key_versions`: the strength method,
+torch, transformers), so a finished model is reused by key, one made by other versions is
+recomputed (saying which version changed), and one of other inputs is refused without `--force`.
 The folder is held with `locks.hold` for the whole run (one writer).
 """
 
@@ -21,6 +23,8 @@ from lm_eval_sink.strength import (
     SinkStrength,
     StrengthSettings,
     fmt_optional,
+    inputs_key,
+    key_versions,
     measure_model,
     ranking_rows,
     ranking_table,
@@ -68,23 +72,33 @@ def run_strength(
         return _run_locked(names, paths, slugs, settings, output, dtype, device, force, progress, measure_all)
 
 
-def _reusable(json_path: Path, identity: dict[str, Any], key: str, force: bool) -> dict[str, Any] | None:
-    """The finished result at `json_path` when it was made from the inputs `key`; None when there is none (or `force`).
+def _reusable(
+    json_path: Path, identity: dict[str, Any], keys: tuple[str, str], versions: dict[str, Any], force: bool
+) -> tuple[dict[str, Any] | None, str | None]:
+    """(the finished result at `json_path` when made with the key `keys[0]`, else None; what changed when it
+    was made from the same inputs `keys[1]` by other versions, to recompute it).
 
-    A result of the same model folder whose content changed, or of other settings, is refused."""
+    None, None when there is none (or `force`); a result of the same model folder whose content
+    changed, or of other settings, is refused."""
     from lm_eval_sink.identity import check_same_identity
-    from lm_eval_sink.io import read_json
+    from lm_eval_sink.io import read_json, version_change
 
     if force or not json_path.exists():
-        return None
+        return None, None
     old = read_json(json_path)
-    check_same_identity(old.get("provenance", {}).get("model"), identity, json_path)
-    if old.get("provenance", {}).get("input_key") != key:
+    prov = old.get("provenance", {})
+    check_same_identity(prov.get("model"), identity, json_path)
+    if prov.get("input_key") == keys[0]:
+        return old, None
+    # a result made before versions were keyed holds its inputs' key as `input_key`
+    recorded = prov if "inputs_key" in prov else {"inputs_key": prov.get("input_key")}
+    changed = version_change(recorded, keys[1], versions)
+    if changed is None:
         raise UserError(
             f"output already exists with other inputs: {json_path}",
             "pass --force to overwrite, or choose another --output",
         )
-    return old
+    return None, changed
 
 
 def _run_locked(
@@ -106,20 +120,25 @@ def _run_locked(
     from lm_eval_sink.plots import layer_head_heatmap, ranking_bars
     from lm_eval_sink.tables import csv_text, markdown_table
 
-    plan = []
+    lines: list[str] = []
+    plan, versions = [], key_versions()
     for name, path, slug in zip(names, paths, slugs, strict=True):
         identity = model_fingerprint(path)
-        key = result_key(path, identity["fingerprint"], settings, dtype)
+        ikey = inputs_key(path, identity["fingerprint"], settings, dtype)
+        key = result_key(path, identity["fingerprint"], settings, dtype, versions)
         json_path = output / f"{slug}.strength.json"
-        plan.append((name, path, slug, key, json_path, _reusable(json_path, identity, key, force)))
+        reuse, changed = _reusable(json_path, identity, (key, ikey), versions, force)
+        plan.append((name, path, slug, (key, ikey), json_path, reuse))
+        if changed:
+            lines.append(f"{slug}: recomputed: {changed}")
     todo = list(dict.fromkeys(path for _, path, _, _, _, reuse in plan if reuse is None))
     measured = (
         dict(zip(todo, measure_all(todo, settings, dtype, device), strict=True))
         if measure_all is not None and todo
         else {}
     )
-    results, lines = [], []
-    for name, path, slug, key, json_path, reuse in tqdm(plan, desc="models", disable=not progress or len(plan) == 1):
+    results = []
+    for name, path, slug, keys, json_path, reuse in tqdm(plan, desc="models", disable=not progress or len(plan) == 1):
         if reuse is not None:
             res = SinkStrength.from_json(reuse)
             lines.append(f"{slug}: reused {json_path}")
@@ -129,7 +148,8 @@ def _run_locked(
                 if path in measured
                 else measure_model(path, settings, dtype=dtype, device=device, progress=progress)
             )
-            res = replace(res, provenance={**res.provenance, "input_key": key, "model_argument": name})
+            keyed = {"input_key": keys[0], "inputs_key": keys[1], "key_versions": versions}
+            res = replace(res, provenance={**res.provenance, **keyed, "model_argument": name})
             atomic_write_json(json_path, res.to_json())
         png = layer_head_heatmap(
             res.sink_strength_layer_head,

@@ -26,13 +26,14 @@ from lm_eval_sink.io import (
     COMPLETE,
     atomic_write_json,
     atomic_write_text,
-    package_versions,
     parse_yaml,
     provenance,
     read_complete,
     sha256_file,
     sha256_text,
     staged_dir,
+    version_change,
+    versioned_key,
     write_complete,
 )
 from lm_eval_sink.locks import hold
@@ -198,26 +199,33 @@ def _tree_sha(folder: str | None) -> str | None:
 
 def plan_sweep(spec: SweepSpec) -> Plan:
     """Fingerprint the endpoints and derive each unit's key from the spec's validated merges (reads no weights)."""
-    from lm_eval_sink.merging.merge import merge_key
+    from lm_eval_sink.harness.runner import eval_versions
+    from lm_eval_sink.merging.merge import merge_inputs_key, merge_versions
     from lm_eval_sink.models import model_fingerprint
+    from lm_eval_sink.strength import key_versions
 
-    merges = [
-        RenderedMerge(
-            r.name,
-            r.template.path,
-            r.validated,
-            merge_key(r.validated, spec.random_seed),
-            r.validated.method,
-            r.template.paper_setting,
+    merges = []
+    for r in spec.merges:
+        inputs_key, versions = merge_inputs_key(r.validated, spec.random_seed), merge_versions(r.validated)
+        merges.append(
+            RenderedMerge(
+                r.name,
+                r.template.path,
+                r.validated,
+                versioned_key(inputs_key, versions),
+                r.validated.method,
+                r.template.paper_setting,
+                inputs_key,
+                versions,
+            )
         )
-        for r in spec.merges
-    ]
     identities = {role: model_fingerprint(spec.models[role]) for role in ENDPOINTS}
+    versions = {"eval": eval_versions(spec.eval) if spec.eval is not None else {}, "strength": key_versions()}
     return plan_units(
         spec,
         identities,
         merges,
-        package_versions(),
+        versions,
         _tree_sha(spec.eval.include_path) if spec.eval is not None else None,
     )
 
@@ -232,6 +240,8 @@ def _finish(tmp: Path, unit: Unit, **fields: Any) -> None:
             "schema_version": 1,
             "unit": unit.id,
             "key": unit.key,
+            "inputs_key": unit.inputs_key,
+            "key_versions": unit.versions,
             "fingerprint_rule": FINGERPRINT_RULE,
             "model_identity": unit.inputs.get("identity"),
             **fields,
@@ -401,7 +411,10 @@ def _recover(out: Path, units: tuple[Unit, ...]) -> list[str]:
     return notes
 
 
-def _check_conflicts(plan: Plan, markers: Markers) -> None:
+def _check_conflicts(plan: Plan, markers: Markers) -> list[str]:
+    """Refuse a unit output made from other inputs; one made from the same inputs by other versions is
+    recomputed (its key differs): returns a note per such unit naming the versions that changed."""
+    notes = []
     for unit in plan.units:
         if unit.output.exists() and current(unit, markers) is None:
             complete = markers.get(unit.id) or {}
@@ -410,13 +423,18 @@ def _check_conflicts(plan: Plan, markers: Markers) -> None:
                     f"{unit.output}: made with an older fingerprint rule; rerun with --force",
                     "pass --force to redo everything",
                 )
+            changed = version_change(complete, unit.inputs_key, unit.versions)
+            if changed:
+                notes.append(f"{unit.id}: recomputed: {changed}")
+                continue
             if unit.inputs.get("identity") and complete.get("model_identity"):
                 check_same_identity(complete["model_identity"], unit.inputs["identity"], unit.output)
             raise UserError(
-                f"{unit.output} holds a {unit.kind} made from other inputs than this sweep's (the sweep "
-                "file, a model or a version changed)",
+                f"{unit.output} holds a {unit.kind} made from other inputs than this sweep's"
+                " (the sweep file or a model changed)",
                 "pass --force to redo everything, or choose a new output folder",
             )
+    return notes
 
 
 # --- running ---------------------------------------------------------------------------------
@@ -467,7 +485,7 @@ def _run_sweep_locked(plan: Plan, force: bool, progress: bool) -> SweepReport:
     report.notes.extend(_recover(out, plan.units))
     markers = read_markers(plan.units)
     if not force:
-        _check_conflicts(plan, markers)
+        report.notes.extend(_check_conflicts(plan, markers))
     atomic_write_json(
         out / "sweep.json",
         {

@@ -133,6 +133,21 @@ class EvalSettings:
         return args
 
 
+EVAL_PACKAGES = ("lm_eval", "transformers", "torch")
+
+
+def eval_versions(settings: EvalSettings) -> dict[str, Any]:
+    """The versions an eval result is keyed by, as the interpreter that runs lm-eval has them (today this
+    one: `run_lm_eval` starts `sys.executable`): lm-eval, transformers, torch, vLLM with backend vllm, and
+    the Sink Strength method when a task is this project's `sink_strength*`."""
+    from lm_eval_sink.io import key_versions
+    from lm_eval_sink.strength import METHOD_VERSION
+
+    packages = EVAL_PACKAGES + (("vllm",) if settings.backend == "vllm" else ())
+    sink = any(t.startswith("sink_strength") for t in settings.tasks)
+    return key_versions({"strength": METHOD_VERSION} if sink else {}, packages)
+
+
 def require_backend(backend: str) -> None:
     """Refuse a backend whose package is not installed here (vllm is optional, never pinned)."""
     import importlib.util

@@ -20,12 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.io import (
+    COMPLETE,
     canonical_json,
     check_output_dir,
     manifest,
     provenance,
     sha256_text,
     staged_dir,
+    versioned_key,
     write_complete,
 )
 from lm_eval_sink.merging.configs import ValidatedConfig, validate_file, validate_text
@@ -42,9 +44,20 @@ class MergeResult:
     weight_files: tuple[str, ...]
 
 
-def merge_key(config: ValidatedConfig, random_seed: int | None) -> str:
-    """Identity of a merge: the config's data, its inputs' fingerprints, the seed, mergekit's version."""
-    from lm_eval_sink.io import package_versions
+KEY_PACKAGES = ("mergekit", "torch", "transformers")
+
+
+def merge_versions(config: ValidatedConfig) -> dict[str, Any]:
+    """The versions a merge is keyed by: its method's (TSV and STAR are this project's) and the packages that merge."""
+    from lm_eval_sink.io import key_versions
+    from lm_eval_sink.merging.methods import METHOD_VERSIONS
+
+    own = {config.method: METHOD_VERSIONS[config.method]} if config.method in METHOD_VERSIONS else {}
+    return key_versions(own, KEY_PACKAGES)
+
+
+def merge_inputs_key(config: ValidatedConfig, random_seed: int | None) -> str:
+    """The key of a merge's inputs: the config's data, its inputs' fingerprints, the seed."""
     from lm_eval_sink.models import model_fingerprint
 
     return sha256_text(
@@ -53,10 +66,14 @@ def merge_key(config: ValidatedConfig, random_seed: int | None) -> str:
                 "config": config.data,
                 "inputs": {p: model_fingerprint(p)["fingerprint"] for p in config.inputs},
                 "random_seed": random_seed,
-                "mergekit": package_versions().get("mergekit"),
             }
         )
     )
+
+
+def merge_key(config: ValidatedConfig, random_seed: int | None) -> str:
+    """Identity of a merge: its inputs' key and the versions that merge (`merge_versions`)."""
+    return versioned_key(merge_inputs_key(config, random_seed), merge_versions(config))
 
 
 @contextlib.contextmanager
@@ -205,12 +222,16 @@ def merge_config(
     """Validate, merge in this process (hub-id inputs at the commits their identities name), verify, and publish `out`
     with its COMPLETE.json."""
     from lm_eval_sink.identity import FINGERPRINT_RULE
+    from lm_eval_sink.io import check_same_versions
     from lm_eval_sink.models import model_fingerprint
 
     vc = config if isinstance(config, ValidatedConfig) else validate_file(config)
     out = Path(out)
+    versions = merge_versions(vc)
+    check_same_versions(out / COMPLETE, versions, force)
     check_output_dir(out, force, "OUT")
-    key = key or merge_key(vc, random_seed)
+    inputs_key = merge_inputs_key(vc, random_seed)
+    key = key or versioned_key(inputs_key, versions)
     identities = {p: model_fingerprint(p) for p in vc.inputs}
     revisions = {p: ident["revision"] for p, ident in identities.items() if not Path(p).is_dir()}
     with staged_dir(out, force=force) as tmp:
@@ -223,6 +244,8 @@ def merge_config(
             {
                 "schema_version": 1,
                 "key": key,
+                "inputs_key": inputs_key,
+                "key_versions": versions,
                 "fingerprint_rule": FINGERPRINT_RULE,
                 "merge_method": vc.method,
                 "config_sha256": sha256_text(vc.text),
@@ -238,4 +261,13 @@ def merge_config(
     return MergeResult(out=out, key=key, method=vc.method, n_tensors=n_tensors, weight_files=files)
 
 
-__all__ = ["MergeResult", "merge_config", "merge_key", "run_mergekit", "validate_text", "verify_checkpoint"]
+__all__ = [
+    "MergeResult",
+    "merge_config",
+    "merge_inputs_key",
+    "merge_key",
+    "merge_versions",
+    "run_mergekit",
+    "validate_text",
+    "verify_checkpoint",
+]

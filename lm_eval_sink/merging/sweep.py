@@ -16,9 +16,12 @@ protocol and Sink Strength settings (one set for every checkpoint) and an output
 
 `plan_units` turns a spec, and what the command read for it (endpoint fingerprints, rendered
 merges), into independent units (`merge:<name>`, `eval:<checkpoint>`, `strength:<checkpoint>`),
-each with a key = sha256 of its canonical inputs (config text, input fingerprints, settings,
-versions) and its own output folder. `build_table` makes the table (rows = checkpoints, columns =
-task metrics, deltas vs the reference, S) from the saved outputs, after checking that every run
+each with its own output folder and a key (`io.versioned_key`) of its inputs (config text, input
+fingerprints, settings: `inputs_key`) and of the versions of the code that computes it
+(`versions`: method versions and package versions; a merged checkpoint's eval and strength units
+also hold its merge's, prefixed `merge `), so a unit made by other versions is recomputed.
+`build_table` makes the table (rows = checkpoints, columns = task metrics, deltas vs the
+reference, S) from the saved outputs, after checking that every run
 used the same harness protocol (`protocols.require_same_harness`); `table_text` renders it as
 Markdown and CSV. This module does no file I/O: reading the sweep file, running units, the
 manifest, recovery and writing are `commands/sweep.py`'s.
@@ -35,7 +38,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, create_model
 
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.io import canonical_json, sha256_text
+from lm_eval_sink.io import canonical_json, sha256_text, versioned_key
 from lm_eval_sink.merging.engines import EngineIn
 from lm_eval_sink.schema import Strict, parse
 from lm_eval_sink.strength import StrengthSettings
@@ -170,9 +173,11 @@ class Unit:
 
     kind: str  # merge | eval | strength
     checkpoint: str
-    key: str
+    key: str  # io.versioned_key(inputs_key, versions)
     output: Path
     inputs: dict[str, Any] = field(default_factory=dict)
+    inputs_key: str = ""
+    versions: dict[str, Any] = field(default_factory=dict)
 
     @property
     def id(self) -> str:
@@ -184,9 +189,10 @@ class Checkpoint:
     name: str
     role: str  # reference | candidate | merge
     path: str  # model folder (for merges: the merge unit's output)
-    identity: str  # fingerprint (endpoints) or merge key
+    identity: str  # fingerprint (endpoints) or the merge's inputs key
     method: str | None = None
     setting: str | None = None
+    versions: dict[str, Any] = field(default_factory=dict)  # a merge's versions, `merge `-prefixed
 
 
 @dataclass(frozen=True)
@@ -207,98 +213,67 @@ class RenderedMerge:
     key: str  # merging.merge.merge_key of the validated config
     method: str
     setting: str | None
+    inputs_key: str  # merging.merge.merge_inputs_key
+    versions: dict[str, Any]  # merging.merge.merge_versions
 
 
 def plan_units(
     spec: SweepSpec,
     identities: dict[str, dict[str, Any]],
     merges: list[RenderedMerge],
-    versions: dict[str, str | None],
+    versions: dict[str, dict[str, Any]],
     include_sha: str | None,
 ) -> Plan:
     """Every unit with its key, in run order (merge -> eval -> strength per checkpoint, so `delete_merged` bounds the
     disk).
 
-    `identities`: the endpoints' `models.model_fingerprint`; `include_sha`: the fingerprint of the
-    eval include_path's files (None without one).
+    `identities`: the endpoints' `models.model_fingerprint`; `versions`: the key versions of the
+    `eval` and `strength` units (`harness.runner.eval_versions`, `strength.key_versions`);
+    `include_sha`: the fingerprint of the eval include_path's files (None without one).
     """
     out = spec.output
     checkpoints: list[Checkpoint] = []
     units: list[Unit] = []
 
+    def unit(kind: str, ck: Checkpoint, folder: str, payload: dict[str, Any], inputs: dict[str, Any]) -> Unit:
+        ikey = sha256_text(canonical_json({"kind": kind, "checkpoint": ck.identity, **payload}))
+        ver = {**versions[kind], **ck.versions}
+        return Unit(kind, ck.name, versioned_key(ikey, ver), out / folder / ck.name, inputs, ikey, ver)
+
     def evaluate(ck: Checkpoint) -> None:
+        identity = identities.get(ck.name)
         if spec.eval is not None:
-            ekey = sha256_text(
-                canonical_json(
-                    {
-                        "kind": "eval",
-                        "checkpoint": ck.identity,
-                        "settings": spec.eval.to_json(),
-                        "include_path_sha256": include_sha,
-                        "lm_eval": versions.get("lm_eval"),
-                        "transformers": versions.get("transformers"),
-                    }
-                )
-            )
+            payload = {"settings": spec.eval.to_json(), "include_path_sha256": include_sha}
             units.append(
-                Unit(
-                    "eval",
-                    ck.name,
-                    ekey,
-                    out / "evals" / ck.name,
-                    {"model": ck.path, "settings": spec.eval, "identity": identities.get(ck.name)},
-                )
+                unit("eval", ck, "evals", payload, {"model": ck.path, "settings": spec.eval, "identity": identity})
             )
         if spec.strength is not None:
-            skey = sha256_text(
-                canonical_json(
-                    {
-                        "kind": "strength",
-                        "checkpoint": ck.identity,
-                        "settings": asdict(spec.strength),
-                        "dtype": spec.strength_dtype,
-                        "device": spec.strength_device,
-                        "torch": versions.get("torch"),
-                        "transformers": versions.get("transformers"),
-                    }
-                )
-            )
-            units.append(
-                Unit(
-                    "strength",
-                    ck.name,
-                    skey,
-                    out / "strength" / ck.name,
-                    {
-                        "model": ck.path,
-                        "settings": spec.strength,
-                        "dtype": spec.strength_dtype,
-                        "device": spec.strength_device,
-                        "identity": identities.get(ck.name),
-                    },
-                )
-            )
+            payload = {"settings": asdict(spec.strength), "dtype": spec.strength_dtype, "device": spec.strength_device}
+            inputs = {
+                "model": ck.path,
+                "settings": spec.strength,
+                "dtype": spec.strength_dtype,
+                "device": spec.strength_device,
+                "identity": identity,
+            }
+            units.append(unit("strength", ck, "strength", payload, inputs))
         checkpoints.append(ck)
 
     for role in ENDPOINTS:
         evaluate(Checkpoint(role, role, spec.models[role], identities[role]["fingerprint"]))
     for m in merges:
         target = out / "merges" / m.name
-        units.append(
-            Unit(
-                "merge",
-                m.name,
-                m.key,
-                target,
-                {
-                    "config": m.config,
-                    "random_seed": spec.random_seed,
-                    "device": spec.merge_device,
-                    "template": m.template,
-                },
-            )
+        inputs = {
+            "config": m.config,
+            "random_seed": spec.random_seed,
+            "device": spec.merge_device,
+            "template": m.template,
+        }
+        units.append(Unit("merge", m.name, m.key, target, inputs, m.inputs_key, m.versions))
+        merged = {f"merge {k}": v for k, v in m.versions.items()}
+        evaluate(
+            Checkpoint(m.name, "merge", str(target), m.inputs_key, method=m.method, setting=m.setting, versions=merged)
         )
-        evaluate(Checkpoint(m.name, "merge", str(target), m.key, method=m.method, setting=m.setting))
     return Plan(
         spec=spec,
         checkpoints=tuple(checkpoints),
