@@ -204,7 +204,9 @@ def merge_config(
 
     vc = config if isinstance(config, ValidatedConfig) else validate_file(config)
     out = Path(out)
-    check_output_dir(out, force, "OUT")
+    tokenizer = vc.data.get("tokenizer_source")
+    tokenizer = tokenizer if isinstance(tokenizer, str) and tokenizer not in ("base", "union") else None
+    check_output_dir(out, force, "OUT", inputs=[vc.source, *vc.inputs, tokenizer])
     key = key or merge_key(vc, random_seed)
     identities = {p: model_fingerprint(p) for p in vc.inputs}
     revisions = {p: ident["revision"] for p, ident in identities.items() if not Path(p).is_dir()}
