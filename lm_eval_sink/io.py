@@ -190,7 +190,8 @@ def hold(folder: Path, sibling: bool = False) -> Iterator[Path]:
     """Hold the lock of `folder` for the block; refuse with one line when another process holds it.
 
     `<folder>/.lock` (the folder is created), or with `sibling` `<folder>.lock` beside it, for a
-    folder built staged and renamed. Reentrant within a process (an outer holder keeps it).
+    folder built staged and renamed. Reentrant within a process (an outer holder keeps it). The
+    lock file and its record are removed on release, so a finished run leaves no lock file.
     """
     from filelock import FileLock, Timeout
 
@@ -220,10 +221,10 @@ def hold(folder: Path, sibling: bool = False) -> Iterator[Path]:
         _HELD.pop(path.absolute(), None)
         with contextlib.suppress(OSError):
             record.unlink()
+            path.unlink()  # while held: a peer that opened this inode finds it unlinked, and filelock refuses it
         lock.release()
-        if created and {p.name for p in path.parent.iterdir()} <= {path.name}:  # a refused run leaves nothing behind
+        if created:  # a refused run leaves nothing behind (rmdir removes only an empty folder)
             with contextlib.suppress(OSError):
-                path.unlink()
                 path.parent.rmdir()
 
 
