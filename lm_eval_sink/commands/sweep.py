@@ -439,8 +439,8 @@ def _inputs(spec: SweepSpec) -> list[str | None]:
 
 def run_sweep(spec: SweepSpec, force: bool = False, progress: bool = True) -> SweepReport:
     """Plan, run every unfinished unit (all of them with `force`) on the spec's engine, then write the table; the output folder is locked meanwhile."""
-    plan = plan_sweep(spec)
     check_not_inputs([spec.output], inputs=_inputs(spec), option="output")
+    plan = plan_sweep(spec)
     with hold(spec.output):
         return _run_sweep_locked(plan, force, progress)
 
