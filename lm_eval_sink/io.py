@@ -3,12 +3,14 @@
 Every file this project writes goes through `atomic_write_*` (unique temp sibling, fsync,
 `os.replace`), so a reader sees the old file or the new one, never half of one. A command that
 writes several files writes them into one output folder, and every such folder is built the same
-way: `check_output_dir` refuses it before any work starts, `staged_dir` builds it in a
+way: `check_output_dir` refuses it before any work starts (also when it overlaps an input of the
+command: `check_not_inputs`, the one rule that keeps outputs off inputs), `staged_dir` holds its
+`<out>.lock` (`hold`), tidies what a killed build left (`clean_stale`), builds it in a
 `<out>.partial-<uuid>` sibling and renames it when complete. A folder that others reuse (a model,
 a merge, a sweep unit) also carries a `COMPLETE` marker (`write_complete`, with the input `key`
 that made it and an optional `manifest` of its files); `read_complete` is the one reader, and
 `read_complete(folder, key)` is resume-by-key: the marker only when it was made from those inputs.
-Standard library only (plus the packages whose versions it records, imported lazily).
+Standard library only (plus filelock for the lock and the packages whose versions it records, imported lazily).
 """
 
 from __future__ import annotations
@@ -125,19 +127,29 @@ def check_not_inputs(outputs: Iterable[str | Path], *, inputs: Iterable[str | Pa
     path the command refuses itself) is skipped: pass a hub model's snapshot folder where the
     command has one. None entries (an option not given) are skipped too.
     """
-    given = [(str(i), Path(os.path.realpath(Path(str(i)).expanduser()))) for i in inputs if i is not None]
-    found = [(name, real) for name, real in given if Path(name).expanduser().exists()]
+    found = [(str(i), _real(i)) for i in inputs if i is not None and Path(str(i)).expanduser().exists()]
     for out in outputs:
-        o = Path(os.path.realpath(Path(out).expanduser()))
+        o = _real(out)
         for name, i in found:
             how = (
-                "is" if o == i else "lies inside" if o.is_relative_to(i) else "contains" if i.is_relative_to(o) else ""
+                "is"
+                if o == i
+                else "lies inside"
+                if o.is_relative_to(i)
+                else "contains"
+                if i.is_relative_to(o)
+                else None
             )
             if how:
                 raise UserError(
                     f"{option} {out} {how} the input {name}",
                     f"choose {option} outside every input (--force never replaces or writes into an input)",
                 )
+
+
+def _real(path: str | Path) -> Path:
+    """The path with `~` expanded and every symlink followed (also for a path that does not exist yet)."""
+    return Path(os.path.realpath(Path(str(path)).expanduser()))
 
 
 def _refuse_existing(out: Path, force: bool, option: str) -> None:
@@ -219,9 +231,8 @@ def hold(folder: Path, sibling: bool = False) -> Iterator[Path]:
         yield path
     finally:
         _HELD.pop(path.absolute(), None)
-        with contextlib.suppress(OSError):
-            record.unlink()
-            path.unlink()  # while held: a peer that opened this inode finds it unlinked, and filelock refuses it
+        record.unlink(missing_ok=True)
+        path.unlink(missing_ok=True)  # while held: a peer that opened this inode finds it unlinked; filelock refuses it
         lock.release()
         if created:  # a refused run leaves nothing behind (rmdir removes only an empty folder)
             with contextlib.suppress(OSError):

@@ -24,6 +24,7 @@ from helpers import make_tiny_lm, make_tokenizer
 
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.io import COMPLETE, check_not_inputs, staged_dir
+from lm_eval_sink.locks import hold
 
 ENV = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -162,7 +163,7 @@ def test_staged_dir_restores_the_previous_output_and_removes_stale_siblings(tmp_
     with pytest.raises(UserError, match="output already exists"), staged_dir(out):
         pass  # the previous output is restored first, so without --force it is refused
     assert (out / "a.txt").read_text() == "previous" and not old.exists() and not partial.exists()
-    with staged_dir(out, force=True) as tmp:
+    with hold(out, sibling=True), staged_dir(out, force=True) as tmp:  # the lock is reentrant in one process
         (tmp / "b.txt").write_text("new")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "out.partial-not-ours"]  # lock file removed too
     assert [p.name for p in out.iterdir()] == ["b.txt"]
