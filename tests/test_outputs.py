@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 from constructed_runs import write_run
-from helpers import make_tiny_lm, make_tokenizer
+from helpers import hf_cache_snapshot, make_tiny_lm, make_tokenizer
 
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.io import COMPLETE, check_not_inputs, staged_dir
@@ -147,6 +147,20 @@ def test_a_link_to_an_input_is_that_input_and_a_hub_id_is_no_path(world, tmp_pat
     (tmp_path / "org" / "name").mkdir(parents=True)
     with pytest.raises(UserError, match="--output org contains the input org/name"):
         check_not_inputs(["org"], inputs=["org/name"], option="--output")  # a folder of that name is a path
+
+
+def test_a_hub_models_snapshot_folder_is_an_input(world, tmp_path, monkeypatch, user_error):
+    """`extract org/vlm OUT`: the hub id is no path, but the snapshot folder it resolves to is an input."""
+    from huggingface_hub import constants
+
+    hub = tmp_path / "hf" / "hub"
+    hf_cache_snapshot(hub, "org/vlm", world["vlm"], "1" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub))
+    snap = hub / "models--org--vlm" / "snapshots" / ("1" * 40)
+    before = _tree_hash(hub)
+    err = user_error(["extract", "org/vlm", snap / "backbone", "--force", "--quiet"], snap / "backbone")
+    assert f"OUT_DIR {snap / 'backbone'} lies inside the input {snap}" in err
+    assert _tree_hash(hub) == before
 
 
 # --- item 3: one writer per output, and a killed build tidied by the next ----------------------------
