@@ -345,41 +345,6 @@ def margin(
 # --- VLM backbone extraction (issue 6) ---
 
 
-def _echo_extraction(report) -> None:
-    """Print an extract/inject report; a failed verification becomes the one error line (exit 2)."""
-    what = "extracted" if report.operation == "extract" else "injected"
-    head = "tied head" if report.tied_embeddings else "untied head"
-    click.echo(
-        f"{what} {report.family} ({report.source_class}) <-> {report.target_class}: {report.tensors_written} tensors, "
-        f"{report.bytes_written / 1e6:.1f} MB in {len(report.shards)} shard(s), {report.dtype}, "
-        f"{head}, {report.seconds:.1f} s"
-    )
-    if report.operation == "extract":
-        click.echo(
-            f"chat template: {report.chat_template_source or 'none found'}"
-            + ("" if report.tokenizer else " (no tokenizer in the VLM folder)")
-        )
-    v = report.verification
-    if v is None:
-        click.echo("verification: skipped (--no-verify); structural checks only")
-    elif v.passed:
-        click.echo(
-            f"verification: max |logit difference| {v.max_abs_diff:.3g} <= {v.tolerance:.3g} "
-            f"({v.dtype}, {v.probe_tokens} probe tokens): passed"
-        )
-    from lm_eval_sink.io import COMPLETE
-
-    marker = COMPLETE if report.ok else "FAILED.json"
-    report_file = "extraction.json" if report.operation == "extract" else "injection.json"
-    click.echo(f"wrote {report.output} ({report_file}, {marker})")
-    if not report.ok:
-        raise UserError(
-            f"verification failed: {v.reason}; the output is kept at {report.output} and marked failed "
-            f"(FAILED.json, no {COMPLETE})",
-            f"see {report_file} for the tensor mapping; the architecture rules do not reproduce this VLM's text path",
-        )
-
-
 @cli.command()
 @click.argument("vlm_path", type=click.Path(path_type=Path))
 @click.argument("out_dir", type=click.Path(path_type=Path))
@@ -400,9 +365,12 @@ def _echo_extraction(report) -> None:
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def extract(vlm_path, out_dir, dtype, verify, force, quiet) -> None:
     """Write VLM_PATH's language backbone to OUT_DIR as a standalone causal LM (AutoModelForCausalLM)."""
-    from lm_eval_sink.extract import extract_backbone
+    from lm_eval_sink.commands.extract import run_extract
 
-    _echo_extraction(extract_backbone(vlm_path, out_dir, dtype=dtype, verify=verify, force=force, progress=not quiet))
+    outcome = run_extract(vlm_path, out_dir, dtype=dtype, verify=verify, force=force, progress=not quiet)
+    for line in outcome.lines:
+        click.echo(line)
+    outcome.raise_for_failure()
 
 
 @cli.command()
@@ -419,9 +387,12 @@ def extract(vlm_path, out_dir, dtype, verify, force, quiet) -> None:
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def inject(backbone, vlm_path, out_dir, verify, force, quiet) -> None:
     """Write a copy of VLM_PATH to OUT_DIR whose language model is BACKBONE (e.g. a merged backbone)."""
-    from lm_eval_sink.extract import inject_backbone
+    from lm_eval_sink.commands.extract import run_inject
 
-    _echo_extraction(inject_backbone(backbone, vlm_path, out_dir, verify=verify, force=force, progress=not quiet))
+    outcome = run_inject(backbone, vlm_path, out_dir, verify=verify, force=force, progress=not quiet)
+    for line in outcome.lines:
+        click.echo(line)
+    outcome.raise_for_failure()
 
 
 # --- protocols, vendor registry and gap attribution (issue 8) ---

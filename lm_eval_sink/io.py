@@ -3,12 +3,14 @@
 Every file this project writes goes through `atomic_write_*` (unique temp sibling, fsync,
 `os.replace`), so a reader sees the old file or the new one, never half of one. A command that
 writes several files writes them into one output folder, and every such folder is built the same
-way: `check_output_dir` refuses it before any work starts, `staged_dir` builds it in a
+way: `check_output_dir` refuses it before any work starts (also when it overlaps an input of the
+command: `check_not_inputs`, the one rule that keeps outputs off inputs), `staged_dir` holds its
+`<out>.lock` (`hold`), tidies what a killed build left (`clean_stale`), builds it in a
 `<out>.partial-<uuid>` sibling and renames it when complete. A folder that others reuse (a model,
 a merge, a sweep unit) also carries a `COMPLETE` marker (`write_complete`, with the input `key`
 that made it and an optional `manifest` of its files); `read_complete` is the one reader, and
 `read_complete(folder, key)` is resume-by-key: the marker only when it was made from those inputs.
-Standard library only (plus the packages whose versions it records, imported lazily).
+Standard library only (plus filelock for the lock and the packages whose versions it records, imported lazily).
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ import datetime as _dt
 import hashlib
 import importlib.metadata
 import json
+import logging
 import os
+import re
 import shutil
+import socket
 import subprocess
 import sys
 import uuid
@@ -31,6 +36,8 @@ from lm_eval_sink.errors import UserError
 
 SCHEMA_VERSION = 1
 COMPLETE = "COMPLETE.json"  # the marker of a finished, reusable output folder
+log = logging.getLogger(__name__)
+
 # Recorded in every provenance block (and compared between Ray nodes). lm_eval_sink's own version is the
 # package metadata's (an editable install says 0.1.0); the git commit beside it (`code`) tells such
 # installs apart. vLLM is optional (GPU nodes only): recorded in provenance, not compared.
@@ -117,48 +124,194 @@ def parse_yaml(text: str, where: str) -> Any:
         raise UserError(f"{where}{line}: not valid YAML ({problem})", "fix the YAML syntax at that line") from None
 
 
-def check_output_dir(out: Path, force: bool, option: str = "--output") -> None:
-    """Refuse an output folder that is a file, or that exists without `force`; `option` names it in the hint."""
-    out = Path(out)
+def check_not_inputs(outputs: Iterable[str | Path], *, inputs: Iterable[str | Path | None], option: str) -> None:
+    """Refuse an output that is, contains or lies inside an input of the command, with or without `--force`.
+
+    The one rule that keeps a command from destroying or changing what it reads (`--force` would
+    swap the folder away and delete it; writing inside a model folder changes its identity). Paths
+    are compared resolved, symlinks followed. An input that names no existing path (a hub id, or a
+    path the command refuses itself) is skipped: pass a hub model's snapshot folder where the
+    command has one. None entries (an option not given) are skipped too.
+    """
+    found = [(str(i), _real(i)) for i in inputs if i is not None and Path(str(i)).expanduser().exists()]
+    for out in outputs:
+        o = _real(out)
+        for name, i in found:
+            how = (
+                "is"
+                if o == i
+                else "lies inside"
+                if o.is_relative_to(i)
+                else "contains"
+                if i.is_relative_to(o)
+                else None
+            )
+            if how:
+                raise UserError(
+                    f"{option} {out} {how} the input {name}",
+                    f"choose {option} outside every input (--force never replaces or writes into an input)",
+                )
+
+
+def _real(path: str | Path) -> Path:
+    """The path with `~` expanded and every symlink followed (also for a path that does not exist yet)."""
+    return Path(os.path.realpath(Path(str(path)).expanduser()))
+
+
+def _refuse_existing(out: Path, force: bool, option: str) -> None:
     if out.exists() and not out.is_dir():
         raise UserError(f"{option} {out} is a file, not a folder", f"pass a folder path as {option}")
     if out.exists() and not force:
         raise UserError(f"output already exists: {out}", f"pass --force to overwrite, or choose another {option}")
 
 
-def check_new_outputs(paths: list[Path], force: bool) -> None:
-    """Refuse to overwrite existing outputs unless `force`; checked before any work starts."""
+def check_output_dir(out: Path, force: bool, option: str = "--output", *, inputs: Iterable[str | Path | None]) -> None:
+    """Refuse, before any work, an output folder that is a file, exists without `force`, or overlaps an input.
+
+    `inputs`: every path the command reads (models, configs, runs, sample logs, plans); see
+    `check_not_inputs`. `option` names the folder in the hint.
+    """
+    out = Path(out)
+    check_not_inputs([out], inputs=inputs, option=option)
+    _refuse_existing(out, force, option)
+
+
+def check_new_outputs(
+    paths: list[Path], force: bool, option: str = "--output", *, inputs: Iterable[str | Path | None]
+) -> None:
+    """Refuse, before any work, existing outputs without `force` and any output that overlaps an input."""
+    check_not_inputs(paths, inputs=inputs, option=option)
     existing = [str(p) for p in paths if Path(p).exists()]
     if existing and not force:
         shown = ", ".join(existing[:3]) + (f" and {len(existing) - 3} more" if len(existing) > 3 else "")
-        raise UserError(f"output already exists: {shown}", "pass --force to overwrite, or choose another --output")
+        raise UserError(f"output already exists: {shown}", f"pass --force to overwrite, or choose another {option}")
+
+
+def lock_path(folder: Path, sibling: bool = False) -> Path:
+    folder = Path(folder)
+    return folder.with_name(folder.name + ".lock") if sibling else folder / ".lock"
+
+
+def _holder(record: Path) -> str:
+    try:
+        info = json.loads(record.read_text(encoding="utf-8"))
+        return f"pid {info['pid']} on {info['host']} since {info['started_utc']} ({' '.join(info['argv'])[:120]})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another process"
+
+
+_HELD: dict[Path, int] = {}  # lock file -> pid of this process while it holds it (`hold` is reentrant)
+
+
+@contextlib.contextmanager
+def hold(folder: Path, sibling: bool = False) -> Iterator[Path]:
+    """Hold the lock of `folder` for the block; refuse with one line when another process holds it.
+
+    `<folder>/.lock` (the folder is created), or with `sibling` `<folder>.lock` beside it, for a
+    folder built staged and renamed. Reentrant within a process (an outer holder keeps it). The
+    lock file and its record are removed on release, so a finished run leaves no lock file.
+    """
+    from filelock import FileLock, Timeout
+
+    folder = Path(folder)
+    if not sibling and folder.exists() and not folder.is_dir():
+        raise UserError(f"{folder} is a file, not a folder", "pass a folder path")
+    path = lock_path(folder, sibling)
+    if _HELD.get(path.absolute()) == os.getpid():
+        yield path
+        return
+    created = not path.parent.exists()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = path.with_name(path.name + ".json")
+    lock = FileLock(str(path), timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise UserError(
+            f"{folder} is in use by {_holder(record)}",
+            "wait for that run to finish (or stop it), or choose another output folder",
+        ) from None
+    _HELD[path.absolute()] = os.getpid()
+    try:
+        atomic_write_json(record, _holder_record())
+        yield path
+    finally:
+        _HELD.pop(path.absolute(), None)
+        record.unlink(missing_ok=True)
+        path.unlink(missing_ok=True)  # while held: a peer that opened this inode finds it unlinked; filelock refuses it
+        lock.release()
+        if created:  # a refused run leaves nothing behind (rmdir removes only an empty folder)
+            with contextlib.suppress(OSError):
+                path.parent.rmdir()
+
+
+def _holder_record() -> dict[str, Any]:
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "argv": list(sys.argv),
+        "started_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def _staging_name(out: Path) -> re.Pattern[str]:
+    return re.compile(re.escape(out.name) + r"\.(partial|old)-[0-9a-f]{8}")
+
+
+def clean_stale(out: Path) -> list[str]:
+    """Tidy the `<out>.partial-*` / `<out>.old-*` siblings an interrupted build left; call it holding `<out>.lock`.
+
+    Every build of `out` takes that lock before it makes a sibling, so while we hold it no live
+    process owns one. When `out` itself is missing (a kill between `staged_dir`'s two renames),
+    the newest `.old-*` (the previous, complete output) is renamed back first; the rest are
+    deleted. Returns one line per folder restored or removed.
+    """
+    if not out.parent.is_dir():
+        return []
+    pattern = _staging_name(out)
+    stale = sorted((p for p in out.parent.iterdir() if pattern.fullmatch(p.name)), key=lambda p: p.stat().st_mtime_ns)
+    olds = [p for p in stale if p.name.startswith(f"{out.name}.old-")]
+    notes = []
+    if olds and not out.exists():
+        os.replace(olds[-1], out)
+        stale.remove(olds[-1])
+        notes.append(f"restored {out} from {olds[-1].name}, left by an interrupted run")
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+        notes.append(f"removed {p}, left by an interrupted run")
+    return notes
 
 
 @contextlib.contextmanager
 def staged_dir(out: Path, force: bool = False, option: str = "--output") -> Iterator[Path]:
     """Build a directory in `<out>.partial-<uuid>` and rename it to `out` only on success.
 
-    An interrupted build leaves only the `.partial-` sibling, never a folder at `out` that looks
-    complete. With `force`, an existing `out` is swapped away by rename, then deleted. Refusals are
-    `check_output_dir`'s (call it first as well, so nothing runs before a refusal).
+    Holds `<out>.lock` (`hold(out, sibling=True)`) for the block and first tidies what an
+    interrupted build of `out` left (`clean_stale`). An interrupted build leaves only the
+    `.partial-` sibling, never a folder at `out` that looks complete. With `force`, an existing
+    `out` is swapped away by rename, then deleted. Refuses a file at `out`, or an existing `out`
+    without `force` (call `check_output_dir` first as well, so nothing runs before a refusal).
     """
     out = Path(out)
-    check_output_dir(out, force, option)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f"{out.name}.partial-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir()
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old = None
-    if out.exists():
-        old = out.with_name(f"{out.name}.old-{uuid.uuid4().hex[:8]}")
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    _refuse_existing(out, force, option)
+    with hold(out, sibling=True):
+        for note in clean_stale(out):
+            log.warning("%s", note)
+        _refuse_existing(out, force, option)
+        tmp = out.with_name(f"{out.name}.partial-{uuid.uuid4().hex[:8]}")
+        tmp.mkdir()
+        try:
+            yield tmp
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        old = None
+        if out.exists():
+            old = out.with_name(f"{out.name}.old-{uuid.uuid4().hex[:8]}")
+            os.replace(out, old)
+        os.replace(tmp, out)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def manifest(folder: Path, names: Iterable[str]) -> dict[str, int]:

@@ -258,10 +258,9 @@ _KILL_BETWEEN_RENAMES = """
 import json, os, sys
 from pathlib import Path
 from lm_eval_sink.io import atomic_write_json, staged_dir
-real, calls = os.replace, []
+real = os.replace
 def replace(a, b):
-    calls.append((a, b))
-    if len(calls) == 3:  # after the COMPLETE.json write and <out> -> .old-*: die before .partial-* -> <out>
+    if Path(a).name.startswith(out.name + ".partial-"):  # after <out> -> .old-*: die before .partial-* -> <out>
         os._exit(137)
     real(a, b)
 os.replace = replace
@@ -292,7 +291,8 @@ def test_recovery_after_a_kill_between_the_two_renames_keeps_a_complete_copy(tmp
     notes = _recover(out, (Unit("strength", "reference", unit_key, target, {}),))
     kept = json.loads((target / "COMPLETE.json").read_text())["key"]
     assert kept == ("new" if unit_key == "new" else "old")  # the finished new copy, else the previous one
-    assert sorted(p.name for p in target.parent.iterdir()) == ["reference"]
+    left = sorted(p.name for p in target.parent.iterdir())
+    assert left == ["reference", "reference.lock", "reference.lock.json"]  # the killed holder's free lock stays
     assert any(("promoted" if unit_key == "new" else "restored") in n for n in notes)
 
 

@@ -6,5 +6,7 @@ files), calls the pure core (buckets.py, attribution.py, margin.py, predict.py, 
 training/protection.py,
 report/view.py), which takes and returns data, then writes: several files into one output folder
 (`io.check_output_dir` before any work, `io.staged_dir` at the end), one file with `io.check_new_outputs`
-and `io.atomic_write_*`. Tables come from tables.py, provenance from io.provenance.
+and `io.atomic_write_*`. Both checks take the command's `inputs=` (required): an output that is, holds or
+lies inside an input is refused even with --force (`io.check_not_inputs`, which strength, screen and sweep
+call before they lock their folder). Tables come from tables.py, provenance from io.provenance.
 """

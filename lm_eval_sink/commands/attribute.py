@@ -251,7 +251,8 @@ def run_attribute(
     from lm_eval_sink.io import check_output_dir
 
     if output is not None:
-        check_output_dir(output, force)
+        files = [options.get("registry_file"), options.get("benchmarks_file")]
+        check_output_dir(output, force, inputs=[*references, *candidates, *files])
     att = run_attribution(list(references), list(candidates), **options)
     lines = [to_markdown(att).removesuffix("\n")]
     if output is not None:

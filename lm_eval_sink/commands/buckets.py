@@ -182,7 +182,7 @@ def run_buckets(
         from lm_eval_sink.io import check_output_dir
 
         output = Path(output)
-        check_output_dir(output, force)
+        check_output_dir(output, force, inputs=[reference, candidate, tokenizer])
     report = compare_runs(
         reference, candidate, task, settings, tokenizer=tokenizer, same_protocol=same_protocol, progress=progress
     )

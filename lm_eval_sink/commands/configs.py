@@ -24,7 +24,7 @@ def run_configs_render(
     output = Path(output)
     if output.is_dir():
         raise UserError(f"-o {output} is a folder", "pass a file path, e.g. -o tsv.yaml")
-    check_new_outputs([output], force)
+    check_new_outputs([output], force, "-o", inputs=[reference, candidate, base, tokenizer_source])
     rendered = render(name, reference, candidate, base=base, tokenizer_source=tokenizer_source)
     atomic_write_text(output, rendered.text)
     return list(rendered.warnings), [f"{rendered.name} ({rendered.lineage} lineage: {rendered.formula}) -> {output}"]

@@ -1,9 +1,9 @@
 """`lm-eval-sink eval`: lm-eval on one model under a named protocol, then the run's protocol check.
 
 The output is lm-eval's own `--output_path` folder (it names its files by model and time), so an
-existing folder is added to with `force` rather than replaced. `--model-args K=V,...` is split here; `harness.runner`
-builds and runs
-the lm-eval command line.
+existing folder is added to with `force` rather than replaced; it is held (`<out>/.lock`) while
+lm-eval writes, and refused when it overlaps an input (the model, the protocol file, the include
+path). `--model-args K=V,...` is split here; `harness.runner` builds and runs the lm-eval command line.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ def run_eval(
 ) -> list[str]:
     """The `eval` command: check the inputs and the output folder, run lm-eval, return the lines to print."""
     from lm_eval_sink.harness.runner import EvalSettings, require_backend, run_lm_eval
+    from lm_eval_sink.io import check_not_inputs, hold
     from lm_eval_sink.models import resolve_model
     from lm_eval_sink.protocols import fingerprint_run, get_protocol, limit_text, parse_gen_kwargs, settings_fields
 
@@ -55,6 +56,7 @@ def run_eval(
             margs[k.strip()] = v.strip()
     protocol = get_protocol(protocol_name, protocol_file)
     output = Path(output)
+    check_not_inputs([output], inputs=[model, protocol_file, include_path], option="--output")
     if output.exists() and not output.is_dir():
         raise UserError(f"--output {output} is a file, not a folder", "pass a folder path as --output")
     if output.exists() and any(output.iterdir()) and not force:
@@ -78,7 +80,8 @@ def run_eval(
         backend=backend,
         model_args=margs,
     )
-    run = run_lm_eval(resolve_model(model), EvalSettings(**fields), output)
+    with hold(output):
+        run = run_lm_eval(resolve_model(model), EvalSettings(**fields), output)
     fp = fingerprint_run(run)
     off = protocol.mismatches(fp)
     lines = [f"results: {run.results}"]

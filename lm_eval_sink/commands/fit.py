@@ -87,7 +87,7 @@ def run_fit(pairs_file: Path | str | None, output: Path | None, force: bool = Fa
     table = read_pairs(pairs_file)
     if output is not None:
         output = Path(output)
-        check_output_dir(output, force)
+        check_output_dir(output, force, inputs=[pairs_file])
     result = fit_pairs(table)
     md = fit_table_markdown(result)
     lines = md.rstrip("\n").splitlines()

@@ -216,7 +216,7 @@ def run_margin(
     if output is not None:
         output = Path(output)
         check_same_versions(output / OUTPUT_FILES[0], key_versions(), force)
-        check_output_dir(output, force)
+        check_output_dir(output, force, inputs=[reference, candidate, settings.strength.prompts_file])
     result, arrays = measure_margin(reference, candidate, settings, dtype=dtype, device=device, progress=progress)
     md = margin_table_markdown(result)
     lines = margin_table_markdown(result, heads=False).rstrip("\n").splitlines()

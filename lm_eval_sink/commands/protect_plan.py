@@ -29,7 +29,7 @@ def run_protect_plan(
     output = Path(output)
     if output.is_dir():
         raise UserError(f"-o {output} is a folder", "pass a file path, e.g. -o plan.json")
-    check_new_outputs([output], force)
+    check_new_outputs([output], force, "-o", inputs=[name, settings.prompts_file])
     if not 0.0 <= tau < 1.0:
         raise UserError(f"--tau must lie in [0, 1), got {tau}", "use 0 to keep the sink logit exactly, or e.g. 0.05")
     if not 0.0 <= min_pos0_fraction <= 1.0:

@@ -28,7 +28,7 @@ def run_protocol_show(run: str, as_json: bool = False, output: Path | None = Non
     from lm_eval_sink.runs import resolve_run
 
     if output:
-        check_new_outputs([output], force)
+        check_new_outputs([output], force, inputs=[run])
     files = resolve_run(run)
     fp = fingerprint_run(files)
     doc = {
@@ -49,7 +49,7 @@ def run_protocol_diff(
     from lm_eval_sink.runs import resolve_run
 
     if output:
-        check_new_outputs([output], force)
+        check_new_outputs([output], force, inputs=[run_a, run_b])
     fa, fb = resolve_run(run_a), resolve_run(run_b)
     a, b = fingerprint_run(fa), fingerprint_run(fb)
     check_common_tasks(a, b)

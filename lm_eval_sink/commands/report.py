@@ -243,5 +243,7 @@ def run_report(output: Path, *, force: bool = False, **inputs: Any) -> list[str]
     output = Path(output)
     if output.is_dir():
         raise UserError(f"-o {output} is a folder", "pass a file path, e.g. -o report.html")
-    check_new_outputs([output], force)
+    files = [*(inputs.get("strength") or ()), *inputs.get("buckets", ())]
+    files += [inputs.get("margin"), inputs.get("attribution"), inputs.get("sweep")]
+    check_new_outputs([output], force, "-o", inputs=files)
     return [f"wrote {atomic_write_text(output, render_html(load_inputs(output, **inputs)))}"]

@@ -88,8 +88,10 @@ def run_screen(
     `measure_all`: see `commands.strength.run_strength` (e.g. one Ray task per model). Returns the lines to print."""
     if output is None:
         return _run(names, slugs, settings, pairs_file, None, dtype, device, force, progress, measure_all)
+    from lm_eval_sink.io import check_not_inputs
     from lm_eval_sink.locks import hold
 
+    check_not_inputs([output], inputs=[*names, pairs_file, settings.prompts_file], option="--output")
     with hold(Path(output)):
         return _run(names, slugs, settings, pairs_file, Path(output), dtype, device, force, progress, measure_all)
 

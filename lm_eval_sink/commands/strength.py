@@ -57,6 +57,7 @@ def run_strength(
     `engines.ray_measure_all`); without it each is measured here, one after the other.
     """
     from lm_eval_sink.calibration import load_prompts
+    from lm_eval_sink.io import check_not_inputs
     from lm_eval_sink.locks import hold
     from lm_eval_sink.models import resolve_model
 
@@ -68,6 +69,7 @@ def run_strength(
         Path(settings.prompts_file) if settings.prompts_file else None, settings.n_prompts
     )  # fail before loading models
     paths = [resolve_model(n) for n in names]
+    check_not_inputs([output], inputs=[*paths, settings.prompts_file], option="--output")
     with hold(output):
         return _run_locked(names, paths, slugs, settings, output, dtype, device, force, progress, measure_all)
 

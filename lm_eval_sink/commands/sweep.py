@@ -26,6 +26,7 @@ from lm_eval_sink.io import (
     COMPLETE,
     atomic_write_json,
     atomic_write_text,
+    check_not_inputs,
     parse_yaml,
     provenance,
     read_complete,
@@ -470,9 +471,17 @@ class SweepReport:
             )
 
 
+def _inputs(spec: SweepSpec) -> list[str | None]:
+    """What a sweep reads: its file, models, config templates, tokenizer, include path and prompts."""
+    ev, st = spec.eval, spec.strength
+    paths = [spec.source, *spec.models.values(), *spec.configs, spec.tokenizer_source]
+    return [*paths, ev and ev.include_path, st and st.prompts_file]
+
+
 def run_sweep(spec: SweepSpec, force: bool = False, progress: bool = True) -> SweepReport:
     """Plan, run every unfinished unit (all of them with `force`) on the spec's engine, then write the table; the output
     folder is locked meanwhile."""
+    check_not_inputs([spec.output], inputs=_inputs(spec), option="output")
     plan = plan_sweep(spec)
     with hold(spec.output):
         return _run_sweep_locked(plan, force, progress)

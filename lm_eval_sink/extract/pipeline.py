@@ -1,9 +1,11 @@
 """The one pipeline that extract and inject share; with `checkpoint`, the only module here that opens files.
 
-Both directions resolve the VLM (`models.resolve_model`, as a local folder), read its family,
-config and safetensors headers and plan (`plan.make_plan`); then `_write` builds the output in a
-`<out>.partial-<id>` sibling (`io.staged_dir`): the non-weight files, the planned shards streamed
-tensor by tensor, the verification (round-trip logits) and the report, marked `COMPLETE.json`,
+Both directions refuse OUT_DIR when it is in the way or overlaps an input (before and after a
+hub id resolves to its snapshot), resolve the VLM (`models.resolve_model`, as a local folder),
+read its family, config and safetensors headers and plan (`plan.make_plan`); then `_write`
+builds the output in a `<out>.partial-<id>` sibling (`io.staged_dir`, holding `<out>.lock`, which
+first removes what a killed run left): the non-weight files, the planned shards streamed tensor
+by tensor, the verification (round-trip logits) and the report, marked `COMPLETE.json`,
 or `FAILED.json` when verification fails (the folder is kept for inspection). A direction (`_Job`)
 supplies the layout, the tensor stream, its other files and which folder is the VLM when verified.
 
@@ -58,6 +60,7 @@ from lm_eval_sink.io import (
     SCHEMA_VERSION,
     atomic_write_json,
     atomic_write_text,
+    check_not_inputs,
     check_output_dir,
     provenance,
     read_json,
@@ -174,10 +177,18 @@ class _Job:
     fields: dict[str, Any]  # the direction's report fields known before writing
 
 
-def _output(out_dir: str | Path, force: bool) -> Path:
+def _output(out_dir: str | Path, force: bool, inputs: list[str | Path]) -> Path:
+    """OUT_DIR, refused before any work when it is in the way or overlaps an input (`io.check_output_dir`)."""
     out = Path(out_dir).expanduser()
-    check_output_dir(out, force, "OUT_DIR")
+    check_output_dir(out, force, "OUT_DIR", inputs=inputs)
     return out
+
+
+def _resolve(name: str | Path, role: str, out: Path) -> Path:
+    """A model's local folder (a hub id's snapshot), refused when OUT_DIR overlaps it (`io.check_not_inputs`)."""
+    folder = Path(resolve_model(name, role, local=True))
+    check_not_inputs([out], inputs=[folder], option="OUT_DIR")
+    return folder
 
 
 def _read_vlm(folder: Path, family: Family | None) -> _Vlm:
@@ -385,8 +396,8 @@ def extract_backbone(
     start = time.perf_counter()
     if dtype not in DTYPE_CHOICES:
         raise UserError(f"unknown dtype {dtype!r}", f"use one of {', '.join(DTYPE_CHOICES)}")
-    out = _output(out_dir, force)
-    vlm = _read_vlm(Path(resolve_model(vlm_path, "VLM", local=True)), family)
+    out = _output(out_dir, force, [vlm_path])
+    vlm = _read_vlm(_resolve(vlm_path, "VLM", out), family)
     plan, tensors = vlm.plan, vlm.tensors
     out_dtype = output_dtype(dtype, tensors, plan.units)
     cast = None if dtype == "keep" else out_dtype
@@ -501,9 +512,9 @@ def inject_backbone(
     must give the backbone's logits.
     """
     start = time.perf_counter()
-    out = _output(out_dir, force)
-    folder = Path(resolve_model(vlm_path, "VLM", local=True))
-    backbone = Path(resolve_model(backbone_path, "backbone", local=True))
+    out = _output(out_dir, force, [vlm_path, backbone_path])
+    folder = _resolve(vlm_path, "VLM", out)
+    backbone = _resolve(backbone_path, "backbone", out)
     vlm = _read_vlm(folder, family)
     plan, tensors = vlm.plan, vlm.tensors
     bb_tensors = read_checkpoint(backbone)

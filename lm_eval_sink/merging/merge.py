@@ -229,7 +229,9 @@ def merge_config(
     out = Path(out)
     versions = merge_versions(vc)
     check_same_versions(out / COMPLETE, versions, force)
-    check_output_dir(out, force, "OUT")
+    tokenizer = vc.data.get("tokenizer_source")
+    tokenizer = tokenizer if isinstance(tokenizer, str) and tokenizer not in ("base", "union") else None
+    check_output_dir(out, force, "OUT", inputs=[vc.source, *vc.inputs, tokenizer])
     inputs_key = merge_inputs_key(vc, random_seed)
     key = key or versioned_key(inputs_key, versions)
     identities = {p: model_fingerprint(p) for p in vc.inputs}

@@ -1,0 +1,233 @@
+"""Outputs never destroy inputs, and a killed build is tidied by the next one (io.check_not_inputs, io.staged_dir).
+
+Every writing command is run with an output that is, contains or lies inside one of its inputs,
+with and without --force: one error line, exit 2, and the inputs byte-identical afterwards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from constructed_runs import write_run
+from helpers import hf_cache_snapshot, make_tiny_lm, make_tokenizer
+
+from lm_eval_sink.errors import UserError
+from lm_eval_sink.io import COMPLETE, check_not_inputs, staged_dir
+from lm_eval_sink.locks import hold
+
+ENV = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _save_tiny_vlm(folder: Path) -> Path:
+    """A tiny Llava (CLIP vision tower + Llama text model) with the tiny tokenizer."""
+    import torch
+    from transformers import AutoModelForImageTextToText, LlavaConfig
+
+    text = dict(
+        model_type="llama",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)  # fmt: skip
+    torch.manual_seed(0)
+    config = LlavaConfig(text_config=text, vision_config=vision, image_token_index=120)
+    AutoModelForImageTextToText.from_config(config).save_pretrained(folder)
+    make_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> dict[str, Path]:
+    """Every kind of input a writing command reads, under one root: models, a VLM, configs, runs, JSONs."""
+    root = tmp_path_factory.mktemp("inputs")
+    models = root / "models"
+    w = {"root": root, "models": models}
+    for role, seed in (("reference", 1), ("candidate", 2)):
+        w[role] = make_tiny_lm(models / role, "llama", seed)
+    w["vlm"] = _save_tiny_vlm(root / "vlm")
+    configs = root / "configs"
+    configs.mkdir()
+    w["merge_yaml"] = configs / "linear.yaml"
+    halves = [{"model": str(w[r]), "parameters": {"weight": 0.5}} for r in ("reference", "candidate")]
+    merge = {"merge_method": "linear", "dtype": "float32", "tokenizer_source": str(w["reference"]), "models": halves}
+    w["merge_yaml"].write_text(yaml.safe_dump(merge))
+    w["sweep_yaml"] = configs / "sweep.yaml"
+    sweep = {"output": "out", "models": {"reference": str(w["reference"]), "candidate": str(w["candidate"])},
+             "configs": ["linear_uniform"], "eval": False, "strength": {"n_prompts": 5, "last_k": 2}}  # fmt: skip
+    w["sweep_yaml"].write_text(yaml.safe_dump(sweep))
+    w["pairs"] = configs / "pairs.yaml"
+    shutil.copy(Path(__file__).parents[1] / "lm_eval_sink" / "data" / "paper_pairs.yaml", w["pairs"])
+    runs = root / "runs"
+    w["ref_run"] = write_run(runs / "ref", {"ifeval": ([1, 1, 0], [1, 1, 1])}).parent
+    w["cand_run"] = write_run(runs / "cand", {"ifeval": ([1, 0, 0], [1, 1, 0])}).parent
+    w["strength_json"] = runs / "reference.strength.json"
+    w["strength_json"].write_text("{}")
+    return w
+
+
+def _tree_hash(root: Path) -> str:
+    """Names and bytes of every file and link under `root`: any write, deletion or new file changes it."""
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        h.update(str(p.relative_to(root)).encode())
+        if p.is_symlink():
+            h.update(str(p.readlink()).encode())
+        elif p.is_file():
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+# (command, argv as a template over the world's names, how the output overlaps the input, the input named)
+CASES = [
+    ("merge", ["merge", "{merge_yaml}", "{reference}"], "is", "reference"),
+    ("merge-parent", ["merge", "{merge_yaml}", "{models}"], "contains", "reference"),
+    ("extract", ["extract", "{vlm}", "{vlm}", "--quiet"], "is", "vlm"),
+    ("inject", ["inject", "{reference}", "{vlm}", "{root}", "--quiet"], "contains", "vlm"),
+    ("strength", ["strength", "{reference}", "--output", "{reference}/s", "--quiet"], "lies inside", "reference"),
+    ("screen", ["screen", "{candidate}", "--output", "{models}", "--quiet"], "contains", "candidate"),
+    ("sweep", ["sweep", "{sweep_yaml}", "--output", "{reference}", "--quiet"], "is", "reference"),
+    ("buckets", ["buckets", "{ref_run}", "{cand_run}", "--output", "{ref_run}", "--quiet"], "is", "ref_run"),
+    ("fit", ["fit", "{pairs}", "--output", "{pairs}"], "is", "pairs"),
+    ("margin", ["margin", "{reference}", "{candidate}", "--output", "{candidate}/m", "--quiet"], "lies inside",
+     "candidate"),
+    ("protect-plan", ["protect-plan", "{reference}", "-o", "{reference}/plan.json", "--quiet"], "lies inside",
+     "reference"),
+    ("report", ["report", "--strength", "{strength_json}", "{strength_json}", "-o", "{strength_json}"], "is",
+     "strength_json"),
+    ("configs-render", ["configs", "render", "tsv", "--reference", "{reference}", "--candidate", "{candidate}", "-o",
+                        "{candidate}/tsv.yaml"], "lies inside", "candidate"),
+    ("eval", ["eval", "{reference}", "--protocol", "instruct", "--tasks", "ifeval", "--output", "{models}"],
+     "contains", "reference"),
+    ("attribute", ["attribute", "--reference", "{ref_run}", "--candidate", "{cand_run}", "--output", "{root}"],
+     "contains", "ref_run"),
+    ("protocol-show", ["protocol", "show", "{ref_run}", "-o", "{ref_run}/fp.json"], "lies inside", "ref_run"),
+    ("protocol-diff", ["protocol", "diff", "{ref_run}", "{cand_run}", "-o", "{cand_run}"], "is", "cand_run"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("force", [False, True], ids=["plain", "force"])
+@pytest.mark.parametrize(("argv", "how", "role"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_an_output_overlapping_an_input_is_refused_and_the_input_kept(world, user_error, argv, how, role, force):
+    args = [a.format(**world) for a in argv] + (["--force"] if force else [])
+    before = _tree_hash(world["root"])
+    err = user_error(args)
+    assert f" {how} the input " in err and str(world[role]) in err, err
+    assert _tree_hash(world["root"]) == before
+
+
+def test_a_link_to_an_input_is_that_input_and_a_hub_id_is_no_path(world, tmp_path, monkeypatch, user_error):
+    model, vlm = tmp_path / "model", tmp_path / "vlm"
+    model.symlink_to(world["reference"])
+    vlm.symlink_to(world["vlm"])
+    before = _tree_hash(world["root"])
+    assert " lies inside the input " in user_error(["strength", world["reference"], "--output", model / "s", "--force"])
+    assert " is the input " in user_error(["extract", world["vlm"], vlm, "--force", "--quiet"])
+    assert _tree_hash(world["root"]) == before
+    monkeypatch.chdir(tmp_path)
+    check_not_inputs(["org"], inputs=["org/name", None], option="--output")  # a hub id names no folder here
+    (tmp_path / "org" / "name").mkdir(parents=True)
+    with pytest.raises(UserError, match="--output org contains the input org/name"):
+        check_not_inputs(["org"], inputs=["org/name"], option="--output")  # a folder of that name is a path
+
+
+def test_a_hub_models_snapshot_folder_is_an_input(world, tmp_path, monkeypatch, user_error):
+    """`extract org/vlm OUT`: the hub id is no path, but the snapshot folder it resolves to is an input."""
+    from huggingface_hub import constants
+
+    hub = tmp_path / "hf" / "hub"
+    hf_cache_snapshot(hub, "org/vlm", world["vlm"], "1" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub))
+    snap = hub / "models--org--vlm" / "snapshots" / ("1" * 40)
+    before = _tree_hash(hub)
+    err = user_error(["extract", "org/vlm", snap / "backbone", "--force", "--quiet"], snap / "backbone")
+    assert f"OUT_DIR {snap / 'backbone'} lies inside the input {snap}" in err
+    assert _tree_hash(hub) == before
+
+
+# --- item 3: one writer per output, and a killed build tidied by the next ----------------------------
+
+
+def test_staged_dir_restores_the_previous_output_and_removes_stale_siblings(tmp_path):
+    out = tmp_path / "out"
+    old, partial = tmp_path / "out.old-0123abcd", tmp_path / "out.partial-89abcdef"
+    old.mkdir()
+    (old / "a.txt").write_text("previous")
+    partial.mkdir()
+    other = tmp_path / "out.partial-not-ours"  # not a staging name of ours: left alone
+    other.mkdir()
+    with pytest.raises(UserError, match="output already exists"), staged_dir(out):
+        pass  # the previous output is restored first, so without --force it is refused
+    assert (out / "a.txt").read_text() == "previous" and not old.exists() and not partial.exists()
+    with hold(out, sibling=True), staged_dir(out, force=True) as tmp:  # the lock is reentrant in one process
+        (tmp / "b.txt").write_text("new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "out.partial-not-ours"]  # lock file removed too
+    assert [p.name for p in out.iterdir()] == ["b.txt"]
+
+
+def test_a_live_holders_partial_is_left_alone(tmp_path):
+    out = tmp_path / "out"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import time
+            from pathlib import Path
+            from lm_eval_sink.io import staged_dir
+            with staged_dir(Path({str(out)!r})) as tmp:
+                print(tmp.name, flush=True)
+                time.sleep(120)
+        """)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        partial = tmp_path / holder.stdout.readline().strip()
+        with pytest.raises(UserError, match=rf"{out} is in use by pid {holder.pid} "), staged_dir(out):
+            pass
+        assert partial.is_dir()  # the holder's partial survives a second writer
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_killed_extraction_is_tidied_by_the_rerun(world, tmp_path, caplog):
+    from lm_eval_sink.cli import main
+
+    out = tmp_path / "backbone"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lm_eval_sink.cli", "extract", str(world["vlm"]), str(out), "--quiet"],
+        env={**os.environ, **ENV},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    partial = None
+    deadline = time.monotonic() + 300  # a safety net, not a timing assertion
+    while partial is None and proc.poll() is None and time.monotonic() < deadline:
+        partial = next((p for p in tmp_path.glob("backbone.partial-*") if any(p.glob("*.safetensors"))), None)
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert partial is not None, "the extraction ended before it could be interrupted"
+    assert not out.exists() and partial.is_dir() and not (partial / COMPLETE).exists()
+    with caplog.at_level(logging.WARNING, logger="lm_eval_sink.io"):
+        assert main(["extract", str(world["vlm"]), str(out), "--quiet"]) == 0  # no --force needed
+    assert f"removed {partial}, left by an interrupted run" in caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["backbone"]  # partial and the killed holder's lock gone
+    assert (out / COMPLETE).is_file() and any(out.glob("*.safetensors"))
