@@ -48,8 +48,9 @@ def run_strength(
     With several models also `ranking.md`, `ranking.csv` and `ranking.png`. A model whose JSON
     already exists with the same input key is reused (an interrupted run resumes); a different
     key is refused unless `force`. Returns the lines to print. `measure_all(paths, settings, dtype,
-    device)` -> results in order measures every model to (re)do at once (e.g. one Ray task each,
-    `engines.ray_measure_all`); without it each is measured here, one after the other.
+    device)` measures every model to (re)do at once (e.g. one Ray task each, `engines.ray_measure_all`),
+    yielding (path, result, error line or None) as each finishes: each result is written at once, and
+    a failed model is reported after the others are kept. Without it each is measured here, in turn.
     """
     from lm_eval_sink.calibration import load_prompts
     from lm_eval_sink.locks import hold
@@ -111,25 +112,38 @@ def _run_locked(
         key = result_key(path, identity["fingerprint"], settings, dtype)
         json_path = output / f"{slug}.strength.json"
         plan.append((name, path, slug, key, json_path, _reusable(json_path, identity, key, force)))
+
+    def save(res: SinkStrength, name: str, key: str, json_path: Path) -> SinkStrength:
+        res = replace(res, provenance={**res.provenance, "input_key": key, "model_argument": name})
+        atomic_write_json(json_path, res.to_json())
+        return res
+
     todo = list(dict.fromkeys(path for _, path, _, _, _, reuse in plan if reuse is None))
-    measured = (
-        dict(zip(todo, measure_all(todo, settings, dtype, device), strict=True))
-        if measure_all is not None and todo
-        else {}
-    )
+    saved: dict[str, SinkStrength] = {}  # json path -> result, written as each model's task finished
+    failed: dict[str, str] = {}
+    for path, res, error in measure_all(todo, settings, dtype, device) if measure_all is not None and todo else ():
+        if error is not None:
+            failed[path] = error
+        for name, p, slug, key, json_path, reuse in plan:
+            if p == path and reuse is None and error is None:
+                saved[str(json_path)] = save(res, name, key, json_path)
+    if failed:
+        first = next(iter(failed.items()))
+        raise UserError(
+            f"{len(failed)} of {len(todo)} model(s) failed; first: {first[0]}: {first[1]}",
+            f"fix the cause and rerun: the {len(saved)} measured ones are kept in {output} and reused",
+        )
     results, lines = [], []
     for name, path, slug, key, json_path, reuse in tqdm(plan, desc="models", disable=not progress or len(plan) == 1):
         if reuse is not None:
             res = SinkStrength.from_json(reuse)
             lines.append(f"{slug}: reused {json_path}")
+        elif str(json_path) in saved:
+            res = saved[str(json_path)]
         else:
-            res = (
-                measured[path]
-                if path in measured
-                else measure_model(path, settings, dtype=dtype, device=device, progress=progress)
+            res = save(
+                measure_model(path, settings, dtype=dtype, device=device, progress=progress), name, key, json_path
             )
-            res = replace(res, provenance={**res.provenance, "input_key": key, "model_argument": name})
-            atomic_write_json(json_path, res.to_json())
         png = layer_head_heatmap(
             res.sink_strength_layer_head,
             res.layers,

@@ -37,7 +37,7 @@ from lm_eval_sink.io import (
 )
 from lm_eval_sink.locks import hold
 from lm_eval_sink.merging.configs import TOKENIZER_CHOICES, bundled_names, load_template, render, validate_text
-from lm_eval_sink.merging.engines import check_vllm_units, parse_engine, run_on_ray
+from lm_eval_sink.merging.engines import parse_engine, placement_fields, run_on_ray
 from lm_eval_sink.merging.sweep import (
     ENDPOINTS,
     EvalIn,
@@ -150,8 +150,10 @@ def load_sweep(
         except UserError as e:
             raise UserError(f"{src}: strength: {e.message}", e.hint) from None
 
-    spec = parse_engine(sweep.engine, src, kind=engine, address=ray_address)
-    check_vllm_units(spec, eval_settings, src)
+    devices = {"merge": merge.device, "eval": eval_settings and eval_settings.device, "strength": sdevice}
+    spec = parse_engine(
+        sweep.engine, src, kind=engine, address=ray_address, devices=devices, eval_settings=eval_settings
+    )
     return SweepSpec(
         source=src,
         output=out.resolve(),
@@ -225,7 +227,7 @@ def _finish(tmp: Path, unit: Unit, **fields: Any) -> None:
             "fingerprint_rule": FINGERPRINT_RULE,
             "model_identity": unit.inputs.get("identity"),
             **fields,
-            "provenance": provenance(unit=unit.id),
+            "provenance": provenance(unit=unit.id, **placement_fields()),
         },
     )
 
@@ -244,7 +246,7 @@ def run_unit(unit: Unit) -> None:
             force=True,
             quiet=True,
             key=unit.key,
-            extra={"unit": unit.id, "template": unit.inputs["template"]},
+            extra={"unit": unit.id, "template": unit.inputs["template"], **placement_fields()},
         )
     elif unit.kind == "eval":
         from lm_eval_sink.harness.runner import run_lm_eval
