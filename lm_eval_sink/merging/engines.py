@@ -143,7 +143,7 @@ def parse_engine(
         if chosen != "ray":
             gpus = gpus or 0
         elif k == "eval" and eval_settings is not None and eval_settings.backend == "vllm":
-            gpus = vllm_gpus(gpus, eval_settings.model_args, where)
+            gpus = vllm_gpus(gpus, eval_settings.model_args, src)
         else:
             gpus = unit_gpus(gpus, (devices or {}).get(k), where)
         resources[k] = Resources(**fields, num_gpus=gpus)
@@ -174,7 +174,7 @@ def unit_gpus(given: float | None, device: str | None, where: str) -> float:
     return given
 
 
-def vllm_gpus(given: float | None, model_args: dict[str, Any], where: str) -> float:
+def vllm_gpus(given: float | None, model_args: dict[str, Any], src: str) -> float:
     """A vLLM eval task's GPUs: its tensor_parallel_size (the default), or 0 for vLLM's CPU build.
 
     lm-eval's vllm backend starts Ray actors of its own for data_parallel_size > 1 or when
@@ -183,14 +183,14 @@ def vllm_gpus(given: float | None, model_args: dict[str, Any], where: str) -> fl
     tp = int(model_args.get("tensor_parallel_size", 1))
     if dp != 1:
         raise UserError(
-            f"{where}: eval.model_args.data_parallel_size = {dp} under the ray engine",
+            f"{src}: eval.model_args.data_parallel_size = {dp} under the ray engine",
             "use data_parallel_size: 1; Ray already runs one eval task per checkpoint in parallel",
         )
     if given is None:
         return tp
     if given not in (0, tp):
         raise UserError(
-            f"{where} = {given:g} but eval.model_args.tensor_parallel_size = {tp}",
+            f"{src}: eval.model_args.tensor_parallel_size = {tp} but engine.resources.eval.num_gpus = {given:g}",
             f"set num_gpus: {tp} (vLLM on GPUs) or 0 (vLLM's CPU build)",
         )
     return given
