@@ -242,7 +242,7 @@ def connect(address: str | None) -> Any:
     try:
         ray.init(address=address, **kwargs)
     except (ConnectionError, RuntimeError, ValueError, ray.exceptions.RayError) as e:
-        where = address or os.environ.get("RAY_ADDRESS") or "auto"
+        where = address if address not in (None, "auto") else os.environ.get("RAY_ADDRESS", address)
         if _refused_for_token(e):
             raise UserError(
                 f"the cluster at {where} refused this driver's Ray auth token",
@@ -342,7 +342,8 @@ def run_task(
         with task_log(log_path) if log_path is not None else contextlib.nullcontext():
             return fn(), None
     except Exception as e:
-        return None, e.line() if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
+        line = e.line() if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
+        return None, (line.splitlines() or [""])[0]
 
 
 def _placed(fn: Callable[[], Any]) -> Callable[[], Any]:
