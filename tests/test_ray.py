@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import stop_ray_cluster
+from helpers import REPO, stop_ray_cluster
 
 from lm_eval_sink.cli import main
 
@@ -37,6 +37,8 @@ def ray_cluster(tmp_path_factory):
     temp = tmp_path_factory.mktemp("ray")
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}  # Ray refuses more GPUs than it lists
     env.update({"RAY_USAGE_STATS_ENABLED": "0", LOOPBACK_ENV: "0"})
+    # workers import the package from the checkout under test (not whichever one is installed editable)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     cmd = [RAY, "start", "--head", "--num-cpus", "2", "--num-gpus", "2", "--include-dashboard=false",
            "--temp-dir", str(temp), "--node-ip-address", "127.0.0.1", "--port", "0",
            "--disable-usage-stats"]  # fmt: skip
@@ -192,30 +194,6 @@ def test_screen_on_ray_keeps_finished_models_when_one_fails_then_equals_local_sc
     assert (tmp_path / "ray" / "screen.png").is_file()
 
 
-def _probe_unit(unit, root: str):
-    """What a unit sees on its worker, written to `root/seen/<id>.json`; GPU units wait for each other
-    (so the two provably run at once) before they record."""
-    import json
-    import os
-    import time
-    from pathlib import Path
-
-    from lm_eval_sink.merging.engines import placement_fields
-
-    started = Path(root) / "started"
-    started.mkdir(exist_ok=True)
-    (started / unit.checkpoint).touch()
-    if unit.kind == "eval":
-        deadline = time.time() + 120
-        while len(list(started.glob("gpu*"))) < 2:
-            if time.time() > deadline:
-                raise RuntimeError("the other GPU unit never started")
-            time.sleep(0.1)
-    seen = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"), **placement_fields()}
-    (Path(root) / "seen").mkdir(exist_ok=True)
-    (Path(root) / "seen" / f"{unit.id}.json").write_text(json.dumps(seen))
-
-
 def test_gpu_units_see_exactly_the_gpus_ray_assigned(ray_cluster, tmp_path):
     """Through `run_on_ray` (the path a sweep's units take): two concurrent 1-GPU units get different ids and
     each sees only its own; a zero-GPU unit sees none; the placement is what the unit's provenance records."""
@@ -226,6 +204,29 @@ def test_gpu_units_see_exactly_the_gpus_ray_assigned(ray_cluster, tmp_path):
 
     from lm_eval_sink.errors import UserError
     from lm_eval_sink.merging.engines import EngineSpec, Resources, gpu_placement, run_on_ray
+
+    def _probe_unit(unit, root: str):  # nested: Ray sends it by value (workers cannot import this module)
+        """What a unit sees on its worker, written to `root/seen/<id>.json`; GPU units wait for each other
+        (so the two provably run at once) before they record."""
+        import json
+        import os
+        import time
+        from pathlib import Path
+
+        from lm_eval_sink.merging.engines import placement_fields
+
+        started = Path(root) / "started"
+        started.mkdir(exist_ok=True)
+        (started / unit.checkpoint).touch()
+        if unit.kind == "eval":
+            deadline = time.time() + 120
+            while len(list(started.glob("gpu*"))) < 2:
+                if time.time() > deadline:
+                    raise RuntimeError("the other GPU unit never started")
+                time.sleep(0.1)
+        seen = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES"), **placement_fields()}
+        (Path(root) / "seen").mkdir(exist_ok=True)
+        (Path(root) / "seen" / f"{unit.id}.json").write_text(json.dumps(seen))
 
     units = [SimpleNamespace(id=f"{k}:{c}", kind=k, checkpoint=c) for k, c in
              (("eval", "gpu-a"), ("eval", "gpu-b"), ("strength", "cpu-c"))]  # fmt: skip

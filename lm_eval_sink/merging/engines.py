@@ -382,7 +382,9 @@ def _task_result(ray: Any, ref: Any) -> tuple[Any, str | None]:
     try:
         return ray.get(ref)
     except Exception as e:
-        return None, f"ray task failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        cause = getattr(e, "cause", None) or e  # a RayTaskError's own first line names only the task
+        first = (str(cause).strip().splitlines() or [""])[0]
+        return None, f"ray task failed: {type(cause).__name__}: {first[:200]}"
 
 
 def run_on_ray(
