@@ -272,6 +272,10 @@ def test_gpu_units_see_exactly_the_gpus_ray_assigned(ray_cluster, tmp_path):
 def test_a_cuda_merge_that_fails_under_ray_leaves_its_units_not_run(ray_cluster, tmp_path, tiny_trio, capsys):
     """`merge: {device: cuda}` gets 1 GPU by default; on this CPU machine the merge task (which sees GPU id 0 or 1)
     fails, its checkpoint's units are "not run", the endpoints' units finish (on no GPU) and the table is written."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("shows a cuda merge failing on a machine without CUDA")
     sweep = _write_sweep(
         tmp_path, tiny_trio, configs=["linear_95_5"], eval=False, merge={"device": "cuda"}, engine={"kind": "ray"}
     )
@@ -280,7 +284,8 @@ def test_a_cuda_merge_that_fails_under_ray_leaves_its_units_not_run(ray_cluster,
     assert len(err) == 1 and "2 sweep step(s) failed (merge:linear_95_5, strength:linear_95_5)" in err[0], err
     out = sweep.parent / "out"
     rows = {json.loads(x)["unit"]: json.loads(x) for x in (out / "manifest.jsonl").read_text().splitlines()}
-    assert rows["merge:linear_95_5"]["status"] == "failed" and "strength:linear_95_5" not in rows
+    assert rows["merge:linear_95_5"]["status"] == "failed" and "CUDA" in rows["merge:linear_95_5"]["error"]
+    assert "strength:linear_95_5" not in rows  # "not run" units leave no manifest line
     assert rows["strength:reference"]["status"] == rows["strength:candidate"]["status"] == "done"
     complete = json.loads((out / "strength" / "reference" / "COMPLETE.json").read_text())
     assert complete["provenance"]["placement"]["gpu_ids"] == []
