@@ -39,9 +39,23 @@ def ray_cluster(tmp_path_factory):
     env.update({"RAY_USAGE_STATS_ENABLED": "0", LOOPBACK_ENV: "0"})
     # workers import the package from the checkout under test (not whichever one is installed editable)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    cmd = [RAY, "start", "--head", "--num-cpus", "2", "--num-gpus", "2", "--include-dashboard=false",
-           "--temp-dir", str(temp), "--node-ip-address", "127.0.0.1", "--port", "0",
-           "--disable-usage-stats"]  # fmt: skip
+    cmd = [
+        RAY,
+        "start",
+        "--head",
+        "--num-cpus",
+        "2",
+        "--num-gpus",
+        "2",
+        "--include-dashboard=false",
+        "--temp-dir",
+        str(temp),
+        "--node-ip-address",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--disable-usage-stats",
+    ]
     old = {k: os.environ.get(k) for k in ("RAY_ADDRESS", "RAY_USAGE_STATS_ENABLED", LOOPBACK_ENV)}
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
@@ -228,8 +242,8 @@ def test_gpu_units_see_exactly_the_gpus_ray_assigned(ray_cluster, tmp_path):
         (Path(root) / "seen").mkdir(exist_ok=True)
         (Path(root) / "seen" / f"{unit.id}.json").write_text(json.dumps(seen))
 
-    units = [SimpleNamespace(id=f"{k}:{c}", kind=k, checkpoint=c) for k, c in
-             (("eval", "gpu-a"), ("eval", "gpu-b"), ("strength", "cpu-c"))]  # fmt: skip
+    kinds = (("eval", "gpu-a"), ("eval", "gpu-b"), ("strength", "cpu-c"))
+    units = [SimpleNamespace(id=f"{k}:{c}", kind=k, checkpoint=c) for k, c in kinds]
     engine = EngineSpec(
         kind="ray",
         address="auto",
@@ -307,12 +321,16 @@ def test_gpu_settings_follow_the_device(tmp_path, tiny_trio, capsys):
     assert spec(eval=vllm, engine=ray)["eval"].num_gpus == 2
     assert spec(eval=vllm, engine={**ray, "resources": {"eval": {"num_gpus": 0}}})["eval"].num_gpus == 0
     bad = [
-        ({"merge": {"device": "cuda"}, "engine": {**ray, "resources": {"merge": {"num_gpus": 0}}}},
-         "engine.resources.merge.num_gpus = 0 with device cuda"),
-        ({"engine": {**ray, "resources": {"strength": {"num_gpus": 1}}}},
-         "engine.resources.strength.num_gpus = 1 but the device is cpu"),
+        (
+            {"merge": {"device": "cuda"}, "engine": {**ray, "resources": {"merge": {"num_gpus": 0}}}},
+            "engine.resources.merge.num_gpus = 0 with device cuda",
+        ),
+        (
+            {"engine": {**ray, "resources": {"strength": {"num_gpus": 1}}}},
+            "engine.resources.strength.num_gpus = 1 but the device is cpu",
+        ),
         ({"merge": {"device": "cuda:1"}, "engine": ray}, "device cuda:1 names a GPU"),
-    ]  # fmt: skip
+    ]
     for extra, needle in bad:
         assert main(["sweep", str(_write_sweep(tmp_path, tiny_trio, **extra)), "--quiet"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
