@@ -209,7 +209,9 @@ def _last_k(value: str) -> int | None:
     help="ray: one Ray task per model.",
 )
 @click.option("--ray-address", default=None, help="Ray cluster: auto or ray://host:port (default: start Ray here).")
-@click.option("--num-gpus", type=float, default=0, show_default=True, help="GPUs per model's Ray task.")
+@click.option(
+    "--num-gpus", type=float, default=None, help="GPUs per model's Ray task (default: 1 with --device cuda, else 0)."
+)
 def screen(
     model_names,
     pairs_file,
@@ -248,7 +250,7 @@ def screen(
         from lm_eval_sink.merging.engines import import_ray, ray_measure_all
 
         import_ray(local_only=ray_address is None)
-        measure_all = ray_measure_all(ray_address, num_gpus=num_gpus, progress=not quiet)
+        measure_all = ray_measure_all(ray_address, num_gpus=num_gpus, device=device, progress=not quiet)
     elif ray_address is not None:
         raise UserError("--ray-address needs --engine ray", "add --engine ray, or drop --ray-address")
     for line in run_screen(

@@ -8,18 +8,37 @@ the harness, buckets and protocol tests.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
-from helpers import FIXTURE_BATCH, FIXTURE_GEN_KWARGS, FIXTURE_LIMIT, SHARED, TINY_TASK, make_tiny_lm, make_tokenizer
+from helpers import (
+    FIXTURE_BATCH,
+    FIXTURE_GEN_KWARGS,
+    FIXTURE_LIMIT,
+    SHARED,
+    TINY_TASK,
+    isolated_ray_auth,
+    make_tiny_lm,
+    make_tokenizer,
+)
 from lm_eval_sink.merging.engines import LOOPBACK_ENV
 
 # Every Ray the tests start or reach stays on 127.0.0.1 and sends no usage statistics. Ray reads
 # these when it is imported, so they are set before any test module imports it.
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault(LOOPBACK_ENV, "0")
+# Ray's auth state is the test session's own: every cluster the tests start and every driver they run
+# use token auth with a token made here, never a ~/.ray/auth_token left by an earlier Ray on the machine
+# (a cluster that picked that one up refused the tests' drivers). Ray reads the mode when imported.
+_RAY_AUTH = Path(tempfile.mkdtemp(prefix="lm-eval-sink-ray-auth-"))
+atexit.register(shutil.rmtree, _RAY_AUTH, True)
+os.environ.update(isolated_ray_auth(_RAY_AUTH))
+os.environ.pop("RAY_AUTH_TOKEN", None)  # it would win over RAY_AUTH_TOKEN_PATH
 
 
 @pytest.fixture(scope="session")

@@ -127,6 +127,22 @@ def hf_cache_snapshot(
     return files
 
 
+def isolated_ray_auth(folder: Path) -> dict[str, str]:
+    """The environment of a Ray cluster and its drivers that share a token of their own in `folder`.
+
+    Ray 2.60 looks for its auth token in RAY_AUTH_TOKEN, then RAY_AUTH_TOKEN_PATH, then
+    ~/.ray/auth_token, and with RAY_AUTH_MODE unset turns token auth on for `ray start` whenever it
+    finds one (and for a driver only with address auto): a token left in the default place by any
+    earlier Ray run decides otherwise. Here the mode and the token file are explicit."""
+    import secrets
+
+    folder.mkdir(parents=True, exist_ok=True)
+    token = folder / "auth_token"
+    if not token.is_file():
+        token.write_text(secrets.token_hex(32))
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+
+
 def stop_ray_cluster(temp_dir: Path, grace: float = 3.0) -> None:
     """Stop the Ray cluster that `ray start --temp-dir temp_dir` started, and nothing else.
 

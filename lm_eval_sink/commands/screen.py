@@ -71,6 +71,17 @@ def detect_qk_norm(model_path: str) -> QKNorm:
     return classify_qk_norm(config, size)
 
 
+def _measured_in_order(paths: list[str], finished: Any) -> list[Any]:
+    """The results `measure_all` yields as (path, result, error) in completion order, in `paths` order;
+    with no --output nothing is kept, so the first failed model ends the screen."""
+    results = {}
+    for path, res, error in finished:
+        if error is not None:
+            raise UserError(f"{path}: {error}", "fix the cause and rerun (pass --output DIR to keep finished models)")
+        results[path] = res
+    return [results[p] for p in paths]
+
+
 def run_screen(
     names: list[str],
     slugs: list[str],
@@ -148,7 +159,7 @@ def _run(
     else:
         lines, strength_files = [], [None] * len(names)
         strengths = (
-            measure_all(paths, settings, dtype, device)
+            _measured_in_order(paths, measure_all(paths, settings, dtype, device))
             if measure_all is not None
             else [measure_model(p, settings, dtype=dtype, device=device, progress=progress) for p in paths]
         )

@@ -53,8 +53,9 @@ def run_strength(
     With several models also `ranking.md`, `ranking.csv` and `ranking.png`. A model whose JSON
     already exists with the same input key is reused (an interrupted run resumes); a different
     key is refused unless `force`. Returns the lines to print. `measure_all(paths, settings, dtype,
-    device)` -> results in order measures every model to (re)do at once (e.g. one Ray task each,
-    `engines.ray_measure_all`); without it each is measured here, one after the other.
+    device)` measures every model to (re)do at once (e.g. one Ray task each, `engines.ray_measure_all`),
+    yielding (path, result, error line or None) as each finishes: each result is written at once, and
+    a failed model is reported after the others are kept. Without it each is measured here, in turn.
     """
     from lm_eval_sink.calibration import load_prompts
     from lm_eval_sink.io import check_not_inputs
@@ -133,26 +134,39 @@ def _run_locked(
         plan.append((name, path, slug, (key, ikey), json_path, reuse))
         if changed:
             lines.append(f"{slug}: recomputed: {changed}")
+
+    def save(res: SinkStrength, name: str, keys: tuple[str, str], json_path: Path) -> SinkStrength:
+        keyed = {"input_key": keys[0], "inputs_key": keys[1], "key_versions": versions}
+        res = replace(res, provenance={**res.provenance, **keyed, "model_argument": name})
+        atomic_write_json(json_path, res.to_json())
+        return res
+
     todo = list(dict.fromkeys(path for _, path, _, _, _, reuse in plan if reuse is None))
-    measured = (
-        dict(zip(todo, measure_all(todo, settings, dtype, device), strict=True))
-        if measure_all is not None and todo
-        else {}
-    )
+    saved: dict[str, SinkStrength] = {}  # json path -> result, written as each model's task finished
+    failed: dict[str, str] = {}
+    for path, res, error in measure_all(todo, settings, dtype, device) if measure_all is not None and todo else ():
+        if error is not None:
+            failed[path] = error
+        for name, p, _slug, keys, json_path, reuse in plan:
+            if p == path and reuse is None and error is None:
+                saved[str(json_path)] = save(res, name, keys, json_path)
+    if failed:
+        first = next(iter(failed.items()))
+        raise UserError(
+            f"{len(failed)} of {len(todo)} model(s) failed; first: {first[0]}: {first[1]}",
+            f"fix the cause and rerun: the {len(saved)} measured ones are kept in {output} and reused",
+        )
     results = []
     for name, path, slug, keys, json_path, reuse in tqdm(plan, desc="models", disable=not progress or len(plan) == 1):
         if reuse is not None:
             res = SinkStrength.from_json(reuse)
             lines.append(f"{slug}: reused {json_path}")
+        elif str(json_path) in saved:
+            res = saved[str(json_path)]
         else:
-            res = (
-                measured[path]
-                if path in measured
-                else measure_model(path, settings, dtype=dtype, device=device, progress=progress)
+            res = save(
+                measure_model(path, settings, dtype=dtype, device=device, progress=progress), name, keys, json_path
             )
-            keyed = {"input_key": keys[0], "inputs_key": keys[1], "key_versions": versions}
-            res = replace(res, provenance={**res.provenance, **keyed, "model_argument": name})
-            atomic_write_json(json_path, res.to_json())
         png = layer_head_heatmap(
             res.sink_strength_layer_head,
             res.layers,

@@ -39,7 +39,7 @@ from lm_eval_sink.io import (
 )
 from lm_eval_sink.locks import hold
 from lm_eval_sink.merging.configs import TOKENIZER_CHOICES, bundled_names, load_template, render
-from lm_eval_sink.merging.engines import check_vllm_units, parse_engine, run_on_ray
+from lm_eval_sink.merging.engines import parse_engine, placement_fields, run_on_ray
 from lm_eval_sink.merging.sweep import (
     ENDPOINTS,
     EvalIn,
@@ -112,8 +112,10 @@ def load_sweep(
         tokenizer_source = _model_arg(here, tokenizer_source)
     eval_settings = None if "eval" in skipped else _eval_settings(sweep.eval, src, lambda p: _rel(here, p))
     strength, sdtype, sdevice = _strength(sweep.strength, "strength" in skipped, src, here)
-    engine_spec = parse_engine(sweep.engine, src, kind=engine, address=ray_address)
-    check_vllm_units(engine_spec, eval_settings, src)
+    devices = {"merge": merge.device, "eval": eval_settings and eval_settings.device, "strength": sdevice}
+    engine_spec = parse_engine(
+        sweep.engine, src, kind=engine, address=ray_address, devices=devices, eval_settings=eval_settings
+    )
     merges = tuple(
         render(t, models["reference"], models["candidate"], base=models.get("base"), tokenizer_source=tokenizer_source)
         for t in templates
@@ -246,7 +248,7 @@ def _finish(tmp: Path, unit: Unit, **fields: Any) -> None:
             "fingerprint_rule": FINGERPRINT_RULE,
             "model_identity": unit.inputs.get("identity"),
             **fields,
-            "provenance": provenance(unit=unit.id),
+            "provenance": provenance(unit=unit.id, **placement_fields()),
         },
     )
 
@@ -264,7 +266,7 @@ def run_unit(unit: Unit) -> None:
             force=True,
             quiet=True,
             key=unit.key,
-            extra={"unit": unit.id, "template": unit.inputs["template"]},
+            extra={"unit": unit.id, "template": unit.inputs["template"], **placement_fields()},
         )
     elif unit.kind == "eval":
         from lm_eval_sink.harness.runner import run_lm_eval

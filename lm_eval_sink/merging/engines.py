@@ -6,7 +6,7 @@ The sweep file's `engine:` block (all keys optional):
       kind: ray                  # local (default) | ray
       address: auto              # null: start Ray inside the driver; auto: a running cluster; "ray://host:port"
       max_pending_merges: 2      # merged checkpoints waiting for evaluation (default: the eval slots)
-      resources:                 # per unit kind; num_cpus default 1, num_gpus default 0, memory in bytes
+      resources:                 # per unit kind; num_cpus default 1, memory in bytes; num_gpus: see below
         merge: {num_cpus: 2}
         eval: {num_gpus: 1}
         strength: {num_gpus: 1}
@@ -20,6 +20,14 @@ through `runtime_env={"env_vars": ...}` (no code upload: the package must be ins
 node); each task compares its package versions with the driver's and checks that it sees the
 output folder, failing its unit with one line otherwise. The engine is part of no unit key, so a
 sweep started locally resumes under Ray and back.
+
+GPUs are Ray's to place (`unit_gpus`): a unit whose device is `cuda` asks Ray for `num_gpus`
+(default 1; 0 is refused), a `cpu` unit asks for none (num_gpus > 0 is refused), and a vLLM eval
+unit (no device) for `tensor_parallel_size` GPUs, or 0 for vLLM's CPU build. A worker checks that
+`CUDA_VISIBLE_DEVICES` lists exactly the ids `ray.get_gpu_ids()` gave its task (none for a
+zero-GPU task: `RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=1` in every worker's environment) and records
+them in the unit's provenance (`placement`). The decisions of what to submit next are
+`scheduler.Scheduler`'s.
 """
 
 from __future__ import annotations
@@ -28,8 +36,8 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -44,6 +52,8 @@ UNIT_KINDS = ("merge", "eval", "strength")
 # "0": Ray 2.60 keeps 127.0.0.1 as the node address and listens on it alone (otherwise it replaces
 # 127.0.0.1 by the node's reachable address and listens on every interface).
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+# Ray 2.60 leaves CUDA_VISIBLE_DEVICES alone for a task with no GPUs (it would see them all); "1" hides them again.
+ZERO_GPU_ENV = "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"
 ENV_VARS = (
     "HF_HUB_OFFLINE",
     "HF_HOME",
@@ -102,8 +112,18 @@ class EngineIn(Strict):
     resources: UnitResourcesIn = UnitResourcesIn()
 
 
-def parse_engine(value: EngineIn | None, src: str, kind: str | None = None, address: str | None = None) -> EngineSpec:
-    """The validated `engine:` section with the CLI's --engine / --ray-address on top; defaults from Resources."""
+def parse_engine(
+    value: EngineIn | None,
+    src: str,
+    kind: str | None = None,
+    address: str | None = None,
+    devices: dict[str, str | None] | None = None,
+    eval_settings: Any = None,
+) -> EngineSpec:
+    """The validated `engine:` section with the CLI's --engine / --ray-address on top; defaults from Resources.
+
+    `devices`: each unit kind's torch device; under Ray it decides the kind's GPUs (`unit_gpus`), except
+    for a vLLM eval (`eval_settings.backend`), whose GPUs follow its tensor_parallel_size (`vllm_gpus`)."""
     value = value or EngineIn()
     chosen = kind or value.kind or "local"
     addr = address if address is not None else value.address
@@ -117,29 +137,63 @@ def parse_engine(value: EngineIn | None, src: str, kind: str | None = None, addr
     resources = {}
     for k in UNIT_KINDS:
         given = getattr(value.resources, k)
-        resources[k] = Resources(**(given.model_dump(exclude_none=True) if given else {}))
+        fields = given.model_dump(exclude_none=True) if given else {}
+        gpus = fields.pop("num_gpus", None)
+        where = f"{src}: engine.resources.{k}.num_gpus"
+        if chosen != "ray":
+            gpus = gpus or 0
+        elif k == "eval" and eval_settings is not None and eval_settings.backend == "vllm":
+            gpus = vllm_gpus(gpus, eval_settings.model_args, src)
+        else:
+            gpus = unit_gpus(gpus, (devices or {}).get(k), where)
+        resources[k] = Resources(**fields, num_gpus=gpus)
     return EngineSpec(kind=chosen, address=addr, max_pending_merges=value.max_pending_merges, resources=resources)
 
 
-def check_vllm_units(engine: EngineSpec, eval_settings: Any, src: str) -> None:
-    """Under Ray, a vllm eval unit must fit its own task: lm-eval's vllm backend starts Ray actors
-    of its own for data_parallel_size > 1 or when tensor_parallel_size exceeds the task's GPUs."""
-    if engine.kind != "ray" or eval_settings is None or eval_settings.backend != "vllm":
-        return
-    margs = eval_settings.model_args
-    dp = int(margs.get("data_parallel_size", 1))
-    tp = int(margs.get("tensor_parallel_size", 1))
-    gpus = engine.resources["eval"].num_gpus
+def unit_gpus(given: float | None, device: str | None, where: str) -> float:
+    """A Ray task's GPUs from its torch device: cuda takes `given` (default 1, at least 1), cpu takes none.
+
+    `where` names the setting in the one-line errors (e.g. "sweep.yaml: engine.resources.merge.num_gpus")."""
+    kind, _, index = (device or "cpu").partition(":")
+    if kind != "cuda":
+        if given:
+            raise UserError(
+                f"{where} = {given:g} but the device is {device or 'cpu'}: the task would hold GPUs it never uses",
+                "set device: cuda, or drop num_gpus",
+            )
+        return 0
+    if index:
+        raise UserError(
+            f"{where}: device {device} names a GPU, but under Ray the task's GPUs are the ones Ray assigned",
+            "use device: cuda (Ray makes its GPUs the only ones the task sees)",
+        )
+    if given is None:
+        return 1
+    if given < 1:
+        raise UserError(f"{where} = {given:g} with device cuda", "set num_gpus: 1 or more, or use device: cpu")
+    return given
+
+
+def vllm_gpus(given: float | None, model_args: dict[str, Any], src: str) -> float:
+    """A vLLM eval task's GPUs: its tensor_parallel_size (the default), or 0 for vLLM's CPU build.
+
+    lm-eval's vllm backend starts Ray actors of its own for data_parallel_size > 1 or when
+    tensor_parallel_size exceeds the task's GPUs, so neither is allowed under the ray engine."""
+    dp = int(model_args.get("data_parallel_size", 1))
+    tp = int(model_args.get("tensor_parallel_size", 1))
     if dp != 1:
         raise UserError(
             f"{src}: eval.model_args.data_parallel_size = {dp} under the ray engine",
             "use data_parallel_size: 1; Ray already runs one eval task per checkpoint in parallel",
         )
-    if tp != gpus:
+    if given is None:
+        return tp
+    if given not in (0, tp):
         raise UserError(
-            f"{src}: eval.model_args.tensor_parallel_size = {tp} but engine.resources.eval.num_gpus = {gpus:g}",
-            f"set engine.resources.eval.num_gpus: {tp} (or tensor_parallel_size: {gpus:g})",
+            f"{src}: eval.model_args.tensor_parallel_size = {tp} but engine.resources.eval.num_gpus = {given:g}",
+            f"set num_gpus: {tp} (vLLM on GPUs) or 0 (vLLM's CPU build)",
         )
+    return given
 
 
 def import_ray(local_only: bool = False) -> Any:
@@ -157,7 +211,23 @@ def import_ray(local_only: bool = False) -> Any:
 
 
 def worker_env() -> dict[str, str]:
-    return {k: os.environ[k] for k in ENV_VARS if k in os.environ}
+    """The environment every worker of this driver's job gets: the driver's data and cache variables, and
+    Ray's pre-2.60 rule that a task with no GPUs sees none (`CUDA_VISIBLE_DEVICES=""`)."""
+    return {ZERO_GPU_ENV: "1", **{k: os.environ[k] for k in ENV_VARS if k in os.environ}}
+
+
+def _refused_for_token(e: BaseException) -> bool:
+    """Whether Ray's connection error comes from the cluster refusing this driver's auth token: Ray 2.60's
+    GcsClient raises `ray.exceptions.AuthenticationError`, which ray.init wraps (as text) in a RuntimeError
+    and then a ConnectionError."""
+    from ray.exceptions import AuthenticationError
+
+    chain: BaseException | None = e
+    while chain is not None:
+        if isinstance(chain, AuthenticationError) or "AuthenticationError" in str(chain):
+            return True
+        chain = chain.__cause__ or chain.__context__
+    return False
 
 
 def connect(address: str | None) -> Any:
@@ -171,12 +241,60 @@ def connect(address: str | None) -> Any:
         kwargs.update(include_dashboard=False, _node_ip_address="127.0.0.1")
     try:
         ray.init(address=address, **kwargs)
-    except (ConnectionError, RuntimeError, ValueError) as e:
+    except (ConnectionError, RuntimeError, ValueError, ray.exceptions.RayError) as e:
+        where = address if address not in (None, "auto") else os.environ.get("RAY_ADDRESS", address)
+        if _refused_for_token(e):
+            raise UserError(
+                f"the cluster at {where} refused this driver's Ray auth token",
+                "give the driver the cluster's token: RAY_AUTH_MODE=token with RAY_AUTH_TOKEN or "
+                "RAY_AUTH_TOKEN_PATH (`ray get-auth-token` on the head node prints it); a stale ~/.ray/auth_token "
+                "from an earlier Ray is not the cluster's",
+            ) from None
         raise UserError(
             f"cannot connect to the Ray cluster at {address}: {str(e).splitlines()[0][:200]}",
             "start one with `ray start --head`, pass --ray-address, or use --engine local",
         ) from None
     return ray
+
+
+def check_fits(ray: Any, needs: dict[str, Resources], where: str) -> None:
+    """Refuse, before any task is submitted, a task no node of the cluster can ever hold (Ray would wait forever)."""
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    for what, res in needs.items():
+        for name, amount in (("CPU", res.num_cpus), ("GPU", res.num_gpus)):
+            most = max((n.get(name, 0) for n in nodes), default=0)
+            if amount > most:
+                raise UserError(
+                    f"{what} asks for {amount:g} {name}(s) per task but no node of the Ray cluster at {where} has "
+                    f"more than {most:g}",
+                    f"lower {what}, or add a node with {amount:g} {name}(s)",
+                )
+
+
+def gpu_placement() -> dict[str, Any]:
+    """On a worker: the GPU ids Ray assigned this task, checked to be exactly the GPUs the task can see.
+
+    Ray sets CUDA_VISIBLE_DEVICES to the assigned ids (to "" for a zero-GPU task, see `worker_env`), so
+    `cuda` in the task means its own GPUs; any other value (a worker started by hand with its own
+    CUDA_VISIBLE_DEVICES, a Ray that left it alone) fails the task (one line) rather than run elsewhere."""
+    import ray
+
+    ids = [str(i) for i in ray.get_gpu_ids()]
+    seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if seen is None or [x for x in seen.split(",") if x] != ids:
+        raise UserError(
+            f"worker {socket.gethostname()} sees CUDA_VISIBLE_DEVICES={seen!r} but Ray assigned GPUs {ids}",
+            f"let Ray set CUDA_VISIBLE_DEVICES on its workers (and {ZERO_GPU_ENV}=1 for tasks with no GPU)",
+        )
+    return {"gpu_ids": ids, "CUDA_VISIBLE_DEVICES": seen, "node": socket.gethostname()}
+
+
+_placement: dict[str, Any] | None = None  # the running task's, on a worker; None outside Ray tasks
+
+
+def placement_fields() -> dict[str, Any]:
+    """`{"placement": ...}` for a provenance block written inside a Ray task, `{}` elsewhere."""
+    return {"placement": _placement} if _placement is not None else {}
 
 
 @contextlib.contextmanager
@@ -226,14 +344,29 @@ def run_task(
         with task_log(log_path) if log_path is not None else contextlib.nullcontext():
             return fn(), None
     except Exception as e:
-        return None, e.line() if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
+        line = e.line() if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
+        return None, (line.splitlines() or [""])[0]
+
+
+def _placed(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """`fn` run with this task's GPU placement checked and kept for its provenance (`placement_fields`)."""
+
+    def body() -> Any:
+        global _placement
+        _placement = gpu_placement()
+        try:
+            return fn()
+        finally:
+            _placement = None
+
+    return body
 
 
 def _remote_unit(
     unit: Any, run: Callable[[Any], None], driver_versions: dict[str, Any], output_root: str
 ) -> tuple[str, str | None]:
     log_path = Path(output_root) / "logs" / f"{unit.kind}-{unit.checkpoint}" / "task.log"
-    _, error = run_task(lambda: run(unit), driver_versions, Path(output_root), log_path)
+    _, error = run_task(_placed(lambda: run(unit)), driver_versions, Path(output_root), log_path)
     return unit.id, error
 
 
@@ -244,6 +377,16 @@ def eval_slots(ray: Any, engine: EngineSpec) -> int:
     if res.num_gpus:
         slots.append(total.get("GPU", 0) / res.num_gpus)
     return max(1, int(min(slots)) if slots else 1)
+
+
+def _task_result(ray: Any, ref: Any) -> tuple[Any, str | None]:
+    """A finished task's (value, error line); a task Ray lost or killed is one line too."""
+    try:
+        return ray.get(ref)
+    except Exception as e:
+        cause = getattr(e, "cause", None) or e  # a RayTaskError's own first line names only the task
+        first = (str(cause).strip().splitlines() or [""])[0]
+        return None, f"ray task failed: {type(cause).__name__}: {first[:200]}"
 
 
 def run_on_ray(
@@ -257,72 +400,37 @@ def run_on_ray(
     """Run `units` (in plan order) as Ray tasks calling `run(unit)`; `record(unit, error)` is called
     on the driver as each finishes (error None) or fails (a line; 'not run: ...' for units after a
     failed merge). `run` is a module-level function, which Ray sends by reference: this module
-    imports no sweep code.
-
-    An eval/strength unit of a checkpoint whose merge is among `units` starts after that merge;
-    at most `max_pending_merges` merged checkpoints wait for their evaluation at any time.
+    imports no sweep code. What to submit when is `scheduler.Scheduler`'s decision.
     """
     from tqdm.auto import tqdm
 
     from lm_eval_sink.io import package_versions
+    from lm_eval_sink.merging.scheduler import Scheduler
 
     ray = connect(engine.address)
+    kinds = sorted({u.kind for u in units})
+    check_fits(ray, {f"engine.resources.{k}": engine.resources[k] for k in kinds}, engine.address or "this driver")
     versions = package_versions()
     remote = ray.remote(max_retries=1, retry_exceptions=False)(_remote_unit)
-    bound = engine.max_pending_merges or eval_slots(ray, engine)
-    merges = {u.checkpoint: u for u in units if u.kind == "merge"}
-    downstream: dict[str, set[str]] = {
-        c: {u.id for u in units if u.kind != "merge" and u.checkpoint == c} for c in merges
-    }
-    waiting = list(units)  # not yet submitted, plan order
-    merged: set[str] = set()  # checkpoints whose merge finished
-    pending: set[str] = set()  # checkpoints merging or merged with downstream units left
+    sched = Scheduler(units, engine.max_pending_merges or eval_slots(ray, engine))
     in_flight: dict[Any, Any] = {}
     bar = tqdm(total=len(units), desc="sweep steps (ray)", unit="step", disable=not progress)
-
-    def ready(u: Any) -> bool:
-        if u.kind == "merge":
-            return len(pending) < bound
-        return u.checkpoint not in merges or u.checkpoint in merged
 
     def done(u: Any, error: str | None) -> None:
         record(u, error)
         bar.update(1)
-        if u.kind == "merge":
-            if error is None:
-                merged.add(u.checkpoint)
-                if not downstream[u.checkpoint]:
-                    pending.discard(u.checkpoint)
-            else:
-                pending.discard(u.checkpoint)
-                for d in [w for w in waiting if w.id in downstream[u.checkpoint]]:
-                    waiting.remove(d)
-                    done(d, f"not run: {u.id} failed")
-        elif u.checkpoint in merges:
-            downstream[u.checkpoint].discard(u.id)
-            if not downstream[u.checkpoint] and u.checkpoint in merged:
-                pending.discard(u.checkpoint)
+        for lost, line in sched.finish(u, error):
+            record(lost, line)
+            bar.update(1)
 
     try:
-        while waiting or in_flight:
-            for u in [w for w in waiting if ready(w)]:
-                if not ready(u):  # an earlier merge in this pass may have filled the bound
-                    continue
-                waiting.remove(u)
-                if u.kind == "merge":
-                    pending.add(u.checkpoint)
+        while not sched.done:
+            for u in sched.submit_next():
                 opts = engine.resources[u.kind].options()
                 in_flight[remote.options(**opts, name=u.id).remote(u, run, versions, str(output_root))] = u
-            if not in_flight:
-                raise RuntimeError(f"ray engine: {len(waiting)} unit(s) can never start")  # a bug, not an input error
             finished, _ = ray.wait(list(in_flight), num_returns=1)
             for ref in finished:
-                u = in_flight.pop(ref)
-                try:
-                    _, error = ray.get(ref)
-                except Exception as e:
-                    error = f"ray task failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-                done(u, error)
+                done(in_flight.pop(ref), _task_result(ray, ref)[1])
     finally:
         bar.close()
         for ref in in_flight:
@@ -334,48 +442,48 @@ def _remote_measure(
 ) -> tuple[Any, str | None]:
     from lm_eval_sink.strength import measure_model
 
+    def measure() -> Any:
+        res = measure_model(path, settings, dtype=dtype, device=device, progress=False)
+        return replace(res, provenance={**res.provenance, **placement_fields()})
+
     local = Path(path) if Path(path).is_absolute() else None  # a hub id needs no shared folder
-    return run_task(
-        lambda: measure_model(path, settings, dtype=dtype, device=device, progress=False),
-        driver_versions,
-        local,
-        None,
-        what="model folder",
-    )
+    return run_task(_placed(measure), driver_versions, local, None, what="model folder")
 
 
-def ray_measure_all(address: str | None, num_gpus: float = 0, progress: bool = True) -> Callable[..., list[Any]]:
-    """A `strength.run_strength(measure_all=...)` that measures each model in its own Ray task."""
+def ray_measure_all(
+    address: str | None, num_gpus: float | None = None, device: str = "cpu", progress: bool = True
+) -> Callable[..., Iterator[tuple[str, Any, str | None]]]:
+    """A `strength.run_strength(measure_all=...)` that measures each model in its own Ray task, yielding
+    (path, result, None) or (path, None, error line) as each task finishes.
 
-    def measure_all(paths: list[str], settings: Any, dtype: str, device: str) -> list[Any]:
+    `num_gpus` per task follows `device` (`unit_gpus`); a bad pair is refused here, before Ray starts."""
+    gpus = unit_gpus(num_gpus, device, "--num-gpus")
+
+    def measure_all(paths: list[str], settings: Any, dtype: str, device: str) -> Iterator[tuple[str, Any, str | None]]:
         from tqdm.auto import tqdm
 
         from lm_eval_sink.io import package_versions
 
         ray = connect(address)
+        check_fits(ray, {"--num-gpus/--device": Resources(num_gpus=gpus)}, address or "this driver")
         remote = ray.remote(max_retries=1, retry_exceptions=False)(_remote_measure)
         versions = package_versions()
         refs = {
-            remote.options(num_cpus=1, num_gpus=num_gpus, name=f"strength:{Path(p).name}").remote(
+            remote.options(num_cpus=1, num_gpus=gpus, name=f"strength:{Path(p).name}").remote(
                 p, settings, dtype, device, versions
             ): p
             for p in paths
         }
-        results: dict[str, Any] = {}
+        waiting = list(refs)
         with tqdm(total=len(refs), desc="models (ray)", disable=not progress) as bar:
-            waiting = list(refs)
-            while waiting:
-                ready, waiting = ray.wait(waiting, num_returns=1)
-                value, error = ray.get(ready[0])
-                if error is not None:
-                    for ref in waiting:
-                        ray.cancel(ref, force=True)
-                    raise UserError(
-                        f"{refs[ready[0]]}: {error}",
-                        "fix the cause and rerun (results reused from --output are those written before this run)",
-                    )
-                results[refs[ready[0]]] = value
-                bar.update(1)
-        return [results[p] for p in paths]
+            try:
+                while waiting:
+                    ready, waiting = ray.wait(waiting, num_returns=1)
+                    value, error = _task_result(ray, ready[0])
+                    bar.update(1)
+                    yield refs[ready[0]], value, error
+            finally:
+                for ref in waiting:
+                    ray.cancel(ref, force=True)
 
     return measure_all
