@@ -20,6 +20,7 @@ the last one stopped (a run's training restarts from its start if it was interru
 
     OMP_NUM_THREADS=1 nohup python benchmarks/exp_vl_adaptation.py --output out/exp_vl &
     python benchmarks/exp_vl_adaptation.py --output out/exp_vl_gpu --scale 20 --device cuda
+    python benchmarks/exp_vl_adaptation.py --output /tmp/exp_vl_smoke --smoke   # every stage and arm, tiny
 """
 
 from __future__ import annotations
@@ -105,6 +106,19 @@ class Config:
     last_k: int = 10
     n_eval_captions: int = 32
     device: str = "cpu"
+    n_prompts: int | None = None  # calibration prompts of every S measurement (None: all 15)
+    n_ifeval: int = len(IFEVAL_KEYS)
+    max_gen_toks: int = 128
+
+
+# --smoke: every stage and every arm at the smallest size that still runs it (one step, a few prompts).
+SMOKE = dict(steps=1, batch=2, every=1, n_eval_captions=4, n_prompts=5, n_ifeval=2, max_gen_toks=8)
+
+
+def strength_settings(cfg: Config):
+    from lm_eval_sink.strength import StrengthSettings
+
+    return StrengthSettings(last_k=cfg.last_k, n_prompts=cfg.n_prompts)
 
 
 def caption_of(attrs: tuple[int, int, int, int]) -> str:
@@ -214,8 +228,8 @@ def caption_loss(lm, projector, data: CaptionData, vision: bool, batch: int) -> 
     return total / count
 
 
-def ifeval_subset(out: Path) -> Path:
-    """A data folder holding only the 40 chosen IFEval prompts (from LM_EVAL_SINK_DATA)."""
+def ifeval_subset(out: Path, keys: tuple[int, ...]) -> Path:
+    """A data folder holding only the chosen IFEval prompts (from LM_EVAL_SINK_DATA)."""
     src_root = os.environ.get("LM_EVAL_SINK_DATA")
     if not src_root:
         raise SystemExit(
@@ -229,19 +243,19 @@ def ifeval_subset(out: Path) -> Path:
         for line in Path(src_root, "ifeval", "input_data.jsonl").read_text(encoding="utf-8").splitlines()
         if line.strip()
     }
-    missing = [k for k in IFEVAL_KEYS if k not in rows]
+    missing = [k for k in keys if k not in rows]
     if missing:
         raise SystemExit(
             f"error: IFEval keys {missing[:5]} are not in {src_root}/ifeval/input_data.jsonl (fix: use "
             "the full 541-prompt file)"
         )
-    folder = out / "ifeval40"
-    atomic_write_text(folder / "ifeval" / "input_data.jsonl", "".join(rows[k] + "\n" for k in IFEVAL_KEYS))
+    folder = out / f"ifeval{len(keys)}"
+    atomic_write_text(folder / "ifeval" / "input_data.jsonl", "".join(rows[k] + "\n" for k in keys))
     return folder
 
 
-def ifeval_score(model_dir: Path, out: Path, data: Path, device: str) -> dict:
-    """Prompt-level strict IFEval on the 40 keys (instruct protocol, max_gen_toks 128); cached in out/ifeval.json."""
+def ifeval_score(model_dir: Path, out: Path, data: Path, cfg: Config) -> dict:
+    """Prompt-level strict IFEval on the chosen keys (instruct protocol); cached in out/ifeval.json."""
     from lm_eval_sink.harness.runner import EvalSettings, run_lm_eval
     from lm_eval_sink.io import atomic_write_json, read_json
     from lm_eval_sink.protocols import get_protocol, settings_fields
@@ -250,7 +264,11 @@ def ifeval_score(model_dir: Path, out: Path, data: Path, device: str) -> dict:
     if done.is_file():
         return read_json(done)
     fields = settings_fields(
-        get_protocol("instruct"), tasks=["ifeval"], gen_kwargs={"max_gen_toks": 128}, dtype="float32", device=device
+        get_protocol("instruct"),
+        tasks=["ifeval"],
+        gen_kwargs={"max_gen_toks": cfg.max_gen_toks},
+        dtype="float32",
+        device=cfg.device,
     )
     t = time.time()
     run = run_lm_eval(model_dir, EvalSettings(**fields), out / "lm_eval", env={"LM_EVAL_SINK_DATA": str(data)})
@@ -258,7 +276,7 @@ def ifeval_score(model_dir: Path, out: Path, data: Path, device: str) -> dict:
     record = {
         "prompt_level_strict_acc": res["prompt_level_strict_acc,none"],
         "inst_level_strict_acc": res["inst_level_strict_acc,none"],
-        "n_prompts": len(IFEVAL_KEYS),
+        "n_prompts": cfg.n_ifeval,
         "results": str(run.results),
         "seconds": round(time.time() - t, 1),
     }
@@ -268,13 +286,11 @@ def ifeval_score(model_dir: Path, out: Path, data: Path, device: str) -> dict:
 
 def strength_json(model_dir: Path, path: Path, cfg: Config) -> dict:
     from lm_eval_sink.io import atomic_write_json, read_json
-    from lm_eval_sink.strength import StrengthSettings, measure_model
+    from lm_eval_sink.strength import measure_model
 
     if path.is_file():
         return read_json(path)
-    res = measure_model(
-        str(model_dir), StrengthSettings(last_k=cfg.last_k), dtype="float32", device=cfg.device, progress=False
-    )
+    res = measure_model(str(model_dir), strength_settings(cfg), dtype="float32", device=cfg.device, progress=False)
     atomic_write_json(path, res.to_json())
     return res.to_json()
 
@@ -284,7 +300,6 @@ def train_run(name: str, start_dir: Path, plan_path: Path, out: Path, cfg: Confi
     from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
     from lm_eval_sink.io import atomic_write_json, read_json, staged_dir
-    from lm_eval_sink.strength import StrengthSettings
     from lm_eval_sink.training import SinkProtection, SinkStrengthCallback
 
     record_path = out / "train.json"
@@ -344,9 +359,7 @@ def train_run(name: str, start_dir: Path, plan_path: Path, out: Path, cfg: Confi
         optimizers=(optimizer, None),
         callbacks=callbacks,
     )
-    cb = SinkStrengthCallback(tok, StrengthSettings(last_k=cfg.last_k), every_n_steps=cfg.every, output_dir=out).attach(
-        trainer
-    )
+    cb = SinkStrengthCallback(tok, strength_settings(cfg), every_n_steps=cfg.every, output_dir=out).attach(trainer)
     t = time.time()
     trainer.train()
     seconds = time.time() - t
@@ -381,14 +394,13 @@ def margin_of(start_dir: Path, model_dir: Path, path: Path, cfg: Config) -> dict
     from lm_eval_sink.io import atomic_write_json, read_json
     from lm_eval_sink.commands.margin import measure_margin
     from lm_eval_sink.margin import MarginSettings
-    from lm_eval_sink.strength import StrengthSettings
 
     if path.is_file():
         return read_json(path)
     m, _ = measure_margin(
         str(start_dir),
         str(model_dir),
-        MarginSettings(strength=StrengthSettings(last_k=cfg.last_k), last_k=cfg.last_k),
+        MarginSettings(strength=strength_settings(cfg), last_k=cfg.last_k),
         dtype="float32",
         device=cfg.device,
         progress=False,
@@ -410,16 +422,21 @@ def main() -> None:
         "--scale", type=int, default=1, help="multiply steps and the trajectory interval (e.g. 20 on a GPU)"
     )
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--model", default="default", help="start model (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--runs", default=",".join(RUNS))
+    ap.add_argument("--smoke", action="store_true", help=f"every stage at a tiny size, to check it runs: {SMOKE}")
     a = ap.parse_args()
     cfg = Config(
-        steps=a.steps * a.scale,
-        batch=a.batch,
-        lr=a.lr,
-        every=a.every * a.scale,
-        tau=a.tau,
-        seed=a.seed,
-        device=a.device,
+        **{
+            "steps": a.steps * a.scale,
+            "batch": a.batch,
+            "lr": a.lr,
+            "every": a.every * a.scale,
+            "tau": a.tau,
+            "seed": a.seed,
+            "device": a.device,
+            **(SMOKE if a.smoke else {}),
+        }
     )
     runs = [r for r in a.runs.split(",") if r]
     bad = [r for r in runs if r not in RUNS]
@@ -429,49 +446,44 @@ def main() -> None:
 
     from lm_eval_sink.io import atomic_write_json, atomic_write_text, provenance, read_json
     from lm_eval_sink.models import load_model, model_fingerprint, resolve_model
-    from lm_eval_sink.strength import StrengthSettings
     from lm_eval_sink.training.callback import trajectory_plot
     from lm_eval_sink.training.protection import select_sink_heads
 
     out = Path(a.output)
     out.mkdir(parents=True, exist_ok=True)
     cfg_path = out / "config.json"
-    if cfg_path.is_file() and read_json(cfg_path)["config"] != asdict(cfg):
+    start_dir = Path(resolve_model(a.model))
+    start_model = model_fingerprint(str(start_dir))
+    if cfg_path.is_file() and [read_json(cfg_path)[k] for k in ("config", "start_model")] != [asdict(cfg), start_model]:
         raise SystemExit(
-            f"error: {out} holds a run with other settings (fix: use another --output, or the same options)"
+            f"error: {out} holds a run with other settings or another start model "
+            "(fix: use another --output, or the same options)"
         )
-    start_dir = Path(resolve_model("default"))
+    keys = IFEVAL_KEYS[: cfg.n_ifeval]
     atomic_write_json(
         cfg_path,
-        {
-            "config": asdict(cfg),
-            "runs": runs,
-            "ifeval_keys": list(IFEVAL_KEYS),
-            "start_model": model_fingerprint(str(start_dir)),
-        },
+        {"config": asdict(cfg), "runs": runs, "ifeval_keys": list(keys), "start_model": start_model},
     )
     n_measure = cfg.steps // cfg.every + 2
     est = (
         len(runs) * (cfg.steps * COST_TRAIN_STEP + n_measure * COST_STRENGTH + 3 * COST_STRENGTH)
-        + (len(runs) + 1) * len(IFEVAL_KEYS) * COST_IFEVAL_PROMPT
+        + (len(runs) + 1) * len(keys) * COST_IFEVAL_PROMPT
     )
     print(
         f"estimate on this machine's measured costs: ~{est / 60:.0f} min ({len(runs)} runs x "
         f"{cfg.steps} steps, batch {cfg.batch}, seq {cfg.seq_len}, lr {cfg.lr}; "
-        f"{len(runs) + 1} IFEval runs of {len(IFEVAL_KEYS)} prompts; finished stages in {out} are reused)",
+        f"{len(runs) + 1} IFEval runs of {len(keys)} prompts; finished stages in {out} are reused)",
         flush=True,
     )
     t0 = time.time()
-    data = ifeval_subset(out)
+    data = ifeval_subset(out, keys)
     start = out / "start"
     start.mkdir(exist_ok=True)
     s_start = strength_json(start_dir, start / "strength.json", cfg)
     plan_path = start / "plan.json"
     if not plan_path.is_file():
         loaded = load_model(str(start_dir), dtype="float32")
-        plan = select_sink_heads(
-            loaded.model, loaded.tokenizer, StrengthSettings(last_k=cfg.last_k), tau=cfg.tau, progress=False
-        )
+        plan = select_sink_heads(loaded.model, loaded.tokenizer, strength_settings(cfg), tau=cfg.tau, progress=False)
         atomic_write_json(
             plan_path, {**plan.to_json(), "provenance": {**plan.provenance, **provenance(model=loaded.info)}}
         )
@@ -485,7 +497,7 @@ def main() -> None:
         f"{cfg.tau})",
         flush=True,
     )
-    if_start = ifeval_score(start_dir, start, data, cfg.device)
+    if_start = ifeval_score(start_dir, start, data, cfg)
     print(
         f"start: IFEval prompt-strict {if_start['prompt_level_strict_acc']:.3f} ({if_start['seconds']} s)", flush=True
     )
@@ -495,7 +507,7 @@ def main() -> None:
         folder.mkdir(exist_ok=True)
         tr = train_run(name, start_dir, plan_path, folder, cfg)
         s_end = strength_json(folder / "model", folder / "strength.json", cfg)
-        ife = ifeval_score(folder / "model", folder, data, cfg.device)
+        ife = ifeval_score(folder / "model", folder, data, cfg)
         mg = margin_of(start_dir, folder / "model", folder / "margin.json", cfg)
         rows[name] = {
             "train": tr,
@@ -542,7 +554,7 @@ def main() -> None:
                     f"{r['ifeval']:.3f}",
                     f"{tr['heldout_caption_loss_start']:.3f}",
                     f"{tr['heldout_caption_loss_end']:.3f}",
-                    f"{tr['train_loss_last5']:.3f}",
+                    "n/a" if tr["train_loss_last5"] is None else f"{tr['train_loss_last5']:.3f}",
                     f"{mg['margin_median']:.3f}",
                     f"{mg['margin_min']:.3f}",
                     f"{mg['n_negative_margin']}/{mg['n_heads_total']}",
@@ -564,7 +576,8 @@ def main() -> None:
     trajectory_plot(
         {n: [tuple(p) for p in r["train"]["trajectory"]] for n, r in rows.items()},
         out / "trajectories.png",
-        f"SmolLM2-135M-Instruct, {cfg.steps} steps, batch {cfg.batch}, lr {cfg.lr}",
+        f"{'SmolLM2-135M-Instruct' if a.model == 'default' else start_dir.name}, "
+        f"{cfg.steps} steps, batch {cfg.batch}, lr {cfg.lr}",
     )
     print("\n".join(lines))
     print(f"-> {out / 'results.md'}, {out / 'trajectories.png'} ({time.time() - t0:.0f} s this invocation)")

@@ -7,7 +7,6 @@ import math
 import os
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -368,32 +367,6 @@ def test_hook_fails_soft_with_one_warning(monkeypatch):
     monkeypatch.setitem(hooks.POST_IMPORT, "json", "lm_eval_sink.harness.discovery:no_such_patch")
     with pytest.warns(UserWarning, match="could not register with json"):
         hooks._run_callback("json")
-
-
-def test_wheel_ships_hook_tasks_and_configs(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "-q",
-            "-w",
-            str(tmp_path),
-            str(REPO),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    (wheel,) = tmp_path.glob("lm_eval_sink-*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
-    assert "lm_eval_sink_hook.pth" in names
-    assert "lm_eval_sink/tasks/sink_strength/sink_strength.yaml" in names
-    assert "lm_eval_sink/data/offline_datasets.yaml" in names and "lm_eval_sink/data/calibration_prompts.jsonl" in names
 
 
 def test_setup_py_runs_where_the_package_is_not_installed(tmp_path):

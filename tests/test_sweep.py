@@ -391,3 +391,29 @@ def test_table_text_is_the_markdown_and_csv_of_the_table():
         "reference,reference,0.5000,+0.0000,-2.0000,+0.0000,ok\n"
         "tsv,tsv,n/a,n/a,-1.5000,+0.5000,eval:tsv: boom\n"
     )
+
+
+def test_eval_false_merges_and_measures_only_and_resumes(tmp_path, tiny_trio):
+    """`eval: false`: no eval unit runs; the table has S and its deltas, no metric column; a rerun reuses all."""
+    from lm_eval_sink.commands.sweep import load_sweep, run_sweep
+
+    sweep = _write_sweep(tmp_path, tiny_trio, eval=False)
+    report = run_sweep(load_sweep(sweep), progress=False)
+    assert not report.failures, report.failures
+    assert report.ran == ["strength:reference", "strength:candidate", "merge:dare_linear", "strength:dare_linear"]
+    out = tmp_path / "out"
+    table = json.loads((out / "table.json").read_text())
+    assert table["columns"] == [] and table["protocol"]["eval"] is None
+    assert [r["checkpoint"] for r in table["rows"]] == ["reference", "candidate", "dare_linear"]
+    ref = table["rows"][0]
+    for row in table["rows"]:
+        saved = json.loads((out / "strength" / row["checkpoint"] / "strength.json").read_text())
+        assert row["status"] == "ok" and row["metrics"] == {} and row["sink_strength"] == saved["sink_strength"]
+        assert row["sink_strength_delta_vs_reference"] == pytest.approx(row["sink_strength"] - ref["sink_strength"])
+    assert table["rows"][2]["sink_strength"] != table["rows"][1]["sink_strength"]
+    assert not (out / "evals").exists()
+    units = [json.loads(x)["unit"] for x in (out / "manifest.jsonl").read_text().splitlines()]
+    assert not [u for u in units if u.startswith("eval:")]
+    assert "S delta" in (out / "table.md").read_text()
+    again = run_sweep(load_sweep(sweep), progress=False)
+    assert again.ran == [] and _rows(out) == table["rows"]
