@@ -291,7 +291,7 @@ def attention_layers(model: Any, probe_ids: Sequence[int]) -> tuple[int, ...]:
         return from_config
     device = next(model.parameters()).device
     ids = torch.tensor([list(probe_ids)], dtype=torch.long, device=device)
-    with sink_capture(model, ()) as collector, torch.inference_mode():
+    with sink_capture(model, ()) as collector, torch.no_grad():
         model(input_ids=ids, use_cache=False)
     layers = tuple(sorted(x for x in collector.reached if isinstance(x, int)))
     if not layers:
@@ -435,7 +435,7 @@ def capture_prompts(
     device = next(model.parameters()).device
     out: list[PromptCapture] = []
     starts = range(0, len(encoded), batch_size)
-    with sink_capture(model, layers) as collector, torch.inference_mode():
+    with sink_capture(model, layers) as collector, torch.no_grad():  # not inference_mode: FSDP2 reuses its buffers
         for start in tqdm(starts, desc=desc, disable=not progress, leave=False):
             chunk = encoded.input_ids[start : start + batch_size]
             ids, mask, position_ids, first_real = _batch(chunk, int(pad_id), device)
