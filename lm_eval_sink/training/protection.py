@@ -450,8 +450,9 @@ def select_sink_heads(
 class SinkProtection(TrainerCallback):
     """Apply a plan during training: `freeze(model)` once, `project_(model)` after each optimizer step.
 
-    As a Trainer callback it freezes in `on_train_begin` (when `freeze`) and projects in
-    `on_step_end` (when `project`; with `freeze` alone it only resets the sink embedding row).
+    As a Trainer callback it freezes in `on_init_end` (when `freeze`: before the optimizer and DDP
+    exist; added later, `on_train_begin` freezes in one process and refuses under several) and
+    projects in `on_step_end` (when `project`; with `freeze` alone it only resets the sink embedding row).
     The start weights are taken at the first call, and must be the ones the plan was made from.
     """
 
