@@ -479,7 +479,7 @@ def two_ranks(tmp_path_factory):
         str(DRIVER),
         str(out),
     ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)  # a rank left waiting: fails
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
@@ -512,6 +512,8 @@ def test_callback_under_fsdp2_measures_on_every_rank_and_writes_on_the_main_one(
     assert r0["ddp_records"] == [0, 3] and r1["ddp_records"] == []  # under DDP too: written by rank 0 only
     for r in (r0, r1):
         assert "FSDP / ZeRO-3" in r["protection_refusal"]
+        assert "FSDP1 wrapper" in r["fsdp1_refusal"] and "\n" not in r["fsdp1_refusal"]
+    assert not (out / "fsdp1").exists()
 
 
 def _tiny_gpt_oss(vocab: int):

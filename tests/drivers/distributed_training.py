@@ -8,6 +8,7 @@ Usage: python -m torch.distributed.run --standalone --nproc_per_node 2 distribut
 2. FSDP2: the model sharded with `fully_shard` on a CPU mesh, 2 AdamW steps, SinkStrengthCallback's
    hooks called on every rank as the Trainer calls them (every_n_steps=1), each rank writing to its
    own folder; then the full weights gathered into an unsharded copy and measured the plain way.
+   Last, torch's FSDP1 wrapper, which the callback refuses.
 Each rank writes OUT/rank<r>.json with what the test checks.
 """
 
@@ -144,6 +145,16 @@ def fsdp_part(report: dict, rank: int, world: int) -> None:
     plain.load_state_dict(full)
     report["s_unsharded_end"] = measure(plain, tok, strength, progress=False).sink_strength
     report["records"] = [(r["step"], r["sink_strength"]) for r in cb.records]
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    fsdp1 = FullyShardedDataParallel(build(), device_id=torch.device("cpu"))
+    try:
+        SinkStrengthCallback(tok, strength, output_dir=out / "fsdp1").on_train_begin(
+            args, TrainerState(), control, model=fsdp1
+        )
+        report["fsdp1_refusal"] = None
+    except UserError as e:
+        report["fsdp1_refusal"] = e.line()
 
 
 def main() -> None:
