@@ -279,7 +279,7 @@ def check_unsharded(model: Any, args: Any = None) -> None:
 
 def check_no_learned_sinks(model: Any) -> None:
     """Refuse learned sinks (gpt-oss `sinks`): the sink is a per-head logit there, not position 0's key."""
-    if any(getattr(layer.self_attn, "sinks", None) is not None for layer in _decoder(model).layers):
+    if any(getattr(getattr(layer, "self_attn", None), "sinks", None) is not None for layer in _decoder(model).layers):
         raise UserError(
             f"{type(_base(model)).__name__} has learned attention sinks (a per-head sink logit), "
             "but SinkProtection holds the key of position 0, which is not the sink there",
