@@ -34,6 +34,8 @@ other key and is excluded):
     pos0_mass[layer, head, query]     float32  attention probability on position 0
     learned_sink_mass[layer, head, query] float32  probability of the virtual key (0 in a layer
                                                without one); None when no layer has learned sinks
+    pos0_visible[layer, query]        bool     position 0 lies inside the row's attention mask (False:
+                                               a sliding or chunked window ends before it)
     content[query]                    bool     the row's token is the user message's text
 `layer` indexes `PromptCapture.layers` (model layer indices, ascending).
 With `sink_keys` (one int array [layer, head, query] per prompt, positions counted from the first
@@ -41,8 +43,8 @@ real token, e.g. another model's `sink_pos`), each row's sink key is that fixed 
 the argmax, so `sink_logodds` is the aggregate logit gap at the given key (used by margin.py to
 measure a candidate model at its reference's sink keys); -1 there is the learned sink key, refused
 for a model without learned sinks. Without it nothing changes.
-Footgun: rows whose position 0 lies outside a sliding window have pos0_mass 0; keep calibration
-prompts shorter than the window (they are: ~50 tokens).
+Rows whose position 0 lies outside a sliding window have pos0_mass 0 and their sink is a key inside
+the window: `pos0_visible` marks them, and strength.measure counts and warns about them.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ class PromptCapture:
     pos0_mass: np.ndarray  # [layer, head, query]
     content: np.ndarray  # [query]
     learned_sink_mass: np.ndarray | None = None  # [layer, head, query]
+    pos0_visible: np.ndarray | None = None  # [layer, query]; None: not recorded (older payloads)
 
 
 class _Collector:
@@ -121,6 +124,13 @@ def _allowed_keys(
         return mask
     # Additive float mask (eager): masked entries hold the dtype's minimum, a finite number.
     return mask > torch.finfo(mask.dtype).min / 2
+
+
+def _pos0_visible(allowed: torch.Tensor, first_real: torch.Tensor, q_len: int) -> torch.Tensor:
+    """Bool [batch, query]: whether each row may attend its prompt's position 0 (first head's mask)."""
+    mask = allowed[:, 0].expand(len(first_real), q_len, allowed.shape[-1])
+    index = first_real.to(mask.device)[:, None, None].expand(len(first_real), q_len, 1)
+    return mask.gather(-1, index).squeeze(-1).cpu()
 
 
 def _row_stats(
@@ -204,7 +214,7 @@ def _make_attention(impl: str):
                 allowed = _allowed_keys(
                     attention_mask, collector.first_real, query.shape[-2], key.shape[-2], window, query.device
                 )
-                collector.records[layer] = _row_stats(
+                stats = _row_stats(
                     query,
                     key,
                     allowed,
@@ -214,6 +224,8 @@ def _make_attention(impl: str):
                     collector.first_real,
                     fixed,
                 )
+                visible = _pos0_visible(allowed, collector.first_real, query.shape[-2])
+                collector.records[layer] = (*stats, visible)
         return _delegate_fn(module, impl)(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
@@ -282,7 +294,7 @@ def attention_layers(model: Any, probe_ids: Sequence[int]) -> tuple[int, ...]:
         return from_config
     device = next(model.parameters()).device
     ids = torch.tensor([list(probe_ids)], dtype=torch.long, device=device)
-    with sink_capture(model, ()) as collector, torch.inference_mode():
+    with sink_capture(model, ()) as collector, torch.no_grad():
         model(input_ids=ids, use_cache=False)
     layers = tuple(sorted(x for x in collector.reached if isinstance(x, int)))
     if not layers:
@@ -428,7 +440,7 @@ def capture_prompts(
     device = next(model.parameters()).device
     out: list[PromptCapture] = []
     starts = range(0, len(encoded), batch_size)
-    with sink_capture(model, layers) as collector, torch.inference_mode():
+    with sink_capture(model, layers) as collector, torch.no_grad():  # not inference_mode: FSDP2 reuses its buffers
         for start in tqdm(starts, desc=desc, disable=not progress, leave=False):
             chunk = encoded.input_ids[start : start + batch_size]
             ids, mask, position_ids, first_real = _batch(chunk, int(pad_id), device)
@@ -471,6 +483,7 @@ def capture_prompts(
                         ).astype(np.float32)
                         if learned
                         else None,
+                        pos0_visible=np.stack([collector.records[x][4][i, rows].numpy() for x in layers]),
                     )
                 )
             collector.first_real = None

@@ -14,13 +14,14 @@ The reduction (`reduce_captures`) is pure numpy; `measure` runs the capture on a
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
-from lm_eval_sink.errors import UserError
+from lm_eval_sink.errors import SinkWarning, UserError
 
 DEFAULT_LAST_K = 10
 # The version of the S computation (capture + reduction): bump it when S or any figure beside it
@@ -89,6 +90,7 @@ class SinkStrength:
         None  # share of rows whose sink is the learned (virtual) key; None: no learned sinks
     )
     learned_sink_mass_median: float | None = None  # median probability of the virtual key
+    rows_beyond_window: int | None = None  # rows whose position 0 lies outside a measured layer's window; None: unknown
     provenance: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -146,6 +148,10 @@ def reduce_captures(
     if not selected.any():
         raise UserError("no content rows: the template covers every token", "use --rows all")
     st = settings.statistic
+    visible = [c.pos0_visible for c in captures]
+    beyond = (
+        None if any(v is None for v in visible) else int((~np.concatenate(visible, axis=1).all(axis=0))[selected].sum())
+    )
     per_lh = tuple(tuple(_stat(logodds[li, h, selected], st) for h in range(n_heads)) for li in range(len(layers)))
     per_prompt = [prompt_statistic(c, settings) for c in captures]
     return SinkStrength(
@@ -169,7 +175,20 @@ def reduce_captures(
         attention_layers=tuple(int(x) for x in (range(n_layers) if attention_layers is None else attention_layers)),
         learned_sink_argmax_fraction=float((pos[:, :, selected] == VIRTUAL_KEY).mean()) if learned else None,
         learned_sink_mass_median=float(np.median(virtual_mass[:, :, selected])) if learned else None,
+        rows_beyond_window=beyond,
     )
+
+
+def warn_beyond_window(result: SinkStrength) -> None:
+    """One SinkWarning when some rows could not see position 0 (their sink is then a key inside the window)."""
+    if result.rows_beyond_window:
+        warnings.warn(
+            f"{result.rows_beyond_window} of {result.n_rows} rows cannot attend position 0 in a measured layer "
+            "(their sliding window ends before it), so S there measures a sink inside the window: "
+            "use calibration prompts shorter than the window (rows_beyond_window in the result)",
+            SinkWarning,
+            stacklevel=3,
+        )
 
 
 def measure(
@@ -189,6 +208,7 @@ def measure(
     att = attention_layers(model, encoded.input_ids[0][:2])
     captures = capture_prompts(model, encoded, settings.layers_for(att), settings.batch_size, progress=progress)
     result = reduce_captures(captures, settings, depth, att)
+    warn_beyond_window(result)
     prov = {
         **(provenance or {}),
         "settings": asdict(settings),

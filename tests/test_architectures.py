@@ -21,7 +21,7 @@ import transformers
 
 from lm_eval_sink.calibration import encode_prompts, load_prompts
 from lm_eval_sink.capture import attention_layers_from_config, capture_prompts, check_supported_class, sink_capture
-from lm_eval_sink.errors import UserError
+from lm_eval_sink.errors import SinkWarning, UserError
 from lm_eval_sink.models import attn_implementation_for
 from lm_eval_sink.screen import classify_qk_norm
 from lm_eval_sink.strength import StrengthSettings, measure
@@ -133,6 +133,20 @@ def _build(family: str, vocab_size: int, pad_id: int):
     return model
 
 
+def _windowed(family: str) -> bool:
+    return "sliding_window" in FAMILIES[family][2]
+
+
+def _measure(model, tokenizer, settings, windowed: bool):
+    """`measure`, with the one SinkWarning a window shorter than the prompts gives (and none otherwise)."""
+    if not windowed:
+        return measure(model, tokenizer, settings, progress=False)
+    with pytest.warns(SinkWarning, match=r"rows cannot attend position 0") as record:
+        res = measure(model, tokenizer, settings, progress=False)
+    assert len([w for w in record if issubclass(w.category, SinkWarning)]) == 1
+    return res
+
+
 def _eager_reference(model, encoded, layers, learned: bool) -> dict[str, float]:
     """S and companions from eager attention probabilities (float64), independent of the capture."""
     ref = copy.deepcopy(model)
@@ -181,7 +195,10 @@ def encoded(tiny_tokenizer):
 def test_sink_strength_equals_eager_reference(family, tiny_tokenizer, encoded):
     model = _build(family, len(tiny_tokenizer), tiny_tokenizer.pad_token_id)
     assert model.config._attn_implementation == ("eager" if family in EAGER_ONLY else "sdpa")
-    res = measure(model, tiny_tokenizer, SETTINGS, progress=False)
+    res = _measure(model, tiny_tokenizer, SETTINGS, _windowed(family))
+    # rows 1..L-1; with window W (key > query - W) rows >= W cannot see position 0: L - W per prompt
+    beyond = sum(max(0, len(ids) - WINDOW) for ids in encoded.input_ids) if _windowed(family) else 0
+    assert res.rows_beyond_window == beyond and (beyond > 0) == _windowed(family)
     assert model.config._attn_implementation == ("eager" if family in EAGER_ONLY else "sdpa")  # restored
     want_att = attention_layers_from_config(model.config) or tuple(range(model.config.num_hidden_layers))
     assert (
@@ -292,7 +309,8 @@ def test_cli_strength_on_eager_only_families(family, tiny_tokenizer, tmp_path, c
     d = tmp_path / family
     _build(family, len(tiny_tokenizer), tiny_tokenizer.pad_token_id).save_pretrained(d)
     tiny_tokenizer.save_pretrained(d)
-    rc = main(["strength", str(d), "--n-prompts", "5", "--output", str(tmp_path / "out"), "--quiet"])
+    with pytest.warns(SinkWarning, match=r"rows cannot attend position 0"):  # both have windows of 6
+        rc = main(["strength", str(d), "--n-prompts", "5", "--output", str(tmp_path / "out"), "--quiet"])
     err = capsys.readouterr().err
     assert rc in (0, None) and "Traceback" not in err
     data = json.loads((tmp_path / "out" / f"{family}.strength.json").read_text())
@@ -300,6 +318,7 @@ def test_cli_strength_on_eager_only_families(family, tiny_tokenizer, tmp_path, c
         r"eager ", data["provenance"]["model"]["attn_implementation"]
     )
     assert (data["learned_sink_argmax_fraction"] is not None) == (family in LEARNED_SINKS)
+    assert data["rows_beyond_window"] > 0
 
 
 def test_lm_eval_task_reports_attention_layers_and_learned_sinks(tiny_tokenizer, tmp_path):
@@ -309,7 +328,7 @@ def test_lm_eval_task_reports_attention_layers_and_learned_sinks(tiny_tokenizer,
     model = _build("gpt_oss", len(tiny_tokenizer), tiny_tokenizer.pad_token_id)
     model.save_pretrained(d)
     tiny_tokenizer.save_pretrained(d)
-    api = measure(model, tiny_tokenizer, StrengthSettings(n_prompts=5), progress=False)
+    api = _measure(model, tiny_tokenizer, StrengthSettings(n_prompts=5), windowed=True)
     got = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={d}", tasks=["sink_strength_n5"], device="cpu")[
         "results"
     ]["sink_strength_n5"]
@@ -327,7 +346,7 @@ def test_data_parallel_items_of_learned_sinks_reduce_to_the_single_process_resul
     from lm_eval_sink.harness.task import PromptRows, _result
 
     model = _build("gpt_oss", len(tiny_tokenizer), tiny_tokenizer.pad_token_id)
-    want = measure(model, tiny_tokenizer, SETTINGS, progress=False)
+    want = _measure(model, tiny_tokenizer, SETTINGS, windowed=True)
     att = attention_layers_from_config(model.config)
     captures = capture_prompts(model, encoded, SETTINGS.layers_for(att), SETTINGS.batch_size, progress=False)
     items = [
@@ -361,7 +380,8 @@ def test_flex_attention_on_cpu_equals_eager_and_keeps_outputs(tiny_tokenizer, en
 
     model = _build("mistral", len(tiny_tokenizer), tiny_tokenizer.pad_token_id)
     model.set_attn_implementation("flex_attention")
-    res = measure(model, tiny_tokenizer, SETTINGS, progress=False)
+    res = _measure(model, tiny_tokenizer, SETTINGS, windowed=True)
+    assert res.rows_beyond_window == sum(len(ids) - WINDOW for ids in encoded.input_ids)  # the built mask's window
     assert model.config._attn_implementation == "flex_attention"  # restored
     ref = _eager_reference(model, encoded, res.layers, learned=False)
     assert res.sink_strength == pytest.approx(ref["S"], abs=1e-4)

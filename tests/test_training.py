@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -447,3 +451,105 @@ def test_protection_from_plan_as_trainer_callback(selective_dirs, tiny_tokenizer
     np.testing.assert_allclose(
         sink_geometry(model, tiny_tokenizer.bos_token_id, [1])[1][1][0], geo0[1][1][0], atol=1e-6
     )
+
+
+# ---------------------------------------------------------------------------- distributed wrappers and learned sinks
+
+DRIVER = Path(__file__).parent / "drivers" / "distributed_training.py"
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """tests/drivers/distributed_training.py in 2 torchrun processes over gloo: DDP Trainer, then FSDP2."""
+    out = tmp_path_factory.mktemp("two-ranks")
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+        "ACCELERATE_USE_CPU": "true",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(DRIVER),
+        str(out),
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)  # a rank left waiting: fails
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_ddp_trainer_freezes_before_wrapping_and_protection_holds_on_both_ranks(two_ranks):
+    """SinkProtection in Trainer(callbacks=[...]) freezes at on_init_end: the optimizer never holds the
+    frozen parameters and DDP (find_unused_parameters=False) wraps only the trainable ones, so the run
+    finishes; a protection added after the Trainer was built is refused on every rank."""
+    _, ranks = two_ranks
+    for r in ranks:
+        assert r["world_size"] == 2 and r["wrapped"] == "DistributedDataParallel"
+        # layer 0 except q/k (2 norms, v, o, gate, up, down) and layer 1's input norm
+        assert r["n_frozen"] == 8 and r["optimizer_params"] == r["n_trainable"] == 22
+        assert r["frozen_max_change"] == 0.0 and r["trained_max_change"] > 1e-3
+        assert r["lowest_layer"] == 1 and r["dk_sink"]["1"] < 1e-6  # the lowest protected layer's sink key holds
+        assert "after DDP wrapped the model" in r["late_refusal"] and "\n" not in r["late_refusal"]
+    assert ranks[0]["weights_sha256"] == ranks[1]["weights_sha256"]  # the same projection on every rank
+
+
+def test_callback_under_fsdp2_measures_on_every_rank_and_writes_on_the_main_one(two_ranks):
+    """Without the forward on every rank, rank 0's forward waits forever for the others' all-gathers."""
+    out, (r0, r1) = two_ranks
+    assert r0["param_type"] == "DTensor"
+    assert [s for s, _ in r0["records"]] == [0, 1, 2] and r1["records"] == []
+    assert r0["records"][0][1] == pytest.approx(r0["s_unsharded_start"], abs=1e-6)
+    assert r0["records"][-1][1] == pytest.approx(r0["s_unsharded_end"], abs=1e-6)  # gathered weights, plain measure
+    assert r0["s_unsharded_end"] != r0["s_unsharded_start"]  # the two steps moved S
+    assert len((out / "fsdp-rank0" / "sink_trajectory.jsonl").read_text().splitlines()) == 3
+    assert not (out / "fsdp-rank1").exists() and not (out / "ddp-rank1").exists()
+    assert r0["ddp_records"] == [0, 3] and r1["ddp_records"] == []  # under DDP too: written by rank 0 only
+    for r in (r0, r1):
+        assert "FSDP / ZeRO-3" in r["protection_refusal"]
+        assert "FSDP1 wrapper" in r["fsdp1_refusal"] and "\n" not in r["fsdp1_refusal"]
+    assert not (out / "fsdp1").exists()
+
+
+def _tiny_gpt_oss(vocab: int):
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    config = GptOssConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        sliding_window=64,
+        layer_types=["sliding_attention", "full_attention"],
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    return GptOssForCausalLM._from_config(config, attn_implementation="eager")
+
+
+def test_protection_refuses_learned_sinks_with_one_line(tiny_tokenizer, tmp_path, capsys):
+    d = tmp_path / "gpt_oss"
+    gpt = _tiny_gpt_oss(len(tiny_tokenizer))
+    gpt.save_pretrained(d)
+    tiny_tokenizer.save_pretrained(d)
+    capsys.readouterr()
+    assert main(["protect-plan", str(d), "--quiet", "-o", str(tmp_path / "plan.json")]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error")]
+    assert len(err) == 1 and "learned attention sinks" in err[0] and "(fix: " in err[0]
+    assert not (tmp_path / "plan.json").exists()
+    llama = sm.build_selective("llama", vocab=len(tiny_tokenizer), bos_id=tiny_tokenizer.bos_token_id)
+    plan = select_sink_heads(llama, tiny_tokenizer, StrengthSettings(n_prompts=5), progress=False)
+    with pytest.raises(UserError, match="learned attention sinks"):
+        SinkProtection(plan).freeze(gpt)

@@ -4,12 +4,15 @@ Steps are optimizer steps (`state.global_step`): step 0 in `on_train_begin`, eve
 in `on_step_end`, and the last step in `on_train_end` unless it is already recorded; each step
 once. The measurement is `strength.measure` on the model being trained (unwrapped from DDP and
 peft wrappers, LoRA layers active), in eval mode under no_grad; train mode and every parameter's
-`requires_grad` are restored after it. Only the main process measures and writes.
+`requires_grad` are restored after it. Every rank runs the measurement's forward (under FSDP2 /
+ZeRO-3 each layer's parameters are gathered from all ranks, so a forward on one rank alone would
+hang); only the main process writes and logs. torch's FSDP1 wrapper is refused.
 
 Files in `output_dir` (default `args.output_dir`): `sink_trajectory.jsonl`, one line per step with
 `step`, `epoch` and the strength result's JSON keys except provenance, rewritten atomically on
 each line; `sink_trajectory.png` at the end. A resumed run (global step > 0 at train begin)
-drops the lines later than the resumed step; a fresh run (step 0) starts a new file.
+drops the lines later than the resumed step and measures from its next step on (the resumed step
+was measured before its checkpoint was saved); a fresh run (step 0) starts a new file.
 `cb.attach(trainer)` adds the callback and keeps the trainer, so each measurement also goes
 through `trainer.log` to the `report_to` integrations; without it the figures go to the JSONL
 and `state.log_history` only, with one warning.
@@ -47,6 +50,15 @@ def unwrap_model(model: Any) -> Any:
     return model
 
 
+def check_measurable(model: Any) -> None:
+    """Refuse torch's FSDP1 wrapper: its flat parameters hide the model class the capture switches."""
+    if any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
+        raise UserError(
+            "SinkStrengthCallback cannot measure through torch's FSDP1 wrapper (FullyShardedDataParallel)",
+            "shard with FSDP2 (fully_shard; Trainer fsdp_config version 2), or train with DDP",
+        )
+
+
 def measure_in_training(model: Any, tokenizer: Any, settings: StrengthSettings) -> SinkStrength:
     """`strength.measure` on a model that is being trained, restoring train mode and requires_grad."""
     import torch
@@ -54,6 +66,7 @@ def measure_in_training(model: Any, tokenizer: Any, settings: StrengthSettings) 
     from lm_eval_sink.strength import measure
 
     model = unwrap_model(model)
+    check_measurable(model)
     was_training = model.training
     grads = [(p, p.requires_grad) for p in model.parameters()]
     model.eval()
@@ -124,7 +137,8 @@ class SinkStrengthCallback(TrainerCallback):
         self.every_n_steps = int(every_n_steps)
         self.output_dir = None if output_dir is None else Path(output_dir)
         self.trainer: Any = None
-        self.records: list[dict[str, Any]] = []
+        self.records: list[dict[str, Any]] = []  # on the main process
+        self._steps: set[int] = set()  # steps measured (or resumed at) in this process: the same on every rank
         self._warned = False
 
     def attach(self, trainer: Any) -> SinkStrengthCallback:
@@ -136,21 +150,24 @@ class SinkStrengthCallback(TrainerCallback):
     def _folder(self, args: Any) -> Path:
         return self.output_dir if self.output_dir is not None else Path(args.output_dir)
 
-    def _done(self) -> set[int]:
-        return {r["step"] for r in self.records}
-
     def _measure(self, args: Any, state: Any, model: Any) -> None:
+        """Measure on every rank (sharded weights need all of them), write on the main process."""
         step = int(state.global_step)
-        if not state.is_world_process_zero or step in self._done():
+        if step in self._steps:
             return
         if model is None:
             raise UserError(
                 "SinkStrengthCallback got no model from the Trainer",
                 "add it to a transformers.Trainer (callbacks=[...] or cb.attach(trainer))",
             )
+        self._steps.add(step)
+        result = measure_in_training(model, self.tokenizer, self.settings)
+        if state.is_world_process_zero:
+            self._write(args, state, step, result)
+
+    def _write(self, args: Any, state: Any, step: int, result: SinkStrength) -> None:
         from lm_eval_sink.io import atomic_write_text
 
-        result = measure_in_training(model, self.tokenizer, self.settings)
         record = trajectory_line(step, state.epoch, result)
         self.records.append(record)
         text = "".join(json.dumps(r, sort_keys=True, allow_nan=False) + "\n" for r in self.records)
@@ -165,16 +182,16 @@ class SinkStrengthCallback(TrainerCallback):
             if not self._warned:
                 warnings.warn(
                     "SinkStrengthCallback is not attached to a trainer: Sink Strength goes to the JSONL and "
-                    "state.log_history only, "
-                    "not to report_to (use cb.attach(trainer))",
+                    "state.log_history only, not to report_to (use cb.attach(trainer))",
                     SinkWarning,
                     stacklevel=2,
                 )
                 self._warned = True
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        step = int(state.global_step)
+        self._steps = {step} if step > 0 else set()  # a resumed step was measured before its checkpoint
         if state.is_world_process_zero:
-            step = int(state.global_step)
             old = read_trajectory(self._folder(args) / TRAJECTORY_JSONL) if step > 0 else []
             self.records = [r for r in old if r["step"] <= step]
         self._measure(args, state, model)

@@ -277,6 +277,16 @@ def check_unsharded(model: Any, args: Any = None) -> None:
         )
 
 
+def check_no_learned_sinks(model: Any) -> None:
+    """Refuse learned sinks (gpt-oss `sinks`): the sink is a per-head logit there, not position 0's key."""
+    if any(getattr(getattr(layer, "self_attn", None), "sinks", None) is not None for layer in _decoder(model).layers):
+        raise UserError(
+            f"{type(_base(model)).__name__} has learned attention sinks (a per-head sink logit), "
+            "but SinkProtection holds the key of position 0, which is not the sink there",
+            "protect a model whose sink is its first token (Llama, Qwen, OLMo, Gemma, ...)",
+        )
+
+
 def sink_geometry(
     model: Any, sink_token_id: int, layers: list[int]
 ) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -347,6 +357,7 @@ def select_sink_heads(
         raise UserError(f"--tau must lie in [0, 1), got {tau}", "use 0 to keep the sink logit exactly, or e.g. 0.05")
     if not 0.0 <= min_pos0_fraction <= 1.0:
         raise UserError(f"--min-pos0-fraction must lie in [0, 1], got {min_pos0_fraction}", "use e.g. 0.8")
+    check_no_learned_sinks(model)
     n_layers, n_heads, n_kv, d = _shape(model)
     dec = _decoder(model)
     kind = qk_norm_kind(dec.layers[0].self_attn, d)
@@ -439,8 +450,9 @@ def select_sink_heads(
 class SinkProtection(TrainerCallback):
     """Apply a plan during training: `freeze(model)` once, `project_(model)` after each optimizer step.
 
-    As a Trainer callback it freezes in `on_train_begin` (when `freeze`) and projects in
-    `on_step_end` (when `project`; with `freeze` alone it only resets the sink embedding row).
+    As a Trainer callback it freezes in `on_init_end` (when `freeze`: before the optimizer and DDP
+    exist; added later, `on_train_begin` freezes in one process and refuses under several) and
+    projects in `on_step_end` (when `project`; with `freeze` alone it only resets the sink embedding row).
     The start weights are taken at the first call, and must be the ones the plan was made from.
     """
 
@@ -459,6 +471,7 @@ class SinkProtection(TrainerCallback):
         if self._start is not None:
             return self._start
         check_unsharded(_base(model))
+        check_no_learned_sinks(model)
         n_layers, n_heads, n_kv, d = _shape(model)
         if (n_layers, n_heads, n_kv, d) != (
             self.plan.n_layers,
@@ -493,26 +506,31 @@ class SinkProtection(TrainerCallback):
         self._start = start
         return start
 
-    def freeze(self, model: Any) -> list[str]:
-        """Fix the position-0 path up to the lowest protected layer; returns the frozen parameter names."""
-        self._bind(model)
+    def _to_freeze(self, model: Any) -> list[tuple[str, Any]]:
+        """(name, parameter) of the position-0 path below the lowest protected layer, and its input norm."""
         low = self.plan.lowest_layer
         if low is None:
             return []
         dec = _decoder(model)
-        names = []
-        for l in range(low):
-            for name, p in dec.layers[l].named_parameters():
-                if not name.startswith(("self_attn.q_proj", "self_attn.k_proj")):
-                    p.requires_grad_(False)
-                    names.append(f"layers.{l}.{name}")
+        out = [
+            (f"layers.{l}.{name}", p)
+            for l in range(low)
+            for name, p in dec.layers[l].named_parameters()
+            if not name.startswith(("self_attn.q_proj", "self_attn.k_proj"))
+        ]
         norm = getattr(dec.layers[low], "input_layernorm", None)
         if norm is not None:
-            for name, p in norm.named_parameters():
-                p.requires_grad_(False)
-                names.append(f"layers.{low}.input_layernorm.{name}")
-        self._frozen = True
-        return names
+            out += [(f"layers.{low}.input_layernorm.{name}", p) for name, p in norm.named_parameters()]
+        return out
+
+    def freeze(self, model: Any) -> list[str]:
+        """Fix the position-0 path up to the lowest protected layer; returns the frozen parameter names."""
+        self._bind(model)
+        params = self._to_freeze(model)
+        for _, p in params:
+            p.requires_grad_(False)
+        self._frozen = self.plan.lowest_layer is not None  # the sink token's embedding row is reset after steps
+        return [name for name, _ in params]
 
     def project_(self, model: Any) -> None:
         """Apply Rule K and Rule Q to the cumulative updates; hold biases, QK-norm scales and the sink row."""
@@ -625,11 +643,24 @@ class SinkProtection(TrainerCallback):
             out[lp.layer] = {"dk_sink": dk, "q_norm_ratio": ratio}
         return out
 
+    def on_init_end(self, args, state, control, model=None, **kwargs):
+        """Freeze when the Trainer is built: before it makes the optimizer and before DDP wraps the model."""
+        if self.do_freeze and model is not None:
+            check_unsharded(_base(model), args)
+            self.freeze(model)
+
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         check_unsharded(_base(model), args)
         self._bind(model)
-        if self.do_freeze:
-            self.freeze(model)
+        if not self.do_freeze:
+            return
+        if getattr(args, "world_size", 1) > 1 and any(p.requires_grad for _, p in self._to_freeze(model)):
+            raise UserError(
+                "SinkProtection would freeze parameters after DDP wrapped the model (it was added after the "
+                "Trainer was built)",
+                "pass it in Trainer(callbacks=[...]) or call protection.freeze(model) before building the Trainer",
+            )
+        self.freeze(model)
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if self.do_project:
