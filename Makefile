@@ -47,7 +47,7 @@ test: $(STAMP) $(VLLM_STAMP)
 demo: $(STAMP)
 	LM_EVAL_SINK_DATA=$${LM_EVAL_SINK_DATA:-$(SHARED)/data} $(PY) -m lm_eval_sink.demo
 
-bench: $(STAMP)
+bench: $(STAMP) $(VLLM_STAMP)
 	LM_EVAL_SINK_DATA=$${LM_EVAL_SINK_DATA:-$(SHARED)/data} sh -c 'for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done'
 
 clean:

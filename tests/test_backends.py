@@ -271,33 +271,42 @@ def test_versions_are_read_from_the_interpreter_that_runs_lm_eval():
 # --- sink tasks on a backend without attention: refused before the model loads ---------------------
 
 
-def _lm_eval(python: Path, args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    from lm_eval_sink.harness.runner import _ENTRY  # what the `lm_eval` console script runs, in `python`
+def _lm_eval(python: Path, runs: list[tuple[list[str], dict[str, str]]]) -> list[tuple[int, str]]:
+    """`lm_eval ARGS` in `python` with extra ENV, for each (ARGS, ENV) side by side: (exit code, stderr) each."""
+    from lm_eval_sink.harness.runner import _ENTRY  # what the `lm_eval` console script runs
 
-    return subprocess.run(
-        [str(python), "-c", _ENTRY, *args],
-        env={**os.environ, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    procs = [
+        subprocess.Popen(
+            [str(python), "-c", _ENTRY, *args],
+            env={**os.environ, **env},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for args, env in runs
+    ]
+    errs = [p.communicate(timeout=900)[1] for p in procs]
+    return [(p.returncode, err) for p, err in zip(procs, errs, strict=True)]
 
 
 def test_sink_task_without_attention_access_is_the_same_line_with_or_without_the_hook(tmp_path):
     from lm_eval_sink.harness.discovery import tasks_dir
 
     args = ["--model", "dummy", "--tasks", "sink_strength", "--include_path", str(tasks_dir())]
-    hooked = _lm_eval(Path(sys.executable), [*args, "--output_path", str(tmp_path / "a")])
-    line = hooked.stderr.strip().splitlines()[-1]
-    assert hooked.returncode == 2 and "Traceback" not in hooked.stderr
+    (rc, err), (bare_rc, bare_err) = _lm_eval(
+        Path(sys.executable),
+        [([*args, "--output_path", str(tmp_path / "a")], {}),
+         ([*args, "--output_path", str(tmp_path / "b")], {"LM_EVAL_SINK_NO_HOOK": "1"})],
+    )  # fmt: skip
+    line = err.strip().splitlines()[-1]
+    assert rc == 2 and "Traceback" not in err
     assert line == (
         "error: task sink_strength needs attention weights, which the dummy backend does not expose "
         "(fix: run it with --model hf (other tasks may use any backend in a separate call))"
     )
     # without the hook, the task's own request method refuses with the same line (not an AttributeError)
-    bare = _lm_eval(Path(sys.executable), [*args, "--output_path", str(tmp_path / "b")], {"LM_EVAL_SINK_NO_HOOK": "1"})
-    last = bare.stderr.strip().splitlines()[-1]
-    assert bare.returncode != 0 and "AttributeError" not in bare.stderr
+    last = bare_err.strip().splitlines()[-1]
+    assert bare_rc != 0 and "AttributeError" not in bare_err
     assert last == "lm_eval_sink.harness.discovery.UnsupportedBackend: " + line.removeprefix("error: ")
     assert not list(tmp_path.glob("*/*/results_*.json"))
 
@@ -310,15 +319,15 @@ def test_lm_eval_vllm_refuses_sink_tasks_before_the_engine_starts(tmp_path, defa
         "group: my_suite\ntask:\n  - ifeval\n  - sink_strength\nmetadata:\n  version: 1.0\n"
     )
     common = ["--model", "vllm", "--model_args", f"pretrained={default_model},dtype=float32,{VLLM_MODEL_ARGS}"]
-    for tasks in (["--tasks", "sink_strength"], ["--tasks", "my_suite", "--include_path", str(group)]):
-        proc = _lm_eval(VLLM_PY, [*common, *tasks, "--output_path", str(tmp_path / "o")], VLLM_ENV)
-        errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
-        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-        assert errors == [proc.stderr.strip().splitlines()[-1]] and errors[0].startswith(
+    runs = [["--tasks", "sink_strength"], ["--tasks", "my_suite", "--include_path", str(group)]]
+    for rc, err in _lm_eval(VLLM_PY, [([*common, *r, "--output_path", str(tmp_path / "o")], VLLM_ENV) for r in runs]):
+        errors = [x for x in err.splitlines() if x.startswith("error:")]
+        assert rc == 2 and "Traceback" not in err, err[-2000:]
+        assert errors == [err.strip().splitlines()[-1]] and errors[0].startswith(
             "error: task sink_strength needs attention weights, which the vllm backend does not expose"
         )
         # vLLM's engine never started: neither lm-eval's nor vLLM's start-up log lines are there
-        assert "Initializing vllm model" not in proc.stderr and "Starting to load model" not in proc.stderr
+        assert "Initializing vllm model" not in err and "Starting to load model" not in err
     assert not (tmp_path / "o").exists()
 
 
