@@ -91,7 +91,8 @@ def main() -> None:
             f = figures[name]
             print(
                 f"{name}: wall {f['wall_s']:.0f} s, generation {f['generation_s']} s,"
-                f" peak RSS {f['peak_rss_gb']:.2f} GB, prompt strict {f['prompt_strict']:.3f} / loose {f['prompt_loose']:.3f}",
+                f" peak RSS {f['peak_rss_gb']:.2f} GB,"
+                f" prompt strict {f['prompt_strict']:.3f} / loose {f['prompt_loose']:.3f}",
                 flush=True,
             )
     reference = figures["hf, 1 thread, batch 1"]["responses"]
