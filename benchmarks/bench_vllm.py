@@ -75,30 +75,29 @@ def main() -> None:
         "dtype": "float32",
     }
     one_thread = {"OMP_NUM_THREADS": "1"}
-    runs = {
-        "hf, 1 thread, batch 1": ({**base, "batch_size": 1}, one_thread),
-        "hf, 1 thread, batch 8": ({**base, "batch_size": 8}, one_thread),
+    runs = {  # fastest first: each finished run's figures are printed at once
         "vllm, batch auto": (
             {**base, "batch_size": "auto", "backend": "vllm", "device": None, "python": args.vllm_python},
             {**one_thread, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"},
         ),
+        "hf, 1 thread, batch 8": ({**base, "batch_size": 8}, one_thread),
+        "hf, 1 thread, batch 1": ({**base, "batch_size": 1}, one_thread),
     }
-    figures = {}
+    figures: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for i, (name, (settings, env)) in enumerate(runs.items()):
             with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-                figures[name] = pool.submit(_one_run, model, settings, f"{tmp}/{i}", env).result()
-            f = figures[name]
+                f = pool.submit(_one_run, model, settings, f"{tmp}/{i}", env).result()
             print(
                 f"{name}: wall {f['wall_s']:.0f} s, generation {f['generation_s']} s,"
                 f" peak RSS {f['peak_rss_gb']:.2f} GB,"
                 f" prompt strict {f['prompt_strict']:.3f} / loose {f['prompt_loose']:.3f}",
                 flush=True,
             )
-    reference = figures["hf, 1 thread, batch 1"]["responses"]
-    for name, f in figures.items():
-        same = sum(f["responses"][k] == v for k, v in reference.items())
-        print(f"{name}: {same}/{len(reference)} responses identical to hf batch 1")
+            for other, g in figures.items():
+                same = sum(f["responses"][k] == v for k, v in g["responses"].items())
+                print(f"  responses identical to {other}: {same}/{len(g['responses'])}", flush=True)
+            figures[name] = f
 
 
 if __name__ == "__main__":
