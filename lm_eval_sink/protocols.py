@@ -766,8 +766,9 @@ def settings_fields(
         "include_path": include_path,
         "model_args": {**(protocol.model_args or {}), **(model_args or {})},
         "backend": backend,
-        "python": python or protocol.python,
     }
+    if python or protocol.python:
+        fields["python"] = python or protocol.python
     for k, v in (model_args or {}).items():
         fixed = (protocol.model_args or {}).get(k)
         if fixed is not None and str(fixed) != str(v):
