@@ -307,7 +307,7 @@ def test_sink_task_without_attention_access_is_the_same_line_with_or_without_the
     # without the hook, the task's own request method refuses with the same line (not an AttributeError)
     last = bare_err.strip().splitlines()[-1]
     assert bare_rc != 0 and "AttributeError" not in bare_err
-    assert last == "lm_eval_sink.harness.discovery.UnsupportedBackend: " + line.removeprefix("error: ")
+    assert last == "lm_eval_sink.harness.backends.UnsupportedBackend: " + line.removeprefix("error: ")
     assert not list(tmp_path.glob("*/*/results_*.json"))
 
 

@@ -338,7 +338,7 @@ def _hflm_sink_strength(self: HFLM, requests: list[Instance]) -> list[PromptRows
 
 def _refuse_sink_strength(self: LM, requests: list[Instance]) -> list[PromptRows]:
     """Every backend but HFLM: no attention to read, so the same line as the start-up hook's earlier check."""
-    from lm_eval_sink.harness.discovery import backend_label, unsupported
+    from lm_eval_sink.harness.backends import backend_label, unsupported
 
     raise unsupported(requests[0].arguments[1]["task"], backend_label(type(self)))
 
