@@ -289,26 +289,18 @@ def _lm_eval(python: Path, runs: list[tuple[list[str], dict[str, str]]]) -> list
     return [(p.returncode, err) for p, err in zip(procs, errs, strict=True)]
 
 
-def test_sink_task_without_attention_access_is_the_same_line_with_or_without_the_hook(tmp_path):
+def test_without_the_hook_the_task_itself_refuses_a_backend_without_attention_with_the_same_line(tmp_path):
+    from test_harness import DUMMY_REFUSAL  # the hook's line (test_non_hf_backend_gets_one_clear_error)
+
     from lm_eval_sink.harness.discovery import tasks_dir
 
     args = ["--model", "dummy", "--tasks", "sink_strength", "--include_path", str(tasks_dir())]
-    (rc, err), (bare_rc, bare_err) = _lm_eval(
-        Path(sys.executable),
-        [([*args, "--output_path", str(tmp_path / "a")], {}),
-         ([*args, "--output_path", str(tmp_path / "b")], {"LM_EVAL_SINK_NO_HOOK": "1"})],
-    )  # fmt: skip
-    line = err.strip().splitlines()[-1]
-    assert rc == 2 and "Traceback" not in err
-    assert line == (
-        "error: task sink_strength needs attention weights, which the dummy backend does not expose "
-        "(fix: run it with --model hf (other tasks may use any backend in a separate call))"
+    ((rc, err),) = _lm_eval(
+        Path(sys.executable), [([*args, "--output_path", str(tmp_path)], {"LM_EVAL_SINK_NO_HOOK": "1"})]
     )
-    # without the hook, the task's own request method refuses with the same line (not an AttributeError)
-    last = bare_err.strip().splitlines()[-1]
-    assert bare_rc != 0 and "AttributeError" not in bare_err
-    assert last == "lm_eval_sink.harness.backends.UnsupportedBackend: " + line.removeprefix("error: ")
-    assert not list(tmp_path.glob("*/*/results_*.json"))
+    assert rc != 0 and "AttributeError" not in err
+    assert err.strip().splitlines()[-1] == f"lm_eval_sink.harness.backends.UnsupportedBackend: {DUMMY_REFUSAL}"
+    assert not list(tmp_path.glob("*/results_*.json"))
 
 
 @needs_vllm_venv
