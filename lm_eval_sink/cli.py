@@ -677,6 +677,13 @@ def attribute(
     is_flag=True,
     help="Do not write per-sample logs (attribution then works from aggregate scores only).",
 )
+@click.option(
+    "--lm-eval-python",
+    "lm_eval_python",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="The interpreter lm-eval runs in, e.g. .venv-vllm/bin/python (default: this one; docs/scale.md).",
+)
 @click.option("--output", type=click.Path(path_type=Path), required=True, help="lm-eval output folder for this run.")
 @click.option("--force", is_flag=True, help="Write into an existing --output.")
 def eval_cmd(
@@ -696,6 +703,7 @@ def eval_cmd(
     no_log_samples,
     output,
     force,
+    lm_eval_python,
 ) -> None:
     """Run lm-eval on MODEL under a named protocol, then print the run's protocol fingerprint check."""
     from lm_eval_sink.commands.eval import run_eval
@@ -717,6 +725,7 @@ def eval_cmd(
         include_path=include_path,
         log_samples=not no_log_samples,
         force=force,
+        python=str(lm_eval_python) if lm_eval_python else None,
     ):
         click.echo(line)
 
@@ -920,11 +929,25 @@ def merge(config_file, out, random_seed, device, force, quiet) -> None:
     default=None,
     help="Ray cluster: auto, ray://host:port (default: the file's engine.address; none starts Ray here).",
 )
-def sweep(sweep_file, output, force, delete_merged, quiet, engine, ray_address) -> None:
+@click.option(
+    "--lm-eval-python",
+    "lm_eval_python",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="The interpreter lm-eval runs in, e.g. .venv-vllm/bin/python (default: the file's eval.python).",
+)
+def sweep(sweep_file, output, force, delete_merged, quiet, engine, ray_address, lm_eval_python) -> None:
     """Merge, evaluate (lm-eval) and measure S for every checkpoint of SWEEP.yaml; resumable."""
     from lm_eval_sink.commands.sweep import load_sweep, run_sweep
 
-    spec = load_sweep(sweep_file, output=output, delete_merged=delete_merged, engine=engine, ray_address=ray_address)
+    spec = load_sweep(
+        sweep_file,
+        output=output,
+        delete_merged=delete_merged,
+        engine=engine,
+        ray_address=ray_address,
+        python=str(lm_eval_python) if lm_eval_python else None,
+    )
     report = run_sweep(spec, force=force, progress=not quiet)
     for line in report.lines():
         click.echo(line)

@@ -479,6 +479,7 @@ PROTOCOL_KEYS: dict[str, str] = {
     "dtype": "model dtype (auto, float32, bfloat16, float16) or null = the caller's choice",
     "seed": "seed for every random generator (int) or null = the caller's choice",
     "model_args": "model arguments that change prompts or decoding (mapping), e.g. {enable_thinking: false}",
+    "python": "the interpreter lm-eval runs in (relative to the file; null = this one), e.g. .venv-vllm/bin/python",
 }
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -498,6 +499,7 @@ class Protocol:
     dtype: str | None = None
     seed: int | None = None
     model_args: dict[str, Any] | None = None
+    python: str | None = None  # where lm-eval runs, not part of what a results file is compared on
     source: str = "builtin"
 
     def to_json(self) -> dict[str, Any]:
@@ -515,6 +517,7 @@ class Protocol:
                 "dtype",
                 "seed",
                 "model_args",
+                "python",
                 "source",
             )
         }
@@ -553,6 +556,7 @@ class _ProtocolIn(Strict):
     dtype: Literal[_DTYPES] | None = None
     seed: int | None = None
     model_args: dict[str, Any] | None = None
+    python: str | None = None
 
 
 class _ProtocolsFileIn(Strict):
@@ -575,7 +579,10 @@ def _protocol(name: str, p: _ProtocolIn, where: str) -> Protocol:
         raise UserError(f"{where}: protocol {name!r} has batch_size {bs!r}", "use a number or 'auto'")
     if isinstance(bs, int) and bs < 1:
         raise UserError(f"{where}: protocol {name!r} has batch_size {bs}", "use 1 or more")
-    return Protocol(name=name, source=where, **p.model_dump())
+    fields = p.model_dump()
+    if p.python and not Path(p.python).expanduser().is_absolute() and Path(where).is_file():
+        fields["python"] = str(Path(where).parent / p.python)  # relative to the protocol file, not resolved
+    return Protocol(name=name, source=where, **fields)
 
 
 def parse_protocols(text: str, where: str) -> dict[str, Protocol]:
@@ -716,6 +723,7 @@ def settings_fields(
     log_samples: bool = True,
     backend: str = "hf",
     model_args: dict[str, Any] | None = None,
+    python: str | None = None,
 ) -> dict[str, Any]:
     """The `lm_eval_sink.harness.runner.EvalSettings` fields of a run under `protocol`.
 
@@ -724,7 +732,8 @@ def settings_fields(
     the run's fingerprint shows them). `limit` marks the run's scores non-final. dtype "auto" or
     None leaves the model's own dtype; seed None keeps the runner's default. `model_args` are
     added to the protocol's (a key the protocol fixes to another value is refused); `device` None
-    means the backend's default (cpu for hf; vllm takes none).
+    means the backend's default (cpu for hf; vllm takes none). `python` (the interpreter lm-eval runs
+    in) overrides the protocol's.
     """
     if not tasks:
         raise UserError("no tasks given", "pass --tasks, e.g. --tasks ifeval,gsm8k_cot_zeroshot")
@@ -761,6 +770,8 @@ def settings_fields(
         "model_args": {**(protocol.model_args or {}), **(model_args or {})},
         "backend": backend,
     }
+    if python or protocol.python:
+        fields["python"] = python or protocol.python
     for k, v in (model_args or {}).items():
         fixed = (protocol.model_args or {}).get(k)
         if fixed is not None and str(fixed) != str(v):

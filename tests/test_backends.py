@@ -1,14 +1,23 @@
-"""The vLLM backend: the exact lm-eval command line, its fingerprint, and the refusals (vllm cannot run here)."""
+"""The vLLM backend: the exact lm-eval command line, its fingerprint, the refusals, and real runs.
+
+The real runs use vLLM's CPU build in `.venv-vllm` (`make venv-vllm`; make test builds it), float32,
+in-process engine, one thread, against `--backend hf` on the embedded SmolLM2; they skip only when
+that venv is absent.
+"""
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 from constructed_runs import results_dict, write_run
+from helpers import REPO
 
 from lm_eval_sink.cli import main
 from lm_eval_sink.errors import UserError
@@ -16,7 +25,13 @@ from lm_eval_sink.harness.runner import EvalSettings, run_lm_eval
 from lm_eval_sink.protocols import diff, fingerprint, require_same_harness
 
 VLLM_ARGS = {"tensor_parallel_size": 2, "gpu_memory_utilization": 0.9, "max_model_len": 4096, "enable_thinking": False}
-HAS_VLLM = importlib.util.find_spec("vllm") is not None
+VLLM_PY = REPO / ".venv-vllm" / "bin" / "python"
+needs_vllm_venv = pytest.mark.skipif(
+    not VLLM_PY.is_file(), reason=f"{VLLM_PY} is absent: `make venv-vllm` builds it (make test does)"
+)
+# The in-process engine on one thread (start-up seconds, not half a minute), no torch.compile (minutes on CPU).
+VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+VLLM_MODEL_ARGS = "enforce_eager=True"  # a resource argument: not part of the protocol
 
 
 def test_vllm_command_line_is_exact():
@@ -60,10 +75,6 @@ def test_vllm_command_line_is_exact():
 @pytest.mark.parametrize(
     ("kwargs", "needle"),
     [
-        (
-            {"tasks": ("ifeval", "sink_strength"), "backend": "vllm", "device": None},
-            "task sink_strength needs attention weights, which the vllm backend",
-        ),
         ({"tasks": ("ifeval",), "backend": "vllm", "device": "cuda"}, "device 'cuda' is an HF-only setting"),
         ({"tasks": ("ifeval",), "backend": "sglang"}, "unknown backend 'sglang'"),
     ],
@@ -132,53 +143,6 @@ def test_buckets_same_protocol_refuses_mixed_backends(tmp_path, capsys):
     assert "differ in protocol" in err and "backend: 'hf' vs 'vllm'" in err and not (tmp_path / "o").exists()
 
 
-@pytest.mark.skipif(HAS_VLLM, reason="vllm is installed here")
-def test_without_vllm_asking_for_it_is_one_line(tmp_path, capsys):
-    out = tmp_path / "o"
-    assert (
-        main(
-            [
-                "eval",
-                "default",
-                "--protocol",
-                "instruct",
-                "--tasks",
-                "ifeval",
-                "--backend",
-                "vllm",
-                "--output",
-                str(out),
-            ]
-        )
-        == 2
-    )
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "vllm is not installed" in err[0] and not out.exists()
-    with pytest.raises(UserError, match="vllm is not installed"):
-        run_lm_eval("/m", EvalSettings(tasks=("ifeval",), backend="vllm", device=None), out)
-    assert not out.exists()
-    assert (
-        main(
-            [
-                "eval",
-                "default",
-                "--protocol",
-                "instruct",
-                "--tasks",
-                "ifeval",
-                "--backend",
-                "vllm",
-                "--device",
-                "cuda",
-                "--output",
-                str(out),
-            ]
-        )
-        == 2
-    )
-    assert "--device is an HF-only flag" in capsys.readouterr().err
-
-
 def _sweep(tmp_path: Path, trio: dict[str, Path], **extra) -> Path:
     data = {
         "output": "out",
@@ -195,10 +159,6 @@ def _sweep(tmp_path: Path, trio: dict[str, Path], **extra) -> Path:
 @pytest.mark.parametrize(
     ("extra", "needle"),
     [
-        (
-            {"eval": {"tasks": ["ifeval", "sink_strength"], "backend": "vllm"}},
-            "eval: task sink_strength needs attention weights",
-        ),
         (
             {
                 "eval": {"tasks": ["ifeval"], "backend": "vllm", "model_args": {"data_parallel_size": 2}},
@@ -269,3 +229,254 @@ def test_ray_engine_without_ray_installed_is_one_line_naming_the_extra(tmp_path,
         tmp_path / "screen",
     )
     assert "lm-eval-sink[ray]" in line
+
+
+# --- the interpreter lm-eval runs in (`python`) ----------------------------------------------------
+
+
+def _bare_venv(folder: Path, site: Path | None = None) -> Path:
+    """A venv without pip; `site` (a folder of installed packages) is put on its path by a .pth file."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder)], check=True)
+    if site is not None:
+        purelib = next((folder / "lib").glob("python3*/site-packages"))
+        (purelib / "borrowed.pth").write_text(f"{site}\n")
+    return folder / "bin" / "python"
+
+
+def test_python_setting_refusals_are_one_line(tmp_path, tiny_trio, user_error):
+    import lm_eval
+
+    broken = tmp_path / "broken-python"
+    broken.write_text("#!/bin/sh\nexit 3\n")
+    broken.chmod(0o755)
+    bare = _bare_venv(tmp_path / "bare")
+    # lm-eval's own site-packages, without the .pth files that install this project (editable) and its hook
+    no_project = _bare_venv(tmp_path / "no_project", site=Path(lm_eval.__file__).parent.parent)
+    out = tmp_path / "o"
+    ev = ["eval", "default", "--protocol", "instruct", "--tasks", "ifeval", "--output", out]
+    for python, extra, needle in [
+        (tmp_path / "nope" / "python", [], f"lm-eval interpreter {tmp_path / 'nope' / 'python'} does not exist"),
+        (broken, [], f"lm-eval interpreter {broken} does not run (no output)"),
+        (bare, [], f"lm-eval is not installed in {bare}"),
+        (no_project, ["--backend", "vllm"], f"backend vllm asked for, but vllm is not installed in {no_project}"),
+        (no_project, [], f"lm-eval-sink is not importable in {no_project}"),
+    ]:
+        line = user_error([*ev, "--lm-eval-python", python, *extra], out)
+        assert needle in line, line
+    assert "make venv-vllm" in user_error([*ev, "--lm-eval-python", no_project, "--backend", "vllm"], out)
+    assert "pip install --no-deps -e" in user_error([*ev, "--lm-eval-python", no_project], out)
+    line = user_error([*ev, "--backend", "vllm", "--device", "cuda"], out)
+    assert "--device is an HF-only flag" in line
+    # a protocol file's python, relative to that file
+    (tmp_path / "p.yaml").write_text(
+        "protocols:\n  venv:\n    description: d\n    apply_chat_template: true\n    python: nope/bin/python\n"
+    )
+    line = user_error([*ev[:3], "venv", "--protocol-file", tmp_path / "p.yaml", *ev[4:]], out)
+    assert f"lm-eval interpreter {tmp_path / 'nope' / 'bin' / 'python'} does not exist" in line
+    # a sweep's eval.python (relative to the sweep file) and --lm-eval-python, refused before anything is written
+    path = _sweep(tmp_path, tiny_trio, eval={"tasks": ["ifeval"], "python": "nope/bin/python"})
+    line = user_error(["sweep", path, "--quiet"], tmp_path / "out")
+    assert f"lm-eval interpreter {tmp_path / 'nope' / 'bin' / 'python'} does not exist" in line
+    line = user_error(["sweep", path, "--lm-eval-python", bare, "--quiet"], tmp_path / "out")
+    assert f"lm-eval is not installed in {bare}" in line
+    with pytest.raises(UserError, match="vllm is not installed in"):
+        run_lm_eval("/m", EvalSettings(tasks=("ifeval",), backend="vllm", device=None, python=str(no_project)), out)
+    assert not out.exists()
+
+
+def test_versions_are_read_from_the_interpreter_that_runs_lm_eval():
+    import lm_eval
+    import torch
+    import transformers
+
+    from lm_eval_sink.harness.runner import eval_versions
+
+    here = eval_versions(EvalSettings(tasks=("ifeval",)))
+    assert here == {
+        "lm_eval": lm_eval.__version__,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+    }
+    if VLLM_PY.is_file():
+        there = eval_versions(EvalSettings(tasks=("ifeval",), backend="vllm", device=None, python=str(VLLM_PY)))
+        assert there["vllm"] == "0.32.0+cpu" and there["vllm_cpu"] == "0.32.0" and there["transformers"] < "5.20"
+
+
+# --- sink tasks on a backend without attention: refused before the model loads ---------------------
+
+
+def _lm_eval(python: Path, runs: list[tuple[list[str], dict[str, str]]]) -> list[tuple[int, str]]:
+    """`lm_eval ARGS` in `python` with extra ENV, for each (ARGS, ENV) side by side: (exit code, stderr) each."""
+    from lm_eval_sink.harness.runner import _ENTRY  # what the `lm_eval` console script runs
+
+    procs = [
+        subprocess.Popen(
+            [str(python), "-c", _ENTRY, *args],
+            env={**os.environ, **env},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for args, env in runs
+    ]
+    errs = [p.communicate(timeout=900)[1] for p in procs]
+    return [(p.returncode, err) for p, err in zip(procs, errs, strict=True)]
+
+
+def test_without_the_hook_the_task_itself_refuses_a_backend_without_attention_with_the_same_line(tmp_path):
+    from test_harness import DUMMY_REFUSAL  # the hook's line (test_non_hf_backend_gets_one_clear_error)
+
+    from lm_eval_sink.harness.discovery import tasks_dir
+
+    args = ["--model", "dummy", "--tasks", "sink_strength", "--include_path", str(tasks_dir())]
+    ((rc, err),) = _lm_eval(
+        Path(sys.executable), [([*args, "--output_path", str(tmp_path)], {"LM_EVAL_SINK_NO_HOOK": "1"})]
+    )
+    assert rc != 0 and "AttributeError" not in err
+    assert err.strip().splitlines()[-1] == f"lm_eval_sink.harness.backends.UnsupportedBackend: {DUMMY_REFUSAL}"
+    assert not list(tmp_path.glob("*/results_*.json"))
+
+
+@needs_vllm_venv
+def test_lm_eval_vllm_refuses_sink_tasks_before_the_engine_starts(tmp_path, default_model):
+    group = tmp_path / "group"
+    group.mkdir()
+    (group / "my_suite.yaml").write_text(
+        "group: my_suite\ntask:\n  - ifeval\n  - sink_strength\nmetadata:\n  version: 1.0\n"
+    )
+    common = ["--model", "vllm", "--model_args", f"pretrained={default_model},dtype=float32,{VLLM_MODEL_ARGS}"]
+    runs = [["--tasks", "sink_strength"], ["--tasks", "my_suite", "--include_path", str(group)]]
+    for rc, err in _lm_eval(VLLM_PY, [([*common, *r, "--output_path", str(tmp_path / "o")], VLLM_ENV) for r in runs]):
+        errors = [x for x in err.splitlines() if x.startswith("error:")]
+        assert rc == 2 and "Traceback" not in err, err[-2000:]
+        assert errors == [err.strip().splitlines()[-1]] and errors[0].startswith(
+            "error: task sink_strength needs attention weights, which the vllm backend does not expose"
+        )
+        # vLLM's engine never started: neither lm-eval's nor vLLM's start-up log lines are there
+        assert "Initializing vllm model" not in err and "Starting to load model" not in err
+    assert not (tmp_path / "o").exists()
+
+
+# --- real vLLM against HF: same responses and scores in float32 -----------------------------------
+
+ONE_BY_ONE = "protocols:\n  chat1:\n    description: chat template, 0-shot, batch 1\n    apply_chat_template: true\n    num_fewshot: 0\n    batch_size: 1\n"  # noqa: E501
+
+
+@pytest.fixture(scope="module")
+def vllm_env(shared_data):
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in {**VLLM_ENV, "LM_EVAL_SINK_DATA": str(shared_data), "HF_HUB_OFFLINE": "1"}.items():
+            mp.setenv(k, v)
+        yield
+
+
+@pytest.fixture(scope="module")
+def ifeval_backends(tmp_path_factory, default_model, vllm_env) -> dict[str, Path]:
+    """`eval` of SmolLM2 on 4 local IFEval prompts (128 new tokens, float32), once per backend."""
+    if not VLLM_PY.is_file():
+        pytest.skip(f"{VLLM_PY} is absent: `make venv-vllm` builds it (make test does)")
+    root = tmp_path_factory.mktemp("ifeval_backends")
+    (root / "p.yaml").write_text(ONE_BY_ONE)
+    common = ["eval", str(default_model), "--protocol", "chat1", "--protocol-file", str(root / "p.yaml")]
+    common += ["--tasks", "ifeval", "--limit", "4", "--gen-kwargs", "max_gen_toks=128", "--dtype", "float32"]
+    vllm = ["--backend", "vllm", "--lm-eval-python", str(VLLM_PY), "--model-args", VLLM_MODEL_ARGS]
+    for name, extra in (("hf", []), ("vllm", vllm)):
+        assert main([*common, *extra, "--output", str(root / name)]) == 0
+    return {"hf": root / "hf", "vllm": root / "vllm", "root": root}
+
+
+def _run_of(folder: Path) -> tuple[dict, list[dict]]:
+    results = json.loads(next(folder.glob("*/results_*.json")).read_text())
+    samples = [json.loads(x) for x in next(folder.glob("*/samples_ifeval_*.jsonl")).read_text().splitlines()]
+    return results, sorted(samples, key=lambda s: s["doc_id"])
+
+
+@needs_vllm_venv
+@pytest.mark.slow
+def test_vllm_and_hf_give_the_same_ifeval_responses_and_scores_in_float32(ifeval_backends, capsys):
+    (hf_res, hf_samples), (vl_res, vl_samples) = _run_of(ifeval_backends["hf"]), _run_of(ifeval_backends["vllm"])
+    assert hf_res["config"]["model"] == "hf" and vl_res["config"]["model"] == "vllm"
+    assert len(hf_samples) == len(vl_samples) == 4
+    assert [s["resps"] for s in vl_samples] == [s["resps"] for s in hf_samples]
+    assert any(len(s["resps"][0][0]) > 100 for s in hf_samples)  # real generations, not empty strings
+    assert vl_res["results"]["ifeval"] == hf_res["results"]["ifeval"]
+    # buckets: the same protocol but the backend, so 0 regressions / 0 recoveries, the backend named
+    out = ifeval_backends["root"] / "buckets"
+    args = ["buckets", str(ifeval_backends["hf"]), str(ifeval_backends["vllm"]), "--quiet", "--no-failure-kinds"]
+    assert main([*args, "--output", str(out)]) == 0
+    data = json.loads((out / "buckets.json").read_text())
+    assert data["counts"]["regression"] == 0 and data["counts"]["recovered"] == 0 and data["n"] == 4
+    assert "backend" in data["protocol_differences"]
+    capsys.readouterr()
+    assert main([*args, "--same-protocol", "--output", str(out.with_name("same"))]) == 2
+    err = capsys.readouterr().err
+    assert "differ in protocol" in err and "backend: 'hf' vs 'vllm'" in err and not out.with_name("same").exists()
+
+
+# --- a sweep whose eval units run under vLLM (strength units under HF) ------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2_candidate(tmp_path_factory, default_model) -> Path:
+    """A copy of the embedded SmolLM2 with one matrix perturbed a little (seeded)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    cand = tmp_path_factory.mktemp("smollm2") / "candidate"
+    shutil.copytree(default_model, cand, ignore=shutil.ignore_patterns("COMPLETE.json"))
+    weights = load_file(cand / "model.safetensors")
+    name = "model.layers.20.mlp.down_proj.weight"
+    noise = torch.randn(weights[name].shape, generator=torch.Generator().manual_seed(0), dtype=weights[name].dtype)
+    weights[name] = weights[name] + 1e-3 * noise
+    save_file(weights, cand / "model.safetensors", metadata={"format": "pt"})
+    return cand
+
+
+def _smollm2_sweep(folder: Path, default_model: Path, candidate: Path, backend: dict, strength) -> Path:
+    folder.mkdir()
+    evals = {"tasks": ["ifeval"], "apply_chat_template": True, "num_fewshot": 0, "gen_kwargs": {"max_gen_toks": 32}}
+    evals |= {"limit": 2, "batch_size": 1, "dtype": "float32", "seed": 0, **backend}
+    data = {
+        "output": "out",
+        "models": {"reference": str(default_model), "candidate": str(candidate)},
+        "configs": ["linear_uniform"],
+        "eval": evals,
+        "strength": strength,
+    }
+    (folder / "sweep.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    return folder / "sweep.yaml"
+
+
+@needs_vllm_venv
+@pytest.mark.slow
+def test_sweep_eval_units_under_vllm_match_hf(tmp_path, default_model, smollm2_candidate, vllm_env):
+    from lm_eval_sink.commands.sweep import load_sweep, run_sweep
+
+    vllm = {
+        "backend": "vllm",
+        "python": os.path.relpath(VLLM_PY, tmp_path / "vllm"),
+        "model_args": {"enforce_eager": True},
+    }
+    tables = {}
+    for name, backend, strength in (
+        ("hf", {}, False),
+        ("vllm", vllm, {"n_prompts": 5, "last_k": 2, "dtype": "float32"}),
+    ):
+        path = _smollm2_sweep(tmp_path / name, default_model, smollm2_candidate, backend, strength)
+        report = run_sweep(load_sweep(path), progress=False)
+        assert not report.failures, report.failures
+        tables[name] = json.loads((path.parent / "out" / "table.json").read_text())
+    out = tmp_path / "vllm" / "out"
+    assert [r["checkpoint"] for r in tables["vllm"]["rows"]] == ["reference", "candidate", "linear_uniform"]
+    for ck in ("reference", "candidate", "linear_uniform"):
+        done = json.loads((out / "evals" / ck / "COMPLETE.json").read_text())
+        assert done["lm_eval_python"] == str(tmp_path / "vllm" / os.path.relpath(VLLM_PY, tmp_path / "vllm"))
+        assert done["eval_versions"]["vllm"] == "0.32.0+cpu"
+        results = json.loads((out / "evals" / ck / done["results"]).read_text())
+        assert results["config"]["model"] == "vllm"
+        assert json.loads((out / "strength" / ck / "strength.json").read_text())["sink_strength"] > 0
+    columns = [c for c in tables["hf"]["columns"] if c.startswith("ifeval/")]
+    assert columns and columns == [c for c in tables["vllm"]["columns"] if c.startswith("ifeval/")]
+    for hf_row, vl_row in zip(tables["hf"]["rows"], tables["vllm"]["rows"], strict=True):
+        assert {c: vl_row["metrics"][c] for c in columns} == {c: hf_row["metrics"][c] for c in columns}
+    assert all(r["sink_strength"] is not None for r in tables["vllm"]["rows"])

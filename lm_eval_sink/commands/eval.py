@@ -31,9 +31,10 @@ def run_eval(
     include_path: str | None = None,
     log_samples: bool = True,
     force: bool = False,
+    python: str | None = None,
 ) -> list[str]:
     """The `eval` command: check the inputs and the output folder, run lm-eval, return the lines to print."""
-    from lm_eval_sink.harness.runner import EvalSettings, require_backend, run_lm_eval
+    from lm_eval_sink.harness.runner import EvalSettings, eval_versions, run_lm_eval
     from lm_eval_sink.io import check_not_inputs, hold
     from lm_eval_sink.models import resolve_model
     from lm_eval_sink.protocols import fingerprint_run, get_protocol, limit_text, parse_gen_kwargs, settings_fields
@@ -43,7 +44,6 @@ def run_eval(
             "--device is an HF-only flag",
             "drop --device with --backend vllm (vLLM places the model; pass --model-args tensor_parallel_size=N)",
         )
-    require_backend(backend)
     margs = {}
     for part in (model_args or "").split(","):
         if part.strip():
@@ -79,12 +79,15 @@ def run_eval(
         log_samples=log_samples,
         backend=backend,
         model_args=margs,
+        python=python,
     )
+    settings = EvalSettings(**fields)
     with hold(output):
-        run = run_lm_eval(resolve_model(model), EvalSettings(**fields), output)
+        run = run_lm_eval(resolve_model(model), settings, output)
     fp = fingerprint_run(run)
     off = protocol.mismatches(fp)
-    lines = [f"results: {run.results}"]
+    versions = ", ".join(f"{k} {v}" for k, v in eval_versions(settings).items())
+    lines = [f"results: {run.results}", f"lm-eval ran in {settings.interpreter()}: {versions}"]
     lines += [f"samples {task}: {path}" for task, path in sorted(run.samples.items())]
     lines.append(
         f"protocol {protocol.name}: "

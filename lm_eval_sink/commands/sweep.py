@@ -61,12 +61,14 @@ MANIFEST = "manifest.jsonl"
 # --- the sweep file ------------------------------------------------------------------------
 
 
-def _eval_settings(ev: EvalIn, src: str, rel: Any) -> Any:
-    """The `eval:` section as harness.runner.EvalSettings (backend vllm: no device)."""
+def _eval_settings(ev: EvalIn, src: str, rel: Any, python: str | None) -> Any:
+    """The `eval:` section as harness.runner.EvalSettings (backend vllm: no device; `python` overrides eval.python)."""
     from lm_eval_sink.harness.runner import EvalSettings
 
     given = ev.model_dump(exclude_none=True)
     given["tasks"] = tuple(given["tasks"])
+    if python or ev.python:
+        given["python"] = python or rel(ev.python)
     if given.get("backend", "hf") != "hf":
         given.setdefault("device", None)
     if ev.include_path:
@@ -88,11 +90,12 @@ def load_sweep(
     delete_merged: bool | None = None,
     engine: str | None = None,
     ray_address: str | None = None,
+    python: str | None = None,
 ) -> SweepSpec:
     """Read and check a sweep YAML once: its schema (paths relative to its folder), its models, and every
     merge control rendered for them and validated (`SweepSpec.merges`); no weights are read.
 
-    `engine` / `ray_address` override the file's engine.kind / engine.address (the CLI's flags).
+    `engine` / `ray_address` / `python` override the file's engine.kind / engine.address / eval.python (CLI flags).
     """
     path = Path(path)
     if not path.is_file():
@@ -110,7 +113,7 @@ def load_sweep(
     tokenizer_source = merge.tokenizer_source
     if tokenizer_source is not None and tokenizer_source not in TOKENIZER_CHOICES:
         tokenizer_source = _model_arg(here, tokenizer_source)
-    eval_settings = None if "eval" in skipped else _eval_settings(sweep.eval, src, lambda p: _rel(here, p))
+    eval_settings = None if "eval" in skipped else _eval_settings(sweep.eval, src, lambda p: _rel(here, p), python)
     strength, sdtype, sdevice = _strength(sweep.strength, "strength" in skipped, src, here)
     devices = {"merge": merge.device, "eval": eval_settings and eval_settings.device, "strength": sdevice}
     engine_spec = parse_engine(
@@ -269,7 +272,7 @@ def run_unit(unit: Unit) -> None:
             extra={"unit": unit.id, "template": unit.inputs["template"], **placement_fields()},
         )
     elif unit.kind == "eval":
-        from lm_eval_sink.harness.runner import run_lm_eval
+        from lm_eval_sink.harness.runner import eval_versions, run_lm_eval
 
         with staged_dir(unit.output, force=True) as tmp:
             try:
@@ -287,6 +290,8 @@ def run_unit(unit: Unit) -> None:
                 results=str(rel),
                 samples={t: str(p.relative_to(tmp)) for t, p in run.samples.items()},
                 model=unit.inputs["model"],
+                lm_eval_python=unit.inputs["settings"].interpreter(),
+                eval_versions=eval_versions(unit.inputs["settings"]),
             )
     elif unit.kind == "strength":
         from lm_eval_sink.strength import measure_model
@@ -484,6 +489,10 @@ def run_sweep(spec: SweepSpec, force: bool = False, progress: bool = True) -> Sw
     """Plan, run every unfinished unit (all of them with `force`) on the spec's engine, then write the table; the output
     folder is locked meanwhile."""
     check_not_inputs([spec.output], inputs=_inputs(spec), option="output")
+    if spec.eval is not None:
+        from lm_eval_sink.harness.runner import check_interpreter
+
+        check_interpreter(spec.eval)
     plan = plan_sweep(spec)
     with hold(spec.output):
         return _run_sweep_locked(plan, force, progress)

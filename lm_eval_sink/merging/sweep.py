@@ -121,6 +121,9 @@ class EvalIn(Strict):
     dtype: str | None = None
     include_path: str | None = None
     model_args: dict[str, Any] | None = None
+    python: str | None = (
+        None  # the interpreter lm-eval runs in, relative to the sweep file (e.g. .venv-vllm/bin/python)
+    )
 
 
 # The strength section: StrengthSettings' fields (its checks and defaults stay there) plus where S is measured.
