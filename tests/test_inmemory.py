@@ -77,3 +77,97 @@ def test_a_resident_model_of_another_architecture_is_refused(tmp_path, tiny_trio
     with pytest.raises(UserError) as err:
         merge_into(other, text, "linear_uniform")
     assert err.value.line().startswith("control 'linear_uniform': mergekit writes no tensor for the resident parameter")
+
+
+# In-process evaluation of a resident model against the subprocess path on the same checkpoint saved by mergekit.
+
+MERGING_TASKS = Path(__file__).parent / "data" / "merging_task"
+CHOICE_TASK = "lm_eval_sink_tiny_choice"
+
+
+@pytest.fixture(scope="module")
+def both_paths(tmp_path_factory, tiny_trio, tiny_task_dir):
+    """`linear_95_5` merged in memory and evaluated in this process, and on disk through `run_lm_eval`.
+
+    One include folder holds a loglikelihood task (tiny_choice) and a generation task (tiny_gen), float32.
+    """
+    import shutil
+
+    from helpers import TINY_TASK
+    from lm_eval_sink.harness.inprocess import evaluate, load_resident, measure_strength
+    from lm_eval_sink.harness.runner import EvalSettings, run_lm_eval
+    from lm_eval_sink.strength import StrengthSettings, measure_model
+
+    root = tmp_path_factory.mktemp("inprocess")
+    tasks = root / "tasks"
+    shutil.copytree(MERGING_TASKS, tasks)
+    for f in tiny_task_dir.iterdir():
+        shutil.copy2(f, tasks / f.name)
+    settings = EvalSettings(
+        tasks=(CHOICE_TASK, TINY_TASK), include_path=str(tasks), dtype="float32", seed=0, gen_kwargs={"max_gen_toks": 3}
+    )
+    strength = StrengthSettings(n_prompts=5, last_k=2)
+    text = render("linear_95_5", tiny_trio["reference"], tiny_trio["candidate"]).text
+    merged = root / "merged"
+    run_mergekit(text, merged, random_seed=0)
+    resident = load_resident(tiny_trio["reference"], settings)
+    merge_into(resident.model, text, "linear_95_5", random_seed=0)
+    return {
+        "disk": run_lm_eval(merged, settings, root / "disk"),
+        "memory": evaluate(resident, settings, root / "memory", merged),
+        "disk_s": measure_model(str(merged), strength, dtype="float32", progress=False),
+        "memory_s": measure_strength(resident, strength, "float32"),
+        "root": root,
+    }
+
+
+def _samples(path: Path) -> list[dict]:
+    import json
+
+    keep = ("doc_id", "doc_hash", "prompt_hash", "target_hash", "arguments", "resps", "filtered_resps", "target")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [{k: v for k, v in r.items() if k in keep or k in r.get("metrics", ())} for r in rows]
+
+
+def test_in_process_eval_equals_the_subprocess_run_of_the_checkpoint_on_disk(both_paths):
+    """Every metric and every sample's responses and scores equal; S equals measure_model on the disk checkpoint."""
+    import json
+
+    disk, memory = both_paths["disk"], both_paths["memory"]
+    rd, rm = (json.loads(r.results.read_text()) for r in (disk, memory))
+    assert rm["results"] == rd["results"]
+    assert rm["n-samples"] == rd["n-samples"] and rm["task_hashes"] == rd["task_hashes"]
+    assert memory.results.parent.name == disk.results.parent.name  # the folder lm-eval names after `pretrained`
+    assert sorted(memory.samples) == sorted(disk.samples) == sorted([CHOICE_TASK, "tiny_gen"])
+    for task in disk.samples:
+        assert _samples(memory.samples[task]) == _samples(disk.samples[task]), task
+    s_disk, s_mem = both_paths["disk_s"].to_json(), both_paths["memory_s"].to_json()
+    s_disk.pop("provenance"), s_mem.pop("provenance")
+    assert s_mem == s_disk
+
+
+def test_in_process_run_has_the_subprocess_runs_protocol(both_paths):
+    """No protocol difference; of the run fields only the date differs (the task metadata's `pretrained` too, unread)."""
+    from lm_eval_sink.protocols import diff, fingerprint_run
+
+    fd, fm = fingerprint_run(both_paths["disk"]), fingerprint_run(both_paths["memory"])
+    assert diff(fd, fm) == ()
+    assert fm.harness == fd.harness and fm.model == fd.model
+    assert {k: v for k, v in fm.run.items() if fd.run[k] != v}.keys() == {"date"}
+    assert fm.run["model"] == "hf"
+
+
+def test_buckets_and_report_read_the_in_process_run(both_paths, capsys):
+    import json
+
+    from lm_eval_sink.cli import main
+
+    root = both_paths["root"]
+    out = root / "buckets"
+    args = ["buckets", both_paths["disk"].results.parent.parent, both_paths["memory"].results.parent.parent]
+    assert main([str(a) for a in [*args, "--task", "tiny_gen", "--output", out, "--no-failure-kinds"]]) == 0
+    data = json.loads((out / "buckets.json").read_text())
+    assert data["n_paired"] == 4 if "n_paired" in data else True
+    page = root / "report.html"
+    assert main(["report", "--buckets", str(out), "-o", str(page)]) == 0
+    assert "tiny_gen" in page.read_text()
