@@ -61,7 +61,7 @@ def make_candidate(reference: Path, out: Path, steps: int = 3) -> Path:
     model = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
     model.train()
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    prompts = load_prompts(None, 4).prompts
+    prompts = load_prompts().prompts
     for step in range(steps):
         batch = tok(prompts[step % len(prompts)], return_tensors="pt")
         loss = model(**batch, labels=batch["input_ids"]).loss
