@@ -118,6 +118,8 @@ def both_paths(tmp_path_factory, tiny_trio, tiny_task_dir):
         "disk_s": measure_model(str(merged), strength, dtype="float32", progress=False),
         "memory_s": measure_strength(resident, strength, "float32"),
         "root": root,
+        "resident": resident,
+        "settings": settings,
     }
 
 
@@ -188,3 +190,21 @@ def test_buckets_and_report_read_the_in_process_run(both_paths, capsys):
     page = root / "report.html"
     assert main(["report", "--buckets", str(out), "-o", str(page)]) == 0
     assert "tiny_gen" in page.read_text()
+
+
+def test_in_process_refusals(both_paths, tiny_trio):
+    """vllm, settings other than the resident's, and a strength dtype other than its own are refused in one line."""
+    from dataclasses import replace
+
+    from lm_eval_sink.errors import UserError
+    from lm_eval_sink.harness.inprocess import evaluate, load_resident, measure_strength
+    from lm_eval_sink.strength import StrengthSettings
+
+    resident, settings, root = both_paths["resident"], both_paths["settings"], both_paths["root"]
+    with pytest.raises(UserError, match="runs lm-eval's hf backend in this process, not 'vllm'"):
+        load_resident(tiny_trio["reference"], replace(settings, backend="vllm", device=None))
+    with pytest.raises(UserError, match="differ from the ones the resident model"):
+        evaluate(resident, replace(settings, limit=2), root / "refused", "x")
+    with pytest.raises(UserError, match="strength dtype bfloat16 differs from the resident model's float32"):
+        measure_strength(resident, StrengthSettings(n_prompts=5), "bfloat16")
+    assert not (root / "refused").exists()
