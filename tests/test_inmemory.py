@@ -112,11 +112,18 @@ def both_paths(tmp_path_factory, tiny_trio, tiny_task_dir):
     run_mergekit(text, merged, random_seed=0)
     resident = load_resident(tiny_trio["reference"], settings)
     merge_into(resident.model, text, "linear_95_5", random_seed=0)
+    torch.manual_seed(5)
+    rng = torch.random.get_rng_state()
+    memory, memory_s = (
+        evaluate(resident, settings, root / "memory", merged),
+        measure_strength(resident, strength, "float32"),
+    )
     return {
         "disk": run_lm_eval(merged, settings, root / "disk"),
-        "memory": evaluate(resident, settings, root / "memory", merged),
+        "memory": memory,
+        "rng_kept": torch.equal(torch.random.get_rng_state(), rng),
         "disk_s": measure_model(str(merged), strength, dtype="float32", progress=False),
-        "memory_s": measure_strength(resident, strength, "float32"),
+        "memory_s": memory_s,
         "root": root,
         "resident": resident,
         "settings": settings,
@@ -132,8 +139,11 @@ def _samples(path: Path) -> list[dict]:
 
 
 def test_in_process_eval_equals_the_subprocess_run_of_the_checkpoint_on_disk(both_paths):
-    """Every metric and every sample's responses and scores equal; S equals measure_model on the disk checkpoint."""
+    """Every metric and every sample's responses and scores equal; S equals measure_model on the disk checkpoint.
+    The caller's RNG state is kept (lm-eval seeds the global generators)."""
     import json
+
+    assert both_paths["rng_kept"]
 
     disk, memory = both_paths["disk"], both_paths["memory"]
     rd, rm = (json.loads(r.results.read_text()) for r in (disk, memory))

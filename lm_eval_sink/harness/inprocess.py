@@ -117,6 +117,20 @@ def _check_settings(resident: Resident, settings: EvalSettings) -> None:
         )
 
 
+def _hflm(resident: Resident, cfg: Any) -> Any:
+    """lm-eval's HF model on the resident model, with the HFLM arguments of the command line's model_args."""
+    from lm_eval.models.huggingface import HFLM
+
+    own = _hflm_parameters()
+    return HFLM(
+        pretrained=resident.model,
+        tokenizer=resident.tokenizer,
+        batch_size=cfg.batch_size,
+        **({"max_batch_size": cfg.max_batch_size} if cfg.max_batch_size is not None else {}),
+        **{k: v for k, v in cfg.model_args.items() if k in own and k not in ("batch_size", "max_batch_size")},
+    )
+
+
 def evaluate(resident: Resident, settings: EvalSettings, output_path: str | Path, name: str | Path) -> RunFiles:
     """Evaluate the resident model with lm-eval in this process; the files land under `output_path/<name>/`.
 
@@ -126,45 +140,40 @@ def evaluate(resident: Resident, settings: EvalSettings, output_path: str | Path
     """
     import lm_eval
     from lm_eval.loggers import EvaluationTracker
-    from lm_eval.models.huggingface import HFLM
+
+    from lm_eval_sink.merging.merge import isolated_rng
 
     _check_settings(resident, settings)
     output_path = Path(output_path)
     if output_path.exists() and not output_path.is_dir():
         raise UserError(f"{output_path}: is a file, not a folder", "pass a folder for lm-eval's output path")
     cfg = cli_config(settings, str(name), output_path)
-    own = _hflm_parameters()
-    lm = HFLM(
-        pretrained=resident.model,
-        tokenizer=resident.tokenizer,
-        batch_size=cfg.batch_size,
-        **({"max_batch_size": cfg.max_batch_size} if cfg.max_batch_size is not None else {}),
-        **{k: v for k, v in cfg.model_args.items() if k in own and k not in ("batch_size", "max_batch_size")},
-    )
+    lm = _hflm(resident, cfg)
     tracker = EvaluationTracker(output_path=cfg.output_path)
     seeds = cfg.seed or [None] * 4
-    results = lm_eval.simple_evaluate(
-        model=lm,
-        model_args=cfg.model_args,
-        tasks=_tasks(resident.task_manager, cfg.tasks),
-        num_fewshot=cfg.num_fewshot,
-        batch_size=cfg.batch_size,
-        max_batch_size=cfg.max_batch_size,
-        device=cfg.device,
-        limit=cfg.limit,
-        log_samples=cfg.log_samples,
-        evaluation_tracker=tracker,
-        system_instruction=cfg.system_instruction,
-        apply_chat_template=cfg.apply_chat_template,
-        fewshot_as_multiturn=cfg.fewshot_as_multiturn,
-        gen_kwargs=cfg.gen_kwargs,
-        task_manager=resident.task_manager,
-        random_seed=seeds[0],
-        numpy_random_seed=seeds[1],
-        torch_random_seed=seeds[2],
-        fewshot_random_seed=seeds[3],
-        metadata=cfg.metadata,
-    )
+    with isolated_rng():  # lm-eval seeds the global generators, as in its own process; the caller's stay
+        results = lm_eval.simple_evaluate(
+            model=lm,
+            model_args=cfg.model_args,
+            tasks=_tasks(resident.task_manager, cfg.tasks),
+            num_fewshot=cfg.num_fewshot,
+            batch_size=cfg.batch_size,
+            max_batch_size=cfg.max_batch_size,
+            device=cfg.device,
+            limit=cfg.limit,
+            log_samples=cfg.log_samples,
+            evaluation_tracker=tracker,
+            system_instruction=cfg.system_instruction,
+            apply_chat_template=cfg.apply_chat_template,
+            fewshot_as_multiturn=cfg.fewshot_as_multiturn,
+            gen_kwargs=cfg.gen_kwargs,
+            task_manager=resident.task_manager,
+            random_seed=seeds[0],
+            numpy_random_seed=seeds[1],
+            torch_random_seed=seeds[2],
+            fewshot_random_seed=seeds[3],
+            metadata=cfg.metadata,
+        )
     return _save(tracker, results, cfg, output_path)
 
 
@@ -192,6 +201,7 @@ def measure_strength(
     provenance: dict[str, Any] | None = None,
 ) -> Any:
     """`strength.measure` on the resident model; `dtype` must be the resident's (no second copy is made)."""
+    from lm_eval_sink.merging.merge import isolated_rng
     from lm_eval_sink.strength import measure
 
     if dtype not in ("auto", resident.dtype):
@@ -199,4 +209,5 @@ def measure_strength(
             f"strength dtype {dtype} differs from the resident model's {resident.dtype}",
             "give strength and eval the same dtype for an in-memory sweep, or set merge: {in_memory: false}",
         )
-    return measure(resident.model, resident.tokenizer, settings, progress=progress, provenance=provenance)
+    with isolated_rng():
+        return measure(resident.model, resident.tokenizer, settings, progress=progress, provenance=provenance)
