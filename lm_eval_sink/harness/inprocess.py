@@ -135,8 +135,8 @@ def evaluate(resident: Resident, settings: EvalSettings, output_path: str | Path
     """Evaluate the resident model with lm-eval in this process; the files land under `output_path/<name>/`.
 
     `name` is the checkpoint as the subprocess path names it (`pretrained` in model_args, the results
-    folder's name). The results and samples files carry what `run_lm_eval(name, settings, output_path)`
-    writes (module docstring: what differs).
+    folder's name; an absolute path: `owner/name` reads as a hub id). The results and samples files
+    carry what `run_lm_eval(name, settings, output_path)` writes (module docstring: what differs).
     """
     import lm_eval
     from lm_eval.loggers import EvaluationTracker
