@@ -74,7 +74,7 @@ def make_candidate(reference: Path, out: Path, steps: int = 3) -> Path:
 
 
 def clock() -> tuple[float, float]:
-    """(wall, CPU) seconds; the CPU time of this process is the figure that holds on a shared machine."""
+    """(wall, CPU) seconds of this process (under contention both move: OpenMP threads spin while one waits)."""
     return time.perf_counter(), time.process_time()
 
 
