@@ -77,21 +77,31 @@ def merge_key(config: ValidatedConfig, random_seed: int | None) -> str:
 
 
 @contextlib.contextmanager
-def _isolated() -> Iterator[None]:
-    """Empty mergekit's loader cache and keep python/numpy/torch RNG states around one merge."""
+def isolated_rng() -> Iterator[None]:
+    """Keep the python/numpy/torch RNG states around one merge (mergekit seeds them globally)."""
     import numpy as np
     import torch
-    from mergekit.io.tasks import LoaderCache
 
     states = (random.getstate(), np.random.get_state(), torch.random.get_rng_state())
-    LoaderCache().loaders.clear()
     try:
         yield
     finally:
-        LoaderCache().loaders.clear()
         random.setstate(states[0])
         np.random.set_state(states[1])
         torch.random.set_rng_state(states[2])
+
+
+@contextlib.contextmanager
+def _isolated() -> Iterator[None]:
+    """Empty mergekit's loader cache and keep the RNG states around one merge."""
+    from mergekit.io.tasks import LoaderCache
+
+    LoaderCache().loaders.clear()
+    try:
+        with isolated_rng():
+            yield
+    finally:
+        LoaderCache().loaders.clear()
 
 
 def _pinned(node: Any, pin) -> Any:
@@ -130,16 +140,42 @@ def run_mergekit(
     `mergekit_config.yml` holds the `@<sha>` form. Returns {reference as written: commit sha}.
     `config`: the MergeConfiguration of `text` when already parsed (a deep copy is merged).
     """
-    import yaml
-    from mergekit.common import ModelPath
-    from mergekit.config import MergeConfiguration
     from mergekit.merge import run_merge
     from mergekit.options import MergeOptions
 
-    from lm_eval_sink.identity import hub_offline, model_identity, snapshot_dir
     from lm_eval_sink.merging.methods import register
 
     register()
+    to_load, recipe, pins = _pinned_configs(text, revisions, config)
+    source = (
+        text
+        if not pins
+        else "# hub inputs pinned to their commits by lm-eval-sink: "
+        f"{', '.join(f'{r} -> {s}' for r, s in pins.items())}\n{recipe.to_yaml()}\n"
+    )
+    options = MergeOptions(random_seed=random_seed, device=device, quiet=quiet, copy_tokenizer=True)
+    with _isolated():
+        run_merge(to_load, str(out_dir), options=options, config_source=source)
+    return pins
+
+
+def loadable_config(
+    text: str, revisions: dict[str, str] | None = None, config: Any = None
+) -> tuple[Any, dict[str, str]]:
+    """A fresh MergeConfiguration of `text` whose hub inputs load at their pinned commits, and the pins."""
+    to_load, _, pins = _pinned_configs(text, revisions, config)
+    return to_load, pins
+
+
+def _pinned_configs(text: str, revisions: dict[str, str] | None, config: Any = None) -> tuple[Any, Any, dict[str, str]]:
+    """(config to load, recipe with `@sha` references, {reference as written: sha}) for YAML text, or for its
+    already parsed MergeConfiguration `config` (a deep copy: mergekit's planner rewrites what it is given)."""
+    import yaml
+    from mergekit.common import ModelPath
+    from mergekit.config import MergeConfiguration
+
+    from lm_eval_sink.identity import hub_offline, model_identity, snapshot_dir
+
     config = MergeConfiguration.model_validate(yaml.safe_load(text)) if config is None else config.model_copy(deep=True)
     pins: dict[str, str] = {}
 
@@ -155,17 +191,7 @@ def run_mergekit(
         return ModelPath(path=str(snap)) if snap else ModelPath(path=path.path, revision=sha)
 
     recipe = _pinned(config, lambda p: ModelPath(path=p.path, revision=sha_of(p)))
-    to_load = _pinned(config, loadable)
-    source = (
-        text
-        if not pins
-        else "# hub inputs pinned to their commits by lm-eval-sink: "
-        f"{', '.join(f'{r} -> {s}' for r, s in pins.items())}\n{recipe.to_yaml()}\n"
-    )
-    options = MergeOptions(random_seed=random_seed, device=device, quiet=quiet, copy_tokenizer=True)
-    with _isolated():
-        run_merge(to_load, str(out_dir), options=options, config_source=source)
-    return pins
+    return _pinned(config, loadable), recipe, pins
 
 
 def verify_checkpoint(folder: Path, expect_tokenizer: bool = True) -> tuple[int, tuple[str, ...]]:

@@ -1,0 +1,213 @@
+"""lm-eval and Sink Strength in this process, on one resident model: the in-memory sweep's evaluation.
+
+An in-memory sweep keeps ONE model of the reference's architecture loaded (`load_resident`),
+copies each merged checkpoint into it (`merging.inmemory.merge_into`), then evaluates it here with
+`evaluate` and measures it with `measure_strength`: no checkpoint on disk, no process start, no
+reload, one lm-eval `TaskManager` (task indexing, offline overrides) for the whole sweep.
+
+The protocol is the subprocess path's, from the same source: `EvalSettings.command` is parsed by
+lm-eval's own CLI parser into its `EvaluatorConfig`, and `simple_evaluate` gets the fields the
+`lm_eval` CLI passes it; results and samples are written by lm-eval's `EvaluationTracker` as the
+CLI writes them. For a model object lm-eval records the model's `_name_or_path` as `config.model`
+and "CUSTOM" as `model_source`; both are set back to the backend (`hf`) as the CLI records them,
+and `model_args` names the checkpoint as `pretrained`, so the results folder is the one the CLI
+would name. What still differs from a subprocess run of the same checkpoint on disk:
+- each task config's `metadata` copies the model_args of the reference (the TaskManager is built
+  once), not of the checkpoint: `pretrained` names the reference there (protocols.fingerprint
+  leaves model_args copies out of the task metadata);
+- `date`, timings, `pretty_env_info` and `git_hash`, as between any two runs.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lm_eval_sink.errors import UserError
+from lm_eval_sink.harness.runner import EvalSettings
+from lm_eval_sink.runs import RunFiles, resolve_run
+
+
+@dataclass(frozen=True)
+class Resident:
+    """One loaded model, its tokenizer and one lm-eval TaskManager, for every checkpoint of a sweep."""
+
+    model: Any
+    tokenizer: Any
+    task_manager: Any
+    settings: EvalSettings  # the sweep's eval settings: every `evaluate` on this resident uses them
+    dtype: str  # the resident parameters' dtype, e.g. "float32"
+
+
+def cli_config(settings: EvalSettings, model: str, output_path: str | Path) -> Any:
+    """lm-eval's `EvaluatorConfig` of the subprocess command line `settings.command(model, output_path)`.
+
+    lm-eval's own parser and validation (types of --limit and --batch_size, gen_kwargs values, the
+    seed list, fewshot_as_multiturn's default), so both paths read one source: `EvalSettings.command`.
+    """
+    from lm_eval._cli.harness import HarnessCLI
+    from lm_eval.config.evaluate_config import EvaluatorConfig
+
+    namespace = HarnessCLI()._parser.parse_args(["run", *settings.command(model, Path(output_path))])
+    return EvaluatorConfig.from_cli(namespace)
+
+
+def _hflm_parameters() -> frozenset[str]:
+    from lm_eval.models.huggingface import HFLM
+
+    return frozenset(inspect.signature(HFLM.__init__).parameters) - {"self", "kwargs", "pretrained", "tokenizer"}
+
+
+def _load_kwargs(model_args: dict[str, Any]) -> dict[str, Any]:
+    """The model_args HFLM would hand to `from_pretrained` (not its own parameters), e.g. attn_implementation."""
+    own = _hflm_parameters()
+    return {k: v for k, v in model_args.items() if k not in own and k not in ("pretrained", "dtype")}
+
+
+def load_resident(reference: str | Path, settings: EvalSettings) -> Resident:
+    """Load `reference` as the subprocess path's HFLM would (dtype, device, model_args), and one TaskManager.
+
+    The TaskManager takes the include path and the model_args metadata of the reference's command
+    line, as lm-eval's CLI builds it; this project's tasks and offline data reach it through the
+    import hook (`hooks.install`).
+    """
+    from lm_eval.tasks import TaskManager
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lm_eval_sink.hooks import install
+    from lm_eval_sink.models import torch_dtype
+
+    if settings.backend != "hf":
+        raise UserError(
+            f"an in-memory evaluation runs lm-eval's hf backend in this process, not {settings.backend!r}",
+            "set merge: {in_memory: false} to evaluate with vllm on disk",
+        )
+    install()
+    cfg = cli_config(settings, str(reference), "/nonexistent")
+    model = AutoModelForCausalLM.from_pretrained(
+        str(reference), dtype=torch_dtype(settings.dtype or "auto"), **_load_kwargs(cfg.model_args)
+    )
+    model = model.to(settings.device).eval().requires_grad_(False)
+    revision = {"revision": cfg.model_args["revision"]} if "revision" in cfg.model_args else {}
+    tokenizer = AutoTokenizer.from_pretrained(str(reference), **revision)
+    manager = TaskManager(include_path=cfg.include_path, metadata=cfg.metadata or {})
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return Resident(model=model, tokenizer=tokenizer, task_manager=manager, settings=settings, dtype=dtype)
+
+
+def _tasks(manager: Any, names: str | list[str]) -> list[Any]:
+    """The task names resolved by the resident TaskManager, as lm-eval's CLI resolves them."""
+    listed = names.split(",") if isinstance(names, str) else [t for n in names for t in n.split(",")]
+    out: list[Any] = []
+    for name in dict.fromkeys(listed):
+        matches = manager.match_tasks([name])
+        if not matches:
+            raise UserError(f"lm-eval task {name!r} not found", "check the task name and eval.include_path")
+        out += [m for m in matches if m not in out]
+    return out
+
+
+def _check_settings(resident: Resident, settings: EvalSettings) -> None:
+    if settings != resident.settings:
+        raise UserError(
+            "these eval settings differ from the ones the resident model and its TaskManager were built for",
+            "load one resident per sweep with the sweep's eval settings",
+        )
+
+
+def _hflm(resident: Resident, cfg: Any) -> Any:
+    """lm-eval's HF model on the resident model, with the HFLM arguments of the command line's model_args."""
+    from lm_eval.models.huggingface import HFLM
+
+    own = _hflm_parameters()
+    return HFLM(
+        pretrained=resident.model,
+        tokenizer=resident.tokenizer,
+        batch_size=cfg.batch_size,
+        **({"max_batch_size": cfg.max_batch_size} if cfg.max_batch_size is not None else {}),
+        **{k: v for k, v in cfg.model_args.items() if k in own and k not in ("batch_size", "max_batch_size")},
+    )
+
+
+def evaluate(resident: Resident, settings: EvalSettings, output_path: str | Path, name: str | Path) -> RunFiles:
+    """Evaluate the resident model with lm-eval in this process; the files land under `output_path/<name>/`.
+
+    `name` is the checkpoint as the subprocess path names it (`pretrained` in model_args, the results
+    folder's name; an absolute path: `owner/name` reads as a hub id). The results and samples files
+    carry what `run_lm_eval(name, settings, output_path)` writes (module docstring: what differs).
+    """
+    import lm_eval
+    from lm_eval.loggers import EvaluationTracker
+
+    from lm_eval_sink.merging.merge import isolated_rng
+
+    _check_settings(resident, settings)
+    output_path = Path(output_path)
+    if output_path.exists() and not output_path.is_dir():
+        raise UserError(f"{output_path}: is a file, not a folder", "pass a folder for lm-eval's output path")
+    cfg = cli_config(settings, str(name), output_path)
+    lm = _hflm(resident, cfg)
+    tracker = EvaluationTracker(output_path=cfg.output_path)
+    seeds = cfg.seed or [None] * 4
+    with isolated_rng():  # lm-eval seeds the global generators, as in its own process; the caller's stay
+        results = lm_eval.simple_evaluate(
+            model=lm,
+            model_args=cfg.model_args,
+            tasks=_tasks(resident.task_manager, cfg.tasks),
+            num_fewshot=cfg.num_fewshot,
+            batch_size=cfg.batch_size,
+            max_batch_size=cfg.max_batch_size,
+            device=cfg.device,
+            limit=cfg.limit,
+            log_samples=cfg.log_samples,
+            evaluation_tracker=tracker,
+            system_instruction=cfg.system_instruction,
+            apply_chat_template=cfg.apply_chat_template,
+            fewshot_as_multiturn=cfg.fewshot_as_multiturn,
+            gen_kwargs=cfg.gen_kwargs,
+            task_manager=resident.task_manager,
+            random_seed=seeds[0],
+            numpy_random_seed=seeds[1],
+            torch_random_seed=seeds[2],
+            fewshot_random_seed=seeds[3],
+            metadata=cfg.metadata,
+        )
+    return _save(tracker, results, cfg, output_path)
+
+
+def _save(tracker: Any, results: dict[str, Any], cfg: Any, output_path: Path) -> RunFiles:
+    """Write results and samples as lm-eval's CLI does, with the backend where lm-eval recorded the model object."""
+    results["config"]["model"] = cfg.model
+    tracker.general_config_tracker.model_source = cfg.model
+    samples = results.pop("samples") if cfg.log_samples else None
+    before = set(output_path.glob("*/results_*.json"))
+    tracker.save_results_aggregated(results=results, samples=samples)
+    if samples is not None:
+        for task_name in results["configs"]:
+            tracker.save_results_samples(task_name=task_name, samples=samples[task_name])
+    new = sorted(set(output_path.glob("*/results_*.json")) - before, key=lambda p: p.stat().st_mtime)
+    if not new:
+        raise UserError(f"lm-eval wrote no results file under {output_path}", "check that the folder is writable")
+    return resolve_run(new[-1])
+
+
+def measure_strength(
+    resident: Resident,
+    settings: Any,
+    dtype: str,
+    progress: bool = False,
+    provenance: dict[str, Any] | None = None,
+) -> Any:
+    """`strength.measure` on the resident model; `dtype` must be the resident's (no second copy is made)."""
+    from lm_eval_sink.merging.merge import isolated_rng
+    from lm_eval_sink.strength import measure
+
+    if dtype not in ("auto", resident.dtype):
+        raise UserError(
+            f"strength dtype {dtype} differs from the resident model's {resident.dtype}",
+            "give strength and eval the same dtype for an in-memory sweep, or set merge: {in_memory: false}",
+        )
+    with isolated_rng():
+        return measure(resident.model, resident.tokenizer, settings, progress=progress, provenance=provenance)

@@ -1,0 +1,119 @@
+"""Merge into a resident model: mergekit's in-memory plan, run and copied into the model's parameters.
+
+A sweep keeps one model loaded; each checkpoint is planned with mergekit's public `MergePlanner`,
+its tensors computed by mergekit's `Executor` (the math and storage devices of `run_merge`), cast to
+the dtype each `SaveTensor` of the on-disk merge would write, and copied into the resident parameter
+of the same name: no weights are written and no model is loaded again. `copy_` then casts to the
+resident dtype, as loading the on-disk checkpoint in that dtype does, so the two paths give equal
+weights.
+
+Rules:
+- the planner rewrites the config it is given (`normalize_config`), so every merge parses the
+  YAML text again into a fresh `MergeConfiguration`;
+- each merge runs with the RNG isolation of `merge.isolated_rng` and mergekit's own seeding
+  (`set_seed(random_seed)`, as `run_merge` does), so a seeded DARE merge is bit-identical on disk
+  and in memory; mergekit's loader cache stays warm across merges of the same inputs;
+- a merge whose tensors do not all name a resident parameter, or that changes the vocabulary
+  (`tokenizer_source`), cannot run in memory: `check_in_memory` refuses it with one line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from lm_eval_sink.errors import UserError
+
+# mergekit 0.1.5's `plan_in_memory()` fails under pydantic 2.14 (its ReturnTensor validates the tensor
+# task against the abstract `Task[Tensor]` and raises "Can't instantiate abstract class"), so the merge is
+# planned with `plan_to_disk` and only the SaveTensor tasks' own tensor tasks are run: the writer task,
+# which alone would use this path, is never executed.
+_NO_WRITER = "/nonexistent/lm-eval-sink-in-memory"
+
+
+@dataclass(frozen=True, slots=True)
+class InMemoryMerge:
+    """What one in-memory merge did: the tensors it copied and the hub commits it pinned."""
+
+    n_tensors: int
+    pins: dict[str, str]
+
+
+def check_in_memory(text: str, name: str) -> None:
+    """Refuse, with one line, a control whose output cannot be copied into a resident model of the reference."""
+    import yaml
+
+    data = yaml.safe_load(text) or {}
+    if data.get("tokenizer_source") is not None or data.get("tokenizer") is not None:
+        raise UserError(
+            f"control {name!r} rebuilds the tokenizer (tokenizer_source), so its output vocabulary may differ from "
+            "the resident model's",
+            "set merge: {in_memory: false} for this sweep",
+        )
+
+
+def merge_into(
+    model: Any,
+    text: str,
+    name: str,
+    random_seed: int | None = None,
+    device: str = "cpu",
+    revisions: dict[str, str] | None = None,
+) -> InMemoryMerge:
+    """Run the validated merge config `text` and copy every tensor into `model`'s parameters of the same name."""
+    import torch
+    import transformers
+    from mergekit.architecture import get_architecture_info
+    from mergekit.common import dtype_from_name
+    from mergekit.graph import Executor
+    from mergekit.io.tasks import LoaderCache, SaveTensor
+    from mergekit.plan import MergePlanner
+
+    from mergekit.options import MergeOptions
+
+    from lm_eval_sink.merging.merge import isolated_rng, loadable_config
+    from lm_eval_sink.merging.methods import register
+
+    check_in_memory(text, name)
+    register()
+    config, pins = loadable_config(text, revisions)  # a fresh copy: the planner rewrites it
+    options = MergeOptions(random_seed=random_seed, device=device, quiet=True)
+    targets = dict(model.state_dict(keep_vars=True))  # tied weights appear under each of their names
+    with isolated_rng(), torch.no_grad():
+        if random_seed is not None:
+            transformers.trainer_utils.set_seed(random_seed)
+        arch_info = get_architecture_info(config, options)
+        LoaderCache().setup(options=options)
+        planner = MergePlanner(config, arch_info, options=options, out_model_config=model.config)
+        saves = [t for t in planner.plan_to_disk(out_path=_NO_WRITER) if isinstance(t, SaveTensor)]
+        _check_names(model, targets, {s.tensor_name for s in saves}, name)
+        by_task: dict[Any, list[Any]] = {}
+        for save in saves:
+            by_task.setdefault(save.tensor_task, []).append(save)
+        n = 0
+        for task, value in Executor(list(by_task), math_device=options.device, storage_device="cpu").run(quiet=True):
+            for save in by_task[task]:
+                if value is None and save.optional:
+                    continue
+                tensor = value.to(dtype_from_name(save.dtype)) if save.dtype else value
+                targets[save.tensor_name].data.copy_(tensor)
+                n += 1
+    return InMemoryMerge(n_tensors=n, pins=pins)
+
+
+def _check_names(model: Any, targets: dict[str, Any], names: set[str], control: str) -> None:
+    """Every merged tensor names a resident parameter, and every resident parameter is merged."""
+    unwritten = sorted({n for n, _ in model.named_parameters()} - names)
+    if unwritten:
+        raise UserError(
+            f"control {control!r}: mergekit writes no tensor for the resident parameter {unwritten[0]!r} "
+            f"(and {len(unwritten) - 1} more), which would keep the previous checkpoint's values",
+            "set merge: {in_memory: false} for this sweep",
+        )
+    missing = sorted(names - set(targets))
+    if missing:
+        raise UserError(
+            f"control {control!r}: mergekit's output tensor {missing[0]!r} (and {len(missing) - 1} more) is no "
+            f"parameter of the resident {type(model).__name__}",
+            "set merge: {in_memory: false} for this sweep",
+        )
