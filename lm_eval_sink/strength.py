@@ -27,7 +27,8 @@ DEFAULT_LAST_K = 10
 # The version of the S computation (capture + reduction): bump it when S or any figure beside it
 # changes for the same model and settings, so results made by the old code are recomputed, not
 # reused (docs/identity.md). With KEY_PACKAGES' versions it is part of every strength result key.
-METHOD_VERSION = 1
+# 2: the result gained `rows_beyond_window` (S itself unchanged).
+METHOD_VERSION = 2
 KEY_PACKAGES = ("torch", "transformers")
 STATISTICS = ("median", "mean")
 ROWS = ("all", "content")

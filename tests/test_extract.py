@@ -31,6 +31,7 @@ from lm_eval_sink.extract import (
     parse_family,
 )
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.extract.rules import RULES_VERSION
 
 from helpers import make_tokenizer
 
@@ -597,7 +598,9 @@ def test_existing_output_without_force_is_left_alone(vlm_dir, tmp_path, capsys):
     rc, stdout, err = _cli(capsys, "extract", str(vlm_dir("llava")), str(out), "--force", "--no-verify")
     assert rc == 0 and "skipped" in stdout
     assert not (out / "keep.txt").exists()
-    assert json.loads((out / COMPLETE_FILE).read_text())["verified"] is False
+    marker = json.loads((out / COMPLETE_FILE).read_text())
+    assert marker["verified"] is False
+    assert marker["method_versions"] == {"extraction rules": RULES_VERSION}
 
 
 def test_bad_dtype_and_mismatched_backbone(vlm_dir, tmp_path, capsys):

@@ -30,6 +30,7 @@ TORCH_FREE = (
     "calibration",
     "merging.configs",
     "merging.sweep",
+    "merging.scheduler",
     "tables",
     "report.view",
 )
@@ -47,6 +48,7 @@ CORE = (
     "strength",
     "screen",
     "merging.sweep",
+    "merging.scheduler",
 )
 # Calls that read or write files: builtins and pathlib methods, and the project's readers and writers.
 FILE_IO_CALLS = frozenset(

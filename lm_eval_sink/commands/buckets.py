@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.buckets import (
+    METHOD_VERSION,
     BucketReport,
     BucketSettings,
     bucket,
@@ -131,6 +132,7 @@ def compare_runs(
     )
     prov = provenance(
         command="buckets",
+        method_versions={"buckets": METHOD_VERSION},
         tokenizer=tokenizer,
         inputs={
             k: {"samples_sha256": v["samples_sha256"], "results_sha256": v.get("results_sha256")}

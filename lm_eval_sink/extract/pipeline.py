@@ -53,7 +53,7 @@ from lm_eval_sink.extract.plan import (
     production_order,
     tie_pair,
 )
-from lm_eval_sink.extract.rules import forward_rule, inverse_rule
+from lm_eval_sink.extract.rules import RULES_VERSION, forward_rule, inverse_rule
 from lm_eval_sink.extract.verify import PROBE_TEXT, Verification, compare, logits, multimodal_token_ids, probe_ids
 from lm_eval_sink.io import (
     COMPLETE,
@@ -131,7 +131,9 @@ class ExtractionReport:
         out["verification"] = self.verification.to_json() if self.verification else None
         for k in ("shards", "dropped_config_keys", "mapping", "notes"):
             out[k] = list(out[k])
-        out["provenance"] = provenance(tool=f"lm-eval-sink {self.operation}")
+        out["provenance"] = provenance(
+            tool=f"lm-eval-sink {self.operation}", method_versions={"extraction rules": RULES_VERSION}
+        )
         return out
 
 
@@ -254,6 +256,7 @@ def _finish(tmp: Path, report: ExtractionReport) -> None:
         "status": report.status,
         "verified": report.verification is not None and report.verification.passed,
         "report": report_file,
+        "method_versions": {"extraction rules": RULES_VERSION},
     }
     if report.status == "failed":
         marker["reason"] = report.verification.reason if report.verification else None
