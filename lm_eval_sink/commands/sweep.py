@@ -79,9 +79,26 @@ def _eval_settings(ev: EvalIn, src: str, rel: Any, python: str | None) -> Any:
                 "lm-eval takes ONE folder of task YAMLs",
             )
     try:
-        return EvalSettings(**given)
+        settings = EvalSettings(**given)
+        _check_attention_tasks(settings)
     except UserError as e:
         raise UserError(f"{src}: eval: {e.message}", e.hint) from None
+    return settings
+
+
+def _check_attention_tasks(settings: Any) -> None:
+    """Refuse this project's tasks (named, or in a group or tag) on a backend without attention, at plan time:
+    the hook refuses them too, but only once an eval unit runs."""
+    if settings.backend == "hf":
+        return
+    from lm_eval.tasks import TaskManager
+
+    from lm_eval_sink.harness.backends import unsupported
+    from lm_eval_sink.harness.discovery import own_tasks_in
+
+    ours = own_tasks_in(list(settings.tasks), TaskManager(include_path=settings.include_path))
+    if ours:
+        raise unsupported(ours[0], settings.backend)
 
 
 def load_sweep(
