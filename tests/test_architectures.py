@@ -263,7 +263,8 @@ def test_learned_sink_keys_round_trip_and_margin_refusal_without_learned_sinks(
         model.save_pretrained(tmp_path / name)
         tiny_tokenizer.save_pretrained(tmp_path / name)
     capsys.readouterr()
-    rc = main(["margin", str(tmp_path / "gpt_oss"), str(tmp_path / "llama"), "--n-prompts", "5", "--quiet"])
+    with pytest.warns(SinkWarning, match="cannot attend position 0"):  # gpt-oss's window is shorter than prompts
+        rc = main(["margin", str(tmp_path / "gpt_oss"), str(tmp_path / "llama"), "--n-prompts", "5", "--quiet"])
     err = capsys.readouterr().err
     lines = [ln for ln in err.splitlines() if ln.startswith("error")]  # besides transformers' weight-loading bars
     assert (
