@@ -142,7 +142,7 @@ def _run(
             raise UserError(f"--output {output} is a file", "pass a folder")
         files = [output / name for name in SCREEN_FILES]
         check_same_versions(files[0], key_versions(), force)
-        check_new_outputs(files, force)
+        check_new_outputs(files, force, inputs=[*paths, pairs_file, settings.prompts_file])
         lines = run_strength(
             names,
             slugs,
