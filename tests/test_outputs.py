@@ -231,3 +231,20 @@ def test_a_killed_extraction_is_tidied_by_the_rerun(world, tmp_path, caplog):
     assert f"removed {partial}, left by an interrupted run" in caplog.text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["backbone"]  # partial and the killed holder's lock gone
     assert (out / COMPLETE).is_file() and any(out.glob("*.safetensors"))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["eval", "default", "--protocol", "instruct", "--tasks", "ifeval", "--output", "{inside}"],
+        ["margin", "default", "default", "--output", "{inside}"],
+        ["protect-plan", "default", "-o", "{inside}/plan.json"],
+    ],
+)
+def test_the_default_model_is_an_input_by_its_folder(default_model, user_error, argv):
+    """`default` names the embedded model's cache folder: an output inside it is refused like any input's."""
+    inside = default_model / "out"
+    before = sorted(p.name for p in default_model.iterdir())
+    line = user_error([a.format(inside=inside) for a in argv], inside)
+    assert "lies inside the input" in line and str(default_model) in line
+    assert sorted(p.name for p in default_model.iterdir()) == before

@@ -56,7 +56,8 @@ def run_eval(
             margs[k.strip()] = v.strip()
     protocol = get_protocol(protocol_name, protocol_file)
     output = Path(output)
-    check_not_inputs([output], inputs=[model, protocol_file, include_path], option="--output")
+    model_path = resolve_model(model)  # `default` is a folder in the cache
+    check_not_inputs([output], inputs=[model_path, protocol_file, include_path], option="--output")
     if output.exists() and not output.is_dir():
         raise UserError(f"--output {output} is a file, not a folder", "pass a folder path as --output")
     if output.exists() and any(output.iterdir()) and not force:
@@ -83,7 +84,7 @@ def run_eval(
     )
     settings = EvalSettings(**fields)
     with hold(output):
-        run = run_lm_eval(resolve_model(model), settings, output)
+        run = run_lm_eval(model_path, settings, output)
     fp = fingerprint_run(run)
     off = protocol.mismatches(fp)
     versions = ", ".join(f"{k} {v}" for k, v in eval_versions(settings).items())

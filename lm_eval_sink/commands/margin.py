@@ -212,11 +212,13 @@ def run_margin(
         staged_dir,
     )
     from lm_eval_sink.margin import key_versions
+    from lm_eval_sink.models import resolve_model
 
     if output is not None:
         output = Path(output)
         check_same_versions(output / OUTPUT_FILES[0], key_versions(), force)
-        check_output_dir(output, force, inputs=[reference, candidate, settings.strength.prompts_file])
+        models = [resolve_model(reference), resolve_model(candidate)]  # `default` is a folder in the cache
+        check_output_dir(output, force, inputs=[*models, settings.strength.prompts_file])
     result, arrays = measure_margin(reference, candidate, settings, dtype=dtype, device=device, progress=progress)
     md = margin_table_markdown(result)
     lines = margin_table_markdown(result, heads=False).rstrip("\n").splitlines()

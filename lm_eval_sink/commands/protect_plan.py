@@ -24,12 +24,12 @@ def run_protect_plan(
     """`lm-eval-sink protect-plan`: load the model, choose the heads, write the plan JSON; returns lines to print."""
     from lm_eval_sink.calibration import load_prompts
     from lm_eval_sink.io import atomic_write_json, check_new_outputs, provenance
-    from lm_eval_sink.models import load_model
+    from lm_eval_sink.models import load_model, resolve_model
 
     output = Path(output)
     if output.is_dir():
         raise UserError(f"-o {output} is a folder", "pass a file path, e.g. -o plan.json")
-    check_new_outputs([output], force, "-o", inputs=[name, settings.prompts_file])
+    check_new_outputs([output], force, "-o", inputs=[resolve_model(name), settings.prompts_file])
     if not 0.0 <= tau < 1.0:
         raise UserError(f"--tau must lie in [0, 1), got {tau}", "use 0 to keep the sink logit exactly, or e.g. 0.05")
     if not 0.0 <= min_pos0_fraction <= 1.0:
