@@ -204,6 +204,19 @@ _HELD: dict[Path, int] = {}  # lock file -> pid of this process while it holds i
 
 
 @contextlib.contextmanager
+def new_files(
+    paths: list[Path], force: bool, option: str = "--output", *, inputs: Iterable[str | Path | None]
+) -> Iterator[None]:
+    """One-file outputs (`-o FILE`): `check_new_outputs`, then hold each file's `<file>.lock` while the
+    block writes it, so two runs never write one file at once."""
+    check_new_outputs(paths, force, option, inputs=inputs)
+    with contextlib.ExitStack() as stack:
+        for path in paths:
+            stack.enter_context(hold(Path(path), sibling=True))
+        yield
+
+
+@contextlib.contextmanager
 def hold(folder: Path, sibling: bool = False) -> Iterator[Path]:
     """Hold the lock of `folder` for the block; refuse with one line when another process holds it.
 

@@ -248,3 +248,28 @@ def test_the_default_model_is_an_input_by_its_folder(default_model, user_error, 
     line = user_error([a.format(inside=inside) for a in argv], inside)
     assert "lies inside the input" in line and str(default_model) in line
     assert sorted(p.name for p in default_model.iterdir()) == before
+
+
+def test_a_one_file_output_is_held_while_it_is_written(tmp_path, user_error):
+    """`-o FILE` holds `<FILE>.lock`: a second writer is refused naming the holder, and nothing is written."""
+    out = tmp_path / "tsv.yaml"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import time
+            from pathlib import Path
+            from lm_eval_sink.io import new_files
+            with new_files([Path({str(out)!r})], False, inputs=[]):
+                print("held", flush=True)
+                time.sleep(120)
+        """)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        ref, cand = make_tiny_lm(tmp_path / "ref"), make_tiny_lm(tmp_path / "cand", delta_seed=1)
+        line = user_error(["configs", "render", "tsv", "--reference", ref, "--candidate", cand, "-o", out], out)
+        assert f"{out} is in use by pid {holder.pid}" in line
+    finally:
+        holder.kill()
+        holder.wait()

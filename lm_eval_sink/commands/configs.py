@@ -18,13 +18,13 @@ def run_configs_render(
     force: bool = False,
 ) -> tuple[list[str], list[str]]:
     """The `configs render` command: (warnings for stderr, lines to print)."""
-    from lm_eval_sink.io import atomic_write_text, check_new_outputs
+    from lm_eval_sink.io import atomic_write_text, new_files
     from lm_eval_sink.merging.configs import render
 
     output = Path(output)
     if output.is_dir():
         raise UserError(f"-o {output} is a folder", "pass a file path, e.g. -o tsv.yaml")
-    check_new_outputs([output], force, "-o", inputs=[reference, candidate, base, tokenizer_source])
-    rendered = render(name, reference, candidate, base=base, tokenizer_source=tokenizer_source)
-    atomic_write_text(output, rendered.text)
+    with new_files([output], force, "-o", inputs=[reference, candidate, base, tokenizer_source]):
+        rendered = render(name, reference, candidate, base=base, tokenizer_source=tokenizer_source)
+        atomic_write_text(output, rendered.text)
     return list(rendered.warnings), [f"{rendered.name} ({rendered.lineage} lineage: {rendered.formula}) -> {output}"]

@@ -23,43 +23,41 @@ def _emit(doc: dict[str, Any], text: str, as_json: bool, output: Path | None) ->
 
 def run_protocol_show(run: str, as_json: bool = False, output: Path | None = None, *, force: bool = False) -> list[str]:
     """The `protocol show` command: the fingerprint of one run and the named protocol it matches."""
-    from lm_eval_sink.io import check_new_outputs, provenance
+    from lm_eval_sink.io import new_files, provenance
     from lm_eval_sink.protocols import fingerprint_run, match_protocol, show_markdown
     from lm_eval_sink.runs import resolve_run
 
-    if output:
-        check_new_outputs([output], force, inputs=[run])
-    files = resolve_run(run)
-    fp = fingerprint_run(files)
-    doc = {
-        "schema_version": 1,
-        "fingerprint": fp.to_json(),
-        "named_protocol": match_protocol(fp),
-        "provenance": provenance(command="protocol show", inputs=_run_inputs([files.results])),
-    }
-    return _emit(doc, show_markdown(fp), as_json, output)
+    with new_files([output] if output else [], force, inputs=[run]):
+        files = resolve_run(run)
+        fp = fingerprint_run(files)
+        doc = {
+            "schema_version": 1,
+            "fingerprint": fp.to_json(),
+            "named_protocol": match_protocol(fp),
+            "provenance": provenance(command="protocol show", inputs=_run_inputs([files.results])),
+        }
+        return _emit(doc, show_markdown(fp), as_json, output)
 
 
 def run_protocol_diff(
     run_a: str, run_b: str, as_json: bool = False, output: Path | None = None, *, force: bool = False
 ) -> list[str]:
     """The `protocol diff` command: only the fields that differ between two runs' protocols."""
-    from lm_eval_sink.io import check_new_outputs, provenance
+    from lm_eval_sink.io import new_files, provenance
     from lm_eval_sink.protocols import check_common_tasks, diff, diff_markdown, fingerprint_run
     from lm_eval_sink.runs import resolve_run
 
-    if output:
-        check_new_outputs([output], force, inputs=[run_a, run_b])
-    fa, fb = resolve_run(run_a), resolve_run(run_b)
-    a, b = fingerprint_run(fa), fingerprint_run(fb)
-    check_common_tasks(a, b)
-    diffs = diff(a, b)
-    doc = {
-        "schema_version": 1,
-        "a": str(fa.results),
-        "b": str(fb.results),
-        "differences": [d.to_json() for d in diffs],
-        "identical": not diffs,
-        "provenance": provenance(command="protocol diff", inputs=_run_inputs([fa.results, fb.results])),
-    }
-    return _emit(doc, diff_markdown(diffs, str(fa.results), str(fb.results)), as_json, output)
+    with new_files([output] if output else [], force, inputs=[run_a, run_b]):
+        fa, fb = resolve_run(run_a), resolve_run(run_b)
+        a, b = fingerprint_run(fa), fingerprint_run(fb)
+        check_common_tasks(a, b)
+        diffs = diff(a, b)
+        doc = {
+            "schema_version": 1,
+            "a": str(fa.results),
+            "b": str(fb.results),
+            "differences": [d.to_json() for d in diffs],
+            "identical": not diffs,
+            "provenance": provenance(command="protocol diff", inputs=_run_inputs([fa.results, fb.results])),
+        }
+        return _emit(doc, diff_markdown(diffs, str(fa.results), str(fb.results)), as_json, output)

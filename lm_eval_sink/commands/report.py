@@ -237,7 +237,7 @@ def load_inputs(
 def run_report(output: Path, *, force: bool = False, **inputs: Any) -> list[str]:
     """The `report` command: refuse `output` early, load the inputs (`inputs`: load_inputs's), write the page
     atomically."""
-    from lm_eval_sink.io import atomic_write_text, check_new_outputs
+    from lm_eval_sink.io import atomic_write_text, new_files
     from lm_eval_sink.report.render import render_html
 
     output = Path(output)
@@ -245,5 +245,5 @@ def run_report(output: Path, *, force: bool = False, **inputs: Any) -> list[str]
         raise UserError(f"-o {output} is a folder", "pass a file path, e.g. -o report.html")
     files = [*(inputs.get("strength") or ()), *inputs.get("buckets", ())]
     files += [inputs.get("margin"), inputs.get("attribution"), inputs.get("sweep")]
-    check_new_outputs([output], force, "-o", inputs=files)
-    return [f"wrote {atomic_write_text(output, render_html(load_inputs(output, **inputs)))}"]
+    with new_files([output], force, "-o", inputs=files):
+        return [f"wrote {atomic_write_text(output, render_html(load_inputs(output, **inputs)))}"]
