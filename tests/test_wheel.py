@@ -84,9 +84,11 @@ def dependency_dirs() -> list[str]:
     """This interpreter's import folders outside the checkout and the standard library."""
     std = [Path(sysconfig.get_paths()[k]).resolve() for k in ("stdlib", "platstdlib")]
     out = []
+    venv = Path(sys.prefix).resolve()  # make's .venv may lie inside the checkout: its packages count
     for entry in sys.path:
         p = Path(entry).resolve() if entry else None
-        if p is None or not p.is_dir() or p == REPO or REPO in p.parents or any(s == p or s in p.parents for s in std):
+        in_checkout = p is not None and (p == REPO or REPO in p.parents) and venv not in (p, *p.parents)
+        if p is None or not p.is_dir() or in_checkout or any(s == p or s in p.parents for s in std):
             continue
         out.append(str(p))
     return list(dict.fromkeys(out))
