@@ -14,7 +14,6 @@ import os
 import shutil
 import subprocess
 import sys
-import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -82,7 +81,7 @@ def tracked_package_files() -> set[str]:
 
 def dependency_dirs() -> list[str]:
     """This interpreter's import folders outside the checkout and the standard library."""
-    std = [Path(sysconfig.get_paths()[k]).resolve() for k in ("stdlib", "platstdlib")]
+    std = [Path(sys.base_prefix).resolve()]  # the interpreter's own library, which a fresh venv has too
     out = []
     venv = Path(sys.prefix).resolve()  # make's .venv may lie inside the checkout: its packages count
     for entry in sys.path:
