@@ -330,9 +330,12 @@ def test_lm_eval_task_reports_attention_layers_and_learned_sinks(tiny_tokenizer,
     model.save_pretrained(d)
     tiny_tokenizer.save_pretrained(d)
     api = _measure(model, tiny_tokenizer, StrengthSettings(n_prompts=5), windowed=True)
-    got = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={d}", tasks=["sink_strength_n5"], device="cpu")[
-        "results"
-    ]["sink_strength_n5"]
+    with pytest.warns(SinkWarning, match="cannot attend position 0"):  # once, from the aggregation
+        res = lm_eval.simple_evaluate(
+            model="hf", model_args=f"pretrained={d}", tasks=["sink_strength_n5"], device="cpu"
+        )
+    got = res["results"]["sink_strength_n5"]
+    assert got["rows_beyond_window,none"] == api.rows_beyond_window > 0
     assert got["sink_strength,none"] == pytest.approx(api.sink_strength, abs=1e-5)
     assert got["attention_layers,none"] == [0, 1]
     assert got["learned_sink_argmax_fraction,none"] == pytest.approx(api.learned_sink_argmax_fraction, abs=1e-9)
@@ -357,6 +360,7 @@ def test_data_parallel_items_of_learned_sinks_reduce_to_the_single_process_resul
     random.Random(0).shuffle(items)
     got = _result(items)
     assert got.attention_layers == want.attention_layers == (0, 1)
+    assert got.rows_beyond_window == want.rows_beyond_window > 0
     assert got.learned_sink_argmax_fraction == want.learned_sink_argmax_fraction is not None
     assert got.learned_sink_mass_median == pytest.approx(want.learned_sink_mass_median, abs=1e-7)
     assert got.sink_strength == pytest.approx(want.sink_strength, abs=1e-7) and got.per_prompt == pytest.approx(

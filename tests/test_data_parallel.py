@@ -45,13 +45,14 @@ def test_two_ranks_give_the_single_process_figures(runs):
     assert single["config"]["world_size"] == 1 and parallel["config"]["world_size"] == 2
     a, b = single["results"]["sink_strength"], parallel["results"]["sink_strength"]
     figures = [k for k in a if k.endswith(",none") and "_stderr" not in k and k != "sink_strength_layer_head,none"]
-    assert len(figures) == 10
+    assert len(figures) == 11
     for key in figures:
         if isinstance(a[key], float):
             assert b[key] == pytest.approx(a[key], abs=1e-6), key
         else:  # attention layers, chat_template_applied, learned-sink figures (None: this model has none)
             assert b[key] == a[key], key
     assert b["attention_layers,none"] == [0, 1, 2] and b["learned_sink_mass_median,none"] is None
+    assert b["rows_beyond_window,none"] == a["rows_beyond_window,none"] == 0  # no sliding window here
     la, lb = a["sink_strength_layer_head,none"], b["sink_strength_layer_head,none"]
     assert la["layers"] == lb["layers"] == [0, 1, 2]
     np.testing.assert_allclose(lb["values"], la["values"], atol=1e-6)
@@ -64,7 +65,7 @@ def test_samples_hold_each_prompt_once_with_its_arrays_once(runs):
     rows = read_samples(path)
     assert sorted(int(r["doc_id"]) for r in rows) == list(range(15))
     for line in path.read_text().splitlines():
-        assert line.count('"b64"') == 4  # sink_logodds, sink_pos, pos0_mass, content: once each
+        assert line.count('"b64"') == 5  # sink_logodds, sink_pos, pos0_mass, content, pos0_visible: once each
     r = rows[0]
     logodds = decode_array(r["sink_strength"]["sink_logodds"])
     assert logodds.dtype == np.float32 and logodds.shape[:2] == (3, 2)

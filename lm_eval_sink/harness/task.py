@@ -159,7 +159,7 @@ class PromptRows:
             if pos.size == 0 or (int(pos.min()) > np.iinfo(np.int16).min and int(pos.max()) < np.iinfo(np.int16).max)
             else np.int32
         )
-        learned = capture.learned_sink_mass
+        learned, visible = capture.learned_sink_mass, capture.pos0_visible
         return cls(
             {
                 "prompt_id": prompt_id,
@@ -175,6 +175,7 @@ class PromptRows:
                 "pos0_mass": encode_array(np.asarray(capture.pos0_mass, dtype=np.float32)),
                 "content": encode_array(np.asarray(capture.content, dtype=bool)),
                 "learned_sink_mass": None if learned is None else encode_array(np.asarray(learned, dtype=np.float32)),
+                "pos0_visible": None if visible is None else encode_array(np.asarray(visible, dtype=bool)),
             }
         )
 
@@ -215,6 +216,7 @@ def _result(items: list[Any]) -> SinkStrength:
             pos0_mass=decode_array(p["pos0_mass"]),
             content=decode_array(p["content"]),
             learned_sink_mass=None if p["learned_sink_mass"] is None else decode_array(p["learned_sink_mass"]),
+            pos0_visible=None if p.get("pos0_visible") is None else decode_array(p["pos0_visible"]),
         )
         for p in payloads
     ]
@@ -263,6 +265,15 @@ def agg_template_row_fraction(items: list[Any]) -> float:
     return _result(items).template_row_fraction
 
 
+def agg_rows_beyond_window(items: list[Any]) -> int | None:
+    """Rows that cannot see position 0 in a measured layer (a window shorter than the prompt); one SinkWarning."""
+    from lm_eval_sink.strength import warn_beyond_window
+
+    result = _result(items)
+    warn_beyond_window(result)
+    return result.rows_beyond_window
+
+
 def agg_chat_template_applied(items: list[Any]) -> bool:
     return _chat_template_applied(items)
 
@@ -282,6 +293,7 @@ _AGGREGATES = {
     "sink_strength_content_rows": agg_content_rows,
     "sink_strength_template_rows": agg_template_rows,
     "template_row_fraction": agg_template_row_fraction,
+    "rows_beyond_window": agg_rows_beyond_window,
     "chat_template_applied": agg_chat_template_applied,
     "sink_strength_layer_head": agg_layer_head,
 }
