@@ -889,14 +889,7 @@ CSV_COLUMNS = (
     "candidate",
     "difference",
     "prompt_hash_same",
-    "truncated",
-    "failure_kind",
-    "failure_detail",
-    "n_instructions",
-    "reference_instructions_passed",
-    "candidate_instructions_passed",
-    "lenient_candidate",
-    "format_split",
+    *_LATER_FIELDS,
 )
 
 

