@@ -917,6 +917,12 @@ def merge(config_file, out, random_seed, device, force, quiet) -> None:
 @click.option(
     "--delete-merged", is_flag=True, default=None, help="Delete merged weights once their checkpoint is evaluated."
 )
+@click.option(
+    "--in-memory/--on-disk",
+    "in_memory",
+    default=None,
+    help="Merge into one resident model and evaluate it in this process (default: the file's merge.in_memory).",
+)
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @click.option(
     "--engine",
@@ -936,7 +942,7 @@ def merge(config_file, out, random_seed, device, force, quiet) -> None:
     default=None,
     help="The interpreter lm-eval runs in, e.g. .venv-vllm/bin/python (default: the file's eval.python).",
 )
-def sweep(sweep_file, output, force, delete_merged, quiet, engine, ray_address, lm_eval_python) -> None:
+def sweep(sweep_file, output, force, delete_merged, in_memory, quiet, engine, ray_address, lm_eval_python) -> None:
     """Merge, evaluate (lm-eval) and measure S for every checkpoint of SWEEP.yaml; resumable."""
     from lm_eval_sink.commands.sweep import load_sweep, run_sweep
 
@@ -944,6 +950,7 @@ def sweep(sweep_file, output, force, delete_merged, quiet, engine, ray_address, 
         sweep_file,
         output=output,
         delete_merged=delete_merged,
+        in_memory=in_memory,
         engine=engine,
         ray_address=ray_address,
         python=str(lm_eval_python) if lm_eval_python else None,

@@ -108,11 +108,13 @@ def load_sweep(
     engine: str | None = None,
     ray_address: str | None = None,
     python: str | None = None,
+    in_memory: bool | None = None,
 ) -> SweepSpec:
     """Read and check a sweep YAML once: its schema (paths relative to its folder), its models, and every
     merge control rendered for them and validated (`SweepSpec.merges`); no weights are read.
 
-    `engine` / `ray_address` / `python` override the file's engine.kind / engine.address / eval.python (CLI flags).
+    `engine` / `ray_address` / `python` / `in_memory` override the file's engine.kind / engine.address /
+    eval.python / merge.in_memory (CLI flags). An in-memory sweep is checked here too (`resident.check_spec`).
     """
     path = Path(path)
     if not path.is_file():
@@ -140,7 +142,7 @@ def load_sweep(
         render(t, models["reference"], models["candidate"], base=models.get("base"), tokenizer_source=tokenizer_source)
         for t in templates
     )
-    return SweepSpec(
+    spec = SweepSpec(
         source=src,
         output=out.resolve(),
         models=models,
@@ -149,6 +151,8 @@ def load_sweep(
         merge_device=merge.device,
         tokenizer_source=tokenizer_source,
         delete_merged=merge.delete_merged if delete_merged is None else delete_merged,
+        in_memory=merge.in_memory if in_memory is None else in_memory,
+        keep_weights=merge.keep_weights,
         eval=eval_settings,
         strength=strength,
         strength_dtype=sdtype,
@@ -156,6 +160,10 @@ def load_sweep(
         engine=engine_spec,
         merges=merges,
     )
+    from lm_eval_sink.commands.resident import check_spec
+
+    check_spec(spec)
+    return spec
 
 
 def _rel(here: Path, p: str) -> str:
@@ -289,7 +297,7 @@ def run_unit(unit: Unit) -> None:
             extra={"unit": unit.id, "template": unit.inputs["template"], **placement_fields()},
         )
     elif unit.kind == "eval":
-        from lm_eval_sink.harness.runner import eval_versions, run_lm_eval
+        from lm_eval_sink.harness.runner import run_lm_eval
 
         with staged_dir(unit.output, force=True) as tmp:
             try:
@@ -300,16 +308,7 @@ def run_unit(unit: Unit) -> None:
                 for log in (tmp / "lm_eval" / "logs").glob("*.log"):
                     shutil.copy2(log, kept / log.name)
                 raise UserError(e.message, f"see lm-eval's log in {kept}") from None
-            rel = run.results.relative_to(tmp)
-            _finish(
-                tmp,
-                unit,
-                results=str(rel),
-                samples={t: str(p.relative_to(tmp)) for t, p in run.samples.items()},
-                model=unit.inputs["model"],
-                lm_eval_python=unit.inputs["settings"].interpreter(),
-                eval_versions=eval_versions(unit.inputs["settings"]),
-            )
+            finish_eval(tmp, unit, run)
     elif unit.kind == "strength":
         from lm_eval_sink.strength import measure_model
 
@@ -320,13 +319,34 @@ def run_unit(unit: Unit) -> None:
             device=unit.inputs["device"],
             progress=False,
         )
-        with staged_dir(unit.output, force=True) as tmp:
-            atomic_write_json(
-                tmp / "strength.json", {**res.to_json(), "provenance": {**res.provenance, "input_key": unit.key}}
-            )
-            _finish(tmp, unit, sink_strength=res.sink_strength, model=unit.inputs["model"])
+        save_strength(unit, res)
     else:
         raise ValueError(f"unknown unit kind {unit.kind!r}")
+
+
+def finish_eval(tmp: Path, unit: Unit, run: Any, **fields: Any) -> None:
+    """Mark an eval unit's staged folder complete: where its results and samples are, what made them."""
+    from lm_eval_sink.harness.runner import eval_versions
+
+    _finish(
+        tmp,
+        unit,
+        results=str(run.results.relative_to(tmp)),
+        samples={t: str(p.relative_to(tmp)) for t, p in run.samples.items()},
+        model=unit.inputs["model"],
+        lm_eval_python=unit.inputs["settings"].interpreter(),
+        eval_versions=eval_versions(unit.inputs["settings"]),
+        **fields,
+    )
+
+
+def save_strength(unit: Unit, res: Any, **fields: Any) -> None:
+    """A strength unit's output: strength.json (with the unit's key) and its marker."""
+    with staged_dir(unit.output, force=True) as tmp:
+        atomic_write_json(
+            tmp / "strength.json", {**res.to_json(), "provenance": {**res.provenance, "input_key": unit.key}}
+        )
+        _finish(tmp, unit, sink_strength=res.sink_strength, model=unit.inputs["model"], **fields)
 
 
 # --- manifest and recovery -----------------------------------------------------------------
@@ -541,6 +561,8 @@ def _run_sweep_locked(plan: Plan, force: bool, progress: bool) -> SweepReport:
     def needed(unit: Unit) -> bool:
         if unit.kind != "merge":
             return unit.id not in finished
+        if spec.in_memory:  # its eval and S read the resident model: weights only when asked for
+            return spec.keep_weights and unit.id not in finished
         downstream = [
             by_id[f"{k}:{unit.checkpoint}"] for k in ("eval", "strength") if f"{k}:{unit.checkpoint}" in by_id
         ]
@@ -566,7 +588,11 @@ def _run_sweep_locked(plan: Plan, force: bool, progress: bool) -> SweepReport:
 
     todo = [u for u in plan.units if needed(u)]
     report.skipped.extend(u.id for u in plan.units if u not in todo)
-    if spec.engine is not None and spec.engine.kind == "ray":
+    if spec.in_memory:
+        from lm_eval_sink.commands.resident import run_in_memory
+
+        report.notes.extend(run_in_memory(plan, todo, record, progress))
+    elif spec.engine is not None and spec.engine.kind == "ray":
         run_on_ray(todo, spec.engine, out, record, run_unit, progress=progress)
     else:
         _run_local(todo, record, report.failures, progress)

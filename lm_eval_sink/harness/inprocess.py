@@ -37,7 +37,7 @@ class Resident:
     model: Any
     tokenizer: Any
     task_manager: Any
-    settings: EvalSettings  # the sweep's eval settings: every `evaluate` on this resident uses them
+    settings: EvalSettings | None  # the sweep's eval settings (every `evaluate` uses them); None: S only
     dtype: str  # the resident parameters' dtype, e.g. "float32"
 
 
@@ -66,33 +66,41 @@ def _load_kwargs(model_args: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in model_args.items() if k not in own and k not in ("pretrained", "dtype")}
 
 
-def load_resident(reference: str | Path, settings: EvalSettings) -> Resident:
+def load_resident(
+    reference: str | Path, settings: EvalSettings | None, dtype: str | None = None, device: str = "cpu"
+) -> Resident:
     """Load `reference` as the subprocess path's HFLM would (dtype, device, model_args), and one TaskManager.
 
     The TaskManager takes the include path and the model_args metadata of the reference's command
     line, as lm-eval's CLI builds it; this project's tasks and offline data reach it through the
-    import hook (`hooks.install`).
+    import hook (`hooks.install`). Without eval settings (a sweep with `eval: false`) the model is
+    loaded in `dtype` on `device` (Sink Strength's) and there is no TaskManager.
     """
-    from lm_eval.tasks import TaskManager
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lm_eval_sink.hooks import install
     from lm_eval_sink.models import torch_dtype
 
-    if settings.backend != "hf":
-        raise UserError(
-            f"an in-memory evaluation runs lm-eval's hf backend in this process, not {settings.backend!r}",
-            "set merge: {in_memory: false} to evaluate with vllm on disk",
-        )
-    install()
-    cfg = cli_config(settings, str(reference), "/nonexistent")
-    model = AutoModelForCausalLM.from_pretrained(
-        str(reference), dtype=torch_dtype(settings.dtype or "auto"), **_load_kwargs(cfg.model_args)
-    )
-    model = model.to(settings.device).eval().requires_grad_(False)
-    revision = {"revision": cfg.model_args["revision"]} if "revision" in cfg.model_args else {}
+    load_kwargs: dict[str, Any] = {}
+    revision: dict[str, Any] = {}
+    manager = None
+    if settings is not None:
+        from lm_eval.tasks import TaskManager
+
+        from lm_eval_sink.hooks import install
+
+        if settings.backend != "hf":
+            raise UserError(
+                f"an in-memory evaluation runs lm-eval's hf backend in this process, not {settings.backend!r}",
+                "set merge: {in_memory: false} to evaluate with vllm on disk",
+            )
+        install()
+        cfg = cli_config(settings, str(reference), "/nonexistent")
+        dtype, device, load_kwargs = settings.dtype, settings.device, _load_kwargs(cfg.model_args)
+        revision = {"revision": cfg.model_args["revision"]} if "revision" in cfg.model_args else {}
+        manager = TaskManager(include_path=cfg.include_path, metadata=cfg.metadata or {})
+    model = AutoModelForCausalLM.from_pretrained(str(reference), dtype=torch_dtype(dtype or "auto"), **load_kwargs)
+    model = model.to(device).eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(str(reference), **revision)
-    manager = TaskManager(include_path=cfg.include_path, metadata=cfg.metadata or {})
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     return Resident(model=model, tokenizer=tokenizer, task_manager=manager, settings=settings, dtype=dtype)
 

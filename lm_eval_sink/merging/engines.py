@@ -21,6 +21,10 @@ node); each task compares its package versions with the driver's and checks that
 output folder, failing its unit with one line otherwise. The engine is part of no unit key, so a
 sweep started locally resumes under Ray and back.
 
+An in-memory sweep runs whole checkpoints on a pool of actors instead (`run_on_actors`): one per
+eval slot, each with `resources.eval` (and the GPUs its merge or S needs), holding one resident
+model; a lost actor is replaced and its checkpoint done again.
+
 GPUs are Ray's to place (`unit_gpus`): a unit whose device is `cuda` asks Ray for `num_gpus`
 (default 1; 0 is refused), a `cpu` unit asks for none (num_gpus > 0 is refused), and a vLLM eval
 unit (no device) for `tensor_parallel_size` GPUs, or 0 for vLLM's CPU build. A worker checks that
@@ -435,6 +439,94 @@ def run_on_ray(
         bar.close()
         for ref in in_flight:
             ray.cancel(ref, force=True)
+
+
+class PoolActor:
+    """A Ray actor that builds `worker_cls(*args)` once (its resident model) and runs one job per call, with the
+    checks of a task (`run_task`: versions, shared folder, GPU placement) and its own log."""
+
+    def __init__(self, worker_cls: type, args: tuple, driver_versions: dict[str, Any], output_root: str) -> None:
+        self.make = lambda: worker_cls(*args)
+        self.worker: Any = None
+        self.versions, self.root = driver_versions, Path(output_root)
+
+    def run(self, job: Any) -> tuple[Any, str | None]:
+        def body() -> Any:
+            self.worker = self.worker or self.make()
+            return self.worker.run(job)
+
+        log_path = self.root / "logs" / job.id.replace(":", "-") / "task.log"
+        return run_task(_placed(body), self.versions, self.root, log_path)
+
+
+def actor_resources(engine: EngineSpec) -> Resources:
+    """One actor's resources: an eval slot's, with the GPUs of whichever of its merge, eval or S needs most."""
+    return replace(engine.resources["eval"], num_gpus=max(r.num_gpus for r in engine.resources.values()))
+
+
+def run_on_actors(
+    jobs: list[Any],
+    engine: EngineSpec,
+    output_root: Path,
+    record: Callable[[Any, Any, str | None], None],
+    worker_cls: type,
+    args: tuple,
+    progress: bool = True,
+) -> list[str]:
+    """Run `jobs` (each with `id`) on a pool of actors, one per eval slot, each holding one `worker_cls(*args)`.
+
+    `record(job, value, error)` is called on the driver as each job finishes: `value` is what the worker's
+    `run(job)` returned, or None with a one-line `error`. An actor that dies is replaced and its job
+    submitted again, once; the notes returned say which."""
+    from tqdm.auto import tqdm
+
+    from lm_eval_sink.io import package_versions
+
+    ray = connect(engine.address)
+    res = actor_resources(engine)
+    check_fits(ray, {"engine.resources (one actor)": res}, engine.address or "this driver")
+    slots = eval_slots(ray, replace(engine, resources={**engine.resources, "eval": res}))
+    actor_cls = ray.remote(max_restarts=0, max_task_retries=0)(PoolActor)
+    versions = package_versions()
+
+    def start() -> Any:
+        return actor_cls.options(**res.options()).remote(worker_cls, args, versions, str(output_root))
+
+    actors = [start() for _ in range(min(slots, len(jobs)))]
+    idle, waiting, running, notes = list(actors), list(jobs), {}, []
+    bar = tqdm(total=len(jobs), desc="checkpoints (ray actors)", unit="checkpoint", disable=not progress)
+    try:
+        while waiting or running:
+            while idle and waiting:
+                actor, job = idle.pop(0), waiting.pop(0)
+                running[actor.run.remote(job)] = (actor, job)
+            [ref], _ = ray.wait(list(running), num_returns=1)
+            actor, job = running.pop(ref)
+            try:
+                value, error = ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                replacement = start()
+                actors.append(replacement)
+                idle.append(replacement)
+                if not any(job.id in n for n in notes):
+                    notes.append(f"{job.id}: its actor was lost; a new actor redid the checkpoint")
+                    waiting.insert(0, job)
+                    continue
+                value, error = None, f"ray actor lost twice: {(str(e).strip().splitlines() or [''])[0][:200]}"
+            except Exception:
+                value, error = _task_result(ray, ref)
+                idle.append(actor)
+            else:
+                idle.append(actor)
+            record(job, value, error)
+            bar.update(1)
+    finally:
+        bar.close()
+        for ref in running:
+            ray.cancel(ref, force=True)
+        for actor in actors:
+            ray.kill(actor)
+    return notes
 
 
 def _remote_measure(

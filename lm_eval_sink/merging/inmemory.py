@@ -52,6 +52,40 @@ def check_in_memory(text: str, name: str) -> None:
         )
 
 
+def endpoint_text(path: str) -> str:
+    """The mergekit config that copies one model unchanged (`passthrough`): how an endpoint enters the resident."""
+    import yaml
+
+    return yaml.safe_dump({"merge_method": "passthrough", "models": [{"model": str(path)}]})
+
+
+def _plan(model: Any, text: str, name: str, options: Any, revisions: dict[str, str] | None) -> tuple[list[Any], Any]:
+    """mergekit's SaveTensor tasks of `text` for `model` (names checked against its parameters), and the pins."""
+    from mergekit.architecture import get_architecture_info
+    from mergekit.io.tasks import SaveTensor
+    from mergekit.plan import MergePlanner
+
+    from lm_eval_sink.merging.merge import loadable_config
+    from lm_eval_sink.merging.methods import register
+
+    check_in_memory(text, name)
+    register()
+    config, pins = loadable_config(text, revisions)  # a fresh copy: the planner rewrites it
+    arch_info = get_architecture_info(config, options)
+    planner = MergePlanner(config, arch_info, options=options, out_model_config=model.config)
+    saves = [t for t in planner.plan_to_disk(out_path=_NO_WRITER) if isinstance(t, SaveTensor)]
+    _check_names(model, {s.tensor_name for s in saves}, name)
+    return saves, pins
+
+
+def check_plan(model: Any, text: str, name: str) -> None:
+    """Refuse, before anything runs, a control that cannot be merged into `model` (which may live on the meta
+    device: planning reads configs, no weights)."""
+    from mergekit.options import MergeOptions
+
+    _plan(model, text, name, MergeOptions(quiet=True), None)
+
+
 def merge_into(
     model: Any,
     text: str,
@@ -63,30 +97,20 @@ def merge_into(
     """Run the validated merge config `text` and copy every tensor into `model`'s parameters of the same name."""
     import torch
     import transformers
-    from mergekit.architecture import get_architecture_info
     from mergekit.common import dtype_from_name
     from mergekit.graph import Executor
-    from mergekit.io.tasks import LoaderCache, SaveTensor
-    from mergekit.plan import MergePlanner
-
+    from mergekit.io.tasks import LoaderCache
     from mergekit.options import MergeOptions
 
-    from lm_eval_sink.merging.merge import isolated_rng, loadable_config
-    from lm_eval_sink.merging.methods import register
+    from lm_eval_sink.merging.merge import isolated_rng
 
-    check_in_memory(text, name)
-    register()
-    config, pins = loadable_config(text, revisions)  # a fresh copy: the planner rewrites it
     options = MergeOptions(random_seed=random_seed, device=device, quiet=True)
     targets = dict(model.state_dict(keep_vars=True))  # tied weights appear under each of their names
     with isolated_rng(), torch.no_grad():
         if random_seed is not None:
             transformers.trainer_utils.set_seed(random_seed)
-        arch_info = get_architecture_info(config, options)
         LoaderCache().setup(options=options)
-        planner = MergePlanner(config, arch_info, options=options, out_model_config=model.config)
-        saves = [t for t in planner.plan_to_disk(out_path=_NO_WRITER) if isinstance(t, SaveTensor)]
-        _check_names(model, targets, {s.tensor_name for s in saves}, name)
+        saves, pins = _plan(model, text, name, options, revisions)
         by_task: dict[Any, list[Any]] = {}
         for save in saves:
             by_task.setdefault(save.tensor_task, []).append(save)
@@ -101,8 +125,9 @@ def merge_into(
     return InMemoryMerge(n_tensors=n, pins=pins)
 
 
-def _check_names(model: Any, targets: dict[str, Any], names: set[str], control: str) -> None:
+def _check_names(model: Any, names: set[str], control: str) -> None:
     """Every merged tensor names a resident parameter, and every resident parameter is merged."""
+    targets = model.state_dict(keep_vars=True)
     unwritten = sorted({n for n, _ in model.named_parameters()} - names)
     if unwritten:
         raise UserError(

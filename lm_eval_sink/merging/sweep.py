@@ -6,13 +6,15 @@ protocol and Sink Strength settings (one set for every checkpoint) and an output
     output: sweep_out                 # paths are relative to this YAML's folder
     models: {reference: REF, candidate: CAND}          # + base: BASE for the siblings lineage
     configs: [linear_95_5, tsv]       # bundled names or template files; default: all bundled
-    merge: {random_seed: 0, device: cpu, tokenizer_source: null, delete_merged: false}
+    merge: {random_seed: 0, device: cpu, tokenizer_source: null, delete_merged: false, in_memory: false}
     eval: {tasks: [ifeval], apply_chat_template: true, num_fewshot: 0, gen_kwargs: {max_gen_toks: 256}, limit: 20}
     strength: {last_k: 10, dtype: float32}             # or `strength: false`
     engine: {kind: ray, address: auto}                 # where units run: see engines.py (default local)
 
 `eval: {backend: vllm, model_args: {...}}` evaluates with vLLM; `eval: false` skips evaluation
-(not together with `strength: false`).
+(not together with `strength: false`). `merge: {in_memory: true}` merges each checkpoint into one
+resident model and evaluates and measures it in that process (`keep_weights: true` also writes the
+merged weights); the path is part of no unit key.
 
 `plan_units` turns a spec, and what the command read for it (endpoint fingerprints, rendered
 merges), into independent units (`merge:<name>`, `eval:<checkpoint>`, `strength:<checkpoint>`),
@@ -62,6 +64,8 @@ class SweepSpec:
     merge_device: str = "cpu"
     tokenizer_source: str | None = None
     delete_merged: bool = False
+    in_memory: bool = False  # merge into one resident model, evaluate and measure it in-process (no unit key)
+    keep_weights: bool = False  # in memory: also write each merged checkpoint (as the on-disk path does)
     eval: Any = None  # harness.runner.EvalSettings, or None to skip evaluation
     strength: Any = None  # strength.StrengthSettings, or None to skip S
     strength_dtype: str = "auto"
@@ -80,6 +84,8 @@ class SweepSpec:
                 "device": self.merge_device,
                 "tokenizer_source": self.tokenizer_source,
                 "delete_merged": self.delete_merged,
+                "in_memory": self.in_memory,
+                "keep_weights": self.keep_weights,
             },
             "eval": None if self.eval is None else self.eval.to_json(),
             "strength": None
@@ -101,6 +107,8 @@ class _MergeIn(Strict):
     device: str = "cpu"
     tokenizer_source: str | None = None
     delete_merged: bool = False
+    in_memory: bool = False
+    keep_weights: bool = False
 
 
 class EvalIn(Strict):

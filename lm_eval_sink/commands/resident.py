@@ -1,0 +1,290 @@
+"""The in-memory sweep (`merge: {in_memory: true}`): one resident model takes each checkpoint in turn.
+
+A job is one checkpoint's unfinished units. `ResidentWorker.run` copies the checkpoint into the
+resident model (a merge with `merging.inmemory.merge_into`; an endpoint the same way, through
+mergekit's `passthrough`), then runs its eval unit in this process (`harness.inprocess.evaluate`)
+and its strength unit on the same parameters (`measure_strength`). The units, keys, staged
+folders, markers and manifest are the on-disk path's (`commands.sweep`); the merged weights are
+written only with `keep_weights: true` (the on-disk merge unit, then the copy into the resident).
+Locally one worker runs every job in plan order; under Ray (`engines.run_on_actors`) a pool of
+actors, one per eval slot, each holds its own worker and takes whole checkpoints.
+
+`check_spec` refuses at plan time what one resident model cannot do (module docs: docs/merging.md).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lm_eval_sink.errors import UserError
+from lm_eval_sink.merging.sweep import Checkpoint, Plan, SweepSpec, Unit
+
+FIX = "set merge: {in_memory: false} (or pass --on-disk)"
+
+
+# --- plan-time checks ----------------------------------------------------------------------
+
+
+def check_spec(spec: SweepSpec) -> None:
+    """Refuse, in one line, an in-memory sweep that one resident model cannot run as the on-disk path would."""
+    src = spec.source
+    if not spec.in_memory:
+        if spec.keep_weights:
+            raise UserError(
+                f"{src}: merge.keep_weights is an in-memory setting (on disk the merged weights are kept anyway)",
+                "drop keep_weights, or set merge: {in_memory: true}",
+            )
+        return
+    ev = spec.eval
+    if spec.delete_merged:
+        raise UserError(
+            f"{src}: merge.delete_merged has no meaning in memory: no merged weights are written",
+            "drop delete_merged (or --delete-merged), or " + FIX,
+        )
+    if ev is not None and ev.backend != "hf":
+        raise UserError(
+            f"{src}: merge.in_memory with eval.backend {ev.backend}: vLLM loads its own weights from disk", FIX
+        )
+    if ev is not None and os.path.abspath(ev.interpreter()) != os.path.abspath(sys.executable):
+        raise UserError(
+            f"{src}: eval.python {ev.python} is another interpreter, but an in-memory sweep evaluates in this one",
+            "drop eval.python (and --lm-eval-python), or " + FIX,
+        )
+    if ev is not None and spec.strength is not None and ev.device != spec.strength_device:
+        raise UserError(
+            f"{src}: eval.device {ev.device} and strength.device {spec.strength_device} differ, but one resident "
+            "model serves both",
+            "give eval and strength the same device, or " + FIX,
+        )
+    resident_dtype(spec)
+    _check_controls(spec)
+
+
+def _config_dtype(model: str) -> str:
+    from transformers import AutoConfig
+
+    dtype = getattr(AutoConfig.from_pretrained(model), "dtype", None)
+    return str(dtype).removeprefix("torch.") if dtype is not None else "float32"
+
+
+def resident_dtype(spec: SweepSpec) -> str:
+    """The one dtype every checkpoint is loaded in by the on-disk path's eval and strength units (the resident's).
+
+    A kind's explicit dtype is that dtype; `auto` (or eval's default) is each checkpoint's own: an
+    endpoint's config, a merge's `out_dtype` (else `dtype`, else the reference's)."""
+    ref = _config_dtype(spec.models["reference"])
+    own = {"reference": ref, "candidate": _config_dtype(spec.models["candidate"])}
+    for r in spec.merges:
+        own[r.name] = r.validated.data.get("out_dtype") or r.validated.data.get("dtype") or ref
+    kinds = {}
+    if spec.eval is not None:
+        kinds["eval"] = spec.eval.dtype
+    if spec.strength is not None:
+        kinds["strength"] = spec.strength_dtype
+    loads = {
+        (kind, name): (given if given not in (None, "auto") else dtype)
+        for kind, given in kinds.items()
+        for name, dtype in own.items()
+    }
+    first = next(iter(loads.items()))
+    other = next((x for x in loads.items() if x[1] != first[1]), None)
+    if other is not None:
+        (k1, n1), d1 = first
+        (k2, n2), d2 = other
+        raise UserError(
+            f"{spec.source}: one resident model serves every checkpoint, but the on-disk path would load {n1} in "
+            f"{d1} for {k1} and {n2} in {d2} for {k2}",
+            "set eval.dtype and strength.dtype to one dtype, or " + FIX,
+        )
+    return first[1]
+
+
+def _check_controls(spec: SweepSpec) -> None:
+    """Plan every control against the reference's model class on the meta device (configs only, no weights)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lm_eval_sink.merging.inmemory import check_plan
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(spec.models["reference"]))
+    for r in spec.merges:
+        try:
+            check_plan(model, r.validated.text, r.name)
+        except UserError as e:
+            raise UserError(f"{spec.source}: {e.message}", e.hint) from None
+
+
+# --- jobs and the worker -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Job:
+    """One checkpoint's unfinished units (plan order; its merge unit only with keep_weights)."""
+
+    checkpoint: Checkpoint
+    merge: Unit | None  # the checkpoint's merge unit, run or not (None for an endpoint)
+    units: tuple[Unit, ...]
+
+    @property
+    def id(self) -> str:
+        return f"checkpoint:{self.checkpoint.name}"
+
+
+def jobs_of(plan: Plan, todo: list[Unit]) -> list[Job]:
+    """The jobs of the checkpoints with units to run, in plan order."""
+    by_id = {u.id: u for u in plan.units}
+    jobs = []
+    for ck in plan.checkpoints:
+        units = tuple(u for u in todo if u.checkpoint == ck.name)
+        if units:
+            jobs.append(Job(ck, by_id.get(f"merge:{ck.name}"), units))
+    return jobs
+
+
+Outcome = tuple[str, str | None]  # (unit id, None when done or a one-line error)
+
+
+def _attempt(fn: Callable[[], Any]) -> str | None:
+    try:
+        fn()
+    except Exception as e:  # one failed unit must not stop the sweep
+        return (e.line() if isinstance(e, UserError) else f"{type(e).__name__}: {e}").splitlines()[0]
+    return None
+
+
+def _revisions(paths: list[str]) -> dict[str, str]:
+    """The pinned commit of each hub-id input (a folder needs none), as the on-disk merge pins them."""
+    from lm_eval_sink.models import model_fingerprint
+
+    return {p: model_fingerprint(p)["revision"] for p in paths if not Path(p).is_dir()}
+
+
+class ResidentWorker:
+    """One resident model (loaded at the first job) for every job it is given; no state but the model."""
+
+    def __init__(self, spec: SweepSpec) -> None:
+        self.spec = spec
+        self.resident: Any = None
+        self.holds: str | None = None  # the checkpoint the resident parameters hold now
+
+    def run(self, job: Job, done: Callable[[Unit, str | None], None] | None = None) -> list[Outcome]:
+        """Run `job`'s units; each outcome goes to `done` as it is known (the local engine's manifest) and into
+        the returned list (the Ray driver's)."""
+        out: list[Outcome] = []
+
+        def report(unit: Unit, error: str | None) -> None:
+            out.append((unit.id, error))
+            if done is not None:
+                done(unit, error)
+
+        from lm_eval_sink.commands.sweep import run_unit
+
+        rest = [u for u in job.units if u is not job.merge]
+        if job.merge in job.units:  # keep_weights: the on-disk merge unit writes the checkpoint
+            error = _attempt(lambda: run_unit(job.merge))
+            report(job.merge, error)
+            if error is not None:
+                rest, lost = [], rest
+                for u in lost:
+                    report(u, f"not run: {job.merge.id} failed")
+        if not rest:
+            return out
+        error = _attempt(lambda: self._copy_in(job))
+        if error is not None:
+            if job.merge is not None and job.merge not in job.units:
+                report(job.merge, error)
+                error = f"not run: {job.merge.id} failed"
+            for u in rest:
+                report(u, error)
+            return out
+        for u in rest:
+            report(u, _attempt(lambda u=u: self._run_unit(u, job.checkpoint)))
+        return out
+
+    def _copy_in(self, job: Job) -> None:
+        """Load the resident model at the first job, then make its parameters the job's checkpoint."""
+        from lm_eval_sink.harness.inprocess import load_resident
+        from lm_eval_sink.merging.inmemory import endpoint_text, merge_into
+
+        spec, ck = self.spec, job.checkpoint
+        if self.resident is None:
+            self.resident = load_resident(
+                spec.models["reference"], spec.eval, dtype=resident_dtype(spec), device=spec.strength_device
+            )
+            self.holds = "reference"
+        if self.holds == ck.name:
+            return
+        self.holds = None  # a failed copy leaves the parameters half written
+        if job.merge is not None:
+            config = job.merge.inputs["config"]
+            merge_into(
+                self.resident.model,
+                config.text,
+                ck.name,
+                random_seed=job.merge.inputs["random_seed"],
+                device=job.merge.inputs["device"],
+                revisions=_revisions(list(config.inputs)),
+            )
+        else:
+            merge_into(self.resident.model, endpoint_text(ck.path), ck.name, revisions=_revisions([ck.path]))
+        self.holds = ck.name
+
+    def _run_unit(self, unit: Unit, ck: Checkpoint) -> None:
+        from lm_eval_sink.commands.sweep import finish_eval, save_strength
+        from lm_eval_sink.harness.inprocess import evaluate, measure_strength
+        from lm_eval_sink.io import provenance, staged_dir
+
+        if unit.kind == "eval":
+            with staged_dir(unit.output, force=True) as tmp:
+                run = evaluate(self.resident, unit.inputs["settings"], tmp / "lm_eval", unit.inputs["model"])
+                finish_eval(tmp, unit, run, in_memory=True)
+        elif unit.kind == "strength":
+            model = self.resident.model
+            info = {
+                "path": unit.inputs["model"],
+                **(unit.inputs["identity"] or {"merge_inputs_key": ck.identity}),
+                "in_memory": True,
+                "architecture": type(model).__name__,
+                "dtype": self.resident.dtype,
+                "device": str(next(model.parameters()).device),
+            }
+            res = measure_strength(
+                self.resident, unit.inputs["settings"], unit.inputs["dtype"], provenance=provenance(model=info)
+            )
+            save_strength(unit, res, in_memory=True)
+        else:
+            raise ValueError(f"unit kind {unit.kind!r} does not run on a resident model")
+
+
+# --- engines -------------------------------------------------------------------------------
+
+
+def run_in_memory(
+    plan: Plan, todo: list[Unit], record: Callable[[Unit, str | None], None], progress: bool
+) -> list[str]:
+    """Run `todo` as jobs on the local worker or on Ray actors; `record` is the driver's bookkeeping. Notes back."""
+    from tqdm.auto import tqdm
+
+    spec = plan.spec
+    jobs = jobs_of(plan, todo)
+    by_id = {u.id: u for u in plan.units}
+    if spec.engine is not None and spec.engine.kind == "ray":
+        from lm_eval_sink.merging.engines import run_on_actors
+
+        def record_job(job: Job, outcomes: list[Outcome] | None, error: str | None) -> None:
+            if outcomes is None:  # the whole job failed (versions, shared folder, a lost actor)
+                outcomes = [(u.id, error) for u in job.units]
+            for uid, line in outcomes:
+                record(by_id[uid], line)
+
+        return run_on_actors(jobs, spec.engine, spec.output, record_job, ResidentWorker, (spec,), progress)
+    worker = ResidentWorker(spec)
+    for job in tqdm(jobs, desc="checkpoints (in memory)", unit="checkpoint", disable=not progress):
+        worker.run(job, done=record)
+    return []
