@@ -402,3 +402,47 @@ def test_worker_checks_are_one_line(tmp_path):
     _, err = run_task(lambda: 1, versions, tmp_path / "gone", None)
     assert "cannot see the output folder" in err and str(tmp_path / "gone") in err
     assert run_task(lambda: 1, versions, tmp_path, tmp_path / "t.log") == (1, None)
+
+
+def _busy_actor_pid() -> int | None:
+    """The pid of an actor of the in-memory pool in the middle of a job (Ray titles it `ray::PoolActor.run`)."""
+    import psutil
+
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        if any("PoolActor.run" in part for part in p.info["cmdline"] or []):
+            return p.info["pid"]
+    return None
+
+
+@pytest.mark.slow
+def test_in_memory_actor_pool_gives_the_local_table_when_an_actor_is_killed_mid_unit(
+    ray_cluster, local_table, tmp_path, tiny_trio
+):
+    """Two actors, each with its resident model, take whole checkpoints; one is SIGKILLed inside a unit,
+    is replaced, its checkpoint is redone, and the table equals the local on-disk engine's."""
+    sweep = _write_sweep(
+        tmp_path / "m",
+        tiny_trio,
+        merge={"in_memory": True},
+        engine={"kind": "ray", "resources": {"eval": {"num_cpus": 1}}},
+    )
+    out = sweep.parent / "out"
+    cmd = [sys.executable, "-m", "lm_eval_sink.cli", "sweep", str(sweep), "--quiet", "--ray-address", "auto"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    killed, deadline = None, time.time() + 300
+    while killed is None and time.time() < deadline and proc.poll() is None:
+        if list(out.glob("*/*.partial-*")):
+            killed = _busy_actor_pid()
+            if killed is not None:
+                os.kill(killed, signal.SIGKILL)
+        time.sleep(0.05)
+    stdout, stderr = proc.communicate(timeout=600)
+    assert killed is not None, "no actor was caught inside a unit"
+    assert proc.returncode == 0, stderr[-2000:]
+    assert "its actor was lost; a new actor redid the checkpoint" in stdout, stdout
+    assert _stable(_table(sweep)) == _stable(local_table)
+    assert not (out / "merges").exists() and not list(out.rglob("*.partial-*"))
+    done = [json.loads(x)["unit"] for x in (out / "manifest.jsonl").read_text().splitlines()]
+    assert sorted(done) == sorted(u for u in json.loads((out / "sweep.json").read_text())["units"] if "merge:" not in u)
+    marker = json.loads((out / "evals" / "dare_linear" / "COMPLETE.json").read_text())
+    assert marker["in_memory"] is True and marker["provenance"]["placement"]["gpu_ids"] == []

@@ -183,7 +183,7 @@ def test_kill_9_mid_in_memory_sweep_then_resume_gives_the_same_table(in_memory, 
 
 
 @pytest.mark.parametrize(
-    "merge, extra, needle",
+    ("merge", "extra", "needle"),
     [
         ({"delete_merged": True}, {}, "delete_merged has no meaning in memory"),
         ({"tokenizer_source": "union"}, {}, "rebuilds the tokenizer"),
@@ -192,7 +192,9 @@ def test_kill_9_mid_in_memory_sweep_then_resume_gives_the_same_table(in_memory, 
         ({}, {"strength": {"dtype": "bfloat16"}}, "one resident model serves every checkpoint"),
     ],
 )
-def test_what_one_resident_model_cannot_do_is_refused_at_plan_time(tmp_path, tiny_trio, user_error, merge, extra, needle):
+def test_what_one_resident_model_cannot_do_is_refused_at_plan_time(
+    tmp_path, tiny_trio, user_error, merge, extra, needle
+):
     sweep = _write_sweep(tmp_path, tiny_trio, merge={"in_memory": True, **merge}, **extra)
     line = user_error(["sweep", str(sweep), "--quiet"], tmp_path / "out")
     assert needle in line and "in_memory: false" in line, line
