@@ -183,7 +183,7 @@ class ResidentWorker:
             if done is not None:
                 done(unit, error)
 
-        from lm_eval_sink.commands.sweep import run_unit
+        from lm_eval_sink.commands.units import run_unit
 
         rest = [u for u in job.units if u is not job.merge]
         if job.merge in job.units:  # keep_weights: the on-disk merge unit writes the checkpoint
@@ -236,7 +236,7 @@ class ResidentWorker:
         self.holds = ck.name
 
     def _run_unit(self, unit: Unit, ck: Checkpoint) -> None:
-        from lm_eval_sink.commands.sweep import finish_eval, save_strength
+        from lm_eval_sink.commands.units import finish_eval, save_strength
         from lm_eval_sink.harness.inprocess import evaluate, measure_strength
         from lm_eval_sink.io import provenance, staged_dir
 

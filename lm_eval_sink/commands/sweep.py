@@ -1,7 +1,8 @@
 """`lm-eval-sink sweep`: read and check a sweep file, plan it, run its unfinished units, write the table.
 
-`run_unit` runs one unit from its arguments alone (no state shared between units), so a cluster
-engine can dispatch it. A unit builds its output in `<out>.partial-<uuid>/` (`io.staged_dir`),
+`commands.units.run_unit` runs one unit from its arguments alone, so a cluster engine can dispatch
+it; an in-memory sweep runs each checkpoint's units on one resident model instead
+(`commands.resident`), with the same units, keys and outputs. A unit builds its output in `<out>.partial-<uuid>/` (`io.staged_dir`),
 writes its `io.COMPLETE` marker with its key, renames, then appends one fsync'd line to
 `manifest.jsonl`. A unit counts as finished only when its last manifest line says done with the
 current key AND its marker has that key (`io.read_complete(folder, key)`): after kill -9 at any
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lm_eval_sink.commands.units import run_unit
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.identity import FINGERPRINT_RULE, check_same_identity, looks_like_hub_id, tree_files
 from lm_eval_sink.io import (
@@ -32,14 +34,12 @@ from lm_eval_sink.io import (
     read_complete,
     sha256_file,
     sha256_text,
-    staged_dir,
     version_change,
     versioned_key,
-    write_complete,
 )
 from lm_eval_sink.locks import hold
 from lm_eval_sink.merging.configs import TOKENIZER_CHOICES, bundled_names, load_template, render
-from lm_eval_sink.merging.engines import parse_engine, placement_fields, run_on_ray
+from lm_eval_sink.merging.engines import parse_engine, run_on_ray
 from lm_eval_sink.merging.sweep import (
     ENDPOINTS,
     EvalIn,
@@ -262,91 +262,6 @@ def plan_sweep(spec: SweepSpec) -> Plan:
 
 
 # --- units ---------------------------------------------------------------------------------
-
-
-def _finish(tmp: Path, unit: Unit, **fields: Any) -> None:
-    write_complete(
-        tmp,
-        {
-            "schema_version": 1,
-            "unit": unit.id,
-            "key": unit.key,
-            "inputs_key": unit.inputs_key,
-            "key_versions": unit.versions,
-            "fingerprint_rule": FINGERPRINT_RULE,
-            "model_identity": unit.inputs.get("identity"),
-            **fields,
-            "provenance": provenance(unit=unit.id, **placement_fields()),
-        },
-    )
-
-
-def run_unit(unit: Unit) -> None:
-    """Run one unit into its staged output folder (replacing an older one). No shared state."""
-    if unit.kind == "merge":
-        from lm_eval_sink.merging.merge import merge_config
-
-        merge_config(
-            unit.inputs["config"],  # validated when the sweep file was loaded; mergekit gets a copy
-            unit.output,
-            random_seed=unit.inputs["random_seed"],
-            device=unit.inputs["device"],
-            force=True,
-            quiet=True,
-            key=unit.key,
-            extra={"unit": unit.id, "template": unit.inputs["template"], **placement_fields()},
-        )
-    elif unit.kind == "eval":
-        from lm_eval_sink.harness.runner import run_lm_eval
-
-        with staged_dir(unit.output, force=True) as tmp:
-            try:
-                run = run_lm_eval(unit.inputs["model"], unit.inputs["settings"], tmp / "lm_eval")
-            except UserError as e:  # keep lm-eval's log: the staged folder is about to be removed
-                kept = unit.output.parent.parent / "logs" / f"{unit.kind}-{unit.checkpoint}"
-                kept.mkdir(parents=True, exist_ok=True)
-                for log in (tmp / "lm_eval" / "logs").glob("*.log"):
-                    shutil.copy2(log, kept / log.name)
-                raise UserError(e.message, f"see lm-eval's log in {kept}") from None
-            finish_eval(tmp, unit, run)
-    elif unit.kind == "strength":
-        from lm_eval_sink.strength import measure_model
-
-        res = measure_model(
-            unit.inputs["model"],
-            unit.inputs["settings"],
-            dtype=unit.inputs["dtype"],
-            device=unit.inputs["device"],
-            progress=False,
-        )
-        save_strength(unit, res)
-    else:
-        raise ValueError(f"unknown unit kind {unit.kind!r}")
-
-
-def finish_eval(tmp: Path, unit: Unit, run: Any, **fields: Any) -> None:
-    """Mark an eval unit's staged folder complete: where its results and samples are, what made them."""
-    from lm_eval_sink.harness.runner import eval_versions
-
-    _finish(
-        tmp,
-        unit,
-        results=str(run.results.relative_to(tmp)),
-        samples={t: str(p.relative_to(tmp)) for t, p in run.samples.items()},
-        model=unit.inputs["model"],
-        lm_eval_python=unit.inputs["settings"].interpreter(),
-        eval_versions=eval_versions(unit.inputs["settings"]),
-        **fields,
-    )
-
-
-def save_strength(unit: Unit, res: Any, **fields: Any) -> None:
-    """A strength unit's output: strength.json (with the unit's key) and its marker."""
-    with staged_dir(unit.output, force=True) as tmp:
-        atomic_write_json(
-            tmp / "strength.json", {**res.to_json(), "provenance": {**res.provenance, "input_key": unit.key}}
-        )
-        _finish(tmp, unit, sink_strength=res.sink_strength, model=unit.inputs["model"], **fields)
 
 
 # --- manifest and recovery -----------------------------------------------------------------

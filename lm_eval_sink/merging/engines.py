@@ -12,7 +12,7 @@ The sweep file's `engine:` block (all keys optional):
         strength: {num_gpus: 1}
 
 Under Ray each unit is one task (`max_retries=1` for a lost worker, `retry_exceptions=False`)
-calling the `run` it is given (`commands.sweep.run_unit`, as the local engine); ordering and the
+calling the `run` it is given (`commands.units.run_unit`, as the local engine); ordering and the
 pending-merge bound are the only rules the driver adds, dispatch is `ray.wait`. The driver alone writes the manifest
 and the table; a worker builds its unit's staged folder and its own log
 `<out>/logs/<kind>-<checkpoint>/task.log`. Workers get the driver's data and cache variables

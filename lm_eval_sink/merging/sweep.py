@@ -180,7 +180,7 @@ def parse_sweep_data(data: Any, src: str) -> tuple[SweepFileIn, frozenset[str]]:
 
 @dataclass(frozen=True)
 class Unit:
-    """One independent job: its kind, checkpoint, key, output folder and what `commands.sweep.run_unit` needs."""
+    """One independent job: its kind, checkpoint, key, output folder and what `commands.units.run_unit` needs."""
 
     kind: str  # merge | eval | strength
     checkpoint: str

@@ -1,0 +1,104 @@
+"""One sweep unit on disk, and the outputs every unit writes: shared by the on-disk and in-memory paths.
+
+`run_unit` runs one unit from its arguments alone (no state shared between units), so a cluster
+engine can dispatch it: a merge (`merging.merge.merge_config`), an eval (`lm_eval` in a subprocess)
+or a strength measurement (the checkpoint loaded from disk). `finish_eval` and `save_strength`
+write an eval's marker and a strength unit's output, whichever path computed them.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from lm_eval_sink.errors import UserError
+from lm_eval_sink.identity import FINGERPRINT_RULE
+from lm_eval_sink.io import atomic_write_json, provenance, staged_dir, write_complete
+from lm_eval_sink.merging.engines import placement_fields
+from lm_eval_sink.merging.sweep import Unit
+
+
+def _finish(tmp: Path, unit: Unit, **fields: Any) -> None:
+    write_complete(
+        tmp,
+        {
+            "schema_version": 1,
+            "unit": unit.id,
+            "key": unit.key,
+            "inputs_key": unit.inputs_key,
+            "key_versions": unit.versions,
+            "fingerprint_rule": FINGERPRINT_RULE,
+            "model_identity": unit.inputs.get("identity"),
+            **fields,
+            "provenance": provenance(unit=unit.id, **placement_fields()),
+        },
+    )
+
+
+def run_unit(unit: Unit) -> None:
+    """Run one unit into its staged output folder (replacing an older one). No shared state."""
+    if unit.kind == "merge":
+        from lm_eval_sink.merging.merge import merge_config
+
+        merge_config(
+            unit.inputs["config"],  # validated when the sweep file was loaded; mergekit gets a copy
+            unit.output,
+            random_seed=unit.inputs["random_seed"],
+            device=unit.inputs["device"],
+            force=True,
+            quiet=True,
+            key=unit.key,
+            extra={"unit": unit.id, "template": unit.inputs["template"], **placement_fields()},
+        )
+    elif unit.kind == "eval":
+        from lm_eval_sink.harness.runner import run_lm_eval
+
+        with staged_dir(unit.output, force=True) as tmp:
+            try:
+                run = run_lm_eval(unit.inputs["model"], unit.inputs["settings"], tmp / "lm_eval")
+            except UserError as e:  # keep lm-eval's log: the staged folder is about to be removed
+                kept = unit.output.parent.parent / "logs" / f"{unit.kind}-{unit.checkpoint}"
+                kept.mkdir(parents=True, exist_ok=True)
+                for log in (tmp / "lm_eval" / "logs").glob("*.log"):
+                    shutil.copy2(log, kept / log.name)
+                raise UserError(e.message, f"see lm-eval's log in {kept}") from None
+            finish_eval(tmp, unit, run)
+    elif unit.kind == "strength":
+        from lm_eval_sink.strength import measure_model
+
+        res = measure_model(
+            unit.inputs["model"],
+            unit.inputs["settings"],
+            dtype=unit.inputs["dtype"],
+            device=unit.inputs["device"],
+            progress=False,
+        )
+        save_strength(unit, res)
+    else:
+        raise ValueError(f"unknown unit kind {unit.kind!r}")
+
+
+def finish_eval(tmp: Path, unit: Unit, run: Any, **fields: Any) -> None:
+    """Mark an eval unit's staged folder complete: where its results and samples are, what made them."""
+    from lm_eval_sink.harness.runner import eval_versions
+
+    _finish(
+        tmp,
+        unit,
+        results=str(run.results.relative_to(tmp)),
+        samples={t: str(p.relative_to(tmp)) for t, p in run.samples.items()},
+        model=unit.inputs["model"],
+        lm_eval_python=unit.inputs["settings"].interpreter(),
+        eval_versions=eval_versions(unit.inputs["settings"]),
+        **fields,
+    )
+
+
+def save_strength(unit: Unit, res: Any, **fields: Any) -> None:
+    """A strength unit's output: strength.json (with the unit's key) and its marker."""
+    with staged_dir(unit.output, force=True) as tmp:
+        atomic_write_json(
+            tmp / "strength.json", {**res.to_json(), "provenance": {**res.provenance, "input_key": unit.key}}
+        )
+        _finish(tmp, unit, sink_strength=res.sink_strength, model=unit.inputs["model"], **fields)
