@@ -1,5 +1,14 @@
-"""In-memory sweep benchmark: the per-checkpoint cost of merge + in-process eval + S on one resident model.
+"""In-memory sweep benchmark: three engines on the same sweeps, and the per-checkpoint cost on one resident model.
 
+Part `engines`: `lm-eval-sink sweep` from a cold process (a fresh output folder each) with the
+on-disk local engine, the in-memory local engine (`--in-memory`) and the in-memory Ray engine (a
+local cluster started here with 2 CPUs; `resources.eval.num_cpus: 1`, so 2 actors), on (1) the
+10-unit tiny sweep of bench_scale and (2) the SmolLM2 sweep below (linear_uniform, ties, tsv; ifeval
+limit 8, max_gen_toks 64, batch 8, float32; S on 15 prompts). Reported: wall time, its ratio to the
+on-disk local run, the peak RSS (sampled every 0.2 s: the largest single process, and the sum over
+the driver, its children and the Ray actors), and whether each table equals the on-disk one.
+
+Part `unit`:
 SmolLM2-135M-Instruct (the embedded default model) is the reference (and, in the chain lineage,
 the base); the candidate is a copy moved by a few Adam steps on the calibration prompts, made by
 this script. For each control (linear_uniform, ties, tsv): `merging.inmemory.merge_into` into the
@@ -11,11 +20,8 @@ model: `lm_eval.simple_evaluate` on `HFLM(pretrained=model)` with the same TaskM
 Memory: RSS after the resident model is loaded (imports, model, TaskManager), the peak RSS of the
 whole run (ru_maxrss), and the resident model's parameter bytes.
 
-TODO (needs the sweep integration of issue 22: `merge: {in_memory: true}` in the sweep file):
-the three engines on the same sweeps, each from a cold process: on-disk local, in-memory local,
-in-memory Ray (2 actors), on the 10-unit tiny sweep of bench_scale and on this SmolLM2 sweep.
-
-Usage: OMP_NUM_THREADS=2 python benchmarks/bench_sweep_memory.py [--workdir DIR] [--controls a,b]
+Usage: OMP_NUM_THREADS=2 python benchmarks/bench_sweep_memory.py [--part engines|unit|all] [--workdir DIR]
+[--controls a,b]
 """
 
 from __future__ import annotations
@@ -30,12 +36,16 @@ import tempfile
 import time
 from pathlib import Path
 
+import yaml
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("LM_EVAL_SINK_DATA", "/work/shared/data")
 os.environ.setdefault("NLTK_DATA", "/work/shared/data/nltk_data")
 
 CONTROLS = ("linear_uniform", "ties", "tsv")
+REPO = Path(__file__).resolve().parent.parent
+RAY = str(Path(sys.executable).with_name("ray"))
 
 
 def rss_mib() -> float:
@@ -106,10 +116,129 @@ def bare(resident, settings, strength) -> tuple[tuple[float, float], tuple[float
     return t_eval, since(t)
 
 
+def _sweep_file(folder: Path, models: dict[str, Path], configs: list[str], ev: dict, strength: dict) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    data = {"output": "out", "models": {k: str(v) for k, v in models.items()}, "configs": configs, "eval": ev}
+    path = folder / "sweep.yaml"
+    path.write_text(yaml.safe_dump({**data, "strength": strength}, sort_keys=False))
+    return path
+
+
+def _tree_rss(root: int) -> tuple[float, float]:
+    """(sum, largest) RSS in MiB of `root`, its descendants and every in-memory Ray actor on the machine."""
+    import psutil
+
+    procs = {}
+    try:
+        top = psutil.Process(root)
+        procs = {p.pid: p for p in [top, *top.children(recursive=True)]}
+    except psutil.NoSuchProcess:
+        pass
+    for p in psutil.process_iter(["cmdline"]):
+        if any("PoolActor" in part for part in p.info["cmdline"] or []):
+            procs[p.pid] = p
+    sizes = []
+    for p in procs.values():
+        try:
+            sizes.append(p.memory_info().rss / 2**20)
+        except psutil.Error:
+            pass
+    return sum(sizes), max(sizes, default=0.0)
+
+
+def timed_sweep(path: Path, extra: list[str], env: dict[str, str]) -> dict:
+    """One cold `lm-eval-sink sweep` run: wall seconds and the peak RSS (sum and largest process)."""
+    t = time.perf_counter()
+    cmd = [sys.executable, "-m", "lm_eval_sink.cli", "sweep", str(path), "--quiet", *extra]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    peak_sum = peak_one = 0.0
+    while proc.poll() is None:
+        total, one = _tree_rss(proc.pid)
+        peak_sum, peak_one = max(peak_sum, total), max(peak_one, one)
+        time.sleep(0.2)
+    if proc.returncode != 0:
+        raise SystemExit(f"sweep {path} failed: {proc.stderr.read()[-2000:]}")
+    rows = json.loads((path.parent / "out" / "table.json").read_text())["rows"]
+    wall = round(time.perf_counter() - t, 1)
+    return {"wall_s": wall, "peak_rss_sum_mib": round(peak_sum), "peak_rss_largest_mib": round(peak_one), "rows": rows}
+
+
+def start_ray(temp: Path, env: dict[str, str]) -> str:
+    subprocess.run(
+        [
+            *(RAY, "start", "--head", "--num-cpus", "2", "--include-dashboard=false", "--temp-dir", str(temp)),
+            *("--node-ip-address", "127.0.0.1", "--port", "0", "--disable-usage-stats"),
+        ],
+        env=env,
+        check=True,
+        capture_output=True,
+    )
+    return (temp / "ray_current_cluster").read_text().strip()
+
+
+def engines(work: Path, controls: list[str]) -> dict:
+    """The three engines on the tiny sweep and on the SmolLM2 sweep, each run from a cold process."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from helpers import make_tiny_lm, stop_ray_cluster
+
+    from lm_eval_sink.merging.engines import LOOPBACK_ENV
+    from lm_eval_sink.models import default_model_dir
+
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", LOOPBACK_ENV: "0"}
+    env.pop("RAY_ADDRESS", None)
+    tiny = {
+        "reference": make_tiny_lm(work / "tiny_ref", "llama", 1),
+        "candidate": make_tiny_lm(work / "tiny_cand", "llama", 2),
+    }
+    candidate = work / "candidate"
+    if not (candidate / "config.json").is_file():
+        subprocess.run([sys.executable, __file__, "--make-candidate", str(candidate)], check=True)
+    tiny_eval = {"tasks": ["lm_eval_sink_tiny_choice"], "include_path": str(REPO / "tests" / "data" / "merging_task")}
+    sweeps = {
+        "tiny": (
+            tiny,
+            ["linear_95_5", "dare_linear"],
+            {**tiny_eval, "batch_size": 1, "seed": 0},
+            {"n_prompts": 5, "last_k": 2, "dtype": "float32"},
+        ),
+        "smollm2": (
+            {"reference": default_model_dir(), "candidate": candidate},
+            controls,
+            {"tasks": ["ifeval"], "limit": 8, "gen_kwargs": {"max_gen_toks": 64}, "dtype": "float32", "batch_size": 8},
+            {"dtype": "float32"},
+        ),
+    }
+    out: dict = {}
+    for name, (models, configs, ev, st) in sweeps.items():
+        runs = {}
+        runs["on_disk_local"] = timed_sweep(_sweep_file(work / name / "disk", models, configs, ev, st), [], env)
+        runs["in_memory_local"] = timed_sweep(
+            _sweep_file(work / name / "mem", models, configs, ev, st), ["--in-memory"], env
+        )
+        temp = work / name / "ray_tmp"
+        address = start_ray(temp, env)
+        try:
+            ray_sweep = _sweep_file(work / name / "ray", models, configs, ev, st)
+            data = yaml.safe_load(ray_sweep.read_text())
+            data["engine"] = {"kind": "ray", "address": address, "resources": {"eval": {"num_cpus": 1}}}
+            ray_sweep.write_text(yaml.safe_dump(data, sort_keys=False))
+            runs["in_memory_ray_2_actors"] = timed_sweep(ray_sweep, ["--in-memory"], env)
+        finally:
+            stop_ray_cluster(temp)
+        base_wall, base_rows = runs["on_disk_local"]["wall_s"], runs["on_disk_local"]["rows"]
+        for run in runs.values():
+            run["x_on_disk_local"] = round(run["wall_s"] / base_wall, 3)
+            run["table_equals_on_disk"] = run.pop("rows") == base_rows
+        out[name] = runs
+        print(name, json.dumps(runs, indent=2), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--controls", default=",".join(CONTROLS))
+    ap.add_argument("--part", choices=("engines", "unit", "all"), default="all")
     ap.add_argument("--make-candidate", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.make_candidate:  # in its own process, so that its optimizer state is not in the figures' RSS
@@ -119,6 +248,15 @@ def main() -> None:
         return
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench_sweep_memory_"))
     work.mkdir(parents=True, exist_ok=True)
+    if args.part in ("engines", "all"):
+        figures = engines(work, args.controls.split(","))
+        (work / "engines.json").write_text(json.dumps(figures, indent=2))
+    if args.part in ("unit", "all"):
+        unit(work, args.controls.split(","))
+
+
+def unit(work: Path, controls: list[str]) -> None:
+    """The per-checkpoint part: merge + in-process eval + S on one resident model, against the bare calls."""
 
     from lm_eval_sink.harness.inprocess import evaluate, load_resident, measure_strength
     from lm_eval_sink.harness.runner import EvalSettings
@@ -145,7 +283,7 @@ def main() -> None:
     fig["warmup_s"] = round(time.perf_counter() - t, 2)
     fig["rss_after_warmup_mib"] = round(rss_mib(), 1)
     rows = []
-    for name in args.controls.split(","):
+    for name in controls:
         text = render(name, reference, candidate).text
         t = clock()
         merge_into(resident.model, text, name, random_seed=0)

@@ -43,6 +43,27 @@ def test_every_bundled_control_in_memory_equals_on_disk(tmp_path, tiny_trio, lin
             assert torch.equal(state[key], tensor.to(torch.float32)), (name, key)
 
 
+def test_bf16_resident_equals_the_on_disk_checkpoint_loaded_in_bf16(tmp_path, tiny_trio):
+    """bfloat16 endpoints: every control's tensors, cast by mergekit to the written dtype and copied into a bf16
+    resident, equal the merged checkpoint as the on-disk eval loads it (dtype auto: its own, bf16)."""
+    from transformers import AutoModelForCausalLM
+
+    trio = {}
+    for role in ("reference", "candidate"):
+        model = AutoModelForCausalLM.from_pretrained(tiny_trio[role], dtype=torch.bfloat16)
+        model.save_pretrained(tmp_path / role)
+        trio[role] = tmp_path / role
+    resident = AutoModelForCausalLM.from_pretrained(trio["reference"], dtype="auto").eval()
+    assert next(resident.parameters()).dtype == torch.bfloat16
+    for name in ("linear_95_5", "ties", "tsv"):
+        text = render(name, trio["reference"], trio["candidate"]).text
+        run_mergekit(text, tmp_path / name, random_seed=0)
+        merge_into(resident, text, name, random_seed=0)
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / name, dtype="auto").state_dict()
+        state = resident.state_dict()
+        assert all(v.dtype == torch.bfloat16 and torch.equal(state[k], v) for k, v in loaded.items()), name
+
+
 def test_in_memory_merge_leaves_rng_state_and_is_repeatable(tiny_trio):
     """A seeded DARE merge in memory is bit-identical twice and does not move the caller's RNG."""
     text = render("dare_linear", tiny_trio["reference"], tiny_trio["candidate"]).text
