@@ -203,3 +203,17 @@ def test_what_one_resident_model_cannot_do_is_refused_at_plan_time(
 def test_keep_weights_without_in_memory_is_refused(tmp_path, tiny_trio, user_error):
     sweep = _write_sweep(tmp_path, tiny_trio, merge={"keep_weights": True})
     assert "keep_weights is an in-memory setting" in user_error(["sweep", str(sweep)], tmp_path / "out")
+
+
+def test_an_actor_holds_the_gpus_its_merge_eval_or_strength_device_needs(tmp_path, tiny_trio):
+    """Under Ray each in-memory actor takes an eval slot's resources with the most GPUs any of its kinds needs."""
+    from lm_eval_sink.commands.sweep import load_sweep
+    from lm_eval_sink.merging.engines import actor_resources
+
+    ray = {"kind": "ray", "resources": {"eval": {"num_cpus": 2}}}
+    cpu = load_sweep(_write_sweep(tmp_path / "cpu", tiny_trio, merge={"in_memory": True}, engine=ray))
+    assert actor_resources(cpu.engine).num_gpus == 0 and actor_resources(cpu.engine).num_cpus == 2
+    cuda = load_sweep(
+        _write_sweep(tmp_path / "cuda", tiny_trio, merge={"in_memory": True, "device": "cuda"}, engine=ray)
+    )
+    assert actor_resources(cuda.engine).num_gpus == 1 and actor_resources(cuda.engine).num_cpus == 2
