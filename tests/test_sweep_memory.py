@@ -81,7 +81,7 @@ def in_memory(tmp_path_factory, tiny_trio) -> Path:
 
 
 @pytest.mark.slow
-def test_in_memory_table_units_and_keys_equal_the_on_disk_sweep(on_disk, in_memory):
+def test_in_memory_table_units_and_keys_equal_the_on_disk_sweep(on_disk, in_memory, capsys):
     """float32: every metric and every S equal; the same units and keys; no merged weights written."""
     assert _rows(in_memory) == _rows(on_disk)
     assert [r["checkpoint"] for r in _rows(in_memory)] == ["reference", "candidate", *CONTROLS]
@@ -102,8 +102,10 @@ def test_in_memory_table_units_and_keys_equal_the_on_disk_sweep(on_disk, in_memo
     for m in (marker, disk_marker):
         assert Path(m["results"]).parts[:2] == ("lm_eval", Path(m["results"]).parts[1])
         assert Path(m["results"]).parts[1].endswith("merges__tsv") and set(m["samples"]) == {TASK}
-    again = main(["sweep", str(in_memory), "--quiet"])
-    assert again == 0 and _rows(in_memory) == _rows(on_disk)
+    capsys.readouterr()
+    assert main(["sweep", str(in_memory), "--quiet"]) == 0 and _rows(in_memory) == _rows(on_disk)
+    printed = capsys.readouterr().out
+    assert "0 steps run, 10 already finished" in printed and "3 merged checkpoint(s) not written to disk" in printed
 
 
 @pytest.mark.slow

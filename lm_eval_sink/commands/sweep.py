@@ -502,7 +502,14 @@ def _run_sweep_locked(plan: Plan, force: bool, progress: bool) -> SweepReport:
             _maybe_delete_weights(by_id[f"merge:{unit.checkpoint}"], by_id, finished, manifest, markers)
 
     todo = [u for u in plan.units if needed(u)]
-    report.skipped.extend(u.id for u in plan.units if u not in todo)
+    unwritten = [
+        u.id for u in plan.units if spec.in_memory and u.kind == "merge" and u not in todo and u.id not in finished
+    ]
+    report.skipped.extend(u.id for u in plan.units if u not in todo and u.id not in unwritten)
+    if unwritten:
+        report.notes.append(
+            f"{len(unwritten)} merged checkpoint(s) not written to disk (an in-memory sweep; keep_weights: true writes them)"
+        )
     if spec.in_memory:
         from lm_eval_sink.commands.resident import run_in_memory
 
