@@ -508,7 +508,7 @@ def _run_sweep_locked(plan: Plan, force: bool, progress: bool) -> SweepReport:
     report.skipped.extend(u.id for u in plan.units if u not in todo and u.id not in unwritten)
     if unwritten:
         report.notes.append(
-            f"{len(unwritten)} merged checkpoint(s) not written to disk (an in-memory sweep; keep_weights: true writes them)"
+            f"{len(unwritten)} merged checkpoint(s) not written to disk (in memory; keep_weights: true writes them)"
         )
     if spec.in_memory:
         from lm_eval_sink.commands.resident import run_in_memory
