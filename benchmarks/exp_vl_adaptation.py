@@ -12,7 +12,7 @@ batch and sequence length in every arm:
 Per arm and seed: the Sink Strength trajectory (SinkStrengthCallback) and the held-out caption loss
 every `--loss-every` steps; then, with the project's own commands as a user runs them: `strength`
 of the end model, IFEval on all 541 local prompts (`eval`, vLLM backend in the vLLM venv, the
-instruct protocol with the batch left to vLLM, float32, max_gen_toks 512), `margin` and `buckets`
+instruct protocol with the batch left to vLLM, float32, max_gen_toks 256), `margin` and `buckets`
 against the start model, `buckets` of vision+protection against vision, and one HTML `report` per
 arm. The start model's S, protection plan and IFEval are shared.
 
@@ -61,14 +61,18 @@ protocols:
     system_instruction: null
     batch_size: auto
 """
-# vLLM's CPU build: in-process engine on one OpenMP thread, 1 GiB KV cache (docs/scale.md).
-VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-VLLM_MODEL_ARGS = "enforce_eager=True,max_model_len=2048"  # no torch.compile (minutes a model on a CPU)
+# vLLM's CPU build: in-process engine on one OpenMP thread; a 3 GiB KV cache (70k tokens) holds every running
+# IFEval sequence (1 GiB, 23k tokens, does not at 100 sequences).
+VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "3"}
+# No torch.compile: it took 2.3 min per model folder here (vLLM's compile cache is keyed by the path) and decoded
+# no faster in a 100-prompt probe (docs/training.md).
+VLLM_MODEL_ARGS = "enforce_eager=True"
 # Seconds measured on the 2-core shared machine (docs/training.md), for the printed estimate.
 COST_TRAIN_STEP = 4.8  # batch 4, sequence 64, one thread (first edition 4.2-5.4 s)
 COST_STRENGTH = 7.0  # one Sink Strength measurement, 15 prompts
 COST_HELDOUT = 4.0  # held-out caption loss, 32 captions
-COST_IFEVAL_VLLM = 1.9  # one IFEval prompt, vLLM, max_gen_toks 512, start-up included
+COST_IFEVAL_PROMPT = 1.65  # one IFEval prompt, vLLM, max_gen_toks 256 (mean 180 tokens a response)
+COST_IFEVAL_START = 60.0  # importing vLLM, starting its engine, scoring
 COST_COMMAND = 40.0  # one `strength`, `margin`, `buckets` or `report` process
 
 
@@ -90,7 +94,7 @@ class Config:
     device: str = "cpu"
     n_prompts: int | None = None  # calibration prompts of every S measurement (None: all 15)
     ifeval_limit: int | None = None  # None: all 541 prompts
-    max_gen_toks: int = 512
+    max_gen_toks: int = 256
     backend: str = "vllm"
 
 
@@ -225,6 +229,7 @@ def held_out_callback(projector, held_out: CaptionData, vision: bool, cfg: Confi
         def on_step_end(self, args, state, control, model=None, **kw):
             if state.global_step % cfg.loss_every == 0 or state.global_step == state.max_steps:
                 points.append((state.global_step, caption_loss(model, projector, held_out, vision, cfg.batch)))
+                print(f"  step {points[-1][0]}: held-out caption loss {points[-1][1]:.3f}", flush=True)
 
     return HeldOutLoss()
 
@@ -435,8 +440,9 @@ def estimate_seconds(cfg: Config, n_arms: int, n_seeds: int, train_only: bool) -
     if train_only:
         return n_arms * n_seeds * per_arm
     n_ifeval = cfg.ifeval_limit or N_IFEVAL
-    per_arm += n_ifeval * COST_IFEVAL_VLLM + 4 * COST_COMMAND
-    return n_arms * n_seeds * per_arm + n_ifeval * COST_IFEVAL_VLLM + COST_COMMAND * (2 + n_seeds)
+    one_eval = n_ifeval * COST_IFEVAL_PROMPT + COST_IFEVAL_START
+    per_arm += one_eval + 4 * COST_COMMAND
+    return n_arms * n_seeds * per_arm + one_eval + COST_COMMAND * (1 + n_seeds)
 
 
 def start_stages(ctx: dict, cfg: Config, eval_too: bool) -> None:
