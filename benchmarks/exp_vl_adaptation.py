@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -68,7 +69,7 @@ VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1", "VLLM
 # no faster in a 100-prompt probe (docs/training.md).
 VLLM_MODEL_ARGS = "enforce_eager=True"
 # Seconds measured on the 2-core shared machine (docs/training.md), for the printed estimate.
-COST_TRAIN_STEP = 4.8  # batch 4, sequence 64, one thread (first edition 4.2-5.4 s)
+COST_TRAIN_STEP = 6.0  # batch 4, seq 64, one thread; pilot: 1001 s for 160 steps at load 3-5 (4.2-5.4 s when quieter)
 COST_STRENGTH = 7.0  # one Sink Strength measurement, 15 prompts
 COST_HELDOUT = 4.0  # held-out caption loss, 32 captions
 COST_IFEVAL_PROMPT = 1.65  # one IFEval prompt, vLLM, max_gen_toks 256 (mean 180 tokens a response)
@@ -78,7 +79,7 @@ COST_COMMAND = 40.0  # one `strength`, `margin`, `buckets` or `report` process
 
 @dataclass(frozen=True)
 class Config:
-    steps: int = 240
+    steps: int = 240  # the pilot: held-out caption loss still falling at 160 steps (docs/training.md)
     batch: int = 4
     seq_len: int = 64
     lr: float = 3e-4  # language model
@@ -339,6 +340,8 @@ def command(args: list, dest: Path, env: dict[str, str] | None = None, output_fl
     if dest.exists():
         return dest
     tmp = dest.with_name(dest.name + ".run")
+    if tmp.is_dir():  # what an interrupted attempt left
+        shutil.rmtree(tmp)
     cmd = [sys.executable, "-m", "lm_eval_sink.cli", *map(str, args), output_flag, str(tmp), "--force"]
     print("$ lm-eval-sink " + " ".join(cmd[3:]), flush=True)
     t = time.time()
