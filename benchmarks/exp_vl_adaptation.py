@@ -69,17 +69,17 @@ VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1", "VLLM
 # no faster in a 100-prompt probe (docs/training.md).
 VLLM_MODEL_ARGS = "enforce_eager=True"
 # Seconds measured on the 2-core shared machine (docs/training.md), for the printed estimate.
-COST_TRAIN_STEP = 6.0  # batch 4, seq 64, one thread; pilot: 1001 s for 160 steps at load 3-5 (4.2-5.4 s when quieter)
+COST_TRAIN_STEP = 4.0  # batch 4, seq 64, one thread (first run: 849 s for 199 steps with 5 S and 10 held-out losses)
 COST_STRENGTH = 7.0  # one Sink Strength measurement, 15 prompts
 COST_HELDOUT = 4.0  # held-out caption loss, 32 captions
-COST_IFEVAL_PROMPT = 1.65  # one IFEval prompt, vLLM, max_gen_toks 256 (mean 180 tokens a response)
+COST_IFEVAL_PROMPT = 0.93  # one IFEval prompt, vLLM, max_gen_toks 256 (the start model: 561 s for 541)
 COST_IFEVAL_START = 60.0  # importing vLLM, starting its engine, scoring
 COST_COMMAND = 40.0  # one `strength`, `margin`, `buckets` or `report` process
 
 
 @dataclass(frozen=True)
 class Config:
-    steps: int = 240  # the pilot: held-out caption loss still falling at 160 steps (docs/training.md)
+    steps: int = 400  # held-out caption loss still falling at 160-200 steps (docs/training.md)
     batch: int = 4
     seq_len: int = 64
     lr: float = 3e-4  # language model
