@@ -1,26 +1,30 @@
-"""A miniature vision-language adaptation of SmolLM2-135M-Instruct, with and without sink protection.
+"""A miniature vision-language adaptation of SmolLM2-135M-Instruct, with and without sink protection (2nd edition).
 
-Four runs from the same start weights, with the same seed, steps, learning rate, batch and
-sequence length:
+Three arms from the same start weights; for each seed the same data order, steps, learning rates,
+batch and sequence length in every arm:
     vision             M visual tokens (a trained projector over synthetic image features that
                        encode colour, shape, count and size) inserted right after the chat
                        template's first token (position 0 stays the sink token), then a caption
                        of those attributes; loss on the caption tokens only
-    text-only          the same captions and prompts, no visual tokens
-    vision+freeze      vision with the position-0 path below the lowest protected layer frozen
-    vision+protection  vision+freeze plus SinkProtection's Rule K / Rule Q (plan from the start model)
-For each: the Sink Strength trajectory (SinkStrengthCallback), S and prompt-level strict IFEval
-at start and end (40 fixed IFEval keys, instruct protocol, max_gen_toks 128, batch 8, local data
-from LM_EVAL_SINK_DATA), the caption loss (last training steps and a held-out set), and the sink
-margin of the end model against the start model. The start measurements are shared.
+    text-only          the same captions and prompts, no visual tokens (it cannot see the image)
+    vision+protection  vision with the position-0 path below the lowest protected layer frozen and
+                       SinkProtection's Rule K / Rule Q (plan from the start model)
+Per arm and seed: the Sink Strength trajectory (SinkStrengthCallback) and the held-out caption loss
+every `--loss-every` steps; then, with the project's own commands as a user runs them: `strength`
+of the end model, IFEval on all 541 local prompts (`eval`, vLLM backend in the vLLM venv, the
+instruct protocol with the batch left to vLLM, float32, max_gen_toks 256), `margin` and `buckets`
+against the start model, `buckets` of vision+protection against vision, and one HTML `report` per
+arm. The start model's S, protection plan and IFEval are shared.
 
-Each stage writes its result atomically and is skipped when present, so a rerun resumes where
-the last one stopped (a run's training restarts from its start if it was interrupted). Figures:
+Each stage writes its result atomically and is skipped when present, so a rerun resumes where the
+last one stopped (an arm's training restarts from its start if it was interrupted). Figures:
 <output>/results.md, results.json, trajectories.png.
 
-    OMP_NUM_THREADS=1 nohup python benchmarks/exp_vl_adaptation.py --output out/exp_vl &
-    python benchmarks/exp_vl_adaptation.py --output out/exp_vl_gpu --scale 20 --device cuda
-    python benchmarks/exp_vl_adaptation.py --output /tmp/exp_vl_smoke --smoke   # every stage and arm, tiny
+    OMP_NUM_THREADS=1 nohup python benchmarks/exp_vl_adaptation.py --output out/exp_vl2 &
+    python benchmarks/exp_vl_adaptation.py --output out/exp_vl_gpu --scale 10 --device cuda \
+        --lm-eval-python .venv-vllm/bin/python                         # GPU: 10x the steps
+    python benchmarks/exp_vl_adaptation.py --output /tmp/pilot --train-only --runs vision,text-only --seeds 0
+    python benchmarks/exp_vl_adaptation.py --output /tmp/exp_vl_smoke --smoke   # every stage and arm, tiny, HF
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ import argparse
 import json
 import os
 import random
+import shutil
+import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,83 +43,67 @@ from pathlib import Path
 import numpy as np
 import torch
 
-# The 40 IFEval keys evaluated (the first 40 of the 541-prompt file, fixed here).
-IFEVAL_KEYS = (
-    1000,
-    1001,
-    1005,
-    1012,
-    1019,
-    102,
-    1021,
-    1040,
-    1051,
-    1069,
-    1072,
-    1075,
-    1082,
-    1087,
-    1092,
-    1094,
-    1098,
-    1107,
-    1108,
-    1122,
-    1127,
-    1128,
-    1129,
-    1130,
-    1131,
-    1132,
-    1137,
-    1139,
-    1147,
-    1148,
-    1153,
-    1154,
-    1162,
-    1174,
-    1180,
-    1187,
-    1203,
-    1216,
-    1217,
-    1219,
-)
-RUNS = ("vision", "text-only", "vision+freeze", "vision+protection")
+REPO = Path(__file__).resolve().parent.parent
+RUNS = ("vision", "text-only", "vision+protection")
 COLOURS = ("red", "blue", "green", "yellow", "black", "white", "orange", "purple")
 SHAPES = ("circle", "square", "triangle", "star", "cross", "heart", "ring", "arrow")
 SIZES = ("small", "large")
 QUESTION = "Describe the image."
-# Seconds measured on the 2-core shared machine (see docs/training.md), for the printed estimate.
-COST_TRAIN_STEP = 5.0  # batch 4, sequence 64, one thread (measured 4.2-5.4 s)
+N_IFEVAL = 541  # the local IFEval file
+# The instruct protocol (zero-shot, chat template) with the batch left to vLLM's scheduler: lm-eval's
+# fixed batch of 8 would hand vLLM 8 prompts at a time. Written to <output>/protocols.yaml.
+PROTOCOL = "instruct-vllm"
+PROTOCOL_YAML = f"""schema_version: 1
+protocols:
+  {PROTOCOL}:
+    description: The instruct protocol (zero-shot, chat template) with the batch left to vLLM's scheduler.
+    apply_chat_template: true
+    num_fewshot: 0
+    system_instruction: null
+    batch_size: auto
+"""
+# vLLM's CPU build: in-process engine on one OpenMP thread; a 3 GiB KV cache (70k tokens) holds every running
+# IFEval sequence (1 GiB, 23k tokens, does not at 100 sequences).
+VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "3"}
+# No torch.compile: it took 2.3 min per model folder here (vLLM's compile cache is keyed by the path) and decoded
+# no faster in a 100-prompt probe (docs/training.md).
+VLLM_MODEL_ARGS = "enforce_eager=True"
+# Seconds measured on the 2-core shared machine (docs/training.md), for the printed estimate.
+COST_TRAIN_STEP = 4.0  # batch 4, seq 64, one thread (first run: 849 s for 199 steps with 5 S and 10 held-out losses)
 COST_STRENGTH = 7.0  # one Sink Strength measurement, 15 prompts
-COST_IFEVAL_PROMPT = (
-    2.0  # one IFEval prompt at max_gen_toks 128, batch 8, lm-eval start-up included (40 prompts: 30-96 s)
-)
+COST_HELDOUT = 4.0  # held-out caption loss, 32 captions
+COST_IFEVAL_PROMPT = 0.93  # one IFEval prompt, vLLM, max_gen_toks 256 (the start model: 561 s for 541)
+COST_IFEVAL_START = 60.0  # importing vLLM, starting its engine, scoring
+COST_COMMAND = 40.0  # one `strength`, `margin`, `buckets` or `report` process
 
 
 @dataclass(frozen=True)
 class Config:
-    steps: int = 24
+    steps: int = 400  # held-out caption loss still falling at 160-200 steps (docs/training.md)
     batch: int = 4
     seq_len: int = 64
-    lr: float = 3e-4
+    lr: float = 3e-4  # language model
+    projector_lr: float = 1e-3  # the projector, trained from scratch (vision arms)
+    warmup: int = 10
     n_visual: int = 8
     feature_dim: int = 32
-    every: int = 6
-    seed: int = 0
+    every: int = 40  # S trajectory interval
+    loss_every: int = 20  # held-out caption loss interval
     tau: float = 0.05
     last_k: int = 10
     n_eval_captions: int = 32
     device: str = "cpu"
     n_prompts: int | None = None  # calibration prompts of every S measurement (None: all 15)
-    n_ifeval: int = len(IFEVAL_KEYS)
-    max_gen_toks: int = 128
+    ifeval_limit: int | None = None  # None: all 541 prompts
+    max_gen_toks: int = 256
+    backend: str = "vllm"
 
 
-# --smoke: every stage and every arm at the smallest size that still runs it (one step, a few prompts).
-SMOKE = dict(steps=1, batch=2, every=1, n_eval_captions=4, n_prompts=5, n_ifeval=2, max_gen_toks=8)
+# --smoke: every stage and every arm at the smallest size that still runs it (HF backend, no vLLM venv needed).
+SMOKE = dict(
+    steps=2, batch=2, every=1, loss_every=1, warmup=0, n_eval_captions=4, n_prompts=5, ifeval_limit=2, max_gen_toks=8
+)
+SMOKE_BACKEND = "hf"
 
 
 def strength_settings(cfg: Config):
@@ -128,13 +119,17 @@ def caption_of(attrs: tuple[int, int, int, int]) -> str:
 
 
 class Synthetic:
-    """Synthetic images: M patch features = fixed attribute codes + noise; captions name the attributes."""
+    """Synthetic images: M patch features = attribute codes + noise; captions name the attributes.
 
-    def __init__(self, cfg: Config, seed: int) -> None:
-        gen = np.random.default_rng(seed)
+    The codes depend on `code_seed` only, so training and held-out images of a seed share them
+    (the first edition drew them per set, so no held-out image could be read).
+    """
+
+    def __init__(self, cfg: Config, code_seed: int, sample_seed: int) -> None:
+        codes = np.random.default_rng(code_seed)
         self.cfg = cfg
-        self.codes = [gen.normal(size=(n, cfg.feature_dim)) for n in (len(COLOURS), len(SHAPES), 5, len(SIZES))]
-        self.gen = gen
+        self.codes = [codes.normal(size=(n, cfg.feature_dim)) for n in (len(COLOURS), len(SHAPES), 5, len(SIZES))]
+        self.gen = np.random.default_rng(sample_seed)
 
     def sample(self) -> tuple[tuple[int, int, int, int], np.ndarray]:
         g = self.gen
@@ -162,8 +157,8 @@ def encode_example(tokenizer, caption: str, seq_len: int) -> tuple[list[int], li
 
 
 class CaptionData(torch.utils.data.Dataset):
-    def __init__(self, tokenizer, cfg: Config, n: int, seed: int, vision: bool) -> None:
-        syn = Synthetic(cfg, seed)
+    def __init__(self, tokenizer, cfg: Config, n: int, seed: int, stream: int, vision: bool) -> None:
+        syn = Synthetic(cfg, seed, 1000 * stream + seed)
         self.items = []
         width = cfg.seq_len - (cfg.n_visual if vision else 0)
         for _ in range(n):
@@ -178,7 +173,6 @@ class CaptionData(torch.utils.data.Dataset):
                     "image": feats,
                 }
             )
-        self.vision = vision
 
     def __len__(self) -> int:
         return len(self.items)
@@ -208,15 +202,14 @@ def vl_embeds(lm, projector, batch: dict, vision: bool) -> tuple[torch.Tensor, t
 
 
 def caption_loss(lm, projector, data: CaptionData, vision: bool, batch: int) -> float:
-    """Mean token loss on held-out captions."""
+    """Mean token loss on held-out captions (the model's train mode is restored)."""
+    was_training = lm.training
     lm.eval()
     total, count = 0.0, 0
+    device = next(lm.parameters()).device
     with torch.no_grad():
         for i in range(0, len(data), batch):
-            b = {
-                k: v.to(next(lm.parameters()).device)
-                for k, v in collate([data[j] for j in range(i, min(i + batch, len(data)))]).items()
-            }
+            b = {k: v.to(device) for k, v in collate([data[j] for j in range(i, min(i + batch, len(data)))]).items()}
             emb, mask, labels = vl_embeds(lm, projector, b, vision)
             logits = lm(inputs_embeds=emb, attention_mask=mask).logits[:, :-1].float()
             tgt = labels[:, 1:]
@@ -225,78 +218,25 @@ def caption_loss(lm, projector, data: CaptionData, vision: bool, batch: int) -> 
             )
             total += float(loss)
             count += int((tgt != -100).sum())
+    lm.train(was_training)
     return total / count
 
 
-def ifeval_subset(out: Path, keys: tuple[int, ...]) -> Path:
-    """A data folder holding only the chosen IFEval prompts (from LM_EVAL_SINK_DATA)."""
-    src_root = os.environ.get("LM_EVAL_SINK_DATA")
-    if not src_root:
-        raise SystemExit(
-            "error: LM_EVAL_SINK_DATA is not set (fix: point it at the offline data folder, e.g. "
-            "LM_EVAL_SINK_DATA=/work/shared/data)"
-        )
-    from lm_eval_sink.io import atomic_write_text
+def held_out_callback(projector, held_out: CaptionData, vision: bool, cfg: Config, points: list):
+    """A TrainerCallback appending (step, held-out caption loss) every cfg.loss_every steps and at the end."""
+    from transformers import TrainerCallback
 
-    rows = {
-        json.loads(line)["key"]: line
-        for line in Path(src_root, "ifeval", "input_data.jsonl").read_text(encoding="utf-8").splitlines()
-        if line.strip()
-    }
-    missing = [k for k in keys if k not in rows]
-    if missing:
-        raise SystemExit(
-            f"error: IFEval keys {missing[:5]} are not in {src_root}/ifeval/input_data.jsonl (fix: use "
-            "the full 541-prompt file)"
-        )
-    folder = out / f"ifeval{len(keys)}"
-    atomic_write_text(folder / "ifeval" / "input_data.jsonl", "".join(rows[k] + "\n" for k in keys))
-    return folder
+    class HeldOutLoss(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kw):
+            if state.global_step % cfg.loss_every == 0 or state.global_step == state.max_steps:
+                points.append((state.global_step, caption_loss(model, projector, held_out, vision, cfg.batch)))
+                print(f"  step {points[-1][0]}: held-out caption loss {points[-1][1]:.3f}", flush=True)
+
+    return HeldOutLoss()
 
 
-def ifeval_score(model_dir: Path, out: Path, data: Path, cfg: Config) -> dict:
-    """Prompt-level strict IFEval on the chosen keys (instruct protocol); cached in out/ifeval.json."""
-    from lm_eval_sink.harness.runner import EvalSettings, run_lm_eval
-    from lm_eval_sink.io import atomic_write_json, read_json
-    from lm_eval_sink.protocols import get_protocol, settings_fields
-
-    done = out / "ifeval.json"
-    if done.is_file():
-        return read_json(done)
-    fields = settings_fields(
-        get_protocol("instruct"),
-        tasks=["ifeval"],
-        gen_kwargs={"max_gen_toks": cfg.max_gen_toks},
-        dtype="float32",
-        device=cfg.device,
-    )
-    t = time.time()
-    run = run_lm_eval(model_dir, EvalSettings(**fields), out / "lm_eval", env={"LM_EVAL_SINK_DATA": str(data)})
-    res = json.loads(Path(run.results).read_text(encoding="utf-8"))["results"]["ifeval"]
-    record = {
-        "prompt_level_strict_acc": res["prompt_level_strict_acc,none"],
-        "inst_level_strict_acc": res["inst_level_strict_acc,none"],
-        "n_prompts": cfg.n_ifeval,
-        "results": str(run.results),
-        "seconds": round(time.time() - t, 1),
-    }
-    atomic_write_json(done, record)
-    return record
-
-
-def strength_json(model_dir: Path, path: Path, cfg: Config) -> dict:
-    from lm_eval_sink.io import atomic_write_json, read_json
-    from lm_eval_sink.strength import measure_model
-
-    if path.is_file():
-        return read_json(path)
-    res = measure_model(str(model_dir), strength_settings(cfg), dtype="float32", device=cfg.device, progress=False)
-    atomic_write_json(path, res.to_json())
-    return res.to_json()
-
-
-def train_run(name: str, start_dir: Path, plan_path: Path, out: Path, cfg: Config) -> dict:
-    """Train one run; save the language model to out/model; returns the training record."""
+def train_run(name: str, start_dir: Path, plan_path: Path, out: Path, cfg: Config, seed: int) -> dict:
+    """Train one arm; save the language model to out/model; returns the training record."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
     from lm_eval_sink.io import atomic_write_json, read_json, staged_dir
@@ -306,26 +246,26 @@ def train_run(name: str, start_dir: Path, plan_path: Path, out: Path, cfg: Confi
     if record_path.is_file() and (out / "model" / "config.json").is_file():
         return read_json(record_path)
     vision = name != "text-only"
-    random.seed(cfg.seed)
-    np.random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
     tok = AutoTokenizer.from_pretrained(start_dir)
     lm = AutoModelForCausalLM.from_pretrained(start_dir, dtype=torch.float32).to(cfg.device)
     hidden = lm.config.hidden_size
     projector = torch.nn.Sequential(
         torch.nn.Linear(cfg.feature_dim, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, hidden)
     ).to(cfg.device)
-    callbacks = []
     protection = None
-    if name in ("vision+freeze", "vision+protection"):
-        protection = SinkProtection.from_plan(plan_path, freeze=True, project=name == "vision+protection")
+    if name == "vision+protection":
+        protection = SinkProtection.from_plan(plan_path, freeze=True, project=True)
         protection.freeze(lm)
-        callbacks.append(protection)
-    train = CaptionData(tok, cfg, cfg.steps * cfg.batch, cfg.seed + 1, vision)
-    held_out = CaptionData(tok, cfg, cfg.n_eval_captions, cfg.seed + 2, vision)
-    loss_start = caption_loss(lm, projector if vision else None, held_out, vision, cfg.batch)
-    params = [p for p in lm.parameters() if p.requires_grad] + (list(projector.parameters()) if vision else [])
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    train = CaptionData(tok, cfg, cfg.steps * cfg.batch, seed, 1, vision)
+    held_out = CaptionData(tok, cfg, cfg.n_eval_captions, seed, 2, vision)
+    held = [(0, caption_loss(lm, projector, held_out, vision, cfg.batch))]
+    groups = [{"params": [p for p in lm.parameters() if p.requires_grad], "lr": cfg.lr}]
+    if vision:
+        groups.append({"params": list(projector.parameters()), "lr": cfg.projector_lr})
+    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=0.0)
 
     class VLTrainer(Trainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -338,19 +278,20 @@ def train_run(name: str, start_dir: Path, plan_path: Path, out: Path, cfg: Confi
         max_steps=cfg.steps,
         per_device_train_batch_size=cfg.batch,
         learning_rate=cfg.lr,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
+        lr_scheduler_type="constant_with_warmup",
+        warmup_steps=cfg.warmup,
         logging_steps=1,
         save_strategy="no",
         report_to=[],
-        seed=cfg.seed,
-        data_seed=cfg.seed,
+        seed=seed,
+        data_seed=seed,
         remove_unused_columns=False,
         dataloader_num_workers=0,
         use_cpu=cfg.device == "cpu",
-        disable_tqdm=False,
+        disable_tqdm=True,
         max_grad_norm=1.0,
     )
+    callbacks = [held_out_callback(projector, held_out, vision, cfg, held)] + ([protection] if protection else [])
     trainer = VLTrainer(
         model=lm,
         args=args,
@@ -364,7 +305,6 @@ def train_run(name: str, start_dir: Path, plan_path: Path, out: Path, cfg: Confi
     trainer.train()
     seconds = time.time() - t
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    loss_end = caption_loss(lm, projector if vision else None, held_out, vision, cfg.batch)
     prompt = tok.apply_chat_template(
         [{"role": "user", "content": QUESTION}], add_generation_prompt=True, tokenize=True, return_dict=False
     )
@@ -377,11 +317,13 @@ def train_run(name: str, start_dir: Path, plan_path: Path, out: Path, cfg: Confi
         tok.save_pretrained(tmp)
     record = {
         "run": name,
+        "seed": seed,
         "train_seconds": round(seconds, 1),
         "train_loss_first": losses[0] if losses else None,
-        "train_loss_last5": float(np.mean(losses[-5:])) if losses else None,
-        "heldout_caption_loss_start": loss_start,
-        "heldout_caption_loss_end": loss_end,
+        "train_loss_last10": float(np.mean(losses[-10:])) if losses else None,
+        "heldout_caption_loss_start": held[0][1],
+        "heldout_caption_loss_end": held[-1][1],
+        "heldout_trajectory": held,
         "frozen_parameters": frozen,
         "trajectory": [(r["step"], r["sink_strength"]) for r in cb.records],
         "protection_report": None if report is None else {str(k): v for k, v in report.items()},
@@ -390,196 +332,428 @@ def train_run(name: str, start_dir: Path, plan_path: Path, out: Path, cfg: Confi
     return record
 
 
-def margin_of(start_dir: Path, model_dir: Path, path: Path, cfg: Config) -> dict:
-    from lm_eval_sink.io import atomic_write_json, read_json
-    from lm_eval_sink.commands.margin import measure_margin
-    from lm_eval_sink.margin import MarginSettings
+def command(args: list, dest: Path, env: dict[str, str] | None = None, output_flag: str = "--output") -> Path:
+    """Run `lm-eval-sink ARGS --output <dest>.run --force` and rename to dest on success; skipped when dest exists.
 
-    if path.is_file():
-        return read_json(path)
-    m, _ = measure_margin(
-        str(start_dir),
-        str(model_dir),
-        MarginSettings(strength=strength_settings(cfg), last_k=cfg.last_k),
-        dtype="float32",
-        device=cfg.device,
-        progress=False,
+    The rename makes every command's result a stage: present only when the command finished.
+    """
+    if dest.exists():
+        return dest
+    tmp = dest.with_name(dest.name + ".run")
+    if tmp.is_dir():  # what an interrupted attempt left
+        shutil.rmtree(tmp)
+    cmd = [sys.executable, "-m", "lm_eval_sink.cli", *map(str, args), output_flag, str(tmp), "--force"]
+    print("$ lm-eval-sink " + " ".join(cmd[3:]), flush=True)
+    t = time.time()
+    proc = subprocess.run(cmd, env={**os.environ, **(env or {})}, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"error: lm-eval-sink {args[0]} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    tmp.rename(dest)
+    print(f"  ({time.time() - t:.0f} s)", flush=True)
+    return dest
+
+
+def ifeval(model_dir: Path, dest: Path, cfg: Config, protocol_file: Path, python: str) -> Path:
+    """IFEval through `lm-eval-sink eval` (vLLM in its venv, or HF for --smoke)."""
+    args = [
+        "eval",
+        model_dir,
+        "--tasks",
+        "ifeval",
+        "--dtype",
+        "float32",
+        "--gen-kwargs",
+        f"max_gen_toks={cfg.max_gen_toks}",
+    ]
+    if cfg.ifeval_limit:
+        args += ["--limit", cfg.ifeval_limit]
+    if cfg.backend == "vllm":
+        args += ["--protocol", PROTOCOL, "--protocol-file", protocol_file, "--backend", "vllm"]
+        args += ["--lm-eval-python", python, "--model-args", VLLM_MODEL_ARGS]
+        return command(args, dest, VLLM_ENV)
+    return command([*args, "--protocol", "instruct", "--device", cfg.device], dest)
+
+
+def ifeval_scores(folder: Path) -> dict:
+    """Prompt / instruction level, strict / loose accuracy from an `eval` folder's results JSON."""
+    res = json.loads(next(folder.rglob("results_*.json")).read_text(encoding="utf-8"))["results"]["ifeval"]
+    return {
+        k: res[f"{k},none"]
+        for level in ("prompt", "inst")
+        for k in (f"{level}_level_strict_acc", f"{level}_level_loose_acc")
+    }
+
+
+def strength_of(folder: Path) -> dict:
+    return json.loads(next(folder.glob("*.strength.json")).read_text(encoding="utf-8"))
+
+
+def buckets_summary(folder: Path) -> dict:
+    b = json.loads((folder / "buckets.json").read_text(encoding="utf-8"))
+    if "tasks" in b:  # several tasks: the IFEval one
+        b = next(t for t in b["tasks"] if t.get("task") == "ifeval")
+    keys = ("n", "counts", "reference_score", "candidate_score", "delta", "delta_ci", "mcnemar_p", "truncation")
+    return {k: b.get(k) for k in keys}
+
+
+def arm_stages(name: str, seed: int, ctx: dict, cfg: Config) -> dict:
+    """Every stage of one arm and seed; returns its row of the results."""
+    folder = ctx["out"] / f"seed{seed}" / name.replace("+", "_")
+    folder.mkdir(parents=True, exist_ok=True)
+    start, model = ctx["start"], folder / "model"
+    tr = train_run(name, ctx["start_dir"], ctx["plan"], folder, cfg, seed)
+    sl = ["--last-k", cfg.last_k, "--dtype", "float32", "--device", cfg.device, "--quiet"]
+    sl += ["--n-prompts", cfg.n_prompts] if cfg.n_prompts else []
+    command(["strength", model, *sl], folder / "strength")
+    ifeval(model, folder / "ifeval", cfg, ctx["protocol_file"], ctx["python"])
+    command(["margin", ctx["start_dir"], model, *sl], folder / "margin")
+    bk = ["--same-protocol", "--tokenizer", ctx["start_dir"], "--max-gen-toks", cfg.max_gen_toks, "--quiet"]
+    command(["buckets", start / "ifeval", folder / "ifeval", *bk], folder / "buckets_vs_start")
+    report = [
+        "report",
+        "--strength",
+        next((start / "strength").glob("*.strength.json")),
+        next((folder / "strength").glob("*.strength.json")),
+        "--margin",
+        folder / "margin",
+        "--buckets",
+        folder / "buckets_vs_start",
+        "--title",
+        f"{name}, seed {seed}, vs the start model",
+    ]
+    command(report, folder / "report.html", output_flag="-o")
+    margin = json.loads((folder / "margin" / "margin.json").read_text(encoding="utf-8"))
+    return {
+        "train": tr,
+        "s_end": strength_of(folder / "strength")["sink_strength"],
+        "ifeval": ifeval_scores(folder / "ifeval"),
+        "buckets_vs_start": buckets_summary(folder / "buckets_vs_start"),
+        "margin": margin["summary"],
+        "report": str(folder / "report.html"),
+    }
+
+
+def estimate_seconds(cfg: Config, n_arms: int, n_seeds: int, train_only: bool) -> float:
+    """Wall time on this machine's measured costs (module constants)."""
+    per_arm = (
+        cfg.steps * COST_TRAIN_STEP
+        + (cfg.steps // cfg.every + 2) * COST_STRENGTH
+        + (cfg.steps // cfg.loss_every + 2) * COST_HELDOUT
     )
-    atomic_write_json(path, m.to_json())
-    return m.to_json()
+    if train_only:
+        return n_arms * n_seeds * per_arm
+    n_ifeval = cfg.ifeval_limit or N_IFEVAL
+    one_eval = n_ifeval * COST_IFEVAL_PROMPT + COST_IFEVAL_START
+    per_arm += one_eval + 4 * COST_COMMAND
+    return n_arms * n_seeds * per_arm + one_eval + COST_COMMAND * (1 + n_seeds)
 
 
-def main() -> None:
+def start_stages(ctx: dict, cfg: Config, eval_too: bool) -> None:
+    """The start model's S (`strength`), protection plan and IFEval, shared by every arm and seed."""
+    from lm_eval_sink.io import atomic_write_json, provenance, read_json
+    from lm_eval_sink.models import load_model
+    from lm_eval_sink.training.protection import select_sink_heads
+
+    start, start_dir = ctx["start"], ctx["start_dir"]
+    sl = ["--last-k", cfg.last_k, "--dtype", "float32", "--device", cfg.device, "--quiet"]
+    command(
+        ["strength", start_dir, *sl, *(["--n-prompts", cfg.n_prompts] if cfg.n_prompts else [])], start / "strength"
+    )
+    if not ctx["plan"].is_file():
+        loaded = load_model(str(start_dir), dtype="float32")
+        plan = select_sink_heads(loaded.model, loaded.tokenizer, strength_settings(cfg), tau=cfg.tau, progress=False)
+        atomic_write_json(
+            ctx["plan"], {**plan.to_json(), "provenance": {**plan.provenance, **provenance(model=loaded.info)}}
+        )
+        del loaded
+    plan = read_json(ctx["plan"])
+    print(
+        f"start: S = {strength_of(start / 'strength')['sink_strength']:.4f}; plan protects "
+        f"{sum(h['selected'] for h in plan['heads'])} of {len(plan['heads'])} heads in layers "
+        f"{[lp['layer'] for lp in plan['layers']]}, rank of U "
+        f"{sorted({lp['max_u_rank'] for lp in plan['layers']})} of {plan['head_dim']} (tau {cfg.tau})",
+        flush=True,
+    )
+    if eval_too:
+        ifeval(start_dir, start / "ifeval", cfg, ctx["protocol_file"], ctx["python"])
+        print(f"start: IFEval {ifeval_scores(start / 'ifeval')}", flush=True)
+
+
+def fmt_p(p: float | None) -> str:
+    return "n/a" if p is None else f"{p:.3g}"
+
+
+def tables(start: dict, rows: dict, pairs: dict) -> str:
+    """results.md: IFEval, buckets, S, margin and caption-loss tables."""
+    from lm_eval_sink.tables import markdown_table
+
+    def ife(r: dict) -> list[str]:
+        return [
+            f"{r[k]:.4f}"
+            for k in (
+                "prompt_level_strict_acc",
+                "prompt_level_loose_acc",
+                "inst_level_strict_acc",
+                "inst_level_loose_acc",
+            )
+        ]
+
+    ife_rows = [["start", "-", *ife(start["ifeval"])]] + [[n, str(s), *ife(r["ifeval"])] for (n, s), r in rows.items()]
+    out = ["## IFEval (541 prompts)" if not start.get("limit") else f"## IFEval (first {start['limit']} prompts)"]
+    out.append(
+        markdown_table(["model", "seed", "prompt strict", "prompt loose", "inst strict", "inst loose"], ife_rows)
+    )
+
+    def bk(label: str, b: dict) -> list[str]:
+        c, ci = b["counts"] or {}, b["delta_ci"]
+        trunc = (b.get("truncation") or {}).get("regressions_truncated", "n/a")
+        return [
+            label,
+            str(b["n"]),
+            str(c.get("regression")),
+            str(c.get("recovered")),
+            f"{b['delta']:+.4f}",
+            f"[{ci[0]:+.4f}, {ci[1]:+.4f}]",
+            fmt_p(b["mcnemar_p"]),
+            str(trunc),
+        ]
+
+    bk_rows = [bk(f"{n} (seed {s}) vs start", r["buckets_vs_start"]) for (n, s), r in rows.items()]
+    bk_rows += [bk(f"vision+protection vs vision (seed {s})", b) for s, b in pairs.items()]
+    out.append("## Paired prompt-level strict IFEval (`lm-eval-sink buckets`)")
+    out.append(
+        markdown_table(
+            [
+                "comparison",
+                "n",
+                "regressed",
+                "improved",
+                "delta",
+                "95% bootstrap CI",
+                "McNemar p",
+                "regressions truncated",
+            ],
+            bk_rows,
+        )
+    )
+    s0 = start["sink_strength"]
+    other = []
+    for (n, s), r in rows.items():
+        tr, mg = r["train"], r["margin"]
+        other.append(
+            [
+                n,
+                str(s),
+                f"{s0:.4f}",
+                f"{r['s_end']:.4f}",
+                f"{mg['margin_median']:.3f}",
+                f"{mg['margin_min']:.3f}",
+                f"{mg['n_negative_margin']}/{mg['n_heads_total']}",
+                f"{tr['heldout_caption_loss_start']:.3f}",
+                f"{tr['heldout_caption_loss_end']:.3f}",
+                f"{tr['train_seconds']:.0f}",
+            ]
+        )
+    out.append("## S, margin (`lm-eval-sink margin` vs the start model), held-out caption loss")
+    out.append(
+        markdown_table(
+            [
+                "arm",
+                "seed",
+                "S start",
+                "S end",
+                "margin median",
+                "margin min",
+                "negative-margin heads",
+                "caption loss start",
+                "caption loss end",
+                "train s",
+            ],
+            other,
+        )
+    )
+    traj = [
+        [
+            n,
+            str(s),
+            " / ".join(f"{st}: {v:.3f}" for st, v in r["train"]["trajectory"]),
+            " / ".join(f"{st}: {v:.3f}" for st, v in r["train"]["heldout_trajectory"]),
+        ]
+        for (n, s), r in rows.items()
+    ]
+    out.append("## Trajectories (step: value)")
+    out.append(markdown_table(["arm", "seed", "S", "held-out caption loss"], traj))
+    return "\n\n".join(out) + "\n"
+
+
+def truncated(folder: Path, tokenizer, limit: int) -> int:
+    """Responses of an `eval` folder whose token count reached the generation limit (less 2)."""
+    rows = [json.loads(x) for f in folder.rglob("samples_ifeval_*.jsonl") for x in f.read_text().splitlines() if x]
+    return sum(len(tokenizer(r["resps"][0][0], add_special_tokens=False)["input_ids"]) >= limit - 2 for r in rows)
+
+
+def plot(rows: dict, path: Path, title: str) -> None:
+    """S and held-out caption loss against optimizer step, one line per arm and seed."""
+    from lm_eval_sink.plots import _pyplot, save_figure
+
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    for (name, seed), r in rows.items():
+        for ax, key in zip(axes, ("trajectory", "heldout_trajectory"), strict=True):
+            pts = r["train"][key]
+            ax.plot(
+                [p[0] for p in pts], [p[1] for p in pts], "o-" if seed == 0 else "s--", ms=3, label=f"{name} s{seed}"
+            )
+    for ax, label in zip(axes, ("Sink Strength S", "held-out caption loss (nats/token)"), strict=True):
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7, loc="best")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
+def parse() -> tuple[argparse.Namespace, Config]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--output", default="out/exp_vl_adaptation")
-    ap.add_argument("--steps", type=int, default=Config.steps)
-    ap.add_argument("--batch", type=int, default=Config.batch)
-    ap.add_argument("--lr", type=float, default=Config.lr)
-    ap.add_argument("--every", type=int, default=Config.every)
-    ap.add_argument("--tau", type=float, default=Config.tau)
-    ap.add_argument("--seed", type=int, default=Config.seed)
-    ap.add_argument(
-        "--scale", type=int, default=1, help="multiply steps and the trajectory interval (e.g. 20 on a GPU)"
-    )
+    ap.add_argument("--output", default="out/exp_vl2")
+    for f in ("steps", "batch", "every", "loss_every", "warmup", "max_gen_toks"):
+        ap.add_argument(f"--{f.replace('_', '-')}", type=int, default=getattr(Config, f))
+    for f in ("lr", "projector_lr", "tau"):
+        ap.add_argument(f"--{f.replace('_', '-')}", type=float, default=getattr(Config, f))
+    ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--scale", type=int, default=1, help="multiply steps and both intervals (e.g. 10 on a GPU)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--model", default="default", help="start model (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--runs", default=",".join(RUNS))
-    ap.add_argument("--smoke", action="store_true", help=f"every stage at a tiny size, to check it runs: {SMOKE}")
+    ap.add_argument("--lm-eval-python", default=str(REPO / ".venv-vllm" / "bin" / "python"), help="the vLLM venv")
+    ap.add_argument("--train-only", action="store_true", help="train and log the held-out loss only (the pilot)")
+    ap.add_argument("--smoke", action="store_true", help=f"every stage at a tiny size, HF backend: {SMOKE}")
     a = ap.parse_args()
-    cfg = Config(
-        **{
-            "steps": a.steps * a.scale,
-            "batch": a.batch,
-            "lr": a.lr,
-            "every": a.every * a.scale,
-            "tau": a.tau,
-            "seed": a.seed,
-            "device": a.device,
-            **(SMOKE if a.smoke else {}),
-        }
-    )
-    runs = [r for r in a.runs.split(",") if r]
-    bad = [r for r in runs if r not in RUNS]
+    fields = {f: getattr(a, f) for f in ("batch", "lr", "projector_lr", "warmup", "tau", "device", "max_gen_toks")}
+    fields |= {f: getattr(a, f) * a.scale for f in ("steps", "every", "loss_every")}
+    cfg = Config(**{**fields, **(dict(SMOKE, backend=SMOKE_BACKEND) if a.smoke else {})})
+    bad = [r for r in a.runs.split(",") if r not in RUNS]
     if bad:
         raise SystemExit(f"error: unknown run(s) {bad} (fix: choose from {', '.join(RUNS)})")
+    if cfg.backend == "vllm" and not a.train_only and not Path(a.lm_eval_python).is_file():
+        raise SystemExit(f"error: {a.lm_eval_python} is absent (fix: `make venv-vllm`, or pass --lm-eval-python)")
+    return a, cfg
+
+
+def main() -> None:
+    a, cfg = parse()
+    runs = [r for r in a.runs.split(",") if r]
+    seeds = [int(s) for s in a.seeds.split(",") if s]
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
-    from lm_eval_sink.io import atomic_write_json, atomic_write_text, provenance, read_json
-    from lm_eval_sink.models import load_model, model_fingerprint, resolve_model
-    from lm_eval_sink.training.callback import trajectory_plot
-    from lm_eval_sink.training.protection import select_sink_heads
+    from transformers import AutoTokenizer
+
+    from lm_eval_sink.io import atomic_write_json, atomic_write_text, read_json
+    from lm_eval_sink.models import model_fingerprint, resolve_model
 
     out = Path(a.output)
     out.mkdir(parents=True, exist_ok=True)
-    cfg_path = out / "config.json"
     start_dir = Path(resolve_model(a.model))
-    start_model = model_fingerprint(str(start_dir))
-    if cfg_path.is_file() and [read_json(cfg_path)[k] for k in ("config", "start_model")] != [asdict(cfg), start_model]:
+    recorded = {"config": asdict(cfg), "start_model": model_fingerprint(str(start_dir))}
+    cfg_path = out / "config.json"
+    if cfg_path.is_file() and {k: read_json(cfg_path)[k] for k in recorded} != recorded:
         raise SystemExit(
             f"error: {out} holds a run with other settings or another start model "
             "(fix: use another --output, or the same options)"
         )
-    keys = IFEVAL_KEYS[: cfg.n_ifeval]
-    atomic_write_json(
-        cfg_path,
-        {"config": asdict(cfg), "runs": runs, "ifeval_keys": list(keys), "start_model": start_model},
-    )
-    n_measure = cfg.steps // cfg.every + 2
-    est = (
-        len(runs) * (cfg.steps * COST_TRAIN_STEP + n_measure * COST_STRENGTH + 3 * COST_STRENGTH)
-        + (len(runs) + 1) * len(keys) * COST_IFEVAL_PROMPT
-    )
+    atomic_write_json(cfg_path, {**recorded, "runs": runs, "seeds": seeds})
+    protocol_file = out / "protocols.yaml"
+    atomic_write_text(protocol_file, PROTOCOL_YAML)
+    est = estimate_seconds(cfg, len(runs), len(seeds), a.train_only)
+    n_ifeval = cfg.ifeval_limit or N_IFEVAL
     print(
-        f"estimate on this machine's measured costs: ~{est / 60:.0f} min ({len(runs)} runs x "
-        f"{cfg.steps} steps, batch {cfg.batch}, seq {cfg.seq_len}, lr {cfg.lr}; "
-        f"{len(runs) + 1} IFEval runs of {len(keys)} prompts; finished stages in {out} are reused)",
+        f"estimate on this machine's measured costs: ~{est / 60:.0f} min ({len(runs)} arms x {len(seeds)} seeds x "
+        f"{cfg.steps} steps, batch {cfg.batch}, seq {cfg.seq_len}, lr {cfg.lr} (projector {cfg.projector_lr}); "
+        + (
+            "training only"
+            if a.train_only
+            else f"{len(runs) * len(seeds) + 1} IFEval runs of {n_ifeval} prompts, "
+            f"{cfg.backend}, max_gen_toks {cfg.max_gen_toks}"
+        )
+        + f"; finished stages in {out} are reused)",
         flush=True,
     )
     t0 = time.time()
-    data = ifeval_subset(out, keys)
-    start = out / "start"
-    start.mkdir(exist_ok=True)
-    s_start = strength_json(start_dir, start / "strength.json", cfg)
-    plan_path = start / "plan.json"
-    if not plan_path.is_file():
-        loaded = load_model(str(start_dir), dtype="float32")
-        plan = select_sink_heads(loaded.model, loaded.tokenizer, strength_settings(cfg), tau=cfg.tau, progress=False)
-        atomic_write_json(
-            plan_path, {**plan.to_json(), "provenance": {**plan.provenance, **provenance(model=loaded.info)}}
-        )
-        del loaded
-    plan = read_json(plan_path)
-    print(
-        f"start: S = {s_start['sink_strength']:.4f}; plan protects "
-        f"{sum(h['selected'] for h in plan['heads'])} of {len(plan['heads'])} heads in layers "
-        f"{[lp['layer'] for lp in plan['layers']]}, rank of U "
-        f"{sorted({lp['max_u_rank'] for lp in plan['layers']})} of {plan['head_dim']} (tau "
-        f"{cfg.tau})",
-        flush=True,
-    )
-    if_start = ifeval_score(start_dir, start, data, cfg)
-    print(
-        f"start: IFEval prompt-strict {if_start['prompt_level_strict_acc']:.3f} ({if_start['seconds']} s)", flush=True
-    )
-    rows = {}
-    for name in runs:
-        folder = out / name.replace("+", "_")
-        folder.mkdir(exist_ok=True)
-        tr = train_run(name, start_dir, plan_path, folder, cfg)
-        s_end = strength_json(folder / "model", folder / "strength.json", cfg)
-        ife = ifeval_score(folder / "model", folder, data, cfg)
-        mg = margin_of(start_dir, folder / "model", folder / "margin.json", cfg)
-        rows[name] = {
-            "train": tr,
-            "s_end": s_end["sink_strength"],
-            "ifeval": ife["prompt_level_strict_acc"],
-            "ifeval_seconds": ife["seconds"],
-            "margin": mg["summary"],
-        }
-        print(
-            f"{name}: S {s_start['sink_strength']:.4f} -> {s_end['sink_strength']:.4f}, IFEval "
-            f"{if_start['prompt_level_strict_acc']:.3f} -> {ife['prompt_level_strict_acc']:.3f}, "
-            f"held-out caption loss {tr['heldout_caption_loss_start']:.3f} -> "
-            f"{tr['heldout_caption_loss_end']:.3f}, margin median {mg['summary']['margin_median']:.3f}, "
-            "negative-margin heads "
-            f"{mg['summary']['n_negative_margin']}/{mg['summary']['n_heads_total']} "
-            f"({time.time() - t0:.0f} s so far)",
-            flush=True,
-        )
-    head = [
-        "run",
-        "S start",
-        "S end",
-        "IFEval start",
-        "IFEval end",
-        "caption loss (held-out) start",
-        "end",
-        "train loss last 5",
-        "margin median",
-        "margin min",
-        "negative-margin heads",
-        "train s",
-    ]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for name, r in rows.items():
-        tr, mg = r["train"], r["margin"]
-        lines.append(
-            "| "
-            + " | ".join(
-                [
-                    name,
-                    f"{s_start['sink_strength']:.4f}",
-                    f"{r['s_end']:.4f}",
-                    f"{if_start['prompt_level_strict_acc']:.3f}",
-                    f"{r['ifeval']:.3f}",
-                    f"{tr['heldout_caption_loss_start']:.3f}",
-                    f"{tr['heldout_caption_loss_end']:.3f}",
-                    "n/a" if tr["train_loss_last5"] is None else f"{tr['train_loss_last5']:.3f}",
-                    f"{mg['margin_median']:.3f}",
-                    f"{mg['margin_min']:.3f}",
-                    f"{mg['n_negative_margin']}/{mg['n_heads_total']}",
-                    f"{tr['train_seconds']:.0f}",
-                ]
+    ctx = {
+        "out": out,
+        "start": out / "start",
+        "start_dir": start_dir,
+        "plan": out / "start" / "plan.json",
+        "protocol_file": protocol_file,
+        "python": a.lm_eval_python,
+    }
+    ctx["start"].mkdir(exist_ok=True)
+    start_stages(ctx, cfg, eval_too=not a.train_only)
+    rows, pairs = {}, {}
+    for seed in seeds:
+        for name in runs:
+            if a.train_only:
+                folder = out / f"seed{seed}" / name.replace("+", "_")
+                folder.mkdir(parents=True, exist_ok=True)
+                rows[name, seed] = {"train": train_run(name, start_dir, ctx["plan"], folder, cfg, seed)}
+            else:
+                rows[name, seed] = arm_stages(name, seed, ctx, cfg)
+            tr = rows[name, seed]["train"]
+            print(
+                f"{name} seed {seed}: held-out caption loss "
+                f"{' / '.join(f'{s}: {v:.3f}' for s, v in tr['heldout_trajectory'])}"
+                f"; S {tr['trajectory'][0][1]:.3f} -> {tr['trajectory'][-1][1]:.3f}; train {tr['train_seconds']:.0f} s "
+                f"({time.time() - t0:.0f} s so far)",
+                flush=True,
             )
-            + " |"
+        if not a.train_only and {"vision", "vision+protection"} <= set(runs):
+            seed_dir = out / f"seed{seed}"
+            bk = ["--same-protocol", "--tokenizer", start_dir, "--max-gen-toks", cfg.max_gen_toks, "--quiet"]
+            dest = seed_dir / "buckets_protection_vs_vision"
+            command(["buckets", seed_dir / "vision" / "ifeval", seed_dir / "vision_protection" / "ifeval", *bk], dest)
+            pairs[seed] = buckets_summary(dest)
+    title = (
+        f"{'SmolLM2-135M-Instruct' if a.model == 'default' else start_dir.name}, {cfg.steps} steps, batch "
+        f"{cfg.batch}, lr {cfg.lr} (projector {cfg.projector_lr}), seeds {seeds}"
+    )
+    plot(rows, out / "trajectories.png", title)
+    if a.train_only:
+        print(f"-> {out / 'trajectories.png'} ({time.time() - t0:.0f} s this invocation)")
+        return
+    tok = AutoTokenizer.from_pretrained(start_dir)
+    start = {
+        "sink_strength": strength_of(ctx["start"] / "strength")["sink_strength"],
+        "limit": cfg.ifeval_limit,
+        "ifeval": ifeval_scores(ctx["start"] / "ifeval"),
+    }
+    truncs = {"start": truncated(ctx["start"] / "ifeval", tok, cfg.max_gen_toks)}
+    for (name, seed), r in rows.items():
+        truncs[f"{name} seed {seed}"] = r["truncated"] = truncated(
+            out / f"seed{seed}" / name.replace("+", "_") / "ifeval", tok, cfg.max_gen_toks
         )
-    atomic_write_text(out / "results.md", "\n".join(lines) + "\n")
+    md = (
+        tables(start, rows, pairs)
+        + "\n"
+        + " ".join(
+            [f"Responses that reached max_gen_toks {cfg.max_gen_toks} (of {n_ifeval}):"]
+            + [f"{k} {v};" for k, v in truncs.items()]
+        )
+        + "\n"
+    )
+    atomic_write_text(out / "results.md", md)
     atomic_write_json(
         out / "results.json",
         {
             "config": asdict(cfg),
-            "start": {"sink_strength": s_start["sink_strength"], "ifeval": if_start},
-            "runs": rows,
+            "seeds": seeds,
+            "start": {**start, "truncated": truncs["start"]},
+            "runs": {f"{n}|seed{s}": r for (n, s), r in rows.items()},
+            "protection_vs_vision": {str(s): b for s, b in pairs.items()},
             "wall_seconds_this_invocation": round(time.time() - t0, 1),
         },
     )
-    trajectory_plot(
-        {n: [tuple(p) for p in r["train"]["trajectory"]] for n, r in rows.items()},
-        out / "trajectories.png",
-        f"{'SmolLM2-135M-Instruct' if a.model == 'default' else start_dir.name}, "
-        f"{cfg.steps} steps, batch {cfg.batch}, lr {cfg.lr}",
-    )
-    print("\n".join(lines))
+    print(md)
     print(f"-> {out / 'results.md'}, {out / 'trajectories.png'} ({time.time() - t0:.0f} s this invocation)")
 
 
