@@ -24,3 +24,9 @@ class UserError(Exception):
 class SinkWarning(UserWarning):
     """Something the user should know that does not stop the run (a result limited by it, a hook that could not
     register)."""
+
+
+def one_line(e: Exception) -> str:
+    """An exception as the one line a failed unit or task is reported with: a UserError's line, else `Type: msg`."""
+    line = e.line() if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
+    return (line.splitlines() or [""])[0]

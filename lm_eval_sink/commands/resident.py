@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lm_eval_sink.errors import UserError
+from lm_eval_sink.errors import UserError, one_line
 from lm_eval_sink.merging.sweep import Checkpoint, Plan, SweepSpec, Unit
 
 FIX = "set merge: {in_memory: false} (or pass --on-disk)"
@@ -154,7 +154,7 @@ def _attempt(fn: Callable[[], Any]) -> str | None:
     try:
         fn()
     except Exception as e:  # one failed unit must not stop the sweep
-        return (e.line() if isinstance(e, UserError) else f"{type(e).__name__}: {e}").splitlines()[0]
+        return one_line(e)
     return None
 
 

@@ -47,7 +47,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from lm_eval_sink.errors import UserError
+from lm_eval_sink.errors import UserError, one_line
 from lm_eval_sink.schema import Strict
 
 KINDS = ("local", "ray")
@@ -348,8 +348,7 @@ def run_task(
         with task_log(log_path) if log_path is not None else contextlib.nullcontext():
             return fn(), None
     except Exception as e:
-        line = e.line() if isinstance(e, UserError) else f"{type(e).__name__}: {e}"
-        return None, (line.splitlines() or [""])[0]
+        return None, one_line(e)
 
 
 def _placed(fn: Callable[[], Any]) -> Callable[[], Any]:
