@@ -21,7 +21,8 @@ Memory: RSS after the resident model is loaded (imports, model, TaskManager), th
 whole run (ru_maxrss), and the resident model's parameter bytes.
 
 Usage: OMP_NUM_THREADS=2 python benchmarks/bench_sweep_memory.py [--part engines|unit|all] [--workdir DIR]
-[--controls a,b]
+[--controls a,b] [--sweeps tiny,smollm2] [--engines on_disk_local,in_memory_local,in_memory_ray_2_actors]
+(on_disk_local always runs: it is the baseline of every ratio).
 """
 
 from __future__ import annotations
@@ -176,10 +177,13 @@ def start_ray(temp: Path, env: dict[str, str]) -> str:
     return (temp / "ray_current_cluster").read_text().strip()
 
 
-def engines(work: Path, controls: list[str]) -> dict:
+ENGINES = ("on_disk_local", "in_memory_local", "in_memory_ray_2_actors")
+
+
+def engines(work: Path, controls: list[str], only_sweeps: list[str], only_engines: list[str]) -> dict:
     """The three engines on the tiny sweep and on the SmolLM2 sweep, each run from a cold process."""
     sys.path.insert(0, str(REPO / "tests"))
-    from helpers import make_tiny_lm, stop_ray_cluster
+    from helpers import make_tiny_lm
 
     from lm_eval_sink.merging.engines import LOOPBACK_ENV
     from lm_eval_sink.models import default_model_dir
@@ -209,22 +213,16 @@ def engines(work: Path, controls: list[str]) -> dict:
         ),
     }
     out: dict = {}
-    for name, (models, configs, ev, st) in sweeps.items():
+    for name in only_sweeps:
+        models, configs, ev, st = sweeps[name]
         runs = {}
         runs["on_disk_local"] = timed_sweep(_sweep_file(work / name / "disk", models, configs, ev, st), [], env)
-        runs["in_memory_local"] = timed_sweep(
-            _sweep_file(work / name / "mem", models, configs, ev, st), ["--in-memory"], env
-        )
-        temp = work / name / "ray_tmp"
-        address = start_ray(temp, env)
-        try:
-            ray_sweep = _sweep_file(work / name / "ray", models, configs, ev, st)
-            data = yaml.safe_load(ray_sweep.read_text())
-            data["engine"] = {"kind": "ray", "address": address, "resources": {"eval": {"num_cpus": 1}}}
-            ray_sweep.write_text(yaml.safe_dump(data, sort_keys=False))
-            runs["in_memory_ray_2_actors"] = timed_sweep(ray_sweep, ["--in-memory"], env)
-        finally:
-            stop_ray_cluster(temp)
+        if "in_memory_local" in only_engines:
+            runs["in_memory_local"] = timed_sweep(
+                _sweep_file(work / name / "mem", models, configs, ev, st), ["--in-memory"], env
+            )
+        if "in_memory_ray_2_actors" in only_engines:
+            runs["in_memory_ray_2_actors"] = ray_run(work / name, (models, configs, ev, st), env)
         base_wall, base_rows = runs["on_disk_local"]["wall_s"], runs["on_disk_local"]["rows"]
         for run in runs.values():
             run["x_on_disk_local"] = round(run["wall_s"] / base_wall, 3)
@@ -234,11 +232,31 @@ def engines(work: Path, controls: list[str]) -> dict:
     return out
 
 
+def ray_run(folder: Path, sweep: tuple, env: dict) -> dict:
+    """The in-memory sweep on a local Ray cluster started here (2 CPUs, one actor per CPU)."""
+    from helpers import stop_ray_cluster
+
+    temp = folder / "ray_tmp"
+    address = start_ray(temp, env)
+    try:
+        ray_sweep = _sweep_file(folder / "ray", *sweep)
+        data = yaml.safe_load(ray_sweep.read_text())
+        data["engine"] = {"kind": "ray", "address": address, "resources": {"eval": {"num_cpus": 1}}}
+        ray_sweep.write_text(yaml.safe_dump(data, sort_keys=False))
+        return timed_sweep(ray_sweep, ["--in-memory"], env)
+    finally:
+        stop_ray_cluster(temp)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--controls", default=",".join(CONTROLS))
     ap.add_argument("--part", choices=("engines", "unit", "all"), default="all")
+    ap.add_argument("--sweeps", default="tiny,smollm2", help="engines part: which sweeps (tiny, smollm2)")
+    ap.add_argument(
+        "--engines", default=",".join(ENGINES), help="engines part: which engines beside on_disk_local, the baseline"
+    )
     ap.add_argument("--make-candidate", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.make_candidate:  # in its own process, so that its optimizer state is not in the figures' RSS
@@ -249,7 +267,7 @@ def main() -> None:
     work = args.workdir or Path(tempfile.mkdtemp(prefix="bench_sweep_memory_"))
     work.mkdir(parents=True, exist_ok=True)
     if args.part in ("engines", "all"):
-        figures = engines(work, args.controls.split(","))
+        figures = engines(work, args.controls.split(","), args.sweeps.split(","), args.engines.split(","))
         (work / "engines.json").write_text(json.dumps(figures, indent=2))
     if args.part in ("unit", "all"):
         unit(work, args.controls.split(","))

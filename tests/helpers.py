@@ -203,3 +203,32 @@ def set_package_version(monkeypatch, name: str, version: str) -> str | None:
 
     monkeypatch.setattr(io, "package_versions", patched)
     return installed
+
+
+def kill_sweep_when(sweep: Path, folder: Path, pattern: str, settle: float = 0.0, timeout: float = 600) -> bool:
+    """Run `sweep` in a forked process group and SIGKILL the group once `folder.glob(pattern)` finds something
+    (a staged `.partial-*` unit), `settle` seconds later. True when it was killed, False when it ended first."""
+    import signal
+    import time
+
+    import torch
+
+    from lm_eval_sink.commands.sweep import load_sweep, run_sweep
+
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setsid()
+            torch.set_num_threads(1)
+            run_sweep(load_sweep(sweep), progress=False)
+        finally:
+            os._exit(0)
+    deadline, seen = time.time() + timeout, False
+    while time.time() < deadline and not seen:
+        seen = bool(list(folder.glob(pattern)))
+        if not seen and os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False
+        time.sleep(settle if seen else 0.02)
+    os.killpg(pid, signal.SIGKILL)  # also on timeout: no sweep outlives the test
+    os.waitpid(pid, 0)
+    return seen

@@ -7,10 +7,7 @@ capture. One uninterrupted sweep is made per session; the other tests work on co
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -111,7 +108,7 @@ def test_kill_9_mid_sweep_then_resume_gives_the_same_table(uninterrupted, tmp_pa
     """Kill -9 (process group: the sweep and its lm_eval child) in the middle of an eval step,
     with a torn manifest line and a finished step whose manifest line never got written; the
     rerun redoes exactly the unfinished steps and yields the uninterrupted run's table."""
-    import torch
+    from helpers import kill_sweep_when
 
     from lm_eval_sink.commands.sweep import load_sweep, run_sweep
 
@@ -125,27 +122,8 @@ def test_kill_9_mid_sweep_then_resume_gives_the_same_table(uninterrupted, tmp_pa
     for f in ("table.json", "table.md", "table.csv", "table.png"):
         (out / f).unlink()
 
-    pid = os.fork()
-    if pid == 0:  # the sweep, killed below in the middle of eval:dare_linear
-        try:
-            os.setsid()
-            torch.set_num_threads(1)
-            run_sweep(load_sweep(sweep), progress=False)
-        finally:
-            os._exit(0)
-    killed = False
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if list((out / "evals").glob("dare_linear.partial-*")):
-            time.sleep(2.0)  # let lm_eval start writing
-            os.killpg(pid, signal.SIGKILL)
-            killed = True
-            break
-        if os.waitpid(pid, os.WNOHANG)[0] == pid:
-            break
-        time.sleep(0.05)
-    if killed:
-        os.waitpid(pid, 0)
+    # the sweep, killed in the middle of eval:dare_linear once lm_eval has had 2 s to start writing
+    killed = kill_sweep_when(sweep, out / "evals", "dare_linear.partial-*", settle=2.0)
     assert killed, "the sweep finished before it could be killed"
     assert list((out / "evals").glob("dare_linear.partial-*")) and not (out / "evals" / "dare_linear").exists()
     # As if an earlier kill had also hit between strength:candidate's rename and its manifest

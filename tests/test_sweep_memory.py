@@ -4,10 +4,7 @@ writing a merged checkpoint or starting lm_eval; and the refusals of what one re
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -149,7 +146,7 @@ def test_a_sweep_started_on_disk_resumes_in_memory_and_back(on_disk, in_memory, 
 def test_kill_9_mid_in_memory_sweep_then_resume_gives_the_same_table(in_memory, tmp_path):
     """SIGKILL the driver (which evaluates in its own process) inside eval:tsv: the rerun redoes exactly the
     unfinished units and gives the uninterrupted run's table."""
-    import torch
+    from helpers import kill_sweep_when
 
     from lm_eval_sink.commands.sweep import load_sweep, run_sweep
 
@@ -157,24 +154,7 @@ def test_kill_9_mid_in_memory_sweep_then_resume_gives_the_same_table(in_memory, 
     _drop(sweep, "eval:tsv", "strength:tsv", "eval:star", "strength:star")
     out = sweep.parent / "out"
     (out / "table.json").unlink()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.setsid()
-            torch.set_num_threads(1)
-            run_sweep(load_sweep(sweep), progress=False)
-        finally:
-            os._exit(0)
-    killed, deadline = False, time.time() + 300
-    while time.time() < deadline and not killed:
-        if list((out / "evals").glob("tsv.partial-*")):
-            os.killpg(pid, signal.SIGKILL)
-            killed = True
-        elif os.waitpid(pid, os.WNOHANG)[0] == pid:
-            break
-        time.sleep(0.02)
-    if killed:
-        os.waitpid(pid, 0)
+    killed = kill_sweep_when(sweep, out / "evals", "tsv.partial-*", timeout=300)
     assert killed, "the sweep finished before it could be killed"
     assert not (out / "table.json").exists() and "eval:tsv" not in _done(sweep)
     report = run_sweep(load_sweep(sweep), progress=False)
