@@ -428,14 +428,6 @@ def check_common_tasks(a: ProtocolFingerprint, b: ProtocolFingerprint) -> None:
         )
 
 
-def field_description(name: str) -> str:
-    """What a (dotted) diff field is, from the field tables."""
-    parts = name.split(".")
-    if parts[0] == "tasks" and len(parts) >= 3:
-        return TASK_FIELDS.get(parts[2], (None, ""))[1]
-    return (HARNESS_FIELDS.get(parts[0]) or MODEL_FIELDS.get(parts[0]) or (None, ""))[1]
-
-
 def _short(value: Any, width: int = 60) -> str:
     text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, ensure_ascii=False)
     text = text.replace("\n", "\\n")
