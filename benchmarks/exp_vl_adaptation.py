@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -586,10 +587,20 @@ def tables(start: dict, rows: dict, pairs: dict) -> str:
     return "\n\n".join(out) + "\n"
 
 
-def truncated(folder: Path, tokenizer, limit: int) -> int:
-    """Responses of an `eval` folder whose token count reached the generation limit (less 2)."""
+CAPTION = re.compile(r"There (is|are) \d+ (small|large) \w+ \w+\.?")
+
+
+def responses(folder: Path, tokenizer, limit: int) -> dict:
+    """What an `eval` folder's IFEval responses are: how many reached the generation limit (less 2), how many are
+    one of the training captions ("There are 3 large red circles.") and nothing else, and how many differ."""
     rows = [json.loads(x) for f in folder.rglob("samples_ifeval_*.jsonl") for x in f.read_text().splitlines() if x]
-    return sum(len(tokenizer(r["resps"][0][0], add_special_tokens=False)["input_ids"]) >= limit - 2 for r in rows)
+    texts = [r["resps"][0][0] for r in rows]
+    return {
+        "truncated": sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) >= limit - 2 for t in texts),
+        "caption_only": sum(CAPTION.fullmatch(t.strip()) is not None for t in texts),
+        "distinct": len(set(texts)),
+        "n": len(texts),
+    }
 
 
 def plot(rows: dict, path: Path, title: str) -> None:
@@ -721,23 +732,28 @@ def main() -> None:
     if a.train_only:
         print(f"-> {out / 'trajectories.png'} ({time.time() - t0:.0f} s this invocation)")
         return
+    from lm_eval_sink.tables import markdown_table
+
     tok = AutoTokenizer.from_pretrained(start_dir)
     start = {
         "sink_strength": strength_of(ctx["start"] / "strength")["sink_strength"],
         "limit": cfg.ifeval_limit,
         "ifeval": ifeval_scores(ctx["start"] / "ifeval"),
     }
-    truncs = {"start": truncated(ctx["start"] / "ifeval", tok, cfg.max_gen_toks)}
+    facts = {"start": responses(ctx["start"] / "ifeval", tok, cfg.max_gen_toks)}
     for (name, seed), r in rows.items():
-        truncs[f"{name} seed {seed}"] = r["truncated"] = truncated(
+        facts[f"{name} seed {seed}"] = r["responses"] = responses(
             out / f"seed{seed}" / name.replace("+", "_") / "ifeval", tok, cfg.max_gen_toks
         )
     md = (
         tables(start, rows, pairs)
-        + "\n"
-        + " ".join(
-            [f"Responses that reached max_gen_toks {cfg.max_gen_toks} (of {n_ifeval}):"]
-            + [f"{k} {v};" for k, v in truncs.items()]
+        + "\n\n## IFEval responses\n"
+        + markdown_table(
+            ["model", "responses", f"reached max_gen_toks {cfg.max_gen_toks}", "a training caption only", "distinct"],
+            [
+                [k, str(v["n"]), str(v["truncated"]), str(v["caption_only"]), str(v["distinct"])]
+                for k, v in facts.items()
+            ],
         )
         + "\n"
     )
@@ -747,7 +763,7 @@ def main() -> None:
         {
             "config": asdict(cfg),
             "seeds": seeds,
-            "start": {**start, "truncated": truncs["start"]},
+            "start": {**start, "responses": facts["start"]},
             "runs": {f"{n}|seed{s}": r for (n, s), r in rows.items()},
             "protection_vs_vision": {str(s): b for s, b in pairs.items()},
             "wall_seconds_this_invocation": round(time.time() - t0, 1),
