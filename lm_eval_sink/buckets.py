@@ -16,6 +16,8 @@
   and Holm-adjusted ones, and one primary failure kind per regression (failure_kinds.py).
 - tasks with a lenient twin filter (GSM8K-CoT, GPQA-CoT): regressions split into format failures
   (the lenient filter still finds the right answer) and wrong answers.
+- a note for a run whose generated responses are at most a quarter distinct over 20 or more prompts (a collapsed
+  output, e.g. one caption whatever the prompt): its buckets measure the collapse.
 Task knowledge (default metric and filter = the strict key, kind, lenient filter, IFEval checker) is data:
 data/benchmarks.yaml, the table `attribute` reads too (benchmarks.py).
 `protocol_record` / `protocol_differences` turn both runs' protocols.py fingerprints into the report's
@@ -26,6 +28,7 @@ the output folder is the command's (commands/buckets.py). numpy/scipy only, no f
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
@@ -45,7 +48,7 @@ BUCKETS = ("both_pass", "regression", "recovered", "both_fail")
 SCHEMA_VERSION = 1
 # The version of the bucket computation (pairing, classification, bootstrap): bump it when a bucket
 # report changes for the same runs and settings, as lm-eval bumps a task's version (docs/identity.md).
-METHOD_VERSION = 1
+METHOD_VERSION = 2  # 2: the collapsed-output note
 _BOOT_CHUNK = 256
 # a task in no family of data/benchmarks.yaml: metric, filter and kind come from the samples
 _GENERIC = Benchmark("generic", ("*",), "unknown", None, None, "")
@@ -349,7 +352,7 @@ def bucket(
         pairing=pairing,
         rows=rows,
         settings=asdict(settings),
-        notes=_pairing_notes(pairing, len(ids)),
+        notes=_pairing_notes(pairing, len(ids)) + _collapse_notes(ids, ref_rows, cand_rows, labels),
     )
 
 
@@ -432,6 +435,28 @@ def paired_stats(ids, ref_v: np.ndarray, cand_v: np.ndarray, kind: str, settings
         discordant=counts["regression"] + counts["recovered"],
         pass_rate=pass_rate,
     )
+
+
+COLLAPSE_MIN_DOCS = 20  # fewer paired prompts say too little about a model's repertoire
+COLLAPSE_DISTINCT = 0.25  # at most this share of distinct responses: a few answers repeated, whatever the prompt
+
+
+def _collapse_notes(ids, ref_rows, cand_rows, labels: tuple[str, str]) -> list[str]:
+    """A run that gives the same few responses to every prompt has collapsed (e.g. a model trained on one caption
+    format answers IFEval with captions): its passes and failures measure the collapse, not instruction following.
+    """
+    notes = []
+    for label, rows in zip(labels, (ref_rows, cand_rows), strict=True):
+        texts = [t for t in (_response(rows[i], filtered=False) for i in ids) if t is not None]
+        if len(texts) < COLLAPSE_MIN_DOCS or len(set(texts)) > COLLAPSE_DISTINCT * len(texts):
+            continue
+        top, count = Counter(texts).most_common(1)[0]
+        notes.append(
+            f"{label}: {len(set(texts))} distinct responses to {len(texts)} prompts (the most common, {count} times: "
+            f"{top[:60]!r}): a collapsed output; its passes and failures measure the collapse, not the model's "
+            "instruction following"
+        )
+    return notes
 
 
 def _pairing_notes(pairing: Mapping[str, Any], n: int) -> list[str]:

@@ -140,6 +140,27 @@ def test_ifeval_counts_mcnemar_and_kinds_are_exact(ifeval_pair):
     assert rep.pairing["prompt_hash_differs"]["count"] == 21
 
 
+def test_a_collapsed_candidate_is_named_in_the_notes(ifeval_pair, shared_data):
+    """One caption for every prompt (what the VL experiment's end models answered, docs/training.md), scored by the
+    real checker: the note names the run, its distinct responses and the most common one; a run whose responses
+    are more than a quarter distinct gets none (the designed reference: 10 of 21)."""
+    docs = bl.ifeval_docs(shared_data)
+    caption = "There are 4 large green hearts."
+    collapsed = [bl.ifeval_sample(r["doc_id"], docs[r["doc_id"]], caption, chat=True) for r in ifeval_pair["ref"]]
+    varied = [
+        bl.ifeval_sample(r["doc_id"], docs[r["doc_id"]], f"Answer {i}: {caption}", chat=True)
+        for i, r in enumerate(ifeval_pair["ref"])
+    ]
+    rep = bucket(ifeval_pair["ref"], collapsed, "ifeval", FAST)
+    assert [n for n in rep.notes if "collapsed" in n] == [
+        f"candidate samples: 1 distinct responses to 21 prompts (the most common, 21 times: {caption!r}): a collapsed "
+        "output; its passes and failures measure the collapse, not the model's instruction following"
+    ]
+    assert rep.counts["regression"] + rep.counts["both_fail"] > 0  # the checker did score the caption
+    assert not [n for n in bucket(collapsed[:19], collapsed[:19], "ifeval", FAST).notes if "collapsed" in n]
+    assert not [n for n in bucket(varied, collapsed, "ifeval", FAST).notes if n.startswith("reference samples")]
+
+
 def test_ifeval_instruction_table_and_level(ifeval_pair):
     rep = bucket(ifeval_pair["ref"], ifeval_pair["cand"], "ifeval", FAST)
     table = {t["instruction_id"]: t for t in rep.instruction_types}
