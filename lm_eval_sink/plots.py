@@ -186,8 +186,9 @@ def bucket_bars(
     ax.set_xticks(range(len(names)), names)
     ax.set_ylabel("prompts")
     ax.set_title(title, fontsize=9)
-    if regression_kinds and any(regression_kinds.values()):
-        ax.legend(fontsize=7, loc="upper right")
+    ax.set_ylim(top=max(max(counts[n] for n in names), 1) * 1.1)  # room for the count over the tallest bar
+    if regression_kinds and any(regression_kinds.values()):  # beside the axes, where it hides no bar or count
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     return save_figure(fig, path)
 
 
