@@ -25,7 +25,6 @@ import yaml
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
-RAY = str(Path(sys.executable).with_name("ray"))
 
 
 def sweep_file(folder: Path, models: dict[str, Path], engine: dict | None) -> Path:
@@ -60,7 +59,7 @@ def timed_sweep(path: Path, env: dict[str, str]) -> float:
 
 
 def main() -> None:
-    from helpers import make_tiny_lm, stop_ray_cluster
+    from helpers import make_tiny_lm, start_ray_cluster, stop_ray_cluster
 
     from lm_eval_sink.merging.engines import LOOPBACK_ENV
 
@@ -86,28 +85,8 @@ def main() -> None:
     for cpus in (1, 2):
         temp = work / f"ray_tmp_{cpus}"
         t = time.perf_counter()
-        subprocess.run(
-            [
-                RAY,
-                "start",
-                "--head",
-                "--num-cpus",
-                str(cpus),
-                "--include-dashboard=false",
-                "--temp-dir",
-                str(temp),
-                "--node-ip-address",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--disable-usage-stats",
-            ],
-            env=env,
-            check=True,
-            capture_output=True,
-        )
+        address = start_ray_cluster(temp, env, num_cpus=cpus)
         start = time.perf_counter() - t
-        address = (temp / "ray_current_cluster").read_text().strip()
         try:
             wall = timed_sweep(sweep_file(work / f"ray{cpus}", models, {"kind": "ray", "address": address}), env)
         finally:

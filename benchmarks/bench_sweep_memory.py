@@ -46,7 +46,6 @@ os.environ.setdefault("NLTK_DATA", "/work/shared/data/nltk_data")
 
 CONTROLS = ("linear_uniform", "ties", "tsv")
 REPO = Path(__file__).resolve().parent.parent
-RAY = str(Path(sys.executable).with_name("ray"))
 
 
 def rss_mib() -> float:
@@ -164,19 +163,6 @@ def timed_sweep(path: Path, extra: list[str], env: dict[str, str]) -> dict:
     return {"wall_s": wall, "peak_rss_sum_mib": round(peak_sum), "peak_rss_largest_mib": round(peak_one), "rows": rows}
 
 
-def start_ray(temp: Path, env: dict[str, str]) -> str:
-    subprocess.run(
-        [
-            *(RAY, "start", "--head", "--num-cpus", "2", "--include-dashboard=false", "--temp-dir", str(temp)),
-            *("--node-ip-address", "127.0.0.1", "--port", "0", "--disable-usage-stats"),
-        ],
-        env=env,
-        check=True,
-        capture_output=True,
-    )
-    return (temp / "ray_current_cluster").read_text().strip()
-
-
 ENGINES = ("on_disk_local", "in_memory_local", "in_memory_ray_2_actors")
 
 
@@ -234,10 +220,10 @@ def engines(work: Path, controls: list[str], only_sweeps: list[str], only_engine
 
 def ray_run(folder: Path, sweep: tuple, env: dict) -> dict:
     """The in-memory sweep on a local Ray cluster started here (2 CPUs, one actor per CPU)."""
-    from helpers import stop_ray_cluster
+    from helpers import start_ray_cluster, stop_ray_cluster
 
     temp = folder / "ray_tmp"
-    address = start_ray(temp, env)
+    address = start_ray_cluster(temp, env, num_cpus=2)
     try:
         ray_sweep = _sweep_file(folder / "ray", *sweep)
         data = yaml.safe_load(ray_sweep.read_text())

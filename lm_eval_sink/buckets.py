@@ -448,11 +448,12 @@ def _collapse_notes(ids, ref_rows, cand_rows, labels: tuple[str, str]) -> list[s
     notes = []
     for label, rows in zip(labels, (ref_rows, cand_rows), strict=True):
         texts = [t for t in (_response(rows[i], filtered=False) for i in ids) if t is not None]
-        if len(texts) < COLLAPSE_MIN_DOCS or len(set(texts)) > COLLAPSE_DISTINCT * len(texts):
+        counts = Counter(texts)
+        if len(texts) < COLLAPSE_MIN_DOCS or len(counts) > COLLAPSE_DISTINCT * len(texts):
             continue
-        top, count = Counter(texts).most_common(1)[0]
+        top, count = counts.most_common(1)[0]
         notes.append(
-            f"{label}: {len(set(texts))} distinct responses to {len(texts)} prompts (the most common, {count} times: "
+            f"{label}: {len(counts)} distinct responses to {len(texts)} prompts (the most common, {count} times: "
             f"{top[:60]!r}): a collapsed output; its passes and failures measure the collapse, not the model's "
             "instruction following"
         )

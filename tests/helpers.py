@@ -232,3 +232,22 @@ def kill_sweep_when(sweep: Path, folder: Path, pattern: str, settle: float = 0.0
     os.killpg(pid, signal.SIGKILL)  # also on timeout: no sweep outlives the test
     os.waitpid(pid, 0)
     return seen
+
+
+def start_ray_cluster(temp_dir: Path, env: dict[str, str], num_cpus: int, num_gpus: int = 0) -> str:
+    """`ray start --head` listening on 127.0.0.1 alone, with `num_cpus` (and `num_gpus` declared), its files under
+    `temp_dir`, no dashboard, no usage stats; returns the GCS address it wrote. `stop_ray_cluster(temp_dir)` stops it.
+    """
+    import subprocess
+    import sys
+
+    cmd = [
+        *(str(Path(sys.executable).with_name("ray")), "start", "--head", "--num-cpus", str(num_cpus)),
+        *(("--num-gpus", str(num_gpus)) if num_gpus else ()),
+        *("--include-dashboard=false", "--temp-dir", str(temp_dir), "--node-ip-address", "127.0.0.1"),
+        *("--port", "0", "--disable-usage-stats"),
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    if proc.returncode != 0:
+        raise RuntimeError(f"ray start failed: {proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    return (temp_dir / "ray_current_cluster").read_text().strip()  # the GCS address `ray start` wrote

@@ -14,13 +14,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import REPO, stop_ray_cluster
+from helpers import REPO, start_ray_cluster, stop_ray_cluster
 
 from lm_eval_sink.cli import main
 
 pytest.importorskip("ray")
 
-RAY = str(Path(sys.executable).with_name("ray"))
 TASKS = Path(__file__).parent / "data" / "merging_task"
 TASK = "lm_eval_sink_tiny_choice"
 _VOLATILE = ("provenance", "created_utc", "time_utc")
@@ -39,28 +38,9 @@ def ray_cluster(tmp_path_factory):
     env.update({"RAY_USAGE_STATS_ENABLED": "0", LOOPBACK_ENV: "0"})
     # workers import the package from the checkout under test (not whichever one is installed editable)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    cmd = [
-        RAY,
-        "start",
-        "--head",
-        "--num-cpus",
-        "2",
-        "--num-gpus",
-        "2",
-        "--include-dashboard=false",
-        "--temp-dir",
-        str(temp),
-        "--node-ip-address",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--disable-usage-stats",
-    ]
     old = {k: os.environ.get(k) for k in ("RAY_ADDRESS", "RAY_USAGE_STATS_ENABLED", LOOPBACK_ENV)}
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-        address = (temp / "ray_current_cluster").read_text().strip()  # the GCS address `ray start` wrote
+        address = start_ray_cluster(temp, env, num_cpus=2, num_gpus=2)  # fails the fixture with ray's output
         assert address.startswith("127.0.0.1:"), address
         os.environ.update({"RAY_ADDRESS": address, "RAY_USAGE_STATS_ENABLED": "0", LOOPBACK_ENV: "0"})
         yield address

@@ -213,10 +213,9 @@ class ResidentWorker:
         from lm_eval_sink.merging.inmemory import endpoint_text, merge_into
 
         spec, ck = self.spec, job.checkpoint
-        if self.resident is None:
-            self.resident = load_resident(
-                spec.models["reference"], spec.eval, dtype=resident_dtype(spec), device=spec.strength_device
-            )
+        if self.resident is None:  # with eval settings they give dtype and device (check_spec: S's are the same)
+            s_only = {} if spec.eval is not None else {"dtype": resident_dtype(spec), "device": spec.strength_device}
+            self.resident = load_resident(spec.models["reference"], spec.eval, **s_only)
             self.holds = "reference"
         if self.holds == ck.name:
             return
