@@ -12,7 +12,7 @@ export HF_HUB_OFFLINE ?= 1
 export NLTK_DATA ?= $(SHARED)/data/nltk_data
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: test demo venv venv-vllm bench clean
+.PHONY: test demo venv venv-vllm bench clean gpu-wheels gpu-check
 
 venv: $(STAMP)
 
@@ -51,5 +51,20 @@ demo: $(STAMP)
 bench: $(STAMP) $(VLLM_STAMP)
 	LM_EVAL_SINK_DATA=$${LM_EVAL_SINK_DATA:-$(SHARED)/data} sh -c 'for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done'
 
+# The GPU check (docs/scale.md, "On GPUs"): `make gpu-wheels` here (needs an index) prepares GPU_WHEELS for a
+# CUDA machine's Python GPU_PYTHON_VERSION (GPU_WHEELS_SKIP: distributions that machine already has); there,
+# offline, `make gpu-check` installs them into a temporary folder and runs tests/gpu/run.py with GPU_PYTHON,
+# whose torch, transformers, accelerate, numpy, scipy and pandas it uses.
+GPU_WHEELS ?= gpu-wheels
+GPU_PYTHON ?= python3
+GPU_PYTHON_VERSION ?= 3.12
+GPU_WHEELS_SKIP ?=
+
+gpu-wheels: $(STAMP)
+	$(PY) packaging/gpu_wheels.py --out $(GPU_WHEELS) --python-version $(GPU_PYTHON_VERSION) --skip '$(GPU_WHEELS_SKIP)'
+
+gpu-check:
+	$(GPU_PYTHON) tests/gpu/run.py --wheels $(GPU_WHEELS)
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) demo_out
+	rm -rf $(VENV) $(VLLM_VENV) demo_out $(GPU_WHEELS)
