@@ -308,6 +308,55 @@ def test_lora_projection_equals_dense_rule(trained):
             np.testing.assert_allclose(after["q_proj"][rows], before["q_proj"][rows], atol=1e-6)
 
 
+def _planned(tokenizer):
+    """The hand-set selective Llama with q/k biases and its plan for the last 2 layers (KV head 0 in each)."""
+    vocab, bos = len(tokenizer), tokenizer.bos_token_id
+    model = sm.build_selective("llama", n_layers=3, vocab=vocab, bos_id=bos, noise=0.05, bias=True)
+    return model, select_sink_heads(model, tokenizer, StrengthSettings(last_k=2), progress=False)
+
+
+def test_projection_is_the_rules_on_the_cumulative_update(tiny_tokenizer):
+    model, plan = _planned(tiny_tokenizer)
+    prot, d, group = SinkProtection(plan), sm.SEL_D, sm.SEL_HEADS // sm.SEL_KV
+    prot.freeze(model)
+    start = {k: v.double().numpy() for k, v in _snapshot(model).items()}
+    for seed in range(3):  # real AdamW steps, each projected: the rules apply to the update since the start
+        _train(model, 1, None, len(tiny_tokenizer), tiny_tokenizer.bos_token_id, seed=seed)
+        before = {k: v.double().numpy() for k, v in _snapshot(model).items()}
+        prot.project_(model)
+        after = {k: v.double().numpy() for k, v in _snapshot(model).items()}
+        for lp in plan.layers:
+            pre = f"model.layers.{lp.layer}.self_attn."
+            w0, w = start[pre + "k_proj.weight"], before[pre + "k_proj.weight"]
+            for g in lp.kv_heads:
+                rows = slice(g * d, (g + 1) * d)
+                want = w0[rows] + project_rows_off(w[rows] - w0[rows], np.asarray(lp.x_hat))
+                np.testing.assert_allclose(after[pre + "k_proj.weight"][rows], want, rtol=1e-6, atol=1e-7)
+                assert np.array_equal(after[pre + "k_proj.bias"][rows], start[pre + "k_proj.bias"][rows])
+            for name in ("q_proj.weight", "q_proj.bias"):
+                w0, w = start[pre + name], before[pre + name]
+                for h in lp.heads:
+                    rows = slice(h * d, (h + 1) * d)
+                    want = w0[rows] + project_cols_off(w[rows] - w0[rows], plan.basis(lp, h // group))
+                    np.testing.assert_allclose(after[pre + name][rows], want, rtol=1e-6, atol=1e-7)
+                assert not np.allclose(after[pre + name], w0)  # the update is not simply undone
+
+
+def test_projection_builds_each_kv_heads_basis_once(tiny_tokenizer, monkeypatch):
+    from lm_eval_sink.training import protection
+
+    model, plan = _planned(tiny_tokenizer)
+    built = []
+    real = protection.sink_basis
+    monkeypatch.setattr(protection, "sink_basis", lambda *a: built.append(a) or real(*a))
+    prot = SinkProtection(plan)
+    for seed in range(3):
+        _train(model, 1, None, len(tiny_tokenizer), tiny_tokenizer.bos_token_id, seed=seed)
+        prot.project_(model)
+    assert sum(len(lp.heads) for lp in plan.layers) == 4  # two protected query heads share each KV head
+    assert len(built) == sum(len(lp.kv_heads) for lp in plan.layers) == 2  # at binding, not at every step
+
+
 def test_protection_refuses_other_weights_and_sharding(tiny_tokenizer, tmp_path):
     model = sm.build_selective("llama", vocab=len(tiny_tokenizer), bos_id=tiny_tokenizer.bos_token_id)
     plan = select_sink_heads(model, tiny_tokenizer, StrengthSettings(), progress=False)

@@ -73,10 +73,10 @@ def probe_ids(tokens: list[int], vocab_size: int, banned: set[int]) -> list[int]
 
 
 def logits(model: Any, ids: list[int]) -> torch.Tensor:
-    """float32 logits of one unpadded sequence."""
+    """float32 logits of one unpadded sequence (the ids made on the device of the model's embeddings)."""
     model.eval()
     with torch.no_grad():
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=model.get_input_embeddings().weight.device)
         return model(input_ids=x, attention_mask=torch.ones_like(x)).logits.float()
 
 

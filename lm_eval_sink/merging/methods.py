@@ -86,7 +86,7 @@ def star_truncate(delta: torch.Tensor, eta: float) -> torch.Tensor:
     if total == 0.0:
         return torch.zeros(delta.shape, dtype=torch.float32, device=delta.device)
     cumulative = torch.cumsum(s64, dim=0)
-    r = min(int(torch.searchsorted(cumulative, torch.tensor([eta * total], dtype=torch.float64))[0]) + 1, s.numel())
+    r = min(int(torch.searchsorted(cumulative, eta * total)) + 1, s.numel())  # a scalar: no tensor off the device
     kept = (s64[:r] * (total / float(cumulative[r - 1]))).to(torch.float32)
     return (u[:, :r] * kept) @ vh[:r]
 

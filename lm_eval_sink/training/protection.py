@@ -213,6 +213,11 @@ def _decoder(model: Any) -> Any:
     return inner
 
 
+def _input_device(model: Any) -> Any:
+    """Where token ids go in: the device of the input embeddings (under a device map, not the first parameter's)."""
+    return _decoder(model).embed_tokens.weight.device
+
+
 def _is_lora(module: Any) -> bool:
     return hasattr(module, "lora_A") and hasattr(module, "base_layer")
 
@@ -304,7 +309,7 @@ def sink_geometry(
         hooks.append(key_mod.register_forward_hook(lambda m, a, out, l=l: got.__setitem__((l, "k"), out.detach())))
         hooks.append(attn.q_proj.register_forward_hook(lambda m, a, out, l=l: got.__setitem__((l, "q"), out.detach())))
     try:
-        dev = next(_base(model).parameters()).device
+        dev = _input_device(model)
         with torch.no_grad():
             _base(model)(
                 input_ids=torch.tensor([[sink_token_id]], device=dev),
@@ -468,8 +473,25 @@ class SinkProtection(TrainerCallback):
         return cls(read_plan(path), freeze=freeze, project=project)
 
     def _bind(self, model: Any) -> dict[str, Any]:
-        if self._start is not None:
-            return self._start
+        """The start weights, each protected layer's x^ and each KV head's U (float64), on the weights' devices.
+
+        Taken at the first call (and checked against the plan); a tensor is moved once when its layer has
+        moved since (a Trainer places the model after `freeze`), so no step copies between host and device.
+        """
+        if self._start is None:
+            self._start = self._take_start(model)
+        dec = _decoder(model)
+        where = {"embed_row": dec.embed_tokens.weight.device}
+        for lp in self.plan.layers:
+            where[str(lp.layer)] = _linear(dec.layers[lp.layer].self_attn.q_proj).weight.device
+        for key, tensor in self._start.items():
+            device = where[key.split(".")[0]]
+            if tensor.device != device:
+                self._start[key] = tensor.to(device)
+        return self._start
+
+    def _check_model(self, model: Any) -> None:
+        """Refuse a sharded model, learned sinks, another shape or other start weights than the plan's."""
         check_unsharded(_base(model))
         check_no_learned_sinks(model)
         n_layers, n_heads, n_kv, d = _shape(model)
@@ -490,6 +512,12 @@ class SinkProtection(TrainerCallback):
                 "the model's q_proj / k_proj weights are not the ones the plan was made from",
                 "bind the protection before training starts, to the model the plan was made from",
             )
+
+    def _take_start(self, model: Any) -> dict[str, Any]:
+        """Copies of the weights the rules hold or project against, and x^ and U built once on their layer's device."""
+        import torch
+
+        self._check_model(model)
         dec = _decoder(model)
         start: dict[str, Any] = {"embed_row": dec.embed_tokens.weight[self.plan.sink_token_id].detach().clone()}
         for lp in self.plan.layers:
@@ -503,7 +531,12 @@ class SinkProtection(TrainerCallback):
                 norm = getattr(attn, name, None)
                 if getattr(norm, "weight", None) is not None:
                     start[f"{lp.layer}.{name}.weight"] = norm.weight.detach().clone()
-        self._start = start
+            device = _linear(attn.q_proj).weight.device
+            start[f"{lp.layer}.x_hat"] = torch.tensor(lp.x_hat, dtype=torch.float64, device=device)
+            for g in lp.kv_heads:
+                start[f"{lp.layer}.basis.{g}"] = torch.tensor(
+                    self.plan.basis(lp, g), dtype=torch.float64, device=device
+                )
         return start
 
     def _to_freeze(self, model: Any) -> list[tuple[str, Any]]:
@@ -544,39 +577,36 @@ class SinkProtection(TrainerCallback):
                 dec.embed_tokens.weight[self.plan.sink_token_id].copy_(start["embed_row"])
             for lp in self.plan.layers:
                 attn = dec.layers[lp.layer].self_attn
-                x_hat = torch.tensor(lp.x_hat, dtype=torch.float64)
-                self._rule_k(attn.k_proj, start, lp, x_hat, d)
+                self._rule_k(attn.k_proj, start, lp, d)
                 self._rule_q(attn.q_proj, start, lp, d)
                 for name in ("q_norm", "k_norm"):
                     key = f"{lp.layer}.{name}.weight"
                     if key in start:
                         getattr(attn, name).weight.copy_(start[key])
 
-    def _rule_k(self, module: Any, start: dict[str, Any], lp: LayerPlan, x_hat: Any, d: int) -> None:
+    def _rule_k(self, module: Any, start: dict[str, Any], lp: LayerPlan, d: int) -> None:
         import torch
 
+        x_hat = start[f"{lp.layer}.x_hat"]
         if _is_lora(module):
             for a, _, _ in _lora_parts(module):
                 a64 = a.double()
-                a.copy_((a64 - torch.outer(a64 @ x_hat.to(a.device), x_hat.to(a.device))).to(a.dtype))
+                a.copy_((a64 - torch.outer(a64 @ x_hat, x_hat)).to(a.dtype))
             return
         w, w0 = module.weight, start[f"{lp.layer}.k_proj.weight"]
         for g in lp.kv_heads:
             rows = slice(g * d, (g + 1) * d)
             delta = (w[rows] - w0[rows]).double()
-            xh = x_hat.to(w.device)
-            w[rows] = (w0[rows].double() + delta - torch.outer(delta @ xh, xh)).to(w.dtype)
+            w[rows] = (w0[rows].double() + delta - torch.outer(delta @ x_hat, x_hat)).to(w.dtype)
             if module.bias is not None:
                 module.bias[rows] = start[f"{lp.layer}.k_proj.bias"][rows]
 
     def _rule_q(self, module: Any, start: dict[str, Any], lp: LayerPlan, d: int) -> None:
-        import torch
-
         group = self.plan.n_heads // self.plan.n_kv_heads
         lora = _is_lora(module)
         lin = _linear(module)
         for h in lp.heads:
-            u = torch.tensor(self.plan.basis(lp, h // group), dtype=torch.float64, device=lin.weight.device)
+            u = start[f"{lp.layer}.basis.{h // group}"]
             if u.shape[1] == 0:
                 continue
             rows = slice(h * d, (h + 1) * d)
@@ -615,7 +645,7 @@ class SinkProtection(TrainerCallback):
         ]
         try:
             with torch.no_grad():
-                _base(model)(input_ids=torch.as_tensor(input_ids), use_cache=False)
+                _base(model)(input_ids=torch.as_tensor(input_ids, device=_input_device(model)), use_cache=False)
         finally:
             for h in hooks:
                 h.remove()
