@@ -61,15 +61,19 @@ def test_verification_probe_goes_to_the_models_device():
 # ---------------------------------------------------------------------------- protection
 
 
+FAMILIES = ("llama", "qwen3")  # Llama with q/k biases; Qwen3 with per-head QK-norm, whose `report` uses the forward
+
+
 @pytest.fixture(scope="module")
-def plan(tiny_tokenizer):
-    """The plan of the last 2 layers of the hand-set selective Llama (with q/k biases) that `_model` builds."""
-    return select_sink_heads(_model(tiny_tokenizer), tiny_tokenizer, StrengthSettings(last_k=2), progress=False)
+def plans(tiny_tokenizer):
+    """Per family, the plan of the last 2 layers of the hand-set selective model that `_model` builds."""
+    settings = StrengthSettings(last_k=2)
+    return {f: select_sink_heads(_model(tiny_tokenizer, f), tiny_tokenizer, settings, progress=False) for f in FAMILIES}
 
 
-def _model(tokenizer):
+def _model(tokenizer, family: str):
     vocab, bos = len(tokenizer), tokenizer.bos_token_id
-    return sm.build_selective("llama", n_layers=3, vocab=vocab, bos_id=bos, noise=0.05, bias=True)
+    return sm.build_selective(family, n_layers=3, vocab=vocab, bos_id=bos, noise=0.05, bias=family == "llama")
 
 
 def _step(model, seed: int) -> None:
@@ -81,9 +85,9 @@ def _step(model, seed: int) -> None:
                 p.add_(0.01 * torch.randn(p.shape, generator=gen))
 
 
-def _bound_and_stepped(tokenizer, plan, on_meta: bool):
+def _bound_and_stepped(tokenizer, plan, family: str, on_meta: bool):
     """A model protected by `plan` after one update and projection; both calls under the meta device or not."""
-    model, protection = _model(tokenizer), SinkProtection(plan)
+    model, protection = _model(tokenizer, family), SinkProtection(plan)
     with torch.device("meta") if on_meta else nullcontext():
         protection.freeze(model)
     _step(model, 0)
@@ -92,24 +96,25 @@ def _bound_and_stepped(tokenizer, plan, on_meta: bool):
     return model, protection
 
 
-def test_protection_projects_with_tensors_on_the_models_device(tiny_tokenizer, plan):
-    want, _ = _bound_and_stepped(tiny_tokenizer, plan, on_meta=False)
-    got, _ = _bound_and_stepped(tiny_tokenizer, plan, on_meta=True)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_protection_projects_with_tensors_on_the_models_device(tiny_tokenizer, plans, family):
+    want, _ = _bound_and_stepped(tiny_tokenizer, plans[family], family, on_meta=False)
+    got, _ = _bound_and_stepped(tiny_tokenizer, plans[family], family, on_meta=True)
     for (name, a), b in zip(want.state_dict().items(), got.state_dict().values(), strict=True):
         assert b.device.type == "cpu" and torch.equal(a, b), name
 
 
-def test_protection_report_feeds_the_prompt_to_the_models_device(tiny_tokenizer, plan):
-    model, protection = _bound_and_stepped(tiny_tokenizer, plan, on_meta=False)
+def test_protection_report_feeds_the_prompt_to_the_models_device(tiny_tokenizer, plans):
+    model, protection = _bound_and_stepped(tiny_tokenizer, plans["qwen3"], "qwen3", on_meta=False)
     prompt = [[tiny_tokenizer.bos_token_id, 5, 6, 7]]
     want = protection.report(model, prompt)
     with torch.device("meta"):
         got = protection.report(model, prompt)
-    assert got == want and set(got) == {1, 2}
+    assert got == want and all(r["q_norm_ratio"] is not None for r in got.values())
 
 
-def test_protection_follows_the_model_moved_after_freeze(tiny_tokenizer, plan):
-    model, protection = _model(tiny_tokenizer), SinkProtection(plan)
+def test_protection_follows_the_model_moved_after_freeze(tiny_tokenizer, plans):
+    model, protection = _model(tiny_tokenizer, "llama"), SinkProtection(plans["llama"])
     protection.freeze(model)  # bound on the CPU, as before a Trainer places the model on its GPU
     model.to("meta")
     protection.project_(model)  # raises if the CPU start weights or bases meet the meta weights
