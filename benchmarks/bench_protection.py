@@ -1,10 +1,10 @@
 """SinkProtection's cost per optimizer step: `project_` on 400 protected heads, against a training step (CPU).
 
-A random-init Llama as wide as SmolLM2-135M (hidden 576, head_dim 64, SmolLM2's tokenizer), with 10
+A random-init Llama with SmolLM2's tokenizer and head_dim 64 (hidden 640, the width 40 heads divide), with 10
 layers of 40 query heads and 8 KV heads. Its plan protects every head of every layer (the threshold and
 the position-0 share are waived), so each `project_` applies Rule K to 80 KV heads and Rule Q to 400
 query heads. Prints the median wall time of one `project_` (after the first call, which binds) and of
-one AdamW training step (forward, backward and step on 4 x 128 tokens) in the same process, and their
+one AdamW training step (forward, backward and step on 2 x 64 tokens) in the same process, and their
 ratio: the share of a training step the protection adds.
 
     python benchmarks/bench_protection.py [--layers 10] [--heads 40] [--repeats 20]
@@ -26,7 +26,7 @@ def model_of(tokenizer, layers: int, heads: int, kv_heads: int):
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=576,
+        hidden_size=640,
         intermediate_size=1536,
         num_hidden_layers=layers,
         num_attention_heads=heads,
@@ -65,12 +65,12 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
     model = model_of(tokenizer, args.layers, args.heads, args.kv_heads)
-    settings = StrengthSettings(last_k=args.layers, n_prompts=3)
+    settings = StrengthSettings(last_k=args.layers, n_prompts=5)
     plan = select_sink_heads(model, tokenizer, settings, threshold=-math.inf, min_pos0_fraction=0.0, progress=False)
     protection = SinkProtection(plan)
     protection.freeze(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    ids = torch.randint(0, len(tokenizer), (4, 128), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, len(tokenizer), (2, 64), generator=torch.Generator().manual_seed(0))
 
     def train_step() -> None:
         model(input_ids=ids, labels=ids).loss.backward()
@@ -84,11 +84,11 @@ def main() -> None:
     n_q = sum(len(lp.heads) for lp in plan.layers)
     n_kv = sum(len(lp.kv_heads) for lp in plan.layers)
     print(
-        f"model: {args.layers} layers x {args.heads} heads ({args.kv_heads} KV), head_dim 64, hidden 576; "
+        f"model: {args.layers} layers x {args.heads} heads ({args.kv_heads} KV), head_dim 64, hidden 640; "
         f"protected: {n_q} query heads, {n_kv} KV heads; {torch.get_num_threads()} thread"
     )
     print(
-        f"project_: {1e3 * project:.1f} ms per step (median of {args.repeats}); AdamW step on 4 x 128 tokens: "
+        f"project_: {1e3 * project:.1f} ms per step (median of {args.repeats}); AdamW step on 2 x 64 tokens: "
         f"{1e3 * step:.0f} ms (median of 3); project_ / step = {project / step:.3f}"
     )
 
