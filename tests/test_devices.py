@@ -67,8 +67,10 @@ FAMILIES = ("llama", "qwen3")  # Llama with q/k biases; Qwen3 with per-head QK-n
 @pytest.fixture(scope="module")
 def plans(tiny_tokenizer):
     """Per family, the plan of the last 2 layers of the hand-set selective model that `_model` builds."""
-    settings = StrengthSettings(last_k=2)
-    return {f: select_sink_heads(_model(tiny_tokenizer, f), tiny_tokenizer, settings, progress=False) for f in FAMILIES}
+    settings = StrengthSettings(last_k=2, n_prompts=5)
+    out = {f: select_sink_heads(_model(tiny_tokenizer, f), tiny_tokenizer, settings, progress=False) for f in FAMILIES}
+    assert all(len(p.layers) == 2 for p in out.values())  # both layers protected: the paths below run
+    return out
 
 
 def _model(tokenizer, family: str):
