@@ -458,7 +458,8 @@ class SinkProtection(TrainerCallback):
     As a Trainer callback it freezes in `on_init_end` (when `freeze`: before the optimizer and DDP
     exist; added later, `on_train_begin` freezes in one process and refuses under several) and
     projects in `on_step_end` (when `project`; with `freeze` alone it only resets the sink embedding row).
-    The start weights are taken at the first call, and must be the ones the plan was made from.
+    The start weights are taken at the first call, and must be the ones the plan was made from; they,
+    x^ and each KV head's U then stay on their layer's device (moved once if the model moves later).
     """
 
     def __init__(self, plan: ProtectionPlan, freeze: bool = True, project: bool = True) -> None:
