@@ -28,7 +28,9 @@ No torch, no transformers, no file I/O.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -145,23 +147,30 @@ def per_prompt_split(
     if lenient_key:
         r_l = _lenient_outcomes(ref_rows, ids, lenient_key, ref_where)
         c_l = _lenient_outcomes(cand_rows, ids, lenient_key, cand_where)
-        capacity = 100.0 * sum(c - r for c, r in zip(c_l, r_l, strict=True)) / n
-        access_docs = [d for d, r, c, lc in zip(ids, r_s, c_s, c_l, strict=True) if r > c and lc >= r]
-        capacity_docs = [d for d, r, c, lc in zip(ids, r_s, c_s, c_l, strict=True) if r > c and lc < r]
-        out.update(
-            {
-                "reference": {"strict": out["reference"]["strict"], "lenient": _pts(100.0 * sum(r_l) / n)},
-                "candidate": {"strict": out["candidate"]["strict"], "lenient": _pts(100.0 * sum(c_l) / n)},
-                "capacity": _pts(capacity),
-                "access": _pts(gap - capacity),
-                "regressions_access": len(access_docs),
-                "regressions_capacity": len(capacity_docs),
-                "access_doc_ids": access_docs[:50],
-                "capacity_doc_ids": capacity_docs[:50],
-                "lenient_regressions": sum(1 for r, c in zip(r_l, c_l, strict=True) if r > c),
-            }
-        )
+        out["reference"]["lenient"] = _pts(100.0 * sum(r_l) / n)
+        out["candidate"]["lenient"] = _pts(100.0 * sum(c_l) / n)
+        out.update(_lenient_parts(ids, (r_s, c_s), (r_l, c_l), gap))
     return out
+
+
+def _lenient_parts(
+    ids: list[int], strict: tuple[list[float], list[float]], lenient: tuple[list[float], list[float]], gap: float
+) -> dict[str, Any]:
+    """The lenient half of a per-prompt split: capacity = mean(c_l - r_l), access = gap - capacity, and which strict
+    regressions the lenient check forgives (access) or not (capacity). Pairs are (reference, candidate) outcomes."""
+    (r_s, c_s), (r_l, c_l) = strict, lenient
+    capacity = 100.0 * sum(c - r for c, r in zip(c_l, r_l, strict=True)) / len(ids)
+    access_docs = [d for d, r, c, lc in zip(ids, r_s, c_s, c_l, strict=True) if r > c and lc >= r]
+    capacity_docs = [d for d, r, c, lc in zip(ids, r_s, c_s, c_l, strict=True) if r > c and lc < r]
+    return {
+        "capacity": _pts(capacity),
+        "access": _pts(gap - capacity),
+        "regressions_access": len(access_docs),
+        "regressions_capacity": len(capacity_docs),
+        "access_doc_ids": access_docs[:50],
+        "capacity_doc_ids": capacity_docs[:50],
+        "lenient_regressions": sum(1 for r, c in zip(r_l, c_l, strict=True) if r > c),
+    }
 
 
 def _lenient_outcomes(rows: list[dict[str, Any]], ids: list[int], key: str, where: str) -> list[float]:
@@ -400,107 +409,148 @@ def attribute(
     `reported_gaps`: registry `Gap`s for the pair; `vendor_scores`: registry `Score`s (vendor
     kind) of the models involved; `samples_rows(path) -> rows` reads sample logs.
     """
+    out = []
+    for name in _common_benchmarks(references, candidates, reported_gaps):
+        bench = benchmarks.get(name)
+        compare = partial(_compare, samples_rows=samples_rows, bench=bench, allow_partial=allow_partial)
+        rs = [m for m in references if m.benchmark == name]
+        cs = [m for m in candidates if m.benchmark == name]
+        reported = [g for g in reported_gaps if g.benchmark == name]
+        vendor = [s for s in vendor_scores if s.benchmark == name]
+        out.append(_benchmark_report(name, bench, rs, cs, reported, vendor, baseline_protocol, compare))
+    meas = [m.to_json() for m in [*references, *candidates]]
+    return Attribution(
+        benchmarks=out, lineage=lineage_info, mixture=_mixture(mixture), inputs=list(inputs or []), measurements=meas
+    )
+
+
+def _common_benchmarks(references: list[Measurement], candidates: list[Measurement], reported: list[Any]) -> list[str]:
+    """The benchmarks both sides were measured on, and those of reported gaps; none is the one-line error."""
     ref_b = {m.benchmark for m in references}
-    cand_b = {m.benchmark for m in candidates} | {g.benchmark for g in reported_gaps}
-    common = sorted((ref_b & cand_b) | {g.benchmark for g in reported_gaps})
+    cand_b = {m.benchmark for m in candidates} | {g.benchmark for g in reported}
+    common = sorted((ref_b & cand_b) | {g.benchmark for g in reported})
     if not common:
         raise UserError(
             f"reference and candidate share no benchmark (reference: {', '.join(sorted(ref_b)) or 'none'}; "
             f"candidate: {', '.join(sorted(cand_b)) or 'none'})",
             "pass runs of the same tasks",
         )
-    out = []
-    for name in common:
-        bench = benchmarks.get(name)
-        rs = [m for m in references if m.benchmark == name]
-        cs = [m for m in candidates if m.benchmark == name]
-        rows: list[dict[str, Any]] = []
-        paired: set[int] = set()
-        for r in rs:
-            for c in cs:
-                if r.protocol_key == c.protocol_key:
-                    rows.append(_compare(r, c, "same_protocol", samples_rows, bench, allow_partial))
-                    paired |= {id(r), id(c)}
-        for g in reported_gaps:
-            if g.benchmark == name:
-                rows.append(
-                    {
-                        "kind": "reported_gap",
-                        "protocol": g.protocol.id,
-                        "gap": _pts(g.value),
-                        "access": None,
-                        "capacity": None,
-                        "split_from": None,
-                        "protocol_part": None,
-                        "reference": {"model": g.reference},
-                        "candidate": {"model": g.candidate},
-                        "non_final": False,
-                        "source": {"kind": "registry", "id": g.id, **g.source.to_json()},
-                        "stated_protocol": g.protocol.to_json(),
-                        "note": g.note,
-                        "entry": {"id": g.id, **g.check.to_json()},
-                    }
-                )
-        for r in rs:
-            for c in cs:
-                if r.protocol_key == c.protocol_key:
-                    continue
-                if r.model_key == c.model_key:
-                    rows.append(_compare(r, c, "protocol_artefact", samples_rows, bench, allow_partial))
-                    paired |= {id(r), id(c)}
-        not_compared = []
-        confounded: set[int] = set()
-        for r in rs:
-            for c in cs:
-                if (
-                    r.protocol_key != c.protocol_key
-                    and r.model_key != c.model_key
-                    and id(r) not in paired
-                    and id(c) not in paired
-                ):
-                    row = _compare(r, c, "confounded", samples_rows, bench, allow_partial)
-                    row["gap"] = None  # different models under different protocols: not attributed
-                    not_compared.append(row)
-                    confounded |= {id(r), id(c)}
-        unpaired = [
-            {"role": m.role, "model": m.model, "protocol": m.protocol_label, "strict": _pts(m.strict)}
-            for m in [*rs, *cs]
-            if id(m) not in paired and id(m) not in confounded
-        ]
-        vend = []
-        for s in vendor_scores:
-            if s.benchmark != name:
-                continue
-            for m in [*rs, *cs]:
-                if m.registry_model == s.model and m.source.get("id") != s.id:
-                    vend.append(_vendor_row(s, m))
-        effect = _protocol_effect(rows, baseline_protocol)
-        if effect:
-            for row in rows:
-                if row["kind"] in ("same_protocol", "reported_gap") and row["protocol"] in effect["effects"]:
-                    row["protocol_part"] = effect["effects"][row["protocol"]]
-        out.append(
-            {
-                "benchmark": name,
-                "construct": bench.construct if bench else "unknown",
-                "construct_why": bench.why if bench else "not in benchmarks.yaml",
-                "strict_key": bench.strict if bench else None,
-                "lenient_key": bench.lenient if bench else None,
-                "comparisons": rows,
-                "not_compared": not_compared,
-                "unpaired": unpaired,
-                "protocol_effect": effect,
-                "vendor": vend,
-            }
-        )
-    mix = {
+    return common
+
+
+def _mixture(mixture: dict[str, str] | None) -> dict[str, Any]:
+    """The recipe facts as the user declared them, or a note that nothing was (never inferred)."""
+    return {
         "declared": dict(sorted((mixture or {}).items())) or None,
         "note": "declared by the user, shown as given, never inferred"
         if mixture
         else "not declared: how much text, and in what output format, the VL recipe held is unknown",
     }
-    meas = [m.to_json() for m in [*references, *candidates]]
-    return Attribution(benchmarks=out, lineage=lineage_info, mixture=mix, inputs=list(inputs or []), measurements=meas)
+
+
+_Compare = Callable[[Measurement, Measurement, str], dict[str, Any]]  # _compare with the benchmark's settings bound
+
+
+def _benchmark_report(
+    name: str,
+    bench: Benchmark | None,
+    rs: list[Measurement],
+    cs: list[Measurement],
+    reported: list[Any],
+    vendor_scores: list[Any],
+    baseline_protocol: str | None,
+    compare: _Compare,
+) -> dict[str, Any]:
+    """One benchmark's section: its comparisons with their protocol parts, the pairs left uncompared, the
+    measurements without a partner and the vendor figures beside the measured ones."""
+    rows, paired = _comparisons(rs, cs, reported, compare)
+    not_compared, confounded = _confounded(rs, cs, paired, compare)
+    unpaired = [
+        {"role": m.role, "model": m.model, "protocol": m.protocol_label, "strict": _pts(m.strict)}
+        for m in [*rs, *cs]
+        if id(m) not in paired and id(m) not in confounded
+    ]
+    vend = [
+        _vendor_row(s, m)
+        for s in vendor_scores
+        for m in [*rs, *cs]
+        if m.registry_model == s.model and m.source.get("id") != s.id
+    ]
+    effect = _protocol_effect(rows, baseline_protocol)
+    if effect:
+        for row in rows:
+            if row["kind"] in ("same_protocol", "reported_gap") and row["protocol"] in effect["effects"]:
+                row["protocol_part"] = effect["effects"][row["protocol"]]
+    return {
+        "benchmark": name,
+        "construct": bench.construct if bench else "unknown",
+        "construct_why": bench.why if bench else "not in benchmarks.yaml",
+        "strict_key": bench.strict if bench else None,
+        "lenient_key": bench.lenient if bench else None,
+        "comparisons": rows,
+        "not_compared": not_compared,
+        "unpaired": unpaired,
+        "protocol_effect": effect,
+        "vendor": vend,
+    }
+
+
+def _comparisons(
+    rs: list[Measurement], cs: list[Measurement], reported: list[Any], compare: _Compare
+) -> tuple[list[dict[str, Any]], set[int]]:
+    """The rows that attribute a gap, in report order (pairs under one protocol, the registry's reported gaps, the
+    same weights under two protocols), and the ids of the measurements they pair."""
+    rows: list[dict[str, Any]] = []
+    paired: set[int] = set()
+    for r in rs:
+        for c in cs:
+            if r.protocol_key == c.protocol_key:
+                rows.append(compare(r, c, "same_protocol"))
+                paired |= {id(r), id(c)}
+    rows += [_reported_row(g) for g in reported]
+    for r in rs:
+        for c in cs:
+            if r.protocol_key != c.protocol_key and r.model_key == c.model_key:
+                rows.append(compare(r, c, "protocol_artefact"))
+                paired |= {id(r), id(c)}
+    return rows, paired
+
+
+def _reported_row(g: Any) -> dict[str, Any]:
+    """A registry `Gap` as a comparison row: its gap as reported, never split."""
+    return {
+        "kind": "reported_gap",
+        "protocol": g.protocol.id,
+        "gap": _pts(g.value),
+        "access": None,
+        "capacity": None,
+        "split_from": None,
+        "protocol_part": None,
+        "reference": {"model": g.reference},
+        "candidate": {"model": g.candidate},
+        "non_final": False,
+        "source": {"kind": "registry", "id": g.id, **g.source.to_json()},
+        "stated_protocol": g.protocol.to_json(),
+        "note": g.note,
+        "entry": {"id": g.id, **g.check.to_json()},
+    }
+
+
+def _confounded(
+    rs: list[Measurement], cs: list[Measurement], paired: set[int], compare: _Compare
+) -> tuple[list[dict[str, Any]], set[int]]:
+    """Different models under different protocols, neither with a partner: shown with their differing fields, the gap
+    not attributed; and the ids of the measurements they hold."""
+    rows: list[dict[str, Any]] = []
+    confounded: set[int] = set()
+    for r in rs:
+        for c in cs:
+            if r.protocol_key != c.protocol_key and r.model_key != c.model_key and not {id(r), id(c)} & paired:
+                row = compare(r, c, "confounded")
+                row["gap"] = None
+                rows.append(row)
+                confounded |= {id(r), id(c)}
+    return rows, confounded
 
 
 def _vendor_row(s: Any, m: Measurement) -> dict[str, Any]:
@@ -555,132 +605,19 @@ def _fields(fields: list[dict[str, Any]]) -> str:
 
 
 def to_markdown(att: Attribution) -> str:
-    """The report as Markdown: lineage, mixture, one table per benchmark, protocol sensitivity, vendor figures."""
-    L = ["# Gap attribution (candidate minus reference, points)", ""]
+    """The report as Markdown: lineage, mixture, one section per benchmark, the registry figures nobody checked."""
+    lines = ["# Gap attribution (candidate minus reference, points)", ""]
     for li in att.lineage:
         flag = " **FLAGGED**" if li["flagged"] else ""
-        L.append(f"- lineage {li['reference']} -> {li['candidate']}: {li['status']}{flag} ({li['how']})")
+        lines.append(f"- lineage {li['reference']} -> {li['candidate']}: {li['status']}{flag} ({li['how']})")
     mix = att.mixture
     declared = ", ".join(f"{k}={v}" for k, v in (mix["declared"] or {}).items())
-    L.append(f"- mixture: {declared + ' (declared)' if mix['declared'] else mix['note']}")
+    lines.append(f"- mixture: {declared + ' (declared)' if mix['declared'] else mix['note']}")
     for b in att.benchmarks:
-        L += ["", f"## {b['benchmark']} (construct: {b['construct']}: {b['construct_why']})", ""]
-        if b["comparisons"]:
-            rows = []
-            for r in b["comparisons"]:
-                notes = []
-                if r.get("non_final"):
-                    notes.append("--limit run: not final")
-                if r["kind"] == "reported_gap":
-                    unchecked = "" if r["entry"]["checked"] else ", UNCHECKED"
-                    notes.append(f"{r['source']['id']} ({r['source']['kind']}{unchecked})")
-                if r["kind"] == "protocol_artefact":
-                    notes.append("same weights: " + _fields(r["differing_fields"]))
-                pp = r.get("per_prompt")
-                if pp:
-                    notes.append(
-                        f"{pp['n']} prompts, {pp['strict_regressions']} strict regressions"
-                        + (
-                            f" ({pp['regressions_access']} access, {pp['regressions_capacity']} capacity)"
-                            if pp.get("access") is not None
-                            else ""
-                        )
-                        + (
-                            f", prompt hashes differ on {pp['prompt_hash_differs']}"
-                            if pp["prompt_hash_differs"]
-                            else ""
-                        )
-                    )
-                ref = r["reference"].get("strict")
-                cand = r["candidate"].get("strict")
-                rows.append(
-                    [
-                        r["protocol"],
-                        r["kind"],
-                        f"{r['reference']['model']} {_f(ref, False)}",
-                        f"{r['candidate']['model']} {_f(cand, False)}",
-                        _f(r["gap"]),
-                        _f(r["access"]),
-                        _f(r["capacity"]),
-                        _f(r["protocol_part"]),
-                        r["split_from"] or "-",
-                        "; ".join(notes),
-                    ]
-                )
-            L += markdown_lines(
-                [
-                    "protocol",
-                    "kind",
-                    "reference",
-                    "candidate",
-                    "gap",
-                    "access",
-                    "capacity",
-                    "protocol part",
-                    "split from",
-                    "note",
-                ],
-                rows,
-            )
-        pe = b["protocol_effect"]
-        if pe:
-            gaps = ", ".join(
-                f"{_f(g[0])} under {p}" + (f" ({len(g)} sources)" if len(g) > 1 else "") for p, g in pe["gaps"].items()
-            )
-            effects = ", ".join(f"{p} {_f(e)}" for p, e in pe["effects"].items())
-            L += [
-                "",
-                f"protocol: gap {gaps}; effect vs {pe['baseline']}: {effects}; spread {_f(pe['spread'], False)}; "
-                f"sign {'FLIPS' if pe['sign_flip'] else 'unchanged'}",
-            ]
-        for r in b["not_compared"]:
-            L.append(
-                f"- not compared (different models under different protocols): {r['reference']['model']} "
-                f"({r['protocol'].split(' vs ')[0]}) vs "
-                f"{r['candidate']['model']} ({r['protocol'].split(' vs ')[-1]}): {_fields(r['differing_fields'])}"
-            )
-        for u in b["unpaired"]:
-            L.append(f"- no partner: {u['role']} {u['model']} under {u['protocol']} ({_f(u['strict'], False)})")
-        if b["vendor"]:
-            rows = []
-            for v in b["vendor"]:
-                diffs = (
-                    "; ".join(
-                        f"{d['field']}: vendor {d['vendor']} vs {d['measured']}" for d in v["protocol_differences"]
-                    )
-                    or "none found"
-                )
-                if v["vendor_unstated"]:
-                    diffs += f" (vendor does not state {', '.join(v['vendor_unstated'])})"
-                rows.append(
-                    [
-                        v["model"],
-                        _f(v["vendor"]["value"], False),
-                        v["vendor"]["source"]["id"] + ("" if v["vendor"]["checked"] else " (UNCHECKED)"),
-                        _f(v["measured"]["value"], False),
-                        v["measured"]["protocol"],
-                        _f(v["measured_minus_vendor"]),
-                        diffs,
-                    ]
-                )
-            L += [
-                "",
-                *markdown_lines(
-                    [
-                        "model",
-                        "vendor says",
-                        "source",
-                        "measured",
-                        "protocol",
-                        "measured - vendor",
-                        "protocol differences",
-                    ],
-                    rows,
-                ),
-            ]
+        lines += _benchmark_lines(b)
     unchecked = unchecked_figures(att)
     if unchecked:
-        L += [
+        lines += [
             "",
             "## Registry figures not checked against their original source",
             "",
@@ -688,7 +625,114 @@ def to_markdown(att: Attribution) -> str:
             "",
             "Treat them as unverified; `lm-eval-sink vendor show MODEL` says what was searched for each.",
         ]
-    return "\n".join(L) + "\n"
+    return "\n".join(lines) + "\n"
+
+
+def _benchmark_lines(b: dict[str, Any]) -> list[str]:
+    """One benchmark's section: its comparisons, the protocol effect, the pairs not compared or without a partner,
+    the vendor figures."""
+    lines = ["", f"## {b['benchmark']} (construct: {b['construct']}: {b['construct_why']})", ""]
+    if b["comparisons"]:
+        lines += markdown_lines(_COMPARISON_HEAD, [_comparison_cells(r) for r in b["comparisons"]])
+    if b["protocol_effect"]:
+        lines += ["", _protocol_line(b["protocol_effect"])]
+    for r in b["not_compared"]:
+        lines.append(
+            f"- not compared (different models under different protocols): {r['reference']['model']} "
+            f"({r['protocol'].split(' vs ')[0]}) vs "
+            f"{r['candidate']['model']} ({r['protocol'].split(' vs ')[-1]}): {_fields(r['differing_fields'])}"
+        )
+    for u in b["unpaired"]:
+        lines.append(f"- no partner: {u['role']} {u['model']} under {u['protocol']} ({_f(u['strict'], False)})")
+    if b["vendor"]:
+        lines += ["", *markdown_lines(_VENDOR_HEAD, [_vendor_cells(v) for v in b["vendor"]])]
+    return lines
+
+
+_COMPARISON_HEAD = (
+    "protocol",
+    "kind",
+    "reference",
+    "candidate",
+    "gap",
+    "access",
+    "capacity",
+    "protocol part",
+    "split from",
+    "note",
+)
+
+
+def _comparison_cells(r: dict[str, Any]) -> list[str]:
+    """One comparison row of a benchmark's table."""
+    return [
+        r["protocol"],
+        r["kind"],
+        f"{r['reference']['model']} {_f(r['reference'].get('strict'), False)}",
+        f"{r['candidate']['model']} {_f(r['candidate'].get('strict'), False)}",
+        _f(r["gap"]),
+        _f(r["access"]),
+        _f(r["capacity"]),
+        _f(r["protocol_part"]),
+        r["split_from"] or "-",
+        _comparison_note(r),
+    ]
+
+
+def _comparison_note(r: dict[str, Any]) -> str:
+    """The note cell: a --limit run, the registry source of a reported gap, the fields behind a protocol artefact,
+    the per-prompt counts."""
+    notes = []
+    if r.get("non_final"):
+        notes.append("--limit run: not final")
+    if r["kind"] == "reported_gap":
+        unchecked = "" if r["entry"]["checked"] else ", UNCHECKED"
+        notes.append(f"{r['source']['id']} ({r['source']['kind']}{unchecked})")
+    if r["kind"] == "protocol_artefact":
+        notes.append("same weights: " + _fields(r["differing_fields"]))
+    pp = r.get("per_prompt")
+    if pp:
+        note = f"{pp['n']} prompts, {pp['strict_regressions']} strict regressions"
+        if pp.get("access") is not None:
+            note += f" ({pp['regressions_access']} access, {pp['regressions_capacity']} capacity)"
+        if pp["prompt_hash_differs"]:
+            note += f", prompt hashes differ on {pp['prompt_hash_differs']}"
+        notes.append(note)
+    return "; ".join(notes)
+
+
+def _protocol_line(pe: dict[str, Any]) -> str:
+    """The gap under each protocol, each protocol's effect against the baseline, the spread and the sign."""
+    gaps = ", ".join(
+        f"{_f(g[0])} under {p}" + (f" ({len(g)} sources)" if len(g) > 1 else "") for p, g in pe["gaps"].items()
+    )
+    effects = ", ".join(f"{p} {_f(e)}" for p, e in pe["effects"].items())
+    return (
+        f"protocol: gap {gaps}; effect vs {pe['baseline']}: {effects}; spread {_f(pe['spread'], False)}; "
+        f"sign {'FLIPS' if pe['sign_flip'] else 'unchanged'}"
+    )
+
+
+_VENDOR_HEAD = ("model", "vendor says", "source", "measured", "protocol", "measured - vendor", "protocol differences")
+
+
+def _vendor_cells(v: dict[str, Any]) -> list[str]:
+    """One vendor figure beside the measured one, with the protocol fields in which they differ."""
+    diffs = (
+        "; ".join(f"{d['field']}: vendor {d['vendor']} vs {d['measured']}" for d in v["protocol_differences"])
+        or "none found"
+    )
+    if v["vendor_unstated"]:
+        diffs += f" (vendor does not state {', '.join(v['vendor_unstated'])})"
+    return [
+        v["model"],
+        _f(v["vendor"]["value"], False),
+        v["vendor"]["source"]["id"] + ("" if v["vendor"]["checked"] else " (UNCHECKED)"),
+        _f(v["measured"]["value"], False),
+        v["measured"]["protocol"],
+        _f(v["measured_minus_vendor"]),
+        diffs,
+    ]
 
 
 def unchecked_figures(att: Attribution) -> list[str]:
@@ -758,6 +802,22 @@ def _results_value(results: dict[str, Any], task: str, key: str, where: str) -> 
     return 100.0 * float(v)
 
 
+def _unknown_benchmark(task: str, results: dict[str, Any], benchmarks: dict[str, Benchmark]) -> Benchmark | None:
+    """A task of no known family, scored by its first numeric metric and added to `benchmarks`; None without one."""
+    keys = sorted(
+        k
+        for k, v in (results["results"].get(task) or {}).items()
+        if "," in k and "_stderr" not in k and isinstance(v, (int, float)) and not isinstance(v, bool)
+    )
+    if not keys:
+        return None
+    bench = Benchmark(
+        task, (task,), "unknown", keys[0], None, f"not in benchmarks.yaml; scored by {keys[0]} (the first metric)"
+    )
+    benchmarks[task] = bench
+    return bench
+
+
 def run_measurements(
     results: dict[str, Any],
     fp: Any,
@@ -775,26 +835,9 @@ def run_measurements(
     named = match_protocol(fp)
     out = []
     for task in fp.tasks:
-        bench = benchmark_of(task, benchmarks)
-        if bench is not None and bench.construct == "diagnostic":
+        bench = benchmark_of(task, benchmarks) or _unknown_benchmark(task, results, benchmarks)
+        if bench is None or bench.construct == "diagnostic":
             continue
-        if bench is None:
-            keys = sorted(
-                k
-                for k, v in (results["results"].get(task) or {}).items()
-                if "," in k and "_stderr" not in k and isinstance(v, (int, float)) and not isinstance(v, bool)
-            )
-            if not keys:
-                continue
-            bench = Benchmark(
-                task,
-                (task,),
-                "unknown",
-                keys[0],
-                None,
-                f"not in benchmarks.yaml; scored by {keys[0]} (the first metric)",
-            )
-            benchmarks[task] = bench
         strict = _results_value(results, task, bench.strict, where)
         lenient = _results_value(results, task, bench.lenient, where) if bench.lenient else None
         key = fp.harness_sha(tasks=(task,))

@@ -271,58 +271,13 @@ def _task_part(
 def fingerprint(results: dict[str, Any], source: str | Path | None = None) -> ProtocolFingerprint:
     """The protocol fingerprint of a parsed lm-eval results JSON; missing fields are a UserError."""
     src = str(source) if source is not None else None
-    if not isinstance(results, dict):
-        raise UserError(
-            f"{_where(src)}not an lm-eval results file (a JSON object is expected)",
-            "pass a results_<time>.json written by lm-eval",
-        )
-    missing = [k for k in _REQUIRED_TOP if k not in results]
-    cfg = results.get("config")
-    if isinstance(cfg, dict):
-        missing += [f"config.{k}" for k in _REQUIRED_CONFIG if k not in cfg]
-    elif "config" not in missing:
-        missing.append("config (not an object)")
-    if missing:
-        raise UserError(
-            f"{_where(src)}lm-eval results file lacks {', '.join(missing)}",
-            "pass a results_<time>.json written by lm-eval >= 0.4.13 (older versions do not record the protocol)",
-        )
-    configs = results["configs"]
-    if not isinstance(configs, dict) or not configs:
-        raise UserError(
-            f"{_where(src)}lm-eval results file has no task configs", "pass a results file of a finished lm-eval run"
-        )
+    _check_results(results, src)
+    cfg = results["config"]
     model_args = cfg.get("model_args") or {}
     if isinstance(model_args, str):  # older lm-eval wrote the raw "k=v,k=v" string
         model_args = dict(kv.split("=", 1) for kv in model_args.split(",") if "=" in kv)
-    n_shot = results.get("n-shot") or {}
-    versions = results.get("versions") or {}
+    harness = _harness_part(results, model_args)
     template = results.get("chat_template")
-    backend = cfg.get("model")
-    harness = {
-        "backend": _BACKEND_CLASSES.get(backend, backend),
-        "apply_chat_template": template is not None,
-        "system_instruction": results.get("system_instruction"),
-        "fewshot_as_multiturn": results.get("fewshot_as_multiturn"),
-        "gen_kwargs": cfg.get("gen_kwargs") or None,
-        "model_args": {
-            k: v for k, v in sorted(model_args.items()) if k not in _IDENTITY_ARGS and k not in VLLM_RESOURCE_ARGS
-        },
-        "lm_eval_version": results.get("lm_eval_version"),
-        "limit": cfg.get("limit"),
-        "seeds": {
-            "random": cfg.get("random_seed"),
-            "numpy": cfg.get("numpy_seed"),
-            "torch": cfg.get("torch_seed"),
-            "fewshot": cfg.get("fewshot_seed"),
-        },
-        "batch_size": None if cfg.get("batch_size") is None else str(cfg.get("batch_size")),
-        "dtype": cfg.get("model_dtype") or model_args.get("dtype"),
-        "tasks": {
-            t: _task_part(t, c, n_shot.get(t), versions.get(t), results.get("fewshot_as_multiturn"), model_args)
-            for t, c in sorted(configs.items())
-        },
-    }
     model = {
         "chat_template": template,
         "chat_template_sha": results.get("chat_template_sha") if template is not None else None,
@@ -344,6 +299,63 @@ def fingerprint(results: dict[str, Any], source: str | Path | None = None) -> Pr
         "task_hashes": results.get("task_hashes"),
     }
     return ProtocolFingerprint(harness=harness, model=model, run=run, source=src)
+
+
+def _check_results(results: Any, src: str | None) -> None:
+    """Refuse what is not a results file of lm-eval >= 0.4.13 with task configs, naming every missing key."""
+    if not isinstance(results, dict):
+        raise UserError(
+            f"{_where(src)}not an lm-eval results file (a JSON object is expected)",
+            "pass a results_<time>.json written by lm-eval",
+        )
+    missing = [k for k in _REQUIRED_TOP if k not in results]
+    cfg = results.get("config")
+    if isinstance(cfg, dict):
+        missing += [f"config.{k}" for k in _REQUIRED_CONFIG if k not in cfg]
+    elif "config" not in missing:
+        missing.append("config (not an object)")
+    if missing:
+        raise UserError(
+            f"{_where(src)}lm-eval results file lacks {', '.join(missing)}",
+            "pass a results_<time>.json written by lm-eval >= 0.4.13 (older versions do not record the protocol)",
+        )
+    configs = results["configs"]
+    if not isinstance(configs, dict) or not configs:
+        raise UserError(
+            f"{_where(src)}lm-eval results file has no task configs", "pass a results file of a finished lm-eval run"
+        )
+
+
+def _harness_part(results: dict[str, Any], model_args: dict[str, Any]) -> dict[str, Any]:
+    """What whoever ran lm-eval chose: global settings, and each task's under `tasks`."""
+    cfg = results["config"]
+    n_shot = results.get("n-shot") or {}
+    versions = results.get("versions") or {}
+    backend = cfg.get("model")
+    return {
+        "backend": _BACKEND_CLASSES.get(backend, backend),
+        "apply_chat_template": results.get("chat_template") is not None,
+        "system_instruction": results.get("system_instruction"),
+        "fewshot_as_multiturn": results.get("fewshot_as_multiturn"),
+        "gen_kwargs": cfg.get("gen_kwargs") or None,
+        "model_args": {
+            k: v for k, v in sorted(model_args.items()) if k not in _IDENTITY_ARGS and k not in VLLM_RESOURCE_ARGS
+        },
+        "lm_eval_version": results.get("lm_eval_version"),
+        "limit": cfg.get("limit"),
+        "seeds": {
+            "random": cfg.get("random_seed"),
+            "numpy": cfg.get("numpy_seed"),
+            "torch": cfg.get("torch_seed"),
+            "fewshot": cfg.get("fewshot_seed"),
+        },
+        "batch_size": None if cfg.get("batch_size") is None else str(cfg.get("batch_size")),
+        "dtype": cfg.get("model_dtype") or model_args.get("dtype"),
+        "tasks": {
+            t: _task_part(t, c, n_shot.get(t), versions.get(t), results.get("fewshot_as_multiturn"), model_args)
+            for t, c in sorted(results["configs"].items())
+        },
+    }
 
 
 def fingerprint_run(run: Any) -> ProtocolFingerprint:
@@ -727,22 +739,7 @@ def settings_fields(
     means the backend's default (cpu for hf; vllm takes none). `python` (the interpreter lm-eval runs
     in) overrides the protocol's.
     """
-    if not tasks:
-        raise UserError("no tasks given", "pass --tasks, e.g. --tasks ifeval,gsm8k_cot_zeroshot")
-    for name, given, fixed in (
-        ("batch_size", batch_size, protocol.batch_size),
-        ("dtype", dtype, protocol.dtype),
-        ("seed", seed, protocol.seed),
-    ):
-        if given is not None and fixed is not None and str(given) != str(fixed):
-            raise UserError(
-                f"protocol {protocol.name!r} fixes {name} = {fixed}, but {given} was asked for",
-                f"drop the {name} option, or define a protocol with {name}: {given} in a --protocol-file",
-            )
-    if limit is not None and limit <= 0:
-        raise UserError(
-            f"--limit must be positive, got {limit}", "pass a number of docs (e.g. 5) or a fraction below 1"
-        )
+    _check_settings(protocol, tasks, limit, {"batch_size": batch_size, "dtype": dtype, "seed": seed}, model_args)
     chosen_dtype = protocol.dtype if protocol.dtype is not None else dtype
     fields: dict[str, Any] = {
         "tasks": tuple(tasks),
@@ -764,6 +761,34 @@ def settings_fields(
     }
     if python or protocol.python:
         fields["python"] = python or protocol.python
+    chosen_seed = protocol.seed if protocol.seed is not None else seed
+    if chosen_seed is not None:
+        fields["seed"] = chosen_seed
+    return fields
+
+
+def _check_settings(
+    protocol: Protocol,
+    tasks: list[str],
+    limit: float | None,
+    given: dict[str, Any],
+    model_args: dict[str, Any] | None,
+) -> None:
+    """Refuse a run with no tasks, a non-positive limit, or a setting (`given`: the caller's batch_size, dtype and
+    seed, by Protocol field) or model_arg that contradicts the protocol."""
+    if not tasks:
+        raise UserError("no tasks given", "pass --tasks, e.g. --tasks ifeval,gsm8k_cot_zeroshot")
+    for name, value in given.items():
+        fixed = getattr(protocol, name)
+        if value is not None and fixed is not None and str(value) != str(fixed):
+            raise UserError(
+                f"protocol {protocol.name!r} fixes {name} = {fixed}, but {value} was asked for",
+                f"drop the {name} option, or define a protocol with {name}: {value} in a --protocol-file",
+            )
+    if limit is not None and limit <= 0:
+        raise UserError(
+            f"--limit must be positive, got {limit}", "pass a number of docs (e.g. 5) or a fraction below 1"
+        )
     for k, v in (model_args or {}).items():
         fixed = (protocol.model_args or {}).get(k)
         if fixed is not None and str(fixed) != str(v):
@@ -771,10 +796,6 @@ def settings_fields(
                 f"protocol {protocol.name!r} fixes model_args {k} = {fixed}, but {v} was asked for",
                 f"drop {k} from --model-args",
             )
-    chosen_seed = protocol.seed if protocol.seed is not None else seed
-    if chosen_seed is not None:
-        fields["seed"] = chosen_seed
-    return fields
 
 
 def parse_gen_kwargs(items: tuple[str, ...] | list[str]) -> dict[str, Any]:

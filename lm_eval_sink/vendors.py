@@ -12,6 +12,7 @@ duplicate ids and a check without its place are UserErrors naming the entry.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from functools import partial
 from importlib import resources
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -297,11 +298,43 @@ def _read_yaml(path_or_text: str, where: str) -> _RegistryIn:
 
 
 def _merge(parts: list[tuple[str, _RegistryIn]], benchmarks: set[str]) -> Registry:
+    """One registry from parsed files: every id defined once across them, every reference to a defined entry."""
+    sources, protocols, models = _definitions(parts)
+    reported = partial(_reported_fields, sources=sources, protocols=protocols, models=models, benchmarks=benchmarks)
+    scores = [
+        Score(**reported(f"{where} scores[{i}]", body, ("model",)), model=body.model)
+        for where, data in parts
+        for i, body in enumerate(data.scores)
+    ]
+    gaps = [
+        Gap(
+            **reported(f"{where} gaps[{i}]", body, ("reference", "candidate")),
+            reference=body.reference,
+            candidate=body.candidate,
+        )
+        for where, data in parts
+        for i, body in enumerate(data.gaps)
+    ]
+    ids: set[str] = set()
+    for entry in [*scores, *gaps]:
+        if entry.id in ids:
+            raise UserError(f"vendor registry: id {entry.id!r} is used twice", "give every score and gap its own id")
+        ids.add(entry.id)
+    for m in models.values():
+        if m.parent and (m.parent["model"] not in models or m.parent["source"] not in sources):
+            raise UserError(
+                f"vendor registry: model {m.name!r} parent names an undefined model or source", "define both first"
+            )
+    return Registry(sources, protocols, models, tuple(scores), tuple(gaps), tuple(w for w, _ in parts))
+
+
+def _definitions(
+    parts: list[tuple[str, _RegistryIn]],
+) -> tuple[dict[str, Source], dict[str, StatedProtocol], dict[str, ModelEntry]]:
+    """The sources, protocols and models of every file, each name defined once."""
     sources: dict[str, Source] = {}
     protocols: dict[str, StatedProtocol] = {}
     models: dict[str, ModelEntry] = {}
-    raw_scores: list[tuple[str, _ScoreIn]] = []
-    raw_gaps: list[tuple[str, _GapIn]] = []
     for where, data in parts:
         for sid, src in data.sources.items():
             if sid in sources:
@@ -316,58 +349,50 @@ def _merge(parts: list[tuple[str, _RegistryIn]], benchmarks: set[str]) -> Regist
                 raise UserError(f"{where}: model {name!r} is defined twice", "merge the two entries")
             parent = m.parent.model_dump() if m.parent else None
             models[name] = ModelEntry(name, m.hub_id, m.kind, tuple(m.aliases), parent)
-        raw_scores += [(f"{where} scores[{i}]", body) for i, body in enumerate(data.scores)]
-        raw_gaps += [(f"{where} gaps[{i}]", body) for i, body in enumerate(data.gaps)]
+    return sources, protocols, models
 
-    def common(where: str, body: _ReportedIn, model_keys: tuple[str, ...]) -> dict[str, Any]:
-        """The checked fields every reported entry has (`Reported`'s)."""
-        for k in model_keys:
-            if getattr(body, k) not in models:
-                raise UserError(
-                    f"{where} ({body.id}): model {getattr(body, k)!r} is not defined under models:", "add it to models:"
-                )
-        if body.source not in sources:
-            raise UserError(
-                f"{where} ({body.id}): source {body.source!r} is not defined under sources:",
-                "every entry needs a defined source",
-            )
-        if body.protocol not in protocols:
-            raise UserError(
-                f"{where} ({body.id}): protocol {body.protocol!r} is not defined under protocols:",
-                "every entry needs a defined protocol",
-            )
-        if body.benchmark not in benchmarks:
-            raise UserError(
-                f"{where} ({body.id}): unknown benchmark {body.benchmark!r}",
-                f"use one of {', '.join(sorted(benchmarks))}",
-            )
-        return {
-            "id": body.id,
-            "benchmark": body.benchmark,
-            "metric": body.metric,
-            "value": float(body.value),
-            "source": sources[body.source],
-            "protocol": protocols[body.protocol],
-            "note": body.note,
-            "check": body.check(),
-        }
 
-    ids: set[str] = set()
-    scores = [Score(**common(where, body, ("model",)), model=body.model) for where, body in raw_scores]
-    gaps = [
-        Gap(**common(where, body, ("reference", "candidate")), reference=body.reference, candidate=body.candidate)
-        for where, body in raw_gaps
-    ]
-    for entry in [*scores, *gaps]:
-        if entry.id in ids:
-            raise UserError(f"vendor registry: id {entry.id!r} is used twice", "give every score and gap its own id")
-        ids.add(entry.id)
-    for m in models.values():
-        if m.parent and (m.parent["model"] not in models or m.parent["source"] not in sources):
+def _reported_fields(
+    where: str,
+    body: _ReportedIn,
+    model_keys: tuple[str, ...],
+    *,
+    sources: dict[str, Source],
+    protocols: dict[str, StatedProtocol],
+    models: dict[str, ModelEntry],
+    benchmarks: set[str],
+) -> dict[str, Any]:
+    """The fields every reported entry has (`Reported`'s), its models, source, protocol and benchmark defined."""
+    for k in model_keys:
+        if getattr(body, k) not in models:
             raise UserError(
-                f"vendor registry: model {m.name!r} parent names an undefined model or source", "define both first"
+                f"{where} ({body.id}): model {getattr(body, k)!r} is not defined under models:", "add it to models:"
             )
-    return Registry(sources, protocols, models, tuple(scores), tuple(gaps), tuple(w for w, _ in parts))
+    if body.source not in sources:
+        raise UserError(
+            f"{where} ({body.id}): source {body.source!r} is not defined under sources:",
+            "every entry needs a defined source",
+        )
+    if body.protocol not in protocols:
+        raise UserError(
+            f"{where} ({body.id}): protocol {body.protocol!r} is not defined under protocols:",
+            "every entry needs a defined protocol",
+        )
+    if body.benchmark not in benchmarks:
+        raise UserError(
+            f"{where} ({body.id}): unknown benchmark {body.benchmark!r}",
+            f"use one of {', '.join(sorted(benchmarks))}",
+        )
+    return {
+        "id": body.id,
+        "benchmark": body.benchmark,
+        "metric": body.metric,
+        "value": float(body.value),
+        "source": sources[body.source],
+        "protocol": protocols[body.protocol],
+        "note": body.note,
+        "check": body.check(),
+    }
 
 
 def load_registry(user_file: str | Path | None = None) -> Registry:
@@ -449,51 +474,34 @@ def _fmt_stated(p: StatedProtocol) -> str:
 
 
 def show_markdown(reg: Registry, name: str) -> str:
+    """One model's entry: its scores and gaps as tables, then where each was checked, its sources and protocols."""
     m = reg.model(name)
     lines = [f"## {m.name}", f"hub id: {m.hub_id or 'not recorded'}; kind: {m.kind}"]
     if m.parent:
         lines.append(f"parent (stated by {m.parent['source']}): {m.parent['model']}")
     scores = sorted(reg.scores_of(m.name), key=lambda s: (s.benchmark, s.id))
     if scores:
-        lines += [
-            "",
-            *markdown_lines(
-                ["id", "benchmark", "metric", "value", "source", "protocol", "checked"],
-                [
-                    [
-                        s.id,
-                        s.benchmark,
-                        s.metric,
-                        f"{s.value:g}",
-                        f"{s.source.id} ({s.source.kind})",
-                        _fmt_stated(s.protocol),
-                        _yes_no(s.check),
-                    ]
-                    for s in scores
-                ],
-            ),
-        ]
+        cells = [_reported_cells(s, s.benchmark, s.metric, f"{s.value:g}") for s in scores]
+        lines += ["", *markdown_lines(_SCORE_HEAD, cells)]
     gaps = sorted(reg.gaps_of(m.name), key=lambda g: (g.benchmark, g.id))
     if gaps:
-        lines += [
-            "",
-            *markdown_lines(
-                ["id", "candidate - reference", "benchmark", "gap", "source", "protocol", "checked"],
-                [
-                    [
-                        g.id,
-                        f"{g.candidate} - {g.reference}",
-                        g.benchmark,
-                        f"{g.value:+g}",
-                        f"{g.source.id} ({g.source.kind})",
-                        _fmt_stated(g.protocol),
-                        _yes_no(g.check),
-                    ]
-                    for g in gaps
-                ],
-            ),
-        ]
-    entries = [*scores, *gaps]
+        cells = [_reported_cells(g, f"{g.candidate} - {g.reference}", g.benchmark, f"{g.value:+g}") for g in gaps]
+        lines += ["", *markdown_lines(_GAP_HEAD, cells)]
+    return "\n".join(lines + _entry_notes(reg, [*scores, *gaps])) + "\n"
+
+
+_SCORE_HEAD = ("id", "benchmark", "metric", "value", "source", "protocol", "checked")
+_GAP_HEAD = ("id", "candidate - reference", "benchmark", "gap", "source", "protocol", "checked")
+
+
+def _reported_cells(e: Reported, *shown: str) -> list[str]:
+    """A score's or gap's row: its id, the cells `shown` (what it is about, its value), its source, protocol, check."""
+    return [e.id, *shown, f"{e.source.id} ({e.source.kind})", _fmt_stated(e.protocol), _yes_no(e.check)]
+
+
+def _entry_notes(reg: Registry, entries: list[Reported]) -> list[str]:
+    """Below the tables: where each figure was checked, then the sources and protocols the figures name."""
+    lines: list[str] = []
     if entries:
         lines += ["", "checks (each figure against its original):"]
         lines += [f"- {e.id}: {e.check.label()}" for e in entries]
@@ -506,8 +514,8 @@ def show_markdown(reg: Registry, name: str) -> str:
             + f"; {reg.sources[s].check.label()}"
             for s in used
         ]
-    protos = sorted({e.protocol.id for e in [*scores, *gaps]})
+    protos = sorted({e.protocol.id for e in entries})
     if protos:
         lines += ["", "protocols:"]
         lines += [f"- {p}: {reg.protocols[p].described}" for p in protos]
-    return "\n".join(lines) + "\n"
+    return lines

@@ -5,6 +5,7 @@ folder.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -156,51 +157,67 @@ def run_attribution(
             "pass runs (lm-eval output folders or results JSON) or vendor:ENTRY",
         )
     benchmarks = load_benchmarks(benchmarks_file)
-    uses_registry = vendor or any(str(a).startswith("vendor:") for a in [*references, *candidates])
-    registry = load_registry(
-        registry_file
-    )  # also recognises models by name for lineage; its scores only with vendor:/--vendor
+    # the registry also recognises models by name for lineage; its scores are used only with vendor: or --vendor
+    registry = load_registry(registry_file)
     ref_m, ref_info, ref_in = _load(references, "reference", benchmarks, registry)
     cand_m, cand_info, cand_in = _load(candidates, "candidate", benchmarks, registry)
     allm = relabel([*ref_m, *cand_m])
     ref_m, cand_m = allm[: len(ref_m)], allm[len(ref_m) :]
-    pairs: dict[tuple[str, str], dict[str, Any]] = {}
-    for ri in ref_info:
-        for ci in cand_info:
-            if (ri["key"], ci["key"]) not in pairs:
-                li = lineage(ri, ci, declared_lineage)
-                pairs[(ri["key"], ci["key"])] = {"reference": ri["display"], "candidate": ci["display"], **li}
-    reported, vendor_scores = [], []
-    if uses_registry:
-        ref_names = {i["registry_model"] for i in ref_info if i["registry_model"]}
-        cand_names = {i["registry_model"] for i in cand_info if i["registry_model"]}
-        reported = [
-            g for r in sorted(ref_names) for c in sorted(cand_names) if r != c for g in registry.gaps_between(r, c)
-        ]
-        if vendor:
-            vendor_scores = [
-                s for n in sorted(ref_names | cand_names) for s in registry.scores_of(n) if s.source.kind == "vendor"
-            ]
-    cache: dict[str, list[dict[str, Any]]] = {}
-
-    def rows(path: str) -> list[dict[str, Any]]:
-        if path not in cache:
-            cache[path] = read_samples(Path(path))
-        return cache[path]
-
+    uses_registry = vendor or any(str(a).startswith("vendor:") for a in [*references, *candidates])
+    reported, vendor_scores = _registry_figures(registry, ref_info, cand_info, uses_registry, vendor)
     return attribute(
         ref_m,
         cand_m,
         benchmarks=benchmarks,
-        lineage_info=list(pairs.values()),
+        lineage_info=_lineages(ref_info, cand_info, declared_lineage),
         reported_gaps=reported,
         vendor_scores=vendor_scores,
         mixture=mixture,
         baseline_protocol=baseline_protocol,
         allow_partial=allow_partial,
-        samples_rows=rows,
+        samples_rows=_cached(read_samples),
         inputs=[*ref_in, *cand_in],
     )
+
+
+def _lineages(
+    ref_info: list[dict[str, Any]], cand_info: list[dict[str, Any]], declared: str | None
+) -> list[dict[str, Any]]:
+    """The lineage of each distinct (reference, candidate) pair of models."""
+    pairs: dict[tuple[str, str], dict[str, Any]] = {}
+    for ri in ref_info:
+        for ci in cand_info:
+            if (ri["key"], ci["key"]) not in pairs:
+                li = lineage(ri, ci, declared)
+                pairs[(ri["key"], ci["key"])] = {"reference": ri["display"], "candidate": ci["display"], **li}
+    return list(pairs.values())
+
+
+def _registry_figures(
+    registry: Any, ref_info: list[dict[str, Any]], cand_info: list[dict[str, Any]], uses_registry: bool, vendor: bool
+) -> tuple[list[Any], list[Any]]:
+    """The registry's gaps between the two sides' models and, with `vendor`, their vendor-reported scores."""
+    if not uses_registry:
+        return [], []
+    ref_names = {i["registry_model"] for i in ref_info if i["registry_model"]}
+    cand_names = {i["registry_model"] for i in cand_info if i["registry_model"]}
+    reported = [g for r in sorted(ref_names) for c in sorted(cand_names) if r != c for g in registry.gaps_between(r, c)]
+    if not vendor:
+        return reported, []
+    names = sorted(ref_names | cand_names)
+    return reported, [s for n in names for s in registry.scores_of(n) if s.source.kind == "vendor"]
+
+
+def _cached(read: Callable[[Path], list[dict[str, Any]]]) -> Callable[[str], list[dict[str, Any]]]:
+    """`read` of a sample log by path, each log read once."""
+    cache: dict[str, list[dict[str, Any]]] = {}
+
+    def rows(path: str) -> list[dict[str, Any]]:
+        if path not in cache:
+            cache[path] = read(Path(path))
+        return cache[path]
+
+    return rows
 
 
 def write_report(att: Attribution, out_dir: str | Path, force: bool = False) -> dict[str, Path]:

@@ -215,56 +215,13 @@ def make_plan(vlm_config: Any, tensors: dict[str, TensorInfo], family: Family, p
     config, target_class, dropped = _target_config(family, variant, text, tie=True, path=path)
     expected, tie_map = _expected_tensors(config)
     units, ignored = _claim(tensors, variant.rules, family.ignore_patterns(), path)
-    produced: dict[str, str] = {}
-    for unit in units:
-        for t in unit.targets:
-            if t in produced:
-                raise UserError(
-                    f"{path}: backbone tensor {t} is produced from both {produced[t]} and {unit.sources[0]}",
-                    "the checkpoint mixes two layouts of the same weights; re-save it",
-                )
-            produced[t] = unit.sources[0]
+    produced = _produced(units, path)
     head, head_source = next(iter(tie_map.items()), (None, None))
     vlm_ties = bool(getattr(vlm_config, "tie_word_embeddings", False))
-    if head is not None and head not in produced:
-        if not vlm_ties:
-            raise UserError(
-                f"{path}: the output head is missing ({head} has no source tensor) and the VLM does not tie it",
-                "the checkpoint is incomplete",
-            )
-        tied = True
-    else:
-        tied = False  # decided later against the data when the VLM ties and stores its head too
-    want = {k: v for k, v in expected.items() if not (tied and k == head)}
-    missing = sorted(set(want) - set(produced))
-    extra = sorted(set(produced) - set(want))
-    if missing or extra:
-        parts = []
-        if missing:
-            parts.append(f"missing {len(missing)}: {', '.join(missing[:4])}")
-        if extra:
-            parts.append(f"unexpected {len(extra)}: {', '.join(extra[:4])}")
-        raise UserError(
-            f"{path}: the language tensors do not form a {target_class} ({'; '.join(parts)})",
-            f"the checkpoint does not match architectures/{family.name}.json; extend its rules",
-        )
-    dropped_rows: dict[str, int] = {}
-    for unit in units:  # shapes, checked on meta tensors
-        metas = [torch.empty(tensors[s].shape, device="meta") for s in unit.sources]
-        try:
-            outs, rest = forward_rule(unit.rule, metas, [expected[t] for t in unit.targets])
-        except ValueError as e:
-            raise UserError(
-                f"{path}: {', '.join(unit.sources)}: {e}", "the text config and the tensors disagree"
-            ) from None
-        for t, o in zip(unit.targets, outs, strict=True):
-            if tuple(o.shape) != expected[t]:
-                raise UserError(
-                    f"{path}: {t} would have shape {tuple(o.shape)}, {target_class} expects {expected[t]}",
-                    "the text config and the tensors disagree",
-                )
-        if rest is not None:
-            dropped_rows[unit.targets[0]] = int(rest.shape[unit.rule.dim])
+    tied = _ties_absent_head(head, produced, vlm_ties, path)
+    want = {k for k in expected if not (tied and k == head)}
+    _check_names(want, produced, target_class, family, path)
+    dropped_rows = _check_shapes(units, tensors, expected, target_class, path)
     source_class = (vlm_config.architectures or [family.vlm_class])[0]
     return Plan(
         family=family,
@@ -282,6 +239,78 @@ def make_plan(vlm_config: Any, tensors: dict[str, TensorInfo], family: Family, p
         dropped_rows=dropped_rows,
         source_class=source_class,
     )
+
+
+def _produced(units: list[Unit], path: Path) -> dict[str, str]:
+    """Each backbone tensor the units produce -> its first source; one produced twice is an error."""
+    produced: dict[str, str] = {}
+    for unit in units:
+        for t in unit.targets:
+            if t in produced:
+                raise UserError(
+                    f"{path}: backbone tensor {t} is produced from both {produced[t]} and {unit.sources[0]}",
+                    "the checkpoint mixes two layouts of the same weights; re-save it",
+                )
+            produced[t] = unit.sources[0]
+    return produced
+
+
+def _ties_absent_head(head: str | None, produced: dict[str, str], vlm_ties: bool, path: Path) -> bool:
+    """True when the VLM ties its head and stores none (the backbone ties too); an absent head the VLM does not tie
+    is an error. When the VLM ties its head and stores it too, the data decides later (`tie_pair`)."""
+    if head is None or head in produced:
+        return False
+    if not vlm_ties:
+        raise UserError(
+            f"{path}: the output head is missing ({head} has no source tensor) and the VLM does not tie it",
+            "the checkpoint is incomplete",
+        )
+    return True
+
+
+def _check_names(want: set[str], produced: dict[str, str], target_class: str, family: Family, path: Path) -> None:
+    """The produced tensor names must be exactly the ones the target class saves (`want`)."""
+    missing = sorted(want - set(produced))
+    extra = sorted(set(produced) - want)
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)}: {', '.join(missing[:4])}")
+        if extra:
+            parts.append(f"unexpected {len(extra)}: {', '.join(extra[:4])}")
+        raise UserError(
+            f"{path}: the language tensors do not form a {target_class} ({'; '.join(parts)})",
+            f"the checkpoint does not match architectures/{family.name}.json; extend its rules",
+        )
+
+
+def _check_shapes(
+    units: list[Unit],
+    tensors: dict[str, TensorInfo],
+    expected: dict[str, tuple[int, ...]],
+    target_class: str,
+    path: Path,
+) -> dict[str, int]:
+    """Run each unit's rule on meta tensors and check the shapes it yields; the rows a drop_rest rule keeps out, by
+    the unit's first target."""
+    dropped_rows: dict[str, int] = {}
+    for unit in units:
+        metas = [torch.empty(tensors[s].shape, device="meta") for s in unit.sources]
+        try:
+            outs, rest = forward_rule(unit.rule, metas, [expected[t] for t in unit.targets])
+        except ValueError as e:
+            raise UserError(
+                f"{path}: {', '.join(unit.sources)}: {e}", "the text config and the tensors disagree"
+            ) from None
+        for t, o in zip(unit.targets, outs, strict=True):
+            if tuple(o.shape) != expected[t]:
+                raise UserError(
+                    f"{path}: {t} would have shape {tuple(o.shape)}, {target_class} expects {expected[t]}",
+                    "the text config and the tensors disagree",
+                )
+        if rest is not None:
+            dropped_rows[unit.targets[0]] = int(rest.shape[unit.rule.dim])
+    return dropped_rows
 
 
 def output_dtype(choice: str, tensors: dict[str, TensorInfo], units: tuple[Unit, ...]) -> torch.dtype:
