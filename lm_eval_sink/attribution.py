@@ -368,6 +368,9 @@ def _compare(
     return row
 
 
+_Compare = Callable[[Measurement, Measurement, str], dict[str, Any]]  # _compare with the benchmark's settings bound
+
+
 def _protocol_effect(rows: list[dict[str, Any]], baseline: str | None) -> dict[str, Any] | None:
     gaps: dict[str, list[float]] = {}
     for row in rows:
@@ -446,9 +449,6 @@ def _mixture(mixture: dict[str, str] | None) -> dict[str, Any]:
         if mixture
         else "not declared: how much text, and in what output format, the VL recipe held is unknown",
     }
-
-
-_Compare = Callable[[Measurement, Measurement, str], dict[str, Any]]  # _compare with the benchmark's settings bound
 
 
 def _benchmark_report(
