@@ -3,7 +3,9 @@
 Prints, for the 15 calibration prompts in one padded batch: the median wall time of S (runs of the
 two alternate in one process) over that of a plain sdpa forward (ratio), and the peak
 resident memory added by each over the loaded model, each measured in its own subprocess (peak RSS
-is per process). Also prints S for K = 10 / all layers and N = 5 / 15.
+is per process). Also prints S for K = 10 / all layers and N = 5 / 15, and the time of `measure`
+with its default batching (all 15 prompts in one padded forward) against one prompt per forward
+(`batch_size=1`), alternating in one process (medians), with the two values of S.
 Usage: python benchmarks/bench_strength.py [--repeats 5]
 """
 
@@ -19,7 +21,7 @@ import time
 CHILD = r"""
 import json, resource, sys, time, torch
 from lm_eval_sink.models import load_model
-from lm_eval_sink.calibration import builtin_prompts, encode_prompts
+from lm_eval_sink.calibration import Batching, builtin_prompts, encode_prompts
 from lm_eval_sink.capture import capture_prompts, _batch
 from lm_eval_sink.strength import StrengthSettings, reduce_captures
 mode, repeats = sys.argv[1], int(sys.argv[2])
@@ -33,7 +35,7 @@ def plain():
     with torch.inference_mode():
         m.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
 def sink():
-    caps = capture_prompts(m.model, enc, layers, batch_size=n, progress=False)
+    caps = capture_prompts(m.model, enc, layers, Batching(batch_size=n), progress=False)
     reduce_captures(caps, StrengthSettings(), 30)
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # model loaded, nothing run yet
 times = {"plain": [], "sink": []}
@@ -54,6 +56,25 @@ def child(mode: str, repeats: int) -> dict:
         [sys.executable, "-c", CHILD, mode, str(repeats)], capture_output=True, text=True, check=True
     ).stdout
     return json.loads(out.strip().splitlines()[-1])
+
+
+def batching_ratio(m, repeats: int) -> None:
+    """Time of `measure` at its default batching (one forward of the 15 prompts) over batch size 1 (15 forwards)."""
+    from lm_eval_sink.strength import StrengthSettings, measure
+
+    times: dict[str, list[float]] = {"all": [], "one": []}
+    values = {}
+    for _ in range(repeats):
+        for name, settings in (("all", StrengthSettings()), ("one", StrengthSettings(batch_size=1))):
+            t = time.perf_counter()
+            values[name] = measure(m.model, m.tokenizer, settings, progress=False).sink_strength
+            times[name].append(time.perf_counter() - t)
+    t_all, t_one = statistics.median(times["all"]), statistics.median(times["one"])
+    print(
+        f"measure, 15 prompts: default (one padded forward) {t_all:.3f} s, batch size 1 (15 forwards) {t_one:.3f} s, "
+        f"time ratio default / batch 1: {t_all / t_one:.2f}; S {values['all']:.6f} vs {values['one']:.6f} "
+        f"(|diff| {abs(values['all'] - values['one']):.1e})"
+    )
 
 
 def main() -> None:
@@ -82,6 +103,7 @@ def main() -> None:
     from lm_eval_sink.strength import StrengthSettings, measure
 
     m = load_model("default", dtype="float32")
+    batching_ratio(m, args.repeats)
     for k in (10, None):
         for n in (5, 15):
             t = time.perf_counter()

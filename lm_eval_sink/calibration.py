@@ -6,7 +6,8 @@ prompt) and tokenizes the rendered text with `add_special_tokens=False`, exactly
 chat template (or with `use_chat_template=False`) the prompt is tokenized as plain text with the
 tokenizer's special tokens, as the model expects. Each token is marked content (the user
 message's own characters) or template (role markers, injected system prompts, BOS).
-No torch here: batching and padding happen in `capture.py`.
+`Batching` groups the encoded prompts into forwards (under a budget of padded tokens); no torch
+here: padding and the forwards happen in `capture.py`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from lm_eval_sink.io import sha256_text
 
 DEFAULT_N_PROMPTS = 15
 ALLOWED_N_PROMPTS = (5, 15)
+DEFAULT_BATCH_TOKENS = 8192  # padded tokens (prompts x longest) per forward
+DEFAULT_QUERY_CHUNK = 128  # query rows whose [row, key] logits the capture holds at once, per layer
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +51,38 @@ class EncodedPrompts:
 
     def __len__(self) -> int:
         return len(self.input_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class Batching:
+    """How a measurement runs, never what it gives: S is the same under any of these (they are in no result key).
+
+    Prompts are grouped into left-padded forwards of at most `batch_size` prompts (None: no limit) and at
+    most `batch_tokens` padded tokens (prompts x longest; a longer prompt goes alone), shortest first;
+    the capture holds the logits of `query_chunk` query rows per layer at a time."""
+
+    batch_size: int | None = None
+    batch_tokens: int = DEFAULT_BATCH_TOKENS
+    query_chunk: int = DEFAULT_QUERY_CHUNK
+
+    def __post_init__(self) -> None:
+        for flag, value in (("--batch-size", self.batch_size), ("--batch-tokens", self.batch_tokens)):
+            if value is not None and value <= 0:
+                raise UserError(f"{flag} must be positive, got {value}", f"use {flag} 1 or more")
+        if self.query_chunk <= 0:
+            raise UserError(f"--query-chunk must be positive, got {self.query_chunk}", "use e.g. --query-chunk 256")
+
+    def batches(self, lengths: list[int] | tuple[int, ...]) -> list[list[int]]:
+        """Indices of the prompts of each forward: by length, each batch filled while it stays within both limits."""
+        out: list[list[int]] = []
+        for i in sorted(range(len(lengths)), key=lambda j: lengths[j]):
+            batch = out[-1] if out else []
+            fits = (len(batch) + 1) * lengths[i] <= self.batch_tokens  # i is the longest so far
+            if batch and fits and (self.batch_size is None or len(batch) < self.batch_size):
+                batch.append(i)
+            else:
+                out.append([i])
+        return out
 
 
 def builtin_prompts() -> tuple[str, ...]:

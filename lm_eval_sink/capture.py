@@ -10,7 +10,12 @@ per-model code: the function receives query and key AFTER rotary embeddings and 
 
 For each selected layer it computes, in float32 from the pre-softmax logits (scaling, optional
 soft-capping, causal/padding/sliding-window mask, GQA expanded), then reduces at once, so only
-per-row numbers are kept (never a [query, key] matrix per layer). Then it hands the untouched
+per-row numbers are kept. The logits exist for `query_chunk` query rows at a time (and only up to
+the last key those rows may attend), so the extra memory is one [batch, head, chunk, key] float32
+tensor and its logsumexp's temporary, never [query, key] for the whole prompt. The log-odds'
+denominator is the logsumexp of the other keys, taken with the sink key masked in place (never
+derived from the logsumexp of all keys, which rounds to the sink's own logit once the sink holds
+nearly all the mass). Then it hands the untouched
 inputs to what the model would call itself, `<modeling module>.ALL_ATTENTION_FUNCTIONS
 .get_interface(impl, <modeling module>.eager_attention_forward)` (never silently sdpa), so outputs
 are bit-identical. Where the mask the delegate receives is not a 4-D tensor (sdpa's causal skip:
@@ -37,7 +42,10 @@ other key and is excluded):
     pos0_visible[layer, query]        bool     position 0 lies inside the row's attention mask (False:
                                                a sliding or chunked window ends before it)
     content[query]                    bool     the row's token is the user message's text
-`layer` indexes `PromptCapture.layers` (model layer indices, ascending).
+`layer` indexes `PromptCapture.layers` (model layer indices, ascending). `capture_prompts` runs the
+prompts in left-padded batches (`calibration.Batching`: prompts per forward, padded tokens per
+forward, query rows per chunk) and asks the model for the last position's logits only
+(`logits_to_keep=1`, where its forward takes it): the statistics do not depend on any of these.
 With `sink_keys` (one int array [layer, head, query] per prompt, positions counted from the first
 real token, e.g. another model's `sink_pos`), each row's sink key is that fixed key instead of
 the argmax, so `sink_logodds` is the aggregate logit gap at the given key (used by margin.py to
@@ -51,6 +59,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 import re
 import sys
 from collections.abc import Iterator, Sequence
@@ -60,7 +69,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lm_eval_sink.calibration import EncodedPrompts
+from lm_eval_sink.calibration import Batching, EncodedPrompts
 from lm_eval_sink.errors import UserError
 
 IMPL_PREFIX = "lm_eval_sink"
@@ -88,17 +97,23 @@ class _Collector:
     def __init__(self, layers: set[int]) -> None:
         self.layers = layers
         self.first_real: torch.Tensor | None = None  # [batch] index of each row's first real token
+        self.query_chunk = Batching().query_chunk
         self.records: dict[int, tuple[torch.Tensor, ...]] = {}
         self.fixed_keys: dict[int, torch.Tensor] | None = None  # layer -> [batch, head, query] key index, -2 = argmax
         self.reached: set[int] = set()  # layers whose attention called the capture
 
 
 def _built_mask(
-    first_real: torch.Tensor, q_len: int, k_len: int, sliding_window: int | None, device: torch.device
+    first_real: torch.Tensor,
+    q_len: int,
+    k_len: int,
+    sliding_window: int | None,
+    device: torch.device,
+    rows: slice = slice(None),
 ) -> torch.Tensor:
-    """Bool [batch, 1, query, key] from causal order, left padding and the layer's sliding window
+    """Bool [batch, 1, query rows, key] from causal order, left padding and the layer's sliding window
     (key > query - window, transformers' convention): for delegates whose mask is not 4-D (flash, flex)."""
-    q = torch.arange(q_len, device=device)[:, None] + (k_len - q_len)
+    q = torch.arange(q_len, device=device)[rows, None] + (k_len - q_len)
     k = torch.arange(k_len, device=device)[None, :]
     allowed = k <= q
     if sliding_window is not None:
@@ -113,13 +128,15 @@ def _allowed_keys(
     k_len: int,
     sliding_window: int | None,
     device: torch.device,
+    rows: slice = slice(None),
 ) -> torch.Tensor:
-    """Bool [batch or 1, heads or 1, query, key]: True where the key may be attended."""
+    """Bool [batch or 1, heads or 1, query rows, key]: True where the key may be attended."""
     if not (
         isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 4
     ):  # None (sdpa causal skip), 2-D (flash), BlockMask (flex)
-        return _built_mask(first_real, q_len, k_len, sliding_window, device)
+        return _built_mask(first_real, q_len, k_len, sliding_window, device, rows)
     mask = attention_mask[..., -k_len:] if attention_mask.shape[-1] != k_len else attention_mask
+    mask = mask[..., rows, :] if mask.shape[-2] != 1 else mask
     if mask.dtype == torch.bool:
         return mask
     # Additive float mask (eager): masked entries hold the dtype's minimum, a finite number.
@@ -130,60 +147,82 @@ def _pos0_visible(allowed: torch.Tensor, first_real: torch.Tensor, q_len: int) -
     """Bool [batch, query]: whether each row may attend its prompt's position 0 (first head's mask)."""
     mask = allowed[:, 0].expand(len(first_real), q_len, allowed.shape[-1])
     index = first_real.to(mask.device)[:, None, None].expand(len(first_real), q_len, 1)
-    return mask.gather(-1, index).squeeze(-1).cpu()
+    return mask.gather(-1, index).squeeze(-1)
 
 
 def _row_stats(
     query: torch.Tensor,
     key: torch.Tensor,
-    allowed: torch.Tensor,
+    attention_mask: Any,
     scaling: float | None,
     softcap: float | None,
     s_aux: Any,
     first_real: torch.Tensor,
-    fixed_keys: torch.Tensor | None = None,
-):
-    """Per-row (sink log-odds, sink key: first real token or VIRTUAL_KEY, pos0 mass, virtual-key mass or None)."""
-    bsz, n_heads, q_len, head_dim = query.shape
-    k_len = key.shape[-2]
-    q = query.detach().float()
+    sliding_window: int | None,
+    fixed_keys: torch.Tensor | None,
+    chunk: int,
+) -> tuple[torch.Tensor | None, ...]:
+    """Per-row (sink log-odds, sink key: from the first real token or VIRTUAL_KEY, pos0 mass, virtual-key mass or
+    None, pos0 visible) on the CPU, each [batch, head, query] ([batch, query] for the last), `chunk` rows at a time."""
+    _, n_heads, q_len, head_dim = query.shape
+    k_len, device = key.shape[-2], query.device
     k = key.detach().float()
     if k.shape[1] != n_heads:  # grouped-query attention: each KV head serves n_heads // kv heads
         k = k.repeat_interleave(n_heads // k.shape[1], dim=1)
+    k = k.transpose(-1, -2)
     scale = scaling if scaling is not None else head_dim**-0.5
-    logits = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
-    logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
-    if s_aux is not None:  # learned sink: a virtual key at index k_len, logit s_aux[h], unmasked and unscaled
+    virtual = None
+    if s_aux is not None:  # learned sink: a virtual key after the real ones, logit s_aux[h], unmasked and unscaled
         if s_aux.numel() != n_heads:
             raise UserError(
                 f"learned sink logits (s_aux) have {s_aux.numel()} values for {n_heads} heads",
                 "only one learned sink logit per query head is supported",
             )
-        virtual = s_aux.detach().float().to(logits.device).reshape(1, n_heads, 1, 1).expand(bsz, n_heads, q_len, 1)
-        logits = torch.cat([logits, virtual], dim=-1)
+        virtual = s_aux.detach().float().to(device).reshape(1, n_heads, 1, 1)
+    if fixed_keys is not None and s_aux is None and (fixed_keys == VIRTUAL_KEY).any():
+        raise UserError(
+            "the reference's sink is its learned (virtual) sink key in "
+            f"{int((fixed_keys == VIRTUAL_KEY).sum())} rows, but this model has no learned sinks",
+            "compare two models that both have learned attention sinks (e.g. two gpt-oss checkpoints)",
+        )
+    first = first_real.to(device)
+    parts = []
+    for begin in range(0, q_len, chunk):
+        rows = slice(begin, min(begin + chunk, q_len))
+        allowed = _allowed_keys(attention_mask, first, q_len, k_len, sliding_window, device, rows)
+        visible = _pos0_visible(allowed, first, rows.stop - rows.start)
+        reach = allowed.flatten(0, -2).any(0).nonzero()  # keys any of these rows may attend: causal, up to the last row
+        keys = int(reach.max()) + 1 if len(reach) else 1
+        logits = torch.matmul(query[:, :, rows].detach().float(), k[..., :keys]).mul_(scale)
+        if softcap is not None:
+            logits = logits.div_(softcap).tanh_().mul_(softcap)
+        logits.masked_fill_(~allowed[..., :keys], float("-inf"))
+        fixed = None if fixed_keys is None else fixed_keys[..., rows].to(device)
+        parts.append((*_chunk_stats(logits, virtual, first, fixed), visible))
+    return tuple(None if p[0] is None else torch.cat(p, dim=-1).cpu() for p in zip(*parts, strict=True))
+
+
+def _chunk_stats(
+    logits: torch.Tensor, virtual: torch.Tensor | None, first: torch.Tensor, fixed: torch.Tensor | None
+) -> tuple[torch.Tensor | None, ...]:
+    """(sink log-odds, sink key, pos0 mass, virtual-key mass or None) of masked logits [batch, head, rows, key],
+    which it overwrites: the sink key is masked in place for the logsumexp of the other keys."""
+    bsz, n_heads, n_rows, k_len = logits.shape
+    if virtual is not None:
+        logits = torch.cat([logits, virtual.expand(bsz, n_heads, n_rows, 1)], dim=-1)
     sink_pos = logits.argmax(dim=-1)
-    start = first_real.to(logits.device)[:, None, None]
-    if fixed_keys is not None:
-        fixed = fixed_keys.to(logits.device)
-        if s_aux is None and (fixed == VIRTUAL_KEY).any():
-            raise UserError(
-                "the reference's sink is its learned (virtual) sink key in "
-                f"{int((fixed == VIRTUAL_KEY).sum())} rows, but this model has no learned sinks",
-                "compare two models that both have learned attention sinks (e.g. two gpt-oss checkpoints)",
-            )
+    start = first[:, None, None]
+    if fixed is not None:
         absolute = torch.where(fixed == VIRTUAL_KEY, k_len, fixed + start)
         sink_pos = torch.where(fixed != _NO_FIXED_KEY, absolute, sink_pos)
     sink_logit = logits.gather(-1, sink_pos[..., None]).squeeze(-1)
-    others = logits.scatter(-1, sink_pos[..., None], float("-inf"))
-    sink_logodds = sink_logit - torch.logsumexp(others, dim=-1)
-    denominator = torch.logsumexp(logits, dim=-1)  # real keys and the virtual one
-    pos0 = start[..., None].expand(bsz, n_heads, q_len, 1)
-    pos0_mass = torch.exp(logits.gather(-1, pos0).squeeze(-1) - denominator)
-    virtual_mass = torch.exp(logits[..., -1] - denominator).cpu() if s_aux is not None else None
-    relative = torch.where(sink_pos == k_len, VIRTUAL_KEY, sink_pos - start) if s_aux is not None else sink_pos - start
-    return sink_logodds.cpu(), relative.cpu(), pos0_mass.cpu(), virtual_mass
+    pos0 = start.clamp(max=k_len - 1)[..., None].expand(bsz, n_heads, n_rows, 1)  # clamped: rows of padding only
+    pos0_logit = logits.gather(-1, pos0).squeeze(-1)
+    others = torch.logsumexp(logits.scatter_(-1, sink_pos[..., None], float("-inf")), dim=-1)
+    denominator = torch.logaddexp(sink_logit, others)  # real keys and the virtual one
+    virtual_mass = None if virtual is None else torch.exp(virtual[..., 0] - denominator)
+    relative = torch.where(sink_pos == k_len, VIRTUAL_KEY, sink_pos - start)  # k_len: the virtual key's index
+    return sink_logit - others, relative, torch.exp(pos0_logit - denominator), virtual_mass
 
 
 def _delegate_fn(module: Any, impl: str):
@@ -211,21 +250,18 @@ def _make_attention(impl: str):
                 window = (
                     kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
                 )
-                allowed = _allowed_keys(
-                    attention_mask, collector.first_real, query.shape[-2], key.shape[-2], window, query.device
-                )
-                stats = _row_stats(
+                collector.records[layer] = _row_stats(
                     query,
                     key,
-                    allowed,
+                    attention_mask,
                     scaling,
                     kwargs.get("softcap"),
                     kwargs.get("s_aux"),
                     collector.first_real,
+                    window,
                     fixed,
+                    collector.query_chunk,
                 )
-                visible = _pos0_visible(allowed, collector.first_real, query.shape[-2])
-                collector.records[layer] = (*stats, visible)
         return _delegate_fn(module, impl)(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
@@ -292,10 +328,9 @@ def attention_layers(model: Any, probe_ids: Sequence[int]) -> tuple[int, ...]:
     from_config = attention_layers_from_config(model.config)
     if from_config is not None:
         return from_config
-    device = next(model.parameters()).device
-    ids = torch.tensor([list(probe_ids)], dtype=torch.long, device=device)
+    ids = torch.tensor([list(probe_ids)], dtype=torch.long, device=_input_device(model))
     with sink_capture(model, ()) as collector, torch.no_grad():
-        model(input_ids=ids, use_cache=False)
+        model(input_ids=ids, use_cache=False, **_last_logits_only(model))
     layers = tuple(sorted(x for x in collector.reached if isinstance(x, int)))
     if not layers:
         raise UserError(
@@ -354,17 +389,27 @@ def sink_capture(model: Any, layers: Sequence[int]) -> Iterator[_Collector]:
         _ACTIVE.reset(token)
 
 
+def _input_device(model: Any) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _last_logits_only(model: Any) -> dict[str, int]:
+    """`logits_to_keep=1` where the model's forward takes it: the capture needs attention, not the vocabulary's
+    logits at every position (a [tokens, vocabulary] tensor)."""
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+
+
 def _batch(input_ids: Sequence[Sequence[int]], pad_id: int, device: torch.device):
-    """Left-pad a batch; position ids count from each row's first real token."""
+    """Left-pad a batch, built on `device`; position ids count from each row's first real token."""
     width = max(len(x) for x in input_ids)
-    ids = torch.full((len(input_ids), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(input_ids), width), dtype=torch.long)
+    ids = torch.full((len(input_ids), width), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((len(input_ids), width), dtype=torch.long, device=device)
     for i, x in enumerate(input_ids):
-        ids[i, width - len(x) :] = torch.tensor(x, dtype=torch.long)
+        ids[i, width - len(x) :] = torch.tensor(x, dtype=torch.long, device=device)
         mask[i, width - len(x) :] = 1
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
-    first_real = width - torch.tensor([len(x) for x in input_ids])
-    return ids.to(device), mask.to(device), position_ids.to(device), first_real
+    first_real = torch.tensor([width - len(x) for x in input_ids], dtype=torch.long, device=device)
+    return ids, mask, position_ids, first_real
 
 
 def _check_sink_keys(sink_keys: Sequence[np.ndarray], encoded: EncodedPrompts, n_layers: int, n_heads: int) -> None:
@@ -390,38 +435,21 @@ def _check_sink_keys(sink_keys: Sequence[np.ndarray], encoded: EncodedPrompts, n
 
 
 def _fixed_key_batch(
-    keys: Sequence[np.ndarray], layers: tuple[int, ...], first_real: torch.Tensor, width: int
+    keys: Sequence[np.ndarray], layers: tuple[int, ...], starts: Sequence[int], width: int, device: torch.device
 ) -> dict[int, torch.Tensor]:
-    """Per layer, [batch, head, query] key of each padded row, from the row's first real token
-    (VIRTUAL_KEY: the learned sink key; _NO_FIXED_KEY: none, take the argmax)."""
+    """Per layer, [batch, head, query] key of each padded row, from the row's first real token (`starts`), on
+    `device` (VIRTUAL_KEY: the learned sink key; _NO_FIXED_KEY: none, take the argmax)."""
     n_heads = np.asarray(keys[0]).shape[1]
-    out = {x: torch.full((len(keys), n_heads, width), _NO_FIXED_KEY, dtype=torch.long) for x in layers}
+    out = {x: torch.full((len(keys), n_heads, width), _NO_FIXED_KEY, dtype=torch.long, device=device) for x in layers}
     for i, k in enumerate(keys):
-        p = int(first_real[i])
-        k = torch.as_tensor(np.asarray(k, dtype=np.int64))
+        k = torch.as_tensor(np.asarray(k, dtype=np.int64), device=device)
         for li, x in enumerate(layers):
-            out[x][i, :, p + 1 : p + 1 + k.shape[-1]] = k[li]
+            out[x][i, :, starts[i] + 1 : starts[i] + 1 + k.shape[-1]] = k[li]
     return out
 
 
-def capture_prompts(
-    model: Any,
-    encoded: EncodedPrompts,
-    layers: Sequence[int],
-    batch_size: int = 1,
-    progress: bool = True,
-    desc: str = "sink capture",
-    sink_keys: Sequence[np.ndarray] | None = None,
-) -> list[PromptCapture]:
-    """Run the prompts through `model` under `sink_capture` and return per-prompt statistics.
-
-    `sink_keys`: optional fixed sink key per row (one [layer, head, query] int array per prompt,
-    positions from the first real token); see the module docstring.
-    """
-    from tqdm.auto import tqdm
-
-    if batch_size <= 0:
-        raise UserError(f"batch size must be positive, got {batch_size}", "use --batch-size 1 or more")
+def _checked_layers(model: Any, encoded: EncodedPrompts, layers: Sequence[int]) -> tuple[int, ...]:
+    """The layers, sorted, after refusing one out of range or a prompt longer than the model's positions."""
     layers = tuple(sorted(set(int(x) for x in layers)))
     depth = n_layers_of(model)
     bad = [x for x in layers if not 0 <= x < depth]
@@ -434,66 +462,109 @@ def capture_prompts(
             f"a calibration prompt has {longest} tokens, more than the model's {max_pos} positions",
             "use shorter prompts",
         )
+    return layers
+
+
+def capture_prompts(
+    model: Any,
+    encoded: EncodedPrompts,
+    layers: Sequence[int],
+    batching: Batching = Batching(),
+    progress: bool = True,
+    desc: str = "sink capture",
+    sink_keys: Sequence[np.ndarray] | None = None,
+) -> list[PromptCapture]:
+    """Run the prompts through `model` under `sink_capture` and return per-prompt statistics, in the prompts' order.
+
+    `batching`: prompts per forward, padded tokens per forward, query rows per chunk (the statistics do not
+    depend on them). `sink_keys`: optional fixed sink key per row (one [layer, head, query] int array per
+    prompt, positions from the first real token); see the module docstring.
+    """
+    from tqdm.auto import tqdm
+
+    layers = _checked_layers(model, encoded, layers)
     if sink_keys is not None:
         _check_sink_keys(sink_keys, encoded, len(layers), int(_attn_config(model).num_attention_heads))
     pad_id = next((t for t in (getattr(model.config, "pad_token_id", None), 0) if t is not None), 0)
-    device = next(model.parameters()).device
-    out: list[PromptCapture] = []
-    starts = range(0, len(encoded), batch_size)
+    out: dict[int, PromptCapture] = {}
+    batches = batching.batches([len(x) for x in encoded.input_ids])
     with sink_capture(model, layers) as collector, torch.no_grad():  # not inference_mode: FSDP2 reuses its buffers
-        for start in tqdm(starts, desc=desc, disable=not progress, leave=False):
-            chunk = encoded.input_ids[start : start + batch_size]
-            ids, mask, position_ids, first_real = _batch(chunk, int(pad_id), device)
-            collector.first_real = first_real
-            collector.records = {}
-            if sink_keys is not None:
-                collector.fixed_keys = _fixed_key_batch(
-                    sink_keys[start : start + batch_size], layers, first_real, ids.shape[1]
-                )
-            model(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
-            missing = [x for x in layers if x not in collector.records]
-            if missing:
-                raise UserError(
-                    f"{type(model).__name__}: attention of layer(s) {missing[:5]} never reached the capture function",
-                    "this architecture bypasses transformers' attention interface for those layers; it is not "
-                    "supported",
-                )
-            for i, x in enumerate(chunk):
-                p, length = int(first_real[i]), len(x)
-                rows = slice(p + 1, p + length)  # positions 1..L-1 of this prompt
-
-                def take(t: torch.Tensor, i: int = i, rows: slice = rows) -> np.ndarray:
-                    return t[i, :, rows].numpy()
-
-                learned = any(collector.records[x][3] is not None for x in layers)
-                out.append(
-                    PromptCapture(
-                        layers=layers,
-                        sink_logodds=np.stack([take(collector.records[x][0]) for x in layers]).astype(np.float32),
-                        sink_pos=np.stack([take(collector.records[x][1]) for x in layers]).astype(np.int64),
-                        pos0_mass=np.stack([take(collector.records[x][2]) for x in layers]).astype(np.float32),
-                        content=np.asarray(encoded.content_mask[start + i][1:], dtype=bool),
-                        learned_sink_mass=np.stack(
-                            [
-                                take(collector.records[x][3])
-                                if collector.records[x][3] is not None
-                                else np.zeros(take(collector.records[x][2]).shape, np.float32)
-                                for x in layers
-                            ]
-                        ).astype(np.float32)
-                        if learned
-                        else None,
-                        pos0_visible=np.stack([collector.records[x][4][i, rows].numpy() for x in layers]),
-                    )
-                )
-            collector.first_real = None
-            collector.fixed_keys = None
+        collector.query_chunk = batching.query_chunk
+        for batch in tqdm(batches, desc=desc, disable=not progress, leave=False):
+            keys = None if sink_keys is None else [sink_keys[i] for i in batch]
+            captured = _capture_batch(model, collector, encoded, batch, layers, int(pad_id), keys)
+            out.update(zip(batch, captured, strict=True))
     bad_rows = [
-        (j, li) for j, c in enumerate(out) for li in range(len(layers)) if not np.isfinite(c.sink_logodds[li]).all()
+        (j, li)
+        for j in range(len(encoded))
+        for li in range(len(layers))
+        if not np.isfinite(out[j].sink_logodds[li]).all()
     ]
     if bad_rows:
         j, li = bad_rows[0]
         raise UserError(
             f"non-finite sink log-odds at prompt {j}, layer {layers[li]}", "load the model in float32 (--dtype float32)"
         )
-    return out
+    return [out[j] for j in range(len(encoded))]
+
+
+def _capture_batch(
+    model: Any,
+    collector: _Collector,
+    encoded: EncodedPrompts,
+    batch: list[int],
+    layers: tuple[int, ...],
+    pad_id: int,
+    sink_keys: list[np.ndarray] | None,
+) -> list[PromptCapture]:
+    """One left-padded forward of the prompts `batch` (indices into `encoded`) under the capture."""
+    chunk = [encoded.input_ids[i] for i in batch]
+    ids, mask, position_ids, first_real = _batch(chunk, pad_id, _input_device(model))
+    starts = [ids.shape[1] - len(x) for x in chunk]
+    collector.first_real, collector.records = first_real, {}
+    if sink_keys is not None:
+        collector.fixed_keys = _fixed_key_batch(sink_keys, layers, starts, ids.shape[1], ids.device)
+    try:
+        model(
+            input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False, **_last_logits_only(model)
+        )
+    finally:
+        collector.first_real, collector.fixed_keys = None, None
+    missing = [x for x in layers if x not in collector.records]
+    if missing:
+        raise UserError(
+            f"{type(model).__name__}: attention of layer(s) {missing[:5]} never reached the capture function",
+            "this architecture bypasses transformers' attention interface for those layers; it is not supported",
+        )
+    return [
+        _prompt_capture(collector.records, layers, row, starts[row], len(chunk[row]), encoded.content_mask[i])
+        for row, i in enumerate(batch)
+    ]
+
+
+def _prompt_capture(
+    records: dict[int, tuple[torch.Tensor | None, ...]],
+    layers: tuple[int, ...],
+    row: int,
+    start: int,
+    length: int,
+    content: Sequence[bool],
+) -> PromptCapture:
+    """One prompt's statistics from its batch's records: batch row `row`, positions 1..length-1 after `start`."""
+    rows = slice(start + 1, start + length)
+
+    def stack(field: int, dtype: type) -> np.ndarray:
+        return np.stack([records[x][field][row, ..., rows].numpy() for x in layers]).astype(dtype)
+
+    learned = any(records[x][3] is not None for x in layers)
+    if learned:  # a layer without a learned sink has virtual-key mass 0
+        records = {x: r if r[3] is not None else (*r[:3], torch.zeros_like(r[2]), r[4]) for x, r in records.items()}
+    return PromptCapture(
+        layers=layers,
+        sink_logodds=stack(0, np.float32),
+        sink_pos=stack(1, np.int64),
+        pos0_mass=stack(2, np.float32),
+        content=np.asarray(content[1:], dtype=bool),
+        learned_sink_mass=stack(3, np.float32) if learned else None,
+        pos0_visible=stack(4, bool),
+    )

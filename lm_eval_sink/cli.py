@@ -11,7 +11,10 @@ from pathlib import Path
 
 import click
 
+from lm_eval_sink.calibration import Batching
 from lm_eval_sink.errors import UserError
+
+_BATCHING = Batching()  # the defaults of --batch-size, --batch-tokens and --query-chunk
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -41,83 +44,6 @@ def _slug(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(name.rstrip("/")).name or name)
 
 
-@cli.command()
-@click.argument("model_names", metavar="MODEL [MODEL ...]", nargs=-1, required=True)
-@click.option(
-    "--prompts",
-    "prompts_file",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="JSONL with a 'prompt' field, or text with one prompt a line.",
-)
-@click.option("--n-prompts", type=int, default=None, help="First N prompts (builtin set: 5 or 15; default all).")
-@click.option("--last-k", default="10", show_default=True, help="Number of last layers, or 'all'.")
-@click.option("--statistic", type=click.Choice(["median", "mean"]), default="median", show_default=True)
-@click.option(
-    "--rows",
-    type=click.Choice(["all", "content"]),
-    default="all",
-    show_default=True,
-    help="Rows S is taken over: every query position >= 1, or the user message's tokens only.",
-)
-@click.option(
-    "--chat-template/--no-chat-template",
-    default=True,
-    show_default=True,
-    help="Render prompts through the tokenizer's chat template.",
-)
-@click.option("--system-prompt", default=None, help="System message to put before each prompt (chat template only).")
-@click.option(
-    "--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto", show_default=True
-)
-@click.option("--device", default="cpu", show_default=True)
-@click.option("--batch-size", type=int, default=1, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option(
-    "--output", type=click.Path(path_type=Path), required=True, help="Folder for the JSON, tables and heatmaps."
-)
-@click.option("--force", is_flag=True, help="Overwrite earlier results.")
-@click.option("--quiet", is_flag=True, help="No progress bars.")
-def strength(
-    model_names,
-    prompts_file,
-    n_prompts,
-    last_k,
-    statistic,
-    rows,
-    chat_template,
-    system_prompt,
-    dtype,
-    device,
-    batch_size,
-    seed,
-    output,
-    force,
-    quiet,
-) -> None:
-    """Sink Strength S of one or more models (MODEL: a folder, a hub id when online, or 'default')."""
-    from lm_eval_sink.commands.strength import run_strength
-    from lm_eval_sink.strength import StrengthSettings
-
-    settings = StrengthSettings(
-        last_k=_last_k(last_k),
-        statistic=statistic,
-        rows=rows,
-        n_prompts=n_prompts,
-        prompts_file=str(prompts_file) if prompts_file else None,
-        use_chat_template=chat_template,
-        system_prompt=system_prompt,
-        batch_size=batch_size,
-        seed=seed,
-    )
-    names = list(model_names)
-    report = run_strength(
-        names, [_slug(n) for n in names], settings, output, dtype=dtype, device=device, force=force, progress=not quiet
-    )
-    for line in report:
-        click.echo(line)
-
-
 @cli.command("tasks-dir")
 def tasks_dir_cmd() -> None:
     """Print the folder of this project's lm-eval tasks (for lm_eval --include_path)."""
@@ -130,7 +56,8 @@ def tasks_dir_cmd() -> None:
 
 
 def _calibration_options(f):
-    """Options shared by `screen` and `margin`: the calibration of a Sink Strength measurement."""
+    """Options shared by `strength`, `screen`, `margin` and `protect-plan`: the calibration of a Sink Strength
+    measurement (passed on to `_strength_settings`), the model's dtype and device, --force and --quiet."""
     for opt in reversed(
         [
             click.option(
@@ -166,13 +93,44 @@ def _calibration_options(f):
                 show_default=True,
             ),
             click.option("--device", default="cpu", show_default=True),
-            click.option("--batch-size", type=int, default=1, show_default=True),
+            click.option(
+                "--batch-size",
+                type=int,
+                default=_BATCHING.batch_size,
+                help="Prompts per forward at most (default: as many as --batch-tokens allows).",
+            ),
+            click.option(
+                "--batch-tokens",
+                type=int,
+                default=_BATCHING.batch_tokens,
+                show_default=True,
+                help="Padded tokens (prompts x longest) per forward at most; a longer prompt runs alone.",
+            ),
+            click.option(
+                "--query-chunk",
+                type=int,
+                default=_BATCHING.query_chunk,
+                show_default=True,
+                help="Query rows whose attention logits are held at once per layer (memory, not S).",
+            ),
             click.option("--force", is_flag=True, help="Overwrite earlier results."),
             click.option("--quiet", is_flag=True, help="No progress bars."),
         ]
     ):
         f = opt(f)
     return f
+
+
+def _strength_settings(last_k: str, prompts_file: Path | None, chat_template: bool, **fields):
+    """The StrengthSettings of `_calibration_options` (and a command's own --last-k, --statistic, --seed)."""
+    from lm_eval_sink.strength import StrengthSettings
+
+    return StrengthSettings(
+        last_k=_last_k(last_k),
+        prompts_file=str(prompts_file) if prompts_file else None,
+        use_chat_template=chat_template,
+        **fields,
+    )
 
 
 def _last_k(value: str) -> int | None:
@@ -182,6 +140,28 @@ def _last_k(value: str) -> int | None:
         return int(value)
     except ValueError:
         raise UserError(f"--last-k must be a number or 'all', got {value!r}", "use e.g. --last-k 10") from None
+
+
+@cli.command()
+@click.argument("model_names", metavar="MODEL [MODEL ...]", nargs=-1, required=True)
+@click.option("--last-k", default="10", show_default=True, help="Number of last layers, or 'all'.")
+@click.option("--statistic", type=click.Choice(["median", "mean"]), default="median", show_default=True)
+@_calibration_options
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--output", type=click.Path(path_type=Path), required=True, help="Folder for the JSON, tables and heatmaps."
+)
+def strength(model_names, last_k, dtype, device, force, quiet, output, **calibration) -> None:
+    """Sink Strength S of one or more models (MODEL: a folder, a hub id when online, or 'default')."""
+    from lm_eval_sink.commands.strength import run_strength
+
+    settings = _strength_settings(last_k, **calibration)
+    names = list(model_names)
+    report = run_strength(
+        names, [_slug(n) for n in names], settings, output, dtype=dtype, device=device, force=force, progress=not quiet
+    )
+    for line in report:
+        click.echo(line)
 
 
 @cli.command()
@@ -213,37 +193,12 @@ def _last_k(value: str) -> int | None:
     "--num-gpus", type=float, default=None, help="GPUs per model's Ray task (default: 1 with --device cuda, else 0)."
 )
 def screen(
-    model_names,
-    pairs_file,
-    last_k,
-    prompts_file,
-    n_prompts,
-    rows,
-    chat_template,
-    system_prompt,
-    dtype,
-    device,
-    batch_size,
-    force,
-    quiet,
-    output,
-    engine,
-    ray_address,
-    num_gpus,
+    model_names, pairs_file, last_k, dtype, device, force, quiet, output, engine, ray_address, num_gpus, **calibration
 ) -> None:
     """Rank backbones by Sink Strength S and predict their post-VL deltas (MODEL: folder, hub id or 'default')."""
     from lm_eval_sink.commands.screen import run_screen
-    from lm_eval_sink.strength import StrengthSettings
 
-    settings = StrengthSettings(
-        last_k=_last_k(last_k),
-        rows=rows,
-        n_prompts=n_prompts,
-        prompts_file=str(prompts_file) if prompts_file else None,
-        use_chat_template=chat_template,
-        system_prompt=system_prompt,
-        batch_size=batch_size,
-    )
+    settings = _strength_settings(last_k, **calibration)
     names = list(model_names)
     measure_all = None
     if engine == "ray":
@@ -306,37 +261,13 @@ def fit(pairs_file, output, force) -> None:
     help="Folder for margin.json/.md/.csv, margin_rows.npz and margin_heatmap.png (default: print only).",
 )
 def margin(
-    reference,
-    candidate,
-    quantile,
-    last_k,
-    strength_last_k,
-    prompts_file,
-    n_prompts,
-    rows,
-    chat_template,
-    system_prompt,
-    dtype,
-    device,
-    batch_size,
-    force,
-    quiet,
-    output,
+    reference, candidate, quantile, last_k, strength_last_k, dtype, device, force, quiet, output, **calibration
 ) -> None:
     """Per-head sink margins G_base - B_gap of CANDIDATE (e.g. a VLM backbone) against REFERENCE (its LLM)."""
     from lm_eval_sink.commands.margin import run_margin
     from lm_eval_sink.margin import MarginSettings
-    from lm_eval_sink.strength import StrengthSettings
 
-    st = StrengthSettings(
-        last_k=_last_k(strength_last_k),
-        rows=rows,
-        n_prompts=n_prompts,
-        prompts_file=str(prompts_file) if prompts_file else None,
-        use_chat_template=chat_template,
-        system_prompt=system_prompt,
-        batch_size=batch_size,
-    )
+    st = _strength_settings(strength_last_k, **calibration)
     settings = MarginSettings(strength=st, last_k=_last_k(last_k), quantile=quantile)
     for line in run_margin(
         reference, candidate, settings, output, dtype=dtype, device=device, force=force, progress=not quiet
@@ -1046,36 +977,12 @@ def report(strength_files, margin_dir, buckets_dirs, attribution_dir, sweep_dir,
 @_calibration_options
 @click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="The plan JSON to write.")
 def protect_plan(
-    model_name,
-    last_k,
-    threshold,
-    min_pos0_fraction,
-    tau,
-    prompts_file,
-    n_prompts,
-    rows,
-    chat_template,
-    system_prompt,
-    dtype,
-    device,
-    batch_size,
-    force,
-    quiet,
-    output,
+    model_name, last_k, threshold, min_pos0_fraction, tau, dtype, device, force, quiet, output, **calibration
 ) -> None:
     """Choose the sink heads to protect during training (MODEL: folder, hub id or 'default'); see docs/training.md."""
-    from lm_eval_sink.strength import StrengthSettings
     from lm_eval_sink.commands.protect_plan import run_protect_plan
 
-    settings = StrengthSettings(
-        last_k=_last_k(last_k),
-        rows=rows,
-        n_prompts=n_prompts,
-        prompts_file=str(prompts_file) if prompts_file else None,
-        use_chat_template=chat_template,
-        system_prompt=system_prompt,
-        batch_size=batch_size,
-    )
+    settings = _strength_settings(last_k, **calibration)
     for line in run_protect_plan(
         model_name,
         settings,

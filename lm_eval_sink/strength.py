@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from lm_eval_sink.calibration import Batching
 from lm_eval_sink.errors import SinkWarning, UserError
 
 DEFAULT_LAST_K = 10
@@ -28,15 +29,20 @@ DEFAULT_LAST_K = 10
 # changes for the same model and settings, so results made by the old code are recomputed, not
 # reused (docs/identity.md). With KEY_PACKAGES' versions it is part of every strength result key.
 # 2: the result gained `rows_beyond_window` (S itself unchanged).
-METHOD_VERSION = 2
+# 3: the capture works in query chunks on all prompts in one batch (float32 rounding), and the batching knobs left
+#    the key.
+METHOD_VERSION = 3
 KEY_PACKAGES = ("torch", "transformers")
 STATISTICS = ("median", "mean")
 ROWS = ("all", "content")
+RUN_FIELDS = ("batch_size", "batch_tokens", "query_chunk")  # how S is computed (calibration.Batching), not what
+_RUN = Batching()
 
 
 @dataclass(frozen=True, slots=True)
 class StrengthSettings:
-    """Every knob of a Sink Strength measurement (one source of truth for the defaults)."""
+    """Every knob of a Sink Strength measurement (one source of truth for the defaults; the batching ones are
+    `calibration.Batching`'s). RUN_FIELDS change memory and speed only, so `key_fields` leaves them out."""
 
     last_k: int | None = DEFAULT_LAST_K  # None = all layers
     statistic: str = "median"
@@ -45,8 +51,10 @@ class StrengthSettings:
     prompts_file: str | None = None
     use_chat_template: bool = True
     system_prompt: str | None = None
-    batch_size: int = 1
+    batch_size: int | None = _RUN.batch_size  # None = as many prompts per forward as batch_tokens allows
     seed: int = 0
+    batch_tokens: int = _RUN.batch_tokens
+    query_chunk: int = _RUN.query_chunk
 
     def __post_init__(self) -> None:
         if self.last_k is not None and self.last_k <= 0:
@@ -55,8 +63,14 @@ class StrengthSettings:
             raise UserError(f"unknown statistic {self.statistic!r}", f"use one of {', '.join(STATISTICS)}")
         if self.rows not in ROWS:
             raise UserError(f"unknown --rows {self.rows!r}", f"use one of {', '.join(ROWS)}")
-        if self.batch_size <= 0:
-            raise UserError(f"batch size must be positive, got {self.batch_size}", "use --batch-size 1 or more")
+        self.batching()  # its checks
+
+    def batching(self) -> Batching:
+        return Batching(self.batch_size, self.batch_tokens, self.query_chunk)
+
+    def key_fields(self) -> dict[str, Any]:
+        """The settings that decide S, as every result key holds them (not RUN_FIELDS)."""
+        return {k: v for k, v in asdict(self).items() if k not in RUN_FIELDS}
 
     def layers_for(self, attention_layers: Sequence[int] | int) -> tuple[int, ...]:
         """The last K of the model's attention layers (all of them when K is None); an int n means layers 0..n-1."""
@@ -207,7 +221,7 @@ def measure(
     encoded = encode_prompts(tokenizer, prompt_set.prompts, settings.use_chat_template, settings.system_prompt)
     depth = n_layers_of(model)
     att = attention_layers(model, encoded.input_ids[0][:2])
-    captures = capture_prompts(model, encoded, settings.layers_for(att), settings.batch_size, progress=progress)
+    captures = capture_prompts(model, encoded, settings.layers_for(att), settings.batching(), progress=progress)
     result = reduce_captures(captures, settings, depth, att)
     warn_beyond_window(result)
     prov = {
@@ -253,11 +267,13 @@ def key_versions() -> dict[str, Any]:
 
 
 def inputs_key(name_path: str, fingerprint: str | None, settings: StrengthSettings, dtype: str) -> str:
-    """The key of a measurement's inputs (model path, content fingerprint, settings, dtype)."""
+    """The key of a measurement's inputs (model path, content fingerprint, settings but RUN_FIELDS, dtype)."""
     from lm_eval_sink.io import canonical_json, sha256_text
 
     return sha256_text(
-        canonical_json({"model": name_path, "fingerprint": fingerprint, "settings": asdict(settings), "dtype": dtype})
+        canonical_json(
+            {"model": name_path, "fingerprint": fingerprint, "settings": settings.key_fields(), "dtype": dtype}
+        )
     )
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 import transformers
 
-from lm_eval_sink.calibration import encode_prompts, load_prompts
+from lm_eval_sink.calibration import Batching, encode_prompts, load_prompts
 from lm_eval_sink.capture import attention_layers_from_config, capture_prompts, check_supported_class, sink_capture
 from lm_eval_sink.errors import SinkWarning, UserError
 from lm_eval_sink.models import attn_implementation_for
@@ -253,9 +253,11 @@ def test_learned_sink_keys_round_trip_and_margin_refusal_without_learned_sinks(
     from lm_eval_sink.cli import main
 
     gpt = _build("gpt_oss", len(tiny_tokenizer), tiny_tokenizer.pad_token_id)
-    caps = capture_prompts(gpt, encoded, [0, 1], batch_size=2, progress=False)
+    caps = capture_prompts(gpt, encoded, [0, 1], Batching(batch_size=2), progress=False)
     assert any((c.sink_pos == -1).any() for c in caps)
-    fixed = capture_prompts(gpt, encoded, [0, 1], batch_size=2, progress=False, sink_keys=[c.sink_pos for c in caps])
+    fixed = capture_prompts(
+        gpt, encoded, [0, 1], Batching(batch_size=2), progress=False, sink_keys=[c.sink_pos for c in caps]
+    )
     for a, b in zip(caps, fixed, strict=True):
         np.testing.assert_allclose(b.sink_logodds, a.sink_logodds, atol=1e-6)
         np.testing.assert_array_equal(b.sink_pos, a.sink_pos)
@@ -352,7 +354,7 @@ def test_data_parallel_items_of_learned_sinks_reduce_to_the_single_process_resul
     model = _build("gpt_oss", len(tiny_tokenizer), tiny_tokenizer.pad_token_id)
     want = _measure(model, tiny_tokenizer, SETTINGS, windowed=True)
     att = attention_layers_from_config(model.config)
-    captures = capture_prompts(model, encoded, SETTINGS.layers_for(att), SETTINGS.batch_size, progress=False)
+    captures = capture_prompts(model, encoded, SETTINGS.layers_for(att), SETTINGS.batching(), progress=False)
     items = [
         json.loads(json.dumps(PromptRows.build(i, c, SETTINGS, 2, att, False, None).payload))
         for i, c in enumerate(captures)

@@ -128,6 +128,25 @@ def test_a_result_made_before_versions_were_keyed_is_recomputed(tiny_models, tmp
     assert "key_versions" in json.loads(path.read_text())["provenance"]
 
 
+def test_batching_and_device_are_in_no_key_a_batch_one_result_is_reused(tiny_models, tmp_path, capsys):
+    """S does not depend on --batch-size, --batch-tokens, --query-chunk or --device: a result made one prompt at a
+    time on the CPU is reused by the default run (all prompts in one forward), which, forced, gives the same S."""
+    out, model = tmp_path / "out", tiny_models["llama"]
+    common = ("strength", model, "--last-k", "2", "--output", out, "--quiet")
+    assert _run(capsys, *common, "--batch-size", "1", "--query-chunk", "4", "--device", "cpu")[0] == 0
+    path = out / "llama.strength.json"
+    first = path.read_text()
+    assert json.loads(first)["provenance"]["settings"]["batch_size"] == 1  # recorded, not keyed
+    for extra in ((), ("--batch-tokens", "64"), ("--batch-size", "3", "--query-chunk", "1000")):
+        rc, stdout, _ = _run(capsys, *common, *extra)
+        assert rc == 0 and "llama: reused" in stdout and "recomputed" not in stdout
+    assert path.read_text() == first
+    assert _run(capsys, *common, "--force")[0] == 0
+    again = json.loads(path.read_text())
+    assert again["provenance"]["settings"]["batch_size"] is None
+    assert again["sink_strength"] == pytest.approx(json.loads(first)["sink_strength"], abs=1e-5)
+
+
 def test_prompt_files_text_and_jsonl(tiny_models, tmp_path, capsys):
     txt = tmp_path / "p.txt"
     txt.write_text("Write two words.\nList three colors.\n")
@@ -155,6 +174,7 @@ def test_prompt_files_text_and_jsonl(tiny_models, tmp_path, capsys):
         "k_zero",
         "output_is_file",
         "bad_n_prompts",
+        "batch_tokens_zero",
     ],
 )
 def test_bad_input_one_line_exit_2(case, tiny_models, tmp_path, capsys):
@@ -190,6 +210,8 @@ def test_bad_input_one_line_exit_2(case, tiny_models, tmp_path, capsys):
         pattern = "is a file"
     elif case == "bad_n_prompts":
         extra, pattern = ["--n-prompts", "7"], "n-prompts 7"
+    elif case == "batch_tokens_zero":
+        extra, pattern = ["--batch-tokens", "0"], "batch-tokens must be positive"
     rc, _, err = _run(capsys, "strength", model, "--output", out, "--quiet", *extra)
     _assert_user_error(rc, err, pattern)
     if case != "output_is_file":

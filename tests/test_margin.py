@@ -224,21 +224,26 @@ def test_margin_bad_quantile_and_missing_model(sink_models, tmp_path, capsys):
 
 
 def test_fixed_sink_keys_at_the_argmax_reproduce_the_default_capture(sink_models):
-    from lm_eval_sink.calibration import builtin_prompts, encode_prompts
+    from lm_eval_sink.calibration import Batching, builtin_prompts, encode_prompts
     from lm_eval_sink.capture import capture_prompts
     from lm_eval_sink.models import load_model
 
     loaded = load_model(str(sink_models["cand"]), dtype="float32")
     enc = encode_prompts(loaded.tokenizer, builtin_prompts()[:4])
-    default = capture_prompts(loaded.model, enc, [0, 1], batch_size=2, progress=False)
+    default = capture_prompts(loaded.model, enc, [0, 1], Batching(batch_size=2), progress=False)
     fixed = capture_prompts(
-        loaded.model, enc, [0, 1], batch_size=2, progress=False, sink_keys=[c.sink_pos for c in default]
+        loaded.model, enc, [0, 1], Batching(batch_size=2), progress=False, sink_keys=[c.sink_pos for c in default]
     )
     for a, b in zip(default, fixed, strict=True):
         assert np.array_equal(a.sink_logodds, b.sink_logodds) and np.array_equal(a.sink_pos, b.sink_pos)
     # the collapsed head (layer 0, head 1) has its own argmax elsewhere; at key 0 its gap is c' - log t
     at_bos = capture_prompts(
-        loaded.model, enc, [0, 1], batch_size=2, progress=False, sink_keys=[np.zeros_like(c.sink_pos) for c in default]
+        loaded.model,
+        enc,
+        [0, 1],
+        Batching(batch_size=2),
+        progress=False,
+        sink_keys=[np.zeros_like(c.sink_pos) for c in default],
     )
     t = np.arange(1, len(enc.input_ids[0]))
     assert (default[0].sink_pos[0, 1] != 0).any()

@@ -117,11 +117,15 @@ def test_implementation_restored_after_error(tiny_tokenizer):
     assert model.config._attn_implementation == "sdpa"
 
 
-@pytest.mark.parametrize("batch_size", [2, 4, 15])
-def test_batch_size_does_not_change_s(batch_size, tiny_tokenizer):
+@pytest.mark.parametrize(
+    "batching",
+    [{"batch_size": 2}, {"batch_size": 4}, {}, {"batch_tokens": 100, "query_chunk": 5}],
+    ids=["2", "4", "default: all 15", "token budget, chunks of 5 rows"],
+)
+def test_batching_does_not_change_s(batching, tiny_tokenizer):
     model = _random_model("qwen3")
-    one = measure(model, tiny_tokenizer, StrengthSettings(last_k=2, batch_size=1), progress=False)
-    many = measure(model, tiny_tokenizer, StrengthSettings(last_k=2, batch_size=batch_size), progress=False)
+    one = measure(model, tiny_tokenizer, StrengthSettings(last_k=2, batch_size=1, query_chunk=10**6), progress=False)
+    many = measure(model, tiny_tokenizer, StrengthSettings(last_k=2, **batching), progress=False)
     assert many.sink_strength == pytest.approx(one.sink_strength, abs=1e-5)
     np.testing.assert_allclose(many.per_prompt, one.per_prompt, atol=1e-5)
 
@@ -178,6 +182,8 @@ def test_smollm2_values(smollm2):
         got[(k, n)] = r.sink_strength
     assert 1.0 < got[(10, 15)] < 2.5
     assert abs(got[(10, 5)] - got[(10, 15)]) < 0.2
+    one = measure(smollm2.model, smollm2.tokenizer, StrengthSettings(batch_size=1), progress=False)  # 15 forwards
+    assert one.sink_strength == pytest.approx(got[(10, 15)], abs=1e-5)  # the default: one padded forward
 
 
 @pytest.mark.slow

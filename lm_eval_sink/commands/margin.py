@@ -108,7 +108,7 @@ def measure_margin(
     layers = att if settings.last_k is None else att[len(att) - min(settings.last_k, len(att)) :]
 
     ref = load_model(ref_path, dtype=dtype, device=device)
-    ref_caps = capture_prompts(ref.model, encoded, layers, st.batch_size, progress=progress, desc="reference capture")
+    ref_caps = capture_prompts(ref.model, encoded, layers, st.batching(), progress=progress, desc="reference capture")
     ref_s = measure(ref.model, ref.tokenizer, st, progress=progress)
     ref_info = ref.info
     del ref
@@ -118,7 +118,7 @@ def measure_margin(
         cand.model,
         encoded,
         layers,
-        st.batch_size,
+        st.batching(),
         progress=progress,
         desc="candidate capture",
         sink_keys=[c.sink_pos for c in ref_caps],
@@ -138,7 +138,7 @@ def measure_margin(
             {
                 "reference": ref_info["fingerprint"],
                 "candidate": cand_info["fingerprint"],
-                "settings": settings_record,
+                "settings": {**settings_record, "strength": st.key_fields()},  # batching knobs: in no key
                 "dtype": dtype,
             }
         )

@@ -4,10 +4,12 @@ ranking.
 The output folder holds `<slug>.strength.json` + `<slug>.heatmap.png` per model, and with several
 models `ranking.md`, `ranking.csv`, `ranking.png`; several runs may fill one folder. The unit of
 resume is one model's JSON (written atomically as soon as it is measured): its
-`provenance.input_key` is the key of its inputs (model path, content fingerprint, settings,
-dtype: `inputs_key`) and of the versions that computed it (`key_versions`: the strength method,
-torch, transformers), so a finished model is reused by key, one made by other versions is
-recomputed (saying which version changed), and one of other inputs is refused without `--force`.
+`provenance.input_key` is the key of its inputs (model path, content fingerprint, the settings
+that decide S, dtype: `inputs_key`; not the batching or the device, so a result made at batch 1
+on the CPU is reused by a run that batches all prompts on a GPU) and of the versions that
+computed it (`key_versions`: the strength method, torch, transformers), so a finished model is
+reused by key, one made by other versions is recomputed (saying which version changed), and one
+of other inputs is refused without `--force`.
 The folder is held with `locks.hold` for the whole run (one writer).
 """
 

@@ -43,9 +43,13 @@ PRIMARY = "sink_strength"  # the metric whose samples-file value holds each docu
 
 
 def settings_from_metadata(meta: dict[str, Any]) -> StrengthSettings:
-    """The task variant's measurement settings (the YAML `metadata`); defaults from StrengthSettings."""
+    """The task variant's measurement settings (the YAML `metadata`); defaults from StrengthSettings.
+
+    `batch_size` (null: as many as `batch_tokens` allows), `batch_tokens` and `query_chunk` set how the
+    prompts are run, not S."""
     defaults = StrengthSettings()
     last_k = meta.get("last_k", defaults.last_k)
+    batch_size = meta.get("batch_size", defaults.batch_size)
     return StrengthSettings(
         last_k=None if last_k in (None, "all") else int(last_k),
         statistic=str(meta.get("statistic", defaults.statistic)),
@@ -54,7 +58,9 @@ def settings_from_metadata(meta: dict[str, Any]) -> StrengthSettings:
         prompts_file=meta.get("prompts_file", defaults.prompts_file),
         use_chat_template=bool(meta.get("chat_template", defaults.use_chat_template)),
         system_prompt=meta.get("system_prompt", defaults.system_prompt),
-        batch_size=int(meta.get("batch_size", defaults.batch_size)),
+        batch_size=None if batch_size in (None, "all") else int(batch_size),
+        batch_tokens=int(meta.get("batch_tokens", defaults.batch_tokens)),
+        query_chunk=int(meta.get("query_chunk", defaults.query_chunk)),
     )
 
 
@@ -197,7 +203,7 @@ def _result(items: list[Any]) -> SinkStrength:
         raise RuntimeError(f"sink_strength: {len(ids) - len(set(ids))} duplicate prompt item(s), e.g. prompt {dup}")
     heads = {
         (
-            repr(sorted(p["settings"].items())),
+            repr(sorted(StrengthSettings(**p["settings"]).key_fields().items())),  # batching knobs may differ
             p["n_layers"],
             tuple(p["attention_layers"]),
             tuple(p["layers"]),
@@ -329,7 +335,7 @@ def _hflm_sink_strength(self: HFLM, requests: list[Instance]) -> list[PromptRows
             self.model,
             encoded,
             settings.layers_for(att),
-            settings.batch_size,
+            settings.batching(),
             progress=self.rank == 0,
             desc=f"{task} (rank {self.rank})",
         )

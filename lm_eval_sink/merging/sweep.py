@@ -259,7 +259,7 @@ def plan_units(
                 unit("eval", ck, "evals", payload, {"model": ck.path, "settings": spec.eval, "identity": identity})
             )
         if spec.strength is not None:
-            payload = {"settings": asdict(spec.strength), "dtype": spec.strength_dtype, "device": spec.strength_device}
+            payload = {"settings": spec.strength.key_fields(), "dtype": spec.strength_dtype}  # no device, no batching
             inputs = {
                 "model": ck.path,
                 "settings": spec.strength,

@@ -377,7 +377,7 @@ def select_sink_heads(
     sink_token = first.pop()
     layers = settings.layers_for(n_layers)
     captures = capture_prompts(
-        _base(model), encoded, layers, settings.batch_size, progress=progress, desc="protect-plan capture"
+        _base(model), encoded, layers, settings.batching(), progress=progress, desc="protect-plan capture"
     )
     logodds = np.concatenate([c.sink_logodds for c in captures], axis=2)
     pos = np.concatenate([c.sink_pos for c in captures], axis=2)
