@@ -58,6 +58,7 @@ def tasks_dir_cmd() -> None:
 def _calibration_options(f):
     """Options shared by `strength`, `screen`, `margin` and `protect-plan`: the calibration of a Sink Strength
     measurement (passed on to `_strength_settings`), the model's dtype and device, --force and --quiet."""
+    f = _batching_options(f)
     for opt in reversed(
         [
             click.option(
@@ -93,6 +94,18 @@ def _calibration_options(f):
                 show_default=True,
             ),
             click.option("--device", default="cpu", show_default=True),
+            click.option("--force", is_flag=True, help="Overwrite earlier results."),
+            click.option("--quiet", is_flag=True, help="No progress bars."),
+        ]
+    ):
+        f = opt(f)
+    return f
+
+
+def _batching_options(f):
+    """How a Sink Strength measurement runs (calibration.Batching): memory and speed, never S."""
+    for opt in reversed(
+        [
             click.option(
                 "--batch-size",
                 type=int,
@@ -113,8 +126,6 @@ def _calibration_options(f):
                 show_default=True,
                 help="Query rows whose attention logits are held at once per layer (memory, not S).",
             ),
-            click.option("--force", is_flag=True, help="Overwrite earlier results."),
-            click.option("--quiet", is_flag=True, help="No progress bars."),
         ]
     ):
         f = opt(f)
