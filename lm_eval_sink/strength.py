@@ -266,14 +266,24 @@ def key_versions() -> dict[str, Any]:
     return versions({"strength": METHOD_VERSION}, KEY_PACKAGES)
 
 
-def inputs_key(name_path: str, fingerprint: str | None, settings: StrengthSettings, dtype: str) -> str:
-    """The key of a measurement's inputs (model path, content fingerprint, settings but RUN_FIELDS, dtype)."""
+def inputs_key(
+    name_path: str,
+    fingerprint: str | None,
+    settings: StrengthSettings,
+    dtype: str,
+    method2_batch_size: int | None = None,
+) -> str:
+    """The key of a measurement's inputs (model path, content fingerprint, settings but RUN_FIELDS, dtype).
+
+    `method2_batch_size`: the key as strength method 2 and earlier made it, which also held the batch size,
+    so that a result of those versions is known as one of the same inputs (recomputed, not refused)."""
     from lm_eval_sink.io import canonical_json, sha256_text
 
+    fields = settings.key_fields()
+    if method2_batch_size is not None:
+        fields["batch_size"] = method2_batch_size
     return sha256_text(
-        canonical_json(
-            {"model": name_path, "fingerprint": fingerprint, "settings": settings.key_fields(), "dtype": dtype}
-        )
+        canonical_json({"model": name_path, "fingerprint": fingerprint, "settings": fields, "dtype": dtype})
     )
 
 

@@ -128,6 +128,42 @@ def test_a_result_made_before_versions_were_keyed_is_recomputed(tiny_models, tmp
     assert "key_versions" in json.loads(path.read_text())["provenance"]
 
 
+def test_a_result_of_strength_method_2_whose_key_held_the_batch_size_is_recomputed(tiny_models, tmp_path, capsys):
+    """Method 2 and earlier keyed the batch size: such a result (here, its provenance as that version wrote it) is
+    one of the same inputs made by another method version, recomputed with the reason, not refused."""
+    from lm_eval_sink.io import canonical_json, sha256_text, versioned_key
+
+    out, model = tmp_path / "out", tiny_models["llama"]
+    args = ("strength", model, "--last-k", "2", "--output", out, "--quiet")
+    assert _run(capsys, *args)[0] == 0
+    path = out / "llama.strength.json"
+    data = json.loads(path.read_text())
+    prov = data["provenance"]
+    for run_field in ("batch_tokens", "query_chunk"):
+        del prov["settings"][run_field]
+    prov["settings"]["batch_size"] = 1
+    ikey = sha256_text(
+        canonical_json(
+            {
+                "model": str(model.resolve()),
+                "fingerprint": prov["model"]["fingerprint"],
+                "settings": fields,
+                "dtype": "auto",
+            }
+        )
+    )
+    prov["key_versions"]["strength method"] = 2
+    prov["inputs_key"], prov["input_key"] = ikey, versioned_key(ikey, prov["key_versions"])
+    path.write_text(json.dumps(data))
+    rc, stdout, _ = _run(capsys, *args)
+    assert rc == 0 and "llama: recomputed: strength method 2 -> 3" in stdout, stdout
+    prov["settings"]["last_k"] = 3  # other inputs under method 2's key: still refused
+    prov["inputs_key"] = prov["input_key"] = "0" * 64
+    path.write_text(json.dumps(data))
+    rc, _, err = _run(capsys, *args)
+    _assert_user_error(rc, err, "already exists with other inputs.*--force")
+
+
 def test_batching_and_device_are_in_no_key_a_batch_one_result_is_reused(tiny_models, tmp_path, capsys):
     """S does not depend on --batch-size, --batch-tokens, --query-chunk or --device: a result made one prompt at a
     time on the CPU is reused by the default run (all prompts in one forward), which, forced, gives the same S."""

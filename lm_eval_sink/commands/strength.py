@@ -16,6 +16,7 @@ The folder is held with `locks.hold` for the whole run (one writer).
 from __future__ import annotations
 
 from dataclasses import replace
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,13 +79,19 @@ def run_strength(
 
 
 def _reusable(
-    json_path: Path, identity: dict[str, Any], keys: tuple[str, str], versions: dict[str, Any], force: bool
+    json_path: Path,
+    identity: dict[str, Any],
+    keys: tuple[str, str],
+    versions: dict[str, Any],
+    force: bool,
+    method2_key: Callable[[int], str],
 ) -> tuple[dict[str, Any] | None, str | None]:
     """(the finished result at `json_path` when made with the key `keys[0]`, else None; what changed when it
     was made from the same inputs `keys[1]` by other versions, to recompute it).
 
     None, None when there is none (or `force`); a result of the same model folder whose content
-    changed, or of other settings, is refused."""
+    changed, or of other settings, is refused. `method2_key(batch_size)` is the inputs' key as strength
+    method 2 and earlier made it."""
     from lm_eval_sink.identity import check_same_identity
     from lm_eval_sink.io import read_json, version_change
 
@@ -98,6 +105,9 @@ def _reusable(
     # a result made before versions were keyed holds its inputs' key as `input_key`
     recorded = prov if "inputs_key" in prov else {"inputs_key": prov.get("input_key")}
     changed = version_change(recorded, keys[1], versions)
+    made = prov.get("settings", {})
+    if changed is None and "batch_tokens" not in made:  # strength method 2 or earlier: its key held the batch size
+        changed = version_change(recorded, method2_key(int(made.get("batch_size") or 1)), versions)
     if changed is None:
         raise UserError(
             f"output already exists with other inputs: {json_path}",
@@ -132,7 +142,14 @@ def _run_locked(
         ikey = inputs_key(path, identity["fingerprint"], settings, dtype)
         key = result_key(path, identity["fingerprint"], settings, dtype, versions)
         json_path = output / f"{slug}.strength.json"
-        reuse, changed = _reusable(json_path, identity, (key, ikey), versions, force)
+        reuse, changed = _reusable(
+            json_path,
+            identity,
+            (key, ikey),
+            versions,
+            force,
+            lambda b, p=path, f=identity["fingerprint"]: inputs_key(p, f, settings, dtype, method2_batch_size=b),
+        )
         plan.append((name, path, slug, (key, ikey), json_path, reuse))
         if changed:
             lines.append(f"{slug}: recomputed: {changed}")
