@@ -147,7 +147,7 @@ def test_a_result_of_strength_method_2_whose_key_held_the_batch_size_is_recomput
             {
                 "model": str(model.resolve()),
                 "fingerprint": prov["model"]["fingerprint"],
-                "settings": fields,
+                "settings": prov["settings"],
                 "dtype": "auto",
             }
         )
