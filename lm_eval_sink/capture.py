@@ -503,7 +503,9 @@ def capture_prompts(
     if bad_rows:
         j, li = bad_rows[0]
         raise UserError(
-            f"non-finite sink log-odds at prompt {j}, layer {layers[li]}", "load the model in float32 (--dtype float32)"
+            f"non-finite sink log-odds at prompt {j}, layer {layers[li]}",
+            "load float16 weights in bfloat16 (--dtype bfloat16: the same memory, float32's range), or any in "
+            "float32 (--dtype float32: twice the memory of 16-bit weights)",
         )
     return [out[j] for j in range(len(encoded))]
 

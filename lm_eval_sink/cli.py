@@ -12,9 +12,21 @@ from pathlib import Path
 import click
 
 from lm_eval_sink.calibration import Batching
+from lm_eval_sink.devices import DEFAULT_DEVICE, DEVICE_HELP, check_device
 from lm_eval_sink.errors import UserError
 
 _BATCHING = Batching()  # the defaults of --batch-size, --batch-tokens and --query-chunk
+
+
+def _device(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    return value if value is None else check_device(value)
+
+
+# Where a model is loaded for a measurement: the one `--device` of strength, screen, margin and protect-plan
+# (`_calibration_options`).
+_DEVICE = dict(
+    default=DEFAULT_DEVICE, show_default=True, callback=_device, help=f"Where the model runs: {DEVICE_HELP}."
+)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -93,7 +105,7 @@ def _calibration_options(f):
                 default="auto",
                 show_default=True,
             ),
-            click.option("--device", default="cpu", show_default=True),
+            click.option("--device", **_DEVICE),
             click.option("--force", is_flag=True, help="Overwrite earlier results."),
             click.option("--quiet", is_flag=True, help="No progress bars."),
         ]
@@ -201,7 +213,10 @@ def strength(model_names, last_k, dtype, device, force, quiet, output, **calibra
 )
 @click.option("--ray-address", default=None, help="Ray cluster: auto or ray://host:port (default: start Ray here).")
 @click.option(
-    "--num-gpus", type=float, default=None, help="GPUs per model's Ray task (default: 1 with --device cuda, else 0)."
+    "--num-gpus",
+    type=float,
+    default=None,
+    help="GPUs per model's Ray task (default: 1 with --device cuda, else 0: auto then runs on the CPU).",
 )
 def screen(
     model_names, pairs_file, last_k, dtype, device, force, quiet, output, engine, ray_address, num_gpus, **calibration
@@ -598,7 +613,7 @@ def attribute(
 @click.option(
     "--seed", type=int, default=None, help="Seed for lm-eval's random generators, where the protocol does not fix it."
 )
-@click.option("--device", default=None, help="HF only: torch device (default cpu).")
+@click.option("--device", callback=_device, help=f"HF only: {DEVICE_HELP} (default {DEFAULT_DEVICE}).")
 @click.option(
     "--backend",
     type=click.Choice(["hf", "vllm"]),
@@ -839,7 +854,7 @@ def configs_validate(config_file) -> None:
 @click.argument("config_file", type=click.Path(path_type=Path))
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--random-seed", type=int, default=None, help="Seed for random methods (DARE): bit-identical reruns.")
-@click.option("--device", default="cpu", show_default=True, help="mergekit's math device.")
+@click.option("--device", default="cpu", show_default=True, callback=_device, help="mergekit's math device, or auto.")
 @click.option("--force", is_flag=True, help="Replace an existing OUT folder.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 def merge(config_file, out, random_seed, device, force, quiet) -> None:

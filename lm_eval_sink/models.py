@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lm_eval_sink.devices import DEFAULT_DEVICE, load_dtype, place
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.identity import check_finished_folder, hub_offline, hub_snapshot, looks_like_hub_id
 from lm_eval_sink.io import cache_dir, read_complete, sha256_file, staged_dir, write_complete
@@ -173,17 +174,32 @@ def torch_dtype(name: str):
     return "auto" if name == "auto" else getattr(torch, name)
 
 
+def load_placed(cls: Any, path: str | Path, dtype: Any, device: str, config: Any = None, **kwargs: Any) -> Any:
+    """`cls.from_pretrained(path, dtype=dtype, **kwargs)` straight onto `device`, and where it went: the device map is
+    `devices.place`'s, from `config` (read from `path` when None) before any weight is read. Returns
+    (what from_pretrained returns, Placement)."""
+    if config is None:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path, **{k: v for k, v in kwargs.items() if k == "revision"})
+    placement = place(cls, config, load_dtype(config, dtype), device, str(path))
+    return cls.from_pretrained(path, dtype=dtype, device_map=placement.device_map, **kwargs), placement
+
+
 def attn_implementation_for(cls: type) -> str:
     """The attention implementation to load `cls` with for Sink Strength: sdpa where the class
     supports it, else eager (attention soft-capping, learned sinks)."""
     return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
 
 
-def load_model(name: str | Path, dtype: str = "auto", device: str = "cpu", check_attention: bool = True) -> LoadedModel:
+def load_model(
+    name: str | Path, dtype: str = "auto", device: str = DEFAULT_DEVICE, check_attention: bool = True
+) -> LoadedModel:
     """Load a causal LM and its tokenizer, with the provenance of what was loaded.
 
-    With `check_attention` (the default, for Sink Strength) a model class whose attention does not
-    go through transformers' attention interface is refused before its weights are read.
+    The weights go straight onto `device` (`devices.place`: checked against the free memory from the
+    config, before any weight is read). With `check_attention` (the default, for Sink Strength) a model
+    class whose attention does not go through transformers' attention interface is refused before too.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -217,16 +233,16 @@ def load_model(name: str | Path, dtype: str = "auto", device: str = "cpu", check
         if cls is not None:
             check_supported_class(cls)  # before any weight is read
             impl = attn_implementation_for(cls)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=td, **rev, **({"attn_implementation": impl} if impl else {})
-    ).to(device)
+    model, placement = load_placed(
+        AutoModelForCausalLM, path, td, device, config, **rev, **({"attn_implementation": impl} if impl else {})
+    )
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(path, **rev)
     info = {
         **identity,
         "architecture": type(model).__name__,
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-        "device": str(device),
+        **placement.info(),
         "attn_implementation": f"{model.config._attn_implementation} (captured through lm_eval_sink attention)",
     }
     return LoadedModel(model=model, tokenizer=tokenizer, path=path, info=info)

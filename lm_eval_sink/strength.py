@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from lm_eval_sink.calibration import Batching
+from lm_eval_sink.devices import DEFAULT_DEVICE, check_not_tensor_parallel
 from lm_eval_sink.errors import SinkWarning, UserError
 
 DEFAULT_LAST_K = 10
@@ -217,6 +218,7 @@ def measure(
     from lm_eval_sink.calibration import encode_prompts, load_prompts
     from lm_eval_sink.capture import attention_layers, capture_prompts, n_layers_of
 
+    check_not_tensor_parallel(model)
     prompt_set = load_prompts(settings.prompts_file, settings.n_prompts)
     encoded = encode_prompts(tokenizer, prompt_set.prompts, settings.use_chat_template, settings.system_prompt)
     depth = n_layers_of(model)
@@ -246,7 +248,7 @@ def measure_model(
     name: str,
     settings: StrengthSettings = StrengthSettings(),
     dtype: str = "auto",
-    device: str = "cpu",
+    device: str = DEFAULT_DEVICE,
     progress: bool = True,
 ) -> SinkStrength:
     """Load a model by path, hub id or `default`, and measure its Sink Strength."""

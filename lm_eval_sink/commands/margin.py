@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from lm_eval_sink.devices import DEFAULT_DEVICE
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.margin import (
     MarginSettings,
@@ -56,7 +57,7 @@ def measure_margin(
     candidate: str,
     settings: MarginSettings = MarginSettings(),
     dtype: str = "auto",
-    device: str = "cpu",
+    device: str = DEFAULT_DEVICE,
     progress: bool = True,
 ) -> tuple[SinkMargin, dict[str, np.ndarray]]:
     """Capture both models on the reference's token ids; return the margins and the per-row arrays.
@@ -195,7 +196,7 @@ def run_margin(
     settings: MarginSettings,
     output: Path | None,
     dtype: str = "auto",
-    device: str = "cpu",
+    device: str = DEFAULT_DEVICE,
     force: bool = False,
     progress: bool = True,
 ) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from lm_eval_sink.devices import DEFAULT_DEVICE
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.strength import StrengthSettings
 from lm_eval_sink.training.protection import select_sink_heads
@@ -17,7 +18,7 @@ def run_protect_plan(
     min_pos0_fraction: float = 0.8,
     tau: float = 0.0,
     dtype: str = "auto",
-    device: str = "cpu",
+    device: str = DEFAULT_DEVICE,
     force: bool = False,
     progress: bool = True,
 ) -> list[str]:

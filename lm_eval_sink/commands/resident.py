@@ -21,7 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lm_eval_sink.devices import empty_cache, peak_memory
 from lm_eval_sink.errors import UserError, one_line
+from lm_eval_sink.harness.inprocess import PLACEMENT_ARGS, resident_device
 from lm_eval_sink.merging.sweep import Checkpoint, Plan, SweepSpec, Unit
 
 FIX = "set merge: {in_memory: false} (or pass --on-disk)"
@@ -55,14 +57,35 @@ def check_spec(spec: SweepSpec) -> None:
             f"{src}: eval.python {ev.python} is another interpreter, but an in-memory sweep evaluates in this one",
             "drop eval.python (and --lm-eval-python), or " + FIX,
         )
-    if ev is not None and spec.strength is not None and ev.device != spec.strength_device:
+    if ev is not None:
+        _check_placement_args(src, ev.model_args)
+    device = resident_device(ev, spec.strength_device)
+    if ev is not None and spec.strength is not None and device != spec.strength_device:
         raise UserError(
-            f"{src}: eval.device {ev.device} and strength.device {spec.strength_device} differ, but one resident "
-            "model serves both",
+            f"{src}: eval.device {device} and strength.device {spec.strength_device} differ, but one resident model "
+            "serves both",
             "give eval and strength the same device, or " + FIX,
         )
     resident_dtype(spec)
     _check_controls(spec)
+
+
+def _check_placement_args(src: str, model_args: dict[str, Any]) -> None:
+    """Refuse model_args that would place the resident otherwise than eval.device: a tensor-parallel plan (each
+    rank would hold a share of the heads) or lm-eval's offload and map settings (merges are copied into the
+    parameters in place, which an offloaded weight is not). `parallelize=True` is kept: every GPU (`auto`)."""
+    if "tp_plan" in model_args:
+        raise UserError(
+            f"{src}: eval.model_args.tp_plan: a tensor-parallel resident would give each rank a share of the heads",
+            "drop tp_plan: eval.device auto spreads the resident over every GPU",
+        )
+    given = sorted((PLACEMENT_ARGS - {"parallelize"}) & set(model_args))
+    if given:
+        raise UserError(
+            f"{src}: eval.model_args.{given[0]}: the resident model is placed by eval.device, never offloaded to the "
+            "CPU or the disk (each merge is copied into its parameters in place)",
+            f"drop {given[0]} (eval.device auto spreads it over every GPU), or " + FIX,
+        )
 
 
 def _config_dtype(model: str) -> str:
@@ -220,18 +243,21 @@ class ResidentWorker:
         if self.holds == ck.name:
             return
         self.holds = None  # a failed copy leaves the parameters half written
-        if job.merge is not None:
-            config = job.merge.inputs["config"]
-            merge_into(
-                self.resident.model,
-                config.text,
-                ck.name,
-                random_seed=job.merge.inputs["random_seed"],
-                device=job.merge.inputs["device"],
-                revisions=_revisions(list(config.inputs)),
-            )
-        else:
-            merge_into(self.resident.model, endpoint_text(ck.path), ck.name, revisions=_revisions([ck.path]))
+        try:
+            if job.merge is not None:
+                config = job.merge.inputs["config"]
+                merge_into(
+                    self.resident.model,
+                    config.text,
+                    ck.name,
+                    random_seed=job.merge.inputs["random_seed"],
+                    device=job.merge.inputs["device"],
+                    revisions=_revisions(list(config.inputs)),
+                )
+            else:
+                merge_into(self.resident.model, endpoint_text(ck.path), ck.name, revisions=_revisions([ck.path]))
+        finally:
+            empty_cache()  # mergekit's working tensors are gone: their cached blocks go back before the units run
         self.holds = ck.name
 
     def _run_unit(self, unit: Unit, ck: Checkpoint) -> None:
@@ -241,8 +267,9 @@ class ResidentWorker:
 
         if unit.kind == "eval":
             with staged_dir(unit.output, force=True) as tmp:
-                run = evaluate(self.resident, unit.inputs["settings"], tmp / "lm_eval", unit.inputs["model"])
-                finish_eval(tmp, unit, run, in_memory=True)
+                with peak_memory() as peak:
+                    run = evaluate(self.resident, unit.inputs["settings"], tmp / "lm_eval", unit.inputs["model"])
+                finish_eval(tmp, unit, run, in_memory=True, peak_accelerator_memory=peak or None)
         elif unit.kind == "strength":
             model = self.resident.model
             info = {
@@ -251,12 +278,13 @@ class ResidentWorker:
                 "in_memory": True,
                 "architecture": type(model).__name__,
                 "dtype": self.resident.dtype,
-                "device": str(next(model.parameters()).device),
+                **self.resident.placement.info(),
             }
-            res = measure_strength(
-                self.resident, unit.inputs["settings"], unit.inputs["dtype"], provenance=provenance(model=info)
-            )
-            save_strength(unit, res, in_memory=True)
+            with peak_memory() as peak:
+                res = measure_strength(
+                    self.resident, unit.inputs["settings"], unit.inputs["dtype"], provenance=provenance(model=info)
+                )
+            save_strength(unit, res, in_memory=True, peak_accelerator_memory=peak or None)
         else:
             raise ValueError(f"unit kind {unit.kind!r} does not run on a resident model")
 

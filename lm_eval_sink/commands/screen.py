@@ -15,6 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from lm_eval_sink.devices import DEFAULT_DEVICE
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.screen import (
     QKNorm,
@@ -89,7 +90,7 @@ def run_screen(
     pairs_file: Path | str | None,
     output: Path | None,
     dtype: str = "auto",
-    device: str = "cpu",
+    device: str = DEFAULT_DEVICE,
     force: bool = False,
     progress: bool = True,
     measure_all: Any = None,

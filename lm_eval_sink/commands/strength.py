@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lm_eval_sink.devices import DEFAULT_DEVICE
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.strength import (
     RANKING_HEAD,
@@ -46,7 +47,7 @@ def run_strength(
     settings: StrengthSettings,
     output,
     dtype: str = "auto",
-    device: str = "cpu",
+    device: str = DEFAULT_DEVICE,
     force: bool = False,
     progress: bool = True,
     measure_all: Any = None,

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from lm_eval_sink.devices import DEFAULT_DEVICE
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.extract.checkpoint import (
     INDEX_FILE,
@@ -67,7 +68,7 @@ from lm_eval_sink.io import (
     staged_dir,
     write_complete,
 )
-from lm_eval_sink.models import model_fingerprint, resolve_model
+from lm_eval_sink.models import load_placed, model_fingerprint, resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -286,12 +287,11 @@ def _verify(
     if quiet:
         transformers.utils.logging.disable_progress_bar()
     try:
-        ref = logits(
-            getattr(transformers, vlm_class).from_pretrained(vlm_dir, dtype=dtype, attn_implementation="eager"), ids
-        )
+        vlm_cls = getattr(transformers, vlm_class)
+        ref = logits(load_placed(vlm_cls, vlm_dir, dtype, DEFAULT_DEVICE, attn_implementation="eager")[0], ids)
         gc.collect()  # the VLM is freed before the backbone loads: peak memory is one model, not two
-        model, info = AutoModelForCausalLM.from_pretrained(
-            lm_dir, dtype=dtype, attn_implementation="eager", output_loading_info=True
+        (model, info), _ = load_placed(
+            AutoModelForCausalLM, lm_dir, dtype, DEFAULT_DEVICE, attn_implementation="eager", output_loading_info=True
         )
         got = logits(model, ids)
     finally:

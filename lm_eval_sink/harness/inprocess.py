@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lm_eval_sink.devices import DEFAULT_DEVICE, Placement
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.harness.runner import EvalSettings
 from lm_eval_sink.runs import RunFiles, resolve_run
@@ -39,6 +40,12 @@ class Resident:
     task_manager: Any
     settings: EvalSettings | None  # the sweep's eval settings (every `evaluate` uses them); None: S only
     dtype: str  # the resident parameters' dtype, e.g. "float32"
+    placement: Placement  # where its weights are (kept for every checkpoint: merges are copied in place)
+
+
+# lm-eval's HFLM arguments that place a model it loads itself; the resident is placed by this project
+# (`devices.place`, from eval.device, `auto` when parallelize=True), so HFLM never gets them.
+PLACEMENT_ARGS = frozenset({"parallelize", "device_map", "max_memory_per_gpu", "max_cpu_memory", "offload_folder"})
 
 
 def cli_config(settings: EvalSettings, model: str, output_path: str | Path) -> Any:
@@ -62,14 +69,22 @@ def _hflm_parameters() -> frozenset[str]:
 
 def _load_kwargs(model_args: dict[str, Any]) -> dict[str, Any]:
     """The model_args HFLM would hand to `from_pretrained` (not its own parameters), e.g. attn_implementation."""
-    own = _hflm_parameters()
+    own = _hflm_parameters() | PLACEMENT_ARGS
     return {k: v for k, v in model_args.items() if k not in own and k not in ("pretrained", "dtype")}
 
 
+def resident_device(settings: EvalSettings | None, device: str) -> str:
+    """The resident's device: eval's (`auto` when its model_args ask lm-eval to parallelize), else `device` (S's)."""
+    if settings is None:
+        return device
+    return "auto" if str(settings.model_args.get("parallelize", False)).lower() == "true" else settings.device
+
+
 def load_resident(
-    reference: str | Path, settings: EvalSettings | None, dtype: str | None = None, device: str = "cpu"
+    reference: str | Path, settings: EvalSettings | None, dtype: str | None = None, device: str = DEFAULT_DEVICE
 ) -> Resident:
-    """Load `reference` as the subprocess path's HFLM would (dtype, device, model_args), and one TaskManager.
+    """Load `reference` as the subprocess path's HFLM would (dtype, model_args), straight onto its devices, and one
+    TaskManager.
 
     The TaskManager takes the include path and the model_args metadata of the reference's command
     line, as lm-eval's CLI builds it; this project's tasks and offline data reach it through the
@@ -78,7 +93,7 @@ def load_resident(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from lm_eval_sink.models import torch_dtype
+    from lm_eval_sink.models import load_placed, torch_dtype
 
     load_kwargs: dict[str, Any] = {}
     revision: dict[str, Any] = {}
@@ -95,14 +110,19 @@ def load_resident(
             )
         install()
         cfg = cli_config(settings, str(reference), "/nonexistent")
-        dtype, device, load_kwargs = settings.dtype, settings.device, _load_kwargs(cfg.model_args)
+        dtype, load_kwargs = settings.dtype, _load_kwargs(cfg.model_args)
         revision = {"revision": cfg.model_args["revision"]} if "revision" in cfg.model_args else {}
         manager = TaskManager(include_path=cfg.include_path, metadata=cfg.metadata or {})
-    model = AutoModelForCausalLM.from_pretrained(str(reference), dtype=torch_dtype(dtype or "auto"), **load_kwargs)
-    model = model.to(device).eval().requires_grad_(False)
+    device = resident_device(settings, device)
+    model, placement = load_placed(
+        AutoModelForCausalLM, str(reference), torch_dtype(dtype or "auto"), device, **revision, **load_kwargs
+    )
+    model = model.eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(str(reference), **revision)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    return Resident(model=model, tokenizer=tokenizer, task_manager=manager, settings=settings, dtype=dtype)
+    return Resident(
+        model=model, tokenizer=tokenizer, task_manager=manager, settings=settings, dtype=dtype, placement=placement
+    )
 
 
 def _tasks(manager: Any, names: str | list[str]) -> list[Any]:
@@ -129,7 +149,7 @@ def _hflm(resident: Resident, cfg: Any) -> Any:
     """lm-eval's HF model on the resident model, with the HFLM arguments of the command line's model_args."""
     from lm_eval.models.huggingface import HFLM
 
-    own = _hflm_parameters()
+    own = _hflm_parameters() - PLACEMENT_ARGS
     return HFLM(
         pretrained=resident.model,
         tokenizer=resident.tokenizer,

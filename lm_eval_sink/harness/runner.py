@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lm_eval_sink.devices import DEFAULT_DEVICE, check_device, lm_eval_device
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.io import DISTRIBUTIONS
 from lm_eval_sink.runs import RunFiles, resolve_run
@@ -62,7 +63,7 @@ class EvalSettings:
     limit: int | float | None = None
     seed: int = 0
     batch_size: int | str = 1
-    device: str | None = "cpu"  # HF only; None for vllm
+    device: str | None = DEFAULT_DEVICE  # HF only (devices.check_device); None for vllm
     dtype: str | None = None  # model_args dtype=...; None: the model's own
     log_samples: bool = True
     include_path: str | None = None
@@ -79,7 +80,9 @@ class EvalSettings:
         if self.backend not in BACKENDS:
             raise UserError(f"unknown backend {self.backend!r}", f"use one of {', '.join(BACKENDS)}")
         if self.backend == "hf" and self.device is None:
-            object.__setattr__(self, "device", "cpu")
+            object.__setattr__(self, "device", DEFAULT_DEVICE)
+        if self.backend == "hf":
+            check_device(self.device)
         if self.backend == "vllm":
             if self.device is not None:
                 raise UserError(
@@ -98,11 +101,16 @@ class EvalSettings:
         return self.python or sys.executable
 
     def command(self, model: str, output_path: Path) -> list[str]:
-        """The lm_eval argument list (without the interpreter)."""
+        """The lm_eval argument list (without the interpreter); `auto` is resolved on this machine
+        (`devices.lm_eval_device`) unless model_args place the model themselves."""
+        device, placed = (None, {}) if self.device is None else lm_eval_device(self.device)
+        if {"parallelize", "device_map", "tp_plan"} & set(self.model_args):
+            placed = {}
         margs = {
             "pretrained": model,
             **_pinned_revision(model),
             **({"dtype": self.dtype} if self.dtype else {}),
+            **placed,
             **self.model_args,
         }
         args = [
@@ -112,7 +120,7 @@ class EvalSettings:
             ",".join(f"{k}={v}" for k, v in margs.items()),
             "--tasks",
             ",".join(self.tasks),
-            *(["--device", self.device] if self.device is not None else []),
+            *(["--device", device] if device is not None else []),
             "--batch_size",
             str(self.batch_size),
             "--seed",

@@ -312,7 +312,9 @@ def _hflm_sink_strength(self: HFLM, requests: list[Instance]) -> list[PromptRows
     """
     from lm_eval_sink.calibration import encode_prompts
     from lm_eval_sink.capture import attention_layers, capture_prompts, n_layers_of
+    from lm_eval_sink.devices import check_not_tensor_parallel
 
+    check_not_tensor_parallel(self.model)
     out: list[PromptRows | None] = [None] * len(requests)
     by_task: dict[str, list[int]] = {}
     for i, req in enumerate(requests):

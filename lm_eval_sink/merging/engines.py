@@ -26,7 +26,8 @@ eval slot, each with `resources.eval` (and the GPUs its merge or S needs), holdi
 model; a lost actor is replaced and its checkpoint done again.
 
 GPUs are Ray's to place (`unit_gpus`): a unit whose device is `cuda` asks Ray for `num_gpus`
-(default 1; 0 is refused), a `cpu` unit asks for none (num_gpus > 0 is refused), and a vLLM eval
+(default 1; 0 is refused), a `cpu` unit asks for none (num_gpus > 0 is refused), an `auto` unit
+for `num_gpus` (default none: it then runs on the CPU, the only device Ray lets it see), and a vLLM eval
 unit (no device) for `tensor_parallel_size` GPUs, or 0 for vLLM's CPU build. A worker checks that
 `CUDA_VISIBLE_DEVICES` lists exactly the ids `ray.get_gpu_ids()` gave its task (none for a
 zero-GPU task: `RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=1` in every worker's environment) and records
@@ -47,6 +48,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
+from lm_eval_sink.devices import DEFAULT_DEVICE
 from lm_eval_sink.errors import UserError, one_line
 from lm_eval_sink.schema import Strict
 
@@ -155,10 +157,13 @@ def parse_engine(
 
 
 def unit_gpus(given: float | None, device: str | None, where: str) -> float:
-    """A Ray task's GPUs from its torch device: cuda takes `given` (default 1, at least 1), cpu takes none.
+    """A Ray task's GPUs from its torch device: cuda takes `given` (default 1, at least 1), cpu takes none, auto
+    takes `given` (default none: the task then sees no GPU and runs on the CPU).
 
     `where` names the setting in the one-line errors (e.g. "sweep.yaml: engine.resources.merge.num_gpus")."""
     kind, _, index = (device or "cpu").partition(":")
+    if kind == "auto":
+        return given or 0
     if kind != "cuda":
         if given:
             raise UserError(
@@ -542,7 +547,7 @@ def _remote_measure(
 
 
 def ray_measure_all(
-    address: str | None, num_gpus: float | None = None, device: str = "cpu", progress: bool = True
+    address: str | None, num_gpus: float | None = None, device: str = DEFAULT_DEVICE, progress: bool = True
 ) -> Callable[..., Iterator[tuple[str, Any, str | None]]]:
     """A `strength.run_strength(measure_all=...)` that measures each model in its own Ray task, yielding
     (path, result, None) or (path, None, error line) as each task finishes.

@@ -94,7 +94,10 @@ def merge_into(
     device: str = "cpu",
     revisions: dict[str, str] | None = None,
 ) -> InMemoryMerge:
-    """Run the validated merge config `text` and copy every tensor into `model`'s parameters of the same name."""
+    """Run the validated merge config `text` and copy every tensor into `model`'s parameters of the same name.
+
+    `copy_` writes each tensor into the parameter where it lives, on any GPU of a device map; a parameter
+    offloaded by accelerate (a meta tensor in the model, its weight kept aside) cannot take it: refused."""
     import torch
     import transformers
     from mergekit.common import dtype_from_name
@@ -102,10 +105,12 @@ def merge_into(
     from mergekit.io.tasks import LoaderCache
     from mergekit.options import MergeOptions
 
+    from lm_eval_sink.devices import math_device
     from lm_eval_sink.merging.merge import isolated_rng
 
-    options = MergeOptions(random_seed=random_seed, device=device, quiet=True)
     targets = dict(model.state_dict(keep_vars=True))  # tied weights appear under each of their names
+    _check_not_offloaded(targets, name)
+    options = MergeOptions(random_seed=random_seed, device=math_device(device), quiet=True)
     with isolated_rng(), torch.no_grad():
         if random_seed is not None:
             transformers.trainer_utils.set_seed(random_seed)
@@ -123,6 +128,17 @@ def merge_into(
                 targets[save.tensor_name].data.copy_(tensor)
                 n += 1
     return InMemoryMerge(n_tensors=n, pins=pins)
+
+
+def _check_not_offloaded(targets: dict[str, Any], control: str) -> None:
+    """Refuse a resident with offloaded (meta) tensors: a merge copied into them would be lost."""
+    offloaded = sorted(n for n, t in targets.items() if t.is_meta)
+    if offloaded:
+        raise UserError(
+            f"control {control!r}: the resident's {offloaded[0]!r} (and {len(offloaded) - 1} more) is offloaded to the "
+            "CPU or the disk (a meta tensor in the model), so a merge cannot be copied into it",
+            "load the resident without offload (a device map over GPUs only), or set merge: {in_memory: false}",
+        )
 
 
 def _check_names(model: Any, names: set[str], control: str) -> None:

@@ -143,6 +143,7 @@ def run_mergekit(
     from mergekit.merge import run_merge
     from mergekit.options import MergeOptions
 
+    from lm_eval_sink.devices import math_device
     from lm_eval_sink.merging.methods import register
 
     register()
@@ -153,7 +154,7 @@ def run_mergekit(
         else "# hub inputs pinned to their commits by lm-eval-sink: "
         f"{', '.join(f'{r} -> {s}' for r, s in pins.items())}\n{recipe.to_yaml()}\n"
     )
-    options = MergeOptions(random_seed=random_seed, device=device, quiet=quiet, copy_tokenizer=True)
+    options = MergeOptions(random_seed=random_seed, device=math_device(device), quiet=quiet, copy_tokenizer=True)
     with _isolated():
         run_merge(to_load, str(out_dir), options=options, config_source=source)
     return pins

@@ -8,7 +8,7 @@ protocol and Sink Strength settings (one set for every checkpoint) and an output
     configs: [linear_95_5, tsv]       # bundled names or template files; default: all bundled
     merge: {random_seed: 0, device: cpu, tokenizer_source: null, delete_merged: false, in_memory: false}
     eval: {tasks: [ifeval], apply_chat_template: true, num_fewshot: 0, gen_kwargs: {max_gen_toks: 256}, limit: 20}
-    strength: {last_k: 10, dtype: float32}             # or `strength: false`
+    strength: {last_k: 10, dtype: float32}             # or `strength: false`; device: auto (default), cpu, cuda[:N]
     engine: {kind: ray, address: auto}                 # where units run: see engines.py (default local)
 
 `eval: {backend: vllm, model_args: {...}}` evaluates with vLLM; `eval: false` skips evaluation
@@ -35,10 +35,11 @@ import dataclasses
 import typing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, create_model
 
+from lm_eval_sink.devices import DEFAULT_DEVICE, DEVICE_HELP, DEVICE_PATTERN
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.io import canonical_json, sha256_text, versioned_key
 from lm_eval_sink.merging.engines import EngineIn
@@ -69,7 +70,7 @@ class SweepSpec:
     eval: Any = None  # harness.runner.EvalSettings, or None to skip evaluation
     strength: Any = None  # strength.StrengthSettings, or None to skip S
     strength_dtype: str = "auto"
-    strength_device: str = "cpu"
+    strength_device: str = DEFAULT_DEVICE
     engine: Any = None  # engines.EngineSpec; part of no unit key
     merges: tuple[Any, ...] = ()  # configs.Rendered per entry of `configs`: rendered and validated once, at load
 
@@ -101,10 +102,14 @@ class _ModelsIn(Strict):
     base: str | None = None
 
 
+# A device in the sweep file: devices.check_device's values, checked with the key path in the one-line error.
+Device = Annotated[str, Field(pattern=DEVICE_PATTERN, description=f"is {DEVICE_HELP}")]
+
+
 class _MergeIn(Strict):
     what: ClassVar[str] = "the merge section"
     random_seed: int = 0
-    device: str = "cpu"
+    device: Device = "cpu"  # mergekit's math device
     tokenizer_source: str | None = None
     delete_merged: bool = False
     in_memory: bool = False
@@ -125,7 +130,7 @@ class EvalIn(Strict):
     limit: int | float | None = None
     seed: int | None = None
     batch_size: int | str | None = None
-    device: str | None = None
+    device: Device | None = None
     dtype: str | None = None
     include_path: str | None = None
     model_args: dict[str, Any] | None = None
@@ -139,7 +144,7 @@ StrengthIn = create_model(
     "StrengthIn",
     __base__=Strict,
     dtype=(str, "auto"),
-    device=(str, "cpu"),
+    device=(Device, DEFAULT_DEVICE),
     **{
         f.name: (typing.get_type_hints(StrengthSettings)[f.name] | None, None)
         for f in dataclasses.fields(StrengthSettings)
@@ -228,6 +233,12 @@ class RenderedMerge:
     versions: dict[str, Any]  # merging.merge.merge_versions
 
 
+# Where a unit computes is part of no key (its results do not depend on the device). An eval unit's payload keeps
+# the `device` entry its settings had when cpu was the default, at that value, so the units of sweeps made then stay
+# finished (a strength unit's payload holds the settings that decide S alone: StrengthSettings.key_fields).
+_KEYED_DEVICE = "cpu"
+
+
 def plan_units(
     spec: SweepSpec,
     identities: dict[str, dict[str, Any]],
@@ -254,7 +265,8 @@ def plan_units(
     def evaluate(ck: Checkpoint) -> None:
         identity = identities.get(ck.name)
         if spec.eval is not None:
-            payload = {"settings": spec.eval.to_json(), "include_path_sha256": include_sha}
+            settings = {**spec.eval.to_json(), "device": _KEYED_DEVICE if spec.eval.device is not None else None}
+            payload = {"settings": settings, "include_path_sha256": include_sha}
             units.append(
                 unit("eval", ck, "evals", payload, {"model": ck.path, "settings": spec.eval, "identity": identity})
             )

@@ -27,6 +27,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from lm_eval_sink.devices import check_not_tensor_parallel
 from lm_eval_sink.errors import SinkWarning, UserError
 from lm_eval_sink.strength import SinkStrength, StrengthSettings
 
@@ -51,7 +52,9 @@ def unwrap_model(model: Any) -> Any:
 
 
 def check_measurable(model: Any) -> None:
-    """Refuse torch's FSDP1 wrapper: its flat parameters hide the model class the capture switches."""
+    """Refuse torch's FSDP1 wrapper (its flat parameters hide the model class the capture switches) and a
+    tensor-parallel model (`devices.check_not_tensor_parallel`)."""
+    check_not_tensor_parallel(model)
     if any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
         raise UserError(
             "SinkStrengthCallback cannot measure through torch's FSDP1 wrapper (FullyShardedDataParallel)",

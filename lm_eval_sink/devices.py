@@ -1,0 +1,213 @@
+"""Where a model runs: the `--device` value, the device map a model is loaded with, and what is refused.
+
+`--device` (and `device:` in a sweep file) takes `auto` (the default: every visible GPU, else the
+CPU), `cpu`, `cuda` (the current GPU) or `cuda:N`. `check_device` is the one check of the value and
+`resolve_device` the one resolver of it on this machine. `place` turns a model's config, dtype and
+device into the `device_map` that `from_pretrained` loads the weights with, straight onto their
+devices (one device: the whole model there; several GPUs: accelerate's balanced map over them), from
+the config alone on the meta device, before any weight is read: a model whose weights do not fit the
+devices' free memory is refused in one line naming both. Nothing is ever offloaded to the CPU or
+the disk: a model that does not fit the GPUs is refused rather than run layer by layer through the
+host. `Placement.layers` (decoder layers per device) is what provenance records.
+
+A tensor-parallel model (`tp_plan`) is refused before any forward by `check_not_tensor_parallel`:
+each rank's attention holds a share of the heads, so a Sink Strength would cover only those.
+Importing this module loads no torch.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from lm_eval_sink.errors import UserError
+
+DEFAULT_DEVICE = "auto"
+DEVICE_PATTERN = r"^(auto|cpu|cuda(:[0-9]+)?)$"
+DEVICE_HELP = "auto (every visible GPU, else the CPU), cuda, cuda:N or cpu"
+_GIB = 2**30
+
+
+def check_device(device: str) -> str:
+    """`device` when it is one `--device` accepts, else the one-line error (no torch needed)."""
+    if not isinstance(device, str) or re.match(DEVICE_PATTERN, device) is None:
+        raise UserError(f"unknown device {device!r}", f"use {DEVICE_HELP}")
+    return device
+
+
+def resolve_device(device: str) -> tuple[str, ...]:
+    """The devices `device` names on this machine: `auto` every visible GPU (cuda:0, cuda:1, ...), else the
+    CPU; `cuda` the current GPU; `cuda:N` that GPU. A GPU that is not there is the one-line error."""
+    import torch
+
+    check_device(device)
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device == "auto":
+        return tuple(f"cuda:{i}" for i in range(n)) or ("cpu",)
+    if device == "cpu":
+        return ("cpu",)
+    if n == 0:
+        raise UserError(f"device {device}: no CUDA GPU is visible here", "use --device auto or cpu")
+    index = int(device.partition(":")[2] or torch.cuda.current_device())
+    if index >= n:
+        raise UserError(f"device {device}: only {n} GPU(s) are visible (cuda:0 to cuda:{n - 1})", "pick one of them")
+    return (f"cuda:{index}",)
+
+
+def math_device(device: str) -> str:
+    """The one torch device `device` names for a computation on one device (mergekit's math device): `auto` is the
+    first visible GPU, else the CPU."""
+    return resolve_device(device)[0]
+
+
+def lm_eval_device(device: str) -> tuple[str, dict[str, Any]]:
+    """lm-eval's `--device` and the model_args it needs for `device`: `auto` over several GPUs is lm-eval's own
+    `parallelize=True` (accelerate's device_map over every GPU), on one GPU or none that device."""
+    if device != "auto":
+        return device, {}
+    devices = resolve_device(device)
+    return ("cuda", {"parallelize": True}) if len(devices) > 1 else (devices[0], {})
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a model's weights go: the `device_map` it is loaded with, the weights' size, layers per device."""
+
+    device_map: dict[str, Any]  # module name ("" = the whole model) -> device
+    weight_bytes: int
+    layers: dict[str, int]  # decoder layers per device, e.g. {"cuda:0": 14, "cuda:1": 14}
+
+    def info(self) -> dict[str, Any]:
+        """Provenance fields: the devices the weights are on, and the decoder layers on each (`device_map`)."""
+        return {"device": ",".join(sorted(set(self.device_map.values()))), "device_map": dict(self.layers)}
+
+
+def _device_name(d: Any) -> str:
+    return f"cuda:{d}" if isinstance(d, int) else str(d)
+
+
+def layers_per_device(model: Any, device_map: dict[str, Any]) -> dict[str, int]:
+    """How many decoder layers (the model's `_no_split_modules` blocks) `device_map` puts on each device."""
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    out: dict[str, int] = {}
+    for name, module in model.named_modules():
+        if type(module).__name__ in blocks:
+            owners = [k for k in device_map if k == "" or name == k or name.startswith(k + ".")]
+            inside = [k for k in device_map if k.startswith(name + ".")]  # a block split further (a hand-made map)
+            device = _device_name(device_map[max(owners, key=len)] if owners else device_map[inside[0]])
+            out[device] = out.get(device, 0) + 1
+    return out
+
+
+def _free_memory(devices: tuple[str, ...]) -> dict[str, int]:
+    """Free bytes per device: the available host RAM, or a GPU's free memory plus what torch's cache holds unused
+    there (torch reuses it); only the devices named are touched."""
+    import psutil
+    import torch
+
+    def free(d: str) -> int:
+        if d == "cpu":
+            return int(psutil.virtual_memory().available)
+        i = int(d.partition(":")[2])
+        return torch.cuda.mem_get_info(i)[0] + torch.cuda.memory_reserved(i) - torch.cuda.memory_allocated(i)
+
+    return {d: free(d) for d in devices}
+
+
+def _shown(free: dict[str, int]) -> str:
+    return ", ".join(f"{d} {v / _GIB:.1f} GiB" for d, v in free.items())
+
+
+def empty_model(model_class: Any, config: Any, dtype: Any) -> Any:
+    """A `model_class` model of `config` in `dtype` on the meta device: its modules and sizes, no memory, no weight."""
+    import copy
+
+    import torch
+
+    build = getattr(model_class, "from_config", None) or model_class._from_config
+    with torch.device("meta"):
+        return build(copy.deepcopy(config), dtype=dtype)  # _from_config sets the dtype on the config it gets
+
+
+def gpu_map(empty: Any, free: dict[str, int]) -> dict[str, str]:
+    """accelerate's balanced device map of the meta model `empty` over the GPUs of `free` (free bytes each, e.g.
+    {"cuda:0": ..., "cuda:1": ...}); what does not fit them is mapped to "disk"."""
+    from transformers.integrations.accelerate import get_balanced_memory, infer_auto_device_map
+
+    budget = {int(d.partition(":")[2]): v for d, v in free.items()}
+    split = empty._no_split_modules
+    balanced = get_balanced_memory(empty, max_memory=budget, no_split_module_classes=split)
+    return {k: _device_name(v) for k, v in infer_auto_device_map(empty, balanced, split).items()}
+
+
+def place(model_class: Any, config: Any, dtype: Any, device: str, name: str) -> Placement:
+    """The placement of a `model_class` model of `config` in `dtype` (a torch dtype) on `device`, from the config
+    alone (`empty_model`, no weight read); one line when the weights do not fit the devices' free memory."""
+    from transformers.integrations.accelerate import compute_module_sizes
+
+    devices = resolve_device(device)
+    empty = empty_model(model_class, config, dtype)
+    size = int(compute_module_sizes(empty)[0][""])
+    free = _free_memory(devices)
+    device_map = gpu_map(empty, free) if len(devices) > 1 else {"": devices[0]}
+    if len(set(device_map.values())) == 1:
+        device_map = {"": next(iter(device_map.values()))}
+    if size > sum(free.values()) or {"cpu", "disk"} & set(device_map.values()) - set(devices):
+        raise UserError(
+            f"{name}: its {size / _GIB:.1f} GiB of {str(dtype).removeprefix('torch.')} weights do not fit the free "
+            f"memory of {_shown(free)}",
+            "free memory there, use other devices (--device, or device: in a sweep file), or load a smaller dtype "
+            "(bfloat16 takes half of float32)",
+        )
+    return Placement(device_map=device_map, weight_bytes=size, layers=layers_per_device(empty, device_map))
+
+
+def load_dtype(config: Any, dtype: Any) -> Any:
+    """The torch dtype a model of `config` loads in: `dtype`, or for "auto" the config's own (float32 without one)."""
+    import torch
+
+    if dtype != "auto":
+        return dtype
+    own = getattr(config, "dtype", None)
+    return own if isinstance(own, torch.dtype) else getattr(torch, str(own or "float32").removeprefix("torch."))
+
+
+def check_not_tensor_parallel(model: Any) -> None:
+    """Refuse, before any forward, a tensor-parallel model: each rank's attention holds only its share of the
+    heads, so a Sink Strength measured there would cover those heads only."""
+    tp = getattr(model, "tp_size", None) or 1
+    if tp > 1:
+        raise UserError(
+            f"Sink Strength cannot be measured on a tensor-parallel model (tp_size {tp}): each rank's attention "
+            f"holds 1/{tp} of the heads, so S would cover only those",
+            "load the model without tp_plan (device_map over the GPUs: --device auto, or lm-eval's "
+            "parallelize=True), or measure a saved checkpoint with lm-eval-sink strength",
+        )
+
+
+def empty_cache() -> None:
+    """Give the CUDA caching allocator's free blocks back, only where this process has used CUDA."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+@contextmanager
+def peak_memory() -> Iterator[dict[str, int]]:
+    """A dict filled on exit with the peak accelerator memory allocated inside the block per GPU (bytes); empty
+    where this process has not used CUDA (a CPU run)."""
+    import torch
+
+    peaks: dict[str, int] = {}
+    if torch.cuda.is_initialized():
+        for i in range(torch.cuda.device_count()):
+            torch.cuda.reset_peak_memory_stats(i)
+    try:
+        yield peaks
+    finally:
+        if torch.cuda.is_initialized():
+            peaks.update({f"cuda:{i}": torch.cuda.max_memory_allocated(i) for i in range(torch.cuda.device_count())})
