@@ -15,6 +15,7 @@ PACKAGE = REPO / "lm_eval_sink"
 TORCH_FREE = (
     "schema",
     "errors",
+    "devices",
     "io",
     "pairing",
     "predict",

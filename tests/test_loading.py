@@ -22,11 +22,12 @@ from lm_eval_sink.strength import StrengthSettings
 CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="checks what auto and cuda mean without a GPU")
 TASKS = Path(__file__).parent / "data" / "merging_task"
 SETTINGS = StrengthSettings(n_prompts=5, last_k=2)
-# Part of the model on the CPU, layer 1 on the disk: accelerate's hooks bring its weights in at each forward.
+# The closed-form Llama on the CPU but layer 1 on the disk: accelerate's hooks bring its weights in at each forward.
 OFFLOAD_MAP = {
     "model.embed_tokens": "cpu",
     "model.layers.0": "cpu",
     "model.layers.1": "disk",
+    "model.layers.2": "cpu",
     "model.norm": "cpu",
     "model.rotary_emb": "cpu",
     "lm_head": "cpu",
@@ -34,23 +35,12 @@ OFFLOAD_MAP = {
 
 
 @pytest.fixture(scope="module")
-def sink_llama(tmp_path_factory, tiny_tokenizer) -> Path:
-    """sinkmodels' closed-form Llama with 2 layers (the layers of OFFLOAD_MAP), saved with the tiny tokenizer."""
-    import sinkmodels as sm
-
-    d = tmp_path_factory.mktemp("sink_llama2")
-    sm.build("llama", n_layers=2, bos_id=tiny_tokenizer.bos_token_id).save_pretrained(d)
-    tiny_tokenizer.save_pretrained(d)
-    return d
-
-
-@pytest.fixture(scope="module")
-def offloaded(sink_llama, tmp_path_factory):
+def offloaded(handset_llama_dir, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     folder = tmp_path_factory.mktemp("offload")
     model = AutoModelForCausalLM.from_pretrained(
-        sink_llama, dtype=torch.float32, device_map=OFFLOAD_MAP, offload_folder=str(folder)
+        handset_llama_dir, dtype=torch.float32, device_map=OFFLOAD_MAP, offload_folder=str(folder)
     )
     return model.eval()
 
@@ -84,16 +74,16 @@ def test_auto_is_the_default_and_is_the_cpu_without_a_gpu():
     assert settings.device == "auto" and "--device cpu" in " ".join(settings.command("m", Path("o")))
 
 
-def test_load_model_places_the_weights_and_records_layers_per_device(sink_llama):
+def test_load_model_places_the_weights_and_records_layers_per_device(handset_llama_dir):
     """The provenance names the devices and the decoder layers on each."""
     from lm_eval_sink.models import load_model
     from lm_eval_sink.strength import measure_model
 
-    loaded = load_model(sink_llama, dtype="float32", device="cpu")
+    loaded = load_model(handset_llama_dir, dtype="float32", device="cpu")
     assert {p.device.type for p in loaded.model.parameters()} == {"cpu"}
-    assert loaded.info["device"] == "cpu" and loaded.info["device_map"] == {"cpu": 2}
-    prov = measure_model(str(sink_llama), SETTINGS, dtype="float32", device="cpu", progress=False).provenance
-    assert prov["model"]["device_map"] == {"cpu": 2}
+    assert loaded.info["device"] == "cpu" and loaded.info["device_map"] == {"cpu": 3}
+    prov = measure_model(str(handset_llama_dir), SETTINGS, dtype="float32", device="cpu", progress=False).provenance
+    assert prov["model"]["device_map"] == {"cpu": 3}
 
 
 def test_a_model_that_does_not_fit_is_one_line_before_any_weight_is_read(tmp_path, user_error):
@@ -128,25 +118,25 @@ def test_several_gpus_share_the_layers_and_a_model_too_large_is_mapped_off_them(
     assert "disk" in gpu_map(empty, {"cuda:0": size // 4, "cuda:1": size // 4}).values()
 
 
-def test_s_is_unchanged_through_accelerates_offload_hooks(sink_llama, offloaded):
+def test_s_is_unchanged_through_accelerates_offload_hooks(handset_llama_dir, offloaded):
     """The capture follows each layer's device: layer 1 lives on the disk and comes in through a hook."""
     from lm_eval_sink.models import load_model
     from lm_eval_sink.strength import measure
 
     layer1 = offloaded.model.layers[1]
     assert hasattr(layer1, "_hf_hook") and all(p.is_meta for p in layer1.parameters())
-    plain = load_model(sink_llama, dtype="float32", device="cpu")
+    plain = load_model(handset_llama_dir, dtype="float32", device="cpu")
     got = measure(offloaded, plain.tokenizer, SETTINGS, progress=False).to_json()
     want = measure(plain.model, plain.tokenizer, SETTINGS, progress=False).to_json()
     got.pop("provenance"), want.pop("provenance")
-    assert got == want and got["n_heads"] == 2 and len(got["layers"]) == 2
+    assert got == want and got["n_heads"] == 2 and got["layers"] == [1, 2]
 
 
-def test_a_merge_into_offloaded_weights_is_refused(sink_llama, offloaded):
+def test_a_merge_into_offloaded_weights_is_refused(handset_llama_dir, offloaded):
     from lm_eval_sink.merging.inmemory import endpoint_text, merge_into
 
     with pytest.raises(UserError, match=r"'model\.layers\.1\..*' \(and \d+ more\) is offloaded"):
-        merge_into(offloaded, endpoint_text(str(sink_llama)), "reference")
+        merge_into(offloaded, endpoint_text(str(handset_llama_dir)), "reference")
 
 
 def test_tensor_parallel_model_is_refused_before_any_forward(tiny_trio, tmp_path):
@@ -235,12 +225,15 @@ def test_in_memory_sweeps_refuse_a_placement_of_their_own(tmp_path, tiny_trio, u
     assert needle in line, line
 
 
-def test_parallelize_spreads_the_in_memory_resident_over_every_gpu(tmp_path, tiny_trio):
-    """lm-eval's parallelize=True becomes the resident's device `auto` (here: the CPU); HFLM never gets it."""
+@CPU_ONLY
+def test_parallelize_places_the_in_memory_resident_on_every_gpu(tmp_path, tiny_trio):
+    """lm-eval's parallelize=True is the resident's device `auto` (here: the CPU), and the in-process evaluation
+    runs (lm-eval refuses parallelize=True together with a loaded model)."""
     from lm_eval_sink.commands.sweep import load_sweep
-    from lm_eval_sink.harness.inprocess import load_resident, resident_device
+    from lm_eval_sink.harness.inprocess import evaluate, load_resident
 
     spec = load_sweep(_in_memory_sweep(tmp_path, tiny_trio, {"parallelize": True}))
-    assert resident_device(spec.eval, "cpu") == "auto"
-    resident = load_resident(spec.models["reference"], None, "float32", resident_device(spec.eval, "cpu"))
-    assert resident.placement.device_map == {"": resolve_device("auto")[0]} or len(resolve_device("auto")) > 1
+    resident = load_resident(spec.models["reference"], spec.eval)
+    assert resident.placement.device_map == {"": "cpu"} and resident.placement.layers == {"cpu": 2}
+    run = evaluate(resident, spec.eval, tmp_path / "run", spec.models["reference"])
+    assert json.loads(run.results.read_text())["results"]["lm_eval_sink_tiny_choice"]["acc,none"] >= 0

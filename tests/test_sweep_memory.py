@@ -91,8 +91,10 @@ def test_in_memory_table_units_and_keys_equal_the_on_disk_sweep(on_disk, in_memo
     marker = json.loads((out / "evals" / "tsv" / "COMPLETE.json").read_text())
     assert marker["in_memory"] is True and marker["key"] == disk["units"]["eval:tsv"]
     assert marker["model"] == str(out / "merges" / "tsv")  # named as the on-disk path names it
+    assert marker["peak_accelerator_memory"] is None  # no accelerator here (docs/scale.md, On GPUs)
     strength = json.loads((out / "strength" / "star" / "strength.json").read_text())
     assert strength["provenance"]["model"]["in_memory"] is True
+    assert strength["provenance"]["model"]["device_map"] == {"cpu": 2}  # decoder layers per device
     assert strength["provenance"]["model"]["merge_inputs_key"]
     # the lm-eval files are laid out as lm-eval writes them, under the folder named for the checkpoint
     disk_marker = json.loads((on_disk.parent / "out" / "evals" / "tsv" / "COMPLETE.json").read_text())
