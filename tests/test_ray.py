@@ -288,7 +288,8 @@ def test_a_cuda_merge_that_fails_under_ray_leaves_its_units_not_run(ray_cluster,
 
 
 def test_gpu_settings_follow_the_device(tmp_path, tiny_trio, capsys):
-    """device cuda defaults num_gpus to 1 and refuses 0; device cpu refuses GPUs; vLLM's CPU build (0) is allowed."""
+    """device cuda defaults num_gpus to 1 and refuses 0; device cpu refuses GPUs; device auto (the default) takes the
+    GPUs given, none by default; vLLM's CPU build (0) is allowed."""
     from lm_eval_sink.commands.sweep import load_sweep
 
     def spec(**extra):
@@ -297,6 +298,8 @@ def test_gpu_settings_follow_the_device(tmp_path, tiny_trio, capsys):
     ray = {"kind": "ray"}
     res = spec(merge={"device": "cuda"}, strength={"device": "cuda", "n_prompts": 5}, engine=ray)
     assert (res["merge"].num_gpus, res["strength"].num_gpus, res["eval"].num_gpus) == (1, 1, 0)
+    res = spec(engine={**ray, "resources": {"strength": {"num_gpus": 1}}})
+    assert (res["merge"].num_gpus, res["strength"].num_gpus, res["eval"].num_gpus) == (0, 1, 0)
     vllm = {"tasks": [TASK], "backend": "vllm", "model_args": {"tensor_parallel_size": 2}}
     assert spec(eval=vllm, engine=ray)["eval"].num_gpus == 2
     assert spec(eval=vllm, engine={**ray, "resources": {"eval": {"num_gpus": 0}}})["eval"].num_gpus == 0
@@ -306,7 +309,7 @@ def test_gpu_settings_follow_the_device(tmp_path, tiny_trio, capsys):
             "engine.resources.merge.num_gpus = 0 with device cuda",
         ),
         (
-            {"engine": {**ray, "resources": {"strength": {"num_gpus": 1}}}},
+            {"strength": {"device": "cpu"}, "engine": {**ray, "resources": {"strength": {"num_gpus": 1}}}},
             "engine.resources.strength.num_gpus = 1 but the device is cpu",
         ),
         ({"merge": {"device": "cuda:1"}, "engine": ray}, "device cuda:1 names a GPU"),
@@ -317,7 +320,7 @@ def test_gpu_settings_follow_the_device(tmp_path, tiny_trio, capsys):
         assert len(err) == 1 and needle in err[0], err
     assert main(["screen", str(tiny_trio["reference"]), "--engine", "ray", "--device", "cuda", "--num-gpus", "0"]) == 2
     assert "--num-gpus = 0 with device cuda" in capsys.readouterr().err
-    assert main(["screen", str(tiny_trio["reference"]), "--engine", "ray", "--num-gpus", "1"]) == 2
+    assert main(["screen", str(tiny_trio["reference"]), "--engine", "ray", "--device", "cpu", "--num-gpus", "1"]) == 2
     assert "--num-gpus = 1 but the device is cpu" in capsys.readouterr().err
 
 
