@@ -8,7 +8,7 @@ devices (one device: the whole model there; several GPUs: accelerate's balanced 
 the config alone on the meta device, before any weight is read: a model whose weights do not fit the
 devices' free memory is refused in one line naming both. Nothing is ever offloaded to the CPU or
 the disk: a model that does not fit the GPUs is refused rather than run layer by layer through the
-host. `Placement.layers` (decoder layers per device) is what provenance records.
+host. `Placement.info()` is what provenance records: the devices, decoder layers per device, the weights' size.
 
 A tensor-parallel model (`tp_plan`) is refused before any forward by `check_not_tensor_parallel`:
 each rank's attention holds a share of the heads, so a Sink Strength would cover only those.
@@ -81,8 +81,12 @@ class Placement:
     layers: dict[str, int]  # decoder layers per device, e.g. {"cuda:0": 14, "cuda:1": 14}
 
     def info(self) -> dict[str, Any]:
-        """Provenance fields: the devices the weights are on, and the decoder layers on each (`device_map`)."""
-        return {"device": ",".join(sorted(set(self.device_map.values()))), "device_map": dict(self.layers)}
+        """Provenance fields: the devices the weights are on, the decoder layers on each (`device_map`), their size."""
+        return {
+            "device": ",".join(sorted(set(self.device_map.values()))),
+            "device_map": dict(self.layers),
+            "weight_bytes": self.weight_bytes,
+        }
 
 
 def _device_name(d: Any) -> str:

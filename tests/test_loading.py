@@ -81,6 +81,8 @@ def test_load_model_places_the_weights_and_records_layers_per_device(handset_lla
     loaded = load_model(handset_llama_dir, dtype="float32", device="cpu")
     assert {p.device.type for p in loaded.model.parameters()} == {"cpu"}
     assert loaded.info["device"] == "cpu" and loaded.info["device_map"] == {"cpu": 3}
+    tensors = [*loaded.model.parameters(), *loaded.model.buffers()]
+    assert loaded.info["weight_bytes"] == sum(t.numel() * t.element_size() for t in tensors)  # from the config
     prov = measure_model(str(handset_llama_dir), SETTINGS, dtype="float32", device="cpu", progress=False).provenance
     assert prov["model"]["device_map"] == {"cpu": 3}
 
