@@ -164,6 +164,24 @@ def check_strength_bfloat16(ctx: Context) -> str:
     )
 
 
+def check_device_auto(ctx: Context) -> str:
+    """`strength` with `--device auto`: weights load straight onto the GPU (device map recorded), S as on the CPU."""
+    from lm_eval_sink.strength import StrengthSettings, measure_model
+
+    if not ctx.device.startswith("cuda"):
+        raise Skip("device auto means the CPU here")
+    folder = str(ctx.sink_llama_dir())
+    cpu = measure_model(folder, StrengthSettings(last_k=2), dtype="float32", device="cpu", progress=False)
+    acc = measure_model(folder, StrengthSettings(last_k=2), dtype="float32", device="auto", progress=False)
+    model = acc.provenance["model"]
+    ds, dlh = _s_pair(cpu, acc)
+    assert model["device"].startswith("cuda") and ds <= FLOAT32_TOL and dlh <= FLOAT32_TOL, (model, ds)
+    return (
+        f"device {model['device']}, layers per device {model['device_map']}; "
+        f"S {acc.sink_strength:.6f}, |dS| vs cpu {ds:.1e}"
+    )
+
+
 def _merged(ctx: Context, name: str, device: str) -> dict[str, Any]:
     from safetensors.torch import load_file
 
@@ -237,6 +255,13 @@ def _sweep(ctx: Context, device: str) -> list[dict[str, Any]]:
     return json.loads((folder / "out" / "table.json").read_text())["rows"]
 
 
+def _peaks(ctx: Context, device: str) -> list[int | None]:
+    """The peak accelerator memory each unit of the in-memory sweep on `device` recorded in its marker."""
+    out = ctx.work / f"sweep-{device.replace(':', '_')}" / "out"
+    markers = [json.loads(p.read_text()) for p in sorted(out.rglob("COMPLETE.json"))]
+    return [m.get("peak_accelerator_memory") for m in markers if m.get("in_memory")]
+
+
 def check_inmemory_sweep(ctx: Context) -> str:
     """An in-memory sweep of two controls on the accelerator gives the CPU sweep's table (S to float32 rounding)."""
     cpu, acc = _sweep(ctx, "cpu"), _sweep(ctx, ctx.device)
@@ -247,8 +272,15 @@ def check_inmemory_sweep(ctx: Context) -> str:
             if isinstance(value, float):
                 worst = max(worst, abs(value - ra[key]))
     assert worst <= FLOAT32_TOL, worst
+    peaks = _peaks(ctx, ctx.device)
+    if ctx.device.startswith("cuda"):  # every unit records its peak; a CPU run records none
+        assert peaks and all(isinstance(p, dict) and sum(p.values()) > 0 for p in peaks), peaks
+    top = max((sum(p.values()) for p in peaks if isinstance(p, dict)), default=0)
     names = ", ".join(r["checkpoint"] for r in acc)
-    return f"{len(acc)} checkpoints ({names}) ok; max |d figure| vs the CPU sweep {worst:.1e}"
+    return (
+        f"{len(acc)} checkpoints ({names}) ok; max |d figure| vs the CPU sweep {worst:.1e}; "
+        f"{len(peaks)} units record their peak accelerator memory (largest {top / 2**20:.1f} MiB)"
+    )
 
 
 def check_protection(ctx: Context) -> str:
@@ -486,6 +518,7 @@ def check_scale_7b(ctx: Context) -> str:
 CHECKS: dict[str, Callable[[Context], str]] = {
     "strength_float32": check_strength_float32,
     "strength_bfloat16": check_strength_bfloat16,
+    "device_auto": check_device_auto,
     "merge_controls": check_merge_controls,
     "inmemory_sweep": check_inmemory_sweep,
     "protection": check_protection,
