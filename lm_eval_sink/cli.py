@@ -675,8 +675,13 @@ def eval_cmd(
 # --- buckets (issue 5) ---
 @cli.command()
 @click.argument("reference")
-@click.argument("candidate")
+@click.argument("candidate", required=False)
 @click.option("--task", default=None, help="Task whose samples to pair (default: the one task both runs share).")
+@click.option(
+    "--checkpoint",
+    default=None,
+    help="With a sweep's output folder: the checkpoint to compare with its reference (default: the candidate).",
+)
 @click.option(
     "--metric", default=None, help="Per-sample metric (default: the task's, e.g. prompt_level_strict_acc for ifeval)."
 )
@@ -730,6 +735,7 @@ def buckets(
     reference,
     candidate,
     task,
+    checkpoint,
     metric,
     filter_name,
     threshold,
@@ -745,8 +751,8 @@ def buckets(
     force,
     quiet,
 ) -> None:
-    """Per-prompt regression buckets of CANDIDATE vs REFERENCE (lm-eval runs: results JSON, samples JSONL or output
-    folder)."""
+    """Per-prompt regression buckets of CANDIDATE vs REFERENCE (lm-eval runs: results JSON, samples JSONL, output
+    folder, a sweep's evals/NAME folder, or a sweep's output folder with --checkpoint)."""
     from lm_eval_sink.buckets import BucketSettings
     from lm_eval_sink.commands.buckets import run_buckets
 
@@ -771,6 +777,7 @@ def buckets(
         tokenizer=tokenizer,
         same_protocol=same_protocol,
         progress=not quiet,
+        checkpoint=checkpoint,
     )
     for line in lines:
         click.echo(line)
@@ -903,15 +910,21 @@ def sweep(sweep_file, output, force, delete_merged, in_memory, quiet, engine, ra
     report.raise_for_failures()
 
 
-@cli.command("report")
+class _StrengthValues(_ManyValues):
+    """Lets `--strength A B` stand for `--strength A --strength B`."""
+
+    many = ("--strength",)
+
+
+@cli.command("report", cls=_StrengthValues)
 @click.option(
     "--strength",
     "strength_files",
-    nargs=2,
+    multiple=True,
     type=click.Path(path_type=Path),
-    default=None,
-    metavar="REF.json CAND.json",
-    help="Both models' strength JSON (<name>.strength.json or a sweep's strength.json).",
+    metavar="PATH",
+    help="Given twice, reference then candidate: a strength JSON or folder (of `strength`, or a sweep's "
+    "strength/NAME), or an lm-eval run of the sink_strength task.",
 )
 @click.option(
     "--margin",

@@ -79,26 +79,9 @@ def _eval_settings(ev: EvalIn, src: str, rel: Any, python: str | None) -> Any:
                 "lm-eval takes ONE folder of task YAMLs",
             )
     try:
-        settings = EvalSettings(**given)
-        _check_attention_tasks(settings)
+        return EvalSettings(**given)
     except UserError as e:
         raise UserError(f"{src}: eval: {e.message}", e.hint) from None
-    return settings
-
-
-def _check_attention_tasks(settings: Any) -> None:
-    """Refuse this project's tasks (named, or in a group or tag) on a backend without attention, at plan time:
-    the hook refuses them too, but only once an eval unit runs."""
-    if settings.backend == "hf":
-        return
-    from lm_eval.tasks import TaskManager
-
-    from lm_eval_sink.harness.backends import unsupported
-    from lm_eval_sink.harness.discovery import own_tasks_in
-
-    ours = own_tasks_in(list(settings.tasks), TaskManager(include_path=settings.include_path))
-    if ours:
-        raise unsupported(ours[0], settings.backend)
 
 
 def load_sweep(
@@ -110,8 +93,9 @@ def load_sweep(
     python: str | None = None,
     in_memory: bool | None = None,
 ) -> SweepSpec:
-    """Read and check a sweep YAML once: its schema (paths relative to its folder), its models, and every
-    merge control rendered for them and validated (`SweepSpec.merges`); no weights are read.
+    """Read and check a sweep YAML once: its schema (paths relative to its folder), its models, its lm-eval
+    protocol (`harness.checks.check_protocol`: task names, generation lengths) and every merge control rendered
+    for them and validated (`SweepSpec.merges`); no weights are read.
 
     `engine` / `ray_address` / `python` / `in_memory` override the file's engine.kind / engine.address /
     eval.python / merge.in_memory (CLI flags). An in-memory sweep is checked here too (`resident.check_spec`).
@@ -133,6 +117,13 @@ def load_sweep(
     if tokenizer_source is not None and tokenizer_source not in TOKENIZER_CHOICES:
         tokenizer_source = _model_arg(here, tokenizer_source)
     eval_settings = None if "eval" in skipped else _eval_settings(sweep.eval, src, lambda p: _rel(here, p), python)
+    if eval_settings is not None:  # what lm-eval would fail on only after the merges and S: task names, lengths
+        from lm_eval_sink.harness.checks import check_protocol
+
+        try:
+            check_protocol(eval_settings, list(models.values()))
+        except UserError as e:
+            raise UserError(f"{src}: eval: {e.message}", e.hint) from None
     strength, sdtype, sdevice = _strength(sweep.strength, "strength" in skipped, src, here)
     devices = {"merge": merge.device, "eval": eval_settings and eval_settings.device, "strength": sdevice}
     engine_spec = parse_engine(
@@ -595,8 +586,8 @@ def _saved_outputs(plan: Plan, markers: Markers) -> tuple[dict[str, Any], dict[s
 
 def write_table(table: dict[str, Any], out: Path) -> list[Path]:
     """table.json, table.csv, table.md and table.png, each written atomically."""
-    from lm_eval_sink.benchmarks import load_benchmarks, metric_labels
     from lm_eval_sink.plots import sweep_chart
+    from lm_eval_sink.report.view import sweep_series
 
     md, csv = table_text(table)
     paths = [
@@ -604,11 +595,15 @@ def write_table(table: dict[str, Any], out: Path) -> list[Path]:
         atomic_write_text(out / "table.csv", csv),
         atomic_write_text(out / "table.md", md),
     ]
-    labels = metric_labels(table["columns"], load_benchmarks())
-    series = {
-        label: [r["metrics"][c] for r in table["rows"]] for c, label in zip(table["columns"], labels, strict=True)
-    }
-    strength = [r["sink_strength"] for r in table["rows"]]
-    checkpoints = [r["checkpoint"] for r in table["rows"]]
-    paths.append(sweep_chart(checkpoints, series, out / "table.png", note=table["final_note"], strength=strength))
+    series = sweep_series(table)
+    paths.append(
+        sweep_chart(
+            series["checkpoints"],
+            series["values"],
+            out / "table.png",
+            note=table["final_note"],
+            strength=series["s"],
+            unit=series["unit"],
+        )
+    )
     return paths

@@ -390,9 +390,16 @@ def _fmt(x: float | None, signed: bool = False) -> str:
 
 
 def table_text(table: dict[str, Any]) -> tuple[str, str]:
-    """The table as Markdown (a title line, the not-final note if any, the table) and as CSV."""
+    """The table as Markdown (a title line, the not-final note if any, what S means, the table; metrics under their
+    readable names) and as CSV (under their lm-eval results keys)."""
+    from lm_eval_sink.benchmarks import load_benchmarks, metric_labels
+    from lm_eval_sink.strength import S_MEANING
+
     cols = table["columns"]
-    head = ["checkpoint", "method", *[x for c in cols for x in (c, f"{c} delta")], "S", "S delta", "status"]
+
+    def head(names: list[str]) -> list[str]:
+        return ["checkpoint", "method", *[x for c in names for x in (c, f"{c} delta")], "S", "S delta", "status"]
+
     rows = [
         [
             r["checkpoint"],
@@ -407,4 +414,6 @@ def table_text(table: dict[str, Any]) -> tuple[str, str]:
     md = f"Merging sweep ({table['lineage']} lineage); deltas vs the reference.\n"
     if not table["final"]:
         md += f"**Not final scores:** {table['final_note']}.\n"
-    return md + "\n" + markdown_table(head, rows), csv_text(head, rows)
+    md += f"S: {S_MEANING}.\n"
+    labels = metric_labels(cols, load_benchmarks())
+    return md + "\n" + markdown_table(head(labels), rows), csv_text(head(cols), rows)
