@@ -864,6 +864,12 @@ def merge(config_file, out, random_seed, device, force, quiet) -> None:
 )
 @click.option("--force", is_flag=True, help="Redo every step, replacing earlier outputs.")
 @click.option(
+    "--redo",
+    multiple=True,
+    metavar="KIND|NAME",
+    help="Redo the finished units of a kind (merge, eval, strength) or of a checkpoint; repeatable.",
+)
+@click.option(
     "--delete-merged", is_flag=True, default=None, help="Delete merged weights once their checkpoint is evaluated."
 )
 @click.option(
@@ -891,7 +897,9 @@ def merge(config_file, out, random_seed, device, force, quiet) -> None:
     default=None,
     help="The interpreter lm-eval runs in, e.g. .venv-vllm/bin/python (default: the file's eval.python).",
 )
-def sweep(sweep_file, output, force, delete_merged, in_memory, quiet, engine, ray_address, lm_eval_python) -> None:
+def sweep(
+    sweep_file, output, force, redo, delete_merged, in_memory, quiet, engine, ray_address, lm_eval_python
+) -> None:
     """Merge, evaluate (lm-eval) and measure S for every checkpoint of SWEEP.yaml; resumable."""
     from lm_eval_sink.commands.sweep import load_sweep, run_sweep
 
@@ -904,7 +912,7 @@ def sweep(sweep_file, output, force, delete_merged, in_memory, quiet, engine, ra
         ray_address=ray_address,
         python=str(lm_eval_python) if lm_eval_python else None,
     )
-    report = run_sweep(spec, force=force, progress=not quiet)
+    report = run_sweep(spec, force=force, progress=not quiet, redo=redo)
     for line in report.lines():
         click.echo(line)
     report.raise_for_failures()
