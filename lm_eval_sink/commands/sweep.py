@@ -66,10 +66,8 @@ MANIFEST = "manifest.jsonl"
 # --- the sweep file ------------------------------------------------------------------------
 
 
-def _eval_settings(ev: EvalIn, src: str, rel: Any, python: str | None, models: dict[str, str]) -> Any:
-    """The `eval:` section as harness.runner.EvalSettings (backend vllm: no device; `python` overrides eval.python),
-    checked against lm-eval and the models (`harness.checks.check_protocol`) before anything runs."""
-    from lm_eval_sink.harness.checks import check_protocol
+def _eval_settings(ev: EvalIn, src: str, rel: Any, python: str | None) -> Any:
+    """The `eval:` section as harness.runner.EvalSettings (backend vllm: no device; `python` overrides eval.python)."""
     from lm_eval_sink.harness.runner import EvalSettings
 
     given = ev.model_dump(exclude_none=True)
@@ -86,11 +84,21 @@ def _eval_settings(ev: EvalIn, src: str, rel: Any, python: str | None, models: d
                 "lm-eval takes ONE folder of task YAMLs",
             )
     try:
-        settings = EvalSettings(**given)
-        check_protocol(settings, list(models.values()))
+        return EvalSettings(**given)
     except UserError as e:
         raise UserError(f"{src}: eval: {e.message}", e.hint) from None
-    return settings
+
+
+def _check_eval(spec: SweepSpec) -> None:
+    """What lm-eval would fail on only after the merges and every S (task names, generation lengths), last of the
+    sweep file's checks since it builds lm-eval's task index (`harness.checks.check_protocol`)."""
+    from lm_eval_sink.harness.checks import check_protocol
+
+    if spec.eval is not None:
+        try:
+            check_protocol(spec.eval, list(spec.models.values()))
+        except UserError as e:
+            raise UserError(f"{spec.source}: eval: {e.message}", e.hint) from None
 
 
 def _render(templates: list[Any], models: dict[str, str], tokenizer_source: str | None) -> tuple[Any, ...]:
@@ -128,9 +136,7 @@ def load_sweep(
     tokenizer_source = merge.tokenizer_source
     if tokenizer_source is not None and tokenizer_source not in TOKENIZER_CHOICES:
         tokenizer_source = _model_arg(here, tokenizer_source)
-    eval_settings = (
-        None if "eval" in skipped else _eval_settings(sweep.eval, src, lambda p: _rel(here, p), python, models)
-    )
+    eval_settings = None if "eval" in skipped else _eval_settings(sweep.eval, src, lambda p: _rel(here, p), python)
     strength, sdtype, sdevice = _strength(sweep.strength, "strength" in skipped, src, here)
     devices = {"merge": merge.device, "eval": eval_settings and eval_settings.device, "strength": sdevice}
     engine_spec = parse_engine(
@@ -158,6 +164,7 @@ def load_sweep(
     from lm_eval_sink.commands.resident import check_spec
 
     check_spec(spec)
+    _check_eval(spec)
     return spec
 
 

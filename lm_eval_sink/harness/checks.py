@@ -104,7 +104,8 @@ def check_protocol(settings: Any, models: Sequence[str]) -> None:
     length that reaches a model's maximum length (`settings`: harness.runner.EvalSettings)."""
     from lm_eval_sink.harness.runner import check_interpreter
 
-    check_interpreter(settings)
+    if settings.interpreter() != sys.executable:  # the probe needs lm-eval and this project there
+        check_interpreter(settings)
     facts = task_facts(settings.interpreter(), settings.include_path, tuple(settings.tasks))
     if facts["unknown"]:
         name, near = next(iter(facts["unknown"].items()))

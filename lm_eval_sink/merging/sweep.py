@@ -197,7 +197,8 @@ def changed_fields(earlier: dict[str, Any] | None, now: dict[str, Any]) -> list[
     new |= {f"template {p}": h for p, h in now["templates"].items()}
     keys = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
     keys = [k for k in keys if not any(k == f or k.startswith(f + ".") for f in NOT_UNIT_INPUTS)]
-    return [f"{k}: {old.get(k, 'unset')!r} -> {new.get(k, 'unset')!r}"[:160] for k in keys]
+    shown = {k: (repr(old[k]) if k in old else "unset", repr(new[k]) if k in new else "unset") for k in keys}
+    return [f"{k}: {a[:60]} -> {b[:60]}" for k, (a, b) in shown.items()]
 
 
 # --- units ---------------------------------------------------------------------------------
