@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -174,6 +173,7 @@ def write_outputs(report: dict[str, Any], output: Path, force: bool = False) -> 
 def sweep_runs(reference: str | Path, candidate: str | Path | None, checkpoint: str | None) -> tuple[Path, Path]:
     """REFERENCE and CANDIDATE with a sweep's output folder standing for one of its evaluated checkpoints: the
     reference for REFERENCE, `checkpoint` (default: the candidate) for CANDIDATE, which defaults to REFERENCE."""
+    from lm_eval_sink.io import read_json
     from lm_eval_sink.schema import did_you_mean
 
     def sweep(arg: str | Path | None) -> Path | None:
@@ -193,7 +193,7 @@ def sweep_runs(reference: str | Path, candidate: str | Path | None, checkpoint: 
         if folder is None:
             out.append(Path(arg))
             continue
-        units = json.loads((folder / "sweep.json").read_text(encoding="utf-8")).get("units") or {}
+        units = (read_json(folder / "sweep.json") or {}).get("units") or {}
         evaluated = sorted(u.partition(":")[2] for u in units if u.startswith("eval:"))
         if name not in evaluated or not (folder / "evals" / name).is_dir():
             raise UserError(
