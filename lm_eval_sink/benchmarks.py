@@ -174,19 +174,32 @@ def ifeval_instructions() -> dict[str, dict[str, str]]:
 
 
 def metric_label(column: str, benchmarks: dict[str, Benchmark]) -> str:
-    """A readable name for a results column `task/metric,filter`: the family's name for its strict score
-    ("IFEval"), ", lenient" for its lenient one, else the metric (and a filter other than none) after it."""
+    """A readable name for a results column `task/metric,filter`, one way for every metric of a family: its name for
+    the strict score ("IFEval"), then ", lenient", ", per instruction" (an instruction-level twin of either) or ", "
+    and the metric (and a filter other than none); a task in no family keeps its task and metric names."""
     task, _, key = column.partition("/")
     family = benchmark_of(task, benchmarks)
     metric, _, filt = key.partition(",")
     plain = metric + (f" ({filt})" if filt and filt != "none" else "")
     if family is None:
         return f"{task} {plain}" if key else column
+    twins = {f"{inst},{filt}": f"{prompt},{filt}" for prompt, inst in family.instruction_metrics.items()}
+    level = ", per instruction" if key in twins else ""
+    key = twins.get(key, key)
     if key == family.strict:
-        return family.name
+        return family.name + level
     if key == family.lenient:
-        return f"{family.name}, lenient"
-    return f"{family.name} {plain}"
+        return f"{family.name}, lenient{level}"
+    return f"{family.name}, {plain}"
+
+
+def metric_in_points(column: str, benchmarks: dict[str, Benchmark]) -> bool:
+    """Whether a results column `task/metric,filter` is a share of docs, shown in points (x 100): a metric of a
+    binary family, or lm-eval's accuracy and exact-match metrics."""
+    task, _, key = column.partition("/")
+    family = benchmark_of(task, benchmarks)
+    metric = key.partition(",")[0]
+    return (family is not None and family.kind == "binary") or metric in ("acc", "acc_norm", "exact_match")
 
 
 def metric_labels(columns: list[str], benchmarks: dict[str, Benchmark]) -> list[str]:

@@ -31,6 +31,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import PurePath
 from typing import Any
 
 import numpy as np
@@ -790,7 +791,8 @@ def summary_markdown(report: Mapping[str, Any], top: int = 15) -> str:
     for side in ("reference", "candidate"):
         r = runs.get(side)
         if r:
-            lines.append(f"- {side}: {r.get('model') or r['samples_file']}")
+            run = f" (run {PurePath(r['run']).name})" if r.get("run") else ""
+            lines.append(f"- {side}: {r.get('model') or r['samples_file']}{run}")
     lines += [f"- paired docs: {report['n']}", ""]
     if report.get("counts"):
         n = report["n"]

@@ -690,8 +690,13 @@ def eval_cmd(
 # --- buckets (issue 5) ---
 @cli.command()
 @click.argument("reference")
-@click.argument("candidate")
+@click.argument("candidate", required=False)
 @click.option("--task", default=None, help="Task whose samples to pair (default: the one task both runs share).")
+@click.option(
+    "--checkpoint",
+    default=None,
+    help="With a sweep's output folder: the checkpoint to compare with its reference (default: the candidate).",
+)
 @click.option(
     "--metric", default=None, help="Per-sample metric (default: the task's, e.g. prompt_level_strict_acc for ifeval)."
 )
@@ -745,6 +750,7 @@ def buckets(
     reference,
     candidate,
     task,
+    checkpoint,
     metric,
     filter_name,
     threshold,
@@ -760,8 +766,8 @@ def buckets(
     force,
     quiet,
 ) -> None:
-    """Per-prompt regression buckets of CANDIDATE vs REFERENCE (lm-eval runs: results JSON, samples JSONL or output
-    folder)."""
+    """Per-prompt regression buckets of CANDIDATE vs REFERENCE (lm-eval runs: results JSON, samples JSONL, output
+    folder, a sweep's evals/NAME folder, or a sweep's output folder with --checkpoint)."""
     from lm_eval_sink.buckets import BucketSettings
     from lm_eval_sink.commands.buckets import run_buckets
 
@@ -786,6 +792,7 @@ def buckets(
         tokenizer=tokenizer,
         same_protocol=same_protocol,
         progress=not quiet,
+        checkpoint=checkpoint,
     )
     for line in lines:
         click.echo(line)
@@ -872,6 +879,12 @@ def merge(config_file, out, random_seed, device, force, quiet) -> None:
 )
 @click.option("--force", is_flag=True, help="Redo every step, replacing earlier outputs.")
 @click.option(
+    "--redo",
+    multiple=True,
+    metavar="KIND|NAME",
+    help="Redo the finished units of a kind (merge, eval, strength) or of a checkpoint; repeatable.",
+)
+@click.option(
     "--delete-merged", is_flag=True, default=None, help="Delete merged weights once their checkpoint is evaluated."
 )
 @click.option(
@@ -899,7 +912,9 @@ def merge(config_file, out, random_seed, device, force, quiet) -> None:
     default=None,
     help="The interpreter lm-eval runs in, e.g. .venv-vllm/bin/python (default: the file's eval.python).",
 )
-def sweep(sweep_file, output, force, delete_merged, in_memory, quiet, engine, ray_address, lm_eval_python) -> None:
+def sweep(
+    sweep_file, output, force, redo, delete_merged, in_memory, quiet, engine, ray_address, lm_eval_python
+) -> None:
     """Merge, evaluate (lm-eval) and measure S for every checkpoint of SWEEP.yaml; resumable."""
     from lm_eval_sink.commands.sweep import load_sweep, run_sweep
 
@@ -912,21 +927,27 @@ def sweep(sweep_file, output, force, delete_merged, in_memory, quiet, engine, ra
         ray_address=ray_address,
         python=str(lm_eval_python) if lm_eval_python else None,
     )
-    report = run_sweep(spec, force=force, progress=not quiet)
+    report = run_sweep(spec, force=force, progress=not quiet, redo=redo)
     for line in report.lines():
         click.echo(line)
     report.raise_for_failures()
 
 
-@cli.command("report")
+class _StrengthValues(_ManyValues):
+    """Lets `--strength A B` stand for `--strength A --strength B`."""
+
+    many = ("--strength",)
+
+
+@cli.command("report", cls=_StrengthValues)
 @click.option(
     "--strength",
     "strength_files",
-    nargs=2,
+    multiple=True,
     type=click.Path(path_type=Path),
-    default=None,
-    metavar="REF.json CAND.json",
-    help="Both models' strength JSON (<name>.strength.json or a sweep's strength.json).",
+    metavar="PATH",
+    help="Given twice, reference then candidate: a strength JSON or folder (of `strength`, or a sweep's "
+    "strength/NAME), or an lm-eval run of the sink_strength task.",
 )
 @click.option(
     "--margin",

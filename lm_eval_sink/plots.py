@@ -218,32 +218,36 @@ def sweep_chart(
     path: Path | None,
     note: str | None = None,
     strength: Sequence[float | None] | None = None,
+    unit: str = "points",
 ) -> Path | bytes:
     """One compact figure: a labelled row per checkpoint, a marker per metric at its change vs the reference
-    (the first checkpoint, the zero line); `strength` (S per checkpoint) in a narrow panel beside it."""
+    (the first checkpoint, the zero line), each metric a shape of its own a little above or below the row so that
+    equal changes never hide one another; `strength` (S per checkpoint) in a narrow panel beside it. `unit`: what
+    the values are in (the x label)."""
     plt = _pyplot()
     rows = list(checkpoints[1:])
     with_s = strength is not None and any(v is not None for v in strength)
     fig, axes = plt.subplots(
         1,
         2 if with_s else 1,
-        figsize=(8.0 if with_s else 6.0, 0.3 * len(rows) + 1.6),
+        figsize=(8.0 if with_s else 6.0, (0.3 + 0.06 * len(series)) * len(rows) + 1.6),
         sharey=True,
         squeeze=False,
         gridspec_kw={"width_ratios": [3, 1]} if with_s else None,
     )
     ax = axes[0, 0]
+    step = min(0.2, 0.8 / max(len(series), 1))
     for k, (name, values) in enumerate(series.items()):
-        ref = values[0]
-        points = [(i, v - ref) for i, v in enumerate(values[1:]) if v is not None and ref is not None]
-        ax.plot([d for _, d in points], [i for i, _ in points], "osD^vP*X"[k % 8], ls="none", alpha=0.85, label=name)
+        ref, shift = values[0], (k - (len(series) - 1) / 2) * step
+        points = [(i + shift, v - ref) for i, v in enumerate(values[1:]) if v is not None and ref is not None]
+        ax.plot([d for _, d in points], [y for y, _ in points], "osD^vP*X"[k % 8], ms=5, ls="none", label=name)
     ax.axvline(0, color="black", lw=1)
     ax.set_yticks(range(len(rows)), rows, fontsize=8)
     ax.set_ylim(len(rows) - 0.5, -0.5)
     ax.grid(axis="x", alpha=0.3)
-    ax.set_xlabel(f"change vs {checkpoints[0]}", fontsize=8)
+    ax.set_xlabel(f"change vs {checkpoints[0]} ({unit})", fontsize=8)
     ax.tick_params(axis="x", labelsize=7)
-    below = 0.6 / (0.3 * len(rows) + 0.6)  # the tick labels and axis label take about 0.6 inch
+    below = 0.6 / ((0.3 + 0.06 * len(series)) * len(rows) + 0.6)  # the tick labels and axis label: about 0.6 inch
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -below), ncol=4, frameon=False)
     if with_s:
         sax = axes[0, 1]

@@ -5,9 +5,10 @@ lm-eval writes `<output_path>/<sanitized model>/results_<ts>.json` and
 - a results JSON: the run is that file plus the samples files of the same timestamp;
 - a samples JSONL: that file (its task from the name) plus the results file of its timestamp;
 - a model folder (`<output_path>/<model>/`): its newest results file and its samples;
-- an output folder holding exactly one model folder: that model folder.
+- an output folder holding exactly one model folder: that model folder;
+- a sweep's eval folder (`<sweep output>/evals/<checkpoint>/`): the run its COMPLETE marker names.
 Several model folders, or samples without any results file of the same time, are an error that
-lists what was found. Standard library only.
+lists what was found. Standard library only (and io's marker name).
 """
 
 from __future__ import annotations
@@ -85,6 +86,18 @@ def _model_folder(folder: Path) -> RunFiles:
     )
 
 
+def _sweep_eval_results(folder: Path) -> Path | None:
+    """The results file a sweep's eval folder (`evals/<checkpoint>/`) names in its COMPLETE marker, else None."""
+    from lm_eval_sink.io import COMPLETE
+
+    try:
+        marker = json.loads((folder / COMPLETE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    results = marker.get("results") if isinstance(marker, dict) else None
+    return folder / results if isinstance(results, str) and (folder / results).is_file() else None
+
+
 def resolve_run(arg: str | Path) -> RunFiles:
     """Resolve a results file, a samples file or an lm-eval output folder to one run's files."""
     path = Path(arg)
@@ -112,6 +125,9 @@ def resolve_run(arg: str | Path) -> RunFiles:
             f"{path}: not an lm-eval results JSON or samples JSONL",
             "pass results_<time>.json, samples_<task>_<time>.jsonl or their folder",
         )
+    unit = _sweep_eval_results(path)
+    if unit is not None:
+        return resolve_run(unit)
     direct = [p for p in path.iterdir() if _RESULTS_RE.match(p.name) or _SAMPLES_RE.match(p.name)]
     if direct:
         return _model_folder(path)
@@ -129,7 +145,7 @@ def resolve_run(arg: str | Path) -> RunFiles:
         )
     raise UserError(
         f"{path}: no lm-eval results_*.json or samples_*.jsonl here or one folder down",
-        "pass an lm-eval --output_path folder, a results JSON or a samples JSONL",
+        "pass an lm-eval --output_path folder, a results JSON, a samples JSONL or a sweep's evals/<checkpoint> folder",
     )
 
 

@@ -38,6 +38,24 @@ STATISTICS = ("median", "mean")
 ROWS = ("all", "content")
 RUN_FIELDS = ("batch_size", "batch_tokens", "query_chunk")  # how S is computed (calibration.Batching), not what
 _RUN = Batching()
+# What S says, printed wherever this project shows S (strength, ranking.md, under lm_eval's table, the report).
+S_MEANING = (
+    "higher S = a stronger attention sink = a smaller predicted drop in format-sensitive scores after VL training "
+    "(the paper: Spearman rho 0.97 with the IFEval drop over six LLM/VLM pairs; `lm-eval-sink fit`); "
+    "low or negative S = a weak sink, a larger drop"
+)
+ABSENT_POS0_FRACTION = 0.25  # below this share of rows sinking at position 0, with S < 0, there is no sink to measure
+
+
+def absent_sink_note(sink_strength: float, pos0_argmax_fraction: float) -> str | None:
+    """The note for a model with effectively no attention sink (position 0 the argmax in under a quarter of rows
+    and S < 0: random or broken weights), whose S ranks nothing; None for any other model."""
+    if sink_strength >= 0 or pos0_argmax_fraction >= ABSENT_POS0_FRACTION:
+        return None
+    return (
+        f"no attention sink to measure: position 0 is the sink in {100 * pos0_argmax_fraction:.1f}% of rows "
+        "and S < 0, so S ranks nothing here (random or broken weights?)"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,18 +127,24 @@ class SinkStrength:
     rows_beyond_window: int | None = None  # rows whose position 0 lies outside a measured layer's window; None: unknown
     provenance: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def sink_note(self) -> str | None:
+        """`absent_sink_note` of this result: why its S ranks nothing, or None."""
+        return absent_sink_note(self.sink_strength, self.pos0_argmax_fraction)
+
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["layers"] = list(self.layers)
         d["attention_layers"] = list(self.attention_layers)
         d["sink_strength_layer_head"] = [list(r) for r in self.sink_strength_layer_head]
         d["per_prompt"] = list(self.per_prompt)
+        d["sink_note"] = self.sink_note  # derived: never read back
         d["schema_version"] = 1
         return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> SinkStrength:
-        d = {k: v for k, v in d.items() if k != "schema_version"}
+        d = {k: v for k, v in d.items() if k not in ("schema_version", "sink_note")}
         d["layers"] = tuple(d["layers"])
         d["attention_layers"] = tuple(d.get("attention_layers", ()))
         d["sink_strength_layer_head"] = tuple(tuple(r) for r in d["sink_strength_layer_head"])
@@ -316,6 +340,12 @@ RANKING_HEAD = (
 def ranking_rows(results: Sequence[tuple[str, SinkStrength]]) -> list[tuple[str, SinkStrength]]:
     """(slug, result) pairs by falling S: the order of the ranking table and plot."""
     return sorted(results, key=lambda r: -r[1].sink_strength)
+
+
+def ranking_markdown(ranked: Sequence[tuple[str, SinkStrength]]) -> str:
+    """The lines above the ranking table: what S means, and a note per model without a sink to measure."""
+    notes = "".join(f"- {s}: {r.sink_note}\n" for s, r in ranked if r.sink_note)
+    return f"Models by Sink Strength S, highest first: {S_MEANING}.\n\n" + (notes + "\n" if notes else "")
 
 
 def ranking_table(ranked: Sequence[tuple[str, SinkStrength]]) -> list[list[str]]:

@@ -712,3 +712,29 @@ def test_checker_recheck_is_reproducible(shared_data):
     results = {tuple(check_instructions(doc, response, loose=False)) for _ in range(20)}
     assert len(results) == 1
     assert random.getstate() == state
+
+
+@pytest.mark.slow
+def test_buckets_run_in_one_folder_is_read_by_report_from_another(
+    smollm2_instruct_run, smollm2_community_run, tmp_path, monkeypatch, capsys
+):
+    """`buckets` run with relative paths inside one folder records absolute ones, so `report` run from a sibling
+    folder finds the samples; the page shows every path relative to itself, and buckets.md names each run's folder."""
+    import shutil
+
+    work = tmp_path / "work"
+    for name, run in (("ref", smollm2_instruct_run), ("cand", smollm2_community_run)):
+        shutil.copytree(run.folder, work / name / run.folder.name)
+    monkeypatch.chdir(work)
+    args = ["--task", "ifeval", "--output", "../b", "--quiet", "--bootstrap", "200", "--no-failure-kinds"]
+    assert main(["buckets", "ref", "cand", *args]) == 0, capsys.readouterr().err
+    runs = json.loads((tmp_path / "b" / "buckets.json").read_text())["runs"]
+    assert all(Path(r[k]).is_absolute() for r in runs.values() for k in ("run", "samples_file", "results_file"))
+    md = (tmp_path / "b" / "buckets.md").read_text()
+    assert "(run ref)" in md and "(run cand)" in md  # one model under two protocols: the folders tell them apart
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert main(["report", "--buckets", "../b", "-o", "r.html"]) == 0, capsys.readouterr().err
+    page = (tmp_path / "elsewhere" / "r.html").read_text()
+    assert f"../work/ref/{smollm2_instruct_run.folder.name}/samples_ifeval_" in page
+    assert "../b/buckets.json#/" in page and str(tmp_path) not in page

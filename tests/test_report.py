@@ -436,3 +436,70 @@ def test_sweep_with_four_metrics_fits_a_1280_px_window_under_readable_names(outp
         assert driver.execute_script("return document.documentElement.scrollWidth") <= 1280
     finally:
         driver.quit()
+
+
+# ---------------------------------------------------------------------------- read at a glance
+
+
+@pytest.mark.slow
+def test_output_reads_at_a_glance(report, outputs, smollm2_instruct_run):
+    """Every number of the page shows its source on hover; the sweep section and table.md name metrics the
+    benchmarks' way (points on the page); lm_eval's console table shows no lists, empty rows or arrows beside
+    figures that are not scores, with S in words under it; the sink_strength task logs no generation default."""
+    import lm_eval.utils
+
+    from lm_eval_sink.harness.discovery import patch_table
+
+    p = _parse(report)
+    text = report.read_text()
+    spans = [m for m in text.split('<span class="num" ')[1:]]
+    assert len(spans) == len(p.found) > 60
+    assert all(s.startswith('data-src="') and s.split('"')[1] == s.split('title="')[1].split('"')[0] for s in spans)
+    assert "span.num[title]:hover" in text and "hover it: <code>file#JSON pointer</code>" in text
+    assert "the score (points)" in text and ">lm_eval_sink_tiny_choice acc</th>" in text
+    md = (outputs["sweep"] / "table.md").read_text()
+    assert "| lm_eval_sink_tiny_choice acc | lm_eval_sink_tiny_choice acc delta |" in md and "/acc,none" not in md
+    patch_table()  # as the start-up hook does under `lm_eval`
+    results = json.loads(smollm2_instruct_run.results.read_text())
+    table = lm_eval.utils.make_table(results)
+    rows = {line.split("|")[5].strip(): line for line in table.splitlines() if line.count("|") > 8}
+    assert "attention_layers" not in rows and "learned_sink_mass_median" not in rows and "sink_strength" in rows
+    assert (
+        "↑" in rows["sink_strength"]
+        and "↑" not in rows["pos0_argmax_fraction"]
+        and "↓" not in rows["rows_beyond_window"]
+    )
+    s = results["results"]["sink_strength"]["sink_strength,none"]
+    line = table.rstrip("\n").splitlines()[-1]
+    assert line.startswith(
+        f"sink_strength: S = {s:.4f} over the last 10 of 30 attention layers; position 0 is the sink"
+    )
+    assert "higher S = a stronger attention sink" in line
+    log = next((smollm2_instruct_run.results.parents[1] / "logs").glob("lm_eval_*.log")).read_text()
+    assert "ifeval: No `generation_kwargs`" not in log and "sink_strength: No `generation_kwargs`" not in log
+
+
+@pytest.mark.slow
+def test_s_is_explained_where_it_is_printed(outputs, report, tmp_path, capsys):
+    """`strength` and ranking.md say what higher S means, and a model with no sink (random weights: position 0 the
+    sink in under a quarter of rows, S < 0) gets a note in its result and its line; the report says it too."""
+    from helpers import make_tiny_lm
+    from lm_eval_sink.strength import S_MEANING
+
+    random = make_tiny_lm(tmp_path / "random", "llama")
+    out = tmp_path / "s"
+    capsys.readouterr()
+    assert main(["strength", str(outputs["ref"]), str(random), "--output", str(out), "--quiet", "--last-k", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert f"({S_MEANING})" in printed
+    notes = [x for x in printed.splitlines() if ": note: " in x]
+    assert len(notes) == 1 and notes[0].startswith("random: note: no attention sink to measure: position 0 is the sink")
+    result = json.loads((out / "random.strength.json").read_text())
+    assert result["sink_strength"] < 0 and result["pos0_argmax_fraction"] < 0.25 and result["sink_note"] in notes[0]
+    assert json.loads((out / "ref.strength.json").read_text())["sink_note"] is None
+    ranking = (out / "ranking.md").read_text()
+    assert (
+        ranking.startswith(f"Models by Sink Strength S, highest first: {S_MEANING}.")
+        and "- random: no attention" in ranking
+    )
+    assert S_MEANING in report.read_text()

@@ -229,12 +229,8 @@ def test_changed_inputs_are_refused_and_other_protocols_are_not_tabulated(uninte
     capsys.readouterr()
     assert main(["sweep", str(changed), "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
-    assert (
-        err.startswith("error: ")
-        and "made from other inputs" in err
-        and "--force" in err
-        and len(err.splitlines()) == 1
-    )
+    assert err.startswith("error: ") and len(err.splitlines()) == 1 and "--force" in err
+    assert "eval.limit: unset -> 3 changed since eval:reference, eval:candidate, eval:dare_linear were made" in err
     # A run made under another harness protocol (here: its results file says 1-shot) is refused.
     out = sweep.parent / "out"
     results = next((out / "evals" / "candidate").rglob("results_*.json"))
@@ -324,8 +320,10 @@ def test_eval_versions_name_the_packages_of_the_backend():
 
 
 def test_table_text_is_the_markdown_and_csv_of_the_table():
-    """The core renders a table from data alone: cells formatted to 4 places, deltas signed, n/a where missing."""
+    """The core renders a table from data alone: cells formatted to 4 places, deltas signed, n/a where missing; the
+    Markdown names metrics readably and says what S means, the CSV keeps lm-eval's results keys."""
     from lm_eval_sink.merging.sweep import table_text
+    from lm_eval_sink.strength import S_MEANING
 
     rows = [
         {
@@ -360,8 +358,8 @@ def test_table_text_is_the_markdown_and_csv_of_the_table():
     )
     assert md == (
         "Merging sweep (chain lineage); deltas vs the reference.\n**Not final scores:** evaluated "
-        "with limit=5: not final scores.\n\n"
-        "| checkpoint | method | t/acc | t/acc delta | S | S delta | status |\n|---|---|---|---|---|---|---|\n"
+        f"with limit=5: not final scores.\nS: {S_MEANING}.\n\n"
+        "| checkpoint | method | t acc | t acc delta | S | S delta | status |\n|---|---|---|---|---|---|---|\n"
         "| reference | reference | 0.5000 | +0.0000 | -2.0000 | +0.0000 | ok |\n| tsv | tsv | n/a "
         "| n/a | -1.5000 | +0.5000 | eval:tsv: boom |\n"
     )
@@ -396,3 +394,135 @@ def test_eval_false_merges_and_measures_only_and_resumes(tmp_path, tiny_trio):
     assert "S delta" in (out / "table.md").read_text()
     again = run_sweep(load_sweep(sweep), progress=False)
     assert again.ran == [] and _rows(out) == table["rows"]
+
+
+# --- the everyday path: plan-time checks, failures that say why, sweeps read by buckets and report ------------------
+
+
+def test_plan_time_refuses_what_lm_eval_would_fail_on_after_the_merges(tmp_path, tiny_trio, user_error):
+    """Task names are resolved with lm-eval's TaskManager (here and in another interpreter), and each generating task's
+    length is checked against the models' maximum (the tiny Llamas': 256) before anything is written."""
+    from lm_eval_sink.commands.sweep import load_sweep
+
+    def refused(eval_section: dict, needle: str) -> str:
+        sweep = _write_sweep(tmp_path, tiny_trio, eval=eval_section)
+        with pytest.raises(UserError, match=needle) as e:
+            load_sweep(sweep)
+        return e.value.line()
+
+    line = refused({"tasks": ["ifevel"]}, r"eval: tasks: no lm-eval task, group or tag is named 'ifevel'")
+    assert "(did you mean 'ifeval'?)" in line
+    line = refused({"tasks": ["ifeval"], "gen_kwargs": {"max_new_tokens": 64}}, "max_new_tokens would be ignored")
+    assert "max_gen_toks: 1280, which lm-eval reads first" in line and "write max_gen_toks: 64" in line
+    line = refused({"tasks": ["ifeval"]}, r"ifeval would generate up to 1280 tokens \(the task's own max_gen_toks\)")
+    assert "takes at most 256 tokens" in line
+    refused({"tasks": ["ifeval"], "gen_kwargs": {"max_gen_toks": 300}}, "up to 300 tokens")
+    assert load_sweep(_write_sweep(tmp_path, tiny_trio, eval={"tasks": ["ifeval"], "gen_kwargs": {"max_gen_toks": 64}}))
+    vllm_py = Path(__file__).parents[1] / ".venv-vllm" / "bin" / "python"
+    if vllm_py.is_file():  # the names as the interpreter that runs lm-eval sees them
+        refused({"tasks": ["gsm8k_cotzeroshot"], "python": str(vllm_py)}, "did you mean 'gsm8k_cot_zeroshot'")
+    line = user_error(["sweep", _write_sweep(tmp_path, tiny_trio, eval={"tasks": ["ifevel"]})], tmp_path / "out")
+    assert "did you mean 'ifeval'" in line
+    line = user_error(
+        ["eval", tiny_trio["reference"], "--protocol", "instruct", "--tasks", "ifeval", "--output", tmp_path / "e"],
+        tmp_path / "e",
+    )
+    assert "ifeval would generate up to 1280 tokens" in line
+
+
+@pytest.mark.slow
+def test_a_failed_eval_unit_says_why_in_lm_evals_own_words(tmp_path, tiny_trio, tiny_task_dir):
+    """An eval that lm-eval fails mid-run (a generation longer than the model, here past the plan checks) is reported
+    by lm-eval's exception line, never by the progress bar printed last; the log is kept beside the sweep."""
+    from helpers import TINY_TASK
+    from lm_eval_sink.commands.units import run_unit
+    from lm_eval_sink.harness.runner import EvalSettings
+    from lm_eval_sink.merging.sweep import Unit
+
+    settings = EvalSettings(tasks=(TINY_TASK,), include_path=str(tiny_task_dir), gen_kwargs={"max_gen_toks": 1000})
+    unit = Unit(
+        "eval",
+        "reference",
+        "k",
+        tmp_path / "out" / "evals" / "reference",
+        {"model": str(tiny_trio["reference"]), "settings": settings},
+    )
+    with pytest.raises(UserError) as e:
+        run_unit(unit)
+    line = e.value.line()
+    assert line.startswith(
+        "lm_eval exited with 1: AssertionError: Invalid configuration: requested max tokens to "
+        "generate (1000) must be less than model's maximum sequence length (256)"
+    ), line
+    assert "%|" not in line and "it/s" not in line
+    assert list((tmp_path / "out" / "logs" / "eval-reference").glob("lm_eval_*.log"))
+
+
+@pytest.mark.slow
+def test_buckets_and_report_read_the_sweeps_folders(uninterrupted, smollm2_instruct_run, tmp_path, capsys):
+    """`buckets` takes a sweep's evals/<name> folders, or its output folder with --checkpoint; `report` takes the
+    sweep's table, those buckets and its strength folders (`--strength A --strength B`), and the results of one
+    `lm_eval --tasks sink_strength,ifeval` call (its folder or its file) as strength inputs."""
+    out = uninterrupted.parent / "out"
+    evals, st = out / "evals", out / "strength"
+    quiet = ["--quiet", "--bootstrap", "200"]
+    one = [str(evals / "reference"), str(evals / "dare_linear")]
+    assert main(["buckets", *one, "--output", str(tmp_path / "b1"), *quiet]) == 0
+    assert main(["buckets", str(out), "--checkpoint", "dare_linear", "--output", str(tmp_path / "b2"), *quiet]) == 0
+    one, two = (json.loads((tmp_path / b / "buckets.json").read_text()) for b in ("b1", "b2"))
+    assert one["counts"] == two["counts"] and two["runs"]["candidate"]["run"] == str(evals / "dare_linear")
+    assert "(run dare_linear)" in (tmp_path / "b2" / "buckets.md").read_text()
+    assert main(["buckets", str(out), "--checkpoint", "dare_linar", *quiet]) == 2
+    assert "did you mean 'dare_linear'" in capsys.readouterr().err
+    assert main(["buckets", str(out), "--output", str(tmp_path / "b3"), *quiet]) == 0  # default: the candidate
+    page = tmp_path / "r.html"
+    strength = ["--strength", str(st / "reference"), "--strength", str(st / "candidate")]
+    assert main(["report", "--sweep", str(out), "--buckets", str(tmp_path / "b3"), *strength, "-o", str(page)]) == 0
+    text = page.read_text()
+    assert 'id="sweep"' in text and "strength/reference/strength.json#/sink_strength" in text
+    # lm-eval's own results of the sink_strength task; --strength's two-value form still reads as two inputs
+    results = smollm2_instruct_run.results
+    assert main(["report", "--strength", str(results.parent.parent), str(results), "-o", str(page), "--force"]) == 0
+    s = json.loads(results.read_text())["results"]["sink_strength"]["sink_strength,none"]
+    assert f'#/results/sink_strength/sink_strength,none">{s:.4f}</span>' in page.read_text()
+    capsys.readouterr()
+    assert main(["report", "--strength", str(results), "-o", str(page), "--force"]) == 2
+    assert "--strength takes two inputs (reference, candidate), got 1" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_changed_sweep_file_names_the_field_and_redo_redoes_only_those(uninterrupted, tmp_path, capsys):
+    """A changed setting is refused naming the field and the finished units it touches; `--redo strength` redoes just
+    those; a config the file no longer lists stays in the table beside the new one; a unit made under another
+    release's default (the file the same) is recomputed with a note."""
+    from lm_eval_sink.commands.sweep import load_sweep, run_sweep
+
+    sweep = _copy(uninterrupted, tmp_path / "r")
+    out = sweep.parent / "out"
+    data = yaml.safe_load(sweep.read_text())
+    data["strength"]["last_k"] = 1
+    data["configs"] = ["linear_95_5"]
+    sweep.write_text(yaml.safe_dump(data))
+    before = (out / "table.json").read_text()
+    capsys.readouterr()
+    assert main(["sweep", str(sweep), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "strength.last_k: 2 -> 1 changed since strength:reference, " in err, err
+    assert "strength:dare_linear were made" in err and "--redo strength" in err and "configs" not in err.split("(")[0]
+    assert (out / "table.json").read_text() == before and not (out / "merges" / "linear_95_5").exists()
+    assert main(["sweep", str(sweep), "--quiet", "--redo", "strenght"]) == 2
+    assert "did you mean 'strength'" in capsys.readouterr().err
+    assert main(["sweep", str(sweep), "--quiet", "--redo", "strength"]) == 0
+    printed = capsys.readouterr().out
+    assert "6 steps run, 4 already finished" in printed and "stay in the sweep: dare_linear" in printed
+    rows = {r["checkpoint"]: r for r in _rows(out)}
+    assert list(rows) == ["reference", "candidate", "linear_95_5", "dare_linear"]
+    assert rows["dare_linear"]["metrics"] == _rows(uninterrupted.parent / "out")[2]["metrics"]
+    assert all(r["status"] == "ok" and r["sink_strength"] is not None for r in rows.values())
+    # the same file, a unit made from other inputs (as by a release whose default differed): recomputed, noted
+    marker = out / "strength" / "candidate" / "COMPLETE.json"
+    complete = json.loads(marker.read_text())
+    marker.write_text(json.dumps({**complete, "key": "0" * 64, "inputs_key": "1" * 64}))
+    report = run_sweep(load_sweep(sweep), progress=False)
+    assert report.ran == ["strength:candidate"]
+    assert "strength:candidate: recomputed: made under other defaults (the sweep file is the same)" in report.notes

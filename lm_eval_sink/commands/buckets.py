@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -33,16 +34,19 @@ def run_fingerprint(run) -> tuple[Any, str | None]:
         return None, f"{e.message}: protocol unknown"
 
 
-def run_record(run, fp, reason: str | None, task: str, samples_path: Path) -> dict[str, Any]:
-    """Model, protocol (the fingerprint's fields for `task`) and file fingerprints of one run."""
+def run_record(run, fp, reason: str | None, task: str, samples_path: Path, argument: str | Path) -> dict[str, Any]:
+    """Model, protocol (the fingerprint's fields for `task`) and file fingerprints of one run; every path absolute,
+    so another command reads them from any folder. `run` is the folder the run was named by (the argument)."""
     from lm_eval_sink.identity import local_identity
     from lm_eval_sink.io import sha256_file
 
+    named = Path(os.path.abspath(argument))
     rec: dict[str, Any] = {
-        "samples_file": str(samples_path),
+        "run": str(named if named.is_dir() else named.parent),
+        "samples_file": os.path.abspath(samples_path),
         "samples_sha256": sha256_file(samples_path),
         "task": task,
-        "results_file": None if run.results is None else str(run.results),
+        "results_file": None if run.results is None else os.path.abspath(run.results),
     }
     if run.results is not None:
         rec["results_sha256"] = sha256_file(run.results)
@@ -97,8 +101,8 @@ def compare_runs(
     task, ref_path, cand_path = _pick_task(ref_run, cand_run, task)
     fps = {"reference": run_fingerprint(ref_run), "candidate": run_fingerprint(cand_run)}
     runs = {
-        "reference": run_record(ref_run, *fps["reference"], task, ref_path),
-        "candidate": run_record(cand_run, *fps["candidate"], task, cand_path),
+        "reference": run_record(ref_run, *fps["reference"], task, ref_path, reference),
+        "candidate": run_record(cand_run, *fps["candidate"], task, cand_path, candidate),
     }
     if same_protocol:
         unknown = [f"{side}: {reason}" for side, (fp, reason) in fps.items() if fp is None]
@@ -166,9 +170,44 @@ def write_outputs(report: dict[str, Any], output: Path, force: bool = False) -> 
     return [output / n for n in names]
 
 
+def sweep_runs(reference: str | Path, candidate: str | Path | None, checkpoint: str | None) -> tuple[Path, Path]:
+    """REFERENCE and CANDIDATE with a sweep's output folder standing for one of its evaluated checkpoints: the
+    reference for REFERENCE, `checkpoint` (default: the candidate) for CANDIDATE, which defaults to REFERENCE."""
+    from lm_eval_sink.io import read_json
+    from lm_eval_sink.schema import did_you_mean
+
+    def sweep(arg: str | Path | None) -> Path | None:
+        return Path(arg) if arg is not None and (Path(arg) / "sweep.json").is_file() else None
+
+    if candidate is None and sweep(reference) is None:
+        raise UserError("missing CANDIDATE", "pass two lm-eval runs, or a sweep's output folder with --checkpoint NAME")
+    candidate = reference if candidate is None else candidate
+    if checkpoint is not None and sweep(candidate) is None:
+        raise UserError(
+            f"--checkpoint {checkpoint}: {candidate} is not a sweep's output folder (no sweep.json)",
+            "pass the sweep's --output folder as CANDIDATE, or drop --checkpoint",
+        )
+    out = []
+    for arg, name in ((reference, "reference"), (candidate, checkpoint or "candidate")):
+        folder = sweep(arg)
+        if folder is None:
+            out.append(Path(arg))
+            continue
+        units = (read_json(folder / "sweep.json") or {}).get("units") or {}
+        evaluated = sorted(u.partition(":")[2] for u in units if u.startswith("eval:"))
+        if name not in evaluated or not (folder / "evals" / name).is_dir():
+            raise UserError(
+                f"{folder}: the sweep has no evaluated checkpoint {name!r}{did_you_mean(name, evaluated)}; "
+                f"it has {', '.join(evaluated) or 'none'}",
+                "name one with --checkpoint NAME (finished eval units only)",
+            )
+        out.append(folder / "evals" / name)
+    return out[0], out[1]
+
+
 def run_buckets(
     reference: str | Path,
-    candidate: str | Path,
+    candidate: str | Path | None,
     task: str | None,
     settings: BucketSettings,
     output: Path | None = None,
@@ -177,9 +216,11 @@ def run_buckets(
     tokenizer: str | None = None,
     same_protocol: bool = False,
     progress: bool = True,
+    checkpoint: str | None = None,
 ) -> tuple[BucketReport, list[str]]:
     """The `buckets` command: compare, then write the output folder when `output` is given; returns the report and the
-    lines to print."""
+    lines to print. A sweep's output folder stands for one of its checkpoints (`sweep_runs`)."""
+    reference, candidate = sweep_runs(reference, candidate, checkpoint)
     if output is not None:
         from lm_eval_sink.io import check_output_dir
 

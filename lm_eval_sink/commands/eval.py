@@ -34,6 +34,7 @@ def run_eval(
     python: str | None = None,
 ) -> list[str]:
     """The `eval` command: check the inputs and the output folder, run lm-eval, return the lines to print."""
+    from lm_eval_sink.harness.checks import check_protocol
     from lm_eval_sink.harness.runner import EvalSettings, eval_versions, run_lm_eval
     from lm_eval_sink.io import check_not_inputs, hold
     from lm_eval_sink.models import resolve_model
@@ -83,6 +84,7 @@ def run_eval(
         python=python,
     )
     settings = EvalSettings(**fields)
+    check_protocol(settings, [model_path])  # unknown tasks, a generation longer than the model: before lm-eval runs
     with hold(output):
         run = run_lm_eval(model_path, settings, output)
     fp = fingerprint_run(run)

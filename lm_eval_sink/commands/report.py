@@ -4,10 +4,12 @@ The inputs are the project's own output files, nothing else (no model is loaded)
 
 Checks, each a one-line UserError before anything is written:
 - each input is the output it claims to be (strength JSON, margin.json, buckets.json, attribution.json,
-  a sweep's table.json; a folder stands for the file of that name inside it);
+  a sweep's table.json; a folder stands for the file of that name inside it); a strength input may also be a
+  `strength` output folder holding one model, or an lm-eval run (results file or folder) of a sink_strength task;
 - all inputs name the same reference and the same candidate: two records are compared by content
   fingerprint where both carry one, else by model path or name;
-- the two samples files each buckets.json names exist and still have the sha256 it recorded.
+- the two samples files each buckets.json names exist and still have the sha256 it recorded (absolute paths, or
+  relative to buckets.json's folder); the report shows every path relative to its own folder.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.report.view import BucketsInput, Doc, PromptText, ReportInputs, get
+from lm_eval_sink.report.view import BucketsInput, Doc, PromptText, ReportInputs, get, sink_tasks
 
 ROLES = ("reference", "candidate")
 FILE_OF = {"margin": "margin.json", "buckets": "buckets.json", "attribution": "attribution.json", "sweep": "table.json"}
@@ -35,15 +37,43 @@ REQUIRED = {
 
 def _file(arg: Path, what: str) -> Path:
     p = Path(arg)
+    if what == "strength" and p.is_dir():
+        return _strength_file(p)
     if p.is_dir():
         p = p / FILE_OF[what]
     if not p.is_file():
-        flag = f"--{what}"
         raise UserError(
-            f"{flag} {arg}: no {FILE_OF.get(what, 'strength JSON')} there",
-            f"pass the output folder (or file) of `lm-eval-sink {'sweep' if what == 'sweep' else what}`",
+            f"--{what} {arg}: no {FILE_OF.get(what, 'strength JSON')} there",
+            f"pass the output folder (or file) of `lm-eval-sink {'attribute' if what == 'attribution' else what}`",
         )
     return p
+
+
+def _strength_file(folder: Path) -> Path:
+    """The strength input a folder stands for: a sweep unit's strength.json, the one `<name>.strength.json` of a
+    `strength` output, or the results file of an lm-eval run (its folder, or a sweep's evals/<checkpoint>)."""
+    from lm_eval_sink.runs import resolve_run
+
+    if (folder / "strength.json").is_file():
+        return folder / "strength.json"
+    found = sorted(folder.glob("*.strength.json"))
+    if len(found) > 1:
+        raise UserError(
+            f"--strength {folder}: holds {len(found)} models ({', '.join(p.name for p in found)})",
+            "pass one <name>.strength.json per --strength (reference first, then candidate)",
+        )
+    if found:
+        return found[0]
+    try:
+        run = resolve_run(folder)
+    except UserError:
+        run = None
+    if run is None or run.results is None:
+        raise UserError(
+            f"--strength {folder}: no strength JSON or lm-eval results file there",
+            "pass an output of `lm-eval-sink strength` or an lm-eval run with the sink_strength task",
+        )
+    return run.results
 
 
 def _doc(path: Path, what: str, out_dir: Path) -> Doc:
@@ -51,14 +81,33 @@ def _doc(path: Path, what: str, out_dir: Path) -> Doc:
 
     raw = path.read_bytes()
     data = read_json(path)
-    if not isinstance(data, dict) or REQUIRED[what] not in data:
+    if what == "strength" and isinstance(data, dict) and "sink_strength" not in data:
+        _check_sink_tasks(path, data)
+    elif not isinstance(data, dict) or REQUIRED[what] not in data:
         raise UserError(
             f"{path}: not a {what} output (no '{REQUIRED[what]}' key)",
             f"pass a file written by `lm-eval-sink {what if what != 'attribution' else 'attribute'}`",
         )
-    return Doc(
-        rel=Path(os.path.relpath(path.resolve(), out_dir.resolve())).as_posix(), data=data, sha256=sha256_bytes(raw)
-    )
+    return Doc(rel=_relative(path, out_dir), data=data, sha256=sha256_bytes(raw))
+
+
+def _check_sink_tasks(path: Path, data: dict[str, Any]) -> None:
+    """Refuse a JSON that is neither a strength output nor lm-eval results with one Sink Strength task to show."""
+    tasks = sink_tasks(data)
+    if not tasks or "config" not in data:
+        raise UserError(
+            f"{path}: not a strength output (no 'sink_strength' key) nor lm-eval results of a sink_strength task",
+            "pass a <name>.strength.json of `lm-eval-sink strength`, or the results of lm_eval --tasks sink_strength",
+        )
+    if len(tasks) > 1 and "sink_strength" not in tasks:
+        raise UserError(
+            f"{path}: holds several Sink Strength tasks ({', '.join(tasks)})", "pass a run with one of them"
+        )
+
+
+def _relative(path: Path, out_dir: Path) -> str:
+    """A path as the report shows it: relative to the report's folder."""
+    return Path(os.path.relpath(Path(path).resolve(), out_dir.resolve())).as_posix()
 
 
 def _norm(name: Any) -> str | None:
@@ -71,6 +120,11 @@ def _norm(name: Any) -> str | None:
 def _identities(what: str, doc: Doc, role_hint: str | None = None) -> list[tuple[str, str, str | None, str | None]]:
     """(input label, role, fingerprint, name) records that input makes about the two models."""
     d, label = doc.data, f"{what} {doc.rel}"
+    if what == "strength" and "sink_strength" not in d:  # lm-eval results: the model lm-eval loaded
+        args = get(d, "config", "model_args")
+        if isinstance(args, str):
+            args = dict(part.split("=", 1) for part in args.split(",") if "=" in part)
+        return [(label, role_hint or "", None, _norm((args or {}).get("pretrained")))]
     if what == "strength":
         m = get(d, "provenance", "model") or {}
         return [(label, role_hint or "", m.get("fingerprint"), _norm(m.get("model")))]
@@ -115,9 +169,11 @@ def check_same_pair(records: Sequence[tuple[str, str, str | None, str | None]]) 
 
 
 def _samples_path(recorded: str, buckets_file: Path) -> Path:
+    """A samples file buckets.json names: absolute, or relative to buckets.json's folder (an older record relative
+    to where buckets ran is tried last)."""
     p = Path(recorded)
-    if not p.is_absolute() and not p.exists() and (buckets_file.parent / p).exists():
-        p = buckets_file.parent / p
+    if p.is_absolute() or (buckets_file.parent / p).exists() or not p.exists():
+        return p if p.is_absolute() else buckets_file.parent / p
     return p
 
 
@@ -141,7 +197,7 @@ def _failed(sample: dict[str, Any]) -> tuple[str, ...]:
     return ()
 
 
-def _buckets_input(doc: Doc, path: Path) -> BucketsInput:
+def _buckets_input(doc: Doc, path: Path, out_dir: Path) -> BucketsInput:
     from lm_eval_sink.io import sha256_file
     from lm_eval_sink.runs import read_samples
 
@@ -157,7 +213,7 @@ def _buckets_input(doc: Doc, path: Path) -> BucketsInput:
         p = _samples_path(recorded, path)
         if not p.is_file():
             raise UserError(
-                f"{path}: the {role} samples file {recorded} is missing",
+                f"{path}: the {role} samples file {p} is missing",
                 "restore it, or re-run `lm-eval-sink buckets` on the runs you have",
             )
         got = sha256_file(p)
@@ -168,7 +224,7 @@ def _buckets_input(doc: Doc, path: Path) -> BucketsInput:
                 "re-run `lm-eval-sink buckets` on the current runs",
             )
         by_role[role] = {int(s["doc_id"]): s for s in read_samples(p)}
-        shown[role] = (str(p), got)
+        shown[role] = (_relative(p, out_dir), got)
     texts = {}
     for doc_id, ref in by_role["reference"].items():
         cand = by_role["candidate"].get(doc_id)
@@ -203,8 +259,8 @@ def load_inputs(
     if strength:
         if len(strength) != 2:
             raise UserError(
-                f"--strength takes two files (reference, candidate), got {len(strength)}",
-                "pass --strength REF.strength.json CAND.strength.json",
+                f"--strength takes two inputs (reference, candidate), got {len(strength)}",
+                "pass --strength REF --strength CAND (strength JSONs or folders, or lm-eval runs with sink_strength)",
             )
         strength_docs = tuple(_doc(_file(p, "strength"), "strength", out_dir) for p in strength)
         for role, d in zip(ROLES, strength_docs, strict=True):
@@ -227,7 +283,7 @@ def load_inputs(
         margin=docs["margin"],
         attribution=docs["attribution"],
         sweep=docs["sweep"],
-        buckets=tuple(_buckets_input(d, p) for d, p in bucket_docs),
+        buckets=tuple(_buckets_input(d, p, out_dir) for d, p in bucket_docs),
         identities=identities,
         versions=package_versions(),
         created_utc=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),

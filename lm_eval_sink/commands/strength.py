@@ -24,12 +24,14 @@ from lm_eval_sink.devices import DEFAULT_DEVICE
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.strength import (
     RANKING_HEAD,
+    S_MEANING,
     SinkStrength,
     StrengthSettings,
     fmt_optional,
     inputs_key,
     key_versions,
     measure_model,
+    ranking_markdown,
     ranking_rows,
     ranking_table,
     result_key,
@@ -203,11 +205,13 @@ def _run_locked(
             f"{res.template_row_fraction:.2f})"
             f" -> {json_path}, {png}"
         )
+        lines += [f"{slug}: note: {res.sink_note}"] if res.sink_note else []
+    lines.append(f"({S_MEANING})")
     if len(names) > 1:
         ranked = ranking_rows(results)
         rows = ranking_table(ranked)
         md, csv, plot = output / "ranking.md", output / "ranking.csv", output / "ranking.png"
-        atomic_write_text(md, markdown_table(RANKING_HEAD, rows))
+        atomic_write_text(md, ranking_markdown(ranked) + markdown_table(RANKING_HEAD, rows))
         atomic_write_text(csv, csv_text(RANKING_HEAD, rows))
         ranking_bars([s for s, _ in ranked], [r.sink_strength for _, r in ranked], "Sink Strength ranking", plot)
         lines.append(f"ranking -> {md}, {csv}, {plot}")

@@ -13,10 +13,12 @@ CSV, Markdown, PNG) is rebuilt from the saved outputs (`merging.sweep.build_tabl
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import json
 import os
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +44,7 @@ from lm_eval_sink.merging.configs import TOKENIZER_CHOICES, bundled_names, load_
 from lm_eval_sink.merging.engines import parse_engine, run_on_ray
 from lm_eval_sink.merging.sweep import (
     ENDPOINTS,
+    KINDS,
     EvalIn,
     Plan,
     RenderedMerge,
@@ -49,8 +52,10 @@ from lm_eval_sink.merging.sweep import (
     SweepSpec,
     Unit,
     build_table,
+    changed_fields,
     parse_sweep_data,
     plan_units,
+    redo_units,
     table_text,
 )
 from lm_eval_sink.strength import StrengthSettings
@@ -79,26 +84,27 @@ def _eval_settings(ev: EvalIn, src: str, rel: Any, python: str | None) -> Any:
                 "lm-eval takes ONE folder of task YAMLs",
             )
     try:
-        settings = EvalSettings(**given)
-        _check_attention_tasks(settings)
+        return EvalSettings(**given)
     except UserError as e:
         raise UserError(f"{src}: eval: {e.message}", e.hint) from None
-    return settings
 
 
-def _check_attention_tasks(settings: Any) -> None:
-    """Refuse this project's tasks (named, or in a group or tag) on a backend without attention, at plan time:
-    the hook refuses them too, but only once an eval unit runs."""
-    if settings.backend == "hf":
-        return
-    from lm_eval.tasks import TaskManager
+def _check_eval(spec: SweepSpec) -> None:
+    """What lm-eval would fail on only after the merges and every S (task names, generation lengths), last of the
+    sweep file's checks since it builds lm-eval's task index (`harness.checks.check_protocol`)."""
+    from lm_eval_sink.harness.checks import check_protocol
 
-    from lm_eval_sink.harness.backends import unsupported
-    from lm_eval_sink.harness.discovery import own_tasks_in
+    if spec.eval is not None:
+        try:
+            check_protocol(spec.eval, list(spec.models.values()))
+        except UserError as e:
+            raise UserError(f"{spec.source}: eval: {e.message}", e.hint) from None
 
-    ours = own_tasks_in(list(settings.tasks), TaskManager(include_path=settings.include_path))
-    if ours:
-        raise unsupported(ours[0], settings.backend)
+
+def _render(templates: list[Any], models: dict[str, str], tokenizer_source: str | None) -> tuple[Any, ...]:
+    """Each merge control filled in for the sweep's models and validated (configs.Rendered)."""
+    ref, cand = models["reference"], models["candidate"]
+    return tuple(render(t, ref, cand, base=models.get("base"), tokenizer_source=tokenizer_source) for t in templates)
 
 
 def load_sweep(
@@ -110,8 +116,9 @@ def load_sweep(
     python: str | None = None,
     in_memory: bool | None = None,
 ) -> SweepSpec:
-    """Read and check a sweep YAML once: its schema (paths relative to its folder), its models, and every
-    merge control rendered for them and validated (`SweepSpec.merges`); no weights are read.
+    """Read and check a sweep YAML once: its schema (paths relative to its folder), its models, its lm-eval
+    protocol (`harness.checks.check_protocol`: task names, generation lengths) and every merge control rendered
+    for them and validated (`SweepSpec.merges`); no weights are read.
 
     `engine` / `ray_address` / `python` / `in_memory` override the file's engine.kind / engine.address /
     eval.python / merge.in_memory (CLI flags). An in-memory sweep is checked here too (`resident.check_spec`).
@@ -120,12 +127,9 @@ def load_sweep(
     if not path.is_file():
         raise UserError(f"{path}: no such sweep file", "pass a sweep YAML (see docs/merging.md)")
     src, here = str(path), path.resolve().parent
-    sweep, skipped = parse_sweep_data(parse_yaml(path.read_text(encoding="utf-8"), src) or {}, src)
-    out = Path(output) if output is not None else (Path(_rel(here, sweep.output)) if sweep.output else None)
-    if out is None:
-        raise UserError(f"{src}: output: missing", "add output: FOLDER to the sweep file, or pass --output")
-    if out.exists() and not out.is_dir():
-        raise UserError(f"{out}: is a file, not a folder", "choose an output folder")
+    written = parse_yaml(path.read_text(encoding="utf-8"), src) or {}
+    sweep, skipped = parse_sweep_data(written, src)
+    out = _output(output, sweep.output, src, here)
     models = _models(sweep, src, here)
     configs, templates = _templates(sweep, src, here)
     merge = sweep.merge
@@ -137,10 +141,6 @@ def load_sweep(
     devices = {"merge": merge.device, "eval": eval_settings and eval_settings.device, "strength": sdevice}
     engine_spec = parse_engine(
         sweep.engine, src, kind=engine, address=ray_address, devices=devices, eval_settings=eval_settings
-    )
-    merges = tuple(
-        render(t, models["reference"], models["candidate"], base=models.get("base"), tokenizer_source=tokenizer_source)
-        for t in templates
     )
     spec = SweepSpec(
         source=src,
@@ -158,12 +158,24 @@ def load_sweep(
         strength_dtype=sdtype,
         strength_device=sdevice,
         engine=engine_spec,
-        merges=merges,
+        merges=_render(templates, models, tokenizer_source),
+        written=written,
     )
     from lm_eval_sink.commands.resident import check_spec
 
     check_spec(spec)
+    _check_eval(spec)
     return spec
+
+
+def _output(given: str | Path | None, written: str | None, src: str, here: Path) -> Path:
+    """The output folder: --output, else the file's `output` (relative to its folder)."""
+    out = Path(given) if given is not None else (Path(_rel(here, written)) if written else None)
+    if out is None:
+        raise UserError(f"{src}: output: missing", "add output: FOLDER to the sweep file, or pass --output")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out}: is a file, not a folder", "choose an output folder")
+    return out
 
 
 def _rel(here: Path, p: str) -> str:
@@ -371,30 +383,48 @@ def _recover(out: Path, units: tuple[Unit, ...]) -> list[str]:
     return notes
 
 
-def _check_conflicts(plan: Plan, markers: Markers) -> list[str]:
-    """Refuse a unit output made from other inputs; one made from the same inputs by other versions is
-    recomputed (its key differs): returns a note per such unit naming the versions that changed."""
-    notes = []
+def _check_conflicts(
+    plan: Plan, markers: Markers, redo: frozenset[str], earlier: dict[str, Any] | None, now: dict[str, Any]
+) -> list[str]:
+    """Refuse unit outputs made from other inputs, in one line naming the sweep file's changed fields and the
+    units they touch (those in `redo` are redone instead). One made from the same inputs by other versions is
+    recomputed, and so is one whose file is unchanged (a release changed a default): a note per unit."""
+    notes, conflicts = [], []
     for unit in plan.units:
-        if unit.output.exists() and current(unit, markers) is None:
-            complete = markers.get(unit.id) or {}
-            if complete.get("fingerprint_rule") != FINGERPRINT_RULE:
-                raise UserError(
-                    f"{unit.output}: made with an older fingerprint rule; rerun with --force",
-                    "pass --force to redo everything",
-                )
-            changed = version_change(complete, unit.inputs_key, unit.versions)
-            if changed:
-                notes.append(f"{unit.id}: recomputed: {changed}")
-                continue
-            if unit.inputs.get("identity") and complete.get("model_identity"):
-                check_same_identity(complete["model_identity"], unit.inputs["identity"], unit.output)
+        if unit.id in redo or not unit.output.exists() or current(unit, markers) is not None:
+            continue
+        complete = markers.get(unit.id) or {}
+        if complete.get("fingerprint_rule") != FINGERPRINT_RULE:
             raise UserError(
-                f"{unit.output} holds a {unit.kind} made from other inputs than this sweep's"
-                " (the sweep file or a model changed)",
-                "pass --force to redo everything, or choose a new output folder",
+                f"{unit.output}: made with an older fingerprint rule; rerun with --force",
+                "pass --force to redo everything",
             )
+        changed = version_change(complete, unit.inputs_key, unit.versions)
+        if changed:
+            notes.append(f"{unit.id}: recomputed: {changed}")
+            continue
+        if unit.inputs.get("identity") and complete.get("model_identity"):
+            check_same_identity(complete["model_identity"], unit.inputs["identity"], unit.output)
+        conflicts.append(unit)
+    fields = changed_fields(earlier, now)
+    if conflicts and fields == []:  # the sweep file as written is the same: a release changed a default
+        notes += [f"{u.id}: recomputed: made under other defaults (the sweep file is the same)" for u in conflicts]
+    elif conflicts:
+        raise _changed(plan.spec.source, conflicts, fields)
     return notes
+
+
+def _changed(source: str, conflicts: list[Unit], fields: list[str] | None) -> UserError:
+    """The one line for finished units made from other inputs: the sweep file's changed fields, the units, --redo."""
+    ids = [u.id for u in conflicts]
+    kinds = [k for k in KINDS if any(u.kind == k for u in conflicts)]
+    return UserError(
+        f"{source}: {'; '.join(fields or ['the sweep file or a model'])} changed since "
+        f"{', '.join(ids[:6])}{f' and {len(ids) - 6} more' if len(ids) > 6 else ''} "
+        f"{'was' if len(ids) == 1 else 'were'} made",
+        f"pass {' '.join(f'--redo {k}' for k in kinds)} to redo just those (the others are kept), --force to "
+        "redo everything, or choose a new output folder",
+    )
 
 
 # --- running ---------------------------------------------------------------------------------
@@ -437,32 +467,84 @@ def _inputs(spec: SweepSpec) -> list[str | None]:
     return [*paths, ev and ev.include_path, st and st.prompts_file]
 
 
-def run_sweep(spec: SweepSpec, force: bool = False, progress: bool = True) -> SweepReport:
-    """Plan, run every unfinished unit (all of them with `force`) on the spec's engine, then write the table; the output
-    folder is locked meanwhile."""
+def run_sweep(spec: SweepSpec, force: bool = False, progress: bool = True, redo: Sequence[str] = ()) -> SweepReport:
+    """Plan, run every unfinished unit (all of them with `force`; also those `redo` names: kinds or checkpoints) on
+    the spec's engine, then write the table; the output folder is locked meanwhile. Configs of earlier runs into the
+    same folder stay in the sweep (`_with_earlier_configs`), unless `force`."""
     check_not_inputs([spec.output], inputs=_inputs(spec), option="output")
     if spec.eval is not None:
         from lm_eval_sink.harness.runner import check_interpreter
 
         check_interpreter(spec.eval)
+    earlier = None if force else _earlier_record(spec.output)
+    spec, notes = _with_earlier_configs(spec, earlier)
     plan = plan_sweep(spec)
+    units = redo_units(plan, redo)
     with hold(spec.output):
-        return _run_sweep_locked(plan, force, progress)
+        return _run_sweep_locked(plan, force, progress, units, earlier, notes)
 
 
-def _run_sweep_locked(plan: Plan, force: bool, progress: bool) -> SweepReport:
-    spec = plan.spec
-    out = spec.output
-    report = SweepReport(output=out)
+def _earlier_record(out: Path) -> dict[str, Any] | None:
+    """The sweep.json an earlier run of this output folder wrote, or None."""
+    try:
+        data = json.loads((out / "sweep.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _with_earlier_configs(spec: SweepSpec, earlier: dict[str, Any] | None) -> tuple[SweepSpec, list[str]]:
+    """The spec with the configs that earlier runs of its output folder had and its file no longer lists, so the
+    table keeps every finished checkpoint; one that cannot be planned any more is left out with a note."""
+    recorded = ((earlier or {}).get("sweep") or {}).get("configs") or []
+    names, kept, merges, notes = {m.name for m in spec.merges}, [], [], []
+    for config in (c for c in recorded if c not in spec.configs):
+        try:
+            (merge,) = _render([load_template(config)], spec.models, spec.tokenizer_source)
+        except UserError as e:
+            notes.append(f"configs: {config} of an earlier run is left out ({e.message})")
+            continue
+        if merge.name not in names:
+            names.add(merge.name)
+            kept.append(config)
+            merges.append(merge)
+    if not kept:
+        return spec, notes
+    spec = dataclasses.replace(spec, configs=(*spec.configs, *kept), merges=(*spec.merges, *merges))
+    if spec.in_memory:
+        from lm_eval_sink.commands.resident import check_spec
+
+        check_spec(spec)
+    notes.append(
+        f"configs of earlier runs into {spec.output.name} stay in the sweep: {', '.join(kept)} "
+        "(--force, or a new output folder, starts without them)"
+    )
+    return spec, notes
+
+
+def _file_record(spec: SweepSpec) -> dict[str, Any]:
+    """The sweep file as written, with the sha256 of its template files: what sweep.json keeps to name a change."""
+    templates = [c for c in spec.configs if c.endswith((".yaml", ".yml")) and Path(c).is_file()]
+    return {"data": spec.written, "templates": {c: sha256_file(c) for c in templates}}
+
+
+def _start(
+    plan: Plan, force: bool, redo: frozenset[str], earlier: dict[str, Any] | None, report: SweepReport
+) -> tuple[Markers, Manifest, set[str]]:
+    """Tidy, refuse or note units made from other inputs, record the sweep (sweep.json); return the markers, the
+    manifest and the units finished with the current keys (less those to redo)."""
+    out = plan.spec.output
     report.notes.extend(_recover(out, plan.units))
     markers = read_markers(plan.units)
+    record = _file_record(plan.spec)
     if not force:
-        report.notes.extend(_check_conflicts(plan, markers))
+        report.notes.extend(_check_conflicts(plan, markers, redo, (earlier or {}).get("file"), record))
     atomic_write_json(
         out / "sweep.json",
         {
             "schema_version": 1,
-            "sweep": spec.to_json(),
+            "sweep": plan.spec.to_json(),
+            "file": record,
             "lineage": plan.lineage,
             "units": {u.id: u.key for u in plan.units},
             "provenance": provenance(),
@@ -470,7 +552,16 @@ def _run_sweep_locked(plan: Plan, force: bool, progress: bool) -> SweepReport:
     )
     manifest = Manifest(out / MANIFEST)
     latest = {} if force else manifest.latest()
-    finished = {u.id for u in plan.units if unit_finished(u, latest, markers)}
+    return markers, manifest, {u.id for u in plan.units if unit_finished(u, latest, markers) and u.id not in redo}
+
+
+def _run_sweep_locked(
+    plan: Plan, force: bool, progress: bool, redo: frozenset[str], earlier: dict[str, Any] | None, notes: list[str]
+) -> SweepReport:
+    spec = plan.spec
+    out = spec.output
+    report = SweepReport(output=out, notes=list(notes))
+    markers, manifest, finished = _start(plan, force, redo, earlier, report)
     by_id = {u.id: u for u in plan.units}
 
     def needed(unit: Unit) -> bool:
@@ -522,13 +613,18 @@ def _run_sweep_locked(plan: Plan, force: bool, progress: bool) -> SweepReport:
         for unit in plan.units:
             if unit.kind == "merge":
                 _maybe_delete_weights(unit, by_id, finished, manifest, markers)
+    _tabulate(plan, markers, report)
+    return report
+
+
+def _tabulate(plan: Plan, markers: Markers, report: SweepReport) -> None:
+    """Build the table from the saved outputs and write it (table.json, .csv, .md, .png)."""
     table = {
         **build_table(plan, report.failures, *_saved_outputs(plan, markers)),
-        "provenance": provenance(sweep=spec.source, units={u.id: u.key for u in plan.units}),
+        "provenance": provenance(sweep=plan.spec.source, units={u.id: u.key for u in plan.units}),
     }
-    report.table_files = write_table(table, out)
+    report.table_files = write_table(table, plan.spec.output)
     report.notes.extend(table["protocol"]["model_differences"])
-    return report
 
 
 def _run_local(units: list[Unit], record: Any, failures: dict[str, str], progress: bool) -> None:
@@ -595,8 +691,8 @@ def _saved_outputs(plan: Plan, markers: Markers) -> tuple[dict[str, Any], dict[s
 
 def write_table(table: dict[str, Any], out: Path) -> list[Path]:
     """table.json, table.csv, table.md and table.png, each written atomically."""
-    from lm_eval_sink.benchmarks import load_benchmarks, metric_labels
     from lm_eval_sink.plots import sweep_chart
+    from lm_eval_sink.report.view import sweep_series
 
     md, csv = table_text(table)
     paths = [
@@ -604,11 +700,15 @@ def write_table(table: dict[str, Any], out: Path) -> list[Path]:
         atomic_write_text(out / "table.csv", csv),
         atomic_write_text(out / "table.md", md),
     ]
-    labels = metric_labels(table["columns"], load_benchmarks())
-    series = {
-        label: [r["metrics"][c] for r in table["rows"]] for c, label in zip(table["columns"], labels, strict=True)
-    }
-    strength = [r["sink_strength"] for r in table["rows"]]
-    checkpoints = [r["checkpoint"] for r in table["rows"]]
-    paths.append(sweep_chart(checkpoints, series, out / "table.png", note=table["final_note"], strength=strength))
+    series = sweep_series(table)
+    paths.append(
+        sweep_chart(
+            series["checkpoints"],
+            series["values"],
+            out / "table.png",
+            note=table["final_note"],
+            strength=series["s"],
+            unit=series["unit"],
+        )
+    )
     return paths

@@ -243,27 +243,67 @@ def patch_cli() -> None:
     main_mod.cli_evaluate = cli_evaluate
 
 
+_SCORES = ("sink_strength", "sink_strength_content_rows", "sink_strength_template_rows")  # the rest: companions
+
+
 def _compact_matrices(result_dict: dict[str, Any]) -> dict[str, Any]:
-    """A copy whose per-layer-per-head matrices read as a short note (the JSON keeps them whole)."""
+    """A copy for the console table: this project's tasks without lists or empty values (the JSON keeps them
+    whole; the layer x head matrix reads as a short note) and with no arrow beside a figure that is not a score."""
     out = dict(result_dict)
+    ours = own_task_names()
     for column in ("results", "groups"):
         if column not in result_dict:
             continue
         out[column] = {}
         for task, metrics in result_dict[column].items():
             metrics = dict(metrics)
-            for key, value in metrics.items():
+            for key, value in list(metrics.items()):
                 if key.startswith("sink_strength_layer_head,") and isinstance(value, dict):
                     metrics[key] = (
                         f"[{len(value.get('layers', []))} layers x {len(value.get('values', [[]])[0])} heads: see "
                         "results JSON]"
                     )
+                elif task in ours and (value is None or isinstance(value, list)):
+                    del metrics[key]
             out[column][task] = metrics
+    out["higher_is_better"] = {
+        task: {m: (hib if task not in ours or m in _SCORES else None) for m, hib in metrics.items()}
+        for task, metrics in (result_dict.get("higher_is_better") or {}).items()
+    }
     return out
 
 
+def strength_lines(result_dict: dict[str, Any]) -> list[str]:
+    """One line per Sink Strength task of a results dict: S and its companions in words, what S means, and the
+    note of a model without a sink."""
+    from lm_eval_sink.strength import S_MEANING, absent_sink_note
+
+    lines = []
+    for task, m in sorted((result_dict.get("results") or {}).items()):
+        s, pos0 = m.get("sink_strength,none"), m.get("pos0_argmax_fraction,none")
+        if not isinstance(s, float) or not isinstance(pos0, float):
+            continue
+        last_k = ((result_dict.get("configs") or {}).get(task, {}).get("metadata") or {}).get("last_k")
+        layers = m.get("attention_layers,none")
+        depth = len(layers) if isinstance(layers, list) else "the"
+        where = f"all {depth}" if last_k in (None, "all") else f"the last {last_k} of {depth}"
+        parts = [f"{task}: S = {s:.4f} over {where} attention layers"]
+        parts.append(f"position 0 is the sink in {100 * pos0:.1f}% of rows")
+        content, template = m.get("sink_strength_content_rows,none"), m.get("sink_strength_template_rows,none")
+        if isinstance(content, float) and isinstance(template, float):
+            share = m.get("template_row_fraction,none")
+            parts.append(
+                f"S over the prompts' own rows {content:.4f}, over the chat template's rows {template:.4f}"
+                + (f" ({100 * share:.0f}% of rows)" if isinstance(share, float) else "")
+            )
+        note = absent_sink_note(s, pos0)
+        lines.append("; ".join(parts) + (f"; note: {note}" if note else "") + f". ({S_MEANING})")
+    return lines
+
+
 def patch_table() -> None:
-    """The console table shows a note instead of the raw sink_strength_layer_head matrix."""
+    """The console table shows this project's tasks compactly (`_compact_matrices`), and the results table is
+    followed by a line per Sink Strength task that says it in words (`strength_lines`)."""
     import lm_eval.utils as lu
 
     if getattr(lu.make_table, _MARK, False):
@@ -272,7 +312,10 @@ def patch_table() -> None:
 
     @functools.wraps(original)
     def make_table(result_dict: dict[str, Any], *args: Any, **kwargs: Any) -> str:
-        return original(_compact_matrices(result_dict), *args, **kwargs)
+        table = original(_compact_matrices(result_dict), *args, **kwargs)
+        column = args[0] if args else kwargs.get("column", "results")
+        lines = strength_lines(result_dict) if column == "results" else []
+        return "\n".join([table.rstrip("\n"), *lines]) + "\n" if lines else table
 
     setattr(make_table, _MARK, True)
     lu.make_table = make_table

@@ -23,12 +23,13 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.devices import DEFAULT_DEVICE, check_device, lm_eval_device
-from lm_eval_sink.errors import UserError
+from lm_eval_sink.errors import UserError, failure_line
 from lm_eval_sink.io import DISTRIBUTIONS
 from lm_eval_sink.runs import RunFiles, resolve_run
 
@@ -169,6 +170,12 @@ print(json.dumps({"versions": {k: v(n) for k, n in names.items()},
 @functools.cache
 def _probe(python: str) -> dict[str, Any]:
     """What `python` has installed (one subprocess per interpreter and process)."""
+    return run_probe(python, _PROBE)
+
+
+def run_probe(python: str, code: str, *args: str) -> dict[str, Any]:
+    """Run `code` (with `args` as sys.argv[1:]) in the interpreter `python` and return the JSON it prints last:
+    how this project asks what lm-eval will see in another interpreter."""
     if not Path(python).is_file():
         raise UserError(
             f"lm-eval interpreter {python} does not exist",
@@ -177,7 +184,7 @@ def _probe(python: str) -> dict[str, Any]:
         )
     try:
         # -P: the current folder does not count (a source checkout there would hide a missing install)
-        proc = subprocess.run([python, "-P", "-c", _PROBE], capture_output=True, text=True, timeout=120)
+        proc = subprocess.run([python, "-P", "-c", code, *args], capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.SubprocessError) as e:
         raise _not_running(python, str(e)) from None
     try:
@@ -246,6 +253,15 @@ def eval_versions(settings: EvalSettings) -> dict[str, Any]:
     return {**({"strength method": METHOD_VERSION} if sink else {}), **{k: found.get(k) for k in wanted}}
 
 
+def _logged(lines: Iterable[str], log: Any, echo: bool) -> Iterator[str]:
+    """The subprocess's lines, each written to its log (and to stderr with `echo`) as it is read."""
+    for line in lines:
+        log.write(line)
+        if echo:
+            sys.stderr.write(line)
+        yield line
+
+
 def _results_files(output_path: Path) -> set[Path]:
     return set(output_path.glob("*/results_*.json")) if output_path.is_dir() else set()
 
@@ -281,16 +297,10 @@ def run_lm_eval(
             cmd, env=run_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
         )
         assert proc.stdout is not None
-        last = ""
-        for line in proc.stdout:
-            log.write(line)
-            if echo:
-                sys.stderr.write(line)
-            if line.strip():
-                last = line.strip()
+        why = failure_line(_logged(proc.stdout, log, echo))
         rc = proc.wait()
     if rc != 0:
-        raise UserError(f"lm_eval exited with {rc}: {last[-300:]}", f"see the full log: {log_path}")
+        raise UserError(f"lm_eval exited with {rc}: {why[:300]}", f"see the full log: {log_path}")
     new = sorted(_results_files(output_path) - before, key=lambda p: p.stat().st_mtime)
     if not new:
         raise UserError(f"lm_eval wrote no results file under {output_path}", f"see the full log: {log_path}")

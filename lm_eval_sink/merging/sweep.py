@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
@@ -48,6 +49,9 @@ from lm_eval_sink.strength import StrengthSettings
 from lm_eval_sink.tables import csv_text, markdown_table
 
 ENDPOINTS = ("reference", "candidate")
+KINDS = ("merge", "eval", "strength")  # the unit kinds, in each checkpoint's run order
+# Fields of the sweep file that no unit is made from (where and how it runs, which configs: those only add units).
+NOT_UNIT_INPUTS = ("output", "engine", "configs", "merge.delete_merged", "merge.in_memory", "merge.keep_weights")
 
 
 # --- the sweep file ------------------------------------------------------------------------
@@ -73,6 +77,7 @@ class SweepSpec:
     strength_device: str = DEFAULT_DEVICE
     engine: Any = None  # engines.EngineSpec; part of no unit key
     merges: tuple[Any, ...] = ()  # configs.Rendered per entry of `configs`: rendered and validated once, at load
+    written: Any = None  # the sweep file's data as written (sweep.json keeps it, to name a changed field)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -180,6 +185,27 @@ def parse_sweep_data(data: Any, src: str) -> tuple[SweepFileIn, frozenset[str]]:
     ), skipped
 
 
+def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested mappings as {dotted.key: value}; a list or scalar is one value."""
+    if isinstance(data, dict) and data:
+        return {k: v for key, value in data.items() for k, v in _flat(value, f"{prefix}{key}.").items()}
+    return {prefix.removesuffix("."): data}
+
+
+def changed_fields(earlier: dict[str, Any] | None, now: dict[str, Any]) -> list[str] | None:
+    """The fields of the sweep file that changed between two records (`{data: the file as written, templates: {path:
+    sha256}}`) and that units are made from, each as `field: old -> new`; None without an earlier record."""
+    if not isinstance(earlier, dict) or "data" not in earlier:
+        return None
+    old, new = _flat(earlier["data"]), _flat(now["data"])
+    old |= {f"template {p}": h for p, h in (earlier.get("templates") or {}).items()}
+    new |= {f"template {p}": h for p, h in now["templates"].items()}
+    keys = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    keys = [k for k in keys if not any(k == f or k.startswith(f + ".") for f in NOT_UNIT_INPUTS)]
+    shown = {k: (repr(old[k]) if k in old else "unset", repr(new[k]) if k in new else "unset") for k in keys}
+    return [f"{k}: {a[:60]} -> {b[:60]}" for k, (a, b) in shown.items()]
+
+
 # --- units ---------------------------------------------------------------------------------
 
 
@@ -217,6 +243,21 @@ class Plan:
     checkpoints: tuple[Checkpoint, ...]
     units: tuple[Unit, ...]
     lineage: str
+
+
+def redo_units(plan: Plan, redo: Sequence[str]) -> frozenset[str]:
+    """The ids of the units `--redo` names: every unit of a kind (merge, eval, strength) or of a checkpoint."""
+    from lm_eval_sink.schema import did_you_mean
+
+    names = [c.name for c in plan.checkpoints]
+    for r in redo:
+        if r not in KINDS and r not in names:
+            raise UserError(
+                f"--redo {r}: neither a unit kind ({', '.join(KINDS)}) nor a checkpoint of this sweep"
+                f"{did_you_mean(r, [*KINDS, *names])}",
+                f"pass --redo KIND or --redo NAME (repeatable); checkpoints: {', '.join(names)}",
+            )
+    return frozenset(u.id for u in plan.units if u.kind in redo or u.checkpoint in redo)
 
 
 @dataclass(frozen=True)
@@ -402,9 +443,16 @@ def _fmt(x: float | None, signed: bool = False) -> str:
 
 
 def table_text(table: dict[str, Any]) -> tuple[str, str]:
-    """The table as Markdown (a title line, the not-final note if any, the table) and as CSV."""
+    """The table as Markdown (a title line, the not-final note if any, what S means, the table; metrics under their
+    readable names) and as CSV (under their lm-eval results keys)."""
+    from lm_eval_sink.benchmarks import load_benchmarks, metric_labels
+    from lm_eval_sink.strength import S_MEANING
+
     cols = table["columns"]
-    head = ["checkpoint", "method", *[x for c in cols for x in (c, f"{c} delta")], "S", "S delta", "status"]
+
+    def head(names: list[str]) -> list[str]:
+        return ["checkpoint", "method", *[x for c in names for x in (c, f"{c} delta")], "S", "S delta", "status"]
+
     rows = [
         [
             r["checkpoint"],
@@ -419,4 +467,6 @@ def table_text(table: dict[str, Any]) -> tuple[str, str]:
     md = f"Merging sweep ({table['lineage']} lineage); deltas vs the reference.\n"
     if not table["final"]:
         md += f"**Not final scores:** {table['final_note']}.\n"
-    return md + "\n" + markdown_table(head, rows), csv_text(head, rows)
+    md += f"S: {S_MEANING}.\n"
+    labels = metric_labels(cols, load_benchmarks())
+    return md + "\n" + markdown_table(head(labels), rows), csv_text(head(cols), rows)

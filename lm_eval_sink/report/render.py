@@ -45,6 +45,7 @@ def figures(view: dict[str, Any]) -> dict[str, str]:
             s["series"]["values"],
             note=s["final_note"],
             strength=s["series"]["s"],
+            unit=s["series"]["unit"],
         )
     return out
 

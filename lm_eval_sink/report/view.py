@@ -111,6 +111,43 @@ def num(doc: Doc, parts: Sequence[Any], style: str = "f4") -> Num | None:
     return Num(fmt(value, style), f"{doc.rel}#{pointer(*parts)}", 100.0 if style.endswith("pts") else 1.0)
 
 
+_STRENGTH_FIGURES = {
+    "s": "sink_strength",
+    "content": "sink_strength_content_rows",
+    "template": "sink_strength_template_rows",
+    "pos0": "pos0_argmax_fraction",
+}
+
+
+def sink_tasks(data: Any) -> list[str]:
+    """The tasks of an lm-eval results JSON that measured Sink Strength (a `sink_strength,none` value), sorted."""
+    results = data.get("results") if isinstance(data, Mapping) else None
+    return sorted(t for t, m in (results or {}).items() if isinstance(m, Mapping) and "sink_strength,none" in m)
+
+
+def strength_pointers(data: Any) -> dict[str, list[Any] | None]:
+    """Where each figure of the strength table sits in a strength input: the top level of a strength JSON, or the
+    `sink_strength` task (else the only Sink Strength task) of an lm-eval results JSON (None: not recorded there)."""
+    if isinstance(data, Mapping) and "sink_strength" in data:
+        return {k: [v] for k, v in _STRENGTH_FIGURES.items()} | {"last_k": ["last_k"], "n_layers": ["n_layers"]}
+    tasks = sink_tasks(data)
+    task = "sink_strength" if "sink_strength" in tasks else tasks[0]
+    figures = {k: ["results", task, f"{v},none"] for k, v in _STRENGTH_FIGURES.items()}
+    return figures | {"last_k": ["configs", task, "metadata", "last_k"], "n_layers": None}
+
+
+def _strength_row(d: Doc, parts: Mapping[str, list[Any] | None]) -> dict[str, Any]:
+    from lm_eval_sink.strength import absent_sink_note
+
+    row = {
+        k: None if p is None else num(d, p, "pts" if k == "pos0" else "int" if k in ("last_k", "n_layers") else "f4")
+        for k, p in parts.items()
+    }
+    s, pos0 = get(d.data, *parts["s"]), get(d.data, *parts["pos0"])
+    ok = all(isinstance(x, (int, float)) for x in (s, pos0))
+    return {**row, "source": d.rel, "note": absent_sink_note(s, pos0) if ok else None}
+
+
 def _strength(inputs: ReportInputs) -> tuple[dict[str, Any] | None, list[str]]:
     notes: list[str] = []
     rows: dict[str, Any] = {}
@@ -118,17 +155,10 @@ def _strength(inputs: ReportInputs) -> tuple[dict[str, Any] | None, list[str]]:
     for i, role in enumerate(("reference", "candidate")):
         if inputs.strength is not None:
             d = inputs.strength[i]
-            rows[role] = {
-                "s": num(d, ["sink_strength"]),
-                "content": num(d, ["sink_strength_content_rows"]),
-                "template": num(d, ["sink_strength_template_rows"]),
-                "pos0": num(d, ["pos0_argmax_fraction"], "pts"),
-                "last_k": num(d, ["last_k"], "int"),
-                "n_layers": num(d, ["n_layers"], "int"),
-                "source": d.rel,
-            }
+            parts = strength_pointers(d.data)
+            rows[role] = _strength_row(d, parts)
             if margin is not None:
-                ms, ss = get(margin.data, f"{role}_sink_strength"), get(d.data, "sink_strength")
+                ms, ss = get(margin.data, f"{role}_sink_strength"), get(d.data, *parts["s"])
                 if isinstance(ms, (int, float)) and isinstance(ss, (int, float)) and abs(ms - ss) > S_TOLERANCE:
                     notes.append(
                         f"{role}: S in {d.rel} ({ss:.4f}) differs from margin.json's ({ms:.4f}); the strength "
@@ -136,15 +166,11 @@ def _strength(inputs: ReportInputs) -> tuple[dict[str, Any] | None, list[str]]:
                         "(the two were measured with different settings or weights)"
                     )
         elif margin is not None:
-            rows[role] = {
-                "s": num(margin, [f"{role}_sink_strength"]),
-                "content": num(margin, ["provenance", f"{role}_sink_strength", "sink_strength_content_rows"]),
-                "template": num(margin, ["provenance", f"{role}_sink_strength", "sink_strength_template_rows"]),
-                "pos0": num(margin, ["provenance", f"{role}_sink_strength", "pos0_argmax_fraction"], "pts"),
-                "last_k": num(margin, ["provenance", f"{role}_sink_strength", "last_k"], "int"),
-                "n_layers": num(margin, ["provenance", f"{role}_sink_strength", "n_layers"], "int"),
-                "source": margin.rel,
-            }
+            prov = ["provenance", f"{role}_sink_strength"]
+            parts = {k: [*prov, v] for k, v in _STRENGTH_FIGURES.items()}
+            parts |= {"s": [f"{role}_sink_strength"], "last_k": [*prov, "last_k"], "n_layers": [*prov, "n_layers"]}
+            rows[role] = _strength_row(margin, parts)
+    notes += [f"{role}: {r['note']}" for role, r in rows.items() if r["note"]]
     return ({"rows": rows} if rows else None), notes
 
 
@@ -310,14 +336,35 @@ def _attribution_section(d: Doc) -> dict[str, Any]:
     }
 
 
+def sweep_series(table: Mapping[str, Any]) -> dict[str, Any]:
+    """The sweep figure's data from a table.json: checkpoints, each metric's values under its readable name (in
+    points for shares of docs, as in the buckets section), S per checkpoint, and the metric axis's unit."""
+    from lm_eval_sink.benchmarks import load_benchmarks, metric_in_points, metric_labels
+
+    benchmarks = load_benchmarks()
+    cols, rows = list(table.get("columns") or []), table.get("rows") or []
+    scales = [100.0 if metric_in_points(c, benchmarks) else 1.0 for c in cols]
+    values = {
+        label: [None if get(r, "metrics", c) is None else get(r, "metrics", c) * f for r in rows]
+        for c, label, f in zip(cols, metric_labels(cols, benchmarks), scales, strict=True)
+    }
+    return {
+        "checkpoints": [r.get("checkpoint") for r in rows],
+        "values": values,
+        "s": [r.get("sink_strength") for r in rows],
+        "unit": "points" if all(f == 100 for f in scales) else "points for shares of docs, else each metric's unit",
+        "labels": list(values),
+        "scales": scales,
+    }
+
+
 def _sweep_section(d: Doc) -> dict[str, Any]:
     """The sweep's table: a column per metric under its readable name (the results key on hover), each cell
-    the value with its change vs the reference under it; and the series of the sweep's figure."""
-    from lm_eval_sink.benchmarks import load_benchmarks, metric_labels
-
+    the value (in points for shares of docs) with its change vs the reference under it; and the figure's series."""
     data = d.data
     cols = list(data.get("columns") or [])
-    labels = metric_labels(cols, load_benchmarks())
+    series = sweep_series(data)
+    styles = ["pts" if f == 100 else "f4" for f in series["scales"]]
     rows = []
     for i, r in enumerate(data.get("rows") or []):
         rows.append(
@@ -327,8 +374,8 @@ def _sweep_section(d: Doc) -> dict[str, Any]:
                 "setting": r.get("setting"),
                 "status": r.get("status"),
                 "cells": [
-                    (num(d, ["rows", i, "metrics", c]), num(d, ["rows", i, "delta_vs_reference", c], "+f4"))
-                    for c in cols
+                    (num(d, ["rows", i, "metrics", c], st), num(d, ["rows", i, "delta_vs_reference", c], "+" + st))
+                    for c, st in zip(cols, styles, strict=True)
                 ],
                 "s": num(d, ["rows", i, "sink_strength"]),
                 "s_delta": num(d, ["rows", i, "sink_strength_delta_vs_reference"], "+f4"),
@@ -336,19 +383,13 @@ def _sweep_section(d: Doc) -> dict[str, Any]:
         )
     return {
         "source": d.rel,
-        "metrics": [{"key": c, "label": label} for c, label in zip(cols, labels, strict=True)],
+        "metrics": [{"key": c, "label": label} for c, label in zip(cols, series["labels"], strict=True)],
+        "unit": series["unit"],
         "rows": rows,
         "lineage": data.get("lineage"),
         "final_note": data.get("final_note"),
         "model_differences": list(get(data, "protocol", "model_differences") or []),
-        "series": {
-            "checkpoints": [r.get("checkpoint") for r in data.get("rows") or []],
-            "values": {
-                label: [get(r, "metrics", c) for r in data.get("rows") or []]
-                for c, label in zip(cols, labels, strict=True)
-            },
-            "s": [r.get("sink_strength") for r in data.get("rows") or []],
-        },
+        "series": series,
     }
 
 
@@ -416,10 +457,13 @@ def build_view(inputs: ReportInputs) -> dict[str, Any]:
     title = inputs.title or "lm-eval-sink report: " + " vs ".join(
         inputs.identities.get(r, r) for r in ("reference", "candidate")
     )
+    from lm_eval_sink.strength import S_MEANING
+
     return {
         "title": title,
         "identities": dict(inputs.identities),
         "strength": strength,
+        "s_meaning": S_MEANING,
         "headline": buckets[hi] if hi is not None else None,
         "buckets": buckets,
         "margin": _margin_section(inputs.margin) if inputs.margin is not None else None,

@@ -1,0 +1,174 @@
+"""Plan-time checks of an lm-eval protocol, before anything runs (`sweep`, `eval`).
+
+lm-eval itself finds a misspelled task, or a generation longer than the model, only once the run
+is under way (in a sweep: after the merges and every S measurement). Here the names are resolved
+with lm-eval's own `TaskManager` (tasks, groups and tags, with a did-you-mean) in the interpreter
+that will run lm-eval: this one, or another (`EvalSettings.python`, e.g. the vLLM venv) through
+`runner.run_probe`. Building a TaskManager costs seconds, so there is one per (interpreter,
+include_path) per process. Then the generation settings each generating task will use are
+rebuilt as lm-eval merges them (the task's `generation_kwargs` updated by `--gen_kwargs`, the
+first of `TOKEN_KEYS` present wins): a `gen_kwargs` key that the task's own setting would
+override is refused naming the key lm-eval reads, and a length that reaches the model's maximum
+(from its config and tokenizer, no weights read) is refused.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from lm_eval_sink.errors import UserError
+
+# lm-eval's names for the generation length, in the order normalize_gen_kwargs reads them.
+TOKEN_KEYS = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
+_DESCRIBE = (
+    "import json, sys; from lm_eval_sink.harness.checks import describe; "
+    "print(json.dumps(describe(*json.loads(sys.argv[1]))))"
+)
+
+
+@functools.cache
+def task_manager(include_path: str | None) -> Any:
+    """This interpreter's lm-eval TaskManager for `include_path` (with this project's tasks, through the hook)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include_path)
+
+
+def describe(tasks: Sequence[str], include_path: str | None) -> dict[str, Any]:
+    """What lm-eval here makes of `tasks` (JSON-safe): names it cannot resolve (with a did-you-mean), this project's
+    tasks among them, and each generating task's own `generation_kwargs` (groups and tags expanded)."""
+    import glob
+
+    from lm_eval_sink.harness.discovery import own_task_names, own_tasks_in
+    from lm_eval_sink.schema import did_you_mean
+
+    manager = task_manager(include_path)
+    unknown: dict[str, str] = {}
+    generation: dict[str, Any] = {}
+    for name in tasks:
+        if name.endswith(".yaml"):
+            if not glob.glob(name):
+                unknown[name] = ""
+            continue
+        matches = manager.match_tasks([name])
+        if not matches:
+            unknown[name] = did_you_mean(name, manager.all_tasks)
+        for task, cfg in _leaves(matches, manager.task_index):
+            if task not in own_task_names() and "class" not in cfg and cfg.get("output_type") == "generate_until":
+                generation[task] = cfg.get("generation_kwargs")
+    return {"unknown": unknown, "own": own_tasks_in(list(tasks), manager), "generation": generation}
+
+
+def _leaves(names: Sequence[Any], index: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(task, its config as lm-eval will build it) for every task that `names` stand for, through groups and tags."""
+    from lm_eval.tasks._index import Kind
+
+    out: dict[str, dict[str, Any]] = {}
+    stack, seen = list(names), set()
+    while stack:
+        item = stack.pop()
+        over = item if isinstance(item, dict) else {}
+        name = over.get("task") if over else item
+        if not isinstance(name, str) or (name in seen and not over):
+            continue
+        seen.add(name)
+        entry = index.get(name)
+        if entry is None:
+            continue
+        if entry.kind == Kind.GROUP:
+            stack.extend((entry.cfg or {}).get("task") or [])
+        elif entry.kind == Kind.TAG:
+            stack.extend(n for n, e in index.items() if name in e.tags and e.kind != Kind.TAG)
+        else:
+            out[name] = {**(entry.cfg or {}), **{k: v for k, v in over.items() if k != "task"}}
+    return sorted(out.items())
+
+
+@functools.cache
+def task_facts(python: str, include_path: str | None, tasks: tuple[str, ...]) -> dict[str, Any]:
+    """`describe` run where lm-eval will run: in this process, or in `python` (once per arguments and process)."""
+    if python == sys.executable:
+        return describe(tasks, include_path)
+    from lm_eval_sink.harness.runner import run_probe
+
+    return run_probe(python, _DESCRIBE, json.dumps([list(tasks), include_path]))
+
+
+def check_protocol(settings: Any, models: Sequence[str]) -> None:
+    """Refuse, before anything runs, what lm-eval would fail on or silently ignore: unknown task names, this
+    project's tasks on a backend without attention, a `gen_kwargs` length key the task overrides, and a generation
+    length that reaches a model's maximum length (`settings`: harness.runner.EvalSettings)."""
+    from lm_eval_sink.harness.runner import check_interpreter
+
+    if settings.interpreter() != sys.executable:  # the probe needs lm-eval and this project there
+        check_interpreter(settings)
+    facts = task_facts(settings.interpreter(), settings.include_path, tuple(settings.tasks))
+    if facts["unknown"]:
+        name, near = next(iter(facts["unknown"].items()))
+        raise UserError(
+            f"tasks: no lm-eval task, group or tag is named {name!r}{near}",
+            "check the name (`lm_eval ls tasks` lists them), or add the folder that defines it as include_path",
+        )
+    if facts["own"] and settings.backend != "hf":
+        from lm_eval_sink.harness.backends import unsupported
+
+        raise unsupported(facts["own"][0], settings.backend)
+    lengths = {task: _generation_length(task, gen, settings) for task, gen in sorted(facts["generation"].items())}
+    if lengths:
+        _check_lengths(lengths, settings, models)
+
+
+def _generation_length(task: str, own: dict[str, Any] | None, settings: Any) -> tuple[int, str]:
+    """(the most tokens `task` will generate, where that number comes from), as lm-eval merges the settings."""
+    from lm_eval.defaults import DEFAULT_MAX_GEN_TOKS
+
+    given = settings.gen_kwargs or {}
+    merged = {**(own or {"max_gen_toks": DEFAULT_MAX_GEN_TOKS}), **given}
+    read = next((k for k in TOKEN_KEYS if k in merged), None)
+    ignored = next((k for k in TOKEN_KEYS if k in given and k != read), None)
+    if ignored is not None:
+        raise UserError(
+            f"gen_kwargs: {ignored} would be ignored for {task}: its generation settings have {read}: "
+            f"{merged[read]}, which lm-eval reads first",
+            f"write {read}: {given[ignored]} instead of {ignored}",
+        )
+    if read is None:
+        return DEFAULT_MAX_GEN_TOKS, "lm-eval's default max_gen_toks"
+    return int(merged[read]), f"gen_kwargs {read}" if read in given else f"the task's own {read}"
+
+
+def _check_lengths(lengths: dict[str, tuple[int, str]], settings: Any, models: Sequence[str]) -> None:
+    for model in models:
+        limit = _max_length(model, settings)
+        task, (n, source) = max(lengths.items(), key=lambda kv: kv[1][0])
+        if n >= limit:
+            raise UserError(
+                f"{task} would generate up to {n} tokens ({source}), but {model} takes at most {limit} tokens "
+                "in all (prompt included)",
+                f"set gen_kwargs max_gen_toks well below {limit}, e.g. {limit // 4}",
+            )
+
+
+def _max_length(model: str, settings: Any) -> int:
+    """The model's maximum sequence length as lm-eval will take it: model_args max_length (vLLM: max_model_len),
+    else its config and tokenizer (`lm_eval.models.utils.resolve_max_length`); no weights are read."""
+    from lm_eval.models.utils import DEFAULT_MAX_LENGTH, resolve_max_length
+    from transformers import AutoConfig, AutoTokenizer
+
+    given = settings.model_args.get("max_model_len" if settings.backend == "vllm" else "max_length")
+    if given is not None:
+        return int(given)
+    trust = str(settings.model_args.get("trust_remote_code", "")).lower() == "true"
+    try:
+        config = AutoConfig.from_pretrained(model, trust_remote_code=trust)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{model}: cannot read its config ({str(e).splitlines()[0]})", "check the model") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=trust)
+    except (OSError, ValueError):
+        tokenizer = None  # the config's length is enough (lm-eval falls back to its default otherwise)
+    return resolve_max_length(config, tokenizer, default=DEFAULT_MAX_LENGTH)
