@@ -207,39 +207,7 @@ def build_margin(
 ) -> SinkMargin:
     """A SinkMargin from per-row gaps [layer, head, row] (pure)."""
     m = margin_arrays(g_base, g_cand, quantile)
-    tup = {k: tuple(tuple(float(x) for x in row) for row in m[k]) for k in _MATRICES}
-    negative = tuple(
-        {
-            "layer": int(layers[li]),
-            "head": int(h),
-            "reference_has_sink": bool(m["g_base_median"][li, h] > 0),
-            **{
-                k: float(m[k][li, h])
-                for k in (
-                    "margin",
-                    "margin_quantile",
-                    "g_base_median",
-                    "b_gap",
-                    "predicted_nonsink_mass",
-                    "measured_nonsink_mass_median",
-                )
-            },
-        }
-        for li, h in zip(*np.nonzero(m["margin"] < 0), strict=True)
-    )
-    summary = {
-        "n_heads_total": int(m["margin"].size),
-        "n_negative_margin": len(negative),
-        "n_sink_collapse": sum(h["reference_has_sink"] for h in negative),  # G_base > 0 and margin < 0
-        "n_no_sink_in_reference": int((m["g_base_median"] <= 0).sum()),  # margin < 0 trivially when B_gap >= 0
-        "negative_margin_fraction": len(negative) / m["margin"].size,
-        "n_negative_margin_quantile": int((m["margin_quantile"] < 0).sum()),
-        "margin_median": float(np.median(m["margin"])),
-        "margin_min": float(m["margin"].min()),
-        "g_base_median_median": float(np.median(m["g_base_median"])),
-        "b_gap_median": float(np.median(m["b_gap"])),
-        "b_gap_max": float(m["b_gap"].max()),
-    }
+    negative = _negative_heads(m, layers)
     return SinkMargin(
         reference=reference,
         candidate=candidate,
@@ -252,10 +220,50 @@ def build_margin(
         reference_pos0_argmax_fraction=pos0_fraction,
         reference_sink_strength=reference_s,
         candidate_sink_strength=candidate_s,
-        summary=summary,
+        summary=_summary(m, negative),
         provenance=provenance or {},
-        **tup,
+        **{k: tuple(tuple(float(x) for x in row) for row in m[k]) for k in _MATRICES},
     )
+
+
+_HEAD_FIELDS = (
+    "margin",
+    "margin_quantile",
+    "g_base_median",
+    "b_gap",
+    "predicted_nonsink_mass",
+    "measured_nonsink_mass_median",
+)
+
+
+def _negative_heads(m: dict[str, np.ndarray], layers: tuple[int, ...]) -> tuple[dict[str, Any], ...]:
+    """One record per head whose margin is negative, in (layer, head) order, with the figures the report shows."""
+    return tuple(
+        {
+            "layer": int(layers[li]),
+            "head": int(h),
+            "reference_has_sink": bool(m["g_base_median"][li, h] > 0),
+            **{k: float(m[k][li, h]) for k in _HEAD_FIELDS},
+        }
+        for li, h in zip(*np.nonzero(m["margin"] < 0), strict=True)
+    )
+
+
+def _summary(m: dict[str, np.ndarray], negative: tuple[dict[str, Any], ...]) -> dict[str, Any]:
+    """Counts and medians over all heads: how many margins are negative, and why (collapse or no sink to lose)."""
+    return {
+        "n_heads_total": int(m["margin"].size),
+        "n_negative_margin": len(negative),
+        "n_sink_collapse": sum(h["reference_has_sink"] for h in negative),  # G_base > 0 and margin < 0
+        "n_no_sink_in_reference": int((m["g_base_median"] <= 0).sum()),  # margin < 0 trivially when B_gap >= 0
+        "negative_margin_fraction": len(negative) / m["margin"].size,
+        "n_negative_margin_quantile": int((m["margin_quantile"] < 0).sum()),
+        "margin_median": float(np.median(m["margin"])),
+        "margin_min": float(m["margin"].min()),
+        "g_base_median_median": float(np.median(m["g_base_median"])),
+        "b_gap_median": float(np.median(m["b_gap"])),
+        "b_gap_max": float(m["b_gap"].max()),
+    }
 
 
 # ---------------------------------------------------------------------------- measuring two models
@@ -297,8 +305,16 @@ def check_same_vocab(ref_vocab: dict[str, int], cand_vocab: dict[str, int]) -> N
 
 def margin_table_markdown(m: SinkMargin, heads: bool = True) -> str:
     """Summary, per-layer rows and (with `heads`) one row per negative-margin head."""
+    lines = [*_summary_lines(m), "", *_layer_table(m)]
+    if heads and m.negative_margin_heads:
+        lines += ["", *_head_table(m)]
+    return "\n".join(lines) + "\n"
+
+
+def _summary_lines(m: SinkMargin) -> list[str]:
+    """The report's head: both models' S, what was measured, and the count of negative margins."""
     s = m.summary
-    lines = [
+    return [
         f"reference: {m.reference} (S = {m.reference_sink_strength:.4f}); candidate: {m.candidate} "
         f"(S = {m.candidate_sink_strength:.4f})",
         f"{m.n_prompts} prompts, {m.n_rows} rows per head, layers {m.layers[0]}..{m.layers[-1]}, "
@@ -308,12 +324,15 @@ def margin_table_markdown(m: SinkMargin, heads: bool = True) -> str:
         f"heads ({s['n_sink_collapse']} sink collapses with G_base > 0; "
         f"{s['n_no_sink_in_reference']} heads have G_base <= 0, no sink in the reference); with "
         f"B_gap = q{m.quantile:g} shift: {s['n_negative_margin_quantile']}",
-        "",
     ]
+
+
+def _layer_table(m: SinkMargin) -> list[str]:
+    """One row per layer: medians over its heads, its smallest margin and its negative-margin heads."""
     neg_by_layer: dict[int, list[int]] = {}
     for h in m.negative_margin_heads:
         neg_by_layer.setdefault(h["layer"], []).append(h["head"])
-    lines += markdown_lines(
+    return markdown_lines(
         ["layer", "median G_base", "median B_gap", "median margin", "min margin", "negative heads"],
         [
             [
@@ -327,36 +346,35 @@ def margin_table_markdown(m: SinkMargin, heads: bool = True) -> str:
             for li, layer in enumerate(m.layers)
         ],
     )
-    if heads and m.negative_margin_heads:
-        lines += [
-            "",
-            *markdown_lines(
-                [
-                    "layer",
-                    "head",
-                    "G_base",
-                    "B_gap",
-                    "margin",
-                    "sink in reference",
-                    "predicted non-sink mass",
-                    "measured non-sink mass (median)",
-                ],
-                [
-                    [
-                        h["layer"],
-                        h["head"],
-                        f"{h['g_base_median']:.3f}",
-                        f"{h['b_gap']:.3f}",
-                        f"{h['margin']:.3f}",
-                        "yes" if h["reference_has_sink"] else "no",
-                        f"{h['predicted_nonsink_mass']:.3f}",
-                        f"{h['measured_nonsink_mass_median']:.3f}",
-                    ]
-                    for h in m.negative_margin_heads
-                ],
-            ),
-        ]
-    return "\n".join(lines) + "\n"
+
+
+def _head_table(m: SinkMargin) -> list[str]:
+    """One row per negative-margin head: its gaps, margin and Lemma 1's predicted against the measured mass."""
+    return markdown_lines(
+        [
+            "layer",
+            "head",
+            "G_base",
+            "B_gap",
+            "margin",
+            "sink in reference",
+            "predicted non-sink mass",
+            "measured non-sink mass (median)",
+        ],
+        [
+            [
+                h["layer"],
+                h["head"],
+                f"{h['g_base_median']:.3f}",
+                f"{h['b_gap']:.3f}",
+                f"{h['margin']:.3f}",
+                "yes" if h["reference_has_sink"] else "no",
+                f"{h['predicted_nonsink_mass']:.3f}",
+                f"{h['measured_nonsink_mass_median']:.3f}",
+            ]
+            for h in m.negative_margin_heads
+        ],
+    )
 
 
 def margin_csv(m: SinkMargin) -> str:

@@ -175,7 +175,7 @@ def test_core_modules_and_the_cli_do_no_file_io():
     assert "write_outputs: staged_dir" in _file_io_calls(
         "commands.buckets"
     ) and "run_report: atomic_write_text" in _file_io_calls("commands.report")
-    assert "_run_locked: atomic_write_json" in _file_io_calls(
+    assert "_save: atomic_write_json" in _file_io_calls(
         "commands.strength"
     ) and "detect_qk_norm: read_text" in _file_io_calls("commands.screen")
 

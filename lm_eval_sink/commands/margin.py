@@ -3,12 +3,13 @@ folder."""
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from lm_eval_sink.calibration import EncodedPrompts, PromptSet
 from lm_eval_sink.devices import DEFAULT_DEVICE
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.margin import (
@@ -19,6 +20,7 @@ from lm_eval_sink.margin import (
     margin_csv,
     margin_table_markdown,
 )
+from lm_eval_sink.strength import SinkStrength, StrengthSettings
 
 OUTPUT_FILES = ("margin.json", "margin.md", "margin.csv", "margin_rows.npz", "margin_heatmap.png")
 
@@ -36,7 +38,7 @@ def _concat_rows(captures: list, quantity: str, rows: str) -> np.ndarray:
     return g
 
 
-def _strength_summary(s: Any) -> dict[str, Any]:
+def _strength_summary(s: SinkStrength) -> dict[str, Any]:
     return {
         k: getattr(s, k)
         for k in (
@@ -52,6 +54,15 @@ def _strength_summary(s: Any) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True, slots=True)
+class _Measured:
+    """One model's captures on the shared token ids, its own Sink Strength and what was loaded."""
+
+    captures: list
+    strength: SinkStrength
+    info: dict[str, Any]
+
+
 def measure_margin(
     reference: str,
     candidate: str,
@@ -65,19 +76,50 @@ def measure_margin(
     Checks layer/head shapes and vocabularies before loading any weights. Models are loaded one
     after the other (peak memory: one model).
     """
-    import gc
-
-    from transformers import AutoConfig, AutoTokenizer
-
-    from lm_eval_sink.calibration import encode_prompts, load_prompts
-    from lm_eval_sink.capture import attention_layers_from_config, capture_prompts
-    from lm_eval_sink.io import canonical_json, provenance, sha256_text, versioned_key
-    from lm_eval_sink.margin import key_versions
-    from lm_eval_sink.models import load_model, resolve_model
-    from lm_eval_sink.strength import measure
+    from lm_eval_sink.capture import attention_layers_from_config
+    from lm_eval_sink.models import resolve_model
 
     st = settings.strength
     ref_path, cand_path = resolve_model(reference), resolve_model(candidate)
+    configs = _read_configs(ref_path, cand_path)
+    prompt_set, encoded = _encode_on_reference(ref_path, cand_path, configs[1], st)
+    att = attention_layers_from_config(configs[0]) or tuple(range(_shape_of(configs[0])[0]))  # hybrids: attention only
+    layers = att if settings.last_k is None else att[len(att) - min(settings.last_k, len(att)) :]
+    ref = _capture(ref_path, encoded, layers, st, dtype, device, progress, "reference")
+    sink_keys = [c.sink_pos for c in ref.captures]
+    cand = _capture(cand_path, encoded, layers, st, dtype, device, progress, "candidate", sink_keys)
+    g_base = _concat_rows(ref.captures, "sink_logodds", st.rows)
+    g_cand = _concat_rows(cand.captures, "sink_logodds", st.rows)
+    if g_base.shape[2] == 0:
+        raise UserError("no rows to compare (the prompts have no content tokens)", "use --rows all")
+    sink_pos = _concat_rows(ref.captures, "sink_pos", st.rows)
+    result = build_margin(
+        reference,
+        candidate,
+        layers,
+        g_base,
+        g_cand,
+        settings.quantile,
+        len(encoded),
+        float((sink_pos == 0).mean()),
+        ref.strength.sink_strength,
+        cand.strength.sink_strength,
+        _provenance(settings, ref, cand, prompt_set, encoded, dtype, device),
+    )
+    arrays = {
+        "sink_logodds_reference": g_base.astype(np.float32),
+        "sink_logodds_candidate": g_cand.astype(np.float32),
+        "sink_logodds_shift": (g_base - g_cand).astype(np.float32),
+        "sink_pos": sink_pos.astype(np.int64),
+        "layers": np.asarray(layers, dtype=np.int64),
+    }
+    return result, arrays
+
+
+def _read_configs(ref_path: str, cand_path: str) -> list[Any]:
+    """Both models' configs (no weights read); their layer and head counts must match."""
+    from transformers import AutoConfig
+
     configs = []
     for role, path in (("reference", ref_path), ("candidate", cand_path)):
         try:
@@ -94,63 +136,94 @@ def measure_margin(
             f"{shapes[1][0]} x {shapes[1][1]}",
             "margin compares the same heads of two models of one architecture (a VLM backbone and its LLM)",
         )
+    return configs
+
+
+def _encode_on_reference(
+    ref_path: str, cand_path: str, cand_config: Any, st: StrengthSettings
+) -> tuple[PromptSet, EncodedPrompts]:
+    """(prompt set, its encoding by the reference's tokenizer), after checking that the candidate reads the same
+    ids: same vocabulary, and every id used within its embedding."""
+    from transformers import AutoTokenizer
+
+    from lm_eval_sink.calibration import encode_prompts, load_prompts
+
     ref_tok, cand_tok = AutoTokenizer.from_pretrained(ref_path), AutoTokenizer.from_pretrained(cand_path)
     check_same_vocab(ref_tok.get_vocab(), cand_tok.get_vocab())
     prompt_set = load_prompts(Path(st.prompts_file) if st.prompts_file else None, st.n_prompts)
     encoded = encode_prompts(ref_tok, prompt_set.prompts, st.use_chat_template, st.system_prompt)
-    cand_vocab_size = int(getattr(configs[1].get_text_config(), "vocab_size", 0) or 0)
+    cand_vocab_size = int(getattr(cand_config.get_text_config(), "vocab_size", 0) or 0)
     top = max(max(x) for x in encoded.input_ids)
     if cand_vocab_size and top >= cand_vocab_size:
         raise UserError(
             f"the prompts use token id {top} but the candidate's embedding has {cand_vocab_size} rows",
             "the vocabularies differ: use the LLM the VLM was built from",
         )
-    att = attention_layers_from_config(configs[0]) or tuple(range(shapes[0][0]))  # hybrids: their attention layers
-    layers = att if settings.last_k is None else att[len(att) - min(settings.last_k, len(att)) :]
+    return prompt_set, encoded
 
-    ref = load_model(ref_path, dtype=dtype, device=device)
-    ref_caps = capture_prompts(ref.model, encoded, layers, st.batching(), progress=progress, desc="reference capture")
-    ref_s = measure(ref.model, ref.tokenizer, st, progress=progress)
-    ref_info = ref.info
-    del ref
-    gc.collect()
-    cand = load_model(cand_path, dtype=dtype, device=device)
-    cand_caps = capture_prompts(
-        cand.model,
-        encoded,
-        layers,
-        st.batching(),
-        progress=progress,
-        desc="candidate capture",
-        sink_keys=[c.sink_pos for c in ref_caps],
+
+def _capture(
+    path: str,
+    encoded: EncodedPrompts,
+    layers: tuple[int, ...],
+    st: StrengthSettings,
+    dtype: str,
+    device: str,
+    progress: bool,
+    role: str,
+    sink_keys: list[np.ndarray] | None = None,
+) -> _Measured:
+    """Load one model, capture its rows (at `sink_keys` when given) and measure its own S, then free it, so that
+    only one model is in memory at a time."""
+    import gc
+
+    from lm_eval_sink.capture import capture_prompts
+    from lm_eval_sink.models import load_model
+    from lm_eval_sink.strength import measure
+
+    loaded = load_model(path, dtype=dtype, device=device)
+    captures = capture_prompts(
+        loaded.model, encoded, layers, st.batching(), progress=progress, desc=f"{role} capture", sink_keys=sink_keys
     )
-    cand_s = measure(cand.model, cand.tokenizer, st, progress=progress)
-    cand_info = cand.info
-    del cand
+    measured = _Measured(captures, measure(loaded.model, loaded.tokenizer, st, progress=progress), loaded.info)
+    del loaded
     gc.collect()
+    return measured
 
-    g_base, g_cand = _concat_rows(ref_caps, "sink_logodds", st.rows), _concat_rows(cand_caps, "sink_logodds", st.rows)
-    if g_base.shape[2] == 0:
-        raise UserError("no rows to compare (the prompts have no content tokens)", "use --rows all")
-    sink_pos = _concat_rows(ref_caps, "sink_pos", st.rows)
+
+def _provenance(
+    settings: MarginSettings,
+    ref: _Measured,
+    cand: _Measured,
+    prompt_set: PromptSet,
+    encoded: EncodedPrompts,
+    dtype: str,
+    device: str,
+) -> dict[str, Any]:
+    """The result's provenance, keyed by both models' fingerprints, the settings that decide the figures (no
+    batching knob) and the dtype, with the versions that computed it."""
+    from lm_eval_sink.io import canonical_json, provenance, sha256_text, versioned_key
+    from lm_eval_sink.margin import key_versions
+
+    st = settings.strength
     settings_record = {"strength": asdict(st), "last_k": settings.last_k, "quantile": settings.quantile}
     ikey = sha256_text(
         canonical_json(
             {
-                "reference": ref_info["fingerprint"],
-                "candidate": cand_info["fingerprint"],
+                "reference": ref.info["fingerprint"],
+                "candidate": cand.info["fingerprint"],
                 "settings": {**settings_record, "strength": st.key_fields()},  # batching knobs: in no key
                 "dtype": dtype,
             }
         )
     )
     versions = key_versions()
-    prov = provenance(
+    return provenance(
         input_key=versioned_key(ikey, versions),
         inputs_key=ikey,
         key_versions=versions,
-        reference=ref_info,
-        candidate=cand_info,
+        reference=ref.info,
+        candidate=cand.info,
         settings=settings_record,
         prompt_set={"source": prompt_set.source, "n_prompts": len(prompt_set.prompts), "sha256": prompt_set.sha256},
         protocol={
@@ -164,30 +237,9 @@ def measure_margin(
         dtype=dtype,
         device=device,
         seed=st.seed,
-        reference_sink_strength=_strength_summary(ref_s),
-        candidate_sink_strength=_strength_summary(cand_s),
+        reference_sink_strength=_strength_summary(ref.strength),
+        candidate_sink_strength=_strength_summary(cand.strength),
     )
-    result = build_margin(
-        reference,
-        candidate,
-        layers,
-        g_base,
-        g_cand,
-        settings.quantile,
-        len(encoded),
-        float((sink_pos == 0).mean()),
-        ref_s.sink_strength,
-        cand_s.sink_strength,
-        prov,
-    )
-    arrays = {
-        "sink_logodds_reference": g_base.astype(np.float32),
-        "sink_logodds_candidate": g_cand.astype(np.float32),
-        "sink_logodds_shift": (g_base - g_cand).astype(np.float32),
-        "sink_pos": sink_pos.astype(np.int64),
-        "layers": np.asarray(layers, dtype=np.int64),
-    }
-    return result, arrays
 
 
 def run_margin(

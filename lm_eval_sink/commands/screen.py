@@ -19,6 +19,7 @@ from lm_eval_sink.devices import DEFAULT_DEVICE
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.screen import (
     QKNorm,
+    ScreenResult,
     classify_qk_norm,
     qk_norm_table,
     screen,
@@ -120,43 +121,23 @@ def _run(
     progress: bool,
     measure_all: Any,
 ) -> list[str]:
+    """Fit the pairs, measure each model (its result kept in `output/strength` when saving), rank and predict, then
+    return the lines to print, having written the screen's files when saving."""
     from lm_eval_sink.commands.fit import read_pairs
-    from lm_eval_sink.commands.strength import run_strength, unique_slugs
-    from lm_eval_sink.io import (
-        atomic_write_json,
-        atomic_write_text,
-        check_new_outputs,
-        check_same_versions,
-        provenance,
-        read_json,
-    )
+    from lm_eval_sink.commands.strength import unique_slugs
     from lm_eval_sink.models import resolve_model
     from lm_eval_sink.predict import fit_pairs
-    from lm_eval_sink.strength import SinkStrength, key_versions, measure_model
+    from lm_eval_sink.strength import measure_model
 
     fit = fit_pairs(read_pairs(pairs_file))  # a bad PAIRS file fails before any model is loaded
     slugs = unique_slugs(slugs)
     paths = [resolve_model(n) for n in names]
     classes = [detect_qk_norm(p) for p in paths]
     if output is not None:
-        if output.exists() and not output.is_dir():
-            raise UserError(f"--output {output} is a file", "pass a folder")
-        files = [output / name for name in SCREEN_FILES]
-        check_same_versions(files[0], key_versions(), force)
-        check_new_outputs(files, force, inputs=[*paths, pairs_file, settings.prompts_file])
-        lines = run_strength(
-            names,
-            slugs,
-            settings,
-            output / "strength",
-            dtype=dtype,
-            device=device,
-            force=force,
-            progress=progress,
-            measure_all=measure_all,
+        files = _check_outputs(output, paths, pairs_file, settings, force)
+        lines, strength_files, strengths = _measure_saved(
+            names, slugs, settings, output, dtype, device, force, progress, measure_all
         )
-        strength_files = [output / "strength" / f"{s}.strength.json" for s in slugs]
-        strengths = [SinkStrength.from_json(read_json(f)) for f in strength_files]
     else:
         lines, strength_files = [], [None] * len(names)
         strengths = (
@@ -171,7 +152,62 @@ def _run(
     out_lines = md.rstrip("\n").splitlines() + [f"warning: {m.slug}: {w}" for m in result.models for w in m.warnings]
     if output is None:
         return [*out_lines, "not saved (pass --output DIR to write screen.json, tables and the plot)"]
-    from lm_eval_sink.plots import fit_scatter
+    _write(result, md, fit, files, settings, dtype, device)
+    return lines + out_lines + ["wrote " + ", ".join(str(p) for p in files)]
+
+
+def _check_outputs(
+    output: Path, paths: list[str], pairs_file: Path | str | None, settings: Any, force: bool
+) -> list[Path]:
+    """The screen's files in `output`, checked before any work: `output` is a folder, and the files are new (or
+    `force`), made by the same versions, and none of the inputs."""
+    from lm_eval_sink.io import check_new_outputs, check_same_versions
+    from lm_eval_sink.strength import key_versions
+
+    if output.exists() and not output.is_dir():
+        raise UserError(f"--output {output} is a file", "pass a folder")
+    files = [output / name for name in SCREEN_FILES]
+    check_same_versions(files[0], key_versions(), force)
+    check_new_outputs(files, force, inputs=[*paths, pairs_file, settings.prompts_file])
+    return files
+
+
+def _measure_saved(
+    names: list[str],
+    slugs: list[str],
+    settings: Any,
+    output: Path,
+    dtype: str,
+    device: str,
+    force: bool,
+    progress: bool,
+    measure_all: Any,
+) -> tuple[list[str], list[Path], list[Any]]:
+    """Each model's Sink Strength through `run_strength` into `output/strength` (resumable by key there): its lines,
+    the result files and the results read back from them."""
+    from lm_eval_sink.commands.strength import run_strength
+    from lm_eval_sink.io import read_json
+    from lm_eval_sink.strength import SinkStrength
+
+    lines = run_strength(
+        names,
+        slugs,
+        settings,
+        output / "strength",
+        dtype=dtype,
+        device=device,
+        force=force,
+        progress=progress,
+        measure_all=measure_all,
+    )
+    strength_files = [output / "strength" / f"{s}.strength.json" for s in slugs]
+    return lines, strength_files, [SinkStrength.from_json(read_json(f)) for f in strength_files]
+
+
+def _write(result: ScreenResult, md: str, fit: Any, files: list[Path], settings: Any, dtype: str, device: str) -> None:
+    """screen.json (with its provenance), screen.md, screen.csv and the fit's plot with the screened models."""
+    from lm_eval_sink.io import atomic_write_json, atomic_write_text, provenance
+    from lm_eval_sink.strength import key_versions
 
     data = {
         **result.to_json(),
@@ -187,6 +223,14 @@ def _run(
     atomic_write_json(files[0], data)
     atomic_write_text(files[1], md)
     atomic_write_text(files[2], screen_csv(result))
+    _fit_plot(result, fit, files[3])
+
+
+def _fit_plot(result: ScreenResult, fit: Any, path: Path) -> None:
+    """The pairs' S against their delta with the fitted line, for IFEval when fitted (else the first task), and
+    each screened model at its predicted delta."""
+    from lm_eval_sink.plots import fit_scatter
+
     tasks = sorted(fit.tasks)
     first = tasks[0] if "ifeval" not in tasks else "ifeval"
     f = fit.tasks[first]
@@ -199,7 +243,6 @@ def _run(
         f.slope,
         f.intercept,
         first,
-        files[3],
+        path,
         screened=[(m.slug, m.sink_strength, m.predictions[first]["predicted_delta"]) for m in result.models],
     )
-    return lines + out_lines + ["wrote " + ", ".join(str(p) for p in files)]

@@ -15,7 +15,7 @@ The folder is held with `locks.hold` for the whole run (one writer).
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -119,6 +119,19 @@ def _reusable(
     return None, changed
 
 
+@dataclass(frozen=True, slots=True)
+class _Model:
+    """One model of a run: as named and resolved, its keys (result key, inputs key), its result file, and the
+    finished result found there when it can be reused (else None: to measure)."""
+
+    name: str
+    path: str
+    slug: str
+    keys: tuple[str, str]
+    json_path: Path
+    reuse: dict[str, Any] | None
+
+
 def _run_locked(
     names: list[str],
     paths: list[str],
@@ -131,15 +144,53 @@ def _run_locked(
     progress: bool,
     measure_all: Any,
 ) -> list[str]:
+    """Decide per model what to reuse, measure the rest (through `measure_all` first, when given), then report each
+    model with its heatmap and, with several, write the ranking."""
     from tqdm.auto import tqdm
 
-    from lm_eval_sink.io import atomic_write_json, atomic_write_text
-    from lm_eval_sink.models import model_fingerprint
-    from lm_eval_sink.plots import layer_head_heatmap, ranking_bars
-    from lm_eval_sink.tables import csv_text, markdown_table
+    from lm_eval_sink.plots import layer_head_heatmap
 
-    lines: list[str] = []
-    plan, versions = [], key_versions()
+    versions = key_versions()
+    plan, lines = _plan(names, paths, slugs, settings, output, dtype, force, versions)
+    saved = {} if measure_all is None else _measure_todo(plan, settings, dtype, device, versions, output, measure_all)
+    results = []
+    for m in tqdm(plan, desc="models", disable=not progress or len(plan) == 1):
+        if m.reuse is not None:
+            res = SinkStrength.from_json(m.reuse)
+            lines.append(f"{m.slug}: reused {m.json_path}")
+        elif str(m.json_path) in saved:
+            res = saved[str(m.json_path)]
+        else:
+            res = _save(measure_model(m.path, settings, dtype=dtype, device=device, progress=progress), m, versions)
+        png = layer_head_heatmap(
+            res.sink_strength_layer_head,
+            res.layers,
+            f"{m.slug}: sink log-odds ({res.statistic}, rows={res.rows}), S = {res.sink_strength:.4f}",
+            output / f"{m.slug}.heatmap.png",
+        )
+        results.append((m.slug, res))
+        lines += _model_lines(m, res, png)
+    lines.append(f"({S_MEANING})")
+    if len(names) > 1:
+        lines.append(_write_ranking(results, output))
+    return lines
+
+
+def _plan(
+    names: list[str],
+    paths: list[str],
+    slugs: list[str],
+    settings: StrengthSettings,
+    output: Path,
+    dtype: str,
+    force: bool,
+    versions: dict[str, Any],
+) -> tuple[list[_Model], list[str]]:
+    """Each model's keys and result file with the finished result to reuse, and a line per model recomputed because
+    other versions made its result."""
+    from lm_eval_sink.models import model_fingerprint
+
+    plan, lines = [], []
     for name, path, slug in zip(names, paths, slugs, strict=True):
         identity = model_fingerprint(path)
         ikey = inputs_key(path, identity["fingerprint"], settings, dtype)
@@ -153,66 +204,76 @@ def _run_locked(
             force,
             lambda b, p=path, f=identity["fingerprint"]: inputs_key(p, f, settings, dtype, method2_batch_size=b),
         )
-        plan.append((name, path, slug, (key, ikey), json_path, reuse))
+        plan.append(_Model(name, path, slug, (key, ikey), json_path, reuse))
         if changed:
             lines.append(f"{slug}: recomputed: {changed}")
+    return plan, lines
 
-    def save(res: SinkStrength, name: str, keys: tuple[str, str], json_path: Path) -> SinkStrength:
-        keyed = {"input_key": keys[0], "inputs_key": keys[1], "key_versions": versions}
-        res = replace(res, provenance={**res.provenance, **keyed, "model_argument": name})
-        atomic_write_json(json_path, res.to_json())
-        return res
 
-    todo = list(dict.fromkeys(path for _, path, _, _, _, reuse in plan if reuse is None))
-    saved: dict[str, SinkStrength] = {}  # json path -> result, written as each model's task finished
+def _save(res: SinkStrength, m: _Model, versions: dict[str, Any]) -> SinkStrength:
+    """`res` with its keys and the model argument in its provenance, written to the model's JSON at once (the unit
+    of resume)."""
+    from lm_eval_sink.io import atomic_write_json
+
+    keyed = {"input_key": m.keys[0], "inputs_key": m.keys[1], "key_versions": versions}
+    res = replace(res, provenance={**res.provenance, **keyed, "model_argument": m.name})
+    atomic_write_json(m.json_path, res.to_json())
+    return res
+
+
+def _measure_todo(
+    plan: list[_Model],
+    settings: StrengthSettings,
+    dtype: str,
+    device: str,
+    versions: dict[str, Any],
+    output: Path,
+    measure_all: Callable[..., Any],
+) -> dict[str, SinkStrength]:
+    """Every model to (re)do measured by `measure_all`, each saved as it finishes (json path -> result); a failed
+    model is an error raised once the others are saved."""
+    todo = list(dict.fromkeys(m.path for m in plan if m.reuse is None))
+    saved: dict[str, SinkStrength] = {}
     failed: dict[str, str] = {}
-    for path, res, error in measure_all(todo, settings, dtype, device) if measure_all is not None and todo else ():
+    for path, res, error in measure_all(todo, settings, dtype, device) if todo else ():
         if error is not None:
             failed[path] = error
-        for name, p, _slug, keys, json_path, reuse in plan:
-            if p == path and reuse is None and error is None:
-                saved[str(json_path)] = save(res, name, keys, json_path)
+        for m in plan:
+            if m.path == path and m.reuse is None and error is None:
+                saved[str(m.json_path)] = _save(res, m, versions)
     if failed:
         first = next(iter(failed.items()))
         raise UserError(
             f"{len(failed)} of {len(todo)} model(s) failed; first: {first[0]}: {first[1]}",
             f"fix the cause and rerun: the {len(saved)} measured ones are kept in {output} and reused",
         )
-    results = []
-    for name, path, slug, keys, json_path, reuse in tqdm(plan, desc="models", disable=not progress or len(plan) == 1):
-        if reuse is not None:
-            res = SinkStrength.from_json(reuse)
-            lines.append(f"{slug}: reused {json_path}")
-        elif str(json_path) in saved:
-            res = saved[str(json_path)]
-        else:
-            res = save(
-                measure_model(path, settings, dtype=dtype, device=device, progress=progress), name, keys, json_path
-            )
-        png = layer_head_heatmap(
-            res.sink_strength_layer_head,
-            res.layers,
-            f"{slug}: sink log-odds ({res.statistic}, rows={res.rows}), S = {res.sink_strength:.4f}",
-            output / f"{slug}.heatmap.png",
-        )
-        results.append((slug, res))
-        lines.append(
-            f"{slug}: S = {res.sink_strength:.4f} (last {res.last_k} of "
-            f"{len(res.attention_layers) or res.n_layers} attention layers, {res.statistic}, "
-            f"rows={res.rows}; "
-            f"content rows {fmt_optional(res.sink_strength_content_rows)}, template rows "
-            f"{fmt_optional(res.sink_strength_template_rows)}, template share "
-            f"{res.template_row_fraction:.2f})"
-            f" -> {json_path}, {png}"
-        )
-        lines += [f"{slug}: note: {res.sink_note}"] if res.sink_note else []
-    lines.append(f"({S_MEANING})")
-    if len(names) > 1:
-        ranked = ranking_rows(results)
-        rows = ranking_table(ranked)
-        md, csv, plot = output / "ranking.md", output / "ranking.csv", output / "ranking.png"
-        atomic_write_text(md, ranking_markdown(ranked) + markdown_table(RANKING_HEAD, rows))
-        atomic_write_text(csv, csv_text(RANKING_HEAD, rows))
-        ranking_bars([s for s, _ in ranked], [r.sink_strength for _, r in ranked], "Sink Strength ranking", plot)
-        lines.append(f"ranking -> {md}, {csv}, {plot}")
-    return lines
+    return saved
+
+
+def _model_lines(m: _Model, res: SinkStrength, png: Path) -> list[str]:
+    """What a run prints for one model: S with how it was measured and where it went, and its note if any."""
+    line = (
+        f"{m.slug}: S = {res.sink_strength:.4f} (last {res.last_k} of "
+        f"{len(res.attention_layers) or res.n_layers} attention layers, {res.statistic}, "
+        f"rows={res.rows}; "
+        f"content rows {fmt_optional(res.sink_strength_content_rows)}, template rows "
+        f"{fmt_optional(res.sink_strength_template_rows)}, template share "
+        f"{res.template_row_fraction:.2f})"
+        f" -> {m.json_path}, {png}"
+    )
+    return [line, f"{m.slug}: note: {res.sink_note}"] if res.sink_note else [line]
+
+
+def _write_ranking(results: list[tuple[str, SinkStrength]], output: Path) -> str:
+    """ranking.md, ranking.csv and ranking.png of several models, by falling S; the line saying where they went."""
+    from lm_eval_sink.io import atomic_write_text
+    from lm_eval_sink.plots import ranking_bars
+    from lm_eval_sink.tables import csv_text, markdown_table
+
+    ranked = ranking_rows(results)
+    rows = ranking_table(ranked)
+    md, csv, plot = output / "ranking.md", output / "ranking.csv", output / "ranking.png"
+    atomic_write_text(md, ranking_markdown(ranked) + markdown_table(RANKING_HEAD, rows))
+    atomic_write_text(csv, csv_text(RANKING_HEAD, rows))
+    ranking_bars([s for s, _ in ranked], [r.sink_strength for _, r in ranked], "Sink Strength ranking", plot)
+    return f"ranking -> {md}, {csv}, {plot}"

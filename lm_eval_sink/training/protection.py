@@ -364,31 +364,65 @@ def select_sink_heads(
         raise UserError(f"--min-pos0-fraction must lie in [0, 1], got {min_pos0_fraction}", "use e.g. 0.8")
     check_no_learned_sinks(model)
     n_layers, n_heads, n_kv, d = _shape(model)
-    dec = _decoder(model)
-    kind = qk_norm_kind(dec.layers[0].self_attn, d)
+    kind = qk_norm_kind(_decoder(model).layers[0].self_attn, d)
     prompt_set = load_prompts(settings.prompts_file, settings.n_prompts)
     encoded = encode_prompts(tokenizer, prompt_set.prompts, settings.use_chat_template, settings.system_prompt)
-    first = {ids[0] for ids in encoded.input_ids}
+    sink_token = _common_first_token(encoded.input_ids)
+    layers = settings.layers_for(n_layers)
+    captures = capture_prompts(
+        _base(model), encoded, layers, settings.batching(), progress=progress, desc="protect-plan capture"
+    )
+    heads = _choose_heads(captures, layers, n_heads // n_kv, settings.rows, threshold, min_pos0_fraction)
+    chosen: dict[int, list[int]] = {}
+    for c in heads:
+        if c.selected:
+            chosen.setdefault(c.layer, []).append(c.head)
+    rot = rotary_dim_of(model, d)
+    return ProtectionPlan(
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        head_dim=d,
+        rotary_dim=rot,
+        qk_norm=kind,
+        sink_token_id=int(sink_token),
+        threshold=float(threshold),
+        min_pos0_fraction=float(min_pos0_fraction),
+        tau=float(tau),
+        heads=heads,
+        layers=_layer_plans(model, sink_token, chosen, n_heads // n_kv, n_kv, kind, rot, tau),
+        start_sha256=_start_sha(model, sorted(chosen)),
+        provenance={
+            "settings": asdict(settings),
+            "prompt_set": {"source": prompt_set.source, "sha256": prompt_set.sha256},
+        },
+    )
+
+
+def _common_first_token(input_ids: tuple[tuple[int, ...], ...]) -> int:
+    """The token every calibration prompt starts with: the sink whose key the rules hold."""
+    first = {ids[0] for ids in input_ids}
     if len(first) != 1:
         raise UserError(
             f"the calibration prompts start with {len(first)} different tokens {sorted(first)[:5]}",
             "use prompts whose first token (the sink) is the same, e.g. through the chat template",
         )
-    sink_token = first.pop()
-    layers = settings.layers_for(n_layers)
-    captures = capture_prompts(
-        _base(model), encoded, layers, settings.batching(), progress=progress, desc="protect-plan capture"
-    )
+    return first.pop()
+
+
+def _choose_heads(
+    captures: list[Any], layers: list[int], group: int, rows: str, threshold: float, min_pos0_fraction: float
+) -> tuple[HeadChoice, ...]:
+    """Every captured head's choice, in (layer, head) order, from its rows' sink log-odds and argmax keys."""
     logodds = np.concatenate([c.sink_logodds for c in captures], axis=2)
     pos = np.concatenate([c.sink_pos for c in captures], axis=2)
     content = np.concatenate([c.content for c in captures])
-    rows = content if settings.rows == "content" else np.ones_like(content)
-    group = n_heads // n_kv
-    heads, chosen = [], {}
+    used = content if rows == "content" else np.ones_like(content)
+    heads = []
     for li, l in enumerate(layers):
-        for h in range(n_heads):
-            p = pos[li, h, rows]
-            frac, med = float((p == 0).mean()), float(np.median(logodds[li, h, rows]))
+        for h in range(logodds.shape[1]):
+            p = pos[li, h, used]
+            frac, med = float((p == 0).mean()), float(np.median(logodds[li, h, used]))
             ok, why = select_head(med, frac, threshold, min_pos0_fraction)
             heads.append(
                 HeadChoice(
@@ -402,10 +436,22 @@ def select_sink_heads(
                     reason=why,
                 )
             )
-            if ok:
-                chosen.setdefault(l, []).append(h)
+    return tuple(heads)
+
+
+def _layer_plans(
+    model: Any,
+    sink_token: int,
+    chosen: dict[int, list[int]],
+    group: int,
+    n_kv: int,
+    kind: str,
+    rot: int,
+    tau: float,
+) -> tuple[LayerPlan, ...]:
+    """Per layer with a chosen head, ascending: the sink token's x^ and, per protected KV head, k_s and its basis U
+    (all KV heads under a layerwise QK-norm)."""
     geometry = sink_geometry(model, sink_token, sorted(chosen))
-    rot = rotary_dim_of(model, d)
     plans = []
     for l in sorted(chosen):
         x_s, k_s, _ = geometry[l]
@@ -428,25 +474,7 @@ def select_sink_heads(
                 excluded_energy={g: float(bases[g][1]) for g in kv},
             )
         )
-    return ProtectionPlan(
-        n_layers=n_layers,
-        n_heads=n_heads,
-        n_kv_heads=n_kv,
-        head_dim=d,
-        rotary_dim=rot,
-        qk_norm=kind,
-        sink_token_id=int(sink_token),
-        threshold=float(threshold),
-        min_pos0_fraction=float(min_pos0_fraction),
-        tau=float(tau),
-        heads=tuple(heads),
-        layers=tuple(plans),
-        start_sha256=_start_sha(model, sorted(chosen)),
-        provenance={
-            "settings": asdict(settings),
-            "prompt_set": {"source": prompt_set.source, "sha256": prompt_set.sha256},
-        },
-    )
+    return tuple(plans)
 
 
 # ---------------------------------------------------------------------------- protection
