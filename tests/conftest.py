@@ -25,6 +25,7 @@ from helpers import (
     isolated_ray_auth,
     make_tiny_lm,
     make_tokenizer,
+    write_tiny_sweep,
 )
 from lm_eval_sink.merging.engines import LOOPBACK_ENV
 
@@ -39,6 +40,19 @@ _RAY_AUTH = Path(tempfile.mkdtemp(prefix="lm-eval-sink-ray-auth-"))
 atexit.register(shutil.rmtree, _RAY_AUTH, True)
 os.environ.update(isolated_ray_auth(_RAY_AUTH))
 os.environ.pop("RAY_AUTH_TOKEN", None)  # it would win over RAY_AUTH_TOKEN_PATH
+
+
+_SESSION_RUNS = {"smollm2_instruct_run", "smollm2_community_run", "uninterrupted"}  # the costly session fixtures
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Groups for pytest-xdist's `--dist loadgroup` (make test): each module's tests run in one worker, so its
+    module fixtures are built once, and the modules that read a costly session fixture share one worker, so
+    it is made once. Without xdist the marks do nothing."""
+    shared = {item.module.__name__ for item in items if _SESSION_RUNS & set(item.fixturenames)}
+    for item in items:
+        name = item.module.__name__
+        item.add_marker(pytest.mark.xdist_group("session_runs" if name in shared else name))
 
 
 @pytest.fixture(scope="session")
@@ -140,6 +154,27 @@ def tiny_trio(tmp_path_factory) -> dict[str, Path]:
         role: make_tiny_lm(root / role, "llama", seed)
         for role, seed in (("base", None), ("reference", 1), ("candidate", 2))
     }
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory, tiny_trio) -> Path:
+    """An uninterrupted tiny sweep (`write_tiny_sweep`): reference, candidate and one DARE merge, evaluated and
+    measured once per session; the sweep and Ray tests read it or work on copies of it."""
+    from lm_eval_sink.commands.sweep import load_sweep, run_sweep
+
+    sweep = write_tiny_sweep(tmp_path_factory.mktemp("sweep_a"), tiny_trio)
+    report = run_sweep(load_sweep(sweep), progress=False)
+    assert not report.failures, report.failures
+    assert report.ran == [
+        "eval:reference",
+        "strength:reference",
+        "eval:candidate",
+        "strength:candidate",
+        "merge:dare_linear",
+        "eval:dare_linear",
+        "strength:dare_linear",
+    ]
+    return sweep
 
 
 @pytest.fixture
