@@ -21,6 +21,7 @@ from helpers import (
     FIXTURE_GEN_KWARGS,
     FIXTURE_LIMIT,
     SHARED,
+    TINY_SWEEP_UNITS,
     TINY_TASK,
     isolated_ray_auth,
     make_tiny_lm,
@@ -165,15 +166,7 @@ def uninterrupted(tmp_path_factory, tiny_trio) -> Path:
     sweep = write_tiny_sweep(tmp_path_factory.mktemp("sweep_a"), tiny_trio)
     report = run_sweep(load_sweep(sweep), progress=False)
     assert not report.failures, report.failures
-    assert report.ran == [
-        "eval:reference",
-        "strength:reference",
-        "eval:candidate",
-        "strength:candidate",
-        "merge:dare_linear",
-        "eval:dare_linear",
-        "strength:dare_linear",
-    ]
+    assert report.ran == list(TINY_SWEEP_UNITS)
     return sweep
 
 

@@ -18,6 +18,11 @@ FIXTURE_BATCH = 8  # the instruct protocol's; the community run uses the same so
 TINY_TASK = "tiny_gen"
 TINY_SWEEP_TASKS = REPO / "tests" / "data" / "merging_task"  # a tiny multiple-choice lm-eval task, for sweeps
 TINY_SWEEP_TASK = "lm_eval_sink_tiny_choice"
+# the units of `write_tiny_sweep`'s sweep, in the order they run
+TINY_SWEEP_UNITS = (
+    *("eval:reference", "strength:reference", "eval:candidate", "strength:candidate"),
+    *("merge:dare_linear", "eval:dare_linear", "strength:dare_linear"),
+)
 
 
 def make_tokenizer(vocab_size: int = 96):

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from helpers import TINY_SWEEP_TASK as TASK
+from helpers import TINY_SWEEP_UNITS
 from helpers import write_tiny_sweep as _write_sweep
 
 from lm_eval_sink.cli import main
@@ -53,15 +54,7 @@ def test_sweep_writes_table_with_metrics_deltas_and_s(uninterrupted):
     assert (out / "table.csv").read_text().splitlines()[0].startswith("checkpoint,method,")
     assert (out / "table.png").read_bytes()[:4] == b"\x89PNG"
     lines = [json.loads(x) for x in (out / "manifest.jsonl").read_text().splitlines()]
-    assert [x["unit"] for x in lines] == [
-        "eval:reference",
-        "strength:reference",
-        "eval:candidate",
-        "strength:candidate",
-        "merge:dare_linear",
-        "eval:dare_linear",
-        "strength:dare_linear",
-    ]
+    assert [x["unit"] for x in lines] == list(TINY_SWEEP_UNITS)
     assert all(x["status"] == "done" for x in lines)
     merged = out / "merges" / "dare_linear"
     assert json.loads((merged / "COMPLETE.json").read_text())["key"] == lines[4]["key"]
