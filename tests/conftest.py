@@ -12,6 +12,7 @@ import atexit
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -43,17 +44,23 @@ os.environ.update(isolated_ray_auth(_RAY_AUTH))
 os.environ.pop("RAY_AUTH_TOKEN", None)  # it would win over RAY_AUTH_TOKEN_PATH
 
 
-_SESSION_RUNS = {"smollm2_instruct_run", "smollm2_community_run", "uninterrupted"}  # the costly session fixtures
+def _made_once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], object]) -> Path:
+    """The folder `name`, filled by `make(folder)` once per test run: under pytest-xdist (make test) the first worker
+    that needs it makes it in the run's temp folder, which the workers share, while the others wait for it, so a
+    costly session input is made once and read by all."""
+    from filelock import FileLock
 
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Groups for pytest-xdist's `--dist loadgroup` (make test): each module's tests run in one worker, so its
-    module fixtures are built once, and the modules that read a costly session fixture share one worker, so
-    it is made once. Without xdist the marks do nothing."""
-    shared = {item.module.__name__ for item in items if _SESSION_RUNS & set(item.fixturenames)}
-    for item in items:
-        name = item.module.__name__
-        item.add_marker(pytest.mark.xdist_group("session_runs" if name in shared else name))
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    folder, done = root / name, root / f"{name}.done"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.is_file():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            make(folder)
+            done.touch()
+    return folder
 
 
 @pytest.fixture(scope="session")
@@ -82,10 +89,11 @@ def tiny_tokenizer():
 # harness, buckets and protocols tests. Small and non-final: --limit 5, max_gen_toks 64.
 def _fixture_run(tmp_path_factory, shared_data, default_model, name: str, settings):
     from lm_eval_sink.harness.runner import run_lm_eval
+    from lm_eval_sink.runs import resolve_run
 
-    out = tmp_path_factory.mktemp(name)
-    return run_lm_eval(
-        str(default_model), settings, out, env={"LM_EVAL_SINK_DATA": str(shared_data), "HF_HUB_OFFLINE": "1"}
+    env = {"LM_EVAL_SINK_DATA": str(shared_data), "HF_HUB_OFFLINE": "1"}
+    return resolve_run(
+        _made_once(tmp_path_factory, name, lambda out: run_lm_eval(str(default_model), settings, out, env))
     )
 
 
@@ -163,11 +171,12 @@ def uninterrupted(tmp_path_factory, tiny_trio) -> Path:
     measured once per session; the sweep and Ray tests read it or work on copies of it."""
     from lm_eval_sink.commands.sweep import load_sweep, run_sweep
 
-    sweep = write_tiny_sweep(tmp_path_factory.mktemp("sweep_a"), tiny_trio)
-    report = run_sweep(load_sweep(sweep), progress=False)
-    assert not report.failures, report.failures
-    assert report.ran == list(TINY_SWEEP_UNITS)
-    return sweep
+    def make(folder: Path) -> None:
+        report = run_sweep(load_sweep(write_tiny_sweep(folder, tiny_trio)), progress=False)
+        assert not report.failures, report.failures
+        assert report.ran == list(TINY_SWEEP_UNITS)
+
+    return _made_once(tmp_path_factory, "sweep_a", make) / "sweep.yaml"
 
 
 @pytest.fixture
