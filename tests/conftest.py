@@ -12,6 +12,7 @@ import atexit
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -21,10 +22,12 @@ from helpers import (
     FIXTURE_GEN_KWARGS,
     FIXTURE_LIMIT,
     SHARED,
+    TINY_SWEEP_UNITS,
     TINY_TASK,
     isolated_ray_auth,
     make_tiny_lm,
     make_tokenizer,
+    write_tiny_sweep,
 )
 from lm_eval_sink.merging.engines import LOOPBACK_ENV
 
@@ -39,6 +42,25 @@ _RAY_AUTH = Path(tempfile.mkdtemp(prefix="lm-eval-sink-ray-auth-"))
 atexit.register(shutil.rmtree, _RAY_AUTH, True)
 os.environ.update(isolated_ray_auth(_RAY_AUTH))
 os.environ.pop("RAY_AUTH_TOKEN", None)  # it would win over RAY_AUTH_TOKEN_PATH
+
+
+def _made_once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], object]) -> Path:
+    """The folder `name`, filled by `make(folder)` once per test run: under pytest-xdist (make test) the first worker
+    that needs it makes it in the run's temp folder, which the workers share, while the others wait for it, so a
+    costly session input is made once and read by all."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    folder, done = root / name, root / f"{name}.done"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.is_file():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            make(folder)
+            done.touch()
+    return folder
 
 
 @pytest.fixture(scope="session")
@@ -67,10 +89,11 @@ def tiny_tokenizer():
 # harness, buckets and protocols tests. Small and non-final: --limit 5, max_gen_toks 64.
 def _fixture_run(tmp_path_factory, shared_data, default_model, name: str, settings):
     from lm_eval_sink.harness.runner import run_lm_eval
+    from lm_eval_sink.runs import resolve_run
 
-    out = tmp_path_factory.mktemp(name)
-    return run_lm_eval(
-        str(default_model), settings, out, env={"LM_EVAL_SINK_DATA": str(shared_data), "HF_HUB_OFFLINE": "1"}
+    env = {"LM_EVAL_SINK_DATA": str(shared_data), "HF_HUB_OFFLINE": "1"}
+    return resolve_run(
+        _made_once(tmp_path_factory, name, lambda out: run_lm_eval(str(default_model), settings, out, env))
     )
 
 
@@ -140,6 +163,20 @@ def tiny_trio(tmp_path_factory) -> dict[str, Path]:
         role: make_tiny_lm(root / role, "llama", seed)
         for role, seed in (("base", None), ("reference", 1), ("candidate", 2))
     }
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory, tiny_trio) -> Path:
+    """An uninterrupted tiny sweep (`write_tiny_sweep`): reference, candidate and one DARE merge, evaluated and
+    measured once per session; the sweep and Ray tests read it or work on copies of it."""
+    from lm_eval_sink.commands.sweep import load_sweep, run_sweep
+
+    def make(folder: Path) -> None:
+        report = run_sweep(load_sweep(write_tiny_sweep(folder, tiny_trio)), progress=False)
+        assert not report.failures, report.failures
+        assert report.ran == list(TINY_SWEEP_UNITS)
+
+    return _made_once(tmp_path_factory, "sweep_a", make) / "sweep.yaml"
 
 
 @pytest.fixture

@@ -16,6 +16,13 @@ FIXTURE_BATCH = 8  # the instruct protocol's; the community run uses the same so
 
 
 TINY_TASK = "tiny_gen"
+TINY_SWEEP_TASKS = REPO / "tests" / "data" / "merging_task"  # a tiny multiple-choice lm-eval task, for sweeps
+TINY_SWEEP_TASK = "lm_eval_sink_tiny_choice"
+# the units of `write_tiny_sweep`'s sweep, in the order they run
+TINY_SWEEP_UNITS = (
+    *("eval:reference", "strength:reference", "eval:candidate", "strength:candidate"),
+    *("merge:dare_linear", "eval:dare_linear", "strength:dare_linear"),
+)
 
 
 def make_tokenizer(vocab_size: int = 96):
@@ -251,3 +258,23 @@ def start_ray_cluster(temp_dir: Path, env: dict[str, str], num_cpus: int, num_gp
     if proc.returncode != 0:
         raise RuntimeError(f"ray start failed: {proc.stdout[-2000:]}{proc.stderr[-2000:]}")
     return (temp_dir / "ray_current_cluster").read_text().strip()  # the GCS address `ray start` wrote
+
+
+def write_tiny_sweep(folder: Path, trio: dict[str, Path], **extra) -> Path:
+    """The sweep file of the sweep tests: the tiny trio's reference, candidate and one seeded DARE merge, evaluated on
+    the tiny choice task and measured on 5 prompts; each `extra` section replaces the one of that name."""
+    import yaml
+
+    folder.mkdir(parents=True, exist_ok=True)
+    data = {
+        "output": "out",
+        "models": {"reference": str(trio["reference"]), "candidate": str(trio["candidate"])},
+        "configs": ["dare_linear"],
+        "merge": {"random_seed": 0},
+        "eval": {"tasks": [TINY_SWEEP_TASK], "include_path": str(TINY_SWEEP_TASKS), "batch_size": 1, "seed": 0},
+        "strength": {"n_prompts": 5, "last_k": 2, "dtype": "float32"},
+        **extra,
+    }
+    path = folder / "sweep.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path

@@ -272,8 +272,7 @@ with staged_dir(out, force=True) as tmp:
 
 @pytest.mark.parametrize("unit_key", ["new", "other"])
 def test_recovery_after_a_kill_between_the_two_renames_keeps_a_complete_copy(tmp_path, unit_key):
-    from lm_eval_sink.commands.sweep import _recover
-    from lm_eval_sink.merging.sweep import Unit
+    from lm_eval_sink.io import clean_stale_all
 
     out = tmp_path / "sweep"
     target = out / "strength" / "reference"
@@ -288,7 +287,7 @@ def test_recovery_after_a_kill_between_the_two_renames_keeps_a_complete_copy(tmp
         and len(list(target.parent.glob("reference.old-*"))) == 1
         and len(list(target.parent.glob("reference.partial-*"))) == 1
     )
-    notes = _recover(out, (Unit("strength", "reference", unit_key, target, {}),))
+    notes = clean_stale_all({target: unit_key})  # what the sweep calls for its units before any runs
     kept = json.loads((target / "COMPLETE.json").read_text())["key"]
     assert kept == ("new" if unit_key == "new" else "old")  # the finished new copy, else the previous one
     left = sorted(p.name for p in target.parent.iterdir())

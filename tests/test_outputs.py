@@ -158,6 +158,29 @@ def test_staged_dir_restores_the_previous_output_and_removes_stale_siblings(tmp_
     assert [p.name for p in out.iterdir()] == ["b.txt"]
 
 
+@pytest.mark.parametrize("partial_key", ["same", "other"])
+def test_merge_killed_between_the_two_renames_keeps_its_finished_build(world, tmp_path, partial_key, capsys):
+    """On disk as a kill between staged_dir's renames leaves it: OUT missing, the previous OUT as `.old-*`, the finished
+    new build as `.partial-*`. The rerun promotes the build when its marker carries the merge's key (then OUT exists,
+    so without --force it is refused before mergekit runs), else restores the previous OUT; nothing else is left."""
+    import json
+
+    from lm_eval_sink.cli import main
+
+    out = tmp_path / "merged"
+    assert main(["merge", str(world["merge_yaml"]), str(out), "--quiet"]) == 0
+    key = json.loads((out / COMPLETE).read_text())["key"]
+    partial = shutil.copytree(out, tmp_path / "merged.partial-89abcdef")
+    out.rename(tmp_path / "merged.old-0123abcd")
+    (partial / "built.txt").write_text("the finished build")
+    (partial / COMPLETE).write_text(json.dumps({"key": key if partial_key == "same" else "made from other inputs"}))
+    capsys.readouterr()
+    assert main(["merge", str(world["merge_yaml"]), str(out)]) == 2
+    assert "output already exists" in capsys.readouterr().err
+    assert (out / "built.txt").is_file() == (partial_key == "same")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["merged"]
+
+
 def test_a_live_holders_partial_is_left_alone(tmp_path):
     out = tmp_path / "out"
     holder = subprocess.Popen(

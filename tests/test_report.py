@@ -80,7 +80,7 @@ def outputs(tmp_path_factory, shared_data) -> dict[str, Path]:
         "output": str(o["sweep"]),
         "models": {"reference": str(ref), "candidate": str(cand)},
         "configs": ["dare_linear"],
-        "merge": {"random_seed": 0},
+        "merge": {"random_seed": 0, "in_memory": True},  # the on-disk sweep's table (test_sweep_memory), in-process
         "eval": {"tasks": ["lm_eval_sink_tiny_choice"], "include_path": str(SWEEP_TASKS), "batch_size": 1, "seed": 0},
         "strength": {"n_prompts": 5, "last_k": 2, "dtype": "float32"},
     }

@@ -13,27 +13,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers import TINY_SWEEP_TASK as TASK
+from helpers import TINY_SWEEP_UNITS
+from helpers import write_tiny_sweep as _write_sweep
+
 from lm_eval_sink.cli import main
 from lm_eval_sink.errors import UserError
-
-TASKS = Path(__file__).parent / "data" / "merging_task"
-TASK = "lm_eval_sink_tiny_choice"
-
-
-def _write_sweep(folder: Path, trio: dict[str, Path], **extra) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    data = {
-        "output": "out",
-        "models": {"reference": str(trio["reference"]), "candidate": str(trio["candidate"])},
-        "configs": ["dare_linear"],
-        "merge": {"random_seed": 0},
-        "eval": {"tasks": [TASK], "include_path": str(TASKS), "batch_size": 1, "seed": 0},
-        "strength": {"n_prompts": 5, "last_k": 2, "dtype": "float32"},
-        **extra,
-    }
-    path = folder / "sweep.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
 
 
 def _rows(out: Path) -> list[dict]:
@@ -43,26 +28,6 @@ def _rows(out: Path) -> list[dict]:
 def _copy(src: Path, dst: Path) -> Path:
     shutil.copytree(src.parent, dst)
     return dst / "sweep.yaml"
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, tiny_trio) -> Path:
-    """An uninterrupted sweep: reference, candidate and one DARE merge, evaluated and measured."""
-    from lm_eval_sink.commands.sweep import load_sweep, run_sweep
-
-    sweep = _write_sweep(tmp_path_factory.mktemp("sweep_a"), tiny_trio)
-    report = run_sweep(load_sweep(sweep), progress=False)
-    assert not report.failures, report.failures
-    assert report.ran == [
-        "eval:reference",
-        "strength:reference",
-        "eval:candidate",
-        "strength:candidate",
-        "merge:dare_linear",
-        "eval:dare_linear",
-        "strength:dare_linear",
-    ]
-    return sweep
 
 
 @pytest.mark.slow
@@ -89,15 +54,7 @@ def test_sweep_writes_table_with_metrics_deltas_and_s(uninterrupted):
     assert (out / "table.csv").read_text().splitlines()[0].startswith("checkpoint,method,")
     assert (out / "table.png").read_bytes()[:4] == b"\x89PNG"
     lines = [json.loads(x) for x in (out / "manifest.jsonl").read_text().splitlines()]
-    assert [x["unit"] for x in lines] == [
-        "eval:reference",
-        "strength:reference",
-        "eval:candidate",
-        "strength:candidate",
-        "merge:dare_linear",
-        "eval:dare_linear",
-        "strength:dare_linear",
-    ]
+    assert [x["unit"] for x in lines] == list(TINY_SWEEP_UNITS)
     assert all(x["status"] == "done" for x in lines)
     merged = out / "merges" / "dare_linear"
     assert json.loads((merged / "COMPLETE.json").read_text())["key"] == lines[4]["key"]

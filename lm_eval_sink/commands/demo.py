@@ -4,13 +4,18 @@ heatmap, S and IFEval.
 Runs `lm_eval --model hf --model_args pretrained=<SmolLM2 folder> --tasks sink_strength,ifeval
 --apply_chat_template --limit N --gen_kwargs max_gen_toks=M --log_samples` through the shared runner
 (local data with LM_EVAL_SINK_DATA), draws the per-layer, per-head heatmap from the results file,
-and prints S, IFEval prompt-level strict/loose accuracy and the paths. The IFEval figures come from
-N prompts with short generations: a demonstration, not a score.
+and prints S, IFEval prompt-level strict/loose accuracy and the paths. The run's files are kept under
+`<output>/<model folder name>/` (lm-eval names its folder after the whole model path). The IFEval figures
+come from N prompts with short generations: a demonstration, not a score.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
+
+from lm_eval_sink.runs import RunFiles, resolve_run
 
 DEMO_LIMIT = 8
 DEMO_MAX_GEN_TOKS = 128
@@ -30,7 +35,7 @@ def run_demo(output: Path, limit: int = DEMO_LIMIT, max_gen_toks: int = DEMO_MAX
         limit=limit,
         gen_kwargs={"max_gen_toks": max_gen_toks},
     )
-    run = run_lm_eval(str(model), settings, output, echo=True)
+    run = _move_run(run_lm_eval(str(model), settings, output, echo=True), Path(output) / model.name)
     res = load_results(run)
     s = res["results"]["sink_strength"]
     ife = res["results"]["ifeval"]
@@ -55,3 +60,13 @@ def run_demo(output: Path, limit: int = DEMO_LIMIT, max_gen_toks: int = DEMO_MAX
         f"samples:                {', '.join(str(p) for p in run.samples.values())}",
         f"heatmap:                {png}",
     ]
+
+
+def _move_run(run: RunFiles, folder: Path) -> RunFiles:
+    """The run's results and samples moved into `folder` (earlier runs there are kept: names carry the time)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in (run.results, *run.samples.values()):
+        os.replace(f, folder / f.name)
+    with contextlib.suppress(OSError):  # lm-eval's own folder, when nothing else is left in it
+        run.results.parent.rmdir()
+    return resolve_run(folder / run.results.name)

@@ -266,7 +266,7 @@ class ResidentWorker:
         from lm_eval_sink.io import provenance, staged_dir
 
         if unit.kind == "eval":
-            with staged_dir(unit.output, force=True) as tmp:
+            with staged_dir(unit.output, force=True, key=unit.key) as tmp:
                 with peak_memory() as peak:
                     run = evaluate(self.resident, unit.inputs["settings"], tmp / "lm_eval", unit.inputs["model"])
                 finish_eval(tmp, unit, run, in_memory=True, peak_accelerator_memory=peak or None)

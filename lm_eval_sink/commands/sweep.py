@@ -17,7 +17,6 @@ import dataclasses
 import datetime as _dt
 import json
 import os
-import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,10 +26,10 @@ from lm_eval_sink.commands.units import run_unit
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.identity import FINGERPRINT_RULE, check_same_identity, looks_like_hub_id, tree_files
 from lm_eval_sink.io import (
-    COMPLETE,
     atomic_write_json,
     atomic_write_text,
     check_not_inputs,
+    clean_stale_all,
     parse_yaml,
     provenance,
     read_complete,
@@ -351,38 +350,6 @@ def unit_finished(unit: Unit, latest: dict[str, dict[str, Any]], markers: Marker
     )
 
 
-def _recover(out: Path, units: tuple[Unit, ...]) -> list[str]:
-    """Tidy what an interrupted run left, never deleting the only complete copy of a unit's output.
-
-    A kill between `staged_dir`'s two renames leaves no `<output>`, the previous copy as
-    `<output>.old-*` and the finished new one as `<output>.partial-*`. Where `<output>` is missing,
-    the `.partial-*` whose COMPLETE marker carries the unit's key is promoted, else the newest
-    complete `.old-*` is restored; only then are the other staging folders deleted.
-    """
-    notes = []
-    for unit in units:
-        parent, name = unit.output.parent, unit.output.name
-        if unit.output.exists() or not parent.is_dir():
-            continue
-        done = [p for p in parent.glob(f"{name}.partial-*") if read_complete(p, unit.key) is not None]
-        olds = sorted(
-            (p for p in parent.glob(f"{name}.old-*") if (p / COMPLETE).is_file()),
-            key=lambda p: (p / COMPLETE).stat().st_mtime_ns,
-            reverse=True,
-        )
-        keep = (done or olds or [None])[0]
-        if keep is not None:
-            os.replace(keep, unit.output)
-            notes.append(
-                f"{unit.id}: {'finished output promoted' if done else 'previous output restored'} from {keep.name}"
-            )
-    for sub in ("merges", "evals", "strength"):
-        for p in sorted((out / sub).glob("*.partial-*")) + sorted((out / sub).glob("*.old-*")):
-            shutil.rmtree(p, ignore_errors=True)
-            notes.append(f"removed {p.name}, left by an interrupted run")
-    return notes
-
-
 def _check_conflicts(
     plan: Plan, markers: Markers, redo: frozenset[str], earlier: dict[str, Any] | None, now: dict[str, Any]
 ) -> list[str]:
@@ -534,7 +501,7 @@ def _start(
     """Tidy, refuse or note units made from other inputs, record the sweep (sweep.json); return the markers, the
     manifest and the units finished with the current keys (less those to redo)."""
     out = plan.spec.output
-    report.notes.extend(_recover(out, plan.units))
+    report.notes.extend(clean_stale_all({u.output: u.key for u in plan.units}))
     markers = read_markers(plan.units)
     record = _file_record(plan.spec)
     if not force:

@@ -54,7 +54,7 @@ def run_unit(unit: Unit) -> None:
     elif unit.kind == "eval":
         from lm_eval_sink.harness.runner import run_lm_eval
 
-        with staged_dir(unit.output, force=True) as tmp:
+        with staged_dir(unit.output, force=True, key=unit.key) as tmp:
             try:
                 run = run_lm_eval(unit.inputs["model"], unit.inputs["settings"], tmp / "lm_eval")
             except UserError as e:  # keep lm-eval's log: the staged folder is about to be removed
@@ -97,7 +97,7 @@ def finish_eval(tmp: Path, unit: Unit, run: Any, **fields: Any) -> None:
 
 def save_strength(unit: Unit, res: Any, **fields: Any) -> None:
     """A strength unit's output: strength.json (with the unit's key) and its marker."""
-    with staged_dir(unit.output, force=True) as tmp:
+    with staged_dir(unit.output, force=True, key=unit.key) as tmp:
         atomic_write_json(
             tmp / "strength.json", {**res.to_json(), "provenance": {**res.provenance, "input_key": unit.key}}
         )

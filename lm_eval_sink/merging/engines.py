@@ -393,8 +393,7 @@ def _task_result(ray: Any, ref: Any) -> tuple[Any, str | None]:
         return ray.get(ref)
     except Exception as e:
         cause = getattr(e, "cause", None) or e  # a RayTaskError's own first line names only the task
-        first = (str(cause).strip().splitlines() or [""])[0]
-        return None, f"ray task failed: {type(cause).__name__}: {first[:200]}"
+        return None, f"ray task failed: {one_line(cause)}"
 
 
 def run_on_ray(
@@ -516,7 +515,7 @@ def run_on_actors(
                     notes.append(f"{job.id}: its actor was lost; a new actor redid the checkpoint")
                     waiting.insert(0, job)
                     continue
-                value, error = None, f"ray actor lost twice: {(str(e).strip().splitlines() or [''])[0][:200]}"
+                value, error = None, f"ray actor lost twice: {one_line(e)}"
             except Exception:
                 value, error = _task_result(ray, ref)
                 idle.append(actor)

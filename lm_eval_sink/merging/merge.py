@@ -263,7 +263,7 @@ def merge_config(
     key = key or versioned_key(inputs_key, versions)
     identities = {p: model_fingerprint(p) for p in vc.inputs}
     revisions = {p: ident["revision"] for p, ident in identities.items() if not Path(p).is_dir()}
-    with staged_dir(out, force=force) as tmp:
+    with staged_dir(out, force=force, key=key) as tmp:
         pins = run_mergekit(
             vc.text, tmp, random_seed=random_seed, device=device, quiet=quiet, revisions=revisions, config=vc.mergekit
         )
