@@ -467,6 +467,30 @@ def actor_resources(engine: EngineSpec) -> Resources:
     return replace(engine.resources["eval"], num_gpus=max(r.num_gpus for r in engine.resources.values()))
 
 
+def _actor_pool(engine: EngineSpec, output_root: Path, worker_cls: type, args: tuple) -> tuple[Any, Any, int]:
+    """(ray, a function that starts one pool actor, the number of eval slots) on `engine`'s cluster, checked to fit."""
+    from lm_eval_sink.io import package_versions
+
+    ray = connect(engine.address)
+    res = actor_resources(engine)
+    check_fits(ray, {"engine.resources (one actor)": res}, engine.address or "this driver")
+    slots = eval_slots(ray, replace(engine, resources={**engine.resources, "eval": res}))
+    actor_cls = ray.remote(max_restarts=0, max_task_retries=0)(PoolActor)
+    versions = package_versions()
+    return ray, lambda: actor_cls.options(**res.options()).remote(worker_cls, args, versions, str(output_root)), slots
+
+
+def _actor_result(ray: Any, ref: Any) -> tuple[Any, str | None, str | None]:
+    """(value, error line, None) of a finished actor call, or (None, None, why) when its actor was lost."""
+    try:
+        value, error = ray.get(ref)
+    except ray.exceptions.RayActorError as e:
+        return None, None, one_line(e)
+    except Exception:
+        value, error = _task_result(ray, ref)
+    return value, error, None
+
+
 def run_on_actors(
     jobs: list[Any],
     engine: EngineSpec,
@@ -483,18 +507,7 @@ def run_on_actors(
     submitted again, once; the notes returned say which."""
     from tqdm.auto import tqdm
 
-    from lm_eval_sink.io import package_versions
-
-    ray = connect(engine.address)
-    res = actor_resources(engine)
-    check_fits(ray, {"engine.resources (one actor)": res}, engine.address or "this driver")
-    slots = eval_slots(ray, replace(engine, resources={**engine.resources, "eval": res}))
-    actor_cls = ray.remote(max_restarts=0, max_task_retries=0)(PoolActor)
-    versions = package_versions()
-
-    def start() -> Any:
-        return actor_cls.options(**res.options()).remote(worker_cls, args, versions, str(output_root))
-
+    ray, start, slots = _actor_pool(engine, output_root, worker_cls, args)
     actors = [start() for _ in range(min(slots, len(jobs)))]
     idle, waiting, running, notes = list(actors), list(jobs), {}, []
     bar = tqdm(total=len(jobs), desc="checkpoints (ray actors)", unit="checkpoint", disable=not progress)
@@ -505,22 +518,17 @@ def run_on_actors(
                 running[actor.run.remote(job)] = (actor, job)
             [ref], _ = ray.wait(list(running), num_returns=1)
             actor, job = running.pop(ref)
-            try:
-                value, error = ray.get(ref)
-            except ray.exceptions.RayActorError as e:
-                replacement = start()
-                actors.append(replacement)
-                idle.append(replacement)
+            value, error, lost = _actor_result(ray, ref)
+            if lost is not None:
+                actors.append(start())
+                actor = actors[-1]
                 if not any(job.id in n for n in notes):
                     notes.append(f"{job.id}: its actor was lost; a new actor redid the checkpoint")
+                    idle.append(actor)
                     waiting.insert(0, job)
                     continue
-                value, error = None, f"ray actor lost twice: {one_line(e)}"
-            except Exception:
-                value, error = _task_result(ray, ref)
-                idle.append(actor)
-            else:
-                idle.append(actor)
+                error = f"ray actor lost twice: {lost}"
+            idle.append(actor)
             record(job, value, error)
             bar.update(1)
     finally:
