@@ -24,7 +24,7 @@ from typing import Any
 
 from lm_eval_sink.commands.units import run_unit
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.identity import FINGERPRINT_RULE, check_same_identity, looks_like_hub_id, tree_files
+from lm_eval_sink.identity import looks_like_hub_id, tree_files
 from lm_eval_sink.io import (
     atomic_write_json,
     atomic_write_text,
@@ -35,7 +35,6 @@ from lm_eval_sink.io import (
     read_complete,
     sha256_file,
     sha256_text,
-    version_change,
     versioned_key,
 )
 from lm_eval_sink.locks import hold
@@ -43,18 +42,22 @@ from lm_eval_sink.merging.configs import TOKENIZER_CHOICES, bundled_names, load_
 from lm_eval_sink.merging.engines import parse_engine, run_on_ray
 from lm_eval_sink.merging.sweep import (
     ENDPOINTS,
-    KINDS,
     EvalIn,
+    FolderState,
+    Markers,
     Plan,
     RenderedMerge,
+    Schedule,
     StrengthIn,
     SweepSpec,
     Unit,
     build_table,
-    changed_fields,
+    check_conflicts,
+    current,
     parse_sweep_data,
     plan_units,
     redo_units,
+    schedule,
     table_text,
 )
 from lm_eval_sink.strength import StrengthSettings
@@ -321,79 +324,6 @@ class Manifest:
             os.fsync(f.fileno())
 
 
-Markers = dict[str, dict[str, Any] | None]  # unit id -> its COMPLETE marker as read (None: none there)
-
-
-def read_markers(units: tuple[Unit, ...] | list[Unit]) -> Markers:
-    """Each unit's COMPLETE marker, read once (again only for a unit that runs: `record` rereads it)."""
-    return {u.id: read_complete(u.output) for u in units}
-
-
-def current(unit: Unit, markers: Markers) -> dict[str, Any] | None:
-    """The unit's marker when it was made from the unit's inputs (its key), else None."""
-    marker = markers.get(unit.id)
-    return marker if marker is not None and marker.get("key") == unit.key else None
-
-
-def _weights_present(unit: Unit, markers: Markers) -> bool:
-    files = (markers.get(unit.id) or {}).get("weight_files")
-    return isinstance(files, dict) and all(
-        (unit.output / n).is_file() and (unit.output / n).stat().st_size == size for n, size in files.items()
-    )
-
-
-def unit_finished(unit: Unit, latest: dict[str, dict[str, Any]], markers: Markers) -> bool:
-    """Finished = last manifest line done with this key AND the COMPLETE marker with this key."""
-    row = latest.get(unit.id)
-    return bool(
-        row and row.get("status") == "done" and row.get("key") == unit.key and current(unit, markers) is not None
-    )
-
-
-def _check_conflicts(
-    plan: Plan, markers: Markers, redo: frozenset[str], earlier: dict[str, Any] | None, now: dict[str, Any]
-) -> list[str]:
-    """Refuse unit outputs made from other inputs, in one line naming the sweep file's changed fields and the
-    units they touch (those in `redo` are redone instead). One made from the same inputs by other versions is
-    recomputed, and so is one whose file is unchanged (a release changed a default): a note per unit."""
-    notes, conflicts = [], []
-    for unit in plan.units:
-        if unit.id in redo or not unit.output.exists() or current(unit, markers) is not None:
-            continue
-        complete = markers.get(unit.id) or {}
-        if complete.get("fingerprint_rule") != FINGERPRINT_RULE:
-            raise UserError(
-                f"{unit.output}: made with an older fingerprint rule; rerun with --force",
-                "pass --force to redo everything",
-            )
-        changed = version_change(complete, unit.inputs_key, unit.versions)
-        if changed:
-            notes.append(f"{unit.id}: recomputed: {changed}")
-            continue
-        if unit.inputs.get("identity") and complete.get("model_identity"):
-            check_same_identity(complete["model_identity"], unit.inputs["identity"], unit.output)
-        conflicts.append(unit)
-    fields = changed_fields(earlier, now)
-    if conflicts and fields == []:  # the sweep file as written is the same: a release changed a default
-        notes += [f"{u.id}: recomputed: made under other defaults (the sweep file is the same)" for u in conflicts]
-    elif conflicts:
-        raise _changed(plan.spec.source, conflicts, fields)
-    return notes
-
-
-def _changed(source: str, conflicts: list[Unit], fields: list[str] | None) -> UserError:
-    """The one line for finished units made from other inputs: the sweep file's changed fields, the units, --redo."""
-    ids = [u.id for u in conflicts]
-    kinds = [k for k in KINDS if any(u.kind == k for u in conflicts)]
-    return UserError(
-        f"{source}: {'; '.join(fields or ['the sweep file or a model'])} changed since "
-        f"{', '.join(ids[:6])}{f' and {len(ids) - 6} more' if len(ids) > 6 else ''} "
-        f"{'was' if len(ids) == 1 else 'were'} made",
-        f"pass {' '.join(f'--redo {k}' for k in kinds)} to redo just those (the others are kept), --force to "
-        "redo everything, or choose a new output folder",
-    )
-
-
 # --- running ---------------------------------------------------------------------------------
 
 
@@ -495,17 +425,36 @@ def _file_record(spec: SweepSpec) -> dict[str, Any]:
     return {"data": spec.written, "templates": {c: sha256_file(c) for c in templates}}
 
 
+def _weights_present(unit: Unit, marker: dict[str, Any] | None) -> bool:
+    files = (marker or {}).get("weight_files")
+    return isinstance(files, dict) and all(
+        (unit.output / n).is_file() and (unit.output / n).stat().st_size == size for n, size in files.items()
+    )
+
+
+def _read_state(plan: Plan, earlier: dict[str, Any] | None) -> FolderState:
+    """Everything a run decides from, read once: each unit's marker, the manifest, which outputs and weights exist."""
+    markers = {u.id: read_complete(u.output) for u in plan.units}
+    return FolderState(
+        markers=markers,
+        latest=Manifest(plan.spec.output / MANIFEST).latest(),
+        existing=frozenset(u.id for u in plan.units if u.output.exists()),
+        weights=frozenset(u.id for u in plan.units if u.kind == "merge" and _weights_present(u, markers[u.id])),
+        earlier_file=(earlier or {}).get("file"),
+    )
+
+
 def _start(
     plan: Plan, force: bool, redo: frozenset[str], earlier: dict[str, Any] | None, report: SweepReport
-) -> tuple[Markers, Manifest, set[str]]:
-    """Tidy, refuse or note units made from other inputs, record the sweep (sweep.json); return the markers, the
-    manifest and the units finished with the current keys (less those to redo)."""
+) -> tuple[FolderState, Schedule]:
+    """Tidy what a killed run left, read the folder once, refuse or note units made from other inputs, record the
+    sweep (sweep.json); return what was read and what to run."""
     out = plan.spec.output
     report.notes.extend(clean_stale_all({u.output: u.key for u in plan.units}))
-    markers = read_markers(plan.units)
+    state = _read_state(plan, earlier)
     record = _file_record(plan.spec)
     if not force:
-        report.notes.extend(_check_conflicts(plan, markers, redo, (earlier or {}).get("file"), record))
+        report.notes.extend(check_conflicts(plan, state, redo, record))
     atomic_write_json(
         out / "sweep.json",
         {
@@ -517,31 +466,17 @@ def _start(
             "provenance": provenance(),
         },
     )
-    manifest = Manifest(out / MANIFEST)
-    latest = {} if force else manifest.latest()
-    return markers, manifest, {u.id for u in plan.units if unit_finished(u, latest, markers) and u.id not in redo}
+    return state, schedule(plan, state, force, redo)
 
 
 def _run_sweep_locked(
     plan: Plan, force: bool, progress: bool, redo: frozenset[str], earlier: dict[str, Any] | None, notes: list[str]
 ) -> SweepReport:
-    spec = plan.spec
-    out = spec.output
+    spec, out = plan.spec, plan.spec.output
     report = SweepReport(output=out, notes=list(notes))
-    markers, manifest, finished = _start(plan, force, redo, earlier, report)
+    state, plan_now = _start(plan, force, redo, earlier, report)
+    markers, finished, manifest = dict(state.markers), set(plan_now.finished), Manifest(out / MANIFEST)
     by_id = {u.id: u for u in plan.units}
-
-    def needed(unit: Unit) -> bool:
-        if unit.kind != "merge":
-            return unit.id not in finished
-        if spec.in_memory:  # its eval and S read the resident model: weights only when asked for
-            return spec.keep_weights and unit.id not in finished
-        downstream = [
-            by_id[f"{k}:{unit.checkpoint}"] for k in ("eval", "strength") if f"{k}:{unit.checkpoint}" in by_id
-        ]
-        if all(d.id in finished for d in downstream):
-            return unit.id not in finished and not spec.delete_merged
-        return unit.id not in finished or not _weights_present(unit, markers)
 
     def record(unit: Unit, error: str | None) -> None:
         """The driver's bookkeeping of one unit that ran (or could not run), whatever the engine."""
@@ -553,20 +488,18 @@ def _run_sweep_locked(
                 )
             return
         manifest.append({"unit": unit.id, "key": unit.key, "status": "done", "output": str(unit.output)})
-        markers.update(read_markers([unit]))
+        markers[unit.id] = read_complete(unit.output)
         finished.add(unit.id)
         report.ran.append(unit.id)
         if spec.delete_merged and f"merge:{unit.checkpoint}" in by_id:
             _maybe_delete_weights(by_id[f"merge:{unit.checkpoint}"], by_id, finished, manifest, markers)
 
-    todo = [u for u in plan.units if needed(u)]
-    unwritten = [
-        u.id for u in plan.units if spec.in_memory and u.kind == "merge" and u not in todo and u.id not in finished
-    ]
-    report.skipped.extend(u.id for u in plan.units if u not in todo and u.id not in unwritten)
-    if unwritten:
+    todo = list(plan_now.todo)
+    report.skipped.extend(plan_now.skipped(plan))
+    if plan_now.unwritten:
         report.notes.append(
-            f"{len(unwritten)} merged checkpoint(s) not written to disk (in memory; keep_weights: true writes them)"
+            f"{len(plan_now.unwritten)} merged checkpoint(s) not written to disk (in memory; keep_weights: true "
+            "writes them)"
         )
     if spec.in_memory:
         from lm_eval_sink.commands.resident import run_in_memory

@@ -470,3 +470,118 @@ def table_text(table: dict[str, Any]) -> tuple[str, str]:
     md += f"S: {S_MEANING}.\n"
     labels = metric_labels(cols, load_benchmarks())
     return md + "\n" + markdown_table(head(labels), rows), csv_text(head(cols), rows)
+
+
+# --- what to run: decisions on the folder's state, read once by commands/sweep.py ----------------
+
+Markers = dict[str, dict[str, Any] | None]  # unit id -> its COMPLETE marker as read (None: none there)
+
+
+@dataclass(frozen=True)
+class FolderState:
+    """What a sweep's output folder held when the run started, read once under its lock (`commands.sweep`)."""
+
+    markers: Markers  # each unit's COMPLETE marker
+    latest: dict[str, dict[str, Any]]  # the manifest's last done / failed line of each unit
+    existing: frozenset[str]  # units whose output folder exists
+    weights: frozenset[str]  # merge units whose weight files are all there, at the sizes their marker records
+    earlier_file: dict[str, Any] | None  # the sweep file as an earlier run recorded it in sweep.json
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """What a run does: the units finished with their current keys (less those to redo), the units to run, and
+    the merges an in-memory sweep neither runs nor has on disk."""
+
+    finished: frozenset[str]
+    todo: tuple[Unit, ...]
+    unwritten: tuple[str, ...]
+
+    def skipped(self, plan: Plan) -> list[str]:
+        return [u.id for u in plan.units if u not in self.todo and u.id not in self.unwritten]
+
+
+def current(unit: Unit, markers: Markers) -> dict[str, Any] | None:
+    """The unit's marker when it was made from the unit's inputs (its key), else None."""
+    marker = markers.get(unit.id)
+    return marker if marker is not None and marker.get("key") == unit.key else None
+
+
+def unit_finished(unit: Unit, latest: dict[str, dict[str, Any]], markers: Markers) -> bool:
+    """Finished = last manifest line done with this key AND the COMPLETE marker with this key."""
+    row = latest.get(unit.id)
+    return bool(
+        row and row.get("status") == "done" and row.get("key") == unit.key and current(unit, markers) is not None
+    )
+
+
+def schedule(plan: Plan, state: FolderState, force: bool, redo: frozenset[str]) -> Schedule:
+    """The units to run: unfinished ones (all with `force`, also those in `redo`); a merge only where its eval or S
+    needs weights that are not there (in memory: only to keep them), and never again once `delete_merged` removed
+    them after everything downstream finished."""
+    spec, by_id = plan.spec, {u.id: u for u in plan.units}
+    latest = {} if force else state.latest
+    finished = frozenset(u.id for u in plan.units if unit_finished(u, latest, state.markers) and u.id not in redo)
+
+    def needed(unit: Unit) -> bool:
+        if unit.kind != "merge":
+            return unit.id not in finished
+        if spec.in_memory:  # its eval and S read the resident model: weights only when asked for
+            return spec.keep_weights and unit.id not in finished
+        downstream = [by_id[d] for k in ("eval", "strength") if (d := f"{k}:{unit.checkpoint}") in by_id]
+        if all(d.id in finished for d in downstream):
+            return unit.id not in finished and not spec.delete_merged
+        return unit.id not in finished or unit.id not in state.weights
+
+    todo = tuple(u for u in plan.units if needed(u))
+    unwritten = tuple(
+        u.id for u in plan.units if spec.in_memory and u.kind == "merge" and u not in todo and u.id not in finished
+    )
+    return Schedule(finished=finished, todo=todo, unwritten=unwritten)
+
+
+def check_conflicts(plan: Plan, state: FolderState, redo: frozenset[str], now: dict[str, Any]) -> list[str]:
+    """Refuse unit outputs made from other inputs, in one line naming the sweep file's changed fields (`now` against
+    the earlier record) and the units they touch (those in `redo` are redone instead). One made from the same
+    inputs by other versions is recomputed, and so is one whose file is unchanged (a release changed a default):
+    a note per unit."""
+    from lm_eval_sink.identity import FINGERPRINT_RULE, check_same_identity
+    from lm_eval_sink.io import version_change
+
+    notes, conflicts = [], []
+    for unit in plan.units:
+        if unit.id in redo or unit.id not in state.existing or current(unit, state.markers) is not None:
+            continue
+        complete = state.markers.get(unit.id) or {}
+        if complete.get("fingerprint_rule") != FINGERPRINT_RULE:
+            raise UserError(
+                f"{unit.output}: made with an older fingerprint rule; rerun with --force",
+                "pass --force to redo everything",
+            )
+        changed = version_change(complete, unit.inputs_key, unit.versions)
+        if changed:
+            notes.append(f"{unit.id}: recomputed: {changed}")
+            continue
+        if unit.inputs.get("identity") and complete.get("model_identity"):
+            check_same_identity(complete["model_identity"], unit.inputs["identity"], unit.output)
+        conflicts.append(unit)
+    fields = changed_fields(state.earlier_file, now)
+    if conflicts and fields == []:  # the sweep file as written is the same: a release changed a default
+        same = "made under other defaults (the sweep file is the same)"
+        return notes + [f"{u.id}: recomputed: {same}" for u in conflicts]
+    if conflicts:
+        raise _changed(plan.spec.source, conflicts, fields)
+    return notes
+
+
+def _changed(source: str, conflicts: list[Unit], fields: list[str] | None) -> UserError:
+    """The one line for finished units made from other inputs: the sweep file's changed fields, the units, --redo."""
+    ids = [u.id for u in conflicts]
+    kinds = [k for k in KINDS if any(u.kind == k for u in conflicts)]
+    return UserError(
+        f"{source}: {'; '.join(fields or ['the sweep file or a model'])} changed since "
+        f"{', '.join(ids[:6])}{f' and {len(ids) - 6} more' if len(ids) > 6 else ''} "
+        f"{'was' if len(ids) == 1 else 'were'} made",
+        f"pass {' '.join(f'--redo {k}' for k in kinds)} to redo just those (the others are kept), --force to "
+        "redo everything, or choose a new output folder",
+    )
