@@ -182,7 +182,7 @@ def _main_kind(counts: Mapping[str, int] | None) -> tuple[str, int] | None:
 
 
 def _regression_rows(b: BucketsInput) -> list[dict[str, Any]]:
-    """One row per regression (continuous metrics: per doc that got worse), with its prompt and both responses."""
+    """One row per regression (a continuous metric: also per doc that got worse), with its prompt and both responses."""
     d, data = b.doc, b.doc.data
     binary = data.get("kind") == "binary"
     table = []
