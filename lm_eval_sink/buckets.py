@@ -288,6 +288,48 @@ def _response(row: Mapping, filtered: bool) -> str | None:
 # --- the comparison ------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class _Paired:
+    """Two samples logs joined per doc under one filter and metric: what every pass of `bucket` reads."""
+
+    spec: Benchmark
+    filter: str
+    metric: str
+    ids: list[int]  # the paired doc_ids, sorted
+    pairing: dict[str, Any]  # pairing.pair_docs' record
+    ref_rows: dict[int, Mapping[str, Any]]
+    cand_rows: dict[int, Mapping[str, Any]]
+    ref_v: np.ndarray  # each paired doc's outcome
+    cand_v: np.ndarray
+
+
+def _pair(
+    reference_samples: Sequence[Mapping[str, Any]],
+    candidate_samples: Sequence[Mapping[str, Any]],
+    task: str | None,
+    settings: BucketSettings,
+    labels: tuple[str, str],
+) -> _Paired:
+    """Choose the filter and metric, join the two logs per doc (pairing.pair_docs) and read each doc's outcome."""
+    if not reference_samples or not candidate_samples:
+        raise UserError(
+            f"{labels[0] if not reference_samples else labels[1]}: no samples",
+            "pass a samples file written by lm-eval --log_samples",
+        )
+    spec = benchmark_of(task, load_benchmarks()) or _GENERIC
+    filt = _choose_filter(reference_samples, candidate_samples, settings.filter, spec, labels)
+    ref_rows = index_docs(reference_samples, filt, labels[0])
+    cand_rows = index_docs(candidate_samples, filt, labels[1])
+    metric = _choose_metric(ref_rows, settings.metric, spec, labels[0])
+    _choose_metric(cand_rows, metric, spec, labels[1])
+    ids, pairing = pair_docs(
+        ref_rows, cand_rows, labels, allow_partial=settings.allow_partial, doc_mismatch_hint=spec.doc_mismatch_hint
+    )
+    ref_v = np.array([outcome(ref_rows[i], metric, labels[0]) for i in ids])
+    cand_v = np.array([outcome(cand_rows[i], metric, labels[1]) for i in ids])
+    return _Paired(spec, filt, metric, ids, pairing, ref_rows, cand_rows, ref_v, cand_v)
+
+
 def bucket(
     reference_samples: Sequence[Mapping[str, Any]],
     candidate_samples: Sequence[Mapping[str, Any]],
@@ -307,68 +349,58 @@ def bucket(
     it comes from), else unknown (truncation then cannot be told). `labels` name the two logs in
     error messages.
     """
-    if not reference_samples or not candidate_samples:
-        raise UserError(
-            f"{labels[0] if not reference_samples else labels[1]}: no samples",
-            "pass a samples file written by lm-eval --log_samples",
-        )
-    spec = benchmark_of(task, load_benchmarks()) or _GENERIC
-    filt = _choose_filter(reference_samples, candidate_samples, settings.filter, spec, labels)
-    ref_rows = index_docs(reference_samples, filt, labels[0])
-    cand_rows = index_docs(candidate_samples, filt, labels[1])
-    metric = _choose_metric(ref_rows, settings.metric, spec, labels[0])
-    _choose_metric(cand_rows, metric, spec, labels[1])
-    ids, pairing = pair_docs(
-        ref_rows, cand_rows, labels, allow_partial=settings.allow_partial, doc_mismatch_hint=spec.doc_mismatch_hint
-    )
-    ref_v = np.array([outcome(ref_rows[i], metric, labels[0]) for i in ids])
-    cand_v = np.array([outcome(cand_rows[i], metric, labels[1]) for i in ids])
-    kind = _kind(ids, ref_v, cand_v, metric, spec, settings)
-    stats = paired_stats(ids, ref_v, cand_v, kind, settings)
-    rows = _doc_rows(ids, stats.prompts, ref_v, cand_v, ref_rows, cand_rows)
+    p = _pair(reference_samples, candidate_samples, task, settings, labels)
+    kind = _kind(p.ids, p.ref_v, p.cand_v, p.metric, p.spec, settings)
+    stats = paired_stats(p.ids, p.ref_v, p.cand_v, kind, settings)
+    rows = _doc_rows(p.ids, stats.prompts, p.ref_v, p.cand_v, p.ref_rows, p.cand_rows)
     by_id = {row["doc_id"]: row for row in rows}
     regressions = stats.prompts["regression"] if stats.prompts else []
-    truncation = _mark_truncation(regressions, cand_rows, by_id, settings, count_tokens, fallback_max_gen_toks)
-    instruction_level, instruction_types, failure = _ifeval_passes(
-        spec, metric, ids, ref_rows, cand_rows, by_id, regressions, settings, labels, progress
-    )
+    truncation = _mark_truncation(regressions, p.cand_rows, by_id, settings, count_tokens, fallback_max_gen_toks)
+    instruction_level, instruction_types, failure = _ifeval_passes(p, by_id, regressions, settings, labels, progress)
     format_split = None
-    if spec.lenient_filter and filt != spec.lenient_filter and stats.prompts is not None:
-        format_split = _format_split(regressions, candidate_samples, spec.lenient_filter, metric, by_id, labels[1])
+    if p.spec.lenient_filter and p.filter != p.spec.lenient_filter and stats.prompts is not None:
+        format_split = _format_split(regressions, candidate_samples, p.spec.lenient_filter, p.metric, by_id, labels[1])
     return BucketReport(
         task=task,
-        metric=metric,
-        filter=filt,
+        metric=p.metric,
+        filter=p.filter,
         kind=kind,
         threshold=settings.threshold,
-        n=len(ids),
-        reference_score=float(ref_v.mean()),
-        candidate_score=float(cand_v.mean()),
+        n=len(p.ids),
+        reference_score=float(p.ref_v.mean()),
+        candidate_score=float(p.cand_v.mean()),
         **{f.name: getattr(stats, f.name) for f in fields(stats)},
         instruction_level=instruction_level,
         instruction_types=instruction_types,
         format_split=format_split,
         failure_kinds=failure,
         truncation=truncation,
-        pairing=pairing,
+        pairing=p.pairing,
         rows=rows,
         settings=asdict(settings),
-        notes=_pairing_notes(pairing, len(ids)) + _collapse_notes(ids, ref_rows, cand_rows, labels),
+        notes=_pairing_notes(p.pairing, len(p.ids)) + _collapse_notes(p.ids, p.ref_rows, p.cand_rows, labels),
     )
 
 
-def _ifeval_passes(spec: Benchmark, metric, ids, ref_rows, cand_rows, by_id, regressions, settings, labels, progress):
+def _ifeval_passes(
+    p: _Paired,
+    by_id: dict[int, dict[str, Any]],
+    regressions: list[int],
+    settings: BucketSettings,
+    labels: tuple[str, str],
+    progress: bool,
+) -> tuple[dict[str, Any] | None, list[dict[str, Any]] | None, dict[str, Any] | None]:
     """IFEval only: instruction-level statistics and the failure kinds of the regressions (None elsewhere)."""
-    if spec.checker != "ifeval":
+    if p.spec.checker != "ifeval":
         return None, None, None
     instruction_level = instruction_types = failure = None
-    inst_metric = spec.instruction_metrics.get(metric)
+    inst_metric = p.spec.instruction_metrics.get(p.metric)
     if inst_metric is not None:
         instruction_level, instruction_types = _instruction_stats(
-            ids, ref_rows, cand_rows, inst_metric, by_id, settings, labels
+            p.ids, p.ref_rows, p.cand_rows, inst_metric, by_id, settings, labels
         )
     if settings.failure_kinds and regressions:
-        failure = _failure_kinds(regressions, cand_rows, by_id, loose="loose" in metric, progress=progress)
+        failure = _failure_kinds(regressions, p.cand_rows, by_id, loose="loose" in p.metric, progress=progress)
     return instruction_level, instruction_types, failure
 
 
@@ -555,33 +587,23 @@ def _mark_truncation(
 
 
 def _instruction_stats(
-    ids, ref_rows, cand_rows, inst_metric, by_id, settings, labels
+    ids: Sequence[int],
+    ref_rows: Mapping[int, Mapping],
+    cand_rows: Mapping[int, Mapping],
+    inst_metric: str,
+    by_id: dict[int, dict[str, Any]],
+    settings: BucketSettings,
+    labels: tuple[str, str],
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """IFEval's instruction-level accuracy (cluster bootstrap over prompts) and its per-instruction-type table; fills
+    each doc's instruction counts in `by_id`."""
     ref_p, cand_p, n_items = [], [], []
     per_type: dict[str, list[tuple[bool, bool]]] = {}
-    inst_ref, inst_cand = [], []
     for i in ids:
-        a, b = ref_rows[i].get(inst_metric), cand_rows[i].get(inst_metric)
-        doc = ref_rows[i].get("doc") or {}
-        names = doc.get("instruction_id_list")
-        for label, v in zip(labels, (a, b), strict=True):
-            if not isinstance(v, list):
-                raise UserError(
-                    f"{label}: doc_id {i} has no instruction-level list {inst_metric!r}",
-                    "pass IFEval samples written by lm-eval --log_samples",
-                )
-        if len(a) != len(b) or (isinstance(names, list) and len(names) != len(a)):
-            raise UserError(
-                f"doc_id {i}: the runs list different numbers of instructions ({len(a)} vs {len(b)})",
-                "pass two IFEval runs of the same task version",
-            )
-        names = names if isinstance(names, list) else [f"instruction_{k}" for k in range(len(a))]
-        ra, cb = [bool(x) for x in a], [bool(x) for x in b]
+        names, ra, cb = _instructions(i, ref_rows[i], cand_rows[i], inst_metric, labels)
         ref_p.append(sum(ra))
         cand_p.append(sum(cb))
         n_items.append(len(ra))
-        inst_ref.extend(ra)
-        inst_cand.extend(cb)
         by_id[i].update(
             n_instructions=len(ra), reference_instructions_passed=sum(ra), candidate_instructions_passed=sum(cb)
         )
@@ -589,25 +611,48 @@ def _instruction_stats(
             per_type.setdefault(name, []).append((r, c))
     total = sum(n_items)
     ref_score, cand_score = sum(ref_p) / total, sum(cand_p) / total
+    ci = cluster_delta_ci(
+        np.array(ref_p), np.array(cand_p), np.array(n_items), settings.n_bootstrap, settings.confidence, settings.seed
+    )
+    pairs = [p for name in per_type for p in per_type[name]]
     level = {
         "metric": inst_metric,
         "n_instructions": total,
         "reference_score": ref_score,
         "candidate_score": cand_score,
         "delta": cand_score - ref_score,
-        "delta_ci": list(
-            cluster_delta_ci(
-                np.array(ref_p),
-                np.array(cand_p),
-                np.array(n_items),
-                settings.n_bootstrap,
-                settings.confidence,
-                settings.seed,
-            )
-        ),
-        "counts": _four(inst_ref, inst_cand),
+        "delta_ci": list(ci),
+        "counts": _four([r for r, _ in pairs], [c for _, c in pairs]),
         "method": "cluster bootstrap: whole prompts resampled with their instructions",
     }
+    return level, _instruction_type_table(per_type)
+
+
+def _instructions(
+    i: int, ref_row: Mapping, cand_row: Mapping, inst_metric: str, labels: tuple[str, str]
+) -> tuple[list[str], list[bool], list[bool]]:
+    """One doc's instruction ids (`instruction_k` where the doc lists none) and each run's pass per instruction."""
+    a, b = ref_row.get(inst_metric), cand_row.get(inst_metric)
+    doc = ref_row.get("doc") or {}
+    names = doc.get("instruction_id_list")
+    for label, v in zip(labels, (a, b), strict=True):
+        if not isinstance(v, list):
+            raise UserError(
+                f"{label}: doc_id {i} has no instruction-level list {inst_metric!r}",
+                "pass IFEval samples written by lm-eval --log_samples",
+            )
+    if len(a) != len(b) or (isinstance(names, list) and len(names) != len(a)):
+        raise UserError(
+            f"doc_id {i}: the runs list different numbers of instructions ({len(a)} vs {len(b)})",
+            "pass two IFEval runs of the same task version",
+        )
+    names = names if isinstance(names, list) else [f"instruction_{k}" for k in range(len(a))]
+    return names, [bool(x) for x in a], [bool(x) for x in b]
+
+
+def _instruction_type_table(per_type: Mapping[str, list[tuple[bool, bool]]]) -> list[dict[str, Any]]:
+    """One row per instruction type: buckets, rates, delta, exact McNemar and Holm-adjusted p; most regressions
+    first."""
     table = []
     for name, pairs in per_type.items():
         counts = _four([r for r, _ in pairs], [c for _, c in pairs])
@@ -627,7 +672,7 @@ def _instruction_stats(
     for row, p in zip(table, holm([t["mcnemar_p"] for t in table]), strict=True):
         row["holm_p"] = p
     table.sort(key=lambda t: (-t["regression"], -(t["regression"] - t["recovered"]), t["instruction_id"]))
-    return level, table
+    return table
 
 
 def _failure_kinds(regressions, cand_rows, by_id, loose: bool, progress: bool) -> dict[str, Any]:
@@ -784,73 +829,79 @@ def _fmt(x: Any, pct: bool = False) -> str:
 
 def summary_markdown(report: Mapping[str, Any], top: int = 15) -> str:
     """The Markdown summary of a saved report (buckets.json), tables first."""
-    pct = report["kind"] == "binary"
-    title = f"# Regression buckets: {report['task']} ({report['metric']}, filter {report['filter']})"
-    lines = [title, ""]
+    lines = _heading_lines(report) + _bucket_lines(report) + _score_lines(report)
+    lines += _regression_lines(report) + _instruction_type_lines(report, top)
+    if report.get("notes"):
+        lines += ["Notes:", ""] + [f"- {n}" for n in report["notes"]] + [""]
+    return "\n".join(lines)
+
+
+def _heading_lines(report: Mapping[str, Any]) -> list[str]:
+    """Title, the two runs and the number of paired docs."""
+    lines = [f"# Regression buckets: {report['task']} ({report['metric']}, filter {report['filter']})", ""]
     runs = report.get("runs") or {}
     for side in ("reference", "candidate"):
         r = runs.get(side)
         if r:
             run = f" (run {PurePath(r['run']).name})" if r.get("run") else ""
             lines.append(f"- {side}: {r.get('model') or r['samples_file']}{run}")
-    lines += [f"- paired docs: {report['n']}", ""]
-    if report.get("counts"):
-        n = report["n"]
-        lines += markdown_lines(
-            ["bucket", "prompts", "share"],
-            [[b, report["counts"][b], f"{100 * report['counts'][b] / n:.1f}%"] for b in BUCKETS],
-        )
-        lines.append("")
-    else:
-        lines += [f"buckets: {report['counts_reason']}", ""]
-    lo, hi = report["delta_ci"]
-    conf = round(100 * report["settings"]["confidence"])
-    unit = " (points)" if pct else ""
-    scores = [
-        [
-            report["metric"],
-            _fmt(report["reference_score"], pct),
-            _fmt(report["candidate_score"], pct),
-            f"{_fmt(report['delta'], pct)} [{_fmt(lo, pct)}, {_fmt(hi, pct)}]",
-            _fmt(report["mcnemar_p"]),
-            _fmt(report["wilcoxon_p"]),
-        ]
+    return [*lines, f"- paired docs: {report['n']}", ""]
+
+
+def _bucket_lines(report: Mapping[str, Any]) -> list[str]:
+    """The four buckets' counts and shares, or why there are none (a continuous metric without a threshold)."""
+    if not report.get("counts"):
+        return [f"buckets: {report['counts_reason']}", ""]
+    n, counts = report["n"], report["counts"]
+    rows = [[b, counts[b], f"{100 * counts[b] / n:.1f}%"] for b in BUCKETS]
+    return [*markdown_lines(["bucket", "prompts", "share"], rows), ""]
+
+
+def _score_row(
+    what: str, reference: float, candidate: float, delta: float, ci: Sequence[float], pct: bool, tests: tuple[str, str]
+) -> list[str]:
+    """One row of the score table: both runs' scores, the delta with its interval, the two tests' p-values."""
+    return [
+        what,
+        _fmt(reference, pct),
+        _fmt(candidate, pct),
+        f"{_fmt(delta, pct)} [{_fmt(ci[0], pct)}, {_fmt(ci[1], pct)}]",
+        *tests,
     ]
-    il = report.get("instruction_level")
+
+
+def _score_lines(report: Mapping[str, Any]) -> list[str]:
+    """One score table: the metric, and the instruction-level accuracy (IFEval) or pass rate (threshold) if any."""
+    r, pct = report, report["kind"] == "binary"
+    mcnemar = _fmt(r["mcnemar_p"])
+    tests = (mcnemar, _fmt(r["wilcoxon_p"]))
+    rows = [_score_row(r["metric"], r["reference_score"], r["candidate_score"], r["delta"], r["delta_ci"], pct, tests)]
+    il = r.get("instruction_level")
     if il:
-        lo, hi = il["delta_ci"]
-        scores.append(
-            [
-                f"{il['metric']} ({il['n_instructions']} instructions, cluster bootstrap)",
-                _fmt(il["reference_score"], True),
-                _fmt(il["candidate_score"], True),
-                f"{_fmt(il['delta'], True)} [{_fmt(lo, True)}, {_fmt(hi, True)}]",
-                "n/a",
-                "n/a",
-            ]
+        what = f"{il['metric']} ({il['n_instructions']} instructions, cluster bootstrap)"
+        rows.append(
+            _score_row(
+                what, il["reference_score"], il["candidate_score"], il["delta"], il["delta_ci"], True, ("n/a",) * 2
+            )
         )
-    pr = report.get("pass_rate")
+    pr = r.get("pass_rate")
     if pr:
-        lo, hi = pr["delta_ci"]
-        scores.append(
-            [
-                f"pass rate (score >= {pr['threshold']:g})",
-                _fmt(pr["reference"], True),
-                _fmt(pr["candidate"], True),
-                f"{_fmt(pr['delta'], True)} [{_fmt(lo, True)}, {_fmt(hi, True)}]",
-                _fmt(report["mcnemar_p"]),
-                "n/a",
-            ]
+        what = f"pass rate (score >= {pr['threshold']:g})"
+        rows.append(
+            _score_row(what, pr["reference"], pr["candidate"], pr["delta"], pr["delta_ci"], True, (mcnemar, "n/a"))
         )
-    lines += markdown_lines(
-        [f"score{unit}", "reference", "candidate", f"delta [{conf}% CI]", "McNemar p", "Wilcoxon p"], scores
-    )
-    lines.append("")
+    conf = round(100 * r["settings"]["confidence"])
+    head = ["score" + (" (points)" if pct else ""), "reference", "candidate", f"delta [{conf}% CI]"]
+    return [*markdown_lines([*head, "McNemar p", "Wilcoxon p"], rows), ""]
+
+
+def _regression_lines(report: Mapping[str, Any]) -> list[str]:
+    """What the regressions are: failure kinds (IFEval), format failures vs wrong answers, truncated responses."""
+    lines = []
     fk = report.get("failure_kinds")
     if fk:
         lines += ["Failure kinds of the regressions (one primary kind each):", ""]
-        lines += markdown_lines(["kind", "regressions"], fk["counts"].items())
-        lines.append("")
+        lines += [*markdown_lines(["kind", "regressions"], fk["counts"].items()), ""]
     fs = report.get("format_split")
     if fs:
         lines += [
@@ -868,45 +919,37 @@ def summary_markdown(report: Mapping[str, Any], top: int = 15) -> str:
             f"{', '.join(tr['max_gen_toks'])}{unknown}).",
             "",
         ]
+    return lines
+
+
+_TYPE_COLUMNS = ("instruction_id", "n", "regression", "recovered", "reference %", "candidate %", "delta")
+
+
+def _instruction_type_lines(report: Mapping[str, Any], top: int) -> list[str]:
+    """The `top` instruction types by regressions (IFEval), with per-type and Holm-adjusted McNemar p-values."""
     types = report.get("instruction_types")
-    if types:
-        lines += [
-            f"Instruction types by regressions (top {min(top, len(types))} of {len(types)}; McNemar p "
-            f"per type and Holm-adjusted over all {len(types)} types; "
-            "descriptive, types are not independent tests of one hypothesis):",
-            "",
+    if not types:
+        return []
+    rows = [
+        [
+            t["instruction_id"],
+            t["n"],
+            t["regression"],
+            t["recovered"],
+            f"{100 * t['reference_rate']:.1f}",
+            f"{100 * t['candidate_rate']:.1f}",
+            f"{100 * t['delta']:+.1f}",
+            f"{t['mcnemar_p']:.3g}",
+            f"{t['holm_p']:.3g}",
         ]
-        lines += markdown_lines(
-            [
-                "instruction_id",
-                "n",
-                "regression",
-                "recovered",
-                "reference %",
-                "candidate %",
-                "delta",
-                "McNemar p",
-                "Holm p",
-            ],
-            [
-                [
-                    t["instruction_id"],
-                    t["n"],
-                    t["regression"],
-                    t["recovered"],
-                    f"{100 * t['reference_rate']:.1f}",
-                    f"{100 * t['candidate_rate']:.1f}",
-                    f"{100 * t['delta']:+.1f}",
-                    f"{t['mcnemar_p']:.3g}",
-                    f"{t['holm_p']:.3g}",
-                ]
-                for t in types[:top]
-            ],
-        )
-        lines.append("")
-    if report.get("notes"):
-        lines += ["Notes:", ""] + [f"- {n}" for n in report["notes"]] + [""]
-    return "\n".join(lines)
+        for t in types[:top]
+    ]
+    intro = (
+        f"Instruction types by regressions (top {min(top, len(types))} of {len(types)}; McNemar p "
+        f"per type and Holm-adjusted over all {len(types)} types; "
+        "descriptive, types are not independent tests of one hypothesis):"
+    )
+    return [intro, "", *markdown_lines([*_TYPE_COLUMNS, "McNemar p", "Holm p"], rows), ""]
 
 
 CSV_COLUMNS = (

@@ -83,6 +83,22 @@ def _pick_task(ref_run, cand_run, task: str | None) -> tuple[str, Path, Path]:
     )
 
 
+def _require_same_protocol(fps: dict[str, tuple[Any, str | None]], diffs: dict[str, Any]) -> None:
+    """--same-protocol: refuse runs whose protocol is unknown or differs (naming the runs or the fields)."""
+    unknown = [f"{side}: {reason}" for side, (fp, reason) in fps.items() if fp is None]
+    if unknown:
+        raise UserError(
+            f"--same-protocol cannot be checked ({'; '.join(unknown)})",
+            "pass runs with their lm-eval results files, or drop --same-protocol",
+        )
+    if diffs:
+        shown = "; ".join(f"{k}: {v['reference']!r} vs {v['candidate']!r}" for k, v in diffs.items())
+        raise UserError(
+            f"the runs differ in protocol ({shown[:300]})",
+            "re-run one model with the other's protocol, or drop --same-protocol",
+        )
+
+
 def compare_runs(
     reference: str | Path,
     candidate: str | Path,
@@ -104,20 +120,9 @@ def compare_runs(
         "reference": run_record(ref_run, *fps["reference"], task, ref_path, reference),
         "candidate": run_record(cand_run, *fps["candidate"], task, cand_path, candidate),
     }
-    if same_protocol:
-        unknown = [f"{side}: {reason}" for side, (fp, reason) in fps.items() if fp is None]
-        if unknown:
-            raise UserError(
-                f"--same-protocol cannot be checked ({'; '.join(unknown)})",
-                "pass runs with their lm-eval results files, or drop --same-protocol",
-            )
     diffs = protocol_differences(fps["reference"][0], fps["candidate"][0], task)
-    if same_protocol and diffs:
-        shown = "; ".join(f"{k}: {v['reference']!r} vs {v['candidate']!r}" for k, v in diffs.items())
-        raise UserError(
-            f"the runs differ in protocol ({shown[:300]})",
-            "re-run one model with the other's protocol, or drop --same-protocol",
-        )
+    if same_protocol:
+        _require_same_protocol(fps, diffs)
     count_tokens = None
     if tokenizer is not None:
         from lm_eval_sink.failure_kinds import tokenizer_counter

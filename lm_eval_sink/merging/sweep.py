@@ -294,56 +294,69 @@ def plan_units(
     `eval` and `strength` units (`harness.runner.eval_versions`, `strength.key_versions`);
     `include_sha`: the fingerprint of the eval include_path's files (None without one).
     """
-    out = spec.output
-    checkpoints: list[Checkpoint] = []
-    units: list[Unit] = []
-
-    def unit(kind: str, ck: Checkpoint, folder: str, payload: dict[str, Any], inputs: dict[str, Any]) -> Unit:
-        ikey = sha256_text(canonical_json({"kind": kind, "checkpoint": ck.identity, **payload}))
-        ver = {**versions[kind], **ck.versions}
-        return Unit(kind, ck.name, versioned_key(ikey, ver), out / folder / ck.name, inputs, ikey, ver)
-
-    def evaluate(ck: Checkpoint) -> None:
-        identity = identities.get(ck.name)
-        if spec.eval is not None:
-            settings = {**spec.eval.to_json(), "device": _KEYED_DEVICE if spec.eval.device is not None else None}
-            payload = {"settings": settings, "include_path_sha256": include_sha}
-            units.append(
-                unit("eval", ck, "evals", payload, {"model": ck.path, "settings": spec.eval, "identity": identity})
-            )
-        if spec.strength is not None:
-            payload = {"settings": spec.strength.key_fields(), "dtype": spec.strength_dtype}  # no device, no batching
-            inputs = {
-                "model": ck.path,
-                "settings": spec.strength,
-                "dtype": spec.strength_dtype,
-                "device": spec.strength_device,
-                "identity": identity,
-            }
-            units.append(unit("strength", ck, "strength", payload, inputs))
-        checkpoints.append(ck)
-
-    for role in ENDPOINTS:
-        evaluate(Checkpoint(role, role, spec.models[role], identities[role]["fingerprint"]))
+    checkpoints = [Checkpoint(role, role, spec.models[role], identities[role]["fingerprint"]) for role in ENDPOINTS]
+    units = [u for ck in checkpoints for u in _measure_units(spec, ck, identities.get(ck.name), versions, include_sha)]
     for m in merges:
-        target = out / "merges" / m.name
+        target = spec.output / "merges" / m.name
         inputs = {
             "config": m.config,
             "random_seed": spec.random_seed,
             "device": spec.merge_device,
             "template": m.template,
         }
-        units.append(Unit("merge", m.name, m.key, target, inputs, m.inputs_key, m.versions))
         merged = {f"merge {k}": v for k, v in m.versions.items()}
-        evaluate(
-            Checkpoint(m.name, "merge", str(target), m.inputs_key, method=m.method, setting=m.setting, versions=merged)
-        )
+        ck = Checkpoint(m.name, "merge", str(target), m.inputs_key, method=m.method, setting=m.setting, versions=merged)
+        units.append(Unit("merge", m.name, m.key, target, inputs, m.inputs_key, m.versions))
+        units += _measure_units(spec, ck, identities.get(ck.name), versions, include_sha)
+        checkpoints.append(ck)
     return Plan(
         spec=spec,
         checkpoints=tuple(checkpoints),
         units=tuple(units),
         lineage="siblings" if "base" in spec.models else "chain",
     )
+
+
+def _measure_units(
+    spec: SweepSpec,
+    ck: Checkpoint,
+    identity: dict[str, Any] | None,
+    versions: dict[str, dict[str, Any]],
+    include_sha: str | None,
+) -> list[Unit]:
+    """The eval and strength units of one checkpoint (none of a kind the sweep file turns off)."""
+    units = []
+    if spec.eval is not None:
+        settings = {**spec.eval.to_json(), "device": _KEYED_DEVICE if spec.eval.device is not None else None}
+        payload = {"settings": settings, "include_path_sha256": include_sha}
+        inputs = {"model": ck.path, "settings": spec.eval, "identity": identity}
+        units.append(_unit(spec, "eval", ck, "evals", payload, inputs, versions))
+    if spec.strength is not None:
+        payload = {"settings": spec.strength.key_fields(), "dtype": spec.strength_dtype}  # no device, no batching
+        inputs = {
+            "model": ck.path,
+            "settings": spec.strength,
+            "dtype": spec.strength_dtype,
+            "device": spec.strength_device,
+            "identity": identity,
+        }
+        units.append(_unit(spec, "strength", ck, "strength", payload, inputs, versions))
+    return units
+
+
+def _unit(
+    spec: SweepSpec,
+    kind: str,
+    ck: Checkpoint,
+    folder: str,
+    payload: dict[str, Any],
+    inputs: dict[str, Any],
+    versions: dict[str, dict[str, Any]],
+) -> Unit:
+    """A unit of `kind` on `ck` under `<output>/<folder>/<checkpoint>`, keyed by its payload and the code versions."""
+    ikey = sha256_text(canonical_json({"kind": kind, "checkpoint": ck.identity, **payload}))
+    ver = {**versions[kind], **ck.versions}
+    return Unit(kind, ck.name, versioned_key(ikey, ver), spec.output / folder / ck.name, inputs, ikey, ver)
 
 
 # --- the table -------------------------------------------------------------------------------
@@ -376,48 +389,15 @@ def build_table(
     `results` / `fingerprints` / `strengths`: per checkpoint with a finished unit, its lm-eval
     results JSON, `protocols.Fingerprint` and saved S.
     """
-    from lm_eval_sink.protocols import diff, require_same_harness
+    from lm_eval_sink.protocols import require_same_harness
 
-    status = {}
-    for ck in plan.checkpoints:
-        problems = [
-            f"{u}: {failures[u]}"
-            for u in (f"merge:{ck.name}", f"eval:{ck.name}", f"strength:{ck.name}")
-            if u in failures
-        ]
-        status[ck.name] = "; ".join(problems) if problems else "ok"
     require_same_harness(fingerprints)
     ref_fp = fingerprints.get("reference")
-    model_diffs = []
-    for name, fp in fingerprints.items():
-        if ref_fp is not None and name != "reference":
-            fields = [d.field for d in diff(ref_fp, fp) if d.part == "model"]
-            if fields:
-                model_diffs.append(
-                    f"{name} differs from the reference in model-owned protocol fields: {', '.join(fields)}"
-                )
     metrics = {name: _metrics(r) for name, r in results.items()}
     columns: list[str] = []
     for name in [c.name for c in plan.checkpoints]:
         columns += [m for m in metrics.get(name, {}) if m not in columns]
-    ref_m, ref_s = metrics.get("reference", {}), strengths.get("reference")
-    rows = []
-    for ck in plan.checkpoints:
-        m = metrics.get(ck.name, {})
-        s = strengths.get(ck.name)
-        rows.append(
-            {
-                "checkpoint": ck.name,
-                "role": ck.role,
-                "method": ck.method,
-                "setting": ck.setting,
-                "status": status[ck.name],
-                "metrics": {c: m.get(c) for c in columns},
-                "delta_vs_reference": {c: (m[c] - ref_m[c]) if c in m and c in ref_m else None for c in columns},
-                "sink_strength": s,
-                "sink_strength_delta_vs_reference": (s - ref_s) if s is not None and ref_s is not None else None,
-            }
-        )
+    rows = [_row(ck, _status(ck, failures), columns, metrics, strengths) for ck in plan.checkpoints]
     limit = plan.spec.eval.limit if plan.spec.eval is not None else None
     return {
         "schema_version": 1,
@@ -430,9 +410,50 @@ def build_table(
         "protocol": {
             "eval": None if plan.spec.eval is None else plan.spec.eval.to_json(),
             "harness_sha256": ref_fp.harness_sha() if ref_fp else None,
-            "model_differences": model_diffs,
+            "model_differences": _model_differences(fingerprints),
         },
         "strength_settings": None if plan.spec.strength is None else asdict(plan.spec.strength),
+    }
+
+
+def _status(ck: Checkpoint, failures: dict[str, str]) -> str:
+    """A checkpoint's status: each of its failed units with the error, else ok."""
+    units = (f"merge:{ck.name}", f"eval:{ck.name}", f"strength:{ck.name}")
+    problems = [f"{u}: {failures[u]}" for u in units if u in failures]
+    return "; ".join(problems) if problems else "ok"
+
+
+def _model_differences(fingerprints: dict[str, Any]) -> list[str]:
+    """A note per checkpoint whose model-owned protocol fields (chat template, special tokens, ...) differ from the
+    reference's: allowed in one table, unlike the harness fields (`protocols.require_same_harness`)."""
+    from lm_eval_sink.protocols import diff
+
+    ref_fp = fingerprints.get("reference")
+    lines = []
+    for name, fp in fingerprints.items():
+        if ref_fp is not None and name != "reference":
+            fields = [d.field for d in diff(ref_fp, fp) if d.part == "model"]
+            if fields:
+                lines.append(f"{name} differs from the reference in model-owned protocol fields: {', '.join(fields)}")
+    return lines
+
+
+def _row(
+    ck: Checkpoint, status: str, columns: list[str], metrics: dict[str, dict[str, float]], strengths: dict[str, float]
+) -> dict[str, Any]:
+    """One checkpoint's row: its metrics and S, and their deltas vs the reference's (None where either is missing)."""
+    m, ref_m = metrics.get(ck.name, {}), metrics.get("reference", {})
+    s, ref_s = strengths.get(ck.name), strengths.get("reference")
+    return {
+        "checkpoint": ck.name,
+        "role": ck.role,
+        "method": ck.method,
+        "setting": ck.setting,
+        "status": status,
+        "metrics": {c: m.get(c) for c in columns},
+        "delta_vs_reference": {c: (m[c] - ref_m[c]) if c in m and c in ref_m else None for c in columns},
+        "sink_strength": s,
+        "sink_strength_delta_vs_reference": (s - ref_s) if s is not None and ref_s is not None else None,
     }
 
 

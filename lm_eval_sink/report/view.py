@@ -181,12 +181,10 @@ def _main_kind(counts: Mapping[str, int] | None) -> tuple[str, int] | None:
     return (kind, n) if n else None
 
 
-def _buckets_section(b: BucketsInput) -> dict[str, Any]:
-    d = b.doc
-    data = d.data
+def _regression_rows(b: BucketsInput) -> list[dict[str, Any]]:
+    """One row per regression (a continuous metric: also per doc that got worse), with its prompt and both responses."""
+    d, data = b.doc, b.doc.data
     binary = data.get("kind") == "binary"
-    style = "pts" if binary else "f4"
-    counts = data.get("counts") or {}
     table = []
     for i, row in enumerate(data.get("rows") or []):
         if row.get("bucket") != "regression" and not (not binary and (row.get("difference") or 0) < 0):
@@ -206,8 +204,12 @@ def _buckets_section(b: BucketsInput) -> dict[str, Any]:
                 "truncated": row.get("truncated"),
             }
         )
-    kinds = get(data, "failure_kinds", "counts") or {}
-    types = [
+    return table
+
+
+def _instruction_type_rows(d: Doc) -> list[dict[str, Any]]:
+    """One row per IFEval instruction type, in buckets.json's order (most regressions first)."""
+    return [
         {
             "id": t["instruction_id"],
             "n": num(d, ["instruction_types", i, "n"], "int"),
@@ -217,8 +219,19 @@ def _buckets_section(b: BucketsInput) -> dict[str, Any]:
             "p": num(d, ["instruction_types", i, "mcnemar_p"], "p"),
             "holm": num(d, ["instruction_types", i, "holm_p"], "p"),
         }
-        for i, t in enumerate(data.get("instruction_types") or [])
+        for i, t in enumerate(d.data.get("instruction_types") or [])
     ]
+
+
+def _buckets_section(b: BucketsInput) -> dict[str, Any]:
+    """The section of one buckets.json: scores and delta, bucket counts, failure kinds, regressions, instruction
+    types, notes and protocol differences."""
+    d = b.doc
+    data = d.data
+    binary = data.get("kind") == "binary"
+    style = "pts" if binary else "f4"
+    counts = data.get("counts") or {}
+    kinds = get(data, "failure_kinds", "counts") or {}
     runs = data.get("runs") or {}
     return {
         "task": data.get("task"),
@@ -229,9 +242,9 @@ def _buckets_section(b: BucketsInput) -> dict[str, Any]:
         "n": num(d, ["n"], "int"),
         "reference_score": num(d, ["reference_score"], style),
         "candidate_score": num(d, ["candidate_score"], style),
-        "delta": num(d, ["delta"], "+" + style if style == "pts" else "+f4"),
-        "delta_lo": num(d, ["delta_ci", 0], "+" + style if style == "pts" else "+f4"),
-        "delta_hi": num(d, ["delta_ci", 1], "+" + style if style == "pts" else "+f4"),
+        "delta": num(d, ["delta"], "+" + style),
+        "delta_lo": num(d, ["delta_ci", 0], "+" + style),
+        "delta_hi": num(d, ["delta_ci", 1], "+" + style),
         "confidence": num(d, ["settings", "confidence"], "pts"),
         "mcnemar_p": num(d, ["mcnemar_p"], "p"),
         "wilcoxon_p": num(d, ["wilcoxon_p"], "p"),
@@ -245,8 +258,8 @@ def _buckets_section(b: BucketsInput) -> dict[str, Any]:
         "kinds": [{"kind": k, "n": num(d, ["failure_kinds", "counts", k], "int")} for k, v in kinds.items() if v],
         "main_kind": _main_kind(kinds),
         "regressions": num(d, ["counts", "regression"], "int"),
-        "table": table,
-        "types": types,
+        "table": _regression_rows(b),
+        "types": _instruction_type_rows(d),
         "notes": list(data.get("notes") or []),
         "protocol_differences": [
             {
