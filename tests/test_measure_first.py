@@ -43,6 +43,14 @@ def test_a_backend_without_attention_gets_the_hf_results_measured_first(handset_
 
 
 @pytest.fixture(scope="module")
+def task_manager():
+    """One index of lm-eval's tasks for the refusals (each would build its own: seconds)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager()
+
+
+@pytest.fixture(scope="module")
 def unloadable(tmp_path_factory, handset_llama_dir):
     """Checkpoints transformers cannot load for S: a GGUF file, a vLLM-only quantization, a config of no causal LM,
     a class the capture refuses."""
@@ -73,9 +81,9 @@ def unloadable(tmp_path_factory, handset_llama_dir):
     ],
 )
 def test_what_s_cannot_be_measured_on_is_one_line_before_anything_loads(
-    unloadable, handset_llama_dir, model_args, needle
+    unloadable, handset_llama_dir, task_manager, model_args, needle
 ):
     with pytest.raises(UserError) as e:
-        _evaluate("dummy", model_args.format(root=unloadable, llama=handset_llama_dir))
+        _evaluate("dummy", model_args.format(root=unloadable, llama=handset_llama_dir), task_manager=task_manager)
     assert needle in e.value.line() and "\n" not in e.value.line()
     assert e.value.line().startswith(f"task {TASK} ")
