@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -61,8 +62,8 @@ def test_strength_of_an_adapter_folder_measures_the_adapted_model(base_and_adapt
     assert main(["strength", str(base), str(adapter), "--n-prompts", "5", "--output", str(out), "--quiet"]) == 0
     got = {p: json.loads((out / f"{p}.strength.json").read_text()) for p in ("base", "adapter")}
     assert got["adapter"]["sink_strength"] == pytest.approx(got["base"]["sink_strength"] + DELTA, abs=1e-5)
-    shifted = [[v + DELTA for v in row] for row in got["base"]["sink_strength_layer_head"]]
-    assert got["adapter"]["sink_strength_layer_head"] == pytest.approx(shifted, abs=1e-5)
+    shifted = np.asarray(got["base"]["sink_strength_layer_head"]) + DELTA
+    np.testing.assert_allclose(got["adapter"]["sink_strength_layer_head"], shifted, atol=1e-5)
     model = got["adapter"]["provenance"]["model"]
     assert model["base_model"] == str(base) and "base/model.safetensors" in model["files"]
     assert model["fingerprint"] != got["base"]["provenance"]["model"]["fingerprint"]
