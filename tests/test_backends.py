@@ -161,10 +161,6 @@ def _sweep(tmp_path: Path, trio: dict[str, Path], **extra) -> Path:
     ("extra", "needle"),
     [
         (
-            {"eval": {"tasks": ["ifeval", "sink_strength"], "backend": "vllm"}},
-            "eval: task sink_strength needs attention weights, which the vllm backend does not expose",
-        ),
-        (
             {
                 "eval": {"tasks": ["ifeval"], "backend": "vllm", "model_args": {"data_parallel_size": 2}},
                 "engine": {"kind": "ray"},
