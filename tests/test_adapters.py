@@ -79,28 +79,37 @@ def test_an_adapter_whose_base_is_gone_is_one_line(base_and_adapter, tmp_path, u
     assert f"{adapter / 'adapter_config.json'}: gone: no such base model folder" in line
 
 
-def test_lm_eval_peft_model_args_measure_the_adapter(base_and_adapter):
+def _base_strength(base_and_adapter, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    from lm_eval_sink.strength import measure
+
+    base = AutoModelForCausalLM.from_pretrained(base_and_adapter["base"])
+    return base, measure(base, tokenizer, SETTINGS, progress=False).sink_strength
+
+
+def test_lm_eval_peft_model_args_measure_the_adapter(base_and_adapter, tiny_tokenizer):
+    """`sink_strength_n5` (SETTINGS' prompts) with peft=ADAPTER: the base's S (the same as the task's, tested
+    elsewhere) + DELTA."""
     import lm_eval
 
     base, adapter = base_and_adapter["base"], base_and_adapter["adapter"]
-    runs = {
-        name: lm_eval.simple_evaluate(model="hf", model_args=args, tasks=["sink_strength_n5"], device="cpu")
-        for name, args in (("base", f"pretrained={base}"), ("peft", f"pretrained={base},peft={adapter}"))
-    }
-    s = {name: r["results"]["sink_strength_n5"]["sink_strength,none"] for name, r in runs.items()}
-    assert s["peft"] == pytest.approx(s["base"] + DELTA, abs=1e-5)
-    assert runs["peft"]["configs"]["sink_strength_n5"]["metadata"]["capture"]["adapter"] == str(adapter)
+    res = lm_eval.simple_evaluate(
+        model="hf", model_args=f"pretrained={base},peft={adapter}", tasks=["sink_strength_n5"], device="cpu"
+    )
+    want = _base_strength(base_and_adapter, tiny_tokenizer)[1] + DELTA
+    assert res["results"]["sink_strength_n5"]["sink_strength,none"] == pytest.approx(want, abs=1e-5)
+    assert res["configs"]["sink_strength_n5"]["metadata"]["capture"]["adapter"] == str(adapter)
 
 
 def test_callback_measures_a_peft_model_through_its_adapter(base_and_adapter, tiny_tokenizer, tmp_path):
     """The callback's unwrap: the LoRA layers stay active; train mode and requires_grad are restored."""
-    from transformers import AutoModelForCausalLM, TrainerControl, TrainerState, TrainingArguments
+    from transformers import TrainerControl, TrainerState, TrainingArguments
 
-    from lm_eval_sink.strength import measure
     from lm_eval_sink.training import SinkStrengthCallback
 
-    base = AutoModelForCausalLM.from_pretrained(base_and_adapter["base"])
-    want = measure(base, tiny_tokenizer, SETTINGS, progress=False).sink_strength + DELTA
+    base, s_base = _base_strength(base_and_adapter, tiny_tokenizer)
+    want = s_base + DELTA
     model = _lora(base).train()
     grads = {n: p.requires_grad for n, p in model.named_parameters()}
     cb = SinkStrengthCallback(tiny_tokenizer, SETTINGS, output_dir=tmp_path)

@@ -22,10 +22,18 @@ def _evaluate(model: str, model_args: str, **kwargs):
     return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=[TASK], log_samples=True, **kwargs)
 
 
-def test_a_backend_without_attention_gets_the_hf_results_measured_first(handset_llama_dir):
+@pytest.fixture(scope="module")
+def task_manager():
+    """One index of lm-eval's tasks shared where a call need not build its own (seconds each)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager()
+
+
+def test_a_backend_without_attention_gets_the_hf_results_measured_first(handset_llama_dir, task_manager):
     """Every metric, the layer x head matrix and each sample's rows equal `--model hf`'s; the task's metadata
     says how S was measured (a child process of transformers) and which backend arguments it left out."""
-    hf = _evaluate("hf", f"pretrained={handset_llama_dir}", device="cpu")
+    hf = _evaluate("hf", f"pretrained={handset_llama_dir}", device="cpu", task_manager=task_manager)
     first = _evaluate("dummy", f"pretrained={handset_llama_dir},dtype=float32,tensor_parallel_size=2")
     assert first["results"][TASK] == hf["results"][TASK]
     assert first["results"][TASK]["sink_strength_layer_head,none"]["layers"] == [0, 1, 2]
@@ -40,14 +48,6 @@ def test_a_backend_without_attention_gets_the_hf_results_measured_first(handset_
     assert {k: v for k, v in record.items() if k not in ("process", "model_args_ignored", "device_map")} == {
         k: v for k, v in own.items() if k not in ("process", "adapter", "device_map")
     }
-
-
-@pytest.fixture(scope="module")
-def task_manager():
-    """One index of lm-eval's tasks for the refusals (each would build its own: seconds)."""
-    from lm_eval.tasks import TaskManager
-
-    return TaskManager()
 
 
 @pytest.fixture(scope="module")
