@@ -118,14 +118,16 @@ def _hub_folder(repo_id: str, offline: bool) -> str | None:
         return None
 
 
-def resolve_model(name: str | Path, role: str = "model", *, local: bool = False) -> str:
+def resolve_model(name: str | Path, role: str = "model", *, local: bool = False, allow_adapter: bool = True) -> str:
     """The one model resolver, for every command: a checked local folder, or a hub id.
 
     `default` is the embedded model. A local folder must hold config.json and weights and must not
     be left by a failed or interrupted run (`identity.check_finished_folder`). A hub id is returned
     as it is when it is in the local HF cache or the hub is reachable; with `local` (commands that
     read the files themselves) its snapshot folder is returned, downloaded unless offline (config,
-    tokenizer, processor and safetensors files only). `role` names the argument in errors.
+    tokenizer, processor and safetensors files only). `role` names the argument in errors. A peft
+    adapter folder (`adapter_config.json`) is a model whose base must resolve too; where the files
+    themselves are read (merges, extraction, lm-eval's `pretrained`) `allow_adapter=False` refuses it.
     """
     text = str(name)
     if text == DEFAULT_MODEL:
@@ -134,14 +136,20 @@ def resolve_model(name: str | Path, role: str = "model", *, local: bool = False)
     check_finished_folder(path)
     if path.exists():
         folder = str(_checked_folder(path, role))
-        adapter_base(folder)  # an adapter's base model must resolve too
+        if (path / ADAPTER_CONFIG).is_file() and not allow_adapter:
+            raise UserError(
+                f"{path}: a peft adapter folder (adapter_config.json), where a whole {role} is needed",
+                "merge the adapter into its base (peft merge_and_unload, then save_pretrained) and pass that "
+                "folder; lm-eval takes the pair as pretrained=BASE,peft=ADAPTER",
+            )
+        adapter_base(folder)
         return folder
     offline = hub_offline()
     looks_like_id = looks_like_hub_id(text)
     if looks_like_id and local:
         folder = _hub_folder(text, offline)
         if folder is not None:
-            return resolve_model(folder, role)
+            return resolve_model(folder, role, allow_adapter=allow_adapter)
     elif looks_like_id and (
         not offline or hub_snapshot(text) is not None
     ):  # a cached one loads offline at that revision

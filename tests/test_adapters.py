@@ -88,6 +88,14 @@ def _base_strength(base_and_adapter, tokenizer):
     return base, measure(base, tokenizer, SETTINGS, progress=False).sink_strength
 
 
+def test_an_adapter_where_a_whole_model_is_read_is_one_line(base_and_adapter, tmp_path, user_error):
+    """lm-eval's `pretrained`, merges and extraction read the model's own files: an adapter folder is refused."""
+    adapter = base_and_adapter["adapter"]
+    line = user_error(["eval", adapter, "--protocol", "instruct", "--tasks", "ifeval", "--output", tmp_path / "o"])
+    assert f"{adapter}: a peft adapter folder (adapter_config.json), where a whole model is needed" in line
+    assert "pretrained=BASE,peft=ADAPTER" in line and not (tmp_path / "o").exists()
+
+
 def test_lm_eval_peft_model_args_measure_the_adapter(base_and_adapter, tiny_tokenizer):
     """`sink_strength_n5` (SETTINGS' prompts) with peft=ADAPTER: the base's S (the same as the task's, tested
     elsewhere) + DELTA."""
