@@ -15,7 +15,8 @@ measures them before lm-eval builds the model:
   then finds the accelerators and their memory free;
 - while the wrapped `simple_evaluate` runs (`provided`), `LM.sink_strength` returns those rows
   (`rows_for`), so aggregation, the results JSON, the samples file and the console table are those of
-  `--model hf`; each task's metadata records how S was measured (`capture`).
+  `--model hf`; each task's metadata records how S was measured (`capture`, with the child's wall
+  time: the cost of S in the call).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -149,14 +151,18 @@ def measure_first(load: HfLoad, jobs: dict[str, dict[str, Any]], backend: str) -
     with tempfile.TemporaryDirectory(prefix="lm_eval_sink_first_") as tmp:
         job, out = Path(tmp) / "job.json", Path(tmp) / "out.json"
         job.write_text(json.dumps({"load": asdict(load), "tasks": jobs, "backend": backend}), encoding="utf-8")
+        start = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", __name__, str(job), str(out)], env=os.environ.copy())
+        seconds = round(time.perf_counter() - start, 1)
         result = json.loads(out.read_text(encoding="utf-8")) if out.is_file() else None
     if result is not None and "error" in result:
         raise UserError(result["error"], result["hint"])
     if proc.returncode != 0 or result is None:
         raise RuntimeError(f"measuring Sink Strength first with transformers failed (exit {proc.returncode})")
     return {
-        name: Measured(jobs[name]["settings"], {int(k): v for k, v in m["rows"].items()}, m["record"])
+        name: Measured(
+            jobs[name]["settings"], {int(k): v for k, v in m["rows"].items()}, {**m["record"], "wall_seconds": seconds}
+        )
         for name, m in result["tasks"].items()
     }
 
