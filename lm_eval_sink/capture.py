@@ -357,15 +357,17 @@ def check_supported(model: Any) -> None:
     check_supported_class(type(model))
 
 
+def attn_implementation_for(cls: type) -> str:
+    """The attention implementation to load `cls` with for Sink Strength: sdpa where the class
+    supports it, else eager (attention soft-capping, learned sinks)."""
+    return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+
+
 def capture_delegate(impl: str, cls: type) -> str:
     """The implementation the capture hands a model's attention to: its own, except a flash one
-    (flash_attention_2/3/4, hub flash kernels), which runs as sdpa (eager where the class has no sdpa):
+    (flash_attention_2/3/4, hub flash kernels), which runs as `attn_implementation_for(cls)`:
     transformers picks the flash kernel by the config's implementation name, which the capture renames."""
-    if "flash" not in impl:
-        return impl
-    from lm_eval_sink.models import attn_implementation_for
-
-    return attn_implementation_for(cls)
+    return attn_implementation_for(cls) if "flash" in impl else impl
 
 
 def captured_with(model: Any) -> str:

@@ -225,12 +225,6 @@ def load_placed(cls: Any, path: str | Path, dtype: Any, device: str, config: Any
     return cls.from_pretrained(path, dtype=dtype, device_map=placement.device_map, **kwargs), placement
 
 
-def attn_implementation_for(cls: type) -> str:
-    """The attention implementation to load `cls` with for Sink Strength: sdpa where the class
-    supports it, else eager (attention soft-capping, learned sinks)."""
-    return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
-
-
 def load_model(
     name: str | Path, dtype: str = "auto", device: str = DEFAULT_DEVICE, check_attention: bool = True
 ) -> LoadedModel:
@@ -267,7 +261,7 @@ def load_model(
     if check_attention:
         import transformers
 
-        from lm_eval_sink.capture import check_supported_class
+        from lm_eval_sink.capture import attn_implementation_for, check_supported_class
 
         cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type], None)
         if cls is not None:

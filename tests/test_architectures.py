@@ -20,9 +20,14 @@ import torch
 import transformers
 
 from lm_eval_sink.calibration import Batching, encode_prompts, load_prompts
-from lm_eval_sink.capture import attention_layers_from_config, capture_prompts, check_supported_class, sink_capture
+from lm_eval_sink.capture import (
+    attention_layers_from_config,
+    attn_implementation_for,
+    capture_prompts,
+    check_supported_class,
+    sink_capture,
+)
 from lm_eval_sink.errors import SinkWarning, UserError
-from lm_eval_sink.models import attn_implementation_for
 from lm_eval_sink.screen import classify_qk_norm
 from lm_eval_sink.strength import StrengthSettings, measure
 

@@ -186,8 +186,7 @@ def patch_task_manager() -> None:
 def prepare_tasks(lm: Any, task_dict: Any) -> Any:
     """Before any request of any task: check what S needs of the built model, record in each task of this
     project's metadata how S is measured (`capture`), and put those tasks first (their requests run first)."""
-    from lm_eval_sink.harness.measure_first import measured_task
-    from lm_eval_sink.harness.task import REQUEST_TYPE, capture_record, check_capturable
+    from lm_eval_sink.harness.task import REQUEST_TYPE, capture_record, check_capturable, measured_task
 
     tasks = task_dict.get("tasks") if isinstance(task_dict, dict) else None
     ours = [name for name, t in (tasks or {}).items() if getattr(t, "OUTPUT_TYPE", None) == REQUEST_TYPE]
@@ -244,7 +243,7 @@ def patch_evaluator() -> None:
         first = measure_first_request(bound.arguments)
         if first is None:
             return original_simple(*args, **kwargs)
-        from lm_eval_sink.harness.measure_first import provided
+        from lm_eval_sink.harness.task import provided
 
         measured, bound.arguments["task_manager"] = first
         with provided(measured):

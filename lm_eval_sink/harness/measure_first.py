@@ -13,22 +13,20 @@ measures them before lm-eval builds the model:
   `device_map="auto"`, else the CPU; sdpa, or eager where the class has no sdpa), measures each task's
   prompts with `task.measure_rows` (the function `HFLM.sink_strength` uses) and exits, so the engine
   then finds the accelerators and their memory free;
-- while the wrapped `simple_evaluate` runs (`provided`), `LM.sink_strength` returns those rows
-  (`rows_for`), so aggregation, the results JSON, the samples file and the console table are those of
+- while the wrapped `simple_evaluate` runs (`task.provided`), `LM.sink_strength` returns those rows
+  (`task.rows_for`), so aggregation, the results JSON, the samples file and the console table are those of
   `--model hf`; each task's metadata records how S was measured (`capture`, with the child's wall
   time: the cost of S in the call).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -51,18 +49,6 @@ class HfLoad:
     dtype: str = "auto"
     tokenizer: str | None = None
     ignored: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Measured:
-    """One task's rows measured first: its settings, each prompt's `PromptRows` payload, how it was measured."""
-
-    settings: dict[str, Any]
-    rows: dict[int, dict[str, Any]]
-    record: dict[str, Any]
-
-
-_PROVIDED: dict[str, Measured] = {}
 
 
 def _truthy(value: Any) -> bool:
@@ -146,8 +132,11 @@ def task_jobs(task_manager: Any, names: list[str]) -> dict[str, dict[str, Any]]:
     }
 
 
-def measure_first(load: HfLoad, jobs: dict[str, dict[str, Any]], backend: str) -> dict[str, Measured]:
-    """Measure every job in a child process of this interpreter (see the module docstring)."""
+def measure_first(load: HfLoad, jobs: dict[str, dict[str, Any]], backend: str) -> dict[str, Any]:
+    """Measure every job in a child process of this interpreter (see the module docstring): `task.Measured`
+    per task."""
+    from lm_eval_sink.harness.task import Measured
+
     with tempfile.TemporaryDirectory(prefix="lm_eval_sink_first_") as tmp:
         job, out = Path(tmp) / "job.json", Path(tmp) / "out.json"
         job.write_text(json.dumps({"load": asdict(load), "tasks": jobs, "backend": backend}), encoding="utf-8")
@@ -167,39 +156,12 @@ def measure_first(load: HfLoad, jobs: dict[str, dict[str, Any]], backend: str) -
     }
 
 
-@contextlib.contextmanager
-def provided(measured: dict[str, Measured]) -> Iterator[None]:
-    """Make the rows measured first what `LM.sink_strength` returns, for the block."""
-    _PROVIDED.update(measured)
-    try:
-        yield
-    finally:
-        for name in measured:
-            _PROVIDED.pop(name, None)
-
-
-def measured_task(task: str) -> Measured | None:
-    """The rows measured first for `task` while they are provided."""
-    return _PROVIDED.get(task)
-
-
-def rows_for(task: str, settings: dict[str, Any], prompt_id: int) -> Any:
-    """The `PromptRows` measured first for this task and prompt; None when none were (a bug if the settings differ)."""
-    from lm_eval_sink.harness.task import PromptRows
-
-    m = _PROVIDED.get(task)
-    if m is None:
-        return None
-    if m.settings != settings or prompt_id not in m.rows:
-        raise RuntimeError(f"{task}: rows measured first do not match the request (prompt {prompt_id})")
-    return PromptRows(m.rows[prompt_id])
-
-
 def _load(load: HfLoad) -> tuple[Any, Any]:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from lm_eval_sink.models import attn_implementation_for, torch_dtype
+    from lm_eval_sink.capture import attn_implementation_for
+    from lm_eval_sink.models import torch_dtype
 
     rev = {"revision": load.revision} if load.revision else {}
     remote = {"trust_remote_code": load.trust_remote_code}

@@ -16,18 +16,19 @@ show a short note. `--limit` and `--samples` never cut the calibration set (reco
 `limit_ignored` in the task's metadata); `--predict_only` keeps the metrics (S is the output).
 Only the `hf` backend gives access to attention. Under another backend whose `pretrained` transformers
 can load (`--model vllm`), the start-up hook measures the rows first, with transformers in a child
-process, and the request method this module gives lm-eval's base `LM` class returns them
-(`measure_first.py`); without them (no `pretrained`, no hook) that method refuses the backend with
-the one line of `backends.unsupported` (not an AttributeError). A peft model (`peft=` in
-`--model_args`) is measured through its adapted base.
+process (`measure_first.py`), and the request method this module gives lm-eval's base `LM` class
+returns them (`provided` while the wrapped `simple_evaluate` runs); without them (no `pretrained`,
+no hook) that method refuses the backend with the one line of `backends.unsupported` (not an
+AttributeError). A peft model (`peft=` in `--model_args`) is measured through its adapted base.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import logging
 from dataclasses import asdict, dataclass
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -373,6 +374,44 @@ def capture_record(model: Any, process: str) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class Measured:
+    """One task's rows measured first: its settings, each prompt's `PromptRows` payload, how it was measured."""
+
+    settings: dict[str, Any]
+    rows: dict[int, dict[str, Any]]
+    record: dict[str, Any]
+
+
+_PROVIDED: dict[str, Measured] = {}  # task name -> its rows measured first, while provided
+
+
+@contextlib.contextmanager
+def provided(measured: dict[str, Measured]) -> Iterator[None]:
+    """Make the rows measured first what `LM.sink_strength` returns, for the block."""
+    _PROVIDED.update(measured)
+    try:
+        yield
+    finally:
+        for name in measured:
+            _PROVIDED.pop(name, None)
+
+
+def measured_task(task: str) -> Measured | None:
+    """The rows measured first for `task` while they are provided."""
+    return _PROVIDED.get(task)
+
+
+def rows_for(task: str, settings: dict[str, Any], prompt_id: int) -> PromptRows | None:
+    """The `PromptRows` measured first for this task and prompt; None when none were (a bug if the settings differ)."""
+    m = _PROVIDED.get(task)
+    if m is None:
+        return None
+    if m.settings != settings or prompt_id not in m.rows:
+        raise RuntimeError(f"{task}: rows measured first do not match the request (prompt {prompt_id})")
+    return PromptRows(m.rows[prompt_id])
+
+
 def _by_task(requests: list[Instance]) -> dict[str, list[int]]:
     """Request indices per task, in order."""
     by_task: dict[str, list[int]] = {}
@@ -408,7 +447,6 @@ def _measured_sink_strength(self: LM, requests: list[Instance]) -> list[PromptRo
     """Every backend but HFLM: the rows measured with transformers before lm-eval built this model
     (`measure_first.py`), else the same line as the start-up hook's earlier check (not an AttributeError)."""
     from lm_eval_sink.harness.backends import backend_label, unsupported
-    from lm_eval_sink.harness.measure_first import rows_for
 
     out = []
     for req in requests:
