@@ -9,8 +9,8 @@ measures them before lm-eval builds the model:
   `tensor_parallel_size` or `gpu_memory_utilization`, are ignored and recorded as such), and
   `check_loadable` refuses in one line, before anything loads, what transformers cannot load;
 - `measure_first` runs `python -m lm_eval_sink.harness.measure_first JOB OUT` in a child process of
-  the same interpreter: it loads the checkpoint with transformers (every visible GPU through
-  `device_map="auto"`, else the CPU; sdpa, or eager where the class has no sdpa), measures each task's
+  the same interpreter: it loads the checkpoint with transformers as `--device auto` places a model
+  (every visible GPU, else the CPU; sdpa, or eager where the class has no sdpa), measures each task's
   prompts with `task.measure_rows` (the function `HFLM.sink_strength` uses) and exits, so the engine
   then finds the accelerators and their memory free;
 - while the wrapped `simple_evaluate` runs (`task.provided`), `LM.sink_strength` returns those rows
@@ -157,24 +157,20 @@ def measure_first(load: HfLoad, jobs: dict[str, dict[str, Any]], backend: str) -
 
 
 def _load(load: HfLoad) -> tuple[Any, Any]:
-    import torch
+    """The checkpoint and its tokenizer, placed as `--device auto` places a model (`models.load_placed`)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from lm_eval_sink.capture import attn_implementation_for
-    from lm_eval_sink.models import torch_dtype
+    from lm_eval_sink.devices import DEFAULT_DEVICE
+    from lm_eval_sink.models import load_placed, torch_dtype
 
     rev = {"revision": load.revision} if load.revision else {}
     remote = {"trust_remote_code": load.trust_remote_code}
     config = AutoConfig.from_pretrained(load.pretrained, **rev, **remote)
     cls = _causal_class(config)
     impl = {"attn_implementation": attn_implementation_for(cls)} if cls is not None else {}
-    model = AutoModelForCausalLM.from_pretrained(
-        load.pretrained,
-        **rev,
-        **remote,
-        **impl,
-        dtype=torch_dtype(load.dtype),
-        device_map="auto" if torch.cuda.is_available() else "cpu",
+    model, _ = load_placed(
+        AutoModelForCausalLM, load.pretrained, torch_dtype(load.dtype), DEFAULT_DEVICE, config, **rev, **remote, **impl
     )
     model.eval()
     tokenizer = AutoTokenizer.from_pretrained(load.tokenizer or load.pretrained, **rev, **remote)

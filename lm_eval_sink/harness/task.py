@@ -342,13 +342,16 @@ def measure_rows(
 
 def check_capturable(model: Any) -> None:
     """Refuse, before any request of any task runs, a built model the capture cannot measure: its class (a
-    peft model's base) and its layer types. A flash implementation is measured through sdpa (capture.py)."""
+    peft model's base), its layer types, tensor-parallel sharding. A flash implementation is measured through
+    sdpa (capture.py)."""
     from lm_eval_sink.capture import attention_layers_from_config, check_supported
+    from lm_eval_sink.devices import check_not_tensor_parallel
     from lm_eval_sink.training.callback import unwrap_model
 
     inner = unwrap_model(model)
     check_supported(inner)
     attention_layers_from_config(inner.config)
+    check_not_tensor_parallel(inner)
 
 
 def capture_record(model: Any, process: str) -> dict[str, Any]:
