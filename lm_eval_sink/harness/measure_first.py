@@ -95,7 +95,7 @@ def check_loadable(load: HfLoad, task: str, backend: str) -> None:
     from lm_eval_sink.capture import attention_layers_from_config, check_supported_class
 
     where = f"task {task} under --model {backend}: {load.pretrained}"
-    fix = "pass a transformers checkpoint of the same weights as pretrained, or measure S in an --model hf call"
+    fix = "pass a transformers checkpoint of the same weights as pretrained, or measure S in a separate --model hf call"
     if Path(load.pretrained).is_file() or load.pretrained.endswith(".gguf"):
         raise UserError(f"{where} is one file (GGUF?), which transformers cannot load to measure S first", fix)
     try:
