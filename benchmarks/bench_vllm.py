@@ -7,7 +7,12 @@ at batch 8 (as the VL experiment runs it), and `--backend vllm` at batch auto in
 a fresh helper process, so its peak RSS is its own (getrusage of that helper's children).
 Generation time is read from lm-eval's log (from "Running generate_until requests" to the next
 timestamped line; 1 s resolution). Needs LM_EVAL_SINK_DATA (the local IFEval copy) and NLTK_DATA.
-Usage: python benchmarks/bench_vllm.py [--limit 40] [--max-gen-toks 256] [--vllm-python .venv-vllm/bin/python]
+`--part sink` instead runs `--backend vllm` twice, `--tasks ifeval` and `--tasks sink_strength,ifeval`
+(S measured first with transformers in a child process): the cost of S in the same vLLM call, as the
+added seconds and their share of the whole call's wall time, and the child's own wall time (recorded
+in the task's `capture` metadata) as a share of the same call's.
+Usage: python benchmarks/bench_vllm.py [--part backends|sink] [--limit 40] [--max-gen-toks 256]
+       [--vllm-python .venv-vllm/bin/python]
 """
 
 from __future__ import annotations
@@ -46,8 +51,11 @@ def _one_run(model: str, settings_json: dict, out: str, env: dict[str, str]) -> 
     wall = time.perf_counter() - t
     log = max(Path(out, "logs").glob("*.log"), key=lambda p: p.stat().st_mtime).read_text()
     samples = [json.loads(x) for x in run.samples["ifeval"].read_text().splitlines()]
-    results = json.loads(run.results.read_text())["results"]["ifeval"]
+    data = json.loads(run.results.read_text())
+    results = data["results"]["ifeval"]
+    capture = data["configs"].get("sink_strength", {}).get("metadata", {}).get("capture", {})
     return {
+        "first_s": capture.get("wall_seconds"),  # S measured first (sink_strength under vllm)
         "wall_s": wall,
         "generation_s": generation_seconds(log),
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1e6,
@@ -64,6 +72,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=40)
     ap.add_argument("--max-gen-toks", type=int, default=256)
     ap.add_argument("--vllm-python", default=str(REPO / ".venv-vllm" / "bin" / "python"))
+    ap.add_argument("--part", choices=("backends", "sink"), default="backends")
     args = ap.parse_args()
     model = str(default_model_dir())
     base = {
@@ -75,14 +84,20 @@ def main() -> None:
         "dtype": "float32",
     }
     one_thread = {"OMP_NUM_THREADS": "1"}
+    vllm = (
+        {**base, "batch_size": "auto", "backend": "vllm", "device": None, "python": args.vllm_python},
+        {**one_thread, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"},
+    )
     runs = {  # fastest first: each finished run's figures are printed at once
-        "vllm, batch auto": (
-            {**base, "batch_size": "auto", "backend": "vllm", "device": None, "python": args.vllm_python},
-            {**one_thread, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"},
-        ),
+        "vllm, batch auto": vllm,
         "hf, 1 thread, batch 8": ({**base, "batch_size": 8}, one_thread),
         "hf, 1 thread, batch 1": ({**base, "batch_size": 1}, one_thread),
     }
+    if args.part == "sink":
+        runs = {
+            "vllm, ifeval": vllm,
+            "vllm, sink_strength,ifeval": ({**vllm[0], "tasks": ["sink_strength", "ifeval"]}, vllm[1]),
+        }
     figures: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for i, (name, (settings, env)) in enumerate(runs.items()):
@@ -98,6 +113,13 @@ def main() -> None:
                 same = sum(f["responses"][k] == v for k, v in g["responses"].items())
                 print(f"  responses identical to {other}: {same}/{len(g['responses'])}", flush=True)
             figures[name] = f
+    if args.part == "sink":
+        without, with_s = (figures[k]["wall_s"] for k in runs)
+        added, first = with_s - without, figures["vllm, sink_strength,ifeval"]["first_s"]
+        print(
+            f"S in the same call: +{added:.1f} s, {added / with_s:.1%} of its wall time, ratio {with_s / without:.3f}"
+        )
+        print(f"the child that measured S first: {first:.1f} s, {first / with_s:.1%} of the call's wall time")
 
 
 if __name__ == "__main__":

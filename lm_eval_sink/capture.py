@@ -20,9 +20,11 @@ inputs to what the model would call itself, `<modeling module>.ALL_ATTENTION_FUN
 .get_interface(impl, <modeling module>.eager_attention_forward)` (never silently sdpa), so outputs
 are bit-identical. Where the mask the delegate receives is not a 4-D tensor (sdpa's causal skip:
 None; flex: a BlockMask; flash: 2-D or None), the capture builds its own [batch, 1, query, key]
-mask from causal order, left padding and the layer's `sliding_window`. Flash implementations are
-refused for now: transformers resolves the flash kernel from the config's implementation name
-(`lazy_import_flash_attention(config._attn_implementation)`), which the capture replaces.
+mask from causal order, left padding and the layer's `sliding_window`. A flash implementation
+cannot be wrapped (transformers resolves the flash kernel from the config's implementation name,
+`lazy_import_flash_attention(config._attn_implementation)`, which the capture replaces): its model
+runs sdpa (eager where the class has no sdpa) for the capture's forwards and flash again afterwards
+(`capture_delegate`, `captured_with`).
 
 Learned sinks (gpt-oss `s_aux`: one extra logit per head that takes softmax mass but has no
 value): the sink is a virtual key with logit `s_aux[h]` (unmasked, unscaled). A row's sink is the
@@ -355,19 +357,37 @@ def check_supported(model: Any) -> None:
     check_supported_class(type(model))
 
 
-def check_wrappable(impl: str, subject: str, hint: str) -> None:
-    """Refuse flash implementations (flash_attention_2/3/4, hub flash kernels): transformers picks the
-    flash kernel by the config's implementation name, which the capture renames."""
-    if "flash" in impl:
-        raise UserError(f"{subject} runs {impl}, which the sink capture cannot wrap yet", hint)
+def attn_implementation_for(cls: type) -> str:
+    """The attention implementation to load `cls` with for Sink Strength: sdpa where the class
+    supports it, else eager (attention soft-capping, learned sinks)."""
+    return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
+
+
+def capture_delegate(impl: str, cls: type) -> str:
+    """The implementation the capture hands a model's attention to: its own, except a flash one
+    (flash_attention_2/3/4, hub flash kernels), which runs as `attn_implementation_for(cls)`:
+    transformers picks the flash kernel by the config's implementation name, which the capture renames."""
+    return attn_implementation_for(cls) if "flash" in impl else impl
+
+
+def captured_with(model: Any) -> str:
+    """How the capture runs `model`'s attention, for records: `sdpa`, or `sdpa (model: flash_attention_2)`."""
+    impl = _attn_config(model)._attn_implementation or "eager"
+    delegate = capture_delegate(impl, type(model))
+    return impl if delegate == impl else f"{delegate} (model: {impl})"
 
 
 @contextlib.contextmanager
 def sink_capture(model: Any, layers: Sequence[int]) -> Iterator[_Collector]:
     """Switch `model` to the capturing attention for the block; restore its implementation after.
 
-    The capture wraps the implementation the model runs now (None, as at run time, means eager).
+    The capture wraps the implementation the model runs now (None, as at run time, means eager; a
+    flash one: see `capture_delegate`). Every config's implementation is restored as it was, also
+    when the block raises (set back directly: `set_attn_implementation` would check and load the
+    flash kernel again).
     """
+    from transformers import PreTrainedModel
+
     check_supported(model)
     previous = _attn_config(model)._attn_implementation
     impl = previous if previous is not None else "eager"
@@ -375,17 +395,19 @@ def sink_capture(model: Any, layers: Sequence[int]) -> Iterator[_Collector]:
         raise UserError(
             f"{type(model).__name__} is already inside a sink capture ({impl})", "do not nest sink captures"
         )
-    check_wrappable(
-        impl, type(model).__name__, "load the model with attn_implementation='sdpa' (or 'eager') for Sink Strength"
-    )
-    name = _register(impl)
+    name = _register(capture_delegate(impl, type(model)))
+    configs = [m.config for m in model.modules() if isinstance(m, PreTrainedModel)]
+    for c in configs:  # and their sub-configs at any depth (the list grows while it is walked)
+        configs += [getattr(c, k) for k in c.sub_configs if getattr(c, k, None) is not None]
+    saved = [(c, c._attn_implementation_internal) for c in {id(c): c for c in configs}.values()]
     collector = _Collector(set(layers))
     token = _ACTIVE.set(collector)
-    model.set_attn_implementation(name)
     try:
+        model.set_attn_implementation(name)
         yield collector
     finally:
-        model.set_attn_implementation(impl)
+        for config, value in saved:
+            config._attn_implementation_internal = value
         _ACTIVE.reset(token)
 
 

@@ -619,7 +619,7 @@ def attribute(
     type=click.Choice(["hf", "vllm"]),
     default="hf",
     show_default=True,
-    help="lm-eval model backend; vllm needs vllm installed (no sink_strength).",
+    help="lm-eval model backend; vllm needs vllm installed (sink_strength is then measured first with transformers).",
 )
 @click.option(
     "--model-args",

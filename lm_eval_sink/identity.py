@@ -78,7 +78,8 @@ def folder_identity(folder: Path) -> dict[str, str]:
     return {str(p.relative_to(folder)): file_hash(p) for p in tree_files(folder)}
 
 
-def _combine(files: dict[str, str]) -> str:
+def files_fingerprint(files: dict[str, str]) -> str:
+    """The fingerprint of a {relative path: file hash} table."""
     return "sha256:" + hashlib.sha256(canonical_json(files).encode("utf-8")).hexdigest()
 
 
@@ -221,7 +222,7 @@ def model_identity(model: str) -> dict[str, Any]:
             "model": str(p),
             "revision": revision,
             "fingerprint_rule": FINGERPRINT_RULE,
-            "fingerprint": _combine(files),
+            "fingerprint": files_fingerprint(files),
             "files": files,
         }
     repo_id, revision = split_revision(model)
@@ -238,7 +239,7 @@ def model_identity(model: str) -> dict[str, Any]:
         "model": model,
         "revision": sha,
         "fingerprint_rule": FINGERPRINT_RULE,
-        "fingerprint": _combine(files),
+        "fingerprint": files_fingerprint(files),
         "files": files,
     }
 

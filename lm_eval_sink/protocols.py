@@ -146,8 +146,8 @@ TASK_FIELDS: dict[str, tuple[bool, str]] = {
     "output_type": (True, "request type"),
     "metadata": (
         True,
-        "task metadata settings (e.g. sink_strength's n_prompts, last_k); version, config path and "
-        "model_args copies left out",
+        "task metadata settings (e.g. sink_strength's n_prompts, last_k); version, config path, "
+        "model_args copies and how sink_strength measured (capture) left out",
     ),
 }
 MODEL_FIELDS: dict[str, tuple[bool, str]] = {
@@ -260,9 +260,12 @@ def _task_part(
             "split": cfg.get("test_split") or cfg.get("validation_split"),
         },
         "output_type": cfg.get("output_type"),
-        # lm-eval copies model_args into every task's metadata; those and bookkeeping keys are not task settings
+        # lm-eval copies model_args into every task's metadata; those and bookkeeping keys (how sink_strength
+        # measured: `capture`) are not task settings
         "metadata": {
-            k: v for k, v in sorted(meta.items()) if k not in ("version", "config_source") and k not in model_args
+            k: v
+            for k, v in sorted(meta.items())
+            if k not in ("version", "config_source", "capture") and k not in model_args
         }
         or None,
     }

@@ -240,7 +240,7 @@ def measure(
 ) -> SinkStrength:
     """Sink Strength of a loaded model: encode the calibration prompts, capture, reduce."""
     from lm_eval_sink.calibration import encode_prompts, load_prompts
-    from lm_eval_sink.capture import attention_layers, capture_prompts, n_layers_of
+    from lm_eval_sink.capture import attention_layers, capture_prompts, captured_with, n_layers_of
 
     check_not_tensor_parallel(model)
     prompt_set = load_prompts(settings.prompts_file, settings.n_prompts)
@@ -263,6 +263,7 @@ def measure(
         },
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "capture_dtype": "float32",
+        "captured_with": captured_with(model),
         "seed": settings.seed,
     }
     return replace(result, provenance=prov)

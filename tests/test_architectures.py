@@ -20,9 +20,14 @@ import torch
 import transformers
 
 from lm_eval_sink.calibration import Batching, encode_prompts, load_prompts
-from lm_eval_sink.capture import attention_layers_from_config, capture_prompts, check_supported_class, sink_capture
+from lm_eval_sink.capture import (
+    attention_layers_from_config,
+    attn_implementation_for,
+    capture_prompts,
+    check_supported_class,
+    sink_capture,
+)
 from lm_eval_sink.errors import SinkWarning, UserError
-from lm_eval_sink.models import attn_implementation_for
 from lm_eval_sink.screen import classify_qk_norm
 from lm_eval_sink.strength import StrengthSettings, measure
 
@@ -371,13 +376,33 @@ def test_data_parallel_items_of_learned_sinks_reduce_to_the_single_process_resul
     np.testing.assert_allclose(got.sink_strength_layer_head, want.sink_strength_layer_head, atol=1e-7)
 
 
-def test_flash_attention_is_refused_with_one_line(tiny_tokenizer):
-    """No flash kernel on CPU: the implementation name is set directly, as a flash-loaded model carries it."""
-    model = _build("llama", len(tiny_tokenizer), tiny_tokenizer.pad_token_id)
+@pytest.mark.parametrize("family", ["llama", "gpt_oss"])  # sdpa, and eager for a class without sdpa
+def test_flash_attention_is_captured_through_sdpa_and_restored(family, tiny_tokenizer):
+    """No flash kernel on CPU: the implementation name is set directly, as a flash-loaded model carries it.
+    S equals the model's own S, the result records how it was captured, and the config names flash again
+    afterwards, also after a capture that raised."""
+    model = _build(family, len(tiny_tokenizer), tiny_tokenizer.pad_token_id)
+    own = model.config._attn_implementation
+    windowed = family == "gpt_oss"  # its window of 6 is shorter than the prompts
+    want = _measure(model, tiny_tokenizer, SETTINGS, windowed)
     model.config._attn_implementation_internal = "flash_attention_2"
-    with pytest.raises(UserError, match="flash_attention_2, which the sink capture cannot wrap") as e:
-        measure(model, tiny_tokenizer, SETTINGS, progress=False)
-    assert "\n" not in str(e.value) and model.config._attn_implementation == "flash_attention_2"
+    got = _measure(model, tiny_tokenizer, SETTINGS, windowed)
+    assert got.sink_strength == want.sink_strength and got.per_prompt == want.per_prompt
+    assert got.sink_strength_layer_head == want.sink_strength_layer_head
+    assert want.provenance["captured_with"] == own
+    assert got.provenance["captured_with"] == f"{own} (model: flash_attention_2)"
+    assert model.config._attn_implementation == "flash_attention_2"
+    during = []
+
+    def capture_that_raises() -> None:
+        with sink_capture(model, [0]):
+            during.append(model.config._attn_implementation)
+            raise RuntimeError("inside")
+
+    with pytest.raises(RuntimeError, match="inside"):
+        capture_that_raises()
+    assert during == [f"lm_eval_sink_{own}"]
+    assert model.config._attn_implementation == model.model.config._attn_implementation == "flash_attention_2"
 
 
 def test_flex_attention_on_cpu_equals_eager_and_keeps_outputs(tiny_tokenizer, encoded):

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from constructed_runs import results_dict, write_run
@@ -159,10 +160,6 @@ def _sweep(tmp_path: Path, trio: dict[str, Path], **extra) -> Path:
 @pytest.mark.parametrize(
     ("extra", "needle"),
     [
-        (
-            {"eval": {"tasks": ["ifeval", "sink_strength"], "backend": "vllm"}},
-            "eval: task sink_strength needs attention weights, which the vllm backend does not expose",
-        ),
         (
             {
                 "eval": {"tasks": ["ifeval"], "backend": "vllm", "model_args": {"data_parallel_size": 2}},
@@ -342,22 +339,24 @@ def test_without_the_hook_the_task_itself_refuses_a_backend_without_attention_wi
 
 
 @needs_vllm_venv
-def test_lm_eval_vllm_refuses_sink_tasks_before_the_engine_starts(tmp_path, default_model):
+def test_lm_eval_vllm_refuses_a_checkpoint_s_cannot_load_before_anything_loads(tmp_path):
+    """A user group holding sink_strength, under --model vllm with a GGUF path: one line, before any load."""
     group = tmp_path / "group"
     group.mkdir()
     (group / "my_suite.yaml").write_text(
         "group: my_suite\ntask:\n  - ifeval\n  - sink_strength\nmetadata:\n  version: 1.0\n"
     )
-    common = ["--model", "vllm", "--model_args", f"pretrained={default_model},dtype=float32,{VLLM_MODEL_ARGS}"]
-    runs = [["--tasks", "sink_strength"], ["--tasks", "my_suite", "--include_path", str(group)]]
-    for rc, err in _lm_eval(VLLM_PY, [([*common, *r, "--output_path", str(tmp_path / "o")], VLLM_ENV) for r in runs]):
-        errors = [x for x in err.splitlines() if x.startswith("error:")]
-        assert rc == 2 and "Traceback" not in err, err[-2000:]
-        assert errors == [err.strip().splitlines()[-1]] and errors[0].startswith(
-            "error: task sink_strength needs attention weights, which the vllm backend does not expose"
-        )
-        # vLLM's engine never started: neither lm-eval's nor vLLM's start-up log lines are there
-        assert "Initializing vllm model" not in err and "Starting to load model" not in err
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    args = ["--model", "vllm", "--model_args", f"pretrained={tmp_path / 'model.gguf'},{VLLM_MODEL_ARGS}"]
+    args += ["--tasks", "my_suite", "--include_path", str(group), "--output_path", str(tmp_path / "o")]
+    ((rc, err),) = _lm_eval(VLLM_PY, [(args, VLLM_ENV)])
+    errors = [x for x in err.splitlines() if x.startswith("error:")]
+    assert rc == 2 and "Traceback" not in err, err[-2000:]
+    assert errors == [err.strip().splitlines()[-1]] and errors[0].startswith(
+        f"error: task sink_strength under --model vllm: {tmp_path / 'model.gguf'} is one file (GGUF?)"
+    )
+    # nothing loaded: neither lm-eval's nor vLLM's start-up log lines are there
+    assert "Initializing vllm model" not in err and "Starting to load model" not in err
     assert not (tmp_path / "o").exists()
 
 
@@ -376,22 +375,24 @@ def vllm_env(shared_data):
 
 @pytest.fixture(scope="module")
 def ifeval_backends(tmp_path_factory, default_model, vllm_env) -> dict[str, Path]:
-    """`eval` of SmolLM2 on 4 local IFEval prompts (128 new tokens, float32), once per backend."""
+    """`eval` of SmolLM2 on sink_strength and 4 local IFEval prompts (128 new tokens, float32), once per backend,
+    both in `.venv-vllm` (the transformers that measures S first under vLLM is that venv's)."""
     if not VLLM_PY.is_file():
         pytest.skip(f"{VLLM_PY} is absent: `make venv-vllm` builds it (make test does)")
     root = tmp_path_factory.mktemp("ifeval_backends")
     (root / "p.yaml").write_text(ONE_BY_ONE)
     common = ["eval", str(default_model), "--protocol", "chat1", "--protocol-file", str(root / "p.yaml")]
-    common += ["--tasks", "ifeval", "--limit", "4", "--gen-kwargs", "max_gen_toks=128", "--dtype", "float32"]
-    vllm = ["--backend", "vllm", "--lm-eval-python", str(VLLM_PY), "--model-args", VLLM_MODEL_ARGS]
+    common += ["--tasks", "ifeval,sink_strength", "--limit", "4", "--gen-kwargs", "max_gen_toks=128"]
+    common += ["--dtype", "float32", "--lm-eval-python", str(VLLM_PY)]
+    vllm = ["--backend", "vllm", "--model-args", VLLM_MODEL_ARGS]
     for name, extra in (("hf", []), ("vllm", vllm)):
         assert main([*common, *extra, "--output", str(root / name)]) == 0
     return {"hf": root / "hf", "vllm": root / "vllm", "root": root}
 
 
-def _run_of(folder: Path) -> tuple[dict, list[dict]]:
+def _run_of(folder: Path, task: str = "ifeval") -> tuple[dict, list[dict]]:
     results = json.loads(next(folder.glob("*/results_*.json")).read_text())
-    samples = [json.loads(x) for x in next(folder.glob("*/samples_ifeval_*.jsonl")).read_text().splitlines()]
+    samples = [json.loads(x) for x in next(folder.glob(f"*/samples_{task}_*.jsonl")).read_text().splitlines()]
     return results, sorted(samples, key=lambda s: s["doc_id"])
 
 
@@ -407,14 +408,46 @@ def test_vllm_and_hf_give_the_same_ifeval_responses_and_scores_in_float32(ifeval
     # buckets: the same protocol but the backend, so 0 regressions / 0 recoveries, the backend named
     out = ifeval_backends["root"] / "buckets"
     args = ["buckets", str(ifeval_backends["hf"]), str(ifeval_backends["vllm"]), "--quiet", "--no-failure-kinds"]
+    args += ["--task", "ifeval"]
     assert main([*args, "--output", str(out)]) == 0
     data = json.loads((out / "buckets.json").read_text())
     assert data["counts"]["regression"] == 0 and data["counts"]["recovered"] == 0 and data["n"] == 4
-    assert "backend" in data["protocol_differences"]
+    assert "backend" in data["protocol_differences"] and "capture" not in json.dumps(data["protocol_differences"])
+    assert main(["report", "--buckets", str(out), "-o", str(ifeval_backends["root"] / "report.html")]) == 0
     capsys.readouterr()
     assert main([*args, "--same-protocol", "--output", str(out.with_name("same"))]) == 2
     err = capsys.readouterr().err
     assert "differ in protocol" in err and "backend: 'hf' vs 'vllm'" in err and not out.with_name("same").exists()
+
+
+@needs_vllm_venv
+@pytest.mark.slow
+def test_vllm_one_call_gives_the_hf_sink_strength(ifeval_backends):
+    """`--tasks ifeval,sink_strength` under vLLM: S measured first with transformers equals `--model hf`'s, every
+    metric and the layer x head matrix, and each sample's rows; the task's metadata says how it was measured."""
+    (hf_res, hf_samples), (vl_res, vl_samples) = (
+        _run_of(ifeval_backends[name], "sink_strength") for name in ("hf", "vllm")
+    )
+    hf_s, vl_s = hf_res["results"]["sink_strength"], vl_res["results"]["sink_strength"]
+    assert set(vl_s) == set(hf_s) and vl_s["sink_strength,none"] > 0
+    for metric, value in hf_s.items():
+        if metric == "sink_strength_layer_head,none":
+            assert vl_s[metric]["layers"] == value["layers"] == list(range(20, 30))
+            np.testing.assert_allclose(vl_s[metric]["values"], value["values"], atol=1e-5)
+        elif isinstance(value, float):
+            assert vl_s[metric] == pytest.approx(value, abs=1e-5), metric
+        else:
+            assert vl_s[metric] == value, metric
+    assert len(vl_samples) == len(hf_samples) == 15
+    for vl, hf in zip(vl_samples, hf_samples, strict=True):
+        assert vl["sink_strength"]["sink_strength_prompt"] == pytest.approx(
+            hf["sink_strength"]["sink_strength_prompt"], abs=1e-5
+        )
+    record = vl_res["configs"]["sink_strength"]["metadata"]["capture"]
+    assert record["process"] == "a child process, before lm-eval built the vllm model"
+    assert record["transformers"] < "5.20" and record["model_args_ignored"] == ["enforce_eager"]
+    own = hf_res["configs"]["sink_strength"]["metadata"]["capture"]
+    assert own["process"] == "lm-eval's own, on the model it built" and own["transformers"] == record["transformers"]
 
 
 # --- a sweep whose eval units run under vLLM (strength units under HF) ------------------------------
@@ -438,7 +471,8 @@ def smollm2_candidate(tmp_path_factory, default_model) -> Path:
 
 def _smollm2_sweep(folder: Path, default_model: Path, candidate: Path, backend: dict, strength) -> Path:
     folder.mkdir()
-    evals = {"tasks": ["ifeval"], "apply_chat_template": True, "num_fewshot": 0, "gen_kwargs": {"max_gen_toks": 32}}
+    evals = {"tasks": ["ifeval", "sink_strength_n5"], "apply_chat_template": True, "num_fewshot": 0}
+    evals |= {"gen_kwargs": {"max_gen_toks": 32}, "python": os.path.relpath(VLLM_PY, folder)}
     evals |= {"limit": 2, "batch_size": 1, "dtype": "float32", "seed": 0, **backend}
     data = {
         "output": "out",
@@ -456,11 +490,7 @@ def _smollm2_sweep(folder: Path, default_model: Path, candidate: Path, backend: 
 def test_sweep_eval_units_under_vllm_match_hf(tmp_path, default_model, smollm2_candidate, vllm_env):
     from lm_eval_sink.commands.sweep import load_sweep, run_sweep
 
-    vllm = {
-        "backend": "vllm",
-        "python": os.path.relpath(VLLM_PY, tmp_path / "vllm"),
-        "model_args": {"enforce_eager": True},
-    }
+    vllm = {"backend": "vllm", "model_args": {"enforce_eager": True}}
     tables = {}
     for name, backend, strength in (
         ("hf", {}, False),
@@ -479,8 +509,9 @@ def test_sweep_eval_units_under_vllm_match_hf(tmp_path, default_model, smollm2_c
         results = json.loads((out / "evals" / ck / done["results"]).read_text())
         assert results["config"]["model"] == "vllm"
         assert json.loads((out / "strength" / ck / "strength.json").read_text())["sink_strength"] > 0
-    columns = [c for c in tables["hf"]["columns"] if c.startswith("ifeval/")]
-    assert columns and columns == [c for c in tables["vllm"]["columns"] if c.startswith("ifeval/")]
+        assert results["results"]["sink_strength_n5"]["sink_strength,none"] > 0  # measured first, in the eval unit
+    columns = tables["hf"]["columns"]
+    assert "sink_strength_n5/sink_strength,none" in columns and columns == tables["vllm"]["columns"]
     for hf_row, vl_row in zip(tables["hf"]["rows"], tables["vllm"]["rows"], strict=True):
-        assert {c: vl_row["metrics"][c] for c in columns} == {c: hf_row["metrics"][c] for c in columns}
+        assert vl_row["metrics"] == pytest.approx(hf_row["metrics"], abs=1e-5)
     assert all(r["sink_strength"] is not None for r in tables["vllm"]["rows"])

@@ -57,7 +57,7 @@ def run_eval(
             margs[k.strip()] = v.strip()
     protocol = get_protocol(protocol_name, protocol_file)
     output = Path(output)
-    model_path = resolve_model(model)  # `default` is a folder in the cache
+    model_path = resolve_model(model, allow_adapter=False)  # `default` is a folder in the cache
     check_not_inputs([output], inputs=[model_path, protocol_file, include_path], option="--output")
     if output.exists() and not output.is_dir():
         raise UserError(f"--output {output} is a file, not a folder", "pass a folder path as --output")

@@ -197,7 +197,7 @@ def _models(sweep: Any, src: str, here: Path) -> dict[str, str]:
     models: dict[str, str] = {}
     for role, name in sweep.models.model_dump(exclude_none=True).items():
         try:
-            models[role] = resolve_model(_model_arg(here, name))
+            models[role] = resolve_model(_model_arg(here, name), allow_adapter=False)
         except UserError as e:
             raise UserError(f"{src}: models.{role}: {e.message}", e.hint) from None
     return models

@@ -189,7 +189,7 @@ def _output(out_dir: str | Path, force: bool, inputs: list[str | Path]) -> Path:
 
 def _resolve(name: str | Path, role: str, out: Path) -> Path:
     """A model's local folder (a hub id's snapshot), refused when OUT_DIR overlaps it (`io.check_not_inputs`)."""
-    folder = Path(resolve_model(name, role, local=True))
+    folder = Path(resolve_model(name, role, local=True, allow_adapter=False))
     check_not_inputs([out], inputs=[folder], option="OUT_DIR")
     return folder
 

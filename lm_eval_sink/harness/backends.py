@@ -1,7 +1,9 @@
 """Which lm-eval backends give this project attention access, and the one line that refuses the others.
 
-Shared by the start-up hook's check before the model loads (`discovery.py`) and the task's own
-request method on lm-eval's base `LM` class (`task.py`), so both say the same thing.
+A backend without it gets S measured first with transformers when its `pretrained` is a checkpoint
+(`measure_first.py`); the refusal is for the rest. Shared by the start-up hook's check before the
+model loads (`discovery.py`) and the task's own request method on lm-eval's base `LM` class
+(`task.py`), so both say the same thing.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ def unsupported(task: str, backend: str) -> UnsupportedBackend:
     """The refusal of `task` on `backend` (a --model name)."""
     return UnsupportedBackend(
         f"task {task} needs attention weights, which the {backend} backend does not expose",
-        "run it with --model hf (other tasks may use any backend in a separate call)",
+        "give that backend pretrained=CHECKPOINT in --model_args (S is then measured with transformers before "
+        "the model loads), or run it with --model hf",
     )
 
 

@@ -39,11 +39,11 @@ def task_manager(include_path: str | None) -> Any:
 
 
 def describe(tasks: Sequence[str], include_path: str | None) -> dict[str, Any]:
-    """What lm-eval here makes of `tasks` (JSON-safe): names it cannot resolve (with a did-you-mean), this project's
-    tasks among them, and each generating task's own `generation_kwargs` (groups and tags expanded)."""
+    """What lm-eval here makes of `tasks` (JSON-safe): names it cannot resolve (with a did-you-mean), and each
+    generating task's own `generation_kwargs` (groups and tags expanded)."""
     import glob
 
-    from lm_eval_sink.harness.discovery import own_task_names, own_tasks_in
+    from lm_eval_sink.harness.discovery import own_task_names
     from lm_eval_sink.schema import did_you_mean
 
     manager = task_manager(include_path)
@@ -60,7 +60,7 @@ def describe(tasks: Sequence[str], include_path: str | None) -> dict[str, Any]:
         for task, cfg in _leaves(matches, manager.task_index):
             if task not in own_task_names() and "class" not in cfg and cfg.get("output_type") == "generate_until":
                 generation[task] = cfg.get("generation_kwargs")
-    return {"unknown": unknown, "own": own_tasks_in(list(tasks), manager), "generation": generation}
+    return {"unknown": unknown, "generation": generation}
 
 
 def _leaves(names: Sequence[Any], index: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -99,9 +99,9 @@ def task_facts(python: str, include_path: str | None, tasks: tuple[str, ...]) ->
 
 
 def check_protocol(settings: Any, models: Sequence[str]) -> None:
-    """Refuse, before anything runs, what lm-eval would fail on or silently ignore: unknown task names, this
-    project's tasks on a backend without attention, a `gen_kwargs` length key the task overrides, and a generation
-    length that reaches a model's maximum length (`settings`: harness.runner.EvalSettings)."""
+    """Refuse, before anything runs, what lm-eval would fail on or silently ignore: unknown task names, a
+    `gen_kwargs` length key the task overrides, and a generation length that reaches a model's maximum length
+    (`settings`: harness.runner.EvalSettings). This project's tasks run under any backend (`measure_first.py`)."""
     from lm_eval_sink.harness.runner import check_interpreter
 
     if settings.interpreter() != sys.executable:  # the probe needs lm-eval and this project there
@@ -113,10 +113,6 @@ def check_protocol(settings: Any, models: Sequence[str]) -> None:
             f"tasks: no lm-eval task, group or tag is named {name!r}{near}",
             "check the name (`lm_eval ls tasks` lists them), or add the folder that defines it as include_path",
         )
-    if facts["own"] and settings.backend != "hf":
-        from lm_eval_sink.harness.backends import unsupported
-
-        raise unsupported(facts["own"][0], settings.backend)
     lengths = {task: _generation_length(task, gen, settings) for task, gen in sorted(facts["generation"].items())}
     if lengths:
         _check_lengths(lengths, settings, models)

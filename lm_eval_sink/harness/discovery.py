@@ -6,10 +6,13 @@
   (`offline.py`). `include_defaults=False` keeps lm-eval's contract (only the given include
   paths). Explicit form without the hook: `--include_path "$(lm-eval-sink tasks-dir)"`.
 - `patch_evaluator`: a task of this project (named, or through a group or tag, resolved with
-  lm-eval's TaskManager) on a backend without attention access (vllm, API models, dummy: anything
-  but HFLM) is refused before the model loads, and so is one asked of a flash attention
-  implementation (`--model_args attn_implementation=flash_attention_2`). Without the hook the
-  task itself refuses with the same line when lm-eval dispatches its requests (`task.py`).
+  lm-eval's TaskManager) asked of a backend without attention access (vllm, ...: anything but HFLM)
+  is measured first, before lm-eval builds the model, with transformers in a child process when
+  the backend's `pretrained` is a checkpoint transformers can load (`measure_first.py`), and
+  refused in one line otherwise. Then, in `evaluate`, before any request of any task: every check
+  of the built model that S needs (`task.check_capturable`), how S is measured recorded in each
+  such task's metadata (`capture`), and those tasks put first, so their requests (seconds) run
+  before any other task's and a failure in S comes before hours of generation, not after them.
 - `patch_cli`: under the `lm_eval` console script, this project's `UserError`s print one line
   (`error: ...`) and exit 2 instead of a traceback.
 Each patch is idempotent and keeps lm-eval's own behaviour for everything else.
@@ -66,7 +69,7 @@ def own_tasks_in(requested: list[Any], manager: Any) -> list[str]:
             stack.extend(_as_list(item.get("task")))  # an inline task's name, or an inline group's members
             continue
         if not isinstance(item, str) or item in seen:
-            continue  # a Task object: evaluate()'s check_backend sees it
+            continue  # a Task object: the patched evaluate() sees it
         seen.add(item)
         entry = index.get(item) or (TaskIndex.entry_from_path(Path(item)) if Path(item).is_file() else None)
         if entry is None:
@@ -84,20 +87,46 @@ def _as_list(value: Any) -> list[Any]:
     return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def check_backend_request(model: Any, tasks: Any, task_manager: Any) -> None:
-    """Refuse, before any model loads, this project's tasks on a backend without attention access."""
-    lm_class = _model_class(model)
-    if has_attention(lm_class):
-        return
-    if task_manager is None:
-        from lm_eval.tasks import TaskManager
+def _model_args(model_args: Any) -> dict[str, Any]:
+    from lm_eval.utils import simple_parse_args_string
 
-        task_manager = TaskManager()
+    return simple_parse_args_string(model_args) if isinstance(model_args, str) else dict(model_args or {})
+
+
+def _task_manager(arguments: dict[str, Any]) -> Any:
+    """The TaskManager simple_evaluate would build itself (model_args and metadata as every task's metadata)."""
+    if arguments.get("task_manager") is not None:
+        return arguments["task_manager"]
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(metadata=_model_args(arguments.get("model_args")) | (arguments.get("metadata") or {}))
+
+
+def measure_first_request(arguments: dict[str, Any]) -> tuple[dict[str, Any], Any] | None:
+    """Before lm-eval builds a backend without attention access: this project's tasks measured first
+    (`measure_first.py`), with the TaskManager that found them; None when none is asked of such a backend.
+
+    One line, before anything loads, when the backend has no `pretrained` transformers can load.
+    """
+    model = arguments.get("model")
+    if has_attention(_model_class(model)):
+        return None
+    task_manager = _task_manager(arguments)
+    tasks = arguments.get("tasks")
     requested = [tasks] if isinstance(tasks, (str, dict)) else list(tasks or [])
     requested = [t for r in requested for t in (r.split(",") if isinstance(r, str) else [r])]
     ours = own_tasks_in(requested, task_manager)
-    if ours:
-        raise unsupported(ours[0], model if isinstance(model, str) else backend_label(type(model)))
+    if not ours:
+        return None
+    label = model if isinstance(model, str) else backend_label(type(model))
+    model_args = _model_args(arguments.get("model_args")) if isinstance(model, str) else {}
+    if not model_args.get("pretrained"):
+        raise unsupported(ours[0], label)
+    from lm_eval_sink.harness.measure_first import check_loadable, hf_load_args, measure_first, task_jobs
+
+    load = hf_load_args(model_args, ours[0], label)
+    check_loadable(load, ours[0], label)
+    return measure_first(load, task_jobs(task_manager, ours), label), task_manager
 
 
 def _apply_offline_overrides(manager: Any) -> None:
@@ -154,15 +183,30 @@ def patch_task_manager() -> None:
     TaskManager.__init__ = __init__
 
 
-def check_backend(lm: Any, task_dict: Any) -> None:
-    """Refuse sink_strength tasks on a built model without attention access (for `evaluate()` called directly)."""
-    from lm_eval_sink.harness.task import REQUEST_TYPE
+def prepare_tasks(lm: Any, task_dict: Any) -> Any:
+    """Before any request of any task: check what S needs of the built model, record in each task of this
+    project's metadata how S is measured (`capture`), and put those tasks first (their requests run first)."""
+    from lm_eval_sink.harness.task import REQUEST_TYPE, capture_record, check_capturable, measured_task
 
-    tasks = task_dict.get("tasks", {}) if isinstance(task_dict, dict) else {}
-    ours = sorted(name for name, t in tasks.items() if getattr(t, "OUTPUT_TYPE", None) == REQUEST_TYPE)
+    tasks = task_dict.get("tasks") if isinstance(task_dict, dict) else None
+    ours = [name for name, t in (tasks or {}).items() if getattr(t, "OUTPUT_TYPE", None) == REQUEST_TYPE]
+    if not ours:
+        return task_dict
     inner = getattr(lm, "lm", lm)  # CachingLM (--use_cache) wraps the real model
-    if ours and not has_attention(type(inner)):
-        raise unsupported(ours[0], backend_label(type(inner)))
+    if has_attention(type(inner)):
+        check_capturable(inner.model)
+        record = capture_record(inner.model, "lm-eval's own, on the model it built")
+        records = {name: {**record, "adapter": getattr(inner, "peft", None)} for name in ours}
+    else:
+        measured = {name: measured_task(name) for name in ours}
+        missing = [name for name, m in measured.items() if m is None]
+        if missing:
+            raise unsupported(missing[0], backend_label(type(inner)))
+        records = {name: m.record for name, m in measured.items()}
+    for name in ours:
+        tasks[name].config.metadata["capture"] = records[name]
+    ordered = {name: tasks[name] for name in ours} | {n: t for n, t in tasks.items() if n not in ours}
+    return {**task_dict, "tasks": ordered}
 
 
 @functools.cache
@@ -177,25 +221,6 @@ def own_task_names() -> frozenset[str]:
     )
 
 
-def check_attention_request(model_args: Any, tasks: Any) -> None:
-    """Refuse, before the model is loaded, a sink_strength task asked of a flash attention implementation."""
-    from lm_eval.utils import simple_parse_args_string
-
-    args = simple_parse_args_string(model_args) if isinstance(model_args, str) else dict(model_args or {})
-    impl = str(args.get("attn_implementation") or "")
-    names = [t if isinstance(t, str) else t.get("task") if isinstance(t, dict) else None for t in tasks or []]
-    ours = sorted(n for n in names if isinstance(n, str) and n in own_task_names())
-    if ours and impl:
-        from lm_eval_sink.capture import check_wrappable
-
-        check_wrappable(
-            impl,
-            f"task {ours[0]}",
-            "pass attn_implementation=sdpa or eager in --model_args for it; other tasks may use flash "
-            "in a separate call",
-        )
-
-
 def patch_evaluator() -> None:
     import lm_eval.evaluator as ev
 
@@ -205,20 +230,24 @@ def patch_evaluator() -> None:
 
     @functools.wraps(original)
     def evaluate(lm: Any, task_dict: Any, *args: Any, **kwargs: Any) -> Any:
-        check_backend(lm, task_dict)
-        return original(lm, task_dict, *args, **kwargs)
+        return original(lm, prepare_tasks(lm, task_dict), *args, **kwargs)
 
     signature = inspect.signature(original_simple)
 
     @functools.wraps(original_simple)
     def simple_evaluate(*args: Any, **kwargs: Any) -> Any:
         try:
-            bound = signature.bind(*args, **kwargs).arguments
+            bound = signature.bind(*args, **kwargs)
         except TypeError:  # lm-eval's own error for bad arguments, unchanged
-            bound = {}
-        check_backend_request(bound.get("model"), bound.get("tasks"), bound.get("task_manager"))
-        check_attention_request(bound.get("model_args"), bound.get("tasks"))
-        return original_simple(*args, **kwargs)
+            return original_simple(*args, **kwargs)
+        first = measure_first_request(bound.arguments)
+        if first is None:
+            return original_simple(*args, **kwargs)
+        from lm_eval_sink.harness.task import provided
+
+        measured, bound.arguments["task_manager"] = first
+        with provided(measured):
+            return original_simple(*bound.args, **bound.kwargs)
 
     setattr(evaluate, _MARK, True)
     ev.evaluate, ev.simple_evaluate = evaluate, simple_evaluate

@@ -5,8 +5,9 @@ object, runs it in its own process (no global state leaks between runs: a sweep 
 job can call it the same way), keeps its log beside the results, and returns the resolved run
 (`runs.RunFiles`). Named protocols (`protocols.py`), `lm-eval-sink eval`, sweeps, the demo and
 the test fixtures all go through it. `backend` is lm-eval's `--model`: `hf` (transformers, the
-only one with attention access, so the only one for `sink_strength`) or `vllm` (`device` is then
-not passed: vLLM places the model itself, through model_args such as tensor_parallel_size).
+only one with attention access) or `vllm` (`device` is then not passed: vLLM places the model
+itself, through model_args such as tensor_parallel_size; `sink_strength` tasks are then measured
+first with transformers, `measure_first.py`).
 `python` is the interpreter of that subprocess (default: this one): vLLM's pins often differ from this
 project's, so it usually lives in a venv of its own (`make venv-vllm`, docs/scale.md). The versions that
 make the number are read from that interpreter (`eval_versions`), and `check_interpreter` refuses, in

@@ -14,17 +14,21 @@ mean of per-prompt values, whichever rank measured which prompt. In the samples 
 appear once per document, under the `sink_strength` metric; the other metrics and the responses
 show a short note. `--limit` and `--samples` never cut the calibration set (recorded as
 `limit_ignored` in the task's metadata); `--predict_only` keeps the metrics (S is the output).
-Only the `hf` backend gives access to attention; others are refused before the model loads in
-`discovery.patch_evaluator`, and, without the start-up hook, by the request method this module
-gives lm-eval's base `LM` class, with the same one line (not an AttributeError).
+Only the `hf` backend gives access to attention. Under another backend whose `pretrained` transformers
+can load (`--model vllm`), the start-up hook measures the rows first, with transformers in a child
+process (`measure_first.py`), and the request method this module gives lm-eval's base `LM` class
+returns them (`provided` while the wrapped `simple_evaluate` runs); without them (no `pretrained`,
+no hook) that method refuses the backend with the one line of `backends.unsupported` (not an
+AttributeError). A peft model (`peft=` in `--model_args`) is measured through its adapted base.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import logging
 from dataclasses import asdict, dataclass
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -305,65 +309,157 @@ _AGGREGATES = {
 }
 
 
+def measure_rows(
+    model: Any,
+    tokenizer: Any,
+    task: str,
+    prompts: Sequence[tuple[int, str]],
+    settings: StrengthSettings,
+    rank: int = 0,
+) -> list[PromptRows]:
+    """One task's (prompt id, prompt) pairs captured on `model`: one `PromptRows` each, in order.
+
+    The same function for HFLM's requests and for the rows measured first (`measure_first.py`); a
+    peft model is measured through its adapted base (the adapter's forward).
+    """
+    from lm_eval_sink.calibration import encode_prompts
+    from lm_eval_sink.capture import attention_layers, capture_prompts, n_layers_of
+    from lm_eval_sink.training.callback import unwrap_model
+
+    model = unwrap_model(model)
+    encoded = encode_prompts(tokenizer, [p for _, p in prompts], settings.use_chat_template, settings.system_prompt)
+    att = attention_layers(model, encoded.input_ids[0][:2])
+    captures = capture_prompts(
+        model, encoded, settings.layers_for(att), settings.batching(), progress=rank == 0, desc=f"{task} (rank {rank})"
+    )
+    depth = n_layers_of(model)
+    applied, template = encoded.chat_template_applied, encoded.chat_template_sha256
+    return [
+        PromptRows.build(pid, c, settings, depth, att, applied, template)
+        for (pid, _), c in zip(prompts, captures, strict=True)
+    ]
+
+
+def check_capturable(model: Any) -> None:
+    """Refuse, before any request of any task runs, a built model the capture cannot measure: its class (a
+    peft model's base), its layer types, tensor-parallel sharding. A flash implementation is measured through
+    sdpa (capture.py)."""
+    from lm_eval_sink.capture import attention_layers_from_config, check_supported
+    from lm_eval_sink.devices import check_not_tensor_parallel
+    from lm_eval_sink.training.callback import unwrap_model
+
+    inner = unwrap_model(model)
+    check_supported(inner)
+    attention_layers_from_config(inner.config)
+    check_not_tensor_parallel(inner)
+
+
+def capture_record(model: Any, process: str) -> dict[str, Any]:
+    """How S is measured on `model`, for the task's metadata: transformers in `process`, its versions, the
+    device map, dtype and the attention implementation the capture runs (`captured_with`)."""
+    import torch
+    import transformers
+
+    from lm_eval_sink.capture import captured_with
+    from lm_eval_sink.training.callback import unwrap_model
+
+    inner = unwrap_model(model)
+    first = next(inner.parameters())
+    device_map = getattr(inner, "hf_device_map", None)
+    return {
+        "capture_backend": "hf",
+        "process": process,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "device_map": {str(k): str(v) for k, v in device_map.items()} if device_map else str(first.device),
+        "dtype": str(first.dtype).removeprefix("torch."),
+        "captured_with": captured_with(inner),
+    }
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One task's rows measured first: its settings, each prompt's `PromptRows` payload, how it was measured."""
+
+    settings: dict[str, Any]
+    rows: dict[int, dict[str, Any]]
+    record: dict[str, Any]
+
+
+_PROVIDED: dict[str, Measured] = {}  # task name -> its rows measured first, while provided
+
+
+@contextlib.contextmanager
+def provided(measured: dict[str, Measured]) -> Iterator[None]:
+    """Make the rows measured first what `LM.sink_strength` returns, for the block."""
+    _PROVIDED.update(measured)
+    try:
+        yield
+    finally:
+        for name in measured:
+            _PROVIDED.pop(name, None)
+
+
+def measured_task(task: str) -> Measured | None:
+    """The rows measured first for `task` while they are provided."""
+    return _PROVIDED.get(task)
+
+
+def rows_for(task: str, settings: dict[str, Any], prompt_id: int) -> PromptRows | None:
+    """The `PromptRows` measured first for this task and prompt; None when none were (a bug if the settings differ)."""
+    m = _PROVIDED.get(task)
+    if m is None:
+        return None
+    if m.settings != settings or prompt_id not in m.rows:
+        raise RuntimeError(f"{task}: rows measured first do not match the request (prompt {prompt_id})")
+    return PromptRows(m.rows[prompt_id])
+
+
+def _by_task(requests: list[Instance]) -> dict[str, list[int]]:
+    """Request indices per task, in order."""
+    by_task: dict[str, list[int]] = {}
+    for i, req in enumerate(requests):
+        by_task.setdefault(req.arguments[1]["task"], []).append(i)
+    return by_task
+
+
 def _hflm_sink_strength(self: HFLM, requests: list[Instance]) -> list[PromptRows]:
     """HFLM method for `sink_strength` requests: capture exactly these requests' prompts, per task.
 
     lm-eval pads a rank's list with copies of its last request; a copy is measured once.
     """
-    from lm_eval_sink.calibration import encode_prompts
-    from lm_eval_sink.capture import attention_layers, capture_prompts, n_layers_of
     from lm_eval_sink.devices import check_not_tensor_parallel
 
     check_not_tensor_parallel(self.model)
     out: list[PromptRows | None] = [None] * len(requests)
-    by_task: dict[str, list[int]] = {}
-    for i, req in enumerate(requests):
-        by_task.setdefault(req.arguments[1]["task"], []).append(i)
-    depth = n_layers_of(self.model)
-    for task, idxs in by_task.items():
+    for task, idxs in _by_task(requests).items():
         settings = StrengthSettings(**requests[idxs[0]].arguments[1]["settings"])
         first_of: dict[int, int] = {}  # id(request) -> index of its first occurrence
         for i in idxs:
             first_of.setdefault(id(requests[i]), i)
         unique = list(first_of.values())
-        encoded = encode_prompts(
-            self.tokenizer,
-            [requests[i].arguments[0] for i in unique],
-            settings.use_chat_template,
-            settings.system_prompt,
-        )
-        att = attention_layers(self.model, encoded.input_ids[0][:2])
-        captures = capture_prompts(
-            self.model,
-            encoded,
-            settings.layers_for(att),
-            settings.batching(),
-            progress=self.rank == 0,
-            desc=f"{task} (rank {self.rank})",
-        )
-        items = {
-            id(requests[i]): PromptRows.build(
-                int(requests[i].doc["prompt_id"]),
-                c,
-                settings,
-                depth,
-                att,
-                encoded.chat_template_applied,
-                encoded.chat_template_sha256,
-            )
-            for i, c in zip(unique, captures, strict=True)
-        }
+        prompts = [(int(requests[i].doc["prompt_id"]), requests[i].arguments[0]) for i in unique]
+        rows = measure_rows(self.model, self.tokenizer, task, prompts, settings, rank=self.rank)
+        items = {id(requests[i]): r for i, r in zip(unique, rows, strict=True)}
         for i in idxs:
             out[i] = items[id(requests[i])]
     return out  # type: ignore[return-value]
 
 
-def _refuse_sink_strength(self: LM, requests: list[Instance]) -> list[PromptRows]:
-    """Every backend but HFLM: no attention to read, so the same line as the start-up hook's earlier check."""
+def _measured_sink_strength(self: LM, requests: list[Instance]) -> list[PromptRows]:
+    """Every backend but HFLM: the rows measured with transformers before lm-eval built this model
+    (`measure_first.py`), else the same line as the start-up hook's earlier check (not an AttributeError)."""
     from lm_eval_sink.harness.backends import backend_label, unsupported
 
-    raise unsupported(requests[0].arguments[1]["task"], backend_label(type(self)))
+    out = []
+    for req in requests:
+        task, settings = req.arguments[1]["task"], req.arguments[1]["settings"]
+        rows = rows_for(task, settings, int(req.doc["prompt_id"]))
+        if rows is None:
+            raise unsupported(task, backend_label(type(self)))
+        out.append(rows)
+    return out
 
 
-LM.sink_strength = _refuse_sink_strength
+LM.sink_strength = _measured_sink_strength
 HFLM.sink_strength = _hflm_sink_strength

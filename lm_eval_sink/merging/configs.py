@@ -300,7 +300,7 @@ def _header(template: Template, lineage: str, block: dict[str, Any], paths: dict
 
 def _resolve_role(resolve_model, flag: str, value: str | Path) -> str:
     try:
-        return resolve_model(value)
+        return resolve_model(value, allow_adapter=False)
     except UserError as e:
         raise UserError(f"{flag}: {e.message}", e.hint) from None
 
@@ -401,7 +401,7 @@ class _Checker:
         try:
             path, revision = split_revision(value)
             if revision is None:
-                return resolve_model(value)
+                return resolve_model(value, allow_adapter=False)
             if Path(path).expanduser().exists() or not looks_like_hub_id(path):
                 raise UserError(
                     f"{value!r}: '@{revision}' names a revision of a hub model (org/name), and {path} is not a hub id",

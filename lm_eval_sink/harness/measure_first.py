@@ -1,0 +1,215 @@
+"""Sink Strength under a backend without attention access (vLLM, ...): measured first, with transformers.
+
+vLLM exposes no attention probabilities, and lm-eval builds `--model vllm`'s engine in the backend's
+constructor, whose KV cache then holds most of the accelerators' memory. S needs only a few short
+forwards of the same checkpoint, so the start-up hook's `simple_evaluate` wrapper (`discovery.py`)
+measures them before lm-eval builds the model:
+- `hf_load_args` maps the backend's model_args to what transformers takes (the same `pretrained`,
+  `revision`, `trust_remote_code`, `dtype`, `tokenizer`; the backend's own arguments, such as
+  `tensor_parallel_size` or `gpu_memory_utilization`, are ignored and recorded as such), and
+  `check_loadable` refuses in one line, before anything loads, what transformers cannot load;
+- `measure_first` runs `python -m lm_eval_sink.harness.measure_first JOB OUT` in a child process of
+  the same interpreter: it loads the checkpoint with transformers as `--device auto` places a model
+  (every visible GPU, else the CPU; sdpa, or eager where the class has no sdpa), measures each task's
+  prompts with `task.measure_rows` (the function `HFLM.sink_strength` uses) and exits, so the engine
+  then finds the accelerators and their memory free;
+- while the wrapped `simple_evaluate` runs (`task.provided`), `LM.sink_strength` returns those rows
+  (`task.rows_for`), so aggregation, the results JSON, the samples file and the console table are those of
+  `--model hf`; each task's metadata records how S was measured (`capture`, with the child's wall
+  time: the cost of S in the call).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from lm_eval_sink.errors import UserError
+
+# vLLM's names for the dtypes transformers takes (vLLM's "auto" and transformers' both mean the checkpoint's own)
+DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "bfloat16": "bfloat16"}
+DTYPES |= {"float16": "float16", "half": "float16"}
+USED_ARGS = ("pretrained", "revision", "trust_remote_code", "dtype", "tokenizer")
+
+
+@dataclass(frozen=True)
+class HfLoad:
+    """What the child passes to transformers' `from_pretrained`, and the backend arguments it leaves out."""
+
+    pretrained: str
+    revision: str | None = None
+    trust_remote_code: bool = False
+    dtype: str = "auto"
+    tokenizer: str | None = None
+    ignored: tuple[str, ...] = ()
+
+
+def _truthy(value: Any) -> bool:
+    return value is True or str(value).lower() in ("true", "1", "yes")
+
+
+def hf_load_args(model_args: dict[str, Any], task: str, backend: str) -> HfLoad:
+    """The transformers load of `model_args` (the backend's); one line for what S cannot be measured on."""
+    if model_args.get("lora_local_path"):
+        raise UserError(
+            f"task {task} under --model {backend}: lora_local_path is a LoRA adapter that only the {backend} "
+            "engine applies, so S would be measured on the base checkpoint alone",
+            "merge the adapter into the checkpoint (peft merge_and_unload) and pass that as pretrained, or run "
+            "S with --model hf --model_args pretrained=BASE,peft=ADAPTER",
+        )
+    dtype = str(model_args.get("dtype", "auto"))
+    if dtype not in DTYPES:
+        raise UserError(
+            f"task {task} under --model {backend}: dtype={dtype} is not a dtype transformers loads for S",
+            f"use one of {', '.join(DTYPES)}",
+        )
+    return HfLoad(
+        pretrained=str(model_args["pretrained"]),
+        revision=None if model_args.get("revision") in (None, "") else str(model_args["revision"]),
+        trust_remote_code=_truthy(model_args.get("trust_remote_code", False)),
+        dtype=DTYPES[dtype],
+        tokenizer=None if model_args.get("tokenizer") in (None, "") else str(model_args["tokenizer"]),
+        ignored=tuple(sorted(k for k in model_args if k not in USED_ARGS)),
+    )
+
+
+def _causal_class(config: Any) -> type | None:
+    """The transformers causal-LM class of a config (None for remote code or a type that has none)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)] if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING else None
+
+
+def check_loadable(load: HfLoad, task: str, backend: str) -> None:
+    """Refuse, before anything loads, a checkpoint transformers cannot load or the capture cannot measure."""
+    from transformers import AutoConfig
+    from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
+
+    from lm_eval_sink.capture import attention_layers_from_config, check_supported_class
+
+    where = f"task {task} under --model {backend}: {load.pretrained}"
+    fix = "pass a transformers checkpoint of the same weights as pretrained, or measure S in a separate --model hf call"
+    if Path(load.pretrained).is_file() or load.pretrained.endswith(".gguf"):
+        raise UserError(f"{where} is one file (GGUF?), which transformers cannot load to measure S first", fix)
+    try:
+        config = AutoConfig.from_pretrained(
+            load.pretrained, revision=load.revision, trust_remote_code=load.trust_remote_code
+        )
+    except (OSError, ValueError) as e:
+        raise UserError(f"{where}: transformers cannot read its config ({str(e).splitlines()[0]})", fix) from None
+    quant = getattr(config, "quantization_config", None)
+    method = (quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)) or None
+    if method is not None and str(method) not in AUTO_QUANTIZATION_CONFIG_MAPPING:
+        raise UserError(f"{where} is quantized with {method}, which transformers cannot load", fix)
+    cls = _causal_class(config)
+    if cls is None and not getattr(config, "auto_map", None):
+        raise UserError(f"{where}: model type {config.model_type!r} is not a causal LM transformers knows", fix)
+    try:
+        if cls is not None:
+            check_supported_class(cls)
+        attention_layers_from_config(config)
+    except UserError as e:
+        raise UserError(f"{where}: {e.message}", e.hint) from None
+
+
+def task_jobs(task_manager: Any, names: list[str]) -> dict[str, dict[str, Any]]:
+    """Each task's settings and (prompt id, prompt) pairs, from the tasks lm-eval will build."""
+    loaded = task_manager.load(list(names))["tasks"]
+    return {
+        name: {
+            "settings": asdict(task.strength_settings),
+            "prompts": [[int(doc["prompt_id"]), doc["prompt"]] for doc in task.eval_docs],
+        }
+        for name, task in loaded.items()
+        if name in names
+    }
+
+
+def measure_first(load: HfLoad, jobs: dict[str, dict[str, Any]], backend: str) -> dict[str, Any]:
+    """Measure every job in a child process of this interpreter (see the module docstring): `task.Measured`
+    per task."""
+    from lm_eval_sink.harness.task import Measured
+
+    with tempfile.TemporaryDirectory(prefix="lm_eval_sink_first_") as tmp:
+        job, out = Path(tmp) / "job.json", Path(tmp) / "out.json"
+        job.write_text(json.dumps({"load": asdict(load), "tasks": jobs, "backend": backend}), encoding="utf-8")
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", __name__, str(job), str(out)], env=os.environ.copy())
+        seconds = round(time.perf_counter() - start, 1)
+        result = json.loads(out.read_text(encoding="utf-8")) if out.is_file() else None
+    if result is not None and "error" in result:
+        raise UserError(result["error"], result["hint"])
+    if proc.returncode != 0 or result is None:
+        raise RuntimeError(f"measuring Sink Strength first with transformers failed (exit {proc.returncode})")
+    return {
+        name: Measured(
+            jobs[name]["settings"], {int(k): v for k, v in m["rows"].items()}, {**m["record"], "wall_seconds": seconds}
+        )
+        for name, m in result["tasks"].items()
+    }
+
+
+def _load(load: HfLoad) -> tuple[Any, Any]:
+    """The checkpoint and its tokenizer, placed as `--device auto` places a model (`models.load_placed`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from lm_eval_sink.capture import attn_implementation_for
+    from lm_eval_sink.devices import DEFAULT_DEVICE
+    from lm_eval_sink.models import load_placed, torch_dtype
+
+    rev = {"revision": load.revision} if load.revision else {}
+    remote = {"trust_remote_code": load.trust_remote_code}
+    config = AutoConfig.from_pretrained(load.pretrained, **rev, **remote)
+    cls = _causal_class(config)
+    impl = {"attn_implementation": attn_implementation_for(cls)} if cls is not None else {}
+    model, _ = load_placed(
+        AutoModelForCausalLM, load.pretrained, torch_dtype(load.dtype), DEFAULT_DEVICE, config, **rev, **remote, **impl
+    )
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(load.tokenizer or load.pretrained, **rev, **remote)
+    return model, tokenizer
+
+
+def _measure_jobs(load: HfLoad, jobs: dict[str, dict[str, Any]], backend: str) -> dict[str, Any]:
+    import torch
+
+    from lm_eval_sink.harness.task import capture_record, check_capturable, measure_rows
+    from lm_eval_sink.strength import StrengthSettings
+
+    model, tokenizer = _load(load)
+    check_capturable(model)
+    record = {
+        **capture_record(model, f"a child process, before lm-eval built the {backend} model"),
+        "model_args_ignored": list(load.ignored),
+    }
+    out = {}
+    with torch.no_grad():
+        for name, job in jobs.items():
+            prompts = [(int(pid), text) for pid, text in job["prompts"]]
+            rows = measure_rows(model, tokenizer, name, prompts, StrengthSettings(**job["settings"]))
+            out[name] = {"rows": {str(r.payload["prompt_id"]): r.payload for r in rows}, "record": record}
+    return {"tasks": out}
+
+
+def _child(job: Path, out: Path) -> int:
+    spec = json.loads(job.read_text(encoding="utf-8"))
+    load = HfLoad(**{**spec["load"], "ignored": tuple(spec["load"]["ignored"])})
+    try:
+        result = _measure_jobs(load, spec["tasks"], spec["backend"])
+    except UserError as e:
+        result, code = {"error": e.message, "hint": e.hint}, 2
+    else:
+        code = 0
+    out.write_text(json.dumps(result), encoding="utf-8")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(_child(Path(sys.argv[1]), Path(sys.argv[2])))
