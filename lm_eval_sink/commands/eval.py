@@ -13,6 +13,53 @@ from pathlib import Path
 from lm_eval_sink.errors import UserError
 
 
+def _model_args(text: str | None) -> dict[str, str]:
+    """`--model-args K=V,...` as a dict (a part without `=` is the one-line error)."""
+    margs = {}
+    for part in (text or "").split(","):
+        if part.strip():
+            if "=" not in part:
+                raise UserError(
+                    f"--model-args {part!r} is not KEY=VALUE",
+                    "e.g. --model-args tensor_parallel_size=2,max_model_len=4096",
+                )
+            k, v = part.split("=", 1)
+            margs[k.strip()] = v.strip()
+    return margs
+
+
+def _check_output(output: Path, inputs: list, force: bool) -> None:
+    """The output folder overlaps no input, is no file, and is new or empty unless `force` (lm-eval adds to it)."""
+    from lm_eval_sink.io import check_not_inputs
+
+    check_not_inputs([output], inputs=inputs, option="--output")
+    if output.exists() and not output.is_dir():
+        raise UserError(f"--output {output} is a file, not a folder", "pass a folder path as --output")
+    if output.exists() and any(output.iterdir()) and not force:
+        raise UserError(
+            f"output already exists: {output}", "pass --force to add this run to it, or choose another --output"
+        )
+
+
+def _report(run, settings, protocol, limit: float | None) -> list[str]:
+    """The lines printed after the run: its files, the interpreter and versions, the protocol check, a subset's note."""
+    from lm_eval_sink.harness.runner import eval_versions
+    from lm_eval_sink.protocols import fingerprint_run, limit_text
+
+    fp = fingerprint_run(run)
+    off = protocol.mismatches(fp)
+    versions = ", ".join(f"{k} {v}" for k, v in eval_versions(settings).items())
+    lines = [f"results: {run.results}", f"lm-eval ran in {settings.interpreter()}: {versions}"]
+    lines += [f"samples {task}: {path}" for task, path in sorted(run.samples.items())]
+    lines.append(
+        f"protocol {protocol.name}: "
+        + ("recorded settings match" if not off else "recorded settings DIFFER: " + ", ".join(off))
+    )
+    if fp.harness.get("limit") is not None:
+        lines.append(f"--limit {limit_text(fp.harness['limit'])}: scores are from a subset and are not final")
+    return lines
+
+
 def run_eval(
     model: str,
     protocol_name: str,
@@ -35,36 +82,21 @@ def run_eval(
 ) -> list[str]:
     """The `eval` command: check the inputs and the output folder, run lm-eval, return the lines to print."""
     from lm_eval_sink.harness.checks import check_protocol
-    from lm_eval_sink.harness.runner import EvalSettings, eval_versions, run_lm_eval
-    from lm_eval_sink.io import check_not_inputs, hold
+    from lm_eval_sink.harness.runner import EvalSettings, run_lm_eval
+    from lm_eval_sink.io import hold
     from lm_eval_sink.models import resolve_model
-    from lm_eval_sink.protocols import fingerprint_run, get_protocol, limit_text, parse_gen_kwargs, settings_fields
+    from lm_eval_sink.protocols import get_protocol, parse_gen_kwargs, settings_fields
 
     if device is not None and backend != "hf":
         raise UserError(
             "--device is an HF-only flag",
             "drop --device with --backend vllm (vLLM places the model; pass --model-args tensor_parallel_size=N)",
         )
-    margs = {}
-    for part in (model_args or "").split(","):
-        if part.strip():
-            if "=" not in part:
-                raise UserError(
-                    f"--model-args {part!r} is not KEY=VALUE",
-                    "e.g. --model-args tensor_parallel_size=2,max_model_len=4096",
-                )
-            k, v = part.split("=", 1)
-            margs[k.strip()] = v.strip()
+    margs = _model_args(model_args)
     protocol = get_protocol(protocol_name, protocol_file)
     output = Path(output)
     model_path = resolve_model(model, allow_adapter=False)  # `default` is a folder in the cache
-    check_not_inputs([output], inputs=[model_path, protocol_file, include_path], option="--output")
-    if output.exists() and not output.is_dir():
-        raise UserError(f"--output {output} is a file, not a folder", "pass a folder path as --output")
-    if output.exists() and any(output.iterdir()) and not force:
-        raise UserError(
-            f"output already exists: {output}", "pass --force to add this run to it, or choose another --output"
-        )
+    _check_output(output, [model_path, protocol_file, include_path], force)
     bs = None if batch_size is None else (int(batch_size) if str(batch_size).isdigit() else str(batch_size))
     if limit is not None and limit >= 1 and float(limit).is_integer():
         limit = int(limit)
@@ -87,15 +119,4 @@ def run_eval(
     check_protocol(settings, [model_path])  # unknown tasks, a generation longer than the model: before lm-eval runs
     with hold(output):
         run = run_lm_eval(model_path, settings, output)
-    fp = fingerprint_run(run)
-    off = protocol.mismatches(fp)
-    versions = ", ".join(f"{k} {v}" for k, v in eval_versions(settings).items())
-    lines = [f"results: {run.results}", f"lm-eval ran in {settings.interpreter()}: {versions}"]
-    lines += [f"samples {task}: {path}" for task, path in sorted(run.samples.items())]
-    lines.append(
-        f"protocol {protocol.name}: "
-        + ("recorded settings match" if not off else "recorded settings DIFFER: " + ", ".join(off))
-    )
-    if fp.harness.get("limit") is not None:
-        lines.append(f"--limit {limit_text(fp.harness['limit'])}: scores are from a subset and are not final")
-    return lines
+    return _report(run, settings, protocol, limit)
