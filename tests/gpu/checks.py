@@ -275,11 +275,11 @@ def check_inmemory_sweep(ctx: Context) -> str:
     peaks = _peaks(ctx, ctx.device)
     if ctx.device.startswith("cuda"):  # every unit records its peak; a CPU run records none
         assert peaks and all(isinstance(p, dict) and sum(p.values()) > 0 for p in peaks), peaks
-    top = max((sum(p.values()) for p in peaks if isinstance(p, dict)), default=0)
+    recorded = [sum(p.values()) for p in peaks if isinstance(p, dict)]
     names = ", ".join(r["checkpoint"] for r in acc)
     return (
-        f"{len(acc)} checkpoints ({names}) ok; max |d figure| vs the CPU sweep {worst:.1e}; "
-        f"{len(peaks)} units record their peak accelerator memory (largest {top / 2**20:.1f} MiB)"
+        f"{len(acc)} checkpoints ({names}) ok; max |d figure| vs the CPU sweep {worst:.1e}; {len(recorded)} of "
+        f"{len(peaks)} units record their peak accelerator memory (largest {max(recorded, default=0) / 2**20:.1f} MiB)"
     )
 
 
