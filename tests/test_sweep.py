@@ -234,10 +234,10 @@ def test_manifest_ignores_a_torn_line_and_appends_after_it(tmp_path):
     from lm_eval_sink.commands.sweep import Manifest
 
     m = Manifest(tmp_path / "manifest.jsonl")
-    m.append({"unit": "eval:a", "key": "k1", "status": "done"})
+    m.append_row({"unit": "eval:a", "key": "k1", "status": "done"})
     with open(m.path, "a") as f:
         f.write('{"unit": "eval:b", "ke')
-    m.append({"unit": "eval:c", "key": "k3", "status": "failed", "error": "boom"})
+    m.append_row({"unit": "eval:c", "key": "k3", "status": "failed", "error": "boom"})
     latest = m.latest()
     assert set(latest) == {"eval:a", "eval:c"} and latest["eval:c"]["status"] == "failed"
 

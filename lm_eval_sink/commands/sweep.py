@@ -307,7 +307,7 @@ class Manifest:
                 last[row["unit"]] = row
         return last
 
-    def append(self, row: dict[str, Any]) -> None:
+    def append_row(self, row: dict[str, Any]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         line = (
             json.dumps({**row, "time_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")}, sort_keys=True)
@@ -483,11 +483,11 @@ def _run_sweep_locked(
         if error is not None:
             report.failures[unit.id] = error
             if not error.startswith("not run: "):
-                manifest.append(
+                manifest.append_row(
                     {"unit": unit.id, "key": unit.key, "status": "failed", "error": error, "output": str(unit.output)}
                 )
             return
-        manifest.append({"unit": unit.id, "key": unit.key, "status": "done", "output": str(unit.output)})
+        manifest.append_row({"unit": unit.id, "key": unit.key, "status": "done", "output": str(unit.output)})
         markers[unit.id] = read_complete(unit.output)
         finished.add(unit.id)
         report.ran.append(unit.id)
@@ -561,7 +561,7 @@ def _maybe_delete_weights(
         return
     for name in present:
         (merge_unit.output / name).unlink()
-    manifest.append(
+    manifest.append_row(
         {"unit": merge_unit.id, "key": merge_unit.key, "status": "weights_deleted", "output": str(merge_unit.output)}
     )
 
