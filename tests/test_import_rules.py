@@ -185,3 +185,17 @@ def test_core_modules_import_no_command():
     uses = {m: sorted(d for d in graph[f"lm_eval_sink.{m}"] if d.startswith("lm_eval_sink.commands")) for m in CORE}
     assert uses == {m: [] for m in CORE}
     assert "lm_eval_sink.buckets" in graph["lm_eval_sink.commands.buckets"]  # the commands' imports are read
+
+
+MAX_FUNCTION_LINES = 60  # docs/development.md: from the `def` line to the last line, decorators excluded
+
+
+def test_every_function_fits_on_one_screen():
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({n} lines)")
+    assert not long, long
