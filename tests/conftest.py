@@ -155,14 +155,20 @@ def handset_llama_dir(tmp_path_factory, tiny_tokenizer) -> Path:
     return d
 
 
+TRIO = (("base", None), ("reference", 1), ("candidate", 2))
+
+
 @pytest.fixture(scope="session")
 def tiny_trio(tmp_path_factory) -> dict[str, Path]:
-    """Tiny Llama models: base, reference = base + tau_r, candidate = base + tau_c."""
-    root = tmp_path_factory.mktemp("tiny_trio")
-    return {
-        role: make_tiny_lm(root / role, "llama", seed)
-        for role, seed in (("base", None), ("reference", 1), ("candidate", 2))
-    }
+    """Tiny Llama models: base, reference = base + tau_r, candidate = base + tau_c; made once per run and read only,
+    so the sweeps of every worker name the same model folders (the shared sweep's table records them)."""
+
+    def make(root: Path) -> None:
+        for role, seed in TRIO:
+            make_tiny_lm(root / role, "llama", seed)
+
+    root = _made_once(tmp_path_factory, "tiny_trio", make)
+    return {role: root / role for role, _ in TRIO}
 
 
 @pytest.fixture(scope="session")

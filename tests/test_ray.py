@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, TINY_SWEEP_TASK, start_ray_cluster, stop_ray_cluster
+from helpers import REPO, TINY_SWEEP_TASK, TINY_SWEEP_TASKS, start_ray_cluster, stop_ray_cluster
 from helpers import write_tiny_sweep as _write_sweep
 
 from lm_eval_sink.cli import main
@@ -282,7 +282,12 @@ def test_gpu_settings_follow_the_device(tmp_path, tiny_trio, capsys):
     assert (res["merge"].num_gpus, res["strength"].num_gpus, res["eval"].num_gpus) == (1, 1, 0)
     res = spec(engine={**ray, "resources": {"strength": {"num_gpus": 1}}})
     assert (res["merge"].num_gpus, res["strength"].num_gpus, res["eval"].num_gpus) == (0, 1, 0)
-    vllm = {"tasks": [TINY_SWEEP_TASK], "backend": "vllm", "model_args": {"tensor_parallel_size": 2}}
+    vllm = {
+        "tasks": [TINY_SWEEP_TASK],
+        "include_path": str(TINY_SWEEP_TASKS),
+        "backend": "vllm",
+        "model_args": {"tensor_parallel_size": 2},
+    }
     assert spec(eval=vllm, engine=ray)["eval"].num_gpus == 2
     assert spec(eval=vllm, engine={**ray, "resources": {"eval": {"num_gpus": 0}}})["eval"].num_gpus == 0
     bad = [
