@@ -48,7 +48,7 @@ test:
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	LM_EVAL_SINK_DATA=$${LM_EVAL_SINK_DATA:-$(SHARED)/data} $(PY) -m pytest -q --durations=25 \
-		-n $(PYTEST_WORKERS) --dist loadfile
+		-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 demo: $(STAMP)
 	LM_EVAL_SINK_DATA=$${LM_EVAL_SINK_DATA:-$(SHARED)/data} $(PY) -m lm_eval_sink.demo

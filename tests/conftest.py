@@ -43,6 +43,30 @@ atexit.register(shutil.rmtree, _RAY_AUTH, True)
 os.environ.update(isolated_ray_auth(_RAY_AUTH))
 os.environ.pop("RAY_AUTH_TOKEN", None)  # it would win over RAY_AUTH_TOKEN_PATH
 
+# The files that take minutes, longest first (docs/development.md's table). `make test` runs pytest-xdist with
+# `--dist loadfile --no-loadscope-reorder`: each worker takes the next whole file in collection order, so these
+# start first and the files of seconds fill the end of the run on both workers (xdist's own order, most tests
+# first, left the single 2-minute experiment test for last). `test_harness.py` comes before the other users of
+# the SmolLM2 runs it makes, so no worker waits on them.
+LONGEST_FIRST = (
+    "test_backends.py",
+    "test_ray.py",
+    "test_sweep.py",
+    "test_sweep_memory.py",
+    "test_harness.py",
+    "test_experiments.py",
+    "test_attribution.py",
+    "test_protocols.py",
+    "test_wheel.py",
+    "test_data_parallel.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """LONGEST_FIRST's files first, in that order; every other file and every file's own tests keep theirs."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
 
 def _made_once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], object]) -> Path:
     """The folder `name`, filled by `make(folder)` once per test run: under pytest-xdist (make test) the first worker
