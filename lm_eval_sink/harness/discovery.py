@@ -1,10 +1,10 @@
 """Glue that makes lm-eval 0.4.13 find this project's tasks with no flag (called by `hooks.py`).
 
-- `patch_task_manager`: every `TaskManager` built with lm-eval's defaults also indexes
-  `tasks_dir()` (the `sink_strength` tasks) and, with `LM_EVAL_SINK_DATA` set, points the covered stock tasks at
-  local files
-  (`offline.py`). `include_defaults=False` keeps lm-eval's contract (only the given include
-  paths). Explicit form without the hook: `--include_path "$(lm-eval-sink tasks-dir)"`.
+- `patch_task_manager`: every `TaskManager` built with lm-eval's defaults also indexes `tasks_dir()` (the
+  `sink_strength` tasks) and, with `LM_EVAL_SINK_DATA` set, points the covered stock tasks at local files
+  (`offline.py`); lm-eval's index of its own tasks is read from the cache (`task_index.py`).
+  `include_defaults=False` keeps lm-eval's contract (only the given include paths). Explicit form without the
+  hook: `--include_path "$(lm-eval-sink tasks-dir)"`.
 - `patch_evaluator`: a task of this project (named, or through a group or tag, resolved with
   lm-eval's TaskManager) asked of a backend without attention access (vllm, ...: anything but HFLM)
   is measured first, before lm-eval builds the model, with transformers in a child process when
@@ -148,9 +148,28 @@ def _apply_offline_overrides(manager: Any) -> None:
     log.debug("lm-eval-sink: offline data from %s", root)
 
 
+def patch_task_index() -> None:
+    """lm-eval's index of its own tasks read from the cache (`task_index.py`) instead of parsed again."""
+    from lm_eval.tasks._index import TaskIndex
+
+    from lm_eval_sink.harness.task_index import cached_build
+
+    original = TaskIndex.build
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def build(paths: Any, *, resolve_includes: bool = True) -> dict[str, Any]:
+        return cached_build(original, paths, resolve_includes=resolve_includes)
+
+    setattr(build, _MARK, True)
+    TaskIndex.build = staticmethod(build)
+
+
 def patch_task_manager() -> None:
     from lm_eval.tasks.manager import TaskManager
 
+    patch_task_index()
     if getattr(TaskManager.__init__, _MARK, False):
         return
     original = TaskManager.__init__
