@@ -46,8 +46,7 @@ os.environ.pop("RAY_AUTH_TOKEN", None)  # it would win over RAY_AUTH_TOKEN_PATH
 # The files that take minutes, longest first (docs/development.md's table). `make test` runs pytest-xdist with
 # `--dist loadfile --no-loadscope-reorder`: each worker takes the next whole file in collection order, so these
 # start first and the files of seconds fill the end of the run on both workers (xdist's own order, most tests
-# first, left the single 2-minute experiment test for last). `test_harness.py` comes before the other users of
-# the SmolLM2 runs it makes, so no worker waits on them.
+# first, left the single 2-minute experiment test for last).
 LONGEST_FIRST = (
     "test_backends.py",
     "test_ray.py",
