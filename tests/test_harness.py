@@ -431,3 +431,30 @@ def test_start_up_file_failure_is_one_warning():
         [sys.executable, "-c", code], env=_env(LM_EVAL_SINK_NO_HOOK=""), capture_output=True, text=True, check=True
     )
     assert proc.stderr.count("lm-eval-sink: start-up hook failed") == 1
+
+
+def test_groups_tags_inline_configs_and_yaml_paths_reach_their_tasks(tmp_path):
+    """`discovery.task_leaves`, the one walk of lm-eval's groups and tags (the vLLM refusal and plan-time checks):
+    a group of a tag and an inline task, a YAML path, an inline group; the inline keys over the indexed config."""
+    from lm_eval.tasks import TaskManager
+
+    from lm_eval_sink.harness.discovery import own_tasks_in, task_leaves
+
+    folder = tmp_path / "suite"
+    folder.mkdir()
+    for name, tag in (("gen_a", "gens"), ("gen_b", "gens"), ("other", None)):
+        tags = f"tag: {tag}\n" if tag else ""
+        (folder / f"{name}.yaml").write_text(f"task: {name}\n{tags}output_type: generate_until\ndataset_path: x\n")
+    (folder / "suite.yaml").write_text(
+        "group: suite\ntask:\n  - gens\n  - task: sink_strength\n    num_fewshot: 3\nmetadata:\n  version: 1.0\n"
+    )
+    manager = TaskManager(include_defaults=False, include_path=[str(folder), str(tasks_dir())])
+    leaves = task_leaves(["suite"], manager.task_index)
+    assert sorted(leaves) == ["gen_a", "gen_b", "sink_strength"]
+    assert leaves["sink_strength"]["num_fewshot"] == 3 and leaves["gen_a"]["output_type"] == "generate_until"
+    assert sorted(task_leaves([str(folder / "other.yaml"), {"group": "g", "task": ["gen_b"]}], manager.task_index)) == [
+        "gen_b",
+        "other",
+    ]
+    assert own_tasks_in(["suite", "other"], manager) == ["sink_strength"]
+    assert own_tasks_in(["gens"], manager) == []

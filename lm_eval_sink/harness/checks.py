@@ -43,7 +43,7 @@ def describe(tasks: Sequence[str], include_path: str | None) -> dict[str, Any]:
     generating task's own `generation_kwargs` (groups and tags expanded)."""
     import glob
 
-    from lm_eval_sink.harness.discovery import own_task_names
+    from lm_eval_sink.harness.discovery import own_task_names, task_leaves
     from lm_eval_sink.schema import did_you_mean
 
     manager = task_manager(include_path)
@@ -57,35 +57,10 @@ def describe(tasks: Sequence[str], include_path: str | None) -> dict[str, Any]:
         matches = manager.match_tasks([name])
         if not matches:
             unknown[name] = did_you_mean(name, manager.all_tasks)
-        for task, cfg in _leaves(matches, manager.task_index):
+        for task, cfg in sorted(task_leaves(matches, manager.task_index).items()):
             if task not in own_task_names() and "class" not in cfg and cfg.get("output_type") == "generate_until":
                 generation[task] = cfg.get("generation_kwargs")
     return {"unknown": unknown, "generation": generation}
-
-
-def _leaves(names: Sequence[Any], index: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """(task, its config as lm-eval will build it) for every task that `names` stand for, through groups and tags."""
-    from lm_eval.tasks._index import Kind
-
-    out: dict[str, dict[str, Any]] = {}
-    stack, seen = list(names), set()
-    while stack:
-        item = stack.pop()
-        over = item if isinstance(item, dict) else {}
-        name = over.get("task") if over else item
-        if not isinstance(name, str) or (name in seen and not over):
-            continue
-        seen.add(name)
-        entry = index.get(name)
-        if entry is None:
-            continue
-        if entry.kind == Kind.GROUP:
-            stack.extend((entry.cfg or {}).get("task") or [])
-        elif entry.kind == Kind.TAG:
-            stack.extend(n for n, e in index.items() if name in e.tags and e.kind != Kind.TAG)
-        else:
-            out[name] = {**(entry.cfg or {}), **{k: v for k, v in over.items() if k != "task"}}
-    return sorted(out.items())
 
 
 @functools.cache

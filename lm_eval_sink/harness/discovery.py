@@ -24,6 +24,7 @@ import functools
 import inspect
 import logging
 import sys
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -55,20 +56,22 @@ def _model_class(model: Any) -> type | None:
         return None
 
 
-def own_tasks_in(requested: list[Any], manager: Any) -> list[str]:
-    """This project's tasks among `requested` (names, YAML paths, config dicts), through groups and tags, sorted."""
+def task_leaves(requested: Sequence[Any], index: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every task `requested` stands for (names, YAML paths, inline config dicts; through groups and tags), with its
+    config as lm-eval will build it: the indexed one, under an inline dict's own keys. The one walk of lm-eval's
+    groups and tags in this project."""
     from lm_eval.tasks._index import Kind, TaskIndex
 
-    index = manager.task_index
-    found: set[str] = set()
-    seen: set[str] = set()
-    stack = list(requested)
+    out: dict[str, dict[str, Any]] = {}
+    stack, seen = list(requested), set()
     while stack:
-        item = stack.pop()
+        item, over = stack.pop(), {}
         if isinstance(item, dict):
-            stack.extend(_as_list(item.get("task")))  # an inline task's name, or an inline group's members
-            continue
-        if not isinstance(item, str) or item in seen:
+            if not isinstance(item.get("task"), str):  # an inline group: its members
+                stack.extend(_as_list(item.get("task")))
+                continue
+            item, over = item["task"], {k: v for k, v in item.items() if k != "task"}
+        if not isinstance(item, str) or (item in seen and not over):
             continue  # a Task object: the patched evaluate() sees it
         seen.add(item)
         entry = index.get(item) or (TaskIndex.entry_from_path(Path(item)) if Path(item).is_file() else None)
@@ -77,10 +80,20 @@ def own_tasks_in(requested: list[Any], manager: Any) -> list[str]:
         if entry.kind == Kind.GROUP:
             stack.extend(_as_list((entry.cfg or {}).get("task")))
         elif entry.kind == Kind.TAG:
-            stack.extend(name for name, e in index.items() if item in e.tags)
-        elif entry.name in own_task_names() or str((entry.cfg or {}).get("class") or "").endswith(TASK_CLASS):
-            found.add(entry.name)
-    return sorted(found)
+            stack.extend(name for name, e in index.items() if item in e.tags and e.kind != Kind.TAG)
+        else:
+            out[entry.name] = {**(entry.cfg or {}), **over}
+    return out
+
+
+def own_tasks_in(requested: list[Any], manager: Any) -> list[str]:
+    """This project's tasks among `requested` (names, YAML paths, config dicts), through groups and tags, sorted."""
+    leaves = task_leaves(requested, manager.task_index)
+    return sorted(
+        name
+        for name, cfg in leaves.items()
+        if name in own_task_names() or str(cfg.get("class") or "").endswith(TASK_CLASS)
+    )
 
 
 def _as_list(value: Any) -> list[Any]:
