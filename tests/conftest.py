@@ -61,10 +61,64 @@ LONGEST_FIRST = (
 )
 
 
+# Every cache a test run can fill starts empty, as on a new user's machine: the project cache (the converted default
+# model, file hashes, lm-eval's task index, offline task YAMLs), Hugging Face's, vLLM's and torch.compile's. The
+# controller makes one temporary root per run before pytest-xdist starts its workers, which inherit it; nothing a
+# previous run left in ~/.cache is read.
+FRESH_CACHES = {
+    "LM_EVAL_SINK_CACHE": "lm_eval_sink",
+    "HF_HOME": "huggingface",
+    "XDG_CACHE_HOME": "xdg",
+    "TORCHINDUCTOR_CACHE_DIR": "torchinductor",
+    "VLLM_CACHE_ROOT": "vllm",
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller set the caches
+        return
+    root = Path(tempfile.mkdtemp(prefix="lm-eval-sink-test-caches-"))
+    config._fresh_caches = root
+    os.environ.update({name: str(root / sub) for name, sub in FRESH_CACHES.items()})
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    root = getattr(config, "_fresh_caches", None)
+    if root is not None:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+# The files whose tests start lm-eval (a process, simple_evaluate or a TaskManager): each of their tests first gets
+# `lm_eval_task_index`, so lm-eval's index is built once per run, not by two workers' first processes at once.
+STARTS_LM_EVAL = (
+    "test_adapters.py",
+    "test_architectures.py",
+    "test_attribution.py",
+    "test_backends.py",
+    "test_data_parallel.py",
+    "test_experiments.py",
+    "test_extract.py",
+    "test_harness.py",
+    "test_inmemory.py",
+    "test_loading.py",
+    "test_measure_first.py",
+    "test_protocols.py",
+    "test_ray.py",
+    "test_report.py",
+    "test_sweep.py",
+    "test_sweep_memory.py",
+    "test_wheel.py",
+)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """LONGEST_FIRST's files first, in that order; every other file and every file's own tests keep theirs."""
+    """LONGEST_FIRST's files first, in that order; every other file and every file's own tests keep theirs; the
+    tests of STARTS_LM_EVAL's files get the task index first."""
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    for item in items:
+        if item.path.name in STARTS_LM_EVAL and "lm_eval_task_index" not in item.fixturenames:
+            item.fixturenames.insert(0, "lm_eval_task_index")
 
 
 def _made_once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], object]) -> Path:
@@ -96,11 +150,26 @@ def shared_data() -> Path:
 
 
 @pytest.fixture(scope="session")
-def default_model() -> Path:
-    """The converted SmolLM2-135M-Instruct folder (converted once, then cached)."""
+def default_model(tmp_path_factory) -> Path:
+    """The converted SmolLM2-135M-Instruct folder: converted once per run into the run's empty project cache (by the
+    first worker that needs it, while the other waits), as a new user's first command does."""
     from lm_eval_sink.models import default_model_dir
 
-    return default_model_dir()
+    _made_once(tmp_path_factory, "default_model", lambda _: default_model_dir())
+    return default_model_dir(create=False)
+
+
+@pytest.fixture(scope="session")
+def lm_eval_task_index(tmp_path_factory) -> None:
+    """lm-eval's index of its own tasks, built once per run into the run's empty project cache (harness/task_index.py),
+    so the run's lm-eval processes read it instead of each building it; used by the modules that start lm-eval."""
+
+    def make(_: Path) -> None:
+        from lm_eval.tasks import TaskManager
+
+        TaskManager()
+
+    _made_once(tmp_path_factory, "lm_eval_task_index", make)
 
 
 @pytest.fixture(scope="session")
@@ -136,14 +205,14 @@ def _protocol_settings(protocol: str, tasks: tuple[str, ...]):
 
 
 @pytest.fixture(scope="session")
-def smollm2_instruct_run(tmp_path_factory, shared_data, default_model):
+def smollm2_instruct_run(tmp_path_factory, shared_data, default_model, lm_eval_task_index):
     """sink_strength + ifeval + gsm8k_cot_zeroshot under the `instruct` protocol (chat template, 0-shot, batch 8)."""
     settings = _protocol_settings("instruct", ("sink_strength", "ifeval", "gsm8k_cot_zeroshot"))
     return _fixture_run(tmp_path_factory, shared_data, default_model, "instruct", settings)
 
 
 @pytest.fixture(scope="session")
-def smollm2_community_run(tmp_path_factory, shared_data, default_model):
+def smollm2_community_run(tmp_path_factory, shared_data, default_model, lm_eval_task_index):
     """ifeval + gsm8k_cot_zeroshot under the named `community` protocol (no chat template, task-default few-shot)."""
     settings = _protocol_settings("community", ("ifeval", "gsm8k_cot_zeroshot"))
     return _fixture_run(tmp_path_factory, shared_data, default_model, "community", settings)
@@ -195,7 +264,7 @@ def tiny_trio(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def uninterrupted(tmp_path_factory, tiny_trio) -> Path:
+def uninterrupted(tmp_path_factory, tiny_trio, lm_eval_task_index) -> Path:
     """An uninterrupted tiny sweep (`write_tiny_sweep`): reference, candidate and one DARE merge, evaluated and
     measured once per session; the sweep and Ray tests read it or work on copies of it."""
     from lm_eval_sink.commands.sweep import load_sweep, run_sweep
