@@ -269,16 +269,9 @@ def load_model(
         if cls is not None:
             check_supported_class(cls)  # before any weight is read
             impl = attn_implementation_for(cls)
-    virtual = base is not None and folder_virtual_tokens(path) is not None  # transformers does not load these
-    model, placement = load_placed(
-        AutoModelForCausalLM,
-        base if virtual else path,
-        td,
-        device,
-        config,
-        **rev,
-        **({"attn_implementation": impl} if impl else {}),
-    )
+    virtual = base is not None and folder_virtual_tokens(path) is not None  # peft loads these, transformers does not
+    kwargs = {**rev, **({"attn_implementation": impl} if impl else {})}
+    model, placement = load_placed(AutoModelForCausalLM, base if virtual else path, td, device, config, **kwargs)
     model = load_on_base(model, path) if virtual else model.eval()
     tokenizer = AutoTokenizer.from_pretrained(
         base if base and not (Path(path) / "tokenizer_config.json").is_file() else path, **rev
