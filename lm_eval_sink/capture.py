@@ -46,8 +46,15 @@ other key and is excluded):
     content[query]                    bool     the row's token is the user message's text
 `layer` indexes `PromptCapture.layers` (model layer indices, ascending). `capture_prompts` runs the
 prompts in left-padded batches (`calibration.Batching`: prompts per forward, padded tokens per
-forward, query rows per chunk) and asks the model for the last position's logits only
-(`logits_to_keep=1`, where its forward takes it): the statistics do not depend on any of these.
+forward, query rows per chunk) and lets the output head compute the last position's logits only (its
+input cut to the last position for the capture's forwards, `_last_position_head`): the statistics do
+not depend on any of these. Nothing else changes which positions a layer computes: `logits_to_keep` is
+not passed, since some models' layers read it too (Gemma 4 runs its KV-shared layers on the kept
+positions only).
+A peft model is run as `adapters.adapted` says: weight adapters through their adapted base; prompt
+tuning, p-tuning and prefix tuning through peft's own forward, one prompt at a time, with position 0 at
+the first virtual token and the same rows as without the adapter (sink positions then range over the
+virtual tokens too; `sink_keys` is refused for them).
 With `sink_keys` (one int array [layer, head, query] per prompt, positions counted from the first
 real token, e.g. another model's `sink_pos`), each row's sink key is that fixed key instead of
 the argmax, so `sink_logodds` is the aggregate logit gap at the given key (used by margin.py to
@@ -61,7 +68,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import inspect
 import re
 import sys
 from collections.abc import Iterator, Sequence
@@ -71,6 +77,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from lm_eval_sink.adapters import Adapted, adapted
 from lm_eval_sink.calibration import Batching, EncodedPrompts
 from lm_eval_sink.errors import UserError
 
@@ -326,13 +333,14 @@ def attention_layers_from_config(config: Any) -> tuple[int, ...] | None:
 
 def attention_layers(model: Any, probe_ids: Sequence[int]) -> tuple[int, ...]:
     """The model's attention layers: from `config.layer_types`, else the layers whose attention
-    reached the capture on a short probe (`probe_ids`, a few token ids)."""
+    reached the capture on a short probe (`probe_ids`, a few token ids). A peft model: its base's."""
+    model = adapted(model).module
     from_config = attention_layers_from_config(model.config)
     if from_config is not None:
         return from_config
     ids = torch.tensor([list(probe_ids)], dtype=torch.long, device=_input_device(model))
-    with sink_capture(model, ()) as collector, torch.no_grad():
-        model(input_ids=ids, use_cache=False, **_last_logits_only(model))
+    with sink_capture(model, ()) as collector, _last_position_head(model), torch.no_grad():
+        model(input_ids=ids, use_cache=False)
     layers = tuple(sorted(x for x in collector.reached if isinstance(x, int)))
     if not layers:
         raise UserError(
@@ -415,10 +423,27 @@ def _input_device(model: Any) -> torch.device:
     return next(model.parameters()).device
 
 
-def _last_logits_only(model: Any) -> dict[str, int]:
-    """`logits_to_keep=1` where the model's forward takes it: the capture needs attention, not the vocabulary's
-    logits at every position (a [tokens, vocabulary] tensor)."""
-    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+@contextlib.contextmanager
+def _last_position_head(model: Any) -> Iterator[None]:
+    """For the block, the output head's input is cut to the last position: the capture needs attention, not the
+    vocabulary's logits at every position (a [tokens, vocabulary] tensor). Unlike `logits_to_keep`, which some
+    models' layers read as well (Gemma 4's KV-shared layers then run on the kept positions only), this changes
+    nothing before the head. A model without an output head module computes its logits as it does."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, torch.nn.Module):
+        yield
+        return
+
+    def last_position(module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if args and isinstance(args[0], torch.Tensor) and args[0].ndim == 3:
+            return (args[0][:, -1:], *args[1:]), kwargs
+        return None
+
+    handle = head.register_forward_pre_hook(last_position, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _batch(input_ids: Sequence[Sequence[int]], pad_id: int, device: torch.device):
@@ -470,21 +495,37 @@ def _fixed_key_batch(
     return out
 
 
-def _checked_layers(model: Any, encoded: EncodedPrompts, layers: Sequence[int]) -> tuple[int, ...]:
-    """The layers, sorted, after refusing one out of range or a prompt longer than the model's positions."""
+def _checked_layers(model: Adapted, encoded: EncodedPrompts, layers: Sequence[int]) -> tuple[int, ...]:
+    """The layers, sorted, after refusing one out of range or a prompt (with any virtual tokens) longer than the
+    model's positions."""
     layers = tuple(sorted(set(int(x) for x in layers)))
-    depth = n_layers_of(model)
+    depth = n_layers_of(model.module)
     bad = [x for x in layers if not 0 <= x < depth]
     if bad:
         raise UserError(f"layer(s) {bad} out of range for a {depth}-layer model", f"use layers 0..{depth - 1}")
-    max_pos = getattr(_attn_config(model), "max_position_embeddings", None)
-    longest = max(len(x) for x in encoded.input_ids)
+    max_pos = getattr(_attn_config(model.module), "max_position_embeddings", None)
+    virtual = model.virtual.n if model.virtual else 0
+    longest = max(len(x) for x in encoded.input_ids) + virtual
     if max_pos and longest > max_pos:
         raise UserError(
-            f"a calibration prompt has {longest} tokens, more than the model's {max_pos} positions",
+            f"a calibration prompt has {longest} tokens"
+            f"{f' (with {virtual} virtual tokens)' if virtual else ''}, more than the model's {max_pos} positions",
             "use shorter prompts",
         )
     return layers
+
+
+def _check_finite(out: dict[int, PromptCapture], layers: tuple[int, ...]) -> None:
+    bad_rows = [
+        (j, li) for j in sorted(out) for li in range(len(layers)) if not np.isfinite(out[j].sink_logodds[li]).all()
+    ]
+    if bad_rows:
+        j, li = bad_rows[0]
+        raise UserError(
+            f"non-finite sink log-odds at prompt {j}, layer {layers[li]}",
+            "load float16 weights in bfloat16 (--dtype bfloat16: the same memory, float32's range), or any in "
+            "float32 (--dtype float32: twice the memory of 16-bit weights)",
+        )
 
 
 def capture_prompts(
@@ -500,40 +541,41 @@ def capture_prompts(
 
     `batching`: prompts per forward, padded tokens per forward, query rows per chunk (the statistics do not
     depend on them). `sink_keys`: optional fixed sink key per row (one [layer, head, query] int array per
-    prompt, positions from the first real token); see the module docstring.
+    prompt, positions from the first real token); see the module docstring. A peft model runs as
+    `adapters.adapted` says (virtual tokens: one prompt per forward).
     """
     from tqdm.auto import tqdm
 
-    layers = _checked_layers(model, encoded, layers)
+    run = adapted(model)
+    layers = _checked_layers(run, encoded, layers)
+    if sink_keys is not None and run.virtual is not None:
+        raise UserError(
+            f"fixed sink keys for a {run.virtual.method} adapter: its {run.virtual.n} virtual tokens are keys "
+            "that the other model does not have",
+            "compare the adapter's Sink Strength (`lm-eval-sink strength`) with its base's instead",
+        )
     if sink_keys is not None:
-        _check_sink_keys(sink_keys, encoded, len(layers), int(_attn_config(model).num_attention_heads))
-    pad_id = next((t for t in (getattr(model.config, "pad_token_id", None), 0) if t is not None), 0)
+        _check_sink_keys(sink_keys, encoded, len(layers), int(_attn_config(run.module).num_attention_heads))
+    pad_id = next((t for t in (getattr(run.module.config, "pad_token_id", None), 0) if t is not None), 0)
     out: dict[int, PromptCapture] = {}
-    batches = batching.batches([len(x) for x in encoded.input_ids])
-    with sink_capture(model, layers) as collector, torch.no_grad():  # not inference_mode: FSDP2 reuses its buffers
+    lengths = [len(x) for x in encoded.input_ids]
+    batches = batching.batches(lengths) if run.virtual is None else [[i] for i in range(len(lengths))]
+    with (
+        sink_capture(run.module, layers) as collector,
+        _last_position_head(run.module),
+        torch.no_grad(),  # not inference_mode: FSDP2 reuses its buffers
+    ):
         collector.query_chunk = batching.query_chunk
         for batch in tqdm(batches, desc=desc, disable=not progress, leave=False):
             keys = None if sink_keys is None else [sink_keys[i] for i in batch]
-            captured = _capture_batch(model, collector, encoded, batch, layers, int(pad_id), keys)
+            captured = _capture_batch(run, collector, encoded, batch, layers, int(pad_id), keys)
             out.update(zip(batch, captured, strict=True))
-    bad_rows = [
-        (j, li)
-        for j in range(len(encoded))
-        for li in range(len(layers))
-        if not np.isfinite(out[j].sink_logodds[li]).all()
-    ]
-    if bad_rows:
-        j, li = bad_rows[0]
-        raise UserError(
-            f"non-finite sink log-odds at prompt {j}, layer {layers[li]}",
-            "load float16 weights in bfloat16 (--dtype bfloat16: the same memory, float32's range), or any in "
-            "float32 (--dtype float32: twice the memory of 16-bit weights)",
-        )
+    _check_finite(out, layers)
     return [out[j] for j in range(len(encoded))]
 
 
 def _capture_batch(
-    model: Any,
+    model: Adapted,
     collector: _Collector,
     encoded: EncodedPrompts,
     batch: list[int],
@@ -541,25 +583,27 @@ def _capture_batch(
     pad_id: int,
     sink_keys: list[np.ndarray] | None,
 ) -> list[PromptCapture]:
-    """One left-padded forward of the prompts `batch` (indices into `encoded`) under the capture."""
+    """One left-padded forward of the prompts `batch` (indices into `encoded`) under the capture; with virtual
+    tokens one unpadded prompt through the adapter's forward (peft adds the virtual tokens and their mask)."""
     chunk = [encoded.input_ids[i] for i in batch]
-    ids, mask, position_ids, first_real = _batch(chunk, pad_id, _input_device(model))
+    ids, mask, position_ids, first_real = _batch(chunk, pad_id, _input_device(model.module))
     starts = [ids.shape[1] - len(x) for x in chunk]
     collector.first_real, collector.records = first_real, {}
     if sink_keys is not None:
         collector.fixed_keys = _fixed_key_batch(sink_keys, layers, starts, ids.shape[1], ids.device)
+    inputs = {"input_ids": ids, "attention_mask": mask, "use_cache": False}
     try:
-        model(
-            input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=False, **_last_logits_only(model)
-        )
+        model.forward(**inputs, **({} if model.virtual else {"position_ids": position_ids}))
     finally:
         collector.first_real, collector.fixed_keys = None, None
     missing = [x for x in layers if x not in collector.records]
     if missing:
         raise UserError(
-            f"{type(model).__name__}: attention of layer(s) {missing[:5]} never reached the capture function",
+            f"{type(model.module).__name__}: attention of layer(s) {missing[:5]} never reached the capture function",
             "this architecture bypasses transformers' attention interface for those layers; it is not supported",
         )
+    if model.virtual is not None and model.virtual.rows:  # the virtual tokens' rows come first: skip them
+        starts = [model.virtual.n]
     return [
         _prompt_capture(collector.records, layers, row, starts[row], len(chunk[row]), encoded.content_mask[i])
         for row, i in enumerate(batch)

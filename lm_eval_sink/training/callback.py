@@ -2,9 +2,10 @@
 
 Steps are optimizer steps (`state.global_step`): step 0 in `on_train_begin`, every `every_n_steps`
 in `on_step_end`, and the last step in `on_train_end` unless it is already recorded; each step
-once. The measurement is `strength.measure` on the model being trained (unwrapped from DDP and
-peft wrappers, LoRA layers active), in eval mode under no_grad; train mode and every parameter's
-`requires_grad` are restored after it. Every rank runs the measurement's forward (under FSDP2 /
+once. The measurement is `strength.measure` on the model being trained (unwrapped from DDP; a peft model
+as `adapters.adapted` says: LoRA layers active, a prompt-tuning, p-tuning or prefix-tuning run through its own
+forward with its virtual tokens, an adaption prompt refused), in eval mode under no_grad; train mode and every
+parameter's `requires_grad` are restored after it. Every rank runs the measurement's forward (under FSDP2 /
 ZeRO-3 each layer's parameters are gathered from all ranks, so a forward on one rank alone would
 hang); only the main process writes and logs. torch's FSDP1 wrapper is refused.
 
@@ -27,6 +28,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from lm_eval_sink.adapters import adapted, unwrap_parallel
 from lm_eval_sink.devices import check_not_tensor_parallel
 from lm_eval_sink.errors import SinkWarning, UserError
 from lm_eval_sink.strength import SinkStrength, StrengthSettings
@@ -43,9 +45,9 @@ LOGGED_KEYS = (
 
 
 def unwrap_model(model: Any) -> Any:
-    """The module whose weights are trained: strip DDP-style `.module` and peft wrappers."""
-    while hasattr(model, "module") and not hasattr(model, "config"):
-        model = model.module
+    """The module whose weights are trained: strip DDP-style `.module` and peft wrappers (for weight access; the
+    measurement runs a peft model as `adapters.adapted` says)."""
+    model = unwrap_parallel(model)
     if hasattr(model, "get_base_model"):
         model = model.get_base_model()
     return model
@@ -68,8 +70,8 @@ def measure_in_training(model: Any, tokenizer: Any, settings: StrengthSettings) 
 
     from lm_eval_sink.strength import measure
 
-    model = unwrap_model(model)
-    check_measurable(model)
+    model = unwrap_parallel(model)
+    check_measurable(adapted(model).module)
     was_training = model.training
     grads = [(p, p.requires_grad) for p in model.parameters()]
     model.eval()

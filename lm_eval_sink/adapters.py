@@ -1,0 +1,154 @@
+"""peft adapters under Sink Strength: which ones the capture measures, through what, and which it refuses.
+
+Weight adapters (LoRA and the other peft tuners that change a layer's weights or activations in place) are
+measured through the adapted base model (`get_base_model()`): its layers run peft's adapted forward, and its
+attention goes through the attention interface the capture reads.
+
+Prompt learning puts virtual tokens before every prompt: prompt tuning and p-tuning as input embeddings
+(each virtual token is a query row and a key), prefix tuning as keys and values of every layer (keys with no
+query row). These are measured through the adapter's own forward (peft's `PeftModel`), one prompt at a time:
+peft puts the virtual tokens before a left-padded prompt's padding, and for prompt tuning drops the position
+ids, so in a padded batch the prompt's distance to them would depend on its neighbours. Position 0 is the
+first virtual token (sink positions count from it); the rows are those of the model without the adapter,
+the prompt's tokens 1..L-1 (the virtual tokens' own rows are the same in every prompt and are not counted);
+each row's keys are the virtual tokens and the prompt's tokens up to its own. `VirtualTokens.record()` says so
+in every result that measured one.
+
+Refused in one line: adaption prompts (LLaMA-Adapter: a second softmax over the adapter's prompt, gated and
+added to the attention's output, outside the distribution S is defined on), and the other prompt-learning
+methods (multitask prompt tuning needs a task id per prompt; CPT, cartridges: not measured).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lm_eval_sink.errors import UserError
+
+ADAPTER_CONFIG = "adapter_config.json"  # a peft adapter folder: its weights, and its base model named inside
+VIRTUAL_ROWS = {"PROMPT_TUNING": True, "P_TUNING": True, "PREFIX_TUNING": False}  # method -> virtual tokens have rows
+_ADAPTED_ATTENTION = ("AdaptedAttention", "AdaptedAttentionGPT")  # peft's adaption-prompt wrappers
+
+
+@dataclass(frozen=True, slots=True)
+class VirtualTokens:
+    """A prompt-learning adapter's virtual tokens, put before every prompt by the adapter's forward."""
+
+    method: str  # peft_type
+    n: int  # virtual tokens before each prompt
+    rows: bool  # True: input embeddings (query rows and keys); False: keys and values only (prefix tuning)
+
+    def record(self) -> dict[str, Any]:
+        """What a result says of them: which position is the sink's position 0 and which rows count."""
+        return {
+            "method": self.method,
+            "n_virtual_tokens": self.n,
+            "as": "input embeddings" if self.rows else "keys and values (past_key_values)",
+            "position_0": "the first virtual token (sink positions count from it)",
+            "rows": "the prompt's tokens 1..L-1, as without the adapter (virtual tokens' own rows not counted)",
+            "keys": "the virtual tokens and the prompt's tokens up to the row",
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Adapted:
+    """How the capture runs a model: `module` is switched and read (a transformers model), `forward` runs the
+    prompts (peft's model where it puts virtual tokens before them, else `module`)."""
+
+    module: Any
+    forward: Any
+    virtual: VirtualTokens | None = None
+
+
+def _refuse_adaption_prompt(where: str) -> UserError:
+    return UserError(
+        f"{where}: an adaption-prompt adapter (LLaMA-Adapter) adds a second, gated softmax over its own prompt "
+        "to each adapted layer's attention, outside the attention Sink Strength is defined on",
+        "measure the base model, or an adapter that changes weights (LoRA) or prepends virtual tokens "
+        "(prompt tuning, p-tuning, prefix tuning)",
+    )
+
+
+def virtual_tokens(method: str, prompt_learning: bool, n: Any, where: str) -> VirtualTokens | None:
+    """The virtual tokens of a peft method (None: a weight adapter); refuses what the capture cannot measure."""
+    if method == "ADAPTION_PROMPT":
+        raise _refuse_adaption_prompt(where)
+    if not prompt_learning:
+        return None
+    if method not in VIRTUAL_ROWS:
+        raise UserError(
+            f"{where}: {method} adapters are not measured (prompt-learning methods measured: "
+            f"{', '.join(VIRTUAL_ROWS)})",
+            "measure the base model, or train a prompt-tuning, p-tuning, prefix-tuning or LoRA adapter",
+        )
+    return VirtualTokens(method, int(n), VIRTUAL_ROWS[method])
+
+
+def config_virtual_tokens(config_path: Any, config: dict[str, Any]) -> VirtualTokens | None:
+    """`virtual_tokens` of an adapter from its adapter_config.json (`config`, read from `config_path`), before
+    anything is loaded."""
+    from peft.config import PromptLearningConfig
+    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
+
+    method = str(config.get("peft_type"))
+    cls = PEFT_TYPE_TO_CONFIG_MAPPING.get(method)
+    if cls is None:
+        raise UserError(
+            f"{config_path}: peft_type {method!r} is not a method of the installed peft",
+            "save the adapter with peft (or upgrade peft to the version that wrote it)",
+        )
+    prompt_learning = issubclass(cls, PromptLearningConfig)
+    return virtual_tokens(method, prompt_learning, config.get("num_virtual_tokens"), str(config_path))
+
+
+def folder_virtual_tokens(folder: str | Path) -> VirtualTokens | None:
+    """`config_virtual_tokens` of a model folder (None: not a peft adapter folder)."""
+    path = Path(folder) / ADAPTER_CONFIG
+    if not path.is_file():
+        return None
+    return config_virtual_tokens(path, json.loads(path.read_text(encoding="utf-8")))
+
+
+def check_same_keys(folder: str | Path, role: str) -> None:
+    """Refuse an adapter with virtual tokens where two models are compared at the same keys (`margin`)."""
+    virtual = folder_virtual_tokens(folder)
+    if virtual is not None:
+        raise UserError(
+            f"{role} {folder}: a {virtual.method} adapter puts {virtual.n} virtual tokens before every prompt, keys "
+            "the other model does not have, so margins at the reference's sink keys are not defined",
+            f"compare Sink Strength instead: lm-eval-sink strength BASE {folder}",
+        )
+
+
+def unwrap_parallel(model: Any) -> Any:
+    """Strip DDP-style wrappers (`.module` on a module without a config)."""
+    while hasattr(model, "module") and not hasattr(model, "config"):
+        model = model.module
+    return model
+
+
+def adapted(model: Any) -> Adapted:
+    """How the capture runs `model`: a transformers model as it is, a peft model through its adapted base or,
+    with virtual tokens, through its own forward; refuses adaption prompts and unmeasured prompt learning."""
+    model = unwrap_parallel(model)
+    config = getattr(model, "active_peft_config", None) if hasattr(model, "get_base_model") else None
+    if config is None:
+        if any(type(m).__name__ in _ADAPTED_ATTENTION for m in model.modules()):
+            raise _refuse_adaption_prompt(type(model).__name__)
+        return Adapted(model, model)
+    method = str(getattr(config.peft_type, "value", config.peft_type))
+    where = f"{type(model).__name__} ({method})"
+    virtual = virtual_tokens(method, config.is_prompt_learning, getattr(config, "num_virtual_tokens", 0), where)
+    base = model.get_base_model()
+    return Adapted(base, model if virtual else base, virtual)
+
+
+def load_on_base(base: Any, adapter: str) -> Any:
+    """peft's model of `adapter` on the loaded `base`, in eval mode (prompt learning: transformers' own adapter
+    loading does not take it)."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(base, adapter).eval()
