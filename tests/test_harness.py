@@ -482,3 +482,7 @@ def test_groups_tags_inline_configs_and_yaml_paths_reach_their_tasks(tmp_path):
     ]
     assert own_tasks_in(["suite", "other"], manager) == ["sink_strength"]
     assert own_tasks_in(["gens"], manager) == []
+    # A YAML path is read whole: a group file's members, a task file's class (a copy of sink_strength, renamed).
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(f"include: {tasks_dir() / 'sink_strength' / 'sink_strength.yaml'}\ntask: my_sink\n")
+    assert own_tasks_in([str(folder / "suite.yaml"), str(mine)], manager) == ["my_sink", "sink_strength"]

@@ -60,7 +60,7 @@ def task_leaves(requested: Sequence[Any], index: dict[str, Any]) -> dict[str, di
     """Every task `requested` stands for (names, YAML paths, inline config dicts; through groups and tags), with its
     config as lm-eval will build it: the indexed one, under an inline dict's own keys. The one walk of lm-eval's
     groups and tags in this project."""
-    from lm_eval.tasks._index import Kind, TaskIndex
+    from lm_eval.tasks._index import Kind
 
     out: dict[str, dict[str, Any]] = {}
     stack, seen = list(requested), set()
@@ -74,7 +74,7 @@ def task_leaves(requested: Sequence[Any], index: dict[str, Any]) -> dict[str, di
         if not isinstance(item, str) or (item in seen and not over):
             continue  # a Task object: the patched evaluate() sees it
         seen.add(item)
-        entry = index.get(item) or (TaskIndex.entry_from_path(Path(item)) if Path(item).is_file() else None)
+        entry = index.get(item) or (_path_entry(Path(item)) if Path(item).is_file() else None)
         if entry is None:
             continue
         if entry.kind == Kind.GROUP:
@@ -86,9 +86,25 @@ def task_leaves(requested: Sequence[Any], index: dict[str, Any]) -> dict[str, di
     return out
 
 
+def _path_entry(path: Path) -> Any:
+    """A YAML path's entry as lm-eval's factory reads it: with its config (includes merged, functions unresolved),
+    which lm-eval's `entry_from_path` leaves out (so a group's members and a task's class are seen)."""
+    from dataclasses import replace
+
+    from lm_eval.tasks._index import TaskIndex
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    entry = TaskIndex.entry_from_path(path)
+    return None if entry is None else replace(entry, cfg=load_yaml(path, resolve_func=False))
+
+
 def own_tasks_in(requested: list[Any], manager: Any) -> list[str]:
     """This project's tasks among `requested` (names, YAML paths, config dicts), through groups and tags, sorted."""
-    leaves = task_leaves(requested, manager.task_index)
+    return own_leaves(task_leaves(requested, manager.task_index))
+
+
+def own_leaves(leaves: dict[str, dict[str, Any]]) -> list[str]:
+    """This project's tasks among `task_leaves`' tasks (by name, or by the class a user's YAML names), sorted."""
     return sorted(
         name
         for name, cfg in leaves.items()
