@@ -134,6 +134,7 @@ def _task_manager(arguments: dict[str, Any]) -> Any:
 def measure_first_request(arguments: dict[str, Any]) -> tuple[dict[str, Any], Any] | None:
     """Before lm-eval builds a backend without attention access: this project's tasks measured first
     (`measure_first.py`), with the TaskManager that found them; None when none is asked of such a backend.
+    The hub revisions are pinned to the commits measured in `arguments["model_args"]`, which the engine then gets.
 
     One line, before anything loads, when the backend has no `pretrained` transformers can load.
     """
@@ -151,10 +152,18 @@ def measure_first_request(arguments: dict[str, Any]) -> tuple[dict[str, Any], An
     model_args = _model_args(arguments.get("model_args")) if isinstance(model, str) else {}
     if not model_args.get("pretrained"):
         raise unsupported(ours[0], label)
-    from lm_eval_sink.harness.measure_first import check_loadable, hf_load_args, measure_first, task_jobs
+    from lm_eval_sink.harness.measure_first import (
+        check_loadable,
+        engine_model_args,
+        hf_load_args,
+        measure_first,
+        pin_revisions,
+        task_jobs,
+    )
 
-    load = hf_load_args(model_args, ours[0], label)
+    load = pin_revisions(hf_load_args(model_args, ours[0], label))
     check_loadable(load, ours[0], label)
+    arguments["model_args"] = engine_model_args(arguments.get("model_args"), load)  # the commits measured
     return measure_first(load, task_jobs(task_manager, ours), label), task_manager
 
 
