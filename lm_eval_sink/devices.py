@@ -125,13 +125,21 @@ def _shown(free: dict[str, int]) -> str:
     return ", ".join(f"{d} {v / _GIB:.1f} GiB" for d, v in free.items())
 
 
-def empty_model(model_class: Any, config: Any, dtype: Any) -> Any:
-    """A `model_class` model of `config` in `dtype` on the meta device: its modules and sizes, no memory, no weight."""
+def empty_model(model_class: Any, config: Any, dtype: Any, **remote: Any) -> Any:
+    """A `model_class` model of `config` in `dtype` on the meta device: its modules and sizes, no memory, no weight.
+    `remote`: `trust_remote_code` and `revision` as the load gets them, for an Auto class whose config names the
+    model's own code (`auto_map`); without them transformers would ask on the terminal."""
     import copy
+    import functools
 
     import torch
 
-    build = getattr(model_class, "from_config", None) or model_class._from_config
+    if getattr(model_class, "from_config", None) is not None:  # an Auto class
+        trust = bool(remote.get("trust_remote_code"))
+        code = {"code_revision": remote["revision"]} if trust and remote.get("revision") else {}
+        build = functools.partial(model_class.from_config, trust_remote_code=trust, **code)
+    else:
+        build = model_class._from_config
     with torch.device("meta"):
         return build(copy.deepcopy(config), dtype=dtype)  # _from_config sets the dtype on the config it gets
 
@@ -147,13 +155,14 @@ def gpu_map(empty: Any, free: dict[str, int]) -> dict[str, str]:
     return {k: _device_name(v) for k, v in infer_auto_device_map(empty, balanced, split).items()}
 
 
-def place(model_class: Any, config: Any, dtype: Any, device: str, name: str) -> Placement:
+def place(model_class: Any, config: Any, dtype: Any, device: str, name: str, **remote: Any) -> Placement:
     """The placement of a `model_class` model of `config` in `dtype` (a torch dtype) on `device`, from the config
-    alone (`empty_model`, no weight read); one line when the weights do not fit the devices' free memory."""
+    alone (`empty_model`, no weight read; `remote` as there); one line when the weights do not fit the devices'
+    free memory."""
     from transformers.integrations.accelerate import compute_module_sizes
 
     devices = resolve_device(device)
-    empty = empty_model(model_class, config, dtype)
+    empty = empty_model(model_class, config, dtype, **remote)
     size = int(compute_module_sizes(empty)[0][""])
     free = _free_memory(devices)
     device_map = gpu_map(empty, free) if len(devices) > 1 else {"": devices[0]}

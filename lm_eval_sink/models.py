@@ -223,7 +223,8 @@ def load_placed(cls: Any, path: str | Path, dtype: Any, device: str, config: Any
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(path, **{k: v for k, v in kwargs.items() if k == "revision"})
-    placement = place(cls, config, load_dtype(config, dtype), device, str(path))
+    remote = {k: v for k, v in kwargs.items() if k in ("trust_remote_code", "revision")}
+    placement = place(cls, config, load_dtype(config, dtype), device, str(path), **remote)
     return cls.from_pretrained(path, dtype=dtype, device_map=placement.device_map, **kwargs), placement
 
 

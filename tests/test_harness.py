@@ -176,6 +176,30 @@ def test_task_config_can_turn_the_template_off(handset_llama_dir, tiny_tokenizer
     assert got["sink_strength,none"] == pytest.approx(want, abs=1e-5)
 
 
+def test_cached_requests_follow_the_settings(handset_llama_dir, tiny_tokenizer, tmp_path, monkeypatch):
+    """--cache_requests with other --metadata gives that metadata's S, not the cached run's (the key holds a digest
+    of the settings and the prompt set); the same settings again reuse the cached requests."""
+    import lm_eval
+    from lm_eval.caching import cache
+
+    monkeypatch.setattr(cache, "PATH", str(tmp_path / "requests"))  # what LM_HARNESS_CACHE_PATH sets at import
+    lengths = [len(x) for x in encode_prompts(tiny_tokenizer, builtin_prompts()[:5]).input_ids]
+    got = {}
+    for last_k in (1, 10, 1):
+        res = lm_eval.simple_evaluate(
+            model="hf",
+            model_args=f"pretrained={handset_llama_dir}",
+            tasks=["sink_strength_n5"],
+            device="cpu",
+            cache_requests=True,
+            metadata={"last_k": last_k},
+        )
+        got[last_k] = res["results"]["sink_strength_n5"]["sink_strength,none"]
+        assert got[last_k] == pytest.approx(sm.expected_strength("llama", 3, lengths, last_k=last_k)[0], abs=1e-5)
+    assert got[1] != pytest.approx(got[10], abs=1e-3)
+    assert len(list((tmp_path / "requests").iterdir())) == 2  # one cache file per settings, reused the third time
+
+
 def test_lm_eval_ls_lists_sink_strength_with_no_flag():
     proc = subprocess.run([*LM_EVAL, "ls", "tasks"], env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "sink_strength " in proc.stdout.replace("|", " ")
@@ -458,3 +482,7 @@ def test_groups_tags_inline_configs_and_yaml_paths_reach_their_tasks(tmp_path):
     ]
     assert own_tasks_in(["suite", "other"], manager) == ["sink_strength"]
     assert own_tasks_in(["gens"], manager) == []
+    # A YAML path is read whole: a group file's members, a task file's class (a copy of sink_strength, renamed).
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(f"include: {tasks_dir() / 'sink_strength' / 'sink_strength.yaml'}\ntask: my_sink\n")
+    assert own_tasks_in([str(folder / "suite.yaml"), str(mine)], manager) == ["my_sink", "sink_strength"]

@@ -7,7 +7,9 @@ in this venv in seconds (the real vLLM runs are in tests/test_backends.py).
 from __future__ import annotations
 
 import json
+import os
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -46,7 +48,9 @@ def test_a_backend_without_attention_gets_the_hf_results_measured_first(handset_
     own = hf["configs"][TASK]["metadata"]["capture"]
     assert own["process"] == "lm-eval's own, on the model it built" and own["adapter"] is None
     assert record["wall_seconds"] > 0
-    assert {k: v for k, v in record.items() if k not in ("process", "model_args_ignored", "wall_seconds")} == {
+    assert record["revision"] is None and record["tokenizer_revision"] is None  # a local folder: no commit to pin
+    child_only = ("process", "model_args_ignored", "wall_seconds", "revision", "tokenizer_revision")
+    assert {k: v for k, v in record.items() if k not in child_only} == {
         k: v for k, v in own.items() if k not in ("process", "adapter")
     }
 
@@ -65,7 +69,34 @@ def unloadable(tmp_path_factory, handset_llama_dir):
     (root / "vit" / "config.json").write_text(json.dumps({"model_type": "vit"}))
     (root / "bloom").mkdir()
     (root / "bloom" / "config.json").write_text(json.dumps({"model_type": "bloom", "n_layer": 2}))
+    _remote_code_folder(handset_llama_dir, root / "remote")
     return root
+
+
+REMOTE_CODE = """from transformers import LlamaConfig, LlamaForCausalLM
+
+
+class TinyRemoteConfig(LlamaConfig):
+    model_type = "tiny_remote"
+
+
+class TinyRemoteForCausalLM(LlamaForCausalLM):
+    config_class = TinyRemoteConfig
+"""
+
+
+def _remote_code_folder(llama: Path, folder: Path) -> Path:
+    """The hand-set Llama as a model type only its own code (modeling_tiny_remote.py, named by auto_map) loads."""
+    shutil.copytree(llama, folder)
+    (folder / "modeling_tiny_remote.py").write_text(REMOTE_CODE)
+    config = json.loads((folder / "config.json").read_text())
+    auto_map = {
+        "AutoConfig": "modeling_tiny_remote.TinyRemoteConfig",
+        "AutoModelForCausalLM": "modeling_tiny_remote.TinyRemoteForCausalLM",
+    }
+    config |= {"model_type": "tiny_remote", "architectures": ["TinyRemoteForCausalLM"], "auto_map": auto_map}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
 
 
 @pytest.mark.parametrize(
@@ -76,6 +107,8 @@ def unloadable(tmp_path_factory, handset_llama_dir):
         ("pretrained={root}/vit", "model type 'vit' is not a causal LM transformers knows"),
         ("pretrained={root}/bloom", "BloomForCausalLM does not route attention through transformers'"),
         ("pretrained={root}/nope", "transformers cannot read its config"),
+        ("pretrained={root}/remote", "the code in its own folder (config.json auto_map: AutoConfig, AutoModelForCausa"),
+        ("pretrained={root}/remote,trust_remote_code=False", "which transformers runs only with trust_remote_code"),
         ("pretrained={llama},dtype=fp8", "dtype=fp8 is not a dtype transformers loads for S"),
         ("pretrained={llama},lora_local_path={root}", "lora_local_path is a LoRA adapter that only the dummy engine"),
         ("max_length=16", "needs attention weights, which the dummy backend does not expose"),
@@ -88,3 +121,49 @@ def test_what_s_cannot_be_measured_on_is_one_line_before_anything_loads(
         _evaluate("dummy", model_args.format(root=unloadable, llama=handset_llama_dir), task_manager=task_manager)
     assert needle in e.value.line() and "\n" not in e.value.line()
     assert e.value.line().startswith(f"task {TASK} ")
+
+
+SHA_MODEL, SHA_TOKENIZER = "1" * 40, "2" * 40
+
+
+def test_remote_code_from_a_pinned_hub_revision_is_measured_as_the_engine_loads_it(
+    handset_llama_dir, tiny_tokenizer, tmp_path
+):
+    """A remote-code model at a hub tag, its tokenizer in another repo, in an offline HF cache: the child loads the
+    model's own class with trust_remote_code, the weights at the tag's commit and the tokenizer at its default
+    branch (lm-eval's vLLM model never applies `revision` to the tokenizer); both commits are resolved once, handed
+    to the engine in its model_args and named in the capture record; S is the closed form."""
+    import subprocess
+    import sys
+
+    import sinkmodels as sm
+    from helpers import hf_cache_snapshot
+    from lm_eval_sink.calibration import builtin_prompts, encode_prompts
+
+    remote = _remote_code_folder(handset_llama_dir, tmp_path / "remote")
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    for f in handset_llama_dir.iterdir():  # a tokenizer repo: its files and a config (AutoTokenizer reads one)
+        if f.name.startswith(("tokenizer", "special_tokens", "chat_template", "config")):
+            shutil.copy(f, tok / f.name)
+    hub = tmp_path / "hf" / "hub"
+    hf_cache_snapshot(hub, "org/remote", remote, SHA_MODEL, refs=("v1",))
+    hf_cache_snapshot(hub, "org/tok", tok, SHA_TOKENIZER)
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    env.pop("HF_HUB_CACHE", None)
+    model_args = "pretrained=org/remote,revision=v1,tokenizer=org/tok,trust_remote_code=True"
+    code = (
+        "import json, lm_eval; "
+        f"r = lm_eval.simple_evaluate(model='dummy', model_args={model_args!r}, tasks=[{TASK!r}]); "
+        f"print(json.dumps({{'s': r['results'][{TASK!r}]['sink_strength,none'], "
+        f"'model_args': r['config']['model_args'], 'capture': r['configs'][{TASK!r}]['metadata']['capture']}}))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    engine = dict(kv.split("=", 1) for kv in got["model_args"].split(","))
+    assert engine["revision"] == SHA_MODEL and engine["tokenizer_revision"] == SHA_TOKENIZER
+    assert got["capture"]["revision"] == SHA_MODEL and got["capture"]["tokenizer_revision"] == SHA_TOKENIZER
+    assert list((tmp_path / "hf" / "modules" / "transformers_modules").rglob("modeling_tiny_remote.py"))
+    lengths = [len(x) for x in encode_prompts(tiny_tokenizer, builtin_prompts()[:5]).input_ids]
+    assert got["s"] == pytest.approx(sm.expected_strength("llama", 3, lengths, last_k=10)[0], abs=1e-5)

@@ -276,6 +276,31 @@ def test_eval_versions_name_the_packages_of_the_backend():
     assert eval_versions(EvalSettings(tasks=("sink_strength",)))["strength method"] >= 1
 
 
+def test_a_group_holding_sink_strength_keys_its_eval_units_by_the_method(tiny_trio, tmp_path, monkeypatch):
+    """An eval unit whose tasks hold sink_strength only through a user group (its YAML in the include path) is keyed
+    by the strength method: after a METHOD_VERSION bump its key changes, so the sweep recomputes it; so is a YAML
+    path of that group."""
+    import lm_eval_sink.strength as strength
+    from lm_eval_sink.commands.sweep import load_sweep, plan_sweep
+    from lm_eval_sink.harness.runner import EvalSettings, eval_versions
+
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "suite.yaml").write_text("group: my_suite\ntask:\n  - sink_strength_n5\nmetadata:\n  version: 1.0\n")
+    sweep = _write_sweep(tmp_path / "g", tiny_trio, eval={"tasks": ["my_suite"], "include_path": str(tasks)})
+
+    def eval_keys() -> dict[str, str]:
+        return {u.checkpoint: u.key for u in plan_sweep(load_sweep(sweep)).units if u.kind == "eval"}
+
+    before = eval_keys()
+    monkeypatch.setattr(strength, "METHOD_VERSION", strength.METHOD_VERSION + 1)
+    after = eval_keys()
+    assert sorted(before) == ["candidate", "dare_linear", "reference"]
+    assert all(after[name] != key for name, key in before.items())
+    by_path = eval_versions(EvalSettings(tasks=(str(tasks / "suite.yaml"),), include_path=str(tasks)))
+    assert by_path["strength method"] == strength.METHOD_VERSION
+
+
 def test_table_text_is_the_markdown_and_csv_of_the_table():
     """The core renders a table from data alone: cells formatted to 4 places, deltas signed, n/a where missing; the
     Markdown names metrics readably and says what S means, the CSV keeps lm-eval's results keys."""

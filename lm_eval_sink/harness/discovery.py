@@ -60,7 +60,7 @@ def task_leaves(requested: Sequence[Any], index: dict[str, Any]) -> dict[str, di
     """Every task `requested` stands for (names, YAML paths, inline config dicts; through groups and tags), with its
     config as lm-eval will build it: the indexed one, under an inline dict's own keys. The one walk of lm-eval's
     groups and tags in this project."""
-    from lm_eval.tasks._index import Kind, TaskIndex
+    from lm_eval.tasks._index import Kind
 
     out: dict[str, dict[str, Any]] = {}
     stack, seen = list(requested), set()
@@ -74,7 +74,7 @@ def task_leaves(requested: Sequence[Any], index: dict[str, Any]) -> dict[str, di
         if not isinstance(item, str) or (item in seen and not over):
             continue  # a Task object: the patched evaluate() sees it
         seen.add(item)
-        entry = index.get(item) or (TaskIndex.entry_from_path(Path(item)) if Path(item).is_file() else None)
+        entry = index.get(item) or (_path_entry(Path(item)) if Path(item).is_file() else None)
         if entry is None:
             continue
         if entry.kind == Kind.GROUP:
@@ -86,9 +86,41 @@ def task_leaves(requested: Sequence[Any], index: dict[str, Any]) -> dict[str, di
     return out
 
 
+def _path_entry(path: Path) -> Any:
+    """A YAML path's entry as lm-eval's factory reads it: with its config (includes merged, functions unresolved),
+    which lm-eval's `entry_from_path` leaves out (so a group's members and a task's class are seen)."""
+    from dataclasses import replace
+
+    from lm_eval.tasks._index import TaskIndex
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    entry = TaskIndex.entry_from_path(path)
+    return None if entry is None else replace(entry, cfg=load_yaml(path, resolve_func=False))
+
+
 def own_tasks_in(requested: list[Any], manager: Any) -> list[str]:
     """This project's tasks among `requested` (names, YAML paths, config dicts), through groups and tags, sorted."""
-    leaves = task_leaves(requested, manager.task_index)
+    return own_leaves(task_leaves(requested, manager.task_index))
+
+
+@functools.cache
+def holds_own_task(tasks: tuple[str, ...], include_path: str | None) -> bool:
+    """Whether lm-eval `--tasks` names (globs and YAML paths too) hold a task of this project, by name or through a
+    group, tag or inline group. Read from this project's task folder and `include_path` alone (milliseconds): lm-eval's
+    own groups and tags never hold a task of this project. Once per arguments and process."""
+    import fnmatch
+
+    if set(tasks) & own_task_names():
+        return True
+    from lm_eval.tasks._index import TaskIndex
+
+    index = TaskIndex.build([tasks_dir(), *([Path(include_path)] if include_path else [])])
+    requested = [name for t in tasks for name in (fnmatch.filter(index, t) if set("*?[") & set(t) else [t])]
+    return bool(own_leaves(task_leaves(requested, index)))
+
+
+def own_leaves(leaves: dict[str, dict[str, Any]]) -> list[str]:
+    """This project's tasks among `task_leaves`' tasks (by name, or by the class a user's YAML names), sorted."""
     return sorted(
         name
         for name, cfg in leaves.items()
@@ -118,6 +150,7 @@ def _task_manager(arguments: dict[str, Any]) -> Any:
 def measure_first_request(arguments: dict[str, Any]) -> tuple[dict[str, Any], Any] | None:
     """Before lm-eval builds a backend without attention access: this project's tasks measured first
     (`measure_first.py`), with the TaskManager that found them; None when none is asked of such a backend.
+    The hub revisions are pinned to the commits measured in `arguments["model_args"]`, which the engine then gets.
 
     One line, before anything loads, when the backend has no `pretrained` transformers can load.
     """
@@ -135,10 +168,18 @@ def measure_first_request(arguments: dict[str, Any]) -> tuple[dict[str, Any], An
     model_args = _model_args(arguments.get("model_args")) if isinstance(model, str) else {}
     if not model_args.get("pretrained"):
         raise unsupported(ours[0], label)
-    from lm_eval_sink.harness.measure_first import check_loadable, hf_load_args, measure_first, task_jobs
+    from lm_eval_sink.harness.measure_first import (
+        check_loadable,
+        engine_model_args,
+        hf_load_args,
+        measure_first,
+        pin_revisions,
+        task_jobs,
+    )
 
-    load = hf_load_args(model_args, ours[0], label)
+    load = pin_revisions(hf_load_args(model_args, ours[0], label))
     check_loadable(load, ours[0], label)
+    arguments["model_args"] = engine_model_args(arguments.get("model_args"), load)  # the commits measured
     return measure_first(load, task_jobs(task_manager, ours), label), task_manager
 
 

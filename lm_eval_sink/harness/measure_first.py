@@ -4,10 +4,16 @@ vLLM exposes no attention probabilities, and lm-eval builds `--model vllm`'s eng
 constructor, whose KV cache then holds most of the accelerators' memory. S needs only a few short
 forwards of the same checkpoint, so the start-up hook's `simple_evaluate` wrapper (`discovery.py`)
 measures them before lm-eval builds the model:
-- `hf_load_args` maps the backend's model_args to what transformers takes (the same `pretrained`,
-  `revision`, `trust_remote_code`, `dtype`, `tokenizer`; the backend's own arguments, such as
-  `tensor_parallel_size` or `gpu_memory_utilization`, are ignored and recorded as such), and
-  `check_loadable` refuses in one line, before anything loads, what transformers cannot load;
+- `hf_load_args` maps the backend's model_args to what transformers takes, as lm-eval's vLLM model reads
+  them: the weights and config from `pretrained` at `revision`, the tokenizer from `tokenizer` (else
+  `pretrained`) at `tokenizer_revision` only (lm-eval never applies `revision` to the tokenizer), both with
+  `trust_remote_code`, and `dtype`; the backend's own arguments, such as `tensor_parallel_size` or
+  `gpu_memory_utilization`, are ignored and recorded as such;
+- `pin_revisions` resolves each hub repo's revision once to its commit sha (`identity.model_identity`: the
+  local HF cache, else the hub), and `engine_model_args` hands the same shas to the engine (`revision=`,
+  `tokenizer_revision=`), so a push between the two loads cannot split them; the capture record names them;
+- `check_loadable` refuses in one line, before anything loads, what transformers cannot load (a model whose
+  own code is needed without `trust_remote_code`, among others);
 - `measure_first` runs `python -m lm_eval_sink.harness.measure_first JOB OUT` in a child process of
   the same interpreter: it loads the checkpoint with transformers as `--device auto` places a model
   (every visible GPU, else the CPU; sdpa, or eager where the class has no sdpa), measures each task's
@@ -27,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,18 +42,22 @@ from lm_eval_sink.errors import UserError
 # vLLM's names for the dtypes transformers takes (vLLM's "auto" and transformers' both mean the checkpoint's own)
 DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "bfloat16": "bfloat16"}
 DTYPES |= {"float16": "float16", "half": "float16"}
-USED_ARGS = ("pretrained", "revision", "trust_remote_code", "dtype", "tokenizer")
+USED_ARGS = ("pretrained", "revision", "trust_remote_code", "dtype", "tokenizer", "tokenizer_revision")
 
 
 @dataclass(frozen=True)
 class HfLoad:
-    """What the child passes to transformers' `from_pretrained`, and the backend arguments it leaves out."""
+    """What the child passes to transformers' `from_pretrained`, and the backend arguments it leaves out.
+
+    The tokenizer is `tokenizer` (else `pretrained`) at `tokenizer_revision` (None: the repo's default branch),
+    never at `revision`: lm-eval's vLLM model loads it so."""
 
     pretrained: str
     revision: str | None = None
     trust_remote_code: bool = False
     dtype: str = "auto"
     tokenizer: str | None = None
+    tokenizer_revision: str | None = None
     ignored: tuple[str, ...] = ()
 
 
@@ -70,14 +80,47 @@ def hf_load_args(model_args: dict[str, Any], task: str, backend: str) -> HfLoad:
             f"task {task} under --model {backend}: dtype={dtype} is not a dtype transformers loads for S",
             f"use one of {', '.join(DTYPES)}",
         )
+    given = {k: None if model_args.get(k) in (None, "") else str(model_args[k]) for k in USED_ARGS}
     return HfLoad(
         pretrained=str(model_args["pretrained"]),
-        revision=None if model_args.get("revision") in (None, "") else str(model_args["revision"]),
+        revision=given["revision"],
         trust_remote_code=_truthy(model_args.get("trust_remote_code", False)),
         dtype=DTYPES[dtype],
-        tokenizer=None if model_args.get("tokenizer") in (None, "") else str(model_args["tokenizer"]),
+        tokenizer=given["tokenizer"],
+        tokenizer_revision=given["tokenizer_revision"],
         ignored=tuple(sorted(k for k in model_args if k not in USED_ARGS)),
     )
+
+
+def _commit(repo: str, revision: str | None) -> str | None:
+    """The commit sha of a hub repo at `revision` (None: its default branch); None for a local folder."""
+    from lm_eval_sink.identity import looks_like_hub_id, model_identity
+
+    if Path(repo).exists() or not looks_like_hub_id(repo):
+        return None
+    return model_identity(f"{repo}@{revision}" if revision else repo)["revision"]
+
+
+def pin_revisions(load: HfLoad) -> HfLoad:
+    """`load` with each hub repo's revision resolved once to its commit sha: the model's `revision` and the
+    tokenizer's `tokenizer_revision` (a local folder keeps what was given)."""
+    model_sha = _commit(load.pretrained, load.revision)
+    tokenizer_sha = _commit(load.tokenizer or load.pretrained, load.tokenizer_revision)
+    return replace(
+        load,
+        revision=model_sha or load.revision,
+        tokenizer_revision=tokenizer_sha or load.tokenizer_revision,
+    )
+
+
+def engine_model_args(model_args: Any, load: HfLoad) -> Any:
+    """The backend's `model_args` (a string or a dict, kept so) with the pinned `revision` and `tokenizer_revision`
+    of `load` (`pin_revisions`), so the engine loads the commits the child measured."""
+    pins = {k: v for k, v in (("revision", load.revision), ("tokenizer_revision", load.tokenizer_revision)) if v}
+    if isinstance(model_args, dict):
+        return {**model_args, **pins}
+    kept = [p for p in str(model_args or "").split(",") if p and p.partition("=")[0].strip() not in pins]
+    return ",".join([*kept, *(f"{k}={v}" for k, v in pins.items())])
 
 
 def _causal_class(config: Any) -> type | None:
@@ -99,6 +142,7 @@ def check_loadable(load: HfLoad, task: str, backend: str) -> None:
     if Path(load.pretrained).is_file() or load.pretrained.endswith(".gguf"):
         raise UserError(f"{where} is one file (GGUF?), which transformers cannot load to measure S first", fix)
     try:
+        _check_remote_code(load, where)
         config = AutoConfig.from_pretrained(
             load.pretrained, revision=load.revision, trust_remote_code=load.trust_remote_code
         )
@@ -117,6 +161,23 @@ def check_loadable(load: HfLoad, task: str, backend: str) -> None:
         attention_layers_from_config(config)
     except UserError as e:
         raise UserError(f"{where}: {e.message}", e.hint) from None
+
+
+def _check_remote_code(load: HfLoad, where: str) -> None:
+    """Refuse, from config.json alone (no code run), a model that only its own code can load (`auto_map`, a model
+    type transformers has no causal LM for) when `trust_remote_code` is not given: transformers would ask on the
+    terminal."""
+    from transformers import PretrainedConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    raw, _ = PretrainedConfig.get_config_dict(load.pretrained, revision=load.revision)
+    auto_map = raw.get("auto_map") or {}
+    if auto_map and raw.get("model_type") not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not load.trust_remote_code:
+        raise UserError(
+            f"{where}: model type {raw.get('model_type')!r} is loaded by the code in its own folder (config.json "
+            f"auto_map: {', '.join(sorted(auto_map))}), which transformers runs only with trust_remote_code",
+            "add trust_remote_code=True to --model_args if you trust that code (the engine needs it too)",
+        )
 
 
 def task_jobs(task_manager: Any, names: list[str]) -> dict[str, dict[str, Any]]:
@@ -173,7 +234,8 @@ def _load(load: HfLoad) -> tuple[Any, Any]:
         AutoModelForCausalLM, load.pretrained, torch_dtype(load.dtype), DEFAULT_DEVICE, config, **rev, **remote, **impl
     )
     model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(load.tokenizer or load.pretrained, **rev, **remote)
+    tok_rev = {"revision": load.tokenizer_revision} if load.tokenizer_revision else {}  # never `revision`: lm-eval's
+    tokenizer = AutoTokenizer.from_pretrained(load.tokenizer or load.pretrained, **tok_rev, **remote)
     return model, tokenizer
 
 
@@ -188,6 +250,8 @@ def _measure_jobs(load: HfLoad, jobs: dict[str, dict[str, Any]], backend: str) -
     record = {
         **capture_record(model, f"a child process, before lm-eval built the {backend} model"),
         "model_args_ignored": list(load.ignored),
+        "revision": load.revision,  # the commit shas the engine gets too (pin_revisions); None for a local folder
+        "tokenizer_revision": load.tokenizer_revision,
     }
     out = {}
     with torch.no_grad():

