@@ -39,7 +39,7 @@ PTH_LINE = (
 
 # watched module -> "module:function" called once after it has been imported.
 POST_IMPORT: dict[str, str] = {
-    "lm_eval.tasks.manager": "lm_eval_sink.harness.discovery:patch_task_manager",
+    "lm_eval.tasks.manager": "lm_eval_sink.harness.discovery:patch_task_index",
     "lm_eval.evaluator": "lm_eval_sink.harness.discovery:patch_evaluator",
     "lm_eval.__main__": "lm_eval_sink.harness.discovery:patch_cli",
     "lm_eval.utils": "lm_eval_sink.harness.discovery:patch_table",
