@@ -80,7 +80,9 @@ def test_the_cached_index_is_lm_evals_data_and_later_folders_still_win(tmp_path,
     stored = list((tmp_path / "cache" / "task_index").iterdir())
     assert len(stored) == 1 and stored[0].suffix == ".json"
     lm_evals_own = decode(json.loads(stored[0].read_text()), own)
-    assert {k: v for k, v in missed.items() if k != "ifeval"} == {k: v for k, v in lm_evals_own.items() if k != "ifeval"}
+    assert {k: v for k, v in missed.items() if k != "ifeval"} == {
+        k: v for k, v in lm_evals_own.items() if k != "ifeval"
+    }
 
     built.clear()
     caplog.clear()
@@ -123,23 +125,23 @@ def test_an_index_json_would_not_give_back_equal_is_not_kept(tmp_path, value):
 
 
 @pytest.mark.parametrize(
-    "change",
+    ("change", "why"),
     [
-        {"yaml_path": "../../evil/t.yaml"},
-        {"yaml_path": "/evil/t.yaml"},
-        {"yaml_path": None},  # lm-eval would build the task from the stored cfg
-        {"cfg": "task: t"},
-        {"kind": "NOT_A_KIND"},
-        {"tags": "g"},
+        ({"yaml_path": "../../evil/t.yaml"}, "no file inside"),
+        ({"yaml_path": "/evil/t.yaml"}, "no file inside"),
+        ({"yaml_path": None}, "no file inside"),  # lm-eval would build the task from the stored cfg
+        ({"cfg": "task: t"}, "no file inside"),
+        ({"kind": "NOT_A_KIND"}, "not an entry"),
+        ({"tags": "g"}, "must be strings"),
     ],
     ids=["path up", "absolute path", "no file", "cfg not a dict", "kind", "tags"],
 )
-def test_a_stored_index_that_names_no_file_of_lm_evals_folder_is_refused(tmp_path, change):
+def test_a_stored_index_that_names_no_file_of_lm_evals_folder_is_refused(tmp_path, change, why):
     data = json.loads(encode(_entries(tmp_path), tmp_path))
     data["entries"][0].update(change)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=why):
         decode(data, tmp_path)
     data = json.loads(encode(_entries(tmp_path), tmp_path))
     data["entries"][1]["yaml_path"] = "a/t.yaml"  # a tag names no file
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="names a file"):
         decode(data, tmp_path)
