@@ -411,13 +411,13 @@ def sink_capture(model: Any, layers: Sequence[int]) -> Iterator[_Collector]:
         raise UserError(
             f"{type(model).__name__} is already inside a sink capture ({impl})", "do not nest sink captures"
         )
-    name = _register(capture_delegate(impl, type(model)))
     configs = [m.config for m in model.modules() if isinstance(m, PreTrainedModel)]
     for c in configs:  # and their sub-configs at any depth (the list grows while it is walked)
         configs += [getattr(c, k) for k in c.sub_configs if getattr(c, k, None) is not None]
     configs = list({id(c): c for c in configs}.values())
     if not all(hasattr(c, "_attn_implementation_internal") for c in configs):  # what the restore sets back
         raise _transformers_changed("a config without _attn_implementation_internal")
+    name = _register(capture_delegate(impl, type(model)))
     saved = [(c, c._attn_implementation_internal) for c in configs]
     collector = _Collector(set(layers))
     token = _ACTIVE.set(collector)
