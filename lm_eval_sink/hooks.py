@@ -108,7 +108,7 @@ def install() -> None:
     if any(isinstance(f, _Finder) for f in sys.meta_path):
         return
     finder = _Finder()
-    for name in list(finder.pending):
+    for name in POST_IMPORT:  # in a fixed order
         if name in sys.modules:
             finder.pending.discard(name)
             _run_callback(name)

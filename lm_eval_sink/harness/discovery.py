@@ -69,14 +69,14 @@ def _left_as_installed(label: str, why: str) -> None:
     from importlib.metadata import version
 
     line = (
-        f"lm-eval-sink: lm-eval {version('lm_eval')}'s {label} {why}, so lm-eval-sink leaves it as installed "
+        f"lm-eval {version('lm_eval')}'s {label} {why}, so lm-eval-sink leaves it as installed "
         f"(lm-eval runs as without this project there); to use this project's tasks, pass {EXPLICIT_WAY}"
     )
     if _SAID:
         log.debug("%s", line)
         return
     _SAID.append(line)
-    warnings.warn_explicit(line, SinkWarning, "lm-eval-sink", 0)  # no source line: one line on stderr
+    warnings.warn_explicit(line, SinkWarning, "lm-eval-sink", 0)  # "lm-eval-sink:0: SinkWarning: ...", one line
 
 
 def _patch(
@@ -97,7 +97,8 @@ def _patch(
         return
     why = _mismatch(original, leading, needs) or (more() if more else None)
     if why:
-        _left_as_installed(f"{getattr(owner, '__name__', owner)}.{name}", why)
+        where = f"{owner.__module__}.{owner.__qualname__}" if isinstance(owner, type) else owner.__name__
+        _left_as_installed(f"{where}.{name}", why)
         return
     wrapper = wrap(original)
     setattr(wrapper, _MARK, True)
