@@ -235,9 +235,11 @@ def _wrap_build(original: Any) -> Any:
     """`TaskIndex.build` for lm-eval's defaults (its own folder first, as `include_defaults=True` makes): this
     project's folder indexed next (user folders come later, so they can still shadow it), lm-eval's own index
     read from the cache (`task_index.py`), the offline override applied. Any other call is lm-eval's own."""
+    import lm_eval
+
     from lm_eval_sink.harness.task_index import cached_build
 
-    lm_evals = Path(inspect.getfile(original)).parent  # lm_eval/tasks/, the folder of lm-eval's defaults
+    lm_evals = Path(lm_eval.__file__).parent / "tasks"  # the folder of lm-eval's defaults (TaskManager's own)
 
     @functools.wraps(original)
     def build(paths: Any, *, resolve_includes: bool = True, **more: Any) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path, PurePosixPath
@@ -72,24 +73,17 @@ def folder_key(root: Path, version: str) -> str:
     return digest.hexdigest()[:32]
 
 
-def encode(index: dict[str, Any], root: Path) -> str | None:
-    """The index of `root` as JSON text; None when it would not read back equal (`decode`)."""
-    try:
-        rows = [
-            {
-                "name": e.name,
-                "kind": e.kind.name,
-                "yaml_path": None if e.yaml_path is None else Path(e.yaml_path).relative_to(root).as_posix(),
-                "cfg": e.cfg,
-                "tags": sorted(e.tags),
-            }
-            for e in index.values()
-        ]
-        text = json.dumps({"format": FORMAT, "entries": rows}, ensure_ascii=False, allow_nan=False)
-        return text if decode(json.loads(text), root) == index else None
-    except (TypeError, ValueError, AttributeError) as err:  # a value JSON does not keep, a path elsewhere
-        log.debug("lm-eval-sink: task index not kept (%s)", err)
-        return None
+def _plain(value: Any) -> bool:
+    """Whether JSON gives `value` back equal and of the same types (str, int, finite float, bool, None, and lists
+    and str-keyed dicts of them)."""
+    kind = type(value)
+    if value is None or kind in (str, int, bool):
+        return True
+    if kind is float:
+        return math.isfinite(value)
+    if kind is list:
+        return all(_plain(v) for v in value)
+    return kind is dict and all(type(k) is str and _plain(v) for k, v in value.items())
 
 
 def _outside(rel: str) -> bool:
@@ -97,21 +91,48 @@ def _outside(rel: str) -> bool:
     return path.is_absolute() or ".." in path.parts
 
 
+def _problem(row: dict[str, Any]) -> str | None:
+    """Why `row` is not an entry as this file stores it (None when it is): the one rule of writing and reading."""
+    if tuple(row) != ENTRY_FIELDS or row["kind"] not in KINDS:
+        return "not an entry"
+    name, rel, cfg, tags = row["name"], row["yaml_path"], row["cfg"], row["tags"]
+    if not isinstance(name, str) or not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+        return "a name and tags must be strings"
+    if row["kind"] == "TAG":
+        return "a tag names a file or a config" if rel is not None or cfg is not None else None
+    if not (isinstance(rel, str) and isinstance(cfg, dict)) or _outside(rel):
+        return "no file inside lm-eval's task folder"
+    return None
+
+
+def _row(key: str, entry: Any, root: Path) -> dict[str, Any]:
+    """One entry as stored (ValueError when `decode` would not give it back equal)."""
+    rel = None if entry.yaml_path is None else Path(entry.yaml_path).relative_to(root).as_posix()
+    row = {"name": entry.name, "kind": entry.kind.name, "yaml_path": rel, "cfg": entry.cfg, "tags": sorted(entry.tags)}
+    why = _problem(row) or (None if key == entry.name and _plain(entry.cfg) else "a name or cfg JSON does not keep")
+    if why:
+        raise ValueError(f"entry {key!r}: {why}")
+    return row
+
+
+def encode(index: dict[str, Any], root: Path) -> str | None:
+    """The index of `root` as JSON text; None when `decode` would not give it back equal."""
+    try:
+        rows = [_row(key, entry, root) for key, entry in index.items()]
+    except (TypeError, ValueError, AttributeError) as err:  # a value JSON does not keep, a file elsewhere, ...
+        log.debug("lm-eval-sink: task index not kept (%s)", err)
+        return None
+    return json.dumps({"format": FORMAT, "entries": rows}, ensure_ascii=False)
+
+
 def _entry(row: Any, root: Path) -> Any:
     from lm_eval.tasks._index import Entry, Kind
 
-    if not isinstance(row, dict) or tuple(row) != ENTRY_FIELDS or row["kind"] not in KINDS:
-        raise ValueError(f"not an entry: {str(row)[:80]}")
-    name, rel, cfg, tags = row["name"], row["yaml_path"], row["cfg"], row["tags"]
-    if not isinstance(name, str) or not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
-        raise ValueError(f"entry {name!r}: a name and tags must be strings")
-    if row["kind"] == "TAG":
-        if rel is not None or cfg is not None:
-            raise ValueError(f"tag {name!r} names a file or a config")
-    elif not (isinstance(rel, str) and isinstance(cfg, dict)) or _outside(rel):
-        raise ValueError(f"entry {name!r}: no file inside lm-eval's task folder")
-    path = None if rel is None else root / rel
-    return Entry(name=name, kind=Kind[row["kind"]], yaml_path=path, cfg=cfg, tags=set(tags))
+    why = _problem(row) if isinstance(row, dict) else "not an entry"
+    if why:
+        raise ValueError(f"{why}: {str(row)[:80]}")
+    path = None if row["yaml_path"] is None else root / row["yaml_path"]
+    return Entry(name=row["name"], kind=Kind[row["kind"]], yaml_path=path, cfg=row["cfg"], tags=set(row["tags"]))
 
 
 def decode(data: Any, root: Path) -> dict[str, Any]:
