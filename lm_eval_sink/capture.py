@@ -279,16 +279,32 @@ def _make_attention(impl: str):
     return attention
 
 
+def _transformers_changed(what: str) -> UserError:
+    import transformers
+
+    return UserError(
+        f"transformers {transformers.__version__}: {what}, which the sink capture needs",
+        "install the transformers of constraints.txt, the version this project is tested with",
+    )
+
+
 def _register(impl: str) -> str:
-    """Register the capture for delegate `impl` (and the delegate's own mask function) under one name."""
+    """Register the capture for delegate `impl` (and the delegate's own mask function) under one name, through
+    transformers' registry API: `register`, and the mapping an instance reads (never `_global_mapping`)."""
+    from collections.abc import Mapping
+
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
+    for interface in (AttentionInterface, AttentionMaskInterface):  # checked before anything is registered
+        if not (callable(getattr(interface, "register", None)) and isinstance(interface(), Mapping)):
+            raise _transformers_changed(f"{interface.__name__} is not a mapping with register()")
     name = f"{IMPL_PREFIX}_{re.sub(r'[^A-Za-z0-9_]', '_', impl)}"  # keeps "sdpa" / "flex_attention" in the name
-    if name not in AttentionInterface._global_mapping:
+    if name not in AttentionInterface():
+        masks = AttentionMaskInterface()
         AttentionInterface.register(name, _make_attention(impl))
-        if impl in AttentionMaskInterface._global_mapping:  # else the model builds no mask, as for `impl` itself
-            AttentionMaskInterface.register(name, AttentionMaskInterface._global_mapping[impl])
+        if impl in masks:  # else the model builds no mask, as for `impl` itself
+            AttentionMaskInterface.register(name, masks[impl])
     return name
 
 
@@ -403,11 +419,14 @@ def sink_capture(model: Any, layers: Sequence[int]) -> Iterator[_Collector]:
         raise UserError(
             f"{type(model).__name__} is already inside a sink capture ({impl})", "do not nest sink captures"
         )
-    name = _register(capture_delegate(impl, type(model)))
     configs = [m.config for m in model.modules() if isinstance(m, PreTrainedModel)]
     for c in configs:  # and their sub-configs at any depth (the list grows while it is walked)
         configs += [getattr(c, k) for k in c.sub_configs if getattr(c, k, None) is not None]
-    saved = [(c, c._attn_implementation_internal) for c in {id(c): c for c in configs}.values()]
+    configs = list({id(c): c for c in configs}.values())
+    if not all(hasattr(c, "_attn_implementation_internal") for c in configs):  # what the restore sets back
+        raise _transformers_changed("a config without _attn_implementation_internal")
+    name = _register(capture_delegate(impl, type(model)))
+    saved = [(c, c._attn_implementation_internal) for c in configs]
     collector = _Collector(set(layers))
     token = _ACTIVE.set(collector)
     try:

@@ -8,10 +8,10 @@ tiny finder to `sys.meta_path`; nothing is imported until a watched module (belo
 by someone else, and then the matching callback runs right after that module has finished
 loading. Costs nothing when lm-eval or mergekit is never imported.
 
-Switch it off with `LM_EVAL_SINK_NO_HOOK=1`. A callback that fails (for instance because
-lm-eval's internals changed), or a start-up file that cannot import this package, emits one
-`errors.SinkWarning` and leaves the host library untouched. Each patch and its reason:
-docs/footguns.md.
+Switch it off with `LM_EVAL_SINK_NO_HOOK=1`. Each lm-eval patch checks its target first and leaves a target
+that differs as installed, with one warning line per process (`discovery._patch`). A callback that fails
+anyway, or a start-up file that cannot import this package, emits one `errors.SinkWarning` and leaves the host
+library untouched. Each patch, its reason and its check: docs/footguns.md.
 An editable install (`pip install -e .`) does not copy the `.pth`: run
 `python -m lm_eval_sink.hooks install` once (`make` does).
 """
@@ -39,7 +39,7 @@ PTH_LINE = (
 
 # watched module -> "module:function" called once after it has been imported.
 POST_IMPORT: dict[str, str] = {
-    "lm_eval.tasks.manager": "lm_eval_sink.harness.discovery:patch_task_manager",
+    "lm_eval.tasks.manager": "lm_eval_sink.harness.discovery:patch_task_index",
     "lm_eval.evaluator": "lm_eval_sink.harness.discovery:patch_evaluator",
     "lm_eval.__main__": "lm_eval_sink.harness.discovery:patch_cli",
     "lm_eval.utils": "lm_eval_sink.harness.discovery:patch_table",
@@ -108,7 +108,7 @@ def install() -> None:
     if any(isinstance(f, _Finder) for f in sys.meta_path):
         return
     finder = _Finder()
-    for name in list(finder.pending):
+    for name in POST_IMPORT:  # in a fixed order
         if name in sys.modules:
             finder.pending.discard(name)
             _run_callback(name)

@@ -8,7 +8,9 @@ Rules (`FINGERPRINT_RULE`):
   hash of the sorted `{relative path: file hash}` table, which is kept so a refusal can name the
   file that changed;
 - a file hash is cached by (path, st_dev, inode, size, mtime_ns, ctime_ns) under the project
-  cache, so a repeated call costs one stat per file; an in-place write changes mtime and ctime;
+  cache, so a repeated call costs one stat per file; an in-place write changes mtime and ctime; an
+  entry is JSON data, used only when it is exactly what `file_hash` writes (that path and size, an
+  xxh3-128 hash), else hashed again and replaced;
 - a hub id (`org/name`, or `org/name@REVISION` with a branch, tag or commit sha): its commit sha
   (from the local HF cache when it holds that revision, else online from the hub), with the blob
   hashes of the files a load reads (`HUB_LOAD_FILES` and the weights; the same set cached or not) as
@@ -29,6 +31,7 @@ from lm_eval_sink.io import COMPLETE, atomic_write_json, cache_dir, canonical_js
 FINGERPRINT_RULE = "xxh3_128-whole-files-v2"
 SKIPPED_NAMES = frozenset({COMPLETE, "FAILED.json", "extraction.json", "injection.json", ".lock", ".lock.json"})
 _CHUNK = 8 << 20
+_HASH = re.compile(r"xxh3_128:[0-9a-f]{32}")  # the one form a cached file hash may take
 
 
 def _hash_cache() -> Path:
@@ -44,9 +47,11 @@ def file_hash(path: Path) -> str:
     stat_key = sha256_text(f"{path}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}")
     entry = _hash_cache() / stat_key[:2] / f"{stat_key}.json"
     try:
-        return json.loads(entry.read_text(encoding="utf-8"))["hash"]
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+        known = json.loads(entry.read_text(encoding="utf-8"))
+        if known == {"path": str(path), "size": st.st_size, "hash": known["hash"]} and _HASH.fullmatch(known["hash"]):
+            return known["hash"]
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        pass  # absent, torn or not an entry this function writes: hashed again and replaced
     h = xxhash.xxh3_128()
     with open(path, "rb") as f:
         while block := f.read(_CHUNK):

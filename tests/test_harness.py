@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -208,7 +209,7 @@ def test_lm_eval_ls_lists_sink_strength_with_no_flag():
 def test_hook_switched_off_leaves_lm_eval_untouched():
     code = (
         "import lm_eval.tasks.manager as m, lm_eval.evaluator as e; "
-        "print(hasattr(m.TaskManager.__init__, '__wrapped__'), hasattr(e.evaluate, "
+        "print(hasattr(m.TaskIndex.build, '__wrapped__'), hasattr(e.evaluate, "
         "'_lm_eval_sink_patched'))"
     )
     on = subprocess.run(
@@ -303,15 +304,31 @@ HUB_IFEVAL_KWARGS = [
 
 
 @pytest.fixture(scope="module")
-def offline_manager(shared_data):
-    """One hooked TaskManager with LM_EVAL_SINK_DATA set (building the index costs seconds)."""
+def offline_manager(shared_data, tmp_path_factory):
+    """One hooked TaskManager with LM_EVAL_SINK_DATA set (building the index costs seconds), built after files
+    that would run code if lm-eval imported them were planted beside the generated YAMLs in the cache: a module
+    where lm-eval looks first for the loader's `!function`, and a tampered `ifeval.yaml` naming a planted
+    module. The marker (yielded with the manager) must never appear."""
     from lm_eval.tasks import TaskManager
 
+    from lm_eval_sink.harness.offline import data_root, generated_dir
+
+    marker = tmp_path_factory.mktemp("planted") / "planted-code-ran"
+    code = f"open({str(marker)!r}, 'w').close()\ndef load_local(**_):\n    raise RuntimeError('planted')\n"
     old = os.environ.get("LM_EVAL_SINK_DATA")
     os.environ["LM_EVAL_SINK_DATA"] = str(shared_data)
+    folder = generated_dir(data_root())
+    planted = [folder / "lm_eval_sink" / "harness" / "offline.py", folder / "evil.py"]
+    for path in planted:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(code)
+    tampered = folder / "ifeval.yaml"
+    tampered.write_text("task: ifeval\ncustom_dataset: !function evil.load_local\n")
     try:
-        yield TaskManager()
+        yield TaskManager(), marker
     finally:
+        for path in planted:
+            path.unlink()
         if old is None:
             os.environ.pop("LM_EVAL_SINK_DATA")
         else:
@@ -322,8 +339,8 @@ def offline_manager(shared_data):
 def test_overridden_stock_task_config_equals_stock_except_dataset(task, offline_manager):
     from lm_eval.tasks._yaml_loader import load_yaml
 
-    entry = offline_manager.task_index[task]
-    stock_path = Path(load_yaml(entry.yaml_path, resolve_func=False, recursive=False)["include"])
+    entry = offline_manager[0].task_index[task]
+    stock_path = Path(load_yaml(entry.yaml_path, resolve_func=False, recursive=False)["include"][0])
     generated = load_yaml(entry.yaml_path, resolve_func=False)
     stock = load_yaml(stock_path, resolve_func=False)
     assert "lm_eval/tasks" in str(stock_path)
@@ -333,7 +350,13 @@ def test_overridden_stock_task_config_equals_stock_except_dataset(task, offline_
 
 
 def test_local_ifeval_docs_have_the_hub_schema(offline_manager):
-    task = offline_manager.load(["ifeval"])["tasks"]["ifeval"]
+    """Read through the generated YAMLs with planted code beside them: the documents are right, and nothing
+    planted ran (the loader is lm_eval_sink's own)."""
+    from lm_eval_sink.harness.offline import load_local
+
+    manager, marker = offline_manager
+    task = manager.load(["ifeval"])["tasks"]["ifeval"]
+    assert task.config.custom_dataset is load_local
     docs = list(task.eval_docs)
     assert len(docs) == 541
     assert list(docs[0]) == ["key", "prompt", "instruction_id_list", "kwargs"]
@@ -341,12 +364,13 @@ def test_local_ifeval_docs_have_the_hub_schema(offline_manager):
         for kw in doc["kwargs"]:
             assert list(kw) == HUB_IFEVAL_KWARGS  # every key present, None where unused, the hub's order
     assert docs[0]["kwargs"][0]["num_highlights"] is None and docs[0]["kwargs"][1]["num_highlights"] == 3
-    gsm = offline_manager.load(["gsm8k_cot_zeroshot"])["tasks"]["gsm8k_cot_zeroshot"]
+    gsm = manager.load(["gsm8k_cot_zeroshot"])["tasks"]["gsm8k_cot_zeroshot"]
     assert len(list(gsm.eval_docs)) == 1319 and list(next(iter(gsm.eval_docs))) == ["question", "answer"]
+    assert not marker.exists()
 
 
 def test_sink_strength_variants_are_indexed(offline_manager):
-    names = set(offline_manager.all_tasks)
+    names = set(offline_manager[0].all_tasks)
     assert {
         "sink_strength",
         "sink_strength_n5",
@@ -361,7 +385,7 @@ def test_without_data_env_the_generated_override_is_not_used(offline_manager, mo
 
     monkeypatch.delenv("LM_EVAL_SINK_DATA", raising=False)
     assert data_root() is None  # TaskManager then leaves every stock entry as lm-eval built it
-    assert "offline_tasks" in str(offline_manager.task_index["ifeval"].yaml_path)
+    assert "offline_tasks" in str(offline_manager[0].task_index["ifeval"].yaml_path)
 
 
 # ---- the hook itself ----
@@ -436,15 +460,52 @@ def test_entry_point_resolves_to_the_task_yamls_as_lm_eval_plugins_do():
 
 
 def test_include_defaults_false_lists_only_the_given_folder():
-    from lm_eval.tasks import TaskManager
+    """lm-eval's contract, and lm-eval's own warnings naming the caller (no frame of this project between a
+    TaskManager and its caller: `verbosity`'s DeprecationWarning would otherwise point into the hook, and Python's
+    default filters show it only when it names `__main__`)."""
+    import warnings
 
-    assert getattr(TaskManager.__init__, "_lm_eval_sink_patched", False)  # the start-up hook is active here
+    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks._index import TaskIndex
+
+    assert getattr(TaskIndex.build, "_lm_eval_sink_patched", False)  # the start-up hook is active here
     folder = Path(__file__).parent / "data" / "merging_task"
-    only = TaskManager(include_defaults=False, include_path=str(folder))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        only = TaskManager(verbosity="INFO", include_defaults=False, include_path=str(folder))
     assert set(only.all_tasks) == {"lm_eval_sink_tiny_choice"}  # neither lm-eval's tasks nor this project's
+    assert [(w.category, w.filename) for w in caught if "verbosity" in str(w.message)] == [
+        (DeprecationWarning, __file__)
+    ]
     assert (
         "sink_strength" in TaskManager(include_defaults=False, include_path=[str(folder), str(tasks_dir())]).all_tasks
     )
+
+
+def test_a_changed_patch_target_is_left_as_installed_with_one_line():
+    """A release whose TaskIndex.build and make_table take other parameters: both stay lm-eval's (this project's
+    folder not indexed), and one warning line names lm-eval's version and the explicit way."""
+    from importlib.metadata import version
+
+    import lm_eval
+
+    from lm_eval_sink.harness.discovery import EXPLICIT_WAY
+
+    driver = Path(__file__).parent / "drivers" / "changed_targets.py"
+    proc = subprocess.run(
+        [sys.executable, str(driver)], env=_env(LM_EVAL_SINK_NO_HOOK="1"), capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    own = str(Path(lm_eval.__file__).parent / "tasks")
+    assert json.loads(proc.stdout) == {"build_kept": True, "table_kept": True, "calls": [[own]], "tasks": []}
+    lines = [line for line in proc.stderr.splitlines() if "lm-eval-sink" in line]
+    assert len(lines) == 1, proc.stderr
+    assert re.search(
+        rf"lm-eval {re.escape(version('lm_eval'))}'s (lm_eval\.tasks\._index\.TaskIndex\.build takes \(roots, "
+        r"recursive\)|lm_eval\.utils\.make_table takes \(results, column, sort_results\)), not",
+        lines[0],
+    )
+    assert lines[0].endswith(EXPLICIT_WAY)
 
 
 def test_start_up_file_failure_is_one_warning():

@@ -71,6 +71,23 @@ def test_file_hash_is_whole_file_and_cached_by_stat(tmp_path):
     assert file_hash(f) != first
 
 
+def test_a_cached_file_hash_is_used_only_in_the_form_file_hash_writes(tmp_path, monkeypatch):
+    """The hash cache is data: an entry for another path, of another shape or torn is hashed again and replaced."""
+    monkeypatch.setenv("LM_EVAL_SINK_CACHE", str(tmp_path / "cache"))
+    f = tmp_path / "w.bin"
+    f.write_bytes(b"abc")
+    right = file_hash(f)
+    [entry] = (tmp_path / "cache" / "file_hashes").rglob("*.json")
+    for planted in (
+        {"path": str(f.resolve()), "size": 3, "hash": ["not", "a", "hash"]},
+        {"path": "/elsewhere", "size": 3, "hash": "xxh3_128:" + "0" * 32},
+        "torn",
+    ):
+        entry.write_text(planted if isinstance(planted, str) else json.dumps(planted))
+        assert file_hash(f) == right
+    assert json.loads(entry.read_text())["hash"] == right
+
+
 def test_identity_skips_locks_and_markers(model_dir):
     before = model_identity(str(model_dir))
     (model_dir / ".lock").write_text("")

@@ -117,6 +117,25 @@ def test_implementation_restored_after_error(tiny_tokenizer):
     assert model.config._attn_implementation == "sdpa"
 
 
+def test_a_transformers_without_what_the_capture_uses_is_one_line_before_any_change(tiny_tokenizer, monkeypatch):
+    """The capture registers through transformers' registry API and sets configs' `_attn_implementation_internal`
+    back: a release without either is refused in one line naming transformers' version, the model untouched."""
+    import transformers
+    from transformers import AttentionInterface
+
+    from lm_eval_sink.capture import sink_capture
+
+    model = _random_model("llama")
+    monkeypatch.setattr(AttentionInterface, "register", None)
+    with pytest.raises(UserError, match=f"transformers {transformers.__version__}: AttentionInterface is not a"):
+        sink_capture(model, [0]).__enter__()
+    monkeypatch.undo()
+    monkeypatch.setattr(type(model.config), "_attn_implementation", "sdpa")  # a release that stores it plainly
+    del model.config._attn_implementation_internal
+    with pytest.raises(UserError, match="a config without _attn_implementation_internal"):
+        sink_capture(model, [0]).__enter__()
+
+
 @pytest.mark.parametrize(
     "batching",
     [{"batch_size": 2}, {"batch_size": 4}, {}, {"batch_tokens": 100, "query_chunk": 5}],

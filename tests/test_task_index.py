@@ -1,39 +1,65 @@
 """lm-eval's index of its own tasks read back from the cache (`harness/task_index.py`): the same index lm-eval
-builds, a key that follows every YAML, and a torn file built again."""
+builds, kept as data (JSON) that no planted file can turn into code, under a key that follows every file the
+index reads, and a torn or planted file built again."""
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
+import pickle
 from pathlib import Path
 
-from lm_eval_sink.harness.task_index import cached_build, folder_key
+import pytest
+
+from lm_eval_sink.harness.task_index import cached_build, decode, encode, folder_key
 
 
-def test_the_key_follows_every_yaml_of_the_folder(tmp_path):
+def test_the_key_follows_every_file_the_index_may_read(tmp_path):
+    """Every YAML and every include target whatever its name; not Python files, which the index never reads."""
     root = tmp_path / "tasks"
-    (root / "a").mkdir(parents=True)
-    (root / "a" / "t.yaml").write_text("task: t\n")
+    (root / "a" / "__pycache__").mkdir(parents=True)
+    (root / "a" / "t.yaml").write_text("include: _default_template_yaml\ntask: t\n")
+    (root / "a" / "_default_template_yaml").write_text("output_type: generate_until\n")
 
     def key(version: str = "0.4.13") -> str:
-        return folder_key(root, sorted(root.rglob("*.yaml")), version)
+        return folder_key(root, version)
 
     first = key()
     assert key() == first and key("0.4.14") != first
+    (root / "a" / "utils.py").write_text("x = 1\n")
+    (root / "a" / "__pycache__" / "utils.cpython-311.pyc").write_bytes(b"\0")
+    assert key() == first
+    (root / "a" / "_default_template_yaml").write_text("output_type: loglikelihood\n")
+    template = key()
+    assert template != first
     (root / "a" / "u.yaml").write_text("task: u\n")
     added = key()
-    assert added != first
+    assert added not in (first, template)
     os.utime(root / "a" / "t.yaml", ns=(1, 1))
     touched = key()
-    assert touched not in (first, added)
+    assert touched not in (first, template, added)
     (root / "a" / "u.yaml").unlink()
-    assert key() not in (first, added, touched)
+    assert key() not in (first, template, added, touched)
 
 
-def test_the_cached_index_is_lm_evals_and_later_folders_still_win(tmp_path, monkeypatch, caplog):
-    """A miss stores lm-eval's own build; a hit reads it back without parsing lm-eval's folder and equals it; a
-    task of an include path replaces lm-eval's of that name, with lm-eval's warning; a torn file is built again;
-    a cache that cannot be written costs the build, nothing else."""
+class _Planted:
+    """A pickle that creates `marker` when it is loaded."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def test_the_cached_index_is_lm_evals_data_and_later_folders_still_win(tmp_path, monkeypatch, caplog):
+    """A miss stores lm-eval's own build as JSON; a hit reads it back without parsing lm-eval's folder and equals
+    it; a task of an include path replaces lm-eval's of that name, with lm-eval's warning from lm-eval's logger; a
+    planted pickle is never loaded (a TaskManager builds the index again, right); a cache that cannot be written
+    costs the build, nothing else."""
     import lm_eval
+    from lm_eval.tasks import TaskManager
     from lm_eval.tasks._index import TaskIndex
 
     monkeypatch.setenv("LM_EVAL_SINK_CACHE", str(tmp_path / "cache"))
@@ -51,22 +77,71 @@ def test_the_cached_index_is_lm_evals_and_later_folders_still_win(tmp_path, monk
     missed = cached_build(build, [own, include])
     assert built == [[own], [include]] and len(missed) > 10_000
     assert missed["ifeval"].yaml_path == include / "ifeval.yaml"
-    stored = list((tmp_path / "cache" / "task_index").glob("*.pickle"))
-    assert len(stored) == 1
+    stored = list((tmp_path / "cache" / "task_index").iterdir())
+    assert len(stored) == 1 and stored[0].suffix == ".json"
+    lm_evals_own = decode(json.loads(stored[0].read_text()), own)
+    assert {k: v for k, v in missed.items() if k != "ifeval"} == {
+        k: v for k, v in lm_evals_own.items() if k != "ifeval"
+    }
 
     built.clear()
     caplog.clear()
     hit = cached_build(build, [own, include])
     assert built == [[include]] and hit == missed
-    assert "Task 'ifeval' from" in caplog.text and "overrides existing task" in caplog.text
+    overrides = [r for r in caplog.records if "overrides existing task" in r.getMessage()]
+    assert "Task 'ifeval' from" in caplog.text and {r.name for r in overrides} == {TaskIndex.__module__}
 
-    stored[0].write_bytes(b"torn")
-    built.clear()
-    rebuilt = cached_build(build, [own])
-    assert built == [[own], []] and stored[0].stat().st_size > 1000
-    assert rebuilt["ifeval"].yaml_path.is_relative_to(own)
-    assert {k: v for k, v in rebuilt.items() if k != "ifeval"} == {k: v for k, v in missed.items() if k != "ifeval"}
+    marker = tmp_path / "planted-code-ran"
+    stored[0].write_bytes(pickle.dumps(_Planted(marker)))
+    manager = TaskManager()  # the hooked TaskManager, as every lm_eval process builds it
+    assert not marker.exists()
+    assert "sink_strength" in manager.all_tasks and manager.task_index["arc_easy"] == lm_evals_own["arc_easy"]
+    assert decode(json.loads(stored[0].read_text()), own) == lm_evals_own  # replaced by lm-eval's build again
 
     (tmp_path / "a_file").write_text("")
     monkeypatch.setenv("LM_EVAL_SINK_CACHE", str(tmp_path / "a_file" / "cache"))  # no folder can be made there
-    assert cached_build(build, [own]) == rebuilt
+    built.clear()
+    assert cached_build(build, [own]) == lm_evals_own and built == [[own], []]
+
+
+def _entries(root: Path, **cfg_extra):
+    from lm_eval.tasks._index import Entry, Kind
+
+    return {
+        "t": Entry("t", Kind.TASK, root / "a" / "t.yaml", {"task": "t", "tag": "g", **cfg_extra}, {"g"}),
+        "g": Entry("g", Kind.TAG, None, None, {"t"}),
+    }
+
+
+@pytest.mark.parametrize(
+    "value",
+    [datetime.date(2026, 1, 1), {1: "a"}, ("a", "b"), float("nan"), {"a"}],
+    ids=["date", "int key", "tuple", "nan", "set"],
+)
+def test_an_index_json_would_not_give_back_equal_is_not_kept(tmp_path, value):
+    assert decode(json.loads(encode(_entries(tmp_path), tmp_path)), tmp_path) == _entries(tmp_path)
+    assert encode(_entries(tmp_path, odd=value), tmp_path) is None
+    assert encode(_entries(tmp_path.parent / "elsewhere"), tmp_path) is None  # a file outside the folder
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({"yaml_path": "../../evil/t.yaml"}, "no file inside"),
+        ({"yaml_path": "/evil/t.yaml"}, "no file inside"),
+        ({"yaml_path": None}, "no file inside"),  # lm-eval would build the task from the stored cfg
+        ({"cfg": "task: t"}, "no file inside"),
+        ({"kind": "NOT_A_KIND"}, "not an entry"),
+        ({"tags": "g"}, "must be strings"),
+    ],
+    ids=["path up", "absolute path", "no file", "cfg not a dict", "kind", "tags"],
+)
+def test_a_stored_index_that_names_no_file_of_lm_evals_folder_is_refused(tmp_path, change, why):
+    data = json.loads(encode(_entries(tmp_path), tmp_path))
+    data["entries"][0].update(change)
+    with pytest.raises(ValueError, match=why):
+        decode(data, tmp_path)
+    data = json.loads(encode(_entries(tmp_path), tmp_path))
+    data["entries"][1]["yaml_path"] = "a/t.yaml"  # a tag names no file
+    with pytest.raises(ValueError, match="names a file"):
+        decode(data, tmp_path)

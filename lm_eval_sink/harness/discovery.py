@@ -1,8 +1,10 @@
 """Glue that makes lm-eval 0.4.13 find this project's tasks with no flag (called by `hooks.py`).
 
-- `patch_task_manager`: every `TaskManager` built with lm-eval's defaults also indexes `tasks_dir()` (the
+- `patch_task_index`: every `TaskManager` built with lm-eval's defaults also indexes `tasks_dir()` (the
   `sink_strength` tasks) and, with `LM_EVAL_SINK_DATA` set, points the covered stock tasks at local files
-  (`offline.py`); lm-eval's index of its own tasks is read from the cache (`task_index.py`).
+  (`offline.py`); lm-eval's index of its own tasks is read from the cache (`task_index.py`). It wraps
+  `TaskIndex.build`, not `TaskManager.__init__`, so no frame of this project stands between a `TaskManager`
+  and its caller (lm-eval's warnings there, such as `verbosity`'s DeprecationWarning, name the caller).
   `include_defaults=False` keeps lm-eval's contract (only the given include paths). Explicit form without the
   hook: `--include_path "$(lm-eval-sink tasks-dir)"`.
 - `patch_evaluator`: a task of this project (named, or through a group or tag, resolved with
@@ -15,7 +17,10 @@
   before any other task's and a failure in S comes before hours of generation, not after them.
 - `patch_cli`: under the `lm_eval` console script, this project's `UserError`s print one line
   (`error: ...`) and exit 2 instead of a traceback.
-Each patch is idempotent and keeps lm-eval's own behaviour for everything else.
+Each patch is idempotent and keeps lm-eval's own behaviour for everything else. Before it replaces anything,
+each checks that its target is what its wrapper was written for (`_patch`: the parameters the wrapper passes or
+reads, and what else it relies on), not lm-eval's version; a target that differs is left as installed, with
+one warning line per process (`_left_as_installed`) naming lm-eval's version and the explicit way.
 """
 
 from __future__ import annotations
@@ -24,12 +29,13 @@ import functools
 import inspect
 import logging
 import sys
+import warnings
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from lm_eval_sink.errors import UserError
+from lm_eval_sink.errors import SinkWarning, UserError
 from lm_eval_sink.harness.backends import backend_label, has_attention, unsupported
 
 log = logging.getLogger(__name__)
@@ -39,6 +45,64 @@ _MARK = "_lm_eval_sink_patched"
 def tasks_dir() -> Path:
     """The folder of this project's lm-eval task YAMLs (installed as package data)."""
     return Path(str(resources.files("lm_eval_sink.tasks")))
+
+
+EXPLICIT_WAY = '--include_path "$(lm-eval-sink tasks-dir)"'  # this project's tasks with no patch at all
+_SAID: list[str] = []  # the one line of this process about a patch target left as installed
+
+
+def _mismatch(target: Any, leading: tuple[str, ...] = (), needs: tuple[str, ...] = ()) -> str | None:
+    """Why `target` is not the function a wrapper was written for (None when it is): its parameters must begin
+    with `leading` (what the wrapper passes by position) and hold `needs` (what it reads or passes by name)."""
+    try:
+        names = list(inspect.signature(target).parameters)
+    except (TypeError, ValueError):  # not a callable, or one without a signature
+        return f"is {type(target).__name__}, not a function with a signature"
+    if names[: len(leading)] != list(leading):
+        return f"takes ({', '.join(names)}), not ({', '.join(leading)}, ...)"
+    missing = [n for n in needs if n not in names]
+    return f"takes ({', '.join(names)}), without {', '.join(missing)}" if missing else None
+
+
+def _left_as_installed(label: str, why: str) -> None:
+    """One SinkWarning line per process, naming lm-eval's version and the explicit way (later ones: debug)."""
+    from importlib.metadata import version
+
+    line = (
+        f"lm-eval {version('lm_eval')}'s {label} {why}, so lm-eval-sink leaves it as installed "
+        f"(lm-eval runs as without this project there); to use this project's tasks, pass {EXPLICIT_WAY}"
+    )
+    if _SAID:
+        log.debug("%s", line)
+        return
+    _SAID.append(line)
+    warnings.warn_explicit(line, SinkWarning, "lm-eval-sink", 0)  # "lm-eval-sink:0: SinkWarning: ...", one line
+
+
+def _patch(
+    owner: Any,
+    name: str,
+    wrap: Any,
+    *,
+    leading: tuple[str, ...] = (),
+    needs: tuple[str, ...] = (),
+    more: Any = None,
+) -> None:
+    """`owner.name` replaced by `wrap(original)` when the original is what the wrapper was written for (`_mismatch`,
+    and `more()` when given); otherwise left untouched, with one line (`_left_as_installed`). Idempotent."""
+    original = inspect.getattr_static(owner, name)
+    static = isinstance(original, staticmethod)
+    original = original.__func__ if static else original
+    if getattr(original, _MARK, False):
+        return
+    why = _mismatch(original, leading, needs) or (more() if more else None)
+    if why:
+        where = f"{owner.__module__}.{owner.__qualname__}" if isinstance(owner, type) else owner.__name__
+        _left_as_installed(f"{where}.{name}", why)
+        return
+    wrapper = wrap(original)
+    setattr(wrapper, _MARK, True)
+    setattr(owner, name, staticmethod(wrapper) if static else wrapper)
 
 
 TASK_CLASS = "lm_eval_sink.harness.task.SinkStrengthTask"  # the class every task of this project names
@@ -183,7 +247,8 @@ def measure_first_request(arguments: dict[str, Any]) -> tuple[dict[str, Any], An
     return measure_first(load, task_jobs(task_manager, ours), label), task_manager
 
 
-def _apply_offline_overrides(manager: Any) -> None:
+def _apply_offline_overrides(index: dict[str, Any]) -> None:
+    """With LM_EVAL_SINK_DATA set, the stock tasks it covers pointed at generated YAMLs (`offline.py`)."""
     from lm_eval.tasks._index import Entry, Kind
 
     from lm_eval_sink.harness.offline import data_root, write_overrides
@@ -193,67 +258,51 @@ def _apply_offline_overrides(manager: Any) -> None:
         return
     candidates = {
         name: (entry.cfg, Path(entry.yaml_path))
-        for name, entry in manager._index.items()
+        for name, entry in index.items()
         if entry.kind == Kind.TASK and entry.cfg and entry.yaml_path and "dataset_path" in entry.cfg
     }
-    for name, path in write_overrides(candidates, root).items():
-        old = manager._index[name]
-        manager._index[name] = Entry(name=name, kind=old.kind, yaml_path=path, cfg=old.cfg, tags=old.tags)
+    try:
+        written = write_overrides(candidates, root)
+    except OSError as err:  # a cache that cannot be written: the stock tasks stay as lm-eval indexed them
+        log.warning("lm-eval-sink: offline data from %s not applied (%s)", root, err)
+        return
+    for name, path in written.items():
+        old = index[name]
+        index[name] = Entry(name=name, kind=old.kind, yaml_path=path, cfg=old.cfg, tags=old.tags)
     log.debug("lm-eval-sink: offline data from %s", root)
 
 
-def patch_task_index() -> None:
-    """lm-eval's index of its own tasks read from the cache (`task_index.py`) instead of parsed again."""
-    from lm_eval.tasks._index import TaskIndex
+def _wrap_build(original: Any) -> Any:
+    """`TaskIndex.build` for lm-eval's defaults (its own folder first, as `include_defaults=True` makes): this
+    project's folder indexed next (user folders come later, so they can still shadow it), lm-eval's own index
+    read from the cache (`task_index.py`), the offline override applied. Any other call is lm-eval's own."""
+    import lm_eval
 
     from lm_eval_sink.harness.task_index import cached_build
 
-    original = TaskIndex.build
-    if getattr(original, _MARK, False):
-        return
+    lm_evals = Path(lm_eval.__file__).parent / "tasks"  # the folder of lm-eval's defaults (TaskManager's own)
 
     @functools.wraps(original)
-    def build(paths: Any, *, resolve_includes: bool = True) -> dict[str, Any]:
-        return cached_build(original, paths, resolve_includes=resolve_includes)
+    def build(paths: Any, *, resolve_includes: bool = True, **more: Any) -> dict[str, Any]:
+        paths = [Path(p) for p in paths]
+        if more or not paths or paths[0] != lm_evals:
+            return original(paths, resolve_includes=resolve_includes, **more)
+        if tasks_dir() not in paths:
+            paths.insert(1, tasks_dir())
+        index = cached_build(original, paths, resolve_includes=resolve_includes)
+        _apply_offline_overrides(index)
+        return index
 
-    setattr(build, _MARK, True)
-    TaskIndex.build = staticmethod(build)
+    return build
 
 
-def patch_task_manager() -> None:
-    from lm_eval.tasks.manager import TaskManager
+def patch_task_index() -> None:
+    """Every `TaskManager` built with lm-eval's defaults also indexes this project's tasks (`_wrap_build`)."""
+    from lm_eval.tasks._index import TaskIndex
 
-    patch_task_index()
-    if getattr(TaskManager.__init__, _MARK, False):
-        return
-    original = TaskManager.__init__
+    from lm_eval_sink.harness.task_index import entry_mismatch
 
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        bound = signature.bind(self, *args, **kwargs)
-        bound.apply_defaults()
-        if not bound.arguments["include_defaults"]:  # lm-eval's contract: only the given include paths
-            original(*bound.args, **bound.kwargs)
-            return
-        include_path = bound.arguments["include_path"]
-        ours = str(tasks_dir())
-        paths = (
-            []
-            if include_path is None
-            else list(include_path)
-            if isinstance(include_path, (list, tuple))
-            else [include_path]
-        )
-        if ours not in {str(p) for p in paths}:
-            paths.insert(0, ours)  # user paths come later, so they can still shadow ours
-        bound.arguments["include_path"] = paths
-        original(*bound.args, **bound.kwargs)
-        _apply_offline_overrides(self)
-
-    setattr(__init__, _MARK, True)
-    TaskManager.__init__ = __init__
+    _patch(TaskIndex, "build", _wrap_build, leading=("paths",), needs=("resolve_includes",), more=entry_mismatch)
 
 
 def prepare_tasks(lm: Any, task_dict: Any) -> Any:
@@ -294,45 +343,49 @@ def own_task_names() -> frozenset[str]:
     )
 
 
-def patch_evaluator() -> None:
-    import lm_eval.evaluator as ev
-
-    if getattr(ev.evaluate, _MARK, False):
-        return
-    original, original_simple = ev.evaluate, ev.simple_evaluate
-
+def _wrap_evaluate(original: Any) -> Any:
     @functools.wraps(original)
     def evaluate(lm: Any, task_dict: Any, *args: Any, **kwargs: Any) -> Any:
         return original(lm, prepare_tasks(lm, task_dict), *args, **kwargs)
 
-    signature = inspect.signature(original_simple)
+    return evaluate
 
-    @functools.wraps(original_simple)
+
+def _wrap_simple_evaluate(original: Any) -> Any:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
     def simple_evaluate(*args: Any, **kwargs: Any) -> Any:
         try:
             bound = signature.bind(*args, **kwargs)
         except TypeError:  # lm-eval's own error for bad arguments, unchanged
-            return original_simple(*args, **kwargs)
+            return original(*args, **kwargs)
         first = measure_first_request(bound.arguments)
         if first is None:
-            return original_simple(*args, **kwargs)
+            return original(*args, **kwargs)
         from lm_eval_sink.harness.task import provided
 
         measured, bound.arguments["task_manager"] = first
         with provided(measured):
-            return original_simple(*bound.args, **bound.kwargs)
+            return original(*bound.args, **bound.kwargs)
 
-    setattr(evaluate, _MARK, True)
-    ev.evaluate, ev.simple_evaluate = evaluate, simple_evaluate
+    return simple_evaluate
 
 
-def patch_cli() -> None:
-    import lm_eval.__main__ as main_mod
+# What `measure_first_request` reads of simple_evaluate's arguments, by name.
+SIMPLE_EVALUATE_ARGS = ("model", "model_args", "tasks", "task_manager", "metadata")
 
-    if getattr(main_mod.cli_evaluate, _MARK, False):
-        return
-    original = main_mod.cli_evaluate
 
+def patch_evaluator() -> None:
+    """Checks first and this project's tasks first (`evaluate`), S measured before a backend without attention is
+    built (`simple_evaluate`)."""
+    import lm_eval.evaluator as ev
+
+    _patch(ev, "evaluate", _wrap_evaluate, leading=("lm", "task_dict"))
+    _patch(ev, "simple_evaluate", _wrap_simple_evaluate, needs=SIMPLE_EVALUATE_ARGS)
+
+
+def _wrap_cli(original: Any) -> Any:
     @functools.wraps(original)
     def cli_evaluate(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -341,8 +394,14 @@ def patch_cli() -> None:
             print(f"error: {e.line()}", file=sys.stderr)
             raise SystemExit(2) from None
 
-    setattr(cli_evaluate, _MARK, True)
-    main_mod.cli_evaluate = cli_evaluate
+    return cli_evaluate
+
+
+def patch_cli() -> None:
+    """Under the `lm_eval` console script, this project's `UserError` is one line and exit code 2."""
+    import lm_eval.__main__ as main_mod
+
+    _patch(main_mod, "cli_evaluate", _wrap_cli)
 
 
 _SCORES = ("sink_strength", "sink_strength_content_rows", "sink_strength_template_rows")  # the rest: companions
@@ -403,15 +462,7 @@ def strength_lines(result_dict: dict[str, Any]) -> list[str]:
     return lines
 
 
-def patch_table() -> None:
-    """The console table shows this project's tasks compactly (`_compact_matrices`), and the results table is
-    followed by a line per Sink Strength task that says it in words (`strength_lines`)."""
-    import lm_eval.utils as lu
-
-    if getattr(lu.make_table, _MARK, False):
-        return
-    original = lu.make_table
-
+def _wrap_table(original: Any) -> Any:
     @functools.wraps(original)
     def make_table(result_dict: dict[str, Any], *args: Any, **kwargs: Any) -> str:
         table = original(_compact_matrices(result_dict), *args, **kwargs)
@@ -419,5 +470,12 @@ def patch_table() -> None:
         lines = strength_lines(result_dict) if column == "results" else []
         return "\n".join([table.rstrip("\n"), *lines]) + "\n" if lines else table
 
-    setattr(make_table, _MARK, True)
-    lu.make_table = make_table
+    return make_table
+
+
+def patch_table() -> None:
+    """The console table shows this project's tasks compactly (`_compact_matrices`), and the results table is
+    followed by a line per Sink Strength task that says it in words (`strength_lines`)."""
+    import lm_eval.utils as lu
+
+    _patch(lu, "make_table", _wrap_table, leading=("result_dict", "column"))

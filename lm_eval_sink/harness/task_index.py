@@ -1,42 +1,157 @@
-"""lm-eval's index of its own tasks, kept between processes (called by `discovery.patch_task_manager`).
+"""lm-eval's index of its own tasks, kept between processes as data (called by `discovery.patch_task_index`).
 
 lm-eval 0.4.13 parses every YAML under `lm_eval/tasks/` (about 14,000 files, 5-6 s on one core) each time a
 `TaskManager` is built, i.e. in every `lm_eval` process and every sweep eval unit. That folder is part of the
-installed lm-eval, so its index is kept in `cache_dir()/task_index/`, under a key of lm-eval's version, the
-folder and every YAML's path, size and modification time: an edited, added or removed file or another lm-eval
-makes another key, and a key not found is built by lm-eval itself. Reading it back takes under a second.
+installed lm-eval, so its index is kept in `cache_dir()/task_index/<key>.json`:
+
+- the key (`folder_key`): this file format, lm-eval's version, the folder, and the relative path, size and
+  mtime of every file under the folder except Python files (`*.py`, `*.pyc`, `__pycache__/`). The index parses
+  YAML with functions unresolved, so what it reads is the `*.yaml` files and the include targets they name,
+  whatever their names (`_default_template_yaml`, `_template_yaml`, ...): in 0.4.13, 14,549 files read, none
+  outside the folder, all among the 14,829 keyed. An edited, added or removed file or another lm-eval makes
+  another key, and a key not found is built by lm-eval itself;
+- the content: JSON, whose reading runs no code, of each entry's fields (lm-eval's `Entry`: name, kind,
+  yaml_path relative to the folder, cfg, tags). An index that would not read back equal (a cfg value JSON does
+  not keep, such as a date or a non-string key; an `Entry` with other fields; a path outside the folder) is
+  not kept. Read back, every entry but a tag must name a file inside lm-eval's folder (which lm-eval reads
+  itself when it builds the task: the stored cfg never reaches a task) and a tag names none; a file that
+  breaks any of this, torn or planted, is built again and replaced.
 Other folders (`--include_path`, this project's tasks) are small and always built by lm-eval, then merged as
-lm-eval merges them: a later folder's task replaces an earlier one's, with lm-eval's warning.
+lm-eval merges them: a later folder's task replaces an earlier one's, with lm-eval's warning from lm-eval's
+logger. Reading the index back takes under a second.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
-import pickle
+import math
+import os
 from collections.abc import Callable, Iterable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 log = logging.getLogger(__name__)
 Build = Callable[..., dict[str, Any]]
+FORMAT = "lm-eval-sink task index, JSON v1"
+ENTRY_FIELDS = ("name", "kind", "yaml_path", "cfg", "tags")  # lm-eval's `Entry`, as stored
+KINDS = ("TASK", "PY_TASK", "GROUP", "TAG")  # the `Kind` members an index holds
+_UNREAD_SUFFIXES = (".py", ".pyc")
+_UNREAD_DIRS = frozenset({"__pycache__"})
 
 
-def folder_key(root: Path, yaml_files: Iterable[Path], version: str) -> str:
-    """The key of `root`'s index: lm-eval's version, the folder, and each YAML's relative path, size and mtime."""
-    digest = hashlib.sha256(f"{version}\0{root}\0".encode())
-    for path in yaml_files:
-        stat = path.stat()
-        digest.update(f"{path.relative_to(root).as_posix()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+def entry_mismatch() -> str | None:
+    """Why lm-eval's `Entry` / `Kind` are not what this file stores (None when they are)."""
+    from dataclasses import fields
+
+    from lm_eval.tasks._index import Entry, Kind
+
+    names = tuple(f.name for f in fields(Entry))
+    if names != ENTRY_FIELDS:
+        return f"Entry has the fields ({', '.join(names)}), not ({', '.join(ENTRY_FIELDS)})"
+    missing = [k for k in KINDS if k not in Kind.__members__]
+    return f"Kind has no member {', '.join(missing)}" if missing else None
+
+
+def keyed_files(root: Path) -> list[str]:
+    """Every file under `root` the index may read (all but Python files), as sorted relative POSIX paths."""
+    out = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in _UNREAD_DIRS]
+        base = PurePosixPath(Path(folder).relative_to(root).as_posix())
+        out += [str(base / f) for f in files if not f.endswith(_UNREAD_SUFFIXES)]
+    return sorted(out)
+
+
+def folder_key(root: Path, version: str) -> str:
+    """The key of `root`'s index: the format, lm-eval's version, the folder, each keyed file's path, size, mtime."""
+    digest = hashlib.sha256(f"{FORMAT}\0{version}\0{root}\0".encode())
+    for rel in keyed_files(root):
+        stat = (root / rel).stat()
+        digest.update(f"{rel}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
     return digest.hexdigest()[:32]
 
 
-def _read(path: Path) -> dict[str, Any] | None:
+def _plain(value: Any) -> bool:
+    """Whether JSON gives `value` back equal and of the same types (str, int, finite float, bool, None, and lists
+    and str-keyed dicts of them)."""
+    kind = type(value)
+    if value is None or kind in (str, int, bool):
+        return True
+    if kind is float:
+        return math.isfinite(value)
+    if kind is list:
+        return all(_plain(v) for v in value)
+    return kind is dict and all(type(k) is str and _plain(v) for k, v in value.items())
+
+
+def _outside(rel: str) -> bool:
+    path = PurePosixPath(rel)
+    return path.is_absolute() or ".." in path.parts
+
+
+def _problem(row: dict[str, Any]) -> str | None:
+    """Why `row` is not an entry as this file stores it (None when it is): the one rule of writing and reading."""
+    if tuple(row) != ENTRY_FIELDS or row["kind"] not in KINDS:
+        return "not an entry"
+    name, rel, cfg, tags = row["name"], row["yaml_path"], row["cfg"], row["tags"]
+    if not isinstance(name, str) or not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+        return "a name and tags must be strings"
+    if row["kind"] == "TAG":
+        return "a tag names a file or a config" if rel is not None or cfg is not None else None
+    if not (isinstance(rel, str) and isinstance(cfg, dict)) or _outside(rel):
+        return "no file inside lm-eval's task folder"
+    return None
+
+
+def _row(key: str, entry: Any, root: Path) -> dict[str, Any]:
+    """One entry as stored (ValueError when `decode` would not give it back equal)."""
+    rel = None if entry.yaml_path is None else Path(entry.yaml_path).relative_to(root).as_posix()
+    row = {"name": entry.name, "kind": entry.kind.name, "yaml_path": rel, "cfg": entry.cfg, "tags": sorted(entry.tags)}
+    why = _problem(row) or (None if key == entry.name and _plain(entry.cfg) else "a name or cfg JSON does not keep")
+    if why:
+        raise ValueError(f"entry {key!r}: {why}")
+    return row
+
+
+def encode(index: dict[str, Any], root: Path) -> str | None:
+    """The index of `root` as JSON text; None when `decode` would not give it back equal."""
     try:
-        return pickle.loads(path.read_bytes())
+        rows = [_row(key, entry, root) for key, entry in index.items()]
+    except (TypeError, ValueError, AttributeError) as err:  # a value JSON does not keep, a file elsewhere, ...
+        log.debug("lm-eval-sink: task index not kept (%s)", err)
+        return None
+    return json.dumps({"format": FORMAT, "entries": rows}, ensure_ascii=False)
+
+
+def _entry(row: Any, root: Path) -> Any:
+    from lm_eval.tasks._index import Entry, Kind
+
+    why = _problem(row) if isinstance(row, dict) else "not an entry"
+    if why:
+        raise ValueError(f"{why}: {str(row)[:80]}")
+    path = None if row["yaml_path"] is None else root / row["yaml_path"]
+    return Entry(name=row["name"], kind=Kind[row["kind"]], yaml_path=path, cfg=row["cfg"], tags=set(row["tags"]))
+
+
+def decode(data: Any, root: Path) -> dict[str, Any]:
+    """The index a stored JSON document holds (ValueError when it is not one `encode` writes)."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("entries"), list):
+        raise ValueError("not a task index of this format")
+    index = {}
+    for row in data["entries"]:
+        entry = _entry(row, root)
+        index[entry.name] = entry
+    return index
+
+
+def _read(path: Path, root: Path) -> dict[str, Any] | None:
+    try:
+        return decode(json.loads(path.read_text(encoding="utf-8")), root)
     except FileNotFoundError:
         return None
-    except Exception as err:  # a torn or foreign file: build again and replace it
+    except (OSError, ValueError, KeyError, RecursionError) as err:  # torn, foreign or planted: built again, replaced
         log.debug("lm-eval-sink: rebuilding the task index (%s unreadable: %s)", path, err)
         return None
 
@@ -44,25 +159,28 @@ def _read(path: Path) -> dict[str, Any] | None:
 def cached_build(build: Build, paths: Iterable[Path], *, resolve_includes: bool = True) -> dict[str, Any]:
     """`TaskIndex.build(paths)` with lm-eval's own folder read from the cache (stored there on a miss)."""
     import lm_eval
+    from lm_eval.tasks._index import TaskIndex
 
-    from lm_eval_sink.io import atomic_write_bytes, cache_dir
+    from lm_eval_sink.io import atomic_write_text, cache_dir
 
     paths = [Path(p) for p in paths]
     own = Path(lm_eval.__file__).parent / "tasks"
     if not paths or paths[0] != own or not resolve_includes:
         return build(paths, resolve_includes=resolve_includes)
-    key = folder_key(own, sorted(own.rglob("*.yaml")), lm_eval.__version__)
-    stored = cache_dir() / "task_index" / f"{key}.pickle"
-    index = _read(stored)
+    stored = cache_dir() / "task_index" / f"{folder_key(own, lm_eval.__version__)}.json"
+    index = _read(stored, own)
     if index is None:
         index = build([own])
+        text = encode(index, own)
         try:
-            atomic_write_bytes(stored, pickle.dumps(index, protocol=pickle.HIGHEST_PROTOCOL))
+            if text is not None:
+                atomic_write_text(stored, text)
         except OSError as err:  # a read-only cache costs the next process the build, nothing else
             log.debug("lm-eval-sink: task index not kept (%s)", err)
+    lm_evals_log = logging.getLogger(TaskIndex.__module__)  # the logger lm-eval's own merge warns on
     for name, entry in build(paths[1:]).items():
         if name in index:
-            log.warning(
+            lm_evals_log.warning(
                 "Task '%s' from %s overrides existing task from %s", name, entry.yaml_path, index[name].yaml_path
             )
         index[name] = entry
