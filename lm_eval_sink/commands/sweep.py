@@ -29,6 +29,7 @@ from lm_eval_sink.io import (
     atomic_write_json,
     atomic_write_text,
     check_not_inputs,
+    check_writable,
     clean_stale_all,
     parse_yaml,
     provenance,
@@ -132,7 +133,6 @@ def load_sweep(
     written = parse_yaml(path.read_text(encoding="utf-8"), src) or {}
     sweep, skipped = parse_sweep_data(written, src)
     out = _output(output, sweep.output, src, here)
-    models = _models(sweep, src, here)
     configs, templates = _templates(sweep, src, here)
     merge = sweep.merge
     tokenizer_source = merge.tokenizer_source
@@ -144,6 +144,8 @@ def load_sweep(
     engine_spec = parse_engine(
         sweep.engine, src, kind=engine, address=ray_address, devices=devices, eval_settings=eval_settings
     )
+    _check_before_models(out, _models(sweep, src, here, convert=False), eval_settings, src)
+    models = _models(sweep, src, here)  # `default` is converted here, after every check that needs no weights
     spec = SweepSpec(
         source=src,
         output=out.resolve(),
@@ -177,6 +179,7 @@ def _output(given: str | Path | None, written: str | None, src: str, here: Path)
         raise UserError(f"{src}: output: missing", "add output: FOLDER to the sweep file, or pass --output")
     if out.exists() and not out.is_dir():
         raise UserError(f"{out}: is a file, not a folder", "choose an output folder")
+    check_writable(out, "output")
     return out
 
 
@@ -191,13 +194,27 @@ def _model_arg(here: Path, name: str) -> str:
     return name if looks_like_hub_id(name) and not Path(_rel(here, name)).exists() else _rel(here, name)
 
 
-def _models(sweep: Any, src: str, here: Path) -> dict[str, str]:
+def _check_before_models(out: Path, planned: dict[str, str], eval_settings: Any, src: str) -> None:
+    """What needs no model converted or read: the output folder's place and overlap with the models, and the
+    interpreter that will run lm-eval."""
+    check_not_inputs([out], inputs=[src, *planned.values()], option="output")
+    if eval_settings is not None:
+        from lm_eval_sink.harness.runner import check_interpreter
+
+        try:
+            check_interpreter(eval_settings)
+        except UserError as e:
+            raise UserError(f"{src}: eval: {e.message}", e.hint) from None
+
+
+def _models(sweep: Any, src: str, here: Path, convert: bool = True) -> dict[str, str]:
+    """The sweep's models, each resolved (`convert=False`: `default` named by its folder, not converted yet)."""
     from lm_eval_sink.models import resolve_model
 
     models: dict[str, str] = {}
     for role, name in sweep.models.model_dump(exclude_none=True).items():
         try:
-            models[role] = resolve_model(_model_arg(here, name), allow_adapter=False)
+            models[role] = resolve_model(_model_arg(here, name), allow_adapter=False, convert=convert)
         except UserError as e:
             raise UserError(f"{src}: models.{role}: {e.message}", e.hint) from None
     return models
@@ -335,10 +352,13 @@ class SweepReport:
     failures: dict[str, str] = field(default_factory=dict)
     table_files: list[Path] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    remerged: dict[str, tuple[str, ...]] = field(default_factory=dict)  # Schedule.remerged
 
     def lines(self) -> list[str]:
+        again = "; ".join(f"{m} for {', '.join(need) or 'its weights'}" for m, need in self.remerged.items())
+        redone = f" (merged again, as delete_merged had removed their weights: {again})" if again else ""
         out = [
-            f"sweep {self.output}: {len(self.ran)} steps run, {len(self.skipped)} already finished, "
+            f"sweep {self.output}: {len(self.ran)} steps run{redone}, {len(self.skipped)} already finished, "
             f"{len(self.failures)} failed"
         ]
         out += [f"note: {n}" for n in self.notes]
@@ -496,6 +516,7 @@ def _run_sweep_locked(
 
     todo = list(plan_now.todo)
     report.skipped.extend(plan_now.skipped(plan))
+    report.remerged.update(plan_now.remerged)
     if plan_now.unwritten:
         report.notes.append(
             f"{len(plan_now.unwritten)} merged checkpoint(s) not written to disk (in memory; keep_weights: true "
