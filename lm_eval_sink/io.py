@@ -243,22 +243,20 @@ def _read_only(folder: Path) -> bool:
 
 
 def check_writable(out: Path, option: str = "--output") -> None:
-    """Refuse, before any work, in one line naming `out` and the reason, an output that cannot be written: a file
-    in its path, a parent folder that does not exist, a pseudo-filesystem (/proc, /sys), a read-only filesystem, no
-    permission (`unwritable`). An existing folder `out` must be writable too (commands write into it)."""
+    """Refuse, before any work, in one line naming `out` and why, an output that cannot be written (`unwritable`):
+    a file in its path, a pseudo-filesystem (/proc, /sys), a read-only filesystem, no permission, or a missing parent
+    folder that cannot be made for one of these reasons (a parent that can be made is made when the output is
+    written). An existing folder `out` must be writable too (commands write into it)."""
     out = Path(out).expanduser()
     parent = out.absolute().parent
     for folder in (parent, out) if out.is_dir() else (parent,):
         found = unwritable(folder)
         if found is not None:
+            missing = "" if found[0] == folder or found[1].startswith("is a file") else f"no such folder {parent}, and "
             raise UserError(
-                f"{option} {out} cannot be written: {found[0]} {found[1]}", f"choose {option} in a writable folder"
+                f"{option} {out} cannot be written: {missing}{found[0]} {found[1]}",
+                f"choose {option} in a writable folder",
             )
-    if not parent.is_dir():
-        raise UserError(
-            f"{option} {out} cannot be written: no such folder {parent}",
-            f"create it first (mkdir -p {parent}), or choose another {option}",
-        )
 
 
 def _refuse_existing(out: Path, force: bool, option: str) -> None:
