@@ -198,3 +198,5 @@ def test_a_gguf_file_is_screened_and_measured_like_its_converted_folder(default_
     ):
         line = user_error(refused, tmp_path / "e", tmp_path / "t.yaml")
         assert f"{gguf}: a GGUF file" in line and f"lm-eval-sink models convert {gguf} FOLDER" in line
+    config = default_model / "config.json"
+    assert f"{config}: not a GGUF file" in user_error(["models", "convert", config, tmp_path / "c"], tmp_path / "c")
