@@ -149,7 +149,7 @@ def test_delete_merged_keeps_results_and_skips_on_rerun(uninterrupted, tmp_path)
     # --redo strength needs the deleted weights: the merge is redone, and the run's line says so and why
     redone = run_sweep(load_sweep(sweep, delete_merged=True), progress=False, redo=("strength",))
     assert redone.ran == ["strength:reference", "strength:candidate", "merge:dare_linear", "strength:dare_linear"]
-    again_line = "merged again, as delete_merged had removed their weights: merge:dare_linear for strength:dare_linear"
+    again_line = "merged again because their weights were deleted: merge:dare_linear for strength:dare_linear"
     assert f"4 steps run ({again_line})" in redone.lines()[0], redone.lines()[0]
     assert _rows(out) == _rows(uninterrupted.parent / "out") and not list(merged.glob("*.safetensors"))
 

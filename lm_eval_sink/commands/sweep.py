@@ -356,7 +356,7 @@ class SweepReport:
 
     def lines(self) -> list[str]:
         again = "; ".join(f"{m} for {', '.join(need) or 'its weights'}" for m, need in self.remerged.items())
-        redone = f" (merged again, as delete_merged had removed their weights: {again})" if again else ""
+        redone = f" (merged again because their weights were deleted: {again})" if again else ""
         out = [
             f"sweep {self.output}: {len(self.ran)} steps run{redone}, {len(self.skipped)} already finished, "
             f"{len(self.failures)} failed"
