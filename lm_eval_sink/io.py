@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import uuid
@@ -214,8 +215,11 @@ def unwritable(folder: Path) -> tuple[Path, str] | None:
     `check_writable` and the lock (`hold`)."""
     folder = Path(folder).expanduser().absolute()
     there = next(p for p in (folder, *folder.parents) if _lexists(p))
-    if not there.is_dir():
-        return there, "is a file, not a folder"
+    try:
+        if not stat.S_ISDIR(os.stat(there).st_mode):
+            return there, "is a file, not a folder"
+    except OSError as e:  # a link to nothing, or a folder above that may not be searched
+        return there, f"cannot be reached ({e.strerror})"
     kind = _filesystem(there)
     if kind in _PSEUDO_FILESYSTEMS:
         return there, f"is on a {kind} pseudo-filesystem, which holds no files"
