@@ -133,6 +133,7 @@ def load_sweep(
     written = parse_yaml(path.read_text(encoding="utf-8"), src) or {}
     sweep, skipped = parse_sweep_data(written, src)
     out = _output(output, sweep.output, src, here)
+    models = _models(sweep, src, here)
     configs, templates = _templates(sweep, src, here)
     merge = sweep.merge
     tokenizer_source = merge.tokenizer_source
@@ -144,8 +145,6 @@ def load_sweep(
     engine_spec = parse_engine(
         sweep.engine, src, kind=engine, address=ray_address, devices=devices, eval_settings=eval_settings
     )
-    _check_before_models(out, _models(sweep, src, here, convert=False), eval_settings, src)
-    models = _models(sweep, src, here)  # `default` is converted here, after every check that needs no weights
     spec = SweepSpec(
         source=src,
         output=out.resolve(),
@@ -194,27 +193,13 @@ def _model_arg(here: Path, name: str) -> str:
     return name if looks_like_hub_id(name) and not Path(_rel(here, name)).exists() else _rel(here, name)
 
 
-def _check_before_models(out: Path, planned: dict[str, str], eval_settings: Any, src: str) -> None:
-    """What needs no model converted or read: the output folder's place and overlap with the models, and the
-    interpreter that will run lm-eval."""
-    check_not_inputs([out], inputs=[src, *planned.values()], option="output")
-    if eval_settings is not None:
-        from lm_eval_sink.harness.runner import check_interpreter
-
-        try:
-            check_interpreter(eval_settings)
-        except UserError as e:
-            raise UserError(f"{src}: eval: {e.message}", e.hint) from None
-
-
-def _models(sweep: Any, src: str, here: Path, convert: bool = True) -> dict[str, str]:
-    """The sweep's models, each resolved (`convert=False`: `default` named by its folder, not converted yet)."""
+def _models(sweep: Any, src: str, here: Path) -> dict[str, str]:
     from lm_eval_sink.models import resolve_model
 
     models: dict[str, str] = {}
     for role, name in sweep.models.model_dump(exclude_none=True).items():
         try:
-            models[role] = resolve_model(_model_arg(here, name), allow_adapter=False, convert=convert)
+            models[role] = resolve_model(_model_arg(here, name), allow_adapter=False)
         except UserError as e:
             raise UserError(f"{src}: models.{role}: {e.message}", e.hint) from None
     return models
