@@ -37,7 +37,7 @@ def cli() -> None:
 
 @cli.group()
 def models() -> None:
-    """The embedded default model."""
+    """The embedded default model, and GGUF files as model folders."""
 
 
 @models.command("default")
@@ -46,6 +46,18 @@ def models_default() -> None:
     from lm_eval_sink.models import default_model_dir
 
     click.echo(str(default_model_dir()))
+
+
+@models.command("convert")
+@click.argument("gguf_file", type=click.Path(path_type=Path))
+@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.option("--force", is_flag=True, help="Replace an existing OUT_DIR.")
+def models_convert(gguf_file, out_dir, force) -> None:
+    """A GGUF file as a model folder (dequantized to float32), for merges, sweeps, extraction and eval."""
+    from lm_eval_sink.commands.models import run_models_convert
+
+    for line in run_models_convert(gguf_file, out_dir, force=force):
+        click.echo(line)
 
 
 def _slug(name: str) -> str:
@@ -175,7 +187,7 @@ def _last_k(value: str) -> int | None:
     "--output", type=click.Path(path_type=Path), required=True, help="Folder for the JSON, tables and heatmaps."
 )
 def strength(model_names, last_k, dtype, device, force, quiet, output, **calibration) -> None:
-    """Sink Strength S of one or more models (MODEL: a folder, a hub id when online, or 'default')."""
+    """Sink Strength S of one or more models (MODEL: a folder, a GGUF file, a hub id when online, or 'default')."""
     from lm_eval_sink.commands.strength import run_strength
 
     settings = _strength_settings(last_k, **calibration)

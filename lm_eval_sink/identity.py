@@ -218,11 +218,12 @@ def hub_offline() -> bool:
 
 
 def model_identity(model: str) -> dict[str, Any]:
-    """The identity record of a model folder or hub id, `org/name` or `org/name@REVISION` (see the module rules)."""
+    """The identity record of a model folder, a one-file model (GGUF: that file) or hub id, `org/name` or
+    `org/name@REVISION` (see the module rules)."""
     p = Path(model)
-    if p.is_dir():
-        files = folder_identity(p)
-        revision = p.name if p.parent.name == "snapshots" else None  # a folder inside the HF cache
+    if p.is_dir() or p.is_file():
+        files = folder_identity(p) if p.is_dir() else {p.name: file_hash(p)}
+        revision = p.name if p.parent.name == "snapshots" and p.is_dir() else None  # a folder inside the HF cache
         return {
             "model": str(p),
             "revision": revision,

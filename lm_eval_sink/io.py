@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import errno
 import hashlib
 import importlib.metadata
 import json
@@ -25,6 +26,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import uuid
@@ -114,6 +116,24 @@ def read_json(path: Path) -> Any:
         ) from None
 
 
+def read_earlier_output(path: Path, option: str = "--output") -> dict[str, Any]:
+    """A JSON object this project wrote into an output earlier (to reuse or compare with); one that is not one (cut
+    short by a full disk, or edited) is a UserError naming it and the fix, never blamed on the user's input."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        data, why = None, f"not valid JSON ({e})"
+    else:
+        why = "not a JSON object"
+    if not isinstance(data, dict):
+        raise UserError(
+            f"{path}: an earlier output in {option} {path.parent} that is {why}",
+            "pass --force to recompute it, or delete that file",
+        )
+    return data
+
+
 def parse_yaml(text: str, where: str) -> Any:
     """YAML text -> data; a syntax error is a UserError naming `where` and the line."""
     import yaml
@@ -161,6 +181,88 @@ def _real(path: str | Path) -> Path:
     return Path(os.path.realpath(Path(str(path)).expanduser()))
 
 
+# Filesystems that hold no files of a user's (Linux): an output there cannot be written whatever the permissions say
+# (root may "write" /proc and /sys as far as os.access can tell).
+_PSEUDO_FILESYSTEMS = frozenset(
+    "proc sysfs devpts cgroup cgroup2 debugfs tracefs securityfs pstore bpf configfs fusectl mqueue binfmt_misc "
+    "efivarfs rpc_pipefs nsfs selinuxfs".split()
+)
+
+
+def _filesystem(folder: Path) -> str | None:
+    """The type of the filesystem the existing `folder` is on (the last mount over the longest matching mount point in
+    /proc/self/mountinfo); None where the system does not say."""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return None
+    real, best, kind = os.path.realpath(folder), "", None
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        fields = left.split()
+        if len(fields) < 5 or not right:
+            continue
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4])  # mountinfo escapes ' ' as \040
+        if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+            best, kind = point, right.split()[0]
+    return kind
+
+
+def unwritable(folder: Path) -> tuple[Path, str] | None:
+    """(the folder to blame, why) when no file can be made in `folder`, which is made first when missing; None when
+    one can. Checks the deepest folder of its path that exists: a file there, a pseudo-filesystem, a read-only
+    filesystem (root included), no write permission. Nothing is written: the one test of an output's place, for
+    `check_writable` and the lock (`hold`)."""
+    folder = Path(folder).expanduser().absolute()
+    there = next(p for p in (folder, *folder.parents) if _lexists(p))
+    try:
+        if not stat.S_ISDIR(os.stat(there).st_mode):
+            return there, "is a file, not a folder"
+    except OSError as e:  # a link to nothing, or a folder above that may not be searched
+        return there, f"cannot be reached ({e.strerror})"
+    kind = _filesystem(there)
+    if kind in _PSEUDO_FILESYSTEMS:
+        return there, f"is on a {kind} pseudo-filesystem, which holds no files"
+    if not os.access(there, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
+        return there, "is on a read-only filesystem" if _read_only(there) else "is not writable (permission denied)"
+    return None
+
+
+def _lexists(path: Path) -> bool:
+    """Whether `path` names something (a folder we may not search counts as something, to be blamed by name)."""
+    try:
+        os.lstat(path)
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        return e.errno != errno.ENOTDIR
+    return True
+
+
+def _read_only(folder: Path) -> bool:
+    try:
+        return bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def check_writable(out: Path, option: str = "--output") -> None:
+    """Refuse, before any work, in one line naming `out` and why, an output that cannot be written (`unwritable`):
+    a file in its path, a pseudo-filesystem (/proc, /sys), a read-only filesystem, no permission, or a missing parent
+    folder that cannot be made for one of these reasons (a parent that can be made is made when the output is
+    written). An existing folder `out` must be writable too (commands write into it)."""
+    out = Path(out).expanduser()
+    parent = out.absolute().parent
+    for folder in (parent, out) if out.is_dir() else (parent,):
+        found = unwritable(folder)
+        if found is not None:
+            missing = "" if found[0] == folder or found[1].startswith("is a file") else f"no such folder {parent}, and "
+            raise UserError(
+                f"{option} {out} cannot be written: {missing}{found[0]} {found[1]}",
+                f"choose {option} in a writable folder",
+            )
+
+
 def _refuse_existing(out: Path, force: bool, option: str) -> None:
     if out.exists() and not out.is_dir():
         raise UserError(f"{option} {out} is a file, not a folder", f"pass a folder path as {option}")
@@ -177,6 +279,7 @@ def check_output_dir(out: Path, force: bool, option: str = "--output", *, inputs
     out = Path(out)
     check_not_inputs([out], inputs=inputs, option=option)
     _refuse_existing(out, force, option)
+    check_writable(out, option)
 
 
 def check_new_outputs(
@@ -184,6 +287,11 @@ def check_new_outputs(
 ) -> None:
     """Refuse, before any work, existing outputs without `force` and any output that overlaps an input."""
     check_not_inputs(paths, inputs=inputs, option=option)
+    folder = next((p for p in paths if Path(p).is_dir()), None)
+    if folder is not None:
+        raise UserError(f"{option} {folder} is a folder", f"pass a file path as {option}")
+    for path in paths:
+        check_writable(path, option)
     existing = [str(p) for p in paths if Path(p).exists()]
     if existing and not force:
         shown = ", ".join(existing[:3]) + (f" and {len(existing) - 3} more" if len(existing) > 3 else "")
@@ -236,6 +344,9 @@ def hold(folder: Path, sibling: bool = False) -> Iterator[Path]:
     if _HELD.get(path.absolute()) == os.getpid():
         yield path
         return
+    found = unwritable(path.parent)  # else filelock reports a lock it cannot make as one held by another process
+    if found is not None:
+        raise UserError(f"{folder} cannot be written: {found[0]} {found[1]}", "choose an output in a writable folder")
     created = not path.parent.exists()
     path.parent.mkdir(parents=True, exist_ok=True)
     record = path.with_name(path.name + ".json")

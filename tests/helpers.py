@@ -70,11 +70,17 @@ def save_sink_llama(path: Path, gaps, tokenizer) -> Path:
 
 
 def make_tiny_lm(
-    out: Path, arch: str = "llama", delta_seed: int | None = None, delta_scale: float = 0.02, vocab_extra: int = 0
+    out: Path,
+    arch: str = "llama",
+    delta_seed: int | None = None,
+    delta_scale: float = 0.02,
+    vocab_extra: int = 0,
+    **shape: int,
 ) -> Path:
     """A tiny random causal LM folder (weights + tokenizer). The same `arch` always starts from the
     same base weights (seed 0); `delta_seed` adds a task vector delta_scale * N(0, 1) to every
-    parameter, so base / base + tau_1 / base + tau_2 make a reference-candidate-base trio."""
+    parameter, so base / base + tau_1 / base + tau_2 make a reference-candidate-base trio. `shape`
+    overrides config sizes (e.g. intermediate_size=48)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -91,6 +97,7 @@ def make_tiny_lm(
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
     )
+    dims.update(shape)
     torch.manual_seed(0)
     if arch == "llama":
         model = LlamaForCausalLM(LlamaConfig(**dims, tie_word_embeddings=False))

@@ -245,9 +245,12 @@ def _bare_venv(folder: Path, site: Path | None = None) -> Path:
     return folder / "bin" / "python"
 
 
-def test_python_setting_refusals_are_one_line(tmp_path, tiny_trio, user_error):
+def test_python_setting_refusals_are_one_line(tmp_path, tiny_trio, user_error, monkeypatch):
+    """Each bad interpreter is one line, checked before anything else: on an empty project cache (a new machine)
+    `eval default` converts nothing first."""
     import lm_eval
 
+    monkeypatch.setenv("LM_EVAL_SINK_CACHE", str(tmp_path / "cache"))
     broken = tmp_path / "broken-python"
     broken.write_text("#!/bin/sh\nexit 3\n")
     broken.chmod(0o755)
@@ -283,7 +286,7 @@ def test_python_setting_refusals_are_one_line(tmp_path, tiny_trio, user_error):
     assert f"lm-eval is not installed in {bare}" in line
     with pytest.raises(UserError, match="vllm is not installed in"):
         run_lm_eval("/m", EvalSettings(tasks=("ifeval",), backend="vllm", device=None, python=str(no_project)), out)
-    assert not out.exists()
+    assert not out.exists() and not (tmp_path / "cache" / "models").exists()
 
 
 def test_versions_are_read_from_the_interpreter_that_runs_lm_eval():

@@ -56,6 +56,8 @@ def world(tmp_path_factory) -> dict[str, Path]:
     w["cand_run"] = write_run(runs / "cand", {"ifeval": ([1, 0, 0], [1, 1, 0])}).parent
     w["strength_json"] = runs / "reference.strength.json"
     w["strength_json"].write_text("{}")
+    w["a_file"] = root / "a_file"  # no command's input: a file in an output's path
+    w["a_file"].write_text("x")
     return w
 
 
@@ -136,6 +138,114 @@ def test_a_hub_models_snapshot_folder_is_an_input(world, tmp_path, monkeypatch, 
     err = user_error(["extract", "org/vlm", snap / "backbone", "--force", "--quiet"], snap / "backbone")
     assert f"OUT_DIR {snap / 'backbone'} lies inside the input {snap}" in err
     assert _tree_hash(hub) == before
+
+
+# --- an output that cannot be written: one line naming it and why, before any work --------------------------
+
+# Every writing command, its output as `{out}`.
+WRITERS = [
+    ("merge", ["merge", "{merge_yaml}", "{out}"]),
+    ("extract", ["extract", "{vlm}", "{out}", "--quiet"]),
+    ("inject", ["inject", "{reference}", "{vlm}", "{out}", "--quiet"]),
+    ("strength", ["strength", "{reference}", "--output", "{out}", "--quiet"]),
+    ("screen", ["screen", "{candidate}", "--output", "{out}", "--quiet"]),
+    ("sweep", ["sweep", "{sweep_yaml}", "--output", "{out}", "--quiet"]),
+    ("buckets", ["buckets", "{ref_run}", "{cand_run}", "--output", "{out}", "--quiet"]),
+    ("fit", ["fit", "{pairs}", "--output", "{out}"]),
+    ("margin", ["margin", "{reference}", "{candidate}", "--output", "{out}", "--quiet"]),
+    ("protect-plan", ["protect-plan", "{reference}", "-o", "{out}", "--quiet"]),
+    ("report", ["report", "--strength", "{strength_json}", "{strength_json}", "-o", "{out}"]),
+    ("configs-render", ["configs", "render", "tsv", "--reference", "{reference}", "--candidate", "{candidate}",
+                        "-o", "{out}"]),
+    ("eval", ["eval", "{reference}", "--protocol", "instruct", "--tasks", "ifeval", "--output", "{out}"]),
+    ("attribute", ["attribute", "--reference", "{ref_run}", "--candidate", "{cand_run}", "--output", "{out}"]),
+    ("protocol-show", ["protocol", "show", "{ref_run}", "-o", "{out}"]),
+    ("protocol-diff", ["protocol", "diff", "{ref_run}", "{cand_run}", "-o", "{out}"]),
+    ("models-convert", ["models", "convert", "{gguf}", "{out}"]),
+]  # fmt: skip
+
+# (where the output goes, what the line must say): a pseudo-filesystem, a missing folder that cannot be made there,
+# a file in the path
+UNWRITABLE = {
+    "proc": ("/proc/lm_eval_sink_out", "/proc is on a proc pseudo-filesystem"),
+    "no-such-parent": ("/proc/lm_eval_sink_missing/out", "no such folder /proc/lm_eval_sink_missing, and /proc is on"),
+    "file-in-path": ("{a_file}/out", "{a_file} is a file, not a folder"),
+}
+
+
+@pytest.mark.parametrize("kind", list(UNWRITABLE))
+@pytest.mark.parametrize("argv", [c[1] for c in WRITERS], ids=[c[0] for c in WRITERS])
+def test_an_output_that_cannot_be_written_is_one_line_before_any_work(world, user_error, argv, kind):
+    """Every writing command refuses it naming the path and the reason; "in use" is said only of a held lock."""
+    from lm_eval_sink.models import _gguf_path
+
+    names = {**world, "gguf": _gguf_path()}
+    where, reason = (text.format(**names) for text in UNWRITABLE[kind])
+    line = user_error([a.format(**names, out=where) for a in argv], where)
+    assert f"{where} cannot be written: " in line and reason in line and "in use" not in line, line
+
+
+def test_refusals_come_before_the_default_model_is_converted(tmp_path, monkeypatch, user_error):
+    """On an empty project cache (a new machine), a bad output, prompt file, interpreter or earlier result is one
+    line, and `default` is not converted first (no model folder in the cache, no file hashed)."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("LM_EVAL_SINK_CACHE", str(cache))
+    bad = "/proc/lm_eval_sink_out"
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "SmolLM2-135M-Instruct.strength.json").write_text('{"sink_strength": 1.2')  # cut short
+    for argv, needle in [
+        (["strength", "default", "--output", bad], "cannot be written"),
+        (["strength", "default", "--output", tmp_path / "s"], "strength.json: an earlier output in --output"),
+        (["screen", "default", "--output", bad], "cannot be written"),
+        (["margin", "default", "default", "--output", bad], "cannot be written"),
+        (["margin", "default", "default", "--prompts", tmp_path / "none.txt"], "none.txt"),
+        (["protect-plan", "default", "-o", f"{bad}.json"], "cannot be written"),
+        (["eval", "default", "--protocol", "instruct", "--tasks", "ifeval", "--output", bad], "cannot be written"),
+    ]:
+        assert needle in (line := user_error(argv + (["--quiet"] if argv[0] != "eval" else []))), line
+        if "earlier" in needle:  # the file named, and the fix: never "pass a JSON file" the user did not pass
+            assert "not valid JSON" in line and "pass --force to recompute it, or delete that file" in line
+    assert not (cache / "models").exists() and not (cache / "file_hashes").exists()
+
+
+def test_a_read_only_folder_is_refused_for_any_user_but_root(tmp_path):
+    """Root may write a folder of mode 555, so the check runs as `nobody` (a forked child) where the tests run as
+    root: the folder itself, and a folder to be made inside it. A read-only mount (EROFS for root too, the same
+    `os.access` and `statvfs` test) needs a privilege to mount and is not tested."""
+    import tempfile
+
+    from lm_eval_sink.io import check_writable
+
+    top = Path(tempfile.mkdtemp(prefix="lm-eval-sink-ro-"))  # under /tmp: pytest's own folders are root's only
+    try:
+        top.chmod(0o755)
+        (top / "ro").mkdir(mode=0o555)
+        (top / "ro").chmod(0o555)
+        lines = []
+        for out in (top / "ro" / "out", top / "ro" / "missing" / "out"):
+            r, w = os.pipe()
+            if (pid := os.fork()) == 0:  # the child reports the line and exits without running pytest's teardown
+                try:
+                    if os.geteuid() == 0:
+                        os.setgid(65534)
+                        os.setuid(65534)
+                    try:
+                        check_writable(out)
+                        os.write(w, b"written")
+                    except UserError as e:
+                        os.write(w, e.line().encode())
+                finally:
+                    os._exit(0)
+            os.close(w)
+            lines.append(os.read(r, 4096).decode())
+            os.close(r)
+            os.waitpid(pid, 0)
+        assert lines[0].startswith(f"--output {top / 'ro' / 'out'} cannot be written: {top / 'ro'} is not writable")
+        assert f"no such folder {top / 'ro' / 'missing'}, and {top / 'ro'} is not writable" in lines[1]
+        check_writable(top / "out")  # the parent is writable
+    finally:
+        (top / "ro").chmod(0o755)
+        shutil.rmtree(top)
 
 
 # --- item 3: one writer per output, and a killed build tidied by the next ----------------------------

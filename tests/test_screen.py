@@ -159,13 +159,44 @@ def test_screen_checks_the_pairs_file_before_measuring(screen_models, tmp_path, 
 
 
 @pytest.mark.slow
-def test_screen_default_model(default_model, tmp_path, capsys):
-    assert main(["screen", "default", "--n-prompts", "5", "--quiet"]) == 0
+def test_a_gguf_file_is_screened_and_measured_like_its_converted_folder(default_model, tmp_path, capsys, user_error):
+    """The default model screened (its S, QK-norm class, predicted IFEval delta) beside the GGUF file it was
+    converted from. `screen` and `strength` read a GGUF file with transformers' loader, dequantized to the chosen
+    dtype: every head's value and S equal the converted folder's, and the result's provenance names the file's
+    quantization. Commands that need a folder refuse it naming `models convert`."""
+    from lm_eval_sink.models import _gguf_path
+
+    gguf, out = _gguf_path(), tmp_path / "screen"
+    argv = ["--n-prompts", "5", "--dtype", "float32", "--output", out, "--quiet"]
+    capsys.readouterr()
+    assert main([str(a) for a in ["screen", "default", gguf, *argv]]) == 0
     printed = capsys.readouterr().out
-    row = next(line for line in printed.splitlines() if line.startswith("| 1 |"))
+    row = next(line for line in printed.splitlines() if line.startswith("| 1 |"))  # ties keep the order given
     cells = [c.strip() for c in row.strip("|").split("|")]
     s = float(cells[2])
     assert cells[1] == "SmolLM2-135M-Instruct" and cells[4] == "none"
     assert 1.0 < s < 2.5  # 1.7321 with all 15 builtin prompts (fp32)
     fit = fit_pairs(read_pairs()).tasks["ifeval"]
     assert cells[5].startswith(f"{fit.slope * s + fit.intercept:+.1f}")
+    by_slug = {m["slug"]: m for m in json.loads((out / "screen.json").read_text())["models"]}
+    assert by_slug[gguf.name]["sink_strength"] == by_slug[default_model.name]["sink_strength"]
+    results = {n: json.loads((out / "strength" / f"{n}.strength.json").read_text()) for n in by_slug}
+    folder, file = results[default_model.name], results[gguf.name]
+    assert file["sink_strength_layer_head"] == folder["sink_strength_layer_head"]
+    model = file["provenance"]["model"]
+    assert model["gguf_quantization"] == {
+        "file_type": "MOSTLY_Q4_1",
+        "tensor_types": {"F32": 61, "Q4_1": 210, "Q8_0": 1},
+    }
+    assert model["dtype"] == "float32" and list(model["files"]) == [gguf.name]
+    capsys.readouterr()
+    assert main([str(a) for a in ["strength", gguf, *argv[:4], "--output", out / "strength", "--quiet"]]) == 0
+    assert f"{gguf.name}: reused " in capsys.readouterr().out  # the same file is the same input key
+    for refused in (
+        ["eval", gguf, "--protocol", "instruct", "--tasks", "ifeval", "--output", tmp_path / "e"],
+        ["configs", "render", "tsv", "--reference", default_model, "--candidate", gguf, "-o", tmp_path / "t.yaml"],
+    ):
+        line = user_error(refused, tmp_path / "e", tmp_path / "t.yaml")
+        assert f"{gguf}: a GGUF file" in line and f"lm-eval-sink models convert {gguf} FOLDER" in line
+    config = default_model / "config.json"
+    assert f"{config}: not a GGUF file" in user_error(["models", "convert", config, tmp_path / "c"], tmp_path / "c")

@@ -146,6 +146,12 @@ def test_delete_merged_keeps_results_and_skips_on_rerun(uninterrupted, tmp_path)
     assert json.loads((out / "manifest.jsonl").read_text().splitlines()[-1])["status"] == "weights_deleted"
     again = run_sweep(load_sweep(sweep, delete_merged=True), progress=False)
     assert again.ran == [] and _rows(out) == _rows(uninterrupted.parent / "out")
+    # --redo strength needs the deleted weights: the merge is redone, and the run's line says so and why
+    redone = run_sweep(load_sweep(sweep, delete_merged=True), progress=False, redo=("strength",))
+    assert redone.ran == ["strength:reference", "strength:candidate", "merge:dare_linear", "strength:dare_linear"]
+    again_line = "merged again because their weights were deleted: merge:dare_linear for strength:dare_linear"
+    assert f"4 steps run ({again_line})" in redone.lines()[0], redone.lines()[0]
+    assert _rows(out) == _rows(uninterrupted.parent / "out") and not list(merged.glob("*.safetensors"))
 
 
 @pytest.mark.slow
@@ -240,6 +246,28 @@ def test_manifest_ignores_a_torn_line_and_appends_after_it(tmp_path):
     m.append_row({"unit": "eval:c", "key": "k3", "status": "failed", "error": "boom"})
     latest = m.latest()
     assert set(latest) == {"eval:a", "eval:c"} and latest["eval:c"]["status"] == "failed"
+
+
+def test_a_mismatched_pair_is_refused_from_config_json_before_any_weight_is_hashed(
+    tmp_path, tiny_trio, monkeypatch, user_error
+):
+    """Another architecture, or the same one with other tensor shapes, is one line from config.json: no file of
+    either model is hashed (the sweep fingerprints its models only after), nothing is written."""
+    from helpers import make_tiny_lm
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("LM_EVAL_SINK_CACHE", str(cache))
+    qwen = make_tiny_lm(tmp_path / "qwen", "qwen2")
+    wider = make_tiny_lm(tmp_path / "wider", "llama", intermediate_size=48, num_key_value_heads=4)
+    for candidate, needle in [
+        (qwen, "model_type differs: "),
+        (wider, "intermediate_size differs: "),
+    ]:
+        trio = {"reference": tiny_trio["reference"], "candidate": candidate}
+        sweep = _write_sweep(tmp_path / f"sweep-{candidate.name}", trio, eval=False)
+        line = user_error(["sweep", sweep, "--quiet"], sweep.parent / "out")
+        assert needle in line and str(candidate) in line, line
+    assert not (cache / "file_hashes").exists()
 
 
 def test_hub_ids_in_a_sweep_file_stay_hub_ids(tmp_path, tiny_trio, monkeypatch):

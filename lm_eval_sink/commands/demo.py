@@ -23,18 +23,21 @@ DEMO_MAX_GEN_TOKS = 128
 
 def run_demo(output: Path, limit: int = DEMO_LIMIT, max_gen_toks: int = DEMO_MAX_GEN_TOKS) -> list[str]:
     """Run the demo and return the lines to print."""
-    from lm_eval_sink.harness.runner import EvalSettings, run_lm_eval
+    from lm_eval_sink.harness.runner import EvalSettings, check_interpreter, run_lm_eval
+    from lm_eval_sink.io import check_writable
     from lm_eval_sink.models import default_model_dir
     from lm_eval_sink.plots import layer_head_heatmap
     from lm_eval_sink.runs import load_results
 
-    model = default_model_dir()
     settings = EvalSettings(
         tasks=("sink_strength", "ifeval"),
         apply_chat_template=True,
         limit=limit,
         gen_kwargs={"max_gen_toks": max_gen_toks},
     )
+    check_interpreter(settings)  # before the model is converted, as is the output's place
+    check_writable(Path(output))
+    model = default_model_dir()
     run = _move_run(run_lm_eval(str(model), settings, output, echo=True), Path(output) / model.name)
     res = load_results(run)
     s = res["results"]["sink_strength"]

@@ -30,11 +30,12 @@ def _model_args(text: str | None) -> dict[str, str]:
 
 def _check_output(output: Path, inputs: list, force: bool) -> None:
     """The output folder overlaps no input, is no file, and is new or empty unless `force` (lm-eval adds to it)."""
-    from lm_eval_sink.io import check_not_inputs
+    from lm_eval_sink.io import check_not_inputs, check_writable
 
     check_not_inputs([output], inputs=inputs, option="--output")
     if output.exists() and not output.is_dir():
         raise UserError(f"--output {output} is a file, not a folder", "pass a folder path as --output")
+    check_writable(output)
     if output.exists() and any(output.iterdir()) and not force:
         raise UserError(
             f"output already exists: {output}", "pass --force to add this run to it, or choose another --output"
@@ -82,7 +83,7 @@ def run_eval(
 ) -> list[str]:
     """The `eval` command: check the inputs and the output folder, run lm-eval, return the lines to print."""
     from lm_eval_sink.harness.checks import check_protocol
-    from lm_eval_sink.harness.runner import EvalSettings, run_lm_eval
+    from lm_eval_sink.harness.runner import EvalSettings, check_interpreter, run_lm_eval
     from lm_eval_sink.io import hold
     from lm_eval_sink.models import resolve_model
     from lm_eval_sink.protocols import get_protocol, parse_gen_kwargs, settings_fields
@@ -95,17 +96,15 @@ def run_eval(
     margs = _model_args(model_args)
     protocol = get_protocol(protocol_name, protocol_file)
     output = Path(output)
-    model_path = resolve_model(model, allow_adapter=False)  # `default` is a folder in the cache
-    _check_output(output, [model_path, protocol_file, include_path], force)
-    bs = None if batch_size is None else (int(batch_size) if str(batch_size).isdigit() else str(batch_size))
-    if limit is not None and limit >= 1 and float(limit).is_integer():
-        limit = int(limit)
+    planned = resolve_model(model, allow_adapter=False, convert=False)  # `default`: its folder, not converted yet
+    _check_output(output, [planned, protocol_file, include_path], force)
+    limit = int(limit) if limit is not None and limit >= 1 and float(limit).is_integer() else limit
     fields = settings_fields(
         protocol,
         tasks=[t.strip() for t in tasks.split(",") if t.strip()],
         limit=limit,
         gen_kwargs=parse_gen_kwargs(gen_kwargs),
-        batch_size=bs,
+        batch_size=None if batch_size is None else int(batch_size) if str(batch_size).isdigit() else str(batch_size),
         dtype=dtype,
         seed=seed,
         device=device,
@@ -116,6 +115,8 @@ def run_eval(
         python=python,
     )
     settings = EvalSettings(**fields)
+    check_interpreter(settings)  # before `default` is converted
+    model_path = resolve_model(model, allow_adapter=False)
     check_protocol(settings, [model_path])  # unknown tasks, a generation longer than the model: before lm-eval runs
     with hold(output):
         run = run_lm_eval(model_path, settings, output)

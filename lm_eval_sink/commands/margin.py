@@ -81,7 +81,7 @@ def measure_margin(
     from lm_eval_sink.models import resolve_model
 
     st = settings.strength
-    ref_path, cand_path = resolve_model(reference), resolve_model(candidate)
+    ref_path, cand_path = (resolve_model(m, allow_gguf=True) for m in (reference, candidate))
     check_same_keys(ref_path, "reference")
     check_same_keys(cand_path, "candidate")
     configs = _read_configs(ref_path, cand_path)
@@ -123,10 +123,13 @@ def _read_configs(ref_path: str, cand_path: str) -> list[Any]:
     """Both models' configs (no weights read); their layer and head counts must match."""
     from transformers import AutoConfig
 
+    from lm_eval_sink.models import pretrained_args
+
     configs = []
     for role, path in (("reference", ref_path), ("candidate", cand_path)):
         try:
-            configs.append(AutoConfig.from_pretrained(path))
+            source, args = pretrained_args(path)  # a GGUF file: its folder and name
+            configs.append(AutoConfig.from_pretrained(source, **args))
         except (OSError, ValueError) as e:
             raise UserError(
                 f"{role} {path}: cannot read the model config ({str(e).splitlines()[0]})",
@@ -150,8 +153,9 @@ def _encode_on_reference(
     from transformers import AutoTokenizer
 
     from lm_eval_sink.calibration import encode_prompts, load_prompts
+    from lm_eval_sink.models import pretrained_args
 
-    ref_tok, cand_tok = AutoTokenizer.from_pretrained(ref_path), AutoTokenizer.from_pretrained(cand_path)
+    ref_tok, cand_tok = (AutoTokenizer.from_pretrained(s, **a) for s, a in map(pretrained_args, (ref_path, cand_path)))
     check_same_vocab(ref_tok.get_vocab(), cand_tok.get_vocab())
     prompt_set = load_prompts(Path(st.prompts_file) if st.prompts_file else None, st.n_prompts)
     encoded = encode_prompts(ref_tok, prompt_set.prompts, st.use_chat_template, st.system_prompt)
@@ -267,14 +271,18 @@ def run_margin(
         check_same_versions,
         staged_dir,
     )
+    from lm_eval_sink.calibration import load_prompts
     from lm_eval_sink.margin import key_versions
     from lm_eval_sink.models import resolve_model
 
+    st = settings.strength
+    load_prompts(Path(st.prompts_file) if st.prompts_file else None, st.n_prompts)
+    # `default` is a folder in the cache, named here without converting it: every check runs before any work
+    models = [resolve_model(m, allow_gguf=True, convert=False) for m in (reference, candidate)]
     if output is not None:
         output = Path(output)
         check_same_versions(output / OUTPUT_FILES[0], key_versions(), force)
-        models = [resolve_model(reference), resolve_model(candidate)]  # `default` is a folder in the cache
-        check_output_dir(output, force, inputs=[*models, settings.strength.prompts_file])
+        check_output_dir(output, force, inputs=[*models, st.prompts_file])
     result, arrays = measure_margin(reference, candidate, settings, dtype=dtype, device=device, progress=progress)
     md = margin_table_markdown(result)
     lines = margin_table_markdown(result, heads=False).rstrip("\n").splitlines()

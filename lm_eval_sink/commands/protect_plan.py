@@ -30,14 +30,13 @@ def run_protect_plan(
     output = Path(output)
     if output.is_dir():
         raise UserError(f"-o {output} is a folder", "pass a file path, e.g. -o plan.json")
-    with new_files([output], force, "-o", inputs=[resolve_model(name), settings.prompts_file]):
-        if not 0.0 <= tau < 1.0:
-            raise UserError(
-                f"--tau must lie in [0, 1), got {tau}", "use 0 to keep the sink logit exactly, or e.g. 0.05"
-            )
-        if not 0.0 <= min_pos0_fraction <= 1.0:
-            raise UserError(f"--min-pos0-fraction must lie in [0, 1], got {min_pos0_fraction}", "use e.g. 0.8")
-        load_prompts(settings.prompts_file, settings.n_prompts)  # fail before loading the model
+    if not 0.0 <= tau < 1.0:
+        raise UserError(f"--tau must lie in [0, 1), got {tau}", "use 0 to keep the sink logit exactly, or e.g. 0.05")
+    if not 0.0 <= min_pos0_fraction <= 1.0:
+        raise UserError(f"--min-pos0-fraction must lie in [0, 1], got {min_pos0_fraction}", "use e.g. 0.8")
+    load_prompts(settings.prompts_file, settings.n_prompts)  # fail before loading the model
+    planned = resolve_model(name, allow_gguf=True, convert=False)  # `default` is converted by load_model, after
+    with new_files([output], force, "-o", inputs=[planned, settings.prompts_file]):
         loaded = load_model(name, dtype=dtype, device=device)
         plan = select_sink_heads(
             loaded.model,

@@ -51,12 +51,15 @@ def _prod(shape: list[int]) -> int:
 
 def detect_qk_norm(model_path: str) -> QKNorm:
     """QK-norm class of a local model folder (config.json, then the safetensors header if needed),
-    or of a hub id through transformers' AutoConfig when the hub is reachable."""
+    or of a hub id (when the hub is reachable) or a GGUF file through transformers' AutoConfig."""
     folder = Path(model_path)
-    if not folder.is_dir():
+    if not folder.is_dir():  # a hub id, or a GGUF file
         from transformers import AutoConfig
 
-        return classify_qk_norm(AutoConfig.from_pretrained(model_path).to_dict())
+        from lm_eval_sink.models import pretrained_args
+
+        source, args = pretrained_args(model_path)
+        return classify_qk_norm(AutoConfig.from_pretrained(source, **args).to_dict())
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
@@ -101,10 +104,13 @@ def run_screen(
     `measure_all`: see `commands.strength.run_strength` (e.g. one Ray task per model). Returns the lines to print."""
     if output is None:
         return _run(names, slugs, settings, pairs_file, None, dtype, device, force, progress, measure_all)
-    from lm_eval_sink.io import check_not_inputs
+    from lm_eval_sink.io import check_not_inputs, check_writable
     from lm_eval_sink.locks import hold
+    from lm_eval_sink.models import resolve_model
 
-    check_not_inputs([output], inputs=[*names, pairs_file, settings.prompts_file], option="--output")
+    check_writable(Path(output))
+    planned = [resolve_model(n, allow_gguf=True, convert=False) for n in names]
+    check_not_inputs([output], inputs=[*planned, pairs_file, settings.prompts_file], option="--output")
     with hold(Path(output)):
         return _run(names, slugs, settings, pairs_file, Path(output), dtype, device, force, progress, measure_all)
 
@@ -123,18 +129,23 @@ def _run(
 ) -> list[str]:
     """Fit the pairs, measure each model (its result kept in `output/strength` when saving), rank and predict, then
     return the lines to print, having written the screen's files when saving."""
+    from lm_eval_sink.calibration import load_prompts
     from lm_eval_sink.commands.fit import read_pairs
-    from lm_eval_sink.commands.strength import unique_slugs
+    from lm_eval_sink.commands.strength import check_output, unique_slugs
     from lm_eval_sink.models import resolve_model
     from lm_eval_sink.predict import fit_pairs
     from lm_eval_sink.strength import measure_model
 
     fit = fit_pairs(read_pairs(pairs_file))  # a bad PAIRS file fails before any model is loaded
+    load_prompts(Path(settings.prompts_file) if settings.prompts_file else None, settings.n_prompts)
     slugs = unique_slugs(slugs)
-    paths = [resolve_model(n) for n in names]
+    if output is not None:  # before `default` is converted
+        planned = [resolve_model(n, allow_gguf=True, convert=False) for n in names]
+        files = _check_outputs(output, planned, pairs_file, settings, force)
+        check_output(output / "strength", names, slugs, settings, force)
+    paths = [resolve_model(n, allow_gguf=True) for n in names]
     classes = [detect_qk_norm(p) for p in paths]
     if output is not None:
-        files = _check_outputs(output, paths, pairs_file, settings, force)
         lines, strength_files, strengths = _measure_saved(
             names, slugs, settings, output, dtype, device, force, progress, measure_all
         )

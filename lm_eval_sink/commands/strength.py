@@ -64,21 +64,34 @@ def run_strength(
     a failed model is reported after the others are kept. Without it each is measured here, in turn.
     """
     from lm_eval_sink.calibration import load_prompts
-    from lm_eval_sink.io import check_not_inputs
     from lm_eval_sink.locks import hold
     from lm_eval_sink.models import resolve_model
 
     output = Path(output)
-    if output.exists() and not output.is_dir():
-        raise UserError(f"--output {output} is a file", "pass a folder")
     slugs = unique_slugs(slugs)
     load_prompts(
         Path(settings.prompts_file) if settings.prompts_file else None, settings.n_prompts
     )  # fail before loading models
-    paths = [resolve_model(n) for n in names]
-    check_not_inputs([output], inputs=[*paths, settings.prompts_file], option="--output")
+    check_output(output, names, slugs, settings, force)
+    paths = [resolve_model(n, allow_gguf=True) for n in names]  # `default` is converted here, after every check
     with hold(output):
         return _run_locked(names, paths, slugs, settings, output, dtype, device, force, progress, measure_all)
+
+
+def check_output(output: Path, names: list[str], slugs: list[str], settings: StrengthSettings, force: bool) -> None:
+    """Refuse, before any model is resolved (converted) or loaded, an output folder that is a file, cannot be written
+    or overlaps an input, and (without `force`) an earlier result in it that cannot be read."""
+    from lm_eval_sink.io import check_not_inputs, check_writable, read_earlier_output
+    from lm_eval_sink.models import resolve_model
+
+    if output.exists() and not output.is_dir():
+        raise UserError(f"--output {output} is a file", "pass a folder")
+    check_writable(output)
+    planned = [resolve_model(n, allow_gguf=True, convert=False) for n in names]
+    check_not_inputs([output], inputs=[*planned, settings.prompts_file], option="--output")
+    for slug in [] if force else slugs:
+        if (output / f"{slug}.strength.json").exists():
+            read_earlier_output(output / f"{slug}.strength.json")
 
 
 def _reusable(
@@ -96,11 +109,11 @@ def _reusable(
     changed, or of other settings, is refused. `method2_key(batch_size)` is the inputs' key as strength
     method 2 and earlier made it."""
     from lm_eval_sink.identity import check_same_identity
-    from lm_eval_sink.io import read_json, version_change
+    from lm_eval_sink.io import read_earlier_output, version_change
 
     if force or not json_path.exists():
         return None, None
-    old = read_json(json_path)
+    old = read_earlier_output(json_path)
     prov = old.get("provenance", {})
     check_same_identity(prov.get("model"), identity, json_path)
     if prov.get("input_key") == keys[0]:

@@ -29,6 +29,7 @@ from lm_eval_sink.io import (
     atomic_write_json,
     atomic_write_text,
     check_not_inputs,
+    check_writable,
     clean_stale_all,
     parse_yaml,
     provenance,
@@ -177,6 +178,7 @@ def _output(given: str | Path | None, written: str | None, src: str, here: Path)
         raise UserError(f"{src}: output: missing", "add output: FOLDER to the sweep file, or pass --output")
     if out.exists() and not out.is_dir():
         raise UserError(f"{out}: is a file, not a folder", "choose an output folder")
+    check_writable(out, "output")
     return out
 
 
@@ -335,10 +337,13 @@ class SweepReport:
     failures: dict[str, str] = field(default_factory=dict)
     table_files: list[Path] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    remerged: dict[str, tuple[str, ...]] = field(default_factory=dict)  # Schedule.remerged
 
     def lines(self) -> list[str]:
+        again = "; ".join(f"{m} for {', '.join(need) or 'its weights'}" for m, need in self.remerged.items())
+        redone = f" (merged again because their weights were deleted: {again})" if again else ""
         out = [
-            f"sweep {self.output}: {len(self.ran)} steps run, {len(self.skipped)} already finished, "
+            f"sweep {self.output}: {len(self.ran)} steps run{redone}, {len(self.skipped)} already finished, "
             f"{len(self.failures)} failed"
         ]
         out += [f"note: {n}" for n in self.notes]
@@ -496,6 +501,7 @@ def _run_sweep_locked(
 
     todo = list(plan_now.todo)
     report.skipped.extend(plan_now.skipped(plan))
+    report.remerged.update(plan_now.remerged)
     if plan_now.unwritten:
         report.notes.append(
             f"{len(plan_now.unwritten)} merged checkpoint(s) not written to disk (in memory; keep_weights: true "

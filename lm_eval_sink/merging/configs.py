@@ -851,13 +851,29 @@ def _check_tokenizer(ck: _Checker, config, base_model: str | None) -> None:
             ck.fail("tokenizer.pad_to_multiple_of", f"expected a positive integer, got {pad!r}", "write e.g. 64")
 
 
+# config.json keys that decide a checkpoint's tensors and their shapes (text_config's for a VLM): two models a merge
+# combines must agree on each that both state, so a mismatch is refused from config.json alone, before any weight
+# is read or hashed (a sweep fingerprints its models only after this); the depth only for whole-model merges.
+_SHAPE_KEYS = (
+    "model_type",
+    "architectures",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "num_local_experts",
+    "num_experts",
+)
+
+
 def _check_compatible(ck: _Checker, config, inputs: list[str], whole_models: bool) -> None:
-    """Same architecture, width (and depth for whole-model merges) and vocabulary, from config.json."""
+    """Same architecture, tensor shapes (and depth for whole-model merges) and vocabulary, from config.json."""
     if len(inputs) < 2:
         return
     configs = {p: _config_json(p) for p in inputs}
     first = inputs[0]
-    keys = ["model_type", "hidden_size"] + (["num_hidden_layers"] if whole_models else [])
+    keys = [*_SHAPE_KEYS, *(["num_hidden_layers"] if whole_models else [])]
     for key in keys:
         a = _config_value(configs[first], key)
         for other in inputs[1:]:

@@ -517,6 +517,8 @@ class Schedule:
     finished: frozenset[str]
     todo: tuple[Unit, ...]
     unwritten: tuple[str, ...]
+    # finished merges run again because `delete_merged` removed their weights: merge id -> the units that need them
+    remerged: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def skipped(self, plan: Plan) -> list[str]:
         return [u.id for u in plan.units if u not in self.todo and u.id not in self.unwritten]
@@ -558,7 +560,12 @@ def schedule(plan: Plan, state: FolderState, force: bool, redo: frozenset[str]) 
     unwritten = tuple(
         u.id for u in plan.units if spec.in_memory and u.kind == "merge" and u not in todo and u.id not in finished
     )
-    return Schedule(finished=finished, todo=todo, unwritten=unwritten)
+    remerged = {
+        u.id: tuple(d.id for d in todo if d.kind != "merge" and d.checkpoint == u.checkpoint)
+        for u in todo
+        if u.kind == "merge" and u.id in finished
+    }
+    return Schedule(finished=finished, todo=todo, unwritten=unwritten, remerged=remerged)
 
 
 def check_conflicts(plan: Plan, state: FolderState, redo: frozenset[str], now: dict[str, Any]) -> list[str]:

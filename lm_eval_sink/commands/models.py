@@ -1,0 +1,26 @@
+"""`lm-eval-sink models convert`: a GGUF file as a model folder, for the commands that read a folder's files.
+
+`strength`, `screen`, `margin` and `protect-plan` read a GGUF file themselves; merges, sweeps, extraction and
+`eval` need a folder, and refuse a GGUF file naming this command. The conversion is the one the embedded default
+model goes through (`models.convert_gguf`): transformers' GGUF loader dequantizes every tensor to float32, the
+folder is written staged with its tokenizer, and its COMPLETE marker names the file and its quantization.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lm_eval_sink.errors import UserError
+
+
+def run_models_convert(gguf: Path, out: Path, force: bool = False) -> list[str]:
+    """The `models convert` command: check the file and OUT_DIR before any work, convert; the line to print."""
+    from lm_eval_sink.io import check_output_dir
+    from lm_eval_sink.models import convert_gguf, is_gguf
+
+    gguf, out = Path(gguf).expanduser(), Path(out).expanduser()
+    if not gguf.is_file() or not is_gguf(gguf):
+        raise UserError(f"{gguf}: not a GGUF file", "pass a .gguf file written by llama.cpp's tools")
+    check_output_dir(out, force, "OUT_DIR", inputs=[gguf])
+    marker = convert_gguf(gguf.resolve(), out, force=force)
+    return [f"{gguf.name} ({marker['gguf_quantization']['file_type']}, dequantized to float32) -> {out}"]
