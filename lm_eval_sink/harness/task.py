@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import logging
 from dataclasses import asdict, dataclass
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -38,9 +37,8 @@ from lm_eval.api.model import LM
 from lm_eval.api.task import ConfigurableTask
 from lm_eval.models.huggingface import HFLM
 
-from lm_eval_sink.strength import SinkStrength, StrengthSettings, prompt_statistic, reduce_captures
+from lm_eval_sink.strength import SinkStrength, StrengthSettings, parse_last_k, prompt_statistic, reduce_captures
 
-log = logging.getLogger(__name__)
 
 REQUEST_TYPE = "sink_strength"
 PRIMARY = "sink_strength"  # the metric whose samples-file value holds each document's arrays
@@ -55,7 +53,7 @@ def settings_from_metadata(meta: dict[str, Any]) -> StrengthSettings:
     last_k = meta.get("last_k", defaults.last_k)
     batch_size = meta.get("batch_size", defaults.batch_size)
     return StrengthSettings(
-        last_k=None if last_k in (None, "all") else int(last_k),
+        last_k=parse_last_k(last_k),
         statistic=str(meta.get("statistic", defaults.statistic)),
         rows=str(meta.get("rows", defaults.rows)),
         n_prompts=meta.get("n_prompts", defaults.n_prompts),
@@ -94,8 +92,8 @@ class SinkStrengthTask(ConfigurableTask):
 
     def build_all_requests(self, *, limit: int | None = None, samples: list[int] | None = None, **kwargs: Any) -> None:
         if limit is not None or samples:
+            # said once, under lm-eval's results table (`discovery.strength_lines`)
             self.config.metadata["limit_ignored"] = limit if limit is not None else f"samples={list(samples or [])}"
-            log.info("%s: --limit/--samples ignored: the calibration set is always used whole", self.config.task)
         super().build_all_requests(limit=None, samples=None, **kwargs)
 
     def doc_iterator(
