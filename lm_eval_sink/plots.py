@@ -135,8 +135,10 @@ def place_labels(ax, items: Sequence[tuple[float, float, str]], fontsize: float 
     placed = []
     for x, y, text in items:
         fallback = None
+        size = _label_box(ax, renderer, text, (x, y), (0.0, 0.0), fontsize)
+        px, py = ax.transData.transform((x, y))
         for ring, dx, dy in _label_offsets():
-            box = _label_box(ax, renderer, text, (x, y), (dx, dy), fontsize)
+            box = _moved(size, px, py, dx * ax.figure.dpi / 72, dy * ax.figure.dpi / 72).padded(2)  # margin at any dpi
             if any(box.overlaps(b) for b in taken):
                 continue
             if frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0 and box.y1 <= frame.y1:
@@ -168,8 +170,19 @@ def _label_style(dx: float, dy: float, fontsize: float) -> dict:
     )
 
 
+def _moved(size, px: float, py: float, dx: float, dy: float):
+    """The display box of a label of `size` (its box at offset 0) at offset (dx, dy) pixels from its point (px, py),
+    aligned as `_label_style` aligns it."""
+    from matplotlib.transforms import Bbox
+
+    w, h = size.width, size.height
+    x0 = px + dx - (0 if dx > 1 else w if dx < -1 else w / 2)
+    y0 = py + dy - (0 if dy > 1 else h if dy < -1 else h / 2)
+    return Bbox.from_bounds(x0, y0, w, h)
+
+
 def _label_box(ax, renderer, text: str, xy: tuple[float, float], offset: tuple[float, float], fontsize: float):
-    """The display box a label would take at `offset` (drawn, measured and removed)."""
+    """The display box a label takes at `offset` (drawn, measured and removed)."""
     ann = ax.annotate(text, xy, **_label_style(*offset, fontsize))
     box = ann.get_window_extent(renderer)
     ann.remove()
