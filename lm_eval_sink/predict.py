@@ -532,8 +532,8 @@ def fit_notes(result: FitResult) -> list[str]:
         "mean S; outside the fitted S range it is an extrapolation",
     ]
     for task, (setting, why) in sorted(result.settings.items()):
-        where = f"measured in one setting: {setting.describe()}" if setting is not None else f"no one setting: {why}"
-        lines.append(f"note: {task} pairs {where}")
+        where = f"measured in one setting: {setting.describe()}" if setting is not None else why
+        lines.append(f"note: {task} pairs: {where}")
     return lines
 
 
