@@ -199,3 +199,16 @@ def test_a_sweep_table_marks_s_of_another_setting(tmp_path):
     assert [r["s_setting"] for r in view["sweep"]["rows"]] == [table["rows"][i]["s_setting"] for i in range(len(names))]
     same = build_table(plan, {}, {}, {}, strengths, {n: _setting(30) for n in names})
     assert same["strength_comparability"]["comparable"] and "(A)" not in table_text(same)[0]
+
+
+def test_last_k_as_a_share_through_the_command(mixed, tmp_path, capsys):
+    root, _, _ = mixed
+    out = tmp_path / "share"
+    models = [str(root / "chat3"), str(root / "chat4")]
+    assert main(["strength", *models, "--last-k", "50%", "--output", str(out), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    got = {n: json.loads((out / f"{n}.strength.json").read_text()) for n in ("chat3", "chat4")}
+    assert [got[n]["last_k"] for n in ("chat3", "chat4")] == [2, 2]  # half of 3 rounded half up, half of 4
+    assert got["chat4"]["layers"] == [2, 3] and got["chat4"]["provenance"]["settings"]["last_k"] == "50%"
+    assert "setting A (all 2 models: one setting, comparable)" in printed and "K: last 50% of the attention" in printed
+    assert "K is a fixed count" not in printed  # equal shares: no note on depths
