@@ -149,7 +149,9 @@ class ScreenResult:
         }
 
 
-def prediction(s: float, setting: Setting, f: Any, fit_setting: tuple[Setting | None, str | None], paper_line: bool):
+def prediction(
+    s: float, setting: Setting, f: Any, fit_setting: tuple[Setting | None, str | None], paper_line: bool
+) -> dict[str, Any]:
     """A task's prediction for S measured in `setting`: with the fit's prediction interval when the fit's pairs were
     measured in that setting, or with the paper line's caveat when asked; else why none is made."""
     pairs, why = fit_setting

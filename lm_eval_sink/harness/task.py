@@ -13,7 +13,8 @@ results JSON gets exactly the single-process S, companion figures and layer x he
 mean of per-prompt values, whichever rank measured which prompt. In the samples file the arrays
 appear once per document, under the `sink_strength` metric; the other metrics and the responses
 show a short note. `--limit` and `--samples` never cut the calibration set (recorded as
-`limit_ignored` in the task's metadata); `--predict_only` keeps the metrics (S is the output).
+`limit_ignored` in the task's metadata, and said in one line under lm-eval's results table:
+`discovery.strength_lines`); `--predict_only` keeps the metrics (S is the output).
 Only the `hf` backend gives access to attention. Under another backend whose `pretrained` transformers
 can load (`--model vllm`), the start-up hook measures the rows first, with transformers in a child
 process (`measure_first.py`), and the request method this module gives lm-eval's base `LM` class
