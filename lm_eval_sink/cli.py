@@ -160,12 +160,20 @@ def _strength_settings(last_k: str, prompts_file: Path | None, chat_template: bo
     """The StrengthSettings of `_calibration_options` (and a command's own --last-k, --statistic, --seed)."""
     from lm_eval_sink.strength import StrengthSettings
 
+    from lm_eval_sink.strength import parse_last_k
+
     return StrengthSettings(
-        last_k=_last_k(last_k),
+        last_k=parse_last_k(last_k),
         prompts_file=str(prompts_file) if prompts_file else None,
         use_chat_template=chat_template,
         **fields,
     )
+
+
+_LAST_K_HELP = (
+    "S over the last K attention layers: a count (the paper's; a different share of models of different depth), "
+    "N%% of each model's attention layers (e.g. 33%%), or 'all'."
+)
 
 
 def _last_k(value: str) -> int | None:
@@ -179,7 +187,7 @@ def _last_k(value: str) -> int | None:
 
 @cli.command()
 @click.argument("model_names", metavar="MODEL [MODEL ...]", nargs=-1, required=True)
-@click.option("--last-k", default="10", show_default=True, help="Number of last layers, or 'all'.")
+@click.option("--last-k", default="10", show_default=True, help=_LAST_K_HELP)
 @click.option("--statistic", type=click.Choice(["median", "mean"]), default="median", show_default=True)
 @_calibration_options
 @click.option("--seed", type=int, default=0, show_default=True)
@@ -206,9 +214,14 @@ def strength(model_names, last_k, dtype, device, force, quiet, output, **calibra
     "pairs_file",
     type=click.Path(path_type=Path),
     default=None,
-    help="PAIRS.yaml to fit the predictor on (default: the paper's six pairs).",
+    help="PAIRS.yaml of pairs measured in the models' setting (S as *.strength.json paths): predicted deltas.",
 )
-@click.option("--last-k", default="10", show_default=True, help="S over the last K layers, or 'all'.")
+@click.option(
+    "--paper-line",
+    is_flag=True,
+    help="Predicted deltas from the paper's six pairs (their S from the paper's prompts), each with that caveat.",
+)
+@click.option("--last-k", default="10", show_default=True, help=_LAST_K_HELP)
 @_calibration_options
 @click.option(
     "--output",
@@ -231,9 +244,22 @@ def strength(model_names, last_k, dtype, device, force, quiet, output, **calibra
     help="GPUs per model's Ray task (default: 1 with --device cuda, else 0: auto then runs on the CPU).",
 )
 def screen(
-    model_names, pairs_file, last_k, dtype, device, force, quiet, output, engine, ray_address, num_gpus, **calibration
+    model_names,
+    pairs_file,
+    paper_line,
+    last_k,
+    dtype,
+    device,
+    force,
+    quiet,
+    output,
+    engine,
+    ray_address,
+    num_gpus,
+    **calibration,
 ) -> None:
-    """Rank backbones by Sink Strength S and predict their post-VL deltas (MODEL: folder, hub id or 'default')."""
+    """Rank backbones by Sink Strength S within each setting; predicted post-VL deltas with --pairs or --paper-line
+    (MODEL: folder, hub id or 'default')."""
     from lm_eval_sink.commands.screen import run_screen
 
     settings = _strength_settings(last_k, **calibration)
@@ -257,6 +283,7 @@ def screen(
         force=force,
         progress=not quiet,
         measure_all=measure_all,
+        paper_line=paper_line,
     ):
         click.echo(line)
 

@@ -7,7 +7,7 @@ returns the PNG bytes instead (the HTML report embeds them).
 from __future__ import annotations
 
 import io as _io
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from lm_eval_sink.io import atomic_write_bytes
@@ -59,18 +59,134 @@ def layer_head_heatmap(
     return save_figure(fig, path)
 
 
+_SETTING_COLORS = ("tab:blue", "tab:orange", "tab:purple", "tab:brown", "tab:olive", "tab:cyan")
+
+
 def ranking_bars(
-    names: Sequence[str], values: Sequence[float], title: str, path: Path | None, ylabel: str = "Sink Strength S"
+    names: Sequence[str],
+    values: Sequence[float],
+    title: str,
+    path: Path | None,
+    ylabel: str = "Sink Strength S",
+    groups: Sequence[str] | None = None,
+    legend: Mapping[str, str] | None = None,
 ) -> Path | bytes:
-    """Bar chart of one number per model, in the given order."""
+    """Bar chart of one number per model, in the given order; `groups` (each model's setting letter,
+    `comparability.compare`) colours the bars by setting and, when there are several, says so in the title, with
+    `legend[letter]` (how that setting differs) beside its letter."""
+    return save_figure(ranking_figure(names, values, title, ylabel, groups, legend), path)
+
+
+def ranking_figure(
+    names: Sequence[str],
+    values: Sequence[float],
+    title: str,
+    ylabel: str = "Sink Strength S",
+    groups: Sequence[str] | None = None,
+    legend: Mapping[str, str] | None = None,
+):
+    """The figure of `ranking_bars` (open, for checks of what it shows)."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(max(4, 0.8 * len(names) + 2), 3.5))
-    ax.bar(range(len(names)), values, color="tab:blue")
+    groups = list(groups) if groups is not None else ["A"] * len(names)
+    letters = list(dict.fromkeys(groups))
+    fig, ax = plt.subplots(figsize=(max(4, 0.8 * len(names) + 2), 3.8))
+    for i, (v, g) in enumerate(zip(values, groups, strict=True)):
+        k = letters.index(g)
+        label = f"setting {g}" + (f": {legend[g]}" if legend and legend.get(g) else "")
+        ax.bar(i, v, color=_SETTING_COLORS[k % len(_SETTING_COLORS)], hatch="//" if k else None, label=label)
+        if i and groups[i - 1] != g:
+            ax.axvline(i - 0.5, color="gray", ls="--", lw=0.8)
     ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
     ax.axhline(0, color="black", lw=0.8)
     ax.set_ylabel(ylabel)
+    if len(letters) > 1:
+        title += f"\nmeasured in {len(letters)} settings: S compares only within one (see the notes)"
+        handles, labels = ax.get_legend_handles_labels()
+        seen = dict(zip(labels, handles, strict=True))
+        ax.legend(seen.values(), seen.keys(), fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.set_title(title, fontsize=9)
-    return save_figure(fig, path)
+    return fig
+
+
+def _label_offsets(rings: int = 30, step: float = 7.0):
+    """Offsets (points) to try for a label, nearest first: eight directions on rings of growing radius."""
+    import math
+
+    for ring in range(rings):
+        r = 5.0 + step * ring
+        for angle in (20, -20, 160, -160, 90, -90, 55, -55, 125, -125, 0, 180):
+            a = math.radians(angle)
+            yield ring, r * math.cos(a), r * math.sin(a)
+
+
+def place_labels(ax, items: Sequence[tuple[float, float, str]], fontsize: float = 7, obstacles: Sequence = ()) -> list:
+    """Annotate each (x, y, text) at the nearest offset around its point whose box overlaps no label placed before,
+    no point of `items` and none of the `obstacles` (display-space Bboxes), inside the axes where such a place
+    exists; a label off the nearest ring gets a thin leader line to its point. Call it once the axes limits are
+    final. Returns the annotations, in order."""
+    from matplotlib.transforms import Bbox
+
+    renderer = ax.figure.canvas.get_renderer()
+    frame = ax.get_window_extent(renderer)
+    taken = list(obstacles)
+    for x, y, _ in items:
+        px, py = ax.transData.transform((x, y))
+        taken.append(Bbox.from_extents(px - 4, py - 4, px + 4, py + 4))
+    placed = []
+    for x, y, text in items:
+        fallback = None
+        size = _label_box(ax, renderer, text, (x, y), (0.0, 0.0), fontsize)
+        px, py = ax.transData.transform((x, y))
+        for ring, dx, dy in _label_offsets():
+            box = _moved(size, px, py, dx * ax.figure.dpi / 72, dy * ax.figure.dpi / 72).padded(2)  # margin at any dpi
+            if any(box.overlaps(b) for b in taken):
+                continue
+            if frame.x0 <= box.x0 and box.x1 <= frame.x1 and frame.y0 <= box.y0 and box.y1 <= frame.y1:
+                fallback = (ring, dx, dy, box)
+                break
+            fallback = fallback or (ring, dx, dy, box)
+        ring, dx, dy, box = fallback
+        placed.append(
+            ax.annotate(
+                text,
+                (x, y),
+                **_label_style(dx, dy, fontsize),
+                arrowprops=dict(arrowstyle="-", lw=0.4, color="gray", shrinkA=0, shrinkB=3) if ring else None,
+            )
+        )
+        taken.append(box)
+    return placed
+
+
+def _label_style(dx: float, dy: float, fontsize: float) -> dict:
+    """How a label sits at offset (dx, dy) points from its point: aligned away from it."""
+    return dict(
+        xytext=(dx, dy),
+        textcoords="offset points",
+        fontsize=fontsize,
+        ha="left" if dx > 1 else "right" if dx < -1 else "center",
+        va="bottom" if dy > 1 else "top" if dy < -1 else "center",
+        annotation_clip=False,
+    )
+
+
+def _moved(size, px: float, py: float, dx: float, dy: float):
+    """The display box of a label of `size` (its box at offset 0) at offset (dx, dy) pixels from its point (px, py),
+    aligned as `_label_style` aligns it."""
+    from matplotlib.transforms import Bbox
+
+    w, h = size.width, size.height
+    x0 = px + dx - (0 if dx > 1 else w if dx < -1 else w / 2)
+    y0 = py + dy - (0 if dy > 1 else h if dy < -1 else h / 2)
+    return Bbox.from_bounds(x0, y0, w, h)
+
+
+def _label_box(ax, renderer, text: str, xy: tuple[float, float], offset: tuple[float, float], fontsize: float):
+    """The display box a label takes at `offset` (drawn, measured and removed)."""
+    ann = ax.annotate(text, xy, **_label_style(*offset, fontsize))
+    box = ann.get_window_extent(renderer)
+    ann.remove()
+    return box
 
 
 def gap_parts(bars: Sequence[dict], path: Path | None, title: str, footer: str = "") -> Path | bytes:
@@ -112,47 +228,106 @@ _QK_COLORS = {"per_head": "tab:green", "layerwise": "tab:orange", "none": "tab:r
 
 
 def fit_scatter(
-    names: Sequence[str],
-    s: Sequence[float],
-    deltas: Sequence[float],
+    fit,
     qk_norm: Sequence[str | None],
-    slope: float,
-    intercept: float,
-    task: str,
     path: Path | None,
-    screened: Sequence[tuple[str, float, float]] = (),
+    screened: Sequence[tuple[str, float, float, float, float]] = (),
+    note: str | None = None,
 ) -> Path | bytes:
-    """Reference pairs (S vs delta, coloured by QK-norm class), the fitted line, and screened models.
+    """A task's pairs (S vs delta, coloured by QK-norm class), the fitted line with its prediction band, the S range
+    outside the pairs shaded and named, and screened models with their prediction intervals (`fit_figure`)."""
+    return save_figure(fit_figure(fit, qk_norm, screened, note), path)
 
-    `screened` holds (label, S, predicted delta) triples, drawn as black stars on the line.
-    """
+
+def fit_figure(
+    fit,
+    qk_norm: Sequence[str | None],
+    screened: Sequence[tuple[str, float, float, float, float]] = (),
+    note: str | None = None,
+):
+    """The figure of `fit_scatter` (open, for checks): `fit` is a `predict.TaskFit`; `screened` holds (label, S,
+    predicted delta, interval low, interval high), drawn as black stars with the interval as an error bar; every
+    label is placed where it overlaps no other (`place_labels`)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    xs = [*fit.sink_strength, *(x for _, x, *_ in screened)]
+    pad = 0.12 * (max(xs) - min(xs) or 1.0) + 0.1
+    band = _fit_band(ax, fit, qk_norm, min(xs) - pad, max(xs) + pad)
+    for _, x, y, lo, hi in screened:
+        ax.errorbar([x], [y], yerr=[[y - lo], [hi - y]], fmt="*", ms=12, color="black", capsize=3, zorder=4)
+    ys = [*band, *fit.deltas, *(v for *_, lo, hi in screened for v in (lo, hi))]
+    ypad = 0.06 * (max(ys) - min(ys) or 1.0)
+    ax.set_xlim(min(xs) - pad, max(xs) + pad)
+    ax.set_ylim(min(ys) - ypad, max(ys) + ypad)
+    _fit_labels(ax, fit, screened, _shade_outside(ax, fit.s_min, fit.s_max, min(xs) - pad, max(xs) + pad))
+    ax.axhline(0, color="gray", lw=0.5)
+    ax.set_xlabel("Sink Strength S of the reference LLM")
+    ax.set_ylabel(f"{fit.task} delta (points)")
+    extra = " (stars: screened models, predicted, with their interval)" if screened else ""
+    ax.set_title(f"{fit.task}: delta vs S{extra}", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    if note:
+        fig.text(0.01, -0.02, note, fontsize=7, color="dimgray", ha="left", va="top", wrap=True)
+    return fig
+
+
+def _fit_band(ax, fit, qk_norm: Sequence[str | None], x0: float, x1: float) -> list[float]:
+    """The fitted line over [x0, x1] with its prediction band, and the pairs by QK-norm class; returns the band's
+    values (for the y limits)."""
     import numpy as np
 
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    xs = list(s) + [x for _, x, _ in screened]
-    grid = np.linspace(min(xs) - 0.2, max(xs) + 0.2, 50)
-    ax.plot(grid, slope * grid + intercept, color="black", lw=0.8, label=f"fit: {slope:.2f} * S {intercept:+.2f}")
+    from lm_eval_sink.predict import PI_LEVEL
+
+    grid = np.linspace(x0, x1, 200)
+    band = np.array([fit.prediction_interval(float(x)) for x in grid])
+    label = f"{PI_LEVEL:.0%} prediction interval (OLS, t, n - 2 df)"
+    ax.fill_between(grid, band[:, 0], band[:, 1], color="tab:blue", alpha=0.12, lw=0, label=label)
+    line = f"fit: {fit.slope:.2f} * S {fit.intercept:+.2f}"
+    ax.plot(grid, fit.slope * grid + fit.intercept, color="black", lw=0.8, label=line)
     for cls in dict.fromkeys(qk_norm):
         idx = [i for i, q in enumerate(qk_norm) if q == cls]
         ax.scatter(
-            [s[i] for i in idx],
-            [deltas[i] for i in idx],
+            [fit.sink_strength[i] for i in idx],
+            [fit.deltas[i] for i in idx],
             color=_QK_COLORS.get(cls, "tab:gray"),
             label=f"pairs, QK-norm: {cls or 'unknown'}",
             zorder=3,
         )
-    for n, x, y in zip(names, s, deltas, strict=True):
-        ax.annotate(n, (x, y), fontsize=7, xytext=(4, 2), textcoords="offset points")
-    for label, x, y in screened:
-        ax.scatter([x], [y], marker="*", s=120, color="black", zorder=4)
-        ax.annotate(label, (x, y), fontsize=7, xytext=(4, -10), textcoords="offset points")
-    ax.axhline(0, color="gray", lw=0.5)
-    ax.set_xlabel("Sink Strength S of the reference LLM")
-    ax.set_ylabel(f"{task} delta (points)")
-    ax.set_title(f"{task}: delta vs S" + (" (stars: screened models, predicted)" if screened else ""), fontsize=9)
-    ax.legend(fontsize=7)
-    return save_figure(fig, path)
+    return [float(v) for v in band.ravel()]
+
+
+def _fit_labels(ax, fit, screened: Sequence[tuple[str, float, float, float, float]], obstacles: list) -> list:
+    """Every pair's name and every screened model's delta with its interval (and "outside the fitted range" where
+    it is), placed so that none overlaps another, a point, an error bar or the `obstacles`."""
+    from matplotlib.transforms import Bbox
+
+    items = [(x, y, n) for n, x, y in zip(fit.names, fit.sink_strength, fit.deltas, strict=True)]
+    items += [
+        (x, y, f"{label}: {y:+.1f} [{lo:+.1f}, {hi:+.1f}]" + ("\noutside the fitted range" if fit.outside(x) else ""))
+        for label, x, y, lo, hi in screened
+    ]
+    bars = []
+    for _, x, _, lo, hi in screened:
+        (px, p_lo), (_, p_hi) = ax.transData.transform([(x, lo), (x, hi)])
+        bars.append(Bbox.from_extents(px - 4, p_lo, px + 4, p_hi))
+    return place_labels(ax, items, obstacles=[*obstacles, *bars])
+
+
+def _shade_outside(ax, s_min: float, s_max: float, x0: float, x1: float) -> list:
+    """Shade the S ranges left and right of the fitted pairs, each named "outside the fitted range"; returns the
+    names' display boxes (for `place_labels` to avoid)."""
+    renderer = ax.figure.canvas.get_renderer()
+    top = ax.get_ylim()[1]
+    boxes = []
+    for lo, hi in ((x0, s_min), (s_max, x1)):
+        if hi <= lo:
+            continue
+        ax.axvspan(lo, hi, color="0.88", lw=0, zorder=0)
+        text = ax.text(
+            (lo + hi) / 2, top, "outside the\nfitted range", ha="center", va="top", fontsize=6, color="dimgray"
+        )
+        boxes.append(text.get_window_extent(renderer))
+    return boxes
 
 
 _BUCKET_COLORS = {"both_pass": "tab:green", "regression": "tab:red", "recovered": "tab:blue", "both_fail": "tab:gray"}
@@ -184,6 +359,9 @@ def bucket_bars(
             ax.bar(x, counts[name], color=_BUCKET_COLORS[name])
         ax.text(x, counts[name], str(counts[name]), ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(names)), names)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # prompt counts: whole numbers only
     ax.set_ylabel("prompts")
     ax.set_title(title, fontsize=9)
     ax.set_ylim(top=max(max(counts[n] for n in names), 1) * 1.1)  # room for the count over the tallest bar

@@ -15,8 +15,14 @@ Per task (over the pairs that have a delta for it) `fit_pairs` computes Spearman
 (average ranks for ties) with an exact permutation p-value (all n! orderings up to
 EXACT_PERMUTATION_MAX_N pairs, else a seeded Monte Carlo), the least-squares line
 delta = slope * S + intercept, and leave-one-pair-out mean absolute errors of that line
-(`loo_mae`) and of a constant-mean baseline (`baseline_mae`). numpy and scipy.stats: no torch and
-no file I/O here (reading PAIRS files and writing fit outputs is commands/fit.py's).
+(`loo_mae`) and of a constant-mean baseline (`baseline_mae`). A new model's delta is predicted with
+the line's prediction interval (`TaskFit.prediction_interval`: ordinary least squares, Student t with
+n - 2 degrees of freedom), which widens with the distance of its S from the pairs' mean S; the
+leave-one-out errors check the fit and are no interval for a new model. A pair whose S is the path of a
+`*.strength.json` carries that measurement's setting (`comparability.Setting`); `pairs_setting` says
+whether a task's pairs share one, so a prediction is made only for S measured in it (screen.py).
+numpy and scipy.stats: no torch and no file I/O here (reading PAIRS files and writing fit outputs is
+commands/fit.py's).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import numpy as np
 from pydantic import Field
 from scipy import stats
 
+from lm_eval_sink.comparability import Setting, compare
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.schema import Strict, parse
 from lm_eval_sink.tables import markdown_lines
@@ -43,6 +50,11 @@ SHIPPED_PAIRS = "data/paper_pairs.yaml"
 SHIPPED_REPORTED = "data/paper_reported.json"
 QK_NORM_CLASSES = ("per_head", "layerwise", "none")
 _TIE_TOL = 1e-12
+PI_LEVEL = 0.95  # the prediction intervals' coverage
+PAPER_SETTING = (
+    "the paper's pairs: their S were measured with the paper's own calibration prompts (which this project does not "
+    "have), so no S measured here is in their setting"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +69,7 @@ class Pair:
     source: str
     qk_norm: str | None = None
     notes: str | None = None
+    setting: Setting | None = None  # the setting of its S, when read from a *.strength.json; None: unknown
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,9 +109,27 @@ class TaskFit:
     baseline_mae: float
     s_min: float
     s_max: float
+    residual_se: float  # sqrt(sum of squared residuals / (n - 2)): the line's residual standard error
+    s_mean: float
+    s_sxx: float  # sum of (S - mean S)^2
+    t_quantile: float  # Student t quantile (1 + PI_LEVEL) / 2 with n - 2 degrees of freedom
 
     def predict(self, s: float) -> float:
         return self.slope * s + self.intercept
+
+    def interval_half_width(self, s: float) -> float:
+        """Half-width of the PI_LEVEL prediction interval at S = s: t * se * sqrt(1 + 1/n + (s - mean)^2 / Sxx)."""
+        spread = 1 + 1 / self.n_pairs + (s - self.s_mean) ** 2 / self.s_sxx
+        return self.t_quantile * self.residual_se * math.sqrt(spread)
+
+    def prediction_interval(self, s: float) -> tuple[float, float]:
+        """The PI_LEVEL prediction interval of a new pair's delta at S = s (ordinary least squares)."""
+        y, h = self.predict(s), self.interval_half_width(s)
+        return y - h, y + h
+
+    def outside(self, s: float) -> bool:
+        """Whether s lies outside the fitted S range (a prediction there is an extrapolation)."""
+        return not self.s_min <= s <= self.s_max
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -124,11 +155,21 @@ class FitResult:
     reported: dict[str, Any] | None = None  # the paper's figures, when the shipped table was fitted
     rounding_envelope: dict[str, Any] | None = None
     provenance: dict[str, Any] = field(default_factory=dict)
+    settings: dict[str, tuple[Setting | None, str | None]] = field(default_factory=dict)  # task -> `pairs_setting`
 
     def to_json(self) -> dict[str, Any]:
+        tasks = {
+            t: {
+                **f.to_json(),
+                "interval_level": PI_LEVEL,
+                "setting": None if self.settings[t][0] is None else self.settings[t][0].to_json(),
+                "setting_unknown": self.settings[t][1],
+            }
+            for t, f in sorted(self.tasks.items())
+        }
         return {
             "schema_version": SCHEMA_VERSION,
-            "tasks": {t: f.to_json() for t, f in sorted(self.tasks.items())},
+            "tasks": tasks,
             "skipped_tasks": dict(sorted(self.skipped_tasks.items())),
             "pairs": [asdict(p) for p in self.table.pairs],
             "pairs_file": self.table.source,
@@ -166,10 +207,13 @@ class _PairIn(Strict):
         return [n for n, f in cls.model_fields.items() if f.is_required()]
 
 
-def parse_pairs(obj: Any, where: str, read_strength: Callable[[str, str], float] | None = None) -> tuple[Pair, ...]:
+def parse_pairs(
+    obj: Any, where: str, read_strength: Callable[[str, str], float | tuple[float, Setting]] | None = None
+) -> tuple[Pair, ...]:
     """Validate a parsed PAIRS document (a list of mappings); `where` names it in errors.
 
-    A `sink_strength` given as a path is read by `read_strength(path, where)` (the command's file reader).
+    A `sink_strength` given as a path is read by `read_strength(path, where)` (the command's file reader), which
+    returns S, or (S, the Setting it was measured in).
     """
     if not isinstance(obj, list):
         raise UserError(
@@ -196,6 +240,7 @@ def parse_pairs(obj: Any, where: str, read_strength: Callable[[str, str], float]
                     "give a number, or read the PAIRS file with commands.fit.read_pairs",
                 )
             s = read_strength(s, at)
+        s, setting = s if isinstance(s, tuple) else (s, None)
         s = finite(s, at, "sink_strength")
         clean = {task: finite(v, at, f"deltas[{task}]") for task, v in item["deltas"].items()}
         qk = item.get("qk_norm")
@@ -210,6 +255,7 @@ def parse_pairs(obj: Any, where: str, read_strength: Callable[[str, str], float]
                 source=item["source"],
                 qk_norm=qk,
                 notes=None if notes is None else str(notes),
+                setting=setting,
             )
         )
     if len(pairs) < MIN_PAIRS:
@@ -312,6 +358,8 @@ def fit_task(task: str, names: tuple[str, ...], s: np.ndarray, d: np.ndarray, se
     slope, intercept = linear_fit(s, d)
     line, const = leave_one_out(s, d, names)
     loo_err, base_err = np.abs(d - line), np.abs(d - const)
+    n = len(s)
+    sse = float(((d - (slope * s + intercept)) ** 2).sum())
     return TaskFit(
         task=task,
         n_pairs=len(s),
@@ -332,7 +380,27 @@ def fit_task(task: str, names: tuple[str, ...], s: np.ndarray, d: np.ndarray, se
         baseline_mae=float(base_err.mean()),
         s_min=float(s.min()),
         s_max=float(s.max()),
+        residual_se=math.sqrt(sse / (n - 2)),
+        s_mean=float(s.mean()),
+        s_sxx=float(((s - s.mean()) ** 2).sum()),
+        t_quantile=float(stats.t.ppf((1 + PI_LEVEL) / 2, n - 2)),
     )
+
+
+def pairs_setting(pairs: tuple[Pair, ...], shipped: bool = False) -> tuple[Setting | None, str | None]:
+    """(the setting all `pairs` were measured in, None) when they share one; else (None, why not, in words)."""
+    if shipped:
+        return None, PAPER_SETTING
+    unknown = [p.name for p in pairs if p.setting is None]
+    if unknown:
+        return None, (
+            f"pair(s) {', '.join(unknown)} give S as a number, so the setting it was measured in is unknown "
+            "(give each pair's sink_strength as the path of its *.strength.json)"
+        )
+    comparison = compare([p.name for p in pairs], [p.setting for p in pairs])
+    if not comparison.comparable:
+        return None, f"the pairs' S were measured in {len(comparison.groups)} different settings"
+    return pairs[0].setting, None
 
 
 def task_arrays(table: PairTable, task: str) -> tuple[tuple[str, ...], np.ndarray, np.ndarray]:
@@ -402,7 +470,10 @@ def fit_pairs(table: PairTable, seed: int = 0) -> FitResult:
             if task in fits:
                 _, s, d = task_arrays(table, task)
                 envelope[task] = rounding_envelope(s, d, rnd["sink_strength"] / 2, rnd["delta"] / 2)
-    return FitResult(tasks=fits, skipped_tasks=skipped, table=table, reported=reported, rounding_envelope=envelope)
+    settings = {task: pairs_setting(tuple(p for p in table.pairs if task in p.deltas), table.shipped) for task in fits}
+    return FitResult(
+        tasks=fits, skipped_tasks=skipped, table=table, reported=reported, rounding_envelope=envelope, settings=settings
+    )
 
 
 # ---------------------------------------------------------------------------- reports
@@ -420,6 +491,8 @@ def fit_table_markdown(result: FitResult) -> str:
         "intercept",
         "loo_mae",
         "baseline_mae",
+        f"{PI_LEVEL:.0%} PI half-width at mean S",
+        "at the fitted ends",
     ]
     rep = (result.reported or {}).get("tasks", {})
     if rep:
@@ -436,6 +509,8 @@ def fit_table_markdown(result: FitResult) -> str:
             f"{f.intercept:.3f}",
             f"{f.loo_mae:.3f}",
             f"{f.baseline_mae:.3f}",
+            f"{f.interval_half_width(f.s_mean):.2f}",
+            f"{max(f.interval_half_width(f.s_min), f.interval_half_width(f.s_max)):.2f}",
         ]
         if rep:
             r = rep.get(task, {})
@@ -444,7 +519,22 @@ def fit_table_markdown(result: FitResult) -> str:
     lines = markdown_lines(head, rows)
     for task, why in sorted(result.skipped_tasks.items()):
         lines.append(f"\n{task}: not fitted ({why})")
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, "", *fit_notes(result)]) + "\n"
+
+
+def fit_notes(result: FitResult) -> list[str]:
+    """What the columns are, and the setting of each task's pairs (a prediction needs S measured in it)."""
+    lines = [
+        "note: loo_mae / baseline_mae: mean absolute error on each pair left out of the fit (the line's / the mean's); "
+        "a check of the fit, not an interval for a new model",
+        f"note: a new model's predicted delta carries the {PI_LEVEL:.0%} prediction interval of the line (ordinary "
+        "least squares, t with n - 2 degrees of freedom), which widens with the distance of its S from the pairs' "
+        "mean S; outside the fitted S range it is an extrapolation",
+    ]
+    for task, (setting, why) in sorted(result.settings.items()):
+        where = f"measured in one setting: {setting.describe()}" if setting is not None else why
+        lines.append(f"note: {task} pairs: {where}")
+    return lines
 
 
 def _opt(x: Any) -> str:

@@ -1,16 +1,16 @@
-"""Screen candidate backbones before VL training: S, QK-norm class and predicted deltas.
+"""Screen candidate backbones before VL training: S, QK-norm class, a ranking within each setting, and predicted
+deltas only where a fit allows them.
 
 `screen` ranks models by their Sink Strength (measured with the Sink Strength API by
 commands/screen.py: `commands.strength.run_strength` / `strength.measure_model`; S is never
-computed another way), classifies their QK norm from the config (the table
+computed another way) within each setting they were measured in (`comparability.compare`: models whose
+applied settings differ are ranked apart and flagged), and classifies their QK norm from the config (the table
 `data/qk_norm_classes.json`; unknown model types from the layer-0 q-norm tensor's size, which
-commands/screen.py reads from the safetensors header) and predicts each task's delta from a fit of
-a PAIRS table (`predict.py`; default: the paper's six pairs) with the fit's leave-one-pair-out mean
-absolute error as its uncertainty. Takes configs, results and fits, returns data and text; the one file it reads is
-its own packaged table.
-S depends on the calibration prompts and on K (the last K layers) relative to depth: the
-project's prompts are not the paper's, so a predicted delta from the shipped table is only
-indicative; fits of pairs measured with one setting are comparable among themselves.
+commands/screen.py reads from the safetensors header). A predicted delta (points, with the fit's 95% prediction
+interval: `predict.TaskFit.prediction_interval`) is given only from a fit of pairs measured in the model's own
+setting (a PAIRS file whose S are `*.strength.json` files), or, on request (`paper_line`), from the paper's six
+pairs with the caveat beside each number: their S come from the paper's prompts, not this project's. Takes
+configs, results and fits, returns data and text; the one file it reads is its own packaged table.
 No torch at module level.
 """
 
@@ -21,14 +21,18 @@ from dataclasses import asdict, dataclass, field
 from importlib import resources
 from typing import Any
 
+from lm_eval_sink.comparability import Comparison, Setting, compare, setting_of
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.predict import PI_LEVEL
 from lm_eval_sink.tables import csv_text, markdown_lines
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: ranks within each setting, predictions only within a setting (or --paper-line), intervals
 QK_NORM_DATA = "data/qk_norm_classes.json"
-CALIBRATION_NOTE = (
-    "S depends on the calibration prompts and on K relative to depth; this project's 15 prompts are not the paper's, "
-    "so absolute S values (and deltas predicted from the paper's table) are comparable only within one setting"
+PAPER_LINE_CAVEAT = "paper's line: its S from the paper's own prompts, this S from this project's (another setting)"
+NO_FIT_NOTE = (
+    "no predicted deltas: a prediction needs a fit of pairs measured in this setting (--pairs PAIRS.yaml whose "
+    "sink_strength entries are *.strength.json files measured like these models; see `lm-eval-sink fit`), or "
+    "--paper-line for the paper's line with its caveat beside each number"
 )
 
 
@@ -96,73 +100,90 @@ def classify_qk_norm(config: dict[str, Any], layer0_q_norm_size: int | str | Non
 
 @dataclass(frozen=True, slots=True)
 class ScreenedModel:
-    """One screened model: S, QK-norm class, predicted deltas per fitted task, warnings."""
+    """One screened model: S with its setting, QK-norm class, predicted deltas per fitted task, warnings."""
 
-    rank: int  # 1 = highest S (least predicted damage)
+    rank: int  # 1 = highest S among the models of its setting (least predicted damage)
+    setting: str  # its setting's letter (`comparability.compare`)
     model: str  # the argument as given
     slug: str
     path: str
     sink_strength: float
     last_k: int
     n_layers: int
+    attention_layers: int | None
+    k_share: float | None
     qk_norm: str
     qk_norm_source: str
     model_type: str
-    predictions: dict[str, dict[str, Any]]  # task -> predicted_delta, loo_mae, extrapolated, fit_s_range
+    predictions: dict[str, dict[str, Any]]  # task -> `prediction`
     warnings: tuple[str, ...]
     strength_file: str | None
 
 
 @dataclass(frozen=True, slots=True)
 class ScreenResult:
+    """The screened models by setting, then rank; the fit predictions came from (None: no predictions asked) and
+    whether it was the paper's line on request."""
+
     models: tuple[ScreenedModel, ...]
-    fit: Any  # predict.FitResult
+    fit: Any  # predict.FitResult or None
+    comparison: Comparison
+    paper_line: bool
     notes: tuple[str, ...]
     provenance: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
+        fits = {} if self.fit is None else self.fit.to_json()["tasks"]
+        keep = ("spearman_rho", "permutation_p", "slope", "intercept", "loo_mae", "baseline_mae", "n_pairs")
+        keep += ("s_min", "s_max", "residual_se", "interval_level", "setting", "setting_unknown")
         return {
             "schema_version": SCHEMA_VERSION,
             "models": [{**asdict(m), "warnings": list(m.warnings)} for m in self.models],
-            "fits": {
-                t: {
-                    k: getattr(f, k)
-                    for k in (
-                        "spearman_rho",
-                        "permutation_p",
-                        "slope",
-                        "intercept",
-                        "loo_mae",
-                        "baseline_mae",
-                        "n_pairs",
-                        "s_min",
-                        "s_max",
-                    )
-                }
-                for t, f in sorted(self.fit.tasks.items())
-            },
-            "pairs_file": self.fit.table.source,
-            "pairs_sha256": self.fit.table.sha256,
+            "comparison": self.comparison.to_json(),
+            "predictions_from": None if self.fit is None else "paper_line" if self.paper_line else "pairs",
+            "fits": {t: {k: f[k] for k in keep} for t, f in fits.items()},
+            "pairs_file": None if self.fit is None else self.fit.table.source,
+            "pairs_sha256": None if self.fit is None else self.fit.table.sha256,
             "notes": list(self.notes),
             "provenance": self.provenance,
         }
 
 
-def predictions_for(s: float, fit: Any) -> tuple[dict[str, dict[str, Any]], list[str]]:
-    """Predicted delta per fitted task, with the fit's leave-one-out MAE; warnings for extrapolation."""
+def prediction(
+    s: float, setting: Setting, f: Any, fit_setting: tuple[Setting | None, str | None], paper_line: bool
+) -> dict[str, Any]:
+    """A task's prediction for S measured in `setting`: with the fit's prediction interval when the fit's pairs were
+    measured in that setting, or with the paper line's caveat when asked; else why none is made."""
+    pairs, why = fit_setting
+    same = pairs is not None and compare(["pairs", "model"], [pairs, setting]).comparable
+    if pairs is not None and not same:
+        why = "the pairs were measured in another setting: " + "; ".join(
+            compare(["pairs", "model"], [pairs, setting]).differences("B")
+        )
+    if not same and not paper_line:
+        return {"predicted": False, "why_not": why}
+    lo, hi = f.prediction_interval(s)
+    return {
+        "predicted": True,
+        "predicted_delta": f.predict(s),
+        "interval": [lo, hi],
+        "interval_level": PI_LEVEL,
+        "outside_fitted_range": f.outside(s),
+        "fit_s_range": [f.s_min, f.s_max],
+        "same_setting": same,
+        "caveat": None if same else PAPER_LINE_CAVEAT,
+    }
+
+
+def predictions_for(s: float, setting: Setting, fit: Any, paper_line: bool) -> tuple[dict[str, Any], list[str]]:
+    """Each fitted task's `prediction`, with a warning for each predicted S outside the fitted range."""
     out, warnings = {}, []
-    for task, f in sorted(fit.tasks.items()):
-        outside = not (f.s_min <= s <= f.s_max)
-        out[task] = {
-            "predicted_delta": f.predict(s),
-            "loo_mae": f.loo_mae,
-            "extrapolated": outside,
-            "fit_s_range": [f.s_min, f.s_max],
-        }
-        if outside:
+    for task, f in sorted(({} if fit is None else fit.tasks).items()):
+        out[task] = p = prediction(s, setting, f, fit.settings[task], paper_line)
+        if p["predicted"] and p["outside_fitted_range"]:
             warnings.append(
-                f"{task}: S = {s:.4f} lies outside the fitted range {f.s_min:.2f}..{f.s_max:.2f}; the "
-                "predicted delta is an extrapolation"
+                f"{task}: S = {s:.4f} lies outside the fitted range {f.s_min:.2f}..{f.s_max:.2f}: the predicted "
+                "delta is an extrapolation"
             )
     return out, warnings
 
@@ -175,80 +196,109 @@ def screen(
     classes: list[QKNorm],
     fit: Any,
     strength_files: list[str | None],
+    paper_line: bool = False,
 ) -> ScreenResult:
-    """Rank the models by S (highest first), predict each fitted task's delta, and add the calibration notes.
+    """Rank the models by S within each setting, predict each fitted task's delta where the fit allows it (`fit`:
+    None for no predictions), and add the notes.
 
     `strengths` are SinkStrength results in the order of `names`; `strength_files` where each is saved (None: not
     saved)."""
-    order = sorted(range(len(names)), key=lambda i: -strengths[i].sink_strength)
+    settings = [setting_of(st.to_json()) for st in strengths]
+    comparison = compare(slugs, settings)
+    ranks = comparison.ranks([st.sink_strength for st in strengths])
     models = []
-    for rank, i in enumerate(order, 1):
-        st = strengths[i]
-        preds, warnings = predictions_for(st.sink_strength, fit)
+    for i in sorted(range(len(names)), key=lambda i: (comparison.labels[i], ranks[i], i)):
+        st, qk = strengths[i], classes[i]
+        preds, warnings = predictions_for(st.sink_strength, settings[i], fit, paper_line)
         models.append(
             ScreenedModel(
-                rank=rank,
-                model=names[i],
-                slug=slugs[i],
-                path=paths[i],
-                sink_strength=st.sink_strength,
-                last_k=st.last_k,
-                n_layers=st.n_layers,
-                qk_norm=classes[i].qk_norm,
-                qk_norm_source=classes[i].source,
-                model_type=classes[i].model_type,
-                predictions=preds,
-                warnings=tuple(warnings),
-                strength_file=strength_files[i],
+                *(ranks[i], comparison.labels[i], names[i], slugs[i], paths[i], st.sink_strength, st.last_k),
+                *(st.n_layers, settings[i].attention_layers, settings[i].k_share),
+                *(qk.qk_norm, qk.source, qk.model_type, preds, tuple(warnings), strength_files[i]),
             )
         )
-    prompt_set = strengths[0].provenance.get("prompt_set", {})
-    notes = [
-        CALIBRATION_NOTE,
-        f"calibration prompts: {prompt_set.get('source')} ({prompt_set.get('n_prompts')} prompts, "
-        f"sha256 {str(prompt_set.get('sha256'))[:12]})",
-    ]
-    notes += [f"{m.slug}: K = {m.last_k} of {m.n_layers} layers ({m.last_k / m.n_layers:.0%} of depth)" for m in models]
-    return ScreenResult(models=tuple(models), fit=fit, notes=tuple(notes))
+    notes = screen_notes(comparison, fit, paper_line) + unpredicted_notes(models)
+    return ScreenResult(tuple(models), fit, comparison, paper_line, tuple(notes))
+
+
+def unpredicted_notes(models: list[ScreenedModel]) -> list[str]:
+    """One note per task and reason: which models got no predicted delta, and why."""
+    why: dict[tuple[str, str], list[str]] = {}
+    for m in models:
+        for task, p in sorted(m.predictions.items()):
+            if not p["predicted"]:
+                why.setdefault((task, p["why_not"]), []).append(m.slug)
+    return [f"note: {task} not predicted for {', '.join(slugs)}: {reason}" for (task, reason), slugs in why.items()]
+
+
+def screen_notes(comparison: Comparison, fit: Any, paper_line: bool) -> list[str]:
+    """The setting(s) of the screened S, where predictions come from, and what the intervals and errors are."""
+    notes = list(comparison.lines())
+    if fit is None:
+        return [*notes, f"note: {NO_FIT_NOTE}"]
+    if paper_line:
+        notes.append(
+            "note: --paper-line: predicted deltas from the paper's six pairs, whose S were measured with the paper's "
+            "own prompts: these S were measured in another setting, so each number is indicative only"
+        )
+    for task, f in sorted(fit.tasks.items()):
+        setting, why = fit.settings[task]
+        where = "measured in one setting" if setting is not None else f"not in this setting ({why})"
+        notes.append(
+            f"note: fit {task}: {f.n_pairs} pairs {where}; leave-one-pair-out MAE {f.loo_mae:.1f} points (the line's "
+            f"error on each pair left out: a check of the fit, not an interval); [a, b] = {PI_LEVEL:.0%} prediction "
+            "interval (OLS, t with n - 2 df), wider the farther S lies from the pairs' mean S"
+        )
+    return notes
+
+
+def _cell(p: dict[str, Any]) -> str:
+    """One prediction as the table shows it: the delta and its interval with the caveats beside them."""
+    if not p["predicted"]:
+        return "not predicted (see the notes)"
+    lo, hi = p["interval"]
+    text = f"{p['predicted_delta']:+.1f} [{lo:+.1f}, {hi:+.1f}]"
+    if p["caveat"]:
+        text += " (paper's line, another setting)"
+    return text + ("; outside the fitted range" if p["outside_fitted_range"] else "")
 
 
 def screen_table_markdown(result: ScreenResult) -> str:
-    """The ranking with predicted deltas as a Markdown table, then the notes."""
-    tasks = sorted(result.fit.tasks)
-    head = (
-        ["rank", "model", "S", "last_k/layers", "qk_norm"]
-        + [f"predicted {t} delta (± LOO MAE)" for t in tasks]
-        + ["warnings"]
-    )
-    rows = []
-    for m in result.models:
-        cells = [str(m.rank), m.slug, f"{m.sink_strength:.4f}", f"{m.last_k}/{m.n_layers}", m.qk_norm]
-        for t in tasks:
-            p = m.predictions[t]
-            cells.append(
-                f"{p['predicted_delta']:+.1f} ± {p['loo_mae']:.1f}" + (" (extrapolated)" if p["extrapolated"] else "")
-            )
-        rows.append([*cells, str(len(m.warnings))])
-    return "\n".join([*markdown_lines(head, rows), "", *(f"note: {n}" for n in result.notes)]) + "\n"
+    """The ranking (by setting, then S) with predicted deltas as a Markdown table, then the notes."""
+    tasks = sorted(result.fit.tasks) if result.fit is not None else []
+    head = ["setting", "rank", "model", "S", "K (share of attention layers)", "qk_norm"]
+    head += [f"predicted {t} delta, points [{PI_LEVEL:.0%} PI]" for t in tasks] + ["warnings"]
+    rows = [
+        [m.setting, str(m.rank), m.slug, f"{m.sink_strength:.4f}", _k_cell(m), m.qk_norm]
+        + [_cell(m.predictions[t]) for t in tasks]
+        + [str(len(m.warnings))]
+        for m in result.models
+    ]
+    return "\n".join([*markdown_lines(head, rows), "", *result.notes]) + "\n"
+
+
+def _k_cell(m: ScreenedModel) -> str:
+    depth = m.attention_layers or m.n_layers
+    return f"{m.last_k}/{depth}" + ("" if m.k_share is None else f" ({m.k_share:.0%})")
 
 
 def screen_csv(result: ScreenResult) -> str:
-    """One CSV record per model: S, QK-norm class and each task's predicted delta, LOO MAE, extrapolated flag."""
-    tasks = sorted(result.fit.tasks)
-    head = ["rank", "model", "sink_strength", "last_k", "n_layers", "qk_norm", "qk_norm_source"] + [
-        f"{t}_{k}" for t in tasks for k in ("predicted_delta", "loo_mae", "extrapolated")
-    ]
-    rows = [
-        [str(m.rank), m.slug, f"{m.sink_strength:.6f}", str(m.last_k), str(m.n_layers), m.qk_norm, m.qk_norm_source]
-        + [
-            str(v) if not isinstance(v, float) else f"{v:.6f}"
-            for t in tasks
-            for v in (
-                m.predictions[t]["predicted_delta"],
-                m.predictions[t]["loo_mae"],
-                m.predictions[t]["extrapolated"],
-            )
-        ]
-        for m in result.models
-    ]
+    """One CSV record per model: its setting, rank in it, S, K, QK-norm class and each task's prediction (empty
+    where none is made), whether it crosses settings (the paper's line) and why none was made."""
+    tasks = sorted(result.fit.tasks) if result.fit is not None else []
+    fields = ("predicted_delta", "interval_low", "interval_high", "outside_fitted_range", "across_settings", "why_not")
+    head = ["setting", "rank", "model", "sink_strength", "last_k", "n_layers", "attention_layers", "k_share"]
+    head += ["qk_norm", "qk_norm_source"] + [f"{t}_{k}" for t in tasks for k in fields]
+    rows = []
+    for m in result.models:
+        row = [m.setting, str(m.rank), m.slug, f"{m.sink_strength:.6f}", str(m.last_k), str(m.n_layers)]
+        row += [str(m.attention_layers), "" if m.k_share is None else f"{m.k_share:.4f}", m.qk_norm, m.qk_norm_source]
+        for t in tasks:
+            p = m.predictions[t]
+            if p["predicted"]:
+                row += [f"{p['predicted_delta']:.6f}", *(f"{v:.6f}" for v in p["interval"])]
+                row += [str(p["outside_fitted_range"]), str(not p["same_setting"]), ""]
+            else:
+                row += ["", "", "", "", "", p["why_not"] or ""]
+        rows.append(row)
     return csv_text(head, rows)

@@ -3,8 +3,11 @@
 S = median (or mean) over (last K attention layers, all heads, all query positions >= 1) of
 `sink_logodds[layer, head, query]` (arXiv 2609.00746). K = 10 by default, clipped to the number
 of attention layers (hybrids' conv / linear-attention layers are not attention layers; see
-capture.attention_layers). With learned sinks (gpt-oss) the sink may be the virtual key (see
-capture.py); the share of such rows and the median virtual-key mass are reported beside S.
+capture.attention_layers). K is a fixed count of layers, as the paper's, so on models of different
+depth it is a different share of their layers (shown beside every S, `comparability.py`); `"N%"`
+takes that share of each model's attention layers instead (`k_for`). With learned sinks (gpt-oss)
+the sink may be the virtual key (see capture.py); the share of such rows and the median
+virtual-key mass are reported beside S.
 `rows="all"` uses every row (the paper's definition); `rows="content"` only the rows of the
 user message's own tokens. S over all, content and template rows is always reported, with the
 share of template rows, because an injected default system prompt can fix most of the median.
@@ -47,6 +50,40 @@ S_MEANING = (
 ABSENT_POS0_FRACTION = 0.25  # below this share of rows sinking at position 0, with S < 0, there is no sink to measure
 
 
+def parse_last_k(value: int | str | None) -> int | str | None:
+    """K as given: a count of last attention layers (the paper's), `"N%"` of each model's attention layers, or
+    None / `"all"` for all of them; a count is returned as an int, a share as its canonical `"N%"` text."""
+    if value is None or value == "all":
+        return None
+    if isinstance(value, str) and value.strip().endswith("%"):
+        try:
+            share = float(value.strip()[:-1])
+        except ValueError:
+            share = -1.0
+        if not 0 < share <= 100:
+            raise UserError(f"--last-k {value!r} is not a share of the layers", "use e.g. --last-k 33% (0 < N <= 100)")
+        return f"{share:g}%"
+    try:
+        k = int(value)
+    except (TypeError, ValueError):
+        raise UserError(
+            f"--last-k must be a number, a share or 'all', got {value!r}", "use e.g. --last-k 10, 33% or all"
+        ) from None
+    if k <= 0:
+        raise UserError(f"--last-k must be positive, got {k}", "use e.g. --last-k 10, or --last-k all")
+    return k
+
+
+def k_for(last_k: int | str | None, n_attention_layers: int) -> int:
+    """How many of a model's `n_attention_layers` the last K takes: the count clipped to the depth, a share
+    rounded half up (at least one layer), or all of them."""
+    if last_k is None:
+        return n_attention_layers
+    if isinstance(last_k, str):
+        return max(1, min(n_attention_layers, int(float(last_k[:-1]) * n_attention_layers / 100 + 0.5)))
+    return min(last_k, n_attention_layers)
+
+
 def absent_sink_note(sink_strength: float, pos0_argmax_fraction: float) -> str | None:
     """The note for a model with effectively no attention sink (position 0 the argmax in under a quarter of rows
     and S < 0: random or broken weights), whose S ranks nothing; None for any other model."""
@@ -63,7 +100,7 @@ class StrengthSettings:
     """Every knob of a Sink Strength measurement (one source of truth for the defaults; the batching ones are
     `calibration.Batching`'s). RUN_FIELDS change memory and speed only, so `key_fields` leaves them out."""
 
-    last_k: int | None = DEFAULT_LAST_K  # None = all layers
+    last_k: int | str | None = DEFAULT_LAST_K  # a count of last attention layers, "N%" of them, None = all
     statistic: str = "median"
     rows: str = "all"
     n_prompts: int | None = None  # None = all prompts of the set (15 builtin)
@@ -76,8 +113,8 @@ class StrengthSettings:
     query_chunk: int = _RUN.query_chunk
 
     def __post_init__(self) -> None:
-        if self.last_k is not None and self.last_k <= 0:
-            raise UserError(f"--last-k must be positive, got {self.last_k}", "use e.g. --last-k 10, or --last-k all")
+        if self.last_k is not None and parse_last_k(self.last_k) != self.last_k:
+            raise UserError(f"--last-k {self.last_k!r} is not canonical", f"use {parse_last_k(self.last_k)!r}")
         if self.statistic not in STATISTICS:
             raise UserError(f"unknown statistic {self.statistic!r}", f"use one of {', '.join(STATISTICS)}")
         if self.rows not in ROWS:
@@ -92,10 +129,9 @@ class StrengthSettings:
         return {k: v for k, v in asdict(self).items() if k not in RUN_FIELDS}
 
     def layers_for(self, attention_layers: Sequence[int] | int) -> tuple[int, ...]:
-        """The last K of the model's attention layers (all of them when K is None); an int n means layers 0..n-1."""
+        """The last K of the model's attention layers (`k_for`); an int n means layers 0..n-1."""
         att = tuple(range(attention_layers)) if isinstance(attention_layers, int) else tuple(attention_layers)
-        k = len(att) if self.last_k is None else min(self.last_k, len(att))
-        return att[len(att) - k :]
+        return att[len(att) - k_for(self.last_k, len(att)) :]
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,50 +362,6 @@ def result_key(
     from lm_eval_sink.io import versioned_key
 
     return versioned_key(inputs_key(name_path, fingerprint, settings, dtype), versions)
-
-
-RANKING_HEAD = (
-    "rank",
-    "model",
-    "sink_strength",
-    "content_rows",
-    "template_rows",
-    "template_row_fraction",
-    "pos0_argmax_fraction",
-    "pos0_mass_median",
-    "last_k",
-    "n_layers",
-)
-
-
-def ranking_rows(results: Sequence[tuple[str, SinkStrength]]) -> list[tuple[str, SinkStrength]]:
-    """(slug, result) pairs by falling S: the order of the ranking table and plot."""
-    return sorted(results, key=lambda r: -r[1].sink_strength)
-
-
-def ranking_markdown(ranked: Sequence[tuple[str, SinkStrength]]) -> str:
-    """The lines above the ranking table: what S means, and a note per model without a sink to measure."""
-    notes = "".join(f"- {s}: {r.sink_note}\n" for s, r in ranked if r.sink_note)
-    return f"Models by Sink Strength S, highest first: {S_MEANING}.\n\n" + (notes + "\n" if notes else "")
-
-
-def ranking_table(ranked: Sequence[tuple[str, SinkStrength]]) -> list[list[str]]:
-    """The cells of the ranking table (header RANKING_HEAD), one row per model in the given order."""
-    return [
-        [
-            str(i + 1),
-            s,
-            f"{r.sink_strength:.4f}",
-            fmt_optional(r.sink_strength_content_rows),
-            fmt_optional(r.sink_strength_template_rows),
-            f"{r.template_row_fraction:.3f}",
-            f"{r.pos0_argmax_fraction:.3f}",
-            f"{r.pos0_mass_median:.3f}",
-            str(r.last_k),
-            str(r.n_layers),
-        ]
-        for i, (s, r) in enumerate(ranked)
-    ]
 
 
 def fmt_optional(x: float | None) -> str:

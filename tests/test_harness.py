@@ -71,6 +71,18 @@ def test_mission_command_one_results_file(smollm2_instruct_run, default_model):
 
 
 @pytest.mark.slow
+def test_limit_is_said_once_in_the_console(smollm2_instruct_run):
+    """The shared run's own console log (lm_eval --tasks sink_strength,... --limit 5 at lm-eval's default verbosity):
+    one line says that the calibration set was used whole, and S is shown with K's share of the layers."""
+    folder = smollm2_instruct_run.folder
+    logs = sorted(next(p for p in (folder, *folder.parents) if (p / "logs").is_dir()).joinpath("logs").glob("*.log"))
+    console = logs[-1].read_text(encoding="utf-8")
+    line = f"sink_strength: --limit {FIXTURE_LIMIT} not applied: S uses the whole calibration set (15 prompts)"
+    assert console.count(line) == 1, console[-3000:]
+    assert "sink_strength: S = " in console and "over the last 10 of 30 attention layers (33%)" in console
+
+
+@pytest.mark.slow
 def test_offline_stock_tasks_record_the_local_dataset(smollm2_instruct_run, shared_data):
     res = load_results(smollm2_instruct_run)
     cfg = res["configs"]["ifeval"]

@@ -34,6 +34,7 @@ TORCH_FREE = (
     "merging.scheduler",
     "tables",
     "report.view",
+    "comparability",
 )
 # Core modules take and return data; reading inputs and writing outputs is their commands/<subcommand>.py's.
 CORE = (
@@ -50,6 +51,7 @@ CORE = (
     "screen",
     "merging.sweep",
     "merging.scheduler",
+    "comparability",
 )
 # Calls that read or write files: builtins and pathlib methods, and the project's readers and writers.
 FILE_IO_CALLS = frozenset(

@@ -16,6 +16,7 @@ from lm_eval_sink.errors import UserError
 from lm_eval_sink.predict import (
     average_ranks,
     fit_pairs,
+    fit_table_markdown,
     fit_task,
     parse_pairs,
     permutation_test,
@@ -281,3 +282,34 @@ def test_fit_of_a_copy_of_the_shipped_file_is_recognised(tmp_path, capsys):
     assert main(["fit", str(copy)]) == 0
     out = capsys.readouterr().out
     assert "reported_rho" in out and "not saved" in out
+
+
+def test_prediction_interval_is_the_ols_interval_and_widens_with_distance():
+    """The interval against the matrix form of the OLS prediction variance, s^2 (1 + x0' (X'X)^-1 x0), with
+    scipy's t quantile at n - 2 degrees of freedom; narrowest at the pairs' mean S and wider on both sides."""
+    from scipy import stats
+
+    result = fit_pairs(read_pairs())
+    fit = result.tasks["ifeval"]
+    s, d = np.array(S), np.array(D)
+    x = np.column_stack([np.ones_like(s), s])
+    beta = np.linalg.lstsq(x, d, rcond=None)[0]
+    sigma2 = float((d - x @ beta) @ (d - x @ beta)) / (len(s) - 2)
+    inverse = np.linalg.inv(x.T @ x)
+    for at in (0.24, 1.18, 1.7321, 2.36, 4.4, -1.9):
+        x0 = np.array([1.0, at])
+        half = stats.t.ppf(0.975, len(s) - 2) * math.sqrt(sigma2 * (1 + x0 @ inverse @ x0))
+        assert fit.prediction_interval(at) == pytest.approx((beta @ x0 - half, beta @ x0 + half), abs=1e-9)
+    assert fit.residual_se == pytest.approx(math.sqrt(sigma2)) and fit.t_quantile == pytest.approx(2.7764451)
+    mean = float(s.mean())
+    widths = [fit.interval_half_width(mean + 0.5 * k) for k in range(6)]
+    assert all(a < b for a, b in itertools.pairwise(widths))
+    assert fit.interval_half_width(mean - 1.3) == pytest.approx(fit.interval_half_width(mean + 1.3))
+    assert fit.outside(2.37) and fit.outside(0.2) and not fit.outside(1.0)
+    # the paper's pairs were measured in a setting of their own: a fit that says so
+    assert result.settings["ifeval"][0] is None and "paper's own calibration prompts" in result.settings["ifeval"][1]
+    data = result.to_json()["tasks"]["ifeval"]
+    assert data["interval_level"] == 0.95 and data["setting"] is None and data["residual_se"] == fit.residual_se
+    md = fit_table_markdown(result)
+    assert "95% PI half-width at mean S" in md and "not an interval for a new model" in md
+    assert f"| {fit.interval_half_width(mean):.2f} | {fit.interval_half_width(0.24):.2f} |" in md

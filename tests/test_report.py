@@ -470,10 +470,11 @@ def test_output_reads_at_a_glance(report, outputs, smollm2_instruct_run):
         and "↓" not in rows["rows_beyond_window"]
     )
     s = results["results"]["sink_strength"]["sink_strength,none"]
-    line = table.rstrip("\n").splitlines()[-1]
+    line, limit = table.rstrip("\n").splitlines()[-2:]
     assert line.startswith(
-        f"sink_strength: S = {s:.4f} over the last 10 of 30 attention layers; position 0 is the sink"
+        f"sink_strength: S = {s:.4f} over the last 10 of 30 attention layers (33%); position 0 is the sink"
     )
+    assert limit.startswith("sink_strength: --limit 5 not applied: S uses the whole calibration set (15 prompts)")
     assert "higher S = a stronger attention sink" in line
     log = next((smollm2_instruct_run.results.parents[1] / "logs").glob("lm_eval_*.log")).read_text()
     assert "ifeval: No `generation_kwargs`" not in log and "sink_strength: No `generation_kwargs`" not in log

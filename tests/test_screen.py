@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
+import yaml
 from helpers import make_tokenizer, save_sink_llama
 
 from lm_eval_sink.cli import main
@@ -94,35 +96,44 @@ def _expected_s(c: float, tok) -> float:
     return float(np.median(c - np.log(t)))
 
 
-def test_screen_ranks_predicts_and_warns(screen_models, tmp_path, capsys, monkeypatch):
+def test_screen_ranks_predicts_with_the_paper_line_on_request_and_warns(screen_models, tmp_path, capsys, monkeypatch):
     import lm_eval_sink.strength as strength
 
     strong, weak, tok = screen_models
     out = tmp_path / "screen"
-    assert main(["screen", str(weak), str(strong), "--output", str(out), "--quiet"]) == 0
+    assert main(["screen", str(weak), str(strong), "--paper-line", "--output", str(out), "--quiet"]) == 0
     printed = capsys.readouterr().out
     data = json.loads((out / "screen.json").read_text())
     fit = fit_pairs(read_pairs()).tasks["ifeval"]
     models = data["models"]
     assert [m["slug"] for m in models] == ["strong", "weak"] and [m["rank"] for m in models] == [1, 2]
+    assert {m["setting"] for m in models} == {"A"} and data["comparison"]["comparable"]
     for m, c in zip(models, (5.0, 2.5), strict=True):
         s = _expected_s(c, tok)
         assert m["sink_strength"] == pytest.approx(s, abs=1e-4)
-        assert m["qk_norm"] == "none" and m["last_k"] == 2 and m["n_layers"] == 2
+        assert m["qk_norm"] == "none" and m["last_k"] == 2 and m["n_layers"] == 2 and m["k_share"] == 1.0
         pred = m["predictions"]["ifeval"]
         assert pred["predicted_delta"] == pytest.approx(fit.slope * s + fit.intercept, abs=1e-3)
-        assert pred["loo_mae"] == pytest.approx(fit.loo_mae)
-        assert pred["extrapolated"] == (not fit.s_min <= s <= fit.s_max)
+        assert pred["interval"] == pytest.approx(list(fit.prediction_interval(s)), abs=1e-3)
+        assert pred["same_setting"] is False and "paper's own prompts" in pred["caveat"]
+        assert pred["outside_fitted_range"] == (not fit.s_min <= s <= fit.s_max)
         assert (out / "strength" / f"{m['slug']}.strength.json").is_file()
-    assert models[0]["predictions"]["ifeval"]["extrapolated"] and "outside the fitted range" in models[0]["warnings"][0]
-    assert not models[1]["predictions"]["ifeval"]["extrapolated"] and models[1]["warnings"] == []
-    assert any("comparable only within one setting" in n for n in data["notes"])
-    assert any("K = 2 of 2 layers (100% of depth)" in n for n in data["notes"])
-    assert data["fits"]["ifeval"]["spearman_rho"] == pytest.approx(fit.spearman_rho)
+    assert models[0]["predictions"]["ifeval"]["outside_fitted_range"]
+    assert "outside the fitted range" in models[0]["warnings"][0]
+    assert not models[1]["predictions"]["ifeval"]["outside_fitted_range"] and models[1]["warnings"] == []
+    # the caveat beside each number, never a bare "delta +- error"
+    rows = [line for line in printed.splitlines() if line.startswith("| A |")]
+    assert len(rows) == 2 and all("(paper's line, another setting)" in r and "±" not in r for r in rows)
+    assert "; outside the fitted range" in rows[0] and "; outside the fitted range" not in rows[1]
+    assert "leave-one-pair-out MAE 2.6 points" in printed and "not an interval" in printed
+    assert data["predictions_from"] == "paper_line" and data["fits"]["ifeval"]["spearman_rho"] == pytest.approx(
+        fit.spearman_rho
+    )
     assert "warning: strong: ifeval: S = " in printed
     for name in ("screen.md", "screen.csv", "screen.png"):
         assert (out / name).stat().st_size > 0
-    assert (out / "screen.csv").read_text().splitlines()[0].startswith("rank,model,sink_strength")
+    csv_head = (out / "screen.csv").read_text().splitlines()[0]
+    assert csv_head.startswith("setting,rank,model,sink_strength") and "ifeval_across_settings" in csv_head
     before = (out / "screen.json").read_bytes()
     assert main(["screen", str(weak), "--output", str(out), "--quiet"]) == 2
     err = capsys.readouterr().err
@@ -136,12 +147,82 @@ def test_screen_ranks_predicts_and_warns(screen_models, tmp_path, capsys, monkey
     assert (out / "screen.json").read_bytes() == before
 
 
+def _pairs_of_strength_files(tmp_path, tok, capsys, *options) -> tuple:
+    """Three reference models measured with `strength` (and `options`) and a PAIRS file naming their strength
+    files, with made-up deltas: (the PAIRS file, the pairs' S, their deltas)."""
+    refs = [save_sink_llama(tmp_path / f"ref{c}", [[c, c], [c, c]], tok) for c in (2.0, 3.0, 4.5)]
+    out = tmp_path / "pairs_strength"
+    assert main(["strength", *map(str, refs), "--last-k", "2", "--output", str(out), "--quiet", *options]) == 0
+    capsys.readouterr()
+    deltas = [-12.0, -7.5, -2.0]
+    pairs = [
+        {
+            "name": f"p{i}",
+            "reference": f"ref{i}",
+            "candidate": f"vlm{i}",
+            "source": "test",
+            "sink_strength": f"pairs_strength/{r.name}.strength.json",
+            "deltas": {"ifeval": d},
+        }
+        for i, (r, d) in enumerate(zip(refs, deltas, strict=True))
+    ]
+    path = tmp_path / "pairs.yaml"
+    path.write_text(yaml.safe_dump(pairs))
+    s = [json.loads((out / f"{r.name}.strength.json").read_text())["sink_strength"] for r in refs]
+    return path, s, deltas
+
+
+def test_screen_predicts_from_pairs_of_its_own_setting_with_intervals_that_widen(screen_models, tmp_path, capsys):
+    from scipy import stats
+
+    strong, weak, tok = screen_models
+    pairs, s, d = _pairs_of_strength_files(tmp_path, tok, capsys)
+    assert main(["screen", str(weak), str(strong), "--pairs", str(pairs), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    cells = {line.split("|")[3].strip(): line.split("|")[7].strip() for line in printed.splitlines() if "| A |" in line}
+    # an independent line and interval: scipy's regression, the residual variance, the t quantile with n - 2 df
+    reg = stats.linregress(s, d)
+    resid = np.array(d) - (reg.slope * np.array(s) + reg.intercept)
+    se = math.sqrt((resid**2).sum() / (len(s) - 2))
+    sxx = ((np.array(s) - np.mean(s)) ** 2).sum()
+    widths = []
+    for slug, c in (("strong", 5.0), ("weak", 2.5)):
+        x = _expected_s(c, tok)
+        half = stats.t.ppf(0.975, len(s) - 2) * se * math.sqrt(1 + 1 / len(s) + (x - np.mean(s)) ** 2 / sxx)
+        y = reg.slope * x + reg.intercept
+        assert cells[slug].startswith(f"{y:+.1f} [{y - half:+.1f}, {y + half:+.1f}]"), cells[slug]
+        assert "another setting" not in cells[slug]  # the pairs were measured like these models
+        widths.append((abs(x - np.mean(s)), half))
+    assert sorted(widths)[0][1] < sorted(widths)[1][1]  # farther from the pairs' mean S, a wider interval
+    assert "note: fit ifeval: 3 pairs measured in one setting" in printed
+
+
+def test_no_prediction_across_settings_without_the_paper_line(screen_models, tmp_path, capsys):
+    strong, _, tok = screen_models
+    other, _, _ = _pairs_of_strength_files(tmp_path, tok, capsys, "--n-prompts", "5")  # other prompts: another setting
+    for args in (["--pairs", str(other)], []):
+        assert main(["screen", str(strong), *args, "--quiet"]) == 0
+        printed = capsys.readouterr().out
+        row = next(line for line in printed.splitlines() if "| strong |" in line)
+        assert "[" not in row and "±" not in row, row  # no predicted number beside the model
+        if args:
+            assert "not predicted (see the notes)" in row
+            assert (
+                "ifeval not predicted for strong: the pairs were measured in another setting: calibration prompts"
+                in printed
+            )
+        else:
+            assert "no predicted deltas" in printed and "--paper-line" in printed
+    assert main(["screen", str(strong), "--pairs", str(other), "--paper-line", "--quiet"]) == 2
+    assert "--pairs and --paper-line" in capsys.readouterr().err
+
+
 def test_screen_without_output_writes_nothing(screen_models, tmp_path, capsys, monkeypatch):
     strong, _, _ = screen_models
     monkeypatch.chdir(tmp_path)
     assert main(["screen", str(strong), "--quiet"]) == 0
     printed = capsys.readouterr().out
-    assert "| 1 | strong |" in printed and "not saved" in printed
+    assert "| A | 1 | strong |" in printed and "not saved" in printed
     assert list(tmp_path.iterdir()) == []
 
 
@@ -171,13 +252,12 @@ def test_a_gguf_file_is_screened_and_measured_like_its_converted_folder(default_
     capsys.readouterr()
     assert main([str(a) for a in ["screen", "default", gguf, *argv]]) == 0
     printed = capsys.readouterr().out
-    row = next(line for line in printed.splitlines() if line.startswith("| 1 |"))  # ties keep the order given
+    row = next(line for line in printed.splitlines() if line.startswith("| A | 1 |"))  # ties keep the order given
     cells = [c.strip() for c in row.strip("|").split("|")]
-    s = float(cells[2])
-    assert cells[1] == "SmolLM2-135M-Instruct" and cells[4] == "none"
+    s = float(cells[3])
+    assert cells[2] == "SmolLM2-135M-Instruct" and cells[5] == "none"
     assert 1.0 < s < 2.5  # 1.7321 with all 15 builtin prompts (fp32)
-    fit = fit_pairs(read_pairs()).tasks["ifeval"]
-    assert cells[5].startswith(f"{fit.slope * s + fit.intercept:+.1f}")
+    assert cells[0] == "A" and cells[4].startswith("10/30 (33%)") and "no predicted deltas" in printed
     by_slug = {m["slug"]: m for m in json.loads((out / "screen.json").read_text())["models"]}
     assert by_slug[gguf.name]["sink_strength"] == by_slug[default_model.name]["sink_strength"]
     results = {n: json.loads((out / "strength" / f"{n}.strength.json").read_text()) for n in by_slug}

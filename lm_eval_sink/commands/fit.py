@@ -18,7 +18,9 @@ from lm_eval_sink.predict import (
 )
 
 
-def _strength_from_file(value: str, base: Path, where: str) -> float:
+def _strength_from_file(value: str, base: Path, where: str) -> tuple[float, Any]:
+    """S of a *.strength.json named in a PAIRS file, with the setting it was measured in."""
+    from lm_eval_sink.comparability import setting_of
     from lm_eval_sink.io import read_json
 
     path = Path(value).expanduser()
@@ -33,7 +35,7 @@ def _strength_from_file(value: str, base: Path, where: str) -> float:
         raise UserError(
             f"{where}: {path} has no 'sink_strength' key", "pass a *.strength.json written by `lm-eval-sink strength`"
         )
-    return finite(data["sink_strength"], where, f"sink_strength in {path}")
+    return finite(data["sink_strength"], where, f"sink_strength in {path}"), setting_of(data)
 
 
 def _shipped_bytes() -> bytes:
@@ -108,16 +110,7 @@ def run_fit(pairs_file: Path | str | None, output: Path | None, force: bool = Fa
         atomic_write_json(tmp / "fit.json", data)
         atomic_write_text(tmp / "fit.md", md)
         for task, f in sorted(result.tasks.items()):
-            fit_scatter(
-                f.names,
-                f.sink_strength,
-                f.deltas,
-                [qk[n] for n in f.names],
-                f.slope,
-                f.intercept,
-                task,
-                tmp / f"fit_{task}.png",
-            )
+            fit_scatter(f, [qk[n] for n in f.names], tmp / f"fit_{task}.png")
     written = [output / "fit.json", output / "fit.md"] + [output / f"fit_{task}.png" for task in sorted(result.tasks)]
     lines.append("wrote " + ", ".join(str(p) for p in written))
     return lines

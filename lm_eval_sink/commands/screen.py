@@ -4,7 +4,9 @@ folder.
 With `--output DIR`: each model's Sink Strength goes through `commands.strength.run_strength`
 into `DIR/strength/` (resumable by key there), then `screen.json`, `.md`, `.csv` and `.png` into
 `DIR` (refused before any work when they exist, unless `--force`); the folder is held with
-`locks.hold` for the run. Without it nothing is written.
+`locks.hold` for the run. Without it nothing is written. Predicted deltas need `--pairs` (pairs measured in the
+models' setting) or `--paper-line` (the paper's pairs, with the caveat beside each number); without either the
+screen is the ranking alone.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 from lm_eval_sink.devices import DEFAULT_DEVICE
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.screen import (
+    PAPER_LINE_CAVEAT,
     QKNorm,
     ScreenResult,
     classify_qk_norm,
@@ -98,12 +101,21 @@ def run_screen(
     force: bool = False,
     progress: bool = True,
     measure_all: Any = None,
+    paper_line: bool = False,
 ) -> list[str]:
     """Screen `names`; with `output` write screen.json/.md/.csv/.png and strength/<slug>.* there (holding its lock).
 
+    Predicted deltas come from a fit of `pairs_file`, where its pairs were measured in a model's setting, or with
+    `paper_line` from the paper's pairs with the caveat beside each number; neither: the ranking alone.
     `measure_all`: see `commands.strength.run_strength` (e.g. one Ray task per model). Returns the lines to print."""
+    if pairs_file is not None and paper_line:
+        raise UserError(
+            "--pairs and --paper-line both name the fit to predict from", "pass one: your pairs, or the paper's line"
+        )
+    fit = _fit(pairs_file, paper_line)  # a bad PAIRS file fails before any model is loaded
+    run = (names, slugs, settings, fit, paper_line, dtype, device, force, progress, measure_all)
     if output is None:
-        return _run(names, slugs, settings, pairs_file, None, dtype, device, force, progress, measure_all)
+        return _run(*run, pairs_file, None)
     from lm_eval_sink.io import check_not_inputs, check_writable
     from lm_eval_sink.locks import hold
     from lm_eval_sink.models import resolve_model
@@ -112,31 +124,40 @@ def run_screen(
     planned = [resolve_model(n, allow_gguf=True, convert=False) for n in names]
     check_not_inputs([output], inputs=[*planned, pairs_file, settings.prompts_file], option="--output")
     with hold(Path(output)):
-        return _run(names, slugs, settings, pairs_file, Path(output), dtype, device, force, progress, measure_all)
+        return _run(*run, pairs_file, Path(output))
+
+
+def _fit(pairs_file: Path | str | None, paper_line: bool) -> Any:
+    """The fit predictions come from: of the PAIRS file, of the paper's table on request, else None."""
+    from lm_eval_sink.commands.fit import read_pairs
+    from lm_eval_sink.predict import fit_pairs
+
+    if pairs_file is None and not paper_line:
+        return None
+    return fit_pairs(read_pairs(pairs_file))
 
 
 def _run(
     names: list[str],
     slugs: list[str],
     settings: Any,
-    pairs_file: Path | str | None,
-    output: Path | None,
+    fit: Any,
+    paper_line: bool,
     dtype: str,
     device: str,
     force: bool,
     progress: bool,
     measure_all: Any,
+    pairs_file: Path | str | None,
+    output: Path | None,
 ) -> list[str]:
-    """Fit the pairs, measure each model (its result kept in `output/strength` when saving), rank and predict, then
-    return the lines to print, having written the screen's files when saving."""
+    """Measure each model (its result kept in `output/strength` when saving), rank and predict, then return the lines
+    to print, having written the screen's files when saving."""
     from lm_eval_sink.calibration import load_prompts
-    from lm_eval_sink.commands.fit import read_pairs
     from lm_eval_sink.commands.strength import check_output, unique_slugs
     from lm_eval_sink.models import resolve_model
-    from lm_eval_sink.predict import fit_pairs
     from lm_eval_sink.strength import measure_model
 
-    fit = fit_pairs(read_pairs(pairs_file))  # a bad PAIRS file fails before any model is loaded
     load_prompts(Path(settings.prompts_file) if settings.prompts_file else None, settings.n_prompts)
     slugs = unique_slugs(slugs)
     if output is not None:  # before `default` is converted
@@ -156,14 +177,14 @@ def _run(
             if measure_all is not None
             else [measure_model(p, settings, dtype=dtype, device=device, progress=progress) for p in paths]
         )
-    result = screen(
-        names, slugs, paths, strengths, classes, fit, [None if f is None else str(f) for f in strength_files]
-    )
+    files_saved = [None if f is None else str(f) for f in strength_files]
+    result = screen(names, slugs, paths, strengths, classes, fit, files_saved, paper_line)
     md = screen_table_markdown(result)
     out_lines = md.rstrip("\n").splitlines() + [f"warning: {m.slug}: {w}" for m in result.models for w in m.warnings]
     if output is None:
         return [*out_lines, "not saved (pass --output DIR to write screen.json, tables and the plot)"]
-    _write(result, md, fit, files, settings, dtype, device)
+    _write(result, md, files, settings, dtype, device)
+    lines = [line for line in lines if line not in out_lines]  # the setting lines once, under the table
     return lines + out_lines + ["wrote " + ", ".join(str(p) for p in files)]
 
 
@@ -215,8 +236,8 @@ def _measure_saved(
     return lines, strength_files, [SinkStrength.from_json(read_json(f)) for f in strength_files]
 
 
-def _write(result: ScreenResult, md: str, fit: Any, files: list[Path], settings: Any, dtype: str, device: str) -> None:
-    """screen.json (with its provenance), screen.md, screen.csv and the fit's plot with the screened models."""
+def _write(result: ScreenResult, md: str, files: list[Path], settings: Any, dtype: str, device: str) -> None:
+    """screen.json (with its provenance), screen.md, screen.csv and the figure."""
     from lm_eval_sink.io import atomic_write_json, atomic_write_text, provenance
     from lm_eval_sink.strength import key_versions
 
@@ -234,26 +255,33 @@ def _write(result: ScreenResult, md: str, fit: Any, files: list[Path], settings:
     atomic_write_json(files[0], data)
     atomic_write_text(files[1], md)
     atomic_write_text(files[2], screen_csv(result))
-    _fit_plot(result, fit, files[3])
+    _plot(result, files[3])
 
 
-def _fit_plot(result: ScreenResult, fit: Any, path: Path) -> None:
-    """The pairs' S against their delta with the fitted line, for IFEval when fitted (else the first task), and
-    each screened model at its predicted delta."""
-    from lm_eval_sink.plots import fit_scatter
+def _plot(result: ScreenResult, path: Path) -> None:
+    """With predictions: a task's pairs, line and prediction band with each predicted model at its delta and interval
+    (IFEval when predicted, else the first task predicted); without: the ranking by setting."""
+    from lm_eval_sink.plots import fit_scatter, ranking_bars
 
-    tasks = sorted(fit.tasks)
-    first = tasks[0] if "ifeval" not in tasks else "ifeval"
-    f = fit.tasks[first]
-    qk = {p.name: p.qk_norm for p in fit.table.pairs}
+    tasks = sorted({t for m in result.models for t, p in m.predictions.items() if p["predicted"]})
+    if not tasks:
+        ranking_bars(
+            [m.slug for m in result.models],
+            [m.sink_strength for m in result.models],
+            "Screened models by Sink Strength (no predicted deltas: see screen.md)",
+            path,
+            groups=[m.setting for m in result.models],
+            legend=result.comparison.legend(),
+        )
+        return
+    task = "ifeval" if "ifeval" in tasks else tasks[0]
+    f = result.fit.tasks[task]
+    qk = {p.name: p.qk_norm for p in result.fit.table.pairs}
+    shown = [(m, m.predictions[task]) for m in result.models if m.predictions[task]["predicted"]]
     fit_scatter(
-        f.names,
-        f.sink_strength,
-        f.deltas,
+        f,
         [qk[n] for n in f.names],
-        f.slope,
-        f.intercept,
-        first,
         path,
-        screened=[(m.slug, m.sink_strength, m.predictions[first]["predicted_delta"]) for m in result.models],
+        screened=[(m.slug, m.sink_strength, p["predicted_delta"], *p["interval"]) for m, p in shown],
+        note=f"across settings: {PAPER_LINE_CAVEAT}" if result.paper_line else None,
     )

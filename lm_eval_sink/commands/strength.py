@@ -2,7 +2,8 @@
 ranking.
 
 The output folder holds `<slug>.strength.json` + `<slug>.heatmap.png` per model, and with several
-models `ranking.md`, `ranking.csv`, `ranking.png`; several runs may fill one folder. The unit of
+models `ranking.md`, `ranking.csv`, `ranking.json`, `ranking.png` (by S within each setting:
+`comparability.py`); several runs may fill one folder. The unit of
 resume is one model's JSON (written atomically as soon as it is measured): its
 `provenance.input_key` is the key of its inputs (model path, content fingerprint, the settings
 that decide S, dtype: `inputs_key`; not the batching or the device, so a result made at batch 1
@@ -22,8 +23,16 @@ from typing import Any
 
 from lm_eval_sink.devices import DEFAULT_DEVICE
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.strength import (
+from lm_eval_sink.comparability import (
     RANKING_HEAD,
+    compare,
+    rank_strengths,
+    ranking_json,
+    ranking_markdown,
+    ranking_table,
+    setting_of,
+)
+from lm_eval_sink.strength import (
     S_MEANING,
     SinkStrength,
     StrengthSettings,
@@ -31,9 +40,6 @@ from lm_eval_sink.strength import (
     inputs_key,
     key_versions,
     measure_model,
-    ranking_markdown,
-    ranking_rows,
-    ranking_table,
     result_key,
 )
 
@@ -56,7 +62,7 @@ def run_strength(
 ) -> list[str]:
     """Measure each model and write `<slug>.strength.json` + `<slug>.heatmap.png` into `output`.
 
-    With several models also `ranking.md`, `ranking.csv` and `ranking.png`. A model whose JSON
+    With several models also `ranking.md`, `ranking.csv`, `ranking.json` and `ranking.png`. A model whose JSON
     already exists with the same input key is reused (an interrupted run resumes); a different
     key is refused unless `force`. Returns the lines to print. `measure_all(paths, settings, dtype,
     device)` measures every model to (re)do at once (e.g. one Ray task each, `engines.ray_measure_all`),
@@ -183,6 +189,7 @@ def _run_locked(
         )
         results.append((m.slug, res))
         lines += _model_lines(m, res, png)
+    lines += compare([s for s, _ in results], [setting_of(r.to_json()) for _, r in results]).lines()
     lines.append(f"({S_MEANING})")
     if len(names) > 1:
         lines.append(_write_ranking(results, output))
@@ -265,9 +272,10 @@ def _measure_todo(
 
 def _model_lines(m: _Model, res: SinkStrength, png: Path) -> list[str]:
     """What a run prints for one model: S with how it was measured and where it went, and its note if any."""
+    depth = len(res.attention_layers) or res.n_layers
     line = (
         f"{m.slug}: S = {res.sink_strength:.4f} (last {res.last_k} of "
-        f"{len(res.attention_layers) or res.n_layers} attention layers, {res.statistic}, "
+        f"{depth} attention layers ({res.last_k / depth:.0%}), {res.statistic}, "
         f"rows={res.rows}; "
         f"content rows {fmt_optional(res.sink_strength_content_rows)}, template rows "
         f"{fmt_optional(res.sink_strength_template_rows)}, template share "
@@ -278,15 +286,24 @@ def _model_lines(m: _Model, res: SinkStrength, png: Path) -> list[str]:
 
 
 def _write_ranking(results: list[tuple[str, SinkStrength]], output: Path) -> str:
-    """ranking.md, ranking.csv and ranking.png of several models, by falling S; the line saying where they went."""
-    from lm_eval_sink.io import atomic_write_text
+    """ranking.md, ranking.csv, ranking.json and ranking.png of several models, by falling S within each setting; the
+    line saying where they went."""
+    from lm_eval_sink.io import atomic_write_json, atomic_write_text
     from lm_eval_sink.plots import ranking_bars
     from lm_eval_sink.tables import csv_text, markdown_table
 
-    ranked = ranking_rows(results)
-    rows = ranking_table(ranked)
-    md, csv, plot = output / "ranking.md", output / "ranking.csv", output / "ranking.png"
-    atomic_write_text(md, ranking_markdown(ranked) + markdown_table(RANKING_HEAD, rows))
-    atomic_write_text(csv, csv_text(RANKING_HEAD, rows))
-    ranking_bars([s for s, _ in ranked], [r.sink_strength for _, r in ranked], "Sink Strength ranking", plot)
-    return f"ranking -> {md}, {csv}, {plot}"
+    ranking = rank_strengths(results)
+    rows = ranking_table(ranking)
+    files = [output / f"ranking.{ext}" for ext in ("md", "csv", "json", "png")]
+    atomic_write_text(files[0], ranking_markdown(ranking) + markdown_table(RANKING_HEAD, rows))
+    atomic_write_text(files[1], csv_text(RANKING_HEAD, rows))
+    atomic_write_json(files[2], ranking_json(ranking))
+    ranking_bars(
+        [s for s, _ in ranking.rows],
+        [r.sink_strength for _, r in ranking.rows],
+        "Sink Strength ranking",
+        files[3],
+        groups=ranking.labels,
+        legend=ranking.comparison.legend(),
+    )
+    return "ranking -> " + ", ".join(str(f) for f in files)

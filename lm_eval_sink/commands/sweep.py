@@ -575,13 +575,17 @@ def _maybe_delete_weights(
 # --- the table -------------------------------------------------------------------------------
 
 
-def _saved_outputs(plan: Plan, markers: Markers) -> tuple[dict[str, Any], dict[str, Any], dict[str, float]]:
-    """Per checkpoint with a finished unit: its lm-eval results, their protocol fingerprint, its saved S."""
+def _saved_outputs(
+    plan: Plan, markers: Markers
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, float], dict[str, Any]]:
+    """Per checkpoint with a finished unit: its lm-eval results, their protocol fingerprint, its saved S and the
+    setting S was measured in (`comparability.setting_of`)."""
+    from lm_eval_sink.comparability import setting_of
     from lm_eval_sink.protocols import fingerprint_run
     from lm_eval_sink.runs import load_results, resolve_run
 
     by_id = {u.id: u for u in plan.units}
-    results, fingerprints, strengths = {}, {}, {}
+    results, fingerprints, strengths, settings = {}, {}, {}, {}
     for ck in plan.checkpoints:
         ev = by_id.get(f"eval:{ck.name}")
         complete = current(ev, markers) if ev is not None else None
@@ -591,8 +595,9 @@ def _saved_outputs(plan: Plan, markers: Markers) -> tuple[dict[str, Any], dict[s
             fingerprints[ck.name] = fingerprint_run(run)
         st = by_id.get(f"strength:{ck.name}")
         if st is not None and current(st, markers) is not None:
-            strengths[ck.name] = json.loads((st.output / "strength.json").read_text(encoding="utf-8"))["sink_strength"]
-    return results, fingerprints, strengths
+            saved = json.loads((st.output / "strength.json").read_text(encoding="utf-8"))
+            strengths[ck.name], settings[ck.name] = saved["sink_strength"], setting_of(saved)
+    return results, fingerprints, strengths, settings
 
 
 def write_table(table: dict[str, Any], out: Path) -> list[Path]:

@@ -436,7 +436,9 @@ def _compact_matrices(result_dict: dict[str, Any]) -> dict[str, Any]:
 
 def strength_lines(result_dict: dict[str, Any]) -> list[str]:
     """One line per Sink Strength task of a results dict: S and its companions in words, what S means, and the
-    note of a model without a sink."""
+    note of a model without a sink; then a line for what was asked and not applied (the chat template, K beyond
+    the depth, `--limit` / `--samples`, which never cut the calibration set)."""
+    from lm_eval_sink.comparability import setting_of_results
     from lm_eval_sink.strength import S_MEANING, absent_sink_note
 
     lines = []
@@ -444,11 +446,11 @@ def strength_lines(result_dict: dict[str, Any]) -> list[str]:
         s, pos0 = m.get("sink_strength,none"), m.get("pos0_argmax_fraction,none")
         if not isinstance(s, float) or not isinstance(pos0, float):
             continue
-        last_k = ((result_dict.get("configs") or {}).get(task, {}).get("metadata") or {}).get("last_k")
-        layers = m.get("attention_layers,none")
-        depth = len(layers) if isinstance(layers, list) else "the"
-        where = f"all {depth}" if last_k in (None, "all") else f"the last {last_k} of {depth}"
-        parts = [f"{task}: S = {s:.4f} over {where} attention layers"]
+        setting = setting_of_results(result_dict, task)
+        depth = setting.attention_layers or "the"
+        share = "" if setting.k_share is None else f" ({setting.k_share:.0%})"
+        where = f"all {depth}" if setting.last_k_asked is None else f"the last {setting.last_k} of {depth}"
+        parts = [f"{task}: S = {s:.4f} over {where} attention layers{share}"]
         parts.append(f"position 0 is the sink in {100 * pos0:.1f}% of rows")
         content, template = m.get("sink_strength_content_rows,none"), m.get("sink_strength_template_rows,none")
         if isinstance(content, float) and isinstance(template, float):
@@ -459,7 +461,19 @@ def strength_lines(result_dict: dict[str, Any]) -> list[str]:
             )
         note = absent_sink_note(s, pos0)
         lines.append("; ".join(parts) + (f"; note: {note}" if note else "") + f". ({S_MEANING})")
+        lines += [f"{task}: note: {line.removeprefix(task + ': ')}" for line in setting.asked_not_applied(task)]
+        lines += _limit_line(result_dict, task)
     return lines
+
+
+def _limit_line(result_dict: dict[str, Any], task: str) -> list[str]:
+    """The one line saying that --limit / --samples did not cut the calibration set, when either was given."""
+    ignored = ((result_dict.get("configs") or {}).get(task, {}).get("metadata") or {}).get("limit_ignored")
+    if ignored is None:
+        return []
+    n = ((result_dict.get("n-samples") or {}).get(task) or {}).get("effective")
+    asked = f"--limit {ignored}" if not str(ignored).startswith("samples=") else f"--samples ({ignored})"
+    return [f"{task}: {asked} not applied: S uses the whole calibration set ({n} prompts), whatever the limit"]
 
 
 def _wrap_table(original: Any) -> Any:

@@ -13,7 +13,8 @@ results JSON gets exactly the single-process S, companion figures and layer x he
 mean of per-prompt values, whichever rank measured which prompt. In the samples file the arrays
 appear once per document, under the `sink_strength` metric; the other metrics and the responses
 show a short note. `--limit` and `--samples` never cut the calibration set (recorded as
-`limit_ignored` in the task's metadata); `--predict_only` keeps the metrics (S is the output).
+`limit_ignored` in the task's metadata, and said in one line under lm-eval's results table:
+`discovery.strength_lines`); `--predict_only` keeps the metrics (S is the output).
 Only the `hf` backend gives access to attention. Under another backend whose `pretrained` transformers
 can load (`--model vllm`), the start-up hook measures the rows first, with transformers in a child
 process (`measure_first.py`), and the request method this module gives lm-eval's base `LM` class
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import logging
 from dataclasses import asdict, dataclass
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -39,9 +39,8 @@ from lm_eval.api.model import LM
 from lm_eval.api.task import ConfigurableTask
 from lm_eval.models.huggingface import HFLM
 
-from lm_eval_sink.strength import SinkStrength, StrengthSettings, prompt_statistic, reduce_captures
+from lm_eval_sink.strength import SinkStrength, StrengthSettings, parse_last_k, prompt_statistic, reduce_captures
 
-log = logging.getLogger(__name__)
 
 REQUEST_TYPE = "sink_strength"
 PRIMARY = "sink_strength"  # the metric whose samples-file value holds each document's arrays
@@ -56,7 +55,7 @@ def settings_from_metadata(meta: dict[str, Any]) -> StrengthSettings:
     last_k = meta.get("last_k", defaults.last_k)
     batch_size = meta.get("batch_size", defaults.batch_size)
     return StrengthSettings(
-        last_k=None if last_k in (None, "all") else int(last_k),
+        last_k=parse_last_k(last_k),
         statistic=str(meta.get("statistic", defaults.statistic)),
         rows=str(meta.get("rows", defaults.rows)),
         n_prompts=meta.get("n_prompts", defaults.n_prompts),
@@ -104,8 +103,8 @@ class SinkStrengthTask(ConfigurableTask):
         self, *, limit: int | None = None, samples: list[int] | None = None, tokenizer_name: str = "", **kwargs: Any
     ) -> None:
         if limit is not None or samples:
+            # said once, under lm-eval's results table (`discovery.strength_lines`)
             self.config.metadata["limit_ignored"] = limit if limit is not None else f"samples={list(samples or [])}"
-            log.info("%s: --limit/--samples ignored: the calibration set is always used whole", self.config.task)
         # lm-eval's request-cache key (--cache_requests) is made of the task name, few-shot, rank, chat template,
         # system prompt and `tokenizer_name`, which is used for nothing else: the digest joins it there, so other
         # settings or prompts never reuse another run's requests.

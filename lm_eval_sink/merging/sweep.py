@@ -383,12 +383,16 @@ def build_table(
     results: dict[str, Any],
     fingerprints: dict[str, Any],
     strengths: dict[str, float],
+    strength_settings: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Rows = checkpoints, columns = each task metric, its delta vs the reference, S (the caller adds provenance).
 
     `results` / `fingerprints` / `strengths`: per checkpoint with a finished unit, its lm-eval
-    results JSON, `protocols.Fingerprint` and saved S.
+    results JSON, `protocols.Fingerprint` and saved S; `strength_settings`: the `comparability.Setting` of each
+    saved S, so that S measured in different settings are marked (`s_setting`, `strength_comparability`).
     """
+    from lm_eval_sink.comparability import compare
+
     from lm_eval_sink.protocols import require_same_harness
 
     require_same_harness(fingerprints)
@@ -398,6 +402,11 @@ def build_table(
     for name in [c.name for c in plan.checkpoints]:
         columns += [m for m in metrics.get(name, {}) if m not in columns]
     rows = [_row(ck, _status(ck, failures), columns, metrics, strengths) for ck in plan.checkpoints]
+    settings = strength_settings or {}
+    comparison = compare(list(settings), list(settings.values())) if settings else None
+    labels = {} if comparison is None else dict(zip(comparison.names, comparison.labels, strict=True))
+    for r in rows:
+        r["s_setting"] = labels.get(r["checkpoint"])
     limit = plan.spec.eval.limit if plan.spec.eval is not None else None
     return {
         "schema_version": 1,
@@ -413,6 +422,7 @@ def build_table(
             "model_differences": _model_differences(fingerprints),
         },
         "strength_settings": None if plan.spec.strength is None else asdict(plan.spec.strength),
+        "strength_comparability": None if comparison is None else comparison.to_json(),
     }
 
 
@@ -470,6 +480,8 @@ def table_text(table: dict[str, Any]) -> tuple[str, str]:
     from lm_eval_sink.strength import S_MEANING
 
     cols = table["columns"]
+    strength_notes = (table.get("strength_comparability") or {}).get("notes") or []
+    comparable = (table.get("strength_comparability") or {}).get("comparable", True)
 
     def head(names: list[str]) -> list[str]:
         return ["checkpoint", "method", *[x for c in names for x in (c, f"{c} delta")], "S", "S delta", "status"]
@@ -479,7 +491,7 @@ def table_text(table: dict[str, Any]) -> tuple[str, str]:
             r["checkpoint"],
             r["method"] or r["role"],
             *[x for c in cols for x in (_fmt(r["metrics"][c]), _fmt(r["delta_vs_reference"][c], True))],
-            _fmt(r["sink_strength"]),
+            _fmt(r["sink_strength"]) + (f" ({r.get('s_setting')})" if r.get("s_setting") and not comparable else ""),
             _fmt(r["sink_strength_delta_vs_reference"], True),
             r["status"],
         ]
@@ -488,7 +500,7 @@ def table_text(table: dict[str, Any]) -> tuple[str, str]:
     md = f"Merging sweep ({table['lineage']} lineage); deltas vs the reference.\n"
     if not table["final"]:
         md += f"**Not final scores:** {table['final_note']}.\n"
-    md += f"S: {S_MEANING}.\n"
+    md += f"S: {S_MEANING}.\n" + "".join(f"S, {line}\n" for line in strength_notes)
     labels = metric_labels(cols, load_benchmarks())
     return md + "\n" + markdown_table(head(labels), rows), csv_text(head(cols), rows)
 

@@ -5,7 +5,8 @@ Rules:
   relative to the report) and the RFC 6901 JSON pointer it was read from, so a reader can trace it.
 - A section exists only when its input was given.
 - Sink Strength S comes from the `--strength` files when given, else from margin.json; where both
-  hold S and they differ (beyond 1e-6) the mismatch is noted and the strength files are shown.
+  hold S and they differ (beyond 1e-6) the mismatch is noted and the strength files are shown. Each S
+  shows its setting (`comparability.compare`); two S measured in different settings are flagged.
 - The headline comes from the IFEval buckets output, else the first one given.
 - Prompts and responses are plain text here; escaping is the template's job (autoescape).
 """
@@ -171,7 +172,34 @@ def _strength(inputs: ReportInputs) -> tuple[dict[str, Any] | None, list[str]]:
             parts |= {"s": [f"{role}_sink_strength"], "last_k": [*prov, "last_k"], "n_layers": [*prov, "n_layers"]}
             rows[role] = _strength_row(margin, parts)
     notes += [f"{role}: {r['note']}" for role, r in rows.items() if r["note"]]
-    return ({"rows": rows} if rows else None), notes
+    if not rows:
+        return None, notes
+    comparison = _strength_settings(inputs, list(rows))
+    for role, label, s in zip(comparison.names, comparison.labels, comparison.settings, strict=True):
+        share = None if s.k_share is None else f"{s.k_share:.0%}"
+        rows[role] |= {"setting": label, "attention_layers": s.attention_layers, "k_share": share}
+    if not comparison.comparable:
+        notes += [line for line in comparison.lines() if not line.startswith("setting ")]
+    return {"rows": rows, "settings": comparison.lines(), "comparable": comparison.comparable}, notes
+
+
+def _strength_settings(inputs: ReportInputs, roles: list[str]) -> Any:
+    """The settings of the S shown, compared (`comparability.compare`): from the strength files (a strength JSON or
+    an lm-eval results JSON) when given, else from margin.json."""
+    from lm_eval_sink.comparability import compare, setting_of, setting_of_margin, setting_of_results
+
+    settings = []
+    for role in roles:
+        if inputs.strength is None:
+            settings.append(setting_of_margin(inputs.margin.data, role))
+            continue
+        data = inputs.strength[("reference", "candidate").index(role)].data
+        if "sink_strength" in data:
+            settings.append(setting_of(data))
+        else:
+            tasks = sink_tasks(data)
+            settings.append(setting_of_results(data, "sink_strength" if "sink_strength" in tasks else tasks[0]))
+    return compare(roles, settings)
 
 
 def _main_kind(counts: Mapping[str, int] | None) -> tuple[str, int] | None:
@@ -378,6 +406,7 @@ def _sweep_section(d: Doc) -> dict[str, Any]:
     cols = list(data.get("columns") or [])
     series = sweep_series(data)
     styles = ["pts" if f == 100 else "f4" for f in series["scales"]]
+    mixed_s = get(data, "strength_comparability", "comparable") is False  # S of different settings: mark each row
     rows = []
     for i, r in enumerate(data.get("rows") or []):
         rows.append(
@@ -392,6 +421,7 @@ def _sweep_section(d: Doc) -> dict[str, Any]:
                 ],
                 "s": num(d, ["rows", i, "sink_strength"]),
                 "s_delta": num(d, ["rows", i, "sink_strength_delta_vs_reference"], "+f4"),
+                "s_setting": r.get("s_setting") if mixed_s else None,
             }
         )
     return {
@@ -402,6 +432,7 @@ def _sweep_section(d: Doc) -> dict[str, Any]:
         "lineage": data.get("lineage"),
         "final_note": data.get("final_note"),
         "model_differences": list(get(data, "protocol", "model_differences") or []),
+        "strength_notes": list(get(data, "strength_comparability", "notes") or []),
         "series": series,
     }
 
