@@ -14,6 +14,7 @@ import click
 from lm_eval_sink.calibration import Batching
 from lm_eval_sink.devices import DEFAULT_DEVICE, DEVICE_HELP, check_device
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.power import DEFAULT_EFFECT_POINTS
 
 _BATCHING = Batching()  # the defaults of --batch-size, --batch-tokens and --query-chunk
 
@@ -723,6 +724,21 @@ def eval_cmd(
 )
 @click.option("--max-gen-toks", type=int, default=None, help="Generation limit, when the samples do not record it.")
 @click.option(
+    "--effect",
+    type=float,
+    default=DEFAULT_EFFECT_POINTS,
+    show_default=True,
+    metavar="POINTS",
+    help="The drop whose power and documents needed are reported (points; a continuous metric: its unit).",
+)
+@click.option(
+    "--repeat",
+    default=None,
+    metavar="RUN",
+    help="A second run of the reference under the same protocol: the flip rate between the two, and how many "
+    "regressions it alone would explain.",
+)
+@click.option(
     "--bootstrap",
     "n_bootstrap",
     type=int,
@@ -758,6 +774,8 @@ def buckets(
     same_protocol,
     tokenizer,
     max_gen_toks,
+    effect,
+    repeat,
     n_bootstrap,
     confidence,
     seed,
@@ -781,6 +799,7 @@ def buckets(
         seed=seed,
         failure_kinds=failure_kinds,
         max_gen_toks=max_gen_toks,
+        effect=effect,
     )
     _, lines = run_buckets(
         reference,
@@ -793,6 +812,7 @@ def buckets(
         same_protocol=same_protocol,
         progress=not quiet,
         checkpoint=checkpoint,
+        repeat=repeat,
     )
     for line in lines:
         click.echo(line)

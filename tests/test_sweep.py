@@ -51,6 +51,10 @@ def test_sweep_writes_table_with_metrics_deltas_and_s(uninterrupted):
     assert dare["sink_strength"] != cand["sink_strength"]
     md = (out / "table.md").read_text()
     assert "| dare_linear | dare_linear |" in md and "S delta" in md
+    # a share of docs in points in the Markdown (one unit with buckets, report, attribute); lm-eval's value in the CSV
+    assert "Scores and deltas in points (x100 of lm-eval's share of docs): " in md
+    cells = f"| {100 * dare['metrics'][col]:.1f} | {100 * dare['delta_vs_reference'][col]:+.1f} |"
+    assert cells in md and f"{dare['metrics'][col]:.4f}" in (out / "table.csv").read_text()
     assert (out / "table.csv").read_text().splitlines()[0].startswith("checkpoint,method,")
     assert (out / "table.png").read_bytes()[:4] == b"\x89PNG"
     lines = [json.loads(x) for x in (out / "manifest.jsonl").read_text().splitlines()]

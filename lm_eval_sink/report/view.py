@@ -218,9 +218,30 @@ def _instruction_type_rows(d: Doc) -> list[dict[str, Any]]:
             "delta": num(d, ["instruction_types", i, "delta"], "+pts"),
             "p": num(d, ["instruction_types", i, "mcnemar_p"], "p"),
             "holm": num(d, ["instruction_types", i, "holm_p"], "p"),
+            "too_few": bool(t.get("too_few_to_test")),
         }
         for i, t in enumerate(d.data.get("instruction_types") or [])
     ]
+
+
+def _power(d: Doc, binary: bool) -> dict[str, Any] | None:
+    """What the comparison could have detected (buckets.json `power`), in points for a 0/1 metric."""
+    pw = d.data.get("power")
+    if not isinstance(pw, Mapping) or not pw:
+        return None
+    style = "pts" if binary else "f4"
+    return {
+        "too_few": pw.get("too_few"),
+        "method": pw.get("method"),
+        "unit": "points" if binary else f"{d.data.get('metric')} units",
+        "alpha": num(d, ["power", "alpha"], "f2"),
+        "target": num(d, ["power", "target_power"], "f2"),
+        "mde": num(d, ["power", "mde"], style),
+        "effect": num(d, ["power", "effect"], style),
+        "power": num(d, ["power", "power_at_effect"], "pts"),
+        "exact": num(d, ["power", "power_at_effect_exact"], "pts"),
+        "n_for_effect": num(d, ["power", "n_for_effect"], "int"),
+    }
 
 
 def _buckets_section(b: BucketsInput) -> dict[str, Any]:
@@ -260,6 +281,7 @@ def _buckets_section(b: BucketsInput) -> dict[str, Any]:
         "regressions": num(d, ["counts", "regression"], "int"),
         "table": _regression_rows(b),
         "types": _instruction_type_rows(d),
+        "power": _power(d, binary),
         "notes": list(data.get("notes") or []),
         "protocol_differences": [
             {
