@@ -365,7 +365,33 @@ def _compare(
         row["split_from"] = None
         if kind == "protocol_artefact":
             row["protocol_part"] = row["gap"]
+    row["explanation"] = split_explanation(row["gap"], row["access"], row["capacity"], bench.lenient if bench else None)
     return row
+
+
+def split_explanation(
+    gap: float | None, access: float | None, capacity: float | None, lenient: str | None
+) -> str | None:
+    """One sentence, with the figures, when a part exceeds the gap or takes the opposite sign (None otherwise): the
+    parts are capacity = the gap under lenient answer extraction and access = gap - capacity, which need not lie
+    between 0 and the gap."""
+    if gap is None or access is None or capacity is None:
+        return None
+    tol = 1e-9
+    larger = [name for name, v in (("access", access), ("capacity", capacity)) if abs(v) > abs(gap) + tol]
+    opposite = access * capacity < -tol
+    if not larger and not opposite:
+        return None
+    facts = (["they take opposite signs"] if opposite else []) + (
+        [f"{' and '.join(larger)} {'exceed' if len(larger) > 1 else 'exceeds'} the gap in size"] if larger else []
+    )
+    lenient_text = f" ({lenient})" if lenient else ""
+    return (
+        f"access {access:+.2f} and capacity {capacity:+.2f} add up to the gap {gap:+.2f} although "
+        + " and ".join(facts)
+        + f": capacity is the gap under lenient answer extraction{lenient_text}, {capacity:+.2f}, and access = gap - "
+        f"capacity is what strict extraction adds to it, {access:+.2f}; neither part is bounded by the gap"
+    )
 
 
 _Compare = Callable[[Measurement, Measurement, str], dict[str, Any]]  # _compare with the benchmark's settings bound
@@ -634,6 +660,7 @@ def _benchmark_lines(b: dict[str, Any]) -> list[str]:
     lines = ["", f"## {b['benchmark']} (construct: {b['construct']}: {b['construct_why']})", ""]
     if b["comparisons"]:
         lines += markdown_lines(_COMPARISON_HEAD, [_comparison_cells(r) for r in b["comparisons"]])
+        lines += [f"- {r['protocol']}: {r['explanation']}" for r in b["comparisons"] if r.get("explanation")]
     if b["protocol_effect"]:
         lines += ["", _protocol_line(b["protocol_effect"])]
     for r in b["not_compared"]:

@@ -76,6 +76,27 @@ def test_per_prompt_split_is_exact(tmp_path):
     assert row["non_final"] is True  # --limit 5 runs
 
 
+def test_parts_that_exceed_the_gap_or_take_the_other_sign_are_explained(tmp_path):
+    # reference 40 strict / 100 loose, candidate 20 / 20: gap -20 = capacity -80 + access +60
+    ref = write_run(tmp_path / "r", {"ifeval": ([1, 1, 0, 0, 0], [1, 1, 1, 1, 1])}, model="/models/llm")
+    cand = write_run(tmp_path / "c", {"ifeval": ([1, 0, 0, 0, 0], [1, 0, 0, 0, 0])}, model="/models/vlm")
+    att = run_attribution([str(ref)], [str(cand)])
+    [row] = _bench(att, "IFEval")["comparisons"]
+    assert (row["gap"], row["access"], row["capacity"]) == (-20.0, 60.0, -80.0)
+    sentence = (
+        "access +60.00 and capacity -80.00 add up to the gap -20.00 although they take opposite signs and access and "
+        "capacity exceed the gap in size: capacity is the gap under lenient answer extraction "
+        "(prompt_level_loose_acc,none), -80.00, and access = gap - capacity is what strict extraction adds to it, "
+        "+60.00; neither part is bounded by the gap"
+    )
+    assert row["explanation"] == sentence and f"- instruct: {sentence}\n" in to_markdown(att)
+    # parts within the gap and of its sign need no sentence (the exact split above: -40 = -20 + -20)
+    ref, cand = _pair(tmp_path)
+    assert [r["explanation"] for r in _bench(run_attribution([str(ref)], [str(cand)]), "IFEval")["comparisons"]] == [
+        None
+    ]
+
+
 def test_aggregate_split_without_samples(tmp_path):
     ref, cand = _pair(tmp_path, samples=False)
     att = run_attribution([str(ref)], [str(cand)])

@@ -358,6 +358,7 @@ def _attribution_section(d: Doc) -> dict[str, Any]:
                 "benchmark": b.get("benchmark"),
                 "construct": b.get("construct"),
                 "rows": rows,
+                "explanations": [c["explanation"] for c in b.get("comparisons") or [] if c.get("explanation")],
                 "not_compared": [
                     str(x.get("reason") or x) if isinstance(x, Mapping) else str(x) for x in b.get("not_compared") or []
                 ],
