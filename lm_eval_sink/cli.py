@@ -437,7 +437,7 @@ def vendor() -> None:
     "registry_file",
     type=click.Path(path_type=Path),
     default=None,
-    help="A user registry YAML added to the bundled one.",
+    help="A user registry YAML added to the bundled one (default: vendors.yaml in the project cache, if present).",
 )
 def vendor_list(registry_file) -> None:
     """Models in the registry with their number of scores and gaps."""
@@ -453,7 +453,7 @@ def vendor_list(registry_file) -> None:
     "registry_file",
     type=click.Path(path_type=Path),
     default=None,
-    help="A user registry YAML added to the bundled one.",
+    help="A user registry YAML added to the bundled one (default: vendors.yaml in the project cache, if present).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the entries as JSON.")
 def vendor_show(model, registry_file, as_json) -> None:
@@ -480,6 +480,68 @@ def vendor_show(model, registry_file, as_json) -> None:
         click.echo(show_markdown(reg, model), nl=False)
 
 
+@vendor.command("add")
+@click.option("--model", required=True, help="Registry name of the model (a new one is defined in your file).")
+@click.option("--benchmark", required=True, help="Benchmark family, as in benchmarks.yaml (IFEval, GSM8K, MMLU, ...).")
+@click.option("--value", type=float, required=True, help="The reported score, in points (0-100).")
+@click.option(
+    "--source", "source_id", required=True, help="Source id: an existing one, or a new one with --source-title."
+)
+@click.option(
+    "--protocol", "protocol_id", required=True, help="Protocol id: an existing one, or a new one with --described."
+)
+@click.option("--metric", default=None, help="The metric as the source names it (default: the family's strict metric).")
+@click.option("--id", "score_id", default=None, help="The score's id (default: MODEL/BENCHMARK/SOURCE, lower case).")
+@click.option("--hub-id", default=None, help="A new model's hub id (what matches a run of that hub id to it).")
+@click.option("--kind", type=click.Choice(["llm", "vlm"]), default="llm", show_default=True, help="A new model's kind.")
+@click.option("--source-title", default=None, help="A new source's title (the report, model card or page, and table).")
+@click.option(
+    "--source-kind", type=click.Choice(["vendor", "independent", "paper"]), default="vendor", show_default=True
+)
+@click.option("--source-url", default=None, help="A new source's URL.")
+@click.option("--described", default=None, help="A new protocol: what the source says about how it measured.")
+@click.option(
+    "--stated",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="A new protocol: what the source states (apply_chat_template, num_fewshot, enable_thinking, ...); repeatable.",
+)
+@click.option("--verified-at", default=None, help="Where you read the figure: URL or file, table, row and column.")
+@click.option("--quote", default=None, help="The exact text you read there (with --verified-at).")
+@click.option("--date", default=None, help="When you read it (ISO date; default today).")
+@click.option("--unverified", default=None, help="Why the figure is not verified (default: no quote was given).")
+@click.option("--note", default=None, help="A remark kept with the score.")
+@click.option(
+    "--registry",
+    "registry_file",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="The user registry file to add to (created if missing; default: vendors.yaml in the project cache).",
+)
+def vendor_add(**opts) -> None:
+    """Record one vendor (or independent) figure with its source, protocol and model, validated against the registry's
+    schema, in a user registry file (never the package's own data)."""
+    from lm_eval_sink.commands.vendor import run_vendor_add
+    from lm_eval_sink.protocols import parse_gen_kwargs
+    from lm_eval_sink.vendors import NewScore
+
+    verification = {k: opts.pop(k) for k in ("verified_at", "quote", "date", "unverified")}
+    registry_file = opts.pop("registry_file")
+    stated = parse_gen_kwargs(list(opts.pop("stated")))
+    new = NewScore(
+        model=opts.pop("model"),
+        benchmark=opts.pop("benchmark"),
+        value=opts.pop("value"),
+        source=opts.pop("source_id"),
+        protocol=opts.pop("protocol_id"),
+        stated=stated,
+        **opts,
+    )
+    at = verification.pop("verified_at")
+    for line in run_vendor_add(new, registry_file, at=at, **verification):
+        click.echo(line)
+
+
 @cli.command(cls=_ManyValues)
 @click.option(
     "--reference",
@@ -501,14 +563,15 @@ def vendor_show(model, registry_file, as_json) -> None:
     "--vendor",
     "use_vendor",
     is_flag=True,
-    help="Add vendor-reported scores and reported gaps of the models involved from the registry.",
+    help="Add vendor-reported scores and reported gaps of the models involved from the registry (and say which "
+    "models have none).",
 )
 @click.option(
     "--registry",
     "registry_file",
     type=click.Path(path_type=Path),
     default=None,
-    help="A user registry YAML added to the bundled one.",
+    help="A user registry YAML added to the bundled one (default: vendors.yaml in the project cache, if present).",
 )
 @click.option(
     "--benchmarks",
@@ -537,6 +600,13 @@ def vendor_show(model, registry_file, as_json) -> None:
 )
 @click.option("--allow-partial", is_flag=True, help="Pair only the docs both sample logs hold (the drop is recorded).")
 @click.option(
+    "--as",
+    "as_names",
+    multiple=True,
+    metavar="[FOLDER=]NAME",
+    help="The registry model a run's local model folder is (FOLDER left out: the one local model); repeatable.",
+)
+@click.option(
     "--output",
     type=click.Path(path_type=Path),
     default=None,
@@ -553,6 +623,7 @@ def attribute(
     mixture,
     baseline_protocol,
     allow_partial,
+    as_names,
     output,
     force,
 ) -> None:
@@ -578,6 +649,7 @@ def attribute(
         mixture=facts or None,
         baseline_protocol=baseline_protocol,
         allow_partial=allow_partial,
+        as_names=list(as_names),
     ):
         click.echo(line)
 

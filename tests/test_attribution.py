@@ -157,7 +157,7 @@ def test_same_weights_under_two_protocols_is_a_protocol_artefact(tmp_path):
     assert row["kind"] == "protocol_artefact" and row["gap"] == -60.0 and row["protocol_part"] == -60.0
     assert row["access"] is None and row["capacity"] is None
     assert [d["field"] for d in row["differing_fields"]] == ["model_args.enable_thinking"]
-    assert att.lineage[0]["status"] == "same_checkpoint" and att.lineage[0]["flagged"] is False
+    assert att.lineage[0]["status"] == "same_model" and att.lineage[0]["flagged"] is False
     assert plot_rows(att)[0]["parts"]["protocol"] == -60.0
 
 
@@ -283,16 +283,17 @@ def test_registry_loads_and_every_entry_has_source_and_protocol():
     [
         (
             "scores:\n  - {id: x, model: Qwen3-8B, benchmark: IFEval, metric: m, value: 1, source: "
-            "nowhere, protocol: instruct}\n",
+            "nowhere, protocol: instruct, unverified: u}\n",
             "source 'nowhere' is not defined",
         ),
         (
-            "scores:\n  - {id: x, model: Qwen3-8B, benchmark: IFEval, metric: m, value: 1, source: qwen3-report}\n",
+            "scores:\n  - {id: x, model: Qwen3-8B, benchmark: IFEval, metric: m, value: 1, source: qwen3-report, "
+            "unverified: u}\n",
             "score lacks 'protocol'",
         ),
         (
             "scores:\n  - {id: x, model: Qwen3-8B, benchmark: IFEval, metric: m, value: 1, source: "
-            "qwen3-report, protocol: instruct, vlaue: 2}\n",
+            "qwen3-report, protocol: instruct, unverified: u, vlaue: 2}\n",
             "unknown key 'vlaue' (did you mean 'value'?)",
         ),
         (
@@ -301,12 +302,12 @@ def test_registry_loads_and_every_entry_has_source_and_protocol():
         ),
         (
             "scores:\n  - {id: qwen3-8b/ifeval/vendor-nothink, model: Qwen3-8B, benchmark: IFEval, "
-            "metric: m, value: 1, source: qwen3-report, protocol: instruct}\n",
+            "metric: m, value: 1, source: qwen3-report, protocol: instruct, unverified: u}\n",
             "used twice",
         ),
         (
             "scores:\n  - {id: x, model: Qwen3-8B, benchmark: IFEVAL, metric: m, value: 1, source: "
-            "qwen3-report, protocol: instruct}\n",
+            "qwen3-report, protocol: instruct, unverified: u}\n",
             "unknown benchmark 'IFEVAL'",
         ),
     ],
@@ -329,7 +330,7 @@ def test_readme_example_protocol_artefact_qwen3():
     assert row["differing_fields"] == [
         {"field": "enable_thinking", "reference": False, "candidate": True, "affects_scores": True}
     ]
-    assert att.lineage[0]["status"] == "same_checkpoint"
+    assert att.lineage[0]["status"] == "same_model"
     vend = {v["measured"]["protocol"]: v for v in ife["vendor"]}
     assert (
         vend["qwen3-nothink-template"]["measured_minus_vendor"] == 0.18
@@ -486,7 +487,7 @@ def test_real_runs_same_weights_two_protocols_and_per_prompt_self_pairing(smollm
 
     ri, rc = load_results(smollm2_instruct_run)["results"], load_results(smollm2_community_run)["results"]
     att = run_attribution([str(smollm2_instruct_run.results)], [str(smollm2_community_run.results)])
-    assert att.lineage[0]["status"] == "same_checkpoint"
+    assert att.lineage[0]["status"] == "same_model"
     assert sorted(b["benchmark"] for b in att.benchmarks) == ["GSM8K", "IFEval"]  # sink_strength is a diagnostic
     ife = _bench(att, "IFEval")
     [row] = ife["comparisons"]
@@ -520,11 +521,20 @@ def test_real_runs_same_weights_two_protocols_and_per_prompt_self_pairing(smollm
 def test_vendor_figures_and_reported_gaps_beside_measured_runs(tmp_path):
     ref = write_run(tmp_path / "r", {"ifeval": REF_IF}, model="/models/Qwen2.5-7B-Instruct")
     cand = write_run(tmp_path / "c", {"ifeval": CAND_IF}, model="/models/Qwen2.5-VL-7B-Instruct")
-    plain = run_attribution([str(ref)], [str(cand)])
+    as_names = ["/models/Qwen2.5-7B-Instruct=Qwen2.5-7B-Instruct", "/models/Qwen2.5-VL-7B-Instruct=Qwen2.5-VL-7B"]
+    plain = run_attribution([str(ref)], [str(cand)], as_names=as_names)
     assert [r["kind"] for r in _bench(plain, "IFEval")["comparisons"]] == [
         "same_protocol"
     ]  # no registry figures without --vendor
-    att = run_attribution([str(ref)], [str(cand)], vendor=True)
+    # a local folder is never matched by its name: without --as, none of the registry's figures
+    unmatched = run_attribution([str(ref)], [str(cand)], vendor=True)
+    assert _bench(unmatched, "IFEval")["vendor"] == [] and unmatched.registry["vendor_missing"] == [
+        "Qwen2.5-7B-Instruct",
+        "Qwen2.5-VL-7B-Instruct",
+    ]
+    att = run_attribution([str(ref)], [str(cand)], vendor=True, as_names=as_names)
+    assert [m["by"] for m in att.registry["matches"]] == ["matched by --as"] * 2
+    assert att.registry["vendor_missing"] == ["Qwen2.5-VL-7B"]  # the registry has no vendor figure of the VLM
     ife = _bench(att, "IFEval")
     kinds = [(r["kind"], r["protocol"], r["gap"]) for r in ife["comparisons"]]
     assert kinds[0] == ("same_protocol", "instruct", -40.0)
