@@ -488,8 +488,8 @@ def _table_rows(table: dict[str, Any], scales: list[float]) -> list[list[str]]:
 
 def _units_line(labels: list[str], scales: list[float]) -> str:
     """Which columns are in points and which in their metric's own unit, said once above the table."""
-    points = [lab for lab, f in zip(labels, scales, strict=True) if f != 1.0]
-    own = [lab for lab, f in zip(labels, scales, strict=True) if f == 1.0]
+    points = [f'"{lab}"' for lab, f in zip(labels, scales, strict=True) if f != 1.0]
+    own = [f'"{lab}"' for lab, f in zip(labels, scales, strict=True) if f == 1.0]
     parts = [f"in points (x100 of lm-eval's share of docs): {', '.join(points)}"] if points else []
     parts += [f"in the metric's own unit: {', '.join(own)}"] if own else []
     return "Scores and deltas " + "; ".join(parts) + "; table.csv and table.json keep lm-eval's values.\n"
