@@ -276,6 +276,8 @@ class Attribution:
     def to_json(self) -> dict[str, Any]:
         return {
             "schema_version": SCHEMA_VERSION,
+            "units": "scores, gaps and their parts in points (x100 of lm-eval's share of docs); a gap is candidate "
+            "minus reference",
             "benchmarks": self.benchmarks,
             "lineage": self.lineage,
             "mixture": self.mixture,

@@ -52,7 +52,7 @@ def test_sweep_writes_table_with_metrics_deltas_and_s(uninterrupted):
     md = (out / "table.md").read_text()
     assert "| dare_linear | dare_linear |" in md and "S delta" in md
     # a share of docs in points in the Markdown (one unit with buckets, report, attribute); lm-eval's value in the CSV
-    assert "Scores and deltas in points (x100 of lm-eval's share of docs): " in md
+    assert "Scores and deltas in points (x100 of lm-eval's share of docs): " in md and "share of docs" in table["units"]
     cells = f"| {100 * dare['metrics'][col]:.1f} | {100 * dare['delta_vs_reference'][col]:+.1f} |"
     assert cells in md and f"{dare['metrics'][col]:.4f}" in (out / "table.csv").read_text()
     assert (out / "table.csv").read_text().splitlines()[0].startswith("checkpoint,method,")

@@ -84,7 +84,7 @@ def test_vendor_show_prints_the_verification(capsys):
     assert vend["verified"]["quote"].endswith("83.0") and vend["unverified"] is None
 
 
-def test_attribute_shows_which_registry_figures_are_unverified():
+def test_attribute_shows_which_registry_figures_are_unverified(tmp_path, capsys):
     att = run_attribution(
         ["vendor:qwen3-8b/ifeval/nothink-template"], ["vendor:qwen3-8b/ifeval/default-template"], vendor=True
     )
@@ -101,6 +101,13 @@ def test_attribute_shows_which_registry_figures_are_unverified():
     md = to_markdown(att)
     assert "independent-audit (independent, UNVERIFIED)" in md and "sink-paper (paper, UNVERIFIED)" in md
     assert "qwen2.5-7b-instruct/ifeval/vendor" not in unverified_figures(att)
+    # the report's attribution section says it too; attribution.json names its unit once
+    args = ["--reference", "vendor:Qwen2.5-7B-Instruct", "--candidate", "vendor:Qwen2.5-VL-7B"]
+    assert main(["attribute", *args, "--output", str(tmp_path / "att")]) == 0
+    assert json.loads((tmp_path / "att" / "attribution.json").read_text())["units"].startswith("scores, gaps and")
+    assert main(["report", "--attribution", str(tmp_path / "att"), "-o", str(tmp_path / "r.html")]) == 0
+    assert "<td>reported_gap (registry figure UNVERIFIED)</td>" in (tmp_path / "r.html").read_text()
+    capsys.readouterr()
 
 
 # --- vendor add, then attribute --vendor on the user's own model --------------------------------------------

@@ -407,6 +407,8 @@ def build_table(
         "rows": rows,
         "final": limit is None,
         "final_note": None if limit is None else f"evaluated with limit={limit}: not final scores",
+        "units": "metrics and their deltas as lm-eval writes them (a share of docs, 0-1, for accuracy-like metrics); "
+        "table.md and the report show shares of docs in points (x100)",
         "protocol": {
             "eval": None if plan.spec.eval is None else plan.spec.eval.to_json(),
             "harness_sha256": ref_fp.harness_sha() if ref_fp else None,

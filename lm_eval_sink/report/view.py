@@ -341,7 +341,7 @@ def _attribution_section(d: Doc) -> dict[str, Any]:
             rows.append(
                 {
                     "protocol": c.get("protocol"),
-                    "kind": c.get("kind"),
+                    "kind": (c.get("kind") or "") + _figure_state(c),
                     "split_from": c.get("split_from"),
                     "non_final": c.get("non_final"),
                     "reference": num(d, [*p, "reference", "strict"], "f2"),
@@ -370,6 +370,18 @@ def _attribution_section(d: Doc) -> dict[str, Any]:
         "lineage": [dict(x) for x in data.get("lineage") or []],
         "mixture": get(data, "mixture", "note"),
     }
+
+
+def _figure_state(c: Mapping[str, Any]) -> str:
+    """Whether the registry figures a comparison uses were read in their source (vendors.Verification), in words."""
+    entries = [c.get("entry") or {}] if c.get("kind") == "reported_gap" else []
+    entries += [get(c, side, "source") or {} for side in ("reference", "candidate")]
+    used = [e for e in entries if e.get("kind") == "registry" or "unverified" in e]
+    if not used:
+        return ""
+    return (
+        " (registry figure UNVERIFIED)" if any(not e.get("verified") for e in used) else " (registry figures verified)"
+    )
 
 
 def sweep_series(table: Mapping[str, Any]) -> dict[str, Any]:
