@@ -319,9 +319,11 @@ def test_table_text_is_the_markdown_and_csv_of_the_table():
     )
     assert md == (
         "Merging sweep (chain lineage); deltas vs the reference.\n**Not final scores:** evaluated "
-        f"with limit=5: not final scores.\nS: {S_MEANING}.\n\n"
+        f"with limit=5: not final scores.\nS: {S_MEANING}.\n"
+        'Scores and deltas in points (x100 of lm-eval\'s share of docs): "t acc"; table.csv and table.json keep '
+        "lm-eval's values.\n\n"
         "| checkpoint | method | t acc | t acc delta | S | S delta | status |\n|---|---|---|---|---|---|---|\n"
-        "| reference | reference | 0.5000 | +0.0000 | -2.0000 | +0.0000 | ok |\n| tsv | tsv | n/a "
+        "| reference | reference | 50.0 | +0.0 | -2.0000 | +0.0000 | ok |\n| tsv | tsv | n/a "
         "| n/a | -1.5000 | +0.5000 | eval:tsv: boom |\n"
     )
     assert (
