@@ -4,7 +4,7 @@
 reference carries four indices that must be separated before it is called a loss. For each
 benchmark family this module reports the observed gap (candidate minus reference, points) and:
 
-- lineage: is the reference the candidate's parent (same checkpoint / parent / not parent /
+- lineage: is the reference the candidate's parent (same model / parent / not parent /
   unknown / mismatched), from model-card and config fields, the registry, or the user's
   declaration; anything but a documented parent is flagged;
 - protocol: gaps measured under one protocol are compared; a pair under different protocols is
@@ -40,7 +40,7 @@ from lm_eval_sink.pairing import index_docs, outcome, pair_docs
 from lm_eval_sink.tables import markdown_lines
 
 SCHEMA_VERSION = 1
-LINEAGE_STATUSES = ("same_checkpoint", "parent", "not_parent", "unknown", "mismatched")
+LINEAGE_STATUSES = ("same_model", "parent", "not_parent", "unknown", "mismatched")
 # Config fields that name the language model a VLM (or adapter) was built from.
 LINEAGE_CONFIG_FIELDS = (
     "text_config._name_or_path",
@@ -209,21 +209,26 @@ def lineage(ref: dict[str, Any], cand: dict[str, Any], declared: str | None = No
     """Is the reference the candidate's parent?
 
     `ref`/`cand`: {"key", "names" (every name the model is known by), "parents" ([(name, source)]
-    stated by its model card, config or the registry)}. `declared`: "parent" | "not-parent" | None.
+    stated by its model card, config or the registry), "registry_model" (the registry entry it was matched to, or
+    None)}. `declared`: "parent" | "not-parent" | None. A model compared with itself (the same key, or the same
+    registry entry) is "same model", whatever its card says about its own parent.
     """
-    evidence = [{"parent": p, "source": s} for p, s in cand.get("parents", [])]
-    ref_names = set().union(*(_names(n) for n in ref.get("names", []))) if ref.get("names") else set()
-    if ref["key"] == cand["key"]:
-        found = "same_checkpoint"
-    elif evidence:
-        found = "parent" if any(_names(e["parent"]) & ref_names for e in evidence) else "not_parent"
-    else:
-        found = None
     if declared not in (None, "parent", "not-parent"):
         raise UserError(
             f"--lineage {declared!r} is not one of parent, not-parent",
             "declare --lineage parent or --lineage not-parent",
         )
+    if same_model(ref["key"], ref.get("registry_model"), cand["key"], cand.get("registry_model")):
+        how = "reference and candidate are the same model" + (
+            f" (registry entry {ref['registry_model']})" if ref["key"] != cand["key"] else ""
+        )
+        return {"status": "same_model", "flagged": False, "how": how, "evidence": [], "declared": declared}
+    evidence = [{"parent": p, "source": s} for p, s in cand.get("parents", [])]
+    ref_names = set().union(*(_names(n) for n in ref.get("names", []))) if ref.get("names") else set()
+    if evidence:
+        found = "parent" if any(_names(e["parent"]) & ref_names for e in evidence) else "not_parent"
+    else:
+        found = None
     decl = {"parent": "parent", "not-parent": "not_parent"}.get(declared or "")
     if found is None and decl is None:
         status, how = (
@@ -232,12 +237,8 @@ def lineage(ref: dict[str, Any], cand: dict[str, Any], declared: str | None = No
         )
     elif found is None:
         status, how = decl, "declared by the user"
-    elif decl is None or decl == found or found == "same_checkpoint":
-        status, how = (
-            found,
-            "; ".join(f"{e['source']} names {e['parent']}" for e in evidence)
-            or "reference and candidate are the same weights",
-        )
+    elif decl is None or decl == found:
+        status, how = found, "; ".join(f"{e['source']} names {e['parent']}" for e in evidence)
     else:
         status, how = (
             "mismatched",
@@ -245,11 +246,17 @@ def lineage(ref: dict[str, Any], cand: dict[str, Any], declared: str | None = No
         )
     return {
         "status": status,
-        "flagged": status not in ("same_checkpoint", "parent"),
+        "flagged": status != "parent",
         "how": how,
         "evidence": evidence,
         "declared": declared,
     }
+
+
+def same_model(key_a: str, registry_a: str | None, key_b: str, registry_b: str | None) -> bool:
+    """Whether two models are one: the same identity key, or the same registry entry (matched by name, hub id or
+    --as, never by a folder's name)."""
+    return key_a == key_b or (registry_a is not None and registry_a == registry_b)
 
 
 # --- the attribution -------------------------------------------------------------------------
@@ -264,23 +271,27 @@ class Attribution:
     mixture: dict[str, Any]
     inputs: list[dict[str, Any]]
     measurements: list[dict[str, Any]]
+    registry: dict[str, Any] = field(default_factory=lambda: {"matches": [], "vendor_missing": None})
 
     def to_json(self) -> dict[str, Any]:
         return {
             "schema_version": SCHEMA_VERSION,
+            "units": "scores, gaps and their parts in points (x100 of lm-eval's share of docs); a gap is candidate "
+            "minus reference",
             "benchmarks": self.benchmarks,
             "lineage": self.lineage,
             "mixture": self.mixture,
             "inputs": self.inputs,
             "measurements": self.measurements,
-            "unchecked_registry_figures": unchecked_figures(self),
+            "registry": self.registry,
+            "unverified_registry_figures": unverified_figures(self),
         }
 
 
 def _differing(r: Measurement, c: Measurement) -> list[dict[str, Any]]:
     """Protocol fields in which two measurements differ (as far as their sources record them)."""
     from lm_eval_sink.protocols import task_diff
-    from lm_eval_sink.vendors import compare_stated, compare_stated_pair
+    from lm_eval_sink.vendors import compare_stated, compare_stated_pair, run_stated_values
 
     if r.fingerprint is not None and c.fingerprint is not None:
         out = [
@@ -292,16 +303,11 @@ def _differing(r: Measurement, c: Measurement) -> list[dict[str, Any]]:
         return out
     if r.fingerprint is not None or c.fingerprint is not None:
         run, reg = (r, c) if r.fingerprint is not None else (c, r)
-        differ, _ = compare_stated(reg.stated or {}, run.fingerprint, run.task or "")
-        return [
-            {
-                "field": d["field"],
-                r.role: d["run"] if run is r else d["stated"],
-                c.role: d["stated"] if run is r else d["run"],
-                "affects_scores": True,
-            }
-            for d in differ
-        ]
+        differ, unstated = compare_stated(reg.stated or {}, run.fingerprint, run.task or "")
+        values = run_stated_values(run.fingerprint, run.task or "")
+        rows = [(d["field"], d["run"], d["stated"], True) for d in differ]
+        rows += [(k, values[k], "not stated", None) for k in unstated]  # unknown: the source says nothing
+        return [{"field": f, run.role: v_run, reg.role: v_reg, "affects_scores": a} for f, v_run, v_reg, a in rows]
     differ, one_side = compare_stated_pair(r.stated or {}, c.stated or {})
     return [{"field": d["field"], "reference": d["a"], "candidate": d["b"], "affects_scores": True} for d in differ] + [
         {
@@ -365,7 +371,33 @@ def _compare(
         row["split_from"] = None
         if kind == "protocol_artefact":
             row["protocol_part"] = row["gap"]
+    row["explanation"] = split_explanation(row["gap"], row["access"], row["capacity"], bench.lenient if bench else None)
     return row
+
+
+def split_explanation(
+    gap: float | None, access: float | None, capacity: float | None, lenient: str | None
+) -> str | None:
+    """One sentence, with the figures, when a part exceeds the gap or takes the opposite sign (None otherwise): the
+    parts are capacity = the gap under lenient answer extraction and access = gap - capacity, which need not lie
+    between 0 and the gap."""
+    if gap is None or access is None or capacity is None:
+        return None
+    tol = 1e-9
+    larger = [name for name, v in (("access", access), ("capacity", capacity)) if abs(v) > abs(gap) + tol]
+    opposite = access * capacity < -tol
+    if not larger and not opposite:
+        return None
+    facts = (["they take opposite signs"] if opposite else []) + (
+        [f"{' and '.join(larger)} {'exceed' if len(larger) > 1 else 'exceeds'} the gap in size"] if larger else []
+    )
+    lenient_text = f" ({lenient})" if lenient else ""
+    return (
+        f"access {access:+.2f} and capacity {capacity:+.2f} add up to the gap {gap:+.2f} although "
+        + " and ".join(facts)
+        + f": capacity is the gap under lenient answer extraction{lenient_text}, {capacity:+.2f}, and access = gap - "
+        f"capacity is what strict extraction adds to it, {access:+.2f}; neither part is bounded by the gap"
+    )
 
 
 _Compare = Callable[[Measurement, Measurement, str], dict[str, Any]]  # _compare with the benchmark's settings bound
@@ -406,11 +438,13 @@ def attribute(
     allow_partial: bool = False,
     samples_rows: Any = None,
     inputs: list[dict[str, Any]] | None = None,
+    registry_info: dict[str, Any] | None = None,
 ) -> Attribution:
     """Pair reference and candidate measurements per benchmark and attribute each gap.
 
     `reported_gaps`: registry `Gap`s for the pair; `vendor_scores`: registry `Score`s (vendor
-    kind) of the models involved; `samples_rows(path) -> rows` reads sample logs.
+    kind) of the models involved; `samples_rows(path) -> rows` reads sample logs; `registry_info`: which models were
+    matched to registry entries and how, and (with --vendor) which have no vendor figures.
     """
     out = []
     for name in _common_benchmarks(references, candidates, reported_gaps):
@@ -423,7 +457,12 @@ def attribute(
         out.append(_benchmark_report(name, bench, rs, cs, reported, vendor, baseline_protocol, compare))
     meas = [m.to_json() for m in [*references, *candidates]]
     return Attribution(
-        benchmarks=out, lineage=lineage_info, mixture=_mixture(mixture), inputs=list(inputs or []), measurements=meas
+        benchmarks=out,
+        lineage=lineage_info,
+        mixture=_mixture(mixture),
+        inputs=list(inputs or []),
+        measurements=meas,
+        registry=registry_info or {"matches": [], "vendor_missing": None},
     )
 
 
@@ -510,10 +549,14 @@ def _comparisons(
     rows += [_reported_row(g) for g in reported]
     for r in rs:
         for c in cs:
-            if r.protocol_key != c.protocol_key and r.model_key == c.model_key:
+            if r.protocol_key != c.protocol_key and _same(r, c):
                 rows.append(compare(r, c, "protocol_artefact"))
                 paired |= {id(r), id(c)}
     return rows, paired
+
+
+def _same(r: Measurement, c: Measurement) -> bool:
+    return same_model(r.model_key, r.registry_model, c.model_key, c.registry_model)
 
 
 def _reported_row(g: Any) -> dict[str, Any]:
@@ -532,7 +575,7 @@ def _reported_row(g: Any) -> dict[str, Any]:
         "source": {"kind": "registry", "id": g.id, **g.source.to_json()},
         "stated_protocol": g.protocol.to_json(),
         "note": g.note,
-        "entry": {"id": g.id, **g.check.to_json()},
+        "entry": {"id": g.id, **g.verification.to_json()},
     }
 
 
@@ -545,7 +588,7 @@ def _confounded(
     confounded: set[int] = set()
     for r in rs:
         for c in cs:
-            if r.protocol_key != c.protocol_key and r.model_key != c.model_key and not {id(r), id(c)} & paired:
+            if r.protocol_key != c.protocol_key and not _same(r, c) and not {id(r), id(c)} & paired:
                 row = compare(r, c, "confounded")
                 row["gap"] = None
                 rows.append(row)
@@ -571,9 +614,9 @@ def _vendor_row(s: Any, m: Measurement) -> dict[str, Any]:
             "value": _pts(s.value),
             "source": s.source.to_json(),
             "protocol": s.protocol.to_json(),
-            **s.check.to_json(),
+            **s.verification.to_json(),
         },
-        "measured": {"value": _pts(m.strict), "protocol": m.protocol_label, "source": m.source},
+        "measured": {"value": _pts(m.strict), "protocol": m.protocol_label, "source": m.source, "limit": m.limit},
         "measured_minus_vendor": _pts(m.strict - s.value),
         "protocol_differences": differ,
         "vendor_unstated": unstated,
@@ -589,43 +632,74 @@ def _f(x: float | None, signed: bool = True) -> str:
     return f"{x:+.2f}" if signed else f"{x:.2f}"
 
 
+def _short(x: Any) -> str:
+    text = x if isinstance(x, str) else json.dumps(x, ensure_ascii=False)
+    return text if len(text) <= 24 else text[:21] + "..."
+
+
 def _fields(fields: list[dict[str, Any]]) -> str:
-    """The score-relevant differing fields, short (the JSON keeps them all, in full)."""
-    shown = [d for d in fields if d.get("affects_scores") is not False]
-    if not shown:
-        return "no recorded field that can change scores differs"
+    """The differing fields that can change scores, short (the JSON keeps them all, in full); the fields one side
+    does not state; or that only fields that cannot change scores here differ. Never claims a difference it lacks."""
+    differ = [d for d in fields if d.get("affects_scores")]
+    unknown = [d["field"] for d in fields if d.get("affects_scores") is None]
+    rest = [d["field"] for d in fields if d.get("affects_scores") is False]
+    if differ:
+        text = "; ".join(
+            f"{d['field']}: {_short(d.get('reference'))} vs {_short(d.get('candidate'))}" for d in differ[:6]
+        )
+        return (
+            text
+            + (" ..." if len(differ) > 6 else "")
+            + (f"; not stated on one side: {', '.join(unknown)}" if unknown else "")
+        )
+    if unknown:
+        return f"no recorded field that can change scores differs, but one side does not state {', '.join(unknown)}"
+    return "they differ only in fields that cannot change scores here" + (f" ({', '.join(rest)})" if rest else "")
 
-    def v(x: Any) -> str:
-        text = x if isinstance(x, str) else json.dumps(x, ensure_ascii=False)
-        return text if len(text) <= 24 else text[:21] + "..."
 
-    return "; ".join(f"{d['field']}: {v(d.get('reference'))} vs {v(d.get('candidate'))}" for d in shown[:6]) + (
-        " ..." if len(shown) > 6 else ""
-    )
+def _protocols_differ(fields: list[dict[str, Any]]) -> bool:
+    return any(d.get("affects_scores") for d in fields)
 
 
 def to_markdown(att: Attribution) -> str:
-    """The report as Markdown: lineage, mixture, one section per benchmark, the registry figures nobody checked."""
+    """The report as Markdown: lineage, registry matches and missing vendor figures, mixture, one section per
+    benchmark, the registry figures nobody read in their source."""
     lines = ["# Gap attribution (candidate minus reference, points)", ""]
     for li in att.lineage:
         flag = " **FLAGGED**" if li["flagged"] else ""
-        lines.append(f"- lineage {li['reference']} -> {li['candidate']}: {li['status']}{flag} ({li['how']})")
+        status = li["status"].replace("_", " ")
+        lines.append(f"- lineage {li['reference']} -> {li['candidate']}: {status}{flag} ({li['how']})")
+    lines += _registry_lines(att.registry)
     mix = att.mixture
     declared = ", ".join(f"{k}={v}" for k, v in (mix["declared"] or {}).items())
     lines.append(f"- mixture: {declared + ' (declared)' if mix['declared'] else mix['note']}")
     for b in att.benchmarks:
         lines += _benchmark_lines(b)
-    unchecked = unchecked_figures(att)
-    if unchecked:
+    unverified = unverified_figures(att)
+    if unverified:
         lines += [
             "",
-            "## Registry figures not checked against their original source",
+            "## Registry figures not verified in their source",
             "",
-            *(f"- {u}" for u in unchecked),
+            *(f"- {u}" for u in unverified),
             "",
-            "Treat them as unverified; `lm-eval-sink vendor show MODEL` says what was searched for each.",
+            "`lm-eval-sink vendor show MODEL` says what was searched for each.",
         ]
     return "\n".join(lines) + "\n"
+
+
+def _registry_lines(registry: dict[str, Any]) -> list[str]:
+    """Which models were matched to a registry entry and how; with --vendor, the models without vendor figures."""
+    lines = [
+        f"- registry: {m['model']} is the registry's {m['registry_model']} ({m['by']})" for m in registry["matches"]
+    ]
+    missing = registry.get("vendor_missing")
+    if missing:
+        lines.append(
+            f"- vendor figures: none in the registry for {', '.join(missing)} (a local folder is matched to a registry "
+            "entry only by --as NAME or its recorded hub id; `lm-eval-sink vendor add` records a figure)"
+        )
+    return lines
 
 
 def _benchmark_lines(b: dict[str, Any]) -> list[str]:
@@ -634,12 +708,17 @@ def _benchmark_lines(b: dict[str, Any]) -> list[str]:
     lines = ["", f"## {b['benchmark']} (construct: {b['construct']}: {b['construct_why']})", ""]
     if b["comparisons"]:
         lines += markdown_lines(_COMPARISON_HEAD, [_comparison_cells(r) for r in b["comparisons"]])
+        lines += [f"- {r['protocol']}: {r['explanation']}" for r in b["comparisons"] if r.get("explanation")]
     if b["protocol_effect"]:
         lines += ["", _protocol_line(b["protocol_effect"])]
     for r in b["not_compared"]:
+        why = (
+            "different models under different protocols"
+            if _protocols_differ(r["differing_fields"])
+            else "different models; their protocols are not shown to be the same"
+        )
         lines.append(
-            f"- not compared (different models under different protocols): {r['reference']['model']} "
-            f"({r['protocol'].split(' vs ')[0]}) vs "
+            f"- not compared ({why}): {r['reference']['model']} ({r['protocol'].split(' vs ')[0]}) vs "
             f"{r['candidate']['model']} ({r['protocol'].split(' vs ')[-1]}): {_fields(r['differing_fields'])}"
         )
     for u in b["unpaired"]:
@@ -686,10 +765,13 @@ def _comparison_note(r: dict[str, Any]) -> str:
     if r.get("non_final"):
         notes.append("--limit run: not final")
     if r["kind"] == "reported_gap":
-        unchecked = "" if r["entry"]["checked"] else ", UNCHECKED"
-        notes.append(f"{r['source']['id']} ({r['source']['kind']}{unchecked})")
+        notes.append(f"{r['source']['id']} ({r['source']['kind']}, {_verification(r['entry'])})")
+    for side in ("reference", "candidate"):
+        src = r[side].get("source") or {}
+        if src.get("kind") == "registry":
+            notes.append(f"{side} figure {src['id']}: {_verification(src)}")
     if r["kind"] == "protocol_artefact":
-        notes.append("same weights: " + _fields(r["differing_fields"]))
+        notes.append("same model: " + _fields(r["differing_fields"]))
     pp = r.get("per_prompt")
     if pp:
         note = f"{pp['n']} prompts, {pp['strict_regressions']} strict regressions"
@@ -724,27 +806,37 @@ def _vendor_cells(v: dict[str, Any]) -> list[str]:
     )
     if v["vendor_unstated"]:
         diffs += f" (vendor does not state {', '.join(v['vendor_unstated'])})"
+    limit, src = v["measured"].get("limit"), v["measured"].get("source") or {}
+    caveat = f" (--limit {limit:g} run: not final)" if isinstance(limit, int | float) else ""
+    caveat += f" ({src['id']}, {_verification(src)})" if src.get("kind") == "registry" else ""
     return [
         v["model"],
         _f(v["vendor"]["value"], False),
-        v["vendor"]["source"]["id"] + ("" if v["vendor"]["checked"] else " (UNCHECKED)"),
-        _f(v["measured"]["value"], False),
+        f"{v['vendor']['source']['id']} ({_verification(v['vendor'])})",
+        _f(v["measured"]["value"], False) + caveat,
         v["measured"]["protocol"],
-        _f(v["measured_minus_vendor"]),
+        _f(v["measured_minus_vendor"]) + (" (subset)" if "--limit" in caveat else ""),
         diffs,
     ]
 
 
-def unchecked_figures(att: Attribution) -> list[str]:
-    """Ids of the registry figures the report used that nobody compared with their original source."""
+def _verification(entry: dict[str, Any]) -> str:
+    """`verified DATE` or `UNVERIFIED`, from a registry figure's JSON (vendors.Verification.to_json)."""
+    return f"verified {entry['verified']['date']}" if entry.get("verified") else "UNVERIFIED"
+
+
+def unverified_figures(att: Attribution) -> list[str]:
+    """Ids of the registry figures the report used that nobody read in their source."""
     ids = [
         m["source"]["id"]
         for m in att.measurements
-        if m["source"].get("kind") == "registry" and not m["source"].get("checked")
+        if m["source"].get("kind") == "registry" and not m["source"].get("verified")
     ]
     for b in att.benchmarks:
-        ids += [r["entry"]["id"] for r in b["comparisons"] if r["kind"] == "reported_gap" and not r["entry"]["checked"]]
-        ids += [v["vendor"]["id"] for v in b["vendor"] if not v["vendor"]["checked"]]
+        ids += [
+            r["entry"]["id"] for r in b["comparisons"] if r["kind"] == "reported_gap" and not r["entry"]["verified"]
+        ]
+        ids += [v["vendor"]["id"] for v in b["vendor"] if not v["vendor"]["verified"]]
     return sorted(set(ids))
 
 
@@ -902,7 +994,7 @@ def measurements_from_registry(
                 "id": s.id,
                 "source": s.source.id,
                 "source_kind": s.source.kind,
-                **s.check.to_json(),
+                **s.verification.to_json(),
             },
             registry_model=model,
             stated=s.protocol.stated,

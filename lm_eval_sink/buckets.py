@@ -28,6 +28,7 @@ the output folder is the command's (commands/buckets.py). numpy/scipy only, no f
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -41,6 +42,7 @@ from lm_eval_sink.errors import UserError
 from lm_eval_sink.failure_kinds import classify_ifeval, is_truncated, kind_counts, max_gen_toks_in, max_gen_toks_of
 from lm_eval_sink.schema import did_you_mean
 from lm_eval_sink.pairing import filter_of, index_docs, outcome, pair_docs
+from lm_eval_sink.power import DEFAULT_EFFECT_POINTS, MIN_N, comparison_power
 from lm_eval_sink.tables import csv_text, markdown_lines
 
 log = logging.getLogger(__name__)
@@ -49,7 +51,13 @@ BUCKETS = ("both_pass", "regression", "recovered", "both_fail")
 SCHEMA_VERSION = 1
 # The version of the bucket computation (pairing, classification, bootstrap): bump it when a bucket
 # report changes for the same runs and settings, as lm-eval bumps a task's version (docs/identity.md).
-METHOD_VERSION = 2  # 2: the collapsed-output note
+METHOD_VERSION = 3  # 2: the collapsed-output note; 3: power, the self-comparison note, per-type rows too few to test
+# buckets.json keeps each metric's values as lm-eval writes them; the tables convert (said once, in the JSON).
+UNITS = (
+    "scores, deltas, intervals and rates are in the metric's own unit as lm-eval writes it: a share of docs (0-1) "
+    "for a 0/1 metric, which buckets.md and the report show in points (x100); power.effect_shown is in points "
+    "for a 0/1 metric"
+)
 _BOOT_CHUNK = 256
 # a task in no family of data/benchmarks.yaml: metric, filter and kind come from the samples
 _GENERIC = Benchmark("generic", ("*",), "unknown", None, None, "")
@@ -71,8 +79,11 @@ class BucketSettings:
     seed: int = 0
     failure_kinds: bool = True  # IFEval: re-run lm-eval's checker on regressions
     max_gen_toks: int | None = None  # None: read from each candidate sample's generation kwargs
+    effect: float = DEFAULT_EFFECT_POINTS  # the drop whose power and documents needed are reported (points)
 
     def __post_init__(self) -> None:
+        if not (np.isfinite(self.effect) and self.effect > 0):
+            raise UserError(f"--effect must be a positive number of points, got {self.effect}", "use e.g. --effect 5")
         if self.n_bootstrap < 100:
             raise UserError(f"--bootstrap must be at least 100, got {self.n_bootstrap}", "use e.g. --bootstrap 10000")
         if not 0.5 <= self.confidence < 1:
@@ -124,11 +135,14 @@ class BucketReport:
     runs: dict[str, Any] = field(default_factory=dict)
     protocol_differences: dict[str, Any] = field(default_factory=dict)
     provenance: dict[str, Any] = field(default_factory=dict)
+    power: dict[str, Any] = field(default_factory=dict)
+    noise_floor: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["delta_ci"] = list(self.delta_ci)
         d["schema_version"] = SCHEMA_VERSION
+        d["units"] = UNITS
         return d
 
 
@@ -378,7 +392,10 @@ def bucket(
         pairing=p.pairing,
         rows=rows,
         settings=asdict(settings),
-        notes=_pairing_notes(p.pairing, len(p.ids)) + _collapse_notes(p.ids, p.ref_rows, p.cand_rows, labels),
+        notes=_pairing_notes(p.pairing, len(p.ids))
+        + _collapse_notes(p.ids, p.ref_rows, p.cand_rows, labels)
+        + _self_notes(p, "reference and candidate"),
+        power=comparison_power(kind, p.cand_v - p.ref_v, settings.effect),
     )
 
 
@@ -493,6 +510,25 @@ def _collapse_notes(ids, ref_rows, cand_rows, labels: tuple[str, str]) -> list[s
     return notes
 
 
+def identical_samples(p: _Paired) -> bool:
+    """Whether both logs hold the same sample for every paired doc: same prompt, responses and outcome (a run
+    against itself, or a copy of it)."""
+    keys = ("prompt_hash", "resps", "filtered_resps")
+    return bool(np.array_equal(p.ref_v, p.cand_v)) and all(
+        all(p.ref_rows[i].get(k) == p.cand_rows[i].get(k) for k in keys) for i in p.ids
+    )
+
+
+def _self_notes(p: _Paired, what: str) -> list[str]:
+    """A note when the two logs are the same samples: every difference is zero by construction."""
+    if not identical_samples(p):
+        return []
+    return [
+        f"{what} give identical samples (prompt, response and score) for all {len(p.ids)} paired docs: a run "
+        "compared with itself (or a copy of it) measures nothing; every difference is zero by construction"
+    ]
+
+
 def _pairing_notes(pairing: Mapping[str, Any], n: int) -> list[str]:
     notes = []
     if pairing["prompt_hash_differs"]["count"]:
@@ -539,6 +575,7 @@ _LATER_FIELDS = (
     "candidate_instructions_passed",
     "lenient_candidate",
     "format_split",
+    "noise_flip",
 )
 
 
@@ -667,6 +704,7 @@ def _instruction_type_table(per_type: Mapping[str, list[tuple[bool, bool]]]) -> 
                 "delta": (sum(c for _, c in pairs) - sum(r for r, _ in pairs)) / nn,
                 "regression_rate": counts["regression"] / nn,
                 "mcnemar_p": mcnemar_exact(counts["regression"], counts["recovered"]),
+                "too_few_to_test": nn < MIN_N,
             }
         )
     for row, p in zip(table, holm([t["mcnemar_p"] for t in table]), strict=True):
@@ -802,6 +840,13 @@ def with_runs(
     notes = list(report.notes)
     if diffs:
         notes.append("protocols differ in " + ", ".join(diffs) + ": the delta mixes model and protocol effects")
+    repeat_diffs = (runs.get("repeat") or {}).get("protocol_differences_from_reference")
+    if repeat_diffs:
+        notes.append(
+            "the repeat's protocol differs from the reference's in "
+            + ", ".join(repeat_diffs)
+            + ": its flips mix run-to-run noise and those differences"
+        )
     limits = {
         k: runs[k]["protocol"]["limit"]
         for k in runs
@@ -814,6 +859,68 @@ def with_runs(
             + "); these are not full-benchmark scores"
         )
     return replace(report, runs=runs, protocol_differences=diffs, notes=notes, provenance=provenance)
+
+
+def with_noise_floor(
+    report: BucketReport,
+    reference_samples: Sequence[Mapping[str, Any]],
+    repeat_samples: Sequence[Mapping[str, Any]],
+    settings: BucketSettings,
+    labels: tuple[str, str] = ("reference samples", "repeat samples"),
+) -> BucketReport:
+    """`report` with the noise floor of a second run of the reference under the same protocol (`--repeat`).
+
+    The two reference runs are paired as the comparison was (same metric and filter); a doc "flips" when its
+    pass/fail differs between them. The flip rate, and the reference->repeat regressions as a rate, say how many
+    regressions noise alone gives over the comparison's docs; each regression on a doc that flipped is marked
+    (`noise_flip`).
+    """
+    if report.counts is None:
+        raise UserError(
+            "--repeat needs pass/fail outcomes, and the metric is continuous",
+            "pass --threshold T to split docs into pass (score >= T) / fail, or drop --repeat",
+        )
+    fixed = replace(settings, metric=report.metric, filter=report.filter, failure_kinds=False)
+    p = _pair(reference_samples, repeat_samples, report.task, fixed, labels)
+    thr = 0.5 if report.kind == "binary" else float(report.threshold)
+    ref_pass = dict(zip(p.ids, (p.ref_v >= thr).tolist(), strict=True))
+    rep_pass = dict(zip(p.ids, (p.cand_v >= thr).tolist(), strict=True))
+    common = [row["doc_id"] for row in report.rows if row["doc_id"] in ref_pass]
+    if not common:
+        raise UserError(f"{labels[1]}: no doc of the comparison is in the repeat", "pass a second run of the same task")
+    flips = {i for i in common if ref_pass[i] != rep_pass[i]}
+    down = sum(1 for i in common if ref_pass[i] and not rep_pass[i])
+    regressions = (report.prompts or {}).get("regression", [])
+    expected = down / len(common) * report.n
+    floor = {
+        "n": len(common),
+        "flips": len(flips),
+        "flip_rate": len(flips) / len(common),
+        "pass_to_fail": down,
+        "fail_to_pass": len(flips) - down,
+        "expected_regressions": expected,
+        "regressions": len(regressions),
+        "explained_by_noise": min(len(regressions), math.floor(expected + 0.5)),
+        "regressions_on_flipping_docs": sorted(i for i in regressions if i in flips),
+        "identical": identical_samples(p),
+    }
+    rows = [
+        {**row, "noise_flip": (row["doc_id"] in flips) if row["doc_id"] in ref_pass else None} for row in report.rows
+    ]
+    notes = [*report.notes, _noise_sentence(floor), *_self_notes(p, "the reference and its repeat")]
+    return replace(report, rows=rows, noise_floor=floor, notes=notes)
+
+
+def _noise_sentence(f: Mapping[str, Any]) -> str:
+    """The noise floor in words, with its figures."""
+    return (
+        f"noise floor (--repeat, a second run of the reference): {f['flips']} of {f['n']} docs flip between the two "
+        f"reference runs (flip rate {100 * f['flip_rate']:.1f}%: {f['pass_to_fail']} pass->fail, "
+        f"{f['fail_to_pass']} fail->pass); at that rate noise alone gives about {f['expected_regressions']:.1f} "
+        f"regressions, so {f['explained_by_noise']} of the candidate's {f['regressions']} regressions could be noise "
+        f"alone; {len(f['regressions_on_flipping_docs'])} of them are on docs that flipped between the reference "
+        "runs (noise_flip in prompts.csv)"
+    )
 
 
 # --- reports (text) --------------------------------------------------------------------------------
@@ -829,7 +936,7 @@ def _fmt(x: Any, pct: bool = False) -> str:
 
 def summary_markdown(report: Mapping[str, Any], top: int = 15) -> str:
     """The Markdown summary of a saved report (buckets.json), tables first."""
-    lines = _heading_lines(report) + _bucket_lines(report) + _score_lines(report)
+    lines = _heading_lines(report) + _bucket_lines(report) + _score_lines(report) + power_lines(report)
     lines += _regression_lines(report) + _instruction_type_lines(report, top)
     if report.get("notes"):
         lines += ["Notes:", ""] + [f"- {n}" for n in report["notes"]] + [""]
@@ -891,7 +998,8 @@ def _score_lines(report: Mapping[str, Any]) -> list[str]:
             _score_row(what, pr["reference"], pr["candidate"], pr["delta"], pr["delta_ci"], True, (mcnemar, "n/a"))
         )
     conf = round(100 * r["settings"]["confidence"])
-    head = ["score" + (" (points)" if pct else ""), "reference", "candidate", f"delta [{conf}% CI]"]
+    unit = " (points)" if pct else f" ({r['metric']} in its own unit" + ("; pass rate in points)" if pr else ")")
+    head = ["score" + unit, "reference", "candidate", f"delta [{conf}% CI]"]
     return [*markdown_lines([*head, "McNemar p", "Wilcoxon p"], rows), ""]
 
 
@@ -922,6 +1030,39 @@ def _regression_lines(report: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def power_lines(report: Mapping[str, Any]) -> list[str]:
+    """What the comparison could have detected (power.comparison_power's record), in points for a 0/1 metric."""
+    pw = report.get("power")
+    if not pw:
+        return []
+    if pw["too_few"]:
+        return [f"Power: {pw['too_few']}; no statement about what this comparison could detect.", ""]
+    binary = report["kind"] == "binary"
+    unit = " points" if binary else f" ({report['metric']} units)"
+    scale = 100.0 if binary else 1.0
+    spread = (
+        f"discordant share {100 * pw['discordant_share']:.1f}%"
+        if binary
+        else f"sd of the per-doc differences {pw['sd_difference']:.4g}"
+    )
+    drop = f"a {pw['effect_shown']:g}-point drop" if binary else f"a drop of {pw['effect_shown']:g}{unit}"
+    exact = f" (the exact McNemar test buckets runs: {100 * pw['power_at_effect_exact']:.0f}%)" if binary else ""
+    assumed = (
+        f", the discordant share raised to {100 * pw['discordant_share_assumed']:.1f}%, the least such a drop needs"
+        if pw["discordant_share_assumed"] is not None
+        else ""
+    )
+    return [
+        f"Power (alpha {pw['alpha']:g} two-sided, power {pw['target_power']:g}; {pw['method']}; {pw['n']} paired "
+        f"docs, {spread}):",
+        "",
+        f"- minimum detectable difference at this n: {scale * pw['mde']:.1f}{unit}",
+        f"- power to detect {drop}: {100 * pw['power_at_effect']:.0f}%{exact}{assumed}",
+        f"- paired docs {drop} would need for power {pw['target_power']:g}: {pw['n_for_effect']}",
+        "",
+    ]
+
+
 _TYPE_COLUMNS = ("instruction_id", "n", "regression", "recovered", "reference %", "candidate %", "delta")
 
 
@@ -938,16 +1079,18 @@ def _instruction_type_lines(report: Mapping[str, Any], top: int) -> list[str]:
             t["recovered"],
             f"{100 * t['reference_rate']:.1f}",
             f"{100 * t['candidate_rate']:.1f}",
-            f"{100 * t['delta']:+.1f}",
-            f"{t['mcnemar_p']:.3g}",
-            f"{t['holm_p']:.3g}",
+            *(
+                ("too few to test", "-", "-")
+                if t.get("too_few_to_test")
+                else (f"{100 * t['delta']:+.1f}", f"{t['mcnemar_p']:.3g}", f"{t['holm_p']:.3g}")
+            ),
         ]
         for t in types[:top]
     ]
     intro = (
-        f"Instruction types by regressions (top {min(top, len(types))} of {len(types)}; McNemar p "
-        f"per type and Holm-adjusted over all {len(types)} types; "
-        "descriptive, types are not independent tests of one hypothesis):"
+        f"Instruction types by regressions (top {min(top, len(types))} of {len(types)}; points; McNemar p "
+        f"per type and Holm-adjusted over all {len(types)} types; types with fewer than {MIN_N} instructions are "
+        "too few to test; descriptive, types are not independent tests of one hypothesis):"
     )
     return [intro, "", *markdown_lines([*_TYPE_COLUMNS, "McNemar p", "Holm p"], rows), ""]
 

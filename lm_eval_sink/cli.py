@@ -14,6 +14,7 @@ import click
 from lm_eval_sink.calibration import Batching
 from lm_eval_sink.devices import DEFAULT_DEVICE, DEVICE_HELP, check_device
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.power import DEFAULT_EFFECT_POINTS
 
 _BATCHING = Batching()  # the defaults of --batch-size, --batch-tokens and --query-chunk
 
@@ -475,7 +476,7 @@ def vendor() -> None:
     "registry_file",
     type=click.Path(path_type=Path),
     default=None,
-    help="A user registry YAML added to the bundled one.",
+    help="A user registry YAML added to the bundled one (default: vendors.yaml in the project cache, if present).",
 )
 def vendor_list(registry_file) -> None:
     """Models in the registry with their number of scores and gaps."""
@@ -491,7 +492,7 @@ def vendor_list(registry_file) -> None:
     "registry_file",
     type=click.Path(path_type=Path),
     default=None,
-    help="A user registry YAML added to the bundled one.",
+    help="A user registry YAML added to the bundled one (default: vendors.yaml in the project cache, if present).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the entries as JSON.")
 def vendor_show(model, registry_file, as_json) -> None:
@@ -518,6 +519,68 @@ def vendor_show(model, registry_file, as_json) -> None:
         click.echo(show_markdown(reg, model), nl=False)
 
 
+@vendor.command("add")
+@click.option("--model", required=True, help="Registry name of the model (a new one is defined in your file).")
+@click.option("--benchmark", required=True, help="Benchmark family, as in benchmarks.yaml (IFEval, GSM8K, MMLU, ...).")
+@click.option("--value", type=float, required=True, help="The reported score, in points (0-100).")
+@click.option(
+    "--source", "source_id", required=True, help="Source id: an existing one, or a new one with --source-title."
+)
+@click.option(
+    "--protocol", "protocol_id", required=True, help="Protocol id: an existing one, or a new one with --described."
+)
+@click.option("--metric", default=None, help="The metric as the source names it (default: the family's strict metric).")
+@click.option("--id", "score_id", default=None, help="The score's id (default: MODEL/BENCHMARK/SOURCE, lower case).")
+@click.option("--hub-id", default=None, help="A new model's hub id (what matches a run of that hub id to it).")
+@click.option("--kind", type=click.Choice(["llm", "vlm"]), default="llm", show_default=True, help="A new model's kind.")
+@click.option("--source-title", default=None, help="A new source's title (the report, model card or page, and table).")
+@click.option(
+    "--source-kind", type=click.Choice(["vendor", "independent", "paper"]), default="vendor", show_default=True
+)
+@click.option("--source-url", default=None, help="A new source's URL.")
+@click.option("--described", default=None, help="A new protocol: what the source says about how it measured.")
+@click.option(
+    "--stated",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="A new protocol: what the source states (apply_chat_template, num_fewshot, enable_thinking, ...); repeatable.",
+)
+@click.option("--verified-at", default=None, help="Where you read the figure: URL or file, table, row and column.")
+@click.option("--quote", default=None, help="The exact text you read there (with --verified-at).")
+@click.option("--date", default=None, help="When you read it (ISO date; default today).")
+@click.option("--unverified", default=None, help="Why the figure is not verified (default: no quote was given).")
+@click.option("--note", default=None, help="A remark kept with the score.")
+@click.option(
+    "--registry",
+    "registry_file",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="The user registry file to add to (created if missing; default: vendors.yaml in the project cache).",
+)
+def vendor_add(**opts) -> None:
+    """Record one vendor (or independent) figure with its source, protocol and model, validated against the registry's
+    schema, in a user registry file (never the package's own data)."""
+    from lm_eval_sink.commands.vendor import run_vendor_add
+    from lm_eval_sink.protocols import parse_gen_kwargs
+    from lm_eval_sink.vendors import NewScore
+
+    verification = {k: opts.pop(k) for k in ("verified_at", "quote", "date", "unverified")}
+    registry_file = opts.pop("registry_file")
+    stated = parse_gen_kwargs(list(opts.pop("stated")))
+    new = NewScore(
+        model=opts.pop("model"),
+        benchmark=opts.pop("benchmark"),
+        value=opts.pop("value"),
+        source=opts.pop("source_id"),
+        protocol=opts.pop("protocol_id"),
+        stated=stated,
+        **opts,
+    )
+    at = verification.pop("verified_at")
+    for line in run_vendor_add(new, registry_file, at=at, **verification):
+        click.echo(line)
+
+
 @cli.command(cls=_ManyValues)
 @click.option(
     "--reference",
@@ -539,14 +602,15 @@ def vendor_show(model, registry_file, as_json) -> None:
     "--vendor",
     "use_vendor",
     is_flag=True,
-    help="Add vendor-reported scores and reported gaps of the models involved from the registry.",
+    help="Add vendor-reported scores and reported gaps of the models involved from the registry (and say which "
+    "models have none).",
 )
 @click.option(
     "--registry",
     "registry_file",
     type=click.Path(path_type=Path),
     default=None,
-    help="A user registry YAML added to the bundled one.",
+    help="A user registry YAML added to the bundled one (default: vendors.yaml in the project cache, if present).",
 )
 @click.option(
     "--benchmarks",
@@ -575,6 +639,13 @@ def vendor_show(model, registry_file, as_json) -> None:
 )
 @click.option("--allow-partial", is_flag=True, help="Pair only the docs both sample logs hold (the drop is recorded).")
 @click.option(
+    "--as",
+    "as_names",
+    multiple=True,
+    metavar="[FOLDER=]NAME",
+    help="The registry model a run's local model folder is (FOLDER left out: the one local model); repeatable.",
+)
+@click.option(
     "--output",
     type=click.Path(path_type=Path),
     default=None,
@@ -591,6 +662,7 @@ def attribute(
     mixture,
     baseline_protocol,
     allow_partial,
+    as_names,
     output,
     force,
 ) -> None:
@@ -616,6 +688,7 @@ def attribute(
         mixture=facts or None,
         baseline_protocol=baseline_protocol,
         allow_partial=allow_partial,
+        as_names=list(as_names),
     ):
         click.echo(line)
 
@@ -762,6 +835,21 @@ def eval_cmd(
 )
 @click.option("--max-gen-toks", type=int, default=None, help="Generation limit, when the samples do not record it.")
 @click.option(
+    "--effect",
+    type=float,
+    default=DEFAULT_EFFECT_POINTS,
+    show_default=True,
+    metavar="POINTS",
+    help="The drop whose power and documents needed are reported (points; a continuous metric: its unit).",
+)
+@click.option(
+    "--repeat",
+    default=None,
+    metavar="RUN",
+    help="A second run of the reference under the same protocol: the flip rate between the two, and how many "
+    "regressions it alone would explain.",
+)
+@click.option(
     "--bootstrap",
     "n_bootstrap",
     type=int,
@@ -797,6 +885,8 @@ def buckets(
     same_protocol,
     tokenizer,
     max_gen_toks,
+    effect,
+    repeat,
     n_bootstrap,
     confidence,
     seed,
@@ -820,6 +910,7 @@ def buckets(
         seed=seed,
         failure_kinds=failure_kinds,
         max_gen_toks=max_gen_toks,
+        effect=effect,
     )
     _, lines = run_buckets(
         reference,
@@ -832,6 +923,7 @@ def buckets(
         same_protocol=same_protocol,
         progress=not quiet,
         checkpoint=checkpoint,
+        repeat=repeat,
     )
     for line in lines:
         click.echo(line)

@@ -207,8 +207,35 @@ class FieldDiff:
     b: Any
     affects_scores: bool
 
+    @property
+    def reason(self) -> str:
+        """Why the field can (or cannot) change scores: its entry in the field lists above."""
+        return field_reason(self.field, self.affects_scores)
+
     def to_json(self) -> dict[str, Any]:
-        return {"field": self.field, "part": self.part, "a": self.a, "b": self.b, "affects_scores": self.affects_scores}
+        return {
+            "field": self.field,
+            "part": self.part,
+            "a": self.a,
+            "b": self.b,
+            "affects_scores": self.affects_scores,
+            "reason": self.reason,
+        }
+
+
+def field_reason(name: str, affects: bool) -> str:
+    """What a (dotted) diff field is, from HARNESS_FIELDS / TASK_FIELDS / MODEL_FIELDS: `tasks.<task>.<key>` by its
+    key, `seeds.random` or `model_args.enable_thinking` by its head; a field that can change scores in general but
+    not here says why (few-shot turns without few-shot examples)."""
+    parts = name.split(".")
+    if parts[0] == "tasks" and len(parts) >= 3:
+        entry = TASK_FIELDS.get(parts[2])
+    else:
+        entry = HARNESS_FIELDS.get(parts[0]) or MODEL_FIELDS.get(parts[0])
+    what = entry[1] if entry else "not a listed field"
+    if entry and entry[0] and not affects:
+        what += "; no task compared here uses few-shot examples"
+    return what
 
 
 def _where(source: str | None) -> str:
@@ -678,7 +705,8 @@ def show_rows(fp: ProtocolFingerprint) -> list[tuple[str, str, Any, bool]]:
 
 
 def show_markdown(fp: ProtocolFingerprint, protocols: dict[str, Protocol] | None = None) -> str:
-    """The fingerprint as a Markdown table, with the named protocol it matches and a --limit warning."""
+    """The fingerprint as a Markdown table, with the named protocol it matches and a --limit warning. Whether a field
+    can change scores is said by `diff` only: nearly every field can, so a column of it here would say nothing."""
     named = match_protocol(fp, protocols)
     lines = [
         f"protocol of {fp.source or 'run'} (harness sha256 {fp.harness_sha()[:16]})",
@@ -686,13 +714,7 @@ def show_markdown(fp: ProtocolFingerprint, protocols: dict[str, Protocol] | None
     ]
     if fp.harness.get("limit") is not None:
         lines.append(f"--limit {limit_text(fp.harness['limit'])}: scores are from a subset and are not final")
-    lines += [
-        "",
-        *markdown_lines(
-            ["part", "field", "value", "can change scores"],
-            [[p, f, _cell(v), "yes" if a else "no"] for p, f, v, a in show_rows(fp)],
-        ),
-    ]
+    lines += ["", *markdown_lines(["part", "field", "value"], [[p, f, _cell(v)] for p, f, v, _ in show_rows(fp)])]
     return "\n".join(lines) + "\n"
 
 
@@ -708,7 +730,10 @@ def diff_markdown(diffs: tuple[FieldDiff, ...], name_a: str = "A", name_b: str =
     ]
     lines += markdown_lines(
         ["field", "part", "A", "B", "can change scores"],
-        [[d.field, d.part, _cell(d.a, 40), _cell(d.b, 40), "yes" if d.affects_scores else "no"] for d in diffs],
+        [
+            [d.field, d.part, _cell(d.a, 40), _cell(d.b, 40), ("yes: " if d.affects_scores else "no: ") + d.reason]
+            for d in diffs
+        ],
     )
     return "\n".join(lines) + "\n"
 

@@ -3,14 +3,19 @@
 Data, not code: `data/vendors.yaml` (bundled) plus an optional user YAML of the same shape. Every
 score and gap names a source (what report or audit, which table) and a protocol (what the source
 states about how it was measured, in the vocabulary of `STATED_KEYS`; anything not stated is
-unknown). Every source, score and gap says whether it was compared with the original (`Check`:
-`checked: true` needs `checked_at`, the place and the exact cell text; an unchecked one says why in
-`checked_note`). Validated on load (`schema`): unknown keys, undefined sources/protocols/models/benchmarks,
-duplicate ids and a check without its place are UserErrors naming the entry.
+unknown). Every score and gap records whether it was read in its source (`Verification`): `verified: {date, source,
+quote}` (when, where, and the exact text seen there) or `unverified: REASON` (what was searched and found), exactly
+one. Validated on load (`schema`): unknown keys, undefined sources/protocols/models/benchmarks, duplicate ids and a
+figure without its verification are UserErrors naming the entry.
+
+Where user figures live: `--registry FILE`, else the project cache's `vendors.yaml` (`user_registry_path`) when it
+exists; `vendor add` writes there (`add_score`), never into the package's own data.
 """
 
 from __future__ import annotations
 
+import copy
+import datetime
 from dataclasses import dataclass, fields
 from functools import partial
 from importlib import resources
@@ -37,21 +42,32 @@ SOURCE_KINDS = ("vendor", "independent", "paper")
 
 
 @dataclass(frozen=True, slots=True)
-class Check:
-    """Whether a figure (or a source) was compared with its original here, where, or why not."""
+class Verification:
+    """Whether a figure was read in its source: verified (the date, where, the exact text seen there) or unverified
+    (what was searched and found instead)."""
 
-    checked: bool = False
-    at: str | None = None  # the URL, table or section, and the exact cell text seen there
-    note: str | None = None  # for an unchecked entry: what was searched; otherwise a remark
+    date: str | None = None  # ISO date the figure was read in its source; None: unverified
+    source: str | None = None  # where: the URL or file, the table or section, the row and column
+    quote: str | None = None  # the exact text seen there
+    unverified: str | None = None  # an unverified figure: what was searched, what was found
+
+    @property
+    def verified(self) -> bool:
+        return self.date is not None
 
     def to_json(self) -> dict[str, Any]:
-        return {"checked": self.checked, "checked_at": self.at, "checked_note": self.note}
+        shown = {"date": self.date, "source": self.source, "quote": self.quote} if self.verified else None
+        return {"verified": shown, "unverified": self.unverified}
+
+    def short(self) -> str:
+        """A table cell: `verified DATE` or `UNVERIFIED`."""
+        return f"verified {self.date}" if self.verified else "UNVERIFIED"
 
     def label(self) -> str:
-        """One line for reports: where it was checked, or that it was not and why."""
-        if self.checked:
-            return f"checked at {self.at}" + (f" ({self.note})" if self.note else "")
-        return "NOT checked against the original" + (f": {self.note}" if self.note else "")
+        """One line for reports: where and when the figure was read, or that it was not and why."""
+        if self.verified:
+            return f"verified {self.date} at {self.source}: {self.quote!r}"
+        return f"UNVERIFIED: {self.unverified}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,14 +76,10 @@ class Source:
     title: str
     kind: str  # vendor | independent | paper
     url: str | None
-    check: Check = Check()
-
-    @property
-    def checked(self) -> bool:
-        return self.check.checked
+    note: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "title": self.title, "kind": self.kind, "url": self.url, **self.check.to_json()}
+        return {"id": self.id, "title": self.title, "kind": self.kind, "url": self.url, "note": self.note}
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,15 +118,20 @@ class Reported:
     source: Source
     protocol: StatedProtocol
     note: str | None = None
-    check: Check = Check()
+    verification: Verification = Verification()
 
     @property
-    def checked(self) -> bool:
-        return self.check.checked
+    def verified(self) -> bool:
+        return self.verification.verified
 
     def to_json(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "check"}
-        return {**out, "source": self.source.to_json(), "protocol": self.protocol.to_json(), **self.check.to_json()}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "verification"}
+        return {
+            **out,
+            "source": self.source.to_json(),
+            "protocol": self.protocol.to_json(),
+            **self.verification.to_json(),
+        }
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -188,34 +205,51 @@ class Registry:
         )
 
 
-class _CheckedIn(Strict):
-    """The check fields every source, score and gap has: `checked: true` needs `checked_at`."""
+class _VerifiedIn(Strict):
+    """Where and when a figure was read in its source."""
 
-    checked: bool = False
-    checked_at: str | None = Field(
+    what: ClassVar[str] = "verified"
+    date: datetime.date | str = Field(description="must be the ISO date the figure was read, e.g. 2026-12-05")
+    source: str = Field(min_length=1, description="must say where: the URL or file, the table, the row and column")
+    quote: str = Field(min_length=1, description="must be the exact text seen there")
+
+    @field_validator("date")
+    @classmethod
+    def _iso(cls, value: datetime.date | str) -> datetime.date:
+        return value if isinstance(value, datetime.date) else datetime.date.fromisoformat(value)
+
+
+class _VerifyIn(Strict):
+    """Every figure records `verified: {date, source, quote}` or `unverified: REASON`, never both or neither."""
+
+    verified: _VerifiedIn | None = None
+    unverified: str | None = Field(
         default=None,
         validate_default=True,
-        description="must say where the figure was seen (the URL, the table or section, the exact cell text) "
-        "when checked is true, and be left out when checked is false (say what was searched in checked_note)",
+        description="must be given when the figure has no `verified: {date, source, quote}` (say what was searched), "
+        "and left out when it has one",
     )
-    checked_note: str | None = None
 
-    @field_validator("checked_at")
+    @field_validator("unverified")
     @classmethod
-    def _place_iff_checked(cls, value: str | None, info: ValidationInfo) -> str | None:
-        if bool(info.data.get("checked")) != bool((value or "").strip()):
-            raise ValueError("checked_at goes with checked: true")
+    def _one_of_two(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if (info.data.get("verified") is None) != bool((value or "").strip()):
+            raise ValueError("a figure records verified or unverified, exactly one")
         return value
 
-    def check(self) -> Check:
-        return Check(self.checked, self.checked_at, self.checked_note)
+    def verification(self) -> Verification:
+        v = self.verified
+        if v is None:
+            return Verification(unverified=self.unverified)
+        return Verification(v.date.isoformat(), v.source, v.quote)
 
 
-class _SourceIn(_CheckedIn):
+class _SourceIn(Strict):
     what: ClassVar[str] = "source"
     title: str
     kind: Literal[SOURCE_KINDS]
     url: str | None = None
+    note: str | None = None
 
 
 class _StatedIn(Strict):
@@ -251,7 +285,7 @@ class _ModelIn(Strict):
     parent: _ParentIn | None = None
 
 
-class _ReportedIn(_CheckedIn):
+class _ReportedIn(_VerifyIn):
     id: str
     benchmark: str
     metric: str
@@ -339,7 +373,7 @@ def _definitions(
         for sid, src in data.sources.items():
             if sid in sources:
                 raise UserError(f"{where}: source {sid!r} is defined twice", "give it another id")
-            sources[sid] = Source(sid, src.title, src.kind, src.url, src.check())
+            sources[sid] = Source(sid, src.title, src.kind, src.url, src.note)
         for pid, proto in data.protocols.items():
             if pid in protocols:
                 raise UserError(f"{where}: protocol {pid!r} is defined twice", "give it another id")
@@ -391,30 +425,153 @@ def _reported_fields(
         "source": sources[body.source],
         "protocol": protocols[body.protocol],
         "note": body.note,
-        "check": body.check(),
+        "verification": body.verification(),
     }
 
 
+_BUNDLED = "lm_eval_sink/data/vendors.yaml"
+
+
+def user_registry_path() -> Path:
+    """The default user registry: `vendors.yaml` in the project cache ($LM_EVAL_SINK_CACHE, else
+    ~/.cache/lm_eval_sink); read when it exists and no --registry is given, written by `vendor add`."""
+    from lm_eval_sink.io import cache_dir
+
+    return cache_dir() / "vendors.yaml"
+
+
+def _bundled_part() -> tuple[str, _RegistryIn]:
+    text = resources.files("lm_eval_sink").joinpath("data/vendors.yaml").read_text(encoding="utf-8")
+    return _BUNDLED, _read_yaml(text, _BUNDLED)
+
+
 def load_registry(user_file: str | Path | None = None) -> Registry:
-    """The bundled registry, plus a user YAML of the same shape (its ids must be new)."""
+    """The bundled registry, plus a user YAML of the same shape (its ids must be new): `user_file`, else the default
+    user registry when it exists (`user_registry_path`). `Registry.files` names every file read."""
     from lm_eval_sink.benchmarks import load_benchmarks
 
-    text = resources.files("lm_eval_sink").joinpath("data/vendors.yaml").read_text(encoding="utf-8")
-    parts = [("lm_eval_sink/data/vendors.yaml", _read_yaml(text, "lm_eval_sink/data/vendors.yaml"))]
-    if user_file is not None:
-        path = Path(user_file)
-        if not path.is_file():
-            raise UserError(
-                f"{path}: no such registry file", "pass a YAML file shaped like lm_eval_sink/data/vendors.yaml"
-            )
+    parts = [_bundled_part()]
+    path = Path(user_file) if user_file is not None else user_registry_path()
+    if user_file is not None and not path.is_file():
+        raise UserError(f"{path}: no such registry file", f"pass a YAML file shaped like {_BUNDLED}")
+    if path.is_file():
         parts.append((str(path), _read_yaml(path.read_text(encoding="utf-8"), str(path))))
     return _merge(parts, set(load_benchmarks()))
 
 
-def compare_stated(stated: dict[str, Any], fp: Any, task: str) -> tuple[list[dict[str, Any]], list[str]]:
-    """Fields where a run's fingerprint contradicts what a source states, and the fields the source leaves unstated."""
+def registry_with(user_data: dict[str, Any], where: str) -> Registry:
+    """The bundled registry plus `user_data` (a user file's content, not yet written), validated as `load_registry`
+    validates a file: the one check `vendor add` runs before it writes."""
+    from lm_eval_sink.benchmarks import load_benchmarks
+
+    return _merge([_bundled_part(), (where, parse(_RegistryIn, user_data, where))], set(load_benchmarks()))
+
+
+@dataclass(frozen=True, slots=True)
+class NewScore:
+    """What `vendor add` records: one score of one model, its source and the protocol the source states. A source,
+    protocol or model the registry already defines is reused by its id; a new one is defined from these fields."""
+
+    model: str
+    benchmark: str
+    value: float
+    source: str
+    protocol: str
+    metric: str | None = None  # None: the benchmark family's strict metric
+    score_id: str | None = None  # None: MODEL/BENCHMARK/SOURCE, lower case
+    source_title: str | None = None
+    source_kind: str = "vendor"
+    source_url: str | None = None
+    described: str | None = None
+    stated: dict[str, Any] | None = None
+    hub_id: str | None = None
+    kind: str = "llm"
+    verified: dict[str, str] | None = None  # {date, source, quote}
+    unverified: str | None = None
+    note: str | None = None
+
+
+def add_score(user_data: dict[str, Any] | None, reg: Registry, new: NewScore) -> tuple[dict[str, Any], str]:
+    """`user_data` (a user registry file's content) with `new` added, and the score's id; pure (validate the result
+    with `registry_with`). A model, source or protocol is defined in the user file unless the registry has it."""
+    data = copy.deepcopy(dict(user_data or {}))
+    for key, empty in (("sources", {}), ("protocols", {}), ("models", {}), ("scores", [])):
+        data.setdefault(key, empty)
+    _add_model(data, reg, new)
+    _add_definitions(data, reg, new)
+    score_id = new.score_id or f"{new.model}/{new.benchmark}/{new.source}".lower()
+    if any(s.id == score_id for s in [*reg.scores, *reg.gaps]):
+        raise UserError(f"the registry already has an entry {score_id!r}", "give the new score another --id")
+    entry = {
+        "id": score_id,
+        "model": new.model,
+        "benchmark": new.benchmark,
+        "metric": new.metric or _strict_metric(new.benchmark),
+        "value": float(new.value),
+        "source": new.source,
+        "protocol": new.protocol,
+        **({"note": new.note} if new.note else {}),
+        **({"verified": dict(new.verified)} if new.verified else {"unverified": new.unverified}),
+    }
+    data["scores"] = [*data["scores"], entry]
+    return data, score_id
+
+
+def _add_definitions(data: dict[str, Any], reg: Registry, new: NewScore) -> None:
+    """Define the new score's source and protocol in the user data unless the registry has them; a definition given
+    for an id the registry already defines otherwise is refused (never silently dropped)."""
+    src, proto = reg.sources.get(new.source), reg.protocols.get(new.protocol)
+    if src is None:
+        if not new.source_title:
+            raise UserError(f"source {new.source!r} is not in the registry", "define it: pass --source-title TITLE")
+        data["sources"][new.source] = {"title": new.source_title, "kind": new.source_kind, "url": new.source_url}
+    elif new.source_title not in (None, src.title):
+        raise UserError(
+            f"source {new.source!r} is already defined ({src.title})", "drop --source-title, or a new --source"
+        )
+    if proto is None:
+        if not new.described:
+            raise UserError(f"protocol {new.protocol!r} is not in the registry", "define it: pass --described TEXT")
+        data["protocols"][new.protocol] = {"described": new.described, "stated": dict(new.stated or {})}
+    elif new.described not in (None, proto.described) or (new.stated and new.stated != proto.stated):
+        raise UserError(
+            f"protocol {new.protocol!r} is already defined ({proto.described})",
+            "drop --described / --stated, or name a new --protocol",
+        )
+
+
+def _add_model(data: dict[str, Any], reg: Registry, new: NewScore) -> None:
+    """Define `new.model` in the user data unless the registry has it; a hub id the registry gives another model, or
+    that contradicts the model's own, is refused."""
+    owner = next(
+        (m.name for m in reg.models.values() if new.hub_id and (m.hub_id or "").lower() == new.hub_id.lower()), None
+    )
+    if owner is not None and owner != new.model:
+        raise UserError(f"hub id {new.hub_id} is the registry's model {owner!r}", f"pass --model {owner}")
+    known = reg.models.get(new.model)
+    if known is None:
+        data["models"][new.model] = {"kind": new.kind, "hub_id": new.hub_id}
+    elif new.hub_id and (known.hub_id or "").lower() != new.hub_id.lower():
+        raise UserError(
+            f"model {new.model!r} has hub id {known.hub_id or 'none'} in the registry, not {new.hub_id}",
+            "drop --hub-id, or add the figure under another --model name",
+        )
+
+
+def _strict_metric(benchmark: str) -> str:
+    """The metric a family's strict results key scores (the registry's benchmarks are benchmarks.yaml's families)."""
+    from lm_eval_sink.benchmarks import load_benchmarks
+
+    fam = load_benchmarks().get(benchmark)
+    if fam is None or not fam.metric:
+        raise UserError(f"unknown benchmark {benchmark!r}", f"use one of {', '.join(sorted(load_benchmarks()))}")
+    return fam.metric
+
+
+def run_stated_values(fp: Any, task: str) -> dict[str, Any]:
+    """A run's value of each field a source may state (`STATED_KEYS`), from its fingerprint."""
     h = fp.harness
-    run_values = {
+    return {
         "apply_chat_template": h.get("apply_chat_template"),
         "num_fewshot": (h["tasks"].get(task) or {}).get("num_fewshot"),
         "enable_thinking": (h.get("model_args") or {}).get("enable_thinking"),
@@ -423,6 +580,11 @@ def compare_stated(stated: dict[str, Any], fp: Any, task: str) -> tuple[list[dic
         "batch_size": h.get("batch_size"),
         "dtype": h.get("dtype"),
     }
+
+
+def compare_stated(stated: dict[str, Any], fp: Any, task: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """Fields where a run's fingerprint contradicts what a source states, and the fields the source leaves unstated."""
+    run_values = run_stated_values(fp, task)
     differ = []
     for key, want in stated.items():
         got = run_values[key]
@@ -445,9 +607,9 @@ def compare_stated_pair(a: dict[str, Any], b: dict[str, Any]) -> tuple[list[dict
 
 def list_markdown(reg: Registry) -> str:
     lines = markdown_lines(
-        ["model", "hub id", "kind", "scores", "gaps", "checked at source"],
+        ["model", "hub id", "kind", "scores", "gaps", "verified at source"],
         [
-            [m.name, m.hub_id or "-", m.kind, len(reg.scores_of(m.name)), len(reg.gaps_of(m.name)), _n_checked(reg, m)]
+            [m.name, m.hub_id or "-", m.kind, len(reg.scores_of(m.name)), len(reg.gaps_of(m.name)), _n_verified(reg, m)]
             for m in sorted(reg.models.values(), key=lambda m: m.name.lower())
         ],
     )
@@ -458,14 +620,10 @@ def list_markdown(reg: Registry) -> str:
     )
 
 
-def _n_checked(reg: Registry, m: ModelEntry) -> str:
-    """How many of a model's scores and gaps were compared with their original, of how many."""
+def _n_verified(reg: Registry, m: ModelEntry) -> str:
+    """How many of a model's scores and gaps were read in their source, of how many."""
     entries = [*reg.scores_of(m.name), *reg.gaps_of(m.name)]
-    return f"{sum(e.checked for e in entries)}/{len(entries)}"
-
-
-def _yes_no(check: Check) -> str:
-    return "yes" if check.checked else "NO"
+    return f"{sum(e.verified for e in entries)}/{len(entries)}"
 
 
 def _fmt_stated(p: StatedProtocol) -> str:
@@ -474,7 +632,7 @@ def _fmt_stated(p: StatedProtocol) -> str:
 
 
 def show_markdown(reg: Registry, name: str) -> str:
-    """One model's entry: its scores and gaps as tables, then where each was checked, its sources and protocols."""
+    """One model's entry: its scores and gaps as tables, then where each was verified, its sources and protocols."""
     m = reg.model(name)
     lines = [f"## {m.name}", f"hub id: {m.hub_id or 'not recorded'}; kind: {m.kind}"]
     if m.parent:
@@ -490,28 +648,28 @@ def show_markdown(reg: Registry, name: str) -> str:
     return "\n".join(lines + _entry_notes(reg, [*scores, *gaps])) + "\n"
 
 
-_SCORE_HEAD = ("id", "benchmark", "metric", "value", "source", "protocol", "checked")
-_GAP_HEAD = ("id", "candidate - reference", "benchmark", "gap", "source", "protocol", "checked")
+_SCORE_HEAD = ("id", "benchmark", "metric", "value", "source", "protocol", "verified")
+_GAP_HEAD = ("id", "candidate - reference", "benchmark", "gap", "source", "protocol", "verified")
 
 
 def _reported_cells(e: Reported, *shown: str) -> list[str]:
-    """A score's or gap's row: its id, the cells `shown` (what it is about, its value), its source, protocol, check."""
-    return [e.id, *shown, f"{e.source.id} ({e.source.kind})", _fmt_stated(e.protocol), _yes_no(e.check)]
+    """A score's or gap's row: id, the cells `shown` (what it is about, its value), source, protocol, verification."""
+    return [e.id, *shown, f"{e.source.id} ({e.source.kind})", _fmt_stated(e.protocol), e.verification.short()]
 
 
 def _entry_notes(reg: Registry, entries: list[Reported]) -> list[str]:
-    """Below the tables: where each figure was checked, then the sources and protocols the figures name."""
+    """Below the tables: where each figure was verified, then the sources and protocols the figures name."""
     lines: list[str] = []
     if entries:
-        lines += ["", "checks (each figure against its original):"]
-        lines += [f"- {e.id}: {e.check.label()}" for e in entries]
+        lines += ["", "verification (each figure read in its source, or not):"]
+        lines += [f"- {e.id}: {e.verification.label()}" for e in entries]
     used = sorted({e.source.id for e in entries})
     if used:
         lines += ["", "sources:"]
         lines += [
             f"- {s}: {reg.sources[s].title}"
             + (f" <{reg.sources[s].url}>" if reg.sources[s].url else "")
-            + f"; {reg.sources[s].check.label()}"
+            + (f"; {reg.sources[s].note}" if reg.sources[s].note else "")
             for s in used
         ]
     protos = sorted({e.protocol.id for e in entries})

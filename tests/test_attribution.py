@@ -76,6 +76,27 @@ def test_per_prompt_split_is_exact(tmp_path):
     assert row["non_final"] is True  # --limit 5 runs
 
 
+def test_parts_that_exceed_the_gap_or_take_the_other_sign_are_explained(tmp_path):
+    # reference 40 strict / 100 loose, candidate 20 / 20: gap -20 = capacity -80 + access +60
+    ref = write_run(tmp_path / "r", {"ifeval": ([1, 1, 0, 0, 0], [1, 1, 1, 1, 1])}, model="/models/llm")
+    cand = write_run(tmp_path / "c", {"ifeval": ([1, 0, 0, 0, 0], [1, 0, 0, 0, 0])}, model="/models/vlm")
+    att = run_attribution([str(ref)], [str(cand)])
+    [row] = _bench(att, "IFEval")["comparisons"]
+    assert (row["gap"], row["access"], row["capacity"]) == (-20.0, 60.0, -80.0)
+    sentence = (
+        "access +60.00 and capacity -80.00 add up to the gap -20.00 although they take opposite signs and access and "
+        "capacity exceed the gap in size: capacity is the gap under lenient answer extraction "
+        "(prompt_level_loose_acc,none), -80.00, and access = gap - capacity is what strict extraction adds to it, "
+        "+60.00; neither part is bounded by the gap"
+    )
+    assert row["explanation"] == sentence and f"- instruct: {sentence}\n" in to_markdown(att)
+    # parts within the gap and of its sign need no sentence (the exact split above: -40 = -20 + -20)
+    ref, cand = _pair(tmp_path)
+    assert [r["explanation"] for r in _bench(run_attribution([str(ref)], [str(cand)]), "IFEval")["comparisons"]] == [
+        None
+    ]
+
+
 def test_aggregate_split_without_samples(tmp_path):
     ref, cand = _pair(tmp_path, samples=False)
     att = run_attribution([str(ref)], [str(cand)])
@@ -136,7 +157,7 @@ def test_same_weights_under_two_protocols_is_a_protocol_artefact(tmp_path):
     assert row["kind"] == "protocol_artefact" and row["gap"] == -60.0 and row["protocol_part"] == -60.0
     assert row["access"] is None and row["capacity"] is None
     assert [d["field"] for d in row["differing_fields"]] == ["model_args.enable_thinking"]
-    assert att.lineage[0]["status"] == "same_checkpoint" and att.lineage[0]["flagged"] is False
+    assert att.lineage[0]["status"] == "same_model" and att.lineage[0]["flagged"] is False
     assert plot_rows(att)[0]["parts"]["protocol"] == -60.0
 
 
@@ -262,16 +283,17 @@ def test_registry_loads_and_every_entry_has_source_and_protocol():
     [
         (
             "scores:\n  - {id: x, model: Qwen3-8B, benchmark: IFEval, metric: m, value: 1, source: "
-            "nowhere, protocol: instruct}\n",
+            "nowhere, protocol: instruct, unverified: u}\n",
             "source 'nowhere' is not defined",
         ),
         (
-            "scores:\n  - {id: x, model: Qwen3-8B, benchmark: IFEval, metric: m, value: 1, source: qwen3-report}\n",
+            "scores:\n  - {id: x, model: Qwen3-8B, benchmark: IFEval, metric: m, value: 1, source: qwen3-report, "
+            "unverified: u}\n",
             "score lacks 'protocol'",
         ),
         (
             "scores:\n  - {id: x, model: Qwen3-8B, benchmark: IFEval, metric: m, value: 1, source: "
-            "qwen3-report, protocol: instruct, vlaue: 2}\n",
+            "qwen3-report, protocol: instruct, unverified: u, vlaue: 2}\n",
             "unknown key 'vlaue' (did you mean 'value'?)",
         ),
         (
@@ -280,12 +302,12 @@ def test_registry_loads_and_every_entry_has_source_and_protocol():
         ),
         (
             "scores:\n  - {id: qwen3-8b/ifeval/vendor-nothink, model: Qwen3-8B, benchmark: IFEval, "
-            "metric: m, value: 1, source: qwen3-report, protocol: instruct}\n",
+            "metric: m, value: 1, source: qwen3-report, protocol: instruct, unverified: u}\n",
             "used twice",
         ),
         (
             "scores:\n  - {id: x, model: Qwen3-8B, benchmark: IFEVAL, metric: m, value: 1, source: "
-            "qwen3-report, protocol: instruct}\n",
+            "qwen3-report, protocol: instruct, unverified: u}\n",
             "unknown benchmark 'IFEVAL'",
         ),
     ],
@@ -308,7 +330,7 @@ def test_readme_example_protocol_artefact_qwen3():
     assert row["differing_fields"] == [
         {"field": "enable_thinking", "reference": False, "candidate": True, "affects_scores": True}
     ]
-    assert att.lineage[0]["status"] == "same_checkpoint"
+    assert att.lineage[0]["status"] == "same_model"
     vend = {v["measured"]["protocol"]: v for v in ife["vendor"]}
     assert (
         vend["qwen3-nothink-template"]["measured_minus_vendor"] == 0.18
@@ -465,7 +487,7 @@ def test_real_runs_same_weights_two_protocols_and_per_prompt_self_pairing(smollm
 
     ri, rc = load_results(smollm2_instruct_run)["results"], load_results(smollm2_community_run)["results"]
     att = run_attribution([str(smollm2_instruct_run.results)], [str(smollm2_community_run.results)])
-    assert att.lineage[0]["status"] == "same_checkpoint"
+    assert att.lineage[0]["status"] == "same_model"
     assert sorted(b["benchmark"] for b in att.benchmarks) == ["GSM8K", "IFEval"]  # sink_strength is a diagnostic
     ife = _bench(att, "IFEval")
     [row] = ife["comparisons"]
@@ -499,11 +521,20 @@ def test_real_runs_same_weights_two_protocols_and_per_prompt_self_pairing(smollm
 def test_vendor_figures_and_reported_gaps_beside_measured_runs(tmp_path):
     ref = write_run(tmp_path / "r", {"ifeval": REF_IF}, model="/models/Qwen2.5-7B-Instruct")
     cand = write_run(tmp_path / "c", {"ifeval": CAND_IF}, model="/models/Qwen2.5-VL-7B-Instruct")
-    plain = run_attribution([str(ref)], [str(cand)])
+    as_names = ["/models/Qwen2.5-7B-Instruct=Qwen2.5-7B-Instruct", "/models/Qwen2.5-VL-7B-Instruct=Qwen2.5-VL-7B"]
+    plain = run_attribution([str(ref)], [str(cand)], as_names=as_names)
     assert [r["kind"] for r in _bench(plain, "IFEval")["comparisons"]] == [
         "same_protocol"
     ]  # no registry figures without --vendor
-    att = run_attribution([str(ref)], [str(cand)], vendor=True)
+    # a local folder is never matched by its name: without --as, none of the registry's figures
+    unmatched = run_attribution([str(ref)], [str(cand)], vendor=True)
+    assert _bench(unmatched, "IFEval")["vendor"] == [] and unmatched.registry["vendor_missing"] == [
+        "Qwen2.5-7B-Instruct",
+        "Qwen2.5-VL-7B-Instruct",
+    ]
+    att = run_attribution([str(ref)], [str(cand)], vendor=True, as_names=as_names)
+    assert [m["by"] for m in att.registry["matches"]] == ["matched by --as"] * 2
+    assert att.registry["vendor_missing"] == ["Qwen2.5-VL-7B"]  # the registry has no vendor figure of the VLM
     ife = _bench(att, "IFEval")
     kinds = [(r["kind"], r["protocol"], r["gap"]) for r in ife["comparisons"]]
     assert kinds[0] == ("same_protocol", "instruct", -40.0)

@@ -421,6 +421,11 @@ def test_eqbench_paired_difference_and_threshold(shared_data):
     assert rep.counts is None and rep.mcnemar_p is None and "--threshold" in rep.counts_reason
     assert rep.delta == pytest.approx(float((c - r).mean()))
     assert rep.wilcoxon_p == pytest.approx(2 / 2**6)  # exact signed-rank: all 6 differences negative
+    from lm_eval_sink.buckets import summary_markdown
+
+    md = summary_markdown(rep.to_json())  # a continuous metric in its own unit, named; 6 docs say nothing on power
+    assert "| score (eqbench in its own unit) | reference |" in md and "(points)" not in md
+    assert "Power: too few to tell: 6 paired docs (at least 10 are needed)" in md
     thr = 95.0
     rep_t = bucket(ref, cand, "eq_bench", BucketSettings(n_bootstrap=500, threshold=thr))
     want = {
@@ -738,3 +743,87 @@ def test_buckets_run_in_one_folder_is_read_by_report_from_another(
     page = (tmp_path / "elsewhere" / "r.html").read_text()
     assert f"../work/ref/{smollm2_instruct_run.folder.name}/samples_ifeval_" in page
     assert "../b/buckets.json#/" in page and str(tmp_path) not in page
+
+
+# --- power, noise floor, self-comparison (issue 36) --------------------------------------------------------
+
+
+def _outcomes(n: int, passes: set[int]) -> list[int]:
+    return [int(i in passes) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def boolq_trio(shared_data, tmp_path_factory):
+    """100 BoolQ docs: the reference passes docs 0-69; the candidate loses 0-15 and gains 70-73 (20 discordant, the
+    worked example's psi 0.2); a second run of the reference flips docs 0, 1, 2, 50 (pass -> fail) and 70."""
+    root = tmp_path_factory.mktemp("boolq_trio")
+    ref = set(range(70))
+    runs = {
+        "ref": (ref, "ref-model"),
+        "cand": ((ref - set(range(16))) | set(range(70, 74)), "cand-model"),
+        "repeat": ((ref - {0, 1, 2, 50}) | {70}, "ref-model"),
+    }
+    return {
+        name: bl.write_run(root / name, {"boolq": _boolq_lines(shared_data, _outcomes(100, passes))}, model=model)
+        for name, (passes, model) in runs.items()
+    }
+
+
+def test_power_and_noise_floor_in_every_output(boolq_trio, tmp_path, capsys):
+    from lm_eval_sink.power import connor_n, connor_power
+
+    out = tmp_path / "b"
+    args = ["buckets", str(boolq_trio["ref"]), str(boolq_trio["cand"]), "--repeat", str(boolq_trio["repeat"])]
+    assert main([*args, "--output", str(out), "--quiet", "--bootstrap", "200"]) == 0
+    stdout = capsys.readouterr().out
+    data = json.loads((out / "buckets.json").read_text())
+    pw = data["power"]
+    assert (pw["n"], pw["discordant_share"], round(100 * pw["mde"], 1)) == (100, 0.2, 12.4)
+    assert pw["n_for_effect"] == connor_n(0.2, 0.05) and pw["power_at_effect"] == pytest.approx(
+        connor_power(100, 0.2, 0.05)
+    )
+    assert "share of docs (0-1)" in data["units"] and "points" in data["units"]
+    md = (out / "buckets.md").read_text()
+    assert "- minimum detectable difference at this n: 12.4 points" in md and md in stdout
+    assert f"- paired docs a 5-point drop would need for power 0.8: {connor_n(0.2, 0.05)}" in md
+    floor = data["noise_floor"]
+    assert (floor["flips"], floor["flip_rate"], floor["pass_to_fail"], floor["fail_to_pass"]) == (5, 0.05, 4, 1)
+    assert (floor["expected_regressions"], floor["regressions"], floor["explained_by_noise"]) == (4.0, 16, 4)
+    assert floor["regressions_on_flipping_docs"] == [0, 1, 2] and floor["identical"] is False
+    assert "flip rate 5.0%: 4 pass->fail, 1 fail->pass" in md and "4 of the candidate's 16 regressions" in md
+    flips = {r["doc_id"]: r["noise_flip"] for r in data["rows"]}
+    assert sorted(i for i, f in flips.items() if f) == [0, 1, 2, 50, 70]
+    header, *rows = (out / "prompts.csv").read_text().splitlines()
+    assert header.endswith(",noise_flip") and rows[50].endswith(",True") and rows[3].endswith(",False")
+    assert data["runs"]["repeat"]["model"] == "ref-model" and data["provenance"]["inputs"]["repeat"]["samples_sha256"]
+
+
+def test_a_run_against_itself_gets_a_note(boolq_trio, capsys, tmp_path):
+    ref = str(boolq_trio["ref"])
+    assert main(["buckets", ref, ref, "--quiet", "--bootstrap", "200"]) == 0
+    out = capsys.readouterr().out
+    assert "reference and candidate give identical samples (prompt, response and score) for all 100 paired docs" in out
+    assert "Power: too few to tell: no doc where the runs disagree" in out
+    # a repeat that is the reference itself measures no noise, and says so
+    assert main(["buckets", ref, str(boolq_trio["cand"]), "--repeat", ref, "--quiet", "--bootstrap", "200"]) == 0
+    out = capsys.readouterr().out
+    assert "flip rate 0.0%" in out and "the reference and its repeat give identical samples" in out
+    # a repeat of another model is not a noise floor
+    msg = _cli_error(
+        capsys, ["buckets", ref, str(boolq_trio["cand"]), "--repeat", str(boolq_trio["cand"])], tmp_path / "o"
+    )
+    assert "--repeat" in msg and "is a run of cand-model, the reference is a run of ref-model" in msg
+    assert "--effect must be a positive" in _cli_error(
+        capsys, ["buckets", ref, str(boolq_trio["cand"]), "--effect", "0"], tmp_path / "o2"
+    )
+
+
+def test_instruction_types_below_ten_are_too_few_to_test(ifeval_pair):
+    from lm_eval_sink.buckets import summary_markdown
+
+    rep = bucket(ifeval_pair["ref"], ifeval_pair["cand"], "ifeval", FAST)
+    assert all(t["too_few_to_test"] is (t["n"] < 10) for t in rep.instruction_types) and rep.instruction_types
+    md = summary_markdown(rep.to_json())
+    assert "| detectable_format:json_format | 1 | 1 | 0 | 100.0 | 0.0 | too few to test | - | - |" in md
+    assert "-100.0" not in md
+    assert "Power (alpha 0.05 two-sided, power 0.8; Connor (1987)" in md  # 21 docs, 13 discordant

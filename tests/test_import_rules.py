@@ -20,6 +20,7 @@ TORCH_FREE = (
     "pairing",
     "predict",
     "buckets",
+    "power",
     "failure_kinds",
     "benchmarks",
     "vendors",
@@ -39,6 +40,7 @@ TORCH_FREE = (
 # Core modules take and return data; reading inputs and writing outputs is their commands/<subcommand>.py's.
 CORE = (
     "buckets",
+    "power",
     "attribution",
     "margin",
     "predict",

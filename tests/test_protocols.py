@@ -238,16 +238,24 @@ def test_cli_show_and_diff(tmp_path, capsys):
     assert (
         "apply_chat_template" in out and "tasks.ifeval.num_fewshot" in out and "matches named protocol: instruct" in out
     )
+    # nearly every field can change scores: `show` has no column for it, `diff` says why per field
+    assert "| part | field | value |\n" in out and "can change scores" not in out
     assert main(["protocol", "diff", str(a), str(a)]) == 0
     assert "no differences" in capsys.readouterr().out
     assert main(["protocol", "diff", str(a.parent), str(b.parent)]) == 0
     out = capsys.readouterr().out
     rows = [ln for ln in out.splitlines() if ln.startswith("| ") and not ln.startswith("| field")]
     assert [r.split("|")[1].strip() for r in rows] == ["apply_chat_template", "fewshot_as_multiturn", "chat_template"]
-    assert "| yes |" in rows[0]
+    assert rows[0].endswith("| yes: prompts rendered through the tokenizer's chat template |")
+    assert rows[1].endswith(  # zero-shot ifeval: sending few-shot examples as turns changes nothing here
+        "| no: few-shot examples sent as chat turns (only matters where a task has few-shot examples); no task "
+        "compared here uses few-shot examples |"
+    )
+    assert rows[2].endswith("| yes: chat template text (compared by sha256; null when no template was applied) |")
     out_json = tmp_path / "d.json"
     assert main(["protocol", "diff", str(a), str(b), "-o", str(out_json)]) == 0
     data = json.loads(out_json.read_text())
+    assert data["differences"][0]["reason"] == "prompts rendered through the tokenizer's chat template"
     assert (
         data["provenance"]["inputs"][0]["sha256"]
         and next(d["field"] for d in data["differences"]) == "apply_chat_template"

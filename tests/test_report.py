@@ -205,6 +205,18 @@ def test_every_section_and_every_number_traces_to_its_input(report, outputs):
 
 
 @pytest.mark.slow
+def test_power_and_small_instruction_types_on_the_page(report, outputs):
+    """The buckets section says what the comparison could detect (traced to buckets.json like every number), and
+    instruction types with fewer than 10 instructions say "too few to test" instead of a delta."""
+    text = report.read_text()
+    power = json.loads((outputs["buckets"] / "buckets.json").read_text())["power"]
+    assert power["too_few"] is None and power["n"] == 12
+    assert "What this comparison could detect (alpha" in text and "minimum detectable difference" in text
+    assert 'data-src="../buckets/buckets.json#/power/mde"' in text
+    assert "<td>too few to test</td>" in text and "prompt_level_strict_acc (points)</td>" in text
+
+
+@pytest.mark.slow
 def test_untrusted_responses_render_as_text(report):
     text = report.read_text()
     assert "&lt;script&gt;alert(&#34;x&#34;)&lt;/script&gt; &lt;/td&gt;&lt;/tr&gt;&lt;/table&gt;" in text

@@ -51,6 +51,10 @@ def test_sweep_writes_table_with_metrics_deltas_and_s(uninterrupted):
     assert dare["sink_strength"] != cand["sink_strength"]
     md = (out / "table.md").read_text()
     assert "| dare_linear | dare_linear |" in md and "S delta" in md
+    # a share of docs in points in the Markdown (one unit with buckets, report, attribute); lm-eval's value in the CSV
+    assert "Scores and deltas in points (x100 of lm-eval's share of docs): " in md and "share of docs" in table["units"]
+    cells = f"| {100 * dare['metrics'][col]:.1f} | {100 * dare['delta_vs_reference'][col]:+.1f} |"
+    assert cells in md and f"{dare['metrics'][col]:.4f}" in (out / "table.csv").read_text()
     assert (out / "table.csv").read_text().splitlines()[0].startswith("checkpoint,method,")
     assert (out / "table.png").read_bytes()[:4] == b"\x89PNG"
     lines = [json.loads(x) for x in (out / "manifest.jsonl").read_text().splitlines()]
@@ -368,9 +372,11 @@ def test_table_text_is_the_markdown_and_csv_of_the_table():
     )
     assert md == (
         "Merging sweep (chain lineage); deltas vs the reference.\n**Not final scores:** evaluated "
-        f"with limit=5: not final scores.\nS: {S_MEANING}.\n\n"
+        f"with limit=5: not final scores.\nS: {S_MEANING}.\n"
+        'Scores and deltas in points (x100 of lm-eval\'s share of docs): "t acc"; table.csv and table.json keep '
+        "lm-eval's values.\n\n"
         "| checkpoint | method | t acc | t acc delta | S | S delta | status |\n|---|---|---|---|---|---|---|\n"
-        "| reference | reference | 0.5000 | +0.0000 | -2.0000 | +0.0000 | ok |\n| tsv | tsv | n/a "
+        "| reference | reference | 50.0 | +0.0 | -2.0000 | +0.0000 | ok |\n| tsv | tsv | n/a "
         "| n/a | -1.5000 | +0.5000 | eval:tsv: boom |\n"
     )
     assert (

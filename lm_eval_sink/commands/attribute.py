@@ -58,12 +58,13 @@ def _model_card(path: Path) -> list[tuple[str, str]]:
     return out
 
 
-def model_info(pretrained: str | None, registry: Any = None) -> dict[str, Any]:
-    """Identity, names and stated parents of a model given by a path or hub id."""
-    key = str(pretrained or "unknown").rstrip("/")
-    names = [key]
-    parents: list[tuple[str, str]] = []
-    p = Path(key)
+def model_info(pretrained: str | None, registry: Any = None, as_names: dict[str | None, str] | None = None) -> dict:
+    """Identity, names and stated parents of a model given by a path or hub id, and the registry entry it is: a hub
+    id by its own hub id, a local folder only by `--as` (`as_names`: folder -> name, None -> every local folder) or
+    the hub id its place in the Hugging Face cache records; never by the folder's name (`matched_by` says which)."""
+    given = str(pretrained or "unknown").rstrip("/")
+    key, names, parents = given, [given], []
+    p = Path(given)
     if p.is_dir():
         key = str(p.resolve())
         names.append(p.resolve().name)
@@ -76,28 +77,53 @@ def model_info(pretrained: str | None, registry: Any = None) -> dict[str, Any]:
             if nop:
                 names.append(str(nop))
         parents += _model_card(p)
-    reg_name = None
-    if registry is not None:
-        for n in names:
-            reg_name = registry.identify(n)
-            if reg_name:
-                break
-        if reg_name:
-            entry = registry.models[reg_name]
-            names += sorted(entry.names())
-            if entry.parent:
-                parents.append((entry.parent["model"], f"vendor registry ({entry.parent['source']})"))
+    reg_name, by = _registry_match(given, registry, as_names or {}) if registry is not None else (None, None)
+    if reg_name:
+        entry = registry.models[reg_name]
+        names += sorted(entry.names())
+        if entry.parent:
+            parents.append((entry.parent["model"], f"vendor registry ({entry.parent['source']})"))
     return {
         "key": key,
         "names": names,
         "parents": parents,
         "registry_model": reg_name,
+        "matched_by": by,
         "display": reg_name or Path(key).name or key,
     }
 
 
+def _registry_match(given: str, registry: Any, as_names: dict[str | None, str]) -> tuple[str | None, str | None]:
+    """(registry name, how it was matched) of a run's model, or (None, None)."""
+    from lm_eval_sink.identity import looks_like_hub_id, split_revision
+
+    p = Path(given)
+    if looks_like_hub_id(split_revision(given)[0]) and not p.is_dir():
+        hub = split_revision(given)[0]
+        found = _by_hub_id(registry, hub)
+        return found, f"matched by its hub id {hub}" if found else None
+    for folder, name in as_names.items():
+        if folder is None or folder == given or (p.exists() and Path(folder).exists() and Path(folder).samefile(p)):
+            return registry.model(name).name, "matched by --as"
+    cache = p.parent.parent.name if p.parent.name == "snapshots" else ""
+    if cache.startswith("models--"):
+        hub = cache.removeprefix("models--").replace("--", "/", 1)
+        found = _by_hub_id(registry, hub)
+        return found, f"matched by the hub id its Hugging Face cache folder records, {hub}" if found else None
+    return None, None
+
+
+def _by_hub_id(registry: Any, hub: str) -> str | None:
+    """The registry model whose hub id is `hub` (case-insensitive), else None."""
+    return next((m.name for m in registry.models.values() if m.hub_id and m.hub_id.lower() == hub.lower()), None)
+
+
 def measurements_from_run(
-    arg: str, role: str, benchmarks: dict[str, Benchmark], registry: Any = None
+    arg: str,
+    role: str,
+    benchmarks: dict[str, Benchmark],
+    registry: Any = None,
+    as_names: dict[str | None, str] | None = None,
 ) -> tuple[list[Measurement], dict[str, Any], dict[str, Any]]:
     """Resolve and read one lm-eval run, identify its model; its measurements (attribution.run_measurements)."""
     from lm_eval_sink.identity import local_identity
@@ -108,7 +134,7 @@ def measurements_from_run(
     files = resolve_run(arg)
     results = load_results(files)
     fp = fingerprint(results, source=files.results)
-    info = model_info(fp.run.get("pretrained") or fp.run.get("model_name"), registry)
+    info = model_info(fp.run.get("pretrained") or fp.run.get("model_name"), registry, as_names)
     if fp.run.get("revision") not in (None, "main"):
         info["key"] += f"@{fp.run['revision']}"
     source = {
@@ -121,14 +147,14 @@ def measurements_from_run(
 
 
 def _load(
-    args: list[str], role: str, benchmarks: dict[str, Benchmark], registry: Any
+    args: list[str], role: str, benchmarks: dict[str, Benchmark], registry: Any, as_names: dict[str | None, str]
 ) -> tuple[list[Measurement], list[dict[str, Any]], list[dict[str, Any]]]:
     meas, infos, inputs = [], [], []
     for arg in args:
         if str(arg).startswith("vendor:"):
             m, info, src = measurements_from_registry(str(arg), role, registry)
         else:
-            m, info, src = measurements_from_run(str(arg), role, benchmarks, registry)
+            m, info, src = measurements_from_run(str(arg), role, benchmarks, registry, as_names)
         meas += m
         infos.append(info)
         inputs.append({"role": role, "arg": str(arg), **src})
@@ -146,8 +172,10 @@ def run_attribution(
     mixture: dict[str, str] | None = None,
     baseline_protocol: str | None = None,
     allow_partial: bool = False,
+    as_names: list[str] | None = None,
 ) -> Attribution:
-    """Load runs (paths) and registry entries (`vendor:ID` / `vendor:MODEL`) and attribute the gaps."""
+    """Load runs (paths) and registry entries (`vendor:ID` / `vendor:MODEL`) and attribute the gaps. `as_names`:
+    `--as [FOLDER=]NAME`, the registry entry a local model folder is (FOLDER left out: the one local model)."""
     from lm_eval_sink.runs import read_samples
     from lm_eval_sink.vendors import load_registry
 
@@ -157,10 +185,12 @@ def run_attribution(
             "pass runs (lm-eval output folders or results JSON) or vendor:ENTRY",
         )
     benchmarks = load_benchmarks(benchmarks_file)
-    # the registry also recognises models by name for lineage; its scores are used only with vendor: or --vendor
+    # the registry also recognises models for lineage; its scores are used only with vendor: or --vendor
     registry = load_registry(registry_file)
-    ref_m, ref_info, ref_in = _load(references, "reference", benchmarks, registry)
-    cand_m, cand_info, cand_in = _load(candidates, "candidate", benchmarks, registry)
+    given_as = _parse_as(as_names or [])
+    ref_m, ref_info, ref_in = _load(references, "reference", benchmarks, registry, given_as)
+    cand_m, cand_info, cand_in = _load(candidates, "candidate", benchmarks, registry, given_as)
+    _check_as(given_as, [*ref_info, *cand_info])
     allm = relabel([*ref_m, *cand_m])
     ref_m, cand_m = allm[: len(ref_m)], allm[len(ref_m) :]
     uses_registry = vendor or any(str(a).startswith("vendor:") for a in [*references, *candidates])
@@ -177,7 +207,55 @@ def run_attribution(
         allow_partial=allow_partial,
         samples_rows=_cached(read_samples),
         inputs=[*ref_in, *cand_in],
+        registry_info=_registry_info(registry, [*ref_info, *cand_info], vendor),
     )
+
+
+def _parse_as(items: list[str]) -> dict[str | None, str]:
+    """`--as NAME` (key None: the one local model) and `--as FOLDER=NAME`, by folder."""
+    out: dict[str | None, str] = {}
+    for item in items:
+        folder, eq, name = item.rpartition("=")
+        if not name.strip() or (eq and not folder.strip()):
+            raise UserError(f"--as {item!r} names no registry model", "pass --as NAME or --as FOLDER=NAME")
+        out[folder.strip() if eq else None] = name.strip()
+    return out
+
+
+def _check_as(given: dict[str | None, str], infos: list[dict[str, Any]]) -> None:
+    """Refuse an --as that matched nothing, and a bare --as NAME when the runs hold several local models."""
+    matched = {i["key"] for i in infos if i.get("matched_by") == "matched by --as"}
+    if None in given and len(matched) > 1:
+        raise UserError(
+            f"--as {given[None]} is ambiguous: the runs hold {len(matched)} local models "
+            f"({', '.join(sorted(matched))})",
+            "name the folder: --as FOLDER=NAME",
+        )
+    if given and not matched:
+        raise UserError(
+            f"--as {', '.join(f'{k}={v}' if k else v for k, v in given.items())} matches no run's local model folder",
+            "pass the folder a run's pretrained= names, as --as FOLDER=NAME",
+        )
+
+
+def _registry_info(registry: Any, infos: list[dict[str, Any]], vendor: bool) -> dict[str, Any]:
+    """Which run models were matched to a registry entry and how; with `vendor`, the models without vendor figures."""
+    matches = {
+        i["key"]: {"model": i["key"], "registry_model": i["registry_model"], "by": i["matched_by"]}
+        for i in infos
+        if i.get("matched_by")
+    }
+    missing = None
+    if vendor:
+        missing = sorted(
+            {
+                i["display"]
+                for i in infos
+                if not i["registry_model"]
+                or not any(s.source.kind == "vendor" for s in registry.scores_of(i["registry_model"]))
+            }
+        )
+    return {"matches": list(matches.values()), "vendor_missing": missing}
 
 
 def _lineages(

@@ -15,6 +15,7 @@ from lm_eval_sink.buckets import (
     protocol_record,
     rows_csv,
     summary_markdown,
+    with_noise_floor,
     with_runs,
 )
 from lm_eval_sink.errors import UserError
@@ -83,6 +84,26 @@ def _pick_task(ref_run, cand_run, task: str | None) -> tuple[str, Path, Path]:
     )
 
 
+def _repeat_run(repeat: str | Path, task: str, runs: dict[str, Any], fps: dict[str, Any]) -> Path:
+    """Resolve `--repeat` (a second run of the reference): its samples of `task`, its record in `runs["repeat"]`;
+    a run of another model is refused, protocol differences from the reference are named in the record."""
+    from lm_eval_sink.runs import resolve_run
+
+    rep_run = resolve_run(repeat)
+    _, rep_path = rep_run.samples_for(task)
+    fp, reason = run_fingerprint(rep_run)
+    rec = run_record(rep_run, fp, reason, task, rep_path, repeat)
+    ref_model = runs["reference"].get("model")
+    if rec.get("model") and ref_model and rec["model"] != ref_model:
+        raise UserError(
+            f"--repeat {repeat} is a run of {rec['model']}, the reference is a run of {ref_model}",
+            "pass a second run of the reference model under the same protocol",
+        )
+    rec["protocol_differences_from_reference"] = protocol_differences(fps["reference"][0], fp, task)
+    runs["repeat"] = rec
+    return rep_path
+
+
 def _require_same_protocol(fps: dict[str, tuple[Any, str | None]], diffs: dict[str, Any]) -> None:
     """--same-protocol: refuse runs whose protocol is unknown or differs (naming the runs or the fields)."""
     unknown = [f"{side}: {reason}" for side, (fp, reason) in fps.items() if fp is None]
@@ -108,8 +129,10 @@ def compare_runs(
     tokenizer: str | None = None,
     same_protocol: bool = False,
     progress: bool = False,
+    repeat: str | Path | None = None,
 ) -> BucketReport:
-    """Resolve two lm-eval runs, bucket one task's samples, attach both runs' provenance."""
+    """Resolve two lm-eval runs, bucket one task's samples, attach both runs' provenance; with `repeat` (a second
+    run of the reference under the same protocol), the noise floor of the comparison."""
     from lm_eval_sink.io import provenance
     from lm_eval_sink.runs import read_samples, resolve_run
 
@@ -123,6 +146,7 @@ def compare_runs(
     diffs = protocol_differences(fps["reference"][0], fps["candidate"][0], task)
     if same_protocol:
         _require_same_protocol(fps, diffs)
+    rep_path = _repeat_run(repeat, task, runs, fps) if repeat is not None else None
     count_tokens = None
     if tokenizer is not None:
         from lm_eval_sink.failure_kinds import tokenizer_counter
@@ -139,6 +163,9 @@ def compare_runs(
         labels=(f"reference samples {ref_path}", f"candidate samples {cand_path}"),
         progress=progress,
     )
+    if rep_path is not None:
+        labels = (f"reference samples {ref_path}", f"repeat samples {rep_path}")
+        report = with_noise_floor(report, read_samples(ref_path), read_samples(rep_path), settings, labels)
     prov = provenance(
         command="buckets",
         method_versions={"buckets": METHOD_VERSION},
@@ -222,6 +249,7 @@ def run_buckets(
     same_protocol: bool = False,
     progress: bool = True,
     checkpoint: str | None = None,
+    repeat: str | Path | None = None,
 ) -> tuple[BucketReport, list[str]]:
     """The `buckets` command: compare, then write the output folder when `output` is given; returns the report and the
     lines to print. A sweep's output folder stands for one of its checkpoints (`sweep_runs`)."""
@@ -230,9 +258,16 @@ def run_buckets(
         from lm_eval_sink.io import check_output_dir
 
         output = Path(output)
-        check_output_dir(output, force, inputs=[reference, candidate, tokenizer])
+        check_output_dir(output, force, inputs=[reference, candidate, repeat, tokenizer])
     report = compare_runs(
-        reference, candidate, task, settings, tokenizer=tokenizer, same_protocol=same_protocol, progress=progress
+        reference,
+        candidate,
+        task,
+        settings,
+        tokenizer=tokenizer,
+        same_protocol=same_protocol,
+        progress=progress,
+        repeat=repeat,
     )
     data = report.to_json()
     lines = [summary_markdown(data)]

@@ -416,6 +416,8 @@ def build_table(
         "rows": rows,
         "final": limit is None,
         "final_note": None if limit is None else f"evaluated with limit={limit}: not final scores",
+        "units": "metrics and their deltas as lm-eval writes them (a share of docs, 0-1, for accuracy-like metrics); "
+        "table.md and the report show shares of docs in points (x100)",
         "protocol": {
             "eval": None if plan.spec.eval is None else plan.spec.eval.to_json(),
             "harness_sha256": ref_fp.harness_sha() if ref_fp else None,
@@ -467,42 +469,67 @@ def _row(
     }
 
 
-def _fmt(x: float | None, signed: bool = False) -> str:
+def _fmt(x: float | None, signed: bool = False, scale: float = 1.0) -> str:
+    """A cell: 4 decimals in lm-eval's unit, or 1 decimal in points (`scale` 100) for a share of docs."""
     if x is None:
         return "n/a"
+    if scale != 1.0:
+        return f"{scale * x:+.1f}" if signed else f"{scale * x:.1f}"
     return f"{x:+.4f}" if signed else f"{x:.4f}"
 
 
-def table_text(table: dict[str, Any]) -> tuple[str, str]:
-    """The table as Markdown (a title line, the not-final note if any, what S means, the table; metrics under their
-    readable names) and as CSV (under their lm-eval results keys)."""
-    from lm_eval_sink.benchmarks import load_benchmarks, metric_labels
-    from lm_eval_sink.strength import S_MEANING
-
+def _table_rows(table: dict[str, Any], scales: list[float]) -> list[list[str]]:
+    """One row per checkpoint: each metric and its delta (scaled per column), S and its delta, the status."""
     cols = table["columns"]
-    strength_notes = (table.get("strength_comparability") or {}).get("notes") or []
     comparable = (table.get("strength_comparability") or {}).get("comparable", True)
-
-    def head(names: list[str]) -> list[str]:
-        return ["checkpoint", "method", *[x for c in names for x in (c, f"{c} delta")], "S", "S delta", "status"]
-
-    rows = [
+    return [
         [
             r["checkpoint"],
             r["method"] or r["role"],
-            *[x for c in cols for x in (_fmt(r["metrics"][c]), _fmt(r["delta_vs_reference"][c], True))],
+            *[
+                x
+                for c, f in zip(cols, scales, strict=True)
+                for x in (_fmt(r["metrics"][c], scale=f), _fmt(r["delta_vs_reference"][c], True, f))
+            ],
             _fmt(r["sink_strength"]) + (f" ({r.get('s_setting')})" if r.get("s_setting") and not comparable else ""),
             _fmt(r["sink_strength_delta_vs_reference"], True),
             r["status"],
         ]
         for r in table["rows"]
     ]
+
+
+def _units_line(labels: list[str], scales: list[float]) -> str:
+    """Which columns are in points and which in their metric's own unit, said once above the table."""
+    points = [f'"{lab}"' for lab, f in zip(labels, scales, strict=True) if f != 1.0]
+    own = [f'"{lab}"' for lab, f in zip(labels, scales, strict=True) if f == 1.0]
+    parts = [f"in points (x100 of lm-eval's share of docs): {', '.join(points)}"] if points else []
+    parts += [f"in the metric's own unit: {', '.join(own)}"] if own else []
+    return "Scores and deltas " + "; ".join(parts) + "; table.csv and table.json keep lm-eval's values.\n"
+
+
+def table_text(table: dict[str, Any]) -> tuple[str, str]:
+    """The table as Markdown (a title line, the not-final note if any, what S means, the units, the table; metrics
+    under their readable names, shares of docs in points) and as CSV (under their lm-eval results keys and values)."""
+    from lm_eval_sink.benchmarks import load_benchmarks, metric_in_points, metric_labels
+    from lm_eval_sink.strength import S_MEANING
+
+    cols = table["columns"]
+    benchmarks = load_benchmarks()
+
+    def head(names: list[str]) -> list[str]:
+        return ["checkpoint", "method", *[x for c in names for x in (c, f"{c} delta")], "S", "S delta", "status"]
+
+    scales = [100.0 if metric_in_points(c, benchmarks) else 1.0 for c in cols]
     md = f"Merging sweep ({table['lineage']} lineage); deltas vs the reference.\n"
     if not table["final"]:
         md += f"**Not final scores:** {table['final_note']}.\n"
+    strength_notes = (table.get("strength_comparability") or {}).get("notes") or []
     md += f"S: {S_MEANING}.\n" + "".join(f"S, {line}\n" for line in strength_notes)
-    labels = metric_labels(cols, load_benchmarks())
-    return md + "\n" + markdown_table(head(labels), rows), csv_text(head(cols), rows)
+    labels = metric_labels(cols, benchmarks)
+    md += _units_line(labels, scales) if cols else ""
+    md_rows, csv_rows = _table_rows(table, scales), _table_rows(table, [1.0] * len(cols))
+    return md + "\n" + markdown_table(head(labels), md_rows), csv_text(head(cols), csv_rows)
 
 
 # --- what to run: decisions on the folder's state, read once by commands/sweep.py ----------------

@@ -246,9 +246,30 @@ def _instruction_type_rows(d: Doc) -> list[dict[str, Any]]:
             "delta": num(d, ["instruction_types", i, "delta"], "+pts"),
             "p": num(d, ["instruction_types", i, "mcnemar_p"], "p"),
             "holm": num(d, ["instruction_types", i, "holm_p"], "p"),
+            "too_few": bool(t.get("too_few_to_test")),
         }
         for i, t in enumerate(d.data.get("instruction_types") or [])
     ]
+
+
+def _power(d: Doc, binary: bool) -> dict[str, Any] | None:
+    """What the comparison could have detected (buckets.json `power`), in points for a 0/1 metric."""
+    pw = d.data.get("power")
+    if not isinstance(pw, Mapping) or not pw:
+        return None
+    style = "pts" if binary else "f4"
+    return {
+        "too_few": pw.get("too_few"),
+        "method": pw.get("method"),
+        "unit": "points" if binary else f"{d.data.get('metric')} units",
+        "alpha": num(d, ["power", "alpha"], "f2"),
+        "target": num(d, ["power", "target_power"], "f2"),
+        "mde": num(d, ["power", "mde"], style),
+        "effect": num(d, ["power", "effect"], style),
+        "power": num(d, ["power", "power_at_effect"], "pts"),
+        "exact": num(d, ["power", "power_at_effect_exact"], "pts"),
+        "n_for_effect": num(d, ["power", "n_for_effect"], "int"),
+    }
 
 
 def _buckets_section(b: BucketsInput) -> dict[str, Any]:
@@ -288,6 +309,7 @@ def _buckets_section(b: BucketsInput) -> dict[str, Any]:
         "regressions": num(d, ["counts", "regression"], "int"),
         "table": _regression_rows(b),
         "types": _instruction_type_rows(d),
+        "power": _power(d, binary),
         "notes": list(data.get("notes") or []),
         "protocol_differences": [
             {
@@ -347,7 +369,7 @@ def _attribution_section(d: Doc) -> dict[str, Any]:
             rows.append(
                 {
                     "protocol": c.get("protocol"),
-                    "kind": c.get("kind"),
+                    "kind": (c.get("kind") or "") + _figure_state(c),
                     "split_from": c.get("split_from"),
                     "non_final": c.get("non_final"),
                     "reference": num(d, [*p, "reference", "strict"], "f2"),
@@ -364,6 +386,7 @@ def _attribution_section(d: Doc) -> dict[str, Any]:
                 "benchmark": b.get("benchmark"),
                 "construct": b.get("construct"),
                 "rows": rows,
+                "explanations": [c["explanation"] for c in b.get("comparisons") or [] if c.get("explanation")],
                 "not_compared": [
                     str(x.get("reason") or x) if isinstance(x, Mapping) else str(x) for x in b.get("not_compared") or []
                 ],
@@ -375,6 +398,18 @@ def _attribution_section(d: Doc) -> dict[str, Any]:
         "lineage": [dict(x) for x in data.get("lineage") or []],
         "mixture": get(data, "mixture", "note"),
     }
+
+
+def _figure_state(c: Mapping[str, Any]) -> str:
+    """Whether the registry figures a comparison uses were read in their source (vendors.Verification), in words."""
+    entries = [c.get("entry") or {}] if c.get("kind") == "reported_gap" else []
+    entries += [get(c, side, "source") or {} for side in ("reference", "candidate")]
+    used = [e for e in entries if e.get("kind") == "registry" or "unverified" in e]
+    if not used:
+        return ""
+    return (
+        " (registry figure UNVERIFIED)" if any(not e.get("verified") for e in used) else " (registry figures verified)"
+    )
 
 
 def sweep_series(table: Mapping[str, Any]) -> dict[str, Any]:
