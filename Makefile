@@ -55,8 +55,9 @@ test:
 
 # make test-oldest, not part of make test: the lower bounds pyproject.toml declares (constraints-oldest.txt) in a venv
 # of their own, running the tests that lean on torch, transformers, peft, accelerate, lm-eval and huggingface_hub:
-# capture, strength, adapters, harness, loading, identity (docs/development.md). PyPI's Linux torch is the CUDA build:
-# the venv is about 6 GB. setuptools is installed by name: the venv's own (Python 3.11's 65.5) would stay otherwise.
+# capture, strength, adapters, harness, loading, identity, less the real-SmolLM2 lm-eval run (4 minutes) and the
+# SmolLM2 bf16 check (docs/development.md). PyPI's Linux torch is the CUDA build: the venv is about 7.5 GB.
+# setuptools is installed by name: the one venv puts there (65.5 with Python 3.11) would stay otherwise.
 OLDEST_TESTS := tests/test_harness.py tests/test_architectures.py tests/test_strength.py tests/test_loading.py \
 	tests/test_capture_scale.py tests/test_adapters.py tests/test_identity.py
 OLDEST_DESELECT := not test_mission_command and not test_offline_stock_tasks and not test_smollm2_bf16
