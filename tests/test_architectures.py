@@ -314,7 +314,7 @@ def test_built_mask_matches_the_models_own_4d_mask(tiny_tokenizer, encoded):
     emb = model.model.embed_tokens(ids)
     n = ids.shape[1]
     for make, window in ((create_causal_mask, None), (create_sliding_window_causal_mask, WINDOW)):
-        own = make(config=model.config, inputs_embeds=emb, attention_mask=mask, cache=None, position_ids=pos)
+        own = make(model.config, emb, mask, None, position_ids=pos)  # no cache: its keyword became `cache` in 5.24
         want = _allowed_keys(own, first, n, n, window, emb.device)
         built = _allowed_keys(mask, first, n, n, window, emb.device)  # a 2-D mask, as flash receives it
         real_rows = torch.arange(n)[None, :] >= first[:, None]  # padded query rows are never read
