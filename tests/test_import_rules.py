@@ -50,6 +50,7 @@ CORE = (
     "screen",
     "merging.sweep",
     "merging.scheduler",
+    "merging.engine_reuse",
 )
 # Calls that read or write files: builtins and pathlib methods, and the project's readers and writers.
 FILE_IO_CALLS = frozenset(
