@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.commands.units import run_unit
-from lm_eval_sink.commands.vllm_resident import check_reuse, engine_reuse, local_runner, plan_notes
+from lm_eval_sink.commands.vllm_resident import check_reuse, engine_reuse, local_runner, plan_notes, ray_pool
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.identity import looks_like_hub_id, tree_files
 from lm_eval_sink.io import (
@@ -168,6 +168,8 @@ def load_sweep(
     from lm_eval_sink.commands.resident import check_spec
 
     check_spec(spec)
+    if spec.engine_reuse:
+        check_reuse(spec)  # reads vLLM's source: before the task index is built for _check_eval
     _check_eval(spec)
     return spec
 
@@ -380,8 +382,6 @@ def run_sweep(spec: SweepSpec, force: bool = False, progress: bool = True, redo:
         from lm_eval_sink.harness.runner import check_interpreter
 
         check_interpreter(spec.eval)
-    if spec.engine_reuse:
-        check_reuse(spec)
     earlier = None if force else _earlier_record(spec.output)
     spec, notes = _with_earlier_configs(spec, earlier)
     plan = plan_sweep(spec)
@@ -516,7 +516,7 @@ def _run_sweep_locked(
 
         report.notes.extend(run_in_memory(plan, todo, record, progress))
     elif spec.engine is not None and spec.engine.kind == "ray":
-        run_on_ray(todo, spec.engine, out, record, run_unit, progress=progress)
+        run_on_ray(todo, spec.engine, out, record, run_unit, progress=progress, pool=ray_pool(spec))
     else:
         with local_runner(spec, report.notes) as run:
             _run_local(todo, record, report.failures, progress, run)

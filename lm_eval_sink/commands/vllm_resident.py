@@ -50,9 +50,12 @@ def engine_reuse(asked: bool | None, settings: Any, fresh: bool, src: str) -> bo
 
 
 def check_reuse(spec: SweepSpec) -> None:
-    """Refuse, before any work, a resident engine on a vLLM whose worker has no `reload_weights` (older vLLM)."""
+    """Refuse, before any work, a resident engine on a vLLM whose worker has no `reload_weights` (older vLLM); an
+    interpreter without vLLM is `runner.check_interpreter`'s to refuse."""
     python = spec.eval.interpreter()
     found = reload_support(python)
+    if not found["vllm_module"]:
+        return
     missing = [m for m in ("reload_weights", "collective_rpc", "reset_prefix_cache") if not found.get(m)]
     if missing:
         raise UserError(
@@ -187,3 +190,17 @@ def local_runner(spec: SweepSpec, notes: list[str]) -> Iterator[Callable[[Unit],
     finally:
         runner.close()
         notes.extend(runner.notes)
+
+
+def _fields_of(settings: Any) -> Callable[[Unit], Fields]:
+    return lambda unit: checkpoint_fields(unit.inputs["model"], settings)
+
+
+def ray_pool(spec: SweepSpec) -> Any:
+    """Under Ray, the eval units' pool of actors, each with its own resident engine (`EngineRunner`); None where the
+    sweep starts an engine per checkpoint."""
+    from lm_eval_sink.merging.engines import EvalPool
+
+    if not spec.engine_reuse:
+        return None
+    return EvalPool(EngineRunner, (spec.eval, spec.output / "logs"), _fields_of(spec.eval))

@@ -95,13 +95,14 @@ except m.PackageNotFoundError:
     version = None
 worker = methods(root / "v1" / "worker" / "gpu_worker.py", "Worker")
 llm = methods(root / "entrypoints" / "llm.py", "LLM")
-print(json.dumps({"vllm": version, "reload_weights": "reload_weights" in worker,
+print(json.dumps({"vllm": version, "vllm_module": spec is not None, "reload_weights": "reload_weights" in worker,
                   "collective_rpc": "collective_rpc" in llm, "reset_prefix_cache": "reset_prefix_cache" in llm}))
 """
 
 
 def reload_support(python: str) -> dict[str, Any]:
-    """{vllm: version, reload_weights, collective_rpc, reset_prefix_cache: bool} of the vLLM in `python`."""
+    """{vllm: version, vllm_module, reload_weights, collective_rpc, reset_prefix_cache: bool} of the vLLM in
+    `python`."""
     from lm_eval_sink.harness.runner import run_probe
 
     return run_probe(python, RELOAD_PROBE)
