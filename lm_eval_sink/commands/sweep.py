@@ -165,11 +165,17 @@ def load_sweep(
         merges=_render(templates, models, tokenizer_source),
         written=written,
     )
+    return _checked(spec)
+
+
+def _checked(spec: SweepSpec) -> SweepSpec:
+    """The checks of a whole spec: an in-memory sweep's, the resident vLLM engine's (vLLM's source read), then
+    lm-eval's protocol (its task index built)."""
     from lm_eval_sink.commands.resident import check_spec
 
     check_spec(spec)
     if spec.engine_reuse:
-        check_reuse(spec)  # reads vLLM's source: before the task index is built for _check_eval
+        check_reuse(spec)
     _check_eval(spec)
     return spec
 
