@@ -117,6 +117,10 @@ def test_engine_reuse_is_the_vllm_default_and_fresh_engine_turns_it_off(tmp_path
     hf = _vllm_sweep(tmp_path / "hf", tiny_trio, backend="hf", engine_reuse=True)
     line = user_error(["sweep", hf, "--quiet"], tmp_path / "hf" / "out")
     assert "eval.engine_reuse is a vLLM setting, but eval.backend is hf" in line
+    parallel = _vllm_sweep(tmp_path / "dp", tiny_trio, model_args={"data_parallel_size": 2})
+    line = user_error(["sweep", parallel, "--quiet"], tmp_path / "dp" / "out")
+    assert "eval.engine_reuse with model_args.data_parallel_size 2" in line and "--fresh-engine" in line
+    assert load_sweep(parallel, fresh_engine=True).engine_reuse is False
     # an interpreter without vLLM is check_interpreter's to refuse, not the resident engine's
     assert "engine_reuse" not in user_error(["sweep", path, "--quiet"], tmp_path / "out")
 

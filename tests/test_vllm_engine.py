@@ -132,7 +132,7 @@ def test_resident_sweep_gives_the_fresh_engines_table_and_responses(resident):
     assert first["weights"] == "built" and first["process"] != second["process"]  # run 1, killed
     assert (second["weights"], third["weights"]) == ("built", "reloaded")
     assert second["process"] == third["process"] and second["engine"] == third["engine"] == 1
-    assert third["unit_on_engine"] == 2 and third["built_for"].endswith("candidate")
+    assert third["unit_on_engine"] == 2 and third["built_for"] == _marker(out, "candidate")["model"]
 
 
 def test_resident_sweep_resumes_after_a_kill_and_its_engine_dies_with_the_driver(resident):
@@ -210,10 +210,12 @@ def test_edge_nothing_of_a_previous_checkpoint_leaks_in_either_order(edge):
 
 def test_edge_memory_does_not_grow_across_swaps(edge):
     """The peak RSS of each unit is recorded; the second swap's is no higher than the first's (5% slack: lm-eval's
-    own buffers). A swap's peak exceeds the build's by about one weights file (vLLM maps it to reload)."""
-    peaks = {n: _marker(edge["out"], n)["peak_rss"] for n in ("A1", "B", "A2")}
+    own buffers), and each new engine's build peaks as the first did (a new process each). A swap's peak exceeds
+    the build's by about one weights file (vLLM maps it to reload)."""
+    peaks = {n: _marker(edge["out"], n)["peak_rss"] for n in ("A1", "B", "A2", "C", "A3")}
     assert all(p > 500 * 2**20 for p in peaks.values())
     assert peaks["A2"] <= peaks["B"] * 1.05, peaks
+    assert max(peaks["C"], peaks["A3"]) <= peaks["A1"] * 1.05, peaks
 
 
 def test_edge_a_config_change_starts_a_new_engine(edge):
@@ -233,6 +235,6 @@ def test_edge_a_failed_reload_is_the_units_one_line_and_the_next_gets_a_rebuilt_
     assert "\n" not in error.line() and "SafetensorError" in error.message, error.line()
     assert not (out / "evals" / "broken").exists() and list((out / "logs" / "eval-broken").glob("*.log"))
     engine = _marker(out, "A3")["engine"]
-    assert engine["engine"] == 3 and engine["built_because"] == "the previous unit failed"
-    assert engine["process"] == _marker(out, "A1")["engine"]["process"]  # rebuilt in the same process
+    assert engine["engine"] == 3 and engine["built_because"] == "the previous unit (eval:broken) failed"
+    assert engine["process"] != _marker(out, "C")["engine"]["process"]  # a new process: it starts clean
     assert _responses(out / "evals" / "A3") == _responses(edge["fresh"] / "evals" / "reference")

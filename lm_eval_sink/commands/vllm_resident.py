@@ -20,6 +20,7 @@ import contextlib
 import datetime as _dt
 import json
 import os
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,8 @@ FRESH = "pass --fresh-engine (or set eval: {engine_reuse: false}) for one engine
 
 def engine_reuse(asked: bool | None, settings: Any, fresh: bool, src: str) -> bool:
     """Whether a sweep's eval units share a resident engine: `eval.engine_reuse` (default true where it applies:
-    backend vllm), off with `--fresh-engine`; asked for with another backend, one line."""
+    backend vllm), off with `--fresh-engine`; asked for with another backend, or with lm-eval's data parallel
+    (no engine to keep), one line."""
     if settings is None or settings.backend != "vllm":
         if asked:
             raise UserError(
@@ -46,7 +48,16 @@ def engine_reuse(asked: bool | None, settings: Any, fresh: bool, src: str) -> bo
                 "drop engine_reuse, or set eval.backend: vllm",
             )
         return False
-    return not fresh and asked is not False
+    if fresh or asked is False:
+        return False
+    parallel = int(settings.model_args.get("data_parallel_size", 1))
+    if parallel > 1:
+        raise UserError(
+            f"{src}: eval.engine_reuse with model_args.data_parallel_size {parallel}: lm-eval's vLLM model then builds "
+            "no engine of its own to keep (it starts Ray replicas for each batch of requests)",
+            FRESH + ", or use tensor_parallel_size",
+        )
+    return True
 
 
 def check_reuse(spec: SweepSpec) -> None:
@@ -113,34 +124,49 @@ def plan_notes(plan: Plan, todo: Sequence[Unit]) -> list[str]:
 
 
 class EngineRunner:
-    """Eval units on one resident engine process (started at the first unit, again after a lost one)."""
+    """Eval units on one resident engine, in a process of the vLLM interpreter; a new engine (a new process) for
+    the first unit, a checkpoint that differs from the engine's in what it fixed, and after a failed unit."""
 
     def __init__(self, settings: Any, logs: Path) -> None:
         self.settings, self.logs = settings, Path(logs)
         self.process: EngineProcess | None = None
-        self.fields: Fields | None = None  # what the engine fixed (None: no engine, or the last unit failed)
+        self.fields: Fields | None = None  # what the engine fixed (None: no engine)
         self.holds: str | None = None  # the checkpoint it holds
+        self.failed: str | None = None  # the unit that failed on it
         self.started = 0
         self.notes: list[str] = []
+
+    def _new_engine(self, unit: Unit, fields: Fields) -> str | None:
+        """Why `unit` needs a new engine (None: the current one takes its weights); the old engine is closed."""
+        if self.failed is not None:
+            why = f"the previous unit ({self.failed}) failed"
+        elif self.fields is not None and fields != self.fields:
+            why = f"{unit.checkpoint} differs from {self.holds} in {describe(differences(self.fields, fields))}"
+            self.notes.append(f"{unit.id}: a new vLLM engine: {why}")
+        elif self.process is None:
+            why = "the first checkpoint"
+        else:
+            return None
+        self.close()
+        self.started += 1
+        log = self.logs / "vllm-engine" / f"engine-{os.getpid()}-{self.started}.log"
+        self.process = EngineProcess(self.settings.interpreter(), dict(os.environ), log)
+        return why
 
     def run(self, unit: Unit) -> None:
         """Evaluate `unit`'s checkpoint on the engine into the unit's staged folder (a UserError: its one line)."""
         weights = weights_folder(unit.inputs["model"])
         fields = engine_fields(checkpoint_facts(weights), _dtype(self.settings))
-        why = None
-        if self.fields is not None and fields != self.fields:
-            why = f"{unit.checkpoint} differs from {self.holds} in {describe(differences(self.fields, fields))}"
-            self.notes.append(f"{unit.id}: a new vLLM engine: {why}")
-        self.fields = None
-        if self.process is None:
-            self.started += 1
-            log = self.logs / "vllm-engine" / f"engine-{os.getpid()}-{self.started}.log"
-            self.process = EngineProcess(self.settings.interpreter(), dict(os.environ), log)
+        why = self._new_engine(unit, fields)
+        self.fields, self.holds, self.failed = fields, unit.checkpoint, unit.id  # until it finishes
         with staged_dir(unit.output, force=True, key=unit.key) as tmp:
+            start = time.perf_counter()
             answer = self._request(unit, tmp, weights, why)
+            answer["timings"]["unit"] = round(time.perf_counter() - start, 3)  # as this process waited for it
+            answer["engine"]["engine"] = self.started  # the sweep's engine number (one process each)
             fields_kept = {k: answer[k] for k in ("engine", "timings", "peak_rss", "peak_accelerator_memory")}
             finish_eval(tmp, unit, resolve_run(Path(answer["results"])), **fields_kept)
-        self.fields, self.holds = fields, unit.checkpoint
+        self.failed = None
 
     def _request(self, unit: Unit, tmp: Path, weights: str, why: str | None) -> dict[str, Any]:
         from lm_eval_sink.harness.runner import eval_versions
@@ -159,8 +185,7 @@ class EngineRunner:
         try:
             answer = self.process.request(request)
         except UserError as e:  # the process is gone: the next unit starts another
-            self.process.close()
-            self.process = None
+            self.close()
             raise UserError(e.message, f"{e.hint}; lm-eval's log: {keep_logs(unit, tmp)}") from None
         if not answer["ok"]:
             hint = "; ".join(x for x in (answer.get("hint"), f"see lm-eval's log in {keep_logs(unit, tmp)}") if x)
@@ -168,6 +193,7 @@ class EngineRunner:
         return answer
 
     def close(self) -> None:
+        """Shut the engine's process down (its engine first)."""
         if self.process is not None:
             self.process.close()
             self.process = None
