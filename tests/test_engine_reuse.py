@@ -8,7 +8,14 @@ import struct
 import pytest
 import yaml
 
-from lm_eval_sink.merging.engine_reuse import WEIGHTS, assign, differences, engine_fields, engine_starts
+from lm_eval_sink.merging.engine_reuse import (
+    WEIGHTS,
+    assign,
+    differences,
+    engine_fields,
+    engine_starts,
+    new_engine_reason,
+)
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "vocab_size": 96, "dtype": "float32"}
 
@@ -67,6 +74,16 @@ def test_engine_starts_in_run_order():
         ("m2", None),  # not merged yet: decided when it runs
         ("m3", "differs from cand in config.json vocab_size"),
     ]
+
+
+def test_a_running_sweep_starts_a_new_engine_first_after_a_failure_then_for_a_fixed_setting_that_differs():
+    a, b = engine_fields(_facts(), None), engine_fields(_facts(vocab_size=128), None)
+    assert new_engine_reason(None, None, "ref", a) == "the first checkpoint"
+    assert new_engine_reason(("ref", a), None, "m1", a) is None  # the running engine takes its weights
+    assert new_engine_reason(("ref", a), None, "cand", b) == "cand differs from ref in config.json vocab_size"
+    # a failed unit rules its engine out, even for a checkpoint it holds (the weights may be half written)
+    assert new_engine_reason(("ref", a), "eval:m1", "m2", a) == "the previous unit (eval:m1) failed"
+    assert new_engine_reason(None, "eval:m1", "cand", b) == "the previous unit (eval:m1) failed"
 
 
 def test_assign_prefers_the_actor_whose_engine_holds_the_unit():

@@ -3,11 +3,14 @@
 The per-checkpoint side is the suite's SmolLM2 vLLM sweep (conftest `smollm2_sweeps`, `engine_reuse: false`):
 reference, a perturbed candidate whose greedy responses differ, and a merge near the reference. Two runs on
 real vLLM (CPU build, float32, in-process engine, one thread) are compared with it:
-- `resident`: the same sweep with the resident engine (the default), killed after its first checkpoint and
-  resumed (every eval unit again; the merge and S units are the fresh sweep's, copied);
-- `edge`: one engine runner (the sweep's own eval path) over reference, candidate, reference (both orders on
-  one engine), a copy of the reference whose config differs (a new engine), a copy of that with truncated
-  weights (its reload fails) and the reference again (on a rebuilt engine).
+- `resident`: the same sweep with the resident engine (the default) on a copy of the fresh sweep's folder
+  without its eval units (the merge and S units are the fresh sweep's): killed inside its first eval unit,
+  then resumed: one engine takes the reference, the candidate (reloaded) and the near-reference merge
+  (reloaded again), so both orders of two checkpoints whose responses differ run on one engine;
+- `edge`: one engine runner (the sweep's own eval path; IFEval on one prompt, 16 new tokens) over the
+  reference, a copy of it whose config differs (a new engine, in a new process) and a copy of that with
+  truncated weights (its reload fails; the runner's decision for the next unit is read, not run: another
+  engine start would cost CI half a minute, and the new-process path is the config change's).
 """
 
 from __future__ import annotations
@@ -62,13 +65,13 @@ def _engine_pids(parent: int) -> list[int]:
     return pids
 
 
-def _kill_after_first_eval(sweep: Path, timeout: float = 900) -> dict:
-    """Run `sweep` in a forked driver, SIGKILL the driver alone once its first eval unit is in the manifest; then
-    whether its engine process died with it (no process of the test may outlive it: the group is killed after)."""
+def _kill_inside_first_eval(sweep: Path, timeout: float = 900) -> dict:
+    """Run `sweep` in a forked driver and SIGKILL the driver alone inside its first eval unit (its staged folder
+    and its engine process there); then whether the engine process died with it (no process of the test outlives
+    it: the driver's group is killed after)."""
     from lm_eval_sink.commands.sweep import load_sweep, run_sweep
 
-    manifest = sweep.parent / "out" / "manifest.jsonl"
-    before = manifest.read_text() if manifest.is_file() else ""
+    evals = sweep.parent / "out" / "evals"
     pid = os.fork()
     if pid == 0:
         try:
@@ -77,10 +80,11 @@ def _kill_after_first_eval(sweep: Path, timeout: float = 900) -> dict:
         finally:
             os._exit(0)
     deadline, engines = time.time() + timeout, []
-    while time.time() < deadline and '"unit": "eval:' not in manifest.read_text()[len(before) :]:
-        engines = _engine_pids(pid) or engines
+    while time.time() < deadline and not (engines and list(evals.glob("reference.partial-*"))):
+        engines = _engine_pids(pid)
         assert os.waitpid(pid, os.WNOHANG)[0] == 0, "the sweep ended before its first eval unit"
-        time.sleep(0.2)
+        time.sleep(0.1)
+    time.sleep(2)  # the engine process is importing vLLM
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     end = time.time() + 30
@@ -89,12 +93,12 @@ def _kill_after_first_eval(sweep: Path, timeout: float = 900) -> dict:
     survived = [p for p in engines if _alive(p)]
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
-    return {"engines": engines, "survived": survived}
+    return {"engines": engines, "survived": survived, "partial": [p.name for p in evals.glob("*.partial-*")]}
 
 
 @pytest.fixture(scope="module")
 def resident(smollm2_sweeps, tmp_path_factory, vllm_env) -> dict:
-    """The fresh sweep's folder copied, its eval units removed and run again on the resident engine: killed after
+    """The fresh sweep's folder copied, its eval units removed and run again on the resident engine: killed inside
     the first, then resumed in this process."""
     from lm_eval_sink.commands.sweep import load_sweep, run_sweep
 
@@ -105,14 +109,13 @@ def resident(smollm2_sweeps, tmp_path_factory, vllm_env) -> dict:
     data = yaml.safe_load((root / "sweep.yaml").read_text())
     data["eval"] = {k: v for k, v in data["eval"].items() if k != "engine_reuse"} | {"python": str(VLLM_PY)}
     (root / "sweep.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
-    killed = _kill_after_first_eval(root / "sweep.yaml")
+    killed = _kill_inside_first_eval(root / "sweep.yaml")
     report = run_sweep(load_sweep(root / "sweep.yaml"), progress=False)
     return {"fresh": fresh / "out", "out": root / "out", "killed": killed, "report": report}
 
 
 def test_resident_sweep_gives_the_fresh_engines_table_and_responses(resident):
-    """Every table column to 1e-5 and every response identical to an engine per checkpoint; one engine served the
-    resumed run's checkpoints, the candidate's weights swapped out for the near-reference merge's."""
+    """Every table column to 1e-5 and every response identical to an engine per checkpoint."""
     fresh, out = resident["fresh"], resident["out"]
     tables = [json.loads((o / "table.json").read_text()) for o in (fresh, out)]
     assert tables[0]["columns"] == tables[1]["columns"] and "sink_strength/sink_strength,none" in tables[1]["columns"]
@@ -127,24 +130,44 @@ def test_resident_sweep_gives_the_fresh_engines_table_and_responses(resident):
         results = json.loads((out / "evals" / name / marker["results"]).read_text())
         assert results["config"]["model"] == "vllm" and results["config"]["model_args"]["pretrained"] == marker["model"]
         assert "engine" not in _marker(fresh, name)  # the fresh side: an lm_eval process per checkpoint
-    assert _responses(fresh / "evals" / "candidate") != _responses(fresh / "evals" / "reference")
-    first, second, third = (_marker(out, n)["engine"] for n in CHECKPOINTS)
-    assert first["weights"] == "built" and first["process"] != second["process"]  # run 1, killed
-    assert (second["weights"], third["weights"]) == ("built", "reloaded")
-    assert second["process"] == third["process"] and second["engine"] == third["engine"] == 1
-    assert third["unit_on_engine"] == 2 and third["built_for"] == _marker(out, "candidate")["model"]
+
+
+def test_one_engine_takes_every_checkpoint_in_both_orders(resident):
+    """Reference, then the candidate (other responses), then the near-reference merge (the reference's responses
+    again): each swap equals a fresh engine (above), so nothing of the checkpoint before it leaked."""
+    fresh, out = resident["fresh"], resident["out"]
+    ref, cand = _responses(fresh / "evals" / "reference"), _responses(fresh / "evals" / "candidate")
+    assert ref != cand and _responses(out / "evals" / "near_reference") == ref
+    engines = [_marker(out, n)["engine"] for n in CHECKPOINTS]
+    assert [e["weights"] for e in engines] == ["built", "reloaded", "reloaded"]
+    assert {e["process"] for e in engines} == {engines[0]["process"]} and {e["engine"] for e in engines} == {1}
+    assert [e["unit_on_engine"] for e in engines] == [1, 2, 3]
+    assert (
+        engines[0]["built_because"] == "the first checkpoint"
+        and engines[0]["built_for"] == _marker(out, "reference")["model"]
+    )
+    assert any("one resident engine for the sweep" in n for n in resident["report"].notes), resident["report"].notes
+
+
+def test_the_engines_memory_does_not_grow_across_swaps(resident):
+    """Each unit records its peak RSS; the second swap's is no higher than the first's (5% slack: lm-eval's own
+    buffers). A swap's peak exceeds the build's by about one weights file (vLLM maps it to reload)."""
+    peaks = {n: _marker(resident["out"], n)["peak_rss"] for n in CHECKPOINTS}
+    assert all(p > 500 * 2**20 for p in peaks.values())
+    assert peaks["near_reference"] <= peaks["candidate"] * 1.05, peaks
+    for name in CHECKPOINTS:
+        marker = _marker(resident["out"], name)
+        assert marker["timings"]["evaluate"] > 0 and marker["timings"]["s_child"] > 0
+        assert marker["peak_accelerator_memory"] is None  # a CPU run
 
 
 def test_resident_sweep_resumes_after_a_kill_and_its_engine_dies_with_the_driver(resident):
     killed, report = resident["killed"], resident["report"]
     assert killed["engines"] and killed["survived"] == []  # the engine process did not outlive its sweep
-    assert report.ran == ["eval:candidate", "eval:near_reference"] and not report.failures
-    assert "eval:reference" in report.skipped and "merge:near_reference" in report.skipped
-    assert any("one resident engine for the sweep" in n for n in report.notes), report.notes
-    for name in CHECKPOINTS:
-        marker = _marker(resident["out"], name)
-        assert marker["timings"]["evaluate"] > 0 and marker["timings"]["s_child"] > 0
-        assert marker["peak_rss"] > 500 * 2**20 and marker["peak_accelerator_memory"] is None  # a CPU run
+    assert killed["partial"] == [] or all(p.startswith("reference.partial-") for p in killed["partial"])
+    assert report.ran == [f"eval:{n}" for n in CHECKPOINTS] and not report.failures
+    assert "merge:near_reference" in report.skipped and "strength:reference" in report.skipped
+    assert not list((resident["out"] / "evals").glob("*.partial-*"))  # the killed unit's staged folder tidied
 
 
 # --- one runner through the edge cases --------------------------------------------------------------------
@@ -171,70 +194,60 @@ def _truncated(model: Path, out: Path) -> Path:
     return out
 
 
-EDGE = ("A1", "B", "A2", "C", "broken", "A3")
-
-
 @pytest.fixture(scope="module")
-def edge(smollm2_sweeps, smollm2_candidate, default_model, tmp_path_factory, vllm_env) -> dict:
+def edge(smollm2_sweeps, default_model, tmp_path_factory, vllm_env) -> dict:
+    """One engine runner over the reference (an engine), a copy with another config.json (a new engine) and a copy
+    of that whose weights stop half way (its reload fails); then the runner's state and why it would start a new
+    engine for the next unit, a checkpoint its engine held."""
     from lm_eval_sink.commands.sweep import load_sweep
-    from lm_eval_sink.commands.vllm_resident import EngineRunner
+    from lm_eval_sink.commands.vllm_resident import EngineRunner, checkpoint_fields
 
     root = tmp_path_factory.mktemp("edge")
     changed = _config_changed(default_model, root / "changed")
-    models = {"A1": default_model, "B": smollm2_candidate, "A2": default_model, "C": changed}
-    models |= {"broken": _truncated(changed, root / "broken"), "A3": default_model}
-    settings = replace(load_sweep(smollm2_sweeps["vllm"]).eval, tasks=("ifeval",))
+    models = {"A": default_model, "C": changed, "broken": _truncated(changed, root / "broken")}
+    settings = load_sweep(smollm2_sweeps["vllm"]).eval
+    settings = replace(settings, tasks=("ifeval",), limit=1, gen_kwargs={**settings.gen_kwargs, "max_gen_toks": 16})
     runner, errors = EngineRunner(settings, root / "logs"), {}
     try:
-        for name in EDGE:
-            inputs = {"model": str(models[name]), "settings": settings, "identity": None}
-            unit = Unit("eval", name, f"key-{name}", root / "evals" / name, inputs)
+        for name, model in models.items():
+            inputs = {"model": str(model), "settings": settings, "identity": None}
             try:
-                runner.run(unit)
+                runner.run(Unit("eval", name, f"key-{name}", root / "evals" / name, inputs))
             except Exception as e:  # the unit's failure, as the sweep records it
                 errors[name] = e
+        state = {"failed": runner.failed, "process": runner.process, "started": runner.started}
+        state["next"] = runner.new_engine_reason("C2", checkpoint_fields(str(changed), settings))
+        state["failed_engine_alive"] = _alive(_marker(root, "C")["engine"]["process"])  # before the runner closes
     finally:
         runner.close()
-    return {"out": root, "errors": errors, "notes": runner.notes, "fresh": smollm2_sweeps["vllm"].parent / "out"}
+    return {"out": root, "errors": errors, "notes": runner.notes, "state": state}
 
 
-def test_edge_nothing_of_a_previous_checkpoint_leaks_in_either_order(edge):
-    out, fresh = edge["out"], edge["fresh"]
-    ref, cand = _responses(fresh / "evals" / "reference"), _responses(fresh / "evals" / "candidate")
-    assert ref != cand
-    assert [_responses(out / "evals" / n) for n in ("A1", "B", "A2")] == [ref, cand, ref]
-    engines = [_marker(out, n)["engine"] for n in ("A1", "B", "A2")]
-    assert [e["weights"] for e in engines] == ["built", "reloaded", "reloaded"]
-    assert {e["engine"] for e in engines} == {1}
-
-
-def test_edge_memory_does_not_grow_across_swaps(edge):
-    """The peak RSS of each unit is recorded; the second swap's is no higher than the first's (5% slack: lm-eval's
-    own buffers), and each new engine's build peaks as the first did (a new process each). A swap's peak exceeds
-    the build's by about one weights file (vLLM maps it to reload)."""
-    peaks = {n: _marker(edge["out"], n)["peak_rss"] for n in ("A1", "B", "A2", "C", "A3")}
-    assert all(p > 500 * 2**20 for p in peaks.values())
-    assert peaks["A2"] <= peaks["B"] * 1.05, peaks
-    assert max(peaks["C"], peaks["A3"]) <= peaks["A1"] * 1.05, peaks
-
-
-def test_edge_a_config_change_starts_a_new_engine(edge):
+def test_a_config_change_starts_a_new_engine_in_a_new_process(edge):
     out = edge["out"]
-    engine = _marker(out, "C")["engine"]
-    assert engine["engine"] == 2 and engine["weights"] == "built" and engine["unit_on_engine"] == 1
-    assert "config.json max_position_embeddings" in engine["built_because"]
+    first, engine = _marker(out, "A")["engine"], _marker(out, "C")["engine"]
+    assert (first["engine"], engine["engine"]) == (1, 2) and first["process"] != engine["process"]
+    assert engine["weights"] == "built" and engine["unit_on_engine"] == 1
+    assert engine["built_because"] == "C differs from A in config.json max_position_embeddings"
     assert edge["notes"] == [f"eval:C: a new vLLM engine: {engine['built_because']}"]
-    assert _responses(out / "evals" / "C") == _responses(edge["fresh"] / "evals" / "reference")
+    assert _responses(out / "evals" / "C") == _responses(out / "evals" / "A")
+    peaks = [_marker(out, n)["peak_rss"] for n in ("A", "C")]
+    assert max(peaks) <= 1.05 * min(peaks), peaks  # each engine in a process of its own: it starts clean
 
 
-def test_edge_a_failed_reload_is_the_units_one_line_and_the_next_gets_a_rebuilt_engine(edge):
+def test_a_failed_reload_is_the_units_one_line_and_the_next_unit_gets_a_new_engine(edge):
     from lm_eval_sink.errors import UserError
 
     out, error = edge["out"], edge["errors"].get("broken")
     assert set(edge["errors"]) == {"broken"} and isinstance(error, UserError)
     assert "\n" not in error.line() and "SafetensorError" in error.message, error.line()
     assert not (out / "evals" / "broken").exists() and list((out / "logs" / "eval-broken").glob("*.log"))
-    engine = _marker(out, "A3")["engine"]
-    assert engine["engine"] == 3 and engine["built_because"] == "the previous unit (eval:broken) failed"
-    assert engine["process"] != _marker(out, "C")["engine"]["process"]  # a new process: it starts clean
-    assert _responses(out / "evals" / "A3") == _responses(edge["fresh"] / "evals" / "reference")
+    # its engine's process is shut down at once; the next unit starts a new one (the path the config change
+    # took above), even for a checkpoint the failed engine held
+    assert edge["state"] == {
+        "failed": "eval:broken",
+        "process": None,
+        "started": 2,
+        "next": "the previous unit (eval:broken) failed",
+        "failed_engine_alive": False,
+    }

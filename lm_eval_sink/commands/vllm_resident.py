@@ -29,7 +29,7 @@ from lm_eval_sink.commands.units import finish_eval, keep_logs, run_unit
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.harness.engine_client import EngineProcess, checkpoint_facts, reload_support
 from lm_eval_sink.io import staged_dir
-from lm_eval_sink.merging.engine_reuse import Fields, describe, differences, engine_fields, engine_starts
+from lm_eval_sink.merging.engine_reuse import Fields, engine_fields, engine_starts, new_engine_reason
 from lm_eval_sink.merging.sweep import Plan, SweepSpec, Unit
 from lm_eval_sink.runs import resolve_run
 
@@ -136,17 +136,20 @@ class EngineRunner:
         self.started = 0
         self.notes: list[str] = []
 
+    def new_engine_reason(self, checkpoint: str, fields: Fields) -> str | None:
+        """Why a unit of `checkpoint` (its engine `fields`) would need a new engine now (None: the running engine
+        takes its weights): `engine_reuse.new_engine_reason` on this runner's state."""
+        held = None if self.process is None or self.fields is None or self.holds is None else (self.holds, self.fields)
+        return new_engine_reason(held, self.failed, checkpoint, fields)
+
     def _new_engine(self, unit: Unit, fields: Fields) -> str | None:
-        """Why `unit` needs a new engine (None: the current one takes its weights); the old engine is closed."""
-        if self.failed is not None:
-            why = f"the previous unit ({self.failed}) failed"
-        elif self.fields is not None and fields != self.fields:
-            why = f"{unit.checkpoint} differs from {self.holds} in {describe(differences(self.fields, fields))}"
-            self.notes.append(f"{unit.id}: a new vLLM engine: {why}")
-        elif self.process is None:
-            why = "the first checkpoint"
-        else:
+        """Why `unit` needs a new engine (None: the current one takes its weights); the old engine is closed and a
+        new process started. A setting the engine fixed that differs is also the sweep's note."""
+        why = self.new_engine_reason(unit.checkpoint, fields)
+        if why is None:
             return None
+        if self.process is not None and self.failed is None:  # it runs and nothing failed: a fixed setting differs
+            self.notes.append(f"{unit.id}: a new vLLM engine: {why}")
         self.close()
         self.started += 1
         log = self.logs / "vllm-engine" / f"engine-{os.getpid()}-{self.started}.log"
@@ -187,7 +190,8 @@ class EngineRunner:
         except UserError as e:  # the process is gone: the next unit starts another
             self.close()
             raise UserError(e.message, f"{e.hint}; lm-eval's log: {keep_logs(unit, tmp)}") from None
-        if not answer["ok"]:
+        if not answer["ok"]:  # its process takes no more units: shut it down now, the next unit starts another
+            self.close()
             hint = "; ".join(x for x in (answer.get("hint"), f"see lm-eval's log in {keep_logs(unit, tmp)}") if x)
             raise UserError(answer["error"], hint)
         return answer

@@ -249,7 +249,10 @@ class Server:
                 self.manager = task_manager(settings, request["model"])
             self.settings = settings
         elif settings != self.settings:
-            raise UserError("these eval settings differ from the ones the resident engine was started with", None)
+            raise UserError(
+                "these eval settings differ from the ones the resident engine was started with",
+                "start one engine process per sweep's eval settings",
+            )
         if self.failed is not None:
             raise UserError(
                 f"this engine process had a failed unit ({self.failed}): its weights may be half written",

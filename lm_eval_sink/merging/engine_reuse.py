@@ -8,8 +8,9 @@ engine's in all of them has its weights swapped into the running engine; one tha
 an engine of its own. `engine_fields` makes the comparable record from what
 `harness.engine_client.checkpoint_facts` read of a folder, `differences` names what differs,
 `engine_starts` says for checkpoints in run order which start an engine and why (the sweep's plan
-note), and `assign` pairs the idle Ray actors, each holding an engine or none, with the eval units
-waiting for one (`merging/engines.py`).
+note), `new_engine_reason` why a running sweep's next eval unit needs a new engine (a failed unit
+before it, or a fixed setting that differs), and `assign` pairs the idle Ray actors, each holding an
+engine or none, with the eval units waiting for one (`merging/engines.py`).
 """
 
 from __future__ import annotations
@@ -83,6 +84,20 @@ def engine_starts(order: Sequence[str], fields: Mapping[str, Fields | None]) -> 
                 continue
         held = (name, mine)
     return out
+
+
+def new_engine_reason(
+    held: tuple[str, Fields] | None, failed: str | None, checkpoint: str, fields: Fields
+) -> str | None:
+    """Why an eval unit of `checkpoint` (its `fields`) needs a new engine, or None where the running one takes its
+    weights. `held`: (the checkpoint the running engine holds, its fields), None when no engine runs; `failed`:
+    the unit that failed on that engine (its weights may be half written), which rules it out whatever it holds."""
+    if failed is not None:
+        return f"the previous unit ({failed}) failed"
+    if held is None:
+        return "the first checkpoint"
+    diff = differences(held[1], fields)
+    return f"{checkpoint} differs from {held[0]} in {describe(diff)}" if diff else None
 
 
 def assign(
