@@ -2,7 +2,7 @@
 
 The per-checkpoint side is the suite's SmolLM2 vLLM sweep (conftest `smollm2_sweeps`, `engine_reuse: false`):
 reference, a perturbed candidate whose greedy responses differ, and a merge near the reference. Two runs on
-real vLLM (CPU build, float32, in-process engine, one thread) are compared with it:
+real vLLM (CPU build, float32, in-process engine, one thread; their CI time: docs/scale.md):
 - `resident`: the same sweep with the resident engine (the default) on a copy of the fresh sweep's folder
   without its eval units (the merge and S units are the fresh sweep's): killed inside its first eval unit,
   then resumed: one engine takes the reference, the candidate (reloaded) and the near-reference merge
@@ -123,6 +123,10 @@ def test_resident_sweep_gives_the_fresh_engines_table_and_responses(resident):
         assert r_row["status"] == "ok" and r_row["checkpoint"] == f_row["checkpoint"]
         assert r_row["metrics"] == pytest.approx(f_row["metrics"], abs=1e-5)
         assert r_row["sink_strength"] == pytest.approx(f_row["sink_strength"], abs=1e-5)
+        assert r_row["delta_vs_reference"] == pytest.approx(f_row["delta_vs_reference"], abs=1e-5)
+        assert r_row["sink_strength_delta_vs_reference"] == pytest.approx(
+            f_row["sink_strength_delta_vs_reference"], abs=1e-5
+        )
     for name in CHECKPOINTS:
         for task in ("ifeval", "sink_strength"):
             assert _responses(out / "evals" / name, task) == _responses(fresh / "evals" / name, task), (name, task)
