@@ -5,7 +5,7 @@ in 20 MLP matrices as the candidate (fluent, other responses), three merges (lin
 linear_95_5, ties); IFEval (limit 8, max_gen_toks 64, chat template) and `sink_strength` (measured
 first with transformers in a child process), float32, `enforce_eager` both ways, vLLM's CPU build
 in `.venv-vllm` (in-process engine, one OpenMP thread, 1 GiB of KV cache). The merges are made
-once beforehand (a sweep with `eval: false` and S on one prompt); each measured sweep runs on a
+once beforehand (a sweep with `eval: false` and S on 5 prompts); each measured sweep runs on a
 copy of that folder, so it runs the 5 eval units alone: once with `--fresh-engine` (an `lm_eval`
 process per checkpoint, today's path) and once with the resident engine (one engine process for
 the sweep), each `lm-eval-sink sweep` in a fresh process, its peak RSS sampled every 0.2 s over
@@ -75,7 +75,7 @@ def sweep_file(folder: Path, models: dict[str, str], evals: dict | bool, extra: 
         "models": models,
         "configs": list(CONTROLS),
         "eval": evals,
-        "strength": {"n_prompts": 1, "last_k": 1, "dtype": "float32"},
+        "strength": {"n_prompts": 5, "last_k": 2, "dtype": "float32"},  # a calibrated setting
         **(extra or {}),
     }
     folder.mkdir(parents=True, exist_ok=True)
@@ -128,12 +128,14 @@ def _log(unit: Path) -> Path:
 
 def _fresh_parts(log: str, started: float, s_child: float) -> dict:
     """An lm_eval process's start-up parts: until lm-eval builds the model (process start, imports, task index; the
-    S child taken out), and the model's build (engine build and weight load: to lm-eval's next log line)."""
+    S child taken out), and the model's build (engine build and weight load: to lm-eval's next log line from outside
+    its vLLM model, whose constructor logs too)."""
     from bench_vllm import _STAMP
 
     stamps = [(m.group(1), line) for line in log.splitlines() if (m := _STAMP.match(line))]
     at = next(i for i, (_, line) in enumerate(stamps) if "Initializing vllm model" in line)
-    t0, t1 = (dt.datetime.strptime(stamps[i][0], "%Y-%m-%d:%H:%M:%S").timestamp() for i in (at, at + 1))
+    end = next(i for i in range(at + 1, len(stamps)) if "[models.vllm_causallms" not in stamps[i][1])
+    t0, t1 = (dt.datetime.strptime(stamps[i][0], "%Y-%m-%d:%H:%M:%S").timestamp() for i in (at, end))
     return {"process_imports_task_index_s": t0 - started - s_child, "engine_build_s": t1 - t0}
 
 
@@ -239,7 +241,7 @@ def main() -> None:
     reference = default_model_dir()
     models = {"reference": str(reference), "candidate": str(make_candidate(reference, work / "candidate"))}
     t = time.perf_counter()
-    timed_sweep(sweep_file(work / "prep", models, False), [])  # the merges (and S on one prompt), once
+    timed_sweep(sweep_file(work / "prep", models, False), [])  # the merges and strength units, once
     print(f"merges made in {time.perf_counter() - t:.1f} s", flush=True)
     evals = {"tasks": ["ifeval", "sink_strength"], "apply_chat_template": True, "num_fewshot": 0, "limit": args.limit}
     evals |= {"gen_kwargs": {"max_gen_toks": args.max_gen_toks}, "batch_size": "auto", "dtype": "float32"}
