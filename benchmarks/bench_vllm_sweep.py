@@ -19,9 +19,10 @@ rest), and the rest, its start-up: for the fresh path the `lm_eval` process star
 index, engine build and weight load; for the resident engine each part as its process timed it
 (process start, imports, task index, engine build, swap = reload_weights + prefix-cache reset).
 Ratios: wall time and peak RSS resident / fresh; the share of the fresh path's start-up that the
-resident engine removes (goal >= 80%); each swap as a share of its checkpoint's evaluation (goal < 10%).
+resident engine removes (goal >= 80%), over the sweep (its one engine start included) and per
+checkpoint whose weights were swapped in; each swap as a share of its checkpoint's evaluation (goal < 10%).
 `--ray`: the resident sweep once more under Ray (a local cluster started here with 2 CPUs, its own
-auth token, on 127.0.0.1; `resources.eval.num_cpus` 1, so two actors, each with its engine), its
+auth token, on 127.0.0.1; `resources.eval` 1 CPU and no GPU, so two actors, each with its engine), its
 table checked the same way.
 
 Usage: python benchmarks/bench_vllm_sweep.py [--workdir DIR] [--limit 8] [--max-gen-toks 64]
@@ -31,6 +32,7 @@ Usage: python benchmarks/bench_vllm_sweep.py [--workdir DIR] [--limit 8] [--max-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -84,7 +86,8 @@ def sweep_file(folder: Path, models: dict[str, str], evals: dict | bool, extra: 
 
 
 def _tree_rss(root: int) -> tuple[float, float]:
-    """(sum, largest) RSS in MiB of `root`, its descendants and every Ray actor of a pool on the machine."""
+    """(sum, largest) RSS in MiB of `root`, its descendants and every Ray actor of a pool on the machine with its
+    descendants (its engine process)."""
     import psutil
 
     procs = {}
@@ -95,7 +98,8 @@ def _tree_rss(root: int) -> tuple[float, float]:
         pass
     for p in psutil.process_iter(["cmdline"]):
         if any("PoolActor" in part for part in p.info["cmdline"] or []):
-            procs[p.pid] = p
+            with contextlib.suppress(psutil.Error):
+                procs |= {q.pid: q for q in [p, *p.children(recursive=True)]}
     sizes = []
     for p in procs.values():
         try:
@@ -191,11 +195,17 @@ def compare(fresh: Path, other: Path) -> dict:
     return {"max_column_diff": max(diffs), "responses_differ": differ, "columns": a["columns"] == b["columns"]}
 
 
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
 def summary(runs: dict, units: dict) -> dict:
     """The ratios the issue asks for, from the two runs' figures."""
     resident = units["resident"]
     startup = {k: sum(u["start_up_s"] for u in v.values()) for k, v in units.items()}  # per run, all checkpoints
     swaps = [u["swap_s"] / u["wall_s"] for u in resident.values() if "swap_s" in u]
+    swapped = [u["start_up_s"] for u in resident.values() if "swap_s" in u]  # the checkpoints after the first
+    fresh = [u["start_up_s"] for u in units["fresh"].values()]
     return {
         "wall_ratio_resident_over_fresh": round(runs["resident"]["wall_s"] / runs["fresh"]["wall_s"], 3),
         "peak_rss_sum_ratio": round(runs["resident"]["peak_rss_sum_mib"] / runs["fresh"]["peak_rss_sum_mib"], 3),
@@ -204,6 +214,7 @@ def summary(runs: dict, units: dict) -> dict:
         ),
         "start_up_s": {k: round(v, 1) for k, v in startup.items()},
         "start_up_removed": round(1 - startup["resident"] / startup["fresh"], 3),
+        "start_up_removed_per_swapped_checkpoint": round(1 - _mean(swapped) / _mean(fresh), 3),
         "swap_share_of_checkpoint": {"max": round(max(swaps), 3), "mean": round(sum(swaps) / len(swaps), 3)},
         "eval_units_s": {k: round(sum(u["wall_s"] for u in v.values()), 1) for k, v in units.items()},
     }
@@ -221,7 +232,7 @@ def ray_run(work: Path, models: dict[str, str], evals: dict) -> dict:
     address = start_ray_cluster(temp, {**os.environ, **VLLM_ENV, **env}, num_cpus=2)  # workers inherit VLLM_*
     try:
         shutil.copytree(work / "prep", work / "ray")
-        engine = {"engine": {"kind": "ray", "address": address, "resources": {"eval": {"num_cpus": 1}}}}
+        engine = {"engine": {"kind": "ray", "address": address, "resources": {"eval": {"num_cpus": 1, "num_gpus": 0}}}}
         return timed_sweep(sweep_file(work / "ray", models, evals, engine), [], env)
     finally:
         stop_ray_cluster(temp)
