@@ -1043,8 +1043,14 @@ def merge(config_file, out, random_seed, device, force, quiet) -> None:
     default=None,
     help="The interpreter lm-eval runs in, e.g. .venv-vllm/bin/python (default: the file's eval.python).",
 )
+@click.option(
+    "--fresh-engine",
+    is_flag=True,
+    help="backend vllm: one engine per checkpoint (an lm_eval process each), not one resident engine whose "
+    "weights are swapped in place (eval.engine_reuse: false).",
+)
 def sweep(
-    sweep_file, output, force, redo, delete_merged, in_memory, quiet, engine, ray_address, lm_eval_python
+    sweep_file, output, force, redo, delete_merged, in_memory, quiet, engine, ray_address, lm_eval_python, fresh_engine
 ) -> None:
     """Merge, evaluate (lm-eval) and measure S for every checkpoint of SWEEP.yaml; resumable."""
     from lm_eval_sink.commands.sweep import load_sweep, run_sweep
@@ -1057,6 +1063,7 @@ def sweep(
         engine=engine,
         ray_address=ray_address,
         python=str(lm_eval_python) if lm_eval_python else None,
+        fresh_engine=fresh_engine,
     )
     report = run_sweep(spec, force=force, progress=not quiet, redo=redo)
     for line in report.lines():

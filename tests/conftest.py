@@ -24,9 +24,13 @@ from helpers import (
     SHARED,
     TINY_SWEEP_UNITS,
     TINY_TASK,
+    VLLM_ENV,
+    VLLM_PY,
     isolated_ray_auth,
     make_tiny_lm,
     make_tokenizer,
+    smollm2_sweep_file,
+    vllm_missing_reason,
     write_tiny_sweep,
 )
 from lm_eval_sink.merging.engines import LOOPBACK_ENV
@@ -275,6 +279,68 @@ def uninterrupted(tmp_path_factory, tiny_trio, lm_eval_task_index) -> Path:
         assert report.ran == list(TINY_SWEEP_UNITS)
 
     return _made_once(tmp_path_factory, "sweep_a", make) / "sweep.yaml"
+
+
+# --- real vLLM: the SmolLM2 sweeps (docs/scale.md) ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vllm_env(shared_data):
+    """The environment of the real-vLLM tests (in-process engine, one thread, offline data), for a module."""
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in {**VLLM_ENV, "LM_EVAL_SINK_DATA": str(shared_data), "HF_HUB_OFFLINE": "1"}.items():
+            mp.setenv(k, v)
+        yield
+
+
+def _perturbed(default_model: Path, out: Path) -> None:
+    """A copy of SmolLM2 whose MLP down projections of layers 10-29 carry seeded noise (std 0.02): fluent, but its
+    greedy responses differ from the reference's."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(default_model, out, ignore=shutil.ignore_patterns("COMPLETE.json"))
+    weights = load_file(out / "model.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    for layer in range(10, 30):
+        name = f"model.layers.{layer}.mlp.down_proj.weight"
+        noise = torch.randn(weights[name].shape, generator=generator, dtype=weights[name].dtype)
+        weights[name] = weights[name] + 0.02 * noise
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="session")
+def smollm2_candidate(tmp_path_factory, default_model) -> Path:
+    """The SmolLM2 sweeps' candidate (`_perturbed`), made once per run."""
+    return _made_once(tmp_path_factory, "smollm2_candidate", lambda d: _perturbed(default_model, d / "m")) / "m"
+
+
+@pytest.fixture(scope="session")
+def smollm2_sweeps(tmp_path_factory, shared_data, default_model, smollm2_candidate) -> dict[str, Path]:
+    """The SmolLM2 sweep (reference, the perturbed candidate, the near-reference merge; IFEval on SWEEP_LIMIT local
+    prompts and sink_strength), its evaluations run in `.venv-vllm` (the transformers that measures S first under
+    vLLM is that venv's), once with HF and once with vLLM, an engine per checkpoint (`engine_reuse: false`; that
+    sweep also measures S in strength units): made once per run, read by the tests of the vLLM backend and of the
+    resident engine, which compares with it."""
+    from lm_eval_sink.commands.sweep import load_sweep, run_sweep
+
+    if not VLLM_PY.is_file():
+        pytest.skip(vllm_missing_reason())
+    vllm = {"backend": "vllm", "model_args": {"enforce_eager": True}, "engine_reuse": False}
+    runs = (("hf", {}, False), ("vllm", vllm, {"n_prompts": 5, "last_k": 2, "dtype": "float32"}))
+
+    def make(root: Path) -> None:
+        env = {**VLLM_ENV, "LM_EVAL_SINK_DATA": str(shared_data), "HF_HUB_OFFLINE": "1"}
+        with pytest.MonkeyPatch.context() as mp:
+            for k, v in env.items():
+                mp.setenv(k, v)
+            for name, backend, strength in runs:
+                path = smollm2_sweep_file(root / name, default_model, smollm2_candidate, backend, strength)
+                report = run_sweep(load_sweep(path), progress=False)
+                assert not report.failures, report.failures
+
+    root = _made_once(tmp_path_factory, "smollm2_sweeps", make)
+    return {name: root / name / "sweep.yaml" for name, _, _ in runs}
 
 
 @pytest.fixture

@@ -285,3 +285,37 @@ def write_tiny_sweep(folder: Path, trio: dict[str, Path], **extra) -> Path:
     path = folder / "sweep.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
+
+
+# --- real vLLM (the CPU build in .venv-vllm) -------------------------------------------------------------
+
+VLLM_PY = REPO / ".venv-vllm" / "bin" / "python"
+# The in-process engine on one thread (start-up seconds, not half a minute), 1 GiB of KV cache.
+VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+VLLM_MODEL_ARGS = "enforce_eager=True"  # no torch.compile (minutes on a CPU); a resource argument, not the protocol
+SWEEP_LIMIT = 2  # local IFEval prompts of the SmolLM2 sweeps
+NEAR_REFERENCE = REPO / "tests" / "data" / "near_reference.yaml"  # 0.95 reference + 0.05 candidate
+
+
+def vllm_missing_reason() -> str:
+    return f"{VLLM_PY} is absent: `make venv-vllm` builds it (make test does)"
+
+
+def smollm2_sweep_file(folder: Path, reference: Path, candidate: Path, backend: dict, strength) -> Path:
+    """The SmolLM2 sweep (reference, candidate, the near-reference merge; IFEval on SWEEP_LIMIT local prompts with 32
+    new tokens and sink_strength, float32), its evaluations in .venv-vllm's python, with `backend`'s eval keys."""
+    import yaml
+
+    folder.mkdir(parents=True)
+    evals = {"tasks": ["ifeval", "sink_strength"], "apply_chat_template": True, "num_fewshot": 0}
+    evals |= {"gen_kwargs": {"max_gen_toks": 32}, "python": os.path.relpath(VLLM_PY, folder)}
+    evals |= {"limit": SWEEP_LIMIT, "batch_size": 1, "dtype": "float32", "seed": 0, **backend}
+    data = {
+        "output": "out",
+        "models": {"reference": str(reference), "candidate": str(candidate)},
+        "configs": [str(NEAR_REFERENCE)],
+        "eval": evals,
+        "strength": strength,
+    }
+    (folder / "sweep.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    return folder / "sweep.yaml"

@@ -54,6 +54,7 @@ CORE = (
     "merging.sweep",
     "merging.scheduler",
     "comparability",
+    "merging.engine_reuse",
 )
 # Calls that read or write files: builtins and pathlib methods, and the project's readers and writers.
 FILE_IO_CALLS = frozenset(

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.commands.units import run_unit
+from lm_eval_sink.commands.vllm_resident import check_reuse, engine_reuse, local_runner, plan_notes, ray_pool
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.identity import looks_like_hub_id, tree_files
 from lm_eval_sink.io import (
@@ -73,7 +74,7 @@ def _eval_settings(ev: EvalIn, src: str, rel: Any, python: str | None) -> Any:
     """The `eval:` section as harness.runner.EvalSettings (backend vllm: no device; `python` overrides eval.python)."""
     from lm_eval_sink.harness.runner import EvalSettings
 
-    given = ev.model_dump(exclude_none=True)
+    given = ev.model_dump(exclude_none=True, exclude={"engine_reuse"})
     given["tasks"] = tuple(given["tasks"])
     if python or ev.python:
         given["python"] = python or rel(ev.python)
@@ -118,13 +119,15 @@ def load_sweep(
     ray_address: str | None = None,
     python: str | None = None,
     in_memory: bool | None = None,
+    fresh_engine: bool = False,
 ) -> SweepSpec:
     """Read and check a sweep YAML once: its schema (paths relative to its folder), its models, its lm-eval
     protocol (`harness.checks.check_protocol`: task names, generation lengths) and every merge control rendered
     for them and validated (`SweepSpec.merges`); no weights are read.
 
     `engine` / `ray_address` / `python` / `in_memory` override the file's engine.kind / engine.address /
-    eval.python / merge.in_memory (CLI flags). An in-memory sweep is checked here too (`resident.check_spec`).
+    eval.python / merge.in_memory (CLI flags); `fresh_engine` turns eval.engine_reuse off (one vLLM engine per
+    checkpoint). An in-memory sweep is checked here too (`resident.check_spec`).
     """
     path = Path(path)
     if not path.is_file():
@@ -136,9 +139,7 @@ def load_sweep(
     models = _models(sweep, src, here)
     configs, templates = _templates(sweep, src, here)
     merge = sweep.merge
-    tokenizer_source = merge.tokenizer_source
-    if tokenizer_source is not None and tokenizer_source not in TOKENIZER_CHOICES:
-        tokenizer_source = _model_arg(here, tokenizer_source)
+    tokenizer_source = _tokenizer_source(here, merge.tokenizer_source)
     eval_settings = None if "eval" in skipped else _eval_settings(sweep.eval, src, lambda p: _rel(here, p), python)
     strength, sdtype, sdevice = _strength(sweep.strength, "strength" in skipped, src, here)
     devices = {"merge": merge.device, "eval": eval_settings and eval_settings.device, "strength": sdevice}
@@ -157,6 +158,7 @@ def load_sweep(
         in_memory=merge.in_memory if in_memory is None else in_memory,
         keep_weights=merge.keep_weights,
         eval=eval_settings,
+        engine_reuse=engine_reuse(sweep.eval and sweep.eval.engine_reuse, eval_settings, fresh_engine, src),
         strength=strength,
         strength_dtype=sdtype,
         strength_device=sdevice,
@@ -164,11 +166,24 @@ def load_sweep(
         merges=_render(templates, models, tokenizer_source),
         written=written,
     )
+    return _checked(spec)
+
+
+def _checked(spec: SweepSpec) -> SweepSpec:
+    """The checks of a whole spec: an in-memory sweep's, the resident vLLM engine's (vLLM's source read), then
+    lm-eval's protocol (its task index built)."""
     from lm_eval_sink.commands.resident import check_spec
 
     check_spec(spec)
+    if spec.engine_reuse:
+        check_reuse(spec)
     _check_eval(spec)
     return spec
+
+
+def _tokenizer_source(here: Path, given: str | None) -> str | None:
+    """merge.tokenizer_source: one of mergekit's choices, or a model folder (relative to the sweep file)."""
+    return given if given is None or given in TOKENIZER_CHOICES else _model_arg(here, given)
 
 
 def _output(given: str | Path | None, written: str | None, src: str, here: Path) -> Path:
@@ -500,6 +515,7 @@ def _run_sweep_locked(
             _maybe_delete_weights(by_id[f"merge:{unit.checkpoint}"], by_id, finished, manifest, markers)
 
     todo = list(plan_now.todo)
+    report.notes.extend(plan_notes(plan, todo))
     report.skipped.extend(plan_now.skipped(plan))
     report.remerged.update(plan_now.remerged)
     if plan_now.unwritten:
@@ -512,9 +528,10 @@ def _run_sweep_locked(
 
         report.notes.extend(run_in_memory(plan, todo, record, progress))
     elif spec.engine is not None and spec.engine.kind == "ray":
-        run_on_ray(todo, spec.engine, out, record, run_unit, progress=progress)
+        run_on_ray(todo, spec.engine, out, record, run_unit, progress=progress, pool=ray_pool(spec))
     else:
-        _run_local(todo, record, report.failures, progress)
+        with local_runner(spec, report.notes) as run:
+            _run_local(todo, record, report.failures, progress, run)
     if spec.delete_merged:  # also checkpoints finished by an earlier run
         for unit in plan.units:
             if unit.kind == "merge":
@@ -533,8 +550,9 @@ def _tabulate(plan: Plan, markers: Markers, report: SweepReport) -> None:
     report.notes.extend(table["protocol"]["model_differences"])
 
 
-def _run_local(units: list[Unit], record: Any, failures: dict[str, str], progress: bool) -> None:
-    """The local engine: each unit in plan order, in this process."""
+def _run_local(units: list[Unit], record: Any, failures: dict[str, str], progress: bool, run: Any) -> None:
+    """The local engine: each unit in plan order, in this process (`run`: `run_unit`, or a resident vLLM engine's
+    runner for eval units)."""
     from tqdm.auto import tqdm
 
     for unit in tqdm(units, desc="sweep steps", unit="step", disable=not progress):
@@ -543,7 +561,7 @@ def _run_local(units: list[Unit], record: Any, failures: dict[str, str], progres
             record(unit, f"not run: {merge_id} failed")
             continue
         try:
-            run_unit(unit)
+            run(unit)
         except KeyboardInterrupt:
             raise
         except Exception as e:  # one failed step must not stop the sweep

@@ -58,11 +58,7 @@ def run_unit(unit: Unit) -> None:
             try:
                 run = run_lm_eval(unit.inputs["model"], unit.inputs["settings"], tmp / "lm_eval")
             except UserError as e:  # keep lm-eval's log: the staged folder is about to be removed
-                kept = unit.output.parent.parent / "logs" / f"{unit.kind}-{unit.checkpoint}"
-                kept.mkdir(parents=True, exist_ok=True)
-                for log in (tmp / "lm_eval" / "logs").glob("*.log"):
-                    shutil.copy2(log, kept / log.name)
-                raise UserError(e.message, f"see lm-eval's log in {kept}") from None
+                raise UserError(e.message, f"see lm-eval's log in {keep_logs(unit, tmp)}") from None
             finish_eval(tmp, unit, run)
     elif unit.kind == "strength":
         from lm_eval_sink.strength import measure_model
@@ -77,6 +73,15 @@ def run_unit(unit: Unit) -> None:
         save_strength(unit, res)
     else:
         raise ValueError(f"unknown unit kind {unit.kind!r}")
+
+
+def keep_logs(unit: Unit, tmp: Path) -> Path:
+    """Copy a failed eval unit's lm-eval logs out of its staged folder (about to be removed) to `<out>/logs/`."""
+    kept = unit.output.parent.parent / "logs" / f"{unit.kind}-{unit.checkpoint}"
+    kept.mkdir(parents=True, exist_ok=True)
+    for log in (tmp / "lm_eval" / "logs").glob("*.log"):
+        shutil.copy2(log, kept / log.name)
+    return kept
 
 
 def finish_eval(tmp: Path, unit: Unit, run: Any, **fields: Any) -> None:

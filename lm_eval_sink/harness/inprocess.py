@@ -21,6 +21,7 @@ would name. What still differs from a subprocess run of the same checkpoint on d
 from __future__ import annotations
 
 import inspect
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,20 +100,15 @@ def load_resident(
     revision: dict[str, Any] = {}
     manager = None
     if settings is not None:
-        from lm_eval.tasks import TaskManager
-
-        from lm_eval_sink.hooks import install
-
         if settings.backend != "hf":
             raise UserError(
                 f"an in-memory evaluation runs lm-eval's hf backend in this process, not {settings.backend!r}",
                 "set merge: {in_memory: false} to evaluate with vllm on disk",
             )
-        install()
         cfg = cli_config(settings, str(reference), "/nonexistent")
         dtype, load_kwargs = settings.dtype, _load_kwargs(cfg.model_args)
         revision = {"revision": cfg.model_args["revision"]} if "revision" in cfg.model_args else {}
-        manager = TaskManager(include_path=cfg.include_path, metadata=cfg.metadata or {})
+        manager = task_manager(settings, reference)
     device = resident_device(settings, device)
     model, placement = load_placed(
         AutoModelForCausalLM, str(reference), torch_dtype(dtype or "auto"), device, **revision, **load_kwargs
@@ -123,6 +119,19 @@ def load_resident(
     return Resident(
         model=model, tokenizer=tokenizer, task_manager=manager, settings=settings, dtype=dtype, placement=placement
     )
+
+
+def task_manager(settings: EvalSettings, model: str | Path) -> Any:
+    """One lm-eval TaskManager for every checkpoint, with the include path and the model_args metadata of `model`'s
+    command line, as lm-eval's CLI builds it; this project's tasks and offline data reach it through the import
+    hook (`hooks.install`)."""
+    from lm_eval.tasks import TaskManager
+
+    from lm_eval_sink.hooks import install
+
+    install()
+    cfg = cli_config(settings, str(model), "/nonexistent")
+    return TaskManager(include_path=cfg.include_path, metadata=cfg.metadata or {})
 
 
 def _tasks(manager: Any, names: str | list[str]) -> list[Any]:
@@ -166,9 +175,6 @@ def evaluate(resident: Resident, settings: EvalSettings, output_path: str | Path
     folder's name; an absolute path: `owner/name` reads as a hub id). The results and samples files
     carry what `run_lm_eval(name, settings, output_path)` writes (module docstring: what differs).
     """
-    import lm_eval
-    from lm_eval.loggers import EvaluationTracker
-
     from lm_eval_sink.merging.merge import isolated_rng
 
     _check_settings(resident, settings)
@@ -176,33 +182,50 @@ def evaluate(resident: Resident, settings: EvalSettings, output_path: str | Path
     if output_path.exists() and not output_path.is_dir():
         raise UserError(f"{output_path}: is a file, not a folder", "pass a folder for lm-eval's output path")
     cfg = cli_config(settings, str(name), output_path)
-    lm = _hflm(resident, cfg)
+    with isolated_rng():  # lm-eval seeds the global generators, as in its own process; the caller's stay
+        return evaluate_model(_hflm(resident, cfg), cfg, resident.task_manager, output_path)
+
+
+def evaluate_model(
+    lm: Any, cfg: Any, task_manager: Any, output_path: Path, timings: dict[str, float] | None = None
+) -> RunFiles:
+    """`simple_evaluate` with the command line's fields (`cfg`: `cli_config`) on `lm`, an lm-eval model object or a
+    `--model` name (built by lm-eval from `cfg.model_args`, as its CLI does: the resident vLLM engine's process),
+    the results and samples written as the CLI writes them; `timings` gets the seconds of each (evaluate, write)."""
+    import lm_eval
+    from lm_eval.loggers import EvaluationTracker
+
+    start = time.perf_counter()
     tracker = EvaluationTracker(output_path=cfg.output_path)
     seeds = cfg.seed or [None] * 4
-    with isolated_rng():  # lm-eval seeds the global generators, as in its own process; the caller's stay
-        results = lm_eval.simple_evaluate(
-            model=lm,
-            model_args=cfg.model_args,
-            tasks=_tasks(resident.task_manager, cfg.tasks),
-            num_fewshot=cfg.num_fewshot,
-            batch_size=cfg.batch_size,
-            max_batch_size=cfg.max_batch_size,
-            device=cfg.device,
-            limit=cfg.limit,
-            log_samples=cfg.log_samples,
-            evaluation_tracker=tracker,
-            system_instruction=cfg.system_instruction,
-            apply_chat_template=cfg.apply_chat_template,
-            fewshot_as_multiturn=cfg.fewshot_as_multiturn,
-            gen_kwargs=cfg.gen_kwargs,
-            task_manager=resident.task_manager,
-            random_seed=seeds[0],
-            numpy_random_seed=seeds[1],
-            torch_random_seed=seeds[2],
-            fewshot_random_seed=seeds[3],
-            metadata=cfg.metadata,
-        )
-    return _save(tracker, results, cfg, output_path)
+    results = lm_eval.simple_evaluate(
+        model=lm,
+        model_args=cfg.model_args,
+        tasks=_tasks(task_manager, cfg.tasks),
+        num_fewshot=cfg.num_fewshot,
+        batch_size=cfg.batch_size,
+        max_batch_size=cfg.max_batch_size,
+        device=cfg.device,
+        limit=cfg.limit,
+        log_samples=cfg.log_samples,
+        evaluation_tracker=tracker,
+        system_instruction=cfg.system_instruction,
+        apply_chat_template=cfg.apply_chat_template,
+        fewshot_as_multiturn=cfg.fewshot_as_multiturn,
+        gen_kwargs=cfg.gen_kwargs,
+        task_manager=task_manager,
+        random_seed=seeds[0],
+        numpy_random_seed=seeds[1],
+        torch_random_seed=seeds[2],
+        fewshot_random_seed=seeds[3],
+        metadata=cfg.metadata,
+    )
+    written = time.perf_counter()
+    run = _save(tracker, results, cfg, output_path)
+    if timings is not None:
+        timings["evaluate"] = round(written - start, 3)
+        timings["write"] = round(time.perf_counter() - written, 3)
+    return run
 
 
 def _save(tracker: Any, results: dict[str, Any], cfg: Any, output_path: Path) -> RunFiles:

@@ -403,11 +403,13 @@ def run_on_ray(
     record: Callable[[Any, str | None], None],
     run: Callable[[Any], None],
     progress: bool = True,
+    pool: EvalPool | None = None,
 ) -> None:
     """Run `units` (in plan order) as Ray tasks calling `run(unit)`; `record(unit, error)` is called
     on the driver as each finishes (error None) or fails (a line; 'not run: ...' for units after a
     failed merge). `run` is a module-level function, which Ray sends by reference: this module
-    imports no sweep code. What to submit when is `scheduler.Scheduler`'s decision.
+    imports no sweep code. What to submit when is `scheduler.Scheduler`'s decision. With `pool`, eval
+    units run on its actors instead, each keeping its engine between units (`_Pool`).
     """
     from tqdm.auto import tqdm
 
@@ -420,6 +422,7 @@ def run_on_ray(
     versions = package_versions()
     remote = ray.remote(max_retries=1, retry_exceptions=False)(_remote_unit)
     sched = Scheduler(units, engine.max_pending_merges or eval_slots(ray, engine))
+    actors = _Pool(ray, engine, output_root, pool, versions) if pool is not None else None
     in_flight: dict[Any, Any] = {}
     bar = tqdm(total=len(units), desc="sweep steps (ray)", unit="step", disable=not progress)
 
@@ -433,15 +436,90 @@ def run_on_ray(
     try:
         while not sched.done:
             for u in sched.submit_next():
+                if actors is not None and u.kind == "eval":
+                    actors.queue(u)
+                    continue
                 opts = engine.resources[u.kind].options()
                 in_flight[remote.options(**opts, name=u.id).remote(u, run, versions, str(output_root))] = u
+            in_flight.update(actors.dispatch() if actors is not None else {})
             finished, _ = ray.wait(list(in_flight), num_returns=1)
             for ref in finished:
-                done(in_flight.pop(ref), _task_result(ray, ref)[1])
+                owned = actors is not None and ref in actors.running
+                done(in_flight.pop(ref), actors.finished(ref) if owned else _task_result(ray, ref)[1])
     finally:
         bar.close()
         for ref in in_flight:
             ray.cancel(ref, force=True)
+        if actors is not None:
+            actors.close()
+
+
+@dataclass(frozen=True)
+class EvalPool:
+    """Eval units on actors that each keep one `worker_cls(*args)` between units (a resident vLLM engine): its
+    `run(unit)` runs one; `fields_of(unit)`, on the driver, is what the engine the unit needs fixes
+    (`engine_reuse.engine_fields`), so that `engine_reuse.assign` can give it to an actor holding that engine."""
+
+    worker_cls: type
+    args: tuple
+    fields_of: Callable[[Any], Any]
+
+
+class _Pool:
+    """The driver's side of an `EvalPool`: up to one actor per eval slot, what each one's engine holds, the eval
+    units waiting for one. A lost actor fails its unit with one line and is replaced by a new one."""
+
+    def __init__(self, ray: Any, engine: EngineSpec, output_root: Path, pool: EvalPool, versions: Any) -> None:
+        res = engine.resources["eval"]
+        actor_cls = ray.remote(max_restarts=0, max_task_retries=0)(PoolActor)
+        self.start = lambda: actor_cls.options(**res.options()).remote(
+            pool.worker_cls, pool.args, versions, str(output_root)
+        )
+        self.ray, self.pool, self.slots = ray, pool, eval_slots(ray, engine)
+        self.actors: list[list[Any]] = []  # [handle, the fields its engine holds or None, idle]
+        self.waiting: list[tuple[Any, Any]] = []  # (unit, fields), plan order
+        self.running: dict[Any, tuple[int, Any]] = {}  # ref -> (actor index, the unit's fields)
+
+    def queue(self, unit: Any) -> None:
+        try:
+            fields = self.pool.fields_of(unit)
+        except Exception:  # unreadable: no engine holds it; the actor reports the unit's error
+            fields = None
+        self.waiting.append((unit, fields))
+
+    def dispatch(self) -> dict[Any, Any]:
+        """Start actors up to the slots the waiting units need, give idle actors their units; {ref: unit}."""
+        from lm_eval_sink.merging.engine_reuse import assign
+
+        while len(self.actors) < self.slots and sum(a[2] for a in self.actors) < len(self.waiting):
+            self.actors.append([self.start(), None, True])
+        actors = [(str(i), held, idle) for i, (_, held, idle) in enumerate(self.actors)]
+        refs = {}
+        for actor, unit_id in assign(actors, [(u.id, fields) for u, fields in self.waiting]):
+            i = int(actor)
+            unit, fields = next(w for w in self.waiting if w[0].id == unit_id)
+            self.waiting = [w for w in self.waiting if w[0].id != unit_id]
+            ref = self.actors[i][0].run.remote(unit)
+            self.actors[i][2] = False
+            self.running[ref] = (i, fields)
+            refs[ref] = unit
+        return refs
+
+    def finished(self, ref: Any) -> str | None:
+        """The finished unit's error line (None when done); its actor is idle again, holding its engine."""
+        i, fields = self.running.pop(ref)
+        _, error, lost = _actor_result(self.ray, ref)
+        if lost is not None:
+            self.actors[i] = [self.start(), None, True]
+            return f"ray actor lost: {lost}"
+        self.actors[i][1:] = [fields if error is None else None, True]
+        return error
+
+    def close(self) -> None:
+        for ref in self.running:
+            self.ray.cancel(ref, force=True)
+        for handle, _, _ in self.actors:
+            self.ray.kill(handle)
 
 
 class PoolActor:

@@ -51,7 +51,10 @@ from lm_eval_sink.tables import csv_text, markdown_table
 ENDPOINTS = ("reference", "candidate")
 KINDS = ("merge", "eval", "strength")  # the unit kinds, in each checkpoint's run order
 # Fields of the sweep file that no unit is made from (where and how it runs, which configs: those only add units).
-NOT_UNIT_INPUTS = ("output", "engine", "configs", "merge.delete_merged", "merge.in_memory", "merge.keep_weights")
+NOT_UNIT_INPUTS = (
+    *("output", "engine", "configs", "merge.delete_merged", "merge.in_memory", "merge.keep_weights"),
+    "eval.engine_reuse",
+)
 
 
 # --- the sweep file ------------------------------------------------------------------------
@@ -72,6 +75,7 @@ class SweepSpec:
     in_memory: bool = False  # merge into one resident model, evaluate and measure it in-process (no unit key)
     keep_weights: bool = False  # in memory: also write each merged checkpoint (as the on-disk path does)
     eval: Any = None  # harness.runner.EvalSettings, or None to skip evaluation
+    engine_reuse: bool = False  # vllm: one resident engine takes every checkpoint (commands/vllm_resident.py; no key)
     strength: Any = None  # strength.StrengthSettings, or None to skip S
     strength_dtype: str = "auto"
     strength_device: str = DEFAULT_DEVICE
@@ -93,7 +97,7 @@ class SweepSpec:
                 "in_memory": self.in_memory,
                 "keep_weights": self.keep_weights,
             },
-            "eval": None if self.eval is None else self.eval.to_json(),
+            "eval": None if self.eval is None else {**self.eval.to_json(), "engine_reuse": self.engine_reuse},
             "strength": None
             if self.strength is None
             else {**asdict(self.strength), "dtype": self.strength_dtype, "device": self.strength_device},
@@ -142,6 +146,7 @@ class EvalIn(Strict):
     python: str | None = (
         None  # the interpreter lm-eval runs in, relative to the sweep file (e.g. .venv-vllm/bin/python)
     )
+    engine_reuse: bool | None = None  # vllm: one resident engine for every checkpoint (default true); not a flag
 
 
 # The strength section: StrengthSettings' fields (its checks and defaults stay there) plus where S is measured.

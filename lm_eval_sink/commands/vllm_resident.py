@@ -1,0 +1,236 @@
+"""A vLLM sweep's eval units on one resident engine (`eval: {backend: vllm}`; `engine_reuse`, the default).
+
+Instead of an `lm_eval` process per checkpoint, which starts vLLM's engine again each time, one
+process in the vLLM interpreter (`harness.vllm_resident`, through `harness.engine_client`) keeps one
+engine for the sweep (under Ray, one per actor: `engines.run_on_ray`'s pool) and takes each
+checkpoint's weights in place. `EngineRunner.run(unit)` is an eval unit on it: the same staged folder,
+key, marker and lm-eval output files as `units.run_unit`, plus the engine's record in the marker
+(`engine`: which engine, whether it was built or reloaded for the unit and why, `timings`, `peak_rss`,
+`peak_accelerator_memory`). A checkpoint that differs from the engine's in a setting the engine fixed at
+its start (`merging.engine_reuse.engine_fields`) gets a new engine, with a note; so does the unit after a
+failed one, which is that unit's one line. Merges and strength units run as before (`units.run_unit`).
+
+`engine_reuse` decides the setting from the sweep file and `--fresh-engine`, `check_reuse` refuses at
+plan time a vLLM without the worker's `reload_weights`, and `plan_notes` is the plan's line about engines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import json
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from lm_eval_sink.commands.units import finish_eval, keep_logs, run_unit
+from lm_eval_sink.errors import UserError
+from lm_eval_sink.harness.engine_client import EngineProcess, checkpoint_facts, reload_support
+from lm_eval_sink.io import staged_dir
+from lm_eval_sink.merging.engine_reuse import Fields, engine_fields, engine_starts, new_engine_reason
+from lm_eval_sink.merging.sweep import Plan, SweepSpec, Unit
+from lm_eval_sink.runs import resolve_run
+
+FRESH = "pass --fresh-engine (or set eval: {engine_reuse: false}) for one engine per checkpoint"
+
+
+def engine_reuse(asked: bool | None, settings: Any, fresh: bool, src: str) -> bool:
+    """Whether a sweep's eval units share a resident engine: `eval.engine_reuse` (default true where it applies:
+    backend vllm), off with `--fresh-engine`; asked for with another backend, or with lm-eval's data parallel
+    (no engine to keep), one line."""
+    if settings is None or settings.backend != "vllm":
+        if asked:
+            raise UserError(
+                f"{src}: eval.engine_reuse is a vLLM setting, but eval.backend is "
+                f"{settings.backend if settings is not None else 'off (eval: false)'}",
+                "drop engine_reuse, or set eval.backend: vllm",
+            )
+        return False
+    if fresh or asked is False:
+        return False
+    parallel = int(settings.model_args.get("data_parallel_size", 1))
+    if parallel > 1:
+        raise UserError(
+            f"{src}: eval.engine_reuse with model_args.data_parallel_size {parallel}: lm-eval's vLLM model then builds "
+            "no engine of its own to keep (it starts Ray replicas for each batch of requests)",
+            FRESH + ", or use tensor_parallel_size",
+        )
+    return True
+
+
+def check_reuse(spec: SweepSpec) -> None:
+    """Refuse, before any work, a resident engine on a vLLM whose worker has no `reload_weights` (older vLLM); an
+    interpreter without vLLM is `runner.check_interpreter`'s to refuse."""
+    python = spec.eval.interpreter()
+    found = reload_support(python)
+    if not found["vllm_module"]:
+        return
+    missing = [m for m in ("reload_weights", "collective_rpc", "reset_prefix_cache") if not found.get(m)]
+    if missing:
+        raise UserError(
+            f"{spec.source}: eval.engine_reuse: vLLM {found.get('vllm')} in {python} has no "
+            f"{' / '.join(missing)} (vLLM 0.32 has them), which a resident engine needs to take each checkpoint's "
+            "weights in place",
+            FRESH + ", or install a newer vLLM there",
+        )
+
+
+def _dtype(settings: Any) -> str | None:
+    """The dtype the engine is asked for (model_args wins over eval.dtype, as on the command line)."""
+    dtype = settings.model_args.get("dtype", settings.dtype)
+    return None if dtype is None else str(dtype)
+
+
+def weights_folder(model: str) -> str:
+    """The local folder an engine reads a checkpoint from (a hub id: its snapshot in the local cache)."""
+    from lm_eval_sink.models import resolve_model
+
+    return model if Path(model).is_dir() else resolve_model(model, local=True)
+
+
+def checkpoint_fields(model: str, settings: Any) -> Fields:
+    """What an engine started from `model` under `settings` would fix (`engine_reuse.engine_fields`)."""
+    return engine_fields(checkpoint_facts(weights_folder(model)), _dtype(settings))
+
+
+def _known_fields(model: str, settings: Any) -> Fields | None:
+    """A checkpoint's engine fields, or None for a merge not on disk yet (decided when it is merged)."""
+    if Path(model).is_absolute() and not (Path(model) / "config.json").is_file():
+        return None
+    return checkpoint_fields(model, settings)
+
+
+def plan_notes(plan: Plan, todo: Sequence[Unit]) -> list[str]:
+    """The plan's line about vLLM engines: one per checkpoint, or one resident engine and the checkpoints that
+    start one of their own (known now: the endpoints and merges already on disk; the rest when merged)."""
+    spec = plan.spec
+    if spec.eval is None or spec.eval.backend != "vllm":
+        return []
+    if not spec.engine_reuse:
+        return ["vllm engine: one per checkpoint (--fresh-engine / eval.engine_reuse: false)"]
+    evals = [u for u in todo if u.kind == "eval"]
+    if not evals:
+        return []
+    fields = {u.checkpoint: _known_fields(u.inputs["model"], spec.eval) for u in evals}
+    where = "per Ray actor" if spec.engine is not None and spec.engine.kind == "ray" else "for the sweep"
+    lines = [
+        f"vllm engine: one resident engine {where}, each checkpoint's weights swapped into it in place "
+        "(--fresh-engine: one engine per checkpoint)"
+    ]
+    starts = engine_starts([u.checkpoint for u in evals], fields)
+    return lines + [f"vllm engine: {name} gets an engine of its own: it {why}" for name, why in starts[1:] if why]
+
+
+class EngineRunner:
+    """Eval units on one resident engine, in a process of the vLLM interpreter; a new engine (a new process) for
+    the first unit, a checkpoint that differs from the engine's in what it fixed, and after a failed unit."""
+
+    def __init__(self, settings: Any, logs: Path) -> None:
+        self.settings, self.logs = settings, Path(logs)
+        self.process: EngineProcess | None = None
+        self.fields: Fields | None = None  # what the engine fixed (None: no engine)
+        self.holds: str | None = None  # the checkpoint it holds
+        self.failed: str | None = None  # the unit that failed on it
+        self.started = 0
+        self.notes: list[str] = []
+
+    def new_engine_reason(self, checkpoint: str, fields: Fields) -> str | None:
+        """Why a unit of `checkpoint` (its engine `fields`) would need a new engine now (None: the running engine
+        takes its weights): `engine_reuse.new_engine_reason` on this runner's state."""
+        held = None if self.process is None or self.fields is None or self.holds is None else (self.holds, self.fields)
+        return new_engine_reason(held, self.failed, checkpoint, fields)
+
+    def _new_engine(self, unit: Unit, fields: Fields) -> str | None:
+        """Why `unit` needs a new engine (None: the current one takes its weights); the old engine is closed and a
+        new process started. A setting the engine fixed that differs is also the sweep's note."""
+        why = self.new_engine_reason(unit.checkpoint, fields)
+        if why is None:
+            return None
+        if self.process is not None and self.failed is None:  # it runs and nothing failed: a fixed setting differs
+            self.notes.append(f"{unit.id}: a new vLLM engine: {why}")
+        self.close()
+        self.started += 1
+        log = self.logs / "vllm-engine" / f"engine-{os.getpid()}-{self.started}.log"
+        self.process = EngineProcess(self.settings.interpreter(), dict(os.environ), log)
+        return why
+
+    def run(self, unit: Unit) -> None:
+        """Evaluate `unit`'s checkpoint on the engine into the unit's staged folder (a UserError: its one line)."""
+        weights = weights_folder(unit.inputs["model"])
+        fields = engine_fields(checkpoint_facts(weights), _dtype(self.settings))
+        why = self._new_engine(unit, fields)
+        self.fields, self.holds, self.failed = fields, unit.checkpoint, unit.id  # until it finishes
+        with staged_dir(unit.output, force=True, key=unit.key) as tmp:
+            start = time.perf_counter()
+            answer = self._request(unit, tmp, weights, why)
+            answer["timings"]["unit"] = round(time.perf_counter() - start, 3)  # as this process waited for it
+            answer["engine"]["engine"] = self.started  # the sweep's engine number (one process each)
+            fields_kept = {k: answer[k] for k in ("engine", "timings", "peak_rss", "peak_accelerator_memory")}
+            finish_eval(tmp, unit, resolve_run(Path(answer["results"])), **fields_kept)
+        self.failed = None
+
+    def _request(self, unit: Unit, tmp: Path, weights: str, why: str | None) -> dict[str, Any]:
+        from lm_eval_sink.harness.runner import eval_versions
+
+        assert self.process is not None
+        stamp = _dt.datetime.now().strftime("%Y-%m-%dT%H-%M-%S-%f")
+        log = tmp / "lm_eval" / "logs" / f"lm_eval_{stamp}.log"
+        log.parent.mkdir(parents=True)
+        log.write_text(
+            f"# {self.settings.interpreter()}: {json.dumps(eval_versions(self.settings))}\n"
+            f"# resident vLLM engine, process {self.process.pid}: {unit.inputs['model']}\n",
+            encoding="utf-8",
+        )
+        request = {"op": "eval", "model": unit.inputs["model"], "weights": weights, "new_engine": why}
+        request |= {"output_path": str(tmp / "lm_eval"), "log": str(log), "settings": self.settings.to_json()}
+        try:
+            answer = self.process.request(request)
+        except UserError as e:  # the process is gone: the next unit starts another
+            self.close()
+            raise UserError(e.message, f"{e.hint}; lm-eval's log: {keep_logs(unit, tmp)}") from None
+        if not answer["ok"]:  # its process takes no more units: shut it down now, the next unit starts another
+            self.close()
+            hint = "; ".join(x for x in (answer.get("hint"), f"see lm-eval's log in {keep_logs(unit, tmp)}") if x)
+            raise UserError(answer["error"], hint)
+        return answer
+
+    def close(self) -> None:
+        """Shut the engine's process down (its engine first)."""
+        if self.process is not None:
+            self.process.close()
+            self.process = None
+
+
+@contextlib.contextmanager
+def local_runner(spec: SweepSpec, notes: list[str]) -> Iterator[Callable[[Unit], None]]:
+    """`units.run_unit`, with the eval units on one resident engine where the sweep reuses one; the engine is shut
+    down when the block ends and its notes (new engines and why) join `notes`."""
+    if not spec.engine_reuse:
+        yield run_unit
+        return
+    runner = EngineRunner(spec.eval, spec.output / "logs")
+
+    def run(unit: Unit) -> None:
+        (runner.run if unit.kind == "eval" else run_unit)(unit)
+
+    try:
+        yield run
+    finally:
+        runner.close()
+        notes.extend(runner.notes)
+
+
+def _fields_of(settings: Any) -> Callable[[Unit], Fields]:
+    return lambda unit: checkpoint_fields(unit.inputs["model"], settings)
+
+
+def ray_pool(spec: SweepSpec) -> Any:
+    """Under Ray, the eval units' pool of actors, each with its own resident engine (`EngineRunner`); None where the
+    sweep starts an engine per checkpoint."""
+    from lm_eval_sink.merging.engines import EvalPool
+
+    if not spec.engine_reuse:
+        return None
+    return EvalPool(EngineRunner, (spec.eval, spec.output / "logs"), _fields_of(spec.eval))

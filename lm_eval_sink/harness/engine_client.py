@@ -1,0 +1,160 @@
+"""The sweep's side of the resident vLLM engine: its process, the requests, and what a checkpoint fixes in an engine.
+
+`EngineProcess` starts `python -m lm_eval_sink.harness.vllm_resident` in the interpreter of the eval
+settings (vLLM lives in a venv of its own) and sends it one JSON request per line, reading one answer
+line each (the protocol: `vllm_resident`'s docstring). The process outlives the requests, not the
+sweep: it exits on `close`, at the end of its input, and (Linux) when the sweep's process dies.
+`checkpoint_facts` reads, without loading anything, what an engine started from a checkpoint folder
+would fix (`merging.engine_reuse.engine_fields`): config.json, generation_config.json, the tokenizer's
+files and the weight tensors' names and shapes (safetensors headers). `reload_support` asks the
+interpreter, without importing vLLM, whether its vLLM has the worker's `reload_weights`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from lm_eval_sink.errors import UserError
+from lm_eval_sink.io import canonical_json, sha256_file
+
+# Tokenizer files an engine reads at its start (besides tokenizer_config.json, compared key by key).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "added_tokens.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def _json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    except ValueError as e:
+        raise UserError(f"{path}: not valid JSON ({e})", "repair or replace the checkpoint's file") from None
+
+
+def _file_sha(path: Path) -> str:
+    """A tokenizer file's content: a JSON file as parsed (its formatting does not count), any other byte for byte."""
+    if path.suffix == ".json":
+        return hashlib.sha256(canonical_json(_json(path)).encode("utf-8")).hexdigest()
+    return sha256_file(path)
+
+
+def safetensors_shapes(path: Path) -> dict[str, list[int]]:
+    """Each tensor's shape, from a safetensors file's header (8 bytes of length, then JSON): no tensor is read."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    return {name: list(entry["shape"]) for name, entry in header.items() if name != "__metadata__"}
+
+
+def _tensors(folder: Path) -> dict[str, Any]:
+    """Every weight tensor's shape (safetensors); for other formats the weight files' names (shapes unread)."""
+    shards = sorted(folder.glob("*.safetensors"))
+    if shards:
+        return {name: shape for shard in shards for name, shape in safetensors_shapes(shard).items()}
+    return {"files": sorted(p.name for p in folder.glob("*.bin"))}
+
+
+def checkpoint_facts(folder: str | Path) -> dict[str, Any]:
+    """What an engine started from `folder` would fix, as `engine_reuse.engine_fields` takes it."""
+    folder = Path(folder)
+    return {
+        "config": _json(folder / "config.json") or {},
+        "generation_config": _json(folder / "generation_config.json"),
+        "tokenizer_config": _json(folder / "tokenizer_config.json"),
+        "files": {name: _file_sha(folder / name) for name in TOKENIZER_FILES if (folder / name).is_file()},
+        "tensors": _tensors(folder),
+    }
+
+
+# Run in the vLLM interpreter; reads vLLM's source, imports none of it (an import of vLLM takes tens of seconds).
+RELOAD_PROBE = """
+import ast, importlib.metadata as m, importlib.util as u, json, pathlib
+def methods(path, cls):
+    if not path.is_file():
+        return set()
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return {f.name for c in tree.body if isinstance(c, ast.ClassDef) and c.name == cls
+            for f in c.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
+spec = u.find_spec("vllm")
+root = pathlib.Path(spec.origin).parent if spec and spec.origin else pathlib.Path("/nonexistent")
+try:
+    version = m.version("vllm")
+except m.PackageNotFoundError:
+    version = None
+worker = methods(root / "v1" / "worker" / "gpu_worker.py", "Worker")
+llm = methods(root / "entrypoints" / "llm.py", "LLM")
+print(json.dumps({"vllm": version, "vllm_module": spec is not None, "reload_weights": "reload_weights" in worker,
+                  "collective_rpc": "collective_rpc" in llm, "reset_prefix_cache": "reset_prefix_cache" in llm}))
+"""
+
+
+def reload_support(python: str) -> dict[str, Any]:
+    """{vllm: version, vllm_module, reload_weights, collective_rpc, reset_prefix_cache: bool} of the vLLM in
+    `python`."""
+    from lm_eval_sink.harness.runner import run_probe
+
+    return run_probe(python, RELOAD_PROBE)
+
+
+class EngineProcess:
+    """One resident engine's process and its request stream; its stderr (outside requests) goes to `log`."""
+
+    def __init__(self, python: str, env: dict[str, str], log: Path) -> None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self.log = log
+        with open(log, "a", encoding="utf-8") as stderr:  # the process keeps its own handle
+            # -P: the current folder does not count (a source checkout there would shadow the installed project)
+            self.proc = subprocess.Popen(
+                [python, "-P", "-m", "lm_eval_sink.harness.vllm_resident"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=stderr,
+                env=env,
+                text=True,
+                bufsize=1,
+            )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def request(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """Send one request and wait for its answer; a process that exits meanwhile is one line naming its log."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        try:
+            self.proc.stdin.write(json.dumps(payload) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except BrokenPipeError:
+            line = ""
+        if not line:
+            code = self.proc.wait()
+            raise UserError(
+                f"the resident vLLM engine's process exited with {code} (killed, out of memory or crashed?)",
+                f"see its log {self.log}; the next checkpoint starts a new engine",
+            )
+        return json.loads(line)
+
+    def close(self, timeout: float = 120) -> None:
+        """Ask the process to shut its engine down and exit; kill it when it does not within `timeout` seconds."""
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write(json.dumps({"op": "close"}) + "\n")
+                self.proc.stdin.close()
+                self.proc.wait(timeout=timeout)
+            except (BrokenPipeError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()

@@ -1,0 +1,326 @@
+"""The resident vLLM engine's process: lm-eval's vLLM model on one engine that takes each checkpoint's weights.
+
+`harness.engine_client.EngineProcess` starts it in the vLLM interpreter as
+`PYTHON -m lm_eval_sink.harness.vllm_resident` and talks to it in JSON lines: one request per line on
+its stdin, one answer line per request on the stdout it was started with (the process points its own
+stdout at stderr before anything else, so nothing vLLM, lm-eval or transformers print can mix with
+the answers; during a request stderr is that unit's lm-eval log):
+
+    -> {"op": "eval", "model": NAME, "weights": FOLDER, "output_path": DIR, "log": FILE,
+        "settings": EvalSettings.to_json(), "new_engine": WHY or null}
+    <- {"ok": true, "results": FILE, "samples": {TASK: FILE}, "engine": {...}, "timings": {...},
+        "peak_rss": BYTES, "peak_accelerator_memory": {DEVICE: BYTES} or null}
+    <- {"ok": false, "error": LINE, "hint": FIX or null}
+    -> {"op": "close"}  (or the end of stdin: the sweep's process is gone) and the process exits
+
+An eval request runs lm-eval in this process as its CLI would (`inprocess.cli_config` parses the
+same `EvalSettings.command`, `simple_evaluate` gets `--model vllm` and the checkpoint's model_args,
+one TaskManager serves every request), so lm-eval builds its vLLM model for each checkpoint, with
+that checkpoint's config, tokenizer and chat template, and the start-up hook measures this project's
+tasks first on the checkpoint's folder (`measure_first.py`). Only the engine is kept: the `LLM(...)`
+that lm-eval's model asks for is the resident one, after `reload_weights` from the checkpoint's
+folder (vLLM's worker method, through `LLM.collective_rpc`), `reset_prefix_cache()` (no KV block of
+the previous weights is reused) and the seed the engine's workers set after a build (sampled
+decoding starts from the same generator state as on a fresh engine). The first request builds the
+engine, from its checkpoint; `new_engine` is why the sweep started this process (the first
+checkpoint, one that differs from the previous engine's in a setting fixed at start, or a failed
+unit before), recorded with the unit. A process serves one engine: after a failed unit (whose
+reload may have left the weights half written) it refuses further units, and the sweep starts a
+new process, as for a new engine (an engine built again in the same process kept about 0.8 GB
+more memory than the first on a CPU: a fresh process starts clean).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from lm_eval_sink.errors import UserError, one_line
+from lm_eval_sink.harness.runner import EvalSettings
+
+
+def _answers() -> Any:
+    """The protocol's stream (the stdout this process was started with); stdout itself then writes to stderr."""
+    out = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
+    os.dup2(2, 1)
+    return out
+
+
+def _die_with_parent() -> None:
+    """Linux: be killed when the sweep's process dies (kill -9 included), so no engine outlives its sweep."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:
+            os._exit(1)
+
+
+@contextlib.contextmanager
+def _output_to(path: str | None) -> Iterator[None]:
+    """Within the block this process's stdout and stderr (file descriptors 1 and 2: every library's output, vLLM's
+    log on stdout included) append to `path`."""
+    if path is None:
+        yield
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    with open(path, "a", encoding="utf-8") as log:
+        for fd in saved:
+            os.dup2(log.fileno(), fd)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for fd, copy in saved.items():
+                os.dup2(copy, fd)
+                os.close(copy)
+
+
+@contextlib.contextmanager
+def _timed(timings: dict[str, float], name: str) -> Iterator[None]:
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[name] = round(timings.get(name, 0.0) + time.perf_counter() - start, 3)
+
+
+# --- memory per unit ---------------------------------------------------------------------------
+
+
+def _processes() -> list[Any]:
+    """This process and its children (vLLM's engine-core and worker processes, where it runs them apart)."""
+    import psutil
+
+    me = psutil.Process()
+    return [me, *me.children(recursive=True)]
+
+
+def _reset_peak_rss(processes: list[Any]) -> None:
+    for p in processes:
+        with contextlib.suppress(OSError):
+            Path(f"/proc/{p.pid}/clear_refs").write_text("5")  # Linux: VmHWM starts again from VmRSS
+
+
+def _peak_rss(processes: list[Any]) -> int | None:
+    """The peak resident memory of `processes` since `_reset_peak_rss`, summed (None where /proc has no VmHWM)."""
+    total = 0
+    for p in processes:
+        try:
+            status = Path(f"/proc/{p.pid}/status").read_text(encoding="utf-8")
+        except OSError:
+            continue
+        line = next((x for x in status.splitlines() if x.startswith("VmHWM:")), None)
+        if line is None:
+            return None
+        total += int(line.split()[1]) * 1024
+    return total
+
+
+def _reset_accelerator_peak(worker: Any) -> None:
+    """Runs in each vLLM worker (`collective_rpc`): the CUDA peak counters start again."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _accelerator_peak(worker: Any) -> dict[str, int]:
+    """Runs in each vLLM worker: the peak memory allocated on its GPU since the reset (empty on a CPU)."""
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return {}
+    device = torch.cuda.current_device()
+    return {f"cuda:{device}": int(torch.cuda.max_memory_allocated(device))}
+
+
+def _reseed(worker: Any) -> None:
+    """Runs in each vLLM worker: the seed it sets after building its engine, so sampling starts as on a fresh one."""
+    from vllm.utils.torch_utils import set_random_seed
+
+    set_random_seed(worker.model_config.seed, worker.parallel_config.data_parallel_index)
+
+
+# --- the engine --------------------------------------------------------------------------------
+
+
+class ResidentEngine:
+    """One vLLM `LLM` for every checkpoint, and what it was built from."""
+
+    def __init__(self) -> None:
+        self.llm: Any = None
+        self.arguments: dict[str, Any] | None = None  # the LLM(...) arguments it was built with, less the model
+        self.built_for: str | None = None
+        self.units = 0  # units evaluated on this engine
+        self.swap: str | None = None  # how the current unit's checkpoint got into the engine: built | reloaded
+
+    def shutdown(self) -> None:
+        """Shut the engine down (vLLM's engine-core process and workers, where it runs them apart)."""
+        if self.llm is not None:
+            core = getattr(self.llm.llm_engine, "engine_core", None)
+            with contextlib.suppress(Exception):
+                core.shutdown()
+            self.llm = None
+
+    @contextlib.contextmanager
+    def serving(self, weights: str, timings: dict[str, float]) -> Iterator[None]:
+        """Within the block, the `LLM(...)` that lm-eval's vLLM model builds is this engine, holding `weights`."""
+        import lm_eval.models.vllm_causallms as lm_eval_vllm
+
+        real = lm_eval_vllm.LLM
+
+        def resident(**arguments: Any) -> Any:
+            return self._engine(real, arguments, weights, timings)
+
+        lm_eval_vllm.LLM = resident
+        try:
+            yield
+        finally:
+            lm_eval_vllm.LLM = real
+
+    def _engine(self, real: Any, arguments: dict[str, Any], weights: str, timings: dict[str, float]) -> Any:
+        rest = {k: v for k, v in arguments.items() if k not in ("model", "revision")}
+        if self.llm is None:
+            with _timed(timings, "engine_build"):
+                self.llm = real(**arguments)
+            self.arguments, self.built_for, self.swap = rest, str(arguments["model"]), "built"
+            return self.llm
+        if rest != self.arguments:
+            raise UserError(
+                "lm-eval asked the resident vLLM engine for other engine arguments than it was built with",
+                "pass --fresh-engine (one engine per checkpoint)",
+            )
+        with _timed(timings, "swap"):
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": weights})
+            if not self.llm.reset_prefix_cache():
+                raise RuntimeError("vLLM could not reset its prefix cache after the weights were reloaded")
+            self.llm.collective_rpc(_reseed)
+        self.swap = "reloaded"
+        return self.llm
+
+    def record(self, why: str | None) -> dict[str, Any]:
+        """The engine part of a unit's provenance."""
+        return {
+            "resident": True,
+            "process": os.getpid(),
+            "built_for": self.built_for,
+            "unit_on_engine": self.units,
+            "weights": self.swap,
+            "built_because": why if self.swap == "built" else None,
+        }
+
+
+# --- requests ----------------------------------------------------------------------------------
+
+
+class Server:
+    """The state between requests: the sweep's eval settings, one TaskManager, the engine."""
+
+    def __init__(self) -> None:
+        self.engine = ResidentEngine()
+        self.settings: EvalSettings | None = None
+        self.manager: Any = None
+        self.failed: str | None = None  # a unit that failed: its engine may hold half-written weights
+
+    def evaluate(self, request: dict[str, Any]) -> dict[str, Any]:
+        from lm_eval_sink.harness.inprocess import cli_config, evaluate_model, task_manager
+
+        settings = EvalSettings(**{**request["settings"], "tasks": tuple(request["settings"]["tasks"])})
+        timings: dict[str, float] = {}
+        if self.settings is None:
+            import psutil
+
+            timings["process_start"] = round(time.time() - psutil.Process().create_time(), 3)
+            with _timed(timings, "imports"):
+                import lm_eval.models.vllm_causallms  # noqa: F401 (lm-eval, vLLM, transformers: timed apart)
+                from lm_eval.utils import setup_logging
+            setup_logging()  # lm-eval's log lines as its CLI writes them
+            with _timed(timings, "task_index"):
+                self.manager = task_manager(settings, request["model"])
+            self.settings = settings
+        elif settings != self.settings:
+            raise UserError(
+                "these eval settings differ from the ones the resident engine was started with",
+                "start one engine process per sweep's eval settings",
+            )
+        if self.failed is not None:
+            raise UserError(
+                f"this engine process had a failed unit ({self.failed}): its weights may be half written",
+                "start a new engine process (the sweep does)",
+            )
+        self.failed = request["model"]
+        if self.engine.llm is not None:
+            self.engine.llm.collective_rpc(_reset_accelerator_peak)
+        _reset_peak_rss(_processes())
+        output_path = Path(request["output_path"])
+        cfg = cli_config(settings, request["model"], output_path)
+        with self.engine.serving(request["weights"], timings):
+            run = evaluate_model("vllm", cfg, self.manager, output_path, timings)
+        self.failed = None
+        self.engine.units += 1
+        timings["s_child"] = _s_child_seconds(run.results)
+        peaks = {k: v for p in self.engine.llm.collective_rpc(_accelerator_peak) for k, v in p.items()}
+        return {
+            "ok": True,
+            "results": str(run.results),
+            "samples": {t: str(p) for t, p in run.samples.items()},
+            "engine": self.engine.record(request.get("new_engine")),
+            "timings": timings,
+            "peak_rss": _peak_rss(_processes()),
+            "peak_accelerator_memory": peaks or None,
+        }
+
+
+def _s_child_seconds(results: Path) -> float:
+    """The wall time of the child that measured this project's tasks first (0 when none ran)."""
+    configs = json.loads(results.read_text(encoding="utf-8")).get("configs", {})
+    seconds = [(c.get("metadata") or {}).get("capture", {}).get("wall_seconds") for c in configs.values()]
+    return max([x for x in seconds if isinstance(x, (int, float))], default=0.0)
+
+
+def _answer(server: Server, request: dict[str, Any]) -> dict[str, Any]:
+    """One request's answer; a failure is its one line (the traceback goes to the unit's log)."""
+    import traceback
+
+    try:
+        with _output_to(request.get("log")):
+            try:
+                return server.evaluate(request)
+            except Exception:
+                traceback.print_exc()
+                raise
+    except UserError as e:
+        return {"ok": False, "error": e.message, "hint": e.hint}
+    except Exception as e:
+        return {"ok": False, "error": one_line(e), "hint": None}
+
+
+def serve(requests: Any, answers: Any) -> None:
+    """Answer each request line until `close` or the end of the input, then shut the engine down."""
+    server = Server()
+    for line in requests:
+        request = json.loads(line)
+        if request.get("op") == "close":
+            break
+        if request.get("op") != "eval":
+            answer = {"ok": False, "error": f"unknown request {request.get('op')!r}", "hint": None}
+        else:
+            answer = _answer(server, request)
+        answers.write(json.dumps(answer) + "\n")
+    server.engine.shutdown()
+
+
+if __name__ == "__main__":
+    _answers_stream = _answers()
+    _die_with_parent()
+    serve(sys.stdin, _answers_stream)

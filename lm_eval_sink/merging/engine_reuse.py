@@ -1,0 +1,130 @@
+"""Which checkpoints of a vLLM sweep share one resident engine, and which engine takes which: decisions, no I/O.
+
+A resident vLLM engine (`commands/vllm_resident.py`, `harness/vllm_resident.py`) fixes at its start
+what it read of its first checkpoint: the architecture and shapes (config.json), the tokenizer, its
+chat template and special tokens, generation_config.json, the weight tensors' names and shapes, and
+the dtype (the checkpoint's own unless the eval settings name one). A checkpoint that agrees with the
+engine's in all of them has its weights swapped into the running engine; one that differs in any gets
+an engine of its own. `engine_fields` makes the comparable record from what
+`harness.engine_client.checkpoint_facts` read of a folder, `differences` names what differs,
+`engine_starts` says for checkpoints in run order which start an engine and why (the sweep's plan
+note), `new_engine_reason` why a running sweep's next eval unit needs a new engine (a failed unit
+before it, or a fixed setting that differs), and `assign` pairs the idle Ray actors, each holding an
+engine or none, with the eval units waiting for one (`merging/engines.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from lm_eval_sink.io import canonical_json, sha256_text
+
+Fields = dict[str, Any]  # one checkpoint's engine-fixed settings, flat: {"config.json vocab_size": 49152, ...}
+
+# Keys that name where a file came from or which library wrote it: they fix nothing in an engine.
+SOURCE_KEYS = frozenset({"_name_or_path", "_model_name_or_path", "transformers_version", "_commit_hash"})
+# tokenizer_config.json keys that are how it was loaded, not what it is.
+LOADER_KEYS = frozenset({"name_or_path", "is_local", "local_files_only"})
+DTYPE_KEYS = ("dtype", "torch_dtype")
+WEIGHTS = "weights: tensor names and shapes"
+
+
+def engine_fields(facts: Mapping[str, Any], dtype: str | None) -> Fields:
+    """The settings an engine started from this checkpoint would fix, from `facts` ({config, generation_config,
+    tokenizer_config: parsed JSON or None; files: {tokenizer file: sha256}; tensors: {name: shape}}).
+
+    `dtype`: the eval settings' (model_args wins); any value but None / "auto" fixes the engine's dtype
+    whatever the checkpoint's config says, so the config's dtype then does not count."""
+    fixed = dtype not in (None, "auto")
+    out: Fields = {"dtype": dtype} if fixed else {}
+    for key, value in (facts.get("config") or {}).items():
+        if key in SOURCE_KEYS or (fixed and key in DTYPE_KEYS):
+            continue
+        out[f"config.json {'dtype' if key in DTYPE_KEYS else key}"] = value
+    for key, value in (facts.get("generation_config") or {}).items():
+        if key not in SOURCE_KEYS:
+            out[f"generation_config.json {key}"] = value
+    for key, value in (facts.get("tokenizer_config") or {}).items():
+        if key not in SOURCE_KEYS | LOADER_KEYS:
+            out[f"tokenizer_config.json {key}"] = value
+    out |= {f"tokenizer file {name}": sha for name, sha in (facts.get("files") or {}).items()}
+    out[WEIGHTS] = sha256_text(canonical_json(facts.get("tensors") or {}))
+    return out
+
+
+def differences(engine: Fields, checkpoint: Fields) -> list[str]:
+    """The fields in which a checkpoint differs from an engine's (present in one only, or with other values)."""
+    return sorted(k for k in set(engine) | set(checkpoint) if engine.get(k, ...) != checkpoint.get(k, ...))
+
+
+def describe(fields: list[str], shown: int = 4) -> str:
+    """A list of differing fields for a one-line note."""
+    more = f" and {len(fields) - shown} more" if len(fields) > shown else ""
+    return ", ".join(fields[:shown]) + more
+
+
+def engine_starts(order: Sequence[str], fields: Mapping[str, Fields | None]) -> list[tuple[str, str | None]]:
+    """For checkpoints in run order, each with the reason it starts an engine (None: its weights are swapped into
+    the engine before it). A checkpoint whose fields are not known yet (None: a merge not made) is decided when
+    it runs and leaves the engine as it was."""
+    out: list[tuple[str, str | None]] = []
+    held: tuple[str, Fields] | None = None
+    for name in order:
+        mine = fields.get(name)
+        if mine is None:
+            out.append((name, None))
+            continue
+        if held is None:
+            out.append((name, "the first checkpoint"))
+        else:
+            diff = differences(held[1], mine)
+            out.append((name, f"differs from {held[0]} in {describe(diff)}" if diff else None))
+            if not diff:
+                continue
+        held = (name, mine)
+    return out
+
+
+def new_engine_reason(
+    held: tuple[str, Fields] | None, failed: str | None, checkpoint: str, fields: Fields
+) -> str | None:
+    """Why an eval unit of `checkpoint` (its `fields`) needs a new engine, or None where the running one takes its
+    weights. `held`: (the checkpoint the running engine holds, its fields), None when no engine runs; `failed`:
+    the unit that failed on that engine (its weights may be half written), which rules it out whatever it holds."""
+    if failed is not None:
+        return f"the previous unit ({failed}) failed"
+    if held is None:
+        return "the first checkpoint"
+    diff = differences(held[1], fields)
+    return f"{checkpoint} differs from {held[0]} in {describe(diff)}" if diff else None
+
+
+def assign(
+    actors: Sequence[tuple[str, Fields | None, bool]], waiting: Sequence[tuple[str, Fields]]
+) -> list[tuple[str, str]]:
+    """Which idle actor takes which waiting eval unit, as (actor, unit) pairs.
+
+    `actors`: (id, the fields of the engine it holds or None, idle); `waiting`: (unit id, its checkpoint's
+    fields), in plan order. An idle actor first takes the first waiting unit its engine holds without a
+    rebuild; an idle actor left without one takes the first unit that no other actor's engine could hold
+    (busy ones included), else the first unit left: a rebuild costs less than a slot left idle."""
+    left = list(waiting)
+    idle = [(a, held) for a, held, free in actors if free]
+    pairs: list[tuple[str, str]] = []
+    unmatched = []
+    for actor, held in idle:
+        match = next((u for u in left if held is not None and u[1] == held), None)
+        if match is None:
+            unmatched.append(actor)
+            continue
+        pairs.append((actor, match[0]))
+        left.remove(match)
+    for actor in unmatched:
+        if not left:
+            break
+        others = [held for a, held, _ in actors if a != actor and held is not None]
+        unit = next((u for u in left if u[1] not in others), left[0])
+        pairs.append((actor, unit[0]))
+        left.remove(unit)
+    return pairs

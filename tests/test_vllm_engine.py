@@ -1,0 +1,257 @@
+"""One resident vLLM engine per sweep: checkpoints' weights swapped in place, against an engine per checkpoint.
+
+The per-checkpoint side is the suite's SmolLM2 vLLM sweep (conftest `smollm2_sweeps`, `engine_reuse: false`):
+reference, a perturbed candidate whose greedy responses differ, and a merge near the reference. Two runs on
+real vLLM (CPU build, float32, in-process engine, one thread; their CI time: docs/scale.md):
+- `resident`: the same sweep with the resident engine (the default) on a copy of the fresh sweep's folder
+  without its eval units (the merge and S units are the fresh sweep's): killed inside its first eval unit,
+  then resumed: one engine takes the reference, the candidate (reloaded) and the near-reference merge
+  (reloaded again), so both orders of two checkpoints whose responses differ run on one engine;
+- `edge`: one engine runner (the sweep's own eval path; IFEval on one prompt, 16 new tokens) over the
+  reference, a copy of it whose config differs (a new engine, in a new process) and a copy of that with
+  truncated weights (its reload fails; the runner's decision for the next unit is read, not run: another
+  engine start would cost CI half a minute, and the new-process path is the config change's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import yaml
+from helpers import VLLM_PY, vllm_missing_reason
+
+from lm_eval_sink.merging.sweep import Unit
+
+pytestmark = [pytest.mark.skipif(not VLLM_PY.is_file(), reason=vllm_missing_reason())]
+CHECKPOINTS = ("reference", "candidate", "near_reference")
+
+
+def _marker(out: Path, name: str) -> dict:
+    return json.loads((out / "evals" / name / "COMPLETE.json").read_text())
+
+
+def _responses(unit_folder: Path, task: str = "ifeval") -> list:
+    """Each sample's responses of a task, in document order, from an eval unit's folder."""
+    (path,) = unit_folder.glob(f"lm_eval/*/samples_{task}_*.jsonl")
+    rows = sorted((json.loads(x) for x in path.read_text().splitlines()), key=lambda s: s["doc_id"])
+    return [r["resps"] for r in rows]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _engine_pids(parent: int) -> list[int]:
+    """The resident engine processes whose parent is `parent`."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if proc.name.isdigit() and ppid == parent and b"vllm_resident" in (proc / "cmdline").read_bytes():
+                pids.append(int(proc.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return pids
+
+
+def _kill_inside_first_eval(sweep: Path, timeout: float = 900) -> dict:
+    """Run `sweep` in a forked driver and SIGKILL the driver alone inside its first eval unit (its staged folder
+    and its engine process there); then whether the engine process died with it (no process of the test outlives
+    it: the driver's group is killed after)."""
+    from lm_eval_sink.commands.sweep import load_sweep, run_sweep
+
+    evals = sweep.parent / "out" / "evals"
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setsid()
+            run_sweep(load_sweep(sweep), progress=False)
+        finally:
+            os._exit(0)
+    deadline, engines = time.time() + timeout, []
+    while time.time() < deadline and not (engines and list(evals.glob("reference.partial-*"))):
+        engines = _engine_pids(pid)
+        assert os.waitpid(pid, os.WNOHANG)[0] == 0, "the sweep ended before its first eval unit"
+        time.sleep(0.1)
+    time.sleep(2)  # the engine process is importing vLLM
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    end = time.time() + 30
+    while any(_alive(p) for p in engines) and time.time() < end:
+        time.sleep(0.2)
+    survived = [p for p in engines if _alive(p)]
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
+    return {"engines": engines, "survived": survived, "partial": [p.name for p in evals.glob("*.partial-*")]}
+
+
+@pytest.fixture(scope="module")
+def resident(smollm2_sweeps, tmp_path_factory, vllm_env) -> dict:
+    """The fresh sweep's folder copied, its eval units removed and run again on the resident engine: killed inside
+    the first, then resumed in this process."""
+    from lm_eval_sink.commands.sweep import load_sweep, run_sweep
+
+    fresh = smollm2_sweeps["vllm"].parent
+    root = tmp_path_factory.mktemp("resident") / "vllm"
+    shutil.copytree(fresh, root, symlinks=True)
+    shutil.rmtree(root / "out" / "evals")
+    data = yaml.safe_load((root / "sweep.yaml").read_text())
+    data["eval"] = {k: v for k, v in data["eval"].items() if k != "engine_reuse"} | {"python": str(VLLM_PY)}
+    (root / "sweep.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    killed = _kill_inside_first_eval(root / "sweep.yaml")
+    report = run_sweep(load_sweep(root / "sweep.yaml"), progress=False)
+    return {"fresh": fresh / "out", "out": root / "out", "killed": killed, "report": report}
+
+
+def test_resident_sweep_gives_the_fresh_engines_table_and_responses(resident):
+    """Every table column to 1e-5 and every response identical to an engine per checkpoint."""
+    fresh, out = resident["fresh"], resident["out"]
+    tables = [json.loads((o / "table.json").read_text()) for o in (fresh, out)]
+    assert tables[0]["columns"] == tables[1]["columns"] and "sink_strength/sink_strength,none" in tables[1]["columns"]
+    for f_row, r_row in zip(tables[0]["rows"], tables[1]["rows"], strict=True):
+        assert r_row["status"] == "ok" and r_row["checkpoint"] == f_row["checkpoint"]
+        assert r_row["metrics"] == pytest.approx(f_row["metrics"], abs=1e-5)
+        assert r_row["sink_strength"] == pytest.approx(f_row["sink_strength"], abs=1e-5)
+        assert r_row["delta_vs_reference"] == pytest.approx(f_row["delta_vs_reference"], abs=1e-5)
+        assert r_row["sink_strength_delta_vs_reference"] == pytest.approx(
+            f_row["sink_strength_delta_vs_reference"], abs=1e-5
+        )
+    for name in CHECKPOINTS:
+        for task in ("ifeval", "sink_strength"):
+            assert _responses(out / "evals" / name, task) == _responses(fresh / "evals" / name, task), (name, task)
+        marker = _marker(out, name)
+        results = json.loads((out / "evals" / name / marker["results"]).read_text())
+        assert results["config"]["model"] == "vllm" and results["config"]["model_args"]["pretrained"] == marker["model"]
+        assert "engine" not in _marker(fresh, name)  # the fresh side: an lm_eval process per checkpoint
+
+
+def test_one_engine_takes_every_checkpoint_in_both_orders(resident):
+    """Reference, then the candidate (other responses), then the near-reference merge (the reference's responses
+    again): each swap equals a fresh engine (above), so nothing of the checkpoint before it leaked."""
+    fresh, out = resident["fresh"], resident["out"]
+    ref, cand = _responses(fresh / "evals" / "reference"), _responses(fresh / "evals" / "candidate")
+    assert ref != cand and _responses(out / "evals" / "near_reference") == ref
+    engines = [_marker(out, n)["engine"] for n in CHECKPOINTS]
+    assert [e["weights"] for e in engines] == ["built", "reloaded", "reloaded"]
+    assert {e["process"] for e in engines} == {engines[0]["process"]} and {e["engine"] for e in engines} == {1}
+    assert [e["unit_on_engine"] for e in engines] == [1, 2, 3]
+    assert (
+        engines[0]["built_because"] == "the first checkpoint"
+        and engines[0]["built_for"] == _marker(out, "reference")["model"]
+    )
+    assert any("one resident engine for the sweep" in n for n in resident["report"].notes), resident["report"].notes
+
+
+def test_the_engines_memory_does_not_grow_across_swaps(resident):
+    """Each unit records its peak RSS; the second swap's is no higher than the first's (5% slack: lm-eval's own
+    buffers). A swap's peak exceeds the build's by about one weights file (vLLM maps it to reload)."""
+    peaks = {n: _marker(resident["out"], n)["peak_rss"] for n in CHECKPOINTS}
+    assert all(p > 500 * 2**20 for p in peaks.values())
+    assert peaks["near_reference"] <= peaks["candidate"] * 1.05, peaks
+    for name in CHECKPOINTS:
+        marker = _marker(resident["out"], name)
+        assert marker["timings"]["evaluate"] > 0 and marker["timings"]["s_child"] > 0
+        assert marker["peak_accelerator_memory"] is None  # a CPU run
+
+
+def test_resident_sweep_resumes_after_a_kill_and_its_engine_dies_with_the_driver(resident):
+    killed, report = resident["killed"], resident["report"]
+    assert killed["engines"] and killed["survived"] == []  # the engine process did not outlive its sweep
+    assert killed["partial"] == [] or all(p.startswith("reference.partial-") for p in killed["partial"])
+    assert report.ran == [f"eval:{n}" for n in CHECKPOINTS] and not report.failures
+    assert "merge:near_reference" in report.skipped and "strength:reference" in report.skipped
+    assert not list((resident["out"] / "evals").glob("*.partial-*"))  # the killed unit's staged folder tidied
+
+
+# --- one runner through the edge cases --------------------------------------------------------------------
+
+
+def _config_changed(reference: Path, out: Path) -> Path:
+    """A copy of the reference (weights linked) whose config.json fixes a shorter context: an engine of its own."""
+    out.mkdir()
+    for f in reference.iterdir():
+        if f.name == "model.safetensors":
+            (out / f.name).symlink_to(f)
+        elif f.name != "COMPLETE.json":
+            shutil.copy2(f, out / f.name)
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
+    return out
+
+
+def _truncated(model: Path, out: Path) -> Path:
+    """A copy of `model` whose weights file stops half way (its header intact: the same engine fields)."""
+    shutil.copytree(model, out, symlinks=False, ignore=shutil.ignore_patterns("model.safetensors"))
+    data = (model / "model.safetensors").read_bytes()
+    (out / "model.safetensors").write_bytes(data[: len(data) // 2])
+    return out
+
+
+@pytest.fixture(scope="module")
+def edge(smollm2_sweeps, default_model, tmp_path_factory, vllm_env) -> dict:
+    """One engine runner over the reference (an engine), a copy with another config.json (a new engine) and a copy
+    of that whose weights stop half way (its reload fails); then the runner's state and why it would start a new
+    engine for the next unit, a checkpoint its engine held."""
+    from lm_eval_sink.commands.sweep import load_sweep
+    from lm_eval_sink.commands.vllm_resident import EngineRunner, checkpoint_fields
+
+    root = tmp_path_factory.mktemp("edge")
+    changed = _config_changed(default_model, root / "changed")
+    models = {"A": default_model, "C": changed, "broken": _truncated(changed, root / "broken")}
+    settings = load_sweep(smollm2_sweeps["vllm"]).eval
+    settings = replace(settings, tasks=("ifeval",), limit=1, gen_kwargs={**settings.gen_kwargs, "max_gen_toks": 16})
+    runner, errors = EngineRunner(settings, root / "logs"), {}
+    try:
+        for name, model in models.items():
+            inputs = {"model": str(model), "settings": settings, "identity": None}
+            try:
+                runner.run(Unit("eval", name, f"key-{name}", root / "evals" / name, inputs))
+            except Exception as e:  # the unit's failure, as the sweep records it
+                errors[name] = e
+        state = {"failed": runner.failed, "process": runner.process, "started": runner.started}
+        state["next"] = runner.new_engine_reason("C2", checkpoint_fields(str(changed), settings))
+        state["failed_engine_alive"] = _alive(_marker(root, "C")["engine"]["process"])  # before the runner closes
+    finally:
+        runner.close()
+    return {"out": root, "errors": errors, "notes": runner.notes, "state": state}
+
+
+def test_a_config_change_starts_a_new_engine_in_a_new_process(edge):
+    out = edge["out"]
+    first, engine = _marker(out, "A")["engine"], _marker(out, "C")["engine"]
+    assert (first["engine"], engine["engine"]) == (1, 2) and first["process"] != engine["process"]
+    assert engine["weights"] == "built" and engine["unit_on_engine"] == 1
+    assert engine["built_because"] == "C differs from A in config.json max_position_embeddings"
+    assert edge["notes"] == [f"eval:C: a new vLLM engine: {engine['built_because']}"]
+    assert _responses(out / "evals" / "C") == _responses(out / "evals" / "A")
+    peaks = [_marker(out, n)["peak_rss"] for n in ("A", "C")]
+    assert max(peaks) <= 1.05 * min(peaks), peaks  # each engine in a process of its own: it starts clean
+
+
+def test_a_failed_reload_is_the_units_one_line_and_the_next_unit_gets_a_new_engine(edge):
+    from lm_eval_sink.errors import UserError
+
+    out, error = edge["out"], edge["errors"].get("broken")
+    assert set(edge["errors"]) == {"broken"} and isinstance(error, UserError)
+    assert "\n" not in error.line() and "SafetensorError" in error.message, error.line()
+    assert not (out / "evals" / "broken").exists() and list((out / "logs" / "eval-broken").glob("*.log"))
+    # its engine's process is shut down at once; the next unit starts a new one (the path the config change
+    # took above), even for a checkpoint the failed engine held
+    assert edge["state"] == {
+        "failed": "eval:broken",
+        "process": None,
+        "started": 2,
+        "next": "the previous unit (eval:broken) failed",
+        "failed_engine_alive": False,
+    }
