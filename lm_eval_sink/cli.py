@@ -1065,7 +1065,7 @@ def sweep(
         python=str(lm_eval_python) if lm_eval_python else None,
         fresh_engine=fresh_engine,
     )
-    report = run_sweep(spec, force=force, progress=not quiet, redo=redo)
+    report = run_sweep(spec, force=force, progress=not quiet, redo=redo, announce=click.echo)
     for line in report.lines():
         click.echo(line)
     report.raise_for_failures()

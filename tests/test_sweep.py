@@ -151,10 +151,12 @@ def test_delete_merged_keeps_results_and_skips_on_rerun(uninterrupted, tmp_path)
     again = run_sweep(load_sweep(sweep, delete_merged=True), progress=False)
     assert again.ran == [] and _rows(out) == _rows(uninterrupted.parent / "out")
     # --redo strength needs the deleted weights: the merge is redone, and the run's line says so and why
-    redone = run_sweep(load_sweep(sweep, delete_merged=True), progress=False, redo=("strength",))
+    said: list[str] = []  # the plan line, before any step runs
+    redone = run_sweep(load_sweep(sweep, delete_merged=True), progress=False, redo=("strength",), announce=said.append)
     assert redone.ran == ["strength:reference", "strength:candidate", "merge:dare_linear", "strength:dare_linear"]
     again_line = "merged again because their weights were deleted: merge:dare_linear for strength:dare_linear"
     assert f"4 steps run ({again_line})" in redone.lines()[0], redone.lines()[0]
+    assert said[0] == f"sweep {out}: plan: 4 steps to run ({again_line}), 3 already finished", said
     assert _rows(out) == _rows(uninterrupted.parent / "out") and not list(merged.glob("*.safetensors"))
 
 

@@ -17,7 +17,7 @@ import dataclasses
 import datetime as _dt
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -344,6 +344,13 @@ class Manifest:
 # --- running ---------------------------------------------------------------------------------
 
 
+def _redone(remerged: dict[str, tuple[str, ...]]) -> str:
+    """' (merged again because ...: merge:X for strength:X)' for finished merges redone because their weights
+    were deleted (`Schedule.remerged`), else ''."""
+    again = "; ".join(f"{m} for {', '.join(need) or 'its weights'}" for m, need in remerged.items())
+    return f" (merged again because their weights were deleted: {again})" if again else ""
+
+
 @dataclass
 class SweepReport:
     output: Path
@@ -354,12 +361,16 @@ class SweepReport:
     notes: list[str] = field(default_factory=list)
     remerged: dict[str, tuple[str, ...]] = field(default_factory=dict)  # Schedule.remerged
 
+    def plan_line(self, todo: int) -> str:
+        """What the run is about to do, said before any step runs: how many steps, which merges are redone and for
+        what, how many are already finished."""
+        redone = _redone(self.remerged)
+        return f"sweep {self.output}: plan: {todo} steps to run{redone}, {len(self.skipped)} already finished"
+
     def lines(self) -> list[str]:
-        again = "; ".join(f"{m} for {', '.join(need) or 'its weights'}" for m, need in self.remerged.items())
-        redone = f" (merged again because their weights were deleted: {again})" if again else ""
         out = [
-            f"sweep {self.output}: {len(self.ran)} steps run{redone}, {len(self.skipped)} already finished, "
-            f"{len(self.failures)} failed"
+            f"sweep {self.output}: {len(self.ran)} steps run{_redone(self.remerged)}, {len(self.skipped)} already "
+            f"finished, {len(self.failures)} failed"
         ]
         out += [f"note: {n}" for n in self.notes]
         if self.table_files:
@@ -384,10 +395,17 @@ def _inputs(spec: SweepSpec) -> list[str | None]:
     return [*paths, ev and ev.include_path, st and st.prompts_file]
 
 
-def run_sweep(spec: SweepSpec, force: bool = False, progress: bool = True, redo: Sequence[str] = ()) -> SweepReport:
+def run_sweep(
+    spec: SweepSpec,
+    force: bool = False,
+    progress: bool = True,
+    redo: Sequence[str] = (),
+    announce: Callable[[str], None] | None = None,
+) -> SweepReport:
     """Plan, run every unfinished unit (all of them with `force`; also those `redo` names: kinds or checkpoints) on
     the spec's engine, then write the table; the output folder is locked meanwhile. Configs of earlier runs into the
-    same folder stay in the sweep (`_with_earlier_configs`), unless `force`."""
+    same folder stay in the sweep (`_with_earlier_configs`), unless `force`. `announce` gets the plan's lines
+    (`SweepReport.plan_line`, the engine's) before the first step runs."""
     check_not_inputs([spec.output], inputs=_inputs(spec), option="output")
     if spec.eval is not None:
         from lm_eval_sink.harness.runner import check_interpreter
@@ -398,7 +416,7 @@ def run_sweep(spec: SweepSpec, force: bool = False, progress: bool = True, redo:
     plan = plan_sweep(spec)
     units = redo_units(plan, redo)
     with hold(spec.output):
-        return _run_sweep_locked(plan, force, progress, units, earlier, notes)
+        return _run_sweep_locked(plan, force, progress, units, earlier, notes, announce)
 
 
 def _earlier_record(out: Path) -> dict[str, Any] | None:
@@ -490,7 +508,13 @@ def _start(
 
 
 def _run_sweep_locked(
-    plan: Plan, force: bool, progress: bool, redo: frozenset[str], earlier: dict[str, Any] | None, notes: list[str]
+    plan: Plan,
+    force: bool,
+    progress: bool,
+    redo: frozenset[str],
+    earlier: dict[str, Any] | None,
+    notes: list[str],
+    announce: Callable[[str], None] | None,
 ) -> SweepReport:
     spec, out = plan.spec, plan.spec.output
     report = SweepReport(output=out, notes=list(notes))
@@ -515,9 +539,12 @@ def _run_sweep_locked(
             _maybe_delete_weights(by_id[f"merge:{unit.checkpoint}"], by_id, finished, manifest, markers)
 
     todo = list(plan_now.todo)
-    report.notes.extend(plan_notes(plan, todo))
+    engine_lines = plan_notes(plan, todo)
+    report.notes.extend(engine_lines)
     report.skipped.extend(plan_now.skipped(plan))
     report.remerged.update(plan_now.remerged)
+    for line in [report.plan_line(len(todo)), *engine_lines] if announce else ():
+        announce(line)
     if plan_now.unwritten:
         report.notes.append(
             f"{len(plan_now.unwritten)} merged checkpoint(s) not written to disk (in memory; keep_weights: true "
