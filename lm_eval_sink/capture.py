@@ -381,23 +381,27 @@ def check_supported(model: Any) -> None:
     check_supported_class(type(model))
 
 
-def attn_implementation_for(cls: type) -> str:
-    """The attention implementation to load `cls` with for Sink Strength: sdpa where the class
-    supports it, else eager (attention soft-capping, learned sinks)."""
+def attn_implementation_for(cls: type, config: Any = None) -> str:
+    """The attention implementation to load `cls` with for Sink Strength: sdpa where the class supports it, else
+    eager (learned sinks); eager too where `config` soft-caps attention logits: sdpa's kernel has no soft-capping,
+    and transformers before 5.21 (vLLM's pins) still loads Gemma 2 with sdpa, silently dropping it."""
+    text = getattr(config, "text_config", None) or config
+    if getattr(text, "attn_logit_softcapping", None) is not None:
+        return "eager"
     return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
 
 
-def capture_delegate(impl: str, cls: type) -> str:
+def capture_delegate(impl: str, model: Any) -> str:
     """The implementation the capture hands a model's attention to: its own, except a flash one
-    (flash_attention_2/3/4, hub flash kernels), which runs as `attn_implementation_for(cls)`:
+    (flash_attention_2/3/4, hub flash kernels), which runs as `attn_implementation_for`:
     transformers picks the flash kernel by the config's implementation name, which the capture renames."""
-    return attn_implementation_for(cls) if "flash" in impl else impl
+    return attn_implementation_for(type(model), model.config) if "flash" in impl else impl
 
 
 def captured_with(model: Any) -> str:
     """How the capture runs `model`'s attention, for records: `sdpa`, or `sdpa (model: flash_attention_2)`."""
     impl = _attn_config(model)._attn_implementation or "eager"
-    delegate = capture_delegate(impl, type(model))
+    delegate = capture_delegate(impl, model)
     return impl if delegate == impl else f"{delegate} (model: {impl})"
 
 
@@ -425,7 +429,7 @@ def sink_capture(model: Any, layers: Sequence[int]) -> Iterator[_Collector]:
     configs = list({id(c): c for c in configs}.values())
     if not all(hasattr(c, "_attn_implementation_internal") for c in configs):  # what the restore sets back
         raise _transformers_changed("a config without _attn_implementation_internal")
-    name = _register(capture_delegate(impl, type(model)))
+    name = _register(capture_delegate(impl, model))
     saved = [(c, c._attn_implementation_internal) for c in configs]
     collector = _Collector(set(layers))
     token = _ACTIVE.set(collector)

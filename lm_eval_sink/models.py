@@ -390,7 +390,7 @@ def load_model(
         cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type], None)
         if cls is not None:
             check_supported_class(cls)  # before any weight is read
-            impl = attn_implementation_for(cls)
+            impl = attn_implementation_for(cls, config)
     virtual = base is not None and folder_virtual_tokens(path) is not None  # peft loads these, transformers does not
     impl_arg = {"attn_implementation": impl} if impl else {}
     model, placement = load_placed(

@@ -146,7 +146,7 @@ def _build(family: str, vocab_size: int, pad_id: int):
     accepted = set(inspect.signature(cfg_cls.__init__).parameters) | {"global_head_dim"}
     config = cfg_cls(**{k: v for k, v in {**common, **extra}.items() if k in accepted})
     torch.manual_seed(0)
-    model = model_cls._from_config(config, attn_implementation=attn_implementation_for(model_cls)).eval()
+    model = model_cls._from_config(config, attn_implementation=attn_implementation_for(model_cls, config)).eval()
     with torch.no_grad():  # larger query/key weights: peaked rows, and Gemma 2's soft-capping (at 1.0) bites
         for name, p in model.named_parameters():
             if re.search(r"self_attn\.(q_proj|k_proj)\.weight$", name):

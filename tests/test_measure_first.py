@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import VLLM_PY, vllm_missing_reason
 from lm_eval_sink.errors import UserError
 
 TASK = "sink_strength_n5"
@@ -167,3 +168,32 @@ def test_remote_code_from_a_pinned_hub_revision_is_measured_as_the_engine_loads_
     assert list((tmp_path / "hf" / "modules" / "transformers_modules").rglob("modeling_tiny_remote.py"))
     lengths = [len(x) for x in encode_prompts(tiny_tokenizer, builtin_prompts()[:5]).input_ids]
     assert got["s"] == pytest.approx(sm.expected_strength("llama", 3, lengths, last_k=10)[0], abs=1e-5)
+
+
+@pytest.mark.skipif(not VLLM_PY.exists(), reason=vllm_missing_reason())
+def test_the_child_loads_a_soft_capped_model_eager_under_the_vllm_venvs_transformers(tiny_tokenizer, tmp_path):
+    """vLLM pins a transformers (5.19) that still loads Gemma 2 with sdpa, whose kernel drops attention
+    soft-capping: the measure-first child, run there, loads it eager and computes the model's own logits."""
+    import subprocess
+
+    from test_architectures import _build
+
+    folder = tmp_path / "gemma2"
+    _build("gemma2", len(tiny_tokenizer), tiny_tokenizer.pad_token_id).save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    code = (
+        "import sys, torch, transformers\n"
+        "from lm_eval_sink.harness.measure_first import HfLoad, _load\n"
+        "model, _ = _load(HfLoad(pretrained=sys.argv[1], dtype='float32'))\n"
+        "eager = transformers.Gemma2ForCausalLM.from_pretrained(sys.argv[1], attn_implementation='eager')\n"
+        "ids = torch.tensor([[1, 5, 7, 9, 11, 13, 15]])\n"
+        "with torch.no_grad():\n"
+        "    diff = (model(ids).logits - eager(ids).logits).abs().max().item()\n"
+        "print(model.config._attn_implementation, diff)\n"
+    )
+    proc = subprocess.run(
+        [str(VLLM_PY), "-c", code, str(folder)], capture_output=True, text=True, timeout=300, env=os.environ.copy()
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    impl, diff = proc.stdout.split()[-2:]
+    assert impl == "eager" and float(diff) < 1e-6, proc.stdout

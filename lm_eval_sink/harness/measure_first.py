@@ -229,7 +229,7 @@ def _load(load: HfLoad) -> tuple[Any, Any]:
     remote = {"trust_remote_code": load.trust_remote_code}
     config = AutoConfig.from_pretrained(load.pretrained, **rev, **remote)
     cls = _causal_class(config)
-    impl = {"attn_implementation": attn_implementation_for(cls)} if cls is not None else {}
+    impl = {"attn_implementation": attn_implementation_for(cls, config)} if cls is not None else {}
     model, _ = load_placed(
         AutoModelForCausalLM, load.pretrained, torch_dtype(load.dtype), DEFAULT_DEVICE, config, **rev, **remote, **impl
     )
