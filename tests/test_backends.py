@@ -264,6 +264,8 @@ def test_python_setting_refusals_are_one_line(tmp_path, tiny_trio, user_error, m
     assert "pip install --no-deps -e" in user_error([*ev, "--lm-eval-python", no_project], out)
     line = user_error([*ev, "--backend", "vllm", "--device", "cuda"], out)
     assert "--device is an HF-only flag" in line
+    line = user_error([*ev[:5], "ifevel", *ev[6:]], out)  # a task name is checked before `default` is converted
+    assert "no lm-eval task, group or tag is named 'ifevel' (did you mean 'ifeval'?)" in line, line
     # a protocol file's python, relative to that file
     (tmp_path / "p.yaml").write_text(
         "protocols:\n  venv:\n    description: d\n    apply_chat_template: true\n    python: nope/bin/python\n"

@@ -82,7 +82,7 @@ def run_eval(
     python: str | None = None,
 ) -> list[str]:
     """The `eval` command: check the inputs and the output folder, run lm-eval, return the lines to print."""
-    from lm_eval_sink.harness.checks import check_protocol
+    from lm_eval_sink.harness.checks import check_lengths, check_tasks
     from lm_eval_sink.harness.runner import EvalSettings, check_interpreter, run_lm_eval
     from lm_eval_sink.io import hold
     from lm_eval_sink.models import resolve_model
@@ -116,8 +116,9 @@ def run_eval(
     )
     settings = EvalSettings(**fields)
     check_interpreter(settings)  # before `default` is converted
+    lengths = check_tasks(settings)  # unknown tasks, overridden gen_kwargs keys: before `default` is converted
     model_path = resolve_model(model, allow_adapter=False)
-    check_protocol(settings, [model_path])  # unknown tasks, a generation longer than the model: before lm-eval runs
+    check_lengths(lengths, settings, [model_path])  # a generation longer than the model: before lm-eval runs
     with hold(output):
         run = run_lm_eval(model_path, settings, output)
     return _report(run, settings, protocol, limit)

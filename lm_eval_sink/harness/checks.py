@@ -75,8 +75,15 @@ def task_facts(python: str, include_path: str | None, tasks: tuple[str, ...]) ->
 
 def check_protocol(settings: Any, models: Sequence[str]) -> None:
     """Refuse, before anything runs, what lm-eval would fail on or silently ignore: unknown task names, a
-    `gen_kwargs` length key the task overrides, and a generation length that reaches a model's maximum length
-    (`settings`: harness.runner.EvalSettings). This project's tasks run under any backend (`measure_first.py`)."""
+    `gen_kwargs` length key the task overrides (`check_tasks`), and a generation length that reaches a model's
+    maximum length (`check_lengths`; `settings`: harness.runner.EvalSettings). This project's tasks run under any
+    backend (`measure_first.py`)."""
+    check_lengths(check_tasks(settings), settings, models)
+
+
+def check_tasks(settings: Any) -> dict[str, tuple[int, str]]:
+    """The checks that need no model (task names, `gen_kwargs` keys), run before a model is resolved or converted;
+    returns each generating task's (most tokens it will generate, where that number comes from)."""
     from lm_eval_sink.harness.runner import check_interpreter
 
     if settings.interpreter() != sys.executable:  # the probe needs lm-eval and this project there
@@ -88,9 +95,7 @@ def check_protocol(settings: Any, models: Sequence[str]) -> None:
             f"tasks: no lm-eval task, group or tag is named {name!r}{near}",
             "check the name (`lm_eval ls tasks` lists them), or add the folder that defines it as include_path",
         )
-    lengths = {task: _generation_length(task, gen, settings) for task, gen in sorted(facts["generation"].items())}
-    if lengths:
-        _check_lengths(lengths, settings, models)
+    return {task: _generation_length(task, gen, settings) for task, gen in sorted(facts["generation"].items())}
 
 
 def _generation_length(task: str, own: dict[str, Any] | None, settings: Any) -> tuple[int, str]:
@@ -112,8 +117,9 @@ def _generation_length(task: str, own: dict[str, Any] | None, settings: Any) -> 
     return int(merged[read]), f"gen_kwargs {read}" if read in given else f"the task's own {read}"
 
 
-def _check_lengths(lengths: dict[str, tuple[int, str]], settings: Any, models: Sequence[str]) -> None:
-    for model in models:
+def check_lengths(lengths: dict[str, tuple[int, str]], settings: Any, models: Sequence[str]) -> None:
+    """Refuse a generation (`check_tasks`' lengths) that reaches a model's maximum length (its config; no weights)."""
+    for model in models if lengths else ():
         limit = _max_length(model, settings)
         task, (n, source) = max(lengths.items(), key=lambda kv: kv[1][0])
         if n >= limit:
