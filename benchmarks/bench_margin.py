@@ -47,6 +47,7 @@ def main() -> None:
     from lm_eval_sink.commands.margin import measure_margin
     from lm_eval_sink.margin import MarginSettings, lemma1_synthetic, margin_table_markdown
     from lm_eval_sink.models import default_model_dir, load_model
+    from lm_eval_sink.options import MeasureOptions
     from lm_eval_sink.strength import StrengthSettings, measure
 
     ref = default_model_dir()
@@ -59,7 +60,8 @@ def main() -> None:
         t_strength, c_strength = time.perf_counter() - t0, time.process_time() - c0
         del loaded
         t0, c0 = time.perf_counter(), time.process_time()
-        result, _ = measure_margin(str(ref), str(cand), MarginSettings(strength=st), dtype="float32", progress=False)
+        options = MeasureOptions(dtype="float32", progress=False)
+        result, _ = measure_margin(str(ref), str(cand), MarginSettings(strength=st), options)
         t_margin, c_margin = time.perf_counter() - t0, time.process_time() - c0
     case = lemma1_synthetic()
     print(

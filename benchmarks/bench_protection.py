@@ -61,12 +61,14 @@ def main() -> None:
 
     from lm_eval_sink.models import default_model_dir
     from lm_eval_sink.strength import StrengthSettings
-    from lm_eval_sink.training import SinkProtection, select_sink_heads
+    from lm_eval_sink.training import ProtectSettings, SinkProtection, select_sink_heads
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
     model = model_of(tokenizer, args.layers, args.heads, args.kv_heads)
     settings = StrengthSettings(last_k=args.layers, n_prompts=5)
-    plan = select_sink_heads(model, tokenizer, settings, threshold=-math.inf, min_pos0_fraction=0.0, progress=False)
+    plan = select_sink_heads(
+        model, tokenizer, settings, ProtectSettings(threshold=-math.inf, min_pos0_fraction=0.0), progress=False
+    )
     protection = SinkProtection(plan)
     protection.freeze(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)

@@ -463,7 +463,7 @@ def start_stages(ctx: dict, cfg: Config, eval_too: bool) -> None:
     """The start model's S (`strength`), protection plan and IFEval, shared by every arm and seed."""
     from lm_eval_sink.io import atomic_write_json, provenance, read_json
     from lm_eval_sink.models import load_model
-    from lm_eval_sink.training.protection import select_sink_heads
+    from lm_eval_sink.training.protection import ProtectSettings, select_sink_heads
 
     start, start_dir = ctx["start"], ctx["start_dir"]
     sl = ["--last-k", cfg.last_k, "--dtype", "float32", "--device", cfg.device, "--quiet"]
@@ -472,7 +472,8 @@ def start_stages(ctx: dict, cfg: Config, eval_too: bool) -> None:
     )
     if not ctx["plan"].is_file():
         loaded = load_model(str(start_dir), dtype="float32")
-        plan = select_sink_heads(loaded.model, loaded.tokenizer, strength_settings(cfg), tau=cfg.tau, progress=False)
+        protect = ProtectSettings(tau=cfg.tau)
+        plan = select_sink_heads(loaded.model, loaded.tokenizer, strength_settings(cfg), protect, progress=False)
         atomic_write_json(
             ctx["plan"], {**plan.to_json(), "provenance": {**plan.provenance, **provenance(model=loaded.info)}}
         )

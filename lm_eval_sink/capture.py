@@ -159,27 +159,34 @@ def _pos0_visible(allowed: torch.Tensor, first_real: torch.Tensor, q_len: int) -
     return mask.gather(-1, index).squeeze(-1)
 
 
+@dataclass(frozen=True, slots=True)
+class _AttentionCall:
+    """What one layer's attention call hands the capture: query and key states, the mask, and the layer's scaling,
+    logit softcap, learned sink logits (`s_aux`) and sliding window (None where it has none)."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    attention_mask: Any
+    scaling: float | None
+    softcap: float | None
+    s_aux: Any
+    sliding_window: int | None
+
+
 def _row_stats(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    attention_mask: Any,
-    scaling: float | None,
-    softcap: float | None,
-    s_aux: Any,
-    first_real: torch.Tensor,
-    sliding_window: int | None,
-    fixed_keys: torch.Tensor | None,
-    chunk: int,
+    call: _AttentionCall, first_real: torch.Tensor, fixed_keys: torch.Tensor | None, chunk: int
 ) -> tuple[torch.Tensor | None, ...]:
     """Per-row (sink log-odds, sink key: from the first real token or VIRTUAL_KEY, pos0 mass, virtual-key mass or
-    None, pos0 visible) on the CPU, each [batch, head, query] ([batch, query] for the last), `chunk` rows at a time."""
+    None, pos0 visible) on the CPU, each [batch, head, query] ([batch, query] for the last), `chunk` rows at a time;
+    `fixed_keys` [batch, head, query]: the sink key of each row where given (else its argmax)."""
+    query, key, s_aux = call.query, call.key, call.s_aux
     _, n_heads, q_len, head_dim = query.shape
     k_len, device = key.shape[-2], query.device
     k = key.detach().float()
     if k.shape[1] != n_heads:  # grouped-query attention: each KV head serves n_heads // kv heads
         k = k.repeat_interleave(n_heads // k.shape[1], dim=1)
     k = k.transpose(-1, -2)
-    scale = scaling if scaling is not None else head_dim**-0.5
+    scale = call.scaling if call.scaling is not None else head_dim**-0.5
     virtual = None
     if s_aux is not None:  # learned sink: a virtual key after the real ones, logit s_aux[h], unmasked and unscaled
         if s_aux.numel() != n_heads:
@@ -198,13 +205,13 @@ def _row_stats(
     parts = []
     for begin in range(0, q_len, chunk):
         rows = slice(begin, min(begin + chunk, q_len))
-        allowed = _allowed_keys(attention_mask, first, q_len, k_len, sliding_window, device, rows)
+        allowed = _allowed_keys(call.attention_mask, first, q_len, k_len, call.sliding_window, device, rows)
         visible = _pos0_visible(allowed, first, rows.stop - rows.start)
         reach = allowed.flatten(0, -2).any(0).nonzero()  # keys any of these rows may attend: causal, up to the last row
         keys = int(reach.max()) + 1 if len(reach) else 1
         logits = torch.matmul(query[:, :, rows].detach().float(), k[..., :keys]).mul_(scale)
-        if softcap is not None:
-            logits = logits.div_(softcap).tanh_().mul_(softcap)
+        if call.softcap is not None:
+            logits = logits.div_(call.softcap).tanh_().mul_(call.softcap)
         logits.masked_fill_(~allowed[..., :keys], float("-inf"))
         fixed = None if fixed_keys is None else fixed_keys[..., rows].to(device)
         parts.append((*_chunk_stats(logits, virtual, first, fixed), visible))
@@ -259,18 +266,10 @@ def _make_attention(impl: str):
                 window = (
                     kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
                 )
-                collector.records[layer] = _row_stats(
-                    query,
-                    key,
-                    attention_mask,
-                    scaling,
-                    kwargs.get("softcap"),
-                    kwargs.get("s_aux"),
-                    collector.first_real,
-                    window,
-                    fixed,
-                    collector.query_chunk,
+                call = _AttentionCall(
+                    query, key, attention_mask, scaling, kwargs.get("softcap"), kwargs.get("s_aux"), window
                 )
+                collector.records[layer] = _row_stats(call, collector.first_real, fixed, collector.query_chunk)
         return _delegate_fn(module, impl)(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )

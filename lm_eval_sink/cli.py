@@ -198,13 +198,12 @@ def _last_k(value: str) -> int | None:
 def strength(model_names, last_k, dtype, device, force, quiet, output, **calibration) -> None:
     """Sink Strength S of one or more models (MODEL: a folder, a GGUF file, a hub id when online, or 'default')."""
     from lm_eval_sink.commands.strength import run_strength
+    from lm_eval_sink.options import MeasureOptions
 
     settings = _strength_settings(last_k, **calibration)
+    options = MeasureOptions(dtype=dtype, device=device, force=force, progress=not quiet)
     names = list(model_names)
-    report = run_strength(
-        names, [_slug(n) for n in names], settings, output, dtype=dtype, device=device, force=force, progress=not quiet
-    )
-    for line in report:
+    for line in run_strength(names, [_slug(n) for n in names], settings, output, options):
         click.echo(line)
 
 
@@ -262,8 +261,10 @@ def screen(
     """Rank backbones by Sink Strength S within each setting; predicted post-VL deltas with --pairs or --paper-line
     (MODEL: folder, hub id or 'default')."""
     from lm_eval_sink.commands.screen import run_screen
+    from lm_eval_sink.options import MeasureOptions, ScreenOptions
 
     settings = _strength_settings(last_k, **calibration)
+    predict = ScreenOptions(pairs_file=pairs_file, paper_line=paper_line)
     names = list(model_names)
     measure_all = None
     if engine == "ray":
@@ -273,19 +274,8 @@ def screen(
         measure_all = ray_measure_all(ray_address, num_gpus=num_gpus, device=device, progress=not quiet)
     elif ray_address is not None:
         raise UserError("--ray-address needs --engine ray", "add --engine ray, or drop --ray-address")
-    for line in run_screen(
-        names,
-        [_slug(n) for n in names],
-        settings,
-        pairs_file,
-        output,
-        dtype=dtype,
-        device=device,
-        force=force,
-        progress=not quiet,
-        measure_all=measure_all,
-        paper_line=paper_line,
-    ):
+    options = MeasureOptions(dtype=dtype, device=device, force=force, progress=not quiet, measure_all=measure_all)
+    for line in run_screen(names, [_slug(n) for n in names], settings, output, options, predict):
         click.echo(line)
 
 
@@ -332,12 +322,12 @@ def margin(
     """Per-head sink margins G_base - B_gap of CANDIDATE (e.g. a VLM backbone) against REFERENCE (its LLM)."""
     from lm_eval_sink.commands.margin import run_margin
     from lm_eval_sink.margin import MarginSettings
+    from lm_eval_sink.options import MeasureOptions
 
     st = _strength_settings(strength_last_k, **calibration)
     settings = MarginSettings(strength=st, last_k=_last_k(last_k), quantile=quantile)
-    for line in run_margin(
-        reference, candidate, settings, output, dtype=dtype, device=device, force=force, progress=not quiet
-    ):
+    options = MeasureOptions(dtype=dtype, device=device, force=force, progress=not quiet)
+    for line in run_margin(reference, candidate, settings, output, options):
         click.echo(line)
 
 
@@ -1166,20 +1156,13 @@ def protect_plan(
 ) -> None:
     """Choose the sink heads to protect during training (MODEL: folder, hub id or 'default'); see docs/training.md."""
     from lm_eval_sink.commands.protect_plan import run_protect_plan
+    from lm_eval_sink.options import MeasureOptions
+    from lm_eval_sink.training.protection import ProtectSettings
 
     settings = _strength_settings(last_k, **calibration)
-    for line in run_protect_plan(
-        model_name,
-        settings,
-        output,
-        threshold=threshold,
-        min_pos0_fraction=min_pos0_fraction,
-        tau=tau,
-        dtype=dtype,
-        device=device,
-        force=force,
-        progress=not quiet,
-    ):
+    protect = ProtectSettings(threshold=threshold, min_pos0_fraction=min_pos0_fraction, tau=tau)
+    options = MeasureOptions(dtype=dtype, device=device, force=force, progress=not quiet)
+    for line in run_protect_plan(model_name, settings, output, protect, options):
         click.echo(line)
 
 

@@ -192,34 +192,53 @@ class SinkMargin:
         return d
 
 
+@dataclass(frozen=True, slots=True)
+class MarginRows:
+    """What the margins are computed from: both models' sink log-odds [layer, head, row] on the same rows at the
+    reference's sink keys, that key per row (`sink_pos`, positions from the first real token), the layers they
+    cover and how many prompts the rows come from."""
+
+    layers: tuple[int, ...]
+    g_base: np.ndarray
+    g_cand: np.ndarray
+    sink_pos: np.ndarray
+    n_prompts: int
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The per-row arrays a margin result keeps (margin_rows.npz)."""
+        return {
+            "sink_logodds_reference": self.g_base.astype(np.float32),
+            "sink_logodds_candidate": self.g_cand.astype(np.float32),
+            "sink_logodds_shift": (self.g_base - self.g_cand).astype(np.float32),
+            "sink_pos": self.sink_pos.astype(np.int64),
+            "layers": np.asarray(self.layers, dtype=np.int64),
+        }
+
+
 def build_margin(
     reference: str,
     candidate: str,
-    layers: tuple[int, ...],
-    g_base: np.ndarray,
-    g_cand: np.ndarray,
+    rows: MarginRows,
+    sink_strengths: tuple[float, float],
     quantile: float,
-    n_prompts: int,
-    pos0_fraction: float,
-    reference_s: float,
-    candidate_s: float,
     provenance: dict[str, Any] | None = None,
 ) -> SinkMargin:
-    """A SinkMargin from per-row gaps [layer, head, row] (pure)."""
-    m = margin_arrays(g_base, g_cand, quantile)
-    negative = _negative_heads(m, layers)
+    """A SinkMargin from the rows of both models, with their own Sink Strengths (reference, candidate) beside it
+    (pure)."""
+    m = margin_arrays(rows.g_base, rows.g_cand, quantile)
+    negative = _negative_heads(m, rows.layers)
     return SinkMargin(
         reference=reference,
         candidate=candidate,
-        layers=tuple(int(x) for x in layers),
+        layers=tuple(int(x) for x in rows.layers),
         n_heads=int(m["margin"].shape[1]),
-        n_prompts=n_prompts,
-        n_rows=int(np.asarray(g_base).shape[2]),
+        n_prompts=rows.n_prompts,
+        n_rows=int(np.asarray(rows.g_base).shape[2]),
         quantile=quantile,
         negative_margin_heads=negative,
-        reference_pos0_argmax_fraction=pos0_fraction,
-        reference_sink_strength=reference_s,
-        candidate_sink_strength=candidate_s,
+        reference_pos0_argmax_fraction=float((rows.sink_pos == 0).mean()),
+        reference_sink_strength=sink_strengths[0],
+        candidate_sink_strength=sink_strengths[1],
         summary=_summary(m, negative),
         provenance=provenance or {},
         **{k: tuple(tuple(float(x) for x in row) for row in m[k]) for k in _MATRICES},

@@ -36,6 +36,7 @@ TORCH_FREE = (
     "tables",
     "report.view",
     "comparability",
+    "options",
 )
 # Core modules take and return data; reading inputs and writing outputs is their commands/<subcommand>.py's.
 CORE = (
@@ -55,6 +56,7 @@ CORE = (
     "merging.scheduler",
     "comparability",
     "merging.engine_reuse",
+    "options",
 )
 # Calls that read or write files: builtins and pathlib methods, and the project's readers and writers.
 FILE_IO_CALLS = frozenset(

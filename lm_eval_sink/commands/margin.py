@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 
 from lm_eval_sink.calibration import EncodedPrompts, PromptSet
-from lm_eval_sink.devices import DEFAULT_DEVICE
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.margin import (
+    MarginRows,
     MarginSettings,
     SinkMargin,
     build_margin,
@@ -20,6 +20,7 @@ from lm_eval_sink.margin import (
     margin_csv,
     margin_table_markdown,
 )
+from lm_eval_sink.options import MeasureOptions
 from lm_eval_sink.strength import SinkStrength, StrengthSettings
 
 OUTPUT_FILES = ("margin.json", "margin.md", "margin.csv", "margin_rows.npz", "margin_heatmap.png")
@@ -67,19 +68,18 @@ def measure_margin(
     reference: str,
     candidate: str,
     settings: MarginSettings = MarginSettings(),
-    dtype: str = "auto",
-    device: str = DEFAULT_DEVICE,
-    progress: bool = True,
+    options: MeasureOptions = MeasureOptions(),
 ) -> tuple[SinkMargin, dict[str, np.ndarray]]:
     """Capture both models on the reference's token ids; return the margins and the per-row arrays.
 
     Checks layer/head shapes and vocabularies before loading any weights. Models are loaded one
-    after the other (peak memory: one model).
+    after the other (peak memory: one model). Nothing is written (`options.force` is `run_margin`'s).
     """
     from lm_eval_sink.adapters import check_same_keys
     from lm_eval_sink.capture import attention_layers_from_config
     from lm_eval_sink.models import resolve_model
 
+    options.check_in_process("margin")
     st = settings.strength
     ref_path, cand_path = (resolve_model(m, allow_gguf=True) for m in (reference, candidate))
     check_same_keys(ref_path, "reference")
@@ -88,35 +88,23 @@ def measure_margin(
     prompt_set, encoded = _encode_on_reference(ref_path, cand_path, configs[1], st)
     att = attention_layers_from_config(configs[0]) or tuple(range(_shape_of(configs[0])[0]))  # hybrids: attention only
     layers = att if settings.last_k is None else att[len(att) - min(settings.last_k, len(att)) :]
-    ref = _capture(ref_path, encoded, layers, st, dtype, device, progress, "reference")
+    ref = _capture(ref_path, encoded, layers, st, options, "reference")
     sink_keys = [c.sink_pos for c in ref.captures]
-    cand = _capture(cand_path, encoded, layers, st, dtype, device, progress, "candidate", sink_keys)
+    cand = _capture(cand_path, encoded, layers, st, options, "candidate", sink_keys)
     g_base = _concat_rows(ref.captures, "sink_logodds", st.rows)
-    g_cand = _concat_rows(cand.captures, "sink_logodds", st.rows)
     if g_base.shape[2] == 0:
         raise UserError("no rows to compare (the prompts have no content tokens)", "use --rows all")
-    sink_pos = _concat_rows(ref.captures, "sink_pos", st.rows)
+    g_cand = _concat_rows(cand.captures, "sink_logodds", st.rows)
+    rows = MarginRows(layers, g_base, g_cand, _concat_rows(ref.captures, "sink_pos", st.rows), len(encoded))
     result = build_margin(
         reference,
         candidate,
-        layers,
-        g_base,
-        g_cand,
+        rows,
+        (ref.strength.sink_strength, cand.strength.sink_strength),
         settings.quantile,
-        len(encoded),
-        float((sink_pos == 0).mean()),
-        ref.strength.sink_strength,
-        cand.strength.sink_strength,
-        _provenance(settings, ref, cand, prompt_set, encoded, dtype, device),
+        _provenance(settings, ref, cand, prompt_set, encoded, options),
     )
-    arrays = {
-        "sink_logodds_reference": g_base.astype(np.float32),
-        "sink_logodds_candidate": g_cand.astype(np.float32),
-        "sink_logodds_shift": (g_base - g_cand).astype(np.float32),
-        "sink_pos": sink_pos.astype(np.int64),
-        "layers": np.asarray(layers, dtype=np.int64),
-    }
-    return result, arrays
+    return result, rows.arrays()
 
 
 def _read_configs(ref_path: str, cand_path: str) -> list[Any]:
@@ -174,9 +162,7 @@ def _capture(
     encoded: EncodedPrompts,
     layers: tuple[int, ...],
     st: StrengthSettings,
-    dtype: str,
-    device: str,
-    progress: bool,
+    options: MeasureOptions,
     role: str,
     sink_keys: list[np.ndarray] | None = None,
 ) -> _Measured:
@@ -188,7 +174,8 @@ def _capture(
     from lm_eval_sink.models import load_model
     from lm_eval_sink.strength import measure
 
-    loaded = load_model(path, dtype=dtype, device=device)
+    progress = options.progress
+    loaded = load_model(path, dtype=options.dtype, device=options.device)
     captures = capture_prompts(
         loaded.model, encoded, layers, st.batching(), progress=progress, desc=f"{role} capture", sink_keys=sink_keys
     )
@@ -204,8 +191,7 @@ def _provenance(
     cand: _Measured,
     prompt_set: PromptSet,
     encoded: EncodedPrompts,
-    dtype: str,
-    device: str,
+    options: MeasureOptions,
 ) -> dict[str, Any]:
     """The result's provenance, keyed by both models' fingerprints, the settings that decide the figures (no
     batching knob) and the dtype, with the versions that computed it."""
@@ -220,7 +206,7 @@ def _provenance(
                 "reference": ref.info["fingerprint"],
                 "candidate": cand.info["fingerprint"],
                 "settings": {**settings_record, "strength": st.key_fields()},  # batching knobs: in no key
-                "dtype": dtype,
+                "dtype": options.dtype,
             }
         )
     )
@@ -241,8 +227,8 @@ def _provenance(
         },
         sink_keys="the reference's argmax key per row, positions from the first real token",
         capture_dtype="float32",
-        dtype=dtype,
-        device=device,
+        dtype=options.dtype,
+        device=options.device,
         seed=st.seed,
         reference_sink_strength=_strength_summary(ref.strength),
         candidate_sink_strength=_strength_summary(cand.strength),
@@ -254,10 +240,7 @@ def run_margin(
     candidate: str,
     settings: MarginSettings,
     output: Path | None,
-    dtype: str = "auto",
-    device: str = DEFAULT_DEVICE,
-    force: bool = False,
-    progress: bool = True,
+    options: MeasureOptions = MeasureOptions(),
 ) -> list[str]:
     """The `margin` command: measure and report; with `output` write the folder of margin.json/.md/.csv,
     margin_rows.npz, margin_heatmap.png."""
@@ -281,9 +264,9 @@ def run_margin(
     models = [resolve_model(m, allow_gguf=True, convert=False) for m in (reference, candidate)]
     if output is not None:
         output = Path(output)
-        check_same_versions(output / OUTPUT_FILES[0], key_versions(), force)
-        check_output_dir(output, force, inputs=[*models, st.prompts_file])
-    result, arrays = measure_margin(reference, candidate, settings, dtype=dtype, device=device, progress=progress)
+        check_same_versions(output / OUTPUT_FILES[0], key_versions(), options.force)
+        check_output_dir(output, options.force, inputs=[*models, st.prompts_file])
+    result, arrays = measure_margin(reference, candidate, settings, options)
     md = margin_table_markdown(result)
     lines = margin_table_markdown(result, heads=False).rstrip("\n").splitlines()
     if output is None:
@@ -293,7 +276,7 @@ def run_margin(
     names = OUTPUT_FILES
     buf = _io.BytesIO()
     np.savez_compressed(buf, **arrays)
-    with staged_dir(output, force=force) as tmp:
+    with staged_dir(output, force=options.force) as tmp:
         atomic_write_json(tmp / names[0], result.to_json())
         atomic_write_text(tmp / names[1], md)
         atomic_write_text(tmp / names[2], margin_csv(result))

@@ -17,8 +17,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from lm_eval_sink.devices import DEFAULT_DEVICE
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.options import MeasureOptions, ScreenOptions
 from lm_eval_sink.screen import (
     PAPER_LINE_CAVEAT,
     QKNorm,
@@ -30,6 +30,7 @@ from lm_eval_sink.screen import (
     screen_table_markdown,
     text_config,
 )
+from lm_eval_sink.strength import StrengthSettings
 
 SCREEN_FILES = ("screen.json", "screen.md", "screen.csv", "screen.png")
 
@@ -93,103 +94,93 @@ def _measured_in_order(paths: list[str], finished: Any) -> list[Any]:
 def run_screen(
     names: list[str],
     slugs: list[str],
-    settings: Any,
-    pairs_file: Path | str | None,
+    settings: StrengthSettings,
     output: Path | None,
-    dtype: str = "auto",
-    device: str = DEFAULT_DEVICE,
-    force: bool = False,
-    progress: bool = True,
-    measure_all: Any = None,
-    paper_line: bool = False,
+    options: MeasureOptions = MeasureOptions(),
+    predict: ScreenOptions = ScreenOptions(),
 ) -> list[str]:
     """Screen `names`; with `output` write screen.json/.md/.csv/.png and strength/<slug>.* there (holding its lock).
 
-    Predicted deltas come from a fit of `pairs_file`, where its pairs were measured in a model's setting, or with
-    `paper_line` from the paper's pairs with the caveat beside each number; neither: the ranking alone.
-    `measure_all`: see `commands.strength.run_strength` (e.g. one Ray task per model). Returns the lines to print."""
-    if pairs_file is not None and paper_line:
-        raise UserError(
-            "--pairs and --paper-line both name the fit to predict from", "pass one: your pairs, or the paper's line"
-        )
-    fit = _fit(pairs_file, paper_line)  # a bad PAIRS file fails before any model is loaded
-    run = (names, slugs, settings, fit, paper_line, dtype, device, force, progress, measure_all)
+    Predicted deltas come from `predict`: a fit of its pairs file, where its pairs were measured in a model's setting,
+    or with `paper_line` from the paper's pairs with the caveat beside each number; neither: the ranking alone.
+    `options.measure_all`: see `commands.strength.run_strength` (e.g. one Ray task per model). Returns the lines to
+    print."""
+    fit = _fit(predict)  # a bad PAIRS file fails before any model is loaded
     if output is None:
-        return _run(*run, pairs_file, None)
+        return _run(names, slugs, settings, None, options, predict, fit)
     from lm_eval_sink.io import check_not_inputs, check_writable
     from lm_eval_sink.locks import hold
     from lm_eval_sink.models import resolve_model
 
     check_writable(Path(output))
     planned = [resolve_model(n, allow_gguf=True, convert=False) for n in names]
-    check_not_inputs([output], inputs=[*planned, pairs_file, settings.prompts_file], option="--output")
+    check_not_inputs([output], inputs=[*planned, predict.pairs_file, settings.prompts_file], option="--output")
     with hold(Path(output)):
-        return _run(*run, pairs_file, Path(output))
+        return _run(names, slugs, settings, Path(output), options, predict, fit)
 
 
-def _fit(pairs_file: Path | str | None, paper_line: bool) -> Any:
+def _fit(predict: ScreenOptions) -> Any:
     """The fit predictions come from: of the PAIRS file, of the paper's table on request, else None."""
     from lm_eval_sink.commands.fit import read_pairs
     from lm_eval_sink.predict import fit_pairs
 
-    if pairs_file is None and not paper_line:
+    if predict.pairs_file is None and not predict.paper_line:
         return None
-    return fit_pairs(read_pairs(pairs_file))
+    return fit_pairs(read_pairs(predict.pairs_file))
 
 
 def _run(
     names: list[str],
     slugs: list[str],
-    settings: Any,
-    fit: Any,
-    paper_line: bool,
-    dtype: str,
-    device: str,
-    force: bool,
-    progress: bool,
-    measure_all: Any,
-    pairs_file: Path | str | None,
+    settings: StrengthSettings,
     output: Path | None,
+    options: MeasureOptions,
+    predict: ScreenOptions,
+    fit: Any,
 ) -> list[str]:
-    """Measure each model (its result kept in `output/strength` when saving), rank and predict, then return the lines
-    to print, having written the screen's files when saving."""
+    """Measure each model (its result kept in `output/strength` when saving), rank and predict (from `fit`, made as
+    `predict` says, or None), then return the lines to print, having written the screen's files when saving."""
     from lm_eval_sink.calibration import load_prompts
     from lm_eval_sink.commands.strength import check_output, unique_slugs
     from lm_eval_sink.models import resolve_model
-    from lm_eval_sink.strength import measure_model
 
     load_prompts(Path(settings.prompts_file) if settings.prompts_file else None, settings.n_prompts)
     slugs = unique_slugs(slugs)
     if output is not None:  # before `default` is converted
         planned = [resolve_model(n, allow_gguf=True, convert=False) for n in names]
-        files = _check_outputs(output, planned, pairs_file, settings, force)
-        check_output(output / "strength", names, slugs, settings, force)
+        files = _check_outputs(output, planned, predict.pairs_file, settings, options.force)
+        check_output(output / "strength", names, slugs, settings, options.force)
     paths = [resolve_model(n, allow_gguf=True) for n in names]
     classes = [detect_qk_norm(p) for p in paths]
     if output is not None:
-        lines, strength_files, strengths = _measure_saved(
-            names, slugs, settings, output, dtype, device, force, progress, measure_all
-        )
+        lines, strength_files, strengths = _measure_saved(names, slugs, settings, output, options)
     else:
-        lines, strength_files = [], [None] * len(names)
-        strengths = (
-            _measured_in_order(paths, measure_all(paths, settings, dtype, device))
-            if measure_all is not None
-            else [measure_model(p, settings, dtype=dtype, device=device, progress=progress) for p in paths]
-        )
+        lines, strength_files, strengths = [], [None] * len(names), _measure_here(paths, settings, options)
     files_saved = [None if f is None else str(f) for f in strength_files]
-    result = screen(names, slugs, paths, strengths, classes, fit, files_saved, paper_line)
+    result = screen(names, slugs, paths, strengths, classes, fit, files_saved, predict.paper_line)
     md = screen_table_markdown(result)
     out_lines = md.rstrip("\n").splitlines() + [f"warning: {m.slug}: {w}" for m in result.models for w in m.warnings]
     if output is None:
         return [*out_lines, "not saved (pass --output DIR to write screen.json, tables and the plot)"]
-    _write(result, md, files, settings, dtype, device)
+    _write(result, md, files, settings, options)
     lines = [line for line in lines if line not in out_lines]  # the setting lines once, under the table
     return lines + out_lines + ["wrote " + ", ".join(str(p) for p in files)]
 
 
+def _measure_here(paths: list[str], settings: StrengthSettings, options: MeasureOptions) -> list[Any]:
+    """Each model's Sink Strength, kept nowhere (no --output): through `options.measure_all` when given, else here,
+    in turn."""
+    from lm_eval_sink.strength import measure_model
+
+    if options.measure_all is not None:
+        return _measured_in_order(paths, options.measure_all(paths, settings, options.dtype, options.device))
+    return [
+        measure_model(p, settings, dtype=options.dtype, device=options.device, progress=options.progress) for p in paths
+    ]
+
+
 def _check_outputs(
-    output: Path, paths: list[str], pairs_file: Path | str | None, settings: Any, force: bool
+    output: Path, paths: list[str], pairs_file: Path | str | None, settings: StrengthSettings, force: bool
 ) -> list[Path]:
     """The screen's files in `output`, checked before any work: `output` is a folder, and the files are new (or
     `force`), made by the same versions, and none of the inputs."""
@@ -205,15 +196,7 @@ def _check_outputs(
 
 
 def _measure_saved(
-    names: list[str],
-    slugs: list[str],
-    settings: Any,
-    output: Path,
-    dtype: str,
-    device: str,
-    force: bool,
-    progress: bool,
-    measure_all: Any,
+    names: list[str], slugs: list[str], settings: StrengthSettings, output: Path, options: MeasureOptions
 ) -> tuple[list[str], list[Path], list[Any]]:
     """Each model's Sink Strength through `run_strength` into `output/strength` (resumable by key there): its lines,
     the result files and the results read back from them."""
@@ -221,22 +204,14 @@ def _measure_saved(
     from lm_eval_sink.io import read_json
     from lm_eval_sink.strength import SinkStrength
 
-    lines = run_strength(
-        names,
-        slugs,
-        settings,
-        output / "strength",
-        dtype=dtype,
-        device=device,
-        force=force,
-        progress=progress,
-        measure_all=measure_all,
-    )
+    lines = run_strength(names, slugs, settings, output / "strength", options)
     strength_files = [output / "strength" / f"{s}.strength.json" for s in slugs]
     return lines, strength_files, [SinkStrength.from_json(read_json(f)) for f in strength_files]
 
 
-def _write(result: ScreenResult, md: str, files: list[Path], settings: Any, dtype: str, device: str) -> None:
+def _write(
+    result: ScreenResult, md: str, files: list[Path], settings: StrengthSettings, options: MeasureOptions
+) -> None:
     """screen.json (with its provenance), screen.md, screen.csv and the figure."""
     from lm_eval_sink.io import atomic_write_json, atomic_write_text, provenance
     from lm_eval_sink.strength import key_versions
@@ -246,8 +221,8 @@ def _write(result: ScreenResult, md: str, files: list[Path], settings: Any, dtyp
         "provenance": provenance(
             models=[m.path for m in result.models],
             settings=asdict(settings),
-            dtype=dtype,
-            device=device,
+            dtype=options.dtype,
+            device=options.device,
             seed=settings.seed,
             key_versions=key_versions(),
         ),

@@ -21,8 +21,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lm_eval_sink.devices import DEFAULT_DEVICE
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.options import MeasureOptions
 from lm_eval_sink.comparability import (
     RANKING_HEAD,
     compare,
@@ -50,21 +50,13 @@ def unique_slugs(slugs: list[str]) -> list[str]:
 
 
 def run_strength(
-    names: list[str],
-    slugs: list[str],
-    settings: StrengthSettings,
-    output,
-    dtype: str = "auto",
-    device: str = DEFAULT_DEVICE,
-    force: bool = False,
-    progress: bool = True,
-    measure_all: Any = None,
+    names: list[str], slugs: list[str], settings: StrengthSettings, output, options: MeasureOptions = MeasureOptions()
 ) -> list[str]:
     """Measure each model and write `<slug>.strength.json` + `<slug>.heatmap.png` into `output`.
 
     With several models also `ranking.md`, `ranking.csv`, `ranking.json` and `ranking.png`. A model whose JSON
     already exists with the same input key is reused (an interrupted run resumes); a different
-    key is refused unless `force`. Returns the lines to print. `measure_all(paths, settings, dtype,
+    key is refused unless `options.force`. Returns the lines to print. `options.measure_all(paths, settings, dtype,
     device)` measures every model to (re)do at once (e.g. one Ray task each, `engines.ray_measure_all`),
     yielding (path, result, error line or None) as each finishes: each result is written at once, and
     a failed model is reported after the others are kept. Without it each is measured here, in turn.
@@ -78,10 +70,10 @@ def run_strength(
     load_prompts(
         Path(settings.prompts_file) if settings.prompts_file else None, settings.n_prompts
     )  # fail before loading models
-    check_output(output, names, slugs, settings, force)
+    check_output(output, names, slugs, settings, options.force)
     paths = [resolve_model(n, allow_gguf=True) for n in names]  # `default` is converted here, after every check
     with hold(output):
-        return _run_locked(names, paths, slugs, settings, output, dtype, device, force, progress, measure_all)
+        return _run_locked(list(zip(names, paths, slugs, strict=True)), settings, output, options)
 
 
 def check_output(output: Path, names: list[str], slugs: list[str], settings: StrengthSettings, force: bool) -> None:
@@ -152,35 +144,29 @@ class _Model:
 
 
 def _run_locked(
-    names: list[str],
-    paths: list[str],
-    slugs: list[str],
-    settings: StrengthSettings,
-    output: Path,
-    dtype: str,
-    device: str,
-    force: bool,
-    progress: bool,
-    measure_all: Any,
+    models: list[tuple[str, str, str]], settings: StrengthSettings, output: Path, options: MeasureOptions
 ) -> list[str]:
-    """Decide per model what to reuse, measure the rest (through `measure_all` first, when given), then report each
-    model with its heatmap and, with several, write the ranking."""
+    """Decide per model (name, path, slug) what to reuse, measure the rest (through `options.measure_all` first, when
+    given), then report each model with its heatmap and, with several, write the ranking."""
     from tqdm.auto import tqdm
 
     from lm_eval_sink.plots import layer_head_heatmap
 
     versions = key_versions()
-    plan, lines = _plan(names, paths, slugs, settings, output, dtype, force, versions)
-    saved = {} if measure_all is None else _measure_todo(plan, settings, dtype, device, versions, output, measure_all)
+    plan, lines = _plan(models, settings, output, options, versions)
+    saved = {} if options.measure_all is None else _measure_todo(plan, settings, options, versions, output)
     results = []
-    for m in tqdm(plan, desc="models", disable=not progress or len(plan) == 1):
+    for m in tqdm(plan, desc="models", disable=not options.progress or len(plan) == 1):
         if m.reuse is not None:
             res = SinkStrength.from_json(m.reuse)
             lines.append(f"{m.slug}: reused {m.json_path}")
         elif str(m.json_path) in saved:
             res = saved[str(m.json_path)]
         else:
-            res = _save(measure_model(m.path, settings, dtype=dtype, device=device, progress=progress), m, versions)
+            measured = measure_model(
+                m.path, settings, dtype=options.dtype, device=options.device, progress=options.progress
+            )
+            res = _save(measured, m, versions)
         png = layer_head_heatmap(
             res.sink_strength_layer_head,
             res.layers,
@@ -191,27 +177,25 @@ def _run_locked(
         lines += _model_lines(m, res, png)
     lines += compare([s for s, _ in results], [setting_of(r.to_json()) for _, r in results]).lines()
     lines.append(f"({S_MEANING})")
-    if len(names) > 1:
+    if len(models) > 1:
         lines.append(_write_ranking(results, output))
     return lines
 
 
 def _plan(
-    names: list[str],
-    paths: list[str],
-    slugs: list[str],
+    models: list[tuple[str, str, str]],
     settings: StrengthSettings,
     output: Path,
-    dtype: str,
-    force: bool,
+    options: MeasureOptions,
     versions: dict[str, Any],
 ) -> tuple[list[_Model], list[str]]:
     """Each model's keys and result file with the finished result to reuse, and a line per model recomputed because
     other versions made its result."""
     from lm_eval_sink.models import model_fingerprint
 
+    dtype = options.dtype
     plan, lines = [], []
-    for name, path, slug in zip(names, paths, slugs, strict=True):
+    for name, path, slug in models:
         identity = model_fingerprint(path)
         ikey = inputs_key(path, identity["fingerprint"], settings, dtype)
         key = result_key(path, identity["fingerprint"], settings, dtype, versions)
@@ -221,7 +205,7 @@ def _plan(
             identity,
             (key, ikey),
             versions,
-            force,
+            options.force,
             lambda b, p=path, f=identity["fingerprint"]: inputs_key(p, f, settings, dtype, method2_batch_size=b),
         )
         plan.append(_Model(name, path, slug, (key, ikey), json_path, reuse))
@@ -242,20 +226,14 @@ def _save(res: SinkStrength, m: _Model, versions: dict[str, Any]) -> SinkStrengt
 
 
 def _measure_todo(
-    plan: list[_Model],
-    settings: StrengthSettings,
-    dtype: str,
-    device: str,
-    versions: dict[str, Any],
-    output: Path,
-    measure_all: Callable[..., Any],
+    plan: list[_Model], settings: StrengthSettings, options: MeasureOptions, versions: dict[str, Any], output: Path
 ) -> dict[str, SinkStrength]:
-    """Every model to (re)do measured by `measure_all`, each saved as it finishes (json path -> result); a failed
-    model is an error raised once the others are saved."""
+    """Every model to (re)do measured by `options.measure_all`, each saved as it finishes (json path -> result); a
+    failed model is an error raised once the others are saved."""
     todo = list(dict.fromkeys(m.path for m in plan if m.reuse is None))
     saved: dict[str, SinkStrength] = {}
     failed: dict[str, str] = {}
-    for path, res, error in measure_all(todo, settings, dtype, device) if todo else ():
+    for path, res, error in options.measure_all(todo, settings, options.dtype, options.device) if todo else ():
         if error is not None:
             failed[path] = error
         for m in plan:

@@ -341,27 +341,40 @@ def _start_sha(model: Any, layers: list[int]) -> str:
     return h.hexdigest()
 
 
+@dataclass(frozen=True, slots=True)
+class ProtectSettings:
+    """Which heads to protect: median sink log-odds above `threshold` with the sink at position 0 in at least
+    `min_pos0_fraction` of rows, and `tau`, the share of |k_s|^2 Rule Q may leave unprotected (0: exact). Checked
+    where built, before any model is loaded."""
+
+    threshold: float = 0.0
+    min_pos0_fraction: float = 0.8
+    tau: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.tau < 1.0:
+            raise UserError(
+                f"--tau must lie in [0, 1), got {self.tau}", "use 0 to keep the sink logit exactly, or e.g. 0.05"
+            )
+        if not 0.0 <= self.min_pos0_fraction <= 1.0:
+            raise UserError(f"--min-pos0-fraction must lie in [0, 1], got {self.min_pos0_fraction}", "use e.g. 0.8")
+
+
 def select_sink_heads(
     model: Any,
     tokenizer: Any,
     settings: StrengthSettings = StrengthSettings(),
-    threshold: float = 0.0,
-    min_pos0_fraction: float = 0.8,
-    tau: float = 0.0,
+    protect: ProtectSettings = ProtectSettings(),
     progress: bool = True,
 ) -> ProtectionPlan:
     """Capture the calibration prompts on the start model and choose the heads to protect.
 
     A head is selected when its median sink log-odds over the rows (`settings.rows`) exceeds
-    `threshold` and its argmax key is position 0 in at least `min_pos0_fraction` of them.
+    `protect.threshold` and its argmax key is position 0 in at least `protect.min_pos0_fraction` of them.
     """
     from lm_eval_sink.calibration import encode_prompts, load_prompts
     from lm_eval_sink.capture import capture_prompts
 
-    if not 0.0 <= tau < 1.0:
-        raise UserError(f"--tau must lie in [0, 1), got {tau}", "use 0 to keep the sink logit exactly, or e.g. 0.05")
-    if not 0.0 <= min_pos0_fraction <= 1.0:
-        raise UserError(f"--min-pos0-fraction must lie in [0, 1], got {min_pos0_fraction}", "use e.g. 0.8")
     check_no_learned_sinks(model)
     n_layers, n_heads, n_kv, d = _shape(model)
     kind = qk_norm_kind(_decoder(model).layers[0].self_attn, d)
@@ -372,7 +385,7 @@ def select_sink_heads(
     captures = capture_prompts(
         _base(model), encoded, layers, settings.batching(), progress=progress, desc="protect-plan capture"
     )
-    heads = _choose_heads(captures, layers, n_heads // n_kv, settings.rows, threshold, min_pos0_fraction)
+    heads = _choose_heads(captures, layers, n_heads // n_kv, settings.rows, protect)
     chosen: dict[int, list[int]] = {}
     for c in heads:
         if c.selected:
@@ -386,11 +399,11 @@ def select_sink_heads(
         rotary_dim=rot,
         qk_norm=kind,
         sink_token_id=int(sink_token),
-        threshold=float(threshold),
-        min_pos0_fraction=float(min_pos0_fraction),
-        tau=float(tau),
+        threshold=float(protect.threshold),
+        min_pos0_fraction=float(protect.min_pos0_fraction),
+        tau=float(protect.tau),
         heads=heads,
-        layers=_layer_plans(model, sink_token, chosen, n_heads // n_kv, n_kv, kind, rot, tau),
+        layers=_layer_plans(model, sink_token, chosen, n_heads // n_kv, n_kv, kind, rot, protect.tau),
         start_sha256=_start_sha(model, sorted(chosen)),
         provenance={
             "settings": asdict(settings),
@@ -411,7 +424,7 @@ def _common_first_token(input_ids: tuple[tuple[int, ...], ...]) -> int:
 
 
 def _choose_heads(
-    captures: list[Any], layers: list[int], group: int, rows: str, threshold: float, min_pos0_fraction: float
+    captures: list[Any], layers: list[int], group: int, rows: str, protect: ProtectSettings
 ) -> tuple[HeadChoice, ...]:
     """Every captured head's choice, in (layer, head) order, from its rows' sink log-odds and argmax keys."""
     logodds = np.concatenate([c.sink_logodds for c in captures], axis=2)
@@ -423,7 +436,7 @@ def _choose_heads(
         for h in range(logodds.shape[1]):
             p = pos[li, h, used]
             frac, med = float((p == 0).mean()), float(np.median(logodds[li, h, used]))
-            ok, why = select_head(med, frac, threshold, min_pos0_fraction)
+            ok, why = select_head(med, frac, protect.threshold, protect.min_pos0_fraction)
             heads.append(
                 HeadChoice(
                     layer=l,

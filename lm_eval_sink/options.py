@@ -1,0 +1,62 @@
+"""How the measuring commands run: `MeasureOptions`, shared by `strength`, `screen`, `margin` and `protect-plan`, and
+`ScreenOptions`, where `screen` takes its predictions from.
+
+What a measurement computes is its settings (`strength.StrengthSettings`, `margin.MarginSettings`,
+`training.protection.ProtectSettings`), which decide the numbers and go into result keys. These options decide only
+how the models are loaded and run, whether earlier files may be overwritten and what is shown. Each object is built
+once (by the CLI or a Python caller) and checked where it is built: a wrong value is the one-line error there,
+before any model is resolved. Pure: no I/O, no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lm_eval_sink.devices import DEFAULT_DEVICE, check_device
+from lm_eval_sink.errors import UserError
+from lm_eval_sink.models import DEFAULT_DTYPE, DTYPES
+
+
+@dataclass(frozen=True, slots=True)
+class MeasureOptions:
+    """How models are measured: the dtype they load in, the device they run on, `force` (overwrite earlier
+    results), `progress` (show progress bars), and `measure_all(paths, settings, dtype, device)`, which measures
+    several models at once (e.g. one Ray task each: `merging.engines.ray_measure_all`); None measures each here,
+    in turn. Only `strength` and `screen` measure several models: `margin` and `protect-plan` refuse it."""
+
+    dtype: str = DEFAULT_DTYPE
+    device: str = DEFAULT_DEVICE
+    force: bool = False
+    progress: bool = True
+    measure_all: Callable[..., Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise UserError(f"unknown dtype {self.dtype!r}", f"use one of {', '.join(DTYPES)}")
+        check_device(self.device)
+        if self.measure_all is not None and not callable(self.measure_all):
+            raise UserError(f"measure_all is {type(self.measure_all).__name__}, not a function", "pass one, or None")
+
+    def check_in_process(self, command: str) -> None:
+        """Refuse `measure_all` for a command that measures its model(s) here, in this process."""
+        if self.measure_all is not None:
+            raise UserError(f"{command} measures its models in this process", "pass MeasureOptions without measure_all")
+
+
+@dataclass(frozen=True, slots=True)
+class ScreenOptions:
+    """Where `screen`'s predicted deltas come from: a fit of `pairs_file` (pairs measured in the models' setting),
+    or with `paper_line` the paper's pairs (with the caveat beside each number); neither: the ranking alone."""
+
+    pairs_file: Path | str | None = None
+    paper_line: bool = False
+
+    def __post_init__(self) -> None:
+        if self.pairs_file is not None and self.paper_line:
+            raise UserError(
+                "--pairs and --paper-line both name the fit to predict from",
+                "pass one: your pairs, or the paper's line",
+            )
