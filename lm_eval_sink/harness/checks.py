@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.harness.model_args import model_arg_flag
 
 # lm-eval's names for the generation length, in the order normalize_gen_kwargs reads them.
 TOKEN_KEYS = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
@@ -139,7 +140,7 @@ def _max_length(model: str, settings: Any) -> int:
     given = settings.model_args.get("max_model_len" if settings.backend == "vllm" else "max_length")
     if given is not None:
         return int(given)
-    trust = str(settings.model_args.get("trust_remote_code", "")).lower() == "true"
+    trust = model_arg_flag(settings.model_args.get("trust_remote_code", False))
     try:
         config = AutoConfig.from_pretrained(model, trust_remote_code=trust)
     except (OSError, ValueError) as e:

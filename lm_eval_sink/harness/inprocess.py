@@ -28,6 +28,7 @@ from typing import Any
 
 from lm_eval_sink.devices import DEFAULT_DEVICE, Placement
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.harness.model_args import model_arg_flag
 from lm_eval_sink.harness.runner import EvalSettings
 from lm_eval_sink.runs import RunFiles, resolve_run
 
@@ -78,7 +79,7 @@ def resident_device(settings: EvalSettings | None, device: str) -> str:
     """The resident's device: eval's (`auto` when its model_args ask lm-eval to parallelize), else `device` (S's)."""
     if settings is None:
         return device
-    return "auto" if str(settings.model_args.get("parallelize", False)).lower() == "true" else settings.device
+    return "auto" if model_arg_flag(settings.model_args.get("parallelize", False)) else settings.device
 
 
 def load_resident(

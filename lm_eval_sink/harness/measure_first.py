@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.harness.model_args import model_arg_flag
 
 # vLLM's names for the dtypes transformers takes (vLLM's "auto" and transformers' both mean the checkpoint's own)
 DTYPES = {"auto": "auto", "float32": "float32", "float": "float32", "bfloat16": "bfloat16"}
@@ -61,10 +62,6 @@ class HfLoad:
     ignored: tuple[str, ...] = ()
 
 
-def _truthy(value: Any) -> bool:
-    return value is True or str(value).lower() in ("true", "1", "yes")
-
-
 def hf_load_args(model_args: dict[str, Any], task: str, backend: str) -> HfLoad:
     """The transformers load of `model_args` (the backend's); one line for what S cannot be measured on."""
     if model_args.get("lora_local_path"):
@@ -84,7 +81,7 @@ def hf_load_args(model_args: dict[str, Any], task: str, backend: str) -> HfLoad:
     return HfLoad(
         pretrained=str(model_args["pretrained"]),
         revision=given["revision"],
-        trust_remote_code=_truthy(model_args.get("trust_remote_code", False)),
+        trust_remote_code=model_arg_flag(model_args.get("trust_remote_code", False)),
         dtype=DTYPES[dtype],
         tokenizer=given["tokenizer"],
         tokenizer_revision=given["tokenizer_revision"],
