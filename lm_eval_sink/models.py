@@ -203,7 +203,20 @@ def _hub_folder(repo_id: str, offline: bool) -> str | None:
         return None
 
 
-def resolve_model(
+@dataclass(frozen=True, slots=True)
+class ResolvedModel:
+    """A resolved model and, for a peft adapter folder, its resolved base (None otherwise): resolved once per load."""
+
+    path: str
+    base: str | None = None
+
+
+def resolve_model(name: str | Path, role: str = "model", **options: bool) -> str:
+    """The path `resolved` gives (`options`: its keyword arguments)."""
+    return resolved(name, role, **options).path
+
+
+def resolved(
     name: str | Path,
     role: str = "model",
     *,
@@ -211,7 +224,7 @@ def resolve_model(
     allow_adapter: bool = True,
     allow_gguf: bool = False,
     convert: bool = True,
-) -> str:
+) -> ResolvedModel:
     """The one model resolver, for every command: a checked local folder, a GGUF file, or a hub id.
 
     `default` is the embedded model; `convert=False` names its folder without converting it (for the checks that
@@ -227,11 +240,11 @@ def resolve_model(
     """
     text = str(name)
     if text == DEFAULT_MODEL:
-        return str(default_model_dir(create=convert))
+        return ResolvedModel(str(default_model_dir(create=convert)))
     path = Path(text).expanduser()
     check_finished_folder(path)
     if path.is_file() and is_gguf(path):
-        return _gguf_model(path, role, allow_gguf)
+        return ResolvedModel(_gguf_model(path, role, allow_gguf))
     if path.exists():
         folder = str(_checked_folder(path, role))
         if (path / ADAPTER_CONFIG).is_file() and not allow_adapter:
@@ -240,18 +253,17 @@ def resolve_model(
                 "merge the adapter into its base (peft merge_and_unload, then save_pretrained) and pass that "
                 "folder; lm-eval takes the pair as pretrained=BASE,peft=ADAPTER",
             )
-        adapter_base(folder)
-        return folder
+        return ResolvedModel(folder, adapter_base(folder))
     offline = hub_offline()
     looks_like_id = looks_like_hub_id(text)
     if looks_like_id and local:
         folder = _hub_folder(text, offline)
         if folder is not None:
-            return resolve_model(folder, role, allow_adapter=allow_adapter)
+            return resolved(folder, role, allow_adapter=allow_adapter)
     elif looks_like_id and (
         not offline or hub_snapshot(text) is not None
     ):  # a cached one loads offline at that revision
-        return text
+        return ResolvedModel(text)
     why = (" (and the hub is offline: HF_HUB_OFFLINE=1)" if offline else " (nor a hub model)") if looks_like_id else ""
     near = (
         did_you_mean(path.name, [p.name for p in path.parent.iterdir() if p.is_dir()]) if path.parent.is_dir() else ""
@@ -295,13 +307,15 @@ def adapter_base(path: str) -> str | None:
         raise UserError(f"{config}: {e.message}", e.hint) from None
 
 
-def model_fingerprint(path: str) -> dict[str, Any]:
+def model_fingerprint(model: str | ResolvedModel) -> dict[str, Any]:
     """What identifies the weights: `identity.model_identity` (whole-file hashes, or the hub revision); an
-    adapter folder's covers its base model's files too (as `base/<file>`)."""
+    adapter folder's covers its base model's files too (as `base/<file>`). A path's base is resolved here; a
+    `ResolvedModel` brings its own."""
     from lm_eval_sink.identity import files_fingerprint, model_identity
 
+    model = model if isinstance(model, ResolvedModel) else ResolvedModel(model, adapter_base(model))
+    path, base = model.path, model.base
     identity = model_identity(path)
-    base = adapter_base(path)
     if base is None:
         return identity
     files = {**identity["files"], **{f"base/{n}": h for n, h in model_identity(base)["files"].items()}}
@@ -373,13 +387,13 @@ def load_model(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = resolve_model(name, allow_gguf=True)
+    target = resolved(name, allow_gguf=True)
+    path, base = target.path, target.base  # transformers loads an adapter folder onto its base model itself
     td = torch_dtype(dtype)
-    identity = model_fingerprint(path)
+    identity = model_fingerprint(target)
     source, gguf = pretrained_args(path)  # a GGUF file: its folder and name, dequantized to `dtype` as it loads
     # a hub id loads at the sha its identity names
     args = {**({} if Path(path).exists() else {"revision": identity["revision"]}), **gguf}
-    base = adapter_base(path)  # transformers loads an adapter folder onto its base model itself
     config = _causal_config(path, base or source, args)
     impl = None
     if check_attention:
