@@ -765,27 +765,25 @@ def eval_cmd(
     lm_eval_python,
 ) -> None:
     """Run lm-eval on MODEL under a named protocol, then print the run's protocol fingerprint check."""
-    from lm_eval_sink.commands.eval import run_eval
+    from lm_eval_sink.commands.eval import EvalOptions, parse_model_args, run_eval
+    from lm_eval_sink.protocols import RunRequest, parse_gen_kwargs
 
-    for line in run_eval(
-        model,
-        protocol_name,
-        protocol_file,
-        tasks,
-        output,
+    run = RunRequest(
+        tasks=tasks,
         limit=limit,
-        gen_kwargs=gen_kwargs,
+        gen_kwargs=parse_gen_kwargs(gen_kwargs),
         batch_size=batch_size,
         dtype=dtype,
         seed=seed,
         device=device,
-        backend=backend,
-        model_args=model_args,
         include_path=include_path,
         log_samples=not no_log_samples,
-        force=force,
+        backend=backend,
+        model_args=parse_model_args(model_args),
         python=str(lm_eval_python) if lm_eval_python else None,
-    ):
+    )
+    options = EvalOptions(model, protocol_name, output, run, protocol_file=protocol_file, force=force)
+    for line in run_eval(options):
         click.echo(line)
 
 

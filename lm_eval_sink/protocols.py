@@ -741,83 +741,96 @@ def diff_markdown(diffs: tuple[FieldDiff, ...], name_a: str = "A", name_b: str =
 # --- protocol -> lm-eval settings ------------------------------------------------------------
 
 
-def settings_fields(
-    protocol: Protocol,
-    *,
-    tasks: list[str],
-    limit: float | None = None,
-    gen_kwargs: dict[str, Any] | None = None,
-    batch_size: int | str | None = None,
-    dtype: str | None = None,
-    seed: int | None = None,
-    device: str | None = "cpu",
-    include_path: str | None = None,
-    log_samples: bool = True,
-    backend: str = "hf",
-    model_args: dict[str, Any] | None = None,
-    python: str | None = None,
-) -> dict[str, Any]:
-    """The `lm_eval_sink.harness.runner.EvalSettings` fields of a run under `protocol`.
+@dataclass(frozen=True, slots=True)
+class RunRequest:
+    """What a caller asks of one lm-eval run before its protocol applies (`settings_fields`), checked as it is built.
 
-    Settings the protocol fixes cannot be changed by the caller (a UserError says which), except
-    `gen_kwargs`, which are merged on top of the protocol's (lm-eval records them as overrides, so
-    the run's fingerprint shows them). `limit` marks the run's scores non-final. dtype "auto" or
-    None leaves the model's own dtype; seed None keeps the runner's default. `model_args` are
-    added to the protocol's (a key the protocol fixes to another value is refused); `device` None
-    means the backend's default (cpu for hf; vllm takes none). `python` (the interpreter lm-eval runs
-    in) overrides the protocol's.
+    `tasks` may be given as "a,b"; `batch_size` as text ("8" becomes 8, "auto" stays); a whole `limit` of 1 or
+    more becomes a count of docs (below 1 it is a fraction). None leaves a setting to the protocol, then to the
+    runner's default: `device` None is the backend's (cpu for hf; vllm takes none), dtype None or "auto" the
+    model's own, `seed` None the runner's. `model_args` and `gen_kwargs` are added to the protocol's; `python`
+    (the interpreter lm-eval runs in) overrides the protocol's.
     """
-    _check_settings(protocol, tasks, limit, {"batch_size": batch_size, "dtype": dtype, "seed": seed}, model_args)
-    chosen_dtype = protocol.dtype if protocol.dtype is not None else dtype
+
+    tasks: tuple[str, ...]
+    limit: float | None = None
+    gen_kwargs: dict[str, Any] = field(default_factory=dict)
+    batch_size: int | str | None = None
+    dtype: str | None = None
+    seed: int | None = None
+    device: str | None = None
+    include_path: str | None = None
+    log_samples: bool = True
+    backend: str = "hf"
+    model_args: dict[str, Any] = field(default_factory=dict)
+    python: str | None = None
+
+    def __post_init__(self) -> None:
+        tasks = self.tasks.split(",") if isinstance(self.tasks, str) else self.tasks
+        object.__setattr__(self, "tasks", tuple(t.strip() for t in tasks if t.strip()))
+        if self.batch_size is not None and not isinstance(self.batch_size, int):
+            size = str(self.batch_size)
+            object.__setattr__(self, "batch_size", int(size) if size.isdigit() else size)
+        if self.limit is not None and self.limit >= 1 and float(self.limit).is_integer():
+            object.__setattr__(self, "limit", int(self.limit))
+        if self.device is not None and self.backend != "hf":
+            raise UserError(
+                "--device is an HF-only flag",
+                "drop --device with --backend vllm (vLLM places the model; pass --model-args tensor_parallel_size=N)",
+            )
+        if not self.tasks:
+            raise UserError("no tasks given", "pass --tasks, e.g. --tasks ifeval,gsm8k_cot_zeroshot")
+        if self.limit is not None and self.limit <= 0:
+            raise UserError(
+                f"--limit must be positive, got {self.limit}", "pass a number of docs (e.g. 5) or a fraction below 1"
+            )
+
+
+def settings_fields(protocol: Protocol, request: RunRequest) -> dict[str, Any]:
+    """The `lm_eval_sink.harness.runner.EvalSettings` fields of `request` run under `protocol`.
+
+    Settings the protocol fixes cannot be changed by the request (a UserError says which), except
+    `gen_kwargs`, which are merged on top of the protocol's (lm-eval records them as overrides, so
+    the run's fingerprint shows them). A `limit` marks the run's scores non-final.
+    """
+    _check_settings(protocol, request)
+    chosen_dtype = protocol.dtype if protocol.dtype is not None else request.dtype
     fields: dict[str, Any] = {
-        "tasks": tuple(tasks),
+        "tasks": request.tasks,
         "apply_chat_template": protocol.apply_chat_template,
         "num_fewshot": protocol.num_fewshot,
         "fewshot_as_multiturn": protocol.fewshot_as_multiturn,
         "system_instruction": protocol.system_instruction,
-        "gen_kwargs": {**(protocol.gen_kwargs or {}), **(gen_kwargs or {})},
-        "limit": limit,
+        "gen_kwargs": {**(protocol.gen_kwargs or {}), **request.gen_kwargs},
+        "limit": request.limit,
         "batch_size": protocol.batch_size
         if protocol.batch_size is not None
-        else (batch_size if batch_size is not None else 1),
-        "device": device if device is not None or backend != "hf" else "cpu",
+        else (request.batch_size if request.batch_size is not None else 1),
+        "device": request.device if request.device is not None or request.backend != "hf" else "cpu",
         "dtype": None if chosen_dtype in (None, "auto") else chosen_dtype,
-        "log_samples": log_samples,
-        "include_path": include_path,
-        "model_args": {**(protocol.model_args or {}), **(model_args or {})},
-        "backend": backend,
+        "log_samples": request.log_samples,
+        "include_path": request.include_path,
+        "model_args": {**(protocol.model_args or {}), **request.model_args},
+        "backend": request.backend,
     }
-    if python or protocol.python:
-        fields["python"] = python or protocol.python
-    chosen_seed = protocol.seed if protocol.seed is not None else seed
+    if request.python or protocol.python:
+        fields["python"] = request.python or protocol.python
+    chosen_seed = protocol.seed if protocol.seed is not None else request.seed
     if chosen_seed is not None:
         fields["seed"] = chosen_seed
     return fields
 
 
-def _check_settings(
-    protocol: Protocol,
-    tasks: list[str],
-    limit: float | None,
-    given: dict[str, Any],
-    model_args: dict[str, Any] | None,
-) -> None:
-    """Refuse a run with no tasks, a non-positive limit, or a setting (`given`: the caller's batch_size, dtype and
-    seed, by Protocol field) or model_arg that contradicts the protocol."""
-    if not tasks:
-        raise UserError("no tasks given", "pass --tasks, e.g. --tasks ifeval,gsm8k_cot_zeroshot")
-    for name, value in given.items():
-        fixed = getattr(protocol, name)
+def _check_settings(protocol: Protocol, request: RunRequest) -> None:
+    """Refuse a request whose batch_size, dtype, seed or a model_arg contradicts the protocol."""
+    for name in ("batch_size", "dtype", "seed"):
+        value, fixed = getattr(request, name), getattr(protocol, name)
         if value is not None and fixed is not None and str(value) != str(fixed):
             raise UserError(
                 f"protocol {protocol.name!r} fixes {name} = {fixed}, but {value} was asked for",
                 f"drop the {name} option, or define a protocol with {name}: {value} in a --protocol-file",
             )
-    if limit is not None and limit <= 0:
-        raise UserError(
-            f"--limit must be positive, got {limit}", "pass a number of docs (e.g. 5) or a fraction below 1"
-        )
-    for k, v in (model_args or {}).items():
+    for k, v in request.model_args.items():
         fixed = (protocol.model_args or {}).get(k)
         if fixed is not None and str(fixed) != str(v):
             raise UserError(

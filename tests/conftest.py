@@ -195,17 +195,10 @@ def _fixture_run(tmp_path_factory, shared_data, default_model, name: str, settin
 
 def _protocol_settings(protocol: str, tasks: tuple[str, ...]):
     from lm_eval_sink.harness.runner import EvalSettings
-    from lm_eval_sink.protocols import get_protocol, settings_fields
+    from lm_eval_sink.protocols import RunRequest, get_protocol, settings_fields
 
-    return EvalSettings(
-        **settings_fields(
-            get_protocol(protocol),
-            tasks=list(tasks),
-            limit=FIXTURE_LIMIT,
-            gen_kwargs=FIXTURE_GEN_KWARGS,
-            batch_size=FIXTURE_BATCH,
-        )
-    )
+    request = RunRequest(tasks, limit=FIXTURE_LIMIT, gen_kwargs=FIXTURE_GEN_KWARGS, batch_size=FIXTURE_BATCH)
+    return EvalSettings(**settings_fields(get_protocol(protocol), request))
 
 
 @pytest.fixture(scope="session")

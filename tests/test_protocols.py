@@ -293,13 +293,11 @@ def test_cli_bad_inputs_one_line_exit_2(tmp_path, capsys, case):
 
 
 def test_named_protocols_map_to_eval_settings():
-    from lm_eval_sink.protocols import parse_gen_kwargs, settings_fields
+    from lm_eval_sink.protocols import RunRequest, parse_gen_kwargs, settings_fields
 
     ins = settings_fields(
         get_protocol("instruct"),
-        tasks=["ifeval"],
-        limit=5,
-        gen_kwargs=parse_gen_kwargs(["max_gen_toks=64,do_sample=false"]),
+        RunRequest(("ifeval",), limit=5, gen_kwargs=parse_gen_kwargs(["max_gen_toks=64,do_sample=false"])),
     )
     assert ins == {
         "tasks": ("ifeval",),
@@ -318,7 +316,7 @@ def test_named_protocols_map_to_eval_settings():
         "backend": "hf",
     }
     com = settings_fields(
-        get_protocol("community"), tasks=["ifeval", "gsm8k_cot"], batch_size=2, dtype="float32", seed=3
+        get_protocol("community"), RunRequest(("ifeval", "gsm8k_cot"), batch_size=2, dtype="float32", seed=3)
     )
     assert (com["apply_chat_template"], com["num_fewshot"], com["fewshot_as_multiturn"]) == (False, None, None)
     assert (com["batch_size"], com["dtype"], com["seed"], com["gen_kwargs"]) == (2, "float32", 3, {})
@@ -333,10 +331,10 @@ def test_named_protocols_map_to_eval_settings():
     )
     assert "--fewshot_as_multiturn" not in EvalSettings(**com).command("/m", Path("/o"))
     with pytest.raises(UserError, match="protocol 'instruct' fixes batch_size = 8, but 4 was asked for"):
-        settings_fields(get_protocol("instruct"), tasks=["ifeval"], batch_size=4)
-    assert settings_fields(get_protocol("instruct"), tasks=["ifeval"], batch_size=8)["batch_size"] == 8
+        settings_fields(get_protocol("instruct"), RunRequest(("ifeval",), batch_size=4))
+    assert settings_fields(get_protocol("instruct"), RunRequest(("ifeval",), batch_size=8))["batch_size"] == 8
     with pytest.raises(UserError, match="no tasks"):
-        settings_fields(get_protocol("instruct"), tasks=[])
+        settings_fields(get_protocol("instruct"), RunRequest(()))
     with pytest.raises(UserError, match="not KEY=VALUE"):
         parse_gen_kwargs(["max_gen_toks"])
 

@@ -8,12 +8,27 @@ path). `--model-args K=V,...` is split here; `harness.runner` builds and runs th
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.protocols import RunRequest
 
 
-def _model_args(text: str | None) -> dict[str, str]:
+@dataclass(frozen=True, slots=True)
+class EvalOptions:
+    """The `eval` command's options: what to run (`model` under the named `protocol`, from `protocol_file` or the
+    built-in ones), where (`output`, added to only with `force`), and the run's own settings (`run`)."""
+
+    model: str
+    protocol: str
+    output: Path
+    run: RunRequest
+    protocol_file: Path | None = None
+    force: bool = False
+
+
+def parse_model_args(text: str | None) -> dict[str, str]:
     """`--model-args K=V,...` as a dict (a part without `=` is the one-line error)."""
     margs = {}
     for part in (text or "").split(","):
@@ -61,64 +76,23 @@ def _report(run, settings, protocol, limit: float | None) -> list[str]:
     return lines
 
 
-def run_eval(
-    model: str,
-    protocol_name: str,
-    protocol_file: Path | None,
-    tasks: str,
-    output: Path,
-    *,
-    limit: float | None = None,
-    gen_kwargs: tuple[str, ...] = (),
-    batch_size: str | None = None,
-    dtype: str | None = None,
-    seed: int | None = None,
-    device: str | None = None,
-    backend: str = "hf",
-    model_args: str | None = None,
-    include_path: str | None = None,
-    log_samples: bool = True,
-    force: bool = False,
-    python: str | None = None,
-) -> list[str]:
+def run_eval(options: EvalOptions) -> list[str]:
     """The `eval` command: check the inputs and the output folder, run lm-eval, return the lines to print."""
     from lm_eval_sink.harness.checks import check_lengths, check_tasks
     from lm_eval_sink.harness.runner import EvalSettings, check_interpreter, run_lm_eval
     from lm_eval_sink.io import hold
     from lm_eval_sink.models import resolve_model
-    from lm_eval_sink.protocols import get_protocol, parse_gen_kwargs, settings_fields
+    from lm_eval_sink.protocols import get_protocol, settings_fields
 
-    if device is not None and backend != "hf":
-        raise UserError(
-            "--device is an HF-only flag",
-            "drop --device with --backend vllm (vLLM places the model; pass --model-args tensor_parallel_size=N)",
-        )
-    margs = _model_args(model_args)
-    protocol = get_protocol(protocol_name, protocol_file)
-    output = Path(output)
-    planned = resolve_model(model, allow_adapter=False, convert=False)  # `default`: its folder, not converted yet
-    _check_output(output, [planned, protocol_file, include_path], force)
-    limit = int(limit) if limit is not None and limit >= 1 and float(limit).is_integer() else limit
-    fields = settings_fields(
-        protocol,
-        tasks=[t.strip() for t in tasks.split(",") if t.strip()],
-        limit=limit,
-        gen_kwargs=parse_gen_kwargs(gen_kwargs),
-        batch_size=None if batch_size is None else int(batch_size) if str(batch_size).isdigit() else str(batch_size),
-        dtype=dtype,
-        seed=seed,
-        device=device,
-        include_path=include_path,
-        log_samples=log_samples,
-        backend=backend,
-        model_args=margs,
-        python=python,
-    )
-    settings = EvalSettings(**fields)
+    protocol = get_protocol(options.protocol, options.protocol_file)
+    output = Path(options.output)
+    planned = resolve_model(options.model, allow_adapter=False, convert=False)  # `default`: its folder, unconverted
+    _check_output(output, [planned, options.protocol_file, options.run.include_path], options.force)
+    settings = EvalSettings(**settings_fields(protocol, options.run))
     check_interpreter(settings)  # before `default` is converted
     lengths = check_tasks(settings)  # unknown tasks, overridden gen_kwargs keys: before `default` is converted
-    model_path = resolve_model(model, allow_adapter=False)
+    model_path = resolve_model(options.model, allow_adapter=False)
     check_lengths(lengths, settings, [model_path])  # a generation longer than the model: before lm-eval runs
     with hold(output):
         run = run_lm_eval(model_path, settings, output)
-    return _report(run, settings, protocol, limit)
+    return _report(run, settings, protocol, options.run.limit)
