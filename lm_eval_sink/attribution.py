@@ -425,44 +425,100 @@ def _protocol_effect(rows: list[dict[str, Any]], baseline: str | None) -> dict[s
     }
 
 
-def attribute(
-    references: list[Measurement],
-    candidates: list[Measurement],
-    *,
-    benchmarks: dict[str, Benchmark],
-    lineage_info: list[dict[str, Any]],
-    reported_gaps: list[Any] = (),
-    vendor_scores: list[Any] = (),
-    mixture: dict[str, str] | None = None,
-    baseline_protocol: str | None = None,
-    allow_partial: bool = False,
-    samples_rows: Any = None,
-    inputs: list[dict[str, Any]] | None = None,
-    registry_info: dict[str, Any] | None = None,
-) -> Attribution:
-    """Pair reference and candidate measurements per benchmark and attribute each gap.
+@dataclass(frozen=True, slots=True)
+class AttributeOptions:
+    """The `attribute` command's options, checked as they are built.
 
-    `reported_gaps`: registry `Gap`s for the pair; `vendor_scores`: registry `Score`s (vendor
-    kind) of the models involved; `samples_rows(path) -> rows` reads sample logs; `registry_info`: which models were
-    matched to registry entries and how, and (with --vendor) which have no vendor figures.
+    `vendor`: add the registry's vendor-reported scores of the models involved; `registry_file` / `benchmarks_file`:
+    the vendor registry and the benchmark table (None: the bundled ones); `declared_lineage`: the user's word on
+    whether the reference is the candidate's parent; `mixture`: recipe facts (a dict, or "KEY=VALUE" texts as
+    `--mixture` gives them), shown as given; `baseline_protocol`: the protocol other protocols' effects are measured
+    against; `allow_partial`: pair only the docs both sample logs hold; `as_names`: `--as [FOLDER=]NAME`, the
+    registry entry a local model folder is (FOLDER left out: the one local model).
     """
+
+    vendor: bool = False
+    registry_file: str | Path | None = None
+    benchmarks_file: str | Path | None = None
+    declared_lineage: str | None = None
+    mixture: dict[str, str] | None = None
+    baseline_protocol: str | None = None
+    allow_partial: bool = False
+    as_names: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.mixture is not None and not isinstance(self.mixture, dict):
+            object.__setattr__(self, "mixture", _parse_mixture(self.mixture))
+        object.__setattr__(self, "as_names", tuple(self.as_names))
+        parse_as(self.as_names)
+
+    def folders_as(self) -> dict[str | None, str]:
+        """`as_names` by folder (key None: the one local model)."""
+        return parse_as(self.as_names)
+
+
+def _parse_mixture(items: Any) -> dict[str, str] | None:
+    """`--mixture KEY=VALUE` texts as a dict (None when there are none); a text without a key is the one-line error."""
+    facts = {}
+    for item in items:
+        if "=" not in item or not item.split("=", 1)[0].strip():
+            raise UserError(f"--mixture {item!r} is not KEY=VALUE", "e.g. --mixture text_share=0.1")
+        k, v = item.split("=", 1)
+        facts[k.strip()] = v.strip()
+    return facts or None
+
+
+def parse_as(items: tuple[str, ...]) -> dict[str | None, str]:
+    """`--as NAME` (key None: the one local model) and `--as FOLDER=NAME`, by folder."""
+    out: dict[str | None, str] = {}
+    for item in items:
+        folder, eq, name = item.rpartition("=")
+        if not name.strip() or (eq and not folder.strip()):
+            raise UserError(f"--as {item!r} names no registry model", "pass --as NAME or --as FOLDER=NAME")
+        out[folder.strip() if eq else None] = name.strip()
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Evidence:
+    """What an attribution reads besides the two sides' measurements, as the command gathered it: the benchmark
+    table, the `lineage` of each model pair, the registry's `reported_gaps` for the pair and `vendor_scores` (vendor
+    kind) of the models involved, the `inputs` read, `registry` (which models were matched to registry entries and
+    how, and with --vendor which have no vendor figures) and `samples_rows(path) -> rows`, the sample-log reader."""
+
+    benchmarks: dict[str, Benchmark]
+    lineage: list[dict[str, Any]]
+    reported_gaps: list[Any] = field(default_factory=list)
+    vendor_scores: list[Any] = field(default_factory=list)
+    inputs: list[dict[str, Any]] = field(default_factory=list)
+    registry: dict[str, Any] = field(default_factory=lambda: {"matches": [], "vendor_missing": None})
+    samples_rows: Callable[[str], list[dict[str, Any]]] | None = None
+
+
+def attribute(
+    references: list[Measurement], candidates: list[Measurement], evidence: Evidence, options: AttributeOptions
+) -> Attribution:
+    """Pair reference and candidate measurements per benchmark and attribute each gap (`options`: the mixture, the
+    baseline protocol and `allow_partial` are read here)."""
     out = []
-    for name in _common_benchmarks(references, candidates, reported_gaps):
-        bench = benchmarks.get(name)
-        compare = partial(_compare, samples_rows=samples_rows, bench=bench, allow_partial=allow_partial)
+    for name in _common_benchmarks(references, candidates, evidence.reported_gaps):
+        bench = evidence.benchmarks.get(name)
+        compare = partial(
+            _compare, samples_rows=evidence.samples_rows, bench=bench, allow_partial=options.allow_partial
+        )
         rs = [m for m in references if m.benchmark == name]
         cs = [m for m in candidates if m.benchmark == name]
-        reported = [g for g in reported_gaps if g.benchmark == name]
-        vendor = [s for s in vendor_scores if s.benchmark == name]
-        out.append(_benchmark_report(name, bench, rs, cs, reported, vendor, baseline_protocol, compare))
+        reported = [g for g in evidence.reported_gaps if g.benchmark == name]
+        vendor = [s for s in evidence.vendor_scores if s.benchmark == name]
+        out.append(_benchmark_report(name, bench, rs, cs, reported, vendor, options.baseline_protocol, compare))
     meas = [m.to_json() for m in [*references, *candidates]]
     return Attribution(
         benchmarks=out,
-        lineage=lineage_info,
-        mixture=_mixture(mixture),
-        inputs=list(inputs or []),
+        lineage=evidence.lineage,
+        mixture=_mixture(options.mixture),
+        inputs=list(evidence.inputs),
         measurements=meas,
-        registry=registry_info or {"matches": [], "vendor_missing": None},
+        registry=evidence.registry,
     )
 
 

@@ -658,28 +658,20 @@ def attribute(
 ) -> None:
     """Attribute each benchmark's candidate-minus-reference gap to lineage, protocol, access vs capacity, construct and
     mixture."""
+    from lm_eval_sink.attribution import AttributeOptions
     from lm_eval_sink.commands.attribute import run_attribute
 
-    facts = {}
-    for item in mixture:
-        if "=" not in item or not item.split("=", 1)[0].strip():
-            raise UserError(f"--mixture {item!r} is not KEY=VALUE", "e.g. --mixture text_share=0.1")
-        k, v = item.split("=", 1)
-        facts[k.strip()] = v.strip()
-    for line in run_attribute(
-        list(references),
-        list(candidates),
-        output,
-        force=force,
+    options = AttributeOptions(
         vendor=use_vendor,
         registry_file=registry_file,
         benchmarks_file=benchmarks_file,
         declared_lineage=declared_lineage,
-        mixture=facts or None,
+        mixture=mixture,
         baseline_protocol=baseline_protocol,
         allow_partial=allow_partial,
-        as_names=list(as_names),
-    ):
+        as_names=as_names,
+    )
+    for line in run_attribute(list(references), list(candidates), output, options, force=force):
         click.echo(line)
 
 
@@ -886,7 +878,7 @@ def buckets(
     """Per-prompt regression buckets of CANDIDATE vs REFERENCE (lm-eval runs: results JSON, samples JSONL, output
     folder, a sweep's evals/NAME folder, or a sweep's output folder with --checkpoint)."""
     from lm_eval_sink.buckets import BucketSettings
-    from lm_eval_sink.commands.buckets import run_buckets
+    from lm_eval_sink.commands.buckets import CompareOptions, run_buckets
 
     settings = BucketSettings(
         metric=metric,
@@ -900,19 +892,8 @@ def buckets(
         max_gen_toks=max_gen_toks,
         effect=effect,
     )
-    _, lines = run_buckets(
-        reference,
-        candidate,
-        task,
-        settings,
-        output,
-        force=force,
-        tokenizer=tokenizer,
-        same_protocol=same_protocol,
-        progress=not quiet,
-        checkpoint=checkpoint,
-        repeat=repeat,
-    )
+    options = CompareOptions(tokenizer=tokenizer, same_protocol=same_protocol, repeat=repeat, progress=not quiet)
+    _, lines = run_buckets(reference, candidate, task, settings, output, options, checkpoint=checkpoint, force=force)
     for line in lines:
         click.echo(line)
 

@@ -16,6 +16,7 @@ from lm_eval_sink.attribution import (
 )
 from lm_eval_sink.benchmarks import benchmark_of, load_benchmarks
 from lm_eval_sink.cli import main
+from lm_eval_sink.attribution import AttributeOptions
 from lm_eval_sink.commands.attribute import run_attribution
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.vendors import STATED_KEYS, load_registry
@@ -140,7 +141,7 @@ def test_two_protocols_gap_per_protocol_and_sign_flip(tmp_path):
     md = to_markdown(att)
     assert "sign FLIPS" in md and "effect vs instruct: community +60.00" in md
     # baseline chosen by the user
-    att2 = run_attribution([str(ri), str(rc)], [str(ci), str(cc)], baseline_protocol="community")
+    att2 = run_attribution([str(ri), str(rc)], [str(ci), str(cc)], AttributeOptions(baseline_protocol="community"))
     assert _bench(att2, "IFEval")["protocol_effect"]["effects"] == {"instruct": -60.0}
 
 
@@ -225,7 +226,7 @@ def test_lineage_from_model_card_config_registry_and_declaration(tmp_path):
         and li["flagged"] is True
         and "config.json text_config._name_or_path names Qwen/Qwen2.5-7B" in li["how"]
     )
-    [li] = run_attribution([str(ref)], [str(cand2)], declared_lineage="parent").lineage
+    [li] = run_attribution([str(ref)], [str(cand2)], AttributeOptions(declared_lineage="parent")).lineage
     assert li["status"] == "mismatched" and li["flagged"] is True
     # no evidence anywhere: unknown unless declared
     plain = {"key": "/a", "names": ["/a"], "parents": []}
@@ -241,7 +242,7 @@ def test_lineage_from_model_card_config_registry_and_declaration(tmp_path):
 
 def test_mixture_is_shown_as_declared_never_inferred(tmp_path):
     ref, cand = _pair(tmp_path)
-    att = run_attribution([str(ref)], [str(cand)], mixture={"text_share": "0.1"})
+    att = run_attribution([str(ref)], [str(cand)], AttributeOptions(mixture={"text_share": "0.1"}))
     assert att.mixture["declared"] == {"text_share": "0.1"}
     assert run_attribution([str(ref)], [str(cand)]).mixture["declared"] is None
 
@@ -322,7 +323,8 @@ def test_user_registry_is_validated(tmp_path, extra, message):
 
 def test_readme_example_protocol_artefact_qwen3():
     att = run_attribution(
-        ["vendor:qwen3-8b/ifeval/nothink-template"], ["vendor:qwen3-8b/ifeval/default-template"], vendor=True
+        ["vendor:qwen3-8b/ifeval/nothink-template"], ["vendor:qwen3-8b/ifeval/default-template"],
+        AttributeOptions(vendor=True),
     )
     ife = _bench(att, "IFEval")
     [row] = ife["comparisons"]
@@ -342,7 +344,7 @@ def test_readme_example_protocol_artefact_qwen3():
 
 
 def test_readme_example_gap_changes_with_protocol_qwen25_vl():
-    att = run_attribution(["vendor:Qwen2.5-7B-Instruct"], ["vendor:Qwen2.5-VL-7B"], baseline_protocol="instruct")
+    att = run_attribution(["vendor:Qwen2.5-7B-Instruct"], ["vendor:Qwen2.5-VL-7B"], AttributeOptions(baseline_protocol="instruct"))
     pe = _bench(att, "IFEval")["protocol_effect"]
     assert pe["gaps"]["instruct"] == [-9.43] and pe["gaps"]["community"] == [-20.52]
     assert pe["effects"]["community"] == -11.09 and pe["sign_flip"] is False
@@ -522,17 +524,17 @@ def test_vendor_figures_and_reported_gaps_beside_measured_runs(tmp_path):
     ref = write_run(tmp_path / "r", {"ifeval": REF_IF}, model="/models/Qwen2.5-7B-Instruct")
     cand = write_run(tmp_path / "c", {"ifeval": CAND_IF}, model="/models/Qwen2.5-VL-7B-Instruct")
     as_names = ["/models/Qwen2.5-7B-Instruct=Qwen2.5-7B-Instruct", "/models/Qwen2.5-VL-7B-Instruct=Qwen2.5-VL-7B"]
-    plain = run_attribution([str(ref)], [str(cand)], as_names=as_names)
+    plain = run_attribution([str(ref)], [str(cand)], AttributeOptions(as_names=as_names))
     assert [r["kind"] for r in _bench(plain, "IFEval")["comparisons"]] == [
         "same_protocol"
     ]  # no registry figures without --vendor
     # a local folder is never matched by its name: without --as, none of the registry's figures
-    unmatched = run_attribution([str(ref)], [str(cand)], vendor=True)
+    unmatched = run_attribution([str(ref)], [str(cand)], AttributeOptions(vendor=True))
     assert _bench(unmatched, "IFEval")["vendor"] == [] and unmatched.registry["vendor_missing"] == [
         "Qwen2.5-7B-Instruct",
         "Qwen2.5-VL-7B-Instruct",
     ]
-    att = run_attribution([str(ref)], [str(cand)], vendor=True, as_names=as_names)
+    att = run_attribution([str(ref)], [str(cand)], AttributeOptions(vendor=True, as_names=as_names))
     assert [m["by"] for m in att.registry["matches"]] == ["matched by --as"] * 2
     assert att.registry["vendor_missing"] == ["Qwen2.5-VL-7B"]  # the registry has no vendor figure of the VLM
     ife = _bench(att, "IFEval")

@@ -11,6 +11,7 @@ from constructed_runs import write_run
 
 from lm_eval_sink.attribution import to_markdown, unverified_figures
 from lm_eval_sink.cli import main
+from lm_eval_sink.attribution import AttributeOptions
 from lm_eval_sink.commands.attribute import run_attribution
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.vendors import load_registry
@@ -86,7 +87,8 @@ def test_vendor_show_prints_the_verification(capsys):
 
 def test_attribute_shows_which_registry_figures_are_unverified(tmp_path, capsys):
     att = run_attribution(
-        ["vendor:qwen3-8b/ifeval/nothink-template"], ["vendor:qwen3-8b/ifeval/default-template"], vendor=True
+        ["vendor:qwen3-8b/ifeval/nothink-template"], ["vendor:qwen3-8b/ifeval/default-template"],
+        AttributeOptions(vendor=True),
     )
     assert unverified_figures(att) == ["qwen3-8b/ifeval/default-template", "qwen3-8b/ifeval/nothink-template"]
     assert att.to_json()["unverified_registry_figures"] == unverified_figures(att)
@@ -97,7 +99,7 @@ def test_attribute_shows_which_registry_figures_are_unverified(tmp_path, capsys)
     assert "reference figure qwen3-8b/ifeval/nothink-template: UNVERIFIED" in md  # the measured ones, in the note
     # lineage of a model to itself: same model, never flagged
     assert "- lineage Qwen3-8B -> Qwen3-8B: same model (reference and candidate are the same model)" in md
-    att = run_attribution(["vendor:Qwen2.5-7B-Instruct"], ["vendor:Qwen2.5-VL-7B"], vendor=True)
+    att = run_attribution(["vendor:Qwen2.5-7B-Instruct"], ["vendor:Qwen2.5-VL-7B"], AttributeOptions(vendor=True))
     md = to_markdown(att)
     assert "independent-audit (independent, UNVERIFIED)" in md and "sink-paper (paper, UNVERIFIED)" in md
     assert "qwen2.5-7b-instruct/ifeval/vendor" not in unverified_figures(att)
@@ -158,7 +160,7 @@ def test_vendor_add_then_attribute_vendor_on_a_local_model(tmp_path, capsys):
     base, ref, cand = _my_runs(tmp_path)
     reg = tmp_path / "mine.yaml"
     # before: no figure for either model, said in one line
-    md = to_markdown(run_attribution([str(ref)], [str(cand)], vendor=True, registry_file=None))
+    md = to_markdown(run_attribution([str(ref)], [str(cand)], AttributeOptions(vendor=True, registry_file=None)))
     [line] = [x for x in md.splitlines() if x.startswith("- vendor figures:")]
     assert line.startswith("- vendor figures: none in the registry for my-base-llm, my-vlm-backbone (")
     assert (
@@ -170,10 +172,10 @@ def test_vendor_add_then_attribute_vendor_on_a_local_model(tmp_path, capsys):
     assert data["models"] == {"My-Base-LLM": {"kind": "llm", "hub_id": "me/my-base-llm"}}
     assert data["scores"][0]["metric"] == "prompt_level_strict_acc" and data["scores"][0]["verified"]["quote"]
     # the folder's name is not a match: without --as, still no figure
-    att = run_attribution([str(ref)], [str(cand)], vendor=True, registry_file=reg)
+    att = run_attribution([str(ref)], [str(cand)], AttributeOptions(vendor=True, registry_file=reg))
     assert att.registry["matches"] == [] and att.benchmarks[0]["vendor"] == []
     # --as FOLDER=NAME: matched, said so; the vendor row carries the --limit caveat and the verification
-    att = run_attribution([str(ref)], [str(cand)], vendor=True, registry_file=reg, as_names=[f"{base}=My-Base-LLM"])
+    att = run_attribution([str(ref)], [str(cand)], AttributeOptions(vendor=True, registry_file=reg, as_names=[f"{base}=My-Base-LLM"]))
     assert att.registry["matches"] == [
         {"model": str(base.resolve()), "registry_model": "My-Base-LLM", "by": "matched by --as"}
     ]
@@ -186,9 +188,9 @@ def test_vendor_add_then_attribute_vendor_on_a_local_model(tmp_path, capsys):
     assert "| +5.00 (subset) |" in md
     # a bare --as with two local models is ambiguous; an --as that names no run's folder is refused
     with pytest.raises(UserError, match="ambiguous"):
-        run_attribution([str(ref)], [str(cand)], registry_file=reg, as_names=["My-Base-LLM"])
+        run_attribution([str(ref)], [str(cand)], AttributeOptions(registry_file=reg, as_names=["My-Base-LLM"]))
     with pytest.raises(UserError, match="matches no run's local model folder"):
-        run_attribution([str(ref)], [str(cand)], registry_file=reg, as_names=["/elsewhere=My-Base-LLM"])
+        run_attribution([str(ref)], [str(cand)], AttributeOptions(registry_file=reg, as_names=["/elsewhere=My-Base-LLM"]))
 
 
 def test_a_run_of_a_hub_id_is_matched_by_it_and_a_model_against_its_own_figure_is_the_same_model(tmp_path, capsys):
@@ -196,7 +198,7 @@ def test_a_run_of_a_hub_id_is_matched_by_it_and_a_model_against_its_own_figure_i
     assert main(_add(reg)) == 0  # no quote: unverified, said so
     assert "UNVERIFIED) to " in capsys.readouterr().out
     run = write_run(tmp_path / "h", {"ifeval": ([1, 1, 1, 0, 0], [1, 1, 1, 1, 0])}, model="me/my-base-llm", limit=None)
-    att = run_attribution(["vendor:My-Base-LLM"], [str(run)], vendor=True, registry_file=reg)
+    att = run_attribution(["vendor:My-Base-LLM"], [str(run)], AttributeOptions(vendor=True, registry_file=reg))
     assert att.registry["matches"][0]["by"] == "matched by its hub id me/my-base-llm"
     [li] = att.lineage
     assert li["status"] == "same_model" and li["flagged"] is False

@@ -12,6 +12,8 @@ from typing import Any
 from lm_eval_sink.attribution import (
     LINEAGE_CONFIG_FIELDS,
     Attribution,
+    AttributeOptions,
+    Evidence,
     Measurement,
     attribute,
     lineage,
@@ -162,20 +164,9 @@ def _load(
 
 
 def run_attribution(
-    references: list[str],
-    candidates: list[str],
-    *,
-    vendor: bool = False,
-    registry_file: str | Path | None = None,
-    benchmarks_file: str | Path | None = None,
-    declared_lineage: str | None = None,
-    mixture: dict[str, str] | None = None,
-    baseline_protocol: str | None = None,
-    allow_partial: bool = False,
-    as_names: list[str] | None = None,
+    references: list[str], candidates: list[str], options: AttributeOptions = AttributeOptions()
 ) -> Attribution:
-    """Load runs (paths) and registry entries (`vendor:ID` / `vendor:MODEL`) and attribute the gaps. `as_names`:
-    `--as [FOLDER=]NAME`, the registry entry a local model folder is (FOLDER left out: the one local model)."""
+    """Load runs (paths) and registry entries (`vendor:ID` / `vendor:MODEL`) and attribute the gaps."""
     from lm_eval_sink.runs import read_samples
     from lm_eval_sink.vendors import load_registry
 
@@ -184,42 +175,27 @@ def run_attribution(
             "attribute needs at least one --reference and one --candidate",
             "pass runs (lm-eval output folders or results JSON) or vendor:ENTRY",
         )
-    benchmarks = load_benchmarks(benchmarks_file)
+    benchmarks = load_benchmarks(options.benchmarks_file)
     # the registry also recognises models for lineage; its scores are used only with vendor: or --vendor
-    registry = load_registry(registry_file)
-    given_as = _parse_as(as_names or [])
+    registry = load_registry(options.registry_file)
+    given_as = options.folders_as()
     ref_m, ref_info, ref_in = _load(references, "reference", benchmarks, registry, given_as)
     cand_m, cand_info, cand_in = _load(candidates, "candidate", benchmarks, registry, given_as)
     _check_as(given_as, [*ref_info, *cand_info])
     allm = relabel([*ref_m, *cand_m])
     ref_m, cand_m = allm[: len(ref_m)], allm[len(ref_m) :]
-    uses_registry = vendor or any(str(a).startswith("vendor:") for a in [*references, *candidates])
-    reported, vendor_scores = _registry_figures(registry, ref_info, cand_info, uses_registry, vendor)
-    return attribute(
-        ref_m,
-        cand_m,
+    uses_registry = options.vendor or any(str(a).startswith("vendor:") for a in [*references, *candidates])
+    reported, vendor_scores = _registry_figures(registry, ref_info, cand_info, uses_registry, options.vendor)
+    evidence = Evidence(
         benchmarks=benchmarks,
-        lineage_info=_lineages(ref_info, cand_info, declared_lineage),
+        lineage=_lineages(ref_info, cand_info, options.declared_lineage),
         reported_gaps=reported,
         vendor_scores=vendor_scores,
-        mixture=mixture,
-        baseline_protocol=baseline_protocol,
-        allow_partial=allow_partial,
-        samples_rows=_cached(read_samples),
         inputs=[*ref_in, *cand_in],
-        registry_info=_registry_info(registry, [*ref_info, *cand_info], vendor),
+        registry=_registry_info(registry, [*ref_info, *cand_info], options.vendor),
+        samples_rows=_cached(read_samples),
     )
-
-
-def _parse_as(items: list[str]) -> dict[str | None, str]:
-    """`--as NAME` (key None: the one local model) and `--as FOLDER=NAME`, by folder."""
-    out: dict[str | None, str] = {}
-    for item in items:
-        folder, eq, name = item.rpartition("=")
-        if not name.strip() or (eq and not folder.strip()):
-            raise UserError(f"--as {item!r} names no registry model", "pass --as NAME or --as FOLDER=NAME")
-        out[folder.strip() if eq else None] = name.strip()
-    return out
+    return attribute(ref_m, cand_m, evidence, options)
 
 
 def _check_as(given: dict[str | None, str], infos: list[dict[str, Any]]) -> None:
@@ -339,16 +315,20 @@ def write_report(att: Attribution, out_dir: str | Path, force: bool = False) -> 
 
 
 def run_attribute(
-    references: list[str], candidates: list[str], output: Path | None = None, *, force: bool = False, **options: Any
+    references: list[str],
+    candidates: list[str],
+    output: Path | None = None,
+    options: AttributeOptions = AttributeOptions(),
+    *,
+    force: bool = False,
 ) -> list[str]:
-    """The `attribute` command: refuse the output folder early, attribute (`options`: run_attribution's), print the
-    Markdown, write the folder."""
+    """The `attribute` command: refuse the output folder early, attribute, print the Markdown, write the folder."""
     from lm_eval_sink.io import check_output_dir
 
     if output is not None:
-        files = [options.get("registry_file"), options.get("benchmarks_file")]
+        files = [options.registry_file, options.benchmarks_file]
         check_output_dir(output, force, inputs=[*references, *candidates, *files])
-    att = run_attribution(list(references), list(candidates), **options)
+    att = run_attribution(list(references), list(candidates), options)
     lines = [to_markdown(att).removesuffix("\n")]
     if output is not None:
         paths = write_report(att, output, force=force)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -120,19 +121,28 @@ def _require_same_protocol(fps: dict[str, tuple[Any, str | None]], diffs: dict[s
         )
 
 
+@dataclass(frozen=True, slots=True)
+class CompareOptions:
+    """How `buckets` compares two runs besides what it computes (`BucketSettings`): `tokenizer` counts the
+    candidate's generated tokens for the failure kinds (None: the run's own counts where it has them),
+    `same_protocol` refuses runs whose protocols differ, `repeat` is a second run of the reference under the same
+    protocol (the comparison's noise floor), `progress` shows progress bars."""
+
+    tokenizer: str | None = None
+    same_protocol: bool = False
+    repeat: str | Path | None = None
+    progress: bool = False
+
+
 def compare_runs(
     reference: str | Path,
     candidate: str | Path,
     task: str | None = None,
     settings: BucketSettings = BucketSettings(),
-    *,
-    tokenizer: str | None = None,
-    same_protocol: bool = False,
-    progress: bool = False,
-    repeat: str | Path | None = None,
+    options: CompareOptions = CompareOptions(),
 ) -> BucketReport:
-    """Resolve two lm-eval runs, bucket one task's samples, attach both runs' provenance; with `repeat` (a second
-    run of the reference under the same protocol), the noise floor of the comparison."""
+    """Resolve two lm-eval runs, bucket one task's samples, attach both runs' provenance; with `options.repeat` (a
+    second run of the reference under the same protocol), the noise floor of the comparison."""
     from lm_eval_sink.io import provenance
     from lm_eval_sink.runs import read_samples, resolve_run
 
@@ -144,14 +154,14 @@ def compare_runs(
         "candidate": run_record(cand_run, *fps["candidate"], task, cand_path, candidate),
     }
     diffs = protocol_differences(fps["reference"][0], fps["candidate"][0], task)
-    if same_protocol:
+    if options.same_protocol:
         _require_same_protocol(fps, diffs)
-    rep_path = _repeat_run(repeat, task, runs, fps) if repeat is not None else None
+    rep_path = _repeat_run(options.repeat, task, runs, fps) if options.repeat is not None else None
     count_tokens = None
-    if tokenizer is not None:
+    if options.tokenizer is not None:
         from lm_eval_sink.failure_kinds import tokenizer_counter
 
-        count_tokens = tokenizer_counter(tokenizer)
+        count_tokens = tokenizer_counter(options.tokenizer)
     fallback = runs["candidate"].get("default_max_gen_toks")
     report = bucket(
         read_samples(ref_path),
@@ -161,7 +171,7 @@ def compare_runs(
         count_tokens=count_tokens,
         fallback_max_gen_toks=(fallback["value"], fallback["source"]) if fallback else None,
         labels=(f"reference samples {ref_path}", f"candidate samples {cand_path}"),
-        progress=progress,
+        progress=options.progress,
     )
     if rep_path is not None:
         labels = (f"reference samples {ref_path}", f"repeat samples {rep_path}")
@@ -169,7 +179,7 @@ def compare_runs(
     prov = provenance(
         command="buckets",
         method_versions={"buckets": METHOD_VERSION},
-        tokenizer=tokenizer,
+        tokenizer=options.tokenizer,
         inputs={
             k: {"samples_sha256": v["samples_sha256"], "results_sha256": v.get("results_sha256")}
             for k, v in runs.items()
@@ -243,13 +253,10 @@ def run_buckets(
     task: str | None,
     settings: BucketSettings,
     output: Path | None = None,
+    options: CompareOptions = CompareOptions(),
     *,
-    force: bool = False,
-    tokenizer: str | None = None,
-    same_protocol: bool = False,
-    progress: bool = True,
     checkpoint: str | None = None,
-    repeat: str | Path | None = None,
+    force: bool = False,
 ) -> tuple[BucketReport, list[str]]:
     """The `buckets` command: compare, then write the output folder when `output` is given; returns the report and the
     lines to print. A sweep's output folder stands for one of its checkpoints (`sweep_runs`)."""
@@ -258,17 +265,8 @@ def run_buckets(
         from lm_eval_sink.io import check_output_dir
 
         output = Path(output)
-        check_output_dir(output, force, inputs=[reference, candidate, repeat, tokenizer])
-    report = compare_runs(
-        reference,
-        candidate,
-        task,
-        settings,
-        tokenizer=tokenizer,
-        same_protocol=same_protocol,
-        progress=progress,
-        repeat=repeat,
-    )
+        check_output_dir(output, force, inputs=[reference, candidate, options.repeat, options.tokenizer])
+    report = compare_runs(reference, candidate, task, settings, options)
     data = report.to_json()
     lines = [summary_markdown(data)]
     if output is not None:
