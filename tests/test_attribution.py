@@ -323,7 +323,8 @@ def test_user_registry_is_validated(tmp_path, extra, message):
 
 def test_readme_example_protocol_artefact_qwen3():
     att = run_attribution(
-        ["vendor:qwen3-8b/ifeval/nothink-template"], ["vendor:qwen3-8b/ifeval/default-template"],
+        ["vendor:qwen3-8b/ifeval/nothink-template"],
+        ["vendor:qwen3-8b/ifeval/default-template"],
         AttributeOptions(vendor=True),
     )
     ife = _bench(att, "IFEval")
@@ -344,7 +345,9 @@ def test_readme_example_protocol_artefact_qwen3():
 
 
 def test_readme_example_gap_changes_with_protocol_qwen25_vl():
-    att = run_attribution(["vendor:Qwen2.5-7B-Instruct"], ["vendor:Qwen2.5-VL-7B"], AttributeOptions(baseline_protocol="instruct"))
+    att = run_attribution(
+        ["vendor:Qwen2.5-7B-Instruct"], ["vendor:Qwen2.5-VL-7B"], AttributeOptions(baseline_protocol="instruct")
+    )
     pe = _bench(att, "IFEval")["protocol_effect"]
     assert pe["gaps"]["instruct"] == [-9.43] and pe["gaps"]["community"] == [-20.52]
     assert pe["effects"]["community"] == -11.09 and pe["sign_flip"] is False

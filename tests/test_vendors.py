@@ -87,7 +87,8 @@ def test_vendor_show_prints_the_verification(capsys):
 
 def test_attribute_shows_which_registry_figures_are_unverified(tmp_path, capsys):
     att = run_attribution(
-        ["vendor:qwen3-8b/ifeval/nothink-template"], ["vendor:qwen3-8b/ifeval/default-template"],
+        ["vendor:qwen3-8b/ifeval/nothink-template"],
+        ["vendor:qwen3-8b/ifeval/default-template"],
         AttributeOptions(vendor=True),
     )
     assert unverified_figures(att) == ["qwen3-8b/ifeval/default-template", "qwen3-8b/ifeval/nothink-template"]
@@ -175,7 +176,9 @@ def test_vendor_add_then_attribute_vendor_on_a_local_model(tmp_path, capsys):
     att = run_attribution([str(ref)], [str(cand)], AttributeOptions(vendor=True, registry_file=reg))
     assert att.registry["matches"] == [] and att.benchmarks[0]["vendor"] == []
     # --as FOLDER=NAME: matched, said so; the vendor row carries the --limit caveat and the verification
-    att = run_attribution([str(ref)], [str(cand)], AttributeOptions(vendor=True, registry_file=reg, as_names=[f"{base}=My-Base-LLM"]))
+    att = run_attribution(
+        [str(ref)], [str(cand)], AttributeOptions(vendor=True, registry_file=reg, as_names=[f"{base}=My-Base-LLM"])
+    )
     assert att.registry["matches"] == [
         {"model": str(base.resolve()), "registry_model": "My-Base-LLM", "by": "matched by --as"}
     ]
@@ -190,7 +193,9 @@ def test_vendor_add_then_attribute_vendor_on_a_local_model(tmp_path, capsys):
     with pytest.raises(UserError, match="ambiguous"):
         run_attribution([str(ref)], [str(cand)], AttributeOptions(registry_file=reg, as_names=["My-Base-LLM"]))
     with pytest.raises(UserError, match="matches no run's local model folder"):
-        run_attribution([str(ref)], [str(cand)], AttributeOptions(registry_file=reg, as_names=["/elsewhere=My-Base-LLM"]))
+        run_attribution(
+            [str(ref)], [str(cand)], AttributeOptions(registry_file=reg, as_names=["/elsewhere=My-Base-LLM"])
+        )
 
 
 def test_a_run_of_a_hub_id_is_matched_by_it_and_a_model_against_its_own_figure_is_the_same_model(tmp_path, capsys):
