@@ -634,8 +634,8 @@ def _remote_measure(
 def ray_measure_all(
     address: str | None, num_gpus: float | None = None, device: str = DEFAULT_DEVICE, progress: bool = True
 ) -> Callable[..., Iterator[tuple[str, Any, str | None]]]:
-    """A `strength.run_strength(measure_all=...)` that measures each model in its own Ray task, yielding
-    (path, result, None) or (path, None, error line) as each task finishes.
+    """A `MeasureOptions(measure_all=...)` for `strength` and `screen` that measures each model in its own Ray task,
+    yielding (path, result, None) or (path, None, error line) as each task finishes.
 
     `num_gpus` per task follows `device` (`unit_gpus`); a bad pair is refused here, before Ray starts."""
     gpus = unit_gpus(num_gpus, device, "--num-gpus")
