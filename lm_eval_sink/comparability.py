@@ -123,22 +123,26 @@ def _int(value: Any) -> int | None:
 def setting_of(record: Mapping[str, Any]) -> Setting:
     """The setting of a saved Sink Strength result (`SinkStrength.to_json()` with its provenance)."""
     prov = record.get("provenance") or {}
-    asked = prov.get("settings") or {}
+    return _saved_setting(prov, prov.get("settings") or {}, record)
+
+
+def _saved_setting(prov: Mapping[str, Any], asked: Mapping[str, Any], measured: Mapping[str, Any]) -> Setting:
+    """The setting of a saved S: its provenance (prompt set, protocol, dtype), the strength settings `asked` and
+    the `measured` S's own fields (rows, statistic, last_k, attention layers)."""
     prompts = prov.get("prompt_set") or {}
     protocol = prov.get("protocol") or {}
-    layers = record.get("attention_layers") or []
     return Setting(
         prompt_set=prompts.get("sha256"),
         prompt_source=prompts.get("source"),
-        n_prompts=_int(prompts.get("n_prompts")) or _int(record.get("n_prompts")),
+        n_prompts=_int(prompts.get("n_prompts")) or _int(measured.get("n_prompts")),
         chat_template_asked=asked.get("use_chat_template"),
         chat_template_applied=protocol.get("chat_template_applied"),
         system_prompt=protocol.get("system_prompt"),
-        rows=record.get("rows"),
-        statistic=record.get("statistic"),
+        rows=measured.get("rows"),
+        statistic=measured.get("statistic"),
         last_k_asked=asked.get("last_k"),
-        last_k=_int(record.get("last_k")),
-        attention_layers=len(layers) or _int(record.get("n_layers")),
+        last_k=_int(measured.get("last_k")),
+        attention_layers=len(measured.get("attention_layers") or []) or _int(measured.get("n_layers")),
         dtype=prov.get("dtype"),
     )
 
@@ -172,23 +176,8 @@ def setting_of_margin(data: Mapping[str, Any], role: str) -> Setting:
     """The setting of a margin.json's S of `role` (reference or candidate): both measured on the reference's token
     ids, so both share its prompts and template."""
     prov = data.get("provenance") or {}
-    own = prov.get(f"{role}_sink_strength") or {}
-    asked = (prov.get("settings") or {}).get("strength") or {}
-    prompts = prov.get("prompt_set") or {}
-    protocol = prov.get("protocol") or {}
-    return Setting(
-        prompt_set=prompts.get("sha256"),
-        prompt_source=prompts.get("source"),
-        n_prompts=_int(prompts.get("n_prompts")),
-        chat_template_asked=asked.get("use_chat_template"),
-        chat_template_applied=protocol.get("chat_template_applied"),
-        system_prompt=protocol.get("system_prompt"),
-        rows=own.get("rows"),
-        statistic=own.get("statistic"),
-        last_k_asked=asked.get("last_k"),
-        last_k=_int(own.get("last_k")),
-        attention_layers=_int(own.get("n_layers")),
-        dtype=prov.get("dtype"),
+    return _saved_setting(
+        prov, (prov.get("settings") or {}).get("strength") or {}, prov.get(f"{role}_sink_strength") or {}
     )
 
 
