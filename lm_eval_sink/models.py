@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lm_eval_sink.adapters import ADAPTER_CONFIG, adapted, config_virtual_tokens, folder_virtual_tokens, load_on_base
+from lm_eval_sink.adapters import ADAPTER_CONFIG, VirtualTokens, adapted, config_virtual_tokens, load_on_base
 from lm_eval_sink.devices import DEFAULT_DEVICE, load_dtype, place
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.identity import check_finished_folder, hub_offline, hub_snapshot, looks_like_hub_id
@@ -205,10 +205,12 @@ def _hub_folder(repo_id: str, offline: bool) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class ResolvedModel:
-    """A resolved model and, for a peft adapter folder, its resolved base (None otherwise): resolved once per load."""
+    """A resolved model and, for a peft adapter folder, its resolved base and its virtual tokens (None otherwise):
+    resolved once per load."""
 
     path: str
     base: str | None = None
+    virtual: VirtualTokens | None = None
 
 
 def resolve_model(name: str | Path, role: str = "model", **options: bool) -> str:
@@ -253,7 +255,7 @@ def resolved(
                 "merge the adapter into its base (peft merge_and_unload, then save_pretrained) and pass that "
                 "folder; lm-eval takes the pair as pretrained=BASE,peft=ADAPTER",
             )
-        return ResolvedModel(folder, adapter_base(folder))
+        return with_adapter(folder)
     offline = hub_offline()
     looks_like_id = looks_like_hub_id(text)
     if looks_like_id and local:
@@ -285,16 +287,17 @@ def _gguf_model(path: Path, role: str, allowed: bool) -> str:
     return str(path.resolve())
 
 
-def adapter_base(path: str) -> str | None:
-    """The resolved base model of a peft adapter folder (`base_model_name_or_path` in its adapter_config.json);
-    None for any other model. An adapter Sink Strength cannot be measured on is refused (`adapters`)."""
+def with_adapter(path: str) -> ResolvedModel:
+    """`path` with, for a peft adapter folder, its resolved base model (`base_model_name_or_path` in its
+    adapter_config.json) and its virtual tokens (`adapters.config_virtual_tokens`); both None for any other model.
+    An adapter Sink Strength cannot be measured on is refused (`adapters`)."""
     config = Path(path) / ADAPTER_CONFIG
     if not config.is_file():
-        return None
+        return ResolvedModel(path)
     import json
 
     data = json.loads(config.read_text(encoding="utf-8"))
-    config_virtual_tokens(config, data)
+    virtual = config_virtual_tokens(config, data)
     base = data.get("base_model_name_or_path")
     if not base:
         raise UserError(
@@ -302,7 +305,7 @@ def adapter_base(path: str) -> str | None:
             "save the adapter with peft from a base model loaded by folder or hub id",
         )
     try:
-        return resolve_model(base, "base model")
+        return ResolvedModel(path, resolve_model(base, "base model"), virtual)
     except UserError as e:
         raise UserError(f"{config}: {e.message}", e.hint) from None
 
@@ -313,7 +316,7 @@ def model_fingerprint(model: str | ResolvedModel) -> dict[str, Any]:
     `ResolvedModel` brings its own."""
     from lm_eval_sink.identity import files_fingerprint, model_identity
 
-    model = model if isinstance(model, ResolvedModel) else ResolvedModel(model, adapter_base(model))
+    model = model if isinstance(model, ResolvedModel) else with_adapter(model)
     path, base = model.path, model.base
     identity = model_identity(path)
     if base is None:
@@ -406,7 +409,7 @@ def load_model(
         if cls is not None:
             check_supported_class(cls)  # before any weight is read
             impl = attn_implementation_for(cls, config)
-    virtual = base is not None and folder_virtual_tokens(path) is not None  # peft loads these, transformers does not
+    virtual = target.virtual is not None  # peft loads these, transformers does not
     impl_arg = {"attn_implementation": impl} if impl else {}
     model, placement = load_placed(
         AutoModelForCausalLM, base if virtual else source, td, device, config, bool(gguf), **args, **impl_arg
