@@ -155,11 +155,10 @@ def prediction(
     """A task's prediction for S measured in `setting`: with the fit's prediction interval when the fit's pairs were
     measured in that setting, or with the paper line's caveat when asked; else why none is made."""
     pairs, why = fit_setting
-    same = pairs is not None and compare(["pairs", "model"], [pairs, setting]).comparable
-    if pairs is not None and not same:
-        why = "the pairs were measured in another setting: " + "; ".join(
-            compare(["pairs", "model"], [pairs, setting]).differences("B")
-        )
+    both = None if pairs is None else compare(["pairs", "model"], [pairs, setting])
+    same = both is not None and both.comparable
+    if both is not None and not same:
+        why = "the pairs were measured in another setting: " + "; ".join(both.differences("B"))
     if not same and not paper_line:
         return {"predicted": False, "why_not": why}
     lo, hi = f.prediction_interval(s)
