@@ -55,7 +55,8 @@ def run_vendor_add(new: NewScore, registry_file: str | Path | None = None, **ver
     path.parent.mkdir(parents=True, exist_ok=True)
     with hold(path, sibling=True):
         current = parse_yaml(path.read_text(encoding="utf-8"), str(path)) if path.is_file() else None
-        reg = load_registry(path) if path.is_file() else _bundled_only()
+        # the bundled registry alone while the user file does not exist yet (the default one must not be read)
+        reg = load_registry(path) if path.is_file() else registry_with({}, "(new user registry)")
         data, score_id = add_score(current, reg, new)
         registry_with(data, str(path))  # the whole file, as every later load will read it
         atomic_write_text(path, yaml.safe_dump(data, sort_keys=False, allow_unicode=True, width=120))
@@ -67,10 +68,3 @@ def run_vendor_add(new: NewScore, registry_file: str | Path | None = None, **ver
         + ("" if registry_file is None else f" with --registry {path}")
         + "; a local model folder is matched to it only by --as NAME or its recorded hub id",
     ]
-
-
-def _bundled_only():
-    """The bundled registry alone (the user file does not exist yet, so the default one must not be read)."""
-    from lm_eval_sink.vendors import registry_with
-
-    return registry_with({}, "(new user registry)")
