@@ -271,7 +271,7 @@ class Attribution:
     mixture: dict[str, Any]
     inputs: list[dict[str, Any]]
     measurements: list[dict[str, Any]]
-    registry: dict[str, Any] = field(default_factory=lambda: {"matches": [], "vendor_missing": None})
+    registry: dict[str, Any]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -488,11 +488,11 @@ class Evidence:
 
     benchmarks: dict[str, Benchmark]
     lineage: list[dict[str, Any]]
-    reported_gaps: list[Any] = field(default_factory=list)
-    vendor_scores: list[Any] = field(default_factory=list)
-    inputs: list[dict[str, Any]] = field(default_factory=list)
-    registry: dict[str, Any] = field(default_factory=lambda: {"matches": [], "vendor_missing": None})
-    samples_rows: Callable[[str], list[dict[str, Any]]] | None = None
+    reported_gaps: list[Any]
+    vendor_scores: list[Any]
+    inputs: list[dict[str, Any]]
+    registry: dict[str, Any]
+    samples_rows: Callable[[str], list[dict[str, Any]]]
 
 
 def attribute(
