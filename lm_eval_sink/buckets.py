@@ -394,7 +394,7 @@ def bucket(
         settings=asdict(settings),
         notes=_pairing_notes(p.pairing, len(p.ids))
         + _collapse_notes(p.ids, p.ref_rows, p.cand_rows, labels)
-        + _self_notes(p, "reference and candidate"),
+        + _self_notes(identical_samples(p), len(p.ids), "reference and candidate"),
         power=comparison_power(kind, p.cand_v - p.ref_v, settings.effect),
     )
 
@@ -519,12 +519,13 @@ def identical_samples(p: _Paired) -> bool:
     )
 
 
-def _self_notes(p: _Paired, what: str) -> list[str]:
-    """A note when the two logs are the same samples: every difference is zero by construction."""
-    if not identical_samples(p):
+def _self_notes(identical: bool, n: int, what: str) -> list[str]:
+    """A note when the two logs are the same samples (`identical_samples` of `n` paired docs): every difference is
+    zero by construction."""
+    if not identical:
         return []
     return [
-        f"{what} give identical samples (prompt, response and score) for all {len(p.ids)} paired docs: a run "
+        f"{what} give identical samples (prompt, response and score) for all {n} paired docs: a run "
         "compared with itself (or a copy of it) measures nothing; every difference is zero by construction"
     ]
 
@@ -907,7 +908,8 @@ def with_noise_floor(
     rows = [
         {**row, "noise_flip": (row["doc_id"] in flips) if row["doc_id"] in ref_pass else None} for row in report.rows
     ]
-    notes = [*report.notes, _noise_sentence(floor), *_self_notes(p, "the reference and its repeat")]
+    notes = [*report.notes, _noise_sentence(floor)]
+    notes += _self_notes(floor["identical"], len(p.ids), "the reference and its repeat")
     return replace(report, rows=rows, noise_floor=floor, notes=notes)
 
 
