@@ -146,7 +146,7 @@ def test_the_plan_note_names_a_checkpoint_that_gets_an_engine_of_its_own(tmp_pat
     import shutil
 
     from lm_eval_sink.commands.sweep import load_sweep, plan_sweep
-    from lm_eval_sink.commands.vllm_resident import plan_notes
+    from lm_eval_sink.commands.engine_sweep import plan_notes
 
     cand = tmp_path / "cand"
     shutil.copytree(tiny_trio["candidate"], cand)

@@ -58,7 +58,7 @@ def _engine_pids(parent: int) -> list[int]:
     for proc in Path("/proc").iterdir():
         try:
             ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if proc.name.isdigit() and ppid == parent and b"vllm_resident" in (proc / "cmdline").read_bytes():
+            if proc.name.isdigit() and ppid == parent and b"engine_server" in (proc / "cmdline").read_bytes():
                 pids.append(int(proc.name))
         except (OSError, ValueError, IndexError):
             continue
@@ -204,7 +204,7 @@ def edge(smollm2_sweeps, default_model, tmp_path_factory, vllm_env) -> dict:
     of that whose weights stop half way (its reload fails); then the runner's state and why it would start a new
     engine for the next unit, a checkpoint its engine held."""
     from lm_eval_sink.commands.sweep import load_sweep
-    from lm_eval_sink.commands.vllm_resident import EngineRunner, checkpoint_fields
+    from lm_eval_sink.commands.engine_sweep import EngineRunner, checkpoint_fields
 
     root = tmp_path_factory.mktemp("edge")
     changed = _config_changed(default_model, root / "changed")

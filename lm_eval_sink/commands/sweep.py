@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.commands.units import run_unit
-from lm_eval_sink.commands.vllm_resident import check_reuse, engine_reuse, local_runner, plan_notes, ray_pool
+from lm_eval_sink.commands.engine_sweep import check_reuse, engine_reuse, local_runner, plan_notes, ray_pool
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.identity import looks_like_hub_id, tree_files
 from lm_eval_sink.io import (

@@ -1,8 +1,8 @@
 """The sweep's side of the resident vLLM engine: its process, the requests, and what a checkpoint fixes in an engine.
 
-`EngineProcess` starts `python -m lm_eval_sink.harness.vllm_resident` in the interpreter of the eval
+`EngineProcess` starts `python -m lm_eval_sink.harness.engine_server` in the interpreter of the eval
 settings (vLLM lives in a venv of its own) and sends it one JSON request per line, reading one answer
-line each (the protocol: `vllm_resident`'s docstring). The process outlives the requests, not the
+line each (the protocol: `engine_server`'s docstring). The process outlives the requests, not the
 sweep: it exits on `close`, at the end of its input, and (Linux) when the sweep's process dies.
 `checkpoint_facts` reads, without loading anything, what an engine started from a checkpoint folder
 would fix (`merging.engine_reuse.engine_fields`): config.json, generation_config.json, the tokenizer's
@@ -117,7 +117,7 @@ class EngineProcess:
         with open(log, "a", encoding="utf-8") as stderr:  # the process keeps its own handle
             # -P: the current folder does not count (a source checkout there would shadow the installed project)
             self.proc = subprocess.Popen(
-                [python, "-P", "-m", "lm_eval_sink.harness.vllm_resident"],
+                [python, "-P", "-m", "lm_eval_sink.harness.engine_server"],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=stderr,

@@ -1,6 +1,6 @@
 """Which checkpoints of a vLLM sweep share one resident engine, and which engine takes which: decisions, no I/O.
 
-A resident vLLM engine (`commands/vllm_resident.py`, `harness/vllm_resident.py`) fixes at its start
+A resident vLLM engine (`commands/engine_sweep.py`, `harness/engine_server.py`) fixes at its start
 what it read of its first checkpoint: the architecture and shapes (config.json), the tokenizer, its
 chat template and special tokens, generation_config.json, the weight tensors' names and shapes, and
 the dtype (the checkpoint's own unless the eval settings name one). A checkpoint that agrees with the

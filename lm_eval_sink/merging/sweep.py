@@ -75,7 +75,7 @@ class SweepSpec:
     in_memory: bool = False  # merge into one resident model, evaluate and measure it in-process (no unit key)
     keep_weights: bool = False  # in memory: also write each merged checkpoint (as the on-disk path does)
     eval: Any = None  # harness.runner.EvalSettings, or None to skip evaluation
-    engine_reuse: bool = False  # vllm: one resident engine takes every checkpoint (commands/vllm_resident.py; no key)
+    engine_reuse: bool = False  # vllm: one resident engine takes every checkpoint (commands/engine_sweep.py; no key)
     strength: Any = None  # strength.StrengthSettings, or None to skip S
     strength_dtype: str = "auto"
     strength_device: str = DEFAULT_DEVICE

@@ -1,7 +1,7 @@
 """A vLLM sweep's eval units on one resident engine (`eval: {backend: vllm}`; `engine_reuse`, the default).
 
 Instead of an `lm_eval` process per checkpoint, which starts vLLM's engine again each time, one
-process in the vLLM interpreter (`harness.vllm_resident`, through `harness.engine_client`) keeps one
+process in the vLLM interpreter (`harness.engine_server`, through `harness.engine_client`) keeps one
 engine for the sweep (under Ray, one per actor: `engines.run_on_ray`'s pool) and takes each
 checkpoint's weights in place. `EngineRunner.run(unit)` is an eval unit on it: the same staged folder,
 key, marker and lm-eval output files as `units.run_unit`, plus the engine's record in the marker

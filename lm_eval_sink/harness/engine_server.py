@@ -1,7 +1,7 @@
 """The resident vLLM engine's process: lm-eval's vLLM model on one engine that takes each checkpoint's weights.
 
 `harness.engine_client.EngineProcess` starts it in the vLLM interpreter as
-`PYTHON -m lm_eval_sink.harness.vllm_resident` and talks to it in JSON lines: one request per line on
+`PYTHON -m lm_eval_sink.harness.engine_server` and talks to it in JSON lines: one request per line on
 its stdin, one answer line per request on the stdout it was started with (the process points its own
 stdout at stderr before anything else, so nothing vLLM, lm-eval or transformers print can mix with
 the answers; during a request stderr is that unit's lm-eval log):
