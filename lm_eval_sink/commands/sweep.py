@@ -47,6 +47,7 @@ from lm_eval_sink.merging.sweep import (
     EvalIn,
     FolderState,
     Markers,
+    RESIDENT_CODE,
     Plan,
     RenderedMerge,
     Schedule,
@@ -264,11 +265,11 @@ def plan_sweep(spec: SweepSpec) -> Plan:
     from lm_eval_sink.harness.runner import eval_versions
     from lm_eval_sink.merging.merge import merge_inputs_key, merge_versions
     from lm_eval_sink.models import model_fingerprint
-    from lm_eval_sink.strength import key_versions
+    from lm_eval_sink.strength import CODE, key_versions
 
     merges = []
     for r in spec.merges:
-        inputs_key, versions = merge_inputs_key(r.validated, spec.random_seed), merge_versions(r.validated)
+        inputs_key, versions = merge_inputs_key(r.validated, spec.random_seed), merge_versions()
         merges.append(
             RenderedMerge(
                 r.name,
@@ -282,7 +283,10 @@ def plan_sweep(spec: SweepSpec) -> Plan:
             )
         )
     identities = {role: model_fingerprint(spec.models[role]) for role in ENDPOINTS}
-    versions = {"eval": eval_versions(spec.eval) if spec.eval is not None else {}, "strength": key_versions()}
+    versions = {
+        "eval": eval_versions(spec.eval) if spec.eval is not None else {},
+        "strength": key_versions((*CODE, *RESIDENT_CODE)),
+    }
     return plan_units(
         spec,
         identities,

@@ -19,9 +19,9 @@ merged weights); the path is part of no unit key.
 `plan_units` turns a spec, and what the command read for it (endpoint fingerprints, rendered
 merges), into independent units (`merge:<name>`, `eval:<checkpoint>`, `strength:<checkpoint>`),
 each with its own output folder and a key (`io.versioned_key`) of its inputs (config text, input
-fingerprints, settings: `inputs_key`) and of the versions of the code that computes it
-(`versions`: method versions and package versions; a merged checkpoint's eval and strength units
-also hold its merge's, prefixed `merge `), so a unit made by other versions is recomputed.
+fingerprints, settings: `inputs_key`) and of the code that computes it (`versions`: the hashes of
+this project's files on its path, `code`, and package versions; a merged checkpoint's eval and
+strength units also hold its merge's, prefixed `merge `), so a unit made by other code is recomputed.
 `build_table` makes the table (rows = checkpoints, columns = task metrics, deltas vs the
 reference, S) from the saved outputs, after checking that every run
 used the same harness protocol (`protocols.require_same_harness`); `table_text` renders it as
@@ -279,6 +279,11 @@ class RenderedMerge:
     versions: dict[str, Any]  # merging.merge.merge_versions
 
 
+# The modules that measure S on a resident merged model (an in-memory sweep): a strength unit's code holds them
+# beside the S code (`strength.CODE`), since which path measured it is part of no key (an eval unit's code holds
+# them through `harness.runner.CODE`).
+RESIDENT_CODE = ("lm_eval_sink.harness.inprocess",)
+
 # Where a unit computes is part of no key (its results do not depend on the device). An eval unit's payload keeps
 # the `device` entry its settings had when cpu was the default, at that value, so the units of sweeps made then stay
 # finished (a strength unit's payload holds the settings that decide S alone: StrengthSettings.key_fields).
@@ -296,7 +301,7 @@ def plan_units(
     disk).
 
     `identities`: the endpoints' `models.model_fingerprint`; `versions`: the key versions of the
-    `eval` and `strength` units (`harness.runner.eval_versions`, `strength.key_versions`);
+    `eval` and `strength` units (`harness.runner.eval_versions`, `strength.key_versions` with `RESIDENT_CODE`);
     `include_sha`: the fingerprint of the eval include_path's files (None without one).
     """
     checkpoints = [Checkpoint(role, role, spec.models[role], identities[role]["fingerprint"]) for role in ENDPOINTS]
