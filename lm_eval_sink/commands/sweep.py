@@ -56,6 +56,7 @@ from lm_eval_sink.merging.sweep import (
     Unit,
     build_table,
     check_conflicts,
+    comparability_lines,
     current,
     parse_sweep_data,
     plan_units,
@@ -572,13 +573,14 @@ def _run_sweep_locked(
 
 
 def _tabulate(plan: Plan, markers: Markers, report: SweepReport) -> None:
-    """Build the table from the saved outputs and write it (table.json, .csv, .md, .png)."""
+    """Build the table from the saved outputs and write it (table.json, .csv, .md, .png); the console's notes say
+    which checkpoints' protocols differ and where S of different settings are compared (`comparability_lines`)."""
     table = {
         **build_table(plan, report.failures, *_saved_outputs(plan, markers)),
         "provenance": provenance(sweep=plan.spec.source, units={u.id: u.key for u in plan.units}),
     }
     report.table_files = write_table(table, plan.spec.output)
-    report.notes.extend(table["protocol"]["model_differences"])
+    report.notes.extend([*table["protocol"]["model_differences"], *comparability_lines(table)])
 
 
 def _run_local(units: list[Unit], record: Any, failures: dict[str, str], progress: bool, run: Any) -> None:
