@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -123,3 +124,5 @@ def test_the_closure_follows_lazy_and_named_imports_and_the_data_read():
     hook = code_key.source_hashes(("lm_eval_sink.hooks",))
     assert {"lm_eval_sink/harness/discovery.py", "lm_eval_sink/tasks/sink_strength/sink_strength.yaml"} <= set(hook)
     assert code_key.changed_files({"a": "1", "b": "2"}, {"a": "1", "b": "3", "c": "4"}) == "b, c (new)"
+    package = Path(lm_eval_sink.__file__).parent  # the closure reads absolute names only: no relative import
+    assert not [p for p in package.rglob("*.py") if re.search(r"^\s*from \.", p.read_text(), re.M)]
