@@ -49,9 +49,6 @@ log = logging.getLogger(__name__)
 
 BUCKETS = ("both_pass", "regression", "recovered", "both_fail")
 SCHEMA_VERSION = 1
-# The version of the bucket computation (pairing, classification, bootstrap): bump it when a bucket
-# report changes for the same runs and settings, as lm-eval bumps a task's version (docs/identity.md).
-METHOD_VERSION = 3  # 2: the collapsed-output note; 3: power, the self-comparison note, per-type rows too few to test
 # buckets.json keeps each metric's values as lm-eval writes them; the tables convert (said once, in the JSON).
 UNITS = (
     "scores, deltas, intervals and rates are in the metric's own unit as lm-eval writes it: a share of docs (0-1) "

@@ -35,19 +35,17 @@ from lm_eval_sink.tables import csv_text, markdown_lines
 
 SCHEMA_VERSION = 1
 DEFAULT_QUANTILE = 0.95
-# The version of the margin computation (capture on the reference's keys + these reductions): bump it
-# when a margin figure changes for the same models and settings (docs/identity.md). A margin result's
-# key holds it with the strength method's version and KEY_PACKAGES' versions.
-METHOD_VERSION = 1
+# What a margin result's key holds beside its inputs (docs/identity.md): the hashes of this module's code and of
+# the S code it measures with (`code_key`), and these packages' versions.
+CODE = (__name__, "lm_eval_sink.strength")
 KEY_PACKAGES = ("torch", "transformers")
 
 
 def key_versions() -> dict[str, Any]:
-    """The versions a margin result is keyed by: the margin and strength methods', torch's and transformers'."""
+    """The versions a margin result is keyed by: the hashes of the margin and S code, torch's and transformers'."""
     from lm_eval_sink.io import key_versions as versions
-    from lm_eval_sink.strength import METHOD_VERSION as STRENGTH_VERSION
 
-    return versions({"margin": METHOD_VERSION, "strength": STRENGTH_VERSION}, KEY_PACKAGES)
+    return versions(CODE, KEY_PACKAGES)
 
 
 def sigmoid(x: Any) -> Any:

@@ -29,13 +29,9 @@ from lm_eval_sink.devices import DEFAULT_DEVICE, check_not_tensor_parallel
 from lm_eval_sink.errors import SinkWarning, UserError
 
 DEFAULT_LAST_K = 10
-# The version of the S computation (capture + reduction): bump it when S or any figure beside it
-# changes for the same model and settings, so results made by the old code are recomputed, not
-# reused (docs/identity.md). With KEY_PACKAGES' versions it is part of every strength result key.
-# 2: the result gained `rows_beyond_window` (S itself unchanged).
-# 3: the capture works in query chunks on all prompts in one batch (float32 rounding), and the batching knobs left
-#    the key.
-METHOD_VERSION = 3
+# What every strength result key holds beside its inputs (`key_versions`, docs/identity.md): the hashes of the
+# modules this one can import (the capture, the model loading, the prompts: `code_key`) and these packages' versions.
+CODE = (__name__,)
 KEY_PACKAGES = ("torch", "transformers")
 STATISTICS = ("median", "mean")
 ROWS = ("all", "content")
@@ -326,11 +322,12 @@ def measure_model(
     )
 
 
-def key_versions() -> dict[str, Any]:
-    """The versions a Sink Strength result is keyed by: the method's and those of the packages that compute S."""
+def key_versions(code: tuple[str, ...] = CODE) -> dict[str, Any]:
+    """The versions a Sink Strength result is keyed by: the hashes of the code that computes S (`code`'s modules and
+    what they import) and the versions of the packages that do."""
     from lm_eval_sink.io import key_versions as versions
 
-    return versions({"strength": METHOD_VERSION}, KEY_PACKAGES)
+    return versions(code, KEY_PACKAGES)
 
 
 def inputs_key(

@@ -219,6 +219,22 @@ def set_package_version(monkeypatch, name: str, version: str) -> str | None:
     return installed
 
 
+def change_code(monkeypatch, path: str) -> None:
+    """Make `code_key.source_hashes` (the one source of the code hashes in result keys) report another hash for the
+    project file `path` (e.g. `lm_eval_sink/capture.py`), as an edit of that file would, in this process. The test
+    that edits a real file is tests/test_code_key.py."""
+    import lm_eval_sink.code_key as code_key
+
+    real = code_key.source_hashes
+
+    def patched(roots):
+        hashes = real(roots)
+        assert path in hashes, f"{path} is not on the path of {roots}"
+        return {**hashes, path: "edited-" + hashes[path]}
+
+    monkeypatch.setattr(code_key, "source_hashes", patched)
+
+
 def kill_sweep_when(sweep: Path, folder: Path, pattern: str, settle: float = 0.0, timeout: float = 600) -> bool:
     """Run `sweep` in a forked process group and SIGKILL the group once `folder.glob(pattern)` finds something
     (a staged `.partial-*` unit), `settle` seconds later. True when it was killed, False when it ended first."""

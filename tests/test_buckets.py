@@ -14,7 +14,6 @@ import pytest
 
 import bucket_logs as bl
 from lm_eval_sink.buckets import (
-    METHOD_VERSION,
     BUCKETS,
     BucketSettings,
     bucket,
@@ -270,7 +269,8 @@ def test_cli_writes_every_output(ifeval_pair, tmp_path, capsys):
     assert data["runs"]["candidate"]["protocol"]["chat_template_applied"] is False
     assert "chat_template_applied" in data["protocol_differences"]
     assert data["provenance"]["inputs"]["reference"]["samples_sha256"]
-    assert data["provenance"]["method_versions"] == {"buckets": METHOD_VERSION}
+    code = data["provenance"]["code_versions"]["code"]
+    assert {"lm_eval_sink/buckets.py", "lm_eval_sink/power.py", "lm_eval_sink/pairing.py"} <= set(code)
     assert data["schema_version"] == 1
     csv_lines = (out / "prompts.csv").read_text().splitlines()
     assert len(csv_lines) == 22 and csv_lines[0].startswith("doc_id,key,bucket")

@@ -75,30 +75,28 @@ def test_strength_cli_writes_json_heatmap_and_ranking(tiny_models, tiny_tokenize
     assert rc == 0 and json.loads((out / "llama.strength.json").read_text())["last_k"] == 3
 
 
-def test_changed_method_or_package_version_recomputes_the_same_versions_reuse(
-    tiny_models, tmp_path, capsys, monkeypatch
-):
-    """A result made by another strength method version or another torch is recomputed, saying which version
+def test_changed_code_or_package_version_recomputes_the_same_versions_reuse(tiny_models, tmp_path, capsys, monkeypatch):
+    """A result made by other code on the S path or another torch is recomputed, saying which file or version
     changed; the same versions reuse it; a result of other settings is still refused."""
-    import lm_eval_sink.strength as strength
-    from helpers import set_package_version
+    from helpers import change_code, set_package_version
 
     out, model = tmp_path / "out", tiny_models["llama"]
     args = ("strength", model, "--last-k", "2", "--output", out, "--quiet")
     assert _run(capsys, *args)[0] == 0
     first = json.loads((out / "llama.strength.json").read_text())
-    assert first["provenance"]["key_versions"]["strength method"] == strength.METHOD_VERSION
-    assert set(first["provenance"]["key_versions"]) == {"strength method", "torch", "transformers"}
+    code = first["provenance"]["key_versions"]["code"]
+    assert {"lm_eval_sink/strength.py", "lm_eval_sink/capture.py", "lm_eval_sink/models.py"} <= set(code)
+    assert "lm_eval_sink/data/calibration_prompts.jsonl" in code and "lm_eval_sink/cli.py" not in code
+    assert set(first["provenance"]["key_versions"]) == {"code", "torch", "transformers"}
     assert "vllm" in first["provenance"]["versions"]  # recorded (None when not installed), not keyed here
     rc, stdout, _ = _run(capsys, *args)
     assert rc == 0 and "llama: reused" in stdout and "recomputed" not in stdout
 
-    monkeypatch.setattr(strength, "METHOD_VERSION", strength.METHOD_VERSION + 1)
+    change_code(monkeypatch, "lm_eval_sink/capture.py")
     rc, stdout, _ = _run(capsys, *args)
-    v = strength.METHOD_VERSION
-    assert rc == 0 and f"llama: recomputed: strength method {v - 1} -> {v}" in stdout and "reused" not in stdout
+    assert rc == 0 and "llama: recomputed: code changed: lm_eval_sink/capture.py" in stdout and "reused" not in stdout
     second = json.loads((out / "llama.strength.json").read_text())
-    assert second["provenance"]["key_versions"]["strength method"] == v
+    assert second["provenance"]["key_versions"]["code"]["lm_eval_sink/capture.py"].startswith("edited-")
     assert second["provenance"]["input_key"] != first["provenance"]["input_key"]
     assert second["sink_strength"] == first["sink_strength"]  # same code underneath: the same S
     assert "reused" in _run(capsys, *args)[1]
@@ -152,11 +150,11 @@ def test_a_result_of_strength_method_2_whose_key_held_the_batch_size_is_recomput
             }
         )
     )
-    prov["key_versions"]["strength method"] = 2
+    prov["key_versions"] = {"strength method": 2, "torch": "2.9.0", "transformers": "5.21.0"}  # as method 2 kept it
     prov["inputs_key"], prov["input_key"] = ikey, versioned_key(ikey, prov["key_versions"])
     path.write_text(json.dumps(data))
     rc, stdout, _ = _run(capsys, *args)
-    assert rc == 0 and "llama: recomputed: strength method 2 -> 3" in stdout, stdout
+    assert rc == 0 and "llama: recomputed: made before results were keyed by the hashes of their code" in stdout
     prov["settings"]["last_k"] = 3  # other inputs under method 2's key: still refused
     prov["inputs_key"] = prov["input_key"] = "0" * 64
     path.write_text(json.dumps(data))

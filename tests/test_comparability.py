@@ -201,6 +201,63 @@ def test_a_sweep_table_marks_s_of_another_setting(tmp_path):
     assert same["strength_comparability"]["comparable"] and "(A)" not in table_text(same)[0]
 
 
+def _sink_results(s: float, applied: bool) -> dict:
+    """An lm-eval results JSON's Sink Strength task as this project's task writes it: S, the metrics beside it and
+    the metadata that say its setting (the chat template applied or not: plain text for a base model)."""
+    meta = {"n_prompts": 15, "last_k": 10, "statistic": "median", "rows": "all", "chat_template": True}
+    return {
+        "results": {
+            "sink_strength": {
+                "alias": "sink_strength",
+                "sink_strength,none": s,
+                "pos0_argmax_fraction,none": 0.9,
+                "chat_template_applied,none": applied,
+                "attention_layers,none": list(range(16)),
+            }
+        },
+        "configs": {
+            "sink_strength": {"metadata": {**meta, "prompt_set_sha256": "ab" * 32, "capture": {"dtype": "bfloat16"}}}
+        },
+        "n-samples": {"sink_strength": {"effective": 15}},
+    }
+
+
+def test_a_sweep_table_marks_the_eval_units_s_of_another_setting(tmp_path):
+    """The eval units' `sink_strength` columns go through the check the strength units go through: a base model
+    measured on plain text and instruct checkpoints under their chat template get their setting's letter beside
+    each S and its delta in table.md and table.csv, the settings in words above the table, on the console and in the
+    report; one setting gets no mark."""
+    from pathlib import Path
+
+    from lm_eval_sink.merging.sweep import SweepSpec, build_table, comparability_lines, plan_units, table_text
+    from lm_eval_sink.report.view import Doc, ReportInputs, build_view
+
+    spec = SweepSpec("sweep.yaml", Path("out"), {"reference": "r", "candidate": "c"}, ("linear",))
+    identities = {r: {"fingerprint": f"sha256:{r}"} for r in ("reference", "candidate")}
+    plan = plan_units(spec, identities, [], {"eval": {}, "strength": {}}, None)
+    results = {"reference": _sink_results(2.0, True), "candidate": _sink_results(0.5, False)}
+    table = build_table(plan, {}, results, {}, {})
+    comparison = table["task_strength_comparability"]["sink_strength"]
+    assert comparison["comparable"] is False
+    marks = {r["checkpoint"]: r["metric_settings"] for r in table["rows"]}
+    assert marks["candidate"] == {
+        "sink_strength/sink_strength,none": "B",
+        "sink_strength/pos0_argmax_fraction,none": "B",
+    }
+    md, csv_text = table_text(table)
+    assert "sink_strength (S of the eval units), warning: S measured in 2 different settings" in md
+    assert "chat template applied: no (plain text) (A: yes)" in md
+    assert "| 0.5000 (B) | -1.5000 (B) |" in md and "-1.5000 (B)" in csv_text and "2.0000 (A)" in csv_text
+    console = comparability_lines(table)
+    assert console[0].startswith("sink_strength: warning: S measured in 2 different settings")
+    view = build_view(ReportInputs(sweep=Doc("table.json", table, "0" * 64)))
+    assert any(c[2] == "B" for c in view["sweep"]["rows"][1]["cells"])
+    assert any("sink_strength (the eval units' S): warning" in n for n in view["sweep"]["strength_notes"])
+    same = build_table(plan, {}, {"reference": _sink_results(2.0, True), "candidate": _sink_results(0.5, True)}, {}, {})
+    assert same["task_strength_comparability"]["sink_strength"]["comparable"] and not comparability_lines(same)
+    assert "(A)" not in table_text(same)[0] and all(r["metric_settings"] == {} for r in same["rows"])
+
+
 def test_last_k_as_a_share_through_the_command(mixed, tmp_path, capsys):
     root, _, _ = mixed
     out = tmp_path / "share"

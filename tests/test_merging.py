@@ -656,19 +656,19 @@ def test_merge_refuses_existing_output_and_replaces_with_force(tmp_path, tiny_tr
     assert (out / "mergekit_config.yml").read_text() == cfg.read_text()
 
 
-def test_merge_key_holds_the_method_and_package_versions(tmp_path, tiny_trio, capsys, monkeypatch):
-    """A bumped TSV version changes the key of a TSV merge only; another mergekit changes every merge's key;
-    `merge` refuses an output made by other versions naming them, and one made by the same as 'already exists'."""
-    import lm_eval_sink.merging.methods as methods
-    from helpers import set_package_version
+def test_merge_key_holds_the_code_and_package_versions(tmp_path, tiny_trio, capsys, monkeypatch):
+    """A change to the TSV code (registered with mergekit on every merge) changes every merge's key, and so does
+    another mergekit; `merge` refuses an output made by other versions naming them, and one made by the same as
+    'already exists'."""
+    from helpers import change_code, set_package_version
     from lm_eval_sink.merging.merge import merge_key
 
     tsv = validate_text(render("tsv", tiny_trio["reference"], tiny_trio["candidate"], base=tiny_trio["base"]).text)
     linear = validate_text(render("linear_uniform", tiny_trio["reference"], tiny_trio["candidate"]).text)
     before = {"tsv": merge_key(tsv, 0), "linear": merge_key(linear, 0)}
     assert merge_key(tsv, 0) == before["tsv"]  # the same versions: the same key
-    monkeypatch.setitem(methods.METHOD_VERSIONS, "tsv", methods.METHOD_VERSIONS["tsv"] + 1)
-    assert merge_key(tsv, 0) != before["tsv"] and merge_key(linear, 0) == before["linear"]
+    change_code(monkeypatch, "lm_eval_sink/merging/methods.py")
+    assert merge_key(tsv, 0) != before["tsv"] and merge_key(linear, 0) != before["linear"]
     monkeypatch.undo()
 
     cfg, out = tmp_path / "u.yaml", tmp_path / "out"

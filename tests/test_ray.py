@@ -363,12 +363,14 @@ def test_a_token_auth_cluster_takes_only_its_token(ray_cluster, tmp_path):
 
 
 def test_worker_checks_are_one_line(tmp_path):
-    from lm_eval_sink.io import package_versions
-    from lm_eval_sink.merging.engines import run_task
+    from lm_eval_sink.merging.engines import run_task, worker_versions
 
-    versions = package_versions()
+    versions = worker_versions()
     _, err = run_task(lambda: 1, {**versions, "torch": "0.0"}, tmp_path, None)
     assert err.startswith("worker ") and "has torch" in err and "the driver 0.0" in err
+    code = {**versions["code"], "lm_eval_sink/capture.py": "0" * 32}  # the driver's capture.py is another
+    _, err = run_task(lambda: 1, {**versions, "code": code}, tmp_path, None)
+    assert "has other lm-eval-sink code than the driver (lm_eval_sink/capture.py)" in err
     _, err = run_task(lambda: 1, versions, tmp_path / "gone", None)
     assert "cannot see the output folder" in err and str(tmp_path / "gone") in err
     assert run_task(lambda: 1, versions, tmp_path, tmp_path / "t.log") == (1, None)

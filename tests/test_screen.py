@@ -97,7 +97,7 @@ def _expected_s(c: float, tok) -> float:
 
 
 def test_screen_ranks_predicts_with_the_paper_line_on_request_and_warns(screen_models, tmp_path, capsys, monkeypatch):
-    import lm_eval_sink.strength as strength
+    from helpers import change_code
 
     strong, weak, tok = screen_models
     out = tmp_path / "screen"
@@ -138,12 +138,12 @@ def test_screen_ranks_predicts_with_the_paper_line_on_request_and_warns(screen_m
     assert main(["screen", str(weak), "--output", str(out), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: output already exists") and len(err.strip().splitlines()) == 1
-    assert data["provenance"]["key_versions"]["strength method"] == strength.METHOD_VERSION
-    monkeypatch.setattr(strength, "METHOD_VERSION", strength.METHOD_VERSION + 1)
+    assert "lm_eval_sink/capture.py" in data["provenance"]["key_versions"]["code"]
+    change_code(monkeypatch, "lm_eval_sink/capture.py")
     assert main(["screen", str(weak), "--output", str(out), "--quiet"]) == 2
     err = capsys.readouterr().err
-    v = strength.METHOD_VERSION
-    assert f"made by other versions (strength method {v - 1} -> {v})" in err and len(err.strip().splitlines()) == 1
+    assert "made by other versions (code changed: lm_eval_sink/capture.py)" in err
+    assert len(err.strip().splitlines()) == 1
     assert (out / "screen.json").read_bytes() == before
 
 

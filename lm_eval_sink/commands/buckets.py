@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.buckets import (
-    METHOD_VERSION,
     BucketReport,
     BucketSettings,
     bucket,
@@ -20,6 +19,11 @@ from lm_eval_sink.buckets import (
     with_runs,
 )
 from lm_eval_sink.errors import UserError
+
+# What a bucket report records of the code that made it (`code_versions` in its provenance, docs/identity.md): the
+# hashes of this module and all it imports (pairing, buckets, power, the run readers: `code_key`) and these packages'.
+CODE = (__name__,)
+CODE_PACKAGES = ("numpy", "scipy")
 
 
 def run_fingerprint(run) -> tuple[Any, str | None]:
@@ -143,7 +147,7 @@ def compare_runs(
 ) -> BucketReport:
     """Resolve two lm-eval runs, bucket one task's samples, attach both runs' provenance; with `options.repeat` (a
     second run of the reference under the same protocol), the noise floor of the comparison."""
-    from lm_eval_sink.io import provenance
+    from lm_eval_sink.io import key_versions, provenance
     from lm_eval_sink.runs import read_samples, resolve_run
 
     ref_run, cand_run = resolve_run(reference), resolve_run(candidate)
@@ -178,7 +182,7 @@ def compare_runs(
         report = with_noise_floor(report, read_samples(ref_path), read_samples(rep_path), settings, labels)
     prov = provenance(
         command="buckets",
-        method_versions={"buckets": METHOD_VERSION},
+        code_versions=key_versions(CODE, CODE_PACKAGES),
         tokenizer=options.tokenizer,
         inputs={
             k: {"samples_sha256": v["samples_sha256"], "results_sha256": v.get("results_sha256")}

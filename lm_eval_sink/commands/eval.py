@@ -60,11 +60,12 @@ def _check_output(output: Path, inputs: list, force: bool) -> None:
 def _report(run, settings, protocol, limit: float | None) -> list[str]:
     """The lines printed after the run: its files, the interpreter and versions, the protocol check, a subset's note."""
     from lm_eval_sink.harness.runner import eval_versions
+    from lm_eval_sink.io import versions_text
     from lm_eval_sink.protocols import fingerprint_run, limit_text
 
     fp = fingerprint_run(run)
     off = protocol.mismatches(fp)
-    versions = ", ".join(f"{k} {v}" for k, v in eval_versions(settings).items())
+    versions = versions_text(eval_versions(settings))
     lines = [f"results: {run.results}", f"lm-eval ran in {settings.interpreter()}: {versions}"]
     lines += [f"samples {task}: {path}" for task, path in sorted(run.samples.items())]
     lines.append(

@@ -7,7 +7,7 @@ from pathlib import Path
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.options import MeasureOptions
 from lm_eval_sink.strength import StrengthSettings
-from lm_eval_sink.training.protection import ProtectSettings, select_sink_heads
+from lm_eval_sink.training.protection import ProtectSettings, check_no_virtual_tokens, select_sink_heads
 
 
 def run_protect_plan(
@@ -18,6 +18,7 @@ def run_protect_plan(
     options: MeasureOptions = MeasureOptions(),
 ) -> list[str]:
     """`lm-eval-sink protect-plan`: load the model, choose the heads, write the plan JSON; returns lines to print."""
+    from lm_eval_sink.adapters import folder_virtual_tokens
     from lm_eval_sink.calibration import load_prompts
     from lm_eval_sink.io import atomic_write_json, new_files, provenance
     from lm_eval_sink.models import load_model, resolve_model
@@ -28,6 +29,8 @@ def run_protect_plan(
     options.check_in_process("protect-plan")
     load_prompts(settings.prompts_file, settings.n_prompts)  # fail before loading the model
     planned = resolve_model(name, allow_gguf=True, convert=False)  # `default` is converted by load_model, after
+    if Path(planned).is_dir():
+        check_no_virtual_tokens(folder_virtual_tokens(planned), name)  # before the model loads
     with new_files([output], options.force, "-o", inputs=[planned, settings.prompts_file]):
         loaded = load_model(name, dtype=options.dtype, device=options.device)
         plan = select_sink_heads(loaded.model, loaded.tokenizer, settings, protect, progress=options.progress)

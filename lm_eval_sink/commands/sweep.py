@@ -47,6 +47,7 @@ from lm_eval_sink.merging.sweep import (
     EvalIn,
     FolderState,
     Markers,
+    RESIDENT_CODE,
     Plan,
     RenderedMerge,
     Schedule,
@@ -55,6 +56,7 @@ from lm_eval_sink.merging.sweep import (
     Unit,
     build_table,
     check_conflicts,
+    comparability_lines,
     current,
     parse_sweep_data,
     plan_units,
@@ -264,11 +266,11 @@ def plan_sweep(spec: SweepSpec) -> Plan:
     from lm_eval_sink.harness.runner import eval_versions
     from lm_eval_sink.merging.merge import merge_inputs_key, merge_versions
     from lm_eval_sink.models import model_fingerprint
-    from lm_eval_sink.strength import key_versions
+    from lm_eval_sink.strength import CODE, key_versions
 
     merges = []
     for r in spec.merges:
-        inputs_key, versions = merge_inputs_key(r.validated, spec.random_seed), merge_versions(r.validated)
+        inputs_key, versions = merge_inputs_key(r.validated, spec.random_seed), merge_versions()
         merges.append(
             RenderedMerge(
                 r.name,
@@ -282,7 +284,10 @@ def plan_sweep(spec: SweepSpec) -> Plan:
             )
         )
     identities = {role: model_fingerprint(spec.models[role]) for role in ENDPOINTS}
-    versions = {"eval": eval_versions(spec.eval) if spec.eval is not None else {}, "strength": key_versions()}
+    versions = {
+        "eval": eval_versions(spec.eval) if spec.eval is not None else {},
+        "strength": key_versions((*CODE, *RESIDENT_CODE)),
+    }
     return plan_units(
         spec,
         identities,
@@ -568,13 +573,14 @@ def _run_sweep_locked(
 
 
 def _tabulate(plan: Plan, markers: Markers, report: SweepReport) -> None:
-    """Build the table from the saved outputs and write it (table.json, .csv, .md, .png)."""
+    """Build the table from the saved outputs and write it (table.json, .csv, .md, .png); the console's notes say
+    which checkpoints' protocols differ and where S of different settings are compared (`comparability_lines`)."""
     table = {
         **build_table(plan, report.failures, *_saved_outputs(plan, markers)),
         "provenance": provenance(sweep=plan.spec.source, units={u.id: u.key for u in plan.units}),
     }
     report.table_files = write_table(table, plan.spec.output)
-    report.notes.extend(table["protocol"]["model_differences"])
+    report.notes.extend([*table["protocol"]["model_differences"], *comparability_lines(table)])
 
 
 def _run_local(units: list[Unit], record: Any, failures: dict[str, str], progress: bool, run: Any) -> None:

@@ -54,7 +54,7 @@ from lm_eval_sink.extract.plan import (
     production_order,
     tie_pair,
 )
-from lm_eval_sink.extract.rules import RULES_VERSION, forward_rule, inverse_rule
+from lm_eval_sink.extract.rules import forward_rule, inverse_rule
 from lm_eval_sink.extract.verify import PROBE_TEXT, Verification, compare, logits, multimodal_token_ids, probe_ids
 from lm_eval_sink.io import (
     COMPLETE,
@@ -63,6 +63,7 @@ from lm_eval_sink.io import (
     atomic_write_text,
     check_not_inputs,
     check_output_dir,
+    key_versions,
     provenance,
     read_json,
     staged_dir,
@@ -78,6 +79,10 @@ INJECT_REPORT_FILE = "injection.json"
 COMPLETE_FILE = COMPLETE  # the project's one marker name (io.COMPLETE)
 FAILED_FILE = "FAILED.json"
 _REPORT_FILES = {"extract": REPORT_FILE, "inject": INJECT_REPORT_FILE}
+# What an extraction or injection records of the code that made it (`code_versions` in its report and marker,
+# docs/identity.md): the hashes of this module and all it imports and reads (the tensor rules, the family files).
+CODE = (__name__,)
+CODE_PACKAGES = ("torch", "transformers", "safetensors")
 _MARKER_FILES = (COMPLETE_FILE, FAILED_FILE, REPORT_FILE, INJECT_REPORT_FILE)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 _TOKENIZER_COPY = (
@@ -132,9 +137,7 @@ class ExtractionReport:
         out["verification"] = self.verification.to_json() if self.verification else None
         for k in ("shards", "dropped_config_keys", "mapping", "notes"):
             out[k] = list(out[k])
-        out["provenance"] = provenance(
-            tool=f"lm-eval-sink {self.operation}", method_versions={"extraction rules": RULES_VERSION}
-        )
+        out["provenance"] = provenance(tool=f"lm-eval-sink {self.operation}", code_versions=code_versions())
         return out
 
 
@@ -248,6 +251,11 @@ def _write(job: _Job, vlm: _Vlm, out: Path, *, force: bool, start: float, progre
     return report
 
 
+def code_versions() -> dict[str, Any]:
+    """The code and package versions an extraction or injection records (`CODE`, `CODE_PACKAGES`)."""
+    return key_versions(CODE, CODE_PACKAGES)
+
+
 def _finish(tmp: Path, report: ExtractionReport) -> None:
     report_file = _REPORT_FILES[report.operation]
     atomic_write_json(tmp / report_file, report.to_json())
@@ -257,7 +265,7 @@ def _finish(tmp: Path, report: ExtractionReport) -> None:
         "status": report.status,
         "verified": report.verification is not None and report.verification.passed,
         "report": report_file,
-        "method_versions": {"extraction rules": RULES_VERSION},
+        "code_versions": code_versions(),
     }
     if report.status == "failed":
         marker["reason"] = report.verification.reason if report.verification else None

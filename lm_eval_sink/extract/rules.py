@@ -12,10 +12,6 @@ import torch
 
 from lm_eval_sink.extract.families import TensorRule
 
-# The version of these tensor rules: bump it when an extracted (or injected) tensor changes for the
-# same checkpoint and plan, so earlier outputs are known to be the old code's (docs/identity.md).
-RULES_VERSION = 1
-
 
 def _combined(shapes: list[tuple[int, ...]], dim: int) -> tuple[int, ...]:
     first = list(shapes[0])

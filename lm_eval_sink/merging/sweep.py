@@ -19,9 +19,9 @@ merged weights); the path is part of no unit key.
 `plan_units` turns a spec, and what the command read for it (endpoint fingerprints, rendered
 merges), into independent units (`merge:<name>`, `eval:<checkpoint>`, `strength:<checkpoint>`),
 each with its own output folder and a key (`io.versioned_key`) of its inputs (config text, input
-fingerprints, settings: `inputs_key`) and of the versions of the code that computes it
-(`versions`: method versions and package versions; a merged checkpoint's eval and strength units
-also hold its merge's, prefixed `merge `), so a unit made by other versions is recomputed.
+fingerprints, settings: `inputs_key`) and of the code that computes it (`versions`: the hashes of
+this project's files on its path, `code`, and package versions; a merged checkpoint's eval and
+strength units also hold its merge's, prefixed `merge `), so a unit made by other code is recomputed.
 `build_table` makes the table (rows = checkpoints, columns = task metrics, deltas vs the
 reference, S) from the saved outputs, after checking that every run
 used the same harness protocol (`protocols.require_same_harness`); `table_text` renders it as
@@ -279,6 +279,11 @@ class RenderedMerge:
     versions: dict[str, Any]  # merging.merge.merge_versions
 
 
+# The modules that measure S on a resident merged model (an in-memory sweep): a strength unit's code holds them
+# beside the S code (`strength.CODE`), since which path measured it is part of no key (an eval unit's code holds
+# them through `harness.runner.CODE`).
+RESIDENT_CODE = ("lm_eval_sink.harness.inprocess",)
+
 # Where a unit computes is part of no key (its results do not depend on the device). An eval unit's payload keeps
 # the `device` entry its settings had when cpu was the default, at that value, so the units of sweeps made then stay
 # finished (a strength unit's payload holds the settings that decide S alone: StrengthSettings.key_fields).
@@ -296,7 +301,7 @@ def plan_units(
     disk).
 
     `identities`: the endpoints' `models.model_fingerprint`; `versions`: the key versions of the
-    `eval` and `strength` units (`harness.runner.eval_versions`, `strength.key_versions`);
+    `eval` and `strength` units (`harness.runner.eval_versions`, `strength.key_versions` with `RESIDENT_CODE`);
     `include_sha`: the fingerprint of the eval include_path's files (None without one).
     """
     checkpoints = [Checkpoint(role, role, spec.models[role], identities[role]["fingerprint"]) for role in ENDPOINTS]
@@ -394,10 +399,10 @@ def build_table(
 
     `results` / `fingerprints` / `strengths`: per checkpoint with a finished unit, its lm-eval
     results JSON, `protocols.Fingerprint` and saved S; `strength_settings`: the `comparability.Setting` of each
-    saved S, so that S measured in different settings are marked (`s_setting`, `strength_comparability`).
+    saved S, so that S measured in different settings are marked (`s_setting`, `strength_comparability`); the
+    eval units' Sink Strength tasks go through the same check (`task_strength`).
     """
     from lm_eval_sink.comparability import compare
-
     from lm_eval_sink.protocols import require_same_harness
 
     require_same_harness(fingerprints)
@@ -412,6 +417,7 @@ def build_table(
     labels = {} if comparison is None else dict(zip(comparison.names, comparison.labels, strict=True))
     for r in rows:
         r["s_setting"] = labels.get(r["checkpoint"])
+    tasks = task_strength(results, columns, rows)
     limit = plan.spec.eval.limit if plan.spec.eval is not None else None
     return {
         "schema_version": 1,
@@ -430,7 +436,48 @@ def build_table(
         },
         "strength_settings": None if plan.spec.strength is None else asdict(plan.spec.strength),
         "strength_comparability": None if comparison is None else comparison.to_json(),
+        "task_strength_comparability": tasks,
     }
+
+
+def task_strength(results: dict[str, Any], columns: list[str], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The eval units' Sink Strength tasks (those whose results hold `sink_strength`) through the comparability check
+    the strength units go through: per task, `comparability.compare` of the checkpoints' settings as each results
+    JSON records them (`setting_of_results`); where they differ, each row's `metric_settings` marks that task's
+    columns with the row's setting letter, so no S (or delta) of one setting stands bare beside another's."""
+    from lm_eval_sink.comparability import compare, setting_of_results
+
+    sink = sorted(
+        {t for r in results.values() for t, m in (r.get("results") or {}).items() if "sink_strength,none" in m}
+    )
+    out = {}
+    for r in rows:
+        r["metric_settings"] = {}
+    for task in sink:
+        names = [n for n in results if "sink_strength,none" in ((results[n].get("results") or {}).get(task) or {})]
+        comparison = compare(names, [setting_of_results(results[n], task) for n in names])
+        out[task] = comparison.to_json()
+        if comparison.comparable:
+            continue
+        labels = dict(zip(comparison.names, comparison.labels, strict=True))
+        for r in rows:
+            if r["checkpoint"] in labels:
+                mark = labels[r["checkpoint"]]
+                r["metric_settings"].update({c: mark for c in columns if c.partition("/")[0] == task})
+    return out
+
+
+def comparability_lines(table: dict[str, Any]) -> list[str]:
+    """What the console says of S measured in different settings, in a sweep's table (strength units and each Sink
+    Strength task of the eval units): the settings and what differs, in words; nothing where S compares."""
+    parts = [("S", table.get("strength_comparability"))]
+    parts += sorted((table.get("task_strength_comparability") or {}).items())
+    return [
+        f"{name}: {line}"
+        for name, comparison in parts
+        if comparison and not comparison["comparable"]
+        for line in comparison["notes"]
+    ]
 
 
 def _status(ck: Checkpoint, failures: dict[str, str]) -> str:
@@ -484,24 +531,29 @@ def _fmt(x: float | None, signed: bool = False, scale: float = 1.0) -> str:
 
 
 def _table_rows(table: dict[str, Any], scales: list[float]) -> list[list[str]]:
-    """One row per checkpoint: each metric and its delta (scaled per column), S and its delta, the status."""
+    """One row per checkpoint: each metric and its delta (scaled per column), S and its delta, the status; a value of
+    S (and its delta) measured in another setting than others of its column carries that setting's letter."""
     cols = table["columns"]
     comparable = (table.get("strength_comparability") or {}).get("comparable", True)
-    return [
-        [
-            r["checkpoint"],
-            r["method"] or r["role"],
-            *[
-                x
-                for c, f in zip(cols, scales, strict=True)
-                for x in (_fmt(r["metrics"][c], scale=f), _fmt(r["delta_vs_reference"][c], True, f))
-            ],
-            _fmt(r["sink_strength"]) + (f" ({r.get('s_setting')})" if r.get("s_setting") and not comparable else ""),
-            _fmt(r["sink_strength_delta_vs_reference"], True),
-            r["status"],
+
+    def marked(text: str, label: str | None) -> str:
+        return f"{text} ({label})" if label else text
+
+    rows = []
+    for r in table["rows"]:
+        marks = r.get("metric_settings") or {}
+        s_mark = r.get("s_setting") if not comparable else None
+        cells = [
+            marked(x, marks.get(c))
+            for c, f in zip(cols, scales, strict=True)
+            for x in (_fmt(r["metrics"][c], scale=f), _fmt(r["delta_vs_reference"][c], True, f))
         ]
-        for r in table["rows"]
-    ]
+        s_cells = [
+            marked(_fmt(r["sink_strength"]), s_mark),
+            marked(_fmt(r["sink_strength_delta_vs_reference"], True), s_mark),
+        ]
+        rows.append([r["checkpoint"], r["method"] or r["role"], *cells, *s_cells, r["status"]])
+    return rows
 
 
 def _units_line(labels: list[str], scales: list[float]) -> str:
@@ -531,6 +583,8 @@ def table_text(table: dict[str, Any]) -> tuple[str, str]:
         md += f"**Not final scores:** {table['final_note']}.\n"
     strength_notes = (table.get("strength_comparability") or {}).get("notes") or []
     md += f"S: {S_MEANING}.\n" + "".join(f"S, {line}\n" for line in strength_notes)
+    for task, comparison in sorted((table.get("task_strength_comparability") or {}).items()):
+        md += "".join(f"{task} (S of the eval units), {line}\n" for line in comparison["notes"])
     labels = metric_labels(cols, benchmarks)
     md += _units_line(labels, scales) if cols else ""
     md_rows, csv_rows = _table_rows(table, scales), _table_rows(table, [1.0] * len(cols))

@@ -450,8 +450,12 @@ def _sweep_section(d: Doc) -> dict[str, Any]:
                 "method": r.get("method") or r.get("role"),
                 "setting": r.get("setting"),
                 "status": r.get("status"),
-                "cells": [
-                    (num(d, ["rows", i, "metrics", c], st), num(d, ["rows", i, "delta_vs_reference", c], "+" + st))
+                "cells": [  # (value, delta, the setting letter of an eval unit's S measured in another setting)
+                    (
+                        num(d, ["rows", i, "metrics", c], st),
+                        num(d, ["rows", i, "delta_vs_reference", c], "+" + st),
+                        (r.get("metric_settings") or {}).get(c),
+                    )
                     for c, st in zip(cols, styles, strict=True)
                 ],
                 "s": num(d, ["rows", i, "sink_strength"]),
@@ -467,7 +471,12 @@ def _sweep_section(d: Doc) -> dict[str, Any]:
         "lineage": data.get("lineage"),
         "final_note": data.get("final_note"),
         "model_differences": list(get(data, "protocol", "model_differences") or []),
-        "strength_notes": list(get(data, "strength_comparability", "notes") or []),
+        "strength_notes": list(get(data, "strength_comparability", "notes") or [])
+        + [
+            f"{task} (the eval units' S): {line}"
+            for task, comparison in sorted((data.get("task_strength_comparability") or {}).items())
+            for line in comparison.get("notes") or []
+        ],
         "series": series,
     }
 

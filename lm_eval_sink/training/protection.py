@@ -292,6 +292,19 @@ def check_no_learned_sinks(model: Any) -> None:
         )
 
 
+def check_no_virtual_tokens(virtual: Any, what: str) -> None:
+    """Refuse a prompt-learning adapter (`adapters.VirtualTokens`, None: none): it puts virtual tokens before every
+    prompt, so position 0 is a virtual token, not the real first token whose key a plan holds (measuring its base
+    instead would put the base's statistics under the adapter's name)."""
+    if virtual is not None:
+        raise UserError(
+            f"{what}: a {virtual.method} adapter puts {virtual.n} virtual tokens before every prompt, so position 0 "
+            "is a virtual token, not the real sink token whose key a protection plan holds",
+            "make the plan on its base model (lm-eval-sink protect-plan BASE): prompt learning trains no weight "
+            "the plan would protect",
+        )
+
+
 def sink_geometry(
     model: Any, sink_token_id: int, layers: list[int]
 ) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
@@ -372,9 +385,11 @@ def select_sink_heads(
     A head is selected when its median sink log-odds over the rows (`settings.rows`) exceeds
     `protect.threshold` and its argmax key is position 0 in at least `protect.min_pos0_fraction` of them.
     """
+    from lm_eval_sink.adapters import adapted
     from lm_eval_sink.calibration import encode_prompts, load_prompts
     from lm_eval_sink.capture import capture_prompts
 
+    check_no_virtual_tokens(adapted(model).virtual, type(model).__name__)
     check_no_learned_sinks(model)
     n_layers, n_heads, n_kv, d = _shape(model)
     kind = qk_norm_kind(_decoder(model).layers[0].self_attn, d)
