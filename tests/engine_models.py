@@ -69,3 +69,61 @@ def build(family: str, folder: Path, dtype: str = "float32") -> Path:
     model.to(getattr(torch, dtype)).save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
+
+
+DRIVER = Path(__file__).resolve().parent / "drivers" / "engine_capture.py"
+DRIVER_FIELDS = ("sink_logodds", "sink_pos", "pos0_mass", "pos0_visible", "content")
+# what decides the engine's process layout: each job sets its own (the caches' variables pass through)
+ENGINE_MODE_VARIABLES = ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_SIM_MULTI_NUMA")
+
+
+def start_job(job: dict, root: Path, env: dict[str, str]):
+    """Popen of the driver on `job` (its folder and outputs under `root`), its output in root/<name>.log."""
+    import json
+    import os
+    import subprocess
+
+    from helpers import VLLM_PY
+
+    name = job["name"]
+    job = {**job, "folder": str(root / name), "out": str(root / f"{name}_out")}
+    (root / f"{name}.json").write_text(json.dumps(job))
+    full_env = {k: v for k, v in os.environ.items() if k not in ENGINE_MODE_VARIABLES} | env
+    with open(root / f"{name}.log", "w") as log:  # the child holds its own copy of the descriptor
+        return subprocess.Popen(
+            [str(VLLM_PY), str(DRIVER), str(root / f"{name}.json")], env=full_env, stdout=log, stderr=subprocess.STDOUT
+        )
+
+
+def finish_job(proc, root: Path, name: str, timeout: float = 600) -> dict:
+    """Wait for the job; its captures (`hf`, `engine`, `again`) as capture.PromptCapture lists and its JSON record."""
+    import json
+
+    import numpy as np
+
+    from lm_eval_sink.capture import PromptCapture
+
+    rc = proc.wait(timeout=timeout)
+    assert rc == 0, (root / f"{name}.log").read_text()[-4000:]
+    meta = json.loads((root / f"{name}_out.json").read_text())
+    data = np.load(root / f"{name}_out.npz")
+    sides = {}
+    for side in ("hf", "engine", "again"):
+        sides[side] = [
+            PromptCapture(layers=(0, 1), **{f: data[f"{side}_{j}_{f}"] for f in DRIVER_FIELDS})
+            for j in range(meta["n_prompts"])
+        ]
+    return {**meta, **sides}
+
+
+def largest_differences(a: list, b: list) -> dict[str, float]:
+    """The largest |a - b| of each per-row statistic over every prompt, layer, head and row; for the sink key and
+    pos0 visibility, the number of rows that differ; the rows' count."""
+    import numpy as np
+
+    out = {"rows": sum(x.sink_logodds.size for x in a)}
+    for f in ("sink_logodds", "pos0_mass"):
+        out[f] = max(float(np.abs(getattr(x, f) - getattr(y, f)).max()) for x, y in zip(a, b, strict=True))
+    for f in ("sink_pos", "pos0_visible"):
+        out[f] = sum(int((getattr(x, f) != getattr(y, f)).sum()) for x, y in zip(a, b, strict=True))
+    return out

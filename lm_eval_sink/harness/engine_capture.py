@@ -55,7 +55,7 @@ VERIFIED_ARCHITECTURES = (
     "Gemma3ForCausalLM",
 )
 CACHE_SALT = "lm_eval_sink-sink-strength"  # the measured prompts' KV blocks are reachable by no other request
-_NON_SOFTMAX = ("linear_attention", "mamba", "conv", "hybrid", "sparse", "deltanet")
+_SOFTMAX_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 class EngineCaptureRefused(UserError):
@@ -88,9 +88,12 @@ def _architecture_refusal(config: dict[str, Any]) -> str | None:
             f"{arch} uses multi-head latent attention (MLA): the engine's MLA layers attend a compressed latent, "
             "not per-head keys"
         )
-    other = sorted({t for t in text.get("layer_types") or () if any(w in t for w in _NON_SOFTMAX)})
+    other = sorted(set(text.get("layer_types") or ()) - set(_SOFTMAX_LAYER_TYPES))
     if other:
-        return f"{arch} has non-softmax layers ({', '.join(other)}): linear attention and state-space layers"
+        return (
+            f"{arch} has layers of type {', '.join(other)}: linear attention, state-space or indexed layers, which "
+            "are no full or sliding softmax attention"
+        )
     if arch not in VERIFIED_ARCHITECTURES:
         return (
             f"{arch}: the engine's statistics are verified against transformers' eager capture for "

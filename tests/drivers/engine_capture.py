@@ -1,7 +1,8 @@
 """One family's tiny model measured twice in the vLLM venv: transformers' eager capture, then the vLLM engine's own.
 
 Usage: .venv-vllm/bin/python tests/drivers/engine_capture.py JOB.json   (one engine per process)
-JOB: {"family", "folder", "out", "dtype", "tensor_parallel_size", "n_prompts", "max_num_batched_tokens"}.
+JOB: {"family", "folder", "out", "dtype", "tensor_parallel_size", "n_prompts", "max_num_batched_tokens",
+"enforce_eager" (default true: torch.compile takes minutes on a CPU)}.
 It builds the family's model (tests/engine_models.py) in `folder`, captures the calibration prompts with
 `capture.capture_prompts` on the model loaded eager (batches of 2: left padding), starts one engine with
 `SinkCaptureMixin` and measures them there (`measure_on_engine`), twice, with greedy generations before, between
@@ -79,7 +80,7 @@ def main(job: dict) -> None:
     llm = LLM(
         model=str(folder),
         dtype=job["dtype"],
-        enforce_eager=True,
+        enforce_eager=job.get("enforce_eager", True),
         max_model_len=256,
         seed=0,
         tensor_parallel_size=job["tensor_parallel_size"],
@@ -88,6 +89,7 @@ def main(job: dict) -> None:
     )
     built = time.perf_counter()
     before = _greedy(llm, encoded)
+    began = time.perf_counter()
     first = measure_on_engine(llm, encoded, layers)
     measured = time.perf_counter()
     between = _greedy(llm, encoded)
@@ -102,7 +104,7 @@ def main(job: dict) -> None:
     }
     np.savez(job["out"] + ".npz", **arrays)
     texts = {"before": before, "between": between, "after": after}
-    seconds = {"engine_start": built - start, "measure": measured - built}
+    seconds = {"engine_start": built - start, "measure": measured - began}
     Path(job["out"] + ".json").write_text(
         json.dumps({"texts": texts, "refusals": refusals, "seconds": seconds, "n_prompts": len(encoded)})
     )
