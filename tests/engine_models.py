@@ -34,8 +34,9 @@ FAMILIES = {
 }
 
 
-def build(family: str, folder: Path, dtype: str = "float32") -> Path:
-    """Save the family's tiny model (eager attention recorded in its config) with the tiny tokenizer in `folder`."""
+def build(family: str, folder: Path, dtype: str = "float32", overrides: dict | None = None) -> Path:
+    """Save the family's tiny model (eager attention recorded in its config) with the tiny tokenizer in `folder`;
+    `overrides` replace config fields (e.g. one KV head)."""
     import inspect
 
     import torch
@@ -59,7 +60,13 @@ def build(family: str, folder: Path, dtype: str = "float32") -> Path:
     )
     cfg_cls, model_cls = getattr(transformers, cfg_name), getattr(transformers, model_name)
     accepted = set(inspect.signature(cfg_cls.__init__).parameters)
-    config = cfg_cls(**{k: v for k, v in {"tie_word_embeddings": False, **common, **extra}.items() if k in accepted})
+    config = cfg_cls(
+        **{
+            k: v
+            for k, v in {"tie_word_embeddings": False, **common, **extra, **(overrides or {})}.items()
+            if k in accepted
+        }
+    )
     torch.manual_seed(0)
     model = model_cls._from_config(config, attn_implementation="eager").eval()
     with torch.no_grad():
@@ -96,7 +103,8 @@ def start_job(job: dict, root: Path, env: dict[str, str]):
 
 
 def finish_job(proc, root: Path, name: str, timeout: float = 600) -> dict:
-    """Wait for the job; its captures (`hf`, `engine`, `again`) as capture.PromptCapture lists and its JSON record."""
+    """Wait for the job; its captures (`hf`, `engine`, `again`) as capture.PromptCapture lists and its JSON record
+    (only the record when the engine refused the measurement)."""
     import json
 
     import numpy as np
@@ -106,6 +114,8 @@ def finish_job(proc, root: Path, name: str, timeout: float = 600) -> dict:
     rc = proc.wait(timeout=timeout)
     assert rc == 0, (root / f"{name}.log").read_text()[-4000:]
     meta = json.loads((root / f"{name}_out.json").read_text())
+    if "refused" in meta:
+        return meta
     data = np.load(root / f"{name}_out.npz")
     sides = {}
     for side in ("hf", "engine", "again"):

@@ -100,6 +100,7 @@ def _config(name: str, **kwargs) -> dict:
         (("LlamaConfig", {}), {"pipeline_parallel_size": "2"}, r"pipeline_parallel_size > 1 is not verified"),
         (("LlamaConfig", {}), {"compilation_config": {"cudagraph_mode": "FULL"}}, r"cudagraph_mode FULL replays"),
         (("LlamaConfig", {}), {"compilation_config": '{"cudagraph_mode": "FULL"}'}, r"cudagraph_mode FULL replays"),
+        (("LlamaConfig", {}), {"compilation_config": {"splitting_ops": []}}, r"cudagraph_mode FULL replays"),
         (("LlamaConfig", {}), {"compilation_config": {"cudagraph_mode": "FULL"}, "enforce_eager": True}, None),
         (("Gemma3TextConfig", {}), {"compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"}}, None),
         (("Qwen3Config", {}), {"tensor_parallel_size": 2, "kv_cache_dtype": "auto", "quantization": "fp8"}, None),

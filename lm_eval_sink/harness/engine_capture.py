@@ -102,13 +102,16 @@ def _architecture_refusal(config: dict[str, Any]) -> str | None:
     return None
 
 
-def _compilation_mode(engine_args: Mapping[str, Any]) -> str | None:
-    """The `cudagraph_mode` asked in `compilation_config` (a dict, a JSON string, or an object with the field)."""
+def _full_graphs_for_prefills(engine_args: Mapping[str, Any]) -> bool:
+    """Whether `compilation_config` (a dict, a JSON string, or vLLM's object) asks for full CUDA graphs of prefill
+    batches: `cudagraph_mode` FULL, or piecewise graphs with no splitting op (which vLLM turns into FULL)."""
     cc = engine_args.get("compilation_config")
     if isinstance(cc, str) and cc.strip().startswith("{"):
         cc = json.loads(cc)
-    mode = cc.get("cudagraph_mode") if isinstance(cc, Mapping) else getattr(cc, "cudagraph_mode", None)
-    return None if mode is None else str(getattr(mode, "name", mode)).upper()
+    field = cc.get if isinstance(cc, Mapping) else lambda name: getattr(cc, name, None)
+    mode = field("cudagraph_mode")
+    mode = None if mode is None else str(getattr(mode, "name", mode)).upper()
+    return mode == "FULL" or (field("splitting_ops") == [] and mode in (None, "FULL_AND_PIECEWISE"))
 
 
 def _engine_args_refusal(config: dict[str, Any], engine_args: Mapping[str, Any]) -> str | None:
@@ -125,10 +128,10 @@ def _engine_args_refusal(config: dict[str, Any], engine_args: Mapping[str, Any])
     if int(engine_args.get("pipeline_parallel_size") or 1) > 1:
         return "pipeline_parallel_size > 1 is not verified for the engine's capture"
     eager = str(engine_args.get("enforce_eager", False)).lower() in ("1", "true", "yes", "on")
-    if _compilation_mode(engine_args) == "FULL" and not eager:
+    if _full_graphs_for_prefills(engine_args) and not eager:
         return (
             "cudagraph_mode FULL replays prefill batches as CUDA graphs, where the attention layer's Python never "
-            "runs (vLLM's default FULL_AND_PIECEWISE, or enforce_eager, runs them eagerly)"
+            "runs (vLLM's default FULL_AND_PIECEWISE with its splitting ops, or enforce_eager, runs them eagerly)"
         )
     return None
 
@@ -314,10 +317,29 @@ def _engine_limits(llm: Any) -> tuple[int, int]:
     return int(config.scheduler_config.max_num_batched_tokens), int(config.model_config.max_model_len)
 
 
+def _has_extension(llm: Any) -> bool:
+    """Whether the engine's workers were built with SinkCaptureMixin (or a class inheriting it) as their extension."""
+    import importlib
+
+    name = llm.llm_engine.vllm_config.parallel_config.worker_extension_cls or ""
+    module, _, attr = name.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), attr) if module else None
+    except (ImportError, AttributeError):
+        return False
+    return isinstance(cls, type) and issubclass(cls, SinkCaptureMixin)
+
+
 def _check_prompts(llm: Any, encoded: EncodedPrompts, layers: Sequence[int]) -> None:
-    """Refuse, before the engine runs anything, prompts that chunked prefill would split or the context cannot hold."""
+    """Refuse, before the engine runs anything, an engine without the extension, and prompts that chunked prefill
+    would split or the context cannot hold."""
     if not layers:
         raise UserError("no layers to measure", "pass the indices of the attention layers to measure")
+    if not _has_extension(llm):
+        raise EngineCaptureRefused(
+            "the engine was built without worker_extension_cls=lm_eval_sink.harness.engine_capture.SinkCaptureMixin "
+            "(or a class inheriting it)"
+        )
     batched, context = _engine_limits(llm)
     longest = max(len(ids) for ids in encoded.input_ids)
     if longest > batched:

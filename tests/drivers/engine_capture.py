@@ -2,7 +2,9 @@
 
 Usage: .venv-vllm/bin/python tests/drivers/engine_capture.py JOB.json   (one engine per process)
 JOB: {"family", "folder", "out", "dtype", "tensor_parallel_size", "n_prompts", "max_num_batched_tokens",
-"enforce_eager" (default true: torch.compile takes minutes on a CPU)}.
+"enforce_eager" (default true: torch.compile takes minutes on a CPU), "config" (config fields to override),
+"engine_args" (more LLM arguments)}. A measurement the engine refuses writes OUT.json {"refused": REASON, "texts":
+[generations before, after]} only.
 It builds the family's model (tests/engine_models.py) in `folder`, captures the calibration prompts with
 `capture.capture_prompts` on the model loaded eager (batches of 2: left padding), starts one engine with
 `SinkCaptureMixin` and measures them there (`measure_on_engine`), twice, with greedy generations before, between
@@ -23,6 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: engine_models, helpers
 
 FIELDS = ("sink_logodds", "sink_pos", "pos0_mass", "pos0_visible", "content")
+EXTENSION = "lm_eval_sink.harness.engine_capture.SinkCaptureMixin"
 
 
 def _hf(folder: Path, encoded, layers, dtype: str) -> list:
@@ -69,14 +72,15 @@ def main(job: dict) -> None:
     from vllm import LLM
 
     from lm_eval_sink.calibration import encode_prompts, load_prompts
-    from lm_eval_sink.harness.engine_capture import measure_on_engine
+    from lm_eval_sink.harness.engine_capture import EngineCaptureRefused, measure_on_engine
 
-    folder = engine_models.build(job["family"], Path(job["folder"]), job["dtype"])
+    folder = engine_models.build(job["family"], Path(job["folder"]), job["dtype"], job.get("config"))
     encoded = encode_prompts(AutoTokenizer.from_pretrained(folder), load_prompts(None, job["n_prompts"]).prompts)
     layers = [0, 1]
     hf = _hf(folder, encoded, layers, job["dtype"])
     start = time.perf_counter()
     extra = {"max_num_batched_tokens": job["max_num_batched_tokens"]} if job.get("max_num_batched_tokens") else {}
+    engine_args = {"worker_extension_cls": EXTENSION, **extra, **job.get("engine_args", {})}
     llm = LLM(
         model=str(folder),
         dtype=job["dtype"],
@@ -84,13 +88,18 @@ def main(job: dict) -> None:
         max_model_len=256,
         seed=0,
         tensor_parallel_size=job["tensor_parallel_size"],
-        worker_extension_cls="lm_eval_sink.harness.engine_capture.SinkCaptureMixin",
-        **extra,
+        **engine_args,
     )
     built = time.perf_counter()
     before = _greedy(llm, encoded)
     began = time.perf_counter()
-    first = measure_on_engine(llm, encoded, layers)
+    try:
+        first = measure_on_engine(llm, encoded, layers)
+    except EngineCaptureRefused as e:  # the engine goes on: its generations are those of before
+        Path(job["out"] + ".json").write_text(
+            json.dumps({"refused": e.reason, "texts": [before, _greedy(llm, encoded)]})
+        )
+        return
     measured = time.perf_counter()
     between = _greedy(llm, encoded)
     second = measure_on_engine(llm, encoded, layers)
