@@ -72,8 +72,11 @@ def test_engine_statistics_equal_transformers_eager(measured, family):
 
 @pytest.mark.parametrize("family", sorted(JOBS))
 def test_a_measurement_leaves_the_engines_generations_unchanged(measured, family):
+    """Greedy generations before, between and after two measurements are the same tokens, and no layer's
+    `impl.forward` is left wrapped."""
     texts = measured[family]["texts"]
     assert texts["before"] == texts["between"] == texts["after"] and len(texts["before"][0]) == 12
+    assert measured[family]["wrapped"] == [0]
 
 
 def test_a_prompt_that_chunked_prefill_would_split_is_refused(measured):

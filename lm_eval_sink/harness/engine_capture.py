@@ -251,7 +251,8 @@ class SinkCaptureMixin:
     whose methods `measure_on_engine` calls by name through `LLM.collective_rpc`. `self` is vLLM's worker."""
 
     def sink_capture_layers(self) -> dict[str, Any]:
-        """This rank's attention layers {index: query heads here} and why the capture refuses this engine (or None)."""
+        """This rank's attention layers {index: query heads here}, why the capture refuses this engine (or None), and
+        how many layers' `impl.forward` are wrapped now (0 outside a measurement)."""
         from vllm.config import CUDAGraphMode
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
         from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
@@ -268,7 +269,9 @@ class SinkCaptureMixin:
             refusal = "cudagraph_mode FULL replays prefill batches as CUDA graphs, where no layer's Python runs"
         self._sink_capture_found = {i: m for i, (m, _) in found.items()}
         heads = {str(i): h for i, (_, h) in found.items()}
-        return {"rank": int(self.rank), "tp_rank": get_tensor_model_parallel_rank(), "heads": heads, "refusal": refusal}
+        wrapped = sum("forward" in vars(m.impl) for m in self._sink_capture_found.values())
+        rank = {"rank": int(self.rank), "tp_rank": get_tensor_model_parallel_rank()}
+        return {**rank, "heads": heads, "refusal": refusal, "wrapped": wrapped}
 
     def sink_capture_arm(self, layers: list[int], query_chunk: int) -> dict[str, Any]:
         """Wrap the attention of `layers` (those this rank holds) for a measurement; returns `sink_capture_layers`."""

@@ -101,6 +101,7 @@ def main(job: dict) -> None:
         )
         return
     measured = time.perf_counter()
+    wrapped = [r["wrapped"] for r in llm.collective_rpc("sink_capture_layers")]  # 0: every impl.forward restored
     between = _greedy(llm, encoded)
     second = measure_on_engine(llm, encoded, layers)
     after = _greedy(llm, encoded)
@@ -114,9 +115,8 @@ def main(job: dict) -> None:
     np.savez(job["out"] + ".npz", **arrays)
     texts = {"before": before, "between": between, "after": after}
     seconds = {"engine_start": built - start, "measure": measured - began}
-    Path(job["out"] + ".json").write_text(
-        json.dumps({"texts": texts, "refusals": refusals, "seconds": seconds, "n_prompts": len(encoded)})
-    )
+    record = {"texts": texts, "refusals": refusals, "seconds": seconds, "wrapped": wrapped}
+    Path(job["out"] + ".json").write_text(json.dumps({**record, "n_prompts": len(encoded)}))
 
 
 if __name__ == "__main__":  # vLLM's default mode spawns its engine process, which imports this file
