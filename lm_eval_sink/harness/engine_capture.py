@@ -1,0 +1,456 @@
+"""Sink Strength from a vLLM engine's own forward: a worker extension that reads each attention layer's query and key.
+
+vLLM runs every decoder attention layer as `layer.impl.forward(layer, query, key, value, kv_cache, attn_metadata,
+output=...)`, called from `unified_attention_with_output` (vllm/model_executor/layers/attention/attention.py). On
+CPUs and CUDA that call sits inside the opaque custom op `vllm::unified_attention_with_output`, so its Python runs
+also when the model is compiled: torch.compile does not trace into it. On a GPU, CUDA graphs replay kernels without
+Python; with vLLM's default `cudagraph_mode` FULL_AND_PIECEWISE, full graphs serve uniform decode batches only, and a
+prefill batch is dispatched to the piecewise graphs (`CudagraphDispatcher.dispatch`: the FULL keys of the mixed
+routine exist only for `cudagraph_mode` FULL), whose pieces are split at that custom op and run it eagerly. So a
+measured prefill always reaches the layer's Python, except under `cudagraph_mode` FULL, which is refused.
+
+`SinkCaptureMixin` is a `worker_extension_cls` (named methods, called through `LLM.collective_rpc("name", ...)`; a
+plain callable would need vLLM's insecure serialization switch). While a measurement is armed
+(`sink_capture_arm`), the `impl.forward` of each measured layer is wrapped: the wrapper calls the original with the
+same arguments (so the layer's output is the same tensor it always is), then reduces the prefill's query and key to
+capture.py's per-row statistics with capture.py's own row math (`_row_stats`, `query_chunk` rows at a time: at most
+one [heads, chunk, T] float32 block per layer besides the float32 keys), in float32, with the layer's scale
+(`impl.scale`), logit soft-capping (`impl.logits_soft_cap`), causal mask and sliding window (`layer.sliding_window`,
+transformers' `key > query - window`), and GQA (`num_heads // num_kv_heads` query heads per KV head) as the layer
+applies them. Only those statistics leave the worker (`sink_capture_collect`), packed as bytes (vLLM's default
+serializer carries no numpy arrays in utility results); `sink_capture_disarm` restores every `impl.forward`.
+
+The driver (`measure_on_engine`) sends each calibration prompt alone, as token ids, with one greedy output token,
+`skip_reading_prefix_cache` (no prefix-cache hit: the layer's `key` holds the whole prompt) and a cache salt of its
+own (no later request reads the blocks it writes); a prompt longer than the scheduler's `max_num_batched_tokens`
+(chunked prefill would split it) is refused before anything runs. Each worker records a forward only when it is one
+request's whole prefill (`query_start_loc`, `seq_lens`); any other forward while armed is reported and refused.
+Under tensor parallelism each rank reduces its own query heads (vLLM's column split: rank r holds the r-th
+contiguous block) and the driver concatenates them in rank order, the model's head order.
+
+`engine_refusal(config, engine_args)` is the pure check the caller runs on the checkpoint's config and the engine's
+arguments before building the engine: None where the engine path is exact, else the one-line reason (the transformers
+child measures S then). The workers check again on the built engine (`sink_capture_arm`).
+"""
+
+from __future__ import annotations
+
+import json
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from lm_eval_sink.calibration import DEFAULT_QUERY_CHUNK, EncodedPrompts
+from lm_eval_sink.errors import UserError
+
+# The architectures whose engine statistics are tested equal to transformers' eager capture (tests/
+# test_engine_capture.py: Llama, Gemma 2, Gemma 3 in `make test`; Mistral, Qwen2, Qwen3 and tensor parallel 2 in
+# `make test-engine`). Others may well work; they stay with the transformers child until a test says so.
+VERIFIED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+)
+CACHE_SALT = "lm_eval_sink-sink-strength"  # the measured prompts' KV blocks are reachable by no other request
+_SOFTMAX_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+class EngineCaptureRefused(UserError):
+    """The engine cannot measure S exactly here; `reason` says why (the transformers child measures it instead)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"S cannot be measured in the vLLM engine: {reason}", "measure S with transformers")
+        self.reason = reason
+
+
+def _as_dict(config: Any) -> dict[str, Any]:
+    if hasattr(config, "to_dict"):
+        return config.to_dict()
+    return dict(config)
+
+
+def _text_config(config: dict[str, Any]) -> dict[str, Any]:
+    text = config.get("text_config")
+    return _as_dict(text) if text else config
+
+
+def _architecture_refusal(config: dict[str, Any]) -> str | None:
+    """Why the checkpoint's architecture is not measured in the engine, from its config.json alone."""
+    text = _text_config(config)
+    arch = (config.get("architectures") or [config.get("model_type", "unknown")])[0]
+    if config.get("is_encoder_decoder"):
+        return f"{arch} is an encoder-decoder model (its cross-attention has no causal sink)"
+    if any(text.get(k) is not None for k in ("kv_lora_rank", "q_lora_rank")):
+        return (
+            f"{arch} uses multi-head latent attention (MLA): the engine's MLA layers attend a compressed latent, "
+            "not per-head keys"
+        )
+    other = sorted(set(text.get("layer_types") or ()) - set(_SOFTMAX_LAYER_TYPES))
+    if other:
+        return (
+            f"{arch} has layers of type {', '.join(other)}: linear attention, state-space or indexed layers, which "
+            "are no full or sliding softmax attention"
+        )
+    if arch not in VERIFIED_ARCHITECTURES:
+        return (
+            f"{arch}: the engine's statistics are verified against transformers' eager capture for "
+            f"{', '.join(VERIFIED_ARCHITECTURES)} only"
+        )
+    return None
+
+
+def _full_graphs_for_prefills(engine_args: Mapping[str, Any]) -> bool:
+    """Whether `compilation_config` (a dict, a JSON string, or vLLM's object) asks for full CUDA graphs of prefill
+    batches: `cudagraph_mode` FULL, or piecewise graphs with no splitting op (which vLLM turns into FULL)."""
+    cc = engine_args.get("compilation_config")
+    if isinstance(cc, str) and cc.strip().startswith("{"):
+        cc = json.loads(cc)
+    field = cc.get if isinstance(cc, Mapping) else lambda name: getattr(cc, name, None)
+    mode = field("cudagraph_mode")
+    mode = None if mode is None else str(getattr(mode, "name", mode)).upper()
+    return mode == "FULL" or (field("splitting_ops") == [] and mode in (None, "FULL_AND_PIECEWISE"))
+
+
+def _engine_args_refusal(config: dict[str, Any], engine_args: Mapping[str, Any]) -> str | None:
+    """Why the engine's arguments keep S from being exact in the engine."""
+    kv = str(engine_args.get("kv_cache_dtype") or "auto")
+    scheme = (config.get("quantization_config") or {}).get("kv_cache_scheme")
+    if kv != "auto" or scheme:
+        return (
+            f"a quantized KV cache (kv_cache_dtype={kv if kv != 'auto' else 'fp8 from the checkpoint'}): the engine "
+            "attends the cached keys, which differ from the layer's key"
+        )
+    if int(engine_args.get("data_parallel_size") or 1) > 1:
+        return "data_parallel_size > 1: lm-eval runs the engines in Ray actors, not in its own process"
+    if int(engine_args.get("pipeline_parallel_size") or 1) > 1:
+        return "pipeline_parallel_size > 1 is not verified for the engine's capture"
+    eager = str(engine_args.get("enforce_eager", False)).lower() in ("1", "true", "yes", "on")
+    if _full_graphs_for_prefills(engine_args) and not eager:
+        return (
+            "cudagraph_mode FULL replays prefill batches as CUDA graphs, where the attention layer's Python never "
+            "runs (vLLM's default FULL_AND_PIECEWISE with its splitting ops, or enforce_eager, runs them eagerly)"
+        )
+    return None
+
+
+def engine_refusal(config: Any, engine_args: Mapping[str, Any] | None = None) -> str | None:
+    """None when S can be measured exactly inside a vLLM engine built with `engine_args` (LLM keyword arguments:
+    kv_cache_dtype, data_parallel_size, pipeline_parallel_size, enforce_eager, compilation_config) for a checkpoint
+    whose config.json is `config` (a dict or a transformers config); else the one-line reason. Pure: reads nothing."""
+    config = _as_dict(config)
+    return _architecture_refusal(config) or _engine_args_refusal(config, engine_args or {})
+
+
+# --- in the workers ----------------------------------------------------------------------------------------------
+
+
+def _pack(array: Any) -> dict[str, Any]:
+    """A numpy array as msgpack-native values (vLLM's default serializer decodes no arrays in utility results)."""
+    return {"dtype": array.dtype.str, "shape": list(array.shape), "data": array.tobytes()}
+
+
+def _unpack(packed: Mapping[str, Any]) -> Any:
+    import numpy as np
+
+    return np.frombuffer(packed["data"], dtype=np.dtype(packed["dtype"])).reshape(packed["shape"]).copy()
+
+
+def _layer_refusal(name: str, layer: Any) -> str | None:
+    """Why an attention layer of the built engine is not one whose statistics the capture reproduces."""
+    from vllm.model_executor.layers.attention import Attention
+
+    impl = getattr(layer, "impl", None)
+    if type(layer) is not Attention:
+        return f"{name} is a {type(layer).__name__}, not vLLM's plain softmax Attention"
+    checks = (
+        (layer.attn_type != "decoder", f"{getattr(layer.attn_type, 'value', layer.attn_type)} attention"),
+        (getattr(impl, "alibi_slopes", None) is not None, "ALiBi position biases"),
+        (getattr(impl, "sinks", None) is not None, "learned attention sinks"),
+        (layer.kv_sharing_target_layer_name is not None, "keys shared from another layer"),
+        (str(layer.kv_cache_dtype) != "auto", f"a {layer.kv_cache_dtype} KV cache"),
+        (not isinstance(getattr(impl, "scale", None), float), f"an implementation without a scale ({type(impl)})"),
+    )
+    found = [what for bad, what in checks if bad]
+    return f"{name}: {found[0]}" if found else None
+
+
+class _Armed:
+    """One measurement's state in a worker: the wrapped layers and what their prefills gave."""
+
+    def __init__(self, query_chunk: int) -> None:
+        self.query_chunk = query_chunk
+        self.restore: list[tuple[Any, Any]] = []  # (impl, its own `forward` instance attribute or None)
+        self.records: dict[int, list[tuple[Any, ...]]] = {}  # layer -> per prefill (length, logodds, pos, mass, vis)
+        self.errors: list[str] = []
+
+    def record(self, index: int, layer: Any, query: Any, key: Any, metadata: Any) -> None:
+        """Reduce one layer's prefill to per-row statistics; a forward that is no single whole prefill is an error."""
+        starts, lengths = getattr(metadata, "query_start_loc", None), getattr(metadata, "seq_lens", None)
+        if starts is None or lengths is None:
+            self.errors.append(f"layer {index}: attention metadata {type(metadata).__name__} has no query_start_loc")
+            return
+        starts, lengths = [int(x) for x in starts.tolist()], [int(x) for x in lengths.tolist()]
+        queries = [b - a for a, b in itertools.pairwise(starts)][: len(lengths)]
+        if all(q == 1 and s > 1 for q, s in zip(queries, lengths, strict=False)):
+            return  # decoding only: no prefill to measure
+        if len(lengths) != 1 or queries[0] != lengths[0]:
+            self.errors.append(
+                f"layer {index}: a forward of {len(lengths)} request(s) with {queries} new of {lengths} tokens while "
+                "measuring (the measured prompt must be one request's whole prefill)"
+            )
+            return
+        self.records.setdefault(index, []).append(_prefill_stats(layer, query, key, starts, self.query_chunk))
+
+
+def _prefill_stats(layer: Any, query: Any, key: Any, starts: list[int], chunk: int) -> tuple[Any, ...]:
+    """(length, sink log-odds, sink key, pos0 mass, pos0 visible) of one whole prefill, rows 1..T-1, as capture.py
+    computes them, in float32 on the data's device (numpy on the CPU out)."""
+    import torch
+
+    from lm_eval_sink.capture import _AttentionCall, _row_stats
+
+    impl, rows = layer.impl, slice(starts[0], starts[1])
+    q = query[rows].view(-1, layer.num_heads, layer.head_size).transpose(0, 1)[None]  # [1, heads, T, d]
+    k = key[rows].view(-1, layer.num_kv_heads, layer.head_size).transpose(0, 1)[None]  # [1, kv heads, T, d]
+    softcap = float(impl.logits_soft_cap) if getattr(impl, "logits_soft_cap", None) else None
+    call = _AttentionCall(q, k, None, impl.scale, softcap, None, layer.sliding_window)
+    first = torch.zeros(1, dtype=torch.long, device=q.device)
+    logodds, pos, mass, _, visible = _row_stats(call, first, None, chunk)
+    return (
+        q.shape[2],
+        logodds[0, :, 1:].numpy(),
+        pos[0, :, 1:].numpy().astype("int32"),
+        mass[0, :, 1:].numpy(),
+        visible[0, 1:].numpy(),
+    )
+
+
+def _wrap(impl: Any, index: int, layer: Any, armed: _Armed) -> None:
+    """Make `impl.forward` (an instance attribute shadowing the class's) record the layer's prefills after running
+    the original, unchanged; `armed.restore` remembers what to put back."""
+    original = impl.forward
+    armed.restore.append((impl, impl.__dict__.get("forward")))
+
+    def forward(layer_arg, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
+        out = original(layer_arg, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+        if attn_metadata is not None:  # profiling and warm-up runs have no metadata
+            try:
+                armed.record(index, layer, query, key, attn_metadata)
+            except Exception as e:  # the engine must go on: the driver refuses the measurement
+                armed.errors.append(f"layer {index}: {type(e).__name__}: {e}")
+        return out
+
+    impl.forward = forward
+
+
+class SinkCaptureMixin:
+    """vLLM worker extension (`LLM(..., worker_extension_cls="lm_eval_sink.harness.engine_capture.SinkCaptureMixin")`)
+    whose methods `measure_on_engine` calls by name through `LLM.collective_rpc`. `self` is vLLM's worker."""
+
+    def sink_capture_layers(self) -> dict[str, Any]:
+        """This rank's attention layers {index: query heads here}, why the capture refuses this engine (or None), and
+        how many layers' `impl.forward` are wrapped now (0 outside a measurement)."""
+        from vllm.config import CUDAGraphMode
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        found, refusal = {}, None
+        for name, module in self.model_runner.get_model().named_modules():
+            if isinstance(module, AttentionLayerBase):
+                refusal = refusal or _layer_refusal(name, module)
+                if refusal is None:
+                    found[extract_layer_index(module.layer_name)] = (module, module.num_heads)
+        mode = self.vllm_config.compilation_config.cudagraph_mode
+        if refusal is None and mode is not None and mode.mixed_mode() == CUDAGraphMode.FULL:
+            refusal = "cudagraph_mode FULL replays prefill batches as CUDA graphs, where no layer's Python runs"
+        self._sink_capture_found = {i: m for i, (m, _) in found.items()}
+        heads = {str(i): h for i, (_, h) in found.items()}
+        wrapped = sum("forward" in vars(m.impl) for m in self._sink_capture_found.values())
+        rank = {"rank": int(self.rank), "tp_rank": get_tensor_model_parallel_rank()}
+        return {**rank, "heads": heads, "refusal": refusal, "wrapped": wrapped}
+
+    def sink_capture_arm(self, layers: list[int], query_chunk: int) -> dict[str, Any]:
+        """Wrap the attention of `layers` (those this rank holds) for a measurement; returns `sink_capture_layers`."""
+        self.sink_capture_disarm()
+        info = self.sink_capture_layers()
+        if info["refusal"] is None:
+            armed = _Armed(int(query_chunk))
+            for index in layers:
+                if index in self._sink_capture_found:
+                    layer = self._sink_capture_found[index]
+                    _wrap(layer.impl, int(index), layer, armed)
+            self._sink_capture_armed = armed
+        return info
+
+    def sink_capture_collect(self) -> dict[str, Any]:
+        """What the armed layers recorded, packed: {"rank", "tp_rank", "errors", "layers": {index: [per prefill]}}."""
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        armed = getattr(self, "_sink_capture_armed", None)
+        if armed is None:
+            return {"rank": int(self.rank), "tp_rank": 0, "errors": ["no measurement was armed"], "layers": {}}
+        layers = {
+            str(i): [[n, *(_pack(a) for a in arrays)] for n, *arrays in prefills]
+            for i, prefills in armed.records.items()
+        }
+        rank = {"rank": int(self.rank), "tp_rank": get_tensor_model_parallel_rank()}
+        return {**rank, "errors": armed.errors, "layers": layers}
+
+    def sink_capture_disarm(self) -> None:
+        """Put every wrapped `impl.forward` back as it was and drop the recorded statistics."""
+        armed = getattr(self, "_sink_capture_armed", None)
+        self._sink_capture_armed = None
+        for impl, own in reversed(armed.restore if armed else []):
+            if own is None:
+                impl.__dict__.pop("forward", None)
+            else:
+                impl.forward = own
+
+
+# --- in the driver ----------------------------------------------------------------------------------------------
+
+
+def _engine_limits(llm: Any) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_model_len) of the engine `llm`."""
+    config = llm.llm_engine.vllm_config
+    return int(config.scheduler_config.max_num_batched_tokens), int(config.model_config.max_model_len)
+
+
+def _has_extension(llm: Any) -> bool:
+    """Whether the engine's workers were built with SinkCaptureMixin (or a class inheriting it) as their extension."""
+    import importlib
+
+    name = llm.llm_engine.vllm_config.parallel_config.worker_extension_cls or ""
+    module, _, attr = name.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), attr) if module else None
+    except (ImportError, AttributeError):
+        return False
+    return isinstance(cls, type) and issubclass(cls, SinkCaptureMixin)
+
+
+def _check_prompts(llm: Any, encoded: EncodedPrompts, layers: Sequence[int]) -> None:
+    """Refuse, before the engine runs anything, an engine without the extension, and prompts that chunked prefill
+    would split or the context cannot hold."""
+    if not layers:
+        raise UserError("no layers to measure", "pass the indices of the attention layers to measure")
+    if not _has_extension(llm):
+        raise EngineCaptureRefused(
+            "the engine was built without worker_extension_cls=lm_eval_sink.harness.engine_capture.SinkCaptureMixin "
+            "(or a class inheriting it)"
+        )
+    batched, context = _engine_limits(llm)
+    longest = max(len(ids) for ids in encoded.input_ids)
+    if longest > batched:
+        raise EngineCaptureRefused(
+            f"a calibration prompt has {longest} tokens, more than the engine's max_num_batched_tokens {batched}: "
+            "chunked prefill would split it, so no layer call would see its whole key"
+        )
+    if longest >= context:
+        raise EngineCaptureRefused(f"a calibration prompt has {longest} tokens, the engine's max_model_len {context}")
+
+
+def _run_prompts(llm: Any, encoded: EncodedPrompts, lora_request: Any) -> None:
+    """Each prompt alone: one greedy token, no prefix-cache read, KV blocks under a salt of their own."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, skip_reading_prefix_cache=True, detokenize=False)
+    for ids in encoded.input_ids:
+        prompt = {"prompt_token_ids": list(ids), "cache_salt": CACHE_SALT}
+        llm.generate([prompt], params, use_tqdm=False, lora_request=lora_request)
+
+
+def _merge_heads(ranks: list[dict[str, Any]], layer: int, n_prompts: int) -> list[list[Any]]:
+    """Per prompt, the layer's (logodds, pos, mass, visible) with every rank's heads concatenated in rank order."""
+    import numpy as np
+
+    parts = []
+    for rank in sorted((r for r in ranks if str(layer) in r["layers"]), key=lambda r: r["tp_rank"]):
+        prefills = rank["layers"][str(layer)]
+        if len(prefills) != n_prompts:
+            raise EngineCaptureRefused(
+                f"rank {rank['rank']} recorded {len(prefills)} prefills of layer {layer} for {n_prompts} prompts"
+            )
+        parts.append([(n, *(_unpack(a) for a in arrays)) for n, *arrays in prefills])
+    if not parts:
+        raise EngineCaptureRefused(f"no rank recorded layer {layer}")
+    merged = []
+    for j in range(n_prompts):
+        per_rank = [p[j] for p in parts]
+        merged.append(
+            [
+                *(np.concatenate([r[f] for r in per_rank], axis=0) for f in (1, 2, 3)),
+                per_rank[0][4],  # pos0 visibility is the layer's mask: the same on every rank
+            ]
+        )
+    return merged
+
+
+def _captures(ranks: list[dict[str, Any]], encoded: EncodedPrompts, layers: tuple[int, ...]) -> list[Any]:
+    """capture.PromptCapture per prompt from the ranks' packed statistics."""
+    import numpy as np
+
+    from lm_eval_sink.capture import PromptCapture, _check_finite
+
+    per_layer = [_merge_heads(ranks, x, len(encoded)) for x in layers]
+    out = {}
+    for j, ids in enumerate(encoded.input_ids):
+        fields = [np.stack([per_layer[li][j][f] for li in range(len(layers))]) for f in range(4)]
+        if fields[0].shape[-1] != len(ids) - 1:
+            raise EngineCaptureRefused(f"prompt {j}: {fields[0].shape[-1] + 1} tokens captured for {len(ids)} sent")
+        out[j] = PromptCapture(
+            layers=layers,
+            sink_logodds=fields[0].astype(np.float32),
+            sink_pos=fields[1].astype(np.int64),
+            pos0_mass=fields[2].astype(np.float32),
+            content=np.asarray(encoded.content_mask[j][1:], dtype=bool),
+            learned_sink_mass=None,
+            pos0_visible=fields[3].astype(bool),
+        )
+    _check_finite(out, layers)
+    return [out[j] for j in range(len(encoded))]
+
+
+def _checked_heads(llm: Any, infos: list[dict[str, Any]], layers: tuple[int, ...]) -> None:
+    """Refuse what a worker refused, a layer no rank holds, or heads that do not add up to the model's."""
+    refusals = [i["refusal"] for i in infos if i["refusal"]]
+    if refusals:
+        raise EngineCaptureRefused(refusals[0])
+    total = int(llm.llm_engine.vllm_config.model_config.hf_text_config.num_attention_heads)
+    for x in layers:
+        heads = {i["tp_rank"]: i["heads"][str(x)] for i in infos if str(x) in i["heads"]}
+        if not heads:
+            raise EngineCaptureRefused(f"layer {x} is no attention layer of the engine's model")
+        if sum(heads.values()) != total:
+            raise EngineCaptureRefused(f"layer {x}: the ranks hold {sorted(heads.items())} query heads of {total}")
+
+
+def measure_on_engine(
+    llm: Any,
+    encoded: EncodedPrompts,
+    layers: Sequence[int],
+    query_chunk: int = DEFAULT_QUERY_CHUNK,
+    lora_request: Any = None,
+) -> list[Any]:
+    """Per-prompt sink statistics (`capture.PromptCapture`, as `capture.capture_prompts` returns them) from the
+    vLLM engine `llm`, built with `worker_extension_cls` SinkCaptureMixin (or a class inheriting it): each prompt of
+    `encoded` runs alone through the engine's own forward while the attention of `layers` (model layer indices) is
+    captured; `strength.reduce_captures` turns them into S. Raises EngineCaptureRefused (a UserError) where the
+    engine cannot measure S exactly; the engine is left as it was in every case."""
+    layers = tuple(sorted({int(x) for x in layers}))
+    _check_prompts(llm, encoded, layers)
+    try:
+        infos = llm.collective_rpc("sink_capture_arm", args=(list(layers), int(query_chunk)))
+        _checked_heads(llm, infos, layers)
+        _run_prompts(llm, encoded, lora_request)
+        ranks = llm.collective_rpc("sink_capture_collect")
+    finally:
+        llm.collective_rpc("sink_capture_disarm")
+    errors = [e for r in ranks for e in r["errors"]]
+    if errors:
+        raise EngineCaptureRefused(errors[0])
+    return _captures(ranks, encoded, layers)

@@ -1,0 +1,123 @@
+"""One family's tiny model measured twice in the vLLM venv: transformers' eager capture, then the vLLM engine's own.
+
+Usage: .venv-vllm/bin/python tests/drivers/engine_capture.py JOB.json   (one engine per process)
+JOB: {"family", "folder", "out", "dtype", "tensor_parallel_size", "n_prompts", "max_num_batched_tokens",
+"enforce_eager" (default true: torch.compile takes minutes on a CPU), "config" (config fields to override),
+"engine_args" (more LLM arguments)}. A measurement the engine refuses writes OUT.json {"refused": REASON, "texts":
+[generations before, after]} only.
+It builds the family's model (tests/engine_models.py) in `folder`, captures the calibration prompts with
+`capture.capture_prompts` on the model loaded eager (batches of 2: left padding), starts one engine with
+`SinkCaptureMixin` and measures them there (`measure_on_engine`), twice, with greedy generations before, between
+and after; with `max_num_batched_tokens` it also asks for a prompt longer than that, once refused by the driver's
+check and once with that check skipped (the workers then see the split prefill). It writes OUT.npz (both sides'
+arrays) and OUT.json (texts, refusals, timings).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: engine_models, helpers
+
+FIELDS = ("sink_logodds", "sink_pos", "pos0_mass", "pos0_visible", "content")
+EXTENSION = "lm_eval_sink.harness.engine_capture.SinkCaptureMixin"
+
+
+def _hf(folder: Path, encoded, layers, dtype: str) -> list:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from lm_eval_sink.calibration import Batching
+    from lm_eval_sink.capture import capture_prompts
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), attn_implementation="eager")
+    return capture_prompts(model.eval(), encoded, layers, Batching(batch_size=2), progress=False)
+
+
+def _greedy(llm, encoded) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": list(ids)} for ids in encoded.input_ids[:2]], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def _refusals(llm, encoded, layers, limit: int) -> dict:
+    """A prompt longer than max_num_batched_tokens: the driver's refusal, then (its check skipped) the workers'."""
+    from lm_eval_sink.calibration import EncodedPrompts
+    from lm_eval_sink.harness import engine_capture as ec
+
+    ids = tuple(encoded.input_ids[0] * (limit // len(encoded.input_ids[0]) + 2))[: limit + 20]
+    long = EncodedPrompts((ids,), ((False,) * len(ids),), True, None, None)
+    out = {}
+    for name in ("driver", "workers"):
+        try:
+            if name == "workers":
+                ec._check_prompts = lambda *args: None
+            ec.measure_on_engine(llm, long, layers)
+            out[name] = None
+        except ec.EngineCaptureRefused as e:
+            out[name] = e.reason
+    return out
+
+
+def main(job: dict) -> None:
+    import engine_models
+    from transformers import AutoTokenizer
+    from vllm import LLM
+
+    from lm_eval_sink.calibration import encode_prompts, load_prompts
+    from lm_eval_sink.harness.engine_capture import EngineCaptureRefused, measure_on_engine
+
+    folder = engine_models.build(job["family"], Path(job["folder"]), job["dtype"], job.get("config"))
+    encoded = encode_prompts(AutoTokenizer.from_pretrained(folder), load_prompts(None, job["n_prompts"]).prompts)
+    layers = [0, 1]
+    hf = _hf(folder, encoded, layers, job["dtype"])
+    start = time.perf_counter()
+    extra = {"max_num_batched_tokens": job["max_num_batched_tokens"]} if job.get("max_num_batched_tokens") else {}
+    engine_args = {"worker_extension_cls": EXTENSION, **extra, **job.get("engine_args", {})}
+    llm = LLM(
+        model=str(folder),
+        dtype=job["dtype"],
+        enforce_eager=job.get("enforce_eager", True),
+        max_model_len=256,
+        seed=0,
+        tensor_parallel_size=job["tensor_parallel_size"],
+        **engine_args,
+    )
+    built = time.perf_counter()
+    before = _greedy(llm, encoded)
+    began = time.perf_counter()
+    try:
+        first = measure_on_engine(llm, encoded, layers)
+    except EngineCaptureRefused as e:  # the engine goes on: its generations are those of before
+        Path(job["out"] + ".json").write_text(
+            json.dumps({"refused": e.reason, "texts": [before, _greedy(llm, encoded)]})
+        )
+        return
+    measured = time.perf_counter()
+    wrapped = [r["wrapped"] for r in llm.collective_rpc("sink_capture_layers")]  # 0: every impl.forward restored
+    between = _greedy(llm, encoded)
+    second = measure_on_engine(llm, encoded, layers)
+    after = _greedy(llm, encoded)
+    refusals = _refusals(llm, encoded, layers, extra["max_num_batched_tokens"]) if extra else {}
+    arrays = {
+        f"{side}_{j}_{f}": getattr(c, f)
+        for side, caps in (("hf", hf), ("engine", first), ("again", second))
+        for j, c in enumerate(caps)
+        for f in FIELDS
+    }
+    np.savez(job["out"] + ".npz", **arrays)
+    texts = {"before": before, "between": between, "after": after}
+    seconds = {"engine_start": built - start, "measure": measured - began}
+    record = {"texts": texts, "refusals": refusals, "seconds": seconds, "wrapped": wrapped}
+    Path(job["out"] + ".json").write_text(json.dumps({**record, "n_prompts": len(encoded)}))
+
+
+if __name__ == "__main__":  # vLLM's default mode spawns its engine process, which imports this file
+    main(json.loads(Path(sys.argv[1]).read_text()))

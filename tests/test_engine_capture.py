@@ -1,0 +1,130 @@
+"""Sink Strength from the vLLM engine's own forward (`harness/engine_capture.py`) against transformers' eager capture.
+
+Three families cover the variants the capture applies as the layer does (tests/engine_models.py: head size 32,
+GQA, float32): Llama (plain causal), Gemma 2 (logit soft-capping, a sliding window on alternate layers, a scale
+other than head_dim**-0.5) and Gemma 3 (sliding window plus q/k norm). Each runs in a process of its own in the
+vLLM venv (tests/drivers/engine_capture.py: one engine per process), the three at once: Llama in vLLM's default
+process mode (the engine core and its worker in other processes: every call into the worker goes by name through
+vLLM's default serializer), the Gemmas in-process. Measured on this machine's CPU build: every per-row statistic
+within 5e-6 of the eager capture (asserted: 2e-5), the sink key and pos0 visibility equal in every row, S within
+1e-6. Mistral, Qwen2, Qwen3, tensor parallel 2, bf16 and the compiled engine: `make test-engine`
+(tests/engine_capture_all.py).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import transformers
+from engine_models import finish_job, largest_differences, start_job
+from helpers import VLLM_PY, vllm_missing_reason
+
+from lm_eval_sink.harness.engine_capture import VERIFIED_ARCHITECTURES, engine_refusal
+from lm_eval_sink.strength import StrengthSettings, reduce_captures
+
+TOLERANCE = 2e-5  # float32: the largest difference measured is 5e-6 (the hf capture is held to 1e-4 against eager)
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+DEFAULT_MODE = {"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}  # no VLLM_ENABLE_V1_MULTIPROCESSING
+JOBS = {  # name: (job, environment); the Llama engine also refuses a prompt longer than its max_num_batched_tokens
+    "llama": ({"family": "llama", "max_num_batched_tokens": 128}, DEFAULT_MODE),
+    "gemma2": ({"family": "gemma2"}, IN_PROCESS),
+    "gemma3": ({"family": "gemma3"}, IN_PROCESS),
+}
+SETTINGS = StrengthSettings(n_prompts=5, last_k=2)
+
+
+def run_jobs(jobs: dict, root) -> dict[str, dict]:
+    """Every job's driver at once (one engine each), then their results."""
+    common = {"dtype": "float32", "tensor_parallel_size": 1, "n_prompts": SETTINGS.n_prompts}
+    procs = {name: start_job({**common, **job, "name": name}, root, env) for name, (job, env) in jobs.items()}
+    return {name: finish_job(proc, root, name) for name, proc in procs.items()}
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> dict[str, dict]:
+    if not VLLM_PY.is_file():
+        pytest.skip(vllm_missing_reason())
+    return run_jobs(JOBS, tmp_path_factory.mktemp("engine_capture"))
+
+
+def assert_engine_equals_eager(run: dict) -> dict[str, float]:
+    """Every per-row statistic, S and every per-(layer, head) figure of the engine equal the eager capture's; the
+    second measurement on the same engine (its prefix cache holding the first's blocks) equals the first."""
+    diff = largest_differences(run["hf"], run["engine"])
+    assert diff["sink_logodds"] <= TOLERANCE and diff["pos0_mass"] <= TOLERANCE, diff
+    assert diff["sink_pos"] == 0 and diff["pos0_visible"] == 0, diff
+    again = largest_differences(run["engine"], run["again"])
+    assert again == {**again, "sink_logodds": 0.0, "pos0_mass": 0.0, "sink_pos": 0, "pos0_visible": 0}
+    hf, engine = (reduce_captures(run[side], SETTINGS, 2) for side in ("hf", "engine"))
+    for name in ("sink_strength", "sink_strength_layer_head", "per_prompt", "pos0_mass_median"):
+        np.testing.assert_allclose(getattr(engine, name), getattr(hf, name), rtol=0, atol=TOLERANCE, err_msg=name)
+    assert (engine.pos0_argmax_fraction, engine.rows_beyond_window) == (hf.pos0_argmax_fraction, hf.rows_beyond_window)
+    return {**diff, "rows_beyond_window": engine.rows_beyond_window}
+
+
+@pytest.mark.parametrize("family", sorted(JOBS))
+def test_engine_statistics_equal_transformers_eager(measured, family):
+    diff = assert_engine_equals_eager(measured[family])
+    assert (diff["rows_beyond_window"] > 0) == (family != "llama")  # the Gemmas' windows cut the prompts
+
+
+@pytest.mark.parametrize("family", sorted(JOBS))
+def test_a_measurement_leaves_the_engines_generations_unchanged(measured, family):
+    """Greedy generations before, between and after two measurements are the same tokens, and no layer's
+    `impl.forward` is left wrapped."""
+    texts = measured[family]["texts"]
+    assert texts["before"] == texts["between"] == texts["after"] and len(texts["before"][0]) == 12
+    assert measured[family]["wrapped"] == [0]
+
+
+def test_a_prompt_that_chunked_prefill_would_split_is_refused(measured):
+    """By the driver before anything runs; with that check skipped, by the workers, which see the split prefill."""
+    refusals = measured["llama"]["refusals"]
+    assert refusals["driver"].startswith("a calibration prompt has 148 tokens, more than the engine's max_num_batc")
+    assert "1 request(s) with [20] new of [148] tokens" in refusals["workers"]
+
+
+def _config(name: str, **kwargs) -> dict:
+    return getattr(transformers, name)(**kwargs).to_dict()
+
+
+@pytest.mark.parametrize(
+    ("config", "engine_args", "reason"),
+    [
+        (("DeepseekV3Config", {}), {}, r"DeepseekV3ForCausalLM uses multi-head latent attention \(MLA\)"),
+        (("Qwen3NextConfig", {}), {}, r"layers of type linear_attention: linear attention"),
+        (("T5Config", {}), {}, r"T5\w* is an encoder-decoder model"),
+        (("Phi3Config", {}), {}, r"^Phi3ForCausalLM: .* verified .* for LlamaForCausalLM, "),
+        (("LlamaConfig", {}), {"kv_cache_dtype": "fp8"}, r"quantized KV cache \(kv_cache_dtype=fp8\)"),
+        (("LlamaConfig", {"quantization_config": {"kv_cache_scheme": {"num_bits": 8}}}), {}, "fp8 from the check"),
+        (("LlamaConfig", {}), {"data_parallel_size": 2}, r"data_parallel_size > 1: lm-eval runs the engines in Ray"),
+        (("LlamaConfig", {}), {"pipeline_parallel_size": "2"}, r"pipeline_parallel_size > 1 is not verified"),
+        (("LlamaConfig", {}), {"compilation_config": {"cudagraph_mode": "FULL"}}, r"cudagraph_mode FULL replays"),
+        (("LlamaConfig", {}), {"compilation_config": '{"cudagraph_mode": "FULL"}'}, r"cudagraph_mode FULL replays"),
+        (("LlamaConfig", {}), {"compilation_config": {"splitting_ops": []}}, r"cudagraph_mode FULL replays"),
+        (("LlamaConfig", {}), {"compilation_config": {"cudagraph_mode": "FULL"}, "enforce_eager": True}, None),
+        (("Gemma3TextConfig", {}), {"compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"}}, None),
+        (("Qwen3Config", {}), {"tensor_parallel_size": 2, "kv_cache_dtype": "auto", "quantization": "fp8"}, None),
+    ],
+)
+def test_engine_refusal_is_decided_from_the_config_before_an_engine_exists(config, engine_args, reason):
+    """One line saying why S is not measured in the engine (the transformers child measures it), or None."""
+    import re
+
+    name, kwargs = config
+    data = _config(name, **kwargs)
+    if "architectures" not in data or not data["architectures"]:  # a config made in memory names no class
+        data["architectures"] = [name.removesuffix("TextConfig").removesuffix("Config") + "ForCausalLM"]
+    if name == "T5Config":
+        data["architectures"] = ["T5ForConditionalGeneration"]
+    got = engine_refusal(data, engine_args)
+    assert (got is None) if reason is None else (re.search(reason, got) and "\n" not in got), got
+    assert engine_refusal(json.loads(json.dumps(data)), engine_args) == got  # a config.json read as JSON
+
+
+def test_every_verified_architecture_is_one_the_tests_compare():
+    from engine_models import FAMILIES
+
+    assert sorted(VERIFIED_ARCHITECTURES) == sorted(model for _, model, _ in FAMILIES.values())
