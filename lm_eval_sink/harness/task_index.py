@@ -147,11 +147,13 @@ def decode(data: Any, root: Path) -> dict[str, Any]:
 
 
 def _read(path: Path, root: Path) -> dict[str, Any] | None:
+    from lm_eval_sink.io import read_private_text
+
     try:
-        return decode(json.loads(path.read_text(encoding="utf-8")), root)
+        return decode(json.loads(read_private_text(path)), root)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, RecursionError) as err:  # torn, foreign or planted: built again, replaced
+    except (OSError, ValueError, KeyError, RecursionError) as err:  # torn, foreign, another's: built again, replaced
         log.debug("lm-eval-sink: rebuilding the task index (%s unreadable: %s)", path, err)
         return None
 

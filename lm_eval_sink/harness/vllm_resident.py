@@ -154,6 +154,21 @@ def _reseed(worker: Any) -> None:
 # --- the engine --------------------------------------------------------------------------------
 
 
+def engine_target_problem(module: Any) -> str | None:
+    """Why `ResidentEngine.serving` cannot replace the `LLM(...)` lm-eval's vLLM model builds (None when it can):
+    `module` must hold `LLM`, and its `VLLM.__init__` must call that module global (what `serving` swaps), not
+    another name for vLLM's class, which would build a new engine per checkpoint without a word."""
+    import dis
+    import inspect
+
+    if inspect.getattr_static(module, "LLM", None) is None:
+        return "has no LLM"
+    code = getattr(inspect.getattr_static(getattr(module, "VLLM", None), "__init__", None), "__code__", None)
+    if code is None or not any(i.opname == "LOAD_GLOBAL" and i.argval == "LLM" for i in dis.get_instructions(code)):
+        return "builds its engine in VLLM.__init__ through no module global LLM"
+    return None
+
+
 class ResidentEngine:
     """One vLLM `LLM` for every checkpoint, and what it was built from."""
 
@@ -177,6 +192,15 @@ class ResidentEngine:
         """Within the block, the `LLM(...)` that lm-eval's vLLM model builds is this engine, holding `weights`."""
         import lm_eval.models.vllm_causallms as lm_eval_vllm
 
+        why = engine_target_problem(lm_eval_vllm)
+        if why:
+            from importlib.metadata import version
+
+            raise UserError(
+                f"lm-eval {version('lm_eval')}'s vllm_causallms {why}, so the resident engine cannot stand in for "
+                "the engine it builds",
+                "pass --fresh-engine (or set eval: {engine_reuse: false}) for one engine per checkpoint",
+            )
         real = lm_eval_vllm.LLM
 
         def resident(**arguments: Any) -> Any:
