@@ -422,7 +422,6 @@ def test_a_yaml_nobody_else_can_swap_after_the_build(offline_manager, shared_dat
     from lm_eval.tasks import TaskManager
 
     from lm_eval_sink.errors import UserError
-    from lm_eval_sink.io import private_problem
 
     shared = tmp_path / "shared"
     shared.mkdir()
@@ -432,6 +431,8 @@ def test_a_yaml_nobody_else_can_swap_after_the_build(offline_manager, shared_dat
     with pytest.raises(UserError, match=rf"the project cache {shared} is writable by others \(mode 777\)"):
         TaskManager()
     assert list(shared.iterdir()) == []
+
+    from lm_eval_sink.io import private_problem
 
     manager, marker = offline_manager
     path = Path(manager.task_index["ifeval"].yaml_path)
@@ -608,11 +609,11 @@ def test_a_request_method_is_added_only_where_what_it_reads_is(monkeypatch):
 
 
 def test_the_resident_engine_takes_the_place_of_an_llm_only_lm_eval_builds_by_that_name():
-    """`vllm_resident.engine_target_problem`, the check before `serving` swaps `vllm_causallms.LLM`: a release whose
-    vLLM model builds its engine through another name would get a new engine per checkpoint without a word."""
+    """`patching.engine_target_problem`, the check before the resident engine swaps `vllm_causallms.LLM`: a release
+    whose vLLM model builds its engine through another name would get a new engine per checkpoint without a word."""
     import types
 
-    from lm_eval_sink.harness.vllm_resident import engine_target_problem
+    from lm_eval_sink.harness.patching import engine_target_problem
 
     def module(source: str) -> types.ModuleType:
         mod = types.ModuleType("vllm_causallms")

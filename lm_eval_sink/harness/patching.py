@@ -1,7 +1,8 @@
 """The one mechanism of every change this project makes to lm-eval: check the target, then patch it or leave it.
 
 lm-eval 0.4.13 has no plugin API for what `discovery.py` and `task.py` need, so they change lm-eval's objects:
-`patch` replaces a function by a wrapper, `add_method` gives a model class a method lm-eval does not have. Each
+`patch` replaces a function by a wrapper, `add_method` gives a model class a method lm-eval does not have, and
+`engine_target_problem` checks the one scoped replacement (the resident vLLM engine's `LLM`). Each
 checks first that the target is what the change was written for (the parameters a wrapper passes or reads; an
 attribute the method reads; no method of that name already), not lm-eval's version, so a compatible release keeps
 working; a target that differs is left exactly as installed, with one warning line per process
@@ -103,3 +104,17 @@ def add_method(owner: type, name: str, method: Any, *, needs: tuple[str, ...] = 
     setattr(method, _MARK, True)
     setattr(owner, name, method)
     return True
+
+
+def engine_target_problem(module: Any) -> str | None:
+    """Why the resident engine (`ResidentEngine.serving`) cannot replace the `LLM(...)` that lm-eval's vLLM model
+    builds (None when it can): `module` must hold `LLM`, and its `VLLM.__init__` must call that module global (what
+    `serving` swaps), not another name for vLLM's class, which would build a new engine per checkpoint unseen."""
+    import dis
+
+    if inspect.getattr_static(module, "LLM", None) is None:
+        return "has no LLM"
+    code = getattr(inspect.getattr_static(getattr(module, "VLLM", None), "__init__", None), "__code__", None)
+    if code is None or not any(i.opname == "LOAD_GLOBAL" and i.argval == "LLM" for i in dis.get_instructions(code)):
+        return "builds its engine in VLLM.__init__ through no module global LLM"
+    return None

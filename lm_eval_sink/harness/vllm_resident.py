@@ -154,21 +154,6 @@ def _reseed(worker: Any) -> None:
 # --- the engine --------------------------------------------------------------------------------
 
 
-def engine_target_problem(module: Any) -> str | None:
-    """Why `ResidentEngine.serving` cannot replace the `LLM(...)` lm-eval's vLLM model builds (None when it can):
-    `module` must hold `LLM`, and its `VLLM.__init__` must call that module global (what `serving` swaps), not
-    another name for vLLM's class, which would build a new engine per checkpoint without a word."""
-    import dis
-    import inspect
-
-    if inspect.getattr_static(module, "LLM", None) is None:
-        return "has no LLM"
-    code = getattr(inspect.getattr_static(getattr(module, "VLLM", None), "__init__", None), "__code__", None)
-    if code is None or not any(i.opname == "LOAD_GLOBAL" and i.argval == "LLM" for i in dis.get_instructions(code)):
-        return "builds its engine in VLLM.__init__ through no module global LLM"
-    return None
-
-
 class ResidentEngine:
     """One vLLM `LLM` for every checkpoint, and what it was built from."""
 
@@ -191,6 +176,8 @@ class ResidentEngine:
     def serving(self, weights: str, timings: dict[str, float]) -> Iterator[None]:
         """Within the block, the `LLM(...)` that lm-eval's vLLM model builds is this engine, holding `weights`."""
         import lm_eval.models.vllm_causallms as lm_eval_vllm
+
+        from lm_eval_sink.harness.patching import engine_target_problem
 
         why = engine_target_problem(lm_eval_vllm)
         if why:

@@ -49,6 +49,8 @@ try:
     refused = None
 except UserError as e:
     refused = e.line()
+except Exception as e:  # not refused: the task went on with lm-eval's method replaced or missing
+    refused = f"{type(e).__name__}: {e}"
 print(
     json.dumps(
         {
