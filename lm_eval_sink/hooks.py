@@ -9,7 +9,7 @@ by someone else, and then the matching callback runs right after that module has
 loading. Costs nothing when lm-eval or mergekit is never imported.
 
 Switch it off with `LM_EVAL_SINK_NO_HOOK=1`. Each lm-eval patch checks its target first and leaves a target
-that differs as installed, with one warning line per process (`discovery._patch`). A callback that fails
+that differs as installed, with one warning line per process (`harness.patching`). A callback that fails
 anyway, or a start-up file that cannot import this package, emits one `errors.SinkWarning` and leaves the host
 library untouched. Each patch, its reason and its check: docs/footguns.md.
 An editable install (`pip install -e .`) does not copy the `.pth`: run

@@ -10,7 +10,9 @@ Rules (`FINGERPRINT_RULE`):
 - a file hash is cached by (path, st_dev, inode, size, mtime_ns, ctime_ns) under the project
   cache, so a repeated call costs one stat per file; an in-place write changes mtime and ctime; an
   entry is JSON data, used only when it is exactly what `file_hash` writes (that path and size, an
-  xxh3-128 hash), else hashed again and replaced;
+  xxh3-128 hash) and this user owns it and nobody else can write it, else hashed again and replaced. An
+  entry decides which result is reused, so the cache is private to its user (`io.cache_dir` refuses one that
+  another user owns or can write): nobody else can forge one;
 - a hub id (`org/name`, or `org/name@REVISION` with a branch, tag or commit sha): its commit sha
   (from the local HF cache when it holds that revision, else online from the hub), with the blob
   hashes of the files a load reads (`HUB_LOAD_FILES` and the weights; the same set cached or not) as
@@ -26,7 +28,15 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.io import COMPLETE, atomic_write_json, cache_dir, canonical_json, read_complete, sha256_text
+from lm_eval_sink.io import (
+    COMPLETE,
+    atomic_write_json,
+    cache_dir,
+    canonical_json,
+    read_complete,
+    read_private_text,
+    sha256_text,
+)
 
 FINGERPRINT_RULE = "xxh3_128-whole-files-v2"
 SKIPPED_NAMES = frozenset({COMPLETE, "FAILED.json", "extraction.json", "injection.json", ".lock", ".lock.json"})
@@ -47,11 +57,11 @@ def file_hash(path: Path) -> str:
     stat_key = sha256_text(f"{path}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}")
     entry = _hash_cache() / stat_key[:2] / f"{stat_key}.json"
     try:
-        known = json.loads(entry.read_text(encoding="utf-8"))
+        known = json.loads(read_private_text(entry))
         if known == {"path": str(path), "size": st.st_size, "hash": known["hash"]} and _HASH.fullmatch(known["hash"]):
             return known["hash"]
     except (OSError, ValueError, KeyError, TypeError, RecursionError):
-        pass  # absent, torn or not an entry this function writes: hashed again and replaced
+        pass  # absent, torn, another user's or not an entry this function writes: hashed again and replaced
     h = xxhash.xxh3_128()
     with open(path, "rb") as f:
         while block := f.read(_CHUNK):

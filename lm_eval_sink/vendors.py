@@ -9,7 +9,9 @@ one. Validated on load (`schema`): unknown keys, undefined sources/protocols/mod
 figure without its verification are UserErrors naming the entry.
 
 Where user figures live: `--registry FILE`, else the project cache's `vendors.yaml` (`user_registry_path`) when it
-exists; `vendor add` writes there (`add_score`), never into the package's own data.
+exists; `vendor add` writes there (`add_score`), never into the package's own data. Figures read from the cache's
+file count as unverified whatever it says (`_as_unverified`): a figure is verified only in the bundled registry or
+in a file the user names.
 """
 
 from __future__ import annotations
@@ -447,7 +449,8 @@ def _bundled_part() -> tuple[str, _RegistryIn]:
 
 def load_registry(user_file: str | Path | None = None) -> Registry:
     """The bundled registry, plus a user YAML of the same shape (its ids must be new): `user_file`, else the default
-    user registry when it exists (`user_registry_path`). `Registry.files` names every file read."""
+    user registry when it exists (`user_registry_path`), whose figures all count as unverified (`_as_unverified`).
+    `Registry.files` names every file read."""
     from lm_eval_sink.benchmarks import load_benchmarks
 
     parts = [_bundled_part()]
@@ -455,8 +458,28 @@ def load_registry(user_file: str | Path | None = None) -> Registry:
     if user_file is not None and not path.is_file():
         raise UserError(f"{path}: no such registry file", f"pass a YAML file shaped like {_BUNDLED}")
     if path.is_file():
-        parts.append((str(path), _read_yaml(path.read_text(encoding="utf-8"), str(path))))
+        data = _read_yaml(path.read_text(encoding="utf-8"), str(path))
+        parts.append((str(path), data if user_file is not None else _as_unverified(data, path)))
     return _merge(parts, set(load_benchmarks()))
+
+
+def _as_unverified(data: _RegistryIn, path: Path) -> _RegistryIn:
+    """The cache's registry with every figure unverified: what a cache holds never decides that a figure was read in
+    its source (its `verified:` is kept in the reason). A file the user names (`--registry`) is theirs to vouch for."""
+
+    def unverified(body: _ReportedIn) -> _ReportedIn:
+        v = body.verified
+        if v is None:
+            return body
+        why = (
+            f"marked verified {v.date.isoformat()} at {v.source} ({v.quote!r}) in the project cache's {path}, which "
+            "never decides that a figure is verified: keep it in a file of your own and pass --registry FILE"
+        )
+        return body.model_copy(update={"verified": None, "unverified": why})
+
+    return data.model_copy(
+        update={"scores": [unverified(b) for b in data.scores], "gaps": [unverified(b) for b in data.gaps]}
+    )
 
 
 def registry_with(user_data: dict[str, Any], where: str) -> Registry:

@@ -318,8 +318,8 @@ HUB_IFEVAL_KWARGS = [
 @pytest.fixture(scope="module")
 def offline_manager(shared_data, tmp_path_factory):
     """One hooked TaskManager with LM_EVAL_SINK_DATA set (building the index costs seconds), built after files
-    that would run code if lm-eval imported them were planted beside the generated YAMLs in the cache: a module
-    where lm-eval looks first for the loader's `!function`, and a tampered `ifeval.yaml` naming a planted
+    that would run code if lm-eval imported them were planted beside the generated YAMLs (this process's folder):
+    a module where lm-eval looks first for the loader's `!function`, and a tampered `ifeval.yaml` naming a planted
     module. The marker (yielded with the manager) must never appear."""
     from lm_eval.tasks import TaskManager
 
@@ -397,7 +397,61 @@ def test_without_data_env_the_generated_override_is_not_used(offline_manager, mo
 
     monkeypatch.delenv("LM_EVAL_SINK_DATA", raising=False)
     assert data_root() is None  # TaskManager then leaves every stock entry as lm-eval built it
-    assert "offline_tasks" in str(offline_manager[0].task_index["ifeval"].yaml_path)
+    assert "lm-eval-sink-tasks-" in str(offline_manager[0].task_index["ifeval"].yaml_path)
+
+
+def _as_another_user(action) -> bool:
+    """Whether `action()` succeeds as uid/gid 65534 (`nobody`, a forked child): where the tests run as root."""
+    if (pid := os.fork()) == 0:  # the child exits without running pytest's teardown
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            action()
+            os._exit(0)
+        except BaseException:
+            os._exit(1)
+    return os.waitpid(pid, 0)[1] == 0
+
+
+def test_a_yaml_nobody_else_can_swap_after_the_build(offline_manager, shared_data, tmp_path, monkeypatch):
+    """lm-eval reads a task's YAML again at every load, and a sweep keeps one TaskManager: a generated YAML swapped
+    after the build to name `!function planted_mod.x` imported planted_mod.py from the cache folder that held it.
+    A cache others can write is refused before anything is written; the generated YAMLs are in no cache but in a
+    folder of this process alone (0700, removed at its exit), where another user can plant nothing (tried as
+    `nobody` where the tests run as root), so a later load runs nothing planted."""
+    from lm_eval.tasks import TaskManager
+
+    from lm_eval_sink.errors import UserError
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("LM_EVAL_SINK_CACHE", str(shared))
+    monkeypatch.setenv("LM_EVAL_SINK_DATA", str(shared_data))
+    with pytest.raises(UserError, match=rf"the project cache {shared} is writable by others \(mode 777\)"):
+        TaskManager()
+    assert list(shared.iterdir()) == []
+
+    from lm_eval_sink.io import private_problem
+
+    manager, marker = offline_manager
+    path = Path(manager.task_index["ifeval"].yaml_path)
+    folder = path.parent.parent  # <process folder>/<data folder key>/ifeval.yaml
+    assert folder.name.startswith("lm-eval-sink-tasks-") and folder.stat().st_mode & 0o777 == 0o700
+    assert private_problem(folder) is None and not path.is_relative_to(Path(os.environ["LM_EVAL_SINK_CACHE"]))
+
+    def swap() -> None:
+        (path.parent / "planted_mod.py").write_text(f"open({str(marker)!r}, 'w').close()\ndef x(**_):\n    pass\n")
+        path.write_text("task: ifeval\ncustom_dataset: !function planted_mod.x\n")
+
+    if os.geteuid() == 0:
+        assert not _as_another_user(swap)
+    assert len(list(manager.load(["ifeval"])["tasks"]["ifeval"].eval_docs)) == 541 and not marker.exists()
+
+    code = "from pathlib import Path; from lm_eval_sink.harness.offline import generated_dir as g; print(g(Path('/d')))"
+    out = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, check=True)
+    assert Path(out.stdout.strip()).parent.name.startswith("lm-eval-sink-tasks-")
+    assert not Path(out.stdout.strip()).parent.exists()  # removed at exit
 
 
 # ---- the hook itself ----
@@ -495,13 +549,14 @@ def test_include_defaults_false_lists_only_the_given_folder():
 
 
 def test_a_changed_patch_target_is_left_as_installed_with_one_line():
-    """A release whose TaskIndex.build and make_table take other parameters: both stay lm-eval's (this project's
-    folder not indexed), and one warning line names lm-eval's version and the explicit way."""
+    """A release whose TaskIndex.build and make_table take other parameters and whose LM has a `sink_strength` of
+    its own: all stay lm-eval's (this project's folder not indexed, LM's and HFLM's request method not replaced),
+    one warning line names lm-eval's version and the explicit way, and the task refuses to run in one line."""
     from importlib.metadata import version
 
     import lm_eval
 
-    from lm_eval_sink.harness.discovery import EXPLICIT_WAY
+    from lm_eval_sink.harness.patching import EXPLICIT_WAY
 
     driver = Path(__file__).parent / "drivers" / "changed_targets.py"
     proc = subprocess.run(
@@ -509,7 +564,9 @@ def test_a_changed_patch_target_is_left_as_installed_with_one_line():
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     own = str(Path(lm_eval.__file__).parent / "tasks")
-    assert json.loads(proc.stdout) == {"build_kept": True, "table_kept": True, "calls": [[own]], "tasks": []}
+    out = json.loads(proc.stdout)
+    assert out.pop("task_refused").startswith("this lm-eval's model classes were left as installed")
+    assert out == {"build_kept": True, "table_kept": True, "calls": [[own]], "tasks": [], "request_kept": True}
     lines = [line for line in proc.stderr.splitlines() if "lm-eval-sink" in line]
     assert len(lines) == 1, proc.stderr
     assert re.search(
@@ -518,6 +575,55 @@ def test_a_changed_patch_target_is_left_as_installed_with_one_line():
         lines[0],
     )
     assert lines[0].endswith(EXPLICIT_WAY)
+
+
+def test_a_request_method_is_added_only_where_what_it_reads_is(monkeypatch):
+    """`patching.add_method`, the check of `LM.sink_strength` and `HFLM.sink_strength`: a class without an attribute
+    the method reads keeps no such method, with one line; one that has it gets it, once, and its subclass with it;
+    a subclass's own method of that name stays."""
+    from lm_eval_sink.errors import SinkWarning
+    from lm_eval_sink.harness import patching
+
+    monkeypatch.setattr(patching, "_SAID", [])
+
+    def method(self, requests):
+        return requests
+
+    class Changed:  # a release whose model class lost `rank`
+        model = None
+
+    with pytest.warns(SinkWarning, match=r"Changed has no rank, so lm-eval-sink leaves it as installed .* refuses"):
+        assert not patching.add_method(Changed, "sink_strength", method, needs=("model", "rank"))
+    assert not hasattr(Changed, "sink_strength")
+
+    class Base:
+        model = rank = None
+
+    class Own(Base):
+        def sink_strength(self, requests):
+            return None
+
+    assert patching.add_method(Base, "sink_strength", method, needs=("model", "rank"))
+    assert patching.add_method(Base, "sink_strength", method) and Base.sink_strength is method
+    assert not patching.add_method(Own, "sink_strength", method) and Own.sink_strength is not method
+
+
+def test_the_resident_engine_takes_the_place_of_an_llm_only_lm_eval_builds_by_that_name():
+    """`patching.engine_target_problem`, the check before the resident engine swaps `vllm_causallms.LLM`: a release
+    whose vLLM model builds its engine through another name would get a new engine per checkpoint without a word."""
+    import types
+
+    from lm_eval_sink.harness.patching import engine_target_problem
+
+    def module(source: str) -> types.ModuleType:
+        mod = types.ModuleType("vllm_causallms")
+        exec(source, mod.__dict__)
+        return mod
+
+    assert engine_target_problem(module("LLM = dict\nclass VLLM:\n    def __init__(self):\n        LLM()\n")) is None
+    other = module("import types as vllm\nLLM = dict\nclass VLLM:\n    def __init__(self):\n        vllm.LLM()\n")
+    assert engine_target_problem(other) == "builds its engine in VLLM.__init__ through no module global LLM"
+    assert engine_target_problem(module("class VLLM:\n    pass\n")) == "has no LLM"
 
 
 def test_start_up_file_failure_is_one_warning():

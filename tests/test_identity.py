@@ -18,6 +18,7 @@ import pytest
 import sinkmodels as sm
 from helpers import hf_cache_snapshot
 from lm_eval_sink.cli import main
+from lm_eval_sink.errors import UserError
 from lm_eval_sink.identity import FINGERPRINT_RULE, file_hash, model_identity
 
 ONE_LINE = re.compile(r"^error: .+ \(fix: .+\)$")
@@ -72,7 +73,8 @@ def test_file_hash_is_whole_file_and_cached_by_stat(tmp_path):
 
 
 def test_a_cached_file_hash_is_used_only_in_the_form_file_hash_writes(tmp_path, monkeypatch):
-    """The hash cache is data: an entry for another path, of another shape or torn is hashed again and replaced."""
+    """The hash cache is data: an entry for another path, of another shape, torn, or in a file or cache another user
+    can write is hashed again and replaced (or the cache refused)."""
     monkeypatch.setenv("LM_EVAL_SINK_CACHE", str(tmp_path / "cache"))
     f = tmp_path / "w.bin"
     f.write_bytes(b"abc")
@@ -86,6 +88,19 @@ def test_a_cached_file_hash_is_used_only_in_the_form_file_hash_writes(tmp_path, 
         entry.write_text(planted if isinstance(planted, str) else json.dumps(planted))
         assert file_hash(f) == right
     assert json.loads(entry.read_text())["hash"] == right
+
+    # Changed weights, and an entry for their new stat that holds the old hash (what reused an old S): in a file
+    # another user could have written it is not used; in a cache others can write nothing is read.
+    f.write_bytes(b"abd")
+    changed = file_hash(f)
+    [entry] = [e for e in (tmp_path / "cache" / "file_hashes").rglob("*.json") if changed in e.read_text()]
+    entry.write_text(json.dumps({"path": str(f.resolve()), "size": 3, "hash": right}))
+    entry.chmod(0o666)
+    assert file_hash(f) == changed != right and entry.stat().st_mode & 0o022 == 0
+    entry.write_text(json.dumps({"path": str(f.resolve()), "size": 3, "hash": right}))
+    (tmp_path / "cache").chmod(0o777)
+    with pytest.raises(UserError, match=r"project cache .* is writable by others \(mode 777\)"):
+        file_hash(f)
 
 
 def test_identity_skips_locks_and_markers(model_dir):
@@ -187,7 +202,6 @@ def test_hub_fingerprint_is_the_same_file_set_cached_or_listed(model_dir, tmp_pa
     from huggingface_hub import constants
     from huggingface_hub.hf_api import ModelInfo
 
-    from lm_eval_sink.errors import UserError
     from lm_eval_sink.identity import cached_folder, hub_offline, listed_files
 
     sha = "0123456789abcdef0123456789abcdef01234567"
@@ -335,3 +349,27 @@ def test_lm_eval_command_pins_a_hub_id_to_its_revision(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().startswith(f"pretrained=org/tiny,revision={sha}")
+
+
+def test_an_edited_cached_default_model_is_refused_before_any_work(default_model, tmp_path, monkeypatch, user_error):
+    """The default model's COMPLETE.json lists every file it holds with its hash, checked on each use: the folder as
+    converted is used; an edited config.json (which gave another S under the default model's name) or an added file
+    is one line naming it, before anything is loaded or written. (A copy: its weights linked, the rest copied.)"""
+    import shutil
+
+    from lm_eval_sink.models import default_model_dir
+
+    copy = tmp_path / "cache" / "models" / default_model.name
+    copy.mkdir(parents=True)
+    for f in default_model.iterdir():
+        (copy / f.name).symlink_to(f) if f.suffix == ".safetensors" else shutil.copy2(f, copy / f.name)
+    monkeypatch.setenv("LM_EVAL_SINK_CACHE", str(tmp_path / "cache"))
+    assert default_model_dir() == copy
+    config = (copy / "config.json").read_text()
+    (copy / "config.json").write_text(json.dumps({**json.loads(config), "rms_norm_eps": 0.5}))
+    line = user_error(["strength", "default", "--output", tmp_path / "s", "--quiet"], tmp_path / "s")
+    assert f"the cached default model {copy} is not what was converted (config.json changed)" in line
+    assert f"delete {copy} to convert it again" in line
+    (copy / "config.json").write_text(config)
+    (copy / "extra.py").write_text("")
+    assert "(extra.py changed)" in user_error(["strength", "default", "--output", tmp_path / "s", "--quiet"])

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from lm_eval_sink.errors import UserError
 from lm_eval_sink.harness.task_index import cached_build, decode, encode, folder_key
 
 
@@ -56,8 +57,9 @@ class _Planted:
 def test_the_cached_index_is_lm_evals_data_and_later_folders_still_win(tmp_path, monkeypatch, caplog):
     """A miss stores lm-eval's own build as JSON; a hit reads it back without parsing lm-eval's folder and equals
     it; a task of an include path replaces lm-eval's of that name, with lm-eval's warning from lm-eval's logger; a
-    planted pickle is never loaded (a TaskManager builds the index again, right); a cache that cannot be written
-    costs the build, nothing else."""
+    planted pickle is never loaded (a TaskManager builds the index again, right); a redirected task or a changed
+    tag in a file another user could have written is not read, and a cache others can write is refused; a cache that
+    cannot be written costs the build, nothing else."""
     import lm_eval
     from lm_eval.tasks import TaskManager
     from lm_eval.tasks._index import TaskIndex
@@ -97,6 +99,31 @@ def test_the_cached_index_is_lm_evals_data_and_later_folders_still_win(tmp_path,
     assert not marker.exists()
     assert "sink_strength" in manager.all_tasks and manager.task_index["arc_easy"] == lm_evals_own["arc_easy"]
     assert decode(json.loads(stored[0].read_text()), own) == lm_evals_own  # replaced by lm-eval's build again
+
+    # An entry that redirects a task to another stock YAML and one that adds a member to a tag, in a file that
+    # another user could have written (the cache was not always private) or in a cache that others can write.
+    rows = json.loads(stored[0].read_text())
+    for row in rows["entries"]:
+        if row["name"] == "arc_easy":
+            row["yaml_path"] = "arc/arc_challenge.yaml"
+        if row["name"] == "ai2_arc":
+            row["tags"].append("ifeval")
+    stored[0].write_text(json.dumps(rows))
+    stored[0].chmod(0o664)
+    rebuilt: list[list[Path]] = []
+
+    def rebuild(paths, *, resolve_includes=True):  # lm-eval's build of its own folder, as made above
+        rebuilt.append(list(paths))
+        return dict(lm_evals_own) if list(paths) == [own] else lm_evals_build(paths, resolve_includes=resolve_includes)
+
+    assert cached_build(rebuild, [own]) == lm_evals_own and rebuilt == [[own], []]  # not read: built, replaced
+    assert decode(json.loads(stored[0].read_text()), own) == lm_evals_own and stored[0].stat().st_mode & 0o022 == 0
+    stored[0].write_text(json.dumps(rows))
+    (tmp_path / "cache").chmod(0o775)  # a cache its group can write: refused before anything in it is read
+    with pytest.raises(UserError, match=r"project cache .* is writable by its group \(mode 775\)") as refused:
+        cached_build(rebuild, [own])
+    assert refused.value.hint.startswith(f"make it yours alone (chmod 700 {tmp_path / 'cache'}")
+    (tmp_path / "cache").chmod(0o700)
 
     (tmp_path / "a_file").write_text("")
     monkeypatch.setenv("LM_EVAL_SINK_CACHE", str(tmp_path / "a_file" / "cache"))  # no folder can be made there

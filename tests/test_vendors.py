@@ -228,11 +228,23 @@ def test_vendor_add_writes_the_project_cache_by_default_and_refuses_bad_figures(
         (["--id", "new", "--described", "few-shot"], "protocol 'my-card-protocol' is already defined"),
         (["--id", "new", "--quote", "75"], "--verified-at and --quote go together"),
         (["--id", "new", "--hub-id", "Qwen/Qwen3-8B"], "hub id Qwen/Qwen3-8B is the registry's model 'Qwen3-8B'"),
+        (["--id", "new", "--verified-at", "x", "--quote", "75"], f"would go into the project cache's {default}"),
     ):
         assert main([*args, *bad]) == 2, bad
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and expected in err[0], (bad, err)
         assert default.read_bytes() == before  # nothing written
+    # A `verified:` written into the cache's file by hand (or by anyone who could write the cache) counts as
+    # unverified, with what it claimed; the same file named with --registry is the user's to vouch for.
+    data = yaml.safe_load(before)
+    data["scores"][0]["verified"] = {"date": "2026-12-05", "source": "card", "quote": "IFEval 75"}
+    del data["scores"][0]["unverified"]
+    default.write_text(yaml.safe_dump(data))
+    [figure] = load_registry().scores_of("My-Base-LLM")
+    assert not figure.verified and figure.verification.unverified.startswith(
+        f"marked verified 2026-12-05 at card ('IFEval 75') in the project cache's {default}, which never decides"
+    )
+    assert load_registry(default).scores_of("My-Base-LLM")[0].verified
     import lm_eval_sink
 
     bundled = tmp_path.parent / "x"  # a path inside the installed package is refused

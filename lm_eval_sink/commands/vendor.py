@@ -52,6 +52,12 @@ def run_vendor_add(new: NewScore, registry_file: str | Path | None = None, **ver
 
     new = replace(new, **_verification(**verification))
     path = _target(registry_file)
+    if new.verified and registry_file is None:
+        raise UserError(
+            f"a verified figure (--verified-at, --quote) would go into the project cache's {path}, whose figures "
+            "count as unverified (a cache never decides that a figure is verified)",
+            "keep verified figures in a file of your own: add --registry FILE, and pass it to attribute",
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     with hold(path, sibling=True):
         current = parse_yaml(path.read_text(encoding="utf-8"), str(path)) if path.is_file() else None

@@ -18,9 +18,9 @@
 - `patch_cli`: under the `lm_eval` console script, this project's `UserError`s print one line
   (`error: ...`) and exit 2 instead of a traceback.
 Each patch is idempotent and keeps lm-eval's own behaviour for everything else. Before it replaces anything,
-each checks that its target is what its wrapper was written for (`_patch`: the parameters the wrapper passes or
+each checks that its target is what its wrapper was written for (`patching.patch`: the parameters the wrapper passes or
 reads, and what else it relies on), not lm-eval's version; a target that differs is left as installed, with
-one warning line per process (`_left_as_installed`) naming lm-eval's version and the explicit way.
+one warning line per process (`patching.left_as_installed`) naming lm-eval's version and the explicit way.
 """
 
 from __future__ import annotations
@@ -29,80 +29,21 @@ import functools
 import inspect
 import logging
 import sys
-import warnings
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from lm_eval_sink.errors import SinkWarning, UserError
+from lm_eval_sink.errors import UserError
 from lm_eval_sink.harness.backends import backend_label, has_attention, unsupported
+from lm_eval_sink.harness.patching import patch
 
 log = logging.getLogger(__name__)
-_MARK = "_lm_eval_sink_patched"
 
 
 def tasks_dir() -> Path:
     """The folder of this project's lm-eval task YAMLs (installed as package data)."""
     return Path(str(resources.files("lm_eval_sink.tasks")))
-
-
-EXPLICIT_WAY = '--include_path "$(lm-eval-sink tasks-dir)"'  # this project's tasks with no patch at all
-_SAID: list[str] = []  # the one line of this process about a patch target left as installed
-
-
-def _mismatch(target: Any, leading: tuple[str, ...] = (), needs: tuple[str, ...] = ()) -> str | None:
-    """Why `target` is not the function a wrapper was written for (None when it is): its parameters must begin
-    with `leading` (what the wrapper passes by position) and hold `needs` (what it reads or passes by name)."""
-    try:
-        names = list(inspect.signature(target).parameters)
-    except (TypeError, ValueError):  # not a callable, or one without a signature
-        return f"is {type(target).__name__}, not a function with a signature"
-    if names[: len(leading)] != list(leading):
-        return f"takes ({', '.join(names)}), not ({', '.join(leading)}, ...)"
-    missing = [n for n in needs if n not in names]
-    return f"takes ({', '.join(names)}), without {', '.join(missing)}" if missing else None
-
-
-def _left_as_installed(label: str, why: str) -> None:
-    """One SinkWarning line per process, naming lm-eval's version and the explicit way (later ones: debug)."""
-    from importlib.metadata import version
-
-    line = (
-        f"lm-eval {version('lm_eval')}'s {label} {why}, so lm-eval-sink leaves it as installed "
-        f"(lm-eval runs as without this project there); to use this project's tasks, pass {EXPLICIT_WAY}"
-    )
-    if _SAID:
-        log.debug("%s", line)
-        return
-    _SAID.append(line)
-    warnings.warn_explicit(line, SinkWarning, "lm-eval-sink", 0)  # "lm-eval-sink:0: SinkWarning: ...", one line
-
-
-def _patch(
-    owner: Any,
-    name: str,
-    wrap: Any,
-    *,
-    leading: tuple[str, ...] = (),
-    needs: tuple[str, ...] = (),
-    more: Any = None,
-) -> None:
-    """`owner.name` replaced by `wrap(original)` when the original is what the wrapper was written for (`_mismatch`,
-    and `more()` when given); otherwise left untouched, with one line (`_left_as_installed`). Idempotent."""
-    original = inspect.getattr_static(owner, name)
-    static = isinstance(original, staticmethod)
-    original = original.__func__ if static else original
-    if getattr(original, _MARK, False):
-        return
-    why = _mismatch(original, leading, needs) or (more() if more else None)
-    if why:
-        where = f"{owner.__module__}.{owner.__qualname__}" if isinstance(owner, type) else owner.__name__
-        _left_as_installed(f"{where}.{name}", why)
-        return
-    wrapper = wrap(original)
-    setattr(wrapper, _MARK, True)
-    setattr(owner, name, staticmethod(wrapper) if static else wrapper)
 
 
 TASK_CLASS = "lm_eval_sink.harness.task.SinkStrengthTask"  # the class every task of this project names
@@ -286,7 +227,7 @@ def patch_task_index() -> None:
 
     from lm_eval_sink.harness.task_index import entry_mismatch
 
-    _patch(TaskIndex, "build", _wrap_build, leading=("paths",), needs=("resolve_includes",), more=entry_mismatch)
+    patch(TaskIndex, "build", _wrap_build, leading=("paths",), needs=("resolve_includes",), more=entry_mismatch)
 
 
 def prepare_tasks(lm: Any, task_dict: Any) -> Any:
@@ -365,8 +306,8 @@ def patch_evaluator() -> None:
     built (`simple_evaluate`)."""
     import lm_eval.evaluator as ev
 
-    _patch(ev, "evaluate", _wrap_evaluate, leading=("lm", "task_dict"))
-    _patch(ev, "simple_evaluate", _wrap_simple_evaluate, needs=SIMPLE_EVALUATE_ARGS)
+    patch(ev, "evaluate", _wrap_evaluate, leading=("lm", "task_dict"))
+    patch(ev, "simple_evaluate", _wrap_simple_evaluate, needs=SIMPLE_EVALUATE_ARGS)
 
 
 def _wrap_cli(original: Any) -> Any:
@@ -385,7 +326,7 @@ def patch_cli() -> None:
     """Under the `lm_eval` console script, this project's `UserError` is one line and exit code 2."""
     import lm_eval.__main__ as main_mod
 
-    _patch(main_mod, "cli_evaluate", _wrap_cli)
+    patch(main_mod, "cli_evaluate", _wrap_cli)
 
 
 _SCORES = ("sink_strength", "sink_strength_content_rows", "sink_strength_template_rows")  # the rest: companions
@@ -476,4 +417,4 @@ def patch_table() -> None:
     followed by a line per Sink Strength task that says it in words (`strength_lines`)."""
     import lm_eval.utils as lu
 
-    _patch(lu, "make_table", _wrap_table, leading=("result_dict", "column"))
+    patch(lu, "make_table", _wrap_table, leading=("result_dict", "column"))

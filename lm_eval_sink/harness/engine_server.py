@@ -177,6 +177,17 @@ class ResidentEngine:
         """Within the block, the `LLM(...)` that lm-eval's vLLM model builds is this engine, holding `weights`."""
         import lm_eval.models.vllm_causallms as lm_eval_vllm
 
+        from lm_eval_sink.harness.patching import engine_target_problem
+
+        why = engine_target_problem(lm_eval_vllm)
+        if why:
+            from importlib.metadata import version
+
+            raise UserError(
+                f"lm-eval {version('lm_eval')}'s vllm_causallms {why}, so the resident engine cannot stand in for "
+                "the engine it builds",
+                "pass --fresh-engine (or set eval: {engine_reuse: false}) for one engine per checkpoint",
+            )
         real = lm_eval_vllm.LLM
 
         def resident(**arguments: Any) -> Any:

@@ -10,10 +10,12 @@ results' task config. `load_local` gives the hub's schema: columns listed in `fi
 (IFEval's `kwargs`) get every key seen in the file, None where unused, in first-seen order, as the
 hub's declared features have them, so documents (and lm-eval's doc hashes) match a hub run.
 
-No code is loaded from the cache: the generated YAMLs hold no `!function` (lm-eval would first import a `.py`
-beside the YAML that holds one); `custom_dataset: !function lm_eval_sink.harness.offline.load_local` lives in
-the installed `offline_loader.yaml`, and the stock YAML's own functions resolve from lm-eval's folder. Each
-`TaskManager` rewrites a generated YAML whose text is not the expected one.
+The generated YAMLs live in a folder of this process alone (`generated_dir`: made by `tempfile.mkdtemp`, mode
+0700, removed when the process exits), never in the shared project cache: lm-eval reads a task's `yaml_path` again
+each time it loads the task, and a sweep keeps one `TaskManager` for all its units, so a YAML that another user
+could swap after it was written would be read (and a `!function` in it imports a `.py` from the YAML's folder
+first). They hold no `!function` themselves: `custom_dataset: !function lm_eval_sink.harness.offline.load_local`
+lives in the installed `offline_loader.yaml`, and the stock YAML's own functions resolve from lm-eval's folder.
 """
 
 from __future__ import annotations
@@ -112,17 +114,46 @@ def load_local(data_files: dict[str, str], fill_missing_keys: list[str] | tuple[
     return datasets.DatasetDict(out)
 
 
+_PROCESS_DIRS: dict[int, Path] = {}  # pid -> this process's folder of generated YAMLs
+
+
+def _remove(folder: Path, pid: int) -> None:
+    """At exit: the process's folder, by the process that made it (a forked child inherits the exit hooks)."""
+    import shutil
+
+    if os.getpid() == pid:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _process_dir() -> Path:
+    """This process's private folder (0700, in the temp folder), removed at exit; a forked child makes its own."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from lm_eval_sink.errors import UserError
+    from lm_eval_sink.io import private_problem
+
+    pid = os.getpid()
+    if pid not in _PROCESS_DIRS:
+        folder = Path(tempfile.mkdtemp(prefix="lm-eval-sink-tasks-"))
+        why = private_problem(folder)
+        if why:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise UserError(
+                f"the temporary folder {folder} for the offline task YAMLs {why}",
+                "set TMPDIR to a folder only you can write (or one with the sticky bit, as /tmp)",
+            )
+        atexit.register(_remove, folder, pid)
+        _PROCESS_DIRS[pid] = folder
+    return _PROCESS_DIRS[pid]
+
+
 def generated_dir(root: Path) -> Path:
-    """Cache folder of the generated YAMLs, keyed by the data folder AND this generator's code and
-    table, so checkouts at different versions on one machine never read each other's YAMLs."""
-    from importlib.metadata import version
+    """The folder of the YAMLs generated for the data folder `root` in this process (`_process_dir`)."""
+    from lm_eval_sink.io import sha256_text
 
-    from lm_eval_sink.io import sha256_file, sha256_text
-    from lm_eval_sink.io import cache_dir
-
-    table = resources.files("lm_eval_sink").joinpath("data/offline_datasets.yaml").read_text(encoding="utf-8")
-    key = "\n".join([str(root), sha256_file(Path(__file__)), sha256_text(table), version("lm_eval")])
-    return cache_dir() / "offline_tasks" / sha256_text(key)[:16]
+    return _process_dir() / sha256_text(str(root))[:16]
 
 
 def write_overrides(index_cfgs: dict[str, tuple[dict[str, Any], Path]], root: Path) -> dict[str, Path]:

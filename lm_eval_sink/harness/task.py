@@ -39,6 +39,7 @@ from lm_eval.api.model import LM
 from lm_eval.api.task import ConfigurableTask
 from lm_eval.models.huggingface import HFLM
 
+from lm_eval_sink.errors import UserError
 from lm_eval_sink.strength import SinkStrength, StrengthSettings, parse_last_k, prompt_statistic, reduce_captures
 
 
@@ -72,6 +73,12 @@ class SinkStrengthTask(ConfigurableTask):
     """One document per calibration prompt; requests of type `sink_strength`."""
 
     def __init__(self, config: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        if not REQUEST_METHODS:
+            raise UserError(
+                f"this lm-eval's model classes were left as installed (see the lm-eval-sink warning above), so "
+                f"its {REQUEST_TYPE} requests have no method to run them",
+                "measure S with lm-eval-sink strength, or use the lm-eval release this project names",
+            )
         config = dict(config or {})
         config.pop("class", None)
         super().__init__(config=config, **kwargs)
@@ -476,5 +483,22 @@ def _measured_sink_strength(self: LM, requests: list[Instance]) -> list[PromptRo
     return out
 
 
-LM.sink_strength = _measured_sink_strength
-HFLM.sink_strength = _hflm_sink_strength
+def _instance_mismatch() -> str | None:
+    """Why lm-eval's `Instance` lacks what the request methods read of a request (None when it has it)."""
+    from dataclasses import fields
+
+    missing = {"doc", "arguments"} - {f.name for f in fields(Instance)}
+    return f"Instance has no {', '.join(sorted(missing))}" if missing else None
+
+
+def _add_request_methods() -> bool:
+    """lm-eval dispatches a request type to the model method of that name: `sink_strength` added to lm-eval's base
+    `LM` (rows measured first) and to HFLM (captured), each checked first (`patching.add_method`)."""
+    from lm_eval_sink.harness.patching import add_method
+
+    base = add_method(LM, REQUEST_TYPE, _measured_sink_strength, more=_instance_mismatch)
+    hf = add_method(HFLM, REQUEST_TYPE, _hflm_sink_strength, needs=("model", "rank"), more=_instance_mismatch)
+    return base and hf
+
+
+REQUEST_METHODS = _add_request_methods()  # whether both are this project's; the task refuses to run otherwise

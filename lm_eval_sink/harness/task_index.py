@@ -15,7 +15,11 @@ installed lm-eval, so its index is kept in `cache_dir()/task_index/<key>.json`:
   not keep, such as a date or a non-string key; an `Entry` with other fields; a path outside the folder) is
   not kept. Read back, every entry but a tag must name a file inside lm-eval's folder (which lm-eval reads
   itself when it builds the task: the stored cfg never reaches a task) and a tag names none; a file that
-  breaks any of this, torn or planted, is built again and replaced.
+  breaks any of this, torn or planted, is built again and replaced;
+- who may write it: only this user. A redirected task or a tag given other members is as well-formed as a true
+  entry, and checking entries against lm-eval's build would cost the parse this cache avoids, so the cache is
+  private (`io.cache_dir` refuses one another user owns or can write) and a file in it that is not this user's
+  alone is read as absent (`io.read_private_text`).
 Other folders (`--include_path`, this project's tasks) are small and always built by lm-eval, then merged as
 lm-eval merges them: a later folder's task replaces an earlier one's, with lm-eval's warning from lm-eval's
 logger. Reading the index back takes under a second.
@@ -147,11 +151,13 @@ def decode(data: Any, root: Path) -> dict[str, Any]:
 
 
 def _read(path: Path, root: Path) -> dict[str, Any] | None:
+    from lm_eval_sink.io import read_private_text
+
     try:
-        return decode(json.loads(path.read_text(encoding="utf-8")), root)
+        return decode(json.loads(read_private_text(path)), root)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, RecursionError) as err:  # torn, foreign or planted: built again, replaced
+    except (OSError, ValueError, KeyError, RecursionError) as err:  # torn, foreign, another's: built again, replaced
         log.debug("lm-eval-sink: rebuilding the task index (%s unreadable: %s)", path, err)
         return None
 
