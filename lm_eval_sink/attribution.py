@@ -754,8 +754,14 @@ def _fields(fields: list[dict[str, Any]]) -> str:
     return "they differ only in fields that cannot change scores here" + (f" ({', '.join(rest)})" if rest else "")
 
 
-def _protocols_differ(fields: list[dict[str, Any]]) -> bool:
-    return any(d.get("affects_scores") for d in fields)
+def _why_not_compared(fields: list[dict[str, Any]]) -> str:
+    """Why two models' measurements are not compared: their protocols differ, only their documents (`--limit`) do,
+    or their protocols are not shown to be the same."""
+    if protocol_fields(fields):
+        return "different models under different protocols"
+    if any(d["field"] == "limit" and d.get("affects_scores") for d in fields):
+        return "different models on different document subsets (--limit)"
+    return "different models; their protocols are not shown to be the same"
 
 
 def to_markdown(att: Attribution) -> str:
@@ -812,14 +818,11 @@ def _benchmark_lines(b: dict[str, Any]) -> list[str]:
     if b["protocol_effect"]:
         lines += ["", _protocol_line(b["protocol_effect"])]
     for r in b["not_compared"]:
-        why = (
-            "different models under different protocols"
-            if _protocols_differ(r["differing_fields"])
-            else "different models; their protocols are not shown to be the same"
-        )
+        why, labels = _why_not_compared(r["differing_fields"]), r["protocol"].split(" vs ")
+        ref, cand = labels[0], labels[-1]
         lines.append(
-            f"- not compared ({why}): {r['reference']['model']} ({r['protocol'].split(' vs ')[0]}) vs "
-            f"{r['candidate']['model']} ({r['protocol'].split(' vs ')[-1]}): {_fields(r['differing_fields'])}"
+            f"- not compared ({why}): {r['reference']['model']} ({ref}) vs {r['candidate']['model']} ({cand}): "
+            + _fields(r["differing_fields"])
         )
     for u in b["unpaired"]:
         lines.append(f"- no partner: {u['role']} {u['model']} under {u['protocol']} ({_f(u['strict'], False)})")

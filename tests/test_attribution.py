@@ -174,6 +174,10 @@ def test_same_weights_differing_only_in_limit_are_unexplained_not_protocol(tmp_p
         in (row["explanation"])
     )
     assert plot_rows(att)[0]["parts"]["protocol"] == 0.0
+    other = write_run(tmp_path / "c", {"ifeval": CAND_IF}, model="/models/other", limit=4.0)
+    assert "- not compared (different models on different document subsets (--limit)): " in to_markdown(
+        run_attribution([str(a)], [str(other)])
+    )
 
 
 def test_different_models_under_different_protocols_are_not_compared(tmp_path):
