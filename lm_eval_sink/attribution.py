@@ -76,6 +76,7 @@ class Measurement:
     samples: str | None = None
     limit: Any = None
     n: int | None = None
+    n_total: int | None = None  # the task's documents before --limit (lm-eval's n-samples "original")
     stated: dict[str, Any] | None = None  # registry entries: what the source states about the protocol
     fingerprint: Any = field(default=None, compare=False)  # ProtocolFingerprint of a run
 
@@ -95,6 +96,7 @@ class Measurement:
             "samples": self.samples,
             "limit": self.limit,
             "n": self.n,
+            "n_total": self.n_total,
             "stated_protocol": self.stated,
         }
 
@@ -365,14 +367,53 @@ def _compare(
         row["per_prompt"]["matches_results"] = (
             (r.n == c.n == pp["n"] and abs(pp["gap"] - split["gap"]) < 1e-6) if r.n and c.n else None
         )
+    row["explanation"] = split_explanation(row["gap"], row["access"], row["capacity"], bench.lenient if bench else None)
     if kind != "same_protocol":
         row["differing_fields"] = _differing(r, c)
-        row["access"] = row["capacity"] = None
-        row["split_from"] = None
+        row.update(access=None, capacity=None, split_from=None, explanation=None)
         if kind == "protocol_artefact":
-            row["protocol_part"] = row["gap"]
-    row["explanation"] = split_explanation(row["gap"], row["access"], row["capacity"], bench.lenient if bench else None)
+            _same_model_parts(row, r, c)
     return row
+
+
+def _same_model_parts(row: dict[str, Any], r: Measurement, c: Measurement) -> None:
+    """The same model under two protocol keys: the whole gap is a protocol artefact only when a protocol field that
+    can change scores differs (`--limit` is no protocol field: a subset is named as one); otherwise the row becomes
+    `unexplained`, its gap left unexplained, with a sentence naming what was compared."""
+    if protocol_fields(row["differing_fields"]):
+        row["protocol_part"] = row["gap"]
+        return
+    row["kind"] = "unexplained"
+    row["unexplained"] = row["gap"]
+    unknown = [d["field"] for d in row["differing_fields"] if d.get("affects_scores") is None]
+    unstated = f" (one side does not state {', '.join(unknown)})" if unknown else ""
+    row["explanation"] = (
+        f"the gap {_f(row['gap'])} is left unexplained: the same model, and no recorded protocol field that can "
+        f"change scores differs{unstated}, so it is not called a protocol artefact; documents compared: reference "
+        f"{documents(r)}, candidate {documents(c)}"
+    )
+
+
+def protocol_fields(fields: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The differing fields that make a protocol difference: those that can change scores, `--limit` (which
+    documents, not how each is scored) left out."""
+    return [d for d in fields if d.get("affects_scores") and d["field"] != "limit"]
+
+
+def documents(m: Measurement) -> str:
+    """Which documents a measurement scored: a `--limit` subset (n of the task's total), all of them, or a registry
+    figure's (not recorded)."""
+    if m.source.get("kind") == "registry":
+        return f"the registry figure {m.source['id']} (its documents not recorded)"
+    of = f" of {m.n_total}" if m.n_total is not None else ""
+    count = f"{m.n}{of} documents" if m.n is not None else "documents not recorded"
+    if m.limit is None:
+        return f"all {count}" if m.n is not None else count
+    return f"a {_limit_text(m.limit)} subset ({count}; not final)"
+
+
+def _limit_text(limit: Any) -> str:
+    return f"--limit {limit:g}" if isinstance(limit, int | float) else f"--limit {limit}"
 
 
 def split_explanation(
@@ -713,8 +754,14 @@ def _fields(fields: list[dict[str, Any]]) -> str:
     return "they differ only in fields that cannot change scores here" + (f" ({', '.join(rest)})" if rest else "")
 
 
-def _protocols_differ(fields: list[dict[str, Any]]) -> bool:
-    return any(d.get("affects_scores") for d in fields)
+def _why_not_compared(fields: list[dict[str, Any]]) -> str:
+    """Why two models' measurements are not compared: their protocols differ, only their documents (`--limit`) do,
+    or their protocols are not shown to be the same."""
+    if protocol_fields(fields):
+        return "different models under different protocols"
+    if any(d["field"] == "limit" and d.get("affects_scores") for d in fields):
+        return "different models on different document subsets (--limit)"
+    return "different models; their protocols are not shown to be the same"
 
 
 def to_markdown(att: Attribution) -> str:
@@ -726,6 +773,9 @@ def to_markdown(att: Attribution) -> str:
         status = li["status"].replace("_", " ")
         lines.append(f"- lineage {li['reference']} -> {li['candidate']}: {status}{flag} ({li['how']})")
     lines += _registry_lines(att.registry)
+    caveat = subset_caveat(att)
+    if caveat:
+        lines.append(f"- {caveat}")
     mix = att.mixture
     declared = ", ".join(f"{k}={v}" for k, v in (mix["declared"] or {}).items())
     lines.append(f"- mixture: {declared + ' (declared)' if mix['declared'] else mix['note']}")
@@ -768,14 +818,11 @@ def _benchmark_lines(b: dict[str, Any]) -> list[str]:
     if b["protocol_effect"]:
         lines += ["", _protocol_line(b["protocol_effect"])]
     for r in b["not_compared"]:
-        why = (
-            "different models under different protocols"
-            if _protocols_differ(r["differing_fields"])
-            else "different models; their protocols are not shown to be the same"
-        )
+        why, labels = _why_not_compared(r["differing_fields"]), r["protocol"].split(" vs ")
+        ref, cand = labels[0], labels[-1]
         lines.append(
-            f"- not compared ({why}): {r['reference']['model']} ({r['protocol'].split(' vs ')[0]}) vs "
-            f"{r['candidate']['model']} ({r['protocol'].split(' vs ')[-1]}): {_fields(r['differing_fields'])}"
+            f"- not compared ({why}): {r['reference']['model']} ({ref}) vs {r['candidate']['model']} ({cand}): "
+            + _fields(r["differing_fields"])
         )
     for u in b["unpaired"]:
         lines.append(f"- no partner: {u['role']} {u['model']} under {u['protocol']} ({_f(u['strict'], False)})")
@@ -793,6 +840,7 @@ _COMPARISON_HEAD = (
     "access",
     "capacity",
     "protocol part",
+    "unexplained",
     "split from",
     "note",
 )
@@ -809,6 +857,7 @@ def _comparison_cells(r: dict[str, Any]) -> list[str]:
         _f(r["access"]),
         _f(r["capacity"]),
         _f(r["protocol_part"]),
+        _f(r.get("unexplained")),
         r["split_from"] or "-",
         _comparison_note(r),
     ]
@@ -828,6 +877,8 @@ def _comparison_note(r: dict[str, Any]) -> str:
             notes.append(f"{side} figure {src['id']}: {_verification(src)}")
     if r["kind"] == "protocol_artefact":
         notes.append("same model: " + _fields(r["differing_fields"]))
+    if r["kind"] == "unexplained":
+        notes.append("same model: " + _fields([d for d in r["differing_fields"] if d["field"] != "limit"]))
     pp = r.get("per_prompt")
     if pp:
         note = f"{pp['n']} prompts, {pp['strict_regressions']} strict regressions"
@@ -863,7 +914,7 @@ def _vendor_cells(v: dict[str, Any]) -> list[str]:
     if v["vendor_unstated"]:
         diffs += f" (vendor does not state {', '.join(v['vendor_unstated'])})"
     limit, src = v["measured"].get("limit"), v["measured"].get("source") or {}
-    caveat = f" (--limit {limit:g} run: not final)" if isinstance(limit, int | float) else ""
+    caveat = f" ({_limit_text(limit)} run: not final)" if limit is not None else ""
     caveat += f" ({src['id']}, {_verification(src)})" if src.get("kind") == "registry" else ""
     return [
         v["model"],
@@ -896,11 +947,40 @@ def unverified_figures(att: Attribution) -> list[str]:
     return sorted(set(ids))
 
 
+def subset_caveat(att: Attribution) -> str | None:
+    """One line naming the `--limit` measurements (model, benchmark, documents scored), for the report and the
+    figure's title; None when every measured run in the report's benchmarks scored all its documents."""
+    compared = {b["benchmark"] for b in att.benchmarks}
+    subsets = [
+        f"{m['role']} {m['model']} {m['benchmark']} "
+        + (
+            f"{m['n']}" + (f" of {m['n_total']}" if m.get("n_total") is not None else "") + " documents "
+            if m["n"]
+            else ""
+        )
+        + f"({_limit_text(m['limit'])})"
+        for m in att.measurements
+        if m.get("limit") is not None and m["benchmark"] in compared
+    ]
+    return "subset, not final: " + "; ".join(subsets) if subsets else None
+
+
+def plot_title(att: Attribution) -> str:
+    """The figure's title: what the bars are, and the subset caveat (`subset_caveat`) when a run used `--limit`."""
+    import textwrap
+
+    title = "gap = candidate - reference (points), split into its parts"
+    caveat = subset_caveat(att)
+    return title + ("\n" + "\n".join(textwrap.wrap(caveat, 72)) if caveat else "")
+
+
 def plot_rows(att: Attribution) -> list[dict[str, Any]]:
-    """One bar per comparison with its parts (access, capacity, protocol, unsplit), for plots.gap_parts.
+    """One bar per comparison with its parts (access, capacity, protocol, unsplit, unexplained), for plots.gap_parts,
+    the same split as the report's table.
 
     A gap under a non-baseline protocol is drawn as the baseline gap (with the baseline's split)
-    plus the protocol effect; a same-weights comparison is all protocol.
+    plus the protocol effect; a same-weights comparison whose protocols differ in a field that can change scores is
+    all protocol, one whose protocols do not is all unexplained.
     """
     bars = []
     for b in att.benchmarks:
@@ -916,10 +996,10 @@ def plot_rows(att: Attribution) -> list[dict[str, Any]]:
         for r in b["comparisons"]:
             if r["gap"] is None:
                 continue
-            parts = {"access": 0.0, "capacity": 0.0, "protocol": 0.0, "unsplit": 0.0}
+            parts = {"access": 0.0, "capacity": 0.0, "protocol": 0.0, "unsplit": 0.0, "unexplained": 0.0}
             own = r
-            if r["kind"] == "protocol_artefact":
-                parts["protocol"] = r["gap"]
+            if r["kind"] in ("protocol_artefact", "unexplained"):
+                parts["protocol" if r["kind"] == "protocol_artefact" else "unexplained"] = r["gap"]
                 own = None
             elif r.get("protocol_part") is not None and base_row is not None:
                 parts["protocol"] = r["protocol_part"]
@@ -989,7 +1069,7 @@ def run_measurements(
         strict = _results_value(results, task, bench.strict, where)
         lenient = _results_value(results, task, bench.lenient, where) if bench.lenient else None
         key = fp.harness_sha(tasks=(task,))
-        n = ((results.get("n-samples") or {}).get(task) or {}).get("effective")
+        counts = (results.get("n-samples") or {}).get(task) or {}
         out.append(
             Measurement(
                 role=role,
@@ -1005,7 +1085,8 @@ def run_measurements(
                 registry_model=info["registry_model"],
                 samples=str(samples[task]) if task in samples else None,
                 limit=fp.harness.get("limit"),
-                n=n,
+                n=counts.get("effective"),
+                n_total=counts.get("original"),
                 fingerprint=fp,
             )
         )

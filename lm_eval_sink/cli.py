@@ -993,7 +993,7 @@ def merge(config_file, out, random_seed, device, force, quiet) -> None:
     default=None,
     help="Merge into one resident model and evaluate it in this process (default: the file's merge.in_memory).",
 )
-@click.option("--quiet", is_flag=True, help="No progress bars.")
+@click.option("--quiet", is_flag=True, help="No progress bars: a line per step instead ([3/10] eval:NAME).")
 @click.option(
     "--engine",
     type=click.Choice(["local", "ray"]),

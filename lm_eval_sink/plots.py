@@ -190,13 +190,19 @@ def _label_box(ax, renderer, text: str, xy: tuple[float, float], offset: tuple[f
 
 
 def gap_parts(bars: Sequence[dict], path: Path | None, title: str, footer: str = "") -> Path | bytes:
-    """Stacked bars, one per comparison: its gap split into access, capacity, protocol and unsplit parts.
+    """Stacked bars, one per comparison: its gap split into access, capacity, protocol, unsplit and unexplained parts.
 
-    `bars`: [{"label", "gap", "parts": {"access", "capacity", "protocol", "unsplit"}}] in points.
+    `bars`: [{"label", "gap", "parts": {"access", "capacity", "protocol", "unsplit", "unexplained"}}] in points.
     Negative parts stack downwards from 0, positive ones upwards; a dot marks the total gap.
     """
     plt = _pyplot()
-    colors = {"access": "tab:orange", "capacity": "tab:blue", "unsplit": "tab:gray", "protocol": "tab:purple"}
+    colors = {
+        "access": "tab:orange",
+        "capacity": "tab:blue",
+        "unsplit": "tab:gray",
+        "protocol": "tab:purple",
+        "unexplained": "white",
+    }
     fig, ax = plt.subplots(figsize=(max(4.5, 1.1 * len(bars) + 2), 4.2))
     for i, bar in enumerate(bars):
         up = down = 0.0
@@ -205,7 +211,8 @@ def gap_parts(bars: Sequence[dict], path: Path | None, title: str, footer: str =
             if v == 0:
                 continue
             base = up if v > 0 else down
-            ax.bar(i, v, bottom=base, color=color, label=name, width=0.6)
+            hatch = {"hatch": "//", "edgecolor": "dimgray"} if name == "unexplained" else {}
+            ax.bar(i, v, bottom=base, color=color, label=name, width=0.6, **hatch)
             if v > 0:
                 up += v
             else:

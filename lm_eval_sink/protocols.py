@@ -29,7 +29,7 @@ Standard library, PyYAML and pydantic only: no torch, no transformers.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -206,11 +206,12 @@ class FieldDiff:
     a: Any
     b: Any
     affects_scores: bool
+    why_not: str = ""  # why a field that can change scores in general cannot here (`field_reason`)
 
     @property
     def reason(self) -> str:
         """Why the field can (or cannot) change scores: its entry in the field lists above."""
-        return field_reason(self.field, self.affects_scores)
+        return field_reason(self.field, self.affects_scores, self.why_not)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -223,10 +224,10 @@ class FieldDiff:
         }
 
 
-def field_reason(name: str, affects: bool) -> str:
+def field_reason(name: str, affects: bool, why_not: str = "") -> str:
     """What a (dotted) diff field is, from HARNESS_FIELDS / TASK_FIELDS / MODEL_FIELDS: `tasks.<task>.<key>` by its
     key, `seeds.random` or `model_args.enable_thinking` by its head; a field that can change scores in general but
-    not here says why (few-shot turns without few-shot examples)."""
+    not here says why (`why_not`; default: few-shot turns without few-shot examples)."""
     parts = name.split(".")
     if parts[0] == "tasks" and len(parts) >= 3:
         entry = TASK_FIELDS.get(parts[2])
@@ -234,7 +235,7 @@ def field_reason(name: str, affects: bool) -> str:
         entry = HARNESS_FIELDS.get(parts[0]) or MODEL_FIELDS.get(parts[0])
     what = entry[1] if entry else "not a listed field"
     if entry and entry[0] and not affects:
-        what += "; no task compared here uses few-shot examples"
+        what += "; " + (why_not or "no task compared here uses few-shot examples")
     return what
 
 
@@ -413,7 +414,8 @@ def _pairs(name: str, va: Any, vb: Any) -> list[tuple[str, Any, Any]]:
 
 
 def diff(a: ProtocolFingerprint, b: ProtocolFingerprint) -> tuple[FieldDiff, ...]:
-    """Only the fields that differ between two fingerprints, harness first; empty when identical."""
+    """Only the fields that differ between two fingerprints, harness first; empty when identical. A field that cannot
+    change the score of the tasks it concerns (`_cannot_change_s`) says "no", with why."""
     out: list[FieldDiff] = []
     ha, hb = a.harness, b.harness
     common = sorted(set(ha["tasks"]) & set(hb["tasks"]))
@@ -437,7 +439,51 @@ def diff(a: ProtocolFingerprint, b: ProtocolFingerprint) -> tuple[FieldDiff, ...
     for name, (affects, _) in MODEL_FIELDS.items():
         va, vb = (_template_id(ma), _template_id(mb)) if name == "chat_template" else (ma.get(name), mb.get(name))
         out += [FieldDiff(f, "model", x, y, affects) for f, x, y in _pairs(name, va, vb)]
-    return tuple(out)
+    strength = {t for t in common if _is_strength_task(ha["tasks"][t]) and _is_strength_task(hb["tasks"][t])}
+    only_strength = bool(common) and strength == set(common)
+    return tuple(_cannot_change_s(d, strength, only_strength) for d in out)
+
+
+# What marks a Sink Strength task in a run: the dataset its YAML declares (tasks/sink_strength/sink_strength.yaml),
+# shared by every variant.
+STRENGTH_DATASET = "lm_eval_sink/calibration_prompts"
+# Fields that cannot change S (harness/task.py): a Sink Strength task's requests hold the calibration prompt itself
+# (no few-shot context), generate nothing, batch by the task's own metadata, and --limit / --samples never cut them.
+_NOT_S_HARNESS = {
+    "limit": "--limit / --samples never cut a Sink Strength task's calibration prompts (the only tasks compared)",
+    "gen_kwargs": "a Sink Strength task generates nothing (the only tasks compared)",
+    "batch_size": "a Sink Strength task batches its prompts by its own metadata (the only tasks compared)",
+}
+_NOT_S_TASK = {
+    "generation_kwargs": "a Sink Strength task generates nothing",
+    "num_fewshot": "a Sink Strength task's requests hold the calibration prompt itself, never a few-shot context",
+    "multiturn": "a Sink Strength task's requests hold the calibration prompt itself, never a few-shot context",
+    "fewshot": "a Sink Strength task's requests hold the calibration prompt itself, never a few-shot context",
+}
+_NOT_S_METADATA = {
+    "limit_ignored": "records the --limit / --samples a Sink Strength task did not apply (S uses every prompt)",
+    "predict_only_kept_metrics": "records that --predict_only kept a Sink Strength task's metrics",
+}
+_RUN_FIELD = "how a Sink Strength task batches its prompts (strength.RUN_FIELDS), which leaves S unchanged"
+
+
+def _is_strength_task(task: dict[str, Any]) -> bool:
+    return (task.get("dataset") or {}).get("path") == STRENGTH_DATASET
+
+
+def _cannot_change_s(d: FieldDiff, strength: set[str], only_strength: bool) -> FieldDiff:
+    """`d` marked "no" (with why) where it cannot change S: a Sink Strength task's records and settings that S never
+    reads, and the harness fields S never reads when every task compared is a Sink Strength task."""
+    from lm_eval_sink.strength import RUN_FIELDS
+
+    parts = d.field.split(".")
+    if parts[0] == "tasks" and len(parts) >= 3 and parts[1] in strength:
+        key = parts[3] if parts[2] == "metadata" and len(parts) > 3 else None
+        why = _RUN_FIELD if key in RUN_FIELDS else _NOT_S_METADATA.get(key or "", "")
+        why = why or _NOT_S_TASK.get(parts[2], "")
+    else:
+        why = _NOT_S_HARNESS.get(d.field, "") if only_strength else ""
+    return replace(d, affects_scores=False, why_not=why) if why else d
 
 
 def task_diff(a: ProtocolFingerprint, b: ProtocolFingerprint, tasks: tuple[str, ...]) -> tuple[FieldDiff, ...]:

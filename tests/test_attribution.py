@@ -137,7 +137,7 @@ def test_two_protocols_gap_per_protocol_and_sign_flip(tmp_path):
     assert ife["not_compared"] == [] and ife["unpaired"] == []
     # the plot draws community as the instruct gap's parts plus the protocol effect
     bar = next(b for b in plot_rows(att) if b["label"] == "IFEval\ncommunity")
-    assert bar["parts"] == {"access": -20.0, "capacity": -20.0, "protocol": 60.0, "unsplit": 0.0}
+    assert bar["parts"] == {"access": -20.0, "capacity": -20.0, "protocol": 60.0, "unsplit": 0.0, "unexplained": 0.0}
     md = to_markdown(att)
     assert "sign FLIPS" in md and "effect vs instruct: community +60.00" in md
     # baseline chosen by the user
@@ -160,6 +160,24 @@ def test_same_weights_under_two_protocols_is_a_protocol_artefact(tmp_path):
     assert [d["field"] for d in row["differing_fields"]] == ["model_args.enable_thinking"]
     assert att.lineage[0]["status"] == "same_model" and att.lineage[0]["flagged"] is False
     assert plot_rows(att)[0]["parts"]["protocol"] == -60.0
+
+
+def test_same_weights_differing_only_in_limit_are_unexplained_not_protocol(tmp_path):
+    a = write_run(tmp_path / "a", {"ifeval": REF_IF}, model="/models/qwen3", limit=None)
+    b = write_run(tmp_path / "b", {"ifeval": CAND_IF}, model="/models/qwen3", limit=4.0)
+    att = run_attribution([str(a)], [str(b)])
+    [row] = _bench(att, "IFEval")["comparisons"]
+    assert [d["field"] for d in row["differing_fields"]] == ["limit"]
+    assert row["kind"] == "unexplained" and row["protocol_part"] is None and row["unexplained"] == row["gap"] == -40.0
+    assert (
+        "reference all 5 of 100 documents, candidate a --limit 4 subset (5 of 100 documents; not final)"
+        in (row["explanation"])
+    )
+    assert plot_rows(att)[0]["parts"]["protocol"] == 0.0
+    other = write_run(tmp_path / "c", {"ifeval": CAND_IF}, model="/models/other", limit=4.0)
+    assert "- not compared (different models on different document subsets (--limit)): " in to_markdown(
+        run_attribution([str(a)], [str(other)])
+    )
 
 
 def test_different_models_under_different_protocols_are_not_compared(tmp_path):
@@ -521,6 +539,39 @@ def test_real_runs_same_weights_two_protocols_and_per_prompt_self_pairing(smollm
         assert pp["matches_results"] is True
         task = "ifeval" if name == "IFEval" else "gsm8k_cot_zeroshot"
         assert pp["reference"]["strict"] == round(100 * ri[task][key], 6)
+
+
+@pytest.mark.slow
+def test_real_run_beside_its_own_vendor_figure_is_left_unexplained_and_drawn_so(tmp_path, capsys, smollm2_instruct_run):
+    """A --limit 5 run of SmolLM2 beside a vendor figure of SmolLM2 whose protocol states nothing that differs: no
+    protocol artefact; the gap is left unexplained, the subset named, in the table, the sentence and the figure."""
+    from lm_eval_sink.attribution import plot_title
+    from lm_eval_sink.runs import load_results
+
+    reg, out, name = tmp_path / "mine.yaml", tmp_path / "att", "SmolLM2-135M-Instruct"
+    add = ["vendor", "add", "--model", name, "--benchmark", "IFEval", "--value", "56.7", "--source", "card"]
+    add += ["--source-title", "SmolLM2 card", "--protocol", "card", "--described", "chat", "--registry", str(reg)]
+    assert main([*add, "--stated", "apply_chat_template=true"]) == 0
+    run = ["--candidate", str(smollm2_instruct_run.folder), "--as", name, "--vendor", "--registry", str(reg)]
+    assert main(["attribute", "--reference", f"vendor:{name}", *run, "--output", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    att = run_attribution(
+        [f"vendor:{name}"], run[1:2], AttributeOptions(vendor=True, registry_file=reg, as_names=[name])
+    )
+    [row] = _bench(att, "IFEval")["comparisons"]
+    assert json.loads((out / "attribution.json").read_text())["benchmarks"][0]["comparisons"][0] == row
+    measured = round(100 * load_results(smollm2_instruct_run)["results"]["ifeval"]["prompt_level_strict_acc,none"], 6)
+    gap = round(measured - 56.7, 6)
+    assert row["kind"] == "unexplained" and row["gap"] == row["unexplained"] == gap and row["protocol_part"] is None
+    assert "protocol_artefact" not in stdout and "protocol part" in stdout
+    subset = "candidate a --limit 5 subset (5 of 541 documents; not final)"
+    assert f"the gap {gap:+.2f} is left unexplained" in stdout and subset in stdout
+    assert f"- subset, not final: candidate {name} IFEval 5 of 541 documents (--limit 5)" in stdout
+    # the figure: the same split as the table, the subset in its title
+    [bar] = plot_rows(att)
+    assert bar["parts"]["unexplained"] == gap and bar["parts"]["protocol"] == 0.0
+    title = " ".join(plot_title(att).split())
+    assert f"split into its parts subset, not final: candidate {name} IFEval 5 of 541 documents (--limit 5)" in title
 
 
 def test_vendor_figures_and_reported_gaps_beside_measured_runs(tmp_path):

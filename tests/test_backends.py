@@ -22,6 +22,7 @@ from helpers import SWEEP_LIMIT, VLLM_ENV, VLLM_MODEL_ARGS, VLLM_PY, vllm_missin
 from lm_eval_sink.cli import main
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.harness.runner import EvalSettings, run_lm_eval
+from lm_eval_sink.harness.vllm_preflight import KV_CACHE_ENV
 from lm_eval_sink.protocols import diff, fingerprint, require_same_harness
 
 VLLM_ARGS = {"tensor_parallel_size": 2, "gpu_memory_utilization": 0.9, "max_model_len": 4096, "enable_thinking": False}
@@ -350,15 +351,47 @@ def test_lm_eval_vllm_refuses_a_checkpoint_s_cannot_load_before_anything_loads(t
     (tmp_path / "model.gguf").write_bytes(b"GGUF")
     args = ["--model", "vllm", "--model_args", f"pretrained={tmp_path / 'model.gguf'},{VLLM_MODEL_ARGS}"]
     args += ["--tasks", "my_suite", "--include_path", str(group), "--output_path", str(tmp_path / "o")]
-    ((rc, err),) = _lm_eval(VLLM_PY, [(args, VLLM_ENV)])
-    errors = [x for x in err.splitlines() if x.startswith("error:")]
-    assert rc == 2 and "Traceback" not in err, err[-2000:]
-    assert errors == [err.strip().splitlines()[-1]] and errors[0].startswith(
-        f"error: task sink_strength under --model vllm: {tmp_path / 'model.gguf'} is one file (GGUF?)"
-    )
-    # nothing loaded: neither lm-eval's nor vLLM's start-up log lines are there
-    assert "Initializing vllm model" not in err and "Starting to load model" not in err
+    # beside it, a share of the CPU's memory vLLM's CPU worker can never reserve (all of it), no KV cache size given
+    greedy = [a.replace(VLLM_MODEL_ARGS, f"{VLLM_MODEL_ARGS},gpu_memory_utilization=1.0") for a in args]
+    runs = [(args, VLLM_ENV), (greedy, {**VLLM_ENV, KV_CACHE_ENV: ""})]
+    for (rc, err), refusal in zip(
+        _lm_eval(VLLM_PY, runs),
+        (
+            f"error: task sink_strength under --model vllm: {tmp_path / 'model.gguf'} is one file (GGUF?)",
+            "error: --model vllm: vLLM's CPU engine would not start: with gpu_memory_utilization 1 it reserves ",
+        ),
+        strict=True,
+    ):
+        errors = [x for x in err.splitlines() if x.startswith("error:")]
+        assert rc == 2 and "Traceback" not in err, err[-2000:]
+        assert errors == [err.strip().splitlines()[-1]] and errors[0].startswith(refusal), errors
+        # nothing loaded: neither lm-eval's nor vLLM's start-up log lines are there
+        assert "Initializing vllm model" not in err and "Starting to load model" not in err
+    assert f"(fix: set {KV_CACHE_ENV}=N (GiB of KV cache instead of a share" in errors[0]
     assert not (tmp_path / "o").exists()
+
+
+def test_vllm_cpu_memory_check_decides_as_vllms_cpu_worker(monkeypatch):
+    """vLLM 0.32's CPU worker reserves ceil(total x gpu_memory_utilization) of its node and refuses when that exceeds
+    what is available, unless a KV cache size is given: the same decision on given numbers, and the fix named."""
+    from lm_eval_sink.harness.vllm_preflight import GIB, NodeMemory, _kv_cache_given, cpu_refusal
+
+    busy = NodeMemory(node=0, total=int(23.54 * GIB), available=11 * GIB)
+    refusal = cpu_refusal(busy, 0.92, kv_cache_given=False)  # the tour's machine: vLLM's default share
+    assert refusal.message == (
+        "--model vllm: vLLM's CPU engine would not start: with gpu_memory_utilization 0.92 it reserves 21.66 of "
+        "NUMA node 0's 23.54 GiB, and 11.00 GiB are available"
+    )
+    assert f"set {KV_CACHE_ENV}=N" in refusal.hint and "gpu_memory_utilization=0.41 in --model_args" in refusal.hint
+    assert cpu_refusal(busy, 0.92, kv_cache_given=True) is None  # vLLM skips its check
+    assert cpu_refusal(busy, 0.46, kv_cache_given=False) is None
+    exact = NodeMemory(node=1, total=100 * GIB, available=50 * GIB)  # refused only above what is available
+    assert cpu_refusal(exact, 0.5, False) is None and cpu_refusal(exact, 0.51, False) is not None
+    assert "or free memory" in cpu_refusal(NodeMemory(0, 8 * GIB, GIB // 100), 0.5, False).hint
+    monkeypatch.setenv(KV_CACHE_ENV, "")  # set but empty: vLLM's CPU platform ignores it
+    assert not _kv_cache_given({}) and _kv_cache_given({"kv_cache_memory_bytes": 1 << 30})
+    monkeypatch.setenv(KV_CACHE_ENV, "1")
+    assert _kv_cache_given({})
 
 
 # --- real vLLM against HF: same responses and scores in float32 -----------------------------------

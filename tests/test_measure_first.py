@@ -33,11 +33,30 @@ def task_manager():
     return TaskManager()
 
 
-def test_a_backend_without_attention_gets_the_hf_results_measured_first(handset_llama_dir, task_manager):
+def test_a_backend_without_attention_gets_the_hf_results_measured_first(handset_llama_dir, task_manager, capsys):
     """Every metric, the layer x head matrix and each sample's rows equal `--model hf`'s; the task's metadata
-    says how S was measured (a child process of transformers) and which backend arguments it left out."""
+    says how S was measured (a child process of transformers) and which backend arguments it left out. S measured
+    by a call that then fails is kept and reused by the next call of the same model and settings (other backend
+    arguments too), said in one line each, and the kept file goes once that call finishes."""
+    import lm_eval
+
+    from lm_eval_sink.harness.kept_strength import KEPT_DIR
+    from lm_eval_sink.io import cache_dir
+
     hf = _evaluate("hf", f"pretrained={handset_llama_dir}", device="cpu", task_manager=task_manager)
-    first = _evaluate("dummy", f"pretrained={handset_llama_dir},dtype=float32,tensor_parallel_size=2")
+    args = f"pretrained={handset_llama_dir},dtype=float32"
+    capsys.readouterr()
+    with pytest.raises(Exception, match="no_such_task"):  # fails after S was measured, as an engine that dies
+        lm_eval.simple_evaluate(
+            model="dummy", model_args=f"{args},tensor_parallel_size=4", tasks=[TASK, "no_such_task"]
+        )
+    (kept,) = (cache_dir() / KEPT_DIR).glob("*.json")
+    assert f"S of {TASK} measured before this failure is kept in {kept}; the same call run again reuses it" in (
+        capsys.readouterr().err
+    )
+    first = _evaluate("dummy", f"{args},tensor_parallel_size=2")
+    assert f"lm-eval-sink: S of {TASK} reused from {kept}" in capsys.readouterr().err and not kept.exists()
+    assert first["configs"][TASK]["metadata"]["capture"].pop("kept_from") == str(kept)
     assert first["results"][TASK] == hf["results"][TASK]
     assert first["results"][TASK]["sink_strength_layer_head,none"]["layers"] == [0, 1, 2]
     rows = {name: [s["sink_strength"] for s in res["samples"][TASK]] for name, res in (("hf", hf), ("first", first))}

@@ -462,6 +462,49 @@ def test_real_runs_cli_show_and_diff(smollm2_instruct_run, smollm2_community_run
 
 
 @pytest.mark.slow
+def test_real_run_at_another_limit_records_that_cannot_change_a_score_say_no(tmp_path, smollm2_instruct_run, capsys):
+    """The fixture run (--limit 5) beside a copy as --limit 4 and other S batching would record it: `limit` can
+    change the IFEval and GSM8K scores, the Sink Strength task's records and batching cannot change S; with only the
+    Sink Strength task compared, neither can `limit`."""
+    import copy
+
+    from lm_eval_sink.runs import load_results
+
+    res = load_results(smollm2_instruct_run)
+    other = copy.deepcopy(res)
+    other["config"]["limit"] = 4.0
+    other["configs"]["sink_strength"]["metadata"].update(limit_ignored=4, batch_tokens=4096)
+    path = tmp_path / f"results_{TS}.json"
+    path.write_text(json.dumps(other))
+    assert main(["protocol", "diff", str(smollm2_instruct_run.results), str(path), "--json"]) == 0
+    got = {d["field"]: d for d in json.loads(capsys.readouterr().out)["differences"]}
+    assert sorted(got) == [
+        "limit",
+        "tasks.sink_strength.metadata.batch_tokens",
+        "tasks.sink_strength.metadata.limit_ignored",
+    ]
+    assert got["limit"]["affects_scores"] is True
+    ignored = got["tasks.sink_strength.metadata.limit_ignored"]
+    assert (ignored["a"], ignored["b"], ignored["affects_scores"]) == (5, 4, False)
+    assert "did not apply (S uses every prompt)" in ignored["reason"]
+    assert got["tasks.sink_strength.metadata.batch_tokens"]["affects_scores"] is False
+    assert main(["protocol", "diff", str(smollm2_instruct_run.results), str(path)]) == 0
+    assert "| tasks.sink_strength.metadata.limit_ignored | harness | 5 | 4 | no: " in capsys.readouterr().out
+    # only the Sink Strength task compared: --limit cannot change S either
+    a_res = copy.deepcopy(res)
+    for doc in (a_res, other):
+        for key in ("results", "configs", "n-shot", "versions"):
+            doc[key] = {t: v for t, v in doc[key].items() if t == "sink_strength"}
+    only = diff(fingerprint(a_res), fingerprint(other))
+    assert {d.field: d.affects_scores for d in only} == {
+        "limit": False,
+        "tasks.sink_strength.metadata.batch_tokens": False,
+        "tasks.sink_strength.metadata.limit_ignored": False,
+    }
+    assert "never cut a Sink Strength task's calibration prompts" in only[0].reason
+
+
+@pytest.mark.slow
 def test_real_eval_under_named_protocol(tmp_path, shared_data, default_model, capsys, monkeypatch):
     from lm_eval_sink.protocols import fingerprint_run
     from lm_eval_sink.runs import resolve_run

@@ -226,6 +226,32 @@ def test_screen_without_output_writes_nothing(screen_models, tmp_path, capsys, m
     assert list(tmp_path.iterdir()) == []
 
 
+def test_screen_reuses_strength_files_written_elsewhere_in_its_setting_and_refuses_others(
+    screen_models, tmp_path, capsys, user_error
+):
+    """`strength` results passed to `screen` in place of their models are reused when measured in the run's setting
+    (said per model, nothing measured again); another setting or --dtype is one line, before anything is written."""
+    strong, weak, _ = screen_models
+    made = tmp_path / "made"
+    assert main(["strength", str(weak), "--output", str(made), "--quiet"]) == 0
+    file, out = made / "weak.strength.json", tmp_path / "screen"
+    before = file.read_bytes()
+    capsys.readouterr()
+    assert main(["screen", str(file), str(strong), "--output", str(out), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert f"weak: reused {file} (same model content, setting and versions)" in printed
+    by_slug = {m["slug"]: m for m in json.loads((out / "screen.json").read_text())["models"]}
+    assert by_slug["weak"]["sink_strength"] == json.loads(before)["sink_strength"]
+    assert by_slug["weak"]["strength_file"] == str(file) and by_slug["weak"]["path"] == str(weak)
+    assert by_slug["weak"]["setting"] == by_slug["strong"]["setting"] == "A"
+    assert sorted(p.name for p in (out / "strength").glob("*.strength.json")) == ["strong.strength.json"]
+    assert file.read_bytes() == before  # an input, never touched
+    line = user_error(["screen", file, "--last-k", "1", "--output", tmp_path / "s2"], tmp_path / "s2")
+    assert f"{file}: measured in another setting: last_k 10 (this run: 1)" in line
+    line = user_error(["screen", file, "--dtype", "bfloat16", "--output", tmp_path / "s3"], tmp_path / "s3")
+    assert "measured in another setting: --dtype auto (this run: bfloat16)" in line
+
+
 def test_screen_checks_the_pairs_file_before_measuring(screen_models, tmp_path, capsys):
     strong, _, _ = screen_models
     bad = tmp_path / "pairs.yaml"

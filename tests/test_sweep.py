@@ -548,6 +548,12 @@ def test_a_changed_sweep_file_names_the_field_and_redo_redoes_only_those(uninter
     assert main(["sweep", str(sweep), "--quiet", "--redo", "strength"]) == 0
     printed = capsys.readouterr().out
     assert "6 steps run, 4 already finished" in printed and "stay in the sweep: dare_linear" in printed
+    # --quiet: no bars, a line as each step starts
+    redone = ("strength:reference", "strength:candidate", "merge:linear_95_5", "eval:linear_95_5")
+    redone += ("strength:linear_95_5", "strength:dare_linear")
+    assert [line for line in printed.splitlines() if line.startswith("[")] == [
+        f"[{i}/6] {unit}" for i, unit in enumerate(redone, 1)
+    ]
     rows = {r["checkpoint"]: r for r in _rows(out)}
     assert list(rows) == ["reference", "candidate", "linear_95_5", "dare_linear"]
     assert rows["dare_linear"]["metrics"] == _rows(uninterrupted.parent / "out")[2]["metrics"]

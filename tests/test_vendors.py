@@ -207,11 +207,13 @@ def test_a_run_of_a_hub_id_is_matched_by_it_and_a_model_against_its_own_figure_i
     assert att.registry["matches"][0]["by"] == "matched by its hub id me/my-base-llm"
     [li] = att.lineage
     assert li["status"] == "same_model" and li["flagged"] is False
-    [row] = att.benchmarks[0]["comparisons"]  # the figure and the run: one model under two protocols
-    assert row["kind"] == "protocol_artefact" and row["gap"] == -15.0
+    # the figure and the run: one model, no protocol field that can change scores differs: no protocol artefact
+    [row] = att.benchmarks[0]["comparisons"]
+    assert row["kind"] == "unexplained" and row["gap"] == row["unexplained"] == -15.0 and row["protocol_part"] is None
     md = to_markdown(att)
     assert "FLAGGED" not in md and "not compared" not in md
     assert "same model: no recorded field that can change scores differs, but one side does not state" in md
+    assert "documents compared: reference the registry figure my-base-llm/ifeval/my-card (its documents not " in md
 
 
 def test_vendor_add_writes_the_project_cache_by_default_and_refuses_bad_figures(tmp_path, capsys, monkeypatch):

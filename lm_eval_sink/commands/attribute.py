@@ -19,6 +19,7 @@ from lm_eval_sink.attribution import (
     lineage,
     measurements_from_registry,
     plot_rows,
+    plot_title,
     relabel,
     run_measurements,
     to_markdown,
@@ -304,7 +305,7 @@ def write_report(att: Attribution, out_dir: str | Path, force: bool = False) -> 
         gap_parts(
             plot_rows(att),
             tmp / "attribution.png",
-            title="gap = candidate - reference (points), split into its parts",
+            title=plot_title(att),
             footer=footer,
         )
     return {

@@ -6,14 +6,15 @@ into `DIR/strength/` (resumable by key there), then `screen.json`, `.md`, `.csv`
 `DIR` (refused before any work when they exist, unless `--force`); the folder is held with
 `locks.hold` for the run. Without it nothing is written. Predicted deltas need `--pairs` (pairs measured in the
 models' setting) or `--paper-line` (the paper's pairs, with the caveat beside each number); without either the
-screen is the ranking alone.
+screen is the ranking alone. A `*.strength.json` that `strength` wrote, passed in place of its model, is reused
+(`reused_strength`: its model unchanged, measured in this run's setting by these versions), else refused in one line.
 """
 
 from __future__ import annotations
 
 import json
 import struct
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,87 @@ from lm_eval_sink.screen import (
 from lm_eval_sink.strength import StrengthSettings
 
 SCREEN_FILES = ("screen.json", "screen.md", "screen.csv", "screen.png")
+STRENGTH_SUFFIX = ".strength.json"  # what `strength` names a model's result
+
+
+@dataclass(frozen=True, slots=True)
+class Reused:
+    """A `*.strength.json` passed to `screen` in place of its model: the file, the model it measured, its result."""
+
+    file: Path
+    path: str
+    result: Any
+
+    @property
+    def slug(self) -> str:
+        return self.file.name.removesuffix(STRENGTH_SUFFIX)
+
+
+def reused_strength(file: Path, settings: StrengthSettings, dtype: str) -> Reused:
+    """The result in `file` when `screen` with `settings` and `dtype` would measure the same S: made from its model's
+    present content, in this setting (the settings that decide S, the calibration prompts, --dtype), by these
+    versions; anything else is the one-line error naming what differs."""
+    from lm_eval_sink.calibration import load_prompts
+    from lm_eval_sink.io import read_json
+    from lm_eval_sink.models import DTYPES, model_fingerprint
+    from lm_eval_sink.strength import SinkStrength, inputs_key, key_versions
+
+    data = read_json(file)
+    prov = data.get("provenance") if isinstance(data, dict) else None
+    model = (prov or {}).get("model") or {}
+    if not isinstance(data, dict) or "sink_strength" not in data or "inputs_key" not in (prov or {}) or not model:
+        raise UserError(f"{file}: not a result of `lm-eval-sink strength`", "pass a *.strength.json it wrote")
+    path = str(model.get("model"))
+    identity = _present_identity(file, path, model, model_fingerprint)
+    hint = f"screen with the options it was measured with, or pass {path} to measure it in this setting"
+    prompts = load_prompts(Path(settings.prompts_file) if settings.prompts_file else None, settings.n_prompts)
+    old = prov.get("key_versions") or {}
+    changed = [f"{k} {old.get(k)} -> {v}" for k, v in key_versions().items() if old.get(k) != v]
+    if changed:
+        raise UserError(f"{file}: made by other versions ({', '.join(changed)})", f"pass {path} to measure it again")
+    differ = _setting_differences(prov, settings, prompts.sha256)
+    keys = {d: inputs_key(path, identity["fingerprint"], settings, d) for d in DTYPES}
+    made_with = next((d for d, k in keys.items() if k == prov["inputs_key"]), None)
+    if not differ and made_with not in (None, dtype):
+        differ = [f"--dtype {made_with} (this run: {dtype})"]
+    if differ or made_with is None:
+        what = "; ".join(differ) or "inputs that no longer match its model"
+        raise UserError(f"{file}: measured in another setting: {what}", hint)
+    return Reused(file, path, SinkStrength.from_json(data))
+
+
+def _present_identity(file: Path, path: str, recorded: dict[str, Any], fingerprint: Any) -> dict[str, Any]:
+    """The identity of the model `file` measured, as it is now; gone or changed is the one-line error."""
+    from lm_eval_sink.identity import check_same_identity
+    from lm_eval_sink.models import resolve_model
+
+    try:
+        resolve_model(path, allow_gguf=True, convert=False)
+    except UserError as e:
+        raise UserError(
+            f"{file}: its model cannot be read here (screen reads its config and checks its content): {e.message}",
+            "screen the strength file where its model is, or pass the model itself",
+        ) from None
+    identity = fingerprint(path)
+    try:
+        check_same_identity(recorded, identity, file)
+    except UserError as e:
+        raise UserError(e.message, f"pass {path} to measure it again") from None
+    return identity
+
+
+def _setting_differences(prov: dict[str, Any], settings: StrengthSettings, prompt_sha: str) -> list[str]:
+    """The settings that decide S in which a saved result differs from `settings`, in words."""
+    from dataclasses import fields
+
+    known = {f.name for f in fields(StrengthSettings)}
+    made = StrengthSettings(**{k: v for k, v in (prov.get("settings") or {}).items() if k in known}).key_fields()
+    now = settings.key_fields()
+    differ = [f"{k} {v!r} (this run: {now[k]!r})" for k, v in made.items() if v != now[k]]
+    recorded = (prov.get("prompt_set") or {}).get("sha256")
+    if recorded != prompt_sha:
+        differ.append(f"calibration prompts sha256 {str(recorded)[:12]} (this run: {prompt_sha[:12]})")
+    return differ
 
 
 def _safetensors_shapes(folder: Path) -> dict[str, list[int]]:
@@ -106,17 +188,21 @@ def run_screen(
     `options.measure_all`: see `commands.strength.run_strength` (e.g. one Ray task per model). Returns the lines to
     print."""
     fit = _fit(predict)  # a bad PAIRS file fails before any model is loaded
+    reused = {
+        i: reused_strength(Path(n), settings, options.dtype) for i, n in enumerate(names) if n.endswith(STRENGTH_SUFFIX)
+    }
     if output is None:
-        return _run(names, slugs, settings, None, options, predict, fit)
+        return _run(names, slugs, settings, None, options, (predict, fit, reused))
     from lm_eval_sink.io import check_not_inputs, check_writable
     from lm_eval_sink.locks import hold
     from lm_eval_sink.models import resolve_model
 
     check_writable(Path(output))
-    planned = [resolve_model(n, allow_gguf=True, convert=False) for n in names]
+    planned = [resolve_model(n, allow_gguf=True, convert=False) for i, n in enumerate(names) if i not in reused]
+    planned += [p for r in reused.values() for p in (str(r.file), r.path)]
     check_not_inputs([output], inputs=[*planned, predict.pairs_file, settings.prompts_file], option="--output")
     with hold(Path(output)):
-        return _run(names, slugs, settings, Path(output), options, predict, fit)
+        return _run(names, slugs, settings, Path(output), options, (predict, fit, reused))
 
 
 def _fit(predict: ScreenOptions) -> Any:
@@ -135,28 +221,34 @@ def _run(
     settings: StrengthSettings,
     output: Path | None,
     options: MeasureOptions,
-    predict: ScreenOptions,
-    fit: Any,
+    how: tuple[ScreenOptions, Any, dict[int, Reused]],
 ) -> list[str]:
-    """Measure each model (its result kept in `output/strength` when saving), rank and predict (from `fit`, made as
-    `predict` says, or None), then return the lines to print, having written the screen's files when saving."""
+    """Measure each model (its result kept in `output/strength` when saving) but those of the strength files passed
+    in (`how[2]`, by position: reused), rank and predict (from the fit `how[1]`, made as the options `how[0]` say, or
+    None), then return the lines to print, having written the screen's files when saving."""
     from lm_eval_sink.calibration import load_prompts
     from lm_eval_sink.commands.strength import check_output, unique_slugs
     from lm_eval_sink.models import resolve_model
 
+    predict, fit, reused = how
     load_prompts(Path(settings.prompts_file) if settings.prompts_file else None, settings.n_prompts)
-    slugs = unique_slugs(slugs)
+    slugs = unique_slugs([reused[i].slug if i in reused else s for i, s in enumerate(slugs)])
+    todo = [i for i in range(len(names)) if i not in reused]
     if output is not None:  # before `default` is converted
-        planned = [resolve_model(n, allow_gguf=True, convert=False) for n in names]
+        planned = [
+            reused[i].path if i in reused else resolve_model(n, allow_gguf=True, convert=False)
+            for i, n in enumerate(names)
+        ]
         files = _check_outputs(output, planned, predict.pairs_file, settings, options.force)
-        check_output(output / "strength", names, slugs, settings, options.force)
-    paths = [resolve_model(n, allow_gguf=True) for n in names]
+        check_output(output / "strength", [names[i] for i in todo], [slugs[i] for i in todo], settings, options.force)
+    paths = [reused[i].path if i in reused else resolve_model(n, allow_gguf=True) for i, n in enumerate(names)]
     classes = [detect_qk_norm(p) for p in paths]
-    if output is not None:
-        lines, strength_files, strengths = _measure_saved(names, slugs, settings, output, options)
-    else:
-        lines, strength_files, strengths = [], [None] * len(names), _measure_here(paths, settings, options)
-    files_saved = [None if f is None else str(f) for f in strength_files]
+    lines, measured = _measure(todo, (names, slugs, paths), settings, output, options)
+    measured |= {i: (str(r.file), r.result) for i, r in reused.items()}
+    lines = [
+        f"{reused[i].slug}: reused {reused[i].file} (same model content, setting and versions)" for i in reused
+    ] + lines
+    files_saved, strengths = [measured[i][0] for i in range(len(names))], [measured[i][1] for i in range(len(names))]
     result = screen(names, slugs, paths, strengths, classes, fit, files_saved, predict.paper_line)
     md = screen_table_markdown(result)
     out_lines = md.rstrip("\n").splitlines() + [f"warning: {m.slug}: {w}" for m in result.models for w in m.warnings]
@@ -165,6 +257,24 @@ def _run(
     _write(result, md, files, settings, options)
     lines = [line for line in lines if line not in out_lines]  # the setting lines once, under the table
     return lines + out_lines + ["wrote " + ", ".join(str(p) for p in files)]
+
+
+def _measure(
+    todo: list[int],
+    models: tuple[list[str], list[str], list[str]],
+    settings: StrengthSettings,
+    output: Path | None,
+    options: MeasureOptions,
+) -> tuple[list[str], dict[int, tuple[str | None, Any]]]:
+    """The models at positions `todo` of `models` (names, slugs, paths) measured, kept in `output/strength` when
+    saving: the lines to print and, by position, (the result file or None, the result)."""
+    names, slugs, paths = ([m[i] for i in todo] for m in models)
+    if not todo:
+        return [], {}
+    if output is not None:
+        lines, files, strengths = _measure_saved(names, slugs, settings, output, options)
+        return lines, {i: (str(f), r) for i, f, r in zip(todo, files, strengths, strict=True)}
+    return [], {i: (None, r) for i, r in zip(todo, _measure_here(paths, settings, options), strict=True)}
 
 
 def _measure_here(paths: list[str], settings: StrengthSettings, options: MeasureOptions) -> list[Any]:

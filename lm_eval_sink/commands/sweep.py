@@ -526,9 +526,12 @@ def _run_sweep_locked(
     state, plan_now = _start(plan, force, redo, earlier, report)
     markers, finished, manifest = dict(state.markers), set(plan_now.finished), Manifest(out / MANIFEST)
     by_id = {u.id: u for u in plan.units}
+    todo = list(plan_now.todo)
+    steps = StepCounter(len(todo), None if progress else announce)  # --quiet: a line per step, no bars
 
     def record(unit: Unit, error: str | None) -> None:
         """The driver's bookkeeping of one unit that ran (or could not run), whatever the engine."""
+        steps.finished(unit.id, error)
         if error is not None:
             report.failures[unit.id] = error
             if not error.startswith("not run: "):
@@ -543,7 +546,6 @@ def _run_sweep_locked(
         if spec.delete_merged and f"merge:{unit.checkpoint}" in by_id:
             _maybe_delete_weights(by_id[f"merge:{unit.checkpoint}"], by_id, finished, manifest, markers)
 
-    todo = list(plan_now.todo)
     engine_lines = plan_notes(plan, todo)
     report.notes.extend(engine_lines)
     report.skipped.extend(plan_now.skipped(plan))
@@ -563,7 +565,7 @@ def _run_sweep_locked(
         run_on_ray(todo, spec.engine, out, record, run_unit, progress=progress, pool=ray_pool(spec))
     else:
         with local_runner(spec, report.notes) as run:
-            _run_local(todo, record, report.failures, progress, run)
+            _run_local(todo, record, report.failures, steps, run)
     if spec.delete_merged:  # also checkpoints finished by an earlier run
         for unit in plan.units:
             if unit.kind == "merge":
@@ -583,16 +585,50 @@ def _tabulate(plan: Plan, markers: Markers, report: SweepReport) -> None:
     report.notes.extend([*table["protocol"]["model_differences"], *comparability_lines(table)])
 
 
-def _run_local(units: list[Unit], record: Any, failures: dict[str, str], progress: bool, run: Any) -> None:
+@dataclass
+class StepCounter:
+    """`[3/10] eval:linear_95_5`: one line per step as it starts (engines that run steps in turn) or ends (the
+    others), given to `announce` (without progress bars, which count the steps themselves; None: no lines)."""
+
+    total: int
+    announce: Callable[[str], None] | None
+    counted: dict[str, int] = field(default_factory=dict)
+
+    def started(self, unit_id: str) -> None:
+        self.counted[unit_id] = len(self.counted) + 1
+        self._say(f"[{self.counted[unit_id]}/{self.total}] {unit_id}")
+
+    def finished(self, unit_id: str, error: str | None) -> None:
+        """A step that ended: counted here when its start was not; said again only when it failed."""
+        new = unit_id not in self.counted
+        if new:
+            self.counted[unit_id] = len(self.counted) + 1
+        step = f"[{self.counted[unit_id]}/{self.total}] {unit_id}"
+        if error is not None:
+            self._say(f"{step}: failed: {error}")
+        elif new:
+            self._say(f"{step}: done")
+
+    @property
+    def progress(self) -> bool:
+        return self.announce is None
+
+    def _say(self, line: str) -> None:
+        if self.announce is not None:
+            self.announce(line)
+
+
+def _run_local(units: list[Unit], record: Any, failures: dict[str, str], steps: StepCounter, run: Any) -> None:
     """The local engine: each unit in plan order, in this process (`run`: `run_unit`, or a resident vLLM engine's
-    runner for eval units)."""
+    runner for eval units); a progress bar, or `steps`' line as each step starts."""
     from tqdm.auto import tqdm
 
-    for unit in tqdm(units, desc="sweep steps", unit="step", disable=not progress):
+    for unit in tqdm(units, desc="sweep steps", unit="step", disable=not steps.progress):
         merge_id = f"merge:{unit.checkpoint}"
         if unit.kind != "merge" and merge_id in failures:
             record(unit, f"not run: {merge_id} failed")
             continue
+        steps.started(unit.id)
         try:
             run(unit)
         except KeyboardInterrupt:

@@ -37,6 +37,7 @@ from typing import Any
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.harness.backends import backend_label, has_attention, unsupported
 from lm_eval_sink.harness.patching import patch
+from lm_eval_sink.harness.vllm_preflight import check_engine_memory
 
 log = logging.getLogger(__name__)
 
@@ -136,9 +137,10 @@ def _task_manager(arguments: dict[str, Any]) -> Any:
     return TaskManager(metadata=_model_args(arguments.get("model_args")) | (arguments.get("metadata") or {}))
 
 
-def measure_first_request(arguments: dict[str, Any]) -> tuple[dict[str, Any], Any] | None:
+def measure_first_request(arguments: dict[str, Any]) -> tuple[Any, Any] | None:
     """Before lm-eval builds a backend without attention access: this project's tasks measured first
-    (`measure_first.py`), with the TaskManager that found them; None when none is asked of such a backend.
+    (`measure_first.py`; or kept by an earlier call that failed after it, `kept_strength.Kept`), with the TaskManager
+    that found them; None when none is asked of such a backend.
     The hub revisions are pinned to the commits measured in `arguments["model_args"]`, which the engine then gets.
 
     One line, before anything loads, when the backend has no `pretrained` transformers can load.
@@ -157,6 +159,7 @@ def measure_first_request(arguments: dict[str, Any]) -> tuple[dict[str, Any], An
     model_args = _model_args(arguments.get("model_args")) if isinstance(model, str) else {}
     if not model_args.get("pretrained"):
         raise unsupported(ours[0], label)
+    from lm_eval_sink.harness.kept_strength import measured_or_kept
     from lm_eval_sink.harness.measure_first import (
         check_loadable,
         engine_model_args,
@@ -169,7 +172,7 @@ def measure_first_request(arguments: dict[str, Any]) -> tuple[dict[str, Any], An
     load = pin_revisions(hf_load_args(model_args, ours[0], label))
     check_loadable(load, ours[0], label)
     arguments["model_args"] = engine_model_args(arguments.get("model_args"), load)  # the commits measured
-    return measure_first(load, task_jobs(task_manager, ours), label), task_manager
+    return measured_or_kept(load, task_jobs(task_manager, ours), label, measure_first), task_manager  # kept_strength
 
 
 def _apply_offline_overrides(index: dict[str, Any]) -> None:
@@ -285,13 +288,14 @@ def _wrap_simple_evaluate(original: Any) -> Any:
             bound = signature.bind(*args, **kwargs)
         except TypeError:  # lm-eval's own error for bad arguments, unchanged
             return original(*args, **kwargs)
+        check_engine_memory(bound.arguments)  # vllm_preflight: vLLM's start-up memory check, before anything loads
         first = measure_first_request(bound.arguments)
         if first is None:
             return original(*args, **kwargs)
         from lm_eval_sink.harness.task import provided
 
-        measured, bound.arguments["task_manager"] = first
-        with provided(measured):
+        kept, bound.arguments["task_manager"] = first
+        with provided(kept.measured), kept.on_failure():  # kept_strength: S kept if the call fails after it
             return original(*bound.args, **bound.kwargs)
 
     return simple_evaluate

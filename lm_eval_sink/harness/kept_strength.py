@@ -1,0 +1,88 @@
+"""Sink Strength measured first is kept when the call fails after it, and the same call run again reuses it.
+
+Under a backend without attention access (`--model vllm`), S is measured before lm-eval builds the engine
+(`measure_first.py`): seconds to minutes of work that a later failure (an engine that cannot start, a generation
+error, an interrupt) used to throw away. `measured_or_kept` looks for rows kept under the key of what decides them
+(`key`: the transformers load with its pinned revisions, a local model's content fingerprint, each task's settings
+and prompts, the versions that compute S; not the backend's own arguments, such as `gpu_memory_utilization`, which
+a rerun after an engine failure changes), reuses them when there are (one line on stderr; each task's `capture`
+metadata names the file), else measures. `Kept.on_failure` writes the rows into the project cache when the call
+then fails, saying so in one line, and removes the file once a call that used it finishes. Other inputs or code
+give another key, so they are measured again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+KEPT_DIR = "measured_first"  # under the project cache (`io.cache_dir`)
+
+
+@dataclass(frozen=True)
+class Kept:
+    """The rows measured first for a call (`task.Measured` per task) and where they are kept if it fails."""
+
+    measured: dict[str, Any]
+    path: Path
+
+    @contextlib.contextmanager
+    def on_failure(self) -> Iterator[None]:
+        """Write the rows to `path` when the block fails (one line saying so), remove them when it finishes."""
+        from lm_eval_sink.io import atomic_write_json
+
+        try:
+            yield
+        except BaseException:
+            atomic_write_json(self.path, {name: asdict(m) for name, m in self.measured.items()})
+            _say(
+                f"S of {', '.join(self.measured)} measured before this failure is kept in {self.path}; the same call "
+                "run again reuses it (also with other engine arguments, such as gpu_memory_utilization)"
+            )
+            raise
+        self.path.unlink(missing_ok=True)
+
+
+def key(load: Any, jobs: dict[str, dict[str, Any]]) -> str:
+    """What decides the rows of a measure-first `load` (`measure_first.HfLoad`, revisions pinned) and its `jobs`."""
+    from lm_eval_sink.io import canonical_json, sha256_text
+    from lm_eval_sink.models import model_fingerprint
+    from lm_eval_sink.strength import key_versions
+
+    content = model_fingerprint(load.pretrained)["fingerprint"] if Path(load.pretrained).exists() else None
+    decided = {k: v for k, v in asdict(load).items() if k != "ignored"}  # the backend's own arguments do not
+    return sha256_text(canonical_json({"load": decided, "content": content, "jobs": jobs, "versions": key_versions()}))
+
+
+def measured_or_kept(
+    load: Any, jobs: dict[str, dict[str, Any]], backend: str, measure: Callable[..., dict[str, Any]]
+) -> Kept:
+    """The rows kept by an earlier call of the same inputs that failed (said in one line), else `measure(load, jobs,
+    backend)`'s."""
+    from lm_eval_sink.harness.task import Measured
+    from lm_eval_sink.io import cache_dir
+
+    path = cache_dir() / KEPT_DIR / f"{key(load, jobs)}.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        measured = {
+            name: Measured(
+                m["settings"],
+                {int(k): v for k, v in m["rows"].items()},
+                {**m["record"], "model_args_ignored": list(load.ignored), "kept_from": str(path)},
+            )
+            for name, m in data.items()
+        }
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # none kept, or unreadable: measure
+        return Kept(measure(load, jobs, backend), path)
+    _say(f"S of {', '.join(measured)} reused from {path}, measured by an earlier call of the same model and settings")
+    return Kept(measured, path)
+
+
+def _say(line: str) -> None:
+    print(f"lm-eval-sink: {line}", file=sys.stderr, flush=True)

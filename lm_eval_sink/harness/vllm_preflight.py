@@ -1,0 +1,103 @@
+"""vLLM's own start-up memory check, run before anything loads under `--model vllm` (one line instead of a dead
+engine minutes later).
+
+vLLM 0.32's CPU worker (`vllm/v1/worker/cpu_worker.py`, `CPUWorker.__init__`) reserves a share of the memory of
+the NUMA node it runs on: with no KV cache size given (`VLLM_CPU_KVCACHE_SPACE` in GiB, which vLLM's CPU platform
+turns into `kv_cache_memory_bytes`, or `kv_cache_memory_bytes` itself), it asks ceil(total x
+gpu_memory_utilization) bytes of the node (vLLM's default utilization 0.92; on a CPU the flag means a share of the
+node's memory, despite its name) and refuses to start when that exceeds the node's available memory. The node is
+the one of the first CPU the process may run on, else the first visible memory node; total and available come
+from vLLM's own `get_memory_node_info` (the node's meminfo, clamped by a cgroup limit). On a 23.5 GiB machine the
+default asks 21.66 GiB, more than a busy machine has free: the engine died after S was measured and about 100
+traceback lines. `cpu_refusal` is that decision on given numbers (pure); `check_engine_memory` gathers them with
+vLLM's functions, on vLLM's CPU platform only (a GPU worker checks its device at start-up itself), and raises the
+one line naming the settings that fix it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from lm_eval_sink.errors import UserError
+
+KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # GiB of KV cache on vLLM's CPU backend; set, no share is reserved
+GIB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class NodeMemory:
+    """The memory of the NUMA node vLLM's CPU worker binds to, in bytes, as vLLM reads it."""
+
+    node: int
+    total: int
+    available: int
+
+
+def cpu_refusal(memory: NodeMemory, utilization: float, kv_cache_given: bool) -> UserError | None:
+    """The one-line error vLLM's CPU worker would end with, given the node's memory, `gpu_memory_utilization` and
+    whether a KV cache size was given (then vLLM skips the check); None when the engine would start."""
+    requested = math.ceil(memory.total * utilization)
+    if kv_cache_given or requested <= memory.available:
+        return None
+    fits = math.floor(100 * memory.available / memory.total) / 100 - 0.05  # a margin for what loads meanwhile
+    share = f", or pass gpu_memory_utilization={fits:.2f} in --model_args (a share of the node's memory)"
+    return UserError(
+        f"--model vllm: vLLM's CPU engine would not start: with gpu_memory_utilization {utilization:g} it reserves "
+        f"{requested / GIB:.2f} of NUMA node {memory.node}'s {memory.total / GIB:.2f} GiB, and "
+        f"{memory.available / GIB:.2f} GiB are available",
+        f"set {KV_CACHE_ENV}=N (GiB of KV cache instead of a share: e.g. 1 for a small model and short prompts, the "
+        "weights come on top)" + (share if fits > 0 else ", or free memory"),
+    )
+
+
+def check_engine_memory(arguments: dict[str, Any]) -> None:
+    """`simple_evaluate`'s `arguments` under `--model vllm` on vLLM's CPU platform: `cpu_refusal` on this machine's
+    numbers, raised; otherwise nothing (another backend, an LM object, a GPU platform)."""
+    if arguments.get("model") != "vllm":
+        return
+    from lm_eval.utils import simple_parse_args_string
+    from vllm.platforms import current_platform
+
+    model_args = arguments.get("model_args")
+    model_args = simple_parse_args_string(model_args) if isinstance(model_args, str) else dict(model_args or {})
+
+    if not current_platform.is_cpu():
+        return
+    refusal = cpu_refusal(_node_memory(), _utilization(model_args), _kv_cache_given(model_args))
+    if refusal is not None:
+        raise refusal
+
+
+def _kv_cache_given(model_args: dict[str, Any]) -> bool:
+    """Whether vLLM gets a KV cache size: the environment variable as its CPU platform reads it (set and not
+    empty), or `kv_cache_memory_bytes` in the model arguments."""
+    return os.environ.get(KV_CACHE_ENV, "") != "" or model_args.get("kv_cache_memory_bytes") not in (None, "")
+
+
+def _utilization(model_args: dict[str, Any]) -> float:
+    """`gpu_memory_utilization` as the engine gets it: the model argument, else vLLM's own default."""
+    given = model_args.get("gpu_memory_utilization")
+    if given not in (None, ""):
+        try:
+            return float(given)
+        except ValueError:
+            raise UserError(
+                f"--model_args gpu_memory_utilization={given} is not a number", "pass a share such as 0.5"
+            ) from None
+    from vllm.config import CacheConfig
+
+    return float(CacheConfig().gpu_memory_utilization)
+
+
+def _node_memory() -> NodeMemory:
+    """The memory of the node vLLM's CPU worker would bind to, read with vLLM's own functions."""
+    from vllm.utils.cpu_resource_utils import get_allowed_cpu_list, get_memory_node_info, get_visible_memory_node
+
+    visible = get_visible_memory_node()
+    node = get_allowed_cpu_list()[0].numa_node
+    node = node if node in visible or not visible else visible[0]
+    info = get_memory_node_info(node)
+    return NodeMemory(node, int(info.total_memory), int(info.available_memory))
