@@ -103,17 +103,58 @@ def atomic_write_json(path: Path, obj: Any) -> Path:
     return atomic_write_text(path, canonical_json(obj))
 
 
+def read_text(path: Path, what: str = "the file") -> str:
+    """A text file a user points at, as UTF-8 (`decode_text`)."""
+    return decode_text(Path(path).read_bytes(), str(path), what)
+
+
+def decode_text(data: bytes, where: str, what: str = "the file") -> str:
+    """UTF-8 bytes -> text; bytes that do not decode are a UserError naming `where` and the line."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise UserError(
+            f"{where}:{line}: not UTF-8 text (byte {data[e.start]:#04x} at column {column})",
+            f"save {what} as UTF-8 text; that line holds binary data or another encoding",
+        ) from None
+
+
+def parse_json(text: str, where: str, hint: str) -> Any:
+    """JSON text -> data; what does not parse (a syntax error, nesting deeper than Python's recursion, an integer
+    longer than Python converts) is a UserError naming `where` and, for a syntax error, the line."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{where}:{e.lineno}: not valid JSON ({e.msg})", hint) from None
+    except ValueError as e:  # int(): "Exceeds the limit (4300 digits) for integer string conversion"
+        raise UserError(f"{where}: not valid JSON ({str(e).split(':')[0]})", hint) from None
+    except RecursionError:
+        raise UserError(f"{where}: not valid JSON (nested too deeply to read)", hint) from None
+
+
+def json_lines(text: str, where: str, hint: str) -> Iterator[tuple[int, Any]]:
+    """(line number, value) of each non-blank line of JSONL text; a line that does not parse is a UserError naming
+    `where` and the line."""
+    for n, line in enumerate(text.split("\n"), 1):
+        if line.strip():
+            try:
+                yield n, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{where}:{n}: not valid JSON ({e.msg})", hint) from None
+            except (ValueError, RecursionError):  # an integer longer than Python converts; nesting past its recursion
+                raise UserError(
+                    f"{where}:{n}: not valid JSON (a number too long, or nested too deeply)", hint
+                ) from None
+
+
 def read_json(path: Path) -> Any:
-    """Read a JSON file; a missing or malformed file is a UserError naming it."""
+    """Read a JSON file; a missing, undecodable or malformed file is a UserError naming it."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no such file", "check the path")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(
-            f"{path}: not valid JSON ({e})", "pass a JSON file written by lm-eval or lm-eval-sink"
-        ) from None
+    return parse_json(read_text(path), str(path), "pass a JSON file written by lm-eval or lm-eval-sink")
 
 
 def read_earlier_output(path: Path, option: str = "--output") -> dict[str, Any]:
@@ -134,17 +175,96 @@ def read_earlier_output(path: Path, option: str = "--output") -> dict[str, Any]:
     return data
 
 
+# Bounds on a YAML input. Its configs are small (the largest bundled YAML holds 589 nodes in 16 kB), and every reader
+# walks the data it gets, so a hostile file is refused before it is built, in well under a second: its length, its
+# nesting, its nodes as written and with every alias expanded (an alias bomb of a dozen lines expands to billions),
+# its integers' digits.
+YAML_MAX_CHARS = 1 << 20
+YAML_MAX_NODES = 50_000
+YAML_MAX_DEPTH = 64
+YAML_MAX_DIGITS = 100
+
+
 def parse_yaml(text: str, where: str) -> Any:
-    """YAML text -> data; a syntax error is a UserError naming `where` and the line."""
+    """YAML text -> data (PyYAML's safe loader on libyaml, within `YAML_MAX_*`); a syntax error or a hostile document
+    is a UserError naming `where` and the line."""
     import yaml
 
+    loader_class = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's: a megabyte parsed in milliseconds
+    if len(text) > YAML_MAX_CHARS:
+        raise UserError(
+            f"{where}: {len(text):,} characters, more than a config may hold ({YAML_MAX_CHARS:,})",
+            "pass the config itself, not a data file",
+        )
     try:
-        return yaml.safe_load(text)
+        _check_yaml_events(yaml.parse(text, Loader=loader_class), where)
+        loader = loader_class(text)
+        try:
+            node = loader.get_single_node()
+            if node is None:
+                return None
+            _check_yaml_nodes(node, where)
+            return loader.construct_document(node)
+        finally:
+            loader.dispose()
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f":{mark.line + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise UserError(f"{where}{line}: not valid YAML ({problem})", "fix the YAML syntax at that line") from None
+
+
+def _check_yaml_events(events: Iterable[Any], where: str) -> None:
+    """Refuse, from the parser's events (nothing built yet), a YAML document nested deeper than `YAML_MAX_DEPTH` or
+    holding more than `YAML_MAX_NODES` values as written."""
+    import yaml
+
+    depth = nodes = 0
+    for event in events:
+        depth += isinstance(event, yaml.CollectionStartEvent) - isinstance(event, yaml.CollectionEndEvent)
+        nodes += isinstance(event, yaml.NodeEvent)
+        if depth > YAML_MAX_DEPTH:
+            raise UserError(
+                f"{where}:{event.start_mark.line + 1}: nested more than {YAML_MAX_DEPTH} levels deep",
+                "write the config with a few levels of nesting",
+            )
+        if nodes > YAML_MAX_NODES:
+            raise UserError(
+                f"{where}:{event.start_mark.line + 1}: more than {YAML_MAX_NODES:,} values, more than a config holds",
+                "pass the config itself, not a data file",
+            )
+
+
+def _check_yaml_nodes(root: Any, where: str) -> None:
+    """Refuse a composed YAML document that expands (aliases followed) past `YAML_MAX_NODES` nodes, whose alias
+    refers to a node holding it, or with an integer past `YAML_MAX_DIGITS` digits. Each distinct node is visited
+    once (its expanded size is kept), so a bomb is measured without being expanded."""
+    import yaml
+
+    sizes: dict[int, int] = {}
+    path: set[int] = set()  # the nodes open on the walk: the current node's ancestors
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    while stack:
+        node, finished = stack.pop()
+        at = f"{where}:{node.start_mark.line + 1}"
+        children = [x for pair in node.value for x in pair] if isinstance(node, yaml.MappingNode) else []
+        children = node.value if isinstance(node, yaml.SequenceNode) else children
+        if finished:
+            path.discard(id(node))
+            sizes[id(node)] = 1 + sum(sizes[id(c)] for c in children)
+            if sizes[id(node)] > YAML_MAX_NODES:
+                raise UserError(
+                    f"{at}: expands to more than {YAML_MAX_NODES:,} values (aliases repeat what they name)",
+                    "write the values out, or use fewer aliases (&name / *name)",
+                )
+        elif id(node) in path:
+            raise UserError(f"{at}: an alias refers to a value that holds it", "remove that alias (*name)")
+        elif id(node) not in sizes:
+            if node.tag == "tag:yaml.org,2002:int" and len(node.value) > YAML_MAX_DIGITS:
+                raise UserError(f"{at}: a number of {len(node.value):,} digits", "write the value the field takes")
+            path.add(id(node))
+            stack.append((node, True))
+            stack.extend((c, False) for c in children)
 
 
 def check_not_inputs(outputs: Iterable[str | Path], *, inputs: Iterable[str | Path | None], option: str) -> None:
