@@ -30,7 +30,7 @@ import stat
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -78,13 +78,84 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+# A write that fails for want of room, by errno: as Python's OSError carries it, or as safetensors' Rust error names it
+# ("I/O error: No space left on device (os error 28)").
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def no_room(e: BaseException) -> int | None:
+    """The errno when `e`, or an exception it was raised from, is a write refused for want of room (a full disk, a
+    used-up quota, a file over the size limit); None for any other failure."""
+    seen: BaseException | None = e
+    while seen is not None:
+        found = _OS_ERROR.search(str(seen))
+        code = seen.errno if isinstance(seen, OSError) else int(found[1]) if found else None
+        if code in _NO_ROOM:
+            return code
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError
+
+
+class DiskFull(UserError):
+    """A write refused for want of room, naming the output, about how much it needs and what is free there. Atomic
+    writes and staged folders remove their temp files on the way out, so nothing half-written is left."""
+
+    def __init__(self, path: Path, needed: int | None, code: int) -> None:
+        self.path, self.needed, self.code = Path(path), needed, code
+        need = f"about {_size(needed)}" if needed else "more than is free"
+        if code == errno.EFBIG:
+            import resource
+
+            limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+            cap = "the filesystem's largest file" if limit == resource.RLIM_INFINITY else f"ulimit -f: {_size(limit)}"
+            super().__init__(
+                f"{path}: a file larger than this process may write ({cap}); the output needs {need}",
+                "raise the limit (ulimit -f unlimited) or write to another filesystem; nothing half-written was left",
+            )
+            return
+        folder = next(p for p in (self.path, *self.path.parents) if p.exists())
+        what = "no space left on the device" if code == errno.ENOSPC else "the disk quota is used up"
+        super().__init__(
+            f"{path}: {what}: the output needs {need}, {_size(shutil.disk_usage(folder).free)} free there",
+            "free space there or choose an output on another disk; nothing half-written was left",
+        )
+
+    def moved(self, path: Path, written: int = 0) -> DiskFull:
+        """The same refusal for `path` (the output a staged temp folder stands for), `written` bytes already in it."""
+        return DiskFull(path, (self.needed or 0) + written or None, self.code)
+
+
+@contextlib.contextmanager
+def room_for(path: Path, needed: int | None) -> Iterator[None]:
+    """A write of the block that fails for want of room (`no_room`) becomes one `DiskFull` line naming `path` and the
+    `needed` bytes."""
+    try:
+        yield
+    except DiskFull:
+        raise
+    except Exception as e:
+        code = no_room(e)
+        if code is None:
+            raise
+        raise DiskFull(path, needed, code) from None
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> Path:
-    """Write `data` to `path` through a unique temp sibling and `os.replace`."""
+    """Write `data` to `path` through a unique temp sibling and `os.replace`; a full disk is one `DiskFull` line."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
-        with open(tmp, "wb") as f:
+        with room_for(path, len(data)), open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -448,8 +519,9 @@ def new_files(
 
 
 @contextlib.contextmanager
-def hold(folder: Path, sibling: bool = False) -> Iterator[Path]:
-    """Hold the lock of `folder` for the block; refuse with one line when another process holds it.
+def hold(folder: Path, sibling: bool = False, wait: Callable[[str], None] | None = None) -> Iterator[Path]:
+    """Hold the lock of `folder` for the block; refuse with one line when another process holds it, or with `wait`
+    call `wait(holder)` and wait until it lets go.
 
     `<folder>/.lock` (the folder is created), or with `sibling` `<folder>.lock` beside it, for a
     folder built staged and renamed. Reentrant within a process (an outer holder keeps it). The
@@ -474,10 +546,13 @@ def hold(folder: Path, sibling: bool = False) -> Iterator[Path]:
     try:
         lock.acquire()
     except Timeout:
-        raise UserError(
-            f"{folder} is in use by {_holder(record)}",
-            "wait for that run to finish (or stop it), or choose another output folder",
-        ) from None
+        if wait is None:
+            raise UserError(
+                f"{folder} is in use by {_holder(record)}",
+                "wait for that run to finish (or stop it), or choose another output folder",
+            ) from None
+        wait(_holder(record))
+        lock.acquire(timeout=-1, poll_interval=0.2)  # until the holder lets go (a killed holder's lock goes with it)
     _HELD[path.absolute()] = os.getpid()
     try:
         atomic_write_json(record, _holder_record())
@@ -542,7 +617,9 @@ def clean_stale_all(keys: Mapping[Path, str | None]) -> list[str]:
 
 
 @contextlib.contextmanager
-def staged_dir(out: Path, force: bool = False, option: str = "--output", key: str | None = None) -> Iterator[Path]:
+def staged_dir(
+    out: Path, force: bool = False, option: str = "--output", key: str | None = None, size: int | None = None
+) -> Iterator[Path]:
     """Build a directory in `<out>.partial-<uuid>` and rename it to `out` only on success.
 
     Holds `<out>.lock` (`hold(out, sibling=True)`) for the block and first tidies what an
@@ -551,6 +628,8 @@ def staged_dir(out: Path, force: bool = False, option: str = "--output", key: st
     `out` is swapped away by rename, then deleted. Refuses a file at `out`, or an existing `out`
     without `force` (call `check_output_dir` first as well, so nothing runs before a refusal).
     A build with a `key` (a folder others reuse) must write its COMPLETE marker with that key in the block.
+    A write that fails for want of room is one `DiskFull` line naming `out` and what it needs: `size` (about what
+    the build writes) when given, else what was written plus the file that did not fit.
     """
     out = Path(out)
     _refuse_existing(out, force, option)
@@ -561,9 +640,14 @@ def staged_dir(out: Path, force: bool = False, option: str = "--output", key: st
         tmp = out.with_name(f"{out.name}.partial-{uuid.uuid4().hex[:8]}")
         tmp.mkdir()
         try:
-            yield tmp
+            with room_for(out, size):
+                yield tmp
             if key is not None and read_complete(tmp, key) is None:
                 raise RuntimeError(f"the build of {out} wrote no COMPLETE marker with its key")
+        except DiskFull as e:
+            written = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise (DiskFull(out, size, e.code) if size else e.moved(out, written)) from None
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
