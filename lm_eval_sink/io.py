@@ -98,11 +98,11 @@ def no_room(e: BaseException) -> int | None:
 
 
 def _size(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    raise AssertionError
+    """Bytes for a message: 512 B, 4.1 kB, 88.2 MB, 1.2 GB."""
+    unit = 0
+    while n >= 1000 and unit < 3:
+        n, unit = n / 1000, unit + 1
+    return f"{n:.0f} B" if unit == 0 else f"{n:.1f} {('kB', 'MB', 'GB')[unit - 1]}"
 
 
 class DiskFull(UserError):
