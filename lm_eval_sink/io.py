@@ -234,8 +234,8 @@ def read_earlier_output(path: Path, option: str = "--output") -> dict[str, Any]:
     path = Path(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        data, why = None, f"not valid JSON ({e})"
+    except (ValueError, RecursionError) as e:  # undecodable, malformed, an integer past 4,300 digits, too deep
+        data, why = None, f"not valid JSON ({str(e)[:200]})"
     else:
         why = "not a JSON object"
     if not isinstance(data, dict):

@@ -22,11 +22,11 @@ ENV = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": 
 
 # A dozen lines that expand to 9**12 values: a YAML alias bomb under a merge config's `parameters:`.
 BOMB = "\n".join([f"      a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 13)])
-HOSTILE = {
-    "alias bomb": ("      a0: &a0 [1, 1, 1, 1, 1, 1, 1, 1, 1]\n" + BOMB, ":11: expands to more than 50,000 values"),
-    "self alias": ("      a: &a [*a]", ":7: an alias refers to a value that holds it"),
-    "deep nesting": ("      a:\n" + "".join(f"{'  ' * (i + 4)}k{i}:\n" for i in range(70)), "levels deep"),
-    "huge integer": ("      a: " + "9" * 5000, ":7: a number of 5,000 digits"),
+HOSTILE = {  # what is added under `parameters:` (line 7 on), and the line and words of the refusal
+    "alias bomb": ("      a0: &a0 [1, 1, 1, 1, 1, 1, 1, 1, 1]\n" + BOMB, "11: expands to more than 50,000 values"),
+    "self alias": ("      a: &a [*a]", "7: an alias refers to a value that holds it"),
+    "deep nesting": ("      a:\n" + "".join(f"{'  ' * (i + 4)}k{i}:\n" for i in range(70)), "68: nested more than 64"),
+    "huge integer": ("      a: " + "9" * 5000, "7: a number of 5,000 digits"),
 }
 
 
@@ -60,7 +60,7 @@ def test_a_hostile_merge_config_is_one_line_before_any_work(handset_llama_dir, t
     config = _merge_config(tmp_path / "m.yaml", handset_llama_dir, extra)
     with no_hang():
         line = user_error(["merge", config, tmp_path / "out"], tmp_path / "out")
-    assert f"{config}{expected}" in line if expected.startswith(":") else f"{config}:" in line and expected in line
+    assert f"{config}:{expected}" in line
 
 
 def test_a_sweep_file_with_an_alias_bomb_is_one_line(tmp_path, user_error):
