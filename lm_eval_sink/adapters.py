@@ -21,7 +21,6 @@ methods (multitask prompt tuning needs a task id per prompt; CPT, cartridges: no
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,7 +108,11 @@ def folder_virtual_tokens(folder: str | Path) -> VirtualTokens | None:
     path = Path(folder) / ADAPTER_CONFIG
     if not path.is_file():
         return None
-    return config_virtual_tokens(path, json.loads(path.read_text(encoding="utf-8")))
+    from lm_eval_sink.io import parse_json, read_text
+
+    return config_virtual_tokens(
+        path, parse_json(read_text(path, ADAPTER_CONFIG), str(path), "save the adapter with peft")
+    )
 
 
 def check_same_keys(folder: str | Path, role: str) -> None:

@@ -148,7 +148,9 @@ def load_benchmarks(user_file: str | Path | None = None) -> dict[str, Benchmark]
         path = Path(user_file)
         if not path.is_file():
             raise UserError(f"{path}: no such benchmarks file", f"pass a YAML shaped like {_BUNDLED}")
-        data = _parse(path.read_text(encoding="utf-8"), str(path), _UserFileIn)
+        from lm_eval_sink.io import read_text
+
+        data = _parse(read_text(path, "the benchmarks file"), str(path), _UserFileIn)
         out.update({n: _entry(n, b, str(path)) for n, b in data.benchmarks.items()})
     return out
 

@@ -257,10 +257,13 @@ def _choose_filter(
         return common[0]
     if not common:
         raise UserError(
-            f"the two logs share no filter: reference has {', '.join(ref_f)}, candidate has {', '.join(cand_f)}",
+            f"{labels[0]} and {labels[1]} share no filter: the reference has {', '.join(ref_f)}, the candidate "
+            f"{', '.join(cand_f)}",
             "pass samples of the same task, run with the same filters",
         )
-    raise UserError(f"the samples hold several filters ({', '.join(common)})", "choose one with --filter")
+    raise UserError(
+        f"{labels[0]} and {labels[1]} hold several filters ({', '.join(common)})", "choose one with --filter"
+    )
 
 
 def _choose_metric(ref_rows: Mapping[int, Mapping], wanted: str | None, spec: Benchmark, label: str) -> str:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.io import sha256_text
+from lm_eval_sink.io import json_lines, read_text, sha256_text
 
 DEFAULT_N_PROMPTS = 15
 ALLOWED_N_PROMPTS = (5, 15)
@@ -91,6 +91,9 @@ def builtin_prompts() -> tuple[str, ...]:
     return tuple(json.loads(line)["prompt"] for line in text.splitlines() if line.strip())
 
 
+_ROW = 'each line must be an object like {"prompt": "..."}'
+
+
 def read_prompt_file(path: Path) -> tuple[str, ...]:
     """A JSONL file with a `prompt` field per line, or plain text with one prompt a line."""
     path = Path(path)
@@ -99,24 +102,16 @@ def read_prompt_file(path: Path) -> tuple[str, ...]:
             f"{path}: no such prompt file",
             "pass a JSONL file with a 'prompt' field per line, or a text file with one prompt a line",
         )
-    lines = [ln for ln in path.read_text(encoding="utf-8").splitlines() if ln.strip()]
+    text = read_text(path, "the prompt file")
+    lines = [ln.strip() for ln in text.split("\n") if ln.strip()]
     if not lines:
         raise UserError(f"{path}: the prompt file is empty", "put at least one prompt in it, one per line")
-    is_jsonl = path.suffix == ".jsonl" or lines[0].lstrip().startswith("{")
-    if not is_jsonl:
-        return tuple(ln.strip() for ln in lines)
+    if path.suffix != ".jsonl" and not lines[0].startswith("{"):
+        return tuple(lines)
     prompts = []
-    for n, ln in enumerate(lines, 1):
-        try:
-            row = json.loads(ln)
-        except json.JSONDecodeError as e:
-            raise UserError(
-                f"{path}:{n}: not valid JSON ({e.msg})", 'each line must be an object like {"prompt": "..."}'
-            ) from None
+    for n, row in json_lines(text, str(path), _ROW):
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
-            raise UserError(
-                f"{path}:{n}: no non-empty string field 'prompt'", 'each line must be an object like {"prompt": "..."}'
-            )
+            raise UserError(f"{path}:{n}: no non-empty string field 'prompt'", _ROW)
         prompts.append(row["prompt"])
     return tuple(prompts)
 

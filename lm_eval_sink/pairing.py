@@ -74,8 +74,16 @@ def outcome(row: Mapping[str, Any], metric: str, label: str) -> float:
         return float(v)
     if isinstance(v, int | float) and math.isfinite(v):
         return float(v)
+    if isinstance(v, Mapping) and "sink_strength_prompt" in v:
+        raise UserError(
+            f"{label}: Sink Strength samples: metric {metric!r} holds each prompt's sink statistics, no score of a "
+            "document to compare",
+            "pass samples of a scored task (e.g. ifeval, gsm8k_cot_zeroshot); S is compared by lm-eval-sink strength "
+            "or screen",
+        )
+    shown = f"an object with keys {', '.join(map(str, list(v)[:5]))}" if isinstance(v, Mapping) else repr(v)[:80]
     raise UserError(
-        f"{label}: doc_id {row['doc_id']}: metric {metric!r} is {v!r}, not a finite number",
+        f"{label}: doc_id {row['doc_id']}: metric {metric!r} is {shown}, not a finite number",
         "choose a numeric per-sample metric",
     )
 

@@ -37,7 +37,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field
 
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.io import canonical_json, parse_yaml, sha256_text
+from lm_eval_sink.io import canonical_json, parse_yaml, read_text, sha256_text
 from lm_eval_sink.schema import Strict, did_you_mean, parse
 from lm_eval_sink.tables import markdown_lines
 
@@ -690,7 +690,7 @@ def load_protocols(user_file: str | Path | None = None) -> dict[str, Protocol]:
     path = Path(user_file)
     if not path.is_file():
         raise UserError(f"{path}: no such protocol file", "pass a YAML file with `protocols: {name: {...}}`")
-    user = parse_protocols(path.read_text(encoding="utf-8"), str(path))
+    user = parse_protocols(read_text(path, "the protocol file"), str(path))
     clash = sorted(set(user) & set(out))
     if clash:
         raise UserError(f"{path}: protocol name(s) {', '.join(clash)} are builtin", "give your protocols other names")

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.io import json_lines, parse_json, read_text
 
 # lm-eval: datetime.now().isoformat().replace(":", "-"), e.g. 2026-12-02T18-59-03.123456
 _TS = r"\d{4}-\d{2}-\d{2}T\d{2}-\d{2}-\d{2}(?:\.\d+)?"
@@ -39,6 +40,8 @@ class RunFiles:
     def samples_for(self, task: str | None) -> tuple[str, Path]:
         """The samples file of `task`, or of the only task when `task` is None."""
         if not self.samples:
+            if self.results is not None:
+                load_results(self)  # a file that is no lm-eval results JSON is refused as that, not for want of samples
             where = self.results or self.folder
             raise UserError(
                 f"{where}: this run has no samples files",
@@ -156,16 +159,22 @@ def load_results(run: RunFiles) -> dict[str, Any]:
             f"{run.folder}: no results_<time>.json for this run",
             "pass the lm-eval output folder that holds the results file",
         )
-    try:
-        data = json.loads(run.results.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{run.results}: not valid JSON ({e})", "pass a results file written by lm-eval") from None
+    data = parse_json(
+        read_text(run.results, "the results file"), str(run.results), "pass a results file written by lm-eval"
+    )
     if not isinstance(data, dict) or "results" not in data or "config" not in data:
+        what = "no 'results' and 'config' keys" if isinstance(data, dict) else f"a JSON {_kind(data)}, not an object"
         raise UserError(
-            f"{run.results}: not an lm-eval results file (no 'results' and 'config' keys)",
+            f"{run.results}: not an lm-eval results file ({what})",
             "pass a results_<time>.json written by lm-eval",
         )
     return data
+
+
+def _kind(value: Any) -> str:
+    """The JSON name of a parsed value's type, for messages."""
+    names = {list: "list", str: "string", bool: "boolean", int: "number", float: "number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
 
 
 def read_samples(path: Path) -> list[dict[str, Any]]:
@@ -173,24 +182,12 @@ def read_samples(path: Path) -> list[dict[str, Any]]:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no such samples file", "check the path")
+    hint = "pass a samples_<task>_<time>.jsonl written by lm-eval --log_samples"
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(
-                    f"{path}:{n}: not valid JSON ({e.msg})",
-                    "pass a samples_<task>_<time>.jsonl written by lm-eval --log_samples",
-                ) from None
-            if not isinstance(row, dict) or "doc_id" not in row:
-                raise UserError(
-                    f"{path}:{n}: not an lm-eval sample (no doc_id)",
-                    "pass a samples_<task>_<time>.jsonl written by lm-eval --log_samples",
-                )
-            rows.append(row)
+    for n, row in json_lines(read_text(path, "the samples file"), str(path), hint):
+        if not isinstance(row, dict) or "doc_id" not in row:
+            raise UserError(f"{path}:{n}: not an lm-eval sample (no doc_id)", hint)
+        rows.append(row)
     if not rows:
         raise UserError(f"{path}: empty samples file", "re-run lm-eval with --log_samples; the file holds no samples")
     return rows

@@ -452,13 +452,14 @@ def load_registry(user_file: str | Path | None = None) -> Registry:
     user registry when it exists (`user_registry_path`), whose figures all count as unverified (`_as_unverified`).
     `Registry.files` names every file read."""
     from lm_eval_sink.benchmarks import load_benchmarks
+    from lm_eval_sink.io import read_text
 
     parts = [_bundled_part()]
     path = Path(user_file) if user_file is not None else user_registry_path()
     if user_file is not None and not path.is_file():
         raise UserError(f"{path}: no such registry file", f"pass a YAML file shaped like {_BUNDLED}")
     if path.is_file():
-        data = _read_yaml(path.read_text(encoding="utf-8"), str(path))
+        data = _read_yaml(read_text(path, "the registry"), str(path))
         parts.append((str(path), data if user_file is not None else _as_unverified(data, path)))
     return _merge(parts, set(load_benchmarks()))
 

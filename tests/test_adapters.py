@@ -89,6 +89,19 @@ def test_an_adapter_whose_base_is_gone_is_one_line(base_and_adapter, tmp_path, u
     assert f"{adapter / 'adapter_config.json'}: gone: no such base model folder" in line
 
 
+def test_an_adapter_with_a_broken_weights_file_is_one_line_before_its_base_loads(
+    base_and_adapter, tmp_path, user_error
+):
+    """It loaded the base first, then failed in safetensors without a word of the adapter or its file."""
+    import shutil
+
+    adapter = shutil.copytree(base_and_adapter["adapter"], tmp_path / "adapter")
+    weights = adapter / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    line = user_error(["strength", adapter, "--output", tmp_path / "out", "--quiet"], tmp_path / "out")
+    assert f"{adapter}: a peft adapter whose weights file adapter_model.safetensors is cut short" in line
+
+
 def _base_strength(base_and_adapter, tokenizer):
     from transformers import AutoModelForCausalLM
 

@@ -6,6 +6,7 @@ with and without --force: one error line, exit 2, and the inputs byte-identical 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -381,3 +382,68 @@ def test_a_one_file_output_is_held_while_it_is_written(tmp_path, user_error):
     finally:
         holder.kill()
         holder.wait()
+
+
+@contextlib.contextmanager
+def file_size_limit(limit: int):
+    """For the block, this process writes no file past `limit` bytes (ulimit -f): a write past it fails (EFBIG; the
+    SIGXFSZ that would kill the process is ignored) as on a full disk, midway. No .pyc is written meanwhile (one cut
+    short would break its module's next import); matplotlib's font cache is built before."""
+    import resource
+
+    import matplotlib.pyplot  # noqa: F401
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler, bytecode = signal.signal(signal.SIGXFSZ, signal.SIG_IGN), sys.dont_write_bytecode
+    sys.dont_write_bytecode = True
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+        sys.dont_write_bytecode = bytecode
+
+
+def test_a_full_disk_in_merge_strength_and_buckets_is_one_line_and_leaves_nothing_half_written(
+    world, tmp_path, user_error
+):
+    """They ended in a traceback (OSError 27/28, SafetensorError); now one line names the output, what it needs and
+    the limit, and no temp file, staged folder or half a figure is left. (transformers' loading bar, which --quiet
+    leaves on, is switched off.)"""
+    import transformers
+
+    config = tmp_path / "linear.yaml"
+    halves = [{"model": str(world[r]), "parameters": {"weight": 0.5}} for r in ("reference", "candidate")]
+    config.write_text(yaml.safe_dump({"merge_method": "linear", "dtype": "float32", "models": halves}))
+    outs = {c: tmp_path / c for c in ("merged", "s", "b")}
+    argvs = [
+        ["merge", config, outs["merged"], "--quiet"],
+        ["strength", world["reference"], "--n-prompts", "5", "--output", outs["s"], "--quiet"],
+        ["buckets", world["ref_run"], world["cand_run"], "--output", outs["b"], "--quiet"],
+    ]
+    before = _tree_hash(world["root"])
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        for argv, out in zip(argvs, outs.values(), strict=True):
+            with file_size_limit(4000):
+                line = user_error(argv, outs["merged"], outs["b"])
+            assert line.startswith(f"error: {out}") and "the output needs about " in line, line
+            assert "a file larger than this process may write (ulimit -f: 4.0 kB)" in line, line
+            assert "nothing half-written was left" in line, line
+    finally:
+        transformers.utils.logging.enable_progress_bar()
+    left = [p.name for p in tmp_path.rglob("*") if p.name.startswith(".") or ".partial-" in p.name]
+    assert not left and not list(tmp_path.rglob("*.png")), left
+    assert _tree_hash(world["root"]) == before
+
+
+def test_a_write_to_a_full_device_names_the_path_the_size_and_the_free_space(tmp_path):
+    """ENOSPC as the kernel gives it: a write to /dev/full."""
+    from lm_eval_sink.io import DiskFull, room_for
+
+    with pytest.raises(DiskFull) as raised, room_for(tmp_path / "out.bin", 4096), open("/dev/full", "wb") as f:
+        f.write(b"x" * 4096)
+    line = raised.value.line()
+    assert line.startswith(f"{tmp_path / 'out.bin'}: no space left on the device: the output needs about 4.1 kB, ")
+    assert " free there (fix: free space there or choose an output on another disk" in line

@@ -37,11 +37,11 @@ def _model_card(path: Path) -> list[tuple[str, str]]:
         if text.startswith("---"):
             end = text.find("\n---", 3)
             if end > 0:
-                import yaml
+                from lm_eval_sink.io import parse_yaml
 
                 try:
-                    meta = yaml.safe_load(text[3:end]) or {}
-                except yaml.YAMLError:
+                    meta = parse_yaml(text[3:end], str(readme)) or {}
+                except UserError:  # a card's front matter is optional: one that does not parse states no parent
                     meta = {}
                 base = meta.get("base_model") if isinstance(meta, dict) else None
                 for b in [base] if isinstance(base, str) else (base or []):
@@ -50,7 +50,7 @@ def _model_card(path: Path) -> list[tuple[str, str]]:
     if cfg_path.is_file():
         try:
             cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (ValueError, RecursionError):  # undecodable or malformed: no parent stated
             cfg = {}
         for dotted in LINEAGE_CONFIG_FIELDS:
             node: Any = cfg

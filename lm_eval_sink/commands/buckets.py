@@ -74,7 +74,10 @@ def _pick_task(ref_run, cand_run, task: str | None) -> tuple[str, Path, Path]:
     if len(common) == 1:
         return common[0], ref_run.samples[common[0]], cand_run.samples[common[0]]
     if len(common) > 1:
-        raise UserError(f"both runs hold samples of several tasks ({', '.join(common)})", "choose one with --task")
+        raise UserError(
+            f"{ref_run.folder} and {cand_run.folder} both hold samples of several tasks ({', '.join(common)})",
+            "choose one with --task",
+        )
     if (
         len(ref_run.samples) == 1
         and len(cand_run.samples) == 1
@@ -83,8 +86,8 @@ def _pick_task(ref_run, cand_run, task: str | None) -> tuple[str, Path, Path]:
         (rt, rp), (_, cp) = next(iter(ref_run.samples.items())), next(iter(cand_run.samples.items()))
         return rt, rp, cp  # a renamed samples file: its name says nothing; the docs are checked below
     raise UserError(
-        f"the runs hold samples of different tasks: reference {', '.join(sorted(ref_run.samples))}; "
-        f"candidate {', '.join(sorted(cand_run.samples))}",
+        f"the runs hold samples of different tasks: reference {ref_run.folder}: {', '.join(sorted(ref_run.samples))}; "
+        f"candidate {cand_run.folder}: {', '.join(sorted(cand_run.samples))}",
         "pass two runs of the same task, or name it with --task",
     )
 

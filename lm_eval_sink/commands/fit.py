@@ -44,7 +44,7 @@ def _shipped_bytes() -> bytes:
 
 def read_pairs(path: Path | str | None = None) -> PairTable:
     """Read and validate a PAIRS file; None reads the shipped paper table."""
-    from lm_eval_sink.io import parse_yaml, sha256_bytes
+    from lm_eval_sink.io import decode_text, parse_yaml, sha256_bytes
 
     shipped = _shipped_bytes()
     if path is None:
@@ -58,11 +58,7 @@ def read_pairs(path: Path | str | None = None) -> PairTable:
                 "file for the paper's table",
             )
         data, where, base = p.read_bytes(), str(p), p.resolve().parent
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise UserError(f"{where}: not a UTF-8 text file", "pass a YAML file") from None
-    obj = parse_yaml(text, where)
+    obj = parse_yaml(decode_text(data, where, "the PAIRS file"), where)
     base = base or Path.cwd()
     pairs = parse_pairs(obj, where, lambda value, at: _strength_from_file(value, base, at))
     return PairTable(

@@ -35,6 +35,7 @@ from lm_eval_sink.io import (
     parse_yaml,
     provenance,
     read_complete,
+    read_text,
     sha256_file,
     sha256_text,
     versioned_key,
@@ -135,7 +136,7 @@ def load_sweep(
     if not path.is_file():
         raise UserError(f"{path}: no such sweep file", "pass a sweep YAML (see docs/merging.md)")
     src, here = str(path), path.resolve().parent
-    written = parse_yaml(path.read_text(encoding="utf-8"), src) or {}
+    written = parse_yaml(read_text(path, "the sweep file"), src) or {}
     sweep, skipped = parse_sweep_data(written, src)
     out = _output(output, sweep.output, src, here)
     models = _models(sweep, src, here)
@@ -229,7 +230,12 @@ def _templates(sweep: Any, src: str, here: Path) -> tuple[tuple[str, ...], list[
         if sweep.configs is None
         else tuple(_rel(here, c) if c.endswith((".yaml", ".yml")) else c for c in sweep.configs)
     )
-    templates = [load_template(c) for c in configs]  # unknown names fail here, with did-you-mean
+    templates = []
+    for i, c in enumerate(configs):
+        try:
+            templates.append(load_template(c))  # unknown names fail here, with did-you-mean
+        except UserError as e:
+            raise UserError(f"{src}: configs[{i}]: {e.message}", e.hint) from None
     names = [t.name for t in templates]
     clash = next((n for n in names if names.count(n) > 1 or n in ENDPOINTS), None)
     if clash:

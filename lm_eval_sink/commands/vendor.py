@@ -47,7 +47,7 @@ def run_vendor_add(new: NewScore, registry_file: str | Path | None = None, **ver
 
     import yaml
 
-    from lm_eval_sink.io import atomic_write_text, hold, parse_yaml
+    from lm_eval_sink.io import atomic_write_text, hold, parse_yaml, read_text
     from lm_eval_sink.vendors import add_score, load_registry, registry_with
 
     new = replace(new, **_verification(**verification))
@@ -60,7 +60,7 @@ def run_vendor_add(new: NewScore, registry_file: str | Path | None = None, **ver
         )
     path.parent.mkdir(parents=True, exist_ok=True)
     with hold(path, sibling=True):
-        current = parse_yaml(path.read_text(encoding="utf-8"), str(path)) if path.is_file() else None
+        current = parse_yaml(read_text(path, "the registry"), str(path)) if path.is_file() else None
         # the bundled registry alone while the user file does not exist yet (the default one must not be read)
         reg = load_registry(path) if path.is_file() else registry_with({}, "(new user registry)")
         data, score_id = add_score(current, reg, new)

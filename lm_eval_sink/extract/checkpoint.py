@@ -56,12 +56,13 @@ def entry_bytes(entry: Entry) -> int:
 def _weight_files(folder: Path) -> list[str]:
     index = folder / INDEX_FILE
     if index.is_file():
+        from lm_eval_sink.io import parse_json, read_text
+
+        again = "re-save the model with save_pretrained"
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise UserError(
-                f"{index}: not a safetensors index ({e})", "re-save the model with save_pretrained"
-            ) from None
+            weight_map = parse_json(read_text(index, "the index"), str(index), again)["weight_map"]
+        except (KeyError, TypeError) as e:
+            raise UserError(f"{index}: not a safetensors index (no {e})", again) from None
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if not (folder / f).is_file()]
         if missing:

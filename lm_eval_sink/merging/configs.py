@@ -31,7 +31,7 @@ import annotated_types as at
 import yaml
 
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.io import parse_yaml, sha256_file, sha256_text
+from lm_eval_sink.io import parse_yaml, read_text, sha256_file, sha256_text
 from lm_eval_sink.schema import Strict, did_you_mean, key_path, model_at, parse
 
 LINEAGES = ("chain", "siblings")
@@ -103,7 +103,7 @@ def load_template(name_or_path: str | Path) -> Template:
             raise UserError(
                 f"{path}: no such template file", "pass a bundled name (lm-eval-sink configs list) or a template YAML"
             )
-        text, where = path.read_text(encoding="utf-8"), str(path)
+        text, where = read_text(path, "the template"), str(path)
         name = path.stem
     else:
         names = bundled_names()
@@ -334,7 +334,7 @@ def validate_file(path: str | Path) -> ValidatedConfig:
         raise UserError(
             f"{path}: no such config file", "pass a mergekit YAML, e.g. one written by lm-eval-sink configs render"
         )
-    return validate_text(path.read_text(encoding="utf-8"), source=str(path))
+    return validate_text(read_text(path, "the config"), source=str(path))
 
 
 def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | None = None) -> ValidatedConfig:

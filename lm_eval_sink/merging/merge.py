@@ -233,6 +233,24 @@ def verify_checkpoint(folder: Path, expect_tokenizer: bool = True) -> tuple[int,
     return len(found), tuple(f.name for f in files)
 
 
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def output_size(config: ValidatedConfig) -> int | None:
+    """About the bytes a merge writes, for the message of a full disk: its largest input's weight files (the merge
+    has the same tensors), scaled to the output dtype (`out_dtype`, else `dtype`, else the input's own)."""
+    from lm_eval_sink.identity import cached_folder
+    from lm_eval_sink.merging.configs import stored_dtype
+
+    out = str(config.data.get("out_dtype") or config.data.get("dtype") or "").removeprefix("torch.")
+    sizes = []
+    for path in config.inputs:
+        folder = cached_folder(path) or Path(path)
+        stored = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+        sizes.append(stored * _DTYPE_BYTES.get(out, 1) // _DTYPE_BYTES.get(out and stored_dtype(path), 1))
+    return max(sizes, default=0) or None
+
+
 def _donor_has_tokenizer(config: ValidatedConfig, identities: dict[str, dict[str, Any]]) -> bool:
     donor = config.base_model or config.inputs[0]
     return any(n in identities[donor]["files"] for n in _TOKENIZER_FILES)
@@ -265,7 +283,7 @@ def merge_config(
     key = key or versioned_key(inputs_key, versions)
     identities = {p: model_fingerprint(p) for p in vc.inputs}
     revisions = {p: ident["revision"] for p, ident in identities.items() if not Path(p).is_dir()}
-    with staged_dir(out, force=force, key=key) as tmp:
+    with staged_dir(out, force=force, key=key, size=output_size(vc)) as tmp:
         pins = run_mergekit(
             vc.text, tmp, random_seed=random_seed, device=device, quiet=quiet, revisions=revisions, config=vc.mergekit
         )

@@ -1,0 +1,213 @@
+"""Faults a tester tries: hostile, undecodable and damaged inputs, and a second command during the conversion of the
+default model. Each is one `error:` line (exit 2, nothing written) naming the file, its line or field, and the real
+cause; the conversion is waited for, with one line saying so. A full disk is in test_outputs.py."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+from constructed_runs import write_run
+
+ENV = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+# A dozen lines that expand to 9**12 values: a YAML alias bomb under a merge config's `parameters:`.
+BOMB = "\n".join([f"      a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 13)])
+HOSTILE = {  # what is added under `parameters:` (line 7 on), and the line and words of the refusal
+    "alias bomb": ("      a0: &a0 [1, 1, 1, 1, 1, 1, 1, 1, 1]\n" + BOMB, "11: expands to more than 50,000 values"),
+    "self alias": ("      a: &a [*a]", "7: an alias refers to a value that holds it"),
+    "deep nesting": ("      a:\n" + "".join(f"{'  ' * (i + 4)}k{i}:\n" for i in range(70)), "68: nested more than 64"),
+    "huge integer": ("      a: " + "9" * 5000, "7: a number of 5,000 digits"),
+}
+
+
+@contextlib.contextmanager
+def no_hang(seconds: int = 60):
+    """A guard against a hang (what an alias bomb did): the block raises TimeoutError past `seconds`."""
+
+    def stop(*_):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _merge_config(path: Path, model: Path, extra: str) -> Path:
+    path.write_text(
+        f"merge_method: linear\ndtype: float32\nmodels:\n  - model: {model}\n    parameters:\n      weight: 1.0\n"
+        f"{extra}\n"
+    )
+    return path
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_a_hostile_merge_config_is_one_line_before_any_work(handset_llama_dir, tmp_path, user_error, case):
+    extra, expected = HOSTILE[case]
+    config = _merge_config(tmp_path / "m.yaml", handset_llama_dir, extra)
+    with no_hang():
+        line = user_error(["merge", config, tmp_path / "out"], tmp_path / "out")
+    assert f"{config}:{expected}" in line
+
+
+def test_a_sweep_file_with_an_alias_bomb_is_one_line(tmp_path, user_error):
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text("output: out\na0: &a0 [1, 1, 1, 1, 1, 1, 1, 1, 1]\n" + BOMB.replace("      ", "") + "\n")
+    with no_hang():
+        line = user_error(["sweep", sweep, "--quiet"], tmp_path / "out")
+    assert f"{sweep}:6: expands to more than 50,000 values" in line
+
+
+def _undecodable(path: Path, lines: list[bytes], bad: int) -> Path:
+    """`lines` written with bytes that are not UTF-8 in line `bad` (1-based)."""
+    lines = list(lines)
+    lines[bad - 1] = lines[bad - 1][:5] + b"\xff\xfe\x00binary" + lines[bad - 1][5:]
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+def test_undecodable_prompt_samples_and_config_files_name_the_file_and_the_line(
+    handset_llama_dir, tmp_path, user_error
+):
+    prompts = _undecodable(tmp_path / "p.jsonl", [b'{"prompt": "Write a title."}'] * 4, 3)
+    line = user_error(["strength", handset_llama_dir, "--prompts", prompts, "--output", tmp_path / "s"], tmp_path / "s")
+    assert f"{prompts}:3: not UTF-8 text (byte 0xff at column 6)" in line and "save the prompt file as UTF-8" in line
+
+    ref = write_run(tmp_path / "ref", {"ifeval": ([1, 1, 0], [1, 1, 1])}).parent
+    cand = write_run(tmp_path / "cand", {"ifeval": ([1, 0, 0], [1, 1, 0])}).parent
+    samples = next(cand.glob("samples_ifeval_*.jsonl"))
+    _undecodable(samples, samples.read_bytes().splitlines(), 2)
+    line = user_error(["buckets", ref, cand, "--output", tmp_path / "b", "--quiet"], tmp_path / "b")
+    assert f"{samples}:2: not UTF-8 text" in line and "save the samples file as UTF-8" in line
+
+    config = _merge_config(tmp_path / "m.yaml", handset_llama_dir, "")
+    _undecodable(config, config.read_bytes().splitlines(), 6)
+    line = user_error(["merge", config, tmp_path / "out"], tmp_path / "out")
+    assert f"{config}:6: not UTF-8 text" in line
+
+
+def test_a_config_with_zero_attention_heads_names_the_file_and_the_field(handset_llama_dir, tmp_path, user_error):
+    """transformers divides by num_attention_heads while it reads the config (ZeroDivisionError)."""
+    model = shutil.copytree(handset_llama_dir, tmp_path / "model")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "num_attention_heads": 0}))
+    line = user_error(["strength", model, "--output", tmp_path / "s", "--quiet"], tmp_path / "s")
+    assert f"{model / 'config.json'}: num_attention_heads is 0; a model's sizes are positive integers" in line
+
+
+@pytest.mark.parametrize("cut", ["header", "data"])
+def test_a_truncated_gguf_is_one_line_naming_it(tmp_path, user_error, cut):
+    from lm_eval_sink.models import _gguf_path
+
+    source = _gguf_path()
+    fake = tmp_path / "fake.gguf"
+    with open(source, "rb") as f:
+        fake.write_bytes(f.read(1 << 20 if cut == "header" else source.stat().st_size // 2))
+    line = user_error(["strength", fake, "--output", tmp_path / "s", "--quiet"], tmp_path / "s")
+    expected = "a damaged GGUF file: it ends inside its header" if cut == "header" else "a GGUF file cut short"
+    assert f"{fake}: {expected}" in line and "copy or download the file again" in line
+
+
+def test_nan_weights_name_the_tensor_not_the_dtype(handset_llama_dir, tmp_path, user_error):
+    """They were told to change --dtype. (transformers' own loading bar, which --quiet leaves on, is switched off.)"""
+    import torch
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    model = shutil.copytree(handset_llama_dir, tmp_path / "model")
+    weights = load_file(model / "model.safetensors")
+    name = "model.layers.2.self_attn.q_proj.weight"
+    weights[name][0, 0] = torch.nan
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        line = user_error(["strength", model, "--n-prompts", "5", "--output", tmp_path / "s", "--quiet"])
+    finally:
+        transformers.utils.logging.enable_progress_bar()
+    assert f"the checkpoint's weights hold NaN or inf (tensor {name} of {model})" in line
+    assert "--dtype" not in line and not list((tmp_path / "s").glob("*.strength.json"))
+
+
+def test_a_results_json_that_is_a_list_is_named_as_no_results_file(tmp_path, user_error):
+    listed = tmp_path / "results.json"
+    listed.write_text(json.dumps([{"results": {}}]))
+    line = user_error(["buckets", listed, listed, "--quiet"])
+    assert f"{listed}: not an lm-eval results file (a JSON list, not an object)" in line and "--log_samples" not in line
+
+
+def test_buckets_on_sink_strength_samples_names_the_file_and_the_cause(tmp_path, user_error):
+    row = {"doc_id": 0, "doc": {"prompt_id": 0}, "filter": "none", "metrics": ["sink_strength"]}
+    rows = [{**row, "doc_id": i, "sink_strength": {"prompt_id": i, "sink_strength_prompt": 1.5}} for i in range(3)]
+    samples = tmp_path / "samples_sink_strength_2026-12-01T10-00-00.000000.jsonl"
+    samples.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    line = user_error(["buckets", samples, samples, "--quiet"])
+    assert f"reference samples {samples}: Sink Strength samples" in line and "scored task" in line
+
+
+def test_a_misspelled_config_in_a_sweep_names_the_sweep_file(handset_llama_dir, tmp_path, user_error):
+    sweep = tmp_path / "sweep.yaml"
+    models = {"reference": str(handset_llama_dir), "candidate": str(handset_llama_dir)}
+    data = {"output": "out", "models": models, "configs": ["linear_unifrom"], "eval": False}
+    sweep.write_text(yaml.safe_dump(data))
+    line = user_error(["sweep", sweep, "--quiet"], tmp_path / "out")
+    assert f"{sweep}: configs[0]: unknown merge config 'linear_unifrom' (did you mean 'linear_uniform'?)" in line
+
+
+# The other process: holds the lock of the default model's folder, as a conversion does, and publishes a converted
+# folder (the session's, linked file by file) before it lets go, two seconds later.
+CONVERTER = textwrap.dedent(
+    """
+    import os, sys, time
+    from pathlib import Path
+    from lm_eval_sink.io import hold, staged_dir
+    from lm_eval_sink.models import default_model_dir
+
+    out, source = default_model_dir(create=False), Path(sys.argv[1])
+    with hold(out, sibling=True):
+        print("converting", flush=True)
+        time.sleep(2)
+        with staged_dir(out) as tmp:
+            for f in source.iterdir():
+                os.link(f, tmp / f.name)
+    """
+)
+
+
+def test_a_command_during_the_conversion_waits_for_it(default_model, tmp_path, monkeypatch, capsys):
+    """`strength default` while another process converts the default model said "choose another output folder";
+    it waits for that conversion, with one line, then goes on with the converted folder."""
+    from lm_eval_sink.io import read_complete
+    from lm_eval_sink.models import default_model_dir
+
+    monkeypatch.setenv("LM_EVAL_SINK_CACHE", str(tmp_path / "cache"))
+    child = subprocess.Popen(
+        [sys.executable, "-c", CONVERTER, str(default_model)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **ENV},
+    )
+    try:
+        assert child.stdout.readline().strip() == "converting"
+        capsys.readouterr()
+        with no_hang():
+            folder = default_model_dir()
+        assert child.wait(timeout=60) == 0
+    finally:
+        child.kill()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"waiting for pid {child.pid} on "), err
+    assert err[0].endswith(f"it is converting the embedded default model into {folder}")
+    assert read_complete(folder) == read_complete(default_model)
