@@ -1154,7 +1154,7 @@ def _score_lines(report: Mapping[str, Any]) -> list[str]:
     methods = [f"{r['metric']}: {r.get('delta_ci_method') or 'paired bootstrap over docs'}"]
     il = r.get("instruction_level")
     if il:
-        what = f"{il['metric']} ({il['n_instructions']} instructions, cluster bootstrap)"
+        what = f"{il['metric']} ({il['n_instructions']} instructions)"
         delta = _delta_text(il["delta"], il["delta_ci"], True, few)
         rows.append([what, _fmt(il["reference_score"], True), _fmt(il["candidate_score"], True), delta, "n/a", "n/a"])
         methods.append(f"{il['metric']}: {il['method']}")
