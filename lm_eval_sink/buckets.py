@@ -7,10 +7,17 @@
   differ and an example. Different `prompt_hash`es are expected across protocols (chat template,
   few-shot) and are counted, not refused.
 - buckets for a 0/1 metric: both_pass, regression (reference passes, candidate fails), recovered,
-  both_fail; `delta` = candidate mean minus reference mean with a seeded paired bootstrap interval
-  over docs; `mcnemar_p` = exact two-sided binomial test on the discordant pairs (scipy).
-- a continuous metric (EQ-Bench): the paired difference (`delta`, bootstrap interval, Wilcoxon
-  signed-rank p); pass/fail buckets and McNemar only with a threshold (pass = score >= threshold).
+  both_fail; `delta` = candidate mean minus reference mean with its interval (`delta_interval`:
+  Newcombe's score interval below MIN_N paired docs or when no doc differs, which never has zero
+  width, else a seeded paired bootstrap over docs); `mcnemar_p` = exact two-sided binomial test on
+  the discordant pairs (scipy). Below MIN_N docs `too_few_to_tell` is said before every delta.
+- a continuous metric (EQ-Bench): the paired difference (`delta`, bootstrap interval, withheld
+  below MIN_N docs, Wilcoxon signed-rank p); pass/fail buckets and McNemar only with a threshold
+  (pass = score >= threshold).
+- power (power.py) of the test that runs: McNemar on the 0/1 outcome (the pass/fail one under a
+  threshold), Wilcoxon on a continuous metric.
+- truncation: whether each generated response of both runs hit the generation limit, over every
+  paired doc.
 - IFEval: instruction-level accuracy and delta with a cluster bootstrap (whole prompts are
   resampled, never single instructions), a per-instruction-type table with exact McNemar p-values
   and Holm-adjusted ones, and one primary failure kind per regression (failure_kinds.py).
