@@ -51,6 +51,7 @@ class Benchmark:
         default_factory=dict
     )  # prompt-level metric -> instruction-level list metric
     doc_mismatch_hint: str | None = None
+    score_range: tuple[float, float] | None = None  # a continuous metric's nominal range (buckets' default effect)
 
     @property
     def metric(self) -> str | None:
@@ -84,6 +85,12 @@ class _BenchmarkIn(Strict):
         {}, description="must map metric names to metric names, e.g. {prompt_level_strict_acc: inst_level_strict_acc}"
     )
     doc_mismatch_hint: str | None = None
+    score_range: list[float] | None = Field(
+        None,
+        min_length=2,
+        max_length=2,
+        description="must be [low, high], the continuous metric's nominal range, e.g. [0, 100]",
+    )
 
 
 class _UserFileIn(Strict):
@@ -104,6 +111,10 @@ def _entry(name: str, b: _BenchmarkIn, where: str) -> Benchmark:
                 f"{where}: benchmark {name!r} {key} key {v!r} is not 'metric,filter'",
                 "use the results key, e.g. exact_match,strict-match",
             )
+    if b.score_range is not None and not b.score_range[0] < b.score_range[1]:
+        raise UserError(
+            f"{where}: benchmark {name!r} score_range {b.score_range} is not [low, high]", "use e.g. [0, 100]"
+        )
     if b.construct_ != "diagnostic" and not b.strict:
         raise UserError(
             f"{where}: benchmark {name!r} lacks `strict`", "name the results key of its score, e.g. acc,none"
@@ -119,6 +130,7 @@ def _entry(name: str, b: _BenchmarkIn, where: str) -> Benchmark:
         checker=b.checker,
         instruction_metrics=dict(b.instruction_metrics),
         doc_mismatch_hint=b.doc_mismatch_hint,
+        score_range=None if b.score_range is None else (float(b.score_range[0]), float(b.score_range[1])),
     )
 
 

@@ -7,10 +7,17 @@
   differ and an example. Different `prompt_hash`es are expected across protocols (chat template,
   few-shot) and are counted, not refused.
 - buckets for a 0/1 metric: both_pass, regression (reference passes, candidate fails), recovered,
-  both_fail; `delta` = candidate mean minus reference mean with a seeded paired bootstrap interval
-  over docs; `mcnemar_p` = exact two-sided binomial test on the discordant pairs (scipy).
-- a continuous metric (EQ-Bench): the paired difference (`delta`, bootstrap interval, Wilcoxon
-  signed-rank p); pass/fail buckets and McNemar only with a threshold (pass = score >= threshold).
+  both_fail; `delta` = candidate mean minus reference mean with its interval (`delta_interval`:
+  Newcombe's score interval below MIN_N paired docs or when no doc differs, which never has zero
+  width, else a seeded paired bootstrap over docs); `mcnemar_p` = exact two-sided binomial test on
+  the discordant pairs (scipy). Below MIN_N docs `too_few_to_tell` is said before every delta.
+- a continuous metric (EQ-Bench): the paired difference (`delta`, bootstrap interval, withheld
+  below MIN_N docs, Wilcoxon signed-rank p); pass/fail buckets and McNemar only with a threshold
+  (pass = score >= threshold).
+- power (power.py) of the test that runs: McNemar on the 0/1 outcome (the pass/fail one under a
+  threshold), Wilcoxon on a continuous metric.
+- truncation: whether each generated response of both runs hit the generation limit, over every
+  paired doc.
 - IFEval: instruction-level accuracy and delta with a cluster bootstrap (whole prompts are
   resampled, never single instructions), a per-instruction-type table with exact McNemar p-values
   and Holm-adjusted ones, and one primary failure kind per regression (failure_kinds.py).
@@ -42,7 +49,7 @@ from lm_eval_sink.errors import UserError
 from lm_eval_sink.failure_kinds import classify_ifeval, is_truncated, kind_counts, max_gen_toks_in, max_gen_toks_of
 from lm_eval_sink.schema import did_you_mean
 from lm_eval_sink.pairing import filter_of, index_docs, outcome, pair_docs
-from lm_eval_sink.power import DEFAULT_EFFECT_POINTS, MIN_N, comparison_power
+from lm_eval_sink.power import MIN_N, comparison_power, too_few
 from lm_eval_sink.tables import csv_text, markdown_lines
 
 log = logging.getLogger(__name__)
@@ -76,11 +83,16 @@ class BucketSettings:
     seed: int = 0
     failure_kinds: bool = True  # IFEval: re-run lm-eval's checker on regressions
     max_gen_toks: int | None = None  # None: read from each candidate sample's generation kwargs
-    effect: float = DEFAULT_EFFECT_POINTS  # the drop whose power and documents needed are reported (points)
+    # the difference whose power and documents needed are reported: points for a 0/1 outcome, else the metric's unit;
+    # None: power.default_effect, 5% of the metric's range
+    effect: float | None = None
 
     def __post_init__(self) -> None:
-        if not (np.isfinite(self.effect) and self.effect > 0):
-            raise UserError(f"--effect must be a positive number of points, got {self.effect}", "use e.g. --effect 5")
+        if self.effect is not None and not (np.isfinite(self.effect) and self.effect > 0):
+            raise UserError(
+                f"--effect must be a positive number (points, or the metric's unit), got {self.effect}",
+                "use e.g. --effect 5, or leave it out for 5% of the metric's range",
+            )
         if self.n_bootstrap < 100:
             raise UserError(f"--bootstrap must be at least 100, got {self.n_bootstrap}", "use e.g. --bootstrap 10000")
         if not 0.5 <= self.confidence < 1:
@@ -99,8 +111,9 @@ class BucketReport:
     """Buckets and paired statistics of one task's reference vs candidate samples.
 
     `counts`/`prompts` are None for a continuous metric without a threshold (`counts_reason`
-    says so). `delta_ci` is the paired bootstrap interval at `confidence`. `rows` holds one record
-    per paired doc, sorted by doc_id.
+    says so). `delta_ci` is the interval at `confidence` that `delta_ci_method` names (`delta_interval`; None:
+    withheld, the method says why). `too_few_to_tell` is the sentence every output shows before the delta when
+    fewer than MIN_N docs are paired. `rows` holds one record per paired doc, sorted by doc_id.
     """
 
     task: str | None
@@ -115,7 +128,8 @@ class BucketReport:
     reference_score: float
     candidate_score: float
     delta: float
-    delta_ci: tuple[float, float]
+    delta_ci: tuple[float, float] | None
+    delta_ci_method: str
     mcnemar_p: float | None
     discordant: int | None
     wilcoxon_p: float | None
@@ -134,10 +148,11 @@ class BucketReport:
     provenance: dict[str, Any] = field(default_factory=dict)
     power: dict[str, Any] = field(default_factory=dict)
     noise_floor: dict[str, Any] | None = None
+    too_few_to_tell: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
-        d["delta_ci"] = list(self.delta_ci)
+        d["delta_ci"] = None if self.delta_ci is None else list(self.delta_ci)
         d["schema_version"] = SCHEMA_VERSION
         d["units"] = UNITS
         return d
@@ -219,6 +234,58 @@ def cluster_delta_ci(
     )
     sums = resampled_sums(cols, n_boot, seed)
     return _interval(sums[:, 0] / sums[:, 1], confidence)
+
+
+def wilson_ci(k: int, n: int, confidence: float) -> tuple[float, float]:
+    """Wilson's score interval of a binomial proportion k / n."""
+    from scipy.stats import norm
+
+    z, p = float(norm.ppf((1 + confidence) / 2)), k / n
+    centre, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return (centre - half) / (1 + z * z / n), (centre + half) / (1 + z * z / n)
+
+
+def newcombe_paired_ci(counts: Mapping[str, int], confidence: float) -> tuple[float, float]:
+    """Newcombe's (1998) hybrid score interval, method 10, of candidate minus reference for paired 0/1 outcomes
+    (`counts`: the four buckets): the Wilson intervals of both rates, combined with their correlation phi (set to
+    0 when a margin is empty, and shrunk by n/2 when positive, as Newcombe does). Its width never collapses to 0,
+    even when every doc has the same outcome (R. G. Newcombe, "Improved confidence intervals for the difference
+    between binomial proportions based on paired data", Statistics in Medicine 17:2635-2650, 1998)."""
+    a, b, c, d = (counts[k] for k in BUCKETS)  # both_pass, regression, recovered, both_fail
+    n = a + b + c + d
+    ref, cand = (a + b) / n, (a + c) / n
+    (l1, u1), (l2, u2) = wilson_ci(a + b, n, confidence), wilson_ci(a + c, n, confidence)
+    margins, cross = (a + b) * (c + d) * (a + c) * (b + d), a * d - b * c
+    phi = 0.0
+    if margins and cross > n / 2:
+        phi = (cross - n / 2) / math.sqrt(margins)
+    elif margins and cross < 0:
+        phi = cross / math.sqrt(margins)
+
+    def spread(x: float, y: float) -> float:
+        return math.sqrt(max(x * x + y * y - 2 * phi * x * y, 0.0))
+
+    theta = cand - ref
+    return theta - spread(cand - l2, u1 - ref), theta + spread(u2 - cand, ref - l1)
+
+
+def delta_interval(
+    ref_v: np.ndarray, cand_v: np.ndarray, binary: bool, settings: BucketSettings
+) -> tuple[tuple[float, float] | None, str]:
+    """The interval of mean(candidate - reference) and the method, in words. A 0/1 outcome: Newcombe's score interval
+    below MIN_N paired docs or when no doc differs (a bootstrap there has zero width), else the seeded paired
+    bootstrap; any other metric: the bootstrap, withheld (None) below MIN_N docs or when the differences do not
+    vary."""
+    n, differs = len(ref_v), int(np.count_nonzero(cand_v != ref_v))
+    if binary and (n < MIN_N or not differs):
+        why = f"fewer than {MIN_N} paired docs" if n < MIN_N else "no doc where the runs differ"
+        ci = newcombe_paired_ci(_four(ref_v >= 0.5, cand_v >= 0.5), settings.confidence)
+        return ci, f"Newcombe's hybrid score interval for paired proportions (method 10): {why}"
+    if not binary and (n < MIN_N or np.ptp(cand_v - ref_v) == 0):
+        why = f"{n} paired docs (at least {MIN_N} are needed)" if n < MIN_N else "the per-doc differences do not vary"
+        return None, f"withheld: {why}; a bootstrap interval there would claim a certainty the docs do not give"
+    ci = paired_delta_ci(ref_v, cand_v, settings.n_bootstrap, settings.confidence, settings.seed)
+    return ci, f"paired bootstrap over docs (percentile; {settings.n_bootstrap} resamples, seed {settings.seed})"
 
 
 def _bucket_of(ref_pass: bool, cand_pass: bool) -> str:
@@ -323,8 +390,10 @@ def _pair(
     task: str | None,
     settings: BucketSettings,
     labels: tuple[str, str],
+    sides: tuple[str, str] = ("reference", "candidate"),
 ) -> _Paired:
-    """Choose the filter and metric, join the two logs per doc (pairing.pair_docs) and read each doc's outcome."""
+    """Choose the filter and metric, join the two logs per doc (pairing.pair_docs; `sides` name the runs in its
+    errors) and read each doc's outcome."""
     if not reference_samples or not candidate_samples:
         raise UserError(
             f"{labels[0] if not reference_samples else labels[1]}: no samples",
@@ -337,7 +406,12 @@ def _pair(
     metric = _choose_metric(ref_rows, settings.metric, spec, labels[0])
     _choose_metric(cand_rows, metric, spec, labels[1])
     ids, pairing = pair_docs(
-        ref_rows, cand_rows, labels, allow_partial=settings.allow_partial, doc_mismatch_hint=spec.doc_mismatch_hint
+        ref_rows,
+        cand_rows,
+        labels,
+        allow_partial=settings.allow_partial,
+        doc_mismatch_hint=spec.doc_mismatch_hint,
+        sides=sides,
     )
     ref_v = np.array([outcome(ref_rows[i], metric, labels[0]) for i in ids])
     cand_v = np.array([outcome(cand_rows[i], metric, labels[1]) for i in ids])
@@ -351,7 +425,7 @@ def bucket(
     settings: BucketSettings = BucketSettings(),
     *,
     count_tokens: Callable[[str], int] | None = None,
-    fallback_max_gen_toks: tuple[int, str] | None = None,
+    fallback_max_gen_toks: tuple[tuple[int, str] | None, tuple[int, str] | None] | None = None,
     labels: tuple[str, str] = ("reference samples", "candidate samples"),
     progress: bool = False,
 ) -> BucketReport:
@@ -359,9 +433,9 @@ def bucket(
 
     `count_tokens` (a tokenizer's counter) makes truncation exact; without it the heuristic of
     failure_kinds.is_truncated applies. The generation limit is `settings.max_gen_toks`, else the
-    one in each candidate sample's generation kwargs, else `fallback_max_gen_toks` (value, where
-    it comes from), else unknown (truncation then cannot be told). `labels` name the two logs in
-    error messages.
+    one in each sample's generation kwargs, else `fallback_max_gen_toks` (per run, reference and
+    candidate: (value, where it comes from) or None), else unknown (truncation then cannot be told).
+    `labels` name the two logs in error messages.
     """
     p = _pair(reference_samples, candidate_samples, task, settings, labels)
     kind = _kind(p.ids, p.ref_v, p.cand_v, p.metric, p.spec, settings)
@@ -369,7 +443,7 @@ def bucket(
     rows = _doc_rows(p.ids, stats.prompts, p.ref_v, p.cand_v, p.ref_rows, p.cand_rows)
     by_id = {row["doc_id"]: row for row in rows}
     regressions = stats.prompts["regression"] if stats.prompts else []
-    truncation = _mark_truncation(regressions, p.cand_rows, by_id, settings, count_tokens, fallback_max_gen_toks)
+    truncation = _mark_truncation(p, regressions, by_id, settings, count_tokens, fallback_max_gen_toks)
     instruction_level, instruction_types, failure = _ifeval_passes(p, by_id, regressions, settings, labels, progress)
     format_split = None
     if p.spec.lenient_filter and p.filter != p.spec.lenient_filter and stats.prompts is not None:
@@ -395,8 +469,20 @@ def bucket(
         notes=_pairing_notes(p.pairing, len(p.ids))
         + _collapse_notes(p.ids, p.ref_rows, p.cand_rows, labels)
         + _self_notes(identical_samples(p), len(p.ids), "reference and candidate"),
-        power=comparison_power(kind, p.cand_v - p.ref_v, settings.effect),
+        power=_power(p, kind, settings),
+        too_few_to_tell=too_few(len(p.ids)) if len(p.ids) < MIN_N else None,
     )
+
+
+def _power(p: _Paired, kind: str, settings: BucketSettings) -> dict[str, Any]:
+    """The power of the test `bucket` runs: McNemar on the 0/1 metric, or on pass/fail under `--threshold`;
+    Wilcoxon on a continuous metric's differences."""
+    if kind == "continuous" and settings.threshold is not None:
+        thr = settings.threshold
+        passes = (p.cand_v >= thr).astype(float) - (p.ref_v >= thr).astype(float)
+        return comparison_power("binary", passes, settings.effect, outcome=f"pass/fail (score >= {thr:g})")
+    values = np.concatenate([p.ref_v, p.cand_v])
+    return comparison_power(kind, p.cand_v - p.ref_v, settings.effect, values=values, declared_range=p.spec.score_range)
 
 
 def _ifeval_passes(
@@ -441,7 +527,8 @@ class PairedStats:
     """The paired statistics of one metric over the paired docs (BucketReport's fields of the same names)."""
 
     delta: float
-    delta_ci: tuple[float, float]
+    delta_ci: tuple[float, float] | None
+    delta_ci_method: str
     wilcoxon_p: float | None
     counts: dict[str, int] | None
     counts_reason: str | None
@@ -452,14 +539,14 @@ class PairedStats:
 
 
 def paired_stats(ids, ref_v: np.ndarray, cand_v: np.ndarray, kind: str, settings: BucketSettings) -> PairedStats:
-    """Delta with its bootstrap interval; Wilcoxon for a continuous metric; buckets and McNemar for pass/fail."""
-    delta_ci = paired_delta_ci(ref_v, cand_v, settings.n_bootstrap, settings.confidence, settings.seed)
+    """Delta with its interval (`delta_interval`); Wilcoxon for a continuous metric; buckets and McNemar for
+    pass/fail."""
+    delta_ci, method = delta_interval(ref_v, cand_v, kind == "binary", settings)
     wilcoxon_p = _wilcoxon(cand_v - ref_v) if kind == "continuous" else None
+    delta = float(cand_v.mean() - ref_v.mean())
     if kind != "binary" and settings.threshold is None:
         reason = "continuous metric: pass --threshold T to split docs into pass (score >= T) / fail buckets"
-        return PairedStats(
-            float(cand_v.mean() - ref_v.mean()), delta_ci, wilcoxon_p, None, reason, None, None, None, None
-        )
+        return PairedStats(delta, delta_ci, method, wilcoxon_p, None, reason, None, None, None, None)
     thr = 0.5 if kind == "binary" else settings.threshold
     ref_pass, cand_pass = ref_v >= thr, cand_v >= thr
     counts = _four(ref_pass, cand_pass)
@@ -467,16 +554,19 @@ def paired_stats(ids, ref_v: np.ndarray, cand_v: np.ndarray, kind: str, settings
     pass_rate = None
     if kind == "continuous":
         rp, cp = ref_pass.astype(float), cand_pass.astype(float)
+        rate_ci, rate_method = delta_interval(rp, cp, True, settings)
         pass_rate = {
             "threshold": thr,
             "reference": float(rp.mean()),
             "candidate": float(cp.mean()),
             "delta": float(cp.mean() - rp.mean()),
-            "delta_ci": list(paired_delta_ci(rp, cp, settings.n_bootstrap, settings.confidence, settings.seed)),
+            "delta_ci": list(rate_ci),
+            "delta_ci_method": rate_method,
         }
     return PairedStats(
-        delta=float(cand_v.mean() - ref_v.mean()),
+        delta=delta,
         delta_ci=delta_ci,
+        delta_ci_method=method,
         wilcoxon_p=wilcoxon_p,
         counts=counts,
         counts_reason=None,
@@ -497,7 +587,7 @@ def _collapse_notes(ids, ref_rows, cand_rows, labels: tuple[str, str]) -> list[s
     """
     notes = []
     for label, rows in zip(labels, (ref_rows, cand_rows), strict=True):
-        texts = [t for t in (_response(rows[i], filtered=False) for i in ids) if t is not None]
+        texts = [t for t in (_generated(rows[i]) for i in ids) if t is not None]
         counts = Counter(texts)
         if len(texts) < COLLAPSE_MIN_DOCS or len(counts) > COLLAPSE_DISTINCT * len(texts):
             continue
@@ -569,6 +659,7 @@ def _doc_rows(ids, prompts, ref_v, cand_v, ref_rows, cand_rows) -> list[dict[str
 # Per-doc fields set by the truncation, IFEval and lenient-filter passes (None until then).
 _LATER_FIELDS = (
     "truncated",
+    "reference_truncated",
     "failure_kind",
     "failure_detail",
     "n_instructions",
@@ -588,39 +679,68 @@ def _wilcoxon(d: np.ndarray) -> float:
     return float(wilcoxon(d, zero_method="wilcox", alternative="two-sided").pvalue)
 
 
-def _mark_truncation(
-    regressions, cand_rows, by_id, settings: BucketSettings, count_tokens, fallback
-) -> dict[str, Any] | None:
-    """Mark each regression whose candidate response hit the generation limit (None: no responses)."""
-    count, unknown, sources = 0, 0, set()
-    any_response = False
-    for i in regressions:
-        response = _response(cand_rows[i], filtered=False)
+def _generated(row: Mapping[str, Any]) -> str | None:
+    """The response a generation task's sample holds (None for a log-likelihood request, whose `arg_1` is the
+    continuation scored, not generation kwargs)."""
+    args = row.get("arguments")
+    first = args.get("gen_args_0") if isinstance(args, Mapping) else None
+    if isinstance(first, Mapping) and isinstance(first.get("arg_1"), str):
+        return None
+    return _response(row, filtered=False)
+
+
+def _truncated_side(
+    p: _Paired, side: int, settings: BucketSettings, count_tokens, fallback
+) -> tuple[dict[int, bool | None], dict[str, Any]]:
+    """Whether each paired doc's response of one run (0 reference, 1 candidate) hit the generation limit, and the
+    run's counts."""
+    rows, marks, sources = (p.ref_rows, p.cand_rows)[side], {}, set()
+    for i in p.ids:
+        response = _generated(rows[i])
         if response is None:
             continue
-        any_response = True
         limit, source = settings.max_gen_toks, "--max-gen-toks"
         if limit is None:
-            limit, source = max_gen_toks_of(cand_rows[i]), "the samples' generation kwargs"
+            limit, source = max_gen_toks_of(rows[i]), "the samples' generation kwargs"
         if limit is None and fallback is not None:
             limit, source = fallback
         sources.add(f"{limit} ({source})" if limit is not None else "unknown")
-        t = is_truncated(response, limit, count_tokens)
-        by_id[i]["truncated"] = t
-        count += bool(t)
-        unknown += t is None
-    if not any_response:
+        marks[i] = is_truncated(response, limit, count_tokens)
+    counts = {
+        "responses": len(marks),
+        "truncated": sum(bool(t) for t in marks.values()),
+        "unknown": sum(t is None for t in marks.values()),
+        "max_gen_toks": sorted(sources),
+    }
+    return marks, counts
+
+
+def _mark_truncation(
+    p: _Paired, regressions, by_id, settings: BucketSettings, count_tokens, fallbacks
+) -> dict[str, Any] | None:
+    """Whether each response of both runs hit the generation limit, over every paired doc: each row's `truncated`
+    (the candidate's response) and `reference_truncated`, each run's counts, and the regressions whose candidate
+    response hit it (None: no generated responses)."""
+    fallbacks = fallbacks or (None, None)
+    ref_marks, ref_counts = _truncated_side(p, 0, settings, count_tokens, fallbacks[0])
+    cand_marks, cand_counts = _truncated_side(p, 1, settings, count_tokens, fallbacks[1])
+    if not ref_marks and not cand_marks:
         return None
+    for i in p.ids:
+        by_id[i].update(truncated=cand_marks.get(i), reference_truncated=ref_marks.get(i))
     method = (
         "token count >= max_gen_toks - max(2, 1%)"
         if count_tokens is not None
         else "heuristic: ends mid-sentence and >= max_gen_toks UTF-8 bytes"
     )
+    regs = [cand_marks[i] for i in regressions if i in cand_marks]
     return {
-        "regressions_truncated": count,
-        "regressions_unknown": unknown,
+        "reference": ref_counts,
+        "candidate": cand_counts,
+        "regressions_truncated": sum(bool(t) for t in regs),
+        "regressions_unknown": sum(t is None for t in regs),
         "method": method,
-        "max_gen_toks": sorted(sources),
+        "max_gen_toks": cand_counts["max_gen_toks"],
     }
 
 
@@ -649,9 +769,17 @@ def _instruction_stats(
             per_type.setdefault(name, []).append((r, c))
     total = sum(n_items)
     ref_score, cand_score = sum(ref_p) / total, sum(cand_p) / total
-    ci = cluster_delta_ci(
-        np.array(ref_p), np.array(cand_p), np.array(n_items), settings.n_bootstrap, settings.confidence, settings.seed
-    )
+    ci, method = None, f"withheld: a cluster bootstrap over {len(ids)} prompts (at least {MIN_N} are needed)"
+    if len(ids) >= MIN_N:
+        ci = cluster_delta_ci(
+            np.array(ref_p),
+            np.array(cand_p),
+            np.array(n_items),
+            settings.n_bootstrap,
+            settings.confidence,
+            settings.seed,
+        )
+        method = "cluster bootstrap: whole prompts resampled with their instructions"
     pairs = [p for name in per_type for p in per_type[name]]
     level = {
         "metric": inst_metric,
@@ -659,9 +787,9 @@ def _instruction_stats(
         "reference_score": ref_score,
         "candidate_score": cand_score,
         "delta": cand_score - ref_score,
-        "delta_ci": list(ci),
+        "delta_ci": None if ci is None else list(ci),
         "counts": _four([r for r, _ in pairs], [c for _, c in pairs]),
-        "method": "cluster bootstrap: whole prompts resampled with their instructions",
+        "method": method,
     }
     return level, _instruction_type_table(per_type)
 
@@ -882,7 +1010,7 @@ def with_noise_floor(
             "pass --threshold T to split docs into pass (score >= T) / fail, or drop --repeat",
         )
     fixed = replace(settings, metric=report.metric, filter=report.filter, failure_kinds=False)
-    p = _pair(reference_samples, repeat_samples, report.task, fixed, labels)
+    p = _pair(reference_samples, repeat_samples, report.task, fixed, labels, ("reference", "repeat"))
     thr = 0.5 if report.kind == "binary" else float(report.threshold)
     ref_pass = dict(zip(p.ids, (p.ref_v >= thr).tolist(), strict=True))
     rep_pass = dict(zip(p.ids, (p.cand_v >= thr).tolist(), strict=True))
@@ -909,8 +1037,45 @@ def with_noise_floor(
         {**row, "noise_flip": (row["doc_id"] in flips) if row["doc_id"] in ref_pass else None} for row in report.rows
     ]
     notes = [*report.notes, _noise_sentence(floor)]
-    notes += _self_notes(floor["identical"], len(p.ids), "the reference and its repeat")
+    if floor["identical"]:
+        notes += _self_notes(True, len(p.ids), "the reference and its repeat")
+        notes.append(_identical_repeat_reason(p))
     return replace(report, rows=rows, noise_floor=floor, notes=notes)
+
+
+NOISE_SOURCES = (
+    "another batch size (padding and batched kernels change the numerics), another machine or GPU (other kernels), "
+    "or sampling (do_sample with temperature > 0) under another seed"
+)
+
+
+def _decoding(p: _Paired) -> str:
+    """How the reference's samples were produced, from their requests: greedy decoding, sampling, or log-likelihood
+    scoring of fixed continuations (no generation)."""
+    kinds = set()
+    for i in p.ids:
+        args = p.ref_rows[i].get("arguments")
+        gen = (args.get("gen_args_0") or {}).get("arg_1") if isinstance(args, Mapping) else None
+        if isinstance(gen, str):
+            kinds.add("loglikelihood")
+        elif isinstance(gen, Mapping):
+            sampled = gen.get("do_sample") is True and gen.get("temperature", 1.0) not in (0, 0.0)
+            kinds.add("sampling" if sampled else "greedy")
+    return kinds.pop() if len(kinds) == 1 else "unknown"
+
+
+def _identical_repeat_reason(p: _Paired) -> str:
+    """Why a repeat gave the reference's samples again, and what would measure run-to-run noise."""
+    why = {
+        "greedy": "greedy decoding with the same model, settings and machine is deterministic",
+        "loglikelihood": "log-likelihood scoring of fixed choices with the same model, settings and machine is "
+        "deterministic",
+        "sampling": "sampling with the same seed and settings draws the same tokens",
+    }.get(_decoding(p), "the same model, settings and seed on the same machine reproduce every sample")
+    return (
+        f"why the repeat is identical: {why}, so a repeat under the same conditions measures no noise; to measure "
+        f"run-to-run noise, repeat the reference with {NOISE_SOURCES}"
+    )
 
 
 def _noise_sentence(f: Mapping[str, Any]) -> str:
@@ -945,6 +1110,12 @@ def summary_markdown(report: Mapping[str, Any], top: int = 15) -> str:
     return "\n".join(lines)
 
 
+def figure_title(report: Mapping[str, Any]) -> str:
+    """The bucket figure's title (buckets.png, the report's figure): "too few to tell" first below MIN_N docs."""
+    what = f"{report['task']}: {report['metric']} ({report['filter']}), {report['n']} paired docs"
+    return ("too few to tell: " if report.get("too_few_to_tell") else "") + what
+
+
 def _heading_lines(report: Mapping[str, Any]) -> list[str]:
     """Title, the two runs and the number of paired docs."""
     lines = [f"# Regression buckets: {report['task']} ({report['metric']}, filter {report['filter']})", ""]
@@ -954,7 +1125,14 @@ def _heading_lines(report: Mapping[str, Any]) -> list[str]:
         if r:
             run = f" (run {PurePath(r['run']).name})" if r.get("run") else ""
             lines.append(f"- {side}: {r.get('model') or r['samples_file']}{run}")
-    return [*lines, f"- paired docs: {report['n']}", ""]
+    lines += [f"- paired docs: {report['n']}", ""]
+    if report.get("too_few_to_tell"):
+        lines += [
+            f"**{report['too_few_to_tell'][0].upper()}{report['too_few_to_tell'][1:]}.** Every figure below describes "
+            "these docs only; none is evidence of a difference between the models.",
+            "",
+        ]
+    return lines
 
 
 def _bucket_lines(report: Mapping[str, Any]) -> list[str]:
@@ -966,43 +1144,37 @@ def _bucket_lines(report: Mapping[str, Any]) -> list[str]:
     return [*markdown_lines(["bucket", "prompts", "share"], rows), ""]
 
 
-def _score_row(
-    what: str, reference: float, candidate: float, delta: float, ci: Sequence[float], pct: bool, tests: tuple[str, str]
-) -> list[str]:
-    """One row of the score table: both runs' scores, the delta with its interval, the two tests' p-values."""
-    return [
-        what,
-        _fmt(reference, pct),
-        _fmt(candidate, pct),
-        f"{_fmt(delta, pct)} [{_fmt(ci[0], pct)}, {_fmt(ci[1], pct)}]",
-        *tests,
-    ]
+def _delta_text(delta: float, ci: Sequence[float] | None, pct: bool, too_few: bool) -> str:
+    """A delta with its interval ("withheld" when there is none), "too few to tell" first below MIN_N docs."""
+    interval = f"[{_fmt(ci[0], pct)}, {_fmt(ci[1], pct)}]" if ci is not None else "[interval withheld]"
+    return ("too few to tell: " if too_few else "") + f"{_fmt(delta, pct)} {interval}"
 
 
 def _score_lines(report: Mapping[str, Any]) -> list[str]:
-    """One score table: the metric, and the instruction-level accuracy (IFEval) or pass rate (threshold) if any."""
-    r, pct = report, report["kind"] == "binary"
+    """One score table: the metric, and the instruction-level accuracy (IFEval) or pass rate (threshold) if any;
+    then how each interval was computed."""
+    r, pct, few = report, report["kind"] == "binary", bool(report.get("too_few_to_tell"))
     mcnemar = _fmt(r["mcnemar_p"])
-    tests = (mcnemar, _fmt(r["wilcoxon_p"]))
-    rows = [_score_row(r["metric"], r["reference_score"], r["candidate_score"], r["delta"], r["delta_ci"], pct, tests)]
+    delta = _delta_text(r["delta"], r["delta_ci"], pct, few)
+    rows = [[r["metric"], _fmt(r["reference_score"], pct), _fmt(r["candidate_score"], pct), delta, mcnemar]]
+    rows[0].append(_fmt(r["wilcoxon_p"]))
+    methods = [f"{r['metric']}: {r.get('delta_ci_method') or 'paired bootstrap over docs'}"]
     il = r.get("instruction_level")
     if il:
-        what = f"{il['metric']} ({il['n_instructions']} instructions, cluster bootstrap)"
-        rows.append(
-            _score_row(
-                what, il["reference_score"], il["candidate_score"], il["delta"], il["delta_ci"], True, ("n/a",) * 2
-            )
-        )
+        what = f"{il['metric']} ({il['n_instructions']} instructions)"
+        delta = _delta_text(il["delta"], il["delta_ci"], True, few)
+        rows.append([what, _fmt(il["reference_score"], True), _fmt(il["candidate_score"], True), delta, "n/a", "n/a"])
+        methods.append(f"{il['metric']}: {il['method']}")
     pr = r.get("pass_rate")
     if pr:
         what = f"pass rate (score >= {pr['threshold']:g})"
-        rows.append(
-            _score_row(what, pr["reference"], pr["candidate"], pr["delta"], pr["delta_ci"], True, (mcnemar, "n/a"))
-        )
+        delta = _delta_text(pr["delta"], pr["delta_ci"], True, few)
+        rows.append([what, _fmt(pr["reference"], True), _fmt(pr["candidate"], True), delta, mcnemar, "n/a"])
+        methods.append(f"pass rate: {pr.get('delta_ci_method') or 'paired bootstrap over docs'}")
     conf = round(100 * r["settings"]["confidence"])
     unit = " (points)" if pct else f" ({r['metric']} in its own unit" + ("; pass rate in points)" if pr else ")")
     head = ["score" + unit, "reference", "candidate", f"delta [{conf}% CI]"]
-    return [*markdown_lines([*head, "McNemar p", "Wilcoxon p"], rows), ""]
+    return [*markdown_lines([*head, "McNemar p", "Wilcoxon p"], rows), "", "Intervals: " + "; ".join(methods), ""]
 
 
 def _regression_lines(report: Mapping[str, Any]) -> list[str]:
@@ -1022,45 +1194,62 @@ def _regression_lines(report: Mapping[str, Any]) -> list[str]:
         ]
     tr = report.get("truncation")
     if tr:
-        unknown = f"; unknown for {tr['regressions_unknown']}" if tr["regressions_unknown"] else ""
-        lines += [
-            "Regressions whose candidate response hit the generation limit: "
-            f"{tr['regressions_truncated']} ({tr['method']}; max_gen_toks "
-            f"{', '.join(tr['max_gen_toks'])}{unknown}).",
-            "",
-        ]
+        lines += [_truncation_sentence(tr), ""]
     return lines
 
 
+def _truncation_sentence(tr: Mapping[str, Any]) -> str:
+    """Responses that hit the generation limit, per run over every paired doc, and among the regressions."""
+    counts, limits = [], []
+    for side in ("reference", "candidate"):
+        c = tr[side]
+        counts.append(
+            f"{side} {c['truncated']} of {c['responses']}" + (f" ({c['unknown']} unknown)" if c["unknown"] else "")
+        )
+        limits.append(", ".join(c["max_gen_toks"]))
+    limit = limits[0] if limits[0] == limits[1] else f"reference {limits[0]}; candidate {limits[1]}"
+    unknown = f" ({tr['regressions_unknown']} unknown)" if tr["regressions_unknown"] else ""
+    return (
+        f"Responses that hit the generation limit: {', '.join(counts)}; regressions {tr['regressions_truncated']}"
+        f"{unknown} (max_gen_toks {limit}; {tr['method']})."
+    )
+
+
 def power_lines(report: Mapping[str, Any]) -> list[str]:
-    """What the comparison could have detected (power.comparison_power's record), in points for a 0/1 metric."""
+    """What the comparison could have detected (power.comparison_power's record), in points for a 0/1 outcome."""
     pw = report.get("power")
     if not pw:
         return []
     if pw["too_few"]:
         return [f"Power: {pw['too_few']}; no statement about what this comparison could detect.", ""]
-    binary = report["kind"] == "binary"
+    binary = pw["discordant_share"] is not None
     unit = " points" if binary else f" ({report['metric']} units)"
-    scale = 100.0 if binary else 1.0
     spread = (
         f"discordant share {100 * pw['discordant_share']:.1f}%"
         if binary
         else f"sd of the per-doc differences {pw['sd_difference']:.4g}"
     )
-    drop = f"a {pw['effect_shown']:g}-point drop" if binary else f"a drop of {pw['effect_shown']:g}{unit}"
-    exact = f" (the exact McNemar test buckets runs: {100 * pw['power_at_effect_exact']:.0f}%)" if binary else ""
-    assumed = (
-        f", the discordant share raised to {100 * pw['discordant_share_assumed']:.1f}%, the least such a drop needs"
-        if pw["discordant_share_assumed"] is not None
-        else ""
-    )
+    what = f"a difference of {pw['effect_shown']:g}{unit} ({pw['effect_source']})"
+    exact = " (the exact McNemar test buckets runs: {:.0%})"
+    if pw["mde"] is None:
+        mde = pw["not_detectable"]
+    else:
+        mde = (
+            f"{100 * pw['mde']:.1f}" if binary else f"{pw['mde']:.4g}"
+        ) + f"{unit} (power {pw['target_power']:g} there"
+        mde += f"; the exact McNemar test buckets runs: {pw['power_at_mde_exact']:.0%})" if binary else ")"
+    if pw["effect_impossible"]:
+        power, needed = f"none at this discordant share: {pw['effect_impossible']}", "n/a (see above)"
+    else:
+        power = f"{pw['power_at_effect']:.0%}" + (exact.format(pw["power_at_effect_exact"]) if binary else "")
+        needed = str(pw["n_for_effect"])
     return [
-        f"Power (alpha {pw['alpha']:g} two-sided, power {pw['target_power']:g}; {pw['method']}; {pw['n']} paired "
-        f"docs, {spread}):",
+        f"Power (alpha {pw['alpha']:g} two-sided, power {pw['target_power']:g}; the test: {pw['test']}; "
+        f"{pw['method']}; {pw['n']} paired docs, {spread}):",
         "",
-        f"- minimum detectable difference at this n: {scale * pw['mde']:.1f}{unit}",
-        f"- power to detect {drop}: {100 * pw['power_at_effect']:.0f}%{exact}{assumed}",
-        f"- paired docs {drop} would need for power {pw['target_power']:g}: {pw['n_for_effect']}",
+        f"- minimum detectable difference at this n: {mde}",
+        f"- power to detect {what}: {power}",
+        f"- paired docs that difference would need for power {pw['target_power']:g}: {needed}",
         "",
     ]
 

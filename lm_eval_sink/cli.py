@@ -14,7 +14,6 @@ import click
 from lm_eval_sink.calibration import Batching
 from lm_eval_sink.devices import DEFAULT_DEVICE, DEVICE_HELP, check_device
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.power import DEFAULT_EFFECT_POINTS
 
 _BATCHING = Batching()  # the defaults of --batch-size, --batch-tokens and --query-chunk
 
@@ -817,10 +816,10 @@ def eval_cmd(
 @click.option(
     "--effect",
     type=float,
-    default=DEFAULT_EFFECT_POINTS,
-    show_default=True,
-    metavar="POINTS",
-    help="The drop whose power and documents needed are reported (points; a continuous metric: its unit).",
+    default=None,
+    metavar="SIZE",
+    help="The difference whose power and documents needed are reported: points for a 0/1 metric or a pass rate "
+    "(--threshold), else the metric's unit (default: 5% of the metric's range, 5 points for a 0/1 metric).",
 )
 @click.option(
     "--repeat",

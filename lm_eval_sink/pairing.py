@@ -142,8 +142,10 @@ def pair_docs(
     *,
     allow_partial: bool = False,
     doc_mismatch_hint: str | None = None,
+    sides: tuple[str, str] = ("reference", "candidate"),
 ) -> tuple[list[int], dict[str, Any]]:
-    """Pair two `index_docs` results: the paired doc_ids (sorted) and a record of the pairing.
+    """Pair two `index_docs` results: the paired doc_ids (sorted) and a record of the pairing; `sides` name the two
+    runs in an error (a `--repeat` is the second run of the reference, not a candidate).
 
     The record: docs per log, paired count, dropped doc_ids (only with `allow_partial`),
     `prompt_hash_differs` / `target_hash_differs` {count, examples} and
@@ -153,10 +155,10 @@ def pair_docs(
     ids_r, ids_c = set(reference), set(candidate)
     only_r, only_c = sorted(ids_r - ids_c), sorted(ids_c - ids_r)
     if (only_r or only_c) and not allow_partial:
-        example, side = (only_r[0], "reference") if only_r else (only_c[0], "candidate")
+        example, side = (only_r[0], sides[0]) if only_r else (only_c[0], sides[1])
         raise UserError(
-            f"the runs have different doc sets: {len(only_r)} doc_ids only in the reference, "
-            f"{len(only_c)} only in the candidate "
+            f"the runs have different doc sets: {len(only_r)} doc_ids only in the {sides[0]}, "
+            f"{len(only_c)} only in the {sides[1]} "
             f"({labels[0]}: {len(ids_r)} docs, {labels[1]}: {len(ids_c)}; e.g. doc_id {example} is only in the {side})",
             "run both with the same --limit/--samples, or pass --allow-partial to pair the "
             f"{len(ids_r & ids_c)} common docs",

@@ -1,23 +1,33 @@
 """What a paired comparison could have detected: minimum detectable difference, power, documents needed.
 
 A delta of -20 points over 5 prompts and one over 500 read the same in a table; what tells them apart is
-what each comparison could have detected. For the paired designs `buckets` tests:
+what each comparison could have detected. One model describes each design, and every figure of a record
+comes from its one power function, so the figures cannot contradict each other: the minimum detectable
+difference (MDE) is the root of that function at the target power, and the documents needed are the
+smallest n at which it reaches the target.
 
-- a 0/1 metric per doc (McNemar): Connor's (1987) normal approximation for paired proportions
-  (R. J. Connor, "Sample size for testing differences in proportions for the paired-sample design",
-  Biometrics 43(1):207-211, p. 209), from the discordant share psi (docs where the runs disagree) and the
-  difference delta = p10 - p01 (regressions minus recoveries, as shares of docs):
-      n = ((z_{1-a/2} sqrt(psi) + z_{1-b} sqrt(psi - delta^2)) / delta)^2
+- a 0/1 outcome per doc (the metric, or pass/fail under `--threshold`), which `buckets` tests with the exact
+  conditional McNemar test: Connor's (1987) normal approximation for paired proportions (R. J. Connor,
+  "Sample size for testing differences in proportions for the paired-sample design", Biometrics
+  43(1):207-211, p. 209), from the discordant share psi (docs where the runs disagree) and the difference
+  delta = p10 - p01 (regressions minus recoveries, as shares of docs):
       power = Phi((delta sqrt(n) - z_{1-a/2} sqrt(psi)) / sqrt(psi - delta^2)) + (the same with -delta)
-  and the minimum detectable difference solves the first for delta at the run's n. `buckets` itself runs
-  the exact conditional McNemar test (binomial on the discordant pairs), which is conservative at small
-  counts: `exact_mcnemar_power` gives that test's power by enumeration, always at most Connor's.
-- a continuous metric: the paired mean difference under a normal approximation, from the standard
-  deviation sd of the per-doc differences: mde = (z_{1-a/2} + z_{1-b}) sd / sqrt(n).
+  The model is **conditional on the observed discordant share**: psi is held at its observed value for the
+  MDE, for the power at an effect and for the documents needed. A paired 0/1 comparison cannot move by more
+  than psi (every disagreeing doc one way), so every MDE is at most psi; where even delta = psi does not
+  reach the target at this n, the comparison says "not detectable at this n" and gives the documents that
+  would make it detectable at this psi; an effect larger than psi has no power at this psi (said in words).
+  `exact_mcnemar_power` is the exact test's own power by enumeration (the test `buckets` runs), shown beside
+  Connor's; it is discrete, not monotone in n.
+- a continuous metric, which `buckets` tests with the Wilcoxon signed-rank test: the normal approximation of
+  a paired mean difference from the standard deviation sd of the per-doc differences, with n scaled by the
+  Wilcoxon test's asymptotic relative efficiency to it under normal differences, 3/pi:
+      power = Phi(|delta| sqrt(n 3/pi) / sd - z_{1-a/2}) + Phi(-|delta| sqrt(n 3/pi) / sd - z_{1-a/2})
 
-psi = 0 (sd = 0) or fewer than `MIN_N` paired docs give "too few to tell": the variance the formulas need
-is not estimable. Values are in the metric's own unit (shares of docs for a 0/1 metric, as in
-buckets.json; x100 is points). numpy/scipy only (imported when used: the CLI reads the defaults), no I/O.
+The default effect is `DEFAULT_EFFECT_SHARE` of the metric's range (`default_effect`): 5 points for a 0/1
+metric or a pass rate, 5 for EQ-Bench's 0-100. psi = 0 (sd = 0) or fewer than `MIN_N` paired docs give "too
+few to tell": the variance the formulas need is not estimable. Values are in the metric's own unit (shares
+of docs for a 0/1 outcome, as in buckets.json; x100 is points). numpy/scipy only (imported when used), no I/O.
 """
 
 from __future__ import annotations
@@ -31,7 +41,8 @@ if TYPE_CHECKING:
 ALPHA = 0.05  # two-sided
 TARGET_POWER = 0.8
 MIN_N = 10  # fewer paired docs: too few to tell (and per-type rows: too few to test)
-DEFAULT_EFFECT_POINTS = 5.0  # the drop `--effect` asks about, in points
+DEFAULT_EFFECT_SHARE = 0.05  # the default effect: this share of the metric's range (5 points for a 0/1 metric)
+WILCOXON_ARE = 3 / math.pi  # Wilcoxon signed-rank vs the paired mean test, normal differences (Hodges-Lehmann 1956)
 
 
 def _z(p: float) -> float:
@@ -46,31 +57,51 @@ def _phi(x: float) -> float:
     return float(norm.cdf(x))
 
 
+def _check_feasible(psi: float, delta: float) -> None:
+    if not (0 <= psi <= 1 and abs(delta) <= psi + 1e-12):
+        raise ValueError(f"a paired 0/1 difference {delta} needs a discordant share psi >= |delta| (psi {psi})")
+
+
 def connor_power(n: int, psi: float, delta: float, alpha: float = ALPHA) -> float:
     """Power of the two-sided paired-proportions test to detect a difference `delta` with `n` pairs and discordant
-    share `psi` (Connor 1987); needs psi > delta^2."""
+    share `psi` (Connor 1987); needs |delta| <= psi. psi = 0 never rejects (no discordant pair)."""
+    _check_feasible(psi, delta)
+    if psi == 0:
+        return 0.0
     za, d = _z(1 - alpha / 2), abs(delta)
-    spread, floor = math.sqrt(psi - d * d), za * math.sqrt(psi)
+    floor, spread = za * math.sqrt(psi), math.sqrt(max(psi - d * d, 0.0))
+    if spread == 0:  # psi = |delta| = 1: every pair discordant one way, no variance left
+        return 1.0 if d * math.sqrt(n) > floor else 0.0
     return _phi((d * math.sqrt(n) - floor) / spread) + _phi((-d * math.sqrt(n) - floor) / spread)
 
 
+def _smallest_n(power_at, start: float, power: float) -> int:
+    """The smallest n >= 1 with power_at(n) >= power, for a power rising with n, searched from the estimate
+    `start` (a closed form that leaves out the far tail)."""
+    n = max(1, math.ceil(start - 1e-9))
+    while n > 1 and power_at(n - 1) >= power:
+        n -= 1
+    while power_at(n) < power:
+        n += 1
+    return n
+
+
 def connor_n(psi: float, delta: float, alpha: float = ALPHA, power: float = TARGET_POWER) -> int:
-    """Pairs needed to detect `delta` at `power` with discordant share `psi` (Connor 1987), rounded up."""
+    """The fewest pairs at which `connor_power` reaches `power` for `delta` at discordant share `psi`."""
+    _check_feasible(psi, delta)
     za, zb, d = _z(1 - alpha / 2), _z(power), abs(delta)
-    return math.ceil(((za * math.sqrt(psi) + zb * math.sqrt(psi - d * d)) / d) ** 2 - 1e-9)
+    start = ((za * math.sqrt(psi) + zb * math.sqrt(max(psi - d * d, 0.0))) / d) ** 2
+    return _smallest_n(lambda n: connor_power(n, psi, d, alpha), start, power)
 
 
-def connor_mde(n: int, psi: float, alpha: float = ALPHA, power: float = TARGET_POWER) -> float:
-    """The smallest difference detectable at `power` with `n` pairs and discordant share `psi`: the root in
-    (0, sqrt(psi)) of delta sqrt(n) = z_{1-a/2} sqrt(psi) + z_{1-b} sqrt(psi - delta^2)."""
+def connor_mde(n: int, psi: float, alpha: float = ALPHA, power: float = TARGET_POWER) -> float | None:
+    """The smallest difference at which `connor_power` reaches `power` with `n` pairs and discordant share `psi`,
+    in (0, psi]; None when even delta = psi does not reach it (not detectable at this n)."""
     from scipy.optimize import brentq
 
-    za, zb = _z(1 - alpha / 2), _z(power)
-
-    def gap(d: float) -> float:
-        return d * math.sqrt(n) - za * math.sqrt(psi) - zb * math.sqrt(max(psi - d * d, 0.0))
-
-    return float(brentq(gap, 0.0, math.sqrt(psi), xtol=1e-12))
+    if psi <= 0 or connor_power(n, psi, psi, alpha) < power:
+        return None
+    return float(brentq(lambda d: connor_power(n, psi, d, alpha) - power, 0.0, psi, xtol=1e-14, rtol=1e-12))
 
 
 def exact_mcnemar_power(n: int, psi: float, delta: float, alpha: float = ALPHA) -> float:
@@ -80,88 +111,157 @@ def exact_mcnemar_power(n: int, psi: float, delta: float, alpha: float = ALPHA) 
     import numpy as np
     from scipy.stats import binom
 
+    _check_feasible(psi, delta)
+    if psi == 0:
+        return 0.0
     m = np.arange(n + 1)
     j = binom.ppf(alpha / 2, m, 0.5)  # the smallest j with P(K <= j) >= alpha/2 under the null
     crit = np.where(2 * binom.cdf(j, m, 0.5) <= alpha * (1 + 1e-7), j, j - 1)  # largest j with 2 P(K <= j) <= alpha
-    q = (psi + delta) / (2 * psi)
+    q = min(max((psi + delta) / (2 * psi), 0.0), 1.0)
     reject = np.where(crit >= 0, binom.cdf(crit, m, q) + binom.sf(m - crit - 1, m, q), 0.0)
     return float(np.sum(binom.pmf(m, n, psi) * reject))
 
 
-def mean_power(n: int, sd: float, delta: float, alpha: float = ALPHA) -> float:
-    """Power of a two-sided test of a paired mean difference `delta` (normal approximation, sd of the differences)."""
-    za, shift = _z(1 - alpha / 2), abs(delta) * math.sqrt(n) / sd
+def mean_power(n: int, sd: float, delta: float, alpha: float = ALPHA, efficiency: float = WILCOXON_ARE) -> float:
+    """Power of a two-sided test of a paired difference `delta` (normal approximation from the sd of the
+    differences; `efficiency` scales n: the Wilcoxon signed-rank test's 3/pi by default)."""
+    za, shift = _z(1 - alpha / 2), abs(delta) * math.sqrt(n * efficiency) / sd
     return _phi(shift - za) + _phi(-shift - za)
 
 
 def mean_n(sd: float, delta: float, alpha: float = ALPHA, power: float = TARGET_POWER) -> int:
-    """Pairs needed to detect a paired mean difference `delta` at `power`, rounded up."""
-    return math.ceil(((_z(1 - alpha / 2) + _z(power)) * sd / abs(delta)) ** 2 - 1e-9)
+    """The fewest pairs at which `mean_power` reaches `power` for `delta`."""
+    start = ((_z(1 - alpha / 2) + _z(power)) * sd / abs(delta)) ** 2 / WILCOXON_ARE
+    return _smallest_n(lambda n: mean_power(n, sd, delta, alpha), start, power)
 
 
 def mean_mde(n: int, sd: float, alpha: float = ALPHA, power: float = TARGET_POWER) -> float:
-    """The smallest paired mean difference detectable at `power` with `n` pairs."""
-    return (_z(1 - alpha / 2) + _z(power)) * sd / math.sqrt(n)
+    """The smallest paired difference at which `mean_power` reaches `power` with `n` pairs."""
+    from scipy.optimize import brentq
+
+    top = (_z(1 - alpha / 2) + _z(power) + 1) * sd / math.sqrt(n * WILCOXON_ARE)  # power > target there
+    return float(brentq(lambda d: mean_power(n, sd, d, alpha) - power, 0.0, top, xtol=1e-14, rtol=1e-12))
 
 
-def _base(kind: str, n: int, effect: float, scale: float) -> dict[str, Any]:
-    binary = kind == "binary"
+def default_effect(values: np.ndarray | None, declared: tuple[float, float] | None = None) -> tuple[float, str]:
+    """The default effect in the metric's unit, and where it comes from: `DEFAULT_EFFECT_SHARE` of the metric's
+    range: the declared one (data/benchmarks.yaml), else 0-1 when every value lies there, else the values' own."""
+    import numpy as np
+
+    if declared is not None:
+        (lo, hi), where = declared, "the metric's range"
+    else:
+        v = np.asarray(values, dtype=np.float64)
+        if not v.size:
+            raise ValueError("the default effect needs the metric's values or its declared range")
+        lo, hi = float(v.min()), float(v.max())
+        (lo, hi), where = ((0.0, 1.0), "a 0-1 score's range") if lo >= 0 and hi <= 1 else ((lo, hi), "both runs' range")
+    return DEFAULT_EFFECT_SHARE * (hi - lo), f"default: {DEFAULT_EFFECT_SHARE:.0%} of {where}, {lo:g} to {hi:g}"
+
+
+def _base(binary: bool, n: int, outcome: str | None) -> dict[str, Any]:
+    test = "exact McNemar (binomial on the discordant docs)" if binary else "Wilcoxon signed-rank"
     return {
-        "method": "Connor (1987) normal approximation for paired proportions, from the observed discordant share"
+        "method": "Connor (1987) normal approximation for paired proportions, conditional on the observed discordant "
+        "share"
         if binary
-        else "normal approximation for a paired mean difference, from the sd of the per-doc differences",
+        else "normal approximation from the sd of the per-doc differences, n scaled by the Wilcoxon test's asymptotic "
+        "relative efficiency 3/pi (normal differences)",
+        "test": test + (f" of {outcome}" if outcome else ""),
         "alpha": ALPHA,
         "target_power": TARGET_POWER,
         "n": n,
-        "effect": effect / scale,
-        "effect_shown": effect,
         "unit": "share of docs (x100: points)" if binary else "the metric's own unit",
+        "effect": None,
+        "effect_shown": None,
+        "effect_source": None,
         "discordant_share": None,
         "sd_difference": None,
         "mde": None,
+        "not_detectable": None,
+        "n_for_mde": None,
+        "power_at_mde_exact": None,
         "power_at_effect": None,
         "power_at_effect_exact": None,
         "n_for_effect": None,
-        "discordant_share_assumed": None,
+        "effect_impossible": None,
         "too_few": None,
     }
 
 
-def comparison_power(kind: str, differences: np.ndarray, effect: float = DEFAULT_EFFECT_POINTS) -> dict[str, Any]:
+def comparison_power(
+    kind: str,
+    differences: np.ndarray,
+    effect: float | None = None,
+    *,
+    values: np.ndarray | None = None,
+    declared_range: tuple[float, float] | None = None,
+    outcome: str | None = None,
+) -> dict[str, Any]:
     """What a paired comparison could detect, from its per-doc differences (candidate minus reference).
 
-    `kind` binary: differences are -1 / 0 / +1 and `effect` is in points (a drop of `effect` / 100 as a share of
-    docs); continuous: `effect` is in the metric's unit. Returns the record buckets.json keeps as `power`.
+    `kind` binary: differences are -1 / 0 / +1 (`outcome` names a 0/1 outcome other than the metric, e.g. a pass
+    rate) and `effect` is in points; continuous: `effect` is in the metric's unit. `effect` None: the default for
+    the metric's scale (`default_effect` over both runs' `values` and the `declared_range`). Returns the record
+    buckets.json keeps as `power`.
     """
     import numpy as np
 
     d = np.asarray(differences, dtype=np.float64)
     n, binary = int(d.size), kind == "binary"
-    out = _base(kind, n, effect, 100.0 if binary else 1.0)
-    delta = out["effect"]
+    out = _base(binary, n, outcome)
+    scale = 100.0 if binary else 1.0
+    if effect is None:
+        shown, source = default_effect(values, (0.0, 1.0) if binary else declared_range)
+        shown *= scale
+    else:
+        shown, source = float(effect), "--effect"
+    out.update(effect=shown / scale, effect_shown=shown, effect_source=source)
     if binary:
         psi = float(np.count_nonzero(d)) / n if n else 0.0
         out["discordant_share"] = psi
         if n < MIN_N or psi == 0:
-            out["too_few"] = _too_few(n, "no doc where the runs disagree" if n >= MIN_N else None)
+            out["too_few"] = too_few(n, "no doc where the runs disagree" if n >= MIN_N else None)
             return out
-        assumed = max(psi, delta)  # a drop of delta needs at least that share of discordant docs
-        out["discordant_share_assumed"] = assumed if assumed != psi else None
-        out.update(
-            mde=connor_mde(n, psi),
-            power_at_effect=connor_power(n, assumed, delta),
-            power_at_effect_exact=exact_mcnemar_power(n, assumed, delta),
-            n_for_effect=connor_n(assumed, delta),
-        )
+        out.update(_binary_figures(n, psi, out["effect"]))
         return out
     sd = float(d.std(ddof=1)) if n > 1 else 0.0
     out["sd_difference"] = sd
     if n < MIN_N or sd == 0:
-        out["too_few"] = _too_few(n, "the per-doc differences do not vary" if n >= MIN_N else None)
+        out["too_few"] = too_few(n, "the per-doc differences do not vary" if n >= MIN_N else None)
         return out
+    delta = out["effect"]
     out.update(mde=mean_mde(n, sd), power_at_effect=mean_power(n, sd, delta), n_for_effect=mean_n(sd, delta))
     return out
 
 
-def _too_few(n: int, why: str | None) -> str:
+def _binary_figures(n: int, psi: float, delta: float) -> dict[str, Any]:
+    """MDE, power at the effect and documents needed of a 0/1 comparison, all at the observed discordant share."""
+    out: dict[str, Any] = {}
+    mde = connor_mde(n, psi)
+    if mde is None:
+        out["n_for_mde"] = connor_n(psi, psi)
+        out["not_detectable"] = (
+            f"not detectable at this n: even a difference as large as the discordant share ({100 * psi:.1f} points, "
+            f"every disagreeing doc one way) has power {connor_power(n, psi, psi):.0%}; {out['n_for_mde']} paired "
+            f"docs at this discordant share would make it detectable"
+        )
+    else:
+        out.update(mde=mde, power_at_mde_exact=exact_mcnemar_power(n, psi, mde))
+    if delta > psi:
+        out["effect_impossible"] = (
+            f"a difference of {100 * delta:g} points needs at least {100 * delta:g}% of the docs to disagree; "
+            f"{100 * psi:.1f}% do"
+        )
+        return out
+    out.update(
+        power_at_effect=connor_power(n, psi, delta),
+        power_at_effect_exact=exact_mcnemar_power(n, psi, delta),
+        n_for_effect=connor_n(psi, delta),
+    )
+    return out
+
+
+def too_few(n: int, why: str | None = None) -> str:
+    """The "too few to tell" sentence: `why`, else the number of paired docs against `MIN_N`."""
     return "too few to tell: " + (why or f"{n} paired docs (at least {MIN_N} are needed)")

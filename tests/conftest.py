@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from hypothesis import settings as hypothesis_settings
 
 from helpers import (
     FIXTURE_BATCH,
@@ -34,6 +35,15 @@ from helpers import (
     write_tiny_sweep,
 )
 from lm_eval_sink.merging.engines import LOOPBACK_ENV
+
+# The property tests (hypothesis) run a fixed set of examples: derandomized (the same examples on every machine and
+# every run), bounded, no deadline (a loaded 2-core machine is slow, not wrong), no example database written into the
+# checkout. HYPOTHESIS_PROFILE=thorough searches more widely, by hand (docs/development.md).
+hypothesis_settings.register_profile(
+    "ci", max_examples=40, derandomize=True, deadline=None, database=None, print_blob=True
+)
+hypothesis_settings.register_profile("thorough", max_examples=2000, deadline=None, database=None, print_blob=True)
+hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # Every Ray the tests start or reach stays on 127.0.0.1 and sends no usage statistics. Ray reads
 # these when it is imported, so they are set before any test module imports it.

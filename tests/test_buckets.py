@@ -426,6 +426,10 @@ def test_eqbench_paired_difference_and_threshold(shared_data):
     md = summary_markdown(rep.to_json())  # a continuous metric in its own unit, named; 6 docs say nothing on power
     assert "| score (eqbench in its own unit) | reference |" in md and "(points)" not in md
     assert "Power: too few to tell: 6 paired docs (at least 10 are needed)" in md
+    # 6 docs: too few to tell, said first; a continuous metric's interval is withheld with its reason
+    assert rep.delta_ci is None and rep.delta_ci_method.startswith("withheld: 6 paired docs (at least 10 are needed)")
+    assert f"| too few to tell: {rep.delta:.4g} [interval withheld] |" in md
+    assert md.index("**Too few to tell: 6 paired docs") < md.index("| score (eqbench")
     thr = 95.0
     rep_t = bucket(ref, cand, "eq_bench", BucketSettings(n_bootstrap=500, threshold=thr))
     want = {
@@ -784,8 +788,9 @@ def test_power_and_noise_floor_in_every_output(boolq_trio, tmp_path, capsys):
     )
     assert "share of docs (0-1)" in data["units"] and "points" in data["units"]
     md = (out / "buckets.md").read_text()
-    assert "- minimum detectable difference at this n: 12.4 points" in md and md in stdout
-    assert f"- paired docs a 5-point drop would need for power 0.8: {connor_n(0.2, 0.05)}" in md
+    assert "- minimum detectable difference at this n: 12.4 points (power 0.8 there; the exact McNemar" in md
+    assert md in stdout and "power to detect a difference of 5 points (default: 5% of the metric's range" in md
+    assert f"- paired docs that difference would need for power 0.8: {connor_n(0.2, 0.05)}" in md
     floor = data["noise_floor"]
     assert (floor["flips"], floor["flip_rate"], floor["pass_to_fail"], floor["fail_to_pass"]) == (5, 0.05, 4, 1)
     assert (floor["expected_regressions"], floor["regressions"], floor["explained_by_noise"]) == (4.0, 16, 4)
@@ -798,7 +803,7 @@ def test_power_and_noise_floor_in_every_output(boolq_trio, tmp_path, capsys):
     assert data["runs"]["repeat"]["model"] == "ref-model" and data["provenance"]["inputs"]["repeat"]["samples_sha256"]
 
 
-def test_a_run_against_itself_gets_a_note(boolq_trio, capsys, tmp_path):
+def test_a_run_against_itself_gets_a_note(boolq_trio, shared_data, capsys, tmp_path):
     ref = str(boolq_trio["ref"])
     assert main(["buckets", ref, ref, "--quiet", "--bootstrap", "200"]) == 0
     out = capsys.readouterr().out
@@ -808,6 +813,19 @@ def test_a_run_against_itself_gets_a_note(boolq_trio, capsys, tmp_path):
     assert main(["buckets", ref, str(boolq_trio["cand"]), "--repeat", ref, "--quiet", "--bootstrap", "200"]) == 0
     out = capsys.readouterr().out
     assert "flip rate 0.0%" in out and "the reference and its repeat give identical samples" in out
+    # ... and says why (BoolQ scores fixed choices by log-likelihood) and what would measure noise
+    assert (
+        "why the repeat is identical: log-likelihood scoring of fixed choices with the same model, settings and "
+        "machine is deterministic, so a repeat under the same conditions measures no noise; to measure run-to-run "
+        "noise, repeat the reference with another batch size" in out
+    )
+    assert "another machine or GPU (other kernels), or sampling (do_sample with temperature > 0)" in out
+    # a repeat over other docs is named as the repeat, not as the candidate
+    short = bl.write_run(
+        tmp_path / "short", {"boolq": _boolq_lines(shared_data, _outcomes(90, set(range(70))))}, model="ref-model"
+    )
+    msg = _cli_error(capsys, ["buckets", ref, str(boolq_trio["cand"]), "--repeat", str(short)], tmp_path / "o3")
+    assert "10 doc_ids only in the reference, 0 only in the repeat" in msg and "is only in the reference" in msg
     # a repeat of another model is not a noise floor
     msg = _cli_error(
         capsys, ["buckets", ref, str(boolq_trio["cand"]), "--repeat", str(boolq_trio["cand"])], tmp_path / "o"
@@ -826,4 +844,93 @@ def test_instruction_types_below_ten_are_too_few_to_test(ifeval_pair):
     md = summary_markdown(rep.to_json())
     assert "| detectable_format:json_format | 1 | 1 | 0 | 100.0 | 0.0 | too few to test | - | - |" in md
     assert "-100.0" not in md
-    assert "Power (alpha 0.05 two-sided, power 0.8; Connor (1987)" in md  # 21 docs, 13 discordant
+    assert "Power (alpha 0.05 two-sided, power 0.8; the test: exact McNemar" in md  # 21 docs, 13 discordant
+    assert "; Connor (1987) normal approximation for paired proportions, conditional on the observed" in md
+
+
+# --- small samples said first, truncation over every doc, the power of the test that runs (issues 42, 44) ---------
+
+CUT = "We add and subtract the amounts step by step, and then we keep going with more of the same steps until it is cut"
+
+
+@pytest.fixture(scope="module")
+def gsm8k_four(shared_data, tmp_path_factory):
+    """The tour's gsm8k_cot comparison at --limit 4: both runs fail all four problems, and all 8 answers stop at
+    max_gen_toks 64 (cut mid-sentence, no final answer)."""
+    gen = {"until": ["Q:"], "do_sample": False, "temperature": 0.0, "max_gen_toks": 64}
+    root = tmp_path_factory.mktemp("gsm8k_four")
+    runs = {}
+    for side, suffix, chat in (("ref", "", True), ("cand", " and more", False)):
+        lines = [
+            s for i, d in enumerate(bl.gsm8k_docs(shared_data)[:4]) for s in bl.gsm8k_samples(i, d, CUT + suffix, gen)
+        ]
+        runs[side] = bl.write_run(root / side, {"gsm8k_cot_zeroshot": lines}, model="m", limit=4, chat_template=chat)
+    return runs
+
+
+def test_four_docs_say_too_few_to_tell_first_everywhere(gsm8k_four, tmp_path, capsys):
+    """4 paired docs: "too few to tell" before every delta (console, buckets.md, the figure's title, the report's
+    headline); a 0/1 interval that cannot collapse on identical outcomes (main: a bootstrap's 0.0 [0.0, 0.0]); the
+    truncation line although no doc regressed (main: counted over regressions only, so none)."""
+    from lm_eval_sink.buckets import figure_title
+
+    out = tmp_path / "b"
+    args = ["buckets", str(gsm8k_four["ref"]), str(gsm8k_four["cand"]), "--quiet", "--output", str(out)]
+    assert main(args) == 0
+    console = capsys.readouterr().out
+    md = (out / "buckets.md").read_text()
+    assert md in console
+    first = md.index("**Too few to tell: 4 paired docs (at least 10 are needed).**")
+    assert first < md.index("| exact_match |") and "| too few to tell: 0.0 [-49.0, 49.0] | 1 | n/a |" in md
+    assert "Intervals: exact_match: Newcombe's hybrid score interval for paired proportions (method 10)" in md
+    data = json.loads((out / "buckets.json").read_text())
+    assert data["delta_ci"][1] - data["delta_ci"][0] > 0.9 and data["counts"]["both_fail"] == 4
+    assert data["too_few_to_tell"] == "too few to tell: 4 paired docs (at least 10 are needed)"
+    sides = data["truncation"]["reference"], data["truncation"]["candidate"]
+    assert [(c["truncated"], c["responses"]) for c in sides] == [(4, 4), (4, 4)]
+    assert "Responses that hit the generation limit: reference 4 of 4, candidate 4 of 4; regressions 0" in md
+    assert all(r["truncated"] and r["reference_truncated"] for r in data["rows"])
+    assert figure_title(data).startswith("too few to tell: gsm8k_cot_zeroshot: exact_match (strict-match), 4 paired")
+    assert main(["report", "--buckets", str(out), "-o", str(tmp_path / "r.html")]) == 0
+    page = (tmp_path / "r.html").read_text()
+    card = page[page.index('<div class="cards">') :]
+    assert card.index(">too few to tell<") < card.index('data-src="b/buckets.json#/delta"') < card.index("McNemar")
+    assert "4 paired docs (at least 10 are needed): the delta describes these docs only" in card
+
+
+def _eqbench_pair(shared_data, n: int):
+    import ast
+
+    ref, cand = [], []
+    for i, doc in enumerate(bl.eqbench_docs(shared_data)[:n]):
+        truth = ast.literal_eval(doc["reference_answer_fullscale"])
+        exact = [int(truth[f"emotion{k}_score"]) for k in range(1, 5)]
+        worse = list(exact)
+        step = 1 + i % 6
+        worse[0] = exact[0] + step if exact[0] + step <= 10 else exact[0] - step
+        ref.append(bl.eqbench_sample(i, doc, exact if i % 4 else worse))
+        cand.append(bl.eqbench_sample(i, doc, worse if i % 3 else exact))
+    return ref, cand
+
+
+def test_threshold_reports_the_power_of_the_mcnemar_test_it_runs(shared_data):
+    """With --threshold buckets runs McNemar on pass/fail: the power is that test's (main: the paired mean's, in
+    eqbench units); without, Wilcoxon's, with the default effect 5% of EQ-Bench's declared 0-100 range."""
+    from lm_eval_sink.buckets import summary_markdown
+    from lm_eval_sink.power import connor_power
+
+    ref, cand = _eqbench_pair(shared_data, 24)
+    rep = bucket(ref, cand, "eq_bench", BucketSettings(n_bootstrap=500, threshold=90.0))
+    pw = rep.power
+    assert rep.counts["regression"] and rep.discordant >= 2
+    assert pw["test"] == "exact McNemar (binomial on the discordant docs) of pass/fail (score >= 90)"
+    assert pw["discordant_share"] == rep.discordant / 24 and pw["sd_difference"] is None
+    assert pw["effect_shown"] == 5.0 and pw["effect"] == 0.05
+    if pw["power_at_effect"] is not None:
+        assert pw["power_at_effect"] == pytest.approx(connor_power(24, pw["discordant_share"], 0.05))
+    assert "the test: exact McNemar (binomial on the discordant docs) of pass/fail (score >= 90)" in summary_markdown(
+        rep.to_json()
+    )
+    plain = bucket(ref, cand, "eq_bench", BucketSettings(n_bootstrap=500)).power
+    assert plain["test"] == "Wilcoxon signed-rank" and plain["effect"] == 5.0
+    assert plain["effect_source"] == "default: 5% of the metric's range, 0 to 100"

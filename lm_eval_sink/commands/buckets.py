@@ -11,6 +11,7 @@ from lm_eval_sink.buckets import (
     BucketReport,
     BucketSettings,
     bucket,
+    figure_title,
     protocol_differences,
     protocol_record,
     rows_csv,
@@ -169,14 +170,14 @@ def compare_runs(
         from lm_eval_sink.failure_kinds import tokenizer_counter
 
         count_tokens = tokenizer_counter(options.tokenizer)
-    fallback = runs["candidate"].get("default_max_gen_toks")
+    fallbacks = tuple(runs[side].get("default_max_gen_toks") for side in ("reference", "candidate"))
     report = bucket(
         read_samples(ref_path),
         read_samples(cand_path),
         task,
         settings,
         count_tokens=count_tokens,
-        fallback_max_gen_toks=(fallback["value"], fallback["source"]) if fallback else None,
+        fallback_max_gen_toks=tuple((f["value"], f["source"]) if f else None for f in fallbacks),
         labels=(f"reference samples {ref_path}", f"candidate samples {cand_path}"),
         progress=options.progress,
     )
@@ -208,9 +209,7 @@ def write_outputs(report: dict[str, Any], output: Path, force: bool = False) -> 
         what = f"{report['task']}: {report['metric']} ({report['filter']})"
         if report.get("counts"):
             kinds = (report.get("failure_kinds") or {}).get("counts")
-            bucket_bars(
-                report["counts"], f"{what}, {report['n']} paired docs", tmp / "buckets.png", regression_kinds=kinds
-            )
+            bucket_bars(report["counts"], figure_title(report), tmp / "buckets.png", regression_kinds=kinds)
         if report.get("instruction_types"):
             instruction_type_bars(
                 report["instruction_types"], f"{what}: instruction types by regressions", tmp / "instruction_types.png"

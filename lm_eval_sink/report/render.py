@@ -26,7 +26,7 @@ def figures(view: dict[str, Any]) -> dict[str, str]:
     h = view["headline"]
     if h is not None and h["counts_raw"]:
         out["buckets"] = _png(
-            plots.bucket_bars, h["counts_raw"], f"{h['task']}: {h['metric']}", regression_kinds=h["kinds_raw"] or None
+            plots.bucket_bars, h["counts_raw"], h["figure_title"], regression_kinds=h["kinds_raw"] or None
         )
     m = view["margin"]
     if m is not None and m["matrix"]:

@@ -252,20 +252,26 @@ def _instruction_type_rows(d: Doc) -> list[dict[str, Any]]:
     ]
 
 
-def _power(d: Doc, binary: bool) -> dict[str, Any] | None:
-    """What the comparison could have detected (buckets.json `power`), in points for a 0/1 metric."""
+def _power(d: Doc) -> dict[str, Any] | None:
+    """What the comparison could have detected (buckets.json `power`), in points for a 0/1 outcome."""
     pw = d.data.get("power")
     if not isinstance(pw, Mapping) or not pw:
         return None
+    binary = pw.get("discordant_share") is not None  # a 0/1 outcome: the metric, or pass/fail under --threshold
     style = "pts" if binary else "f4"
     return {
         "too_few": pw.get("too_few"),
         "method": pw.get("method"),
+        "test": pw.get("test"),
         "unit": "points" if binary else f"{d.data.get('metric')} units",
         "alpha": num(d, ["power", "alpha"], "f2"),
         "target": num(d, ["power", "target_power"], "f2"),
         "mde": num(d, ["power", "mde"], style),
+        "not_detectable": pw.get("not_detectable"),
+        "n_for_mde": num(d, ["power", "n_for_mde"], "int"),
         "effect": num(d, ["power", "effect"], style),
+        "effect_source": pw.get("effect_source"),
+        "effect_impossible": pw.get("effect_impossible"),
         "power": num(d, ["power", "power_at_effect"], "pts"),
         "exact": num(d, ["power", "power_at_effect_exact"], "pts"),
         "n_for_effect": num(d, ["power", "n_for_effect"], "int"),
@@ -275,6 +281,8 @@ def _power(d: Doc, binary: bool) -> dict[str, Any] | None:
 def _buckets_section(b: BucketsInput) -> dict[str, Any]:
     """The section of one buckets.json: scores and delta, bucket counts, failure kinds, regressions, instruction
     types, notes and protocol differences."""
+    from lm_eval_sink.buckets import figure_title
+
     d = b.doc
     data = d.data
     binary = data.get("kind") == "binary"
@@ -294,6 +302,8 @@ def _buckets_section(b: BucketsInput) -> dict[str, Any]:
         "delta": num(d, ["delta"], "+" + style),
         "delta_lo": num(d, ["delta_ci", 0], "+" + style),
         "delta_hi": num(d, ["delta_ci", 1], "+" + style),
+        "ci_method": data.get("delta_ci_method"),
+        "too_few": data.get("too_few_to_tell"),
         "confidence": num(d, ["settings", "confidence"], "pts"),
         "mcnemar_p": num(d, ["mcnemar_p"], "p"),
         "wilcoxon_p": num(d, ["wilcoxon_p"], "p"),
@@ -303,13 +313,14 @@ def _buckets_section(b: BucketsInput) -> dict[str, Any]:
             if k in counts
         ],
         "counts_raw": dict(counts),
+        "figure_title": figure_title(data),
         "kinds_raw": dict(kinds),
         "kinds": [{"kind": k, "n": num(d, ["failure_kinds", "counts", k], "int")} for k, v in kinds.items() if v],
         "main_kind": _main_kind(kinds),
         "regressions": num(d, ["counts", "regression"], "int"),
         "table": _regression_rows(b),
         "types": _instruction_type_rows(d),
-        "power": _power(d, binary),
+        "power": _power(d),
         "notes": list(data.get("notes") or []),
         "protocol_differences": [
             {

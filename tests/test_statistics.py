@@ -1,0 +1,215 @@
+"""The statistical cores of buckets and predict: properties over generated paired data (hypothesis, the fixed `ci`
+profile of conftest.py) and the library oracles each hand-written part is held against (statsmodels, scipy's
+bootstrap, a published worked example). Spearman, the permutation test and exact McNemar call scipy themselves: no
+test against scipy there, it could not fail."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from lm_eval_sink.buckets import (
+    BUCKETS,
+    BucketSettings,
+    cluster_delta_ci,
+    holm,
+    newcombe_paired_ci,
+    paired_delta_ci,
+    paired_stats,
+    wilson_ci,
+)
+from lm_eval_sink.errors import UserError
+from lm_eval_sink.power import MIN_N
+from lm_eval_sink.predict import fit_task
+
+FAST = BucketSettings(n_bootstrap=200, failure_kinds=False)
+_p = st.floats(min_value=0.0, max_value=1.0)
+_score = st.floats(min_value=-100.0, max_value=100.0, allow_nan=False)
+
+
+def _holds(ci, point) -> bool:
+    return ci[0] - 1e-9 <= point <= ci[1] + 1e-9
+
+
+# --- paired 0/1 and continuous outcomes ------------------------------------------------------------------------------
+
+
+@st.composite
+def _paired(draw, binary: bool):
+    n = draw(st.integers(1, 60))
+    values = st.integers(0, 1).map(float) if binary else _score
+    ref = np.array(draw(st.lists(values, min_size=n, max_size=n)))
+    cand = np.array(draw(st.lists(values, min_size=n, max_size=n)))
+    return ref, cand
+
+
+@given(pair=_paired(binary=True))
+def test_paired_0_1_statistics(pair):
+    """Counts sum to n; McNemar's p is a probability; the interval holds the delta and never has zero width where
+    Newcombe's score interval is used (fewer than MIN_N docs, or no doc differs)."""
+    ref, cand = pair
+    stats = paired_stats(list(range(len(ref))), ref, cand, "binary", FAST)
+    assert sum(stats.counts.values()) == len(ref) and set(stats.counts) == set(BUCKETS)
+    assert stats.discordant == stats.counts["regression"] + stats.counts["recovered"]
+    assert 0.0 <= stats.mcnemar_p <= 1.0
+    assert _holds(stats.delta_ci, stats.delta) and -1.0 <= stats.delta_ci[0] <= stats.delta_ci[1] <= 1.0
+    if len(ref) < MIN_N or not stats.discordant:
+        assert stats.delta_ci_method.startswith("Newcombe") and stats.delta_ci[1] - stats.delta_ci[0] > 0.05
+    else:
+        assert stats.delta_ci_method.startswith("paired bootstrap")
+
+
+# scipy's Wilcoxon test enumerates all 2^n sign flips for n <= 13 with ties: half the examples keep this one cheap
+@settings(max_examples=20)
+@given(pair=_paired(binary=False), threshold=_score)
+def test_paired_continuous_statistics(pair, threshold):
+    """Wilcoxon's p is a probability; the bootstrap interval holds the delta, and is withheld below MIN_N docs or
+    when the differences do not vary; with a threshold, the pass/fail counts sum to n and the pass rate's interval
+    holds its delta."""
+    ref, cand = pair
+    stats = paired_stats(list(range(len(ref))), ref, cand, "continuous", FAST)
+    assert 0.0 <= stats.wilcoxon_p <= 1.0 and stats.counts is None
+    if len(ref) < MIN_N or np.ptp(cand - ref) == 0:
+        assert stats.delta_ci is None and stats.delta_ci_method.startswith("withheld: ")
+    else:
+        assert _holds(stats.delta_ci, stats.delta)
+    with_threshold = paired_stats(
+        list(range(len(ref))), ref, cand, "continuous", BucketSettings(n_bootstrap=200, threshold=threshold)
+    )
+    assert sum(with_threshold.counts.values()) == len(ref) and 0.0 <= with_threshold.mcnemar_p <= 1.0
+    rate = with_threshold.pass_rate
+    assert _holds(rate["delta_ci"], rate["delta"])
+
+
+@given(k=st.integers(0, 500), extra=st.integers(0, 500), confidence=st.sampled_from([0.8, 0.9, 0.95, 0.99]))
+def test_wilson_against_statsmodels(k, extra, confidence):
+    from statsmodels.stats.proportion import proportion_confint
+
+    n = k + max(extra, 1 if k == 0 else 0)
+    lo, hi = proportion_confint(k, n, alpha=1 - confidence, method="wilson")
+    assert wilson_ci(k, n, confidence) == pytest.approx((lo, hi), abs=1e-12)
+
+
+def test_newcombe_against_a_published_example():
+    """Cavo et al. (2012), complete response before and after consolidation therapy: 59 both, 6 before only, 16 after
+    only, 80 neither; Newcombe's square-and-add interval (method 10) of after minus before is 0.0621 (95% CI 0.0046
+    to 0.1186) in Fagerland, Lydersen & Laake, Statistical Analysis of Contingency Tables (2017), chapter 8."""
+    counts = {"both_pass": 59, "regression": 6, "recovered": 16, "both_fail": 80}
+    lo, hi = newcombe_paired_ci(counts, 0.95)
+    assert (round(lo, 4), round(hi, 4)) == (0.0046, 0.1186)
+    # four docs failed by both runs: an interval of some width around 0, never [0, 0]
+    lo, hi = newcombe_paired_ci({"both_pass": 0, "regression": 0, "recovered": 0, "both_fail": 4}, 0.95)
+    assert lo < -0.4 and hi > 0.4 and lo == pytest.approx(-hi)
+
+
+# --- bootstraps against scipy.stats.bootstrap ------------------------------------------------------------------------
+
+
+def test_paired_bootstrap_against_scipy():
+    """The same percentile interval of the mean paired difference as scipy's bootstrap (other draws: agreement within
+    a tenth of the bootstrap sd, about four Monte Carlo sds of the two endpoints' difference at 20,000 resamples)."""
+    from scipy.stats import bootstrap
+
+    rng = np.random.default_rng(7)
+    ref = rng.normal(60, 10, 60)
+    cand = ref + rng.gamma(2.0, 3.0, 60) - 7  # skewed differences: the percentile method's tails matter
+    ours = paired_delta_ci(ref, cand, 20_000, 0.95, 0)
+    res = bootstrap(
+        (cand - ref,), np.mean, n_resamples=20_000, method="percentile", rng=np.random.default_rng(1), vectorized=True
+    )
+    tol = 0.1 * res.standard_error
+    assert ours == pytest.approx((res.confidence_interval.low, res.confidence_interval.high), abs=tol)
+
+
+def test_cluster_bootstrap_against_scipy():
+    """IFEval's instruction-level interval resamples whole prompts: scipy's paired bootstrap of the ratio of sums over
+    prompts gives the same interval."""
+    from scipy.stats import bootstrap
+
+    rng = np.random.default_rng(3)
+    items = rng.integers(1, 5, 80)
+    ref = rng.binomial(items, 0.7)
+    cand = rng.binomial(items, 0.6)
+    ours = cluster_delta_ci(ref, cand, items, 20_000, 0.95, 0)
+
+    def ratio(diff, n, axis=-1):
+        return diff.sum(axis=axis) / n.sum(axis=axis)
+
+    res = bootstrap(
+        (cand - ref, items), ratio, paired=True, vectorized=True, n_resamples=20_000, method="percentile",
+        rng=np.random.default_rng(1),
+    )  # fmt: skip
+    tol = 0.1 * res.standard_error
+    assert ours == pytest.approx((res.confidence_interval.low, res.confidence_interval.high), abs=tol)
+
+
+@given(
+    rows=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 6), st.integers(0, 6)), min_size=1, max_size=40),
+    seed=st.integers(0, 2**16),
+)
+def test_the_cluster_interval_holds_its_estimate(rows, seed):
+    items = np.array([n for n, _, _ in rows])
+    ref = np.array([min(a, n) for n, a, _ in rows])
+    cand = np.array([min(b, n) for n, _, b in rows])
+    ci = cluster_delta_ci(ref, cand, items, 200, 0.95, seed)
+    assert _holds(ci, (cand.sum() - ref.sum()) / items.sum())
+
+
+# --- Holm ------------------------------------------------------------------------------------------------------------
+
+
+@given(p=st.lists(_p, min_size=1, max_size=30))
+def test_holm_against_statsmodels_and_its_properties(p):
+    from statsmodels.stats.multitest import multipletests
+
+    adjusted = holm(p)
+    assert adjusted == pytest.approx(list(multipletests(p, method="holm")[1]), abs=1e-12)
+    assert all(raw <= adj <= 1.0 for raw, adj in zip(p, adjusted, strict=True))
+    order = np.argsort(p, kind="stable")
+    assert all(adjusted[i] <= adjusted[j] for i, j in itertools.pairwise(order))  # monotone in the raw p
+
+
+# --- predict: the OLS prediction interval ----------------------------------------------------------------------------
+
+
+@st.composite
+def _pairs(draw):
+    s = draw(st.lists(st.integers(-300, 300), min_size=3, max_size=7, unique=True).map(lambda v: np.array(v) / 100))
+    d = np.array(draw(st.lists(st.floats(-50, 50), min_size=len(s), max_size=len(s))))
+    return s, d
+
+
+def _fit(s, d):
+    try:
+        return fit_task("t", tuple(f"p{i}" for i in range(len(s))), s, d)
+    except UserError:  # all deltas equal: Spearman's rho is undefined (the command refuses such pairs)
+        assume(False)
+
+
+@given(pairs=_pairs(), a=st.floats(-10, 10), b=st.floats(-10, 10))
+def test_the_prediction_interval_holds_its_prediction_and_widens_away_from_the_mean_s(pairs, a, b):
+    fit = _fit(*pairs)
+    assert 0.0 <= fit.permutation_p <= 1.0 and 0.0 <= fit.permutation_p_one_sided <= 1.0
+    near, far = sorted((a, b), key=lambda x: abs(x - fit.s_mean))
+    assert _holds(fit.prediction_interval(near), fit.predict(near))
+    assert fit.interval_half_width(near) <= fit.interval_half_width(far) + 1e-12
+    if fit.residual_se > 0 and abs(far - fit.s_mean) > abs(near - fit.s_mean) + 1e-6:
+        assert fit.interval_half_width(near) < fit.interval_half_width(far)
+
+
+@given(pairs=_pairs(), x=st.lists(st.floats(-10, 10), min_size=1, max_size=5))
+def test_the_prediction_interval_against_statsmodels(pairs, x):
+    import statsmodels.api as sm
+
+    s, d = pairs
+    fit = _fit(s, d)
+    frame = sm.OLS(d, sm.add_constant(s)).fit().get_prediction(sm.add_constant(np.array(x), has_constant="add"))
+    table = frame.summary_frame(alpha=0.05)
+    ours = np.array([fit.prediction_interval(v) for v in x])
+    scale = 1 + np.abs(d).max()
+    assert ours[:, 0] == pytest.approx(table["obs_ci_lower"].to_numpy(), abs=1e-7 * scale)
+    assert ours[:, 1] == pytest.approx(table["obs_ci_upper"].to_numpy(), abs=1e-7 * scale)
