@@ -1,0 +1,51 @@
+"""What the resident vLLM engine runs inside each of its workers: named methods vLLM can send by name.
+
+vLLM runs code in its workers through `LLM.collective_rpc(method, ...)`. In its default process mode the
+engine core is another process, and a plain function sent there is refused by vLLM's serializer unless
+the insecure pickle fallback (`VLLM_ALLOW_INSECURE_SERIALIZATION=1`) is on. A method name is always
+accepted: vLLM adds `EngineWorkerExtension`'s methods to its worker class when the engine is built with
+`worker_extension_cls=WORKER_EXTENSION` (`harness.engine_server.ResidentEngine` passes it), as RL
+trainers add theirs. `self` is then vLLM's worker (its `model_config`, `parallel_config`, `device`).
+
+The class holds methods only (no state, no `__init__`): vLLM grafts it onto the worker class as a base, and
+refuses a name the worker already has. Importing this module imports neither torch nor vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+WORKER_EXTENSION = "lm_eval_sink.harness.engine_worker.EngineWorkerExtension"
+
+
+def _cuda() -> Any:
+    """torch.cuda where this worker has used CUDA, else None (a CPU worker)."""
+    import torch
+
+    return torch.cuda if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+
+class EngineWorkerExtension:
+    """The resident engine's named calls into each vLLM worker (`collective_rpc("reseed")`, ...)."""
+
+    def reset_accelerator_peak(self) -> None:
+        """The CUDA peak counters of this worker start again (nothing on a CPU)."""
+        cuda = _cuda()
+        if cuda is not None:
+            cuda.reset_peak_memory_stats()
+
+    def accelerator_peak(self) -> dict[str, int]:
+        """The peak memory allocated on this worker's GPU since the reset: {"cuda:N": bytes}, empty on a CPU."""
+        cuda = _cuda()
+        if cuda is None:
+            return {}
+        device = cuda.current_device()
+        return {f"cuda:{device}": int(cuda.max_memory_allocated(device))}
+
+    def reseed(self) -> None:
+        """The seed the worker sets after building its engine, so sampling after a weight swap starts as on a
+        fresh engine."""
+        from vllm.utils.torch_utils import set_random_seed
+
+        worker: Any = self
+        set_random_seed(worker.model_config.seed, worker.parallel_config.data_parallel_index)
