@@ -162,6 +162,7 @@ class ResidentEngine:
         self.built_for: str | None = None
         self.units = 0  # units evaluated on this engine
         self.swap: str | None = None  # how the current unit's checkpoint got into the engine: built | reloaded
+        self.storage: list[dict[str, Any]] | None = None  # each worker's `weight_storage` when built
 
     def shutdown(self) -> None:
         """Shut the engine down (vLLM's engine-core process and workers, where it runs them apart)."""
@@ -192,6 +193,7 @@ class ResidentEngine:
         if self.llm is None:
             with _timed(timings, "engine_build"):
                 self.llm = real(**{**arguments, "worker_extension_cls": WORKER_EXTENSION})
+                self.storage = self.llm.collective_rpc("weight_storage")
             self.arguments, self.built_for, self.swap = fixed, str(arguments["model"]), "built"
             return self.llm
         if fixed != self.arguments:
@@ -204,6 +206,11 @@ class ResidentEngine:
             if not self.llm.reset_prefix_cache():
                 raise RuntimeError("vLLM could not reset its prefix cache after the weights were reloaded")
             self.llm.collective_rpc("reseed")
+        if self.llm.collective_rpc("weight_storage") != self.storage:
+            raise RuntimeError(
+                "vLLM's reload_weights did not write the weights in place (other parameters or storage than the "
+                "engine was built with): the engine would hold two copies, and compiled graphs the old one"
+            )
         self.swap = "reloaded"
         return self.llm
 
@@ -216,6 +223,7 @@ class ResidentEngine:
             "unit_on_engine": self.units,
             "weights": self.swap,
             "built_because": why if self.swap == "built" else None,
+            "weight_storage": self.storage,
         }
 
 

@@ -42,6 +42,24 @@ class EngineWorkerExtension:
         device = cuda.current_device()
         return {f"cuda:{device}": int(cuda.max_memory_allocated(device))}
 
+    def weight_storage(self) -> dict[str, int | str]:
+        """What this worker's model parameters occupy: how many, their bytes, and a digest of each one's name, shape,
+        dtype and storage address. `reload_weights` writes in place, so after a swap the same storage holds the new
+        weights (the memory the engine was built with, nothing allocated beside it; compiled graphs read the same
+        addresses)."""
+        import hashlib
+
+        worker: Any = self
+        parameters = list(worker.get_model().named_parameters())
+        digest = hashlib.sha256()
+        for name, p in parameters:
+            digest.update(f"{name} {tuple(p.shape)} {p.dtype} {p.device} {p.data_ptr()}\n".encode())
+        return {
+            "parameters": len(parameters),
+            "bytes": sum(p.numel() * p.element_size() for _, p in parameters),
+            "storage": digest.hexdigest(),
+        }
+
     def reseed(self) -> None:
         """The seed the worker sets after building its engine, so sampling after a weight swap starts as on a
         fresh engine."""
