@@ -128,9 +128,9 @@ def _total_memory(devices: tuple[str, ...]) -> dict[str, int]:
     import torch
 
     def total(d: str) -> int:
-        return (
-            int(psutil.virtual_memory().total) if d == "cpu" else torch.cuda.mem_get_info(int(d.partition(":")[2]))[1]
-        )
+        if d == "cpu":
+            return int(psutil.virtual_memory().total)
+        return torch.cuda.mem_get_info(int(d.partition(":")[2]))[1]
 
     return {d: total(d) for d in devices}
 

@@ -11,7 +11,8 @@ its start (`merging.engine_reuse.engine_fields`) gets a new engine, with a note;
 failed one, which is that unit's one line. Merges and strength units run as before (`units.run_unit`).
 
 `engine_reuse` decides the setting from the sweep file and `--fresh-engine`, `check_reuse` refuses at
-plan time a vLLM without the worker's `reload_weights`, and `plan_notes` is the plan's line about engines.
+plan time a vLLM without the worker's `reload_weights`, `check_room` a sweep whose units would load a
+checkpoint on GPU memory the engine holds, and `plan_notes` is the plan's line about engines.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from typing import Any
 
 from lm_eval_sink.commands.units import finish_eval, keep_logs, run_unit
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.harness.engine_worker import WORKER_EXTENSION
 from lm_eval_sink.harness.engine_client import EngineProcess, checkpoint_facts, reload_support, safetensors_shapes
+from lm_eval_sink.harness.engine_worker import WORKER_EXTENSION
 from lm_eval_sink.io import staged_dir
 from lm_eval_sink.merging.engine_reuse import (
     Fields,

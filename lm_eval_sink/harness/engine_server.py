@@ -208,8 +208,8 @@ class ResidentEngine:
             self.llm.collective_rpc("reseed")
         if self.llm.collective_rpc("weight_storage") != self.storage:
             raise RuntimeError(
-                "vLLM's reload_weights did not write the weights in place (other parameters or storage than the "
-                "engine was built with): the engine would hold two copies, and compiled graphs the old one"
+                "vLLM's reload_weights did not write the weights in place (other model tensors, or at other "
+                "addresses, than the engine was built with): compiled graphs would read the old ones"
             )
         self.swap = "reloaded"
         return self.llm

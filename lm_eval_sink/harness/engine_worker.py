@@ -43,20 +43,22 @@ class EngineWorkerExtension:
         return {f"cuda:{device}": int(cuda.max_memory_allocated(device))}
 
     def weight_storage(self) -> dict[str, int | str]:
-        """What this worker's model parameters occupy: how many, their bytes, and a digest of each one's name, shape,
-        dtype and storage address. `reload_weights` writes in place, so after a swap the same storage holds the new
-        weights (the memory the engine was built with, nothing allocated beside it; compiled graphs read the same
-        addresses)."""
+        """What this worker's model tensors (parameters and buffers) occupy: how many, their bytes, and a digest of
+        each one's name, shape, dtype, device and storage address. vLLM's `reload_weights` copies the new weights
+        into these same tensors (compiled graphs read their addresses), so after a swap the digest is the build's.
+        On vLLM's CPU build the linear layers' weights are packed into oneDNN handles outside them (made again at
+        each reload), so there they are the embeddings, norms and the emptied linear parameters."""
         import hashlib
 
         worker: Any = self
-        parameters = list(worker.get_model().named_parameters())
+        model = worker.get_model()
+        tensors = [*model.named_parameters(), *model.named_buffers()]
         digest = hashlib.sha256()
-        for name, p in parameters:
-            digest.update(f"{name} {tuple(p.shape)} {p.dtype} {p.device} {p.data_ptr()}\n".encode())
+        for name, t in tensors:
+            digest.update(f"{name} {tuple(t.shape)} {t.dtype} {t.device} {t.data_ptr()}\n".encode())
         return {
-            "parameters": len(parameters),
-            "bytes": sum(p.numel() * p.element_size() for _, p in parameters),
+            "tensors": len(tensors),
+            "bytes": sum(t.numel() * t.element_size() for _, t in tensors),
             "storage": digest.hexdigest(),
         }
 
