@@ -138,6 +138,11 @@ def test_engine_reuse_is_the_vllm_default_and_fresh_engine_turns_it_off(tmp_path
     line = user_error(["sweep", parallel, "--quiet"], tmp_path / "dp" / "out")
     assert "eval.engine_reuse with model_args.data_parallel_size 2" in line and "--fresh-engine" in line
     assert load_sweep(parallel, fresh_engine=True).engine_reuse is False
+    # the engine calls its workers through its own worker extension: a user's is refused, kept with --fresh-engine
+    own = _vllm_sweep(tmp_path / "ext", tiny_trio, model_args={"worker_extension_cls": "my_rl.Extension"})
+    line = user_error(["sweep", own, "--quiet"], tmp_path / "ext" / "out")
+    assert "eval.model_args.worker_extension_cls my_rl.Extension" in line and "--fresh-engine" in line, line
+    assert load_sweep(own, fresh_engine=True).engine_reuse is False
     # an interpreter without vLLM is check_interpreter's to refuse, not the resident engine's
     assert "engine_reuse" not in user_error(["sweep", path, "--quiet"], tmp_path / "out")
 
