@@ -121,6 +121,20 @@ def _free_memory(devices: tuple[str, ...]) -> dict[str, int]:
     return {d: free(d) for d in devices}
 
 
+def _total_memory(devices: tuple[str, ...]) -> dict[str, int]:
+    """Total bytes per device: the host's RAM, or a GPU's whole memory (what vLLM's `gpu_memory_utilization` is a
+    share of); only the devices named are touched."""
+    import psutil
+    import torch
+
+    def total(d: str) -> int:
+        if d == "cpu":
+            return int(psutil.virtual_memory().total)
+        return torch.cuda.mem_get_info(int(d.partition(":")[2]))[1]
+
+    return {d: total(d) for d in devices}
+
+
 def _shown(free: dict[str, int]) -> str:
     return ", ".join(f"{d} {v / _GIB:.1f} GiB" for d, v in free.items())
 

@@ -284,7 +284,7 @@ def uninterrupted(tmp_path_factory, tiny_trio, lm_eval_task_index) -> Path:
     return _made_once(tmp_path_factory, "sweep_a", make) / "sweep.yaml"
 
 
-# --- real vLLM: the SmolLM2 sweeps (docs/scale.md) ---------------------------------------------------------
+# --- real vLLM: the SmolLM2 sweep they compare with (docs/scale.md) -------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -319,31 +319,28 @@ def smollm2_candidate(tmp_path_factory, default_model) -> Path:
 
 
 @pytest.fixture(scope="session")
-def smollm2_sweeps(tmp_path_factory, shared_data, default_model, smollm2_candidate) -> dict[str, Path]:
-    """The SmolLM2 sweep (reference, the perturbed candidate, the near-reference merge; IFEval on SWEEP_LIMIT local
-    prompts and sink_strength), its evaluations run in `.venv-vllm` (the transformers that measures S first under
-    vLLM is that venv's), once with HF and once with vLLM, an engine per checkpoint (`engine_reuse: false`; that
-    sweep also measures S in strength units): made once per run, read by the tests of the vLLM backend and of the
-    resident engine, which compares with it."""
+def smollm2_sweep(tmp_path_factory, shared_data, default_model, smollm2_candidate) -> Path:
+    """The SmolLM2 sweep file (reference, the perturbed candidate, the near-reference merge; IFEval on SWEEP_LIMIT
+    local prompts and sink_strength; strength: units), run once per run with its eval units under HF in `.venv-vllm`
+    (the transformers that measures S first under vLLM is that venv's): the reference the real-vLLM tests compare
+    with, the one-call vLLM run of its reference (test_backends) and the resident engine's sweep on a copy of its
+    folder (test_vllm_engine)."""
     from lm_eval_sink.commands.sweep import load_sweep, run_sweep
 
     if not VLLM_PY.is_file():
         pytest.skip(vllm_missing_reason())
-    vllm = {"backend": "vllm", "model_args": {"enforce_eager": True}, "engine_reuse": False}
-    runs = (("hf", {}, False), ("vllm", vllm, {"n_prompts": 5, "last_k": 2, "dtype": "float32"}))
 
     def make(root: Path) -> None:
         env = {**VLLM_ENV, "LM_EVAL_SINK_DATA": str(shared_data), "HF_HUB_OFFLINE": "1"}
         with pytest.MonkeyPatch.context() as mp:
             for k, v in env.items():
                 mp.setenv(k, v)
-            for name, backend, strength in runs:
-                path = smollm2_sweep_file(root / name, default_model, smollm2_candidate, backend, strength)
-                report = run_sweep(load_sweep(path), progress=False)
-                assert not report.failures, report.failures
+            strength = {"n_prompts": 5, "last_k": 2, "dtype": "float32"}
+            path = smollm2_sweep_file(root / "hf", default_model, smollm2_candidate, {}, strength)
+            report = run_sweep(load_sweep(path), progress=False)
+            assert not report.failures, report.failures
 
-    root = _made_once(tmp_path_factory, "smollm2_sweeps", make)
-    return {name: root / name / "sweep.yaml" for name, _, _ in runs}
+    return _made_once(tmp_path_factory, "smollm2_sweep", make) / "hf" / "sweep.yaml"
 
 
 @pytest.fixture

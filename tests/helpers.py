@@ -306,8 +306,11 @@ def write_tiny_sweep(folder: Path, trio: dict[str, Path], **extra) -> Path:
 # --- real vLLM (the CPU build in .venv-vllm) -------------------------------------------------------------
 
 VLLM_PY = REPO / ".venv-vllm" / "bin" / "python"
-# The in-process engine on one thread (start-up seconds, not half a minute), 1 GiB of KV cache.
-VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+# vLLM's default process mode, as users run it (the engine core in a process of its own; VLLM_ENABLE_V1_MULTIPROCESSING
+# unset), on one OpenMP thread with 1 GiB of KV cache: one test of each vLLM path runs so (docs/scale.md).
+VLLM_DEFAULT_MODE_ENV = {"OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+# The tests' speed-up for the others: the engine in the calling process (start-up seconds, not half a minute).
+VLLM_ENV = {**VLLM_DEFAULT_MODE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 VLLM_MODEL_ARGS = "enforce_eager=True"  # no torch.compile (minutes on a CPU); a resource argument, not the protocol
 SWEEP_LIMIT = 2  # local IFEval prompts of the SmolLM2 sweeps
 NEAR_REFERENCE = REPO / "tests" / "data" / "near_reference.yaml"  # 0.95 reference + 0.05 candidate
@@ -335,3 +338,11 @@ def smollm2_sweep_file(folder: Path, reference: Path, candidate: Path, backend: 
     }
     (folder / "sweep.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
     return folder / "sweep.yaml"
+
+
+def engine_core_pids(log_text: str) -> set[int]:
+    """The process ids vLLM's log lines name as its engine core (`(EngineCore pid=N) ...`): one, of a process of its
+    own, in vLLM's default process mode; none with the in-process engine (its lines say `MainProcess`)."""
+    import re
+
+    return {int(m) for m in re.findall(r"\(EngineCore pid=(\d+)\)", log_text)}

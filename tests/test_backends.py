@@ -1,8 +1,8 @@
 """The vLLM backend: the exact lm-eval command line, its fingerprint, the refusals, and real runs.
 
-The real runs use vLLM's CPU build in `.venv-vllm` (`make venv-vllm`; make test builds it), float32,
-in-process engine, one thread, against `--backend hf` on the embedded SmolLM2; they skip only when
-that venv is absent.
+The real runs use vLLM's CPU build in `.venv-vllm` (`make venv-vllm`; make test builds it), float32, one
+thread: one `lm_eval --model vllm` call on the embedded SmolLM2 in vLLM's default process mode (as users run
+it), against the HF sweep of conftest `smollm2_sweep`; they skip only when that venv is absent.
 """
 
 from __future__ import annotations
@@ -17,7 +17,15 @@ import numpy as np
 import pytest
 import yaml
 from constructed_runs import results_dict, write_run
-from helpers import SWEEP_LIMIT, VLLM_ENV, VLLM_MODEL_ARGS, VLLM_PY, vllm_missing_reason
+from helpers import (
+    SWEEP_LIMIT,
+    VLLM_DEFAULT_MODE_ENV,
+    VLLM_ENV,
+    VLLM_MODEL_ARGS,
+    VLLM_PY,
+    engine_core_pids,
+    vllm_missing_reason,
+)
 
 from lm_eval_sink.cli import main
 from lm_eval_sink.errors import UserError
@@ -403,14 +411,43 @@ def _run_of(folder: Path, task: str = "ifeval") -> tuple[dict, list[dict]]:
     return results, sorted(samples, key=lambda s: s["doc_id"])
 
 
+def _reference_eval(sweep: Path) -> Path:
+    """The lm-eval output folder of a sweep's reference eval unit."""
+    return sweep.parent / "out" / "evals" / "reference" / "lm_eval"
+
+
+@pytest.fixture(scope="module")
+def vllm_one_call(smollm2_sweep, default_model, shared_data, tmp_path_factory) -> Path:
+    """`lm_eval --model vllm --tasks ifeval,sink_strength` on the SmolLM2 sweep's reference with its eval settings, as
+    `lm-eval-sink eval --backend vllm` runs it, in vLLM's default process mode (the engine core in a process of its
+    own, as users run it): S measured first by the start-up hook's child. Its lm-eval output folder."""
+    from dataclasses import replace
+
+    from lm_eval_sink.commands.sweep import load_sweep
+
+    settings = replace(load_sweep(smollm2_sweep).eval, backend="vllm", device=None, model_args={"enforce_eager": True})
+    out = tmp_path_factory.mktemp("vllm_one_call")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+        for k, v in {**VLLM_DEFAULT_MODE_ENV, "LM_EVAL_SINK_DATA": str(shared_data), "HF_HUB_OFFLINE": "1"}.items():
+            mp.setenv(k, v)
+        run_lm_eval(default_model, settings, out)
+    return out
+
+
 @needs_vllm_venv
 @pytest.mark.slow
-def test_vllm_and_hf_give_the_same_ifeval_responses_and_scores_in_float32(smollm2_sweeps, tmp_path, capsys):
-    """The reference's eval unit of the two SmolLM2 sweeps: vLLM's responses and scores are HF's; buckets and report
-    read the vLLM run, and name the backend as the one protocol difference."""
-    runs = {name: _reference_eval(sweep) for name, sweep in smollm2_sweeps.items()}
+def test_vllm_and_hf_give_the_same_ifeval_responses_and_scores_in_float32(
+    smollm2_sweep, vllm_one_call, tmp_path, capsys
+):
+    """The one-call vLLM run against the HF sweep's reference unit: vLLM's responses and scores are HF's, with the
+    engine core in a process of its own (vLLM's default mode); buckets and report read the vLLM run, and name the
+    backend as the one protocol difference."""
+    runs = {"hf": _reference_eval(smollm2_sweep), "vllm": vllm_one_call}
     (hf_res, hf_samples), (vl_res, vl_samples) = _run_of(runs["hf"]), _run_of(runs["vllm"])
     assert hf_res["config"]["model"] == "hf" and vl_res["config"]["model"] == "vllm"
+    (log,) = (vllm_one_call / "logs").glob("lm_eval_*.log")
+    assert len(engine_core_pids(log.read_text())) == 1  # the engine core ran in a process of its own
     assert len(hf_samples) == len(vl_samples) == SWEEP_LIMIT
     assert [s["resps"] for s in vl_samples] == [s["resps"] for s in hf_samples]
     assert any(len(s["resps"][0][0]) > 50 for s in hf_samples)  # real generations, not empty strings
@@ -431,12 +468,12 @@ def test_vllm_and_hf_give_the_same_ifeval_responses_and_scores_in_float32(smollm
 
 @needs_vllm_venv
 @pytest.mark.slow
-def test_vllm_one_call_gives_the_hf_sink_strength(smollm2_sweeps):
-    """`--tasks ifeval,sink_strength` under vLLM (the reference's eval unit): S measured first with transformers
-    equals `--model hf`'s, every metric and the layer x head matrix, and each sample's rows; the task's metadata
-    says how it was measured."""
+def test_vllm_one_call_gives_the_hf_sink_strength(smollm2_sweep, vllm_one_call):
+    """`--tasks ifeval,sink_strength` under vLLM in one call: S measured first with transformers equals `--model hf`'s
+    (the sweep's reference unit), every metric and the layer x head matrix, and each sample's rows; the task's
+    metadata says how it was measured."""
     (hf_res, hf_samples), (vl_res, vl_samples) = (
-        _run_of(_reference_eval(smollm2_sweeps[name]), "sink_strength") for name in ("hf", "vllm")
+        _run_of(folder, "sink_strength") for folder in (_reference_eval(smollm2_sweep), vllm_one_call)
     )
     hf_s, vl_s = hf_res["results"]["sink_strength"], vl_res["results"]["sink_strength"]
     assert set(vl_s) == set(hf_s) and vl_s["sink_strength,none"] > 0
@@ -458,33 +495,3 @@ def test_vllm_one_call_gives_the_hf_sink_strength(smollm2_sweeps):
     assert record["transformers"] < "5.20" and record["model_args_ignored"] == ["enforce_eager"]
     own = hf_res["configs"]["sink_strength"]["metadata"]["capture"]
     assert own["process"] == "lm-eval's own, on the model it built" and own["transformers"] == record["transformers"]
-
-
-# --- a sweep whose eval units run under vLLM (strength units under HF) ------------------------------
-
-
-def _reference_eval(sweep: Path) -> Path:
-    """The lm-eval output folder of a sweep's reference eval unit."""
-    return sweep.parent / "out" / "evals" / "reference" / "lm_eval"
-
-
-@needs_vllm_venv
-@pytest.mark.slow
-def test_sweep_eval_units_under_vllm_match_hf(smollm2_sweeps):
-    tables = {name: json.loads((p.parent / "out" / "table.json").read_text()) for name, p in smollm2_sweeps.items()}
-    root = smollm2_sweeps["vllm"].parent
-    out = root / "out"
-    assert [r["checkpoint"] for r in tables["vllm"]["rows"]] == ["reference", "candidate", "near_reference"]
-    for ck in ("reference", "candidate", "near_reference"):
-        done = json.loads((out / "evals" / ck / "COMPLETE.json").read_text())
-        assert done["lm_eval_python"] == str(root / os.path.relpath(VLLM_PY, root))
-        assert done["eval_versions"]["vllm"] == "0.32.0+cpu"
-        results = json.loads((out / "evals" / ck / done["results"]).read_text())
-        assert results["config"]["model"] == "vllm"
-        assert json.loads((out / "strength" / ck / "strength.json").read_text())["sink_strength"] > 0
-        assert results["results"]["sink_strength"]["sink_strength,none"] > 0  # measured first, in the eval unit
-    columns = tables["hf"]["columns"]
-    assert "sink_strength/sink_strength,none" in columns and columns == tables["vllm"]["columns"]
-    for hf_row, vl_row in zip(tables["hf"]["rows"], tables["vllm"]["rows"], strict=True):
-        assert vl_row["metrics"] == pytest.approx(hf_row["metrics"], abs=1e-5)
-    assert all(r["sink_strength"] is not None for r in tables["vllm"]["rows"])

@@ -107,7 +107,7 @@ def test_assign_leaves_a_unit_to_the_busy_actor_that_holds_its_engine_unless_not
 # --- the options, the plan note and the refusal, without an engine --------------------------------------------
 
 
-def _vllm_sweep(tmp_path, trio, **evals):
+def _vllm_sweep(tmp_path, trio, strength=False, **evals):
     """A tiny vLLM sweep file (the tiny choice task; `python` unset: this interpreter, whose task index is cached)."""
     from helpers import TINY_SWEEP_TASK, TINY_SWEEP_TASKS
 
@@ -116,7 +116,7 @@ def _vllm_sweep(tmp_path, trio, **evals):
         "models": {"reference": str(trio["reference"]), "candidate": str(trio["candidate"])},
         "configs": ["linear_95_5"],
         "eval": {"tasks": [TINY_SWEEP_TASK], "include_path": str(TINY_SWEEP_TASKS), "backend": "vllm", **evals},
-        "strength": False,
+        "strength": strength,
     }
     tmp_path.mkdir(exist_ok=True)
     path = tmp_path / "sweep.yaml"
@@ -138,6 +138,11 @@ def test_engine_reuse_is_the_vllm_default_and_fresh_engine_turns_it_off(tmp_path
     line = user_error(["sweep", parallel, "--quiet"], tmp_path / "dp" / "out")
     assert "eval.engine_reuse with model_args.data_parallel_size 2" in line and "--fresh-engine" in line
     assert load_sweep(parallel, fresh_engine=True).engine_reuse is False
+    # the engine calls its workers through its own worker extension: a user's is refused, kept with --fresh-engine
+    own = _vllm_sweep(tmp_path / "ext", tiny_trio, model_args={"worker_extension_cls": "my_rl.Extension"})
+    line = user_error(["sweep", own, "--quiet"], tmp_path / "ext" / "out")
+    assert "eval.model_args.worker_extension_cls my_rl.Extension" in line and "--fresh-engine" in line, line
+    assert load_sweep(own, fresh_engine=True).engine_reuse is False
     # an interpreter without vLLM is check_interpreter's to refuse, not the resident engine's
     assert "engine_reuse" not in user_error(["sweep", path, "--quiet"], tmp_path / "out")
 
@@ -228,3 +233,120 @@ def test_safetensors_header_shapes(tmp_path):
     header = json.dumps({"a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}, "__metadata__": {}})
     (tmp_path / "w.safetensors").write_bytes(struct.pack("<Q", len(header)) + header.encode() + bytes(24))
     assert safetensors_shapes(tmp_path / "w.safetensors") == {"a": [2, 3]}
+
+
+# --- the engine's LLM(...) arguments, with a stand-in for vLLM's LLM (no engine starts) --------------------------
+
+
+def test_a_hub_reference_and_a_local_merge_share_the_resident_engine(tmp_path, tiny_trio):
+    """lm-eval's own vLLM model (in .venv-vllm) asks the resident engine for each checkpoint with the model_args
+    measure-first hands it: a hub id's revisions pinned to its commit (offline HF cache), none for a local folder.
+    The per-checkpoint arguments do not count, so the local merge after the hub reference, and the reference again,
+    get the engine's weights swapped in; every call into the workers names a method of the worker extension the
+    engine is built with."""
+    import os
+    import subprocess
+
+    from helpers import REPO, VLLM_PY, hf_cache_snapshot
+
+    from lm_eval_sink.harness.engine_worker import WORKER_EXTENSION
+
+    if not VLLM_PY.is_file():
+        pytest.skip("needs .venv-vllm")
+    sha = "5e1f" * 10  # a commit id (all digits would be parsed as a number by lm-eval's model_args parser)
+    hf_cache_snapshot(tmp_path / "hf" / "hub", "org/tiny", tiny_trio["reference"], sha)
+    snapshot = tmp_path / "hf" / "hub" / "models--org--tiny" / "snapshots" / sha
+    local = tiny_trio["candidate"]
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    env.pop("HF_HUB_CACHE", None)
+    units = [f"org/tiny={snapshot}", f"{local}={local}", f"org/tiny={snapshot}"]
+    driver = REPO / "tests" / "drivers" / "resident_arguments.py"
+    proc = subprocess.run([str(VLLM_PY), str(driver), *units], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["errors"] == [None, None, None], got["errors"]
+    (build, arguments), storage, *swaps = got["calls"]
+    assert build == "build" and arguments["model"] == "org/tiny" and arguments["tokenizer_revision"] == sha
+    assert arguments["revision"] == sha and arguments["worker_extension_cls"] == WORKER_EXTENSION
+    assert storage == ["collective_rpc", "weight_storage", None]
+
+    def swap(weights):
+        reload = ["collective_rpc", "reload_weights", {"weights_path": weights}]
+        return [reload, ["reset_prefix_cache"], ["collective_rpc", "reseed", None], storage]
+
+    assert swaps == [*swap(str(local)), *swap(str(snapshot))]
+
+
+# --- accelerator memory beside the engine, at plan time -----------------------------------------------------------
+
+GIB = 2**30
+
+
+def test_room_beside_the_engine_is_the_devices_total_less_the_engines_share():
+    """Four 80 GiB GPUs, an engine on the first two at vLLM's 0.92: a child over all four has the two others whole
+    plus 8% of the engine's; a unit on cuda:0 alone has 6.4 GiB, and the fix names the share that leaves it room."""
+    from lm_eval_sink.merging.engine_reuse import Need, room_refusal
+
+    total = {f"cuda:{i}": 80 * GIB for i in range(4)}
+    child = Need("the child", 140 * GIB, tuple(total))
+    assert room_refusal(total, ("cuda:0", "cuda:1"), 0.92, [child]) is None
+    strength = Need("the strength: units", 14 * GIB, ("cuda:0",))
+    message, fix = room_refusal(total, ("cuda:0", "cuda:1"), 0.92, [child, strength])
+    assert message == (
+        "the resident vLLM engine takes 0.92 of cuda:0, cuda:1 (147.2 GiB of 160.0 GiB), which leaves 6.4 GiB of "
+        "cuda:0 for the strength: units: 14.0 GiB"
+    )
+    assert fix.startswith("set eval.model_args.gpu_memory_utilization to 0.82 or lower, or pass --fresh-engine")
+    assert room_refusal(total, ("cuda:0", "cuda:1"), 0.82, [strength]) is None
+    # weights larger than the devices themselves: no share would do
+    _, fix = room_refusal(total, ("cuda:0",), 0.92, [Need("x", 81 * GIB, ("cuda:0",))])
+    assert fix.startswith("pass --fresh-engine")
+
+
+def _weights_bytes(folder, itemsize=4):
+    """The parameters of a safetensors checkpoint (read with safetensors), times `itemsize`."""
+    import math
+
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys()) * itemsize
+
+
+def test_a_resident_sweep_whose_units_need_the_engines_gpu_memory_is_refused_at_plan_time(
+    tmp_path, tiny_trio, user_error, monkeypatch
+):
+    """One GPU (through the devices seams: visible GPUs, total memory) of 5 x the tiny checkpoint's float32 weights:
+    vLLM's default 0.92 leaves 0.4 x for the child that measures sink_strength first, or for strength: units."""
+    from dataclasses import replace
+
+    from helpers import TINY_SWEEP_TASK
+
+    from lm_eval_sink import devices
+    from lm_eval_sink.commands.engine_sweep import check_room
+    from lm_eval_sink.commands.sweep import load_sweep
+    from lm_eval_sink.errors import UserError
+
+    need = _weights_bytes(tiny_trio["reference"])
+    monkeypatch.setattr(devices, "resolve_device", lambda device: ("cuda:0",))
+    monkeypatch.setattr(devices, "_total_memory", lambda found: {d: 5 * need for d in found})
+    tasks = [TINY_SWEEP_TASK, "sink_strength"]
+    path = _vllm_sweep(tmp_path, tiny_trio, tasks=tasks, dtype="float32")
+    line = user_error(["sweep", path, "--quiet"], tmp_path / "out")
+    assert "the resident vLLM engine takes 0.92 of cuda:0" in line, line
+    assert "for the child that measures S first in each eval unit (reference's weights in float32)" in line
+    assert "gpu_memory_utilization to 0.80 or lower" in line and "--fresh-engine" in line
+    fits = _vllm_sweep(
+        tmp_path / "fits", tiny_trio, tasks=tasks, dtype="float32", model_args={"gpu_memory_utilization": 0.8}
+    )
+    load_sweep(fits)  # 0.2 x 5 leaves the weights' room
+    load_sweep(path, fresh_engine=True)  # S measured before each engine starts
+    resident = replace(load_sweep(path, fresh_engine=True), engine_reuse=True)
+    check_room(resident, s_from_engine=True)  # S measured on the engine: no second copy
+    with pytest.raises(UserError):
+        check_room(resident)
+    strength = {"n_prompts": 5, "dtype": "float32"}
+    units = _vllm_sweep(tmp_path / "strength", tiny_trio, strength=strength)
+    line = user_error(["sweep", units, "--quiet"], tmp_path / "strength" / "out")
+    assert "for the strength: units (reference's weights in float32)" in line, line
+    load_sweep(_vllm_sweep(tmp_path / "cpu", tiny_trio, strength={**strength, "device": "cpu"}))

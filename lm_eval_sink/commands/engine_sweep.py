@@ -11,7 +11,8 @@ its start (`merging.engine_reuse.engine_fields`) gets a new engine, with a note;
 failed one, which is that unit's one line. Merges and strength units run as before (`units.run_unit`).
 
 `engine_reuse` decides the setting from the sweep file and `--fresh-engine`, `check_reuse` refuses at
-plan time a vLLM without the worker's `reload_weights`, and `plan_notes` is the plan's line about engines.
+plan time a vLLM without the worker's `reload_weights`, `check_room` a sweep whose units would load a
+checkpoint on GPU memory the engine holds, and `plan_notes` is the plan's line about engines.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -27,19 +29,29 @@ from typing import Any
 
 from lm_eval_sink.commands.units import finish_eval, keep_logs, run_unit
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.harness.engine_client import EngineProcess, checkpoint_facts, reload_support
+from lm_eval_sink.harness.engine_client import EngineProcess, checkpoint_facts, reload_support, safetensors_shapes
+from lm_eval_sink.harness.engine_worker import WORKER_EXTENSION
 from lm_eval_sink.io import staged_dir
-from lm_eval_sink.merging.engine_reuse import Fields, engine_fields, engine_starts, new_engine_reason
+from lm_eval_sink.merging.engine_reuse import (
+    Fields,
+    Need,
+    engine_fields,
+    engine_starts,
+    new_engine_reason,
+    room_refusal,
+)
 from lm_eval_sink.merging.sweep import Plan, SweepSpec, Unit
 from lm_eval_sink.runs import resolve_run
 
 FRESH = "pass --fresh-engine (or set eval: {engine_reuse: false}) for one engine per checkpoint"
+# vLLM's own default share of each GPU (vLLM 0.32's CacheConfig.gpu_memory_utilization); lm-eval 0.4.13 passes none.
+VLLM_GPU_MEMORY_UTILIZATION = 0.92
 
 
 def engine_reuse(asked: bool | None, settings: Any, fresh: bool, src: str) -> bool:
     """Whether a sweep's eval units share a resident engine: `eval.engine_reuse` (default true where it applies:
-    backend vllm), off with `--fresh-engine`; asked for with another backend, or with lm-eval's data parallel
-    (no engine to keep), one line."""
+    backend vllm), off with `--fresh-engine`; asked for with another backend, with lm-eval's data parallel (no
+    engine to keep) or with a worker extension of the user's (the engine needs its own), one line."""
     if settings is None or settings.backend != "vllm":
         if asked:
             raise UserError(
@@ -50,6 +62,13 @@ def engine_reuse(asked: bool | None, settings: Any, fresh: bool, src: str) -> bo
         return False
     if fresh or asked is False:
         return False
+    own = settings.model_args.get("worker_extension_cls")
+    if own not in (None, "", WORKER_EXTENSION):
+        raise UserError(
+            f"{src}: eval.model_args.worker_extension_cls {own}: the resident vLLM engine is built with its own worker "
+            f"extension ({WORKER_EXTENSION}), through which it calls its workers",
+            "drop worker_extension_cls, or " + FRESH,
+        )
     parallel = int(settings.model_args.get("data_parallel_size", 1))
     if parallel > 1:
         raise UserError(
@@ -75,6 +94,83 @@ def check_reuse(spec: SweepSpec) -> None:
             "weights in place",
             FRESH + ", or install a newer vLLM there",
         )
+
+
+def _itemsize(dtype: str) -> int:
+    import torch
+
+    return getattr(torch, dtype.removeprefix("torch.")).itemsize
+
+
+def _parameters(model: str) -> int:
+    """A checkpoint's parameter count, from its safetensors headers (no tensor read); for .bin weights, their
+    files' size over the stored dtype's."""
+    from lm_eval_sink.merging.configs import stored_dtype
+
+    folder = Path(weights_folder(model))
+    shards = sorted(folder.glob("*.safetensors"))
+    if shards:
+        return sum(math.prod(shape) for f in shards for shape in safetensors_shapes(f).values())
+    return sum(f.stat().st_size for f in folder.glob("*.bin")) // _itemsize(stored_dtype(str(folder)))
+
+
+def _largest(spec: SweepSpec, dtype: str) -> tuple[str, int]:
+    """The model with the most parameters and its weights' bytes loaded in `dtype`; for "auto" (each as stored) at
+    the widest dtype among the models' and the merges' `out_dtype` / `dtype` (a merge has the reference's tensors)."""
+    from lm_eval_sink.merging.configs import stored_dtype
+
+    counts = {name: _parameters(model) for name, model in spec.models.items()}
+    name = max(counts, key=counts.__getitem__)
+    if dtype != "auto":
+        return name, counts[name] * _itemsize(dtype)
+    stored = [stored_dtype(weights_folder(model)) for model in spec.models.values()]
+    named = [str(m.config[k]) for m in spec.merges for k in ("out_dtype", "dtype") if m.config.get(k)]
+    return name, counts[name] * max(_itemsize(d) for d in (*stored, *named))
+
+
+def memory_needs(spec: SweepSpec, devices: tuple[str, ...], s_from_engine: bool = False) -> list[Need]:
+    """What loads a checkpoint on the accelerators beside a local sweep's resident engine: the child that measures
+    this project's tasks first in each eval unit that holds one (over every visible GPU, `devices`), and the
+    `strength:` units (on strength.device); none of it where S is measured on the engine (`s_from_engine`)."""
+    from lm_eval_sink.devices import resolve_device
+    from lm_eval_sink.harness.discovery import holds_own_task
+
+    needs: list[Need] = []
+    settings = spec.eval
+    if not s_from_engine and holds_own_task(tuple(settings.tasks), settings.include_path):
+        dtype = _dtype(settings) or "auto"
+        name, size = _largest(spec, dtype)
+        needs.append(
+            Need(f"the child that measures S first in each eval unit ({name}'s weights in {dtype})", size, devices)
+        )
+    if not s_from_engine and spec.strength is not None and spec.strength_device != "cpu":
+        name, size = _largest(spec, spec.strength_dtype)
+        where = resolve_device(spec.strength_device)
+        needs.append(Need(f"the strength: units ({name}'s weights in {spec.strength_dtype})", size, where))
+    return needs
+
+
+def check_room(spec: SweepSpec, s_from_engine: bool = False) -> None:
+    """Refuse at plan time a local resident-engine sweep whose units would load a checkpoint on GPUs that the engine
+    holds: vLLM takes `gpu_memory_utilization` of the total memory of each GPU it uses (the first
+    tensor_parallel_size x pipeline_parallel_size visible ones), whatever is free when it starts. A CPU run (vLLM's
+    CPU build sizes its cache by VLLM_CPU_KVCACHE_SPACE) and a Ray sweep (each actor's GPUs its own) are not
+    checked. `s_from_engine`: S measured on the engine itself, so no unit needs a second copy."""
+    from lm_eval_sink.devices import _total_memory, resolve_device
+
+    if spec.engine is not None and spec.engine.kind == "ray":
+        return
+    visible = tuple(d for d in resolve_device("auto") if d != "cpu")
+    if not visible:
+        return
+    args = spec.eval.model_args
+    used = int(args.get("tensor_parallel_size", 1)) * int(args.get("pipeline_parallel_size", 1))
+    utilization = float(args.get("gpu_memory_utilization", VLLM_GPU_MEMORY_UTILIZATION))
+    refused = room_refusal(
+        _total_memory(visible), visible[:used], utilization, memory_needs(spec, visible, s_from_engine)
+    )
+    if refused is not None:
+        raise UserError(f"{spec.source}: {refused[0]}", refused[1])
 
 
 def _dtype(settings: Any) -> str | None:

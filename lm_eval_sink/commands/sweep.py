@@ -23,7 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.commands.units import run_unit
-from lm_eval_sink.commands.engine_sweep import check_reuse, engine_reuse, local_runner, plan_notes, ray_pool
+from lm_eval_sink.commands.engine_sweep import (
+    check_reuse,
+    check_room,
+    engine_reuse,
+    local_runner,
+    plan_notes,
+    ray_pool,
+)
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.identity import looks_like_hub_id, tree_files
 from lm_eval_sink.io import (
@@ -173,13 +180,14 @@ def load_sweep(
 
 
 def _checked(spec: SweepSpec) -> SweepSpec:
-    """The checks of a whole spec: an in-memory sweep's, the resident vLLM engine's (vLLM's source read), then
-    lm-eval's protocol (its task index built)."""
+    """The checks of a whole spec: an in-memory sweep's, the resident vLLM engine's (vLLM's source read; the GPU
+    memory its units need beside it), then lm-eval's protocol (its task index built)."""
     from lm_eval_sink.commands.resident import check_spec
 
     check_spec(spec)
     if spec.engine_reuse:
         check_reuse(spec)
+        check_room(spec)
     _check_eval(spec)
     return spec
 

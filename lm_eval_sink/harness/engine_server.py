@@ -21,7 +21,12 @@ tasks first on the checkpoint's folder (`measure_first.py`). Only the engine is 
 that lm-eval's model asks for is the resident one, after `reload_weights` from the checkpoint's
 folder (vLLM's worker method, through `LLM.collective_rpc`), `reset_prefix_cache()` (no KV block of
 the previous weights is reused) and the seed the engine's workers set after a build (sampled
-decoding starts from the same generator state as on a fresh engine). The first request builds the
+decoding starts from the same generator state as on a fresh engine). Every call into the workers
+names a method: vLLM's own, or `engine_worker.EngineWorkerExtension`'s, which the engine is built
+with (`worker_extension_cls`), so it runs in vLLM's default process mode (engine core in a process
+of its own), where a plain function would not pass vLLM's serializer. lm-eval's `LLM(...)`
+arguments for each checkpoint must equal the first one's but for where the checkpoint comes from
+(`PER_CHECKPOINT`: the model and its pinned revisions). The first request builds the
 engine, from its checkpoint; `new_engine` is why the sweep started this process (the first
 checkpoint, one that differs from the previous engine's in a setting fixed at start, or a failed
 unit before), recorded with the unit. A process serves one engine: after a failed unit (whose
@@ -42,7 +47,13 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.errors import UserError, one_line
+from lm_eval_sink.harness.engine_worker import WORKER_EXTENSION
 from lm_eval_sink.harness.runner import EvalSettings
+
+# The LLM(...) arguments that say where a checkpoint comes from (lm-eval's `pretrained`, and the commits that
+# measure-first pins for a hub id, none for a local folder): set per checkpoint, so left out of the comparison.
+# What an engine fixes of its checkpoint is compared from the files (`merging.engine_reuse.engine_fields`).
+PER_CHECKPOINT = ("model", "revision", "tokenizer_revision")
 
 
 def _answers() -> Any:
@@ -126,32 +137,20 @@ def _peak_rss(processes: list[Any]) -> int | None:
     return total
 
 
-def _reset_accelerator_peak(worker: Any) -> None:
-    """Runs in each vLLM worker (`collective_rpc`): the CUDA peak counters start again."""
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.reset_peak_memory_stats()
-
-
-def _accelerator_peak(worker: Any) -> dict[str, int]:
-    """Runs in each vLLM worker: the peak memory allocated on its GPU since the reset (empty on a CPU)."""
-    import torch
-
-    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-        return {}
-    device = torch.cuda.current_device()
-    return {f"cuda:{device}": int(torch.cuda.max_memory_allocated(device))}
-
-
-def _reseed(worker: Any) -> None:
-    """Runs in each vLLM worker: the seed it sets after building its engine, so sampling starts as on a fresh one."""
-    from vllm.utils.torch_utils import set_random_seed
-
-    set_random_seed(worker.model_config.seed, worker.parallel_config.data_parallel_index)
-
-
 # --- the engine --------------------------------------------------------------------------------
+
+
+def engine_arguments(arguments: dict[str, Any]) -> dict[str, Any]:
+    """The `LLM(...)` arguments lm-eval asks for that an engine fixes: all but `PER_CHECKPOINT`'s. A worker extension
+    of the user's is refused: the engine's calls into its workers need this project's (`engine_worker`)."""
+    own = arguments.get("worker_extension_cls")
+    if own not in (None, "", WORKER_EXTENSION):
+        raise UserError(
+            f"model_args worker_extension_cls={own}: the resident vLLM engine builds its engine with its own worker "
+            f"extension ({WORKER_EXTENSION})",
+            "drop worker_extension_cls, or pass --fresh-engine (one engine per checkpoint, lm-eval's own)",
+        )
+    return {k: v for k, v in arguments.items() if k not in (*PER_CHECKPOINT, "worker_extension_cls")}
 
 
 class ResidentEngine:
@@ -163,6 +162,7 @@ class ResidentEngine:
         self.built_for: str | None = None
         self.units = 0  # units evaluated on this engine
         self.swap: str | None = None  # how the current unit's checkpoint got into the engine: built | reloaded
+        self.storage: list[dict[str, Any]] | None = None  # each worker's `weight_storage` when built
 
     def shutdown(self) -> None:
         """Shut the engine down (vLLM's engine-core process and workers, where it runs them apart)."""
@@ -200,13 +200,14 @@ class ResidentEngine:
             lm_eval_vllm.LLM = real
 
     def _engine(self, real: Any, arguments: dict[str, Any], weights: str, timings: dict[str, float]) -> Any:
-        rest = {k: v for k, v in arguments.items() if k not in ("model", "revision")}
+        fixed = engine_arguments(arguments)
         if self.llm is None:
             with _timed(timings, "engine_build"):
-                self.llm = real(**arguments)
-            self.arguments, self.built_for, self.swap = rest, str(arguments["model"]), "built"
+                self.llm = real(**{**arguments, "worker_extension_cls": WORKER_EXTENSION})
+                self.storage = self.llm.collective_rpc("weight_storage")
+            self.arguments, self.built_for, self.swap = fixed, str(arguments["model"]), "built"
             return self.llm
-        if rest != self.arguments:
+        if fixed != self.arguments:
             raise UserError(
                 "lm-eval asked the resident vLLM engine for other engine arguments than it was built with",
                 "pass --fresh-engine (one engine per checkpoint)",
@@ -215,7 +216,12 @@ class ResidentEngine:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": weights})
             if not self.llm.reset_prefix_cache():
                 raise RuntimeError("vLLM could not reset its prefix cache after the weights were reloaded")
-            self.llm.collective_rpc(_reseed)
+            self.llm.collective_rpc("reseed")
+        if self.llm.collective_rpc("weight_storage") != self.storage:
+            raise RuntimeError(
+                "vLLM's reload_weights did not write the weights in place (other model tensors, or at other "
+                "addresses, than the engine was built with): compiled graphs would read the old ones"
+            )
         self.swap = "reloaded"
         return self.llm
 
@@ -228,6 +234,7 @@ class ResidentEngine:
             "unit_on_engine": self.units,
             "weights": self.swap,
             "built_because": why if self.swap == "built" else None,
+            "weight_storage": self.storage,
         }
 
 
@@ -271,7 +278,7 @@ class Server:
             )
         self.failed = request["model"]
         if self.engine.llm is not None:
-            self.engine.llm.collective_rpc(_reset_accelerator_peak)
+            self.engine.llm.collective_rpc("reset_accelerator_peak")
         _reset_peak_rss(_processes())
         output_path = Path(request["output_path"])
         cfg = cli_config(settings, request["model"], output_path)
@@ -280,7 +287,7 @@ class Server:
         self.failed = None
         self.engine.units += 1
         timings["s_child"] = _s_child_seconds(run.results)
-        peaks = {k: v for p in self.engine.llm.collective_rpc(_accelerator_peak) for k, v in p.items()}
+        peaks = {k: v for p in self.engine.llm.collective_rpc("accelerator_peak") for k, v in p.items()}
         return {
             "ok": True,
             "results": str(run.results),

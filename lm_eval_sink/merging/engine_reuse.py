@@ -16,6 +16,7 @@ engine or none, with the eval units waiting for one (`merging/engines.py`).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from lm_eval_sink.io import canonical_json, sha256_text
@@ -128,3 +129,48 @@ def assign(
         pairs.append((actor, unit[0]))
         left.remove(unit)
     return pairs
+
+
+# --- accelerator memory beside a resident engine ----------------------------------------------------------------
+
+_GIB = 2**30
+
+
+@dataclass(frozen=True, slots=True)
+class Need:
+    """What loads a model on the accelerators while the resident engine holds its share: `weight_bytes` placed over
+    `devices` (every visible GPU for `--device auto`)."""
+
+    what: str  # e.g. "the strength: units (reference's weights in float32)"
+    weight_bytes: int
+    devices: tuple[str, ...]
+
+
+def _gib(n: float) -> str:
+    return f"{n / _GIB:.1f} GiB"
+
+
+def room_refusal(
+    total: Mapping[str, int], engine: Sequence[str], utilization: float, needs: Sequence[Need]
+) -> tuple[str, str] | None:
+    """The first need that does not fit beside the engine, as (message, fix), or None when all fit.
+
+    The engine takes `utilization` of the total memory of each of its `engine` devices (vLLM sizes its share so,
+    whatever else is loaded); a need's room is the total of its devices less that share. The fix names the largest
+    utilization, in hundredths, that leaves the room, where one does."""
+    held = {d: utilization * total[d] for d in engine if d in total}
+    for need in needs:
+        devices = [d for d in need.devices if d in total]
+        room = sum(total[d] - held.get(d, 0) for d in devices)
+        if room >= need.weight_bytes:
+            continue
+        shared = sum(total[d] for d in devices if d in held)
+        most = (sum(total[d] for d in devices) - need.weight_bytes) * 100 // shared / 100 if shared else 0
+        message = (
+            f"the resident vLLM engine takes {utilization:g} of {', '.join(engine)} "
+            f"({_gib(sum(held.values()))} of {_gib(sum(total[d] for d in held))}), which leaves {_gib(room)} of "
+            f"{', '.join(devices)} for {need.what}: {_gib(need.weight_bytes)}"
+        )
+        lower = f"set eval.model_args.gpu_memory_utilization to {most:.2f} or lower, or " if most > 0 else ""
+        return message, lower + "pass --fresh-engine (an engine per checkpoint, started after S is measured)"
+    return None

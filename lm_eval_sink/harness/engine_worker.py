@@ -1,0 +1,71 @@
+"""What the resident vLLM engine runs inside each of its workers: named methods vLLM can send by name.
+
+vLLM runs code in its workers through `LLM.collective_rpc(method, ...)`. In its default process mode the
+engine core is another process, and a plain function sent there is refused by vLLM's serializer unless
+the insecure pickle fallback (`VLLM_ALLOW_INSECURE_SERIALIZATION=1`) is on. A method name is always
+accepted: vLLM adds `EngineWorkerExtension`'s methods to its worker class when the engine is built with
+`worker_extension_cls=WORKER_EXTENSION` (`harness.engine_server.ResidentEngine` passes it), as RL
+trainers add theirs. `self` is then vLLM's worker (its `model_config`, `parallel_config`, `device`).
+
+The class holds methods only (no state, no `__init__`): vLLM grafts it onto the worker class as a base, and
+refuses a name the worker already has. Importing this module imports neither torch nor vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+WORKER_EXTENSION = "lm_eval_sink.harness.engine_worker.EngineWorkerExtension"
+
+
+def _cuda() -> Any:
+    """torch.cuda where this worker has used CUDA, else None (a CPU worker)."""
+    import torch
+
+    return torch.cuda if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+
+class EngineWorkerExtension:
+    """The resident engine's named calls into each vLLM worker (`collective_rpc("reseed")`, ...)."""
+
+    def reset_accelerator_peak(self) -> None:
+        """The CUDA peak counters of this worker start again (nothing on a CPU)."""
+        cuda = _cuda()
+        if cuda is not None:
+            cuda.reset_peak_memory_stats()
+
+    def accelerator_peak(self) -> dict[str, int]:
+        """The peak memory allocated on this worker's GPU since the reset: {"cuda:N": bytes}, empty on a CPU."""
+        cuda = _cuda()
+        if cuda is None:
+            return {}
+        device = cuda.current_device()
+        return {f"cuda:{device}": int(cuda.max_memory_allocated(device))}
+
+    def weight_storage(self) -> dict[str, int | str]:
+        """What this worker's model tensors (parameters and buffers) occupy: how many, their bytes, and a digest of
+        each one's name, shape, dtype, device and storage address. vLLM's `reload_weights` copies the new weights
+        into these same tensors (compiled graphs read their addresses), so after a swap the digest is the build's.
+        On vLLM's CPU build the linear layers' weights are packed into oneDNN handles outside them (made again at
+        each reload), so there they are the embeddings, norms and the emptied linear parameters."""
+        import hashlib
+
+        worker: Any = self
+        model = worker.get_model()
+        tensors = [*model.named_parameters(), *model.named_buffers()]
+        digest = hashlib.sha256()
+        for name, t in tensors:
+            digest.update(f"{name} {tuple(t.shape)} {t.dtype} {t.device} {t.data_ptr()}\n".encode())
+        return {
+            "tensors": len(tensors),
+            "bytes": sum(t.numel() * t.element_size() for _, t in tensors),
+            "storage": digest.hexdigest(),
+        }
+
+    def reseed(self) -> None:
+        """The seed the worker sets after building its engine, so sampling after a weight swap starts as on a
+        fresh engine."""
+        from vllm.utils.torch_utils import set_random_seed
+
+        worker: Any = self
+        set_random_seed(worker.model_config.seed, worker.parallel_config.data_parallel_index)
