@@ -402,6 +402,20 @@ def test_vllm_cpu_memory_check_decides_as_vllms_cpu_worker(monkeypatch):
     assert _kv_cache_given({})
 
 
+def test_lm_eval_vllm_without_vllm_is_one_line(tmp_path):
+    """In an interpreter without vLLM, `lm_eval --model vllm` ended in the memory check's ModuleNotFoundError
+    traceback (and before the check, in lm-eval's own, after S was measured first): one line, nothing written."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("this interpreter has vLLM")
+    args = ["--model", "vllm", "--model_args", f"pretrained={tmp_path}", "--tasks", "sink_strength,ifeval"]
+    ((rc, err),) = _lm_eval(sys.executable, [([*args, "--output_path", str(tmp_path / "o")], {})])
+    assert rc == 2 and "Traceback" not in err, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith(f"error: --model vllm: this interpreter ({sys.executable}) has no")
+    assert not (tmp_path / "o").exists()
+
+
 # --- real vLLM against HF: same responses and scores in float32 -----------------------------------
 
 

@@ -55,9 +55,19 @@ def cpu_refusal(memory: NodeMemory, utilization: float, kv_cache_given: bool) ->
 
 def check_engine_memory(arguments: dict[str, Any]) -> None:
     """`simple_evaluate`'s `arguments` under `--model vllm` on vLLM's CPU platform: `cpu_refusal` on this machine's
-    numbers, raised; otherwise nothing (another backend, an LM object, a GPU platform)."""
+    numbers, raised; otherwise nothing (another backend, an LM object, a GPU platform). An interpreter without vLLM
+    is one line too (lm-eval's own import of vLLM ends in a traceback, after S was measured first)."""
+    import importlib.util
+    import sys
+
     if arguments.get("model") != "vllm":
         return
+    if importlib.util.find_spec("vllm") is None:
+        raise UserError(
+            f"--model vllm: this interpreter ({sys.executable}) has no vLLM",
+            "run lm_eval from an environment with vLLM (on a CPU: make venv-vllm, then .venv-vllm/bin/lm_eval; "
+            "on a GPU: pip install vllm)",
+        )
     from lm_eval.utils import simple_parse_args_string
     from vllm.platforms import current_platform
 
