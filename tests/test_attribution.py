@@ -169,11 +169,16 @@ def test_same_weights_differing_only_in_limit_are_unexplained_not_protocol(tmp_p
     [row] = _bench(att, "IFEval")["comparisons"]
     assert [d["field"] for d in row["differing_fields"]] == ["limit"]
     assert row["kind"] == "unexplained" and row["protocol_part"] is None and row["unexplained"] == row["gap"] == -40.0
+    # the reference scored 5 of the task's 100 documents with no --limit recorded (lm-eval's --samples): not "all"
     assert (
-        "reference all 5 of 100 documents, candidate a --limit 4 subset (5 of 100 documents; not final)"
-        in (row["explanation"])
+        "reference a subset (5 of 100 documents; no --limit recorded; not final), candidate a --limit 4 subset (5 of "
+        "100 documents; not final)" in row["explanation"]
     )
     assert plot_rows(att)[0]["parts"]["protocol"] == 0.0
+    md = to_markdown(att)  # the note names the documents, never "only fields that cannot change scores"
+    assert "same model: no protocol field differs; the documents differ (--limit) |" in md
+    assert "cannot change scores" not in md.split("| unexplained |")[1]
+    assert "- subset, not final: reference qwen3 IFEval 5 of 100 documents (no --limit recorded); candidate" in md
     other = write_run(tmp_path / "c", {"ifeval": CAND_IF}, model="/models/other", limit=4.0)
     assert "- not compared (different models on different document subsets (--limit)): " in to_markdown(
         run_attribution([str(a)], [str(other)])
