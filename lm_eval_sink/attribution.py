@@ -960,7 +960,12 @@ def subset_caveat(att: Attribution) -> str | None:
     """One line naming the measurements of a subset (`--limit`, or fewer documents than the task holds, as lm-eval's
     --samples scores: model, benchmark, documents scored), for the report and the figure's title; None when every
     measured run in the report's benchmarks scored all its documents."""
-    compared = {b["benchmark"] for b in att.benchmarks}
+    return subset_line(att.benchmarks, att.measurements)
+
+
+def subset_line(benchmarks: list[dict[str, Any]], measurements: list[dict[str, Any]]) -> str | None:
+    """`subset_caveat` from the `benchmarks` and `measurements` of an attribution (or of its JSON)."""
+    compared = {b["benchmark"] for b in benchmarks}
     subsets = [
         f"{m['role']} {m['model']} {m['benchmark']} "
         + (
@@ -969,7 +974,7 @@ def subset_caveat(att: Attribution) -> str | None:
             else ""
         )
         + (f"({_limit_text(m['limit'])})" if m.get("limit") is not None else "(no --limit recorded)")
-        for m in att.measurements
+        for m in measurements
         if m["benchmark"] in compared and (m.get("limit") is not None or _fewer(m["n"], m.get("n_total")))
     ]
     return "subset, not final: " + "; ".join(subsets) if subsets else None
