@@ -773,7 +773,11 @@ def _instruction_stats(
     total = sum(n_items)
     ref_score, cand_score = sum(ref_p) / total, sum(cand_p) / total
     ci, method = None, f"withheld: a cluster bootstrap over {len(ids)} prompts (at least {MIN_N} are needed)"
-    if len(ids) >= MIN_N:
+    rates = (np.array(cand_p) - np.array(ref_p)) / np.array(n_items)
+    if len(ids) >= MIN_N and np.ptp(rates) == 0:  # every resample the same ratio: a zero-width interval
+        method = "withheld: every prompt's share of instructions gained or lost is the same, so a cluster bootstrap "
+        method += "has zero width, a certainty the prompts do not give"
+    elif len(ids) >= MIN_N:
         ci = cluster_delta_ci(
             np.array(ref_p),
             np.array(cand_p),

@@ -845,6 +845,9 @@ def test_instruction_types_below_ten_are_too_few_to_test(ifeval_pair):
     assert "| detectable_format:json_format | 1 | 1 | 0 | 100.0 | 0.0 | too few to test | - | - |" in md
     assert "-100.0" not in md
     assert "Power (alpha 0.05 two-sided, power 0.8; the test: exact McNemar" in md  # 21 docs, 13 discordant
+    # 21 prompts, no instruction differs: the cluster bootstrap's 0.0 [0.0, 0.0] is withheld, with why
+    same = bucket(ifeval_pair["ref"], ifeval_pair["ref"], "ifeval", FAST).instruction_level
+    assert same["delta_ci"] is None and same["method"].startswith("withheld: every prompt's share of instructions")
     assert "; Connor (1987) normal approximation for paired proportions, conditional on the observed" in md
 
 
