@@ -894,6 +894,10 @@ def test_four_docs_say_too_few_to_tell_first_everywhere(gsm8k_four, tmp_path, ca
     assert "Responses that hit the generation limit: reference 4 of 4, candidate 4 of 4; regressions 0" in md
     assert all(r["truncated"] and r["reference_truncated"] for r in data["rows"])
     assert figure_title(data).startswith("too few to tell: gsm8k_cot_zeroshot: exact_match (strict-match), 4 paired")
+    # fewshot_as_multiturn cannot change a 0-shot task's scores ("no" in its table): not among what the delta mixes
+    assert data["protocol_differences"]["fewshot_as_multiturn"]["affects_scores"] is False
+    assert "protocols differ in chat_template_applied, chat_template_sha: the delta mixes model and protocol" in md
+    assert "the protocols also differ in fewshot_as_multiturn, which cannot change this task's scores" in md
     assert main(["report", "--buckets", str(out), "-o", str(tmp_path / "r.html")]) == 0
     page = (tmp_path / "r.html").read_text()
     card = page[page.index('<div class="cards">') :]
