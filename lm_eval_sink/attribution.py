@@ -407,9 +407,16 @@ def documents(m: Measurement) -> str:
         return f"the registry figure {m.source['id']} (its documents not recorded)"
     of = f" of {m.n_total}" if m.n_total is not None else ""
     count = f"{m.n}{of} documents" if m.n is not None else "documents not recorded"
+    if m.limit is None and _fewer(m.n, m.n_total):  # lm-eval's --samples: chosen documents, no --limit recorded
+        return f"a subset ({count}; no --limit recorded; not final)"
     if m.limit is None:
         return f"all {count}" if m.n is not None else count
     return f"a {_limit_text(m.limit)} subset ({count}; not final)"
+
+
+def _fewer(n: int | None, total: int | None) -> bool:
+    """Whether a run scored fewer documents than its task holds (as lm-eval's n-samples records them)."""
+    return n is not None and total is not None and n < total
 
 
 def _limit_text(limit: Any) -> str:
@@ -878,7 +885,9 @@ def _comparison_note(r: dict[str, Any]) -> str:
     if r["kind"] == "protocol_artefact":
         notes.append("same model: " + _fields(r["differing_fields"]))
     if r["kind"] == "unexplained":
-        notes.append("same model: " + _fields([d for d in r["differing_fields"] if d["field"] != "limit"]))
+        rest = [d for d in r["differing_fields"] if d["field"] != "limit"]
+        subset = "; the documents differ (--limit)" if len(rest) < len(r["differing_fields"]) else ""
+        notes.append("same model: " + (_fields(rest) if rest else "no protocol field differs") + subset)
     pp = r.get("per_prompt")
     if pp:
         note = f"{pp['n']} prompts, {pp['strict_regressions']} strict regressions"
@@ -948,9 +957,15 @@ def unverified_figures(att: Attribution) -> list[str]:
 
 
 def subset_caveat(att: Attribution) -> str | None:
-    """One line naming the `--limit` measurements (model, benchmark, documents scored), for the report and the
-    figure's title; None when every measured run in the report's benchmarks scored all its documents."""
-    compared = {b["benchmark"] for b in att.benchmarks}
+    """One line naming the measurements of a subset (`--limit`, or fewer documents than the task holds, as lm-eval's
+    --samples scores: model, benchmark, documents scored), for the report and the figure's title; None when every
+    measured run in the report's benchmarks scored all its documents."""
+    return subset_line(att.benchmarks, att.measurements)
+
+
+def subset_line(benchmarks: list[dict[str, Any]], measurements: list[dict[str, Any]]) -> str | None:
+    """`subset_caveat` from the `benchmarks` and `measurements` of an attribution (or of its JSON)."""
+    compared = {b["benchmark"] for b in benchmarks}
     subsets = [
         f"{m['role']} {m['model']} {m['benchmark']} "
         + (
@@ -958,9 +973,9 @@ def subset_caveat(att: Attribution) -> str | None:
             if m["n"]
             else ""
         )
-        + f"({_limit_text(m['limit'])})"
-        for m in att.measurements
-        if m.get("limit") is not None and m["benchmark"] in compared
+        + (f"({_limit_text(m['limit'])})" if m.get("limit") is not None else "(no --limit recorded)")
+        for m in measurements
+        if m["benchmark"] in compared and (m.get("limit") is not None or _fewer(m["n"], m.get("n_total")))
     ]
     return "subset, not final: " + "; ".join(subsets) if subsets else None
 

@@ -8,8 +8,8 @@
   few-shot) and are counted, not refused.
 - buckets for a 0/1 metric: both_pass, regression (reference passes, candidate fails), recovered,
   both_fail; `delta` = candidate mean minus reference mean with its interval (`delta_interval`:
-  Newcombe's score interval below MIN_N paired docs or when no doc differs, which never has zero
-  width, else a seeded paired bootstrap over docs); `mcnemar_p` = exact two-sided binomial test on
+  Newcombe's score interval below MIN_N paired docs or when every doc's difference is the same,
+  which never has zero width, else a seeded paired bootstrap over docs); `mcnemar_p` = exact two-sided binomial test on
   the discordant pairs (scipy). Below MIN_N docs `too_few_to_tell` is said before every delta.
 - a continuous metric (EQ-Bench): the paired difference (`delta`, bootstrap interval, withheld
   below MIN_N docs, Wilcoxon signed-rank p); pass/fail buckets and McNemar only with a threshold
@@ -273,15 +273,18 @@ def delta_interval(
     ref_v: np.ndarray, cand_v: np.ndarray, binary: bool, settings: BucketSettings
 ) -> tuple[tuple[float, float] | None, str]:
     """The interval of mean(candidate - reference) and the method, in words. A 0/1 outcome: Newcombe's score interval
-    below MIN_N paired docs or when no doc differs (a bootstrap there has zero width), else the seeded paired
-    bootstrap; any other metric: the bootstrap, withheld (None) below MIN_N docs or when the differences do not
-    vary."""
-    n, differs = len(ref_v), int(np.count_nonzero(cand_v != ref_v))
-    if binary and (n < MIN_N or not differs):
+    below MIN_N paired docs or when every doc's difference is the same (no doc differs, or every doc regressed, or
+    every doc recovered: a bootstrap there has zero width), else the seeded paired bootstrap; any other metric: the
+    bootstrap, withheld (None) below MIN_N docs or when the differences do not vary."""
+    n, constant = len(ref_v), bool(np.ptp(cand_v - ref_v) == 0)
+    if binary and (n < MIN_N or constant):
+        differs = bool(np.any(cand_v != ref_v))
         why = f"fewer than {MIN_N} paired docs" if n < MIN_N else "no doc where the runs differ"
+        if n >= MIN_N and differs:
+            why = "every doc " + ("recovered" if cand_v[0] > ref_v[0] else "regressed")
         ci = newcombe_paired_ci(_four(ref_v >= 0.5, cand_v >= 0.5), settings.confidence)
         return ci, f"Newcombe's hybrid score interval for paired proportions (method 10): {why}"
-    if not binary and (n < MIN_N or np.ptp(cand_v - ref_v) == 0):
+    if not binary and (n < MIN_N or constant):
         why = f"{n} paired docs (at least {MIN_N} are needed)" if n < MIN_N else "the per-doc differences do not vary"
         return None, f"withheld: {why}; a bootstrap interval there would claim a certainty the docs do not give"
     ci = paired_delta_ci(ref_v, cand_v, settings.n_bootstrap, settings.confidence, settings.seed)
@@ -770,7 +773,11 @@ def _instruction_stats(
     total = sum(n_items)
     ref_score, cand_score = sum(ref_p) / total, sum(cand_p) / total
     ci, method = None, f"withheld: a cluster bootstrap over {len(ids)} prompts (at least {MIN_N} are needed)"
-    if len(ids) >= MIN_N:
+    rates = (np.array(cand_p) - np.array(ref_p)) / np.array(n_items)
+    if len(ids) >= MIN_N and np.ptp(rates) == 0:  # every resample the same ratio: a zero-width interval
+        method = "withheld: every prompt's share of instructions gained or lost is the same, so a cluster bootstrap "
+        method += "has zero width, a certainty the prompts do not give"
+    elif len(ids) >= MIN_N:
         ci = cluster_delta_ci(
             np.array(ref_p),
             np.array(cand_p),
@@ -962,18 +969,28 @@ def protocol_differences(ref_fp, cand_fp, task: str) -> dict[str, Any]:
     }
 
 
+def _by_effect(diffs: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+    """The fields of `protocol_differences` that can change the task's scores, and those that cannot."""
+    can = [k for k, d in diffs.items() if not isinstance(d, Mapping) or d.get("affects_scores") is not False]
+    return can, [k for k in diffs if k not in can]
+
+
 def with_runs(
     report: BucketReport, runs: dict[str, Any], diffs: dict[str, Any], provenance: dict[str, Any]
 ) -> BucketReport:
     """`report` with both runs' records, their protocol differences and the notes they imply."""
     notes = list(report.notes)
-    if diffs:
-        notes.append("protocols differ in " + ", ".join(diffs) + ": the delta mixes model and protocol effects")
-    repeat_diffs = (runs.get("repeat") or {}).get("protocol_differences_from_reference")
-    if repeat_diffs:
+    can, cannot = _by_effect(diffs)
+    if can:
+        notes.append("protocols differ in " + ", ".join(can) + ": the delta mixes model and protocol effects")
+    if cannot:
+        notes.append("the protocols also differ in " if can else "the protocols differ only in ")
+        notes[-1] += ", ".join(cannot) + ", which cannot change this task's scores"
+    can, _ = _by_effect((runs.get("repeat") or {}).get("protocol_differences_from_reference") or {})
+    if can:
         notes.append(
             "the repeat's protocol differs from the reference's in "
-            + ", ".join(repeat_diffs)
+            + ", ".join(can)
             + ": its flips mix run-to-run noise and those differences"
         )
     limits = {

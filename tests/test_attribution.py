@@ -169,11 +169,26 @@ def test_same_weights_differing_only_in_limit_are_unexplained_not_protocol(tmp_p
     [row] = _bench(att, "IFEval")["comparisons"]
     assert [d["field"] for d in row["differing_fields"]] == ["limit"]
     assert row["kind"] == "unexplained" and row["protocol_part"] is None and row["unexplained"] == row["gap"] == -40.0
+    # the reference scored 5 of the task's 100 documents with no --limit recorded (lm-eval's --samples): not "all"
     assert (
-        "reference all 5 of 100 documents, candidate a --limit 4 subset (5 of 100 documents; not final)"
-        in (row["explanation"])
+        "reference a subset (5 of 100 documents; no --limit recorded; not final), candidate a --limit 4 subset (5 of "
+        "100 documents; not final)" in row["explanation"]
     )
     assert plot_rows(att)[0]["parts"]["protocol"] == 0.0
+    md = to_markdown(att)  # the note names the documents, never "only fields that cannot change scores"
+    assert "same model: no protocol field differs; the documents differ (--limit) |" in md
+    assert "cannot change scores" not in md.split("| unexplained |")[1]
+    assert "- subset, not final: reference qwen3 IFEval 5 of 100 documents (no --limit recorded); candidate" in md
+    # the HTML report: the same split (an unexplained column) and the same caveat, above the table
+    out, page = tmp_path / "att", tmp_path / "r.html"
+    assert main(["attribute", "--reference", str(a), "--candidate", str(b), "--output", str(out)]) == 0
+    assert main(["report", "--attribution", str(out), "-o", str(page)]) == 0
+    html = page.read_text()
+    section = html[html.index('<section id="attribution">') :]
+    assert section.index("Subset, not final: reference qwen3 IFEval 5 of 100") < section.index("<th>unexplained</th>")
+    assert "<th>gap</th><th>protocol part</th><th>unexplained</th>" in section
+    part = 'comparisons/0/gap">-40.00</span></td><td><span class="na">n/a</span></td><td><span class="num" data-src='
+    assert part + '"att/attribution.json#/benchmarks/0/comparisons/0/unexplained"' in section
     other = write_run(tmp_path / "c", {"ifeval": CAND_IF}, model="/models/other", limit=4.0)
     assert "- not compared (different models on different document subsets (--limit)): " in to_markdown(
         run_attribution([str(a)], [str(other)])

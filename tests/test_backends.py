@@ -382,7 +382,7 @@ def test_lm_eval_vllm_refuses_a_checkpoint_s_cannot_load_before_anything_loads(t
 def test_vllm_cpu_memory_check_decides_as_vllms_cpu_worker(monkeypatch):
     """vLLM 0.32's CPU worker reserves ceil(total x gpu_memory_utilization) of its node and refuses when that exceeds
     what is available, unless a KV cache size is given: the same decision on given numbers, and the fix named."""
-    from lm_eval_sink.harness.vllm_preflight import GIB, NodeMemory, _kv_cache_given, cpu_refusal
+    from lm_eval_sink.harness.vllm_preflight import GIB, NodeMemory, _kv_cache_bytes, cpu_refusal, kv_cache_refusal
 
     busy = NodeMemory(node=0, total=int(23.54 * GIB), available=11 * GIB)
     refusal = cpu_refusal(busy, 0.92, kv_cache_given=False)  # the tour's machine: vLLM's default share
@@ -397,9 +397,35 @@ def test_vllm_cpu_memory_check_decides_as_vllms_cpu_worker(monkeypatch):
     assert cpu_refusal(exact, 0.5, False) is None and cpu_refusal(exact, 0.51, False) is not None
     assert "or free memory" in cpu_refusal(NodeMemory(0, 8 * GIB, GIB // 100), 0.5, False).hint
     monkeypatch.setenv(KV_CACHE_ENV, "")  # set but empty: vLLM's CPU platform ignores it
-    assert not _kv_cache_given({}) and _kv_cache_given({"kv_cache_memory_bytes": 1 << 30})
+    assert _kv_cache_bytes({}) is None and _kv_cache_bytes({"kv_cache_memory_bytes": 1 << 30}) == 1 << 30
     monkeypatch.setenv(KV_CACHE_ENV, "1")
-    assert _kv_cache_given({})
+    assert _kv_cache_bytes({"kv_cache_memory_bytes": 5}) == GIB  # the variable wins, as in vLLM's CPU platform
+    # a KV cache size past what is available: vLLM's worker refuses it only after the weights load (review of issue
+    # 44: the check was skipped whenever a size was given)
+    assert kv_cache_refusal(busy, 11 * GIB) is None
+    refusal = kv_cache_refusal(busy, 12 * GIB)
+    assert refusal.message == (
+        "--model vllm: vLLM's CPU engine would not start: its KV cache of 12.00 GiB (VLLM_CPU_KVCACHE_SPACE, or "
+        "kv_cache_memory_bytes) exceeds the 11.00 GiB available on NUMA node 0"
+    )
+    assert refusal.hint.startswith(f"set {KV_CACHE_ENV} to fewer GiB")
+    monkeypatch.setenv(KV_CACHE_ENV, "1.5")  # vLLM's int() of it: a ValueError traceback when the engine is built
+    with pytest.raises(UserError, match=f"{KV_CACHE_ENV}=1.5 is not a whole number"):
+        _kv_cache_bytes({})
+
+
+def test_lm_eval_vllm_without_vllm_is_one_line(tmp_path):
+    """In an interpreter without vLLM, `lm_eval --model vllm` ended in the memory check's ModuleNotFoundError
+    traceback (and before the check, in lm-eval's own, after S was measured first): one line, nothing written."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("this interpreter has vLLM")
+    args = ["--model", "vllm", "--model_args", f"pretrained={tmp_path}", "--tasks", "sink_strength,ifeval"]
+    ((rc, err),) = _lm_eval(sys.executable, [([*args, "--output_path", str(tmp_path / "o")], {})])
+    assert rc == 2 and "Traceback" not in err, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith(f"error: --model vllm: this interpreter ({sys.executable}) has no")
+    assert not (tmp_path / "o").exists()
 
 
 # --- real vLLM against HF: same responses and scores in float32 -----------------------------------

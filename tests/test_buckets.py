@@ -845,6 +845,9 @@ def test_instruction_types_below_ten_are_too_few_to_test(ifeval_pair):
     assert "| detectable_format:json_format | 1 | 1 | 0 | 100.0 | 0.0 | too few to test | - | - |" in md
     assert "-100.0" not in md
     assert "Power (alpha 0.05 two-sided, power 0.8; the test: exact McNemar" in md  # 21 docs, 13 discordant
+    # 21 prompts, no instruction differs: the cluster bootstrap's 0.0 [0.0, 0.0] is withheld, with why
+    same = bucket(ifeval_pair["ref"], ifeval_pair["ref"], "ifeval", FAST).instruction_level
+    assert same["delta_ci"] is None and same["method"].startswith("withheld: every prompt's share of instructions")
     assert "; Connor (1987) normal approximation for paired proportions, conditional on the observed" in md
 
 
@@ -891,6 +894,10 @@ def test_four_docs_say_too_few_to_tell_first_everywhere(gsm8k_four, tmp_path, ca
     assert "Responses that hit the generation limit: reference 4 of 4, candidate 4 of 4; regressions 0" in md
     assert all(r["truncated"] and r["reference_truncated"] for r in data["rows"])
     assert figure_title(data).startswith("too few to tell: gsm8k_cot_zeroshot: exact_match (strict-match), 4 paired")
+    # fewshot_as_multiturn cannot change a 0-shot task's scores ("no" in its table): not among what the delta mixes
+    assert data["protocol_differences"]["fewshot_as_multiturn"]["affects_scores"] is False
+    assert "protocols differ in chat_template_applied, chat_template_sha: the delta mixes model and protocol" in md
+    assert "the protocols also differ in fewshot_as_multiturn, which cannot change this task's scores" in md
     assert main(["report", "--buckets", str(out), "-o", str(tmp_path / "r.html")]) == 0
     page = (tmp_path / "r.html").read_text()
     card = page[page.index('<div class="cards">') :]

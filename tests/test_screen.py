@@ -250,6 +250,12 @@ def test_screen_reuses_strength_files_written_elsewhere_in_its_setting_and_refus
     assert f"{file}: measured in another setting: last_k 10 (this run: 1)" in line
     line = user_error(["screen", file, "--dtype", "bfloat16", "--output", tmp_path / "s3"], tmp_path / "s3")
     assert "measured in another setting: --dtype auto (this run: bfloat16)" in line
+    # made by other code: the file that changed is named (main: both runs' whole code records, 28 hashes, in one line)
+    old = json.loads(before)
+    old["provenance"]["key_versions"]["code"]["lm_eval_sink/capture.py"] = "0" * 64
+    file.write_text(json.dumps(old))
+    line = user_error(["screen", file, "--output", tmp_path / "s4"], tmp_path / "s4")
+    assert f"{file}: made by other versions (code changed: lm_eval_sink/capture.py)" in line and len(line) < 400
 
 
 def test_screen_checks_the_pairs_file_before_measuring(screen_models, tmp_path, capsys):

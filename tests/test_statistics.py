@@ -50,17 +50,26 @@ def _paired(draw, binary: bool):
 @given(pair=_paired(binary=True))
 def test_paired_0_1_statistics(pair):
     """Counts sum to n; McNemar's p is a probability; the interval holds the delta and never has zero width where
-    Newcombe's score interval is used (fewer than MIN_N docs, or no doc differs)."""
+    Newcombe's score interval is used (fewer than MIN_N docs, or every doc's difference the same)."""
     ref, cand = pair
     stats = paired_stats(list(range(len(ref))), ref, cand, "binary", FAST)
     assert sum(stats.counts.values()) == len(ref) and set(stats.counts) == set(BUCKETS)
     assert stats.discordant == stats.counts["regression"] + stats.counts["recovered"]
     assert 0.0 <= stats.mcnemar_p <= 1.0
     assert _holds(stats.delta_ci, stats.delta) and -1.0 <= stats.delta_ci[0] <= stats.delta_ci[1] <= 1.0
-    if len(ref) < MIN_N or not stats.discordant:
+    if len(ref) < MIN_N or np.ptp(cand - ref) == 0:
         assert stats.delta_ci_method.startswith("Newcombe") and stats.delta_ci[1] - stats.delta_ci[0] > 0.05
     else:
         assert stats.delta_ci_method.startswith("paired bootstrap")
+
+
+def test_every_doc_regressed_is_no_zero_width_bootstrap():
+    """20 docs that all regressed (or all recovered): every bootstrap resample is the same, so its interval was
+    -100 [-100, -100], a certainty 20 docs do not give; Newcombe's interval is used, as for no doc differing."""
+    for ref, cand, said in ((1.0, 0.0, "every doc regressed"), (0.0, 1.0, "every doc recovered")):
+        stats = paired_stats(list(range(20)), np.full(20, ref), np.full(20, cand), "binary", FAST)
+        assert stats.delta_ci_method == f"Newcombe's hybrid score interval for paired proportions (method 10): {said}"
+        assert stats.delta_ci[1] - stats.delta_ci[0] > 0.2 and _holds(stats.delta_ci, stats.delta)
 
 
 # scipy's Wilcoxon test enumerates all 2^n sign flips for n <= 13 with ties: half the examples keep this one cheap

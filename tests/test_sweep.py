@@ -565,3 +565,20 @@ def test_a_changed_sweep_file_names_the_field_and_redo_redoes_only_those(uninter
     report = run_sweep(load_sweep(sweep), progress=False)
     assert report.ran == ["strength:candidate"]
     assert "strength:candidate: recomputed: made under other defaults (the sweep file is the same)" in report.notes
+
+
+def test_local_steps_without_progress_show_no_bars_and_quiet_counts_them(tmp_path, capsys):
+    """`run_sweep(progress=False)` without `announce` (the library's quiet call) drew the bars again once --quiet
+    gained its step lines; with `announce`, a line per step and no bars."""
+    from lm_eval_sink.commands.sweep import StepCounter, _run_local
+    from lm_eval_sink.merging.sweep import Unit
+
+    units = [Unit("strength", name, "k", tmp_path / name) for name in ("a", "b")]
+    ran: list[str] = []
+    _run_local(units, lambda u, e: ran.append(u.id), {}, StepCounter(2, None), lambda u: None)
+    assert ran == ["strength:a", "strength:b"] and "sweep steps" not in capsys.readouterr().err
+    said: list[str] = []
+    _run_local(units, lambda u, e: None, {}, StepCounter(2, said.append, progress=False), lambda u: None)
+    assert said == ["[1/2] strength:a", "[2/2] strength:b"] and "sweep steps" not in capsys.readouterr().err
+    _run_local(units, lambda u, e: None, {}, StepCounter(2, said.append, progress=True), lambda u: None)
+    assert len(said) == 2 and "sweep steps" in capsys.readouterr().err

@@ -55,7 +55,7 @@ def reused_strength(file: Path, settings: StrengthSettings, dtype: str) -> Reuse
     present content, in this setting (the settings that decide S, the calibration prompts, --dtype), by these
     versions; anything else is the one-line error naming what differs."""
     from lm_eval_sink.calibration import load_prompts
-    from lm_eval_sink.io import read_json
+    from lm_eval_sink.io import read_json, version_change
     from lm_eval_sink.models import DTYPES, model_fingerprint
     from lm_eval_sink.strength import SinkStrength, inputs_key, key_versions
 
@@ -68,10 +68,9 @@ def reused_strength(file: Path, settings: StrengthSettings, dtype: str) -> Reuse
     identity = _present_identity(file, path, model, model_fingerprint)
     hint = f"screen with the options it was measured with, or pass {path} to measure it in this setting"
     prompts = load_prompts(Path(settings.prompts_file) if settings.prompts_file else None, settings.n_prompts)
-    old = prov.get("key_versions") or {}
-    changed = [f"{k} {old.get(k)} -> {v}" for k, v in key_versions().items() if old.get(k) != v]
+    changed = version_change(prov, prov["inputs_key"], key_versions())  # the packages, or the files of S's code
     if changed:
-        raise UserError(f"{file}: made by other versions ({', '.join(changed)})", f"pass {path} to measure it again")
+        raise UserError(f"{file}: made by other versions ({changed})", f"pass {path} to measure it again")
     differ = _setting_differences(prov, settings, prompts.sha256)
     keys = {d: inputs_key(path, identity["fingerprint"], settings, d) for d in DTYPES}
     made_with = next((d for d, k in keys.items() if k == prov["inputs_key"]), None)

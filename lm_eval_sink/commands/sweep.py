@@ -541,7 +541,7 @@ def _run_sweep_locked(
     markers, finished, manifest = dict(state.markers), set(plan_now.finished), Manifest(out / MANIFEST)
     by_id = {u.id: u for u in plan.units}
     todo = list(plan_now.todo)
-    steps = StepCounter(len(todo), None if progress else announce)  # --quiet: a line per step, no bars
+    steps = StepCounter(len(todo), announce, progress)  # --quiet: a line per step, no bars
 
     def record(unit: Unit, error: str | None) -> None:
         """The driver's bookkeeping of one unit that ran (or could not run), whatever the engine."""
@@ -602,10 +602,12 @@ def _tabulate(plan: Plan, markers: Markers, report: SweepReport) -> None:
 @dataclass
 class StepCounter:
     """`[3/10] eval:linear_95_5`: one line per step as it starts (engines that run steps in turn) or ends (the
-    others), given to `announce` (without progress bars, which count the steps themselves; None: no lines)."""
+    others), given to `announce` (None: no lines); `progress`: progress bars instead, which count the steps
+    themselves (then no lines)."""
 
     total: int
     announce: Callable[[str], None] | None
+    progress: bool = False
     counted: dict[str, int] = field(default_factory=dict)
 
     def started(self, unit_id: str) -> None:
@@ -623,12 +625,8 @@ class StepCounter:
         elif new:
             self._say(f"{step}: done")
 
-    @property
-    def progress(self) -> bool:
-        return self.announce is None
-
     def _say(self, line: str) -> None:
-        if self.announce is not None:
+        if self.announce is not None and not self.progress:
             self.announce(line)
 
 

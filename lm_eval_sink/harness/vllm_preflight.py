@@ -9,7 +9,10 @@ node's memory, despite its name) and refuses to start when that exceeds the node
 the one of the first CPU the process may run on, else the first visible memory node; total and available come
 from vLLM's own `get_memory_node_info` (the node's meminfo, clamped by a cgroup limit). On a 23.5 GiB machine the
 default asks 21.66 GiB, more than a busy machine has free: the engine died after S was measured and about 100
-traceback lines. `cpu_refusal` is that decision on given numbers (pure); `check_engine_memory` gathers them with
+traceback lines. With a KV cache size given, the worker allocates it after the weights load and refuses when it
+exceeds what is available then (`determine_available_memory`), so a size past what is available now can never
+start. `cpu_refusal` and `kv_cache_refusal` are those decisions on given numbers (pure); `check_engine_memory`
+gathers them with
 vLLM's functions, on vLLM's CPU platform only (a GPU worker checks its device at start-up itself), and raises the
 one line naming the settings that fix it.
 """
@@ -55,9 +58,19 @@ def cpu_refusal(memory: NodeMemory, utilization: float, kv_cache_given: bool) ->
 
 def check_engine_memory(arguments: dict[str, Any]) -> None:
     """`simple_evaluate`'s `arguments` under `--model vllm` on vLLM's CPU platform: `cpu_refusal` on this machine's
-    numbers, raised; otherwise nothing (another backend, an LM object, a GPU platform)."""
+    numbers, raised; otherwise nothing (another backend, an LM object, a GPU platform). An interpreter without vLLM
+    is one line too (lm-eval's own import of vLLM ends in a traceback, after S was measured first)."""
+    import importlib.util
+    import sys
+
     if arguments.get("model") != "vllm":
         return
+    if importlib.util.find_spec("vllm") is None:
+        raise UserError(
+            f"--model vllm: this interpreter ({sys.executable}) has no vLLM",
+            "run lm_eval from an environment with vLLM (on a CPU: make venv-vllm, then .venv-vllm/bin/lm_eval; "
+            "on a GPU: pip install vllm)",
+        )
     from lm_eval.utils import simple_parse_args_string
     from vllm.platforms import current_platform
 
@@ -66,15 +79,40 @@ def check_engine_memory(arguments: dict[str, Any]) -> None:
 
     if not current_platform.is_cpu():
         return
-    refusal = cpu_refusal(_node_memory(), _utilization(model_args), _kv_cache_given(model_args))
+    memory, kv_cache = _node_memory(), _kv_cache_bytes(model_args)
+    if kv_cache is None:
+        refusal = cpu_refusal(memory, _utilization(model_args), False)
+    else:
+        refusal = kv_cache_refusal(memory, kv_cache)
     if refusal is not None:
         raise refusal
 
 
-def _kv_cache_given(model_args: dict[str, Any]) -> bool:
-    """Whether vLLM gets a KV cache size: the environment variable as its CPU platform reads it (set and not
-    empty), or `kv_cache_memory_bytes` in the model arguments."""
-    return os.environ.get(KV_CACHE_ENV, "") != "" or model_args.get("kv_cache_memory_bytes") not in (None, "")
+def kv_cache_refusal(memory: NodeMemory, kv_cache_bytes: int) -> UserError | None:
+    """The one-line error for a KV cache size the node cannot hold even before the weights load (vLLM's CPU worker
+    refuses it after loading them); None when it fits now."""
+    if kv_cache_bytes <= memory.available:
+        return None
+    return UserError(
+        f"--model vllm: vLLM's CPU engine would not start: its KV cache of {kv_cache_bytes / GIB:.2f} GiB "
+        f"({KV_CACHE_ENV}, or kv_cache_memory_bytes) exceeds the {memory.available / GIB:.2f} GiB available on NUMA "
+        f"node {memory.node}",
+        f"set {KV_CACHE_ENV} to fewer GiB (1 holds about 46k tokens of SmolLM2-135M's cache; the weights come on "
+        "top), or free memory",
+    )
+
+
+def _kv_cache_bytes(model_args: dict[str, Any]) -> int | None:
+    """The KV cache size vLLM gets, in bytes: the environment variable (whole GiB) as its CPU platform reads it (set
+    and not empty; it wins), else `kv_cache_memory_bytes` in the model arguments; None when neither is given."""
+    env, arg = os.environ.get(KV_CACHE_ENV, ""), model_args.get("kv_cache_memory_bytes")
+    given, what = (env, f"{KV_CACHE_ENV}={env}") if env != "" else (arg, f"kv_cache_memory_bytes={arg}")
+    if given in (None, ""):
+        return None
+    try:
+        return int(given) * (GIB if env != "" else 1)
+    except ValueError:
+        raise UserError(f"--model vllm: {what} is not a whole number", f"pass e.g. {KV_CACHE_ENV}=1 (GiB)") from None
 
 
 def _utilization(model_args: dict[str, Any]) -> float:

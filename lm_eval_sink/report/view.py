@@ -370,6 +370,16 @@ def _margin_section(d: Doc) -> dict[str, Any]:
     }
 
 
+def _subset_line(data: Mapping[str, Any]) -> str | None:
+    """attribute's subset caveat (`attribution.subset_line`) from attribution.json; None when it cannot be read."""
+    from lm_eval_sink.attribution import subset_line
+
+    try:
+        return subset_line(data.get("benchmarks") or [], data.get("measurements") or [])
+    except (KeyError, TypeError, AttributeError, ValueError):  # an attribution.json of another schema: no caveat
+        return None
+
+
 def _attribution_section(d: Doc) -> dict[str, Any]:
     data = d.data
     benches = []
@@ -387,6 +397,7 @@ def _attribution_section(d: Doc) -> dict[str, Any]:
                     "candidate": num(d, [*p, "candidate", "strict"], "f2"),
                     "gap": num(d, [*p, "gap"], "f2"),
                     "protocol_part": num(d, [*p, "protocol_part"], "f2"),
+                    "unexplained": num(d, [*p, "unexplained"], "f2"),
                     "access": num(d, [*p, "access"], "f2"),
                     "capacity": num(d, [*p, "capacity"], "f2"),
                     "fields": [f.get("field") for f in c.get("differing_fields") or []],
@@ -406,6 +417,7 @@ def _attribution_section(d: Doc) -> dict[str, Any]:
     return {
         "source": d.rel,
         "benchmarks": benches,
+        "subset": _subset_line(data),
         "lineage": [dict(x) for x in data.get("lineage") or []],
         "mixture": get(data, "mixture", "note"),
     }
