@@ -22,6 +22,9 @@ from pathlib import Path
 from typing import Any
 
 KEPT_DIR = "measured_first"  # under the project cache (`io.cache_dir`)
+# The code that computes the kept rows (`code_key`): the child's load and measurement (`measure_first`: the model
+# loaded eager or sdpa, the adapter applied, `task.measure_rows`) with all it imports, the S code among it.
+CODE = ("lm_eval_sink.harness.measure_first",)
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,8 @@ def key(load: Any, jobs: dict[str, dict[str, Any]]) -> str:
 
     content = model_fingerprint(load.pretrained)["fingerprint"] if Path(load.pretrained).exists() else None
     decided = {k: v for k, v in asdict(load).items() if k != "ignored"}  # the backend's own arguments do not
-    return sha256_text(canonical_json({"load": decided, "content": content, "jobs": jobs, "versions": key_versions()}))
+    versions = key_versions(CODE)
+    return sha256_text(canonical_json({"load": decided, "content": content, "jobs": jobs, "versions": versions}))
 
 
 def measured_or_kept(
