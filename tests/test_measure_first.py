@@ -278,3 +278,21 @@ def test_the_key_of_kept_s_changes_with_the_code_that_measured_it(monkeypatch, e
 
     monkeypatch.setattr(code_key, "_read", edited_read)
     assert key(load, jobs) != before
+
+
+def test_kept_s_in_a_file_others_can_write_is_measured_again(tmp_path, monkeypatch):
+    """The kept rows are read as every other file of the project cache: one that is not this user's alone (another
+    could have planted its S) is read as absent and S is measured, as footguns.md's table says."""
+    from lm_eval_sink.harness.kept_strength import KEPT_DIR, key, measured_or_kept
+    from lm_eval_sink.harness.measure_first import HfLoad
+
+    monkeypatch.setenv("LM_EVAL_SINK_CACHE", str(tmp_path / "cache"))
+    load, jobs = HfLoad(pretrained="org/not-a-folder"), {TASK: {"n_prompts": 5}}
+    planted = tmp_path / "cache" / KEPT_DIR / f"{key(load, jobs)}.json"
+    planted.parent.mkdir(parents=True)
+    planted.write_text(json.dumps({TASK: {"settings": {}, "rows": {"0": [9.0]}, "record": {}}}))
+    planted.chmod(0o666)
+    kept = measured_or_kept(load, jobs, "vllm", lambda *args: {TASK: "measured"})
+    assert kept.measured == {TASK: "measured"} and kept.path == planted
+    planted.chmod(0o600)  # this user's alone: reused
+    assert measured_or_kept(load, jobs, "vllm", lambda *args: {TASK: "measured"}).measured[TASK].rows == {0: [9.0]}

@@ -69,11 +69,11 @@ def measured_or_kept(
     """The rows kept by an earlier call of the same inputs that failed (said in one line), else `measure(load, jobs,
     backend)`'s."""
     from lm_eval_sink.harness.task import Measured
-    from lm_eval_sink.io import cache_dir
+    from lm_eval_sink.io import cache_dir, read_private_text
 
     path = cache_dir() / KEPT_DIR / f"{key(load, jobs)}.json"
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_private_text(path))  # a file not this user's alone is read as absent
         measured = {
             name: Measured(
                 m["settings"],
@@ -82,7 +82,7 @@ def measured_or_kept(
             )
             for name, m in data.items()
         }
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # none kept, or unreadable: measure
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # none kept, unreadable, another's: measure
         return Kept(measure(load, jobs, backend), path)
     _say(f"S of {', '.join(measured)} reused from {path}, measured by an earlier call of the same model and settings")
     return Kept(measured, path)
