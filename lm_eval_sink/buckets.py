@@ -49,7 +49,7 @@ from lm_eval_sink.errors import UserError
 from lm_eval_sink.failure_kinds import classify_ifeval, is_truncated, kind_counts, max_gen_toks_in, max_gen_toks_of
 from lm_eval_sink.schema import did_you_mean
 from lm_eval_sink.pairing import filter_of, index_docs, outcome, pair_docs
-from lm_eval_sink.power import MIN_N, comparison_power, too_few
+from lm_eval_sink.power import MAX_N, MIN_N, comparison_power, too_few
 from lm_eval_sink.tables import csv_text, markdown_lines
 
 log = logging.getLogger(__name__)
@@ -1242,7 +1242,7 @@ def power_lines(report: Mapping[str, Any]) -> list[str]:
         power, needed = f"none at this discordant share: {pw['effect_impossible']}", "n/a (see above)"
     else:
         power = f"{pw['power_at_effect']:.0%}" + (exact.format(pw["power_at_effect_exact"]) if binary else "")
-        needed = str(pw["n_for_effect"])
+        needed = str(pw["n_for_effect"]) if pw["n_for_effect"] is not None else f"more than {MAX_N:,}"
     return [
         f"Power (alpha {pw['alpha']:g} two-sided, power {pw['target_power']:g}; the test: {pw['test']}; "
         f"{pw['method']}; {pw['n']} paired docs, {spread}):",
