@@ -76,21 +76,28 @@ def cache_dir() -> Path:
 
 def private_problem(folder: Path) -> str | None:
     """Why another user could change what `folder` holds (None when nobody but this user and root can): the folder
-    must be owned by this user and writable by nobody else, and no folder above it writable by others without the
-    sticky bit (such a parent lets them rename it away and put their own in its place)."""
+    must be owned by this user and writable by nobody else (its group included), and every folder above it owned by
+    this user or root and writable by nobody else without the sticky bit (a parent's owner, or whoever else can
+    write it, can rename the folder away and put their own in its place)."""
     if not hasattr(os, "geteuid"):  # no POSIX owners (Windows): nothing to check
         return None
+    me = os.geteuid()
     st = os.stat(folder)
-    if st.st_uid != os.geteuid():
+    if st.st_uid != me:
         return f"is owned by another user (uid {st.st_uid})"
     if st.st_mode & 0o022:
-        who = "others" if st.st_mode & 0o002 else "its group"
-        return f"is writable by {who} (mode {st.st_mode & 0o777:o})"
+        return f"is writable by {_who(st.st_mode)} (mode {st.st_mode & 0o777:o})"
     for parent in Path(os.path.realpath(folder)).parents:
         pst = os.stat(parent)
-        if pst.st_mode & 0o002 and not pst.st_mode & stat.S_ISVTX:
-            return f"is in {parent}, which others can write (mode {pst.st_mode & 0o777:o}, no sticky bit)"
+        if pst.st_uid not in (me, 0):
+            return f"is in {parent}, owned by another user (uid {pst.st_uid}), who can rename it"
+        if pst.st_mode & 0o022 and not pst.st_mode & stat.S_ISVTX:
+            return f"is in {parent}, which {_who(pst.st_mode)} can write (mode {pst.st_mode & 0o777:o}, no sticky bit)"
     return None
+
+
+def _who(mode: int) -> str:
+    return "others" if mode & 0o002 else "its group"
 
 
 def read_private_text(path: Path) -> str:
