@@ -29,6 +29,7 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -573,9 +574,9 @@ def new_files(
 
 
 @contextlib.contextmanager
-def hold(folder: Path, sibling: bool = False, wait: Callable[[str], None] | None = None) -> Iterator[Path]:
+def hold(folder: Path, sibling: bool = False, wait: Callable[[str, float], None] | None = None) -> Iterator[Path]:
     """Hold the lock of `folder` for the block; refuse with one line when another process holds it, or with `wait`
-    call `wait(holder)` and wait until it lets go.
+    wait until it lets go, calling `wait(holder, seconds waited)` at once and every `WAIT_NOTE_S` (its progress).
 
     `<folder>/.lock` (the folder is created), or with `sibling` `<folder>.lock` beside it, for a
     folder built staged and renamed. Reentrant within a process (an outer holder keeps it). The
@@ -605,8 +606,7 @@ def hold(folder: Path, sibling: bool = False, wait: Callable[[str], None] | None
                 f"{folder} is in use by {_holder(record)}",
                 "wait for that run to finish (or stop it), or choose another output folder",
             ) from None
-        wait(_holder(record))
-        lock.acquire(timeout=-1, poll_interval=0.2)  # until the holder lets go (a killed holder's lock goes with it)
+        _wait_for(lock, record, wait)
     _HELD[path.absolute()] = os.getpid()
     try:
         atomic_write_json(record, _holder_record())
@@ -619,6 +619,24 @@ def hold(folder: Path, sibling: bool = False, wait: Callable[[str], None] | None
         if created:  # a refused run leaves nothing behind (rmdir removes only an empty folder)
             with contextlib.suppress(OSError):
                 path.parent.rmdir()
+
+
+WAIT_NOTE_S = 15.0  # while `hold(wait=)` waits: how often it says it still does
+
+
+def _wait_for(lock: Any, record: Path, wait: Callable[[str, float], None]) -> None:
+    """Take `lock` once its holder lets go (a killed holder's lock goes with it), calling `wait` at once and every
+    `WAIT_NOTE_S` with the holder and the seconds waited."""
+    from filelock import Timeout
+
+    start, waited = time.monotonic(), 0.0
+    while True:
+        wait(_holder(record), waited)
+        try:
+            lock.acquire(timeout=WAIT_NOTE_S, poll_interval=0.2)
+            return
+        except Timeout:
+            waited = time.monotonic() - start
 
 
 def _holder_record() -> dict[str, Any]:
