@@ -49,7 +49,7 @@ from lm_eval_sink.errors import UserError
 from lm_eval_sink.failure_kinds import classify_ifeval, is_truncated, kind_counts, max_gen_toks_in, max_gen_toks_of
 from lm_eval_sink.schema import did_you_mean
 from lm_eval_sink.pairing import filter_of, index_docs, outcome, pair_docs
-from lm_eval_sink.power import MIN_N, comparison_power, too_few
+from lm_eval_sink.power import MAX_N, MIN_N, comparison_power, too_few
 from lm_eval_sink.tables import csv_text, markdown_lines
 
 log = logging.getLogger(__name__)
@@ -471,7 +471,8 @@ def bucket(
         settings=asdict(settings),
         notes=_pairing_notes(p.pairing, len(p.ids))
         + _collapse_notes(p.ids, p.ref_rows, p.cand_rows, labels)
-        + _self_notes(identical_samples(p), len(p.ids), "reference and candidate"),
+        + _self_notes(identical_samples(p), len(p.ids), "reference and candidate")
+        + interval_test_notes(stats, settings.confidence),
         power=_power(p, kind, settings),
         too_few_to_tell=too_few(len(p.ids)) if len(p.ids) < MIN_N else None,
     )
@@ -610,6 +611,32 @@ def identical_samples(p: _Paired) -> bool:
     return bool(np.array_equal(p.ref_v, p.cand_v)) and all(
         all(p.ref_rows[i].get(k) == p.cand_rows[i].get(k) for k in keys) for i in p.ids
     )
+
+
+def interval_test_notes(stats: PairedStats, confidence: float) -> list[str]:
+    """A note where the interval of a 0/1 delta and the exact McNemar test `bucket` runs disagree on whether the
+    runs differ at the same level (the interval excludes 0 and the test does not reject, or the other way round):
+    the percentile bootstrap and Newcombe's interval are approximate, and with few discordant docs they call a
+    difference that the exact test does not (4 regressions of 100, none recovered: [-8.0, -1.0] against p = 0.125).
+    Said in words, so the two figures do not contradict each other unspoken."""
+    if stats.mcnemar_p is None:
+        return []
+    ci, what = (
+        (stats.delta_ci, "delta") if stats.pass_rate is None else (stats.pass_rate["delta_ci"], "pass-rate delta")
+    )
+    if ci is None:
+        return []
+    excludes, rejects = ci[0] > 0 or ci[1] < 0, stats.mcnemar_p <= 1 - confidence
+    if excludes == rejects:
+        return []
+    alpha, shown = 1 - confidence, f"[{100 * ci[0]:.1f}, {100 * ci[1]:.1f}] points"
+    says = "excludes 0" if excludes else "holds 0"
+    test = "does not reject" if not rejects else "rejects"
+    return [
+        f"the {confidence:.0%} interval of the {what}, {shown}, {says}, while the exact McNemar test on its "
+        f"{stats.discordant} discordant docs {test} at alpha {alpha:g} (p = {stats.mcnemar_p:.3g}): the interval is "
+        "approximate; the test is the comparison's significance (its power is the one reported)"
+    ]
 
 
 def _self_notes(identical: bool, n: int, what: str) -> list[str]:
@@ -1259,7 +1286,7 @@ def power_lines(report: Mapping[str, Any]) -> list[str]:
         power, needed = f"none at this discordant share: {pw['effect_impossible']}", "n/a (see above)"
     else:
         power = f"{pw['power_at_effect']:.0%}" + (exact.format(pw["power_at_effect_exact"]) if binary else "")
-        needed = str(pw["n_for_effect"])
+        needed = str(pw["n_for_effect"]) if pw["n_for_effect"] is not None else f"more than {MAX_N:,}"
     return [
         f"Power (alpha {pw['alpha']:g} two-sided, power {pw['target_power']:g}; the test: {pw['test']}; "
         f"{pw['method']}; {pw['n']} paired docs, {spread}):",

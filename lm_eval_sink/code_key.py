@@ -102,7 +102,12 @@ def _resolve(ref: str) -> tuple[tuple[str, Path], ...]:
 
 def source_hashes(roots: Iterable[str]) -> dict[str, str]:
     """`{package path: xxh3-128}` of the modules `roots` (dotted names) can import, transitively, and of the data
-    they read."""
+    they read. A root that names no module of this package raises ValueError: a renamed or misspelled entry module
+    would otherwise key a result by its parent package alone and leave its code out of the key."""
+    roots = tuple(roots)
+    missing = [root for root in roots if _module_file(root) is None]
+    if missing:
+        raise ValueError(f"code_key roots that name no module of {PACKAGE}: {', '.join(missing)}")
     todo = [item for root in roots for item in _resolve(root)]
     out: dict[str, str] = {}
     while todo:

@@ -30,6 +30,7 @@ from typing import Any
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.io import (
     COMPLETE,
+    DiskFull,
     atomic_write_json,
     cache_dir,
     canonical_json,
@@ -69,8 +70,8 @@ def file_hash(path: Path) -> str:
     digest = "xxh3_128:" + h.hexdigest()
     try:
         atomic_write_json(entry, {"path": str(path), "size": st.st_size, "hash": digest})
-    except OSError:
-        pass  # a read-only cache only costs the re-hash next time
+    except (OSError, DiskFull):
+        pass  # a read-only or full cache only costs the re-hash next time
     return digest
 
 

@@ -29,6 +29,7 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -76,21 +77,28 @@ def cache_dir() -> Path:
 
 def private_problem(folder: Path) -> str | None:
     """Why another user could change what `folder` holds (None when nobody but this user and root can): the folder
-    must be owned by this user and writable by nobody else, and no folder above it writable by others without the
-    sticky bit (such a parent lets them rename it away and put their own in its place)."""
+    must be owned by this user and writable by nobody else (its group included), and every folder above it owned by
+    this user or root and writable by nobody else without the sticky bit (a parent's owner, or whoever else can
+    write it, can rename the folder away and put their own in its place)."""
     if not hasattr(os, "geteuid"):  # no POSIX owners (Windows): nothing to check
         return None
+    me = os.geteuid()
     st = os.stat(folder)
-    if st.st_uid != os.geteuid():
+    if st.st_uid != me:
         return f"is owned by another user (uid {st.st_uid})"
     if st.st_mode & 0o022:
-        who = "others" if st.st_mode & 0o002 else "its group"
-        return f"is writable by {who} (mode {st.st_mode & 0o777:o})"
+        return f"is writable by {_who(st.st_mode)} (mode {st.st_mode & 0o777:o})"
     for parent in Path(os.path.realpath(folder)).parents:
         pst = os.stat(parent)
-        if pst.st_mode & 0o002 and not pst.st_mode & stat.S_ISVTX:
-            return f"is in {parent}, which others can write (mode {pst.st_mode & 0o777:o}, no sticky bit)"
+        if pst.st_uid not in (me, 0):
+            return f"is in {parent}, owned by another user (uid {pst.st_uid}), who can rename it"
+        if pst.st_mode & 0o022 and not pst.st_mode & stat.S_ISVTX:
+            return f"is in {parent}, which {_who(pst.st_mode)} can write (mode {pst.st_mode & 0o777:o}, no sticky bit)"
     return None
+
+
+def _who(mode: int) -> str:
+    return "others" if mode & 0o002 else "its group"
 
 
 def read_private_text(path: Path) -> str:
@@ -566,9 +574,9 @@ def new_files(
 
 
 @contextlib.contextmanager
-def hold(folder: Path, sibling: bool = False, wait: Callable[[str], None] | None = None) -> Iterator[Path]:
+def hold(folder: Path, sibling: bool = False, wait: Callable[[str, float], None] | None = None) -> Iterator[Path]:
     """Hold the lock of `folder` for the block; refuse with one line when another process holds it, or with `wait`
-    call `wait(holder)` and wait until it lets go.
+    wait until it lets go, calling `wait(holder, seconds waited)` at once and every `WAIT_NOTE_S` (its progress).
 
     `<folder>/.lock` (the folder is created), or with `sibling` `<folder>.lock` beside it, for a
     folder built staged and renamed. Reentrant within a process (an outer holder keeps it). The
@@ -598,8 +606,7 @@ def hold(folder: Path, sibling: bool = False, wait: Callable[[str], None] | None
                 f"{folder} is in use by {_holder(record)}",
                 "wait for that run to finish (or stop it), or choose another output folder",
             ) from None
-        wait(_holder(record))
-        lock.acquire(timeout=-1, poll_interval=0.2)  # until the holder lets go (a killed holder's lock goes with it)
+        _wait_for(lock, record, wait)
     _HELD[path.absolute()] = os.getpid()
     try:
         atomic_write_json(record, _holder_record())
@@ -612,6 +619,24 @@ def hold(folder: Path, sibling: bool = False, wait: Callable[[str], None] | None
         if created:  # a refused run leaves nothing behind (rmdir removes only an empty folder)
             with contextlib.suppress(OSError):
                 path.parent.rmdir()
+
+
+WAIT_NOTE_S = 15.0  # while `hold(wait=)` waits: how often it says it still does
+
+
+def _wait_for(lock: Any, record: Path, wait: Callable[[str, float], None]) -> None:
+    """Take `lock` once its holder lets go (a killed holder's lock goes with it), calling `wait` at once and every
+    `WAIT_NOTE_S` with the holder and the seconds waited."""
+    from filelock import Timeout
+
+    start, waited = time.monotonic(), 0.0
+    while True:
+        wait(_holder(record), waited)
+        try:
+            lock.acquire(timeout=WAIT_NOTE_S, poll_interval=0.2)
+            return
+        except Timeout:
+            waited = time.monotonic() - start
 
 
 def _holder_record() -> dict[str, Any]:

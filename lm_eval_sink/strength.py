@@ -30,9 +30,10 @@ from lm_eval_sink.errors import SinkWarning, UserError
 
 DEFAULT_LAST_K = 10
 # What every strength result key holds beside its inputs (`key_versions`, docs/identity.md): the hashes of the
-# modules this one can import (the capture, the model loading, the prompts: `code_key`) and these packages' versions.
+# modules this one can import (the capture, the model loading, the prompts: `code_key`) and these packages' versions
+# (peft applies an adapter folder's weights or virtual tokens: its version decides an adapter's S).
 CODE = (__name__,)
-KEY_PACKAGES = ("torch", "transformers")
+KEY_PACKAGES = ("torch", "transformers", "peft")
 STATISTICS = ("median", "mean")
 ROWS = ("all", "content")
 RUN_FIELDS = ("batch_size", "batch_tokens", "query_chunk")  # how S is computed (calibration.Batching), not what

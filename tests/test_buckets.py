@@ -941,3 +941,23 @@ def test_threshold_reports_the_power_of_the_mcnemar_test_it_runs(shared_data):
     plain = bucket(ref, cand, "eq_bench", BucketSettings(n_bootstrap=500)).power
     assert plain["test"] == "Wilcoxon signed-rank" and plain["effect"] == 5.0
     assert plain["effect_source"] == "default: 5% of the metric's range, 0 to 100"
+
+
+def test_an_interval_that_disagrees_with_the_exact_test_says_so(shared_data):
+    """100 BoolQ docs, 4 regressions and no recovery: the bootstrap interval of the delta, [-8.0, -1.0] points,
+    excluded 0 while the exact McNemar test buckets runs gives p = 0.125, with no word; now a note names both. At 6
+    regressions (p = 0.031) the two agree and nothing is said."""
+    from lm_eval_sink.buckets import summary_markdown
+
+    ref = _boolq_lines(shared_data, _outcomes(100, set(range(60))))
+    four = bucket(ref, _boolq_lines(shared_data, _outcomes(100, set(range(4, 60)))), "boolq", FAST)
+    assert four.mcnemar_p == 0.125 and four.delta_ci[1] < 0
+    [note] = [n for n in four.notes if "exact McNemar" in n]
+    assert (
+        note.startswith("the 95% interval of the delta, [")
+        and "excludes 0, while the exact McNemar test on its 4 " in note
+    )
+    assert "discordant docs does not reject at alpha 0.05 (p = 0.125): the interval is approximate" in note
+    assert note in summary_markdown(four.to_json())
+    six = bucket(ref, _boolq_lines(shared_data, _outcomes(100, set(range(6, 60)))), "boolq", FAST)
+    assert six.mcnemar_p < 0.05 and six.delta_ci[1] < 0 and not [n for n in six.notes if "exact McNemar" in n]

@@ -87,7 +87,7 @@ def test_changed_code_or_package_version_recomputes_the_same_versions_reuse(tiny
     code = first["provenance"]["key_versions"]["code"]
     assert {"lm_eval_sink/strength.py", "lm_eval_sink/capture.py", "lm_eval_sink/models.py"} <= set(code)
     assert "lm_eval_sink/data/calibration_prompts.jsonl" in code and "lm_eval_sink/cli.py" not in code
-    assert set(first["provenance"]["key_versions"]) == {"code", "torch", "transformers"}
+    assert set(first["provenance"]["key_versions"]) == {"code", "torch", "transformers", "peft"}  # peft: adapters
     assert "vllm" in first["provenance"]["versions"]  # recorded (None when not installed), not keyed here
     rc, stdout, _ = _run(capsys, *args)
     assert rc == 0 and "llama: reused" in stdout and "recomputed" not in stdout

@@ -188,11 +188,14 @@ CONVERTER = textwrap.dedent(
 
 def test_a_command_during_the_conversion_waits_for_it(default_model, tmp_path, monkeypatch, capsys):
     """`strength default` while another process converts the default model said "choose another output folder";
-    it waits for that conversion, with one line, then goes on with the converted folder."""
+    it waits for that conversion, with one line and then one every `io.WAIT_NOTE_S` (here 0.5 s, 15 s by default)
+    saying how long it has waited, then goes on with the converted folder."""
+    from lm_eval_sink import io
     from lm_eval_sink.io import read_complete
     from lm_eval_sink.models import default_model_dir
 
     monkeypatch.setenv("LM_EVAL_SINK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(io, "WAIT_NOTE_S", 0.5)
     child = subprocess.Popen(
         [sys.executable, "-c", CONVERTER, str(default_model)],
         stdout=subprocess.PIPE,
@@ -208,6 +211,7 @@ def test_a_command_during_the_conversion_waits_for_it(default_model, tmp_path, m
     finally:
         child.kill()
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"waiting for pid {child.pid} on "), err
-    assert err[0].endswith(f"it is converting the embedded default model into {folder}")
+    assert len(err) >= 3 and err[0].startswith(f"waiting for pid {child.pid} on "), err  # the converter takes 2 s
+    assert all(line.startswith("still waiting (") and f" s) for pid {child.pid} on " in line for line in err[1:]), err
+    assert all(line.endswith(f"it is converting the embedded default model into {folder}") for line in err)
     assert read_complete(folder) == read_complete(default_model)

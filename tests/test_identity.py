@@ -373,3 +373,28 @@ def test_an_edited_cached_default_model_is_refused_before_any_work(default_model
     (copy / "config.json").write_text(config)
     (copy / "extra.py").write_text("")
     assert "(extra.py changed)" in user_error(["strength", "default", "--output", tmp_path / "s", "--quiet"])
+
+
+def test_a_cache_in_a_folder_another_user_could_rename_it_in_is_refused(tmp_path, monkeypatch):
+    """A parent that others can write without the sticky bit lets them rename the cache away and put their own in
+    its place; the check looked at the world bit alone, so a team folder its group writes (mode 775) passed, as did
+    a parent owned by another user. Both are refused in one line; the sticky bit (as /tmp has) is enough."""
+    import os
+
+    from lm_eval_sink.io import cache_dir
+
+    team = tmp_path / "team"
+    team.mkdir()
+    team.chmod(0o775)
+    monkeypatch.setenv("LM_EVAL_SINK_CACHE", str(team / "cache"))
+    with pytest.raises(UserError, match=rf"cache {team / 'cache'} is in {team}, which its group can write \(mode 775"):
+        cache_dir()
+    team.chmod(0o1775)
+    assert cache_dir() == team / "cache"
+    if os.geteuid() == 0:  # as root the folder can be given to another user
+        alice = tmp_path / "alice"
+        alice.mkdir()
+        os.chown(alice, 65534, 65534)
+        monkeypatch.setenv("LM_EVAL_SINK_CACHE", str(alice / "cache"))
+        with pytest.raises(UserError, match=r"is in .*alice, owned by another user \(uid 65534\), who can rename it"):
+            cache_dir()

@@ -447,3 +447,39 @@ def test_a_write_to_a_full_device_names_the_path_the_size_and_the_free_space(tmp
     line = raised.value.line()
     assert line.startswith(f"{tmp_path / 'out.bin'}: no space left on the device: the output needs about 4.1 kB, ")
     assert " free there (fix: free space there or choose an output on another disk" in line
+
+
+# In a child whose files may not grow past 1 byte (ulimit -f; SIGXFSZ ignored): a file's hash and lm-eval's task
+# index, whose cache writes are a saving only. Prints the hash and the number of tasks the index holds.
+_CACHE_WRITES_FAIL = """
+import json, resource, signal, sys
+from pathlib import Path
+import lm_eval
+from lm_eval_sink.harness.task_index import cached_build
+from lm_eval_sink.identity import file_hash
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+own = Path(lm_eval.__file__).parent / "tasks"
+index = cached_build(lambda paths, resolve_includes=True: {}, [own])
+print(json.dumps([file_hash(Path(sys.argv[1])), len(index)]))
+"""
+
+
+def test_a_full_cache_costs_its_savings_not_the_run(tmp_path):
+    """The hash cache and lm-eval's task index are savings: a cache that cannot be written costs the next process
+    the work, nothing else. With atomic writes raising DiskFull (a UserError, not the OSError they caught), a full
+    cache disk ended `strength`, `merge` and every `TaskManager` in one line naming a cache file."""
+    import json as _json
+
+    from lm_eval_sink.identity import file_hash
+
+    weights = tmp_path / "w.bin"
+    weights.write_bytes(b"x" * 4096)
+    env = {**os.environ, "LM_EVAL_SINK_CACHE": str(tmp_path / "cache"), "PYTHONDONTWRITEBYTECODE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _CACHE_WRITES_FAIL, str(weights)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    digest, tasks = _json.loads(proc.stdout.strip().splitlines()[-1])
+    assert digest == file_hash(weights) and tasks == 0
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and p.stat().st_size]

@@ -207,3 +207,27 @@ def test_a_0_1_record_never_contradicts_itself(d, effect):
         assert reaches == (pw["effect"] > pw["mde"])
     elif pw["mde"] is None:
         assert not reaches
+
+
+def test_the_documents_needed_are_found_in_a_few_dozen_evaluations_at_any_n():
+    """The search went one n at a time from the closed form, whose relative error (the far tail, ~3e-6) times n is
+    the number of steps: 2,000 for an effect of 0.01 points, hours for 0.0001. Bisection: a few dozen, the same
+    answer; an effect too small for any study is 'more than MAX_N', not a hang or an OverflowError."""
+    from lm_eval_sink.power import MAX_N, _smallest_n, mean_n
+
+    calls: list[int] = []
+
+    def power_at(n: int) -> float:
+        calls.append(n)
+        assert len(calls) < 200, "searched one n at a time"
+        return 0.8 if n >= 1_000_000_007 else 0.5
+
+    assert _smallest_n(power_at, 1_000_300_000.0, 0.8) == 1_000_000_007 and len(calls) < 100
+    calls.clear()
+    assert _smallest_n(power_at, 3.0, 0.8) == 1_000_000_007 and len(calls) < 100
+    n = connor_n(1.0, 1e-5)  # 0.001 points with every doc discordant: 7.8e10 docs
+    assert connor_power(n, 1.0, 1e-5) >= TARGET_POWER > connor_power(n - 1, 1.0, 1e-5)
+    assert connor_n(1.0, 1e-6) is None and connor_n(1.0, 1e-300) is None  # 7.8e12 docs: more than MAX_N, 10**12
+    assert mean_n(1.0, 1e-300) is None and MAX_N == 10**12
+    pw = comparison_power("binary", np.array([-1] * 16 + [1] * 4 + [0] * 80), 1e-250)
+    assert pw["n_for_effect"] is None and pw["power_at_effect"] < TARGET_POWER

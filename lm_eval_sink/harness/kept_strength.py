@@ -22,6 +22,9 @@ from pathlib import Path
 from typing import Any
 
 KEPT_DIR = "measured_first"  # under the project cache (`io.cache_dir`)
+# The code that computes the kept rows (`code_key`): the child's load and measurement (`measure_first`: the model
+# loaded eager or sdpa, the adapter applied, `task.measure_rows`) with all it imports, the S code among it.
+CODE = ("lm_eval_sink.harness.measure_first",)
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,8 @@ def key(load: Any, jobs: dict[str, dict[str, Any]]) -> str:
 
     content = model_fingerprint(load.pretrained)["fingerprint"] if Path(load.pretrained).exists() else None
     decided = {k: v for k, v in asdict(load).items() if k != "ignored"}  # the backend's own arguments do not
-    return sha256_text(canonical_json({"load": decided, "content": content, "jobs": jobs, "versions": key_versions()}))
+    versions = key_versions(CODE)
+    return sha256_text(canonical_json({"load": decided, "content": content, "jobs": jobs, "versions": versions}))
 
 
 def measured_or_kept(
@@ -65,11 +69,11 @@ def measured_or_kept(
     """The rows kept by an earlier call of the same inputs that failed (said in one line), else `measure(load, jobs,
     backend)`'s."""
     from lm_eval_sink.harness.task import Measured
-    from lm_eval_sink.io import cache_dir
+    from lm_eval_sink.io import cache_dir, read_private_text
 
     path = cache_dir() / KEPT_DIR / f"{key(load, jobs)}.json"
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_private_text(path))  # a file not this user's alone is read as absent
         measured = {
             name: Measured(
                 m["settings"],
@@ -78,7 +82,7 @@ def measured_or_kept(
             )
             for name, m in data.items()
         }
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # none kept, or unreadable: measure
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # none kept, unreadable, another's: measure
         return Kept(measure(load, jobs, backend), path)
     _say(f"S of {', '.join(measured)} reused from {path}, measured by an earlier call of the same model and settings")
     return Kept(measured, path)

@@ -167,7 +167,7 @@ def cached_build(build: Build, paths: Iterable[Path], *, resolve_includes: bool 
     import lm_eval
     from lm_eval.tasks._index import TaskIndex
 
-    from lm_eval_sink.io import atomic_write_text, cache_dir
+    from lm_eval_sink.io import DiskFull, atomic_write_text, cache_dir
 
     paths = [Path(p) for p in paths]
     own = Path(lm_eval.__file__).parent / "tasks"
@@ -181,7 +181,7 @@ def cached_build(build: Build, paths: Iterable[Path], *, resolve_includes: bool 
         try:
             if text is not None:
                 atomic_write_text(stored, text)
-        except OSError as err:  # a read-only cache costs the next process the build, nothing else
+        except (OSError, DiskFull) as err:  # a read-only or full cache costs the next process the build, no more
             log.debug("lm-eval-sink: task index not kept (%s)", err)
     lm_evals_log = logging.getLogger(TaskIndex.__module__)  # the logger lm-eval's own merge warns on
     for name, entry in build(paths[1:]).items():
