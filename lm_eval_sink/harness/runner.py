@@ -151,13 +151,16 @@ class EvalSettings:
 
 # The modules that compute an eval result (`code_key`): the start-up hook lm-eval runs with (its patches, the offline
 # data, this project's tasks and S measured first), the command line, and the in-process and resident-engine paths
-# of a sweep (which path ran is part of no key). An eval result's key holds the hashes of these and all they import
-# and read (this project's task YAMLs among them: `eval_versions`).
+# of a sweep, the resident engine's requests and which checkpoints share an engine (which path ran is part of no
+# key). An eval result's key holds the hashes of these and all they import and read (this project's task YAMLs among
+# them: `eval_versions`).
 CODE = (
     "lm_eval_sink.hooks",
     "lm_eval_sink.harness.runner",
     "lm_eval_sink.harness.inprocess",
     "lm_eval_sink.harness.engine_server",
+    "lm_eval_sink.harness.engine_client",
+    "lm_eval_sink.merging.engine_reuse",
 )
 # Run in the settings' interpreter: what lm-eval there will see (versions, vLLM, this project, its hook and its code).
 _PROBE_NAMES = {
