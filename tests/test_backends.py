@@ -295,6 +295,7 @@ def test_python_setting_refusals_are_one_line(tmp_path, tiny_trio, user_error, m
 def test_versions_are_read_from_the_interpreter_that_runs_lm_eval():
     import lm_eval
     import torch
+    import datasets
     import transformers
 
     from lm_eval_sink.code_key import source_hashes
@@ -305,6 +306,7 @@ def test_versions_are_read_from_the_interpreter_that_runs_lm_eval():
         "lm_eval": lm_eval.__version__,
         "transformers": transformers.__version__,
         "torch": torch.__version__,
+        "datasets": datasets.__version__,
         "code": source_hashes(CODE),
     }
     if VLLM_PY.is_file():

