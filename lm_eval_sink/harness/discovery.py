@@ -207,7 +207,8 @@ def _apply_offline_overrides(index: dict[str, Any]) -> None:
     }
     try:
         written = write_overrides(candidates, root)
-    except OSError as err:  # a cache that cannot be written: the stock tasks stay as lm-eval indexed them
+    except OSError as err:  # a temp folder that cannot be made: the stock tasks stay as lm-eval indexed them (a full
+        # disk is not caught here: `DiskFull`'s one line names it, where the stock tasks would fail later on the hub)
         log.warning("lm-eval-sink: offline data from %s not applied (%s)", root, err)
         return
     for name, path in written.items():
