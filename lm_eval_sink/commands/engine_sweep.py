@@ -181,7 +181,7 @@ def engine_s(spec: SweepSpec) -> EngineS:
         for model in spec.models.values()
     ]
     why = next((r for r in reasons if r), None)
-    return EngineS(why, why or _strength_refusal(spec))
+    return EngineS(why, None if spec.strength is None else why or _strength_refusal(spec))
 
 
 def _not_on_engine(why: str | None) -> str:

@@ -109,6 +109,21 @@ def own_tasks_in(requested: list[Any], manager: Any) -> list[str]:
     return own_leaves(task_leaves(requested, manager.task_index))
 
 
+def holds_own_task(tasks: tuple[str, ...], include_path: str | None) -> bool:
+    """Whether lm-eval `--tasks` names (globs and YAML paths too) hold a task of this project, by name or through a
+    group, tag or inline group. Read from this project's task folder and `include_path` alone (milliseconds): lm-eval's
+    own groups and tags never hold a task of this project. For a resident vLLM sweep's plan (`engine_sweep`)."""
+    import fnmatch
+
+    if set(tasks) & own_task_names():
+        return True
+    from lm_eval.tasks._index import TaskIndex
+
+    index = TaskIndex.build([tasks_dir(), *([Path(include_path)] if include_path else [])])
+    requested = [name for t in tasks for name in (fnmatch.filter(index, t) if set("*?[") & set(t) else [t])]
+    return bool(own_leaves(task_leaves(requested, index)))
+
+
 def own_leaves(leaves: dict[str, dict[str, Any]]) -> list[str]:
     """This project's tasks among `task_leaves`' tasks (by name, or by the class a user's YAML names), sorted."""
     return sorted(
