@@ -472,8 +472,9 @@ def test_vllm_and_hf_give_the_same_ifeval_responses_and_scores_in_float32(
 def test_vllm_one_call_gives_the_hf_sink_strength(smollm2_sweep, vllm_one_call):
     """`--tasks ifeval,sink_strength` under vLLM in one call: S measured on the engine lm-eval built (its own forward,
     in vLLM's default process mode; no transformers child) equals `--model hf`'s (the sweep's reference unit): every
-    metric, the layer x head matrix and each prompt's S, to the engine path's float32 tolerance (S 2e-6 and each
-    (layer, head) figure 1.8e-5 measured); the task's metadata says how it was measured, on what, and its cost."""
+    metric, the layer x head matrix and each prompt's S, to the engine path's float32 tolerance on SmolLM2 (5e-5; S
+    2.4e-7 and each (layer, head) figure 1.5e-5 measured); the task's metadata says how it was measured, on what,
+    and its cost."""
     (hf_res, hf_samples), (vl_res, vl_samples) = (
         _run_of(folder, "sink_strength") for folder in (_reference_eval(smollm2_sweep), vllm_one_call)
     )
@@ -484,7 +485,7 @@ def test_vllm_one_call_gives_the_hf_sink_strength(smollm2_sweep, vllm_one_call):
             assert vl_s[metric]["layers"] == value["layers"] == list(range(20, 30))
             np.testing.assert_allclose(vl_s[metric]["values"], value["values"], atol=5e-5)
         elif isinstance(value, float):
-            assert vl_s[metric] == pytest.approx(value, abs=1e-5), metric
+            assert vl_s[metric] == pytest.approx(value, abs=5e-5), metric
         else:
             assert vl_s[metric] == value, metric
     assert len(vl_samples) == len(hf_samples) == 15

@@ -121,23 +121,24 @@ def resident(smollm2_sweep, tmp_path_factory, vllm_env) -> dict:
     return {"hf": hf / "out", "out": root / "out", "killed": killed, "report": report}
 
 
-S_TOLERANCE = 1e-5  # S from the engine against transformers' (float32; 2e-6 measured on SmolLM2)
-MATRIX_TOLERANCE = 5e-5  # each (layer, head) figure (1.8e-5 measured)
+# S from the engine against transformers' on SmolLM2 (30 layers) in float32: S, each prompt's S and each (layer, head)
+# figure within 2.1e-5 measured (the tiny models of test_engine_capture: 5e-6); a difference of two S within twice it.
+TOLERANCE = 5e-5
 
 
 def test_resident_sweep_gives_the_hf_sweeps_table_and_responses(resident):
-    """Every table column to 1e-5 (S from the engine included) and every response identical to an evaluation per
-    checkpoint; each unit records the interpreter and vLLM's version."""
+    """Every table column (S from the engine included: to `TOLERANCE`, a delta of two S to twice it) and every
+    response identical to an evaluation per checkpoint; each unit records the interpreter and vLLM's version."""
     hf, out = resident["hf"], resident["out"]
     tables = [json.loads((o / "table.json").read_text()) for o in (hf, out)]
     assert tables[0]["columns"] == tables[1]["columns"] and "sink_strength/sink_strength,none" in tables[1]["columns"]
     for f_row, r_row in zip(tables[0]["rows"], tables[1]["rows"], strict=True):
         assert r_row["status"] == "ok" and r_row["checkpoint"] == f_row["checkpoint"]
-        assert r_row["metrics"] == pytest.approx(f_row["metrics"], abs=MATRIX_TOLERANCE)
-        assert r_row["sink_strength"] == pytest.approx(f_row["sink_strength"], abs=S_TOLERANCE)
-        assert r_row["delta_vs_reference"] == pytest.approx(f_row["delta_vs_reference"], abs=1e-5)
+        assert r_row["metrics"] == pytest.approx(f_row["metrics"], abs=TOLERANCE)
+        assert r_row["sink_strength"] == pytest.approx(f_row["sink_strength"], abs=TOLERANCE)
+        assert r_row["delta_vs_reference"] == pytest.approx(f_row["delta_vs_reference"], abs=2 * TOLERANCE)
         assert r_row["sink_strength_delta_vs_reference"] == pytest.approx(
-            f_row["sink_strength_delta_vs_reference"], abs=1e-5
+            f_row["sink_strength_delta_vs_reference"], abs=2 * TOLERANCE
         )
     for name in CHECKPOINTS:
         assert _responses(out / "evals" / name) == _responses(hf / "evals" / name), name
@@ -171,16 +172,16 @@ def test_each_checkpoints_s_is_measured_on_the_resident_engine_and_equals_its_tr
         assert record["process"] == "lm-eval's vLLM engine, in its own forward" and "not_on_engine" not in record
         assert want["configs"]["sink_strength"]["metadata"]["capture"]["capture_backend"] == "hf"
         s_got, s_want = got["results"]["sink_strength"], want["results"]["sink_strength"]
-        assert s_got["sink_strength,none"] == pytest.approx(s_want["sink_strength,none"], abs=S_TOLERANCE)
+        assert s_got["sink_strength,none"] == pytest.approx(s_want["sink_strength,none"], abs=TOLERANCE)
         matrix = [np.array(s["sink_strength_layer_head,none"]["values"]) for s in (s_got, s_want)]
-        np.testing.assert_allclose(matrix[0], matrix[1], atol=MATRIX_TOLERANCE)
+        np.testing.assert_allclose(matrix[0], matrix[1], atol=TOLERANCE)
         prompts = [
             [s["sink_strength"]["sink_strength_prompt"] for s in _samples(o / "evals" / name)] for o in (out, hf)
         ]
-        np.testing.assert_allclose(prompts[0], prompts[1], atol=MATRIX_TOLERANCE)
+        np.testing.assert_allclose(prompts[0], prompts[1], atol=TOLERANCE)
         assert _marker(out, name)["timings"]["sink_strength"] == record["wall_seconds"] > 0
         strength = [json.loads((o / "strength" / name / "strength.json").read_text()) for o in (out, hf)]
-        assert strength[0]["sink_strength"] == pytest.approx(strength[1]["sink_strength"], abs=S_TOLERANCE)
+        assert strength[0]["sink_strength"] == pytest.approx(strength[1]["sink_strength"], abs=TOLERANCE)
         assert strength[0]["provenance"]["capture"]["capture_backend"] == "vllm"
         assert strength[0]["provenance"]["dtype"] == strength[1]["provenance"]["dtype"] == "float32"
         assert strength[0]["layers"] == strength[1]["layers"] == [28, 29]
