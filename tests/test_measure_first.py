@@ -259,7 +259,7 @@ def test_every_reader_of_a_boolean_model_argument_reads_it_alike(handset_llama_d
     assert got == {v: (on, on, on) for v, on in FLAGS.items()}
 
 
-def test_where_s_is_measured_under_vllm_is_decided_from_the_config_and_model_args_before_the_engine():
+def test_where_s_is_measured_under_vllm_is_decided_from_the_config_and_model_args_before_the_engine(monkeypatch):
     """The engine path (`engine_strength.refusal`) for a verified architecture, else one reason, which the hook's one
     line names; the model_args the engine then gets carry this project's worker extension, as a string or a dict."""
     from lm_eval_sink.harness.engine_strength import fallback_line, refusal, with_extension
@@ -281,3 +281,5 @@ def test_where_s_is_measured_under_vllm_is_decided_from_the_config_and_model_arg
     assert with_extension("pretrained=m") == f"pretrained=m,worker_extension_cls={WORKER_EXTENSION}"
     assert with_extension(given).count("worker_extension_cls") == 1
     assert with_extension({"pretrained": "m"}) == {"pretrained": "m", "worker_extension_cls": WORKER_EXTENSION}
+    monkeypatch.setenv("LM_EVAL_SINK_S_ON_ENGINE", "0")  # the transformers child asked for (comparisons)
+    assert refusal({}, llama) == "LM_EVAL_SINK_S_ON_ENGINE=0 is set"

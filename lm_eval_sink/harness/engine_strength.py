@@ -8,7 +8,8 @@ engine, where S is measured (`refusal`, from the checkpoint's config.json and th
   no `worker_extension_cls` of their own. The hook adds `worker_extension_cls=WORKER_EXTENSION` to the model_args
   (`with_extension`), so the engine lm-eval builds carries the capture (`engine_worker.EngineWorkerExtension`), and
   nothing else loads the checkpoint;
-- otherwise with transformers in a child process first (`measure_first.py`), as before, with one line saying why.
+- otherwise with transformers in a child process first (`measure_first.py`), as before, with one line saying why
+  (`LM_EVAL_SINK_S_ON_ENGINE=0` asks for that path: `benchmarks/bench_engine_strength.py` compares the two).
 
 `vllm_sink_strength` is the method lm-eval dispatches the task's requests to: rows measured first where the child
 measured them, else each task's prompts measured on `self.model` (the `LLM`) with lm-eval's own tokenizer, the
@@ -23,6 +24,7 @@ resident engine's `strength:` units). Importing this module imports neither torc
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -37,6 +39,7 @@ ENGINE_WEIGHTS = (
     "requests run them"
 )
 CAPTURED_WITH = "vLLM's attention layers: query and key as each layer receives them (harness/engine_capture.py)"
+SWITCH = "LM_EVAL_SINK_S_ON_ENGINE"  # 0: S with the transformers child, as before the engine path (comparisons)
 _RECORDS: dict[str, dict[str, Any]] = {}  # task name -> its capture record in the task's metadata (this call's)
 
 
@@ -47,7 +50,9 @@ def is_lm_eval_vllm(cls: type | None) -> bool:
 
 def refusal(model_args: Mapping[str, Any], config: Mapping[str, Any] | None) -> str | None:
     """Why S is not measured on the engine built from `model_args` (lm-eval's, as parsed) for a checkpoint whose
-    config.json is `config` (None: unreadable); None where it is. Pure."""
+    config.json is `config` (None: unreadable); None where it is. Reads nothing but the `SWITCH` variable."""
+    if os.environ.get(SWITCH) == "0":
+        return f"{SWITCH}=0 is set"
     own = model_args.get("worker_extension_cls")
     if own not in (None, "", WORKER_EXTENSION):
         return (
