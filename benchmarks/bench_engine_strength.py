@@ -8,9 +8,9 @@ Two parts, each run both ways in this one run on the same checkpoints, alternati
   (`LM_EVAL_SINK_S_ON_ENGINE=0`);
 - `sweep`: a 3-checkpoint resident vLLM sweep (the reference, a copy with seeded noise in 20 MLP matrices, and
   the `linear_95_5` merge of the two, made once beforehand), eval units `[ifeval, sink_strength]` and `strength:`
-  units (5 prompts, last 2 layers, float32): S on the resident engine (the eval units' task and the strength:
-  units, `strength` requests) against the child in each eval unit and the strength: units with transformers in
-  the sweep's process.
+  units (5 prompts, last 2 layers, float32; the prep's own S units removed): S on the resident engine (the eval
+  units' task and the strength: units, `strength` requests) against the child in each eval unit and the
+  strength: units with transformers in the sweep's process.
 Each run is a fresh process; its peak RSS is sampled every 0.2 s over it and its descendants (the engine core and
 worker in vLLM's default process mode, the S child, the engine process): the peak of the sum, and the largest one.
 S's cost: the task's `capture.wall_seconds` (the engine's measurement, or the child's wall time), plus for the
@@ -129,11 +129,12 @@ def _s_cost(out: Path) -> dict:
 def sweep(work: Path, models: dict[str, str], evals: dict, env: dict[str, str]) -> dict:
     """Both ways of the 3-checkpoint resident sweep on copies of one folder whose merge is made."""
     strength = {"n_prompts": 5, "last_k": 2, "dtype": "float32"}
-    prep = _sweep_file(work / "prep", models, False, False)
+    prep = _sweep_file(work / "prep", models, False, {"n_prompts": 5, "last_k": 1, "dtype": "float32"})
     timed([sys.executable, "-m", "lm_eval_sink.cli", "sweep", str(prep), "--quiet"], env)  # the merge, once
     out = {}
     for way, extra in WAYS.items():
         shutil.copytree(work / "prep", work / way)
+        shutil.rmtree(work / way / "out" / "strength")  # the prep's S units (a sweep needs one unit to plan)
         path = _sweep_file(work / way, models, evals, strength)
         run = timed([sys.executable, "-m", "lm_eval_sink.cli", "sweep", str(path), "--quiet"], {**env, **extra})
         cost = _s_cost(work / way / "out")

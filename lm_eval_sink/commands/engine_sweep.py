@@ -193,7 +193,7 @@ def _not_on_engine(why: str | None) -> str:
     return f" (S from the engine is not possible here: {why})"
 
 
-def memory_needs(spec: SweepSpec, devices: tuple[str, ...], where: EngineS = EngineS("", "")) -> list[Need]:
+def memory_needs(spec: SweepSpec, devices: tuple[str, ...], where: EngineS) -> list[Need]:
     """What loads a checkpoint on the accelerators beside a local sweep's resident engine: the child that measures
     this project's tasks first in each eval unit that holds one (over every visible GPU, `devices`), and the
     `strength:` units (on strength.device); none of either where S is measured on the engine (`where`)."""

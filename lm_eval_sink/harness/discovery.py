@@ -9,10 +9,13 @@
   hook: `--include_path "$(lm-eval-sink tasks-dir)"`.
 - `patch_evaluator`: a task of this project (named, or through a group or tag, resolved with
   lm-eval's TaskManager) asked of a backend without attention access (vllm, ...: anything but HFLM)
-  is measured first, before lm-eval builds the model, with transformers in a child process when
-  the backend's `pretrained` is a checkpoint transformers can load (`measure_first.py`), and
-  refused in one line otherwise. Then, in `evaluate`, before any request of any task: every check
-  of the built model that S needs (`task.check_capturable`), how S is measured recorded in each
+  is decided before lm-eval builds the model: under `--model vllm`, where the engine path is exact,
+  measured on the engine lm-eval builds (`engine_strength.py`: the model_args get this project's
+  worker extension); otherwise measured first with transformers in a child process when the
+  backend's `pretrained` is a checkpoint transformers can load (`measure_first.py`, with one line
+  saying why under vLLM), and refused in one line otherwise. Then, in `evaluate`, before any request
+  of any task: every check of the built model that S needs (`task.check_capturable`, or the engine's
+  workers' own check: `engine_strength.engine_records`), how S is measured recorded in each
   such task's metadata (`capture`), and those tasks put first, so their requests (seconds) run
   before any other task's and a failure in S comes before hours of generation, not after them.
 - `patch_cli`: under the `lm_eval` console script, this project's `UserError`s print one line
