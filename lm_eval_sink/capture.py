@@ -537,9 +537,11 @@ def _checked_layers(model: Adapted, encoded: EncodedPrompts, layers: Sequence[in
     return layers
 
 
-def _check_finite(out: dict[int, PromptCapture], layers: tuple[int, ...], model: Any) -> None:
+def _check_finite(out: dict[int, PromptCapture], layers: tuple[int, ...], model: Any = None) -> None:
     """Refuse non-finite sink log-odds, naming their cause: a weight of the checkpoint that holds NaN or inf (the
-    first such tensor), float16's range (overflow), or activations past the range of the model's dtype."""
+    first such tensor), float16's range (overflow), or activations past the range of the model's dtype. `model`
+    None (the statistics came from a vLLM engine, whose weights this process does not hold): the cause is not
+    looked for, and the fix names the transformers measurement that finds it."""
     bad_rows = [
         (j, li) for j in sorted(out) for li in range(len(layers)) if not np.isfinite(out[j].sink_logodds[li]).all()
     ]
@@ -547,6 +549,11 @@ def _check_finite(out: dict[int, PromptCapture], layers: tuple[int, ...], model:
         return
     j, li = bad_rows[0]
     where = f"non-finite sink log-odds at prompt {j}, layer {layers[li]}"
+    if model is None:
+        raise UserError(
+            f"{where} in the vLLM engine's forward: its weights or activations hold NaN or inf",
+            "run `lm-eval-sink strength` on the checkpoint: transformers names the tensor at fault",
+        )
     source = getattr(getattr(model, "config", None), "_name_or_path", None) or "the model"
     for name, p in model.named_parameters():
         if p.is_floating_point() and not bool(torch.isfinite(p).all()):

@@ -112,10 +112,11 @@ def own_tasks_in(requested: list[Any], manager: Any) -> list[str]:
     return own_leaves(task_leaves(requested, manager.task_index))
 
 
+@functools.cache
 def holds_own_task(tasks: tuple[str, ...], include_path: str | None) -> bool:
     """Whether lm-eval `--tasks` names (globs and YAML paths too) hold a task of this project, by name or through a
     group, tag or inline group. Read from this project's task folder and `include_path` alone (milliseconds): lm-eval's
-    own groups and tags never hold a task of this project. For a resident vLLM sweep's plan (`engine_sweep`)."""
+    own groups and tags never hold a task of this project. Once per arguments and process."""
     import fnmatch
 
     if set(tasks) & own_task_names():

@@ -394,7 +394,7 @@ def _captures(ranks: list[dict[str, Any]], encoded: EncodedPrompts, layers: tupl
     """capture.PromptCapture per prompt from the ranks' packed statistics."""
     import numpy as np
 
-    from lm_eval_sink.capture import PromptCapture
+    from lm_eval_sink.capture import PromptCapture, _check_finite
 
     per_layer = [_merge_heads(ranks, x, len(encoded)) for x in layers]
     out = {}
@@ -413,21 +413,6 @@ def _captures(ranks: list[dict[str, Any]], encoded: EncodedPrompts, layers: tupl
         )
     _check_finite(out, layers)
     return [out[j] for j in range(len(encoded))]
-
-
-def _check_finite(out: dict[int, Any], layers: tuple[int, ...]) -> None:
-    """Refuse non-finite sink log-odds (the driver holds no weights to name a cause, as `capture._check_finite`
-    does on a transformers model)."""
-    import numpy as np
-
-    bad = [(j, li) for j in sorted(out) for li in range(len(layers)) if not np.isfinite(out[j].sink_logodds[li]).all()]
-    if bad:
-        j, li = bad[0]
-        raise UserError(
-            f"non-finite sink log-odds at prompt {j}, layer {layers[li]} of the vLLM engine's forward",
-            "run the engine in float32 or bfloat16 (float16 overflows), or find the weight that holds NaN or inf: "
-            "lm-eval-sink strength MODEL names it",
-        )
 
 
 def _checked_heads(llm: Any, infos: list[dict[str, Any]], layers: tuple[int, ...]) -> None:

@@ -157,7 +157,7 @@ CODE = (
     "lm_eval_sink.hooks",
     "lm_eval_sink.harness.runner",
     "lm_eval_sink.harness.inprocess",
-    "lm_eval_sink.harness.engine_server",
+    "lm_eval_sink.harness.vllm_resident",
 )
 # Run in the settings' interpreter: what lm-eval there will see (versions, vLLM, this project, its hook and its code).
 _PROBE_NAMES = {
