@@ -3,7 +3,8 @@
 The SmolLM2 sweep: the embedded SmolLM2-135M-Instruct as the reference, a copy with seeded noise
 in 20 MLP matrices as the candidate (fluent, other responses), three merges (linear_uniform,
 linear_95_5, ties); IFEval (limit 8, max_gen_toks 64, chat template) and `sink_strength` (measured
-first with transformers in a child process), float32, `enforce_eager` both ways, vLLM's CPU build
+on the engine since S comes from it, `LM_EVAL_SINK_S_ON_ENGINE=0` for the transformers child of the figures in
+docs/scale.md; `bench_engine_strength.py` compares the two), float32, `enforce_eager` both ways, vLLM's CPU build
 in `.venv-vllm` (in-process engine, one OpenMP thread, 1 GiB of KV cache). The merges are made
 once beforehand (a sweep with `eval: false` and S on 5 prompts); each measured sweep runs on a
 copy of that folder, so it runs the 5 eval units alone: once with `--fresh-engine` (an `lm_eval`

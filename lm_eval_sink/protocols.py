@@ -78,7 +78,9 @@ _IDENTITY_ARGS = frozenset(
     }
 )
 
-# vLLM arguments that only place or pace the model (GPUs, memory, scheduling): never compared.
+# vLLM arguments that only place or pace the model (GPUs, memory, scheduling), or name the calls into its workers
+# (`worker_extension_cls`: the start-up hook adds this project's to measure S on the engine, which changes no
+# output): never compared.
 VLLM_RESOURCE_ARGS = frozenset(
     {
         "tensor_parallel_size",
@@ -87,6 +89,7 @@ VLLM_RESOURCE_ARGS = frozenset(
         "max_num_seqs",
         "enforce_eager",
         "distributed_executor_backend",
+        "worker_extension_cls",
     }
 )
 # lm-eval records `config.model` as the --model name, or the class name when given a model object.

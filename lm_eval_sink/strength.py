@@ -286,8 +286,21 @@ def measure(
     captures = capture_prompts(model, encoded, settings.layers_for(att), settings.batching(), progress=progress)
     result = reduce_captures(captures, settings, depth, att)
     warn_beyond_window(result)
-    prov = {
-        **(provenance or {}),
+    fields = {
+        "dtype": str(next(run.module.parameters()).dtype).removeprefix("torch."),
+        "captured_with": captured_with(run.module),
+        **({"virtual_tokens": run.virtual.record()} if run.virtual else {}),
+    }
+    return replace(result, provenance=measured_provenance(settings, prompt_set, encoded, provenance, fields))
+
+
+def measured_provenance(
+    settings: StrengthSettings, prompt_set: Any, encoded: Any, given: dict[str, Any] | None, fields: dict[str, Any]
+) -> dict[str, Any]:
+    """A measured S's provenance: `given` (the caller's), the settings asked, the prompt set, what was applied
+    (`protocol`), how it was measured (`fields`: the model's dtype, `captured_with`, ...), statistics in float32."""
+    return {
+        **(given or {}),
         "settings": asdict(settings),
         "prompt_set": {"source": prompt_set.source, "n_prompts": len(prompt_set.prompts), "sha256": prompt_set.sha256},
         "protocol": {
@@ -297,13 +310,10 @@ def measure(
             "few_shot": 0,
             "add_generation_prompt": encoded.chat_template_applied,
         },
-        "dtype": str(next(run.module.parameters()).dtype).removeprefix("torch."),
+        **fields,
         "capture_dtype": "float32",
-        "captured_with": captured_with(run.module),
-        **({"virtual_tokens": run.virtual.record()} if run.virtual else {}),
         "seed": settings.seed,
     }
-    return replace(result, provenance=prov)
 
 
 def measure_model(

@@ -103,8 +103,9 @@ def start_job(job: dict, root: Path, env: dict[str, str]):
 
 
 def finish_job(proc, root: Path, name: str, timeout: float = 600) -> dict:
-    """Wait for the job; its captures (`hf`, `engine`, `again`) as capture.PromptCapture lists and its JSON record
-    (only the record when the engine refused the measurement)."""
+    """Wait for the job; its captures (`hf`, `engine`, `again`, and with a LoRA `lora_hf`, `lora_engine`,
+    `after_lora`) as capture.PromptCapture lists and its JSON record (only the record when the engine refused the
+    measurement)."""
     import json
 
     import numpy as np
@@ -118,7 +119,7 @@ def finish_job(proc, root: Path, name: str, timeout: float = 600) -> dict:
         return meta
     data = np.load(root / f"{name}_out.npz")
     sides = {}
-    for side in ("hf", "engine", "again"):
+    for side in meta["sides"]:
         sides[side] = [
             PromptCapture(layers=(0, 1), **{f: data[f"{side}_{j}_{f}"] for f in DRIVER_FIELDS})
             for j in range(meta["n_prompts"])

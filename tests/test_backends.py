@@ -29,6 +29,7 @@ from helpers import (
 
 from lm_eval_sink.cli import main
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.harness.engine_worker import WORKER_EXTENSION
 from lm_eval_sink.harness.runner import EvalSettings, run_lm_eval
 from lm_eval_sink.harness.vllm_preflight import KV_CACHE_ENV
 from lm_eval_sink.protocols import diff, fingerprint, require_same_harness
@@ -448,7 +449,7 @@ def _reference_eval(sweep: Path) -> Path:
 def vllm_one_call(smollm2_sweep, default_model, shared_data, tmp_path_factory) -> Path:
     """`lm_eval --model vllm --tasks ifeval,sink_strength` on the SmolLM2 sweep's reference with its eval settings, as
     `lm-eval-sink eval --backend vllm` runs it, in vLLM's default process mode (the engine core in a process of its
-    own, as users run it): S measured first by the start-up hook's child. Its lm-eval output folder."""
+    own, as users run it): S measured on the engine lm-eval built (no second load). Its lm-eval output folder."""
     from dataclasses import replace
 
     from lm_eval_sink.commands.sweep import load_sweep
@@ -497,9 +498,11 @@ def test_vllm_and_hf_give_the_same_ifeval_responses_and_scores_in_float32(
 @needs_vllm_venv
 @pytest.mark.slow
 def test_vllm_one_call_gives_the_hf_sink_strength(smollm2_sweep, vllm_one_call):
-    """`--tasks ifeval,sink_strength` under vLLM in one call: S measured first with transformers equals `--model hf`'s
-    (the sweep's reference unit), every metric and the layer x head matrix, and each sample's rows; the task's
-    metadata says how it was measured."""
+    """`--tasks ifeval,sink_strength` under vLLM in one call: S measured on the engine lm-eval built (its own forward,
+    in vLLM's default process mode; no transformers child) equals `--model hf`'s (the sweep's reference unit): every
+    metric, the layer x head matrix and each prompt's S, to the engine path's float32 tolerance on SmolLM2 (5e-5; S
+    2.4e-7 and each (layer, head) figure 1.5e-5 measured); the task's metadata says how it was measured, on what,
+    and its cost."""
     (hf_res, hf_samples), (vl_res, vl_samples) = (
         _run_of(folder, "sink_strength") for folder in (_reference_eval(smollm2_sweep), vllm_one_call)
     )
@@ -508,18 +511,24 @@ def test_vllm_one_call_gives_the_hf_sink_strength(smollm2_sweep, vllm_one_call):
     for metric, value in hf_s.items():
         if metric == "sink_strength_layer_head,none":
             assert vl_s[metric]["layers"] == value["layers"] == list(range(20, 30))
-            np.testing.assert_allclose(vl_s[metric]["values"], value["values"], atol=1e-5)
+            np.testing.assert_allclose(vl_s[metric]["values"], value["values"], atol=5e-5)
         elif isinstance(value, float):
-            assert vl_s[metric] == pytest.approx(value, abs=1e-5), metric
+            assert vl_s[metric] == pytest.approx(value, abs=5e-5), metric
         else:
             assert vl_s[metric] == value, metric
     assert len(vl_samples) == len(hf_samples) == 15
     for vl, hf in zip(vl_samples, hf_samples, strict=True):
         assert vl["sink_strength"]["sink_strength_prompt"] == pytest.approx(
-            hf["sink_strength"]["sink_strength_prompt"], abs=1e-5
+            hf["sink_strength"]["sink_strength_prompt"], abs=5e-5
         )
     record = vl_res["configs"]["sink_strength"]["metadata"]["capture"]
-    assert record["process"] == "a child process, before lm-eval built the vllm model"
-    assert record["transformers"] < "5.20" and record["model_args_ignored"] == ["enforce_eager"]
+    assert record["capture_backend"] == "vllm" and record["process"] == "lm-eval's vLLM engine, in its own forward"
+    assert record["dtype"] == "float32" and record["quantization"] is None and record["lora"] is None
+    assert (
+        record["vllm"] == "0.32.0+cpu" and record["wall_seconds"] > 0 and "weights the engine runs" in record["weights"]
+    )
+    assert vl_res["config"]["model_args"]["worker_extension_cls"] == WORKER_EXTENSION
+    (log,) = (vllm_one_call / "logs").glob("lm_eval_*.log")
+    assert "measured with transformers in a child process" not in log.read_text()
     own = hf_res["configs"]["sink_strength"]["metadata"]["capture"]
-    assert own["process"] == "lm-eval's own, on the model it built" and own["transformers"] == record["transformers"]
+    assert own["process"] == "lm-eval's own, on the model it built" and own["capture_backend"] == "hf"

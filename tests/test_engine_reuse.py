@@ -243,7 +243,9 @@ def test_a_hub_reference_and_a_local_merge_share_the_resident_engine(tmp_path, t
     measure-first hands it: a hub id's revisions pinned to its commit (offline HF cache), none for a local folder.
     The per-checkpoint arguments do not count, so the local merge after the hub reference, and the reference again,
     get the engine's weights swapped in; every call into the workers names a method of the worker extension the
-    engine is built with."""
+    engine is built with. The same process decides, for lm-eval's own VLLM class, where S is measured: on the engine
+    for a Llama, else (data parallel, a worker extension of the user's, an fp8 KV cache, an architecture the capture
+    is not verified on, an unreadable config) with the transformers child, and why."""
     import os
     import subprocess
 
@@ -260,8 +262,12 @@ def test_a_hub_reference_and_a_local_merge_share_the_resident_engine(tmp_path, t
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
     env.pop("HF_HUB_CACHE", None)
     units = [f"org/tiny={snapshot}", f"{local}={local}", f"org/tiny={snapshot}"]
+    other = tmp_path / "phi3"  # an architecture the engine's capture is not verified on: its config.json suffices
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"architectures": ["Phi3ForCausalLM"], "model_type": "phi3"}))
     driver = REPO / "tests" / "drivers" / "resident_arguments.py"
-    proc = subprocess.run([str(VLLM_PY), str(driver), *units], env=env, capture_output=True, text=True, timeout=300)
+    argv = [str(VLLM_PY), str(driver), *units, "--decide", str(local), str(other), str(tmp_path / "none")]
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["errors"] == [None, None, None], got["errors"]
@@ -275,6 +281,15 @@ def test_a_hub_reference_and_a_local_merge_share_the_resident_engine(tmp_path, t
         return [reload, ["reset_prefix_cache"], ["collective_rpc", "reseed", None], storage]
 
     assert swaps == [*swap(str(local)), *swap(str(snapshot))]
+    # where the start-up hook measures S under lm-eval's own VLLM class, decided before any engine is built
+    assert got["method"] == "vllm_sink_strength"  # VLLM got this project's request method (patching.add_method)
+    decided = got["decisions"]
+    assert decided[str(local)]["plain"] is None  # a Llama: S on the engine lm-eval builds
+    assert decided[str(local)]["data_parallel"].startswith("data_parallel_size > 1: lm-eval runs the engines in Ray")
+    assert decided[str(local)]["own_extension"].startswith("model_args worker_extension_cls=my.Extension is your own")
+    assert decided[str(local)]["fp8_kv_cache"].startswith("a quantized KV cache (kv_cache_dtype=fp8)")
+    assert decided[str(other)]["plain"].startswith("Phi3ForCausalLM: the engine's statistics are verified against")
+    assert decided[str(tmp_path / "none")]["plain"] == "its config.json could not be read before the engine is built"
 
 
 # --- accelerator memory beside the engine, at plan time -----------------------------------------------------------
@@ -317,13 +332,15 @@ def test_a_resident_sweep_whose_units_need_the_engines_gpu_memory_is_refused_at_
     tmp_path, tiny_trio, user_error, monkeypatch
 ):
     """One GPU (through the devices seams: visible GPUs, total memory) of 5 x the tiny checkpoint's float32 weights:
-    vLLM's default 0.92 leaves 0.4 x for the child that measures sink_strength first, or for strength: units."""
+    vLLM's default 0.92 leaves 0.4 x for the child that measures sink_strength first, or for strength: units. S from
+    the engine (a Llama, strength: in the engine's dtype) needs no second copy, so the same sweeps fit; where the
+    engine cannot measure S (an fp8 KV cache; strength: in another dtype) the line says so."""
     from dataclasses import replace
 
     from helpers import TINY_SWEEP_TASK
 
     from lm_eval_sink import devices
-    from lm_eval_sink.commands.engine_sweep import check_room
+    from lm_eval_sink.commands.engine_sweep import EngineS, check_room, engine_s
     from lm_eval_sink.commands.sweep import load_sweep
     from lm_eval_sink.errors import UserError
 
@@ -331,22 +348,29 @@ def test_a_resident_sweep_whose_units_need_the_engines_gpu_memory_is_refused_at_
     monkeypatch.setattr(devices, "resolve_device", lambda device: ("cuda:0",))
     monkeypatch.setattr(devices, "_total_memory", lambda found: {d: 5 * need for d in found})
     tasks = [TINY_SWEEP_TASK, "sink_strength"]
-    path = _vllm_sweep(tmp_path, tiny_trio, tasks=tasks, dtype="float32")
+    fp8 = {"kv_cache_dtype": "fp8"}
+    path = _vllm_sweep(tmp_path, tiny_trio, tasks=tasks, dtype="float32", model_args=fp8)
     line = user_error(["sweep", path, "--quiet"], tmp_path / "out")
     assert "the resident vLLM engine takes 0.92 of cuda:0" in line, line
     assert "for the child that measures S first in each eval unit (reference's weights in float32)" in line
     assert "gpu_memory_utilization to 0.80 or lower" in line and "--fresh-engine" in line
+    assert "(S from the engine is not possible here: a quantized KV cache (kv_cache_dtype=fp8)" in line
+    on_engine = load_sweep(_vllm_sweep(tmp_path / "engine", tiny_trio, tasks=tasks, dtype="float32"))  # fits
+    assert engine_s(on_engine) == EngineS(None, None)
     fits = _vllm_sweep(
-        tmp_path / "fits", tiny_trio, tasks=tasks, dtype="float32", model_args={"gpu_memory_utilization": 0.8}
+        tmp_path / "fits", tiny_trio, tasks=tasks, dtype="float32", model_args={**fp8, "gpu_memory_utilization": 0.8}
     )
     load_sweep(fits)  # 0.2 x 5 leaves the weights' room
     load_sweep(path, fresh_engine=True)  # S measured before each engine starts
     resident = replace(load_sweep(path, fresh_engine=True), engine_reuse=True)
     check_room(resident, s_from_engine=True)  # S measured on the engine: no second copy
     with pytest.raises(UserError):
-        check_room(resident)
+        check_room(resident, s_from_engine=False)
     strength = {"n_prompts": 5, "dtype": "float32"}
-    units = _vllm_sweep(tmp_path / "strength", tiny_trio, strength=strength)
+    units = _vllm_sweep(tmp_path / "strength", tiny_trio, strength=strength)  # the engine's dtype: auto
     line = user_error(["sweep", units, "--quiet"], tmp_path / "strength" / "out")
     assert "for the strength: units (reference's weights in float32)" in line, line
+    assert line.endswith("or give strength.dtype the engine's dtype (eval dtype), so S is measured on the engine)")
+    same = load_sweep(_vllm_sweep(tmp_path / "same", tiny_trio, strength=strength, dtype="float32"))
+    assert engine_s(same) == EngineS(None, None)  # strength: units on the engine, in its dtype
     load_sweep(_vllm_sweep(tmp_path / "cpu", tiny_trio, strength={**strength, "device": "cpu"}))

@@ -10,9 +10,16 @@ key, marker and lm-eval output files as `units.run_unit`, plus the engine's reco
 its start (`merging.engine_reuse.engine_fields`) gets a new engine, with a note; so does the unit after a
 failed one, which is that unit's one line. Merges and strength units run as before (`units.run_unit`).
 
+Sink Strength on the engine (`engine_s`, decided at plan time from the checkpoints' config.json and the eval
+settings, as `harness.engine_strength` decides it in each unit): an eval unit's `sink_strength` tasks are measured on
+the engine lm-eval runs (in the engine process), and a `strength:` unit whose dtype is the engine's is sent to the
+engine process right after its checkpoint's eval unit (`EngineRunner.strength`: the `strength` request), so neither
+loads a second copy of the weights; a strength unit the engine cannot take (another dtype, its checkpoint's eval
+unit finished earlier, Ray, an architecture the capture refuses) runs as before (`units.run_unit`).
+
 `engine_reuse` decides the setting from the sweep file and `--fresh-engine`, `check_reuse` refuses at
 plan time a vLLM without the worker's `reload_weights`, `check_room` a sweep whose units would load a
-checkpoint on GPU memory the engine holds, and `plan_notes` is the plan's line about engines.
+checkpoint on GPU memory the engine holds, and `plan_notes` is the plan's line about engines and S.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -128,34 +136,92 @@ def _largest(spec: SweepSpec, dtype: str) -> tuple[str, int]:
     return name, counts[name] * max(_itemsize(d) for d in (*stored, *named))
 
 
-def memory_needs(spec: SweepSpec, devices: tuple[str, ...], s_from_engine: bool = False) -> list[Need]:
+@dataclass(frozen=True)
+class EngineS:
+    """Where a resident vLLM sweep measures S: why its eval units' Sink Strength tasks are not measured on the
+    engine, and why its `strength:` units are not (None: they are)."""
+
+    evals: str | None
+    strength: str | None
+
+
+ON_ENGINE = EngineS(None, None)
+
+
+def _one_dtype(dtype: str | None) -> str:
+    from lm_eval_sink.harness.measure_first import DTYPES
+
+    return DTYPES.get(str(dtype or "auto"), str(dtype))
+
+
+def _strength_refusal(spec: SweepSpec) -> str | None:
+    """Why the `strength:` units are not measured on the engine, once its eval units' S is (None: they are)."""
+    if spec.engine is not None and spec.engine.kind == "ray":
+        return "under Ray the strength: units are Ray tasks of their own, beside the eval actors' engines"
+    engine, asked = _one_dtype(_dtype(spec.eval)), _one_dtype(spec.strength_dtype)
+    if asked == "auto" and engine == "auto":
+        return (
+            "strength.dtype and the engine's dtype are both auto, which vLLM and transformers resolve differently "
+            "(vLLM runs a float32 checkpoint in 16 bits on a GPU)"
+        )
+    if asked != engine:
+        return f"strength.dtype {spec.strength_dtype} is not the engine's dtype ({engine})"
+    return None
+
+
+def engine_s(spec: SweepSpec) -> EngineS:
+    """Where a resident vLLM sweep measures S (`EngineS`), from each endpoint's config.json and the eval settings:
+    `harness.engine_strength.refusal`, as each eval unit decides it, and the `strength:` units' dtype."""
+    from lm_eval_sink.harness.engine_strength import refusal
+
+    if spec.eval is None or spec.eval.backend != "vllm" or not spec.engine_reuse:
+        return EngineS("no resident vLLM engine", "no resident vLLM engine")
+    reasons = [
+        refusal(spec.eval.model_args, checkpoint_facts(weights_folder(model))["config"] or None)
+        for model in spec.models.values()
+    ]
+    why = next((r for r in reasons if r), None)
+    return EngineS(why, None if spec.strength is None else why or _strength_refusal(spec))
+
+
+def _not_on_engine(why: str | None) -> str:
+    """What a need's refusal adds about S from the engine."""
+    if not why or why == "no resident vLLM engine":
+        return ""
+    if why.startswith("strength.dtype"):
+        return "; or give strength.dtype the engine's dtype (eval dtype), so S is measured on the engine"
+    return f" (S from the engine is not possible here: {why})"
+
+
+def memory_needs(spec: SweepSpec, devices: tuple[str, ...], where: EngineS) -> list[Need]:
     """What loads a checkpoint on the accelerators beside a local sweep's resident engine: the child that measures
     this project's tasks first in each eval unit that holds one (over every visible GPU, `devices`), and the
-    `strength:` units (on strength.device); none of it where S is measured on the engine (`s_from_engine`)."""
+    `strength:` units (on strength.device); none of either where S is measured on the engine (`where`)."""
     from lm_eval_sink.devices import resolve_device
     from lm_eval_sink.harness.discovery import holds_own_task
 
     needs: list[Need] = []
     settings = spec.eval
-    if not s_from_engine and holds_own_task(tuple(settings.tasks), settings.include_path):
+    if where.evals is not None and holds_own_task(tuple(settings.tasks), settings.include_path):
         dtype = _dtype(settings) or "auto"
         name, size = _largest(spec, dtype)
-        needs.append(
-            Need(f"the child that measures S first in each eval unit ({name}'s weights in {dtype})", size, devices)
-        )
-    if not s_from_engine and spec.strength is not None and spec.strength_device != "cpu":
+        what = f"the child that measures S first in each eval unit ({name}'s weights in {dtype})"
+        needs.append(Need(what, size, devices, _not_on_engine(where.evals)))
+    if where.strength is not None and spec.strength is not None and spec.strength_device != "cpu":
         name, size = _largest(spec, spec.strength_dtype)
-        where = resolve_device(spec.strength_device)
-        needs.append(Need(f"the strength: units ({name}'s weights in {spec.strength_dtype})", size, where))
+        where_s = resolve_device(spec.strength_device)
+        what = f"the strength: units ({name}'s weights in {spec.strength_dtype})"
+        needs.append(Need(what, size, where_s, _not_on_engine(where.strength)))
     return needs
 
 
-def check_room(spec: SweepSpec, s_from_engine: bool = False) -> None:
+def check_room(spec: SweepSpec, s_from_engine: bool | None = None) -> None:
     """Refuse at plan time a local resident-engine sweep whose units would load a checkpoint on GPUs that the engine
     holds: vLLM takes `gpu_memory_utilization` of the total memory of each GPU it uses (the first
     tensor_parallel_size x pipeline_parallel_size visible ones), whatever is free when it starts. A CPU run (vLLM's
     CPU build sizes its cache by VLLM_CPU_KVCACHE_SPACE) and a Ray sweep (each actor's GPUs its own) are not
-    checked. `s_from_engine`: S measured on the engine itself, so no unit needs a second copy."""
+    checked. `s_from_engine`: whether S is measured on the engine itself, so no unit needs a second copy (None:
+    `engine_s` decides, per kind of unit)."""
     from lm_eval_sink.devices import _total_memory, resolve_device
 
     if spec.engine is not None and spec.engine.kind == "ray":
@@ -163,12 +229,11 @@ def check_room(spec: SweepSpec, s_from_engine: bool = False) -> None:
     visible = tuple(d for d in resolve_device("auto") if d != "cpu")
     if not visible:
         return
+    where = engine_s(spec) if s_from_engine is None else ON_ENGINE if s_from_engine else EngineS("", "")
     args = spec.eval.model_args
     used = int(args.get("tensor_parallel_size", 1)) * int(args.get("pipeline_parallel_size", 1))
     utilization = float(args.get("gpu_memory_utilization", VLLM_GPU_MEMORY_UTILIZATION))
-    refused = room_refusal(
-        _total_memory(visible), visible[:used], utilization, memory_needs(spec, visible, s_from_engine)
-    )
+    refused = room_refusal(_total_memory(visible), visible[:used], utilization, memory_needs(spec, visible, where))
     if refused is not None:
         raise UserError(f"{spec.source}: {refused[0]}", refused[1])
 
@@ -216,15 +281,38 @@ def plan_notes(plan: Plan, todo: Sequence[Unit]) -> list[str]:
         "(--fresh-engine: one engine per checkpoint)"
     ]
     starts = engine_starts([u.checkpoint for u in evals], fields)
-    return lines + [f"vllm engine: {name} gets an engine of its own: it {why}" for name, why in starts[1:] if why]
+    lines += [f"vllm engine: {name} gets an engine of its own: it {why}" for name, why in starts[1:] if why]
+    return lines + _s_notes(spec)
+
+
+def _s_notes(spec: SweepSpec) -> list[str]:
+    """The plan's lines about where S is measured beside the resident engine (`engine_s`)."""
+    from lm_eval_sink.harness.discovery import holds_own_task
+
+    where, lines = engine_s(spec), []
+    if holds_own_task(tuple(spec.eval.tasks), spec.eval.include_path):
+        lines.append(
+            "vllm engine: the eval units' Sink Strength tasks measured on the engine (no second load)"
+            if where.evals is None
+            else f"vllm engine: the eval units' Sink Strength tasks measured first with transformers: {where.evals}"
+        )
+    if spec.strength is not None:
+        lines.append(
+            "vllm engine: the strength: units measured on the engine, right after their checkpoint's eval unit"
+            if where.strength is None
+            else f"vllm engine: the strength: units measured with transformers: {where.strength}"
+        )
+    return lines
 
 
 class EngineRunner:
     """Eval units on one resident engine, in a process of the vLLM interpreter; a new engine (a new process) for
     the first unit, a checkpoint that differs from the engine's in what it fixed, and after a failed unit."""
 
-    def __init__(self, settings: Any, logs: Path) -> None:
+    def __init__(self, settings: Any, logs: Path, strength: bool = False) -> None:
         self.settings, self.logs = settings, Path(logs)
+        self.strength_on_engine = strength  # the plan's `engine_s`: strength: units go to the engine
+        self.engine_s: dict[str, Any] | None = None  # the last eval answer's: the engine's dtype, why no S on it
         self.process: EngineProcess | None = None
         self.fields: Fields | None = None  # what the engine fixed (None: no engine)
         self.holds: str | None = None  # the checkpoint it holds
@@ -265,7 +353,49 @@ class EngineRunner:
             answer["engine"]["engine"] = self.started  # the sweep's engine number (one process each)
             fields_kept = {k: answer[k] for k in ("engine", "timings", "peak_rss", "peak_accelerator_memory")}
             finish_eval(tmp, unit, resolve_run(Path(answer["results"])), **fields_kept)
-        self.failed = None
+        self.failed, self.engine_s = None, answer.get("engine_s")
+
+    def _takes_strength(self, unit: Unit) -> bool:
+        """Whether the engine can measure `unit` (a strength: unit) now: the plan allows it, the engine holds its
+        checkpoint after a unit that did not fail, can measure S exactly, and runs the unit's dtype."""
+        s = self.engine_s
+        return (
+            self.strength_on_engine
+            and self.process is not None
+            and self.failed is None
+            and self.holds == unit.checkpoint
+            and s is not None
+            and s["refusal"] is None
+            and s["dtype"] == _one_dtype(unit.inputs["dtype"])
+        )
+
+    def strength(self, unit: Unit) -> bool:
+        """Measure a strength: unit on the engine that holds its checkpoint (`strength` request), saved as
+        `units.save_strength` saves one; False where the engine cannot take it now (or refused it: a note), so
+        the caller measures it with transformers."""
+        from lm_eval_sink.commands.units import save_strength
+        from lm_eval_sink.models import model_fingerprint
+        from lm_eval_sink.strength import SinkStrength
+
+        if not self._takes_strength(unit):
+            return False
+        assert self.process is not None
+        model = unit.inputs["model"]
+        info = {"path": model, **model_fingerprint(model), "resident_engine": True}
+        request = {"op": "strength", "model": model, "weights": weights_folder(model), "info": info}
+        request["settings"] = asdict(unit.inputs["settings"])  # its output: the engine process's log
+        try:
+            answer = self.process.request(request)
+        except UserError as e:  # the process is gone: the next eval unit starts another
+            self.close()
+            answer = {"ok": False, "error": e.message}
+        if not answer["ok"]:
+            self.notes.append(f"{unit.id}: measured with transformers: the engine refused it ({answer['error']})")
+            return False
+        engine = {"resident": True, "process": self.process.pid, "engine": self.started}
+        res = SinkStrength.from_json(answer["strength"])
+        save_strength(unit, res, engine=engine, timings=answer["timings"], peak_rss=answer["peak_rss"])
+        return True
 
     def _request(self, unit: Unit, tmp: Path, weights: str, why: str | None) -> dict[str, Any]:
         from lm_eval_sink.harness.runner import eval_versions
@@ -306,10 +436,13 @@ def local_runner(spec: SweepSpec, notes: list[str]) -> Iterator[Callable[[Unit],
     if not spec.engine_reuse:
         yield run_unit
         return
-    runner = EngineRunner(spec.eval, spec.output / "logs")
+    runner = EngineRunner(spec.eval, spec.output / "logs", strength=engine_s(spec).strength is None)
 
     def run(unit: Unit) -> None:
-        (runner.run if unit.kind == "eval" else run_unit)(unit)
+        if unit.kind == "eval":
+            runner.run(unit)
+        elif unit.kind != "strength" or not runner.strength(unit):
+            run_unit(unit)
 
     try:
         yield run

@@ -9,10 +9,13 @@
   hook: `--include_path "$(lm-eval-sink tasks-dir)"`.
 - `patch_evaluator`: a task of this project (named, or through a group or tag, resolved with
   lm-eval's TaskManager) asked of a backend without attention access (vllm, ...: anything but HFLM)
-  is measured first, before lm-eval builds the model, with transformers in a child process when
-  the backend's `pretrained` is a checkpoint transformers can load (`measure_first.py`), and
-  refused in one line otherwise. Then, in `evaluate`, before any request of any task: every check
-  of the built model that S needs (`task.check_capturable`), how S is measured recorded in each
+  is decided before lm-eval builds the model: under `--model vllm`, where the engine path is exact,
+  measured on the engine lm-eval builds (`engine_strength.py`: the model_args get this project's
+  worker extension); otherwise measured first with transformers in a child process when the
+  backend's `pretrained` is a checkpoint transformers can load (`measure_first.py`, with one line
+  saying why under vLLM), and refused in one line otherwise. Then, in `evaluate`, before any request
+  of any task: every check of the built model that S needs (`task.check_capturable`, or the engine's
+  workers' own check: `engine_strength.engine_records`), how S is measured recorded in each
   such task's metadata (`capture`), and those tasks put first, so their requests (seconds) run
   before any other task's and a failure in S comes before hours of generation, not after them.
 - `patch_cli`: under the `lm_eval` console script, this project's `UserError`s print one line
@@ -154,15 +157,21 @@ def _task_manager(arguments: dict[str, Any]) -> Any:
 
 
 def measure_first_request(arguments: dict[str, Any]) -> tuple[Any, Any] | None:
-    """Before lm-eval builds a backend without attention access: this project's tasks measured first
-    (`measure_first.py`; or kept by an earlier call that failed after it, `kept_strength.Kept`), with the TaskManager
-    that found them; None when none is asked of such a backend.
-    The hub revisions are pinned to the commits measured in `arguments["model_args"]`, which the engine then gets.
+    """Before lm-eval builds a backend without attention access, where this project's tasks are measured, with the
+    TaskManager that found them; None when none is asked of such a backend.
+    - Under `--model vllm`, where the engine path is exact (`engine_strength.decide`, from config.json and the
+      model_args): (None, task_manager), `arguments["model_args"]` given this project's worker extension, so the
+      engine lm-eval builds measures S in its own forward and nothing else loads the checkpoint.
+    - Otherwise measured first (`measure_first.py`; or kept by an earlier call that failed after it,
+      `kept_strength.Kept`): (Kept, task_manager), the hub revisions pinned to the commits measured in
+      `arguments["model_args"]`, which the engine then gets; one line saying why a `--model vllm` call's S is not
+      measured on its engine.
 
     One line, before anything loads, when the backend has no `pretrained` transformers can load.
     """
     model = arguments.get("model")
-    if has_attention(_model_class(model)):
+    model_class = _model_class(model)
+    if has_attention(model_class):
         return None
     task_manager = _task_manager(arguments)
     tasks = arguments.get("tasks")
@@ -175,7 +184,23 @@ def measure_first_request(arguments: dict[str, Any]) -> tuple[Any, Any] | None:
     model_args = _model_args(arguments.get("model_args")) if isinstance(model, str) else {}
     if not model_args.get("pretrained"):
         raise unsupported(ours[0], label)
-    from lm_eval_sink.harness.kept_strength import measured_or_kept
+    from lm_eval_sink.harness.engine_strength import decide, is_lm_eval_vllm, with_extension
+
+    why = decide(model_class, model_args)
+    if why is None:
+        arguments["model_args"] = with_extension(arguments.get("model_args"))
+        return None, task_manager
+    said = why if is_lm_eval_vllm(model_class) else None  # the line is vLLM's alone
+    return _measured_first(arguments, task_manager, ours, label, said)
+
+
+def _measured_first(arguments: dict[str, Any], task_manager: Any, ours: list[str], label: str, why: str | None) -> Any:
+    """`measure_first_request`'s transformers child (kept_strength); `why` the engine path was not taken, said in one
+    line once the checks passed and recorded in each task's capture record (`not_on_engine`)."""
+    from dataclasses import replace
+
+    from lm_eval_sink.harness.engine_strength import fallback_line, say
+    from lm_eval_sink.harness.kept_strength import Kept, measured_or_kept
     from lm_eval_sink.harness.measure_first import (
         check_loadable,
         engine_model_args,
@@ -185,10 +210,17 @@ def measure_first_request(arguments: dict[str, Any]) -> tuple[Any, Any] | None:
         task_jobs,
     )
 
-    load = pin_revisions(hf_load_args(model_args, ours[0], label))
+    load = pin_revisions(hf_load_args(_model_args(arguments.get("model_args")), ours[0], label))
     check_loadable(load, ours[0], label)
     arguments["model_args"] = engine_model_args(arguments.get("model_args"), load)  # the commits measured
-    return measured_or_kept(load, task_jobs(task_manager, ours), label, measure_first), task_manager  # kept_strength
+    if why is not None:
+        say(fallback_line(ours, why))
+    kept = measured_or_kept(load, task_jobs(task_manager, ours), label, measure_first)  # kept_strength
+    if why is not None:
+        kept = Kept(
+            {n: replace(m, record={**m.record, "not_on_engine": why}) for n, m in kept.measured.items()}, kept.path
+        )
+    return kept, task_manager
 
 
 def _apply_offline_overrides(index: dict[str, Any]) -> None:
@@ -265,11 +297,12 @@ def prepare_tasks(lm: Any, task_dict: Any) -> Any:
         record = capture_record(inner.model, "lm-eval's own, on the model it built")
         records = {name: {**record, "adapter": getattr(inner, "peft", None)} for name in ours}
     else:
-        measured = {name: measured_task(name) for name in ours}
-        missing = [name for name, m in measured.items() if m is None]
-        if missing:
-            raise unsupported(missing[0], backend_label(type(inner)))
-        records = {name: m.record for name, m in measured.items()}
+        records = {name: m.record for name in ours if (m := measured_task(name)) is not None}
+        on_engine = [name for name in ours if name not in records]
+        if on_engine:  # S on lm-eval's vLLM engine (engine_strength), else the one line of backends.unsupported
+            from lm_eval_sink.harness.engine_strength import engine_records
+
+            records |= engine_records(inner, on_engine)
     for name in ours:
         tasks[name].config.metadata["capture"] = records[name]
     ordered = {name: tasks[name] for name in ours} | {n: t for n, t in tasks.items() if n not in ours}
@@ -312,6 +345,8 @@ def _wrap_simple_evaluate(original: Any) -> Any:
         from lm_eval_sink.harness.task import provided
 
         kept, bound.arguments["task_manager"] = first
+        if kept is None:  # S measured on the engine lm-eval builds (engine_strength)
+            return original(*bound.args, **bound.kwargs)
         with provided(kept.measured), kept.on_failure():  # kept_strength: S kept if the call fails after it
             return original(*bound.args, **bound.kwargs)
 

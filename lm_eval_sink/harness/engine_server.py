@@ -11,13 +11,20 @@ the answers; during a request stderr is that unit's lm-eval log):
     <- {"ok": true, "results": FILE, "samples": {TASK: FILE}, "engine": {...}, "timings": {...},
         "peak_rss": BYTES, "peak_accelerator_memory": {DEVICE: BYTES} or null}
     <- {"ok": false, "error": LINE, "hint": FIX or null}
+    -> {"op": "strength", "model": NAME, "weights": FOLDER, "settings": StrengthSettings as JSON, "info": {...}}
+        (a strength: unit of the checkpoint the engine holds now: its eval unit ran last)
+    <- {"ok": true, "strength": SinkStrength.to_json(), "timings": {...}, "peak_rss": BYTES}
     -> {"op": "close"}  (or the end of stdin: the sweep's process is gone) and the process exits
 
 An eval request runs lm-eval in this process as its CLI would (`inprocess.cli_config` parses the
 same `EvalSettings.command`, `simple_evaluate` gets `--model vllm` and the checkpoint's model_args,
 one TaskManager serves every request), so lm-eval builds its vLLM model for each checkpoint, with
-that checkpoint's config, tokenizer and chat template, and the start-up hook measures this project's
-tasks first on the checkpoint's folder (`measure_first.py`). Only the engine is kept: the `LLM(...)`
+that checkpoint's config, tokenizer and chat template, and the start-up hook decides where this project's
+tasks are measured: on the engine (`engine_strength.py`, where the engine path is exact) or first, with
+transformers, on the checkpoint's folder (`measure_first.py`). An eval answer says whether a `strength`
+request can measure on the engine (`engine_s`: the engine's dtype and why not, or null); a `strength`
+request measures a sweep's `strength:` unit on the checkpoint the engine holds (`engine_strength.measure_strength`),
+so no second copy of the weights loads. Only the engine is kept: the `LLM(...)`
 that lm-eval's model asks for is the resident one, after `reload_weights` from the checkpoint's
 folder (vLLM's worker method, through `LLM.collective_rpc`), `reset_prefix_cache()` (no KV block of
 the previous weights is reused) and the seed the engine's workers set after a build (sampled
@@ -163,6 +170,7 @@ class ResidentEngine:
         self.units = 0  # units evaluated on this engine
         self.swap: str | None = None  # how the current unit's checkpoint got into the engine: built | reloaded
         self.storage: list[dict[str, Any]] | None = None  # each worker's `weight_storage` when built
+        self.holds: str | None = None  # the weights folder it holds now (None: none, or half written)
 
     def shutdown(self) -> None:
         """Shut the engine down (vLLM's engine-core process and workers, where it runs them apart)."""
@@ -206,12 +214,14 @@ class ResidentEngine:
                 self.llm = real(**{**arguments, "worker_extension_cls": WORKER_EXTENSION})
                 self.storage = self.llm.collective_rpc("weight_storage")
             self.arguments, self.built_for, self.swap = fixed, str(arguments["model"]), "built"
+            self.holds = weights
             return self.llm
         if fixed != self.arguments:
             raise UserError(
                 "lm-eval asked the resident vLLM engine for other engine arguments than it was built with",
                 "pass --fresh-engine (one engine per checkpoint)",
             )
+        self.holds = None  # until the reload is done and checked
         with _timed(timings, "swap"):
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": weights})
             if not self.llm.reset_prefix_cache():
@@ -222,8 +232,18 @@ class ResidentEngine:
                 "vLLM's reload_weights did not write the weights in place (other model tensors, or at other "
                 "addresses, than the engine was built with): compiled graphs would read the old ones"
             )
-        self.swap = "reloaded"
+        self.swap, self.holds = "reloaded", weights
         return self.llm
+
+    def s_refusal(self) -> str | None:
+        """Why this engine cannot measure S exactly (`engine_capture.engine_refusal` on its config and arguments,
+        then its workers' own check); None where it can."""
+        from lm_eval_sink.harness.engine_capture import engine_refusal
+
+        config = self.llm.llm_engine.vllm_config.model_config.hf_config
+        why = engine_refusal(config, self.arguments or {})
+        workers = [i["refusal"] for i in self.llm.collective_rpc("sink_capture_layers") if i["refusal"]]
+        return why or (workers[0] if workers else None)
 
     def record(self, why: str | None) -> dict[str, Any]:
         """The engine part of a unit's provenance."""
@@ -286,21 +306,44 @@ class Server:
             run = evaluate_model("vllm", cfg, self.manager, output_path, timings)
         self.failed = None
         self.engine.units += 1
-        timings["s_child"] = _s_child_seconds(run.results)
+        timings["sink_strength"] = _s_seconds(run.results)
         peaks = {k: v for p in self.engine.llm.collective_rpc("accelerator_peak") for k, v in p.items()}
+        dtype = str(self.engine.llm.llm_engine.vllm_config.model_config.dtype).removeprefix("torch.")
         return {
             "ok": True,
             "results": str(run.results),
             "samples": {t: str(p) for t, p in run.samples.items()},
             "engine": self.engine.record(request.get("new_engine")),
+            "engine_s": {"dtype": dtype, "refusal": self.engine.s_refusal()},
             "timings": timings,
             "peak_rss": _peak_rss(_processes()),
             "peak_accelerator_memory": peaks or None,
         }
 
+    def strength(self, request: dict[str, Any]) -> dict[str, Any]:
+        """A `strength:` unit measured on the checkpoint the engine holds (`engine_strength.measure_strength`)."""
+        from lm_eval_sink.harness.engine_strength import measure_strength
+        from lm_eval_sink.io import provenance
+        from lm_eval_sink.strength import StrengthSettings
 
-def _s_child_seconds(results: Path) -> float:
-    """The wall time of the child that measured this project's tasks first (0 when none ran)."""
+        engine = self.engine
+        if engine.llm is None or self.failed is not None or engine.holds != request["weights"]:
+            raise UserError(
+                f"the resident vLLM engine does not hold {request['model']}'s weights now",
+                "measure that strength: unit with transformers (the sweep does when the engine holds another)",
+            )
+        settings = StrengthSettings(**request["settings"])
+        timings: dict[str, float] = {}
+        _reset_peak_rss(_processes())
+        with _timed(timings, "strength"):
+            tokenizer = engine.llm.get_tokenizer()
+            res = measure_strength(engine.llm, tokenizer, settings, provenance(model=request["info"]))
+        return {"ok": True, "strength": res.to_json(), "timings": timings, "peak_rss": _peak_rss(_processes())}
+
+
+def _s_seconds(results: Path) -> float:
+    """The wall time S took in an eval unit: on the engine, or in the child that measured it first (the task's
+    capture record says which; 0 when the unit has no task of this project)."""
     configs = json.loads(results.read_text(encoding="utf-8")).get("configs", {})
     seconds = [(c.get("metadata") or {}).get("capture", {}).get("wall_seconds") for c in configs.values()]
     return max([x for x in seconds if isinstance(x, (int, float))], default=0.0)
@@ -313,7 +356,7 @@ def _answer(server: Server, request: dict[str, Any]) -> dict[str, Any]:
     try:
         with _output_to(request.get("log")):
             try:
-                return server.evaluate(request)
+                return server.strength(request) if request["op"] == "strength" else server.evaluate(request)
             except Exception:
                 traceback.print_exc()
                 raise
@@ -330,7 +373,7 @@ def serve(requests: Any, answers: Any) -> None:
         request = json.loads(line)
         if request.get("op") == "close":
             break
-        if request.get("op") != "eval":
+        if request.get("op") not in ("eval", "strength"):
             answer = {"ok": False, "error": f"unknown request {request.get('op')!r}", "hint": None}
         else:
             answer = _answer(server, request)

@@ -7,13 +7,18 @@ accepted: vLLM adds `EngineWorkerExtension`'s methods to its worker class when t
 `worker_extension_cls=WORKER_EXTENSION` (`harness.engine_server.ResidentEngine` passes it), as RL
 trainers add theirs. `self` is then vLLM's worker (its `model_config`, `parallel_config`, `device`).
 
-The class holds methods only (no state, no `__init__`): vLLM grafts it onto the worker class as a base, and
-refuses a name the worker already has. Importing this module imports neither torch nor vLLM.
+It inherits `engine_capture.SinkCaptureMixin`, so the same engine also measures Sink Strength in its own forward
+(`sink_capture_arm`, `..._collect`, `..._disarm`, `..._layers`): one extension, since vLLM takes one class. The
+classes hold methods only (no `__init__`; the capture's state is set on the worker while a measurement is armed):
+vLLM grafts the class onto the worker class as a base, and refuses a name the worker already has (tested on the
+built engine). Importing this module imports neither torch nor vLLM.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from lm_eval_sink.harness.engine_capture import SinkCaptureMixin
 
 WORKER_EXTENSION = "lm_eval_sink.harness.engine_worker.EngineWorkerExtension"
 
@@ -25,8 +30,9 @@ def _cuda() -> Any:
     return torch.cuda if torch.cuda.is_available() and torch.cuda.is_initialized() else None
 
 
-class EngineWorkerExtension:
-    """The resident engine's named calls into each vLLM worker (`collective_rpc("reseed")`, ...)."""
+class EngineWorkerExtension(SinkCaptureMixin):
+    """The named calls of this project into each vLLM worker (`collective_rpc("reseed")`, ...): the resident
+    engine's, and Sink Strength's (`SinkCaptureMixin`), for every engine this project builds or extends."""
 
     def reset_accelerator_peak(self) -> None:
         """The CUDA peak counters of this worker start again (nothing on a CPU)."""

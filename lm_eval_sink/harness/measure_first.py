@@ -1,5 +1,8 @@
 """Sink Strength under a backend without attention access (vLLM, ...): measured first, with transformers.
 
+Under `--model vllm` this is the path for what the engine cannot measure exactly (`engine_strength.py` decides first,
+and measures S in the engine's own forward where it can); for other backends it is the only one.
+
 vLLM exposes no attention probabilities, and lm-eval builds `--model vllm`'s engine in the backend's
 constructor, whose KV cache then holds most of the accelerators' memory. S needs only a few short
 forwards of the same checkpoint, so the start-up hook's `simple_evaluate` wrapper (`discovery.py`)

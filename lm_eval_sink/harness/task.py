@@ -15,10 +15,12 @@ appear once per document, under the `sink_strength` metric; the other metrics an
 show a short note. `--limit` and `--samples` never cut the calibration set (recorded as
 `limit_ignored` in the task's metadata, and said in one line under lm-eval's results table:
 `discovery.strength_lines`); `--predict_only` keeps the metrics (S is the output).
-Only the `hf` backend gives access to attention. Under another backend whose `pretrained` transformers
-can load (`--model vllm`), the start-up hook measures the rows first, with transformers in a child
-process (`measure_first.py`), and the request method this module gives lm-eval's base `LM` class
-returns them (`provided` while the wrapped `simple_evaluate` runs); without them (no `pretrained`,
+Only the `hf` backend gives access to attention through transformers. Under `--model vllm` the start-up
+hook has the engine lm-eval builds measure the rows in its own forward where that path is exact
+(`engine_strength.py`, whose request method lm-eval's `VLLM` class gets); under another backend whose
+`pretrained` transformers can load (and vLLM elsewhere), it measures the rows first, with transformers
+in a child process (`measure_first.py`), and the request method this module gives lm-eval's base `LM`
+class returns them (`provided` while the wrapped `simple_evaluate` runs); without them (no `pretrained`,
 no hook) that method refuses the backend with the one line of `backends.unsupported` (not an
 AttributeError). A peft model (`peft=` in `--model_args`) is measured as `adapters.adapted` says (weight
 adapters through their adapted base, virtual tokens through peft's forward; adaption prompts refused).

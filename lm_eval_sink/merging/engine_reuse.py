@@ -144,6 +144,7 @@ class Need:
     what: str  # e.g. "the strength: units (reference's weights in float32)"
     weight_bytes: int
     devices: tuple[str, ...]
+    instead: str = ""  # what the fix adds about S from the engine, which would need no second copy
 
 
 def _gib(n: float) -> str:
@@ -172,5 +173,6 @@ def room_refusal(
             f"{', '.join(devices)} for {need.what}: {_gib(need.weight_bytes)}"
         )
         lower = f"set eval.model_args.gpu_memory_utilization to {most:.2f} or lower, or " if most > 0 else ""
-        return message, lower + "pass --fresh-engine (an engine per checkpoint, started after S is measured)"
+        fix = lower + "pass --fresh-engine (an engine per checkpoint, started after S is measured)" + need.instead
+        return message, fix
     return None

@@ -279,10 +279,10 @@ class RenderedMerge:
     versions: dict[str, Any]  # merging.merge.merge_versions
 
 
-# The modules that measure S on a resident merged model (an in-memory sweep): a strength unit's code holds them
-# beside the S code (`strength.CODE`), since which path measured it is part of no key (an eval unit's code holds
-# them through `harness.runner.CODE`).
-RESIDENT_CODE = ("lm_eval_sink.harness.inprocess",)
+# The modules that measure S on a resident merged model (an in-memory sweep) and on a resident vLLM engine: a strength
+# unit's code holds them beside the S code (`strength.CODE`), since which path measured it is part of no key (an eval
+# unit's code holds them through `harness.runner.CODE`).
+RESIDENT_CODE = ("lm_eval_sink.harness.inprocess", "lm_eval_sink.harness.engine_strength")
 
 # Where a unit computes is part of no key (its results do not depend on the device). An eval unit's payload keeps
 # the `device` entry its settings had when cpu was the default, at that value, so the units of sweeps made then stay

@@ -3,12 +3,14 @@
 Usage: .venv-vllm/bin/python tests/drivers/engine_capture.py JOB.json   (one engine per process)
 JOB: {"family", "folder", "out", "dtype", "tensor_parallel_size", "n_prompts", "max_num_batched_tokens",
 "enforce_eager" (default true: torch.compile takes minutes on a CPU), "config" (config fields to override),
-"engine_args" (more LLM arguments)}. A measurement the engine refuses writes OUT.json {"refused": REASON, "texts":
-[generations before, after]} only.
+"engine_args" (more LLM arguments), "lora" (true: a LoRA adapter on q_proj and k_proj, applied by the engine)}.
+A measurement the engine refuses writes OUT.json {"refused": REASON, "texts": [generations before, after]} only.
 It builds the family's model (tests/engine_models.py) in `folder`, captures the calibration prompts with
 `capture.capture_prompts` on the model loaded eager (batches of 2: left padding), starts one engine with
-`SinkCaptureMixin` and measures them there (`measure_on_engine`), twice, with greedy generations before, between
-and after; with `max_num_batched_tokens` it also asks for a prompt longer than that, once refused by the driver's
+this project's worker extension (`EngineWorkerExtension`, which inherits `SinkCaptureMixin`) and measures them there
+(`measure_on_engine`), twice, with greedy generations before, between and after; with `lora` it also measures them
+with the engine applying a LoRA adapter (`lora_request`), against the eager capture of the weights with the adapter
+merged in; with `max_num_batched_tokens` it also asks for a prompt longer than that, once refused by the driver's
 check and once with that check skipped (the workers then see the split prefill). It writes OUT.npz (both sides'
 arrays) and OUT.json (texts, refusals, timings).
 """
@@ -25,7 +27,34 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: engine_models, helpers
 
 FIELDS = ("sink_logodds", "sink_pos", "pos0_mass", "pos0_visible", "content")
-EXTENSION = "lm_eval_sink.harness.engine_capture.SinkCaptureMixin"
+EXTENSION = "lm_eval_sink.harness.engine_worker.EngineWorkerExtension"
+LORA_RANK, LORA_ALPHA = 8, 16
+
+
+def _lora(folder: Path, out: Path) -> tuple[Path, Path]:
+    """A peft-format LoRA adapter on every layer's q_proj and k_proj (seeded, large enough to move S) in `out`, and
+    the base with it merged in (W + alpha / r * B A) in `out`/merged: (adapter folder, merged model folder)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights, generator, adapter = load_file(folder / "model.safetensors"), torch.Generator().manual_seed(1), {}
+    for name in [n for n in weights if n.endswith(("q_proj.weight", "k_proj.weight"))]:
+        w = weights[name]
+        a = torch.randn(LORA_RANK, w.shape[1], generator=generator, dtype=torch.float32) * 0.1
+        b = torch.randn(w.shape[0], LORA_RANK, generator=generator, dtype=torch.float32) * 0.1
+        stem = "base_model.model." + name.removesuffix(".weight")
+        adapter |= {f"{stem}.lora_A.weight": a.to(w.dtype), f"{stem}.lora_B.weight": b.to(w.dtype)}
+        weights[name] = (w.float() + LORA_ALPHA / LORA_RANK * b @ a).to(w.dtype)
+    out.mkdir(parents=True)
+    save_file(adapter, out / "adapter_model.safetensors", metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": LORA_RANK, "lora_alpha": LORA_ALPHA}
+    config |= {"target_modules": ["q_proj", "k_proj"], "lora_dropout": 0.0, "bias": "none"}
+    (out / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": str(folder)}))
+    shutil.copytree(folder, out / "merged")
+    save_file(weights, out / "merged" / "model.safetensors", metadata={"format": "pt"})
+    return out, out / "merged"
 
 
 def _hf(folder: Path, encoded, layers, dtype: str) -> list:
@@ -80,7 +109,9 @@ def main(job: dict) -> None:
     hf = _hf(folder, encoded, layers, job["dtype"])
     start = time.perf_counter()
     extra = {"max_num_batched_tokens": job["max_num_batched_tokens"]} if job.get("max_num_batched_tokens") else {}
-    engine_args = {"worker_extension_cls": EXTENSION, **extra, **job.get("engine_args", {})}
+    lora = _lora(folder, Path(job["folder"] + "_lora")) if job.get("lora") else None
+    lora_args = {"enable_lora": True, "max_lora_rank": LORA_RANK} if lora else {}
+    engine_args = {"worker_extension_cls": EXTENSION, **extra, **lora_args, **job.get("engine_args", {})}
     llm = LLM(
         model=str(folder),
         dtype=job["dtype"],
@@ -105,17 +136,21 @@ def main(job: dict) -> None:
     between = _greedy(llm, encoded)
     second = measure_on_engine(llm, encoded, layers)
     after = _greedy(llm, encoded)
+    sides = {"hf": hf, "engine": first, "again": second}
+    if lora is not None:
+        from vllm.lora.request import LoRARequest
+
+        sides["lora_hf"] = _hf(lora[1], encoded, layers, job["dtype"])
+        sides["lora_engine"] = measure_on_engine(llm, encoded, layers, lora_request=LoRARequest("a", 1, str(lora[0])))
+        sides["after_lora"] = measure_on_engine(llm, encoded, layers)  # the base again: the adapter left no trace
     refusals = _refusals(llm, encoded, layers, extra["max_num_batched_tokens"]) if extra else {}
     arrays = {
-        f"{side}_{j}_{f}": getattr(c, f)
-        for side, caps in (("hf", hf), ("engine", first), ("again", second))
-        for j, c in enumerate(caps)
-        for f in FIELDS
+        f"{side}_{j}_{f}": getattr(c, f) for side, caps in sides.items() for j, c in enumerate(caps) for f in FIELDS
     }
     np.savez(job["out"] + ".npz", **arrays)
     texts = {"before": before, "between": between, "after": after}
     seconds = {"engine_start": built - start, "measure": measured - began}
-    record = {"texts": texts, "refusals": refusals, "seconds": seconds, "wrapped": wrapped}
+    record = {"texts": texts, "refusals": refusals, "seconds": seconds, "wrapped": wrapped, "sides": list(sides)}
     Path(job["out"] + ".json").write_text(json.dumps({**record, "n_prompts": len(encoded)}))
 
 

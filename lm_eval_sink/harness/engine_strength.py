@@ -1,0 +1,250 @@
+"""Sink Strength on the vLLM engine that lm-eval builds: decided before it is built, measured by its request method.
+
+Under `--model vllm` the start-up hook (`discovery.measure_first_request`) decides, before lm-eval builds its
+engine, where S is measured (`refusal`, from the checkpoint's config.json and the model_args alone):
+- on the engine itself, where `engine_capture.engine_refusal` finds the engine path exact (an architecture whose
+  engine statistics are tested equal to transformers' eager capture, no quantized KV cache, no data parallel, ...),
+  lm-eval's `VLLM` carries this project's `sink_strength` request method (`patching.add_method`) and the user gave
+  no `worker_extension_cls` of their own. The hook adds `worker_extension_cls=WORKER_EXTENSION` to the model_args
+  (`with_extension`), so the engine lm-eval builds carries the capture (`engine_worker.EngineWorkerExtension`), and
+  nothing else loads the checkpoint;
+- otherwise with transformers in a child process first (`measure_first.py`), as before, with one line saying why
+  (`LM_EVAL_SINK_S_ON_ENGINE=0` asks for that path: `benchmarks/bench_engine_strength.py` compares the two).
+
+`vllm_sink_strength` is the method lm-eval dispatches the task's requests to: rows measured first where the child
+measured them, else each task's prompts measured on `self.model` (the `LLM`) with lm-eval's own tokenizer, the
+task's settings (chat template, system prompt, the last K of the attention layers: `attention_layers_from_config`,
+else every layer) and `self.lora_request` (an engine-applied LoRA is measured as lm-eval's requests run it), in
+`PromptRows` as HFLM's method gives them, so the results JSON, samples and console are those of `--model hf`.
+Each task's `capture` record (`engine_records`, set before any request; `wall_seconds` added as it is measured)
+says `capture_backend: vllm`, what the engine runs (dtype, quantization, KV cache dtype, LoRA, tensor parallel
+size) and that S is that of those weights. `measure_strength` is the same measurement as one `SinkStrength` (the
+resident engine's `strength:` units). Importing this module imports neither torch, vLLM nor lm-eval.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from lm_eval_sink.harness.engine_capture import engine_refusal
+from lm_eval_sink.harness.engine_worker import WORKER_EXTENSION
+
+ENGINE_PROCESS = "lm-eval's vLLM engine, in its own forward"
+ENGINE_WEIGHTS = (
+    "the engine's S is that of the weights the engine runs: its dtype, its quantization= and its LoRA, as lm-eval's "
+    "requests run them"
+)
+CAPTURED_WITH = "vLLM's attention layers: query and key as each layer receives them (harness/engine_capture.py)"
+SWITCH = "LM_EVAL_SINK_S_ON_ENGINE"  # 0: S with the transformers child, as before the engine path (comparisons)
+_RECORDS: dict[str, dict[str, Any]] = {}  # task name -> its capture record in the task's metadata (this call's)
+
+
+def is_lm_eval_vllm(cls: type | None) -> bool:
+    """Whether `cls` is lm-eval's `--model vllm` class itself (not a subclass such as vllm-vlm)."""
+    return cls is not None and cls.__module__ == "lm_eval.models.vllm_causallms" and cls.__name__ == "VLLM"
+
+
+def refusal(model_args: Mapping[str, Any], config: Mapping[str, Any] | None) -> str | None:
+    """Why S is not measured on the engine built from `model_args` (lm-eval's, as parsed) for a checkpoint whose
+    config.json is `config` (None: unreadable); None where it is. Reads nothing but the `SWITCH` variable."""
+    if os.environ.get(SWITCH) == "0":
+        return f"{SWITCH}=0 is set"
+    own = model_args.get("worker_extension_cls")
+    if own not in (None, "", WORKER_EXTENSION):
+        return (
+            f"model_args worker_extension_cls={own} is your own, and vLLM takes one worker extension (this project's, "
+            f"{WORKER_EXTENSION}, measures S)"
+        )
+    if config is None:
+        return "its config.json could not be read before the engine is built"
+    return engine_refusal(dict(config), model_args)
+
+
+def read_config(model_args: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The config.json of `pretrained` at `revision` (a folder, or a hub repo through the HF cache), read without
+    running any code of the model's; None where it cannot be read."""
+    from transformers import PretrainedConfig
+
+    revision = model_args.get("revision") or None
+    try:
+        config, _ = PretrainedConfig.get_config_dict(str(model_args["pretrained"]), revision=revision)
+    except (OSError, ValueError, KeyError):
+        return None
+    return config
+
+
+def decide(model_class: type | None, model_args: Mapping[str, Any]) -> str | None:
+    """None where S is measured on the engine lm-eval will build for `model_args` (`refusal`), lm-eval's `VLLM`
+    then carrying the request method; else why not."""
+    if not is_lm_eval_vllm(model_class):
+        return "the engine path is lm-eval's --model vllm's only"
+    why = refusal(model_args, read_config(model_args))
+    if why is None and not add_request_method(model_class):
+        return "lm-eval's vLLM model class was left as installed (see the lm-eval-sink warning above)"
+    return why
+
+
+def with_extension(model_args: Any) -> Any:
+    """The backend's `model_args` (a string or a dict, kept so) with `worker_extension_cls=WORKER_EXTENSION`."""
+    if isinstance(model_args, dict):
+        return {**model_args, "worker_extension_cls": WORKER_EXTENSION}
+    kept = [p for p in str(model_args or "").split(",") if p and p.partition("=")[0].strip() != "worker_extension_cls"]
+    return ",".join([*kept, f"worker_extension_cls={WORKER_EXTENSION}"])
+
+
+def fallback_line(tasks: Sequence[str], why: str) -> str:
+    """The one line of a `--model vllm` call whose S is measured by the transformers child instead of the engine."""
+    return (
+        f"lm-eval-sink: S of {', '.join(tasks)} is measured with transformers in a child process before the vLLM "
+        f"engine starts, not on the engine: {why}"
+    )
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+# --- on the built engine --------------------------------------------------------------------------------------------
+
+
+def _layers(llm: Any) -> tuple[int, tuple[int, ...]]:
+    """(depth, attention layers) of the engine's model, as `strength.measure` reads them from a transformers config."""
+    from lm_eval_sink.capture import attention_layers_from_config
+
+    config = llm.llm_engine.vllm_config.model_config.hf_config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    depth = int(text.num_hidden_layers)
+    return depth, attention_layers_from_config(config) or tuple(range(depth))
+
+
+def engine_captures(
+    llm: Any, tokenizer: Any, prompts: Sequence[str], settings: Any, lora_request: Any = None
+) -> tuple[Any, list[Any], int, tuple[int, ...]]:
+    """(encoded prompts, `capture.PromptCapture` per prompt, depth, attention layers): `prompts` encoded as
+    `strength.measure` encodes them, measured on the engine `llm` over the settings' last K attention layers."""
+    from lm_eval_sink.calibration import encode_prompts
+    from lm_eval_sink.harness.engine_capture import measure_on_engine
+
+    depth, att = _layers(llm)
+    encoded = encode_prompts(tokenizer, list(prompts), settings.use_chat_template, settings.system_prompt)
+    captures = measure_on_engine(llm, encoded, settings.layers_for(att), settings.query_chunk, lora_request)
+    return encoded, captures, depth, att
+
+
+def engine_record(llm: Any, lora_request: Any = None) -> dict[str, Any]:
+    """How S is measured on the engine `llm`, for a task's metadata or a strength unit's provenance."""
+    from importlib.metadata import version
+
+    import torch
+    import transformers
+
+    config = llm.llm_engine.vllm_config
+    return {
+        "capture_backend": "vllm",
+        "process": ENGINE_PROCESS,
+        "vllm": version("vllm"),
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "dtype": str(config.model_config.dtype).removeprefix("torch."),
+        "quantization": config.model_config.quantization,
+        "kv_cache_dtype": str(config.cache_config.cache_dtype),
+        "lora": getattr(lora_request, "lora_path", None),
+        "tensor_parallel_size": int(config.parallel_config.tensor_parallel_size),
+        "weights": ENGINE_WEIGHTS,
+        "captured_with": CAPTURED_WITH,
+    }
+
+
+def engine_records(lm: Any, tasks: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Each task's capture record on lm-eval's vLLM model `lm`, checked before any request runs: an engine without
+    the capture, or one whose workers refuse it, is one line."""
+    from lm_eval_sink.harness.backends import backend_label, unsupported
+    from lm_eval_sink.harness.engine_capture import EngineCaptureRefused, _has_extension
+
+    llm = getattr(lm, "model", None)
+    if not is_lm_eval_vllm(type(lm)) or llm is None or not _has_extension(llm):
+        raise unsupported(tasks[0], backend_label(type(lm)))
+    refused = [i["refusal"] for i in llm.collective_rpc("sink_capture_layers") if i["refusal"]]
+    if refused:
+        raise EngineCaptureRefused(refused[0])
+    record = engine_record(llm, getattr(lm, "lora_request", None))
+    _RECORDS.update({name: {**record, "wall_seconds": 0.0} for name in tasks})
+    return {name: _RECORDS[name] for name in tasks}
+
+
+def vllm_sink_strength(self: Any, requests: list[Any]) -> list[Any]:
+    """lm-eval's VLLM method for `sink_strength` requests: the rows measured first where the child measured them,
+    else each task's prompts measured on the engine (a copy of a request, as lm-eval pads, measured once)."""
+    from lm_eval_sink.harness.task import PromptRows, _by_task, _measured_sink_strength, measured_task
+    from lm_eval_sink.strength import StrengthSettings
+
+    by_task = _by_task(requests)
+    if all(measured_task(task) is not None for task in by_task):
+        return _measured_sink_strength(self, requests)
+    out: list[Any] = [None] * len(requests)
+    for task, idxs in by_task.items():
+        settings = StrengthSettings(**requests[idxs[0]].arguments[1]["settings"])
+        first_of: dict[int, int] = {}  # id(request) -> index of its first occurrence
+        for i in idxs:
+            first_of.setdefault(id(requests[i]), i)
+        unique = list(first_of.values())
+        prompts = [(int(requests[i].doc["prompt_id"]), requests[i].arguments[0]) for i in unique]
+        start = time.perf_counter()
+        encoded, captures, depth, att = engine_captures(
+            self.model, self.tokenizer, [p for _, p in prompts], settings, self.lora_request
+        )
+        record = _RECORDS.get(task)
+        if record is not None:
+            record["wall_seconds"] = round(record["wall_seconds"] + time.perf_counter() - start, 3)
+        applied, template = encoded.chat_template_applied, encoded.chat_template_sha256
+        rows = {
+            id(requests[i]): PromptRows.build(pid, c, settings, depth, att, applied, template)
+            for i, (pid, _), c in zip(unique, prompts, captures, strict=True)
+        }
+        for i in idxs:
+            out[i] = rows[id(requests[i])]
+    return out
+
+
+def _vllm_mismatch(cls: type) -> Any:
+    """Why lm-eval's VLLM does not set what `vllm_sink_strength` reads in its `__init__` (None when it does)."""
+
+    def check() -> str | None:
+        import dis
+
+        code = getattr(cls.__dict__.get("__init__"), "__code__", None)
+        stored = {i.argval for i in dis.get_instructions(code) if i.opname == "STORE_ATTR"} if code else set()
+        missing = sorted({"model", "tokenizer", "lora_request"} - stored)
+        return f"VLLM.__init__ sets no {', '.join(missing)}" if missing else None
+
+    return check
+
+
+def add_request_method(cls: type) -> bool:
+    """lm-eval's VLLM gets `sink_strength` (`vllm_sink_strength`), checked first (`patching.add_method`)."""
+    from lm_eval_sink.harness.patching import add_method
+    from lm_eval_sink.harness.task import REQUEST_TYPE, _instance_mismatch
+
+    more = _vllm_mismatch(cls)
+    return add_method(cls, REQUEST_TYPE, vllm_sink_strength, more=lambda: more() or _instance_mismatch())
+
+
+def measure_strength(llm: Any, tokenizer: Any, settings: Any, provenance: dict[str, Any]) -> Any:
+    """`strength.measure` on the engine `llm` (the resident engine's strength: units): the settings' calibration
+    prompts, captured in the engine's forward, reduced as `strength.measure` reduces them."""
+    from dataclasses import replace
+
+    from lm_eval_sink.calibration import load_prompts
+    from lm_eval_sink.strength import measured_provenance, reduce_captures, warn_beyond_window
+
+    prompt_set = load_prompts(settings.prompts_file, settings.n_prompts)
+    encoded, captures, depth, att = engine_captures(llm, tokenizer, prompt_set.prompts, settings)
+    result = reduce_captures(captures, settings, depth, att)
+    warn_beyond_window(result)
+    record = engine_record(llm)
+    fields = {"dtype": record["dtype"], "captured_with": CAPTURED_WITH, "capture": record}
+    return replace(result, provenance=measured_provenance(settings, prompt_set, encoded, provenance, fields))
