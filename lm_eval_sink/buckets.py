@@ -271,8 +271,9 @@ def newcombe_paired_ci(counts: Mapping[str, int], confidence: float) -> tuple[fl
 
 
 EXACT_CI_METHOD = (
-    "exact conditional interval (Clopper-Pearson on the discordant docs' split, times the discordant share): excludes "
-    "0 exactly when the exact McNemar test rejects"
+    "exact conditional interval (Clopper-Pearson on the discordant docs' split, times the discordant share), its far "
+    "end widened to Newcombe's score interval where that is farther: excludes 0 exactly when the exact McNemar test "
+    "rejects"
 )
 NEWCOMBE_CI_METHOD = (
     "Newcombe's hybrid score interval for paired proportions (method 10): no doc where the runs differ, so the exact "
@@ -314,14 +315,23 @@ def _exact_near_half(bound: float, k: int, m: int, confidence: float, upper: boo
 
 
 def binary_delta_interval(counts: Mapping[str, int], confidence: float) -> tuple[tuple[float, float], str]:
-    """The interval of a 0/1 delta from its four buckets, and its method: the exact conditional interval
-    (`exact_conditional_ci`, consistent with `mcnemar_exact` by construction) when a doc differs, else Newcombe's,
-    which has nonzero width and holds 0 (p = 1) where no doc differs and the conditional interval has nothing to
-    split."""
+    """The interval of a 0/1 delta from its four buckets, and its method. Where no doc differs: Newcombe's, which has
+    nonzero width and holds 0 (p = 1), the conditional interval having nothing to split. Else each end is the farther
+    of the exact conditional interval's (`exact_conditional_ci`) and Newcombe's, except where the farther one would
+    move that end across 0: the conditional end stays there. Whether the interval holds 0 is then the conditional
+    interval's answer, which is the exact McNemar test's (`mcnemar_exact`), while its far end keeps Newcombe's
+    coverage of the population delta. The conditional interval alone ends at the observed delta when every
+    discordant doc goes one way: it covered a delta of -10 points over 100 docs in 53% of repetitions, this one in
+    91-96% (exact enumeration, docs/buckets.md)."""
     b, c = counts["regression"], counts["recovered"]
+    newcombe = newcombe_paired_ci(counts, confidence)
     if b + c == 0:
-        return newcombe_paired_ci(counts, confidence), NEWCOMBE_CI_METHOD
-    return exact_conditional_ci(b, c, sum(counts.values()), confidence), EXACT_CI_METHOD
+        return newcombe, NEWCOMBE_CI_METHOD
+    lo, hi = exact_conditional_ci(b, c, sum(counts.values()), confidence)
+    wide_lo, wide_hi = min(lo, newcombe[0]), max(hi, newcombe[1])
+    lo = wide_lo if (lo <= 0) == (wide_lo <= 0) else lo
+    hi = wide_hi if (hi >= 0) == (wide_hi >= 0) else hi
+    return (lo, hi), EXACT_CI_METHOD
 
 
 def delta_interval(

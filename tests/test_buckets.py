@@ -966,15 +966,15 @@ def test_each_interval_sits_beside_its_own_test(shared_data):
 def test_the_0_1_interval_agrees_with_the_exact_test_it_sits_beside(shared_data):
     """100 BoolQ docs, 4 regressions and no recovery: the bootstrap interval of the delta, [-8.0, -1.0] points,
     excluded 0 while the exact McNemar test buckets runs gives p = 0.125 (main: a note said so). The exact conditional
-    interval holds 0, [-4.0, 0.8]; at 6 regressions (p = 0.031) it excludes 0, [-6.0, -0.5], and the test rejects.
-    No note either way: the two cannot disagree."""
+    interval holds 0 (its end nearest 0: +0.8; its far end Newcombe's, -8.3); at 6 regressions (p = 0.031) it
+    excludes 0 (-0.5), and the test rejects. No note either way: the two cannot disagree."""
     from lm_eval_sink.buckets import EXACT_CI_METHOD, summary_markdown
 
     ref = _boolq_lines(shared_data, _outcomes(100, set(range(60))))
     four = bucket(ref, _boolq_lines(shared_data, _outcomes(100, set(range(4, 60)))), "boolq", FAST)
     assert four.mcnemar_p == 0.125 and four.delta_ci_method == EXACT_CI_METHOD
-    assert [round(100 * x, 1) for x in four.delta_ci] == [-4.0, 0.8]
-    assert "| acc | 60.0 | 56.0 | -4.0 [-4.0, 0.8] | 0.125 | n/a |" in summary_markdown(four.to_json())
+    assert [round(100 * x, 1) for x in four.delta_ci] == [-8.3, 0.8]
+    assert "| acc | 60.0 | 56.0 | -4.0 [-8.3, 0.8] | 0.125 | n/a |" in summary_markdown(four.to_json())
     six = bucket(ref, _boolq_lines(shared_data, _outcomes(100, set(range(6, 60)))), "boolq", FAST)
-    assert six.mcnemar_p < 0.05 and [round(100 * x, 1) for x in six.delta_ci] == [-6.0, -0.5]
+    assert six.mcnemar_p < 0.05 and [round(100 * x, 1) for x in six.delta_ci] == [-10.9, -0.5]
     assert not [n for n in four.notes + six.notes if "McNemar" in n or "interval" in n]

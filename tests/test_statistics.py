@@ -57,8 +57,9 @@ def _paired(draw, binary: bool):
 
 @given(pair=_paired(binary=True))
 def test_paired_0_1_statistics(pair):
-    """Counts sum to n; McNemar's p is a probability; the interval holds the delta, lies within the discordant share
-    and never has zero width: the exact conditional interval where a doc differs, Newcombe's where none does."""
+    """Counts sum to n; McNemar's p is a probability; the interval holds the delta and never has zero width: where a
+    doc differs, it holds the exact conditional interval (and is no wider than it and Newcombe's together), Newcombe's
+    where none does."""
     ref, cand = pair
     stats = paired_stats(list(range(len(ref))), ref, cand, "binary", FAST)
     assert sum(stats.counts.values()) == len(ref) and set(stats.counts) == set(BUCKETS)
@@ -68,9 +69,11 @@ def test_paired_0_1_statistics(pair):
     if stats.discordant == 0:
         assert stats.delta_ci_method == NEWCOMBE_CI_METHOD and stats.delta_ci[1] - stats.delta_ci[0] > 0.05
     else:
-        share = stats.discordant / len(ref)
+        b, c = stats.counts["regression"], stats.counts["recovered"]
+        lo, hi = exact_conditional_ci(b, c, len(ref), FAST.confidence)
+        wide = newcombe_paired_ci(stats.counts, FAST.confidence)
         assert stats.delta_ci_method == EXACT_CI_METHOD and stats.delta_ci[1] > stats.delta_ci[0]
-        assert -share - 1e-12 <= stats.delta_ci[0] and stats.delta_ci[1] <= share + 1e-12
+        assert min(lo, wide[0]) <= stats.delta_ci[0] <= lo and hi <= stats.delta_ci[1] <= max(hi, wide[1])
 
 
 def test_every_doc_regressed_is_no_zero_width_bootstrap():
