@@ -530,8 +530,9 @@ def tables(start: dict, rows: dict, pairs: dict) -> str:
             str(trunc),
         ]
 
-    bk_rows = [bk(f"{n} (seed {s}) vs start", r["buckets_vs_start"]) for (n, s), r in rows.items()]
-    bk_rows += [bk(f"vision+protection vs vision (seed {s})", b) for s, b in pairs.items()]
+    compared = [(f"{n} (seed {s}) vs start", r["buckets_vs_start"]) for (n, s), r in rows.items()]
+    compared += [(f"vision+protection vs vision (seed {s})", b) for s, b in pairs.items()]
+    bk_rows = [bk(label, b) for label, b in compared]
     out.append("## Paired prompt-level strict IFEval (`lm-eval-sink buckets`)")
     out.append(
         markdown_table(
@@ -541,13 +542,14 @@ def tables(start: dict, rows: dict, pairs: dict) -> str:
                 "regressed",
                 "improved",
                 "delta",
-                "95% bootstrap CI",
+                "95% CI",
                 "McNemar p",
                 "regressions truncated",
             ],
             bk_rows,
         )
     )
+    out.append("Intervals: " + "; ".join(sorted({b["delta_ci_method"] for _, b in compared})))
     s0 = start["sink_strength"]
     other = []
     for (n, s), r in rows.items():

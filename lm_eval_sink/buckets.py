@@ -7,13 +7,14 @@
   differ and an example. Different `prompt_hash`es are expected across protocols (chat template,
   few-shot) and are counted, not refused.
 - buckets for a 0/1 metric: both_pass, regression (reference passes, candidate fails), recovered,
-  both_fail; `delta` = candidate mean minus reference mean with its interval (`delta_interval`:
-  Newcombe's score interval below MIN_N paired docs or when every doc's difference is the same,
-  which never has zero width, else a seeded paired bootstrap over docs); `mcnemar_p` = exact two-sided binomial test on
-  the discordant pairs (scipy). Below MIN_N docs `too_few_to_tell` is said before every delta.
-- a continuous metric (EQ-Bench): the paired difference (`delta`, bootstrap interval, withheld
-  below MIN_N docs, Wilcoxon signed-rank p); pass/fail buckets and McNemar only with a threshold
-  (pass = score >= threshold).
+  both_fail; `delta` = candidate mean minus reference mean; `mcnemar_p` = exact two-sided binomial test on
+  the discordant pairs (scipy); the delta's interval (`binary_delta_interval`, at any n) is that test's inversion,
+  the exact conditional interval (Clopper-Pearson on the discordant docs' split, times the discordant share), so it
+  excludes 0 exactly when the test rejects; where no doc differs, Newcombe's score interval (nonzero width, holds 0).
+  Below MIN_N docs `too_few_to_tell` is said before every delta.
+- a continuous metric (EQ-Bench): the paired difference (`delta`, seeded paired bootstrap interval, withheld
+  below MIN_N docs, Wilcoxon signed-rank p; a note where the two disagree); pass/fail buckets, McNemar and the
+  pass rate's exact interval only with a threshold (pass = score >= threshold).
 - power (power.py) of the test that runs: McNemar on the 0/1 outcome (the pass/fail one under a
   threshold), Wilcoxon on a continuous metric.
 - truncation: whether each generated response of both runs hit the generation limit, over every
@@ -269,22 +270,80 @@ def newcombe_paired_ci(counts: Mapping[str, int], confidence: float) -> tuple[fl
     return theta - spread(cand - l2, u1 - ref), theta + spread(u2 - cand, ref - l1)
 
 
+EXACT_CI_METHOD = (
+    "exact conditional interval (Clopper-Pearson on the discordant docs' split, times the discordant share), its far "
+    "end widened to Newcombe's score interval where that is farther: excludes 0 exactly when the exact McNemar test "
+    "rejects"
+)
+NEWCOMBE_CI_METHOD = (
+    "Newcombe's hybrid score interval for paired proportions (method 10): no doc where the runs differ, so the exact "
+    "conditional interval has no discordant doc to split (the exact McNemar test's p is 1)"
+)
+_NEAR_HALF = 1e-9  # scipy finds a Clopper-Pearson bound within 2e-12 (brentq's xtol); nearer 1/2, exact arithmetic
+
+
+def exact_conditional_ci(regressions: int, recovered: int, n: int, confidence: float) -> tuple[float, float]:
+    """The interval of a paired 0/1 delta (recoveries minus regressions, over `n` docs) that the exact McNemar test
+    (`mcnemar_exact`) inverts: given the m = regressions + recovered discordant docs, delta = (m / n)(2 q - 1) with q
+    the recovered share of them; the Clopper-Pearson interval of q at `confidence`, mapped the same way. It holds 1/2
+    (the delta 0) exactly when the two-sided binomial test against 1/2 does not reject at alpha = 1 - confidence
+    (the binomial is symmetric there, so its two-sided p is twice the smaller tail and each bound solves one tail =
+    alpha / 2). Conditional on m, as the test and power.py are: its ends lie within [-m / n, m / n]. Needs m > 0."""
+    from scipy.stats import binomtest
+
+    m = regressions + recovered
+    lo, hi = binomtest(recovered, m, 0.5).proportion_ci(confidence_level=confidence, method="exact")
+    lo, hi = _exact_near_half(lo, recovered, m, confidence, upper=False), _exact_near_half(hi, recovered, m, confidence)
+    return m / n * (2 * lo - 1), m / n * (2 * hi - 1)
+
+
+def _exact_near_half(bound: float, k: int, m: int, confidence: float, upper: bool = True) -> float:
+    """A Clopper-Pearson bound of k of m within `_NEAR_HALF` of 1/2, on the side of 1/2 that exact arithmetic gives:
+    1/2 itself when its tail at 1/2 (P(K <= k) for the upper bound, P(K >= k) for the lower) is exactly alpha / 2,
+    the p = alpha boundary, where the delta's end is exactly 0; else at least the nearest float on the right side.
+    Farther from 1/2, the solver's error (2e-12) cannot move the bound across it."""
+    if abs(bound - 0.5) > _NEAR_HALF:
+        return bound
+    from fractions import Fraction
+
+    tail = sum(math.comb(m, j) for j in (range(k + 1) if upper else range(k, m + 1)))
+    gap = Fraction(tail, 2**m) - Fraction(1 - confidence) / 2  # > 0: the bound lies beyond 1/2, holding it
+    if gap == 0:
+        return 0.5
+    above = (gap > 0) == upper
+    return max(bound, math.nextafter(0.5, 1.0)) if above else min(bound, math.nextafter(0.5, 0.0))
+
+
+def binary_delta_interval(counts: Mapping[str, int], confidence: float) -> tuple[tuple[float, float], str]:
+    """The interval of a 0/1 delta from its four buckets, and its method. Where no doc differs: Newcombe's, which has
+    nonzero width and holds 0 (p = 1), the conditional interval having nothing to split. Else each end is the farther
+    of the exact conditional interval's (`exact_conditional_ci`) and Newcombe's, except where the farther one would
+    move that end across 0: the conditional end stays there. Whether the interval holds 0 is then the conditional
+    interval's answer, which is the exact McNemar test's (`mcnemar_exact`), while its far end keeps Newcombe's
+    coverage of the population delta. The conditional interval alone ends at the observed delta when every
+    discordant doc goes one way: it covered a delta of -10 points over 100 docs in 53% of repetitions, this one in
+    91-96% (exact enumeration, docs/buckets.md)."""
+    b, c = counts["regression"], counts["recovered"]
+    newcombe = newcombe_paired_ci(counts, confidence)
+    if b + c == 0:
+        return newcombe, NEWCOMBE_CI_METHOD
+    lo, hi = exact_conditional_ci(b, c, sum(counts.values()), confidence)
+    wide_lo, wide_hi = min(lo, newcombe[0]), max(hi, newcombe[1])
+    lo = wide_lo if (lo <= 0) == (wide_lo <= 0) else lo
+    hi = wide_hi if (hi >= 0) == (wide_hi >= 0) else hi
+    return (lo, hi), EXACT_CI_METHOD
+
+
 def delta_interval(
     ref_v: np.ndarray, cand_v: np.ndarray, binary: bool, settings: BucketSettings
 ) -> tuple[tuple[float, float] | None, str]:
-    """The interval of mean(candidate - reference) and the method, in words. A 0/1 outcome: Newcombe's score interval
-    below MIN_N paired docs or when every doc's difference is the same (no doc differs, or every doc regressed, or
-    every doc recovered: a bootstrap there has zero width), else the seeded paired bootstrap; any other metric: the
-    bootstrap, withheld (None) below MIN_N docs or when the differences do not vary."""
-    n, constant = len(ref_v), bool(np.ptp(cand_v - ref_v) == 0)
-    if binary and (n < MIN_N or constant):
-        differs = bool(np.any(cand_v != ref_v))
-        why = f"fewer than {MIN_N} paired docs" if n < MIN_N else "no doc where the runs differ"
-        if n >= MIN_N and differs:
-            why = "every doc " + ("recovered" if cand_v[0] > ref_v[0] else "regressed")
-        ci = newcombe_paired_ci(_four(ref_v >= 0.5, cand_v >= 0.5), settings.confidence)
-        return ci, f"Newcombe's hybrid score interval for paired proportions (method 10): {why}"
-    if not binary and (n < MIN_N or constant):
+    """The interval of mean(candidate - reference) and the method, in words. A 0/1 outcome: `binary_delta_interval`
+    at any n; any other metric: the seeded paired bootstrap, withheld (None) below MIN_N docs or when the differences
+    do not vary (a bootstrap there has zero width)."""
+    if binary:
+        return binary_delta_interval(_four(ref_v >= 0.5, cand_v >= 0.5), settings.confidence)
+    n = len(ref_v)
+    if n < MIN_N or np.ptp(cand_v - ref_v) == 0:
         why = f"{n} paired docs (at least {MIN_N} are needed)" if n < MIN_N else "the per-doc differences do not vary"
         return None, f"withheld: {why}; a bootstrap interval there would claim a certainty the docs do not give"
     ci = paired_delta_ci(ref_v, cand_v, settings.n_bootstrap, settings.confidence, settings.seed)
@@ -614,28 +673,25 @@ def identical_samples(p: _Paired) -> bool:
 
 
 def interval_test_notes(stats: PairedStats, confidence: float) -> list[str]:
-    """A note where the interval of a 0/1 delta and the exact McNemar test `bucket` runs disagree on whether the
-    runs differ at the same level (the interval excludes 0 and the test does not reject, or the other way round):
-    the percentile bootstrap and Newcombe's interval are approximate, and with few discordant docs they call a
-    difference that the exact test does not (4 regressions of 100, none recovered: [-8.0, -1.0] against p = 0.125).
-    Said in words, so the two figures do not contradict each other unspoken."""
-    if stats.mcnemar_p is None:
+    """A note where a continuous metric's bootstrap interval of the mean difference and the Wilcoxon signed-rank test
+    `bucket` runs disagree on whether the runs differ at the same level (one excludes 0, the other does not reject
+    at alpha = 1 - confidence): they ask different questions (the mean against the ranks of the differences), so a
+    few large differences can move one and not the other. Said in words, so the two figures do not contradict each
+    other unspoken. A 0/1 outcome needs no note: its interval is the exact McNemar test's inversion
+    (`exact_conditional_ci`)."""
+    ci, p = stats.delta_ci, stats.wilcoxon_p
+    if ci is None or p is None:
         return []
-    ci, what = (
-        (stats.delta_ci, "delta") if stats.pass_rate is None else (stats.pass_rate["delta_ci"], "pass-rate delta")
-    )
-    if ci is None:
-        return []
-    excludes, rejects = ci[0] > 0 or ci[1] < 0, stats.mcnemar_p <= 1 - confidence
+    alpha = 1 - confidence
+    excludes, rejects = ci[0] > 0 or ci[1] < 0, p < alpha
     if excludes == rejects:
         return []
-    alpha, shown = 1 - confidence, f"[{100 * ci[0]:.1f}, {100 * ci[1]:.1f}] points"
-    says = "excludes 0" if excludes else "holds 0"
-    test = "does not reject" if not rejects else "rejects"
+    says, test = ("excludes 0", "does not reject") if excludes else ("holds 0", "rejects")
     return [
-        f"the {confidence:.0%} interval of the {what}, {shown}, {says}, while the exact McNemar test on its "
-        f"{stats.discordant} discordant docs {test} at alpha {alpha:g} (p = {stats.mcnemar_p:.3g}): the interval is "
-        "approximate; the test is the comparison's significance (its power is the one reported)"
+        f"the {confidence:.0%} bootstrap interval of the mean difference, [{ci[0]:.4g}, {ci[1]:.4g}] (the metric's "
+        f"unit), {says}, while the Wilcoxon signed-rank test {test} at alpha {alpha:g} (p = {p:.3g}): the interval "
+        "is of the mean, the test of the ranks of the per-doc differences, and a few large differences move the mean "
+        "more than the ranks; the test is the comparison's significance (its power is the one reported)"
     ]
 
 
@@ -1200,8 +1256,8 @@ def _score_lines(report: Mapping[str, Any]) -> list[str]:
     r, pct, few = report, report["kind"] == "binary", bool(report.get("too_few_to_tell"))
     mcnemar = _fmt(r["mcnemar_p"])
     delta = _delta_text(r["delta"], r["delta_ci"], pct, few)
-    rows = [[r["metric"], _fmt(r["reference_score"], pct), _fmt(r["candidate_score"], pct), delta, mcnemar]]
-    rows[0].append(_fmt(r["wilcoxon_p"]))
+    tests = [mcnemar if pct else "n/a", _fmt(r["wilcoxon_p"])]  # a continuous metric's McNemar is its pass rate's
+    rows = [[r["metric"], _fmt(r["reference_score"], pct), _fmt(r["candidate_score"], pct), delta, *tests]]
     methods = [f"{r['metric']}: {r.get('delta_ci_method') or 'paired bootstrap over docs'}"]
     il = r.get("instruction_level")
     if il:

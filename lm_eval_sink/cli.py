@@ -834,7 +834,8 @@ def eval_cmd(
     type=int,
     default=10_000,
     show_default=True,
-    help="Bootstrap resamples for the intervals.",
+    help="Bootstrap resamples for a continuous metric's interval and IFEval's instruction-level one (a 0/1 "
+    "interval is exact).",
 )
 @click.option("--confidence", type=float, default=0.95, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Bootstrap seed.")

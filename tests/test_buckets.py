@@ -943,21 +943,38 @@ def test_threshold_reports_the_power_of_the_mcnemar_test_it_runs(shared_data):
     assert plain["effect_source"] == "default: 5% of the metric's range, 0 to 100"
 
 
-def test_an_interval_that_disagrees_with_the_exact_test_says_so(shared_data):
+def test_each_interval_sits_beside_its_own_test(shared_data):
+    """EQ-Bench under --threshold 90: the score's bootstrap interval sits beside Wilcoxon (main: the report's headline
+    put it beside McNemar p, the pass rate's test, and buckets.md's score row too); the pass rate's exact interval
+    sits beside McNemar, on its own row of the report (main: no pass rate there)."""
+    from lm_eval_sink.buckets import EXACT_CI_METHOD, summary_markdown
+    from lm_eval_sink.report.render import render_html
+    from lm_eval_sink.report.view import BucketsInput, Doc, ReportInputs
+
+    ref, cand = _eqbench_pair(shared_data, 24)
+    data = bucket(ref, cand, "eq_bench", BucketSettings(n_bootstrap=200, threshold=90.0)).to_json()
+    assert data["pass_rate"]["delta_ci_method"] == EXACT_CI_METHOD and data["mcnemar_p"] < 0.05
+    score_row = next(line for line in summary_markdown(data).splitlines() if line.startswith("| eqbench |"))
+    assert score_row.endswith(f"| n/a | {data['wilcoxon_p']:.4g} |")
+    page = render_html(ReportInputs(buckets=(BucketsInput(Doc("b/buckets.json", data, "0"), {}, {}),)))
+    card = page[page.index('<div class="cards">') : page.index("</header>")]
+    assert "&middot; Wilcoxon p <span" in card and "McNemar" not in card
+    row = page[page.index("<td>pass rate (score &ge; 90, points)</td>") :].split("</tr>")[0]
+    assert 'data-src="b/buckets.json#/pass_rate/delta_ci/1"' in row and 'data-src="b/buckets.json#/mcnemar_p"' in row
+
+
+def test_the_0_1_interval_agrees_with_the_exact_test_it_sits_beside(shared_data):
     """100 BoolQ docs, 4 regressions and no recovery: the bootstrap interval of the delta, [-8.0, -1.0] points,
-    excluded 0 while the exact McNemar test buckets runs gives p = 0.125, with no word; now a note names both. At 6
-    regressions (p = 0.031) the two agree and nothing is said."""
-    from lm_eval_sink.buckets import summary_markdown
+    excluded 0 while the exact McNemar test buckets runs gives p = 0.125 (main: a note said so). The exact conditional
+    interval holds 0 (its end nearest 0: +0.8; its far end Newcombe's, -8.3); at 6 regressions (p = 0.031) it
+    excludes 0 (-0.5), and the test rejects. No note either way: the two cannot disagree."""
+    from lm_eval_sink.buckets import EXACT_CI_METHOD, summary_markdown
 
     ref = _boolq_lines(shared_data, _outcomes(100, set(range(60))))
     four = bucket(ref, _boolq_lines(shared_data, _outcomes(100, set(range(4, 60)))), "boolq", FAST)
-    assert four.mcnemar_p == 0.125 and four.delta_ci[1] < 0
-    [note] = [n for n in four.notes if "exact McNemar" in n]
-    assert (
-        note.startswith("the 95% interval of the delta, [")
-        and "excludes 0, while the exact McNemar test on its 4 " in note
-    )
-    assert "discordant docs does not reject at alpha 0.05 (p = 0.125): the interval is approximate" in note
-    assert note in summary_markdown(four.to_json())
+    assert four.mcnemar_p == 0.125 and four.delta_ci_method == EXACT_CI_METHOD
+    assert [round(100 * x, 1) for x in four.delta_ci] == [-8.3, 0.8]
+    assert "| acc | 60.0 | 56.0 | -4.0 [-8.3, 0.8] | 0.125 | n/a |" in summary_markdown(four.to_json())
     six = bucket(ref, _boolq_lines(shared_data, _outcomes(100, set(range(6, 60)))), "boolq", FAST)
-    assert six.mcnemar_p < 0.05 and six.delta_ci[1] < 0 and not [n for n in six.notes if "exact McNemar" in n]
+    assert six.mcnemar_p < 0.05 and [round(100 * x, 1) for x in six.delta_ci] == [-10.9, -0.5]
+    assert not [n for n in four.notes + six.notes if "McNemar" in n or "interval" in n]

@@ -6,6 +6,8 @@ test against scipy there, it could not fail."""
 from __future__ import annotations
 
 import itertools
+import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -15,8 +17,14 @@ from hypothesis import strategies as st
 from lm_eval_sink.buckets import (
     BUCKETS,
     BucketSettings,
+    EXACT_CI_METHOD,
+    NEWCOMBE_CI_METHOD,
+    _exact_near_half,
     cluster_delta_ci,
+    exact_conditional_ci,
     holm,
+    interval_test_notes,
+    mcnemar_exact,
     newcombe_paired_ci,
     paired_delta_ci,
     paired_stats,
@@ -49,27 +57,83 @@ def _paired(draw, binary: bool):
 
 @given(pair=_paired(binary=True))
 def test_paired_0_1_statistics(pair):
-    """Counts sum to n; McNemar's p is a probability; the interval holds the delta and never has zero width where
-    Newcombe's score interval is used (fewer than MIN_N docs, or every doc's difference the same)."""
+    """Counts sum to n; McNemar's p is a probability; the interval holds the delta and never has zero width: where a
+    doc differs, it holds the exact conditional interval (and is no wider than it and Newcombe's together), Newcombe's
+    where none does."""
     ref, cand = pair
     stats = paired_stats(list(range(len(ref))), ref, cand, "binary", FAST)
     assert sum(stats.counts.values()) == len(ref) and set(stats.counts) == set(BUCKETS)
     assert stats.discordant == stats.counts["regression"] + stats.counts["recovered"]
     assert 0.0 <= stats.mcnemar_p <= 1.0
     assert _holds(stats.delta_ci, stats.delta) and -1.0 <= stats.delta_ci[0] <= stats.delta_ci[1] <= 1.0
-    if len(ref) < MIN_N or np.ptp(cand - ref) == 0:
-        assert stats.delta_ci_method.startswith("Newcombe") and stats.delta_ci[1] - stats.delta_ci[0] > 0.05
+    if stats.discordant == 0:
+        assert stats.delta_ci_method == NEWCOMBE_CI_METHOD and stats.delta_ci[1] - stats.delta_ci[0] > 0.05
     else:
-        assert stats.delta_ci_method.startswith("paired bootstrap")
+        b, c = stats.counts["regression"], stats.counts["recovered"]
+        lo, hi = exact_conditional_ci(b, c, len(ref), FAST.confidence)
+        wide = newcombe_paired_ci(stats.counts, FAST.confidence)
+        assert stats.delta_ci_method == EXACT_CI_METHOD and stats.delta_ci[1] > stats.delta_ci[0]
+        assert min(lo, wide[0]) <= stats.delta_ci[0] <= lo and hi <= stats.delta_ci[1] <= max(hi, wide[1])
 
 
 def test_every_doc_regressed_is_no_zero_width_bootstrap():
     """20 docs that all regressed (or all recovered): every bootstrap resample is the same, so its interval was
-    -100 [-100, -100], a certainty 20 docs do not give; Newcombe's interval is used, as for no doc differing."""
-    for ref, cand, said in ((1.0, 0.0, "every doc regressed"), (0.0, 1.0, "every doc recovered")):
+    -100 [-100, -100], a certainty 20 docs do not give; the exact conditional interval has width."""
+    for ref, cand in ((1.0, 0.0), (0.0, 1.0)):
         stats = paired_stats(list(range(20)), np.full(20, ref), np.full(20, cand), "binary", FAST)
-        assert stats.delta_ci_method == f"Newcombe's hybrid score interval for paired proportions (method 10): {said}"
+        assert stats.delta_ci_method == EXACT_CI_METHOD
         assert stats.delta_ci[1] - stats.delta_ci[0] > 0.2 and _holds(stats.delta_ci, stats.delta)
+
+
+_CONFIDENCES = [0.5, 0.75, 0.8, 0.875, 0.9, 0.95, 0.99]
+
+
+def _exact_mcnemar_p(regressions: int, recovered: int) -> Fraction:
+    """The exact McNemar p in rational arithmetic: twice the smaller binomial tail at 1/2, at most 1."""
+    m = regressions + recovered
+    return min(Fraction(1), Fraction(2 * sum(math.comb(m, j) for j in range(min(regressions, recovered) + 1)), 2**m))
+
+
+@st.composite
+def _split(draw):
+    n = draw(st.integers(1, 300))
+    m = draw(st.integers(1, n))
+    recovered = draw(st.integers(0, m))
+    return n, m - recovered, recovered
+
+
+@given(split=_split(), confidence=st.sampled_from(_CONFIDENCES))
+def test_the_0_1_interval_excludes_0_exactly_when_the_exact_mcnemar_test_rejects(split, confidence):
+    """Every split of up to 300 docs: the interval excludes 0 exactly when the exact McNemar test rejects at alpha =
+    1 - confidence (p < alpha, p in rational arithmetic), and ends exactly at 0 when p = alpha; scipy's p agrees with
+    the rational one to its rounding. Before, the bootstrap gave 4 regressions of 100 [-8.0, -1.0] against
+    p = 0.125."""
+    n, regressions, recovered = split
+    lo, hi = exact_conditional_ci(regressions, recovered, n, confidence)
+    p, alpha = _exact_mcnemar_p(regressions, recovered), Fraction(1 - confidence)
+    assert (lo > 0 or hi < 0) == (p < alpha)
+    assert (lo == 0 or hi == 0) == (p == alpha)
+    assert mcnemar_exact(regressions, recovered) == pytest.approx(float(p), rel=1e-9)
+    m = regressions + recovered
+    assert -m / n <= lo < hi <= m / n and _holds((lo, hi), (recovered - regressions) / n)
+
+
+def test_the_0_1_interval_ends_at_0_exactly_where_p_equals_alpha():
+    """At a confidence level whose alpha is a power-of-two fraction, p = alpha happens (3 of 3 discordant docs one
+    way at 0.75: p = 0.25): the interval's end is exactly 0 there, neither side of it (scipy's Clopper-Pearson bound
+    is found by a solver to 2e-12: 4 of 4 at 0.875 gave an end of 3.5e-14)."""
+    found = 0
+    for confidence, m in itertools.product([0.5, 0.75, 0.875, 0.9375], range(1, 13)):
+        for k in range(m + 1):
+            if _exact_mcnemar_p(m - k, k) == Fraction(1 - confidence):
+                lo, hi = exact_conditional_ci(m - k, k, 2 * m, confidence)
+                assert (hi if 2 * k < m else lo) == 0.0 and mcnemar_exact(m - k, k) == pytest.approx(1 - confidence)
+                found += 1
+    assert found >= 6
+    # a solver's bound within 1e-9 of 1/2 is put on the side exact arithmetic gives (4 of 4 one way: p = 0.125 holds
+    # 1/2 at 0.95; 6 of 6: p = 0.031 does not)
+    assert _exact_near_half(0.5 - 1e-12, 0, 4, 0.95) > 0.5 and _exact_near_half(0.5 + 1e-12, 0, 6, 0.95) < 0.5
+    assert _exact_near_half(0.5 + 1e-12, 4, 4, 0.95, upper=False) < 0.5
 
 
 # scipy's Wilcoxon test enumerates all 2^n sign flips for n <= 13 with ties: half the examples keep this one cheap
@@ -92,6 +156,20 @@ def test_paired_continuous_statistics(pair, threshold):
     assert sum(with_threshold.counts.values()) == len(ref) and 0.0 <= with_threshold.mcnemar_p <= 1.0
     rate = with_threshold.pass_rate
     assert _holds(rate["delta_ci"], rate["delta"])
+
+
+def test_a_continuous_interval_that_disagrees_with_wilcoxon_says_so():
+    """A continuous metric's bootstrap interval is of the mean difference, Wilcoxon's test of the ranks: 15 docs a
+    point better and one 30 points worse hold 0 in the interval while the test rejects (p = 0.003), and a note says
+    so; where both agree, none."""
+    d = np.array([1.0] * 15 + [-30.0])
+    stats = paired_stats(list(range(16)), np.full(16, 50.0), 50.0 + d, "continuous", FAST)
+    assert stats.delta_ci[0] < 0 < stats.delta_ci[1] and stats.wilcoxon_p < 0.01
+    [note] = interval_test_notes(stats, 0.95)
+    assert note.startswith("the 95% bootstrap interval of the mean difference, [") and ", holds 0, while the " in note
+    assert f"Wilcoxon signed-rank test rejects at alpha 0.05 (p = {stats.wilcoxon_p:.3g})" in note
+    agree = paired_stats(list(range(16)), np.full(16, 50.0), 50.0 + np.abs(d), "continuous", FAST)
+    assert agree.delta_ci[0] > 0 and agree.wilcoxon_p < 0.05 and interval_test_notes(agree, 0.95) == []
 
 
 @given(k=st.integers(0, 500), extra=st.integers(0, 500), confidence=st.sampled_from([0.8, 0.9, 0.95, 0.99]))

@@ -252,6 +252,27 @@ def _instruction_type_rows(d: Doc) -> list[dict[str, Any]]:
     ]
 
 
+def _beside_the_interval(d: Doc, binary: bool) -> dict[str, Any]:
+    """The test the delta's interval sits beside (the exact McNemar test for a 0/1 metric, whose inversion the
+    interval is; Wilcoxon for a continuous one), and the pass rate under --threshold with its exact interval and its
+    McNemar p (None without a threshold)."""
+    pr = d.data.get("pass_rate")
+    rate = None
+    if isinstance(pr, Mapping):
+        rate = {
+            "threshold": pr.get("threshold"),
+            "reference": num(d, ["pass_rate", "reference"], "pts"),
+            "candidate": num(d, ["pass_rate", "candidate"], "pts"),
+            "delta": num(d, ["pass_rate", "delta"], "+pts"),
+            "delta_lo": num(d, ["pass_rate", "delta_ci", 0], "+pts"),
+            "delta_hi": num(d, ["pass_rate", "delta_ci", 1], "+pts"),
+            "ci_method": pr.get("delta_ci_method"),
+            "mcnemar_p": num(d, ["mcnemar_p"], "p"),
+        }
+    test = ("McNemar", "mcnemar_p") if binary else ("Wilcoxon", "wilcoxon_p")
+    return {"test": test[0], "test_p": num(d, [test[1]], "p"), "pass_rate": rate}
+
+
 def _power(d: Doc) -> dict[str, Any] | None:
     """What the comparison could have detected (buckets.json `power`), in points for a 0/1 outcome."""
     pw = d.data.get("power")
@@ -305,8 +326,9 @@ def _buckets_section(b: BucketsInput) -> dict[str, Any]:
         "ci_method": data.get("delta_ci_method"),
         "too_few": data.get("too_few_to_tell"),
         "confidence": num(d, ["settings", "confidence"], "pts"),
-        "mcnemar_p": num(d, ["mcnemar_p"], "p"),
+        "mcnemar_p": num(d, ["mcnemar_p"], "p") if binary else None,  # a continuous metric's is its pass rate's
         "wilcoxon_p": num(d, ["wilcoxon_p"], "p"),
+        **_beside_the_interval(d, binary),
         "counts": [
             {"bucket": k, "n": num(d, ["counts", k], "int")}
             for k in ("both_pass", "regression", "recovered", "both_fail")
