@@ -147,3 +147,24 @@ def test_every_verified_architecture_is_one_the_tests_compare():
     from engine_models import FAMILIES
 
     assert sorted(VERIFIED_ARCHITECTURES) == sorted(model for _, model, _ in FAMILIES.values())
+
+
+def test_an_attention_impl_whose_forward_takes_other_parameters_is_refused():
+    """The wrapper of `impl.forward` reads the query, the key and the metadata by position: vLLM 0.32's order is
+    checked first (review of issue 43: nothing checked it, so an implementation taking (layer, query, value, key, ...)
+    would have given statistics of the values without an error). vLLM's own implementations pass: the engines above
+    measure."""
+    from lm_eval_sink.harness.engine_capture import forward_mismatch
+
+    class Impl:
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None, output_scale=None):
+            return output
+
+    class Swapped:
+        def forward(self, layer, query, value, key, kv_cache, attn_metadata, output=None):
+            return output
+
+    assert forward_mismatch(Impl()) is None
+    why = forward_mismatch(Swapped())
+    assert why.startswith("Swapped.forward takes (self, layer, query, value, key, kv_cache, attn_metadata, output)")
+    assert forward_mismatch(object()).startswith("object.forward is NoneType, not a function")

@@ -55,6 +55,10 @@ VERIFIED_ARCHITECTURES = (
     "Gemma3ForCausalLM",
 )
 CACHE_SALT = "lm_eval_sink-sink-strength"  # the measured prompts' KV blocks are reachable by no other request
+# What the wrapper of `impl.forward` reads of vLLM's call, by position (`unified_attention_with_output` passes them
+# so, then `output=` and the scales by name): an implementation whose parameters begin otherwise is refused, since
+# reading another argument as the query or the key would give statistics of the wrong tensors without an error.
+FORWARD_PARAMETERS = ("layer", "query", "key", "value", "kv_cache", "attn_metadata")
 _SOFTMAX_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -158,6 +162,15 @@ def _unpack(packed: Mapping[str, Any]) -> Any:
     return np.frombuffer(packed["data"], dtype=np.dtype(packed["dtype"])).reshape(packed["shape"]).copy()
 
 
+def forward_mismatch(impl: Any) -> str | None:
+    """Why the class of an attention `impl` has no `forward(self, layer, query, key, value, kv_cache, attn_metadata,
+    ...)` the wrapper was written for (None when it has: `patching.mismatch` on its parameters)."""
+    from lm_eval_sink.harness.patching import mismatch
+
+    why = mismatch(getattr(type(impl), "forward", None), ("self", *FORWARD_PARAMETERS))
+    return None if why is None else f"{type(impl).__name__}.forward {why}"
+
+
 def _layer_refusal(name: str, layer: Any) -> str | None:
     """Why an attention layer of the built engine is not one whose statistics the capture reproduces."""
     from vllm.model_executor.layers.attention import Attention
@@ -165,7 +178,9 @@ def _layer_refusal(name: str, layer: Any) -> str | None:
     impl = getattr(layer, "impl", None)
     if type(layer) is not Attention:
         return f"{name} is a {type(layer).__name__}, not vLLM's plain softmax Attention"
+    signature = forward_mismatch(impl)
     checks = (
+        (signature is not None, signature),
         (layer.attn_type != "decoder", f"{getattr(layer.attn_type, 'value', layer.attn_type)} attention"),
         (getattr(impl, "alibi_slopes", None) is not None, "ALiBi position biases"),
         (getattr(impl, "sinks", None) is not None, "learned attention sinks"),
