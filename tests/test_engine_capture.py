@@ -168,3 +168,36 @@ def test_an_attention_impl_whose_forward_takes_other_parameters_is_refused():
     why = forward_mismatch(Swapped())
     assert why.startswith("Swapped.forward takes (self, layer, query, value, key, kv_cache, attn_metadata, output)")
     assert forward_mismatch(object()).startswith("object.forward is NoneType, not a function")
+
+
+def test_a_wrap_that_fails_half_way_is_undone_by_the_disarm():
+    """`sink_capture_arm` raising after it wrapped some layers (here: a second implementation that takes no instance
+    attribute) leaves nothing wrapped once the driver disarms, as `measure_on_engine` does in its `finally` (review
+    of issue 43: the armed state was kept only after every wrap, so the first layer stayed wrapped, recording every
+    later prefill of the engine into statistics nobody collects)."""
+    from types import SimpleNamespace
+
+    from lm_eval_sink.harness.engine_capture import SinkCaptureMixin
+
+    class Impl:
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None):
+            return output
+
+    class Slotted:  # no __dict__: no instance attribute can shadow its forward
+        __slots__ = ()
+
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None):
+            return output
+
+    class Worker(SinkCaptureMixin):  # what arm reads of vLLM's worker: the layers found, no refusal
+        def sink_capture_layers(self):
+            self._sink_capture_found = {0: SimpleNamespace(impl=Impl()), 1: SimpleNamespace(impl=Slotted())}
+            return {"refusal": None}
+
+    worker = Worker()
+    with pytest.raises(AttributeError):
+        worker.sink_capture_arm([0, 1], 64)
+    first = worker._sink_capture_found[0].impl
+    assert "forward" in vars(first)  # wrapped before the second failed
+    worker.sink_capture_disarm()
+    assert "forward" not in vars(first)

@@ -294,11 +294,11 @@ class SinkCaptureMixin:
         info = self.sink_capture_layers()
         if info["refusal"] is None:
             armed = _Armed(int(query_chunk))
+            self._sink_capture_armed = armed  # before any wrap: a wrap that fails half way is undone by disarm
             for index in layers:
                 if index in self._sink_capture_found:
                     layer = self._sink_capture_found[index]
                     _wrap(layer.impl, int(index), layer, armed)
-            self._sink_capture_armed = armed
         return info
 
     def sink_capture_collect(self) -> dict[str, Any]:
