@@ -374,3 +374,29 @@ def test_a_resident_sweep_whose_units_need_the_engines_gpu_memory_is_refused_at_
     same = load_sweep(_vllm_sweep(tmp_path / "same", tiny_trio, strength=strength, dtype="float32"))
     assert engine_s(same) == EngineS(None, None)  # strength: units on the engine, in its dtype
     load_sweep(_vllm_sweep(tmp_path / "cpu", tiny_trio, strength={**strength, "device": "cpu"}))
+
+
+def test_a_strength_unit_measured_on_the_resident_engine_is_keyed_by_the_engines_vllm_and_code(
+    tmp_path, tiny_trio, monkeypatch
+):
+    """Where the plan sends the strength: units to the resident engine (their dtype the engine's), S comes from the
+    engine process's vLLM forward, torch, transformers and code: another vLLM there measures them again (review of
+    issue 43: their key held this interpreter's torch and transformers and code alone, so a resumed sweep reused S
+    after vLLM changed). Measured with transformers here, their key does not hold the engine's."""
+    from lm_eval_sink.commands.sweep import load_sweep, plan_sweep
+    from lm_eval_sink.harness import runner
+
+    strength = {"n_prompts": 5, "dtype": "float32"}
+    on_engine = load_sweep(_vllm_sweep(tmp_path / "engine", tiny_trio, strength=strength, dtype="float32"))
+    here = load_sweep(_vllm_sweep(tmp_path / "here", tiny_trio, strength={**strength, "dtype": "bfloat16"}))
+    real = runner.eval_versions
+
+    def keys(spec, vllm):
+        monkeypatch.setattr(runner, "eval_versions", lambda settings: {**real(settings), "vllm": vllm})
+        return {u.id: u.key for u in plan_sweep(spec).units if u.kind == "strength"}
+
+    before, after = keys(on_engine, "0.32.0"), keys(on_engine, "0.33.0")
+    assert len(before) == 3 and all(before[n] != after[n] for n in before)  # reference, candidate, the merge
+    unit = next(u for u in plan_sweep(on_engine).units if u.kind == "strength")
+    assert unit.versions["engine vllm"] == "0.33.0" and "engine code" in unit.versions
+    assert keys(here, "0.32.0") == keys(here, "0.33.0")

