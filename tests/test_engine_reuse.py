@@ -400,3 +400,22 @@ def test_a_strength_unit_measured_on_the_resident_engine_is_keyed_by_the_engines
     unit = next(u for u in plan_sweep(on_engine).units if u.kind == "strength")
     assert unit.versions["engine vllm"] == "0.33.0" and "engine code" in unit.versions
     assert keys(here, "0.32.0") == keys(here, "0.33.0")
+
+
+def test_an_eval_units_s_time_adds_the_engines_tasks_and_counts_the_childs_once(tmp_path):
+    """The resident marker's `timings.sink_strength`: on the engine each Sink Strength task measures its own prompts,
+    so two tasks cost the sum (review of issue 43: the largest was taken, half of two equal tasks' time); the child
+    records its one wall time in every task it measured, counted once; a unit without S: 0."""
+    from lm_eval_sink.harness.engine_server import _s_seconds
+
+    def results(*records):
+        tasks = {f"t{i}": {"metadata": {"capture": r}} for i, r in enumerate(records)}
+        path = tmp_path / f"results_{len(list(tmp_path.iterdir()))}.json"
+        path.write_text(json.dumps({"configs": {**tasks, "ifeval": {"metadata": {"version": 4}}}}))
+        return path
+
+    engine = {"capture_backend": "vllm"}
+    assert _s_seconds(results({**engine, "wall_seconds": 1.25}, {**engine, "wall_seconds": 2.5})) == 3.75
+    child = {"capture_backend": "hf", "wall_seconds": 8.3}
+    assert _s_seconds(results(child, child)) == 8.3
+    assert _s_seconds(results()) == 0.0

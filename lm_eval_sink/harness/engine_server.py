@@ -342,11 +342,18 @@ class Server:
 
 
 def _s_seconds(results: Path) -> float:
-    """The wall time S took in an eval unit: on the engine, or in the child that measured it first (the task's
-    capture record says which; 0 when the unit has no task of this project)."""
+    """The wall time S took in an eval unit (0 when the unit has no task of this project), from each task's capture
+    record: on the engine each task measures its own prompts (`capture_backend` vllm: their sum); the child that
+    measured them first records its one wall time in every task (their largest)."""
     configs = json.loads(results.read_text(encoding="utf-8")).get("configs", {})
-    seconds = [(c.get("metadata") or {}).get("capture", {}).get("wall_seconds") for c in configs.values()]
-    return max([x for x in seconds if isinstance(x, (int, float))], default=0.0)
+    records = [(c.get("metadata") or {}).get("capture") or {} for c in configs.values()]
+    timed = [
+        (r.get("capture_backend"), r["wall_seconds"])
+        for r in records
+        if isinstance(r.get("wall_seconds"), (int, float))
+    ]
+    engine = sum(x for backend, x in timed if backend == "vllm")
+    return round(engine + max([x for backend, x in timed if backend != "vllm"], default=0.0), 3)
 
 
 def _answer(server: Server, request: dict[str, Any]) -> dict[str, Any]:
