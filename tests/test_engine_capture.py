@@ -201,3 +201,16 @@ def test_a_wrap_that_fails_half_way_is_undone_by_the_disarm():
     assert "forward" in vars(first)  # wrapped before the second failed
     worker.sink_capture_disarm()
     assert "forward" not in vars(first)
+
+
+def test_the_built_engines_refusal_names_the_switch_that_measures_s_with_transformers():
+    """What the built engine refuses (its workers' check, after lm-eval built it) ends the call in one line whose fix
+    names how to get S anyway (review of issue 43: it said 'measure S with transformers', and nothing said how)."""
+    from lm_eval_sink.harness.engine_capture import EngineCaptureRefused
+    from lm_eval_sink.harness.engine_strength import SWITCH, refusal
+
+    line = EngineCaptureRefused("model.layers.0.self_attn.attn: a fp8 KV cache").line()
+    assert "\n" not in line and f"set {SWITCH}=0" in line and "lm-eval-sink strength" in line
+    with pytest.MonkeyPatch.context() as mp:  # the switch the line names is the one the decision reads
+        mp.setenv(SWITCH, "0")
+        assert refusal({}, {"architectures": ["LlamaForCausalLM"]}) == f"{SWITCH}=0 is set"

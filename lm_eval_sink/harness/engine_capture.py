@@ -62,11 +62,18 @@ FORWARD_PARAMETERS = ("layer", "query", "key", "value", "kv_cache", "attn_metada
 _SOFTMAX_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
+SWITCH = "LM_EVAL_SINK_S_ON_ENGINE"  # 0: S with the transformers child under --model vllm (harness/engine_strength.py)
+
+
 class EngineCaptureRefused(UserError):
     """The engine cannot measure S exactly here; `reason` says why (the transformers child measures it instead)."""
 
     def __init__(self, reason: str) -> None:
-        super().__init__(f"S cannot be measured in the vLLM engine: {reason}", "measure S with transformers")
+        super().__init__(
+            f"S cannot be measured in the vLLM engine: {reason}",
+            f"measure S with transformers: set {SWITCH}=0 (under --model vllm a child process measures it before the "
+            "engine starts), or run lm-eval-sink strength on the checkpoint",
+        )
         self.reason = reason
 
 

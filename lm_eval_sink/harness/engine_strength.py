@@ -30,7 +30,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lm_eval_sink.harness.engine_capture import engine_refusal
+from lm_eval_sink.harness.engine_capture import SWITCH, engine_refusal
 from lm_eval_sink.harness.engine_worker import WORKER_EXTENSION
 
 ENGINE_PROCESS = "lm-eval's vLLM engine, in its own forward"
@@ -39,7 +39,6 @@ ENGINE_WEIGHTS = (
     "requests run them"
 )
 CAPTURED_WITH = "vLLM's attention layers: query and key as each layer receives them (harness/engine_capture.py)"
-SWITCH = "LM_EVAL_SINK_S_ON_ENGINE"  # 0: S with the transformers child, as before the engine path (comparisons)
 _RECORDS: dict[str, dict[str, Any]] = {}  # task name -> its capture record in the task's metadata (this call's)
 
 
