@@ -290,6 +290,18 @@ def test_a_hub_reference_and_a_local_merge_share_the_resident_engine(tmp_path, t
     assert decided[str(local)]["fp8_kv_cache"].startswith("a quantized KV cache (kv_cache_dtype=fp8)")
     assert decided[str(other)]["plain"].startswith("Phi3ForCausalLM: the engine's statistics are verified against")
     assert decided[str(tmp_path / "none")]["plain"] == "its config.json could not be read before the engine is built"
+    # the hook itself (discovery.measure_first_request) under --model vllm: the engine's model_args carry the worker
+    # extension and nothing is said; where the engine cannot measure S, one line says why and the child's capture
+    # record keeps it (review of issue 43: the line's text and the decision were tested, not that the hook says it)
+    from lm_eval_sink.harness.engine_strength import fallback_line
+
+    hook = got["hook"]
+    assert hook["engine"]["model_args"] == f"pretrained={local},worker_extension_cls={WORKER_EXTENSION}"
+    assert hook["engine"]["said"] == "" and hook["engine"]["record"] is None
+    why = decided[str(local)]["fp8_kv_cache"]
+    assert hook["fp8_kv_cache"]["said"] == fallback_line(["sink_strength"], why) + "\n"
+    assert hook["fp8_kv_cache"]["record"]["not_on_engine"] == why
+    assert "worker_extension_cls" not in hook["fp8_kv_cache"]["model_args"]
 
 
 # --- accelerator memory beside the engine, at plan time -----------------------------------------------------------
@@ -419,3 +431,21 @@ def test_an_eval_units_s_time_adds_the_engines_tasks_and_counts_the_childs_once(
     child = {"capture_backend": "hf", "wall_seconds": 8.3}
     assert _s_seconds(results(child, child)) == 8.3
     assert _s_seconds(results()) == 0.0
+
+
+def test_strength_units_stay_with_transformers_where_the_engine_runs_another_tokenizer(tmp_path, tiny_trio):
+    """A strength: unit measures the checkpoint with its own tokenizer (as `strength` does); an engine given another
+    (`eval.model_args.tokenizer`, as lm-eval passes it to vLLM) encodes the prompts with that one, so those units stay
+    with transformers (review of issue 43: they went to the engine, their S then depending on where they ran). The
+    eval units' S, measured with the tokenizer lm-eval's model uses as `--model hf` does, stays on the engine."""
+    from lm_eval_sink.commands.engine_sweep import engine_s
+    from lm_eval_sink.commands.sweep import load_sweep
+
+    strength = {"n_prompts": 5, "dtype": "float32"}
+    given = {"tokenizer": str(tiny_trio["reference"])}
+    where = engine_s(load_sweep(_vllm_sweep(tmp_path, tiny_trio, strength=strength, dtype="float32", model_args=given)))
+    assert where.evals is None
+    assert where.strength == (
+        "eval.model_args.tokenizer has the engine run other files than each checkpoint's own, which the strength: "
+        "units measure"
+    )

@@ -154,10 +154,21 @@ def _one_dtype(dtype: str | None) -> str:
     return DTYPES.get(str(dtype or "auto"), str(dtype))
 
 
+# Engine arguments that make the engine encode or run other than the checkpoint's own files (a tokenizer from elsewhere,
+# config fields overridden), which a strength: unit measures as `strength` does: such units stay with transformers.
+ENGINE_NOT_THE_CHECKPOINTS = ("tokenizer", "hf_overrides")
+
+
 def _strength_refusal(spec: SweepSpec) -> str | None:
     """Why the `strength:` units are not measured on the engine, once its eval units' S is (None: they are)."""
     if spec.engine is not None and spec.engine.kind == "ray":
         return "under Ray the strength: units are Ray tasks of their own, beside the eval actors' engines"
+    other = next((k for k in ENGINE_NOT_THE_CHECKPOINTS if spec.eval.model_args.get(k)), None)
+    if other is not None:
+        return (
+            f"eval.model_args.{other} has the engine run other files than each checkpoint's own, which the "
+            "strength: units measure"
+        )
     engine, asked = _one_dtype(_dtype(spec.eval)), _one_dtype(spec.strength_dtype)
     if asked == "auto" and engine == "auto":
         return (
