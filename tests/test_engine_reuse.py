@@ -271,6 +271,11 @@ def test_a_hub_reference_and_a_local_merge_share_the_resident_engine(tmp_path, t
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["errors"] == [None, None, None], got["errors"]
+    # vLLM's start-up memory check (vllm_preflight) is asked where an engine starts, not where the running engine
+    # takes the checkpoint: it counted the engine's own memory against a start that never comes (review of issue 43:
+    # a CPU sweep whose share fits once was refused from its second unit on)
+    first, *swapped = got["preflight"]
+    assert first.startswith("--model vllm: vLLM's CPU engine would not start") and swapped == [None, None], first
     (build, arguments), storage, *swaps = got["calls"]
     assert build == "build" and arguments["model"] == "org/tiny" and arguments["tokenizer_revision"] == sha
     assert arguments["revision"] == sha and arguments["worker_extension_cls"] == WORKER_EXTENSION

@@ -186,6 +186,7 @@ class ResidentEngine:
         import lm_eval.models.vllm_causallms as lm_eval_vllm
 
         from lm_eval_sink.harness.patching import engine_target_problem
+        from lm_eval_sink.harness.vllm_preflight import engine_held
 
         why = engine_target_problem(lm_eval_vllm)
         if why:
@@ -202,8 +203,9 @@ class ResidentEngine:
             return self._engine(real, arguments, weights, timings)
 
         lm_eval_vllm.LLM = resident
-        try:
-            yield
+        try:  # an engine that runs already: no start-up, so vLLM's start-up memory check is not asked
+            with engine_held() if self.llm is not None else contextlib.nullcontext():
+                yield
         finally:
             lm_eval_vllm.LLM = real
 
