@@ -217,3 +217,18 @@ def test_the_built_engines_refusal_names_the_switch_that_measures_s_with_transfo
     with pytest.MonkeyPatch.context() as mp:  # the switch the line names is the one the decision reads
         mp.setenv(SWITCH, "0")
         assert refusal({}, {"architectures": ["LlamaForCausalLM"]}) == f"{SWITCH}=0 is set"
+
+
+def test_an_attention_backend_whose_metadata_the_workers_cannot_read_keeps_s_with_transformers():
+    """The workers tell one request's whole prefill by the metadata's `query_start_loc` and `seq_lens`; FlashInfer's
+    has neither, and vLLM 0.32 runs it by default on compute capability 10.x GPUs (review of issue 43: there every
+    `--model vllm` call with S chose the engine and failed in its S requests, after the engine was built). Decided
+    before the engine is built: the child then measures S, unless the model_args name a backend the capture reads."""
+    llama = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    assert engine_refusal(llama, {}, gpu_major=9) is None and engine_refusal(llama, {}, gpu_major=None) is None
+    assert engine_refusal(llama, {}, gpu_major=10).startswith("on a compute capability 10.x GPU vLLM runs FlashInfer")
+    assert engine_refusal(llama, {"attention_backend": "FLASH_ATTN"}, gpu_major=10) is None
+    assert engine_refusal(llama, {"attention_config": {"backend": "TRITON_ATTN"}}, gpu_major=10) is None
+    assert engine_refusal(llama, {"attention_backend": "flashinfer"}, gpu_major=9) == (
+        "attention_backend FLASHINFER: its attention metadata holds no per-request query_start_loc and seq_lens"
+    )

@@ -183,12 +183,13 @@ def _strength_refusal(spec: SweepSpec) -> str | None:
 def engine_s(spec: SweepSpec) -> EngineS:
     """Where a resident vLLM sweep measures S (`EngineS`), from each endpoint's config.json and the eval settings:
     `harness.engine_strength.refusal`, as each eval unit decides it, and the `strength:` units' dtype."""
-    from lm_eval_sink.harness.engine_strength import refusal
+    from lm_eval_sink.harness.engine_strength import gpu_major, refusal
 
     if spec.eval is None or spec.eval.backend != "vllm" or not spec.engine_reuse:
         return EngineS("no resident vLLM engine", "no resident vLLM engine")
+    gpu = gpu_major() if spec.engine is None or spec.engine.kind != "ray" else None
     reasons = [
-        refusal(spec.eval.model_args, checkpoint_facts(weights_folder(model))["config"] or None)
+        refusal(spec.eval.model_args, checkpoint_facts(weights_folder(model))["config"] or None, gpu)
         for model in spec.models.values()
     ]
     why = next((r for r in reasons if r), None)

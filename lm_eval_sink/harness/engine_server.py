@@ -243,7 +243,7 @@ class ResidentEngine:
         from lm_eval_sink.harness.engine_capture import engine_refusal
 
         config = self.llm.llm_engine.vllm_config.model_config.hf_config
-        why = engine_refusal(config, self.arguments or {})
+        why = engine_refusal(config, self.arguments or {})  # the backend it runs: its workers' check below
         workers = [i["refusal"] for i in self.llm.collective_rpc("sink_capture_layers") if i["refusal"]]
         return why or (workers[0] if workers else None)
 
