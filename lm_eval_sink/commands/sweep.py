@@ -27,6 +27,7 @@ from lm_eval_sink.commands.engine_sweep import (
     check_reuse,
     check_room,
     engine_reuse,
+    engine_strength_versions,
     local_runner,
     plan_notes,
     ray_pool,
@@ -298,10 +299,9 @@ def plan_sweep(spec: SweepSpec) -> Plan:
             )
         )
     identities = {role: model_fingerprint(spec.models[role]) for role in ENDPOINTS}
-    versions = {
-        "eval": eval_versions(spec.eval) if spec.eval is not None else {},
-        "strength": key_versions((*CODE, *RESIDENT_CODE)),
-    }
+    evals = eval_versions(spec.eval) if spec.eval is not None else {}
+    strength = key_versions((*CODE, *RESIDENT_CODE)) | engine_strength_versions(spec, evals)
+    versions = {"eval": evals, "strength": strength}
     return plan_units(
         spec,
         identities,

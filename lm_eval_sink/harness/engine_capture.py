@@ -54,15 +54,30 @@ VERIFIED_ARCHITECTURES = (
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
 )
+# vLLM 0.32's attention backends whose per-layer metadata holds each request's query rows and length
+# (`query_start_loc`, `seq_lens`), which the workers read to know a forward is one request's whole prefill. FlashInfer's
+# holds neither, and it is vLLM's default on compute capability 10.x GPUs (`platforms/cuda.py`).
+READABLE_BACKENDS = ("CPU_ATTN", "FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION")
 CACHE_SALT = "lm_eval_sink-sink-strength"  # the measured prompts' KV blocks are reachable by no other request
+# What the wrapper of `impl.forward` reads of vLLM's call, by position (`unified_attention_with_output` passes them
+# so, then `output=` and the scales by name): an implementation whose parameters begin otherwise is refused, since
+# reading another argument as the query or the key would give statistics of the wrong tensors without an error.
+FORWARD_PARAMETERS = ("layer", "query", "key", "value", "kv_cache", "attn_metadata")
 _SOFTMAX_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+SWITCH = "LM_EVAL_SINK_S_ON_ENGINE"  # 0: S with the transformers child under --model vllm (harness/engine_strength.py)
 
 
 class EngineCaptureRefused(UserError):
     """The engine cannot measure S exactly here; `reason` says why (the transformers child measures it instead)."""
 
     def __init__(self, reason: str) -> None:
-        super().__init__(f"S cannot be measured in the vLLM engine: {reason}", "measure S with transformers")
+        super().__init__(
+            f"S cannot be measured in the vLLM engine: {reason}",
+            f"measure S with transformers: set {SWITCH}=0 (under --model vllm a child process measures it before the "
+            "engine starts), or run lm-eval-sink strength on the checkpoint",
+        )
         self.reason = reason
 
 
@@ -114,6 +129,22 @@ def _full_graphs_for_prefills(engine_args: Mapping[str, Any]) -> bool:
     return mode == "FULL" or (field("splitting_ops") == [] and mode in (None, "FULL_AND_PIECEWISE"))
 
 
+def _backend_refusal(engine_args: Mapping[str, Any], gpu_major: int | None) -> str | None:
+    """Why the attention backend the engine will run keeps the workers from reading each request's rows: the one
+    `attention_backend` names, else vLLM's default on the GPU (`gpu_major`: its compute capability, None: no GPU)."""
+    given = engine_args.get("attention_backend") or (engine_args.get("attention_config") or {}).get("backend")
+    given = None if given is None else str(getattr(given, "name", given)).upper()
+    if given is not None and given not in READABLE_BACKENDS:
+        return f"attention_backend {given}: its attention metadata holds no per-request query_start_loc and seq_lens"
+    if given is None and gpu_major == 10:
+        return (
+            "on a compute capability 10.x GPU vLLM runs FlashInfer attention by default, whose metadata holds no "
+            "per-request query_start_loc and seq_lens (attention_backend=FLASH_ATTN in the model_args keeps S on "
+            "the engine)"
+        )
+    return None
+
+
 def _engine_args_refusal(config: dict[str, Any], engine_args: Mapping[str, Any]) -> str | None:
     """Why the engine's arguments keep S from being exact in the engine."""
     kv = str(engine_args.get("kv_cache_dtype") or "auto")
@@ -136,12 +167,19 @@ def _engine_args_refusal(config: dict[str, Any], engine_args: Mapping[str, Any])
     return None
 
 
-def engine_refusal(config: Any, engine_args: Mapping[str, Any] | None = None) -> str | None:
+def engine_refusal(
+    config: Any, engine_args: Mapping[str, Any] | None = None, gpu_major: int | None = None
+) -> str | None:
     """None when S can be measured exactly inside a vLLM engine built with `engine_args` (LLM keyword arguments:
-    kv_cache_dtype, data_parallel_size, pipeline_parallel_size, enforce_eager, compilation_config) for a checkpoint
-    whose config.json is `config` (a dict or a transformers config); else the one-line reason. Pure: reads nothing."""
-    config = _as_dict(config)
-    return _architecture_refusal(config) or _engine_args_refusal(config, engine_args or {})
+    kv_cache_dtype, data_parallel_size, pipeline_parallel_size, enforce_eager, compilation_config, attention_backend)
+    for a checkpoint whose config.json is `config` (a dict or a transformers config), on a GPU of compute capability
+    `gpu_major` (None: none, or not known); else the one-line reason. Pure: reads nothing."""
+    config, engine_args = _as_dict(config), engine_args or {}
+    return (
+        _architecture_refusal(config)
+        or _engine_args_refusal(config, engine_args)
+        or _backend_refusal(engine_args, gpu_major)
+    )
 
 
 # --- in the workers ----------------------------------------------------------------------------------------------
@@ -158,6 +196,15 @@ def _unpack(packed: Mapping[str, Any]) -> Any:
     return np.frombuffer(packed["data"], dtype=np.dtype(packed["dtype"])).reshape(packed["shape"]).copy()
 
 
+def forward_mismatch(impl: Any) -> str | None:
+    """Why the class of an attention `impl` has no `forward(self, layer, query, key, value, kv_cache, attn_metadata,
+    ...)` the wrapper was written for (None when it has: `patching.mismatch` on its parameters)."""
+    from lm_eval_sink.harness.patching import mismatch
+
+    why = mismatch(getattr(type(impl), "forward", None), ("self", *FORWARD_PARAMETERS))
+    return None if why is None else f"{type(impl).__name__}.forward {why}"
+
+
 def _layer_refusal(name: str, layer: Any) -> str | None:
     """Why an attention layer of the built engine is not one whose statistics the capture reproduces."""
     from vllm.model_executor.layers.attention import Attention
@@ -165,12 +212,18 @@ def _layer_refusal(name: str, layer: Any) -> str | None:
     impl = getattr(layer, "impl", None)
     if type(layer) is not Attention:
         return f"{name} is a {type(layer).__name__}, not vLLM's plain softmax Attention"
+    signature, backend = forward_mismatch(impl), layer.attn_backend.get_name()
     checks = (
+        (signature is not None, signature),
         (layer.attn_type != "decoder", f"{getattr(layer.attn_type, 'value', layer.attn_type)} attention"),
         (getattr(impl, "alibi_slopes", None) is not None, "ALiBi position biases"),
         (getattr(impl, "sinks", None) is not None, "learned attention sinks"),
         (layer.kv_sharing_target_layer_name is not None, "keys shared from another layer"),
         (str(layer.kv_cache_dtype) != "auto", f"a {layer.kv_cache_dtype} KV cache"),
+        (
+            backend not in READABLE_BACKENDS,
+            f"vLLM's {backend} attention, whose metadata the capture cannot read",
+        ),
         (not isinstance(getattr(impl, "scale", None), float), f"an implementation without a scale ({type(impl)})"),
     )
     found = [what for bad, what in checks if bad]
@@ -279,11 +332,11 @@ class SinkCaptureMixin:
         info = self.sink_capture_layers()
         if info["refusal"] is None:
             armed = _Armed(int(query_chunk))
+            self._sink_capture_armed = armed  # before any wrap: a wrap that fails half way is undone by disarm
             for index in layers:
                 if index in self._sink_capture_found:
                     layer = self._sink_capture_found[index]
                     _wrap(layer.impl, int(index), layer, armed)
-            self._sink_capture_armed = armed
         return info
 
     def sink_capture_collect(self) -> dict[str, Any]:

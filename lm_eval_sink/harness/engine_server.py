@@ -186,6 +186,7 @@ class ResidentEngine:
         import lm_eval.models.vllm_causallms as lm_eval_vllm
 
         from lm_eval_sink.harness.patching import engine_target_problem
+        from lm_eval_sink.harness.vllm_preflight import engine_held
 
         why = engine_target_problem(lm_eval_vllm)
         if why:
@@ -202,8 +203,9 @@ class ResidentEngine:
             return self._engine(real, arguments, weights, timings)
 
         lm_eval_vllm.LLM = resident
-        try:
-            yield
+        try:  # an engine that runs already: no start-up, so vLLM's start-up memory check is not asked
+            with engine_held() if self.llm is not None else contextlib.nullcontext():
+                yield
         finally:
             lm_eval_vllm.LLM = real
 
@@ -241,7 +243,7 @@ class ResidentEngine:
         from lm_eval_sink.harness.engine_capture import engine_refusal
 
         config = self.llm.llm_engine.vllm_config.model_config.hf_config
-        why = engine_refusal(config, self.arguments or {})
+        why = engine_refusal(config, self.arguments or {})  # the backend it runs: its workers' check below
         workers = [i["refusal"] for i in self.llm.collective_rpc("sink_capture_layers") if i["refusal"]]
         return why or (workers[0] if workers else None)
 
@@ -342,11 +344,18 @@ class Server:
 
 
 def _s_seconds(results: Path) -> float:
-    """The wall time S took in an eval unit: on the engine, or in the child that measured it first (the task's
-    capture record says which; 0 when the unit has no task of this project)."""
+    """The wall time S took in an eval unit (0 when the unit has no task of this project), from each task's capture
+    record: on the engine each task measures its own prompts (`capture_backend` vllm: their sum); the child that
+    measured them first records its one wall time in every task (their largest)."""
     configs = json.loads(results.read_text(encoding="utf-8")).get("configs", {})
-    seconds = [(c.get("metadata") or {}).get("capture", {}).get("wall_seconds") for c in configs.values()]
-    return max([x for x in seconds if isinstance(x, (int, float))], default=0.0)
+    records = [(c.get("metadata") or {}).get("capture") or {} for c in configs.values()]
+    timed = [
+        (r.get("capture_backend"), r["wall_seconds"])
+        for r in records
+        if isinstance(r.get("wall_seconds"), (int, float))
+    ]
+    engine = sum(x for backend, x in timed if backend == "vllm")
+    return round(engine + max([x for backend, x in timed if backend != "vllm"], default=0.0), 3)
 
 
 def _answer(server: Server, request: dict[str, Any]) -> dict[str, Any]:

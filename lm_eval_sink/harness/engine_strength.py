@@ -30,7 +30,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from lm_eval_sink.harness.engine_capture import engine_refusal
+from lm_eval_sink.harness.engine_capture import SWITCH, engine_refusal
 from lm_eval_sink.harness.engine_worker import WORKER_EXTENSION
 
 ENGINE_PROCESS = "lm-eval's vLLM engine, in its own forward"
@@ -39,7 +39,6 @@ ENGINE_WEIGHTS = (
     "requests run them"
 )
 CAPTURED_WITH = "vLLM's attention layers: query and key as each layer receives them (harness/engine_capture.py)"
-SWITCH = "LM_EVAL_SINK_S_ON_ENGINE"  # 0: S with the transformers child, as before the engine path (comparisons)
 _RECORDS: dict[str, dict[str, Any]] = {}  # task name -> its capture record in the task's metadata (this call's)
 
 
@@ -48,9 +47,24 @@ def is_lm_eval_vllm(cls: type | None) -> bool:
     return cls is not None and cls.__module__ == "lm_eval.models.vllm_causallms" and cls.__name__ == "VLLM"
 
 
-def refusal(model_args: Mapping[str, Any], config: Mapping[str, Any] | None) -> str | None:
+def gpu_major() -> int | None:
+    """The compute capability major of the first visible GPU, which decides vLLM's default attention backend; None
+    without one. vLLM's platform reads it through NVML (no CUDA context before the engine starts); without vLLM
+    (the sweep's interpreter), torch's."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        import torch
+
+        return int(torch.cuda.get_device_capability(0)[0]) if torch.cuda.is_available() else None
+    capability = current_platform.get_device_capability() if current_platform.is_cuda() else None
+    return None if capability is None else int(capability.major)
+
+
+def refusal(model_args: Mapping[str, Any], config: Mapping[str, Any] | None, gpu: int | None = None) -> str | None:
     """Why S is not measured on the engine built from `model_args` (lm-eval's, as parsed) for a checkpoint whose
-    config.json is `config` (None: unreadable); None where it is. Reads nothing but the `SWITCH` variable."""
+    config.json is `config` (None: unreadable), on a GPU of compute capability major `gpu` (`gpu_major`; None: no
+    GPU); None where it is. Reads nothing but the `SWITCH` variable."""
     if os.environ.get(SWITCH) == "0":
         return f"{SWITCH}=0 is set"
     own = model_args.get("worker_extension_cls")
@@ -61,7 +75,7 @@ def refusal(model_args: Mapping[str, Any], config: Mapping[str, Any] | None) -> 
         )
     if config is None:
         return "its config.json could not be read before the engine is built"
-    return engine_refusal(dict(config), model_args)
+    return engine_refusal(dict(config), model_args, gpu)
 
 
 def read_config(model_args: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -82,7 +96,7 @@ def decide(model_class: type | None, model_args: Mapping[str, Any]) -> str | Non
     then carrying the request method; else why not."""
     if not is_lm_eval_vllm(model_class):
         return "the engine path is lm-eval's --model vllm's only"
-    why = refusal(model_args, read_config(model_args))
+    why = refusal(model_args, read_config(model_args), gpu_major())
     if why is None and not add_request_method(model_class):
         return "lm-eval's vLLM model class was left as installed (see the lm-eval-sink warning above)"
     return why

@@ -14,13 +14,18 @@ exceeds what is available then (`determine_available_memory`), so a size past wh
 start. `cpu_refusal` and `kv_cache_refusal` are those decisions on given numbers (pure); `check_engine_memory`
 gathers them with
 vLLM's functions, on vLLM's CPU platform only (a GPU worker checks its device at start-up itself), and raises the
-one line naming the settings that fix it.
+one line naming the settings that fix it. Where no engine starts (`engine_held`: the resident engine's process once
+its engine runs, each later checkpoint's weights swapped into it) the check is not asked: the engine's own memory
+would count against it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +33,18 @@ from lm_eval_sink.errors import UserError
 
 KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # GiB of KV cache on vLLM's CPU backend; set, no share is reserved
 GIB = 1 << 30
+_HELD: contextvars.ContextVar[bool] = contextvars.ContextVar("lm_eval_sink_engine_held", default=False)
+
+
+@contextlib.contextmanager
+def engine_held() -> Iterator[None]:
+    """Within the block lm-eval's vLLM model gets an engine that already runs (`engine_server.ResidentEngine`): no
+    engine starts, so `check_engine_memory` asks nothing (the running engine's memory is not free, and needs not be)."""
+    token = _HELD.set(True)
+    try:
+        yield
+    finally:
+        _HELD.reset(token)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +80,7 @@ def check_engine_memory(arguments: dict[str, Any]) -> None:
     import importlib.util
     import sys
 
-    if arguments.get("model") != "vllm":
+    if arguments.get("model") != "vllm" or _HELD.get():
         return
     if importlib.util.find_spec("vllm") is None:
         raise UserError(

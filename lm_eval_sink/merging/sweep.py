@@ -281,7 +281,8 @@ class RenderedMerge:
 
 # The modules that measure S on a resident merged model (an in-memory sweep) and on a resident vLLM engine: a strength
 # unit's code holds them beside the S code (`strength.CODE`), since which path measured it is part of no key (an eval
-# unit's code holds them through `harness.runner.CODE`).
+# unit's code holds them through `harness.runner.CODE`); where the plan sends the strength units to the engine, their
+# key also holds that interpreter's vLLM, torch, transformers and code (`engine_sweep.engine_strength_versions`).
 RESIDENT_CODE = ("lm_eval_sink.harness.inprocess", "lm_eval_sink.harness.engine_strength")
 
 # Where a unit computes is part of no key (its results do not depend on the device). An eval unit's payload keeps

@@ -11,8 +11,9 @@ this project's worker extension (`EngineWorkerExtension`, which inherits `SinkCa
 (`measure_on_engine`), twice, with greedy generations before, between and after; with `lora` it also measures them
 with the engine applying a LoRA adapter (`lora_request`), against the eager capture of the weights with the adapter
 merged in; with `max_num_batched_tokens` it also asks for a prompt longer than that, once refused by the driver's
-check and once with that check skipped (the workers then see the split prefill). It writes OUT.npz (both sides'
-arrays) and OUT.json (texts, refusals, timings).
+check and once with that check skipped (the workers then see the split prefill); and seedless sampled generations
+from the workers' start seed with and without a measurement before them. It writes OUT.npz (both sides' arrays) and
+OUT.json (texts, sampled, refusals, timings).
 """
 
 from __future__ import annotations
@@ -76,6 +77,24 @@ def _greedy(llm, encoded) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+def _sampled(llm, encoded, layers) -> dict:
+    """Seedless sampled generations from the seed the workers set at start (`reseed`), with and without a
+    measurement before them: equal where the measurement draws no random number."""
+    from vllm import SamplingParams
+
+    from lm_eval_sink.harness.engine_capture import measure_on_engine
+
+    params = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(ids)} for ids in encoded.input_ids[:2]]
+    out = {}
+    for name in ("plain", "measured"):
+        llm.collective_rpc("reseed")
+        if name == "measured":
+            measure_on_engine(llm, encoded, layers)
+        out[name] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    return out
+
+
 def _refusals(llm, encoded, layers, limit: int) -> dict:
     """A prompt longer than max_num_batched_tokens: the driver's refusal, then (its check skipped) the workers'."""
     from lm_eval_sink.calibration import EncodedPrompts
@@ -136,6 +155,7 @@ def main(job: dict) -> None:
     between = _greedy(llm, encoded)
     second = measure_on_engine(llm, encoded, layers)
     after = _greedy(llm, encoded)
+    sampled = _sampled(llm, encoded, layers)
     sides = {"hf": hf, "engine": first, "again": second}
     if lora is not None:
         from vllm.lora.request import LoRARequest
@@ -151,6 +171,7 @@ def main(job: dict) -> None:
     texts = {"before": before, "between": between, "after": after}
     seconds = {"engine_start": built - start, "measure": measured - began}
     record = {"texts": texts, "refusals": refusals, "seconds": seconds, "wrapped": wrapped, "sides": list(sides)}
+    record["sampled"] = sampled
     Path(job["out"] + ".json").write_text(json.dumps({**record, "n_prompts": len(encoded)}))
 
 

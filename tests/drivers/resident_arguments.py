@@ -2,9 +2,11 @@
 class is a stand-in (no engine starts), with the model_args measure-first hands the engine (hub revisions pinned).
 
 Usage: python resident_arguments.py CHECKPOINT=WEIGHTS_FOLDER ... [--decide FOLDER ...]   (a hub id or a local folder
-each). Prints one JSON line: per checkpoint, the error line (or null), then the stand-in's calls in order; and for
+each). Prints one JSON line: per checkpoint, the error line (or null) and the line of vLLM's start-up memory check
+in its unit (`preflight`, null where not asked), then the stand-in's calls in order; and for
 each FOLDER after --decide, where the start-up hook would measure S under lm-eval's own `VLLM` class for a few
-model_args (`engine_strength.decide`: null on the engine, else why not), and whose `sink_strength` VLLM then has.
+model_args (`engine_strength.decide`: null on the engine, else why not), and whose `sink_strength` VLLM then has;
+for the first FOLDER, what the hook itself does under `--model vllm` (`hook`: the engine's model_args, the one line).
 """
 
 import json
@@ -55,8 +57,51 @@ def decisions(folders: list[str]) -> dict:
     return {"decisions": out, "method": lm_eval_vllm.VLLM.sink_strength.__qualname__}
 
 
+def hook(folder: str) -> dict:
+    """What the start-up hook (`discovery.measure_first_request`) does under `--model vllm` for `folder` as lm-eval's
+    `pretrained`: the model_args the engine gets, the lines it says, and where the child measured S, the capture
+    record (the child itself stood in for: `kept_strength.measured_or_kept` returns rows without running it)."""
+    import contextlib
+    import io
+    from pathlib import Path
+
+    from lm_eval_sink.harness import discovery, kept_strength
+    from lm_eval_sink.harness.task import Measured
+
+    def stand_in(load, jobs, backend, measure):
+        rows = {name: Measured(job["settings"], {}, {"capture_backend": "hf"}) for name, job in jobs.items()}
+        return kept_strength.Kept(rows, Path("/nonexistent"))
+
+    kept_strength.measured_or_kept = stand_in
+    out = {}
+    for name, more in {"engine": "", "fp8_kv_cache": ",kv_cache_dtype=fp8"}.items():
+        arguments = {"model": "vllm", "model_args": f"pretrained={folder}{more}", "tasks": ["sink_strength"]}
+        said = io.StringIO()
+        with contextlib.redirect_stderr(said):
+            kept, _ = discovery.measure_first_request(arguments)
+        record = None if kept is None else kept.measured["sink_strength"].record
+        out[name] = {"model_args": arguments["model_args"], "said": said.getvalue(), "record": record}
+    return out
+
+
+def start_up_check():
+    """vLLM's start-up memory check as the hook asks it before lm-eval builds its model (`vllm_preflight`), for a share
+    of the node no CPU engine can take (all of it): its line, or None where it is not asked."""
+    import os
+
+    from lm_eval_sink.harness.vllm_preflight import KV_CACHE_ENV, check_engine_memory
+
+    os.environ.pop(KV_CACHE_ENV, None)
+    try:
+        check_engine_memory({"model": "vllm", "model_args": "pretrained=m,gpu_memory_utilization=1.0"})
+    except UserError as e:
+        return e.line()
+    return None
+
+
 units, _, decided = " ".join(sys.argv[1:]).partition("--decide")
-lm_eval_vllm.LLM = StandInLLM
+preflight: list = []
+real_llm, lm_eval_vllm.LLM = lm_eval_vllm.LLM, StandInLLM
 engine = ResidentEngine()
 errors = []
 for pair in units.split():
@@ -64,10 +109,14 @@ for pair in units.split():
     given = f"pretrained={pretrained},dtype=float32,enforce_eager=True"
     load = pin_revisions(hf_load_args({"pretrained": pretrained, "dtype": "float32"}, "sink_strength", "vllm"))
     with engine.serving(weights, {}):
+        preflight.append(start_up_check())
         try:
             lm_eval_vllm.VLLM.create_from_arg_string(engine_model_args(given, load), {"batch_size": 1})
         except Handed:
             errors.append(None)
         except UserError as e:
             errors.append(e.line())
-print(json.dumps({"errors": errors, "calls": calls, **decisions(decided.split())}, default=str))
+folders = decided.split()
+lm_eval_vllm.LLM = real_llm  # the hook decides for lm-eval's own class (its engine is never built here)
+got = {"errors": errors, "calls": calls, "preflight": preflight, **decisions(folders), "hook": hook(folders[0])}
+print(json.dumps(got, default=str))
