@@ -403,7 +403,17 @@ def buckets_summary(folder: Path) -> dict:
     b = json.loads((folder / "buckets.json").read_text(encoding="utf-8"))
     if "tasks" in b:  # several tasks: the IFEval one
         b = next(t for t in b["tasks"] if t.get("task") == "ifeval")
-    keys = ("n", "counts", "reference_score", "candidate_score", "delta", "delta_ci", "mcnemar_p", "truncation")
+    keys = (
+        "n",
+        "counts",
+        "reference_score",
+        "candidate_score",
+        "delta",
+        "delta_ci",
+        "delta_ci_method",
+        "mcnemar_p",
+        "truncation",
+    )
     return {k: b.get(k) for k in keys}
 
 

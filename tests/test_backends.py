@@ -352,6 +352,46 @@ def test_without_the_hook_the_task_itself_refuses_a_backend_without_attention_wi
 
 
 @needs_vllm_venv
+@pytest.mark.slow
+def test_measure_first_in_vllms_default_process_mode_gives_the_hf_sink_strength(tmp_path):
+    """The transformers child that measures S first (the path of every model the engine capture cannot measure exactly,
+    and of LM_EVAL_SINK_S_ON_ENGINE=0), then lm-eval's engine in vLLM's default process mode (the engine core in a
+    process of its own, as users run it), on a tiny Llama: S and the layer x head matrix are those of --model hf on
+    the same checkpoint, and the record says the child measured it and why."""
+    from engine_models import build
+
+    from lm_eval_sink.harness.runner import _ENTRY  # what the `lm_eval` console script runs
+
+    model = build("llama", tmp_path / "llama")
+    common = ["--tasks", "sink_strength_n5", "--batch_size", "1"]
+    vllm_args = ["--model", "vllm", "--model_args", f"pretrained={model},dtype=float32,{VLLM_MODEL_ARGS}"]
+    hf_args = ["--model", "hf", "--model_args", f"pretrained={model},dtype=float32"]
+    default_mode = {**VLLM_DEFAULT_MODE_ENV, "LM_EVAL_SINK_S_ON_ENGINE": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    procs = {
+        name: subprocess.Popen(
+            [str(VLLM_PY), "-c", _ENTRY, *args, *common, "--output_path", str(tmp_path / name)],
+            env={**os.environ, **env},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,  # vLLM logs on stdout
+            text=True,
+        )
+        for name, args, env in (("vllm", vllm_args, default_mode), ("hf", hf_args, {}))
+    }
+    logs = {name: p.communicate(timeout=900)[0] for name, p in procs.items()}
+    for name, p in procs.items():
+        assert p.returncode == 0, logs[name][-3000:]
+    assert len(engine_core_pids(logs["vllm"])) == 1  # the engine core ran in a process of its own
+    (vl,), (hf,) = ([json.loads(f.read_text()) for f in (tmp_path / n).glob("*/results_*.json")] for n in procs)
+    record = vl["configs"]["sink_strength_n5"]["metadata"]["capture"]
+    assert vl["config"]["model"] == "vllm" and record["capture_backend"] == "hf"
+    assert "LM_EVAL_SINK_S_ON_ENGINE=0" in record["not_on_engine"]
+    got, want = vl["results"]["sink_strength_n5"], hf["results"]["sink_strength_n5"]
+    assert abs(got["sink_strength,none"] - want["sink_strength,none"]) < 1e-4
+    matrix = "sink_strength_layer_head,none"
+    assert np.allclose(got[matrix]["values"], want[matrix]["values"], atol=1e-4)
+
+
+@needs_vllm_venv
 def test_lm_eval_vllm_refuses_a_checkpoint_s_cannot_load_before_anything_loads(tmp_path):
     """A user group holding sink_strength, under --model vllm with a GGUF path: one line, before any load."""
     group = tmp_path / "group"
