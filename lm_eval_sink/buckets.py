@@ -8,9 +8,10 @@
   few-shot) and are counted, not refused.
 - buckets for a 0/1 metric: both_pass, regression (reference passes, candidate fails), recovered,
   both_fail; `delta` = candidate mean minus reference mean; `mcnemar_p` = exact two-sided binomial test on
-  the discordant pairs (scipy); the delta's interval (`binary_delta_interval`, at any n) is that test's inversion,
-  the exact conditional interval (Clopper-Pearson on the discordant docs' split, times the discordant share), so it
-  excludes 0 exactly when the test rejects; where no doc differs, Newcombe's score interval (nonzero width, holds 0).
+  the discordant pairs (scipy); the delta's interval (`binary_delta_interval`, at any n) is the exact
+  conditional interval (Clopper-Pearson on the discordant docs' split, times the discordant share: that test's
+  inversion), each end widened to Newcombe's where farther and not across 0, so it excludes 0 exactly when the
+  test rejects; where no doc differs, Newcombe's score interval (nonzero width, holds 0).
   Below MIN_N docs `too_few_to_tell` is said before every delta.
 - a continuous metric (EQ-Bench): the paired difference (`delta`, seeded paired bootstrap interval, withheld
   below MIN_N docs, Wilcoxon signed-rank p; a note where the two disagree); pass/fail buckets, McNemar and the
@@ -271,9 +272,9 @@ def newcombe_paired_ci(counts: Mapping[str, int], confidence: float) -> tuple[fl
 
 
 EXACT_CI_METHOD = (
-    "exact conditional interval (Clopper-Pearson on the discordant docs' split, times the discordant share), its far "
-    "end widened to Newcombe's score interval where that is farther: excludes 0 exactly when the exact McNemar test "
-    "rejects"
+    "exact conditional interval (Clopper-Pearson on the discordant docs' split, times the discordant share), each "
+    "end widened to Newcombe's score interval where that is farther and on the same side of 0: excludes 0 exactly "
+    "when the exact McNemar test rejects"
 )
 NEWCOMBE_CI_METHOD = (
     "Newcombe's hybrid score interval for paired proportions (method 10): no doc where the runs differ, so the exact "
@@ -319,7 +320,7 @@ def binary_delta_interval(counts: Mapping[str, int], confidence: float) -> tuple
     nonzero width and holds 0 (p = 1), the conditional interval having nothing to split. Else each end is the farther
     of the exact conditional interval's (`exact_conditional_ci`) and Newcombe's, except where the farther one would
     move that end across 0: the conditional end stays there. Whether the interval holds 0 is then the conditional
-    interval's answer, which is the exact McNemar test's (`mcnemar_exact`), while its far end keeps Newcombe's
+    interval's answer, which is the exact McNemar test's (`mcnemar_exact`), while its ends keep Newcombe's
     coverage of the population delta. The conditional interval alone ends at the observed delta when every
     discordant doc goes one way: it covered a delta of -10 points over 100 docs in 53% of repetitions, this one in
     91-96% (exact enumeration, docs/buckets.md)."""
@@ -677,8 +678,8 @@ def interval_test_notes(stats: PairedStats, confidence: float) -> list[str]:
     `bucket` runs disagree on whether the runs differ at the same level (one excludes 0, the other does not reject
     at alpha = 1 - confidence): they ask different questions (the mean against the ranks of the differences), so a
     few large differences can move one and not the other. Said in words, so the two figures do not contradict each
-    other unspoken. A 0/1 outcome needs no note: its interval is the exact McNemar test's inversion
-    (`exact_conditional_ci`)."""
+    other unspoken. A 0/1 outcome needs no note: its interval excludes 0 exactly when the exact McNemar
+    test rejects (`binary_delta_interval`)."""
     ci, p = stats.delta_ci, stats.wilcoxon_p
     if ci is None or p is None:
         return []

@@ -18,9 +18,10 @@ smallest n at which it reaches the target.
   reach the target at this n, the comparison says "not detectable at this n" and gives the documents that
   would make it detectable at this psi; an effect larger than psi has no power at this psi (said in words).
   `exact_mcnemar_power` is the exact test's own power by enumeration (the test `buckets` runs), shown beside
-  Connor's; it is discrete, not monotone in n. The delta's interval `buckets` shows is conditional in the same way
-  (`buckets.exact_conditional_ci`: the exact test's inversion, within [-psi, psi]), so the interval, the test and
-  these figures describe one comparison at the observed psi.
+  Connor's; it is discrete, not monotone in n. Whether the delta's interval `buckets` shows holds 0 is
+  conditional in the same way (`buckets.binary_delta_interval`: the exact test's answer), so the interval's
+  verdict, the test and these figures describe one comparison at the observed psi; how far the interval reaches
+  is Newcombe's unconditional one.
 - a continuous metric, which `buckets` tests with the Wilcoxon signed-rank test: the normal approximation of
   a paired mean difference from the standard deviation sd of the per-doc differences, with n scaled by the
   Wilcoxon test's asymptotic relative efficiency to it under normal differences, 3/pi:

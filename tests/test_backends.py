@@ -366,24 +366,32 @@ def test_measure_first_in_vllms_default_process_mode_gives_the_hf_sink_strength(
     common = ["--tasks", "sink_strength_n5", "--batch_size", "1"]
     vllm_args = ["--model", "vllm", "--model_args", f"pretrained={model},dtype=float32,{VLLM_MODEL_ARGS}"]
     hf_args = ["--model", "hf", "--model_args", f"pretrained={model},dtype=float32"]
-    default_mode = {**VLLM_DEFAULT_MODE_ENV, "LM_EVAL_SINK_S_ON_ENGINE": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    users_env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}  # vLLM's default mode
+    default_mode = {**VLLM_DEFAULT_MODE_ENV, "LM_EVAL_SINK_S_ON_ENGINE": "0"}
     procs = {
         name: subprocess.Popen(
             [str(VLLM_PY), "-c", _ENTRY, *args, *common, "--output_path", str(tmp_path / name)],
-            env={**os.environ, **env},
+            env={**users_env, **env},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,  # vLLM logs on stdout
             text=True,
         )
         for name, args, env in (("vllm", vllm_args, default_mode), ("hf", hf_args, {}))
     }
-    logs = {name: p.communicate(timeout=900)[0] for name, p in procs.items()}
+    try:
+        logs = {name: p.communicate(timeout=900)[0] for name, p in procs.items()}
+    finally:
+        for p in procs.values():
+            p.kill()  # a hung engine does not outlive its test
     for name, p in procs.items():
         assert p.returncode == 0, logs[name][-3000:]
     assert len(engine_core_pids(logs["vllm"])) == 1  # the engine core ran in a process of its own
     (vl,), (hf,) = ([json.loads(f.read_text()) for f in (tmp_path / n).glob("*/results_*.json")] for n in procs)
     record = vl["configs"]["sink_strength_n5"]["metadata"]["capture"]
     assert vl["config"]["model"] == "vllm" and record["capture_backend"] == "hf"
+    assert record["process"] == "a child process, before lm-eval built the vllm model"
+    child_line, engine_core = logs["vllm"].find("LM_EVAL_SINK_S_ON_ENGINE=0"), logs["vllm"].find("(EngineCore pid=")
+    assert 0 <= child_line < engine_core  # S measured and said before the engine started
     assert "LM_EVAL_SINK_S_ON_ENGINE=0" in record["not_on_engine"]
     got, want = vl["results"]["sink_strength_n5"], hf["results"]["sink_strength_n5"]
     assert abs(got["sink_strength,none"] - want["sink_strength,none"]) < 1e-4

@@ -87,9 +87,10 @@ def test_offline_stock_tasks_record_the_local_dataset(smollm2_instruct_run, shar
     res = load_results(smollm2_instruct_run)
     cfg = res["configs"]["ifeval"]
     assert cfg["dataset_path"] == "json"
-    assert cfg["dataset_kwargs"]["data_files"]["train"] == str(shared_data / "ifeval" / "input_data.jsonl")
+    data = shared_data.resolve()  # the recorded path is the real one (a symlinked shared folder resolved)
+    assert cfg["dataset_kwargs"]["data_files"]["train"] == str(data / "ifeval" / "input_data.jsonl")
     assert res["configs"]["gsm8k_cot_zeroshot"]["dataset_kwargs"]["data_files"]["test"] == str(
-        shared_data / "gsm8k" / "test.jsonl"
+        data / "gsm8k" / "test.jsonl"
     )
 
 

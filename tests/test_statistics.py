@@ -20,6 +20,7 @@ from lm_eval_sink.buckets import (
     EXACT_CI_METHOD,
     NEWCOMBE_CI_METHOD,
     _exact_near_half,
+    binary_delta_interval,
     cluster_delta_ci,
     exact_conditional_ci,
     holm,
@@ -58,8 +59,8 @@ def _paired(draw, binary: bool):
 @given(pair=_paired(binary=True))
 def test_paired_0_1_statistics(pair):
     """Counts sum to n; McNemar's p is a probability; the interval holds the delta and never has zero width: where a
-    doc differs, it holds the exact conditional interval (and is no wider than it and Newcombe's together), Newcombe's
-    where none does."""
+    doc differs, it holds the exact conditional interval, lies on its side of 0 and within it and Newcombe's together,
+    and where the conditional one holds 0, each end is the farther of the two; Newcombe's where no doc differs."""
     ref, cand = pair
     stats = paired_stats(list(range(len(ref))), ref, cand, "binary", FAST)
     assert sum(stats.counts.values()) == len(ref) and set(stats.counts) == set(BUCKETS)
@@ -74,6 +75,9 @@ def test_paired_0_1_statistics(pair):
         wide = newcombe_paired_ci(stats.counts, FAST.confidence)
         assert stats.delta_ci_method == EXACT_CI_METHOD and stats.delta_ci[1] > stats.delta_ci[0]
         assert min(lo, wide[0]) <= stats.delta_ci[0] <= lo and hi <= stats.delta_ci[1] <= max(hi, wide[1])
+        assert (stats.delta_ci[0] > 0, stats.delta_ci[1] < 0) == (lo > 0, hi < 0)
+        if lo <= 0 <= hi:
+            assert stats.delta_ci == (min(lo, wide[0]), max(hi, wide[1]))
 
 
 def test_every_doc_regressed_is_no_zero_width_bootstrap():
@@ -99,19 +103,25 @@ def _split(draw):
     n = draw(st.integers(1, 300))
     m = draw(st.integers(1, n))
     recovered = draw(st.integers(0, m))
-    return n, m - recovered, recovered
+    both_pass = draw(st.integers(0, n - m))
+    return n, m - recovered, recovered, both_pass
 
 
 @given(split=_split(), confidence=st.sampled_from(_CONFIDENCES))
 def test_the_0_1_interval_excludes_0_exactly_when_the_exact_mcnemar_test_rejects(split, confidence):
     """Every split of up to 300 docs: the interval excludes 0 exactly when the exact McNemar test rejects at alpha =
-    1 - confidence (p < alpha, p in rational arithmetic), and ends exactly at 0 when p = alpha; scipy's p agrees with
-    the rational one to its rounding. Before, the bootstrap gave 4 regressions of 100 [-8.0, -1.0] against
-    p = 0.125."""
-    n, regressions, recovered = split
+    1 - confidence (p < alpha, p in rational arithmetic), both the exact conditional interval (which ends exactly at 0
+    when p = alpha) and the interval users see, widened by Newcombe's (`binary_delta_interval`, at any split of the
+    docs that agree); scipy's p agrees with the rational one to its rounding. Before, the bootstrap gave 4
+    regressions of 100 [-8.0, -1.0] against p = 0.125."""
+    n, regressions, recovered, both_pass = split
     lo, hi = exact_conditional_ci(regressions, recovered, n, confidence)
     p, alpha = _exact_mcnemar_p(regressions, recovered), Fraction(1 - confidence)
     assert (lo > 0 or hi < 0) == (p < alpha)
+    both_fail = n - regressions - recovered - both_pass
+    counts = {"both_pass": both_pass, "regression": regressions, "recovered": recovered, "both_fail": both_fail}
+    (shown_lo, shown_hi), _ = binary_delta_interval(counts, confidence)
+    assert (shown_lo > 0 or shown_hi < 0) == (p < alpha) and shown_lo <= lo < hi <= shown_hi
     assert (lo == 0 or hi == 0) == (p == alpha)
     assert mcnemar_exact(regressions, recovered) == pytest.approx(float(p), rel=1e-9)
     m = regressions + recovered

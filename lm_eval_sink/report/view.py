@@ -253,9 +253,9 @@ def _instruction_type_rows(d: Doc) -> list[dict[str, Any]]:
 
 
 def _beside_the_interval(d: Doc, binary: bool) -> dict[str, Any]:
-    """The test the delta's interval sits beside (the exact McNemar test for a 0/1 metric, whose inversion the
-    interval is; Wilcoxon for a continuous one), and the pass rate under --threshold with its exact interval and its
-    McNemar p (None without a threshold)."""
+    """The test the delta's interval sits beside (the exact McNemar test for a 0/1 metric, whose answer the
+    interval's side of 0 is; Wilcoxon for a continuous one), and the pass rate under --threshold with its exact
+    interval and its McNemar p (None without a threshold)."""
     pr = d.data.get("pass_rate")
     rate = None
     if isinstance(pr, Mapping):
