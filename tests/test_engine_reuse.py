@@ -393,6 +393,31 @@ def test_a_resident_sweep_whose_units_need_the_engines_gpu_memory_is_refused_at_
     load_sweep(_vllm_sweep(tmp_path / "cpu", tiny_trio, strength={**strength, "device": "cpu"}))
 
 
+def test_merges_on_the_engines_gpu_need_each_models_largest_tensor_beside_it(
+    tmp_path, tiny_trio, user_error, monkeypatch
+):
+    """merge.device cuda beside the resident engine: mergekit holds one tensor of each model at a time on the GPU, so
+    the room left by the engine's share must hold the largest tensor of each of the two models (read here with
+    safetensors itself): one byte short is refused with merge.device: cpu in the fix; exactly that much fits."""
+    from safetensors import safe_open
+
+    from lm_eval_sink import devices
+    from lm_eval_sink.commands.sweep import load_sweep
+
+    with safe_open(str(tiny_trio["reference"] / "model.safetensors"), "pt") as f:
+        largest = max(f.get_tensor(k).nbytes for k in f.keys())
+    path = _vllm_sweep(tmp_path, tiny_trio, model_args={"gpu_memory_utilization": 0.5})
+    data = yaml.safe_load(path.read_text())
+    path.write_text(yaml.safe_dump({**data, "merge": {"device": "cuda"}}, sort_keys=False))
+    monkeypatch.setattr(devices, "resolve_device", lambda device: ("cuda:0",))
+    monkeypatch.setattr(devices, "_total_memory", lambda found: {d: 4 * largest - 2 for d in found})
+    line = user_error(["sweep", path, "--quiet"], tmp_path / "out")
+    assert "for the merges (mergekit on cuda holds one tensor of each of the 2 models at a time" in line, line
+    assert line.endswith("or set merge.device: cpu (mergekit's math on the CPU))")
+    monkeypatch.setattr(devices, "_total_memory", lambda found: {d: 4 * largest for d in found})
+    assert load_sweep(path).merge_device == "cuda"  # room 2 x largest: fits
+
+
 def test_a_strength_unit_measured_on_the_resident_engine_is_keyed_by_the_engines_vllm_and_code(
     tmp_path, tiny_trio, monkeypatch
 ):

@@ -136,6 +136,16 @@ def _largest(spec: SweepSpec, dtype: str) -> tuple[str, int]:
     return name, counts[name] * max(_itemsize(d) for d in (*stored, *named))
 
 
+def _largest_tensor(spec: SweepSpec) -> tuple[str, int]:
+    """The model holding the sweep's largest single tensor and that tensor's bytes as stored (safetensors headers; a
+    checkpoint of other files counts 0: its shapes are unread)."""
+    from lm_eval_sink.harness.engine_client import tensor_bytes
+
+    sizes = {name: tensor_bytes(Path(weights_folder(model))) for name, model in spec.models.items()}
+    name = max(sizes, key=sizes.__getitem__)
+    return name, sizes[name]
+
+
 @dataclass(frozen=True)
 class EngineS:
     """Where a resident vLLM sweep measures S: why its eval units' Sink Strength tasks are not measured on the
@@ -220,11 +230,16 @@ def _not_on_engine(why: str | None) -> str:
     return f" (S from the engine is not possible here: {why})"
 
 
+MERGE_ON_CPU = "; or set merge.device: cpu (mergekit's math on the CPU)"
+
+
 def memory_needs(spec: SweepSpec, devices: tuple[str, ...], where: EngineS) -> list[Need]:
     """What loads a checkpoint on the accelerators beside a local sweep's resident engine: the child that measures
     this project's tasks first in each eval unit that holds one (over every visible GPU, `devices`), and the
-    `strength:` units (on strength.device); none of either where S is measured on the engine (`where`)."""
-    from lm_eval_sink.devices import resolve_device
+    `strength:` units (on strength.device); none of either where S is measured on the engine (`where`). Merges on a
+    GPU (merge.device) need at least the largest tensor of each model at once: mergekit computes one output tensor
+    at a time there and keeps the results on the CPU."""
+    from lm_eval_sink.devices import math_device, resolve_device
     from lm_eval_sink.harness.discovery import holds_own_task
 
     needs: list[Need] = []
@@ -239,6 +254,13 @@ def memory_needs(spec: SweepSpec, devices: tuple[str, ...], where: EngineS) -> l
         where_s = resolve_device(spec.strength_device)
         what = f"the strength: units ({name}'s weights in {spec.strength_dtype})"
         needs.append(Need(what, size, where_s, _not_on_engine(where.strength)))
+    if spec.merges and spec.merge_device != "cpu":
+        name, size = _largest_tensor(spec)
+        what = (
+            f"the merges (mergekit on {spec.merge_device} holds one tensor of each of the {len(spec.models)} models "
+            f"at a time; {name}'s largest)"
+        )
+        needs.append(Need(what, size * len(spec.models), (math_device(spec.merge_device),), MERGE_ON_CPU))
     return needs
 
 

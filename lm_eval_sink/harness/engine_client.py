@@ -50,12 +50,23 @@ def _file_sha(path: Path) -> str:
     return sha256_file(path)
 
 
-def safetensors_shapes(path: Path) -> dict[str, list[int]]:
-    """Each tensor's shape, from a safetensors file's header (8 bytes of length, then JSON): no tensor is read."""
+def _header(path: Path) -> dict[str, dict[str, Any]]:
+    """A safetensors file's tensor entries, from its header (8 bytes of length, then JSON): no tensor is read."""
     with open(path, "rb") as f:
         (size,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(size))
-    return {name: list(entry["shape"]) for name, entry in header.items() if name != "__metadata__"}
+    return {name: entry for name, entry in header.items() if name != "__metadata__"}
+
+
+def safetensors_shapes(path: Path) -> dict[str, list[int]]:
+    """Each tensor's shape, from a safetensors file's header."""
+    return {name: list(entry["shape"]) for name, entry in _header(path).items()}
+
+
+def tensor_bytes(folder: Path) -> int:
+    """The bytes of a checkpoint's largest tensor as stored, from its safetensors headers (0 without any)."""
+    entries = (e for shard in sorted(folder.glob("*.safetensors")) for e in _header(shard).values())
+    return max((e["data_offsets"][1] - e["data_offsets"][0] for e in entries), default=0)
 
 
 def _tensors(folder: Path) -> dict[str, Any]:
