@@ -3,7 +3,8 @@
 Usage: .venv-vllm/bin/python tests/drivers/engine_capture.py JOB.json   (one engine per process)
 JOB: {"family", "folder", "out", "dtype", "tensor_parallel_size", "n_prompts", "max_num_batched_tokens",
 "enforce_eager" (default true: torch.compile takes minutes on a CPU), "config" (config fields to override),
-"engine_args" (more LLM arguments), "lora" (true: a LoRA adapter on q_proj and k_proj, applied by the engine)}.
+"engine_args" (more LLM arguments), "lora" (true: a LoRA adapter on q_proj and k_proj, applied by the engine),
+"w4a16" (true: the engine runs a compressed-tensors W4A16 copy, the eager side its dequantized weights)}.
 A measurement the engine refuses writes OUT.json {"refused": REASON, "texts": [generations before, after]} only.
 It builds the family's model (tests/engine_models.py) in `folder`, captures the calibration prompts with
 `capture.capture_prompts` on the model loaded eager (batches of 2: left padding), starts one engine with
@@ -56,6 +57,44 @@ def _lora(folder: Path, out: Path) -> tuple[Path, Path]:
     shutil.copytree(folder, out / "merged")
     save_file(weights, out / "merged" / "model.safetensors", metadata={"format": "pt"})
     return out, out / "merged"
+
+
+def _w4a16(folder: Path, out: Path) -> tuple[Path, Path]:
+    """The model as a compressed-tensors W4A16 checkpoint (symmetric int4 per group of 32 on every decoder linear,
+    pack-quantized: the 4-bit format the CPU build's WNA16 kernel runs) in `out`/quantized, and the same weights
+    dequantized by compressed-tensors' own fake_quantize in `out`/dequantized: (quantized, dequantized)."""
+    import shutil
+
+    import torch
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization import apply_quantization_config, fake_quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from transformers import AutoModelForCausalLM
+
+    args = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    config = QuantizationConfig(config_groups={"w4a16": scheme}, ignore=["lm_head"], format="pack-quantized")
+    model, plain = (AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32) for _ in range(2))
+    apply_quantization_config(model, config)
+    dequantized = {}
+    for name, m in model.named_modules():
+        if getattr(m, "quantization_scheme", None) is not None:
+            groups = m.weight.data.reshape(m.weight.shape[0], -1, 32)
+            scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
+            m.weight_scale.data = scale.reshape(m.weight_scale.shape).to(m.weight_scale.dtype)
+            m.weight_zero_point.data = zero.reshape(m.weight_zero_point.shape).to(m.weight_zero_point.dtype)
+            dequantized[f"{name}.weight"] = fake_quantize(m.weight.data, m.weight_scale, m.weight_zero_point, args)
+    quantized, plain_out = out / "quantized", out / "dequantized"
+    for target in (quantized, plain_out):
+        shutil.copytree(folder, target)  # the tokenizer files; the weights and config.json are written over
+    plain.load_state_dict({**plain.state_dict(), **dequantized})
+    plain.save_pretrained(plain_out)
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized")
+    compressor.compress_model(model)
+    model.save_pretrained(quantized)
+    compressor.update_config(quantized)
+    return quantized, plain_out
 
 
 def _hf(folder: Path, encoded, layers, dtype: str) -> list:
@@ -123,18 +162,20 @@ def main(job: dict) -> None:
 
     from lm_eval_sink.calibration import encode_prompts, load_prompts
     from lm_eval_sink.harness.engine_capture import EngineCaptureRefused, measure_on_engine
+    from lm_eval_sink.harness.engine_strength import engine_record
 
     folder = engine_models.build(job["family"], Path(job["folder"]), job["dtype"], job.get("config"))
     encoded = encode_prompts(AutoTokenizer.from_pretrained(folder), load_prompts(None, job["n_prompts"]).prompts)
     layers = [0, 1]
-    hf = _hf(folder, encoded, layers, job["dtype"])
+    w4a16 = _w4a16(folder, Path(job["folder"] + "_w4a16")) if job.get("w4a16") else None
+    hf = _hf(w4a16[1] if w4a16 else folder, encoded, layers, job["dtype"])
     start = time.perf_counter()
     extra = {"max_num_batched_tokens": job["max_num_batched_tokens"]} if job.get("max_num_batched_tokens") else {}
     lora = _lora(folder, Path(job["folder"] + "_lora")) if job.get("lora") else None
     lora_args = {"enable_lora": True, "max_lora_rank": LORA_RANK} if lora else {}
     engine_args = {"worker_extension_cls": EXTENSION, **extra, **lora_args, **job.get("engine_args", {})}
     llm = LLM(
-        model=str(folder),
+        model=str(w4a16[0] if w4a16 else folder),
         dtype=job["dtype"],
         enforce_eager=job.get("enforce_eager", True),
         max_model_len=256,
@@ -159,6 +200,8 @@ def main(job: dict) -> None:
     after = _greedy(llm, encoded)
     sampled = _sampled(llm, encoded, layers)
     sides = {"hf": hf, "engine": first, "again": second}
+    if w4a16 is not None:
+        sides["unquantized_hf"] = _hf(folder, encoded, layers, job["dtype"])
     if lora is not None:
         from vllm.lora.request import LoRARequest
 
@@ -174,6 +217,7 @@ def main(job: dict) -> None:
     seconds = {"engine_start": built - start, "measure": measured - began}
     record = {"texts": texts, "refusals": refusals, "seconds": seconds, "wrapped": wrapped, "sides": list(sides)}
     record["sampled"] = sampled
+    record["engine_record"] = engine_record(llm)  # what a task's capture record says about this engine
     Path(job["out"] + ".json").write_text(json.dumps({**record, "n_prompts": len(encoded)}))
 
 
