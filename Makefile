@@ -83,7 +83,7 @@ test-oldest: $(OLDEST_STAMP)
 # make test-engine, not part of make test: Sink Strength measured inside the vLLM engine (harness/engine_capture.py)
 # against transformers' eager capture on the families and settings beyond make test's three: Mistral, Qwen2, Qwen3,
 # tensor_parallel_size 2 (two CPU ranks), the compiled engine and bf16 (tests/engine_capture_all.py; -s prints the
-# measured differences). 13 tests, 11 engines two at a time: 5.3 CPU-minutes, 3.5 minutes of wall on a quiet 2-core machine.
+# measured differences). 13 tests, 11 engines two at a time: 5.4 CPU-minutes, 3.4 minutes of wall on a quiet 2-core machine.
 test-engine: $(STAMP) $(VLLM_STAMP)
 	LM_EVAL_SINK_DATA=$${LM_EVAL_SINK_DATA:-$(SHARED)/data} $(PY) -m pytest -q -s -n 0 --durations=10 \
 		tests/engine_capture_all.py

@@ -396,9 +396,10 @@ def test_a_resident_sweep_whose_units_need_the_engines_gpu_memory_is_refused_at_
 def test_merges_on_the_engines_gpu_need_each_models_largest_tensor_beside_it(
     tmp_path, tiny_trio, user_error, monkeypatch
 ):
-    """merge.device cuda beside the resident engine: mergekit holds one tensor of each model at a time on the GPU, so
-    the room left by the engine's share must hold the largest tensor of each of the two models (read here with
-    safetensors itself): one byte short is refused with merge.device: cpu in the fix; exactly that much fits."""
+    """merge.device cuda beside the resident engine: mergekit holds one tensor of each input at a time on the GPU, in
+    the merge's dtype (float32 here, as stored), so the room left by the engine's share must hold the largest tensor
+    of each of the merge's two inputs (read here with safetensors itself): one byte short is refused with
+    merge.device: cpu in the fix; exactly that much fits."""
     from safetensors import safe_open
 
     from lm_eval_sink import devices
@@ -412,7 +413,7 @@ def test_merges_on_the_engines_gpu_need_each_models_largest_tensor_beside_it(
     monkeypatch.setattr(devices, "resolve_device", lambda device: ("cuda:0",))
     monkeypatch.setattr(devices, "_total_memory", lambda found: {d: 4 * largest - 2 for d in found})
     line = user_error(["sweep", path, "--quiet"], tmp_path / "out")
-    assert "for the merges (mergekit on cuda holds one tensor of each of the 2 models at a time" in line, line
+    assert "for the merges (mergekit on cuda: the largest tensor of each of linear_95_5's 2 inputs)" in line, line
     assert line.endswith("or set merge.device: cpu (mergekit's math on the CPU))")
     monkeypatch.setattr(devices, "_total_memory", lambda found: {d: 4 * largest for d in found})
     assert load_sweep(path).merge_device == "cuda"  # room 2 x largest: fits

@@ -125,25 +125,36 @@ def _parameters(model: str) -> int:
 def _largest(spec: SweepSpec, dtype: str) -> tuple[str, int]:
     """The model with the most parameters and its weights' bytes loaded in `dtype`; for "auto" (each as stored) at
     the widest dtype among the models' and the merges' `out_dtype` / `dtype` (a merge has the reference's tensors)."""
-    from lm_eval_sink.merging.configs import stored_dtype
-
     counts = {name: _parameters(model) for name, model in spec.models.items()}
     name = max(counts, key=counts.__getitem__)
-    if dtype != "auto":
-        return name, counts[name] * _itemsize(dtype)
+    return name, counts[name] * (_itemsize(dtype) if dtype != "auto" else _widest_itemsize(spec))
+
+
+def _widest_itemsize(spec: SweepSpec) -> int:
+    """The widest itemsize among the models' stored dtypes and the merges' `out_dtype` / `dtype`."""
+    from lm_eval_sink.merging.configs import stored_dtype
+
     stored = [stored_dtype(weights_folder(model)) for model in spec.models.values()]
     named = [str(m.config[k]) for m in spec.merges for k in ("out_dtype", "dtype") if m.config.get(k)]
-    return name, counts[name] * max(_itemsize(d) for d in (*stored, *named))
+    return max(_itemsize(d) for d in (*stored, *named))
 
 
-def _largest_tensor(spec: SweepSpec) -> tuple[str, int]:
-    """The model holding the sweep's largest single tensor and that tensor's bytes as stored (safetensors headers; a
-    checkpoint of other files counts 0: its shapes are unread)."""
-    from lm_eval_sink.harness.engine_client import tensor_bytes
+def _merge_need(spec: SweepSpec) -> tuple[str, int, int]:
+    """The merge whose inputs' largest tensors take the most room at once: (its name, its number of inputs, bytes).
+    mergekit loads each input tensor in the merge's dtype (float32 in every bundled template) and computes one output
+    tensor at a time on its device, so a merge needs the largest tensor of each input there at the widest of those
+    dtypes and the stored ones; a tensor's elements come from the safetensors headers, or for other weight files
+    from config.json (the embedding: vocab_size x hidden_size)."""
+    from lm_eval_sink.harness.engine_client import tensor_elements
+    from lm_eval_sink.merging.configs import embedding_elements
 
-    sizes = {name: tensor_bytes(Path(weights_folder(model))) for name, model in spec.models.items()}
-    name = max(sizes, key=sizes.__getitem__)
-    return name, sizes[name]
+    def largest(model: str) -> int:
+        folder = weights_folder(model)
+        return tensor_elements(Path(folder)) or embedding_elements(folder)
+
+    needs = [(m.name, len(set(m.validated.inputs)), max(map(largest, set(m.validated.inputs)))) for m in spec.merges]
+    name, inputs, elements = max(needs, key=lambda n: n[1] * n[2])
+    return name, inputs, inputs * elements * _widest_itemsize(spec)
 
 
 @dataclass(frozen=True)
@@ -236,9 +247,8 @@ MERGE_ON_CPU = "; or set merge.device: cpu (mergekit's math on the CPU)"
 def memory_needs(spec: SweepSpec, devices: tuple[str, ...], where: EngineS) -> list[Need]:
     """What loads a checkpoint on the accelerators beside a local sweep's resident engine: the child that measures
     this project's tasks first in each eval unit that holds one (over every visible GPU, `devices`), and the
-    `strength:` units (on strength.device); none of either where S is measured on the engine (`where`). Merges on a
-    GPU (merge.device) need at least the largest tensor of each model at once: mergekit computes one output tensor
-    at a time there and keeps the results on the CPU."""
+    `strength:` units (on strength.device); none of either where S is measured on the engine (`where`); and merges
+    on a GPU (merge.device: `_merge_need`)."""
     from lm_eval_sink.devices import math_device, resolve_device
     from lm_eval_sink.harness.discovery import holds_own_task
 
@@ -255,12 +265,9 @@ def memory_needs(spec: SweepSpec, devices: tuple[str, ...], where: EngineS) -> l
         what = f"the strength: units ({name}'s weights in {spec.strength_dtype})"
         needs.append(Need(what, size, where_s, _not_on_engine(where.strength)))
     if spec.merges and spec.merge_device != "cpu":
-        name, size = _largest_tensor(spec)
-        what = (
-            f"the merges (mergekit on {spec.merge_device} holds one tensor of each of the {len(spec.models)} models "
-            f"at a time; {name}'s largest)"
-        )
-        needs.append(Need(what, size * len(spec.models), (math_device(spec.merge_device),), MERGE_ON_CPU))
+        name, inputs, size = _merge_need(spec)
+        what = f"the merges (mergekit on {spec.merge_device}: the largest tensor of each of {name}'s {inputs} inputs)"
+        needs.append(Need(what, size, (math_device(spec.merge_device),), MERGE_ON_CPU))
     return needs
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 import subprocess
 from pathlib import Path
@@ -63,10 +64,10 @@ def safetensors_shapes(path: Path) -> dict[str, list[int]]:
     return {name: list(entry["shape"]) for name, entry in _header(path).items()}
 
 
-def tensor_bytes(folder: Path) -> int:
-    """The bytes of a checkpoint's largest tensor as stored, from its safetensors headers (0 without any)."""
-    entries = (e for shard in sorted(folder.glob("*.safetensors")) for e in _header(shard).values())
-    return max((e["data_offsets"][1] - e["data_offsets"][0] for e in entries), default=0)
+def tensor_elements(folder: Path) -> int:
+    """The elements of a checkpoint's largest tensor, from its safetensors headers (0 without any)."""
+    shapes = (s for shard in sorted(folder.glob("*.safetensors")) for s in safetensors_shapes(shard).values())
+    return max((math.prod(s) for s in shapes), default=0)
 
 
 def _tensors(folder: Path) -> dict[str, Any]:

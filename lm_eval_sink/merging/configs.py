@@ -202,6 +202,13 @@ def stored_dtype(path: str) -> str:
     return value if value in DTYPES else "float32"
 
 
+def embedding_elements(path: str) -> int:
+    """The elements of a checkpoint's token embedding (config.json vocab_size x hidden_size; 0 when not given)."""
+    cfg = _config_json(path)
+    vocab, hidden = _config_value(cfg, "vocab_size"), _config_value(cfg, "hidden_size")
+    return vocab * hidden if isinstance(vocab, int) and isinstance(hidden, int) else 0
+
+
 def _tokenizer_digest(path: str) -> str | None:
     files = [Path(path) / n for n in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")]
     present = [f for f in files if f.is_file()]

@@ -61,8 +61,9 @@ def _lora(folder: Path, out: Path) -> tuple[Path, Path]:
 
 def _w4a16(folder: Path, out: Path) -> tuple[Path, Path]:
     """The model as a compressed-tensors W4A16 checkpoint (symmetric int4 per group of 32 on every decoder linear,
-    pack-quantized: the 4-bit format the CPU build's WNA16 kernel runs) in `out`/quantized, and the same weights
-    dequantized by compressed-tensors' own fake_quantize in `out`/dequantized: (quantized, dequantized)."""
+    pack-quantized: the 4-bit format the CPU build's WNA16 kernel runs; scales rounded to bf16, as the engine holds
+    them) in `out`/quantized, and the same weights dequantized by compressed-tensors' own fake_quantize in
+    `out`/dequantized: (quantized, dequantized)."""
     import shutil
 
     import torch
@@ -82,6 +83,7 @@ def _w4a16(folder: Path, out: Path) -> tuple[Path, Path]:
         if getattr(m, "quantization_scheme", None) is not None:
             groups = m.weight.data.reshape(m.weight.shape[0], -1, 32)
             scale, zero = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
+            scale = scale.to(torch.bfloat16).float()  # the engine holds the scale in bf16: q x scale is then exact
             m.weight_scale.data = scale.reshape(m.weight_scale.shape).to(m.weight_scale.dtype)
             m.weight_zero_point.data = zero.reshape(m.weight_zero_point.shape).to(m.weight_zero_point.dtype)
             dequantized[f"{name}.weight"] = fake_quantize(m.weight.data, m.weight_scale, m.weight_zero_point, args)
