@@ -393,21 +393,39 @@ def test_a_resident_sweep_whose_units_need_the_engines_gpu_memory_is_refused_at_
     load_sweep(_vllm_sweep(tmp_path / "cpu", tiny_trio, strength={**strength, "device": "cpu"}))
 
 
+def _stored_as(folder, dtype: str, out):
+    """A copy of a float32 checkpoint stored in `dtype` (weights and config.json's dtype)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, out)
+    weights = load_file(folder / "model.safetensors")
+    save_file({k: v.to(getattr(torch, dtype)) for k, v in weights.items()}, out / "model.safetensors")
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "dtype": dtype, "torch_dtype": dtype}))
+    return out
+
+
+@pytest.mark.parametrize("stored", ["float32", "bfloat16"])
 def test_merges_on_the_engines_gpu_need_each_models_largest_tensor_beside_it(
-    tmp_path, tiny_trio, user_error, monkeypatch
+    tmp_path, tiny_trio, user_error, monkeypatch, stored
 ):
     """merge.device cuda beside the resident engine: mergekit holds one tensor of each input at a time on the GPU, in
-    the merge's dtype (float32 here, as stored), so the room left by the engine's share must hold the largest tensor
-    of each of the merge's two inputs (read here with safetensors itself): one byte short is refused with
-    merge.device: cpu in the fix; exactly that much fits."""
+    the merge's dtype (float32 in the bundled templates, whatever the checkpoints are stored in: bf16 ones were
+    counted at half), so the room left by the engine's share must hold the largest tensor of each of the merge's two
+    inputs in float32 (read here with safetensors itself): one byte short is refused with merge.device: cpu in the
+    fix; exactly that much fits."""
     from safetensors import safe_open
 
     from lm_eval_sink import devices
     from lm_eval_sink.commands.sweep import load_sweep
 
     with safe_open(str(tiny_trio["reference"] / "model.safetensors"), "pt") as f:
-        largest = max(f.get_tensor(k).nbytes for k in f.keys())
-    path = _vllm_sweep(tmp_path, tiny_trio, model_args={"gpu_memory_utilization": 0.5})
+        largest = max(f.get_tensor(k).float().nbytes for k in f.keys())
+    trio = {k: _stored_as(tiny_trio[k], stored, tmp_path / k) for k in ("reference", "candidate")}
+    path = _vllm_sweep(tmp_path, trio, model_args={"gpu_memory_utilization": 0.5})
     data = yaml.safe_load(path.read_text())
     path.write_text(yaml.safe_dump({**data, "merge": {"device": "cuda"}}, sort_keys=False))
     monkeypatch.setattr(devices, "resolve_device", lambda device: ("cuda:0",))
