@@ -28,16 +28,14 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_vllm_sweep import _tree_rss, make_candidate
+from bench_vllm_sweep import make_candidate, timed
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -48,24 +46,6 @@ REPO = Path(__file__).resolve().parent.parent
 CHECKPOINTS = ("reference", "candidate", "linear_95_5")
 WAYS = {"engine": {}, "child": {"LM_EVAL_SINK_S_ON_ENGINE": "0"}}
 S_TOLERANCE = 5e-5
-
-
-def timed(cmd: list[str], env: dict[str, str]) -> dict:
-    """Run `cmd`: its wall seconds and peak RSS in MiB (the sum over its process tree, the largest process)."""
-    start, peak_sum, peak_one = time.perf_counter(), 0.0, 0.0
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    while proc.poll() is None:
-        total, one = _tree_rss(proc.pid)
-        peak_sum, peak_one = max(peak_sum, total), max(peak_one, one)
-        time.sleep(0.2)
-    output = proc.stdout.read() if proc.stdout else ""
-    if proc.returncode != 0:
-        raise RuntimeError(f"{cmd[:4]} failed ({proc.returncode}): {output[-3000:]}")
-    return {
-        "wall_s": round(time.perf_counter() - start, 1),
-        "peak_rss_sum_mib": round(peak_sum),
-        "peak_rss_largest_mib": round(peak_one),
-    }
 
 
 def _results(folder: Path) -> dict:

@@ -110,10 +110,8 @@ def _tree_rss(root: int) -> tuple[float, float]:
     return sum(sizes), max(sizes, default=0.0)
 
 
-def timed_sweep(path: Path, extra: list[str], env: dict[str, str] | None = None) -> dict:
-    """`lm-eval-sink sweep` in a fresh process: its wall seconds and peak RSS (sum over its tree, largest process)."""
-    env = {**os.environ, **VLLM_ENV, **(env or {})}
-    cmd = [sys.executable, "-m", "lm_eval_sink.cli", "sweep", str(path), "--quiet", *extra]
+def timed(cmd: list[str], env: dict[str, str]) -> dict:
+    """Run `cmd`: its wall seconds and peak RSS in MiB (the sum over its process tree, the largest process)."""
     start, peak_sum, peak_one = time.perf_counter(), 0.0, 0.0
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     while proc.poll() is None:
@@ -122,9 +120,15 @@ def timed_sweep(path: Path, extra: list[str], env: dict[str, str] | None = None)
         time.sleep(0.2)
     output = proc.stdout.read() if proc.stdout else ""
     if proc.returncode != 0:
-        raise RuntimeError(f"sweep {path} failed ({proc.returncode}): {output[-3000:]}")
+        raise RuntimeError(f"{cmd[:6]} failed ({proc.returncode}): {output[-3000:]}")
     wall = time.perf_counter() - start
     return {"wall_s": round(wall, 1), "peak_rss_sum_mib": round(peak_sum), "peak_rss_largest_mib": round(peak_one)}
+
+
+def timed_sweep(path: Path, extra: list[str], env: dict[str, str] | None = None) -> dict:
+    """`lm-eval-sink sweep` in a fresh process: its wall seconds and peak RSS (sum over its tree, largest process)."""
+    cmd = [sys.executable, "-m", "lm_eval_sink.cli", "sweep", str(path), "--quiet", *extra]
+    return timed(cmd, {**os.environ, **VLLM_ENV, **(env or {})})
 
 
 def _log(unit: Path) -> Path:
