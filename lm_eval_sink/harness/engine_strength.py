@@ -193,20 +193,13 @@ def engine_records(lm: Any, tasks: Sequence[str]) -> dict[str, dict[str, Any]]:
 def vllm_sink_strength(self: Any, requests: list[Any]) -> list[Any]:
     """lm-eval's VLLM method for `sink_strength` requests: the rows measured first where the child measured them,
     else each task's prompts measured on the engine (a copy of a request, as lm-eval pads, measured once)."""
-    from lm_eval_sink.harness.task import PromptRows, _by_task, _measured_sink_strength, measured_task
-    from lm_eval_sink.strength import StrengthSettings
+    from lm_eval_sink.harness.task import PromptRows, _by_task, _measured_sink_strength, measured_task, rows_per_task
 
     by_task = _by_task(requests)
     if all(measured_task(task) is not None for task in by_task):
         return _measured_sink_strength(self, requests)
-    out: list[Any] = [None] * len(requests)
-    for task, idxs in by_task.items():
-        settings = StrengthSettings(**requests[idxs[0]].arguments[1]["settings"])
-        first_of: dict[int, int] = {}  # id(request) -> index of its first occurrence
-        for i in idxs:
-            first_of.setdefault(id(requests[i]), i)
-        unique = list(first_of.values())
-        prompts = [(int(requests[i].doc["prompt_id"]), requests[i].arguments[0]) for i in unique]
+
+    def measure(task: str, settings: Any, prompts: list[tuple[int, str]]) -> list[Any]:
         start = time.perf_counter()
         encoded, captures, depth, att = engine_captures(
             self.model, self.tokenizer, [p for _, p in prompts], settings, self.lora_request
@@ -215,13 +208,12 @@ def vllm_sink_strength(self: Any, requests: list[Any]) -> list[Any]:
         if record is not None:
             record["wall_seconds"] = round(record["wall_seconds"] + time.perf_counter() - start, 3)
         applied, template = encoded.chat_template_applied, encoded.chat_template_sha256
-        rows = {
-            id(requests[i]): PromptRows.build(pid, c, settings, depth, att, applied, template)
-            for i, (pid, _), c in zip(unique, prompts, captures, strict=True)
-        }
-        for i in idxs:
-            out[i] = rows[id(requests[i])]
-    return out
+        return [
+            PromptRows.build(pid, c, settings, depth, att, applied, template)
+            for (pid, _), c in zip(prompts, captures, strict=True)
+        ]
+
+    return rows_per_task(requests, measure, by_task)
 
 
 def _vllm_mismatch(cls: type) -> Any:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import base64
 import contextlib
 from dataclasses import asdict, dataclass
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -455,16 +455,29 @@ def _hflm_sink_strength(self: HFLM, requests: list[Instance]) -> list[PromptRows
     from lm_eval_sink.devices import check_not_tensor_parallel
 
     check_not_tensor_parallel(self.model)
+
+    def measure(task: str, settings: StrengthSettings, prompts: list[tuple[int, str]]) -> list[PromptRows]:
+        return measure_rows(self.model, self.tokenizer, task, prompts, settings, rank=self.rank)
+
+    return rows_per_task(requests, measure)
+
+
+def rows_per_task(
+    requests: list[Instance],
+    measure: Callable[[str, StrengthSettings, list[tuple[int, str]]], list[PromptRows]],
+    by_task: dict[str, list[int]] | None = None,
+) -> list[PromptRows]:
+    """Each request's rows, from `measure(task, settings, prompts)` called once per task on its distinct requests'
+    (prompt_id, prompt): lm-eval pads a rank's list with copies of its last request, and a copy is measured once."""
     out: list[PromptRows | None] = [None] * len(requests)
-    for task, idxs in _by_task(requests).items():
+    for task, idxs in (by_task or _by_task(requests)).items():
         settings = StrengthSettings(**requests[idxs[0]].arguments[1]["settings"])
         first_of: dict[int, int] = {}  # id(request) -> index of its first occurrence
         for i in idxs:
             first_of.setdefault(id(requests[i]), i)
         unique = list(first_of.values())
         prompts = [(int(requests[i].doc["prompt_id"]), requests[i].arguments[0]) for i in unique]
-        rows = measure_rows(self.model, self.tokenizer, task, prompts, settings, rank=self.rank)
-        items = {id(requests[i]): r for i, r in zip(unique, rows, strict=True)}
+        items = {id(requests[i]): r for i, r in zip(unique, measure(task, settings, prompts), strict=True)}
         for i in idxs:
             out[i] = items[id(requests[i])]
     return out  # type: ignore[return-value]
