@@ -51,17 +51,12 @@ def _file_sha(path: Path) -> str:
     return sha256_file(path)
 
 
-def _header(path: Path) -> dict[str, dict[str, Any]]:
-    """A safetensors file's tensor entries, from its header (8 bytes of length, then JSON): no tensor is read."""
+def safetensors_shapes(path: Path) -> dict[str, list[int]]:
+    """Each tensor's shape, from a safetensors file's header (8 bytes of length, then JSON): no tensor is read."""
     with open(path, "rb") as f:
         (size,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(size))
-    return {name: entry for name, entry in header.items() if name != "__metadata__"}
-
-
-def safetensors_shapes(path: Path) -> dict[str, list[int]]:
-    """Each tensor's shape, from a safetensors file's header."""
-    return {name: list(entry["shape"]) for name, entry in _header(path).items()}
+    return {name: list(entry["shape"]) for name, entry in header.items() if name != "__metadata__"}
 
 
 def tensor_elements(folder: Path) -> int:
