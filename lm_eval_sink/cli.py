@@ -898,6 +898,31 @@ def buckets(
         click.echo(line)
 
 
+# --- recovery (issue 50) ---
+@cli.command()
+@click.option("--reference", required=True, help="The reference run (the LLM), as `buckets` takes a run.")
+@click.option("--candidate", required=True, help="The candidate run (the VLM backbone), as `buckets` takes a run.")
+@click.argument("controls", nargs=-1, metavar="NAME=RUN [NAME=RUN ...]")
+@click.option("--confidence", type=float, default=0.95, show_default=True)
+@click.option(
+    "--output",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Folder for recovery.json, recovery.md, recovery.png and prompts.parquet (default: print only).",
+)
+@click.option("--force", is_flag=True, help="Overwrite an existing --output folder.")
+def recovery(reference, candidate, controls, confidence, output, force) -> None:
+    """Did each control (a merge) recover what CANDIDATE lost against REFERENCE, prompt by prompt? Paired tests per
+    task with Holm's correction across every control x task, the recovered share and a verdict in words."""
+    from lm_eval_sink.buckets.settings import BucketSettings
+    from lm_eval_sink.commands.recovery import run_recovery
+
+    settings = BucketSettings(confidence=confidence, failure_kinds=False)
+    _, lines = run_recovery(reference, candidate, controls, settings, output, force=force)
+    for line in lines:
+        click.echo(line)
+
+
 # --- merging controls (issue 7) ---
 
 

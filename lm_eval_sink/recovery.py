@@ -21,6 +21,7 @@ import numpy as np
 
 from lm_eval_sink.buckets import BucketSettings, holm, paired_stats
 from lm_eval_sink.power import MIN_N, comparison_power, too_few
+from lm_eval_sink.tables import markdown_lines
 
 ALL, PART, NONE, WORSE, TOO_FEW, NO_GAP = (
     "recovers all of the gap",
@@ -32,6 +33,12 @@ ALL, PART, NONE, WORSE, TOO_FEW, NO_GAP = (
 )
 VERDICTS = (ALL, PART, NONE, WORSE, TOO_FEW, NO_GAP)
 FAMILIES = ("gap", "vs_candidate", "vs_reference")
+SCHEMA_VERSION = 1
+UNITS = (
+    "deltas and intervals in the metric's own unit as lm-eval writes it (a share of docs, 0-1, for a 0/1 metric; "
+    "recovery.md shows points, x100); recovered_share: 1 = all of the gap recovered, 0 = none, negative = farther "
+    "from the reference than the candidate"
+)
 SMOOTHING = 0.25  # pseudo-docs per outcome pattern (r, k, c) of a 0/1 metric in Fieller's variances: 2 in all
 SHARE_METHOD = (
     "Fieller's interval for the ratio of the paired mean differences (control - candidate) / (reference - candidate), "
@@ -211,3 +218,80 @@ def recover(outcomes: Sequence[TaskOutcomes], controls: Sequence[str], settings:
                 prompts=prompt_lists(t, c),
             )
     return Recovery(tasks, cells, settings.confidence)
+
+
+# --- text (recovery.md, the console, table.md) --------------------------------------------------------------------
+
+
+def _points(x: float | None, binary: bool, signed: bool = True) -> str:
+    if x is None:
+        return "n/a"
+    return f"{100 * x:+.1f}" if binary and signed else f"{100 * x:.1f}" if binary else f"{x:+.4g}"
+
+
+def _interval(ci: Sequence[float] | None, binary: bool) -> str:
+    return "[withheld]" if ci is None else f"[{_points(ci[0], binary)}, {_points(ci[1], binary)}]"
+
+
+def share_text(cell: Mapping[str, Any]) -> str:
+    """A control's share with its interval, or why there is none."""
+    if cell["recovered_share"] is None:
+        return f"no share ({cell['recovered_share_note']})"
+    ci = cell["recovered_share_ci"]
+    return f"{cell['recovered_share']:.2f} " + ("[unbounded]" if ci is None else f"[{ci[0]:.2f}, {ci[1]:.2f}]")
+
+
+def verdict_lines(data: Mapping[str, Any]) -> list[str]:
+    """One line per control x task: the verdict, the share and why (the console's and table.md's last lines)."""
+    return [
+        f"recovery: {c} on {task}: {cell['verdict']}, share {share_text(cell)}; {cell['verdict_reason']}"
+        for c, tasks in data["controls"].items()
+        for task, cell in tasks.items()
+    ]
+
+
+def _comparison_rows(data: Mapping[str, Any]) -> list[list[str]]:
+    """The gap of each task, then each control's two comparisons on it: delta [CI], p, Holm p."""
+    rows = []
+    for task, t in data["tasks"].items():
+        binary = t["kind"] == "binary"
+        named = [("gap (candidate - reference)", t["gap"])]
+        for c, cells in data["controls"].items():
+            named += [(f"{c} - " + f.removeprefix("vs_"), cells[task][f]) for f in FAMILIES[1:]]
+        for what, x in named:
+            delta = _points(x["delta"], binary) + " " + _interval(x["delta_ci"], binary)
+            rows.append([task, what, delta, f"{x['p']:.3g}", f"{x['p_holm']:.3g}"])
+    return rows
+
+
+def summary_markdown(data: Mapping[str, Any]) -> str:
+    """recovery.md: small samples first, the share table (controls x tasks), the comparisons, verdicts, notes."""
+    conf = round(100 * data["confidence"])
+    tasks = list(data["tasks"])
+    lines = ["# Recovery: did a control recover what the candidate lost?", ""]
+    few = [f"{task}: {t['too_few_to_tell']}" for task, t in data["tasks"].items() if t.get("too_few_to_tell")]
+    if few:
+        lines += [f"**Too few to tell: {'; '.join(few)}.** Those columns are no evidence either way.", ""]
+    runs = data["runs"]
+    lines += [f"- {name} ({r['role']})" for name, r in runs.items()] + [""]
+    lines += [f"Recovered share [{conf}% CI] and verdict (1 = all of the gap, 0 = none):", ""]
+    rows = [
+        [c, *(f"{share_text(cells[t])}: {cells[t]['verdict']}" for t in tasks)] for c, cells in data["controls"].items()
+    ]
+    lines += [*markdown_lines(["control", *tasks], rows), ""]
+    n = ", ".join(f"{task} {t['metric']} ({t['n']} docs)" for task, t in data["tasks"].items())
+    lines += [
+        f"Paired comparisons ({n}); deltas in points for a 0/1 metric [{conf}% CI]; p: exact McNemar (0/1) or "
+        "Wilcoxon; Holm p: adjusted within each family (the gaps; every control x task vs the candidate; vs the "
+        "reference):",
+        "",
+    ]
+    lines += [*markdown_lines(["task", "comparison", "delta", "p", "Holm p"], _comparison_rows(data)), ""]
+    lines += ["Verdicts:", "", *(f"- {v}" for v in verdict_lines(data)), ""]
+    lines += [
+        f"Share interval: {data['share_method']}; per comparison, not adjusted: the verdicts read the Holm p.",
+        "",
+    ]
+    if data.get("notes"):
+        lines += ["Notes:", "", *(f"- {x}" for x in data["notes"]), ""]
+    return "\n".join(lines)
