@@ -136,3 +136,90 @@ def test_the_verdict_words_follow_the_adjusted_tests():
     }
     assert "not detectable at this n" in r.controls["two"]["t"]["verdict_reason"]  # what it could have detected
     assert r.controls["part"]["t"]["prompts"] == {"recovered": list(range(30)), "broke": []}
+
+
+# --- the command on constructed runs ---------------------------------------------------------------------------------
+
+# 100 IFEval docs: the reference passes 0-59, the candidate lost 0-39 (a gap of 40 points); the controls take back all
+# 40, 30, 2 of them, or lose 20 more (docs 40-59)
+_REF = [1] * 60 + [0] * 40
+_CAND = [0] * 40 + [1] * 20 + [0] * 40
+_CONTROLS = {
+    "all": _REF,
+    "part": [1] * 30 + [0] * 10 + [1] * 20 + [0] * 40,
+    "two": [1] * 2 + [0] * 38 + [1] * 20 + [0] * 40,
+    "worse": [0] * 100,
+}
+
+
+@pytest.fixture(scope="module")
+def six_runs(tmp_path_factory):
+    """The reference, the candidate and four controls as lm-eval 0.4.13 run folders (constructed_runs)."""
+    from constructed_runs import write_run
+
+    root = tmp_path_factory.mktemp("recovery_runs")
+    for name, outcome in {"reference": _REF, "candidate": _CAND, **_CONTROLS}.items():
+        write_run(root / name, {"ifeval": (outcome, outcome)}, model=f"/models/{name}")
+    return root
+
+
+def _holm(p: list[float]) -> list[float]:
+    """Holm by hand for these four p-values (the statsmodels oracle is above)."""
+    order = sorted(range(len(p)), key=p.__getitem__)
+    out, running = [0.0] * len(p), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(p) - rank) * p[i]))
+        out[i] = running
+    return out
+
+
+def test_recovery_on_constructed_runs_gives_the_exact_shares_holm_p_and_verdicts(six_runs, tmp_path, capsys):
+    """Exact McNemar p of k discordant docs all one way is 2^(1-k); Holm over the four controls; shares 1, 0.75, 0.05,
+    -0.5 and their verdicts, in recovery.json, recovery.md and the console; 600 rows in prompts.parquet."""
+    import pyarrow.parquet as pq
+
+    from lm_eval_sink.cli import main
+    from lm_eval_sink.io import read_json
+
+    out = tmp_path / "rec"
+    controls = [f"{name}={six_runs / name}" for name in _CONTROLS]
+    argv = ["recovery", "--reference", six_runs / "reference", "--candidate", six_runs / "candidate", *controls]
+    assert main([str(a) for a in [*argv, "--output", out]]) == 0
+    data = read_json(out / "recovery.json")
+    assert data["tasks"]["ifeval"]["gap"]["p"] == 2.0**-39 and data["tasks"]["ifeval"]["gap"]["delta"] == -0.4
+    vs_cand = {"all": 2.0**-39, "part": 2.0**-29, "two": 0.5, "worse": 2.0**-19}
+    vs_ref = {"all": 1.0, "part": 2.0**-9, "two": 2.0**-37, "worse": 2.0**-59}
+    for family, raw in (("vs_candidate", vs_cand), ("vs_reference", vs_ref)):
+        got = {c: data["controls"][c]["ifeval"][family] for c in _CONTROLS}
+        assert {c: g["p"] for c, g in got.items()} == pytest.approx(raw, rel=1e-9)
+        expected = dict(zip(raw, _holm(list(raw.values())), strict=True))
+        assert {c: g["p_holm"] for c, g in got.items()} == pytest.approx(expected, rel=1e-9)
+    cells = {c: data["controls"][c]["ifeval"] for c in _CONTROLS}
+    assert {c: x["recovered_share"] for c, x in cells.items()} == pytest.approx(
+        {"all": 1.0, "part": 0.75, "two": 0.05, "worse": -0.5}
+    )
+    verdicts = {"all": ALL, "part": PART, "two": NONE, "worse": WORSE}
+    assert {c: x["verdict"] for c, x in cells.items()} == verdicts
+    assert [p["doc_id"] for p in cells["part"]["prompts"]["recovered"]] == list(range(30))
+    assert [p["doc_id"] for p in cells["worse"]["prompts"]["broke"]] == list(range(40, 60))
+    md, console = (out / "recovery.md").read_text(), capsys.readouterr().out
+    for c, word in verdicts.items():
+        assert f"recovery: {c} on ifeval: {word}" in md and f"recovery: {c} on ifeval: {word}" in console
+    table = pq.read_table(out / "prompts.parquet").to_pandas()
+    assert len(table) == 600 and set(table["run"]) == {"reference", "candidate", *_CONTROLS}
+    part = table[(table["run"] == "part")].sort_values("doc_id")
+    assert part["prompt_level_strict_acc"].tolist() == [float(x) for x in _CONTROLS["part"]]
+    assert (out / "recovery.png").stat().st_size > 0
+
+
+def test_runs_that_do_not_pair_are_refused_as_buckets_refuses_them(six_runs, tmp_path, user_error):
+    """A control over other docs: one line, exit 2, nothing written; a bare path takes its folder's name."""
+    from constructed_runs import write_run
+
+    write_run(tmp_path / "short", {"ifeval": ([1] * 99, [1] * 99)})
+    out = tmp_path / "rec"
+    ref, cand = six_runs / "reference", six_runs / "candidate"
+    line = user_error(["recovery", "--reference", ref, "--candidate", cand, tmp_path / "short", "--output", out], out)
+    assert "short" in line and "doc" in line
+    line = user_error(["recovery", "--reference", ref, "--candidate", cand, f"all={ref}", f"all={cand}"], out)
+    assert "all" in line

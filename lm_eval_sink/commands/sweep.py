@@ -379,6 +379,7 @@ class SweepReport:
     table_files: list[Path] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     remerged: dict[str, tuple[str, ...]] = field(default_factory=dict)  # Schedule.remerged
+    verdicts: list[str] = field(default_factory=list)  # recovery's verdict lines, the console's last
 
     def plan_line(self, todo: int) -> str:
         """What the run is about to do, said before any step runs: how many steps, which merges are redone and for
@@ -395,7 +396,7 @@ class SweepReport:
         if self.table_files:
             out.append("table -> " + ", ".join(str(p) for p in self.table_files))
         out += [f"failed: {u}: {e}" for u, e in self.failures.items()]
-        return out
+        return out + self.verdicts
 
     def raise_for_failures(self) -> None:
         if self.failures:
@@ -595,8 +596,40 @@ def _tabulate(plan: Plan, markers: Markers, report: SweepReport) -> None:
         **build_table(plan, report.failures, *_saved_outputs(plan, markers)),
         "provenance": provenance(sweep=plan.spec.source, units={u.id: u.key for u in plan.units}),
     }
-    report.table_files = write_table(table, plan.spec.output)
+    report.verdicts = sweep_recovery(plan, markers)
+    report.table_files = write_table(table, plan.spec.output, report.verdicts)
     report.notes.extend([*table["protocol"]["model_differences"], *comparability_lines(table)])
+
+
+def sweep_recovery(plan: Plan, markers: Markers) -> list[str]:
+    """`recovery` over the sweep's own evaluated runs (the reference, the candidate, each merge a control) into
+    `<output>/recovery/`, recomputed only when a run or the code changed (its key); returns the verdict lines (none
+    without both endpoints and a control evaluated)."""
+    from lm_eval_sink.buckets.settings import BucketSettings
+    from lm_eval_sink.commands.recovery import CODE, CODE_PACKAGES, NamedRun, compute, write_outputs
+    from lm_eval_sink.io import canonical_json, key_versions, read_json, versioned_key
+    from lm_eval_sink.recovery import verdict_lines
+
+    by_id = {u.id: u for u in plan.units}
+    done = {ck.name: (ck.role, by_id[f"eval:{ck.name}"]) for ck in plan.checkpoints if f"eval:{ck.name}" in by_id}
+    done = {name: (role, u) for name, (role, u) in done.items() if current(u, markers) is not None}
+    roles = [role for role, _ in done.values()]
+    if "reference" not in roles or "candidate" not in roles or "merge" not in roles:
+        return []
+    runs = [
+        NamedRun(name, "control" if role == "merge" else role, u.output)
+        for want in ("reference", "candidate", "merge")
+        for name, (role, u) in done.items()
+        if role == want
+    ]
+    out = plan.spec.output / "recovery"
+    key = versioned_key(canonical_json({r.name: done[r.name][1].key for r in runs}), key_versions(CODE, CODE_PACKAGES))
+    saved = read_json(out / "recovery.json") if (out / "recovery.json").is_file() else None
+    if saved is None or saved.get("provenance", {}).get("key") != key:
+        saved, table = compute(runs, BucketSettings(failure_kinds=False), command="sweep")
+        saved["provenance"]["key"] = key
+        write_outputs(saved, table, out, force=True)
+    return verdict_lines(saved)
 
 
 @dataclass
@@ -699,12 +732,14 @@ def _saved_outputs(
     return results, fingerprints, strengths, settings
 
 
-def write_table(table: dict[str, Any], out: Path) -> list[Path]:
-    """table.json, table.csv, table.md and table.png, each written atomically."""
+def write_table(table: dict[str, Any], out: Path, verdicts: Sequence[str] = ()) -> list[Path]:
+    """table.json, table.csv, table.md (ending with the recovery `verdicts`) and table.png, each written atomically."""
     from lm_eval_sink.plots import sweep_chart
     from lm_eval_sink.report.view import sweep_series
 
     md, csv = table_text(table)
+    if verdicts:
+        md += "\nRecovery (recovery/recovery.md):\n\n" + "".join(f"- {v}\n" for v in verdicts)
     paths = [
         atomic_write_json(out / "table.json", table),
         atomic_write_text(out / "table.csv", csv),
