@@ -1103,6 +1103,13 @@ class _StrengthValues(_ManyValues):
     help="Output folder (or attribution.json) of `attribute`.",
 )
 @click.option(
+    "--recovery",
+    "recovery_dir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Output folder (or recovery.json) of `recovery` (a --sweep folder brings its recovery/).",
+)
+@click.option(
     "--sweep",
     "sweep_dir",
     type=click.Path(path_type=Path),
@@ -1112,7 +1119,9 @@ class _StrengthValues(_ManyValues):
 @click.option("--title", default=None, help="Page title (default: the two models).")
 @click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="The HTML file to write.")
 @click.option("--force", is_flag=True, help="Overwrite an existing file.")
-def report(strength_files, margin_dir, buckets_dirs, attribution_dir, sweep_dir, title, output, force) -> None:
+def report(
+    strength_files, margin_dir, buckets_dirs, attribution_dir, sweep_dir, recovery_dir, title, output, force
+) -> None:
     """One self-contained HTML page for a reference/candidate pair from this project's outputs (works offline)."""
     from lm_eval_sink.commands.report import run_report
 
@@ -1124,6 +1133,7 @@ def report(strength_files, margin_dir, buckets_dirs, attribution_dir, sweep_dir,
         buckets=buckets_dirs,
         attribution=attribution_dir,
         sweep=sweep_dir,
+        recovery=recovery_dir,
         title=title,
     ):
         click.echo(line)
