@@ -163,20 +163,12 @@ def six_runs(tmp_path_factory):
     return root
 
 
-def _holm(p: list[float]) -> list[float]:
-    """Holm by hand for these four p-values (the statsmodels oracle is above)."""
-    order = sorted(range(len(p)), key=p.__getitem__)
-    out, running = [0.0] * len(p), 0.0
-    for rank, i in enumerate(order):
-        running = max(running, min(1.0, (len(p) - rank) * p[i]))
-        out[i] = running
-    return out
-
-
 def test_recovery_on_constructed_runs_gives_the_exact_shares_holm_p_and_verdicts(six_runs, tmp_path, capsys):
-    """Exact McNemar p of k discordant docs all one way is 2^(1-k); Holm over the four controls; shares 1, 0.75, 0.05,
-    -0.5 and their verdicts, in recovery.json, recovery.md and the console; 600 rows in prompts.parquet."""
+    """Exact McNemar p of k discordant docs all one way is 2^(1-k); Holm over the four controls (statsmodels); shares
+    1, 0.75, 0.05, -0.5 and their verdicts, in recovery.json, recovery.md and the console; 600 rows in
+    prompts.parquet."""
     import pyarrow.parquet as pq
+    from statsmodels.stats.multitest import multipletests
 
     from lm_eval_sink.cli import main
     from lm_eval_sink.io import read_json
@@ -192,7 +184,7 @@ def test_recovery_on_constructed_runs_gives_the_exact_shares_holm_p_and_verdicts
     for family, raw in (("vs_candidate", vs_cand), ("vs_reference", vs_ref)):
         got = {c: data["controls"][c]["ifeval"][family] for c in _CONTROLS}
         assert {c: g["p"] for c, g in got.items()} == pytest.approx(raw, rel=1e-9)
-        expected = dict(zip(raw, _holm(list(raw.values())), strict=True))
+        expected = dict(zip(raw, multipletests(list(raw.values()), method="holm")[1], strict=True))
         assert {c: g["p_holm"] for c, g in got.items()} == pytest.approx(expected, rel=1e-9)
     cells = {c: data["controls"][c]["ifeval"] for c in _CONTROLS}
     assert {c: x["recovered_share"] for c, x in cells.items()} == pytest.approx(
