@@ -126,8 +126,8 @@ def _sign(x: float) -> int:
 def _could(c: Mapping[str, Any], binary: bool) -> str:
     """What a comparison could have detected, in words (power.py's MDE)."""
     pw = c["power"]
-    if pw["mde"] is None:
-        return pw["too_few"] or pw["not_detectable"]
+    if pw["mde"] is None:  # too few docs, no doc that differs, or no difference detectable at this n
+        return (pw["too_few"] or "").removeprefix("too few to tell: ") or pw["not_detectable"]
     return "it could have detected " + (f"{100 * pw['mde']:.1f} points" if binary else f"{pw['mde']:.3g}")
 
 

@@ -115,19 +115,22 @@ def _pair_task(task: str, runs: list[NamedRun], samples: Mapping[str, list], set
     return out
 
 
-def _protocol_notes(name: str, task: str, diffs: Mapping[str, Any], record: Mapping[str, Any]) -> list[str]:
-    """What `buckets` says of two runs' protocols, for one run against the reference on one task."""
+def _protocol_notes(task: str, diffs: Mapping[str, Mapping[str, Any]], records: Mapping[str, Any]) -> list[str]:
+    """What `buckets` says of two runs' protocols, for each run against the reference on one task (`diffs`: its
+    protocol_differences), and the runs made with --limit (non-final)."""
     from lm_eval_sink.buckets.protocol import by_effect
 
-    can, _ = by_effect(diffs)
-    notes = (
-        [f"{task}: {name} and the reference differ in {', '.join(can)}: its deltas mix model and protocol"]
-        if can
-        else []
-    )
-    limit = (record.get("protocol") or {}).get("limit")
-    if limit is not None:
-        notes.append(f"{task}: non-final: {name} ran with --limit {limit:g}; these are not full-benchmark scores")
+    notes = []
+    for name, d in diffs.items():
+        can, _ = by_effect(d)
+        if can:
+            notes.append(
+                f"{task}: {name} and the reference differ in {', '.join(can)}: its deltas mix model and protocol"
+            )
+    limits = {n: (r.get("protocol") or {}).get("limit") for n, r in records.items()}
+    limited = ", ".join(f"{n} {v:g}" for n, v in limits.items() if v is not None)
+    if limited:
+        notes.append(f"{task}: non-final: run with --limit ({limited}); these are not full-benchmark scores")
     return notes
 
 
@@ -148,8 +151,8 @@ def read_runs(runs: list[NamedRun], settings) -> tuple[list[PairedTask], dict[st
         for r in runs:
             rec = run_record(files[r.name], *fps[r.name], task, files[r.name].samples[task], r.path)
             records[r.name]["tasks"][task] = rec
-            diffs = {} if r.role == "reference" else protocol_differences(fps["reference"][0], fps[r.name][0], task)
-            notes += _protocol_notes(r.name, task, diffs, rec)
+        diffs = {r.name: protocol_differences(fps["reference"][0], fps[r.name][0], task) for r in runs[1:]}
+        notes += _protocol_notes(task, diffs, {n: r["tasks"][task] for n, r in records.items()})
     return paired, records, notes
 
 
