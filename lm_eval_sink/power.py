@@ -19,7 +19,7 @@ smallest n at which it reaches the target.
   would make it detectable at this psi; an effect larger than psi has no power at this psi (said in words).
   `exact_mcnemar_power` is the exact test's own power by enumeration (the test `buckets` runs), shown beside
   Connor's; it is discrete, not monotone in n. Whether the delta's interval `buckets` shows holds 0 is
-  conditional in the same way (`buckets.binary_delta_interval`: the exact test's answer), so the interval's
+  conditional in the same way (`buckets.stats.binary_delta_interval`: the exact test's answer), so the interval's
   verdict, the test and these figures describe one comparison at the observed psi; how far the interval reaches
   is Newcombe's unconditional one.
 - a continuous metric, which `buckets` tests with the Wilcoxon signed-rank test: the normal approximation of
@@ -117,7 +117,7 @@ def connor_mde(n: int, psi: float, alpha: float = ALPHA, power: float = TARGET_P
 
 
 def exact_mcnemar_power(n: int, psi: float, delta: float, alpha: float = ALPHA) -> float:
-    """Power of the exact conditional McNemar test (`buckets.mcnemar_exact`: two-sided binomial test of the
+    """Power of the exact conditional McNemar test (`buckets.stats.mcnemar_exact`: two-sided binomial test of the
     discordant pairs against 1/2) by enumeration: the number of discordant pairs m ~ Binomial(n, psi), and given
     m the regressions ~ Binomial(m, (psi + delta) / (2 psi)); needs |delta| <= psi."""
     import numpy as np

@@ -9,7 +9,8 @@ import json
 import pytest
 
 from lm_eval_sink.attribution import per_prompt_split
-from lm_eval_sink.buckets import BucketSettings, bucket
+from lm_eval_sink.buckets.compare import bucket
+from lm_eval_sink.buckets.settings import BucketSettings
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.pairing import index_docs, pair_docs, same_doc
 
