@@ -137,14 +137,16 @@ def bucket(
 
 
 def _power(p: Paired, kind: str, settings: BucketSettings) -> dict[str, Any]:
-    """The power of the test `bucket` runs: McNemar on the 0/1 metric, or on pass/fail under `--threshold`;
-    Wilcoxon on a continuous metric's differences."""
+    """The power of the test `bucket` runs, at the level of its interval (alpha = 1 - confidence): McNemar on the 0/1
+    metric, or on pass/fail under `--threshold`; Wilcoxon on a continuous metric's differences."""
+    alpha = round(1 - settings.confidence, 12)  # 0.05, not 0.050000000000000044
     if kind == "continuous" and settings.threshold is not None:
         thr = settings.threshold
         passes = (p.cand_v >= thr).astype(float) - (p.ref_v >= thr).astype(float)
-        return comparison_power("binary", passes, settings.effect, outcome=f"pass/fail (score >= {thr:g})")
+        return comparison_power("binary", passes, settings.effect, outcome=f"pass/fail (score >= {thr:g})", alpha=alpha)
     values = np.concatenate([p.ref_v, p.cand_v])
-    return comparison_power(kind, p.cand_v - p.ref_v, settings.effect, values=values, declared_range=p.spec.score_range)
+    spread = {"values": values, "declared_range": p.spec.score_range}
+    return comparison_power(kind, p.cand_v - p.ref_v, settings.effect, alpha=alpha, **spread)
 
 
 def _kind(ids, ref_v: np.ndarray, cand_v: np.ndarray, metric: str, spec: Benchmark, settings: BucketSettings) -> str:
