@@ -877,7 +877,7 @@ def buckets(
 ) -> None:
     """Per-prompt regression buckets of CANDIDATE vs REFERENCE (lm-eval runs: results JSON, samples JSONL, output
     folder, a sweep's evals/NAME folder, or a sweep's output folder with --checkpoint)."""
-    from lm_eval_sink.buckets import BucketSettings
+    from lm_eval_sink.buckets.settings import BucketSettings
     from lm_eval_sink.commands.buckets import CompareOptions, run_buckets
 
     settings = BucketSettings(

@@ -2,7 +2,7 @@
 
 One module per subcommand (`commands/<subcommand>.py`); cli.py parses options and calls its
 `run_<subcommand>(...)`, which returns the lines to print. A command module resolves its inputs (runs, models,
-files), calls the pure core (buckets.py, attribution.py, margin.py, predict.py, strength.py, screen.py,
+files), calls the pure core (buckets/, attribution.py, margin.py, predict.py, strength.py, screen.py,
 training/protection.py,
 report/view.py), which takes and returns data, then writes: several files into one output folder
 (`io.check_output_dir` before any work, `io.staged_dir` at the end), one file with `io.check_new_outputs`

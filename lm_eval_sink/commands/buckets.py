@@ -7,18 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lm_eval_sink.buckets import (
-    BucketReport,
-    BucketSettings,
-    bucket,
-    figure_title,
-    protocol_differences,
-    protocol_record,
-    rows_csv,
-    summary_markdown,
-    with_noise_floor,
-    with_runs,
-)
+from lm_eval_sink.buckets.compare import BucketReport, bucket
+from lm_eval_sink.buckets.noise import with_noise_floor
+from lm_eval_sink.buckets.protocol import protocol_differences, protocol_record, with_runs
+from lm_eval_sink.buckets.render import figure_title, rows_csv, summary_markdown
+from lm_eval_sink.buckets.settings import BucketSettings
 from lm_eval_sink.errors import UserError
 
 # What a bucket report records of the code that made it (`code_versions` in its provenance, docs/identity.md): the

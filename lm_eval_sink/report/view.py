@@ -303,7 +303,7 @@ def _power(d: Doc) -> dict[str, Any] | None:
 def _buckets_section(b: BucketsInput) -> dict[str, Any]:
     """The section of one buckets.json: scores and delta, bucket counts, failure kinds, regressions, instruction
     types, notes and protocol differences."""
-    from lm_eval_sink.buckets import figure_title
+    from lm_eval_sink.buckets.render import figure_title
 
     d = b.doc
     data = d.data
