@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from lm_eval_sink.buckets import BucketSettings, holm, paired_stats
+from lm_eval_sink.buckets.settings import BucketSettings
+from lm_eval_sink.buckets.stats import holm, paired_stats
 from lm_eval_sink.power import MIN_N, comparison_power, too_few
 from lm_eval_sink.tables import markdown_lines
 
@@ -99,7 +100,7 @@ def compare(first: np.ndarray, second: np.ndarray, kind: str, settings: BucketSe
     ids = list(range(len(first)))
     s = paired_stats(ids, first, second, kind, settings)
     values = np.concatenate([first, second])
-    pw = comparison_power(kind, second - first, settings.effect, values=values)
+    pw = comparison_power(kind, second - first, settings.effect, values=values, alpha=1 - settings.confidence)
     return {
         "delta": s.delta,
         "delta_ci": None if s.delta_ci is None else list(s.delta_ci),

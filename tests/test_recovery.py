@@ -10,7 +10,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from lm_eval_sink.buckets import BucketSettings
+from lm_eval_sink.buckets.settings import BucketSettings
 from lm_eval_sink.recovery import ALL, NONE, PART, WORSE, TaskOutcomes, fieller_share, recover
 
 FAST = BucketSettings(n_bootstrap=200, failure_kinds=False)
@@ -45,7 +45,7 @@ def _holds(ci, x) -> bool:
 
 
 @pytest.mark.parametrize("binary", [True, False])
-@settings(max_examples=15)  # each example runs recover(): 7 comparisons with their power
+@settings(max_examples=10)  # each example runs recover(): 7 comparisons with their power
 @given(data=st.data())
 def test_a_control_equal_to_the_reference_recovers_1_equal_to_the_candidate_0(binary, data):
     """Shares 1 and 0 exactly, each interval holding its estimate (and 1 or 0), never zero width for 0/1 outcomes."""
@@ -93,8 +93,8 @@ def test_fiellers_interval_is_the_set_of_shares_its_test_does_not_reject(ref_can
     assert gap(inside) <= 1e-12 * scale**2
 
 
-@settings(max_examples=10)  # each example runs recover(): up to 15 comparisons with their power
-@given(triples=st.lists(_three(), min_size=1, max_size=3))
+@settings(max_examples=6)  # each example runs recover(): up to 10 comparisons with their power
+@given(triples=st.lists(_three(), min_size=1, max_size=2))
 def test_holm_is_adjusted_within_each_family_as_statsmodels_does(triples):
     """Each family (the gaps over tasks; vs_candidate and vs_reference over every control x task) is adjusted on its
     own, as statsmodels' Holm does; adjusted p >= raw and monotone in it."""
