@@ -245,7 +245,9 @@ def share_text(cell: Mapping[str, Any]) -> str:
 def verdict_lines(data: Mapping[str, Any]) -> list[str]:
     """One line per control x task: the verdict, the share and why (the console's and table.md's last lines)."""
     return [
-        f"recovery: {c} on {task}: {cell['verdict']}, share {share_text(cell)}; {cell['verdict_reason']}"
+        f"recovery: {c} on {task}: {cell['verdict']}"
+        + (f", share {share_text(cell)}" if cell["recovered_share"] is not None else "")
+        + f"; {cell['verdict_reason']}"
         for c, tasks in data["controls"].items()
         for task, cell in tasks.items()
     ]
