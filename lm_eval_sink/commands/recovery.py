@@ -156,17 +156,10 @@ def read_runs(runs: list[NamedRun], settings) -> tuple[list[PairedTask], dict[st
     return paired, records, notes
 
 
-def _prompt(row: Mapping[str, Any]) -> str | None:
-    """The prompt the model saw: the request's first argument (lm-eval's `arguments.gen_args_0.arg_0`)."""
-    args = row.get("arguments")
-    first = args.get("gen_args_0") if isinstance(args, Mapping) else None
-    text = first.get("arg_0") if isinstance(first, Mapping) else None
-    return text if isinstance(text, str) else None
-
-
 def prompt_records(t: PairedTask, control: str, lists: Mapping[str, list[int]] | None) -> dict[str, list] | None:
     """The recovered and broken docs of `control`: doc id, prompt, the candidate's and the control's responses."""
     from lm_eval_sink.buckets.paired import response_text
+    from lm_eval_sink.report.view import get
 
     if lists is None:
         return None
@@ -175,7 +168,7 @@ def prompt_records(t: PairedTask, control: str, lists: Mapping[str, list[int]] |
         what: [
             {
                 "doc_id": i,
-                "prompt": _prompt(cand[i]),
+                "prompt": get(cand[i], "arguments", "gen_args_0", "arg_0"),  # what the model saw
                 "candidate_response": response_text(cand[i], filtered=True),
                 "control_response": response_text(ctrl[i], filtered=True),
             }
