@@ -464,7 +464,7 @@ def recovery_forest(data: Mapping, path: Path | None) -> Path | bytes:
         ax.plot([share], [y], "o", color="tab:blue", ms=5)
     for x, label in ((0.0, "0: none"), (1.0, "1: all of the gap")):
         ax.axvline(x, color="grey", ls="--", lw=0.8)
-        ax.text(x, len(rows) - 0.4, label, ha="center", va="bottom", fontsize=7, color="grey")
+        ax.text(x, 1.01, label, transform=ax.get_xaxis_transform(), ha="center", va="bottom", fontsize=7, color="grey")
     ax.set_yticks(range(len(rows)), [f"{c} / {task}: {cell['verdict']}" for c, task, cell in rows], fontsize=7)
     ax.set_ylim(len(rows) - 0.3, -0.7)
     ax.set_xlabel(
@@ -472,6 +472,8 @@ def recovery_forest(data: Mapping, path: Path | None) -> Path | bytes:
     )
     few = [task for task, t in data["tasks"].items() if t.get("too_few_to_tell")]
     ax.set_title(
-        ("too few to tell: " + ", ".join(few) + "; " if few else "") + "recovery of the candidate's gap", fontsize=9
+        ("too few to tell: " + ", ".join(few) + "; " if few else "") + "recovery of the candidate's gap",
+        fontsize=9,
+        pad=14,
     )
     return save_figure(fig, path)
