@@ -199,7 +199,7 @@ def test_every_section_and_every_number_traces_to_its_input(report, outputs):
     sweep = json.loads((outputs["sweep"] / "table.json").read_text())
     for i, _ in enumerate(sweep["rows"]):  # every checkpoint with its S delta and metric deltas
         assert any(src == f"../sweep/table.json#/rows/{i}/sink_strength_delta_vs_reference" for src, _, _ in p.found)
-    assert len(p.imgs) == 3 and all(s.startswith("data:image/png;base64,") for s in p.imgs)
+    assert len(p.imgs) == 4 and all(s.startswith("data:image/png;base64,") for s in p.imgs)  # with recovery's
     html_text = report.read_text()
     assert "punctuation:no_comma" in html_text and "mostly <b>format</b>" in html_text
     assert "http://" not in html_text.replace("http://www.w3.org", "") and "https://" not in html_text
