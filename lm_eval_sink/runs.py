@@ -155,8 +155,9 @@ def resolve_run(arg: str | Path) -> RunFiles:
 def load_results(run: RunFiles) -> dict[str, Any]:
     """The run's results JSON; a run without one, or a JSON that is not lm-eval's, is a UserError."""
     if run.results is None:
+        named = next(iter(run.samples.values())) if len(run.samples) == 1 else run.folder.resolve()
         raise UserError(
-            f"{run.folder}: no results_<time>.json for this run",
+            f"{named}: no results_<time>.json for this run",
             "pass the lm-eval output folder that holds the results file",
         )
     data = parse_json(

@@ -280,7 +280,9 @@ def measure(
     run = adapted(model)
     check_not_tensor_parallel(run.module)
     prompt_set = load_prompts(settings.prompts_file, settings.n_prompts)
-    encoded = encode_prompts(tokenizer, prompt_set.prompts, settings.use_chat_template, settings.system_prompt)
+    encoded = encode_prompts(
+        tokenizer, prompt_set.prompts, settings.use_chat_template, settings.system_prompt, prompt_set.where
+    )
     depth = n_layers_of(run.module)
     att = attention_layers(run.module, encoded.input_ids[0][:2])
     captures = capture_prompts(model, encoded, settings.layers_for(att), settings.batching(), progress=progress)

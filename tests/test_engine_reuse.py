@@ -228,11 +228,11 @@ def test_a_vllm_without_reload_weights_is_refused_in_one_line_naming_its_version
 
 
 def test_safetensors_header_shapes(tmp_path):
-    from lm_eval_sink.harness.engine_client import safetensors_shapes
+    from lm_eval_sink.weights import Tensor, file_tensors
 
     header = json.dumps({"a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}, "__metadata__": {}})
     (tmp_path / "w.safetensors").write_bytes(struct.pack("<Q", len(header)) + header.encode() + bytes(24))
-    assert safetensors_shapes(tmp_path / "w.safetensors") == {"a": [2, 3]}
+    assert file_tensors(tmp_path / "w.safetensors") == {"a": Tensor((2, 3), "F32")}
 
 
 # --- the engine's LLM(...) arguments, with a stand-in for vLLM's LLM (no engine starts) --------------------------

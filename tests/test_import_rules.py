@@ -41,6 +41,7 @@ TORCH_FREE = (
     "report.view",
     "comparability",
     "options",
+    "weights",
     "harness.engine_capture",  # its engine_refusal runs before any engine or model is loaded
 )
 # Core modules take and return data; reading inputs and writing outputs is their commands/<subcommand>.py's.

@@ -37,7 +37,7 @@ from typing import Any
 
 from lm_eval_sink.commands.units import finish_eval, keep_logs, run_unit
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.harness.engine_client import EngineProcess, checkpoint_facts, reload_support, safetensors_shapes
+from lm_eval_sink.harness.engine_client import EngineProcess, checkpoint_facts, reload_support
 from lm_eval_sink.harness.engine_worker import WORKER_EXTENSION
 from lm_eval_sink.io import staged_dir
 from lm_eval_sink.merging.engine_reuse import (
@@ -115,10 +115,12 @@ def _parameters(model: str) -> int:
     files' size over the stored dtype's."""
     from lm_eval_sink.merging.configs import stored_dtype
 
+    from lm_eval_sink.weights import checkpoint_tensors
+
     folder = Path(weights_folder(model))
-    shards = sorted(folder.glob("*.safetensors"))
-    if shards:
-        return sum(math.prod(shape) for f in shards for shape in safetensors_shapes(f).values())
+    tensors = checkpoint_tensors(folder)
+    if tensors:
+        return sum(math.prod(t.shape) for t in tensors.values())
     return sum(f.stat().st_size for f in folder.glob("*.bin")) // _itemsize(stored_dtype(str(folder)))
 
 

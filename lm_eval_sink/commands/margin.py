@@ -146,7 +146,7 @@ def _encode_on_reference(
     ref_tok, cand_tok = (AutoTokenizer.from_pretrained(s, **a) for s, a in map(pretrained_args, (ref_path, cand_path)))
     check_same_vocab(ref_tok.get_vocab(), cand_tok.get_vocab())
     prompt_set = load_prompts(Path(st.prompts_file) if st.prompts_file else None, st.n_prompts)
-    encoded = encode_prompts(ref_tok, prompt_set.prompts, st.use_chat_template, st.system_prompt)
+    encoded = encode_prompts(ref_tok, prompt_set.prompts, st.use_chat_template, st.system_prompt, prompt_set.where)
     cand_vocab_size = int(getattr(cand_config.get_text_config(), "vocab_size", 0) or 0)
     top = max(max(x) for x in encoded.input_ids)
     if cand_vocab_size and top >= cand_vocab_size:

@@ -13,7 +13,7 @@ screen is the ranking alone. A `*.strength.json` that `strength` wrote, passed i
 from __future__ import annotations
 
 import json
-import struct
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from lm_eval_sink.screen import (
     text_config,
 )
 from lm_eval_sink.strength import StrengthSettings
+from lm_eval_sink.weights import checkpoint_tensors
 
 SCREEN_FILES = ("screen.json", "screen.md", "screen.csv", "screen.png")
 STRENGTH_SUFFIX = ".strength.json"  # what `strength` names a model's result
@@ -116,24 +117,6 @@ def _setting_differences(prov: dict[str, Any], settings: StrengthSettings, promp
     return differ
 
 
-def _safetensors_shapes(folder: Path) -> dict[str, list[int]]:
-    """Tensor name -> shape from the safetensors headers (no weights are read)."""
-    shapes: dict[str, list[int]] = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        shapes.update({k: v["shape"] for k, v in header.items() if k != "__metadata__"})
-    return shapes
-
-
-def _prod(shape: list[int]) -> int:
-    out = 1
-    for x in shape:
-        out *= int(x)
-    return out
-
-
 def detect_qk_norm(model_path: str) -> QKNorm:
     """QK-norm class of a local model folder (config.json, then the safetensors header if needed),
     or of a hub id (when the hub is reachable) or a GGUF file through transformers' AutoConfig."""
@@ -153,11 +136,11 @@ def detect_qk_norm(model_path: str) -> QKNorm:
         ) from None
     if text_config(config).get("model_type") in qk_norm_table()["model_types"]:
         return classify_qk_norm(config)
-    shapes = _safetensors_shapes(folder)
-    if not shapes:
+    tensors = checkpoint_tensors(folder)
+    if not tensors:
         return classify_qk_norm(config)  # raises: unknown type and no safetensors to inspect
     suffixes = qk_norm_table()["weight_rule"]["layer0_suffixes"]
-    size = next((int(_prod(v)) for k, v in sorted(shapes.items()) if any(k.endswith(s) for s in suffixes)), None)
+    size = next((math.prod(t.shape) for k, t in sorted(tensors.items()) if any(k.endswith(s) for s in suffixes)), None)
     return classify_qk_norm(config, size)
 
 

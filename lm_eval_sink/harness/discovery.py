@@ -147,6 +147,17 @@ def _model_args(model_args: Any) -> dict[str, Any]:
     return simple_parse_args_string(model_args) if isinstance(model_args, str) else dict(model_args or {})
 
 
+def check_pretrained(arguments: dict[str, Any]) -> None:
+    """Before anything loads: a local `pretrained` folder's safetensors files (`weights.check_weights`), one line
+    naming a file that is missing, cut short or not safetensors."""
+    from lm_eval_sink.weights import check_weights
+
+    model_args = _model_args(arguments.get("model_args")) if isinstance(arguments.get("model"), str) else {}
+    pretrained = model_args.get("pretrained")
+    if isinstance(pretrained, str) and Path(pretrained).is_dir():
+        check_weights(Path(pretrained))
+
+
 def _task_manager(arguments: dict[str, Any]) -> Any:
     """The TaskManager simple_evaluate would build itself (model_args and metadata as every task's metadata)."""
     if arguments.get("task_manager") is not None:
@@ -339,6 +350,7 @@ def _wrap_simple_evaluate(original: Any) -> Any:
         except TypeError:  # lm-eval's own error for bad arguments, unchanged
             return original(*args, **kwargs)
         check_engine_memory(bound.arguments)  # vllm_preflight: vLLM's start-up memory check, before anything loads
+        check_pretrained(bound.arguments)
         first = measure_first_request(bound.arguments)
         if first is None:
             return original(*args, **kwargs)

@@ -55,7 +55,7 @@ from typing import Any
 
 from lm_eval_sink.errors import UserError, one_line
 from lm_eval_sink.harness.engine_worker import WORKER_EXTENSION
-from lm_eval_sink.harness.runner import EvalSettings
+from lm_eval_sink.harness.runner import EvalSettings, die_with_parent
 
 # The LLM(...) arguments that say where a checkpoint comes from (lm-eval's `pretrained`, and the commits that
 # measure-first pins for a hub id, none for a local folder): set per checkpoint, so left out of the comparison.
@@ -68,17 +68,6 @@ def _answers() -> Any:
     out = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
     os.dup2(2, 1)
     return out
-
-
-def _die_with_parent() -> None:
-    """Linux: be killed when the sweep's process dies (kill -9 included), so no engine outlives its sweep."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
-
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() == 1:
-            os._exit(1)
 
 
 @contextlib.contextmanager
@@ -392,5 +381,5 @@ def serve(requests: Any, answers: Any) -> None:
 
 if __name__ == "__main__":
     _answers_stream = _answers()
-    _die_with_parent()
+    die_with_parent()
     serve(sys.stdin, _answers_stream)

@@ -48,7 +48,23 @@ def _pinned_revision(model: str) -> dict[str, str]:
     return {"revision": model_identity(model)["revision"]}
 
 
-_ENTRY = "import sys; sys.argv[0] = 'lm_eval'; from lm_eval.__main__ import cli_evaluate; cli_evaluate()"
+# What a child process of this project runs first: it dies with the process that started it (`die_with_parent`).
+DIE_WITH_PARENT = "from lm_eval_sink.harness.runner import die_with_parent; die_with_parent()"
+_ENTRY = (
+    f"{DIE_WITH_PARENT}; import sys; sys.argv[0] = 'lm_eval'; from lm_eval.__main__ import cli_evaluate; cli_evaluate()"
+)
+
+
+def die_with_parent() -> None:
+    """Linux: this process is killed when its parent dies (kill -9 included), so no lm_eval run or engine outlives
+    the sweep that started it; a parent already gone ends it at once."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:
+            os._exit(1)
 
 
 @dataclass(frozen=True)

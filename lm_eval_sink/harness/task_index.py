@@ -91,8 +91,9 @@ def _plain(value: Any) -> bool:
 
 
 def _outside(rel: str) -> bool:
+    """Whether `rel` names no file inside the folder: absolute, up, or the folder itself ("" or ".")."""
     path = PurePosixPath(rel)
-    return path.is_absolute() or ".." in path.parts
+    return path.is_absolute() or ".." in path.parts or not path.parts
 
 
 def _problem(row: dict[str, Any]) -> str | None:
