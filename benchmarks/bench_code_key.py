@@ -22,7 +22,7 @@ import time
 _COLD = """
 import json, time
 from lm_eval_sink.code_key import source_hashes
-from lm_eval_sink.io import package_versions
+from lm_eval_sink.provenance import package_versions
 roots = ROOTS
 t0 = time.perf_counter(); n = len(source_hashes(roots)); t1 = time.perf_counter()
 package_versions(("torch", "transformers", "lm_eval")); t2 = time.perf_counter()

@@ -28,16 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.io import (
-    COMPLETE,
-    DiskFull,
-    atomic_write_json,
-    cache_dir,
-    canonical_json,
-    read_complete,
-    read_private_text,
-    sha256_text,
-)
+from lm_eval_sink.cache import cache_dir, read_private_text
+from lm_eval_sink.disk_full import DiskFull
+from lm_eval_sink.io import atomic_write_json, canonical_json, sha256_text
+from lm_eval_sink.outputs import COMPLETE, read_complete
 
 FINGERPRINT_RULE = "xxh3_128-whole-files-v2"
 SKIPPED_NAMES = frozenset({COMPLETE, "FAILED.json", "extraction.json", "injection.json", ".lock", ".lock.json"})

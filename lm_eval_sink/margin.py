@@ -43,7 +43,7 @@ KEY_PACKAGES = ("torch", "transformers", "peft")  # as strength.KEY_PACKAGES
 
 def key_versions() -> dict[str, Any]:
     """The versions a margin result is keyed by: the hashes of the margin and S code, torch's and transformers'."""
-    from lm_eval_sink.io import key_versions as versions
+    from lm_eval_sink.keys import key_versions as versions
 
     return versions(CODE, KEY_PACKAGES)
 

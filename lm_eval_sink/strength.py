@@ -324,7 +324,7 @@ def measure_model(
     progress: bool = True,
 ) -> SinkStrength:
     """Load a model by path, hub id or `default`, and measure its Sink Strength."""
-    from lm_eval_sink.io import provenance
+    from lm_eval_sink.provenance import provenance
     from lm_eval_sink.models import load_model
 
     loaded = load_model(name, dtype=dtype, device=device)
@@ -336,7 +336,7 @@ def measure_model(
 def key_versions(code: tuple[str, ...] = CODE) -> dict[str, Any]:
     """The versions a Sink Strength result is keyed by: the hashes of the code that computes S (`code`'s modules and
     what they import) and the versions of the packages that do."""
-    from lm_eval_sink.io import key_versions as versions
+    from lm_eval_sink.keys import key_versions as versions
 
     return versions(code, KEY_PACKAGES)
 
@@ -367,7 +367,7 @@ def result_key(
 ) -> str:
     """Identity of a measurement: its inputs and the versions that computed it (`key_versions()`); a finished
     output with the same key is reused."""
-    from lm_eval_sink.io import versioned_key
+    from lm_eval_sink.keys import versioned_key
 
     return versioned_key(inputs_key(name_path, fingerprint, settings, dtype), versions)
 

@@ -205,9 +205,9 @@ def stop_ray_cluster(temp_dir: Path, grace: float = 3.0) -> None:
 
 
 def set_package_version(monkeypatch, name: str, version: str) -> str | None:
-    """Make `io.package_versions` (the one source of the versions in result keys) report `version` for
+    """Make `provenance.package_versions` (the one source of the versions in result keys) report `version` for
     `name`, as an upgrade of that package would; returns the installed version."""
-    import lm_eval_sink.io as io
+    import lm_eval_sink.provenance as io
 
     real = io.package_versions
     installed = real((name,))[name]

@@ -129,7 +129,8 @@ def test_a_result_made_before_versions_were_keyed_is_recomputed(tiny_models, tmp
 def test_a_result_of_strength_method_2_whose_key_held_the_batch_size_is_recomputed(tiny_models, tmp_path, capsys):
     """Method 2 and earlier keyed the batch size: such a result (here, its provenance as that version wrote it) is
     one of the same inputs made by another method version, recomputed with the reason, not refused."""
-    from lm_eval_sink.io import canonical_json, sha256_text, versioned_key
+    from lm_eval_sink.io import canonical_json, sha256_text
+    from lm_eval_sink.keys import versioned_key
 
     out, model = tmp_path / "out", tiny_models["llama"]
     args = ("strength", model, "--last-k", "2", "--output", out, "--quiet")

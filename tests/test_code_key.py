@@ -95,7 +95,7 @@ def test_a_vllm_eval_units_key_changes_with_a_module_on_the_s_path(tmp_path, mon
     edited line of its capture.py another key, an edited line of cli.py (on no eval's path) the same."""
     from lm_eval_sink.harness import runner
     from lm_eval_sink.harness.runner import EvalSettings, eval_versions
-    from lm_eval_sink.io import versioned_key
+    from lm_eval_sink.keys import versioned_key
 
     settings = EvalSettings(tasks=("sink_strength_suite",), backend="vllm", device=None, python=str(VLLM_PY))
     copy = _package_copy(tmp_path / "copy")

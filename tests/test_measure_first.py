@@ -41,7 +41,7 @@ def test_a_backend_without_attention_gets_the_hf_results_measured_first(handset_
     import lm_eval
 
     from lm_eval_sink.harness.kept_strength import KEPT_DIR
-    from lm_eval_sink.io import cache_dir
+    from lm_eval_sink.cache import cache_dir
 
     hf = _evaluate("hf", f"pretrained={handset_llama_dir}", device="cpu", task_manager=task_manager)
     args = f"pretrained={handset_llama_dir},dtype=float32"

@@ -211,7 +211,7 @@ def test_eight_bundled_configs_ship_as_package_data(capsys):
 def test_bundled_config_merges_loads_and_matches_its_formula(tmp_path, tiny_trio, name, lineage):
     from transformers import AutoModelForCausalLM
 
-    from lm_eval_sink.io import read_complete
+    from lm_eval_sink.outputs import read_complete
 
     out = _merge(tmp_path, name, tiny_trio, lineage)
     assert (

@@ -37,7 +37,7 @@ def _model_card(path: Path) -> list[tuple[str, str]]:
         if text.startswith("---"):
             end = text.find("\n---", 3)
             if end > 0:
-                from lm_eval_sink.io import parse_yaml
+                from lm_eval_sink.yaml_input import parse_yaml
 
                 try:
                     meta = parse_yaml(text[3:end], str(readme)) or {}
@@ -277,14 +277,9 @@ def _cached(read: Callable[[Path], list[dict[str, Any]]]) -> Callable[[str], lis
 
 def write_report(att: Attribution, out_dir: str | Path, force: bool = False) -> dict[str, Path]:
     """attribution.json (with provenance), attribution.md and attribution.png in `out_dir`, built atomically."""
-    from lm_eval_sink.io import (
-        atomic_write_json,
-        atomic_write_text,
-        canonical_json,
-        provenance,
-        sha256_text,
-        staged_dir,
-    )
+    from lm_eval_sink.io import atomic_write_json, atomic_write_text, canonical_json, sha256_text
+    from lm_eval_sink.outputs import staged_dir
+    from lm_eval_sink.provenance import provenance
     from lm_eval_sink.plots import gap_parts
 
     out_dir = Path(out_dir)
@@ -324,7 +319,7 @@ def run_attribute(
     force: bool = False,
 ) -> list[str]:
     """The `attribute` command: refuse the output folder early, attribute, print the Markdown, write the folder."""
-    from lm_eval_sink.io import check_output_dir
+    from lm_eval_sink.outputs import check_output_dir
 
     if output is not None:
         files = [options.registry_file, options.benchmarks_file]

@@ -151,7 +151,8 @@ def compare_runs(
 ) -> BucketReport:
     """Resolve two lm-eval runs, bucket one task's samples, attach both runs' provenance; with `options.repeat` (a
     second run of the reference under the same protocol), the noise floor of the comparison."""
-    from lm_eval_sink.io import key_versions, provenance
+    from lm_eval_sink.keys import key_versions
+    from lm_eval_sink.provenance import provenance
     from lm_eval_sink.runs import read_samples, resolve_run
 
     ref_run, cand_run = resolve_run(reference), resolve_run(candidate)
@@ -198,7 +199,8 @@ def compare_runs(
 
 def write_outputs(report: dict[str, Any], output: Path, force: bool = False) -> list[Path]:
     """Write the JSON, Markdown, CSV and PNGs of a report into the folder `output` (staged, atomic)."""
-    from lm_eval_sink.io import atomic_write_json, atomic_write_text, staged_dir
+    from lm_eval_sink.io import atomic_write_json, atomic_write_text
+    from lm_eval_sink.outputs import staged_dir
     from lm_eval_sink.plots import bucket_bars, instruction_type_bars
 
     output = Path(output)
@@ -268,7 +270,7 @@ def run_buckets(
     lines to print. A sweep's output folder stands for one of its checkpoints (`sweep_runs`)."""
     reference, candidate = sweep_runs(reference, candidate, checkpoint)
     if output is not None:
-        from lm_eval_sink.io import check_output_dir
+        from lm_eval_sink.outputs import check_output_dir
 
         output = Path(output)
         check_output_dir(output, force, inputs=[reference, candidate, options.repeat, options.tokenizer])

@@ -39,7 +39,7 @@ from lm_eval_sink.commands.units import finish_eval, keep_logs, run_unit
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.harness.engine_client import EngineProcess, checkpoint_facts, reload_support, safetensors_shapes
 from lm_eval_sink.harness.engine_worker import WORKER_EXTENSION
-from lm_eval_sink.io import staged_dir
+from lm_eval_sink.outputs import staged_dir
 from lm_eval_sink.merging.engine_reuse import (
     Fields,
     Need,

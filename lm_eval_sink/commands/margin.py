@@ -195,7 +195,9 @@ def _provenance(
 ) -> dict[str, Any]:
     """The result's provenance, keyed by both models' fingerprints, the settings that decide the figures (no
     batching knob) and the dtype, with the versions that computed it."""
-    from lm_eval_sink.io import canonical_json, provenance, sha256_text, versioned_key
+    from lm_eval_sink.io import canonical_json, sha256_text
+    from lm_eval_sink.keys import versioned_key
+    from lm_eval_sink.provenance import provenance
     from lm_eval_sink.margin import key_versions
 
     st = settings.strength
@@ -246,14 +248,9 @@ def run_margin(
     margin_rows.npz, margin_heatmap.png."""
     import io as _io
 
-    from lm_eval_sink.io import (
-        atomic_write_bytes,
-        atomic_write_json,
-        atomic_write_text,
-        check_output_dir,
-        check_same_versions,
-        staged_dir,
-    )
+    from lm_eval_sink.io import atomic_write_bytes, atomic_write_json, atomic_write_text
+    from lm_eval_sink.keys import check_same_versions
+    from lm_eval_sink.outputs import check_output_dir, staged_dir
     from lm_eval_sink.calibration import load_prompts
     from lm_eval_sink.margin import key_versions
     from lm_eval_sink.models import resolve_model

@@ -19,7 +19,7 @@ def run_merge(
     quiet: bool = True,
 ) -> list[str]:
     """The `merge` command: merge, verify, publish; returns the line to print."""
-    from lm_eval_sink.io import check_writable
+    from lm_eval_sink.outputs import check_writable
     from lm_eval_sink.merging.merge import merge_config
 
     check_writable(Path(out), "OUT")  # before the config's models are resolved

@@ -263,7 +263,8 @@ class ResidentWorker:
     def _run_unit(self, unit: Unit, ck: Checkpoint) -> None:
         from lm_eval_sink.commands.units import finish_eval, save_strength
         from lm_eval_sink.harness.inprocess import evaluate, measure_strength
-        from lm_eval_sink.io import provenance, staged_dir
+        from lm_eval_sink.outputs import staged_dir
+        from lm_eval_sink.provenance import provenance
 
         if unit.kind == "eval":
             with staged_dir(unit.output, force=True, key=unit.key) as tmp:

@@ -55,7 +55,8 @@ def reused_strength(file: Path, settings: StrengthSettings, dtype: str) -> Reuse
     present content, in this setting (the settings that decide S, the calibration prompts, --dtype), by these
     versions; anything else is the one-line error naming what differs."""
     from lm_eval_sink.calibration import load_prompts
-    from lm_eval_sink.io import read_json, version_change
+    from lm_eval_sink.io import read_json
+    from lm_eval_sink.keys import version_change
     from lm_eval_sink.models import DTYPES, model_fingerprint
     from lm_eval_sink.strength import SinkStrength, inputs_key, key_versions
 
@@ -192,7 +193,7 @@ def run_screen(
     }
     if output is None:
         return _run(names, slugs, settings, None, options, (predict, fit, reused))
-    from lm_eval_sink.io import check_not_inputs, check_writable
+    from lm_eval_sink.outputs import check_not_inputs, check_writable
     from lm_eval_sink.locks import hold
     from lm_eval_sink.models import resolve_model
 
@@ -293,7 +294,8 @@ def _check_outputs(
 ) -> list[Path]:
     """The screen's files in `output`, checked before any work: `output` is a folder, and the files are new (or
     `force`), made by the same versions, and none of the inputs."""
-    from lm_eval_sink.io import check_new_outputs, check_same_versions
+    from lm_eval_sink.keys import check_same_versions
+    from lm_eval_sink.outputs import check_new_outputs
     from lm_eval_sink.strength import key_versions
 
     if output.exists() and not output.is_dir():
@@ -322,7 +324,8 @@ def _write(
     result: ScreenResult, md: str, files: list[Path], settings: StrengthSettings, options: MeasureOptions
 ) -> None:
     """screen.json (with its provenance), screen.md, screen.csv and the figure."""
-    from lm_eval_sink.io import atomic_write_json, atomic_write_text, provenance
+    from lm_eval_sink.io import atomic_write_json, atomic_write_text
+    from lm_eval_sink.provenance import provenance
     from lm_eval_sink.strength import key_versions
 
     data = {

@@ -79,7 +79,8 @@ def run_strength(
 def check_output(output: Path, names: list[str], slugs: list[str], settings: StrengthSettings, force: bool) -> None:
     """Refuse, before any model is resolved (converted) or loaded, an output folder that is a file, cannot be written
     or overlaps an input, and (without `force`) an earlier result in it that cannot be read."""
-    from lm_eval_sink.io import check_not_inputs, check_writable, read_earlier_output
+    from lm_eval_sink.io import read_earlier_output
+    from lm_eval_sink.outputs import check_not_inputs, check_writable
     from lm_eval_sink.models import resolve_model
 
     if output.exists() and not output.is_dir():
@@ -107,7 +108,8 @@ def _reusable(
     changed, or of other settings, is refused. `method2_key(batch_size)` is the inputs' key as strength
     method 2 and earlier made it."""
     from lm_eval_sink.identity import check_same_identity
-    from lm_eval_sink.io import read_earlier_output, version_change
+    from lm_eval_sink.io import read_earlier_output
+    from lm_eval_sink.keys import version_change
 
     if force or not json_path.exists():
         return None, None

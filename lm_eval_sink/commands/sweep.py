@@ -34,20 +34,11 @@ from lm_eval_sink.commands.engine_sweep import (
 )
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.identity import looks_like_hub_id, tree_files
-from lm_eval_sink.io import (
-    atomic_write_json,
-    atomic_write_text,
-    check_not_inputs,
-    check_writable,
-    clean_stale_all,
-    parse_yaml,
-    provenance,
-    read_complete,
-    read_text,
-    sha256_file,
-    sha256_text,
-    versioned_key,
-)
+from lm_eval_sink.io import atomic_write_json, atomic_write_text, read_text, sha256_file, sha256_text
+from lm_eval_sink.keys import versioned_key
+from lm_eval_sink.outputs import check_not_inputs, check_writable, clean_stale_all, read_complete
+from lm_eval_sink.provenance import provenance
+from lm_eval_sink.yaml_input import parse_yaml
 from lm_eval_sink.locks import hold
 from lm_eval_sink.merging.configs import TOKENIZER_CHOICES, bundled_names, load_template, render
 from lm_eval_sink.merging.engines import parse_engine, run_on_ray

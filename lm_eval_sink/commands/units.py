@@ -14,7 +14,9 @@ from typing import Any
 
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.identity import FINGERPRINT_RULE
-from lm_eval_sink.io import atomic_write_json, provenance, staged_dir, write_complete
+from lm_eval_sink.io import atomic_write_json
+from lm_eval_sink.outputs import staged_dir, write_complete
+from lm_eval_sink.provenance import provenance
 from lm_eval_sink.merging.engines import placement_fields
 from lm_eval_sink.merging.sweep import Unit
 

@@ -56,19 +56,10 @@ from lm_eval_sink.extract.plan import (
 )
 from lm_eval_sink.extract.rules import forward_rule, inverse_rule
 from lm_eval_sink.extract.verify import PROBE_TEXT, Verification, compare, logits, multimodal_token_ids, probe_ids
-from lm_eval_sink.io import (
-    COMPLETE,
-    SCHEMA_VERSION,
-    atomic_write_json,
-    atomic_write_text,
-    check_not_inputs,
-    check_output_dir,
-    key_versions,
-    provenance,
-    read_json,
-    staged_dir,
-    write_complete,
-)
+from lm_eval_sink.io import atomic_write_json, atomic_write_text, read_json
+from lm_eval_sink.keys import key_versions
+from lm_eval_sink.outputs import COMPLETE, check_not_inputs, check_output_dir, staged_dir, write_complete
+from lm_eval_sink.provenance import SCHEMA_VERSION, provenance
 from lm_eval_sink.models import load_placed, model_fingerprint, resolve_model
 
 log = logging.getLogger(__name__)

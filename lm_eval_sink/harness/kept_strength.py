@@ -69,7 +69,7 @@ def measured_or_kept(
     """The rows kept by an earlier call of the same inputs that failed (said in one line), else `measure(load, jobs,
     backend)`'s."""
     from lm_eval_sink.harness.task import Measured
-    from lm_eval_sink.io import cache_dir, read_private_text
+    from lm_eval_sink.cache import cache_dir, read_private_text
 
     path = cache_dir() / KEPT_DIR / f"{key(load, jobs)}.json"
     try:

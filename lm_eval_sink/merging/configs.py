@@ -31,7 +31,8 @@ import annotated_types as at
 import yaml
 
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.io import parse_yaml, read_text, sha256_file, sha256_text
+from lm_eval_sink.io import read_text, sha256_file, sha256_text
+from lm_eval_sink.yaml_input import parse_yaml
 from lm_eval_sink.schema import Strict, did_you_mean, key_path, model_at, parse
 
 LINEAGES = ("chain", "siblings")

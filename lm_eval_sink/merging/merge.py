@@ -19,17 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lm_eval_sink.io import (
-    COMPLETE,
-    canonical_json,
-    check_output_dir,
-    manifest,
-    provenance,
-    sha256_text,
-    staged_dir,
-    versioned_key,
-    write_complete,
-)
+from lm_eval_sink.io import canonical_json, sha256_text
+from lm_eval_sink.keys import versioned_key
+from lm_eval_sink.outputs import COMPLETE, check_output_dir, manifest, staged_dir, write_complete
+from lm_eval_sink.provenance import provenance
 from lm_eval_sink.merging.configs import ValidatedConfig, validate_file, validate_text
 
 _TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")
@@ -53,7 +46,7 @@ CODE = (__name__, "lm_eval_sink.merging.inmemory")
 def merge_versions() -> dict[str, Any]:
     """The versions a merge is keyed by: the hashes of the code that merges and the versions of the packages that do
     (the same for every method: TSV and STAR register with mergekit on every merge)."""
-    from lm_eval_sink.io import key_versions
+    from lm_eval_sink.keys import key_versions
 
     return key_versions(CODE, KEY_PACKAGES)
 
@@ -269,7 +262,7 @@ def merge_config(
     """Validate, merge in this process (hub-id inputs at the commits their identities name), verify, and publish `out`
     with its COMPLETE.json."""
     from lm_eval_sink.identity import FINGERPRINT_RULE
-    from lm_eval_sink.io import check_same_versions
+    from lm_eval_sink.keys import check_same_versions
     from lm_eval_sink.models import model_fingerprint
 
     vc = config if isinstance(config, ValidatedConfig) else validate_file(config)

@@ -42,7 +42,8 @@ from pydantic import Field, create_model
 
 from lm_eval_sink.devices import DEFAULT_DEVICE, DEVICE_HELP, DEVICE_PATTERN
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.io import canonical_json, sha256_text, versioned_key
+from lm_eval_sink.io import canonical_json, sha256_text
+from lm_eval_sink.keys import versioned_key
 from lm_eval_sink.merging.engines import EngineIn
 from lm_eval_sink.schema import Strict, parse
 from lm_eval_sink.strength import StrengthSettings
@@ -673,7 +674,7 @@ def check_conflicts(plan: Plan, state: FolderState, redo: frozenset[str], now: d
     inputs by other versions is recomputed, and so is one whose file is unchanged (a release changed a default):
     a note per unit."""
     from lm_eval_sink.identity import FINGERPRINT_RULE, check_same_identity
-    from lm_eval_sink.io import version_change
+    from lm_eval_sink.keys import version_change
 
     notes, conflicts = [], []
     for unit in plan.units:
