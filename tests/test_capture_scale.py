@@ -121,7 +121,7 @@ def test_batching_and_device_are_in_no_key_of_a_sweep_unit_or_task_item():
             strength_device=device,
         )
         identities = {r: {"fingerprint": f"sha256:{r}"} for r in ("reference", "candidate")}
-        plan = plan_units(spec, identities, [], {"eval": {}, "strength": {"strength method": 3}}, None)
+        plan = plan_units(spec, identities, [], {"eval": {}, "strength": {"strength method": 3}})
         return next(u.key for u in plan.units if u.id == "strength:reference")
 
     base = strength_key(StrengthSettings(batch_size=1), "cpu")

@@ -661,7 +661,11 @@ def test_merge_key_holds_the_code_and_package_versions(tmp_path, tiny_trio, caps
     another mergekit; `merge` refuses an output made by other versions naming them, and one made by the same as
     'already exists'."""
     from helpers import change_code, set_package_version
-    from lm_eval_sink.merging.merge import merge_key
+    from lm_eval_sink.keys import key_of
+    from lm_eval_sink.merging.merge import MergeWork
+
+    def merge_key(config, seed):
+        return key_of(MergeWork(config, seed)).key
 
     tsv = validate_text(render("tsv", tiny_trio["reference"], tiny_trio["candidate"], base=tiny_trio["base"]).text)
     linear = validate_text(render("linear_uniform", tiny_trio["reference"], tiny_trio["candidate"]).text)

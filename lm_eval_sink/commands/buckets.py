@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +20,22 @@ from lm_eval_sink.buckets import (
     with_runs,
 )
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.keys import CONTENT, Work, key_of
 
-# What a bucket report records of the code that made it (`code_versions` in its provenance, docs/identity.md): the
-# hashes of this module and all it imports (pairing, buckets, power, the run readers: `code_key`) and these packages'.
-CODE = (__name__,)
-CODE_PACKAGES = ("numpy", "scipy")
+
+@dataclass(frozen=True, slots=True)
+class BucketsWork(Work):
+    """What a bucket comparison reads: each run's samples and results files (by content), the task, the settings and
+    the tokenizer that counts generated tokens (a folder by content); its key is recorded in the provenance, with the
+    hashes of this module and all it imports (pairing, buckets, power, the run readers) and numpy's and scipy's."""
+
+    CODE = (__name__,)
+    PACKAGES = ("numpy", "scipy")
+
+    files: dict[str, Path]  # samples and results of the reference, candidate and repeat run
+    task: str
+    settings: BucketSettings
+    tokenizer: str | None = field(default=None, metadata=CONTENT)
 
 
 def run_fingerprint(run) -> tuple[Any, str | None]:
@@ -151,7 +162,6 @@ def compare_runs(
 ) -> BucketReport:
     """Resolve two lm-eval runs, bucket one task's samples, attach both runs' provenance; with `options.repeat` (a
     second run of the reference under the same protocol), the noise floor of the comparison."""
-    from lm_eval_sink.keys import key_versions
     from lm_eval_sink.provenance import provenance
     from lm_eval_sink.runs import read_samples, resolve_run
 
@@ -185,14 +195,16 @@ def compare_runs(
     if rep_path is not None:
         labels = (f"reference samples {ref_path}", f"repeat samples {rep_path}")
         report = with_noise_floor(report, read_samples(ref_path), read_samples(rep_path), settings, labels)
+    files = {
+        f"{k} {f}": Path(v[f"{f}_file"]) for k, v in runs.items() for f in ("samples", "results") if v[f"{f}_file"]
+    }
+    key = key_of(BucketsWork(files, task, settings, options.tokenizer))
     prov = provenance(
         command="buckets",
-        code_versions=key_versions(CODE, CODE_PACKAGES),
+        key=key.key,
+        inputs_key=key.inputs_key,
+        key_versions=key.versions,
         tokenizer=options.tokenizer,
-        inputs={
-            k: {"samples_sha256": v["samples_sha256"], "results_sha256": v.get("results_sha256")}
-            for k, v in runs.items()
-        },
     )
     return with_runs(report, runs, diffs, prov)
 

@@ -398,7 +398,7 @@ class EngineRunner:
 
     def run(self, unit: Unit) -> None:
         """Evaluate `unit`'s checkpoint on the engine into the unit's staged folder (a UserError: its one line)."""
-        weights = weights_folder(unit.inputs["model"])
+        weights = weights_folder(unit.inputs.model)
         fields = engine_fields(checkpoint_facts(weights), _dtype(self.settings))
         why = self._new_engine(unit, fields)
         self.fields, self.holds, self.failed = fields, unit.checkpoint, unit.id  # until it finishes
@@ -422,7 +422,7 @@ class EngineRunner:
             and self.holds == unit.checkpoint
             and s is not None
             and s["refusal"] is None
-            and s["dtype"] == _one_dtype(unit.inputs["dtype"])
+            and s["dtype"] == _one_dtype(unit.inputs.dtype)
         )
 
     def strength(self, unit: Unit) -> bool:
@@ -436,10 +436,10 @@ class EngineRunner:
         if not self._takes_strength(unit):
             return False
         assert self.process is not None
-        model = unit.inputs["model"]
+        model = unit.inputs.model
         info = {"path": model, **model_fingerprint(model), "resident_engine": True}
         request = {"op": "strength", "model": model, "weights": weights_folder(model), "info": info}
-        request["settings"] = asdict(unit.inputs["settings"])  # its output: the engine process's log
+        request["settings"] = asdict(unit.inputs.settings)  # its output: the engine process's log
         try:
             answer = self.process.request(request)
         except UserError as e:  # the process is gone: the next eval unit starts another
@@ -462,10 +462,10 @@ class EngineRunner:
         log.parent.mkdir(parents=True)
         log.write_text(
             f"# {self.settings.interpreter()}: {json.dumps(eval_versions(self.settings))}\n"
-            f"# resident vLLM engine, process {self.process.pid}: {unit.inputs['model']}\n",
+            f"# resident vLLM engine, process {self.process.pid}: {unit.inputs.model}\n",
             encoding="utf-8",
         )
-        request = {"op": "eval", "model": unit.inputs["model"], "weights": weights, "new_engine": why}
+        request = {"op": "eval", "model": unit.inputs.model, "weights": weights, "new_engine": why}
         request |= {"output_path": str(tmp / "lm_eval"), "log": str(log), "settings": self.settings.to_json()}
         try:
             answer = self.process.request(request)
@@ -508,7 +508,7 @@ def local_runner(spec: SweepSpec, notes: list[str]) -> Iterator[Callable[[Unit],
 
 
 def _fields_of(settings: Any) -> Callable[[Unit], Fields]:
-    return lambda unit: checkpoint_fields(unit.inputs["model"], settings)
+    return lambda unit: checkpoint_fields(unit.inputs.model, settings)
 
 
 def ray_pool(spec: SweepSpec) -> Any:

@@ -57,7 +57,7 @@ from lm_eval_sink.extract.plan import (
 from lm_eval_sink.extract.rules import forward_rule, inverse_rule
 from lm_eval_sink.extract.verify import PROBE_TEXT, Verification, compare, logits, multimodal_token_ids, probe_ids
 from lm_eval_sink.io import atomic_write_json, atomic_write_text, read_json
-from lm_eval_sink.keys import key_versions
+from lm_eval_sink.keys import Work, key_versions
 from lm_eval_sink.outputs import COMPLETE, check_not_inputs, check_output_dir, staged_dir, write_complete
 from lm_eval_sink.provenance import SCHEMA_VERSION, provenance
 from lm_eval_sink.models import load_placed, model_fingerprint, resolve_model
@@ -70,10 +70,6 @@ INJECT_REPORT_FILE = "injection.json"
 COMPLETE_FILE = COMPLETE  # the project's one marker name (io.COMPLETE)
 FAILED_FILE = "FAILED.json"
 _REPORT_FILES = {"extract": REPORT_FILE, "inject": INJECT_REPORT_FILE}
-# What an extraction or injection records of the code that made it (`code_versions` in its report and marker,
-# docs/identity.md): the hashes of this module and all it imports and reads (the tensor rules, the family files).
-CODE = (__name__,)
-CODE_PACKAGES = ("torch", "transformers", "safetensors")
 _MARKER_FILES = (COMPLETE_FILE, FAILED_FILE, REPORT_FILE, INJECT_REPORT_FILE)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 _TOKENIZER_COPY = (
@@ -242,9 +238,17 @@ def _write(job: _Job, vlm: _Vlm, out: Path, *, force: bool, start: float, progre
     return report
 
 
+class ExtractCode(Work):
+    """What an extraction or injection records of the code that made it (`code_versions` in its report and marker):
+    the hashes of this module and all it imports and reads (the tensor rules, the family files), these packages'."""
+
+    CODE = (__name__,)
+    PACKAGES = ("torch", "transformers", "safetensors")
+
+
 def code_versions() -> dict[str, Any]:
-    """The code and package versions an extraction or injection records (`CODE`, `CODE_PACKAGES`)."""
-    return key_versions(CODE, CODE_PACKAGES)
+    """The code and package versions an extraction or injection records (`ExtractCode`)."""
+    return key_versions(ExtractCode)
 
 
 def _finish(tmp: Path, report: ExtractionReport) -> None:

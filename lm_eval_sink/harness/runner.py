@@ -31,6 +31,7 @@ from typing import Any
 
 from lm_eval_sink.devices import DEFAULT_DEVICE, check_device, lm_eval_device
 from lm_eval_sink.errors import UserError, failure_line
+from lm_eval_sink.keys import CONTENT, UNKEYED
 from lm_eval_sink.provenance import DISTRIBUTIONS
 from lm_eval_sink.runs import RunFiles, resolve_run
 
@@ -65,12 +66,13 @@ class EvalSettings:
     limit: int | float | None = None
     seed: int = 0
     batch_size: int | str = 1
-    device: str | None = DEFAULT_DEVICE  # HF only (devices.check_device); None for vllm
+    device: str | None = field(default=DEFAULT_DEVICE, metadata=UNKEYED)  # HF only; None for vllm; in no key
     dtype: str | None = None  # model_args dtype=...; None: the model's own
     log_samples: bool = True
-    include_path: str | None = None
-    model_args: dict[str, Any] = field(default_factory=dict)  # extra backend kwargs (HF from_pretrained / vllm.LLM)
-    python: str | None = None  # the interpreter lm-eval runs in; None: this one
+    include_path: str | None = field(default=None, metadata=CONTENT)
+    # extra backend kwargs (HF from_pretrained / vllm.LLM); a file or folder one names (peft=, tokenizer=): by content
+    model_args: dict[str, Any] = field(default_factory=dict, metadata=CONTENT)
+    python: str | None = field(default=None, metadata=UNKEYED)  # lm-eval's python, keyed by its `eval_versions`
 
     def __post_init__(self) -> None:
         if not self.tasks:
