@@ -69,12 +69,6 @@ def key_of(work: Work, versions: Mapping[str, Any] | None = None) -> Key:
 
 def keyed(value: Any, how: str = "value") -> Any:
     """`value` as a key holds it (`how`: a field's marker): by value, by content or by the model's identity."""
-    if value is None:
-        return None
-    if how == "model":
-        from lm_eval_sink.models import model_fingerprint
-
-        return model_fingerprint(str(value))["fingerprint"]
     if dataclasses.is_dataclass(value):
         return {
             f.name: keyed(getattr(value, f.name), f.metadata.get("key", "value"))
@@ -85,6 +79,10 @@ def keyed(value: Any, how: str = "value") -> Any:
         return {str(k): keyed(v, how) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [keyed(v, how) for v in value]
+    if how == "model" and value is not None:
+        from lm_eval_sink.models import model_fingerprint
+
+        return model_fingerprint(str(value))["fingerprint"]
     return content(value) if (how == "content" and _names_path(value)) or isinstance(value, Path) else value
 
 

@@ -238,6 +238,7 @@ def _write(job: _Job, vlm: _Vlm, out: Path, *, force: bool, start: float, progre
     return report
 
 
+@dataclass(frozen=True, slots=True)
 class ExtractCode(Work):
     """What an extraction or injection records of the code that made it (`code_versions` in its report and marker):
     the hashes of this module and all it imports and reads (the tensor rules, the family files), these packages'."""
