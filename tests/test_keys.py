@@ -219,3 +219,27 @@ def test_every_environment_variable_and_module_a_kind_declares_is_in_its_key(dec
                 change_code(m, file)
                 assert key_of(work).key != key.key, f"{type(work).__name__}: {file}"
     assert {w.__name__ for w in declarations if w.ENV} == {"EvalWork"}
+
+
+def test_a_prompt_file_edited_in_place_is_not_reused_by_strength(handset_llama_dir, tmp_path, capsys):
+    """`strength --prompts FILE` keyed the file by its path: edited in place from two prompts to one (same size,
+    same mtime), the rerun said `reused` and kept S of two. Now the rerun is refused as one of other inputs, --force
+    measures the one prompt, and the next run reuses it."""
+    from lm_eval_sink.cli import main
+
+    prompts, out = tmp_path / "prompts.txt", tmp_path / "out"
+    prompts.write_text("Name two colours.\nName a big city.\n")
+    args = ["strength", str(handset_llama_dir), "--prompts", str(prompts), "--last-k", "2", "--output", str(out)]
+    assert main([*args, "--quiet"]) == 0
+    (result,) = out.glob("*.strength.json")
+    assert json.loads(result.read_text())["n_prompts"] == 2
+    capsys.readouterr()
+    assert main([*args, "--quiet"]) == 0 and ": reused" in capsys.readouterr().out
+    mtime = prompts.stat().st_mtime_ns
+    prompts.write_text("Name two colours.\n" + " " * 16 + "\n")  # one prompt, the same size
+    os.utime(prompts, ns=(mtime, mtime))
+    assert main([*args, "--quiet"]) == 2
+    assert "already exists with other inputs" in capsys.readouterr().err
+    assert main([*args, "--quiet", "--force"]) == 0 and json.loads(result.read_text())["n_prompts"] == 1
+    capsys.readouterr()
+    assert main([*args, "--quiet"]) == 0 and ": reused" in capsys.readouterr().out
