@@ -11,7 +11,7 @@ Rules (`FINGERPRINT_RULE`):
   cache, so a repeated call costs one stat per file; an in-place write changes mtime and ctime; an
   entry is JSON data, used only when it is exactly what `file_hash` writes (that path and size, an
   xxh3-128 hash) and this user owns it and nobody else can write it, else hashed again and replaced. An
-  entry decides which result is reused, so the cache is private to its user (`io.cache_dir` refuses one that
+  entry decides which result is reused, so the cache is private to its user (`cache.cache_dir` refuses one that
   another user owns or can write): nobody else can forge one;
 - a hub id (`org/name`, or `org/name@REVISION` with a branch, tag or commit sha): its commit sha
   (from the local HF cache when it holds that revision, else online from the hub), with the blob

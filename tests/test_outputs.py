@@ -1,4 +1,5 @@
-"""Outputs never destroy inputs, and a killed build is tidied by the next one (io.check_not_inputs, io.staged_dir).
+"""Outputs never destroy inputs, and a killed build is tidied by the next one (`outputs.check_not_inputs`,
+`outputs.staged_dir`).
 
 Every writing command is run with an output that is, contains or lies inside one of its inputs,
 with and without --force: one error line, exit 2, and the inputs byte-identical afterwards.

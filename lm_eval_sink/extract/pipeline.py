@@ -3,7 +3,7 @@
 Both directions refuse OUT_DIR when it is in the way or overlaps an input (before and after a
 hub id resolves to its snapshot), resolve the VLM (`models.resolve_model`, as a local folder),
 read its family, config and safetensors headers and plan (`plan.make_plan`); then `_write`
-builds the output in a `<out>.partial-<id>` sibling (`io.staged_dir`, holding `<out>.lock`, which
+builds the output in a `<out>.partial-<id>` sibling (`outputs.staged_dir`, holding `<out>.lock`, which
 first removes what a killed run left): the non-weight files, the planned shards streamed tensor
 by tensor, the verification (round-trip logits) and the report, marked `COMPLETE.json`,
 or `FAILED.json` when verification fails (the folder is kept for inspection). A direction (`_Job`)
@@ -67,7 +67,7 @@ log = logging.getLogger(__name__)
 DEFAULT_SHARD_BYTES = 5 * 1024**3
 REPORT_FILE = "extraction.json"
 INJECT_REPORT_FILE = "injection.json"
-COMPLETE_FILE = COMPLETE  # the project's one marker name (io.COMPLETE)
+COMPLETE_FILE = COMPLETE  # the project's one marker name (outputs.COMPLETE)
 FAILED_FILE = "FAILED.json"
 _REPORT_FILES = {"extract": REPORT_FILE, "inject": INJECT_REPORT_FILE}
 _MARKER_FILES = (COMPLETE_FILE, FAILED_FILE, REPORT_FILE, INJECT_REPORT_FILE)
@@ -171,14 +171,14 @@ class _Job:
 
 
 def _output(out_dir: str | Path, force: bool, inputs: list[str | Path]) -> Path:
-    """OUT_DIR, refused before any work when it is in the way or overlaps an input (`io.check_output_dir`)."""
+    """OUT_DIR, refused before any work when it is in the way or overlaps an input (`outputs.check_output_dir`)."""
     out = Path(out_dir).expanduser()
     check_output_dir(out, force, "OUT_DIR", inputs=inputs)
     return out
 
 
 def _resolve(name: str | Path, role: str, out: Path) -> Path:
-    """A model's local folder (a hub id's snapshot), refused when OUT_DIR overlaps it (`io.check_not_inputs`)."""
+    """A model's local folder (a hub id's snapshot), refused when OUT_DIR overlaps it (`outputs.check_not_inputs`)."""
     folder = Path(resolve_model(name, role, local=True, allow_adapter=False))
     check_not_inputs([out], inputs=[folder], option="OUT_DIR")
     return folder

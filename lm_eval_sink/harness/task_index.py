@@ -18,8 +18,8 @@ installed lm-eval, so its index is kept in `cache_dir()/task_index/<key>.json`:
   breaks any of this, torn or planted, is built again and replaced;
 - who may write it: only this user. A redirected task or a tag given other members is as well-formed as a true
   entry, and checking entries against lm-eval's build would cost the parse this cache avoids, so the cache is
-  private (`io.cache_dir` refuses one another user owns or can write) and a file in it that is not this user's
-  alone is read as absent (`io.read_private_text`).
+  private (`cache.cache_dir` refuses one another user owns or can write) and a file in it that is not this user's
+  alone is read as absent (`cache.read_private_text`).
 Other folders (`--include_path`, this project's tasks) are small and always built by lm-eval, then merged as
 lm-eval merges them: a later folder's task replaces an earlier one's, with lm-eval's warning from lm-eval's
 logger. Reading the index back takes under a second.
