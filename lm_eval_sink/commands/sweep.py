@@ -35,7 +35,6 @@ from lm_eval_sink.commands.engine_sweep import (
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.identity import looks_like_hub_id
 from lm_eval_sink.io import atomic_write_json, atomic_write_text, read_text, sha256_file
-from lm_eval_sink.keys import key_of
 from lm_eval_sink.outputs import check_not_inputs, check_writable, clean_stale_all, read_complete
 from lm_eval_sink.provenance import provenance
 from lm_eval_sink.yaml_input import parse_yaml
@@ -265,22 +264,14 @@ def plan_sweep(spec: SweepSpec) -> Plan:
     from lm_eval_sink.merging.merge import MergeWork
     from lm_eval_sink.models import model_fingerprint
 
-    merges = []
-    for r in spec.merges:
-        work = MergeWork(r.validated, spec.random_seed, spec.merge_device, r.template.path)
-        key = key_of(work)
-        merges.append(
-            RenderedMerge(
-                r.name,
-                r.template.path,
-                work,
-                key.key,
-                r.validated.method,
-                r.template.paper_setting,
-                key.inputs_key,
-                key.versions,
-            )
+    merges = [
+        RenderedMerge(
+            r.name,
+            MergeWork(r.validated, spec.random_seed, spec.merge_device, r.template.path),
+            r.template.paper_setting,
         )
+        for r in spec.merges
+    ]
     identities = {role: model_fingerprint(spec.models[role]) for role in ENDPOINTS}
     evals = eval_versions(spec.eval) if spec.eval is not None else {}
     on_engine = engine_strength_versions(spec, evals)

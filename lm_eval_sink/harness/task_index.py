@@ -69,11 +69,12 @@ def keyed_files(root: Path) -> list[str]:
 
 
 def folder_key(root: Path, version: str) -> str:
-    """The key of `root`'s index: the format, lm-eval's version, the folder, each keyed file's path, size, mtime."""
+    """The key of `root`'s index: the format, lm-eval's version, the folder, each keyed file's path, inode, size,
+    mtime and ctime (an edit in place changes its ctime, also when the mtime is put back)."""
     digest = hashlib.sha256(f"{FORMAT}\0{version}\0{root}\0".encode())
     for rel in keyed_files(root):
-        stat = (root / rel).stat()
-        digest.update(f"{rel}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+        st = (root / rel).stat()
+        digest.update(f"{rel}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\n".encode())
     return digest.hexdigest()[:32]
 
 

@@ -311,16 +311,12 @@ def redo_units(plan: Plan, redo: Sequence[str]) -> frozenset[str]:
 
 @dataclass(frozen=True)
 class RenderedMerge:
-    """One merge control filled in for the sweep's models: what its merge unit runs, and its key."""
+    """One merge control filled in for the sweep's models: what its merge unit runs (`merging.merge.MergeWork`, its
+    config checked once when the sweep file was loaded) and the paper setting it stands for."""
 
     name: str
-    template: str  # the template's path
-    work: Any  # merging.merge.MergeWork of the validated config (checked once when the sweep file was loaded)
-    key: str  # keys.key_of(work)
-    method: str
+    work: Any
     setting: str | None
-    inputs_key: str
-    versions: dict[str, Any]
 
 
 def plan_units(
@@ -340,9 +336,13 @@ def plan_units(
     units = [u for ck in checkpoints for u in _measure_units(spec, ck, identities.get(ck.name), versions)]
     for m in merges:
         target = spec.output / "merges" / m.name
-        merged = {f"merge {k}": v for k, v in m.versions.items()}
-        ck = Checkpoint(m.name, "merge", str(target), m.inputs_key, method=m.method, setting=m.setting, versions=merged)
-        units.append(Unit("merge", m.name, m.key, target, m.work, m.inputs_key, m.versions))
+        merge = unit("merge", m.name, target, m.work)
+        merged = {f"merge {k}": v for k, v in merge.versions.items()}
+        method = m.work.config.method
+        ck = Checkpoint(
+            m.name, "merge", str(target), merge.inputs_key, method=method, setting=m.setting, versions=merged
+        )
+        units.append(merge)
         units += _measure_units(spec, ck, identities.get(ck.name), versions)
         checkpoints.append(ck)
     return Plan(
