@@ -90,18 +90,13 @@ def _names_path(value: Any) -> bool:
     return isinstance(value, (str, Path)) and bool(str(value)) and Path(str(value)).expanduser().exists()
 
 
-def content(path: str | Path) -> str | None:
+def content(path: str | Path) -> str:
     """The content of a file (sha256 of its bytes: no cache, so no stat can stand in for it) or folder (every file
-    below it by its relative path: `identity.folder_identity`, whose whole-file hashes a stat change renews); None for
-    a path that names nothing."""
+    below it by its relative path: `identity.folder_identity`, whose whole-file hashes a stat change renews)."""
     from lm_eval_sink.identity import files_fingerprint, folder_identity
 
     path = Path(path).expanduser()
-    if path.is_dir():
-        return files_fingerprint(folder_identity(path))
-    if not path.is_file():
-        return None
-    return "sha256:" + sha256_file(path)
+    return files_fingerprint(folder_identity(path)) if path.is_dir() else "sha256:" + sha256_file(path)
 
 
 def key_versions(kind: type[Work]) -> dict[str, Any]:

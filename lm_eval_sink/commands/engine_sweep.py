@@ -331,7 +331,7 @@ def plan_notes(plan: Plan, todo: Sequence[Unit]) -> list[str]:
     evals = [u for u in todo if u.kind == "eval"]
     if not evals:
         return []
-    fields = {u.checkpoint: _known_fields(u.inputs["model"], spec.eval) for u in evals}
+    fields = {u.checkpoint: _known_fields(u.inputs.model, spec.eval) for u in evals}
     where = "per Ray actor" if spec.engine is not None and spec.engine.kind == "ray" else "for the sweep"
     lines = [
         f"vllm engine: one resident engine {where}, each checkpoint's weights swapped into it in place "
