@@ -83,11 +83,9 @@ def keyed(value: Any, how: str = "value") -> Any:
         from lm_eval_sink.models import model_fingerprint
 
         return model_fingerprint(str(value))["fingerprint"]
-    return content(value) if (how == "content" and _names_path(value)) or isinstance(value, Path) else value
-
-
-def _names_path(value: Any) -> bool:
-    return isinstance(value, (str, Path)) and bool(str(value)) and Path(str(value)).expanduser().exists()
+    if isinstance(value, Path) or (how == "content" and isinstance(value, str) and value):
+        return content(value) if Path(value).expanduser().exists() else str(value)  # a path naming nothing: itself
+    return value
 
 
 def content(path: str | Path) -> str:
