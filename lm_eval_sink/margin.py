@@ -30,22 +30,12 @@ from typing import Any
 import numpy as np
 
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.keys import MODEL, Work
 from lm_eval_sink.strength import StrengthSettings
 from lm_eval_sink.tables import csv_text, markdown_lines
 
 SCHEMA_VERSION = 1
 DEFAULT_QUANTILE = 0.95
-# What a margin result's key holds beside its inputs (docs/identity.md): the hashes of this module's code and of
-# the S code it measures with (`code_key`), and these packages' versions.
-CODE = (__name__, "lm_eval_sink.strength")
-KEY_PACKAGES = ("torch", "transformers", "peft")  # as strength.KEY_PACKAGES
-
-
-def key_versions() -> dict[str, Any]:
-    """The versions a margin result is keyed by: the hashes of the margin and S code, torch's and transformers'."""
-    from lm_eval_sink.io import key_versions as versions
-
-    return versions(CODE, KEY_PACKAGES)
 
 
 def sigmoid(x: Any) -> Any:
@@ -299,6 +289,20 @@ class MarginSettings:
             raise UserError(f"--quantile must lie in [0, 1], got {self.quantile}", "use e.g. 0.95")
         if self.last_k is not None and self.last_k <= 0:
             raise UserError(f"--last-k must be positive, got {self.last_k}", "use e.g. --last-k 10, or --last-k all")
+
+
+@dataclass(frozen=True, slots=True)
+class MarginWork(Work):
+    """What `measure_margin` receives: both models (by content), the settings (a prompt file by content), the dtype;
+    keyed with the margin and S code, the command that chooses them, and the packages that compute (`keys.key_of`)."""
+
+    CODE = (__name__, "lm_eval_sink.strength", "lm_eval_sink.commands.margin")
+    PACKAGES = ("torch", "transformers", "peft")
+
+    reference: str = field(metadata=MODEL)
+    candidate: str = field(metadata=MODEL)
+    settings: MarginSettings
+    dtype: str
 
 
 def check_same_vocab(ref_vocab: dict[str, int], cand_vocab: dict[str, int]) -> None:

@@ -444,6 +444,8 @@ def test_a_strength_unit_measured_on_the_resident_engine_is_keyed_by_the_engines
     engine process's vLLM forward, torch, transformers and code: another vLLM there measures them again (review of
     issue 43: their key held this interpreter's torch and transformers and code alone, so a resumed sweep reused S
     after vLLM changed). Measured with transformers here, their key does not hold the engine's."""
+    from dataclasses import replace
+
     from lm_eval_sink.commands.sweep import load_sweep, plan_sweep
     from lm_eval_sink.harness import runner
 
@@ -461,6 +463,10 @@ def test_a_strength_unit_measured_on_the_resident_engine_is_keyed_by_the_engines
     unit = next(u for u in plan_sweep(on_engine).units if u.kind == "strength")
     assert unit.versions["engine vllm"] == "0.33.0" and "engine code" in unit.versions
     assert keys(here, "0.32.0") == keys(here, "0.33.0")
+    assert unit.inputs.engine == {"model_args": on_engine.eval.model_args, "dtype": on_engine.eval.dtype}
+    longer = replace(on_engine.eval, model_args={**on_engine.eval.model_args, "max_model_len": 512})
+    other = keys(replace(on_engine, eval=longer), "0.33.0")  # the engine's model_args: in S's key there
+    assert all(other[n] != after[n] for n in after)
 
 
 def test_an_eval_units_s_time_adds_the_engines_tasks_and_counts_the_childs_once(tmp_path):

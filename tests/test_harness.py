@@ -433,7 +433,7 @@ def test_a_yaml_nobody_else_can_swap_after_the_build(offline_manager, shared_dat
         TaskManager()
     assert list(shared.iterdir()) == []
 
-    from lm_eval_sink.io import private_problem
+    from lm_eval_sink.cache import private_problem
 
     manager, marker = offline_manager
     path = Path(manager.task_index["ifeval"].yaml_path)

@@ -41,7 +41,7 @@ def test_a_backend_without_attention_gets_the_hf_results_measured_first(handset_
     import lm_eval
 
     from lm_eval_sink.harness.kept_strength import KEPT_DIR
-    from lm_eval_sink.io import cache_dir
+    from lm_eval_sink.cache import cache_dir
 
     hf = _evaluate("hf", f"pretrained={handset_llama_dir}", device="cpu", task_manager=task_manager)
     args = f"pretrained={handset_llama_dir},dtype=float32"
@@ -283,27 +283,6 @@ def test_every_reader_of_a_boolean_model_argument_reads_it_alike(handset_llama_d
         for v in FLAGS
     }
     assert got == {v: (on, on, on) for v, on in FLAGS.items()}
-
-
-@pytest.mark.parametrize("edited", ["harness/measure_first.py", "harness/task.py", "capture.py"])
-def test_the_key_of_kept_s_changes_with_the_code_that_measured_it(monkeypatch, edited):
-    """Kept rows were keyed by the S code's closure alone (`strength.py`'s), which holds neither the child's load
-    (`measure_first.py`: eager or sdpa, the adapter) nor `task.measure_rows`: a change there reused the old S. A
-    changed hash of either, or of the capture, now gives another key."""
-    from lm_eval_sink import code_key
-    from lm_eval_sink.harness.kept_strength import key
-    from lm_eval_sink.harness.measure_first import HfLoad
-
-    load, jobs = HfLoad(pretrained="org/not-a-folder"), {TASK: {"n_prompts": 5}}
-    before = key(load, jobs)
-    read = code_key._read
-
-    def edited_read(path: Path):
-        digest, refs = read(path)
-        return ("0" * 32 if path.as_posix().endswith(f"lm_eval_sink/{edited}") else digest), refs
-
-    monkeypatch.setattr(code_key, "_read", edited_read)
-    assert key(load, jobs) != before
 
 
 def test_kept_s_in_a_file_others_can_write_is_measured_again(tmp_path, monkeypatch):

@@ -33,7 +33,7 @@ import pytest
 import yaml
 from helpers import VLLM_PY, engine_core_pids, vllm_missing_reason
 
-from lm_eval_sink.merging.sweep import Unit
+from lm_eval_sink.merging.sweep import EvalWork, Unit
 
 pytestmark = [pytest.mark.skipif(not VLLM_PY.is_file(), reason=vllm_missing_reason())]
 CHECKPOINTS = ("reference", "candidate", "near_reference")
@@ -276,9 +276,10 @@ def edge(smollm2_sweep, default_model, tmp_path_factory, vllm_env) -> dict:
     runner, errors = EngineRunner(settings, root / "logs"), {}
     try:
         for name, model in models.items():
-            inputs = {"model": str(model), "settings": settings, "identity": None}
             try:
-                runner.run(Unit("eval", name, f"key-{name}", root / "evals" / name, inputs))
+                runner.run(
+                    Unit("eval", name, f"key-{name}", root / "evals" / name, EvalWork(str(model), name, settings))
+                )
             except Exception as e:  # the unit's failure, as the sweep records it
                 errors[name] = e
         state = {"failed": runner.failed, "process": runner.process, "started": runner.started}

