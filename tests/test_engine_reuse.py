@@ -8,6 +8,7 @@ import struct
 import pytest
 import yaml
 
+from lm_eval_sink.commands.engine_sweep import EngineS
 from lm_eval_sink.merging.engine_reuse import (
     WEIGHTS,
     assign,
@@ -351,13 +352,13 @@ def test_a_resident_sweep_whose_units_need_the_engines_gpu_memory_is_refused_at_
     """One GPU (through the devices seams: visible GPUs, total memory) of 5 x the tiny checkpoint's float32 weights:
     vLLM's default 0.92 leaves 0.4 x for the child that measures sink_strength first, or for strength: units. S from
     the engine (a Llama, strength: in the engine's dtype) needs no second copy, so the same sweeps fit; where the
-    engine cannot measure S (an fp8 KV cache; strength: in another dtype) the line says so."""
+    engine cannot measure S (quantization=fp8; strength: in another dtype) the line says so."""
     from dataclasses import replace
 
     from helpers import TINY_SWEEP_TASK
 
     from lm_eval_sink import devices
-    from lm_eval_sink.commands.engine_sweep import EngineS, check_room, engine_s
+    from lm_eval_sink.commands.engine_sweep import check_room, engine_s
     from lm_eval_sink.commands.sweep import load_sweep
     from lm_eval_sink.errors import UserError
 
@@ -365,13 +366,13 @@ def test_a_resident_sweep_whose_units_need_the_engines_gpu_memory_is_refused_at_
     monkeypatch.setattr(devices, "resolve_device", lambda device: ("cuda:0",))
     monkeypatch.setattr(devices, "_total_memory", lambda found: {d: 5 * need for d in found})
     tasks = [TINY_SWEEP_TASK, "sink_strength"]
-    fp8 = {"kv_cache_dtype": "fp8"}
+    fp8 = {"quantization": "fp8"}  # the engine would run other weights: S with the child, beside the engine
     path = _vllm_sweep(tmp_path, tiny_trio, tasks=tasks, dtype="float32", model_args=fp8)
     line = user_error(["sweep", path, "--quiet"], tmp_path / "out")
     assert "the resident vLLM engine takes 0.92 of cuda:0" in line, line
     assert "for the child that measures S first in each eval unit (reference's weights in float32)" in line
     assert "gpu_memory_utilization to 0.80 or lower" in line and "--fresh-engine" in line
-    assert "(S from the engine is not possible here: a quantized KV cache (kv_cache_dtype=fp8)" in line
+    assert "(S from the engine is not possible here: model_args quantization=fp8: quantizes the weights as" in line
     on_engine = load_sweep(_vllm_sweep(tmp_path / "engine", tiny_trio, tasks=tasks, dtype="float32"))  # fits
     assert engine_s(on_engine) == EngineS(None, None)
     fits = _vllm_sweep(
@@ -482,19 +483,41 @@ def test_an_eval_units_s_time_adds_the_engines_tasks_and_counts_the_childs_once(
     assert _s_seconds(results()) == 0.0
 
 
-def test_strength_units_stay_with_transformers_where_the_engine_runs_another_tokenizer(tmp_path, tiny_trio):
-    """A strength: unit measures the checkpoint with its own tokenizer (as `strength` does); an engine given another
-    (`eval.model_args.tokenizer`, as lm-eval passes it to vLLM) encodes the prompts with that one, so those units stay
-    with transformers (review of issue 43: they went to the engine, their S then depending on where they ran). The
-    eval units' S, measured with the tokenizer lm-eval's model uses as `--model hf` does, stays on the engine."""
-    from lm_eval_sink.commands.engine_sweep import engine_s
-    from lm_eval_sink.commands.sweep import load_sweep
+@pytest.mark.parametrize("given", ["quantization", "tokenizer"])
+def test_a_resident_sweep_whose_engine_runs_other_weights_measures_s_with_transformers(tmp_path, tiny_trio, given):
+    """`quantization: fp8` in a resident sweep's model_args: the engine would run other weights than the checkpoint's
+    (review of issue 47: it passed every check and each strength.json held the fp8 engine's S under the checkpoint's
+    name; vLLM's CPU build runs no online quantization, so the plan and the sweep's runner are what is tested here).
+    Neither the eval units' S nor the strength: units come from the engine: the plan says why, and a strength: unit
+    run through the sweep's resident runner is measured with transformers, its marker saying why and where S was
+    measured, with which versions. Another tokenizer rules out the strength: units alone (measured with the
+    checkpoint's own, as `strength` does); lm-eval's requests and the child both encode with lm-eval's."""
+    from lm_eval_sink.commands.engine_sweep import engine_s, local_runner, plan_notes
+    from lm_eval_sink.commands.sweep import load_sweep, plan_sweep
+    from lm_eval_sink.harness.engine_decision import RULES
 
-    strength = {"n_prompts": 5, "dtype": "float32"}
-    given = {"tokenizer": str(tiny_trio["reference"])}
-    where = engine_s(load_sweep(_vllm_sweep(tmp_path, tiny_trio, strength=strength, dtype="float32", model_args=given)))
-    assert where.evals is None
-    assert where.strength == (
-        "eval.model_args.tokenizer has the engine run other files than each checkpoint's own, which the strength: "
-        "units measure"
-    )
+    model_args = {"quantization": "fp8"} if given == "quantization" else {"tokenizer": str(tiny_trio["reference"])}
+    strength = {"n_prompts": 5, "dtype": "float32", "last_k": 1}
+    spec = load_sweep(_vllm_sweep(tmp_path, tiny_trio, strength=strength, dtype="float32", model_args=model_args))
+    rule = next(r for r in RULES if r.argument == given)
+    why = f"model_args {given}={model_args[given]}: {rule.changes}"
+    assert engine_s(spec) == EngineS(None if rule.units_only else why, why)
+    plan = plan_sweep(spec)
+    assert f"vllm engine: the strength: units measured with transformers: {why}" in plan_notes(plan, list(plan.units))
+    unit = next(u for u in plan.units if u.kind == "strength" and u.checkpoint == "reference")
+    notes: list[str] = []
+    with local_runner(spec, notes) as run:
+        run(unit)
+    marker = json.loads((unit.output / "COMPLETE.json").read_text())
+    saved = json.loads((unit.output / "strength.json").read_text())
+    assert marker["not_on_engine"] == why and marker["sink_strength"] == saved["sink_strength"]
+    import torch
+    import transformers
+
+    assert marker["measured_with"] == {
+        "capture_backend": "hf",
+        "process": "the unit's own, with transformers",
+        "dtype": "float32",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
