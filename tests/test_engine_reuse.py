@@ -244,9 +244,9 @@ def test_a_hub_reference_and_a_local_merge_share_the_resident_engine(tmp_path, t
     measure-first hands it: a hub id's revisions pinned to its commit (offline HF cache), none for a local folder.
     The per-checkpoint arguments do not count, so the local merge after the hub reference, and the reference again,
     get the engine's weights swapped in; every call into the workers names a method of the worker extension the
-    engine is built with. The same process decides, for lm-eval's own VLLM class, where S is measured: on the engine
-    for a Llama, else (data parallel, a worker extension of the user's, an fp8 KV cache, an architecture the capture
-    is not verified on, an unreadable config) with the transformers child, and why."""
+    engine is built with; lm-eval's own engine (no resident) gets the worker extension where it is built. The same
+    process decides, for lm-eval's own VLLM class, where S is measured: on the engine for a Llama, else (quantization=,
+    an architecture the capture is not verified on, an unreadable config) with the transformers child, and why."""
     import os
     import subprocess
 
@@ -271,7 +271,7 @@ def test_a_hub_reference_and_a_local_merge_share_the_resident_engine(tmp_path, t
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got["errors"] == [None, None, None], got["errors"]
+    assert got["errors"] == [None, None, None, None], got["errors"]
     # vLLM's start-up memory check (vllm_preflight) is asked where an engine starts, not where the running engine
     # takes the checkpoint: it counted the engine's own memory against a start that never comes (review of issue 43:
     # a CPU sweep whose share fits once was refused from its second unit on)
@@ -287,27 +287,30 @@ def test_a_hub_reference_and_a_local_merge_share_the_resident_engine(tmp_path, t
         return [reload, ["reset_prefix_cache"], ["collective_rpc", "reseed", None], storage]
 
     assert swaps == [*swap(str(local)), *swap(str(snapshot))]
+    # lm_eval --model vllm alone: the hook's one change to the engine lm-eval builds is its worker extension, given
+    # where lm-eval calls vLLM's LLM (review of issue 47: it was also injected into the model_args)
+    ((build, arguments),) = got["alone"]
+    assert (
+        build == "build" and arguments["model"] == str(local) and arguments["worker_extension_cls"] == WORKER_EXTENSION
+    )
     # where the start-up hook measures S under lm-eval's own VLLM class, decided before any engine is built
-    assert got["method"] == "vllm_sink_strength"  # VLLM got this project's request method (patching.add_method)
+    assert got["methods"] == ["vllm_sink_strength", "_model_info"]  # VLLM got this project's methods (add_method)
     decided = got["decisions"]
     assert decided[str(local)]["plain"] is None  # a Llama: S on the engine lm-eval builds
-    assert decided[str(local)]["data_parallel"].startswith("data_parallel_size > 1: lm-eval runs the engines in Ray")
-    assert decided[str(local)]["own_extension"].startswith("model_args worker_extension_cls=my.Extension is your own")
-    assert decided[str(local)]["fp8_kv_cache"].startswith("a quantized KV cache (kv_cache_dtype=fp8)")
+    quantized = "model_args quantization=fp8: quantizes the weights as they load: the engine runs other weights"
+    assert decided[str(local)]["quantization"].startswith(quantized)
     assert decided[str(other)]["plain"].startswith("Phi3ForCausalLM: the engine's statistics are verified against")
     assert decided[str(tmp_path / "none")]["plain"] == "its config.json could not be read before the engine is built"
-    # the hook itself (discovery.measure_first_request) under --model vllm: the engine's model_args carry the worker
-    # extension and nothing is said; where the engine cannot measure S, one line says why and the child's capture
-    # record keeps it (review of issue 43: the line's text and the decision were tested, not that the hook says it)
+    # the hook itself (discovery.measure_first_request) under --model vllm: the model_args as given and nothing said;
+    # where the engine cannot measure S, one line says why and the child's capture record keeps it (review of issue
+    # 43: the line's text and the decision were tested, not that the hook says it)
     from lm_eval_sink.harness.engine_strength import fallback_line
 
     hook = got["hook"]
-    assert hook["engine"]["model_args"] == f"pretrained={local},worker_extension_cls={WORKER_EXTENSION}"
-    assert hook["engine"]["said"] == "" and hook["engine"]["record"] is None
-    why = decided[str(local)]["fp8_kv_cache"]
-    assert hook["fp8_kv_cache"]["said"] == fallback_line(["sink_strength"], why) + "\n"
-    assert hook["fp8_kv_cache"]["record"]["not_on_engine"] == why
-    assert "worker_extension_cls" not in hook["fp8_kv_cache"]["model_args"]
+    assert hook["engine"] == {"model_args": f"pretrained={local}", "said": "", "record": None}
+    why = decided[str(local)]["quantization"]
+    assert hook["quantization"]["said"] == fallback_line(["sink_strength"], why) + "\n"
+    assert hook["quantization"]["record"]["not_on_engine"] == why
 
 
 # --- accelerator memory beside the engine, at plan time -----------------------------------------------------------
