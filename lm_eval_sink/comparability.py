@@ -93,6 +93,11 @@ class Setting:
             return "none" if value is None else repr(value)
         return str(value)
 
+    def measured_in(self) -> str:
+        """The dtype of one S, in every line that shows an S (`in bfloat16`): vLLM runs a float32 checkpoint in
+        bfloat16 unless told, which moves S by a quarter of what separates a sweep's checkpoints."""
+        return f"in {self.dtype}" if self.dtype else "in a dtype not recorded"
+
     def describe(self) -> str:
         """The setting in one line (group-level: no depth)."""
         return ", ".join(f"{_FIELD_WORDS[f]}: {self.shown(f)}" for f in SPLIT_FIELDS)

@@ -433,7 +433,7 @@ def strength_lines(result_dict: dict[str, Any]) -> list[str]:
         depth = setting.attention_layers or "the"
         share = "" if setting.k_share is None else f" ({setting.k_share:.0%})"
         where = f"all {depth}" if setting.last_k_asked is None else f"the last {setting.last_k} of {depth}"
-        parts = [f"{task}: S = {s:.4f} over {where} attention layers{share}"]
+        parts = [f"{task}: S = {s:.4f} {setting.measured_in()} over {where} attention layers{share}"]
         parts.append(f"position 0 is the sink in {100 * pos0:.1f}% of rows")
         content, template = m.get("sink_strength_content_rows,none"), m.get("sink_strength_template_rows,none")
         if isinstance(content, float) and isinstance(template, float):
