@@ -1,26 +1,14 @@
 """A vLLM sweep's eval units on one resident engine (`eval: {backend: vllm}`; `engine_reuse`, the default).
 
-Instead of an `lm_eval` process per checkpoint, which starts vLLM's engine again each time, one
-process in the vLLM interpreter (`harness.engine_server`, through `harness.engine_client`) keeps one
-engine for the sweep (under Ray, one per actor: `engines.run_on_ray`'s pool) and takes each
-checkpoint's weights in place. `EngineRunner.run(unit)` is an eval unit on it: the same staged folder,
-key, marker and lm-eval output files as `units.run_unit`, plus the engine's record in the marker
-(`engine`: which engine, whether it was built or reloaded for the unit and why, `timings`, `peak_rss`,
-`peak_accelerator_memory`). A checkpoint that differs from the engine's in a setting the engine fixed at
-its start (`merging.engine_reuse.engine_fields`) gets a new engine, with a note; so does the unit after a
-failed one, which is that unit's one line. Merges and strength units run as before (`units.run_unit`).
-
-Sink Strength on the engine (`engine_s`, decided at plan time by `harness.engine_decision.s_refusal` on the
-checkpoints' config.json and the eval settings, as each eval unit decides it): an eval unit's `sink_strength` tasks
-are measured on the engine lm-eval runs (in the engine process), and each `strength:` unit is sent to the engine
-process right after its checkpoint's eval unit (`EngineRunner.strength`: the `strength` request, which the built
-engine decides again), so neither loads a second copy of the weights. A strength unit the engine does not take (the
-plan's or the engine's reason, its checkpoint's eval unit finished earlier, Ray) is measured with transformers
-(`units.run_unit`), its marker saying why (`not_on_engine`) and where S was measured (`measured_with`).
-
-`engine_reuse` decides the setting from the sweep file and `--fresh-engine`, `check_reuse` refuses at
-plan time a vLLM without the worker's `reload_weights`, `check_room` a sweep whose units would load a
-checkpoint on GPU memory the engine holds, and `plan_notes` is the plan's line about engines and S.
+`EngineRunner.run(unit)` is an eval unit on one engine process (`harness.engine_server`, through
+`harness.engine_client`) that keeps its engine and takes each checkpoint's weights in place: the same staged folder,
+key, marker and lm-eval output files as `units.run_unit`, plus the engine's record. A checkpoint that differs in a
+setting the engine fixed at its start (`merging.engine_reuse.engine_fields`), or the unit after a failed one, gets a
+new engine. Where S is measured (`engine_s`: the one decision, `harness.engine_decision.s_refusal`, at plan time):
+the eval units' Sink Strength tasks on the engine lm-eval runs, each `strength:` unit on the engine right after its
+checkpoint's eval unit (`EngineRunner.strength`, decided again by the built engine); otherwise with transformers
+(`units.run_unit`), the marker saying why (`not_on_engine`). `engine_reuse`, `check_reuse` and `check_room` refuse
+at plan time what one engine cannot run; `plan_notes` says where S is measured. Details: docs/scale.md.
 """
 
 from __future__ import annotations

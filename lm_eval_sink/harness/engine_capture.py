@@ -1,35 +1,13 @@
 """Sink Strength from a vLLM engine's own forward: a worker extension that reads each attention layer's query and key.
 
-vLLM runs every decoder attention layer as `layer.impl.forward(layer, query, key, value, kv_cache, attn_metadata,
-output=...)`, called from `unified_attention_with_output` (vllm/model_executor/layers/attention/attention.py). On
-CPUs and CUDA that call sits inside the opaque custom op `vllm::unified_attention_with_output`, so its Python runs
-also when the model is compiled: torch.compile does not trace into it. On a GPU, CUDA graphs replay kernels without
-Python; with vLLM's default `cudagraph_mode` FULL_AND_PIECEWISE, full graphs serve uniform decode batches only, and a
-prefill batch is dispatched to the piecewise graphs (`CudagraphDispatcher.dispatch`: the FULL keys of the mixed
-routine exist only for `cudagraph_mode` FULL), whose pieces are split at that custom op and run it eagerly. So a
-measured prefill always reaches the layer's Python, except under `cudagraph_mode` FULL, which is refused.
-
-`SinkCaptureMixin` is a `worker_extension_cls` (named methods, called through `LLM.collective_rpc("name", ...)`; a
-plain callable would need vLLM's insecure serialization switch). While a measurement is armed
-(`sink_capture_arm`), the `impl.forward` of each measured layer is wrapped: the wrapper calls the original with the
-same arguments (so the layer's output is the same tensor it always is), then reduces the prefill's query and key to
-capture.py's per-row statistics with capture.py's own row math (`_row_stats`, `query_chunk` rows at a time: at most
-one [heads, chunk, T] float32 block per layer besides the float32 keys), in float32, with the layer's scale
-(`impl.scale`), logit soft-capping (`impl.logits_soft_cap`), causal mask and sliding window (`layer.sliding_window`,
-transformers' `key > query - window`), and GQA (`num_heads // num_kv_heads` query heads per KV head) as the layer
-applies them. Only those statistics leave the worker (`sink_capture_collect`), packed as bytes (vLLM's default
-serializer carries no numpy arrays in utility results); `sink_capture_disarm` restores every `impl.forward`.
-
-The driver (`measure_on_engine`) sends each calibration prompt alone, as token ids, with one greedy output token,
-`skip_reading_prefix_cache` (no prefix-cache hit: the layer's `key` holds the whole prompt) and a cache salt of its
-own (no later request reads the blocks it writes); a prompt longer than the scheduler's `max_num_batched_tokens`
-(chunked prefill would split it) is refused before anything runs. Each worker records a forward only when it is one
-request's whole prefill (`query_start_loc`, `seq_lens`); any other forward while armed is reported and refused.
-Under tensor parallelism each rank reduces its own query heads (vLLM's column split: rank r holds the r-th
-contiguous block) and the driver concatenates them in rank order, the model's head order.
-
-Whether an engine measures S at all is decided before it is built, from the checkpoint's config and the engine's
-arguments (`engine_decision.s_refusal`); the workers check again on the built engine (`sink_capture_arm`).
+`SinkCaptureMixin` (a `worker_extension_cls`, called by name through `LLM.collective_rpc`) wraps the `impl.forward`
+of each measured attention layer while a measurement is armed: the original runs unchanged, then the prefill's query
+and key are reduced to capture.py's per-row statistics with capture.py's own row math, in float32, with the layer's
+scale, soft-capping, sliding window and GQA; only those statistics leave the workers. `measure_on_engine` sends each
+calibration prompt alone (one greedy token, no prefix-cache read, a cache salt of its own) and checks that every
+recorded forward is one request's whole prefill. Whether an engine measures S at all is decided before it is built
+(`engine_decision.s_refusal`); the workers check again on the built engine. Why this works under torch.compile and
+CUDA graphs, tensor parallelism, and the figures: docs/sink-strength.md ("S inside a vLLM engine").
 """
 
 from __future__ import annotations

@@ -1,44 +1,12 @@
 """The resident vLLM engine's process: lm-eval's vLLM model on one engine that takes each checkpoint's weights.
 
-`harness.engine_client.EngineProcess` starts it in the vLLM interpreter as
-`PYTHON -m lm_eval_sink.harness.engine_server` and talks to it in JSON lines: one request per line on
-its stdin, one answer line per request on the stdout it was started with (the process points its own
-stdout at stderr before anything else, so nothing vLLM, lm-eval or transformers print can mix with
-the answers; during a request stderr is that unit's lm-eval log):
-
-    -> {"op": "eval", "model": NAME, "weights": FOLDER, "output_path": DIR, "log": FILE,
-        "settings": EvalSettings.to_json(), "new_engine": WHY or null}
-    <- {"ok": true, "results": FILE, "samples": {TASK: FILE}, "engine": {...}, "timings": {...},
-        "peak_rss": BYTES, "peak_accelerator_memory": {DEVICE: BYTES} or null}
-    <- {"ok": false, "error": LINE, "hint": FIX or null}
-    -> {"op": "strength", "model": NAME, "weights": FOLDER, "dtype": DTYPE, "settings": StrengthSettings as JSON,
-        "info": {...}}  (a strength: unit of the checkpoint the engine holds now: its eval unit ran last)
-    <- {"ok": true, "strength": SinkStrength.to_json(), "timings": {...}, "peak_rss": BYTES}
-    -> {"op": "close"}  (or the end of stdin: the sweep's process is gone) and the process exits
-
-An eval request runs lm-eval in this process as its CLI would (`inprocess.cli_config` parses the
-same `EvalSettings.command`, `simple_evaluate` gets `--model vllm` and the checkpoint's model_args,
-one TaskManager serves every request), so lm-eval builds its vLLM model for each checkpoint, with
-that checkpoint's config, tokenizer and chat template, and the start-up hook decides where this project's
-tasks are measured: on the engine (`engine_strength.py`, where the engine path is exact) or first, with
-transformers, on the checkpoint's folder (`measure_first.py`). A `strength` request measures a sweep's `strength:`
-unit on the checkpoint the engine holds (`engine_strength.measure_strength`), so no second copy of the weights
-loads, where `engine_decision.built_refusal` allows it for the unit's dtype, and is one line otherwise. Only the
-engine is kept: the `LLM(...)` that lm-eval's model asks for is the resident one, after `reload_weights` from the
-checkpoint's folder (vLLM's worker method, through `LLM.collective_rpc`), `reset_prefix_cache()` (no KV block of
-the previous weights is reused) and the seed the engine's workers set after a build (sampled
-decoding starts from the same generator state as on a fresh engine). Every call into the workers
-names a method: vLLM's own, or `engine_worker.EngineWorkerExtension`'s, which the engine is built
-with (`worker_extension_cls`), so it runs in vLLM's default process mode (engine core in a process
-of its own), where a plain function would not pass vLLM's serializer. lm-eval's `LLM(...)`
-arguments for each checkpoint must equal the first one's but for where the checkpoint comes from
-(`PER_CHECKPOINT`: the model and its pinned revisions). The first request builds the
-engine, from its checkpoint; `new_engine` is why the sweep started this process (the first
-checkpoint, one that differs from the previous engine's in a setting fixed at start, or a failed
-unit before), recorded with the unit. A process serves one engine: after a failed unit (whose
-reload may have left the weights half written) it refuses further units, and the sweep starts a
-new process, as for a new engine (an engine built again in the same process kept about 0.8 GB
-more memory than the first on a CPU: a fresh process starts clean).
+`harness.engine_client.EngineProcess` starts it in the vLLM interpreter (`python -m lm_eval_sink.harness.engine_server`)
+and sends one JSON request per line on its stdin (`eval`, `strength`, `close`); each gets one answer line on the
+stdout it was started with (the process's own stdout then writes to stderr, the unit's log). An `eval` request runs
+lm-eval in this process as its CLI would, the `LLM(...)` lm-eval's vLLM model asks for being the resident engine
+(`ResidentEngine.serving`: built for the first checkpoint, then `reload_weights`, prefix-cache reset and reseed);
+a `strength` request measures a sweep's `strength:` unit on the checkpoint the engine holds, where the one decision
+allows it (`engine_decision.built_refusal`). The protocol, the checks and their figures: docs/scale.md.
 """
 
 from __future__ import annotations

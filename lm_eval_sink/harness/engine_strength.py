@@ -1,24 +1,12 @@
 """Sink Strength on the vLLM engine that lm-eval builds: decided before it is built, measured by its request method.
 
-Under `--model vllm` the start-up hook (`discovery.measure_first_request`) decides, before lm-eval builds its
-engine, where S is measured (`decide`: `engine_decision.s_refusal` on the checkpoint's config.json and the
-model_args alone):
-- on the engine itself, where it runs the checkpoint's own weights in a forward the capture reads: lm-eval's `VLLM`
-  carries this project's `sink_strength` request method (`patching.add_method`), and while lm-eval runs, its engine
-  is built with this project's worker extension (`engine_builder`, the one way this project changes that engine),
-  so it carries the capture (`engine_worker.EngineWorkerExtension`) and nothing else loads the checkpoint;
-- otherwise with transformers in a child process first (`measure_first.py`, the one fallback), with one line saying
-  why (`LM_EVAL_SINK_S_ON_ENGINE=0` asks for it: `benchmarks/bench_engine_strength.py` compares the two).
-
-`vllm_sink_strength` is the method lm-eval dispatches the task's requests to: rows measured first where the child
-measured them, else each task's prompts measured on `self.model` (the `LLM`) with lm-eval's own tokenizer, the
-task's settings (chat template, system prompt, the last K of the attention layers: `attention_layers_from_config`,
-else every layer) and `self.lora_request` (an engine-applied LoRA is measured as lm-eval's requests run it), in
-`PromptRows` as HFLM's method gives them, so the results JSON, samples and console are those of `--model hf`.
-Each task's `capture` record (`engine_records`, set before any request; `wall_seconds` added as it is measured)
-says `capture_backend: vllm`, what the engine runs (dtype, quantization, KV cache dtype, LoRA, tensor parallel
-size) and that S is that of those weights. `measure_strength` is the same measurement as one `SinkStrength` (the
-resident engine's `strength:` units). Importing this module imports neither torch, vLLM nor lm-eval.
+Under `--model vllm` the start-up hook (`discovery.measure_first_request`) asks `decide` (the one decision,
+`engine_decision.s_refusal`) before lm-eval builds its engine. Where S is measured on the engine, lm-eval's `VLLM`
+carries this project's `sink_strength` request method (`vllm_sink_strength`, rows as HFLM's method gives them) and
+its engine is built with this project's worker extension (`engine_builder`, the one way this project changes that
+engine); otherwise the transformers child measures S first (`measure_first.py`, the one fallback), with one line
+saying why. `measure_strength` is the same measurement as one `SinkStrength` (the resident engine's `strength:`
+units). How, and the figures: docs/lm-eval.md. Importing this module imports neither torch, vLLM nor lm-eval.
 """
 
 from __future__ import annotations
