@@ -1,16 +1,10 @@
-"""Sink Strength from the vLLM engine's own forward (`harness/engine_capture.py`) against transformers' eager capture.
+"""Sink Strength from the vLLM engine's own forward (`harness/engine_capture.py`) against transformers' eager capture,
+and the one decision of where S is measured (`harness/engine_decision.py`).
 
-Three families cover the variants the capture applies as the layer does (tests/engine_models.py: head size 32,
-GQA, float32): Llama (plain causal), Gemma 2 (logit soft-capping, a sliding window on alternate layers, a scale
-other than head_dim**-0.5) and Gemma 3 (sliding window plus q/k norm). Each runs in a process of its own in the
-vLLM venv (tests/drivers/engine_capture.py: one engine per process), the three at once: Llama in vLLM's default
-process mode (the engine core and its worker in other processes: every call into the worker goes by name through
-vLLM's default serializer), the Gemmas in-process. Measured on this machine's CPU build: every per-row statistic
-within 5e-6 of the eager capture (asserted: 2e-5), the sink key and pos0 visibility equal in every row, S within
-1e-6. The Llama engine also applies a LoRA adapter (`lora_request`, as lm-eval's `lora_local_path`), measured
-against the eager capture of the merged weights. Each engine carries this project's one worker extension
-(`engine_worker.EngineWorkerExtension`: vLLM's check that no name of it clashes with the worker's passes). Mistral,
-Qwen2, Qwen3, tensor parallel 2, bf16 and the compiled engine: `make test-engine` (tests/engine_capture_all.py).
+Llama (plain causal, in vLLM's default process mode, with a LoRA adapter), Gemma 2 (soft-capping, sliding windows)
+and Gemma 3 (q/k norm) each run in a process of their own in the vLLM venv (tests/drivers/engine_capture.py), the
+three at once; the other families, tensor parallel 2, bf16 and the compiled engine: `make test-engine`
+(tests/engine_capture_all.py). Figures: docs/sink-strength.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
-"""Run by .venv-vllm's python: lm-eval's vLLM model built for each checkpoint on one `ResidentEngine`, whose engine
-class is a stand-in (no engine starts), with the model_args measure-first hands the engine (hub revisions pinned).
+"""Run by .venv-vllm's python: lm-eval's vLLM model built on one `ResidentEngine` per checkpoint, and once alone, with
+a stand-in for vLLM's engine class (no engine starts), as the start-up hook has it built.
 
-Usage: python resident_arguments.py CHECKPOINT=WEIGHTS_FOLDER ... [--decide FOLDER ...]   (a hub id or a local folder
-each). Prints one JSON line: per checkpoint, the error line (or null) and the line of vLLM's start-up memory check
-in its unit (`preflight`, null where not asked), then the stand-in's calls in order; the calls of lm-eval's own engine
-for the first FOLDER after --decide, built as the hook has it built where S is measured on it (`alone`); and for
-each FOLDER, where the start-up hook would measure S under lm-eval's own `VLLM` class for a few model_args
-(`engine_strength.decide`: null on the engine, else why not), and whose `sink_strength` and `get_model_info` VLLM then
-has; for the first FOLDER, what the hook itself does under `--model vllm` (`hook`: the engine's model_args, the line).
+Usage: python resident_arguments.py CHECKPOINT=WEIGHTS_FOLDER ... [--decide FOLDER ...]. Prints one JSON line: each
+build's error line or null, vLLM's start-up memory check per unit (`preflight`), the stand-in's calls (`calls`, and
+`alone` for lm-eval's own engine), where the hook would measure S for each FOLDER (`decisions`: `decide`) and the
+methods VLLM then has, and what the hook itself does for the first FOLDER (`hook`).
 """
 
 import json
