@@ -155,7 +155,7 @@ def _saved_setting(prov: Mapping[str, Any], asked: Mapping[str, Any], measured: 
         last_k_asked=asked.get("last_k"),
         last_k=_int(measured.get("last_k")),
         attention_layers=len(measured.get("attention_layers") or []) or _int(measured.get("n_layers")),
-        dtype=prov.get("dtype"),
+        dtype=measured.get("dtype") or prov.get("dtype"),  # a margin's S: the dtype its model was loaded in
     )
 
 
