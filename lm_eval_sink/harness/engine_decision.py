@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 SWITCH = "LM_EVAL_SINK_S_ON_ENGINE"  # 0: S with transformers wherever it would be measured on a vLLM engine
+WORKER_EXTENSION = "lm_eval_sink.harness.engine_worker.EngineWorkerExtension"  # the capture, in every engine's workers
 # The architectures whose engine statistics are tested equal to transformers' eager capture (tests/
 # test_engine_capture.py: Llama, Gemma 2, Gemma 3 in `make test`; Mistral, Qwen2, Qwen3 and tensor parallel 2 in
 # `make test-engine`). Others may well work; they stay with transformers until a test says so.
@@ -142,7 +143,6 @@ def _full_graphs_for_prefills(args: Mapping[str, Any]) -> bool:
 def _engine_refusal(config: dict[str, Any], args: Mapping[str, Any], gpu: int | None) -> str | None:
     """What no one argument decides: the checkpoint's own quantized KV cache, full CUDA graphs (with `enforce_eager`),
     the attention backend (named, else vLLM's default on the GPU), a worker extension of the user's."""
-    from lm_eval_sink.harness.engine_worker import WORKER_EXTENSION
     from lm_eval_sink.harness.model_args import model_arg_flag
 
     if (config.get("quantization_config") or {}).get("kv_cache_scheme"):

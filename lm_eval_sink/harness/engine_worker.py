@@ -19,8 +19,9 @@ from __future__ import annotations
 from typing import Any
 
 from lm_eval_sink.harness.engine_capture import SinkCaptureMixin
+from lm_eval_sink.harness.engine_decision import WORKER_EXTENSION
 
-WORKER_EXTENSION = "lm_eval_sink.harness.engine_worker.EngineWorkerExtension"
+__all__ = ["WORKER_EXTENSION", "EngineWorkerExtension"]
 
 
 def _cuda() -> Any:
