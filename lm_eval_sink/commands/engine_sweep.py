@@ -325,9 +325,8 @@ class EngineRunner:
     """Eval units on one resident engine, in a process of the vLLM interpreter; a new engine (a new process) for
     the first unit, a checkpoint that differs from the engine's in what it fixed, and after a failed unit."""
 
-    def __init__(self, settings: Any, logs: Path, strength: bool = False) -> None:
+    def __init__(self, settings: Any, logs: Path) -> None:
         self.settings, self.logs = settings, Path(logs)
-        self.strength_on_engine = strength  # the plan's `engine_s`: strength: units go to the engine
         self.process: EngineProcess | None = None
         self.fields: Fields | None = None  # what the engine fixed (None: no engine)
         self.holds: str | None = None  # the checkpoint it holds
@@ -378,8 +377,8 @@ class EngineRunner:
         from lm_eval_sink.models import model_fingerprint
         from lm_eval_sink.strength import SinkStrength
 
-        if not self.strength_on_engine or self.process is None or self.failed or self.holds != unit.checkpoint:
-            return "the engine does not hold its checkpoint now"
+        if self.process is None or self.failed or self.holds != unit.checkpoint:
+            return "the resident engine does not hold its checkpoint now (its eval unit ran earlier, or failed)"
         model = unit.inputs["model"]
         info = {"path": model, **model_fingerprint(model), "resident_engine": True}
         request = {"op": "strength", "model": model, "weights": weights_folder(model), "info": info}
@@ -436,16 +435,16 @@ def local_runner(spec: SweepSpec, notes: list[str]) -> Iterator[Callable[[Unit],
     if not spec.engine_reuse:
         yield run_unit
         return
-    where = engine_s(spec).strength
-    runner = EngineRunner(spec.eval, spec.output / "logs", strength=where is None)
+    where = engine_s(spec).strength  # None: the strength: units go to the engine
+    runner = EngineRunner(spec.eval, spec.output / "logs")
 
     def run(unit: Unit) -> None:
         if unit.kind == "eval":
             runner.run(unit)
         elif unit.kind != "strength":
             run_unit(unit)
-        elif (why := runner.strength(unit)) is not None:  # measured with transformers here, and the marker says why
-            run_unit(unit, not_on_engine=where or why)
+        elif (why := where or runner.strength(unit)) is not None:  # with transformers here, the marker says why
+            run_unit(unit, not_on_engine=why)
 
     try:
         yield run
