@@ -289,3 +289,20 @@ def test_the_switch_an_unreadable_config_and_the_gpus_default_backend_keep_s_wit
     assert s_refusal(LLAMA, {"attention_config": {"backend": "TRITON_ATTN"}}, 10) is None
     monkeypatch.setenv(SWITCH, "0")
     assert s_refusal(LLAMA, {}) == f"{SWITCH}=0 is set"
+
+
+def test_the_built_engine_decides_with_the_dtype_it_runs_and_its_workers_check():
+    """A resident engine asked for a strength: unit decides on what it runs (vLLM resolves `auto`), then on what its
+    workers refuse; a stand-in for vLLM's `LLM` gives the two."""
+    from types import SimpleNamespace as Obj
+
+    from lm_eval_sink.harness.engine_decision import built_refusal
+
+    config = Obj(model_config=Obj(dtype="torch.float32", hf_config=LLAMA))
+    refusals = [{"refusal": None}, {"refusal": "model.layers.3.self_attn.attn: ALiBi position biases"}]
+    llm = Obj(llm_engine=Obj(vllm_config=config), collective_rpc=lambda method: refusals)
+    assert (
+        built_refusal(llm, {"dtype": "auto"}, "bfloat16")
+        == "strength.dtype bfloat16 is not the engine's dtype (float32)"
+    )
+    assert built_refusal(llm, {"dtype": "auto"}, "float32") == refusals[1]["refusal"]
