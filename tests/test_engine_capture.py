@@ -132,7 +132,11 @@ BREAKS = {
     "tokenizer": "org/other",
     "tokenizer_mode": "mistral",
 }
-KEEPS = {  # values that keep the engine (as lm-eval parses model_args, or as a sweep file gives them)
+KEEPS = {  # values that keep the engine (as lm-eval parses model_args, or as a sweep file gives them), and arguments
+    # of scheduling, memory and decoding
+    "gpu_memory_utilization": 0.5,
+    "max_model_len": 2048,
+    "lora_local_path": "/a",
     "quantization": "compressed-tensors",  # the checkpoint's own method (QUANTIZED)
     "load_format": "safetensors",
     "model_impl": "vllm",
@@ -150,29 +154,17 @@ def test_every_engine_argument_that_changes_the_forward_gives_the_fallback_in_on
     """The one decision (`engine_decision.s_refusal`) over `RULES`: each argument, given a value that changes what
     the engine's forward computes (other weights, config, cache, tokenizer, parallelism), is one line naming it;
     the tokenizer's only for a strength: unit (measured with the checkpoint's own tokenizer), since lm-eval's
-    requests and the child both use lm-eval's tokenizer."""
+    requests and the child both use lm-eval's tokenizer. `KEEPS` alone keeps the engine (a quantized checkpoint's
+    own method is its own weights)."""
     from lm_eval_sink.harness.engine_decision import RULES, s_refusal
 
     assert set(BREAKS) == {r.argument for r in RULES}  # every rule of the table has its case here
+    assert s_refusal(QUANTIZED, KEEPS) is None and s_refusal(QUANTIZED, KEEPS, None, "bfloat16") is None
     rule = next(r for r in RULES if r.argument == argument)
     args = {"pretrained": "m", **KEEPS, argument: BREAKS[argument]}
     unit = s_refusal(QUANTIZED, args, None, "bfloat16")
     assert unit == f"model_args {argument}={BREAKS[argument]}: {rule.changes}" and "\n" not in unit
     assert s_refusal(QUANTIZED, args) == (None if rule.units_only else unit)
-
-
-def test_the_engine_is_kept_where_its_arguments_leave_the_checkpoints_forward():
-    """Arguments of scheduling, memory and decoding keep the engine; a quantized checkpoint's own method is its own
-    weights; a strength: unit needs the engine's dtype, given and equal."""
-    from lm_eval_sink.harness.engine_decision import s_refusal
-
-    more = {"gpu_memory_utilization": 0.5, "max_model_len": 2048, "seed": 3, "lora_local_path": "/a", "revision": "x"}
-    assert s_refusal(QUANTIZED, {**KEEPS, **more}) is None
-    assert s_refusal(QUANTIZED, {**KEEPS, **more}, None, "bfloat16") is None
-    assert s_refusal(LLAMA, {"dtype": "float32"}, None, "bfloat16") == (
-        "strength.dtype bfloat16 is not the engine's dtype (float32)"
-    )
-    assert s_refusal(LLAMA, {}, None, "auto").startswith("strength.dtype and the engine's dtype are both auto")
 
 
 @pytest.mark.parametrize(
@@ -296,7 +288,7 @@ def test_the_built_engine_decides_with_the_dtype_it_runs_and_its_workers_check()
     workers refuse; a stand-in for vLLM's `LLM` gives the two."""
     from types import SimpleNamespace as Obj
 
-    from lm_eval_sink.harness.engine_decision import built_refusal
+    from lm_eval_sink.harness.engine_decision import built_refusal, s_refusal
 
     config = Obj(model_config=Obj(dtype="torch.float32", hf_config=LLAMA))
     refusals = [{"refusal": None}, {"refusal": "model.layers.3.self_attn.attn: ALiBi position biases"}]
@@ -306,3 +298,4 @@ def test_the_built_engine_decides_with_the_dtype_it_runs_and_its_workers_check()
         == "strength.dtype bfloat16 is not the engine's dtype (float32)"
     )
     assert built_refusal(llm, {"dtype": "auto"}, "float32") == refusals[1]["refusal"]
+    assert s_refusal(LLAMA, {}, None, "auto").startswith("strength.dtype and the engine's dtype are both auto")
