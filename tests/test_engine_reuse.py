@@ -488,13 +488,10 @@ def test_an_eval_units_s_time_adds_the_engines_tasks_and_counts_the_childs_once(
 
 @pytest.mark.parametrize("given", ["quantization", "tokenizer"])
 def test_a_resident_sweep_whose_engine_runs_other_weights_measures_s_with_transformers(tmp_path, tiny_trio, given):
-    """`quantization: fp8` in a resident sweep's model_args: the engine would run other weights than the checkpoint's
-    (review of issue 47: it passed every check and each strength.json held the fp8 engine's S under the checkpoint's
-    name; vLLM's CPU build runs no online quantization, so the plan and the sweep's runner are what is tested here).
-    Neither the eval units' S nor the strength: units come from the engine: the plan says why, and a strength: unit
-    run through the sweep's resident runner is measured with transformers, its marker saying why and where S was
-    measured, with which versions. Another tokenizer rules out the strength: units alone (measured with the
-    checkpoint's own, as `strength` does); lm-eval's requests and the child both encode with lm-eval's."""
+    """`quantization: fp8` in a resident sweep's model_args (review of issue 47: each strength.json held the fp8
+    engine's S under the checkpoint's name; vLLM's CPU build runs no online quantization, so the plan and the sweep's
+    runner are tested): no S from the engine, the plan says why, and a strength: unit is measured with transformers,
+    its marker saying why and where, with which versions. Another tokenizer rules out the strength: units alone."""
     from lm_eval_sink.commands.engine_sweep import engine_s, local_runner, plan_notes
     from lm_eval_sink.commands.sweep import load_sweep, plan_sweep
     from lm_eval_sink.harness.engine_decision import RULES
