@@ -334,10 +334,13 @@ def margin_table_markdown(m: SinkMargin, heads: bool = True) -> str:
 
 def _summary_lines(m: SinkMargin) -> list[str]:
     """The report's head: both models' S, what was measured, and the count of negative margins."""
-    s = m.summary
+    from lm_eval_sink.comparability import setting_of_margin
+
+    s, data = m.summary, {"provenance": m.provenance}
+    ref, cand = (setting_of_margin(data, role).measured_in() for role in ("reference", "candidate"))
     return [
-        f"reference: {m.reference} (S = {m.reference_sink_strength:.4f}); candidate: {m.candidate} "
-        f"(S = {m.candidate_sink_strength:.4f})",
+        f"reference: {m.reference} (S = {m.reference_sink_strength:.4f} {ref}); candidate: {m.candidate} "
+        f"(S = {m.candidate_sink_strength:.4f} {cand})",
         f"{m.n_prompts} prompts, {m.n_rows} rows per head, layers {m.layers[0]}..{m.layers[-1]}, "
         f"{m.n_heads} heads; reference sink key at position 0 in "
         f"{m.reference_pos0_argmax_fraction:.1%} of rows",

@@ -143,32 +143,6 @@ def test_what_s_cannot_be_measured_on_is_one_line_before_anything_loads(
     assert e.value.line().startswith(f"task {TASK} ")
 
 
-def test_where_s_is_measured_under_vllm_is_decided_from_the_config_and_model_args_before_the_engine(monkeypatch):
-    """The engine path (`engine_strength.refusal`) for a verified architecture, else one reason, which the hook's one
-    line names; the model_args the engine then gets carry this project's worker extension, as a string or a dict."""
-    from lm_eval_sink.harness.engine_strength import fallback_line, refusal, with_extension
-    from lm_eval_sink.harness.engine_worker import WORKER_EXTENSION
-
-    llama = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
-    assert refusal({"pretrained": "m", "dtype": "bfloat16", "tensor_parallel_size": "2"}, llama) is None
-    assert refusal({"worker_extension_cls": WORKER_EXTENSION}, llama) is None
-    assert refusal({"worker_extension_cls": "my.Ext"}, llama).startswith("model_args worker_extension_cls=my.Ext is")
-    assert refusal({"data_parallel_size": "2"}, llama).startswith("data_parallel_size > 1")
-    assert refusal({}, None) == "its config.json could not be read before the engine is built"
-    why = refusal({}, {"architectures": ["OlmoForCausalLM"], "model_type": "olmo"})
-    assert why.startswith("OlmoForCausalLM: the engine's statistics are verified against transformers' eager")
-    assert fallback_line(["sink_strength", "sink_strength_n5"], why) == (
-        "lm-eval-sink: S of sink_strength, sink_strength_n5 is measured with transformers in a child process before "
-        f"the vLLM engine starts, not on the engine: {why}"
-    )
-    given = f"pretrained=m,worker_extension_cls={WORKER_EXTENSION},dtype=float32"
-    assert with_extension("pretrained=m") == f"pretrained=m,worker_extension_cls={WORKER_EXTENSION}"
-    assert with_extension(given).count("worker_extension_cls") == 1
-    assert with_extension({"pretrained": "m"}) == {"pretrained": "m", "worker_extension_cls": WORKER_EXTENSION}
-    monkeypatch.setenv("LM_EVAL_SINK_S_ON_ENGINE", "0")  # the transformers child asked for (comparisons)
-    assert refusal({}, llama) == "LM_EVAL_SINK_S_ON_ENGINE=0 is set"
-
-
 SHA_MODEL, SHA_TOKENIZER = "1" * 40, "2" * 40
 
 

@@ -40,7 +40,8 @@ def _concat_rows(captures: list, quantity: str, rows: str) -> np.ndarray:
 
 
 def _strength_summary(s: SinkStrength) -> dict[str, Any]:
-    return {
+    """The figures of one model's own S and the dtype it was loaded in (its setting's, `comparability`)."""
+    return {"dtype": s.provenance.get("dtype")} | {
         k: getattr(s, k)
         for k in (
             "sink_strength",

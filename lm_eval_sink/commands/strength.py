@@ -156,7 +156,8 @@ def _run_locked(
         png = layer_head_heatmap(
             res.sink_strength_layer_head,
             res.layers,
-            f"{m.slug}: sink log-odds ({res.statistic}, rows={res.rows}), S = {res.sink_strength:.4f}",
+            f"{m.slug}: sink log-odds ({res.statistic}, rows={res.rows}), S = {res.sink_strength:.4f} "
+            + setting_of(res.to_json()).measured_in(),
             output / f"{m.slug}.heatmap.png",
         )
         results.append((m.slug, res))
@@ -224,7 +225,7 @@ def _model_lines(m: _Model, res: SinkStrength, png: Path) -> list[str]:
     """What a run prints for one model: S with how it was measured and where it went, and its note if any."""
     depth = len(res.attention_layers) or res.n_layers
     line = (
-        f"{m.slug}: S = {res.sink_strength:.4f} (last {res.last_k} of "
+        f"{m.slug}: S = {res.sink_strength:.4f} {setting_of(res.to_json()).measured_in()} (last {res.last_k} of "
         f"{depth} attention layers ({res.last_k / depth:.0%}), {res.statistic}, "
         f"rows={res.rows}; "
         f"content rows {fmt_optional(res.sink_strength_content_rows)}, template rows "

@@ -38,8 +38,9 @@ def _finish(tmp: Path, unit: Unit, **fields: Any) -> None:
     )
 
 
-def run_unit(unit: Unit) -> None:
-    """Run one unit into its staged output folder (replacing an older one). No shared state."""
+def run_unit(unit: Unit, **fields: Any) -> None:
+    """Run one unit into its staged output folder (replacing an older one); `fields` join a strength unit's marker.
+    No shared state."""
     if unit.kind == "merge":
         from lm_eval_sink.merging.merge import merge_config
 
@@ -71,7 +72,7 @@ def run_unit(unit: Unit) -> None:
             device=unit.inputs.device,
             progress=False,
         )
-        save_strength(unit, res)
+        save_strength(unit, res, **fields)
     else:
         raise ValueError(f"unknown unit kind {unit.kind!r}")
 
@@ -102,9 +103,12 @@ def finish_eval(tmp: Path, unit: Unit, run: Any, **fields: Any) -> None:
 
 
 def save_strength(unit: Unit, res: Any, **fields: Any) -> None:
-    """A strength unit's output: strength.json (with the unit's key) and its marker."""
+    """A strength unit's output: strength.json (with the unit's key) and its marker, which says where S was measured
+    and with which versions (`measured_with`: the engine's capture record, else this interpreter's transformers)."""
+    prov = res.provenance
+    here = {"capture_backend": "hf", "process": "the unit's own, with transformers", "dtype": prov.get("dtype")}
+    here |= {k: (prov.get("versions") or {}).get(k) for k in ("torch", "transformers")}
     with staged_dir(unit.output, force=True, key=unit.key) as tmp:
-        atomic_write_json(
-            tmp / "strength.json", {**res.to_json(), "provenance": {**res.provenance, "input_key": unit.key}}
-        )
-        _finish(tmp, unit, sink_strength=res.sink_strength, model=unit.inputs.model, **fields)
+        atomic_write_json(tmp / "strength.json", {**res.to_json(), "provenance": {**prov, "input_key": unit.key}})
+        measured = {"measured_with": prov.get("capture") or here}
+        _finish(tmp, unit, sink_strength=res.sink_strength, model=unit.inputs.model, **measured, **fields)

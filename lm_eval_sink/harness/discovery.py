@@ -10,7 +10,7 @@
 - `patch_evaluator`: a task of this project (named, or through a group or tag, resolved with
   lm-eval's TaskManager) asked of a backend without attention access (vllm, ...: anything but HFLM)
   is decided before lm-eval builds the model: under `--model vllm`, where the engine path is exact,
-  measured on the engine lm-eval builds (`engine_strength.py`: the model_args get this project's
+  measured on the engine lm-eval builds (`engine_strength.py`: it is built with this project's
   worker extension); otherwise measured first with transformers in a child process when the
   backend's `pretrained` is a checkpoint transformers can load (`measure_first.py`, with one line
   saying why under vLLM), and refused in one line otherwise. Then, in `evaluate`, before any request
@@ -171,8 +171,8 @@ def measure_first_request(arguments: dict[str, Any]) -> tuple[Any, Any] | None:
     """Before lm-eval builds a backend without attention access, where this project's tasks are measured, with the
     TaskManager that found them; None when none is asked of such a backend.
     - Under `--model vllm`, where the engine path is exact (`engine_strength.decide`, from config.json and the
-      model_args): (None, task_manager), `arguments["model_args"]` given this project's worker extension, so the
-      engine lm-eval builds measures S in its own forward and nothing else loads the checkpoint.
+      model_args): (None, task_manager); the engine lm-eval then builds carries the capture
+      (`engine_strength.engine_builder`) and measures S in its own forward, and nothing else loads the checkpoint.
     - Otherwise measured first (`measure_first.py`; or kept by an earlier call that failed after it,
       `kept_strength.Kept`): (Kept, task_manager), the hub revisions pinned to the commits measured in
       `arguments["model_args"]`, which the engine then gets; one line saying why a `--model vllm` call's S is not
@@ -195,11 +195,10 @@ def measure_first_request(arguments: dict[str, Any]) -> tuple[Any, Any] | None:
     model_args = _model_args(arguments.get("model_args")) if isinstance(model, str) else {}
     if not model_args.get("pretrained"):
         raise unsupported(ours[0], label)
-    from lm_eval_sink.harness.engine_strength import decide, is_lm_eval_vllm, with_extension
+    from lm_eval_sink.harness.engine_strength import decide, is_lm_eval_vllm
 
     why = decide(model_class, model_args)
     if why is None:
-        arguments["model_args"] = with_extension(arguments.get("model_args"))
         return None, task_manager
     said = why if is_lm_eval_vllm(model_class) else None  # the line is vLLM's alone
     return _measured_first(arguments, task_manager, ours, label, said)
@@ -357,8 +356,11 @@ def _wrap_simple_evaluate(original: Any) -> Any:
         from lm_eval_sink.harness.task import provided
 
         kept, bound.arguments["task_manager"] = first
-        if kept is None:  # S measured on the engine lm-eval builds (engine_strength)
-            return original(*bound.args, **bound.kwargs)
+        if kept is None:  # S measured on the engine lm-eval builds, built with the capture (engine_strength)
+            from lm_eval_sink.harness.engine_strength import engine_builder
+
+            with engine_builder():
+                return original(*bound.args, **bound.kwargs)
         with provided(kept.measured), kept.on_failure():  # kept_strength: S kept if the call fails after it
             return original(*bound.args, **bound.kwargs)
 
@@ -443,7 +445,7 @@ def strength_lines(result_dict: dict[str, Any]) -> list[str]:
         depth = setting.attention_layers or "the"
         share = "" if setting.k_share is None else f" ({setting.k_share:.0%})"
         where = f"all {depth}" if setting.last_k_asked is None else f"the last {setting.last_k} of {depth}"
-        parts = [f"{task}: S = {s:.4f} over {where} attention layers{share}"]
+        parts = [f"{task}: S = {s:.4f} {setting.measured_in()} over {where} attention layers{share}"]
         parts.append(f"position 0 is the sink in {100 * pos0:.1f}% of rows")
         content, template = m.get("sink_strength_content_rows,none"), m.get("sink_strength_template_rows,none")
         if isinstance(content, float) and isinstance(template, float):
