@@ -105,6 +105,8 @@ class SinkStrengthTask(ConfigurableTask):
         """What this task's requests carry besides lm-eval's own cache-key fields: the settings and the prompt set."""
         from lm_eval_sink.io import canonical_json, sha256_text
 
+        if "prompt_set_sha256" not in self.config.metadata:  # lm-eval 0.5 loads a task's dataset on first use
+            self.download()
         carried = {"settings": asdict(self.strength_settings), "prompts": self.config.metadata["prompt_set_sha256"]}
         return sha256_text(canonical_json(carried))[:16]
 
@@ -512,7 +514,7 @@ def _add_request_methods() -> bool:
     from lm_eval_sink.harness.patching import add_method
 
     base = add_method(LM, REQUEST_TYPE, _measured_sink_strength, more=_instance_mismatch)
-    hf = add_method(HFLM, REQUEST_TYPE, _hflm_sink_strength, needs=("model", "rank"), more=_instance_mismatch)
+    hf = add_method(HFLM, REQUEST_TYPE, _hflm_sink_strength, reads=("model", "rank"), more=_instance_mismatch)
     return base and hf
 
 
