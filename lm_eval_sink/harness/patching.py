@@ -51,9 +51,15 @@ def mismatch(target: Any, leading: tuple[str, ...] = (), needs: tuple[str, ...] 
 
 
 def read_name(owner: Any, names: str) -> str | None:
-    """The first of `names` ("a|b") that `owner` has (class attribute, property or method), without running it."""
+    """The first of `names` ("a|b") that `owner` has (class attribute, property, method or dataclass field), without
+    running anything."""
+    import dataclasses
+
     absent = object()
-    return next((n for n in names.split("|") if inspect.getattr_static(owner, n, absent) is not absent), None)
+    fields = {f.name for f in dataclasses.fields(owner)} if dataclasses.is_dataclass(owner) else set()
+    return next(
+        (n for n in names.split("|") if n in fields or inspect.getattr_static(owner, n, absent) is not absent), None
+    )
 
 
 def reads_mismatch(reads: Reads) -> str | None:

@@ -138,8 +138,13 @@ class SinkStrengthTask(ConfigurableTask):
             doc=doc,
             arguments=(doc["prompt"], {"task": self.config.task, "settings": settings}),
             idx=0,
-            **kwargs,
+            **{"task_name": self.task_name, **kwargs},  # lm-eval 0.5 takes it by name, 0.4.13 from `metadata`
         )
+
+    def aggregate(self, bootstrap_iters: int | None = 100000) -> Any:
+        """lm-eval 0.5 (0.4.13 has no such method): its stderr bootstraps every aggregation but `mean`, which would
+        reduce the whole set of captures 100000 times over resampled prompts; none, "N/A", as on 0.4.13."""
+        return super().aggregate(0)
 
     def override_metric(self, metric_name: str) -> None:
         if metric_name == "bypass":  # --predict_only: S is the output itself, keep it
