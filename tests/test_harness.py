@@ -219,21 +219,6 @@ def test_lm_eval_ls_lists_sink_strength_with_no_flag():
     assert proc.returncode == 0 and "sink_strength " in proc.stdout.replace("|", " ")
 
 
-def test_hook_switched_off_leaves_lm_eval_untouched():
-    code = (
-        "import lm_eval.tasks.manager as m, lm_eval.evaluator as e; "
-        "print(hasattr(m.TaskIndex.build, '__wrapped__'), hasattr(e.evaluate, "
-        "'_lm_eval_sink_patched'))"
-    )
-    on = subprocess.run(
-        [sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=300
-    ).stdout.split()
-    off = subprocess.run(
-        [sys.executable, "-c", code], env=_env(LM_EVAL_SINK_NO_HOOK="1"), capture_output=True, text=True, timeout=300
-    ).stdout.split()
-    assert on == ["True", "True"] and off == ["False", "False"]
-
-
 DUMMY_REFUSAL = (
     "task sink_strength needs attention weights, which the dummy backend does not expose "
     "(fix: give that backend pretrained=CHECKPOINT in --model_args (S is then measured with transformers before "
@@ -597,10 +582,7 @@ def test_a_request_method_is_added_only_where_what_it_reads_is(monkeypatch):
     class Changed:  # a release whose model class lost `rank`
         model = None
 
-    with pytest.warns(
-        SinkWarning,
-        match=r"Changed.sink_strength reads .*Changed.rank, which this lm-eval does not have, so lm-eval-sink leaves it as installed .* refuses",
-    ):
+    with pytest.warns(SinkWarning, match=r"Changed.sink_strength reads .*Changed.rank, which .* installed .* refuses"):
         assert not patching.add_method(Changed, "sink_strength", method, reads=("model", "rank"))
     assert not hasattr(Changed, "sink_strength")
 
