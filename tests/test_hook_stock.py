@@ -45,9 +45,12 @@ def _outcome(proc: subprocess.Popen, out: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_stock_runs_are_the_same_with_the_hook_on_and_off(handset_llama_dir, tiny_task_dir, tmp_path):
+def test_stock_runs_are_the_same_with_the_hook_on_and_off(handset_llama_dir, tiny_task_dir, tmp_path, capsys):
     """A local task under `--model dummy` (the path lm-eval 0.5 broke: a backend without attention) and under
-    `--model hf`: through all five wraps with the hook on, none with it off; same results, samples and table."""
+    `--model hf`: through all five wraps with the hook on, none with it off; same results, samples and table. This
+    project's readers take this lm-eval's results and samples files: buckets, protocol diff, attribute."""
+    from lm_eval_sink.cli import main
+
     task = ["--tasks", TINY_TASK, "--include_path", str(tiny_task_dir)]
     runs = {
         "dummy": ["--model", "dummy", *task],
@@ -67,6 +70,12 @@ def test_stock_runs_are_the_same_with_the_hook_on_and_off(handset_llama_dir, tin
         assert on.pop("armed") == [True] * 5 and off.pop("armed") == [False] * 5, name
         assert on.pop("sink_lines") == [] and off.pop("sink_lines") == [], name
         assert len(on["samples"]) == 4 and on == off, name
+    ref, cand = str(tmp_path / "hf-True"), str(tmp_path / "hf-False")
+    assert main(["buckets", ref, cand, "--metric", "exact_match", "--output", str(tmp_path / "b"), "--quiet"]) == 0
+    assert json.loads((tmp_path / "b" / "buckets.json").read_text())["n"] == 4
+    assert main(["protocol", "diff", ref, cand]) == 0 and "no differences" in capsys.readouterr().out
+    assert main(["attribute", "--reference", ref, "--candidate", cand, "--output", str(tmp_path / "a")]) == 0
+    assert TINY_TASK in (tmp_path / "a" / "attribution.md").read_text()
 
 
 def test_a_wrapper_that_fails_on_a_stock_call_hands_it_to_lm_eval(tiny_task_dir, monkeypatch):
