@@ -178,10 +178,7 @@ def measure_first_request(arguments: dict[str, Any]) -> tuple[Any, Any] | None:
     if has_attention(model_class):
         return None
     task_manager = _task_manager(arguments)
-    tasks = arguments.get("tasks")
-    requested = [tasks] if isinstance(tasks, (str, dict)) else list(tasks or [])
-    requested = [t for r in requested for t in (r.split(",") if isinstance(r, str) else [r])]
-    ours = own_tasks_in(requested, task_manager)
+    ours = own_tasks_in(_requested(arguments), task_manager)
     if not ours:
         return None
     label = model if isinstance(model, str) else backend_label(type(model))
@@ -346,12 +343,19 @@ def _wrap_evaluate(original: Any) -> Any:
     return evaluate
 
 
-def _names_own(arguments: dict[str, Any]) -> bool:
-    """Whether simple_evaluate's `tasks` hold a task of this project (`holds_own_task`; a Task object: no)."""
+def _requested(arguments: dict[str, Any]) -> list[Any]:
+    """simple_evaluate's `tasks` as a list: names (a comma list split), YAML paths, config dicts, Task objects."""
     tasks = arguments.get("tasks")
-    names = [tasks] if isinstance(tasks, (str, dict)) else list(tasks or [])
-    strings = tuple(n for t in names if isinstance(t, str) for n in t.split(","))
-    return holds_own_task(strings, None) or any(isinstance(t, dict) for t in names)
+    requested = [tasks] if isinstance(tasks, (str, dict)) else list(tasks or [])
+    return [t for r in requested for t in (r.split(",") if isinstance(r, str) else [r])]
+
+
+def _names_own(arguments: dict[str, Any]) -> bool:
+    """Whether simple_evaluate's `tasks` may hold a task of this project (`holds_own_task`; a config dict: yes)."""
+    requested = _requested(arguments)
+    return holds_own_task(tuple(t for t in requested if isinstance(t, str)), None) or any(
+        isinstance(t, dict) for t in requested
+    )
 
 
 def _wrap_simple_evaluate(original: Any) -> Any:
