@@ -20,10 +20,11 @@
   before any other task's and a failure in S comes before hours of generation, not after them.
 - `patch_cli`: under the `lm_eval` console script, this project's `UserError`s print one line
   (`error: ...`) and exit 2 instead of a traceback.
-Each patch is idempotent and keeps lm-eval's own behaviour for everything else. Before it replaces anything,
-each checks that its target is what its wrapper was written for (`patching.patch`: the parameters the wrapper passes or
-reads, and what else it relies on), not lm-eval's version; a target that differs is left as installed, with
-one warning line per process (`patching.left_as_installed`) naming lm-eval's version and the explicit way.
+Each patch is idempotent and keeps lm-eval's own behaviour for everything else. Each declares what it relies on
+(`patching.patch`: the parameters its wrapper passes or reads, the attributes and methods it reads on lm-eval's
+objects), checked before it replaces anything; a target that differs is left as installed, with one warning line
+per patch naming it, lm-eval's version and the explicit way. A wrapper's own part that fails unexpectedly on a call
+holding none of this project's tasks hands the call to lm-eval's own function (`patching.attempt`).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from typing import Any
 
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.harness.backends import backend_label, has_attention, unsupported
-from lm_eval_sink.harness.patching import patch
+from lm_eval_sink.harness.patching import HANDED_BACK, attempt, patch, read_name
 from lm_eval_sink.harness.vllm_preflight import check_engine_memory
 
 log = logging.getLogger(__name__)
@@ -107,9 +108,12 @@ def _path_entry(path: Path) -> Any:
     return None if entry is None else replace(entry, cfg=load_yaml(path, resolve_func=False))
 
 
+INDEX = "task_index|_task_index"  # TaskManager's index of entries: lm-eval 0.4.13's name, then 0.5's
+
+
 def own_tasks_in(requested: list[Any], manager: Any) -> list[str]:
     """This project's tasks among `requested` (names, YAML paths, config dicts), through groups and tags, sorted."""
-    return own_leaves(task_leaves(requested, manager.task_index))
+    return own_leaves(task_leaves(requested, getattr(manager, read_name(type(manager), INDEX) or INDEX)))
 
 
 @functools.cache
@@ -185,10 +189,7 @@ def measure_first_request(arguments: dict[str, Any]) -> tuple[Any, Any] | None:
     if has_attention(model_class):
         return None
     task_manager = _task_manager(arguments)
-    tasks = arguments.get("tasks")
-    requested = [tasks] if isinstance(tasks, (str, dict)) else list(tasks or [])
-    requested = [t for r in requested for t in (r.split(",") if isinstance(r, str) else [r])]
-    ours = own_tasks_in(requested, task_manager)
+    ours = own_tasks_in(_requested(arguments), task_manager)
     if not ours:
         return None
     label = model if isinstance(model, str) else backend_label(type(model))
@@ -269,16 +270,20 @@ def _wrap_build(original: Any) -> Any:
 
     lm_evals = Path(lm_eval.__file__).parent / "tasks"  # the folder of lm-eval's defaults (TaskManager's own)
 
+    def with_ours(paths: list[Path], resolve_includes: bool) -> dict[str, Any]:
+        if tasks_dir() not in paths:
+            paths = [paths[0], tasks_dir(), *paths[1:]]
+        index = cached_build(original, paths, resolve_includes=resolve_includes)
+        _apply_offline_overrides(index)
+        return index
+
     @functools.wraps(original)
     def build(paths: Any, *, resolve_includes: bool = True, **more: Any) -> dict[str, Any]:
         paths = [Path(p) for p in paths]
         if more or not paths or paths[0] != lm_evals:
             return original(paths, resolve_includes=resolve_includes, **more)
-        if tasks_dir() not in paths:
-            paths.insert(1, tasks_dir())
-        index = cached_build(original, paths, resolve_includes=resolve_includes)
-        _apply_offline_overrides(index)
-        return index
+        index = attempt("TaskIndex.build", lambda: with_ours(paths, resolve_includes), lambda: False)
+        return original(paths, resolve_includes=resolve_includes) if index is HANDED_BACK else index
 
     return build
 
@@ -331,12 +336,36 @@ def own_task_names() -> frozenset[str]:
     )
 
 
+def _holds_own(task_dict: Any) -> bool:
+    """Whether an `evaluate` task dict holds a task of this project."""
+    from lm_eval_sink.harness.task import REQUEST_TYPE
+
+    tasks = task_dict.get("tasks") if isinstance(task_dict, dict) else None
+    return any(getattr(t, "OUTPUT_TYPE", None) == REQUEST_TYPE for t in (tasks or {}).values())
+
+
 def _wrap_evaluate(original: Any) -> Any:
     @functools.wraps(original)
     def evaluate(lm: Any, task_dict: Any, *args: Any, **kwargs: Any) -> Any:
-        return original(lm, prepare_tasks(lm, task_dict), *args, **kwargs)
+        prepared = attempt("evaluate", lambda: prepare_tasks(lm, task_dict), lambda: _holds_own(task_dict))
+        return original(lm, task_dict if prepared is HANDED_BACK else prepared, *args, **kwargs)
 
     return evaluate
+
+
+def _requested(arguments: dict[str, Any]) -> list[Any]:
+    """simple_evaluate's `tasks` as a list: names (a comma list split), YAML paths, config dicts, Task objects."""
+    tasks = arguments.get("tasks")
+    requested = [tasks] if isinstance(tasks, (str, dict)) else list(tasks or [])
+    return [t for r in requested for t in (r.split(",") if isinstance(r, str) else [r])]
+
+
+def _names_own(arguments: dict[str, Any]) -> bool:
+    """Whether simple_evaluate's `tasks` may hold a task of this project (`holds_own_task`; a config dict: yes)."""
+    requested = _requested(arguments)
+    return holds_own_task(tuple(t for t in requested if isinstance(t, str)), None) or any(
+        isinstance(t, dict) for t in requested
+    )
 
 
 def _wrap_simple_evaluate(original: Any) -> Any:
@@ -348,10 +377,8 @@ def _wrap_simple_evaluate(original: Any) -> Any:
             bound = signature.bind(*args, **kwargs)
         except TypeError:  # lm-eval's own error for bad arguments, unchanged
             return original(*args, **kwargs)
-        check_engine_memory(bound.arguments)  # vllm_preflight: vLLM's start-up memory check, before anything loads
-        check_pretrained(bound.arguments)
-        first = measure_first_request(bound.arguments)
-        if first is None:
+        first = attempt("simple_evaluate", lambda: _first(bound.arguments), lambda: _names_own(bound.arguments))
+        if first is None or first is HANDED_BACK:
             return original(*args, **kwargs)
         from lm_eval_sink.harness.task import provided
 
@@ -367,8 +394,35 @@ def _wrap_simple_evaluate(original: Any) -> Any:
     return simple_evaluate
 
 
+def _first(arguments: dict[str, Any]) -> Any:
+    check_engine_memory(arguments)  # vllm_preflight: vLLM's start-up memory check, before anything loads
+    check_pretrained(arguments)
+    return measure_first_request(arguments)
+
+
 # What `measure_first_request` reads of simple_evaluate's arguments, by name.
 SIMPLE_EVALUATE_ARGS = ("model", "model_args", "tasks", "task_manager", "metadata")
+
+
+def _lm_eval_reads() -> tuple[tuple[Any, str], ...]:
+    """What `measure_first_request` and `task_leaves` read on lm-eval's objects."""
+    import lm_eval.api.registry as registry
+    import lm_eval.utils as lu
+    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks._index import Entry, Kind, TaskIndex
+
+    return (
+        (TaskManager, INDEX),
+        (TaskIndex, "build"),
+        (TaskIndex, "entry_from_path"),
+        (Kind, "GROUP"),
+        (Kind, "TAG"),
+        (Entry, "kind"),
+        (Entry, "cfg"),
+        (Entry, "tags"),
+        (registry, "get_model"),
+        (lu, "simple_parse_args_string"),
+    )
 
 
 def patch_evaluator() -> None:
@@ -377,7 +431,7 @@ def patch_evaluator() -> None:
     import lm_eval.evaluator as ev
 
     patch(ev, "evaluate", _wrap_evaluate, leading=("lm", "task_dict"))
-    patch(ev, "simple_evaluate", _wrap_simple_evaluate, needs=SIMPLE_EVALUATE_ARGS)
+    patch(ev, "simple_evaluate", _wrap_simple_evaluate, needs=SIMPLE_EVALUATE_ARGS, reads=_lm_eval_reads())
 
 
 def _wrap_cli(original: Any) -> Any:
@@ -474,9 +528,16 @@ def _limit_line(result_dict: dict[str, Any], task: str) -> list[str]:
 def _wrap_table(original: Any) -> Any:
     @functools.wraps(original)
     def make_table(result_dict: dict[str, Any], *args: Any, **kwargs: Any) -> str:
-        table = original(_compact_matrices(result_dict), *args, **kwargs)
         column = args[0] if args else kwargs.get("column", "results")
-        lines = strength_lines(result_dict) if column == "results" else []
+
+        def work() -> tuple[dict[str, Any], list[str]]:
+            return _compact_matrices(result_dict), strength_lines(result_dict) if column == "results" else []
+
+        prepared = attempt("make_table", work, lambda: bool(set(result_dict.get(column) or ()) & own_task_names()))
+        if prepared is HANDED_BACK:
+            return original(result_dict, *args, **kwargs)
+        table = original(prepared[0], *args, **kwargs)
+        lines = prepared[1]
         return "\n".join([table.rstrip("\n"), *lines]) + "\n" if lines else table
 
     return make_table
