@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 import bucket_logs as bl  # noqa: E402
 
-from lm_eval_sink.buckets import BucketSettings  # noqa: E402
+from lm_eval_sink.buckets.settings import BucketSettings  # noqa: E402
 from lm_eval_sink.commands.buckets import compare_runs  # noqa: E402
 from lm_eval_sink.runs import read_samples, resolve_run  # noqa: E402
 

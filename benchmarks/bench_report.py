@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from bench_buckets import synth_ifeval  # noqa: E402
 
-from lm_eval_sink.buckets import BucketSettings  # noqa: E402
+from lm_eval_sink.buckets.settings import BucketSettings  # noqa: E402
 from lm_eval_sink.commands.buckets import run_buckets  # noqa: E402
 from lm_eval_sink.io import atomic_write_json, sha256_file  # noqa: E402
 from lm_eval_sink.commands.report import load_inputs  # noqa: E402

@@ -19,7 +19,7 @@ smallest n at which it reaches the target.
   would make it detectable at this psi; an effect larger than psi has no power at this psi (said in words).
   `exact_mcnemar_power` is the exact test's own power by enumeration (the test `buckets` runs), shown beside
   Connor's; it is discrete, not monotone in n. Whether the delta's interval `buckets` shows holds 0 is
-  conditional in the same way (`buckets.binary_delta_interval`: the exact test's answer), so the interval's
+  conditional in the same way (`buckets.stats.binary_delta_interval`: the exact test's answer), so the interval's
   verdict, the test and these figures describe one comparison at the observed psi; how far the interval reaches
   is Newcombe's unconditional one.
 - a continuous metric, which `buckets` tests with the Wilcoxon signed-rank test: the normal approximation of
@@ -117,7 +117,7 @@ def connor_mde(n: int, psi: float, alpha: float = ALPHA, power: float = TARGET_P
 
 
 def exact_mcnemar_power(n: int, psi: float, delta: float, alpha: float = ALPHA) -> float:
-    """Power of the exact conditional McNemar test (`buckets.mcnemar_exact`: two-sided binomial test of the
+    """Power of the exact conditional McNemar test (`buckets.stats.mcnemar_exact`: two-sided binomial test of the
     discordant pairs against 1/2) by enumeration: the number of discordant pairs m ~ Binomial(n, psi), and given
     m the regressions ~ Binomial(m, (psi + delta) / (2 psi)); needs |delta| <= psi."""
     import numpy as np
@@ -172,7 +172,7 @@ def default_effect(values: np.ndarray | None, declared: tuple[float, float] | No
     return DEFAULT_EFFECT_SHARE * (hi - lo), f"default: {DEFAULT_EFFECT_SHARE:.0%} of {where}, {lo:g} to {hi:g}"
 
 
-def _base(binary: bool, n: int, outcome: str | None) -> dict[str, Any]:
+def _base(binary: bool, n: int, outcome: str | None, alpha: float) -> dict[str, Any]:
     test = "exact McNemar (binomial on the discordant docs)" if binary else "Wilcoxon signed-rank"
     return {
         "method": "Connor (1987) normal approximation for paired proportions, conditional on the observed discordant "
@@ -181,7 +181,7 @@ def _base(binary: bool, n: int, outcome: str | None) -> dict[str, Any]:
         else "normal approximation from the sd of the per-doc differences, n scaled by the Wilcoxon test's asymptotic "
         "relative efficiency 3/pi (normal differences)",
         "test": test + (f" of {outcome}" if outcome else ""),
-        "alpha": ALPHA,
+        "alpha": alpha,
         "target_power": TARGET_POWER,
         "n": n,
         "unit": "share of docs (x100: points)" if binary else "the metric's own unit",
@@ -210,6 +210,7 @@ def comparison_power(
     values: np.ndarray | None = None,
     declared_range: tuple[float, float] | None = None,
     outcome: str | None = None,
+    alpha: float = ALPHA,
 ) -> dict[str, Any]:
     """What a paired comparison could detect, from its per-doc differences (candidate minus reference).
 
@@ -222,7 +223,7 @@ def comparison_power(
 
     d = np.asarray(differences, dtype=np.float64)
     n, binary = int(d.size), kind == "binary"
-    out = _base(binary, n, outcome)
+    out = _base(binary, n, outcome, alpha)
     scale = 100.0 if binary else 1.0
     if effect is None:
         shown, source = default_effect(values, (0.0, 1.0) if binary else declared_range)
@@ -236,7 +237,7 @@ def comparison_power(
         if n < MIN_N or psi == 0:
             out["too_few"] = too_few(n, "no doc where the runs disagree" if n >= MIN_N else None)
             return out
-        out.update(_binary_figures(n, psi, out["effect"]))
+        out.update(_binary_figures(n, psi, out["effect"], alpha))
         return out
     sd = float(d.std(ddof=1)) if n > 1 else 0.0
     out["sd_difference"] = sd
@@ -244,23 +245,29 @@ def comparison_power(
         out["too_few"] = too_few(n, "the per-doc differences do not vary" if n >= MIN_N else None)
         return out
     delta = out["effect"]
-    out.update(mde=mean_mde(n, sd), power_at_effect=mean_power(n, sd, delta), n_for_effect=mean_n(sd, delta))
+    out.update(
+        mde=mean_mde(n, sd, alpha),
+        power_at_effect=mean_power(n, sd, delta, alpha),
+        n_for_effect=mean_n(sd, delta, alpha),
+    )
     return out
 
 
-def _binary_figures(n: int, psi: float, delta: float) -> dict[str, Any]:
-    """MDE, power at the effect and documents needed of a 0/1 comparison, all at the observed discordant share."""
+def _binary_figures(n: int, psi: float, delta: float, alpha: float) -> dict[str, Any]:
+    """MDE, power at the effect and documents needed of a 0/1 comparison at level `alpha`, all at the observed
+    discordant share."""
     out: dict[str, Any] = {}
-    mde = connor_mde(n, psi)
+    mde = connor_mde(n, psi, alpha)
     if mde is None:
-        out["n_for_mde"] = connor_n(psi, psi)
+        out["n_for_mde"] = connor_n(psi, psi, alpha)
+        at_most = connor_power(n, psi, psi, alpha)
         out["not_detectable"] = (
             f"not detectable at this n: even a difference as large as the discordant share ({100 * psi:.1f} points, "
-            f"every disagreeing doc one way) has power {connor_power(n, psi, psi):.0%}; {out['n_for_mde']} paired "
+            f"every disagreeing doc one way) has power {at_most:.0%}; {out['n_for_mde']} paired "
             f"docs at this discordant share would make it detectable"
         )
     else:
-        out.update(mde=mde, power_at_mde_exact=exact_mcnemar_power(n, psi, mde))
+        out.update(mde=mde, power_at_mde_exact=exact_mcnemar_power(n, psi, mde, alpha))
     if delta > psi:
         out["effect_impossible"] = (
             f"a difference of {100 * delta:g} points needs at least {100 * delta:g}% of the docs to disagree; "
@@ -268,9 +275,9 @@ def _binary_figures(n: int, psi: float, delta: float) -> dict[str, Any]:
         )
         return out
     out.update(
-        power_at_effect=connor_power(n, psi, delta),
-        power_at_effect_exact=exact_mcnemar_power(n, psi, delta),
-        n_for_effect=connor_n(psi, delta),
+        power_at_effect=connor_power(n, psi, delta, alpha),
+        power_at_effect_exact=exact_mcnemar_power(n, psi, delta, alpha),
+        n_for_effect=connor_n(psi, delta, alpha),
     )
     return out
 

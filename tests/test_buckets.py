@@ -13,16 +13,9 @@ import numpy as np
 import pytest
 
 import bucket_logs as bl
-from lm_eval_sink.buckets import (
-    BUCKETS,
-    BucketSettings,
-    bucket,
-    cluster_delta_ci,
-    holm,
-    mcnemar_exact,
-    paired_delta_ci,
-    resampled_sums,
-)
+from lm_eval_sink.buckets.compare import bucket
+from lm_eval_sink.buckets.settings import BucketSettings
+from lm_eval_sink.buckets.stats import BUCKETS, cluster_delta_ci, holm, mcnemar_exact, paired_delta_ci, resampled_sums
 from lm_eval_sink.cli import main
 from lm_eval_sink.failure_kinds import FAILURE_KINDS, ends_mid_sentence, is_truncated, tokenizer_counter
 
@@ -268,9 +261,9 @@ def test_cli_writes_every_output(ifeval_pair, tmp_path, capsys):
     assert data["runs"]["reference"]["protocol"]["chat_template_applied"] is True
     assert data["runs"]["candidate"]["protocol"]["chat_template_applied"] is False
     assert "chat_template_applied" in data["protocol_differences"]
-    assert data["provenance"]["inputs"]["reference"]["samples_sha256"]
-    code = data["provenance"]["code_versions"]["code"]
-    assert {"lm_eval_sink/buckets.py", "lm_eval_sink/power.py", "lm_eval_sink/pairing.py"} <= set(code)
+    assert data["runs"]["reference"]["samples_sha256"] and data["provenance"]["key"]
+    code = data["provenance"]["key_versions"]["code"]
+    assert {"lm_eval_sink/buckets/stats.py", "lm_eval_sink/power.py", "lm_eval_sink/pairing.py"} <= set(code)
     assert data["schema_version"] == 1
     csv_lines = (out / "prompts.csv").read_text().splitlines()
     assert len(csv_lines) == 22 and csv_lines[0].startswith("doc_id,key,bucket")
@@ -421,7 +414,7 @@ def test_eqbench_paired_difference_and_threshold(shared_data):
     assert rep.counts is None and rep.mcnemar_p is None and "--threshold" in rep.counts_reason
     assert rep.delta == pytest.approx(float((c - r).mean()))
     assert rep.wilcoxon_p == pytest.approx(2 / 2**6)  # exact signed-rank: all 6 differences negative
-    from lm_eval_sink.buckets import summary_markdown
+    from lm_eval_sink.buckets.render import summary_markdown
 
     md = summary_markdown(rep.to_json())  # a continuous metric in its own unit, named; 6 docs say nothing on power
     assert "| score (eqbench in its own unit) | reference |" in md and "(points)" not in md
@@ -481,7 +474,7 @@ def test_task_in_no_family_takes_the_generic_path(shared_data):
 
 def test_modules_import_no_torch():
     code = (
-        "import sys, lm_eval_sink.buckets, lm_eval_sink.failure_kinds; "
+        "import sys, lm_eval_sink.buckets.noise, lm_eval_sink.buckets.protocol, lm_eval_sink.buckets.render; "
         "bad = [m for m in ('torch', 'transformers', 'lm_eval', 'click', 'lm_eval_sink.plots', "
         "'matplotlib') if m in sys.modules]; "
         "print(bad); sys.exit(1 if bad else 0)"
@@ -800,7 +793,7 @@ def test_power_and_noise_floor_in_every_output(boolq_trio, tmp_path, capsys):
     assert sorted(i for i, f in flips.items() if f) == [0, 1, 2, 50, 70]
     header, *rows = (out / "prompts.csv").read_text().splitlines()
     assert header.endswith(",noise_flip") and rows[50].endswith(",True") and rows[3].endswith(",False")
-    assert data["runs"]["repeat"]["model"] == "ref-model" and data["provenance"]["inputs"]["repeat"]["samples_sha256"]
+    assert data["runs"]["repeat"]["model"] == "ref-model" and data["runs"]["repeat"]["samples_sha256"]
 
 
 def test_a_run_against_itself_gets_a_note(boolq_trio, shared_data, capsys, tmp_path):
@@ -837,7 +830,7 @@ def test_a_run_against_itself_gets_a_note(boolq_trio, shared_data, capsys, tmp_p
 
 
 def test_instruction_types_below_ten_are_too_few_to_test(ifeval_pair):
-    from lm_eval_sink.buckets import summary_markdown
+    from lm_eval_sink.buckets.render import summary_markdown
 
     rep = bucket(ifeval_pair["ref"], ifeval_pair["cand"], "ifeval", FAST)
     assert all(t["too_few_to_test"] is (t["n"] < 10) for t in rep.instruction_types) and rep.instruction_types
@@ -875,7 +868,7 @@ def test_four_docs_say_too_few_to_tell_first_everywhere(gsm8k_four, tmp_path, ca
     """4 paired docs: "too few to tell" before every delta (console, buckets.md, the figure's title, the report's
     headline); a 0/1 interval that cannot collapse on identical outcomes (main: a bootstrap's 0.0 [0.0, 0.0]); the
     truncation line although no doc regressed (main: counted over regressions only, so none)."""
-    from lm_eval_sink.buckets import figure_title
+    from lm_eval_sink.buckets.render import figure_title
 
     out = tmp_path / "b"
     args = ["buckets", str(gsm8k_four["ref"]), str(gsm8k_four["cand"]), "--quiet", "--output", str(out)]
@@ -923,7 +916,7 @@ def _eqbench_pair(shared_data, n: int):
 def test_threshold_reports_the_power_of_the_mcnemar_test_it_runs(shared_data):
     """With --threshold buckets runs McNemar on pass/fail: the power is that test's (main: the paired mean's, in
     eqbench units); without, Wilcoxon's, with the default effect 5% of EQ-Bench's declared 0-100 range."""
-    from lm_eval_sink.buckets import summary_markdown
+    from lm_eval_sink.buckets.render import summary_markdown
     from lm_eval_sink.power import connor_power
 
     ref, cand = _eqbench_pair(shared_data, 24)
@@ -947,7 +940,8 @@ def test_each_interval_sits_beside_its_own_test(shared_data):
     """EQ-Bench under --threshold 90: the score's bootstrap interval sits beside Wilcoxon (main: the report's headline
     put it beside McNemar p, the pass rate's test, and buckets.md's score row too); the pass rate's exact interval
     sits beside McNemar, on its own row of the report (main: no pass rate there)."""
-    from lm_eval_sink.buckets import EXACT_CI_METHOD, summary_markdown
+    from lm_eval_sink.buckets.render import summary_markdown
+    from lm_eval_sink.buckets.stats import EXACT_CI_METHOD
     from lm_eval_sink.report.render import render_html
     from lm_eval_sink.report.view import BucketsInput, Doc, ReportInputs
 
@@ -968,7 +962,8 @@ def test_the_0_1_interval_agrees_with_the_exact_test_it_sits_beside(shared_data)
     excluded 0 while the exact McNemar test buckets runs gives p = 0.125 (main: a note said so). The exact conditional
     interval holds 0 (its end nearest 0: +0.8; its far end Newcombe's, -8.3); at 6 regressions (p = 0.031) it
     excludes 0 (-0.5), and the test rejects. No note either way: the two cannot disagree."""
-    from lm_eval_sink.buckets import EXACT_CI_METHOD, summary_markdown
+    from lm_eval_sink.buckets.render import summary_markdown
+    from lm_eval_sink.buckets.stats import EXACT_CI_METHOD
 
     ref = _boolq_lines(shared_data, _outcomes(100, set(range(60))))
     four = bucket(ref, _boolq_lines(shared_data, _outcomes(100, set(range(4, 60)))), "boolq", FAST)

@@ -9,7 +9,8 @@ import json
 import pytest
 
 from lm_eval_sink.attribution import per_prompt_split
-from lm_eval_sink.buckets import BucketSettings, bucket
+from lm_eval_sink.buckets.compare import bucket
+from lm_eval_sink.buckets.settings import BucketSettings
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.pairing import index_docs, pair_docs, same_doc
 
@@ -120,3 +121,19 @@ def test_lenient_filter_must_cover_the_paired_docs():
         UserError, match=r"1 paired docs have no sample under filter 'flexible-extract' \(e.g. doc_id 2\)"
     ):
         per_prompt_split(gsm(3), gsm(2), "exact_match,strict-match", "exact_match,flexible-extract")
+
+
+def test_power_is_stated_at_the_level_of_the_interval():
+    """7 regressions and 1 recovery of 100 at --confidence 0.9: the interval excludes 0 (p = 0.07), and the power
+    beside it is at alpha 0.1 (MDE 7.0 points), not at 0.05 (7.8)."""
+    from lm_eval_sink.buckets.render import power_lines
+    from lm_eval_sink.power import connor_mde
+
+    ref, cand = _rows(100, [1] * 7 + [0] + [1] * 92), _rows(100, [0] * 7 + [1] + [1] * 92)
+    for confidence in (0.9, 0.95):
+        rep = bucket(ref, cand, "boolq", BucketSettings(n_bootstrap=100, confidence=confidence))
+        alpha = round(1 - confidence, 12)
+        assert rep.power["alpha"] == alpha and rep.power["mde"] == pytest.approx(connor_mde(100, 0.08, alpha))
+        assert (rep.delta_ci[1] < 0) == (rep.mcnemar_p < alpha) == (confidence == 0.9)
+        assert f"Power (alpha {alpha:g} two-sided" in "\n".join(power_lines(rep.to_json()))
+    assert round(100 * connor_mde(100, 0.08, 0.1), 1) < round(100 * connor_mde(100, 0.08, 0.05), 1) == 7.8

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lm_eval_sink.buckets import mcnemar_exact
+from lm_eval_sink.buckets.stats import mcnemar_exact
 from lm_eval_sink.power import (
     MIN_N,
     TARGET_POWER,

@@ -14,9 +14,9 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from lm_eval_sink.buckets import (
+from lm_eval_sink.buckets.settings import BucketSettings
+from lm_eval_sink.buckets.stats import (
     BUCKETS,
-    BucketSettings,
     EXACT_CI_METHOD,
     NEWCOMBE_CI_METHOD,
     _exact_near_half,

@@ -157,11 +157,12 @@ def test_an_index_json_would_not_give_back_equal_is_not_kept(tmp_path, value):
         ({"yaml_path": "../../evil/t.yaml"}, "no file inside"),
         ({"yaml_path": "/evil/t.yaml"}, "no file inside"),
         ({"yaml_path": None}, "no file inside"),  # lm-eval would build the task from the stored cfg
+        ({"yaml_path": ""}, "no file inside"),  # the folder itself: a traceback where lm-eval read it as a file
         ({"cfg": "task: t"}, "no file inside"),
         ({"kind": "NOT_A_KIND"}, "not an entry"),
         ({"tags": "g"}, "must be strings"),
     ],
-    ids=["path up", "absolute path", "no file", "cfg not a dict", "kind", "tags"],
+    ids=["path up", "absolute path", "no file", "the folder", "cfg not a dict", "kind", "tags"],
 )
 def test_a_stored_index_that_names_no_file_of_lm_evals_folder_is_refused(tmp_path, change, why):
     data = json.loads(encode(_entries(tmp_path), tmp_path))

@@ -1,0 +1,310 @@
+"""The paired statistics of two runs' per-doc outcomes (numpy/scipy only, no I/O).
+
+A 0/1 outcome: the four buckets, the exact McNemar test (`mcnemar_exact`) and the delta's interval
+(`binary_delta_interval`: the exact conditional interval that test inverts, each end widened to Newcombe's where
+farther and not across 0, so it excludes 0 exactly when the test rejects). A continuous metric: the seeded paired
+bootstrap interval (withheld below MIN_N docs) and the Wilcoxon signed-rank p (`wilcoxon_p`), with a note where the
+two disagree (`interval_test_notes`). `paired_stats` gathers them for `compare.bucket`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from lm_eval_sink.buckets.settings import BucketSettings
+from lm_eval_sink.power import MIN_N
+
+BUCKETS = ("both_pass", "regression", "recovered", "both_fail")
+_BOOT_CHUNK = 256
+
+
+def mcnemar_exact(regressions: int, recovered: int) -> float:
+    """Exact two-sided McNemar p-value: binomial test of the discordant pairs against 1/2."""
+    n = regressions + recovered
+    if n == 0:
+        return 1.0
+    from scipy.stats import binomtest
+
+    return float(binomtest(regressions, n, 0.5, alternative="two-sided").pvalue)
+
+
+def holm(pvalues: Sequence[float]) -> list[float]:
+    """Holm step-down adjusted p-values (family-wise error), in the input order."""
+    m = len(pvalues)
+    order = sorted(range(m), key=lambda i: pvalues[i])
+    out = [0.0] * m
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * pvalues[i]))
+        out[i] = running
+    return out
+
+
+def resampled_sums(columns: np.ndarray, n_boot: int, seed: int) -> np.ndarray:
+    """Column sums over `n_boot` bootstrap resamples of the rows of `columns` [doc, column].
+
+    Rows (docs or whole prompts) are drawn with replacement, seeded; the draws depend only on
+    (number of rows, n_boot, seed), so two statistics over the same docs share the same resamples.
+    """
+    columns = np.asarray(columns, dtype=np.float64)
+    n = columns.shape[0]
+    rng = np.random.default_rng(seed)
+    out = np.empty((n_boot, columns.shape[1]), dtype=np.float64)
+    for start in range(0, n_boot, _BOOT_CHUNK):
+        stop = min(n_boot, start + _BOOT_CHUNK)
+        idx = rng.integers(0, n, size=(stop - start, n))
+        for j in range(columns.shape[1]):
+            out[start:stop, j] = columns[:, j][idx].sum(axis=1)
+    return out
+
+
+def _interval(stats: np.ndarray, confidence: float) -> tuple[float, float]:
+    alpha = 1.0 - confidence
+    lo, hi = np.quantile(stats, [alpha / 2, 1 - alpha / 2])
+    return float(lo), float(hi)
+
+
+def paired_delta_ci(
+    reference: np.ndarray, candidate: np.ndarray, n_boot: int, confidence: float, seed: int
+) -> tuple[float, float]:
+    """Percentile interval of mean(candidate - reference) under a paired bootstrap over docs."""
+    d = (np.asarray(candidate, dtype=np.float64) - np.asarray(reference, dtype=np.float64))[:, None]
+    sums = resampled_sums(d, n_boot, seed)[:, 0]
+    return _interval(sums / d.shape[0], confidence)
+
+
+def cluster_delta_ci(
+    reference_passed: np.ndarray,
+    candidate_passed: np.ndarray,
+    n_items: np.ndarray,
+    n_boot: int,
+    confidence: float,
+    seed: int,
+) -> tuple[float, float]:
+    """Interval of an item-level accuracy delta, resampling whole clusters (prompts).
+
+    Per prompt: instructions passed by each run and the instruction count; each resample's delta
+    is (sum candidate passed - sum reference passed) / sum instructions.
+    """
+    cols = np.stack(
+        [np.asarray(candidate_passed, float) - np.asarray(reference_passed, float), np.asarray(n_items, float)], axis=1
+    )
+    sums = resampled_sums(cols, n_boot, seed)
+    return _interval(sums[:, 0] / sums[:, 1], confidence)
+
+
+def wilson_ci(k: int, n: int, confidence: float) -> tuple[float, float]:
+    """Wilson's score interval of a binomial proportion k / n."""
+    from scipy.stats import norm
+
+    z, p = float(norm.ppf((1 + confidence) / 2)), k / n
+    centre, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return (centre - half) / (1 + z * z / n), (centre + half) / (1 + z * z / n)
+
+
+def newcombe_paired_ci(counts: Mapping[str, int], confidence: float) -> tuple[float, float]:
+    """Newcombe's (1998) hybrid score interval, method 10, of candidate minus reference for paired 0/1 outcomes
+    (`counts`: the four buckets): the Wilson intervals of both rates, combined with their correlation phi (set to
+    0 when a margin is empty, and shrunk by n/2 when positive, as Newcombe does). Its width never collapses to 0,
+    even when every doc has the same outcome (R. G. Newcombe, "Improved confidence intervals for the difference
+    between binomial proportions based on paired data", Statistics in Medicine 17:2635-2650, 1998)."""
+    a, b, c, d = (counts[k] for k in BUCKETS)  # both_pass, regression, recovered, both_fail
+    n = a + b + c + d
+    ref, cand = (a + b) / n, (a + c) / n
+    (l1, u1), (l2, u2) = wilson_ci(a + b, n, confidence), wilson_ci(a + c, n, confidence)
+    margins, cross = (a + b) * (c + d) * (a + c) * (b + d), a * d - b * c
+    phi = 0.0
+    if margins and cross > n / 2:
+        phi = (cross - n / 2) / math.sqrt(margins)
+    elif margins and cross < 0:
+        phi = cross / math.sqrt(margins)
+
+    def spread(x: float, y: float) -> float:
+        return math.sqrt(max(x * x + y * y - 2 * phi * x * y, 0.0))
+
+    theta = cand - ref
+    return theta - spread(cand - l2, u1 - ref), theta + spread(u2 - cand, ref - l1)
+
+
+EXACT_CI_METHOD = (
+    "exact conditional interval (Clopper-Pearson on the discordant docs' split, times the discordant share), each "
+    "end widened to Newcombe's score interval where that is farther and on the same side of 0: excludes 0 exactly "
+    "when the exact McNemar test rejects"
+)
+NEWCOMBE_CI_METHOD = (
+    "Newcombe's hybrid score interval for paired proportions (method 10): no doc where the runs differ, so the exact "
+    "conditional interval has no discordant doc to split (the exact McNemar test's p is 1)"
+)
+_NEAR_HALF = 1e-9  # scipy finds a Clopper-Pearson bound within 2e-12 (brentq's xtol); nearer 1/2, exact arithmetic
+
+
+def exact_conditional_ci(regressions: int, recovered: int, n: int, confidence: float) -> tuple[float, float]:
+    """The interval of a paired 0/1 delta (recoveries minus regressions, over `n` docs) that the exact McNemar test
+    (`mcnemar_exact`) inverts: given the m = regressions + recovered discordant docs, delta = (m / n)(2 q - 1) with q
+    the recovered share of them; the Clopper-Pearson interval of q at `confidence`, mapped the same way. It holds 1/2
+    (the delta 0) exactly when the two-sided binomial test against 1/2 does not reject at alpha = 1 - confidence
+    (the binomial is symmetric there, so its two-sided p is twice the smaller tail and each bound solves one tail =
+    alpha / 2). Conditional on m, as the test and power.py are: its ends lie within [-m / n, m / n]. Needs m > 0."""
+    from scipy.stats import binomtest
+
+    m = regressions + recovered
+    lo, hi = binomtest(recovered, m, 0.5).proportion_ci(confidence_level=confidence, method="exact")
+    lo, hi = _exact_near_half(lo, recovered, m, confidence, upper=False), _exact_near_half(hi, recovered, m, confidence)
+    return m / n * (2 * lo - 1), m / n * (2 * hi - 1)
+
+
+def _exact_near_half(bound: float, k: int, m: int, confidence: float, upper: bool = True) -> float:
+    """A Clopper-Pearson bound of k of m within `_NEAR_HALF` of 1/2, on the side of 1/2 that exact arithmetic gives:
+    1/2 itself when its tail at 1/2 (P(K <= k) for the upper bound, P(K >= k) for the lower) is exactly alpha / 2,
+    the p = alpha boundary, where the delta's end is exactly 0; else at least the nearest float on the right side.
+    Farther from 1/2, the solver's error (2e-12) cannot move the bound across it."""
+    if abs(bound - 0.5) > _NEAR_HALF:
+        return bound
+    from fractions import Fraction
+
+    tail = sum(math.comb(m, j) for j in (range(k + 1) if upper else range(k, m + 1)))
+    gap = Fraction(tail, 2**m) - Fraction(1 - confidence) / 2  # > 0: the bound lies beyond 1/2, holding it
+    if gap == 0:
+        return 0.5
+    above = (gap > 0) == upper
+    return max(bound, math.nextafter(0.5, 1.0)) if above else min(bound, math.nextafter(0.5, 0.0))
+
+
+def binary_delta_interval(counts: Mapping[str, int], confidence: float) -> tuple[tuple[float, float], str]:
+    """The interval of a 0/1 delta from its four buckets, and its method. Where no doc differs: Newcombe's, which has
+    nonzero width and holds 0 (p = 1), the conditional interval having nothing to split. Else each end is the farther
+    of the exact conditional interval's (`exact_conditional_ci`) and Newcombe's, except where the farther one would
+    move that end across 0: the conditional end stays there. Whether the interval holds 0 is then the conditional
+    interval's answer, which is the exact McNemar test's (`mcnemar_exact`), while its ends keep Newcombe's
+    coverage of the population delta. The conditional interval alone ends at the observed delta when every
+    discordant doc goes one way: it covered a delta of -10 points over 100 docs in 53% of repetitions, this one in
+    91-96% (exact enumeration, docs/buckets.md)."""
+    b, c = counts["regression"], counts["recovered"]
+    newcombe = newcombe_paired_ci(counts, confidence)
+    if b + c == 0:
+        return newcombe, NEWCOMBE_CI_METHOD
+    lo, hi = exact_conditional_ci(b, c, sum(counts.values()), confidence)
+    wide_lo, wide_hi = min(lo, newcombe[0]), max(hi, newcombe[1])
+    lo = wide_lo if (lo <= 0) == (wide_lo <= 0) else lo
+    hi = wide_hi if (hi >= 0) == (wide_hi >= 0) else hi
+    return (lo, hi), EXACT_CI_METHOD
+
+
+def delta_interval(
+    ref_v: np.ndarray, cand_v: np.ndarray, binary: bool, settings: BucketSettings
+) -> tuple[tuple[float, float] | None, str]:
+    """The interval of mean(candidate - reference) and the method, in words. A 0/1 outcome: `binary_delta_interval`
+    at any n; any other metric: the seeded paired bootstrap, withheld (None) below MIN_N docs or when the differences
+    do not vary (a bootstrap there has zero width)."""
+    if binary:
+        return binary_delta_interval(four(ref_v >= 0.5, cand_v >= 0.5), settings.confidence)
+    n = len(ref_v)
+    if n < MIN_N or np.ptp(cand_v - ref_v) == 0:
+        why = f"{n} paired docs (at least {MIN_N} are needed)" if n < MIN_N else "the per-doc differences do not vary"
+        return None, f"withheld: {why}; a bootstrap interval there would claim a certainty the docs do not give"
+    ci = paired_delta_ci(ref_v, cand_v, settings.n_bootstrap, settings.confidence, settings.seed)
+    return ci, f"paired bootstrap over docs (percentile; {settings.n_bootstrap} resamples, seed {settings.seed})"
+
+
+def _bucket_of(ref_pass: bool, cand_pass: bool) -> str:
+    if ref_pass:
+        return "both_pass" if cand_pass else "regression"
+    return "recovered" if cand_pass else "both_fail"
+
+
+def four(ref_pass: Sequence[bool], cand_pass: Sequence[bool]) -> dict[str, int]:
+    counts = dict.fromkeys(BUCKETS, 0)
+    for r, c in zip(ref_pass, cand_pass, strict=True):
+        counts[_bucket_of(bool(r), bool(c))] += 1
+    return counts
+
+
+def wilcoxon_test(d: np.ndarray) -> float:
+    if not np.any(d != 0):
+        return 1.0
+    from scipy.stats import wilcoxon
+
+    return float(wilcoxon(d, zero_method="wilcox", alternative="two-sided").pvalue)
+
+
+@dataclass(frozen=True, slots=True)
+class PairedStats:
+    """The paired statistics of one metric over the paired docs (BucketReport's fields of the same names)."""
+
+    delta: float
+    delta_ci: tuple[float, float] | None
+    delta_ci_method: str
+    wilcoxon_p: float | None
+    counts: dict[str, int] | None
+    counts_reason: str | None
+    prompts: dict[str, list[int]] | None
+    mcnemar_p: float | None
+    discordant: int | None
+    pass_rate: dict[str, Any] | None
+
+
+def paired_stats(ids, ref_v: np.ndarray, cand_v: np.ndarray, kind: str, settings: BucketSettings) -> PairedStats:
+    """Delta with its interval (`delta_interval`); Wilcoxon for a continuous metric; buckets and McNemar for
+    pass/fail."""
+    delta_ci, method = delta_interval(ref_v, cand_v, kind == "binary", settings)
+    wilcoxon_p = wilcoxon_test(cand_v - ref_v) if kind == "continuous" else None
+    delta = float(cand_v.mean() - ref_v.mean())
+    if kind != "binary" and settings.threshold is None:
+        reason = "continuous metric: pass --threshold T to split docs into pass (score >= T) / fail buckets"
+        return PairedStats(delta, delta_ci, method, wilcoxon_p, None, reason, None, None, None, None)
+    thr = 0.5 if kind == "binary" else settings.threshold
+    ref_pass, cand_pass = ref_v >= thr, cand_v >= thr
+    counts = four(ref_pass, cand_pass)
+    buckets = [_bucket_of(bool(r), bool(c)) for r, c in zip(ref_pass, cand_pass, strict=True)]
+    pass_rate = None
+    if kind == "continuous":
+        rp, cp = ref_pass.astype(float), cand_pass.astype(float)
+        rate_ci, rate_method = delta_interval(rp, cp, True, settings)
+        pass_rate = {
+            "threshold": thr,
+            "reference": float(rp.mean()),
+            "candidate": float(cp.mean()),
+            "delta": float(cp.mean() - rp.mean()),
+            "delta_ci": list(rate_ci),
+            "delta_ci_method": rate_method,
+        }
+    return PairedStats(
+        delta=delta,
+        delta_ci=delta_ci,
+        delta_ci_method=method,
+        wilcoxon_p=wilcoxon_p,
+        counts=counts,
+        counts_reason=None,
+        prompts={b: [i for i, x in zip(ids, buckets, strict=True) if x == b] for b in BUCKETS},
+        mcnemar_p=mcnemar_exact(counts["regression"], counts["recovered"]),
+        discordant=counts["regression"] + counts["recovered"],
+        pass_rate=pass_rate,
+    )
+
+
+def interval_test_notes(stats: PairedStats, confidence: float) -> list[str]:
+    """A note where a continuous metric's bootstrap interval of the mean difference and the Wilcoxon signed-rank test
+    `bucket` runs disagree on whether the runs differ at the same level (one excludes 0, the other does not reject
+    at alpha = 1 - confidence): they ask different questions (the mean against the ranks of the differences), so a
+    few large differences can move one and not the other. Said in words, so the two figures do not contradict each
+    other unspoken. A 0/1 outcome needs no note: its interval excludes 0 exactly when the exact McNemar
+    test rejects (`binary_delta_interval`)."""
+    ci, p = stats.delta_ci, stats.wilcoxon_p
+    if ci is None or p is None:
+        return []
+    alpha = 1 - confidence
+    excludes, rejects = ci[0] > 0 or ci[1] < 0, p < alpha
+    if excludes == rejects:
+        return []
+    says, test = ("excludes 0", "does not reject") if excludes else ("holds 0", "rejects")
+    return [
+        f"the {confidence:.0%} bootstrap interval of the mean difference, [{ci[0]:.4g}, {ci[1]:.4g}] (the metric's "
+        f"unit), {says}, while the Wilcoxon signed-rank test {test} at alpha {alpha:g} (p = {p:.3g}): the interval "
+        "is of the mean, the test of the ranks of the per-doc differences, and a few large differences move the mean "
+        "more than the ranks; the test is the comparison's significance (its power is the one reported)"
+    ]
