@@ -196,7 +196,7 @@ def test_core_modules_and_the_cli_do_no_file_io():
     ) and "run_report: atomic_write_text" in _file_io_calls("commands.report")
     assert "_save: atomic_write_json" in _file_io_calls(
         "commands.strength"
-    ) and "detect_qk_norm: read_text" in _file_io_calls("commands.screen")
+    ) and "reused_strength: read_json" in _file_io_calls("commands.screen")
 
 
 def test_core_modules_import_no_command():
