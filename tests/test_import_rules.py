@@ -11,6 +11,7 @@ import sys
 from helpers import REPO
 
 PACKAGE = REPO / "lm_eval_sink"
+BUCKETS = tuple(f"buckets.{p.stem}" for p in sorted((PACKAGE / "buckets").glob("[!_]*.py")))  # the buckets package
 # Pure statistics, data and schema modules: importing them must not load torch or transformers.
 TORCH_FREE = (
     "schema",
@@ -19,10 +20,7 @@ TORCH_FREE = (
     "io",
     "pairing",
     "predict",
-    "buckets.compare",
-    "buckets.noise",
-    "buckets.protocol",
-    "buckets.render",
+    *BUCKETS,
     "power",
     "failure_kinds",
     "benchmarks",
@@ -45,14 +43,7 @@ TORCH_FREE = (
 )
 # Core modules take and return data; reading inputs and writing outputs is their commands/<subcommand>.py's.
 CORE = (
-    "buckets.compare",
-    "buckets.noise",
-    "buckets.paired",
-    "buckets.protocol",
-    "buckets.render",
-    "buckets.rows",
-    "buckets.settings",
-    "buckets.stats",
+    *BUCKETS,
     "power",
     "attribution",
     "margin",
