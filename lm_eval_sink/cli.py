@@ -898,6 +898,31 @@ def buckets(
         click.echo(line)
 
 
+# --- recovery (issue 50) ---
+@cli.command()
+@click.option("--reference", required=True, help="The reference run (the LLM), as `buckets` takes a run.")
+@click.option("--candidate", required=True, help="The candidate run (the VLM backbone), as `buckets` takes a run.")
+@click.argument("controls", nargs=-1, metavar="NAME=RUN [NAME=RUN ...]")
+@click.option("--confidence", type=float, default=0.95, show_default=True)
+@click.option(
+    "--output",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Folder for recovery.json, recovery.md, recovery.png and prompts.parquet (default: print only).",
+)
+@click.option("--force", is_flag=True, help="Overwrite an existing --output folder.")
+def recovery(reference, candidate, controls, confidence, output, force) -> None:
+    """Did each control (a merge) recover what CANDIDATE lost against REFERENCE, prompt by prompt? Paired tests per
+    task with Holm's correction across every control x task, the recovered share and a verdict in words."""
+    from lm_eval_sink.buckets.settings import BucketSettings
+    from lm_eval_sink.commands.recovery import run_recovery
+
+    settings = BucketSettings(confidence=confidence, failure_kinds=False)
+    _, lines = run_recovery(reference, candidate, controls, settings, output, force=force)
+    for line in lines:
+        click.echo(line)
+
+
 # --- merging controls (issue 7) ---
 
 
@@ -1078,6 +1103,13 @@ class _StrengthValues(_ManyValues):
     help="Output folder (or attribution.json) of `attribute`.",
 )
 @click.option(
+    "--recovery",
+    "recovery_dir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Output folder (or recovery.json) of `recovery` (a --sweep folder brings its recovery/).",
+)
+@click.option(
     "--sweep",
     "sweep_dir",
     type=click.Path(path_type=Path),
@@ -1087,7 +1119,9 @@ class _StrengthValues(_ManyValues):
 @click.option("--title", default=None, help="Page title (default: the two models).")
 @click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="The HTML file to write.")
 @click.option("--force", is_flag=True, help="Overwrite an existing file.")
-def report(strength_files, margin_dir, buckets_dirs, attribution_dir, sweep_dir, title, output, force) -> None:
+def report(
+    strength_files, margin_dir, buckets_dirs, attribution_dir, sweep_dir, recovery_dir, title, output, force
+) -> None:
     """One self-contained HTML page for a reference/candidate pair from this project's outputs (works offline)."""
     from lm_eval_sink.commands.report import run_report
 
@@ -1099,6 +1133,7 @@ def report(strength_files, margin_dir, buckets_dirs, attribution_dir, sweep_dir,
         buckets=buckets_dirs,
         attribution=attribution_dir,
         sweep=sweep_dir,
+        recovery=recovery_dir,
         title=title,
     ):
         click.echo(line)

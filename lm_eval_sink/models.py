@@ -18,7 +18,9 @@ from lm_eval_sink.adapters import ADAPTER_CONFIG, VirtualTokens, adapted, config
 from lm_eval_sink.devices import DEFAULT_DEVICE, load_dtype, place
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.identity import check_finished_folder, folder_identity, hub_offline, hub_snapshot, looks_like_hub_id
-from lm_eval_sink.io import cache_dir, parse_json, read_complete, read_text, sha256_file, staged_dir, write_complete
+from lm_eval_sink.cache import cache_dir
+from lm_eval_sink.io import parse_json, read_text, sha256_file
+from lm_eval_sink.outputs import read_complete, staged_dir, write_complete
 from lm_eval_sink.schema import did_you_mean
 from lm_eval_sink.weights import check_weights
 
@@ -86,7 +88,7 @@ def _intact(out: Path) -> bool:
 
 def _waiting(holder: str, waited: float, out: Path) -> None:
     """The line a command prints when another process converts the default model it needs, and every
-    `io.WAIT_NOTE_S` while it goes on (then the command goes on)."""
+    `locks.WAIT_NOTE_S` while it goes on (then the command goes on)."""
     import sys
 
     still = f"still waiting ({waited:.0f} s) for" if waited else "waiting for"

@@ -446,3 +446,34 @@ def sweep_chart(
     fig.suptitle("Merging sweep" + (f" ({note})" if note else ""), fontsize=9)
     fig.tight_layout()
     return save_figure(fig, path)
+
+
+def recovery_forest(data: Mapping, path: Path | None) -> Path | bytes:
+    """The forest plot of `recovery`: each control's recovered share with its interval, a row per control x task,
+    0 (none recovered) and 1 (all of the gap) marked; a withheld share is said in words on its row."""
+    plt = _pyplot()
+    rows = [(c, task, cell) for c, cells in data["controls"].items() for task, cell in cells.items()]
+    fig, ax = plt.subplots(figsize=(7, 0.8 + 0.35 * max(len(rows), 1)))
+    for y, (_, _, cell) in enumerate(rows):
+        share, ci = cell["recovered_share"], cell["recovered_share_ci"]
+        if share is None:
+            ax.text(0.5, y, "no share: " + cell["recovered_share_note"][:70], ha="center", va="center", fontsize=7)
+            continue
+        if ci is not None:
+            ax.plot(ci, [y, y], color="tab:blue", lw=1.5)
+        ax.plot([share], [y], "o", color="tab:blue", ms=5)
+    for x, label in ((0.0, "0: none"), (1.0, "1: all of the gap")):
+        ax.axvline(x, color="grey", ls="--", lw=0.8)
+        ax.text(x, 1.01, label, transform=ax.get_xaxis_transform(), ha="center", va="bottom", fontsize=7, color="grey")
+    ax.set_yticks(range(len(rows)), [f"{c} / {task}: {cell['verdict']}" for c, task, cell in rows], fontsize=7)
+    ax.set_ylim(len(rows) - 0.3, -0.7)
+    ax.set_xlabel(
+        f"recovered share [{round(100 * data['confidence'])}% CI]: (control - candidate) / (reference - candidate)"
+    )
+    few = [task for task, t in data["tasks"].items() if t.get("too_few_to_tell")]
+    ax.set_title(
+        ("too few to tell: " + ", ".join(few) + "; " if few else "") + "recovery of the candidate's gap",
+        fontsize=9,
+        pad=14,
+    )
+    return save_figure(fig, path)

@@ -91,7 +91,7 @@ def _model_folder(folder: Path) -> RunFiles:
 
 def _sweep_eval_results(folder: Path) -> Path | None:
     """The results file a sweep's eval folder (`evals/<checkpoint>/`) names in its COMPLETE marker, else None."""
-    from lm_eval_sink.io import COMPLETE
+    from lm_eval_sink.outputs import COMPLETE
 
     try:
         marker = json.loads((folder / COMPLETE).read_text(encoding="utf-8"))

@@ -174,7 +174,8 @@ CONVERTER = textwrap.dedent(
     """
     import os, sys, time
     from pathlib import Path
-    from lm_eval_sink.io import hold, staged_dir
+    from lm_eval_sink.locks import hold
+    from lm_eval_sink.outputs import staged_dir
     from lm_eval_sink.models import default_model_dir
 
     out, source = default_model_dir(create=False), Path(sys.argv[1])
@@ -190,14 +191,14 @@ CONVERTER = textwrap.dedent(
 
 def test_a_command_during_the_conversion_waits_for_it(default_model, tmp_path, monkeypatch, capsys):
     """`strength default` while another process converts the default model said "choose another output folder";
-    it waits for that conversion, with one line and then one every `io.WAIT_NOTE_S` (here 0.5 s, 15 s by default)
+    it waits for that conversion, with one line and then one every `locks.WAIT_NOTE_S` (here 0.5 s, 15 s by default)
     saying how long it has waited, then goes on with the converted folder."""
-    from lm_eval_sink import io
-    from lm_eval_sink.io import read_complete
+    from lm_eval_sink import locks
+    from lm_eval_sink.outputs import read_complete
     from lm_eval_sink.models import default_model_dir
 
     monkeypatch.setenv("LM_EVAL_SINK_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(io, "WAIT_NOTE_S", 0.5)
+    monkeypatch.setattr(locks, "WAIT_NOTE_S", 0.5)
     child = subprocess.Popen(
         [sys.executable, "-c", CONVERTER, str(default_model)],
         stdout=subprocess.PIPE,

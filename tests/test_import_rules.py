@@ -21,6 +21,7 @@ TORCH_FREE = (
     "pairing",
     "predict",
     *BUCKETS,
+    "recovery",
     "power",
     "failure_kinds",
     "benchmarks",
@@ -39,11 +40,13 @@ TORCH_FREE = (
     "comparability",
     "options",
     "weights",
-    "harness.engine_capture",  # its engine_refusal runs before any engine or model is loaded
+    "harness.engine_decision",  # decides before any engine or model is loaded
+    "harness.engine_capture",
 )
 # Core modules take and return data; reading inputs and writing outputs is their commands/<subcommand>.py's.
 CORE = (
     *BUCKETS,
+    "recovery",
     "power",
     "attribution",
     "margin",
@@ -248,7 +251,8 @@ ASSIGNMENTS = {
     ("extract.plan", "config.architectures"): "fields of the configs of the folders it writes",
     ("failure_kinds", "DetectorFactory.seed"): "langdetect's `DetectorFactory.seed`",
     ("harness.engine_capture", "impl.forward"): "`impl.forward`, an instance attribute shadowing vLLM's method",
-    ("harness.engine_server", "lm_eval_vllm.LLM"): "`lm_eval.models.vllm_causallms.LLM`",
+    ("harness.engine_strength", "module.LLM"): "`lm_eval.models.vllm_causallms.LLM`",
+    ("harness.engine_strength", "builder._lm_eval_sink_builder"): None,  # marks the builder it made
     ("harness.inprocess", "tracker.general_config_tracker.model_source"): "the model name on the `EvaluationTracker`",
     ("harness.patching", "setattr wrapper"): None,  # marks the wrapper it made
     ("harness.patching", "setattr method"): None,  # marks this project's method

@@ -20,7 +20,7 @@ REF_GAPS = [[6.0, 4.0], [5.0, 3.0]]
 CAND_GAPS = [[5.5, -1.0], [5.0, 3.5]]  # layer 0 head 1 loses its sink
 MARKUP = ' <script>alert("x")</script> </td></tr></table>'
 SWEEP_TASKS = Path(__file__).parent / "data" / "merging_task"
-SECTIONS = ("summary", "strength", "buckets-1", "margin", "attribution", "sweep", "provenance")
+SECTIONS = ("summary", "strength", "buckets-1", "margin", "attribution", "sweep", "recovery", "provenance")
 
 
 def _ifeval_runs(root: Path, ref: Path, cand: Path, shared_data: Path) -> tuple[Path, Path]:
@@ -188,6 +188,7 @@ def test_every_section_and_every_number_traces_to_its_input(report, outputs):
         "../buckets/buckets.json",
         "../attribution/attribution.json",
         "../sweep/table.json",
+        "../sweep/recovery/recovery.json",  # the sweep folder brings its recovery
     }
     buckets = json.loads((outputs["buckets"] / "buckets.json").read_text())
     regressed = {str(r["doc_id"]) for r in buckets["rows"] if r["bucket"] == "regression"}
@@ -198,7 +199,7 @@ def test_every_section_and_every_number_traces_to_its_input(report, outputs):
     sweep = json.loads((outputs["sweep"] / "table.json").read_text())
     for i, _ in enumerate(sweep["rows"]):  # every checkpoint with its S delta and metric deltas
         assert any(src == f"../sweep/table.json#/rows/{i}/sink_strength_delta_vs_reference" for src, _, _ in p.found)
-    assert len(p.imgs) == 3 and all(s.startswith("data:image/png;base64,") for s in p.imgs)
+    assert len(p.imgs) == 4 and all(s.startswith("data:image/png;base64,") for s in p.imgs)  # with recovery's
     html_text = report.read_text()
     assert "punctuation:no_comma" in html_text and "mostly <b>format</b>" in html_text
     assert "http://" not in html_text.replace("http://www.w3.org", "") and "https://" not in html_text
@@ -408,6 +409,15 @@ def test_real_browser_opens_the_report_offline_without_errors(report, tmp_path):
             for r in driver.find_elements(By.CSS_SELECTOR, "#reg-1 tbody tr")
         ]
         assert ids == sorted(ids, reverse=True)
+        # the recovery section (the sweep folder's recovery/): too few docs said first, the table, the forest plot
+        section = driver.find_element(By.ID, "recovery")
+        first = section.find_elements(By.XPATH, "./*")[1]
+        assert first.get_attribute("class") == "bad" and first.text.startswith("Too few to tell")
+        rows = driver.find_elements(By.CSS_SELECTOR, "#recovery-table tbody tr")
+        assert [r.find_element(By.TAG_NAME, "td").text for r in rows] == ["dare_linear"]
+        assert "too few docs to tell" in rows[0].text
+        plot = section.find_element(By.CSS_SELECTOR, "img[alt='recovery forest plot']")
+        assert driver.execute_script("return arguments[0].complete && arguments[0].naturalWidth > 0", plot)
         assert [e for e in driver.get_log("browser") if e["level"] == "SEVERE"] == []
         shot = tmp_path / "report.png"
         assert driver.save_screenshot(str(shot)) and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -484,7 +494,7 @@ def test_output_reads_at_a_glance(report, outputs, smollm2_instruct_run):
     s = results["results"]["sink_strength"]["sink_strength,none"]
     line, limit = table.rstrip("\n").splitlines()[-2:]
     assert line.startswith(
-        f"sink_strength: S = {s:.4f} over the last 10 of 30 attention layers (33%); position 0 is the sink"
+        f"sink_strength: S = {s:.4f} in float32 over the last 10 of 30 attention layers (33%); position 0 is the sink"
     )
     assert limit.startswith("sink_strength: --limit 5 not applied: S uses the whole calibration set (15 prompts)")
     assert "higher S = a stronger attention sink" in line

@@ -161,6 +161,39 @@ def test_delete_merged_keeps_results_and_skips_on_rerun(uninterrupted, tmp_path)
 
 
 @pytest.mark.slow
+def test_the_sweep_answers_recovery_and_recomputes_it_only_when_a_run_changed(uninterrupted, tmp_path):
+    """recovery/ from the sweep's own runs (the merge a control), its verdict lines ending table.md and the
+    console; a rerun with no run changed keeps it byte for byte; a record keyed otherwise is recomputed."""
+    from lm_eval_sink.commands.sweep import load_sweep, run_sweep
+    from lm_eval_sink.recovery import TOO_FEW
+
+    out = uninterrupted.parent / "out"
+    data = json.loads((out / "recovery" / "recovery.json").read_text())
+    assert list(data["controls"]) == ["dare_linear"] and data["runs"]["candidate"]["role"] == "candidate"
+    assert {f.name for f in (out / "recovery").iterdir()} == {
+        "recovery.json",
+        "recovery.md",
+        "recovery.png",
+        "prompts.parquet",
+    }
+    cell = data["controls"]["dare_linear"][f"{TASK}"]
+    assert cell["verdict"] == TOO_FEW and cell["recovered_share"] is None  # 6 docs
+    line = f"recovery: dare_linear on {TASK}: {TOO_FEW}"
+    assert (out / "table.md").read_text().rstrip().splitlines()[-1].startswith(f"- {line}")
+    sweep = _copy(uninterrupted, tmp_path / "r")
+    saved = (sweep.parent / "out" / "recovery" / "recovery.json").read_bytes()
+    report = run_sweep(load_sweep(sweep), progress=False)
+    assert report.ran == [] and report.lines()[-1].startswith(line)
+    assert (sweep.parent / "out" / "recovery" / "recovery.json").read_bytes() == saved
+    stale = json.loads(saved)
+    stale["provenance"]["key"] = "another run"
+    (sweep.parent / "out" / "recovery" / "recovery.json").write_text(json.dumps(stale))
+    run_sweep(load_sweep(sweep), progress=False)
+    again = json.loads((sweep.parent / "out" / "recovery" / "recovery.json").read_text())
+    assert again["provenance"]["key"] == data["provenance"]["key"] and again["controls"] == data["controls"]
+
+
+@pytest.mark.slow
 def test_changed_versions_recompute_the_units_they_key(uninterrupted, tmp_path, monkeypatch):
     """The same versions reuse every unit; another mergekit recomputes the merge and what was measured on it, each
     saying which version changed (a change of code: `test_a_code_change_changes_the_keys_of_the_units_on_its_path`)."""
@@ -342,7 +375,8 @@ def test_a_code_change_changes_the_keys_of_the_units_on_its_path(tiny_trio, tmp_
     }
     state = FolderState(markers, {}, frozenset(markers), frozenset(), None)
     notes = check_conflicts(after, state, frozenset(), {})
-    assert "eval:reference: recomputed: code changed: lm_eval_sink/capture.py" in notes
+    both = "code changed: lm_eval_sink/capture.py, lm-eval code changed: lm_eval_sink/capture.py"  # here and in lm-eval
+    assert f"eval:reference: recomputed: {both}" in notes
     assert "strength:reference: recomputed: code changed: lm_eval_sink/capture.py" in notes
     with monkeypatch.context() as m:
         change_code(m, "lm_eval_sink/merging/configs.py")
@@ -472,16 +506,11 @@ def test_a_failed_eval_unit_says_why_in_lm_evals_own_words(tmp_path, tiny_trio, 
     from helpers import TINY_TASK
     from lm_eval_sink.commands.units import run_unit
     from lm_eval_sink.harness.runner import EvalSettings
-    from lm_eval_sink.merging.sweep import Unit
+    from lm_eval_sink.merging.sweep import EvalWork, Unit
 
     settings = EvalSettings(tasks=(TINY_TASK,), include_path=str(tiny_task_dir), gen_kwargs={"max_gen_toks": 1000})
-    unit = Unit(
-        "eval",
-        "reference",
-        "k",
-        tmp_path / "out" / "evals" / "reference",
-        {"model": str(tiny_trio["reference"]), "settings": settings},
-    )
+    work = EvalWork(str(tiny_trio["reference"]), "fingerprint", settings)
+    unit = Unit("eval", "reference", "k", tmp_path / "out" / "evals" / "reference", work)
     with pytest.raises(UserError) as e:
         run_unit(unit)
     line = e.value.line()

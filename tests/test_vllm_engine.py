@@ -1,21 +1,10 @@
 """One resident vLLM engine per sweep: checkpoints' weights swapped in place, against an evaluation per checkpoint.
 
-The per-checkpoint side is the suite's SmolLM2 sweep (conftest `smollm2_sweep`: its eval units under HF in
-`.venv-vllm`, float32, whose responses and S vLLM's equal): reference, a perturbed candidate whose greedy
-responses differ, and a merge near the reference. Two runs on real vLLM (CPU build, float32, one thread; their CI
-time: docs/scale.md):
-- `resident`: the same sweep with `backend: vllm` and the resident engine (the default), in vLLM's default process
-  mode (the engine core in a process of its own, as users run it), on a copy of the HF sweep's folder without its
-  eval and strength units (the merge is the HF sweep's): killed inside its first eval unit, then resumed: one
-  engine takes the reference, the candidate (reloaded) and the near-reference merge (reloaded again), so both
-  orders of two checkpoints whose responses differ run on one engine; each unit's `sink_strength` and each
-  `strength:` unit are measured on that engine (S from the engine: no second load), against the HF sweep's
-  transformers S per checkpoint;
-- `edge`: one engine runner (the sweep's own eval path; IFEval on one prompt, 16 new tokens; the in-process engine,
-  the tests' speed-up) over the reference, a copy of it whose config differs (a new engine, in a new process) and a
-  copy of that with truncated weights (refused before the engine is asked; the runner's decision for the next unit
-  is read, not run: another engine start would cost CI half a minute, and the new-process path is the config
-  change's).
+`resident`: the suite's SmolLM2 sweep (conftest `smollm2_sweep`, HF, float32) run again with `backend: vllm` on the
+resident engine in vLLM's default process mode, killed inside its first eval unit and resumed: one engine takes the
+reference, the candidate and a near-reference merge, S measured on it, against the HF sweep. `edge`: one engine
+runner (in-process engine) over the reference, a copy whose config differs (a new engine) and a copy of that with
+truncated weights (refused before the engine is asked). Their CI time: docs/scale.md.
 """
 
 from __future__ import annotations
@@ -33,7 +22,7 @@ import pytest
 import yaml
 from helpers import VLLM_PY, engine_core_pids, vllm_missing_reason
 
-from lm_eval_sink.merging.sweep import Unit
+from lm_eval_sink.merging.sweep import EvalWork, Unit
 
 pytestmark = [pytest.mark.skipif(not VLLM_PY.is_file(), reason=vllm_missing_reason())]
 CHECKPOINTS = ("reference", "candidate", "near_reference")
@@ -276,9 +265,10 @@ def edge(smollm2_sweep, default_model, tmp_path_factory, vllm_env) -> dict:
     runner, errors = EngineRunner(settings, root / "logs"), {}
     try:
         for name, model in models.items():
-            inputs = {"model": str(model), "settings": settings, "identity": None}
             try:
-                runner.run(Unit("eval", name, f"key-{name}", root / "evals" / name, inputs))
+                runner.run(
+                    Unit("eval", name, f"key-{name}", root / "evals" / name, EvalWork(str(model), name, settings))
+                )
             except Exception as e:  # the unit's failure, as the sweep records it
                 errors[name] = e
         state = {"failed": runner.failed, "process": runner.process, "started": runner.started}

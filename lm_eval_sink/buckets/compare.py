@@ -99,7 +99,7 @@ def bucket(
     `labels` name the two logs in error messages.
     """
     p = pair(reference_samples, candidate_samples, task, settings, labels)
-    kind = _kind(p.ids, p.ref_v, p.cand_v, p.metric, p.spec, settings)
+    kind = metric_kind(p.ids, p.ref_v, p.cand_v, p.metric, p.spec, settings)
     stats = paired_stats(p.ids, p.ref_v, p.cand_v, kind, settings)
     rows = doc_rows(p.ids, stats.prompts, p.ref_v, p.cand_v, p.ref_rows, p.cand_rows)
     by_id = {row["doc_id"]: row for row in rows}
@@ -149,7 +149,9 @@ def _power(p: Paired, kind: str, settings: BucketSettings) -> dict[str, Any]:
     return comparison_power(kind, p.cand_v - p.ref_v, settings.effect, alpha=alpha, **spread)
 
 
-def _kind(ids, ref_v: np.ndarray, cand_v: np.ndarray, metric: str, spec: Benchmark, settings: BucketSettings) -> str:
+def metric_kind(
+    ids, ref_v: np.ndarray, cand_v: np.ndarray, metric: str, spec: Benchmark, settings: BucketSettings
+) -> str:
     """binary (0/1 per doc) or continuous: the benchmark's declared kind for its metric, else what the values are."""
     is01 = bool(np.isin(ref_v, (0.0, 1.0)).all() and np.isin(cand_v, (0.0, 1.0)).all())
     declared = spec.kind if (spec.metric is None or metric == spec.metric) else None

@@ -72,7 +72,7 @@ def protocol_differences(ref_fp, cand_fp, task: str) -> dict[str, Any]:
     }
 
 
-def _by_effect(diffs: Mapping[str, Any]) -> tuple[list[str], list[str]]:
+def by_effect(diffs: Mapping[str, Any]) -> tuple[list[str], list[str]]:
     """The fields of `protocol_differences` that can change the task's scores, and those that cannot."""
     can = [k for k, d in diffs.items() if not isinstance(d, Mapping) or d.get("affects_scores") is not False]
     return can, [k for k in diffs if k not in can]
@@ -83,13 +83,13 @@ def with_runs(
 ) -> BucketReport:
     """`report` with both runs' records, their protocol differences and the notes they imply."""
     notes = list(report.notes)
-    can, cannot = _by_effect(diffs)
+    can, cannot = by_effect(diffs)
     if can:
         notes.append("protocols differ in " + ", ".join(can) + ": the delta mixes model and protocol effects")
     if cannot:
         notes.append("the protocols also differ in " if can else "the protocols differ only in ")
         notes[-1] += ", ".join(cannot) + ", which cannot change this task's scores"
-    can, _ = _by_effect((runs.get("repeat") or {}).get("protocol_differences_from_reference") or {})
+    can, _ = by_effect((runs.get("repeat") or {}).get("protocol_differences_from_reference") or {})
     if can:
         notes.append(
             "the repeat's protocol differs from the reference's in "

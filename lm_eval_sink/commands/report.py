@@ -25,13 +25,20 @@ from lm_eval_sink.errors import UserError
 from lm_eval_sink.report.view import BucketsInput, Doc, PromptText, ReportInputs, get, sink_tasks
 
 ROLES = ("reference", "candidate")
-FILE_OF = {"margin": "margin.json", "buckets": "buckets.json", "attribution": "attribution.json", "sweep": "table.json"}
+FILE_OF = {
+    "margin": "margin.json",
+    "buckets": "buckets.json",
+    "attribution": "attribution.json",
+    "sweep": "table.json",
+    "recovery": "recovery.json",
+}
 REQUIRED = {
     "strength": "sink_strength",
     "margin": "margin",
     "buckets": "counts",
     "attribution": "benchmarks",
     "sweep": "rows",
+    "recovery": "controls",
 }
 
 
@@ -140,6 +147,9 @@ def _identities(what: str, doc: Doc, role_hint: str | None = None) -> list[tuple
         ]
     if what == "sweep":
         return [(label, r, None, _norm(get(d, "models", r))) for r in ROLES if get(d, "models", r)]
+    if what == "recovery":
+        models = {r: [t.get("model") for t in (get(d, "runs", r, "tasks") or {}).values()] for r in ROLES}
+        return [(label, r, None, _norm(m[0])) for r, m in models.items() if m and m[0]]
     return []
 
 
@@ -244,16 +254,20 @@ def load_inputs(
     buckets: Sequence[Path] = (),
     attribution: Path | None = None,
     sweep: Path | None = None,
+    recovery: Path | None = None,
     title: str | None = None,
 ) -> ReportInputs:
     """Read, validate and cross-check every input; paths in the report are relative to `out`'s folder."""
-    from lm_eval_sink.io import package_versions
+    from lm_eval_sink.provenance import package_versions
 
     out_dir = Path(out).parent
-    if not (strength or margin or buckets or attribution or sweep):
+    if not (strength or margin or buckets or attribution or sweep or recovery):
         raise UserError(
-            "nothing to report", "pass at least one of --strength, --margin, --buckets, --attribution, --sweep"
+            "nothing to report",
+            "pass at least one of --strength, --margin, --buckets, --attribution, --sweep, --recovery",
         )
+    if recovery is None and sweep is not None and (Path(sweep) / "recovery" / FILE_OF["recovery"]).is_file():
+        recovery = Path(sweep) / "recovery"  # a sweep folder brings its recovery
     records = []
     strength_docs = None
     if strength:
@@ -266,7 +280,7 @@ def load_inputs(
         for role, d in zip(ROLES, strength_docs, strict=True):
             records += _identities("strength", d, role)
     docs: dict[str, Doc | None] = {}
-    for what, arg in (("margin", margin), ("attribution", attribution), ("sweep", sweep)):
+    for what, arg in (("margin", margin), ("attribution", attribution), ("sweep", sweep), ("recovery", recovery)):
         docs[what] = None if arg is None else _doc(_file(arg, what), what, out_dir)
         if docs[what] is not None:
             records += _identities(what, docs[what])
@@ -283,6 +297,7 @@ def load_inputs(
         margin=docs["margin"],
         attribution=docs["attribution"],
         sweep=docs["sweep"],
+        recovery=docs["recovery"],
         buckets=tuple(_buckets_input(d, p, out_dir) for d, p in bucket_docs),
         identities=identities,
         versions=package_versions(),
@@ -293,13 +308,14 @@ def load_inputs(
 def run_report(output: Path, *, force: bool = False, **inputs: Any) -> list[str]:
     """The `report` command: refuse `output` early, load the inputs (`inputs`: load_inputs's), write the page
     atomically."""
-    from lm_eval_sink.io import atomic_write_text, new_files
+    from lm_eval_sink.io import atomic_write_text
+    from lm_eval_sink.outputs import new_files
     from lm_eval_sink.report.render import render_html
 
     output = Path(output)
     if output.is_dir():
         raise UserError(f"-o {output} is a folder", "pass a file path, e.g. -o report.html")
     files = [*(inputs.get("strength") or ()), *inputs.get("buckets", ())]
-    files += [inputs.get("margin"), inputs.get("attribution"), inputs.get("sweep")]
+    files += [inputs.get("margin"), inputs.get("attribution"), inputs.get("sweep"), inputs.get("recovery")]
     with new_files([output], force, "-o", inputs=files):
         return [f"wrote {atomic_write_text(output, render_html(load_inputs(output, **inputs)))}"]

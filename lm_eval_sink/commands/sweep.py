@@ -3,9 +3,9 @@
 `commands.units.run_unit` runs one unit from its arguments alone, so a cluster engine can dispatch
 it; an in-memory sweep runs each checkpoint's units on one resident model instead
 (`commands.resident`), with the same units, keys and outputs. A unit builds its output in
-`<out>.partial-<uuid>/` (`io.staged_dir`), writes its `io.COMPLETE` marker with its key, renames,
+`<out>.partial-<uuid>/` (`outputs.staged_dir`), writes its `outputs.COMPLETE` marker with its key, renames,
 then appends one fsync'd line to `manifest.jsonl`. A unit counts as finished only when its last
-manifest line says done with the current key AND its marker has that key (`io.read_complete(folder,
+manifest line says done with the current key AND its marker has that key (`outputs.read_complete(folder,
 key)`): after kill -9 at any point, a rerun skips finished units and redoes the rest; `force` redoes
 everything. A failed unit is recorded and reported at the end; the others go on. The table (JSON,
 CSV, Markdown, PNG) is rebuilt from the saved outputs (`merging.sweep.build_table`).
@@ -33,21 +33,11 @@ from lm_eval_sink.commands.engine_sweep import (
     ray_pool,
 )
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.identity import looks_like_hub_id, tree_files
-from lm_eval_sink.io import (
-    atomic_write_json,
-    atomic_write_text,
-    check_not_inputs,
-    check_writable,
-    clean_stale_all,
-    parse_yaml,
-    provenance,
-    read_complete,
-    read_text,
-    sha256_file,
-    sha256_text,
-    versioned_key,
-)
+from lm_eval_sink.identity import looks_like_hub_id
+from lm_eval_sink.io import atomic_write_json, atomic_write_text, read_text, sha256_file
+from lm_eval_sink.outputs import check_not_inputs, check_writable, clean_stale_all, read_complete
+from lm_eval_sink.provenance import provenance
+from lm_eval_sink.yaml_input import parse_yaml
 from lm_eval_sink.locks import hold
 from lm_eval_sink.merging.configs import TOKENIZER_CHOICES, bundled_names, load_template, render
 from lm_eval_sink.merging.engines import parse_engine, run_on_ray
@@ -56,7 +46,6 @@ from lm_eval_sink.merging.sweep import (
     EvalIn,
     FolderState,
     Markers,
-    RESIDENT_CODE,
     Plan,
     RenderedMerge,
     Schedule,
@@ -269,46 +258,26 @@ def _strength(section: Any, skipped: bool, src: str, here: Path) -> tuple[Any, s
         raise UserError(f"{src}: strength: {e.message}", e.hint) from None
 
 
-def _tree_sha(folder: str | None) -> str | None:
-    if not folder:
-        return None
-    files = tree_files(Path(folder))
-    return sha256_text("".join(f"{p.relative_to(folder)}:{sha256_file(p)}\n" for p in files))
-
-
 def plan_sweep(spec: SweepSpec) -> Plan:
-    """Fingerprint the endpoints and derive each unit's key from the spec's validated merges (reads no weights)."""
+    """Fingerprint the endpoints and derive each unit's key from the work it hands on (reads no weights)."""
     from lm_eval_sink.harness.runner import eval_versions
-    from lm_eval_sink.merging.merge import merge_inputs_key, merge_versions
+    from lm_eval_sink.merging.merge import MergeWork
     from lm_eval_sink.models import model_fingerprint
-    from lm_eval_sink.strength import CODE, key_versions
 
-    merges = []
-    for r in spec.merges:
-        inputs_key, versions = merge_inputs_key(r.validated, spec.random_seed), merge_versions()
-        merges.append(
-            RenderedMerge(
-                r.name,
-                r.template.path,
-                r.validated,
-                versioned_key(inputs_key, versions),
-                r.validated.method,
-                r.template.paper_setting,
-                inputs_key,
-                versions,
-            )
+    merges = [
+        RenderedMerge(
+            r.name,
+            MergeWork(r.validated, spec.random_seed, spec.merge_device, r.template.path),
+            r.template.paper_setting,
         )
+        for r in spec.merges
+    ]
     identities = {role: model_fingerprint(spec.models[role]) for role in ENDPOINTS}
     evals = eval_versions(spec.eval) if spec.eval is not None else {}
-    strength = key_versions((*CODE, *RESIDENT_CODE)) | engine_strength_versions(spec, evals)
-    versions = {"eval": evals, "strength": strength}
-    return plan_units(
-        spec,
-        identities,
-        merges,
-        versions,
-        _tree_sha(spec.eval.include_path) if spec.eval is not None else None,
-    )
+    on_engine = engine_strength_versions(spec, evals)
+    engine = {"model_args": spec.eval.model_args, "dtype": spec.eval.dtype} if on_engine and spec.eval else None
+    lm_eval = {f"lm-eval {k}": v for k, v in evals.items()}  # where lm-eval runs
+    return plan_units(spec, identities, merges, {"eval": lm_eval, "strength": on_engine, "engine": engine})
 
 
 # --- units ---------------------------------------------------------------------------------
@@ -379,6 +348,7 @@ class SweepReport:
     table_files: list[Path] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     remerged: dict[str, tuple[str, ...]] = field(default_factory=dict)  # Schedule.remerged
+    verdicts: list[str] = field(default_factory=list)  # recovery's verdict lines, the console's last
 
     def plan_line(self, todo: int) -> str:
         """What the run is about to do, said before any step runs: how many steps, which merges are redone and for
@@ -395,7 +365,7 @@ class SweepReport:
         if self.table_files:
             out.append("table -> " + ", ".join(str(p) for p in self.table_files))
         out += [f"failed: {u}: {e}" for u, e in self.failures.items()]
-        return out
+        return out + self.verdicts
 
     def raise_for_failures(self) -> None:
         if self.failures:
@@ -595,8 +565,40 @@ def _tabulate(plan: Plan, markers: Markers, report: SweepReport) -> None:
         **build_table(plan, report.failures, *_saved_outputs(plan, markers)),
         "provenance": provenance(sweep=plan.spec.source, units={u.id: u.key for u in plan.units}),
     }
-    report.table_files = write_table(table, plan.spec.output)
+    report.verdicts = sweep_recovery(plan, markers)
+    report.table_files = write_table(table, plan.spec.output, report.verdicts)
     report.notes.extend([*table["protocol"]["model_differences"], *comparability_lines(table)])
+
+
+def sweep_recovery(plan: Plan, markers: Markers) -> list[str]:
+    """`recovery` over the sweep's own evaluated runs (the reference, the candidate, each merge a control) into
+    `<output>/recovery/`, recomputed only when a run or the code changed (its key); returns the verdict lines (none
+    without both endpoints and a control evaluated)."""
+    from lm_eval_sink.buckets.settings import BucketSettings
+    from lm_eval_sink.commands.recovery import CODE, CODE_PACKAGES, NamedRun, compute, write_outputs
+    from lm_eval_sink.io import canonical_json, key_versions, read_json, versioned_key
+    from lm_eval_sink.recovery import verdict_lines
+
+    by_id = {u.id: u for u in plan.units}
+    done = {ck.name: (ck.role, by_id[f"eval:{ck.name}"]) for ck in plan.checkpoints if f"eval:{ck.name}" in by_id}
+    done = {name: (role, u) for name, (role, u) in done.items() if current(u, markers) is not None}
+    roles = [role for role, _ in done.values()]
+    if "reference" not in roles or "candidate" not in roles or "merge" not in roles:
+        return []
+    runs = [
+        NamedRun(name, "control" if role == "merge" else role, u.output)
+        for want in ("reference", "candidate", "merge")
+        for name, (role, u) in done.items()
+        if role == want
+    ]
+    out = plan.spec.output / "recovery"
+    key = versioned_key(canonical_json({r.name: done[r.name][1].key for r in runs}), key_versions(CODE, CODE_PACKAGES))
+    saved = read_json(out / "recovery.json") if (out / "recovery.json").is_file() else None
+    if saved is None or saved.get("provenance", {}).get("key") != key:
+        saved, table = compute(runs, BucketSettings(failure_kinds=False), command="sweep")
+        saved["provenance"]["key"] = key
+        write_outputs(saved, table, out, force=True)
+    return verdict_lines(saved)
 
 
 @dataclass
@@ -699,12 +701,14 @@ def _saved_outputs(
     return results, fingerprints, strengths, settings
 
 
-def write_table(table: dict[str, Any], out: Path) -> list[Path]:
-    """table.json, table.csv, table.md and table.png, each written atomically."""
+def write_table(table: dict[str, Any], out: Path, verdicts: Sequence[str] = ()) -> list[Path]:
+    """table.json, table.csv, table.md (ending with the recovery `verdicts`) and table.png, each written atomically."""
     from lm_eval_sink.plots import sweep_chart
     from lm_eval_sink.report.view import sweep_series
 
     md, csv = table_text(table)
+    if verdicts:
+        md += "\nRecovery (recovery/recovery.md):\n\n" + "".join(f"- {v}\n" for v in verdicts)
     paths = [
         atomic_write_json(out / "table.json", table),
         atomic_write_text(out / "table.csv", csv),

@@ -47,6 +47,8 @@ def figures(view: dict[str, Any]) -> dict[str, str]:
             strength=s["series"]["s"],
             unit=s["series"]["unit"],
         )
+    if view["recovery"] is not None:
+        out["recovery"] = _png(plots.recovery_forest, view["recovery"]["data"])
     return out
 
 

@@ -67,6 +67,7 @@ class ReportInputs:
     buckets: tuple[BucketsInput, ...] = ()
     attribution: Doc | None = None
     sweep: Doc | None = None
+    recovery: Doc | None = None
     identities: Mapping[str, str] = field(default_factory=dict)  # role -> what both models are, as shown
     versions: Mapping[str, str | None] = field(default_factory=dict)
     created_utc: str = ""
@@ -526,6 +527,47 @@ def _sweep_section(d: Doc) -> dict[str, Any]:
     }
 
 
+def _recovery_cell(d: Doc, control: str, task: str) -> dict[str, Any]:
+    """One control x task of recovery.json: the share with its interval (or why none), the verdict, the Holm p."""
+    cell, at = d.data["controls"][control][task], ["controls", control, task]
+    return {
+        "share": num(d, [*at, "recovered_share"], "f2"),
+        "lo": num(d, [*at, "recovered_share_ci", 0], "f2"),
+        "hi": num(d, [*at, "recovered_share_ci", 1], "f2"),
+        "note": cell.get("recovered_share_note"),
+        "verdict": cell.get("verdict"),
+        "reason": cell.get("verdict_reason"),
+        "p_candidate": num(d, [*at, "vs_candidate", "p_holm"], "p"),
+        "p_reference": num(d, [*at, "vs_reference", "p_holm"], "p"),
+    }
+
+
+def _recovery_section(d: Doc) -> dict[str, Any]:
+    """recovery.json: small samples first, a row per control (a cell per task), the forest plot's data, and each
+    control's recovered and broken prompts with both responses."""
+    data = d.data
+    tasks = list(data.get("tasks") or {})
+    controls = data.get("controls") or {}
+    prompts = [
+        {"control": c, "task": t, "what": what, "doc_id": x["doc_id"], **x}
+        for c, cells in controls.items()
+        for t, cell in cells.items()
+        for what, items in (cell.get("prompts") or {}).items()
+        for x in items
+    ]
+    return {
+        "source": d.rel,
+        "too_few": [f"{t}: {x['too_few_to_tell']}" for t, x in data["tasks"].items() if x.get("too_few_to_tell")],
+        "tasks": tasks,
+        "rows": [{"control": c, "cells": [_recovery_cell(d, c, t) for t in tasks]} for c in controls],
+        "prompts": prompts,
+        "confidence": round(100 * data.get("confidence", 0.95)),
+        "share_method": data.get("share_method"),
+        "notes": list(data.get("notes") or []),
+        "data": data,  # the forest plot's
+    }
+
+
 def _lineage(inputs: ReportInputs) -> dict[str, Any] | None:
     if inputs.attribution is None:
         return None
@@ -548,7 +590,8 @@ def _inputs_table(inputs: ReportInputs) -> list[dict[str, Any]]:
                     "versions": get(d.data, "provenance", "versions") or {},
                 }
             )
-    for what, d in (("margin", inputs.margin), ("attribution", inputs.attribution), ("sweep", inputs.sweep)):
+    docs = (("margin", inputs.margin), ("attribution", inputs.attribution), ("sweep", inputs.sweep))
+    for what, d in (*docs, ("recovery", inputs.recovery)):
         if d is not None:
             rows.append(
                 {
@@ -602,6 +645,7 @@ def build_view(inputs: ReportInputs) -> dict[str, Any]:
         "margin": _margin_section(inputs.margin) if inputs.margin is not None else None,
         "attribution": _attribution_section(inputs.attribution) if inputs.attribution is not None else None,
         "sweep": _sweep_section(inputs.sweep) if inputs.sweep is not None else None,
+        "recovery": _recovery_section(inputs.recovery) if inputs.recovery is not None else None,
         "lineage": _lineage(inputs),
         "notes": notes,
         "inputs": _inputs_table(inputs),

@@ -1,0 +1,300 @@
+"""Did a merging control recover what the candidate lost? The statistics of `recovery`, on per-doc outcomes.
+
+Per task (one metric, the docs all runs share): the gap (candidate minus reference), and per control the
+comparisons `vs_candidate` (control minus candidate) and `vs_reference` (control minus reference), each with
+buckets' paired statistics (`paired_stats`: the 0/1 delta interval that agrees with the exact McNemar test, the
+bootstrap and Wilcoxon for a continuous metric) and power (`comparison_power`). p-values are Holm-adjusted
+(`holm`) across every task (the gap) or every control x task (`vs_candidate`, `vs_reference`), each comparison its
+own family; every verdict reads the adjusted p. `recovered_share` = (control - candidate) / (reference -
+candidate), with Fieller's interval for a ratio of paired means (`fieller_share`), given only where the gap is
+detectable. numpy/scipy only, no I/O: the command (commands/recovery.py) reads the runs and writes the outputs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from lm_eval_sink.buckets.settings import BucketSettings
+from lm_eval_sink.buckets.stats import holm, paired_stats
+from lm_eval_sink.power import MIN_N, comparison_power, too_few
+from lm_eval_sink.tables import markdown_lines
+
+ALL, PART, NONE, WORSE, TOO_FEW, NO_GAP = (
+    "recovers all of the gap",
+    "recovers part of it",
+    "no evidence of recovery",
+    "worse than the candidate",
+    "too few docs to tell",
+    "no detectable gap to recover",
+)
+VERDICTS = (ALL, PART, NONE, WORSE, TOO_FEW, NO_GAP)
+FAMILIES = ("gap", "vs_candidate", "vs_reference")
+SCHEMA_VERSION = 1
+UNITS = (
+    "deltas and intervals in the metric's own unit as lm-eval writes it (a share of docs, 0-1, for a 0/1 metric; "
+    "recovery.md shows points, x100); recovered_share: 1 = all of the gap recovered, 0 = none, negative = farther "
+    "from the reference than the candidate"
+)
+SMOOTHING = 0.25  # pseudo-docs per outcome pattern (r, k, c) of a 0/1 metric in Fieller's variances: 2 in all
+SHARE_METHOD = (
+    "Fieller's interval for the ratio of the paired mean differences (control - candidate) / (reference - candidate), "
+    f"t quantile with n - 1 df; for a 0/1 metric the variances count {SMOOTHING:g} pseudo-doc in each of the 8 "
+    "outcome patterns (Agresti-Min's add-to-every-cell, extended to three runs), so agreement on every doc never "
+    "gives a zero-width interval"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TaskOutcomes:
+    """One task's per-doc outcomes: `values[name]` for every run (`reference`, `candidate` and each control's name),
+    aligned with `ids`; `kind` binary (0/1) or continuous."""
+
+    task: str
+    metric: str
+    kind: str
+    ids: Sequence[int]
+    values: Mapping[str, np.ndarray]
+
+
+@dataclass(frozen=True, slots=True)
+class Share:
+    """The recovered share, its interval at the call's confidence, and why either is withheld (None)."""
+
+    estimate: float | None
+    ci: tuple[float, float] | None
+    reason: str | None
+
+
+def fieller_share(reference: np.ndarray, candidate: np.ndarray, control: np.ndarray, binary: bool, confidence: float):
+    """Fieller's interval of mean(a) / mean(b), a = control - candidate, b = reference - candidate per doc: the
+    shares theta with (mean a - theta mean b)^2 <= t^2 var(a - theta b) / n, which accounts for the noise of all three
+    runs and their pairing. Bounded only when mean b differs from 0 by the same t test; None otherwise. The estimate
+    solves the left side = 0, so the interval holds it."""
+    from scipy.stats import t as student
+
+    a, b = np.asarray(control, float) - candidate, np.asarray(reference, float) - candidate
+    n, weights = len(a), np.ones(len(a))
+    if binary:  # the 8 patterns (r, k, c) as pseudo-docs, for the variances only
+        patterns = np.array([(r - k, c - k) for r in (0, 1) for k in (0, 1) for c in (0, 1)], float)
+        a, b = np.concatenate([a, patterns[:, 1]]), np.concatenate([b, patterns[:, 0]])
+        weights = np.concatenate([weights, np.full(8, SMOOTHING)])
+    cov = np.cov(np.stack([a, b]), aweights=weights, ddof=1) if n > 1 else np.zeros((2, 2))
+    mean_a, mean_b = float(np.mean(a[:n])), float(np.mean(b[:n]))
+    q = float(student.ppf((1 + confidence) / 2, max(n - 1, 1))) ** 2 / n
+    qa, qb, qc = mean_b**2 - q * cov[1, 1], mean_a * mean_b - q * cov[0, 1], mean_a**2 - q * cov[0, 0]
+    theta = mean_a / mean_b if mean_b else 0.0
+    if qa <= 0 or cov[0, 0] - 2 * theta * cov[0, 1] + theta**2 * cov[1, 1] <= 0:  # unbounded, or zero width
+        return None
+    root = math.sqrt(max(qb * qb - qa * qc, 0.0))
+    return float((qb - root) / qa), float((qb + root) / qa)
+
+
+def compare(first: np.ndarray, second: np.ndarray, kind: str, settings: BucketSettings) -> dict[str, Any]:
+    """One paired comparison, `second` minus `first`: buckets' statistics, the test's p (exact McNemar for 0/1,
+    Wilcoxon otherwise) and what it could have detected (power.py). `p_holm` is set by `adjust`."""
+    ids = list(range(len(first)))
+    s = paired_stats(ids, first, second, kind, settings)
+    values = np.concatenate([first, second])
+    pw = comparison_power(kind, second - first, settings.effect, values=values, alpha=1 - settings.confidence)
+    return {
+        "delta": s.delta,
+        "delta_ci": None if s.delta_ci is None else list(s.delta_ci),
+        "delta_ci_method": s.delta_ci_method,
+        "test": pw["test"],
+        "p": s.mcnemar_p if kind == "binary" else s.wilcoxon_p,
+        "p_holm": None,
+        "counts": s.counts,
+        "mde": pw["mde"],
+        "power": pw,
+    }
+
+
+def adjust(comparisons: Sequence[dict[str, Any]]) -> None:
+    """Set each comparison's `p_holm`: Holm's step-down over the family (every comparison of one kind)."""
+    for c, p in zip(comparisons, holm([c["p"] for c in comparisons]), strict=True):
+        c["p_holm"] = p
+
+
+def _sign(x: float) -> int:
+    return (x > 0) - (x < 0)
+
+
+def _could(c: Mapping[str, Any], binary: bool) -> str:
+    """What a comparison could have detected, in words (power.py's MDE)."""
+    pw = c["power"]
+    if pw["mde"] is None:  # too few docs, no doc that differs, or no difference detectable at this n
+        return (pw["too_few"] or "").removeprefix("too few to tell: ") or pw["not_detectable"]
+    return "it could have detected " + (f"{100 * pw['mde']:.1f} points" if binary else f"{pw['mde']:.3g}")
+
+
+def verdict(n: int, gap: Mapping, vs_cand: Mapping, vs_ref: Mapping, binary: bool, alpha: float) -> tuple[str, str]:
+    """The verdict word and its sentence, from the Holm-adjusted tests: never more than they show."""
+    if n < MIN_N:
+        return TOO_FEW, too_few(n)
+    if gap["p_holm"] >= alpha:
+        return NO_GAP, f"the gap is not detectable (Holm p {gap['p_holm']:.3g}): nothing to recover"
+    toward = _sign(vs_cand["delta"]) == -_sign(gap["delta"])
+    if vs_cand["p_holm"] >= alpha:
+        return NONE, f"no detectable change from the candidate (Holm p {vs_cand['p_holm']:.3g}); " + _could(
+            vs_cand, binary
+        )
+    if not toward:
+        return WORSE, f"farther from the reference than the candidate (Holm p {vs_cand['p_holm']:.3g})"
+    short = _sign(vs_ref["delta"]) == _sign(gap["delta"])
+    if vs_ref["p_holm"] < alpha and short:
+        return PART, f"still short of the reference (Holm p {vs_ref['p_holm']:.3g})"
+    if vs_ref["p_holm"] < alpha:
+        return ALL, f"beyond the reference (Holm p {vs_ref['p_holm']:.3g})"
+    return ALL, f"no detectable difference from the reference (Holm p {vs_ref['p_holm']:.3g}); " + _could(
+        vs_ref, binary
+    )
+
+
+def share(t: TaskOutcomes, control: str, gap: Mapping, confidence: float) -> Share:
+    """The recovered share of `control` on task `t`: withheld where the gap is not detectable (Holm)."""
+    ref, cand, ctrl = (np.asarray(t.values[k], float) for k in ("reference", "candidate", control))
+    if len(t.ids) < MIN_N:
+        return Share(None, None, too_few(len(t.ids)))
+    if gap["p_holm"] >= 1 - confidence:
+        return Share(None, None, f"the gap is not detectable (Holm p {gap['p_holm']:.3g}): no share of it")
+    estimate = float(np.mean(ctrl - cand) / np.mean(ref - cand))
+    ci = fieller_share(ref, cand, ctrl, t.kind == "binary", confidence)
+    why = None if ci is not None else "interval unbounded: the gap is too uncertain for a bounded ratio (Fieller)"
+    return Share(estimate, ci, why)
+
+
+def prompt_lists(t: TaskOutcomes, control: str) -> dict[str, list[int]] | None:
+    """The docs `control` recovered (candidate fails, control passes) and broke (candidate passes, control fails);
+    None for a continuous metric (no pass/fail)."""
+    if t.kind != "binary":
+        return None
+    cand, ctrl = np.asarray(t.values["candidate"]) >= 0.5, np.asarray(t.values[control]) >= 0.5
+    ids = np.asarray(t.ids)
+    return {"recovered": ids[~cand & ctrl].tolist(), "broke": ids[cand & ~ctrl].tolist()}
+
+
+@dataclass(frozen=True, slots=True)
+class Recovery:
+    """Every task's gap and every control x task cell (comparisons, share, verdict, prompt lists), as JSON records."""
+
+    tasks: dict[str, dict[str, Any]]
+    controls: dict[str, dict[str, dict[str, Any]]]
+    confidence: float
+
+
+def recover(outcomes: Sequence[TaskOutcomes], controls: Sequence[str], settings: BucketSettings) -> Recovery:
+    """The gap per task, both comparisons per control x task, Holm within each family, then shares and verdicts."""
+    tasks = {t.task: {"metric": t.metric, "kind": t.kind, "n": len(t.ids)} for t in outcomes}
+    cells: dict[str, dict[str, dict[str, Any]]] = {c: {} for c in controls}
+    for t in outcomes:
+        ref, cand = (np.asarray(t.values[k], float) for k in ("reference", "candidate"))
+        tasks[t.task]["gap"] = compare(ref, cand, t.kind, settings)
+        for c in controls:
+            ctrl = np.asarray(t.values[c], float)
+            cells[c][t.task] = {
+                "vs_candidate": compare(cand, ctrl, t.kind, settings),
+                "vs_reference": compare(ref, ctrl, t.kind, settings),
+            }
+    adjust([tasks[t.task]["gap"] for t in outcomes])
+    for family in FAMILIES[1:]:
+        adjust([cells[c][t.task][family] for c in controls for t in outcomes])
+    alpha = 1 - settings.confidence
+    for t in outcomes:
+        gap, binary = tasks[t.task]["gap"], t.kind == "binary"
+        for c in controls:
+            cell = cells[c][t.task]
+            s = share(t, c, gap, settings.confidence)
+            word, why = verdict(len(t.ids), gap, cell["vs_candidate"], cell["vs_reference"], binary, alpha)
+            cell.update(
+                recovered_share=s.estimate,
+                recovered_share_ci=None if s.ci is None else list(s.ci),
+                recovered_share_note=s.reason,
+                verdict=word,
+                verdict_reason=why,
+                prompts=prompt_lists(t, c),
+            )
+    return Recovery(tasks, cells, settings.confidence)
+
+
+# --- text (recovery.md, the console, table.md) --------------------------------------------------------------------
+
+
+def _points(x: float | None, binary: bool, signed: bool = True) -> str:
+    if x is None:
+        return "n/a"
+    return f"{100 * x:+.1f}" if binary and signed else f"{100 * x:.1f}" if binary else f"{x:+.4g}"
+
+
+def _interval(ci: Sequence[float] | None, binary: bool) -> str:
+    return "[withheld]" if ci is None else f"[{_points(ci[0], binary)}, {_points(ci[1], binary)}]"
+
+
+def share_text(cell: Mapping[str, Any]) -> str:
+    """A control's share with its interval, or why there is none."""
+    if cell["recovered_share"] is None:
+        return f"no share ({cell['recovered_share_note']})"
+    ci = cell["recovered_share_ci"]
+    return f"{cell['recovered_share']:.2f} " + ("[unbounded]" if ci is None else f"[{ci[0]:.2f}, {ci[1]:.2f}]")
+
+
+def verdict_lines(data: Mapping[str, Any]) -> list[str]:
+    """One line per control x task: the verdict, the share and why (the console's and table.md's last lines)."""
+    return [
+        f"recovery: {c} on {task}: {cell['verdict']}"
+        + (f", share {share_text(cell)}" if cell["recovered_share"] is not None else "")
+        + f"; {cell['verdict_reason']}"
+        for c, tasks in data["controls"].items()
+        for task, cell in tasks.items()
+    ]
+
+
+def _comparison_rows(data: Mapping[str, Any]) -> list[list[str]]:
+    """The gap of each task, then each control's two comparisons on it: delta [CI], p, Holm p."""
+    rows = []
+    for task, t in data["tasks"].items():
+        binary = t["kind"] == "binary"
+        named = [("gap (candidate - reference)", t["gap"])]
+        for c, cells in data["controls"].items():
+            named += [(f"{c} - " + f.removeprefix("vs_"), cells[task][f]) for f in FAMILIES[1:]]
+        for what, x in named:
+            delta = _points(x["delta"], binary) + " " + _interval(x["delta_ci"], binary)
+            rows.append([task, what, delta, f"{x['p']:.3g}", f"{x['p_holm']:.3g}"])
+    return rows
+
+
+def summary_markdown(data: Mapping[str, Any]) -> str:
+    """recovery.md: small samples first, the share table (controls x tasks), the comparisons, verdicts, notes."""
+    conf = round(100 * data["confidence"])
+    tasks = list(data["tasks"])
+    lines = ["# Recovery: did a control recover what the candidate lost?", ""]
+    few = [f"{task}: {t['too_few_to_tell']}" for task, t in data["tasks"].items() if t.get("too_few_to_tell")]
+    if few:
+        lines += [f"**Too few to tell: {'; '.join(few)}.** Those columns are no evidence either way.", ""]
+    runs = data["runs"]
+    lines += [f"- {name} ({r['role']})" for name, r in runs.items()] + [""]
+    lines += [f"Recovered share [{conf}% CI] and verdict (1 = all of the gap, 0 = none):", ""]
+    rows = [
+        [c, *(f"{share_text(cells[t])}: {cells[t]['verdict']}" for t in tasks)] for c, cells in data["controls"].items()
+    ]
+    lines += [*markdown_lines(["control", *tasks], rows), ""]
+    n = ", ".join(f"{task} {t['metric']} ({t['n']} docs)" for task, t in data["tasks"].items())
+    lines += [
+        f"Paired comparisons ({n}); deltas in points for a 0/1 metric [{conf}% CI]; p: exact McNemar (0/1) or "
+        "Wilcoxon; Holm p: adjusted within each family (the gaps; every control x task vs the candidate; vs the "
+        "reference):",
+        "",
+    ]
+    lines += [*markdown_lines(["task", "comparison", "delta", "p", "Holm p"], _comparison_rows(data)), ""]
+    lines += ["Verdicts:", "", *(f"- {v}" for v in verdict_lines(data)), ""]
+    lines += [
+        f"Share interval: {data['share_method']}; per comparison, not adjusted: the verdicts read the Holm p.",
+        "",
+    ]
+    if data.get("notes"):
+        lines += ["Notes:", "", *(f"- {x}" for x in data["notes"]), ""]
+    return "\n".join(lines)
