@@ -111,9 +111,14 @@ def _path_entry(path: Path) -> Any:
 INDEX = "task_index|_task_index"  # TaskManager's index of entries: lm-eval 0.4.13's name, then 0.5's
 
 
+def index_of(manager: Any) -> dict[str, Any]:
+    """A TaskManager's index of entries (name -> lm-eval's `Entry`), under either version's name."""
+    return getattr(manager, read_name(type(manager), INDEX) or INDEX)
+
+
 def own_tasks_in(requested: list[Any], manager: Any) -> list[str]:
     """This project's tasks among `requested` (names, YAML paths, config dicts), through groups and tags, sorted."""
-    return own_leaves(task_leaves(requested, getattr(manager, read_name(type(manager), INDEX) or INDEX)))
+    return own_leaves(task_leaves(requested, index_of(manager)))
 
 
 @functools.cache
