@@ -173,9 +173,8 @@ def gsm8k_samples(
     lines = []
     for f in cfg["filter_list"]:
         regex = f["filter"][0]
-        filtered = RegexFilter(regex_pattern=regex["regex_pattern"], group_select=regex.get("group_select", 0)).apply(
-            [[response]], [doc]
-        )[0][0]
+        extract = RegexFilter(regex_pattern=regex["regex_pattern"], group_select=regex.get("group_select", 0))
+        filtered = next(iter(extract.apply([[response]], [doc])))[0]  # a list on 0.4.13, a generator on 0.5
         match = exact_match_hf_evaluate(predictions=[filtered], references=[doc["answer"]], **metric)["exact_match"]
         score = float(sum(match) / len(match) if isinstance(match, list) else match)
         lines.append(
