@@ -1,0 +1,64 @@
+"""What a new user meets in the first hour (issue 49): lines that name the real cause and its fix, and a `--quiet`
+that silences the libraries too. Each is one `error:` line, exit 2, before any work."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+
+def test_lm_eval_limit_0_is_one_line_before_the_model_loads(monkeypatch, capsys):
+    import lm_eval.__main__ as main_mod  # patched by the start-up hook
+
+    monkeypatch.setattr(sys, "argv", ["lm_eval", "--model", "hf", "--tasks", "sink_strength,ifeval", "--limit", "0"])
+    with pytest.raises(SystemExit) as stop:
+        main_mod.cli_evaluate()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith("error: --limit 0: no document") and "--limit 5" in err[0]
+
+
+def test_strength_limit_names_n_prompts(user_error):
+    assert "this command takes --n-prompts" in user_error(["strength", "default", "--limit", "0"])
+
+
+def test_a_hand_written_strength_json_says_what_is_missing(handset_llama_dir, tmp_path, user_error):
+    made = tmp_path / "m.strength.json"
+    prov = {"inputs_key": "0" * 64, "model": {"model": str(handset_llama_dir), "fingerprint": "x"}}
+    made.write_text(json.dumps({"sink_strength": 1.0, "provenance": prov}))
+    line = user_error(["screen", made, "--output", tmp_path / "out"], tmp_path / "out")
+    assert "has no fingerprint_rule, files (written by hand, or cut short)" in line and "older" not in line
+
+
+def test_screen_on_an_lm_eval_results_file_names_the_model_it_ran(tmp_path, user_error):
+    results = tmp_path / "results_2026-01-01T00-00-00.json"
+    config = {"model": "hf", "model_args": "pretrained=/models/qwen,dtype=float32"}
+    results.write_text(json.dumps({"results": {"sink_strength": {"sink_strength,none": 1.7}}, "config": config}))
+    line = user_error(["screen", results, "--output", tmp_path / "out"], tmp_path / "out")
+    assert "is an lm-eval results file, not a model folder" in line and "(/models/qwen)" in line
+
+
+def test_a_folder_holding_only_a_gguf_names_the_file(tmp_path, user_error):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "model.Q4.gguf").write_bytes(b"GGUF")
+    line = user_error(["strength", tmp_path / "m", "--output", tmp_path / "out"], tmp_path / "out")
+    assert line.endswith(f"(fix: pass the GGUF file itself: {tmp_path / 'm' / 'model.Q4.gguf'})")
+
+
+def test_quiet_silences_the_libraries_bars_and_warnings_and_keeps_errors(tmp_path, user_error, monkeypatch):
+    from transformers.utils import logging
+
+    for name in ("HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_VERBOSITY"):
+        monkeypatch.setenv(name, os.environ.get(name, ""))  # restored after the test
+    before = logging.get_verbosity()
+    try:
+        line = user_error(["strength", tmp_path / "nothing", "--quiet", "--output", tmp_path / "out"])
+        assert "no such model folder" in line
+        assert not logging.is_progress_bar_enabled() and logging.get_verbosity() == logging.ERROR
+        assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1" and os.environ["TRANSFORMERS_VERBOSITY"] == "error"
+    finally:
+        logging.enable_progress_bar()
+        logging.set_verbosity(before)
