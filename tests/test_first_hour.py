@@ -8,6 +8,9 @@ import os
 import sys
 
 import pytest
+from helpers import TINY_SWEEP_TASK, TINY_SWEEP_TASKS, VLLM_PY, vllm_missing_reason, write_tiny_sweep
+
+from lm_eval_sink.harness.vllm_preflight import KV_CACHE_ENV
 
 
 def test_lm_eval_limit_0_is_one_line_before_the_model_loads(monkeypatch, capsys):
@@ -62,3 +65,19 @@ def test_quiet_silences_the_libraries_bars_and_warnings_and_keeps_errors(tmp_pat
     finally:
         logging.enable_progress_bar()
         logging.set_verbosity(before)
+
+
+@pytest.mark.skipif(not VLLM_PY.is_file(), reason=vllm_missing_reason())
+def test_a_vllm_sweep_whose_engine_cannot_start_is_refused_before_any_merge(tiny_trio, tmp_path, monkeypatch, capsys):
+    """The plan asks `lm_eval --model vllm`'s own start-up check, in the sweep's lm-eval interpreter: vLLM's CPU
+    worker can never reserve all of the memory (gpu_memory_utilization 1.0, no KV cache size given)."""
+    from lm_eval_sink.cli import main
+
+    monkeypatch.setenv(KV_CACHE_ENV, "")
+    evals = {"tasks": [TINY_SWEEP_TASK], "include_path": str(TINY_SWEEP_TASKS), "backend": "vllm"}
+    evals |= {"python": str(VLLM_PY), "model_args": {"gpu_memory_utilization": 1.0, "enforce_eager": True}}
+    sweep = write_tiny_sweep(tmp_path / "s", tiny_trio, eval=evals)
+    assert main(["sweep", str(sweep)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "eval: --model vllm: vLLM's CPU engine would not start" in err[0], err
+    assert f"(fix: set {KV_CACHE_ENV}=N" in err[0] and not (tmp_path / "s" / "out").exists()
