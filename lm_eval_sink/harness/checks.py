@@ -22,9 +22,8 @@ from typing import Any
 
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.harness.model_args import model_arg_flag
+from lm_eval_sink.protocols import TOKEN_KEYS
 
-# lm-eval's names for the generation length, in the order normalize_gen_kwargs reads them.
-TOKEN_KEYS = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
 _DESCRIBE = (
     "import json, sys; from lm_eval_sink.harness.checks import describe; "
     "print(json.dumps(describe(*json.loads(sys.argv[1]))))"
