@@ -302,7 +302,7 @@ def _power(d: Doc) -> dict[str, Any] | None:
 def _buckets_section(b: BucketsInput) -> dict[str, Any]:
     """The section of one buckets.json: scores and delta, bucket counts, failure kinds, regressions, instruction
     types, notes and protocol differences."""
-    from lm_eval_sink.buckets import figure_title
+    from lm_eval_sink.buckets import figure_title, notes
 
     d = b.doc
     data = d.data
@@ -343,7 +343,7 @@ def _buckets_section(b: BucketsInput) -> dict[str, Any]:
         "table": _regression_rows(b),
         "types": _instruction_type_rows(d),
         "power": _power(d),
-        "notes": list(data.get("notes") or []),
+        "notes": notes(data),
         "protocol_differences": [
             {
                 "field": k,
