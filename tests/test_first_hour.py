@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import sys
 
 import pytest
-from helpers import TINY_SWEEP_TASK, TINY_SWEEP_TASKS, VLLM_PY, vllm_missing_reason, write_tiny_sweep
+from helpers import REPO, TINY_SWEEP_TASK, TINY_SWEEP_TASKS, VLLM_PY, vllm_missing_reason, write_tiny_sweep
 
 from lm_eval_sink.harness.vllm_preflight import KV_CACHE_ENV
+
+EXTS = ("md", "csv", "json", "png")
 
 
 def test_lm_eval_limit_0_is_one_line_before_the_model_loads(monkeypatch, capsys):
@@ -81,3 +85,71 @@ def test_a_vllm_sweep_whose_engine_cannot_start_is_refused_before_any_merge(tiny
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "eval: --model vllm: vLLM's CPU engine would not start" in err[0], err
     assert f"(fix: set {KV_CACHE_ENV}=N" in err[0] and not (tmp_path / "s" / "out").exists()
+
+
+# --- the README's quick starts, run as written -----------------------------------------------------------------------
+
+
+def readme_commands() -> dict[str, list[list[str]]]:
+    """Each README quick start's commands as its fenced bash blocks hold them (continuation lines joined, comments
+    dropped, split as the shell splits them), so the README and this test cannot drift."""
+    text = (REPO / "README.md").read_text()
+    out = {}
+    for section in re.split(r"^## ", text, flags=re.M):
+        if section.startswith("Quick start"):
+            blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
+            lines = "\n".join(blocks).replace("\\\n", " ").splitlines()
+            out[section.split(":")[0]] = [shlex.split(line, comments=True) for line in lines if line.strip()]
+    return out
+
+
+def _substituted(argv: list[str], models: dict[str, str]) -> list[str]:
+    """A README command with its model placeholders replaced by tiny models (the paths the README leaves to you)."""
+    out = []
+    for arg in argv:
+        for name, path in models.items():
+            arg = arg.replace(name, path) if name.isupper() or name.startswith("$(") else (path if arg == name else arg)
+        out.append(arg)
+    return out
+
+
+def _run(argv: list[str], monkeypatch) -> None:
+    """One README command in this process: `lm_eval` through its console entry (this project's hook in place),
+    `lm-eval-sink` through its own."""
+    from lm_eval_sink.cli import main
+
+    if argv[0] == "lm_eval":
+        import lm_eval.__main__ as lm_eval_main
+
+        monkeypatch.setattr(sys, "argv", argv)
+        lm_eval_main.cli_evaluate()
+    else:
+        assert argv[0] == "lm-eval-sink" and main(argv[1:]) == 0, argv
+
+
+def test_each_readme_quick_start_runs_as_written_and_prints_what_it_says(
+    tiny_trio, lm_eval_task_index, tmp_path, monkeypatch, capsys
+):
+    """Every command of the README's quick starts, with tiny models for the model names (the vLLM call is
+    test_backends.py's: its engine's start-up is a minute here); what each says it writes and prints is there."""
+    base, ref, cand = (str(tiny_trio[r]) for r in ("base", "reference", "candidate"))
+    models = {"$(lm-eval-sink models default)": base, "default": base, "./llm_a": ref, "./llm_b": cand}
+    models |= {"REFERENCE": ref, "CANDIDATE": cand}
+    monkeypatch.chdir(tmp_path)
+    printed = {}
+    for name, commands in readme_commands().items():
+        capsys.readouterr()
+        for argv in commands:
+            if argv[0].startswith("VLLM_CPU_KVCACHE_SPACE="):
+                continue
+            _run(_substituted(argv, models), monkeypatch)
+        printed[name] = capsys.readouterr().out
+    assert set(printed) == {"Quick start 1", "Quick start 2", "Quick start 3"}
+    [results] = (tmp_path / "out").glob("*/results_*.json")  # S and IFEval in the same results file
+    assert {"sink_strength", "ifeval"} <= set(json.loads(results.read_text())["results"])
+    assert "|sink_strength|" in printed["Quick start 1"] and "|ifeval" in printed["Quick start 1"]
+    assert (tmp_path / "strength_out" / "base.strength.json").is_file()
+    assert (tmp_path / "strength_out" / "base.heatmap.png").is_file()
+    assert {p.name for p in (tmp_path / "ranking_out").glob("ranking.*")} == {f"ranking.{e}" for e in EXTS}
+    assert "base: S = " in printed["Quick start 2"] and "reference: S = " in printed["Quick start 2"]
+    assert "too few to tell: " in printed["Quick start 3"] and (tmp_path / "buckets_ifeval" / "buckets.md").is_file()
