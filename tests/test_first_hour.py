@@ -153,3 +153,67 @@ def test_each_readme_quick_start_runs_as_written_and_prints_what_it_says(
     assert {p.name for p in (tmp_path / "ranking_out").glob("ranking.*")} == {f"ranking.{e}" for e in EXTS}
     assert "base: S = " in printed["Quick start 2"] and "reference: S = " in printed["Quick start 2"]
     assert "too few to tell: " in printed["Quick start 3"] and (tmp_path / "buckets_ifeval" / "buckets.md").is_file()
+
+
+# --- readable sweep outputs ---------------------------------------------------------------------------------------
+
+IFE, S_TASK, CONST = "ifeval/prompt_level_strict_acc,none", "sink_strength/sink_strength,none", "ifeval/inst_x,none"
+
+
+def _sweep_table() -> dict:
+    """A sweep's table.json at `limit: 3`: IFEval (a headline and a constant column) and the sink_strength task."""
+    values = {"reference": (1 / 3, 1.73), "candidate": (2 / 3, 1.20), "linear": (1 / 3, 1.50)}
+    rows = []
+    for name, (ife, s) in values.items():
+        metrics = {IFE: ife, CONST: 0.5, "ifeval/prompt_level_loose_acc,none": ife, S_TASK: s}
+        ref = {IFE: 1 / 3, CONST: 0.5, "ifeval/prompt_level_loose_acc,none": 1 / 3, S_TASK: 1.73}
+        rows.append(
+            {"checkpoint": name, "role": name, "method": None, "status": "ok", "metrics": metrics}
+            | {"delta_vs_reference": {c: v - ref[c] for c, v in metrics.items()}, "metric_settings": {}}
+            | {"sink_strength": None, "sink_strength_delta_vs_reference": None, "s_setting": None}
+        )
+    return {
+        "lineage": "chain",
+        "columns": [IFE, CONST, "ifeval/prompt_level_loose_acc,none", S_TASK],
+        "rows": rows,
+        "final": False,
+        "final_note": "evaluated with limit=3: not final scores",
+        "protocol": {"eval": {"limit": 3}},
+    }
+
+
+def test_table_md_shows_headlines_and_too_few_to_tell_and_the_figure_one_unit_per_axis():
+    from lm_eval_sink.merging.sweep import table_text
+    from lm_eval_sink.report.view import sweep_series
+
+    table = _sweep_table()
+    md, csv = table_text(table)
+    head = next(line for line in md.splitlines() if line.startswith("| checkpoint"))
+    assert head == (
+        "| checkpoint | method | IFEval | IFEval delta | Sink-Strength, sink_strength | Sink-Strength, sink_strength "
+        "delta | S | S delta | status |"
+    )  # each task's headline (IFEval's strict prompt level), not its loose or instruction-level columns
+    assert "**Too few to tell: 3 docs per task (at least 10 are needed).**" in md
+    assert "| candidate | candidate | 66.7 | +33.3 | 1.2000 | -0.5300 |" in md  # IFEval in points, S in its own unit
+    assert csv.splitlines()[0].count("delta") == 5 and "inst_x" in csv.splitlines()[0]  # every column, S included
+    series = sweep_series(table)
+    assert list(series["drawn"]) == ["IFEval"]  # points only: S is in its own panel
+    assert series["unit"] == "points" and series["s"] == [1.73, 1.20, 1.50]  # the task's S in the S panel
+    for row in table["rows"]:
+        row["metrics"][IFE] = 0.0
+    series = sweep_series(table)  # a headline that never changes: not drawn, said once in the title
+    assert series["drawn"] == {} and series["note"].endswith("; unchanged in every checkpoint: IFEval")
+
+
+def test_the_console_ends_with_each_checkpoints_time_and_the_engines_build_and_swaps():
+    from types import SimpleNamespace as Fields
+
+    from lm_eval_sink.commands.sweep import times_line
+
+    units = [Fields(id=f"{k}:{c}", kind=k, checkpoint=c) for c in ("reference", "linear") for k in ("merge", "eval")]
+    markers = {"eval:reference": {"timings": {"engine_build": 19.6, "swap": 0.4}}, "eval:linear": {"timings": {}}}
+    markers["eval:linear"]["timings"]["swap"] = 0.7
+    seconds = {"eval:reference": 27.4, "merge:linear": 3.0, "eval:linear": 7.8}
+    line = times_line(Fields(units=units), markers, seconds)
+    assert line == "times: reference 27.4 s, linear 10.8 s; engine build 19.6 s; weight swap 0.4-0.7 s"
+    assert times_line(Fields(units=units), {}, {}) is None

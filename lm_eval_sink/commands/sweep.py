@@ -17,6 +17,7 @@ import dataclasses
 import datetime as _dt
 import json
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -379,6 +380,7 @@ class SweepReport:
     table_files: list[Path] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     remerged: dict[str, tuple[str, ...]] = field(default_factory=dict)  # Schedule.remerged
+    times: str | None = None  # the console's last line (`times_line`)
 
     def plan_line(self, todo: int) -> str:
         """What the run is about to do, said before any step runs: how many steps, which merges are redone and for
@@ -395,7 +397,7 @@ class SweepReport:
         if self.table_files:
             out.append("table -> " + ", ".join(str(p) for p in self.table_files))
         out += [f"failed: {u}: {e}" for u, e in self.failures.items()]
-        return out
+        return out + ([self.times] if self.times else [])
 
     def raise_for_failures(self) -> None:
         if self.failures:
@@ -585,7 +587,23 @@ def _run_sweep_locked(
             if unit.kind == "merge":
                 _maybe_delete_weights(unit, by_id, finished, manifest, markers)
     _tabulate(plan, markers, report)
+    report.times = times_line(plan, markers, steps.seconds)
     return report
+
+
+def times_line(plan: Plan, markers: Markers, seconds: dict[str, float]) -> str | None:
+    """This run's wall time per checkpoint (its units that ran here in turn), and a resident vLLM engine's build and
+    weight swaps (its eval units' markers); None when no unit was timed."""
+    per: dict[str, float] = {}
+    for u in plan.units:
+        if u.id in seconds:
+            per[u.checkpoint] = per.get(u.checkpoint, 0.0) + seconds[u.id]
+    ran = [(markers.get(u.id) or {}).get("timings") or {} for u in plan.units if u.kind == "eval" and u.id in seconds]
+    build, swap = [t["engine_build"] for t in ran if "engine_build" in t], [t["swap"] for t in ran if "swap" in t]
+    parts = [", ".join(f"{ck} {t:.1f} s" for ck, t in per.items())] if per else []
+    parts += [f"engine build {sum(build):.1f} s"] if build else []
+    parts += [f"weight swap {min(swap):.1f}-{max(swap):.1f} s"] if swap else []
+    return "times: " + "; ".join(parts) if parts else None
 
 
 def _tabulate(plan: Plan, markers: Markers, report: SweepReport) -> None:
@@ -609,14 +627,19 @@ class StepCounter:
     announce: Callable[[str], None] | None
     progress: bool = False
     counted: dict[str, int] = field(default_factory=dict)
+    began: dict[str, float] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)  # wall time of each step that started here
 
     def started(self, unit_id: str) -> None:
         self.counted[unit_id] = len(self.counted) + 1
+        self.began[unit_id] = time.perf_counter()
         self._say(f"[{self.counted[unit_id]}/{self.total}] {unit_id}")
 
     def finished(self, unit_id: str, error: str | None) -> None:
         """A step that ended: counted here when its start was not; said again only when it failed."""
         new = unit_id not in self.counted
+        if unit_id in self.began:
+            self.seconds[unit_id] = time.perf_counter() - self.began[unit_id]
         if new:
             self.counted[unit_id] = len(self.counted) + 1
         step = f"[{self.counted[unit_id]}/{self.total}] {unit_id}"
@@ -714,9 +737,9 @@ def write_table(table: dict[str, Any], out: Path) -> list[Path]:
     paths.append(
         sweep_chart(
             series["checkpoints"],
-            series["values"],
+            series["drawn"],
             out / "table.png",
-            note=table["final_note"],
+            note=series["note"],
             strength=series["s"],
             unit=series["unit"],
         )
