@@ -209,6 +209,12 @@ def test_a_capped_run_against_an_uncapped_one_names_the_cap_first_and_too_few_to
     md = to_markdown(att)
     assert "| too few to tell: -40.00 [-72.64, +16.26] |" in md
     assert "same model: generation cap (max_gen_toks): the task's own vs 48 tokens (--gen_kwargs); gen_kwargs" in md
+    out, page = tmp_path / "att", tmp_path / "r.html"  # the HTML report names the cap and says too few to tell
+    assert main(["attribute", "--reference", str(a), "--candidate", str(b), "--output", str(out)]) == 0
+    assert main(["report", "--attribution", str(out), "-o", str(page)]) == 0
+    section = page.read_text().split('<section id="attribution">')[1]
+    assert ">too few to tell: <span" in section and "[-72.64, +16.26]" in section
+    assert '<td class="mono">generation cap (max_gen_toks), gen_kwargs' in section
 
 
 def test_different_models_under_different_protocols_are_not_compared(tmp_path):

@@ -418,6 +418,8 @@ def _attribution_section(d: Doc) -> dict[str, Any]:
                     "reference": num(d, [*p, "reference", "strict"], "f2"),
                     "candidate": num(d, [*p, "candidate", "strict"], "f2"),
                     "gap": num(d, [*p, "gap"], "f2"),
+                    "too_few": bool(c.get("too_few_to_tell")),
+                    "interval": ", ".join(f"{x:+.2f}" for x in c["gap_interval"]) if c.get("gap_interval") else None,
                     "protocol_part": num(d, [*p, "protocol_part"], "f2"),
                     "unexplained": num(d, [*p, "unexplained"], "f2"),
                     "access": num(d, [*p, "access"], "f2"),
