@@ -106,12 +106,15 @@ def _eval_settings(ev: EvalIn, src: str, rel: Any, python: str | None) -> Any:
 
 
 def _check_eval(spec: SweepSpec) -> None:
-    """What lm-eval would fail on only after the merges and every S (task names, generation lengths), last of the
-    sweep file's checks since it builds lm-eval's task index (`harness.checks.check_protocol`)."""
+    """What lm-eval would fail on only after the merges and every S (task names, generation lengths, a vLLM engine
+    that cannot start), last of the sweep file's checks since it builds lm-eval's task index."""
     from lm_eval_sink.harness.checks import check_protocol
+    from lm_eval_sink.harness.vllm_preflight import check_engine_start
 
     if spec.eval is not None:
         try:
+            if spec.engine is None or spec.engine.kind != "ray":  # a Ray actor's engine starts on its own node
+                check_engine_start(spec.eval)
             check_protocol(spec.eval, list(spec.models.values()))
         except UserError as e:
             raise UserError(f"{spec.source}: eval: {e.message}", e.hint) from None

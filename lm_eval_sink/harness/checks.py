@@ -100,15 +100,12 @@ def check_protocol(settings: Any, models: Sequence[str]) -> None:
 
 
 def check_tasks(settings: Any) -> dict[str, tuple[int, str]]:
-    """The checks that need no model (the vLLM engine's start-up, task names, `gen_kwargs` keys), run before a
-    model is resolved or converted; returns each generating task's (most tokens it will generate, where that
-    number comes from)."""
+    """The checks that need no model (task names, `gen_kwargs` keys), run before a model is resolved or converted;
+    returns each generating task's (most tokens it will generate, where that number comes from)."""
     from lm_eval_sink.harness.runner import check_interpreter
-    from lm_eval_sink.harness.vllm_preflight import check_engine_start
 
     if settings.interpreter() != sys.executable:  # the probe needs lm-eval and this project there
         check_interpreter(settings)
-    check_engine_start(settings)
     facts = task_facts(settings.interpreter(), settings.include_path, tuple(settings.tasks))
     if facts["unknown"]:
         name, near = next(iter(facts["unknown"].items()))

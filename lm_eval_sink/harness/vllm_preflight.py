@@ -126,8 +126,9 @@ def check_engine_start(settings: Any) -> None:
     if settings.interpreter() == sys.executable:
         refusal = engine_refusal(settings.model_args)
     else:
-        from lm_eval_sink.harness.runner import run_probe
+        from lm_eval_sink.harness.runner import check_interpreter, run_probe
 
+        check_interpreter(settings)  # the probe needs vLLM and this project there (its own probe, made once)
         refusal = run_probe(settings.interpreter(), _ASK, json.dumps(settings.model_args))
     if refusal:
         raise UserError(*refusal)
