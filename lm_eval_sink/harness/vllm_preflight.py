@@ -107,7 +107,12 @@ def check_engine_memory(arguments: dict[str, Any]) -> None:
 
 def engine_refusal(model_args: dict[str, Any]) -> list[str] | None:
     """`check_engine_memory`'s refusal of `--model vllm` with `model_args` in this interpreter, as [what, fix]
-    (JSON-safe, for `check_engine_start`'s probe); None when the engine would start."""
+    (JSON-safe, for `check_engine_start`'s probe); None when the engine would start, or where there is no vLLM to
+    ask (a plan made here without it; another lm-eval interpreter without it is `runner.check_interpreter`'s)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return None
     try:
         check_engine_memory({"model": "vllm", "model_args": model_args})
     except UserError as e:
