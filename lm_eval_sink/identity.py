@@ -287,7 +287,8 @@ def check_same_identity(old: dict[str, Any] | None, new: dict[str, Any], where: 
     missing = [k for k in ("fingerprint_rule", "fingerprint", "files") if not isinstance(old, dict) or k not in old]
     if missing:
         raise UserError(
-            f"{where}: its model identity has no {', '.join(missing)} (written by hand, or cut short)",
+            f"{where}: its model identity has no {', '.join(missing)} (written by hand, cut short, or by a version "
+            "before the fingerprint rule)",
             "pass --force to recompute it",
         )
     if old.get("fingerprint_rule") != FINGERPRINT_RULE:
