@@ -1166,11 +1166,8 @@ def protect_plan(
 
 def _our_name(e: click.ClickException) -> str:
     """For an lm-eval option name given to a command that calls it otherwise, the name it has here."""
-    ours = _OUR_NAMES.get(getattr(e, "option_name", None) or "")
-    ctx = getattr(e, "ctx", None)
-    if not isinstance(e, click.NoSuchOption) or ours is None or ctx is None:
-        return ""
-    if not any(ours in p.opts for p in ctx.command.params):
+    ours, ctx = _OUR_NAMES.get(getattr(e, "option_name", None) or ""), getattr(e, "ctx", None)
+    if ours is None or ctx is None or not any(ours in p.opts for p in ctx.command.params):
         return ""
     return f" (fix: this command takes {ours}; `{ctx.command_path} --help` lists the options)"
 
