@@ -215,5 +215,5 @@ def test_the_console_ends_with_each_checkpoints_time_and_the_engines_build_and_s
     markers["eval:linear"]["timings"]["swap"] = 0.7
     seconds = {"eval:reference": 27.4, "merge:linear": 3.0, "eval:linear": 7.8}
     line = times_line(Fields(units=units), markers, seconds)
-    assert line == "times: reference 27.4 s, linear 10.8 s; engine build 19.6 s; weight swap 0.4-0.7 s"
+    assert line == "times of this run: reference 27.4 s, linear 10.8 s; engine build 19.6 s; weight swap 0.4-0.7 s"
     assert times_line(Fields(units=units), {}, {}) is None

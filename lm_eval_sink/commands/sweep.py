@@ -606,7 +606,7 @@ def times_line(plan: Plan, markers: Markers, seconds: dict[str, float]) -> str |
     parts = [", ".join(f"{ck} {t:.1f} s" for ck, t in per.items())] if per else []
     parts += [f"engine build {sum(build):.1f} s"] if build else []
     parts += [f"weight swap {min(swap):.1f}-{max(swap):.1f} s"] if swap else []
-    return "times: " + "; ".join(parts) if parts else None
+    return "times of this run: " + "; ".join(parts) if parts else None
 
 
 def _tabulate(plan: Plan, markers: Markers, report: SweepReport) -> None:
