@@ -22,10 +22,11 @@ _EMBEDDINGS = ("embed_tokens.weight", "wte.weight", "word_embeddings.weight")  #
 
 @dataclass(frozen=True, slots=True)
 class Tensor:
-    """A tensor as a safetensors header describes it."""
+    """A tensor as a safetensors header describes it, and the file (its name in the folder) that holds it."""
 
-    shape: tuple[int, ...]
+    file: str
     dtype: str  # the header's name: F32, BF16, I64, ...
+    shape: tuple[int, ...]
 
 
 def _why(error: Exception) -> str:
@@ -44,7 +45,7 @@ def file_tensors(path: Path) -> dict[str, Tensor]:
     try:
         with safe_open(str(path), framework="numpy") as f:
             slices = {name: f.get_slice(name) for name in f.keys()}
-            return {name: Tensor(tuple(s.get_shape()), s.get_dtype()) for name, s in slices.items()}
+            return {name: Tensor(path.name, s.get_dtype(), tuple(s.get_shape())) for name, s in slices.items()}
     except FileNotFoundError:
         raise UserError(f"{path}: missing", AGAIN) from None
     except SafetensorError as e:
@@ -70,22 +71,27 @@ def weight_files(folder: Path) -> list[Path]:
 
 
 def checkpoint_tensors(folder: Path) -> dict[str, Tensor]:
-    """Every tensor of a checkpoint folder's safetensors files (`weight_files`); empty without any."""
-    return {name: t for path in weight_files(folder) for name, t in file_tensors(path).items()}
+    """Every tensor of a checkpoint folder's safetensors files (`weight_files`); empty without any. A tensor in two
+    files is refused (which one a loader takes is its own choice)."""
+    tensors: dict[str, Tensor] = {}
+    for path in weight_files(folder):
+        for name, t in file_tensors(path).items():
+            if name in tensors:
+                raise UserError(f"{folder}: tensor {name} is in both {tensors[name].file} and {t.file}", AGAIN)
+            tensors[name] = t
+    return tensors
 
 
 def check_weights(folder: Path, config: Mapping[str, Any] | None = None) -> None:
     """Refuse, before anything loads, a checkpoint whose safetensors files are missing, cut short or foreign, or
-    whose config.json (`config`, parsed) gives a vocab_size that none of the weights' token embeddings has."""
+    whose config.json (`config`, parsed) gives vocab_size(s) that no token embedding of the weights has as rows."""
     tensors = checkpoint_tensors(folder)
-    embedding = next((n for n in sorted(tensors) if n.endswith(_EMBEDDINGS) and len(tensors[n].shape) == 2), None)
-    if config is None or embedding is None:
-        return
-    sections = [config, *(v for v in config.values() if isinstance(v, Mapping))]
+    embeddings = {n: t.shape[0] for n, t in sorted(tensors.items()) if n.endswith(_EMBEDDINGS) and len(t.shape) == 2}
+    sections = [config or {}, *(v for v in (config or {}).values() if isinstance(v, Mapping))]
     sizes = [s["vocab_size"] for s in sections if isinstance(s.get("vocab_size"), int)]
-    rows = tensors[embedding].shape[0]
-    if sizes and rows not in sizes:
+    if sizes and embeddings and not set(sizes) & set(embeddings.values()):
+        name, rows = next(iter(embeddings.items()))
         raise UserError(
-            f"{folder / 'config.json'}: vocab_size is {sizes[0]:,}, but the weights' {embedding} has {rows:,} rows",
+            f"{folder / 'config.json'}: vocab_size is {sizes[0]:,}, but the weights' {name} has {rows:,} rows",
             "restore the config.json the checkpoint was saved with (the weights' shapes fix vocab_size)",
         )

@@ -233,7 +233,7 @@ def test_safetensors_header_shapes(tmp_path):
 
     header = json.dumps({"a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}, "__metadata__": {}})
     (tmp_path / "w.safetensors").write_bytes(struct.pack("<Q", len(header)) + header.encode() + bytes(24))
-    assert file_tensors(tmp_path / "w.safetensors") == {"a": Tensor((2, 3), "F32")}
+    assert file_tensors(tmp_path / "w.safetensors") == {"a": Tensor("w.safetensors", "F32", (2, 3))}
 
 
 # --- the engine's LLM(...) arguments, with a stand-in for vLLM's LLM (no engine starts) --------------------------

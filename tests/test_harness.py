@@ -17,6 +17,7 @@ import sinkmodels as sm
 from helpers import FIXTURE_LIMIT, REPO, TINY_TASK
 from lm_eval_sink.calibration import builtin_prompts, encode_prompts
 from lm_eval_sink.harness import tasks_dir
+from lm_eval_sink.harness.discovery import index_of
 from lm_eval_sink.runs import load_results, read_samples
 
 LM_EVAL = [str(Path(sys.executable).with_name("lm_eval"))]  # the real console script of this environment
@@ -337,7 +338,7 @@ def offline_manager(shared_data, tmp_path_factory):
 def test_overridden_stock_task_config_equals_stock_except_dataset(task, offline_manager):
     from lm_eval.tasks._yaml_loader import load_yaml
 
-    entry = offline_manager[0].task_index[task]
+    entry = index_of(offline_manager[0])[task]
     stock_path = Path(load_yaml(entry.yaml_path, resolve_func=False, recursive=False)["include"][0])
     generated = load_yaml(entry.yaml_path, resolve_func=False)
     stock = load_yaml(stock_path, resolve_func=False)
@@ -383,7 +384,7 @@ def test_without_data_env_the_generated_override_is_not_used(offline_manager, mo
 
     monkeypatch.delenv("LM_EVAL_SINK_DATA", raising=False)
     assert data_root() is None  # TaskManager then leaves every stock entry as lm-eval built it
-    assert "lm-eval-sink-tasks-" in str(offline_manager[0].task_index["ifeval"].yaml_path)
+    assert "lm-eval-sink-tasks-" in str(index_of(offline_manager[0])["ifeval"].yaml_path)
 
 
 def _as_another_user(action) -> bool:
@@ -421,7 +422,7 @@ def test_a_yaml_nobody_else_can_swap_after_the_build(offline_manager, shared_dat
     from lm_eval_sink.cache import private_problem
 
     manager, marker = offline_manager
-    path = Path(manager.task_index["ifeval"].yaml_path)
+    path = Path(index_of(manager)["ifeval"].yaml_path)
     folder = path.parent.parent  # <process folder>/<data folder key>/ifeval.yaml
     assert folder.name.startswith("lm-eval-sink-tasks-") and folder.stat().st_mode & 0o777 == 0o700
     assert private_problem(folder) is None and not path.is_relative_to(Path(os.environ["LM_EVAL_SINK_CACHE"]))
@@ -643,10 +644,10 @@ def test_groups_tags_inline_configs_and_yaml_paths_reach_their_tasks(tmp_path):
         "group: suite\ntask:\n  - gens\n  - task: sink_strength\n    num_fewshot: 3\nmetadata:\n  version: 1.0\n"
     )
     manager = TaskManager(include_defaults=False, include_path=[str(folder), str(tasks_dir())])
-    leaves = task_leaves(["suite"], manager.task_index)
+    leaves = task_leaves(["suite"], index_of(manager))
     assert sorted(leaves) == ["gen_a", "gen_b", "sink_strength"]
     assert leaves["sink_strength"]["num_fewshot"] == 3 and leaves["gen_a"]["output_type"] == "generate_until"
-    assert sorted(task_leaves([str(folder / "other.yaml"), {"group": "g", "task": ["gen_b"]}], manager.task_index)) == [
+    assert sorted(task_leaves([str(folder / "other.yaml"), {"group": "g", "task": ["gen_b"]}], index_of(manager))) == [
         "gen_b",
         "other",
     ]

@@ -12,36 +12,41 @@ import pytest
 
 from helpers import TINY_TASK
 
-# lm-eval's console script (`lm_eval.__main__:cli_evaluate`), after printing which of the five wraps are armed.
+# lm-eval's console script (`lm_eval.__main__:cli_evaluate`) once per argument list, in one process (one import of
+# lm-eval and torch), after printing which of the five wraps are armed.
 CLI = """import json, sys
 import lm_eval.__main__ as main, lm_eval.evaluator as ev, lm_eval.utils as lu
 from lm_eval.tasks._index import TaskIndex
 wraps = [TaskIndex.build, ev.simple_evaluate, ev.evaluate, lu.make_table, main.cli_evaluate]
 print("ARMED", json.dumps([hasattr(f, "_lm_eval_sink_patched") for f in wraps]), file=sys.stderr)
-sys.argv = ["lm_eval", *sys.argv[1:]]
-main.cli_evaluate()
+for args in json.loads(sys.argv[1]):
+    print("RUN", flush=True)
+    sys.argv = ["lm_eval", *args]
+    main.cli_evaluate()
 """
 
 
-def _start(args: list[str], out: Path, hook: bool) -> subprocess.Popen:
+def _outcomes(runs: list[list[str]], out: Path, hook: bool) -> dict:
+    """What each run gave (results, configs, counts, samples, the table), the wraps armed and this project's lines."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "LM_EVAL_SINK_NO_HOOK": "" if hook else "1"}
-    cmd = [sys.executable, "-c", CLI, *args, "--log_samples", "--output_path", str(out)]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _outcome(proc: subprocess.Popen, out: Path) -> dict:
-    """What a run gave: exit code, wraps armed, its own lines, results, configs, counts, samples, the table."""
-    stdout, stderr = proc.communicate(timeout=600)
-    assert proc.returncode == 0, stderr[-3000:]
-    results = json.loads(next(out.glob("*/results_*.json")).read_text())
-    samples = [json.loads(line) for f in sorted(out.glob("*/samples_*.jsonl")) for line in f.read_text().splitlines()]
-    return {
-        "armed": json.loads(next(line for line in stderr.splitlines() if line.startswith("ARMED"))[6:]),
-        "sink_lines": [line for line in stderr.splitlines() if "lm-eval-sink" in line],
-        "results": {k: results[k] for k in ("results", "configs", "n-samples", "higher_is_better")},
-        "samples": [(s["doc_id"], s["filtered_resps"], s.get("exact_match")) for s in samples],
-        "table": stdout[stdout.index("|") :],
+    argv = [[*args, "--log_samples", "--output_path", str(out / str(i))] for i, args in enumerate(runs)]
+    proc = subprocess.run(
+        [sys.executable, "-c", CLI, json.dumps(argv)], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    outcome = {
+        "armed": json.loads(next(line for line in proc.stderr.splitlines() if line.startswith("ARMED"))[6:]),
+        "sink_lines": [line for line in proc.stderr.splitlines() if "lm-eval-sink" in line],
     }
+    for i, table in enumerate(proc.stdout.split("RUN\n")[1:]):
+        results = json.loads(next((out / str(i)).glob("*/results_*.json")).read_text())
+        lines = [json.loads(x) for f in sorted((out / str(i)).glob("*/samples_*.jsonl")) for x in f.open()]
+        outcome[i] = {
+            "results": {k: results[k] for k in ("results", "configs", "n-samples", "higher_is_better")},
+            "samples": [(s["doc_id"], s["filtered_resps"], s.get("exact_match")) for s in lines],
+            "table": table[table.index("|") :],
+        }
+    return outcome
 
 
 @pytest.mark.slow
@@ -49,28 +54,21 @@ def test_stock_runs_are_the_same_with_the_hook_on_and_off(handset_llama_dir, tin
     """A local task under `--model dummy` (the path lm-eval 0.5 broke: a backend without attention) and under
     `--model hf`: through all five wraps with the hook on, none with it off; same results, samples and table. This
     project's readers take this lm-eval's results and samples files: buckets, protocol diff, attribute."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from lm_eval_sink.cli import main
 
     task = ["--tasks", TINY_TASK, "--include_path", str(tiny_task_dir)]
-    runs = {
-        "dummy": ["--model", "dummy", *task],
-        "hf": [
-            "--model",
-            "hf",
-            "--model_args",
-            f"pretrained={handset_llama_dir},dtype=float32",
-            "--device",
-            "cpu",
-            *task,
-        ],
-    }
-    for name, args in runs.items():  # two processes at a time: hook on and off
-        procs = {hook: _start(args, tmp_path / f"{name}-{hook}", hook) for hook in (True, False)}
-        on, off = (_outcome(procs[hook], tmp_path / f"{name}-{hook}") for hook in (True, False))
-        assert on.pop("armed") == [True] * 5 and off.pop("armed") == [False] * 5, name
-        assert on.pop("sink_lines") == [] and off.pop("sink_lines") == [], name
-        assert len(on["samples"]) == 4 and on == off, name
-    ref, cand = str(tmp_path / "hf-True"), str(tmp_path / "hf-False")
+    runs = [
+        ["--model", "dummy", *task],
+        ["--model", "hf", "--model_args", f"pretrained={handset_llama_dir},dtype=float32", "--device", "cpu", *task],
+    ]
+    with ThreadPoolExecutor(2) as pool:  # hook on and off at the same time
+        on, off = pool.map(lambda hook: _outcomes(runs, tmp_path / str(hook), hook), (True, False))
+    assert on.pop("armed") == [True] * 5 and off.pop("armed") == [False] * 5
+    assert on.pop("sink_lines") == [] and off.pop("sink_lines") == []
+    assert len(on[0]["samples"]) == len(on[1]["samples"]) == 4 and on == off
+    ref, cand = str(tmp_path / "True" / "1"), str(tmp_path / "False" / "1")
     assert main(["buckets", ref, cand, "--metric", "exact_match", "--output", str(tmp_path / "b"), "--quiet"]) == 0
     assert json.loads((tmp_path / "b" / "buckets.json").read_text())["n"] == 4
     assert main(["protocol", "diff", ref, cand]) == 0 and "no differences" in capsys.readouterr().out

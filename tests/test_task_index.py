@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.harness.discovery import index_of
 from lm_eval_sink.harness.task_index import cached_build, decode, encode, folder_key
 
 
@@ -97,7 +98,7 @@ def test_the_cached_index_is_lm_evals_data_and_later_folders_still_win(tmp_path,
     stored[0].write_bytes(pickle.dumps(_Planted(marker)))
     manager = TaskManager()  # the hooked TaskManager, as every lm_eval process builds it
     assert not marker.exists()
-    assert "sink_strength" in manager.all_tasks and manager.task_index["arc_easy"] == lm_evals_own["arc_easy"]
+    assert "sink_strength" in manager.all_tasks and index_of(manager)["arc_easy"] == lm_evals_own["arc_easy"]
     assert decode(json.loads(stored[0].read_text()), own) == lm_evals_own  # replaced by lm-eval's build again
 
     # An entry that redirects a task to another stock YAML and one that adds a member to a tag, in a file that

@@ -12,7 +12,6 @@ screen is the ranking alone. A `*.strength.json` that `strength` wrote, passed i
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -145,12 +144,9 @@ def detect_qk_norm(model_path: str) -> QKNorm:
 
         source, args = pretrained_args(model_path)
         return classify_qk_norm(AutoConfig.from_pretrained(source, **args).to_dict())
-    try:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(
-            f"{folder}/config.json cannot be read ({e})", "pass a model folder written by save_pretrained"
-        ) from None
+    from lm_eval_sink.models import check_config
+
+    config = check_config(folder / "config.json")
     if text_config(config).get("model_type") in qk_norm_table()["model_types"]:
         return classify_qk_norm(config)
     tensors = checkpoint_tensors(folder)

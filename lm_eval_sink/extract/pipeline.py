@@ -37,7 +37,6 @@ from lm_eval_sink.extract.checkpoint import (
     Layout,
     Reader,
     ShardWriter,
-    TensorInfo,
     layout_bytes,
     read_checkpoint,
     write_index,
@@ -61,6 +60,7 @@ from lm_eval_sink.keys import Work, key_versions
 from lm_eval_sink.outputs import COMPLETE, check_not_inputs, check_output_dir, staged_dir, write_complete
 from lm_eval_sink.provenance import SCHEMA_VERSION, provenance
 from lm_eval_sink.models import load_placed, model_fingerprint, resolve_model
+from lm_eval_sink.weights import Tensor
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class _Vlm:
     folder: Path
     config: Any
     family: Family
-    tensors: dict[str, TensorInfo]
+    tensors: dict[str, Tensor]
     plan: Plan
 
     def report_fields(self) -> dict[str, Any]:
@@ -363,7 +363,7 @@ def _cast(t: torch.Tensor, want: torch.dtype | None) -> torch.Tensor:
 
 
 def _forward(
-    plan: Plan, tensors: dict[str, TensorInfo], reader: Reader, skip: set[str], cast: torch.dtype | None
+    plan: Plan, tensors: dict[str, Tensor], reader: Reader, skip: set[str], cast: torch.dtype | None
 ) -> _Stream:
     """Backbone tensors in production order; each source shard is closed once no later unit needs it."""
     order = production_order(plan, tensors)
@@ -462,7 +462,7 @@ def _copy_vlm_files(vlm: Path, tmp: Path) -> dict[str, Any]:
 
 def _inverse(
     plan: Plan,
-    tensors: dict[str, TensorInfo],
+    tensors: dict[str, Tensor],
     layout: Layout,
     vlm_reader: Reader,
     bb_reader: Reader,

@@ -111,9 +111,14 @@ def _path_entry(path: Path) -> Any:
 INDEX = "task_index|_task_index"  # TaskManager's index of entries: lm-eval 0.4.13's name, then 0.5's
 
 
+def index_of(manager: Any) -> dict[str, Any]:
+    """A TaskManager's index of entries (name -> lm-eval's `Entry`), under either version's name."""
+    return getattr(manager, read_name(type(manager), INDEX) or INDEX)
+
+
 def own_tasks_in(requested: list[Any], manager: Any) -> list[str]:
     """This project's tasks among `requested` (names, YAML paths, config dicts), through groups and tags, sorted."""
-    return own_leaves(task_leaves(requested, getattr(manager, read_name(type(manager), INDEX) or INDEX)))
+    return own_leaves(task_leaves(requested, index_of(manager)))
 
 
 @functools.cache
@@ -405,21 +410,16 @@ SIMPLE_EVALUATE_ARGS = ("model", "model_args", "tasks", "task_manager", "metadat
 
 
 def _lm_eval_reads() -> tuple[tuple[Any, str], ...]:
-    """What `measure_first_request` and `task_leaves` read on lm-eval's objects."""
+    """What `measure_first_request` and `task_leaves` read on lm-eval's objects (its `Entry` and `Kind`:
+    `task_index.entry_mismatch`)."""
     import lm_eval.api.registry as registry
     import lm_eval.utils as lu
     from lm_eval.tasks import TaskManager
-    from lm_eval.tasks._index import Entry, Kind, TaskIndex
+    from lm_eval.tasks._index import TaskIndex
 
     return (
         (TaskManager, INDEX),
-        (TaskIndex, "build"),
         (TaskIndex, "entry_from_path"),
-        (Kind, "GROUP"),
-        (Kind, "TAG"),
-        (Entry, "kind"),
-        (Entry, "cfg"),
-        (Entry, "tags"),
         (registry, "get_model"),
         (lu, "simple_parse_args_string"),
     )
@@ -430,14 +430,20 @@ def patch_evaluator() -> None:
     built (`simple_evaluate`)."""
     import lm_eval.evaluator as ev
 
+    from lm_eval_sink.harness.task_index import entry_mismatch
+
     patch(ev, "evaluate", _wrap_evaluate, leading=("lm", "task_dict"))
-    patch(ev, "simple_evaluate", _wrap_simple_evaluate, needs=SIMPLE_EVALUATE_ARGS, reads=_lm_eval_reads())
+    reads = _lm_eval_reads()
+    patch(ev, "simple_evaluate", _wrap_simple_evaluate, needs=SIMPLE_EVALUATE_ARGS, reads=reads, more=entry_mismatch)
 
 
 def _wrap_cli(original: Any) -> Any:
     @functools.wraps(original)
     def cli_evaluate(*args: Any, **kwargs: Any) -> Any:
+        from lm_eval_sink.harness.checks import check_cli_limit
+
         try:
+            check_cli_limit(sys.argv[1:])
             return original(*args, **kwargs)
         except UserError as e:
             print(f"error: {e.line()}", file=sys.stderr)
