@@ -15,8 +15,11 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import json
+import errno
 import os
+import re
 import socket
+import stat
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -53,8 +56,6 @@ def hold(folder: Path, sibling: bool = False, wait: Callable[[str, float], None]
     lock file and its record are removed on release, so a finished run leaves no lock file.
     """
     from filelock import FileLock, Timeout
-
-    from lm_eval_sink.outputs import unwritable
 
     folder = Path(folder)
     if not sibling and folder.exists() and not folder.is_dir():
@@ -118,3 +119,66 @@ def _holder_record() -> dict[str, Any]:
         "argv": list(sys.argv),
         "started_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
     }
+
+
+_PSEUDO_FILESYSTEMS = frozenset(
+    "proc sysfs devpts cgroup cgroup2 debugfs tracefs securityfs pstore bpf configfs fusectl mqueue binfmt_misc "
+    "efivarfs rpc_pipefs nsfs selinuxfs".split()
+)
+
+
+def _filesystem(folder: Path) -> str | None:
+    """The type of the filesystem the existing `folder` is on (the last mount over the longest matching mount point in
+    /proc/self/mountinfo); None where the system does not say."""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return None
+    real, best, kind = os.path.realpath(folder), "", None
+    for line in lines:
+        left, _, right = line.partition(" - ")
+        fields = left.split()
+        if len(fields) < 5 or not right:
+            continue
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4])  # mountinfo escapes ' ' as \040
+        if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+            best, kind = point, right.split()[0]
+    return kind
+
+
+def unwritable(folder: Path) -> tuple[Path, str] | None:
+    """(the folder to blame, why) when no file can be made in `folder`, which is made first when missing; None when
+    one can. Checks the deepest folder of its path that exists: a file there, a pseudo-filesystem, a read-only
+    filesystem (root included), no write permission. Nothing is written: the one test of an output's place, for
+    `check_writable` and the lock (`hold`)."""
+    folder = Path(folder).expanduser().absolute()
+    there = next(p for p in (folder, *folder.parents) if _lexists(p))
+    try:
+        if not stat.S_ISDIR(os.stat(there).st_mode):
+            return there, "is a file, not a folder"
+    except OSError as e:  # a link to nothing, or a folder above that may not be searched
+        return there, f"cannot be reached ({e.strerror})"
+    kind = _filesystem(there)
+    if kind in _PSEUDO_FILESYSTEMS:
+        return there, f"is on a {kind} pseudo-filesystem, which holds no files"
+    if not os.access(there, os.W_OK | os.X_OK, effective_ids=os.access in os.supports_effective_ids):
+        return there, "is on a read-only filesystem" if _read_only(there) else "is not writable (permission denied)"
+    return None
+
+
+def _lexists(path: Path) -> bool:
+    """Whether `path` names something (a folder we may not search counts as something, to be blamed by name)."""
+    try:
+        os.lstat(path)
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        return e.errno != errno.ENOTDIR
+    return True
+
+
+def _read_only(folder: Path) -> bool:
+    try:
+        return bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False

@@ -559,8 +559,7 @@ def _run_sweep_locked(
         for unit in plan.units:
             if unit.kind == "merge":
                 _maybe_delete_weights(unit, by_id, finished, manifest, markers)
-    _tabulate(plan, markers, report)
-    report.times = times_line(plan, markers, steps.seconds)
+    _tabulate(plan, markers, report, steps.seconds)
     return report
 
 
@@ -579,9 +578,11 @@ def times_line(plan: Plan, markers: Markers, seconds: dict[str, float]) -> str |
     return "times of this run: " + "; ".join(parts) if parts else None
 
 
-def _tabulate(plan: Plan, markers: Markers, report: SweepReport) -> None:
+def _tabulate(plan: Plan, markers: Markers, report: SweepReport, seconds: dict[str, float]) -> None:
     """Build the table from the saved outputs and write it (table.json, .csv, .md, .png); the console's notes say
-    which checkpoints' protocols differ and where S of different settings are compared (`comparability_lines`)."""
+    which checkpoints' protocols differ and where S of different settings are compared (`comparability_lines`), and
+    its last lines give the run's times and recovery's verdicts."""
+    report.times = times_line(plan, markers, seconds)
     table = {
         **build_table(plan, report.failures, *_saved_outputs(plan, markers)),
         "provenance": provenance(sweep=plan.spec.source, units={u.id: u.key for u in plan.units}),

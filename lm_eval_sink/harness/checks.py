@@ -73,24 +73,6 @@ def task_facts(python: str, include_path: str | None, tasks: tuple[str, ...]) ->
     return run_probe(python, _DESCRIBE, json.dumps([list(tasks), include_path]))
 
 
-def check_cli_limit(argv: Sequence[str]) -> None:
-    """Refuse an `lm_eval` command line whose `--limit` leaves no document (0 or below), which lm-eval finds only
-    after the model has loaded, as a traceback."""
-    import argparse
-
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    parser.add_argument("--limit", "-L", type=float, default=None)
-    try:
-        limit = parser.parse_known_args(list(argv))[0].limit
-    except SystemExit:  # not a number: lm-eval's own parser says so
-        return
-    if limit is not None and limit <= 0:
-        raise UserError(
-            f"--limit {limit:g}: no document of any task would run",
-            "pass a count (--limit 5) or a fraction of each task (--limit 0.1), or leave --limit out",
-        )
-
-
 def check_protocol(settings: Any, models: Sequence[str]) -> None:
     """Refuse, before anything runs, what lm-eval would fail on or silently ignore: unknown task names, a
     `gen_kwargs` length key the task overrides (`check_tasks`), and a generation length that reaches a model's

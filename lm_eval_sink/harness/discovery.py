@@ -440,8 +440,6 @@ def patch_evaluator() -> None:
 def _wrap_cli(original: Any) -> Any:
     @functools.wraps(original)
     def cli_evaluate(*args: Any, **kwargs: Any) -> Any:
-        from lm_eval_sink.harness.checks import check_cli_limit
-
         try:
             check_cli_limit(sys.argv[1:])
             return original(*args, **kwargs)
@@ -450,6 +448,28 @@ def _wrap_cli(original: Any) -> Any:
             raise SystemExit(2) from None
 
     return cli_evaluate
+
+
+def check_cli_limit(argv: Sequence[str]) -> None:
+    """Refuse an `lm_eval` command line of this project's tasks whose `--limit` leaves no document (0 or below), which
+    lm-eval finds only after the model has loaded, as a traceback; a stock run's is lm-eval's own."""
+    import argparse
+
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--limit", "-L", type=float, default=None)
+    parser.add_argument("--tasks", "-t", default=None)
+    parser.add_argument("--include_path", default=None)
+    try:
+        known = parser.parse_known_args(list(argv))[0]
+    except SystemExit:  # not a number: lm-eval's own parser says so
+        return
+    if known.limit is None or known.limit > 0 or not known.tasks:
+        return
+    if holds_own_task(tuple(t.strip() for t in known.tasks.split(",") if t.strip()), known.include_path):
+        raise UserError(
+            f"--limit {known.limit:g}: no document of any task would run",
+            "pass a count (--limit 5) or a fraction of each task (--limit 0.1), or leave --limit out",
+        )
 
 
 def patch_cli() -> None:
