@@ -236,8 +236,8 @@ def _interval(ci: Sequence[float] | None, binary: bool) -> str:
 
 def share_text(cell: Mapping[str, Any]) -> str:
     """A control's share with its interval, or why there is none."""
-    if cell["recovered_share"] is None:
-        return f"no share ({cell['recovered_share_note']})"
+    if cell["recovered_share"] is None:  # why: recovered_share_note, and the verdict's reason
+        return "no share"
     ci = cell["recovered_share_ci"]
     return f"{cell['recovered_share']:.2f} " + ("[unbounded]" if ci is None else f"[{ci[0]:.2f}, {ci[1]:.2f}]")
 
