@@ -144,8 +144,10 @@ def read_runs(runs: list[NamedRun], settings) -> tuple[list[PairedTask], dict[st
     files = {r.name: resolve_run(r.path) for r in runs}
     fps = {name: run_fingerprint(f) for name, f in files.items()}
     records: dict[str, Any] = {r.name: {"role": r.role, "tasks": {}} for r in runs}
-    paired, notes = [], []
-    for task in _tasks(files):
+    tasks = _tasks(files)
+    left = sorted(set().union(*(f.samples for f in files.values())) - set(tasks))
+    paired, notes = [], [f"left out, not in every run: {', '.join(left)}"] if left else []
+    for task in tasks:
         samples = {name: read_samples(f.samples[task]) for name, f in files.items()}
         paired += _pair_task(task, runs, samples, settings)
         for r in runs:
