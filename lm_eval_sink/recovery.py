@@ -71,7 +71,9 @@ class Share:
     reason: str | None
 
 
-def fieller_share(reference: np.ndarray, candidate: np.ndarray, control: np.ndarray, binary: bool, confidence: float):
+def fieller_share(
+    reference: np.ndarray, candidate: np.ndarray, control: np.ndarray, binary: bool, confidence: float
+) -> tuple[float, float] | None:
     """Fieller's interval of mean(a) / mean(b), a = control - candidate, b = reference - candidate per doc: the
     shares theta with (mean a - theta mean b)^2 <= t^2 var(a - theta b) / n, which accounts for the noise of all three
     runs and their pairing. Bounded only when mean b differs from 0 by the same t test; None otherwise. The estimate
