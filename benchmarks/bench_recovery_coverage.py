@@ -15,7 +15,7 @@ import itertools
 
 import numpy as np
 
-from lm_eval_sink.buckets import mcnemar_exact
+from lm_eval_sink.buckets.stats import mcnemar_exact
 from lm_eval_sink.recovery import fieller_share
 
 REF_PASS, GAIN = 0.6, 0.05

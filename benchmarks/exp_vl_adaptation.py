@@ -240,7 +240,8 @@ def train_run(name: str, start_dir: Path, plan_path: Path, out: Path, cfg: Confi
     """Train one arm; save the language model to out/model; returns the training record."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
 
-    from lm_eval_sink.io import atomic_write_json, read_json, staged_dir
+    from lm_eval_sink.io import atomic_write_json, read_json
+    from lm_eval_sink.outputs import staged_dir
     from lm_eval_sink.training import SinkProtection, SinkStrengthCallback
 
     record_path = out / "train.json"
@@ -471,7 +472,8 @@ def estimate_seconds(cfg: Config, n_arms: int, n_seeds: int, train_only: bool) -
 
 def start_stages(ctx: dict, cfg: Config, eval_too: bool) -> None:
     """The start model's S (`strength`), protection plan and IFEval, shared by every arm and seed."""
-    from lm_eval_sink.io import atomic_write_json, provenance, read_json
+    from lm_eval_sink.io import atomic_write_json, read_json
+    from lm_eval_sink.provenance import provenance
     from lm_eval_sink.models import load_model
     from lm_eval_sink.training.protection import ProtectSettings, select_sink_heads
 

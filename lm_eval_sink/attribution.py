@@ -36,6 +36,7 @@ from typing import Any
 
 from lm_eval_sink.benchmarks import Benchmark, benchmark_of
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.keys import CONTENT
 from lm_eval_sink.pairing import index_docs, outcome, pair_docs
 from lm_eval_sink.tables import markdown_lines
 
@@ -486,8 +487,8 @@ class AttributeOptions:
     """
 
     vendor: bool = False
-    registry_file: str | Path | None = None
-    benchmarks_file: str | Path | None = None
+    registry_file: str | Path | None = field(default=None, metadata=CONTENT)
+    benchmarks_file: str | Path | None = field(default=None, metadata=CONTENT)
     declared_lineage: str | None = None
     mixture: dict[str, str] | None = None
     baseline_protocol: str | None = None

@@ -135,7 +135,7 @@ def _entry(name: str, b: _BenchmarkIn, where: str) -> Benchmark:
 
 
 def _parse(text: str, where: str, schema: type[_UserFileIn]) -> _UserFileIn:
-    from lm_eval_sink.io import parse_yaml
+    from lm_eval_sink.yaml_input import parse_yaml
 
     data = parse_yaml(text, where)
     if not isinstance(data, dict) or not isinstance(data.get("benchmarks"), dict):

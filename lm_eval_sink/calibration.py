@@ -33,6 +33,7 @@ class PromptSet:
 
     prompts: tuple[str, ...]
     source: str  # "builtin" or the file path
+    where: tuple[str, ...] = ()  # each prompt's place: "FILE:LINE", or "builtin prompt K"
 
     @property
     def sha256(self) -> str:
@@ -48,6 +49,7 @@ class EncodedPrompts:
     chat_template_applied: bool
     chat_template_sha256: str | None
     system_prompt: str | None
+    where: tuple[str, ...] = ()  # each prompt's place, for errors (PromptSet.where)
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -94,8 +96,8 @@ def builtin_prompts() -> tuple[str, ...]:
 _ROW = 'each line must be an object like {"prompt": "..."}'
 
 
-def read_prompt_file(path: Path) -> tuple[str, ...]:
-    """A JSONL file with a `prompt` field per line, or plain text with one prompt a line."""
+def read_prompt_file(path: Path) -> dict[str, str]:
+    """A JSONL file with a `prompt` field per line, or plain text with one prompt a line: {"FILE:LINE": prompt}."""
     path = Path(path)
     if not path.is_file():
         raise UserError(
@@ -103,22 +105,27 @@ def read_prompt_file(path: Path) -> tuple[str, ...]:
             "pass a JSONL file with a 'prompt' field per line, or a text file with one prompt a line",
         )
     text = read_text(path, "the prompt file")
-    lines = [ln.strip() for ln in text.split("\n") if ln.strip()]
+    lines = {f"{path}:{n}": ln.strip() for n, ln in enumerate(text.split("\n"), 1) if ln.strip()}
     if not lines:
         raise UserError(f"{path}: the prompt file is empty", "put at least one prompt in it, one per line")
-    if path.suffix != ".jsonl" and not lines[0].startswith("{"):
-        return tuple(lines)
-    prompts = []
+    if path.suffix != ".jsonl" and not next(iter(lines.values())).startswith("{"):
+        return lines
+    prompts = {}
     for n, row in json_lines(text, str(path), _ROW):
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
             raise UserError(f"{path}:{n}: no non-empty string field 'prompt'", _ROW)
-        prompts.append(row["prompt"])
-    return tuple(prompts)
+        prompts[f"{path}:{n}"] = row["prompt"]
+    return prompts
 
 
 def load_prompts(path: Path | None = None, n_prompts: int | None = None) -> PromptSet:
     """The builtin set (first `n_prompts` of 15) or a user file (first `n_prompts` if given)."""
-    prompts = read_prompt_file(path) if path is not None else builtin_prompts()
+    given = (
+        read_prompt_file(path)
+        if path is not None
+        else {f"builtin prompt {k}": p for k, p in enumerate(builtin_prompts(), 1)}
+    )
+    prompts = tuple(given.values())
     if n_prompts is not None:
         if n_prompts <= 0:
             raise UserError(f"--n-prompts must be positive, got {n_prompts}", "use 5 or 15")
@@ -132,7 +139,7 @@ def load_prompts(path: Path | None = None, n_prompts: int | None = None) -> Prom
                 f"--n-prompts {n_prompts} but only {len(prompts)} prompts are available", f"use at most {len(prompts)}"
             )
         prompts = prompts[:n_prompts]
-    return PromptSet(prompts=tuple(prompts), source="builtin" if path is None else str(path))
+    return PromptSet(tuple(prompts), "builtin" if path is None else str(path), tuple(given)[: len(prompts)])
 
 
 def _content_flags(offsets: list[tuple[int, int]], start: int, end: int) -> list[bool]:
@@ -145,8 +152,10 @@ def encode_prompts(
     prompts: tuple[str, ...] | list[str],
     use_chat_template: bool = True,
     system_prompt: str | None = None,
+    where: tuple[str, ...] = (),
 ) -> EncodedPrompts:
-    """Render (chat template + generation prompt) and tokenize each prompt; mark content tokens."""
+    """Render (chat template + generation prompt) and tokenize each prompt; mark content tokens. `where`: each
+    prompt's place, named in errors (PromptSet.where)."""
     template = getattr(tokenizer, "chat_template", None)
     apply = bool(use_chat_template and template)
     ids_out, content_out = [], []
@@ -188,4 +197,5 @@ def encode_prompts(
         chat_template_applied=apply,
         chat_template_sha256=sha256_text(template) if apply else None,
         system_prompt=system_prompt if apply else None,
+        where=where,
     )

@@ -527,10 +527,11 @@ def _checked_layers(model: Adapted, encoded: EncodedPrompts, layers: Sequence[in
         raise UserError(f"layer(s) {bad} out of range for a {depth}-layer model", f"use layers 0..{depth - 1}")
     max_pos = getattr(_attn_config(model.module), "max_position_embeddings", None)
     virtual = model.virtual.n if model.virtual else 0
-    longest = max(len(x) for x in encoded.input_ids) + virtual
+    i = max(range(len(encoded)), key=lambda j: len(encoded.input_ids[j]))
+    longest = len(encoded.input_ids[i]) + virtual
     if max_pos and longest > max_pos:
         raise UserError(
-            f"a calibration prompt has {longest} tokens"
+            (f"{encoded.where[i]}: " if encoded.where else "") + f"a calibration prompt has {longest} tokens"
             f"{f' (with {virtual} virtual tokens)' if virtual else ''}, more than the model's {max_pos} positions",
             "use shorter prompts",
         )

@@ -1,6 +1,6 @@
 """Results keyed by the code that made them: the hashes of this project's files on a result's path.
 
-A result's key holds `{"code": {path: hash}}` (`io.key_versions`): the xxh3-128 hash of every module of this
+A result's key holds `{"code": {path: hash}}` (`keys.key_versions`): the xxh3-128 hash of every module of this
 project that the computation's entry modules (`roots`) can import, and of the data those modules read, as this
 interpreter has them.
 - A module can import another when its text names it: an `import` or `from ... import` at module level or inside

@@ -93,6 +93,11 @@ class Setting:
             return "none" if value is None else repr(value)
         return str(value)
 
+    def measured_in(self) -> str:
+        """The dtype of one S, in every line that shows an S (`in bfloat16`): vLLM runs a float32 checkpoint in
+        bfloat16 unless told, which moves S by a quarter of what separates a sweep's checkpoints."""
+        return f"in {self.dtype}" if self.dtype else "in a dtype not recorded"
+
     def describe(self) -> str:
         """The setting in one line (group-level: no depth)."""
         return ", ".join(f"{_FIELD_WORDS[f]}: {self.shown(f)}" for f in SPLIT_FIELDS)
@@ -150,7 +155,7 @@ def _saved_setting(prov: Mapping[str, Any], asked: Mapping[str, Any], measured: 
         last_k_asked=asked.get("last_k"),
         last_k=_int(measured.get("last_k")),
         attention_layers=len(measured.get("attention_layers") or []) or _int(measured.get("n_layers")),
-        dtype=prov.get("dtype"),
+        dtype=measured.get("dtype") or prov.get("dtype"),  # a margin's S: the dtype its model was loaded in
     )
 
 

@@ -8,8 +8,9 @@ tiny finder to `sys.meta_path`; nothing is imported until a watched module (belo
 by someone else, and then the matching callback runs right after that module has finished
 loading. Costs nothing when lm-eval or mergekit is never imported.
 
-Switch it off with `LM_EVAL_SINK_NO_HOOK=1`. Each lm-eval patch checks its target first and leaves a target
-that differs as installed, with one warning line per process (`harness.patching`). A callback that fails
+Switch it off with `LM_EVAL_SINK_NO_HOOK=1`. Each lm-eval patch checks what it relies on first and leaves a
+target that differs as installed, with one warning line per patch; an lm-eval outside the tested versions gets no
+patch, with one line (`harness.patching`). A callback that fails
 anyway, or a start-up file that cannot import this package, emits one `errors.SinkWarning` and leaves the host
 library untouched. Each patch, its reason and its check: docs/footguns.md.
 An editable install (`pip install -e .`) does not copy the `.pth`: run
@@ -51,6 +52,8 @@ def _run_callback(module_name: str) -> None:
     target = POST_IMPORT[module_name]
     mod_name, _, func_name = target.partition(":")
     try:
+        if module_name.startswith("lm_eval.") and _lm_eval_untested():
+            return
         getattr(importlib.import_module(mod_name), func_name)()
     except Exception as e:  # fail soft: the host library keeps working without us
         warnings.warn(
@@ -59,6 +62,12 @@ def _run_callback(module_name: str) -> None:
             SinkWarning,
             stacklevel=2,
         )
+
+
+def _lm_eval_untested() -> bool:
+    from lm_eval_sink.harness.patching import stands_aside
+
+    return stands_aside()
 
 
 class _Loader(importlib.abc.Loader):

@@ -11,7 +11,7 @@ Rules (`FINGERPRINT_RULE`):
   cache, so a repeated call costs one stat per file; an in-place write changes mtime and ctime; an
   entry is JSON data, used only when it is exactly what `file_hash` writes (that path and size, an
   xxh3-128 hash) and this user owns it and nobody else can write it, else hashed again and replaced. An
-  entry decides which result is reused, so the cache is private to its user (`io.cache_dir` refuses one that
+  entry decides which result is reused, so the cache is private to its user (`cache.cache_dir` refuses one that
   another user owns or can write): nobody else can forge one;
 - a hub id (`org/name`, or `org/name@REVISION` with a branch, tag or commit sha): its commit sha
   (from the local HF cache when it holds that revision, else online from the hub), with the blob
@@ -28,16 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.io import (
-    COMPLETE,
-    DiskFull,
-    atomic_write_json,
-    cache_dir,
-    canonical_json,
-    read_complete,
-    read_private_text,
-    sha256_text,
-)
+from lm_eval_sink.cache import cache_dir, read_private_text
+from lm_eval_sink.disk_full import DiskFull
+from lm_eval_sink.io import atomic_write_json, canonical_json, sha256_text
+from lm_eval_sink.outputs import COMPLETE, read_complete
 
 FINGERPRINT_RULE = "xxh3_128-whole-files-v2"
 SKIPPED_NAMES = frozenset({COMPLETE, "FAILED.json", "extraction.json", "injection.json", ".lock", ".lock.json"})

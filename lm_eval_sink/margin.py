@@ -30,22 +30,12 @@ from typing import Any
 import numpy as np
 
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.keys import MODEL, Work
 from lm_eval_sink.strength import StrengthSettings
 from lm_eval_sink.tables import csv_text, markdown_lines
 
 SCHEMA_VERSION = 1
 DEFAULT_QUANTILE = 0.95
-# What a margin result's key holds beside its inputs (docs/identity.md): the hashes of this module's code and of
-# the S code it measures with (`code_key`), and these packages' versions.
-CODE = (__name__, "lm_eval_sink.strength")
-KEY_PACKAGES = ("torch", "transformers", "peft")  # as strength.KEY_PACKAGES
-
-
-def key_versions() -> dict[str, Any]:
-    """The versions a margin result is keyed by: the hashes of the margin and S code, torch's and transformers'."""
-    from lm_eval_sink.io import key_versions as versions
-
-    return versions(CODE, KEY_PACKAGES)
 
 
 def sigmoid(x: Any) -> Any:
@@ -301,6 +291,20 @@ class MarginSettings:
             raise UserError(f"--last-k must be positive, got {self.last_k}", "use e.g. --last-k 10, or --last-k all")
 
 
+@dataclass(frozen=True, slots=True)
+class MarginWork(Work):
+    """What `measure_margin` receives: both models (by content), the settings (a prompt file by content), the dtype;
+    keyed with the margin and S code, the command that chooses them, and the packages that compute (`keys.key_of`)."""
+
+    CODE = (__name__, "lm_eval_sink.strength", "lm_eval_sink.commands.margin")
+    PACKAGES = ("torch", "transformers", "peft")
+
+    reference: str = field(metadata=MODEL)
+    candidate: str = field(metadata=MODEL)
+    settings: MarginSettings
+    dtype: str
+
+
 def check_same_vocab(ref_vocab: dict[str, int], cand_vocab: dict[str, int]) -> None:
     """The candidate must map every token of the reference to the same id (extra tokens allowed)."""
     missing = [t for t in ref_vocab if t not in cand_vocab]
@@ -330,10 +334,13 @@ def margin_table_markdown(m: SinkMargin, heads: bool = True) -> str:
 
 def _summary_lines(m: SinkMargin) -> list[str]:
     """The report's head: both models' S, what was measured, and the count of negative margins."""
-    s = m.summary
+    from lm_eval_sink.comparability import setting_of_margin
+
+    s, data = m.summary, {"provenance": m.provenance}
+    ref, cand = (setting_of_margin(data, role).measured_in() for role in ("reference", "candidate"))
     return [
-        f"reference: {m.reference} (S = {m.reference_sink_strength:.4f}); candidate: {m.candidate} "
-        f"(S = {m.candidate_sink_strength:.4f})",
+        f"reference: {m.reference} (S = {m.reference_sink_strength:.4f} {ref}); candidate: {m.candidate} "
+        f"(S = {m.candidate_sink_strength:.4f} {cand})",
         f"{m.n_prompts} prompts, {m.n_rows} rows per head, layers {m.layers[0]}..{m.layers[-1]}, "
         f"{m.n_heads} heads; reference sink key at position 0 in "
         f"{m.reference_pos0_argmax_fraction:.1%} of rows",

@@ -9,7 +9,6 @@ like any checkpoint. `model_fingerprint` records what a result was computed from
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,8 +18,11 @@ from lm_eval_sink.adapters import ADAPTER_CONFIG, VirtualTokens, adapted, config
 from lm_eval_sink.devices import DEFAULT_DEVICE, load_dtype, place
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.identity import check_finished_folder, folder_identity, hub_offline, hub_snapshot, looks_like_hub_id
-from lm_eval_sink.io import cache_dir, parse_json, read_complete, read_text, sha256_file, staged_dir, write_complete
+from lm_eval_sink.cache import cache_dir
+from lm_eval_sink.io import parse_json, read_text, sha256_file
+from lm_eval_sink.outputs import read_complete, staged_dir, write_complete
 from lm_eval_sink.schema import did_you_mean
+from lm_eval_sink.weights import check_weights
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -86,7 +88,7 @@ def _intact(out: Path) -> bool:
 
 def _waiting(holder: str, waited: float, out: Path) -> None:
     """The line a command prints when another process converts the default model it needs, and every
-    `io.WAIT_NOTE_S` while it goes on (then the command goes on)."""
+    `locks.WAIT_NOTE_S` while it goes on (then the command goes on)."""
     import sys
 
     still = f"still waiting ({waited:.0f} s) for" if waited else "waiting for"
@@ -246,26 +248,8 @@ def _checked_folder(path: Path, role: str) -> Path:
             f"{path}: not a {role} folder (no {' and no '.join(missing)}; found {found})",
             "pass a folder written by save_pretrained, or 'default' for the embedded model",
         )
-    if not adapter:
-        check_config(path / "config.json")
+    check_weights(path, None if adapter else check_config(path / "config.json"))
     return path.resolve()
-
-
-def safetensors_damage(path: Path) -> str | None:
-    """What is wrong with a safetensors file's structure, from its header alone (no tensor is read): a header that
-    does not parse, or tensors that end past the file (cut short by a copy or a download); None when it is whole."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        if size < 8 or 8 + n > size:
-            return f"is cut short: {size:,} bytes, less than its header's length says"
-        try:
-            header = json.loads(f.read(n))
-            ends = [int(e["data_offsets"][1]) for k, e in header.items() if k != "__metadata__"]
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError):
-            return "has a header that does not parse (not a safetensors file, or a damaged one)"
-    end = 8 + n + max(ends, default=0)
-    return f"is cut short: its header describes {end:,} bytes, the file holds {size:,}" if end > size else None
 
 
 # The sizes in a config.json that transformers divides by or allocates with (`num_attention_heads: 0` divides by zero
@@ -282,9 +266,10 @@ _CONFIG_SIZES = (
 )
 
 
-def check_config(path: Path) -> None:
+def check_config(path: Path) -> dict[str, Any]:
     """Refuse, before transformers reads it, a config.json that is no JSON object or whose sizes (top level, or a
-    section such as `text_config`) are not positive integers, in one line naming the file and the field."""
+    section such as `text_config`) are not positive integers, in one line naming the file and the field; else its
+    contents."""
     again = "restore the config.json the checkpoint was saved with"
     data = parse_json(read_text(path, "config.json"), str(path), again)
     if not isinstance(data, dict):
@@ -298,6 +283,7 @@ def check_config(path: Path) -> None:
                     f"{path}: {prefix}{field} is {value!r}; a model's sizes are positive integers",
                     f"{again} (the weights' shapes fix {field})",
                 )
+    return data
 
 
 def _hub_folder(repo_id: str, offline: bool) -> str | None:
@@ -407,10 +393,6 @@ def with_adapter(path: str) -> ResolvedModel:
     data = parse_json(read_text(config, ADAPTER_CONFIG), str(config), again)
     if not isinstance(data, dict):
         raise UserError(f"{config}: not a peft adapter config (a JSON object is expected)", again)
-    weights = Path(path) / _ADAPTER_GLOBS[0]
-    broken = safetensors_damage(weights) if weights.is_file() else None
-    if broken:
-        raise UserError(f"{path}: a peft adapter whose weights file {weights.name} {broken}", again)
     virtual = config_virtual_tokens(config, data)
     base = data.get("base_model_name_or_path")
     if not base:

@@ -11,12 +11,13 @@ before any model is resolved. Pure: no I/O, no torch.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.devices import DEFAULT_DEVICE, check_device
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.keys import CONTENT
 from lm_eval_sink.models import DEFAULT_DTYPE, DTYPES
 
 
@@ -51,7 +52,7 @@ class ScreenOptions:
     """Where `screen`'s predicted deltas come from: a fit of `pairs_file` (pairs measured in the models' setting),
     or with `paper_line` the paper's pairs (with the caveat beside each number); neither: the ranking alone."""
 
-    pairs_file: Path | str | None = None
+    pairs_file: Path | str | None = field(default=None, metadata=CONTENT)
     paper_line: bool = False
 
     def __post_init__(self) -> None:

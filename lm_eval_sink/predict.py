@@ -51,6 +51,9 @@ SHIPPED_PAIRS = "data/paper_pairs.yaml"
 SHIPPED_REPORTED = "data/paper_reported.json"
 QK_NORM_CLASSES = ("per_head", "layerwise", "none")
 _TIE_TOL = 1e-12
+# The largest |S| or |delta| a fit takes: S is a median of float32 log-odds (within about 104), a delta at most 100
+# points; past this a value is a typo or a unit error, and its square would overflow the fit's float64 sums.
+LARGEST = 1e6
 PI_LEVEL = 0.95  # the prediction intervals' coverage
 PAPER_SETTING = (
     "the paper's pairs: their S were measured with the paper's own calibration prompts (which this project does not "
@@ -185,8 +188,14 @@ class FitResult:
 
 
 def finite(value: Any, where: str, what: str) -> float:
+    """`value` as a float, refused unless a finite number of magnitude at most LARGEST."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
         raise UserError(f"{where}: {what} must be a finite number, got {value!r}", "write a plain number such as 1.18")
+    if abs(value) > LARGEST:
+        raise UserError(
+            f"{where}: {what} is {value:g}, past any S (a log-odds) or delta (points): at most {LARGEST:g} in size",
+            "write the measured value (S as `lm-eval-sink strength` gives it, e.g. 1.18; deltas in points)",
+        )
     return float(value)
 
 

@@ -37,7 +37,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field
 
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.io import canonical_json, parse_yaml, read_text, sha256_text
+from lm_eval_sink.io import canonical_json, read_text, sha256_text
+from lm_eval_sink.yaml_input import parse_yaml
 from lm_eval_sink.schema import Strict, did_you_mean, parse
 from lm_eval_sink.tables import markdown_lines
 

@@ -91,7 +91,7 @@ def _model_folder(folder: Path) -> RunFiles:
 
 def _sweep_eval_results(folder: Path) -> Path | None:
     """The results file a sweep's eval folder (`evals/<checkpoint>/`) names in its COMPLETE marker, else None."""
-    from lm_eval_sink.io import COMPLETE
+    from lm_eval_sink.outputs import COMPLETE
 
     try:
         marker = json.loads((folder / COMPLETE).read_text(encoding="utf-8"))
@@ -155,8 +155,9 @@ def resolve_run(arg: str | Path) -> RunFiles:
 def load_results(run: RunFiles) -> dict[str, Any]:
     """The run's results JSON; a run without one, or a JSON that is not lm-eval's, is a UserError."""
     if run.results is None:
+        named = next(iter(run.samples.values())) if len(run.samples) == 1 else run.folder.resolve()
         raise UserError(
-            f"{run.folder}: no results_<time>.json for this run",
+            f"{named}: no results_<time>.json for this run",
             "pass the lm-eval output folder that holds the results file",
         )
     data = parse_json(

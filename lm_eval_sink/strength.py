@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -27,16 +27,11 @@ import numpy as np
 from lm_eval_sink.calibration import Batching
 from lm_eval_sink.devices import DEFAULT_DEVICE, check_not_tensor_parallel
 from lm_eval_sink.errors import SinkWarning, UserError
+from lm_eval_sink.keys import CONTENT, MODEL, UNKEYED, Work
 
 DEFAULT_LAST_K = 10
-# What every strength result key holds beside its inputs (`key_versions`, docs/identity.md): the hashes of the
-# modules this one can import (the capture, the model loading, the prompts: `code_key`) and these packages' versions
-# (peft applies an adapter folder's weights or virtual tokens: its version decides an adapter's S).
-CODE = (__name__,)
-KEY_PACKAGES = ("torch", "transformers", "peft")
 STATISTICS = ("median", "mean")
 ROWS = ("all", "content")
-RUN_FIELDS = ("batch_size", "batch_tokens", "query_chunk")  # how S is computed (calibration.Batching), not what
 _RUN = Batching()
 # What S says, printed wherever this project shows S (strength, ranking.md, under lm_eval's table, the report).
 S_MEANING = (
@@ -95,19 +90,20 @@ def absent_sink_note(sink_strength: float, pos0_argmax_fraction: float) -> str |
 @dataclass(frozen=True, slots=True)
 class StrengthSettings:
     """Every knob of a Sink Strength measurement (one source of truth for the defaults; the batching ones are
-    `calibration.Batching`'s). RUN_FIELDS change memory and speed only, so `key_fields` leaves them out."""
+    `calibration.Batching`'s). The batching ones change memory and speed only, so no key holds them (`UNKEYED`);
+    a prompt file is keyed by its content."""
 
     last_k: int | str | None = DEFAULT_LAST_K  # a count of last attention layers, "N%" of them, None = all
     statistic: str = "median"
     rows: str = "all"
     n_prompts: int | None = None  # None = all prompts of the set (15 builtin)
-    prompts_file: str | None = None
+    prompts_file: str | None = field(default=None, metadata=CONTENT)
     use_chat_template: bool = True
     system_prompt: str | None = None
-    batch_size: int | None = _RUN.batch_size  # None = as many prompts per forward as batch_tokens allows
+    batch_size: int | None = field(default=_RUN.batch_size, metadata=UNKEYED)  # None: as many as batch_tokens allows
     seed: int = 0
-    batch_tokens: int = _RUN.batch_tokens
-    query_chunk: int = _RUN.query_chunk
+    batch_tokens: int = field(default=_RUN.batch_tokens, metadata=UNKEYED)
+    query_chunk: int = field(default=_RUN.query_chunk, metadata=UNKEYED)
 
     def __post_init__(self) -> None:
         if self.last_k is not None and parse_last_k(self.last_k) != self.last_k:
@@ -122,13 +118,30 @@ class StrengthSettings:
         return Batching(self.batch_size, self.batch_tokens, self.query_chunk)
 
     def key_fields(self) -> dict[str, Any]:
-        """The settings that decide S, as every result key holds them (not RUN_FIELDS)."""
+        """The settings that decide S (not the batching ones, `RUN_FIELDS`), as given."""
         return {k: v for k, v in asdict(self).items() if k not in RUN_FIELDS}
 
     def layers_for(self, attention_layers: Sequence[int] | int) -> tuple[int, ...]:
         """The last K of the model's attention layers (`k_for`); an int n means layers 0..n-1."""
         att = tuple(range(attention_layers)) if isinstance(attention_layers, int) else tuple(attention_layers)
         return att[len(att) - k_for(self.last_k, len(att)) :]
+
+
+RUN_FIELDS = tuple(f.name for f in fields(StrengthSettings) if f.metadata == UNKEYED)  # how S is computed, not what
+
+
+@dataclass(frozen=True, slots=True)
+class StrengthWork(Work):
+    """What `lm-eval-sink strength` and `screen` hand to `measure_model` (one model's S): its key (`keys.key_of`)
+    holds the model's content, the settings (a prompt file by content), the dtype, the code that chooses them and
+    computes S, and the packages that do (peft applies an adapter's weights or virtual tokens)."""
+
+    CODE = (__name__, "lm_eval_sink.commands.strength", "lm_eval_sink.commands.screen")
+    PACKAGES = ("torch", "transformers", "peft")
+
+    model: str = field(metadata=MODEL)
+    settings: StrengthSettings
+    dtype: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,7 +293,9 @@ def measure(
     run = adapted(model)
     check_not_tensor_parallel(run.module)
     prompt_set = load_prompts(settings.prompts_file, settings.n_prompts)
-    encoded = encode_prompts(tokenizer, prompt_set.prompts, settings.use_chat_template, settings.system_prompt)
+    encoded = encode_prompts(
+        tokenizer, prompt_set.prompts, settings.use_chat_template, settings.system_prompt, prompt_set.where
+    )
     depth = n_layers_of(run.module)
     att = attention_layers(run.module, encoded.input_ids[0][:2])
     captures = capture_prompts(model, encoded, settings.layers_for(att), settings.batching(), progress=progress)
@@ -324,52 +339,13 @@ def measure_model(
     progress: bool = True,
 ) -> SinkStrength:
     """Load a model by path, hub id or `default`, and measure its Sink Strength."""
-    from lm_eval_sink.io import provenance
+    from lm_eval_sink.provenance import provenance
     from lm_eval_sink.models import load_model
 
     loaded = load_model(name, dtype=dtype, device=device)
     return measure(
         loaded.model, loaded.tokenizer, settings, progress=progress, provenance=provenance(model=loaded.info)
     )
-
-
-def key_versions(code: tuple[str, ...] = CODE) -> dict[str, Any]:
-    """The versions a Sink Strength result is keyed by: the hashes of the code that computes S (`code`'s modules and
-    what they import) and the versions of the packages that do."""
-    from lm_eval_sink.io import key_versions as versions
-
-    return versions(code, KEY_PACKAGES)
-
-
-def inputs_key(
-    name_path: str,
-    fingerprint: str | None,
-    settings: StrengthSettings,
-    dtype: str,
-    method2_batch_size: int | None = None,
-) -> str:
-    """The key of a measurement's inputs (model path, content fingerprint, settings but RUN_FIELDS, dtype).
-
-    `method2_batch_size`: the key as strength method 2 and earlier made it, which also held the batch size,
-    so that a result of those versions is known as one of the same inputs (recomputed, not refused)."""
-    from lm_eval_sink.io import canonical_json, sha256_text
-
-    fields = settings.key_fields()
-    if method2_batch_size is not None:
-        fields["batch_size"] = method2_batch_size
-    return sha256_text(
-        canonical_json({"model": name_path, "fingerprint": fingerprint, "settings": fields, "dtype": dtype})
-    )
-
-
-def result_key(
-    name_path: str, fingerprint: str | None, settings: StrengthSettings, dtype: str, versions: dict[str, Any]
-) -> str:
-    """Identity of a measurement: its inputs and the versions that computed it (`key_versions()`); a finished
-    output with the same key is reused."""
-    from lm_eval_sink.io import versioned_key
-
-    return versioned_key(inputs_key(name_path, fingerprint, settings, dtype), versions)
 
 
 def fmt_optional(x: float | None) -> str:

@@ -322,7 +322,7 @@ assert set(_StatedIn.model_fields) == set(STATED_KEYS)
 
 
 def _read_yaml(path_or_text: str, where: str) -> _RegistryIn:
-    from lm_eval_sink.io import parse_yaml
+    from lm_eval_sink.yaml_input import parse_yaml
 
     data = parse_yaml(path_or_text, where)
     if not isinstance(data, dict):
@@ -437,7 +437,7 @@ _BUNDLED = "lm_eval_sink/data/vendors.yaml"
 def user_registry_path() -> Path:
     """The default user registry: `vendors.yaml` in the project cache ($LM_EVAL_SINK_CACHE, else
     ~/.cache/lm_eval_sink); read when it exists and no --registry is given, written by `vendor add`."""
-    from lm_eval_sink.io import cache_dir
+    from lm_eval_sink.cache import cache_dir
 
     return cache_dir() / "vendors.yaml"
 

@@ -156,8 +156,12 @@ def gsm8k_samples(
     doc_id: int, doc: dict, response: str, gen_kwargs: dict | None = None, chat: bool = False
 ) -> list[dict]:
     """One line per filter (strict-match, flexible-extract), scored by lm-eval's regex filters and exact_match."""
-    from lm_eval.api.metrics import exact_match_hf_evaluate
     from lm_eval.filters.extraction import RegexFilter
+
+    try:
+        from lm_eval.api.metrics import exact_match_hf_evaluate
+    except ImportError:  # lm-eval 0.5: a list of 0/1 per prediction
+        from lm_eval.api.metrics.generation import _exact_match_hf_evaluate as exact_match_hf_evaluate
 
     cfg = _gsm8k_config()
     metric = dict(cfg["metric_list"][0])
@@ -169,12 +173,10 @@ def gsm8k_samples(
     lines = []
     for f in cfg["filter_list"]:
         regex = f["filter"][0]
-        filtered = RegexFilter(regex_pattern=regex["regex_pattern"], group_select=regex.get("group_select", 0)).apply(
-            [[response]], [doc]
-        )[0][0]
-        score = float(
-            exact_match_hf_evaluate(predictions=[filtered], references=[doc["answer"]], **metric)["exact_match"]
-        )
+        extract = RegexFilter(regex_pattern=regex["regex_pattern"], group_select=regex.get("group_select", 0))
+        filtered = next(iter(extract.apply([[response]], [doc])))[0]  # a list on 0.4.13, a generator on 0.5
+        match = exact_match_hf_evaluate(predictions=[filtered], references=[doc["answer"]], **metric)["exact_match"]
+        score = float(sum(match) / len(match) if isinstance(match, list) else match)
         lines.append(
             sample_line(doc_id, doc, doc["answer"], prompt, gen, response, filtered, f["name"], {"exact_match": score})
         )

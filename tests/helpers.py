@@ -205,17 +205,17 @@ def stop_ray_cluster(temp_dir: Path, grace: float = 3.0) -> None:
 
 
 def set_package_version(monkeypatch, name: str, version: str) -> str | None:
-    """Make `io.package_versions` (the one source of the versions in result keys) report `version` for
+    """Make `provenance.package_versions` (the one source of the versions in result keys) report `version` for
     `name`, as an upgrade of that package would; returns the installed version."""
-    import lm_eval_sink.io as io
+    import lm_eval_sink.provenance as provenance
 
-    real = io.package_versions
+    real = provenance.package_versions
     installed = real((name,))[name]
 
-    def patched(names=io._RECORDED_PACKAGES):
+    def patched(names=provenance._RECORDED_PACKAGES):
         return {n: version if n == name else v for n, v in real(names).items()}
 
-    monkeypatch.setattr(io, "package_versions", patched)
+    monkeypatch.setattr(provenance, "package_versions", patched)
     return installed
 
 

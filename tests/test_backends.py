@@ -19,17 +19,14 @@ import yaml
 from constructed_runs import results_dict, write_run
 from helpers import (
     SWEEP_LIMIT,
-    VLLM_DEFAULT_MODE_ENV,
     VLLM_ENV,
     VLLM_MODEL_ARGS,
     VLLM_PY,
-    engine_core_pids,
     vllm_missing_reason,
 )
 
 from lm_eval_sink.cli import main
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.harness.engine_worker import WORKER_EXTENSION
 from lm_eval_sink.harness.runner import EvalSettings, run_lm_eval
 from lm_eval_sink.harness.vllm_preflight import KV_CACHE_ENV
 from lm_eval_sink.protocols import diff, fingerprint, require_same_harness
@@ -352,54 +349,6 @@ def test_without_the_hook_the_task_itself_refuses_a_backend_without_attention_wi
 
 
 @needs_vllm_venv
-@pytest.mark.slow
-def test_measure_first_in_vllms_default_process_mode_gives_the_hf_sink_strength(tmp_path):
-    """The transformers child that measures S first (the path of every model the engine capture cannot measure exactly,
-    and of LM_EVAL_SINK_S_ON_ENGINE=0), then lm-eval's engine in vLLM's default process mode (the engine core in a
-    process of its own, as users run it), on a tiny Llama: S and the layer x head matrix are those of --model hf on
-    the same checkpoint, and the record says the child measured it and why."""
-    from engine_models import build
-
-    from lm_eval_sink.harness.runner import _ENTRY  # what the `lm_eval` console script runs
-
-    model = build("llama", tmp_path / "llama")
-    common = ["--tasks", "sink_strength_n5", "--batch_size", "1"]
-    vllm_args = ["--model", "vllm", "--model_args", f"pretrained={model},dtype=float32,{VLLM_MODEL_ARGS}"]
-    hf_args = ["--model", "hf", "--model_args", f"pretrained={model},dtype=float32"]
-    users_env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}  # vLLM's default mode
-    default_mode = {**VLLM_DEFAULT_MODE_ENV, "LM_EVAL_SINK_S_ON_ENGINE": "0"}
-    procs = {
-        name: subprocess.Popen(
-            [str(VLLM_PY), "-c", _ENTRY, *args, *common, "--output_path", str(tmp_path / name)],
-            env={**users_env, **env},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,  # vLLM logs on stdout
-            text=True,
-        )
-        for name, args, env in (("vllm", vllm_args, default_mode), ("hf", hf_args, {}))
-    }
-    try:
-        logs = {name: p.communicate(timeout=900)[0] for name, p in procs.items()}
-    finally:
-        for p in procs.values():
-            p.kill()  # a hung engine does not outlive its test
-    for name, p in procs.items():
-        assert p.returncode == 0, logs[name][-3000:]
-    assert len(engine_core_pids(logs["vllm"])) == 1  # the engine core ran in a process of its own
-    (vl,), (hf,) = ([json.loads(f.read_text()) for f in (tmp_path / n).glob("*/results_*.json")] for n in procs)
-    record = vl["configs"]["sink_strength_n5"]["metadata"]["capture"]
-    assert vl["config"]["model"] == "vllm" and record["capture_backend"] == "hf"
-    assert record["process"] == "a child process, before lm-eval built the vllm model"
-    child_line, engine_core = logs["vllm"].find("LM_EVAL_SINK_S_ON_ENGINE=0"), logs["vllm"].find("(EngineCore pid=")
-    assert 0 <= child_line < engine_core  # S measured and said before the engine started
-    assert "LM_EVAL_SINK_S_ON_ENGINE=0" in record["not_on_engine"]
-    got, want = vl["results"]["sink_strength_n5"], hf["results"]["sink_strength_n5"]
-    assert abs(got["sink_strength,none"] - want["sink_strength,none"]) < 1e-4
-    matrix = "sink_strength_layer_head,none"
-    assert np.allclose(got[matrix]["values"], want[matrix]["values"], atol=1e-4)
-
-
-@needs_vllm_venv
 def test_lm_eval_vllm_refuses_a_checkpoint_s_cannot_load_before_anything_loads(tmp_path):
     """A user group holding sink_strength, under --model vllm with a GGUF path: one line, before any load."""
     group = tmp_path / "group"
@@ -496,8 +445,9 @@ def _reference_eval(sweep: Path) -> Path:
 @pytest.fixture(scope="module")
 def vllm_one_call(smollm2_sweep, default_model, shared_data, tmp_path_factory) -> Path:
     """`lm_eval --model vllm --tasks ifeval,sink_strength` on the SmolLM2 sweep's reference with its eval settings, as
-    `lm-eval-sink eval --backend vllm` runs it, in vLLM's default process mode (the engine core in a process of its
-    own, as users run it): S measured on the engine lm-eval built (no second load). Its lm-eval output folder."""
+    `lm-eval-sink eval --backend vllm` runs it (the in-process engine, the tests' speed-up: vLLM's default process
+    mode is the resident sweep's, tests/test_vllm_engine.py): S measured on the engine lm-eval built (no second
+    load). Its lm-eval output folder."""
     from dataclasses import replace
 
     from lm_eval_sink.commands.sweep import load_sweep
@@ -505,8 +455,7 @@ def vllm_one_call(smollm2_sweep, default_model, shared_data, tmp_path_factory) -
     settings = replace(load_sweep(smollm2_sweep).eval, backend="vllm", device=None, model_args={"enforce_eager": True})
     out = tmp_path_factory.mktemp("vllm_one_call")
     with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
-        for k, v in {**VLLM_DEFAULT_MODE_ENV, "LM_EVAL_SINK_DATA": str(shared_data), "HF_HUB_OFFLINE": "1"}.items():
+        for k, v in {**VLLM_ENV, "LM_EVAL_SINK_DATA": str(shared_data), "HF_HUB_OFFLINE": "1"}.items():
             mp.setenv(k, v)
         run_lm_eval(default_model, settings, out)
     return out
@@ -517,14 +466,14 @@ def vllm_one_call(smollm2_sweep, default_model, shared_data, tmp_path_factory) -
 def test_vllm_and_hf_give_the_same_ifeval_responses_and_scores_in_float32(
     smollm2_sweep, vllm_one_call, tmp_path, capsys
 ):
-    """The one-call vLLM run against the HF sweep's reference unit: vLLM's responses and scores are HF's, with the
-    engine core in a process of its own (vLLM's default mode); buckets and report read the vLLM run, and name the
-    backend as the one protocol difference."""
+    """The one-call vLLM run against the HF sweep's reference unit: vLLM's responses and scores are HF's; buckets
+    and report read the vLLM run, and name the backend as the one protocol difference (the dtype the engine ran in
+    is recorded, as HF's is: review of issue 47, where a vLLM run's dtype was null)."""
     runs = {"hf": _reference_eval(smollm2_sweep), "vllm": vllm_one_call}
     (hf_res, hf_samples), (vl_res, vl_samples) = _run_of(runs["hf"]), _run_of(runs["vllm"])
     assert hf_res["config"]["model"] == "hf" and vl_res["config"]["model"] == "vllm"
-    (log,) = (vllm_one_call / "logs").glob("lm_eval_*.log")
-    assert len(engine_core_pids(log.read_text())) == 1  # the engine core ran in a process of its own
+    assert vl_res["config"]["model_dtype"] == hf_res["config"]["model_dtype"] == "torch.float32"
+    assert fingerprint(vl_res).harness["dtype"] == "torch.float32"
     assert len(hf_samples) == len(vl_samples) == SWEEP_LIMIT
     assert [s["resps"] for s in vl_samples] == [s["resps"] for s in hf_samples]
     assert any(len(s["resps"][0][0]) > 50 for s in hf_samples)  # real generations, not empty strings
@@ -575,8 +524,10 @@ def test_vllm_one_call_gives_the_hf_sink_strength(smollm2_sweep, vllm_one_call):
     assert (
         record["vllm"] == "0.32.0+cpu" and record["wall_seconds"] > 0 and "weights the engine runs" in record["weights"]
     )
-    assert vl_res["config"]["model_args"]["worker_extension_cls"] == WORKER_EXTENSION
+    assert "worker_extension_cls" not in vl_res["config"]["model_args"]  # the engine is built with it, not asked
     (log,) = (vllm_one_call / "logs").glob("lm_eval_*.log")
-    assert "measured with transformers in a child process" not in log.read_text()
+    console = log.read_text()
+    assert "measured with transformers in a child process" not in console
+    assert f"sink_strength: S = {vl_s['sink_strength,none']:.4f} in float32 over the last 10 of 30" in console
     own = hf_res["configs"]["sink_strength"]["metadata"]["capture"]
     assert own["process"] == "lm-eval's own, on the model it built" and own["capture_backend"] == "hf"

@@ -261,8 +261,8 @@ def test_cli_writes_every_output(ifeval_pair, tmp_path, capsys):
     assert data["runs"]["reference"]["protocol"]["chat_template_applied"] is True
     assert data["runs"]["candidate"]["protocol"]["chat_template_applied"] is False
     assert "chat_template_applied" in data["protocol_differences"]
-    assert data["provenance"]["inputs"]["reference"]["samples_sha256"]
-    code = data["provenance"]["code_versions"]["code"]
+    assert data["runs"]["reference"]["samples_sha256"] and data["provenance"]["key"]
+    code = data["provenance"]["key_versions"]["code"]
     assert {"lm_eval_sink/buckets/stats.py", "lm_eval_sink/power.py", "lm_eval_sink/pairing.py"} <= set(code)
     assert data["schema_version"] == 1
     csv_lines = (out / "prompts.csv").read_text().splitlines()
@@ -793,7 +793,7 @@ def test_power_and_noise_floor_in_every_output(boolq_trio, tmp_path, capsys):
     assert sorted(i for i, f in flips.items() if f) == [0, 1, 2, 50, 70]
     header, *rows = (out / "prompts.csv").read_text().splitlines()
     assert header.endswith(",noise_flip") and rows[50].endswith(",True") and rows[3].endswith(",False")
-    assert data["runs"]["repeat"]["model"] == "ref-model" and data["provenance"]["inputs"]["repeat"]["samples_sha256"]
+    assert data["runs"]["repeat"]["model"] == "ref-model" and data["runs"]["repeat"]["samples_sha256"]
 
 
 def test_a_run_against_itself_gets_a_note(boolq_trio, shared_data, capsys, tmp_path):

@@ -103,30 +103,11 @@ def test_capture_builds_its_tensors_on_the_models_device(tiny_tokenizer, encoded
         assert np.array_equal(a.sink_logodds, b.sink_logodds) and np.array_equal(a.sink_logodds, f.sink_logodds)
 
 
-def test_batching_and_device_are_in_no_key_of_a_sweep_unit_or_task_item():
-    """The sweep's strength unit keys and the lm-eval task's per-prompt items ignore the batching knobs and the
-    device (S does not depend on them); the settings that decide S still change the key."""
-    from pathlib import Path
-
+def test_batching_is_in_no_settings_an_lm_eval_task_item_compares():
+    """The lm-eval task's per-prompt items ignore the batching knobs (S does not depend on them); that no key holds
+    them is `tests/test_keys.py`'s."""
     from lm_eval_sink.harness.task import settings_from_metadata
-    from lm_eval_sink.merging.sweep import SweepSpec, plan_units
 
-    def strength_key(settings: StrengthSettings, device: str) -> str:
-        spec = SweepSpec(
-            "sweep.yaml",
-            Path("out"),
-            {"reference": "r", "candidate": "c"},
-            (),
-            strength=settings,
-            strength_device=device,
-        )
-        identities = {r: {"fingerprint": f"sha256:{r}"} for r in ("reference", "candidate")}
-        plan = plan_units(spec, identities, [], {"eval": {}, "strength": {"strength method": 3}}, None)
-        return next(u.key for u in plan.units if u.id == "strength:reference")
-
-    base = strength_key(StrengthSettings(batch_size=1), "cpu")
-    assert strength_key(StrengthSettings(batch_tokens=64, query_chunk=8), "cuda:1") == base
-    assert strength_key(StrengthSettings(batch_size=1, last_k=3), "cpu") != base
     meta = settings_from_metadata({"batch_size": 2, "batch_tokens": 64, "query_chunk": 8})
     assert (meta.batch_size, meta.batch_tokens, meta.query_chunk) == (2, 64, 8)
     assert (

@@ -87,7 +87,7 @@ def test_changed_code_or_package_version_recomputes_the_same_versions_reuse(tiny
     code = first["provenance"]["key_versions"]["code"]
     assert {"lm_eval_sink/strength.py", "lm_eval_sink/capture.py", "lm_eval_sink/models.py"} <= set(code)
     assert "lm_eval_sink/data/calibration_prompts.jsonl" in code and "lm_eval_sink/cli.py" not in code
-    assert set(first["provenance"]["key_versions"]) == {"code", "torch", "transformers", "peft"}  # peft: adapters
+    assert set(first["provenance"]["key_versions"]) == {"key rule", "code", "torch", "transformers", "peft"}
     assert "vllm" in first["provenance"]["versions"]  # recorded (None when not installed), not keyed here
     rc, stdout, _ = _run(capsys, *args)
     assert rc == 0 and "llama: reused" in stdout and "recomputed" not in stdout
@@ -110,55 +110,22 @@ def test_changed_code_or_package_version_recomputes_the_same_versions_reuse(tiny
     _assert_user_error(rc, err, "already exists with other inputs.*--force")
 
 
-def test_a_result_made_before_versions_were_keyed_is_recomputed(tiny_models, tmp_path, capsys):
-    """A result whose provenance holds only the inputs' key (written before method versions existed) is recomputed."""
+def test_a_result_keyed_by_an_earlier_rule_is_recomputed_one_of_other_settings_refused(tiny_models, tmp_path, capsys):
+    """A result keyed before keys were derived from the work's values (no `key rule` in its versions, or none at all)
+    is recomputed, saying so, not refused; one of other settings under this rule is still refused."""
     out, model = tmp_path / "out", tiny_models["llama"]
     args = ("strength", model, "--last-k", "2", "--output", out, "--quiet")
     assert _run(capsys, *args)[0] == 0
     path = out / "llama.strength.json"
     data = json.loads(path.read_text())
-    prov = data["provenance"]
-    prov["input_key"] = prov.pop("inputs_key")  # the old layout: input_key was the inputs' key
-    del prov["key_versions"]
-    path.write_text(json.dumps(data))
-    rc, stdout, _ = _run(capsys, *args)
-    assert rc == 0 and "llama: recomputed: made before results were keyed by code versions" in stdout
-    assert "key_versions" in json.loads(path.read_text())["provenance"]
-
-
-def test_a_result_of_strength_method_2_whose_key_held_the_batch_size_is_recomputed(tiny_models, tmp_path, capsys):
-    """Method 2 and earlier keyed the batch size: such a result (here, its provenance as that version wrote it) is
-    one of the same inputs made by another method version, recomputed with the reason, not refused."""
-    from lm_eval_sink.io import canonical_json, sha256_text, versioned_key
-
-    out, model = tmp_path / "out", tiny_models["llama"]
-    args = ("strength", model, "--last-k", "2", "--output", out, "--quiet")
-    assert _run(capsys, *args)[0] == 0
-    path = out / "llama.strength.json"
-    data = json.loads(path.read_text())
-    prov = data["provenance"]
-    for run_field in ("batch_tokens", "query_chunk"):
-        del prov["settings"][run_field]
-    prov["settings"]["batch_size"] = 1
-    ikey = sha256_text(
-        canonical_json(
-            {
-                "model": str(model.resolve()),
-                "fingerprint": prov["model"]["fingerprint"],
-                "settings": prov["settings"],
-                "dtype": "auto",
-            }
+    for old in ({"torch": "2.9.0"}, None):
+        data["provenance"].update(key_versions=old, input_key="0" * 64)  # keyed otherwise: another key
+        path.write_text(json.dumps(data))
+        rc, stdout, _ = _run(capsys, *args)
+        assert (
+            rc == 0 and "llama: recomputed: made before results were keyed by the values their work receives" in stdout
         )
-    )
-    prov["key_versions"] = {"strength method": 2, "torch": "2.9.0", "transformers": "5.21.0"}  # as method 2 kept it
-    prov["inputs_key"], prov["input_key"] = ikey, versioned_key(ikey, prov["key_versions"])
-    path.write_text(json.dumps(data))
-    rc, stdout, _ = _run(capsys, *args)
-    assert rc == 0 and "llama: recomputed: made before results were keyed by the hashes of their code" in stdout
-    prov["settings"]["last_k"] = 3  # other inputs under method 2's key: still refused
-    prov["inputs_key"] = prov["input_key"] = "0" * 64
-    path.write_text(json.dumps(data))
-    rc, _, err = _run(capsys, *args)
+    rc, _, err = _run(capsys, "strength", model, "--last-k", "3", "--output", out, "--quiet")
     _assert_user_error(rc, err, "already exists with other inputs.*--force")
 
 

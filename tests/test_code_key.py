@@ -95,7 +95,7 @@ def test_a_vllm_eval_units_key_changes_with_a_module_on_the_s_path(tmp_path, mon
     edited line of its capture.py another key, an edited line of cli.py (on no eval's path) the same."""
     from lm_eval_sink.harness import runner
     from lm_eval_sink.harness.runner import EvalSettings, eval_versions
-    from lm_eval_sink.io import versioned_key
+    from lm_eval_sink.keys import versioned_key
 
     settings = EvalSettings(tasks=("sink_strength_suite",), backend="vllm", device=None, python=str(VLLM_PY))
     copy = _package_copy(tmp_path / "copy")
@@ -131,17 +131,16 @@ def test_the_closure_follows_lazy_and_named_imports_and_the_data_read():
 def test_every_root_of_a_result_key_names_a_module_of_the_package():
     """A root that names no module (runner.CODE kept `harness.vllm_resident` after its rename to `engine_server`)
     resolved to its parent package alone, so the resident engine's code was in no eval unit's key: now it raises,
-    and every CODE of the package resolves, the eval units' holding the resident engine's server and worker."""
-    from lm_eval_sink import margin, strength
-    from lm_eval_sink.commands import buckets
-    from lm_eval_sink.extract import pipeline
+    and every declared result kind's CODE resolves, the eval units' holding the resident engine's server and worker."""
+    from test_keys import declared_kinds
+
     from lm_eval_sink.harness import runner
-    from lm_eval_sink.merging import engines, merge, sweep
+    from lm_eval_sink.merging import engines
 
     with pytest.raises(ValueError, match=r"name no module of lm_eval_sink: lm_eval_sink\.harness\.vllm_resident"):
         code_key.source_hashes(("lm_eval_sink.hooks", "lm_eval_sink.harness.vllm_resident"))
-    for roots in (strength.CODE, margin.CODE, merge.CODE, runner.CODE, buckets.CODE, pipeline.CODE):
-        assert code_key.source_hashes(roots)
-    assert code_key.source_hashes(engines.WORKER_CODE) and code_key.source_hashes(sweep.RESIDENT_CODE)
+    for kind in declared_kinds():
+        assert code_key.source_hashes(kind.CODE)
+    assert code_key.source_hashes(engines.WORKER_CODE)
     held = code_key.source_hashes(runner.CODE)
     assert {"lm_eval_sink/harness/engine_server.py", "lm_eval_sink/harness/engine_worker.py"} <= set(held)

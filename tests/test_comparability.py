@@ -78,6 +78,21 @@ def test_every_applied_field_splits_and_is_named():
     assert compare(["x", "y"], [plain, _setting(30, chat_template_asked=False, chat_template_applied=False)]).comparable
 
 
+def test_a_line_that_shows_one_s_says_its_dtype():
+    """`lm_eval --model vllm` without `dtype=` runs a float32 checkpoint in bfloat16, which moved S from 1.7321 to
+    1.7179 on SmolLM2 (review of issue 47: the record said bfloat16, the console's `S = ` line did not): the line
+    says the dtype the setting (`setting_of_results`) recorded, or that none was."""
+    from lm_eval_sink.harness.discovery import strength_lines
+
+    metrics = {"sink_strength,none": 1.7179, "pos0_argmax_fraction,none": 0.99, "attention_layers,none": [*range(30)]}
+    meta = {"capture": {"capture_backend": "vllm", "dtype": "bfloat16"}, "last_k": 10}
+    results = {"results": {"sink_strength": metrics}, "configs": {"sink_strength": {"metadata": meta}}}
+    (line,) = strength_lines(results)
+    assert line.startswith("sink_strength: S = 1.7179 in bfloat16 over the last 10 of 30 attention layers (33%)")
+    del meta["capture"]
+    assert strength_lines(results)[0].startswith("sink_strength: S = 1.7179 in a dtype not recorded over the last")
+
+
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory):
     """`strength` on three hand-set models: two with a chat template (3 and 4 layers), one whose tokenizer has none."""
@@ -186,7 +201,7 @@ def test_a_sweep_table_marks_s_of_another_setting(tmp_path):
 
     spec = SweepSpec("sweep.yaml", Path("out"), {"reference": "r", "candidate": "c"}, ("linear",))
     identities = {r: {"fingerprint": f"sha256:{r}"} for r in ("reference", "candidate")}
-    plan = plan_units(spec, identities, [], {"eval": {}, "strength": {}}, None)
+    plan = plan_units(spec, identities, [], {"eval": {}, "strength": {}})
     names = [ck.name for ck in plan.checkpoints]
     settings = {n: _setting(30, chat_template_applied=n != "candidate") for n in names}
     strengths = {n: 1.0 + i for i, n in enumerate(names)}
@@ -234,7 +249,7 @@ def test_a_sweep_table_marks_the_eval_units_s_of_another_setting(tmp_path):
 
     spec = SweepSpec("sweep.yaml", Path("out"), {"reference": "r", "candidate": "c"}, ("linear",))
     identities = {r: {"fingerprint": f"sha256:{r}"} for r in ("reference", "candidate")}
-    plan = plan_units(spec, identities, [], {"eval": {}, "strength": {}}, None)
+    plan = plan_units(spec, identities, [], {"eval": {}, "strength": {}})
     results = {"reference": _sink_results(2.0, True), "candidate": _sink_results(0.5, False)}
     table = build_table(plan, {}, results, {}, {})
     comparison = table["task_strength_comparability"]["sink_strength"]

@@ -1,16 +1,10 @@
-"""Sink Strength from the vLLM engine's own forward (`harness/engine_capture.py`) against transformers' eager capture.
+"""Sink Strength from the vLLM engine's own forward (`harness/engine_capture.py`) against transformers' eager capture,
+and the one decision of where S is measured (`harness/engine_decision.py`).
 
-Three families cover the variants the capture applies as the layer does (tests/engine_models.py: head size 32,
-GQA, float32): Llama (plain causal), Gemma 2 (logit soft-capping, a sliding window on alternate layers, a scale
-other than head_dim**-0.5) and Gemma 3 (sliding window plus q/k norm). Each runs in a process of its own in the
-vLLM venv (tests/drivers/engine_capture.py: one engine per process), the three at once: Llama in vLLM's default
-process mode (the engine core and its worker in other processes: every call into the worker goes by name through
-vLLM's default serializer), the Gemmas in-process. Measured on this machine's CPU build: every per-row statistic
-within 5e-6 of the eager capture (asserted: 2e-5), the sink key and pos0 visibility equal in every row, S within
-1e-6. The Llama engine also applies a LoRA adapter (`lora_request`, as lm-eval's `lora_local_path`), measured
-against the eager capture of the merged weights. Each engine carries this project's one worker extension
-(`engine_worker.EngineWorkerExtension`: vLLM's check that no name of it clashes with the worker's passes). Mistral,
-Qwen2, Qwen3, tensor parallel 2, bf16 and the compiled engine: `make test-engine` (tests/engine_capture_all.py).
+Llama (plain causal, in vLLM's default process mode, with a LoRA adapter), Gemma 2 (soft-capping, sliding windows)
+and Gemma 3 (q/k norm) each run in a process of their own in the vLLM venv (tests/drivers/engine_capture.py), the
+three at once; the other families, tensor parallel 2, bf16 and the compiled engine: `make test-engine`
+(tests/engine_capture_all.py). Figures: docs/sink-strength.md.
 """
 
 from __future__ import annotations
@@ -23,7 +17,7 @@ import transformers
 from engine_models import finish_job, largest_differences, start_job
 from helpers import VLLM_PY, vllm_missing_reason
 
-from lm_eval_sink.harness.engine_capture import VERIFIED_ARCHITECTURES, engine_refusal
+from lm_eval_sink.harness.engine_decision import VERIFIED_ARCHITECTURES
 from lm_eval_sink.strength import StrengthSettings, reduce_captures
 
 TOLERANCE = 2e-5  # float32: the largest difference measured is 5e-6 (the hf capture is held to 1e-4 against eager)
@@ -112,6 +106,67 @@ def _config(name: str, **kwargs) -> dict:
     return getattr(transformers, name)(**kwargs).to_dict()
 
 
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+QUANTIZED = {**LLAMA, "quantization_config": {"quant_method": "compressed-tensors"}}  # a quantized checkpoint
+# A value of every argument of `RULES` that rules the engine out (checked below: one per rule, none missing).
+BREAKS = {
+    "quantization": "fp8",
+    "quantization_config": {"quant_method": "fp8"},
+    "load_format": "dummy",
+    "model_weights": "/elsewhere",
+    "hf_overrides": {"num_hidden_layers": 2},
+    "hf_config_path": "/elsewhere",
+    "model_class_overrides": {"LlamaForCausalLM": "Other"},
+    "model_impl": "transformers",
+    "convert": "embed",
+    "kv_cache_dtype": "fp8",
+    "disable_sliding_window": True,
+    "speculative_config": {"method": "ngram"},
+    "spec_method": "ngram",
+    "spec_model": "org/draft",
+    "worker_cls": "my.Worker",
+    "data_parallel_size": 2,
+    "pipeline_parallel_size": "2",
+    "prefill_context_parallel_size": 2,
+    "decode_context_parallel_size": 2,
+    "tokenizer": "org/other",
+    "tokenizer_mode": "mistral",
+}
+KEEPS = {  # values that keep the engine (as lm-eval parses model_args, or as a sweep file gives them), and arguments
+    # of scheduling, memory and decoding
+    "gpu_memory_utilization": 0.5,
+    "max_model_len": 2048,
+    "lora_local_path": "/a",
+    "quantization": "compressed-tensors",  # the checkpoint's own method (QUANTIZED)
+    "load_format": "safetensors",
+    "model_impl": "vllm",
+    "data_parallel_size": "1",
+    "disable_sliding_window": "False",
+    "kv_cache_dtype": "auto",
+    "tensor_parallel_size": 2,
+    "dtype": "bfloat16",
+    "enforce_eager": True,
+}
+
+
+@pytest.mark.parametrize("argument", sorted(BREAKS))
+def test_every_engine_argument_that_changes_the_forward_gives_the_fallback_in_one_line(argument):
+    """The one decision (`engine_decision.s_refusal`) over `RULES`: each argument, given a value that changes what
+    the engine's forward computes (other weights, config, cache, tokenizer, parallelism), is one line naming it;
+    the tokenizer's only for a strength: unit (measured with the checkpoint's own tokenizer), since lm-eval's
+    requests and the child both use lm-eval's tokenizer. `KEEPS` alone keeps the engine (a quantized checkpoint's
+    own method is its own weights)."""
+    from lm_eval_sink.harness.engine_decision import RULES, s_refusal
+
+    assert set(BREAKS) == {r.argument for r in RULES}  # every rule of the table has its case here
+    assert s_refusal(QUANTIZED, KEEPS) is None and s_refusal(QUANTIZED, KEEPS, None, "bfloat16") is None
+    rule = next(r for r in RULES if r.argument == argument)
+    args = {"pretrained": "m", **KEEPS, argument: BREAKS[argument]}
+    unit = s_refusal(QUANTIZED, args, None, "bfloat16")
+    assert unit == f"model_args {argument}={BREAKS[argument]}: {rule.changes}" and "\n" not in unit
+    assert s_refusal(QUANTIZED, args) == (None if rule.units_only else unit)
+
+
 @pytest.mark.parametrize(
     ("config", "engine_args", "reason"),
     [
@@ -119,21 +174,23 @@ def _config(name: str, **kwargs) -> dict:
         (("Qwen3NextConfig", {}), {}, r"layers of type linear_attention: linear attention"),
         (("T5Config", {}), {}, r"T5\w* is an encoder-decoder model"),
         (("Phi3Config", {}), {}, r"^Phi3ForCausalLM: .* verified .* for LlamaForCausalLM, "),
-        (("LlamaConfig", {}), {"kv_cache_dtype": "fp8"}, r"quantized KV cache \(kv_cache_dtype=fp8\)"),
         (("LlamaConfig", {"quantization_config": {"kv_cache_scheme": {"num_bits": 8}}}), {}, "fp8 from the check"),
-        (("LlamaConfig", {}), {"data_parallel_size": 2}, r"data_parallel_size > 1: lm-eval runs the engines in Ray"),
-        (("LlamaConfig", {}), {"pipeline_parallel_size": "2"}, r"pipeline_parallel_size > 1 is not verified"),
         (("LlamaConfig", {}), {"compilation_config": {"cudagraph_mode": "FULL"}}, r"cudagraph_mode FULL replays"),
         (("LlamaConfig", {}), {"compilation_config": '{"cudagraph_mode": "FULL"}'}, r"cudagraph_mode FULL replays"),
         (("LlamaConfig", {}), {"compilation_config": {"splitting_ops": []}}, r"cudagraph_mode FULL replays"),
         (("LlamaConfig", {}), {"compilation_config": {"cudagraph_mode": "FULL"}, "enforce_eager": True}, None),
         (("Gemma3TextConfig", {}), {"compilation_config": {"cudagraph_mode": "FULL_AND_PIECEWISE"}}, None),
-        (("Qwen3Config", {}), {"tensor_parallel_size": 2, "kv_cache_dtype": "auto", "quantization": "fp8"}, None),
+        (("LlamaConfig", {}), {"worker_extension_cls": "my.Ext"}, r"^model_args worker_extension_cls=my.Ext is your"),
+        (("LlamaConfig", {}), {"attention_backend": "flashinfer"}, r"^attention_backend FLASHINFER: its attention"),
+        (("Qwen3Config", {}), {"tensor_parallel_size": 2, "kv_cache_dtype": "auto"}, None),
     ],
 )
-def test_engine_refusal_is_decided_from_the_config_before_an_engine_exists(config, engine_args, reason):
-    """One line saying why S is not measured in the engine (the transformers child measures it), or None."""
+def test_what_no_one_argument_decides_is_decided_from_the_config_before_an_engine_exists(config, engine_args, reason):
+    """The architecture, the checkpoint's own KV cache scheme, full CUDA graphs, the attention backend and a worker
+    extension of the user's: one line each, or None."""
     import re
+
+    from lm_eval_sink.harness.engine_decision import s_refusal
 
     name, kwargs = config
     data = _config(name, **kwargs)
@@ -141,9 +198,9 @@ def test_engine_refusal_is_decided_from_the_config_before_an_engine_exists(confi
         data["architectures"] = [name.removesuffix("TextConfig").removesuffix("Config") + "ForCausalLM"]
     if name == "T5Config":
         data["architectures"] = ["T5ForConditionalGeneration"]
-    got = engine_refusal(data, engine_args)
+    got = s_refusal(data, engine_args)
     assert (got is None) if reason is None else (re.search(reason, got) and "\n" not in got), got
-    assert engine_refusal(json.loads(json.dumps(data)), engine_args) == got  # a config.json read as JSON
+    assert s_refusal(json.loads(json.dumps(data)), engine_args) == got  # a config.json read as JSON
 
 
 def test_every_verified_architecture_is_one_the_tests_compare():
@@ -206,29 +263,39 @@ def test_a_wrap_that_fails_half_way_is_undone_by_the_disarm():
     assert "forward" not in vars(first)
 
 
-def test_the_built_engines_refusal_names_the_switch_that_measures_s_with_transformers():
-    """What the built engine refuses (its workers' check, after lm-eval built it) ends the call in one line whose fix
-    names how to get S anyway (review of issue 43: it said 'measure S with transformers', and nothing said how)."""
+def test_the_switch_an_unreadable_config_and_the_gpus_default_backend_keep_s_with_transformers(monkeypatch):
+    """`LM_EVAL_SINK_S_ON_ENGINE=0` (what the built engine's refusal names as its fix) and a config.json that cannot be
+    read give the fallback. The workers tell one request's whole prefill by the metadata's `query_start_loc` and
+    `seq_lens`; FlashInfer's has neither, and vLLM 0.32 runs it by default on compute capability 10.x GPUs (review of
+    issue 43: there every `--model vllm` call with S chose the engine and failed in its S requests): decided before
+    the engine is built, unless the model_args name a backend the capture reads."""
     from lm_eval_sink.harness.engine_capture import EngineCaptureRefused
-    from lm_eval_sink.harness.engine_strength import SWITCH, refusal
+    from lm_eval_sink.harness.engine_decision import SWITCH, s_refusal
 
     line = EngineCaptureRefused("model.layers.0.self_attn.attn: a fp8 KV cache").line()
     assert "\n" not in line and f"set {SWITCH}=0" in line and "lm-eval-sink strength" in line
-    with pytest.MonkeyPatch.context() as mp:  # the switch the line names is the one the decision reads
-        mp.setenv(SWITCH, "0")
-        assert refusal({}, {"architectures": ["LlamaForCausalLM"]}) == f"{SWITCH}=0 is set"
+    assert s_refusal(None, {}) == "its config.json could not be read before the engine is built"
+    assert s_refusal(LLAMA, {}, 9) is None and s_refusal(LLAMA, {}, None) is None
+    assert s_refusal(LLAMA, {}, 10).startswith("on a compute capability 10.x GPU vLLM runs FlashInfer")
+    assert s_refusal(LLAMA, {"attention_backend": "FLASH_ATTN"}, 10) is None
+    assert s_refusal(LLAMA, {"attention_config": {"backend": "TRITON_ATTN"}}, 10) is None
+    monkeypatch.setenv(SWITCH, "0")
+    assert s_refusal(LLAMA, {}) == f"{SWITCH}=0 is set"
 
 
-def test_an_attention_backend_whose_metadata_the_workers_cannot_read_keeps_s_with_transformers():
-    """The workers tell one request's whole prefill by the metadata's `query_start_loc` and `seq_lens`; FlashInfer's
-    has neither, and vLLM 0.32 runs it by default on compute capability 10.x GPUs (review of issue 43: there every
-    `--model vllm` call with S chose the engine and failed in its S requests, after the engine was built). Decided
-    before the engine is built: the child then measures S, unless the model_args name a backend the capture reads."""
-    llama = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
-    assert engine_refusal(llama, {}, gpu_major=9) is None and engine_refusal(llama, {}, gpu_major=None) is None
-    assert engine_refusal(llama, {}, gpu_major=10).startswith("on a compute capability 10.x GPU vLLM runs FlashInfer")
-    assert engine_refusal(llama, {"attention_backend": "FLASH_ATTN"}, gpu_major=10) is None
-    assert engine_refusal(llama, {"attention_config": {"backend": "TRITON_ATTN"}}, gpu_major=10) is None
-    assert engine_refusal(llama, {"attention_backend": "flashinfer"}, gpu_major=9) == (
-        "attention_backend FLASHINFER: its attention metadata holds no per-request query_start_loc and seq_lens"
+def test_the_built_engine_decides_with_the_dtype_it_runs_and_its_workers_check():
+    """A resident engine asked for a strength: unit decides on what it runs (vLLM resolves `auto`), then on what its
+    workers refuse; a stand-in for vLLM's `LLM` gives the two."""
+    from types import SimpleNamespace as Obj
+
+    from lm_eval_sink.harness.engine_decision import built_refusal, s_refusal
+
+    config = Obj(model_config=Obj(dtype="torch.float32", hf_config=LLAMA))
+    refusals = [{"refusal": None}, {"refusal": "model.layers.3.self_attn.attn: ALiBi position biases"}]
+    llm = Obj(llm_engine=Obj(vllm_config=config), collective_rpc=lambda method: refusals)
+    assert (
+        built_refusal(llm, {"dtype": "auto"}, "bfloat16")
+        == "strength.dtype bfloat16 is not the engine's dtype (float32)"
     )
+    assert built_refusal(llm, {"dtype": "auto"}, "float32") == refusals[1]["refusal"]
+    assert s_refusal(LLAMA, {}, None, "auto").startswith("strength.dtype and the engine's dtype are both auto")

@@ -8,6 +8,7 @@ import struct
 import pytest
 import yaml
 
+from lm_eval_sink.commands.engine_sweep import EngineS
 from lm_eval_sink.merging.engine_reuse import (
     WEIGHTS,
     assign,
@@ -228,11 +229,11 @@ def test_a_vllm_without_reload_weights_is_refused_in_one_line_naming_its_version
 
 
 def test_safetensors_header_shapes(tmp_path):
-    from lm_eval_sink.harness.engine_client import safetensors_shapes
+    from lm_eval_sink.weights import Tensor, file_tensors
 
     header = json.dumps({"a": {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}, "__metadata__": {}})
     (tmp_path / "w.safetensors").write_bytes(struct.pack("<Q", len(header)) + header.encode() + bytes(24))
-    assert safetensors_shapes(tmp_path / "w.safetensors") == {"a": [2, 3]}
+    assert file_tensors(tmp_path / "w.safetensors") == {"a": Tensor("w.safetensors", "F32", (2, 3))}
 
 
 # --- the engine's LLM(...) arguments, with a stand-in for vLLM's LLM (no engine starts) --------------------------
@@ -243,9 +244,9 @@ def test_a_hub_reference_and_a_local_merge_share_the_resident_engine(tmp_path, t
     measure-first hands it: a hub id's revisions pinned to its commit (offline HF cache), none for a local folder.
     The per-checkpoint arguments do not count, so the local merge after the hub reference, and the reference again,
     get the engine's weights swapped in; every call into the workers names a method of the worker extension the
-    engine is built with. The same process decides, for lm-eval's own VLLM class, where S is measured: on the engine
-    for a Llama, else (data parallel, a worker extension of the user's, an fp8 KV cache, an architecture the capture
-    is not verified on, an unreadable config) with the transformers child, and why."""
+    engine is built with; lm-eval's own engine (no resident) gets the worker extension where it is built. The same
+    process decides, for lm-eval's own VLLM class, where S is measured: on the engine for a Llama, else (quantization=,
+    an architecture the capture is not verified on, an unreadable config) with the transformers child, and why."""
     import os
     import subprocess
 
@@ -270,7 +271,7 @@ def test_a_hub_reference_and_a_local_merge_share_the_resident_engine(tmp_path, t
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got["errors"] == [None, None, None], got["errors"]
+    assert got["errors"] == [None, None, None, None], got["errors"]
     # vLLM's start-up memory check (vllm_preflight) is asked where an engine starts, not where the running engine
     # takes the checkpoint: it counted the engine's own memory against a start that never comes (review of issue 43:
     # a CPU sweep whose share fits once was refused from its second unit on)
@@ -286,27 +287,30 @@ def test_a_hub_reference_and_a_local_merge_share_the_resident_engine(tmp_path, t
         return [reload, ["reset_prefix_cache"], ["collective_rpc", "reseed", None], storage]
 
     assert swaps == [*swap(str(local)), *swap(str(snapshot))]
+    # lm_eval --model vllm alone: the hook's one change to the engine lm-eval builds is its worker extension, given
+    # where lm-eval calls vLLM's LLM (review of issue 47: it was also injected into the model_args)
+    ((build, arguments),) = got["alone"]
+    assert (
+        build == "build" and arguments["model"] == str(local) and arguments["worker_extension_cls"] == WORKER_EXTENSION
+    )
     # where the start-up hook measures S under lm-eval's own VLLM class, decided before any engine is built
-    assert got["method"] == "vllm_sink_strength"  # VLLM got this project's request method (patching.add_method)
+    assert got["methods"] == ["vllm_sink_strength", "_model_info"]  # VLLM got this project's methods (add_method)
     decided = got["decisions"]
     assert decided[str(local)]["plain"] is None  # a Llama: S on the engine lm-eval builds
-    assert decided[str(local)]["data_parallel"].startswith("data_parallel_size > 1: lm-eval runs the engines in Ray")
-    assert decided[str(local)]["own_extension"].startswith("model_args worker_extension_cls=my.Extension is your own")
-    assert decided[str(local)]["fp8_kv_cache"].startswith("a quantized KV cache (kv_cache_dtype=fp8)")
+    quantized = "model_args quantization=fp8: quantizes the weights as they load: the engine runs other weights"
+    assert decided[str(local)]["quantization"].startswith(quantized)
     assert decided[str(other)]["plain"].startswith("Phi3ForCausalLM: the engine's statistics are verified against")
     assert decided[str(tmp_path / "none")]["plain"] == "its config.json could not be read before the engine is built"
-    # the hook itself (discovery.measure_first_request) under --model vllm: the engine's model_args carry the worker
-    # extension and nothing is said; where the engine cannot measure S, one line says why and the child's capture
-    # record keeps it (review of issue 43: the line's text and the decision were tested, not that the hook says it)
+    # the hook itself (discovery.measure_first_request) under --model vllm: the model_args as given and nothing said;
+    # where the engine cannot measure S, one line says why and the child's capture record keeps it (review of issue
+    # 43: the line's text and the decision were tested, not that the hook says it)
     from lm_eval_sink.harness.engine_strength import fallback_line
 
     hook = got["hook"]
-    assert hook["engine"]["model_args"] == f"pretrained={local},worker_extension_cls={WORKER_EXTENSION}"
-    assert hook["engine"]["said"] == "" and hook["engine"]["record"] is None
-    why = decided[str(local)]["fp8_kv_cache"]
-    assert hook["fp8_kv_cache"]["said"] == fallback_line(["sink_strength"], why) + "\n"
-    assert hook["fp8_kv_cache"]["record"]["not_on_engine"] == why
-    assert "worker_extension_cls" not in hook["fp8_kv_cache"]["model_args"]
+    assert hook["engine"] == {"model_args": f"pretrained={local}", "said": "", "record": None}
+    why = decided[str(local)]["quantization"]
+    assert hook["quantization"]["said"] == fallback_line(["sink_strength"], why) + "\n"
+    assert hook["quantization"]["record"]["not_on_engine"] == why
 
 
 # --- accelerator memory beside the engine, at plan time -----------------------------------------------------------
@@ -351,13 +355,13 @@ def test_a_resident_sweep_whose_units_need_the_engines_gpu_memory_is_refused_at_
     """One GPU (through the devices seams: visible GPUs, total memory) of 5 x the tiny checkpoint's float32 weights:
     vLLM's default 0.92 leaves 0.4 x for the child that measures sink_strength first, or for strength: units. S from
     the engine (a Llama, strength: in the engine's dtype) needs no second copy, so the same sweeps fit; where the
-    engine cannot measure S (an fp8 KV cache; strength: in another dtype) the line says so."""
+    engine cannot measure S (quantization=fp8; strength: in another dtype) the line says so."""
     from dataclasses import replace
 
     from helpers import TINY_SWEEP_TASK
 
     from lm_eval_sink import devices
-    from lm_eval_sink.commands.engine_sweep import EngineS, check_room, engine_s
+    from lm_eval_sink.commands.engine_sweep import check_room, engine_s
     from lm_eval_sink.commands.sweep import load_sweep
     from lm_eval_sink.errors import UserError
 
@@ -365,13 +369,13 @@ def test_a_resident_sweep_whose_units_need_the_engines_gpu_memory_is_refused_at_
     monkeypatch.setattr(devices, "resolve_device", lambda device: ("cuda:0",))
     monkeypatch.setattr(devices, "_total_memory", lambda found: {d: 5 * need for d in found})
     tasks = [TINY_SWEEP_TASK, "sink_strength"]
-    fp8 = {"kv_cache_dtype": "fp8"}
+    fp8 = {"quantization": "fp8"}  # the engine would run other weights: S with the child, beside the engine
     path = _vllm_sweep(tmp_path, tiny_trio, tasks=tasks, dtype="float32", model_args=fp8)
     line = user_error(["sweep", path, "--quiet"], tmp_path / "out")
     assert "the resident vLLM engine takes 0.92 of cuda:0" in line, line
     assert "for the child that measures S first in each eval unit (reference's weights in float32)" in line
     assert "gpu_memory_utilization to 0.80 or lower" in line and "--fresh-engine" in line
-    assert "(S from the engine is not possible here: a quantized KV cache (kv_cache_dtype=fp8)" in line
+    assert "(S from the engine is not possible here: model_args quantization=fp8: quantizes the weights as" in line
     on_engine = load_sweep(_vllm_sweep(tmp_path / "engine", tiny_trio, tasks=tasks, dtype="float32"))  # fits
     assert engine_s(on_engine) == EngineS(None, None)
     fits = _vllm_sweep(
@@ -444,6 +448,8 @@ def test_a_strength_unit_measured_on_the_resident_engine_is_keyed_by_the_engines
     engine process's vLLM forward, torch, transformers and code: another vLLM there measures them again (review of
     issue 43: their key held this interpreter's torch and transformers and code alone, so a resumed sweep reused S
     after vLLM changed). Measured with transformers here, their key does not hold the engine's."""
+    from dataclasses import replace
+
     from lm_eval_sink.commands.sweep import load_sweep, plan_sweep
     from lm_eval_sink.harness import runner
 
@@ -461,6 +467,10 @@ def test_a_strength_unit_measured_on_the_resident_engine_is_keyed_by_the_engines
     unit = next(u for u in plan_sweep(on_engine).units if u.kind == "strength")
     assert unit.versions["engine vllm"] == "0.33.0" and "engine code" in unit.versions
     assert keys(here, "0.32.0") == keys(here, "0.33.0")
+    assert unit.inputs.engine == {"model_args": on_engine.eval.model_args, "dtype": on_engine.eval.dtype}
+    longer = replace(on_engine.eval, model_args={**on_engine.eval.model_args, "max_model_len": 512})
+    other = keys(replace(on_engine, eval=longer), "0.33.0")  # the engine's model_args: in S's key there
+    assert all(other[n] != after[n] for n in after)
 
 
 def test_an_eval_units_s_time_adds_the_engines_tasks_and_counts_the_childs_once(tmp_path):
@@ -482,19 +492,40 @@ def test_an_eval_units_s_time_adds_the_engines_tasks_and_counts_the_childs_once(
     assert _s_seconds(results()) == 0.0
 
 
-def test_strength_units_stay_with_transformers_where_the_engine_runs_another_tokenizer(tmp_path, tiny_trio):
-    """A strength: unit measures the checkpoint with its own tokenizer (as `strength` does); an engine given another
-    (`eval.model_args.tokenizer`, as lm-eval passes it to vLLM) encodes the prompts with that one, so those units stay
-    with transformers (review of issue 43: they went to the engine, their S then depending on where they ran). The
-    eval units' S, measured with the tokenizer lm-eval's model uses as `--model hf` does, stays on the engine."""
-    from lm_eval_sink.commands.engine_sweep import engine_s
-    from lm_eval_sink.commands.sweep import load_sweep
+@pytest.mark.parametrize("given", ["quantization", "tokenizer"])
+def test_a_resident_sweep_whose_engine_runs_other_weights_measures_s_with_transformers(tmp_path, tiny_trio, given):
+    """`quantization: fp8` in a resident sweep's model_args (review of issue 47: each strength.json held the fp8
+    engine's S under the checkpoint's name; vLLM's CPU build runs no online quantization, so the plan and the sweep's
+    runner are tested): no S from the engine, the plan says why, and a strength: unit is measured with transformers,
+    its marker saying why and where, with which versions. Another tokenizer rules out the strength: units alone."""
+    from lm_eval_sink.commands.engine_sweep import engine_s, local_runner, plan_notes
+    from lm_eval_sink.commands.sweep import load_sweep, plan_sweep
+    from lm_eval_sink.harness.engine_decision import RULES
 
-    strength = {"n_prompts": 5, "dtype": "float32"}
-    given = {"tokenizer": str(tiny_trio["reference"])}
-    where = engine_s(load_sweep(_vllm_sweep(tmp_path, tiny_trio, strength=strength, dtype="float32", model_args=given)))
-    assert where.evals is None
-    assert where.strength == (
-        "eval.model_args.tokenizer has the engine run other files than each checkpoint's own, which the strength: "
-        "units measure"
-    )
+    model_args = {"quantization": "fp8"} if given == "quantization" else {"tokenizer": str(tiny_trio["reference"])}
+    strength = {"n_prompts": 5, "dtype": "float32", "last_k": 1}
+    spec = load_sweep(_vllm_sweep(tmp_path, tiny_trio, strength=strength, dtype="float32", model_args=model_args))
+    rule = next(r for r in RULES if r.argument == given)
+    why = f"model_args {given}={model_args[given]}: {rule.changes}"
+    assert engine_s(spec) == EngineS(None if rule.units_only else why, why)
+    if rule.units_only:
+        return  # the strength: units' path below is the same
+    plan = plan_sweep(spec)
+    assert f"vllm engine: the strength: units measured with transformers: {why}" in plan_notes(plan, list(plan.units))
+    unit = next(u for u in plan.units if u.kind == "strength" and u.checkpoint == "reference")
+    notes: list[str] = []
+    with local_runner(spec, notes) as run:
+        run(unit)
+    marker = json.loads((unit.output / "COMPLETE.json").read_text())
+    saved = json.loads((unit.output / "strength.json").read_text())
+    assert marker["not_on_engine"] == why and marker["sink_strength"] == saved["sink_strength"]
+    import torch
+    import transformers
+
+    assert marker["measured_with"] == {
+        "capture_backend": "hf",
+        "process": "the unit's own, with transformers",
+        "dtype": "float32",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }

@@ -18,6 +18,8 @@ import pytest
 import yaml
 from constructed_runs import write_run
 
+from lm_eval_sink.errors import UserError
+
 ENV = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 # A dozen lines that expand to 9**12 values: a YAML alias bomb under a merge config's `parameters:`.
@@ -172,7 +174,8 @@ CONVERTER = textwrap.dedent(
     """
     import os, sys, time
     from pathlib import Path
-    from lm_eval_sink.io import hold, staged_dir
+    from lm_eval_sink.locks import hold
+    from lm_eval_sink.outputs import staged_dir
     from lm_eval_sink.models import default_model_dir
 
     out, source = default_model_dir(create=False), Path(sys.argv[1])
@@ -188,14 +191,14 @@ CONVERTER = textwrap.dedent(
 
 def test_a_command_during_the_conversion_waits_for_it(default_model, tmp_path, monkeypatch, capsys):
     """`strength default` while another process converts the default model said "choose another output folder";
-    it waits for that conversion, with one line and then one every `io.WAIT_NOTE_S` (here 0.5 s, 15 s by default)
+    it waits for that conversion, with one line and then one every `locks.WAIT_NOTE_S` (here 0.5 s, 15 s by default)
     saying how long it has waited, then goes on with the converted folder."""
-    from lm_eval_sink import io
-    from lm_eval_sink.io import read_complete
+    from lm_eval_sink import locks
+    from lm_eval_sink.outputs import read_complete
     from lm_eval_sink.models import default_model_dir
 
     monkeypatch.setenv("LM_EVAL_SINK_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(io, "WAIT_NOTE_S", 0.5)
+    monkeypatch.setattr(locks, "WAIT_NOTE_S", 0.5)
     child = subprocess.Popen(
         [sys.executable, "-c", CONVERTER, str(default_model)],
         stdout=subprocess.PIPE,
@@ -215,3 +218,143 @@ def test_a_command_during_the_conversion_waits_for_it(default_model, tmp_path, m
     assert all(line.startswith("still waiting (") and f" s) for pid {child.pid} on " in line for line in err[1:]), err
     assert all(line.endswith(f"it is converting the embedded default model into {folder}") for line in err)
     assert read_complete(folder) == read_complete(default_model)
+
+
+def _damaged(model: Path, out: Path, damage: str) -> Path:
+    """A copy of `model` whose weights are cut to 200 bytes, miss their last 100 bytes, are no safetensors, or are
+    sharded by an index naming a shard that is missing; returns the file the line must name."""
+    shutil.copytree(model, out)
+    weights = out / "model.safetensors"
+    data = weights.read_bytes()
+    if damage == "missing shard":
+        names = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+        weight_map = {n: "model-00002-of-00002.safetensors" for n in names if n != "__metadata__"}
+        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        weights.rename(out / "model-00001-of-00002.safetensors")
+        return out / "model-00002-of-00002.safetensors"
+    cut = {"cut to 200 bytes": data[:200], "last 100 bytes missing": data[:-100], "not safetensors": b"<html>" * 50}
+    weights.write_bytes(cut[damage])
+    return weights
+
+
+DAMAGE = {
+    "cut to 200 bytes": "is cut short",
+    "last 100 bytes missing": "is cut short",
+    "not safetensors": "is not a safetensors file",
+    "missing shard": "missing",
+}
+
+
+@pytest.mark.parametrize(
+    ("command", "damage"),
+    [
+        ("strength", "cut to 200 bytes"),
+        ("screen", "last 100 bytes missing"),
+        ("margin", "not safetensors"),
+        ("merge", "missing shard"),
+        ("sweep", "last 100 bytes missing"),
+        ("lm_eval", "cut to 200 bytes"),
+    ],
+)
+def test_damaged_weights_are_one_line_naming_the_file_before_anything_loads(
+    handset_llama_dir, tmp_path, user_error, command, damage
+):
+    """strength and screen ended in a SafetensorError traceback from transformers' loader; each command, and lm-eval
+    under the hook, now names the file in one line before any model loads."""
+    bad = _damaged(handset_llama_dir, tmp_path / "model", damage)
+    model, out = tmp_path / "model", tmp_path / "out"
+    if command == "lm_eval":
+        import lm_eval
+
+        with pytest.raises(UserError) as e:
+            lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={model}", tasks=["sink_strength_n5"])
+        line = e.value.line()
+    else:
+        sweep = tmp_path / "sweep.yaml"
+        models = {"reference": str(model), "candidate": str(model)}
+        sweep.write_text(yaml.safe_dump({"output": "out", "models": models, "eval": False}))
+        argv = {
+            "strength": ["strength", model, "--output", out],
+            "screen": ["screen", model, "--output", out],
+            "margin": ["margin", handset_llama_dir, model, "--output", out],
+            "merge": ["merge", _merge_config(tmp_path / "m.yaml", model, ""), out],
+            "sweep": ["sweep", sweep, "--quiet"],
+        }[command]
+        line = user_error(argv, out)
+    assert f"{bad}: {DAMAGE[damage]}" in line and "copy or download the checkpoint's files again" in line
+
+
+def test_a_config_vocabulary_the_weights_do_not_have_is_blamed_on_the_config(handset_llama_dir, tmp_path, user_error):
+    """A vocab_size of 10^12 in config.json was refused as too large for memory; the weights fix the vocabulary."""
+    model = shutil.copytree(handset_llama_dir, tmp_path / "model")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "vocab_size": 10**12}))
+    line = user_error(["strength", model, "--output", tmp_path / "s", "--quiet"], tmp_path / "s")
+    rows = config["vocab_size"]
+    assert f"{model / 'config.json'}: vocab_size is 1,000,000,000,000, but the weights' " in line
+    assert f"embed_tokens.weight has {rows:,} rows" in line and "restore the config.json" in line
+
+
+def test_a_prompt_longer_than_the_model_names_its_file_and_line(handset_llama_dir, tmp_path, user_error):
+    """A 200,000-character prompt was refused as "a calibration prompt has N tokens", naming neither file nor line.
+    (transformers' own loading bar, which --quiet leaves on, is switched off.)"""
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Write a title."}) + "\n\n" + json.dumps({"prompt": "word " * 40_000}))
+    argv = ["strength", handset_llama_dir, "--prompts", prompts, "--output", tmp_path / "s", "--quiet"]
+    line = user_error(argv, tmp_path / "s")
+    assert f"error: {prompts}:3: a calibration prompt has " in line and "more than the model's" in line
+
+
+def test_protocol_show_of_a_samples_file_without_results_names_the_file(tmp_path, monkeypatch, user_error):
+    """It named "." (the folder of a file given by its bare name)."""
+    monkeypatch.chdir(tmp_path)
+    Path("junk.jsonl").write_text("junk\n")
+    assert user_error(["protocol", "show", "junk.jsonl"]).startswith("error: junk.jsonl: no results_<time>.json")
+
+
+# A sweep's stand-in: starts a child as the sweep starts lm_eval (the child first runs DIE_WITH_PARENT), prints its
+# pid once the child is ready, then waits.
+PARENT = textwrap.dedent(
+    """
+    import subprocess, sys, time
+    from lm_eval_sink.harness.runner import DIE_WITH_PARENT
+    child = subprocess.Popen(
+        [sys.executable, "-c", DIE_WITH_PARENT + "; print('ready', flush=True); import time; time.sleep(300)"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    child.stdout.readline()
+    print(child.pid, flush=True)
+    time.sleep(300)
+    """
+)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_killed_sweep_takes_its_lm_eval_child_with_it():
+    """kill -9 of a sweep left its lm_eval child running to the end; the child now dies with it."""
+    from lm_eval_sink.harness.runner import _ENTRY, DIE_WITH_PARENT
+
+    assert _ENTRY.startswith(DIE_WITH_PARENT + ";")  # what run_lm_eval's child runs first
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert _running(child)
+        parent.kill()
+        parent.wait()
+        for _ in range(100):
+            if not _running(child):
+                break
+            subprocess.run(["sleep", "0.1"])
+        assert not _running(child)
+    finally:
+        parent.kill()

@@ -17,6 +17,7 @@ import sinkmodels as sm
 from helpers import FIXTURE_LIMIT, REPO, TINY_TASK
 from lm_eval_sink.calibration import builtin_prompts, encode_prompts
 from lm_eval_sink.harness import tasks_dir
+from lm_eval_sink.harness.discovery import index_of
 from lm_eval_sink.runs import load_results, read_samples
 
 LM_EVAL = [str(Path(sys.executable).with_name("lm_eval"))]  # the real console script of this environment
@@ -219,21 +220,6 @@ def test_lm_eval_ls_lists_sink_strength_with_no_flag():
     assert proc.returncode == 0 and "sink_strength " in proc.stdout.replace("|", " ")
 
 
-def test_hook_switched_off_leaves_lm_eval_untouched():
-    code = (
-        "import lm_eval.tasks.manager as m, lm_eval.evaluator as e; "
-        "print(hasattr(m.TaskIndex.build, '__wrapped__'), hasattr(e.evaluate, "
-        "'_lm_eval_sink_patched'))"
-    )
-    on = subprocess.run(
-        [sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=300
-    ).stdout.split()
-    off = subprocess.run(
-        [sys.executable, "-c", code], env=_env(LM_EVAL_SINK_NO_HOOK="1"), capture_output=True, text=True, timeout=300
-    ).stdout.split()
-    assert on == ["True", "True"] and off == ["False", "False"]
-
-
 DUMMY_REFUSAL = (
     "task sink_strength needs attention weights, which the dummy backend does not expose "
     "(fix: give that backend pretrained=CHECKPOINT in --model_args (S is then measured with transformers before "
@@ -352,7 +338,7 @@ def offline_manager(shared_data, tmp_path_factory):
 def test_overridden_stock_task_config_equals_stock_except_dataset(task, offline_manager):
     from lm_eval.tasks._yaml_loader import load_yaml
 
-    entry = offline_manager[0].task_index[task]
+    entry = index_of(offline_manager[0])[task]
     stock_path = Path(load_yaml(entry.yaml_path, resolve_func=False, recursive=False)["include"][0])
     generated = load_yaml(entry.yaml_path, resolve_func=False)
     stock = load_yaml(stock_path, resolve_func=False)
@@ -398,7 +384,7 @@ def test_without_data_env_the_generated_override_is_not_used(offline_manager, mo
 
     monkeypatch.delenv("LM_EVAL_SINK_DATA", raising=False)
     assert data_root() is None  # TaskManager then leaves every stock entry as lm-eval built it
-    assert "lm-eval-sink-tasks-" in str(offline_manager[0].task_index["ifeval"].yaml_path)
+    assert "lm-eval-sink-tasks-" in str(index_of(offline_manager[0])["ifeval"].yaml_path)
 
 
 def _as_another_user(action) -> bool:
@@ -433,10 +419,10 @@ def test_a_yaml_nobody_else_can_swap_after_the_build(offline_manager, shared_dat
         TaskManager()
     assert list(shared.iterdir()) == []
 
-    from lm_eval_sink.io import private_problem
+    from lm_eval_sink.cache import private_problem
 
     manager, marker = offline_manager
-    path = Path(manager.task_index["ifeval"].yaml_path)
+    path = Path(index_of(manager)["ifeval"].yaml_path)
     folder = path.parent.parent  # <process folder>/<data folder key>/ifeval.yaml
     assert folder.name.startswith("lm-eval-sink-tasks-") and folder.stat().st_mode & 0o777 == 0o700
     assert private_problem(folder) is None and not path.is_relative_to(Path(os.environ["LM_EVAL_SINK_CACHE"]))
@@ -549,10 +535,10 @@ def test_include_defaults_false_lists_only_the_given_folder():
     )
 
 
-def test_a_changed_patch_target_is_left_as_installed_with_one_line():
+def test_a_changed_patch_target_is_left_as_installed_with_one_line_each():
     """A release whose TaskIndex.build and make_table take other parameters and whose LM has a `sink_strength` of
     its own: all stay lm-eval's (this project's folder not indexed, LM's and HFLM's request method not replaced),
-    one warning line names lm-eval's version and the explicit way, and the task refuses to run in one line."""
+    one warning line per target names it, lm-eval's version and what to do, and the task refuses to run in one line."""
     from importlib.metadata import version
 
     import lm_eval
@@ -569,13 +555,17 @@ def test_a_changed_patch_target_is_left_as_installed_with_one_line():
     assert out.pop("task_refused").startswith("this lm-eval's model classes were left as installed")
     assert out == {"build_kept": True, "table_kept": True, "calls": [[own]], "tasks": [], "request_kept": True}
     lines = [line for line in proc.stderr.splitlines() if "lm-eval-sink" in line]
-    assert len(lines) == 1, proc.stderr
+    v = re.escape(version("lm_eval"))
+    assert len(lines) == 4, proc.stderr
     assert re.search(
-        rf"lm-eval {re.escape(version('lm_eval'))}'s (lm_eval\.tasks\._index\.TaskIndex\.build takes \(roots, "
-        r"recursive\)|lm_eval\.utils\.make_table takes \(results, column, sort_results\)), not",
-        lines[0],
+        rf"lm-eval {v}'s lm_eval\.tasks\._index\.TaskIndex\.build takes \(roots, recursive\), not", lines[0]
     )
-    assert lines[0].endswith(EXPLICIT_WAY)
+    assert re.search(
+        rf"lm-eval {v}'s lm_eval\.utils\.make_table takes \(results, column, sort_results\), not", lines[1]
+    )
+    assert lines[0].endswith(EXPLICIT_WAY) and lines[1].endswith(EXPLICIT_WAY)
+    for line, owner in zip(lines[2:], ("api.model.LM", "models.huggingface.HFLM"), strict=True):
+        assert f"lm_eval.{owner}.sink_strength is lm-eval's own" in line and line.endswith("lm-eval-sink strength)")
 
 
 def test_a_request_method_is_added_only_where_what_it_reads_is(monkeypatch):
@@ -585,7 +575,7 @@ def test_a_request_method_is_added_only_where_what_it_reads_is(monkeypatch):
     from lm_eval_sink.errors import SinkWarning
     from lm_eval_sink.harness import patching
 
-    monkeypatch.setattr(patching, "_SAID", [])
+    monkeypatch.setattr(patching, "_SAID", set())
 
     def method(self, requests):
         return requests
@@ -593,8 +583,8 @@ def test_a_request_method_is_added_only_where_what_it_reads_is(monkeypatch):
     class Changed:  # a release whose model class lost `rank`
         model = None
 
-    with pytest.warns(SinkWarning, match=r"Changed has no rank, so lm-eval-sink leaves it as installed .* refuses"):
-        assert not patching.add_method(Changed, "sink_strength", method, needs=("model", "rank"))
+    with pytest.warns(SinkWarning, match=r"Changed.sink_strength reads .*Changed.rank, which .* installed .* refuses"):
+        assert not patching.add_method(Changed, "sink_strength", method, reads=("model", "rank"))
     assert not hasattr(Changed, "sink_strength")
 
     class Base:
@@ -604,9 +594,10 @@ def test_a_request_method_is_added_only_where_what_it_reads_is(monkeypatch):
         def sink_strength(self, requests):
             return None
 
-    assert patching.add_method(Base, "sink_strength", method, needs=("model", "rank"))
+    assert patching.add_method(Base, "sink_strength", method, reads=("model", "rank"))
     assert patching.add_method(Base, "sink_strength", method) and Base.sink_strength is method
-    assert not patching.add_method(Own, "sink_strength", method) and Own.sink_strength is not method
+    with pytest.warns(SinkWarning, match=r"Own.sink_strength is lm-eval's own"):  # a line of its own: another target
+        assert not patching.add_method(Own, "sink_strength", method) and Own.sink_strength is not method
 
 
 def test_the_resident_engine_takes_the_place_of_an_llm_only_lm_eval_builds_by_that_name():
@@ -653,10 +644,10 @@ def test_groups_tags_inline_configs_and_yaml_paths_reach_their_tasks(tmp_path):
         "group: suite\ntask:\n  - gens\n  - task: sink_strength\n    num_fewshot: 3\nmetadata:\n  version: 1.0\n"
     )
     manager = TaskManager(include_defaults=False, include_path=[str(folder), str(tasks_dir())])
-    leaves = task_leaves(["suite"], manager.task_index)
+    leaves = task_leaves(["suite"], index_of(manager))
     assert sorted(leaves) == ["gen_a", "gen_b", "sink_strength"]
     assert leaves["sink_strength"]["num_fewshot"] == 3 and leaves["gen_a"]["output_type"] == "generate_until"
-    assert sorted(task_leaves([str(folder / "other.yaml"), {"group": "g", "task": ["gen_b"]}], manager.task_index)) == [
+    assert sorted(task_leaves([str(folder / "other.yaml"), {"group": "g", "task": ["gen_b"]}], index_of(manager))) == [
         "gen_b",
         "other",
     ]

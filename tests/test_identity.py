@@ -288,7 +288,8 @@ def test_a_second_process_is_refused_while_the_first_holds_the_lock(model_dir, t
 _KILL_BETWEEN_RENAMES = """
 import json, os, sys
 from pathlib import Path
-from lm_eval_sink.io import atomic_write_json, staged_dir
+from lm_eval_sink.io import atomic_write_json
+from lm_eval_sink.outputs import staged_dir
 real = os.replace
 def replace(a, b):
     if Path(a).name.startswith(out.name + ".partial-"):  # after <out> -> .old-*: die before .partial-* -> <out>
@@ -303,7 +304,7 @@ with staged_dir(out, force=True) as tmp:
 
 @pytest.mark.parametrize("unit_key", ["new", "other"])
 def test_recovery_after_a_kill_between_the_two_renames_keeps_a_complete_copy(tmp_path, unit_key):
-    from lm_eval_sink.io import clean_stale_all
+    from lm_eval_sink.outputs import clean_stale_all
 
     out = tmp_path / "sweep"
     target = out / "strength" / "reference"
@@ -381,7 +382,7 @@ def test_a_cache_in_a_folder_another_user_could_rename_it_in_is_refused(tmp_path
     a parent owned by another user. Both are refused in one line; the sticky bit (as /tmp has) is enough."""
     import os
 
-    from lm_eval_sink.io import cache_dir
+    from lm_eval_sink.cache import cache_dir
 
     team = tmp_path / "team"
     team.mkdir()
@@ -398,3 +399,27 @@ def test_a_cache_in_a_folder_another_user_could_rename_it_in_is_refused(tmp_path
         monkeypatch.setenv("LM_EVAL_SINK_CACHE", str(alice / "cache"))
         with pytest.raises(UserError, match=r"is in .*alice, owned by another user \(uid 65534\), who can rename it"):
             cache_dir()
+
+
+def test_a_cache_that_is_a_link_in_a_folder_its_group_can_write_is_refused(tmp_path, monkeypatch):
+    """Privacy was checked on the resolved path only, so a cache that is a symlink inside a folder its group can
+    write passed (whoever writes that folder can point the link elsewhere), while a real folder there was refused;
+    every folder on the path as given is checked, the link's own included, and a link in a private folder passes."""
+    from lm_eval_sink.cache import cache_dir
+
+    real, team = tmp_path / "real", tmp_path / "team"
+    real.mkdir()
+    team.mkdir(mode=0o775)
+    team.chmod(0o775)
+    (team / "cache").symlink_to(real)
+    monkeypatch.setenv("LM_EVAL_SINK_CACHE", str(team / "cache"))
+    with pytest.raises(UserError, match=rf"cache {team / 'cache'} is in {team}, which its group can write"):
+        cache_dir()
+    team.chmod(0o700)
+    assert cache_dir() == team / "cache"
+    (tmp_path / "link").symlink_to(team)  # a link to the private folder, itself in a folder its group can write
+    tmp_path.chmod(0o775)
+    monkeypatch.setenv("LM_EVAL_SINK_CACHE", str(tmp_path / "link" / "cache"))
+    with pytest.raises(UserError, match=rf"is in {tmp_path}, which its group can write"):
+        cache_dir()
+    tmp_path.chmod(0o700)

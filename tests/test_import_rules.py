@@ -11,6 +11,7 @@ import sys
 from helpers import REPO
 
 PACKAGE = REPO / "lm_eval_sink"
+BUCKETS = tuple(f"buckets.{p.stem}" for p in sorted((PACKAGE / "buckets").glob("[!_]*.py")))  # the buckets package
 # Pure statistics, data and schema modules: importing them must not load torch or transformers.
 TORCH_FREE = (
     "schema",
@@ -19,10 +20,7 @@ TORCH_FREE = (
     "io",
     "pairing",
     "predict",
-    "buckets.compare",
-    "buckets.noise",
-    "buckets.protocol",
-    "buckets.render",
+    *BUCKETS,
     "recovery",
     "power",
     "failure_kinds",
@@ -41,18 +39,13 @@ TORCH_FREE = (
     "report.view",
     "comparability",
     "options",
-    "harness.engine_capture",  # its engine_refusal runs before any engine or model is loaded
+    "weights",
+    "harness.engine_decision",  # decides before any engine or model is loaded
+    "harness.engine_capture",
 )
 # Core modules take and return data; reading inputs and writing outputs is their commands/<subcommand>.py's.
 CORE = (
-    "buckets.compare",
-    "buckets.noise",
-    "buckets.paired",
-    "buckets.protocol",
-    "buckets.render",
-    "buckets.rows",
-    "buckets.settings",
-    "buckets.stats",
+    *BUCKETS,
     "recovery",
     "power",
     "attribution",
@@ -197,7 +190,7 @@ def test_core_modules_and_the_cli_do_no_file_io():
     ) and "run_report: atomic_write_text" in _file_io_calls("commands.report")
     assert "_save: atomic_write_json" in _file_io_calls(
         "commands.strength"
-    ) and "detect_qk_norm: read_text" in _file_io_calls("commands.screen")
+    ) and "reused_strength: read_json" in _file_io_calls("commands.screen")
 
 
 def test_core_modules_import_no_command():
@@ -258,7 +251,8 @@ ASSIGNMENTS = {
     ("extract.plan", "config.architectures"): "fields of the configs of the folders it writes",
     ("failure_kinds", "DetectorFactory.seed"): "langdetect's `DetectorFactory.seed`",
     ("harness.engine_capture", "impl.forward"): "`impl.forward`, an instance attribute shadowing vLLM's method",
-    ("harness.engine_server", "lm_eval_vllm.LLM"): "`lm_eval.models.vllm_causallms.LLM`",
+    ("harness.engine_strength", "module.LLM"): "`lm_eval.models.vllm_causallms.LLM`",
+    ("harness.engine_strength", "builder._lm_eval_sink_builder"): None,  # marks the builder it made
     ("harness.inprocess", "tracker.general_config_tracker.model_source"): "the model name on the `EvaluationTracker`",
     ("harness.patching", "setattr wrapper"): None,  # marks the wrapper it made
     ("harness.patching", "setattr method"): None,  # marks this project's method

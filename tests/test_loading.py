@@ -163,37 +163,6 @@ def test_tensor_parallel_model_is_refused_before_any_forward(tiny_trio, tmp_path
             assert forwards == 0, caller
 
 
-def _keys(**devices) -> dict[str, str]:
-    from lm_eval_sink.harness.runner import EvalSettings
-    from lm_eval_sink.merging.sweep import SweepSpec, plan_units
-
-    spec = SweepSpec(
-        source="s.yaml",
-        output=Path("out"),
-        models={"reference": "r", "candidate": "c"},
-        configs=(),
-        eval=EvalSettings(tasks=("t",), **({"device": devices["eval"]} if "eval" in devices else {})),
-        strength=SETTINGS,
-        **({"strength_device": devices["strength"]} if "strength" in devices else {}),
-    )
-    identities = {"reference": {"fingerprint": "fr"}, "candidate": {"fingerprint": "fc"}}
-    plan = plan_units(spec, identities, [], {"eval": {}, "strength": {}}, None)
-    return {u.id: u.inputs_key for u in plan.units}
-
-
-def test_a_sweeps_unit_keys_do_not_depend_on_the_device():
-    """`auto` became the default: an eval unit of a sweep file that names no device keeps the key it was made with
-    (the default then was cpu), and no device changes any unit's key."""
-    from lm_eval_sink.harness.runner import EvalSettings
-    from lm_eval_sink.io import canonical_json, sha256_text
-
-    default = _keys()
-    assert default == _keys(eval="cpu", strength="cpu") == _keys(eval="cuda:1", strength="cuda")
-    settings = EvalSettings(tasks=("t",), device="cpu").to_json()  # as the key held them when cpu was the default
-    before = {"kind": "eval", "checkpoint": "fr", "settings": settings, "include_path_sha256": None}
-    assert default["eval:reference"] == sha256_text(canonical_json(before))
-
-
 def _in_memory_sweep(folder: Path, trio: dict[str, Path], model_args: dict) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     data = {

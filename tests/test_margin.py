@@ -172,7 +172,8 @@ def test_margin_matches_closed_form(margin_run, sink_models):
         assert (margin_run / name).stat().st_size > 0
     csv_lines = (margin_run / "margin.csv").read_text().splitlines()
     assert csv_lines[0].startswith("layer,head,g_base_median") and len(csv_lines) == 5
-    assert "| 0 | 1 |" in (margin_run / "margin.md").read_text()
+    md = (margin_run / "margin.md").read_text()
+    assert "| 0 | 1 |" in md and md.count(" in float32)") == 2  # each S with the dtype its model was loaded in
 
 
 def test_margin_refuses_to_overwrite(margin_run, sink_models, capsys, monkeypatch):

@@ -41,7 +41,7 @@ def test_a_backend_without_attention_gets_the_hf_results_measured_first(handset_
     import lm_eval
 
     from lm_eval_sink.harness.kept_strength import KEPT_DIR
-    from lm_eval_sink.io import cache_dir
+    from lm_eval_sink.cache import cache_dir
 
     hf = _evaluate("hf", f"pretrained={handset_llama_dir}", device="cpu", task_manager=task_manager)
     args = f"pretrained={handset_llama_dir},dtype=float32"
@@ -141,32 +141,6 @@ def test_what_s_cannot_be_measured_on_is_one_line_before_anything_loads(
         _evaluate("dummy", model_args.format(root=unloadable, llama=handset_llama_dir), task_manager=task_manager)
     assert needle in e.value.line() and "\n" not in e.value.line()
     assert e.value.line().startswith(f"task {TASK} ")
-
-
-def test_where_s_is_measured_under_vllm_is_decided_from_the_config_and_model_args_before_the_engine(monkeypatch):
-    """The engine path (`engine_strength.refusal`) for a verified architecture, else one reason, which the hook's one
-    line names; the model_args the engine then gets carry this project's worker extension, as a string or a dict."""
-    from lm_eval_sink.harness.engine_strength import fallback_line, refusal, with_extension
-    from lm_eval_sink.harness.engine_worker import WORKER_EXTENSION
-
-    llama = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
-    assert refusal({"pretrained": "m", "dtype": "bfloat16", "tensor_parallel_size": "2"}, llama) is None
-    assert refusal({"worker_extension_cls": WORKER_EXTENSION}, llama) is None
-    assert refusal({"worker_extension_cls": "my.Ext"}, llama).startswith("model_args worker_extension_cls=my.Ext is")
-    assert refusal({"data_parallel_size": "2"}, llama).startswith("data_parallel_size > 1")
-    assert refusal({}, None) == "its config.json could not be read before the engine is built"
-    why = refusal({}, {"architectures": ["OlmoForCausalLM"], "model_type": "olmo"})
-    assert why.startswith("OlmoForCausalLM: the engine's statistics are verified against transformers' eager")
-    assert fallback_line(["sink_strength", "sink_strength_n5"], why) == (
-        "lm-eval-sink: S of sink_strength, sink_strength_n5 is measured with transformers in a child process before "
-        f"the vLLM engine starts, not on the engine: {why}"
-    )
-    given = f"pretrained=m,worker_extension_cls={WORKER_EXTENSION},dtype=float32"
-    assert with_extension("pretrained=m") == f"pretrained=m,worker_extension_cls={WORKER_EXTENSION}"
-    assert with_extension(given).count("worker_extension_cls") == 1
-    assert with_extension({"pretrained": "m"}) == {"pretrained": "m", "worker_extension_cls": WORKER_EXTENSION}
-    monkeypatch.setenv("LM_EVAL_SINK_S_ON_ENGINE", "0")  # the transformers child asked for (comparisons)
-    assert refusal({}, llama) == "LM_EVAL_SINK_S_ON_ENGINE=0 is set"
 
 
 SHA_MODEL, SHA_TOKENIZER = "1" * 40, "2" * 40
@@ -283,27 +257,6 @@ def test_every_reader_of_a_boolean_model_argument_reads_it_alike(handset_llama_d
         for v in FLAGS
     }
     assert got == {v: (on, on, on) for v, on in FLAGS.items()}
-
-
-@pytest.mark.parametrize("edited", ["harness/measure_first.py", "harness/task.py", "capture.py"])
-def test_the_key_of_kept_s_changes_with_the_code_that_measured_it(monkeypatch, edited):
-    """Kept rows were keyed by the S code's closure alone (`strength.py`'s), which holds neither the child's load
-    (`measure_first.py`: eager or sdpa, the adapter) nor `task.measure_rows`: a change there reused the old S. A
-    changed hash of either, or of the capture, now gives another key."""
-    from lm_eval_sink import code_key
-    from lm_eval_sink.harness.kept_strength import key
-    from lm_eval_sink.harness.measure_first import HfLoad
-
-    load, jobs = HfLoad(pretrained="org/not-a-folder"), {TASK: {"n_prompts": 5}}
-    before = key(load, jobs)
-    read = code_key._read
-
-    def edited_read(path: Path):
-        digest, refs = read(path)
-        return ("0" * 32 if path.as_posix().endswith(f"lm_eval_sink/{edited}") else digest), refs
-
-    monkeypatch.setattr(code_key, "_read", edited_read)
-    assert key(load, jobs) != before
 
 
 def test_kept_s_in_a_file_others_can_write_is_measured_again(tmp_path, monkeypatch):

@@ -1,4 +1,5 @@
-"""Outputs never destroy inputs, and a killed build is tidied by the next one (io.check_not_inputs, io.staged_dir).
+"""Outputs never destroy inputs, and a killed build is tidied by the next one (`outputs.check_not_inputs`,
+`outputs.staged_dir`).
 
 Every writing command is run with an output that is, contains or lies inside one of its inputs,
 with and without --force: one error line, exit 2, and the inputs byte-identical afterwards.
@@ -25,7 +26,7 @@ from helpers import hf_cache_snapshot, make_tiny_lm
 from test_extract import _save_vlm
 
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.io import COMPLETE, check_not_inputs, staged_dir
+from lm_eval_sink.outputs import COMPLETE, check_not_inputs, staged_dir
 from lm_eval_sink.locks import hold
 
 ENV = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -215,7 +216,7 @@ def test_a_read_only_folder_is_refused_for_any_user_but_root(tmp_path):
     `os.access` and `statvfs` test) needs a privilege to mount and is not tested."""
     import tempfile
 
-    from lm_eval_sink.io import check_writable
+    from lm_eval_sink.outputs import check_writable
 
     top = Path(tempfile.mkdtemp(prefix="lm-eval-sink-ro-"))  # under /tmp: pytest's own folders are root's only
     try:
@@ -298,7 +299,7 @@ def test_a_live_holders_partial_is_left_alone(tmp_path):
         [sys.executable, "-c", textwrap.dedent(f"""
             import time
             from pathlib import Path
-            from lm_eval_sink.io import staged_dir
+            from lm_eval_sink.outputs import staged_dir
             with staged_dir(Path({str(out)!r})) as tmp:
                 print(tmp.name, flush=True)
                 time.sleep(120)
@@ -335,7 +336,7 @@ def test_a_killed_extraction_is_tidied_by_the_rerun(world, tmp_path, caplog):
     proc.wait()
     assert partial is not None, "the extraction ended before it could be interrupted"
     assert not out.exists() and partial.is_dir() and not (partial / COMPLETE).exists()
-    with caplog.at_level(logging.WARNING, logger="lm_eval_sink.io"):
+    with caplog.at_level(logging.WARNING, logger="lm_eval_sink.outputs"):
         assert main(["extract", str(world["vlm"]), str(out), "--quiet"]) == 0  # no --force needed
     assert f"removed {partial}, left by an interrupted run" in caplog.text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["backbone"]  # partial and the killed holder's lock gone
@@ -366,7 +367,7 @@ def test_a_one_file_output_is_held_while_it_is_written(tmp_path, user_error):
         [sys.executable, "-c", textwrap.dedent(f"""
             import time
             from pathlib import Path
-            from lm_eval_sink.io import new_files
+            from lm_eval_sink.outputs import new_files
             with new_files([Path({str(out)!r})], False, inputs=[]):
                 print("held", flush=True)
                 time.sleep(120)
@@ -440,7 +441,7 @@ def test_a_full_disk_in_merge_strength_and_buckets_is_one_line_and_leaves_nothin
 
 def test_a_write_to_a_full_device_names_the_path_the_size_and_the_free_space(tmp_path):
     """ENOSPC as the kernel gives it: a write to /dev/full."""
-    from lm_eval_sink.io import DiskFull, room_for
+    from lm_eval_sink.disk_full import DiskFull, room_for
 
     with pytest.raises(DiskFull) as raised, room_for(tmp_path / "out.bin", 4096), open("/dev/full", "wb") as f:
         f.write(b"x" * 4096)

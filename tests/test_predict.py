@@ -230,6 +230,10 @@ def test_user_pairs_with_strength_json_and_skipped_task(tmp_path):
             [_pair("a", 1.0, {"ifeval": "bad"}), _pair("b", 2.0, {"ifeval": -2.0}), _pair("c", 3.0, {"ifeval": -3.0})],
             "deltas[ifeval] must be a finite number",
         ),
+        (  # an OverflowError traceback in the prediction interval's width
+            [_pair("a", 1e308, {"ifeval": -1.0}), _pair("b", 2.0, {"ifeval": -2.0}), _pair("c", 3.0, {"ifeval": -3.0})],
+            "sink_strength is 1e+308, past any S (a log-odds) or delta (points): at most 1e+06 in size",
+        ),
         (
             [_pair("a", 1.0, {"ifeval": -1.0}), _pair("a", 2.0, {"ifeval": -2.0}), _pair("c", 3.0, {"ifeval": -3.0})],
             "appears twice",

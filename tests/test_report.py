@@ -494,7 +494,7 @@ def test_output_reads_at_a_glance(report, outputs, smollm2_instruct_run):
     s = results["results"]["sink_strength"]["sink_strength,none"]
     line, limit = table.rstrip("\n").splitlines()[-2:]
     assert line.startswith(
-        f"sink_strength: S = {s:.4f} over the last 10 of 30 attention layers (33%); position 0 is the sink"
+        f"sink_strength: S = {s:.4f} in float32 over the last 10 of 30 attention layers (33%); position 0 is the sink"
     )
     assert limit.startswith("sink_strength: --limit 5 not applied: S uses the whole calibration set (15 prompts)")
     assert "higher S = a stronger attention sink" in line

@@ -10,15 +10,8 @@ import sys
 import pytest
 
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.io import (
-    COMPLETE,
-    atomic_write_json,
-    canonical_json,
-    manifest,
-    read_complete,
-    staged_dir,
-    write_complete,
-)
+from lm_eval_sink.io import atomic_write_json, canonical_json
+from lm_eval_sink.outputs import COMPLETE, manifest, read_complete, staged_dir, write_complete
 from lm_eval_sink.runs import load_results, read_samples, resolve_run
 from lm_eval_sink.tables import csv_text, markdown_table
 

@@ -375,7 +375,8 @@ def test_a_code_change_changes_the_keys_of_the_units_on_its_path(tiny_trio, tmp_
     }
     state = FolderState(markers, {}, frozenset(markers), frozenset(), None)
     notes = check_conflicts(after, state, frozenset(), {})
-    assert "eval:reference: recomputed: code changed: lm_eval_sink/capture.py" in notes
+    both = "code changed: lm_eval_sink/capture.py, lm-eval code changed: lm_eval_sink/capture.py"  # here and in lm-eval
+    assert f"eval:reference: recomputed: {both}" in notes
     assert "strength:reference: recomputed: code changed: lm_eval_sink/capture.py" in notes
     with monkeypatch.context() as m:
         change_code(m, "lm_eval_sink/merging/configs.py")
@@ -505,16 +506,11 @@ def test_a_failed_eval_unit_says_why_in_lm_evals_own_words(tmp_path, tiny_trio, 
     from helpers import TINY_TASK
     from lm_eval_sink.commands.units import run_unit
     from lm_eval_sink.harness.runner import EvalSettings
-    from lm_eval_sink.merging.sweep import Unit
+    from lm_eval_sink.merging.sweep import EvalWork, Unit
 
     settings = EvalSettings(tasks=(TINY_TASK,), include_path=str(tiny_task_dir), gen_kwargs={"max_gen_toks": 1000})
-    unit = Unit(
-        "eval",
-        "reference",
-        "k",
-        tmp_path / "out" / "evals" / "reference",
-        {"model": str(tiny_trio["reference"]), "settings": settings},
-    )
+    work = EvalWork(str(tiny_trio["reference"]), "fingerprint", settings)
+    unit = Unit("eval", "reference", "k", tmp_path / "out" / "evals" / "reference", work)
     with pytest.raises(UserError) as e:
         run_unit(unit)
     line = e.value.line()

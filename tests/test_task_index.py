@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.harness.discovery import index_of
 from lm_eval_sink.harness.task_index import cached_build, decode, encode, folder_key
 
 
@@ -97,7 +98,7 @@ def test_the_cached_index_is_lm_evals_data_and_later_folders_still_win(tmp_path,
     stored[0].write_bytes(pickle.dumps(_Planted(marker)))
     manager = TaskManager()  # the hooked TaskManager, as every lm_eval process builds it
     assert not marker.exists()
-    assert "sink_strength" in manager.all_tasks and manager.task_index["arc_easy"] == lm_evals_own["arc_easy"]
+    assert "sink_strength" in manager.all_tasks and index_of(manager)["arc_easy"] == lm_evals_own["arc_easy"]
     assert decode(json.loads(stored[0].read_text()), own) == lm_evals_own  # replaced by lm-eval's build again
 
     # An entry that redirects a task to another stock YAML and one that adds a member to a tag, in a file that
@@ -157,11 +158,12 @@ def test_an_index_json_would_not_give_back_equal_is_not_kept(tmp_path, value):
         ({"yaml_path": "../../evil/t.yaml"}, "no file inside"),
         ({"yaml_path": "/evil/t.yaml"}, "no file inside"),
         ({"yaml_path": None}, "no file inside"),  # lm-eval would build the task from the stored cfg
+        ({"yaml_path": ""}, "no file inside"),  # the folder itself: a traceback where lm-eval read it as a file
         ({"cfg": "task: t"}, "no file inside"),
         ({"kind": "NOT_A_KIND"}, "not an entry"),
         ({"tags": "g"}, "must be strings"),
     ],
-    ids=["path up", "absolute path", "no file", "cfg not a dict", "kind", "tags"],
+    ids=["path up", "absolute path", "no file", "the folder", "cfg not a dict", "kind", "tags"],
 )
 def test_a_stored_index_that_names_no_file_of_lm_evals_folder_is_refused(tmp_path, change, why):
     data = json.loads(encode(_entries(tmp_path), tmp_path))

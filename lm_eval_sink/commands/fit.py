@@ -44,7 +44,8 @@ def _shipped_bytes() -> bytes:
 
 def read_pairs(path: Path | str | None = None) -> PairTable:
     """Read and validate a PAIRS file; None reads the shipped paper table."""
-    from lm_eval_sink.io import decode_text, parse_yaml, sha256_bytes
+    from lm_eval_sink.io import decode_text, sha256_bytes
+    from lm_eval_sink.yaml_input import parse_yaml
 
     shipped = _shipped_bytes()
     if path is None:
@@ -80,7 +81,9 @@ def reported_statistics() -> dict[str, Any]:
 def run_fit(pairs_file: Path | str | None, output: Path | None, force: bool = False) -> list[str]:
     """The `fit` command: fit a PAIRS file (None: the shipped table); write fit.json, fit.md, fit_<task>.png into the
     folder `output`."""
-    from lm_eval_sink.io import atomic_write_json, atomic_write_text, check_output_dir, provenance, staged_dir
+    from lm_eval_sink.io import atomic_write_json, atomic_write_text
+    from lm_eval_sink.outputs import check_output_dir, staged_dir
+    from lm_eval_sink.provenance import provenance
 
     table = read_pairs(pairs_file)
     if output is not None:

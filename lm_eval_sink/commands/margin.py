@@ -40,7 +40,8 @@ def _concat_rows(captures: list, quantity: str, rows: str) -> np.ndarray:
 
 
 def _strength_summary(s: SinkStrength) -> dict[str, Any]:
-    return {
+    """The figures of one model's own S and the dtype it was loaded in (its setting's, `comparability`)."""
+    return {"dtype": s.provenance.get("dtype")} | {
         k: getattr(s, k)
         for k in (
             "sink_strength",
@@ -146,7 +147,7 @@ def _encode_on_reference(
     ref_tok, cand_tok = (AutoTokenizer.from_pretrained(s, **a) for s, a in map(pretrained_args, (ref_path, cand_path)))
     check_same_vocab(ref_tok.get_vocab(), cand_tok.get_vocab())
     prompt_set = load_prompts(Path(st.prompts_file) if st.prompts_file else None, st.n_prompts)
-    encoded = encode_prompts(ref_tok, prompt_set.prompts, st.use_chat_template, st.system_prompt)
+    encoded = encode_prompts(ref_tok, prompt_set.prompts, st.use_chat_template, st.system_prompt, prompt_set.where)
     cand_vocab_size = int(getattr(cand_config.get_text_config(), "vocab_size", 0) or 0)
     top = max(max(x) for x in encoded.input_ids)
     if cand_vocab_size and top >= cand_vocab_size:
@@ -193,28 +194,18 @@ def _provenance(
     encoded: EncodedPrompts,
     options: MeasureOptions,
 ) -> dict[str, Any]:
-    """The result's provenance, keyed by both models' fingerprints, the settings that decide the figures (no
-    batching knob) and the dtype, with the versions that computed it."""
-    from lm_eval_sink.io import canonical_json, provenance, sha256_text, versioned_key
-    from lm_eval_sink.margin import key_versions
+    """The result's provenance, keyed by what the measurement received (`MarginWork`)."""
+    from lm_eval_sink.keys import key_of
+    from lm_eval_sink.margin import MarginWork
+    from lm_eval_sink.provenance import provenance
 
     st = settings.strength
     settings_record = {"strength": asdict(st), "last_k": settings.last_k, "quantile": settings.quantile}
-    ikey = sha256_text(
-        canonical_json(
-            {
-                "reference": ref.info["fingerprint"],
-                "candidate": cand.info["fingerprint"],
-                "settings": {**settings_record, "strength": st.key_fields()},  # batching knobs: in no key
-                "dtype": options.dtype,
-            }
-        )
-    )
-    versions = key_versions()
+    key = key_of(MarginWork(ref.info["model"], cand.info["model"], settings, options.dtype))
     return provenance(
-        input_key=versioned_key(ikey, versions),
-        inputs_key=ikey,
-        key_versions=versions,
+        input_key=key.key,
+        inputs_key=key.inputs_key,
+        key_versions=key.versions,
         reference=ref.info,
         candidate=cand.info,
         settings=settings_record,
@@ -246,16 +237,11 @@ def run_margin(
     margin_rows.npz, margin_heatmap.png."""
     import io as _io
 
-    from lm_eval_sink.io import (
-        atomic_write_bytes,
-        atomic_write_json,
-        atomic_write_text,
-        check_output_dir,
-        check_same_versions,
-        staged_dir,
-    )
+    from lm_eval_sink.io import atomic_write_bytes, atomic_write_json, atomic_write_text
+    from lm_eval_sink.keys import check_same_versions, key_versions
+    from lm_eval_sink.outputs import check_output_dir, staged_dir
     from lm_eval_sink.calibration import load_prompts
-    from lm_eval_sink.margin import key_versions
+    from lm_eval_sink.margin import MarginWork
     from lm_eval_sink.models import resolve_model
 
     st = settings.strength
@@ -264,7 +250,7 @@ def run_margin(
     models = [resolve_model(m, allow_gguf=True, convert=False) for m in (reference, candidate)]
     if output is not None:
         output = Path(output)
-        check_same_versions(output / OUTPUT_FILES[0], key_versions(), options.force)
+        check_same_versions(output / OUTPUT_FILES[0], key_versions(MarginWork), options.force)
         check_output_dir(output, options.force, inputs=[*models, st.prompts_file])
     result, arrays = measure_margin(reference, candidate, settings, options)
     md = margin_table_markdown(result)

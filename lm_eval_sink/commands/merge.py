@@ -1,7 +1,7 @@
 """`lm-eval-sink merge`: one mergekit YAML into a verified, published OUT folder.
 
 The work is `merging.merge.merge_config`, which sweep merge units call too: it validates before
-any weight is read, checks OUT first, builds it with `io.staged_dir` and writes its COMPLETE
+any weight is read, checks OUT first, builds it with `outputs.staged_dir` and writes its COMPLETE
 marker (key, inputs' identities, provenance).
 """
 
@@ -19,7 +19,7 @@ def run_merge(
     quiet: bool = True,
 ) -> list[str]:
     """The `merge` command: merge, verify, publish; returns the line to print."""
-    from lm_eval_sink.io import check_writable
+    from lm_eval_sink.outputs import check_writable
     from lm_eval_sink.merging.merge import merge_config
 
     check_writable(Path(out), "OUT")  # before the config's models are resolved

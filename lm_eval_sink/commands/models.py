@@ -15,7 +15,7 @@ from lm_eval_sink.errors import UserError
 
 def run_models_convert(gguf: Path, out: Path, force: bool = False) -> list[str]:
     """The `models convert` command: check the file and OUT_DIR before any work, convert; the line to print."""
-    from lm_eval_sink.io import check_output_dir
+    from lm_eval_sink.outputs import check_output_dir
     from lm_eval_sink.models import check_gguf, convert_gguf, is_gguf
 
     gguf, out = Path(gguf).expanduser(), Path(out).expanduser()

@@ -20,7 +20,9 @@ def run_protect_plan(
     """`lm-eval-sink protect-plan`: load the model, choose the heads, write the plan JSON; returns lines to print."""
     from lm_eval_sink.adapters import folder_virtual_tokens
     from lm_eval_sink.calibration import load_prompts
-    from lm_eval_sink.io import atomic_write_json, new_files, provenance
+    from lm_eval_sink.io import atomic_write_json
+    from lm_eval_sink.outputs import new_files
+    from lm_eval_sink.provenance import provenance
     from lm_eval_sink.models import load_model, resolve_model
 
     output = Path(output)

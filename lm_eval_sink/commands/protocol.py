@@ -23,7 +23,8 @@ def _emit(doc: dict[str, Any], text: str, as_json: bool, output: Path | None) ->
 
 def run_protocol_show(run: str, as_json: bool = False, output: Path | None = None, *, force: bool = False) -> list[str]:
     """The `protocol show` command: the fingerprint of one run and the named protocol it matches."""
-    from lm_eval_sink.io import new_files, provenance
+    from lm_eval_sink.outputs import new_files
+    from lm_eval_sink.provenance import provenance
     from lm_eval_sink.protocols import fingerprint_run, match_protocol, show_markdown
     from lm_eval_sink.runs import resolve_run
 
@@ -43,7 +44,8 @@ def run_protocol_diff(
     run_a: str, run_b: str, as_json: bool = False, output: Path | None = None, *, force: bool = False
 ) -> list[str]:
     """The `protocol diff` command: only the fields that differ between two runs' protocols."""
-    from lm_eval_sink.io import new_files, provenance
+    from lm_eval_sink.outputs import new_files
+    from lm_eval_sink.provenance import provenance
     from lm_eval_sink.protocols import check_common_tasks, diff, diff_markdown, fingerprint_run
     from lm_eval_sink.runs import resolve_run
 

@@ -258,7 +258,7 @@ def load_inputs(
     title: str | None = None,
 ) -> ReportInputs:
     """Read, validate and cross-check every input; paths in the report are relative to `out`'s folder."""
-    from lm_eval_sink.io import package_versions
+    from lm_eval_sink.provenance import package_versions
 
     out_dir = Path(out).parent
     if not (strength or margin or buckets or attribution or sweep or recovery):
@@ -308,7 +308,8 @@ def load_inputs(
 def run_report(output: Path, *, force: bool = False, **inputs: Any) -> list[str]:
     """The `report` command: refuse `output` early, load the inputs (`inputs`: load_inputs's), write the page
     atomically."""
-    from lm_eval_sink.io import atomic_write_text, new_files
+    from lm_eval_sink.io import atomic_write_text
+    from lm_eval_sink.outputs import new_files
     from lm_eval_sink.report.render import render_html
 
     output = Path(output)

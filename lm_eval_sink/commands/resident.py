@@ -245,13 +245,13 @@ class ResidentWorker:
         self.holds = None  # a failed copy leaves the parameters half written
         try:
             if job.merge is not None:
-                config = job.merge.inputs["config"]
+                config = job.merge.inputs.config
                 merge_into(
                     self.resident.model,
                     config.text,
                     ck.name,
-                    random_seed=job.merge.inputs["random_seed"],
-                    device=job.merge.inputs["device"],
+                    random_seed=job.merge.inputs.random_seed,
+                    device=job.merge.inputs.device,
                     revisions=_revisions(list(config.inputs)),
                 )
             else:
@@ -263,18 +263,19 @@ class ResidentWorker:
     def _run_unit(self, unit: Unit, ck: Checkpoint) -> None:
         from lm_eval_sink.commands.units import finish_eval, save_strength
         from lm_eval_sink.harness.inprocess import evaluate, measure_strength
-        from lm_eval_sink.io import provenance, staged_dir
+        from lm_eval_sink.outputs import staged_dir
+        from lm_eval_sink.provenance import provenance
 
         if unit.kind == "eval":
             with staged_dir(unit.output, force=True, key=unit.key) as tmp:
                 with peak_memory() as peak:
-                    run = evaluate(self.resident, unit.inputs["settings"], tmp / "lm_eval", unit.inputs["model"])
+                    run = evaluate(self.resident, unit.inputs.settings, tmp / "lm_eval", unit.inputs.model)
                 finish_eval(tmp, unit, run, in_memory=True, peak_accelerator_memory=peak or None)
         elif unit.kind == "strength":
             model = self.resident.model
             info = {
-                "path": unit.inputs["model"],
-                **(unit.inputs["identity"] or {"merge_inputs_key": ck.identity}),
+                "path": unit.inputs.model,
+                **(unit.inputs.identity or {"merge_inputs_key": ck.identity}),
                 "in_memory": True,
                 "architecture": type(model).__name__,
                 "dtype": self.resident.dtype,
@@ -282,7 +283,7 @@ class ResidentWorker:
             }
             with peak_memory() as peak:
                 res = measure_strength(
-                    self.resident, unit.inputs["settings"], unit.inputs["dtype"], provenance=provenance(model=info)
+                    self.resident, unit.inputs.settings, unit.inputs.dtype, provenance=provenance(model=info)
                 )
             save_strength(unit, res, in_memory=True, peak_accelerator_memory=peak or None)
         else:

@@ -12,13 +12,13 @@ screen is the ranking alone. A `*.strength.json` that `strength` wrote, passed i
 
 from __future__ import annotations
 
-import json
-import struct
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.keys import MODEL, Work
 from lm_eval_sink.options import MeasureOptions, ScreenOptions
 from lm_eval_sink.screen import (
     PAPER_LINE_CAVEAT,
@@ -32,6 +32,22 @@ from lm_eval_sink.screen import (
     text_config,
 )
 from lm_eval_sink.strength import StrengthSettings
+from lm_eval_sink.weights import checkpoint_tensors
+
+
+@dataclass(frozen=True, slots=True)
+class ScreenWork(Work):
+    """What a screen's table is made from: the models (by content; each S keyed as `strength.StrengthWork`), the
+    settings, the dtype and where its predictions come from (a pairs file by content)."""
+
+    CODE = (__name__,)
+    PACKAGES = ("torch", "transformers", "numpy", "scipy")
+
+    models: tuple[str, ...] = field(metadata=MODEL)
+    settings: StrengthSettings
+    dtype: str
+    predict: ScreenOptions
+
 
 SCREEN_FILES = ("screen.json", "screen.md", "screen.csv", "screen.png")
 STRENGTH_SUFFIX = ".strength.json"  # what `strength` names a model's result
@@ -55,9 +71,10 @@ def reused_strength(file: Path, settings: StrengthSettings, dtype: str) -> Reuse
     present content, in this setting (the settings that decide S, the calibration prompts, --dtype), by these
     versions; anything else is the one-line error naming what differs."""
     from lm_eval_sink.calibration import load_prompts
-    from lm_eval_sink.io import read_json, version_change
+    from lm_eval_sink.io import read_json
+    from lm_eval_sink.keys import key_of
     from lm_eval_sink.models import DTYPES, model_fingerprint
-    from lm_eval_sink.strength import SinkStrength, inputs_key, key_versions
+    from lm_eval_sink.strength import SinkStrength, StrengthWork
 
     data = read_json(file)
     prov = data.get("provenance") if isinstance(data, dict) else None
@@ -65,15 +82,15 @@ def reused_strength(file: Path, settings: StrengthSettings, dtype: str) -> Reuse
     if not isinstance(data, dict) or "sink_strength" not in data or "inputs_key" not in (prov or {}) or not model:
         raise UserError(f"{file}: not a result of `lm-eval-sink strength`", "pass a *.strength.json it wrote")
     path = str(model.get("model"))
-    identity = _present_identity(file, path, model, model_fingerprint)
+    _present_identity(file, path, model, model_fingerprint)
     hint = f"screen with the options it was measured with, or pass {path} to measure it in this setting"
     prompts = load_prompts(Path(settings.prompts_file) if settings.prompts_file else None, settings.n_prompts)
-    changed = version_change(prov, prov["inputs_key"], key_versions())  # the packages, or the files of S's code
+    keys = {d: key_of(StrengthWork(path, settings, d)) for d in DTYPES}
+    made_with = next((d for d, k in keys.items() if k.inputs_key == prov["inputs_key"]), None)
+    changed = keys[made_with].change(prov) if made_with else None  # the packages, or the files of S's code
     if changed:
         raise UserError(f"{file}: made by other versions ({changed})", f"pass {path} to measure it again")
     differ = _setting_differences(prov, settings, prompts.sha256)
-    keys = {d: inputs_key(path, identity["fingerprint"], settings, d) for d in DTYPES}
-    made_with = next((d for d, k in keys.items() if k == prov["inputs_key"]), None)
     if not differ and made_with not in (None, dtype):
         differ = [f"--dtype {made_with} (this run: {dtype})"]
     if differ or made_with is None:
@@ -116,24 +133,6 @@ def _setting_differences(prov: dict[str, Any], settings: StrengthSettings, promp
     return differ
 
 
-def _safetensors_shapes(folder: Path) -> dict[str, list[int]]:
-    """Tensor name -> shape from the safetensors headers (no weights are read)."""
-    shapes: dict[str, list[int]] = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        shapes.update({k: v["shape"] for k, v in header.items() if k != "__metadata__"})
-    return shapes
-
-
-def _prod(shape: list[int]) -> int:
-    out = 1
-    for x in shape:
-        out *= int(x)
-    return out
-
-
 def detect_qk_norm(model_path: str) -> QKNorm:
     """QK-norm class of a local model folder (config.json, then the safetensors header if needed),
     or of a hub id (when the hub is reachable) or a GGUF file through transformers' AutoConfig."""
@@ -145,19 +144,16 @@ def detect_qk_norm(model_path: str) -> QKNorm:
 
         source, args = pretrained_args(model_path)
         return classify_qk_norm(AutoConfig.from_pretrained(source, **args).to_dict())
-    try:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise UserError(
-            f"{folder}/config.json cannot be read ({e})", "pass a model folder written by save_pretrained"
-        ) from None
+    from lm_eval_sink.models import check_config
+
+    config = check_config(folder / "config.json")
     if text_config(config).get("model_type") in qk_norm_table()["model_types"]:
         return classify_qk_norm(config)
-    shapes = _safetensors_shapes(folder)
-    if not shapes:
+    tensors = checkpoint_tensors(folder)
+    if not tensors:
         return classify_qk_norm(config)  # raises: unknown type and no safetensors to inspect
     suffixes = qk_norm_table()["weight_rule"]["layer0_suffixes"]
-    size = next((int(_prod(v)) for k, v in sorted(shapes.items()) if any(k.endswith(s) for s in suffixes)), None)
+    size = next((math.prod(t.shape) for k, t in sorted(tensors.items()) if any(k.endswith(s) for s in suffixes)), None)
     return classify_qk_norm(config, size)
 
 
@@ -192,7 +188,7 @@ def run_screen(
     }
     if output is None:
         return _run(names, slugs, settings, None, options, (predict, fit, reused))
-    from lm_eval_sink.io import check_not_inputs, check_writable
+    from lm_eval_sink.outputs import check_not_inputs, check_writable
     from lm_eval_sink.locks import hold
     from lm_eval_sink.models import resolve_model
 
@@ -253,7 +249,7 @@ def _run(
     out_lines = md.rstrip("\n").splitlines() + [f"warning: {m.slug}: {w}" for m in result.models for w in m.warnings]
     if output is None:
         return [*out_lines, "not saved (pass --output DIR to write screen.json, tables and the plot)"]
-    _write(result, md, files, settings, options)
+    _write(result, md, files, settings, options, predict)
     lines = [line for line in lines if line not in out_lines]  # the setting lines once, under the table
     return lines + out_lines + ["wrote " + ", ".join(str(p) for p in files)]
 
@@ -293,13 +289,13 @@ def _check_outputs(
 ) -> list[Path]:
     """The screen's files in `output`, checked before any work: `output` is a folder, and the files are new (or
     `force`), made by the same versions, and none of the inputs."""
-    from lm_eval_sink.io import check_new_outputs, check_same_versions
-    from lm_eval_sink.strength import key_versions
+    from lm_eval_sink.keys import check_same_versions, key_versions
+    from lm_eval_sink.outputs import check_new_outputs
 
     if output.exists() and not output.is_dir():
         raise UserError(f"--output {output} is a file", "pass a folder")
     files = [output / name for name in SCREEN_FILES]
-    check_same_versions(files[0], key_versions(), force)
+    check_same_versions(files[0], key_versions(ScreenWork), force)
     check_new_outputs(files, force, inputs=[*paths, pairs_file, settings.prompts_file])
     return files
 
@@ -319,12 +315,19 @@ def _measure_saved(
 
 
 def _write(
-    result: ScreenResult, md: str, files: list[Path], settings: StrengthSettings, options: MeasureOptions
+    result: ScreenResult,
+    md: str,
+    files: list[Path],
+    settings: StrengthSettings,
+    options: MeasureOptions,
+    predict: ScreenOptions,
 ) -> None:
     """screen.json (with its provenance), screen.md, screen.csv and the figure."""
-    from lm_eval_sink.io import atomic_write_json, atomic_write_text, provenance
-    from lm_eval_sink.strength import key_versions
+    from lm_eval_sink.io import atomic_write_json, atomic_write_text
+    from lm_eval_sink.keys import key_of
+    from lm_eval_sink.provenance import provenance
 
+    key = key_of(ScreenWork(tuple(m.path for m in result.models), settings, options.dtype, predict))
     data = {
         **result.to_json(),
         "provenance": provenance(
@@ -333,7 +336,9 @@ def _write(
             dtype=options.dtype,
             device=options.device,
             seed=settings.seed,
-            key_versions=key_versions(),
+            key=key.key,
+            inputs_key=key.inputs_key,
+            key_versions=key.versions,
         ),
     }
     atomic_write_json(files[0], data)

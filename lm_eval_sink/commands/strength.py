@@ -5,19 +5,17 @@ The output folder holds `<slug>.strength.json` + `<slug>.heatmap.png` per model,
 models `ranking.md`, `ranking.csv`, `ranking.json`, `ranking.png` (by S within each setting:
 `comparability.py`); several runs may fill one folder. The unit of
 resume is one model's JSON (written atomically as soon as it is measured): its
-`provenance.input_key` is the key of its inputs (model path, content fingerprint, the settings
-that decide S, dtype: `inputs_key`; not the batching or the device, so a result made at batch 1
-on the CPU is reused by a run that batches all prompts on a GPU) and of the versions that
-computed it (`key_versions`: the strength method, torch, transformers), so a finished model is
-reused by key, one made by other versions is recomputed (saying which version changed), and one
-of other inputs is refused without `--force`.
+`provenance.input_key` is the key of what `measure_model` receives (`strength.StrengthWork`, `keys.key_of`: the
+model's content, the settings that decide S with the prompt file's content, dtype, the code and packages; not the
+batching or the device, so a result made at batch 1 on the CPU is reused by a run that batches all prompts on a GPU),
+so a finished model is reused by key, one made by other versions is recomputed (saying which version changed), and
+one of other inputs is refused without `--force`.
 The folder is held with `locks.hold` for the whole run (one writer).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +34,11 @@ from lm_eval_sink.strength import (
     S_MEANING,
     SinkStrength,
     StrengthSettings,
+    StrengthWork,
     fmt_optional,
-    inputs_key,
-    key_versions,
     measure_model,
-    result_key,
 )
+from lm_eval_sink.keys import Key, key_of
 
 
 def unique_slugs(slugs: list[str]) -> list[str]:
@@ -79,7 +76,8 @@ def run_strength(
 def check_output(output: Path, names: list[str], slugs: list[str], settings: StrengthSettings, force: bool) -> None:
     """Refuse, before any model is resolved (converted) or loaded, an output folder that is a file, cannot be written
     or overlaps an input, and (without `force`) an earlier result in it that cannot be read."""
-    from lm_eval_sink.io import check_not_inputs, check_writable, read_earlier_output
+    from lm_eval_sink.io import read_earlier_output
+    from lm_eval_sink.outputs import check_not_inputs, check_writable
     from lm_eval_sink.models import resolve_model
 
     if output.exists() and not output.is_dir():
@@ -93,35 +91,24 @@ def check_output(output: Path, names: list[str], slugs: list[str], settings: Str
 
 
 def _reusable(
-    json_path: Path,
-    identity: dict[str, Any],
-    keys: tuple[str, str],
-    versions: dict[str, Any],
-    force: bool,
-    method2_key: Callable[[int], str],
+    json_path: Path, identity: dict[str, Any], key: Key, force: bool
 ) -> tuple[dict[str, Any] | None, str | None]:
-    """(the finished result at `json_path` when made with the key `keys[0]`, else None; what changed when it
-    was made from the same inputs `keys[1]` by other versions, to recompute it).
+    """(the finished result at `json_path` when made with `key`, else None; what changed when it was made from the
+    same inputs by other versions, to recompute it).
 
-    None, None when there is none (or `force`); a result of the same model folder whose content
-    changed, or of other settings, is refused. `method2_key(batch_size)` is the inputs' key as strength
-    method 2 and earlier made it."""
+    None, None when there is none (or `force`); a result of the same model folder whose content changed, or of other
+    settings, is refused."""
     from lm_eval_sink.identity import check_same_identity
-    from lm_eval_sink.io import read_earlier_output, version_change
+    from lm_eval_sink.io import read_earlier_output
 
     if force or not json_path.exists():
         return None, None
     old = read_earlier_output(json_path)
     prov = old.get("provenance", {})
     check_same_identity(prov.get("model"), identity, json_path)
-    if prov.get("input_key") == keys[0]:
+    if prov.get("input_key") == key.key:
         return old, None
-    # a result made before versions were keyed holds its inputs' key as `input_key`
-    recorded = prov if "inputs_key" in prov else {"inputs_key": prov.get("input_key")}
-    changed = version_change(recorded, keys[1], versions)
-    made = prov.get("settings", {})
-    if changed is None and "batch_tokens" not in made:  # strength method 2 or earlier: its key held the batch size
-        changed = version_change(recorded, method2_key(int(made.get("batch_size") or 1)), versions)
+    changed = key.change(prov)
     if changed is None:
         raise UserError(
             f"output already exists with other inputs: {json_path}",
@@ -132,13 +119,13 @@ def _reusable(
 
 @dataclass(frozen=True, slots=True)
 class _Model:
-    """One model of a run: as named and resolved, its keys (result key, inputs key), its result file, and the
-    finished result found there when it can be reused (else None: to measure)."""
+    """One model of a run: as named and resolved, its key, its result file, and the finished result found there when
+    it can be reused (else None: to measure)."""
 
     name: str
     path: str
     slug: str
-    keys: tuple[str, str]
+    key: Key
     json_path: Path
     reuse: dict[str, Any] | None
 
@@ -152,9 +139,8 @@ def _run_locked(
 
     from lm_eval_sink.plots import layer_head_heatmap
 
-    versions = key_versions()
-    plan, lines = _plan(models, settings, output, options, versions)
-    saved = {} if options.measure_all is None else _measure_todo(plan, settings, options, versions, output)
+    plan, lines = _plan(models, settings, output, options)
+    saved = {} if options.measure_all is None else _measure_todo(plan, settings, options, output)
     results = []
     for m in tqdm(plan, desc="models", disable=not options.progress or len(plan) == 1):
         if m.reuse is not None:
@@ -166,11 +152,12 @@ def _run_locked(
             measured = measure_model(
                 m.path, settings, dtype=options.dtype, device=options.device, progress=options.progress
             )
-            res = _save(measured, m, versions)
+            res = _save(measured, m)
         png = layer_head_heatmap(
             res.sink_strength_layer_head,
             res.layers,
-            f"{m.slug}: sink log-odds ({res.statistic}, rows={res.rows}), S = {res.sink_strength:.4f}",
+            f"{m.slug}: sink log-odds ({res.statistic}, rows={res.rows}), S = {res.sink_strength:.4f} "
+            + setting_of(res.to_json()).measured_in(),
             output / f"{m.slug}.heatmap.png",
         )
         results.append((m.slug, res))
@@ -183,50 +170,36 @@ def _run_locked(
 
 
 def _plan(
-    models: list[tuple[str, str, str]],
-    settings: StrengthSettings,
-    output: Path,
-    options: MeasureOptions,
-    versions: dict[str, Any],
+    models: list[tuple[str, str, str]], settings: StrengthSettings, output: Path, options: MeasureOptions
 ) -> tuple[list[_Model], list[str]]:
-    """Each model's keys and result file with the finished result to reuse, and a line per model recomputed because
+    """Each model's key and result file with the finished result to reuse, and a line per model recomputed because
     other versions made its result."""
     from lm_eval_sink.models import model_fingerprint
 
-    dtype = options.dtype
     plan, lines = [], []
     for name, path, slug in models:
-        identity = model_fingerprint(path)
-        ikey = inputs_key(path, identity["fingerprint"], settings, dtype)
-        key = result_key(path, identity["fingerprint"], settings, dtype, versions)
+        key = key_of(StrengthWork(path, settings, options.dtype))
         json_path = output / f"{slug}.strength.json"
-        reuse, changed = _reusable(
-            json_path,
-            identity,
-            (key, ikey),
-            versions,
-            options.force,
-            lambda b, p=path, f=identity["fingerprint"]: inputs_key(p, f, settings, dtype, method2_batch_size=b),
-        )
-        plan.append(_Model(name, path, slug, (key, ikey), json_path, reuse))
+        reuse, changed = _reusable(json_path, model_fingerprint(path), key, options.force)
+        plan.append(_Model(name, path, slug, key, json_path, reuse))
         if changed:
             lines.append(f"{slug}: recomputed: {changed}")
     return plan, lines
 
 
-def _save(res: SinkStrength, m: _Model, versions: dict[str, Any]) -> SinkStrength:
-    """`res` with its keys and the model argument in its provenance, written to the model's JSON at once (the unit
-    of resume)."""
+def _save(res: SinkStrength, m: _Model) -> SinkStrength:
+    """`res` with its key and the model argument in its provenance, written to the model's JSON at once (the unit of
+    resume)."""
     from lm_eval_sink.io import atomic_write_json
 
-    keyed = {"input_key": m.keys[0], "inputs_key": m.keys[1], "key_versions": versions}
+    keyed = {"input_key": m.key.key, "inputs_key": m.key.inputs_key, "key_versions": m.key.versions}
     res = replace(res, provenance={**res.provenance, **keyed, "model_argument": m.name})
     atomic_write_json(m.json_path, res.to_json())
     return res
 
 
 def _measure_todo(
-    plan: list[_Model], settings: StrengthSettings, options: MeasureOptions, versions: dict[str, Any], output: Path
+    plan: list[_Model], settings: StrengthSettings, options: MeasureOptions, output: Path
 ) -> dict[str, SinkStrength]:
     """Every model to (re)do measured by `options.measure_all`, each saved as it finishes (json path -> result); a
     failed model is an error raised once the others are saved."""
@@ -238,7 +211,7 @@ def _measure_todo(
             failed[path] = error
         for m in plan:
             if m.path == path and m.reuse is None and error is None:
-                saved[str(m.json_path)] = _save(res, m, versions)
+                saved[str(m.json_path)] = _save(res, m)
     if failed:
         first = next(iter(failed.items()))
         raise UserError(
@@ -252,7 +225,7 @@ def _model_lines(m: _Model, res: SinkStrength, png: Path) -> list[str]:
     """What a run prints for one model: S with how it was measured and where it went, and its note if any."""
     depth = len(res.attention_layers) or res.n_layers
     line = (
-        f"{m.slug}: S = {res.sink_strength:.4f} (last {res.last_k} of "
+        f"{m.slug}: S = {res.sink_strength:.4f} {setting_of(res.to_json()).measured_in()} (last {res.last_k} of "
         f"{depth} attention layers ({res.last_k / depth:.0%}), {res.statistic}, "
         f"rows={res.rows}; "
         f"content rows {fmt_optional(res.sink_strength_content_rows)}, template rows "

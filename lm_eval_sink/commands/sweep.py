@@ -3,9 +3,9 @@
 `commands.units.run_unit` runs one unit from its arguments alone, so a cluster engine can dispatch
 it; an in-memory sweep runs each checkpoint's units on one resident model instead
 (`commands.resident`), with the same units, keys and outputs. A unit builds its output in
-`<out>.partial-<uuid>/` (`io.staged_dir`), writes its `io.COMPLETE` marker with its key, renames,
+`<out>.partial-<uuid>/` (`outputs.staged_dir`), writes its `outputs.COMPLETE` marker with its key, renames,
 then appends one fsync'd line to `manifest.jsonl`. A unit counts as finished only when its last
-manifest line says done with the current key AND its marker has that key (`io.read_complete(folder,
+manifest line says done with the current key AND its marker has that key (`outputs.read_complete(folder,
 key)`): after kill -9 at any point, a rerun skips finished units and redoes the rest; `force` redoes
 everything. A failed unit is recorded and reported at the end; the others go on. The table (JSON,
 CSV, Markdown, PNG) is rebuilt from the saved outputs (`merging.sweep.build_table`).
@@ -33,21 +33,11 @@ from lm_eval_sink.commands.engine_sweep import (
     ray_pool,
 )
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.identity import looks_like_hub_id, tree_files
-from lm_eval_sink.io import (
-    atomic_write_json,
-    atomic_write_text,
-    check_not_inputs,
-    check_writable,
-    clean_stale_all,
-    parse_yaml,
-    provenance,
-    read_complete,
-    read_text,
-    sha256_file,
-    sha256_text,
-    versioned_key,
-)
+from lm_eval_sink.identity import looks_like_hub_id
+from lm_eval_sink.io import atomic_write_json, atomic_write_text, read_text, sha256_file
+from lm_eval_sink.outputs import check_not_inputs, check_writable, clean_stale_all, read_complete
+from lm_eval_sink.provenance import provenance
+from lm_eval_sink.yaml_input import parse_yaml
 from lm_eval_sink.locks import hold
 from lm_eval_sink.merging.configs import TOKENIZER_CHOICES, bundled_names, load_template, render
 from lm_eval_sink.merging.engines import parse_engine, run_on_ray
@@ -56,7 +46,6 @@ from lm_eval_sink.merging.sweep import (
     EvalIn,
     FolderState,
     Markers,
-    RESIDENT_CODE,
     Plan,
     RenderedMerge,
     Schedule,
@@ -269,46 +258,26 @@ def _strength(section: Any, skipped: bool, src: str, here: Path) -> tuple[Any, s
         raise UserError(f"{src}: strength: {e.message}", e.hint) from None
 
 
-def _tree_sha(folder: str | None) -> str | None:
-    if not folder:
-        return None
-    files = tree_files(Path(folder))
-    return sha256_text("".join(f"{p.relative_to(folder)}:{sha256_file(p)}\n" for p in files))
-
-
 def plan_sweep(spec: SweepSpec) -> Plan:
-    """Fingerprint the endpoints and derive each unit's key from the spec's validated merges (reads no weights)."""
+    """Fingerprint the endpoints and derive each unit's key from the work it hands on (reads no weights)."""
     from lm_eval_sink.harness.runner import eval_versions
-    from lm_eval_sink.merging.merge import merge_inputs_key, merge_versions
+    from lm_eval_sink.merging.merge import MergeWork
     from lm_eval_sink.models import model_fingerprint
-    from lm_eval_sink.strength import CODE, key_versions
 
-    merges = []
-    for r in spec.merges:
-        inputs_key, versions = merge_inputs_key(r.validated, spec.random_seed), merge_versions()
-        merges.append(
-            RenderedMerge(
-                r.name,
-                r.template.path,
-                r.validated,
-                versioned_key(inputs_key, versions),
-                r.validated.method,
-                r.template.paper_setting,
-                inputs_key,
-                versions,
-            )
+    merges = [
+        RenderedMerge(
+            r.name,
+            MergeWork(r.validated, spec.random_seed, spec.merge_device, r.template.path),
+            r.template.paper_setting,
         )
+        for r in spec.merges
+    ]
     identities = {role: model_fingerprint(spec.models[role]) for role in ENDPOINTS}
     evals = eval_versions(spec.eval) if spec.eval is not None else {}
-    strength = key_versions((*CODE, *RESIDENT_CODE)) | engine_strength_versions(spec, evals)
-    versions = {"eval": evals, "strength": strength}
-    return plan_units(
-        spec,
-        identities,
-        merges,
-        versions,
-        _tree_sha(spec.eval.include_path) if spec.eval is not None else None,
-    )
+    on_engine = engine_strength_versions(spec, evals)
+    engine = {"model_args": spec.eval.model_args, "dtype": spec.eval.dtype} if on_engine and spec.eval else None
+    lm_eval = {f"lm-eval {k}": v for k, v in evals.items()}  # where lm-eval runs
+    return plan_units(spec, identities, merges, {"eval": lm_eval, "strength": on_engine, "engine": engine})
 
 
 # --- units ---------------------------------------------------------------------------------

@@ -14,7 +14,9 @@ from typing import Any
 
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.identity import FINGERPRINT_RULE
-from lm_eval_sink.io import atomic_write_json, provenance, staged_dir, write_complete
+from lm_eval_sink.io import atomic_write_json
+from lm_eval_sink.outputs import staged_dir, write_complete
+from lm_eval_sink.provenance import provenance
 from lm_eval_sink.merging.engines import placement_fields
 from lm_eval_sink.merging.sweep import Unit
 
@@ -29,34 +31,34 @@ def _finish(tmp: Path, unit: Unit, **fields: Any) -> None:
             "inputs_key": unit.inputs_key,
             "key_versions": unit.versions,
             "fingerprint_rule": FINGERPRINT_RULE,
-            "model_identity": unit.inputs.get("identity"),
+            "model_identity": getattr(unit.inputs, "identity", None),
             **fields,
             "provenance": provenance(unit=unit.id, **placement_fields()),
         },
     )
 
 
-def run_unit(unit: Unit) -> None:
-    """Run one unit into its staged output folder (replacing an older one). No shared state."""
+def run_unit(unit: Unit, **fields: Any) -> None:
+    """Run one unit into its staged output folder (replacing an older one); `fields` join a strength unit's marker.
+    No shared state."""
     if unit.kind == "merge":
         from lm_eval_sink.merging.merge import merge_config
 
         merge_config(
-            unit.inputs["config"],  # validated when the sweep file was loaded; mergekit gets a copy
+            unit.inputs.config,  # validated when the sweep file was loaded; mergekit gets a copy
             unit.output,
-            random_seed=unit.inputs["random_seed"],
-            device=unit.inputs["device"],
+            random_seed=unit.inputs.random_seed,
+            device=unit.inputs.device,
             force=True,
             quiet=True,
-            key=unit.key,
-            extra={"unit": unit.id, "template": unit.inputs["template"], **placement_fields()},
+            extra={"unit": unit.id, "template": unit.inputs.template, **placement_fields()},
         )
     elif unit.kind == "eval":
         from lm_eval_sink.harness.runner import run_lm_eval
 
         with staged_dir(unit.output, force=True, key=unit.key) as tmp:
             try:
-                run = run_lm_eval(unit.inputs["model"], unit.inputs["settings"], tmp / "lm_eval")
+                run = run_lm_eval(unit.inputs.model, unit.inputs.settings, tmp / "lm_eval")
             except UserError as e:  # keep lm-eval's log: the staged folder is about to be removed
                 raise UserError(e.message, f"see lm-eval's log in {keep_logs(unit, tmp)}") from None
             finish_eval(tmp, unit, run)
@@ -64,13 +66,13 @@ def run_unit(unit: Unit) -> None:
         from lm_eval_sink.strength import measure_model
 
         res = measure_model(
-            unit.inputs["model"],
-            unit.inputs["settings"],
-            dtype=unit.inputs["dtype"],
-            device=unit.inputs["device"],
+            unit.inputs.model,
+            unit.inputs.settings,
+            dtype=unit.inputs.dtype,
+            device=unit.inputs.device,
             progress=False,
         )
-        save_strength(unit, res)
+        save_strength(unit, res, **fields)
     else:
         raise ValueError(f"unknown unit kind {unit.kind!r}")
 
@@ -93,17 +95,20 @@ def finish_eval(tmp: Path, unit: Unit, run: Any, **fields: Any) -> None:
         unit,
         results=str(run.results.relative_to(tmp)),
         samples={t: str(p.relative_to(tmp)) for t, p in run.samples.items()},
-        model=unit.inputs["model"],
-        lm_eval_python=unit.inputs["settings"].interpreter(),
-        eval_versions=eval_versions(unit.inputs["settings"]),
+        model=unit.inputs.model,
+        lm_eval_python=unit.inputs.settings.interpreter(),
+        eval_versions=eval_versions(unit.inputs.settings),
         **fields,
     )
 
 
 def save_strength(unit: Unit, res: Any, **fields: Any) -> None:
-    """A strength unit's output: strength.json (with the unit's key) and its marker."""
+    """A strength unit's output: strength.json (with the unit's key) and its marker, which says where S was measured
+    and with which versions (`measured_with`: the engine's capture record, else this interpreter's transformers)."""
+    prov = res.provenance
+    here = {"capture_backend": "hf", "process": "the unit's own, with transformers", "dtype": prov.get("dtype")}
+    here |= {k: (prov.get("versions") or {}).get(k) for k in ("torch", "transformers")}
     with staged_dir(unit.output, force=True, key=unit.key) as tmp:
-        atomic_write_json(
-            tmp / "strength.json", {**res.to_json(), "provenance": {**res.provenance, "input_key": unit.key}}
-        )
-        _finish(tmp, unit, sink_strength=res.sink_strength, model=unit.inputs["model"], **fields)
+        atomic_write_json(tmp / "strength.json", {**res.to_json(), "provenance": {**prov, "input_key": unit.key}})
+        measured = {"measured_with": prov.get("capture") or here}
+        _finish(tmp, unit, sink_strength=res.sink_strength, model=unit.inputs.model, **measured, **fields)

@@ -47,7 +47,9 @@ def run_vendor_add(new: NewScore, registry_file: str | Path | None = None, **ver
 
     import yaml
 
-    from lm_eval_sink.io import atomic_write_text, hold, parse_yaml, read_text
+    from lm_eval_sink.io import atomic_write_text, read_text
+    from lm_eval_sink.locks import hold
+    from lm_eval_sink.yaml_input import parse_yaml
     from lm_eval_sink.vendors import add_score, load_registry, registry_with
 
     new = replace(new, **_verification(**verification))

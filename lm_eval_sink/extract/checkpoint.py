@@ -9,7 +9,6 @@ import json
 import math
 import os
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ import torch
 
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.io import atomic_write_json
+from lm_eval_sink.weights import Tensor, checkpoint_tensors
 
 INDEX_FILE = "model.safetensors.index.json"
 ST_CODES: dict[torch.dtype, str] = {
@@ -38,71 +38,18 @@ Entry = tuple[str, torch.dtype, tuple[int, ...]]  # one tensor of an output shar
 Layout = tuple[tuple[str, tuple[Entry, ...]], ...]  # output shards in write order: file name, its tensors
 
 
-@dataclass(frozen=True, slots=True)
-class TensorInfo:
-    file: str
-    dtype: str  # safetensors code: F32, BF16, ...
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * ST_DTYPES[self.dtype].itemsize
-
-
 def entry_bytes(entry: Entry) -> int:
     return math.prod(entry[2]) * entry[1].itemsize
 
 
-def _weight_files(folder: Path) -> list[str]:
-    index = folder / INDEX_FILE
-    if index.is_file():
-        from lm_eval_sink.io import parse_json, read_text
-
-        again = "re-save the model with save_pretrained"
-        try:
-            weight_map = parse_json(read_text(index, "the index"), str(index), again)["weight_map"]
-        except (KeyError, TypeError) as e:
-            raise UserError(f"{index}: not a safetensors index (no {e})", again) from None
-        files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not (folder / f).is_file()]
-        if missing:
-            raise UserError(
-                f"{folder}: the index names shards that are missing: {', '.join(missing[:3])}",
-                "copy the complete checkpoint (every model-*.safetensors shard)",
-            )
-        return files
-    return sorted(p.name for p in folder.glob("*.safetensors"))
-
-
-def read_checkpoint(folder: Path) -> dict[str, TensorInfo]:
-    """Names, dtypes and shapes of every tensor, from the safetensors headers only."""
-    from safetensors import safe_open
-
-    files = _weight_files(folder)
-    if not files:
+def read_checkpoint(folder: Path) -> dict[str, Tensor]:
+    """Names, dtypes and shapes of every tensor, from the safetensors headers only (`weights.checkpoint_tensors`)."""
+    tensors = checkpoint_tensors(folder)
+    if not tensors:
         raise UserError(
             f"{folder}: no *.safetensors weights (pytorch_model*.bin is not read: streaming needs safetensors)",
             "convert once: load the model and save_pretrained(folder) (safetensors is the default)",
         )
-    tensors: dict[str, TensorInfo] = {}
-    for name in files:
-        try:
-            with safe_open(str(folder / name), framework="pt") as f:
-                for key in f.keys():
-                    sl = f.get_slice(key)
-                    if key in tensors:
-                        raise UserError(
-                            f"{folder}: tensor {key} is in both {tensors[key].file} and {name}",
-                            "re-save the checkpoint",
-                        )
-                    tensors[key] = TensorInfo(file=name, dtype=sl.get_dtype(), shape=tuple(sl.get_shape()))
-        except UserError:
-            raise
-        except Exception as e:  # safetensors raises its own error types for corrupt files
-            raise UserError(
-                f"{folder / name}: not a readable safetensors file ({str(e).splitlines()[0]})",
-                "re-download or re-save the checkpoint",
-            ) from None
     unknown = sorted({t.dtype for t in tensors.values()} - set(ST_DTYPES))
     if unknown:
         raise UserError(
@@ -114,7 +61,7 @@ def read_checkpoint(folder: Path) -> dict[str, TensorInfo]:
 class Reader:
     """Reads source tensors with `safe_open`, keeping only the shards still needed open."""
 
-    def __init__(self, folder: Path, tensors: dict[str, TensorInfo]) -> None:
+    def __init__(self, folder: Path, tensors: dict[str, Tensor]) -> None:
         self.folder, self.tensors = folder, tensors
         self._open: dict[str, tuple[contextlib.ExitStack, Any]] = {}
 

@@ -3,7 +3,7 @@
 Both directions refuse OUT_DIR when it is in the way or overlaps an input (before and after a
 hub id resolves to its snapshot), resolve the VLM (`models.resolve_model`, as a local folder),
 read its family, config and safetensors headers and plan (`plan.make_plan`); then `_write`
-builds the output in a `<out>.partial-<id>` sibling (`io.staged_dir`, holding `<out>.lock`, which
+builds the output in a `<out>.partial-<id>` sibling (`outputs.staged_dir`, holding `<out>.lock`, which
 first removes what a killed run left): the non-weight files, the planned shards streamed tensor
 by tensor, the verification (round-trip logits) and the report, marked `COMPLETE.json`,
 or `FAILED.json` when verification fails (the folder is kept for inspection). A direction (`_Job`)
@@ -37,7 +37,6 @@ from lm_eval_sink.extract.checkpoint import (
     Layout,
     Reader,
     ShardWriter,
-    TensorInfo,
     layout_bytes,
     read_checkpoint,
     write_index,
@@ -56,33 +55,21 @@ from lm_eval_sink.extract.plan import (
 )
 from lm_eval_sink.extract.rules import forward_rule, inverse_rule
 from lm_eval_sink.extract.verify import PROBE_TEXT, Verification, compare, logits, multimodal_token_ids, probe_ids
-from lm_eval_sink.io import (
-    COMPLETE,
-    SCHEMA_VERSION,
-    atomic_write_json,
-    atomic_write_text,
-    check_not_inputs,
-    check_output_dir,
-    key_versions,
-    provenance,
-    read_json,
-    staged_dir,
-    write_complete,
-)
+from lm_eval_sink.io import atomic_write_json, atomic_write_text, read_json
+from lm_eval_sink.keys import Work, key_versions
+from lm_eval_sink.outputs import COMPLETE, check_not_inputs, check_output_dir, staged_dir, write_complete
+from lm_eval_sink.provenance import SCHEMA_VERSION, provenance
 from lm_eval_sink.models import load_placed, model_fingerprint, resolve_model
+from lm_eval_sink.weights import Tensor
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SHARD_BYTES = 5 * 1024**3
 REPORT_FILE = "extraction.json"
 INJECT_REPORT_FILE = "injection.json"
-COMPLETE_FILE = COMPLETE  # the project's one marker name (io.COMPLETE)
+COMPLETE_FILE = COMPLETE  # the project's one marker name (outputs.COMPLETE)
 FAILED_FILE = "FAILED.json"
 _REPORT_FILES = {"extract": REPORT_FILE, "inject": INJECT_REPORT_FILE}
-# What an extraction or injection records of the code that made it (`code_versions` in its report and marker,
-# docs/identity.md): the hashes of this module and all it imports and reads (the tensor rules, the family files).
-CODE = (__name__,)
-CODE_PACKAGES = ("torch", "transformers", "safetensors")
 _MARKER_FILES = (COMPLETE_FILE, FAILED_FILE, REPORT_FILE, INJECT_REPORT_FILE)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 _TOKENIZER_COPY = (
@@ -148,7 +135,7 @@ class _Vlm:
     folder: Path
     config: Any
     family: Family
-    tensors: dict[str, TensorInfo]
+    tensors: dict[str, Tensor]
     plan: Plan
 
     def report_fields(self) -> dict[str, Any]:
@@ -184,14 +171,14 @@ class _Job:
 
 
 def _output(out_dir: str | Path, force: bool, inputs: list[str | Path]) -> Path:
-    """OUT_DIR, refused before any work when it is in the way or overlaps an input (`io.check_output_dir`)."""
+    """OUT_DIR, refused before any work when it is in the way or overlaps an input (`outputs.check_output_dir`)."""
     out = Path(out_dir).expanduser()
     check_output_dir(out, force, "OUT_DIR", inputs=inputs)
     return out
 
 
 def _resolve(name: str | Path, role: str, out: Path) -> Path:
-    """A model's local folder (a hub id's snapshot), refused when OUT_DIR overlaps it (`io.check_not_inputs`)."""
+    """A model's local folder (a hub id's snapshot), refused when OUT_DIR overlaps it (`outputs.check_not_inputs`)."""
     folder = Path(resolve_model(name, role, local=True, allow_adapter=False))
     check_not_inputs([out], inputs=[folder], option="OUT_DIR")
     return folder
@@ -251,9 +238,18 @@ def _write(job: _Job, vlm: _Vlm, out: Path, *, force: bool, start: float, progre
     return report
 
 
+@dataclass(frozen=True, slots=True)
+class ExtractCode(Work):
+    """What an extraction or injection records of the code that made it (`code_versions` in its report and marker):
+    the hashes of this module and all it imports and reads (the tensor rules, the family files), these packages'."""
+
+    CODE = (__name__,)
+    PACKAGES = ("torch", "transformers", "safetensors")
+
+
 def code_versions() -> dict[str, Any]:
-    """The code and package versions an extraction or injection records (`CODE`, `CODE_PACKAGES`)."""
-    return key_versions(CODE, CODE_PACKAGES)
+    """The code and package versions an extraction or injection records (`ExtractCode`)."""
+    return key_versions(ExtractCode)
 
 
 def _finish(tmp: Path, report: ExtractionReport) -> None:
@@ -367,7 +363,7 @@ def _cast(t: torch.Tensor, want: torch.dtype | None) -> torch.Tensor:
 
 
 def _forward(
-    plan: Plan, tensors: dict[str, TensorInfo], reader: Reader, skip: set[str], cast: torch.dtype | None
+    plan: Plan, tensors: dict[str, Tensor], reader: Reader, skip: set[str], cast: torch.dtype | None
 ) -> _Stream:
     """Backbone tensors in production order; each source shard is closed once no later unit needs it."""
     order = production_order(plan, tensors)
@@ -466,7 +462,7 @@ def _copy_vlm_files(vlm: Path, tmp: Path) -> dict[str, Any]:
 
 def _inverse(
     plan: Plan,
-    tensors: dict[str, TensorInfo],
+    tensors: dict[str, Tensor],
     layout: Layout,
     vlm_reader: Reader,
     bb_reader: Reader,

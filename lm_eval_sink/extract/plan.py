@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,9 +21,10 @@ from typing import Any
 import torch
 
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.extract.checkpoint import ST_DTYPES, Entry, Layout, TensorInfo, entry_bytes, shard_names
+from lm_eval_sink.extract.checkpoint import ST_DTYPES, Entry, Layout, entry_bytes, shard_names
 from lm_eval_sink.extract.families import Family, TensorRule, Variant
 from lm_eval_sink.extract.rules import forward_rule
+from lm_eval_sink.weights import Tensor
 
 _DTYPE_NAMES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DTYPE_CHOICES = ("keep", *_DTYPE_NAMES)
@@ -95,7 +97,7 @@ class Plan:
 
 
 def _claim(
-    tensors: dict[str, TensorInfo], rules: tuple[TensorRule, ...], ignore: tuple[re.Pattern[str], ...], path: Path
+    tensors: dict[str, Tensor], rules: tuple[TensorRule, ...], ignore: tuple[re.Pattern[str], ...], path: Path
 ) -> tuple[list[Unit], list[str]]:
     compiled = [r.patterns() for r in rules]
     groups: dict[tuple[int, tuple[tuple[str, str], ...]], dict[int, str]] = {}
@@ -199,7 +201,7 @@ def _expected_tensors(config: Any) -> tuple[dict[str, tuple[int, ...]], dict[str
     return {k: tuple(v.shape) for k, v in state.items()}, tie_map
 
 
-def make_plan(vlm_config: Any, tensors: dict[str, TensorInfo], family: Family, path: Path) -> Plan:
+def make_plan(vlm_config: Any, tensors: dict[str, Tensor], family: Family, path: Path) -> Plan:
     """Match the checkpoint's tensors to the target class and decide tying, before any data moves.
 
     `vlm_config`: the VLM's transformers config; `path` names the VLM in errors.
@@ -286,7 +288,7 @@ def _check_names(want: set[str], produced: dict[str, str], target_class: str, fa
 
 def _check_shapes(
     units: list[Unit],
-    tensors: dict[str, TensorInfo],
+    tensors: dict[str, Tensor],
     expected: dict[str, tuple[int, ...]],
     target_class: str,
     path: Path,
@@ -313,7 +315,7 @@ def _check_shapes(
     return dropped_rows
 
 
-def output_dtype(choice: str, tensors: dict[str, TensorInfo], units: tuple[Unit, ...]) -> torch.dtype:
+def output_dtype(choice: str, tensors: dict[str, Tensor], units: tuple[Unit, ...]) -> torch.dtype:
     """The dtype `choice` names; for "keep", the floating dtype holding most of the language tensors' bytes."""
     if choice in _DTYPE_NAMES:
         return _DTYPE_NAMES[choice]
@@ -322,11 +324,11 @@ def output_dtype(choice: str, tensors: dict[str, TensorInfo], units: tuple[Unit,
         for s in unit.sources:
             d = ST_DTYPES[tensors[s].dtype]
             if d.is_floating_point:
-                weight[d] = weight.get(d, 0) + tensors[s].nbytes
+                weight[d] = weight.get(d, 0) + math.prod(tensors[s].shape) * d.itemsize
     return max(weight, key=weight.get) if weight else torch.float32
 
 
-def production_order(plan: Plan, tensors: dict[str, TensorInfo]) -> list[Unit]:
+def production_order(plan: Plan, tensors: dict[str, Tensor]) -> list[Unit]:
     """Units in source-shard order, so each source shard is read once."""
     return sorted(plan.units, key=lambda u: (min(tensors[s].file for s in u.sources), u.sources))
 
@@ -348,7 +350,7 @@ def tie_pair(plan: Plan) -> tuple[str, str] | None:
 
 
 def extract_layout(
-    plan: Plan, tensors: dict[str, TensorInfo], cast: torch.dtype | None, skip: set[str], max_shard_bytes: int
+    plan: Plan, tensors: dict[str, Tensor], cast: torch.dtype | None, skip: set[str], max_shard_bytes: int
 ) -> Layout:
     """The backbone's shards: targets in production order (floating ones cast to `cast`), cut at `max_shard_bytes`."""
     entries: list[Entry] = []
@@ -367,7 +369,7 @@ def extract_layout(
     return tuple(zip(shard_names(len(shards)), (tuple(s) for s in shards), strict=True))
 
 
-def mirror_layout(tensors: dict[str, TensorInfo]) -> Layout:
+def mirror_layout(tensors: dict[str, Tensor]) -> Layout:
     """The VLM's own shards: each file's tensors, sorted by name, in their stored dtype."""
     files = sorted({t.file for t in tensors.values()})
     return tuple(
@@ -376,7 +378,7 @@ def mirror_layout(tensors: dict[str, TensorInfo]) -> Layout:
 
 
 def check_backbone(
-    plan: Plan, config: dict[str, Any], tensors: dict[str, TensorInfo], backbone: Path, vlm: Path
+    plan: Plan, config: dict[str, Any], tensors: dict[str, Tensor], backbone: Path, vlm: Path
 ) -> dict[str, str]:
     """Check a backbone (its config.json contents and tensors) against the plan; return aliases {needed: stored}."""
     want_type = plan.target_config.model_type

@@ -44,7 +44,7 @@ def describe(tasks: Sequence[str], include_path: str | None) -> dict[str, Any]:
     generating task's own `generation_kwargs` (groups and tags expanded)."""
     import glob
 
-    from lm_eval_sink.harness.discovery import own_task_names, task_leaves
+    from lm_eval_sink.harness.discovery import index_of, own_task_names, task_leaves
     from lm_eval_sink.schema import did_you_mean
 
     manager = task_manager(include_path)
@@ -58,7 +58,7 @@ def describe(tasks: Sequence[str], include_path: str | None) -> dict[str, Any]:
         matches = manager.match_tasks([name])
         if not matches:
             unknown[name] = did_you_mean(name, manager.all_tasks)
-        for task, cfg in sorted(task_leaves(matches, manager.task_index).items()):
+        for task, cfg in sorted(task_leaves(matches, index_of(manager)).items()):
             if task not in own_task_names() and "class" not in cfg and cfg.get("output_type") == "generate_until":
                 generation[task] = cfg.get("generation_kwargs")
     return {"unknown": unknown, "generation": generation}

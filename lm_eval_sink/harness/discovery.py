@@ -10,7 +10,7 @@
 - `patch_evaluator`: a task of this project (named, or through a group or tag, resolved with
   lm-eval's TaskManager) asked of a backend without attention access (vllm, ...: anything but HFLM)
   is decided before lm-eval builds the model: under `--model vllm`, where the engine path is exact,
-  measured on the engine lm-eval builds (`engine_strength.py`: the model_args get this project's
+  measured on the engine lm-eval builds (`engine_strength.py`: it is built with this project's
   worker extension); otherwise measured first with transformers in a child process when the
   backend's `pretrained` is a checkpoint transformers can load (`measure_first.py`, with one line
   saying why under vLLM), and refused in one line otherwise. Then, in `evaluate`, before any request
@@ -20,10 +20,11 @@
   before any other task's and a failure in S comes before hours of generation, not after them.
 - `patch_cli`: under the `lm_eval` console script, this project's `UserError`s print one line
   (`error: ...`) and exit 2 instead of a traceback.
-Each patch is idempotent and keeps lm-eval's own behaviour for everything else. Before it replaces anything,
-each checks that its target is what its wrapper was written for (`patching.patch`: the parameters the wrapper passes or
-reads, and what else it relies on), not lm-eval's version; a target that differs is left as installed, with
-one warning line per process (`patching.left_as_installed`) naming lm-eval's version and the explicit way.
+Each patch is idempotent and keeps lm-eval's own behaviour for everything else. Each declares what it relies on
+(`patching.patch`: the parameters its wrapper passes or reads, the attributes and methods it reads on lm-eval's
+objects), checked before it replaces anything; a target that differs is left as installed, with one warning line
+per patch naming it, lm-eval's version and the explicit way. A wrapper's own part that fails unexpectedly on a call
+holding none of this project's tasks hands the call to lm-eval's own function (`patching.attempt`).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from typing import Any
 
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.harness.backends import backend_label, has_attention, unsupported
-from lm_eval_sink.harness.patching import patch
+from lm_eval_sink.harness.patching import HANDED_BACK, attempt, patch, read_name
 from lm_eval_sink.harness.vllm_preflight import check_engine_memory
 
 log = logging.getLogger(__name__)
@@ -107,9 +108,17 @@ def _path_entry(path: Path) -> Any:
     return None if entry is None else replace(entry, cfg=load_yaml(path, resolve_func=False))
 
 
+INDEX = "task_index|_task_index"  # TaskManager's index of entries: lm-eval 0.4.13's name, then 0.5's
+
+
+def index_of(manager: Any) -> dict[str, Any]:
+    """A TaskManager's index of entries (name -> lm-eval's `Entry`), under either version's name."""
+    return getattr(manager, read_name(type(manager), INDEX) or INDEX)
+
+
 def own_tasks_in(requested: list[Any], manager: Any) -> list[str]:
     """This project's tasks among `requested` (names, YAML paths, config dicts), through groups and tags, sorted."""
-    return own_leaves(task_leaves(requested, manager.task_index))
+    return own_leaves(task_leaves(requested, index_of(manager)))
 
 
 @functools.cache
@@ -147,6 +156,17 @@ def _model_args(model_args: Any) -> dict[str, Any]:
     return simple_parse_args_string(model_args) if isinstance(model_args, str) else dict(model_args or {})
 
 
+def check_pretrained(arguments: dict[str, Any]) -> None:
+    """Before anything loads: a local `pretrained` folder's safetensors files (`weights.check_weights`), one line
+    naming a file that is missing, cut short or not safetensors."""
+    from lm_eval_sink.weights import check_weights
+
+    model_args = _model_args(arguments.get("model_args")) if isinstance(arguments.get("model"), str) else {}
+    pretrained = model_args.get("pretrained")
+    if isinstance(pretrained, str) and Path(pretrained).is_dir():
+        check_weights(Path(pretrained))
+
+
 def _task_manager(arguments: dict[str, Any]) -> Any:
     """The TaskManager simple_evaluate would build itself (model_args and metadata as every task's metadata)."""
     if arguments.get("task_manager") is not None:
@@ -160,8 +180,8 @@ def measure_first_request(arguments: dict[str, Any]) -> tuple[Any, Any] | None:
     """Before lm-eval builds a backend without attention access, where this project's tasks are measured, with the
     TaskManager that found them; None when none is asked of such a backend.
     - Under `--model vllm`, where the engine path is exact (`engine_strength.decide`, from config.json and the
-      model_args): (None, task_manager), `arguments["model_args"]` given this project's worker extension, so the
-      engine lm-eval builds measures S in its own forward and nothing else loads the checkpoint.
+      model_args): (None, task_manager); the engine lm-eval then builds carries the capture
+      (`engine_strength.engine_builder`) and measures S in its own forward, and nothing else loads the checkpoint.
     - Otherwise measured first (`measure_first.py`; or kept by an earlier call that failed after it,
       `kept_strength.Kept`): (Kept, task_manager), the hub revisions pinned to the commits measured in
       `arguments["model_args"]`, which the engine then gets; one line saying why a `--model vllm` call's S is not
@@ -174,21 +194,17 @@ def measure_first_request(arguments: dict[str, Any]) -> tuple[Any, Any] | None:
     if has_attention(model_class):
         return None
     task_manager = _task_manager(arguments)
-    tasks = arguments.get("tasks")
-    requested = [tasks] if isinstance(tasks, (str, dict)) else list(tasks or [])
-    requested = [t for r in requested for t in (r.split(",") if isinstance(r, str) else [r])]
-    ours = own_tasks_in(requested, task_manager)
+    ours = own_tasks_in(_requested(arguments), task_manager)
     if not ours:
         return None
     label = model if isinstance(model, str) else backend_label(type(model))
     model_args = _model_args(arguments.get("model_args")) if isinstance(model, str) else {}
     if not model_args.get("pretrained"):
         raise unsupported(ours[0], label)
-    from lm_eval_sink.harness.engine_strength import decide, is_lm_eval_vllm, with_extension
+    from lm_eval_sink.harness.engine_strength import decide, is_lm_eval_vllm
 
     why = decide(model_class, model_args)
     if why is None:
-        arguments["model_args"] = with_extension(arguments.get("model_args"))
         return None, task_manager
     said = why if is_lm_eval_vllm(model_class) else None  # the line is vLLM's alone
     return _measured_first(arguments, task_manager, ours, label, said)
@@ -259,16 +275,20 @@ def _wrap_build(original: Any) -> Any:
 
     lm_evals = Path(lm_eval.__file__).parent / "tasks"  # the folder of lm-eval's defaults (TaskManager's own)
 
+    def with_ours(paths: list[Path], resolve_includes: bool) -> dict[str, Any]:
+        if tasks_dir() not in paths:
+            paths = [paths[0], tasks_dir(), *paths[1:]]
+        index = cached_build(original, paths, resolve_includes=resolve_includes)
+        _apply_offline_overrides(index)
+        return index
+
     @functools.wraps(original)
     def build(paths: Any, *, resolve_includes: bool = True, **more: Any) -> dict[str, Any]:
         paths = [Path(p) for p in paths]
         if more or not paths or paths[0] != lm_evals:
             return original(paths, resolve_includes=resolve_includes, **more)
-        if tasks_dir() not in paths:
-            paths.insert(1, tasks_dir())
-        index = cached_build(original, paths, resolve_includes=resolve_includes)
-        _apply_offline_overrides(index)
-        return index
+        index = attempt("TaskIndex.build", lambda: with_ours(paths, resolve_includes), lambda: False)
+        return original(paths, resolve_includes=resolve_includes) if index is HANDED_BACK else index
 
     return build
 
@@ -321,12 +341,36 @@ def own_task_names() -> frozenset[str]:
     )
 
 
+def _holds_own(task_dict: Any) -> bool:
+    """Whether an `evaluate` task dict holds a task of this project."""
+    from lm_eval_sink.harness.task import REQUEST_TYPE
+
+    tasks = task_dict.get("tasks") if isinstance(task_dict, dict) else None
+    return any(getattr(t, "OUTPUT_TYPE", None) == REQUEST_TYPE for t in (tasks or {}).values())
+
+
 def _wrap_evaluate(original: Any) -> Any:
     @functools.wraps(original)
     def evaluate(lm: Any, task_dict: Any, *args: Any, **kwargs: Any) -> Any:
-        return original(lm, prepare_tasks(lm, task_dict), *args, **kwargs)
+        prepared = attempt("evaluate", lambda: prepare_tasks(lm, task_dict), lambda: _holds_own(task_dict))
+        return original(lm, task_dict if prepared is HANDED_BACK else prepared, *args, **kwargs)
 
     return evaluate
+
+
+def _requested(arguments: dict[str, Any]) -> list[Any]:
+    """simple_evaluate's `tasks` as a list: names (a comma list split), YAML paths, config dicts, Task objects."""
+    tasks = arguments.get("tasks")
+    requested = [tasks] if isinstance(tasks, (str, dict)) else list(tasks or [])
+    return [t for r in requested for t in (r.split(",") if isinstance(r, str) else [r])]
+
+
+def _names_own(arguments: dict[str, Any]) -> bool:
+    """Whether simple_evaluate's `tasks` may hold a task of this project (`holds_own_task`; a config dict: yes)."""
+    requested = _requested(arguments)
+    return holds_own_task(tuple(t for t in requested if isinstance(t, str)), None) or any(
+        isinstance(t, dict) for t in requested
+    )
 
 
 def _wrap_simple_evaluate(original: Any) -> Any:
@@ -338,23 +382,47 @@ def _wrap_simple_evaluate(original: Any) -> Any:
             bound = signature.bind(*args, **kwargs)
         except TypeError:  # lm-eval's own error for bad arguments, unchanged
             return original(*args, **kwargs)
-        check_engine_memory(bound.arguments)  # vllm_preflight: vLLM's start-up memory check, before anything loads
-        first = measure_first_request(bound.arguments)
-        if first is None:
+        first = attempt("simple_evaluate", lambda: _first(bound.arguments), lambda: _names_own(bound.arguments))
+        if first is None or first is HANDED_BACK:
             return original(*args, **kwargs)
         from lm_eval_sink.harness.task import provided
 
         kept, bound.arguments["task_manager"] = first
-        if kept is None:  # S measured on the engine lm-eval builds (engine_strength)
-            return original(*bound.args, **bound.kwargs)
+        if kept is None:  # S measured on the engine lm-eval builds, built with the capture (engine_strength)
+            from lm_eval_sink.harness.engine_strength import engine_builder
+
+            with engine_builder():
+                return original(*bound.args, **bound.kwargs)
         with provided(kept.measured), kept.on_failure():  # kept_strength: S kept if the call fails after it
             return original(*bound.args, **bound.kwargs)
 
     return simple_evaluate
 
 
+def _first(arguments: dict[str, Any]) -> Any:
+    check_engine_memory(arguments)  # vllm_preflight: vLLM's start-up memory check, before anything loads
+    check_pretrained(arguments)
+    return measure_first_request(arguments)
+
+
 # What `measure_first_request` reads of simple_evaluate's arguments, by name.
 SIMPLE_EVALUATE_ARGS = ("model", "model_args", "tasks", "task_manager", "metadata")
+
+
+def _lm_eval_reads() -> tuple[tuple[Any, str], ...]:
+    """What `measure_first_request` and `task_leaves` read on lm-eval's objects (its `Entry` and `Kind`:
+    `task_index.entry_mismatch`)."""
+    import lm_eval.api.registry as registry
+    import lm_eval.utils as lu
+    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks._index import TaskIndex
+
+    return (
+        (TaskManager, INDEX),
+        (TaskIndex, "entry_from_path"),
+        (registry, "get_model"),
+        (lu, "simple_parse_args_string"),
+    )
 
 
 def patch_evaluator() -> None:
@@ -362,8 +430,11 @@ def patch_evaluator() -> None:
     built (`simple_evaluate`)."""
     import lm_eval.evaluator as ev
 
+    from lm_eval_sink.harness.task_index import entry_mismatch
+
     patch(ev, "evaluate", _wrap_evaluate, leading=("lm", "task_dict"))
-    patch(ev, "simple_evaluate", _wrap_simple_evaluate, needs=SIMPLE_EVALUATE_ARGS)
+    reads = _lm_eval_reads()
+    patch(ev, "simple_evaluate", _wrap_simple_evaluate, needs=SIMPLE_EVALUATE_ARGS, reads=reads, more=entry_mismatch)
 
 
 def _wrap_cli(original: Any) -> Any:
@@ -431,7 +502,7 @@ def strength_lines(result_dict: dict[str, Any]) -> list[str]:
         depth = setting.attention_layers or "the"
         share = "" if setting.k_share is None else f" ({setting.k_share:.0%})"
         where = f"all {depth}" if setting.last_k_asked is None else f"the last {setting.last_k} of {depth}"
-        parts = [f"{task}: S = {s:.4f} over {where} attention layers{share}"]
+        parts = [f"{task}: S = {s:.4f} {setting.measured_in()} over {where} attention layers{share}"]
         parts.append(f"position 0 is the sink in {100 * pos0:.1f}% of rows")
         content, template = m.get("sink_strength_content_rows,none"), m.get("sink_strength_template_rows,none")
         if isinstance(content, float) and isinstance(template, float):
@@ -460,9 +531,16 @@ def _limit_line(result_dict: dict[str, Any], task: str) -> list[str]:
 def _wrap_table(original: Any) -> Any:
     @functools.wraps(original)
     def make_table(result_dict: dict[str, Any], *args: Any, **kwargs: Any) -> str:
-        table = original(_compact_matrices(result_dict), *args, **kwargs)
         column = args[0] if args else kwargs.get("column", "results")
-        lines = strength_lines(result_dict) if column == "results" else []
+
+        def work() -> tuple[dict[str, Any], list[str]]:
+            return _compact_matrices(result_dict), strength_lines(result_dict) if column == "results" else []
+
+        prepared = attempt("make_table", work, lambda: bool(set(result_dict.get(column) or ()) & own_task_names()))
+        if prepared is HANDED_BACK:
+            return original(result_dict, *args, **kwargs)
+        table = original(prepared[0], *args, **kwargs)
+        lines = prepared[1]
         return "\n".join([table.rstrip("\n"), *lines]) + "\n" if lines else table
 
     return make_table

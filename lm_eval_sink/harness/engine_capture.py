@@ -1,72 +1,30 @@
 """Sink Strength from a vLLM engine's own forward: a worker extension that reads each attention layer's query and key.
 
-vLLM runs every decoder attention layer as `layer.impl.forward(layer, query, key, value, kv_cache, attn_metadata,
-output=...)`, called from `unified_attention_with_output` (vllm/model_executor/layers/attention/attention.py). On
-CPUs and CUDA that call sits inside the opaque custom op `vllm::unified_attention_with_output`, so its Python runs
-also when the model is compiled: torch.compile does not trace into it. On a GPU, CUDA graphs replay kernels without
-Python; with vLLM's default `cudagraph_mode` FULL_AND_PIECEWISE, full graphs serve uniform decode batches only, and a
-prefill batch is dispatched to the piecewise graphs (`CudagraphDispatcher.dispatch`: the FULL keys of the mixed
-routine exist only for `cudagraph_mode` FULL), whose pieces are split at that custom op and run it eagerly. So a
-measured prefill always reaches the layer's Python, except under `cudagraph_mode` FULL, which is refused.
-
-`SinkCaptureMixin` is a `worker_extension_cls` (named methods, called through `LLM.collective_rpc("name", ...)`; a
-plain callable would need vLLM's insecure serialization switch). While a measurement is armed
-(`sink_capture_arm`), the `impl.forward` of each measured layer is wrapped: the wrapper calls the original with the
-same arguments (so the layer's output is the same tensor it always is), then reduces the prefill's query and key to
-capture.py's per-row statistics with capture.py's own row math (`_row_stats`, `query_chunk` rows at a time: at most
-one [heads, chunk, T] float32 block per layer besides the float32 keys), in float32, with the layer's scale
-(`impl.scale`), logit soft-capping (`impl.logits_soft_cap`), causal mask and sliding window (`layer.sliding_window`,
-transformers' `key > query - window`), and GQA (`num_heads // num_kv_heads` query heads per KV head) as the layer
-applies them. Only those statistics leave the worker (`sink_capture_collect`), packed as bytes (vLLM's default
-serializer carries no numpy arrays in utility results); `sink_capture_disarm` restores every `impl.forward`.
-
-The driver (`measure_on_engine`) sends each calibration prompt alone, as token ids, with one greedy output token,
-`skip_reading_prefix_cache` (no prefix-cache hit: the layer's `key` holds the whole prompt) and a cache salt of its
-own (no later request reads the blocks it writes); a prompt longer than the scheduler's `max_num_batched_tokens`
-(chunked prefill would split it) is refused before anything runs. Each worker records a forward only when it is one
-request's whole prefill (`query_start_loc`, `seq_lens`); any other forward while armed is reported and refused.
-Under tensor parallelism each rank reduces its own query heads (vLLM's column split: rank r holds the r-th
-contiguous block) and the driver concatenates them in rank order, the model's head order.
-
-`engine_refusal(config, engine_args)` is the pure check the caller runs on the checkpoint's config and the engine's
-arguments before building the engine: None where the engine path is exact, else the one-line reason (the transformers
-child measures S then). The workers check again on the built engine (`sink_capture_arm`).
+`SinkCaptureMixin` (a `worker_extension_cls`, called by name through `LLM.collective_rpc`) wraps the `impl.forward`
+of each measured attention layer while a measurement is armed: the original runs unchanged, then the prefill's query
+and key are reduced to capture.py's per-row statistics with capture.py's own row math, in float32, with the layer's
+scale, soft-capping, sliding window and GQA; only those statistics leave the workers. `measure_on_engine` sends each
+calibration prompt alone (one greedy token, no prefix-cache read, a cache salt of its own) and checks that every
+recorded forward is one request's whole prefill. Whether an engine measures S at all is decided before it is built
+(`engine_decision.s_refusal`); the workers check again on the built engine. Why this works under torch.compile and
+CUDA graphs, tensor parallelism, and the figures: docs/sink-strength.md ("S inside a vLLM engine").
 """
 
 from __future__ import annotations
 
-import json
 import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lm_eval_sink.calibration import DEFAULT_QUERY_CHUNK, EncodedPrompts
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.harness.engine_decision import READABLE_BACKENDS, SWITCH
 
-# The architectures whose engine statistics are tested equal to transformers' eager capture (tests/
-# test_engine_capture.py: Llama, Gemma 2, Gemma 3 in `make test`; Mistral, Qwen2, Qwen3 and tensor parallel 2 in
-# `make test-engine`). Others may well work; they stay with the transformers child until a test says so.
-VERIFIED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "Gemma2ForCausalLM",
-    "Gemma3ForCausalLM",
-)
-# vLLM 0.32's attention backends whose per-layer metadata holds each request's query rows and length
-# (`query_start_loc`, `seq_lens`), which the workers read to know a forward is one request's whole prefill. FlashInfer's
-# holds neither, and it is vLLM's default on compute capability 10.x GPUs (`platforms/cuda.py`).
-READABLE_BACKENDS = ("CPU_ATTN", "FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION")
 CACHE_SALT = "lm_eval_sink-sink-strength"  # the measured prompts' KV blocks are reachable by no other request
 # What the wrapper of `impl.forward` reads of vLLM's call, by position (`unified_attention_with_output` passes them
 # so, then `output=` and the scales by name): an implementation whose parameters begin otherwise is refused, since
 # reading another argument as the query or the key would give statistics of the wrong tensors without an error.
 FORWARD_PARAMETERS = ("layer", "query", "key", "value", "kv_cache", "attn_metadata")
-_SOFTMAX_LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-SWITCH = "LM_EVAL_SINK_S_ON_ENGINE"  # 0: S with the transformers child under --model vllm (harness/engine_strength.py)
 
 
 class EngineCaptureRefused(UserError):
@@ -79,107 +37,6 @@ class EngineCaptureRefused(UserError):
             "engine starts), or run lm-eval-sink strength on the checkpoint",
         )
         self.reason = reason
-
-
-def _as_dict(config: Any) -> dict[str, Any]:
-    if hasattr(config, "to_dict"):
-        return config.to_dict()
-    return dict(config)
-
-
-def _text_config(config: dict[str, Any]) -> dict[str, Any]:
-    text = config.get("text_config")
-    return _as_dict(text) if text else config
-
-
-def _architecture_refusal(config: dict[str, Any]) -> str | None:
-    """Why the checkpoint's architecture is not measured in the engine, from its config.json alone."""
-    text = _text_config(config)
-    arch = (config.get("architectures") or [config.get("model_type", "unknown")])[0]
-    if config.get("is_encoder_decoder"):
-        return f"{arch} is an encoder-decoder model (its cross-attention has no causal sink)"
-    if any(text.get(k) is not None for k in ("kv_lora_rank", "q_lora_rank")):
-        return (
-            f"{arch} uses multi-head latent attention (MLA): the engine's MLA layers attend a compressed latent, "
-            "not per-head keys"
-        )
-    other = sorted(set(text.get("layer_types") or ()) - set(_SOFTMAX_LAYER_TYPES))
-    if other:
-        return (
-            f"{arch} has layers of type {', '.join(other)}: linear attention, state-space or indexed layers, which "
-            "are no full or sliding softmax attention"
-        )
-    if arch not in VERIFIED_ARCHITECTURES:
-        return (
-            f"{arch}: the engine's statistics are verified against transformers' eager capture for "
-            f"{', '.join(VERIFIED_ARCHITECTURES)} only"
-        )
-    return None
-
-
-def _full_graphs_for_prefills(engine_args: Mapping[str, Any]) -> bool:
-    """Whether `compilation_config` (a dict, a JSON string, or vLLM's object) asks for full CUDA graphs of prefill
-    batches: `cudagraph_mode` FULL, or piecewise graphs with no splitting op (which vLLM turns into FULL)."""
-    cc = engine_args.get("compilation_config")
-    if isinstance(cc, str) and cc.strip().startswith("{"):
-        cc = json.loads(cc)
-    field = cc.get if isinstance(cc, Mapping) else lambda name: getattr(cc, name, None)
-    mode = field("cudagraph_mode")
-    mode = None if mode is None else str(getattr(mode, "name", mode)).upper()
-    return mode == "FULL" or (field("splitting_ops") == [] and mode in (None, "FULL_AND_PIECEWISE"))
-
-
-def _backend_refusal(engine_args: Mapping[str, Any], gpu_major: int | None) -> str | None:
-    """Why the attention backend the engine will run keeps the workers from reading each request's rows: the one
-    `attention_backend` names, else vLLM's default on the GPU (`gpu_major`: its compute capability, None: no GPU)."""
-    given = engine_args.get("attention_backend") or (engine_args.get("attention_config") or {}).get("backend")
-    given = None if given is None else str(getattr(given, "name", given)).upper()
-    if given is not None and given not in READABLE_BACKENDS:
-        return f"attention_backend {given}: its attention metadata holds no per-request query_start_loc and seq_lens"
-    if given is None and gpu_major == 10:
-        return (
-            "on a compute capability 10.x GPU vLLM runs FlashInfer attention by default, whose metadata holds no "
-            "per-request query_start_loc and seq_lens (attention_backend=FLASH_ATTN in the model_args keeps S on "
-            "the engine)"
-        )
-    return None
-
-
-def _engine_args_refusal(config: dict[str, Any], engine_args: Mapping[str, Any]) -> str | None:
-    """Why the engine's arguments keep S from being exact in the engine."""
-    kv = str(engine_args.get("kv_cache_dtype") or "auto")
-    scheme = (config.get("quantization_config") or {}).get("kv_cache_scheme")
-    if kv != "auto" or scheme:
-        return (
-            f"a quantized KV cache (kv_cache_dtype={kv if kv != 'auto' else 'fp8 from the checkpoint'}): the engine "
-            "attends the cached keys, which differ from the layer's key"
-        )
-    if int(engine_args.get("data_parallel_size") or 1) > 1:
-        return "data_parallel_size > 1: lm-eval runs the engines in Ray actors, not in its own process"
-    if int(engine_args.get("pipeline_parallel_size") or 1) > 1:
-        return "pipeline_parallel_size > 1 is not verified for the engine's capture"
-    eager = str(engine_args.get("enforce_eager", False)).lower() in ("1", "true", "yes", "on")
-    if _full_graphs_for_prefills(engine_args) and not eager:
-        return (
-            "cudagraph_mode FULL replays prefill batches as CUDA graphs, where the attention layer's Python never "
-            "runs (vLLM's default FULL_AND_PIECEWISE with its splitting ops, or enforce_eager, runs them eagerly)"
-        )
-    return None
-
-
-def engine_refusal(
-    config: Any, engine_args: Mapping[str, Any] | None = None, gpu_major: int | None = None
-) -> str | None:
-    """None when S can be measured exactly inside a vLLM engine built with `engine_args` (LLM keyword arguments:
-    kv_cache_dtype, data_parallel_size, pipeline_parallel_size, enforce_eager, compilation_config, attention_backend)
-    for a checkpoint whose config.json is `config` (a dict or a transformers config), on a GPU of compute capability
-    `gpu_major` (None: none, or not known); else the one-line reason. Pure: reads nothing."""
-    config, engine_args = _as_dict(config), engine_args or {}
-    return (
-        _architecture_refusal(config)
-        or _engine_args_refusal(config, engine_args)
-        or _backend_refusal(engine_args, gpu_major)
-    )
 
 
 # --- in the workers ----------------------------------------------------------------------------------------------

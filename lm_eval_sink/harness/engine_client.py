@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import struct
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -51,25 +50,20 @@ def _file_sha(path: Path) -> str:
     return sha256_file(path)
 
 
-def safetensors_shapes(path: Path) -> dict[str, list[int]]:
-    """Each tensor's shape, from a safetensors file's header (8 bytes of length, then JSON): no tensor is read."""
-    with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
-    return {name: list(entry["shape"]) for name, entry in header.items() if name != "__metadata__"}
-
-
 def tensor_elements(folder: Path) -> int:
     """The elements of a checkpoint's largest tensor, from its safetensors headers (0 without any)."""
-    shapes = (s for shard in sorted(folder.glob("*.safetensors")) for s in safetensors_shapes(shard).values())
-    return max((math.prod(s) for s in shapes), default=0)
+    from lm_eval_sink.weights import checkpoint_tensors
+
+    return max((math.prod(t.shape) for t in checkpoint_tensors(folder).values()), default=0)
 
 
 def _tensors(folder: Path) -> dict[str, Any]:
     """Every weight tensor's shape (safetensors); for other formats the weight files' names (shapes unread)."""
-    shards = sorted(folder.glob("*.safetensors"))
-    if shards:
-        return {name: shape for shard in shards for name, shape in safetensors_shapes(shard).items()}
+    from lm_eval_sink.weights import checkpoint_tensors
+
+    tensors = checkpoint_tensors(folder)
+    if tensors:
+        return {name: list(t.shape) for name, t in tensors.items()}
     return {"files": sorted(p.name for p in folder.glob("*.bin"))}
 
 

@@ -1,45 +1,12 @@
 """The resident vLLM engine's process: lm-eval's vLLM model on one engine that takes each checkpoint's weights.
 
-`harness.engine_client.EngineProcess` starts it in the vLLM interpreter as
-`PYTHON -m lm_eval_sink.harness.engine_server` and talks to it in JSON lines: one request per line on
-its stdin, one answer line per request on the stdout it was started with (the process points its own
-stdout at stderr before anything else, so nothing vLLM, lm-eval or transformers print can mix with
-the answers; during a request stderr is that unit's lm-eval log):
-
-    -> {"op": "eval", "model": NAME, "weights": FOLDER, "output_path": DIR, "log": FILE,
-        "settings": EvalSettings.to_json(), "new_engine": WHY or null}
-    <- {"ok": true, "results": FILE, "samples": {TASK: FILE}, "engine": {...}, "timings": {...},
-        "peak_rss": BYTES, "peak_accelerator_memory": {DEVICE: BYTES} or null}
-    <- {"ok": false, "error": LINE, "hint": FIX or null}
-    -> {"op": "strength", "model": NAME, "weights": FOLDER, "settings": StrengthSettings as JSON, "info": {...}}
-        (a strength: unit of the checkpoint the engine holds now: its eval unit ran last)
-    <- {"ok": true, "strength": SinkStrength.to_json(), "timings": {...}, "peak_rss": BYTES}
-    -> {"op": "close"}  (or the end of stdin: the sweep's process is gone) and the process exits
-
-An eval request runs lm-eval in this process as its CLI would (`inprocess.cli_config` parses the
-same `EvalSettings.command`, `simple_evaluate` gets `--model vllm` and the checkpoint's model_args,
-one TaskManager serves every request), so lm-eval builds its vLLM model for each checkpoint, with
-that checkpoint's config, tokenizer and chat template, and the start-up hook decides where this project's
-tasks are measured: on the engine (`engine_strength.py`, where the engine path is exact) or first, with
-transformers, on the checkpoint's folder (`measure_first.py`). An eval answer says whether a `strength`
-request can measure on the engine (`engine_s`: the engine's dtype and why not, or null); a `strength`
-request measures a sweep's `strength:` unit on the checkpoint the engine holds (`engine_strength.measure_strength`),
-so no second copy of the weights loads. Only the engine is kept: the `LLM(...)`
-that lm-eval's model asks for is the resident one, after `reload_weights` from the checkpoint's
-folder (vLLM's worker method, through `LLM.collective_rpc`), `reset_prefix_cache()` (no KV block of
-the previous weights is reused) and the seed the engine's workers set after a build (sampled
-decoding starts from the same generator state as on a fresh engine). Every call into the workers
-names a method: vLLM's own, or `engine_worker.EngineWorkerExtension`'s, which the engine is built
-with (`worker_extension_cls`), so it runs in vLLM's default process mode (engine core in a process
-of its own), where a plain function would not pass vLLM's serializer. lm-eval's `LLM(...)`
-arguments for each checkpoint must equal the first one's but for where the checkpoint comes from
-(`PER_CHECKPOINT`: the model and its pinned revisions). The first request builds the
-engine, from its checkpoint; `new_engine` is why the sweep started this process (the first
-checkpoint, one that differs from the previous engine's in a setting fixed at start, or a failed
-unit before), recorded with the unit. A process serves one engine: after a failed unit (whose
-reload may have left the weights half written) it refuses further units, and the sweep starts a
-new process, as for a new engine (an engine built again in the same process kept about 0.8 GB
-more memory than the first on a CPU: a fresh process starts clean).
+`harness.engine_client.EngineProcess` starts it in the vLLM interpreter (`python -m lm_eval_sink.harness.engine_server`)
+and sends one JSON request per line on its stdin (`eval`, `strength`, `close`); each gets one answer line on the
+stdout it was started with (the process's own stdout then writes to stderr, the unit's log). An `eval` request runs
+lm-eval in this process as its CLI would, the `LLM(...)` lm-eval's vLLM model asks for being the resident engine
+(`ResidentEngine.serving`: built for the first checkpoint, then `reload_weights`, prefix-cache reset and reseed);
+a `strength` request measures a sweep's `strength:` unit on the checkpoint the engine holds, where the one decision
+allows it (`engine_decision.built_refusal`). The protocol, the checks and their figures: docs/scale.md.
 """
 
 from __future__ import annotations
@@ -55,7 +22,7 @@ from typing import Any
 
 from lm_eval_sink.errors import UserError, one_line
 from lm_eval_sink.harness.engine_worker import WORKER_EXTENSION
-from lm_eval_sink.harness.runner import EvalSettings
+from lm_eval_sink.harness.runner import EvalSettings, die_with_parent
 
 # The LLM(...) arguments that say where a checkpoint comes from (lm-eval's `pretrained`, and the commits that
 # measure-first pins for a hub id, none for a local folder): set per checkpoint, so left out of the comparison.
@@ -68,17 +35,6 @@ def _answers() -> Any:
     out = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
     os.dup2(2, 1)
     return out
-
-
-def _die_with_parent() -> None:
-    """Linux: be killed when the sweep's process dies (kill -9 included), so no engine outlives its sweep."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
-
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() == 1:
-            os._exit(1)
 
 
 @contextlib.contextmanager
@@ -148,15 +104,8 @@ def _peak_rss(processes: list[Any]) -> int | None:
 
 
 def engine_arguments(arguments: dict[str, Any]) -> dict[str, Any]:
-    """The `LLM(...)` arguments lm-eval asks for that an engine fixes: all but `PER_CHECKPOINT`'s. A worker extension
-    of the user's is refused: the engine's calls into its workers need this project's (`engine_worker`)."""
-    own = arguments.get("worker_extension_cls")
-    if own not in (None, "", WORKER_EXTENSION):
-        raise UserError(
-            f"model_args worker_extension_cls={own}: the resident vLLM engine builds its engine with its own worker "
-            f"extension ({WORKER_EXTENSION})",
-            "drop worker_extension_cls, or pass --fresh-engine (one engine per checkpoint, lm-eval's own)",
-        )
+    """The `LLM(...)` arguments lm-eval asks for that an engine fixes: all but `PER_CHECKPOINT`'s (its worker extension
+    is this project's: a sweep with one of the user's is refused at plan time, `engine_sweep.engine_reuse`)."""
     return {k: v for k, v in arguments.items() if k not in (*PER_CHECKPOINT, "worker_extension_cls")}
 
 
@@ -182,9 +131,11 @@ class ResidentEngine:
 
     @contextlib.contextmanager
     def serving(self, weights: str, timings: dict[str, float]) -> Iterator[None]:
-        """Within the block, the `LLM(...)` that lm-eval's vLLM model builds is this engine, holding `weights`."""
+        """Within the block, the `LLM(...)` that lm-eval's vLLM model builds is this engine, holding `weights`
+        (`engine_strength.engine_builder`, checked first: `patching.engine_target_problem`)."""
         import lm_eval.models.vllm_causallms as lm_eval_vllm
 
+        from lm_eval_sink.harness.engine_strength import engine_builder
         from lm_eval_sink.harness.patching import engine_target_problem
         from lm_eval_sink.harness.vllm_preflight import engine_held
 
@@ -197,17 +148,13 @@ class ResidentEngine:
                 "the engine it builds",
                 "pass --fresh-engine (or set eval: {engine_reuse: false}) for one engine per checkpoint",
             )
-        real = lm_eval_vllm.LLM
 
-        def resident(**arguments: Any) -> Any:
+        def resident(real: Any, **arguments: Any) -> Any:
             return self._engine(real, arguments, weights, timings)
 
-        lm_eval_vllm.LLM = resident
-        try:  # an engine that runs already: no start-up, so vLLM's start-up memory check is not asked
-            with engine_held() if self.llm is not None else contextlib.nullcontext():
-                yield
-        finally:
-            lm_eval_vllm.LLM = real
+        # an engine that runs already: no start-up, so vLLM's start-up memory check is not asked
+        with engine_builder(resident), engine_held() if self.llm is not None else contextlib.nullcontext():
+            yield
 
     def _engine(self, real: Any, arguments: dict[str, Any], weights: str, timings: dict[str, float]) -> Any:
         fixed = engine_arguments(arguments)
@@ -236,16 +183,6 @@ class ResidentEngine:
             )
         self.swap, self.holds = "reloaded", weights
         return self.llm
-
-    def s_refusal(self) -> str | None:
-        """Why this engine cannot measure S exactly (`engine_capture.engine_refusal` on its config and arguments,
-        then its workers' own check); None where it can."""
-        from lm_eval_sink.harness.engine_capture import engine_refusal
-
-        config = self.llm.llm_engine.vllm_config.model_config.hf_config
-        why = engine_refusal(config, self.arguments or {})  # the backend it runs: its workers' check below
-        workers = [i["refusal"] for i in self.llm.collective_rpc("sink_capture_layers") if i["refusal"]]
-        return why or (workers[0] if workers else None)
 
     def record(self, why: str | None) -> dict[str, Any]:
         """The engine part of a unit's provenance."""
@@ -310,13 +247,11 @@ class Server:
         self.engine.units += 1
         timings["sink_strength"] = _s_seconds(run.results)
         peaks = {k: v for p in self.engine.llm.collective_rpc("accelerator_peak") for k, v in p.items()}
-        dtype = str(self.engine.llm.llm_engine.vllm_config.model_config.dtype).removeprefix("torch.")
         return {
             "ok": True,
             "results": str(run.results),
             "samples": {t: str(p) for t, p in run.samples.items()},
             "engine": self.engine.record(request.get("new_engine")),
-            "engine_s": {"dtype": dtype, "refusal": self.engine.s_refusal()},
             "timings": timings,
             "peak_rss": _peak_rss(_processes()),
             "peak_accelerator_memory": peaks or None,
@@ -324,8 +259,9 @@ class Server:
 
     def strength(self, request: dict[str, Any]) -> dict[str, Any]:
         """A `strength:` unit measured on the checkpoint the engine holds (`engine_strength.measure_strength`)."""
+        from lm_eval_sink.harness.engine_decision import built_refusal
         from lm_eval_sink.harness.engine_strength import measure_strength
-        from lm_eval_sink.io import provenance
+        from lm_eval_sink.provenance import provenance
         from lm_eval_sink.strength import StrengthSettings
 
         engine = self.engine
@@ -334,6 +270,9 @@ class Server:
                 f"the resident vLLM engine does not hold {request['model']}'s weights now",
                 "measure that strength: unit with transformers (the sweep does when the engine holds another)",
             )
+        why = built_refusal(engine.llm, engine.arguments or {}, request["dtype"])
+        if why is not None:
+            raise UserError(f"S of {request['model']} is not measured on the resident vLLM engine: {why}", None)
         settings = StrengthSettings(**request["settings"])
         timings: dict[str, float] = {}
         _reset_peak_rss(_processes())
@@ -392,5 +331,5 @@ def serve(requests: Any, answers: Any) -> None:
 
 if __name__ == "__main__":
     _answers_stream = _answers()
-    _die_with_parent()
+    die_with_parent()
     serve(sys.stdin, _answers_stream)

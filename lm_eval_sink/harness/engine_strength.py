@@ -1,42 +1,29 @@
 """Sink Strength on the vLLM engine that lm-eval builds: decided before it is built, measured by its request method.
 
-Under `--model vllm` the start-up hook (`discovery.measure_first_request`) decides, before lm-eval builds its
-engine, where S is measured (`refusal`, from the checkpoint's config.json and the model_args alone):
-- on the engine itself, where `engine_capture.engine_refusal` finds the engine path exact (an architecture whose
-  engine statistics are tested equal to transformers' eager capture, no quantized KV cache, no data parallel, ...),
-  lm-eval's `VLLM` carries this project's `sink_strength` request method (`patching.add_method`) and the user gave
-  no `worker_extension_cls` of their own. The hook adds `worker_extension_cls=WORKER_EXTENSION` to the model_args
-  (`with_extension`), so the engine lm-eval builds carries the capture (`engine_worker.EngineWorkerExtension`), and
-  nothing else loads the checkpoint;
-- otherwise with transformers in a child process first (`measure_first.py`), as before, with one line saying why
-  (`LM_EVAL_SINK_S_ON_ENGINE=0` asks for that path: `benchmarks/bench_engine_strength.py` compares the two).
-
-`vllm_sink_strength` is the method lm-eval dispatches the task's requests to: rows measured first where the child
-measured them, else each task's prompts measured on `self.model` (the `LLM`) with lm-eval's own tokenizer, the
-task's settings (chat template, system prompt, the last K of the attention layers: `attention_layers_from_config`,
-else every layer) and `self.lora_request` (an engine-applied LoRA is measured as lm-eval's requests run it), in
-`PromptRows` as HFLM's method gives them, so the results JSON, samples and console are those of `--model hf`.
-Each task's `capture` record (`engine_records`, set before any request; `wall_seconds` added as it is measured)
-says `capture_backend: vllm`, what the engine runs (dtype, quantization, KV cache dtype, LoRA, tensor parallel
-size) and that S is that of those weights. `measure_strength` is the same measurement as one `SinkStrength` (the
-resident engine's `strength:` units). Importing this module imports neither torch, vLLM nor lm-eval.
+Under `--model vllm` the start-up hook (`discovery.measure_first_request`) asks `decide` (the one decision,
+`engine_decision.s_refusal`) before lm-eval builds its engine. Where S is measured on the engine, lm-eval's `VLLM`
+carries this project's `sink_strength` request method (`vllm_sink_strength`, rows as HFLM's method gives them) and
+its engine is built with this project's worker extension (`engine_builder`, the one way this project changes that
+engine); otherwise the transformers child measures S first (`measure_first.py`, the one fallback), with one line
+saying why. `measure_strength` is the same measurement as one `SinkStrength` (the resident engine's `strength:`
+units). How, and the figures: docs/lm-eval.md. Importing this module imports neither torch, vLLM nor lm-eval.
 """
 
 from __future__ import annotations
 
-import os
+import contextlib
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from lm_eval_sink.harness.engine_capture import SWITCH, engine_refusal
+from lm_eval_sink.harness.engine_decision import s_refusal, workers_refusal
 from lm_eval_sink.harness.engine_worker import WORKER_EXTENSION
 
 ENGINE_PROCESS = "lm-eval's vLLM engine, in its own forward"
 ENGINE_WEIGHTS = (
-    "the engine's S is that of the weights the engine runs: its dtype, its quantization= and its LoRA, as lm-eval's "
-    "requests run them"
+    "the engine's S is that of the weights the engine runs: its dtype, a quantized checkpoint's own quantization and "
+    "its LoRA, as lm-eval's requests run them"
 )
 CAPTURED_WITH = "vLLM's attention layers: query and key as each layer receives them (harness/engine_capture.py)"
 _RECORDS: dict[str, dict[str, Any]] = {}  # task name -> its capture record in the task's metadata (this call's)
@@ -61,23 +48,6 @@ def gpu_major() -> int | None:
     return None if capability is None else int(capability.major)
 
 
-def refusal(model_args: Mapping[str, Any], config: Mapping[str, Any] | None, gpu: int | None = None) -> str | None:
-    """Why S is not measured on the engine built from `model_args` (lm-eval's, as parsed) for a checkpoint whose
-    config.json is `config` (None: unreadable), on a GPU of compute capability major `gpu` (`gpu_major`; None: no
-    GPU); None where it is. Reads nothing but the `SWITCH` variable."""
-    if os.environ.get(SWITCH) == "0":
-        return f"{SWITCH}=0 is set"
-    own = model_args.get("worker_extension_cls")
-    if own not in (None, "", WORKER_EXTENSION):
-        return (
-            f"model_args worker_extension_cls={own} is your own, and vLLM takes one worker extension (this project's, "
-            f"{WORKER_EXTENSION}, measures S)"
-        )
-    if config is None:
-        return "its config.json could not be read before the engine is built"
-    return engine_refusal(dict(config), model_args, gpu)
-
-
 def read_config(model_args: Mapping[str, Any]) -> dict[str, Any] | None:
     """The config.json of `pretrained` at `revision` (a folder, or a hub repo through the HF cache), read without
     running any code of the model's; None where it cannot be read."""
@@ -92,22 +62,47 @@ def read_config(model_args: Mapping[str, Any]) -> dict[str, Any] | None:
 
 
 def decide(model_class: type | None, model_args: Mapping[str, Any]) -> str | None:
-    """None where S is measured on the engine lm-eval will build for `model_args` (`refusal`), lm-eval's `VLLM`
-    then carrying the request method; else why not."""
+    """None where S is measured on the engine lm-eval will build for `model_args` (`engine_decision.s_refusal`),
+    lm-eval's `VLLM` then carrying the request method; else why not."""
     if not is_lm_eval_vllm(model_class):
         return "the engine path is lm-eval's --model vllm's only"
-    why = refusal(model_args, read_config(model_args), gpu_major())
+    import lm_eval.models.vllm_causallms as module
+
+    from lm_eval_sink.harness.patching import engine_target_problem
+
+    add_model_info(model_class)
+    target = engine_target_problem(module)
+    why = s_refusal(read_config(model_args), model_args, gpu_major())
+    why = why or (None if target is None else f"lm-eval's vllm_causallms {target}")
     if why is None and not add_request_method(model_class):
         return "lm-eval's vLLM model class was left as installed (see the lm-eval-sink warning above)"
     return why
 
 
-def with_extension(model_args: Any) -> Any:
-    """The backend's `model_args` (a string or a dict, kept so) with `worker_extension_cls=WORKER_EXTENSION`."""
-    if isinstance(model_args, dict):
-        return {**model_args, "worker_extension_cls": WORKER_EXTENSION}
-    kept = [p for p in str(model_args or "").split(",") if p and p.partition("=")[0].strip() != "worker_extension_cls"]
-    return ",".join([*kept, f"worker_extension_cls={WORKER_EXTENSION}"])
+@contextlib.contextmanager
+def engine_builder(build: Callable[..., Any] | None = None) -> Iterator[None]:
+    """Within the block lm-eval's vLLM model builds its engine as `build(LLM, **arguments)` (default: vLLM's `LLM`
+    with this project's worker extension, which measures S in the engine's forward): the one way this project changes
+    the engine lm-eval builds (`patching.engine_target_problem` checks the target first). Inside another builder's
+    block (the resident engine's, whose engine carries the extension) the outer one stays."""
+    import lm_eval.models.vllm_causallms as module
+
+    real = module.LLM
+    if getattr(real, "_lm_eval_sink_builder", False):
+        yield
+        return
+
+    def builder(**arguments: Any) -> Any:
+        if build is not None:
+            return build(real, **arguments)
+        return real(**{**arguments, "worker_extension_cls": WORKER_EXTENSION})
+
+    builder._lm_eval_sink_builder = True  # type: ignore[attr-defined]
+    module.LLM = builder
+    try:
+        yield
+    finally:
+        module.LLM = real
 
 
 def fallback_line(tasks: Sequence[str], why: str) -> str:
@@ -182,9 +177,9 @@ def engine_records(lm: Any, tasks: Sequence[str]) -> dict[str, dict[str, Any]]:
     llm = getattr(lm, "model", None)
     if not is_lm_eval_vllm(type(lm)) or llm is None or not _has_extension(llm):
         raise unsupported(tasks[0], backend_label(type(lm)))
-    refused = [i["refusal"] for i in llm.collective_rpc("sink_capture_layers") if i["refusal"]]
+    refused = workers_refusal(llm)
     if refused:
-        raise EngineCaptureRefused(refused[0])
+        raise EngineCaptureRefused(refused)
     record = engine_record(llm, getattr(lm, "lora_request", None))
     _RECORDS.update({name: {**record, "wall_seconds": 0.0} for name in tasks})
     return {name: _RECORDS[name] for name in tasks}
@@ -228,6 +223,21 @@ def _vllm_mismatch(cls: type) -> Any:
         return f"VLLM.__init__ sets no {', '.join(missing)}" if missing else None
 
     return check
+
+
+def _model_info(self: Any) -> dict[str, Any]:
+    """The dtype lm-eval's VLLM engine runs, as HFLM's `get_model_info` names its model's (`model_dtype`)."""
+    llm = getattr(self, "model", None)
+    return {} if llm is None else {"model_dtype": str(llm.llm_engine.vllm_config.model_config.dtype)}
+
+
+def add_model_info(cls: type) -> None:
+    """lm-eval's VLLM gets `get_model_info` where it has none, so the results' `config.model_dtype` names the dtype its
+    engine ran in, as `--model hf`'s does (`protocols` reads it: vLLM runs a float32 checkpoint in bfloat16)."""
+    from lm_eval_sink.harness.patching import add_method
+
+    if getattr(cls, "get_model_info", _model_info) is _model_info:
+        add_method(cls, "get_model_info", _model_info)
 
 
 def add_request_method(cls: type) -> bool:

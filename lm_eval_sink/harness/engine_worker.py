@@ -1,17 +1,10 @@
-"""What the resident vLLM engine runs inside each of its workers: named methods vLLM can send by name.
+"""What every vLLM engine this project builds runs inside its workers: methods vLLM calls by name.
 
-vLLM runs code in its workers through `LLM.collective_rpc(method, ...)`. In its default process mode the
-engine core is another process, and a plain function sent there is refused by vLLM's serializer unless
-the insecure pickle fallback (`VLLM_ALLOW_INSECURE_SERIALIZATION=1`) is on. A method name is always
-accepted: vLLM adds `EngineWorkerExtension`'s methods to its worker class when the engine is built with
-`worker_extension_cls=WORKER_EXTENSION` (`harness.engine_server.ResidentEngine` passes it), as RL
-trainers add theirs. `self` is then vLLM's worker (its `model_config`, `parallel_config`, `device`).
-
-It inherits `engine_capture.SinkCaptureMixin`, so the same engine also measures Sink Strength in its own forward
-(`sink_capture_arm`, `..._collect`, `..._disarm`, `..._layers`): one extension, since vLLM takes one class. The
-classes hold methods only (no `__init__`; the capture's state is set on the worker while a measurement is armed):
-vLLM grafts the class onto the worker class as a base, and refuses a name the worker already has (tested on the
-built engine). Importing this module imports neither torch nor vLLM.
+vLLM adds `EngineWorkerExtension`'s methods to its worker class when the engine is built with
+`worker_extension_cls=WORKER_EXTENSION` (the resident engine; lm-eval's own, `engine_strength.engine_builder`), so
+`LLM.collective_rpc("name")` reaches them also in vLLM's default process mode, where a plain function would not pass
+its serializer. It inherits `engine_capture.SinkCaptureMixin` (vLLM takes one extension class). Methods only: vLLM
+grafts the class onto the worker as a base. Importing this module imports neither torch nor vLLM.
 """
 
 from __future__ import annotations
@@ -19,8 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from lm_eval_sink.harness.engine_capture import SinkCaptureMixin
+from lm_eval_sink.harness.engine_decision import WORKER_EXTENSION
 
-WORKER_EXTENSION = "lm_eval_sink.harness.engine_worker.EngineWorkerExtension"
+__all__ = ["WORKER_EXTENSION", "EngineWorkerExtension"]
 
 
 def _cuda() -> Any:

@@ -17,14 +17,27 @@ import contextlib
 import json
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-KEPT_DIR = "measured_first"  # under the project cache (`io.cache_dir`)
-# The code that computes the kept rows (`code_key`): the child's load and measurement (`measure_first`: the model
-# loaded eager or sdpa, the adapter applied, `task.measure_rows`) with all it imports, the S code among it.
-CODE = ("lm_eval_sink.harness.measure_first",)
+from lm_eval_sink.keys import MODEL, Work, key_of
+
+KEPT_DIR = "measured_first"  # under the project cache (`cache.cache_dir`)
+
+
+@dataclass(frozen=True, slots=True)
+class KeptWork(Work):
+    """What decides the rows measured first: the transformers load (revisions pinned; not the backend's own
+    arguments), a local model's content, each task's settings and prompts; keyed with the child's load and
+    measurement code (`measure_first`, the S code among what it imports) and the packages that compute S."""
+
+    CODE = ("lm_eval_sink.harness.measure_first",)
+    PACKAGES = ("torch", "transformers", "peft")
+
+    load: dict[str, Any]
+    model: str | None = field(metadata=MODEL)
+    jobs: dict[str, dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -52,15 +65,9 @@ class Kept:
 
 
 def key(load: Any, jobs: dict[str, dict[str, Any]]) -> str:
-    """What decides the rows of a measure-first `load` (`measure_first.HfLoad`, revisions pinned) and its `jobs`."""
-    from lm_eval_sink.io import canonical_json, sha256_text
-    from lm_eval_sink.models import model_fingerprint
-    from lm_eval_sink.strength import key_versions
-
-    content = model_fingerprint(load.pretrained)["fingerprint"] if Path(load.pretrained).exists() else None
+    """The key of the rows of a measure-first `load` (`measure_first.HfLoad`) and its `jobs` (`KeptWork`)."""
     decided = {k: v for k, v in asdict(load).items() if k != "ignored"}  # the backend's own arguments do not
-    versions = key_versions(CODE)
-    return sha256_text(canonical_json({"load": decided, "content": content, "jobs": jobs, "versions": versions}))
+    return key_of(KeptWork(decided, load.pretrained if Path(load.pretrained).exists() else None, jobs)).key
 
 
 def measured_or_kept(
@@ -69,7 +76,7 @@ def measured_or_kept(
     """The rows kept by an earlier call of the same inputs that failed (said in one line), else `measure(load, jobs,
     backend)`'s."""
     from lm_eval_sink.harness.task import Measured
-    from lm_eval_sink.io import cache_dir, read_private_text
+    from lm_eval_sink.cache import cache_dir, read_private_text
 
     path = cache_dir() / KEPT_DIR / f"{key(load, jobs)}.json"
     try:

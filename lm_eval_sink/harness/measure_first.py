@@ -1,31 +1,13 @@
-"""Sink Strength under a backend without attention access (vLLM, ...): measured first, with transformers.
+"""Sink Strength under a backend without attention access (vLLM's fallback, any other backend): measured first.
 
-Under `--model vllm` this is the path for what the engine cannot measure exactly (`engine_strength.py` decides first,
-and measures S in the engine's own forward where it can); for other backends it is the only one.
-
-vLLM exposes no attention probabilities, and lm-eval builds `--model vllm`'s engine in the backend's
-constructor, whose KV cache then holds most of the accelerators' memory. S needs only a few short
-forwards of the same checkpoint, so the start-up hook's `simple_evaluate` wrapper (`discovery.py`)
-measures them before lm-eval builds the model:
-- `hf_load_args` maps the backend's model_args to what transformers takes, as lm-eval's vLLM model reads
-  them: the weights and config from `pretrained` at `revision`, the tokenizer from `tokenizer` (else
-  `pretrained`) at `tokenizer_revision` only (lm-eval never applies `revision` to the tokenizer), both with
-  `trust_remote_code`, and `dtype`; the backend's own arguments, such as `tensor_parallel_size` or
-  `gpu_memory_utilization`, are ignored and recorded as such;
-- `pin_revisions` resolves each hub repo's revision once to its commit sha (`identity.model_identity`: the
-  local HF cache, else the hub), and `engine_model_args` hands the same shas to the engine (`revision=`,
-  `tokenizer_revision=`), so a push between the two loads cannot split them; the capture record names them;
-- `check_loadable` refuses in one line, before anything loads, what transformers cannot load (a model whose
-  own code is needed without `trust_remote_code`, among others);
-- `measure_first` runs `python -m lm_eval_sink.harness.measure_first JOB OUT` in a child process of
-  the same interpreter: it loads the checkpoint with transformers as `--device auto` places a model
-  (every visible GPU, else the CPU; sdpa, or eager where the class has no sdpa), measures each task's
-  prompts with `task.measure_rows` (the function `HFLM.sink_strength` uses) and exits, so the engine
-  then finds the accelerators and their memory free;
-- while the wrapped `simple_evaluate` runs (`task.provided`), `LM.sink_strength` returns those rows
-  (`task.rows_for`), so aggregation, the results JSON, the samples file and the console table are those of
-  `--model hf`; each task's metadata records how S was measured (`capture`, with the child's wall
-  time: the cost of S in the call).
+Before lm-eval builds the backend (whose engine would then hold the accelerators' memory), the start-up hook maps
+its model_args to a transformers load (`hf_load_args`: `pretrained` at `revision`, the tokenizer as lm-eval's vLLM
+model loads it, `dtype`; the backend's own arguments ignored and recorded), pins hub revisions to commits it hands the
+engine too (`pin_revisions`, `engine_model_args`), refuses in one line what transformers cannot load
+(`check_loadable`), and runs `python -m lm_eval_sink.harness.measure_first JOB OUT` in a child process that measures
+each task's prompts with `task.measure_rows` and exits. lm-eval then gets those rows (`task.provided`), so results,
+samples and console are those of `--model hf`, and each task's `capture` record says the child measured them.
+Details: docs/lm-eval.md.
 """
 
 from __future__ import annotations

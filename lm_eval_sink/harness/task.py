@@ -105,6 +105,8 @@ class SinkStrengthTask(ConfigurableTask):
         """What this task's requests carry besides lm-eval's own cache-key fields: the settings and the prompt set."""
         from lm_eval_sink.io import canonical_json, sha256_text
 
+        if "prompt_set_sha256" not in self.config.metadata:  # lm-eval 0.5 loads a task's dataset on first use
+            self.download()
         carried = {"settings": asdict(self.strength_settings), "prompts": self.config.metadata["prompt_set_sha256"]}
         return sha256_text(canonical_json(carried))[:16]
 
@@ -136,8 +138,13 @@ class SinkStrengthTask(ConfigurableTask):
             doc=doc,
             arguments=(doc["prompt"], {"task": self.config.task, "settings": settings}),
             idx=0,
-            **kwargs,
+            **{"task_name": self.task_name, **kwargs},  # lm-eval 0.5 takes it by name, 0.4.13 from `metadata`
         )
+
+    def aggregate(self, bootstrap_iters: int | None = 100000) -> Any:
+        """lm-eval 0.5 (0.4.13 has no such method): its stderr bootstraps every aggregation but `mean`, which would
+        reduce the whole set of captures 100000 times over resampled prompts; none, "N/A", as on 0.4.13."""
+        return super().aggregate(0)
 
     def override_metric(self, metric_name: str) -> None:
         if metric_name == "bypass":  # --predict_only: S is the output itself, keep it
@@ -512,7 +519,7 @@ def _add_request_methods() -> bool:
     from lm_eval_sink.harness.patching import add_method
 
     base = add_method(LM, REQUEST_TYPE, _measured_sink_strength, more=_instance_mismatch)
-    hf = add_method(HFLM, REQUEST_TYPE, _hflm_sink_strength, needs=("model", "rank"), more=_instance_mismatch)
+    hf = add_method(HFLM, REQUEST_TYPE, _hflm_sink_strength, reads=("model", "rank"), more=_instance_mismatch)
     return base and hf
 
 

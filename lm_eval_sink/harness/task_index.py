@@ -18,8 +18,8 @@ installed lm-eval, so its index is kept in `cache_dir()/task_index/<key>.json`:
   breaks any of this, torn or planted, is built again and replaced;
 - who may write it: only this user. A redirected task or a tag given other members is as well-formed as a true
   entry, and checking entries against lm-eval's build would cost the parse this cache avoids, so the cache is
-  private (`io.cache_dir` refuses one another user owns or can write) and a file in it that is not this user's
-  alone is read as absent (`io.read_private_text`).
+  private (`cache.cache_dir` refuses one another user owns or can write) and a file in it that is not this user's
+  alone is read as absent (`cache.read_private_text`).
 Other folders (`--include_path`, this project's tasks) are small and always built by lm-eval, then merged as
 lm-eval merges them: a later folder's task replaces an earlier one's, with lm-eval's warning from lm-eval's
 logger. Reading the index back takes under a second.
@@ -69,11 +69,12 @@ def keyed_files(root: Path) -> list[str]:
 
 
 def folder_key(root: Path, version: str) -> str:
-    """The key of `root`'s index: the format, lm-eval's version, the folder, each keyed file's path, size, mtime."""
+    """The key of `root`'s index: the format, lm-eval's version, the folder, each keyed file's path, inode, size,
+    mtime and ctime (an edit in place changes its ctime, also when the mtime is put back)."""
     digest = hashlib.sha256(f"{FORMAT}\0{version}\0{root}\0".encode())
     for rel in keyed_files(root):
-        stat = (root / rel).stat()
-        digest.update(f"{rel}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+        st = (root / rel).stat()
+        digest.update(f"{rel}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\n".encode())
     return digest.hexdigest()[:32]
 
 
@@ -91,8 +92,9 @@ def _plain(value: Any) -> bool:
 
 
 def _outside(rel: str) -> bool:
+    """Whether `rel` names no file inside the folder: absolute, up, or the folder itself ("" or ".")."""
     path = PurePosixPath(rel)
-    return path.is_absolute() or ".." in path.parts
+    return path.is_absolute() or ".." in path.parts or not path.parts
 
 
 def _problem(row: dict[str, Any]) -> str | None:
@@ -151,7 +153,7 @@ def decode(data: Any, root: Path) -> dict[str, Any]:
 
 
 def _read(path: Path, root: Path) -> dict[str, Any] | None:
-    from lm_eval_sink.io import read_private_text
+    from lm_eval_sink.cache import read_private_text
 
     try:
         return decode(json.loads(read_private_text(path)), root)
@@ -167,7 +169,9 @@ def cached_build(build: Build, paths: Iterable[Path], *, resolve_includes: bool 
     import lm_eval
     from lm_eval.tasks._index import TaskIndex
 
-    from lm_eval_sink.io import DiskFull, atomic_write_text, cache_dir
+    from lm_eval_sink.cache import cache_dir
+    from lm_eval_sink.disk_full import DiskFull
+    from lm_eval_sink.io import atomic_write_text
 
     paths = [Path(p) for p in paths]
     own = Path(lm_eval.__file__).parent / "tasks"

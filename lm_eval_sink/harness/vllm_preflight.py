@@ -1,22 +1,12 @@
 """vLLM's own start-up memory check, run before anything loads under `--model vllm` (one line instead of a dead
 engine minutes later).
 
-vLLM 0.32's CPU worker (`vllm/v1/worker/cpu_worker.py`, `CPUWorker.__init__`) reserves a share of the memory of
-the NUMA node it runs on: with no KV cache size given (`VLLM_CPU_KVCACHE_SPACE` in GiB, which vLLM's CPU platform
-turns into `kv_cache_memory_bytes`, or `kv_cache_memory_bytes` itself), it asks ceil(total x
-gpu_memory_utilization) bytes of the node (vLLM's default utilization 0.92; on a CPU the flag means a share of the
-node's memory, despite its name) and refuses to start when that exceeds the node's available memory. The node is
-the one of the first CPU the process may run on, else the first visible memory node; total and available come
-from vLLM's own `get_memory_node_info` (the node's meminfo, clamped by a cgroup limit). On a 23.5 GiB machine the
-default asks 21.66 GiB, more than a busy machine has free: the engine died after S was measured and about 100
-traceback lines. With a KV cache size given, the worker allocates it after the weights load and refuses when it
-exceeds what is available then (`determine_available_memory`), so a size past what is available now can never
-start. `cpu_refusal` and `kv_cache_refusal` are those decisions on given numbers (pure); `check_engine_memory`
-gathers them with
-vLLM's functions, on vLLM's CPU platform only (a GPU worker checks its device at start-up itself), and raises the
-one line naming the settings that fix it. Where no engine starts (`engine_held`: the resident engine's process once
-its engine runs, each later checkpoint's weights swapped into it) the check is not asked: the engine's own memory
-would count against it.
+vLLM 0.32's CPU worker reserves ceil(total x gpu_memory_utilization) of its NUMA node's memory (0.92 by default)
+unless a KV cache size is given (`VLLM_CPU_KVCACHE_SPACE` or `kv_cache_memory_bytes`), and refuses to start when that
+exceeds what is available; a given size past what is available now can never start either. `cpu_refusal` and
+`kv_cache_refusal` are those decisions on given numbers (pure); `check_engine_memory` gathers them with vLLM's own
+functions, on vLLM's CPU platform only, and raises the one line naming the fixing settings. Where no engine starts
+(`engine_held`: the resident engine's process once its engine runs) the check is not asked. Figures: docs/lm-eval.md.
 """
 
 from __future__ import annotations

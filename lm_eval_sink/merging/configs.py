@@ -23,7 +23,7 @@ from __future__ import annotations
 import importlib.resources
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, NoReturn
 
@@ -31,7 +31,9 @@ import annotated_types as at
 import yaml
 
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.io import parse_yaml, read_text, sha256_file, sha256_text
+from lm_eval_sink.io import read_text, sha256_file, sha256_text
+from lm_eval_sink.keys import MODEL, UNKEYED
+from lm_eval_sink.yaml_input import parse_yaml
 from lm_eval_sink.schema import Strict, did_you_mean, key_path, model_at, parse
 
 LINEAGES = ("chain", "siblings")
@@ -323,15 +325,16 @@ def _tokenizer_source_arg(value: str, resolve_model) -> str:
 
 @dataclass(frozen=True, slots=True)
 class ValidatedConfig:
-    """A mergekit config that passed every check; `inputs` includes an implied base_model."""
+    """A mergekit config that passed every check; `inputs` includes an implied base_model. A merge's key holds its
+    data and its inputs' content (`merging.merge.MergeWork`), not where it was read from or its comments."""
 
-    source: str
-    text: str
+    source: str = field(metadata=UNKEYED)
+    text: str = field(metadata=UNKEYED)
     data: dict[str, Any]
     method: str
     base_model: str | None
-    inputs: tuple[str, ...]
-    mergekit: Any  # mergekit's MergeConfiguration of `data` (mergekit's planner rewrites it: merge a copy)
+    inputs: tuple[str, ...] = field(metadata=MODEL)
+    mergekit: Any = field(metadata=UNKEYED)  # MergeConfiguration of `data` (its planner rewrites it: merge a copy)
 
 
 def validate_file(path: str | Path) -> ValidatedConfig:

@@ -329,7 +329,7 @@ def worker_versions() -> dict[str, Any]:
     """The installed packages' versions and the hashes of this project's code a worker runs (`WORKER_CODE`): what
     the driver sends with each task and the worker compares with its own (`run_task`)."""
     from lm_eval_sink.code_key import source_hashes
-    from lm_eval_sink.io import package_versions
+    from lm_eval_sink.provenance import package_versions
 
     return {**package_versions(), "code": source_hashes(WORKER_CODE)}
 

@@ -15,21 +15,14 @@ import contextlib
 import os
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lm_eval_sink.io import (
-    COMPLETE,
-    canonical_json,
-    check_output_dir,
-    manifest,
-    provenance,
-    sha256_text,
-    staged_dir,
-    versioned_key,
-    write_complete,
-)
+from lm_eval_sink.io import sha256_text
+from lm_eval_sink.keys import UNKEYED, Work, key_of, key_versions
+from lm_eval_sink.outputs import COMPLETE, check_output_dir, manifest, staged_dir, write_complete
+from lm_eval_sink.provenance import provenance
 from lm_eval_sink.merging.configs import ValidatedConfig, validate_file, validate_text
 
 _TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")
@@ -44,38 +37,19 @@ class MergeResult:
     weight_files: tuple[str, ...]
 
 
-KEY_PACKAGES = ("mergekit", "torch", "transformers")
-# The modules that make a merged checkpoint, on disk or resident (`code_key`): this one, the in-memory merge, and
-# what they import (the TSV and STAR methods among it).
-CODE = (__name__, "lm_eval_sink.merging.inmemory")
+@dataclass(frozen=True, slots=True)
+class MergeWork(Work):
+    """What a merge receives: the validated config (its data, its inputs by content) and the seed; keyed with the
+    code that merges, on disk or resident (TSV and STAR register with mergekit on every merge), and mergekit's,
+    torch's and transformers' versions (`keys.key_of`)."""
 
+    CODE = (__name__, "lm_eval_sink.merging.inmemory", "lm_eval_sink.commands.merge")
+    PACKAGES = ("mergekit", "torch", "transformers")
 
-def merge_versions() -> dict[str, Any]:
-    """The versions a merge is keyed by: the hashes of the code that merges and the versions of the packages that do
-    (the same for every method: TSV and STAR register with mergekit on every merge)."""
-    from lm_eval_sink.io import key_versions
-
-    return key_versions(CODE, KEY_PACKAGES)
-
-
-def merge_inputs_key(config: ValidatedConfig, random_seed: int | None) -> str:
-    """The key of a merge's inputs: the config's data, its inputs' fingerprints, the seed."""
-    from lm_eval_sink.models import model_fingerprint
-
-    return sha256_text(
-        canonical_json(
-            {
-                "config": config.data,
-                "inputs": {p: model_fingerprint(p)["fingerprint"] for p in config.inputs},
-                "random_seed": random_seed,
-            }
-        )
-    )
-
-
-def merge_key(config: ValidatedConfig, random_seed: int | None) -> str:
-    """Identity of a merge: its inputs' key and the versions that merge (`merge_versions`)."""
-    return versioned_key(merge_inputs_key(config, random_seed), merge_versions())
+    config: ValidatedConfig
+    random_seed: int | None
+    device: str = field(default="cpu", metadata=UNKEYED)  # where mergekit's math runs: the same merge
+    template: str | None = field(default=None, metadata=UNKEYED)  # the sweep template it was rendered from
 
 
 @contextlib.contextmanager
@@ -263,27 +237,24 @@ def merge_config(
     device: str = "cpu",
     force: bool = False,
     quiet: bool = True,
-    key: str | None = None,
     extra: dict[str, Any] | None = None,
 ) -> MergeResult:
     """Validate, merge in this process (hub-id inputs at the commits their identities name), verify, and publish `out`
     with its COMPLETE.json."""
     from lm_eval_sink.identity import FINGERPRINT_RULE
-    from lm_eval_sink.io import check_same_versions
+    from lm_eval_sink.keys import check_same_versions
     from lm_eval_sink.models import model_fingerprint
 
     vc = config if isinstance(config, ValidatedConfig) else validate_file(config)
     out = Path(out)
-    versions = merge_versions()
-    check_same_versions(out / COMPLETE, versions, force)
+    check_same_versions(out / COMPLETE, key_versions(MergeWork), force)
     tokenizer = vc.data.get("tokenizer_source")
     tokenizer = tokenizer if isinstance(tokenizer, str) and tokenizer not in ("base", "union") else None
     check_output_dir(out, force, "OUT", inputs=[vc.source, *vc.inputs, tokenizer])
-    inputs_key = merge_inputs_key(vc, random_seed)
-    key = key or versioned_key(inputs_key, versions)
+    work = key_of(MergeWork(vc, random_seed))
     identities = {p: model_fingerprint(p) for p in vc.inputs}
     revisions = {p: ident["revision"] for p, ident in identities.items() if not Path(p).is_dir()}
-    with staged_dir(out, force=force, key=key, size=output_size(vc)) as tmp:
+    with staged_dir(out, force=force, key=work.key, size=output_size(vc)) as tmp:
         pins = run_mergekit(
             vc.text, tmp, random_seed=random_seed, device=device, quiet=quiet, revisions=revisions, config=vc.mergekit
         )
@@ -292,9 +263,9 @@ def merge_config(
             tmp,
             {
                 "schema_version": 1,
-                "key": key,
-                "inputs_key": inputs_key,
-                "key_versions": versions,
+                "key": work.key,
+                "inputs_key": work.inputs_key,
+                "key_versions": work.versions,
                 "fingerprint_rule": FINGERPRINT_RULE,
                 "merge_method": vc.method,
                 "config_sha256": sha256_text(vc.text),
@@ -307,15 +278,12 @@ def merge_config(
                 ),
             },
         )
-    return MergeResult(out=out, key=key, method=vc.method, n_tensors=n_tensors, weight_files=files)
+    return MergeResult(out=out, key=work.key, method=vc.method, n_tensors=n_tensors, weight_files=files)
 
 
 __all__ = [
     "MergeResult",
     "merge_config",
-    "merge_inputs_key",
-    "merge_key",
-    "merge_versions",
     "run_mergekit",
     "validate_text",
     "verify_checkpoint",

@@ -18,10 +18,10 @@ merged weights); the path is part of no unit key.
 
 `plan_units` turns a spec, and what the command read for it (endpoint fingerprints, rendered
 merges), into independent units (`merge:<name>`, `eval:<checkpoint>`, `strength:<checkpoint>`),
-each with its own output folder and a key (`io.versioned_key`) of its inputs (config text, input
-fingerprints, settings: `inputs_key`) and of the code that computes it (`versions`: the hashes of
-this project's files on its path, `code`, and package versions; a merged checkpoint's eval and
-strength units also hold its merge's, prefixed `merge `), so a unit made by other code is recomputed.
+each with its own output folder and the key of the work it hands on (`keys.key_of` of a `MergeWork`, `EvalWork` or
+`SweepStrengthWork`: its inputs by value and content, and the code and packages that choose and compute it; a merged
+checkpoint's eval and strength units also hold its merge's, prefixed `merge `), so a unit made from other inputs or
+by other code is recomputed.
 `build_table` makes the table (rows = checkpoints, columns = task metrics, deltas vs the
 reference, S) from the saved outputs, after checking that every run
 used the same harness protocol (`protocols.require_same_harness`); `table_text` renders it as
@@ -42,7 +42,7 @@ from pydantic import Field, create_model
 
 from lm_eval_sink.devices import DEFAULT_DEVICE, DEVICE_HELP, DEVICE_PATTERN
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.io import canonical_json, sha256_text, versioned_key
+from lm_eval_sink.keys import UNKEYED, Work, key_of
 from lm_eval_sink.merging.engines import EngineIn
 from lm_eval_sink.schema import Strict, parse
 from lm_eval_sink.strength import StrengthSettings
@@ -216,19 +216,63 @@ def changed_fields(earlier: dict[str, Any] | None, now: dict[str, Any]) -> list[
 
 @dataclass(frozen=True)
 class Unit:
-    """One independent job: its kind, checkpoint, key, output folder and what `commands.units.run_unit` needs."""
+    """One independent job: its kind, checkpoint, key, output folder and the work `commands.units.run_unit` hands on
+    (`inputs`: a `MergeWork`, `EvalWork` or `SweepStrengthWork`, whose declaration is the key: `unit`)."""
 
     kind: str  # merge | eval | strength
     checkpoint: str
-    key: str  # io.versioned_key(inputs_key, versions)
+    key: str  # keys.key_of(inputs)
     output: Path
-    inputs: dict[str, Any] = field(default_factory=dict)
+    inputs: Any = None
     inputs_key: str = ""
     versions: dict[str, Any] = field(default_factory=dict)
 
     @property
     def id(self) -> str:
         return f"{self.kind}:{self.checkpoint}"
+
+
+def unit(kind: str, checkpoint: str, output: Path, work: Work, versions: dict[str, Any] | None = None) -> Unit:
+    """The unit that runs `work`, keyed by it (`keys.key_of`, with `versions` of code that runs elsewhere)."""
+    key = key_of(work, versions)
+    return Unit(kind, checkpoint, key.key, output, work, key.inputs_key, key.versions)
+
+
+# The code that chooses a sweep unit's settings and hands them to the work: the sweep file's reading, the units.
+CHOOSER = ("lm_eval_sink.commands.sweep", "lm_eval_sink.commands.units")
+
+
+@dataclass(frozen=True, slots=True)
+class EvalWork(Work):
+    """What an eval unit hands to `run_lm_eval`: the checkpoint (by its identity: a content fingerprint or its merge's
+    inputs key; `model` is where it lies), the settings (an include path by content), and the local data that
+    LM_EVAL_SINK_DATA names, by content. The code that runs lm-eval is keyed where it runs (`eval_versions`)."""
+
+    CODE = CHOOSER
+    ENV = ("LM_EVAL_SINK_DATA",)
+
+    model: str = field(metadata=UNKEYED)
+    checkpoint: str
+    settings: Any  # harness.runner.EvalSettings
+    identity: dict[str, Any] | None = field(default=None, metadata=UNKEYED)  # the endpoint's, kept in the marker
+
+
+@dataclass(frozen=True, slots=True)
+class SweepStrengthWork(Work):
+    """What a strength unit hands to the measurement: the checkpoint's identity, the settings (a prompt file by
+    content), the dtype, and where the plan measures S on the resident vLLM engine, that engine's model_args and dtype
+    (`engine`; None: transformers in this interpreter)."""
+
+    CODE = ("lm_eval_sink.strength", *CHOOSER, "lm_eval_sink.harness.inprocess", "lm_eval_sink.harness.engine_strength")
+    PACKAGES = ("torch", "transformers", "peft")
+
+    model: str = field(metadata=UNKEYED)
+    checkpoint: str
+    settings: StrengthSettings
+    dtype: str
+    engine: dict[str, Any] | None
+    device: str | None = field(default=None, metadata=UNKEYED)
+    identity: dict[str, Any] | None = field(default=None, metadata=UNKEYED)
 
 
 @dataclass(frozen=True)
@@ -267,28 +311,12 @@ def redo_units(plan: Plan, redo: Sequence[str]) -> frozenset[str]:
 
 @dataclass(frozen=True)
 class RenderedMerge:
-    """One merge control filled in for the sweep's models: what its merge unit runs, and its key."""
+    """One merge control filled in for the sweep's models: what its merge unit runs (`merging.merge.MergeWork`, its
+    config checked once when the sweep file was loaded) and the paper setting it stands for."""
 
     name: str
-    template: str  # the template's path
-    config: Any  # configs.ValidatedConfig: the mergekit YAML, checked once when the sweep file was loaded
-    key: str  # merging.merge.merge_key of the validated config
-    method: str
+    work: Any
     setting: str | None
-    inputs_key: str  # merging.merge.merge_inputs_key
-    versions: dict[str, Any]  # merging.merge.merge_versions
-
-
-# The modules that measure S on a resident merged model (an in-memory sweep) and on a resident vLLM engine: a strength
-# unit's code holds them beside the S code (`strength.CODE`), since which path measured it is part of no key (an eval
-# unit's code holds them through `harness.runner.CODE`); where the plan sends the strength units to the engine, their
-# key also holds that interpreter's vLLM, torch, transformers and code (`engine_sweep.engine_strength_versions`).
-RESIDENT_CODE = ("lm_eval_sink.harness.inprocess", "lm_eval_sink.harness.engine_strength")
-
-# Where a unit computes is part of no key (its results do not depend on the device). An eval unit's payload keeps
-# the `device` entry its settings had when cpu was the default, at that value, so the units of sweeps made then stay
-# finished (a strength unit's payload holds the settings that decide S alone: StrengthSettings.key_fields).
-_KEYED_DEVICE = "cpu"
 
 
 def plan_units(
@@ -296,29 +324,26 @@ def plan_units(
     identities: dict[str, dict[str, Any]],
     merges: list[RenderedMerge],
     versions: dict[str, dict[str, Any]],
-    include_sha: str | None,
 ) -> Plan:
     """Every unit with its key, in run order (merge -> eval -> strength per checkpoint, so `delete_merged` bounds the
     disk).
 
-    `identities`: the endpoints' `models.model_fingerprint`; `versions`: the key versions of the
-    `eval` and `strength` units (`harness.runner.eval_versions`, `strength.key_versions` with `RESIDENT_CODE`);
-    `include_sha`: the fingerprint of the eval include_path's files (None without one).
+    `identities`: the endpoints' `models.model_fingerprint`; `versions`: what the `eval` and `strength` units' keys
+    hold of code that runs elsewhere (`harness.runner.eval_versions`, `engine_sweep.engine_strength_versions`), and
+    `engine`: the resident engine's model_args and dtype where it measures S (else absent).
     """
     checkpoints = [Checkpoint(role, role, spec.models[role], identities[role]["fingerprint"]) for role in ENDPOINTS]
-    units = [u for ck in checkpoints for u in _measure_units(spec, ck, identities.get(ck.name), versions, include_sha)]
+    units = [u for ck in checkpoints for u in _measure_units(spec, ck, identities.get(ck.name), versions)]
     for m in merges:
         target = spec.output / "merges" / m.name
-        inputs = {
-            "config": m.config,
-            "random_seed": spec.random_seed,
-            "device": spec.merge_device,
-            "template": m.template,
-        }
-        merged = {f"merge {k}": v for k, v in m.versions.items()}
-        ck = Checkpoint(m.name, "merge", str(target), m.inputs_key, method=m.method, setting=m.setting, versions=merged)
-        units.append(Unit("merge", m.name, m.key, target, inputs, m.inputs_key, m.versions))
-        units += _measure_units(spec, ck, identities.get(ck.name), versions, include_sha)
+        merge = unit("merge", m.name, target, m.work)
+        merged = {f"merge {k}": v for k, v in merge.versions.items()}
+        method = m.work.config.method
+        ck = Checkpoint(
+            m.name, "merge", str(target), merge.inputs_key, method=method, setting=m.setting, versions=merged
+        )
+        units.append(merge)
+        units += _measure_units(spec, ck, identities.get(ck.name), versions)
         checkpoints.append(ck)
     return Plan(
         spec=spec,
@@ -329,45 +354,27 @@ def plan_units(
 
 
 def _measure_units(
-    spec: SweepSpec,
-    ck: Checkpoint,
-    identity: dict[str, Any] | None,
-    versions: dict[str, dict[str, Any]],
-    include_sha: str | None,
+    spec: SweepSpec, ck: Checkpoint, identity: dict[str, Any] | None, versions: dict[str, dict[str, Any]]
 ) -> list[Unit]:
-    """The eval and strength units of one checkpoint (none of a kind the sweep file turns off)."""
+    """The eval and strength units of one checkpoint (none of a kind the sweep file turns off); a merged checkpoint's
+    also hold its merge's versions."""
     units = []
     if spec.eval is not None:
-        settings = {**spec.eval.to_json(), "device": _KEYED_DEVICE if spec.eval.device is not None else None}
-        payload = {"settings": settings, "include_path_sha256": include_sha}
-        inputs = {"model": ck.path, "settings": spec.eval, "identity": identity}
-        units.append(_unit(spec, "eval", ck, "evals", payload, inputs, versions))
+        work = EvalWork(ck.path, ck.identity, spec.eval, identity)
+        units.append(unit("eval", ck.name, spec.output / "evals" / ck.name, work, {**versions["eval"], **ck.versions}))
     if spec.strength is not None:
-        payload = {"settings": spec.strength.key_fields(), "dtype": spec.strength_dtype}  # no device, no batching
-        inputs = {
-            "model": ck.path,
-            "settings": spec.strength,
-            "dtype": spec.strength_dtype,
-            "device": spec.strength_device,
-            "identity": identity,
-        }
-        units.append(_unit(spec, "strength", ck, "strength", payload, inputs, versions))
+        work = SweepStrengthWork(
+            ck.path,
+            ck.identity,
+            spec.strength,
+            spec.strength_dtype,
+            versions.get("engine"),
+            spec.strength_device,
+            identity,
+        )
+        folder = spec.output / "strength" / ck.name
+        units.append(unit("strength", ck.name, folder, work, {**versions["strength"], **ck.versions}))
     return units
-
-
-def _unit(
-    spec: SweepSpec,
-    kind: str,
-    ck: Checkpoint,
-    folder: str,
-    payload: dict[str, Any],
-    inputs: dict[str, Any],
-    versions: dict[str, dict[str, Any]],
-) -> Unit:
-    """A unit of `kind` on `ck` under `<output>/<folder>/<checkpoint>`, keyed by its payload and the code versions."""
-    ikey = sha256_text(canonical_json({"kind": kind, "checkpoint": ck.identity, **payload}))
-    ver = {**versions[kind], **ck.versions}
-    return Unit(kind, ck.name, versioned_key(ikey, ver), spec.output / folder / ck.name, inputs, ikey, ver)
 
 
 # --- the table -------------------------------------------------------------------------------
@@ -673,7 +680,7 @@ def check_conflicts(plan: Plan, state: FolderState, redo: frozenset[str], now: d
     inputs by other versions is recomputed, and so is one whose file is unchanged (a release changed a default):
     a note per unit."""
     from lm_eval_sink.identity import FINGERPRINT_RULE, check_same_identity
-    from lm_eval_sink.io import version_change
+    from lm_eval_sink.keys import version_change
 
     notes, conflicts = [], []
     for unit in plan.units:
@@ -689,8 +696,9 @@ def check_conflicts(plan: Plan, state: FolderState, redo: frozenset[str], now: d
         if changed:
             notes.append(f"{unit.id}: recomputed: {changed}")
             continue
-        if unit.inputs.get("identity") and complete.get("model_identity"):
-            check_same_identity(complete["model_identity"], unit.inputs["identity"], unit.output)
+        identity = getattr(unit.inputs, "identity", None)
+        if identity and complete.get("model_identity"):
+            check_same_identity(complete["model_identity"], identity, unit.output)
         conflicts.append(unit)
     fields = changed_fields(state.earlier_file, now)
     if conflicts and fields == []:  # the sweep file as written is the same: a release changed a default

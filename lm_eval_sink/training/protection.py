@@ -394,7 +394,9 @@ def select_sink_heads(
     n_layers, n_heads, n_kv, d = _shape(model)
     kind = qk_norm_kind(_decoder(model).layers[0].self_attn, d)
     prompt_set = load_prompts(settings.prompts_file, settings.n_prompts)
-    encoded = encode_prompts(tokenizer, prompt_set.prompts, settings.use_chat_template, settings.system_prompt)
+    encoded = encode_prompts(
+        tokenizer, prompt_set.prompts, settings.use_chat_template, settings.system_prompt, prompt_set.where
+    )
     sink_token = _common_first_token(encoded.input_ids)
     layers = settings.layers_for(n_layers)
     captures = capture_prompts(

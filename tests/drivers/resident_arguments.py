@@ -1,12 +1,10 @@
-"""Run by .venv-vllm's python: lm-eval's vLLM model built for each checkpoint on one `ResidentEngine`, whose engine
-class is a stand-in (no engine starts), with the model_args measure-first hands the engine (hub revisions pinned).
+"""Run by .venv-vllm's python: lm-eval's vLLM model built on one `ResidentEngine` per checkpoint, and once alone, with
+a stand-in for vLLM's engine class (no engine starts), as the start-up hook has it built.
 
-Usage: python resident_arguments.py CHECKPOINT=WEIGHTS_FOLDER ... [--decide FOLDER ...]   (a hub id or a local folder
-each). Prints one JSON line: per checkpoint, the error line (or null) and the line of vLLM's start-up memory check
-in its unit (`preflight`, null where not asked), then the stand-in's calls in order; and for
-each FOLDER after --decide, where the start-up hook would measure S under lm-eval's own `VLLM` class for a few
-model_args (`engine_strength.decide`: null on the engine, else why not), and whose `sink_strength` VLLM then has;
-for the first FOLDER, what the hook itself does under `--model vllm` (`hook`: the engine's model_args, the one line).
+Usage: python resident_arguments.py CHECKPOINT=WEIGHTS_FOLDER ... [--decide FOLDER ...]. Prints one JSON line: each
+build's error line or null, vLLM's start-up memory check per unit (`preflight`), the stand-in's calls (`calls`, and
+`alone` for lm-eval's own engine), where the hook would measure S for each FOLDER (`decisions`: `decide`) and the
+methods VLLM then has, and what the hook itself does for the first FOLDER (`hook`).
 """
 
 import json
@@ -47,14 +45,10 @@ class StandInLLM:
 def decisions(folders: list[str]) -> dict:
     from lm_eval_sink.harness.engine_strength import decide
 
-    cases = {
-        "plain": {},
-        "data_parallel": {"data_parallel_size": "2"},
-        "own_extension": {"worker_extension_cls": "my.Extension"},
-        "fp8_kv_cache": {"kv_cache_dtype": "fp8"},
-    }
+    cases = {"plain": {}, "quantization": {"quantization": "fp8"}}
     out = {f: {n: decide(lm_eval_vllm.VLLM, {"pretrained": f, **args}) for n, args in cases.items()} for f in folders}
-    return {"decisions": out, "method": lm_eval_vllm.VLLM.sink_strength.__qualname__}
+    methods = [lm_eval_vllm.VLLM.sink_strength.__qualname__, lm_eval_vllm.VLLM.get_model_info.__qualname__]
+    return {"decisions": out, "methods": methods}
 
 
 def hook(folder: str) -> dict:
@@ -74,7 +68,7 @@ def hook(folder: str) -> dict:
 
     kept_strength.measured_or_kept = stand_in
     out = {}
-    for name, more in {"engine": "", "fp8_kv_cache": ",kv_cache_dtype=fp8"}.items():
+    for name, more in {"engine": "", "quantization": ",quantization=fp8"}.items():
         arguments = {"model": "vllm", "model_args": f"pretrained={folder}{more}", "tasks": ["sink_strength"]}
         said = io.StringIO()
         with contextlib.redirect_stderr(said):
@@ -99,6 +93,21 @@ def start_up_check():
     return None
 
 
+def build(model_args: str) -> str | None:
+    """lm-eval's vLLM model built from `model_args` within the block where the hook has S measured on the engine
+    (`engine_strength.engine_builder`, as its `simple_evaluate` wrapper enters it): None, or the error line."""
+    from lm_eval_sink.harness.engine_strength import engine_builder
+
+    try:
+        with engine_builder():
+            lm_eval_vllm.VLLM.create_from_arg_string(model_args, {"batch_size": 1})
+    except Handed:
+        return None
+    except UserError as e:
+        return e.line()
+    raise AssertionError("lm-eval's model did not build its engine")
+
+
 units, _, decided = " ".join(sys.argv[1:]).partition("--decide")
 preflight: list = []
 real_llm, lm_eval_vllm.LLM = lm_eval_vllm.LLM, StandInLLM
@@ -110,13 +119,12 @@ for pair in units.split():
     load = pin_revisions(hf_load_args({"pretrained": pretrained, "dtype": "float32"}, "sink_strength", "vllm"))
     with engine.serving(weights, {}):
         preflight.append(start_up_check())
-        try:
-            lm_eval_vllm.VLLM.create_from_arg_string(engine_model_args(given, load), {"batch_size": 1})
-        except Handed:
-            errors.append(None)
-        except UserError as e:
-            errors.append(e.line())
+        errors.append(build(engine_model_args(given, load)))
 folders = decided.split()
+alone = len(calls)
+errors.append(build(f"pretrained={folders[0]},dtype=float32"))  # lm_eval --model vllm: lm-eval's own engine
+alone = calls[alone:]
 lm_eval_vllm.LLM = real_llm  # the hook decides for lm-eval's own class (its engine is never built here)
-got = {"errors": errors, "calls": calls, "preflight": preflight, **decisions(folders), "hook": hook(folders[0])}
+got = {"errors": errors, "calls": calls[: len(calls) - len(alone)], "alone": alone, "preflight": preflight}
+got |= {**decisions(folders), "hook": hook(folders[0])}
 print(json.dumps(got, default=str))
