@@ -245,6 +245,7 @@ ASSIGNMENTS = {
     ("capture", "collector.fixed_keys"): None,
     ("capture", "config._attn_implementation_internal"): "each config's `_attn_implementation_internal`",
     ("commands.sweep", "report.table_files"): None,  # the sweep's own report
+    ("commands.sweep", "report.verdicts"): None,
     ("merging.sweep", "StrengthIn.what"): None,  # the sweep schema's own class
     ("extract.pipeline", "config.tie_word_embeddings"): "fields of the configs of the folders it writes",
     ("extract.pipeline", "config.dtype"): "fields of the configs of the folders it writes",
