@@ -28,6 +28,7 @@ No torch, no transformers, no file I/O.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -292,7 +293,32 @@ class Attribution:
 
 
 def _differing(r: Measurement, c: Measurement) -> list[dict[str, Any]]:
-    """Protocol fields in which two measurements differ (as far as their sources record them)."""
+    """Protocol fields in which two measurements differ (as far as their sources record them), a generation cap
+    first (`_cap_row`)."""
+    cap = _cap_row(r, c)
+    return ([cap] if cap else []) + _recorded_differences(r, c)
+
+
+def _cap(m: Measurement) -> int | None:
+    """The generation length a run capped on the command line (`protocols.generation_cap`); None for a registry
+    figure (measured under the task's own settings, as far as it states)."""
+    from lm_eval_sink.protocols import generation_cap
+
+    return generation_cap(m.fingerprint, m.task or "") if m.fingerprint is not None else None
+
+
+def _cap_row(r: Measurement, c: Measurement) -> dict[str, Any] | None:
+    """A capped measurement against an uncapped one (or two caps): the protocol difference named first."""
+    caps = {m.role: _cap(m) for m in (r, c)}
+    if caps["reference"] == caps["candidate"]:
+        return None
+    words = {k: "the task's own" if v is None else f"{v} tokens (--gen_kwargs)" for k, v in caps.items()}
+    return {"field": "generation cap (max_gen_toks)", **words, "affects_scores": True}
+
+
+def _recorded_differences(r: Measurement, c: Measurement) -> list[dict[str, Any]]:
+    """The recorded protocol fields in which two measurements differ: both fingerprints, a run against a registry
+    figure's stated protocol, or two stated protocols."""
     from lm_eval_sink.protocols import task_diff
     from lm_eval_sink.vendors import compare_stated, compare_stated_pair, run_stated_values
 
@@ -369,6 +395,8 @@ def _compare(
             (r.n == c.n == pp["n"] and abs(pp["gap"] - split["gap"]) < 1e-6) if r.n and c.n else None
         )
     row["explanation"] = split_explanation(row["gap"], row["access"], row["capacity"], bench.lenient if bench else None)
+    binary = bench is not None and bench.kind == "binary"
+    row["gap_interval"], row["too_few_to_tell"] = gap_interval((c.strict, c.n), (r.strict, r.n), binary)
     if kind != "same_protocol":
         row["differing_fields"] = _differing(r, c)
         row.update(access=None, capacity=None, split_from=None, explanation=None)
@@ -393,6 +421,39 @@ def _same_model_parts(row: dict[str, Any], r: Measurement, c: Measurement) -> No
         f"change scores differs{unstated}, so it is not called a protocol artefact; documents compared: reference "
         f"{documents(r)}, candidate {documents(c)}"
     )
+
+
+def gap_interval(
+    cand: tuple[float | None, int | None], ref: tuple[float | None, int | None], binary: bool
+) -> tuple[list[float] | None, bool]:
+    """A gap's 95% interval in points and whether it is too few to tell (fewer than `power.MIN_N` documents on a
+    measured side: buckets' rule). Each side is (points, documents); a registry figure (no documents) counts as
+    fixed. The interval combines each side's Wilson interval (Newcombe's method for independent shares: no
+    pairing is assumed, so it is wider than buckets' paired one); none for a score that is no share of documents."""
+    from lm_eval_sink.buckets.stats import wilson_ci
+    from lm_eval_sink.power import MIN_N
+
+    counts = [n for _, n in (cand, ref) if n is not None]
+    few = bool(counts) and min(counts) < MIN_N
+    if not binary or not counts or cand[0] is None or ref[0] is None:
+        return None, few
+    sides = []
+    for points, n in (cand, ref):
+        p = points / 100
+        low, high = (p, p) if n is None else wilson_ci(round(p * n), n, 0.95)
+        sides.append((p, low, high))
+    (p1, l1, u1), (p2, l2, u2) = sides
+    low = p1 - p2 - math.hypot(p1 - l1, u2 - p2)
+    high = p1 - p2 + math.hypot(u1 - p1, p2 - l2)
+    return [_pts(100 * low), _pts(100 * high)], few
+
+
+def gap_text(gap: float | None, interval: list[float] | None, too_few: bool) -> str:
+    """A gap with its interval, "too few to tell" first below `power.MIN_N` documents (as `buckets` says it)."""
+    if gap is None:
+        return "-"
+    shown = f"{_f(gap)} [{_f(interval[0])}, {_f(interval[1])}]" if interval else f"{_f(gap)} [no interval]"
+    return ("too few to tell: " if too_few else "") + shown
 
 
 def protocol_fields(fields: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -615,7 +676,7 @@ def _benchmark_report(
         if id(m) not in paired and id(m) not in confounded
     ]
     vend = [
-        _vendor_row(s, m)
+        _vendor_row(s, m, bench is not None and bench.kind == "binary")
         for s in vendor_scores
         for m in [*rs, *cs]
         if m.registry_model == s.model and m.source.get("id") != s.id
@@ -701,9 +762,14 @@ def _confounded(
     return rows, confounded
 
 
-def _vendor_row(s: Any, m: Measurement) -> dict[str, Any]:
+def _vendor_row(s: Any, m: Measurement, binary: bool) -> dict[str, Any]:
+    """A vendor figure beside a measurement: the gap with its interval, the protocol fields they differ in (a
+    generation cap first)."""
     from lm_eval_sink.vendors import compare_stated, compare_stated_pair
 
+    interval, few = gap_interval((m.strict, m.n), (s.value, None), binary)
+    cap = _cap(m)
+    capped = [{"field": "generation cap (max_gen_toks)", "vendor": "the task's own", "measured": cap}] if cap else []
     if m.fingerprint is not None:
         differ, unstated = compare_stated(s.protocol.stated, m.fingerprint, m.task or "")
         differ = [{"field": d["field"], "vendor": d["stated"], "measured": d["run"]} for d in differ]
@@ -723,7 +789,9 @@ def _vendor_row(s: Any, m: Measurement) -> dict[str, Any]:
         },
         "measured": {"value": _pts(m.strict), "protocol": m.protocol_label, "source": m.source, "limit": m.limit},
         "measured_minus_vendor": _pts(m.strict - s.value),
-        "protocol_differences": differ,
+        "gap_interval": interval,
+        "too_few_to_tell": few,
+        "protocol_differences": capped + differ,
         "vendor_unstated": unstated,
     }
 
@@ -861,7 +929,7 @@ def _comparison_cells(r: dict[str, Any]) -> list[str]:
         r["kind"],
         f"{r['reference']['model']} {_f(r['reference'].get('strict'), False)}",
         f"{r['candidate']['model']} {_f(r['candidate'].get('strict'), False)}",
-        _f(r["gap"]),
+        gap_text(r["gap"], r.get("gap_interval"), bool(r.get("too_few_to_tell"))),
         _f(r["access"]),
         _f(r["capacity"]),
         _f(r["protocol_part"]),
@@ -932,7 +1000,8 @@ def _vendor_cells(v: dict[str, Any]) -> list[str]:
         f"{v['vendor']['source']['id']} ({_verification(v['vendor'])})",
         _f(v["measured"]["value"], False) + caveat,
         v["measured"]["protocol"],
-        _f(v["measured_minus_vendor"]) + (" (subset)" if "--limit" in caveat else ""),
+        gap_text(v["measured_minus_vendor"], v.get("gap_interval"), bool(v.get("too_few_to_tell")))
+        + (" (subset)" if "--limit" in caveat else ""),
         diffs,
     ]
 

@@ -216,6 +216,20 @@ def metric_in_points(column: str, benchmarks: dict[str, Benchmark]) -> bool:
     return (family is not None and family.kind == "binary") or metric in ("acc", "acc_norm", "exact_match")
 
 
+def headline_columns(columns: list[str], benchmarks: dict[str, Benchmark]) -> list[str]:
+    """Each task's headline among a sweep's results columns (`task/metric,filter`): its family's strict score, S
+    for a Sink Strength task, else the task's first column (table.md and table.png show these; table.csv all)."""
+    by_task: dict[str, list[str]] = {}
+    for c in columns:
+        by_task.setdefault(c.partition("/")[0], []).append(c)
+    out = []
+    for task, cols in by_task.items():
+        family = benchmark_of(task, benchmarks)
+        wanted = [f"{task}/{family.strict}" if family and family.strict else "", f"{task}/sink_strength,none"]
+        out.append(next((w for w in wanted if w in cols), cols[0]))
+    return out
+
+
 def metric_labels(columns: list[str], benchmarks: dict[str, Benchmark]) -> list[str]:
     """`metric_label` of each column; columns that would share a label keep their task name in it."""
     labels = [metric_label(c, benchmarks) for c in columns]

@@ -6,6 +6,7 @@ exit codes. Heavy packages are imported inside the commands so `--help` stays in
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -21,6 +22,24 @@ _BATCHING = Batching()  # the defaults of --batch-size, --batch-tokens and --que
 def _device(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     return value if value is None else check_device(value)
 
+
+def _quiet(ctx: click.Context, param: click.Parameter, value: bool) -> bool:
+    """`--quiet` silences the libraries too (here and in the processes started from here): transformers' and the
+    hub's progress bars and their warnings; errors are kept."""
+    if value:
+        os.environ.update(HF_HUB_DISABLE_PROGRESS_BARS="1", TRANSFORMERS_VERBOSITY="error")
+        if "transformers" in sys.modules:
+            from transformers.utils import logging
+
+            logging.disable_progress_bar()
+            logging.set_verbosity_error()
+    return value
+
+
+# One `--quiet` for every command that shows progress.
+_QUIET = dict(is_flag=True, callback=_quiet, help="No progress bars and no library warnings (errors are kept).")
+# lm-eval's option names that a command here calls otherwise: named when one is given.
+_OUR_NAMES = {"--limit": "--n-prompts", "--batch_size": "--batch-size"}
 
 # Where a model is loaded for a measurement: the one `--device` of strength, screen, margin and protect-plan
 # (`_calibration_options`).
@@ -119,7 +138,7 @@ def _calibration_options(f):
             ),
             click.option("--device", **_DEVICE),
             click.option("--force", is_flag=True, help="Overwrite earlier results."),
-            click.option("--quiet", is_flag=True, help="No progress bars."),
+            click.option("--quiet", **_QUIET),
         ]
     ):
         f = opt(f)
@@ -350,7 +369,7 @@ def margin(
     help="Compare the VLM's text path and the backbone's logits on a fixed probe (loads both, one after the other).",
 )
 @click.option("--force", is_flag=True, help="Replace an existing OUT_DIR.")
-@click.option("--quiet", is_flag=True, help="No progress bars.")
+@click.option("--quiet", **_QUIET)
 def extract(vlm_path, out_dir, dtype, verify, force, quiet) -> None:
     """Write VLM_PATH's language backbone to OUT_DIR as a standalone causal LM (AutoModelForCausalLM)."""
     from lm_eval_sink.commands.extract import run_extract
@@ -372,7 +391,7 @@ def extract(vlm_path, out_dir, dtype, verify, force, quiet) -> None:
     help="Compare the new VLM's text path with BACKBONE's logits on a fixed probe.",
 )
 @click.option("--force", is_flag=True, help="Replace an existing OUT_DIR.")
-@click.option("--quiet", is_flag=True, help="No progress bars.")
+@click.option("--quiet", **_QUIET)
 def inject(backbone, vlm_path, out_dir, verify, force, quiet) -> None:
     """Write a copy of VLM_PATH to OUT_DIR whose language model is BACKBONE (e.g. a merged backbone)."""
     from lm_eval_sink.commands.extract import run_inject
@@ -852,7 +871,7 @@ def eval_cmd(
     help="Folder for buckets.json, buckets.md, prompts.csv and PNGs (default: print only).",
 )
 @click.option("--force", is_flag=True, help="Overwrite an existing --output folder.")
-@click.option("--quiet", is_flag=True, help="No progress bars.")
+@click.option("--quiet", **_QUIET)
 def buckets(
     reference,
     candidate,
@@ -988,7 +1007,7 @@ def configs_validate(config_file) -> None:
 @click.option("--random-seed", type=int, default=None, help="Seed for random methods (DARE): bit-identical reruns.")
 @click.option("--device", default="cpu", show_default=True, callback=_device, help="mergekit's math device, or auto.")
 @click.option("--force", is_flag=True, help="Replace an existing OUT folder.")
-@click.option("--quiet", is_flag=True, help="No progress bars.")
+@click.option("--quiet", **_QUIET)
 def merge(config_file, out, random_seed, device, force, quiet) -> None:
     """Validate a mergekit YAML, then merge it in-process into a verified OUT folder."""
     from lm_eval_sink.commands.merge import run_merge
@@ -1018,7 +1037,7 @@ def merge(config_file, out, random_seed, device, force, quiet) -> None:
     default=None,
     help="Merge into one resident model and evaluate it in this process (default: the file's merge.in_memory).",
 )
-@click.option("--quiet", is_flag=True, help="No progress bars: a line per step instead ([3/10] eval:NAME).")
+@click.option("--quiet", **{**_QUIET, "help": "A line per step instead of progress bars; no library warnings."})
 @click.option(
     "--engine",
     type=click.Choice(["local", "ray"]),
@@ -1180,6 +1199,14 @@ def protect_plan(
         click.echo(line)
 
 
+def _our_name(e: click.ClickException) -> str:
+    """For an lm-eval option name given to a command that calls it otherwise, the name it has here."""
+    ours, ctx = _OUR_NAMES.get(getattr(e, "option_name", None) or ""), getattr(e, "ctx", None)
+    if ours is None or ctx is None or not any(ours in p.opts for p in ctx.command.params):
+        return ""
+    return f" (fix: this command takes {ours}; `{ctx.command_path} --help` lists the options)"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: user errors are one line and exit 2; Ctrl-C exits 130."""
     try:
@@ -1191,7 +1218,7 @@ def main(argv: list[str] | None = None) -> int:
         click.echo("interrupted", err=True)
         return 130
     except click.ClickException as e:
-        click.echo(f"error: {e.format_message()}", err=True)
+        click.echo(f"error: {e.format_message()}{_our_name(e)}", err=True)
         return 2
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)

@@ -278,9 +278,17 @@ def local_identity(model: str | None) -> dict[str, Any] | None:
 
 def check_same_identity(old: dict[str, Any] | None, new: dict[str, Any], where: Path) -> None:
     """Refuse reusing `where` when the identity it was made from is not `new`'s (one line, naming the changed file)."""
-    if not isinstance(old, dict) or old.get("fingerprint_rule") != FINGERPRINT_RULE:
+    missing = [k for k in ("fingerprint_rule", "fingerprint", "files") if not isinstance(old, dict) or k not in old]
+    if missing:
         raise UserError(
-            f"{where}: made with an older fingerprint rule; rerun with --force", "pass --force to recompute it"
+            f"{where}: its model identity has no {', '.join(missing)} (written by hand, cut short, or by a version "
+            "before the fingerprint rule)",
+            "pass --force to recompute it",
+        )
+    if old.get("fingerprint_rule") != FINGERPRINT_RULE:
+        raise UserError(
+            f"{where}: made with an older fingerprint rule ({old['fingerprint_rule']}, now {FINGERPRINT_RULE})",
+            "pass --force to recompute it",
         )
     if old.get("fingerprint") == new["fingerprint"]:
         return

@@ -9,7 +9,9 @@ like any checkpoint. `model_fingerprint` records what a result was computed from
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -234,9 +236,7 @@ def pretrained_args(path: str | Path) -> tuple[str, dict[str, str]]:
 def _checked_folder(path: Path, role: str) -> Path:
     """`path` when it holds config.json and weights, else a UserError listing what it holds."""
     if not path.is_dir():
-        raise UserError(
-            f"{path}: is a file, not a {role} folder", "pass the folder that holds config.json and the weights"
-        )
+        raise _not_a_folder(path, role)
     adapter = (path / ADAPTER_CONFIG).is_file()
     missing = [] if adapter or (path / "config.json").is_file() else ["config.json"]
     if not any(next(path.glob(g), None) for g in (_ADAPTER_GLOBS if adapter else _WEIGHT_GLOBS)):
@@ -244,12 +244,45 @@ def _checked_folder(path: Path, role: str) -> Path:
     if missing:
         names = sorted(p.name for p in path.iterdir())
         found = (", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")) or "nothing"
+        gguf = next(path.glob("*.gguf"), None)
         raise UserError(
             f"{path}: not a {role} folder (no {' and no '.join(missing)}; found {found})",
-            "pass a folder written by save_pretrained, or 'default' for the embedded model",
+            f"pass the GGUF file itself: {gguf}"
+            if gguf
+            else "pass a folder written by save_pretrained, or 'default' for the embedded model",
         )
     check_weights(path, None if adapter else check_config(path / "config.json"))
     return path.resolve()
+
+
+def _lm_eval_model(path: Path) -> str | None:
+    """The model an lm-eval results file ran (its config's model_args `pretrained`), or None for any other file."""
+    if path.suffix != ".json" or path.stat().st_size > 1 << 26:
+        return None
+    try:
+        data = json.loads(path.read_bytes())
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("results"), dict):
+        return None
+    args = (data.get("config") or {}).get("model_args")
+    if isinstance(args, dict):
+        return str(args.get("pretrained", "its model"))
+    found = re.search(r"pretrained=([^,]+)", args) if isinstance(args, str) else None
+    return found.group(1) if found else "its model"
+
+
+def _not_a_folder(path: Path, role: str) -> UserError:
+    """The error for a file passed as a model folder: an lm-eval results file names the model it ran."""
+    model = _lm_eval_model(path)
+    if model is None:
+        return UserError(
+            f"{path}: is a file, not a {role} folder", "pass the folder that holds config.json and the weights"
+        )
+    return UserError(
+        f"{path}: is an lm-eval results file, not a {role} folder",
+        f"pass the model it ran ({model}), or the *.strength.json that `lm-eval-sink strength` writes for it",
+    )
 
 
 # The sizes in a config.json that transformers divides by or allocates with (`num_attention_heads: 0` divides by zero

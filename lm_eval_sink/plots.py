@@ -433,7 +433,8 @@ def sweep_chart(
     ax.set_xlabel(f"change vs {checkpoints[0]} ({unit})", fontsize=8)
     ax.tick_params(axis="x", labelsize=7)
     below = 0.6 / ((0.3 + 0.06 * len(series)) * len(rows) + 0.6)  # the tick labels and axis label: about 0.6 inch
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -below), ncol=4, frameon=False)
+    if series:
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -below), ncol=4, frameon=False)
     if with_s:
         sax = axes[0, 1]
         points = [(i, v) for i, v in enumerate(strength[1:]) if v is not None]

@@ -96,6 +96,9 @@ VLLM_RESOURCE_ARGS = frozenset(
 # lm-eval records `config.model` as the --model name, or the class name when given a model object.
 _BACKEND_CLASSES = {"HFLM": "hf", "VLLM": "vllm"}
 
+# lm-eval's names for the generation length, in the order normalize_gen_kwargs reads them.
+TOKEN_KEYS = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
+
 # Task config keys that define the prompt text; hashed together as `prompt_format`.
 _PROMPT_KEYS = (
     "description",
@@ -122,7 +125,11 @@ HARNESS_FIELDS: dict[str, tuple[bool, str]] = {
         True,
         "few-shot examples sent as chat turns (only matters where a task has few-shot examples)",
     ),
-    "gen_kwargs": (True, "generation overrides given on the command line (--gen_kwargs)"),
+    "gen_kwargs": (
+        True,
+        "generation overrides given on the command line (--gen_kwargs): a shorter max_gen_toks cuts responses, "
+        "temperature / do_sample sample them",
+    ),
     "model_args": (
         True,
         "model arguments that change prompts or decoding (e.g. enable_thinking), identity and dtype excluded",
@@ -391,6 +398,17 @@ def _harness_part(results: dict[str, Any], model_args: dict[str, Any]) -> dict[s
             for t, c in sorted(results["configs"].items())
         },
     }
+
+
+def generation_cap(fp: ProtocolFingerprint, task: str) -> int | None:
+    """The generation length a run set on the command line for a generating `task` (`--gen_kwargs max_gen_toks=N`
+    over the task's own, e.g. IFEval's 1,280), None when it kept the task's own: a capped run is a protocol
+    difference to an uncapped one, whatever else agrees (attribution names it first)."""
+    given = fp.harness.get("gen_kwargs") or {}
+    if (fp.harness["tasks"].get(task) or {}).get("output_type") != "generate_until" or not isinstance(given, dict):
+        return None
+    key = next((k for k in TOKEN_KEYS if k in given), None)
+    return None if key is None else int(given[key])
 
 
 def fingerprint_run(run: Any) -> ProtocolFingerprint:

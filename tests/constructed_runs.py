@@ -95,7 +95,7 @@ def results_dict(
     limit: float | None = 5.0,
     system_instruction: str | None = None,
     model_args: dict[str, Any] | None = None,
-    max_gen_toks: int = 64,
+    max_gen_toks: int | None = 64,  # None: no --gen_kwargs, the task's own length (IFEval's 1,280)
     template: str = "{% for m in messages %}{{ m['content'] }}{% endfor %}",
 ) -> dict[str, Any]:
     """A results JSON with the given `results[task]` metric values ("metric,filter" keys)."""
@@ -103,7 +103,7 @@ def results_dict(
     return {
         "results": {t: {"name": t, "alias": t, "sample_len": 5, **vals} for t, vals in tasks.items()},
         "group_subtasks": {},
-        "configs": {t: task_config(t, nf[t], max_gen_toks) for t in tasks},
+        "configs": {t: task_config(t, nf[t], max_gen_toks or 1280) for t in tasks},
         "versions": {t: (4.0 if t == "ifeval" else 3.0) for t in tasks},
         "n-shot": nf,
         "higher_is_better": {t: {} for t in tasks},
@@ -121,7 +121,7 @@ def results_dict(
             "use_cache": None,
             "limit": limit,
             "bootstrap_iters": 100000,
-            "gen_kwargs": {"max_gen_toks": max_gen_toks},
+            "gen_kwargs": {"max_gen_toks": max_gen_toks} if max_gen_toks else None,
             "random_seed": 0,
             "numpy_seed": 1234,
             "torch_seed": 1234,

@@ -195,6 +195,28 @@ def test_same_weights_differing_only_in_limit_are_unexplained_not_protocol(tmp_p
     )
 
 
+def test_a_capped_run_against_an_uncapped_one_names_the_cap_first_and_too_few_to_tell(tmp_path):
+    """The issue-49 case: the same model, generation capped at 48 tokens against IFEval's own 1,280, 5 documents:
+    a protocol difference named first, and buckets' small-sample rule before the gap and its interval."""
+    a = write_run(tmp_path / "a", {"ifeval": REF_IF}, model="/models/qwen", max_gen_toks=None)
+    b = write_run(tmp_path / "b", {"ifeval": CAND_IF}, model="/models/qwen", max_gen_toks=48)
+    att = run_attribution([str(a)], [str(b)])
+    [row] = _bench(att, "IFEval")["comparisons"]
+    assert row["kind"] == "protocol_artefact" and row["protocol_part"] == row["gap"] == -40.0
+    cap = {"field": "generation cap (max_gen_toks)", "reference": "the task's own"}
+    assert row["differing_fields"][0] == {**cap, "candidate": "48 tokens (--gen_kwargs)", "affects_scores": True}
+    assert row["too_few_to_tell"] and row["gap_interval"] == pytest.approx([-72.64, 16.26], abs=0.005)
+    md = to_markdown(att)
+    assert "| too few to tell: -40.00 [-72.64, +16.26] |" in md
+    assert "same model: generation cap (max_gen_toks): the task's own vs 48 tokens (--gen_kwargs); gen_kwargs" in md
+    out, page = tmp_path / "att", tmp_path / "r.html"  # the HTML report names the cap and says too few to tell
+    assert main(["attribute", "--reference", str(a), "--candidate", str(b), "--output", str(out)]) == 0
+    assert main(["report", "--attribution", str(out), "-o", str(page)]) == 0
+    section = page.read_text().split('<section id="attribution">')[1]
+    assert ">too few to tell: <span" in section and "[-72.64, +16.26]" in section
+    assert '<td class="mono">generation cap (max_gen_toks), gen_kwargs' in section
+
+
 def test_different_models_under_different_protocols_are_not_compared(tmp_path):
     ref = write_run(tmp_path / "r", {"ifeval": REF_IF}, model="/models/llm", chat=True)
     cand = write_run(tmp_path / "c", {"ifeval": CAND_IF}, model="/models/vlm", chat=False)
@@ -413,7 +435,9 @@ def test_cli_attribute_writes_json_markdown_png_with_provenance(tmp_path, capsys
         == 0
     )
     stdout = capsys.readouterr().out
-    assert "| instruct | same_protocol | llm 80.00 | vlm-backbone 40.00 | -40.00 | -20.00 | -20.00 |" in stdout
+    # 5 documents: buckets' small-sample rule before the gap, which has its interval
+    gap = "too few to tell: -40.00 [-72.64, +16.26]"
+    assert f"| instruct | same_protocol | llm 80.00 | vlm-backbone 40.00 | {gap} | -20.00 | -20.00 |" in stdout
     doc = json.loads((out / "attribution.json").read_text())
     assert doc["schema_version"] == 1 and doc["mixture"]["declared"] == {"text_share": "0.1"}
     assert [i["sha256"] for i in doc["provenance"]["inputs"]] == [i["sha256"] for i in doc["inputs"]]
@@ -620,6 +644,7 @@ def test_vendor_figures_and_reported_gaps_beside_measured_runs(tmp_path):
         and v["measured"]["value"] == 80.0
         and v["measured_minus_vendor"] == 8.8
     )
-    assert v["protocol_differences"] == [] and v["vendor_unstated"] == list(
-        STATED_KEYS
-    )  # the vendor states nothing about its protocol
+    # the run capped generation at 64 tokens; the vendor states nothing about its protocol (the task's own length)
+    cap = {"field": "generation cap (max_gen_toks)", "vendor": "the task's own", "measured": 64}
+    assert v["protocol_differences"] == [cap] and v["vendor_unstated"] == list(STATED_KEYS)
+    assert v["too_few_to_tell"] and v["gap_interval"] is not None  # 5 measured documents

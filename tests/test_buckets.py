@@ -3,6 +3,7 @@ SmolLM2 runs from the session fixtures, and every bad input through the CLI."""
 
 from __future__ import annotations
 
+import html
 import json
 import math
 import subprocess
@@ -896,6 +897,10 @@ def test_four_docs_say_too_few_to_tell_first_everywhere(gsm8k_four, tmp_path, ca
     card = page[page.index('<div class="cards">') :]
     assert card.index(">too few to tell<") < card.index('data-src="b/buckets.json#/delta"') < card.index("McNemar")
     assert "4 paired docs (at least 10 are needed): the delta describes these docs only" in card
+    # the report carries every note of buckets.md (buckets.notes), the truncation first
+    notes = md.split("Notes:\n\n")[1].strip().splitlines()
+    assert notes[0].startswith("- Responses that hit the generation limit: reference 4 of 4, candidate 4 of 4")
+    assert all(f"<li>{n[2:]}</li>" in html.unescape(page) for n in notes)
 
 
 def _eqbench_pair(shared_data, n: int):

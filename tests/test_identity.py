@@ -144,7 +144,7 @@ def test_output_of_the_older_fingerprint_rule_is_refused(model_dir, tmp_path, ca
     }
     path.write_text(json.dumps(data))
     rc, _, err = _run(capsys, "strength", model_dir, "--last-k", "2", "--output", out, "--quiet")
-    _one_error(rc, err, r"made with an older fingerprint rule; rerun with --force")
+    _one_error(rc, err, r"its model identity has no fingerprint_rule, files \(written by hand, cut short, or by a")
 
 
 @pytest.mark.parametrize("kind", ["failed", "partial"])

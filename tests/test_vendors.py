@@ -184,11 +184,12 @@ def test_vendor_add_then_attribute_vendor_on_a_local_model(tmp_path, capsys):
     ]
     assert att.registry["vendor_missing"] == ["my-vlm-backbone"]
     [v] = att.benchmarks[0]["vendor"]
-    assert v["measured_minus_vendor"] == 5.0 and v["protocol_differences"] == []  # 80 measured vs 75
+    cap = {"field": "generation cap (max_gen_toks)", "vendor": "the task's own", "measured": 64}  # the run's
+    assert v["measured_minus_vendor"] == 5.0 and v["protocol_differences"] == [cap]  # 80 measured vs 75
     md = to_markdown(att)
     assert f"- registry: {base.resolve()} is the registry's My-Base-LLM (matched by --as)" in md
     assert "| My-Base-LLM | 75.00 | my-card (verified " in md and "| 80.00 (--limit 5 run: not final) |" in md
-    assert "| +5.00 (subset) |" in md
+    assert "| too few to tell: +5.00 [-37.45, +21.38] (subset) | generation cap (max_gen_toks): vendor the task" in md
     # a bare --as with two local models is ambiguous; an --as that names no run's folder is refused
     with pytest.raises(UserError, match="ambiguous"):
         run_attribution([str(ref)], [str(cand)], AttributeOptions(registry_file=reg, as_names=["My-Base-LLM"]))
@@ -202,7 +203,8 @@ def test_a_run_of_a_hub_id_is_matched_by_it_and_a_model_against_its_own_figure_i
     reg = tmp_path / "mine.yaml"
     assert main(_add(reg)) == 0  # no quote: unverified, said so
     assert "UNVERIFIED) to " in capsys.readouterr().out
-    run = write_run(tmp_path / "h", {"ifeval": ([1, 1, 1, 0, 0], [1, 1, 1, 1, 0])}, model="me/my-base-llm", limit=None)
+    outcomes = {"ifeval": ([1, 1, 1, 0, 0], [1, 1, 1, 1, 0])}  # with the task's own generation length
+    run = write_run(tmp_path / "h", outcomes, model="me/my-base-llm", limit=None, max_gen_toks=None)
     att = run_attribution(["vendor:My-Base-LLM"], [str(run)], AttributeOptions(vendor=True, registry_file=reg))
     assert att.registry["matches"][0]["by"] == "matched by its hub id me/my-base-llm"
     [li] = att.lineage

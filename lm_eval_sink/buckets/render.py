@@ -24,9 +24,16 @@ def summary_markdown(report: Mapping[str, Any], top: int = 15) -> str:
     """The Markdown summary of a saved report (buckets.json), tables first."""
     lines = _heading_lines(report) + _bucket_lines(report) + _score_lines(report) + power_lines(report)
     lines += _regression_lines(report) + _instruction_type_lines(report, top)
-    if report.get("notes"):
-        lines += ["Notes:", ""] + [f"- {n}" for n in report["notes"]] + [""]
+    if notes(report):
+        lines += ["Notes:", ""] + [f"- {n}" for n in notes(report)] + [""]
     return "\n".join(lines)
+
+
+def notes(report: Mapping[str, Any]) -> list[str]:
+    """Every note of a saved report (buckets.json) in words, for buckets.md and the HTML report alike: the responses
+    that hit the generation limit, then the report's own notes."""
+    tr = report.get("truncation")
+    return ([_truncation_sentence(tr)] if tr else []) + list(report.get("notes") or [])
 
 
 def figure_title(report: Mapping[str, Any]) -> str:
@@ -97,7 +104,7 @@ def _score_lines(report: Mapping[str, Any]) -> list[str]:
 
 
 def _regression_lines(report: Mapping[str, Any]) -> list[str]:
-    """What the regressions are: failure kinds (IFEval), format failures vs wrong answers, truncated responses."""
+    """What the regressions are: failure kinds (IFEval), format failures vs wrong answers (truncation: `notes`)."""
     lines = []
     fk = report.get("failure_kinds")
     if fk:
@@ -111,9 +118,6 @@ def _regression_lines(report: Mapping[str, Any]) -> list[str]:
             f"wrong answers {_fmt(fs['wrong_answer'])}, unknown {fs['unknown']}.",
             "",
         ]
-    tr = report.get("truncation")
-    if tr:
-        lines += [_truncation_sentence(tr), ""]
     return lines
 
 

@@ -81,6 +81,7 @@ def run_eval(options: EvalOptions) -> list[str]:
     """The `eval` command: check the inputs and the output folder, run lm-eval, return the lines to print."""
     from lm_eval_sink.harness.checks import check_lengths, check_tasks
     from lm_eval_sink.harness.runner import EvalSettings, check_interpreter, run_lm_eval
+    from lm_eval_sink.harness.vllm_preflight import check_engine_start
     from lm_eval_sink.locks import hold
     from lm_eval_sink.models import resolve_model
     from lm_eval_sink.protocols import get_protocol, settings_fields
@@ -91,6 +92,7 @@ def run_eval(options: EvalOptions) -> list[str]:
     _check_output(output, [planned, options.protocol_file, options.run.include_path], options.force)
     settings = EvalSettings(**settings_fields(protocol, options.run))
     check_interpreter(settings)  # before `default` is converted
+    check_engine_start(settings)  # the vLLM engine's start-up, as `lm_eval --model vllm` asks it
     lengths = check_tasks(settings)  # unknown tasks, overridden gen_kwargs keys: before `default` is converted
     model_path = resolve_model(options.model, allow_adapter=False)
     check_lengths(lengths, settings, [model_path])  # a generation longer than the model: before lm-eval runs

@@ -17,6 +17,7 @@ import dataclasses
 import datetime as _dt
 import json
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,12 +95,15 @@ def _eval_settings(ev: EvalIn, src: str, rel: Any, python: str | None) -> Any:
 
 
 def _check_eval(spec: SweepSpec) -> None:
-    """What lm-eval would fail on only after the merges and every S (task names, generation lengths), last of the
-    sweep file's checks since it builds lm-eval's task index (`harness.checks.check_protocol`)."""
+    """What lm-eval would fail on only after the merges and every S (task names, generation lengths, a vLLM engine
+    that cannot start), last of the sweep file's checks since it builds lm-eval's task index."""
     from lm_eval_sink.harness.checks import check_protocol
+    from lm_eval_sink.harness.vllm_preflight import check_engine_start
 
     if spec.eval is not None:
         try:
+            if spec.engine is None or spec.engine.kind != "ray":  # a Ray actor's engine starts on its own node
+                check_engine_start(spec.eval)
             check_protocol(spec.eval, list(spec.models.values()))
         except UserError as e:
             raise UserError(f"{spec.source}: eval: {e.message}", e.hint) from None
@@ -349,6 +353,7 @@ class SweepReport:
     notes: list[str] = field(default_factory=list)
     remerged: dict[str, tuple[str, ...]] = field(default_factory=dict)  # Schedule.remerged
     verdicts: list[str] = field(default_factory=list)  # recovery's verdict lines, the console's last
+    times: str | None = None  # the console's last line (`times_line`)
 
     def plan_line(self, todo: int) -> str:
         """What the run is about to do, said before any step runs: how many steps, which merges are redone and for
@@ -365,7 +370,7 @@ class SweepReport:
         if self.table_files:
             out.append("table -> " + ", ".join(str(p) for p in self.table_files))
         out += [f"failed: {u}: {e}" for u, e in self.failures.items()]
-        return out + self.verdicts
+        return out + ([self.times] if self.times else []) + self.verdicts
 
     def raise_for_failures(self) -> None:
         if self.failures:
@@ -555,7 +560,23 @@ def _run_sweep_locked(
             if unit.kind == "merge":
                 _maybe_delete_weights(unit, by_id, finished, manifest, markers)
     _tabulate(plan, markers, report)
+    report.times = times_line(plan, markers, steps.seconds)
     return report
+
+
+def times_line(plan: Plan, markers: Markers, seconds: dict[str, float]) -> str | None:
+    """This run's wall time per checkpoint (its units that ran here in turn), and a resident vLLM engine's build and
+    weight swaps (its eval units' markers); None when no unit was timed."""
+    per: dict[str, float] = {}
+    for u in plan.units:
+        if u.id in seconds:
+            per[u.checkpoint] = per.get(u.checkpoint, 0.0) + seconds[u.id]
+    ran = [(markers.get(u.id) or {}).get("timings") or {} for u in plan.units if u.kind == "eval" and u.id in seconds]
+    build, swap = [t["engine_build"] for t in ran if "engine_build" in t], [t["swap"] for t in ran if "swap" in t]
+    parts = [", ".join(f"{ck} {t:.1f} s" for ck, t in per.items())] if per else []
+    parts += [f"engine build {sum(build):.1f} s"] if build else []
+    parts += [f"weight swap {min(swap):.1f}-{max(swap):.1f} s"] if swap else []
+    return "times of this run: " + "; ".join(parts) if parts else None
 
 
 def _tabulate(plan: Plan, markers: Markers, report: SweepReport) -> None:
@@ -609,14 +630,19 @@ class StepCounter:
     announce: Callable[[str], None] | None
     progress: bool = False
     counted: dict[str, int] = field(default_factory=dict)
+    began: dict[str, float] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)  # wall time of each step that started here
 
     def started(self, unit_id: str) -> None:
         self.counted[unit_id] = len(self.counted) + 1
+        self.began[unit_id] = time.perf_counter()
         self._say(f"[{self.counted[unit_id]}/{self.total}] {unit_id}")
 
     def finished(self, unit_id: str, error: str | None) -> None:
         """A step that ended: counted here when its start was not; said again only when it failed."""
         new = unit_id not in self.counted
+        if unit_id in self.began:
+            self.seconds[unit_id] = time.perf_counter() - self.began[unit_id]
         if new:
             self.counted[unit_id] = len(self.counted) + 1
         step = f"[{self.counted[unit_id]}/{self.total}] {unit_id}"
@@ -716,9 +742,9 @@ def write_table(table: dict[str, Any], out: Path, verdicts: Sequence[str] = ()) 
     paths.append(
         sweep_chart(
             series["checkpoints"],
-            series["values"],
+            series["drawn"],
             out / "table.png",
-            note=table["final_note"],
+            note=series["note"],
             strength=series["s"],
             unit=series["unit"],
         )

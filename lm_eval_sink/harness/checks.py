@@ -22,9 +22,8 @@ from typing import Any
 
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.harness.model_args import model_arg_flag
+from lm_eval_sink.protocols import TOKEN_KEYS
 
-# lm-eval's names for the generation length, in the order normalize_gen_kwargs reads them.
-TOKEN_KEYS = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
 _DESCRIBE = (
     "import json, sys; from lm_eval_sink.harness.checks import describe; "
     "print(json.dumps(describe(*json.loads(sys.argv[1]))))"
@@ -72,6 +71,24 @@ def task_facts(python: str, include_path: str | None, tasks: tuple[str, ...]) ->
     from lm_eval_sink.harness.runner import run_probe
 
     return run_probe(python, _DESCRIBE, json.dumps([list(tasks), include_path]))
+
+
+def check_cli_limit(argv: Sequence[str]) -> None:
+    """Refuse an `lm_eval` command line whose `--limit` leaves no document (0 or below), which lm-eval finds only
+    after the model has loaded, as a traceback."""
+    import argparse
+
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--limit", "-L", type=float, default=None)
+    try:
+        limit = parser.parse_known_args(list(argv))[0].limit
+    except SystemExit:  # not a number: lm-eval's own parser says so
+        return
+    if limit is not None and limit <= 0:
+        raise UserError(
+            f"--limit {limit:g}: no document of any task would run",
+            "pass a count (--limit 5) or a fraction of each task (--limit 0.1), or leave --limit out",
+        )
 
 
 def check_protocol(settings: Any, models: Sequence[str]) -> None:

@@ -440,7 +440,10 @@ def patch_evaluator() -> None:
 def _wrap_cli(original: Any) -> Any:
     @functools.wraps(original)
     def cli_evaluate(*args: Any, **kwargs: Any) -> Any:
+        from lm_eval_sink.harness.checks import check_cli_limit
+
         try:
+            check_cli_limit(sys.argv[1:])
             return original(*args, **kwargs)
         except UserError as e:
             print(f"error: {e.line()}", file=sys.stderr)

@@ -95,6 +95,46 @@ def check_engine_memory(arguments: dict[str, Any]) -> None:
         raise refusal
 
 
+def engine_refusal(model_args: dict[str, Any]) -> list[str] | None:
+    """`check_engine_memory`'s refusal of `--model vllm` with `model_args` in this interpreter, as [what, fix]
+    (JSON-safe, for `check_engine_start`'s probe); None when the engine would start, or where there is no vLLM to
+    ask (a plan made here without it; another lm-eval interpreter without it is `runner.check_interpreter`'s)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    try:
+        check_engine_memory({"model": "vllm", "model_args": model_args})
+    except UserError as e:
+        return [e.message, e.hint]
+    return None
+
+
+def check_engine_start(settings: Any) -> None:
+    """The same start-up check as `lm_eval --model vllm`, asked where a sweep's or `eval`'s lm-eval will run
+    (`settings`: runner.EvalSettings; its interpreter and environment), before any work: the one line, raised."""
+    import json
+    import sys
+
+    if settings.backend != "vllm":
+        return
+    if settings.interpreter() == sys.executable:
+        refusal = engine_refusal(settings.model_args)
+    else:
+        from lm_eval_sink.harness.runner import check_interpreter, run_probe
+
+        check_interpreter(settings)  # the probe needs vLLM and this project there (its own probe, made once)
+        refusal = run_probe(settings.interpreter(), _ASK, json.dumps(settings.model_args))
+    if refusal:
+        raise UserError(*refusal)
+
+
+_ASK = (
+    "import json, sys; from lm_eval_sink.harness.vllm_preflight import engine_refusal; "
+    "print(json.dumps(engine_refusal(json.loads(sys.argv[1]))))"
+)
+
+
 def kv_cache_refusal(memory: NodeMemory, kv_cache_bytes: int) -> UserError | None:
     """The one-line error for a KV cache size the node cannot hold even before the weights load (vLLM's CPU worker
     refuses it after loading them); None when it fits now."""

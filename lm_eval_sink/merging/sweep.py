@@ -538,10 +538,10 @@ def _fmt(x: float | None, signed: bool = False, scale: float = 1.0) -> str:
     return f"{x:+.4f}" if signed else f"{x:.4f}"
 
 
-def _table_rows(table: dict[str, Any], scales: list[float]) -> list[list[str]]:
-    """One row per checkpoint: each metric and its delta (scaled per column), S and its delta, the status; a value of
-    S (and its delta) measured in another setting than others of its column carries that setting's letter."""
-    cols = table["columns"]
+def _table_rows(table: dict[str, Any], cols: list[str], scales: list[float]) -> list[list[str]]:
+    """One row per checkpoint: each metric of `cols` and its delta (scaled per column), S and its delta, the status;
+    a value of S (and its delta) measured in another setting than others of its column carries that setting's
+    letter."""
     comparable = (table.get("strength_comparability") or {}).get("comparable", True)
 
     def marked(text: str, label: str | None) -> str:
@@ -573,14 +573,26 @@ def _units_line(labels: list[str], scales: list[float]) -> str:
     return "Scores and deltas " + "; ".join(parts) + "; table.csv and table.json keep lm-eval's values.\n"
 
 
+def _too_few_line(table: dict[str, Any]) -> str:
+    """buckets' small-sample rule for a sweep evaluated on fewer than `power.MIN_N` documents per task."""
+    from lm_eval_sink.power import MIN_N, too_few
+
+    limit = ((table.get("protocol") or {}).get("eval") or {}).get("limit")
+    if not isinstance(limit, int | float) or limit < 1 or limit >= MIN_N:
+        return ""
+    what = too_few(int(limit), f"{int(limit)} docs per task (at least {MIN_N} are needed)")
+    return f"**{what[0].upper()}{what[1:]}.** Every delta below describes these docs only.\n"
+
+
 def table_text(table: dict[str, Any]) -> tuple[str, str]:
-    """The table as Markdown (a title line, the not-final note if any, what S means, the units, the table; metrics
-    under their readable names, shares of docs in points) and as CSV (under their lm-eval results keys and values)."""
-    from lm_eval_sink.benchmarks import load_benchmarks, metric_in_points, metric_labels
+    """The table as Markdown (a title line, the not-final note and too few to tell if so, what S means, the units,
+    each task's headline metric under its readable name, shares of docs in points) and as CSV (every column under its
+    lm-eval results key and value)."""
+    from lm_eval_sink.benchmarks import headline_columns, load_benchmarks, metric_in_points, metric_labels
     from lm_eval_sink.strength import S_MEANING
 
-    cols = table["columns"]
     benchmarks = load_benchmarks()
+    cols = headline_columns(table["columns"], benchmarks)
 
     def head(names: list[str]) -> list[str]:
         return ["checkpoint", "method", *[x for c in names for x in (c, f"{c} delta")], "S", "S delta", "status"]
@@ -588,15 +600,17 @@ def table_text(table: dict[str, Any]) -> tuple[str, str]:
     scales = [100.0 if metric_in_points(c, benchmarks) else 1.0 for c in cols]
     md = f"Merging sweep ({table['lineage']} lineage); deltas vs the reference.\n"
     if not table["final"]:
-        md += f"**Not final scores:** {table['final_note']}.\n"
+        md += f"**Not final scores:** {table['final_note']}.\n" + _too_few_line(table)
     strength_notes = (table.get("strength_comparability") or {}).get("notes") or []
     md += f"S: {S_MEANING}.\n" + "".join(f"S, {line}\n" for line in strength_notes)
     for task, comparison in sorted((table.get("task_strength_comparability") or {}).items()):
         md += "".join(f"{task} (S of the eval units), {line}\n" for line in comparison["notes"])
     labels = metric_labels(cols, benchmarks)
     md += _units_line(labels, scales) if cols else ""
-    md_rows, csv_rows = _table_rows(table, scales), _table_rows(table, [1.0] * len(cols))
-    return md + "\n" + markdown_table(head(labels), md_rows), csv_text(head(cols), csv_rows)
+    md += "Each task's headline metric; every metric is in table.csv.\n"
+    everything = table["columns"]
+    md_rows, csv_rows = _table_rows(table, cols, scales), _table_rows(table, everything, [1.0] * len(everything))
+    return md + "\n" + markdown_table(head(labels), md_rows), csv_text(head(everything), csv_rows)
 
 
 # --- what to run: decisions on the folder's state, read once by commands/sweep.py ----------------

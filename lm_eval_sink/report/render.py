@@ -42,8 +42,8 @@ def figures(view: dict[str, Any]) -> dict[str, str]:
         out["sweep"] = _png(
             plots.sweep_chart,
             s["series"]["checkpoints"],
-            s["series"]["values"],
-            note=s["final_note"],
+            s["series"]["drawn"],
+            note=s["series"]["note"],
             strength=s["series"]["s"],
             unit=s["series"]["unit"],
         )

@@ -303,7 +303,7 @@ def _power(d: Doc) -> dict[str, Any] | None:
 def _buckets_section(b: BucketsInput) -> dict[str, Any]:
     """The section of one buckets.json: scores and delta, bucket counts, failure kinds, regressions, instruction
     types, notes and protocol differences."""
-    from lm_eval_sink.buckets.render import figure_title
+    from lm_eval_sink.buckets.render import figure_title, notes
 
     d = b.doc
     data = d.data
@@ -344,7 +344,7 @@ def _buckets_section(b: BucketsInput) -> dict[str, Any]:
         "table": _regression_rows(b),
         "types": _instruction_type_rows(d),
         "power": _power(d),
-        "notes": list(data.get("notes") or []),
+        "notes": notes(data),
         "protocol_differences": [
             {
                 "field": k,
@@ -419,6 +419,8 @@ def _attribution_section(d: Doc) -> dict[str, Any]:
                     "reference": num(d, [*p, "reference", "strict"], "f2"),
                     "candidate": num(d, [*p, "candidate", "strict"], "f2"),
                     "gap": num(d, [*p, "gap"], "f2"),
+                    "too_few": bool(c.get("too_few_to_tell")),
+                    "interval": ", ".join(f"{x:+.2f}" for x in c["gap_interval"]) if c.get("gap_interval") else None,
                     "protocol_part": num(d, [*p, "protocol_part"], "f2"),
                     "unexplained": num(d, [*p, "unexplained"], "f2"),
                     "access": num(d, [*p, "access"], "f2"),
@@ -460,21 +462,40 @@ def _figure_state(c: Mapping[str, Any]) -> str:
 
 def sweep_series(table: Mapping[str, Any]) -> dict[str, Any]:
     """The sweep figure's data from a table.json: checkpoints, each metric's values under its readable name (in
-    points for shares of docs, as in the buckets section), S per checkpoint, and the metric axis's unit."""
-    from lm_eval_sink.benchmarks import load_benchmarks, metric_in_points, metric_labels
+    points for shares of docs, as in the buckets section), S per checkpoint (the strength units', else an eval
+    unit's Sink Strength task), and the metric axis's unit; `drawn`: the values the figure draws, each task's
+    headline metric in the axis's one unit (points when any is a share of docs) that changes, and `note` the
+    figure's title note (not final; the unchanged ones, said once)."""
+    from lm_eval_sink.benchmarks import headline_columns, load_benchmarks, metric_in_points, metric_labels
 
     benchmarks = load_benchmarks()
     cols, rows = list(table.get("columns") or []), table.get("rows") or []
     scales = [100.0 if metric_in_points(c, benchmarks) else 1.0 for c in cols]
+    labels = metric_labels(cols, benchmarks)
     values = {
         label: [None if get(r, "metrics", c) is None else get(r, "metrics", c) * f for r in rows]
-        for c, label, f in zip(cols, metric_labels(cols, benchmarks), scales, strict=True)
+        for c, label, f in zip(cols, labels, scales, strict=True)
     }
+    headline = set(headline_columns(cols, benchmarks))
+    tasks_s = [c for c in cols if c in headline and c.endswith("/sink_strength,none")]
+    s = [r.get("sink_strength") for r in rows]
+    if all(v is None for v in s) and tasks_s:
+        s = [get(r, "metrics", tasks_s[0]) for r in rows]
+    points = any(f == 100 for c, f in zip(cols, scales, strict=True) if c in headline and c not in tasks_s)
+    axis = [
+        label
+        for c, label, f in zip(cols, labels, scales, strict=True)
+        if c in headline and c not in tasks_s and (f == 100) == points
+    ]
+    unchanged = [label for label in axis if len(set(values[label])) == 1 and len(rows) > 1]
+    said = [table.get("final_note"), f"unchanged in every checkpoint: {', '.join(unchanged)}" if unchanged else None]
     return {
         "checkpoints": [r.get("checkpoint") for r in rows],
         "values": values,
-        "s": [r.get("sink_strength") for r in rows],
-        "unit": "points" if all(f == 100 for f in scales) else "points for shares of docs, else each metric's unit",
+        "drawn": {label: values[label] for label in axis if label not in unchanged},
+        "note": "; ".join(x for x in said if x) or None,
+        "s": s,
+        "unit": "points" if points else "the metric's own unit",
         "labels": list(values),
         "scales": scales,
     }
