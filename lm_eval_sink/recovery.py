@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from lm_eval_sink.buckets.render import delta_text
 from lm_eval_sink.buckets.settings import BucketSettings
 from lm_eval_sink.buckets.stats import holm, paired_stats
 from lm_eval_sink.power import MIN_N, comparison_power, too_few
@@ -70,7 +71,9 @@ class Share:
     reason: str | None
 
 
-def fieller_share(reference: np.ndarray, candidate: np.ndarray, control: np.ndarray, binary: bool, confidence: float):
+def fieller_share(
+    reference: np.ndarray, candidate: np.ndarray, control: np.ndarray, binary: bool, confidence: float
+) -> tuple[float, float] | None:
     """Fieller's interval of mean(a) / mean(b), a = control - candidate, b = reference - candidate per doc: the
     shares theta with (mean a - theta mean b)^2 <= t^2 var(a - theta b) / n, which accounts for the noise of all three
     runs and their pairing. Bounded only when mean b differs from 0 by the same t test; None otherwise. The estimate
@@ -224,20 +227,10 @@ def recover(outcomes: Sequence[TaskOutcomes], controls: Sequence[str], settings:
 # --- text (recovery.md, the console, table.md) --------------------------------------------------------------------
 
 
-def _points(x: float | None, binary: bool, signed: bool = True) -> str:
-    if x is None:
-        return "n/a"
-    return f"{100 * x:+.1f}" if binary and signed else f"{100 * x:.1f}" if binary else f"{x:+.4g}"
-
-
-def _interval(ci: Sequence[float] | None, binary: bool) -> str:
-    return "[withheld]" if ci is None else f"[{_points(ci[0], binary)}, {_points(ci[1], binary)}]"
-
-
 def share_text(cell: Mapping[str, Any]) -> str:
     """A control's share with its interval, or why there is none."""
-    if cell["recovered_share"] is None:
-        return f"no share ({cell['recovered_share_note']})"
+    if cell["recovered_share"] is None:  # why: recovered_share_note, and the verdict's reason
+        return "no share"
     ci = cell["recovered_share_ci"]
     return f"{cell['recovered_share']:.2f} " + ("[unbounded]" if ci is None else f"[{ci[0]:.2f}, {ci[1]:.2f}]")
 
@@ -262,7 +255,7 @@ def _comparison_rows(data: Mapping[str, Any]) -> list[list[str]]:
         for c, cells in data["controls"].items():
             named += [(f"{c} - " + f.removeprefix("vs_"), cells[task][f]) for f in FAMILIES[1:]]
         for what, x in named:
-            delta = _points(x["delta"], binary) + " " + _interval(x["delta_ci"], binary)
+            delta = delta_text(x["delta"], x["delta_ci"], binary, t["n"] < MIN_N)
             rows.append([task, what, delta, f"{x['p']:.3g}", f"{x['p_holm']:.3g}"])
     return rows
 

@@ -70,7 +70,7 @@ def _bucket_lines(report: Mapping[str, Any]) -> list[str]:
     return [*markdown_lines(["bucket", "prompts", "share"], rows), ""]
 
 
-def _delta_text(delta: float, ci: Sequence[float] | None, pct: bool, too_few: bool) -> str:
+def delta_text(delta: float, ci: Sequence[float] | None, pct: bool, too_few: bool) -> str:
     """A delta with its interval ("withheld" when there is none), "too few to tell" first below MIN_N docs."""
     interval = f"[{_fmt(ci[0], pct)}, {_fmt(ci[1], pct)}]" if ci is not None else "[interval withheld]"
     return ("too few to tell: " if too_few else "") + f"{_fmt(delta, pct)} {interval}"
@@ -81,20 +81,20 @@ def _score_lines(report: Mapping[str, Any]) -> list[str]:
     then how each interval was computed."""
     r, pct, few = report, report["kind"] == "binary", bool(report.get("too_few_to_tell"))
     mcnemar = _fmt(r["mcnemar_p"])
-    delta = _delta_text(r["delta"], r["delta_ci"], pct, few)
+    delta = delta_text(r["delta"], r["delta_ci"], pct, few)
     tests = [mcnemar if pct else "n/a", _fmt(r["wilcoxon_p"])]  # a continuous metric's McNemar is its pass rate's
     rows = [[r["metric"], _fmt(r["reference_score"], pct), _fmt(r["candidate_score"], pct), delta, *tests]]
     methods = [f"{r['metric']}: {r.get('delta_ci_method') or 'paired bootstrap over docs'}"]
     il = r.get("instruction_level")
     if il:
         what = f"{il['metric']} ({il['n_instructions']} instructions)"
-        delta = _delta_text(il["delta"], il["delta_ci"], True, few)
+        delta = delta_text(il["delta"], il["delta_ci"], True, few)
         rows.append([what, _fmt(il["reference_score"], True), _fmt(il["candidate_score"], True), delta, "n/a", "n/a"])
         methods.append(f"{il['metric']}: {il['method']}")
     pr = r.get("pass_rate")
     if pr:
         what = f"pass rate (score >= {pr['threshold']:g})"
-        delta = _delta_text(pr["delta"], pr["delta_ci"], True, few)
+        delta = delta_text(pr["delta"], pr["delta_ci"], True, few)
         rows.append([what, _fmt(pr["reference"], True), _fmt(pr["candidate"], True), delta, mcnemar, "n/a"])
         methods.append(f"pass rate: {pr.get('delta_ci_method') or 'paired bootstrap over docs'}")
     conf = round(100 * r["settings"]["confidence"])

@@ -8,12 +8,24 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from lm_eval_sink.buckets.settings import BucketSettings
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.keys import Key, Work, key_of
 
-CODE = (__name__,)
-CODE_PACKAGES = ("numpy", "scipy", "pyarrow")
-ROLES = ("reference", "candidate")
 OUTPUTS = ("recovery.json", "recovery.md", "recovery.png", "prompts.parquet")
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryWork(Work):
+    """What `recovery` reads: every run's samples and results files (by content) and the settings; its key is in the
+    provenance, with the hashes of this module and all it imports and numpy's, scipy's and pyarrow's versions. A
+    sweep recomputes its recovery/ only when this key changes."""
+
+    CODE = (__name__,)
+    PACKAGES = ("numpy", "scipy", "pyarrow")
+
+    files: dict[str, Path]
+    settings: BucketSettings
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,8 +156,10 @@ def read_runs(runs: list[NamedRun], settings) -> tuple[list[PairedTask], dict[st
     files = {r.name: resolve_run(r.path) for r in runs}
     fps = {name: run_fingerprint(f) for name, f in files.items()}
     records: dict[str, Any] = {r.name: {"role": r.role, "tasks": {}} for r in runs}
-    paired, notes = [], []
-    for task in _tasks(files):
+    tasks = _tasks(files)
+    left = sorted(set().union(*(f.samples for f in files.values())) - set(tasks))
+    paired, notes = [], [f"left out, not in every run: {', '.join(left)}"] if left else []
+    for task in tasks:
         samples = {name: read_samples(f.samples[task]) for name, f in files.items()}
         paired += _pair_task(task, runs, samples, settings)
         for r in runs:
@@ -253,7 +267,8 @@ def write_outputs(data: dict[str, Any], table, output: Path, force: bool = False
     """recovery.json, recovery.md, recovery.png and prompts.parquet in the folder `output` (staged, atomic)."""
     import pyarrow.parquet as pq
 
-    from lm_eval_sink.io import atomic_write_json, atomic_write_text, staged_dir
+    from lm_eval_sink.io import atomic_write_json, atomic_write_text
+    from lm_eval_sink.outputs import staged_dir
     from lm_eval_sink.plots import recovery_forest
     from lm_eval_sink.recovery import summary_markdown
 
@@ -266,14 +281,27 @@ def write_outputs(data: dict[str, Any], table, output: Path, force: bool = False
     return [output / n for n in OUTPUTS]
 
 
-def compute(runs: list[NamedRun], settings, command: str = "recovery") -> tuple[dict[str, Any], Any]:
+def recovery_key(runs: list[NamedRun], settings: BucketSettings) -> Key:
+    """The key of a recovery over `runs`: their samples and results files by content, the settings, the code."""
+    from lm_eval_sink.runs import resolve_run
+
+    files = {}
+    for r in runs:
+        run = resolve_run(r.path)
+        files.update({f"{r.name} samples {task}": path for task, path in run.samples.items()})
+        if run.results is not None:
+            files[f"{r.name} results"] = run.results
+    return key_of(RecoveryWork(files, settings))
+
+
+def compute(runs: list[NamedRun], settings: BucketSettings, command: str = "recovery") -> tuple[dict[str, Any], Any]:
     """recovery.json's record with its provenance, and prompts.parquet's table, from the runs (no model loaded)."""
-    from lm_eval_sink.io import key_versions, provenance
+    from lm_eval_sink.provenance import provenance
 
     paired, records, notes = read_runs(runs, settings)
     data = recovery_record(paired, runs, settings, records, notes)
-    inputs = {name: {task: rec["samples_sha256"] for task, rec in r["tasks"].items()} for name, r in records.items()}
-    data["provenance"] = provenance(command=command, code_versions=key_versions(CODE, CODE_PACKAGES), inputs=inputs)
+    key = recovery_key(runs, settings)
+    data["provenance"] = provenance(command=command, key=key.key, inputs_key=key.inputs_key, key_versions=key.versions)
     return data, prompts_table(paired, {r.name: r.role for r in runs})
 
 
@@ -291,7 +319,7 @@ def run_recovery(
 
     runs = named_runs(reference, candidate, controls)
     if output is not None:
-        from lm_eval_sink.io import check_output_dir
+        from lm_eval_sink.outputs import check_output_dir
 
         check_output_dir(Path(output), force, inputs=[r.path for r in runs])
     data, table = compute(runs, settings)

@@ -597,8 +597,8 @@ def sweep_recovery(plan: Plan, markers: Markers) -> list[str]:
     `<output>/recovery/`, recomputed only when a run or the code changed (its key); returns the verdict lines (none
     without both endpoints and a control evaluated)."""
     from lm_eval_sink.buckets.settings import BucketSettings
-    from lm_eval_sink.commands.recovery import CODE, CODE_PACKAGES, NamedRun, compute, write_outputs
-    from lm_eval_sink.io import canonical_json, key_versions, read_json, versioned_key
+    from lm_eval_sink.commands.recovery import NamedRun, compute, recovery_key, write_outputs
+    from lm_eval_sink.io import read_json
     from lm_eval_sink.recovery import verdict_lines
 
     by_id = {u.id: u for u in plan.units}
@@ -613,12 +613,10 @@ def sweep_recovery(plan: Plan, markers: Markers) -> list[str]:
         for name, (role, u) in done.items()
         if role == want
     ]
-    out = plan.spec.output / "recovery"
-    key = versioned_key(canonical_json({r.name: done[r.name][1].key for r in runs}), key_versions(CODE, CODE_PACKAGES))
+    out, settings = plan.spec.output / "recovery", BucketSettings(failure_kinds=False)
     saved = read_json(out / "recovery.json") if (out / "recovery.json").is_file() else None
-    if saved is None or saved.get("provenance", {}).get("key") != key:
-        saved, table = compute(runs, BucketSettings(failure_kinds=False), command="sweep")
-        saved["provenance"]["key"] = key
+    if saved is None or saved.get("provenance", {}).get("key") != recovery_key(runs, settings).key:
+        saved, table = compute(runs, settings, command="sweep")
         write_outputs(saved, table, out, force=True)
     return verdict_lines(saved)
 
