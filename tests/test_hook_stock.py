@@ -101,6 +101,33 @@ def test_a_wrapper_that_fails_on_a_stock_call_hands_it_to_lm_eval(tiny_task_dir,
         ev.simple_evaluate(model="dummy", tasks=["sink_strength"], task_manager=manager)
 
 
+def test_a_build_call_the_wrapper_cannot_read_is_lm_evals(monkeypatch):
+    """`TaskIndex.build`'s wrapper given roots it cannot read as paths (a later lm-eval's) hands them, as given, to
+    lm-eval's own, with one line; an iterator goes there unread."""
+    from lm_eval_sink.errors import SinkWarning
+    from lm_eval_sink.harness import discovery, patching
+
+    monkeypatch.setattr(patching, "_SAID", set())
+    build = discovery._wrap_build(lambda paths, *, resolve_includes=True: ("lm-eval's", paths))
+    roots = [{"root": "tasks", "recursive": True}]
+    with pytest.warns(SinkWarning, match=r"TaskIndex\.build met TypeError: .*lm-eval's own takes the call"):
+        assert build(roots) == ("lm-eval's", roots)
+    given = iter(["tasks"])
+    assert build(given) == ("lm-eval's", given)
+
+
+def test_simple_evaluate_declares_what_it_passes_to_lm_eval(monkeypatch):
+    """The `simple_evaluate` patch checks the parameters it passes to lm-eval's functions, not only their names:
+    a TaskManager without `metadata` is named."""
+    from lm_eval.tasks import TaskManager
+
+    from lm_eval_sink.harness import discovery
+
+    assert discovery._lm_eval_calls() is None
+    monkeypatch.setattr(TaskManager, "__init__", lambda self, include_path=None: None)
+    assert discovery._lm_eval_calls() == "calls TaskManager, which takes (self, include_path), without metadata"
+
+
 def test_what_a_patch_reads_is_checked_before_it_arms(monkeypatch):
     """`patching.patch(reads=...)`: a target whose objects lack an attribute the wrapper reads stays as it is, with
     one line naming it; either name of an "a|b" read will do."""
