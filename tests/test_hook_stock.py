@@ -128,6 +128,23 @@ def test_simple_evaluate_declares_what_it_passes_to_lm_eval(monkeypatch):
     assert discovery._lm_eval_calls() == "calls TaskManager, which takes (self, include_path), without metadata"
 
 
+def test_a_weights_file_transformers_never_reads_leaves_a_stock_run_alone(handset_llama_dir, tmp_path):
+    """`simple_evaluate`'s check of a local `pretrained` folder reads what transformers loads: a stray file named
+    `*.safetensors` beside `model.safetensors` (which transformers loads alone) refused the stock run, exit 2; a
+    damaged `model.safetensors` is still one line."""
+    import shutil
+
+    from lm_eval_sink.errors import UserError
+    from lm_eval_sink.harness.discovery import check_pretrained
+
+    model = shutil.copytree(handset_llama_dir, tmp_path / "model")
+    (model / "optimizer.safetensors").write_text("not a tensor file")
+    check_pretrained({"model": "hf", "model_args": f"pretrained={model}"})
+    (model / "model.safetensors").write_bytes((model / "model.safetensors").read_bytes()[:200])
+    with pytest.raises(UserError, match=r"model\.safetensors: is cut short"):
+        check_pretrained({"model": "hf", "model_args": f"pretrained={model}"})
+
+
 def test_what_a_patch_reads_is_checked_before_it_arms(monkeypatch):
     """`patching.patch(reads=...)`: a target whose objects lack an attribute the wrapper reads stays as it is, with
     one line naming it; either name of an "a|b" read will do."""

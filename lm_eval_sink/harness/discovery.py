@@ -157,14 +157,19 @@ def _model_args(model_args: Any) -> dict[str, Any]:
 
 
 def check_pretrained(arguments: dict[str, Any]) -> None:
-    """Before anything loads: a local `pretrained` folder's safetensors files (`weights.check_weights`), one line
-    naming a file that is missing, cut short or not safetensors."""
-    from lm_eval_sink.weights import check_weights
+    """Before anything loads: a local `pretrained` folder's safetensors files, those transformers loads
+    (`model.safetensors` alone where there is one, else `weights.check_weights`), one line naming a file that is
+    missing, cut short or not safetensors; a file transformers never reads leaves the run to lm-eval."""
+    from lm_eval_sink.weights import check_weights, file_tensors
 
     model_args = _model_args(arguments.get("model_args")) if isinstance(arguments.get("model"), str) else {}
     pretrained = model_args.get("pretrained")
     if isinstance(pretrained, str) and Path(pretrained).is_dir():
-        check_weights(Path(pretrained))
+        single = Path(pretrained) / "model.safetensors"  # transformers' first choice: then it reads no other
+        if single.is_file():
+            file_tensors(single)
+        else:
+            check_weights(Path(pretrained))
 
 
 def _task_manager(arguments: dict[str, Any]) -> Any:
