@@ -88,6 +88,8 @@ test-oldest: $(OLDEST_STAMP)
 # `requests`, which that wheel imports without declaring; then the tests of this project on lm-eval's own files,
 # less the SmolLM2 runs with IFEval and the --predict_only run, which fail on 0.5.0.dev2 itself (docs/development.md).
 NEXT_WHEEL := $(SHARED)/wheels/lm_eval-0.5.0.dev2-py3-none-any.whl
+# the wheel's sha256 as SOURCE.md gives it, checked before it is installed
+NEXT_WHEEL_SHA256 := 0103d0ef1342c362d7ba310ae3d2c465ed9e335686b09734fd445b07b96f40c6
 NEXT_TESTS := tests/test_harness.py tests/test_task_index.py tests/test_hook_stock.py tests/test_protocols.py \
 	tests/test_buckets.py tests/test_attribution.py
 NEXT_DESELECT := not test_real_ and not test_mission_command and not test_limit_is_said and not test_offline_stock_tasks_record \
@@ -96,6 +98,8 @@ NEXT_DESELECT := not test_real_ and not test_mission_command and not test_limit_
 venv-next: $(NEXT_STAMP)
 
 $(NEXT_STAMP): constraints.txt pyproject.toml
+	echo '$(NEXT_WHEEL_SHA256)  $(NEXT_WHEEL)' | sha256sum --check --quiet - || \
+		{ echo "$(NEXT_WHEEL): not the wheel SOURCE.md names; copy the one of sha256 $(NEXT_WHEEL_SHA256)"; exit 1; }
 	test -x $(NEXT_PY) || $(PYTHON) -m venv $(NEXT_VENV)
 	$(NEXT_PY) -m pip install -q --upgrade pip
 	grep -v '^lm[-_]eval==' constraints.txt > $(NEXT_VENV)/constraints.txt

@@ -52,7 +52,9 @@ def _run_callback(module_name: str) -> None:
     target = POST_IMPORT[module_name]
     mod_name, _, func_name = target.partition(":")
     try:
-        if module_name.startswith("lm_eval.") and _lm_eval_untested():
+        from lm_eval_sink.harness.patching import stands_aside  # an untested lm-eval: no patch, one line
+
+        if module_name.startswith("lm_eval.") and stands_aside():
             return
         getattr(importlib.import_module(mod_name), func_name)()
     except Exception as e:  # fail soft: the host library keeps working without us
@@ -62,12 +64,6 @@ def _run_callback(module_name: str) -> None:
             SinkWarning,
             stacklevel=2,
         )
-
-
-def _lm_eval_untested() -> bool:
-    from lm_eval_sink.harness.patching import stands_aside
-
-    return stands_aside()
 
 
 class _Loader(importlib.abc.Loader):

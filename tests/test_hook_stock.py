@@ -101,6 +101,50 @@ def test_a_wrapper_that_fails_on_a_stock_call_hands_it_to_lm_eval(tiny_task_dir,
         ev.simple_evaluate(model="dummy", tasks=["sink_strength"], task_manager=manager)
 
 
+def test_a_build_call_the_wrapper_cannot_read_is_lm_evals(monkeypatch):
+    """`TaskIndex.build`'s wrapper given roots it cannot read as paths (a later lm-eval's) hands them, as given, to
+    lm-eval's own, with one line; an iterator goes there unread."""
+    from lm_eval_sink.errors import SinkWarning
+    from lm_eval_sink.harness import discovery, patching
+
+    monkeypatch.setattr(patching, "_SAID", set())
+    build = discovery._wrap_build(lambda paths, *, resolve_includes=True: ("lm-eval's", paths))
+    roots = [{"root": "tasks", "recursive": True}]
+    with pytest.warns(SinkWarning, match=r"TaskIndex\.build met TypeError: .*lm-eval's own takes the call"):
+        assert build(roots) == ("lm-eval's", roots)
+    given = iter(["tasks"])
+    assert build(given) == ("lm-eval's", given)
+
+
+def test_simple_evaluate_declares_what_it_passes_to_lm_eval(monkeypatch):
+    """The `simple_evaluate` patch checks the parameters it passes to lm-eval's functions, not only their names:
+    a TaskManager without `metadata` is named."""
+    from lm_eval.tasks import TaskManager
+
+    from lm_eval_sink.harness import discovery
+
+    assert discovery._lm_eval_calls() is None
+    monkeypatch.setattr(TaskManager, "__init__", lambda self, include_path=None: None)
+    assert discovery._lm_eval_calls() == "calls TaskManager, which takes (self, include_path), without metadata"
+
+
+def test_a_weights_file_transformers_never_reads_leaves_a_stock_run_alone(handset_llama_dir, tmp_path):
+    """`simple_evaluate`'s check of a local `pretrained` folder reads what transformers loads: a stray file named
+    `*.safetensors` beside `model.safetensors` (which transformers loads alone) refused the stock run, exit 2; a
+    damaged `model.safetensors` is still one line."""
+    import shutil
+
+    from lm_eval_sink.errors import UserError
+    from lm_eval_sink.harness.discovery import check_pretrained
+
+    model = shutil.copytree(handset_llama_dir, tmp_path / "model")
+    (model / "optimizer.safetensors").write_text("not a tensor file")
+    check_pretrained({"model": "hf", "model_args": f"pretrained={model}"})
+    (model / "model.safetensors").write_bytes((model / "model.safetensors").read_bytes()[:200])
+    with pytest.raises(UserError, match=r"model\.safetensors: is cut short"):
+        check_pretrained({"model": "hf", "model_args": f"pretrained={model}"})
+
+
 def test_what_a_patch_reads_is_checked_before_it_arms(monkeypatch):
     """`patching.patch(reads=...)`: a target whose objects lack an attribute the wrapper reads stays as it is, with
     one line naming it; either name of an "a|b" read will do."""

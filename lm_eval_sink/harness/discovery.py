@@ -40,7 +40,7 @@ from typing import Any
 
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.harness.backends import backend_label, has_attention, unsupported
-from lm_eval_sink.harness.patching import HANDED_BACK, attempt, patch, read_name
+from lm_eval_sink.harness.patching import HANDED_BACK, attempt, mismatch, patch, read_name
 from lm_eval_sink.harness.vllm_preflight import check_engine_memory
 
 log = logging.getLogger(__name__)
@@ -157,14 +157,19 @@ def _model_args(model_args: Any) -> dict[str, Any]:
 
 
 def check_pretrained(arguments: dict[str, Any]) -> None:
-    """Before anything loads: a local `pretrained` folder's safetensors files (`weights.check_weights`), one line
-    naming a file that is missing, cut short or not safetensors."""
-    from lm_eval_sink.weights import check_weights
+    """Before anything loads: a local `pretrained` folder's safetensors files, those transformers loads
+    (`model.safetensors` alone where there is one, else `weights.check_weights`), one line naming a file that is
+    missing, cut short or not safetensors; a file transformers never reads leaves the run to lm-eval."""
+    from lm_eval_sink.weights import check_weights, file_tensors
 
     model_args = _model_args(arguments.get("model_args")) if isinstance(arguments.get("model"), str) else {}
     pretrained = model_args.get("pretrained")
     if isinstance(pretrained, str) and Path(pretrained).is_dir():
-        check_weights(Path(pretrained))
+        single = Path(pretrained) / "model.safetensors"  # transformers' first choice: then it reads no other
+        if single.is_file():
+            file_tensors(single)
+        else:
+            check_weights(Path(pretrained))
 
 
 def _task_manager(arguments: dict[str, Any]) -> Any:
@@ -275,7 +280,10 @@ def _wrap_build(original: Any) -> Any:
 
     lm_evals = Path(lm_eval.__file__).parent / "tasks"  # the folder of lm-eval's defaults (TaskManager's own)
 
-    def with_ours(paths: list[Path], resolve_includes: bool) -> dict[str, Any]:
+    def with_ours(given: Sequence[Any], resolve_includes: bool) -> dict[str, Any] | None:
+        paths = [Path(p) for p in given]
+        if not paths or paths[0] != lm_evals:
+            return None  # not lm-eval's defaults: lm-eval's own
         if tasks_dir() not in paths:
             paths = [paths[0], tasks_dir(), *paths[1:]]
         index = cached_build(original, paths, resolve_includes=resolve_includes)
@@ -284,11 +292,10 @@ def _wrap_build(original: Any) -> Any:
 
     @functools.wraps(original)
     def build(paths: Any, *, resolve_includes: bool = True, **more: Any) -> dict[str, Any]:
-        paths = [Path(p) for p in paths]
-        if more or not paths or paths[0] != lm_evals:
+        if more or not isinstance(paths, (list, tuple)):  # read once, so an iterator goes to lm-eval untouched
             return original(paths, resolve_includes=resolve_includes, **more)
         index = attempt("TaskIndex.build", lambda: with_ours(paths, resolve_includes), lambda: False)
-        return original(paths, resolve_includes=resolve_includes) if index is HANDED_BACK else index
+        return original(paths, resolve_includes=resolve_includes) if index is None or index is HANDED_BACK else index
 
     return build
 
@@ -410,9 +417,9 @@ SIMPLE_EVALUATE_ARGS = ("model", "model_args", "tasks", "task_manager", "metadat
 
 
 def _lm_eval_reads() -> tuple[tuple[Any, str], ...]:
-    """What `measure_first_request` and `task_leaves` read on lm-eval's objects (its `Entry` and `Kind`:
-    `task_index.entry_mismatch`)."""
+    """What `measure_first_request` and `task_leaves` read on lm-eval's objects (`_lm_eval_calls`: what they pass)."""
     import lm_eval.api.registry as registry
+    import lm_eval.tasks._yaml_loader as yaml_loader
     import lm_eval.utils as lu
     from lm_eval.tasks import TaskManager
     from lm_eval.tasks._index import TaskIndex
@@ -422,6 +429,23 @@ def _lm_eval_reads() -> tuple[tuple[Any, str], ...]:
         (TaskIndex, "entry_from_path"),
         (registry, "get_model"),
         (lu, "simple_parse_args_string"),
+        (yaml_loader, "load_yaml"),
+    )
+
+
+def _lm_eval_calls() -> str | None:
+    """Why lm-eval's functions do not take what `measure_first_request` passes them (`TaskManager(metadata=)`,
+    `load_yaml(resolve_func=False)`), or its `Entry` and `Kind` are not what it reads (`task_index.entry_mismatch`)."""
+    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    from lm_eval_sink.harness.task_index import entry_mismatch
+
+    manager, loader = mismatch(TaskManager.__init__, needs=("metadata",)), mismatch(load_yaml, needs=("resolve_func",))
+    return (
+        (f"calls TaskManager, which {manager}" if manager else None)
+        or (f"calls load_yaml, which {loader}" if loader else None)
+        or entry_mismatch()
     )
 
 
@@ -430,11 +454,9 @@ def patch_evaluator() -> None:
     built (`simple_evaluate`)."""
     import lm_eval.evaluator as ev
 
-    from lm_eval_sink.harness.task_index import entry_mismatch
-
     patch(ev, "evaluate", _wrap_evaluate, leading=("lm", "task_dict"))
     reads = _lm_eval_reads()
-    patch(ev, "simple_evaluate", _wrap_simple_evaluate, needs=SIMPLE_EVALUATE_ARGS, reads=reads, more=entry_mismatch)
+    patch(ev, "simple_evaluate", _wrap_simple_evaluate, needs=SIMPLE_EVALUATE_ARGS, reads=reads, more=_lm_eval_calls)
 
 
 def _wrap_cli(original: Any) -> Any:

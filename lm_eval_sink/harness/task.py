@@ -112,7 +112,7 @@ class SinkStrengthTask(ConfigurableTask):
 
     def build_all_requests(
         self, *, limit: int | None = None, samples: list[int] | None = None, tokenizer_name: str = "", **kwargs: Any
-    ) -> None:
+    ) -> Any:
         if limit is not None or samples:
             # said once, under lm-eval's results table (`discovery.strength_lines`)
             self.config.metadata["limit_ignored"] = limit if limit is not None else f"samples={list(samples or [])}"
@@ -120,7 +120,7 @@ class SinkStrengthTask(ConfigurableTask):
         # system prompt and `tokenizer_name`, which is used for nothing else: the digest joins it there, so other
         # settings or prompts never reuse another run's requests.
         tokenizer_name = f"{tokenizer_name}-sink_requests{self.requests_digest()}"
-        super().build_all_requests(limit=None, samples=None, tokenizer_name=tokenizer_name, **kwargs)
+        return super().build_all_requests(limit=None, samples=None, tokenizer_name=tokenizer_name, **kwargs)
 
     def doc_iterator(
         self, *, rank: int = 0, limit: int | None = None, world_size: int = 1, samples: list[int] | None = None
