@@ -11,7 +11,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from lm_eval_sink.buckets.settings import BucketSettings
-from lm_eval_sink.recovery import ALL, NONE, PART, WORSE, TaskOutcomes, fieller_share, recover
+from lm_eval_sink.recovery import ALL, ALL_FLOOR, NO_LOSS, NONE, PART, WORSE, TaskOutcomes, fieller_share, recover
 
 FAST = BucketSettings(n_bootstrap=200, failure_kinds=False)
 
@@ -136,6 +136,23 @@ def test_the_verdict_words_follow_the_adjusted_tests():
     }
     assert "not detectable at this n" in r.controls["two"]["t"]["verdict_reason"]  # what it could have detected
     assert r.controls["part"]["t"]["prompts"] == {"recovered": list(range(30)), "broke": []}
+
+
+def test_all_of_the_gap_needs_the_shares_interval_and_a_gain_is_no_loss():
+    """40 docs, 12 lost: a control that takes back 8 differs from the reference on 4 docs only (not detectable), yet
+    its share 0.67 has an interval reaching far below 1: part of it, not all; the reference itself: all. A candidate
+    better than the reference (higher is better, or lower is better) lost nothing: no share, no recovery."""
+    ref = np.r_[np.ones(24), np.zeros(16)]
+    cand, eight = ref.copy(), ref.copy()
+    cand[:12], eight[:4] = 0, 0
+    cells = recover([_task(ref, cand, {"eight": eight, "same": ref.copy()})], ["eight", "same"], FAST).controls
+    assert (cells["eight"]["t"]["verdict"], cells["same"]["t"]["verdict"]) == (PART, ALL)
+    assert cells["eight"]["t"]["vs_reference"]["p_holm"] >= 0.05
+    assert cells["eight"]["t"]["recovered_share_ci"][0] < ALL_FLOOR <= cells["same"]["t"]["recovered_share_ci"][0]
+    for higher, runs in ((True, {"reference": cand, "candidate": ref}), (False, {"reference": ref, "candidate": cand})):
+        t = TaskOutcomes("t", "acc", "binary", list(range(40)), {**runs, "x": eight}, higher)
+        cell = recover([t], ["x"], FAST).controls["x"]["t"]
+        assert cell["verdict"] == NO_LOSS and cell["recovered_share"] is None, cell["verdict"]
 
 
 # --- the command on constructed runs ---------------------------------------------------------------------------------

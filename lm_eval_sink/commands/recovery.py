@@ -98,9 +98,11 @@ class PairedTask:
     pairing: dict[str, Any]
 
 
-def _pair_task(task: str, runs: list[NamedRun], samples: Mapping[str, list], settings) -> list[PairedTask]:
+def _pair_task(task: str, runs: list[NamedRun], samples: Mapping[str, list], settings, declared) -> list[PairedTask]:
     """Per metric: every run paired with the reference as `buckets` pairs two runs (the same refusals), under the
-    filter and metric of the reference-candidate pair; a task with several metrics is keyed `task:metric`."""
+    filter and metric of the reference-candidate pair; a task with several metrics is keyed `task:metric`. The
+    metric's direction: `declared` (the reference's results JSON's higher_is_better of the task), else higher for a
+    0/1 outcome (a pass), else unknown."""
     from lm_eval_sink.buckets.compare import metric_kind
     from lm_eval_sink.buckets.paired import pair
     from lm_eval_sink.recovery import TaskOutcomes
@@ -119,11 +121,10 @@ def _pair_task(task: str, runs: list[NamedRun], samples: Mapping[str, list], set
         values = {"reference": first.ref_v, **{name: p.cand_v for name, p in paired.items()}}
         rows = {"reference": first.ref_rows, **{name: p.cand_rows for name, p in paired.items()}}
         key = task if len(metrics) == 1 else f"{task}:{first.metric}"
-        out.append(
-            PairedTask(
-                TaskOutcomes(key, first.metric, kind, first.ids, values), task, first.filter, rows, first.pairing
-            )
-        )
+        higher = declared.get(first.metric)
+        higher = higher if isinstance(higher, bool) else (True if kind == "binary" else None)
+        outcomes = TaskOutcomes(key, first.metric, kind, first.ids, values, higher)
+        out.append(PairedTask(outcomes, task, first.filter, rows, first.pairing))
     return out
 
 
@@ -151,9 +152,11 @@ def read_runs(runs: list[NamedRun], settings) -> tuple[list[PairedTask], dict[st
     protocols that differ from the reference's."""
     from lm_eval_sink.buckets.protocol import protocol_differences
     from lm_eval_sink.commands.buckets import run_fingerprint, run_record
-    from lm_eval_sink.runs import read_samples, resolve_run
+    from lm_eval_sink.runs import load_results, read_samples, resolve_run
 
     files = {r.name: resolve_run(r.path) for r in runs}
+    ref = files["reference"]
+    declared = (load_results(ref).get("higher_is_better") or {}) if ref.results is not None else {}
     fps = {name: run_fingerprint(f) for name, f in files.items()}
     records: dict[str, Any] = {r.name: {"role": r.role, "tasks": {}} for r in runs}
     tasks = _tasks(files)
@@ -161,7 +164,7 @@ def read_runs(runs: list[NamedRun], settings) -> tuple[list[PairedTask], dict[st
     paired, notes = [], [f"left out, not in every run: {', '.join(left)}"] if left else []
     for task in tasks:
         samples = {name: read_samples(f.samples[task]) for name, f in files.items()}
-        paired += _pair_task(task, runs, samples, settings)
+        paired += _pair_task(task, runs, samples, settings, declared.get(task) or {})
         for r in runs:
             rec = run_record(files[r.name], *fps[r.name], task, files[r.name].samples[task], r.path)
             records[r.name]["tasks"][task] = rec
