@@ -81,7 +81,8 @@ def fieller_share(
     """Fieller's interval of mean(a) / mean(b), a = control - candidate, b = reference - candidate per doc: the
     shares theta with (mean a - theta mean b)^2 <= t^2 var(a - theta b) / n, which accounts for the noise of all three
     runs and their pairing. Bounded only when mean b differs from 0 by the same t test; None otherwise. The estimate
-    solves the left side = 0, so the interval holds it."""
+    solves the left side = 0, so the interval holds it; a continuous control with a = share x b on every doc (the
+    reference itself) gets the zero-width interval at its share."""
     from scipy.stats import t as student
 
     a, b = np.asarray(control, float) - candidate, np.asarray(reference, float) - candidate
@@ -94,8 +95,7 @@ def fieller_share(
     mean_a, mean_b = float(np.mean(a[:n])), float(np.mean(b[:n]))
     q = float(student.ppf((1 + confidence) / 2, max(n - 1, 1))) ** 2 / n
     qa, qb, qc = mean_b**2 - q * cov[1, 1], mean_a * mean_b - q * cov[0, 1], mean_a**2 - q * cov[0, 0]
-    theta = mean_a / mean_b if mean_b else 0.0
-    if qa <= 0 or cov[0, 0] - 2 * theta * cov[0, 1] + theta**2 * cov[1, 1] <= 0:  # unbounded, or zero width
+    if qa <= 0:  # unbounded (the whole line, or all but an interval)
         return None
     root = math.sqrt(max(qb * qb - qa * qc, 0.0))
     return float((qb - root) / qa), float((qb + root) / qa)

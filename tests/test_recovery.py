@@ -140,7 +140,8 @@ def test_the_verdict_words_follow_the_adjusted_tests():
 
 def test_all_of_the_gap_needs_the_shares_interval_and_a_gain_is_no_loss():
     """40 docs, 12 lost: a control that takes back 8 differs from the reference on 4 docs only (not detectable), yet
-    its share 0.67 has an interval reaching far below 1: part of it, not all; the reference itself: all. A candidate
+    its share 0.67 has an interval reaching far below 1: part of it, not all; the reference itself: all (for a
+    continuous metric too, with the zero-width interval Fieller gives). A candidate
     better than the reference (higher is better, or lower is better) lost nothing: no share, no recovery."""
     ref = np.r_[np.ones(24), np.zeros(16)]
     cand, eight = ref.copy(), ref.copy()
@@ -149,6 +150,11 @@ def test_all_of_the_gap_needs_the_shares_interval_and_a_gain_is_no_loss():
     assert (cells["eight"]["t"]["verdict"], cells["same"]["t"]["verdict"]) == (PART, ALL)
     assert cells["eight"]["t"]["vs_reference"]["p_holm"] >= 0.05
     assert cells["eight"]["t"]["recovered_share_ci"][0] < ALL_FLOOR <= cells["same"]["t"]["recovered_share_ci"][0]
+    scores = np.linspace(50.0, 100.0, 40)  # a continuous metric: the reference itself, a zero-width interval at 1
+    same = recover(
+        [_task(scores, scores - np.linspace(5, 25, 40), {"same": scores.copy()}, "continuous")], ["same"], FAST
+    )
+    assert same.controls["same"]["t"]["verdict"] == ALL and same.controls["same"]["t"]["recovered_share_ci"] == [1, 1]
     for higher, runs in ((True, {"reference": cand, "candidate": ref}), (False, {"reference": ref, "candidate": cand})):
         t = TaskOutcomes("t", "acc", "binary", list(range(40)), {**runs, "x": eight}, higher)
         cell = recover([t], ["x"], FAST).controls["x"]["t"]
