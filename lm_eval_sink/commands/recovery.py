@@ -18,11 +18,11 @@ OUTPUTS = ("recovery.json", "recovery.md", "recovery.png", "prompts.parquet")
 @dataclass(frozen=True, slots=True)
 class RecoveryWork(Work):
     """What `recovery` reads: every run's samples and results files (by content) and the settings; its key is in the
-    provenance, with the hashes of this module and all it imports and numpy's, scipy's and pyarrow's versions. A
-    sweep recomputes its recovery/ only when this key changes."""
+    provenance, with the hashes of this module and all it imports and the versions of the packages that compute or
+    draw it. A sweep recomputes its recovery/ only when this key changes."""
 
     CODE = (__name__,)
-    PACKAGES = ("numpy", "scipy", "pyarrow")
+    PACKAGES = ("numpy", "scipy", "pyarrow", "matplotlib")
 
     files: dict[str, Path]
     settings: BucketSettings
