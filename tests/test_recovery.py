@@ -239,3 +239,23 @@ def test_runs_that_do_not_pair_are_refused_as_buckets_refuses_them(six_runs, tmp
     assert "short" in line and "doc" in line
     line = user_error(["recovery", "--reference", ref, "--candidate", cand, f"all={ref}", f"all={cand}"], out)
     assert "all" in line
+
+
+def test_the_metrics_direction_comes_from_the_references_results(six_runs, tmp_path):
+    """The reference's results JSON declares lower is better: the candidate's 40 fewer passes are a gain, not a loss,
+    so nothing is recovered; undeclared (the constructed runs), a 0/1 outcome counts higher as better."""
+    import json
+    import shutil
+
+    from lm_eval_sink.commands.recovery import run_recovery
+
+    ref = shutil.copytree(six_runs / "reference", tmp_path / "reference")
+    results = next(ref.glob("results_*.json"))
+    data = json.loads(results.read_text())
+    data["higher_is_better"] = {"ifeval": {"prompt_level_strict_acc": False}}
+    results.write_text(json.dumps(data))
+    for reference, higher, word in ((six_runs / "reference", True, ALL), (ref, False, NO_LOSS)):
+        got, _ = run_recovery(reference, six_runs / "candidate", [f"all={six_runs / 'all'}"], FAST)
+        assert (
+            got["tasks"]["ifeval"]["higher_is_better"] is higher and got["controls"]["all"]["ifeval"]["verdict"] == word
+        )
