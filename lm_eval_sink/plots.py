@@ -17,6 +17,7 @@ def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
+    matplotlib.rcParams["text.parse_math"] = False  # names, tasks and prompts are data: "$...$" is text, not TeX
     import matplotlib.pyplot as plt
 
     return plt

@@ -259,3 +259,13 @@ def test_the_metrics_direction_comes_from_the_references_results(six_runs, tmp_p
         assert (
             got["tasks"]["ifeval"]["higher_is_better"] is higher and got["controls"]["all"]["ifeval"]["verdict"] == word
         )
+
+
+def test_the_forest_plot_draws_a_name_with_tex_markup_as_text():
+    """A control's name is data: "$\\frac$" is drawn as text (matplotlib's mathtext would fail to parse it)."""
+    from lm_eval_sink.plots import recovery_forest
+
+    ref, cand = np.r_[np.ones(24), np.zeros(16)], np.zeros(40)
+    r = recover([_task(ref, cand, {"$\\frac$": ref.copy()})], ["$\\frac$"], FAST)
+    png = recovery_forest({"controls": r.controls, "tasks": r.tasks, "confidence": r.confidence}, None)
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
