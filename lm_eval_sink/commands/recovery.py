@@ -301,9 +301,9 @@ def compute(runs: list[NamedRun], settings: BucketSettings, command: str = "reco
     """recovery.json's record with its provenance, and prompts.parquet's table, from the runs (no model loaded)."""
     from lm_eval_sink.provenance import provenance
 
+    key = recovery_key(runs, settings)  # before the reads: a run that changes meanwhile is recomputed next time
     paired, records, notes = read_runs(runs, settings)
     data = recovery_record(paired, runs, settings, records, notes)
-    key = recovery_key(runs, settings)
     data["provenance"] = provenance(command=command, key=key.key, inputs_key=key.inputs_key, key_versions=key.versions)
     return data, prompts_table(paired, {r.name: r.role for r in runs})
 
