@@ -17,6 +17,7 @@ def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
+    matplotlib.rcParams["text.parse_math"] = False  # names, tasks and prompts are data: "$...$" is text, not TeX
     import matplotlib.pyplot as plt
 
     return plt
@@ -462,6 +463,8 @@ def recovery_forest(data: Mapping, path: Path | None) -> Path | bytes:
             continue
         if ci is not None:
             ax.plot(ci, [y, y], color="tab:blue", lw=1.5)
+        else:
+            ax.text(share, y - 0.25, "interval unbounded", ha="center", va="bottom", fontsize=6)
         ax.plot([share], [y], "o", color="tab:blue", ms=5)
     for x, label in ((0.0, "0: none"), (1.0, "1: all of the gap")):
         ax.axvline(x, color="grey", ls="--", lw=0.8)

@@ -25,15 +25,17 @@ from lm_eval_sink.buckets.stats import holm, paired_stats
 from lm_eval_sink.power import MIN_N, comparison_power, too_few
 from lm_eval_sink.tables import markdown_lines
 
-ALL, PART, NONE, WORSE, TOO_FEW, NO_GAP = (
+ALL, PART, NONE, WORSE, TOO_FEW, NO_GAP, NO_LOSS = (
     "recovers all of the gap",
     "recovers part of it",
     "no evidence of recovery",
     "worse than the candidate",
     "too few docs to tell",
     "no detectable gap to recover",
+    "the candidate lost nothing here",
 )
-VERDICTS = (ALL, PART, NONE, WORSE, TOO_FEW, NO_GAP)
+VERDICTS = (ALL, PART, NONE, WORSE, TOO_FEW, NO_GAP, NO_LOSS)
+ALL_FLOOR = 0.75  # "all of the gap" also needs the share's interval to rule out recovering less than this
 FAMILIES = ("gap", "vs_candidate", "vs_reference")
 SCHEMA_VERSION = 1
 UNITS = (
@@ -53,13 +55,15 @@ SHARE_METHOD = (
 @dataclass(frozen=True, slots=True)
 class TaskOutcomes:
     """One task's per-doc outcomes: `values[name]` for every run (`reference`, `candidate` and each control's name),
-    aligned with `ids`; `kind` binary (0/1) or continuous."""
+    aligned with `ids`; `kind` binary (0/1) or continuous; `higher_is_better` the metric's direction (None: unknown,
+    then a gap either way is one to recover)."""
 
     task: str
     metric: str
     kind: str
     ids: Sequence[int]
     values: Mapping[str, np.ndarray]
+    higher_is_better: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +81,8 @@ def fieller_share(
     """Fieller's interval of mean(a) / mean(b), a = control - candidate, b = reference - candidate per doc: the
     shares theta with (mean a - theta mean b)^2 <= t^2 var(a - theta b) / n, which accounts for the noise of all three
     runs and their pairing. Bounded only when mean b differs from 0 by the same t test; None otherwise. The estimate
-    solves the left side = 0, so the interval holds it."""
+    solves the left side = 0, so the interval holds it; a continuous control with a = share x b on every doc (the
+    reference itself) gets the zero-width interval at its share."""
     from scipy.stats import t as student
 
     a, b = np.asarray(control, float) - candidate, np.asarray(reference, float) - candidate
@@ -90,8 +95,7 @@ def fieller_share(
     mean_a, mean_b = float(np.mean(a[:n])), float(np.mean(b[:n]))
     q = float(student.ppf((1 + confidence) / 2, max(n - 1, 1))) ** 2 / n
     qa, qb, qc = mean_b**2 - q * cov[1, 1], mean_a * mean_b - q * cov[0, 1], mean_a**2 - q * cov[0, 0]
-    theta = mean_a / mean_b if mean_b else 0.0
-    if qa <= 0 or cov[0, 0] - 2 * theta * cov[0, 1] + theta**2 * cov[1, 1] <= 0:  # unbounded, or zero width
+    if qa <= 0:  # unbounded (the whole line, or all but an interval)
         return None
     root = math.sqrt(max(qb * qb - qa * qc, 0.0))
     return float((qb - root) / qa), float((qb + root) / qa)
@@ -135,12 +139,25 @@ def _could(c: Mapping[str, Any], binary: bool) -> str:
     return "it could have detected " + (f"{100 * pw['mde']:.1f} points" if binary else f"{pw['mde']:.3g}")
 
 
-def verdict(n: int, gap: Mapping, vs_cand: Mapping, vs_ref: Mapping, binary: bool, alpha: float) -> tuple[str, str]:
-    """The verdict word and its sentence, from the Holm-adjusted tests: never more than they show."""
+def gained(gap: Mapping, higher_is_better: bool | None) -> str | None:
+    """Why there is nothing to recover when the candidate is better than the reference (the metric's direction
+    known), else None."""
+    if higher_is_better is None or _sign(gap["delta"]) != (1 if higher_is_better else -1):
+        return None
+    better = "higher" if higher_is_better else "lower"
+    return f"the candidate is better than the reference ({better} is better, Holm p {gap['p_holm']:.3g}): no loss"
+
+
+def verdict(t: TaskOutcomes, gap: Mapping, cell: Mapping, s: Share, alpha: float) -> tuple[str, str]:
+    """The verdict word and its sentence, from the Holm-adjusted tests and the share's interval: never more than
+    they show (`cell`: the control's two comparisons on task `t`)."""
+    vs_cand, vs_ref, binary, n = cell["vs_candidate"], cell["vs_reference"], t.kind == "binary", len(t.ids)
     if n < MIN_N:
         return TOO_FEW, too_few(n)
     if gap["p_holm"] >= alpha:
         return NO_GAP, f"the gap is not detectable (Holm p {gap['p_holm']:.3g}): nothing to recover"
+    if gained(gap, t.higher_is_better):
+        return NO_LOSS, gained(gap, t.higher_is_better) + " to recover"
     toward = _sign(vs_cand["delta"]) == -_sign(gap["delta"])
     if vs_cand["p_holm"] >= alpha:
         return NONE, f"no detectable change from the candidate (Holm p {vs_cand['p_holm']:.3g}); " + _could(
@@ -153,9 +170,11 @@ def verdict(n: int, gap: Mapping, vs_cand: Mapping, vs_ref: Mapping, binary: boo
         return PART, f"still short of the reference (Holm p {vs_ref['p_holm']:.3g})"
     if vs_ref["p_holm"] < alpha:
         return ALL, f"beyond the reference (Holm p {vs_ref['p_holm']:.3g})"
-    return ALL, f"no detectable difference from the reference (Holm p {vs_ref['p_holm']:.3g}); " + _could(
-        vs_ref, binary
-    )
+    same = f"no detectable difference from the reference (Holm p {vs_ref['p_holm']:.3g}; {_could(vs_ref, binary)})"
+    if s.ci is None or s.ci[0] < ALL_FLOOR:  # not enough to say all: the share may be far below 1
+        low = "is unbounded" if s.ci is None else f"reaches down to {s.ci[0]:.2f}"
+        return PART, f"at least part of it: {same}, but the share's interval {low}"
+    return ALL, f"{same}, and the share's interval is above {ALL_FLOOR:g}"
 
 
 def share(t: TaskOutcomes, control: str, gap: Mapping, confidence: float) -> Share:
@@ -165,6 +184,8 @@ def share(t: TaskOutcomes, control: str, gap: Mapping, confidence: float) -> Sha
         return Share(None, None, too_few(len(t.ids)))
     if gap["p_holm"] >= 1 - confidence:
         return Share(None, None, f"the gap is not detectable (Holm p {gap['p_holm']:.3g}): no share of it")
+    if gained(gap, t.higher_is_better):
+        return Share(None, None, gained(gap, t.higher_is_better) + " to recover, no share of it")
     estimate = float(np.mean(ctrl - cand) / np.mean(ref - cand))
     ci = fieller_share(ref, cand, ctrl, t.kind == "binary", confidence)
     why = None if ci is not None else "interval unbounded: the gap is too uncertain for a bounded ratio (Fieller)"
@@ -192,7 +213,10 @@ class Recovery:
 
 def recover(outcomes: Sequence[TaskOutcomes], controls: Sequence[str], settings: BucketSettings) -> Recovery:
     """The gap per task, both comparisons per control x task, Holm within each family, then shares and verdicts."""
-    tasks = {t.task: {"metric": t.metric, "kind": t.kind, "n": len(t.ids)} for t in outcomes}
+    tasks = {
+        t.task: {"metric": t.metric, "kind": t.kind, "higher_is_better": t.higher_is_better, "n": len(t.ids)}
+        for t in outcomes
+    }
     cells: dict[str, dict[str, dict[str, Any]]] = {c: {} for c in controls}
     for t in outcomes:
         ref, cand = (np.asarray(t.values[k], float) for k in ("reference", "candidate"))
@@ -208,11 +232,11 @@ def recover(outcomes: Sequence[TaskOutcomes], controls: Sequence[str], settings:
         adjust([cells[c][t.task][family] for c in controls for t in outcomes])
     alpha = 1 - settings.confidence
     for t in outcomes:
-        gap, binary = tasks[t.task]["gap"], t.kind == "binary"
+        gap = tasks[t.task]["gap"]
         for c in controls:
             cell = cells[c][t.task]
             s = share(t, c, gap, settings.confidence)
-            word, why = verdict(len(t.ids), gap, cell["vs_candidate"], cell["vs_reference"], binary, alpha)
+            word, why = verdict(t, gap, cell, s, alpha)
             cell.update(
                 recovered_share=s.estimate,
                 recovered_share_ci=None if s.ci is None else list(s.ci),

@@ -11,7 +11,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from lm_eval_sink.buckets.settings import BucketSettings
-from lm_eval_sink.recovery import ALL, NONE, PART, WORSE, TaskOutcomes, fieller_share, recover
+from lm_eval_sink.recovery import ALL, ALL_FLOOR, NO_LOSS, NONE, PART, WORSE, TaskOutcomes, fieller_share, recover
 
 FAST = BucketSettings(n_bootstrap=200, failure_kinds=False)
 
@@ -138,6 +138,29 @@ def test_the_verdict_words_follow_the_adjusted_tests():
     assert r.controls["part"]["t"]["prompts"] == {"recovered": list(range(30)), "broke": []}
 
 
+def test_all_of_the_gap_needs_the_shares_interval_and_a_gain_is_no_loss():
+    """40 docs, 12 lost: a control that takes back 8 differs from the reference on 4 docs only (not detectable), yet
+    its share 0.67 has an interval reaching far below 1: part of it, not all; the reference itself: all (for a
+    continuous metric too, with the zero-width interval Fieller gives). A candidate
+    better than the reference (higher is better, or lower is better) lost nothing: no share, no recovery."""
+    ref = np.r_[np.ones(24), np.zeros(16)]
+    cand, eight = ref.copy(), ref.copy()
+    cand[:12], eight[:4] = 0, 0
+    cells = recover([_task(ref, cand, {"eight": eight, "same": ref.copy()})], ["eight", "same"], FAST).controls
+    assert (cells["eight"]["t"]["verdict"], cells["same"]["t"]["verdict"]) == (PART, ALL)
+    assert cells["eight"]["t"]["vs_reference"]["p_holm"] >= 0.05
+    assert cells["eight"]["t"]["recovered_share_ci"][0] < ALL_FLOOR <= cells["same"]["t"]["recovered_share_ci"][0]
+    scores = np.linspace(50.0, 100.0, 40)  # a continuous metric: the reference itself, a zero-width interval at 1
+    same = recover(
+        [_task(scores, scores - np.linspace(5, 25, 40), {"same": scores.copy()}, "continuous")], ["same"], FAST
+    )
+    assert same.controls["same"]["t"]["verdict"] == ALL and same.controls["same"]["t"]["recovered_share_ci"] == [1, 1]
+    for higher, runs in ((True, {"reference": cand, "candidate": ref}), (False, {"reference": ref, "candidate": cand})):
+        t = TaskOutcomes("t", "acc", "binary", list(range(40)), {**runs, "x": eight}, higher)
+        cell = recover([t], ["x"], FAST).controls["x"]["t"]
+        assert cell["verdict"] == NO_LOSS and cell["recovered_share"] is None, cell["verdict"]
+
+
 # --- the command on constructed runs ---------------------------------------------------------------------------------
 
 # 100 IFEval docs: the reference passes 0-59, the candidate lost 0-39 (a gap of 40 points); the controls take back all
@@ -216,3 +239,33 @@ def test_runs_that_do_not_pair_are_refused_as_buckets_refuses_them(six_runs, tmp
     assert "short" in line and "doc" in line
     line = user_error(["recovery", "--reference", ref, "--candidate", cand, f"all={ref}", f"all={cand}"], out)
     assert "all" in line
+
+
+def test_the_metrics_direction_comes_from_the_references_results(six_runs, tmp_path):
+    """The reference's results JSON declares lower is better: the candidate's 40 fewer passes are a gain, not a loss,
+    so nothing is recovered; undeclared (the constructed runs), a 0/1 outcome counts higher as better."""
+    import json
+    import shutil
+
+    from lm_eval_sink.commands.recovery import run_recovery
+
+    ref = shutil.copytree(six_runs / "reference", tmp_path / "reference")
+    results = next(ref.glob("results_*.json"))
+    data = json.loads(results.read_text())
+    data["higher_is_better"] = {"ifeval": {"prompt_level_strict_acc": False}}
+    results.write_text(json.dumps(data))
+    for reference, higher, word in ((six_runs / "reference", True, ALL), (ref, False, NO_LOSS)):
+        got, _ = run_recovery(reference, six_runs / "candidate", [f"all={six_runs / 'all'}"], FAST)
+        assert (
+            got["tasks"]["ifeval"]["higher_is_better"] is higher and got["controls"]["all"]["ifeval"]["verdict"] == word
+        )
+
+
+def test_the_forest_plot_draws_a_name_with_tex_markup_as_text():
+    """A control's name is data: "$\\frac$" is drawn as text (matplotlib's mathtext would fail to parse it)."""
+    from lm_eval_sink.plots import recovery_forest
+
+    ref, cand = np.r_[np.ones(24), np.zeros(16)], np.zeros(40)
+    r = recover([_task(ref, cand, {"$\\frac$": ref.copy()})], ["$\\frac$"], FAST)
+    png = recovery_forest({"controls": r.controls, "tasks": r.tasks, "confidence": r.confidence}, None)
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"

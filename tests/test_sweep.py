@@ -162,35 +162,57 @@ def test_delete_merged_keeps_results_and_skips_on_rerun(uninterrupted, tmp_path)
 
 @pytest.mark.slow
 def test_the_sweep_answers_recovery_and_recomputes_it_only_when_a_run_changed(uninterrupted, tmp_path):
-    """recovery/ from the sweep's own runs (the merge a control), its verdict lines ending table.md and the
-    console; a rerun with no run changed keeps it byte for byte; a record keyed otherwise is recomputed."""
+    """recovery/ from the sweep's own runs: a second merge config on a copy of the shared sweep makes two controls
+    (only that merge is made, evaluated and measured), each with its verdict line ending table.md and the console; a
+    rerun with nothing changed keeps recovery/ byte for byte; a samples file's bytes changed at the same size and
+    mtime, or a record keyed otherwise, recompute it."""
+    import os
+
+    import pyarrow.parquet as pq
+
     from lm_eval_sink.commands.sweep import load_sweep, run_sweep
+    from lm_eval_sink.io import sha256_file
     from lm_eval_sink.recovery import TOO_FEW
 
-    out = uninterrupted.parent / "out"
+    sweep = _copy(uninterrupted, tmp_path / "r")
+    spec = yaml.safe_load(sweep.read_text())
+    sweep.write_text(yaml.safe_dump({**spec, "configs": ["dare_linear", "linear_95_5"]}, sort_keys=False))
+    report = run_sweep(load_sweep(sweep), progress=False)
+    assert report.ran == ["merge:linear_95_5", "eval:linear_95_5", "strength:linear_95_5"], report.ran
+    out = sweep.parent / "out"
     data = json.loads((out / "recovery" / "recovery.json").read_text())
-    assert list(data["controls"]) == ["dare_linear"] and data["runs"]["candidate"]["role"] == "candidate"
+    assert list(data["controls"]) == ["dare_linear", "linear_95_5"] and data["runs"]["candidate"]["role"] == "candidate"
     assert {f.name for f in (out / "recovery").iterdir()} == {
         "recovery.json",
         "recovery.md",
         "recovery.png",
         "prompts.parquet",
     }
-    cell = data["controls"]["dare_linear"][f"{TASK}"]
-    assert cell["verdict"] == TOO_FEW and cell["recovered_share"] is None  # 6 docs
-    line = f"recovery: dare_linear on {TASK}: {TOO_FEW}"
-    assert (out / "table.md").read_text().rstrip().splitlines()[-1].startswith(f"- {line}")
-    sweep = _copy(uninterrupted, tmp_path / "r")
-    saved = (sweep.parent / "out" / "recovery" / "recovery.json").read_bytes()
-    report = run_sweep(load_sweep(sweep), progress=False)
-    assert report.ran == [] and report.lines()[-1].startswith(line)
-    assert (sweep.parent / "out" / "recovery" / "recovery.json").read_bytes() == saved
-    stale = json.loads(saved)
-    stale["provenance"]["key"] = "another run"
-    (sweep.parent / "out" / "recovery" / "recovery.json").write_text(json.dumps(stale))
+    cells = [data["controls"][c][TASK] for c in ("dare_linear", "linear_95_5")]
+    assert all(c["verdict"] == TOO_FEW and c["recovered_share"] is None for c in cells)  # 6 docs
+    lines = [f"recovery: {c} on {TASK}: {TOO_FEW}" for c in ("dare_linear", "linear_95_5")]
+    md_tail = (out / "table.md").read_text().rstrip().splitlines()[-2:]
+    assert all(m.startswith(f"- {x}") for m, x in zip(md_tail, lines, strict=True))
+    assert all(m.startswith(x) for m, x in zip(report.lines()[-2:], lines, strict=True))
+    runs = pq.read_table(out / "recovery" / "prompts.parquet").column("run").to_pylist()
+    assert sorted(set(runs)) == ["candidate", "dare_linear", "linear_95_5", "reference"] and len(runs) == 4 * 6
+    saved = (out / "recovery" / "recovery.json").read_bytes()
+    assert run_sweep(load_sweep(sweep), progress=False).ran == []
+    assert (out / "recovery" / "recovery.json").read_bytes() == saved
+    samples = next((out / "evals" / "linear_95_5").rglob("samples_*.jsonl"))  # one byte of a prompt hash changed
+    st, text = samples.stat(), samples.read_text()
+    at = text.index('"prompt_hash": "') + len('"prompt_hash": "')
+    samples.write_text(text[:at] + ("0" if text[at] != "0" else "1") + text[at + 1 :])
+    os.utime(samples, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert samples.stat().st_size == st.st_size and run_sweep(load_sweep(sweep), progress=False).ran == []
+    again = json.loads((out / "recovery" / "recovery.json").read_text())
+    assert again["runs"]["linear_95_5"]["tasks"][TASK]["samples_sha256"] == sha256_file(samples)
+    assert again["provenance"]["key"] != data["provenance"]["key"]
+    stale = {**again, "provenance": {**again["provenance"], "key": "another run"}}
+    (out / "recovery" / "recovery.json").write_text(json.dumps(stale))
     run_sweep(load_sweep(sweep), progress=False)
-    again = json.loads((sweep.parent / "out" / "recovery" / "recovery.json").read_text())
-    assert again["provenance"]["key"] == data["provenance"]["key"] and again["controls"] == data["controls"]
+    redone = json.loads((out / "recovery" / "recovery.json").read_text())
+    assert redone["provenance"]["key"] == again["provenance"]["key"] and redone["controls"] == again["controls"]
 
 
 @pytest.mark.slow

@@ -18,11 +18,11 @@ OUTPUTS = ("recovery.json", "recovery.md", "recovery.png", "prompts.parquet")
 @dataclass(frozen=True, slots=True)
 class RecoveryWork(Work):
     """What `recovery` reads: every run's samples and results files (by content) and the settings; its key is in the
-    provenance, with the hashes of this module and all it imports and numpy's, scipy's and pyarrow's versions. A
-    sweep recomputes its recovery/ only when this key changes."""
+    provenance, with the hashes of this module and all it imports and the versions of the packages that compute or
+    draw it. A sweep recomputes its recovery/ only when this key changes."""
 
     CODE = (__name__,)
-    PACKAGES = ("numpy", "scipy", "pyarrow")
+    PACKAGES = ("numpy", "scipy", "pyarrow", "matplotlib")
 
     files: dict[str, Path]
     settings: BucketSettings
@@ -98,9 +98,11 @@ class PairedTask:
     pairing: dict[str, Any]
 
 
-def _pair_task(task: str, runs: list[NamedRun], samples: Mapping[str, list], settings) -> list[PairedTask]:
+def _pair_task(task: str, runs: list[NamedRun], samples: Mapping[str, list], settings, declared) -> list[PairedTask]:
     """Per metric: every run paired with the reference as `buckets` pairs two runs (the same refusals), under the
-    filter and metric of the reference-candidate pair; a task with several metrics is keyed `task:metric`."""
+    filter and metric of the reference-candidate pair; a task with several metrics is keyed `task:metric`. The
+    metric's direction: `declared` (the reference's results JSON's higher_is_better of the task), else higher for a
+    0/1 outcome (a pass), else unknown."""
     from lm_eval_sink.buckets.compare import metric_kind
     from lm_eval_sink.buckets.paired import pair
     from lm_eval_sink.recovery import TaskOutcomes
@@ -119,11 +121,10 @@ def _pair_task(task: str, runs: list[NamedRun], samples: Mapping[str, list], set
         values = {"reference": first.ref_v, **{name: p.cand_v for name, p in paired.items()}}
         rows = {"reference": first.ref_rows, **{name: p.cand_rows for name, p in paired.items()}}
         key = task if len(metrics) == 1 else f"{task}:{first.metric}"
-        out.append(
-            PairedTask(
-                TaskOutcomes(key, first.metric, kind, first.ids, values), task, first.filter, rows, first.pairing
-            )
-        )
+        higher = declared.get(first.metric)
+        higher = higher if isinstance(higher, bool) else (True if kind == "binary" else None)
+        outcomes = TaskOutcomes(key, first.metric, kind, first.ids, values, higher)
+        out.append(PairedTask(outcomes, task, first.filter, rows, first.pairing))
     return out
 
 
@@ -151,9 +152,11 @@ def read_runs(runs: list[NamedRun], settings) -> tuple[list[PairedTask], dict[st
     protocols that differ from the reference's."""
     from lm_eval_sink.buckets.protocol import protocol_differences
     from lm_eval_sink.commands.buckets import run_fingerprint, run_record
-    from lm_eval_sink.runs import read_samples, resolve_run
+    from lm_eval_sink.runs import load_results, read_samples, resolve_run
 
     files = {r.name: resolve_run(r.path) for r in runs}
+    ref = files["reference"]
+    declared = (load_results(ref).get("higher_is_better") or {}) if ref.results is not None else {}
     fps = {name: run_fingerprint(f) for name, f in files.items()}
     records: dict[str, Any] = {r.name: {"role": r.role, "tasks": {}} for r in runs}
     tasks = _tasks(files)
@@ -161,7 +164,7 @@ def read_runs(runs: list[NamedRun], settings) -> tuple[list[PairedTask], dict[st
     paired, notes = [], [f"left out, not in every run: {', '.join(left)}"] if left else []
     for task in tasks:
         samples = {name: read_samples(f.samples[task]) for name, f in files.items()}
-        paired += _pair_task(task, runs, samples, settings)
+        paired += _pair_task(task, runs, samples, settings, declared.get(task) or {})
         for r in runs:
             rec = run_record(files[r.name], *fps[r.name], task, files[r.name].samples[task], r.path)
             records[r.name]["tasks"][task] = rec
@@ -298,9 +301,9 @@ def compute(runs: list[NamedRun], settings: BucketSettings, command: str = "reco
     """recovery.json's record with its provenance, and prompts.parquet's table, from the runs (no model loaded)."""
     from lm_eval_sink.provenance import provenance
 
+    key = recovery_key(runs, settings)  # before the reads: a run that changes meanwhile is recomputed next time
     paired, records, notes = read_runs(runs, settings)
     data = recovery_record(paired, runs, settings, records, notes)
-    key = recovery_key(runs, settings)
     data["provenance"] = provenance(command=command, key=key.key, inputs_key=key.inputs_key, key_versions=key.versions)
     return data, prompts_table(paired, {r.name: r.role for r in runs})
 
