@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from safetensors.torch import load_file, save_file
 from helpers import TINY_SWEEP_TASK as TASK
 from helpers import TINY_SWEEP_UNITS
 from helpers import write_tiny_sweep as _write_sweep
@@ -108,12 +109,14 @@ def test_kill_9_mid_sweep_then_resume_gives_the_same_table(uninterrupted, tmp_pa
 
 @pytest.mark.slow
 def test_failed_step_is_reported_at_the_end_and_others_go_on(uninterrupted, tmp_path, tiny_trio, capsys):
-    """A merge that validates but fails in mergekit (corrupt weights): its eval and strength are
+    """A merge that validates but fails in mergekit (a tensor missing from whole weights): its eval and strength are
     not run, the other checkpoints stay in the table, and the command exits 2 with one line."""
     sweep = _copy(uninterrupted, tmp_path / "c")
     broken = tmp_path / "broken_model"
     shutil.copytree(tiny_trio["candidate"], broken)
-    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    weights = load_file(broken / "model.safetensors")  # a whole file, without one tensor mergekit needs
+    del weights[sorted(k for k in weights if "down_proj" in k)[0]]
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
     template = yaml.safe_load((Path(__file__).parents[1] / "merge_configs" / "linear_uniform.yaml").read_text())
     for lineage in ("chain", "siblings"):
         template[lineage]["config"]["models"][1]["model"] = str(broken)
@@ -449,7 +452,7 @@ def test_table_text_is_the_markdown_and_csv_of_the_table():
         "Merging sweep (chain lineage); deltas vs the reference.\n**Not final scores:** evaluated "
         f"with limit=5: not final scores.\nS: {S_MEANING}.\n"
         'Scores and deltas in points (x100 of lm-eval\'s share of docs): "t acc"; table.csv and table.json keep '
-        "lm-eval's values.\n\n"
+        "lm-eval's values.\nEach task's headline metric; every metric is in table.csv.\n\n"
         "| checkpoint | method | t acc | t acc delta | S | S delta | status |\n|---|---|---|---|---|---|---|\n"
         "| reference | reference | 50.0 | +0.0 | -2.0000 | +0.0000 | ok |\n| tsv | tsv | n/a "
         "| n/a | -1.5000 | +0.5000 | eval:tsv: boom |\n"
