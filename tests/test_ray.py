@@ -124,13 +124,19 @@ def test_ray_driver_killed_after_its_first_unit_then_rerun_gives_the_local_table
 def test_screen_on_ray_keeps_finished_models_when_one_fails_then_equals_local_screen(
     ray_cluster, tmp_path, tiny_trio, capsys
 ):
-    """A model that fails in its task (weights unreadable) is reported in one line; the others' results were
+    """A model that fails in its task (a tensor of the wrong shape) is reported in one line; the others' results were
     written as their tasks finished and are reused by the rerun, which equals the local screen."""
     import shutil
 
+    import torch
+    from safetensors.torch import load_file, save_file
+
     broken = tmp_path / "broken"
     shutil.copytree(tiny_trio["candidate"], broken)
-    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    weights = load_file(broken / "model.safetensors")  # a whole file whose tensor fits no layer: fails in the task
+    name = sorted(k for k in weights if "down_proj" in k)[0]
+    weights[name] = torch.zeros(weights[name].shape[0], weights[name].shape[1] + 1)
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
     models = [str(tiny_trio["reference"]), str(tiny_trio["candidate"])]
     args = ["--n-prompts", "5", "--last-k", "2", "--dtype", "float32", "--quiet"]
     on_ray = ["--engine", "ray", "--ray-address", "auto"]
