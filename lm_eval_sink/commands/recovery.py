@@ -63,11 +63,14 @@ def named_runs(reference: str | Path, candidate: str | Path, controls: Sequence[
 
 
 def _tasks(files: Mapping[str, Any]) -> list[str]:
-    """The tasks whose samples every run holds."""
+    """The tasks whose samples every run holds, less this project's Sink Strength tasks (no score per doc: S is in
+    the sweep's table and `protocol`)."""
+    from lm_eval_sink.harness.discovery import own_task_names
+
     for run in files.values():
         if not run.samples:
             run.samples_for(None)  # raises: this run has no samples files
-    common = sorted(set.intersection(*(set(run.samples) for run in files.values())))
+    common = sorted(set.intersection(*(set(run.samples) for run in files.values())) - own_task_names())
     if not common:
         held = "; ".join(f"{n}: {', '.join(sorted(r.samples))}" for n, r in files.items())
         raise UserError(f"the runs share no task ({held})", "pass runs of the same tasks")
