@@ -358,3 +358,18 @@ def user_error(capsys):
         return err[0]
 
     return run
+
+
+@pytest.fixture(autouse=True)
+def _quiet_ends_with_its_command():
+    """A test's in-process `--quiet` sets the environment the processes it starts inherit (cli.QUIET_ENV); the next
+    test starts without it, so its child processes print what they print (progress bars included)."""
+    from lm_eval_sink.cli import QUIET_ENV
+
+    saved = {name: os.environ.get(name) for name in QUIET_ENV}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
