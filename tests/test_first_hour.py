@@ -207,6 +207,10 @@ def test_table_md_shows_headlines_and_too_few_to_tell_and_the_figure_one_unit_pe
         row["metrics"][IFE] = 0.0
     series = sweep_series(table)  # a headline that never changes: not drawn, said once in the title
     assert series["drawn"] == {} and series["note"].endswith("; unchanged in every checkpoint: IFEval")
+    md = table_text(table)[0]  # ... and not tabled in table.md, said once above it with its value
+    head = next(line for line in md.splitlines() if line.startswith("| checkpoint"))
+    assert head.startswith("| checkpoint | method | Sink-Strength, sink_strength |") and "IFEval" not in head
+    assert "Unchanged in every checkpoint, so left out below: IFEval 0.0.\n" in md
 
 
 def test_the_console_ends_with_each_checkpoints_time_and_the_engines_build_and_swaps():
