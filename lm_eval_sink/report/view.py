@@ -443,6 +443,7 @@ def _attribution_section(d: Doc) -> dict[str, Any]:
         "source": d.rel,
         "benchmarks": benches,
         "subset": _subset_line(data),
+        "intervals": data.get("intervals"),
         "lineage": [dict(x) for x in data.get("lineage") or []],
         "mixture": get(data, "mixture", "note"),
     }
