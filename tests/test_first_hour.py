@@ -26,6 +26,9 @@ def test_lm_eval_limit_0_is_one_line_before_the_model_loads(monkeypatch, capsys)
     err = capsys.readouterr().err.strip().splitlines()
     assert stop.value.code == 2 and len(err) == 1, err
     assert err[0].startswith("error: --limit 0: no document") and "--limit 5" in err[0]
+    from lm_eval_sink.harness.discovery import check_cli_limit
+
+    check_cli_limit(["--model", "hf", "--tasks", "ifeval", "--limit", "0"])  # a stock run: lm-eval's own behaviour
 
 
 def test_strength_limit_names_n_prompts(user_error):
