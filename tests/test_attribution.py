@@ -584,9 +584,12 @@ def test_real_runs_same_weights_two_protocols_and_per_prompt_self_pairing(smollm
 
 
 @pytest.mark.slow
-def test_real_run_beside_its_own_vendor_figure_is_left_unexplained_and_drawn_so(tmp_path, capsys, smollm2_instruct_run):
-    """A --limit 5 run of SmolLM2 beside a vendor figure of SmolLM2 whose protocol states nothing that differs: no
-    protocol artefact; the gap is left unexplained, the subset named, in the table, the sentence and the figure."""
+def test_real_capped_run_beside_its_own_vendor_figure_names_the_cap_and_is_drawn_so(
+    tmp_path, capsys, smollm2_instruct_run
+):
+    """A --limit 5 run of SmolLM2 capped at 64 tokens beside a vendor figure of SmolLM2 whose protocol states nothing
+    else that differs: the cap is the protocol difference (issue 49: named first, the whole gap its part), the subset
+    named, in the table and the figure."""
     from lm_eval_sink.attribution import plot_title
     from lm_eval_sink.runs import load_results
 
@@ -604,14 +607,12 @@ def test_real_run_beside_its_own_vendor_figure_is_left_unexplained_and_drawn_so(
     assert json.loads((out / "attribution.json").read_text())["benchmarks"][0]["comparisons"][0] == row
     measured = round(100 * load_results(smollm2_instruct_run)["results"]["ifeval"]["prompt_level_strict_acc,none"], 6)
     gap = round(measured - 56.7, 6)
-    assert row["kind"] == "unexplained" and row["gap"] == row["unexplained"] == gap and row["protocol_part"] is None
-    assert "protocol_artefact" not in stdout and "protocol part" in stdout
-    subset = "candidate a --limit 5 subset (5 of 541 documents; not final)"
-    assert f"the gap {gap:+.2f} is left unexplained" in stdout and subset in stdout
+    assert row["kind"] == "protocol_artefact" and row["gap"] == row["protocol_part"] == gap
+    assert row["differing_fields"][0]["field"] == "generation cap (max_gen_toks)" and "left unexplained" not in stdout
     assert f"- subset, not final: candidate {name} IFEval 5 of 541 documents (--limit 5)" in stdout
     # the figure: the same split as the table, the subset in its title
     [bar] = plot_rows(att)
-    assert bar["parts"]["unexplained"] == gap and bar["parts"]["protocol"] == 0.0
+    assert bar["parts"]["protocol"] == gap and not bar["parts"].get("unexplained")
     title = " ".join(plot_title(att).split())
     assert f"split into its parts subset, not final: candidate {name} IFEval 5 of 541 documents (--limit 5)" in title
 
