@@ -427,7 +427,7 @@ def test_table_text_is_the_markdown_and_csv_of_the_table():
         "Merging sweep (chain lineage); deltas vs the reference.\n**Not final scores:** evaluated "
         f"with limit=5: not final scores.\nS: {S_MEANING}.\n"
         'Scores and deltas in points (x100 of lm-eval\'s share of docs): "t acc"; table.csv and table.json keep '
-        "lm-eval's values.\n\n"
+        "lm-eval's values.\nEach task's headline metric; every metric is in table.csv.\n\n"
         "| checkpoint | method | t acc | t acc delta | S | S delta | status |\n|---|---|---|---|---|---|---|\n"
         "| reference | reference | 50.0 | +0.0 | -2.0000 | +0.0000 | ok |\n| tsv | tsv | n/a "
         "| n/a | -1.5000 | +0.5000 | eval:tsv: boom |\n"
