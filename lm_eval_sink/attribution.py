@@ -39,6 +39,7 @@ from lm_eval_sink.benchmarks import Benchmark, benchmark_of
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.keys import CONTENT
 from lm_eval_sink.pairing import index_docs, outcome, pair_docs
+from lm_eval_sink.power import MIN_N
 from lm_eval_sink.tables import markdown_lines
 
 SCHEMA_VERSION = 1
@@ -266,6 +267,14 @@ def same_model(key_a: str, registry_a: str | None, key_b: str, registry_b: str |
 # --- the attribution -------------------------------------------------------------------------
 
 
+# What every gap's interval is (attribution.json's `intervals`, said once in attribution.md and the report).
+INTERVALS = (
+    "each gap's [low, high] is a 95% interval for two unpaired shares of documents (Newcombe's, from each side's "
+    "Wilson interval: no pairing of documents assumed, so wider than buckets' paired one; a registry figure held "
+    f'fixed); "too few to tell" below {MIN_N} documents on a measured side, as buckets says it'
+)
+
+
 @dataclass(frozen=True, slots=True)
 class Attribution:
     """The full report: per benchmark comparisons, protocol sensitivity, vendor figures; lineage and mixture."""
@@ -282,6 +291,7 @@ class Attribution:
             "schema_version": SCHEMA_VERSION,
             "units": "scores, gaps and their parts in points (x100 of lm-eval's share of docs); a gap is candidate "
             "minus reference",
+            "intervals": INTERVALS,
             "benchmarks": self.benchmarks,
             "lineage": self.lineage,
             "mixture": self.mixture,
@@ -396,7 +406,9 @@ def _compare(
         )
     row["explanation"] = split_explanation(row["gap"], row["access"], row["capacity"], bench.lenient if bench else None)
     binary = bench is not None and bench.kind == "binary"
-    row["gap_interval"], row["too_few_to_tell"] = gap_interval((c.strict, c.n), (r.strict, r.n), binary)
+    pp = row["per_prompt"]  # a gap from paired samples: the interval and the count of the documents it was taken on
+    sides = ((pp["candidate"]["strict"], pp["n"]), (pp["reference"]["strict"], pp["n"])) if pp else None
+    row["gap_interval"], row["too_few_to_tell"] = gap_interval(*(sides or ((c.strict, c.n), (r.strict, r.n))), binary)
     if kind != "same_protocol":
         row["differing_fields"] = _differing(r, c)
         row.update(access=None, capacity=None, split_from=None, explanation=None)
@@ -431,7 +443,6 @@ def gap_interval(
     fixed. The interval combines each side's Wilson interval (Newcombe's method for independent shares: no
     pairing is assumed, so it is wider than buckets' paired one); none for a score that is no share of documents."""
     from lm_eval_sink.buckets.stats import wilson_ci
-    from lm_eval_sink.power import MIN_N
 
     counts = [n for _, n in (cand, ref) if n is not None]
     few = bool(counts) and min(counts) < MIN_N
@@ -855,6 +866,7 @@ def to_markdown(att: Attribution) -> str:
     mix = att.mixture
     declared = ", ".join(f"{k}={v}" for k, v in (mix["declared"] or {}).items())
     lines.append(f"- mixture: {declared + ' (declared)' if mix['declared'] else mix['note']}")
+    lines.append(f"- intervals: {INTERVALS}")
     for b in att.benchmarks:
         lines += _benchmark_lines(b)
     unverified = unverified_figures(att)

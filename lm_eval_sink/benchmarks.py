@@ -21,7 +21,7 @@ import functools
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
@@ -228,6 +228,13 @@ def headline_columns(columns: list[str], benchmarks: dict[str, Benchmark]) -> li
         wanted = [f"{task}/{family.strict}" if family and family.strict else "", f"{task}/sink_strength,none"]
         out.append(next((w for w in wanted if w in cols), cols[0]))
     return out
+
+
+def unchanged_columns(columns: list[str], rows: list[dict[str, Any]]) -> list[str]:
+    """The columns of a sweep's table whose value is the same, and measured, in each of its checkpoints (two or
+    more): table.md and table.png leave them out and say them once."""
+    values = {c: {(r.get("metrics") or {}).get(c) for r in rows} for c in columns}
+    return [c for c in columns if len(rows) > 1 and len(values[c]) == 1 and None not in values[c]]
 
 
 def metric_labels(columns: list[str], benchmarks: dict[str, Benchmark]) -> list[str]:

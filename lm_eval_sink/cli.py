@@ -23,11 +23,16 @@ def _device(ctx: click.Context, param: click.Parameter, value: str | None) -> st
     return value if value is None else check_device(value)
 
 
+# What `--quiet` sets for the libraries, read when they are imported (here and in every process started from here).
+QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error", "TQDM_DISABLE": "1"}
+
+
 def _quiet(ctx: click.Context, param: click.Parameter, value: bool) -> bool:
     """`--quiet` silences the libraries too (here and in the processes started from here): transformers' and the
-    hub's progress bars and their warnings; errors are kept."""
+    hub's progress bars and their warnings, and every other tqdm bar (transformers' GGUF loader, which converts
+    `default` on first use, draws its own); errors are kept. The one place --quiet is decided."""
     if value:
-        os.environ.update(HF_HUB_DISABLE_PROGRESS_BARS="1", TRANSFORMERS_VERBOSITY="error")
+        os.environ.update(QUIET_ENV)
         if "transformers" in sys.modules:
             from transformers.utils import logging
 

@@ -358,3 +358,25 @@ def user_error(capsys):
         return err[0]
 
     return run
+
+
+@pytest.fixture(autouse=True)
+def _quiet_ends_with_its_command():
+    """A test's in-process `--quiet` sets the environment the processes it starts inherit (cli.QUIET_ENV) and
+    transformers' bar and verbosity; the next test starts without them (its children print progress bars)."""
+    import sys
+
+    from lm_eval_sink.cli import QUIET_ENV
+
+    saved = {name: os.environ.get(name) for name in QUIET_ENV}
+    logging = sys.modules["transformers"].utils.logging if "transformers" in sys.modules else None
+    bar, verbosity = (logging.is_progress_bar_enabled(), logging.get_verbosity()) if logging else (None, None)
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    if logging:
+        (logging.enable_progress_bar if bar else logging.disable_progress_bar)()
+        logging.set_verbosity(verbosity)

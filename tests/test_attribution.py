@@ -16,7 +16,7 @@ from lm_eval_sink.attribution import (
 )
 from lm_eval_sink.benchmarks import benchmark_of, load_benchmarks
 from lm_eval_sink.cli import main
-from lm_eval_sink.attribution import AttributeOptions
+from lm_eval_sink.attribution import INTERVALS, AttributeOptions
 from lm_eval_sink.commands.attribute import run_attribution
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.vendors import STATED_KEYS, load_registry
@@ -187,7 +187,8 @@ def test_same_weights_differing_only_in_limit_are_unexplained_not_protocol(tmp_p
     section = html[html.index('<section id="attribution">') :]
     assert section.index("Subset, not final: reference qwen3 IFEval 5 of 100") < section.index("<th>unexplained</th>")
     assert "<th>gap</th><th>protocol part</th><th>unexplained</th>" in section
-    part = 'comparisons/0/gap">-40.00</span></td><td><span class="na">n/a</span></td><td><span class="num" data-src='
+    part = 'comparisons/0/gap">-40.00</span> [-72.64, +16.26]</td><td><span class="na">n/a</span></td>'
+    part += '<td><span class="num" data-src='
     assert part + '"att/attribution.json#/benchmarks/0/comparisons/0/unexplained"' in section
     other = write_run(tmp_path / "c", {"ifeval": CAND_IF}, model="/models/other", limit=4.0)
     assert "- not compared (different models on different document subsets (--limit)): " in to_markdown(
@@ -207,13 +208,15 @@ def test_a_capped_run_against_an_uncapped_one_names_the_cap_first_and_too_few_to
     assert row["differing_fields"][0] == {**cap, "candidate": "48 tokens (--gen_kwargs)", "affects_scores": True}
     assert row["too_few_to_tell"] and row["gap_interval"] == pytest.approx([-72.64, 16.26], abs=0.005)
     md = to_markdown(att)
-    assert "| too few to tell: -40.00 [-72.64, +16.26] |" in md
+    assert "| too few to tell: -40.00 [-72.64, +16.26] |" in md and f"- intervals: {INTERVALS}\n" in md
+    assert "95% interval for two unpaired shares" in INTERVALS  # Newcombe's, as statsmodels' "newcomb" gives it
     assert "same model: generation cap (max_gen_toks): the task's own vs 48 tokens (--gen_kwargs); gen_kwargs" in md
     out, page = tmp_path / "att", tmp_path / "r.html"  # the HTML report names the cap and says too few to tell
     assert main(["attribute", "--reference", str(a), "--candidate", str(b), "--output", str(out)]) == 0
     assert main(["report", "--attribution", str(out), "-o", str(page)]) == 0
     section = page.read_text().split('<section id="attribution">')[1]
     assert ">too few to tell: <span" in section and "[-72.64, +16.26]" in section
+    assert '<p class="muted">Intervals: each gap&#39;s [low, high] is a 95% interval for two unpaired shares' in section
     assert '<td class="mono">generation cap (max_gen_toks), gen_kwargs' in section
 
 
@@ -581,9 +584,12 @@ def test_real_runs_same_weights_two_protocols_and_per_prompt_self_pairing(smollm
 
 
 @pytest.mark.slow
-def test_real_run_beside_its_own_vendor_figure_is_left_unexplained_and_drawn_so(tmp_path, capsys, smollm2_instruct_run):
-    """A --limit 5 run of SmolLM2 beside a vendor figure of SmolLM2 whose protocol states nothing that differs: no
-    protocol artefact; the gap is left unexplained, the subset named, in the table, the sentence and the figure."""
+def test_real_capped_run_beside_its_own_vendor_figure_names_the_cap_and_is_drawn_so(
+    tmp_path, capsys, smollm2_instruct_run
+):
+    """A --limit 5 run of SmolLM2 capped at 64 tokens beside a vendor figure of SmolLM2 whose protocol states nothing
+    else that differs: the cap is the protocol difference (issue 49: named first, the whole gap its part), the subset
+    named, in the table and the figure."""
     from lm_eval_sink.attribution import plot_title
     from lm_eval_sink.runs import load_results
 
@@ -601,14 +607,12 @@ def test_real_run_beside_its_own_vendor_figure_is_left_unexplained_and_drawn_so(
     assert json.loads((out / "attribution.json").read_text())["benchmarks"][0]["comparisons"][0] == row
     measured = round(100 * load_results(smollm2_instruct_run)["results"]["ifeval"]["prompt_level_strict_acc,none"], 6)
     gap = round(measured - 56.7, 6)
-    assert row["kind"] == "unexplained" and row["gap"] == row["unexplained"] == gap and row["protocol_part"] is None
-    assert "protocol_artefact" not in stdout and "protocol part" in stdout
-    subset = "candidate a --limit 5 subset (5 of 541 documents; not final)"
-    assert f"the gap {gap:+.2f} is left unexplained" in stdout and subset in stdout
+    assert row["kind"] == "protocol_artefact" and row["gap"] == row["protocol_part"] == gap
+    assert row["differing_fields"][0]["field"] == "generation cap (max_gen_toks)" and "left unexplained" not in stdout
     assert f"- subset, not final: candidate {name} IFEval 5 of 541 documents (--limit 5)" in stdout
     # the figure: the same split as the table, the subset in its title
     [bar] = plot_rows(att)
-    assert bar["parts"]["unexplained"] == gap and bar["parts"]["protocol"] == 0.0
+    assert bar["parts"]["protocol"] == gap and not bar["parts"].get("unexplained")
     title = " ".join(plot_title(att).split())
     assert f"split into its parts subset, not final: candidate {name} IFEval 5 of 541 documents (--limit 5)" in title
 

@@ -124,9 +124,8 @@ def test_a_truncated_gguf_is_one_line_naming_it(tmp_path, user_error, cut):
 
 
 def test_nan_weights_name_the_tensor_not_the_dtype(handset_llama_dir, tmp_path, user_error):
-    """They were told to change --dtype. (transformers' own loading bar, which --quiet leaves on, is switched off.)"""
+    """They were told to change --dtype."""
     import torch
-    import transformers
     from safetensors.torch import load_file, save_file
 
     model = shutil.copytree(handset_llama_dir, tmp_path / "model")
@@ -134,11 +133,7 @@ def test_nan_weights_name_the_tensor_not_the_dtype(handset_llama_dir, tmp_path, 
     name = "model.layers.2.self_attn.q_proj.weight"
     weights[name][0, 0] = torch.nan
     save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
-    transformers.utils.logging.disable_progress_bar()
-    try:
-        line = user_error(["strength", model, "--n-prompts", "5", "--output", tmp_path / "s", "--quiet"])
-    finally:
-        transformers.utils.logging.enable_progress_bar()
+    line = user_error(["strength", model, "--n-prompts", "5", "--output", tmp_path / "s", "--quiet"])
     assert f"the checkpoint's weights hold NaN or inf (tensor {name} of {model})" in line
     assert "--dtype" not in line and not list((tmp_path / "s").glob("*.strength.json"))
 
@@ -296,11 +291,7 @@ def test_a_config_vocabulary_the_weights_do_not_have_is_blamed_on_the_config(han
 
 
 def test_a_prompt_longer_than_the_model_names_its_file_and_line(handset_llama_dir, tmp_path, user_error):
-    """A 200,000-character prompt was refused as "a calibration prompt has N tokens", naming neither file nor line.
-    (transformers' own loading bar, which --quiet leaves on, is switched off.)"""
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
+    """A 200,000-character prompt was refused as "a calibration prompt has N tokens", naming neither file nor line."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "Write a title."}) + "\n\n" + json.dumps({"prompt": "word " * 40_000}))
     argv = ["strength", handset_llama_dir, "--prompts", prompts, "--output", tmp_path / "s", "--quiet"]

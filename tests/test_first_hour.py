@@ -26,6 +26,9 @@ def test_lm_eval_limit_0_is_one_line_before_the_model_loads(monkeypatch, capsys)
     err = capsys.readouterr().err.strip().splitlines()
     assert stop.value.code == 2 and len(err) == 1, err
     assert err[0].startswith("error: --limit 0: no document") and "--limit 5" in err[0]
+    from lm_eval_sink.harness.discovery import check_cli_limit
+
+    check_cli_limit(["--model", "hf", "--tasks", "ifeval", "--limit", "0"])  # a stock run: lm-eval's own behaviour
 
 
 def test_strength_limit_names_n_prompts(user_error):
@@ -55,20 +58,19 @@ def test_a_folder_holding_only_a_gguf_names_the_file(tmp_path, user_error):
     assert line.endswith(f"(fix: pass the GGUF file itself: {tmp_path / 'm' / 'model.Q4.gguf'})")
 
 
-def test_quiet_silences_the_libraries_bars_and_warnings_and_keeps_errors(tmp_path, user_error, monkeypatch):
+def test_quiet_silences_the_libraries_bars_and_warnings_and_keeps_errors(tmp_path, user_error):
+    """In this process and in those it starts: a tqdm bar of a library that draws its own (transformers' GGUF loader,
+    converting `default` on first use, did under --quiet) is not drawn there."""
+    import subprocess
+
     from transformers.utils import logging
 
-    for name in ("HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_VERBOSITY"):
-        monkeypatch.setenv(name, os.environ.get(name, ""))  # restored after the test
-    before = logging.get_verbosity()
-    try:
-        line = user_error(["strength", tmp_path / "nothing", "--quiet", "--output", tmp_path / "out"])
-        assert "no such model folder" in line
-        assert not logging.is_progress_bar_enabled() and logging.get_verbosity() == logging.ERROR
-        assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1" and os.environ["TRANSFORMERS_VERBOSITY"] == "error"
-    finally:
-        logging.enable_progress_bar()
-        logging.set_verbosity(before)
+    bar = [sys.executable, "-c", "from tqdm.auto import tqdm; list(tqdm(range(2), desc='a library bar'))"]
+    line = user_error(["strength", tmp_path / "nothing", "--quiet", "--output", tmp_path / "out"])
+    assert "no such model folder" in line
+    assert not logging.is_progress_bar_enabled() and logging.get_verbosity() == logging.ERROR
+    assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1" and os.environ["TRANSFORMERS_VERBOSITY"] == "error"
+    assert subprocess.run(bar, capture_output=True, text=True, check=True).stderr == ""
 
 
 @pytest.mark.skipif(not VLLM_PY.is_file(), reason=vllm_missing_reason())
@@ -130,8 +132,9 @@ def _run(argv: list[str], monkeypatch) -> None:
 def test_each_readme_quick_start_runs_as_written_and_prints_what_it_says(
     tiny_trio, lm_eval_task_index, tmp_path, monkeypatch, capsys
 ):
-    """Every command of the README's quick starts, with tiny models for the model names (the vLLM call is
-    test_backends.py's: its engine's start-up is a minute here); what each says it writes and prints is there."""
+    """Every command of the README's quick starts, with tiny models for the model names; what each says it writes and
+    prints is there. The vLLM call is skipped (its engine's start-up is a minute here): test_backends.py runs
+    `lm_eval --model vllm` with the sweep's settings, not the README's line as written."""
     base, ref, cand = (str(tiny_trio[r]) for r in ("base", "reference", "candidate"))
     models = {"$(lm-eval-sink models default)": base, "default": base, "./llm_a": ref, "./llm_b": cand}
     models |= {"REFERENCE": ref, "CANDIDATE": cand}
@@ -148,10 +151,12 @@ def test_each_readme_quick_start_runs_as_written_and_prints_what_it_says(
     [results] = (tmp_path / "out").glob("*/results_*.json")  # S and IFEval in the same results file
     assert {"sink_strength", "ifeval"} <= set(json.loads(results.read_text())["results"])
     assert "|sink_strength|" in printed["Quick start 1"] and "|ifeval" in printed["Quick start 1"]
-    assert (tmp_path / "strength_out" / "base.strength.json").is_file()
-    assert (tmp_path / "strength_out" / "base.heatmap.png").is_file()
+    for folder, names in (("strength_out", ("base",)), ("ranking_out", ("reference", "candidate"))):
+        for name in names:  # one line per model; per model its strength.json (top-level sink_strength) and heatmap
+            assert f"{name}: S = " in printed["Quick start 2"]
+            assert "sink_strength" in json.loads((tmp_path / folder / f"{name}.strength.json").read_text())
+            assert (tmp_path / folder / f"{name}.heatmap.png").is_file()
     assert {p.name for p in (tmp_path / "ranking_out").glob("ranking.*")} == {f"ranking.{e}" for e in EXTS}
-    assert "base: S = " in printed["Quick start 2"] and "reference: S = " in printed["Quick start 2"]
     assert "too few to tell: " in printed["Quick start 3"] and (tmp_path / "buckets_ifeval" / "buckets.md").is_file()
 
 
@@ -203,6 +208,10 @@ def test_table_md_shows_headlines_and_too_few_to_tell_and_the_figure_one_unit_pe
         row["metrics"][IFE] = 0.0
     series = sweep_series(table)  # a headline that never changes: not drawn, said once in the title
     assert series["drawn"] == {} and series["note"].endswith("; unchanged in every checkpoint: IFEval")
+    md = table_text(table)[0]  # ... and not tabled in table.md, said once above it with its value
+    head = next(line for line in md.splitlines() if line.startswith("| checkpoint"))
+    assert head.startswith("| checkpoint | method | Sink-Strength, sink_strength |") and "IFEval" not in head
+    assert "Unchanged in every checkpoint, so left out below: IFEval 0.0.\n" in md
 
 
 def test_the_console_ends_with_each_checkpoints_time_and_the_engines_build_and_swaps():

@@ -410,10 +410,7 @@ def test_a_full_disk_in_merge_strength_and_buckets_is_one_line_and_leaves_nothin
     world, tmp_path, user_error
 ):
     """They ended in a traceback (OSError 27/28, SafetensorError); now one line names the output, what it needs and
-    the limit, and no temp file, staged folder or half a figure is left. (transformers' loading bar, which --quiet
-    leaves on, is switched off.)"""
-    import transformers
-
+    the limit, and no temp file, staged folder or half a figure is left."""
     config = tmp_path / "linear.yaml"
     halves = [{"model": str(world[r]), "parameters": {"weight": 0.5}} for r in ("reference", "candidate")]
     config.write_text(yaml.safe_dump({"merge_method": "linear", "dtype": "float32", "models": halves}))
@@ -424,16 +421,12 @@ def test_a_full_disk_in_merge_strength_and_buckets_is_one_line_and_leaves_nothin
         ["buckets", world["ref_run"], world["cand_run"], "--output", outs["b"], "--quiet"],
     ]
     before = _tree_hash(world["root"])
-    transformers.utils.logging.disable_progress_bar()
-    try:
-        for argv, out in zip(argvs, outs.values(), strict=True):
-            with file_size_limit(4000):
-                line = user_error(argv, outs["merged"], outs["b"])
-            assert line.startswith(f"error: {out}") and "the output needs about " in line, line
-            assert "a file larger than this process may write (ulimit -f: 4.0 kB)" in line, line
-            assert "nothing half-written was left" in line, line
-    finally:
-        transformers.utils.logging.enable_progress_bar()
+    for argv, out in zip(argvs, outs.values(), strict=True):
+        with file_size_limit(4000):
+            line = user_error(argv, outs["merged"], outs["b"])
+        assert line.startswith(f"error: {out}") and "the output needs about " in line, line
+        assert "a file larger than this process may write (ulimit -f: 4.0 kB)" in line, line
+        assert "nothing half-written was left" in line, line
     left = [p.name for p in tmp_path.rglob("*") if p.name.startswith(".") or ".partial-" in p.name]
     assert not left and not list(tmp_path.rglob("*.png")), left
     assert _tree_hash(world["root"]) == before

@@ -280,28 +280,19 @@ def _probe(tokenizer_dir: Path, vlm: _Vlm) -> list[int]:
     return probe_ids(tokens, int(vlm.plan.target_config.vocab_size), multimodal_token_ids(vlm.config))
 
 
-def _verify(
-    vlm_dir: Path, vlm_class: str, lm_dir: Path, dtype: torch.dtype, ids: list[int], quiet: bool
-) -> Verification:
-    """Load the VLM, run the probe, free it; load the backbone, run the probe; compare."""
+def _verify(vlm_dir: Path, vlm_class: str, lm_dir: Path, dtype: torch.dtype, ids: list[int]) -> Verification:
+    """Load the VLM, run the probe, free it; load the backbone, run the probe; compare. (transformers' loading bars
+    follow `--quiet`, decided once in cli.py.)"""
     import transformers
     from transformers import AutoModelForCausalLM
 
-    bar = transformers.utils.logging.is_progress_bar_enabled()
-    if quiet:
-        transformers.utils.logging.disable_progress_bar()
-    try:
-        vlm_cls = getattr(transformers, vlm_class)
-        ref = logits(load_placed(vlm_cls, vlm_dir, dtype, DEFAULT_DEVICE, attn_implementation="eager")[0], ids)
-        gc.collect()  # the VLM is freed before the backbone loads: peak memory is one model, not two
-        (model, info), _ = load_placed(
-            AutoModelForCausalLM, lm_dir, dtype, DEFAULT_DEVICE, attn_implementation="eager", output_loading_info=True
-        )
-        got = logits(model, ids)
-    finally:
-        if quiet and bar:
-            transformers.utils.logging.enable_progress_bar()
-    return compare(ref, got, dtype, len(ids), info)
+    vlm_cls = getattr(transformers, vlm_class)
+    ref = logits(load_placed(vlm_cls, vlm_dir, dtype, DEFAULT_DEVICE, attn_implementation="eager")[0], ids)
+    gc.collect()  # the VLM is freed before the backbone loads: peak memory is one model, not two
+    (model, info), _ = load_placed(
+        AutoModelForCausalLM, lm_dir, dtype, DEFAULT_DEVICE, attn_implementation="eager", output_loading_info=True
+    )
+    return compare(ref, logits(model, ids), dtype, len(ids), info)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -423,9 +414,7 @@ def extract_backbone(
         stream=_forward(plan, tensors, reader, skip, cast),
         index=len(layout) > 1,
         side_files=functools.partial(_backbone_files, vlm.folder, config),
-        verify=(
-            lambda tmp: _verify(vlm.folder, vlm.family.vlm_class, tmp, out_dtype, _probe(tmp, vlm), quiet=not progress)
-        )
+        verify=(lambda tmp: _verify(vlm.folder, vlm.family.vlm_class, tmp, out_dtype, _probe(tmp, vlm)))
         if verify
         else None,
         fields={
@@ -544,9 +533,7 @@ def inject_backbone(
         stream=_inverse(plan, tensors, layout, Reader(folder, tensors), bb_reader, alias),
         index=len(layout) > 1 or (folder / INDEX_FILE).is_file(),
         side_files=functools.partial(_copy_vlm_files, folder),
-        verify=(
-            lambda tmp: _verify(tmp, vlm.family.vlm_class, backbone, vlm_dtype, _probe(folder, vlm), quiet=not progress)
-        )
+        verify=(lambda tmp: _verify(tmp, vlm.family.vlm_class, backbone, vlm_dtype, _probe(folder, vlm)))
         if verify
         else None,
         fields={

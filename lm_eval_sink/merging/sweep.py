@@ -586,18 +586,29 @@ def _too_few_line(table: dict[str, Any]) -> str:
 
 def table_text(table: dict[str, Any]) -> tuple[str, str]:
     """The table as Markdown (a title line, the not-final note and too few to tell if so, what S means, the units,
-    each task's headline metric under its readable name, shares of docs in points) and as CSV (every column under its
-    lm-eval results key and value)."""
-    from lm_eval_sink.benchmarks import headline_columns, load_benchmarks, metric_in_points, metric_labels
+    each task's headline metric under its readable name, shares of docs in points, the headlines unchanged in every
+    checkpoint said once instead) and as CSV (every column under its lm-eval results key and value)."""
+    from lm_eval_sink.benchmarks import (
+        headline_columns,
+        load_benchmarks,
+        metric_in_points,
+        metric_labels,
+        unchanged_columns,
+    )
     from lm_eval_sink.strength import S_MEANING
 
     benchmarks = load_benchmarks()
-    cols = headline_columns(table["columns"], benchmarks)
+    headlines = headline_columns(table["columns"], benchmarks)
+    same = set(unchanged_columns(headlines, table["rows"]))
+    named = [
+        (c, label, 100.0 if metric_in_points(c, benchmarks) else 1.0)
+        for c, label in zip(headlines, metric_labels(headlines, benchmarks), strict=True)
+    ]
+    cols, labels, scales = ([x[i] for x in named if x[0] not in same] for i in range(3))
 
     def head(names: list[str]) -> list[str]:
         return ["checkpoint", "method", *[x for c in names for x in (c, f"{c} delta")], "S", "S delta", "status"]
 
-    scales = [100.0 if metric_in_points(c, benchmarks) else 1.0 for c in cols]
     md = f"Merging sweep ({table['lineage']} lineage); deltas vs the reference.\n"
     if not table["final"]:
         md += f"**Not final scores:** {table['final_note']}.\n" + _too_few_line(table)
@@ -605,9 +616,10 @@ def table_text(table: dict[str, Any]) -> tuple[str, str]:
     md += f"S: {S_MEANING}.\n" + "".join(f"S, {line}\n" for line in strength_notes)
     for task, comparison in sorted((table.get("task_strength_comparability") or {}).items()):
         md += "".join(f"{task} (S of the eval units), {line}\n" for line in comparison["notes"])
-    labels = metric_labels(cols, benchmarks)
-    md += _units_line(labels, scales) if cols else ""
+    md += _units_line([x[1] for x in named], [x[2] for x in named]) if named else ""
     md += "Each task's headline metric; every metric is in table.csv.\n"
+    said = [f"{label} {_fmt(table['rows'][0]['metrics'][c], scale=f)}" for c, label, f in named if c in same]
+    md += f"Unchanged in every checkpoint, so left out below: {', '.join(said)}.\n" if said else ""
     everything = table["columns"]
     md_rows, csv_rows = _table_rows(table, cols, scales), _table_rows(table, everything, [1.0] * len(everything))
     return md + "\n" + markdown_table(head(labels), md_rows), csv_text(head(everything), csv_rows)

@@ -443,6 +443,7 @@ def _attribution_section(d: Doc) -> dict[str, Any]:
         "source": d.rel,
         "benchmarks": benches,
         "subset": _subset_line(data),
+        "intervals": data.get("intervals"),
         "lineage": [dict(x) for x in data.get("lineage") or []],
         "mixture": get(data, "mixture", "note"),
     }
@@ -466,7 +467,13 @@ def sweep_series(table: Mapping[str, Any]) -> dict[str, Any]:
     unit's Sink Strength task), and the metric axis's unit; `drawn`: the values the figure draws, each task's
     headline metric in the axis's one unit (points when any is a share of docs) that changes, and `note` the
     figure's title note (not final; the unchanged ones, said once)."""
-    from lm_eval_sink.benchmarks import headline_columns, load_benchmarks, metric_in_points, metric_labels
+    from lm_eval_sink.benchmarks import (
+        headline_columns,
+        load_benchmarks,
+        metric_in_points,
+        metric_labels,
+        unchanged_columns,
+    )
 
     benchmarks = load_benchmarks()
     cols, rows = list(table.get("columns") or []), table.get("rows") or []
@@ -487,7 +494,8 @@ def sweep_series(table: Mapping[str, Any]) -> dict[str, Any]:
         for c, label, f in zip(cols, labels, scales, strict=True)
         if c in headline and c not in tasks_s and (f == 100) == points
     ]
-    unchanged = [label for label in axis if len(set(values[label])) == 1 and len(rows) > 1]
+    same = unchanged_columns(cols, rows)
+    unchanged = [label for c, label in zip(cols, labels, strict=True) if label in axis and c in same]
     said = [table.get("final_note"), f"unchanged in every checkpoint: {', '.join(unchanged)}" if unchanged else None]
     return {
         "checkpoints": [r.get("checkpoint") for r in rows],
