@@ -198,7 +198,10 @@ def test_table_md_shows_headlines_and_too_few_to_tell_and_the_figure_one_unit_pe
         "| checkpoint | method | IFEval | IFEval delta | Sink-Strength, sink_strength | Sink-Strength, sink_strength "
         "delta | S | S delta | status |"
     )  # each task's headline (IFEval's strict prompt level), not its loose or instruction-level columns
-    assert "**Too few to tell: 3 docs per task (at least 10 are needed).**" in md
+    assert "**Too few to tell: 3 docs in its smallest task (at least 10 are needed).**" in md
+    fraction = {**table, "protocol": {"eval": {"limit": 0.01}}, "docs_per_task": {"ifeval": 5, "sink_strength": 15}}
+    assert "**Too few to tell: 5 docs in its smallest task" in table_text(fraction)[0]  # a fractional --limit too
+    assert "Too few" not in table_text({**fraction, "docs_per_task": {"ifeval": 541}})[0]
     assert "| candidate | candidate | 66.7 | +33.3 | 1.2000 | -0.5300 |" in md  # IFEval in points, S in its own unit
     assert csv.splitlines()[0].count("delta") == 5 and "inst_x" in csv.splitlines()[0]  # every column, S included
     series = sweep_series(table)

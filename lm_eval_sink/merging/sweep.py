@@ -435,6 +435,7 @@ def build_table(
         "rows": rows,
         "final": limit is None,
         "final_note": None if limit is None else f"evaluated with limit={limit}: not final scores",
+        "docs_per_task": docs_per_task(results),
         "units": "metrics and their deltas as lm-eval writes them (a share of docs, 0-1, for accuracy-like metrics); "
         "table.md and the report show shares of docs in points (x100)",
         "protocol": {
@@ -574,14 +575,29 @@ def _units_line(labels: list[str], scales: list[float]) -> str:
 
 
 def _too_few_line(table: dict[str, Any]) -> str:
-    """buckets' small-sample rule for a sweep evaluated on fewer than `power.MIN_N` documents per task."""
+    """buckets' small-sample rule for a sweep whose smallest scored task ran on fewer than `power.MIN_N` documents
+    (`docs_per_task`, else an integer `--limit`: a fractional one or a task smaller than the limit counts too)."""
     from lm_eval_sink.power import MIN_N, too_few
 
     limit = ((table.get("protocol") or {}).get("eval") or {}).get("limit")
-    if not isinstance(limit, int | float) or limit < 1 or limit >= MIN_N:
+    docs = list((table.get("docs_per_task") or {}).values())
+    fewest = min(docs) if docs else int(limit) if isinstance(limit, int | float) and limit >= 1 else None
+    if fewest is None or fewest >= MIN_N:
         return ""
-    what = too_few(int(limit), f"{int(limit)} docs per task (at least {MIN_N} are needed)")
+    what = too_few(fewest, f"{fewest} docs in its smallest task (at least {MIN_N} are needed)")
     return f"**{what[0].upper()}{what[1:]}.** Every delta below describes these docs only.\n"
+
+
+def docs_per_task(results: dict[str, Any]) -> dict[str, int]:
+    """The fewest documents each scored task ran on over the checkpoints (lm-eval's n-samples "effective"); the
+    prompts of a Sink Strength task are not documents."""
+    out: dict[str, int] = {}
+    for r in results.values():
+        for task, counts in (r.get("n-samples") or {}).items():
+            n, values = (counts or {}).get("effective"), (r.get("results") or {}).get(task) or {}
+            if isinstance(n, int) and not any(str(k).startswith("sink_strength") for k in values):
+                out[task] = min(n, out.get(task, n))
+    return out
 
 
 def table_text(table: dict[str, Any]) -> tuple[str, str]:
