@@ -50,6 +50,7 @@ def declarations(tmp_path) -> dict[type[Work], Any]:
     from lm_eval_sink.buckets.settings import BucketSettings
     from lm_eval_sink.commands.attribute import AttributeWork
     from lm_eval_sink.commands.buckets import BucketsWork
+    from lm_eval_sink.commands.recovery import RecoveryWork
     from lm_eval_sink.commands.screen import ScreenWork
     from lm_eval_sink.extract.pipeline import ExtractCode
     from lm_eval_sink.harness.kept_strength import KeptWork
@@ -94,6 +95,7 @@ def declarations(tmp_path) -> dict[type[Work], Any]:
         EvalWork: EvalWork(str(f["a"]), "sha256:a", eval_settings),
         SweepStrengthWork: SweepStrengthWork("merges/m", "inputs-key-of-m", strength, "float32", engine),
         BucketsWork: BucketsWork(samples, "ifeval", BucketSettings(confidence=0.9), str(f["tok"])),
+        RecoveryWork: RecoveryWork({**samples, "reference results": f["run"] / "results_1.json"}, BucketSettings()),
         AttributeWork: AttributeWork((str(f["run"]),), ("vendor:x",), registry, Path(_write(tmp_path / "v.yml", "{}"))),
         KeptWork: KeptWork({"pretrained": str(f["a"]), "revision": None}, str(f["a"]), {"t": {"n_prompts": 2}}),
         ExtractCode: ExtractCode(),
@@ -186,6 +188,7 @@ CODE = {  # where each kind's settings are chosen and handed to the work, and co
     "EvalWork": ("commands/units", "commands/sweep"),
     "SweepStrengthWork": ("commands/units", "harness/inprocess", "harness/engine_strength"),
     "BucketsWork": ("commands/buckets", "power", "pairing"),
+    "RecoveryWork": ("commands/recovery", "recovery", "power", "plots", "buckets/stats"),
     "AttributeWork": ("commands/attribute",),
     "KeptWork": ("harness/measure_first", "harness/task", "capture"),  # the child's load, task.measure_rows
     "ExtractCode": ("extract/pipeline",),

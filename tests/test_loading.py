@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from safetensors.torch import save_file
 
 from lm_eval_sink.devices import DEFAULT_DEVICE, check_device, empty_model, gpu_map, layers_per_device, resolve_device
 from lm_eval_sink.errors import UserError
@@ -88,14 +89,14 @@ def test_load_model_places_the_weights_and_records_layers_per_device(handset_lla
 
 
 def test_a_model_that_does_not_fit_is_one_line_before_any_weight_is_read(tmp_path, user_error):
-    """A 405B-shaped Llama config with a weights file that is no safetensors: the size comes from the config."""
+    """A 405B-shaped Llama config beside a small whole weights file: the size comes from the config."""
     from transformers import LlamaConfig
 
     big = tmp_path / "big"
     LlamaConfig(
         hidden_size=16384, intermediate_size=53248, num_hidden_layers=126, num_attention_heads=128, vocab_size=128256
     ).save_pretrained(big)
-    (big / "model.safetensors").write_bytes(b"not read")
+    save_file({"x": torch.zeros(1)}, big / "model.safetensors")  # whole, its tensors never read
     out = tmp_path / "out"
     line = user_error(["strength", big, "--dtype", "float32", "--device", "cpu", "--output", out])
     assert "GiB of float32 weights do not fit the free memory of cpu" in line, line
