@@ -480,7 +480,7 @@ def test_output_reads_at_a_glance(report, outputs, smollm2_instruct_run):
     assert "span.num[title]:hover" in text and "hover it: <code>file#JSON pointer</code>" in text
     assert "the score (points)" in text and ">lm_eval_sink_tiny_choice acc</th>" in text
     md = (outputs["sweep"] / "table.md").read_text()
-    assert "| lm_eval_sink_tiny_choice acc | lm_eval_sink_tiny_choice acc delta |" in md and "/acc,none" not in md
+    assert "lm_eval_sink_tiny_choice acc" in md and "/acc,none" not in md  # a column, or said once if unchanged
     patch_table()  # as the start-up hook does under `lm_eval`
     results = json.loads(smollm2_instruct_run.results.read_text())
     table = lm_eval.utils.make_table(results)
