@@ -1,13 +1,8 @@
 """Calibration prompts and the ONE tokenization function used by the API, the CLI and the task.
 
-`encode_prompts` renders each prompt through the tokenizer's chat template (with the generation
-prompt) and tokenizes the rendered text with `add_special_tokens=False`, exactly as
-`apply_chat_template(tokenize=True)` does, so the template's own BOS is the only BOS. Without a
-chat template (or with `use_chat_template=False`) the prompt is tokenized as plain text with the
-tokenizer's special tokens, as the model expects. Each token is marked content (the user
-message's own characters) or template (role markers, injected system prompts, BOS).
-`Batching` groups the encoded prompts into forwards (under a budget of padded tokens); no torch
-here: padding and the forwards happen in `capture.py`.
+`encode_prompts` renders each prompt through the chat template as `apply_chat_template(tokenize=True)` does (the
+template's BOS the only one), or as plain text without one, and marks each token content or template. `Batching`
+groups the prompts into forwards (no torch here).
 """
 
 from __future__ import annotations
@@ -21,7 +16,6 @@ from typing import Any
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.io import json_lines, read_text, sha256_text
 
-DEFAULT_N_PROMPTS = 15
 ALLOWED_N_PROMPTS = (5, 15)
 DEFAULT_BATCH_TOKENS = 8192  # padded tokens (prompts x longest) per forward
 DEFAULT_QUERY_CHUNK = 128  # query rows whose [row, key] logits the capture holds at once, per layer
@@ -57,11 +51,8 @@ class EncodedPrompts:
 
 @dataclass(frozen=True, slots=True)
 class Batching:
-    """How a measurement runs, never what it gives: S is the same under any of these (they are in no result key).
-
-    Prompts are grouped into left-padded forwards of at most `batch_size` prompts (None: no limit) and at
-    most `batch_tokens` padded tokens (prompts x longest; a longer prompt goes alone), shortest first;
-    the capture holds the logits of `query_chunk` query rows per layer at a time."""
+    """How a measurement runs, never what it gives (in no result key): forwards of at most `batch_size` prompts and
+    `batch_tokens` padded tokens, shortest first; `query_chunk` query rows' logits per layer at a time."""
 
     batch_size: int | None = None
     batch_tokens: int = DEFAULT_BATCH_TOKENS

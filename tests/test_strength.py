@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from test_architectures import _build
 
 import sinkmodels as sm
 from lm_eval_sink.calibration import builtin_prompts, encode_prompts, load_prompts
@@ -23,54 +24,24 @@ def _lengths(tok, n=None):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("statistic", ["median", "mean"])
-def test_closed_form(family, statistic, tiny_tokenizer):
+@pytest.mark.parametrize(("last_k", "layers"), [(2, (1, 2)), (10, (0, 1, 2))], ids=["2", "10 clipped to 3"])
+def test_closed_form(family, statistic, last_k, layers, tiny_tokenizer):
     model = sm.build(family, n_layers=3, bos_id=tiny_tokenizer.bos_token_id)
-    res = measure(model, tiny_tokenizer, StrengthSettings(last_k=2, statistic=statistic), progress=False)
-    want, per = sm.expected_strength(family, 3, _lengths(tiny_tokenizer), last_k=2, statistic=statistic)
+    res = measure(model, tiny_tokenizer, StrengthSettings(last_k=last_k, statistic=statistic), progress=False)
+    k = len(layers)
+    want, per = sm.expected_strength(family, 3, _lengths(tiny_tokenizer), last_k=k, statistic=statistic)
     assert res.sink_strength == pytest.approx(want, abs=1e-5)
     np.testing.assert_allclose(np.array(res.sink_strength_layer_head), per, atol=1e-5)
-    assert res.layers == (1, 2) and res.last_k == 2 and res.n_layers == 3 and res.n_heads == sm.N_HEADS
-
-
-def test_closed_form_sink_moves_when_bos_logit_is_negative(tiny_tokenizer):
-    # qwen3 head 1 has g < 0: the argmax key leaves position 0 for every row with q >= 1.
-    model = sm.build("qwen3", n_layers=3, bos_id=tiny_tokenizer.bos_token_id)
-    res = measure(model, tiny_tokenizer, StrengthSettings(last_k=3), progress=False)
-    assert res.pos0_argmax_fraction == pytest.approx(0.5)
-    g = sm.expected_gap("qwen3", 3)
-    assert (g[:, 1] < 0).all() and (g[:, 0] > 0).all()
-
-
-def test_last_k_is_clipped_to_depth(tiny_tokenizer):
-    model = sm.build("llama", n_layers=3, bos_id=tiny_tokenizer.bos_token_id)
-    res = measure(model, tiny_tokenizer, StrengthSettings(last_k=10), progress=False)
-    assert res.layers == (0, 1, 2)
-    want, _ = sm.expected_strength("llama", 3, _lengths(tiny_tokenizer), last_k=3)
-    assert res.sink_strength == pytest.approx(want, abs=1e-5)
-
-
-def _random_model(family: str):
-    from transformers import AutoModelForCausalLM, LlamaConfig, Olmo2Config, Qwen3Config
-
-    cls = {"llama": LlamaConfig, "qwen3": Qwen3Config, "olmo2": Olmo2Config}[family]
-    torch.manual_seed(1)
-    cfg = cls(
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=256,
-        pad_token_id=0,
-    )
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    assert res.layers == layers and res.last_k == k and res.n_layers == 3 and res.n_heads == sm.N_HEADS
+    if family == "qwen3":  # head 1 has g < 0: the argmax key leaves position 0 for every row with q >= 1
+        g = sm.expected_gap("qwen3", 3)
+        assert (g[:, 1] < 0).all() and (g[:, 0] > 0).all()
+        assert res.pos0_argmax_fraction == pytest.approx(0.5)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_agrees_with_eager_attention_probabilities(family, tiny_tokenizer):
-    model = _random_model(family)
+    model = _build(family, len(tiny_tokenizer), tiny_tokenizer.pad_token_id)
     enc = encode_prompts(tiny_tokenizer, builtin_prompts()[:3])
     caps = capture_prompts(model, enc, layers=[0, 1], progress=False)
     model.set_attn_implementation("eager")
@@ -92,31 +63,6 @@ def test_agrees_with_eager_attention_probabilities(family, tiny_tokenizer):
         model.set_attn_implementation("sdpa")
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_capture_leaves_logits_unchanged_and_restores_implementation(family, tiny_tokenizer):
-    model = _random_model(family)
-    enc = encode_prompts(tiny_tokenizer, builtin_prompts()[:2])
-    ids = torch.tensor([enc.input_ids[0]])
-    with torch.no_grad():
-        before = model(ids).logits
-    from lm_eval_sink.capture import sink_capture
-
-    with sink_capture(model, [0, 1]) as collector, torch.no_grad():
-        collector.first_real = torch.tensor([0])
-        during = model(ids).logits
-    assert torch.equal(before, during)
-    assert model.config._attn_implementation == "sdpa"
-
-
-def test_implementation_restored_after_error(tiny_tokenizer):
-    model = _random_model("llama")
-    from lm_eval_sink.capture import sink_capture
-
-    with pytest.raises(RuntimeError), sink_capture(model, [0]):
-        raise RuntimeError("boom")
-    assert model.config._attn_implementation == "sdpa"
-
-
 def test_a_transformers_without_what_the_capture_uses_is_one_line_before_any_change(tiny_tokenizer, monkeypatch):
     """The capture registers through transformers' registry API and sets configs' `_attn_implementation_internal`
     back: a release without either is refused in one line naming transformers' version, the model untouched."""
@@ -125,7 +71,7 @@ def test_a_transformers_without_what_the_capture_uses_is_one_line_before_any_cha
 
     from lm_eval_sink.capture import sink_capture
 
-    model = _random_model("llama")
+    model = _build("llama", len(tiny_tokenizer), tiny_tokenizer.pad_token_id)
     monkeypatch.setattr(AttentionInterface, "register", None)
     with pytest.raises(UserError, match=f"transformers {transformers.__version__}: AttentionInterface is not a"):
         sink_capture(model, [0]).__enter__()
@@ -134,27 +80,6 @@ def test_a_transformers_without_what_the_capture_uses_is_one_line_before_any_cha
     del model.config._attn_implementation_internal
     with pytest.raises(UserError, match="a config without _attn_implementation_internal"):
         sink_capture(model, [0]).__enter__()
-
-
-@pytest.mark.parametrize(
-    "batching",
-    [{"batch_size": 2}, {"batch_size": 4}, {}, {"batch_tokens": 100, "query_chunk": 5}],
-    ids=["2", "4", "default: all 15", "token budget, chunks of 5 rows"],
-)
-def test_batching_does_not_change_s(batching, tiny_tokenizer):
-    model = _random_model("qwen3")
-    one = measure(model, tiny_tokenizer, StrengthSettings(last_k=2, batch_size=1, query_chunk=10**6), progress=False)
-    many = measure(model, tiny_tokenizer, StrengthSettings(last_k=2, **batching), progress=False)
-    assert many.sink_strength == pytest.approx(one.sink_strength, abs=1e-5)
-    np.testing.assert_allclose(many.per_prompt, one.per_prompt, atol=1e-5)
-
-
-def test_deterministic_bit_identical(tiny_tokenizer):
-    model = _random_model("llama")
-    a = measure(model, tiny_tokenizer, StrengthSettings(), progress=False)
-    b = measure(model, tiny_tokenizer, StrengthSettings(), progress=False)
-    assert a.to_json()["sink_strength"] == b.to_json()["sink_strength"]
-    assert a.sink_strength_layer_head == b.sink_strength_layer_head and a.per_prompt == b.per_prompt
 
 
 def test_rows_content_and_template_split(tiny_tokenizer):

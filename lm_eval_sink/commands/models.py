@@ -1,10 +1,5 @@
-"""`lm-eval-sink models convert`: a GGUF file as a model folder, for the commands that read a folder's files.
-
-`strength`, `screen`, `margin` and `protect-plan` read a GGUF file themselves; merges, sweeps, extraction and
-`eval` need a folder, and refuse a GGUF file naming this command. The conversion is the one the embedded default
-model goes through (`models.convert_gguf`): transformers' GGUF loader dequantizes every tensor to float32, the
-folder is written staged with its tokenizer, and its COMPLETE marker names the file and its quantization.
-"""
+"""`lm-eval-sink models convert`: a GGUF file as a model folder (`models.convert_gguf`), for the commands that read a
+folder's files (merges, sweeps, extraction, `eval`)."""
 
 from __future__ import annotations
 

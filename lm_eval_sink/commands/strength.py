@@ -1,16 +1,8 @@
-"""`lm-eval-sink strength`: resolve models, measure each (or reuse its finished result), write JSON, heatmaps and the
-ranking.
+"""`lm-eval-sink strength`: measure each model (or reuse its finished result), write JSON, heatmaps and the ranking.
 
-The output folder holds `<slug>.strength.json` + `<slug>.heatmap.png` per model, and with several
-models `ranking.md`, `ranking.csv`, `ranking.json`, `ranking.png` (by S within each setting:
-`comparability.py`); several runs may fill one folder. The unit of
-resume is one model's JSON (written atomically as soon as it is measured): its
-`provenance.input_key` is the key of what `measure_model` receives (`strength.StrengthWork`, `keys.key_of`: the
-model's content, the settings that decide S with the prompt file's content, dtype, the code and packages; not the
-batching or the device, so a result made at batch 1 on the CPU is reused by a run that batches all prompts on a GPU),
-so a finished model is reused by key, one made by other versions is recomputed (saying which version changed), and
-one of other inputs is refused without `--force`.
-The folder is held with `locks.hold` for the whole run (one writer).
+A model's `<slug>.strength.json` is the unit of resume: reused when its `provenance.input_key` is the key of what
+`measure_model` receives (`strength.StrengthWork`), recomputed when other versions made it, refused when other
+inputs did (without `--force`). The folder is held with `locks.hold` for the whole run (one writer).
 """
 
 from __future__ import annotations
@@ -49,24 +41,16 @@ def unique_slugs(slugs: list[str]) -> list[str]:
 def run_strength(
     names: list[str], slugs: list[str], settings: StrengthSettings, output, options: MeasureOptions = MeasureOptions()
 ) -> list[str]:
-    """Measure each model and write `<slug>.strength.json` + `<slug>.heatmap.png` into `output`.
-
-    With several models also `ranking.md`, `ranking.csv`, `ranking.json` and `ranking.png`. A model whose JSON
-    already exists with the same input key is reused (an interrupted run resumes); a different
-    key is refused unless `options.force`. Returns the lines to print. `options.measure_all(paths, settings, dtype,
-    device)` measures every model to (re)do at once (e.g. one Ray task each, `engines.ray_measure_all`),
-    yielding (path, result, error line or None) as each finishes: each result is written at once, and
-    a failed model is reported after the others are kept. Without it each is measured here, in turn.
-    """
+    """Measure each model (or reuse its result) into `<slug>.strength.json` + `<slug>.heatmap.png` in `output`, and
+    with several the `ranking.*` files; the lines to print. `options.measure_all` measures every model to (re)do
+    at once (e.g. one Ray task each), else each is measured here, in turn."""
     from lm_eval_sink.calibration import load_prompts
     from lm_eval_sink.locks import hold
     from lm_eval_sink.models import resolve_model
 
     output = Path(output)
     slugs = unique_slugs(slugs)
-    load_prompts(
-        Path(settings.prompts_file) if settings.prompts_file else None, settings.n_prompts
-    )  # fail before loading models
+    load_prompts(settings.prompts_file, settings.n_prompts)  # fail before loading models
     check_output(output, names, slugs, settings, options.force)
     paths = [resolve_model(n, allow_gguf=True) for n in names]  # `default` is converted here, after every check
     with hold(output):
@@ -93,11 +77,8 @@ def check_output(output: Path, names: list[str], slugs: list[str], settings: Str
 def _reusable(
     json_path: Path, identity: dict[str, Any], key: Key, force: bool
 ) -> tuple[dict[str, Any] | None, str | None]:
-    """(the finished result at `json_path` when made with `key`, else None; what changed when it was made from the
-    same inputs by other versions, to recompute it).
-
-    None, None when there is none (or `force`); a result of the same model folder whose content changed, or of other
-    settings, is refused."""
+    """(the finished result at `json_path` made with `key`, or None; what changed when other versions made it from
+    the same inputs); a result of other inputs is refused."""
     from lm_eval_sink.identity import check_same_identity
     from lm_eval_sink.io import read_earlier_output
 
