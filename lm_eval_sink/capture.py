@@ -305,10 +305,6 @@ def check_supported_class(cls: type) -> None:
         )
 
 
-def check_supported(model: Any) -> None:
-    check_supported_class(type(model))
-
-
 def attn_implementation_for(cls: type, config: Any = None) -> str:
     """The attention implementation to load `cls` with for Sink Strength: sdpa where the class supports it, else
     eager (learned sinks); eager too where `config` soft-caps attention logits: sdpa's kernel has no soft-capping,
@@ -339,7 +335,7 @@ def sink_capture(model: Any, layers: Sequence[int]) -> Iterator[_Collector]:
     (`set_attn_implementation` would load the flash kernel again)."""
     from transformers import PreTrainedModel
 
-    check_supported(model)
+    check_supported_class(type(model))
     previous = _attn_config(model)._attn_implementation
     impl = previous if previous is not None else "eager"
     if impl.startswith(IMPL_PREFIX):
@@ -461,10 +457,8 @@ def _checked_layers(model: Adapted, encoded: EncodedPrompts, layers: Sequence[in
 
 
 def _check_finite(out: dict[int, PromptCapture], layers: tuple[int, ...], model: Any = None) -> None:
-    """Refuse non-finite sink log-odds, naming their cause: a weight of the checkpoint that holds NaN or inf (the
-    first such tensor), float16's range (overflow), or activations past the range of the model's dtype. `model`
-    None (the statistics came from a vLLM engine, whose weights this process does not hold): the cause is not
-    looked for, and the fix names the transformers measurement that finds it."""
+    """Refuse non-finite sink log-odds, naming their cause: a non-finite weight, float16's range, or activations
+    past the model's dtype; `model` None (a vLLM engine's statistics): the fix names the measurement that finds it."""
     bad_rows = [
         (j, li) for j in sorted(out) for li in range(len(layers)) if not np.isfinite(out[j].sink_logodds[li]).all()
     ]

@@ -96,33 +96,26 @@ def layers_per_device(model: Any, device_map: dict[str, Any]) -> dict[str, int]:
     return out
 
 
-def _free_memory(devices: tuple[str, ...]) -> dict[str, int]:
-    """Free bytes per device: the available host RAM, or a GPU's free memory plus what torch's cache holds unused
-    there (torch reuses it); only the devices named are touched."""
+def _memory(devices: tuple[str, ...], total: bool) -> dict[str, int]:
+    """Bytes per device, touching only the devices named: `total`, the host's RAM or a GPU's whole memory (what
+    vLLM's `gpu_memory_utilization` is a share of); else free, the available RAM or a GPU's free memory plus what
+    torch's cache holds unused there (torch reuses it)."""
     import psutil
     import torch
 
-    def free(d: str) -> int:
+    def size(d: str) -> int:
         if d == "cpu":
-            return int(psutil.virtual_memory().available)
+            ram = psutil.virtual_memory()
+            return int(ram.total if total else ram.available)
         i = int(d.partition(":")[2])
-        return torch.cuda.mem_get_info(i)[0] + torch.cuda.memory_reserved(i) - torch.cuda.memory_allocated(i)
+        free, whole = torch.cuda.mem_get_info(i)
+        return whole if total else free + torch.cuda.memory_reserved(i) - torch.cuda.memory_allocated(i)
 
-    return {d: free(d) for d in devices}
+    return {d: size(d) for d in devices}
 
 
 def _total_memory(devices: tuple[str, ...]) -> dict[str, int]:
-    """Total bytes per device: the host's RAM, or a GPU's whole memory (what vLLM's `gpu_memory_utilization` is a
-    share of); only the devices named are touched."""
-    import psutil
-    import torch
-
-    def total(d: str) -> int:
-        if d == "cpu":
-            return int(psutil.virtual_memory().total)
-        return torch.cuda.mem_get_info(int(d.partition(":")[2]))[1]
-
-    return {d: total(d) for d in devices}
+    return _memory(devices, total=True)
 
 
 def _shown(free: dict[str, int]) -> str:
@@ -160,15 +153,14 @@ def gpu_map(empty: Any, free: dict[str, int]) -> dict[str, str]:
 
 
 def place(model_class: Any, config: Any, dtype: Any, device: str, name: str, **remote: Any) -> Placement:
-    """The placement of a `model_class` model of `config` in `dtype` (a torch dtype) on `device`, from the config
-    alone (`empty_model`, no weight read; `remote` as there); one line when the weights do not fit the devices'
-    free memory."""
+    """The placement of a `model_class` model of `config` in `dtype` on `device`, from the config alone (`empty_model`);
+    one line when the weights do not fit the devices' free memory."""
     from transformers.integrations.accelerate import compute_module_sizes
 
     devices = resolve_device(device)
     empty = empty_model(model_class, config, dtype, **remote)
     size = int(compute_module_sizes(empty)[0][""])
-    free = _free_memory(devices)
+    free = _memory(devices, total=False)
     device_map = gpu_map(empty, free) if len(devices) > 1 else {"": devices[0]}
     if len(set(device_map.values())) == 1:
         device_map = {"": next(iter(device_map.values()))}

@@ -297,9 +297,8 @@ _CONFIG_SIZES = (
 
 
 def check_config(path: Path) -> dict[str, Any]:
-    """Refuse, before transformers reads it, a config.json that is no JSON object or whose sizes (top level, or a
-    section such as `text_config`) are not positive integers, in one line naming the file and the field; else its
-    contents."""
+    """A config.json's contents; one line, before transformers reads it, when it is no JSON object or a size (top
+    level, or in a section such as `text_config`) is not a positive integer."""
     again = "restore the config.json the checkpoint was saved with"
     data = parse_json(read_text(path, "config.json"), str(path), again)
     if not isinstance(data, dict):
@@ -428,9 +427,8 @@ def with_adapter(path: str) -> ResolvedModel:
 
 
 def model_fingerprint(model: str | ResolvedModel) -> dict[str, Any]:
-    """What identifies the weights: `identity.model_identity` (whole-file hashes, or the hub revision); an
-    adapter folder's covers its base model's files too (as `base/<file>`). A path's base is resolved here; a
-    `ResolvedModel` brings its own."""
+    """What identifies the weights (`identity.model_identity`); an adapter folder's covers its base model's files
+    too (as `base/<file>`)."""
     from lm_eval_sink.identity import files_fingerprint, model_identity
 
     model = model if isinstance(model, ResolvedModel) else with_adapter(model)
@@ -461,10 +459,8 @@ def torch_dtype(name: str):
 def load_placed(
     cls: Any, path: str | Path, dtype: Any, device: str, config: Any = None, reuse_config: bool = False, **kwargs: Any
 ) -> Any:
-    """`cls.from_pretrained(path, dtype=dtype, **kwargs)` straight onto `device`, and where it went: the device map is
-    `devices.place`'s, from `config` (read from `path` when None) before any weight is read; `reuse_config` hands
-    `config` to from_pretrained too (a GGUF file's header, parsed in seconds, is then parsed once less). Returns
-    (what from_pretrained returns, Placement)."""
+    """(`cls.from_pretrained(path, dtype=dtype, **kwargs)`, Placement): straight onto `device` by `devices.place`'s
+    map of `config` (read from `path` when None); `reuse_config` hands `config` to from_pretrained too (GGUF)."""
     if config is None:
         from transformers import AutoConfig
 

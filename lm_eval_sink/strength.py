@@ -79,9 +79,8 @@ def absent_sink_note(sink_strength: float, pos0_argmax_fraction: float) -> str |
 
 @dataclass(frozen=True, slots=True)
 class StrengthSettings:
-    """Every knob of a Sink Strength measurement (one source of truth for the defaults; the batching ones are
-    `calibration.Batching`'s). The batching ones change memory and speed only, so no key holds them (`UNKEYED`);
-    a prompt file is keyed by its content."""
+    """Every knob of a Sink Strength measurement, with its default; the batching ones (`calibration.Batching`'s)
+    change memory and speed only, so no key holds them (`UNKEYED`)."""
 
     last_k: int | str | None = DEFAULT_LAST_K  # a count of last attention layers, "N%" of them, None = all
     statistic: str = "median"
@@ -122,9 +121,8 @@ RUN_FIELDS = tuple(f.name for f in fields(StrengthSettings) if f.metadata == UNK
 
 @dataclass(frozen=True, slots=True)
 class StrengthWork(Work):
-    """What `lm-eval-sink strength` and `screen` hand to `measure_model` (one model's S): its key (`keys.key_of`)
-    holds the model's content, the settings (a prompt file by content), the dtype, the code that chooses them and
-    computes S, and the packages that do (peft applies an adapter's weights or virtual tokens)."""
+    """What `strength` and `screen` hand to `measure_model` (one model's S), with the code that chooses the settings
+    and computes S and the packages that do (peft applies an adapter), for its key (`keys.key_of`)."""
 
     CODE = (__name__, "lm_eval_sink.commands.strength", "lm_eval_sink.commands.screen")
     PACKAGES = ("torch", "transformers", "peft")
@@ -201,9 +199,7 @@ def prompt_statistic(capture: Any, settings: StrengthSettings) -> float | None:
 def reduce_captures(
     captures: list, settings: StrengthSettings, n_layers: int, attention_layers: Sequence[int] | None = None
 ) -> SinkStrength:
-    """Reduce per-prompt captures (see capture.py) of the selected layers to a SinkStrength.
-
-    `attention_layers` defaults to all `n_layers` layers."""
+    """Reduce per-prompt captures of the selected layers to a SinkStrength (`attention_layers`: default all)."""
     from lm_eval_sink.capture import VIRTUAL_KEY
 
     if not captures:

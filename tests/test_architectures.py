@@ -125,10 +125,17 @@ LEARNED_SINKS = {"gpt_oss"}
 EAGER_ONLY = {"gemma2", "gpt_oss"}  # no sdpa: attention soft-capping, learned sinks
 
 
+def _config(family: str, **common):
+    """The family's config of `common` and its extra fields (those its class takes)."""
+    cfg_cls = getattr(transformers, FAMILIES[family][0])
+    accepted = set(inspect.signature(cfg_cls.__init__).parameters) | {"global_head_dim"}
+    return cfg_cls(**{k: v for k, v in {**common, **FAMILIES[family][2]}.items() if k in accepted})
+
+
 def _build(family: str, vocab_size: int, pad_id: int):
-    cfg_name, model_name, extra, _ = FAMILIES[family]
-    cfg_cls, model_cls = getattr(transformers, cfg_name), getattr(transformers, model_name)
-    common = dict(
+    model_cls = getattr(transformers, FAMILIES[family][1])
+    config = _config(
+        family,
         vocab_size=vocab_size,
         hidden_size=32,
         intermediate_size=64,
@@ -143,8 +150,6 @@ def _build(family: str, vocab_size: int, pad_id: int):
         tie_word_embeddings=False,
         vocab_size_per_layer_input=vocab_size,  # Gemma 4's per-layer embeddings (its default: 262,144 rows)
     )
-    accepted = set(inspect.signature(cfg_cls.__init__).parameters) | {"global_head_dim"}
-    config = cfg_cls(**{k: v for k, v in {**common, **extra}.items() if k in accepted})
     torch.manual_seed(0)
     model = model_cls._from_config(config, attn_implementation=attn_implementation_for(model_cls, config)).eval()
     with torch.no_grad():  # larger query/key weights: peaked rows, and Gemma 2's soft-capping (at 1.0) bites
@@ -241,15 +246,13 @@ def test_sink_strength_equals_eager_reference(family, tiny_tokenizer, encoded):
         assert res.learned_sink_argmax_fraction is None and res.learned_sink_mass_median is None
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_capture_leaves_padded_outputs_bit_identical(family, tiny_tokenizer, encoded):
+def _outputs_unchanged(model, encoded, pad_id: int, layers) -> None:
+    """A padded batch's logits under the capture of `layers` equal those without it, and every layer reached it."""
     from lm_eval_sink.capture import _batch
 
-    model = _build(family, len(tiny_tokenizer), tiny_tokenizer.pad_token_id)
-    ids, mask, pos, first = _batch(encoded.input_ids[:2], tiny_tokenizer.pad_token_id, torch.device("cpu"))
+    ids, mask, pos, first = _batch(encoded.input_ids[:2], pad_id, torch.device("cpu"))
     with torch.no_grad():
         before = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
-        layers = attention_layers_from_config(model.config) or range(model.config.num_hidden_layers)
         with sink_capture(model, layers) as collector:
             collector.first_real = first
             during = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
@@ -258,18 +261,16 @@ def test_capture_leaves_padded_outputs_bit_identical(family, tiny_tokenizer, enc
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_capture_leaves_padded_outputs_bit_identical(family, tiny_tokenizer, encoded):
+    model = _build(family, len(tiny_tokenizer), tiny_tokenizer.pad_token_id)
+    layers = attention_layers_from_config(model.config) or range(model.config.num_hidden_layers)
+    _outputs_unchanged(model, encoded, tiny_tokenizer.pad_token_id, layers)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_qk_norm_class_from_screen(family, tiny_tokenizer):
-    cfg_name, _, extra, want = FAMILIES[family]
-    cfg_cls = getattr(transformers, cfg_name)
-    accepted = set(inspect.signature(cfg_cls.__init__).parameters)
-    config = cfg_cls(
-        **{
-            k: v
-            for k, v in {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, **extra}.items()
-            if k in accepted
-        }
-    )
-    assert classify_qk_norm(json.loads(config.to_json_string())).qk_norm == want
+    config = _config(family, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    assert classify_qk_norm(json.loads(config.to_json_string())).qk_norm == FAMILIES[family][3]
 
 
 def test_learned_sink_keys_round_trip_and_margin_refusal_without_learned_sinks(
@@ -428,8 +429,6 @@ def test_flash_attention_is_captured_through_sdpa_and_restored(family, tiny_toke
 def test_flex_attention_on_cpu_equals_eager_and_keeps_outputs(tiny_tokenizer, encoded):
     """flex_attention passes a BlockMask, so the capture builds its own mask (causal, left padding,
     Mistral's window 6 < every prompt). Runs through torch.compile on CPU (about 35 s cold)."""
-    from lm_eval_sink.capture import _batch
-
     model = _build("mistral", len(tiny_tokenizer), tiny_tokenizer.pad_token_id)
     model.set_attn_implementation("flex_attention")
     res = _measure(model, tiny_tokenizer, SETTINGS, windowed=True)
@@ -438,11 +437,4 @@ def test_flex_attention_on_cpu_equals_eager_and_keeps_outputs(tiny_tokenizer, en
     ref = _eager_reference(model, encoded, res.layers, learned=False)
     assert res.sink_strength == pytest.approx(ref["S"], abs=1e-4)
     assert res.pos0_mass_median == pytest.approx(ref["pos0_mass_median"], abs=1e-4)
-    ids, mask, pos, first = _batch(encoded.input_ids[:2], tiny_tokenizer.pad_token_id, torch.device("cpu"))
-    with torch.no_grad():
-        before = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
-        with sink_capture(model, range(model.config.num_hidden_layers)) as collector:
-            collector.first_real = first
-            during = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
-    assert set(collector.records) == set(range(model.config.num_hidden_layers))
-    assert torch.equal(before, during)
+    _outputs_unchanged(model, encoded, tiny_tokenizer.pad_token_id, range(model.config.num_hidden_layers))

@@ -125,13 +125,8 @@ def test_in_place_weight_change_is_refused_then_recomputed_with_force(model_dir,
     assert abs(new["sink_strength"] - old["sink_strength"]) > 1e-3
     from lm_eval_sink.strength import StrengthSettings, measure_model
 
-    assert (
-        abs(
-            measure_model(str(model_dir), StrengthSettings(last_k=2), progress=False).sink_strength
-            - new["sink_strength"]
-        )
-        < 1e-6
-    )
+    fresh = measure_model(str(model_dir), StrengthSettings(last_k=2), progress=False)
+    assert abs(fresh.sink_strength - new["sink_strength"]) < 1e-6
 
 
 def test_output_of_the_older_fingerprint_rule_is_refused(model_dir, tmp_path, capsys):
@@ -147,8 +142,10 @@ def test_output_of_the_older_fingerprint_rule_is_refused(model_dir, tmp_path, ca
     _one_error(rc, err, r"its model identity has no fingerprint_rule, files \(written by hand, cut short, or by a")
 
 
-@pytest.mark.parametrize("kind", ["failed", "partial"])
-def test_folders_of_failed_or_interrupted_runs_are_refused_as_models(model_dir, tmp_path, capsys, kind):
+@pytest.mark.parametrize(
+    ("command", "kind"), [("strength", "failed"), ("strength", "partial"), ("extract", "partial")]
+)  # the model resolver, and extraction's own checks of its VLM folder
+def test_folders_of_failed_or_interrupted_runs_are_refused_as_models(model_dir, tmp_path, capsys, command, kind):
     if kind == "failed":
         (model_dir / "FAILED.json").write_text("{}")
         target, pattern = model_dir, r"left by a failed run"
@@ -158,7 +155,8 @@ def test_folders_of_failed_or_interrupted_runs_are_refused_as_models(model_dir, 
             r"staging folder left by an interrupted run",
         )
     out = tmp_path / "out"
-    rc, _, err = _run(capsys, "strength", target, "--output", out, "--quiet")
+    args = ["--output", out, "--quiet"] if command == "strength" else [out, "--no-verify", "--quiet"]
+    rc, _, err = _run(capsys, command, target, *args)
     _one_error(rc, err, pattern)
     assert not out.exists()
 
@@ -235,6 +233,7 @@ def test_hub_fingerprint_is_the_same_file_set_cached_or_listed(model_dir, tmp_pa
 
 def test_a_second_process_is_refused_while_the_first_holds_the_lock(model_dir, tmp_path):
     out = tmp_path / "out"
+    strength = [sys.executable, "-m", "lm_eval_sink.cli", "strength", str(model_dir), "--output", str(out), "--quiet"]
     holder = subprocess.Popen(
         [
             sys.executable,
@@ -253,35 +252,14 @@ def test_a_second_process_is_refused_while_the_first_holds_the_lock(model_dir, t
     )
     try:
         assert holder.stdout.readline().strip() == "held"
-        proc = subprocess.run(
-            [sys.executable, "-m", "lm_eval_sink.cli", "strength", str(model_dir), "--output", str(out), "--quiet"],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        proc = subprocess.run(strength, capture_output=True, text=True, timeout=300)
         _one_error(proc.returncode, proc.stderr, rf"{re.escape(str(out))} is in use by pid {holder.pid} on ")
         assert not list(out.glob("*.strength.json"))
     finally:
         holder.kill()
         holder.wait()
     time.sleep(0.1)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "lm_eval_sink.cli",
-            "strength",
-            str(model_dir),
-            "--last-k",
-            "2",
-            "--output",
-            str(out),
-            "--quiet",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = subprocess.run([*strength, "--last-k", "2"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]  # a killed holder frees the lock
 
 
@@ -327,20 +305,9 @@ def test_recovery_after_a_kill_between_the_two_renames_keeps_a_complete_copy(tmp
     assert any(("promoted" if unit_key == "new" else "restored") in n for n in notes)
 
 
-def test_extract_refuses_a_staging_folder_as_its_vlm(model_dir, tmp_path, capsys):
-    partial = model_dir.rename(model_dir.with_name("vlm.partial-1234abcd"))
-    rc, _, err = _run(capsys, "extract", partial, tmp_path / "backbone", "--no-verify", "--quiet")
-    _one_error(rc, err, r"staging folder left by an interrupted run")
-    assert not (tmp_path / "backbone").exists()
-
-
-def test_lm_eval_command_pins_a_hub_id_to_its_revision(tmp_path):
-    hub = tmp_path / "hf" / "hub" / "models--org--tiny"
+def test_lm_eval_command_pins_a_hub_id_to_its_revision(model_dir, tmp_path):
     sha = "89abcdef0123456789abcdef0123456789abcdef"
-    (hub / "refs").mkdir(parents=True)
-    (hub / "refs" / "main").write_text(sha)
-    (hub / "snapshots" / sha).mkdir(parents=True)
-    (hub / "snapshots" / sha / "config.json").write_text("{}")
+    hf_cache_snapshot(tmp_path / "hf" / "hub", "org/tiny", model_dir, sha)
     code = (
         "from pathlib import Path; from lm_eval_sink.harness.runner import EvalSettings; "
         "print(EvalSettings(tasks=('ifeval',)).command('org/tiny', Path('o'))[3])"

@@ -373,11 +373,11 @@ def check_capturable(model: Any) -> None:
     peft model's base), an adapter it does not measure (`adapters.adapted`), its layer types, tensor-parallel
     sharding. A flash implementation is measured through sdpa (capture.py)."""
     from lm_eval_sink.adapters import adapted
-    from lm_eval_sink.capture import attention_layers_from_config, check_supported
+    from lm_eval_sink.capture import attention_layers_from_config, check_supported_class
     from lm_eval_sink.devices import check_not_tensor_parallel
 
     inner = adapted(model).module
-    check_supported(inner)
+    check_supported_class(type(inner))
     attention_layers_from_config(inner.config)
     check_not_tensor_parallel(inner)
 
