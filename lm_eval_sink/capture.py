@@ -191,9 +191,7 @@ def _make_attention(impl: str):
             collector.reached.add(layer)
             if layer in collector.layers and collector.first_real is not None:
                 fixed = collector.fixed_keys[layer] if collector.fixed_keys is not None else None
-                window = (
-                    kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
-                )
+                window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
                 call = _AttentionCall(
                     query, key, attention_mask, scaling, kwargs.get("softcap"), kwargs.get("s_aux"), window
                 )
@@ -239,12 +237,8 @@ def _text_config(config: Any) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def _attn_config(model: Any) -> Any:
-    return _text_config(model.config)
-
-
 def n_layers_of(model: Any) -> int:
-    return int(_attn_config(model).num_hidden_layers)
+    return int(_text_config(model.config).num_hidden_layers)
 
 
 SOFTMAX_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
@@ -323,7 +317,7 @@ def capture_delegate(impl: str, model: Any) -> str:
 
 def captured_with(model: Any) -> str:
     """How the capture runs `model`'s attention, for records: `sdpa`, or `sdpa (model: flash_attention_2)`."""
-    impl = _attn_config(model)._attn_implementation or "eager"
+    impl = _text_config(model.config)._attn_implementation or "eager"
     delegate = capture_delegate(impl, model)
     return impl if delegate == impl else f"{delegate} (model: {impl})"
 
@@ -336,7 +330,7 @@ def sink_capture(model: Any, layers: Sequence[int]) -> Iterator[_Collector]:
     from transformers import PreTrainedModel
 
     check_supported_class(type(model))
-    previous = _attn_config(model)._attn_implementation
+    previous = _text_config(model.config)._attn_implementation
     impl = previous if previous is not None else "eager"
     if impl.startswith(IMPL_PREFIX):
         raise UserError(
@@ -443,7 +437,7 @@ def _checked_layers(model: Adapted, encoded: EncodedPrompts, layers: Sequence[in
     bad = [x for x in layers if not 0 <= x < depth]
     if bad:
         raise UserError(f"layer(s) {bad} out of range for a {depth}-layer model", f"use layers 0..{depth - 1}")
-    max_pos = getattr(_attn_config(model.module), "max_position_embeddings", None)
+    max_pos = getattr(_text_config(model.module.config), "max_position_embeddings", None)
     virtual = model.virtual.n if model.virtual else 0
     i = max(range(len(encoded)), key=lambda j: len(encoded.input_ids[j]))
     longest = len(encoded.input_ids[i]) + virtual
@@ -515,7 +509,7 @@ def capture_prompts(
             "compare the adapter's Sink Strength (`lm-eval-sink strength`) with its base's instead",
         )
     if sink_keys is not None:
-        _check_sink_keys(sink_keys, encoded, len(layers), int(_attn_config(run.module).num_attention_heads))
+        _check_sink_keys(sink_keys, encoded, len(layers), int(_text_config(run.module.config).num_attention_heads))
     pad_id = next((t for t in (getattr(run.module.config, "pad_token_id", None), 0) if t is not None), 0)
     out: dict[int, PromptCapture] = {}
     lengths = [len(x) for x in encoded.input_ids]

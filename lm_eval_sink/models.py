@@ -376,10 +376,8 @@ def resolved(
         folder = _hub_folder(text, offline)
         if folder is not None:
             return resolved(folder, role, allow_adapter=allow_adapter)
-    elif looks_like_id and (
-        not offline or hub_snapshot(text) is not None
-    ):  # a cached one loads offline at that revision
-        return ResolvedModel(text)
+    elif looks_like_id and (not offline or hub_snapshot(text) is not None):
+        return ResolvedModel(text)  # a cached one loads offline at that revision
     why = (" (and the hub is offline: HF_HUB_OFFLINE=1)" if offline else " (nor a hub model)") if looks_like_id else ""
     near = (
         did_you_mean(path.name, [p.name for p in path.parent.iterdir() if p.is_dir()]) if path.parent.is_dir() else ""

@@ -154,9 +154,7 @@ class SinkStrength:
     n_prompts: int
     n_rows: int
     attention_layers: tuple[int, ...] = ()  # the model's attention layers (n_layers is the depth)
-    learned_sink_argmax_fraction: float | None = (
-        None  # share of rows whose sink is the learned (virtual) key; None: no learned sinks
-    )
+    learned_sink_argmax_fraction: float | None = None  # share of rows sinking at the virtual key; None: no learned sink
     learned_sink_mass_median: float | None = None  # median probability of the virtual key
     rows_beyond_window: int | None = None  # rows whose position 0 lies outside a measured layer's window; None: unknown
     provenance: dict[str, Any] = field(default_factory=dict)
