@@ -133,11 +133,6 @@ def load_prompts(path: Path | None = None, n_prompts: int | None = None) -> Prom
     return PromptSet(tuple(prompts), "builtin" if path is None else str(path), tuple(given)[: len(prompts)])
 
 
-def _content_flags(offsets: list[tuple[int, int]], start: int, end: int) -> list[bool]:
-    # A token is content when its characters lie inside the user message's span.
-    return [s < e and s >= start and e <= end for s, e in offsets]
-
-
 def encode_prompts(
     tokenizer: Any,
     prompts: tuple[str, ...] | list[str],
@@ -145,8 +140,7 @@ def encode_prompts(
     system_prompt: str | None = None,
     where: tuple[str, ...] = (),
 ) -> EncodedPrompts:
-    """Render (chat template + generation prompt) and tokenize each prompt; mark content tokens. `where`: each
-    prompt's place, named in errors (PromptSet.where)."""
+    """Render (chat template + generation prompt) and tokenize each prompt; mark content tokens; `where` for errors."""
     template = getattr(tokenizer, "chat_template", None)
     apply = bool(use_chat_template and template)
     ids_out, content_out = [], []
@@ -176,7 +170,8 @@ def encode_prompts(
             )
         enc = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
         ids = list(enc["input_ids"])
-        flags = _content_flags([tuple(o) for o in enc["offset_mapping"]], start, end)
+        # A token is content when its characters lie inside the user message's span.
+        flags = [s < e and s >= start and e <= end for s, e in enc["offset_mapping"]]
         # Special tokens (BOS added by the tokenizer, role markers) never count as content.
         special_ids = set(tokenizer.all_special_ids)
         flags = [f and tid not in special_ids for f, tid in zip(flags, ids, strict=True)]

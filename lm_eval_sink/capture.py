@@ -270,8 +270,7 @@ def attention_layers_from_config(config: Any) -> tuple[int, ...] | None:
 
 
 def attention_layers(model: Any, probe_ids: Sequence[int]) -> tuple[int, ...]:
-    """The model's attention layers: from `config.layer_types`, else the layers whose attention
-    reached the capture on a short probe (`probe_ids`, a few token ids). A peft model: its base's."""
+    """The model's (a peft model's base's) attention layers: from its config, else those a short probe reaches."""
     model = adapted(model).module
     from_config = attention_layers_from_config(model.config)
     if from_config is not None:
@@ -430,8 +429,7 @@ def _fixed_key_batch(
 
 
 def _checked_layers(model: Adapted, encoded: EncodedPrompts, layers: Sequence[int]) -> tuple[int, ...]:
-    """The layers, sorted, after refusing one out of range or a prompt (with any virtual tokens) longer than the
-    model's positions."""
+    """The layers, sorted; one out of range, or a prompt longer than the model's positions, is refused."""
     layers = tuple(sorted(set(int(x) for x in layers)))
     depth = n_layers_of(model.module)
     bad = [x for x in layers if not 0 <= x < depth]

@@ -48,8 +48,7 @@ def resolve_device(device: str) -> tuple[str, ...]:
 
 
 def math_device(device: str) -> str:
-    """The one torch device `device` names for a computation on one device (mergekit's math device): `auto` is the
-    first visible GPU, else the CPU."""
+    """The one torch device `device` names for a one-device computation (`auto`: the first GPU, else the CPU)."""
     return resolve_device(device)[0]
 
 
@@ -118,10 +117,6 @@ def _total_memory(devices: tuple[str, ...]) -> dict[str, int]:
     return _memory(devices, total=True)
 
 
-def _shown(free: dict[str, int]) -> str:
-    return ", ".join(f"{d} {v / _GIB:.1f} GiB" for d, v in free.items())
-
-
 def empty_model(model_class: Any, config: Any, dtype: Any, **remote: Any) -> Any:
     """A `model_class` model of `config` in `dtype` on the meta device: its modules and sizes, no memory, no weight.
     `remote`: `trust_remote_code` and `revision` as the load gets them, for an Auto class whose config names the
@@ -167,7 +162,7 @@ def place(model_class: Any, config: Any, dtype: Any, device: str, name: str, **r
     if size > sum(free.values()) or {"cpu", "disk"} & set(device_map.values()) - set(devices):
         raise UserError(
             f"{name}: its {size / _GIB:.1f} GiB of {str(dtype).removeprefix('torch.')} weights do not fit the free "
-            f"memory of {_shown(free)}",
+            f"memory of {', '.join(f'{d} {v / _GIB:.1f} GiB' for d, v in free.items())}",
             "free memory there, use other devices (--device, or device: in a sweep file), or load a smaller dtype "
             "(bfloat16 takes half of float32)",
         )
@@ -207,8 +202,7 @@ def empty_cache() -> None:
 
 @contextmanager
 def peak_memory() -> Iterator[dict[str, int]]:
-    """A dict filled on exit with the peak accelerator memory allocated inside the block per GPU (bytes); empty
-    where this process has not used CUDA (a CPU run)."""
+    """A dict filled on exit with each GPU's peak memory allocated inside the block (empty without CUDA)."""
     import torch
 
     peaks: dict[str, int] = {}

@@ -24,10 +24,6 @@ _CHUNK = 8 << 20
 _HASH = re.compile(r"xxh3_128:[0-9a-f]{32}")  # the one form a cached file hash may take
 
 
-def _hash_cache() -> Path:
-    return cache_dir() / "file_hashes"
-
-
 def file_hash(path: Path) -> str:
     """xxh3-128 of the whole file, cached by its stat identity."""
     import xxhash
@@ -35,7 +31,7 @@ def file_hash(path: Path) -> str:
     path = Path(path).resolve()
     st = path.stat()
     stat_key = sha256_text(f"{path}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}")
-    entry = _hash_cache() / stat_key[:2] / f"{stat_key}.json"
+    entry = cache_dir() / "file_hashes" / stat_key[:2] / f"{stat_key}.json"
     try:
         known = json.loads(read_private_text(entry))
         if known == {"path": str(path), "size": st.st_size, "hash": known["hash"]} and _HASH.fullmatch(known["hash"]):
@@ -79,8 +75,7 @@ def files_fingerprint(files: dict[str, str]) -> str:
 
 
 def looks_like_hub_id(text: str) -> bool:
-    """`owner/name`, the shape of a hub model id (each part starts and ends with a letter, digit or `_`: `./x` is a
-    path)."""
+    """`owner/name`, the shape of a hub model id (each part starts and ends with a word character)."""
     return re.fullmatch(r"\w(?:[\w.-]*\w)?/\w(?:[\w.-]*\w)?", text) is not None
 
 
@@ -98,10 +93,7 @@ def split_revision(ref: str) -> tuple[str, str | None]:
     return path, rev or None
 
 
-# The files a load of a hub model reads (transformers' config, tokenizer and chat-template names), plus
-# its top-level weights: the *.safetensors (and their index), else the pytorch_model*.bin. Only these
-# are fingerprinted, from the hub's file list or from the local cache alike, so README, .gitattributes,
-# ONNX exports or a second weight format that no load downloads never tell a cached model from itself.
+# The files besides its weights that a load of a hub model reads: only these are fingerprinted (docs/identity.md).
 HUB_LOAD_FILES = frozenset(
     {
         "config.json",
@@ -147,8 +139,7 @@ def _cached_revision(repo_id: str, revision: str | None) -> Any:
 
 
 def snapshot_dir(repo_id: str, sha: str) -> Path | None:
-    """The local HF cache folder of one commit of a hub model (`try_to_load_from_cache`), or None when its
-    config is not cached."""
+    """The local HF cache folder of one commit of a hub model, or None when its config is not cached."""
     from huggingface_hub import try_to_load_from_cache
 
     found = try_to_load_from_cache(repo_id, "config.json", revision=sha)
@@ -156,8 +147,7 @@ def snapshot_dir(repo_id: str, sha: str) -> Path | None:
 
 
 def cached_folder(model: str) -> Path | None:
-    """Where a model's files are on this machine: the folder itself, or a hub id's snapshot in the local HF cache (None
-    if neither)."""
+    """A model's folder on this machine: itself, or a hub id's snapshot in the local HF cache (else None)."""
     if Path(model).is_dir():
         return Path(model)
     repo_id, revision = split_revision(model)
@@ -200,16 +190,14 @@ def _hub_online(repo_id: str, revision: str | None) -> tuple[str, dict[str, str]
 
 
 def hub_offline() -> bool:
-    """huggingface_hub's offline switch (`is_offline_mode`: HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE, in its
-    own spellings of true, read when huggingface_hub is imported)."""
+    """huggingface_hub's offline switch (`is_offline_mode`: HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE)."""
     from huggingface_hub import is_offline_mode
 
     return is_offline_mode()
 
 
 def model_identity(model: str) -> dict[str, Any]:
-    """The identity record of a model folder, a one-file model (GGUF: that file) or hub id, `org/name` or
-    `org/name@REVISION` (see the module rules)."""
+    """The identity record of a model folder, a one-file model (GGUF) or a hub id (`org/name[@REVISION]`)."""
     p = Path(model)
     if p.is_dir() or p.is_file():
         files = folder_identity(p) if p.is_dir() else {p.name: file_hash(p)}
@@ -249,8 +237,7 @@ def check_finished_folder(path: Path) -> None:
 
 
 def local_identity(model: str | None) -> dict[str, Any] | None:
-    """The identity of a run's model when it is a local folder that still exists (provenance of buckets and
-    attribution), else None."""
+    """The identity of a run's model when it is a local folder that still exists, else None."""
     return model_identity(model) if model and Path(model).is_dir() else None
 
 

@@ -53,8 +53,7 @@ def _gguf_path() -> Path:
 
 
 def default_model_dir(create: bool = True) -> Path:
-    """The converted default model folder; converted from GGUF on first use (about 30 s). `create=False`: where it is
-    or will be, converting nothing."""
+    """The default model's folder, converted from GGUF on first use (about 30 s) unless `create=False`."""
     out = cache_dir() / "models" / DEFAULT_MODEL_NAME
     if _intact(out) or not create:
         return out
@@ -86,8 +85,7 @@ def _intact(out: Path) -> bool:
 
 
 def _waiting(holder: str, waited: float, out: Path) -> None:
-    """The line a command prints when another process converts the default model it needs, and every
-    `locks.WAIT_NOTE_S` while it goes on (then the command goes on)."""
+    """The line a command prints while another process converts the default model it needs."""
     import sys
 
     still = f"still waiting ({waited:.0f} s) for" if waited else "waiting for"
@@ -328,8 +326,7 @@ def _hub_folder(repo_id: str, offline: bool) -> str | None:
 
 @dataclass(frozen=True, slots=True)
 class ResolvedModel:
-    """A resolved model and, for a peft adapter folder, its resolved base and its virtual tokens (None otherwise):
-    resolved once per load."""
+    """A resolved model and, for a peft adapter folder, its resolved base and virtual tokens (else None)."""
 
     path: str
     base: str | None = None
@@ -469,11 +466,15 @@ def load_placed(
     return cls.from_pretrained(path, dtype=dtype, device_map=placement.device_map, **given, **kwargs), placement
 
 
-def _causal_config(path: str, source: str, args: dict[str, str]) -> Any:
-    """The config of the model at `path`, read from `source` (an adapter's base) with `args` (revision, gguf_file);
-    refused in one line unless it is a causal LM's."""
+def _causal_config(path: str, source: str, args: dict[str, str]) -> tuple[Any, dict[str, str]]:
+    """The config of the model at `path`, read from `source` (an adapter's base) with `args` (revision, gguf_file),
+    and the attention implementation to load it with; one line, before any weight is read, unless it is a causal
+    LM's whose class the capture can measure."""
+    import transformers
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from lm_eval_sink.capture import attn_implementation_for, check_supported_class
 
     try:
         config = AutoConfig.from_pretrained(source, **args)
@@ -487,17 +488,17 @@ def _causal_config(path: str, source: str, args: dict[str, str]) -> Any:
             f"{path}: model type {config.model_type!r} is not a causal LM",
             "pass a causal LM (for a VLM, extract its language backbone first)",
         )
-    return config
+    cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type], None)
+    if cls is None:
+        return config, {}
+    check_supported_class(cls)
+    return config, {"attn_implementation": attn_implementation_for(cls, config)}
 
 
 def load_model(name: str | Path, dtype: str = "auto", device: str = DEFAULT_DEVICE) -> LoadedModel:
     """Load a causal LM and its tokenizer straight onto `device` (`devices.place`), with the provenance of what was
     loaded; a class the capture cannot measure is refused before any weight is read."""
-    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    from lm_eval_sink.capture import attn_implementation_for, check_supported_class
 
     target = resolved(name, allow_gguf=True)
     path, base = target.path, target.base  # transformers loads an adapter folder onto its base model itself
@@ -506,14 +507,8 @@ def load_model(name: str | Path, dtype: str = "auto", device: str = DEFAULT_DEVI
     source, gguf = pretrained_args(path)  # a GGUF file: its folder and name, dequantized to `dtype` as it loads
     # a hub id loads at the sha its identity names
     args = {**({} if Path(path).exists() else {"revision": identity["revision"]}), **gguf}
-    config = _causal_config(path, base or source, args)
-    impl = None
-    cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type], None)
-    if cls is not None:
-        check_supported_class(cls)  # before any weight is read
-        impl = attn_implementation_for(cls, config)
+    config, impl_arg = _causal_config(path, base or source, args)
     virtual = target.virtual is not None  # peft loads these, transformers does not
-    impl_arg = {"attn_implementation": impl} if impl else {}
     model, placement = load_placed(
         AutoModelForCausalLM, base if virtual else source, td, device, config, bool(gguf), **args, **impl_arg
     )

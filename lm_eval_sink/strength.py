@@ -57,8 +57,7 @@ def parse_last_k(value: int | str | None) -> int | str | None:
 
 
 def k_for(last_k: int | str | None, n_attention_layers: int) -> int:
-    """How many of a model's `n_attention_layers` the last K takes: the count clipped to the depth, a share
-    rounded half up (at least one layer), or all of them."""
+    """How many of `n_attention_layers` the last K takes: a count clipped, a share rounded half up (>= 1), or all."""
     if last_k is None:
         return n_attention_layers
     if isinstance(last_k, str):

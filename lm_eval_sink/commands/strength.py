@@ -100,8 +100,7 @@ def _reusable(
 
 @dataclass(frozen=True, slots=True)
 class _Model:
-    """One model of a run: as named and resolved, its key, its result file, and the finished result found there when
-    it can be reused (else None: to measure)."""
+    """One model of a run: its names, key and result file, and the finished result there to reuse (None: measure)."""
 
     name: str
     path: str
@@ -114,8 +113,7 @@ class _Model:
 def _run_locked(
     models: list[tuple[str, str, str]], settings: StrengthSettings, output: Path, options: MeasureOptions
 ) -> list[str]:
-    """Decide per model (name, path, slug) what to reuse, measure the rest (through `options.measure_all` first, when
-    given), then report each model with its heatmap and, with several, write the ranking."""
+    """Plan reuse per (name, path, slug), measure the rest, then report each model with its heatmap and the ranking."""
     from tqdm.auto import tqdm
 
     from lm_eval_sink.plots import layer_head_heatmap
@@ -153,8 +151,7 @@ def _run_locked(
 def _plan(
     models: list[tuple[str, str, str]], settings: StrengthSettings, output: Path, options: MeasureOptions
 ) -> tuple[list[_Model], list[str]]:
-    """Each model's key and result file with the finished result to reuse, and a line per model recomputed because
-    other versions made its result."""
+    """Each model's key, result file and result to reuse; a line per model recomputed because other versions made it."""
     from lm_eval_sink.models import model_fingerprint
 
     plan, lines = [], []
@@ -169,8 +166,7 @@ def _plan(
 
 
 def _save(res: SinkStrength, m: _Model) -> SinkStrength:
-    """`res` with its key and the model argument in its provenance, written to the model's JSON at once (the unit of
-    resume)."""
+    """`res` with its key and model argument in its provenance, written to the model's JSON at once."""
     from lm_eval_sink.io import atomic_write_json
 
     keyed = {"input_key": m.key.key, "inputs_key": m.key.inputs_key, "key_versions": m.key.versions}
@@ -207,19 +203,15 @@ def _model_lines(m: _Model, res: SinkStrength, png: Path) -> list[str]:
     depth = len(res.attention_layers) or res.n_layers
     line = (
         f"{m.slug}: S = {res.sink_strength:.4f} {setting_of(res.to_json()).measured_in()} (last {res.last_k} of "
-        f"{depth} attention layers ({res.last_k / depth:.0%}), {res.statistic}, "
-        f"rows={res.rows}; "
-        f"content rows {fmt_optional(res.sink_strength_content_rows)}, template rows "
-        f"{fmt_optional(res.sink_strength_template_rows)}, template share "
-        f"{res.template_row_fraction:.2f})"
-        f" -> {m.json_path}, {png}"
+        f"{depth} attention layers ({res.last_k / depth:.0%}), {res.statistic}, rows={res.rows}; content rows "
+        f"{fmt_optional(res.sink_strength_content_rows)}, template rows {fmt_optional(res.sink_strength_template_rows)}"
+        f", template share {res.template_row_fraction:.2f}) -> {m.json_path}, {png}"
     )
     return [line, f"{m.slug}: note: {res.sink_note}"] if res.sink_note else [line]
 
 
 def _write_ranking(results: list[tuple[str, SinkStrength]], output: Path) -> str:
-    """ranking.md, ranking.csv, ranking.json and ranking.png of several models, by falling S within each setting; the
-    line saying where they went."""
+    """ranking.md/.csv/.json/.png of several models, by falling S within each setting; the line naming them."""
     from lm_eval_sink.io import atomic_write_json, atomic_write_text
     from lm_eval_sink.plots import ranking_bars
     from lm_eval_sink.tables import csv_text, markdown_table
