@@ -308,9 +308,8 @@ def attn_implementation_for(cls: type, config: Any = None) -> str:
 
 
 def capture_delegate(impl: str, model: Any) -> str:
-    """The implementation the capture hands a model's attention to: its own, except a flash one
-    (flash_attention_2/3/4, hub flash kernels), which runs as `attn_implementation_for`:
-    transformers picks the flash kernel by the config's implementation name, which the capture renames."""
+    """The implementation the capture hands a model's attention to: its own, a flash one's `attn_implementation_for`
+    (transformers picks the flash kernel by the implementation name, which the capture renames)."""
     return attn_implementation_for(type(model), model.config) if "flash" in impl else impl
 
 

@@ -155,9 +155,8 @@ def cached_folder(model: str) -> Path | None:
 
 
 def hub_snapshot(repo_id: str, revision: str | None = None) -> tuple[str, dict[str, str]] | None:
-    """(revision sha, {file a load reads: blob hash}) of a hub model (at `revision`, default main) from the
-    local HF cache, or None when not cached. A blob's name is its hash: the sha256 of an LFS file, the git
-    blob id of the others (the same hashes the hub's file metadata gives)."""
+    """(revision sha, {file a load reads: blob hash, which is its blob's name}) of a hub model (at `revision`, default
+    main) from the local HF cache, or None when not cached."""
     cached = _cached_revision(repo_id, revision)
     if cached is None:
         return None

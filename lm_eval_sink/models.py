@@ -67,9 +67,8 @@ def default_model_dir(create: bool = True) -> Path:
 
 
 def _intact(out: Path) -> bool:
-    """Whether `out` is a finished conversion holding exactly the files its COMPLETE marker lists, by hash (False
-    when there is none, or one without that list: converted again). A file changed, added or removed since is
-    refused in one line: a result from it would carry the default model's name."""
+    """Whether `out` is a finished conversion (False: convert again); one line when its files are not those its
+    COMPLETE marker lists, by hash: a result from it would carry the default model's name."""
     marker = read_complete(out)
     recorded = marker.get("files") if marker else None
     if not isinstance(recorded, dict):
@@ -93,9 +92,8 @@ def _waiting(holder: str, waited: float, out: Path) -> None:
 
 
 def convert_gguf(gguf: Path, out: Path, force: bool = False, source: str | None = None) -> dict[str, Any]:
-    """A GGUF file as a model folder (`out`, staged): its tensors dequantized to float32 by transformers' GGUF loader,
-    saved with its tokenizer; the COMPLETE marker names the file and its quantization, and lists every file written
-    with its hash. Returns that marker."""
+    """A GGUF file as a model folder (`out`, staged), dequantized to float32 by transformers' GGUF loader, with its
+    tokenizer; returns its COMPLETE marker (the file, its quantization, every file written with its hash)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
