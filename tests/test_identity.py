@@ -32,13 +32,6 @@ def model_dir(tmp_path, tiny_tokenizer) -> Path:
     return d
 
 
-def _run(capsys, *args) -> tuple[int, str, str]:
-    capsys.readouterr()
-    rc = main([str(a) for a in args])
-    cap = capsys.readouterr()
-    return rc, cap.out, cap.err
-
-
 def _one_error(rc: int, err: str, pattern: str) -> str:
     lines = [ln for ln in err.strip().splitlines() if ln.strip()]
     assert rc == 2 and len(lines) == 1 and ONE_LINE.match(lines[0]) and "Traceback" not in err, err
@@ -112,15 +105,16 @@ def test_identity_skips_locks_and_markers(model_dir):
     assert "model.safetensors" in after["files"]
 
 
-def test_in_place_weight_change_is_refused_then_recomputed_with_force(model_dir, tmp_path, capsys):
+def test_in_place_weight_change_is_refused_then_recomputed_with_force(model_dir, tmp_path, user_error):
     out = tmp_path / "out"
-    assert _run(capsys, "strength", model_dir, "--last-k", "2", "--output", out, "--quiet")[0] == 0
+    argv = ["strength", str(model_dir), "--last-k", "2", "--output", str(out), "--quiet"]
+    assert main(argv) == 0
     old = json.loads((out / "llama.strength.json").read_text())
     _scale_tensor_in_place(model_dir / "model.safetensors", "model.layers.1.self_attn.q_proj.weight", 0.5)
-    rc, _, err = _run(capsys, "strength", model_dir, "--last-k", "2", "--output", out, "--quiet")
-    _one_error(rc, err, r"made from other inputs: .*llama changed \(model\.safetensors\)")
+    line = user_error(argv)
+    assert re.search(r"made from other inputs: .*llama changed \(model\.safetensors\)", line), line
     assert json.loads((out / "llama.strength.json").read_text()) == old  # nothing written
-    assert _run(capsys, "strength", model_dir, "--last-k", "2", "--output", out, "--quiet", "--force")[0] == 0
+    assert main([*argv, "--force"]) == 0
     new = json.loads((out / "llama.strength.json").read_text())
     assert abs(new["sink_strength"] - old["sink_strength"]) > 1e-3
     from lm_eval_sink.strength import StrengthSettings, measure_model
@@ -129,23 +123,24 @@ def test_in_place_weight_change_is_refused_then_recomputed_with_force(model_dir,
     assert abs(fresh.sink_strength - new["sink_strength"]) < 1e-6
 
 
-def test_output_of_the_older_fingerprint_rule_is_refused(model_dir, tmp_path, capsys):
+def test_output_of_the_older_fingerprint_rule_is_refused(model_dir, tmp_path, user_error):
     out = tmp_path / "out"
-    assert _run(capsys, "strength", model_dir, "--last-k", "2", "--output", out, "--quiet")[0] == 0
+    argv = ["strength", str(model_dir), "--last-k", "2", "--output", str(out), "--quiet"]
+    assert main(argv) == 0
     path = out / "llama.strength.json"
     data = json.loads(path.read_text())
     data["provenance"]["model"] = {
         k: v for k, v in data["provenance"]["model"].items() if k not in ("fingerprint_rule", "files")
     }
     path.write_text(json.dumps(data))
-    rc, _, err = _run(capsys, "strength", model_dir, "--last-k", "2", "--output", out, "--quiet")
-    _one_error(rc, err, r"its model identity has no fingerprint_rule, files \(written by hand, cut short, or by a")
+    line = user_error(argv)
+    assert "its model identity has no fingerprint_rule, files (written by hand, cut short, or by a" in line, line
 
 
 @pytest.mark.parametrize(
     ("command", "kind"), [("strength", "failed"), ("strength", "partial"), ("extract", "partial")]
 )  # the model resolver, and extraction's own checks of its VLM folder
-def test_folders_of_failed_or_interrupted_runs_are_refused_as_models(model_dir, tmp_path, capsys, command, kind):
+def test_folders_of_failed_or_interrupted_runs_are_refused_as_models(model_dir, tmp_path, user_error, command, kind):
     if kind == "failed":
         (model_dir / "FAILED.json").write_text("{}")
         target, pattern = model_dir, r"left by a failed run"
@@ -156,9 +151,8 @@ def test_folders_of_failed_or_interrupted_runs_are_refused_as_models(model_dir, 
         )
     out = tmp_path / "out"
     args = ["--output", out, "--quiet"] if command == "strength" else [out, "--no-verify", "--quiet"]
-    rc, _, err = _run(capsys, command, target, *args)
-    _one_error(rc, err, pattern)
-    assert not out.exists()
+    line = user_error([command, target, *args], out)
+    assert re.search(pattern, line), line
 
 
 def _with_hub_extras(model_dir: Path, folder: Path) -> Path:
