@@ -1,36 +1,9 @@
 """What a paired comparison could have detected: minimum detectable difference, power, documents needed.
 
-A delta of -20 points over 5 prompts and one over 500 read the same in a table; what tells them apart is
-what each comparison could have detected. One model describes each design, and every figure of a record
-comes from its one power function, so the figures cannot contradict each other: the minimum detectable
-difference (MDE) is the root of that function at the target power, and the documents needed are the
-smallest n at which it reaches the target.
-
-- a 0/1 outcome per doc (the metric, or pass/fail under `--threshold`), which `buckets` tests with the exact
-  conditional McNemar test: Connor's (1987) normal approximation for paired proportions (R. J. Connor,
-  "Sample size for testing differences in proportions for the paired-sample design", Biometrics
-  43(1):207-211, p. 209), from the discordant share psi (docs where the runs disagree) and the difference
-  delta = p10 - p01 (regressions minus recoveries, as shares of docs):
-      power = Phi((delta sqrt(n) - z_{1-a/2} sqrt(psi)) / sqrt(psi - delta^2)) + (the same with -delta)
-  The model is **conditional on the observed discordant share**: psi is held at its observed value for the
-  MDE, for the power at an effect and for the documents needed. A paired 0/1 comparison cannot move by more
-  than psi (every disagreeing doc one way), so every MDE is at most psi; where even delta = psi does not
-  reach the target at this n, the comparison says "not detectable at this n" and gives the documents that
-  would make it detectable at this psi; an effect larger than psi has no power at this psi (said in words).
-  `exact_mcnemar_power` is the exact test's own power by enumeration (the test `buckets` runs), shown beside
-  Connor's; it is discrete, not monotone in n. Whether the delta's interval `buckets` shows holds 0 is
-  conditional in the same way (`buckets.stats.binary_delta_interval`: the exact test's answer), so the interval's
-  verdict, the test and these figures describe one comparison at the observed psi; how far the interval reaches
-  is Newcombe's unconditional one.
-- a continuous metric, which `buckets` tests with the Wilcoxon signed-rank test: the normal approximation of
-  a paired mean difference from the standard deviation sd of the per-doc differences, with n scaled by the
-  Wilcoxon test's asymptotic relative efficiency to it under normal differences, 3/pi:
-      power = Phi(|delta| sqrt(n 3/pi) / sd - z_{1-a/2}) + Phi(-|delta| sqrt(n 3/pi) / sd - z_{1-a/2})
-
-The default effect is `DEFAULT_EFFECT_SHARE` of the metric's range (`default_effect`): 5 points for a 0/1
-metric or a pass rate, 5 for EQ-Bench's 0-100. psi = 0 (sd = 0) or fewer than `MIN_N` paired docs give "too
-few to tell": the variance the formulas need is not estimable. Values are in the metric's own unit (shares
-of docs for a 0/1 outcome, as in buckets.json; x100 is points). numpy/scipy only (imported when used), no I/O.
+One model per design gives every figure of a record (the MDE is the root of its power function at the target power,
+the documents needed the smallest n reaching it): Connor (1987) for a 0/1 outcome, conditional on the observed
+discordant share; the normal approximation scaled by Wilcoxon's efficiency 3/pi for a continuous metric. Formulas,
+defaults and checks: docs/buckets.md ("Power"). numpy/scipy only (imported when used), no I/O.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """Screen candidate backbones before VL training: S, QK-norm class, a ranking within each setting, and predicted
-deltas only where a fit allows them.
+deltas only where a fit allows them (docs/screening.md, "screen").
 
-`screen` ranks models by their Sink Strength (measured with the Sink Strength API by
-commands/screen.py: `commands.strength.run_strength` / `strength.measure_model`; S is never
-computed another way) within each setting they were measured in (`comparability.compare`: models whose
-applied settings differ are ranked apart and flagged), and classifies their QK norm from the config (the table
-`data/qk_norm_classes.json`; unknown model types from the layer-0 q-norm tensor's size, which
-commands/screen.py reads from the safetensors header). A predicted delta (points, with the fit's 95% prediction
-interval: `predict.TaskFit.prediction_interval`) is given only from a fit of pairs measured in the model's own
-setting (a PAIRS file whose S are `*.strength.json` files), or, on request (`paper_line`), from the paper's six
-pairs with the caveat beside each number: their S come from the paper's prompts, not this project's. Takes
-configs, results and fits, returns data and text; the one file it reads is its own packaged table.
-No torch at module level.
+S is measured by commands/screen.py through the Sink Strength API, never computed here. Takes configs, results and
+fits, returns data and text; the one file it reads is its own packaged table. No torch at module level.
 """
 
 from __future__ import annotations

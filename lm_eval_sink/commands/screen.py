@@ -1,13 +1,6 @@
 """`lm-eval-sink screen`: resolve models, read their QK-norm class, measure S, rank and predict, write the output
-folder.
-
-With `--output DIR`: each model's Sink Strength goes through `commands.strength.run_strength`
-into `DIR/strength/` (resumable by key there), then `screen.json`, `.md`, `.csv` and `.png` into
-`DIR` (refused before any work when they exist, unless `--force`); the folder is held with
-`locks.hold` for the run. Without it nothing is written. Predicted deltas need `--pairs` (pairs measured in the
-models' setting) or `--paper-line` (the paper's pairs, with the caveat beside each number); without either the
-screen is the ranking alone. A `*.strength.json` that `strength` wrote, passed in place of its model, is reused
-(`reused_strength`: its model unchanged, measured in this run's setting by these versions), else refused in one line.
+folder (each S through `commands.strength.run_strength` into `DIR/strength/`, resumable; the folder held with
+`locks.hold`). A `*.strength.json` passed in place of its model is reused or refused in one line (`reused_strength`).
 """
 
 from __future__ import annotations

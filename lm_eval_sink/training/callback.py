@@ -1,22 +1,7 @@
-"""Sink Strength during training: a transformers `TrainerCallback` that records S every N steps.
+"""Sink Strength during training: a transformers `TrainerCallback` that records S every N optimizer steps.
 
-Steps are optimizer steps (`state.global_step`): step 0 in `on_train_begin`, every `every_n_steps`
-in `on_step_end`, and the last step in `on_train_end` unless it is already recorded; each step
-once. The measurement is `strength.measure` on the model being trained (unwrapped from DDP; a peft model
-as `adapters.adapted` says: LoRA layers active, a prompt-tuning, p-tuning or prefix-tuning run through its own
-forward with its virtual tokens, an adaption prompt refused), in eval mode under no_grad; train mode and every
-parameter's `requires_grad` are restored after it. Every rank runs the measurement's forward (under FSDP2 /
-ZeRO-3 each layer's parameters are gathered from all ranks, so a forward on one rank alone would
-hang); only the main process writes and logs. torch's FSDP1 wrapper is refused.
-
-Files in `output_dir` (default `args.output_dir`): `sink_trajectory.jsonl`, one line per step with
-`step`, `epoch` and the strength result's JSON keys except provenance, rewritten atomically on
-each line; `sink_trajectory.png` at the end. A resumed run (global step > 0 at train begin)
-drops the lines later than the resumed step and measures from its next step on (the resumed step
-was measured before its checkpoint was saved); a fresh run (step 0) starts a new file.
-`cb.attach(trainer)` adds the callback and keeps the trainer, so each measurement also goes
-through `trainer.log` to the `report_to` integrations; without it the figures go to the JSONL
-and `state.log_history` only, with one warning.
+Which steps, the measurement (on every rank; the main process writes), the files in `output_dir` and resuming are in
+docs/training.md ("SinkStrengthCallback"). `cb.attach(trainer)` also logs each measurement through `trainer.log`.
 """
 
 from __future__ import annotations
@@ -126,7 +111,7 @@ def trajectory_plot(
 
 
 class SinkStrengthCallback(TrainerCallback):
-    """Measure Sink Strength every `every_n_steps` optimizer steps; see the module docstring."""
+    """Measure Sink Strength every `every_n_steps` optimizer steps (docs/training.md, "SinkStrengthCallback")."""
 
     def __init__(
         self,
