@@ -31,7 +31,6 @@ def _rule_q(delta: np.ndarray, u: np.ndarray) -> np.ndarray:
     return delta - u @ (u.T @ delta)
 
 
-
 def test_sink_basis_keeps_planes_by_energy():
     k = np.zeros(8)
     k[3], k[7] = 3.0, 4.0  # plane (3, 7): 25
