@@ -54,9 +54,7 @@ def connor_power(n: int, psi: float, delta: float, alpha: float = ALPHA) -> floa
 
 def _smallest_n(power_at, start: float, power: float) -> int | None:
     """The smallest n >= 1 with power_at(n) >= power, for a power rising with n (None: more than `MAX_N`): bisection
-    from the estimate `start` (a closed form that leaves out the far tail), a few dozen evaluations at any n. A
-    search one n at a time from it took as many steps as its relative error times n: minutes and more for an effect
-    of a thousandth of a point."""
+    from the closed-form estimate `start`, a few dozen evaluations at any n."""
     hi = max(1, math.ceil(min(start, MAX_N))) if math.isfinite(start) else MAX_N
     lo = 0  # power_at(lo) < power (0 docs: none)
     while power_at(hi) < power:
@@ -90,9 +88,8 @@ def connor_mde(n: int, psi: float, alpha: float = ALPHA, power: float = TARGET_P
 
 
 def exact_mcnemar_power(n: int, psi: float, delta: float, alpha: float = ALPHA) -> float:
-    """Power of the exact conditional McNemar test (`buckets.stats.mcnemar_exact`: two-sided binomial test of the
-    discordant pairs against 1/2) by enumeration: the number of discordant pairs m ~ Binomial(n, psi), and given
-    m the regressions ~ Binomial(m, (psi + delta) / (2 psi)); needs |delta| <= psi."""
+    """Power of the exact conditional McNemar test (`buckets.stats.mcnemar_exact`) by enumeration over the discordant
+    pairs m ~ Binomial(n, psi) and, given m, the regressions ~ Binomial(m, (psi + delta) / (2 psi)); |delta| <= psi."""
     import numpy as np
     from scipy.stats import binom
 
@@ -185,13 +182,9 @@ def comparison_power(
     outcome: str | None = None,
     alpha: float = ALPHA,
 ) -> dict[str, Any]:
-    """What a paired comparison could detect, from its per-doc differences (candidate minus reference).
-
-    `kind` binary: differences are -1 / 0 / +1 (`outcome` names a 0/1 outcome other than the metric, e.g. a pass
-    rate) and `effect` is in points; continuous: `effect` is in the metric's unit. `effect` None: the default for
-    the metric's scale (`default_effect` over both runs' `values` and the `declared_range`). Returns the record
-    buckets.json keeps as `power`.
-    """
+    """The record buckets.json keeps as `power`: what a paired comparison could detect, from its per-doc differences
+    (candidate minus reference; `kind` binary: -1 / 0 / +1, `effect` in points, `outcome` a 0/1 outcome other than the
+    metric; continuous: `effect` in the metric's unit). `effect` None: `default_effect` for the metric's scale."""
     import numpy as np
 
     d = np.asarray(differences, dtype=np.float64)

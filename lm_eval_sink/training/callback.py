@@ -90,21 +90,16 @@ def read_trajectory(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def trajectory_plot(
-    series: dict[str, list[tuple[int, float]]], path: Path, title: str = "Sink Strength during training"
-) -> Path:
-    """S against optimizer step, one line per run."""
+def trajectory_plot(points: list[tuple[int, float]], path: Path) -> Path:
+    """S against optimizer step."""
     from lm_eval_sink.plots import _pyplot, save_figure
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    for name, points in series.items():
-        ax.plot([p[0] for p in points], [p[1] for p in points], "o-", ms=3, label=name)
+    ax.plot([p[0] for p in points], [p[1] for p in points], "o-", ms=3, label="S")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("Sink Strength S")
-    ax.set_title(title, fontsize=9)
-    if len(series) > 1:
-        ax.legend(fontsize=7, loc="best")
+    ax.set_title("Sink Strength during training", fontsize=9)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     return save_figure(fig, path)
@@ -194,4 +189,4 @@ class SinkStrengthCallback(TrainerCallback):
         self._measure(args, state, model)
         if state.is_world_process_zero and self.records:
             points = [(r["step"], r["sink_strength"]) for r in self.records]
-            trajectory_plot({"S": points}, self._folder(args) / TRAJECTORY_PNG)
+            trajectory_plot(points, self._folder(args) / TRAJECTORY_PNG)
