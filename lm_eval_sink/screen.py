@@ -188,11 +188,8 @@ def screen(
     strength_files: list[str | None],
     paper_line: bool = False,
 ) -> ScreenResult:
-    """Rank the models by S within each setting, predict each fitted task's delta where the fit allows it (`fit`:
-    None for no predictions), and add the notes.
-
-    `strengths` are SinkStrength results in the order of `names`; `strength_files` where each is saved (None: not
-    saved)."""
+    """Rank the models by S (`strengths`, SinkStrength results in the order of `names`) within each setting, predict
+    each fitted task's delta where `fit` (None: no predictions) allows it, and add the notes."""
     settings = [setting_of(st.to_json()) for st in strengths]
     comparison = compare(slugs, settings)
     ranks = comparison.ranks([st.sink_strength for st in strengths])

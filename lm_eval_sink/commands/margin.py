@@ -71,11 +71,8 @@ def measure_margin(
     settings: MarginSettings = MarginSettings(),
     options: MeasureOptions = MeasureOptions(),
 ) -> tuple[SinkMargin, dict[str, np.ndarray]]:
-    """Capture both models on the reference's token ids; return the margins and the per-row arrays.
-
-    Checks layer/head shapes and vocabularies before loading any weights. Models are loaded one
-    after the other (peak memory: one model). Nothing is written (`options.force` is `run_margin`'s).
-    """
+    """Capture both models on the reference's token ids, one after the other, after checking shapes and vocabularies;
+    return the margins and the per-row arrays. Nothing is written (`options.force` is `run_margin`'s)."""
     from lm_eval_sink.adapters import check_same_keys
     from lm_eval_sink.capture import attention_layers_from_config
     from lm_eval_sink.models import resolve_model
@@ -259,7 +256,7 @@ def run_margin(
         return [*lines, "not saved (pass --output DIR to write margin.json, tables, arrays and the heatmap)"]
     from lm_eval_sink.plots import layer_head_heatmap
 
-    names = OUTPUT_FILES
+    names = OUTPUT_FILES  # margin.json, .md, .csv, margin_rows.npz, margin_heatmap.png
     buf = _io.BytesIO()
     np.savez_compressed(buf, **arrays)
     with staged_dir(output, force=options.force) as tmp:

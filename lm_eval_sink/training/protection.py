@@ -92,6 +92,9 @@ class LayerPlan:
         return max(self.u_rank.values(), default=0)
 
 
+BY_KV_HEAD = ("k_sink", "u_rank", "excluded_energy")  # LayerPlan's fields keyed by KV head (str keys in JSON)
+
+
 @dataclass(frozen=True, slots=True)
 class ProtectionPlan:
     """Which heads to protect, and the sink geometry the rules need (from the start weights)."""
@@ -118,9 +121,7 @@ class ProtectionPlan:
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         for lp in d["layers"]:
-            lp["k_sink"] = {str(k): list(v) for k, v in lp["k_sink"].items()}
-            lp["u_rank"] = {str(k): v for k, v in lp["u_rank"].items()}
-            lp["excluded_energy"] = {str(k): v for k, v in lp["excluded_energy"].items()}
+            lp.update({k: {str(g): v for g, v in lp[k].items()} for k in BY_KV_HEAD})
             lp["max_u_rank"] = max(lp["u_rank"].values(), default=0)
         d["schema_version"] = SCHEMA_VERSION
         return d
@@ -131,17 +132,9 @@ class ProtectionPlan:
         d["heads"] = tuple(HeadChoice(**h) for h in d["heads"])
         layers = []
         for lp in d["layers"]:
-            lp = {k: v for k, v in lp.items() if k != "max_u_rank"}
+            per_kv = {k: {int(g): tuple(v) if isinstance(v, list) else v for g, v in lp[k].items()} for k in BY_KV_HEAD}
             layers.append(
-                LayerPlan(
-                    layer=lp["layer"],
-                    heads=tuple(lp["heads"]),
-                    kv_heads=tuple(lp["kv_heads"]),
-                    x_hat=tuple(lp["x_hat"]),
-                    k_sink={int(k): tuple(v) for k, v in lp["k_sink"].items()},
-                    u_rank={int(k): v for k, v in lp["u_rank"].items()},
-                    excluded_energy={int(k): v for k, v in lp["excluded_energy"].items()},
-                )
+                LayerPlan(layer=lp["layer"], **{k: tuple(lp[k]) for k in ("heads", "kv_heads", "x_hat")}, **per_kv)
             )
         d["layers"] = tuple(layers)
         return cls(**d)
