@@ -149,13 +149,7 @@ class SinkMargin:
     provenance: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["layers"] = list(self.layers)
-        for k in _MATRICES:
-            d[k] = [list(r) for r in getattr(self, k)]
-        d["negative_margin_heads"] = [dict(h) for h in self.negative_margin_heads]
-        d["schema_version"] = SCHEMA_VERSION
-        return d
+        return {**asdict(self), "schema_version": SCHEMA_VERSION}
 
 
 @dataclass(frozen=True, slots=True)

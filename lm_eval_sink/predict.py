@@ -116,10 +116,7 @@ class TaskFit:
         return not self.s_min <= s <= self.s_max
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        for k in ("names", "sink_strength", "deltas", "loo_predictions", "loo_errors", "baseline_errors"):
-            d[k] = list(d[k])
-        return d
+        return asdict(self)
 
 
 @dataclass(frozen=True, slots=True)

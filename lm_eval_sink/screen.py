@@ -8,7 +8,7 @@ fits, returns data and text; the one file it reads is its own packaged table. No
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from importlib import resources
 from typing import Any
 
@@ -121,7 +121,6 @@ class ScreenResult:
     comparison: Comparison
     paper_line: bool
     notes: tuple[str, ...]
-    provenance: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         fits = {} if self.fit is None else self.fit.to_json()["tasks"]
@@ -136,7 +135,6 @@ class ScreenResult:
             "pairs_file": None if self.fit is None else self.fit.table.source,
             "pairs_sha256": None if self.fit is None else self.fit.table.sha256,
             "notes": list(self.notes),
-            "provenance": self.provenance,
         }
 
 

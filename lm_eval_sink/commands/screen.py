@@ -239,9 +239,14 @@ def _measure(
     names, slugs, paths = ([m[i] for i in todo] for m in models)
     if not todo:
         return [], {}
-    if output is not None:
-        lines, files, strengths = _measure_saved(names, slugs, settings, output, options)
-        return lines, {i: (str(f), r) for i, f, r in zip(todo, files, strengths, strict=True)}
+    if output is not None:  # through `run_strength` into `output/strength` (resumable by key there), read back
+        from lm_eval_sink.commands.strength import run_strength
+        from lm_eval_sink.io import read_json
+        from lm_eval_sink.strength import SinkStrength
+
+        lines = run_strength(names, slugs, settings, output / "strength", options)
+        files = [output / "strength" / f"{s}.strength.json" for s in slugs]
+        return lines, {i: (str(f), SinkStrength.from_json(read_json(f))) for i, f in zip(todo, files, strict=True)}
     return [], {i: (None, r) for i, r in zip(todo, _measure_here(paths, settings, options), strict=True)}
 
 
@@ -276,20 +281,6 @@ def _check_outputs(output: Path, force: bool) -> list[Path]:
     check_same_versions(files[0], key_versions(ScreenWork), force)
     check_new_outputs(files, force, inputs=())
     return files
-
-
-def _measure_saved(
-    names: list[str], slugs: list[str], settings: StrengthSettings, output: Path, options: MeasureOptions
-) -> tuple[list[str], list[Path], list[Any]]:
-    """Each model's Sink Strength through `run_strength` into `output/strength` (resumable by key there): its lines,
-    the result files and the results read back from them."""
-    from lm_eval_sink.commands.strength import run_strength
-    from lm_eval_sink.io import read_json
-    from lm_eval_sink.strength import SinkStrength
-
-    lines = run_strength(names, slugs, settings, output / "strength", options)
-    strength_files = [output / "strength" / f"{s}.strength.json" for s in slugs]
-    return lines, strength_files, [SinkStrength.from_json(read_json(f)) for f in strength_files]
 
 
 def _write(

@@ -507,17 +507,11 @@ class SinkProtection(TrainerCallback):
         """Refuse a sharded model, learned sinks, another shape or other start weights than the plan's."""
         check_unsharded(_base(model))
         check_no_learned_sinks(model)
-        n_layers, n_heads, n_kv, d = _shape(model)
-        if (n_layers, n_heads, n_kv, d) != (
-            self.plan.n_layers,
-            self.plan.n_heads,
-            self.plan.n_kv_heads,
-            self.plan.head_dim,
-        ):
+        plan, (n_layers, n_heads, n_kv, d) = self.plan, _shape(model)
+        if (n_layers, n_heads, n_kv, d) != (plan.n_layers, plan.n_heads, plan.n_kv_heads, plan.head_dim):
             raise UserError(
-                f"the plan is for {self.plan.n_layers} layers x {self.plan.n_heads} heads "
-                f"({self.plan.n_kv_heads} KV, dim {self.plan.head_dim}), "
-                f"the model has {n_layers} x {n_heads} ({n_kv}, {d})",
+                f"the plan is for {plan.n_layers} layers x {plan.n_heads} heads ({plan.n_kv_heads} KV, dim "
+                f"{plan.head_dim}), the model has {n_layers} x {n_heads} ({n_kv}, {d})",
                 "make the plan from this model with `lm-eval-sink protect-plan`",
             )
         if _start_sha(model, [lp.layer for lp in self.plan.layers]) != self.plan.start_sha256:
