@@ -85,6 +85,14 @@ def lemma1_synthetic(g_base: float = 3.0, b_gap: float = 0.4, n_keys: int = 64, 
 # ---------------------------------------------------------------------------- margins from arrays
 
 
+def captured_rows(captures: list, quantity: str, rows: str) -> np.ndarray:
+    """`quantity` [layer, head, query] of every prompt capture, rows concatenated (content rows only if asked)."""
+    g = np.concatenate([getattr(c, quantity) for c in captures], axis=2)
+    if rows == "content":
+        g = g[:, :, np.concatenate([c.content for c in captures])]
+    return g
+
+
 def margin_arrays(g_base: np.ndarray, g_cand: np.ndarray, quantile: float = DEFAULT_QUANTILE) -> dict[str, np.ndarray]:
     """Per-(layer, head) margin quantities from per-row gaps [layer, head, row] (docs/screening.md, "margin")."""
     g_base = np.asarray(g_base, dtype=np.float64)

@@ -16,6 +16,7 @@ from lm_eval_sink.margin import (
     MarginSettings,
     SinkMargin,
     build_margin,
+    captured_rows,
     check_same_vocab,
     margin_csv,
     margin_table_markdown,
@@ -29,14 +30,6 @@ OUTPUT_FILES = ("margin.json", "margin.md", "margin.csv", "margin_rows.npz", "ma
 def _shape_of(config: Any) -> tuple[int, int]:
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     return int(cfg.num_hidden_layers), int(cfg.num_attention_heads)
-
-
-def _concat_rows(captures: list, quantity: str, rows: str) -> np.ndarray:
-    """`quantity` [layer, head, query] of every prompt, rows concatenated (content rows only if asked)."""
-    g = np.concatenate([getattr(c, quantity) for c in captures], axis=2)
-    if rows == "content":
-        g = g[:, :, np.concatenate([c.content for c in captures])]
-    return g
 
 
 def _strength_summary(s: SinkStrength) -> dict[str, Any]:
@@ -89,11 +82,11 @@ def measure_margin(
     ref = _capture(ref_path, encoded, layers, st, options, "reference")
     sink_keys = [c.sink_pos for c in ref.captures]
     cand = _capture(cand_path, encoded, layers, st, options, "candidate", sink_keys)
-    g_base = _concat_rows(ref.captures, "sink_logodds", st.rows)
+    g_base = captured_rows(ref.captures, "sink_logodds", st.rows)
     if g_base.shape[2] == 0:
         raise UserError("no rows to compare (the prompts have no content tokens)", "use --rows all")
-    g_cand = _concat_rows(cand.captures, "sink_logodds", st.rows)
-    rows = MarginRows(layers, g_base, g_cand, _concat_rows(ref.captures, "sink_pos", st.rows), len(encoded))
+    g_cand = captured_rows(cand.captures, "sink_logodds", st.rows)
+    rows = MarginRows(layers, g_base, g_cand, captured_rows(ref.captures, "sink_pos", st.rows), len(encoded))
     result = build_margin(
         reference,
         candidate,

@@ -16,7 +16,7 @@ from transformers import TrainerCallback
 from lm_eval_sink.adapters import adapted, unwrap_parallel
 from lm_eval_sink.devices import check_not_tensor_parallel
 from lm_eval_sink.errors import SinkWarning, UserError
-from lm_eval_sink.strength import SinkStrength, StrengthSettings
+from lm_eval_sink.strength import SinkStrength, StrengthSettings, measure
 
 TRAJECTORY_JSONL = "sink_trajectory.jsonl"
 TRAJECTORY_PNG = "sink_trajectory.png"
@@ -52,8 +52,6 @@ def check_measurable(model: Any) -> None:
 def measure_in_training(model: Any, tokenizer: Any, settings: StrengthSettings) -> SinkStrength:
     """`strength.measure` on a model that is being trained, restoring train mode and requires_grad."""
     import torch
-
-    from lm_eval_sink.strength import measure
 
     model = unwrap_parallel(model)
     check_measurable(adapted(model).module)

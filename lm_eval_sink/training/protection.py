@@ -16,7 +16,9 @@ import numpy as np
 from transformers import TrainerCallback
 
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.margin import captured_rows
 from lm_eval_sink.strength import StrengthSettings
+from lm_eval_sink.training.callback import unwrap_model
 
 SCHEMA_VERSION = 1
 
@@ -158,14 +160,8 @@ def read_plan(path: str | Path) -> ProtectionPlan:
 # ---------------------------------------------------------------------------- model access
 
 
-def _base(model: Any) -> Any:
-    from lm_eval_sink.training.callback import unwrap_model
-
-    return unwrap_model(model)
-
-
 def _decoder(model: Any) -> Any:
-    base = _base(model)
+    base = unwrap_model(model)
     inner = getattr(base, "model", base)
     if not hasattr(inner, "layers") or not hasattr(inner, "embed_tokens"):
         raise UserError(
@@ -199,7 +195,7 @@ def _lora_parts(module: Any) -> list[tuple[Any, Any, float]]:
 
 
 def _shape(model: Any) -> tuple[int, int, int, int]:
-    cfg = _base(model).config
+    cfg = unwrap_model(model).config
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     n_heads = int(cfg.num_attention_heads)
     n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_heads)
@@ -248,7 +244,7 @@ def check_no_learned_sinks(model: Any) -> None:
     """Refuse learned sinks (gpt-oss `sinks`): the sink is a per-head logit there, not position 0's key."""
     if any(getattr(getattr(layer, "self_attn", None), "sinks", None) is not None for layer in _decoder(model).layers):
         raise UserError(
-            f"{type(_base(model)).__name__} has learned attention sinks (a per-head sink logit), "
+            f"{type(unwrap_model(model)).__name__} has learned attention sinks (a per-head sink logit), "
             "but SinkProtection holds the key of position 0, which is not the sink there",
             "protect a model whose sink is its first token (Llama, Qwen, OLMo, Gemma, ...)",
         )
@@ -300,7 +296,9 @@ def _attention_inputs(model: Any, layers: list[int], input_ids: Any, position_id
         dev = _input_device(model)
         positions = None if position_ids is None else torch.as_tensor(position_ids, dtype=torch.long, device=dev)
         with torch.no_grad():
-            _base(model)(input_ids=torch.as_tensor(input_ids, device=dev), position_ids=positions, use_cache=False)
+            unwrap_model(model)(
+                input_ids=torch.as_tensor(input_ids, device=dev), position_ids=positions, use_cache=False
+            )
     finally:
         for h in hooks:
             h.remove()
@@ -362,7 +360,7 @@ def select_sink_heads(
     sink_token = _common_first_token(encoded.input_ids)
     layers = settings.layers_for(n_layers)
     captures = capture_prompts(
-        _base(model), encoded, layers, settings.batching(), progress=progress, desc="protect-plan capture"
+        unwrap_model(model), encoded, layers, settings.batching(), progress=progress, desc="protect-plan capture"
     )
     heads = _choose_heads(captures, layers, n_heads // n_kv, settings.rows, protect)
     chosen: dict[int, list[int]] = {}
@@ -406,15 +404,12 @@ def _choose_heads(
     captures: list[Any], layers: list[int], group: int, rows: str, protect: ProtectSettings
 ) -> tuple[HeadChoice, ...]:
     """Every captured head's choice, in (layer, head) order, from its rows' sink log-odds and argmax keys."""
-    logodds = np.concatenate([c.sink_logodds for c in captures], axis=2)
-    pos = np.concatenate([c.sink_pos for c in captures], axis=2)
-    content = np.concatenate([c.content for c in captures])
-    used = content if rows == "content" else np.ones_like(content)
+    logodds, pos = (captured_rows(captures, quantity, rows) for quantity in ("sink_logodds", "sink_pos"))
     heads = []
     for li, l in enumerate(layers):
         for h in range(logodds.shape[1]):
-            p = pos[li, h, used]
-            frac, med = float((p == 0).mean()), float(np.median(logodds[li, h, used]))
+            p = pos[li, h]
+            frac, med = float((p == 0).mean()), float(np.median(logodds[li, h]))
             ok, why = select_head(med, frac, protect.threshold, protect.min_pos0_fraction)
             heads.append(
                 HeadChoice(
@@ -505,7 +500,7 @@ class SinkProtection(TrainerCallback):
 
     def _check_model(self, model: Any) -> None:
         """Refuse a sharded model, learned sinks, another shape or other start weights than the plan's."""
-        check_unsharded(_base(model))
+        check_unsharded(unwrap_model(model))
         check_no_learned_sinks(model)
         plan, (n_layers, n_heads, n_kv, d) = self.plan, _shape(model)
         if (n_layers, n_heads, n_kv, d) != (plan.n_layers, plan.n_heads, plan.n_kv_heads, plan.head_dim):
@@ -521,7 +516,7 @@ class SinkProtection(TrainerCallback):
             )
 
     def _take_start(self, model: Any) -> dict[str, Any]:
-        """Copies of the weights the rules hold or project against, and x^ and U built once on their layer's device."""
+        """Copies of the weights the rules hold or project against, and x^ and U built once (`_bind` places them)."""
         import torch
 
         self._check_model(model)
@@ -538,12 +533,9 @@ class SinkProtection(TrainerCallback):
                 norm = getattr(attn, name, None)
                 if getattr(norm, "weight", None) is not None:
                     start[f"{lp.layer}.{name}.weight"] = norm.weight.detach().clone()
-            device = _linear(attn.q_proj).weight.device
-            start[f"{lp.layer}.x_hat"] = torch.tensor(lp.x_hat, dtype=torch.float64, device=device)
+            start[f"{lp.layer}.x_hat"] = torch.tensor(lp.x_hat, dtype=torch.float64)
             for g in lp.kv_heads:
-                start[f"{lp.layer}.basis.{g}"] = torch.tensor(
-                    self.plan.basis(lp, g), dtype=torch.float64, device=device
-                )
+                start[f"{lp.layer}.basis.{g}"] = torch.tensor(self.plan.basis(lp, g), dtype=torch.float64)
         return start
 
     def _to_freeze(self, model: Any) -> list[tuple[str, Any]]:
@@ -666,11 +658,11 @@ class SinkProtection(TrainerCallback):
     def on_init_end(self, args, state, control, model=None, **kwargs):
         """Freeze when the Trainer is built: before it makes the optimizer and before DDP wraps the model."""
         if self.do_freeze and model is not None:
-            check_unsharded(_base(model), args)
+            check_unsharded(unwrap_model(model), args)
             self.freeze(model)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        check_unsharded(_base(model), args)
+        check_unsharded(unwrap_model(model), args)
         self._bind(model)
         if not self.do_freeze:
             return
