@@ -14,6 +14,7 @@ from lm_eval_sink.errors import UserError
 from lm_eval_sink.margin import (
     MarginRows,
     MarginSettings,
+    MarginWork,
     SinkMargin,
     build_margin,
     captured_rows,
@@ -186,11 +187,9 @@ def _provenance(
 ) -> dict[str, Any]:
     """The result's provenance, keyed by what the measurement received (`MarginWork`)."""
     from lm_eval_sink.keys import key_of
-    from lm_eval_sink.margin import MarginWork
     from lm_eval_sink.provenance import provenance
 
     st = settings.strength
-    settings_record = {"strength": asdict(st), "last_k": settings.last_k, "quantile": settings.quantile}
     key = key_of(MarginWork(ref.info["model"], cand.info["model"], settings, options.dtype))
     return provenance(
         input_key=key.key,
@@ -198,7 +197,7 @@ def _provenance(
         key_versions=key.versions,
         reference=ref.info,
         candidate=cand.info,
-        settings=settings_record,
+        settings=asdict(settings),  # {"strength": ..., "last_k": ..., "quantile": ...}
         prompt_set={"source": prompt_set.source, "n_prompts": len(prompt_set.prompts), "sha256": prompt_set.sha256},
         protocol={
             "tokenizer": "reference",
@@ -231,7 +230,6 @@ def run_margin(
     from lm_eval_sink.keys import check_same_versions, key_versions
     from lm_eval_sink.outputs import check_output_dir, staged_dir
     from lm_eval_sink.calibration import load_prompts
-    from lm_eval_sink.margin import MarginWork
     from lm_eval_sink.models import resolve_model
 
     st = settings.strength
