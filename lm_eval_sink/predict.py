@@ -125,10 +125,8 @@ class FitResult:
 
     tasks: dict[str, TaskFit]
     skipped_tasks: dict[str, str]
-    table: PairTable
-    reported: dict[str, Any] | None = None  # the paper's figures, when the shipped table was fitted
+    table: PairTable  # its `reported`: the paper's figures, when the shipped table was fitted
     rounding_envelope: dict[str, Any] | None = None
-    provenance: dict[str, Any] = field(default_factory=dict)
     settings: dict[str, tuple[Setting | None, str | None]] = field(default_factory=dict)  # task -> `pairs_setting`
 
     def to_json(self) -> dict[str, Any]:
@@ -148,9 +146,8 @@ class FitResult:
             "pairs": [asdict(p) for p in self.table.pairs],
             "pairs_file": self.table.source,
             "pairs_sha256": self.table.sha256,
-            "reported": self.reported,
+            "reported": self.table.reported,
             "rounding_envelope": self.rounding_envelope,
-            "provenance": self.provenance,
         }
 
 
@@ -415,19 +412,13 @@ def fit_pairs(table: PairTable, seed: int = 0) -> FitResult:
             f"{table.source}: no task has deltas for at least {MIN_PAIRS} pairs",
             "give each pair deltas for the same task(s)",
         )
-    reported = envelope = None
-    if table.reported is not None:
-        reported = table.reported
-        rnd = reported["rounding"]
-        envelope = {}
-        for task in reported["tasks"]:
-            if task in fits:
-                _, s, d = task_arrays(table, task)
-                envelope[task] = rounding_envelope(s, d, rnd["sink_strength"] / 2, rnd["delta"] / 2)
+    envelope = None
+    if table.reported is not None:  # the shipped table: its rounding, half a published digit either way
+        halves = (table.reported["rounding"]["sink_strength"] / 2, table.reported["rounding"]["delta"] / 2)
+        tasks = [t for t in table.reported["tasks"] if t in fits]
+        envelope = {t: rounding_envelope(fits[t].sink_strength, fits[t].deltas, *halves) for t in tasks}
     settings = {task: pairs_setting(tuple(p for p in table.pairs if task in p.deltas), table.shipped) for task in fits}
-    return FitResult(
-        tasks=fits, skipped_tasks=skipped, table=table, reported=reported, rounding_envelope=envelope, settings=settings
-    )
+    return FitResult(tasks=fits, skipped_tasks=skipped, table=table, rounding_envelope=envelope, settings=settings)
 
 
 # ---------------------------------------------------------------------------- reports
@@ -448,7 +439,7 @@ def fit_table_markdown(result: FitResult) -> str:
         f"{PI_LEVEL:.0%} PI half-width at mean S",
         "at the fitted ends",
     ]
-    rep = (result.reported or {}).get("tasks", {})
+    rep = (result.table.reported or {}).get("tasks", {})
     if rep:
         head += ["reported_rho", "reported_loo_mae", "reported_baseline_mae"]
     rows = []

@@ -159,7 +159,7 @@ def test_user_pairs_with_strength_json_and_skipped_task(tmp_path):
     assert not table.shipped and table.pairs[1].sink_strength == 1.5
     result = fit_pairs(table)
     assert set(result.tasks) == {"ifeval"} and "1 pair(s)" in result.skipped_tasks["gsm8k"]
-    assert result.reported is None
+    assert result.table.reported is None
     assert result.tasks["ifeval"].slope == pytest.approx(4.5)
 
 
