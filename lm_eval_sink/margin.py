@@ -1,24 +1,8 @@
 """Per-head sink margins G_base - B_gap between a reference LLM and a candidate (its VLM backbone).
 
-Both models see the same token ids (the reference's tokenizer and chat template; the candidate's
-vocabulary must contain the reference's id for id). Each row's sink key is fixed from the
-reference (its argmax key), so a collapsed sink is measured where it was, not where the
-candidate's argmax moved. Per row (layer l, head h, query q >= 1, all prompts concatenated):
-    g_base[layer, head, row]   the reference's aggregate logit gap at its sink key (= its sink log-odds)
-    g_cand[layer, head, row]   the candidate's aggregate logit gap at the SAME key
-    shift[layer, head, row]    g_base - g_cand (nats; > 0 where the candidate's sink got weaker)
-Per layer and head (arrays [layer, head]):
-    g_base_median              median over rows of g_base (the paper's G_base)
-    b_gap                      max over rows of shift (the paper's measured B_gap; negative when
-                               every row's gap grew)
-    b_gap_quantile             the `quantile` of shift over rows (a less extreme B_gap)
-    margin, margin_quantile    g_base_median - b_gap (resp. - b_gap_quantile); < 0: sink collapse
-    predicted_nonsink_mass     Lemma 1: sigmoid(b_gap - g_base_median)
-    measured_nonsink_mass_median   median over rows of the candidate's 1 - a[sink key] = sigmoid(-g_cand)
-Lemma 1 (arXiv 2609.00746): if a perturbation moves the gap by at most B_gap, the non-sink mass
-is at most sigmoid(B_gap - G_base); keeping sink mass >= 1 - eta needs
-G_base - B_gap >= log((1 - eta) / eta). The math here is pure numpy and does no file I/O;
-commands/margin.py resolves and loads both models, captures them and writes the output folder.
+Each row's sink key is the reference's argmax, so a collapsed sink is measured where it was; the per-row and per-head
+quantities and Lemma 1 (arXiv 2609.00746) are in docs/screening.md ("margin"). Pure numpy, no file I/O:
+commands/margin.py loads and captures both models and writes the output folder.
 """
 
 from __future__ import annotations
@@ -80,12 +64,8 @@ class Lemma1Case:
 
 
 def lemma1_synthetic(g_base: float = 3.0, b_gap: float = 0.4, n_keys: int = 64, seed: int = 0) -> Lemma1Case:
-    """The paper's tightness check: G = 3.0, B_gap = 0.4, N = 64 keys -> non-sink mass 0.069 = bound.
-
-    Other keys' logits are seeded normals; the sink logit is set so that its aggregate gap is
-    g_base. The worst-case perturbation (each logit moved by at most b_gap / 2) lowers the sink
-    logit by b_gap / 2 and raises every other logit by b_gap / 2, moving the gap by exactly b_gap.
-    """
+    """The paper's tightness check (docs/screening.md): seeded other logits, the sink's gap g_base, and the worst-case
+    perturbation, the sink logit down by b_gap / 2 and every other up by b_gap / 2."""
     if n_keys < 2:
         raise UserError(f"n_keys must be at least 2, got {n_keys}", "use e.g. 64")
     rng = np.random.default_rng(seed)
@@ -105,8 +85,16 @@ def lemma1_synthetic(g_base: float = 3.0, b_gap: float = 0.4, n_keys: int = 64, 
 # ---------------------------------------------------------------------------- margins from arrays
 
 
+def captured_rows(captures: list, quantity: str, rows: str) -> np.ndarray:
+    """`quantity` [layer, head, query] of every prompt capture, rows concatenated (content rows only if asked)."""
+    g = np.concatenate([getattr(c, quantity) for c in captures], axis=2)
+    if rows == "content":
+        g = g[:, :, np.concatenate([c.content for c in captures])]
+    return g
+
+
 def margin_arrays(g_base: np.ndarray, g_cand: np.ndarray, quantile: float = DEFAULT_QUANTILE) -> dict[str, np.ndarray]:
-    """Per-(layer, head) margin quantities from per-row gaps [layer, head, row] (see module doc)."""
+    """Per-(layer, head) margin quantities from per-row gaps [layer, head, row] (docs/screening.md, "margin")."""
     g_base = np.asarray(g_base, dtype=np.float64)
     g_cand = np.asarray(g_cand, dtype=np.float64)
     if g_base.shape != g_cand.shape or g_base.ndim != 3 or g_base.shape[2] == 0:
@@ -114,8 +102,6 @@ def margin_arrays(g_base: np.ndarray, g_cand: np.ndarray, quantile: float = DEFA
             f"gap arrays of shapes {g_base.shape} and {g_cand.shape} do not match as [layer, head, row] with rows",
             "capture both models on the same token ids and layers",
         )
-    if not 0.0 <= quantile <= 1.0:
-        raise UserError(f"--quantile must lie in [0, 1], got {quantile}", "use e.g. 0.95")
     shift = g_base - g_cand
     g_med = np.median(g_base, axis=2)
     b_gap = shift.max(axis=2)
@@ -171,20 +157,13 @@ class SinkMargin:
     provenance: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["layers"] = list(self.layers)
-        for k in _MATRICES:
-            d[k] = [list(r) for r in getattr(self, k)]
-        d["negative_margin_heads"] = [dict(h) for h in self.negative_margin_heads]
-        d["schema_version"] = SCHEMA_VERSION
-        return d
+        return {**asdict(self), "schema_version": SCHEMA_VERSION}
 
 
 @dataclass(frozen=True, slots=True)
 class MarginRows:
-    """What the margins are computed from: both models' sink log-odds [layer, head, row] on the same rows at the
-    reference's sink keys, that key per row (`sink_pos`, positions from the first real token), the layers they
-    cover and how many prompts the rows come from."""
+    """Both models' sink log-odds [layer, head, row] on the same rows at the reference's sink key per row (`sink_pos`,
+    from the first real token), the layers they cover and how many prompts the rows come from."""
 
     layers: tuple[int, ...]
     g_base: np.ndarray
@@ -211,8 +190,7 @@ def build_margin(
     quantile: float,
     provenance: dict[str, Any] | None = None,
 ) -> SinkMargin:
-    """A SinkMargin from the rows of both models, with their own Sink Strengths (reference, candidate) beside it
-    (pure)."""
+    """A SinkMargin from the rows of both models, with their own Sink Strengths (reference, candidate) beside it."""
     m = margin_arrays(rows.g_base, rows.g_cand, quantile)
     negative = _negative_heads(m, rows.layers)
     return SinkMargin(

@@ -1,36 +1,9 @@
 """What a paired comparison could have detected: minimum detectable difference, power, documents needed.
 
-A delta of -20 points over 5 prompts and one over 500 read the same in a table; what tells them apart is
-what each comparison could have detected. One model describes each design, and every figure of a record
-comes from its one power function, so the figures cannot contradict each other: the minimum detectable
-difference (MDE) is the root of that function at the target power, and the documents needed are the
-smallest n at which it reaches the target.
-
-- a 0/1 outcome per doc (the metric, or pass/fail under `--threshold`), which `buckets` tests with the exact
-  conditional McNemar test: Connor's (1987) normal approximation for paired proportions (R. J. Connor,
-  "Sample size for testing differences in proportions for the paired-sample design", Biometrics
-  43(1):207-211, p. 209), from the discordant share psi (docs where the runs disagree) and the difference
-  delta = p10 - p01 (regressions minus recoveries, as shares of docs):
-      power = Phi((delta sqrt(n) - z_{1-a/2} sqrt(psi)) / sqrt(psi - delta^2)) + (the same with -delta)
-  The model is **conditional on the observed discordant share**: psi is held at its observed value for the
-  MDE, for the power at an effect and for the documents needed. A paired 0/1 comparison cannot move by more
-  than psi (every disagreeing doc one way), so every MDE is at most psi; where even delta = psi does not
-  reach the target at this n, the comparison says "not detectable at this n" and gives the documents that
-  would make it detectable at this psi; an effect larger than psi has no power at this psi (said in words).
-  `exact_mcnemar_power` is the exact test's own power by enumeration (the test `buckets` runs), shown beside
-  Connor's; it is discrete, not monotone in n. Whether the delta's interval `buckets` shows holds 0 is
-  conditional in the same way (`buckets.stats.binary_delta_interval`: the exact test's answer), so the interval's
-  verdict, the test and these figures describe one comparison at the observed psi; how far the interval reaches
-  is Newcombe's unconditional one.
-- a continuous metric, which `buckets` tests with the Wilcoxon signed-rank test: the normal approximation of
-  a paired mean difference from the standard deviation sd of the per-doc differences, with n scaled by the
-  Wilcoxon test's asymptotic relative efficiency to it under normal differences, 3/pi:
-      power = Phi(|delta| sqrt(n 3/pi) / sd - z_{1-a/2}) + Phi(-|delta| sqrt(n 3/pi) / sd - z_{1-a/2})
-
-The default effect is `DEFAULT_EFFECT_SHARE` of the metric's range (`default_effect`): 5 points for a 0/1
-metric or a pass rate, 5 for EQ-Bench's 0-100. psi = 0 (sd = 0) or fewer than `MIN_N` paired docs give "too
-few to tell": the variance the formulas need is not estimable. Values are in the metric's own unit (shares
-of docs for a 0/1 outcome, as in buckets.json; x100 is points). numpy/scipy only (imported when used), no I/O.
+One model per design gives every figure of a record (the MDE is the root of its power function at the target power,
+the documents needed the smallest n reaching it): Connor (1987) for a 0/1 outcome, conditional on the observed
+discordant share; the normal approximation scaled by Wilcoxon's efficiency 3/pi for a continuous metric. Formulas,
+defaults and checks: docs/buckets.md ("Power"). numpy/scipy only (imported when used), no I/O.
 """
 
 from __future__ import annotations
@@ -81,9 +54,7 @@ def connor_power(n: int, psi: float, delta: float, alpha: float = ALPHA) -> floa
 
 def _smallest_n(power_at, start: float, power: float) -> int | None:
     """The smallest n >= 1 with power_at(n) >= power, for a power rising with n (None: more than `MAX_N`): bisection
-    from the estimate `start` (a closed form that leaves out the far tail), a few dozen evaluations at any n. A
-    search one n at a time from it took as many steps as its relative error times n: minutes and more for an effect
-    of a thousandth of a point."""
+    from the closed-form estimate `start`, a few dozen evaluations at any n."""
     hi = max(1, math.ceil(min(start, MAX_N))) if math.isfinite(start) else MAX_N
     lo = 0  # power_at(lo) < power (0 docs: none)
     while power_at(hi) < power:
@@ -117,9 +88,8 @@ def connor_mde(n: int, psi: float, alpha: float = ALPHA, power: float = TARGET_P
 
 
 def exact_mcnemar_power(n: int, psi: float, delta: float, alpha: float = ALPHA) -> float:
-    """Power of the exact conditional McNemar test (`buckets.stats.mcnemar_exact`: two-sided binomial test of the
-    discordant pairs against 1/2) by enumeration: the number of discordant pairs m ~ Binomial(n, psi), and given
-    m the regressions ~ Binomial(m, (psi + delta) / (2 psi)); needs |delta| <= psi."""
+    """Power of the exact conditional McNemar test (`buckets.stats.mcnemar_exact`) by enumeration over the discordant
+    pairs m ~ Binomial(n, psi) and, given m, the regressions ~ Binomial(m, (psi + delta) / (2 psi)); |delta| <= psi."""
     import numpy as np
     from scipy.stats import binom
 
@@ -212,13 +182,9 @@ def comparison_power(
     outcome: str | None = None,
     alpha: float = ALPHA,
 ) -> dict[str, Any]:
-    """What a paired comparison could detect, from its per-doc differences (candidate minus reference).
-
-    `kind` binary: differences are -1 / 0 / +1 (`outcome` names a 0/1 outcome other than the metric, e.g. a pass
-    rate) and `effect` is in points; continuous: `effect` is in the metric's unit. `effect` None: the default for
-    the metric's scale (`default_effect` over both runs' `values` and the `declared_range`). Returns the record
-    buckets.json keeps as `power`.
-    """
+    """The record buckets.json keeps as `power`: what a paired comparison could detect, from its per-doc differences
+    (candidate minus reference; `kind` binary: -1 / 0 / +1, `effect` in points, `outcome` a 0/1 outcome other than the
+    metric; continuous: `effect` in the metric's unit). `effect` None: `default_effect` for the metric's scale."""
     import numpy as np
 
     d = np.asarray(differences, dtype=np.float64)

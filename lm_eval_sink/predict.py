@@ -1,28 +1,8 @@
 """Predict post-VL degradation from Sink Strength: fit and check the paper's predictor.
 
-A PAIRS file (YAML) is a list of reference-LLM / VLM-backbone pairs:
-
-    - name: Qwen2.5-VL-7B                 # unique label
-      reference: Qwen2.5-7B-Instruct      # the text LLM the VLM was built from
-      candidate: Qwen2.5-VL-7B            # the VLM (its language backbone was evaluated)
-      sink_strength: 1.18                 # S of the reference, or a path to a *.strength.json
-      deltas: {ifeval: -9.6}              # task -> candidate minus reference, in points
-      source: arXiv 2609.00746, headline table
-      qk_norm: none                       # optional: per_head | layerwise | none
-      notes: ...                          # optional
-
-Per task (over the pairs that have a delta for it) `fit_pairs` computes Spearman's rho(S, delta)
-(average ranks for ties) with an exact permutation p-value (all n! orderings up to
-EXACT_PERMUTATION_MAX_N pairs, else a seeded Monte Carlo), the least-squares line
-delta = slope * S + intercept, and leave-one-pair-out mean absolute errors of that line
-(`loo_mae`) and of a constant-mean baseline (`baseline_mae`). A new model's delta is predicted with
-the line's prediction interval (`TaskFit.prediction_interval`: ordinary least squares, Student t with
-n - 2 degrees of freedom), which widens with the distance of its S from the pairs' mean S; the
-leave-one-out errors check the fit and are no interval for a new model. A pair whose S is the path of a
-`*.strength.json` carries that measurement's setting (`comparability.Setting`); `pairs_setting` says
-whether a task's pairs share one, so a prediction is made only for S measured in it (screen.py).
-numpy and scipy.stats: no torch and no file I/O here (reading PAIRS files and writing fit outputs is
-commands/fit.py's).
+Per task of a PAIRS file: Spearman's rho with an exact (or seeded Monte Carlo) permutation p, the least-squares line
+with its prediction interval, and leave-one-pair-out errors of the line and of a constant mean (the file format and
+the figures: docs/screening.md, "fit"). numpy and scipy.stats: no torch and no file I/O (commands/fit.py's).
 """
 
 from __future__ import annotations
@@ -136,17 +116,7 @@ class TaskFit:
         return not self.s_min <= s <= self.s_max
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        for k in ("names", "sink_strength", "deltas", "loo_predictions", "loo_errors", "baseline_errors"):
-            d[k] = list(d[k])
-        return d
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> TaskFit:
-        d = dict(d)
-        for k in ("names", "sink_strength", "deltas", "loo_predictions", "loo_errors", "baseline_errors"):
-            d[k] = tuple(d[k])
-        return cls(**d)
+        return asdict(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,10 +125,8 @@ class FitResult:
 
     tasks: dict[str, TaskFit]
     skipped_tasks: dict[str, str]
-    table: PairTable
-    reported: dict[str, Any] | None = None  # the paper's figures, when the shipped table was fitted
+    table: PairTable  # its `reported`: the paper's figures, when the shipped table was fitted
     rounding_envelope: dict[str, Any] | None = None
-    provenance: dict[str, Any] = field(default_factory=dict)
     settings: dict[str, tuple[Setting | None, str | None]] = field(default_factory=dict)  # task -> `pairs_setting`
 
     def to_json(self) -> dict[str, Any]:
@@ -178,9 +146,8 @@ class FitResult:
             "pairs": [asdict(p) for p in self.table.pairs],
             "pairs_file": self.table.source,
             "pairs_sha256": self.table.sha256,
-            "reported": self.reported,
+            "reported": self.table.reported,
             "rounding_envelope": self.rounding_envelope,
-            "provenance": self.provenance,
         }
 
 
@@ -220,11 +187,8 @@ class _PairIn(Strict):
 def parse_pairs(
     obj: Any, where: str, read_strength: Callable[[str, str], float | tuple[float, Setting]] | None = None
 ) -> tuple[Pair, ...]:
-    """Validate a parsed PAIRS document (a list of mappings); `where` names it in errors.
-
-    A `sink_strength` given as a path is read by `read_strength(path, where)` (the command's file reader), which
-    returns S, or (S, the Setting it was measured in).
-    """
+    """Validate a parsed PAIRS document (a list of mappings); `where` names it in errors. A `sink_strength` given as a
+    path is read by `read_strength(path, where)` (the command's reader): S, or (S, the Setting it was measured in)."""
     if not isinstance(obj, list):
         raise UserError(
             f"{where}: a PAIRS file must be a YAML list of pairs, got {type(obj).__name__}",
@@ -253,32 +217,14 @@ def parse_pairs(
         s, setting = s if isinstance(s, tuple) else (s, None)
         s = finite(s, at, "sink_strength")
         clean = {task: finite(v, at, f"deltas[{task}]") for task, v in item["deltas"].items()}
-        qk = item.get("qk_norm")
-        notes = item.get("notes")
-        pairs.append(
-            Pair(
-                name=item["name"],
-                reference=item["reference"],
-                candidate=item["candidate"],
-                sink_strength=s,
-                deltas=clean,
-                source=item["source"],
-                qk_norm=qk,
-                notes=None if notes is None else str(notes),
-                setting=setting,
-            )
-        )
+        notes = None if item["notes"] is None else str(item["notes"])
+        pairs.append(Pair(**{**item, "sink_strength": s, "deltas": clean, "notes": notes, "setting": setting}))
     if len(pairs) < MIN_PAIRS:
         raise UserError(f"{where}: {len(pairs)} pair(s); a fit needs at least {MIN_PAIRS}", "add more pairs")
     return tuple(pairs)
 
 
 # ---------------------------------------------------------------------------- statistics
-
-
-def average_ranks(x: np.ndarray) -> np.ndarray:
-    """Ranks 1..n, ties sharing the mean of their ranks (as Spearman's rho needs)."""
-    return stats.rankdata(np.asarray(x, dtype=np.float64))
 
 
 def _rho(x: np.ndarray, y: np.ndarray, axis: int = -1) -> np.ndarray:
@@ -298,15 +244,9 @@ def spearman_rho(s: np.ndarray, d: np.ndarray) -> float:
 
 
 def permutation_test(s: np.ndarray, d: np.ndarray, seed: int = 0) -> tuple[float, float, str, int]:
-    """(two-sided p, one-sided p, method, permutations) for Spearman's rho under exchangeability.
-
-    scipy's permutation_test over pairings: every ordering of the deltas against S is equally
-    likely under the null. Up to EXACT_PERMUTATION_MAX_N pairs all n! orderings are enumerated
-    (exact p); beyond that a seeded Monte Carlo sample, with p = (1 + hits) / (1 + permutations).
-    Two-sided counts orderings with |rho| at least the observed |rho|. Only the deltas are permuted
-    (S held in place): passing both samples would make scipy enumerate (n!)^2 pairings, each
-    ordering n! times over (over 6 GB of memory at 7 pairs).
-    """
+    """(two-sided p, one-sided p, method, permutations) for Spearman's rho: all n! orderings of the deltas against S
+    up to EXACT_PERMUTATION_MAX_N pairs, else a seeded Monte Carlo with p = (1 + hits) / (1 + permutations). Only the
+    deltas are permuted: both samples would make scipy enumerate (n!)^2 pairings (over 6 GB at 7 pairs)."""
     s, d = np.asarray(s, dtype=np.float64), np.asarray(d, dtype=np.float64)
     n = len(d)
     exact = n <= EXACT_PERMUTATION_MAX_N
@@ -431,13 +371,8 @@ def task_arrays(table: PairTable, task: str) -> tuple[tuple[str, ...], np.ndarra
 def rounding_envelope(
     s: np.ndarray, d: np.ndarray, s_half: float, d_half: float, max_corners: int = 1 << 14
 ) -> dict[str, list[float]]:
-    """Range of loo_mae and baseline_mae over the corners of the rounding box of (S, delta).
-
-    Published figures are rounded (S to 0.01, deltas to 0.1); the unrounded inputs lie within
-    +-s_half, +-d_half. Equal S values move together (they come from the same reference LLM),
-    each delta moves alone. The range over the box's corners shows which reported statistics
-    the rounded table can still be consistent with; it is not a bound over the whole box.
-    """
+    """Range of loo_mae and baseline_mae over the corners of the rounding box of (S, delta), +-s_half and +-d_half:
+    equal S move together (one reference LLM), each delta alone; not a bound over the whole box."""
     s, d = np.asarray(s, dtype=np.float64), np.asarray(d, dtype=np.float64)
     groups = np.unique(np.round(s, 12), return_inverse=True)[1]
     n_dims = int(groups.max()) + 1 + len(d)
@@ -477,19 +412,13 @@ def fit_pairs(table: PairTable, seed: int = 0) -> FitResult:
             f"{table.source}: no task has deltas for at least {MIN_PAIRS} pairs",
             "give each pair deltas for the same task(s)",
         )
-    reported = envelope = None
-    if table.reported is not None:
-        reported = table.reported
-        rnd = reported["rounding"]
-        envelope = {}
-        for task in reported["tasks"]:
-            if task in fits:
-                _, s, d = task_arrays(table, task)
-                envelope[task] = rounding_envelope(s, d, rnd["sink_strength"] / 2, rnd["delta"] / 2)
+    envelope = None
+    if table.reported is not None:  # the shipped table: its rounding, half a published digit either way
+        halves = (table.reported["rounding"]["sink_strength"] / 2, table.reported["rounding"]["delta"] / 2)
+        tasks = [t for t in table.reported["tasks"] if t in fits]
+        envelope = {t: rounding_envelope(fits[t].sink_strength, fits[t].deltas, *halves) for t in tasks}
     settings = {task: pairs_setting(tuple(p for p in table.pairs if task in p.deltas), table.shipped) for task in fits}
-    return FitResult(
-        tasks=fits, skipped_tasks=skipped, table=table, reported=reported, rounding_envelope=envelope, settings=settings
-    )
+    return FitResult(tasks=fits, skipped_tasks=skipped, table=table, rounding_envelope=envelope, settings=settings)
 
 
 # ---------------------------------------------------------------------------- reports
@@ -510,7 +439,7 @@ def fit_table_markdown(result: FitResult) -> str:
         f"{PI_LEVEL:.0%} PI half-width at mean S",
         "at the fitted ends",
     ]
-    rep = (result.reported or {}).get("tasks", {})
+    rep = (result.table.reported or {}).get("tasks", {})
     if rep:
         head += ["reported_rho", "reported_loo_mae", "reported_baseline_mae"]
     rows = []

@@ -1,23 +1,14 @@
 """Screen candidate backbones before VL training: S, QK-norm class, a ranking within each setting, and predicted
-deltas only where a fit allows them.
+deltas only where a fit allows them (docs/screening.md, "screen").
 
-`screen` ranks models by their Sink Strength (measured with the Sink Strength API by
-commands/screen.py: `commands.strength.run_strength` / `strength.measure_model`; S is never
-computed another way) within each setting they were measured in (`comparability.compare`: models whose
-applied settings differ are ranked apart and flagged), and classifies their QK norm from the config (the table
-`data/qk_norm_classes.json`; unknown model types from the layer-0 q-norm tensor's size, which
-commands/screen.py reads from the safetensors header). A predicted delta (points, with the fit's 95% prediction
-interval: `predict.TaskFit.prediction_interval`) is given only from a fit of pairs measured in the model's own
-setting (a PAIRS file whose S are `*.strength.json` files), or, on request (`paper_line`), from the paper's six
-pairs with the caveat beside each number: their S come from the paper's prompts, not this project's. Takes
-configs, results and fits, returns data and text; the one file it reads is its own packaged table.
-No torch at module level.
+S is measured by commands/screen.py through the Sink Strength API, never computed here. Takes configs, results and
+fits, returns data and text; the one file it reads is its own packaged table. No torch at module level.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from importlib import resources
 from typing import Any
 
@@ -130,7 +121,6 @@ class ScreenResult:
     comparison: Comparison
     paper_line: bool
     notes: tuple[str, ...]
-    provenance: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         fits = {} if self.fit is None else self.fit.to_json()["tasks"]
@@ -145,7 +135,6 @@ class ScreenResult:
             "pairs_file": None if self.fit is None else self.fit.table.source,
             "pairs_sha256": None if self.fit is None else self.fit.table.sha256,
             "notes": list(self.notes),
-            "provenance": self.provenance,
         }
 
 
@@ -197,11 +186,8 @@ def screen(
     strength_files: list[str | None],
     paper_line: bool = False,
 ) -> ScreenResult:
-    """Rank the models by S within each setting, predict each fitted task's delta where the fit allows it (`fit`:
-    None for no predictions), and add the notes.
-
-    `strengths` are SinkStrength results in the order of `names`; `strength_files` where each is saved (None: not
-    saved)."""
+    """Rank the models by S (`strengths`, SinkStrength results in the order of `names`) within each setting, predict
+    each fitted task's delta where `fit` (None: no predictions) allows it, and add the notes."""
     settings = [setting_of(st.to_json()) for st in strengths]
     comparison = compare(slugs, settings)
     ranks = comparison.ranks([st.sink_strength for st in strengths])

@@ -27,15 +27,6 @@ TINY = {
 }
 
 
-def _tiny_model_dir(tmp_path, name, config_cls, model_cls):
-    import torch
-
-    torch.manual_seed(0)
-    model = model_cls(config_cls(**TINY))
-    model.save_pretrained(tmp_path / name)
-    return tmp_path / name
-
-
 @pytest.mark.parametrize(
     ("config_name", "model_name", "expected"),
     [
@@ -45,9 +36,12 @@ def _tiny_model_dir(tmp_path, name, config_cls, model_cls):
     ],
 )
 def test_qk_norm_class_of_tiny_llama_qwen3_olmo2(tmp_path, config_name, model_name, expected):
+    import torch
     import transformers
 
-    folder = _tiny_model_dir(tmp_path, "m", getattr(transformers, config_name), getattr(transformers, model_name))
+    torch.manual_seed(0)
+    folder = tmp_path / "m"
+    getattr(transformers, model_name)(getattr(transformers, config_name)(**TINY)).save_pretrained(folder)
     found = detect_qk_norm(str(folder))
     assert found.qk_norm == expected and found.source == "table"
     # the table agrees with the real module: the same checkpoint, its model type hidden, is
@@ -197,12 +191,15 @@ def test_screen_predicts_from_pairs_of_its_own_setting_with_intervals_that_widen
     assert "note: fit ifeval: 3 pairs measured in one setting" in printed
 
 
-def test_no_prediction_across_settings_without_the_paper_line(screen_models, tmp_path, capsys):
+def test_no_prediction_across_settings_without_the_paper_line(screen_models, tmp_path, capsys, monkeypatch):
     strong, _, tok = screen_models
     other, _, _ = _pairs_of_strength_files(tmp_path, tok, capsys, "--n-prompts", "5")  # other prompts: another setting
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
     for args in (["--pairs", str(other)], []):
         assert main(["screen", str(strong), *args, "--quiet"]) == 0
         printed = capsys.readouterr().out
+        assert "| A | 1 | strong |" in printed and "not saved" in printed and not any((tmp_path / "cwd").iterdir())
         row = next(line for line in printed.splitlines() if "| strong |" in line)
         assert "[" not in row and "±" not in row, row  # no predicted number beside the model
         if args:
@@ -215,15 +212,6 @@ def test_no_prediction_across_settings_without_the_paper_line(screen_models, tmp
             assert "no predicted deltas" in printed and "--paper-line" in printed
     assert main(["screen", str(strong), "--pairs", str(other), "--paper-line", "--quiet"]) == 2
     assert "--pairs and --paper-line" in capsys.readouterr().err
-
-
-def test_screen_without_output_writes_nothing(screen_models, tmp_path, capsys, monkeypatch):
-    strong, _, _ = screen_models
-    monkeypatch.chdir(tmp_path)
-    assert main(["screen", str(strong), "--quiet"]) == 0
-    printed = capsys.readouterr().out
-    assert "| A | 1 | strong |" in printed and "not saved" in printed
-    assert list(tmp_path.iterdir()) == []
 
 
 def test_screen_reuses_strength_files_written_elsewhere_in_its_setting_and_refuses_others(
@@ -258,17 +246,14 @@ def test_screen_reuses_strength_files_written_elsewhere_in_its_setting_and_refus
     assert f"{file}: made by other versions (code changed: lm_eval_sink/capture.py)" in line and len(line) < 400
 
 
-def test_screen_checks_the_pairs_file_before_measuring(screen_models, tmp_path, capsys):
+def test_screen_checks_the_pairs_file_before_measuring(screen_models, tmp_path, user_error):
     strong, _, _ = screen_models
     bad = tmp_path / "pairs.yaml"
     bad.write_text(
         "- name: only-one\n  reference: r\n  candidate: c\n  sink_strength: 1.0\n  deltas: {ifeval: -1}\n  source: me\n"
     )
     out = tmp_path / "out"
-    assert main(["screen", str(strong), "--pairs", str(bad), "--output", str(out), "--quiet"]) == 2
-    err = capsys.readouterr().err
-    assert "1 pair(s); a fit needs at least 3" in err and len(err.strip().splitlines()) == 1
-    assert not out.exists()
+    assert "1 pair(s); a fit needs at least 3" in user_error(["screen", strong, "--pairs", bad, "--output", out], out)
 
 
 @pytest.mark.slow

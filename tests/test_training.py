@@ -12,15 +12,24 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from transformers import TrainerCallback
 
 import sinkmodels as sm
 from lm_eval_sink.cli import main
 from lm_eval_sink.errors import SinkWarning, UserError
 from lm_eval_sink.strength import StrengthSettings
 from lm_eval_sink.training import SinkProtection, SinkStrengthCallback, select_sink_heads
-from lm_eval_sink.training.protection import project_cols_off, project_rows_off, read_plan, sink_basis, sink_geometry
+from lm_eval_sink.training.protection import read_plan, sink_basis, sink_geometry
 
-# ---------------------------------------------------------------------------- pure math
+
+def _rule_k(delta: np.ndarray, x_hat: np.ndarray) -> np.ndarray:
+    """Rule K as docs/training.md writes it, delta (I - x^ x^T): the oracle of the projection."""
+    return delta - np.outer(delta @ x_hat, x_hat)
+
+
+def _rule_q(delta: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """Rule Q, (I - U U^T) delta."""
+    return delta - u @ (u.T @ delta)
 
 
 def test_sink_basis_keeps_planes_by_energy():
@@ -36,16 +45,6 @@ def test_sink_basis_keeps_planes_by_energy():
     k2[6] = 2.0  # rotary_dim 4: dims 4..7 unrotated, one direction along k's part there
     u, _ = sink_basis(k2, 4, tau=0.0)
     assert u.shape == (8, 1) and np.allclose(u[:, 0], np.eye(8)[6])
-
-
-def test_rules_remove_exactly_the_protected_part():
-    gen = np.random.default_rng(0)
-    delta, x = gen.normal(size=(8, 16)), gen.normal(size=16)
-    x_hat = x / np.linalg.norm(x)
-    assert np.allclose(project_rows_off(delta, x_hat) @ x, 0.0)
-    u = np.linalg.qr(gen.normal(size=(8, 3)))[0]
-    out = project_cols_off(delta, u)
-    assert np.allclose(u.T @ out, 0.0) and np.allclose(out + u @ (u.T @ delta), delta)
 
 
 # ---------------------------------------------------------------------------- protect-plan
@@ -87,7 +86,7 @@ def test_protect_plan_selects_exactly_the_sink_heads(family, selective_dirs, tmp
     assert read_plan(plan_path).lowest_layer == 0
 
 
-def test_protect_plan_bad_inputs_one_line_exit_2(selective_dirs, tmp_path, capsys):
+def test_protect_plan_bad_inputs_one_line_exit_2(selective_dirs, tmp_path, user_error):
     model = str(selective_dirs["llama"])
     existing = tmp_path / "old.json"
     existing.write_text("{}")
@@ -100,9 +99,8 @@ def test_protect_plan_bad_inputs_one_line_exit_2(selective_dirs, tmp_path, capsy
         ([model, "--last-k", "x", "-o", str(tmp_path / "d.json")], "--last-k"),
     ]
     for args, needle in cases:
-        assert main(["protect-plan", *args]) == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0] and "(fix: " in err[0]
+        line = user_error(["protect-plan", *args])
+        assert needle in line and "(fix: " in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old.json"] and existing.read_text() == "{}"
 
 
@@ -200,15 +198,10 @@ def test_dense_protection_holds_sink_key_and_logit(trained):
         assert torch.equal(now[pre + "k_proj.bias"][:d], start[pre + "k_proj.bias"][:d])
         assert not torch.equal(now[pre + "k_proj.bias"][d:], start[pre + "k_proj.bias"][d:])
         off_plane = [i for i in range(d) if i not in (sm.SEL_DIM, sm.SEL_DIM + d // 2)]
-        for h in sm.SINK_HEADS:  # protected heads still learn off the sink planes (rank of U: 2 of 8)
-            assert not torch.equal(
-                now[pre + "q_proj.weight"][h * d : (h + 1) * d][off_plane],
-                start[pre + "q_proj.weight"][h * d : (h + 1) * d][off_plane],
-            )
-        for h in (2, 3):  # unprotected query heads changed
-            assert not torch.equal(
-                now[pre + "q_proj.weight"][h * d : (h + 1) * d], start[pre + "q_proj.weight"][h * d : (h + 1) * d]
-            )
+        w_now, w_start = now[pre + "q_proj.weight"], start[pre + "q_proj.weight"]
+        for h in range(4):  # every query head learns; the protected ones off the sink planes (rank of U: 2 of 8)
+            rows = off_plane if h in sm.SINK_HEADS else slice(None)
+            assert not torch.equal(w_now[h * d : (h + 1) * d][rows], w_start[h * d : (h + 1) * d][rows])
         # Sink logit of a fixed query input through W_q (tau = 0), at every position: unchanged.
         x = torch.randn(sm.SEL_H, generator=torch.Generator().manual_seed(l))
         k_s0 = torch.tensor(t["start_geo"][l][1], dtype=torch.float32)
@@ -272,36 +265,28 @@ def test_lora_projection_equals_dense_rule(trained):
     np.testing.assert_allclose(geo[1][1][0], t["start_geo"][1][1][0], atol=1e-6)  # trained with LoRA: sink key held
     d = sm.SEL_D
     gen = torch.Generator().manual_seed(7)
+
+    def lora_delta(mod) -> np.ndarray:  # dW = s B A
+        delta = mod.scaling["default"] * mod.lora_B["default"].weight @ mod.lora_A["default"].weight
+        return delta.detach().double().numpy()
+
     for lp in plan.layers:
         attn = model.model.layers[lp.layer].self_attn
-        before = {}
         with torch.no_grad():
             for name in ("q_proj", "k_proj"):
-                mod = getattr(attn, name)
-                a, b, s = mod.lora_A["default"].weight, mod.lora_B["default"].weight, mod.scaling["default"]
-                a.copy_(torch.randn(a.shape, generator=gen))
-                b.copy_(torch.randn(b.shape, generator=gen))
-                before[name] = (s * b @ a).double().numpy()
+                for w in (getattr(attn, name).lora_A["default"].weight, getattr(attn, name).lora_B["default"].weight):
+                    w.copy_(torch.randn(w.shape, generator=gen))
+        before = {n: lora_delta(getattr(attn, n)) for n in ("q_proj", "k_proj")}
         prot.project_(model)
-        after = {
-            n: (
-                getattr(attn, n).scaling["default"]
-                * getattr(attn, n).lora_B["default"].weight
-                @ getattr(attn, n).lora_A["default"].weight
-            )
-            .detach()
-            .double()
-            .numpy()
-            for n in ("q_proj", "k_proj")
-        }
+        after = {n: lora_delta(getattr(attn, n)) for n in ("q_proj", "k_proj")}
         x_hat = np.asarray(lp.x_hat)
         np.testing.assert_allclose(
-            after["k_proj"][:d], project_rows_off(before["k_proj"][:d], x_hat), atol=1e-5
+            after["k_proj"][:d], _rule_k(before["k_proj"][:d], x_hat), atol=1e-5
         )  # Rule K on KV head 0
         for h in lp.heads:
             rows = slice(h * d, (h + 1) * d)
             np.testing.assert_allclose(
-                after["q_proj"][rows], project_cols_off(before["q_proj"][rows], plan.basis(lp, 0)), atol=1e-5
+                after["q_proj"][rows], _rule_q(before["q_proj"][rows], plan.basis(lp, 0)), atol=1e-5
             )
         for h in (2, 3):
             rows = slice(h * d, (h + 1) * d)
@@ -330,14 +315,14 @@ def test_projection_is_the_rules_on_the_cumulative_update(tiny_tokenizer):
             w0, w = start[pre + "k_proj.weight"], before[pre + "k_proj.weight"]
             for g in lp.kv_heads:
                 rows = slice(g * d, (g + 1) * d)
-                want = w0[rows] + project_rows_off(w[rows] - w0[rows], np.asarray(lp.x_hat))
+                want = w0[rows] + _rule_k(w[rows] - w0[rows], np.asarray(lp.x_hat))
                 np.testing.assert_allclose(after[pre + "k_proj.weight"][rows], want, rtol=1e-6, atol=1e-7)
                 assert np.array_equal(after[pre + "k_proj.bias"][rows], start[pre + "k_proj.bias"][rows])
             for name in ("q_proj.weight", "q_proj.bias"):
                 w0, w = start[pre + name], before[pre + name]
                 for h in lp.heads:
                     rows = slice(h * d, (h + 1) * d)
-                    want = w0[rows] + project_cols_off(w[rows] - w0[rows], plan.basis(lp, h // group))
+                    want = w0[rows] + _rule_q(w[rows] - w0[rows], plan.basis(lp, h // group))
                     np.testing.assert_allclose(after[pre + name][rows], want, rtol=1e-6, atol=1e-7)
             assert not np.allclose(after[pre + "q_proj.weight"], start[pre + "q_proj.weight"])  # not just undone
 
@@ -376,25 +361,17 @@ def test_protection_refuses_other_weights_and_sharding(tiny_tokenizer, tmp_path)
 # ---------------------------------------------------------------------------- callback under a real Trainer
 
 
-class _Probe:
+class _Probe(TrainerCallback):
     """Saves the weights at chosen steps and records train mode / requires_grad after the S callback."""
 
     def __init__(self, folder, steps, tokenizer):
         self.folder, self.steps, self.tokenizer, self.seen = folder, steps, tokenizer, []
 
-    def callback(self):
-        from transformers import TrainerCallback
-
-        probe = self
-
-        class Probe(TrainerCallback):
-            def on_step_end(self, args, state, control, model=None, **kw):
-                probe.seen.append((state.global_step, model.training, [p.requires_grad for p in model.parameters()]))
-                if state.global_step in probe.steps:
-                    model.save_pretrained(probe.folder / f"step{state.global_step}")
-                    probe.tokenizer.save_pretrained(probe.folder / f"step{state.global_step}")
-
-        return Probe()
+    def on_step_end(self, args, state, control, model=None, **kw):
+        self.seen.append((state.global_step, model.training, [p.requires_grad for p in model.parameters()]))
+        if state.global_step in self.steps:
+            model.save_pretrained(self.folder / f"step{state.global_step}")
+            self.tokenizer.save_pretrained(self.folder / f"step{state.global_step}")
 
 
 def _trainer(model, out, max_steps, callbacks=(), save_steps=None):
@@ -432,7 +409,7 @@ def test_callback_under_trainer_matches_strength_cli(tiny_tokenizer, tmp_path, c
     cb = SinkStrengthCallback(tiny_tokenizer, StrengthSettings(), every_n_steps=2)
     trainer = _trainer(model, tmp_path / "run", 5)
     cb.attach(trainer)
-    trainer.add_callback(probe.callback())  # after the S callback: sees the state it leaves
+    trainer.add_callback(probe)  # after the S callback: sees the state it leaves
     trainer.train()
     records = read_trajectory(tmp_path / "run" / "sink_trajectory.jsonl")
     assert [r["step"] for r in records] == [0, 2, 4, 5]  # step 0, every 2, and the last one once
@@ -589,16 +566,13 @@ def _tiny_gpt_oss(vocab: int):
     return GptOssForCausalLM._from_config(config, attn_implementation="eager")
 
 
-def test_protection_refuses_learned_sinks_with_one_line(tiny_tokenizer, tmp_path, capsys):
-    d = tmp_path / "gpt_oss"
+def test_protection_refuses_learned_sinks_with_one_line(tiny_tokenizer, tmp_path, user_error):
+    d, plan_file = tmp_path / "gpt_oss", tmp_path / "plan.json"
     gpt = _tiny_gpt_oss(len(tiny_tokenizer))
     gpt.save_pretrained(d)
     tiny_tokenizer.save_pretrained(d)
-    capsys.readouterr()
-    assert main(["protect-plan", str(d), "--quiet", "-o", str(tmp_path / "plan.json")]) == 2
-    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error")]
-    assert len(err) == 1 and "learned attention sinks" in err[0] and "(fix: " in err[0]
-    assert not (tmp_path / "plan.json").exists()
+    line = user_error(["protect-plan", d, "--quiet", "-o", plan_file], plan_file)
+    assert "learned attention sinks" in line and "(fix: " in line
     llama = sm.build_selective("llama", vocab=len(tiny_tokenizer), bos_id=tiny_tokenizer.bos_token_id)
     plan = select_sink_heads(llama, tiny_tokenizer, StrengthSettings(n_prompts=5), progress=False)
     with pytest.raises(UserError, match="learned attention sinks"):

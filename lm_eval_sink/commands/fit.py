@@ -38,16 +38,12 @@ def _strength_from_file(value: str, base: Path, where: str) -> tuple[float, Any]
     return finite(data["sink_strength"], where, f"sink_strength in {path}"), setting_of(data)
 
 
-def _shipped_bytes() -> bytes:
-    return resources.files("lm_eval_sink").joinpath(SHIPPED_PAIRS).read_bytes()
-
-
 def read_pairs(path: Path | str | None = None) -> PairTable:
     """Read and validate a PAIRS file; None reads the shipped paper table."""
     from lm_eval_sink.io import decode_text, sha256_bytes
     from lm_eval_sink.yaml_input import parse_yaml
 
-    shipped = _shipped_bytes()
+    shipped = resources.files("lm_eval_sink").joinpath(SHIPPED_PAIRS).read_bytes()
     if path is None:
         data, where, base = shipped, f"builtin:{SHIPPED_PAIRS}", None
     else:

@@ -14,8 +14,10 @@ from lm_eval_sink.errors import UserError
 from lm_eval_sink.margin import (
     MarginRows,
     MarginSettings,
+    MarginWork,
     SinkMargin,
     build_margin,
+    captured_rows,
     check_same_vocab,
     margin_csv,
     margin_table_markdown,
@@ -29,14 +31,6 @@ OUTPUT_FILES = ("margin.json", "margin.md", "margin.csv", "margin_rows.npz", "ma
 def _shape_of(config: Any) -> tuple[int, int]:
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
     return int(cfg.num_hidden_layers), int(cfg.num_attention_heads)
-
-
-def _concat_rows(captures: list, quantity: str, rows: str) -> np.ndarray:
-    """`quantity` [layer, head, query] of every prompt, rows concatenated (content rows only if asked)."""
-    g = np.concatenate([getattr(c, quantity) for c in captures], axis=2)
-    if rows == "content":
-        g = g[:, :, np.concatenate([c.content for c in captures])]
-    return g
 
 
 def _strength_summary(s: SinkStrength) -> dict[str, Any]:
@@ -71,11 +65,8 @@ def measure_margin(
     settings: MarginSettings = MarginSettings(),
     options: MeasureOptions = MeasureOptions(),
 ) -> tuple[SinkMargin, dict[str, np.ndarray]]:
-    """Capture both models on the reference's token ids; return the margins and the per-row arrays.
-
-    Checks layer/head shapes and vocabularies before loading any weights. Models are loaded one
-    after the other (peak memory: one model). Nothing is written (`options.force` is `run_margin`'s).
-    """
+    """Capture both models on the reference's token ids, one after the other, after checking shapes and vocabularies;
+    return the margins and the per-row arrays. Nothing is written (`options.force` is `run_margin`'s)."""
     from lm_eval_sink.adapters import check_same_keys
     from lm_eval_sink.capture import attention_layers_from_config
     from lm_eval_sink.models import resolve_model
@@ -92,11 +83,11 @@ def measure_margin(
     ref = _capture(ref_path, encoded, layers, st, options, "reference")
     sink_keys = [c.sink_pos for c in ref.captures]
     cand = _capture(cand_path, encoded, layers, st, options, "candidate", sink_keys)
-    g_base = _concat_rows(ref.captures, "sink_logodds", st.rows)
+    g_base = captured_rows(ref.captures, "sink_logodds", st.rows)
     if g_base.shape[2] == 0:
         raise UserError("no rows to compare (the prompts have no content tokens)", "use --rows all")
-    g_cand = _concat_rows(cand.captures, "sink_logodds", st.rows)
-    rows = MarginRows(layers, g_base, g_cand, _concat_rows(ref.captures, "sink_pos", st.rows), len(encoded))
+    g_cand = captured_rows(cand.captures, "sink_logodds", st.rows)
+    rows = MarginRows(layers, g_base, g_cand, captured_rows(ref.captures, "sink_pos", st.rows), len(encoded))
     result = build_margin(
         reference,
         candidate,
@@ -196,11 +187,9 @@ def _provenance(
 ) -> dict[str, Any]:
     """The result's provenance, keyed by what the measurement received (`MarginWork`)."""
     from lm_eval_sink.keys import key_of
-    from lm_eval_sink.margin import MarginWork
     from lm_eval_sink.provenance import provenance
 
     st = settings.strength
-    settings_record = {"strength": asdict(st), "last_k": settings.last_k, "quantile": settings.quantile}
     key = key_of(MarginWork(ref.info["model"], cand.info["model"], settings, options.dtype))
     return provenance(
         input_key=key.key,
@@ -208,7 +197,7 @@ def _provenance(
         key_versions=key.versions,
         reference=ref.info,
         candidate=cand.info,
-        settings=settings_record,
+        settings=asdict(settings),  # {"strength": ..., "last_k": ..., "quantile": ...}
         prompt_set={"source": prompt_set.source, "n_prompts": len(prompt_set.prompts), "sha256": prompt_set.sha256},
         protocol={
             "tokenizer": "reference",
@@ -241,7 +230,6 @@ def run_margin(
     from lm_eval_sink.keys import check_same_versions, key_versions
     from lm_eval_sink.outputs import check_output_dir, staged_dir
     from lm_eval_sink.calibration import load_prompts
-    from lm_eval_sink.margin import MarginWork
     from lm_eval_sink.models import resolve_model
 
     st = settings.strength
@@ -259,7 +247,7 @@ def run_margin(
         return [*lines, "not saved (pass --output DIR to write margin.json, tables, arrays and the heatmap)"]
     from lm_eval_sink.plots import layer_head_heatmap
 
-    names = OUTPUT_FILES
+    names = OUTPUT_FILES  # margin.json, .md, .csv, margin_rows.npz, margin_heatmap.png
     buf = _io.BytesIO()
     np.savez_compressed(buf, **arrays)
     with staged_dir(output, force=options.force) as tmp:

@@ -1,13 +1,6 @@
 """`lm-eval-sink screen`: resolve models, read their QK-norm class, measure S, rank and predict, write the output
-folder.
-
-With `--output DIR`: each model's Sink Strength goes through `commands.strength.run_strength`
-into `DIR/strength/` (resumable by key there), then `screen.json`, `.md`, `.csv` and `.png` into
-`DIR` (refused before any work when they exist, unless `--force`); the folder is held with
-`locks.hold` for the run. Without it nothing is written. Predicted deltas need `--pairs` (pairs measured in the
-models' setting) or `--paper-line` (the paper's pairs, with the caveat beside each number); without either the
-screen is the ranking alone. A `*.strength.json` that `strength` wrote, passed in place of its model, is reused
-(`reused_strength`: its model unchanged, measured in this run's setting by these versions), else refused in one line.
+folder (each S through `commands.strength.run_strength` into `DIR/strength/`, resumable; the folder held with
+`locks.hold`). A `*.strength.json` passed in place of its model is reused or refused in one line (`reused_strength`).
 """
 
 from __future__ import annotations
@@ -157,17 +150,6 @@ def detect_qk_norm(model_path: str) -> QKNorm:
     return classify_qk_norm(config, size)
 
 
-def _measured_in_order(paths: list[str], finished: Any) -> list[Any]:
-    """The results `measure_all` yields as (path, result, error) in completion order, in `paths` order;
-    with no --output nothing is kept, so the first failed model ends the screen."""
-    results = {}
-    for path, res, error in finished:
-        if error is not None:
-            raise UserError(f"{path}: {error}", "fix the cause and rerun (pass --output DIR to keep finished models)")
-        results[path] = res
-    return [results[p] for p in paths]
-
-
 def run_screen(
     names: list[str],
     slugs: list[str],
@@ -176,12 +158,8 @@ def run_screen(
     options: MeasureOptions = MeasureOptions(),
     predict: ScreenOptions = ScreenOptions(),
 ) -> list[str]:
-    """Screen `names`; with `output` write screen.json/.md/.csv/.png and strength/<slug>.* there (holding its lock).
-
-    Predicted deltas come from `predict`: a fit of its pairs file, where its pairs were measured in a model's setting,
-    or with `paper_line` from the paper's pairs with the caveat beside each number; neither: the ranking alone.
-    `options.measure_all`: see `commands.strength.run_strength` (e.g. one Ray task per model). Returns the lines to
-    print."""
+    """Screen `names`, predicting as `predict` says; with `output` write screen.json/.md/.csv/.png and
+    strength/<slug>.* there (holding its lock). Returns the lines to print."""
     fit = _fit(predict)  # a bad PAIRS file fails before any model is loaded
     reused = {
         i: reused_strength(Path(n), settings, options.dtype) for i, n in enumerate(names) if n.endswith(STRENGTH_SUFFIX)
@@ -218,9 +196,8 @@ def _run(
     options: MeasureOptions,
     how: tuple[ScreenOptions, Any, dict[int, Reused]],
 ) -> list[str]:
-    """Measure each model (its result kept in `output/strength` when saving) but those of the strength files passed
-    in (`how[2]`, by position: reused), rank and predict (from the fit `how[1]`, made as the options `how[0]` say, or
-    None), then return the lines to print, having written the screen's files when saving."""
+    """Measure each model but those of the strength files passed in (`how[2]`, by position), rank and predict from the
+    fit `how[1]` (or None); write the screen's files when saving; return the lines to print."""
     from lm_eval_sink.calibration import load_prompts
     from lm_eval_sink.commands.strength import check_output, unique_slugs
     from lm_eval_sink.models import resolve_model
@@ -230,11 +207,7 @@ def _run(
     slugs = unique_slugs([reused[i].slug if i in reused else s for i, s in enumerate(slugs)])
     todo = [i for i in range(len(names)) if i not in reused]
     if output is not None:  # before `default` is converted
-        planned = [
-            reused[i].path if i in reused else resolve_model(n, allow_gguf=True, convert=False)
-            for i, n in enumerate(names)
-        ]
-        files = _check_outputs(output, planned, predict.pairs_file, settings, options.force)
+        files = _check_outputs(output, options.force)
         check_output(output / "strength", [names[i] for i in todo], [slugs[i] for i in todo], settings, options.force)
     paths = [reused[i].path if i in reused else resolve_model(n, allow_gguf=True) for i, n in enumerate(names)]
     classes = [detect_qk_norm(p) for p in paths]
@@ -266,29 +239,39 @@ def _measure(
     names, slugs, paths = ([m[i] for i in todo] for m in models)
     if not todo:
         return [], {}
-    if output is not None:
-        lines, files, strengths = _measure_saved(names, slugs, settings, output, options)
-        return lines, {i: (str(f), r) for i, f, r in zip(todo, files, strengths, strict=True)}
+    if output is not None:  # through `run_strength` into `output/strength` (resumable by key there), read back
+        from lm_eval_sink.commands.strength import run_strength
+        from lm_eval_sink.io import read_json
+        from lm_eval_sink.strength import SinkStrength
+
+        lines = run_strength(names, slugs, settings, output / "strength", options)
+        files = [output / "strength" / f"{s}.strength.json" for s in slugs]
+        return lines, {i: (str(f), SinkStrength.from_json(read_json(f))) for i, f in zip(todo, files, strict=True)}
     return [], {i: (None, r) for i, r in zip(todo, _measure_here(paths, settings, options), strict=True)}
 
 
 def _measure_here(paths: list[str], settings: StrengthSettings, options: MeasureOptions) -> list[Any]:
-    """Each model's Sink Strength, kept nowhere (no --output): through `options.measure_all` when given, else here,
-    in turn."""
+    """Each model's Sink Strength, kept nowhere (no --output): through `options.measure_all` when given (the first
+    failed model ends the screen), else here, in turn."""
     from lm_eval_sink.strength import measure_model
 
     if options.measure_all is not None:
-        return _measured_in_order(paths, options.measure_all(paths, settings, options.dtype, options.device))
+        results = {}
+        for path, res, error in options.measure_all(paths, settings, options.dtype, options.device):
+            if error is not None:
+                raise UserError(
+                    f"{path}: {error}", "fix the cause and rerun (pass --output DIR to keep finished models)"
+                )
+            results[path] = res
+        return [results[p] for p in paths]
     return [
         measure_model(p, settings, dtype=options.dtype, device=options.device, progress=options.progress) for p in paths
     ]
 
 
-def _check_outputs(
-    output: Path, paths: list[str], pairs_file: Path | str | None, settings: StrengthSettings, force: bool
-) -> list[Path]:
+def _check_outputs(output: Path, force: bool) -> list[Path]:
     """The screen's files in `output`, checked before any work: `output` is a folder, and the files are new (or
-    `force`), made by the same versions, and none of the inputs."""
+    `force`) and made by the same versions (`run_screen` refused an `output` overlapping an input)."""
     from lm_eval_sink.keys import check_same_versions, key_versions
     from lm_eval_sink.outputs import check_new_outputs
 
@@ -296,22 +279,8 @@ def _check_outputs(
         raise UserError(f"--output {output} is a file", "pass a folder")
     files = [output / name for name in SCREEN_FILES]
     check_same_versions(files[0], key_versions(ScreenWork), force)
-    check_new_outputs(files, force, inputs=[*paths, pairs_file, settings.prompts_file])
+    check_new_outputs(files, force, inputs=())
     return files
-
-
-def _measure_saved(
-    names: list[str], slugs: list[str], settings: StrengthSettings, output: Path, options: MeasureOptions
-) -> tuple[list[str], list[Path], list[Any]]:
-    """Each model's Sink Strength through `run_strength` into `output/strength` (resumable by key there): its lines,
-    the result files and the results read back from them."""
-    from lm_eval_sink.commands.strength import run_strength
-    from lm_eval_sink.io import read_json
-    from lm_eval_sink.strength import SinkStrength
-
-    lines = run_strength(names, slugs, settings, output / "strength", options)
-    strength_files = [output / "strength" / f"{s}.strength.json" for s in slugs]
-    return lines, strength_files, [SinkStrength.from_json(read_json(f)) for f in strength_files]
 
 
 def _write(

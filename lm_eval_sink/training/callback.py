@@ -1,22 +1,7 @@
-"""Sink Strength during training: a transformers `TrainerCallback` that records S every N steps.
+"""Sink Strength during training: a transformers `TrainerCallback` that records S every N optimizer steps.
 
-Steps are optimizer steps (`state.global_step`): step 0 in `on_train_begin`, every `every_n_steps`
-in `on_step_end`, and the last step in `on_train_end` unless it is already recorded; each step
-once. The measurement is `strength.measure` on the model being trained (unwrapped from DDP; a peft model
-as `adapters.adapted` says: LoRA layers active, a prompt-tuning, p-tuning or prefix-tuning run through its own
-forward with its virtual tokens, an adaption prompt refused), in eval mode under no_grad; train mode and every
-parameter's `requires_grad` are restored after it. Every rank runs the measurement's forward (under FSDP2 /
-ZeRO-3 each layer's parameters are gathered from all ranks, so a forward on one rank alone would
-hang); only the main process writes and logs. torch's FSDP1 wrapper is refused.
-
-Files in `output_dir` (default `args.output_dir`): `sink_trajectory.jsonl`, one line per step with
-`step`, `epoch` and the strength result's JSON keys except provenance, rewritten atomically on
-each line; `sink_trajectory.png` at the end. A resumed run (global step > 0 at train begin)
-drops the lines later than the resumed step and measures from its next step on (the resumed step
-was measured before its checkpoint was saved); a fresh run (step 0) starts a new file.
-`cb.attach(trainer)` adds the callback and keeps the trainer, so each measurement also goes
-through `trainer.log` to the `report_to` integrations; without it the figures go to the JSONL
-and `state.log_history` only, with one warning.
+Which steps, the measurement (on every rank; the main process writes), the files in `output_dir` and resuming are in
+docs/training.md ("SinkStrengthCallback"). `cb.attach(trainer)` also logs each measurement through `trainer.log`.
 """
 
 from __future__ import annotations
@@ -31,7 +16,7 @@ from transformers import TrainerCallback
 from lm_eval_sink.adapters import adapted, unwrap_parallel
 from lm_eval_sink.devices import check_not_tensor_parallel
 from lm_eval_sink.errors import SinkWarning, UserError
-from lm_eval_sink.strength import SinkStrength, StrengthSettings
+from lm_eval_sink.strength import SinkStrength, StrengthSettings, measure
 
 TRAJECTORY_JSONL = "sink_trajectory.jsonl"
 TRAJECTORY_PNG = "sink_trajectory.png"
@@ -68,8 +53,6 @@ def measure_in_training(model: Any, tokenizer: Any, settings: StrengthSettings) 
     """`strength.measure` on a model that is being trained, restoring train mode and requires_grad."""
     import torch
 
-    from lm_eval_sink.strength import measure
-
     model = unwrap_parallel(model)
     check_measurable(adapted(model).module)
     was_training = model.training
@@ -105,28 +88,23 @@ def read_trajectory(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def trajectory_plot(
-    series: dict[str, list[tuple[int, float]]], path: Path, title: str = "Sink Strength during training"
-) -> Path:
-    """S against optimizer step, one line per run."""
+def trajectory_plot(points: list[tuple[int, float]], path: Path) -> Path:
+    """S against optimizer step."""
     from lm_eval_sink.plots import _pyplot, save_figure
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    for name, points in series.items():
-        ax.plot([p[0] for p in points], [p[1] for p in points], "o-", ms=3, label=name)
+    ax.plot([p[0] for p in points], [p[1] for p in points], "o-", ms=3, label="S")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("Sink Strength S")
-    ax.set_title(title, fontsize=9)
-    if len(series) > 1:
-        ax.legend(fontsize=7, loc="best")
+    ax.set_title("Sink Strength during training", fontsize=9)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     return save_figure(fig, path)
 
 
 class SinkStrengthCallback(TrainerCallback):
-    """Measure Sink Strength every `every_n_steps` optimizer steps; see the module docstring."""
+    """Measure Sink Strength every `every_n_steps` optimizer steps (docs/training.md, "SinkStrengthCallback")."""
 
     def __init__(
         self,
@@ -209,4 +187,4 @@ class SinkStrengthCallback(TrainerCallback):
         self._measure(args, state, model)
         if state.is_world_process_zero and self.records:
             points = [(r["step"], r["sink_strength"]) for r in self.records]
-            trajectory_plot({"S": points}, self._folder(args) / TRAJECTORY_PNG)
+            trajectory_plot(points, self._folder(args) / TRAJECTORY_PNG)

@@ -1,26 +1,9 @@
 """Head-selective sink protection during training: choose sink heads, then keep their sink logit.
 
-Per protected layer l (weights cumulative from the start: W = W0 + dW):
-    x_s       the sink token's input to k_proj (after the input norm); x^ = x_s / |x_s|
-    k_s[g]    its key for KV head g (after k_norm where present; RoPE at position 0 is the identity)
-    Rule K    dW_k[g] <- dW_k[g] (I - x^ x^T) on KV head g's rows; b_k[g] and gamma_k held at the start
-    Rule Q    dW_q[h] <- (I - U U^T) dW_q[h], db_q[h] likewise, gamma_q held; U spans the rotary
-              planes (i, i + r/2) holding at least (1 - tau) of |k_s[g]|^2 for the KV head g of
-              query head h (largest planes first), plus k_s's direction in the unrotated dims.
-Since l_i = alpha (W_q x_i + b_q)^T R_i^T k_s and R_i^T k_s stays in those planes for every
-position i, tau = 0 means no update of W_q or b_q moves any sink logit; with tau > 0,
-|dl_i| <= alpha |dW_q x_i + db_q| |k_s outside U|. k_s is exact only while x_s is: `freeze`
-fixes the position-0 path up to the lowest protected layer (every parameter of the layers below
-except q_proj / k_proj, which position 0 does not use, plus that layer's input norm and the sink
-token's embedding row, reset after each step since it is one row of a trained matrix and, when
-tied, of the output head). Higher protected layers get Rule K on a moving x_s: `report` gives |dk_s|.
-QK-norm: per head (Qwen3, Gemma 3) keeps k_s exact and the numerator of l_i, so
-l_i = l_i0 |u_i0| / |u_i| (u the pre-norm query); layerwise (OLMo2) needs Rule K on all of the
-layer's KV heads and l_i scales by |Q0(x_i)| / |Q(x_i)|, which other heads' updates move:
-`report` gives both ratios. Never preserved: the other keys' logits, hence log-odds and sink
-mass. Only heads whose sink is at position 0 are selected. LoRA (peft): Rule K projects A
-(all of the layer's KV heads at once), Rule Q projects head h's rows of B.
-The math functions are pure numpy; the model functions only read and write parameters.
+Rule K projects k_proj's update off the sink token's input direction x^, Rule Q projects q_proj's update off the
+rotary planes holding the sink key, and `freeze` fixes the position-0 path below the lowest protected layer; the
+rules and what they hold under QK-norm and LoRA are in docs/training.md ("The rules"). The math functions are pure
+numpy; the model functions only read and write parameters.
 """
 
 from __future__ import annotations
@@ -33,10 +16,11 @@ import numpy as np
 from transformers import TrainerCallback
 
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.margin import captured_rows
 from lm_eval_sink.strength import StrengthSettings
+from lm_eval_sink.training.callback import unwrap_model
 
 SCHEMA_VERSION = 1
-QK_NORM_KINDS = ("none", "per_head", "layerwise")
 
 
 # ---------------------------------------------------------------------------- pure math
@@ -54,11 +38,8 @@ def select_head(
 
 
 def sink_basis(k_s: np.ndarray, rotary_dim: int, tau: float) -> tuple[np.ndarray, float]:
-    """(U [d, r] orthonormal, excluded energy share) for one KV head's sink key (rotate-half RoPE).
-
-    Planes (i, i + rotary_dim / 2) for i < rotary_dim / 2 are taken largest first until they hold
-    at least (1 - tau) of |k_s|^2; the unrotated dims count as one block along k_s's part there.
-    """
+    """(U [d, r] orthonormal, excluded energy share) for one KV head's sink key (rotate-half RoPE): its rotary planes,
+    largest first, until they hold (1 - tau) of |k_s|^2, the unrotated dims one block along k_s's part there."""
     k = np.asarray(k_s, dtype=np.float64)
     d = k.shape[0]
     half = rotary_dim // 2
@@ -81,16 +62,6 @@ def sink_basis(k_s: np.ndarray, rotary_dim: int, tau: float) -> tuple[np.ndarray
         kept.append(basis)
         energy += e
     return np.concatenate(kept, axis=1), max(0.0, 1.0 - energy / total)
-
-
-def project_rows_off(delta: np.ndarray, x_hat: np.ndarray) -> np.ndarray:
-    """Rule K: delta (I - x^ x^T); delta [out, in], x^ unit [in]."""
-    return delta - np.outer(delta @ x_hat, x_hat)
-
-
-def project_cols_off(delta: np.ndarray, basis: np.ndarray) -> np.ndarray:
-    """Rule Q: (I - U U^T) delta; delta [d, in] (or [d]), U [d, r] orthonormal."""
-    return delta - basis @ (basis.T @ delta)
 
 
 # ---------------------------------------------------------------------------- plan
@@ -123,6 +94,9 @@ class LayerPlan:
         return max(self.u_rank.values(), default=0)
 
 
+BY_KV_HEAD = ("k_sink", "u_rank", "excluded_energy")  # LayerPlan's fields keyed by KV head (str keys in JSON)
+
+
 @dataclass(frozen=True, slots=True)
 class ProtectionPlan:
     """Which heads to protect, and the sink geometry the rules need (from the start weights)."""
@@ -149,9 +123,7 @@ class ProtectionPlan:
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         for lp in d["layers"]:
-            lp["k_sink"] = {str(k): list(v) for k, v in lp["k_sink"].items()}
-            lp["u_rank"] = {str(k): v for k, v in lp["u_rank"].items()}
-            lp["excluded_energy"] = {str(k): v for k, v in lp["excluded_energy"].items()}
+            lp.update({k: {str(g): v for g, v in lp[k].items()} for k in BY_KV_HEAD})
             lp["max_u_rank"] = max(lp["u_rank"].values(), default=0)
         d["schema_version"] = SCHEMA_VERSION
         return d
@@ -162,17 +134,9 @@ class ProtectionPlan:
         d["heads"] = tuple(HeadChoice(**h) for h in d["heads"])
         layers = []
         for lp in d["layers"]:
-            lp = {k: v for k, v in lp.items() if k != "max_u_rank"}
+            per_kv = {k: {int(g): tuple(v) if isinstance(v, list) else v for g, v in lp[k].items()} for k in BY_KV_HEAD}
             layers.append(
-                LayerPlan(
-                    layer=lp["layer"],
-                    heads=tuple(lp["heads"]),
-                    kv_heads=tuple(lp["kv_heads"]),
-                    x_hat=tuple(lp["x_hat"]),
-                    k_sink={int(k): tuple(v) for k, v in lp["k_sink"].items()},
-                    u_rank={int(k): v for k, v in lp["u_rank"].items()},
-                    excluded_energy={int(k): v for k, v in lp["excluded_energy"].items()},
-                )
+                LayerPlan(layer=lp["layer"], **{k: tuple(lp[k]) for k in ("heads", "kv_heads", "x_hat")}, **per_kv)
             )
         d["layers"] = tuple(layers)
         return cls(**d)
@@ -196,14 +160,8 @@ def read_plan(path: str | Path) -> ProtectionPlan:
 # ---------------------------------------------------------------------------- model access
 
 
-def _base(model: Any) -> Any:
-    from lm_eval_sink.training.callback import unwrap_model
-
-    return unwrap_model(model)
-
-
 def _decoder(model: Any) -> Any:
-    base = _base(model)
+    base = unwrap_model(model)
     inner = getattr(base, "model", base)
     if not hasattr(inner, "layers") or not hasattr(inner, "embed_tokens"):
         raise UserError(
@@ -237,7 +195,7 @@ def _lora_parts(module: Any) -> list[tuple[Any, Any, float]]:
 
 
 def _shape(model: Any) -> tuple[int, int, int, int]:
-    cfg = _base(model).config
+    cfg = unwrap_model(model).config
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     n_heads = int(cfg.num_attention_heads)
     n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_heads)
@@ -286,16 +244,15 @@ def check_no_learned_sinks(model: Any) -> None:
     """Refuse learned sinks (gpt-oss `sinks`): the sink is a per-head logit there, not position 0's key."""
     if any(getattr(getattr(layer, "self_attn", None), "sinks", None) is not None for layer in _decoder(model).layers):
         raise UserError(
-            f"{type(_base(model)).__name__} has learned attention sinks (a per-head sink logit), "
+            f"{type(unwrap_model(model)).__name__} has learned attention sinks (a per-head sink logit), "
             "but SinkProtection holds the key of position 0, which is not the sink there",
             "protect a model whose sink is its first token (Llama, Qwen, OLMo, Gemma, ...)",
         )
 
 
 def check_no_virtual_tokens(virtual: Any, what: str) -> None:
-    """Refuse a prompt-learning adapter (`adapters.VirtualTokens`, None: none): it puts virtual tokens before every
-    prompt, so position 0 is a virtual token, not the real first token whose key a plan holds (measuring its base
-    instead would put the base's statistics under the adapter's name)."""
+    """Refuse a prompt-learning adapter (`adapters.VirtualTokens`, None: none): position 0 is a virtual token there,
+    not the real first token whose key a plan holds."""
     if virtual is not None:
         raise UserError(
             f"{what}: a {virtual.method} adapter puts {virtual.n} virtual tokens before every prompt, so position 0 "
@@ -309,10 +266,24 @@ def sink_geometry(
     model: Any, sink_token_id: int, layers: list[int]
 ) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Per layer: (x_s [hidden], k_s [kv, d], pre-norm q_s [heads * d]) of the sink token at position 0."""
+    _, _, n_kv, d = _shape(model)
+    got = _attention_inputs(model, layers, [[sink_token_id]], position_ids=[[0]])
+    return {
+        l: (
+            x.reshape(-1).double().cpu().numpy(),
+            k.reshape(n_kv, d).double().cpu().numpy(),
+            q.reshape(-1).double().cpu().numpy(),
+        )
+        for l, (x, k, q) in got.items()
+    }
+
+
+def _attention_inputs(model: Any, layers: list[int], input_ids: Any, position_ids: Any = None) -> dict[int, tuple]:
+    """Per layer, from one forward of `input_ids` [1, L]: (the input of q_proj and k_proj, the key after k_norm where
+    present, the pre-norm query)."""
     import torch
 
     dec = _decoder(model)
-    _, _, n_kv, d = _shape(model)
     got: dict[tuple[int, str], torch.Tensor] = {}
     hooks = []
     for l in layers:
@@ -323,23 +294,15 @@ def sink_geometry(
         hooks.append(attn.q_proj.register_forward_hook(lambda m, a, out, l=l: got.__setitem__((l, "q"), out.detach())))
     try:
         dev = _input_device(model)
+        positions = None if position_ids is None else torch.as_tensor(position_ids, dtype=torch.long, device=dev)
         with torch.no_grad():
-            _base(model)(
-                input_ids=torch.tensor([[sink_token_id]], device=dev),
-                position_ids=torch.zeros((1, 1), dtype=torch.long, device=dev),
-                use_cache=False,
+            unwrap_model(model)(
+                input_ids=torch.as_tensor(input_ids, device=dev), position_ids=positions, use_cache=False
             )
     finally:
         for h in hooks:
             h.remove()
-    return {
-        l: (
-            got[(l, "x")].reshape(-1).double().cpu().numpy(),
-            got[(l, "k")].reshape(n_kv, d).double().cpu().numpy(),
-            got[(l, "q")].reshape(-1).double().cpu().numpy(),
-        )
-        for l in layers
-    }
+    return {l: (got[(l, "x")], got[(l, "k")], got[(l, "q")]) for l in layers}
 
 
 def _start_sha(model: Any, layers: list[int]) -> str:
@@ -380,11 +343,8 @@ def select_sink_heads(
     protect: ProtectSettings = ProtectSettings(),
     progress: bool = True,
 ) -> ProtectionPlan:
-    """Capture the calibration prompts on the start model and choose the heads to protect.
-
-    A head is selected when its median sink log-odds over the rows (`settings.rows`) exceeds
-    `protect.threshold` and its argmax key is position 0 in at least `protect.min_pos0_fraction` of them.
-    """
+    """Capture the calibration prompts on the start model and choose the heads to protect (`select_head` over the
+    rows `settings.rows` says)."""
     from lm_eval_sink.adapters import adapted
     from lm_eval_sink.calibration import encode_prompts, load_prompts
     from lm_eval_sink.capture import capture_prompts
@@ -400,7 +360,7 @@ def select_sink_heads(
     sink_token = _common_first_token(encoded.input_ids)
     layers = settings.layers_for(n_layers)
     captures = capture_prompts(
-        _base(model), encoded, layers, settings.batching(), progress=progress, desc="protect-plan capture"
+        unwrap_model(model), encoded, layers, settings.batching(), progress=progress, desc="protect-plan capture"
     )
     heads = _choose_heads(captures, layers, n_heads // n_kv, settings.rows, protect)
     chosen: dict[int, list[int]] = {}
@@ -444,15 +404,12 @@ def _choose_heads(
     captures: list[Any], layers: list[int], group: int, rows: str, protect: ProtectSettings
 ) -> tuple[HeadChoice, ...]:
     """Every captured head's choice, in (layer, head) order, from its rows' sink log-odds and argmax keys."""
-    logodds = np.concatenate([c.sink_logodds for c in captures], axis=2)
-    pos = np.concatenate([c.sink_pos for c in captures], axis=2)
-    content = np.concatenate([c.content for c in captures])
-    used = content if rows == "content" else np.ones_like(content)
+    logodds, pos = (captured_rows(captures, quantity, rows) for quantity in ("sink_logodds", "sink_pos"))
     heads = []
     for li, l in enumerate(layers):
         for h in range(logodds.shape[1]):
-            p = pos[li, h, used]
-            frac, med = float((p == 0).mean()), float(np.median(logodds[li, h, used]))
+            p = pos[li, h]
+            frac, med = float((p == 0).mean()), float(np.median(logodds[li, h]))
             ok, why = select_head(med, frac, protect.threshold, protect.min_pos0_fraction)
             heads.append(
                 HeadChoice(
@@ -511,14 +468,9 @@ def _layer_plans(
 
 
 class SinkProtection(TrainerCallback):
-    """Apply a plan during training: `freeze(model)` once, `project_(model)` after each optimizer step.
-
-    As a Trainer callback it freezes in `on_init_end` (when `freeze`: before the optimizer and DDP
-    exist; added later, `on_train_begin` freezes in one process and refuses under several) and
-    projects in `on_step_end` (when `project`; with `freeze` alone it only resets the sink embedding row).
-    The start weights are taken at the first call, and must be the ones the plan was made from; they,
-    x^ and each KV head's U then stay on their layer's device (moved once if the model moves later).
-    """
+    """Apply a plan during training: `freeze(model)` once, `project_(model)` after each optimizer step; as a Trainer
+    callback it freezes in `on_init_end` and projects in `on_step_end` (docs/training.md, "DDP"). The start weights,
+    taken at the first call, must be the ones the plan was made from."""
 
     def __init__(self, plan: ProtectionPlan, freeze: bool = True, project: bool = True) -> None:
         self.plan = plan
@@ -532,11 +484,8 @@ class SinkProtection(TrainerCallback):
         return cls(read_plan(path), freeze=freeze, project=project)
 
     def _bind(self, model: Any) -> dict[str, Any]:
-        """The start weights, each protected layer's x^ and each KV head's U (float64), on the weights' devices.
-
-        Taken at the first call (and checked against the plan); a tensor is moved once when its layer has
-        moved since (a Trainer places the model after `freeze`), so no step copies between host and device.
-        """
+        """The start weights, each protected layer's x^ and each KV head's U (float64), taken at the first call and
+        moved once when their layer has moved since (a Trainer places the model after `freeze`), never per step."""
         if self._start is None:
             self._start = self._take_start(model)
         dec = _decoder(model)
@@ -551,19 +500,13 @@ class SinkProtection(TrainerCallback):
 
     def _check_model(self, model: Any) -> None:
         """Refuse a sharded model, learned sinks, another shape or other start weights than the plan's."""
-        check_unsharded(_base(model))
+        check_unsharded(unwrap_model(model))
         check_no_learned_sinks(model)
-        n_layers, n_heads, n_kv, d = _shape(model)
-        if (n_layers, n_heads, n_kv, d) != (
-            self.plan.n_layers,
-            self.plan.n_heads,
-            self.plan.n_kv_heads,
-            self.plan.head_dim,
-        ):
+        plan, (n_layers, n_heads, n_kv, d) = self.plan, _shape(model)
+        if (n_layers, n_heads, n_kv, d) != (plan.n_layers, plan.n_heads, plan.n_kv_heads, plan.head_dim):
             raise UserError(
-                f"the plan is for {self.plan.n_layers} layers x {self.plan.n_heads} heads "
-                f"({self.plan.n_kv_heads} KV, dim {self.plan.head_dim}), "
-                f"the model has {n_layers} x {n_heads} ({n_kv}, {d})",
+                f"the plan is for {plan.n_layers} layers x {plan.n_heads} heads ({plan.n_kv_heads} KV, dim "
+                f"{plan.head_dim}), the model has {n_layers} x {n_heads} ({n_kv}, {d})",
                 "make the plan from this model with `lm-eval-sink protect-plan`",
             )
         if _start_sha(model, [lp.layer for lp in self.plan.layers]) != self.plan.start_sha256:
@@ -573,7 +516,7 @@ class SinkProtection(TrainerCallback):
             )
 
     def _take_start(self, model: Any) -> dict[str, Any]:
-        """Copies of the weights the rules hold or project against, and x^ and U built once on their layer's device."""
+        """Copies of the weights the rules hold or project against, and x^ and U built once (`_bind` places them)."""
         import torch
 
         self._check_model(model)
@@ -590,12 +533,9 @@ class SinkProtection(TrainerCallback):
                 norm = getattr(attn, name, None)
                 if getattr(norm, "weight", None) is not None:
                     start[f"{lp.layer}.{name}.weight"] = norm.weight.detach().clone()
-            device = _linear(attn.q_proj).weight.device
-            start[f"{lp.layer}.x_hat"] = torch.tensor(lp.x_hat, dtype=torch.float64, device=device)
+            start[f"{lp.layer}.x_hat"] = torch.tensor(lp.x_hat, dtype=torch.float64)
             for g in lp.kv_heads:
-                start[f"{lp.layer}.basis.{g}"] = torch.tensor(
-                    self.plan.basis(lp, g), dtype=torch.float64, device=device
-                )
+                start[f"{lp.layer}.basis.{g}"] = torch.tensor(self.plan.basis(lp, g), dtype=torch.float64)
         return start
 
     def _to_freeze(self, model: Any) -> list[tuple[str, Any]]:
@@ -631,9 +571,8 @@ class SinkProtection(TrainerCallback):
         start = self._bind(model)
         dec = _decoder(model)
         d = self.plan.head_dim
+        self._reset_sink_row(model)
         with torch.no_grad():
-            if self._frozen:
-                dec.embed_tokens.weight[self.plan.sink_token_id].copy_(start["embed_row"])
             for lp in self.plan.layers:
                 attn = dec.layers[lp.layer].self_attn
                 self._rule_k(attn.k_proj, start, lp, d)
@@ -683,31 +622,15 @@ class SinkProtection(TrainerCallback):
                 lin.bias[rows] = (b0[rows].double() + db - u @ (u.T @ db)).to(lin.bias.dtype)
 
     def report(self, model: Any, input_ids: Any) -> dict[str, Any]:
-        """Per protected layer: max |dk_s| over its KV heads and the QK-norm ratios on `input_ids` [1, L].
-
-        `q_norm_ratio` is min / max over (position >= 1, protected head) of |u_i0| / |u_i|
-        (per-head QK-norm) or |Q0(x_i)| / |Q(x_i)| (layerwise); 1 means the sink logit through
-        W_q is unchanged; None without QK-norm (there the logit itself is held for tau = 0).
-        """
+        """Per protected layer: max |dk_s| over its KV heads and `q_norm_ratio`, the (min, max) over positions >= 1 and
+        protected heads of |u_i0| / |u_i| (per-head QK-norm) or |Q0(x_i)| / |Q(x_i)| (layerwise; None: no QK-norm)."""
         import torch
 
         start = self._bind(model)
         dec = _decoder(model)
         layers = [lp.layer for lp in self.plan.layers]
         geometry = sink_geometry(model, self.plan.sink_token_id, layers)
-        inputs: dict[int, torch.Tensor] = {}
-        hooks = [
-            dec.layers[l].self_attn.q_proj.register_forward_pre_hook(
-                lambda m, a, l=l: inputs.__setitem__(l, a[0].detach())
-            )
-            for l in layers
-        ]
-        try:
-            with torch.no_grad():
-                _base(model)(input_ids=torch.as_tensor(input_ids, device=_input_device(model)), use_cache=False)
-        finally:
-            for h in hooks:
-                h.remove()
+        inputs = {l: x for l, (x, _, _) in _attention_inputs(model, layers, input_ids).items()}
         d, out = self.plan.head_dim, {}
         for lp in self.plan.layers:
             k_now = geometry[lp.layer][1]
@@ -735,11 +658,11 @@ class SinkProtection(TrainerCallback):
     def on_init_end(self, args, state, control, model=None, **kwargs):
         """Freeze when the Trainer is built: before it makes the optimizer and before DDP wraps the model."""
         if self.do_freeze and model is not None:
-            check_unsharded(_base(model), args)
+            check_unsharded(unwrap_model(model), args)
             self.freeze(model)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        check_unsharded(_base(model), args)
+        check_unsharded(unwrap_model(model), args)
         self._bind(model)
         if not self.do_freeze:
             return
@@ -751,11 +674,16 @@ class SinkProtection(TrainerCallback):
             )
         self.freeze(model)
 
+    def _reset_sink_row(self, model: Any) -> None:
+        """After a step with the position-0 path frozen: the sink token's embedding row back to its start value."""
+        import torch
+
+        if self._frozen:
+            with torch.no_grad():
+                _decoder(model).embed_tokens.weight[self.plan.sink_token_id].copy_(self._bind(model)["embed_row"])
+
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if self.do_project:
             self.project_(model)
-        elif self._frozen:
-            import torch
-
-            with torch.no_grad():
-                _decoder(model).embed_tokens.weight[self.plan.sink_token_id].copy_(self._bind(model)["embed_row"])
+        else:
+            self._reset_sink_row(model)
