@@ -1,9 +1,6 @@
-"""Reading and writing files: atomic writes, canonical JSON, hashes of bytes and text, and the readers of a user's
-text, JSON and JSONL that name the file and line of what is wrong.
-
-Every file this project writes goes through `atomic_write_*` (unique temp sibling, fsync, `os.replace`), so a reader
-sees the old file or the new one, never half of one; a write that fails for want of room is one `DiskFull` line.
-An output folder is built by `outputs.staged_dir`; results are keyed in `keys.py`. Standard library only.
+"""Reading and writing files: atomic writes (a temp sibling, fsync, `os.replace`; a full disk is one `DiskFull` line),
+canonical JSON, hashes, and the readers of a user's text, JSON and JSONL that name the file and line of what is
+wrong. Standard library only.
 """
 
 from __future__ import annotations

@@ -1,13 +1,5 @@
-"""One writer per output folder: an exclusive, non-blocking file lock with a record of its holder.
-
-`hold(folder)` locks `<folder>/.lock` (the folder is created); `hold(folder, sibling=True)` locks
-`<folder>.lock` beside it, for folders that are built staged and renamed (`outputs.staged_dir` takes
-that one itself). The holder writes `<lock>.json` (host, pid, argv, started_utc); a second
-process gets one line naming the holder. The lock file and its record are removed on release, and
-a folder the lock itself created is removed again if nothing else was written to it. The lock is
-the OS's (filelock: flock on POSIX), so a killed holder frees it at once (its lock file stays until
-the next holder takes it over and releases it). Reentrant within a process. Lock files are left
-out of every tree hash (`identity.SKIPPED_NAMES`).
+"""One writer per output folder: an exclusive, non-blocking OS file lock (`hold`) with a record of its holder, so a
+second process gets one line naming it and a killed holder frees it at once (docs/identity.md, 'Locks').
 """
 
 from __future__ import annotations
@@ -48,13 +40,9 @@ _HELD: dict[Path, int] = {}  # lock file -> pid of this process while it holds i
 
 @contextlib.contextmanager
 def hold(folder: Path, sibling: bool = False, wait: Callable[[str, float], None] | None = None) -> Iterator[Path]:
-    """Hold the lock of `folder` for the block; refuse with one line when another process holds it, or with `wait`
-    wait until it lets go, calling `wait(holder, seconds waited)` at once and every `WAIT_NOTE_S` (its progress).
-
-    `<folder>/.lock` (the folder is created), or with `sibling` `<folder>.lock` beside it, for a
-    folder built staged and renamed. Reentrant within a process (an outer holder keeps it). The
-    lock file and its record are removed on release, so a finished run leaves no lock file.
-    """
+    """Hold `<folder>/.lock` (or with `sibling` `<folder>.lock`) for the block, reentrant within a process; refuse with
+    one line when another process holds it, or with `wait` wait, calling `wait(holder, seconds waited)` at once and
+    every `WAIT_NOTE_S`. The lock file and its record are removed on release."""
     from filelock import FileLock, Timeout
 
     folder = Path(folder)

@@ -1,19 +1,10 @@
-"""The one resolver for lm-eval runs, used by every command that reads saved runs.
-
-lm-eval writes `<output_path>/<sanitized model>/results_<ts>.json` and
-`samples_<task>_<ts>.jsonl` beside it. An argument naming a run may be:
-- a results JSON: the run is that file plus the samples files of the same timestamp;
-- a samples JSONL: that file (its task from the name) plus the results file of its timestamp;
-- a model folder (`<output_path>/<model>/`): its newest results file and its samples;
-- an output folder holding exactly one model folder: that model folder;
-- a sweep's eval folder (`<sweep output>/evals/<checkpoint>/`): the run its COMPLETE marker names.
-Several model folders, or samples without any results file of the same time, are an error that
-lists what was found. Standard library only (and io's marker name).
+"""The one resolver for lm-eval runs, used by every command that reads saved runs: a results JSON, a samples JSONL,
+a model folder (its newest results), an output folder holding one model folder, or a sweep's eval folder (the run
+its COMPLETE marker names) resolves to one run's results and samples files of the same timestamp.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,13 +82,9 @@ def _model_folder(folder: Path) -> RunFiles:
 
 def _sweep_eval_results(folder: Path) -> Path | None:
     """The results file a sweep's eval folder (`evals/<checkpoint>/`) names in its COMPLETE marker, else None."""
-    from lm_eval_sink.outputs import COMPLETE
+    from lm_eval_sink.outputs import read_complete
 
-    try:
-        marker = json.loads((folder / COMPLETE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    results = marker.get("results") if isinstance(marker, dict) else None
+    results = (read_complete(folder) or {}).get("results")
     return folder / results if isinstance(results, str) and (folder / results).is_file() else None
 
 

@@ -1,10 +1,5 @@
-"""Extract a VLM's language backbone as a standalone causal LM, and inject one back.
-
-One mechanism, configured per VLM family by `lm_eval_sink/architectures/<family>.json`
-(docs/extraction.md). Modules, data first: `families` (the family files and their schema),
-`checkpoint` (streaming safetensors I/O), `rules` (a tensor rule forward and inverse), `plan`
-(what becomes what, decided from headers and configs before data moves), `verify` (the logit
-round trip) and `pipeline` (the one pipeline both directions run).
+"""Extract a VLM's language backbone as a standalone causal LM, and inject one back: one mechanism configured per
+VLM family by `lm_eval_sink/architectures/<family>.json` (docs/extraction.md, 'Package layout').
 """
 
 from lm_eval_sink.extract.families import Family, load_families, parse_family

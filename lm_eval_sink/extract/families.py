@@ -1,10 +1,6 @@
-"""VLM family files: `lm_eval_sink/architectures/<family>.json`, read through the schema layer.
-
-A family names the VLM class, where its text config lives, the target causal-LM type and how its
-config is derived from the text config, ordered tensor rules and the ignored (vision) tensors;
-`variants` pick another target and extra rules by the text config (docs/extraction.md, 'Adding
-a VLM family'). Reading is strict: unknown keys, bad regexes and templates that use a group
-their pattern does not have are errors naming the file and the key.
+"""VLM family files (`lm_eval_sink/architectures/<family>.json`), read strictly through the schema layer: unknown
+keys, bad regexes and templates using a group their pattern lacks are errors naming the file and the key
+(docs/extraction.md, 'Adding a VLM family').
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""Planning: everything decided from configs and safetensors headers before any data moves.
-
-The family's rules claim each checkpoint tensor (the first matching rule wins; `ignore` patterns
-name the vision tensors; anything else is an error listing the unclaimed tensors). The target
-config is derived from the VLM's text config, and the produced tensor names and shapes must equal
-exactly what `save_pretrained` of the target class writes (computed on the meta device), so a
-missing, extra or mis-shaped tensor is reported before any data is read. The output layout
-(which tensor goes to which shard, in which order) is planned here too.
+"""Planning: everything decided from configs and safetensors headers before any data moves: which rule claims each
+tensor, the target config, the names and shapes `save_pretrained` of the target class writes (on the meta device,
+so a missing, extra or mis-shaped tensor is reported first), tying, and the output layout.
 """
 
 from __future__ import annotations

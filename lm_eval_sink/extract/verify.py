@@ -1,7 +1,6 @@
-"""Verification by round-trip logits: a fixed text-only probe through the VLM's own forward and
-through the standalone backbone. It passes when max |logit difference| <= atol + rtol * max |VLM
-logit| (per dtype, `TOLERANCES`) and the backbone loaded with no missing, unexpected or
-mismatched keys and finite logits. Loading the two models is the pipeline's job."""
+"""Verification by round-trip logits: a fixed text-only probe through the VLM's own forward and the standalone
+backbone, passing within a per-dtype tolerance (`TOLERANCES`) with no missing, unexpected or mismatched keys.
+"""
 
 from __future__ import annotations
 
@@ -34,16 +33,6 @@ class Verification:
     dtype: str
     probe_tokens: int
     reason: str | None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "passed": self.passed,
-            "max_abs_diff": self.max_abs_diff,
-            "tolerance": self.tolerance,
-            "dtype": self.dtype,
-            "probe_tokens": self.probe_tokens,
-            "reason": self.reason,
-        }
 
 
 def multimodal_token_ids(vlm_config: Any) -> set[int]:
