@@ -62,18 +62,18 @@ def _samples_of(folder: Path, ts: str) -> dict[str, Path]:
     return out
 
 
+def _run_at(folder: Path, ts: str) -> RunFiles:
+    """The run of `folder` at time `ts`: its results file (if any) and its samples files of that time."""
+    results = folder / f"results_{ts}.json"
+    return RunFiles(folder, ts, results if results.is_file() else None, _samples_of(folder, ts))
+
+
 def _model_folder(folder: Path) -> RunFiles:
-    results = sorted(
-        (p for p in folder.iterdir() if _RESULTS_RE.match(p.name)), key=lambda p: _RESULTS_RE.match(p.name)["ts"]
-    )
-    if results:
-        newest = results[-1]
-        ts = _RESULTS_RE.match(newest.name)["ts"]
-        return RunFiles(folder=folder, timestamp=ts, results=newest, samples=_samples_of(folder, ts))
-    samples = [p for p in folder.iterdir() if _SAMPLES_RE.match(p.name)]
-    if samples:
-        ts = max(_SAMPLES_RE.match(p.name)["ts"] for p in samples)
-        return RunFiles(folder=folder, timestamp=ts, results=None, samples=_samples_of(folder, ts))
+    """The newest run of a model folder: its newest results file, else its newest samples."""
+    stamps = [m["ts"] for p in folder.iterdir() if (m := _RESULTS_RE.match(p.name))]
+    stamps = stamps or [m["ts"] for p in folder.iterdir() if (m := _SAMPLES_RE.match(p.name))]
+    if stamps:
+        return _run_at(folder, max(stamps))
     raise UserError(
         f"{folder}: no lm-eval results_*.json or samples_*.jsonl here",
         "pass an lm-eval --output_path folder, a results JSON or a samples JSONL",
@@ -98,9 +98,7 @@ def resolve_run(arg: str | Path) -> RunFiles:
     if path.is_file():
         m = _RESULTS_RE.match(path.name)
         if m:
-            return RunFiles(
-                folder=path.parent, timestamp=m["ts"], results=path, samples=_samples_of(path.parent, m["ts"])
-            )
+            return _run_at(path.parent, m["ts"])
         m = _SAMPLES_RE.match(path.name)
         if m:
             res = path.parent / f"results_{m['ts']}.json"

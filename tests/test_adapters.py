@@ -119,39 +119,6 @@ def test_an_adapter_where_a_whole_model_is_read_is_one_line(base_and_adapter, tm
     assert "pretrained=BASE,peft=ADAPTER" in line and not (tmp_path / "o").exists()
 
 
-def test_lm_eval_peft_model_args_measure_the_adapter(base_and_adapter, tiny_tokenizer):
-    """`sink_strength_n5` (SETTINGS' prompts) with peft=ADAPTER: the base's S (the same as the task's, tested
-    elsewhere) + DELTA."""
-    import lm_eval
-
-    base, adapter = base_and_adapter["base"], base_and_adapter["adapter"]
-    res = lm_eval.simple_evaluate(
-        model="hf", model_args=f"pretrained={base},peft={adapter}", tasks=["sink_strength_n5"], device="cpu"
-    )
-    want = _base_strength(base_and_adapter, tiny_tokenizer)[1] + DELTA
-    assert res["results"]["sink_strength_n5"]["sink_strength,none"] == pytest.approx(want, abs=1e-5)
-    assert res["configs"]["sink_strength_n5"]["metadata"]["capture"]["adapter"] == str(adapter)
-
-
-def test_callback_measures_a_peft_model_through_its_adapter(base_and_adapter, tiny_tokenizer, tmp_path):
-    """The callback's unwrap: the LoRA layers stay active; train mode and requires_grad are restored."""
-    from transformers import TrainerControl, TrainerState, TrainingArguments
-
-    from lm_eval_sink.training import SinkStrengthCallback
-
-    base, s_base = _base_strength(base_and_adapter, tiny_tokenizer)
-    want = s_base + DELTA
-    model = _lora(base).train()
-    grads = {n: p.requires_grad for n, p in model.named_parameters()}
-    cb = SinkStrengthCallback(tiny_tokenizer, SETTINGS, output_dir=tmp_path)
-    args = TrainingArguments(output_dir=str(tmp_path), report_to=[])
-    with pytest.warns(SinkWarning, match="not attached to a trainer"):
-        cb.on_train_begin(args, TrainerState(), TrainerControl(), model=model)
-    assert cb.records[0]["sink_strength"] == pytest.approx(want, abs=1e-5)
-    assert model.training and {n: p.requires_grad for n, p in model.named_parameters()} == grads
-    assert any(grads.values()) and not all(grads.values())  # LoRA weights trainable, the base frozen
-
-
 def _virtual_embedding() -> torch.Tensor:
     v = torch.zeros(sm.H)
     v[0], v[1] = F, math.sqrt(1 - F * F)
@@ -227,36 +194,50 @@ def test_strength_of_prompt_learning_adapters_counts_their_virtual_tokens(virtua
         assert "first virtual token" in virtual["position_0"] and "1..L-1" in virtual["rows"]
 
 
-def test_lm_eval_peft_model_args_measure_prompt_tuning_with_its_virtual_tokens(
-    base_and_adapter, virtual_adapters, tiny_tokenizer
-):
+@pytest.mark.parametrize("method", ["lora", "prompt_tuning"])
+def test_lm_eval_peft_model_args_measure_the_adapter(method, base_and_adapter, virtual_adapters, tiny_tokenizer):
+    """`sink_strength_n5` (SETTINGS' prompts) with peft=ADAPTER: the base's S (the same as the task's, tested
+    elsewhere) + DELTA for the LoRA, the closed form with its virtual tokens for prompt tuning."""
     import lm_eval
 
-    base, adapter = base_and_adapter["base"], virtual_adapters["prompt_tuning"]
+    base = base_and_adapter["base"]
+    adapter = base_and_adapter["adapter"] if method == "lora" else virtual_adapters[method]
     res = lm_eval.simple_evaluate(
         model="hf", model_args=f"pretrained={base},peft={adapter}", tasks=["sink_strength_n5"], device="cpu"
     )
-    assert res["results"]["sink_strength_n5"]["sink_strength,none"] == pytest.approx(
-        _virtual_strength(tiny_tokenizer), abs=1e-5
+    want = (
+        _base_strength(base_and_adapter, tiny_tokenizer)[1] + DELTA
+        if method == "lora"
+        else _virtual_strength(tiny_tokenizer)
     )
+    assert res["results"]["sink_strength_n5"]["sink_strength,none"] == pytest.approx(want, abs=1e-5)
     capture = res["configs"]["sink_strength_n5"]["metadata"]["capture"]
-    assert capture["adapter"] == str(adapter) and capture["virtual_tokens"]["n_virtual_tokens"] == N_VIRTUAL
+    assert capture["adapter"] == str(adapter)
+    assert method == "lora" or capture["virtual_tokens"]["n_virtual_tokens"] == N_VIRTUAL
 
 
-def test_callback_measures_a_prompt_tuning_run_with_its_virtual_tokens(base_and_adapter, tiny_tokenizer, tmp_path):
+@pytest.mark.parametrize("method", ["lora", "prompt_tuning"])
+def test_callback_measures_a_peft_model_through_its_adapter(method, base_and_adapter, tiny_tokenizer, tmp_path):
+    """The callback's unwrap: the LoRA layers stay active, prompt tuning's virtual tokens are counted; train mode and
+    requires_grad are restored."""
     from transformers import AutoModelForCausalLM, TrainerControl, TrainerState, TrainingArguments
 
     from lm_eval_sink.training import SinkStrengthCallback
 
-    model = _prompt_learning(AutoModelForCausalLM.from_pretrained(base_and_adapter["base"]), "prompt_tuning").train()
+    if method == "lora":
+        base, s_base = _base_strength(base_and_adapter, tiny_tokenizer)
+        model, want = _lora(base).train(), s_base + DELTA
+    else:
+        base = AutoModelForCausalLM.from_pretrained(base_and_adapter["base"])
+        model, want = _prompt_learning(base, method).train(), _virtual_strength(tiny_tokenizer)
     grads = {n: p.requires_grad for n, p in model.named_parameters()}
     cb = SinkStrengthCallback(tiny_tokenizer, SETTINGS, output_dir=tmp_path)
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[])
     with pytest.warns(SinkWarning, match="not attached to a trainer"):
-        cb.on_train_begin(
-            TrainingArguments(output_dir=str(tmp_path), report_to=[]), TrainerState(), TrainerControl(), model=model
-        )
-    assert cb.records[0]["sink_strength"] == pytest.approx(_virtual_strength(tiny_tokenizer), abs=1e-5)
+        cb.on_train_begin(args, TrainerState(), TrainerControl(), model=model)
+    assert cb.records[0]["sink_strength"] == pytest.approx(want, abs=1e-5)
     assert model.training and {n: p.requires_grad for n, p in model.named_parameters()} == grads
+    assert any(grads.values()) and not all(grads.values())  # the adapter's weights trainable, the base frozen
 
 
 def test_adaption_prompts_and_virtual_tokens_in_margin_are_one_line(

@@ -75,37 +75,56 @@ def _tree_hash(root: Path) -> str:
     return h.hexdigest()
 
 
-# (command, argv as a template over the world's names, how the output overlaps the input, the input named)
-CASES = [
-    ("merge", ["merge", "{merge_yaml}", "{reference}"], "is", "reference"),
-    ("merge-parent", ["merge", "{merge_yaml}", "{models}"], "contains", "reference"),
-    ("extract", ["extract", "{vlm}", "{vlm}", "--quiet"], "is", "vlm"),
-    ("inject", ["inject", "{reference}", "{vlm}", "{root}", "--quiet"], "contains", "vlm"),
-    ("strength", ["strength", "{reference}", "--output", "{reference}/s", "--quiet"], "lies inside", "reference"),
-    ("screen", ["screen", "{candidate}", "--output", "{models}", "--quiet"], "contains", "candidate"),
-    ("sweep", ["sweep", "{sweep_yaml}", "--output", "{reference}", "--quiet"], "is", "reference"),
-    ("buckets", ["buckets", "{ref_run}", "{cand_run}", "--output", "{ref_run}", "--quiet"], "is", "ref_run"),
-    ("fit", ["fit", "{pairs}", "--output", "{pairs}"], "is", "pairs"),
-    ("margin", ["margin", "{reference}", "{candidate}", "--output", "{candidate}/m", "--quiet"], "lies inside",
-     "candidate"),
-    ("protect-plan", ["protect-plan", "{reference}", "-o", "{reference}/plan.json", "--quiet"], "lies inside",
-     "reference"),
-    ("report", ["report", "--strength", "{strength_json}", "{strength_json}", "-o", "{strength_json}"], "is",
-     "strength_json"),
-    ("configs-render", ["configs", "render", "tsv", "--reference", "{reference}", "--candidate", "{candidate}", "-o",
-                        "{candidate}/tsv.yaml"], "lies inside", "candidate"),
-    ("eval", ["eval", "{reference}", "--protocol", "instruct", "--tasks", "ifeval", "--output", "{models}"],
-     "contains", "reference"),
-    ("attribute", ["attribute", "--reference", "{ref_run}", "--candidate", "{cand_run}", "--output", "{root}"],
-     "contains", "ref_run"),
-    ("protocol-show", ["protocol", "show", "{ref_run}", "-o", "{ref_run}/fp.json"], "lies inside", "ref_run"),
-    ("protocol-diff", ["protocol", "diff", "{ref_run}", "{cand_run}", "-o", "{cand_run}"], "is", "cand_run"),
+# Every writing command, its output as `{out}`.
+WRITERS = [
+    ("merge", ["merge", "{merge_yaml}", "{out}"]),
+    ("extract", ["extract", "{vlm}", "{out}", "--quiet"]),
+    ("inject", ["inject", "{reference}", "{vlm}", "{out}", "--quiet"]),
+    ("strength", ["strength", "{reference}", "--output", "{out}", "--quiet"]),
+    ("screen", ["screen", "{candidate}", "--output", "{out}", "--quiet"]),
+    ("sweep", ["sweep", "{sweep_yaml}", "--output", "{out}", "--quiet"]),
+    ("buckets", ["buckets", "{ref_run}", "{cand_run}", "--output", "{out}", "--quiet"]),
+    ("fit", ["fit", "{pairs}", "--output", "{out}"]),
+    ("margin", ["margin", "{reference}", "{candidate}", "--output", "{out}", "--quiet"]),
+    ("protect-plan", ["protect-plan", "{reference}", "-o", "{out}", "--quiet"]),
+    ("report", ["report", "--strength", "{strength_json}", "{strength_json}", "-o", "{out}"]),
+    ("configs-render", ["configs", "render", "tsv", "--reference", "{reference}", "--candidate", "{candidate}",
+                        "-o", "{out}"]),
+    ("eval", ["eval", "{reference}", "--protocol", "instruct", "--tasks", "ifeval", "--output", "{out}"]),
+    ("attribute", ["attribute", "--reference", "{ref_run}", "--candidate", "{cand_run}", "--output", "{out}"]),
+    ("protocol-show", ["protocol", "show", "{ref_run}", "-o", "{out}"]),
+    ("protocol-diff", ["protocol", "diff", "{ref_run}", "{cand_run}", "-o", "{out}"]),
+    ("models-convert", ["models", "convert", "{gguf}", "{out}"]),
 ]  # fmt: skip
+
+# (command, its output, how the output overlaps the input, the input named)
+OVERLAPS = [
+    ("merge", "{reference}", "is", "reference"),
+    ("merge", "{models}", "contains", "reference"),
+    ("extract", "{vlm}", "is", "vlm"),
+    ("inject", "{root}", "contains", "vlm"),
+    ("strength", "{reference}/s", "lies inside", "reference"),
+    ("screen", "{models}", "contains", "candidate"),
+    ("sweep", "{reference}", "is", "reference"),
+    ("buckets", "{ref_run}", "is", "ref_run"),
+    ("fit", "{pairs}", "is", "pairs"),
+    ("margin", "{candidate}/m", "lies inside", "candidate"),
+    ("protect-plan", "{reference}/plan.json", "lies inside", "reference"),
+    ("report", "{strength_json}", "is", "strength_json"),
+    ("configs-render", "{candidate}/tsv.yaml", "lies inside", "candidate"),
+    ("eval", "{models}", "contains", "reference"),
+    ("attribute", "{root}", "contains", "ref_run"),
+    ("protocol-show", "{ref_run}/fp.json", "lies inside", "ref_run"),
+    ("protocol-diff", "{cand_run}", "is", "cand_run"),
+]
 
 
 @pytest.mark.parametrize("force", [False, True], ids=["plain", "force"])
-@pytest.mark.parametrize(("argv", "how", "role"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_an_output_overlapping_an_input_is_refused_and_the_input_kept(world, user_error, argv, how, role, force):
+@pytest.mark.parametrize(("command", "out", "how", "role"), OVERLAPS, ids=[f"{c[0]}-{c[2]}" for c in OVERLAPS])
+def test_an_output_overlapping_an_input_is_refused_and_the_input_kept(
+    world, user_error, command, out, how, role, force
+):
+    argv = [a.replace("{out}", out) for a in dict(WRITERS)[command]]
     args = [a.format(**world) for a in argv] + (["--force"] if force else [])
     before = _tree_hash(world["root"])
     err = user_error(args)
@@ -143,28 +162,6 @@ def test_a_hub_models_snapshot_folder_is_an_input(world, tmp_path, monkeypatch, 
 
 
 # --- an output that cannot be written: one line naming it and why, before any work --------------------------
-
-# Every writing command, its output as `{out}`.
-WRITERS = [
-    ("merge", ["merge", "{merge_yaml}", "{out}"]),
-    ("extract", ["extract", "{vlm}", "{out}", "--quiet"]),
-    ("inject", ["inject", "{reference}", "{vlm}", "{out}", "--quiet"]),
-    ("strength", ["strength", "{reference}", "--output", "{out}", "--quiet"]),
-    ("screen", ["screen", "{candidate}", "--output", "{out}", "--quiet"]),
-    ("sweep", ["sweep", "{sweep_yaml}", "--output", "{out}", "--quiet"]),
-    ("buckets", ["buckets", "{ref_run}", "{cand_run}", "--output", "{out}", "--quiet"]),
-    ("fit", ["fit", "{pairs}", "--output", "{out}"]),
-    ("margin", ["margin", "{reference}", "{candidate}", "--output", "{out}", "--quiet"]),
-    ("protect-plan", ["protect-plan", "{reference}", "-o", "{out}", "--quiet"]),
-    ("report", ["report", "--strength", "{strength_json}", "{strength_json}", "-o", "{out}"]),
-    ("configs-render", ["configs", "render", "tsv", "--reference", "{reference}", "--candidate", "{candidate}",
-                        "-o", "{out}"]),
-    ("eval", ["eval", "{reference}", "--protocol", "instruct", "--tasks", "ifeval", "--output", "{out}"]),
-    ("attribute", ["attribute", "--reference", "{ref_run}", "--candidate", "{cand_run}", "--output", "{out}"]),
-    ("protocol-show", ["protocol", "show", "{ref_run}", "-o", "{out}"]),
-    ("protocol-diff", ["protocol", "diff", "{ref_run}", "{cand_run}", "-o", "{out}"]),
-    ("models-convert", ["models", "convert", "{gguf}", "{out}"]),
-]  # fmt: skip
 
 # (where the output goes, what the line must say): a pseudo-filesystem, a missing folder that cannot be made there,
 # a file in the path

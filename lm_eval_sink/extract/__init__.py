@@ -4,22 +4,16 @@ VLM family by `lm_eval_sink/architectures/<family>.json` (docs/extraction.md, 'P
 
 from lm_eval_sink.extract.families import Family, load_families, parse_family
 from lm_eval_sink.extract.pipeline import (
-    COMPLETE_FILE,
     FAILED_FILE,
-    INJECT_REPORT_FILE,
     REPORT_FILE,
     ExtractionReport,
     extract_backbone,
     inject_backbone,
 )
-from lm_eval_sink.extract.plan import DTYPE_CHOICES
 from lm_eval_sink.extract.verify import PROBE_TEXT, Verification
 
 __all__ = [
-    "COMPLETE_FILE",
-    "DTYPE_CHOICES",
     "FAILED_FILE",
-    "INJECT_REPORT_FILE",
     "PROBE_TEXT",
     "REPORT_FILE",
     "ExtractionReport",

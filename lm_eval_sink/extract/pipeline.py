@@ -58,10 +58,9 @@ log = logging.getLogger(__name__)
 DEFAULT_SHARD_BYTES = 5 * 1024**3
 REPORT_FILE = "extraction.json"
 INJECT_REPORT_FILE = "injection.json"
-COMPLETE_FILE = COMPLETE  # the project's one marker name (outputs.COMPLETE)
 FAILED_FILE = "FAILED.json"
 REPORT_FILES = {"extract": REPORT_FILE, "inject": INJECT_REPORT_FILE}
-_MARKER_FILES = (COMPLETE_FILE, FAILED_FILE, REPORT_FILE, INJECT_REPORT_FILE)
+_MARKER_FILES = (COMPLETE, FAILED_FILE, REPORT_FILE, INJECT_REPORT_FILE)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 _TOKENIZER_COPY = (
     *_TOKENIZER_FILES,

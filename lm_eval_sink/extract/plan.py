@@ -267,18 +267,17 @@ def _ties_absent_head(head: str | None, produced: dict[str, str], vlm_ties: bool
 
 def _check_names(want: set[str], produced: dict[str, str], target_class: str, family: Family, path: Path) -> None:
     """The produced tensor names must be exactly the ones the target class saves (`want`)."""
-    missing = sorted(want - set(produced))
-    extra = sorted(set(produced) - want)
-    if missing or extra:
-        parts = []
-        if missing:
-            parts.append(f"missing {len(missing)}: {', '.join(missing[:4])}")
-        if extra:
-            parts.append(f"unexpected {len(extra)}: {', '.join(extra[:4])}")
+    listed = _listed(("missing", sorted(want - set(produced))), ("unexpected", sorted(set(produced) - want)))
+    if listed:
         raise UserError(
-            f"{path}: the language tensors do not form a {target_class} ({'; '.join(parts)})",
+            f"{path}: the language tensors do not form a {target_class} ({listed})",
             f"the checkpoint does not match architectures/{family.name}.json; extend its rules",
         )
+
+
+def _listed(*groups: tuple[str, list[str]]) -> str:
+    """'missing 2: a, b; unexpected 1: c' of the groups that name any tensor (at most four names each)."""
+    return "; ".join(f"{what} {len(names)}: {', '.join(names[:4])}" for what, names in groups if names)
 
 
 def _check_shapes(
@@ -396,12 +395,10 @@ def check_backbone(
     extra = sorted(set(tensors) - set(needed))
     if plan.tied and extra == [plan.head]:
         extra = []  # checked against the embedding when written
-    if missing or extra:
-        parts = ([f"missing {len(missing)}: {', '.join(missing[:4])}"] if missing else []) + (
-            [f"not in the VLM {len(extra)}: {', '.join(extra[:4])}"] if extra else []
-        )
+    listed = _listed(("missing", missing), ("not in the VLM", extra))
+    if listed:
         raise UserError(
-            f"{backbone}: backbone tensors do not match the VLM's language model ({'; '.join(parts)})",
+            f"{backbone}: backbone tensors do not match the VLM's language model ({listed})",
             f"pass a backbone with the architecture of {vlm}'s language model",
         )
     for t in needed:
