@@ -117,17 +117,12 @@ def _deterministic_quiet_checker() -> Iterator[None]:
         checker_log.setLevel(old_level)
 
 
-def _checker():
+def check_instructions(doc: Mapping[str, Any], response: str, loose: bool) -> list[bool]:
+    """lm-eval's own IFEval check of one response: followed or not, per instruction of `doc`."""
     try:
         from lm_eval.tasks.ifeval import utils
     except ImportError as e:
         raise UserError(f"lm-eval's IFEval checker cannot be imported ({e})", "pip install 'lm-eval[ifeval]'") from None
-    return utils
-
-
-def check_instructions(doc: Mapping[str, Any], response: str, loose: bool) -> list[bool]:
-    """lm-eval's own IFEval check of one response: followed or not, per instruction of `doc`."""
-    utils = _checker()
     inp = utils.InputExample(
         key=doc.get("key"),
         instruction_id_list=list(doc["instruction_id_list"]),

@@ -109,14 +109,9 @@ def install() -> None:
     sys.meta_path.insert(0, finder)
 
 
-def pth_path() -> Path:
-    """Where the start-up file goes: this interpreter's purelib (site-packages)."""
-    return Path(sysconfig.get_paths()["purelib"]) / PTH_NAME
-
-
 def write_pth() -> Path:
-    """Install the start-up file into site-packages (for editable installs)."""
-    path = pth_path()
+    """Install the start-up file into this interpreter's purelib (site-packages; for editable installs)."""
+    path = Path(sysconfig.get_paths()["purelib"]) / PTH_NAME
     if not path.exists() or path.read_text() != PTH_LINE:
         path.write_text(PTH_LINE)
     return path

@@ -22,11 +22,6 @@ from lm_eval_sink.errors import UserError
 from lm_eval_sink.io import atomic_write_json
 
 
-def lock_path(folder: Path, sibling: bool = False) -> Path:
-    folder = Path(folder)
-    return folder.with_name(folder.name + ".lock") if sibling else folder / ".lock"
-
-
 def _holder(record: Path) -> str:
     try:
         info = json.loads(record.read_text(encoding="utf-8"))
@@ -48,7 +43,7 @@ def hold(folder: Path, sibling: bool = False, wait: Callable[[str, float], None]
     folder = Path(folder)
     if not sibling and folder.exists() and not folder.is_dir():
         raise UserError(f"{folder} is a file, not a folder", "pass a folder path")
-    path = lock_path(folder, sibling)
+    path = folder.with_name(folder.name + ".lock") if sibling else folder / ".lock"
     if _HELD.get(path.absolute()) == os.getpid():
         yield path
         return

@@ -223,13 +223,10 @@ def load_families() -> dict[str, Family]:
     return families
 
 
-def supported_model_types() -> list[str]:
-    return sorted(mt for fam in load_families().values() for mt in fam.model_types)
-
-
 def family_for(config: dict[str, Any], path: Path) -> Family:
     """The family of a VLM's config.json contents, or a UserError that says what is supported."""
     model_type = config.get("model_type")
+    supported = sorted(mt for fam in load_families().values() for mt in fam.model_types)
     for fam in load_families().values():
         if model_type in fam.model_types:
             return fam
@@ -245,6 +242,6 @@ def family_for(config: dict[str, Any], path: Path) -> Family:
             "evaluate or merge it as it is; extract takes a vision-language model",
         )
     raise UserError(
-        f"{path}: unsupported VLM architecture {model_type!r} (supported: {', '.join(supported_model_types())})",
+        f"{path}: unsupported VLM architecture {model_type!r} (supported: {', '.join(supported)})",
         "add an architectures/<family>.json for it (docs/extraction.md: 'Adding a VLM family')",
     )

@@ -24,6 +24,10 @@ from lm_eval_sink.weights import Tensor
 _DTYPE_NAMES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DTYPE_CHOICES = ("keep", *_DTYPE_NAMES)
 _MISSING = object()
+# Text-config keys the target config never takes over: the target class and the output decide them.
+_NOT_INHERITED = (
+    "model_type architectures _name_or_path transformers_version dtype torch_dtype auto_map tie_word_embeddings"
+).split()
 
 
 def _dotget(d: dict[str, Any], path: str) -> Any:
@@ -155,16 +159,7 @@ def _target_config(
         if old in d:
             d[new] = d.pop(old)
     d.update(dict(variant.target.set_config))
-    for key in (
-        "model_type",
-        "architectures",
-        "_name_or_path",
-        "transformers_version",
-        "dtype",
-        "torch_dtype",
-        "auto_map",
-        "tie_word_embeddings",
-    ):
+    for key in _NOT_INHERITED:
         d.pop(key, None)
     # Keys the target class does not declare are kept: modeling code reads some of them with
     # getattr (Qwen3-MoE's head_dim), so only the family's drop_config removes keys.
