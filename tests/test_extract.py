@@ -380,21 +380,12 @@ def test_qwen3_vl_moe_hub_layout_with_transposed_experts(vlm_dir, tmp_path):
     src = vlm_dir("qwen3_vl_moe")
     hub = tmp_path / "hub"
     shutil.copytree(src, hub)
+    experts = ("experts.gate_up_proj", "experts.down_proj")
     for f in hub.glob("*.safetensors"):
         sd = load_file(f)
-        if any(k.endswith(("experts.gate_up_proj", "experts.down_proj")) for k in sd):
-            save_file(
-                {
-                    k: (
-                        v.transpose(1, 2).contiguous()
-                        if k.endswith(("experts.gate_up_proj", "experts.down_proj"))
-                        else v
-                    )
-                    for k, v in sd.items()
-                },
-                f,
-                metadata={"format": "pt"},
-            )
+        if any(k.endswith(experts) for k in sd):
+            sd = {k: v.transpose(1, 2).contiguous() if k.endswith(experts) else v for k, v in sd.items()}
+            save_file(sd, f, metadata={"format": "pt"})
     shapes = {k: tuple(v.shape) for k, v in _tensors(hub).items() if "layers.0.mlp.experts" in k}
     assert shapes["model.language_model.layers.0.mlp.experts.gate_up_proj"] == (4, 32, 48)
     extract_backbone(src, tmp_path / "a", verify=False)

@@ -15,7 +15,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -290,28 +289,29 @@ def test_merge_killed_between_the_two_renames_keeps_its_finished_build(world, tm
     assert sorted(p.name for p in tmp_path.iterdir()) == ["merged"]
 
 
-def test_a_live_holders_partial_is_left_alone(tmp_path):
-    out = tmp_path / "out"
-    holder = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(f"""
-            import time
-            from pathlib import Path
-            from lm_eval_sink.outputs import staged_dir
-            with staged_dir(Path({str(out)!r})) as tmp:
-                print(tmp.name, flush=True)
-                time.sleep(120)
-        """)],
+@contextlib.contextmanager
+def holder(block: str):
+    """Another process inside `with <block> as held:` (a function of lm_eval_sink.outputs), which prints `held` and
+    waits; yields its pid and that line, then kills it."""
+    code = f"import time\nfrom pathlib import Path\nfrom lm_eval_sink.outputs import *\nwith {block} as held:\n"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code + "    print(held, flush=True)\n    time.sleep(120)\n"],
         stdout=subprocess.PIPE,
         text=True,
-    )  # fmt: skip
+    )
     try:
-        partial = tmp_path / holder.stdout.readline().strip()
-        with pytest.raises(UserError, match=rf"{out} is in use by pid {holder.pid} "), staged_dir(out):
-            pass
-        assert partial.is_dir()  # the holder's partial survives a second writer
+        yield proc.pid, proc.stdout.readline().strip()
     finally:
-        holder.kill()
-        holder.wait()
+        proc.kill()
+        proc.wait()
+
+
+def test_a_live_holders_partial_is_left_alone(tmp_path):
+    out = tmp_path / "out"
+    with holder(f"staged_dir(Path({str(out)!r}))") as (pid, name):
+        with pytest.raises(UserError, match=rf"{out} is in use by pid {pid} "), staged_dir(out):
+            pass
+        assert (tmp_path / name).is_dir()  # the holder's partial survives a second writer
 
 
 def test_a_killed_extraction_is_tidied_by_the_rerun(world, tmp_path, caplog):
@@ -360,26 +360,11 @@ def test_the_default_model_is_an_input_by_its_folder(default_model, user_error, 
 def test_a_one_file_output_is_held_while_it_is_written(tmp_path, user_error):
     """`-o FILE` holds `<FILE>.lock`: a second writer is refused naming the holder, and nothing is written."""
     out = tmp_path / "tsv.yaml"
-    holder = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(f"""
-            import time
-            from pathlib import Path
-            from lm_eval_sink.outputs import new_files
-            with new_files([Path({str(out)!r})], False, inputs=[]):
-                print("held", flush=True)
-                time.sleep(120)
-        """)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )  # fmt: skip
-    try:
-        assert holder.stdout.readline().strip() == "held"
+    with holder(f"new_files([Path({str(out)!r})], False, inputs=[])") as (pid, held):
+        assert held == "None"  # inside the block: the lock is held
         ref, cand = make_tiny_lm(tmp_path / "ref"), make_tiny_lm(tmp_path / "cand", delta_seed=1)
         line = user_error(["configs", "render", "tsv", "--reference", ref, "--candidate", cand, "-o", out], out)
-        assert f"{out} is in use by pid {holder.pid}" in line
-    finally:
-        holder.kill()
-        holder.wait()
+        assert f"{out} is in use by pid {pid}" in line
 
 
 @contextlib.contextmanager
