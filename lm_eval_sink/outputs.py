@@ -177,7 +177,7 @@ def staged_dir(
         except DiskFull as e:
             written = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
             shutil.rmtree(tmp, ignore_errors=True)
-            raise (DiskFull(out, size, e.code) if size else e.moved(out, written)) from None
+            raise DiskFull(out, size or (e.needed or 0) + written or None, e.code) from None  # for `out`, not the temp
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

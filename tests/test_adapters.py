@@ -1,15 +1,8 @@
 """peft adapters where users measure S: `strength ADAPTER_FOLDER`, `--model_args ...,peft=ADAPTER`, the callback.
 
-The adapter is a real rank-1 LoRA made by peft on the hand-set sink Llama (helpers.save_sink_llama): on
-q_proj it adds DELTA / (beta * H / sqrt(D)) to each head's query weight, so it raises every head's sink
-logit gap by DELTA, every row's sink log-odds by DELTA, and S (a median of them) by exactly DELTA.
-
-Prompt learning (prompt tuning, p-tuning, prefix tuning; real peft adapters on the same Llama) puts
-N_VIRTUAL virtual tokens before every prompt whose keys have logit F * c (c: the BOS key's logit, the
-head's gap): the embedding F * e0 + sqrt(1 - F^2) * e1 is RMS-normalised to F times the BOS key's
-component, and prefix tuning's keys are set to the same vectors. A row at prompt position t >= 1 then has
-logits [F c] * N_VIRTUAL + [c] + [0] * t, so its sink is BOS (position N_VIRTUAL, counted from the first
-virtual token) with log-odds c - log(N_VIRTUAL exp(F c) + t): `_virtual_strength`.
+A real rank-1 LoRA on the hand-set sink Llama raises S by exactly DELTA; real prompt-learning adapters put N_VIRTUAL
+virtual tokens with key logit F * c before every prompt, giving S in closed form (`_virtual_strength`; the
+derivation: docs/architectures.md, 'Adapters').
 """
 
 from __future__ import annotations
@@ -79,27 +72,22 @@ def test_strength_of_an_adapter_folder_measures_the_adapted_model(base_and_adapt
     assert model["fingerprint"] != got["base"]["provenance"]["model"]["fingerprint"]
 
 
-def test_an_adapter_whose_base_is_gone_is_one_line(base_and_adapter, tmp_path, user_error):
+@pytest.mark.parametrize("damage", ["base gone", "weights cut short"])
+def test_a_damaged_adapter_is_one_line_before_its_base_loads(base_and_adapter, tmp_path, user_error, damage):
+    """A base that is gone is named by the adapter's config; a broken weights file (it loaded the base first, then
+    failed in safetensors without a word of the adapter or its file) is named before the base loads."""
     import shutil
 
     adapter = shutil.copytree(base_and_adapter["adapter"], tmp_path / "adapter")
-    config = json.loads((adapter / "adapter_config.json").read_text())
-    (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "./gone"}))
-    line = user_error(["strength", adapter, "--output", tmp_path / "out"], tmp_path / "out")
-    assert f"{adapter / 'adapter_config.json'}: gone: no such base model folder" in line
-
-
-def test_an_adapter_with_a_broken_weights_file_is_one_line_before_its_base_loads(
-    base_and_adapter, tmp_path, user_error
-):
-    """It loaded the base first, then failed in safetensors without a word of the adapter or its file."""
-    import shutil
-
-    adapter = shutil.copytree(base_and_adapter["adapter"], tmp_path / "adapter")
-    weights = adapter / "adapter_model.safetensors"
-    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    config, weights = adapter / "adapter_config.json", adapter / "adapter_model.safetensors"
+    if damage == "base gone":
+        config.write_text(json.dumps({**json.loads(config.read_text()), "base_model_name_or_path": "./gone"}))
+    else:
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     line = user_error(["strength", adapter, "--output", tmp_path / "out", "--quiet"], tmp_path / "out")
-    assert f"{weights}: is cut short" in line
+    assert (
+        f"{config}: gone: no such base model folder" if damage == "base gone" else f"{weights}: is cut short"
+    ) in line
 
 
 def _base_strength(base_and_adapter, tokenizer):

@@ -1,10 +1,6 @@
-"""VLM backbone extraction and injection (lm_eval_sink.extract) on tiny real VLMs.
-
-Every family shipped in lm_eval_sink/architectures/ gets a tiny random instance built from its
-transformers config (2 text layers, hidden 32, a one- or two-layer vision tower), saved to disk
-(several of them sharded, so streaming crosses shard files), extracted, reloaded with
-AutoModelForCausalLM and compared with the VLM's own forward on a text probe, then injected
-back and compared tensor by tensor with the original.
+"""VLM backbone extraction and injection (lm_eval_sink.extract) on tiny real VLMs: every shipped family is built
+tiny from its transformers config (several sharded), extracted, reloaded with AutoModelForCausalLM and compared with
+the VLM's own forward on a text probe, then injected back and compared tensor by tensor with the original.
 """
 
 from __future__ import annotations
@@ -32,7 +28,7 @@ from lm_eval_sink.extract import (
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.outputs import COMPLETE
 
-from helpers import make_tokenizer
+from helpers import CHILD_ENV, make_tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 TASK_DIR = REPO / "tests" / "data" / "extract_task"
@@ -105,6 +101,12 @@ def _configs():
 
     mrope8 = {"rope_type": "default", "mrope_section": [2, 1, 1], "type": "mrope"}
     mrope16 = {"rope_type": "default", "mrope_section": [4, 2, 2], "mrope_interleaved": True}
+    idefics = dict(
+        text_config=dict(model_type="llama", **_text()),
+        vision_config=_IDEFICS_VISION,
+        image_token_id=120,
+        scale_factor=1,
+    )
     return {
         "qwen2_vl": lambda: T.Qwen2VLConfig(
             text_config=_text(rope_scaling=mrope8),
@@ -169,18 +171,8 @@ def _configs():
             ),
             image_token_id=120,
         ),
-        "idefics3": lambda: T.Idefics3Config(
-            text_config=dict(model_type="llama", **_text()),
-            vision_config=_IDEFICS_VISION,
-            image_token_id=120,
-            scale_factor=1,
-        ),
-        "smolvlm": lambda: T.SmolVLMConfig(
-            text_config=dict(model_type="llama", **_text()),
-            vision_config=_IDEFICS_VISION,
-            image_token_id=120,
-            scale_factor=1,
-        ),
+        "idefics3": lambda: T.Idefics3Config(**idefics),
+        "smolvlm": lambda: T.SmolVLMConfig(**idefics),  # Idefics3's layout
         "gemma3": lambda: T.Gemma3Config(
             text_config=dict(model_type="gemma3_text", head_dim=16, sliding_window=8, **_text()),
             vision_config=_SIGLIP,
@@ -240,9 +232,6 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-SUBPROCESS_ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 @pytest.fixture(scope="session")
@@ -556,7 +545,9 @@ def test_extracted_backbone_evaluates_with_lm_eval(vlm_dir, tmp_path):
         "--output_path",
         str(results),
     ]
-    proc = subprocess.run(cmd, cwd=TASK_DIR, env=SUBPROCESS_ENV, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        cmd, cwd=TASK_DIR, env={**os.environ, **CHILD_ENV}, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     files = list(results.rglob("results_*.json"))
     assert len(files) == 1

@@ -1,8 +1,6 @@
-"""Outputs never destroy inputs, and a killed build is tidied by the next one (`outputs.check_not_inputs`,
-`outputs.staged_dir`).
-
-Every writing command is run with an output that is, contains or lies inside one of its inputs,
-with and without --force: one error line, exit 2, and the inputs byte-identical afterwards.
+"""Outputs never destroy inputs (every writing command, an output that is, contains or lies inside an input, with and
+without --force: one line, the inputs byte-identical), cannot-be-written outputs, one writer per output, a killed
+build tidied by the next one, a full disk in one line (`outputs`, `locks`, `disk_full`).
 """
 
 from __future__ import annotations
@@ -21,14 +19,12 @@ from pathlib import Path
 import pytest
 import yaml
 from constructed_runs import write_run
-from helpers import hf_cache_snapshot, make_tiny_lm
+from helpers import CHILD_ENV, hf_cache_snapshot, make_tiny_lm
 from test_extract import _save_vlm
 
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.outputs import COMPLETE, check_not_inputs, staged_dir
 from lm_eval_sink.locks import hold
-
-ENV = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 @pytest.fixture(scope="module")
@@ -320,7 +316,7 @@ def test_a_killed_extraction_is_tidied_by_the_rerun(world, tmp_path, caplog):
     out = tmp_path / "backbone"
     proc = subprocess.Popen(
         [sys.executable, "-m", "lm_eval_sink.cli", "extract", str(world["vlm"]), str(out), "--quiet"],
-        env={**os.environ, **ENV},
+        env={**os.environ, **CHILD_ENV},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
