@@ -19,8 +19,6 @@ from lm_eval_sink.errors import UserError
 FAILURE_KINDS = ("truncation", "language", "phrase_marker", "length", "format", "other")
 _PRIORITY = ("language", "phrase_marker", "length", "format", "other")
 _MID_SENTENCE_TAIL = ",;:-("
-# lm-eval's aliases for the generation limit, in its priority order (models/utils.normalize_gen_kwargs)
-_MAX_GEN_KEYS = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
 _RELATION_KEYS = ("relation", "let_relation", "capital_relation")
 
 
@@ -67,9 +65,11 @@ def max_gen_toks_of(sample: Mapping[str, Any]) -> int | None:
 
 def max_gen_toks_in(kwargs: Any) -> int | None:
     """The generation limit in a generation-kwargs mapping (lm-eval's aliases, in its order), if any."""
+    from lm_eval_sink.protocols import TOKEN_KEYS
+
     if not isinstance(kwargs, Mapping):
         return None
-    for key in _MAX_GEN_KEYS:
+    for key in TOKEN_KEYS:
         value = kwargs.get(key)
         if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
             return int(value)

@@ -66,16 +66,13 @@ _QWEN3_VISION = dict(
     deepstack_visual_indexes=[0],
     num_position_embeddings=16,
 )
-_MOLMO2_VISION = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    head_dim=16,
-    image_size=[28, 28],
-    patch_size=14,
-)
+_MOLMO2_VISION = {
+    **_IDEFICS_VISION,
+    "num_hidden_layers": 2,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "image_size": [28, 28],
+}
 _MOLMO2_ADAPTER = dict(
     vision_feature_layer=[-1],
     hidden_size=32,
@@ -161,14 +158,7 @@ def _configs():
         ),
         "internvl": lambda: T.InternVLConfig(
             text_config=dict(model_type="qwen2", **_text()),
-            vision_config=dict(
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=1,
-                num_attention_heads=2,
-                image_size=[28, 28],
-                patch_size=[14, 14],
-            ),
+            vision_config={**_IDEFICS_VISION, "image_size": [28, 28], "patch_size": [14, 14]},
             image_token_id=120,
         ),
         "idefics3": lambda: T.Idefics3Config(**idefics),
