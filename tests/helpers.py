@@ -8,6 +8,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("LM_EVAL_SINK_SHARED", REPO.parent / "shared"))
 CHILD_ENV = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}  # for a child process
+
+# Real lm-eval runs of the embedded default model, made ONCE per test session and shared by the
+# harness, buckets and protocols tests. Small and non-final: --limit 5, max_gen_toks 64.
+FIXTURE_LIMIT = 5
+FIXTURE_GEN_KWARGS = {"max_gen_toks": 64}
 FIXTURE_BATCH = 8  # the instruct protocol's; the community run uses the same so the two differ only in protocol
 
 
