@@ -104,6 +104,8 @@ def _holder_record() -> dict[str, Any]:
     }
 
 
+# Filesystems that hold no files of a user's (Linux): an output there cannot be written whatever the permissions say
+# (root may "write" /proc and /sys as far as os.access can tell).
 _PSEUDO_FILESYSTEMS = frozenset(
     "proc sysfs devpts cgroup cgroup2 debugfs tracefs securityfs pstore bpf configfs fusectl mqueue binfmt_misc "
     "efivarfs rpc_pipefs nsfs selinuxfs".split()

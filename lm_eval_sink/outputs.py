@@ -54,8 +54,6 @@ def _real(path: str | Path) -> Path:
     return Path(os.path.realpath(Path(str(path)).expanduser()))
 
 
-# Filesystems that hold no files of a user's (Linux): an output there cannot be written whatever the permissions say
-# (root may "write" /proc and /sys as far as os.access can tell).
 def check_writable(out: Path, option: str = "--output") -> None:
     """Refuse, before any work, in one line naming `out` and why, an output that cannot be written (`unwritable`):
     a file in its path, a pseudo-filesystem (/proc, /sys), a read-only filesystem, no permission, or a missing parent
