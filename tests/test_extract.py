@@ -28,9 +28,8 @@ from lm_eval_sink.extract import (
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.outputs import COMPLETE
 
-from helpers import CHILD_ENV, make_tokenizer
+from helpers import CHILD_ENV, REPO, make_tokenizer
 
-REPO = Path(__file__).resolve().parent.parent
 TASK_DIR = REPO / "tests" / "data" / "extract_task"
 TEXT_VOCAB = 128  # text vocabulary of every tiny VLM; the tiny tokenizer uses ids < 96
 IMAGE_IDS = dict(image_token_id=120, video_token_id=121, vision_start_token_id=122, vision_end_token_id=123)
