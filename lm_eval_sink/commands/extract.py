@@ -26,6 +26,8 @@ class ExtractOutcome:
 
 def _outcome(report: Any) -> ExtractOutcome:
     """The lines of an extract/inject report; a failed verification becomes its failure."""
+    from lm_eval_sink.extract.pipeline import FAILED_FILE, REPORT_FILES
+
     what = "extracted" if report.operation == "extract" else "injected"
     head = "tied head" if report.tied_embeddings else "untied head"
     lines = [
@@ -46,8 +48,6 @@ def _outcome(report: Any) -> ExtractOutcome:
             f"verification: max |logit difference| {v.max_abs_diff:.3g} <= {v.tolerance:.3g} "
             f"({v.dtype}, {v.probe_tokens} probe tokens): passed"
         )
-    from lm_eval_sink.extract.pipeline import FAILED_FILE, REPORT_FILES
-
     marker = COMPLETE if report.ok else FAILED_FILE
     report_file = REPORT_FILES[report.operation]
     lines.append(f"wrote {report.output} ({report_file}, {marker})")
@@ -56,7 +56,7 @@ def _outcome(report: Any) -> ExtractOutcome:
         if report.ok
         else UserError(
             f"verification failed: {v.reason}; the output is kept at {report.output} and marked failed "
-            f"(FAILED.json, no {COMPLETE})",
+            f"({FAILED_FILE}, no {COMPLETE})",
             f"see {report_file} for the tensor mapping; the architecture rules do not reproduce this VLM's text path",
         )
     )
