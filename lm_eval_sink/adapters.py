@@ -1,22 +1,6 @@
-"""peft adapters under Sink Strength: which ones the capture measures, through what, and which it refuses.
-
-Weight adapters (LoRA and the other peft tuners that change a layer's weights or activations in place) are
-measured through the adapted base model (`get_base_model()`): its layers run peft's adapted forward, and its
-attention goes through the attention interface the capture reads.
-
-Prompt learning puts virtual tokens before every prompt: prompt tuning and p-tuning as input embeddings
-(each virtual token is a query row and a key), prefix tuning as keys and values of every layer (keys with no
-query row). These are measured through the adapter's own forward (peft's `PeftModel`), one prompt at a time:
-peft puts the virtual tokens before a left-padded prompt's padding, and for prompt tuning drops the position
-ids, so in a padded batch the prompt's distance to them would depend on its neighbours. Position 0 is the
-first virtual token (sink positions count from it); the rows are those of the model without the adapter,
-the prompt's tokens 1..L-1 (the virtual tokens' own rows are the same in every prompt and are not counted);
-each row's keys are the virtual tokens and the prompt's tokens up to its own. `VirtualTokens.record()` says so
-in every result that measured one.
-
-Refused in one line: adaption prompts (LLaMA-Adapter: a second softmax over the adapter's prompt, gated and
-added to the attention's output, outside the distribution S is defined on), and the other prompt-learning
-methods (multitask prompt tuning needs a task id per prompt; CPT, cartridges: not measured).
+"""peft adapters under Sink Strength: weight adapters (LoRA, ...) measured through the adapted base, prompt learning
+(prompt tuning, p-tuning, prefix tuning) through peft's own forward with its virtual tokens, one prompt at a time;
+adaption prompts and other prompt-learning methods refused in one line (docs/architectures.md, 'Adapters').
 """
 
 from __future__ import annotations

@@ -15,11 +15,8 @@ CACHE_ENV = "LM_EVAL_SINK_CACHE"
 
 
 def cache_dir() -> Path:
-    """The project cache (lm-eval's task index, file hashes, the converted default model, the user's vendor
-    figures): $LM_EVAL_SINK_CACHE, else ~/.cache/lm_eval_sink. Private to this user: created 0700, and a folder
-    that another user owns or can write (`private_problem`) is refused in one line, since what it holds decides
-    results. A folder that cannot be made is returned as is (nothing is read from it; writes fail and cost a rebuild).
-    """
+    """$LM_EVAL_SINK_CACHE, else ~/.cache/lm_eval_sink: created 0700, refused in one line when another user could
+    change it (`private_problem`); a folder that cannot be made is returned as is (writes fail and cost a rebuild)."""
     env = os.environ.get(CACHE_ENV)
     path = Path(env).expanduser() if env else Path.home() / ".cache" / "lm_eval_sink"
     try:
@@ -36,11 +33,9 @@ def cache_dir() -> Path:
 
 
 def private_problem(folder: Path) -> str | None:
-    """Why another user could change what `folder` holds (None when nobody but this user and root can): the folder
-    must be owned by this user and writable by nobody else (its group included), and every folder that holds an entry
-    on its path (`_holders`: the path as given, each symlink's own folder included) owned by this user or root and
-    writable by nobody else without the sticky bit (its owner, or whoever else can write it, can rename the entry
-    away, or point the link elsewhere, and put their own in its place)."""
+    """Why another user could change what `folder` holds (None when nobody but this user and root can): it must be
+    this user's and writable by nobody else, and every folder holding an entry on its path (`_holders`, links' own
+    folders included) this user's or root's and writable by nobody else without the sticky bit."""
     if not hasattr(os, "geteuid"):  # no POSIX owners (Windows): nothing to check
         return None
     me = os.geteuid()

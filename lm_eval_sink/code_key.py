@@ -1,22 +1,7 @@
-"""Results keyed by the code that made them: the hashes of this project's files on a result's path.
-
-A result's key holds `{"code": {path: hash}}` (`keys.key_versions`): the xxh3-128 hash of every module of this
-project that the computation's entry modules (`roots`) can import, and of the data those modules read, as this
-interpreter has them.
-- A module can import another when its text names it: an `import` or `from ... import` at module level or inside
-  a function (this project imports lazily), or a string naming it (dynamic imports: the start-up hook's callbacks,
-  a task YAML's `!function`). This module names none itself, so that it adds nothing to a closure.
-- The data a module reads: a package file it names as `"data/NAME"`, and every file of a package folder it opens
-  with `resources.files` (the task YAMLs lm-eval reads, the VLM family files, the bundled merge configs), each
-  scanned in turn for the modules it names.
-The closure is read from the source text, not by importing it, so it holds every branch's modules, not only the
-ones a run happened to load: a result is reused only when none of them changed, and the key is known before the
-computation runs. Paths are named as the installed package names them (`capture.py` as `lm_eval_sink/capture.py`,
-a task YAML under `lm_eval_sink/tasks/`).
-
-Each file is read and hashed once per process and again only when its stat changes (device, inode, size,
-mtime_ns, ctime_ns, as `identity.file_hashes` keys its cache); nothing is cached on disk, so no cache file
-can stand in for a changed module. Standard library plus xxhash.
+"""Results keyed by the code that made them: `{package path: xxh3-128}` of every module of this project that a
+result's entry modules can import, and of the data they read, found in the source text (docs/identity.md, 'How
+`code` is found'). Each file is hashed once per process and again when its stat changes; nothing is cached on disk.
+This module names no module of the package itself, so that it adds nothing to a closure. Standard library + xxhash.
 """
 
 from __future__ import annotations

@@ -64,10 +64,6 @@ class DiskFull(UserError):
             "free space there or choose an output on another disk; nothing half-written was left",
         )
 
-    def moved(self, path: Path, written: int = 0) -> DiskFull:
-        """The same refusal for `path` (the output a staged temp folder stands for), `written` bytes already in it."""
-        return DiskFull(path, (self.needed or 0) + written or None, self.code)
-
 
 @contextlib.contextmanager
 def room_for(path: Path, needed: int | None) -> Iterator[None]:

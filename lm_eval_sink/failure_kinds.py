@@ -1,31 +1,6 @@
-"""Why a regression failed: truncation detection and IFEval failure kinds.
-
-Each IFEval regression (reference passes, candidate fails) gets exactly one primary kind, by this
-rule, applied to the candidate's response:
-1. `truncation`: the response hit the generation limit (`is_truncated`) AND at least one failed
-   instruction can be broken by cutting a response short (the `truncation` column of
-   `ifeval_instructions` in data/benchmarks.yaml: an end phrase, a postscript, a closing brace
-   can; a forbidden word, a comma, the language cannot).
-2. Otherwise the kind of the failed instructions, taking the first of this order that occurs:
-   `language` (a wrong-language answer also breaks most other checks, so it explains them),
-   `phrase_marker` (exact phrases, required or forbidden keywords, end phrases, postscripts,
-   placeholders, repeated prompts, "******" separators), `length` (words, sentences, paragraphs),
-   `format` (JSON, bullets, sections, highlights, title, quotation, case, commas), `other`.
-3. `other` also when the response is empty or when lm-eval's checker, re-run here, finds every
-   instruction followed (the log and the re-check disagree; counted separately).
-The failed instructions come from lm-eval's own checker (`lm_eval.tasks.ifeval.utils`, which uses
-`instructions_registry.INSTRUCTION_DICT`), strict or loose as the bucketed metric is, re-run on
-the logged response; nothing is re-implemented.
-
-Truncation needs the generation limit `max_gen_toks` (from --max-gen-toks, else the samples'
-generation kwargs, else the run's task generation kwargs, model_args or backend default; unknown:
-cannot tell). With a token counter
-(`--tokenizer`), a response is truncated when its token count is at least `max_gen_toks - slack`
-(slack = max(2, 1% of max_gen_toks): decoding and re-encoding may merge a few tokens). Without
-one, the documented heuristic: the response ends mid-sentence (its last visible character is a
-letter, a digit or one of `,;:-(`) and is at least `max_gen_toks` bytes long in UTF-8 (every
-generated token decodes to at least one byte, so a shorter response cannot have hit the limit).
-
+"""Why an IFEval regression failed: one primary kind per regression (truncation, then the failed instructions' kind
+by priority), from lm-eval's own checker re-run on the logged response, and truncation detection (the rule, the
+slack and the heuristic without a tokenizer: docs/buckets.md, 'Failure kinds and truncation').
 Standard library at import; lm-eval's IFEval checker and transformers load lazily when used.
 """
 
@@ -44,8 +19,6 @@ from lm_eval_sink.errors import UserError
 FAILURE_KINDS = ("truncation", "language", "phrase_marker", "length", "format", "other")
 _PRIORITY = ("language", "phrase_marker", "length", "format", "other")
 _MID_SENTENCE_TAIL = ",;:-("
-# lm-eval's aliases for the generation limit, in its priority order (models/utils.normalize_gen_kwargs)
-_MAX_GEN_KEYS = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
 _RELATION_KEYS = ("relation", "let_relation", "capital_relation")
 
 
@@ -92,9 +65,11 @@ def max_gen_toks_of(sample: Mapping[str, Any]) -> int | None:
 
 def max_gen_toks_in(kwargs: Any) -> int | None:
     """The generation limit in a generation-kwargs mapping (lm-eval's aliases, in its order), if any."""
+    from lm_eval_sink.protocols import TOKEN_KEYS
+
     if not isinstance(kwargs, Mapping):
         return None
-    for key in _MAX_GEN_KEYS:
+    for key in TOKEN_KEYS:
         value = kwargs.get(key)
         if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
             return int(value)
@@ -124,13 +99,8 @@ def tokenizer_counter(name: str) -> Callable[[str], int]:
 
 @contextlib.contextmanager
 def _deterministic_quiet_checker() -> Iterator[None]:
-    """Make the re-check reproducible and quiet; everything is restored afterwards.
-
-    langdetect is random unless seeded. lm-eval's letter_frequency check draws a random letter from
-    the global `random` when the doc's letter is not a-z (IFEval keys 1122 '#' and 1129 '!'), so
-    `random` is seeded too (the log's own value may then disagree: counted). The checker's own log
-    lines ("Unable to detect language ...") are muted.
-    """
+    """Make the re-check reproducible and quiet, restored afterwards: langdetect and the global `random` seeded
+    (letter_frequency draws from it for IFEval keys 1122 and 1129), the checker's own log lines muted."""
     from langdetect import DetectorFactory
 
     old_seed, old_state = DetectorFactory.seed, random.getstate()
@@ -147,17 +117,12 @@ def _deterministic_quiet_checker() -> Iterator[None]:
         checker_log.setLevel(old_level)
 
 
-def _checker():
+def check_instructions(doc: Mapping[str, Any], response: str, loose: bool) -> list[bool]:
+    """lm-eval's own IFEval check of one response: followed or not, per instruction of `doc`."""
     try:
         from lm_eval.tasks.ifeval import utils
     except ImportError as e:
         raise UserError(f"lm-eval's IFEval checker cannot be imported ({e})", "pip install 'lm-eval[ifeval]'") from None
-    return utils
-
-
-def check_instructions(doc: Mapping[str, Any], response: str, loose: bool) -> list[bool]:
-    """lm-eval's own IFEval check of one response: followed or not, per instruction of `doc`."""
-    utils = _checker()
     inp = utils.InputExample(
         key=doc.get("key"),
         instruction_id_list=list(doc["instruction_id_list"]),

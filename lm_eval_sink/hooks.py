@@ -1,20 +1,9 @@
-"""One lazy post-import hook mechanism: register this project with lm-eval and mergekit.
+"""One lazy post-import hook that registers this project with lm-eval and mergekit (neither has plugin discovery).
 
-lm-eval 0.4.13 and mergekit 0.1.5 have no plugin discovery, yet users expect
-`lm_eval --tasks sink_strength,ifeval` and `mergekit-yaml` (with this project's TSV and STAR
-methods) to work with no extra flag after `pip install`. The package ships
-`lm_eval_sink_hook.pth`, which calls `install()` at interpreter start-up. `install()` only adds a
-tiny finder to `sys.meta_path`; nothing is imported until a watched module (below) is imported
-by someone else, and then the matching callback runs right after that module has finished
-loading. Costs nothing when lm-eval or mergekit is never imported.
-
-Switch it off with `LM_EVAL_SINK_NO_HOOK=1`. Each lm-eval patch checks what it relies on first and leaves a
-target that differs as installed, with one warning line per patch; an lm-eval outside the tested versions gets no
-patch, with one line (`harness.patching`). A callback that fails
-anyway, or a start-up file that cannot import this package, emits one `errors.SinkWarning` and leaves the host
-library untouched. Each patch, its reason and its check: docs/footguns.md.
-An editable install (`pip install -e .`) does not copy the `.pth`: run
-`python -m lm_eval_sink.hooks install` once (`make` does).
+`lm_eval_sink_hook.pth` calls `install()` at start-up, which only adds a finder to `sys.meta_path`; a watched
+module's callback runs right after someone else imports it. Off with `LM_EVAL_SINK_NO_HOOK=1`; a failing callback is
+one `SinkWarning`, the host library untouched (docs/footguns.md). Editable installs: `python -m lm_eval_sink.hooks
+install` (`make` does).
 """
 
 from __future__ import annotations
@@ -120,14 +109,9 @@ def install() -> None:
     sys.meta_path.insert(0, finder)
 
 
-def pth_path() -> Path:
-    """Where the start-up file goes: this interpreter's purelib (site-packages)."""
-    return Path(sysconfig.get_paths()["purelib"]) / PTH_NAME
-
-
 def write_pth() -> Path:
-    """Install the start-up file into site-packages (for editable installs)."""
-    path = pth_path()
+    """Install the start-up file into this interpreter's purelib (site-packages; for editable installs)."""
+    path = Path(sysconfig.get_paths()["purelib"]) / PTH_NAME
     if not path.exists() or path.read_text() != PTH_LINE:
         path.write_text(PTH_LINE)
     return path

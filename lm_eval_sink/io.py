@@ -1,9 +1,6 @@
-"""Reading and writing files: atomic writes, canonical JSON, hashes of bytes and text, and the readers of a user's
-text, JSON and JSONL that name the file and line of what is wrong.
-
-Every file this project writes goes through `atomic_write_*` (unique temp sibling, fsync, `os.replace`), so a reader
-sees the old file or the new one, never half of one; a write that fails for want of room is one `DiskFull` line.
-An output folder is built by `outputs.staged_dir`; results are keyed in `keys.py`. Standard library only.
+"""Reading and writing files: atomic writes (a temp sibling, fsync, `os.replace`; a full disk is one `DiskFull` line),
+canonical JSON, hashes, and the readers of a user's text, JSON and JSONL that name the file and line of what is
+wrong. Standard library only.
 """
 
 from __future__ import annotations
@@ -33,12 +30,9 @@ def sha256_text(text: str) -> str:
     return sha256_bytes(text.encode("utf-8"))
 
 
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
+def sha256_file(path: Path) -> str:
     with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> Path:

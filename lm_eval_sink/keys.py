@@ -1,17 +1,6 @@
-"""One key for every result, derived from the values its work receives (docs/identity.md).
-
-A result kind declares its inputs once: a frozen dataclass (`Work`) of the very values handed to the work, with
-`CODE` (the entry modules that choose its settings and compute it: `code_key` roots), `PACKAGES` (the installed
-packages that compute it) and `ENV` (the environment variables that change it). `key_of(work)` is its key:
-- every field by value, dataclasses walked field by field, except a field marked `UNKEYED` (how the work runs:
-  batching, device, where its model lies when `checkpoint` holds its identity);
-- a field marked `CONTENT` (a file or folder the work reads: a prompt file, an include path, the files an adapter or
-  tokenizer in model_args names) by content (`content`), never by its path; so is every `ENV` variable;
-- a field marked `MODEL` by the model's content identity (`models.model_fingerprint`: xxh3-128 of every file);
-- the versions (`key_versions`): the hashes of `CODE` and all it imports, the versions of `PACKAGES`.
-A record keeps `key`, `inputs_key` and `key_versions`, so a result of the same inputs made by other versions is told
-apart from one of other inputs (`version_change`) and the message names what changed. The project's own version and
-git commit are recorded, never keyed: a docs change, or a change to a module on no result's path, invalidates nothing.
+"""One key for every result, derived from the values its work receives: a result kind declares its inputs once (a
+`Work` dataclass with its `CODE`, `PACKAGES` and `ENV`), and `key_of` keys every field by value, by content
+(`CONTENT`) or by model identity (`MODEL`), except `UNKEYED` ones, with the versions of its code (docs/identity.md).
 """
 
 from __future__ import annotations

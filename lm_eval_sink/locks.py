@@ -1,13 +1,5 @@
-"""One writer per output folder: an exclusive, non-blocking file lock with a record of its holder.
-
-`hold(folder)` locks `<folder>/.lock` (the folder is created); `hold(folder, sibling=True)` locks
-`<folder>.lock` beside it, for folders that are built staged and renamed (`outputs.staged_dir` takes
-that one itself). The holder writes `<lock>.json` (host, pid, argv, started_utc); a second
-process gets one line naming the holder. The lock file and its record are removed on release, and
-a folder the lock itself created is removed again if nothing else was written to it. The lock is
-the OS's (filelock: flock on POSIX), so a killed holder frees it at once (its lock file stays until
-the next holder takes it over and releases it). Reentrant within a process. Lock files are left
-out of every tree hash (`identity.SKIPPED_NAMES`).
+"""One writer per output folder: an exclusive, non-blocking OS file lock (`hold`) with a record of its holder, so a
+second process gets one line naming it and a killed holder frees it at once (docs/identity.md, 'Locks').
 """
 
 from __future__ import annotations
@@ -30,11 +22,6 @@ from lm_eval_sink.errors import UserError
 from lm_eval_sink.io import atomic_write_json
 
 
-def lock_path(folder: Path, sibling: bool = False) -> Path:
-    folder = Path(folder)
-    return folder.with_name(folder.name + ".lock") if sibling else folder / ".lock"
-
-
 def _holder(record: Path) -> str:
     try:
         info = json.loads(record.read_text(encoding="utf-8"))
@@ -48,19 +35,15 @@ _HELD: dict[Path, int] = {}  # lock file -> pid of this process while it holds i
 
 @contextlib.contextmanager
 def hold(folder: Path, sibling: bool = False, wait: Callable[[str, float], None] | None = None) -> Iterator[Path]:
-    """Hold the lock of `folder` for the block; refuse with one line when another process holds it, or with `wait`
-    wait until it lets go, calling `wait(holder, seconds waited)` at once and every `WAIT_NOTE_S` (its progress).
-
-    `<folder>/.lock` (the folder is created), or with `sibling` `<folder>.lock` beside it, for a
-    folder built staged and renamed. Reentrant within a process (an outer holder keeps it). The
-    lock file and its record are removed on release, so a finished run leaves no lock file.
-    """
+    """Hold `<folder>/.lock` (or with `sibling` `<folder>.lock`) for the block, reentrant within a process; refuse with
+    one line when another process holds it, or with `wait` wait, calling `wait(holder, seconds waited)` at once and
+    every `WAIT_NOTE_S`. The lock file and its record are removed on release."""
     from filelock import FileLock, Timeout
 
     folder = Path(folder)
     if not sibling and folder.exists() and not folder.is_dir():
         raise UserError(f"{folder} is a file, not a folder", "pass a folder path")
-    path = lock_path(folder, sibling)
+    path = folder.with_name(folder.name + ".lock") if sibling else folder / ".lock"
     if _HELD.get(path.absolute()) == os.getpid():
         yield path
         return
@@ -121,6 +104,8 @@ def _holder_record() -> dict[str, Any]:
     }
 
 
+# Filesystems that hold no files of a user's (Linux): an output there cannot be written whatever the permissions say
+# (root may "write" /proc and /sys as far as os.access can tell).
 _PSEUDO_FILESYSTEMS = frozenset(
     "proc sysfs devpts cgroup cgroup2 debugfs tracefs securityfs pstore bpf configfs fusectl mqueue binfmt_misc "
     "efivarfs rpc_pipefs nsfs selinuxfs".split()

@@ -1,12 +1,7 @@
-"""The output-folder mechanism: every command that writes several files writes them into one folder built the same way.
-
-`check_output_dir` refuses it before any work starts (also when it overlaps an input of the command:
-`check_not_inputs`, the one rule that keeps outputs off inputs), `staged_dir` holds its `<out>.lock`
-(`locks.hold`), tidies what a killed build left (`clean_stale`), builds it in a `<out>.partial-<uuid>` sibling and
-renames it when complete. A folder that others reuse (a model, a merge, a sweep unit) also carries a `COMPLETE`
-marker (`write_complete`, with the input `key` that made it and an optional `manifest` of its files);
-`read_complete` is the one reader, and `read_complete(folder, key)` is resume-by-key: the marker only when it was
-made from those inputs. One-file outputs (`-o FILE`) are checked by `check_new_outputs` and held by `new_files`.
+"""The output-folder mechanism (docs/identity.md, 'Locks', 'Outputs never touch inputs', 'Recovery'): refused before
+any work (`check_output_dir`, `check_not_inputs`), built in a `.partial-` sibling under its lock (`staged_dir`),
+tidied after a kill (`clean_stale`), marked `COMPLETE` (`write_complete`, read by key with `read_complete`).
+One-file outputs (`-o FILE`) are checked by `check_new_outputs` and held by `new_files`.
 """
 
 from __future__ import annotations
@@ -32,14 +27,8 @@ log = logging.getLogger(__name__)
 
 
 def check_not_inputs(outputs: Iterable[str | Path], *, inputs: Iterable[str | Path | None], option: str) -> None:
-    """Refuse an output that is, contains or lies inside an input of the command, with or without `--force`.
-
-    The one rule that keeps a command from destroying or changing what it reads (`--force` would
-    swap the folder away and delete it; writing inside a model folder changes its identity). Paths
-    are compared resolved, symlinks followed. An input that names no existing path (a hub id, or a
-    path the command refuses itself) is skipped: pass a hub model's snapshot folder where the
-    command has one. None entries (an option not given) are skipped too.
-    """
+    """Refuse an output that is, contains or lies inside an input of the command, with or without `--force`: paths
+    compared resolved; an input naming no existing path (a hub id: pass its snapshot folder) or None is skipped."""
     found = [(str(i), _real(i)) for i in inputs if i is not None and Path(str(i)).expanduser().exists()]
     for out in outputs:
         o = _real(out)
@@ -65,8 +54,6 @@ def _real(path: str | Path) -> Path:
     return Path(os.path.realpath(Path(str(path)).expanduser()))
 
 
-# Filesystems that hold no files of a user's (Linux): an output there cannot be written whatever the permissions say
-# (root may "write" /proc and /sys as far as os.access can tell).
 def check_writable(out: Path, option: str = "--output") -> None:
     """Refuse, before any work, in one line naming `out` and why, an output that cannot be written (`unwritable`):
     a file in its path, a pseudo-filesystem (/proc, /sys), a read-only filesystem, no permission, or a missing parent
@@ -92,11 +79,8 @@ def _refuse_existing(out: Path, force: bool, option: str) -> None:
 
 
 def check_output_dir(out: Path, force: bool, option: str = "--output", *, inputs: Iterable[str | Path | None]) -> None:
-    """Refuse, before any work, an output folder that is a file, exists without `force`, or overlaps an input.
-
-    `inputs`: every path the command reads (models, configs, runs, sample logs, plans); see
-    `check_not_inputs`. `option` names the folder in the hint.
-    """
+    """Refuse, before any work, an output folder that is a file, exists without `force`, overlaps an input (every
+    path the command reads: `check_not_inputs`) or cannot be written; `option` names it in the hint."""
     out = Path(out)
     check_not_inputs([out], inputs=inputs, option=option)
     _refuse_existing(out, force, option)
@@ -136,14 +120,9 @@ _STAGING = re.compile(r"(.+)\.(partial|old)-[0-9a-f]{8}")  # staged_dir's siblin
 
 
 def clean_stale(out: Path, key: str | None = None) -> list[str]:
-    """Tidy the `<out>.partial-*` / `<out>.old-*` siblings an interrupted build left; call it holding `<out>.lock`
-    (or the lock of a folder that holds every build of `out`, as a sweep holds its units').
-
-    Every build of `out` takes that lock before it makes a sibling, so while we hold it no live process owns one.
-    When `out` itself is missing (a kill between `staged_dir`'s two renames), the newest finished build made
-    for `key` (a `.partial-*` whose COMPLETE marker carries it) is promoted, else the newest `.old-*` (the
-    previous, complete output) is restored; the rest are deleted. One line per folder promoted, restored or removed.
-    """
+    """Tidy the `<out>.partial-*` / `<out>.old-*` siblings an interrupted build left, holding `<out>.lock` (or a lock
+    over every build of `out`): with `out` missing, promote the newest finished build made for `key`, else restore
+    the newest `.old-*`; delete the rest. One line per folder promoted, restored or removed."""
     if not out.parent.is_dir():
         return []
     kinds = {p: m[2] for p in out.parent.iterdir() if (m := _STAGING.fullmatch(p.name)) and m[1] == out.name}
@@ -176,17 +155,10 @@ def clean_stale_all(keys: Mapping[Path, str | None]) -> list[str]:
 def staged_dir(
     out: Path, force: bool = False, option: str = "--output", key: str | None = None, size: int | None = None
 ) -> Iterator[Path]:
-    """Build a directory in `<out>.partial-<uuid>` and rename it to `out` only on success.
-
-    Holds `<out>.lock` (`hold(out, sibling=True)`) for the block and first tidies what an
-    interrupted build of `out` left (`clean_stale`, with `key`). An interrupted build leaves only the
-    `.partial-` sibling, never a folder at `out` that looks complete. With `force`, an existing
-    `out` is swapped away by rename, then deleted. Refuses a file at `out`, or an existing `out`
-    without `force` (call `check_output_dir` first as well, so nothing runs before a refusal).
-    A build with a `key` (a folder others reuse) must write its COMPLETE marker with that key in the block.
-    A write that fails for want of room is one `DiskFull` line naming `out` and what it needs: `size` (about what
-    the build writes) when given, else what was written plus the file that did not fit.
-    """
+    """Build a directory in `<out>.partial-<uuid>` under `<out>.lock` (first `clean_stale`), renamed to `out` only on
+    success (with `force`, an existing `out` swapped away, then deleted). A build with a `key` must write its
+    COMPLETE marker with it; a write that fails for want of room is one `DiskFull` line naming `out` and `size` (else
+    what was written plus the file that did not fit)."""
     out = Path(out)
     _refuse_existing(out, force, option)
     with hold(out, sibling=True):
@@ -203,7 +175,7 @@ def staged_dir(
         except DiskFull as e:
             written = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
             shutil.rmtree(tmp, ignore_errors=True)
-            raise (DiskFull(out, size, e.code) if size else e.moved(out, written)) from None
+            raise DiskFull(out, size or (e.needed or 0) + written or None, e.code) from None  # for `out`, not the temp
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -230,7 +202,7 @@ def read_complete(folder: Path, key: str | None = None) -> dict[str, Any] | None
     """The folder's COMPLETE marker; None when absent, unreadable or (with `key`) made from other inputs."""
     try:
         data = json.loads((Path(folder) / COMPLETE).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+    except (OSError, ValueError, RecursionError):  # missing, undecodable, malformed, too deep
         return None
     if not isinstance(data, dict) or (key is not None and data.get("key") != key):
         return None

@@ -1,19 +1,10 @@
-"""The one resolver for lm-eval runs, used by every command that reads saved runs.
-
-lm-eval writes `<output_path>/<sanitized model>/results_<ts>.json` and
-`samples_<task>_<ts>.jsonl` beside it. An argument naming a run may be:
-- a results JSON: the run is that file plus the samples files of the same timestamp;
-- a samples JSONL: that file (its task from the name) plus the results file of its timestamp;
-- a model folder (`<output_path>/<model>/`): its newest results file and its samples;
-- an output folder holding exactly one model folder: that model folder;
-- a sweep's eval folder (`<sweep output>/evals/<checkpoint>/`): the run its COMPLETE marker names.
-Several model folders, or samples without any results file of the same time, are an error that
-lists what was found. Standard library only (and io's marker name).
+"""The one resolver for lm-eval runs, used by every command that reads saved runs: a results JSON, a samples JSONL,
+a model folder (its newest results), an output folder holding one model folder, or a sweep's eval folder (the run
+its COMPLETE marker names) resolves to one run's results and samples files of the same timestamp.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,18 +62,18 @@ def _samples_of(folder: Path, ts: str) -> dict[str, Path]:
     return out
 
 
+def _run_at(folder: Path, ts: str) -> RunFiles:
+    """The run of `folder` at time `ts`: its results file (if any) and its samples files of that time."""
+    results = folder / f"results_{ts}.json"
+    return RunFiles(folder, ts, results if results.is_file() else None, _samples_of(folder, ts))
+
+
 def _model_folder(folder: Path) -> RunFiles:
-    results = sorted(
-        (p for p in folder.iterdir() if _RESULTS_RE.match(p.name)), key=lambda p: _RESULTS_RE.match(p.name)["ts"]
-    )
-    if results:
-        newest = results[-1]
-        ts = _RESULTS_RE.match(newest.name)["ts"]
-        return RunFiles(folder=folder, timestamp=ts, results=newest, samples=_samples_of(folder, ts))
-    samples = [p for p in folder.iterdir() if _SAMPLES_RE.match(p.name)]
-    if samples:
-        ts = max(_SAMPLES_RE.match(p.name)["ts"] for p in samples)
-        return RunFiles(folder=folder, timestamp=ts, results=None, samples=_samples_of(folder, ts))
+    """The newest run of a model folder: its newest results file, else its newest samples."""
+    stamps = [m["ts"] for p in folder.iterdir() if (m := _RESULTS_RE.match(p.name))]
+    stamps = stamps or [m["ts"] for p in folder.iterdir() if (m := _SAMPLES_RE.match(p.name))]
+    if stamps:
+        return _run_at(folder, max(stamps))
     raise UserError(
         f"{folder}: no lm-eval results_*.json or samples_*.jsonl here",
         "pass an lm-eval --output_path folder, a results JSON or a samples JSONL",
@@ -91,13 +82,9 @@ def _model_folder(folder: Path) -> RunFiles:
 
 def _sweep_eval_results(folder: Path) -> Path | None:
     """The results file a sweep's eval folder (`evals/<checkpoint>/`) names in its COMPLETE marker, else None."""
-    from lm_eval_sink.outputs import COMPLETE
+    from lm_eval_sink.outputs import read_complete
 
-    try:
-        marker = json.loads((folder / COMPLETE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    results = marker.get("results") if isinstance(marker, dict) else None
+    results = (read_complete(folder) or {}).get("results")
     return folder / results if isinstance(results, str) and (folder / results).is_file() else None
 
 
@@ -111,9 +98,7 @@ def resolve_run(arg: str | Path) -> RunFiles:
     if path.is_file():
         m = _RESULTS_RE.match(path.name)
         if m:
-            return RunFiles(
-                folder=path.parent, timestamp=m["ts"], results=path, samples=_samples_of(path.parent, m["ts"])
-            )
+            return _run_at(path.parent, m["ts"])
         m = _SAMPLES_RE.match(path.name)
         if m:
             res = path.parent / f"results_{m['ts']}.json"

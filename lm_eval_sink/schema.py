@@ -1,11 +1,6 @@
-"""The one schema layer: frozen pydantic models for input files, one error line, one did-you-mean.
-
-Every input file (sweep, protocols, vendors, benchmarks, PAIRS, architecture files, merge
-templates) is described by a `Strict` model: immutable, unknown keys are errors, no coercion
-("yes" is not a bool, "5" not an int). `parse()` validates data against one and turns the first
-pydantic error into the project's one `UserError` line, naming the file, the key path
-(`eval.tasks`, `scores[2].value`) and, for an unknown key, the closest allowed one.
-Checks across entries (an undefined source, a duplicate id) stay with the loader that knows them.
+"""The one schema layer: frozen pydantic models for input files (`Strict`: unknown keys are errors, no coercion), and
+`parse()`, which turns the first pydantic error into one `UserError` line naming the file, the key path
+(`scores[2].value`) and, for an unknown key, the closest allowed one. Checks across entries stay with their loader.
 """
 
 from __future__ import annotations
@@ -31,16 +26,10 @@ class Strict(BaseModel):
     what: ClassVar[str] = "the entry"
 
 
-def closest(word: str, options: Iterable[str], cutoff: float = 0.6) -> str | None:
-    """The option nearest to a misspelled word, or None when none is close."""
-    near = difflib.get_close_matches(str(word), [str(o) for o in options], n=1, cutoff=cutoff)
-    return near[0] if near else None
-
-
 def did_you_mean(word: str, options: Iterable[str], cutoff: float = 0.6) -> str:
     """' (did you mean 'x'?)' naming the closest option, or an empty string: the one did-you-mean."""
-    near = closest(word, options, cutoff)
-    return f" (did you mean {near!r}?)" if near else ""
+    near = difflib.get_close_matches(str(word), [str(o) for o in options], n=1, cutoff=cutoff)
+    return f" (did you mean {near[0]!r}?)" if near else ""
 
 
 def key_path(loc: Iterable[Any]) -> str:
@@ -201,24 +190,3 @@ def parse(model: type[M], data: Any, where: str) -> M:
         return model.model_validate(data)
     except ValidationError as e:
         raise user_error(e, model, where) from None
-
-
-def models_under(root: type[BaseModel]) -> dict[str, tuple[str, ...]]:
-    """Every pydantic model reachable from `root`'s fields (through Optional, list, dict, unions), by class name, with
-    its keys."""
-    found: dict[str, tuple[str, ...]] = {}
-    todo: list[Any] = [root]
-    while todo:
-        for a in _unwrap(todo.pop()):
-            if isinstance(a, type) and issubclass(a, BaseModel):
-                if a.__name__ not in found:
-                    found[a.__name__] = tuple(f.alias or n for n, f in a.model_fields.items())
-                    todo.extend(f.annotation for f in a.model_fields.values())
-            else:
-                todo.extend(typing.get_args(a))
-    return found
-
-
-def allowed_keys(model: type[BaseModel]) -> tuple[str, ...]:
-    """A schema's keys, in declaration order (for messages and listings)."""
-    return tuple(model.model_fields)

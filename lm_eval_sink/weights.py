@@ -1,10 +1,5 @@
-"""The one reader of a checkpoint's safetensors files: their headers, through the `safetensors` library (no tensor
-is read).
-
-`checkpoint_tensors(folder)` gives every tensor's shape and dtype over the files transformers would load (the shards
-an index names, else every `*.safetensors`); a file that is missing, cut short (the most common broken download) or
-not safetensors is one line naming it. `check_weights` runs that before anything loads (`models.resolved`), and
-refuses a config.json whose vocab_size no embedding of the weights has.
+"""The one reader of a checkpoint's safetensors headers (`checkpoint_tensors`, through the `safetensors` library): a
+file that is missing, cut short or not safetensors is one line naming it, before anything loads (`check_weights`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""Shared test fixtures: the embedded default model, ../shared data, tiny tokenizers.
-
-Plain helpers and constants live in helpers.py (tests import them from there, never from here).
-
-Real lm-eval runs of SmolLM2 happen ONCE per session in the fixtures below and are reused by
-the harness, buckets and protocol tests.
+"""Shared test fixtures: the embedded default model, ../shared data, tiny tokenizers and models, real lm-eval runs of
+SmolLM2 made ONCE per session and reused. Plain helpers and constants live in helpers.py (import them from there).
 """
 
 from __future__ import annotations
@@ -36,9 +32,7 @@ from helpers import (
 )
 from lm_eval_sink.merging.engines import LOOPBACK_ENV
 
-# The property tests (hypothesis) run a fixed set of examples: derandomized (the same examples on every machine and
-# every run), bounded, no deadline (a loaded 2-core machine is slow, not wrong), no example database written into the
-# checkout. HYPOTHESIS_PROFILE=thorough searches more widely, by hand (docs/development.md).
+# The property tests' fixed, derandomized examples; HYPOTHESIS_PROFILE=thorough searches wider (docs/development.md).
 hypothesis_settings.register_profile(
     "ci", max_examples=40, derandomize=True, deadline=None, database=None, print_blob=True
 )
@@ -57,10 +51,8 @@ atexit.register(shutil.rmtree, _RAY_AUTH, True)
 os.environ.update(isolated_ray_auth(_RAY_AUTH))
 os.environ.pop("RAY_AUTH_TOKEN", None)  # it would win over RAY_AUTH_TOKEN_PATH
 
-# The files that take minutes, longest first (docs/development.md's table). `make test` runs pytest-xdist with
-# `--dist loadfile --no-loadscope-reorder`: each worker takes the next whole file in collection order, so these
-# start first and the files of seconds fill the end of the run on both workers (xdist's own order, most tests
-# first, left the single 2-minute experiment test for last).
+# The files that take minutes, longest first: xdist's workers take whole files in this order (docs/development.md,
+# 'Longest files first').
 LONGEST_FIRST = (
     "test_backends.py",
     "test_ray.py",
@@ -75,10 +67,8 @@ LONGEST_FIRST = (
 )
 
 
-# Every cache a test run can fill starts empty, as on a new user's machine: the project cache (the converted default
-# model, file hashes, lm-eval's task index, offline task YAMLs), Hugging Face's, vLLM's and torch.compile's. The
-# controller makes one temporary root per run before pytest-xdist starts its workers, which inherit it; nothing a
-# previous run left in ~/.cache is read.
+# Every cache a test run can fill starts empty, as on a new user's machine: one temporary root per run, made by the
+# controller before the xdist workers start (docs/development.md, 'Empty caches').
 FRESH_CACHES = {
     "LM_EVAL_SINK_CACHE": "lm_eval_sink",
     "HF_HOME": "huggingface",
@@ -136,9 +126,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def _made_once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], object]) -> Path:
-    """The folder `name`, filled by `make(folder)` once per test run: under pytest-xdist (make test) the first worker
-    that needs it makes it in the run's temp folder, which the workers share, while the others wait for it, so a
-    costly session input is made once and read by all."""
+    """The folder `name`, filled by `make(folder)` once per test run, in the temp folder the xdist workers share (the
+    first that needs it makes it under a file lock, the others wait)."""
     from filelock import FileLock
 
     root = tmp_path_factory.getbasetemp()

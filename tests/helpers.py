@@ -7,6 +7,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("LM_EVAL_SINK_SHARED", REPO.parent / "shared"))
+CHILD_ENV = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}  # for a child process
 
 # Real lm-eval runs of the embedded default model, made ONCE per test session and shared by the
 # harness, buckets and protocols tests. Small and non-final: --limit 5, max_gen_toks 64.
@@ -142,12 +143,9 @@ def hf_cache_snapshot(
 
 
 def isolated_ray_auth(folder: Path) -> dict[str, str]:
-    """The environment of a Ray cluster and its drivers that share a token of their own in `folder`.
-
-    Ray 2.60 looks for its auth token in RAY_AUTH_TOKEN, then RAY_AUTH_TOKEN_PATH, then
-    ~/.ray/auth_token, and with RAY_AUTH_MODE unset turns token auth on for `ray start` whenever it
-    finds one (and for a driver only with address auto): a token left in the default place by any
-    earlier Ray run decides otherwise. Here the mode and the token file are explicit."""
+    """The environment of a Ray cluster and its drivers that share a token of their own in `folder`: the mode and the
+    token file explicit, so a ~/.ray/auth_token an earlier Ray run left (Ray 2.60 looks there last, and with the
+    mode unset turns token auth on whenever it finds one) decides nothing."""
     import secrets
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -158,13 +156,9 @@ def isolated_ray_auth(folder: Path) -> dict[str, str]:
 
 
 def stop_ray_cluster(temp_dir: Path, grace: float = 3.0) -> None:
-    """Stop the Ray cluster that `ray start --temp-dir temp_dir` started, and nothing else.
-
-    `ray stop` stops every Ray process of the machine (other users' clusters too). Here the
-    cluster's processes are those whose command line names its temp dir, plus their descendants
-    (agents and workers rename themselves `ray::...`): SIGTERM, then SIGKILL for those still alive
-    after `grace` seconds.
-    """
+    """Stop the Ray cluster that `ray start --temp-dir temp_dir` started, and nothing else (`ray stop` stops every Ray
+    of the machine): the processes whose command line names its temp dir and their descendants (workers rename
+    themselves `ray::...`), SIGTERM, then SIGKILL for those still alive after `grace` seconds."""
     import signal
     import time
 

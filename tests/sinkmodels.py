@@ -25,7 +25,10 @@ C_BOS = 2.0
 THETA = 1e30
 
 
-def _config(family: str, n_layers: int, vocab: int):
+def _config(family: str, n_layers: int, vocab: int, **sizes):
+    """The family's config of a tiny model: these sizes, unless `sizes` gives others."""
+    import transformers
+
     common = dict(
         vocab_size=vocab,
         hidden_size=H,
@@ -42,19 +45,8 @@ def _config(family: str, n_layers: int, vocab: int):
         bos_token_id=1,
         eos_token_id=2,
     )
-    if family == "llama":
-        from transformers import LlamaConfig
-
-        return LlamaConfig(**common)
-    if family == "qwen3":
-        from transformers import Qwen3Config
-
-        return Qwen3Config(**common)
-    if family == "olmo2":
-        from transformers import Olmo2Config
-
-        return Olmo2Config(**common)
-    raise ValueError(family)
+    classes = {"llama": "LlamaConfig", "qwen3": "Qwen3Config", "olmo2": "Olmo2Config"}
+    return getattr(transformers, classes[family])(**{**common, **sizes})
 
 
 def alphas(family: str, n_layers: int) -> np.ndarray:
@@ -182,34 +174,20 @@ def build_selective(
 ):
     from transformers import AutoModelForCausalLM
 
-    common = dict(
-        vocab_size=vocab,
+    config = _config(
+        family,
+        n_layers,
+        vocab,
         hidden_size=SEL_H,
         intermediate_size=16,
-        num_hidden_layers=n_layers,
         num_attention_heads=SEL_HEADS,
         num_key_value_heads=SEL_KV,
         head_dim=SEL_D,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-12,
         tie_word_embeddings=tied,
         rope_theta=SEL_THETA,
-        pad_token_id=0,
         bos_token_id=bos_id,
-        eos_token_id=2,
+        **({"attention_bias": bias} if family == "llama" else {}),
     )
-    if family == "llama":
-        from transformers import LlamaConfig
-
-        config = LlamaConfig(**common, attention_bias=bias)
-    elif family == "qwen3":
-        from transformers import Qwen3Config
-
-        config = Qwen3Config(**common)
-    else:
-        from transformers import Olmo2Config
-
-        config = Olmo2Config(**common)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     with torch.no_grad():
@@ -226,24 +204,19 @@ def build_selective(
             if noise:
                 for mod in (attn.v_proj, attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
                     mod.weight.add_(noise * torch.randn(mod.weight.shape, generator=gen))
-                for mod in (
-                    attn.o_proj,
-                    layer.mlp.down_proj,
-                ):  # nothing is written to dim 0 (the sink's) or dims 9.. (tokens')
+                # nothing is written to dim 0 (the sink's) or dims 9.. (tokens')
+                for mod in (attn.o_proj, layer.mlp.down_proj):
                     mod.weight[0] = 0.0
                     mod.weight[SEL_TOKEN_DIMS:] = 0.0
-                for name in (
-                    "post_attention_layernorm",
-                    "post_feedforward_layernorm",
-                ):  # OLMo2's post-norms: keep the writes small
+                # OLMo2's post-norms: keep the writes small
+                for name in ("post_attention_layernorm", "post_feedforward_layernorm"):
                     if family == "olmo2":
                         getattr(layer, name).weight.fill_(noise)
                 attn.q_proj.weight[2 * SEL_D :] = noise * torch.randn((2 * SEL_D, SEL_H), generator=gen)  # heads 2, 3
                 kw = attn.k_proj.weight
                 kw[SEL_D:] = noise * torch.randn((SEL_D, SEL_H), generator=gen)  # KV head 1
-                block = noise * torch.randn(
-                    (SEL_D, SEL_H), generator=gen
-                )  # KV head 0, off the sink plane and off dim 0
+                # KV head 0, off the sink plane and off dim 0
+                block = noise * torch.randn((SEL_D, SEL_H), generator=gen)
                 block[[SEL_DIM, SEL_DIM + SEL_D // 2]] = 0.0
                 block[:, :SEL_TOKEN_DIMS] = 0.0  # reads the token dims only: the sink key stays on dim 3
                 kw[:SEL_D] += block

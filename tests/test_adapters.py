@@ -1,15 +1,8 @@
 """peft adapters where users measure S: `strength ADAPTER_FOLDER`, `--model_args ...,peft=ADAPTER`, the callback.
 
-The adapter is a real rank-1 LoRA made by peft on the hand-set sink Llama (helpers.save_sink_llama): on
-q_proj it adds DELTA / (beta * H / sqrt(D)) to each head's query weight, so it raises every head's sink
-logit gap by DELTA, every row's sink log-odds by DELTA, and S (a median of them) by exactly DELTA.
-
-Prompt learning (prompt tuning, p-tuning, prefix tuning; real peft adapters on the same Llama) puts
-N_VIRTUAL virtual tokens before every prompt whose keys have logit F * c (c: the BOS key's logit, the
-head's gap): the embedding F * e0 + sqrt(1 - F^2) * e1 is RMS-normalised to F times the BOS key's
-component, and prefix tuning's keys are set to the same vectors. A row at prompt position t >= 1 then has
-logits [F c] * N_VIRTUAL + [c] + [0] * t, so its sink is BOS (position N_VIRTUAL, counted from the first
-virtual token) with log-odds c - log(N_VIRTUAL exp(F c) + t): `_virtual_strength`.
+A real rank-1 LoRA on the hand-set sink Llama raises S by exactly DELTA; real prompt-learning adapters put N_VIRTUAL
+virtual tokens with key logit F * c before every prompt, giving S in closed form (`_virtual_strength`; the
+derivation: docs/architectures.md, 'Adapters').
 """
 
 from __future__ import annotations
@@ -79,27 +72,22 @@ def test_strength_of_an_adapter_folder_measures_the_adapted_model(base_and_adapt
     assert model["fingerprint"] != got["base"]["provenance"]["model"]["fingerprint"]
 
 
-def test_an_adapter_whose_base_is_gone_is_one_line(base_and_adapter, tmp_path, user_error):
+@pytest.mark.parametrize("damage", ["base gone", "weights cut short"])
+def test_a_damaged_adapter_is_one_line_before_its_base_loads(base_and_adapter, tmp_path, user_error, damage):
+    """A base that is gone is named by the adapter's config; a broken weights file (it loaded the base first, then
+    failed in safetensors without a word of the adapter or its file) is named before the base loads."""
     import shutil
 
     adapter = shutil.copytree(base_and_adapter["adapter"], tmp_path / "adapter")
-    config = json.loads((adapter / "adapter_config.json").read_text())
-    (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "./gone"}))
-    line = user_error(["strength", adapter, "--output", tmp_path / "out"], tmp_path / "out")
-    assert f"{adapter / 'adapter_config.json'}: gone: no such base model folder" in line
-
-
-def test_an_adapter_with_a_broken_weights_file_is_one_line_before_its_base_loads(
-    base_and_adapter, tmp_path, user_error
-):
-    """It loaded the base first, then failed in safetensors without a word of the adapter or its file."""
-    import shutil
-
-    adapter = shutil.copytree(base_and_adapter["adapter"], tmp_path / "adapter")
-    weights = adapter / "adapter_model.safetensors"
-    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    config, weights = adapter / "adapter_config.json", adapter / "adapter_model.safetensors"
+    if damage == "base gone":
+        config.write_text(json.dumps({**json.loads(config.read_text()), "base_model_name_or_path": "./gone"}))
+    else:
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     line = user_error(["strength", adapter, "--output", tmp_path / "out", "--quiet"], tmp_path / "out")
-    assert f"{weights}: is cut short" in line
+    assert (
+        f"{config}: gone: no such base model folder" if damage == "base gone" else f"{weights}: is cut short"
+    ) in line
 
 
 def _base_strength(base_and_adapter, tokenizer):
@@ -117,39 +105,6 @@ def test_an_adapter_where_a_whole_model_is_read_is_one_line(base_and_adapter, tm
     line = user_error(["eval", adapter, "--protocol", "instruct", "--tasks", "ifeval", "--output", tmp_path / "o"])
     assert f"{adapter}: a peft adapter folder (adapter_config.json), where a whole model is needed" in line
     assert "pretrained=BASE,peft=ADAPTER" in line and not (tmp_path / "o").exists()
-
-
-def test_lm_eval_peft_model_args_measure_the_adapter(base_and_adapter, tiny_tokenizer):
-    """`sink_strength_n5` (SETTINGS' prompts) with peft=ADAPTER: the base's S (the same as the task's, tested
-    elsewhere) + DELTA."""
-    import lm_eval
-
-    base, adapter = base_and_adapter["base"], base_and_adapter["adapter"]
-    res = lm_eval.simple_evaluate(
-        model="hf", model_args=f"pretrained={base},peft={adapter}", tasks=["sink_strength_n5"], device="cpu"
-    )
-    want = _base_strength(base_and_adapter, tiny_tokenizer)[1] + DELTA
-    assert res["results"]["sink_strength_n5"]["sink_strength,none"] == pytest.approx(want, abs=1e-5)
-    assert res["configs"]["sink_strength_n5"]["metadata"]["capture"]["adapter"] == str(adapter)
-
-
-def test_callback_measures_a_peft_model_through_its_adapter(base_and_adapter, tiny_tokenizer, tmp_path):
-    """The callback's unwrap: the LoRA layers stay active; train mode and requires_grad are restored."""
-    from transformers import TrainerControl, TrainerState, TrainingArguments
-
-    from lm_eval_sink.training import SinkStrengthCallback
-
-    base, s_base = _base_strength(base_and_adapter, tiny_tokenizer)
-    want = s_base + DELTA
-    model = _lora(base).train()
-    grads = {n: p.requires_grad for n, p in model.named_parameters()}
-    cb = SinkStrengthCallback(tiny_tokenizer, SETTINGS, output_dir=tmp_path)
-    args = TrainingArguments(output_dir=str(tmp_path), report_to=[])
-    with pytest.warns(SinkWarning, match="not attached to a trainer"):
-        cb.on_train_begin(args, TrainerState(), TrainerControl(), model=model)
-    assert cb.records[0]["sink_strength"] == pytest.approx(want, abs=1e-5)
-    assert model.training and {n: p.requires_grad for n, p in model.named_parameters()} == grads
-    assert any(grads.values()) and not all(grads.values())  # LoRA weights trainable, the base frozen
 
 
 def _virtual_embedding() -> torch.Tensor:
@@ -227,36 +182,50 @@ def test_strength_of_prompt_learning_adapters_counts_their_virtual_tokens(virtua
         assert "first virtual token" in virtual["position_0"] and "1..L-1" in virtual["rows"]
 
 
-def test_lm_eval_peft_model_args_measure_prompt_tuning_with_its_virtual_tokens(
-    base_and_adapter, virtual_adapters, tiny_tokenizer
-):
+@pytest.mark.parametrize("method", ["lora", "prompt_tuning"])
+def test_lm_eval_peft_model_args_measure_the_adapter(method, base_and_adapter, virtual_adapters, tiny_tokenizer):
+    """`sink_strength_n5` (SETTINGS' prompts) with peft=ADAPTER: the base's S (the same as the task's, tested
+    elsewhere) + DELTA for the LoRA, the closed form with its virtual tokens for prompt tuning."""
     import lm_eval
 
-    base, adapter = base_and_adapter["base"], virtual_adapters["prompt_tuning"]
+    base = base_and_adapter["base"]
+    adapter = base_and_adapter["adapter"] if method == "lora" else virtual_adapters[method]
     res = lm_eval.simple_evaluate(
         model="hf", model_args=f"pretrained={base},peft={adapter}", tasks=["sink_strength_n5"], device="cpu"
     )
-    assert res["results"]["sink_strength_n5"]["sink_strength,none"] == pytest.approx(
-        _virtual_strength(tiny_tokenizer), abs=1e-5
+    want = (
+        _base_strength(base_and_adapter, tiny_tokenizer)[1] + DELTA
+        if method == "lora"
+        else _virtual_strength(tiny_tokenizer)
     )
+    assert res["results"]["sink_strength_n5"]["sink_strength,none"] == pytest.approx(want, abs=1e-5)
     capture = res["configs"]["sink_strength_n5"]["metadata"]["capture"]
-    assert capture["adapter"] == str(adapter) and capture["virtual_tokens"]["n_virtual_tokens"] == N_VIRTUAL
+    assert capture["adapter"] == str(adapter)
+    assert method == "lora" or capture["virtual_tokens"]["n_virtual_tokens"] == N_VIRTUAL
 
 
-def test_callback_measures_a_prompt_tuning_run_with_its_virtual_tokens(base_and_adapter, tiny_tokenizer, tmp_path):
+@pytest.mark.parametrize("method", ["lora", "prompt_tuning"])
+def test_callback_measures_a_peft_model_through_its_adapter(method, base_and_adapter, tiny_tokenizer, tmp_path):
+    """The callback's unwrap: the LoRA layers stay active, prompt tuning's virtual tokens are counted; train mode and
+    requires_grad are restored."""
     from transformers import AutoModelForCausalLM, TrainerControl, TrainerState, TrainingArguments
 
     from lm_eval_sink.training import SinkStrengthCallback
 
-    model = _prompt_learning(AutoModelForCausalLM.from_pretrained(base_and_adapter["base"]), "prompt_tuning").train()
+    if method == "lora":
+        base, s_base = _base_strength(base_and_adapter, tiny_tokenizer)
+        model, want = _lora(base).train(), s_base + DELTA
+    else:
+        base = AutoModelForCausalLM.from_pretrained(base_and_adapter["base"])
+        model, want = _prompt_learning(base, method).train(), _virtual_strength(tiny_tokenizer)
     grads = {n: p.requires_grad for n, p in model.named_parameters()}
     cb = SinkStrengthCallback(tiny_tokenizer, SETTINGS, output_dir=tmp_path)
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[])
     with pytest.warns(SinkWarning, match="not attached to a trainer"):
-        cb.on_train_begin(
-            TrainingArguments(output_dir=str(tmp_path), report_to=[]), TrainerState(), TrainerControl(), model=model
-        )
-    assert cb.records[0]["sink_strength"] == pytest.approx(_virtual_strength(tiny_tokenizer), abs=1e-5)
+        cb.on_train_begin(args, TrainerState(), TrainerControl(), model=model)
+    assert cb.records[0]["sink_strength"] == pytest.approx(want, abs=1e-5)
     assert model.training and {n: p.requires_grad for n, p in model.named_parameters()} == grads
+    assert any(grads.values()) and not all(grads.values())  # the adapter's weights trainable, the base frozen
 
 
 def test_adaption_prompts_and_virtual_tokens_in_margin_are_one_line(

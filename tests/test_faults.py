@@ -17,10 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 from constructed_runs import write_run
+from helpers import CHILD_ENV
 
 from lm_eval_sink.errors import UserError
-
-ENV = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 # A dozen lines that expand to 9**12 values: a YAML alias bomb under a merge config's `parameters:`.
 BOMB = "\n".join([f"      a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 13)])
@@ -198,7 +197,7 @@ def test_a_command_during_the_conversion_waits_for_it(default_model, tmp_path, m
         [sys.executable, "-c", CONVERTER, str(default_model)],
         stdout=subprocess.PIPE,
         text=True,
-        env={**os.environ, **ENV},
+        env={**os.environ, **CHILD_ENV},
     )
     try:
         assert child.stdout.readline().strip() == "converting"

@@ -1,8 +1,6 @@
-"""Outputs never destroy inputs, and a killed build is tidied by the next one (`outputs.check_not_inputs`,
-`outputs.staged_dir`).
-
-Every writing command is run with an output that is, contains or lies inside one of its inputs,
-with and without --force: one error line, exit 2, and the inputs byte-identical afterwards.
+"""Outputs never destroy inputs (every writing command, an output that is, contains or lies inside an input, with and
+without --force: one line, the inputs byte-identical), cannot-be-written outputs, one writer per output, a killed
+build tidied by the next one, a full disk in one line (`outputs`, `locks`, `disk_full`).
 """
 
 from __future__ import annotations
@@ -15,21 +13,18 @@ import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 from constructed_runs import write_run
-from helpers import hf_cache_snapshot, make_tiny_lm
+from helpers import CHILD_ENV, hf_cache_snapshot, make_tiny_lm
 from test_extract import _save_vlm
 
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.outputs import COMPLETE, check_not_inputs, staged_dir
 from lm_eval_sink.locks import hold
-
-ENV = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 @pytest.fixture(scope="module")
@@ -75,37 +70,56 @@ def _tree_hash(root: Path) -> str:
     return h.hexdigest()
 
 
-# (command, argv as a template over the world's names, how the output overlaps the input, the input named)
-CASES = [
-    ("merge", ["merge", "{merge_yaml}", "{reference}"], "is", "reference"),
-    ("merge-parent", ["merge", "{merge_yaml}", "{models}"], "contains", "reference"),
-    ("extract", ["extract", "{vlm}", "{vlm}", "--quiet"], "is", "vlm"),
-    ("inject", ["inject", "{reference}", "{vlm}", "{root}", "--quiet"], "contains", "vlm"),
-    ("strength", ["strength", "{reference}", "--output", "{reference}/s", "--quiet"], "lies inside", "reference"),
-    ("screen", ["screen", "{candidate}", "--output", "{models}", "--quiet"], "contains", "candidate"),
-    ("sweep", ["sweep", "{sweep_yaml}", "--output", "{reference}", "--quiet"], "is", "reference"),
-    ("buckets", ["buckets", "{ref_run}", "{cand_run}", "--output", "{ref_run}", "--quiet"], "is", "ref_run"),
-    ("fit", ["fit", "{pairs}", "--output", "{pairs}"], "is", "pairs"),
-    ("margin", ["margin", "{reference}", "{candidate}", "--output", "{candidate}/m", "--quiet"], "lies inside",
-     "candidate"),
-    ("protect-plan", ["protect-plan", "{reference}", "-o", "{reference}/plan.json", "--quiet"], "lies inside",
-     "reference"),
-    ("report", ["report", "--strength", "{strength_json}", "{strength_json}", "-o", "{strength_json}"], "is",
-     "strength_json"),
-    ("configs-render", ["configs", "render", "tsv", "--reference", "{reference}", "--candidate", "{candidate}", "-o",
-                        "{candidate}/tsv.yaml"], "lies inside", "candidate"),
-    ("eval", ["eval", "{reference}", "--protocol", "instruct", "--tasks", "ifeval", "--output", "{models}"],
-     "contains", "reference"),
-    ("attribute", ["attribute", "--reference", "{ref_run}", "--candidate", "{cand_run}", "--output", "{root}"],
-     "contains", "ref_run"),
-    ("protocol-show", ["protocol", "show", "{ref_run}", "-o", "{ref_run}/fp.json"], "lies inside", "ref_run"),
-    ("protocol-diff", ["protocol", "diff", "{ref_run}", "{cand_run}", "-o", "{cand_run}"], "is", "cand_run"),
+# Every writing command, its output as `{out}`.
+WRITERS = [
+    ("merge", ["merge", "{merge_yaml}", "{out}"]),
+    ("extract", ["extract", "{vlm}", "{out}", "--quiet"]),
+    ("inject", ["inject", "{reference}", "{vlm}", "{out}", "--quiet"]),
+    ("strength", ["strength", "{reference}", "--output", "{out}", "--quiet"]),
+    ("screen", ["screen", "{candidate}", "--output", "{out}", "--quiet"]),
+    ("sweep", ["sweep", "{sweep_yaml}", "--output", "{out}", "--quiet"]),
+    ("buckets", ["buckets", "{ref_run}", "{cand_run}", "--output", "{out}", "--quiet"]),
+    ("fit", ["fit", "{pairs}", "--output", "{out}"]),
+    ("margin", ["margin", "{reference}", "{candidate}", "--output", "{out}", "--quiet"]),
+    ("protect-plan", ["protect-plan", "{reference}", "-o", "{out}", "--quiet"]),
+    ("report", ["report", "--strength", "{strength_json}", "{strength_json}", "-o", "{out}"]),
+    ("configs-render", ["configs", "render", "tsv", "--reference", "{reference}", "--candidate", "{candidate}",
+                        "-o", "{out}"]),
+    ("eval", ["eval", "{reference}", "--protocol", "instruct", "--tasks", "ifeval", "--output", "{out}"]),
+    ("attribute", ["attribute", "--reference", "{ref_run}", "--candidate", "{cand_run}", "--output", "{out}"]),
+    ("protocol-show", ["protocol", "show", "{ref_run}", "-o", "{out}"]),
+    ("protocol-diff", ["protocol", "diff", "{ref_run}", "{cand_run}", "-o", "{out}"]),
+    ("models-convert", ["models", "convert", "{gguf}", "{out}"]),
 ]  # fmt: skip
+
+# (command, its output, how the output overlaps the input, the input named)
+OVERLAPS = [
+    ("merge", "{reference}", "is", "reference"),
+    ("merge", "{models}", "contains", "reference"),
+    ("extract", "{vlm}", "is", "vlm"),
+    ("inject", "{root}", "contains", "vlm"),
+    ("strength", "{reference}/s", "lies inside", "reference"),
+    ("screen", "{models}", "contains", "candidate"),
+    ("sweep", "{reference}", "is", "reference"),
+    ("buckets", "{ref_run}", "is", "ref_run"),
+    ("fit", "{pairs}", "is", "pairs"),
+    ("margin", "{candidate}/m", "lies inside", "candidate"),
+    ("protect-plan", "{reference}/plan.json", "lies inside", "reference"),
+    ("report", "{strength_json}", "is", "strength_json"),
+    ("configs-render", "{candidate}/tsv.yaml", "lies inside", "candidate"),
+    ("eval", "{models}", "contains", "reference"),
+    ("attribute", "{root}", "contains", "ref_run"),
+    ("protocol-show", "{ref_run}/fp.json", "lies inside", "ref_run"),
+    ("protocol-diff", "{cand_run}", "is", "cand_run"),
+]
 
 
 @pytest.mark.parametrize("force", [False, True], ids=["plain", "force"])
-@pytest.mark.parametrize(("argv", "how", "role"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_an_output_overlapping_an_input_is_refused_and_the_input_kept(world, user_error, argv, how, role, force):
+@pytest.mark.parametrize(("command", "out", "how", "role"), OVERLAPS, ids=[f"{c[0]}-{c[2]}" for c in OVERLAPS])
+def test_an_output_overlapping_an_input_is_refused_and_the_input_kept(
+    world, user_error, command, out, how, role, force
+):
+    argv = [a.replace("{out}", out) for a in dict(WRITERS)[command]]
     args = [a.format(**world) for a in argv] + (["--force"] if force else [])
     before = _tree_hash(world["root"])
     err = user_error(args)
@@ -143,28 +157,6 @@ def test_a_hub_models_snapshot_folder_is_an_input(world, tmp_path, monkeypatch, 
 
 
 # --- an output that cannot be written: one line naming it and why, before any work --------------------------
-
-# Every writing command, its output as `{out}`.
-WRITERS = [
-    ("merge", ["merge", "{merge_yaml}", "{out}"]),
-    ("extract", ["extract", "{vlm}", "{out}", "--quiet"]),
-    ("inject", ["inject", "{reference}", "{vlm}", "{out}", "--quiet"]),
-    ("strength", ["strength", "{reference}", "--output", "{out}", "--quiet"]),
-    ("screen", ["screen", "{candidate}", "--output", "{out}", "--quiet"]),
-    ("sweep", ["sweep", "{sweep_yaml}", "--output", "{out}", "--quiet"]),
-    ("buckets", ["buckets", "{ref_run}", "{cand_run}", "--output", "{out}", "--quiet"]),
-    ("fit", ["fit", "{pairs}", "--output", "{out}"]),
-    ("margin", ["margin", "{reference}", "{candidate}", "--output", "{out}", "--quiet"]),
-    ("protect-plan", ["protect-plan", "{reference}", "-o", "{out}", "--quiet"]),
-    ("report", ["report", "--strength", "{strength_json}", "{strength_json}", "-o", "{out}"]),
-    ("configs-render", ["configs", "render", "tsv", "--reference", "{reference}", "--candidate", "{candidate}",
-                        "-o", "{out}"]),
-    ("eval", ["eval", "{reference}", "--protocol", "instruct", "--tasks", "ifeval", "--output", "{out}"]),
-    ("attribute", ["attribute", "--reference", "{ref_run}", "--candidate", "{cand_run}", "--output", "{out}"]),
-    ("protocol-show", ["protocol", "show", "{ref_run}", "-o", "{out}"]),
-    ("protocol-diff", ["protocol", "diff", "{ref_run}", "{cand_run}", "-o", "{out}"]),
-    ("models-convert", ["models", "convert", "{gguf}", "{out}"]),
-]  # fmt: skip
 
 # (where the output goes, what the line must say): a pseudo-filesystem, a missing folder that cannot be made there,
 # a file in the path
@@ -293,28 +285,29 @@ def test_merge_killed_between_the_two_renames_keeps_its_finished_build(world, tm
     assert sorted(p.name for p in tmp_path.iterdir()) == ["merged"]
 
 
-def test_a_live_holders_partial_is_left_alone(tmp_path):
-    out = tmp_path / "out"
-    holder = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(f"""
-            import time
-            from pathlib import Path
-            from lm_eval_sink.outputs import staged_dir
-            with staged_dir(Path({str(out)!r})) as tmp:
-                print(tmp.name, flush=True)
-                time.sleep(120)
-        """)],
+@contextlib.contextmanager
+def holder(block: str):
+    """Another process inside `with <block> as held:` (a function of lm_eval_sink.outputs), which prints `held` and
+    waits; yields its pid and that line, then kills it."""
+    code = f"import time\nfrom pathlib import Path\nfrom lm_eval_sink.outputs import *\nwith {block} as held:\n"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code + "    print(held, flush=True)\n    time.sleep(120)\n"],
         stdout=subprocess.PIPE,
         text=True,
-    )  # fmt: skip
+    )
     try:
-        partial = tmp_path / holder.stdout.readline().strip()
-        with pytest.raises(UserError, match=rf"{out} is in use by pid {holder.pid} "), staged_dir(out):
-            pass
-        assert partial.is_dir()  # the holder's partial survives a second writer
+        yield proc.pid, proc.stdout.readline().strip()
     finally:
-        holder.kill()
-        holder.wait()
+        proc.kill()
+        proc.wait()
+
+
+def test_a_live_holders_partial_is_left_alone(tmp_path):
+    out = tmp_path / "out"
+    with holder(f"staged_dir(Path({str(out)!r}))") as (pid, name):
+        with pytest.raises(UserError, match=rf"{out} is in use by pid {pid} "), staged_dir(out):
+            pass
+        assert (tmp_path / name).is_dir()  # the holder's partial survives a second writer
 
 
 def test_a_killed_extraction_is_tidied_by_the_rerun(world, tmp_path, caplog):
@@ -323,7 +316,7 @@ def test_a_killed_extraction_is_tidied_by_the_rerun(world, tmp_path, caplog):
     out = tmp_path / "backbone"
     proc = subprocess.Popen(
         [sys.executable, "-m", "lm_eval_sink.cli", "extract", str(world["vlm"]), str(out), "--quiet"],
-        env={**os.environ, **ENV},
+        env={**os.environ, **CHILD_ENV},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -363,26 +356,11 @@ def test_the_default_model_is_an_input_by_its_folder(default_model, user_error, 
 def test_a_one_file_output_is_held_while_it_is_written(tmp_path, user_error):
     """`-o FILE` holds `<FILE>.lock`: a second writer is refused naming the holder, and nothing is written."""
     out = tmp_path / "tsv.yaml"
-    holder = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(f"""
-            import time
-            from pathlib import Path
-            from lm_eval_sink.outputs import new_files
-            with new_files([Path({str(out)!r})], False, inputs=[]):
-                print("held", flush=True)
-                time.sleep(120)
-        """)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )  # fmt: skip
-    try:
-        assert holder.stdout.readline().strip() == "held"
+    with holder(f"new_files([Path({str(out)!r})], False, inputs=[])") as (pid, held):
+        assert held == "None"  # inside the block: the lock is held
         ref, cand = make_tiny_lm(tmp_path / "ref"), make_tiny_lm(tmp_path / "cand", delta_seed=1)
         line = user_error(["configs", "render", "tsv", "--reference", ref, "--candidate", cand, "-o", out], out)
-        assert f"{out} is in use by pid {holder.pid}" in line
-    finally:
-        holder.kill()
-        holder.wait()
+        assert f"{out} is in use by pid {pid}" in line
 
 
 @contextlib.contextmanager

@@ -1,9 +1,5 @@
-"""`lm-eval-sink extract` / `inject`: run the extraction pipeline, then say what it wrote.
-
-The work is `extract.pipeline` (`extract_backbone`, `inject_backbone`), which resolves the models,
-refuses OUT_DIR before any tensor moves and builds it staged. A failed verification keeps the
-folder (FAILED.json, no COMPLETE.json): the outcome's lines are printed, then
-`raise_for_failure()` makes it the one error line (exit 2).
+"""`lm-eval-sink extract` / `inject`: run the extraction pipeline (`extract.pipeline`), then say what it wrote; a
+failed verification keeps the folder and becomes the one error line (`raise_for_failure`, exit 2).
 """
 
 from __future__ import annotations
@@ -30,6 +26,8 @@ class ExtractOutcome:
 
 def _outcome(report: Any) -> ExtractOutcome:
     """The lines of an extract/inject report; a failed verification becomes its failure."""
+    from lm_eval_sink.extract.pipeline import FAILED_FILE, REPORT_FILES
+
     what = "extracted" if report.operation == "extract" else "injected"
     head = "tied head" if report.tied_embeddings else "untied head"
     lines = [
@@ -50,46 +48,30 @@ def _outcome(report: Any) -> ExtractOutcome:
             f"verification: max |logit difference| {v.max_abs_diff:.3g} <= {v.tolerance:.3g} "
             f"({v.dtype}, {v.probe_tokens} probe tokens): passed"
         )
-    marker = COMPLETE if report.ok else "FAILED.json"
-    report_file = "extraction.json" if report.operation == "extract" else "injection.json"
+    marker = COMPLETE if report.ok else FAILED_FILE
+    report_file = REPORT_FILES[report.operation]
     lines.append(f"wrote {report.output} ({report_file}, {marker})")
     failure = (
         None
         if report.ok
         else UserError(
             f"verification failed: {v.reason}; the output is kept at {report.output} and marked failed "
-            f"(FAILED.json, no {COMPLETE})",
+            f"({FAILED_FILE}, no {COMPLETE})",
             f"see {report_file} for the tensor mapping; the architecture rules do not reproduce this VLM's text path",
         )
     )
     return ExtractOutcome(lines=tuple(lines), failure=failure)
 
 
-def run_extract(
-    vlm_path: str | Path,
-    out_dir: str | Path,
-    *,
-    dtype: str = "keep",
-    verify: bool = True,
-    force: bool = False,
-    progress: bool = True,
-) -> ExtractOutcome:
-    """The `extract` command: VLM_PATH's language backbone into OUT_DIR."""
+def run_extract(vlm_path: str | Path, out_dir: str | Path, **options: Any) -> ExtractOutcome:
+    """The `extract` command: VLM_PATH's language backbone into OUT_DIR (`extract_backbone` and its options)."""
     from lm_eval_sink.extract import extract_backbone
 
-    return _outcome(extract_backbone(vlm_path, out_dir, dtype=dtype, verify=verify, force=force, progress=progress))
+    return _outcome(extract_backbone(vlm_path, out_dir, **options))
 
 
-def run_inject(
-    backbone: str | Path,
-    vlm_path: str | Path,
-    out_dir: str | Path,
-    *,
-    verify: bool = True,
-    force: bool = False,
-    progress: bool = True,
-) -> ExtractOutcome:
-    """The `inject` command: a copy of VLM_PATH in OUT_DIR whose language model is BACKBONE."""
+def run_inject(backbone: str | Path, vlm_path: str | Path, out_dir: str | Path, **options: Any) -> ExtractOutcome:
+    """The `inject` command: a copy of VLM_PATH in OUT_DIR whose language model is BACKBONE (`inject_backbone`)."""
     from lm_eval_sink.extract import inject_backbone
 
-    return _outcome(inject_backbone(backbone, vlm_path, out_dir, verify=verify, force=force, progress=progress))
+    return _outcome(inject_backbone(backbone, vlm_path, out_dir, **options))

@@ -1,30 +1,19 @@
-"""Extract a VLM's language backbone as a standalone causal LM, and inject one back.
-
-One mechanism, configured per VLM family by `lm_eval_sink/architectures/<family>.json`
-(docs/extraction.md). Modules, data first: `families` (the family files and their schema),
-`checkpoint` (streaming safetensors I/O), `rules` (a tensor rule forward and inverse), `plan`
-(what becomes what, decided from headers and configs before data moves), `verify` (the logit
-round trip) and `pipeline` (the one pipeline both directions run).
+"""Extract a VLM's language backbone as a standalone causal LM, and inject one back: one mechanism configured per
+VLM family by `lm_eval_sink/architectures/<family>.json` (docs/extraction.md, 'Package layout').
 """
 
 from lm_eval_sink.extract.families import Family, load_families, parse_family
 from lm_eval_sink.extract.pipeline import (
-    COMPLETE_FILE,
     FAILED_FILE,
-    INJECT_REPORT_FILE,
     REPORT_FILE,
     ExtractionReport,
     extract_backbone,
     inject_backbone,
 )
-from lm_eval_sink.extract.plan import DTYPE_CHOICES
 from lm_eval_sink.extract.verify import PROBE_TEXT, Verification
 
 __all__ = [
-    "COMPLETE_FILE",
-    "DTYPE_CHOICES",
     "FAILED_FILE",
-    "INJECT_REPORT_FILE",
     "PROBE_TEXT",
     "REPORT_FILE",
     "ExtractionReport",

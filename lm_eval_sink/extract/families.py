@@ -1,10 +1,6 @@
-"""VLM family files: `lm_eval_sink/architectures/<family>.json`, read through the schema layer.
-
-A family names the VLM class, where its text config lives, the target causal-LM type and how its
-config is derived from the text config, ordered tensor rules and the ignored (vision) tensors;
-`variants` pick another target and extra rules by the text config (docs/extraction.md, 'Adding
-a VLM family'). Reading is strict: unknown keys, bad regexes and templates that use a group
-their pattern does not have are errors naming the file and the key.
+"""VLM family files (`lm_eval_sink/architectures/<family>.json`), read strictly through the schema layer: unknown
+keys, bad regexes and templates using a group their pattern lacks are errors naming the file and the key
+(docs/extraction.md, 'Adding a VLM family').
 """
 
 from __future__ import annotations
@@ -227,13 +223,10 @@ def load_families() -> dict[str, Family]:
     return families
 
 
-def supported_model_types() -> list[str]:
-    return sorted(mt for fam in load_families().values() for mt in fam.model_types)
-
-
 def family_for(config: dict[str, Any], path: Path) -> Family:
     """The family of a VLM's config.json contents, or a UserError that says what is supported."""
     model_type = config.get("model_type")
+    supported = sorted(mt for fam in load_families().values() for mt in fam.model_types)
     for fam in load_families().values():
         if model_type in fam.model_types:
             return fam
@@ -249,6 +242,6 @@ def family_for(config: dict[str, Any], path: Path) -> Family:
             "evaluate or merge it as it is; extract takes a vision-language model",
         )
     raise UserError(
-        f"{path}: unsupported VLM architecture {model_type!r} (supported: {', '.join(supported_model_types())})",
+        f"{path}: unsupported VLM architecture {model_type!r} (supported: {', '.join(supported)})",
         "add an architectures/<family>.json for it (docs/extraction.md: 'Adding a VLM family')",
     )

@@ -1,21 +1,12 @@
-"""The one pipeline that extract and inject share; with `checkpoint`, the only module here that opens files.
-
-Both directions refuse OUT_DIR when it is in the way or overlaps an input (before and after a
-hub id resolves to its snapshot), resolve the VLM (`models.resolve_model`, as a local folder),
-read its family, config and safetensors headers and plan (`plan.make_plan`); then `_write`
-builds the output in a `<out>.partial-<id>` sibling (`outputs.staged_dir`, holding `<out>.lock`, which
-first removes what a killed run left): the non-weight files, the planned shards streamed tensor
-by tensor, the verification (round-trip logits) and the report, marked `COMPLETE.json`,
-or `FAILED.json` when verification fails (the folder is kept for inspection). A direction (`_Job`)
-supplies the layout, the tensor stream, its other files and which folder is the VLM when verified.
-
-Verification memory: the VLM and the backbone are loaded one after the other (never together),
-each in the output dtype, so its peak is about the size of the whole VLM in that dtype plus a
-1 x <=64-token forward pass. `verify=False` skips it (the structural checks remain).
+"""The one pipeline extract and inject share (docs/extraction.md): refuse OUT_DIR, resolve and read the VLM, plan,
+then build OUT_DIR staged (`outputs.staged_dir`): the other files, the shards streamed tensor by tensor, the
+verification and the report, marked COMPLETE.json or FAILED.json. With `checkpoint`, the only module here that opens
+files; a direction (`_Job`) supplies its layout, tensor stream, other files and which folder is the VLM when verified.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import itertools
@@ -67,10 +58,9 @@ log = logging.getLogger(__name__)
 DEFAULT_SHARD_BYTES = 5 * 1024**3
 REPORT_FILE = "extraction.json"
 INJECT_REPORT_FILE = "injection.json"
-COMPLETE_FILE = COMPLETE  # the project's one marker name (outputs.COMPLETE)
 FAILED_FILE = "FAILED.json"
-_REPORT_FILES = {"extract": REPORT_FILE, "inject": INJECT_REPORT_FILE}
-_MARKER_FILES = (COMPLETE_FILE, FAILED_FILE, REPORT_FILE, INJECT_REPORT_FILE)
+REPORT_FILES = {"extract": REPORT_FILE, "inject": INJECT_REPORT_FILE}
+_MARKER_FILES = (COMPLETE, FAILED_FILE, REPORT_FILE, INJECT_REPORT_FILE)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 _TOKENIZER_COPY = (
     *_TOKENIZER_FILES,
@@ -120,10 +110,7 @@ class ExtractionReport:
         return self.status != "failed"
 
     def to_json(self) -> dict[str, Any]:
-        out = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "verification"}
-        out["verification"] = self.verification.to_json() if self.verification else None
-        for k in ("shards", "dropped_config_keys", "mapping", "notes"):
-            out[k] = list(out[k])
+        out = dataclasses.asdict(self)  # the verification as its fields; tuples are written as JSON lists
         out["provenance"] = provenance(tool=f"lm-eval-sink {self.operation}", code_versions=code_versions())
         return out
 
@@ -163,9 +150,7 @@ class _Job:
     layout: Layout  # the weight shards to write
     stream: _Stream  # their tensors, in layout order
     index: bool  # write model.safetensors.index.json
-    side_files: Callable[
-        [Path], dict[str, Any]
-    ]  # writes the other files into the staging folder; returns report fields
+    side_files: Callable[[Path], dict[str, Any]]  # writes the other files into the staging folder: report fields
     verify: Callable[[Path], Verification] | None  # checks the staging folder
     fields: dict[str, Any]  # the direction's report fields known before writing
 
@@ -253,7 +238,7 @@ def code_versions() -> dict[str, Any]:
 
 
 def _finish(tmp: Path, report: ExtractionReport) -> None:
-    report_file = _REPORT_FILES[report.operation]
+    report_file = REPORT_FILES[report.operation]
     atomic_write_json(tmp / report_file, report.to_json())
     marker = {
         "schema_version": SCHEMA_VERSION,
@@ -384,13 +369,9 @@ def extract_backbone(
     family: Family | None = None,
     progress: bool = False,
 ) -> ExtractionReport:
-    """Write the VLM's language model as a standalone causal-LM folder at `out_dir`.
-
-    `dtype`: "keep" (each tensor as stored), "bf16" or "fp32". `family`: override the family
-    found from config.json (tests and new families). The returned report's `status` is
-    "complete" (verified), "unverified" (verify=False) or "failed" (verification failed: the
-    folder is kept at `out_dir` with FAILED.json and no COMPLETE.json). Check `report.ok`.
-    """
+    """Write the VLM's language model as a standalone causal-LM folder at `out_dir`; `dtype` "keep", "bf16" or
+    "fp32"; `family` overrides the one config.json names. The report's status: "complete", "unverified" or "failed"
+    (the folder kept, marked FAILED.json): check `report.ok`."""
     start = time.perf_counter()
     if dtype not in DTYPE_CHOICES:
         raise UserError(f"unknown dtype {dtype!r}", f"use one of {', '.join(DTYPE_CHOICES)}")
@@ -436,9 +417,7 @@ def extract_backbone(
 
 
 def _copy_vlm_files(vlm: Path, tmp: Path) -> dict[str, Any]:
-    """Every VLM file but the weights and this package's markers and reports (processor, chat template, tokenizer,
-    ...).
-    """
+    """Every VLM file but the weights and this package's markers and reports (processor, chat template, tokenizer)."""
     for item in sorted(vlm.iterdir()):
         if item.name.endswith(".safetensors") or item.name in (INDEX_FILE, *_MARKER_FILES):
             continue
@@ -500,13 +479,8 @@ def inject_backbone(
     family: Family | None = None,
     progress: bool = False,
 ) -> ExtractionReport:
-    """Write a copy of the VLM at `out_dir` whose language model is the given backbone.
-
-    Every VLM file except the weights is copied; the weights keep the VLM's shard layout,
-    tensor names and dtypes (backbone tensors are cast to the VLM's dtype), and vision tensors
-    are copied unchanged. Verified like `extract_backbone`: the new VLM's text path on the probe
-    must give the backbone's logits.
-    """
+    """Write a copy of the VLM at `out_dir` whose language model is the given backbone: the VLM's other files, shard
+    layout, tensor names and dtypes kept, its vision tensors unchanged; verified like `extract_backbone`."""
     start = time.perf_counter()
     out = _output(out_dir, force, [vlm_path, backbone_path])
     folder = _resolve(vlm_path, "VLM", out)

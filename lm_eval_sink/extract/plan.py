@@ -1,11 +1,6 @@
-"""Planning: everything decided from configs and safetensors headers before any data moves.
-
-The family's rules claim each checkpoint tensor (the first matching rule wins; `ignore` patterns
-name the vision tensors; anything else is an error listing the unclaimed tensors). The target
-config is derived from the VLM's text config, and the produced tensor names and shapes must equal
-exactly what `save_pretrained` of the target class writes (computed on the meta device), so a
-missing, extra or mis-shaped tensor is reported before any data is read. The output layout
-(which tensor goes to which shard, in which order) is planned here too.
+"""Planning: everything decided from configs and safetensors headers before any data moves: which rule claims each
+tensor, the target config, the names and shapes `save_pretrained` of the target class writes (on the meta device,
+so a missing, extra or mis-shaped tensor is reported first), tying, and the output layout.
 """
 
 from __future__ import annotations
@@ -29,6 +24,10 @@ from lm_eval_sink.weights import Tensor
 _DTYPE_NAMES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DTYPE_CHOICES = ("keep", *_DTYPE_NAMES)
 _MISSING = object()
+# Text-config keys the target config never takes over: the target class and the output decide them.
+_NOT_INHERITED = (
+    "model_type architectures _name_or_path transformers_version dtype torch_dtype auto_map tie_word_embeddings"
+).split()
 
 
 def _dotget(d: dict[str, Any], path: str) -> Any:
@@ -160,16 +159,7 @@ def _target_config(
         if old in d:
             d[new] = d.pop(old)
     d.update(dict(variant.target.set_config))
-    for key in (
-        "model_type",
-        "architectures",
-        "_name_or_path",
-        "transformers_version",
-        "dtype",
-        "torch_dtype",
-        "auto_map",
-        "tie_word_embeddings",
-    ):
+    for key in _NOT_INHERITED:
         d.pop(key, None)
     # Keys the target class does not declare are kept: modeling code reads some of them with
     # getattr (Qwen3-MoE's head_dim), so only the family's drop_config removes keys.
@@ -272,18 +262,17 @@ def _ties_absent_head(head: str | None, produced: dict[str, str], vlm_ties: bool
 
 def _check_names(want: set[str], produced: dict[str, str], target_class: str, family: Family, path: Path) -> None:
     """The produced tensor names must be exactly the ones the target class saves (`want`)."""
-    missing = sorted(want - set(produced))
-    extra = sorted(set(produced) - want)
-    if missing or extra:
-        parts = []
-        if missing:
-            parts.append(f"missing {len(missing)}: {', '.join(missing[:4])}")
-        if extra:
-            parts.append(f"unexpected {len(extra)}: {', '.join(extra[:4])}")
+    listed = _listed(("missing", sorted(want - set(produced))), ("unexpected", sorted(set(produced) - want)))
+    if listed:
         raise UserError(
-            f"{path}: the language tensors do not form a {target_class} ({'; '.join(parts)})",
+            f"{path}: the language tensors do not form a {target_class} ({listed})",
             f"the checkpoint does not match architectures/{family.name}.json; extend its rules",
         )
+
+
+def _listed(*groups: tuple[str, list[str]]) -> str:
+    """'missing 2: a, b; unexpected 1: c' of the groups that name any tensor (at most four names each)."""
+    return "; ".join(f"{what} {len(names)}: {', '.join(names[:4])}" for what, names in groups if names)
 
 
 def _check_shapes(
@@ -401,12 +390,10 @@ def check_backbone(
     extra = sorted(set(tensors) - set(needed))
     if plan.tied and extra == [plan.head]:
         extra = []  # checked against the embedding when written
-    if missing or extra:
-        parts = ([f"missing {len(missing)}: {', '.join(missing[:4])}"] if missing else []) + (
-            [f"not in the VLM {len(extra)}: {', '.join(extra[:4])}"] if extra else []
-        )
+    listed = _listed(("missing", missing), ("not in the VLM", extra))
+    if listed:
         raise UserError(
-            f"{backbone}: backbone tensors do not match the VLM's language model ({'; '.join(parts)})",
+            f"{backbone}: backbone tensors do not match the VLM's language model ({listed})",
             f"pass a backbone with the architecture of {vlm}'s language model",
         )
     for t in needed:

@@ -1,9 +1,5 @@
-"""Tensor rules applied to data: forward (VLM tensors -> backbone tensors) and inverse.
-
-Forward: concatenate the sources along `dim`, transpose when the stored layout differs from the
-target's, slice per index along dim 0 (`per_index`), keep surplus rows out (`drop_rest`), split
-along `dim` into the targets. Inverse undoes each step, so inject(extract(x)) == x exactly.
-Both work on meta tensors too, which is how whole plans are checked before any data is read.
+"""Tensor rules applied to data, forward (VLM tensors -> backbone tensors) and inverse, so inject(extract(x)) == x
+exactly; both work on meta tensors too, which is how whole plans are checked before any data is read.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""Verification by round-trip logits: a fixed text-only probe through the VLM's own forward and
-through the standalone backbone. It passes when max |logit difference| <= atol + rtol * max |VLM
-logit| (per dtype, `TOLERANCES`) and the backbone loaded with no missing, unexpected or
-mismatched keys and finite logits. Loading the two models is the pipeline's job."""
+"""Verification by round-trip logits: a fixed text-only probe through the VLM's own forward and the standalone
+backbone, passing within a per-dtype tolerance (`TOLERANCES`) with no missing, unexpected or mismatched keys.
+"""
 
 from __future__ import annotations
 
@@ -35,29 +34,16 @@ class Verification:
     probe_tokens: int
     reason: str | None
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "passed": self.passed,
-            "max_abs_diff": self.max_abs_diff,
-            "tolerance": self.tolerance,
-            "dtype": self.dtype,
-            "probe_tokens": self.probe_tokens,
-            "reason": self.reason,
-        }
-
 
 def multimodal_token_ids(vlm_config: Any) -> set[int]:
     """The VLM config's image/video/vision token ids (`*_token_id`, `*_token_index`), kept out of the probe."""
-    ids: set[int] = set()
-    for key, value in vlm_config.to_dict().items():
-        if (
-            isinstance(value, int)
-            and not isinstance(value, bool)
-            and (key.endswith("_token_id") or key.endswith("_token_index"))
-        ):
-            if key not in ("bos_token_id", "eos_token_id", "pad_token_id"):
-                ids.add(value)
-    return ids
+    text_ids = ("bos_token_id", "eos_token_id", "pad_token_id")
+    return {
+        value
+        for key, value in vlm_config.to_dict().items()
+        if isinstance(value, int) and not isinstance(value, bool) and key.endswith(("_token_id", "_token_index"))
+        if key not in text_ids
+    }
 
 
 def probe_ids(tokens: list[int], vocab_size: int, banned: set[int]) -> list[int]:
@@ -86,24 +72,21 @@ def compare(
     """The verdict on the VLM's logits `ref` vs the backbone's `got` (and how the backbone loaded)."""
     name = str(dtype).removeprefix("torch.")
     atol, rtol = TOLERANCES.get(name, TOLERANCES["bfloat16"])
+
+    def failed(reason: str) -> Verification:
+        return Verification(False, None, None, name, probe_tokens, reason)
+
     problems = [
         f"{k}: {sorted(v)[:4]}"
         for k, v in loading_info.items()
         if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v
     ]
     if problems:
-        return Verification(False, None, None, name, probe_tokens, "backbone loads with " + "; ".join(problems))
+        return failed("backbone loads with " + "; ".join(problems))
     if ref.shape != got.shape:
-        return Verification(
-            False,
-            None,
-            None,
-            name,
-            probe_tokens,
-            f"logit shapes differ: VLM {tuple(ref.shape)}, backbone {tuple(got.shape)}",
-        )
+        return failed(f"logit shapes differ: VLM {tuple(ref.shape)}, backbone {tuple(got.shape)}")
     if not (torch.isfinite(ref).all() and torch.isfinite(got).all()):
-        return Verification(False, None, None, name, probe_tokens, "non-finite logits (NaN or inf)")
+        return failed("non-finite logits (NaN or inf)")
     diff = float((ref - got).abs().max())
     tol = atol + rtol * float(ref.abs().max())
     reason = None if diff <= tol else f"max |logit difference| {diff:.3g} exceeds the {name} tolerance {tol:.3g}"
