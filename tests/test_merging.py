@@ -684,6 +684,25 @@ def test_merge_key_holds_the_code_and_package_versions(tmp_path, tiny_trio, caps
     assert json.loads((out / "COMPLETE.json").read_text())["key_versions"]["mergekit"] == "99.0"
 
 
+def test_a_tokenizer_source_outside_the_inputs_is_keyed_by_its_content(tmp_path, tiny_trio):
+    """A merge's tokenizer_source that is none of its inputs: its tokenizer files' bytes changed at the same path,
+    size and mtime give another key (the merge is not reused), put back the same key."""
+    from lm_eval_sink.keys import key_of
+    from lm_eval_sink.merging.merge import MergeWork
+
+    tok = tmp_path / "tok"
+    shutil.copytree(tiny_trio["base"], tok)  # the base is no input of a chain merge
+    config = render("linear_uniform", tiny_trio["reference"], tiny_trio["candidate"], tokenizer_source=str(tok))
+    assert str(tok) not in config.validated.inputs
+    before = key_of(MergeWork(config.validated, 0)).key
+    file = tok / "tokenizer.json"
+    data, st = file.read_bytes(), file.stat()
+    for content in (data.replace(b"<", b">", 1), data):
+        file.write_bytes(content)
+        os.utime(file, ns=(st.st_atime_ns, st.st_mtime_ns))
+        assert (key_of(MergeWork(config.validated, 0)).key == before) == (content == data)
+
+
 def test_rendered_siblings_config_is_plain_mergekit_yaml(tmp_path, tiny_trio):
     from mergekit.config import MergeConfiguration
 

@@ -325,8 +325,9 @@ def _tokenizer_source_arg(value: str, resolve_model) -> str:
 
 @dataclass(frozen=True, slots=True)
 class ValidatedConfig:
-    """A mergekit config that passed every check; `inputs` includes an implied base_model. A merge's key holds its
-    data and its inputs' content (`merging.merge.MergeWork`), not where it was read from or its comments."""
+    """A mergekit config that passed every check; `inputs` includes an implied base_model, `tokenizer` the model named
+    as its tokenizer source. A merge's key holds its data and its inputs' and tokenizer's content
+    (`merging.merge.MergeWork`), not where it was read from or its comments."""
 
     source: str = field(metadata=UNKEYED)
     text: str = field(metadata=UNKEYED)
@@ -335,6 +336,7 @@ class ValidatedConfig:
     base_model: str | None
     inputs: tuple[str, ...] = field(metadata=MODEL)
     mergekit: Any = field(metadata=UNKEYED)  # MergeConfiguration of `data` (its planner rewrites it: merge a copy)
+    tokenizer: str | None = field(default=None, metadata=MODEL)  # tokenizer_source / tokenizer.source: a model
 
 
 def validate_file(path: str | Path) -> ValidatedConfig:
@@ -369,7 +371,7 @@ def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | N
     inputs: list[str] = []
     for group in _groups(ck, method, config, base_model):
         inputs.extend(p for p in _check_group(ck, method, group) if p not in inputs)
-    _check_tokenizer(ck, config, base_model)
+    tokenizer = _check_tokenizer(ck, config, base_model)
     _check_compatible(ck, config, inputs, bool(config.models))
     return ValidatedConfig(
         source=source,
@@ -379,6 +381,7 @@ def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | N
         base_model=base_model,
         inputs=tuple(inputs),
         mergekit=config,
+        tokenizer=tokenizer,
     )
 
 
@@ -845,20 +848,22 @@ def _check_linear_sum(ck: _Checker, group: _Group, inputs: list[tuple[str, str, 
 # --- tokenizer and compatibility ------------------------------------------------------------
 
 
-def _check_tokenizer(ck: _Checker, config, base_model: str | None) -> None:
-    """tokenizer_source / tokenizer: models that resolve, 'base' only with a base_model, a positive padding."""
-    ts = config.tokenizer_source
+def _check_tokenizer(ck: _Checker, config, base_model: str | None) -> str | None:
+    """tokenizer_source / tokenizer: models that resolve, 'base' only with a base_model, a positive padding; returns
+    the model it names (None: base or union)."""
+    ts, model = config.tokenizer_source, None
     if ts == "base" and base_model is None:
         ck.fail("tokenizer_source", "'base' needs a base_model", "add base_model, or use union or a model path")
     if ts is not None and ts not in ("base", "union"):
-        ck.model_ref(str(ts), "tokenizer_source")
+        model = ck.model_ref(str(ts), "tokenizer_source")
     tok = config.tokenizer
     if tok is not None:
         if tok.source not in ("base", "union"):
-            ck.model_ref(str(tok.source), "tokenizer.source")
+            model = ck.model_ref(str(tok.source), "tokenizer.source")
         pad = tok.pad_to_multiple_of
         if pad is not None and pad <= 0:
             ck.fail("tokenizer.pad_to_multiple_of", f"expected a positive integer, got {pad!r}", "write e.g. 64")
+    return model
 
 
 # config.json keys that decide a checkpoint's tensors and their shapes (text_config's for a VLM): two models a merge

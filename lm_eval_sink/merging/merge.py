@@ -248,9 +248,7 @@ def merge_config(
     vc = config if isinstance(config, ValidatedConfig) else validate_file(config)
     out = Path(out)
     check_same_versions(out / COMPLETE, key_versions(MergeWork), force)
-    tokenizer = vc.data.get("tokenizer_source")
-    tokenizer = tokenizer if isinstance(tokenizer, str) and tokenizer not in ("base", "union") else None
-    check_output_dir(out, force, "OUT", inputs=[vc.source, *vc.inputs, tokenizer])
+    check_output_dir(out, force, "OUT", inputs=[vc.source, *vc.inputs, vc.tokenizer])
     work = key_of(MergeWork(vc, random_seed))
     identities = {p: model_fingerprint(p) for p in vc.inputs}
     revisions = {p: ident["revision"] for p, ident in identities.items() if not Path(p).is_dir()}
