@@ -1,14 +1,7 @@
 """A vLLM sweep's eval units on one resident engine (`eval: {backend: vllm}`; `engine_reuse`, the default).
 
-`EngineRunner.run(unit)` is an eval unit on one engine process (`harness.engine_server`, through
-`harness.engine_client`) that keeps its engine and takes each checkpoint's weights in place: the same staged folder,
-key, marker and lm-eval output files as `units.run_unit`, plus the engine's record. A checkpoint that differs in a
-setting the engine fixed at its start (`merging.engine_reuse.engine_fields`), or the unit after a failed one, gets a
-new engine. Where S is measured (`engine_s`: the one decision, `harness.engine_decision.s_refusal`, at plan time):
-the eval units' Sink Strength tasks on the engine lm-eval runs, each `strength:` unit on the engine right after its
-checkpoint's eval unit (`EngineRunner.strength`, decided again by the built engine); otherwise with transformers
-(`units.run_unit`), the marker saying why (`not_on_engine`). `engine_reuse`, `check_reuse` and `check_room` refuse
-at plan time what one engine cannot run; `plan_notes` says where S is measured. Details: docs/scale.md.
+`EngineRunner.run(unit)` evaluates a unit on one engine process that takes each checkpoint's weights in place, with
+the outputs of `units.run_unit`; `engine_s` decides at plan time where S is measured (docs/scale.md).
 """
 
 from __future__ import annotations

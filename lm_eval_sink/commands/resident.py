@@ -1,15 +1,7 @@
 """The in-memory sweep (`merge: {in_memory: true}`): one resident model takes each checkpoint in turn.
 
-A job is one checkpoint's unfinished units. `ResidentWorker.run` copies the checkpoint into the
-resident model (a merge with `merging.inmemory.merge_into`; an endpoint the same way, through
-mergekit's `passthrough`), then runs its eval unit in this process (`harness.inprocess.evaluate`)
-and its strength unit on the same parameters (`measure_strength`). The units, keys, staged
-folders, markers and manifest are the on-disk path's (`commands.sweep`); the merged weights are
-written only with `keep_weights: true` (the on-disk merge unit, then the copy into the resident).
-Locally one worker runs every job in plan order; under Ray (`engines.run_on_actors`) a pool of
-actors, one per eval slot, each holds its own worker and takes whole checkpoints.
-
-`check_spec` refuses at plan time what one resident model cannot do (module docs: docs/merging.md).
+A job is one checkpoint's unfinished units, run on the resident with the on-disk path's units, keys and outputs;
+locally one worker, under Ray a pool of actors (docs/merging.md, "In-memory sweeps").
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
 """`lm-eval-sink sweep`: read and check a sweep file, plan it, run its unfinished units, write the table.
 
-`commands.units.run_unit` runs one unit from its arguments alone, so a cluster engine can dispatch
-it; an in-memory sweep runs each checkpoint's units on one resident model instead
-(`commands.resident`), with the same units, keys and outputs. A unit builds its output in
-`<out>.partial-<uuid>/` (`outputs.staged_dir`), writes its `outputs.COMPLETE` marker with its key, renames,
-then appends one fsync'd line to `manifest.jsonl`. A unit counts as finished only when its last
-manifest line says done with the current key AND its marker has that key (`outputs.read_complete(folder,
-key)`): after kill -9 at any point, a rerun skips finished units and redoes the rest; `force` redoes
-everything. A failed unit is recorded and reported at the end; the others go on. The table (JSON,
-CSV, Markdown, PNG) is rebuilt from the saved outputs (`merging.sweep.build_table`).
+A unit is finished only when its last manifest line and its COMPLETE marker carry its current key, so a rerun after
+kill -9 redoes exactly the rest; a failed unit is reported at the end (docs/merging.md, "The sweep").
 """
 
 from __future__ import annotations

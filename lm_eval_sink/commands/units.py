@@ -1,9 +1,5 @@
-"""One sweep unit on disk, and the outputs every unit writes: shared by the on-disk and in-memory paths.
-
-`run_unit` runs one unit from its arguments alone (no state shared between units), so a cluster
-engine can dispatch it: a merge (`merging.merge.merge_config`), an eval (`lm_eval` in a subprocess)
-or a strength measurement (the checkpoint loaded from disk). `finish_eval` and `save_strength`
-write an eval's marker and a strength unit's output, whichever path computed them.
+"""One sweep unit on disk (`run_unit`: from its arguments alone, so a cluster can dispatch it), and the outputs
+every unit writes whichever path computed it (`finish_eval`, `save_strength`).
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
 """Bundled merge controls (templates), rendering to plain mergekit YAML, and strict validation.
 
-A bundled template (`merge_configs/<name>.yaml`, package data `lm_eval_sink.merge_configs`) holds a
-title, the paper's setting, and one block per lineage (`chain`: the VLM was trained from the
-reference, base = reference; `siblings`: reference and candidate both descend from a given base),
-each with its formula, an optional `identity` (said at render time) and a mergekit `config`
-with the placeholders `${reference}`, `${candidate}`, `${base}` and `${out_dtype}`.
-`render()` fills them and returns plain mergekit YAML that `mergekit-yaml FILE OUT` runs as is.
-
-`validate_text()` checks a mergekit config before any weight is read, in two layers. First
-structure, through mergekit's own pydantic models (`MergeConfiguration` and the models under it):
-their errors, and the bare `RuntimeError`s of their validators, become one line naming the key.
-Then what mergekit leaves unchecked: unknown keys at every level (its models drop them silently),
-and per merge method its declared parameters (mergekit's own `spec`, so TSV/STAR ranges come from
-their signatures): names, the level they are read at, types, ranges, finite numbers, required
-ones, the roles of the inputs (base model, count), paths, and architecture or vocabulary
-mismatches read from config.json. Each problem is one `UserError` line naming the file, the key
-and what was expected.
+`render()` fills a template (`merge_configs/<name>.yaml`: a block per lineage, chain or siblings) for the sweep's
+models; `validate_text()` checks a mergekit config before any weight is read: mergekit's own models, then what they
+leave unchecked, each problem one line naming the key (docs/merging.md, "Validation").
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
 """Which checkpoints of a vLLM sweep share one resident engine, and which engine takes which: decisions, no I/O.
 
-A resident vLLM engine (`commands/engine_sweep.py`, `harness/engine_server.py`) fixes at its start
-what it read of its first checkpoint: the architecture and shapes (config.json), the tokenizer, its
-chat template and special tokens, generation_config.json, the weight tensors' names and shapes, and
-the dtype (the checkpoint's own unless the eval settings name one). A checkpoint that agrees with the
-engine's in all of them has its weights swapped into the running engine; one that differs in any gets
-an engine of its own. `engine_fields` makes the comparable record from what
-`harness.engine_client.checkpoint_facts` read of a folder, `differences` names what differs,
-`engine_starts` says for checkpoints in run order which start an engine and why (the sweep's plan
-note), `new_engine_reason` why a running sweep's next eval unit needs a new engine (a failed unit
-before it, or a fixed setting that differs), and `assign` pairs the idle Ray actors, each holding an
-engine or none, with the eval units waiting for one (`merging/engines.py`).
+An engine fixes what it read of its first checkpoint (`engine_fields`); a checkpoint that differs in any of it gets
+an engine of its own (docs/scale.md, "One engine per sweep").
 """
 
 from __future__ import annotations

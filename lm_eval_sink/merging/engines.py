@@ -1,38 +1,8 @@
 """Where a sweep's units run: `local` (one after the other in this process) or `ray` (a Ray cluster).
 
-The sweep file's `engine:` block (all keys optional):
-
-    engine:
-      kind: ray                  # local (default) | ray
-      address: auto              # null: start Ray inside the driver; auto: a running cluster; "ray://host:port"
-      max_pending_merges: 2      # merged checkpoints waiting for evaluation (default: the eval slots)
-      resources:                 # per unit kind; num_cpus default 1, memory in bytes; num_gpus: see below
-        merge: {num_cpus: 2}
-        eval: {num_gpus: 1}
-        strength: {num_gpus: 1}
-
-Under Ray each unit is one task (`max_retries=1` for a lost worker, `retry_exceptions=False`)
-calling the `run` it is given (`commands.units.run_unit`, as the local engine); ordering and the
-pending-merge bound are the only rules the driver adds, dispatch is `ray.wait`. The driver alone writes the manifest
-and the table; a worker builds its unit's staged folder and its own log
-`<out>/logs/<kind>-<checkpoint>/task.log`. Workers get the driver's data and cache variables
-through `runtime_env={"env_vars": ...}` (no code upload: the package must be installed on every
-node); each task compares its package versions with the driver's and checks that it sees the
-output folder, failing its unit with one line otherwise. The engine is part of no unit key, so a
-sweep started locally resumes under Ray and back.
-
-An in-memory sweep runs whole checkpoints on a pool of actors instead (`run_on_actors`): one per
-eval slot, each with `resources.eval` (and the GPUs its merge or S needs), holding one resident
-model; a lost actor is replaced and its checkpoint done again.
-
-GPUs are Ray's to place (`unit_gpus`): a unit whose device is `cuda` asks Ray for `num_gpus`
-(default 1; 0 is refused), a `cpu` unit asks for none (num_gpus > 0 is refused), an `auto` unit
-for `num_gpus` (default none: it then runs on the CPU, the only device Ray lets it see), and a vLLM eval
-unit (no device) for `tensor_parallel_size` GPUs, or 0 for vLLM's CPU build. A worker checks that
-`CUDA_VISIBLE_DEVICES` lists exactly the ids `ray.get_gpu_ids()` gave its task (none for a
-zero-GPU task: `RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=1` in every worker's environment) and records
-them in the unit's provenance (`placement`). The decisions of what to submit next are
-`scheduler.Scheduler`'s.
+Under Ray each unit is one task calling the `run` it is given (`commands.units.run_unit`); an in-memory sweep, or a
+resident vLLM engine, runs on a pool of actors instead. The `engine:` block, GPUs, environment and retries:
+docs/scale.md ("A Ray cluster"); what to submit when is `scheduler.Scheduler`'s.
 """
 
 from __future__ import annotations

@@ -1,20 +1,7 @@
 """Merge into a resident model: mergekit's in-memory plan, run and copied into the model's parameters.
 
-A sweep keeps one model loaded; each checkpoint is planned with mergekit's public `MergePlanner`,
-its tensors computed by mergekit's `Executor` (the math and storage devices of `run_merge`), cast to
-the dtype each `SaveTensor` of the on-disk merge would write, and copied into the resident parameter
-of the same name: no weights are written and no model is loaded again. `copy_` then casts to the
-resident dtype, as loading the on-disk checkpoint in that dtype does, so the two paths give equal
-weights.
-
-Rules:
-- the planner rewrites the config it is given (`normalize_config`), so every merge parses the
-  YAML text again into a fresh `MergeConfiguration`;
-- each merge runs with the RNG isolation of `merge.isolated_rng` and mergekit's own seeding
-  (`set_seed(random_seed)`, as `run_merge` does), so a seeded DARE merge is bit-identical on disk
-  and in memory; mergekit's loader cache stays warm across merges of the same inputs;
-- a merge whose tensors do not all name a resident parameter, or that changes the vocabulary
-  (`tokenizer_source`), cannot run in memory: `check_in_memory` refuses it with one line.
+Each tensor is cast as the on-disk merge would write it, then copied into the resident parameter of its name, so
+both paths give equal weights; rules and refusals: docs/merging.md (`merge_into`).
 """
 
 from __future__ import annotations

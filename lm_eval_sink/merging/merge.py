@@ -1,12 +1,7 @@
 """Run one validated mergekit config in this process into a verified, staged output folder.
 
-`merge_config()` validates first (no weight read before every check passed), then runs
-mergekit's `run_merge` into `<out>.partial-<uuid>/`, verifies the result (every tensor the
-architecture expects is there with its shape, nothing else, all finite; tokenizer files copied),
-writes `COMPLETE.json` (unit key, inputs, provenance) and renames the folder to `out`.
-Each merge starts and ends with an empty mergekit `LoaderCache` and leaves the global RNG states
-as it found them, so merges in one process do not see each other (a merge seeded with
-`random_seed` is bit-identical on rerun).
+Validated before any weight is read, verified after (expected tensors and shapes, all finite, a tokenizer), each
+merge with an empty mergekit loader cache and the RNG states kept (docs/merging.md).
 """
 
 from __future__ import annotations

@@ -1,32 +1,8 @@
 """The merge-and-evaluate sweep's core: the sweep file's schema, the units and their keys, the table.
 
-A sweep YAML names the models, the merge controls (default: all bundled ones), the lm-eval
-protocol and Sink Strength settings (one set for every checkpoint) and an output folder:
-
-    output: sweep_out                 # paths are relative to this YAML's folder
-    models: {reference: REF, candidate: CAND}          # + base: BASE for the siblings lineage
-    configs: [linear_95_5, tsv]       # bundled names or template files; default: all bundled
-    merge: {random_seed: 0, device: cpu, tokenizer_source: null, delete_merged: false, in_memory: false}
-    eval: {tasks: [ifeval], apply_chat_template: true, num_fewshot: 0, gen_kwargs: {max_gen_toks: 256}, limit: 20}
-    strength: {last_k: 10, dtype: float32}             # or `strength: false`; device: auto (default), cpu, cuda[:N]
-    engine: {kind: ray, address: auto}                 # where units run: see engines.py (default local)
-
-`eval: {backend: vllm, model_args: {...}}` evaluates with vLLM; `eval: false` skips evaluation
-(not together with `strength: false`). `merge: {in_memory: true}` merges each checkpoint into one
-resident model and evaluates and measures it in that process (`keep_weights: true` also writes the
-merged weights); the path is part of no unit key.
-
-`plan_units` turns a spec, and what the command read for it (endpoint fingerprints, rendered
-merges), into independent units (`merge:<name>`, `eval:<checkpoint>`, `strength:<checkpoint>`),
-each with its own output folder and the key of the work it hands on (`keys.key_of` of a `MergeWork`, `EvalWork` or
-`SweepStrengthWork`: its inputs by value and content, and the code and packages that choose and compute it; a merged
-checkpoint's eval and strength units also hold its merge's, prefixed `merge `), so a unit made from other inputs or
-by other code is recomputed.
-`build_table` makes the table (rows = checkpoints, columns = task metrics, deltas vs the
-reference, S) from the saved outputs, after checking that every run
-used the same harness protocol (`protocols.require_same_harness`); `table_text` renders it as
-Markdown and CSV. This module does no file I/O: reading the sweep file, running units, the
-manifest, recovery and writing are `commands/sweep.py`'s.
+`plan_units` turns a spec into independent units (`merge:`, `eval:`, `strength:` per checkpoint), each keyed by the
+work it hands on (`keys.key_of` of a `MergeWork`, `EvalWork` or `SweepStrengthWork`); `build_table` and `table_text`
+make the table from the saved outputs. No file I/O: that is `commands/sweep.py`'s (docs/merging.md, "The sweep").
 """
 
 from __future__ import annotations
