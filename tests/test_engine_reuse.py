@@ -356,14 +356,11 @@ def test_a_resident_sweep_whose_units_need_the_engines_gpu_memory_is_refused_at_
     vLLM's default 0.92 leaves 0.4 x for the child that measures sink_strength first, or for strength: units. S from
     the engine (a Llama, strength: in the engine's dtype) needs no second copy, so the same sweeps fit; where the
     engine cannot measure S (quantization=fp8; strength: in another dtype) the line says so."""
-    from dataclasses import replace
-
     from helpers import TINY_SWEEP_TASK
 
     from lm_eval_sink import devices
-    from lm_eval_sink.commands.engine_sweep import check_room, engine_s
+    from lm_eval_sink.commands.engine_sweep import engine_s
     from lm_eval_sink.commands.sweep import load_sweep
-    from lm_eval_sink.errors import UserError
 
     need = _weights_bytes(tiny_trio["reference"])
     monkeypatch.setattr(devices, "resolve_device", lambda device: ("cuda:0",))
@@ -383,10 +380,6 @@ def test_a_resident_sweep_whose_units_need_the_engines_gpu_memory_is_refused_at_
     )
     load_sweep(fits)  # 0.2 x 5 leaves the weights' room
     load_sweep(path, fresh_engine=True)  # S measured before each engine starts
-    resident = replace(load_sweep(path, fresh_engine=True), engine_reuse=True)
-    check_room(resident, s_from_engine=True)  # S measured on the engine: no second copy
-    with pytest.raises(UserError):
-        check_room(resident, s_from_engine=False)
     strength = {"n_prompts": 5, "dtype": "float32"}
     units = _vllm_sweep(tmp_path / "strength", tiny_trio, strength=strength)  # the engine's dtype: auto
     line = user_error(["sweep", units, "--quiet"], tmp_path / "strength" / "out")

@@ -124,11 +124,8 @@ def _widest_itemsize(spec: SweepSpec) -> int:
 
 
 def _merge_need(spec: SweepSpec) -> tuple[str, int, int]:
-    """The merge whose inputs' largest tensors take the most room at once: (its name, its number of inputs, bytes).
-    mergekit loads each input tensor in the merge's dtype (float32 in every bundled template) and computes one output
-    tensor at a time on its device, so a merge needs the largest tensor of each input there at the widest of those
-    dtypes and the stored ones; a tensor's elements come from the safetensors headers, or for other weight files
-    from config.json (the embedding: vocab_size x hidden_size)."""
+    """The merge whose inputs' largest tensors take the most room at once: (its name, its number of inputs, bytes):
+    mergekit holds one tensor of each input at a time on its device, at the widest of the merge's and stored dtypes."""
     from lm_eval_sink.harness.engine_client import tensor_elements
     from lm_eval_sink.merging.configs import embedding_elements
 
@@ -148,9 +145,6 @@ class EngineS:
 
     evals: str | None
     strength: str | None
-
-
-ON_ENGINE = EngineS(None, None)
 
 
 def engine_s(spec: SweepSpec) -> EngineS:
@@ -227,13 +221,10 @@ def memory_needs(spec: SweepSpec, devices: tuple[str, ...], where: EngineS) -> l
     return needs
 
 
-def check_room(spec: SweepSpec, s_from_engine: bool | None = None) -> None:
+def check_room(spec: SweepSpec) -> None:
     """Refuse at plan time a local resident-engine sweep whose units would load a checkpoint on GPUs that the engine
-    holds: vLLM takes `gpu_memory_utilization` of the total memory of each GPU it uses (the first
-    tensor_parallel_size x pipeline_parallel_size visible ones), whatever is free when it starts. A CPU run (vLLM's
-    CPU build sizes its cache by VLLM_CPU_KVCACHE_SPACE) and a Ray sweep (each actor's GPUs its own) are not
-    checked. `s_from_engine`: whether S is measured on the engine itself, so no unit needs a second copy (None:
-    `engine_s` decides, per kind of unit)."""
+    holds (vLLM takes `gpu_memory_utilization` of each GPU it uses, whatever is free); none where S is measured on the
+    engine (`engine_s`). A CPU run and a Ray sweep (each actor's GPUs its own) are not checked (docs/scale.md)."""
     from lm_eval_sink.devices import _total_memory, resolve_device
 
     if spec.engine is not None and spec.engine.kind == "ray":
@@ -241,7 +232,7 @@ def check_room(spec: SweepSpec, s_from_engine: bool | None = None) -> None:
     visible = tuple(d for d in resolve_device("auto") if d != "cpu")
     if not visible:
         return
-    where = engine_s(spec) if s_from_engine is None else ON_ENGINE if s_from_engine else EngineS("", "")
+    where = engine_s(spec)
     args = spec.eval.model_args
     used = int(args.get("tensor_parallel_size", 1)) * int(args.get("pipeline_parallel_size", 1))
     utilization = float(args.get("gpu_memory_utilization", VLLM_GPU_MEMORY_UTILIZATION))

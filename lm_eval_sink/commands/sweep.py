@@ -118,14 +118,9 @@ def load_sweep(
     in_memory: bool | None = None,
     fresh_engine: bool = False,
 ) -> SweepSpec:
-    """Read and check a sweep YAML once: its schema (paths relative to its folder), its models, its lm-eval
-    protocol (`harness.checks.check_protocol`: task names, generation lengths) and every merge control rendered
-    for them and validated (`SweepSpec.merges`); no weights are read.
-
-    `engine` / `ray_address` / `python` / `in_memory` override the file's engine.kind / engine.address /
-    eval.python / merge.in_memory (CLI flags); `fresh_engine` turns eval.engine_reuse off (one vLLM engine per
-    checkpoint). An in-memory sweep is checked here too (`resident.check_spec`).
-    """
+    """Read and check a sweep YAML once (schema, models, lm-eval protocol, every merge control rendered and
+    validated; no weights read). `engine` / `ray_address` / `python` / `in_memory` override the file's (CLI flags);
+    `fresh_engine` turns eval.engine_reuse off."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no such sweep file", "pass a sweep YAML (see docs/merging.md)")

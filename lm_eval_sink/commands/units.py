@@ -11,6 +11,7 @@ from typing import Any
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.identity import FINGERPRINT_RULE
 from lm_eval_sink.io import atomic_write_json
+from lm_eval_sink.keys import keyed
 from lm_eval_sink.outputs import staged_dir, write_complete
 from lm_eval_sink.provenance import provenance
 from lm_eval_sink.merging.engines import placement_fields
@@ -28,6 +29,7 @@ def _finish(tmp: Path, unit: Unit, **fields: Any) -> None:
             "key_versions": unit.versions,
             "fingerprint_rule": FINGERPRINT_RULE,
             "model_identity": getattr(unit.inputs, "identity", None),
+            "work": keyed(unit.inputs),  # what changed, when its key does (`merging.sweep.changed_inputs`)
             **fields,
             "provenance": provenance(unit=unit.id, **placement_fields()),
         },

@@ -211,11 +211,8 @@ def render(
     base: str | Path | None = None,
     tokenizer_source: str | None = None,
 ) -> Rendered:
-    """Fill a template for one pair (chain lineage) or trio (siblings lineage) and validate it.
-
-    `tokenizer_source`: None (mergekit's rule: the base_model's tokenizer; the reference's in the
-    chain lineage), `base`, `union`, `reference`, `candidate` or a model path.
-    """
+    """Fill a template for one pair (chain lineage) or trio (siblings lineage) and validate it; `tokenizer_source`:
+    None (mergekit's rule: the base_model's), `base`, `union`, `reference`, `candidate` or a model path."""
     from lm_eval_sink.models import resolve_model
 
     template = name if isinstance(name, Template) else load_template(name)

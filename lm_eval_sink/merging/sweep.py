@@ -8,6 +8,7 @@ make the table from the saved outputs. No file I/O: that is `commands/sweep.py`'
 from __future__ import annotations
 
 import dataclasses
+import json
 import typing
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -26,12 +27,6 @@ from lm_eval_sink.tables import csv_text, markdown_table
 
 ENDPOINTS = ("reference", "candidate")
 KINDS = ("merge", "eval", "strength")  # the unit kinds, in each checkpoint's run order
-# Fields of the sweep file that no unit is made from (where and how it runs, which configs: those only add units).
-NOT_UNIT_INPUTS = (
-    *("output", "engine", "configs", "merge.delete_merged", "merge.in_memory", "merge.keep_weights"),
-    "eval.engine_reuse",
-)
-
 
 # --- the sweep file ------------------------------------------------------------------------
 
@@ -173,18 +168,23 @@ def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix.removesuffix("."): data}
 
 
-def changed_fields(earlier: dict[str, Any] | None, now: dict[str, Any]) -> list[str] | None:
-    """The fields of the sweep file that changed between two records (`{data: the file as written, templates: {path:
-    sha256}}`) and that units are made from, each as `field: old -> new`; None without an earlier record."""
-    if not isinstance(earlier, dict) or "data" not in earlier:
-        return None
-    old, new = _flat(earlier["data"]), _flat(now["data"])
-    old |= {f"template {p}": h for p, h in (earlier.get("templates") or {}).items()}
-    new |= {f"template {p}": h for p, h in now["templates"].items()}
-    keys = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
-    keys = [k for k in keys if not any(k == f or k.startswith(f + ".") for f in NOT_UNIT_INPUTS)]
-    shown = {k: (repr(old[k]) if k in old else "unset", repr(new[k]) if k in new else "unset") for k in keys}
-    return [f"{k}: {a[:60]} -> {b[:60]}" for k, (a, b) in shown.items()]
+def changed_inputs(units: Sequence[Unit], markers: Markers) -> list[str]:
+    """What changed in each unit's work (its `keys.Work` declaration as its key holds it) since its marker recorded
+    it (`work`), each as `kind field: old -> new`; none for markers that recorded no work."""
+    from lm_eval_sink.io import canonical_json
+    from lm_eval_sink.keys import keyed
+
+    out = []
+    for unit in units:
+        old = (markers.get(unit.id) or {}).get("work")
+        if not isinstance(old, dict):
+            continue
+        old, new = _flat(old), _flat(json.loads(canonical_json(keyed(unit.inputs))))
+        for k in sorted(set(old) | set(new)):
+            a, b = (repr(x[k]) if k in x else "unset" for x in (old, new))
+            if a != b and f"{unit.kind} {k}: {a[:60]} -> {b[:60]}" not in out:
+                out.append(f"{unit.kind} {k}: {a[:60]} -> {b[:60]}")
+    return out
 
 
 # --- units ---------------------------------------------------------------------------------
@@ -302,12 +302,8 @@ def plan_units(
     versions: dict[str, dict[str, Any]],
 ) -> Plan:
     """Every unit with its key, in run order (merge -> eval -> strength per checkpoint, so `delete_merged` bounds the
-    disk).
-
-    `identities`: the endpoints' `models.model_fingerprint`; `versions`: what the `eval` and `strength` units' keys
-    hold of code that runs elsewhere (`harness.runner.eval_versions`, `engine_sweep.engine_strength_versions`), and
-    `engine`: the resident engine's model_args and dtype where it measures S (else absent).
-    """
+    disk). `identities`: the endpoints' fingerprints; `versions`: the `eval` / `strength` versions of code that runs
+    elsewhere, and `engine`: the resident engine's model_args and dtype where it measures S."""
     checkpoints = [Checkpoint(role, role, spec.models[role], identities[role]["fingerprint"]) for role in ENDPOINTS]
     units = [u for ck in checkpoints for u in _measure_units(spec, ck, identities.get(ck.name), versions)]
     for m in merges:
@@ -379,13 +375,9 @@ def build_table(
     strengths: dict[str, float],
     strength_settings: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Rows = checkpoints, columns = each task metric, its delta vs the reference, S (the caller adds provenance).
-
-    `results` / `fingerprints` / `strengths`: per checkpoint with a finished unit, its lm-eval
-    results JSON, `protocols.Fingerprint` and saved S; `strength_settings`: the `comparability.Setting` of each
-    saved S, so that S measured in different settings are marked (`s_setting`, `strength_comparability`); the
-    eval units' Sink Strength tasks go through the same check (`task_strength`).
-    """
+    """Rows = checkpoints, columns = each task metric, its delta vs the reference, S (the caller adds provenance),
+    from each checkpoint's results, protocol fingerprint and saved S; S of different settings (`strength_settings`, and
+    the eval units' Sink Strength tasks: `task_strength`) are marked."""
     from lm_eval_sink.comparability import compare
     from lm_eval_sink.protocols import require_same_harness
 
@@ -693,8 +685,8 @@ def schedule(plan: Plan, state: FolderState, force: bool, redo: frozenset[str]) 
 
 
 def check_conflicts(plan: Plan, state: FolderState, redo: frozenset[str], now: dict[str, Any]) -> list[str]:
-    """Refuse unit outputs made from other inputs, in one line naming the sweep file's changed fields (`now` against
-    the earlier record) and the units they touch (those in `redo` are redone instead). One made from the same
+    """Refuse unit outputs made from other inputs, in one line naming the changed inputs (`changed_inputs`) and the
+    units they touch (those in `redo` are redone instead). One made from the same
     inputs by other versions is recomputed, and so is one whose file is unchanged (a release changed a default):
     a note per unit."""
     from lm_eval_sink.identity import FINGERPRINT_RULE, check_same_identity
@@ -718,17 +710,16 @@ def check_conflicts(plan: Plan, state: FolderState, redo: frozenset[str], now: d
         if identity and complete.get("model_identity"):
             check_same_identity(complete["model_identity"], identity, unit.output)
         conflicts.append(unit)
-    fields = changed_fields(state.earlier_file, now)
-    if conflicts and fields == []:  # the sweep file as written is the same: a release changed a default
+    if conflicts and state.earlier_file == now:  # the sweep file as written is the same: a release changed a default
         same = "made under other defaults (the sweep file is the same)"
         return notes + [f"{u.id}: recomputed: {same}" for u in conflicts]
     if conflicts:
-        raise _changed(plan.spec.source, conflicts, fields)
+        raise _changed(plan.spec.source, conflicts, changed_inputs(conflicts, state.markers))
     return notes
 
 
 def _changed(source: str, conflicts: list[Unit], fields: list[str] | None) -> UserError:
-    """The one line for finished units made from other inputs: the sweep file's changed fields, the units, --redo."""
+    """The one line for finished units made from other inputs: the changed inputs, the units, --redo."""
     ids = [u.id for u in conflicts]
     kinds = [k for k in KINDS if any(u.kind == k for u in conflicts)]
     return UserError(
