@@ -596,7 +596,9 @@ def test_a_changed_sweep_file_names_the_field_and_redo_redoes_only_those(uninter
     capsys.readouterr()
     assert main(["sweep", str(sweep), "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "strength settings.last_k: 2 -> 1 changed since strength:reference, " in err, err
+    assert (
+        len(err.splitlines()) == 1 and "strength settings.last_k: 2 -> 1 changed since strength:reference, " in err
+    ), err
     assert "strength:dare_linear were made" in err and "--redo strength" in err and "configs" not in err.split("(")[0]
     assert (out / "table.json").read_text() == before and not (out / "merges" / "linear_95_5").exists()
     assert main(["sweep", str(sweep), "--quiet", "--redo", "strenght"]) == 2
