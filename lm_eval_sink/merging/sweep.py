@@ -19,6 +19,7 @@ from pydantic import Field, create_model
 
 from lm_eval_sink.devices import DEFAULT_DEVICE, DEVICE_HELP, DEVICE_PATTERN
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.harness.runner import EvalSettings
 from lm_eval_sink.keys import UNKEYED, Work, key_of
 from lm_eval_sink.merging.engines import EngineIn
 from lm_eval_sink.schema import Strict, parse
@@ -96,28 +97,25 @@ class _MergeIn(Strict):
     keep_weights: bool = False
 
 
-class EvalIn(Strict):
-    """The keys of harness.runner.EvalSettings; a key left out takes EvalSettings' default (its one source)."""
-
+class _EvalSection(Strict):
     what: ClassVar[str] = "the eval section"
-    tasks: list[str] = Field(min_length=1)
-    backend: Literal["hf", "vllm"] | None = None
-    apply_chat_template: bool | None = None
-    num_fewshot: int | None = None
-    fewshot_as_multiturn: bool | None = None
-    system_instruction: str | None = None
-    gen_kwargs: dict[str, Any] | None = None
-    limit: int | float | None = None
-    seed: int | None = None
-    batch_size: int | str | None = None
-    device: Device | None = None
-    dtype: str | None = None
-    include_path: str | None = None
-    model_args: dict[str, Any] | None = None
-    python: str | None = (
-        None  # the interpreter lm-eval runs in, relative to the sweep file (e.g. .venv-vllm/bin/python)
-    )
-    engine_reuse: bool | None = None  # vllm: one resident engine for every checkpoint (default true); not a flag
+
+
+# The eval section: EvalSettings' fields (its checks and defaults stay there), the backends a sweep runs and
+# `engine_reuse` (vllm: one resident engine for every checkpoint, default true); `python` is relative to the file.
+EvalIn = create_model(
+    "EvalIn",
+    __base__=_EvalSection,
+    tasks=(list[str], Field(min_length=1)),
+    backend=(Literal["hf", "vllm"] | None, None),
+    device=(Device | None, None),
+    engine_reuse=(bool | None, None),
+    **{
+        f.name: (typing.get_type_hints(EvalSettings)[f.name] | None, None)
+        for f in dataclasses.fields(EvalSettings)
+        if f.name not in ("tasks", "backend", "device", "log_samples")
+    },
+)
 
 
 # The strength section: StrengthSettings' fields (its checks and defaults stay there) plus where S is measured.
