@@ -110,19 +110,10 @@ def test_assign_leaves_a_unit_to_the_busy_actor_that_holds_its_engine_unless_not
 
 def _vllm_sweep(tmp_path, trio, strength=False, **evals):
     """A tiny vLLM sweep file (the tiny choice task; `python` unset: this interpreter, whose task index is cached)."""
-    from helpers import TINY_SWEEP_TASK, TINY_SWEEP_TASKS
+    from helpers import TINY_SWEEP_TASK, TINY_SWEEP_TASKS, write_tiny_sweep
 
-    data = {
-        "output": "out",
-        "models": {"reference": str(trio["reference"]), "candidate": str(trio["candidate"])},
-        "configs": ["linear_95_5"],
-        "eval": {"tasks": [TINY_SWEEP_TASK], "include_path": str(TINY_SWEEP_TASKS), "backend": "vllm", **evals},
-        "strength": strength,
-    }
-    tmp_path.mkdir(exist_ok=True)
-    path = tmp_path / "sweep.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
+    vllm = {"tasks": [TINY_SWEEP_TASK], "include_path": str(TINY_SWEEP_TASKS), "backend": "vllm", **evals}
+    return write_tiny_sweep(tmp_path, trio, configs=["linear_95_5"], eval=vllm, strength=strength)
 
 
 def test_engine_reuse_is_the_vllm_default_and_fresh_engine_turns_it_off(tmp_path, tiny_trio, user_error):

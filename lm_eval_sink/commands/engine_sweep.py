@@ -344,7 +344,7 @@ class EngineRunner:
     def run(self, unit: Unit) -> None:
         """Evaluate `unit`'s checkpoint on the engine into the unit's staged folder (a UserError: its one line)."""
         weights = weights_folder(unit.inputs.model)
-        fields = engine_fields(checkpoint_facts(weights), _dtype(self.settings))
+        fields = checkpoint_fields(unit.inputs.model, self.settings)
         why = self._new_engine(unit, fields)
         self.fields, self.holds, self.failed = fields, unit.checkpoint, unit.id  # until it finishes
         with staged_dir(unit.output, force=True, key=unit.key) as tmp:
@@ -440,10 +440,6 @@ def local_runner(spec: SweepSpec, notes: list[str]) -> Iterator[Callable[[Unit],
         notes.extend(runner.notes)
 
 
-def _fields_of(settings: Any) -> Callable[[Unit], Fields]:
-    return lambda unit: checkpoint_fields(unit.inputs.model, settings)
-
-
 def ray_pool(spec: SweepSpec) -> Any:
     """Under Ray, the eval units' pool of actors, each with its own resident engine (`EngineRunner`); None where the
     sweep starts an engine per checkpoint."""
@@ -451,4 +447,6 @@ def ray_pool(spec: SweepSpec) -> Any:
 
     if not spec.engine_reuse:
         return None
-    return EvalPool(EngineRunner, (spec.eval, spec.output / "logs"), _fields_of(spec.eval))
+    return EvalPool(
+        EngineRunner, (spec.eval, spec.output / "logs"), lambda u: checkpoint_fields(u.inputs.model, spec.eval)
+    )

@@ -41,7 +41,6 @@ from lm_eval_sink.merging.sweep import (
     FolderState,
     Markers,
     Plan,
-    RenderedMerge,
     Schedule,
     StrengthIn,
     SweepSpec,
@@ -253,26 +252,14 @@ def _strength(section: Any, skipped: bool, src: str, here: Path) -> tuple[Any, s
 def plan_sweep(spec: SweepSpec) -> Plan:
     """Fingerprint the endpoints and derive each unit's key from the work it hands on (reads no weights)."""
     from lm_eval_sink.harness.runner import eval_versions
-    from lm_eval_sink.merging.merge import MergeWork
     from lm_eval_sink.models import model_fingerprint
 
-    merges = [
-        RenderedMerge(
-            r.name,
-            MergeWork(r.validated, spec.random_seed, spec.merge_device, r.template.path),
-            r.template.paper_setting,
-        )
-        for r in spec.merges
-    ]
     identities = {role: model_fingerprint(spec.models[role]) for role in ENDPOINTS}
     evals = eval_versions(spec.eval) if spec.eval is not None else {}
     on_engine = engine_strength_versions(spec, evals)
     engine = {"model_args": spec.eval.model_args, "dtype": spec.eval.dtype} if on_engine and spec.eval else None
     lm_eval = {f"lm-eval {k}": v for k, v in evals.items()}  # where lm-eval runs
-    return plan_units(spec, identities, merges, {"eval": lm_eval, "strength": on_engine, "engine": engine})
-
-
-# --- units ---------------------------------------------------------------------------------
+    return plan_units(spec, identities, {"eval": lm_eval, "strength": on_engine, "engine": engine})
 
 
 # --- manifest and recovery -----------------------------------------------------------------
@@ -440,7 +427,8 @@ def _with_earlier_configs(spec: SweepSpec, earlier: dict[str, Any] | None) -> tu
 
 
 def _file_record(spec: SweepSpec) -> dict[str, Any]:
-    """The sweep file as written, with the sha256 of its template files: what sweep.json keeps to name a change."""
+    """The sweep file as written, with the sha256 of its template files: what sweep.json keeps to tell whether a unit
+    made from other inputs came from another file or from another release's defaults."""
     templates = [c for c in spec.configs if c.endswith((".yaml", ".yml")) and Path(c).is_file()]
     return {"data": spec.written, "templates": {c: sha256_file(c) for c in templates}}
 

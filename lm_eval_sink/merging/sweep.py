@@ -53,7 +53,7 @@ class SweepSpec:
     strength_device: str = DEFAULT_DEVICE
     engine: Any = None  # engines.EngineSpec; part of no unit key
     merges: tuple[Any, ...] = ()  # configs.Rendered per entry of `configs`: rendered and validated once, at load
-    written: Any = None  # the sweep file's data as written (sweep.json keeps it, to name a changed field)
+    written: Any = None  # the sweep file's data as written (sweep.json keeps it: is the file the same?)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -283,35 +283,25 @@ def redo_units(plan: Plan, redo: Sequence[str]) -> frozenset[str]:
     return frozenset(u.id for u in plan.units if u.kind in redo or u.checkpoint in redo)
 
 
-@dataclass(frozen=True)
-class RenderedMerge:
-    """One merge control filled in for the sweep's models: what its merge unit runs (`merging.merge.MergeWork`, its
-    config checked once when the sweep file was loaded) and the paper setting it stands for."""
-
-    name: str
-    work: Any
-    setting: str | None
-
-
 def plan_units(
     spec: SweepSpec,
     identities: dict[str, dict[str, Any]],
-    merges: list[RenderedMerge],
     versions: dict[str, dict[str, Any]],
 ) -> Plan:
     """Every unit with its key, in run order (merge -> eval -> strength per checkpoint, so `delete_merged` bounds the
     disk). `identities`: the endpoints' fingerprints; `versions`: the `eval` / `strength` versions of code that runs
     elsewhere, and `engine`: the resident engine's model_args and dtype where it measures S."""
+    from lm_eval_sink.merging.merge import MergeWork
+
     checkpoints = [Checkpoint(role, role, spec.models[role], identities[role]["fingerprint"]) for role in ENDPOINTS]
     units = [u for ck in checkpoints for u in _measure_units(spec, ck, identities.get(ck.name), versions)]
-    for m in merges:
+    for m in spec.merges:  # configs.Rendered, each checked once when the sweep file was loaded
         target = spec.output / "merges" / m.name
-        merge = unit("merge", m.name, target, m.work)
+        work = MergeWork(m.validated, spec.random_seed, spec.merge_device, m.template.path)
+        merge = unit("merge", m.name, target, work)
         merged = {f"merge {k}": v for k, v in merge.versions.items()}
-        method = m.work.config.method
-        ck = Checkpoint(
-            m.name, "merge", str(target), merge.inputs_key, method=method, setting=m.setting, versions=merged
-        )
+        setting = m.template.paper_setting
+        ck = Checkpoint(m.name, "merge", str(target), merge.inputs_key, m.validated.method, setting, merged)
         units.append(merge)
         units += _measure_units(spec, ck, identities.get(ck.name), versions)
         checkpoints.append(ck)
@@ -498,11 +488,9 @@ def _row(
 
 def _fmt(x: float | None, signed: bool = False, scale: float = 1.0) -> str:
     """A cell: 4 decimals in lm-eval's unit, or 1 decimal in points (`scale` 100) for a share of docs."""
-    if x is None:
-        return "n/a"
-    if scale != 1.0:
-        return f"{scale * x:+.1f}" if signed else f"{scale * x:.1f}"
-    return f"{x:+.4f}" if signed else f"{x:.4f}"
+    from lm_eval_sink.report.view import fmt
+
+    return "n/a" if x is None else fmt(x, ("+" if signed else "") + ("pts" if scale != 1.0 else "f4"))
 
 
 def _table_rows(table: dict[str, Any], cols: list[str], scales: list[float]) -> list[list[str]]:
