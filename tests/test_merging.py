@@ -517,13 +517,6 @@ def test_good_config_validates(tmp_path, tiny_trio, capsys):
     assert "ok (merge_method ties, 2 inputs" in capsys.readouterr().out
 
 
-def test_yaml_syntax_error_names_the_line(tmp_path, capsys):
-    cfg = tmp_path / "broken.yaml"
-    cfg.write_text("merge_method: ties\nmodels:\n  - model: [unclosed\n")
-    line = _error(capsys, ["configs", "validate", str(cfg)])
-    assert f"{cfg}:" in line and "not valid YAML" in line
-
-
 def test_vocabulary_mismatch_names_both_sizes_unless_tokenizer_source(tmp_path, tiny_trio, capsys):
     bigger = make_tiny_lm(tmp_path / "vlm", "llama", delta_seed=5, vocab_extra=4)
     out = tmp_path / "r.yaml"
