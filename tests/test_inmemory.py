@@ -187,22 +187,6 @@ def test_in_process_run_has_the_subprocess_runs_protocol(both_paths):
     assert fm.run["model"] == "hf"
 
 
-def test_buckets_and_report_read_the_in_process_run(both_paths, capsys):
-    import json
-
-    from lm_eval_sink.cli import main
-
-    root = both_paths["root"]
-    out = root / "buckets"
-    args = ["buckets", both_paths["disk"].results.parent.parent, both_paths["memory"].results.parent.parent]
-    assert main([str(a) for a in [*args, "--task", "tiny_gen", "--output", out, "--no-failure-kinds"]]) == 0
-    data = json.loads((out / "buckets.json").read_text())
-    assert (data["task"], data["n"], data["discordant"], data["delta"]) == ("tiny_gen", 4, 0, 0.0)
-    page = root / "report.html"
-    assert main(["report", "--buckets", str(out), "-o", str(page)]) == 0
-    assert "tiny_gen" in page.read_text()
-
-
 def test_in_process_refusals(both_paths, tiny_trio):
     """vllm, settings other than the resident's, and a strength dtype other than its own are refused in one line."""
     from dataclasses import replace
