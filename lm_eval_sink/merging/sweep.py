@@ -160,8 +160,8 @@ def parse_sweep_data(data: Any, src: str) -> tuple[SweepFileIn, frozenset[str]]:
 
 
 def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
-    """Nested mappings as {dotted.key: value}; a list or scalar is one value."""
-    if isinstance(data, dict) and data:
+    """Nested mappings as {dotted.key: value} (an empty one holds none); a list or scalar is one value."""
+    if isinstance(data, dict):
         return {k: v for key, value in data.items() for k, v in _flat(value, f"{prefix}{key}.").items()}
     return {prefix.removesuffix("."): data}
 
