@@ -537,27 +537,15 @@ def test_vocabulary_mismatch_names_both_sizes_unless_tokenizer_source(tmp_path, 
 
 def test_architecture_mismatch_and_render_errors(tmp_path, tiny_trio, capsys):
     qwen = make_tiny_lm(tmp_path / "qwen", "qwen2", delta_seed=1)
-    line = _error(
-        capsys,
-        _render("linear_uniform", tiny_trio["reference"], qwen, tmp_path / "x.yaml"),
-    )
+    line = _error(capsys, _render("linear_uniform", tiny_trio["reference"], qwen, tmp_path / "x.yaml"))
     assert "model_type differs" in line and "llama" in line and "qwen2" in line
-    line = _error(
-        capsys,
-        _render("tsv", tmp_path / "nope", tiny_trio["candidate"], tmp_path / "x.yaml"),
-    )
+    line = _error(capsys, _render("tsv", tmp_path / "nope", tiny_trio["candidate"], tmp_path / "x.yaml"))
     assert "--reference" in line and "nope" in line
-    line = _error(
-        capsys,
-        _render("tiess", tiny_trio["reference"], tiny_trio["candidate"], tmp_path / "x.yaml"),
-    )
+    line = _error(capsys, _render("tiess", tiny_trio["reference"], tiny_trio["candidate"], tmp_path / "x.yaml"))
     assert "did you mean 'ties'" in line
     assert not (tmp_path / "x.yaml").exists()
     (tmp_path / "x.yaml").write_text("keep me")
-    line = _error(
-        capsys,
-        _render("ties", tiny_trio["reference"], tiny_trio["candidate"], tmp_path / "x.yaml"),
-    )
+    line = _error(capsys, _render("ties", tiny_trio["reference"], tiny_trio["candidate"], tmp_path / "x.yaml"))
     assert "already exists" in line and (tmp_path / "x.yaml").read_text() == "keep me"
 
 
