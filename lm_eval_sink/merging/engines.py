@@ -449,8 +449,8 @@ class EvalPool:
 
 
 class _Pool:
-    """The driver's side of an `EvalPool`: up to one actor per eval slot, what each one's engine holds, the eval
-    units waiting for one. A lost actor fails its unit with one line and is replaced by a new one."""
+    """The driver's side of an `EvalPool`: up to one actor per eval slot, what each one's engine holds, the units
+    (an in-memory sweep's jobs) waiting for one. A lost actor is replaced by a new one."""
 
     def __init__(self, ray: Any, engine: EngineSpec, output_root: Path, pool: EvalPool, versions: Any) -> None:
         res = engine.resources["eval"]
