@@ -201,7 +201,7 @@ def test_a_sweep_table_marks_s_of_another_setting(tmp_path):
 
     spec = SweepSpec("sweep.yaml", Path("out"), {"reference": "r", "candidate": "c"}, ("linear",))
     identities = {r: {"fingerprint": f"sha256:{r}"} for r in ("reference", "candidate")}
-    plan = plan_units(spec, identities, [], {"eval": {}, "strength": {}})
+    plan = plan_units(spec, identities, {"eval": {}, "strength": {}})
     names = [ck.name for ck in plan.checkpoints]
     settings = {n: _setting(30, chat_template_applied=n != "candidate") for n in names}
     strengths = {n: 1.0 + i for i, n in enumerate(names)}
@@ -249,7 +249,7 @@ def test_a_sweep_table_marks_the_eval_units_s_of_another_setting(tmp_path):
 
     spec = SweepSpec("sweep.yaml", Path("out"), {"reference": "r", "candidate": "c"}, ("linear",))
     identities = {r: {"fingerprint": f"sha256:{r}"} for r in ("reference", "candidate")}
-    plan = plan_units(spec, identities, [], {"eval": {}, "strength": {}})
+    plan = plan_units(spec, identities, {"eval": {}, "strength": {}})
     results = {"reference": _sink_results(2.0, True), "candidate": _sink_results(0.5, False)}
     table = build_table(plan, {}, results, {}, {})
     comparison = table["task_strength_comparability"]["sink_strength"]

@@ -110,19 +110,10 @@ def test_assign_leaves_a_unit_to_the_busy_actor_that_holds_its_engine_unless_not
 
 def _vllm_sweep(tmp_path, trio, strength=False, **evals):
     """A tiny vLLM sweep file (the tiny choice task; `python` unset: this interpreter, whose task index is cached)."""
-    from helpers import TINY_SWEEP_TASK, TINY_SWEEP_TASKS
+    from helpers import TINY_SWEEP_TASK, TINY_SWEEP_TASKS, write_tiny_sweep
 
-    data = {
-        "output": "out",
-        "models": {"reference": str(trio["reference"]), "candidate": str(trio["candidate"])},
-        "configs": ["linear_95_5"],
-        "eval": {"tasks": [TINY_SWEEP_TASK], "include_path": str(TINY_SWEEP_TASKS), "backend": "vllm", **evals},
-        "strength": strength,
-    }
-    tmp_path.mkdir(exist_ok=True)
-    path = tmp_path / "sweep.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
+    vllm = {"tasks": [TINY_SWEEP_TASK], "include_path": str(TINY_SWEEP_TASKS), "backend": "vllm", **evals}
+    return write_tiny_sweep(tmp_path, trio, configs=["linear_95_5"], eval=vllm, strength=strength)
 
 
 def test_engine_reuse_is_the_vllm_default_and_fresh_engine_turns_it_off(tmp_path, tiny_trio, user_error):
@@ -356,14 +347,11 @@ def test_a_resident_sweep_whose_units_need_the_engines_gpu_memory_is_refused_at_
     vLLM's default 0.92 leaves 0.4 x for the child that measures sink_strength first, or for strength: units. S from
     the engine (a Llama, strength: in the engine's dtype) needs no second copy, so the same sweeps fit; where the
     engine cannot measure S (quantization=fp8; strength: in another dtype) the line says so."""
-    from dataclasses import replace
-
     from helpers import TINY_SWEEP_TASK
 
     from lm_eval_sink import devices
-    from lm_eval_sink.commands.engine_sweep import check_room, engine_s
+    from lm_eval_sink.commands.engine_sweep import engine_s
     from lm_eval_sink.commands.sweep import load_sweep
-    from lm_eval_sink.errors import UserError
 
     need = _weights_bytes(tiny_trio["reference"])
     monkeypatch.setattr(devices, "resolve_device", lambda device: ("cuda:0",))
@@ -383,10 +371,6 @@ def test_a_resident_sweep_whose_units_need_the_engines_gpu_memory_is_refused_at_
     )
     load_sweep(fits)  # 0.2 x 5 leaves the weights' room
     load_sweep(path, fresh_engine=True)  # S measured before each engine starts
-    resident = replace(load_sweep(path, fresh_engine=True), engine_reuse=True)
-    check_room(resident, s_from_engine=True)  # S measured on the engine: no second copy
-    with pytest.raises(UserError):
-        check_room(resident, s_from_engine=False)
     strength = {"n_prompts": 5, "dtype": "float32"}
     units = _vllm_sweep(tmp_path / "strength", tiny_trio, strength=strength)  # the engine's dtype: auto
     line = user_error(["sweep", units, "--quiet"], tmp_path / "strength" / "out")

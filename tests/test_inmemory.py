@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import TINY_SWEEP_TASK as CHOICE_TASK
+from helpers import TINY_SWEEP_TASKS as MERGING_TASKS
 from safetensors.torch import load_file
 
 from lm_eval_sink.merging.configs import bundled_names, render
@@ -28,9 +30,12 @@ def _resident(path: Path):
 
 @pytest.mark.parametrize("lineage", ["chain", "siblings"])
 def test_every_bundled_control_in_memory_equals_on_disk(tmp_path, tiny_trio, lineage):
-    """One resident model takes every control in turn (seeded DARE included): each equals its on-disk merge."""
+    """One resident model takes every control in turn (seeded DARE included): each equals its on-disk merge, and the
+    caller's RNG state is left as it was."""
     resident = _resident(tiny_trio["reference"])
     base = tiny_trio["base"] if lineage == "siblings" else None
+    torch.manual_seed(123)
+    before = torch.random.get_rng_state()
     for name in bundled_names():
         text = render(name, tiny_trio["reference"], tiny_trio["candidate"], base=base).text
         out = tmp_path / name
@@ -41,6 +46,7 @@ def test_every_bundled_control_in_memory_equals_on_disk(tmp_path, tiny_trio, lin
         assert done.n_tensors == len(disk), name
         for key, tensor in disk.items():
             assert torch.equal(state[key], tensor.to(torch.float32)), (name, key)
+    assert torch.equal(torch.random.get_rng_state(), before)
 
 
 def test_bf16_resident_equals_the_on_disk_checkpoint_loaded_in_bf16(tmp_path, tiny_trio):
@@ -64,29 +70,6 @@ def test_bf16_resident_equals_the_on_disk_checkpoint_loaded_in_bf16(tmp_path, ti
         assert all(v.dtype == torch.bfloat16 and torch.equal(state[k], v) for k, v in loaded.items()), name
 
 
-def test_in_memory_merge_leaves_rng_state_and_is_repeatable(tiny_trio):
-    """A seeded DARE merge in memory is bit-identical twice and does not move the caller's RNG."""
-    text = render("dare_linear", tiny_trio["reference"], tiny_trio["candidate"]).text
-    resident = _resident(tiny_trio["reference"])
-    torch.manual_seed(123)
-    before = torch.random.get_rng_state()
-    merge_into(resident, text, "dare_linear", random_seed=3)
-    first = {k: v.clone() for k, v in resident.state_dict().items()}
-    merge_into(resident, text, "dare_linear", random_seed=3)
-    assert torch.equal(torch.random.get_rng_state(), before)
-    assert all(torch.equal(first[k], v) for k, v in resident.state_dict().items())
-
-
-def test_a_tokenizer_surgery_is_refused_in_memory(tiny_trio):
-    from lm_eval_sink.errors import UserError
-
-    text = render("linear_uniform", tiny_trio["reference"], tiny_trio["candidate"], tokenizer_source="union").text
-    with pytest.raises(UserError) as err:
-        merge_into(_resident(tiny_trio["reference"]), text, "linear_uniform")
-    assert err.value.line().startswith("control 'linear_uniform' rebuilds the tokenizer (tokenizer_source)")
-    assert err.value.line().endswith("(fix: set merge: {in_memory: false} for this sweep)")
-
-
 def test_a_resident_model_of_another_architecture_is_refused(tmp_path, tiny_trio):
     """A resident model whose parameters mergekit does not write (a Qwen2 for a Llama merge) is refused."""
     from helpers import make_tiny_lm
@@ -101,9 +84,6 @@ def test_a_resident_model_of_another_architecture_is_refused(tmp_path, tiny_trio
 
 
 # In-process evaluation of a resident model against the subprocess path on the same checkpoint saved by mergekit.
-
-MERGING_TASKS = Path(__file__).parent / "data" / "merging_task"
-CHOICE_TASK = "lm_eval_sink_tiny_choice"
 
 
 @pytest.fixture(scope="module")
@@ -205,22 +185,6 @@ def test_in_process_run_has_the_subprocess_runs_protocol(both_paths):
     assert fm.harness == fd.harness and fm.model == fd.model
     assert {k: v for k, v in fm.run.items() if fd.run[k] != v}.keys() == {"date"}
     assert fm.run["model"] == "hf"
-
-
-def test_buckets_and_report_read_the_in_process_run(both_paths, capsys):
-    import json
-
-    from lm_eval_sink.cli import main
-
-    root = both_paths["root"]
-    out = root / "buckets"
-    args = ["buckets", both_paths["disk"].results.parent.parent, both_paths["memory"].results.parent.parent]
-    assert main([str(a) for a in [*args, "--task", "tiny_gen", "--output", out, "--no-failure-kinds"]]) == 0
-    data = json.loads((out / "buckets.json").read_text())
-    assert (data["task"], data["n"], data["discordant"], data["delta"]) == ("tiny_gen", 4, 0, 0.0)
-    page = root / "report.html"
-    assert main(["report", "--buckets", str(out), "-o", str(page)]) == 0
-    assert "tiny_gen" in page.read_text()
 
 
 def test_in_process_refusals(both_paths, tiny_trio):

@@ -55,6 +55,11 @@ def _error(capsys, argv: list[str]) -> str:
     return lines[0]
 
 
+def _render(name: str, reference: Path, candidate: Path, out: Path) -> list[str]:
+    """The argv of `configs render NAME --reference R --candidate C -o OUT`."""
+    return ["configs", "render", name, "--reference", str(reference), "--candidate", str(candidate), "-o", str(out)]
+
+
 # --- TSV / STAR against independent closed forms ---------------------------------------------
 
 
@@ -277,22 +282,7 @@ def test_chain_identities_return_the_candidate_and_render_warns(tmp_path, tiny_t
     c = _weights(tiny_trio["candidate"])
     for name in ("task_arithmetic", "tsv"):
         out = tmp_path / f"{name}.yaml"
-        assert (
-            main(
-                [
-                    "configs",
-                    "render",
-                    name,
-                    "--reference",
-                    str(tiny_trio["reference"]),
-                    "--candidate",
-                    str(tiny_trio["candidate"]),
-                    "-o",
-                    str(out),
-                ]
-            )
-            == 0
-        )
+        assert main(_render(name, tiny_trio["reference"], tiny_trio["candidate"], out)) == 0
         err = capsys.readouterr().err
         assert err.startswith("warning: ") and "returns the candidate unchanged" in err
         assert main(["merge", str(out), str(tmp_path / name), "--quiet"]) == 0
@@ -300,22 +290,7 @@ def test_chain_identities_return_the_candidate_and_render_warns(tmp_path, tiny_t
         for k in c:  # float32 rounding of reference + (candidate - reference) only
             torch.testing.assert_close(w[k], c[k], atol=2e-6, rtol=1e-6)
     for name in ("ties", "dare_linear", "star"):
-        assert (
-            main(
-                [
-                    "configs",
-                    "render",
-                    name,
-                    "--reference",
-                    str(tiny_trio["reference"]),
-                    "--candidate",
-                    str(tiny_trio["candidate"]),
-                    "-o",
-                    str(tmp_path / f"{name}.yaml"),
-                ]
-            )
-            == 0
-        )
+        assert main(_render(name, tiny_trio["reference"], tiny_trio["candidate"], tmp_path / f"{name}.yaml")) == 0
         assert "warning" not in capsys.readouterr().err
         assert (
             main(["merge", str(tmp_path / f"{name}.yaml"), str(tmp_path / name), "--random-seed", "0", "--quiet"]) == 0
@@ -542,27 +517,10 @@ def test_good_config_validates(tmp_path, tiny_trio, capsys):
     assert "ok (merge_method ties, 2 inputs" in capsys.readouterr().out
 
 
-def test_yaml_syntax_error_names_the_line(tmp_path, capsys):
-    cfg = tmp_path / "broken.yaml"
-    cfg.write_text("merge_method: ties\nmodels:\n  - model: [unclosed\n")
-    line = _error(capsys, ["configs", "validate", str(cfg)])
-    assert f"{cfg}:" in line and "not valid YAML" in line
-
-
 def test_vocabulary_mismatch_names_both_sizes_unless_tokenizer_source(tmp_path, tiny_trio, capsys):
     bigger = make_tiny_lm(tmp_path / "vlm", "llama", delta_seed=5, vocab_extra=4)
     out = tmp_path / "r.yaml"
-    argv = [
-        "configs",
-        "render",
-        "ties",
-        "--reference",
-        str(tiny_trio["reference"]),
-        "--candidate",
-        str(bigger),
-        "-o",
-        str(out),
-    ]
+    argv = _render("ties", tiny_trio["reference"], bigger, out)
     line = _error(capsys, argv)
     assert (
         "vocab_size 46" in line
@@ -579,67 +537,15 @@ def test_vocabulary_mismatch_names_both_sizes_unless_tokenizer_source(tmp_path, 
 
 def test_architecture_mismatch_and_render_errors(tmp_path, tiny_trio, capsys):
     qwen = make_tiny_lm(tmp_path / "qwen", "qwen2", delta_seed=1)
-    line = _error(
-        capsys,
-        [
-            "configs",
-            "render",
-            "linear_uniform",
-            "--reference",
-            str(tiny_trio["reference"]),
-            "--candidate",
-            str(qwen),
-            "-o",
-            str(tmp_path / "x.yaml"),
-        ],
-    )
+    line = _error(capsys, _render("linear_uniform", tiny_trio["reference"], qwen, tmp_path / "x.yaml"))
     assert "model_type differs" in line and "llama" in line and "qwen2" in line
-    line = _error(
-        capsys,
-        [
-            "configs",
-            "render",
-            "tsv",
-            "--reference",
-            str(tmp_path / "nope"),
-            "--candidate",
-            str(tiny_trio["candidate"]),
-            "-o",
-            str(tmp_path / "x.yaml"),
-        ],
-    )
+    line = _error(capsys, _render("tsv", tmp_path / "nope", tiny_trio["candidate"], tmp_path / "x.yaml"))
     assert "--reference" in line and "nope" in line
-    line = _error(
-        capsys,
-        [
-            "configs",
-            "render",
-            "tiess",
-            "--reference",
-            str(tiny_trio["reference"]),
-            "--candidate",
-            str(tiny_trio["candidate"]),
-            "-o",
-            str(tmp_path / "x.yaml"),
-        ],
-    )
+    line = _error(capsys, _render("tiess", tiny_trio["reference"], tiny_trio["candidate"], tmp_path / "x.yaml"))
     assert "did you mean 'ties'" in line
     assert not (tmp_path / "x.yaml").exists()
     (tmp_path / "x.yaml").write_text("keep me")
-    line = _error(
-        capsys,
-        [
-            "configs",
-            "render",
-            "ties",
-            "--reference",
-            str(tiny_trio["reference"]),
-            "--candidate",
-            str(tiny_trio["candidate"]),
-            "-o",
-            str(tmp_path / "x.yaml"),
-        ],
-    )
+    line = _error(capsys, _render("ties", tiny_trio["reference"], tiny_trio["candidate"], tmp_path / "x.yaml"))
     assert "already exists" in line and (tmp_path / "x.yaml").read_text() == "keep me"
 
 
@@ -682,6 +588,25 @@ def test_merge_key_holds_the_code_and_package_versions(tmp_path, tiny_trio, caps
     assert json.loads((out / "COMPLETE.json").read_text()) == complete  # refused: untouched
     assert main(["merge", str(cfg), str(out), "--force", "--quiet"]) == 0
     assert json.loads((out / "COMPLETE.json").read_text())["key_versions"]["mergekit"] == "99.0"
+
+
+def test_a_tokenizer_source_outside_the_inputs_is_keyed_by_its_content(tmp_path, tiny_trio):
+    """A merge's tokenizer_source that is none of its inputs: its tokenizer files' bytes changed at the same path,
+    size and mtime give another key (the merge is not reused), put back the same key."""
+    from lm_eval_sink.keys import key_of
+    from lm_eval_sink.merging.merge import MergeWork
+
+    tok = tmp_path / "tok"
+    shutil.copytree(tiny_trio["base"], tok)  # the base is no input of a chain merge
+    config = render("linear_uniform", tiny_trio["reference"], tiny_trio["candidate"], tokenizer_source=str(tok))
+    assert str(tok) not in config.validated.inputs
+    before = key_of(MergeWork(config.validated, 0)).key
+    file = tok / "tokenizer.json"
+    data, st = file.read_bytes(), file.stat()
+    for content in (data.replace(b"<", b">", 1), data):
+        file.write_bytes(content)
+        os.utime(file, ns=(st.st_atime_ns, st.st_mtime_ns))
+        assert (key_of(MergeWork(config.validated, 0)).key == before) == (content == data)
 
 
 def test_rendered_siblings_config_is_plain_mergekit_yaml(tmp_path, tiny_trio):

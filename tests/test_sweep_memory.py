@@ -10,27 +10,20 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers import TINY_SWEEP_TASK as TASK
+from helpers import TINY_SWEEP_TASKS as TASKS
+from helpers import write_tiny_sweep
+
 from lm_eval_sink.cli import main
 
-TASKS = Path(__file__).parent / "data" / "merging_task"
-TASK = "lm_eval_sink_tiny_choice"
 CONTROLS = ["linear_95_5", "tsv", "star"]
 
 
 def _write_sweep(folder: Path, trio: dict[str, Path], merge: dict | None = None, **extra) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    data = {
-        "output": "out",
-        "models": {"reference": str(trio["reference"]), "candidate": str(trio["candidate"])},
-        "configs": CONTROLS,
-        "merge": {"random_seed": 0, **(merge or {})},
-        "eval": {"tasks": [TASK], "include_path": str(TASKS), "batch_size": 1, "seed": 0, "dtype": "float32"},
-        "strength": {"n_prompts": 5, "last_k": 2, "dtype": "float32"},
-        **extra,
-    }
-    path = folder / "sweep.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
+    """The sweep tests' file (`helpers.write_tiny_sweep`) with three controls, evaluated in float32."""
+    evals = {"tasks": [TASK], "include_path": str(TASKS), "batch_size": 1, "seed": 0, "dtype": "float32"}
+    sections = {"configs": CONTROLS, "merge": {"random_seed": 0, **(merge or {})}, "eval": evals}
+    return write_tiny_sweep(folder, trio, **{**sections, **extra})
 
 
 def _set_in_memory(sweep: Path, **merge) -> None:

@@ -1,14 +1,7 @@
 """A vLLM sweep's eval units on one resident engine (`eval: {backend: vllm}`; `engine_reuse`, the default).
 
-`EngineRunner.run(unit)` is an eval unit on one engine process (`harness.engine_server`, through
-`harness.engine_client`) that keeps its engine and takes each checkpoint's weights in place: the same staged folder,
-key, marker and lm-eval output files as `units.run_unit`, plus the engine's record. A checkpoint that differs in a
-setting the engine fixed at its start (`merging.engine_reuse.engine_fields`), or the unit after a failed one, gets a
-new engine. Where S is measured (`engine_s`: the one decision, `harness.engine_decision.s_refusal`, at plan time):
-the eval units' Sink Strength tasks on the engine lm-eval runs, each `strength:` unit on the engine right after its
-checkpoint's eval unit (`EngineRunner.strength`, decided again by the built engine); otherwise with transformers
-(`units.run_unit`), the marker saying why (`not_on_engine`). `engine_reuse`, `check_reuse` and `check_room` refuse
-at plan time what one engine cannot run; `plan_notes` says where S is measured. Details: docs/scale.md.
+`EngineRunner.run(unit)` evaluates a unit on one engine process that takes each checkpoint's weights in place, with
+the outputs of `units.run_unit`; `engine_s` decides at plan time where S is measured (docs/scale.md).
 """
 
 from __future__ import annotations
@@ -131,11 +124,8 @@ def _widest_itemsize(spec: SweepSpec) -> int:
 
 
 def _merge_need(spec: SweepSpec) -> tuple[str, int, int]:
-    """The merge whose inputs' largest tensors take the most room at once: (its name, its number of inputs, bytes).
-    mergekit loads each input tensor in the merge's dtype (float32 in every bundled template) and computes one output
-    tensor at a time on its device, so a merge needs the largest tensor of each input there at the widest of those
-    dtypes and the stored ones; a tensor's elements come from the safetensors headers, or for other weight files
-    from config.json (the embedding: vocab_size x hidden_size)."""
+    """The merge whose inputs' largest tensors take the most room at once: (its name, its number of inputs, bytes):
+    mergekit holds one tensor of each input at a time on its device, at the widest of the merge's and stored dtypes."""
     from lm_eval_sink.harness.engine_client import tensor_elements
     from lm_eval_sink.merging.configs import embedding_elements
 
@@ -155,9 +145,6 @@ class EngineS:
 
     evals: str | None
     strength: str | None
-
-
-ON_ENGINE = EngineS(None, None)
 
 
 def engine_s(spec: SweepSpec) -> EngineS:
@@ -234,13 +221,10 @@ def memory_needs(spec: SweepSpec, devices: tuple[str, ...], where: EngineS) -> l
     return needs
 
 
-def check_room(spec: SweepSpec, s_from_engine: bool | None = None) -> None:
+def check_room(spec: SweepSpec) -> None:
     """Refuse at plan time a local resident-engine sweep whose units would load a checkpoint on GPUs that the engine
-    holds: vLLM takes `gpu_memory_utilization` of the total memory of each GPU it uses (the first
-    tensor_parallel_size x pipeline_parallel_size visible ones), whatever is free when it starts. A CPU run (vLLM's
-    CPU build sizes its cache by VLLM_CPU_KVCACHE_SPACE) and a Ray sweep (each actor's GPUs its own) are not
-    checked. `s_from_engine`: whether S is measured on the engine itself, so no unit needs a second copy (None:
-    `engine_s` decides, per kind of unit)."""
+    holds (vLLM takes `gpu_memory_utilization` of each GPU it uses, whatever is free); none where S is measured on the
+    engine (`engine_s`). A CPU run and a Ray sweep (each actor's GPUs its own) are not checked (docs/scale.md)."""
     from lm_eval_sink.devices import _total_memory, resolve_device
 
     if spec.engine is not None and spec.engine.kind == "ray":
@@ -248,7 +232,7 @@ def check_room(spec: SweepSpec, s_from_engine: bool | None = None) -> None:
     visible = tuple(d for d in resolve_device("auto") if d != "cpu")
     if not visible:
         return
-    where = engine_s(spec) if s_from_engine is None else ON_ENGINE if s_from_engine else EngineS("", "")
+    where = engine_s(spec)
     args = spec.eval.model_args
     used = int(args.get("tensor_parallel_size", 1)) * int(args.get("pipeline_parallel_size", 1))
     utilization = float(args.get("gpu_memory_utilization", VLLM_GPU_MEMORY_UTILIZATION))
@@ -360,7 +344,7 @@ class EngineRunner:
     def run(self, unit: Unit) -> None:
         """Evaluate `unit`'s checkpoint on the engine into the unit's staged folder (a UserError: its one line)."""
         weights = weights_folder(unit.inputs.model)
-        fields = engine_fields(checkpoint_facts(weights), _dtype(self.settings))
+        fields = checkpoint_fields(unit.inputs.model, self.settings)
         why = self._new_engine(unit, fields)
         self.fields, self.holds, self.failed = fields, unit.checkpoint, unit.id  # until it finishes
         with staged_dir(unit.output, force=True, key=unit.key) as tmp:
@@ -456,10 +440,6 @@ def local_runner(spec: SweepSpec, notes: list[str]) -> Iterator[Callable[[Unit],
         notes.extend(runner.notes)
 
 
-def _fields_of(settings: Any) -> Callable[[Unit], Fields]:
-    return lambda unit: checkpoint_fields(unit.inputs.model, settings)
-
-
 def ray_pool(spec: SweepSpec) -> Any:
     """Under Ray, the eval units' pool of actors, each with its own resident engine (`EngineRunner`); None where the
     sweep starts an engine per checkpoint."""
@@ -467,4 +447,6 @@ def ray_pool(spec: SweepSpec) -> Any:
 
     if not spec.engine_reuse:
         return None
-    return EvalPool(EngineRunner, (spec.eval, spec.output / "logs"), _fields_of(spec.eval))
+    return EvalPool(
+        EngineRunner, (spec.eval, spec.output / "logs"), lambda u: checkpoint_fields(u.inputs.model, spec.eval)
+    )

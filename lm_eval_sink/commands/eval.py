@@ -1,9 +1,6 @@
 """`lm-eval-sink eval`: lm-eval on one model under a named protocol, then the run's protocol check.
 
-The output is lm-eval's own `--output_path` folder (it names its files by model and time), so an
-existing folder is added to with `force` rather than replaced; it is held (`<out>/.lock`) while
-lm-eval writes, and refused when it overlaps an input (the model, the protocol file, the include
-path). `--model-args K=V,...` is split here; `harness.runner` builds and runs the lm-eval command line.
+The output is lm-eval's own `--output_path` folder, added to with `force`, held while lm-eval writes.
 """
 
 from __future__ import annotations

@@ -1,9 +1,4 @@
-"""`lm-eval-sink merge`: one mergekit YAML into a verified, published OUT folder.
-
-The work is `merging.merge.merge_config`, which sweep merge units call too: it validates before
-any weight is read, checks OUT first, builds it with `outputs.staged_dir` and writes its COMPLETE
-marker (key, inputs' identities, provenance).
-"""
+"""`lm-eval-sink merge`: one mergekit YAML into a verified, published OUT folder (`merging.merge.merge_config`)."""
 
 from __future__ import annotations
 

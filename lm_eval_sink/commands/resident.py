@@ -1,15 +1,7 @@
 """The in-memory sweep (`merge: {in_memory: true}`): one resident model takes each checkpoint in turn.
 
-A job is one checkpoint's unfinished units. `ResidentWorker.run` copies the checkpoint into the
-resident model (a merge with `merging.inmemory.merge_into`; an endpoint the same way, through
-mergekit's `passthrough`), then runs its eval unit in this process (`harness.inprocess.evaluate`)
-and its strength unit on the same parameters (`measure_strength`). The units, keys, staged
-folders, markers and manifest are the on-disk path's (`commands.sweep`); the merged weights are
-written only with `keep_weights: true` (the on-disk merge unit, then the copy into the resident).
-Locally one worker runs every job in plan order; under Ray (`engines.run_on_actors`) a pool of
-actors, one per eval slot, each holds its own worker and takes whole checkpoints.
-
-`check_spec` refuses at plan time what one resident model cannot do (module docs: docs/merging.md).
+A job is one checkpoint's unfinished units, run on the resident with the on-disk path's units, keys and outputs;
+locally one worker, under Ray a pool of actors (docs/merging.md, "In-memory sweeps").
 """
 
 from __future__ import annotations
@@ -18,7 +10,6 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.devices import empty_cache, peak_memory
@@ -88,20 +79,15 @@ def _check_placement_args(src: str, model_args: dict[str, Any]) -> None:
         )
 
 
-def _config_dtype(model: str) -> str:
-    from transformers import AutoConfig
-
-    dtype = getattr(AutoConfig.from_pretrained(model), "dtype", None)
-    return str(dtype).removeprefix("torch.") if dtype is not None else "float32"
-
-
 def resident_dtype(spec: SweepSpec) -> str:
     """The one dtype every checkpoint is loaded in by the on-disk path's eval and strength units (the resident's).
 
     A kind's explicit dtype is that dtype; `auto` (or eval's default) is each checkpoint's own: an
     endpoint's config, a merge's `out_dtype` (else `dtype`, else the reference's)."""
-    ref = _config_dtype(spec.models["reference"])
-    own = {"reference": ref, "candidate": _config_dtype(spec.models["candidate"])}
+    from lm_eval_sink.merging.configs import stored_dtype
+
+    ref = stored_dtype(spec.models["reference"])
+    own = {"reference": ref, "candidate": stored_dtype(spec.models["candidate"])}
     for r in spec.merges:
         own[r.name] = r.validated.data.get("out_dtype") or r.validated.data.get("dtype") or ref
     kinds = {}
@@ -181,13 +167,6 @@ def _attempt(fn: Callable[[], Any]) -> str | None:
     return None
 
 
-def _revisions(paths: list[str]) -> dict[str, str]:
-    """The pinned commit of each hub-id input (a folder needs none), as the on-disk merge pins them."""
-    from lm_eval_sink.models import model_fingerprint
-
-    return {p: model_fingerprint(p)["revision"] for p in paths if not Path(p).is_dir()}
-
-
 class ResidentWorker:
     """One resident model (loaded at the first job) for every job it is given; no state but the model."""
 
@@ -252,10 +231,9 @@ class ResidentWorker:
                     ck.name,
                     random_seed=job.merge.inputs.random_seed,
                     device=job.merge.inputs.device,
-                    revisions=_revisions(list(config.inputs)),
                 )
             else:
-                merge_into(self.resident.model, endpoint_text(ck.path), ck.name, revisions=_revisions([ck.path]))
+                merge_into(self.resident.model, endpoint_text(ck.path), ck.name)
         finally:
             empty_cache()  # mergekit's working tensors are gone: their cached blocks go back before the units run
         self.holds = ck.name

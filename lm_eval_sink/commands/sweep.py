@@ -1,14 +1,7 @@
 """`lm-eval-sink sweep`: read and check a sweep file, plan it, run its unfinished units, write the table.
 
-`commands.units.run_unit` runs one unit from its arguments alone, so a cluster engine can dispatch
-it; an in-memory sweep runs each checkpoint's units on one resident model instead
-(`commands.resident`), with the same units, keys and outputs. A unit builds its output in
-`<out>.partial-<uuid>/` (`outputs.staged_dir`), writes its `outputs.COMPLETE` marker with its key, renames,
-then appends one fsync'd line to `manifest.jsonl`. A unit counts as finished only when its last
-manifest line says done with the current key AND its marker has that key (`outputs.read_complete(folder,
-key)`): after kill -9 at any point, a rerun skips finished units and redoes the rest; `force` redoes
-everything. A failed unit is recorded and reported at the end; the others go on. The table (JSON,
-CSV, Markdown, PNG) is rebuilt from the saved outputs (`merging.sweep.build_table`).
+A unit is finished only when its last manifest line and its COMPLETE marker carry its current key, so a rerun after
+kill -9 redoes exactly the rest; a failed unit is reported at the end (docs/merging.md, "The sweep").
 """
 
 from __future__ import annotations
@@ -48,7 +41,6 @@ from lm_eval_sink.merging.sweep import (
     FolderState,
     Markers,
     Plan,
-    RenderedMerge,
     Schedule,
     StrengthIn,
     SweepSpec,
@@ -125,14 +117,9 @@ def load_sweep(
     in_memory: bool | None = None,
     fresh_engine: bool = False,
 ) -> SweepSpec:
-    """Read and check a sweep YAML once: its schema (paths relative to its folder), its models, its lm-eval
-    protocol (`harness.checks.check_protocol`: task names, generation lengths) and every merge control rendered
-    for them and validated (`SweepSpec.merges`); no weights are read.
-
-    `engine` / `ray_address` / `python` / `in_memory` override the file's engine.kind / engine.address /
-    eval.python / merge.in_memory (CLI flags); `fresh_engine` turns eval.engine_reuse off (one vLLM engine per
-    checkpoint). An in-memory sweep is checked here too (`resident.check_spec`).
-    """
+    """Read and check a sweep YAML once (schema, models, lm-eval protocol, every merge control rendered and
+    validated; no weights read). `engine` / `ray_address` / `python` / `in_memory` override the file's (CLI flags);
+    `fresh_engine` turns eval.engine_reuse off."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no such sweep file", "pass a sweep YAML (see docs/merging.md)")
@@ -265,26 +252,14 @@ def _strength(section: Any, skipped: bool, src: str, here: Path) -> tuple[Any, s
 def plan_sweep(spec: SweepSpec) -> Plan:
     """Fingerprint the endpoints and derive each unit's key from the work it hands on (reads no weights)."""
     from lm_eval_sink.harness.runner import eval_versions
-    from lm_eval_sink.merging.merge import MergeWork
     from lm_eval_sink.models import model_fingerprint
 
-    merges = [
-        RenderedMerge(
-            r.name,
-            MergeWork(r.validated, spec.random_seed, spec.merge_device, r.template.path),
-            r.template.paper_setting,
-        )
-        for r in spec.merges
-    ]
     identities = {role: model_fingerprint(spec.models[role]) for role in ENDPOINTS}
     evals = eval_versions(spec.eval) if spec.eval is not None else {}
     on_engine = engine_strength_versions(spec, evals)
     engine = {"model_args": spec.eval.model_args, "dtype": spec.eval.dtype} if on_engine and spec.eval else None
     lm_eval = {f"lm-eval {k}": v for k, v in evals.items()}  # where lm-eval runs
-    return plan_units(spec, identities, merges, {"eval": lm_eval, "strength": on_engine, "engine": engine})
-
-
-# --- units ---------------------------------------------------------------------------------
+    return plan_units(spec, identities, {"eval": lm_eval, "strength": on_engine, "engine": engine})
 
 
 # --- manifest and recovery -----------------------------------------------------------------
@@ -452,7 +427,8 @@ def _with_earlier_configs(spec: SweepSpec, earlier: dict[str, Any] | None) -> tu
 
 
 def _file_record(spec: SweepSpec) -> dict[str, Any]:
-    """The sweep file as written, with the sha256 of its template files: what sweep.json keeps to name a change."""
+    """The sweep file as written, with the sha256 of its template files: what sweep.json keeps to tell whether a unit
+    made from other inputs came from another file or from another release's defaults."""
     templates = [c for c in spec.configs if c.endswith((".yaml", ".yml")) and Path(c).is_file()]
     return {"data": spec.written, "templates": {c: sha256_file(c) for c in templates}}
 

@@ -1,9 +1,5 @@
-"""One sweep unit on disk, and the outputs every unit writes: shared by the on-disk and in-memory paths.
-
-`run_unit` runs one unit from its arguments alone (no state shared between units), so a cluster
-engine can dispatch it: a merge (`merging.merge.merge_config`), an eval (`lm_eval` in a subprocess)
-or a strength measurement (the checkpoint loaded from disk). `finish_eval` and `save_strength`
-write an eval's marker and a strength unit's output, whichever path computed them.
+"""One sweep unit on disk (`run_unit`: from its arguments alone, so a cluster can dispatch it), and the outputs
+every unit writes whichever path computed it (`finish_eval`, `save_strength`).
 """
 
 from __future__ import annotations
@@ -15,6 +11,7 @@ from typing import Any
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.identity import FINGERPRINT_RULE
 from lm_eval_sink.io import atomic_write_json
+from lm_eval_sink.keys import keyed
 from lm_eval_sink.outputs import staged_dir, write_complete
 from lm_eval_sink.provenance import provenance
 from lm_eval_sink.merging.engines import placement_fields
@@ -32,6 +29,7 @@ def _finish(tmp: Path, unit: Unit, **fields: Any) -> None:
             "key_versions": unit.versions,
             "fingerprint_rule": FINGERPRINT_RULE,
             "model_identity": getattr(unit.inputs, "identity", None),
+            "work": keyed(unit.inputs),  # what changed, when its key does (`merging.sweep.changed_inputs`)
             **fields,
             "provenance": provenance(unit=unit.id, **placement_fields()),
         },

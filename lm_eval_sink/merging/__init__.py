@@ -1,7 +1,4 @@
-"""Post-VL merging controls: TSV/STAR methods for mergekit, bundled configs, validation, sweeps.
+"""Post-VL merging controls: TSV/STAR methods for mergekit, bundled configs, validation, sweeps (docs/merging.md).
 
-`methods` (tensor math + mergekit registration), `configs` (bundled configs, render, strict
-validation), `merge` (validated in-process mergekit runs into verified folders), `sweep` (the
-sweep's core: schema, units and their keys, the table; `commands/sweep.py` runs it), `engines`
-(local or Ray). Importing this package imports neither torch nor mergekit.
+Importing this package imports neither torch nor mergekit.
 """

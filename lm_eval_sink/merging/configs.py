@@ -1,21 +1,8 @@
 """Bundled merge controls (templates), rendering to plain mergekit YAML, and strict validation.
 
-A bundled template (`merge_configs/<name>.yaml`, package data `lm_eval_sink.merge_configs`) holds a
-title, the paper's setting, and one block per lineage (`chain`: the VLM was trained from the
-reference, base = reference; `siblings`: reference and candidate both descend from a given base),
-each with its formula, an optional `identity` (said at render time) and a mergekit `config`
-with the placeholders `${reference}`, `${candidate}`, `${base}` and `${out_dtype}`.
-`render()` fills them and returns plain mergekit YAML that `mergekit-yaml FILE OUT` runs as is.
-
-`validate_text()` checks a mergekit config before any weight is read, in two layers. First
-structure, through mergekit's own pydantic models (`MergeConfiguration` and the models under it):
-their errors, and the bare `RuntimeError`s of their validators, become one line naming the key.
-Then what mergekit leaves unchecked: unknown keys at every level (its models drop them silently),
-and per merge method its declared parameters (mergekit's own `spec`, so TSV/STAR ranges come from
-their signatures): names, the level they are read at, types, ranges, finite numbers, required
-ones, the roles of the inputs (base model, count), paths, and architecture or vocabulary
-mismatches read from config.json. Each problem is one `UserError` line naming the file, the key
-and what was expected.
+`render()` fills a template (`merge_configs/<name>.yaml`: a block per lineage, chain or siblings) for the sweep's
+models; `validate_text()` checks a mergekit config before any weight is read: mergekit's own models, then what they
+leave unchecked, each problem one line naming the key (docs/merging.md, "Validation").
 """
 
 from __future__ import annotations
@@ -224,11 +211,8 @@ def render(
     base: str | Path | None = None,
     tokenizer_source: str | None = None,
 ) -> Rendered:
-    """Fill a template for one pair (chain lineage) or trio (siblings lineage) and validate it.
-
-    `tokenizer_source`: None (mergekit's rule: the base_model's tokenizer; the reference's in the
-    chain lineage), `base`, `union`, `reference`, `candidate` or a model path.
-    """
+    """Fill a template for one pair (chain lineage) or trio (siblings lineage) and validate it; `tokenizer_source`:
+    None (mergekit's rule: the base_model's), `base`, `union`, `reference`, `candidate` or a model path."""
     from lm_eval_sink.models import resolve_model
 
     template = name if isinstance(name, Template) else load_template(name)
@@ -325,8 +309,9 @@ def _tokenizer_source_arg(value: str, resolve_model) -> str:
 
 @dataclass(frozen=True, slots=True)
 class ValidatedConfig:
-    """A mergekit config that passed every check; `inputs` includes an implied base_model. A merge's key holds its
-    data and its inputs' content (`merging.merge.MergeWork`), not where it was read from or its comments."""
+    """A mergekit config that passed every check; `inputs` includes an implied base_model, `tokenizer` the model named
+    as its tokenizer source. A merge's key holds its data and its inputs' and tokenizer's content
+    (`merging.merge.MergeWork`), not where it was read from or its comments."""
 
     source: str = field(metadata=UNKEYED)
     text: str = field(metadata=UNKEYED)
@@ -335,6 +320,7 @@ class ValidatedConfig:
     base_model: str | None
     inputs: tuple[str, ...] = field(metadata=MODEL)
     mergekit: Any = field(metadata=UNKEYED)  # MergeConfiguration of `data` (its planner rewrites it: merge a copy)
+    tokenizer: str | None = field(default=None, metadata=MODEL)  # tokenizer_source / tokenizer.source: a model
 
 
 def validate_file(path: str | Path) -> ValidatedConfig:
@@ -369,7 +355,7 @@ def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | N
     inputs: list[str] = []
     for group in _groups(ck, method, config, base_model):
         inputs.extend(p for p in _check_group(ck, method, group) if p not in inputs)
-    _check_tokenizer(ck, config, base_model)
+    tokenizer = _check_tokenizer(ck, config, base_model)
     _check_compatible(ck, config, inputs, bool(config.models))
     return ValidatedConfig(
         source=source,
@@ -379,6 +365,7 @@ def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | N
         base_model=base_model,
         inputs=tuple(inputs),
         mergekit=config,
+        tokenizer=tokenizer,
     )
 
 
@@ -845,20 +832,22 @@ def _check_linear_sum(ck: _Checker, group: _Group, inputs: list[tuple[str, str, 
 # --- tokenizer and compatibility ------------------------------------------------------------
 
 
-def _check_tokenizer(ck: _Checker, config, base_model: str | None) -> None:
-    """tokenizer_source / tokenizer: models that resolve, 'base' only with a base_model, a positive padding."""
-    ts = config.tokenizer_source
+def _check_tokenizer(ck: _Checker, config, base_model: str | None) -> str | None:
+    """tokenizer_source / tokenizer: models that resolve, 'base' only with a base_model, a positive padding; returns
+    the model it names (None: base or union)."""
+    ts, model = config.tokenizer_source, None
     if ts == "base" and base_model is None:
         ck.fail("tokenizer_source", "'base' needs a base_model", "add base_model, or use union or a model path")
     if ts is not None and ts not in ("base", "union"):
-        ck.model_ref(str(ts), "tokenizer_source")
+        model = ck.model_ref(str(ts), "tokenizer_source")
     tok = config.tokenizer
     if tok is not None:
         if tok.source not in ("base", "union"):
-            ck.model_ref(str(tok.source), "tokenizer.source")
+            model = ck.model_ref(str(tok.source), "tokenizer.source")
         pad = tok.pad_to_multiple_of
         if pad is not None and pad <= 0:
             ck.fail("tokenizer.pad_to_multiple_of", f"expected a positive integer, got {pad!r}", "write e.g. 64")
+    return model
 
 
 # config.json keys that decide a checkpoint's tensors and their shapes (text_config's for a VLM): two models a merge

@@ -1,16 +1,7 @@
 """Which checkpoints of a vLLM sweep share one resident engine, and which engine takes which: decisions, no I/O.
 
-A resident vLLM engine (`commands/engine_sweep.py`, `harness/engine_server.py`) fixes at its start
-what it read of its first checkpoint: the architecture and shapes (config.json), the tokenizer, its
-chat template and special tokens, generation_config.json, the weight tensors' names and shapes, and
-the dtype (the checkpoint's own unless the eval settings name one). A checkpoint that agrees with the
-engine's in all of them has its weights swapped into the running engine; one that differs in any gets
-an engine of its own. `engine_fields` makes the comparable record from what
-`harness.engine_client.checkpoint_facts` read of a folder, `differences` names what differs,
-`engine_starts` says for checkpoints in run order which start an engine and why (the sweep's plan
-note), `new_engine_reason` why a running sweep's next eval unit needs a new engine (a failed unit
-before it, or a fixed setting that differs), and `assign` pairs the idle Ray actors, each holding an
-engine or none, with the eval units waiting for one (`merging/engines.py`).
+An engine fixes what it read of its first checkpoint (`engine_fields`); a checkpoint that differs in any of it gets
+an engine of its own (docs/scale.md, "One engine per sweep").
 """
 
 from __future__ import annotations
@@ -32,11 +23,9 @@ WEIGHTS = "weights: tensor names and shapes"
 
 
 def engine_fields(facts: Mapping[str, Any], dtype: str | None) -> Fields:
-    """The settings an engine started from this checkpoint would fix, from `facts` ({config, generation_config,
-    tokenizer_config: parsed JSON or None; files: {tokenizer file: sha256}; tensors: {name: shape}}).
-
-    `dtype`: the eval settings' (model_args wins); any value but None / "auto" fixes the engine's dtype
-    whatever the checkpoint's config says, so the config's dtype then does not count."""
+    """The settings an engine started from this checkpoint would fix, from `facts` (config, generation_config,
+    tokenizer_config, tokenizer files' sha256, tensor shapes); a `dtype` the eval settings fix (not None / "auto")
+    replaces the config's."""
     fixed = dtype not in (None, "auto")
     out: Fields = {"dtype": dtype} if fixed else {}
     for key, value in (facts.get("config") or {}).items():
@@ -104,12 +93,9 @@ def new_engine_reason(
 def assign(
     actors: Sequence[tuple[str, Fields | None, bool]], waiting: Sequence[tuple[str, Fields]]
 ) -> list[tuple[str, str]]:
-    """Which idle actor takes which waiting eval unit, as (actor, unit) pairs.
-
-    `actors`: (id, the fields of the engine it holds or None, idle); `waiting`: (unit id, its checkpoint's
-    fields), in plan order. An idle actor first takes the first waiting unit its engine holds without a
-    rebuild; an idle actor left without one takes the first unit that no other actor's engine could hold
-    (busy ones included), else the first unit left: a rebuild costs less than a slot left idle."""
+    """Which idle actor takes which waiting eval unit, as (actor, unit) pairs, from `actors` (id, the fields its
+    engine holds or None, idle) and `waiting` (unit id, its fields; plan order): first a unit its engine holds, else one
+    no other actor's engine could hold, else the first left (a rebuild costs less than an idle slot)."""
     left = list(waiting)
     idle = [(a, held) for a, held, free in actors if free]
     pairs: list[tuple[str, str]] = []
@@ -154,11 +140,9 @@ def _gib(n: float) -> str:
 def room_refusal(
     total: Mapping[str, int], engine: Sequence[str], utilization: float, needs: Sequence[Need]
 ) -> tuple[str, str] | None:
-    """The first need that does not fit beside the engine, as (message, fix), or None when all fit.
-
-    The engine takes `utilization` of the total memory of each of its `engine` devices (vLLM sizes its share so,
-    whatever else is loaded); a need's room is the total of its devices less that share. The fix names the largest
-    utilization, in hundredths, that leaves the room, where one does."""
+    """The first need that does not fit beside the engine, as (message, fix), or None: the engine takes `utilization`
+    of each of its devices' total memory, a need has the rest of its devices; the fix names the largest utilization
+    that leaves the room, where one does."""
     held = {d: utilization * total[d] for d in engine if d in total}
     for need in needs:
         devices = [d for d in need.devices if d in total]

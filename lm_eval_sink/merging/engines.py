@@ -1,38 +1,8 @@
 """Where a sweep's units run: `local` (one after the other in this process) or `ray` (a Ray cluster).
 
-The sweep file's `engine:` block (all keys optional):
-
-    engine:
-      kind: ray                  # local (default) | ray
-      address: auto              # null: start Ray inside the driver; auto: a running cluster; "ray://host:port"
-      max_pending_merges: 2      # merged checkpoints waiting for evaluation (default: the eval slots)
-      resources:                 # per unit kind; num_cpus default 1, memory in bytes; num_gpus: see below
-        merge: {num_cpus: 2}
-        eval: {num_gpus: 1}
-        strength: {num_gpus: 1}
-
-Under Ray each unit is one task (`max_retries=1` for a lost worker, `retry_exceptions=False`)
-calling the `run` it is given (`commands.units.run_unit`, as the local engine); ordering and the
-pending-merge bound are the only rules the driver adds, dispatch is `ray.wait`. The driver alone writes the manifest
-and the table; a worker builds its unit's staged folder and its own log
-`<out>/logs/<kind>-<checkpoint>/task.log`. Workers get the driver's data and cache variables
-through `runtime_env={"env_vars": ...}` (no code upload: the package must be installed on every
-node); each task compares its package versions with the driver's and checks that it sees the
-output folder, failing its unit with one line otherwise. The engine is part of no unit key, so a
-sweep started locally resumes under Ray and back.
-
-An in-memory sweep runs whole checkpoints on a pool of actors instead (`run_on_actors`): one per
-eval slot, each with `resources.eval` (and the GPUs its merge or S needs), holding one resident
-model; a lost actor is replaced and its checkpoint done again.
-
-GPUs are Ray's to place (`unit_gpus`): a unit whose device is `cuda` asks Ray for `num_gpus`
-(default 1; 0 is refused), a `cpu` unit asks for none (num_gpus > 0 is refused), an `auto` unit
-for `num_gpus` (default none: it then runs on the CPU, the only device Ray lets it see), and a vLLM eval
-unit (no device) for `tensor_parallel_size` GPUs, or 0 for vLLM's CPU build. A worker checks that
-`CUDA_VISIBLE_DEVICES` lists exactly the ids `ray.get_gpu_ids()` gave its task (none for a
-zero-GPU task: `RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=1` in every worker's environment) and records
-them in the unit's provenance (`placement`). The decisions of what to submit next are
-`scheduler.Scheduler`'s.
+Under Ray each unit is one task calling the `run` it is given (`commands.units.run_unit`); an in-memory sweep, or a
+resident vLLM engine, runs on a pool of actors instead. The `engine:` block, GPUs, environment and retries:
+docs/scale.md ("A Ray cluster"); what to submit when is `scheduler.Scheduler`'s.
 """
 
 from __future__ import annotations
@@ -281,11 +251,8 @@ def check_fits(ray: Any, needs: dict[str, Resources], where: str) -> None:
 
 
 def gpu_placement() -> dict[str, Any]:
-    """On a worker: the GPU ids Ray assigned this task, checked to be exactly the GPUs the task can see.
-
-    Ray sets CUDA_VISIBLE_DEVICES to the assigned ids (to "" for a zero-GPU task, see `worker_env`), so
-    `cuda` in the task means its own GPUs; any other value (a worker started by hand with its own
-    CUDA_VISIBLE_DEVICES, a Ray that left it alone) fails the task (one line) rather than run elsewhere."""
+    """On a worker: the GPU ids Ray assigned this task, checked to be exactly those CUDA_VISIBLE_DEVICES shows it;
+    any other value fails the task in one line rather than run elsewhere."""
     import ray
 
     ids = [str(i) for i in ray.get_gpu_ids()]
@@ -425,12 +392,9 @@ def run_on_ray(
     progress: bool = True,
     pool: EvalPool | None = None,
 ) -> None:
-    """Run `units` (in plan order) as Ray tasks calling `run(unit)`; `record(unit, error)` is called
-    on the driver as each finishes (error None) or fails (a line; 'not run: ...' for units after a
-    failed merge). `run` is a module-level function, which Ray sends by reference: this module
-    imports no sweep code. What to submit when is `scheduler.Scheduler`'s decision. With `pool`, eval
-    units run on its actors instead, each keeping its engine between units (`_Pool`).
-    """
+    """Run `units` (in plan order) as Ray tasks calling the module-level `run(unit)` (sent by reference);
+    `record(unit, error)` gets each on the driver as it finishes or fails ('not run: ...' after a failed merge). With
+    `pool`, eval units run on its actors instead, each keeping its engine (`_Pool`)."""
     from tqdm.auto import tqdm
 
     from lm_eval_sink.merging.scheduler import Scheduler
@@ -464,7 +428,7 @@ def run_on_ray(
             finished, _ = ray.wait(list(in_flight), num_returns=1)
             for ref in finished:
                 owned = actors is not None and ref in actors.running
-                done(in_flight.pop(ref), actors.finished(ref) if owned else _task_result(ray, ref)[1])
+                done(in_flight.pop(ref), actors.finished(ref)[1] if owned else _task_result(ray, ref)[1])
     finally:
         bar.close()
         for ref in in_flight:
@@ -485,8 +449,8 @@ class EvalPool:
 
 
 class _Pool:
-    """The driver's side of an `EvalPool`: up to one actor per eval slot, what each one's engine holds, the eval
-    units waiting for one. A lost actor fails its unit with one line and is replaced by a new one."""
+    """The driver's side of an `EvalPool`: up to one actor per eval slot, what each one's engine holds, the units
+    (an in-memory sweep's jobs) waiting for one. A lost actor is replaced by a new one."""
 
     def __init__(self, ray: Any, engine: EngineSpec, output_root: Path, pool: EvalPool, versions: Any) -> None:
         res = engine.resources["eval"]
@@ -524,15 +488,16 @@ class _Pool:
             refs[ref] = unit
         return refs
 
-    def finished(self, ref: Any) -> str | None:
-        """The finished unit's error line (None when done); its actor is idle again, holding its engine."""
+    def finished(self, ref: Any) -> tuple[Any, str | None, str | None]:
+        """The finished call's (value, error line, why its actor was lost); its actor is idle again, holding its
+        engine, or a lost one is replaced by a new one."""
         i, fields = self.running.pop(ref)
-        _, error, lost = _actor_result(self.ray, ref)
+        value, error, lost = _actor_result(self.ray, ref)
         if lost is not None:
             self.actors[i] = [self.start(), None, True]
-            return f"ray actor lost: {lost}"
+            return None, f"ray actor lost: {lost}", lost
         self.actors[i][1:] = [fields if error is None else None, True]
-        return error
+        return value, error, None
 
     def close(self) -> None:
         for ref in self.running:
@@ -564,17 +529,6 @@ def actor_resources(engine: EngineSpec) -> Resources:
     return replace(engine.resources["eval"], num_gpus=max(r.num_gpus for r in engine.resources.values()))
 
 
-def _actor_pool(engine: EngineSpec, output_root: Path, worker_cls: type, args: tuple) -> tuple[Any, Any, int]:
-    """(ray, a function that starts one pool actor, the number of eval slots) on `engine`'s cluster, checked to fit."""
-    ray = connect(engine.address)
-    res = actor_resources(engine)
-    check_fits(ray, {"engine.resources (one actor)": res}, engine.address or "this driver")
-    slots = eval_slots(ray, replace(engine, resources={**engine.resources, "eval": res}))
-    actor_cls = ray.remote(max_restarts=0, max_task_retries=0)(PoolActor)
-    versions = worker_versions()
-    return ray, lambda: actor_cls.options(**res.options()).remote(worker_cls, args, versions, str(output_root)), slots
-
-
 def _actor_result(ray: Any, ref: Any) -> tuple[Any, str | None, str | None]:
     """(value, error line, None) of a finished actor call, or (None, None, why) when its actor was lost."""
     try:
@@ -595,43 +549,34 @@ def run_on_actors(
     args: tuple,
     progress: bool = True,
 ) -> list[str]:
-    """Run `jobs` (each with `id`) on a pool of actors, one per eval slot, each holding one `worker_cls(*args)`.
-
-    `record(job, value, error)` is called on the driver as each job finishes: `value` is what the worker's
-    `run(job)` returned, or None with a one-line `error`. An actor that dies is replaced and its job
-    submitted again, once; the notes returned say which."""
+    """Run `jobs` (each with `id`) on a `_Pool` of actors, one per eval slot, each holding one `worker_cls(*args)`;
+    `record(job, value, error)` gets what its `run(job)` returned, or None with a one-line error. A job whose actor
+    died is submitted again to a new actor, once; the notes returned say which."""
     from tqdm.auto import tqdm
 
-    ray, start, slots = _actor_pool(engine, output_root, worker_cls, args)
-    actors = [start() for _ in range(min(slots, len(jobs)))]
-    idle, waiting, running, notes = list(actors), list(jobs), {}, []
+    ray, res = connect(engine.address), actor_resources(engine)
+    check_fits(ray, {"engine.resources (one actor)": res}, engine.address or "this driver")
+    one = replace(engine, resources={**engine.resources, "eval": res})
+    actors = _Pool(ray, one, output_root, EvalPool(worker_cls, args, lambda job: None), worker_versions())
+    for job in jobs:
+        actors.queue(job)
+    running, notes = {}, []
     bar = tqdm(total=len(jobs), desc="checkpoints (ray actors)", unit="checkpoint", disable=not progress)
     try:
-        while waiting or running:
-            while idle and waiting:
-                actor, job = idle.pop(0), waiting.pop(0)
-                running[actor.run.remote(job)] = (actor, job)
+        while actors.waiting or actors.running:
+            running.update(actors.dispatch())
             [ref], _ = ray.wait(list(running), num_returns=1)
-            actor, job = running.pop(ref)
-            value, error, lost = _actor_result(ray, ref)
-            if lost is not None:
-                actors.append(start())
-                actor = actors[-1]
-                if not any(job.id in n for n in notes):
-                    notes.append(f"{job.id}: its actor was lost; a new actor redid the checkpoint")
-                    idle.append(actor)
-                    waiting.insert(0, job)
-                    continue
-                error = f"ray actor lost twice: {lost}"
-            idle.append(actor)
-            record(job, value, error)
+            job = running.pop(ref)
+            value, error, lost = actors.finished(ref)
+            if lost is not None and not any(job.id in n for n in notes):
+                notes.append(f"{job.id}: its actor was lost; a new actor redid the checkpoint")
+                actors.waiting.insert(0, (job, None))
+                continue
+            record(job, value, f"ray actor lost twice: {lost}" if lost is not None else error)
             bar.update(1)
     finally:
         bar.close()
-        for ref in running:
-            ray.cancel(ref, force=True)
-        for actor in actors:
-            ray.kill(actor)
+        actors.close()
     return notes
 
 

@@ -1,20 +1,7 @@
 """Merge into a resident model: mergekit's in-memory plan, run and copied into the model's parameters.
 
-A sweep keeps one model loaded; each checkpoint is planned with mergekit's public `MergePlanner`,
-its tensors computed by mergekit's `Executor` (the math and storage devices of `run_merge`), cast to
-the dtype each `SaveTensor` of the on-disk merge would write, and copied into the resident parameter
-of the same name: no weights are written and no model is loaded again. `copy_` then casts to the
-resident dtype, as loading the on-disk checkpoint in that dtype does, so the two paths give equal
-weights.
-
-Rules:
-- the planner rewrites the config it is given (`normalize_config`), so every merge parses the
-  YAML text again into a fresh `MergeConfiguration`;
-- each merge runs with the RNG isolation of `merge.isolated_rng` and mergekit's own seeding
-  (`set_seed(random_seed)`, as `run_merge` does), so a seeded DARE merge is bit-identical on disk
-  and in memory; mergekit's loader cache stays warm across merges of the same inputs;
-- a merge whose tensors do not all name a resident parameter, or that changes the vocabulary
-  (`tokenizer_source`), cannot run in memory: `check_in_memory` refuses it with one line.
+Each tensor is cast as the on-disk merge would write it, then copied into the resident parameter of its name, so
+both paths give equal weights; rules and refusals: docs/merging.md (`merge_into`).
 """
 
 from __future__ import annotations
@@ -59,7 +46,7 @@ def endpoint_text(path: str) -> str:
     return yaml.safe_dump({"merge_method": "passthrough", "models": [{"model": str(path)}]})
 
 
-def _plan(model: Any, text: str, name: str, options: Any, revisions: dict[str, str] | None) -> tuple[list[Any], Any]:
+def _plan(model: Any, text: str, name: str, options: Any) -> tuple[list[Any], Any]:
     """mergekit's SaveTensor tasks of `text` for `model` (names checked against its parameters), and the pins."""
     from mergekit.architecture import get_architecture_info
     from mergekit.io.tasks import SaveTensor
@@ -70,7 +57,7 @@ def _plan(model: Any, text: str, name: str, options: Any, revisions: dict[str, s
 
     check_in_memory(text, name)
     register()
-    config, pins = loadable_config(text, revisions)  # a fresh copy: the planner rewrites it
+    config, pins = loadable_config(text)  # a fresh copy: the planner rewrites it
     arch_info = get_architecture_info(config, options)
     planner = MergePlanner(config, arch_info, options=options, out_model_config=model.config)
     saves = [t for t in planner.plan_to_disk(out_path=_NO_WRITER) if isinstance(t, SaveTensor)]
@@ -83,7 +70,7 @@ def check_plan(model: Any, text: str, name: str) -> None:
     device: planning reads configs, no weights)."""
     from mergekit.options import MergeOptions
 
-    _plan(model, text, name, MergeOptions(quiet=True), None)
+    _plan(model, text, name, MergeOptions(quiet=True))
 
 
 def merge_into(
@@ -92,7 +79,6 @@ def merge_into(
     name: str,
     random_seed: int | None = None,
     device: str = "cpu",
-    revisions: dict[str, str] | None = None,
 ) -> InMemoryMerge:
     """Run the validated merge config `text` and copy every tensor into `model`'s parameters of the same name.
 
@@ -115,7 +101,7 @@ def merge_into(
         if random_seed is not None:
             transformers.trainer_utils.set_seed(random_seed)
         LoaderCache().setup(options=options)
-        saves, pins = _plan(model, text, name, options, revisions)
+        saves, pins = _plan(model, text, name, options)
         by_task: dict[Any, list[Any]] = {}
         for save in saves:
             by_task.setdefault(save.tensor_task, []).append(save)

@@ -1,12 +1,7 @@
 """Run one validated mergekit config in this process into a verified, staged output folder.
 
-`merge_config()` validates first (no weight read before every check passed), then runs
-mergekit's `run_merge` into `<out>.partial-<uuid>/`, verifies the result (every tensor the
-architecture expects is there with its shape, nothing else, all finite; tokenizer files copied),
-writes `COMPLETE.json` (unit key, inputs, provenance) and renames the folder to `out`.
-Each merge starts and ends with an empty mergekit `LoaderCache` and leaves the global RNG states
-as it found them, so merges in one process do not see each other (a merge seeded with
-`random_seed` is bit-identical on rerun).
+Validated before any weight is read, verified after (expected tensors and shapes, all finite, a tokenizer), each
+merge with an empty mergekit loader cache and the RNG states kept (docs/merging.md).
 """
 
 from __future__ import annotations
@@ -20,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.io import sha256_text
-from lm_eval_sink.keys import UNKEYED, Work, key_of, key_versions
+from lm_eval_sink.keys import UNKEYED, Work, key_of, key_versions, keyed
 from lm_eval_sink.outputs import COMPLETE, check_output_dir, manifest, staged_dir, write_complete
 from lm_eval_sink.provenance import provenance
 from lm_eval_sink.merging.configs import ValidatedConfig, validate_file, validate_text
@@ -107,15 +102,9 @@ def run_mergekit(
     revisions: dict[str, str] | None = None,
     config: Any = None,
 ) -> dict[str, str]:
-    """mergekit's `run_merge` on YAML text (already validated), writing into `out_dir`.
-
-    Every hub-id input (`org/name`, `org/name@REVISION`; base models, slices and tokenizer sources
-    included) is loaded at one commit: `revisions[ref]` when given, else what `identity.model_identity`
-    resolves. mergekit gets `org/name@<sha>`, or with HF_HUB_OFFLINE that commit's folder in the
-    local HF cache (mergekit lists a hub repo's files over the network even when they are cached);
-    `mergekit_config.yml` holds the `@<sha>` form. Returns {reference as written: commit sha}.
-    `config`: the MergeConfiguration of `text` when already parsed (a deep copy is merged).
-    """
+    """mergekit's `run_merge` on validated YAML text (or its parsed `config`, merged as a deep copy) into `out_dir`,
+    every hub-id input loaded at one commit (`revisions`, else its identity's; offline: that commit's cached folder).
+    Returns {reference as written: commit sha}; `mergekit_config.yml` holds the `@<sha>` form."""
     from mergekit.merge import run_merge
     from mergekit.options import MergeOptions
 
@@ -136,11 +125,9 @@ def run_mergekit(
     return pins
 
 
-def loadable_config(
-    text: str, revisions: dict[str, str] | None = None, config: Any = None
-) -> tuple[Any, dict[str, str]]:
+def loadable_config(text: str) -> tuple[Any, dict[str, str]]:
     """A fresh MergeConfiguration of `text` whose hub inputs load at their pinned commits, and the pins."""
-    to_load, _, pins = _pinned_configs(text, revisions, config)
+    to_load, _, pins = _pinned_configs(text, None)
     return to_load, pins
 
 
@@ -248,10 +235,9 @@ def merge_config(
     vc = config if isinstance(config, ValidatedConfig) else validate_file(config)
     out = Path(out)
     check_same_versions(out / COMPLETE, key_versions(MergeWork), force)
-    tokenizer = vc.data.get("tokenizer_source")
-    tokenizer = tokenizer if isinstance(tokenizer, str) and tokenizer not in ("base", "union") else None
-    check_output_dir(out, force, "OUT", inputs=[vc.source, *vc.inputs, tokenizer])
-    work = key_of(MergeWork(vc, random_seed))
+    check_output_dir(out, force, "OUT", inputs=[vc.source, *vc.inputs, vc.tokenizer])
+    declared = MergeWork(vc, random_seed)
+    work = key_of(declared)
     identities = {p: model_fingerprint(p) for p in vc.inputs}
     revisions = {p: ident["revision"] for p, ident in identities.items() if not Path(p).is_dir()}
     with staged_dir(out, force=force, key=work.key, size=output_size(vc)) as tmp:
@@ -267,6 +253,7 @@ def merge_config(
                 "inputs_key": work.inputs_key,
                 "key_versions": work.versions,
                 "fingerprint_rule": FINGERPRINT_RULE,
+                "work": keyed(declared),  # what changed, when its key does (`merging.sweep.changed_inputs`)
                 "merge_method": vc.method,
                 "config_sha256": sha256_text(vc.text),
                 "random_seed": random_seed,

@@ -1,37 +1,14 @@
 """The merge-and-evaluate sweep's core: the sweep file's schema, the units and their keys, the table.
 
-A sweep YAML names the models, the merge controls (default: all bundled ones), the lm-eval
-protocol and Sink Strength settings (one set for every checkpoint) and an output folder:
-
-    output: sweep_out                 # paths are relative to this YAML's folder
-    models: {reference: REF, candidate: CAND}          # + base: BASE for the siblings lineage
-    configs: [linear_95_5, tsv]       # bundled names or template files; default: all bundled
-    merge: {random_seed: 0, device: cpu, tokenizer_source: null, delete_merged: false, in_memory: false}
-    eval: {tasks: [ifeval], apply_chat_template: true, num_fewshot: 0, gen_kwargs: {max_gen_toks: 256}, limit: 20}
-    strength: {last_k: 10, dtype: float32}             # or `strength: false`; device: auto (default), cpu, cuda[:N]
-    engine: {kind: ray, address: auto}                 # where units run: see engines.py (default local)
-
-`eval: {backend: vllm, model_args: {...}}` evaluates with vLLM; `eval: false` skips evaluation
-(not together with `strength: false`). `merge: {in_memory: true}` merges each checkpoint into one
-resident model and evaluates and measures it in that process (`keep_weights: true` also writes the
-merged weights); the path is part of no unit key.
-
-`plan_units` turns a spec, and what the command read for it (endpoint fingerprints, rendered
-merges), into independent units (`merge:<name>`, `eval:<checkpoint>`, `strength:<checkpoint>`),
-each with its own output folder and the key of the work it hands on (`keys.key_of` of a `MergeWork`, `EvalWork` or
-`SweepStrengthWork`: its inputs by value and content, and the code and packages that choose and compute it; a merged
-checkpoint's eval and strength units also hold its merge's, prefixed `merge `), so a unit made from other inputs or
-by other code is recomputed.
-`build_table` makes the table (rows = checkpoints, columns = task metrics, deltas vs the
-reference, S) from the saved outputs, after checking that every run
-used the same harness protocol (`protocols.require_same_harness`); `table_text` renders it as
-Markdown and CSV. This module does no file I/O: reading the sweep file, running units, the
-manifest, recovery and writing are `commands/sweep.py`'s.
+`plan_units` turns a spec into independent units (`merge:`, `eval:`, `strength:` per checkpoint), each keyed by the
+work it hands on (`keys.key_of` of a `MergeWork`, `EvalWork` or `SweepStrengthWork`); `build_table` and `table_text`
+make the table from the saved outputs. No file I/O: that is `commands/sweep.py`'s (docs/merging.md, "The sweep").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import typing
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -42,6 +19,7 @@ from pydantic import Field, create_model
 
 from lm_eval_sink.devices import DEFAULT_DEVICE, DEVICE_HELP, DEVICE_PATTERN
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.harness.runner import EvalSettings
 from lm_eval_sink.keys import UNKEYED, Work, key_of
 from lm_eval_sink.merging.engines import EngineIn
 from lm_eval_sink.schema import Strict, parse
@@ -50,12 +28,6 @@ from lm_eval_sink.tables import csv_text, markdown_table
 
 ENDPOINTS = ("reference", "candidate")
 KINDS = ("merge", "eval", "strength")  # the unit kinds, in each checkpoint's run order
-# Fields of the sweep file that no unit is made from (where and how it runs, which configs: those only add units).
-NOT_UNIT_INPUTS = (
-    *("output", "engine", "configs", "merge.delete_merged", "merge.in_memory", "merge.keep_weights"),
-    "eval.engine_reuse",
-)
-
 
 # --- the sweep file ------------------------------------------------------------------------
 
@@ -81,7 +53,7 @@ class SweepSpec:
     strength_device: str = DEFAULT_DEVICE
     engine: Any = None  # engines.EngineSpec; part of no unit key
     merges: tuple[Any, ...] = ()  # configs.Rendered per entry of `configs`: rendered and validated once, at load
-    written: Any = None  # the sweep file's data as written (sweep.json keeps it, to name a changed field)
+    written: Any = None  # the sweep file's data as written (sweep.json keeps it: is the file the same?)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -125,28 +97,25 @@ class _MergeIn(Strict):
     keep_weights: bool = False
 
 
-class EvalIn(Strict):
-    """The keys of harness.runner.EvalSettings; a key left out takes EvalSettings' default (its one source)."""
-
+class _EvalSection(Strict):
     what: ClassVar[str] = "the eval section"
-    tasks: list[str] = Field(min_length=1)
-    backend: Literal["hf", "vllm"] | None = None
-    apply_chat_template: bool | None = None
-    num_fewshot: int | None = None
-    fewshot_as_multiturn: bool | None = None
-    system_instruction: str | None = None
-    gen_kwargs: dict[str, Any] | None = None
-    limit: int | float | None = None
-    seed: int | None = None
-    batch_size: int | str | None = None
-    device: Device | None = None
-    dtype: str | None = None
-    include_path: str | None = None
-    model_args: dict[str, Any] | None = None
-    python: str | None = (
-        None  # the interpreter lm-eval runs in, relative to the sweep file (e.g. .venv-vllm/bin/python)
-    )
-    engine_reuse: bool | None = None  # vllm: one resident engine for every checkpoint (default true); not a flag
+
+
+# The eval section: EvalSettings' fields (its checks and defaults stay there), the backends a sweep runs and
+# `engine_reuse` (vllm: one resident engine for every checkpoint, default true); `python` is relative to the file.
+EvalIn = create_model(
+    "EvalIn",
+    __base__=_EvalSection,
+    tasks=(list[str], Field(min_length=1)),
+    backend=(Literal["hf", "vllm"] | None, None),
+    device=(Device | None, None),
+    engine_reuse=(bool | None, None),
+    **{
+        f.name: (typing.get_type_hints(EvalSettings)[f.name] | None, None)
+        for f in dataclasses.fields(EvalSettings)
+        if f.name not in ("tasks", "backend", "device", "log_samples")
+    },
+)
 
 
 # The strength section: StrengthSettings' fields (its checks and defaults stay there) plus where S is measured.
@@ -191,24 +160,29 @@ def parse_sweep_data(data: Any, src: str) -> tuple[SweepFileIn, frozenset[str]]:
 
 
 def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
-    """Nested mappings as {dotted.key: value}; a list or scalar is one value."""
-    if isinstance(data, dict) and data:
+    """Nested mappings as {dotted.key: value} (an empty one holds none); a list or scalar is one value."""
+    if isinstance(data, dict):
         return {k: v for key, value in data.items() for k, v in _flat(value, f"{prefix}{key}.").items()}
     return {prefix.removesuffix("."): data}
 
 
-def changed_fields(earlier: dict[str, Any] | None, now: dict[str, Any]) -> list[str] | None:
-    """The fields of the sweep file that changed between two records (`{data: the file as written, templates: {path:
-    sha256}}`) and that units are made from, each as `field: old -> new`; None without an earlier record."""
-    if not isinstance(earlier, dict) or "data" not in earlier:
-        return None
-    old, new = _flat(earlier["data"]), _flat(now["data"])
-    old |= {f"template {p}": h for p, h in (earlier.get("templates") or {}).items()}
-    new |= {f"template {p}": h for p, h in now["templates"].items()}
-    keys = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
-    keys = [k for k in keys if not any(k == f or k.startswith(f + ".") for f in NOT_UNIT_INPUTS)]
-    shown = {k: (repr(old[k]) if k in old else "unset", repr(new[k]) if k in new else "unset") for k in keys}
-    return [f"{k}: {a[:60]} -> {b[:60]}" for k, (a, b) in shown.items()]
+def changed_inputs(units: Sequence[Unit], markers: Markers) -> list[str]:
+    """What changed in each unit's work (its `keys.Work` declaration as its key holds it) since its marker recorded
+    it (`work`), each as `kind field: old -> new`; none for markers that recorded no work."""
+    from lm_eval_sink.io import canonical_json
+    from lm_eval_sink.keys import keyed
+
+    out = []
+    for unit in units:
+        old = (markers.get(unit.id) or {}).get("work")
+        if not isinstance(old, dict):
+            continue
+        old, new = _flat(old), _flat(json.loads(canonical_json(keyed(unit.inputs))))
+        for k in sorted(set(old) | set(new)):
+            a, b = (repr(x[k]) if k in x else "unset" for x in (old, new))
+            if a != b and f"{unit.kind} {k}: {a[:60]} -> {b[:60]}" not in out:
+                out.append(f"{unit.kind} {k}: {a[:60]} -> {b[:60]}")
+    return out
 
 
 # --- units ---------------------------------------------------------------------------------
@@ -309,39 +283,25 @@ def redo_units(plan: Plan, redo: Sequence[str]) -> frozenset[str]:
     return frozenset(u.id for u in plan.units if u.kind in redo or u.checkpoint in redo)
 
 
-@dataclass(frozen=True)
-class RenderedMerge:
-    """One merge control filled in for the sweep's models: what its merge unit runs (`merging.merge.MergeWork`, its
-    config checked once when the sweep file was loaded) and the paper setting it stands for."""
-
-    name: str
-    work: Any
-    setting: str | None
-
-
 def plan_units(
     spec: SweepSpec,
     identities: dict[str, dict[str, Any]],
-    merges: list[RenderedMerge],
     versions: dict[str, dict[str, Any]],
 ) -> Plan:
     """Every unit with its key, in run order (merge -> eval -> strength per checkpoint, so `delete_merged` bounds the
-    disk).
+    disk). `identities`: the endpoints' fingerprints; `versions`: the `eval` / `strength` versions of code that runs
+    elsewhere, and `engine`: the resident engine's model_args and dtype where it measures S."""
+    from lm_eval_sink.merging.merge import MergeWork
 
-    `identities`: the endpoints' `models.model_fingerprint`; `versions`: what the `eval` and `strength` units' keys
-    hold of code that runs elsewhere (`harness.runner.eval_versions`, `engine_sweep.engine_strength_versions`), and
-    `engine`: the resident engine's model_args and dtype where it measures S (else absent).
-    """
     checkpoints = [Checkpoint(role, role, spec.models[role], identities[role]["fingerprint"]) for role in ENDPOINTS]
     units = [u for ck in checkpoints for u in _measure_units(spec, ck, identities.get(ck.name), versions)]
-    for m in merges:
+    for m in spec.merges:  # configs.Rendered, each checked once when the sweep file was loaded
         target = spec.output / "merges" / m.name
-        merge = unit("merge", m.name, target, m.work)
+        work = MergeWork(m.validated, spec.random_seed, spec.merge_device, m.template.path)
+        merge = unit("merge", m.name, target, work)
         merged = {f"merge {k}": v for k, v in merge.versions.items()}
-        method = m.work.config.method
-        ck = Checkpoint(
-            m.name, "merge", str(target), merge.inputs_key, method=method, setting=m.setting, versions=merged
-        )
+        setting = m.template.paper_setting
+        ck = Checkpoint(m.name, "merge", str(target), merge.inputs_key, m.validated.method, setting, merged)
         units.append(merge)
         units += _measure_units(spec, ck, identities.get(ck.name), versions)
         checkpoints.append(ck)
@@ -403,13 +363,9 @@ def build_table(
     strengths: dict[str, float],
     strength_settings: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Rows = checkpoints, columns = each task metric, its delta vs the reference, S (the caller adds provenance).
-
-    `results` / `fingerprints` / `strengths`: per checkpoint with a finished unit, its lm-eval
-    results JSON, `protocols.Fingerprint` and saved S; `strength_settings`: the `comparability.Setting` of each
-    saved S, so that S measured in different settings are marked (`s_setting`, `strength_comparability`); the
-    eval units' Sink Strength tasks go through the same check (`task_strength`).
-    """
+    """Rows = checkpoints, columns = each task metric, its delta vs the reference, S (the caller adds provenance),
+    from each checkpoint's results, protocol fingerprint and saved S; S of different settings (`strength_settings`, and
+    the eval units' Sink Strength tasks: `task_strength`) are marked."""
     from lm_eval_sink.comparability import compare
     from lm_eval_sink.protocols import require_same_harness
 
@@ -532,11 +488,9 @@ def _row(
 
 def _fmt(x: float | None, signed: bool = False, scale: float = 1.0) -> str:
     """A cell: 4 decimals in lm-eval's unit, or 1 decimal in points (`scale` 100) for a share of docs."""
-    if x is None:
-        return "n/a"
-    if scale != 1.0:
-        return f"{scale * x:+.1f}" if signed else f"{scale * x:.1f}"
-    return f"{x:+.4f}" if signed else f"{x:.4f}"
+    from lm_eval_sink.report.view import fmt
+
+    return "n/a" if x is None else fmt(x, ("+" if signed else "") + ("pts" if scale != 1.0 else "f4"))
 
 
 def _table_rows(table: dict[str, Any], cols: list[str], scales: list[float]) -> list[list[str]]:
@@ -717,8 +671,8 @@ def schedule(plan: Plan, state: FolderState, force: bool, redo: frozenset[str]) 
 
 
 def check_conflicts(plan: Plan, state: FolderState, redo: frozenset[str], now: dict[str, Any]) -> list[str]:
-    """Refuse unit outputs made from other inputs, in one line naming the sweep file's changed fields (`now` against
-    the earlier record) and the units they touch (those in `redo` are redone instead). One made from the same
+    """Refuse unit outputs made from other inputs, in one line naming the changed inputs (`changed_inputs`) and the
+    units they touch (those in `redo` are redone instead). One made from the same
     inputs by other versions is recomputed, and so is one whose file is unchanged (a release changed a default):
     a note per unit."""
     from lm_eval_sink.identity import FINGERPRINT_RULE, check_same_identity
@@ -742,17 +696,16 @@ def check_conflicts(plan: Plan, state: FolderState, redo: frozenset[str], now: d
         if identity and complete.get("model_identity"):
             check_same_identity(complete["model_identity"], identity, unit.output)
         conflicts.append(unit)
-    fields = changed_fields(state.earlier_file, now)
-    if conflicts and fields == []:  # the sweep file as written is the same: a release changed a default
+    if conflicts and state.earlier_file == now:  # the sweep file as written is the same: a release changed a default
         same = "made under other defaults (the sweep file is the same)"
         return notes + [f"{u.id}: recomputed: {same}" for u in conflicts]
     if conflicts:
-        raise _changed(plan.spec.source, conflicts, fields)
+        raise _changed(plan.spec.source, conflicts, changed_inputs(conflicts, state.markers))
     return notes
 
 
 def _changed(source: str, conflicts: list[Unit], fields: list[str] | None) -> UserError:
-    """The one line for finished units made from other inputs: the sweep file's changed fields, the units, --redo."""
+    """The one line for finished units made from other inputs: the changed inputs, the units, --redo."""
     ids = [u.id for u in conflicts]
     kinds = [k for k in KINDS if any(u.kind == k for u in conflicts)]
     return UserError(
