@@ -1,12 +1,6 @@
-"""How the measuring commands run: `MeasureOptions`, shared by `strength`, `screen`, `margin` and `protect-plan`, and
-`ScreenOptions`, where `screen` takes its predictions from.
-
-What a measurement computes is its settings (`strength.StrengthSettings`, `margin.MarginSettings`,
-`training.protection.ProtectSettings`), which decide the numbers and go into result keys. These options decide only
-how the models are loaded and run, whether earlier files may be overwritten and what is shown. Each object is built
-once (by the CLI or a Python caller) and checked where it is built: a wrong value is the one-line error there,
-before any model is resolved. Pure: no I/O, no torch.
-"""
+"""How the measuring commands run: `MeasureOptions` (load, device, overwrite, progress) and `ScreenOptions` (where
+`screen`'s predictions come from). What a measurement computes is its settings, which go into result keys; each
+object is checked where it is built, before any model is resolved. Pure: no I/O, no torch."""
 
 from __future__ import annotations
 
