@@ -61,15 +61,18 @@ def test_strength_cli_writes_s_provenance_and_ranking(tiny_models, tiny_tokenize
     assert rc == 0 and json.loads((out / "llama.strength.json").read_text())["last_k"] == 3
 
 
-def test_another_package_version_recomputes_the_same_versions_reuse(tiny_models, tmp_path, capsys, monkeypatch):
-    """A result made with another torch is recomputed, saying which version changed; the same versions reuse it
-    (other code on the S path: test_code_key.py)."""
+def test_another_package_version_or_an_earlier_key_rule_recomputes_the_same_versions_reuse(
+    tiny_models, tmp_path, capsys, monkeypatch
+):
+    """A result made with another torch, or keyed before keys were derived from the work's values (no `key rule` in
+    its versions, or none at all), is recomputed saying why, not refused; the same versions reuse it (other code on
+    the S path: test_code_key.py; other settings are refused: the first test)."""
     from helpers import set_package_version
 
     out, model = tmp_path / "out", tiny_models["llama"]
-    args = ("strength", model, "--last-k", "2", "--output", out, "--quiet")
+    path, args = out / "llama.strength.json", ("strength", model, "--last-k", "2", "--output", out, "--quiet")
     assert _run(capsys, *args)[0] == 0
-    first = json.loads((out / "llama.strength.json").read_text())
+    first = json.loads(path.read_text())
     assert set(first["provenance"]["key_versions"]) == {"key rule", "code", "torch", "transformers", "peft"}
     assert "vllm" in first["provenance"]["versions"]  # recorded (None when not installed), not keyed here
     rc, stdout, _ = _run(capsys, *args)
@@ -77,17 +80,8 @@ def test_another_package_version_recomputes_the_same_versions_reuse(tiny_models,
     torch_version = set_package_version(monkeypatch, "torch", "99.0")
     rc, stdout, _ = _run(capsys, *args)
     assert rc == 0 and f"llama: recomputed: torch {torch_version} -> 99.0" in stdout
-    assert json.loads((out / "llama.strength.json").read_text())["provenance"]["key_versions"]["torch"] == "99.0"
+    assert json.loads(path.read_text())["provenance"]["key_versions"]["torch"] == "99.0"
     assert "reused" in _run(capsys, *args)[1]
-
-
-def test_a_result_keyed_by_an_earlier_rule_is_recomputed_one_of_other_settings_refused(tiny_models, tmp_path, capsys):
-    """A result keyed before keys were derived from the work's values (no `key rule` in its versions, or none at all)
-    is recomputed, saying so, not refused (one of other settings under this rule is: the first test)."""
-    out, model = tmp_path / "out", tiny_models["llama"]
-    args = ("strength", model, "--last-k", "2", "--output", out, "--quiet")
-    assert _run(capsys, *args)[0] == 0
-    path = out / "llama.strength.json"
     data = json.loads(path.read_text())
     for old in ({"torch": "2.9.0"}, None):
         data["provenance"].update(key_versions=old, input_key="0" * 64)  # keyed otherwise: another key
@@ -154,6 +148,7 @@ def _bloom(tmp_path: Path, llama: Path) -> Path:
         ("llama", ["--last-k", "0"], "last-k must be positive"),
         ("llama", ["--output", "a_file"], "is a file"),
         ("llama", ["--n-prompts", "7"], "n-prompts 7"),
+        ("llama", ["--limit", "0"], "this command takes --n-prompts"),
         ("llama", ["--batch-tokens", "0"], "batch-tokens must be positive"),
     ],
 )

@@ -31,10 +31,6 @@ def test_lm_eval_limit_0_is_one_line_before_the_model_loads(monkeypatch, capsys)
     check_cli_limit(["--model", "hf", "--tasks", "ifeval", "--limit", "0"])  # a stock run: lm-eval's own behaviour
 
 
-def test_strength_limit_names_n_prompts(user_error):
-    assert "this command takes --n-prompts" in user_error(["strength", "default", "--limit", "0"])
-
-
 def test_a_hand_written_strength_json_says_what_is_missing(handset_llama_dir, tmp_path, user_error):
     made = tmp_path / "m.strength.json"
     prov = {"inputs_key": "0" * 64, "model": {"model": str(handset_llama_dir), "fingerprint": "x"}}
