@@ -61,22 +61,33 @@ def test_strength_cli_writes_s_provenance_and_ranking(tiny_models, tiny_tokenize
     assert rc == 0 and json.loads((out / "llama.strength.json").read_text())["last_k"] == 3
 
 
-def test_another_package_version_or_an_earlier_key_rule_recomputes_the_same_versions_reuse(
+def test_batching_and_device_are_in_no_key_and_another_version_or_key_rule_recomputes(
     tiny_models, tmp_path, capsys, monkeypatch
 ):
-    """A result made with another torch, or keyed before keys were derived from the work's values (no `key rule` in
-    its versions, or none at all), is recomputed saying why, not refused; the same versions reuse it (other code on
-    the S path: test_code_key.py; other settings are refused: the first test)."""
+    """S does not depend on --batch-size, --batch-tokens, --query-chunk or --device: a result made one prompt at a
+    time on the CPU is reused by the default run (all prompts in one forward), which, forced, gives the same S. One
+    made with another torch, or keyed before keys were derived from the work's values (no `key rule` in its versions,
+    or none at all), is recomputed saying why, not refused (other code on the S path: test_code_key.py; other
+    settings are refused: the first test)."""
     from helpers import set_package_version
 
     out, model = tmp_path / "out", tiny_models["llama"]
     path, args = out / "llama.strength.json", ("strength", model, "--last-k", "2", "--output", out, "--quiet")
-    assert _run(capsys, *args)[0] == 0
-    first = json.loads(path.read_text())
+    assert _run(capsys, *args, "--batch-size", "1", "--query-chunk", "4", "--device", "cpu")[0] == 0
+    text = path.read_text()
+    first = json.loads(text)
+    assert first["provenance"]["settings"]["batch_size"] == 1  # recorded, not keyed
     assert set(first["provenance"]["key_versions"]) == {"key rule", "code", "torch", "transformers", "peft"}
     assert "vllm" in first["provenance"]["versions"]  # recorded (None when not installed), not keyed here
-    rc, stdout, _ = _run(capsys, *args)
-    assert rc == 0 and "llama: reused" in stdout and "recomputed" not in stdout
+    for extra in ((), ("--batch-tokens", "64"), ("--batch-size", "3", "--query-chunk", "1000")):
+        rc, stdout, _ = _run(capsys, *args, *extra)
+        assert rc == 0 and "llama: reused" in stdout and "recomputed" not in stdout
+    assert path.read_text() == text
+    assert _run(capsys, *args, "--force")[0] == 0
+    again = json.loads(path.read_text())
+    assert again["provenance"]["settings"]["batch_size"] is None
+    assert again["sink_strength"] == pytest.approx(first["sink_strength"], abs=1e-5)
+
     torch_version = set_package_version(monkeypatch, "torch", "99.0")
     rc, stdout, _ = _run(capsys, *args)
     assert rc == 0 and f"llama: recomputed: torch {torch_version} -> 99.0" in stdout
@@ -90,25 +101,6 @@ def test_another_package_version_or_an_earlier_key_rule_recomputes_the_same_vers
         assert (
             rc == 0 and "llama: recomputed: made before results were keyed by the values their work receives" in stdout
         )
-
-
-def test_batching_and_device_are_in_no_key_a_batch_one_result_is_reused(tiny_models, tmp_path, capsys):
-    """S does not depend on --batch-size, --batch-tokens, --query-chunk or --device: a result made one prompt at a
-    time on the CPU is reused by the default run (all prompts in one forward), which, forced, gives the same S."""
-    out, model = tmp_path / "out", tiny_models["llama"]
-    common = ("strength", model, "--last-k", "2", "--output", out, "--quiet")
-    assert _run(capsys, *common, "--batch-size", "1", "--query-chunk", "4", "--device", "cpu")[0] == 0
-    path = out / "llama.strength.json"
-    first = path.read_text()
-    assert json.loads(first)["provenance"]["settings"]["batch_size"] == 1  # recorded, not keyed
-    for extra in ((), ("--batch-tokens", "64"), ("--batch-size", "3", "--query-chunk", "1000")):
-        rc, stdout, _ = _run(capsys, *common, *extra)
-        assert rc == 0 and "llama: reused" in stdout and "recomputed" not in stdout
-    assert path.read_text() == first
-    assert _run(capsys, *common, "--force")[0] == 0
-    again = json.loads(path.read_text())
-    assert again["provenance"]["settings"]["batch_size"] is None
-    assert again["sink_strength"] == pytest.approx(json.loads(first)["sink_strength"], abs=1e-5)
 
 
 def test_prompt_files_text_and_jsonl(tiny_models, tmp_path, capsys):
@@ -127,22 +119,21 @@ def test_prompt_files_text_and_jsonl(tiny_models, tmp_path, capsys):
     assert vals[0] == vals[1]
 
 
-def _bloom(tmp_path: Path, llama: Path) -> Path:
+def _save_bloom(d: Path, llama: Path) -> None:
+    """A model whose attention does not go through transformers' AttentionInterface, with llama's tokenizer."""
     from transformers import BloomConfig, BloomForCausalLM
 
-    d = tmp_path / "bloom"
     BloomForCausalLM(BloomConfig(vocab_size=96, hidden_size=16, n_layer=1, n_head=2)).save_pretrained(d)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(llama / name, d / name)
-    return d
 
 
 @pytest.mark.parametrize(
     ("model", "extra", "pattern"),
     [
-        ("nope", [], "no such model folder"),
         ("empty", [], "not a model folder.*config.json"),
         ("bloom", [], "BloomForCausalLM.*AttentionInterface"),
+        ("gguf", [], r"\(fix: pass the GGUF file itself: .*/gguf/model\.Q4\.gguf\)$"),  # a folder holding only one
         ("llama", ["--prompts", "e.txt"], "empty"),
         ("llama", ["--prompts", "m.jsonl"], r"m.jsonl:2: not valid JSON"),
         ("llama", ["--last-k", "0"], "last-k must be positive"),
@@ -154,11 +145,14 @@ def _bloom(tmp_path: Path, llama: Path) -> Path:
 )
 def test_bad_input_one_line_exit_2(model, extra, pattern, tiny_models, tmp_path, user_error):
     (tmp_path / "empty").mkdir()
+    (tmp_path / "gguf").mkdir()
+    (tmp_path / "gguf" / "model.Q4.gguf").write_bytes(b"GGUF")
     (tmp_path / "e.txt").write_text("\n\n")
     (tmp_path / "m.jsonl").write_text('{"prompt": "ok"}\n{"prompt": \n')
     (tmp_path / "a_file").write_text("x")
-    models = {"llama": tiny_models["llama"], "nope": tmp_path / "nope", "empty": tmp_path / "empty"}
-    path = _bloom(tmp_path, tiny_models["llama"]) if model == "bloom" else models[model]
+    if model == "bloom":
+        _save_bloom(tmp_path / "bloom", tiny_models["llama"])
+    path = tiny_models["llama"] if model == "llama" else tmp_path / model
     extra = [tmp_path / a if a in ("e.txt", "m.jsonl", "a_file") else a for a in extra]
     argv = ["strength", path, "--output", tmp_path / "out", "--quiet", *extra]
     assert re.search(pattern, user_error(argv, tmp_path / "out"))

@@ -47,13 +47,6 @@ def test_screen_on_an_lm_eval_results_file_names_the_model_it_ran(tmp_path, user
     assert "is an lm-eval results file, not a model folder" in line and "(/models/qwen)" in line
 
 
-def test_a_folder_holding_only_a_gguf_names_the_file(tmp_path, user_error):
-    (tmp_path / "m").mkdir()
-    (tmp_path / "m" / "model.Q4.gguf").write_bytes(b"GGUF")
-    line = user_error(["strength", tmp_path / "m", "--output", tmp_path / "out"], tmp_path / "out")
-    assert line.endswith(f"(fix: pass the GGUF file itself: {tmp_path / 'm' / 'model.Q4.gguf'})")
-
-
 def test_quiet_silences_the_libraries_bars_and_warnings_and_keeps_errors(tmp_path, user_error):
     """In this process and in those it starts: a tqdm bar of a library that draws its own (transformers' GGUF loader,
     converting `default` on first use, did under --quiet) is not drawn there."""
