@@ -187,7 +187,7 @@ def test_core_modules_import_no_command():
 
 MAX_FUNCTION_LINES = 60  # docs/development.md: from the `def` line to the last line, decorators excluded
 # docs/development.md: what travels together through several calls is one options object; cli.py's click commands
-# take one parameter per option and are left out.
+# take their options as parameters and are left out.
 MAX_PARAMETERS = 8
 
 
