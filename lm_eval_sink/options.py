@@ -17,10 +17,9 @@ from lm_eval_sink.models import DEFAULT_DTYPE, DTYPES
 
 @dataclass(frozen=True, slots=True)
 class MeasureOptions:
-    """How models are measured: the dtype they load in, the device they run on, `force` (overwrite earlier
-    results), `progress` (show progress bars), and `measure_all(paths, settings, dtype, device)`, which measures
-    several models at once (e.g. one Ray task each: `merging.engines.ray_measure_all`); None measures each here,
-    in turn. Only `strength` and `screen` measure several models: `margin` and `protect-plan` refuse it."""
+    """How models are measured: load dtype, device, `force` (overwrite earlier results), `progress` (bars), and
+    `measure_all(paths, settings, dtype, device)` measuring several models at once (e.g. one Ray task each:
+    `merging.engines.ray_measure_all`; None: each here in turn; `margin` and `protect-plan` refuse it)."""
 
     dtype: str = DEFAULT_DTYPE
     device: str = DEFAULT_DEVICE
