@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -16,7 +19,14 @@ from lm_eval_sink.calibration import Batching
 from lm_eval_sink.devices import DEFAULT_DEVICE, DEVICE_HELP, check_device
 from lm_eval_sink.errors import UserError
 
+if TYPE_CHECKING:
+    from lm_eval_sink.options import MeasureOptions
+    from lm_eval_sink.strength import StrengthSettings
+
+Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
+
 _BATCHING = Batching()  # the defaults of --batch-size, --batch-tokens and --query-chunk
+_DTYPES = ("auto", "float32", "bfloat16", "float16")  # models.DTYPES, not imported: --help loads no model code
 
 
 def _device(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -28,9 +38,8 @@ QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "err
 
 
 def _quiet(ctx: click.Context, param: click.Parameter, value: bool) -> bool:
-    """`--quiet` silences the libraries too (here and in the processes started from here): transformers' and the
-    hub's progress bars and their warnings, and every other tqdm bar (transformers' GGUF loader, which converts
-    `default` on first use, draws its own); errors are kept. The one place --quiet is decided."""
+    """The one place --quiet is decided: it silences the libraries' progress bars and warnings too (every tqdm bar,
+    here and in the processes started from here); errors are kept."""
     if value:
         os.environ.update(QUIET_ENV)
         if "transformers" in sys.modules:
@@ -41,19 +50,134 @@ def _quiet(ctx: click.Context, param: click.Parameter, value: bool) -> bool:
     return value
 
 
-# One `--quiet` for every command that shows progress.
-_QUIET = dict(is_flag=True, callback=_quiet, help="No progress bars and no library warnings (errors are kept).")
 # lm-eval's option names that a command here calls otherwise: named when one is given.
 _OUR_NAMES = {"--limit": "--n-prompts", "--batch_size": "--batch-size"}
+_PATH = click.Path(path_type=Path)
 
-# Where a model is loaded for a measurement: the one `--device` of strength, screen, margin and protect-plan
-# (`_calibration_options`).
-_DEVICE = dict(
-    default=DEFAULT_DEVICE, show_default=True, callback=_device, help=f"Where the model runs: {DEVICE_HELP}."
+
+class _Command(click.Command):
+    """A command whose function returns the lines to print (None: it printed its own)."""
+
+    def invoke(self, ctx: click.Context) -> None:
+        for line in super().invoke(ctx) or ():
+            click.echo(line)
+
+
+class _Group(click.Group):
+    command_class = _Command
+    group_class = type  # its groups are _Group too
+
+
+def _options(*decorators: Decorator) -> Decorator:
+    """Several click decorators as one, in the order they would be stacked."""
+
+    def apply(f: Callable[..., Any]) -> Callable[..., Any]:
+        for decorator in reversed(decorators):
+            f = decorator(f)
+        return f
+
+    return apply
+
+
+def _path_option(*decls: str, **attrs: Any) -> Decorator:
+    """An option naming a file or folder, given to the command as a Path (None when left out)."""
+    return click.option(*decls, type=_PATH, **attrs)
+
+
+def _force(text: str) -> Decorator:
+    return click.option("--force", is_flag=True, help=text)
+
+
+def _quiet_option(text: str = "No progress bars and no library warnings (errors are kept).") -> Decorator:
+    return click.option("--quiet", is_flag=True, callback=_quiet, help=text)
+
+
+def _lm_eval_python(default: str) -> Decorator:
+    return _path_option(
+        "--lm-eval-python",
+        "lm_eval_python",
+        help=f"The interpreter lm-eval runs in, e.g. .venv-vllm/bin/python (default: {default}).",
+    )
+
+
+_REGISTRY_HELP = (
+    "A user registry YAML added to the bundled one (default: vendors.yaml in the project cache, if present)."
+)
+_LAST_K_HELP = (
+    "S over the last K attention layers: a count (the paper's; a different share of models of different depth), "
+    "N%% of each model's attention layers (e.g. 33%%), or 'all'."
+)
+# How a Sink Strength measurement runs (calibration.Batching): memory and speed, never S.
+_BATCHING_OPTIONS = _options(
+    click.option(
+        "--batch-size",
+        type=int,
+        default=_BATCHING.batch_size,
+        help="Prompts per forward at most (default: as many as --batch-tokens allows).",
+    ),
+    click.option(
+        "--batch-tokens",
+        type=int,
+        default=_BATCHING.batch_tokens,
+        show_default=True,
+        help="Padded tokens (prompts x longest) per forward at most; a longer prompt runs alone.",
+    ),
+    click.option(
+        "--query-chunk",
+        type=int,
+        default=_BATCHING.query_chunk,
+        show_default=True,
+        help="Query rows whose attention logits are held at once per layer (memory, not S).",
+    ),
+)
+# Shared by `strength`, `screen`, `margin` and `protect-plan` (read by `_measuring`): the calibration of a Sink
+# Strength measurement, the model's dtype and device, --force and --quiet.
+_CALIBRATION_OPTIONS = _options(
+    _path_option("--prompts", "prompts_file", help="JSONL with a 'prompt' field, or text with one prompt a line."),
+    click.option("--n-prompts", type=int, default=None, help="First N prompts (builtin set: 5 or 15; default all)."),
+    click.option(
+        "--rows",
+        type=click.Choice(["all", "content"]),
+        default="all",
+        show_default=True,
+        help="Rows used: every query position >= 1, or the user message's tokens only.",
+    ),
+    click.option(
+        "--chat-template/--no-chat-template",
+        "use_chat_template",
+        default=True,
+        show_default=True,
+        help="Render prompts through the chat template.",
+    ),
+    click.option("--system-prompt", default=None, help="System message before each prompt (chat template only)."),
+    click.option("--dtype", type=click.Choice(_DTYPES), default="auto", show_default=True),
+    click.option(
+        "--device",
+        default=DEFAULT_DEVICE,
+        show_default=True,
+        callback=_device,
+        help=f"Where the model runs: {DEVICE_HELP}.",
+    ),
+    _force("Overwrite earlier results."),
+    _quiet_option(),
+    _BATCHING_OPTIONS,
 )
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def _measuring(
+    last_k: str, dtype: str, device: str, force: bool, quiet: bool, prompts_file: Path | None, **fields: Any
+) -> tuple[StrengthSettings, MeasureOptions]:
+    """The StrengthSettings (K: the command's own --last-k) and MeasureOptions of `_CALIBRATION_OPTIONS` (and a
+    command's own --statistic, --seed)."""
+    from lm_eval_sink.options import MeasureOptions
+    from lm_eval_sink.strength import StrengthSettings, parse_last_k
+
+    prompts = str(prompts_file) if prompts_file else None
+    settings = StrengthSettings(last_k=parse_last_k(last_k), prompts_file=prompts, **fields)
+    return settings, MeasureOptions(dtype=dtype, device=device, force=force, progress=not quiet)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="lm-eval-sink")
 def cli() -> None:
     """Sink Strength, regression buckets and merging controls for lm-evaluation-harness."""
@@ -65,23 +189,22 @@ def models() -> None:
 
 
 @models.command("default")
-def models_default() -> None:
+def models_default() -> list[str]:
     """Print the converted SmolLM2-135M-Instruct folder, creating it if needed."""
     from lm_eval_sink.models import default_model_dir
 
-    click.echo(str(default_model_dir()))
+    return [str(default_model_dir())]
 
 
 @models.command("convert")
-@click.argument("gguf_file", type=click.Path(path_type=Path))
-@click.argument("out_dir", type=click.Path(path_type=Path))
-@click.option("--force", is_flag=True, help="Replace an existing OUT_DIR.")
-def models_convert(gguf_file, out_dir, force) -> None:
+@click.argument("gguf_file", type=_PATH)
+@click.argument("out_dir", type=_PATH)
+@_force("Replace an existing OUT_DIR.")
+def models_convert(gguf_file, out_dir, force) -> Iterable[str]:
     """A GGUF file as a model folder (dequantized to float32), for merges, sweeps, extraction and eval."""
     from lm_eval_sink.commands.models import run_models_convert
 
-    for line in run_models_convert(gguf_file, out_dir, force=force):
-        click.echo(line)
+    return run_models_convert(gguf_file, out_dir, force=force)
 
 
 def _slug(name: str) -> str:
@@ -93,111 +216,14 @@ def _slug(name: str) -> str:
 
 
 @cli.command("tasks-dir")
-def tasks_dir_cmd() -> None:
+def tasks_dir_cmd() -> Iterable[str]:
     """Print the folder of this project's lm-eval tasks (for lm_eval --include_path)."""
     from lm_eval_sink.harness import tasks_dir
 
-    click.echo(str(tasks_dir()))
+    return [str(tasks_dir())]
 
 
 # --- screening, fits and sink margins (issue 9) ---
-
-
-def _calibration_options(f):
-    """Options shared by `strength`, `screen`, `margin` and `protect-plan`: the calibration of a Sink Strength
-    measurement (passed on to `_strength_settings`), the model's dtype and device, --force and --quiet."""
-    f = _batching_options(f)
-    for opt in reversed(
-        [
-            click.option(
-                "--prompts",
-                "prompts_file",
-                type=click.Path(path_type=Path),
-                default=None,
-                help="JSONL with a 'prompt' field, or text with one prompt a line.",
-            ),
-            click.option(
-                "--n-prompts", type=int, default=None, help="First N prompts (builtin set: 5 or 15; default all)."
-            ),
-            click.option(
-                "--rows",
-                type=click.Choice(["all", "content"]),
-                default="all",
-                show_default=True,
-                help="Rows used: every query position >= 1, or the user message's tokens only.",
-            ),
-            click.option(
-                "--chat-template/--no-chat-template",
-                default=True,
-                show_default=True,
-                help="Render prompts through the chat template.",
-            ),
-            click.option(
-                "--system-prompt", default=None, help="System message before each prompt (chat template only)."
-            ),
-            click.option(
-                "--dtype",
-                type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
-                default="auto",
-                show_default=True,
-            ),
-            click.option("--device", **_DEVICE),
-            click.option("--force", is_flag=True, help="Overwrite earlier results."),
-            click.option("--quiet", **_QUIET),
-        ]
-    ):
-        f = opt(f)
-    return f
-
-
-def _batching_options(f):
-    """How a Sink Strength measurement runs (calibration.Batching): memory and speed, never S."""
-    for opt in reversed(
-        [
-            click.option(
-                "--batch-size",
-                type=int,
-                default=_BATCHING.batch_size,
-                help="Prompts per forward at most (default: as many as --batch-tokens allows).",
-            ),
-            click.option(
-                "--batch-tokens",
-                type=int,
-                default=_BATCHING.batch_tokens,
-                show_default=True,
-                help="Padded tokens (prompts x longest) per forward at most; a longer prompt runs alone.",
-            ),
-            click.option(
-                "--query-chunk",
-                type=int,
-                default=_BATCHING.query_chunk,
-                show_default=True,
-                help="Query rows whose attention logits are held at once per layer (memory, not S).",
-            ),
-        ]
-    ):
-        f = opt(f)
-    return f
-
-
-def _strength_settings(last_k: str, prompts_file: Path | None, chat_template: bool, **fields):
-    """The StrengthSettings of `_calibration_options` (and a command's own --last-k, --statistic, --seed)."""
-    from lm_eval_sink.strength import StrengthSettings
-
-    from lm_eval_sink.strength import parse_last_k
-
-    return StrengthSettings(
-        last_k=parse_last_k(last_k),
-        prompts_file=str(prompts_file) if prompts_file else None,
-        use_chat_template=chat_template,
-        **fields,
-    )
-
-
-_LAST_K_HELP = (
-    "S over the last K attention layers: a count (the paper's; a different share of models of different depth), "
-    "N%% of each model's attention layers (e.g. 33%%), or 'all'."
-)
 
 
 def _last_k(value: str) -> int | None:
@@ -213,30 +239,22 @@ def _last_k(value: str) -> int | None:
 @click.argument("model_names", metavar="MODEL [MODEL ...]", nargs=-1, required=True)
 @click.option("--last-k", default="10", show_default=True, help=_LAST_K_HELP)
 @click.option("--statistic", type=click.Choice(["median", "mean"]), default="median", show_default=True)
-@_calibration_options
+@_CALIBRATION_OPTIONS
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option(
-    "--output", type=click.Path(path_type=Path), required=True, help="Folder for the JSON, tables and heatmaps."
-)
-def strength(model_names, last_k, dtype, device, force, quiet, output, **calibration) -> None:
+@_path_option("--output", required=True, help="Folder for the JSON, tables and heatmaps.")
+def strength(model_names, last_k, output, **calibration) -> Iterable[str]:
     """Sink Strength S of one or more models (MODEL: a folder, a GGUF file, a hub id when online, or 'default')."""
     from lm_eval_sink.commands.strength import run_strength
-    from lm_eval_sink.options import MeasureOptions
 
-    settings = _strength_settings(last_k, **calibration)
-    options = MeasureOptions(dtype=dtype, device=device, force=force, progress=not quiet)
-    names = list(model_names)
-    for line in run_strength(names, [_slug(n) for n in names], settings, output, options):
-        click.echo(line)
+    settings, options = _measuring(last_k, **calibration)
+    return run_strength(list(model_names), [_slug(n) for n in model_names], settings, output, options)
 
 
 @cli.command()
 @click.argument("model_names", metavar="MODEL [MODEL ...]", nargs=-1, required=True)
-@click.option(
+@_path_option(
     "--pairs",
     "pairs_file",
-    type=click.Path(path_type=Path),
-    default=None,
     help="PAIRS.yaml of pairs measured in the models' setting (S as *.strength.json paths): predicted deltas.",
 )
 @click.option(
@@ -245,12 +263,9 @@ def strength(model_names, last_k, dtype, device, force, quiet, output, **calibra
     help="Predicted deltas from the paper's six pairs (their S from the paper's prompts), each with that caveat.",
 )
 @click.option("--last-k", default="10", show_default=True, help=_LAST_K_HELP)
-@_calibration_options
-@click.option(
-    "--output",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Folder for screen.json/.md/.csv/.png and per-model strength files (default: print only).",
+@_CALIBRATION_OPTIONS
+@_path_option(
+    "--output", help="Folder for screen.json/.md/.csv/.png and per-model strength files (default: print only)."
 )
 @click.option(
     "--engine",
@@ -267,57 +282,36 @@ def strength(model_names, last_k, dtype, device, force, quiet, output, **calibra
     help="GPUs per model's Ray task (default: 1 with --device cuda, else 0: auto then runs on the CPU).",
 )
 def screen(
-    model_names,
-    pairs_file,
-    paper_line,
-    last_k,
-    dtype,
-    device,
-    force,
-    quiet,
-    output,
-    engine,
-    ray_address,
-    num_gpus,
-    **calibration,
-) -> None:
+    model_names, pairs_file, paper_line, last_k, output, engine, ray_address, num_gpus, **calibration
+) -> Iterable[str]:
     """Rank backbones by Sink Strength S within each setting; predicted post-VL deltas with --pairs or --paper-line
     (MODEL: folder, hub id or 'default')."""
     from lm_eval_sink.commands.screen import run_screen
-    from lm_eval_sink.options import MeasureOptions, ScreenOptions
+    from lm_eval_sink.options import ScreenOptions
 
-    settings = _strength_settings(last_k, **calibration)
+    settings, options = _measuring(last_k, **calibration)
     predict = ScreenOptions(pairs_file=pairs_file, paper_line=paper_line)
-    names = list(model_names)
-    measure_all = None
     if engine == "ray":
         from lm_eval_sink.merging.engines import import_ray, ray_measure_all
 
         import_ray(local_only=ray_address is None)
-        measure_all = ray_measure_all(ray_address, num_gpus=num_gpus, device=device, progress=not quiet)
+        measure_all = ray_measure_all(ray_address, num_gpus=num_gpus, device=options.device, progress=options.progress)
+        options = replace(options, measure_all=measure_all)
     elif ray_address is not None:
         raise UserError("--ray-address needs --engine ray", "add --engine ray, or drop --ray-address")
-    options = MeasureOptions(dtype=dtype, device=device, force=force, progress=not quiet, measure_all=measure_all)
-    for line in run_screen(names, [_slug(n) for n in names], settings, output, options, predict):
-        click.echo(line)
+    return run_screen(list(model_names), [_slug(n) for n in model_names], settings, output, options, predict)
 
 
 @cli.command()
-@click.argument("pairs_file", metavar="[PAIRS.yaml]", required=False, type=click.Path(path_type=Path))
-@click.option(
-    "--output",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Folder for fit.json, fit.md and fit_<task>.png (default: print only).",
-)
-@click.option("--force", is_flag=True, help="Overwrite earlier results.")
-def fit(pairs_file, output, force) -> None:
+@click.argument("pairs_file", metavar="[PAIRS.yaml]", required=False, type=_PATH)
+@_path_option("--output", help="Folder for fit.json, fit.md and fit_<task>.png (default: print only).")
+@_force("Overwrite earlier results.")
+def fit(pairs_file, output, force) -> Iterable[str]:
     """Fit S -> delta per task: Spearman rho, exact permutation p, line, leave-one-pair-out errors (no file: the paper's
     table)."""
     from lm_eval_sink.commands.fit import run_fit
 
-    for line in run_fit(pairs_file, output, force=force):
-        click.echo(line)
+    return run_fit(pairs_file, output, force=force)
 
 
 @cli.command()
@@ -332,34 +326,27 @@ def fit(pairs_file, output, force) -> None:
 )
 @click.option("--last-k", default="all", show_default=True, help="Layers of the margin table: the last K, or 'all'.")
 @click.option("--strength-last-k", default="10", show_default=True, help="K of both models' own Sink Strength S.")
-@_calibration_options
-@click.option(
+@_CALIBRATION_OPTIONS
+@_path_option(
     "--output",
-    type=click.Path(path_type=Path),
-    default=None,
     help="Folder for margin.json/.md/.csv, margin_rows.npz and margin_heatmap.png (default: print only).",
 )
-def margin(
-    reference, candidate, quantile, last_k, strength_last_k, dtype, device, force, quiet, output, **calibration
-) -> None:
+def margin(reference, candidate, quantile, last_k, strength_last_k, output, **calibration) -> Iterable[str]:
     """Per-head sink margins G_base - B_gap of CANDIDATE (e.g. a VLM backbone) against REFERENCE (its LLM)."""
     from lm_eval_sink.commands.margin import run_margin
     from lm_eval_sink.margin import MarginSettings
-    from lm_eval_sink.options import MeasureOptions
 
-    st = _strength_settings(strength_last_k, **calibration)
+    st, options = _measuring(strength_last_k, **calibration)
     settings = MarginSettings(strength=st, last_k=_last_k(last_k), quantile=quantile)
-    options = MeasureOptions(dtype=dtype, device=device, force=force, progress=not quiet)
-    for line in run_margin(reference, candidate, settings, output, options):
-        click.echo(line)
+    return run_margin(reference, candidate, settings, output, options)
 
 
 # --- VLM backbone extraction (issue 6) ---
 
 
 @cli.command()
-@click.argument("vlm_path", type=click.Path(path_type=Path))
-@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.argument("vlm_path", type=_PATH)
+@click.argument("out_dir", type=_PATH)
 @click.option(
     "--dtype",
     type=click.Choice(["keep", "bf16", "fp32"]),
@@ -373,8 +360,8 @@ def margin(
     show_default=True,
     help="Compare the VLM's text path and the backbone's logits on a fixed probe (loads both, one after the other).",
 )
-@click.option("--force", is_flag=True, help="Replace an existing OUT_DIR.")
-@click.option("--quiet", **_QUIET)
+@_force("Replace an existing OUT_DIR.")
+@_quiet_option()
 def extract(vlm_path, out_dir, dtype, verify, force, quiet) -> None:
     """Write VLM_PATH's language backbone to OUT_DIR as a standalone causal LM (AutoModelForCausalLM)."""
     from lm_eval_sink.commands.extract import run_extract
@@ -386,17 +373,17 @@ def extract(vlm_path, out_dir, dtype, verify, force, quiet) -> None:
 
 
 @cli.command()
-@click.argument("backbone", type=click.Path(path_type=Path))
-@click.argument("vlm_path", type=click.Path(path_type=Path))
-@click.argument("out_dir", type=click.Path(path_type=Path))
+@click.argument("backbone", type=_PATH)
+@click.argument("vlm_path", type=_PATH)
+@click.argument("out_dir", type=_PATH)
 @click.option(
     "--verify/--no-verify",
     default=True,
     show_default=True,
     help="Compare the new VLM's text path with BACKBONE's logits on a fixed probe.",
 )
-@click.option("--force", is_flag=True, help="Replace an existing OUT_DIR.")
-@click.option("--quiet", **_QUIET)
+@_force("Replace an existing OUT_DIR.")
+@_quiet_option()
 def inject(backbone, vlm_path, out_dir, verify, force, quiet) -> None:
     """Write a copy of VLM_PATH to OUT_DIR whose language model is BACKBONE (e.g. a merged backbone)."""
     from lm_eval_sink.commands.extract import run_inject
@@ -418,48 +405,34 @@ def protocol() -> None:
 @protocol.command("show")
 @click.argument("run")
 @click.option("--json", "as_json", is_flag=True, help="Print the fingerprint as JSON instead of a table.")
-@click.option(
-    "-o",
-    "--output",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Also write the fingerprint JSON (with provenance) here.",
-)
-@click.option("--force", is_flag=True, help="Overwrite --output.")
-def protocol_show(run, as_json, output, force) -> None:
+@_path_option("-o", "--output", help="Also write the fingerprint JSON (with provenance) here.")
+@_force("Overwrite --output.")
+def protocol_show(run, as_json, output, force) -> Iterable[str]:
     """Protocol fingerprint of RUN (a results JSON, samples JSONL or lm-eval output folder)."""
     from lm_eval_sink.commands.protocol import run_protocol_show
 
-    for line in run_protocol_show(run, as_json, output, force=force):
-        click.echo(line)
+    return run_protocol_show(run, as_json, output, force=force)
 
 
 @protocol.command("diff")
 @click.argument("run_a")
 @click.argument("run_b")
 @click.option("--json", "as_json", is_flag=True, help="Print the differences as JSON instead of a table.")
-@click.option(
-    "-o",
-    "--output",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Also write the differences JSON (with provenance) here.",
-)
-@click.option("--force", is_flag=True, help="Overwrite --output.")
-def protocol_diff(run_a, run_b, as_json, output, force) -> None:
+@_path_option("-o", "--output", help="Also write the differences JSON (with provenance) here.")
+@_force("Overwrite --output.")
+def protocol_diff(run_a, run_b, as_json, output, force) -> Iterable[str]:
     """Only the protocol fields that differ between RUN_A and RUN_B, each marked whether it can change scores."""
     from lm_eval_sink.commands.protocol import run_protocol_diff
 
-    for line in run_protocol_diff(run_a, run_b, as_json, output, force=force):
-        click.echo(line)
+    return run_protocol_diff(run_a, run_b, as_json, output, force=force)
 
 
-class _ManyValues(click.Command):
+class _ManyValues(_Command):
     """Lets `--reference A B --candidate C` stand for `--reference A --reference B --candidate C`."""
 
     many = ("--reference", "--candidate")
 
-    def parse_args(self, ctx, args):
+    def parse_args(self, ctx, args) -> list[str]:
         out, current, take_value = [], None, False
         for arg in args:
             if take_value:
@@ -484,13 +457,7 @@ def vendor() -> None:
 
 
 @vendor.command("list")
-@click.option(
-    "--registry",
-    "registry_file",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="A user registry YAML added to the bundled one (default: vendors.yaml in the project cache, if present).",
-)
+@_path_option("--registry", "registry_file", help=_REGISTRY_HELP)
 def vendor_list(registry_file) -> None:
     """Models in the registry with their number of scores and gaps."""
     from lm_eval_sink.vendors import list_markdown, load_registry
@@ -500,13 +467,7 @@ def vendor_list(registry_file) -> None:
 
 @vendor.command("show")
 @click.argument("model")
-@click.option(
-    "--registry",
-    "registry_file",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="A user registry YAML added to the bundled one (default: vendors.yaml in the project cache, if present).",
-)
+@_path_option("--registry", "registry_file", help=_REGISTRY_HELP)
 @click.option("--json", "as_json", is_flag=True, help="Print the entries as JSON.")
 def vendor_show(model, registry_file, as_json) -> None:
     """Every score and gap of MODEL (name, alias or hub id), with source and protocol."""
@@ -536,12 +497,8 @@ def vendor_show(model, registry_file, as_json) -> None:
 @click.option("--model", required=True, help="Registry name of the model (a new one is defined in your file).")
 @click.option("--benchmark", required=True, help="Benchmark family, as in benchmarks.yaml (IFEval, GSM8K, MMLU, ...).")
 @click.option("--value", type=float, required=True, help="The reported score, in points (0-100).")
-@click.option(
-    "--source", "source_id", required=True, help="Source id: an existing one, or a new one with --source-title."
-)
-@click.option(
-    "--protocol", "protocol_id", required=True, help="Protocol id: an existing one, or a new one with --described."
-)
+@click.option("--source", required=True, help="Source id: an existing one, or a new one with --source-title.")
+@click.option("--protocol", required=True, help="Protocol id: an existing one, or a new one with --described.")
 @click.option("--metric", default=None, help="The metric as the source names it (default: the family's strict metric).")
 @click.option("--id", "score_id", default=None, help="The score's id (default: MODEL/BENCHMARK/SOURCE, lower case).")
 @click.option("--hub-id", default=None, help="A new model's hub id (what matches a run of that hub id to it).")
@@ -563,35 +520,20 @@ def vendor_show(model, registry_file, as_json) -> None:
 @click.option("--date", default=None, help="When you read it (ISO date; default today).")
 @click.option("--unverified", default=None, help="Why the figure is not verified (default: no quote was given).")
 @click.option("--note", default=None, help="A remark kept with the score.")
-@click.option(
+@_path_option(
     "--registry",
     "registry_file",
-    type=click.Path(path_type=Path),
-    default=None,
     help="The user registry file to add to (created if missing; default: vendors.yaml in the project cache).",
 )
-def vendor_add(**opts) -> None:
+def vendor_add(registry_file, stated, verified_at, quote, date, unverified, **score) -> Iterable[str]:
     """Record one vendor (or independent) figure with its source, protocol and model, validated against the registry's
     schema, in a user registry file (never the package's own data)."""
     from lm_eval_sink.commands.vendor import run_vendor_add
     from lm_eval_sink.protocols import parse_gen_kwargs
     from lm_eval_sink.vendors import NewScore
 
-    verification = {k: opts.pop(k) for k in ("verified_at", "quote", "date", "unverified")}
-    registry_file = opts.pop("registry_file")
-    stated = parse_gen_kwargs(list(opts.pop("stated")))
-    new = NewScore(
-        model=opts.pop("model"),
-        benchmark=opts.pop("benchmark"),
-        value=opts.pop("value"),
-        source=opts.pop("source_id"),
-        protocol=opts.pop("protocol_id"),
-        stated=stated,
-        **opts,
-    )
-    at = verification.pop("verified_at")
-    for line in run_vendor_add(new, registry_file, at=at, **verification):
-        click.echo(line)
+    new = NewScore(stated=parse_gen_kwargs(list(stated)), **score)
+    return run_vendor_add(new, registry_file, at=verified_at, quote=quote, date=date, unverified=unverified)
 
 
 @cli.command(cls=_ManyValues)
@@ -613,25 +555,12 @@ def vendor_add(**opts) -> None:
 )
 @click.option(
     "--vendor",
-    "use_vendor",
     is_flag=True,
     help="Add vendor-reported scores and reported gaps of the models involved from the registry (and say which "
     "models have none).",
 )
-@click.option(
-    "--registry",
-    "registry_file",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="A user registry YAML added to the bundled one (default: vendors.yaml in the project cache, if present).",
-)
-@click.option(
-    "--benchmarks",
-    "benchmarks_file",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="A YAML of benchmark families (construct, metric keys).",
-)
+@_path_option("--registry", "registry_file", help=_REGISTRY_HELP)
+@_path_option("--benchmarks", "benchmarks_file", help="A YAML of benchmark families (construct, metric keys).")
 @click.option(
     "--lineage",
     "declared_lineage",
@@ -658,44 +587,15 @@ def vendor_add(**opts) -> None:
     metavar="[FOLDER=]NAME",
     help="The registry model a run's local model folder is (FOLDER left out: the one local model); repeatable.",
 )
-@click.option(
-    "--output",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Folder for attribution.json, attribution.md, attribution.png.",
-)
-@click.option("--force", is_flag=True, help="Overwrite --output.")
-def attribute(
-    references,
-    candidates,
-    use_vendor,
-    registry_file,
-    benchmarks_file,
-    declared_lineage,
-    mixture,
-    baseline_protocol,
-    allow_partial,
-    as_names,
-    output,
-    force,
-) -> None:
+@_path_option("--output", help="Folder for attribution.json, attribution.md, attribution.png.")
+@_force("Overwrite --output.")
+def attribute(references, candidates, output, force, **options) -> Iterable[str]:
     """Attribute each benchmark's candidate-minus-reference gap to lineage, protocol, access vs capacity, construct and
     mixture."""
     from lm_eval_sink.attribution import AttributeOptions
     from lm_eval_sink.commands.attribute import run_attribute
 
-    options = AttributeOptions(
-        vendor=use_vendor,
-        registry_file=registry_file,
-        benchmarks_file=benchmarks_file,
-        declared_lineage=declared_lineage,
-        mixture=mixture,
-        baseline_protocol=baseline_protocol,
-        allow_partial=allow_partial,
-        as_names=as_names,
-    )
-    for line in run_attribute(list(references), list(candidates), output, options, force=force):
-        click.echo(line)
+    return run_attribute(list(references), list(candidates), output, AttributeOptions(**options), force=force)
 
 
 @cli.command("eval")
@@ -706,12 +606,7 @@ def attribute(
     required=True,
     help="Named protocol: instruct, community, or one from --protocol-file.",
 )
-@click.option(
-    "--protocol-file",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="A YAML of extra named protocols (see lm_eval_sink/data/protocols.yaml).",
-)
+@_path_option("--protocol-file", help="A YAML of extra named protocols (see lm_eval_sink/data/protocols.yaml).")
 @click.option("--tasks", required=True, help="Comma-separated lm-eval task names, e.g. ifeval,gsm8k_cot_zeroshot.")
 @click.option("--limit", type=float, default=None, help="Docs per task (or a fraction); the scores are then not final.")
 @click.option(
@@ -722,10 +617,7 @@ def attribute(
 )
 @click.option("--batch-size", default=None, help="Batch size, where the protocol does not fix it (default 1).")
 @click.option(
-    "--dtype",
-    type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
-    default=None,
-    help="Model dtype, where the protocol does not fix it.",
+    "--dtype", type=click.Choice(_DTYPES), default=None, help="Model dtype, where the protocol does not fix it."
 )
 @click.option(
     "--seed", type=int, default=None, help="Seed for lm-eval's random generators, where the protocol does not fix it."
@@ -751,55 +643,24 @@ def attribute(
     is_flag=True,
     help="Do not write per-sample logs (attribution then works from aggregate scores only).",
 )
-@click.option(
-    "--lm-eval-python",
-    "lm_eval_python",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="The interpreter lm-eval runs in, e.g. .venv-vllm/bin/python (default: this one; docs/scale.md).",
-)
-@click.option("--output", type=click.Path(path_type=Path), required=True, help="lm-eval output folder for this run.")
-@click.option("--force", is_flag=True, help="Write into an existing --output.")
+@_lm_eval_python("this one; docs/scale.md")
+@_path_option("--output", required=True, help="lm-eval output folder for this run.")
+@_force("Write into an existing --output.")
 def eval_cmd(
-    model,
-    protocol_name,
-    protocol_file,
-    tasks,
-    limit,
-    gen_kwargs,
-    batch_size,
-    dtype,
-    seed,
-    device,
-    backend,
-    model_args,
-    include_path,
-    no_log_samples,
-    output,
-    force,
-    lm_eval_python,
-) -> None:
+    model, protocol_name, protocol_file, gen_kwargs, model_args, no_log_samples, lm_eval_python, output, force, **run
+) -> Iterable[str]:
     """Run lm-eval on MODEL under a named protocol, then print the run's protocol fingerprint check."""
     from lm_eval_sink.commands.eval import EvalOptions, parse_model_args, run_eval
     from lm_eval_sink.protocols import RunRequest, parse_gen_kwargs
 
-    run = RunRequest(
-        tasks=tasks,
-        limit=limit,
+    request = RunRequest(
+        **run,
         gen_kwargs=parse_gen_kwargs(gen_kwargs),
-        batch_size=batch_size,
-        dtype=dtype,
-        seed=seed,
-        device=device,
-        include_path=include_path,
         log_samples=not no_log_samples,
-        backend=backend,
         model_args=parse_model_args(model_args),
         python=str(lm_eval_python) if lm_eval_python else None,
     )
-    options = EvalOptions(model, protocol_name, output, run, protocol_file=protocol_file, force=force)
-    for line in run_eval(options):
-        click.echo(line)
+    return run_eval(EvalOptions(model, protocol_name, output, request, protocol_file=protocol_file, force=force))
 
 
 # --- buckets (issue 5) ---
@@ -817,7 +678,6 @@ def eval_cmd(
 )
 @click.option(
     "--filter",
-    "filter_name",
     default=None,
     help="lm-eval filter (default: the task's, e.g. strict-match for gsm8k_cot*).",
 )
@@ -869,57 +729,23 @@ def eval_cmd(
     show_default=True,
     help="IFEval: classify regressions with lm-eval's checker.",
 )
-@click.option(
-    "--output",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Folder for buckets.json, buckets.md, prompts.csv and PNGs (default: print only).",
-)
-@click.option("--force", is_flag=True, help="Overwrite an existing --output folder.")
-@click.option("--quiet", **_QUIET)
+@_path_option("--output", help="Folder for buckets.json, buckets.md, prompts.csv and PNGs (default: print only).")
+@_force("Overwrite an existing --output folder.")
+@_quiet_option()
 def buckets(
-    reference,
-    candidate,
-    task,
-    checkpoint,
-    metric,
-    filter_name,
-    threshold,
-    allow_partial,
-    same_protocol,
-    tokenizer,
-    max_gen_toks,
-    effect,
-    repeat,
-    n_bootstrap,
-    confidence,
-    seed,
-    failure_kinds,
-    output,
-    force,
-    quiet,
-) -> None:
+    reference, candidate, task, checkpoint, tokenizer, same_protocol, repeat, output, force, quiet, **settings
+) -> Iterable[str]:
     """Per-prompt regression buckets of CANDIDATE vs REFERENCE (lm-eval runs: results JSON, samples JSONL, output
     folder, a sweep's evals/NAME folder, or a sweep's output folder with --checkpoint)."""
     from lm_eval_sink.buckets.settings import BucketSettings
     from lm_eval_sink.commands.buckets import CompareOptions, run_buckets
 
-    settings = BucketSettings(
-        metric=metric,
-        filter=filter_name,
-        threshold=threshold,
-        allow_partial=allow_partial,
-        n_bootstrap=n_bootstrap,
-        confidence=confidence,
-        seed=seed,
-        failure_kinds=failure_kinds,
-        max_gen_toks=max_gen_toks,
-        effect=effect,
-    )
+    bucket_settings = BucketSettings(**settings)
     options = CompareOptions(tokenizer=tokenizer, same_protocol=same_protocol, repeat=repeat, progress=not quiet)
-    _, lines = run_buckets(reference, candidate, task, settings, output, options, checkpoint=checkpoint, force=force)
-    for line in lines:
-        click.echo(line)
+    _, lines = run_buckets(
+        reference, candidate, task, bucket_settings, output, options, checkpoint=checkpoint, force=force
+    )
+    return lines
 
 
 # --- recovery (issue 50) ---
@@ -928,14 +754,12 @@ def buckets(
 @click.option("--candidate", required=True, help="The candidate run (the VLM backbone), as `buckets` takes a run.")
 @click.argument("controls", nargs=-1, metavar="NAME=RUN [NAME=RUN ...]")
 @click.option("--confidence", type=float, default=0.95, show_default=True)
-@click.option(
+@_path_option(
     "--output",
-    type=click.Path(path_type=Path),
-    default=None,
     help="Folder for recovery.json, recovery.md, recovery.png and prompts.parquet (default: print only).",
 )
-@click.option("--force", is_flag=True, help="Overwrite an existing --output folder.")
-def recovery(reference, candidate, controls, confidence, output, force) -> None:
+@_force("Overwrite an existing --output folder.")
+def recovery(reference, candidate, controls, confidence, output, force) -> Iterable[str]:
     """Did each control (a merge) recover what CANDIDATE lost against REFERENCE, prompt by prompt? Paired tests per
     task with Holm's correction across every control x task, the recovered share and a verdict in words."""
     from lm_eval_sink.buckets.settings import BucketSettings
@@ -943,8 +767,7 @@ def recovery(reference, candidate, controls, confidence, output, force) -> None:
 
     settings = BucketSettings(confidence=confidence, failure_kinds=False)
     _, lines = run_recovery(reference, candidate, controls, settings, output, force=force)
-    for line in lines:
-        click.echo(line)
+    return lines
 
 
 # --- merging controls (issue 7) ---
@@ -956,12 +779,11 @@ def configs() -> None:
 
 
 @configs.command("list")
-def configs_list() -> None:
+def configs_list() -> Iterable[str]:
     """The bundled merge controls (NAME = file stem in merge_configs/)."""
     from lm_eval_sink.merging.configs import list_templates
 
-    for t in list_templates():
-        click.echo(f"{t.name:<16} {t.method:<16} {t.paper_setting}: {t.summary}")
+    return [f"{t.name:<16} {t.method:<16} {t.paper_setting}: {t.summary}" for t in list_templates()]
 
 
 @configs.command("render")
@@ -979,9 +801,9 @@ def configs_list() -> None:
     help="Output vocabulary: base, union, reference, candidate or a model folder (default: "
     "mergekit's rule, the base_model's tokenizer).",
 )
-@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="The mergekit YAML to write.")
-@click.option("--force", is_flag=True, help="Overwrite an existing file.")
-def configs_render(name, reference, candidate, base, tokenizer_source, output, force) -> None:
+@_path_option("-o", "--output", required=True, help="The mergekit YAML to write.")
+@_force("Overwrite an existing file.")
+def configs_render(name, reference, candidate, base, tokenizer_source, output, force) -> Iterable[str]:
     """Fill a bundled control (NAME) for one model pair and write plain mergekit YAML."""
     from lm_eval_sink.commands.configs import run_configs_render
 
@@ -990,43 +812,39 @@ def configs_render(name, reference, candidate, base, tokenizer_source, output, f
     )
     for warning in warnings:
         click.echo(f"warning: {warning}", err=True)
-    for line in lines:
-        click.echo(line)
+    return lines
 
 
 @configs.command("validate")
-@click.argument("config_file", type=click.Path(path_type=Path))
-def configs_validate(config_file) -> None:
+@click.argument("config_file", type=_PATH)
+def configs_validate(config_file) -> Iterable[str]:
     """Check a mergekit YAML against its merge method's declared parameters (reads no weights)."""
     from lm_eval_sink.merging.configs import validate_file
 
     vc = validate_file(config_file)
-    click.echo(
+    return [
         f"{config_file}: ok (merge_method {vc.method}, {len(vc.inputs)} inputs, base_model {vc.base_model or 'none'})"
-    )
+    ]
 
 
 @cli.command("merge")
-@click.argument("config_file", type=click.Path(path_type=Path))
-@click.argument("out", type=click.Path(path_type=Path))
+@click.argument("config_file", type=_PATH)
+@click.argument("out", type=_PATH)
 @click.option("--random-seed", type=int, default=None, help="Seed for random methods (DARE): bit-identical reruns.")
 @click.option("--device", default="cpu", show_default=True, callback=_device, help="mergekit's math device, or auto.")
-@click.option("--force", is_flag=True, help="Replace an existing OUT folder.")
-@click.option("--quiet", **_QUIET)
-def merge(config_file, out, random_seed, device, force, quiet) -> None:
+@_force("Replace an existing OUT folder.")
+@_quiet_option()
+def merge(config_file, out, random_seed, device, force, quiet) -> Iterable[str]:
     """Validate a mergekit YAML, then merge it in-process into a verified OUT folder."""
     from lm_eval_sink.commands.merge import run_merge
 
-    for line in run_merge(config_file, out, random_seed=random_seed, device=device, force=force, quiet=quiet):
-        click.echo(line)
+    return run_merge(config_file, out, random_seed=random_seed, device=device, force=force, quiet=quiet)
 
 
 @cli.command("sweep")
-@click.argument("sweep_file", type=click.Path(path_type=Path))
-@click.option(
-    "--output", type=click.Path(path_type=Path), default=None, help="Output folder (default: the YAML's 'output')."
-)
-@click.option("--force", is_flag=True, help="Redo every step, replacing earlier outputs.")
+@click.argument("sweep_file", type=_PATH)
+@_path_option("--output", help="Output folder (default: the YAML's 'output').")
+@_force("Redo every step, replacing earlier outputs.")
 @click.option(
     "--redo",
     multiple=True,
@@ -1042,7 +860,7 @@ def merge(config_file, out, random_seed, device, force, quiet) -> None:
     default=None,
     help="Merge into one resident model and evaluate it in this process (default: the file's merge.in_memory).",
 )
-@click.option("--quiet", **{**_QUIET, "help": "A line per step instead of progress bars; no library warnings."})
+@_quiet_option("A line per step instead of progress bars; no library warnings.")
 @click.option(
     "--engine",
     type=click.Choice(["local", "ray"]),
@@ -1054,35 +872,18 @@ def merge(config_file, out, random_seed, device, force, quiet) -> None:
     default=None,
     help="Ray cluster: auto, ray://host:port (default: the file's engine.address; none starts Ray here).",
 )
-@click.option(
-    "--lm-eval-python",
-    "lm_eval_python",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="The interpreter lm-eval runs in, e.g. .venv-vllm/bin/python (default: the file's eval.python).",
-)
+@_lm_eval_python("the file's eval.python")
 @click.option(
     "--fresh-engine",
     is_flag=True,
     help="backend vllm: one engine per checkpoint (an lm_eval process each), not one resident engine whose "
     "weights are swapped in place (eval.engine_reuse: false).",
 )
-def sweep(
-    sweep_file, output, force, redo, delete_merged, in_memory, quiet, engine, ray_address, lm_eval_python, fresh_engine
-) -> None:
+def sweep(sweep_file, force, redo, quiet, lm_eval_python, **overrides) -> None:
     """Merge, evaluate (lm-eval) and measure S for every checkpoint of SWEEP.yaml; resumable."""
     from lm_eval_sink.commands.sweep import load_sweep, run_sweep
 
-    spec = load_sweep(
-        sweep_file,
-        output=output,
-        delete_merged=delete_merged,
-        in_memory=in_memory,
-        engine=engine,
-        ray_address=ray_address,
-        python=str(lm_eval_python) if lm_eval_python else None,
-        fresh_engine=fresh_engine,
-    )
+    spec = load_sweep(sweep_file, python=str(lm_eval_python) if lm_eval_python else None, **overrides)
     report = run_sweep(spec, force=force, progress=not quiet, redo=redo, announce=click.echo)
     for line in report.lines():
         click.echo(line)
@@ -1098,69 +899,32 @@ class _StrengthValues(_ManyValues):
 @cli.command("report", cls=_StrengthValues)
 @click.option(
     "--strength",
-    "strength_files",
     multiple=True,
-    type=click.Path(path_type=Path),
+    type=_PATH,
     metavar="PATH",
     help="Given twice, reference then candidate: a strength JSON or folder (of `strength`, or a sweep's "
     "strength/NAME), or an lm-eval run of the sink_strength task.",
 )
-@click.option(
-    "--margin",
-    "margin_dir",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Output folder (or margin.json) of `margin`.",
-)
+@_path_option("--margin", help="Output folder (or margin.json) of `margin`.")
 @click.option(
     "--buckets",
-    "buckets_dirs",
     multiple=True,
-    type=click.Path(path_type=Path),
+    type=_PATH,
     help="Output folder (or buckets.json) of `buckets`; repeatable (the headline: the IFEval one, else the first).",
 )
-@click.option(
-    "--attribution",
-    "attribution_dir",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Output folder (or attribution.json) of `attribute`.",
+@_path_option("--attribution", help="Output folder (or attribution.json) of `attribute`.")
+@_path_option(
+    "--recovery", help="Output folder (or recovery.json) of `recovery` (a --sweep folder brings its recovery/)."
 )
-@click.option(
-    "--recovery",
-    "recovery_dir",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Output folder (or recovery.json) of `recovery` (a --sweep folder brings its recovery/).",
-)
-@click.option(
-    "--sweep",
-    "sweep_dir",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Output folder (or table.json) of `sweep`.",
-)
+@_path_option("--sweep", help="Output folder (or table.json) of `sweep`.")
 @click.option("--title", default=None, help="Page title (default: the two models).")
-@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="The HTML file to write.")
-@click.option("--force", is_flag=True, help="Overwrite an existing file.")
-def report(
-    strength_files, margin_dir, buckets_dirs, attribution_dir, sweep_dir, recovery_dir, title, output, force
-) -> None:
+@_path_option("-o", "--output", required=True, help="The HTML file to write.")
+@_force("Overwrite an existing file.")
+def report(output, force, **inputs) -> Iterable[str]:
     """One self-contained HTML page for a reference/candidate pair from this project's outputs (works offline)."""
     from lm_eval_sink.commands.report import run_report
 
-    for line in run_report(
-        output,
-        force=force,
-        strength=strength_files,
-        margin=margin_dir,
-        buckets=buckets_dirs,
-        attribution=attribution_dir,
-        sweep=sweep_dir,
-        recovery=recovery_dir,
-        title=title,
-    ):
-        click.echo(line)
+    return run_report(output, force=force, **inputs)
 
 
 @cli.command("protect-plan")
@@ -1187,21 +951,16 @@ def report(
     show_default=True,
     help="Share of |k_s|^2 Rule Q may leave unprotected (0: the sink logit cannot move through W_q).",
 )
-@_calibration_options
-@click.option("-o", "--output", type=click.Path(path_type=Path), required=True, help="The plan JSON to write.")
-def protect_plan(
-    model_name, last_k, threshold, min_pos0_fraction, tau, dtype, device, force, quiet, output, **calibration
-) -> None:
+@_CALIBRATION_OPTIONS
+@_path_option("-o", "--output", required=True, help="The plan JSON to write.")
+def protect_plan(model_name, last_k, threshold, min_pos0_fraction, tau, output, **calibration) -> Iterable[str]:
     """Choose the sink heads to protect during training (MODEL: folder, hub id or 'default'); see docs/training.md."""
     from lm_eval_sink.commands.protect_plan import run_protect_plan
-    from lm_eval_sink.options import MeasureOptions
     from lm_eval_sink.training.protection import ProtectSettings
 
-    settings = _strength_settings(last_k, **calibration)
+    settings, options = _measuring(last_k, **calibration)
     protect = ProtectSettings(threshold=threshold, min_pos0_fraction=min_pos0_fraction, tau=tau)
-    options = MeasureOptions(dtype=dtype, device=device, force=force, progress=not quiet)
-    for line in run_protect_plan(model_name, settings, output, protect, options):
-        click.echo(line)
+    return run_protect_plan(model_name, settings, output, protect, options)
 
 
 def _our_name(e: click.ClickException) -> str:

@@ -1,9 +1,6 @@
-"""The one exception type for problems the user can fix, and the one warning category.
-
-Library code raises `UserError`; only `cli.py` catches it, prints one line and exits 2.
-Any other exception is a bug and keeps its traceback. `SinkWarning` is every warning this
-project emits (the test suite turns it into an error).
-"""
+"""The one exception type for problems the user can fix (raised anywhere; only cli.py catches it, prints one line
+and exits 2: any other exception is a bug and keeps its traceback), and `SinkWarning`, every warning this project
+emits (the test suite turns it into an error)."""
 
 from __future__ import annotations
 

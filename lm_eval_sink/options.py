@@ -1,12 +1,6 @@
-"""How the measuring commands run: `MeasureOptions`, shared by `strength`, `screen`, `margin` and `protect-plan`, and
-`ScreenOptions`, where `screen` takes its predictions from.
-
-What a measurement computes is its settings (`strength.StrengthSettings`, `margin.MarginSettings`,
-`training.protection.ProtectSettings`), which decide the numbers and go into result keys. These options decide only
-how the models are loaded and run, whether earlier files may be overwritten and what is shown. Each object is built
-once (by the CLI or a Python caller) and checked where it is built: a wrong value is the one-line error there,
-before any model is resolved. Pure: no I/O, no torch.
-"""
+"""How the measuring commands run: `MeasureOptions` (load, device, overwrite, progress) and `ScreenOptions` (where
+`screen`'s predictions come from). What a measurement computes is its settings, which go into result keys; each
+object is checked where it is built, before any model is resolved. Pure: no I/O, no torch."""
 
 from __future__ import annotations
 
@@ -23,10 +17,9 @@ from lm_eval_sink.models import DEFAULT_DTYPE, DTYPES
 
 @dataclass(frozen=True, slots=True)
 class MeasureOptions:
-    """How models are measured: the dtype they load in, the device they run on, `force` (overwrite earlier
-    results), `progress` (show progress bars), and `measure_all(paths, settings, dtype, device)`, which measures
-    several models at once (e.g. one Ray task each: `merging.engines.ray_measure_all`); None measures each here,
-    in turn. Only `strength` and `screen` measure several models: `margin` and `protect-plan` refuse it."""
+    """How models are measured: load dtype, device, `force` (overwrite earlier results), `progress` (bars), and
+    `measure_all(paths, settings, dtype, device)` measuring several models at once (e.g. one Ray task each:
+    `merging.engines.ray_measure_all`; None: each here in turn; `margin` and `protect-plan` refuse it)."""
 
     dtype: str = DEFAULT_DTYPE
     device: str = DEFAULT_DEVICE

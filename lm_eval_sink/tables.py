@@ -1,8 +1,6 @@
-"""The one table helper: Markdown and CSV text of a table given as a header and rows of cells.
-
-Cells are shown as given: callers format numbers, and text is not escaped (the tables are read in a
-terminal as often as rendered). CSV is the csv module's dialect with `\\n` line ends. Pure: returns text.
-"""
+"""The one table helper: Markdown and CSV text of a table given as a header and rows of cells, shown as given
+(callers format numbers; text is not escaped: the tables are read in a terminal as often as rendered). CSV is the
+csv module's dialect with `\\n` line ends. Pure: returns text."""
 
 from __future__ import annotations
 

@@ -35,20 +35,11 @@ def _run(capsys, *args):
     return rc, cap.out, cap.err
 
 
-def _assert_user_error(rc, err, pattern):
-    assert rc == 2
-    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert "Traceback" not in err
-    assert re.search(pattern, lines[0]), lines[0]
-
-
-def test_strength_cli_writes_json_heatmap_and_ranking(tiny_models, tiny_tokenizer, tmp_path, capsys):
+def test_strength_cli_writes_s_provenance_and_ranking(tiny_models, tiny_tokenizer, tmp_path, capsys, user_error):
+    """(Each model's heatmap and the ranking files: test_first_hour.py's README quick start 2.)"""
     out = tmp_path / "out"
-    rc, stdout, _ = _run(
-        capsys, "strength", tiny_models["llama"], tiny_models["olmo2"], "--last-k", "2", "--output", out, "--quiet"
-    )
-    assert rc == 0
+    models = (tiny_models["llama"], tiny_models["olmo2"])
+    assert _run(capsys, "strength", *models, "--last-k", "2", "--output", out, "--quiet")[0] == 0
     data = json.loads((out / "llama.strength.json").read_text())
     lengths = [len(x) for x in encode_prompts(tiny_tokenizer, builtin_prompts()).input_ids]
     want, _ = sm.expected_strength("llama", 3, lengths, last_k=2)
@@ -59,64 +50,49 @@ def test_strength_cli_writes_json_heatmap_and_ranking(tiny_models, tiny_tokenize
     assert prov["model"]["fingerprint"].startswith("sha256:") and prov["model"]["fingerprint_rule"] == FINGERPRINT_RULE
     assert prov["protocol"]["chat_template_applied"] is True and prov["protocol"]["chat_template_sha256"]
     assert set(prov["versions"]) >= {"lm_eval", "transformers", "torch", "mergekit"}
-    for name in ("llama.heatmap.png", "olmo2.heatmap.png", "ranking.md", "ranking.csv", "ranking.png"):
-        assert (out / name).stat().st_size > 0
     ranking = (out / "ranking.csv").read_text().splitlines()
     assert ranking[0].startswith("rank,model,sink_strength") and len(ranking) == 3
     assert not list(out.glob(".*tmp*"))  # atomic writes leave no temp files
-    # A rerun with the same inputs reuses the results; other settings need --force.
-    rc, stdout, _ = _run(capsys, "strength", tiny_models["llama"], "--last-k", "2", "--output", out, "--quiet")
-    assert rc == 0 and "reused" in stdout
-    before = (out / "llama.strength.json").read_text()
-    rc, _, err = _run(capsys, "strength", tiny_models["llama"], "--last-k", "3", "--output", out, "--quiet")
-    _assert_user_error(rc, err, "already exists.*--force")
+    before = (out / "llama.strength.json").read_text()  # other settings need --force
+    line = user_error(["strength", tiny_models["llama"], "--last-k", "3", "--output", out, "--quiet"])
+    assert re.search("already exists with other inputs.*--force", line)
     assert (out / "llama.strength.json").read_text() == before
     rc, _, _ = _run(capsys, "strength", tiny_models["llama"], "--last-k", "3", "--output", out, "--quiet", "--force")
     assert rc == 0 and json.loads((out / "llama.strength.json").read_text())["last_k"] == 3
 
 
-def test_changed_code_or_package_version_recomputes_the_same_versions_reuse(tiny_models, tmp_path, capsys, monkeypatch):
-    """A result made by other code on the S path or another torch is recomputed, saying which file or version
-    changed; the same versions reuse it; a result of other settings is still refused."""
-    from helpers import change_code, set_package_version
+def test_batching_and_device_are_in_no_key_and_another_version_or_key_rule_recomputes(
+    tiny_models, tmp_path, capsys, monkeypatch
+):
+    """S does not depend on --batch-size, --batch-tokens, --query-chunk or --device: a result made one prompt at a
+    time on the CPU is reused by the default run (all prompts in one forward), which, forced, gives the same S. One
+    made with another torch, or keyed before keys were derived from the work's values (no `key rule` in its versions,
+    or none at all), is recomputed saying why, not refused (other code on the S path: test_code_key.py; other
+    settings are refused: the first test)."""
+    from helpers import set_package_version
 
     out, model = tmp_path / "out", tiny_models["llama"]
-    args = ("strength", model, "--last-k", "2", "--output", out, "--quiet")
-    assert _run(capsys, *args)[0] == 0
-    first = json.loads((out / "llama.strength.json").read_text())
-    code = first["provenance"]["key_versions"]["code"]
-    assert {"lm_eval_sink/strength.py", "lm_eval_sink/capture.py", "lm_eval_sink/models.py"} <= set(code)
-    assert "lm_eval_sink/data/calibration_prompts.jsonl" in code and "lm_eval_sink/cli.py" not in code
+    path, args = out / "llama.strength.json", ("strength", model, "--last-k", "2", "--output", out, "--quiet")
+    assert _run(capsys, *args, "--batch-size", "1", "--query-chunk", "4", "--device", "cpu")[0] == 0
+    text = path.read_text()
+    first = json.loads(text)
+    assert first["provenance"]["settings"]["batch_size"] == 1  # recorded, not keyed
     assert set(first["provenance"]["key_versions"]) == {"key rule", "code", "torch", "transformers", "peft"}
     assert "vllm" in first["provenance"]["versions"]  # recorded (None when not installed), not keyed here
-    rc, stdout, _ = _run(capsys, *args)
-    assert rc == 0 and "llama: reused" in stdout and "recomputed" not in stdout
-
-    change_code(monkeypatch, "lm_eval_sink/capture.py")
-    rc, stdout, _ = _run(capsys, *args)
-    assert rc == 0 and "llama: recomputed: code changed: lm_eval_sink/capture.py" in stdout and "reused" not in stdout
-    second = json.loads((out / "llama.strength.json").read_text())
-    assert second["provenance"]["key_versions"]["code"]["lm_eval_sink/capture.py"].startswith("edited-")
-    assert second["provenance"]["input_key"] != first["provenance"]["input_key"]
-    assert second["sink_strength"] == first["sink_strength"]  # same code underneath: the same S
-    assert "reused" in _run(capsys, *args)[1]
+    for extra in ((), ("--batch-tokens", "64"), ("--batch-size", "3", "--query-chunk", "1000")):
+        rc, stdout, _ = _run(capsys, *args, *extra)
+        assert rc == 0 and "llama: reused" in stdout and "recomputed" not in stdout
+    assert path.read_text() == text
+    assert _run(capsys, *args, "--force")[0] == 0
+    again = json.loads(path.read_text())
+    assert again["provenance"]["settings"]["batch_size"] is None
+    assert again["sink_strength"] == pytest.approx(first["sink_strength"], abs=1e-5)
 
     torch_version = set_package_version(monkeypatch, "torch", "99.0")
     rc, stdout, _ = _run(capsys, *args)
     assert rc == 0 and f"llama: recomputed: torch {torch_version} -> 99.0" in stdout
-    assert json.loads((out / "llama.strength.json").read_text())["provenance"]["key_versions"]["torch"] == "99.0"
+    assert json.loads(path.read_text())["provenance"]["key_versions"]["torch"] == "99.0"
     assert "reused" in _run(capsys, *args)[1]
-    rc, _, err = _run(capsys, "strength", model, "--last-k", "3", "--output", out, "--quiet")
-    _assert_user_error(rc, err, "already exists with other inputs.*--force")
-
-
-def test_a_result_keyed_by_an_earlier_rule_is_recomputed_one_of_other_settings_refused(tiny_models, tmp_path, capsys):
-    """A result keyed before keys were derived from the work's values (no `key rule` in its versions, or none at all)
-    is recomputed, saying so, not refused; one of other settings under this rule is still refused."""
-    out, model = tmp_path / "out", tiny_models["llama"]
-    args = ("strength", model, "--last-k", "2", "--output", out, "--quiet")
-    assert _run(capsys, *args)[0] == 0
-    path = out / "llama.strength.json"
     data = json.loads(path.read_text())
     for old in ({"torch": "2.9.0"}, None):
         data["provenance"].update(key_versions=old, input_key="0" * 64)  # keyed otherwise: another key
@@ -125,27 +101,6 @@ def test_a_result_keyed_by_an_earlier_rule_is_recomputed_one_of_other_settings_r
         assert (
             rc == 0 and "llama: recomputed: made before results were keyed by the values their work receives" in stdout
         )
-    rc, _, err = _run(capsys, "strength", model, "--last-k", "3", "--output", out, "--quiet")
-    _assert_user_error(rc, err, "already exists with other inputs.*--force")
-
-
-def test_batching_and_device_are_in_no_key_a_batch_one_result_is_reused(tiny_models, tmp_path, capsys):
-    """S does not depend on --batch-size, --batch-tokens, --query-chunk or --device: a result made one prompt at a
-    time on the CPU is reused by the default run (all prompts in one forward), which, forced, gives the same S."""
-    out, model = tmp_path / "out", tiny_models["llama"]
-    common = ("strength", model, "--last-k", "2", "--output", out, "--quiet")
-    assert _run(capsys, *common, "--batch-size", "1", "--query-chunk", "4", "--device", "cpu")[0] == 0
-    path = out / "llama.strength.json"
-    first = path.read_text()
-    assert json.loads(first)["provenance"]["settings"]["batch_size"] == 1  # recorded, not keyed
-    for extra in ((), ("--batch-tokens", "64"), ("--batch-size", "3", "--query-chunk", "1000")):
-        rc, stdout, _ = _run(capsys, *common, *extra)
-        assert rc == 0 and "llama: reused" in stdout and "recomputed" not in stdout
-    assert path.read_text() == first
-    assert _run(capsys, *common, "--force")[0] == 0
-    again = json.loads(path.read_text())
-    assert again["provenance"]["settings"]["batch_size"] is None
-    assert again["sink_strength"] == pytest.approx(json.loads(first)["sink_strength"], abs=1e-5)
 
 
 def test_prompt_files_text_and_jsonl(tiny_models, tmp_path, capsys):
@@ -164,59 +119,43 @@ def test_prompt_files_text_and_jsonl(tiny_models, tmp_path, capsys):
     assert vals[0] == vals[1]
 
 
+def _save_bloom(d: Path, llama: Path) -> None:
+    """A model whose attention does not go through transformers' AttentionInterface, with llama's tokenizer."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    BloomForCausalLM(BloomConfig(vocab_size=96, hidden_size=16, n_layer=1, n_head=2)).save_pretrained(d)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(llama / name, d / name)
+
+
 @pytest.mark.parametrize(
-    "case",
+    ("model", "extra", "pattern"),
     [
-        "missing_model",
-        "not_a_model",
-        "unsupported_arch",
-        "empty_prompts",
-        "malformed_prompts",
-        "k_zero",
-        "output_is_file",
-        "bad_n_prompts",
-        "batch_tokens_zero",
+        ("empty", [], "not a model folder.*config.json"),
+        ("bloom", [], "BloomForCausalLM.*AttentionInterface"),
+        ("gguf", [], r"\(fix: pass the GGUF file itself: .*/gguf/model\.Q4\.gguf\)$"),  # a folder holding only one
+        ("llama", ["--prompts", "e.txt"], "empty"),
+        ("llama", ["--prompts", "m.jsonl"], r"m.jsonl:2: not valid JSON"),
+        ("llama", ["--last-k", "0"], "last-k must be positive"),
+        ("llama", ["--output", "a_file"], "is a file"),
+        ("llama", ["--n-prompts", "7"], "n-prompts 7"),
+        ("llama", ["--limit", "0"], "this command takes --n-prompts"),
+        ("llama", ["--batch-tokens", "0"], "batch-tokens must be positive"),
     ],
 )
-def test_bad_input_one_line_exit_2(case, tiny_models, tmp_path, capsys):
-    out = tmp_path / "out"
-    model = tiny_models["llama"]
-    extra: list = []
-    pattern = "."
-    if case == "missing_model":
-        model, pattern = tmp_path / "nope", "no such model folder"
-    elif case == "not_a_model":
-        (tmp_path / "empty").mkdir()
-        model, pattern = tmp_path / "empty", "not a model folder.*config.json"
-    elif case == "unsupported_arch":
-        from transformers import BloomConfig, BloomForCausalLM
-
-        d = tmp_path / "bloom"
-        BloomForCausalLM(BloomConfig(vocab_size=96, hidden_size=16, n_layer=1, n_head=2)).save_pretrained(d)
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(tiny_models["llama"] / name, d / name)
-        model, pattern = d, "BloomForCausalLM.*AttentionInterface"
-    elif case == "empty_prompts":
-        f = tmp_path / "e.txt"
-        f.write_text("\n\n")
-        extra, pattern = ["--prompts", f], "empty"
-    elif case == "malformed_prompts":
-        f = tmp_path / "m.jsonl"
-        f.write_text('{"prompt": "ok"}\n{"prompt": \n')
-        extra, pattern = ["--prompts", f], r"m.jsonl:2: not valid JSON"
-    elif case == "k_zero":
-        extra, pattern = ["--last-k", "0"], "last-k must be positive"
-    elif case == "output_is_file":
-        out.write_text("x")
-        pattern = "is a file"
-    elif case == "bad_n_prompts":
-        extra, pattern = ["--n-prompts", "7"], "n-prompts 7"
-    elif case == "batch_tokens_zero":
-        extra, pattern = ["--batch-tokens", "0"], "batch-tokens must be positive"
-    rc, _, err = _run(capsys, "strength", model, "--output", out, "--quiet", *extra)
-    _assert_user_error(rc, err, pattern)
-    if case != "output_is_file":
-        assert not out.exists() or not any(out.iterdir())
+def test_bad_input_one_line_exit_2(model, extra, pattern, tiny_models, tmp_path, user_error):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "gguf").mkdir()
+    (tmp_path / "gguf" / "model.Q4.gguf").write_bytes(b"GGUF")
+    (tmp_path / "e.txt").write_text("\n\n")
+    (tmp_path / "m.jsonl").write_text('{"prompt": "ok"}\n{"prompt": \n')
+    (tmp_path / "a_file").write_text("x")
+    if model == "bloom":
+        _save_bloom(tmp_path / "bloom", tiny_models["llama"])
+    path = tiny_models["llama"] if model == "llama" else tmp_path / model
+    extra = [tmp_path / a if a in ("e.txt", "m.jsonl", "a_file") else a for a in extra]
+    argv = ["strength", path, "--output", tmp_path / "out", "--quiet", *extra]
+    assert re.search(pattern, user_error(argv, tmp_path / "out"))
 
 
 def test_models_default_prints_converted_folder(default_model, capsys):

@@ -31,10 +31,6 @@ def test_lm_eval_limit_0_is_one_line_before_the_model_loads(monkeypatch, capsys)
     check_cli_limit(["--model", "hf", "--tasks", "ifeval", "--limit", "0"])  # a stock run: lm-eval's own behaviour
 
 
-def test_strength_limit_names_n_prompts(user_error):
-    assert "this command takes --n-prompts" in user_error(["strength", "default", "--limit", "0"])
-
-
 def test_a_hand_written_strength_json_says_what_is_missing(handset_llama_dir, tmp_path, user_error):
     made = tmp_path / "m.strength.json"
     prov = {"inputs_key": "0" * 64, "model": {"model": str(handset_llama_dir), "fingerprint": "x"}}
@@ -49,13 +45,6 @@ def test_screen_on_an_lm_eval_results_file_names_the_model_it_ran(tmp_path, user
     results.write_text(json.dumps({"results": {"sink_strength": {"sink_strength,none": 1.7}}, "config": config}))
     line = user_error(["screen", results, "--output", tmp_path / "out"], tmp_path / "out")
     assert "is an lm-eval results file, not a model folder" in line and "(/models/qwen)" in line
-
-
-def test_a_folder_holding_only_a_gguf_names_the_file(tmp_path, user_error):
-    (tmp_path / "m").mkdir()
-    (tmp_path / "m" / "model.Q4.gguf").write_bytes(b"GGUF")
-    line = user_error(["strength", tmp_path / "m", "--output", tmp_path / "out"], tmp_path / "out")
-    assert line.endswith(f"(fix: pass the GGUF file itself: {tmp_path / 'm' / 'model.Q4.gguf'})")
 
 
 def test_quiet_silences_the_libraries_bars_and_warnings_and_keeps_errors(tmp_path, user_error):

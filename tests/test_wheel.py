@@ -1,11 +1,7 @@
-"""The built wheel, installed into a fresh venv with no editable install of this project, runs every
-subcommand from outside the checkout, and holds every file git tracks in the packaged folders.
-
-The fresh venv finds its dependencies (torch, lm-eval, mergekit, ...) through one `.pth` file that
-lists this interpreter's import folders. A path line in a `.pth` file does not process the `.pth`
-files of that folder, so the test environment's editable finder and start-up hook stay off there:
-`lm_eval_sink` can only come from the wheel, and the test checks that every module did.
-"""
+"""The built wheel, installed into a fresh venv with no editable install of this project, runs every subcommand from
+outside the checkout and holds every file git tracks in the packaged folders. The venv finds its dependencies through
+one `.pth` file listing this interpreter's import folders (a path line does not process that folder's `.pth` files,
+so the editable finder and start-up hook stay off there): every `lm_eval_sink` module must come from the wheel."""
 
 from __future__ import annotations
 
@@ -22,7 +18,7 @@ import yaml
 
 import bucket_logs as bl
 import sinkmodels as sm
-from helpers import REPO, make_tokenizer, save_sink_llama
+from helpers import REPO, save_sink_llama
 from lm_eval_sink.calibration import builtin_prompts, encode_prompts
 
 DRIVER = Path(__file__).parent / "drivers" / "cli_calls.py"
@@ -35,11 +31,8 @@ PACKAGED = {
 
 
 def source_copy(out: Path) -> Path:
-    """The checkout's files that git sees (tracked, or new and not ignored), as a fresh clone would hold them.
-
-    pip builds in the source folder: a `build/` left there by an earlier build would put its stale
-    packages in the wheel and hide a missing one.
-    """
+    """The checkout's files that git sees (tracked, or new and not ignored), as a fresh clone would hold them (pip
+    builds in the source folder: a `build/` left there would put stale packages in the wheel and hide a missing one)."""
     listed = subprocess.run(
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
         cwd=REPO,
@@ -140,18 +133,14 @@ def _ifeval_runs(root: Path, shared_data: Path, ref_model: Path, cand_model: Pat
     )
 
 
-def _inputs(root: Path, shared_data: Path) -> dict[str, Path]:
+def _inputs(root: Path, shared_data: Path, tok, handset: Path) -> dict[str, Path]:
     """Tiny models (hand-set sink Llamas, a selective-sink Llama, a tiny LLaVA) and two sample logs."""
     from test_extract import _save_vlm
 
-    tok = make_tokenizer()
     models = root / "models"
     selective = models / "selective"
     sm.build_selective("llama", n_layers=3, vocab=len(tok), bos_id=tok.bos_token_id).save_pretrained(selective)
     tok.save_pretrained(selective)
-    handset = models / "handset"
-    sm.build("llama", n_layers=3, bos_id=tok.bos_token_id).save_pretrained(handset)
-    tok.save_pretrained(handset)
     ref = save_sink_llama(models / "ref", [[6.0, 4.0], [5.0, 3.0]], tok)
     cand = save_sink_llama(models / "cand", [[5.5, -1.0], [5.0, 3.5]], tok)
     ref_run, cand_run = _ifeval_runs(root / "runs", shared_data, ref, cand)
@@ -215,18 +204,19 @@ def test_wheel_holds_every_tracked_file_and_its_hook(wheel):
 
 
 @pytest.mark.slow
-def test_installed_wheel_runs_every_subcommand_outside_the_checkout(wheel, tmp_path, shared_data):
+def test_installed_wheel_runs_every_subcommand_outside_the_checkout(
+    wheel, tmp_path, shared_data, tiny_tokenizer, handset_llama_dir
+):
     python = fresh_venv(tmp_path / "venv", wheel)
     site = Path(python).parent.parent.resolve()
-    inputs, work = _inputs(tmp_path / "in", shared_data), tmp_path / "work"
+    inputs, work = _inputs(tmp_path / "in", shared_data, tiny_tokenizer, handset_llama_dir), tmp_path / "work"
     work.mkdir()
-    tok = make_tokenizer()
-    lengths = [len(x) for x in encode_prompts(tok, builtin_prompts()).input_ids]
+    lengths = [len(x) for x in encode_prompts(tiny_tokenizer, builtin_prompts()).input_ids]
     want_s, _ = sm.expected_strength("llama", 3, lengths, last_k=10)
 
     # The console script, on the bug's own command; then lm_eval with no --include_path (the hook).
     _run([site / "bin" / "lm-eval-sink", "strength", inputs["handset"], "--output", work / "strength", "--quiet"], work)
-    s = json.loads((work / "strength" / "handset.strength.json").read_text())["sink_strength"]
+    s = json.loads((work / "strength" / f"{handset_llama_dir.name}.strength.json").read_text())["sink_strength"]
     assert s == pytest.approx(want_s, abs=1e-5)
     model_args = f"pretrained={inputs['handset']},dtype=float32"
     cmd = [python, LM_EVAL_SCRIPT, "--model", "hf", "--model_args", model_args, "--tasks", "sink_strength"]

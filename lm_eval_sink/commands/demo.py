@@ -1,13 +1,5 @@
 """`make demo` (`python -m lm_eval_sink.demo`): lm-eval with sink_strength and ifeval on the embedded model, the
-heatmap, S and IFEval.
-
-Runs `lm_eval --model hf --model_args pretrained=<SmolLM2 folder> --tasks sink_strength,ifeval
---apply_chat_template --limit N --gen_kwargs max_gen_toks=M --log_samples` through the shared runner
-(local data with LM_EVAL_SINK_DATA), draws the per-layer, per-head heatmap from the results file,
-and prints S, IFEval prompt-level strict/loose accuracy and the paths. The run's files are kept under
-`<output>/<model folder name>/` (lm-eval names its folder after the whole model path). The IFEval figures
-come from N prompts with short generations: a demonstration, not a score.
-"""
+heatmap, S and IFEval (docs/lm-eval.md); the run's files are kept under `<output>/<model folder name>/`."""
 
 from __future__ import annotations
 
