@@ -8,18 +8,12 @@ from pathlib import Path
 import pytest
 from constructed_runs import TS, write_run
 
-from lm_eval_sink.attribution import (
-    lineage,
-    per_prompt_split,
-    plot_rows,
-    to_markdown,
-)
+from lm_eval_sink.attribution import INTERVALS, AttributeOptions, lineage, per_prompt_split, plot_rows, to_markdown
 from lm_eval_sink.benchmarks import benchmark_of, load_benchmarks
 from lm_eval_sink.cli import main
-from lm_eval_sink.attribution import INTERVALS, AttributeOptions
 from lm_eval_sink.commands.attribute import run_attribution
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.vendors import STATED_KEYS, load_registry
+from lm_eval_sink.vendors import STATED_KEYS
 
 # IFEval: reference passes 4/5 strict, 5/5 loose; candidate 2/5 strict, 4/5 loose.
 # doc 1: strict regression forgiven by the loose check (access); doc 2: lost under both (capacity).
@@ -319,66 +313,6 @@ def test_benchmarks_are_data():
 # --- registry ----------------------------------------------------------------------------------
 
 
-def test_registry_loads_and_every_entry_has_source_and_protocol():
-    reg = load_registry()
-    assert len(reg.scores) >= 9 and len(reg.gaps) >= 11
-    for e in [*reg.scores, *reg.gaps]:
-        assert e.source.title and e.source.kind in ("vendor", "independent", "paper")
-        assert e.protocol.described and set(e.protocol.stated) <= set(STATED_KEYS)
-    vals = {s.id: s.value for s in reg.scores}
-    assert vals["qwen3-8b/ifeval/nothink-template"] == 83.18 and vals["qwen3-8b/ifeval/default-template"] == 34.75
-    assert vals["qwen2.5-7b-instruct/ifeval/vendor"] == 71.2 and vals["qwen2.5-7b-instruct/gsm8k/vendor"] == 91.6
-    gaps = {(g.candidate, g.benchmark, g.protocol.id): g.value for g in reg.gaps}
-    assert (
-        gaps[("Qwen2.5-VL-7B", "IFEval", "instruct")] == -9.43
-        and gaps[("Qwen2.5-VL-7B", "IFEval", "community")] == -20.52
-    )
-    assert gaps[("Qwen2.5-VL-7B", "IFEval", "sink-paper-headline")] == -9.6  # same pair, another source, kept apart
-    assert reg.identify("/data/models/Qwen2.5-VL-7B-Instruct") == "Qwen2.5-VL-7B"
-
-
-@pytest.mark.parametrize(
-    ("extra", "message"),
-    [
-        (
-            "scores:\n  - {id: x, model: Qwen3-8B, benchmark: IFEval, metric: m, value: 1, source: "
-            "nowhere, protocol: instruct, unverified: u}\n",
-            "source 'nowhere' is not defined",
-        ),
-        (
-            "scores:\n  - {id: x, model: Qwen3-8B, benchmark: IFEval, metric: m, value: 1, source: qwen3-report, "
-            "unverified: u}\n",
-            "score lacks 'protocol'",
-        ),
-        (
-            "scores:\n  - {id: x, model: Qwen3-8B, benchmark: IFEval, metric: m, value: 1, source: "
-            "qwen3-report, protocol: instruct, unverified: u, vlaue: 2}\n",
-            "unknown key 'vlaue' (did you mean 'value'?)",
-        ),
-        (
-            "protocols:\n  p: {described: d, stated: {num_shots: 5}}\n",
-            "unknown key 'num_shots' (did you mean 'num_fewshot'?)",
-        ),
-        (
-            "scores:\n  - {id: qwen3-8b/ifeval/vendor-nothink, model: Qwen3-8B, benchmark: IFEval, "
-            "metric: m, value: 1, source: qwen3-report, protocol: instruct, unverified: u}\n",
-            "used twice",
-        ),
-        (
-            "scores:\n  - {id: x, model: Qwen3-8B, benchmark: IFEVAL, metric: m, value: 1, source: "
-            "qwen3-report, protocol: instruct, unverified: u}\n",
-            "unknown benchmark 'IFEVAL'",
-        ),
-    ],
-)
-def test_user_registry_is_validated(tmp_path, extra, message):
-    f = tmp_path / "reg.yaml"
-    f.write_text(extra)
-    with pytest.raises(UserError) as e:
-        load_registry(f)
-    assert message in e.value.message
-
-
 def test_readme_example_protocol_artefact_qwen3():
     att = run_attribution(
         ["vendor:qwen3-8b/ifeval/nothink-template"],
@@ -420,23 +354,8 @@ def test_readme_example_gap_changes_with_protocol_qwen25_vl():
 def test_cli_attribute_writes_json_markdown_png_with_provenance(tmp_path, capsys):
     ref, cand = _pair(tmp_path)
     out = tmp_path / "att"
-    # `--reference A --candidate B` and the many-values form give the same report
-    assert (
-        main(
-            [
-                "attribute",
-                "--reference",
-                str(ref),
-                "--candidate",
-                str(cand),
-                "--mixture",
-                "text_share=0.1",
-                "--output",
-                str(out),
-            ]
-        )
-        == 0
-    )
+    args = ["attribute", "--reference", str(ref), "--candidate", str(cand), "--mixture", "text_share=0.1"]
+    assert main([*args, "--output", str(out)]) == 0
     stdout = capsys.readouterr().out
     # 5 documents: buckets' small-sample rule before the gap, which has its interval
     gap = "too few to tell: -40.00 [-72.64, +16.26]"
@@ -449,28 +368,32 @@ def test_cli_attribute_writes_json_markdown_png_with_provenance(tmp_path, capsys
     assert (out / "attribution.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # rerun: same result, byte for byte apart from the provenance block
     out2 = tmp_path / "att2"
-    assert (
-        main(
-            [
-                "attribute",
-                "--reference",
-                str(ref),
-                "--candidate",
-                str(cand),
-                "--mixture",
-                "text_share=0.1",
-                "--output",
-                str(out2),
-            ]
-        )
-        == 0
-    )
+    assert main([*args, "--output", str(out2)]) == 0
     doc2 = json.loads((out2 / "attribution.json").read_text())
     assert doc2["provenance"]["result_sha256"] == doc["provenance"]["result_sha256"]
     assert (out2 / "attribution.md").read_bytes() == (out / "attribution.md").read_bytes()
     # refuses to overwrite
     assert main(["attribute", "--reference", str(ref), "--candidate", str(cand), "--output", str(out)]) == 2
     assert "already exists" in capsys.readouterr().err
+
+
+def test_samples_beside_a_results_file_are_in_the_attribute_key(tmp_path):
+    """`attribute` given a results JSON (not its folder) keyed that file alone, so its samples, edited in place (same
+    size and mtime), kept the key: now each file beside it is keyed by content, and put back the same key."""
+    import os
+
+    from lm_eval_sink.commands.attribute import AttributeWork
+    from lm_eval_sink.keys import key_of
+
+    ref, cand = _pair(tmp_path)
+    work = AttributeWork((str(ref),), (str(cand),), AttributeOptions(), None)
+    key = key_of(work).key
+    for samples in sorted(ref.parent.glob("samples_*.jsonl")):
+        data, st = samples.read_bytes(), samples.stat()
+        for content in (bytes([data[0] ^ 1]) + data[1:], data):
+            samples.write_bytes(content)
+            os.utime(samples, ns=(st.st_atime_ns, st.st_mtime_ns))
+            assert (key_of(work).key == key) == (content == data), samples.name
 
 
 def test_cli_many_values_after_one_flag(tmp_path, capsys):
