@@ -14,9 +14,8 @@ from typing import Any
 
 from lm_eval_sink.strength import S_MEANING, SinkStrength, StrengthSettings, fmt_optional, k_for, parse_last_k
 
-# The applied fields that decide S: two S compare only when all of them are equal (`Setting.key`).
-SPLIT_FIELDS = ("prompt_set", "chat_template_applied", "system_prompt", "rows", "statistic", "k", "dtype")
-_FIELD_WORDS = {
+# The applied fields that decide S, in words: two S compare only when all of them are equal (`Setting.key`).
+SPLIT_FIELDS = {
     "prompt_set": "calibration prompts",
     "chat_template_applied": "chat template applied",
     "system_prompt": "system prompt",
@@ -83,7 +82,7 @@ class Setting:
 
     def describe(self) -> str:
         """The setting in one line (group-level: no depth)."""
-        return ", ".join(f"{_FIELD_WORDS[f]}: {self.shown(f)}" for f in SPLIT_FIELDS)
+        return ", ".join(f"{SPLIT_FIELDS[f]}: {self.shown(f)}" for f in SPLIT_FIELDS)
 
     def k_cell(self) -> str:
         """K for this model: the layers measured of its attention layers and their share, e.g. `10/30 (33%)`."""
@@ -203,7 +202,7 @@ class Comparison:
         """The fields in which group `label` differs from group `against`, in words."""
         a, b = self.setting(against), self.setting(label)
         return [
-            f"{_FIELD_WORDS[f]}: {b.shown(f)} ({against}: {a.shown(f)})"
+            f"{SPLIT_FIELDS[f]}: {b.shown(f)} ({against}: {a.shown(f)})"
             for f in SPLIT_FIELDS
             if getattr(a, f) != getattr(b, f)
         ]

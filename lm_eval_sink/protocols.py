@@ -205,14 +205,8 @@ class FieldDiff:
         return field_reason(self.field, self.affects_scores, self.why_not)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "field": self.field,
-            "part": self.part,
-            "a": self.a,
-            "b": self.b,
-            "affects_scores": self.affects_scores,
-            "reason": self.reason,
-        }
+        """The fields with `reason` in place of `why_not`."""
+        return {**{k: v for k, v in asdict(self).items() if k != "why_not"}, "reason": self.reason}
 
 
 def field_reason(name: str, affects: bool, why_not: str = "") -> str:
@@ -549,26 +543,26 @@ def require_same_harness(fingerprints: dict[str, ProtocolFingerprint]) -> None:
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
-@dataclass(frozen=True, slots=True)
-class Protocol:
-    """A named evaluation protocol: the harness settings it fixes."""
-
-    name: str
+class _ProtocolIn(Strict):
+    what: ClassVar[str] = "protocol"
     description: str
     apply_chat_template: bool
-    num_fewshot: int | None = None
+    num_fewshot: int | None = Field(None, ge=0)
     fewshot_as_multiturn: bool | None = None
     system_instruction: str | None = None
     gen_kwargs: dict[str, Any] | None = None
     batch_size: int | str | None = None
-    dtype: str | None = None
+    dtype: Literal[_DTYPES] | None = None
     seed: int | None = None
     model_args: dict[str, Any] | None = None
-    python: str | None = None  # where lm-eval runs, not part of what a results file is compared on
-    source: str = "builtin"
+    python: str | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+
+class Protocol(_ProtocolIn):
+    """A named evaluation protocol: the harness settings it fixes (`python`: where lm-eval runs, never compared)."""
+
+    name: str
+    source: str = "builtin"
 
     def mismatches(self, fp: ProtocolFingerprint) -> list[str]:
         """Fields of `fp` that contradict this protocol (what a results file lets one check)."""
@@ -590,21 +584,6 @@ class Protocol:
             if str((h.get("model_args") or {}).get(k)) != str(v):
                 bad.append(f"model_args.{k}={(h.get('model_args') or {}).get(k)}")
         return bad
-
-
-class _ProtocolIn(Strict):
-    what: ClassVar[str] = "protocol"
-    description: str
-    apply_chat_template: bool
-    num_fewshot: int | None = Field(None, ge=0)
-    fewshot_as_multiturn: bool | None = None
-    system_instruction: str | None = None
-    gen_kwargs: dict[str, Any] | None = None
-    batch_size: int | str | None = None
-    dtype: Literal[_DTYPES] | None = None
-    seed: int | None = None
-    model_args: dict[str, Any] | None = None
-    python: str | None = None
 
 
 class _ProtocolsFileIn(Strict):

@@ -174,28 +174,15 @@ class Registry:
                 return m.name
         return None
 
-    def scores_of(self, model: str, benchmark: str | None = None) -> list[Score]:
-        return [s for s in self.scores if s.model == model and (benchmark is None or s.benchmark == benchmark)]
+    def scores_of(self, model: str, kind: str | None = None) -> list[Score]:
+        """A model's scores; `kind` given: only those of that source kind (`vendor`: the vendor-reported ones)."""
+        return [s for s in self.scores if s.model == model and kind in (None, s.source.kind)]
 
     def gaps_of(self, model: str) -> list[Gap]:
         return [g for g in self.gaps if model in (g.reference, g.candidate)]
 
-    def gaps_between(self, reference: str, candidate: str, benchmark: str | None = None) -> list[Gap]:
-        return [
-            g
-            for g in self.gaps
-            if g.reference == reference and g.candidate == candidate and (benchmark is None or g.benchmark == benchmark)
-        ]
-
-    def score(self, entry_id: str) -> Score:
-        for s in self.scores:
-            if s.id == entry_id:
-                return s
-        ids = [s.id for s in self.scores]
-        raise UserError(
-            f"no score {entry_id!r} in the vendor registry{did_you_mean(entry_id, ids, cutoff=0.5)}",
-            "`lm-eval-sink vendor show MODEL` lists each score's id",
-        )
+    def gaps_between(self, reference: str, candidate: str) -> list[Gap]:
+        return [g for g in self.gaps if g.reference == reference and g.candidate == candidate]
 
 
 class _VerifiedIn(Strict):

@@ -51,18 +51,11 @@ def test_per_prompt_split_is_exact(tmp_path):
     assert row["kind"] == "same_protocol" and row["protocol"] == "instruct" and row["split_from"] == "samples"
     assert row["gap"] == -40.0 and row["capacity"] == -20.0 and row["access"] == -20.0
     pp = row["per_prompt"]
-    assert (
-        pp["n"] == 5
-        and pp["strict_regressions"] == 2
-        and pp["regressions_access"] == 1
-        and pp["regressions_capacity"] == 1
-    )
+    assert (pp["n"], pp["strict_regressions"], pp["regressions_access"], pp["regressions_capacity"]) == (5, 2, 1, 1)
     assert pp["access_doc_ids"] == [1] and pp["capacity_doc_ids"] == [2]
     assert pp["strict_recoveries"] == 0 and pp["prompt_hash_differs"] == 0 and pp["matches_results"] is True
-    assert pp["reference"] == {"strict": 80.0, "lenient": 100.0} and pp["candidate"] == {
-        "strict": 40.0,
-        "lenient": 80.0,
-    }
+    assert pp["reference"] == {"strict": 80.0, "lenient": 100.0}
+    assert pp["candidate"] == {"strict": 40.0, "lenient": 80.0}
     gsm = _bench(att, "GSM8K")
     [row] = gsm["comparisons"]
     assert gsm["construct"] == "procedure"
@@ -87,9 +80,8 @@ def test_parts_that_exceed_the_gap_or_take_the_other_sign_are_explained(tmp_path
     assert row["explanation"] == sentence and f"- instruct: {sentence}\n" in to_markdown(att)
     # parts within the gap and of its sign need no sentence (the exact split above: -40 = -20 + -20)
     ref, cand = _pair(tmp_path)
-    assert [r["explanation"] for r in _bench(run_attribution([str(ref)], [str(cand)]), "IFEval")["comparisons"]] == [
-        None
-    ]
+    [row] = _bench(run_attribution([str(ref)], [str(cand)]), "IFEval")["comparisons"]
+    assert row["explanation"] is None
 
 
 def test_aggregate_split_without_samples(tmp_path):
@@ -267,17 +259,11 @@ def test_lineage_from_model_card_config_registry_and_declaration(tmp_path):
     cand = write_run(tmp_path / "c", {"ifeval": CAND_IF}, model=str(cand_dir))
     cand2 = write_run(tmp_path / "c2", {"ifeval": CAND_IF}, model=str(other))
     [li] = run_attribution([str(ref)], [str(cand)]).lineage
-    assert (
-        li["status"] == "parent"
-        and li["flagged"] is False
-        and li["evidence"] == [{"parent": "Qwen/Qwen2.5-7B-Instruct", "source": "model card base_model"}]
-    )
+    assert li["status"] == "parent" and li["flagged"] is False
+    assert li["evidence"] == [{"parent": "Qwen/Qwen2.5-7B-Instruct", "source": "model card base_model"}]
     [li] = run_attribution([str(ref)], [str(cand2)]).lineage
-    assert (
-        li["status"] == "not_parent"
-        and li["flagged"] is True
-        and "config.json text_config._name_or_path names Qwen/Qwen2.5-7B" in li["how"]
-    )
+    assert li["status"] == "not_parent" and li["flagged"] is True
+    assert "config.json text_config._name_or_path names Qwen/Qwen2.5-7B" in li["how"]
     [li] = run_attribution([str(ref)], [str(cand2)], AttributeOptions(declared_lineage="parent")).lineage
     assert li["status"] == "mismatched" and li["flagged"] is True
     # no evidence anywhere: unknown unless declared
@@ -402,19 +388,6 @@ def test_cli_many_values_after_one_flag(tmp_path, capsys):
     assert main(["attribute", "--reference", str(ri), str(rc), "--candidate", str(ci), str(cc)]) == 0
     out = capsys.readouterr().out
     assert "| instruct | same_protocol |" in out and "| community | same_protocol |" in out
-
-
-def test_cli_vendor_list_and_show(capsys):
-    assert main(["vendor", "list"]) == 0
-    assert "| Qwen2.5-VL-7B | Qwen/Qwen2.5-VL-7B-Instruct | vlm | 0 | 6 |" in capsys.readouterr().out
-    assert main(["vendor", "show", "Qwen/Qwen3-8B"]) == 0
-    out = capsys.readouterr().out
-    assert "qwen3-8b/ifeval/default-template | IFEval | prompt-level strict accuracy | 34.75 | independent-audit" in out
-    assert main(["vendor", "show", "Qwen3-8B", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["scores"][0]["source"]["title"]
-    assert main(["vendor", "show", "qwen3"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "did you mean 'Qwen3-8B'" in err[0]
 
 
 def _bad(tmp_path: Path, case: str) -> list[str]:
@@ -545,15 +518,12 @@ def test_vendor_figures_and_reported_gaps_beside_measured_runs(tmp_path):
     cand = write_run(tmp_path / "c", {"ifeval": CAND_IF}, model="/models/Qwen2.5-VL-7B-Instruct")
     as_names = ["/models/Qwen2.5-7B-Instruct=Qwen2.5-7B-Instruct", "/models/Qwen2.5-VL-7B-Instruct=Qwen2.5-VL-7B"]
     plain = run_attribution([str(ref)], [str(cand)], AttributeOptions(as_names=as_names))
-    assert [r["kind"] for r in _bench(plain, "IFEval")["comparisons"]] == [
-        "same_protocol"
-    ]  # no registry figures without --vendor
+    # no registry figures without --vendor
+    assert [r["kind"] for r in _bench(plain, "IFEval")["comparisons"]] == ["same_protocol"]
     # a local folder is never matched by its name: without --as, none of the registry's figures
     unmatched = run_attribution([str(ref)], [str(cand)], AttributeOptions(vendor=True))
-    assert _bench(unmatched, "IFEval")["vendor"] == [] and unmatched.registry["vendor_missing"] == [
-        "Qwen2.5-7B-Instruct",
-        "Qwen2.5-VL-7B-Instruct",
-    ]
+    assert _bench(unmatched, "IFEval")["vendor"] == []
+    assert unmatched.registry["vendor_missing"] == ["Qwen2.5-7B-Instruct", "Qwen2.5-VL-7B-Instruct"]
     att = run_attribution([str(ref)], [str(cand)], AttributeOptions(vendor=True, as_names=as_names))
     assert [m["by"] for m in att.registry["matches"]] == ["matched by --as"] * 2
     assert att.registry["vendor_missing"] == ["Qwen2.5-VL-7B"]  # the registry has no vendor figure of the VLM
@@ -561,16 +531,11 @@ def test_vendor_figures_and_reported_gaps_beside_measured_runs(tmp_path):
     kinds = [(r["kind"], r["protocol"], r["gap"]) for r in ife["comparisons"]]
     assert kinds[0] == ("same_protocol", "instruct", -40.0)
     assert ("reported_gap", "instruct", -9.43) in kinds and ("reported_gap", "community", -20.52) in kinds
-    assert ife["protocol_effect"]["gaps"]["instruct"] == [
-        -40.0,
-        -9.43,
-    ]  # measured and reported under the same named protocol
+    # measured and reported under the same named protocol
+    assert ife["protocol_effect"]["gaps"]["instruct"] == [-40.0, -9.43]
     [v] = ife["vendor"]
-    assert (
-        v["vendor"]["id"] == "qwen2.5-7b-instruct/ifeval/vendor"
-        and v["measured"]["value"] == 80.0
-        and v["measured_minus_vendor"] == 8.8
-    )
+    assert v["vendor"]["id"] == "qwen2.5-7b-instruct/ifeval/vendor"
+    assert v["measured"]["value"] == 80.0 and v["measured_minus_vendor"] == 8.8
     # the run capped generation at 64 tokens; the vendor states nothing about its protocol (the task's own length)
     cap = {"field": "generation cap (max_gen_toks)", "vendor": "the task's own", "measured": 64}
     assert v["protocol_differences"] == [cap] and v["vendor_unstated"] == list(STATED_KEYS)

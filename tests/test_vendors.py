@@ -89,8 +89,10 @@ def test_vendor_show_prints_the_verification(capsys):
     assert main(["vendor", "list"]) == 0
     out = capsys.readouterr().out
     assert "| Qwen3-8B | Qwen/Qwen3-8B | llm | 3 | 2 | 1/5 |" in out and "| vlm | 0 | 6 | 0/6 |" in out
-    assert main(["vendor", "show", "Qwen3-8B"]) == 0
+    assert "| Qwen2.5-VL-7B | Qwen/Qwen2.5-VL-7B-Instruct | vlm | 0 | 6 |" in out
+    assert main(["vendor", "show", "Qwen/Qwen3-8B"]) == 0  # by its hub id
     out = capsys.readouterr().out
+    assert "qwen3-8b/ifeval/default-template | IFEval | prompt-level strict accuracy | 34.75 | independent-audit" in out
     assert "| qwen3-8b/ifeval/vendor-nothink | IFEval | prompt-level strict accuracy | 83 | qwen3-report" in out
     assert "(enable_thinking=False) | verified 2026-12-05 |" in out
     assert "| sink-paper-headline (lm_eval_version=0.4.12) | UNVERIFIED |" in out
@@ -99,7 +101,10 @@ def test_vendor_show_prints_the_verification(capsys):
     assert main(["vendor", "show", "Qwen3-8B", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     vend = next(s for s in doc["scores"] if s["id"] == "qwen3-8b/ifeval/vendor-nothink")
-    assert vend["verified"]["quote"].endswith("83.0") and vend["unverified"] is None
+    assert vend["verified"]["quote"].endswith("83.0") and vend["unverified"] is None and vend["source"]["title"]
+    assert main(["vendor", "show", "qwen3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "did you mean 'Qwen3-8B'" in err[0]
 
 
 def test_attribute_shows_which_registry_figures_are_unverified(tmp_path, capsys):

@@ -228,8 +228,7 @@ def _registry_info(registry: Any, infos: list[dict[str, Any]], vendor: bool) -> 
             {
                 i["display"]
                 for i in infos
-                if not i["registry_model"]
-                or not any(s.source.kind == "vendor" for s in registry.scores_of(i["registry_model"]))
+                if not i["registry_model"] or not registry.scores_of(i["registry_model"], "vendor")
             }
         )
     return {"matches": list(matches.values()), "vendor_missing": missing}
@@ -260,7 +259,7 @@ def _registry_figures(
     if not vendor:
         return reported, []
     names = sorted(ref_names | cand_names)
-    return reported, [s for n in names for s in registry.scores_of(n) if s.source.kind == "vendor"]
+    return reported, [s for n in names for s in registry.scores_of(n, "vendor")]
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,10 +278,10 @@ class AttributeWork(Work):
     run_files: tuple[Path, ...] = field(init=False, metadata=CONTENT)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "run_files", beside_files([*self.references, *self.candidates]))
+        object.__setattr__(self, "run_files", _files_beside([*self.references, *self.candidates]))
 
 
-def beside_files(args: list[str]) -> tuple[Path, ...]:
+def _files_beside(args: list[str]) -> tuple[Path, ...]:
     """The files of each run given as one file (a results file's samples, a samples file's results), by the one
     reader of a run (`runs.resolve_run`); a folder is keyed whole."""
     from lm_eval_sink.runs import resolve_run
