@@ -250,12 +250,7 @@ class Attribution:
             "units": "scores, gaps and their parts in points (x100 of lm-eval's share of docs); a gap is candidate "
             "minus reference",
             "intervals": INTERVALS,
-            "benchmarks": self.benchmarks,
-            "lineage": self.lineage,
-            "mixture": self.mixture,
-            "inputs": self.inputs,
-            "measurements": self.measurements,
-            "registry": self.registry,
+            **{f.name: getattr(self, f.name) for f in fields(self)},
             "unverified_registry_figures": unverified_figures(self),
         }
 
@@ -515,10 +510,6 @@ class AttributeOptions:
             object.__setattr__(self, "mixture", _parse_mixture(self.mixture))
         object.__setattr__(self, "as_names", tuple(self.as_names))
         parse_as(self.as_names)
-
-    def folders_as(self) -> dict[str | None, str]:
-        """`as_names` by folder (key None: the one local model)."""
-        return parse_as(self.as_names)
 
 
 def _parse_mixture(items: Any) -> dict[str, str] | None:
@@ -795,7 +786,7 @@ def to_markdown(att: Attribution) -> str:
         status = li["status"].replace("_", " ")
         lines.append(f"- lineage {li['reference']} -> {li['candidate']}: {status}{flag} ({li['how']})")
     lines += _registry_lines(att.registry)
-    caveat = subset_caveat(att)
+    caveat = subset_line(att.benchmarks, att.measurements)
     if caveat:
         lines.append(f"- {caveat}")
     mix = att.mixture
@@ -973,15 +964,10 @@ def unverified_figures(att: Attribution) -> list[str]:
     return sorted(set(ids))
 
 
-def subset_caveat(att: Attribution) -> str | None:
-    """One line naming the measurements of a subset (`--limit`, or fewer documents than the task holds, as lm-eval's
-    --samples scores: model, benchmark, documents scored), for the report and the figure's title; None when every
-    measured run in the report's benchmarks scored all its documents."""
-    return subset_line(att.benchmarks, att.measurements)
-
-
 def subset_line(benchmarks: list[dict[str, Any]], measurements: list[dict[str, Any]]) -> str | None:
-    """`subset_caveat` from the `benchmarks` and `measurements` of an attribution (or of its JSON)."""
+    """One line naming the measurements of a subset (`--limit`, or fewer documents than the task holds: model,
+    benchmark, documents scored) of an attribution's (or its JSON's) `benchmarks` and `measurements`; None when
+    every measured run scored all its documents."""
     compared = {b["benchmark"] for b in benchmarks}
     subsets = [
         f"{m['role']} {m['model']} {m['benchmark']} "
@@ -998,11 +984,11 @@ def subset_line(benchmarks: list[dict[str, Any]], measurements: list[dict[str, A
 
 
 def plot_title(att: Attribution) -> str:
-    """The figure's title: what the bars are, and the subset caveat (`subset_caveat`) when a run used `--limit`."""
+    """The figure's title: what the bars are, and the subset caveat (`subset_line`) when a run used `--limit`."""
     import textwrap
 
     title = "gap = candidate - reference (points), split into its parts"
-    caveat = subset_caveat(att)
+    caveat = subset_line(att.benchmarks, att.measurements)
     return title + ("\n" + "\n".join(textwrap.wrap(caveat, 72)) if caveat else "")
 
 

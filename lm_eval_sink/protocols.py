@@ -174,14 +174,7 @@ class ProtocolFingerprint:
         return sha256_text(canonical_json(h))
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "schema_version": SCHEMA_VERSION,
-            "harness": self.harness,
-            "model": self.model,
-            "run": self.run,
-            "source": self.source,
-            "harness_sha": self.harness_sha(),
-        }
+        return {"schema_version": SCHEMA_VERSION, **asdict(self), "harness_sha": self.harness_sha()}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ProtocolFingerprint:

@@ -19,6 +19,7 @@ from lm_eval_sink.attribution import (
     attribute,
     lineage,
     measurements_from_registry,
+    parse_as,
     plot_rows,
     plot_title,
     relabel,
@@ -179,7 +180,7 @@ def run_attribution(
     benchmarks = load_benchmarks(options.benchmarks_file)
     # the registry also recognises models for lineage; its scores are used only with vendor: or --vendor
     registry = load_registry(options.registry_file)
-    given_as = options.folders_as()
+    given_as = parse_as(options.as_names)
     ref_m, ref_info, ref_in = _load(references, "reference", benchmarks, registry, given_as)
     cand_m, cand_info, cand_in = _load(candidates, "candidate", benchmarks, registry, given_as)
     _check_as(given_as, [*ref_info, *cand_info])
