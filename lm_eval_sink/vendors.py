@@ -174,6 +174,12 @@ class Registry:
                 return m.name
         return None
 
+    def by_hub_id(self, hub_id: str | None) -> str | None:
+        """The model whose hub id is `hub_id` (case-insensitive), else None."""
+        return next(
+            (m.name for m in self.models.values() if hub_id and (m.hub_id or "").lower() == hub_id.lower()), None
+        )
+
     def scores_of(self, model: str, kind: str | None = None) -> list[Score]:
         """A model's scores; `kind` given: only those of that source kind (`vendor`: the vendor-reported ones)."""
         return [s for s in self.scores if s.model == model and kind in (None, s.source.kind)]
@@ -528,9 +534,7 @@ def _add_definitions(data: dict[str, Any], reg: Registry, new: NewScore) -> None
 def _add_model(data: dict[str, Any], reg: Registry, new: NewScore) -> None:
     """Define `new.model` in the user data unless the registry has it; a hub id the registry gives another model, or
     that contradicts the model's own, is refused."""
-    owner = next(
-        (m.name for m in reg.models.values() if new.hub_id and (m.hub_id or "").lower() == new.hub_id.lower()), None
-    )
+    owner = reg.by_hub_id(new.hub_id)
     if owner is not None and owner != new.model:
         raise UserError(f"hub id {new.hub_id} is the registry's model {owner!r}", f"pass --model {owner}")
     known = reg.models.get(new.model)

@@ -104,7 +104,7 @@ def _registry_match(given: str, registry: Any, as_names: dict[str | None, str]) 
     p = Path(given)
     if looks_like_hub_id(split_revision(given)[0]) and not p.is_dir():
         hub = split_revision(given)[0]
-        found = _by_hub_id(registry, hub)
+        found = registry.by_hub_id(hub)
         return found, f"matched by its hub id {hub}" if found else None
     for folder, name in as_names.items():
         if folder is None or folder == given or (p.exists() and Path(folder).exists() and Path(folder).samefile(p)):
@@ -112,14 +112,9 @@ def _registry_match(given: str, registry: Any, as_names: dict[str | None, str]) 
     cache = p.parent.parent.name if p.parent.name == "snapshots" else ""
     if cache.startswith("models--"):
         hub = cache.removeprefix("models--").replace("--", "/", 1)
-        found = _by_hub_id(registry, hub)
+        found = registry.by_hub_id(hub)
         return found, f"matched by the hub id its Hugging Face cache folder records, {hub}" if found else None
     return None, None
-
-
-def _by_hub_id(registry: Any, hub: str) -> str | None:
-    """The registry model whose hub id is `hub` (case-insensitive), else None."""
-    return next((m.name for m in registry.models.values() if m.hub_id and m.hub_id.lower() == hub.lower()), None)
 
 
 def measurements_from_run(
