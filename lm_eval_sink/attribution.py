@@ -1082,7 +1082,7 @@ def run_measurements(
         strict = _results_value(results, task, bench.strict, where)
         lenient = _results_value(results, task, bench.lenient, where) if bench.lenient else None
         key = fp.harness_sha(tasks=(task,))
-        counts = (results.get("n-samples") or {}).get(task) or {}
+        counts = (fp.run.get("n_samples") or {}).get(task) or {}  # lm-eval's n-samples, as the fingerprint read it
         out.append(
             Measurement(
                 role=role,
