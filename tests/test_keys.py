@@ -80,7 +80,14 @@ def declarations(tmp_path) -> dict[type[Work], Any]:
         limit=4,
     )
     config = ValidatedConfig(
-        "m.yaml", "# a comment\n", {"merge_method": "linear", "dtype": "float32"}, "linear", None, (str(f["a"]),), None
+        "m.yaml",
+        "# a comment\n",
+        {"merge_method": "linear", "dtype": "float32"},
+        "linear",
+        None,
+        (str(f["a"]),),
+        None,
+        tokenizer=str(f["tok"]),
     )
     samples = {"reference samples": Path(_write(tmp_path / "s_ref.jsonl", '{"doc_id": 0}\n'))}
     registry = AttributeOptions(registry_file=_write(tmp_path / "reg.yaml", "models: {}\n"), mixture={"sft": "1"})
