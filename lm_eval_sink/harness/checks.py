@@ -1,15 +1,7 @@
 """Plan-time checks of an lm-eval protocol, before anything runs (`sweep`, `eval`).
 
-lm-eval itself finds a misspelled task, or a generation longer than the model, only once the run
-is under way (in a sweep: after the merges and every S measurement). Here the names are resolved
-with lm-eval's own `TaskManager` (tasks, groups and tags, with a did-you-mean) in the interpreter
-that will run lm-eval: this one, or another (`EvalSettings.python`, e.g. the vLLM venv) through
-`runner.run_probe`. Building a TaskManager costs seconds, so there is one per (interpreter,
-include_path) per process. Then the generation settings each generating task will use are
-rebuilt as lm-eval merges them (the task's `generation_kwargs` updated by `--gen_kwargs`, the
-first of `TOKEN_KEYS` present wins): a `gen_kwargs` key that the task's own setting would
-override is refused naming the key lm-eval reads, and a length that reaches the model's maximum
-(from its config and tokenizer, no weights read) is refused.
+Task names resolved by lm-eval's own `TaskManager` in the interpreter that will run lm-eval (with a did-you-mean),
+`gen_kwargs` keys a task would override, and generation lengths that reach a model's maximum (no weights read).
 """
 
 from __future__ import annotations

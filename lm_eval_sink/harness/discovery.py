@@ -1,30 +1,8 @@
-"""Glue that makes lm-eval 0.4.13 find this project's tasks with no flag (called by `hooks.py`).
+"""Glue that makes lm-eval find and run this project's tasks with no flag (the patches `hooks.py` arms).
 
-- `patch_task_index`: every `TaskManager` built with lm-eval's defaults also indexes `tasks_dir()` (the
-  `sink_strength` tasks) and, with `LM_EVAL_SINK_DATA` set, points the covered stock tasks at local files
-  (`offline.py`); lm-eval's index of its own tasks is read from the cache (`task_index.py`). It wraps
-  `TaskIndex.build`, not `TaskManager.__init__`, so no frame of this project stands between a `TaskManager`
-  and its caller (lm-eval's warnings there, such as `verbosity`'s DeprecationWarning, name the caller).
-  `include_defaults=False` keeps lm-eval's contract (only the given include paths). Explicit form without the
-  hook: `--include_path "$(lm-eval-sink tasks-dir)"`.
-- `patch_evaluator`: a task of this project (named, or through a group or tag, resolved with
-  lm-eval's TaskManager) asked of a backend without attention access (vllm, ...: anything but HFLM)
-  is decided before lm-eval builds the model: under `--model vllm`, where the engine path is exact,
-  measured on the engine lm-eval builds (`engine_strength.py`: it is built with this project's
-  worker extension); otherwise measured first with transformers in a child process when the
-  backend's `pretrained` is a checkpoint transformers can load (`measure_first.py`, with one line
-  saying why under vLLM), and refused in one line otherwise. Then, in `evaluate`, before any request
-  of any task: every check of the built model that S needs (`task.check_capturable`, or the engine's
-  workers' own check: `engine_strength.engine_records`), how S is measured recorded in each
-  such task's metadata (`capture`), and those tasks put first, so their requests (seconds) run
-  before any other task's and a failure in S comes before hours of generation, not after them.
-- `patch_cli`: under the `lm_eval` console script, this project's `UserError`s print one line
-  (`error: ...`) and exit 2 instead of a traceback.
-Each patch is idempotent and keeps lm-eval's own behaviour for everything else. Each declares what it relies on
-(`patching.patch`: the parameters its wrapper passes or reads, the attributes and methods it reads on lm-eval's
-objects), checked before it replaces anything; a target that differs is left as installed, with one warning line
-per patch naming it, lm-eval's version and the explicit way. A wrapper's own part that fails unexpectedly on a call
-holding none of this project's tasks hands the call to lm-eval's own function (`patching.attempt`).
+`patch_task_index` (this project's tasks, the offline data, the cached index), `patch_evaluator` (S decided and
+measured before a backend without attention is built; checks and this project's tasks first in `evaluate`),
+`patch_cli` (one-line errors) and `patch_table` (the console lines), each through `patching.patch`: docs/lm-eval.md.
 """
 
 from __future__ import annotations

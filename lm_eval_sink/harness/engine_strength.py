@@ -1,12 +1,8 @@
 """Sink Strength on the vLLM engine that lm-eval builds: decided before it is built, measured by its request method.
 
-Under `--model vllm` the start-up hook (`discovery.measure_first_request`) asks `decide` (the one decision,
-`engine_decision.s_refusal`) before lm-eval builds its engine. Where S is measured on the engine, lm-eval's `VLLM`
-carries this project's `sink_strength` request method (`vllm_sink_strength`, rows as HFLM's method gives them) and
-its engine is built with this project's worker extension (`engine_builder`, the one way this project changes that
-engine); otherwise the transformers child measures S first (`measure_first.py`, the one fallback), with one line
-saying why. `measure_strength` is the same measurement as one `SinkStrength` (the resident engine's `strength:`
-units). How, and the figures: docs/lm-eval.md. Importing this module imports neither torch, vLLM nor lm-eval.
+`decide` asks the one decision (`engine_decision.s_refusal`); where it allows, lm-eval's `VLLM` gets the request
+method and its engine this project's worker extension (`engine_builder`), else the child measures S first
+(`measure_first.py`). docs/lm-eval.md. Importing this module imports neither torch, vLLM nor lm-eval.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """What every vLLM engine this project builds runs inside its workers: methods vLLM calls by name.
 
-vLLM adds `EngineWorkerExtension`'s methods to its worker class when the engine is built with
-`worker_extension_cls=WORKER_EXTENSION` (the resident engine; lm-eval's own, `engine_strength.engine_builder`), so
-`LLM.collective_rpc("name")` reaches them also in vLLM's default process mode, where a plain function would not pass
-its serializer. It inherits `engine_capture.SinkCaptureMixin` (vLLM takes one extension class). Methods only: vLLM
-grafts the class onto the worker as a base. Importing this module imports neither torch nor vLLM.
+`EngineWorkerExtension` (`worker_extension_cls=WORKER_EXTENSION`) is reached through `LLM.collective_rpc` in every
+process mode; it inherits `engine_capture.SinkCaptureMixin` (vLLM takes one). Imports neither torch nor vLLM.
 """
 
 from __future__ import annotations

@@ -1,21 +1,7 @@
 """lm-eval and Sink Strength in this process, on one resident model: the in-memory sweep's evaluation.
 
-An in-memory sweep keeps ONE model of the reference's architecture loaded (`load_resident`),
-copies each merged checkpoint into it (`merging.inmemory.merge_into`), then evaluates it here with
-`evaluate` and measures it with `measure_strength`: no checkpoint on disk, no process start, no
-reload, one lm-eval `TaskManager` (task indexing, offline overrides) for the whole sweep.
-
-The protocol is the subprocess path's, from the same source: `EvalSettings.command` is parsed by
-lm-eval's own CLI parser into its `EvaluatorConfig`, and `simple_evaluate` gets the fields the
-`lm_eval` CLI passes it; results and samples are written by lm-eval's `EvaluationTracker` as the
-CLI writes them. For a model object lm-eval records the model's `_name_or_path` as `config.model`
-and "CUSTOM" as `model_source`; both are set back to the backend (`hf`) as the CLI records them,
-and `model_args` names the checkpoint as `pretrained`, so the results folder is the one the CLI
-would name. What still differs from a subprocess run of the same checkpoint on disk:
-- each task config's `metadata` copies the model_args of the reference (the TaskManager is built
-  once), not of the checkpoint: `pretrained` names the reference there (protocols.fingerprint
-  leaves model_args copies out of the task metadata);
-- `date`, timings, `pretty_env_info` and `git_hash`, as between any two runs.
+One model loaded once (`load_resident`), each checkpoint copied into it, evaluated with the command line's own
+fields (`cli_config`) and written as lm-eval's CLI writes them; what differs from a subprocess run: docs/merging.md.
 """
 
 from __future__ import annotations

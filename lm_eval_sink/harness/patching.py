@@ -1,16 +1,8 @@
 """The one mechanism of every change this project makes to lm-eval: declare what it relies on, check, patch or leave.
 
-lm-eval has no plugin API for what `discovery.py` and `task.py` need, so they change lm-eval's objects: `patch`
-replaces a function by a wrapper, `add_method` gives a model class a method lm-eval does not have, and
-`engine_target_problem` checks the one scoped replacement (the resident vLLM engine's `LLM`). Each change DECLARES
-what it relies on: the parameters its wrapper passes or reads (`leading`, `needs`), the attributes and methods it
-reads on lm-eval's objects (`reads`: `(owner, "name")`, `"a|b"` for either), and any further check (`more`). All of
-it is checked before arming, not lm-eval's version, so a compatible release keeps working; a target that differs is
-left exactly as installed, with one warning line per patch (`left_as_installed`: a SinkWarning naming the target,
-lm-eval's version and what to do instead). A wrapper's own work that fails unexpectedly on a call that holds none
-of this project's tasks hands the call to lm-eval's own function (`attempt`). An lm-eval outside `TESTED` gets
-none of the start-up hook's changes, with one line (`stands_aside`). Every change, its reason, its check:
-docs/footguns.md.
+Each change (`patch`, `add_method`) declares the parameters, attributes and methods it relies on, all checked before
+it arms (not lm-eval's version); a target that differs is left as installed with one line (`left_as_installed`).
+Every change, its reason, its check: docs/footguns.md.
 """
 
 from __future__ import annotations

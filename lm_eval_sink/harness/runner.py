@@ -1,19 +1,7 @@
-"""The one way this project runs lm-eval: the real `lm_eval` CLI in a subprocess.
+"""The one way this project runs lm-eval: the real `lm_eval` CLI in a subprocess (`run_lm_eval`).
 
-`run_lm_eval(model, EvalSettings(...), output_path)` builds the command line from one settings
-object, runs it in its own process (no global state leaks between runs: a sweep step or a cluster
-job can call it the same way), keeps its log beside the results, and returns the resolved run
-(`runs.RunFiles`). Named protocols (`protocols.py`), `lm-eval-sink eval`, sweeps, the demo and
-the test fixtures all go through it. `backend` is lm-eval's `--model`: `hf` (transformers, the
-only one with attention access) or `vllm` (`device` is then not passed: vLLM places the model
-itself, through model_args such as tensor_parallel_size; `sink_strength` tasks are then measured
-first with transformers, `measure_first.py`).
-`python` is the interpreter of that subprocess (default: this one): vLLM's pins often differ from this
-project's, so it usually lives in a venv of its own (`make venv-vllm`, docs/scale.md). The versions that
-make the number are read from that interpreter (`eval_versions`), and `check_interpreter` refuses, in
-one line, one that is missing, broken, without lm-eval, without vLLM (backend vllm) or without this
-project: the offline data override (`LM_EVAL_SINK_DATA`) and this project's tasks reach the
-subprocess through the import hook (`hooks.py`), which must be installed there (`--no-deps`).
+`EvalSettings` is an lm-eval protocol, one field per flag; `python` is the interpreter that runs lm-eval (vLLM's
+venv), checked in one line (`check_interpreter`) and asked for the versions a result is keyed by (`eval_versions`).
 """
 
 from __future__ import annotations

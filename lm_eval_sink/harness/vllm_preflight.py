@@ -1,12 +1,7 @@
-"""vLLM's own start-up memory check, run before anything loads under `--model vllm` (one line instead of a dead
-engine minutes later).
+"""vLLM's own start-up memory check, run before anything loads under `--model vllm` (one line, not a dead engine).
 
-vLLM 0.32's CPU worker reserves ceil(total x gpu_memory_utilization) of its NUMA node's memory (0.92 by default)
-unless a KV cache size is given (`VLLM_CPU_KVCACHE_SPACE` or `kv_cache_memory_bytes`), and refuses to start when that
-exceeds what is available; a given size past what is available now can never start either. `cpu_refusal` and
-`kv_cache_refusal` are those decisions on given numbers (pure); `check_engine_memory` gathers them with vLLM's own
-functions, on vLLM's CPU platform only, and raises the one line naming the fixing settings. Where no engine starts
-(`engine_held`: the resident engine's process once its engine runs) the check is not asked. Figures: docs/lm-eval.md.
+`cpu_refusal` and `kv_cache_refusal` decide on given numbers (pure); `check_engine_memory` gathers them with vLLM's
+own functions on its CPU platform. Figures: docs/lm-eval.md ("vLLM on a CPU: its memory check first").
 """
 
 from __future__ import annotations
