@@ -220,35 +220,6 @@ def test_lm_eval_ls_lists_sink_strength_with_no_flag():
     assert proc.returncode == 0 and "sink_strength " in proc.stdout.replace("|", " ")
 
 
-DUMMY_REFUSAL = (
-    "task sink_strength needs attention weights, which the dummy backend does not expose "
-    "(fix: give that backend pretrained=CHECKPOINT in --model_args (S is then measured with transformers before "
-    "the model loads), or run it with --model hf)"
-)
-
-
-def test_non_hf_backend_gets_one_clear_error(tiny_task_dir, tmp_path):
-    out = tmp_path / "out"
-    cmd = [
-        *LM_EVAL,
-        "--model",
-        "dummy",
-        "--tasks",
-        f"{TINY_TASK},sink_strength",
-        "--include_path",
-        str(tiny_task_dir),
-        "--output_path",
-        str(out),
-    ]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2
-    assert "Traceback" not in proc.stderr
-    line = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
-    assert line == [f"error: {DUMMY_REFUSAL}"]
-    # refused before the model is built: lm-eval logs this line when it builds the model
-    assert "Initializing dummy model" not in proc.stderr and not list(out.glob("*/results_*.json"))
-
-
 def test_a_model_the_capture_refuses_stops_before_any_request_of_any_task(tiny_tokenizer, tmp_path):
     """`--tasks ifeval,sink_strength` on a built model the capture refuses (Bloom: its attention bypasses
     transformers' interface): one line, exit 2, before lm-eval runs any request (IFEval's generation included)."""
@@ -612,7 +583,9 @@ def test_the_resident_engine_takes_the_place_of_an_llm_only_lm_eval_builds_by_th
         exec(source, mod.__dict__)
         return mod
 
-    assert engine_target_problem(module("LLM = dict\nclass VLLM:\n    def __init__(self):\n        LLM()\n")) is None
+    builds = module("LLM = dict\nclass VLLM:\n    def __init__(self):\n        self.model = LLM()\n")
+    assert engine_target_problem(builds, ("model",)) is None
+    assert engine_target_problem(builds, ("model", "lora_request")) == "VLLM.__init__ sets no lora_request"
     other = module("import types as vllm\nLLM = dict\nclass VLLM:\n    def __init__(self):\n        vllm.LLM()\n")
     assert engine_target_problem(other) == "builds its engine in VLLM.__init__ through no module global LLM"
     assert engine_target_problem(module("class VLLM:\n    pass\n")) == "has no LLM"

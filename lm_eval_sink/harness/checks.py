@@ -7,7 +7,6 @@ Task names resolved by lm-eval's own `TaskManager` in the interpreter that will 
 from __future__ import annotations
 
 import functools
-import json
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -15,11 +14,6 @@ from typing import Any
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.harness.model_args import model_arg_flag
 from lm_eval_sink.protocols import TOKEN_KEYS
-
-_DESCRIBE = (
-    "import json, sys; from lm_eval_sink.harness.checks import describe; "
-    "print(json.dumps(describe(*json.loads(sys.argv[1]))))"
-)
 
 
 @functools.cache
@@ -58,11 +52,9 @@ def describe(tasks: Sequence[str], include_path: str | None) -> dict[str, Any]:
 @functools.cache
 def task_facts(python: str, include_path: str | None, tasks: tuple[str, ...]) -> dict[str, Any]:
     """`describe` run where lm-eval will run: in this process, or in `python` (once per arguments and process)."""
-    if python == sys.executable:
-        return describe(tasks, include_path)
-    from lm_eval_sink.harness.runner import run_probe
+    from lm_eval_sink.harness.runner import ask
 
-    return run_probe(python, _DESCRIBE, json.dumps([list(tasks), include_path]))
+    return ask(python, f"{__name__}.describe", list(tasks), include_path)
 
 
 def check_protocol(settings: Any, models: Sequence[str]) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.harness.backends import backend_label, has_attention, unsupported
+from lm_eval_sink.harness.model_args import parsed_model_args
 from lm_eval_sink.harness.patching import HANDED_BACK, attempt, mismatch, patch, read_name
 from lm_eval_sink.harness.vllm_preflight import check_engine_memory
 
@@ -128,19 +129,13 @@ def _as_list(value: Any) -> list[Any]:
     return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def _model_args(model_args: Any) -> dict[str, Any]:
-    from lm_eval.utils import simple_parse_args_string
-
-    return simple_parse_args_string(model_args) if isinstance(model_args, str) else dict(model_args or {})
-
-
 def check_pretrained(arguments: dict[str, Any]) -> None:
     """Before anything loads: a local `pretrained` folder's safetensors files, those transformers loads
     (`model.safetensors` alone where there is one, else `weights.check_weights`), one line naming a file that is
     missing, cut short or not safetensors; a file transformers never reads leaves the run to lm-eval."""
     from lm_eval_sink.weights import check_weights, file_tensors
 
-    model_args = _model_args(arguments.get("model_args")) if isinstance(arguments.get("model"), str) else {}
+    model_args = parsed_model_args(arguments.get("model_args")) if isinstance(arguments.get("model"), str) else {}
     pretrained = model_args.get("pretrained")
     if isinstance(pretrained, str) and Path(pretrained).is_dir():
         single = Path(pretrained) / "model.safetensors"  # transformers' first choice: then it reads no other
@@ -156,22 +151,14 @@ def _task_manager(arguments: dict[str, Any]) -> Any:
         return arguments["task_manager"]
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(metadata=_model_args(arguments.get("model_args")) | (arguments.get("metadata") or {}))
+    return TaskManager(metadata=parsed_model_args(arguments.get("model_args")) | (arguments.get("metadata") or {}))
 
 
 def measure_first_request(arguments: dict[str, Any]) -> tuple[Any, Any] | None:
-    """Before lm-eval builds a backend without attention access, where this project's tasks are measured, with the
-    TaskManager that found them; None when none is asked of such a backend.
-    - Under `--model vllm`, where the engine path is exact (`engine_strength.decide`, from config.json and the
-      model_args): (None, task_manager); the engine lm-eval then builds carries the capture
-      (`engine_strength.engine_builder`) and measures S in its own forward, and nothing else loads the checkpoint.
-    - Otherwise measured first (`measure_first.py`; or kept by an earlier call that failed after it,
-      `kept_strength.Kept`): (Kept, task_manager), the hub revisions pinned to the commits measured in
-      `arguments["model_args"]`, which the engine then gets; one line saying why a `--model vllm` call's S is not
-      measured on its engine.
-
-    One line, before anything loads, when the backend has no `pretrained` transformers can load.
-    """
+    """Before lm-eval builds a backend without attention, where this project's tasks are measured: (None, TaskManager)
+    where the engine lm-eval builds measures S (`engine_strength.decide`), else (Kept, TaskManager) with the rows the
+    child measured first (or kept, `kept_strength`) and the revisions it measured pinned in `arguments`; None when no
+    such task is asked of such a backend. One line when the backend has no `pretrained` transformers can load."""
     model = arguments.get("model")
     model_class = _model_class(model)
     if has_attention(model_class):
@@ -181,7 +168,7 @@ def measure_first_request(arguments: dict[str, Any]) -> tuple[Any, Any] | None:
     if not ours:
         return None
     label = model if isinstance(model, str) else backend_label(type(model))
-    model_args = _model_args(arguments.get("model_args")) if isinstance(model, str) else {}
+    model_args = parsed_model_args(arguments.get("model_args")) if isinstance(model, str) else {}
     if not model_args.get("pretrained"):
         raise unsupported(ours[0], label)
     from lm_eval_sink.harness.engine_strength import decide, is_lm_eval_vllm
@@ -209,7 +196,7 @@ def _measured_first(arguments: dict[str, Any], task_manager: Any, ours: list[str
         task_jobs,
     )
 
-    load = pin_revisions(hf_load_args(_model_args(arguments.get("model_args")), ours[0], label))
+    load = pin_revisions(hf_load_args(parsed_model_args(arguments.get("model_args")), ours[0], label))
     check_loadable(load, ours[0], label)
     arguments["model_args"] = engine_model_args(arguments.get("model_args"), load)  # the commits measured
     if why is not None:
@@ -290,12 +277,12 @@ def patch_task_index() -> None:
 def prepare_tasks(lm: Any, task_dict: Any) -> Any:
     """Before any request of any task: check what S needs of the built model, record in each task of this
     project's metadata how S is measured (`capture`), and put those tasks first (their requests run first)."""
-    from lm_eval_sink.harness.task import REQUEST_TYPE, capture_record, check_capturable, measured_task
+    from lm_eval_sink.harness.task import capture_record, check_capturable, measured_task
 
-    tasks = task_dict.get("tasks") if isinstance(task_dict, dict) else None
-    ours = [name for name, t in (tasks or {}).items() if getattr(t, "OUTPUT_TYPE", None) == REQUEST_TYPE]
+    ours = _own_in(task_dict)
     if not ours:
         return task_dict
+    tasks = task_dict["tasks"]
     inner = getattr(lm, "lm", lm)  # CachingLM (--use_cache) wraps the real model
     if has_attention(type(inner)):
         check_capturable(inner.model)
@@ -326,18 +313,18 @@ def own_task_names() -> frozenset[str]:
     )
 
 
-def _holds_own(task_dict: Any) -> bool:
-    """Whether an `evaluate` task dict holds a task of this project."""
+def _own_in(task_dict: Any) -> list[str]:
+    """The names of this project's tasks in an `evaluate` task dict (by their request type)."""
     from lm_eval_sink.harness.task import REQUEST_TYPE
 
     tasks = task_dict.get("tasks") if isinstance(task_dict, dict) else None
-    return any(getattr(t, "OUTPUT_TYPE", None) == REQUEST_TYPE for t in (tasks or {}).values())
+    return [name for name, t in (tasks or {}).items() if getattr(t, "OUTPUT_TYPE", None) == REQUEST_TYPE]
 
 
 def _wrap_evaluate(original: Any) -> Any:
     @functools.wraps(original)
     def evaluate(lm: Any, task_dict: Any, *args: Any, **kwargs: Any) -> Any:
-        prepared = attempt("evaluate", lambda: prepare_tasks(lm, task_dict), lambda: _holds_own(task_dict))
+        prepared = attempt("evaluate", lambda: prepare_tasks(lm, task_dict), lambda: bool(_own_in(task_dict)))
         return original(lm, task_dict if prepared is HANDED_BACK else prepared, *args, **kwargs)
 
     return evaluate

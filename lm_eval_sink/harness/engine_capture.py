@@ -341,11 +341,9 @@ def measure_on_engine(
     query_chunk: int = DEFAULT_QUERY_CHUNK,
     lora_request: Any = None,
 ) -> list[Any]:
-    """Per-prompt sink statistics (`capture.PromptCapture`, as `capture.capture_prompts` returns them) from the
-    vLLM engine `llm`, built with `worker_extension_cls` SinkCaptureMixin (or a class inheriting it): each prompt of
-    `encoded` runs alone through the engine's own forward while the attention of `layers` (model layer indices) is
-    captured; `strength.reduce_captures` turns them into S. Raises EngineCaptureRefused (a UserError) where the
-    engine cannot measure S exactly; the engine is left as it was in every case."""
+    """Per-prompt `capture.PromptCapture`s from the vLLM engine `llm` (built with SinkCaptureMixin as its worker
+    extension): each prompt of `encoded` run alone through the engine's forward, the attention of `layers` captured.
+    EngineCaptureRefused (a UserError) where the engine cannot measure S exactly; the engine is left as it was."""
     layers = tuple(sorted({int(x) for x in layers}))
     _check_prompts(llm, encoded, layers)
     try:

@@ -40,11 +40,9 @@ class EngineWorkerExtension(SinkCaptureMixin):
         return {f"cuda:{device}": int(cuda.max_memory_allocated(device))}
 
     def weight_storage(self) -> dict[str, int | str]:
-        """What this worker's model tensors (parameters and buffers) occupy: how many, their bytes, and a digest of
-        each one's name, shape, dtype, device and storage address. vLLM's `reload_weights` copies the new weights
-        into these same tensors (compiled graphs read their addresses), so after a swap the digest is the build's.
-        On vLLM's CPU build the linear layers' weights are packed into oneDNN handles outside them (made again at
-        each reload), so there they are the embeddings, norms and the emptied linear parameters."""
+        """How many model tensors this worker holds, their bytes, and a digest of each one's name, shape, dtype, device
+        and storage address: `reload_weights` copies into these tensors, so after a swap the digest is the build's (on
+        vLLM's CPU build, without the linear weights packed into oneDNN handles)."""
         import hashlib
 
         worker: Any = self

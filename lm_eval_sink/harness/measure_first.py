@@ -69,7 +69,7 @@ def hf_load_args(model_args: dict[str, Any], task: str, backend: str) -> HfLoad:
     )
 
 
-def _commit(repo: str, revision: str | None) -> str | None:
+def hub_commit(repo: str, revision: str | None = None) -> str | None:
     """The commit sha of a hub repo at `revision` (None: its default branch); None for a local folder."""
     from lm_eval_sink.identity import looks_like_hub_id, model_identity
 
@@ -81,8 +81,8 @@ def _commit(repo: str, revision: str | None) -> str | None:
 def pin_revisions(load: HfLoad) -> HfLoad:
     """`load` with each hub repo's revision resolved once to its commit sha: the model's `revision` and the
     tokenizer's `tokenizer_revision` (a local folder keeps what was given)."""
-    model_sha = _commit(load.pretrained, load.revision)
-    tokenizer_sha = _commit(load.tokenizer or load.pretrained, load.tokenizer_revision)
+    model_sha = hub_commit(load.pretrained, load.revision)
+    tokenizer_sha = hub_commit(load.tokenizer or load.pretrained, load.tokenizer_revision)
     return replace(
         load,
         revision=model_sha or load.revision,

@@ -170,15 +170,16 @@ def add_method(owner: type, name: str, method: Any, *, reads: tuple[str, ...] = 
     return True
 
 
-def engine_target_problem(module: Any) -> str | None:
-    """Why the resident engine (`ResidentEngine.serving`) cannot replace the `LLM(...)` that lm-eval's vLLM model
-    builds (None when it can): `module` must hold `LLM`, and its `VLLM.__init__` must call that module global (what
-    `serving` swaps), not another name for vLLM's class, which would build a new engine per checkpoint unseen."""
+def engine_target_problem(module: Any, sets: tuple[str, ...] = ()) -> str | None:
+    """Why `module`'s `VLLM.__init__` (read from its bytecode) does not build its engine through the module global
+    `LLM` (what `engine_strength.engine_builder` swaps), or sets no attribute of `sets`; None when it does both."""
     import dis
 
     if inspect.getattr_static(module, "LLM", None) is None:
         return "has no LLM"
     code = getattr(inspect.getattr_static(getattr(module, "VLLM", None), "__init__", None), "__code__", None)
-    if code is None or not any(i.opname == "LOAD_GLOBAL" and i.argval == "LLM" for i in dis.get_instructions(code)):
+    found = {(i.opname, i.argval) for i in dis.get_instructions(code)} if code is not None else set()
+    if ("LOAD_GLOBAL", "LLM") not in found:
         return "builds its engine in VLLM.__init__ through no module global LLM"
-    return None
+    missing = [name for name in sets if ("STORE_ATTR", name) not in found]
+    return f"VLLM.__init__ sets no {', '.join(missing)}" if missing else None

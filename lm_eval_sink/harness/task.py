@@ -145,12 +145,9 @@ def decode_array(d: dict[str, Any]) -> np.ndarray:
 
 @dataclass(frozen=True)
 class PromptRows:
-    """One document's item: its prompt's rows as the whole-set statistics need them.
-
-    `payload` is JSON-safe (it goes into the samples file once, under `sink_strength`); the same
-    object is every metric's item, so lm-eval's gather across ranks pickles it once per document.
-    Printed (responses, other metrics in the samples file) it is a one-line note.
-    """
+    """One document's item: its prompt's rows as the whole-set statistics need them. `payload` is JSON-safe (in the
+    samples file once, under `sink_strength`); the same object is every metric's item (pickled once per document
+    across ranks); printed, it is a one-line note."""
 
     payload: dict[str, Any]
 
@@ -325,11 +322,8 @@ def measure_rows(
     settings: StrengthSettings,
     rank: int = 0,
 ) -> list[PromptRows]:
-    """One task's (prompt id, prompt) pairs captured on `model`: one `PromptRows` each, in order.
-
-    The same function for HFLM's requests and for the rows measured first (`measure_first.py`); a
-    peft model is measured as `adapters.adapted` says (the adapter's forward).
-    """
+    """One task's (prompt id, prompt) pairs captured on `model`, one `PromptRows` each, in order: for HFLM's
+    requests and the rows measured first alike (a peft model as `adapters.adapted` says)."""
     from lm_eval_sink.calibration import encode_prompts
     from lm_eval_sink.adapters import adapted
     from lm_eval_sink.capture import attention_layers, capture_prompts, n_layers_of
