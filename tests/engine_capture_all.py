@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from engine_models import finish_job, largest_differences, start_job
+from engine_models import largest_differences
 from helpers import VLLM_PY, vllm_missing_reason
-from test_engine_capture import IN_PROCESS, SETTINGS, assert_engine_equals_eager
+from test_engine_capture import IN_PROCESS, SETTINGS, assert_engine_equals_eager, run_jobs
 
 from lm_eval_sink.strength import reduce_captures
 
@@ -60,10 +60,8 @@ def measured(tmp_path_factory) -> dict[str, dict]:
     if not VLLM_PY.is_file():
         pytest.skip(vllm_missing_reason())
     root, out, names = tmp_path_factory.mktemp("engine_capture_all"), {}, list(JOBS)
-    common = {"dtype": "float32", "tensor_parallel_size": 1, "n_prompts": SETTINGS.n_prompts}
-    for pair in (names[i : i + 2] for i in range(0, len(names), 2)):
-        procs = {n: start_job({**common, **JOBS[n][0], "name": n}, root, JOBS[n][1]) for n in pair}
-        out |= {n: finish_job(p, root, n, timeout=900) for n, p in procs.items()}
+    for pair in (names[i : i + 2] for i in range(0, len(names), 2)):  # two engines at a time
+        out |= run_jobs({n: JOBS[n] for n in pair}, root, timeout=900)
     return out
 
 

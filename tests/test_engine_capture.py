@@ -32,11 +32,11 @@ JOBS = {  # name: (job, environment); the Llama engine also refuses a prompt lon
 SETTINGS = StrengthSettings(n_prompts=5, last_k=2)
 
 
-def run_jobs(jobs: dict, root) -> dict[str, dict]:
+def run_jobs(jobs: dict, root, timeout: float = 600) -> dict[str, dict]:
     """Every job's driver at once (one engine each), then their results."""
     common = {"dtype": "float32", "tensor_parallel_size": 1, "n_prompts": SETTINGS.n_prompts}
     procs = {name: start_job({**common, **job, "name": name}, root, env) for name, (job, env) in jobs.items()}
-    return {name: finish_job(proc, root, name) for name, proc in procs.items()}
+    return {name: finish_job(proc, root, name, timeout) for name, proc in procs.items()}
 
 
 @pytest.fixture(scope="module")

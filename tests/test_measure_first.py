@@ -221,24 +221,23 @@ def test_the_child_loads_a_soft_capped_model_eager_under_the_vllm_venvs_transfor
 FLAGS = {"1": True, "yes": True, "True": True, "true": True, "0": False, "false": False, "False": False, "": False}
 
 
-def test_a_boolean_model_argument_means_what_lm_eval_hands_the_model_class():
+def test_every_reader_of_a_boolean_model_argument_reads_it_as_lm_eval_hands_it_the_model_class(
+    handset_llama_dir, tmp_path
+):
     """ "1", "yes" and "True" are on, "0", "false" and "" off, as lm-eval's parse of `--model_args` and the truthiness
-    the model classes apply make them; "no" is a non-empty string to lm-eval, so it is on too."""
+    the model classes apply make them ("no" is a non-empty string to lm-eval: on); the S child's load, the
+    resident's placement and the protocol check's config read agree on each value."""
     from lm_eval.utils import handle_arg_string
 
+    from lm_eval_sink.harness.checks import _max_length
+    from lm_eval_sink.harness.inprocess import resident_device
+    from lm_eval_sink.harness.measure_first import hf_load_args
     from lm_eval_sink.harness.model_args import model_arg_flag
+    from lm_eval_sink.harness.runner import EvalSettings
 
     table = {**FLAGS, "no": True, "none": False, "0.0": False, "'0'": True, " TRUE ": True}
     assert {v: model_arg_flag(v) for v in table} == table == {v: bool(handle_arg_string(v)) for v in table}
     assert model_arg_flag(True) and not model_arg_flag(0) and model_arg_flag(1)
-
-
-def test_every_reader_of_a_boolean_model_argument_reads_it_alike(handset_llama_dir, tmp_path):
-    """The S child's load, the resident's placement and the protocol check's config read agree on each value."""
-    from lm_eval_sink.harness.checks import _max_length
-    from lm_eval_sink.harness.inprocess import resident_device
-    from lm_eval_sink.harness.measure_first import hf_load_args
-    from lm_eval_sink.harness.runner import EvalSettings
 
     remote = str(_remote_code_folder(handset_llama_dir, tmp_path / "remote"))
 

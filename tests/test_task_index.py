@@ -8,6 +8,7 @@ import datetime
 import json
 import os
 import pickle
+import shutil
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,8 @@ from lm_eval_sink.harness.task_index import cached_build, decode, encode, folder
 
 
 def test_the_key_follows_every_file_the_index_may_read(tmp_path):
-    """Every YAML and every include target whatever its name; not Python files, which the index never reads."""
+    """Every YAML and every include target whatever its name, by content (bytes changed at the same path, size and
+    mtime make another key; a copy of the same files keeps it); not Python files, which the index never reads."""
     root = tmp_path / "tasks"
     (root / "a" / "__pycache__").mkdir(parents=True)
     (root / "a" / "t.yaml").write_text("include: _default_template_yaml\ntask: t\n")
@@ -38,11 +40,18 @@ def test_the_key_follows_every_file_the_index_may_read(tmp_path):
     (root / "a" / "u.yaml").write_text("task: u\n")
     added = key()
     assert added not in (first, template)
-    os.utime(root / "a" / "t.yaml", ns=(1, 1))
-    touched = key()
-    assert touched not in (first, template, added)
     (root / "a" / "u.yaml").unlink()
-    assert key() not in (first, template, added, touched)
+    assert key() == template  # the content alone: the same files give the same key
+    same = (root / "a" / "t.yaml").stat()
+    (root / "a" / "t.yaml").write_text("include: _default_template_yaml\ntask: T\n")  # the same size
+    os.utime(root / "a" / "t.yaml", ns=(same.st_atime_ns, same.st_mtime_ns))
+    assert (root / "a" / "t.yaml").stat().st_size == same.st_size and key() not in (first, template, added)
+    edited = key()
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy, copy_function=shutil.copy2)  # other inodes and ctimes, the same bytes and mtimes
+    shutil.rmtree(root)
+    copy.rename(root)
+    assert key() == edited  # a reinstall of the same files keeps the index
 
 
 class _Planted:

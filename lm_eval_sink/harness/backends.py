@@ -1,8 +1,6 @@
 """Which lm-eval backends give this project attention access, and the one line that refuses the others.
 
-A backend without it gets S measured first with transformers when its `pretrained` is a checkpoint
-(`measure_first.py`); the refusal is for the rest. Shared by the start-up hook's check before the
-model loads (`discovery.py`) and the task's own request method on lm-eval's base `LM` class
+Shared by the start-up hook's check before the model loads (`discovery.py`) and the base `LM` request method
 (`task.py`), so both say the same thing.
 """
 

@@ -1,21 +1,12 @@
 """Plan-time checks of an lm-eval protocol, before anything runs (`sweep`, `eval`).
 
-lm-eval itself finds a misspelled task, or a generation longer than the model, only once the run
-is under way (in a sweep: after the merges and every S measurement). Here the names are resolved
-with lm-eval's own `TaskManager` (tasks, groups and tags, with a did-you-mean) in the interpreter
-that will run lm-eval: this one, or another (`EvalSettings.python`, e.g. the vLLM venv) through
-`runner.run_probe`. Building a TaskManager costs seconds, so there is one per (interpreter,
-include_path) per process. Then the generation settings each generating task will use are
-rebuilt as lm-eval merges them (the task's `generation_kwargs` updated by `--gen_kwargs`, the
-first of `TOKEN_KEYS` present wins): a `gen_kwargs` key that the task's own setting would
-override is refused naming the key lm-eval reads, and a length that reaches the model's maximum
-(from its config and tokenizer, no weights read) is refused.
+Task names resolved by lm-eval's own `TaskManager` in the interpreter that will run lm-eval (with a did-you-mean),
+`gen_kwargs` keys a task would override, and generation lengths that reach a model's maximum (no weights read).
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -23,11 +14,6 @@ from typing import Any
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.harness.model_args import model_arg_flag
 from lm_eval_sink.protocols import TOKEN_KEYS
-
-_DESCRIBE = (
-    "import json, sys; from lm_eval_sink.harness.checks import describe; "
-    "print(json.dumps(describe(*json.loads(sys.argv[1]))))"
-)
 
 
 @functools.cache
@@ -66,11 +52,9 @@ def describe(tasks: Sequence[str], include_path: str | None) -> dict[str, Any]:
 @functools.cache
 def task_facts(python: str, include_path: str | None, tasks: tuple[str, ...]) -> dict[str, Any]:
     """`describe` run where lm-eval will run: in this process, or in `python` (once per arguments and process)."""
-    if python == sys.executable:
-        return describe(tasks, include_path)
-    from lm_eval_sink.harness.runner import run_probe
+    from lm_eval_sink.harness.runner import ask
 
-    return run_probe(python, _DESCRIBE, json.dumps([list(tasks), include_path]))
+    return ask(python, f"{__name__}.describe", list(tasks), include_path)
 
 
 def check_protocol(settings: Any, models: Sequence[str]) -> None:

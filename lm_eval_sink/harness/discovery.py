@@ -1,30 +1,8 @@
-"""Glue that makes lm-eval 0.4.13 find this project's tasks with no flag (called by `hooks.py`).
+"""Glue that makes lm-eval find and run this project's tasks with no flag (the patches `hooks.py` arms).
 
-- `patch_task_index`: every `TaskManager` built with lm-eval's defaults also indexes `tasks_dir()` (the
-  `sink_strength` tasks) and, with `LM_EVAL_SINK_DATA` set, points the covered stock tasks at local files
-  (`offline.py`); lm-eval's index of its own tasks is read from the cache (`task_index.py`). It wraps
-  `TaskIndex.build`, not `TaskManager.__init__`, so no frame of this project stands between a `TaskManager`
-  and its caller (lm-eval's warnings there, such as `verbosity`'s DeprecationWarning, name the caller).
-  `include_defaults=False` keeps lm-eval's contract (only the given include paths). Explicit form without the
-  hook: `--include_path "$(lm-eval-sink tasks-dir)"`.
-- `patch_evaluator`: a task of this project (named, or through a group or tag, resolved with
-  lm-eval's TaskManager) asked of a backend without attention access (vllm, ...: anything but HFLM)
-  is decided before lm-eval builds the model: under `--model vllm`, where the engine path is exact,
-  measured on the engine lm-eval builds (`engine_strength.py`: it is built with this project's
-  worker extension); otherwise measured first with transformers in a child process when the
-  backend's `pretrained` is a checkpoint transformers can load (`measure_first.py`, with one line
-  saying why under vLLM), and refused in one line otherwise. Then, in `evaluate`, before any request
-  of any task: every check of the built model that S needs (`task.check_capturable`, or the engine's
-  workers' own check: `engine_strength.engine_records`), how S is measured recorded in each
-  such task's metadata (`capture`), and those tasks put first, so their requests (seconds) run
-  before any other task's and a failure in S comes before hours of generation, not after them.
-- `patch_cli`: under the `lm_eval` console script, this project's `UserError`s print one line
-  (`error: ...`) and exit 2 instead of a traceback.
-Each patch is idempotent and keeps lm-eval's own behaviour for everything else. Each declares what it relies on
-(`patching.patch`: the parameters its wrapper passes or reads, the attributes and methods it reads on lm-eval's
-objects), checked before it replaces anything; a target that differs is left as installed, with one warning line
-per patch naming it, lm-eval's version and the explicit way. A wrapper's own part that fails unexpectedly on a call
-holding none of this project's tasks hands the call to lm-eval's own function (`patching.attempt`).
+`patch_task_index` (this project's tasks, the offline data, the cached index), `patch_evaluator` (S decided and
+measured before a backend without attention is built; checks and this project's tasks first in `evaluate`),
+`patch_cli` (one-line errors) and `patch_table` (the console lines), each through `patching.patch`: docs/lm-eval.md.
 """
 
 from __future__ import annotations
@@ -40,6 +18,7 @@ from typing import Any
 
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.harness.backends import backend_label, has_attention, unsupported
+from lm_eval_sink.harness.model_args import parsed_model_args
 from lm_eval_sink.harness.patching import HANDED_BACK, attempt, mismatch, patch, read_name
 from lm_eval_sink.harness.vllm_preflight import check_engine_memory
 
@@ -150,19 +129,13 @@ def _as_list(value: Any) -> list[Any]:
     return [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def _model_args(model_args: Any) -> dict[str, Any]:
-    from lm_eval.utils import simple_parse_args_string
-
-    return simple_parse_args_string(model_args) if isinstance(model_args, str) else dict(model_args or {})
-
-
 def check_pretrained(arguments: dict[str, Any]) -> None:
     """Before anything loads: a local `pretrained` folder's safetensors files, those transformers loads
     (`model.safetensors` alone where there is one, else `weights.check_weights`), one line naming a file that is
     missing, cut short or not safetensors; a file transformers never reads leaves the run to lm-eval."""
     from lm_eval_sink.weights import check_weights, file_tensors
 
-    model_args = _model_args(arguments.get("model_args")) if isinstance(arguments.get("model"), str) else {}
+    model_args = parsed_model_args(arguments.get("model_args")) if isinstance(arguments.get("model"), str) else {}
     pretrained = model_args.get("pretrained")
     if isinstance(pretrained, str) and Path(pretrained).is_dir():
         single = Path(pretrained) / "model.safetensors"  # transformers' first choice: then it reads no other
@@ -178,22 +151,14 @@ def _task_manager(arguments: dict[str, Any]) -> Any:
         return arguments["task_manager"]
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(metadata=_model_args(arguments.get("model_args")) | (arguments.get("metadata") or {}))
+    return TaskManager(metadata=parsed_model_args(arguments.get("model_args")) | (arguments.get("metadata") or {}))
 
 
 def measure_first_request(arguments: dict[str, Any]) -> tuple[Any, Any] | None:
-    """Before lm-eval builds a backend without attention access, where this project's tasks are measured, with the
-    TaskManager that found them; None when none is asked of such a backend.
-    - Under `--model vllm`, where the engine path is exact (`engine_strength.decide`, from config.json and the
-      model_args): (None, task_manager); the engine lm-eval then builds carries the capture
-      (`engine_strength.engine_builder`) and measures S in its own forward, and nothing else loads the checkpoint.
-    - Otherwise measured first (`measure_first.py`; or kept by an earlier call that failed after it,
-      `kept_strength.Kept`): (Kept, task_manager), the hub revisions pinned to the commits measured in
-      `arguments["model_args"]`, which the engine then gets; one line saying why a `--model vllm` call's S is not
-      measured on its engine.
-
-    One line, before anything loads, when the backend has no `pretrained` transformers can load.
-    """
+    """Before lm-eval builds a backend without attention, where this project's tasks are measured: (None, TaskManager)
+    where the engine lm-eval builds measures S (`engine_strength.decide`), else (Kept, TaskManager) with the rows the
+    child measured first (or kept, `kept_strength`) and the revisions it measured pinned in `arguments`; None when no
+    such task is asked of such a backend. One line when the backend has no `pretrained` transformers can load."""
     model = arguments.get("model")
     model_class = _model_class(model)
     if has_attention(model_class):
@@ -203,7 +168,7 @@ def measure_first_request(arguments: dict[str, Any]) -> tuple[Any, Any] | None:
     if not ours:
         return None
     label = model if isinstance(model, str) else backend_label(type(model))
-    model_args = _model_args(arguments.get("model_args")) if isinstance(model, str) else {}
+    model_args = parsed_model_args(arguments.get("model_args")) if isinstance(model, str) else {}
     if not model_args.get("pretrained"):
         raise unsupported(ours[0], label)
     from lm_eval_sink.harness.engine_strength import decide, is_lm_eval_vllm
@@ -231,7 +196,7 @@ def _measured_first(arguments: dict[str, Any], task_manager: Any, ours: list[str
         task_jobs,
     )
 
-    load = pin_revisions(hf_load_args(_model_args(arguments.get("model_args")), ours[0], label))
+    load = pin_revisions(hf_load_args(parsed_model_args(arguments.get("model_args")), ours[0], label))
     check_loadable(load, ours[0], label)
     arguments["model_args"] = engine_model_args(arguments.get("model_args"), load)  # the commits measured
     if why is not None:
@@ -312,12 +277,12 @@ def patch_task_index() -> None:
 def prepare_tasks(lm: Any, task_dict: Any) -> Any:
     """Before any request of any task: check what S needs of the built model, record in each task of this
     project's metadata how S is measured (`capture`), and put those tasks first (their requests run first)."""
-    from lm_eval_sink.harness.task import REQUEST_TYPE, capture_record, check_capturable, measured_task
+    from lm_eval_sink.harness.task import capture_record, check_capturable, measured_task
 
-    tasks = task_dict.get("tasks") if isinstance(task_dict, dict) else None
-    ours = [name for name, t in (tasks or {}).items() if getattr(t, "OUTPUT_TYPE", None) == REQUEST_TYPE]
+    ours = _own_in(task_dict)
     if not ours:
         return task_dict
+    tasks = task_dict["tasks"]
     inner = getattr(lm, "lm", lm)  # CachingLM (--use_cache) wraps the real model
     if has_attention(type(inner)):
         check_capturable(inner.model)
@@ -348,18 +313,18 @@ def own_task_names() -> frozenset[str]:
     )
 
 
-def _holds_own(task_dict: Any) -> bool:
-    """Whether an `evaluate` task dict holds a task of this project."""
+def _own_in(task_dict: Any) -> list[str]:
+    """The names of this project's tasks in an `evaluate` task dict (by their request type)."""
     from lm_eval_sink.harness.task import REQUEST_TYPE
 
     tasks = task_dict.get("tasks") if isinstance(task_dict, dict) else None
-    return any(getattr(t, "OUTPUT_TYPE", None) == REQUEST_TYPE for t in (tasks or {}).values())
+    return [name for name, t in (tasks or {}).items() if getattr(t, "OUTPUT_TYPE", None) == REQUEST_TYPE]
 
 
 def _wrap_evaluate(original: Any) -> Any:
     @functools.wraps(original)
     def evaluate(lm: Any, task_dict: Any, *args: Any, **kwargs: Any) -> Any:
-        prepared = attempt("evaluate", lambda: prepare_tasks(lm, task_dict), lambda: _holds_own(task_dict))
+        prepared = attempt("evaluate", lambda: prepare_tasks(lm, task_dict), lambda: bool(_own_in(task_dict)))
         return original(lm, task_dict if prepared is HANDED_BACK else prepared, *args, **kwargs)
 
     return evaluate

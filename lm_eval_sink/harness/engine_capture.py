@@ -1,13 +1,8 @@
 """Sink Strength from a vLLM engine's own forward: a worker extension that reads each attention layer's query and key.
 
-`SinkCaptureMixin` (a `worker_extension_cls`, called by name through `LLM.collective_rpc`) wraps the `impl.forward`
-of each measured attention layer while a measurement is armed: the original runs unchanged, then the prefill's query
-and key are reduced to capture.py's per-row statistics with capture.py's own row math, in float32, with the layer's
-scale, soft-capping, sliding window and GQA; only those statistics leave the workers. `measure_on_engine` sends each
-calibration prompt alone (one greedy token, no prefix-cache read, a cache salt of its own) and checks that every
-recorded forward is one request's whole prefill. Whether an engine measures S at all is decided before it is built
-(`engine_decision.s_refusal`); the workers check again on the built engine. Why this works under torch.compile and
-CUDA graphs, tensor parallelism, and the figures: docs/sink-strength.md ("S inside a vLLM engine").
+`SinkCaptureMixin` wraps each measured layer's `impl.forward` while armed and reduces the prefill's query and key
+with capture.py's row math; `measure_on_engine` sends each prompt alone and checks each forward is one whole
+prefill. How and why, and the figures: docs/sink-strength.md ("S inside a vLLM engine").
 """
 
 from __future__ import annotations
@@ -346,11 +341,9 @@ def measure_on_engine(
     query_chunk: int = DEFAULT_QUERY_CHUNK,
     lora_request: Any = None,
 ) -> list[Any]:
-    """Per-prompt sink statistics (`capture.PromptCapture`, as `capture.capture_prompts` returns them) from the
-    vLLM engine `llm`, built with `worker_extension_cls` SinkCaptureMixin (or a class inheriting it): each prompt of
-    `encoded` runs alone through the engine's own forward while the attention of `layers` (model layer indices) is
-    captured; `strength.reduce_captures` turns them into S. Raises EngineCaptureRefused (a UserError) where the
-    engine cannot measure S exactly; the engine is left as it was in every case."""
+    """Per-prompt `capture.PromptCapture`s from the vLLM engine `llm` (built with SinkCaptureMixin as its worker
+    extension): each prompt of `encoded` run alone through the engine's forward, the attention of `layers` captured.
+    EngineCaptureRefused (a UserError) where the engine cannot measure S exactly; the engine is left as it was."""
     layers = tuple(sorted({int(x) for x in layers}))
     _check_prompts(llm, encoded, layers)
     try:

@@ -1,13 +1,7 @@
 """The sweep's side of the resident vLLM engine: its process, the requests, and what a checkpoint fixes in an engine.
 
-`EngineProcess` starts `python -m lm_eval_sink.harness.engine_server` in the interpreter of the eval
-settings (vLLM lives in a venv of its own) and sends it one JSON request per line, reading one answer
-line each (the protocol: `engine_server`'s docstring). The process outlives the requests, not the
-sweep: it exits on `close`, at the end of its input, and (Linux) when the sweep's process dies.
-`checkpoint_facts` reads, without loading anything, what an engine started from a checkpoint folder
-would fix (`merging.engine_reuse.engine_fields`): config.json, generation_config.json, the tokenizer's
-files and the weight tensors' names and shapes (safetensors headers). `reload_support` asks the
-interpreter, without importing vLLM, whether its vLLM has the worker's `reload_weights`.
+`EngineProcess` runs `engine_server` in the eval settings' interpreter, one JSON line per request and answer;
+`checkpoint_facts` reads what an engine started from a folder would fix, loading nothing. docs/scale.md.
 """
 
 from __future__ import annotations

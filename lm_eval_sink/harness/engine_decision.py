@@ -1,17 +1,8 @@
 """Whether Sink Strength is measured on a vLLM engine: one table of what rules an engine out, one function.
 
-Every caller asks `s_refusal` before anything is measured: lm-eval's `--model vllm` call (`engine_strength.decide`,
-before lm-eval builds its engine), a resident sweep's plan for its eval units and its `strength:` units
-(`commands.engine_sweep.engine_s`), and the resident engine for each `strength:` unit (`built_refusal`, on the built
-engine, which adds its workers' own check of each attention layer). None: S is measured in the engine's forward
-(`engine_capture.py`). Otherwise the one-line reason, and S comes from the named fallback, transformers (the child
-under `--model vllm`, `strength` in the sweep's interpreter for a `strength:` unit); a built engine whose workers
-refuse ends lm-eval's call in that line (`EngineCaptureRefused`).
-
-The engine measures S only where it runs the checkpoint's own weights and config in a forward whose query and key
-its workers read. `RULES` lists vLLM 0.32's engine arguments (`EngineArgs`) that break this, each with the values
-that keep the engine; the arguments not listed change scheduling, memory, logging or decoding, not the prefill's
-attention. Pure: reads nothing but the `SWITCH` variable.
+Every caller asks `s_refusal` (lm-eval's `--model vllm` call, a resident sweep's eval and `strength:` units, the
+built engine through `built_refusal`); None: S in the engine's forward, else the one-line reason and the named
+fallback (transformers). `RULES`: vLLM 0.32's engine arguments that change the forward. Pure. docs/lm-eval.md.
 """
 
 from __future__ import annotations

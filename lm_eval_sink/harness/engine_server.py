@@ -1,12 +1,8 @@
 """The resident vLLM engine's process: lm-eval's vLLM model on one engine that takes each checkpoint's weights.
 
-`harness.engine_client.EngineProcess` starts it in the vLLM interpreter (`python -m lm_eval_sink.harness.engine_server`)
-and sends one JSON request per line on its stdin (`eval`, `strength`, `close`); each gets one answer line on the
-stdout it was started with (the process's own stdout then writes to stderr, the unit's log). An `eval` request runs
-lm-eval in this process as its CLI would, the `LLM(...)` lm-eval's vLLM model asks for being the resident engine
-(`ResidentEngine.serving`: built for the first checkpoint, then `reload_weights`, prefix-cache reset and reseed);
-a `strength` request measures a sweep's `strength:` unit on the checkpoint the engine holds, where the one decision
-allows it (`engine_decision.built_refusal`). The protocol, the checks and their figures: docs/scale.md.
+One JSON request per line on stdin (`eval`, `strength`, `close`), one answer line each on the stdout it was started
+with; the `LLM(...)` lm-eval builds is the resident engine (`ResidentEngine.serving`). Protocol and checks:
+docs/scale.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Sink Strength on the vLLM engine that lm-eval builds: decided before it is built, measured by its request method.
 
-Under `--model vllm` the start-up hook (`discovery.measure_first_request`) asks `decide` (the one decision,
-`engine_decision.s_refusal`) before lm-eval builds its engine. Where S is measured on the engine, lm-eval's `VLLM`
-carries this project's `sink_strength` request method (`vllm_sink_strength`, rows as HFLM's method gives them) and
-its engine is built with this project's worker extension (`engine_builder`, the one way this project changes that
-engine); otherwise the transformers child measures S first (`measure_first.py`, the one fallback), with one line
-saying why. `measure_strength` is the same measurement as one `SinkStrength` (the resident engine's `strength:`
-units). How, and the figures: docs/lm-eval.md. Importing this module imports neither torch, vLLM nor lm-eval.
+`decide` asks the one decision (`engine_decision.s_refusal`); where it allows, lm-eval's `VLLM` gets the request
+method and its engine this project's worker extension (`engine_builder`), else the child measures S first
+(`measure_first.py`). docs/lm-eval.md. Importing this module imports neither torch, vLLM nor lm-eval.
 """
 
 from __future__ import annotations
@@ -26,6 +22,7 @@ ENGINE_WEIGHTS = (
     "its LoRA, as lm-eval's requests run them"
 )
 CAPTURED_WITH = "vLLM's attention layers: query and key as each layer receives them (harness/engine_capture.py)"
+REQUEST_READS = ("model", "tokenizer", "lora_request")  # what `vllm_sink_strength` reads, set in VLLM.__init__
 _RECORDS: dict[str, dict[str, Any]] = {}  # task name -> its capture record in the task's metadata (this call's)
 
 
@@ -71,7 +68,7 @@ def decide(model_class: type | None, model_args: Mapping[str, Any]) -> str | Non
     from lm_eval_sink.harness.patching import engine_target_problem
 
     add_model_info(model_class)
-    target = engine_target_problem(module)
+    target = engine_target_problem(module, REQUEST_READS)
     why = s_refusal(read_config(model_args), model_args, gpu_major())
     why = why or (None if target is None else f"lm-eval's vllm_causallms {target}")
     if why is None and not add_request_method(model_class):
@@ -211,20 +208,6 @@ def vllm_sink_strength(self: Any, requests: list[Any]) -> list[Any]:
     return rows_per_task(requests, measure, by_task)
 
 
-def _vllm_mismatch(cls: type) -> Any:
-    """Why lm-eval's VLLM does not set what `vllm_sink_strength` reads in its `__init__` (None when it does)."""
-
-    def check() -> str | None:
-        import dis
-
-        code = getattr(cls.__dict__.get("__init__"), "__code__", None)
-        stored = {i.argval for i in dis.get_instructions(code) if i.opname == "STORE_ATTR"} if code else set()
-        missing = sorted({"model", "tokenizer", "lora_request"} - stored)
-        return f"VLLM.__init__ sets no {', '.join(missing)}" if missing else None
-
-    return check
-
-
 def _model_info(self: Any) -> dict[str, Any]:
     """The dtype lm-eval's VLLM engine runs, as HFLM's `get_model_info` names its model's (`model_dtype`)."""
     llm = getattr(self, "model", None)
@@ -241,12 +224,12 @@ def add_model_info(cls: type) -> None:
 
 
 def add_request_method(cls: type) -> bool:
-    """lm-eval's VLLM gets `sink_strength` (`vllm_sink_strength`), checked first (`patching.add_method`)."""
+    """lm-eval's VLLM gets `sink_strength` (`vllm_sink_strength`), checked first (`patching.add_method`; what it reads
+    of `VLLM.__init__`: `decide`)."""
     from lm_eval_sink.harness.patching import add_method
     from lm_eval_sink.harness.task import REQUEST_TYPE, _instance_mismatch
 
-    more = _vllm_mismatch(cls)
-    return add_method(cls, REQUEST_TYPE, vllm_sink_strength, more=lambda: more() or _instance_mismatch())
+    return add_method(cls, REQUEST_TYPE, vllm_sink_strength, more=_instance_mismatch)
 
 
 def measure_strength(llm: Any, tokenizer: Any, settings: Any, provenance: dict[str, Any]) -> Any:

@@ -1,10 +1,7 @@
 """What every vLLM engine this project builds runs inside its workers: methods vLLM calls by name.
 
-vLLM adds `EngineWorkerExtension`'s methods to its worker class when the engine is built with
-`worker_extension_cls=WORKER_EXTENSION` (the resident engine; lm-eval's own, `engine_strength.engine_builder`), so
-`LLM.collective_rpc("name")` reaches them also in vLLM's default process mode, where a plain function would not pass
-its serializer. It inherits `engine_capture.SinkCaptureMixin` (vLLM takes one extension class). Methods only: vLLM
-grafts the class onto the worker as a base. Importing this module imports neither torch nor vLLM.
+`EngineWorkerExtension` (`worker_extension_cls=WORKER_EXTENSION`) is reached through `LLM.collective_rpc` in every
+process mode; it inherits `engine_capture.SinkCaptureMixin` (vLLM takes one). Imports neither torch nor vLLM.
 """
 
 from __future__ import annotations
@@ -43,11 +40,9 @@ class EngineWorkerExtension(SinkCaptureMixin):
         return {f"cuda:{device}": int(cuda.max_memory_allocated(device))}
 
     def weight_storage(self) -> dict[str, int | str]:
-        """What this worker's model tensors (parameters and buffers) occupy: how many, their bytes, and a digest of
-        each one's name, shape, dtype, device and storage address. vLLM's `reload_weights` copies the new weights
-        into these same tensors (compiled graphs read their addresses), so after a swap the digest is the build's.
-        On vLLM's CPU build the linear layers' weights are packed into oneDNN handles outside them (made again at
-        each reload), so there they are the embeddings, norms and the emptied linear parameters."""
+        """How many model tensors this worker holds, their bytes, and a digest of each one's name, shape, dtype, device
+        and storage address: `reload_weights` copies into these tensors, so after a swap the digest is the build's (on
+        vLLM's CPU build, without the linear weights packed into oneDNN handles)."""
         import hashlib
 
         worker: Any = self

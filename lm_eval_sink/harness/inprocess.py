@@ -1,21 +1,7 @@
 """lm-eval and Sink Strength in this process, on one resident model: the in-memory sweep's evaluation.
 
-An in-memory sweep keeps ONE model of the reference's architecture loaded (`load_resident`),
-copies each merged checkpoint into it (`merging.inmemory.merge_into`), then evaluates it here with
-`evaluate` and measures it with `measure_strength`: no checkpoint on disk, no process start, no
-reload, one lm-eval `TaskManager` (task indexing, offline overrides) for the whole sweep.
-
-The protocol is the subprocess path's, from the same source: `EvalSettings.command` is parsed by
-lm-eval's own CLI parser into its `EvaluatorConfig`, and `simple_evaluate` gets the fields the
-`lm_eval` CLI passes it; results and samples are written by lm-eval's `EvaluationTracker` as the
-CLI writes them. For a model object lm-eval records the model's `_name_or_path` as `config.model`
-and "CUSTOM" as `model_source`; both are set back to the backend (`hf`) as the CLI records them,
-and `model_args` names the checkpoint as `pretrained`, so the results folder is the one the CLI
-would name. What still differs from a subprocess run of the same checkpoint on disk:
-- each task config's `metadata` copies the model_args of the reference (the TaskManager is built
-  once), not of the checkpoint: `pretrained` names the reference there (protocols.fingerprint
-  leaves model_args copies out of the task metadata);
-- `date`, timings, `pretty_env_info` and `git_hash`, as between any two runs.
+One model loaded once (`load_resident`), each checkpoint copied into it, evaluated with the command line's own
+fields (`cli_config`) and written as lm-eval's CLI writes them; what differs from a subprocess run: docs/merging.md.
 """
 
 from __future__ import annotations
@@ -29,8 +15,8 @@ from typing import Any
 from lm_eval_sink.devices import DEFAULT_DEVICE, Placement
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.harness.model_args import model_arg_flag
-from lm_eval_sink.harness.runner import EvalSettings
-from lm_eval_sink.runs import RunFiles, resolve_run
+from lm_eval_sink.harness.runner import EvalSettings, new_run, results_files
+from lm_eval_sink.runs import RunFiles
 
 
 @dataclass(frozen=True)
@@ -51,11 +37,8 @@ PLACEMENT_ARGS = frozenset({"parallelize", "device_map", "max_memory_per_gpu", "
 
 
 def cli_config(settings: EvalSettings, model: str, output_path: str | Path) -> Any:
-    """lm-eval's `EvaluatorConfig` of the subprocess command line `settings.command(model, output_path)`.
-
-    lm-eval's own parser and validation (types of --limit and --batch_size, gen_kwargs values, the
-    seed list, fewshot_as_multiturn's default), so both paths read one source: `EvalSettings.command`.
-    """
+    """lm-eval's `EvaluatorConfig` of the subprocess command line `settings.command(model, output_path)`, by lm-eval's
+    own parser and validation, so both paths read one source."""
     from lm_eval._cli.harness import HarnessCLI
     from lm_eval.config.evaluate_config import EvaluatorConfig
 
@@ -85,14 +68,9 @@ def resident_device(settings: EvalSettings | None, device: str) -> str:
 def load_resident(
     reference: str | Path, settings: EvalSettings | None, dtype: str | None = None, device: str = DEFAULT_DEVICE
 ) -> Resident:
-    """Load `reference` as the subprocess path's HFLM would (dtype, model_args), straight onto its devices, and one
-    TaskManager.
-
-    The TaskManager takes the include path and the model_args metadata of the reference's command
-    line, as lm-eval's CLI builds it; this project's tasks and offline data reach it through the
-    import hook (`hooks.install`). Without eval settings (a sweep with `eval: false`) the model is
-    loaded in `dtype` on `device` (Sink Strength's) and there is no TaskManager.
-    """
+    """Load `reference` as the subprocess path's HFLM would (dtype, model_args), straight onto its devices, with one
+    TaskManager as lm-eval's CLI builds it for the reference's command line; without eval settings (`eval: false`)
+    in `dtype` on `device` (Sink Strength's), with none."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from lm_eval_sink.models import load_placed, torch_dtype
@@ -170,18 +148,13 @@ def _hflm(resident: Resident, cfg: Any) -> Any:
 
 
 def evaluate(resident: Resident, settings: EvalSettings, output_path: str | Path, name: str | Path) -> RunFiles:
-    """Evaluate the resident model with lm-eval in this process; the files land under `output_path/<name>/`.
-
-    `name` is the checkpoint as the subprocess path names it (`pretrained` in model_args, the results
-    folder's name; an absolute path: `owner/name` reads as a hub id). The results and samples files
-    carry what `run_lm_eval(name, settings, output_path)` writes (module docstring: what differs).
-    """
+    """Evaluate the resident model with lm-eval in this process, the files under `output_path/<name>/` as
+    `run_lm_eval(name, settings, output_path)` writes them; `name` is the checkpoint as that path names it (an
+    absolute path: `owner/name` reads as a hub id)."""
     from lm_eval_sink.merging.merge import isolated_rng
 
     _check_settings(resident, settings)
     output_path = Path(output_path)
-    if output_path.exists() and not output_path.is_dir():
-        raise UserError(f"{output_path}: is a file, not a folder", "pass a folder for lm-eval's output path")
     cfg = cli_config(settings, str(name), output_path)
     with isolated_rng():  # lm-eval seeds the global generators, as in its own process; the caller's stay
         return evaluate_model(_hflm(resident, cfg), cfg, resident.task_manager, output_path)
@@ -196,7 +169,7 @@ def evaluate_model(
     import lm_eval
     from lm_eval.loggers import EvaluationTracker
 
-    start = time.perf_counter()
+    before, start = results_files(output_path), time.perf_counter()
     tracker = EvaluationTracker(output_path=cfg.output_path)
     seeds = cfg.seed or [None] * 4
     results = lm_eval.simple_evaluate(
@@ -222,27 +195,23 @@ def evaluate_model(
         metadata=cfg.metadata,
     )
     written = time.perf_counter()
-    run = _save(tracker, results, cfg, output_path)
+    run = _save(tracker, results, cfg, output_path, before)
     if timings is not None:
         timings["evaluate"] = round(written - start, 3)
         timings["write"] = round(time.perf_counter() - written, 3)
     return run
 
 
-def _save(tracker: Any, results: dict[str, Any], cfg: Any, output_path: Path) -> RunFiles:
+def _save(tracker: Any, results: dict[str, Any], cfg: Any, output_path: Path, before: set[Path]) -> RunFiles:
     """Write results and samples as lm-eval's CLI does, with the backend where lm-eval recorded the model object."""
     results["config"]["model"] = cfg.model
     tracker.general_config_tracker.model_source = cfg.model
     samples = results.pop("samples") if cfg.log_samples else None
-    before = set(output_path.glob("*/results_*.json"))
     tracker.save_results_aggregated(results=results, samples=samples)
     if samples is not None:
         for task_name in results["configs"]:
             tracker.save_results_samples(task_name=task_name, samples=samples[task_name])
-    new = sorted(set(output_path.glob("*/results_*.json")) - before, key=lambda p: p.stat().st_mtime)
-    if not new:
-        raise UserError(f"lm-eval wrote no results file under {output_path}", "check that the folder is writable")
-    return resolve_run(new[-1])
+    return new_run(output_path, before, "check that the folder is writable")
 
 
 def measure_strength(

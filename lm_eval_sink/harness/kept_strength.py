@@ -1,14 +1,7 @@
 """Sink Strength measured first is kept when the call fails after it, and the same call run again reuses it.
 
-Under a backend without attention access (`--model vllm`), S is measured before lm-eval builds the engine
-(`measure_first.py`): seconds to minutes of work that a later failure (an engine that cannot start, a generation
-error, an interrupt) used to throw away. `measured_or_kept` looks for rows kept under the key of what decides them
-(`key`: the transformers load with its pinned revisions, a local model's content fingerprint, each task's settings
-and prompts, the versions that compute S; not the backend's own arguments, such as `gpu_memory_utilization`, which
-a rerun after an engine failure changes), reuses them when there are (one line on stderr; each task's `capture`
-metadata names the file), else measures. `Kept.on_failure` writes the rows into the project cache when the call
-then fails, saying so in one line, and removes the file once a call that used it finishes. Other inputs or code
-give another key, so they are measured again.
+Kept under the key of what decides the rows (`KeptWork`), not the backend's own arguments; written by
+`Kept.on_failure`, removed once a call that used it finishes. docs/lm-eval.md ("S is not lost to a later failure").
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Sink Strength under a backend without attention access (vLLM's fallback, any other backend): measured first.
 
-Before lm-eval builds the backend (whose engine would then hold the accelerators' memory), the start-up hook maps
-its model_args to a transformers load (`hf_load_args`: `pretrained` at `revision`, the tokenizer as lm-eval's vLLM
-model loads it, `dtype`; the backend's own arguments ignored and recorded), pins hub revisions to commits it hands the
-engine too (`pin_revisions`, `engine_model_args`), refuses in one line what transformers cannot load
-(`check_loadable`), and runs `python -m lm_eval_sink.harness.measure_first JOB OUT` in a child process that measures
-each task's prompts with `task.measure_rows` and exits. lm-eval then gets those rows (`task.provided`), so results,
-samples and console are those of `--model hf`, and each task's `capture` record says the child measured them.
-Details: docs/lm-eval.md.
+Before lm-eval builds the backend, its model_args become a transformers load (`hf_load_args`, hub revisions pinned
+for the engine too), checked (`check_loadable`), and a child process (`python -m ...measure_first JOB OUT`) measures
+each task's prompts with `task.measure_rows` and exits. docs/lm-eval.md ("The child").
 """
 
 from __future__ import annotations
@@ -74,7 +69,7 @@ def hf_load_args(model_args: dict[str, Any], task: str, backend: str) -> HfLoad:
     )
 
 
-def _commit(repo: str, revision: str | None) -> str | None:
+def hub_commit(repo: str, revision: str | None = None) -> str | None:
     """The commit sha of a hub repo at `revision` (None: its default branch); None for a local folder."""
     from lm_eval_sink.identity import looks_like_hub_id, model_identity
 
@@ -86,8 +81,8 @@ def _commit(repo: str, revision: str | None) -> str | None:
 def pin_revisions(load: HfLoad) -> HfLoad:
     """`load` with each hub repo's revision resolved once to its commit sha: the model's `revision` and the
     tokenizer's `tokenizer_revision` (a local folder keeps what was given)."""
-    model_sha = _commit(load.pretrained, load.revision)
-    tokenizer_sha = _commit(load.tokenizer or load.pretrained, load.tokenizer_revision)
+    model_sha = hub_commit(load.pretrained, load.revision)
+    tokenizer_sha = hub_commit(load.tokenizer or load.pretrained, load.tokenizer_revision)
     return replace(
         load,
         revision=model_sha or load.revision,

@@ -1,4 +1,4 @@
-"""One reading of a boolean model argument (`--model_args trust_remote_code=...,parallelize=...`)."""
+"""One reading of `--model_args`: the arguments as lm-eval parses them, a boolean one as its model class takes it."""
 
 from __future__ import annotations
 
@@ -6,16 +6,9 @@ from typing import Any
 
 
 def model_arg_flag(value: Any) -> bool:
-    """Whether a boolean model argument is on, as the model class that receives it from lm-eval takes it.
-
-    lm-eval parses each `--model_args` value (`lm_eval.utils.handle_arg_string`): "true"/"false" in any case
-    become booleans, "none" None, digits an int, other numbers a float, a quoted value the string inside
-    the quotes, anything else stays a string. HFLM then tests `parallelize` by truthiness, and transformers
-    (`resolve_trust_remote_code`) and vLLM do the same with `trust_remote_code`. So "1", "yes", "True" and
-    "true" are on; "0", "0.0", "false", "False", "none" and "" are off; and "no" is on, as it is for lm-eval
-    (a non-empty string). A value that is not a string (a protocol YAML's `true`, or lm-eval's own parse)
-    is read by truthiness too.
-    """
+    """Whether a boolean model argument is on, as the model class that receives it from lm-eval takes it: lm-eval's
+    parse (`lm_eval.utils.handle_arg_string`), then truthiness, as HFLM, transformers and vLLM test it ("no" is on, a
+    non-empty string; "0", "false", "none", "" are off)."""
     if not isinstance(value, str):
         return bool(value)
     text = value.strip()
@@ -27,3 +20,10 @@ def model_arg_flag(value: Any) -> bool:
         return float(text) != 0  # ints and floats alike; "nan" is truthy, as lm-eval's float is
     except ValueError:
         return bool(text)
+
+
+def parsed_model_args(model_args: Any) -> dict[str, Any]:
+    """`--model_args` as lm-eval parses them (a string: `simple_parse_args_string`; a dict or None: a copy)."""
+    from lm_eval.utils import simple_parse_args_string
+
+    return simple_parse_args_string(model_args) if isinstance(model_args, str) else dict(model_args or {})

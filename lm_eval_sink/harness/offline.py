@@ -1,21 +1,7 @@
 """Offline data for STOCK lm-eval tasks, keeping their names: `LM_EVAL_SINK_DATA=<folder>`.
 
-For each stock task whose `dataset_path`/`dataset_name` is listed in
-`lm_eval_sink/data/offline_datasets.yaml` and whose splits all exist under the folder, a small
-task YAML is generated in the cache (`include:` the stock YAML and the package's `data/offline_loader.yaml`,
-then `dataset_path: json`, `dataset_name: null`, `dataset_kwargs` = the local files). The
-task index entry of that name is pointed at it, so `--tasks ifeval` still means `ifeval`, its config
-equals the stock one except for the dataset keys, and the local file path is recorded in the
-results' task config. `load_local` gives the hub's schema: columns listed in `fill_missing_keys`
-(IFEval's `kwargs`) get every key seen in the file, None where unused, in first-seen order, as the
-hub's declared features have them, so documents (and lm-eval's doc hashes) match a hub run.
-
-The generated YAMLs live in a folder of this process alone (`generated_dir`: made by `tempfile.mkdtemp`, mode
-0700, removed when the process exits), never in the shared project cache: lm-eval reads a task's `yaml_path` again
-each time it loads the task, and a sweep keeps one `TaskManager` for all its units, so a YAML that another user
-could swap after it was written would be read (and a `!function` in it imports a `.py` from the YAML's folder
-first). They hold no `!function` themselves: `custom_dataset: !function lm_eval_sink.harness.offline.load_local`
-lives in the installed `offline_loader.yaml`, and the stock YAML's own functions resolve from lm-eval's folder.
+Each covered task (`data/offline_datasets.yaml`) gets a generated YAML that includes the stock one and reads the
+local files (`load_local`, in the hub's schema), in a folder of this process alone. docs/lm-eval.md.
 """
 
 from __future__ import annotations

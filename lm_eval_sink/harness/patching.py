@@ -1,16 +1,8 @@
 """The one mechanism of every change this project makes to lm-eval: declare what it relies on, check, patch or leave.
 
-lm-eval has no plugin API for what `discovery.py` and `task.py` need, so they change lm-eval's objects: `patch`
-replaces a function by a wrapper, `add_method` gives a model class a method lm-eval does not have, and
-`engine_target_problem` checks the one scoped replacement (the resident vLLM engine's `LLM`). Each change DECLARES
-what it relies on: the parameters its wrapper passes or reads (`leading`, `needs`), the attributes and methods it
-reads on lm-eval's objects (`reads`: `(owner, "name")`, `"a|b"` for either), and any further check (`more`). All of
-it is checked before arming, not lm-eval's version, so a compatible release keeps working; a target that differs is
-left exactly as installed, with one warning line per patch (`left_as_installed`: a SinkWarning naming the target,
-lm-eval's version and what to do instead). A wrapper's own work that fails unexpectedly on a call that holds none
-of this project's tasks hands the call to lm-eval's own function (`attempt`). An lm-eval outside `TESTED` gets
-none of the start-up hook's changes, with one line (`stands_aside`). Every change, its reason, its check:
-docs/footguns.md.
+Each change (`patch`, `add_method`) declares the parameters, attributes and methods it relies on, all checked before
+it arms (not lm-eval's version); a target that differs is left as installed with one line (`left_as_installed`).
+Every change, its reason, its check: docs/footguns.md.
 """
 
 from __future__ import annotations
@@ -178,15 +170,16 @@ def add_method(owner: type, name: str, method: Any, *, reads: tuple[str, ...] = 
     return True
 
 
-def engine_target_problem(module: Any) -> str | None:
-    """Why the resident engine (`ResidentEngine.serving`) cannot replace the `LLM(...)` that lm-eval's vLLM model
-    builds (None when it can): `module` must hold `LLM`, and its `VLLM.__init__` must call that module global (what
-    `serving` swaps), not another name for vLLM's class, which would build a new engine per checkpoint unseen."""
+def engine_target_problem(module: Any, sets: tuple[str, ...] = ()) -> str | None:
+    """Why `module`'s `VLLM.__init__` (read from its bytecode) does not build its engine through the module global
+    `LLM` (what `engine_strength.engine_builder` swaps), or sets no attribute of `sets`; None when it does both."""
     import dis
 
     if inspect.getattr_static(module, "LLM", None) is None:
         return "has no LLM"
     code = getattr(inspect.getattr_static(getattr(module, "VLLM", None), "__init__", None), "__code__", None)
-    if code is None or not any(i.opname == "LOAD_GLOBAL" and i.argval == "LLM" for i in dis.get_instructions(code)):
+    found = {(i.opname, i.argval) for i in dis.get_instructions(code)} if code is not None else set()
+    if ("LOAD_GLOBAL", "LLM") not in found:
         return "builds its engine in VLLM.__init__ through no module global LLM"
-    return None
+    missing = [name for name in sets if ("STORE_ATTR", name) not in found]
+    return f"VLLM.__init__ sets no {', '.join(missing)}" if missing else None

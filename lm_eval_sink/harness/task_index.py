@@ -1,28 +1,8 @@
-"""lm-eval's index of its own tasks, kept between processes as data (called by `discovery.patch_task_index`).
+"""lm-eval's index of its own tasks, kept between processes as JSON (called by `discovery.patch_task_index`).
 
-lm-eval 0.4.13 parses every YAML under `lm_eval/tasks/` (about 14,000 files, 5-6 s on one core) each time a
-`TaskManager` is built, i.e. in every `lm_eval` process and every sweep eval unit. That folder is part of the
-installed lm-eval, so its index is kept in `cache_dir()/task_index/<key>.json`:
-
-- the key (`folder_key`): this file format, lm-eval's version, the folder, and the relative path, size and
-  mtime of every file under the folder except Python files (`*.py`, `*.pyc`, `__pycache__/`). The index parses
-  YAML with functions unresolved, so what it reads is the `*.yaml` files and the include targets they name,
-  whatever their names (`_default_template_yaml`, `_template_yaml`, ...): in 0.4.13, 14,549 files read, none
-  outside the folder, all among the 14,829 keyed. An edited, added or removed file or another lm-eval makes
-  another key, and a key not found is built by lm-eval itself;
-- the content: JSON, whose reading runs no code, of each entry's fields (lm-eval's `Entry`: name, kind,
-  yaml_path relative to the folder, cfg, tags). An index that would not read back equal (a cfg value JSON does
-  not keep, such as a date or a non-string key; an `Entry` with other fields; a path outside the folder) is
-  not kept. Read back, every entry but a tag must name a file inside lm-eval's folder (which lm-eval reads
-  itself when it builds the task: the stored cfg never reaches a task) and a tag names none; a file that
-  breaks any of this, torn or planted, is built again and replaced;
-- who may write it: only this user. A redirected task or a tag given other members is as well-formed as a true
-  entry, and checking entries against lm-eval's build would cost the parse this cache avoids, so the cache is
-  private (`cache.cache_dir` refuses one another user owns or can write) and a file in it that is not this user's
-  alone is read as absent (`cache.read_private_text`).
-Other folders (`--include_path`, this project's tasks) are small and always built by lm-eval, then merged as
-lm-eval merges them: a later folder's task replaces an earlier one's, with lm-eval's warning from lm-eval's
-logger. Reading the index back takes under a second.
+lm-eval parses every YAML under `lm_eval/tasks/` (about 14,000 files, 5-6 s) each time a `TaskManager` is built; the
+index is kept in `cache_dir()/task_index/<key>.json`, keyed by the content of every file it may read (`folder_key`),
+checked as it is read back, in a private cache. What is keyed and checked, and the figures: docs/lm-eval.md.
 """
 
 from __future__ import annotations
@@ -58,23 +38,28 @@ def entry_mismatch() -> str | None:
     return f"Kind has no member {', '.join(missing)}" if missing else None
 
 
-def keyed_files(root: Path) -> list[str]:
-    """Every file under `root` the index may read (all but Python files), as sorted relative POSIX paths."""
+def _keyed(folder: str, rel: str = "") -> list[tuple[str, str]]:
+    """(relative POSIX path, path) of every file under `folder` the index may read (all but Python files), unsorted;
+    symbolic links to folders are not followed, as `os.walk` follows none."""
     out = []
-    for folder, dirs, files in os.walk(root):
-        dirs[:] = [d for d in dirs if d not in _UNREAD_DIRS]
-        base = PurePosixPath(Path(folder).relative_to(root).as_posix())
-        out += [str(base / f) for f in files if not f.endswith(_UNREAD_SUFFIXES)]
-    return sorted(out)
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                out += [] if entry.name in _UNREAD_DIRS else _keyed(entry.path, f"{rel}{entry.name}/")
+            elif not entry.name.endswith(_UNREAD_SUFFIXES) and not entry.is_dir():
+                out.append((rel + entry.name, entry.path))
+    return out
 
 
 def folder_key(root: Path, version: str) -> str:
-    """The key of `root`'s index: the format, lm-eval's version, the folder, each keyed file's path, inode, size,
-    mtime and ctime (an edit in place changes its ctime, also when the mtime is put back)."""
+    """The key of `root`'s index: the format, lm-eval's version, the folder, and each keyed file's relative path and
+    bytes (an edit that keeps the size, mtime and ctime makes another key too)."""
     digest = hashlib.sha256(f"{FORMAT}\0{version}\0{root}\0".encode())
-    for rel in keyed_files(root):
-        st = (root / rel).stat()
-        digest.update(f"{rel}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\n".encode())
+    for rel, path in sorted(_keyed(str(root))):
+        with open(path, "rb") as file:
+            data = file.read()
+        digest.update(f"{rel}\0{len(data)}\0".encode())
+        digest.update(data)
     return digest.hexdigest()[:32]
 
 

@@ -1,12 +1,7 @@
-"""vLLM's own start-up memory check, run before anything loads under `--model vllm` (one line instead of a dead
-engine minutes later).
+"""vLLM's own start-up memory check, run before anything loads under `--model vllm` (one line, not a dead engine).
 
-vLLM 0.32's CPU worker reserves ceil(total x gpu_memory_utilization) of its NUMA node's memory (0.92 by default)
-unless a KV cache size is given (`VLLM_CPU_KVCACHE_SPACE` or `kv_cache_memory_bytes`), and refuses to start when that
-exceeds what is available; a given size past what is available now can never start either. `cpu_refusal` and
-`kv_cache_refusal` are those decisions on given numbers (pure); `check_engine_memory` gathers them with vLLM's own
-functions, on vLLM's CPU platform only, and raises the one line naming the fixing settings. Where no engine starts
-(`engine_held`: the resident engine's process once its engine runs) the check is not asked. Figures: docs/lm-eval.md.
+`cpu_refusal` and `kv_cache_refusal` decide on given numbers (pure); `check_engine_memory` gathers them with vLLM's
+own functions on its CPU platform. Figures: docs/lm-eval.md ("vLLM on a CPU: its memory check first").
 """
 
 from __future__ import annotations
@@ -78,12 +73,11 @@ def check_engine_memory(arguments: dict[str, Any]) -> None:
             "run lm_eval from an environment with vLLM (on a CPU: make venv-vllm, then .venv-vllm/bin/lm_eval; "
             "on a GPU: pip install vllm)",
         )
-    from lm_eval.utils import simple_parse_args_string
     from vllm.platforms import current_platform
 
-    model_args = arguments.get("model_args")
-    model_args = simple_parse_args_string(model_args) if isinstance(model_args, str) else dict(model_args or {})
+    from lm_eval_sink.harness.model_args import parsed_model_args
 
+    model_args = parsed_model_args(arguments.get("model_args"))
     if not current_platform.is_cpu():
         return
     memory, kv_cache = _node_memory(), _kv_cache_bytes(model_args)
@@ -113,26 +107,17 @@ def engine_refusal(model_args: dict[str, Any]) -> list[str] | None:
 def check_engine_start(settings: Any) -> None:
     """The same start-up check as `lm_eval --model vllm`, asked where a sweep's or `eval`'s lm-eval will run
     (`settings`: runner.EvalSettings; its interpreter and environment), before any work: the one line, raised."""
-    import json
     import sys
+
+    from lm_eval_sink.harness.runner import ask, check_interpreter
 
     if settings.backend != "vllm":
         return
-    if settings.interpreter() == sys.executable:
-        refusal = engine_refusal(settings.model_args)
-    else:
-        from lm_eval_sink.harness.runner import check_interpreter, run_probe
-
+    if settings.interpreter() != sys.executable:
         check_interpreter(settings)  # the probe needs vLLM and this project there (its own probe, made once)
-        refusal = run_probe(settings.interpreter(), _ASK, json.dumps(settings.model_args))
+    refusal = ask(settings.interpreter(), f"{__name__}.engine_refusal", settings.model_args)
     if refusal:
         raise UserError(*refusal)
-
-
-_ASK = (
-    "import json, sys; from lm_eval_sink.harness.vllm_preflight import engine_refusal; "
-    "print(json.dumps(engine_refusal(json.loads(sys.argv[1]))))"
-)
 
 
 def kv_cache_refusal(memory: NodeMemory, kv_cache_bytes: int) -> UserError | None:
