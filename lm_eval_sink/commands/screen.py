@@ -77,7 +77,7 @@ def reused_strength(file: Path, settings: StrengthSettings, dtype: str) -> Reuse
     path = str(model.get("model"))
     _present_identity(file, path, model, model_fingerprint)
     hint = f"screen with the options it was measured with, or pass {path} to measure it in this setting"
-    prompts = load_prompts(Path(settings.prompts_file) if settings.prompts_file else None, settings.n_prompts)
+    prompts = load_prompts(settings.prompts_file, settings.n_prompts)
     keys = {d: key_of(StrengthWork(path, settings, d)) for d in DTYPES}
     made_with = next((d for d, k in keys.items() if k.inputs_key == prov["inputs_key"]), None)
     changed = keys[made_with].change(prov) if made_with else None  # the packages, or the files of S's code
@@ -203,7 +203,7 @@ def _run(
     from lm_eval_sink.models import resolve_model
 
     predict, fit, reused = how
-    load_prompts(Path(settings.prompts_file) if settings.prompts_file else None, settings.n_prompts)
+    load_prompts(settings.prompts_file, settings.n_prompts)
     slugs = unique_slugs([reused[i].slug if i in reused else s for i, s in enumerate(slugs)])
     todo = [i for i in range(len(names)) if i not in reused]
     if output is not None:  # before `default` is converted
