@@ -3,7 +3,7 @@ folder."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +79,7 @@ def measure_margin(
     configs = _read_configs(ref_path, cand_path)
     prompt_set, encoded = _encode_on_reference(ref_path, cand_path, configs[1], st)
     att = attention_layers_from_config(configs[0]) or tuple(range(_shape_of(configs[0])[0]))  # hybrids: attention only
-    layers = att if settings.last_k is None else att[len(att) - min(settings.last_k, len(att)) :]
+    layers = replace(st, last_k=settings.last_k).layers_for(att)  # the last K attention layers, as S chooses
     ref = _capture(ref_path, encoded, layers, st, options, "reference")
     sink_keys = [c.sink_pos for c in ref.captures]
     cand = _capture(cand_path, encoded, layers, st, options, "candidate", sink_keys)
