@@ -100,9 +100,8 @@ def check_new_outputs(
         check_writable(path, option)
     existing = [str(p) for p in paths if Path(p).exists()]
     if existing and not force:
-        raise UserError(
-            f"output already exists: {first_few(existing, 3)}", f"pass --force to overwrite, or choose another {option}"
-        )
+        shown = first_few(existing, 3)
+        raise UserError(f"output already exists: {shown}", f"pass --force to overwrite, or choose another {option}")
 
 
 @contextlib.contextmanager

@@ -75,9 +75,8 @@ def check_output(output: Path, names: list[str], slugs: list[str], settings: Str
 
 
 def saved_stands(prov: dict[str, Any], identity: dict[str, Any], key: Key, where: Path) -> tuple[bool, str | None]:
-    """Whether the S saved at `where` with provenance `prov` stands for the work keyed `key` (its model's `identity`
-    unchanged: else refused), and if not, what changed when other versions made it from the same inputs (None: other
-    inputs); asked by `strength` for its output and `screen` for a strength file passed in."""
+    """Whether the S saved at `where` with provenance `prov` stands for the work keyed `key`, else what changed when
+    other versions made it from the same inputs (None: other inputs); a model whose `identity` changed is refused."""
     from lm_eval_sink.identity import check_same_identity
 
     check_same_identity(prov.get("model"), identity, where)
