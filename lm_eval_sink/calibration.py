@@ -109,7 +109,7 @@ def read_prompt_file(path: Path) -> dict[str, str]:
     return prompts
 
 
-def load_prompts(path: Path | None = None, n_prompts: int | None = None) -> PromptSet:
+def load_prompts(path: str | Path | None = None, n_prompts: int | None = None) -> PromptSet:
     """The builtin set (first `n_prompts` of 15) or a user file (first `n_prompts` if given)."""
     given = (
         read_prompt_file(path)
@@ -184,4 +184,12 @@ def encode_prompts(
         chat_template_sha256=sha256_text(template) if apply else None,
         system_prompt=system_prompt if apply else None,
         where=where,
+    )
+
+
+def encoded_prompts(tokenizer: Any, settings: Any) -> tuple[PromptSet, EncodedPrompts]:
+    """The calibration prompts a `strength.StrengthSettings` names, and their encoding by `tokenizer` as it says."""
+    prompt_set = load_prompts(settings.prompts_file, settings.n_prompts)
+    return prompt_set, encode_prompts(
+        tokenizer, prompt_set.prompts, settings.use_chat_template, settings.system_prompt, prompt_set.where
     )

@@ -233,12 +233,13 @@ def _register(impl: str) -> str:
     return name
 
 
-def _text_config(config: Any) -> Any:
+def text_config_of(config: Any) -> Any:
+    """The language model's part of a transformers config (a VLM's text config; any other config itself)."""
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def n_layers_of(model: Any) -> int:
-    return int(_text_config(model.config).num_hidden_layers)
+    return int(text_config_of(model.config).num_hidden_layers)
 
 
 SOFTMAX_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
@@ -248,7 +249,7 @@ NON_ATTENTION_LAYER_TYPES = ("conv", "linear_attention", "mamba", "moe")  # no s
 def attention_layers_from_config(config: Any) -> tuple[int, ...] | None:
     """Softmax-attention layer indices from `config.layer_types` (None when it has none): conv / linear-attention /
     Mamba layers are skipped, other types (sparse, indexed, parallel attention+SSM) refused."""
-    cfg = _text_config(config)
+    cfg = text_config_of(config)
     types = getattr(cfg, "layer_types", None)
     if not types:
         return None
@@ -302,7 +303,7 @@ def attn_implementation_for(cls: type, config: Any = None) -> str:
     """The attention implementation to load `cls` with for Sink Strength: sdpa where the class supports it, else
     eager (learned sinks); eager too where `config` soft-caps attention logits: sdpa's kernel has no soft-capping,
     and transformers before 5.21 (vLLM's pins) still loads Gemma 2 with sdpa, silently dropping it."""
-    if getattr(_text_config(config), "attn_logit_softcapping", None) is not None:
+    if getattr(text_config_of(config), "attn_logit_softcapping", None) is not None:
         return "eager"
     return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
 
@@ -315,7 +316,7 @@ def capture_delegate(impl: str, model: Any) -> str:
 
 def captured_with(model: Any) -> str:
     """How the capture runs `model`'s attention, for records: `sdpa`, or `sdpa (model: flash_attention_2)`."""
-    impl = _text_config(model.config)._attn_implementation or "eager"
+    impl = text_config_of(model.config)._attn_implementation or "eager"
     delegate = capture_delegate(impl, model)
     return impl if delegate == impl else f"{delegate} (model: {impl})"
 
@@ -328,7 +329,7 @@ def sink_capture(model: Any, layers: Sequence[int]) -> Iterator[_Collector]:
     from transformers import PreTrainedModel
 
     check_supported_class(type(model))
-    previous = _text_config(model.config)._attn_implementation
+    previous = text_config_of(model.config)._attn_implementation
     impl = previous if previous is not None else "eager"
     if impl.startswith(IMPL_PREFIX):
         raise UserError(
@@ -434,7 +435,7 @@ def _checked_layers(model: Adapted, encoded: EncodedPrompts, layers: Sequence[in
     bad = [x for x in layers if not 0 <= x < depth]
     if bad:
         raise UserError(f"layer(s) {bad} out of range for a {depth}-layer model", f"use layers 0..{depth - 1}")
-    max_pos = getattr(_text_config(model.module.config), "max_position_embeddings", None)
+    max_pos = getattr(text_config_of(model.module.config), "max_position_embeddings", None)
     virtual = model.virtual.n if model.virtual else 0
     i = max(range(len(encoded)), key=lambda j: len(encoded.input_ids[j]))
     longest = len(encoded.input_ids[i]) + virtual
@@ -506,7 +507,7 @@ def capture_prompts(
             "compare the adapter's Sink Strength (`lm-eval-sink strength`) with its base's instead",
         )
     if sink_keys is not None:
-        _check_sink_keys(sink_keys, encoded, len(layers), int(_text_config(run.module.config).num_attention_heads))
+        _check_sink_keys(sink_keys, encoded, len(layers), int(text_config_of(run.module.config).num_attention_heads))
     pad_id = next((t for t in (getattr(run.module.config, "pad_token_id", None), 0) if t is not None), 0)
     out: dict[int, PromptCapture] = {}
     lengths = [len(x) for x in encoded.input_ids]

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import xxhash
 
+from lm_eval_sink.tables import first_few
+
 PACKAGE = "lm_eval_sink"
 _HERE = Path(__file__).resolve().parent  # this interpreter's lm_eval_sink folder
 _NAME = re.compile(r"\blm_eval_sink(?:\.\w+)*")
@@ -108,6 +110,4 @@ def source_hashes(roots: Iterable[str]) -> dict[str, str]:
 def changed_files(old: Mapping[str, str], new: Mapping[str, str]) -> str:
     """The files whose hash differs between two `{path: hash}` records, e.g. `lm_eval_sink/capture.py, ... (new)`."""
     names = sorted(n for n in set(old) | set(new) if old.get(n) != new.get(n))
-    shown = [n + (" (new)" if n not in old else " (gone)" if n not in new else "") for n in names[:_SHOWN]]
-    more = f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
-    return ", ".join(shown) + more
+    return first_few([n + (" (new)" if n not in old else " (gone)" if n not in new else "") for n in names], _SHOWN)

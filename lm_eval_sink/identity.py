@@ -17,6 +17,7 @@ from lm_eval_sink.cache import cache_dir, read_private_text
 from lm_eval_sink.disk_full import DiskFull
 from lm_eval_sink.io import atomic_write_json, canonical_json, sha256_text
 from lm_eval_sink.outputs import COMPLETE, read_complete
+from lm_eval_sink.tables import first_few
 
 FINGERPRINT_RULE = "xxh3_128-whole-files-v2"
 SKIPPED_NAMES = frozenset({COMPLETE, "FAILED.json", "extraction.json", "injection.json", ".lock", ".lock.json"})
@@ -258,12 +259,7 @@ def check_same_identity(old: dict[str, Any] | None, new: dict[str, Any], where: 
         return
     before, after = old.get("files") or {}, new["files"]
     changed = sorted(n for n in set(before) | set(after) if before.get(n) != after.get(n))
-    shown = (
-        ", ".join(changed[:3]) + (f" and {len(changed) - 3} more" if len(changed) > 3 else "")
-        if changed
-        else "the revision"
-    )
     raise UserError(
-        f"{where}: made from other inputs: {new['model']} changed ({shown})",
+        f"{where}: made from other inputs: {new['model']} changed ({first_few(changed, 3) or 'the revision'})",
         "pass --force to recompute, or choose another --output",
     )

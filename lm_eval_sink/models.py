@@ -21,6 +21,7 @@ from lm_eval_sink.cache import cache_dir
 from lm_eval_sink.io import parse_json, read_text, sha256_file
 from lm_eval_sink.outputs import read_complete, staged_dir, write_complete
 from lm_eval_sink.schema import did_you_mean
+from lm_eval_sink.tables import first_few
 from lm_eval_sink.weights import check_weights
 
 DEFAULT_MODEL = "default"
@@ -236,7 +237,7 @@ def _checked_folder(path: Path, role: str) -> Path:
         missing.append("adapter weights (adapter_model.safetensors)" if adapter else "weights (*.safetensors)")
     if missing:
         names = sorted(p.name for p in path.iterdir())
-        found = (", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")) or "nothing"
+        found = first_few(names, 8) or "nothing"
         gguf = next(path.glob("*.gguf"), None)
         raise UserError(
             f"{path}: not a {role} folder (no {' and no '.join(missing)}; found {found})",

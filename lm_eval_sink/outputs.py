@@ -21,6 +21,7 @@ from lm_eval_sink.disk_full import DiskFull, room_for
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.io import atomic_write_json
 from lm_eval_sink.locks import hold, unwritable
+from lm_eval_sink.tables import first_few
 
 COMPLETE = "COMPLETE.json"  # the marker of a finished, reusable output folder
 log = logging.getLogger(__name__)
@@ -99,7 +100,7 @@ def check_new_outputs(
         check_writable(path, option)
     existing = [str(p) for p in paths if Path(p).exists()]
     if existing and not force:
-        shown = ", ".join(existing[:3]) + (f" and {len(existing) - 3} more" if len(existing) > 3 else "")
+        shown = first_few(existing, 3)
         raise UserError(f"output already exists: {shown}", f"pass --force to overwrite, or choose another {option}")
 
 

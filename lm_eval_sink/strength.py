@@ -270,15 +270,12 @@ def measure(
     """Sink Strength of a loaded model: encode the calibration prompts, capture, reduce. A peft model is measured
     as `adapters.adapted` says; an adapter's virtual tokens are described in the provenance (`virtual_tokens`)."""
     from lm_eval_sink.adapters import adapted
-    from lm_eval_sink.calibration import encode_prompts, load_prompts
+    from lm_eval_sink.calibration import encoded_prompts
     from lm_eval_sink.capture import attention_layers, capture_prompts, captured_with, n_layers_of
 
     run = adapted(model)
     check_not_tensor_parallel(run.module)
-    prompt_set = load_prompts(settings.prompts_file, settings.n_prompts)
-    encoded = encode_prompts(
-        tokenizer, prompt_set.prompts, settings.use_chat_template, settings.system_prompt, prompt_set.where
-    )
+    prompt_set, encoded = encoded_prompts(tokenizer, settings)
     depth = n_layers_of(run.module)
     att = attention_layers(run.module, encoded.input_ids[0][:2])
     captures = capture_prompts(model, encoded, settings.layers_for(att), settings.batching(), progress=progress)

@@ -30,3 +30,8 @@ def csv_text(head: Sequence[object], rows: Iterable[Sequence[object]]) -> str:
     writer.writerow(head)
     writer.writerows(rows)
     return buf.getvalue()
+
+
+def first_few(names: Sequence[str], n: int) -> str:
+    """The first `n` names, comma-separated, then "and K more" for the rest (messages naming many things)."""
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")

@@ -577,3 +577,30 @@ def test_protection_refuses_learned_sinks_with_one_line(tiny_tokenizer, tmp_path
     plan = select_sink_heads(llama, tiny_tokenizer, StrengthSettings(n_prompts=5), progress=False)
     with pytest.raises(UserError, match="learned attention sinks"):
         SinkProtection(plan).freeze(gpt)
+
+
+def test_protect_plan_chooses_the_attention_layers_s_is_measured_on(tiny_tokenizer):
+    """On a hybrid (a conv layer between attention layers) the plan captures the last K attention layers, as S does,
+    not the last K layers (a conv layer never reaches the capture)."""
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    from lm_eval_sink.strength import measure
+
+    config = Lfm2Config(
+        vocab_size=len(tiny_tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        layer_types=["full_attention", "conv", "full_attention"],
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    model = Lfm2ForCausalLM._from_config(config, attn_implementation="sdpa").eval()
+    settings = StrengthSettings(last_k=2, n_prompts=5)
+    plan = select_sink_heads(model, tiny_tokenizer, settings, progress=False)
+    layers = sorted({h.layer for h in plan.heads})
+    assert layers == list(measure(model, tiny_tokenizer, settings, progress=False).layers) == [0, 2]

@@ -3,13 +3,14 @@ folder."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from lm_eval_sink.calibration import EncodedPrompts, PromptSet
+from lm_eval_sink.capture import attention_layers_from_config, capture_prompts, text_config_of
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.margin import (
     MarginRows,
@@ -29,7 +30,7 @@ OUTPUT_FILES = ("margin.json", "margin.md", "margin.csv", "margin_rows.npz", "ma
 
 
 def _shape_of(config: Any) -> tuple[int, int]:
-    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    cfg = text_config_of(config)
     return int(cfg.num_hidden_layers), int(cfg.num_attention_heads)
 
 
@@ -68,7 +69,6 @@ def measure_margin(
     """Capture both models on the reference's token ids, one after the other, after checking shapes and vocabularies;
     return the margins and the per-row arrays. Nothing is written (`options.force` is `run_margin`'s)."""
     from lm_eval_sink.adapters import check_same_keys
-    from lm_eval_sink.capture import attention_layers_from_config
     from lm_eval_sink.models import resolve_model
 
     options.check_in_process("margin")
@@ -79,7 +79,7 @@ def measure_margin(
     configs = _read_configs(ref_path, cand_path)
     prompt_set, encoded = _encode_on_reference(ref_path, cand_path, configs[1], st)
     att = attention_layers_from_config(configs[0]) or tuple(range(_shape_of(configs[0])[0]))  # hybrids: attention only
-    layers = att if settings.last_k is None else att[len(att) - min(settings.last_k, len(att)) :]
+    layers = replace(st, last_k=settings.last_k).layers_for(att)  # the last K attention layers, as S chooses
     ref = _capture(ref_path, encoded, layers, st, options, "reference")
     sink_keys = [c.sink_pos for c in ref.captures]
     cand = _capture(cand_path, encoded, layers, st, options, "candidate", sink_keys)
@@ -132,14 +132,13 @@ def _encode_on_reference(
     ids: same vocabulary, and every id used within its embedding."""
     from transformers import AutoTokenizer
 
-    from lm_eval_sink.calibration import encode_prompts, load_prompts
+    from lm_eval_sink.calibration import encoded_prompts
     from lm_eval_sink.models import pretrained_args
 
     ref_tok, cand_tok = (AutoTokenizer.from_pretrained(s, **a) for s, a in map(pretrained_args, (ref_path, cand_path)))
     check_same_vocab(ref_tok.get_vocab(), cand_tok.get_vocab())
-    prompt_set = load_prompts(Path(st.prompts_file) if st.prompts_file else None, st.n_prompts)
-    encoded = encode_prompts(ref_tok, prompt_set.prompts, st.use_chat_template, st.system_prompt, prompt_set.where)
-    cand_vocab_size = int(getattr(cand_config.get_text_config(), "vocab_size", 0) or 0)
+    prompt_set, encoded = encoded_prompts(ref_tok, st)
+    cand_vocab_size = int(getattr(text_config_of(cand_config), "vocab_size", 0) or 0)
     top = max(max(x) for x in encoded.input_ids)
     if cand_vocab_size and top >= cand_vocab_size:
         raise UserError(
@@ -162,7 +161,6 @@ def _capture(
     only one model is in memory at a time."""
     import gc
 
-    from lm_eval_sink.capture import capture_prompts
     from lm_eval_sink.models import load_model
     from lm_eval_sink.strength import measure
 
@@ -233,7 +231,7 @@ def run_margin(
     from lm_eval_sink.models import resolve_model
 
     st = settings.strength
-    load_prompts(Path(st.prompts_file) if st.prompts_file else None, st.n_prompts)
+    load_prompts(st.prompts_file, st.n_prompts)
     # `default` is a folder in the cache, named here without converting it: every check runs before any work
     models = [resolve_model(m, allow_gguf=True, convert=False) for m in (reference, candidate)]
     if output is not None:

@@ -64,6 +64,7 @@ def reused_strength(file: Path, settings: StrengthSettings, dtype: str) -> Reuse
     present content, in this setting (the settings that decide S, the calibration prompts, --dtype), by these
     versions; anything else is the one-line error naming what differs."""
     from lm_eval_sink.calibration import load_prompts
+    from lm_eval_sink.commands.strength import saved_stands
     from lm_eval_sink.io import read_json
     from lm_eval_sink.keys import key_of
     from lm_eval_sink.models import DTYPES, model_fingerprint
@@ -75,26 +76,27 @@ def reused_strength(file: Path, settings: StrengthSettings, dtype: str) -> Reuse
     if not isinstance(data, dict) or "sink_strength" not in data or "inputs_key" not in (prov or {}) or not model:
         raise UserError(f"{file}: not a result of `lm-eval-sink strength`", "pass a *.strength.json it wrote")
     path = str(model.get("model"))
-    _present_identity(file, path, model, model_fingerprint)
-    hint = f"screen with the options it was measured with, or pass {path} to measure it in this setting"
-    prompts = load_prompts(Path(settings.prompts_file) if settings.prompts_file else None, settings.n_prompts)
-    keys = {d: key_of(StrengthWork(path, settings, d)) for d in DTYPES}
-    made_with = next((d for d, k in keys.items() if k.inputs_key == prov["inputs_key"]), None)
-    changed = keys[made_with].change(prov) if made_with else None  # the packages, or the files of S's code
-    if changed:
+    _check_readable(file, path)
+    try:  # the model changed since: measure it again
+        same, changed = saved_stands(prov, model_fingerprint(path), key_of(StrengthWork(path, settings, dtype)), file)
+    except UserError as e:
+        raise UserError(e.message, f"pass {path} to measure it again") from None
+    if same:
+        return Reused(file, path, SinkStrength.from_json(data))
+    if changed:  # the packages, or the files of S's code
         raise UserError(f"{file}: made by other versions ({changed})", f"pass {path} to measure it again")
-    differ = _setting_differences(prov, settings, prompts.sha256)
-    if not differ and made_with not in (None, dtype):
-        differ = [f"--dtype {made_with} (this run: {dtype})"]
-    if differ or made_with is None:
-        what = "; ".join(differ) or "inputs that no longer match its model"
-        raise UserError(f"{file}: measured in another setting: {what}", hint)
-    return Reused(file, path, SinkStrength.from_json(data))
+    differ = _setting_differences(prov, settings, load_prompts(settings.prompts_file, settings.n_prompts).sha256)
+    made_with = [d for d in DTYPES if key_of(StrengthWork(path, settings, d)).inputs_key == prov["inputs_key"]]
+    if not differ and made_with:
+        differ = [f"--dtype {made_with[0]} (this run: {dtype})"]
+    raise UserError(
+        f"{file}: measured in another setting: {'; '.join(differ) or 'inputs that no longer match its model'}",
+        f"screen with the options it was measured with, or pass {path} to measure it in this setting",
+    )
 
 
-def _present_identity(file: Path, path: str, recorded: dict[str, Any], fingerprint: Any) -> dict[str, Any]:
-    """The identity of the model `file` measured, as it is now; gone or changed is the one-line error."""
-    from lm_eval_sink.identity import check_same_identity
+def _check_readable(file: Path, path: str) -> None:
+    """The model `file` measured can be read here (screen reads its config and checks its content)."""
     from lm_eval_sink.models import resolve_model
 
     try:
@@ -104,12 +106,6 @@ def _present_identity(file: Path, path: str, recorded: dict[str, Any], fingerpri
             f"{file}: its model cannot be read here (screen reads its config and checks its content): {e.message}",
             "screen the strength file where its model is, or pass the model itself",
         ) from None
-    identity = fingerprint(path)
-    try:
-        check_same_identity(recorded, identity, file)
-    except UserError as e:
-        raise UserError(e.message, f"pass {path} to measure it again") from None
-    return identity
 
 
 def _setting_differences(prov: dict[str, Any], settings: StrengthSettings, prompt_sha: str) -> list[str]:
@@ -203,7 +199,7 @@ def _run(
     from lm_eval_sink.models import resolve_model
 
     predict, fit, reused = how
-    load_prompts(Path(settings.prompts_file) if settings.prompts_file else None, settings.n_prompts)
+    load_prompts(settings.prompts_file, settings.n_prompts)
     slugs = unique_slugs([reused[i].slug if i in reused else s for i, s in enumerate(slugs)])
     todo = [i for i in range(len(names)) if i not in reused]
     if output is not None:  # before `default` is converted

@@ -74,28 +74,33 @@ def check_output(output: Path, names: list[str], slugs: list[str], settings: Str
             read_earlier_output(output / f"{slug}.strength.json")
 
 
+def saved_stands(prov: dict[str, Any], identity: dict[str, Any], key: Key, where: Path) -> tuple[bool, str | None]:
+    """Whether the S saved at `where` with provenance `prov` stands for the work keyed `key`, else what changed when
+    other versions made it from the same inputs (None: other inputs); a model whose `identity` changed is refused."""
+    from lm_eval_sink.identity import check_same_identity
+
+    check_same_identity(prov.get("model"), identity, where)
+    changed = key.change(prov)  # its recorded versions, not only its key: a file edited by hand is not trusted
+    return changed is None and prov.get("input_key") == key.key, changed
+
+
 def _reusable(
     json_path: Path, identity: dict[str, Any], key: Key, force: bool
 ) -> tuple[dict[str, Any] | None, str | None]:
     """(the finished result at `json_path` made with `key`, or None; what changed when other versions made it from
     the same inputs); a result of other inputs is refused."""
-    from lm_eval_sink.identity import check_same_identity
     from lm_eval_sink.io import read_earlier_output
 
     if force or not json_path.exists():
         return None, None
     old = read_earlier_output(json_path)
-    prov = old.get("provenance", {})
-    check_same_identity(prov.get("model"), identity, json_path)
-    if prov.get("input_key") == key.key:
-        return old, None
-    changed = key.change(prov)
-    if changed is None:
+    same, changed = saved_stands(old.get("provenance", {}), identity, key, json_path)
+    if not same and changed is None:
         raise UserError(
             f"output already exists with other inputs: {json_path}",
             "pass --force to overwrite, or choose another --output",
         )
-    return None, changed
+    return old if same else None, changed
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from lm_eval_sink.errors import UserError
 from lm_eval_sink.extract.checkpoint import ST_DTYPES, Entry, Layout, entry_bytes, shard_names
 from lm_eval_sink.extract.families import Family, TensorRule, Variant
 from lm_eval_sink.extract.rules import forward_rule
+from lm_eval_sink.tables import first_few
 from lm_eval_sink.weights import Tensor
 
 _DTYPE_NAMES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -116,9 +117,9 @@ def _claim(
         else:
             (ignored if any(p.fullmatch(name) for p in ignore) else leftover).append(name)
     if leftover:
-        shown = ", ".join(leftover[:6]) + (f" and {len(leftover) - 6} more" if len(leftover) > 6 else "")
         raise UserError(
-            f"{path}: {len(leftover)} tensor(s) are neither language-model nor ignored vision tensors: {shown}",
+            f"{path}: {len(leftover)} tensor(s) are neither language-model nor ignored vision tensors: "
+            + first_few(leftover, 6),
             "the checkpoint layout is not covered by the family's architecture rules; extend its JSON",
         )
     units = []

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 from transformers import TrainerCallback
 
+from lm_eval_sink.capture import text_config_of
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.margin import captured_rows
 from lm_eval_sink.strength import StrengthSettings
@@ -195,8 +196,7 @@ def _lora_parts(module: Any) -> list[tuple[Any, Any, float]]:
 
 
 def _shape(model: Any) -> tuple[int, int, int, int]:
-    cfg = unwrap_model(model).config
-    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    cfg = text_config_of(unwrap_model(model).config)
     n_heads = int(cfg.num_attention_heads)
     n_kv = int(getattr(cfg, "num_key_value_heads", None) or n_heads)
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads)
@@ -346,19 +346,16 @@ def select_sink_heads(
     """Capture the calibration prompts on the start model and choose the heads to protect (`select_head` over the
     rows `settings.rows` says)."""
     from lm_eval_sink.adapters import adapted
-    from lm_eval_sink.calibration import encode_prompts, load_prompts
-    from lm_eval_sink.capture import capture_prompts
+    from lm_eval_sink.calibration import encoded_prompts
+    from lm_eval_sink.capture import attention_layers, capture_prompts
 
     check_no_virtual_tokens(adapted(model).virtual, type(model).__name__)
     check_no_learned_sinks(model)
     n_layers, n_heads, n_kv, d = _shape(model)
     kind = qk_norm_kind(_decoder(model).layers[0].self_attn, d)
-    prompt_set = load_prompts(settings.prompts_file, settings.n_prompts)
-    encoded = encode_prompts(
-        tokenizer, prompt_set.prompts, settings.use_chat_template, settings.system_prompt, prompt_set.where
-    )
+    prompt_set, encoded = encoded_prompts(tokenizer, settings)
     sink_token = _common_first_token(encoded.input_ids)
-    layers = settings.layers_for(n_layers)
+    layers = settings.layers_for(attention_layers(unwrap_model(model), encoded.input_ids[0][:2]))  # as S chooses
     captures = capture_prompts(
         unwrap_model(model), encoded, layers, settings.batching(), progress=progress, desc="protect-plan capture"
     )
