@@ -1,17 +1,6 @@
-"""Task knowledge as data: the one table of benchmark families that `buckets` and `attribute` read.
-
-`data/benchmarks.yaml` holds, per family: its lm-eval tasks (names or fnmatch patterns), the
-construct it probes, the results keys ("metric,filter") of its strict and lenient scores, and
-what `buckets` needs besides (kind of metric, instruction-level metrics, the IFEval checker, the
-hint for a document mismatch); plus the IFEval instruction -> failure-kind table. `buckets` takes
-its default metric and filter from `strict` and its lenient twin filter from `lenient`;
-`attribute` splits gaps into access and capacity with the same two keys.
-
-`load_benchmarks(user_file)` returns the bundled families with those of a user YAML of the same
-shape added or replacing them by name (`lm-eval-sink attribute --benchmarks FILE`);
-`benchmark_of(task, benchmarks)` finds a task's family: the family listing it by name, else the
-one with the longest matching pattern. `ifeval_instructions()` is the instruction table.
-Standard library and PyYAML only.
+"""Task knowledge as data: the one table of benchmark families (`data/benchmarks.yaml`) that `buckets`, `attribute`
+and the sweep's tables read (`load_benchmarks`, `benchmark_of`, the IFEval instruction table, readable metric names;
+docs/buckets.md "Tasks are data"). Standard library and PyYAML only.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""Did a merging control recover what the candidate lost? The statistics of `recovery`, on per-doc outcomes.
-
-Per task (one metric, the docs all runs share): the gap (candidate minus reference), and per control the
-comparisons `vs_candidate` (control minus candidate) and `vs_reference` (control minus reference), each with
-buckets' paired statistics (`paired_stats`: the 0/1 delta interval that agrees with the exact McNemar test, the
-bootstrap and Wilcoxon for a continuous metric) and power (`comparison_power`). p-values are Holm-adjusted
-(`holm`) across every task (the gap) or every control x task (`vs_candidate`, `vs_reference`), each comparison its
-own family; every verdict reads the adjusted p. `recovered_share` = (control - candidate) / (reference -
-candidate), with Fieller's interval for a ratio of paired means (`fieller_share`), given only where the gap is
-detectable. numpy/scipy only, no I/O: the command (commands/recovery.py) reads the runs and writes the outputs.
-"""
+"""Did a merging control recover what the candidate lost? The statistics of `recovery` on per-doc outcomes: per task
+the gap, per control x task the comparisons with the candidate and the reference (buckets' `paired_stats`, power),
+Holm within each family, the recovered share with Fieller's interval, and the verdict (docs/merging.md "Did a
+control recover the gap?"). numpy/scipy only, no I/O: the command (commands/recovery.py) reads and writes."""
 
 from __future__ import annotations
 
@@ -79,10 +72,8 @@ def fieller_share(
     reference: np.ndarray, candidate: np.ndarray, control: np.ndarray, binary: bool, confidence: float
 ) -> tuple[float, float] | None:
     """Fieller's interval of mean(a) / mean(b), a = control - candidate, b = reference - candidate per doc: the
-    shares theta with (mean a - theta mean b)^2 <= t^2 var(a - theta b) / n, which accounts for the noise of all three
-    runs and their pairing. Bounded only when mean b differs from 0 by the same t test; None otherwise. The estimate
-    solves the left side = 0, so the interval holds it; a continuous control with a = share x b on every doc (the
-    reference itself) gets the zero-width interval at its share."""
+    shares theta with (mean a - theta mean b)^2 <= t^2 var(a - theta b) / n; None where it is unbounded (mean b not
+    distinguishable from 0 by the same t test). docs/merging.md."""
     from scipy.stats import t as student
 
     a, b = np.asarray(control, float) - candidate, np.asarray(reference, float) - candidate

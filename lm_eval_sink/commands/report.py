@@ -1,16 +1,7 @@
-"""`lm-eval-sink report`: read and check a report's inputs, render the page (report/), write the HTML file.
-
-The inputs are the project's own output files, nothing else (no model is loaded).
-
-Checks, each a one-line UserError before anything is written:
-- each input is the output it claims to be (strength JSON, margin.json, buckets.json, attribution.json,
-  a sweep's table.json; a folder stands for the file of that name inside it); a strength input may also be a
-  `strength` output folder holding one model, or an lm-eval run (results file or folder) of a sink_strength task;
-- all inputs name the same reference and the same candidate: two records are compared by content
-  fingerprint where both carry one, else by model path or name;
-- the two samples files each buckets.json names exist and still have the sha256 it recorded (absolute paths, or
-  relative to buckets.json's folder); the report shows every path relative to its own folder.
-"""
+"""`lm-eval-sink report`: read and check a report's inputs (the project's own output files; no model is loaded),
+render the page (report/), write the HTML file. Each check (the output each input claims to be, one reference and
+candidate throughout, the buckets' samples files unchanged) is a one-line UserError before anything is written
+(docs/reports.md)."""
 
 from __future__ import annotations
 

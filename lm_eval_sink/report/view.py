@@ -1,15 +1,7 @@
-"""The report's view model, built from already-loaded outputs: pure, no I/O.
-
-Rules:
-- Every number shown is a `Num`: its value, its text as shown, and `src`, the input file (path
-  relative to the report) and the RFC 6901 JSON pointer it was read from, so a reader can trace it.
-- A section exists only when its input was given.
-- Sink Strength S comes from the `--strength` files when given, else from margin.json; where both
-  hold S and they differ (beyond 1e-6) the mismatch is noted and the strength files are shown. Each S
-  shows its setting (`comparability.compare`); two S measured in different settings are flagged.
-- The headline comes from the IFEval buckets output, else the first one given.
-- Prompts and responses are plain text here; escaping is the template's job (autoescape).
-"""
+"""The report's view model, built from already-loaded outputs: pure, no I/O. Every number shown is a `Num` with the
+file and JSON pointer it was read from; a section exists only when its input was given; S from the strength files
+wins over margin.json's (a mismatch is noted); the headline is the IFEval buckets output, else the first
+(docs/reports.md)."""
 
 from __future__ import annotations
 
@@ -198,8 +190,7 @@ def _strength_settings(inputs: ReportInputs, roles: list[str]) -> Any:
         if "sink_strength" in data:
             settings.append(setting_of(data))
         else:
-            tasks = sink_tasks(data)
-            settings.append(setting_of_results(data, "sink_strength" if "sink_strength" in tasks else tasks[0]))
+            settings.append(setting_of_results(data, strength_pointers(data)["s"][1]))  # the task shown
     return compare(roles, settings)
 
 
@@ -290,7 +281,6 @@ def _power(d: Doc) -> dict[str, Any] | None:
         "target": num(d, ["power", "target_power"], "f2"),
         "mde": num(d, ["power", "mde"], style),
         "not_detectable": pw.get("not_detectable"),
-        "n_for_mde": num(d, ["power", "n_for_mde"], "int"),
         "effect": num(d, ["power", "effect"], style),
         "effect_source": pw.get("effect_source"),
         "effect_impossible": pw.get("effect_impossible"),
@@ -377,8 +367,6 @@ def _margin_section(d: Doc) -> dict[str, Any]:
     ]
     return {
         "source": d.rel,
-        "reference": data.get("reference"),
-        "candidate": data.get("candidate"),
         "n_negative": num(d, [*s, "n_negative_margin"], "int"),
         "n_total": num(d, [*s, "n_heads_total"], "int"),
         "n_collapse": num(d, [*s, "n_sink_collapse"], "int"),
@@ -462,11 +450,9 @@ def _figure_state(c: Mapping[str, Any]) -> str:
 
 
 def sweep_series(table: Mapping[str, Any]) -> dict[str, Any]:
-    """The sweep figure's data from a table.json: checkpoints, each metric's values under its readable name (in
-    points for shares of docs, as in the buckets section), S per checkpoint (the strength units', else an eval
-    unit's Sink Strength task), and the metric axis's unit; `drawn`: the values the figure draws, each task's
-    headline metric in the axis's one unit (points when any is a share of docs) that changes, and `note` the
-    figure's title note (not final; the unchanged ones, said once)."""
+    """The sweep figure's data from a table.json: each metric's values under its readable name (points for shares
+    of docs), S per checkpoint, the axis's unit, `drawn` (each task's headline metric in that one unit, where it
+    changes) and the title's `note` (not final; the unchanged ones, said once)."""
     from lm_eval_sink.benchmarks import (
         headline_columns,
         load_benchmarks,
@@ -607,42 +593,22 @@ def _lineage(inputs: ReportInputs) -> dict[str, Any] | None:
     return {"status": first.get("status"), "flagged": bool(first.get("flagged")), "how": first.get("how")}
 
 
+def _input_row(what: str, d: Doc) -> dict[str, Any]:
+    return {"what": what, "path": d.rel, "sha256": d.sha256, "versions": get(d.data, "provenance", "versions") or {}}
+
+
 def _inputs_table(inputs: ReportInputs) -> list[dict[str, Any]]:
-    rows = []
-    if inputs.strength is not None:
-        for role, d in zip(("reference", "candidate"), inputs.strength, strict=True):
-            rows.append(
-                {
-                    "what": f"strength ({role})",
-                    "path": d.rel,
-                    "sha256": d.sha256,
-                    "versions": get(d.data, "provenance", "versions") or {},
-                }
-            )
+    strength = zip(("reference", "candidate"), inputs.strength, strict=True) if inputs.strength else ()
+    rows = [_input_row(f"strength ({role})", d) for role, d in strength]
     docs = (("margin", inputs.margin), ("attribution", inputs.attribution), ("sweep", inputs.sweep))
-    for what, d in (*docs, ("recovery", inputs.recovery)):
-        if d is not None:
-            rows.append(
-                {
-                    "what": what,
-                    "path": d.rel,
-                    "sha256": d.sha256,
-                    "versions": get(d.data, "provenance", "versions") or {},
-                }
-            )
+    rows += [_input_row(what, d) for what, d in (*docs, ("recovery", inputs.recovery)) if d is not None]
     for b in inputs.buckets:
-        rows.append(
-            {
-                "what": f"buckets ({b.doc.data.get('task')})",
-                "path": b.doc.rel,
-                "sha256": b.doc.sha256,
-                "versions": get(b.doc.data, "provenance", "versions") or {},
-            }
-        )
-        for role, (path, sha) in b.samples.items():
-            rows.append(
-                {"what": f"samples ({role}, {b.doc.data.get('task')})", "path": path, "sha256": sha, "versions": {}}
-            )
+        task = b.doc.data.get("task")
+        rows.append(_input_row(f"buckets ({task})", b.doc))
+        rows += [
+            {"what": f"samples ({role}, {task})", "path": path, "sha256": sha, "versions": {}}
+            for role, (path, sha) in b.samples.items()
+        ]
     return rows
 
 
