@@ -90,11 +90,8 @@ def same_doc(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[bool, bool]:
     da, db = a.get("doc"), b.get("doc")
     if da is None or db is None:
         return False, False
-    if da == db:
-        return (
-            ha is None or hb is None,
-            False,
-        )  # equal docs under two different hashes: the hashes are not of these docs
+    if da == db:  # equal docs under two different hashes: the hashes are not of these docs
+        return ha is None or hb is None, False
     if _drop_nulls(da) == _drop_nulls(db):
         return True, True
     return False, False

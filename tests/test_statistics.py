@@ -69,6 +69,7 @@ def test_paired_0_1_statistics(pair):
     assert _holds(stats.delta_ci, stats.delta) and -1.0 <= stats.delta_ci[0] <= stats.delta_ci[1] <= 1.0
     if stats.discordant == 0:
         assert stats.delta_ci_method == NEWCOMBE_CI_METHOD and stats.delta_ci[1] - stats.delta_ci[0] > 0.05
+        assert stats.mcnemar_p == 1.0
     else:
         b, c = stats.counts["regression"], stats.counts["recovered"]
         lo, hi = exact_conditional_ci(b, c, len(ref), FAST.confidence)
