@@ -108,19 +108,8 @@ def _entry(name: str, b: _BenchmarkIn, where: str) -> Benchmark:
         raise UserError(
             f"{where}: benchmark {name!r} lacks `strict`", "name the results key of its score, e.g. acc,none"
         )
-    return Benchmark(
-        name,
-        tuple(b.tasks),
-        b.construct_,
-        b.strict,
-        b.lenient,
-        b.why,
-        kind=b.kind,
-        checker=b.checker,
-        instruction_metrics=dict(b.instruction_metrics),
-        doc_mismatch_hint=b.doc_mismatch_hint,
-        score_range=None if b.score_range is None else (float(b.score_range[0]), float(b.score_range[1])),
-    )
+    score_range = None if b.score_range is None else (float(b.score_range[0]), float(b.score_range[1]))
+    return Benchmark(name, **{**b.model_dump(by_alias=True), "tasks": tuple(b.tasks), "score_range": score_range})
 
 
 def _parse(text: str, where: str, schema: type[_UserFileIn]) -> _UserFileIn:

@@ -139,16 +139,23 @@ def gained(gap: Mapping, higher_is_better: bool | None) -> str | None:
     return f"the candidate is better than the reference ({better} is better, Holm p {gap['p_holm']:.3g}): no loss"
 
 
-def verdict(t: TaskOutcomes, gap: Mapping, cell: Mapping, s: Share, alpha: float) -> tuple[str, str]:
-    """The verdict word and its sentence, from the Holm-adjusted tests and the share's interval: never more than
-    they show (`cell`: the control's two comparisons on task `t`)."""
-    vs_cand, vs_ref, binary, n = cell["vs_candidate"], cell["vs_reference"], t.kind == "binary", len(t.ids)
-    if n < MIN_N:
-        return TOO_FEW, too_few(n)
+def _nothing_to_recover(t: TaskOutcomes, gap: Mapping, alpha: float) -> tuple[str, str] | None:
+    """Why no control of task `t` has a share or a recovery to show (the verdict word and why), else None."""
+    if len(t.ids) < MIN_N:
+        return TOO_FEW, too_few(len(t.ids))
     if gap["p_holm"] >= alpha:
         return NO_GAP, f"the gap is not detectable (Holm p {gap['p_holm']:.3g}): nothing to recover"
     if gained(gap, t.higher_is_better):
         return NO_LOSS, gained(gap, t.higher_is_better) + " to recover"
+    return None
+
+
+def verdict(t: TaskOutcomes, gap: Mapping, cell: Mapping, s: Share, alpha: float) -> tuple[str, str]:
+    """The verdict word and its sentence, from the Holm-adjusted tests and the share's interval: never more than
+    they show (`cell`: the control's two comparisons on task `t`)."""
+    vs_cand, vs_ref, binary = cell["vs_candidate"], cell["vs_reference"], t.kind == "binary"
+    if stop := _nothing_to_recover(t, gap, alpha):
+        return stop
     toward = _sign(vs_cand["delta"]) == -_sign(gap["delta"])
     if vs_cand["p_holm"] >= alpha:
         return NONE, f"no detectable change from the candidate (Holm p {vs_cand['p_holm']:.3g}); " + _could(
@@ -171,12 +178,8 @@ def verdict(t: TaskOutcomes, gap: Mapping, cell: Mapping, s: Share, alpha: float
 def share(t: TaskOutcomes, control: str, gap: Mapping, confidence: float) -> Share:
     """The recovered share of `control` on task `t`: withheld where the gap is not detectable (Holm)."""
     ref, cand, ctrl = (np.asarray(t.values[k], float) for k in ("reference", "candidate", control))
-    if len(t.ids) < MIN_N:
-        return Share(None, None, too_few(len(t.ids)))
-    if gap["p_holm"] >= 1 - confidence:
-        return Share(None, None, f"the gap is not detectable (Holm p {gap['p_holm']:.3g}): no share of it")
-    if gained(gap, t.higher_is_better):
-        return Share(None, None, gained(gap, t.higher_is_better) + " to recover, no share of it")
+    if stop := _nothing_to_recover(t, gap, 1 - confidence):
+        return Share(None, None, stop[1] + ("" if stop[0] == TOO_FEW else ", no share of it"))
     estimate = float(np.mean(ctrl - cand) / np.mean(ref - cand))
     ci = fieller_share(ref, cand, ctrl, t.kind == "binary", confidence)
     why = None if ci is not None else "interval unbounded: the gap is too uncertain for a bounded ratio (Fieller)"

@@ -326,19 +326,25 @@ def test_gsm8k_format_failures_vs_wrong_answers(gsm8k_pair, tmp_path, capsys):
     )
 
 
-def test_eqbench_paired_difference_and_threshold(shared_data):
-    docs = bl.eqbench_docs(shared_data)[:6]
-    ref, cand = [], []
-    for i, doc in enumerate(docs):
-        import ast
+def _eqbench_pair(shared_data, n: int, mixed: bool = True):
+    """EQ-Bench samples scored by lm-eval: the candidate off by 1 + i % 6 on doc i's first emotion (`mixed`: on some
+    docs the reference is off instead, or both or neither)."""
+    import ast
 
+    ref, cand = [], []
+    for i, doc in enumerate(bl.eqbench_docs(shared_data)[:n]):
         truth = ast.literal_eval(doc["reference_answer_fullscale"])
         exact = [int(truth[f"emotion{k}_score"]) for k in range(1, 5)]
-        ref.append(bl.eqbench_sample(i, doc, exact))
         worse = list(exact)
-        step = 1 + i  # a different error size per doc: no tied differences
+        step = 1 + i % 6
         worse[0] = exact[0] + step if exact[0] + step <= 10 else exact[0] - step
-        cand.append(bl.eqbench_sample(i, doc, worse))
+        ref.append(bl.eqbench_sample(i, doc, exact if i % 4 or not mixed else worse))
+        cand.append(bl.eqbench_sample(i, doc, worse if i % 3 or not mixed else exact))
+    return ref, cand
+
+
+def test_eqbench_paired_difference_and_threshold(shared_data):
+    ref, cand = _eqbench_pair(shared_data, 6, mixed=False)  # a different error size per doc: no tied differences
     r = np.array([x["eqbench"] for x in ref], float)
     c = np.array([x["eqbench"] for x in cand], float)
     assert (c < r).all() and len(set(np.round(r - c, 9))) == 6
@@ -814,21 +820,6 @@ def test_four_docs_say_too_few_to_tell_first_everywhere(gsm8k_four, tmp_path, ca
     notes = md.split("Notes:\n\n")[1].strip().splitlines()
     assert notes[0].startswith("- Responses that hit the generation limit: reference 4 of 4, candidate 4 of 4")
     assert all(f"<li>{n[2:]}</li>" in html.unescape(page) for n in notes)
-
-
-def _eqbench_pair(shared_data, n: int):
-    import ast
-
-    ref, cand = [], []
-    for i, doc in enumerate(bl.eqbench_docs(shared_data)[:n]):
-        truth = ast.literal_eval(doc["reference_answer_fullscale"])
-        exact = [int(truth[f"emotion{k}_score"]) for k in range(1, 5)]
-        worse = list(exact)
-        step = 1 + i % 6
-        worse[0] = exact[0] + step if exact[0] + step <= 10 else exact[0] - step
-        ref.append(bl.eqbench_sample(i, doc, exact if i % 4 else worse))
-        cand.append(bl.eqbench_sample(i, doc, worse if i % 3 else exact))
-    return ref, cand
 
 
 def test_threshold_reports_the_power_of_the_mcnemar_test_it_runs(shared_data):
