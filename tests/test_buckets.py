@@ -393,22 +393,15 @@ def _boolq_lines(shared_data, outcomes):
     return lines
 
 
-def test_generic_binary_task_needs_no_table_entry(shared_data):
+@pytest.mark.parametrize("task", ["boolq", "my_boolq_variant"])  # in the BoolQ family, and in no family
+def test_a_binary_task_with_or_without_a_family(shared_data, task):
     ref = _boolq_lines(shared_data, [1, 1, 1, 0, 0, 1, 1, 0])
     cand = _boolq_lines(shared_data, [1, 0, 1, 1, 0, 0, 0, 0])
-    rep = bucket(ref, cand, "boolq", FAST)
+    rep = bucket(ref, cand, task, FAST)
     assert (rep.metric, rep.filter, rep.kind) == ("acc", "none", "binary")
     assert rep.counts == {"both_pass": 2, "regression": 3, "recovered": 1, "both_fail": 2}
     assert rep.prompts["regression"] == [1, 5, 6]
     assert rep.instruction_types is None and rep.failure_kinds is None and rep.format_split is None
-
-
-def test_task_in_no_family_takes_the_generic_path(shared_data):
-    ref = _boolq_lines(shared_data, [1, 1, 0, 0])
-    cand = _boolq_lines(shared_data, [1, 0, 1, 0])
-    rep = bucket(ref, cand, "my_boolq_variant", FAST)  # in no family of data/benchmarks.yaml
-    assert (rep.metric, rep.filter, rep.kind) == ("acc", "none", "binary")
-    assert rep.counts == {"both_pass": 1, "regression": 1, "recovered": 1, "both_fail": 1}
 
 
 def test_modules_import_no_torch():

@@ -155,9 +155,8 @@ def _strength(inputs: ReportInputs) -> tuple[dict[str, Any] | None, list[str]]:
                 ms, ss = get(margin.data, f"{role}_sink_strength"), get(d.data, *parts["s"])
                 if isinstance(ms, (int, float)) and isinstance(ss, (int, float)) and abs(ms - ss) > S_TOLERANCE:
                     notes.append(
-                        f"{role}: S in {d.rel} ({ss:.4f}) differs from margin.json's ({ms:.4f}); the strength "
-                        "file's value is shown "
-                        "(the two were measured with different settings or weights)"
+                        f"{role}: S in {d.rel} ({ss:.4f}) differs from margin.json's ({ms:.4f}); the strength file's "
+                        "value is shown (the two were measured with different settings or weights)"
                     )
         elif margin is not None:
             prov = ["provenance", f"{role}_sink_strength"]
