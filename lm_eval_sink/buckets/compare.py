@@ -162,8 +162,7 @@ COLLAPSE_DISTINCT = 0.25  # at most this share of distinct responses: a few answ
 
 def _collapse_notes(ids, ref_rows, cand_rows, labels: tuple[str, str]) -> list[str]:
     """A run that gives the same few responses to every prompt has collapsed (e.g. a model trained on one caption
-    format answers IFEval with captions): its passes and failures measure the collapse, not instruction following.
-    """
+    format answers IFEval with captions): its passes and failures measure the collapse, not instruction following."""
     notes = []
     for label, rows in zip(labels, (ref_rows, cand_rows), strict=True):
         texts = [t for t in (generated(rows[i]) for i in ids) if t is not None]

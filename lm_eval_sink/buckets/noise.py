@@ -21,8 +21,7 @@ def with_noise_floor(
     labels: tuple[str, str] = ("reference samples", "repeat samples"),
 ) -> BucketReport:
     """`report` with the noise floor of `--repeat`: the two reference runs paired as the comparison was; the docs
-    whose pass/fail flips, the regressions noise alone gives, and `noise_flip` on each regression (docs/buckets.md).
-    """
+    whose pass/fail flips, the regressions noise alone gives, `noise_flip` on each regression (docs/buckets.md)."""
     if report.counts is None:
         raise UserError(
             "--repeat needs pass/fail outcomes, and the metric is continuous",

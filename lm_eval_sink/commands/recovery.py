@@ -205,7 +205,7 @@ def prompts_table(paired: Sequence[PairedTask], roles: Mapping[str, str]):
 
     from lm_eval_sink.buckets.paired import response_text
 
-    rows, seen = [], set()
+    rows, seen, metrics = [], set(), set()
     for t in paired:
         if t.task in seen:
             continue
@@ -213,6 +213,8 @@ def prompts_table(paired: Sequence[PairedTask], roles: Mapping[str, str]):
         for name, docs in t.rows.items():
             for i in t.outcomes.ids:
                 row = docs[i]
+                values = _metric_values(row)
+                metrics |= set(values)
                 rows.append(
                     {
                         "run": name,
@@ -221,18 +223,14 @@ def prompts_table(paired: Sequence[PairedTask], roles: Mapping[str, str]):
                         "doc_id": i,
                         "prompt_hash": row.get("prompt_hash"),
                         "filter": t.filter,
-                        **_metric_values(row),
+                        **values,
                         "filtered_response": response_text(row, filtered=True),
                     }
                 )
-    metrics = sorted(
-        {k for r in rows for k in r} - {"run", "role", "task", "doc_id", "prompt_hash", "filter", "filtered_response"}
-    )
     schema = [("run", pa.string()), ("role", pa.string()), ("task", pa.string()), ("doc_id", pa.int64())]
-    schema += [("prompt_hash", pa.string()), ("filter", pa.string()), *((m, pa.float64()) for m in metrics)]
+    schema += [("prompt_hash", pa.string()), ("filter", pa.string()), *((m, pa.float64()) for m in sorted(metrics))]
     schema += [("filtered_response", pa.string())]
-    columns = {name: [r.get(name) for r in rows] for name, _ in schema}
-    return pa.table(columns, schema=pa.schema(schema))
+    return pa.Table.from_pylist(rows, schema=pa.schema(schema))
 
 
 def recovery_record(paired: Sequence[PairedTask], runs: list[NamedRun], settings, records, notes) -> dict[str, Any]:

@@ -23,9 +23,7 @@ class Doc:
 
 @dataclass(frozen=True, slots=True)
 class Num:
-    """A number as shown (`text`) with where it came from (`src`: "<rel path>#<JSON pointer>"); `scale` is
-    shown/stored.
-    """
+    """A number as shown (`text`) and where it came from (`src`: "<rel path>#<JSON pointer>"); `scale`: shown/stored."""
 
     text: str
     src: str
