@@ -26,10 +26,7 @@ SECTIONS = ("summary", "strength", "buckets-1", "margin", "attribution", "sweep"
 def _ifeval_runs(root: Path, ref: Path, cand: Path, shared_data: Path) -> tuple[Path, Path]:
     """12 real IFEval prompts, scored by lm-eval's checker: the candidate fails 8; one response holds markup."""
     docs = bl.ifeval_docs(shared_data)
-    idxs = (
-        bl.find_single(docs, "punctuation:no_comma", 6)[:6]
-        + bl.find_single(docs, "change_case:english_lowercase", 6)[:6]
-    )
+    idxs = bl.find_single(docs, "punctuation:no_comma", 6) + bl.find_single(docs, "change_case:english_lowercase", 6)
     rs, cs = [], []
     for j, i in enumerate(idxs):
         rs.append(bl.ifeval_sample(i, docs[i], bl.designed_response(docs[i], "pass"), chat=True))
