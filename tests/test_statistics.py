@@ -284,17 +284,6 @@ def _fit(s, d):
         assume(False)
 
 
-@given(pairs=_pairs(), a=st.floats(-10, 10), b=st.floats(-10, 10))
-def test_the_prediction_interval_holds_its_prediction_and_widens_away_from_the_mean_s(pairs, a, b):
-    fit = _fit(*pairs)
-    assert 0.0 <= fit.permutation_p <= 1.0 and 0.0 <= fit.permutation_p_one_sided <= 1.0
-    near, far = sorted((a, b), key=lambda x: abs(x - fit.s_mean))
-    assert _holds(fit.prediction_interval(near), fit.predict(near))
-    assert fit.interval_half_width(near) <= fit.interval_half_width(far) + 1e-12
-    if fit.residual_se > 0 and abs(far - fit.s_mean) > abs(near - fit.s_mean) + 1e-6:
-        assert fit.interval_half_width(near) < fit.interval_half_width(far)
-
-
 @given(pairs=_pairs(), x=st.lists(st.floats(-10, 10), min_size=1, max_size=5))
 def test_the_prediction_interval_against_statsmodels(pairs, x):
     import statsmodels.api as sm
