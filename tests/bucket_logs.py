@@ -12,21 +12,16 @@ responses are written by hand. `write_run` lays files out as lm-eval does
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import random
 from pathlib import Path
 from typing import Any
 
 import yaml
-from constructed_runs import TS
+from constructed_runs import TS, _h
 
 LM_EVAL_TASKS = Path(__import__("lm_eval").__file__).parent / "tasks"
 SYSTEM_CHAT = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
-
-
-def _h(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def read_jsonl(path: Path) -> list[dict]:
