@@ -80,19 +80,16 @@ def get(data: Any, *parts: Any) -> Any:
     return data
 
 
+_SPECS = {"f4": ".4f", "+f4": "+.4f", "f2": ".2f", "pts": ".1f", "+pts": "+.1f"}
+
+
 def fmt(value: float | int, style: str) -> str:
     """Text of a number: `f4` 4 decimals, `+f4` signed, `pts`/`+pts` points (1 decimal), `int`, `p` p-value."""
     if style == "int":
         return str(int(value))
-    if style in ("pts", "+pts"):
-        return f"{100 * value:+.1f}" if style == "+pts" else f"{100 * value:.1f}"
     if style == "p":
         return f"{value:.2e}" if 0 < value < 1e-3 else f"{value:.4f}"
-    if style == "+f4":
-        return f"{value:+.4f}"
-    if style == "f2":
-        return f"{value:.2f}"
-    return f"{value:.4f}"
+    return format(100 * value if style.endswith("pts") else value, _SPECS[style])
 
 
 def num(doc: Doc, parts: Sequence[Any], style: str = "f4") -> Num | None:
