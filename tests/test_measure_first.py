@@ -112,7 +112,6 @@ def _remote_code_folder(llama: Path, folder: Path) -> Path:
         ("pretrained={root}/remote,trust_remote_code=False", "which transformers runs only with trust_remote_code"),
         ("pretrained={llama},dtype=fp8", "dtype=fp8 is not a dtype transformers loads for S"),
         ("pretrained={llama},lora_local_path={root}", "lora_local_path is a LoRA adapter that only the dummy engine"),
-        ("max_length=16", "needs attention weights, which the dummy backend does not expose"),
     ],
 )
 def test_what_s_cannot_be_measured_on_is_one_line_before_anything_loads(
