@@ -484,27 +484,21 @@ def attention_args(config: Any) -> dict[str, str]:
 
 
 def load_checkpoint(
-    source: str | Path,
-    dtype: Any,
-    device: str,
-    tokenizer_from: tuple[str | Path, dict[str, Any]],
-    config: Any = None,
-    reuse_config: bool = False,
-    **kwargs: Any,
+    source: str | Path, dtype: Any, device: str, tokenizer_from: tuple[Any, dict[str, Any]], **kwargs: Any
 ) -> tuple[Any, Any, Placement]:
     """The one transformers load of a checkpoint: (causal LM in eval mode, tokenizer, Placement), the model placed by
-    `load_placed` (`kwargs` to from_pretrained), the tokenizer from `tokenizer_from` (where, its arguments)."""
+    `load_placed` (`kwargs`: its config, from_pretrained's), the tokenizer from `tokenizer_from` (where, arguments)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model, placement = load_placed(AutoModelForCausalLM, source, dtype, device, config, reuse_config, **kwargs)
+    model, placement = load_placed(AutoModelForCausalLM, source, dtype, device, **kwargs)
     where, tokenizer_args = tokenizer_from
     return model.eval(), AutoTokenizer.from_pretrained(str(where), **tokenizer_args), placement
 
 
-def _causal_config(path: str, source: str, args: dict[str, str]) -> tuple[Any, dict[str, str]]:
+def _causal_config(path: str, source: str, args: dict[str, str]) -> dict[str, Any]:
     """The config of the model at `path`, read from `source` (an adapter's base) with `args` (revision, gguf_file),
-    and the attention implementation to load it with; one line, before any weight is read, unless it is a causal
-    LM's whose class the capture can measure."""
+    and the attention implementation to load it with, as `load_checkpoint`'s arguments; one line, before any weight
+    is read, unless it is a causal LM's whose class the capture can measure."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -520,7 +514,7 @@ def _causal_config(path: str, source: str, args: dict[str, str]) -> tuple[Any, d
             f"{path}: model type {config.model_type!r} is not a causal LM",
             "pass a causal LM (for a VLM, extract its language backbone first)",
         )
-    return config, attention_args(config)
+    return {"config": config, **attention_args(config)}
 
 
 def load_model(name: str | Path, dtype: str = "auto", device: str = DEFAULT_DEVICE) -> LoadedModel:
@@ -533,11 +527,11 @@ def load_model(name: str | Path, dtype: str = "auto", device: str = DEFAULT_DEVI
     source, gguf = pretrained_args(path)  # a GGUF file: its folder and name, dequantized to `dtype` as it loads
     # a hub id loads at the sha its identity names
     args = {**({} if Path(path).exists() else {"revision": identity["revision"]}), **gguf}
-    config, impl_arg = _causal_config(path, base or source, args)
+    loading = _causal_config(path, base or source, args)
     virtual = target.virtual is not None  # peft loads these, transformers does not
     tokenizer_from = base if base and not (Path(path) / "tokenizer_config.json").is_file() else source
     model, tokenizer, placement = load_checkpoint(
-        base if virtual else source, td, device, (tokenizer_from, args), config, bool(gguf), **args, **impl_arg
+        base if virtual else source, td, device, (tokenizer_from, args), reuse_config=bool(gguf), **args, **loading
     )
     model = load_on_base(model, path) if virtual else model
     info = {

@@ -105,8 +105,8 @@ def check_loadable(load: HfLoad, task: str, backend: str) -> None:
     from transformers import AutoConfig
     from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
 
-    from lm_eval_sink.capture import attention_layers_from_config, check_supported_class
-    from lm_eval_sink.models import causal_class
+    from lm_eval_sink.capture import attention_layers_from_config
+    from lm_eval_sink.models import attention_args, causal_class
 
     where = f"task {task} under --model {backend}: {load.pretrained}"
     fix = "pass a transformers checkpoint of the same weights as pretrained, or measure S in a separate --model hf call"
@@ -123,12 +123,10 @@ def check_loadable(load: HfLoad, task: str, backend: str) -> None:
     method = (quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)) or None
     if method is not None and str(method) not in AUTO_QUANTIZATION_CONFIG_MAPPING:
         raise UserError(f"{where} is quantized with {method}, which transformers cannot load", fix)
-    cls = causal_class(config)
-    if cls is None and not getattr(config, "auto_map", None):
+    if causal_class(config) is None and not getattr(config, "auto_map", None):
         raise UserError(f"{where}: model type {config.model_type!r} is not a causal LM transformers knows", fix)
     try:
-        if cls is not None:
-            check_supported_class(cls)
+        attention_args(config)  # a class the capture refuses
         attention_layers_from_config(config)
     except UserError as e:
         raise UserError(f"{where}: {e.message}", e.hint) from None
@@ -200,9 +198,9 @@ def _load(load: HfLoad) -> tuple[Any, Any]:
     config = AutoConfig.from_pretrained(load.pretrained, **rev, **remote)
     tok_rev = {"revision": load.tokenizer_revision} if load.tokenizer_revision else {}  # never `revision`: lm-eval's
     tokenizer_from = (load.tokenizer or load.pretrained, {**tok_rev, **remote})
-    args = {**rev, **remote, **attention_args(config)}
+    args = {"config": config, **rev, **remote, **attention_args(config)}
     model, tokenizer, _ = load_checkpoint(
-        load.pretrained, torch_dtype(load.dtype), DEFAULT_DEVICE, tokenizer_from, config, **args
+        load.pretrained, torch_dtype(load.dtype), DEFAULT_DEVICE, tokenizer_from, **args
     )
     return model, tokenizer
 
