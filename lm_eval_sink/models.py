@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.adapters import ADAPTER_CONFIG, VirtualTokens, adapted, config_virtual_tokens, load_on_base
-from lm_eval_sink.devices import DEFAULT_DEVICE, load_dtype, place
+from lm_eval_sink.devices import DEFAULT_DEVICE, Placement, load_dtype, place
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.identity import check_finished_folder, folder_identity, hub_offline, hub_snapshot, looks_like_hub_id
 from lm_eval_sink.cache import cache_dir
@@ -465,15 +465,43 @@ def load_placed(
     return cls.from_pretrained(path, dtype=dtype, device_map=placement.device_map, **given, **kwargs), placement
 
 
-def _causal_config(path: str, source: str, args: dict[str, str]) -> tuple[Any, dict[str, str]]:
+def causal_class(config: Any) -> type | None:
+    """The transformers causal-LM class of a config (None for remote code or a type that has none)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)] if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING else None
+
+
+def attention_args(config: Any) -> dict[str, str]:
+    """The `attn_implementation` the capture measures a config's causal-LM class with (one line for a class it cannot
+    measure); none for remote code."""
+    from lm_eval_sink.capture import attn_implementation_for, check_supported_class
+
+    cls = causal_class(config)
+    if cls is None:
+        return {}
+    check_supported_class(cls)
+    return {"attn_implementation": attn_implementation_for(cls, config)}
+
+
+def load_checkpoint(
+    source: str | Path, dtype: Any, device: str, tokenizer_from: tuple[Any, dict[str, Any]], **kwargs: Any
+) -> tuple[Any, Any, Placement]:
+    """The one transformers load of a checkpoint: (causal LM in eval mode, tokenizer, Placement), the model placed by
+    `load_placed` (`kwargs`: its config, from_pretrained's), the tokenizer from `tokenizer_from` (where, arguments)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model, placement = load_placed(AutoModelForCausalLM, source, dtype, device, **kwargs)
+    where, tokenizer_args = tokenizer_from
+    return model.eval(), AutoTokenizer.from_pretrained(str(where), **tokenizer_args), placement
+
+
+def _causal_config(path: str, source: str, args: dict[str, str]) -> dict[str, Any]:
     """The config of the model at `path`, read from `source` (an adapter's base) with `args` (revision, gguf_file),
-    and the attention implementation to load it with; one line, before any weight is read, unless it is a causal
-    LM's whose class the capture can measure."""
-    import transformers
+    and the attention implementation to load it with, as `load_checkpoint`'s arguments; one line, before any weight
+    is read, unless it is a causal LM's whose class the capture can measure."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    from lm_eval_sink.capture import attn_implementation_for, check_supported_class
 
     try:
         config = AutoConfig.from_pretrained(source, **args)
@@ -487,18 +515,12 @@ def _causal_config(path: str, source: str, args: dict[str, str]) -> tuple[Any, d
             f"{path}: model type {config.model_type!r} is not a causal LM",
             "pass a causal LM (for a VLM, extract its language backbone first)",
         )
-    cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type], None)
-    if cls is None:
-        return config, {}
-    check_supported_class(cls)
-    return config, {"attn_implementation": attn_implementation_for(cls, config)}
+    return {"config": config, **attention_args(config)}
 
 
 def load_model(name: str | Path, dtype: str = "auto", device: str = DEFAULT_DEVICE) -> LoadedModel:
     """Load a causal LM and its tokenizer straight onto `device` (`devices.place`), with the provenance of what was
     loaded; a class the capture cannot measure is refused before any weight is read."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     target = resolved(name, allow_gguf=True)
     path, base = target.path, target.base  # transformers loads an adapter folder onto its base model itself
     td = torch_dtype(dtype)
@@ -506,15 +528,13 @@ def load_model(name: str | Path, dtype: str = "auto", device: str = DEFAULT_DEVI
     source, gguf = pretrained_args(path)  # a GGUF file: its folder and name, dequantized to `dtype` as it loads
     # a hub id loads at the sha its identity names
     args = {**({} if Path(path).exists() else {"revision": identity["revision"]}), **gguf}
-    config, impl_arg = _causal_config(path, base or source, args)
+    loading = _causal_config(path, base or source, args)
     virtual = target.virtual is not None  # peft loads these, transformers does not
-    model, placement = load_placed(
-        AutoModelForCausalLM, base if virtual else source, td, device, config, bool(gguf), **args, **impl_arg
+    tokenizer_from = base if base and not (Path(path) / "tokenizer_config.json").is_file() else source
+    model, tokenizer, placement = load_checkpoint(
+        base if virtual else source, td, device, (tokenizer_from, args), reuse_config=bool(gguf), **args, **loading
     )
-    model = load_on_base(model, path) if virtual else model.eval()
-    tokenizer = AutoTokenizer.from_pretrained(
-        base if base and not (Path(path) / "tokenizer_config.json").is_file() else source, **args
-    )
+    model = load_on_base(model, path) if virtual else model
     info = {
         **identity,
         **({"gguf_quantization": gguf_quantization(path)} if gguf else {}),

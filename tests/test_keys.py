@@ -25,7 +25,6 @@ def declared_kinds() -> list[type[Work]]:
     import lm_eval_sink.commands.buckets
     import lm_eval_sink.commands.screen
     import lm_eval_sink.extract.pipeline
-    import lm_eval_sink.harness.kept_strength
     import lm_eval_sink.margin
     import lm_eval_sink.merging.merge
     import lm_eval_sink.merging.sweep  # noqa: F401
@@ -53,7 +52,6 @@ def declarations(tmp_path) -> dict[type[Work], Any]:
     from lm_eval_sink.commands.recovery import RecoveryWork
     from lm_eval_sink.commands.screen import ScreenWork
     from lm_eval_sink.extract.pipeline import ExtractCode
-    from lm_eval_sink.harness.kept_strength import KeptWork
     from lm_eval_sink.harness.runner import EvalSettings
     from lm_eval_sink.margin import MarginSettings, MarginWork
     from lm_eval_sink.merging.configs import ValidatedConfig
@@ -104,7 +102,6 @@ def declarations(tmp_path) -> dict[type[Work], Any]:
         BucketsWork: BucketsWork(samples, "ifeval", BucketSettings(confidence=0.9), str(f["tok"])),
         RecoveryWork: RecoveryWork({**samples, "reference results": f["run"] / "results_1.json"}, BucketSettings()),
         AttributeWork: AttributeWork((str(f["run"]),), ("vendor:x",), registry, Path(_write(tmp_path / "v.yml", "{}"))),
-        KeptWork: KeptWork({"pretrained": str(f["a"]), "revision": None}, str(f["a"]), {"t": {"n_prompts": 2}}),
         ExtractCode: ExtractCode(),
     }
 
@@ -197,7 +194,6 @@ CODE = {  # where each kind's settings are chosen and handed to the work, and co
     "BucketsWork": ("commands/buckets", "power", "pairing"),
     "RecoveryWork": ("commands/recovery", "recovery", "power", "plots", "buckets/stats"),
     "AttributeWork": ("commands/attribute",),
-    "KeptWork": ("harness/measure_first", "harness/task", "capture"),  # the child's load, task.measure_rows
     "ExtractCode": ("extract/pipeline",),
 }
 

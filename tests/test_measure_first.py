@@ -33,30 +33,11 @@ def task_manager():
     return TaskManager()
 
 
-def test_a_backend_without_attention_gets_the_hf_results_measured_first(handset_llama_dir, task_manager, capsys):
+def test_a_backend_without_attention_gets_the_hf_results_measured_first(handset_llama_dir, task_manager):
     """Every metric, the layer x head matrix and each sample's rows equal `--model hf`'s; the task's metadata
-    says how S was measured (a child process of transformers) and which backend arguments it left out. S measured
-    by a call that then fails is kept and reused by the next call of the same model and settings (other backend
-    arguments too), said in one line each, and the kept file goes once that call finishes."""
-    import lm_eval
-
-    from lm_eval_sink.harness.kept_strength import KEPT_DIR
-    from lm_eval_sink.cache import cache_dir
-
+    says how S was measured (a child process of transformers) and which backend arguments it left out."""
     hf = _evaluate("hf", f"pretrained={handset_llama_dir}", device="cpu", task_manager=task_manager)
-    args = f"pretrained={handset_llama_dir},dtype=float32"
-    capsys.readouterr()
-    with pytest.raises(Exception, match="no_such_task"):  # fails after S was measured, as an engine that dies
-        lm_eval.simple_evaluate(
-            model="dummy", model_args=f"{args},tensor_parallel_size=4", tasks=[TASK, "no_such_task"]
-        )
-    (kept,) = (cache_dir() / KEPT_DIR).glob("*.json")
-    assert f"S of {TASK} measured before this failure is kept in {kept}; the same call run again reuses it" in (
-        capsys.readouterr().err
-    )
-    first = _evaluate("dummy", f"{args},tensor_parallel_size=2")
-    assert f"lm-eval-sink: S of {TASK} reused from {kept}" in capsys.readouterr().err and not kept.exists()
-    assert first["configs"][TASK]["metadata"]["capture"].pop("kept_from") == str(kept)
+    first = _evaluate("dummy", f"pretrained={handset_llama_dir},dtype=float32,tensor_parallel_size=2")
     assert first["results"][TASK] == hf["results"][TASK]
     assert first["results"][TASK]["sink_strength_layer_head,none"]["layers"] == [0, 1, 2]
     rows = {name: [s["sink_strength"] for s in res["samples"][TASK]] for name, res in (("hf", hf), ("first", first))}
@@ -131,7 +112,6 @@ def _remote_code_folder(llama: Path, folder: Path) -> Path:
         ("pretrained={root}/remote,trust_remote_code=False", "which transformers runs only with trust_remote_code"),
         ("pretrained={llama},dtype=fp8", "dtype=fp8 is not a dtype transformers loads for S"),
         ("pretrained={llama},lora_local_path={root}", "lora_local_path is a LoRA adapter that only the dummy engine"),
-        ("max_length=16", "needs attention weights, which the dummy backend does not expose"),
     ],
 )
 def test_what_s_cannot_be_measured_on_is_one_line_before_anything_loads(
@@ -256,21 +236,3 @@ def test_every_reader_of_a_boolean_model_argument_reads_it_as_lm_eval_hands_it_t
         for v in FLAGS
     }
     assert got == {v: (on, on, on) for v, on in FLAGS.items()}
-
-
-def test_kept_s_in_a_file_others_can_write_is_measured_again(tmp_path, monkeypatch):
-    """The kept rows are read as every other file of the project cache: one that is not this user's alone (another
-    could have planted its S) is read as absent and S is measured, as footguns.md's table says."""
-    from lm_eval_sink.harness.kept_strength import KEPT_DIR, key, measured_or_kept
-    from lm_eval_sink.harness.measure_first import HfLoad
-
-    monkeypatch.setenv("LM_EVAL_SINK_CACHE", str(tmp_path / "cache"))
-    load, jobs = HfLoad(pretrained="org/not-a-folder"), {TASK: {"n_prompts": 5}}
-    planted = tmp_path / "cache" / KEPT_DIR / f"{key(load, jobs)}.json"
-    planted.parent.mkdir(parents=True)
-    planted.write_text(json.dumps({TASK: {"settings": {}, "rows": {"0": [9.0]}, "record": {}}}))
-    planted.chmod(0o666)
-    kept = measured_or_kept(load, jobs, "vllm", lambda *args: {TASK: "measured"})
-    assert kept.measured == {TASK: "measured"} and kept.path == planted
-    planted.chmod(0o600)  # this user's alone: reused
-    assert measured_or_kept(load, jobs, "vllm", lambda *args: {TASK: "measured"}).measured[TASK].rows == {0: [9.0]}

@@ -32,11 +32,14 @@ def _marker(out: Path, name: str) -> dict:
     return json.loads((out / "evals" / name / "COMPLETE.json").read_text())
 
 
-def _responses(unit_folder: Path, task: str = "ifeval") -> list:
-    """Each sample's responses of a task, in document order, from an eval unit's folder."""
+def _samples(unit_folder: Path, task: str = "sink_strength") -> list[dict]:
+    """Each sample of a task, in document order, from an eval unit's folder."""
     (path,) = unit_folder.glob(f"lm_eval/*/samples_{task}_*.jsonl")
-    rows = sorted((json.loads(x) for x in path.read_text().splitlines()), key=lambda s: s["doc_id"])
-    return [r["resps"] for r in rows]
+    return sorted((json.loads(x) for x in path.read_text().splitlines()), key=lambda s: s["doc_id"])
+
+
+def _responses(unit_folder: Path, task: str = "ifeval") -> list:
+    return [s["resps"] for s in _samples(unit_folder, task)]
 
 
 def _alive(pid: int) -> bool:
@@ -137,11 +140,6 @@ def test_resident_sweep_gives_the_hf_sweeps_table_and_responses(resident):
         results = json.loads((out / "evals" / name / marker["results"]).read_text())
         assert results["config"]["model"] == "vllm" and results["config"]["model_args"]["pretrained"] == marker["model"]
         assert "engine" not in _marker(hf, name)  # the per-checkpoint side: an lm_eval process per checkpoint
-
-
-def _samples(unit_folder: Path, task: str = "sink_strength") -> list[dict]:
-    (path,) = unit_folder.glob(f"lm_eval/*/samples_{task}_*.jsonl")
-    return sorted((json.loads(x) for x in path.read_text().splitlines()), key=lambda s: s["doc_id"])
 
 
 def test_each_checkpoints_s_is_measured_on_the_resident_engine_and_equals_its_transformers_s(resident):

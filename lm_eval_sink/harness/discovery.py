@@ -156,8 +156,8 @@ def _task_manager(arguments: dict[str, Any]) -> Any:
 
 def measure_first_request(arguments: dict[str, Any]) -> tuple[Any, Any] | None:
     """Before lm-eval builds a backend without attention, where this project's tasks are measured: (None, TaskManager)
-    where the engine lm-eval builds measures S (`engine_strength.decide`), else (Kept, TaskManager) with the rows the
-    child measured first (or kept, `kept_strength`) and the revisions it measured pinned in `arguments`; None when no
+    where the engine lm-eval builds measures S (`engine_strength.decide`), else (rows, TaskManager) with the rows the
+    child measured first (`task.Measured` per task) and the revisions it measured pinned in `arguments`; None when no
     such task is asked of such a backend. One line when the backend has no `pretrained` transformers can load."""
     model = arguments.get("model")
     model_class = _model_class(model)
@@ -181,12 +181,11 @@ def measure_first_request(arguments: dict[str, Any]) -> tuple[Any, Any] | None:
 
 
 def _measured_first(arguments: dict[str, Any], task_manager: Any, ours: list[str], label: str, why: str | None) -> Any:
-    """`measure_first_request`'s transformers child (kept_strength); `why` the engine path was not taken, said in one
-    line once the checks passed and recorded in each task's capture record (`not_on_engine`)."""
+    """`measure_first_request`'s transformers child; `why` the engine path was not taken, said in one line once the
+    checks passed and recorded in each task's capture record (`not_on_engine`)."""
     from dataclasses import replace
 
     from lm_eval_sink.harness.engine_strength import fallback_line, say
-    from lm_eval_sink.harness.kept_strength import Kept, measured_or_kept
     from lm_eval_sink.harness.measure_first import (
         check_loadable,
         engine_model_args,
@@ -201,12 +200,10 @@ def _measured_first(arguments: dict[str, Any], task_manager: Any, ours: list[str
     arguments["model_args"] = engine_model_args(arguments.get("model_args"), load)  # the commits measured
     if why is not None:
         say(fallback_line(ours, why))
-    kept = measured_or_kept(load, task_jobs(task_manager, ours), label, measure_first)  # kept_strength
+    measured = measure_first(load, task_jobs(task_manager, ours), label)
     if why is not None:
-        kept = Kept(
-            {n: replace(m, record={**m.record, "not_on_engine": why}) for n, m in kept.measured.items()}, kept.path
-        )
-    return kept, task_manager
+        measured = {n: replace(m, record={**m.record, "not_on_engine": why}) for n, m in measured.items()}
+    return measured, task_manager
 
 
 def _apply_offline_overrides(index: dict[str, Any]) -> None:
@@ -359,13 +356,13 @@ def _wrap_simple_evaluate(original: Any) -> Any:
             return original(*args, **kwargs)
         from lm_eval_sink.harness.task import provided
 
-        kept, bound.arguments["task_manager"] = first
-        if kept is None:  # S measured on the engine lm-eval builds, built with the capture (engine_strength)
+        measured, bound.arguments["task_manager"] = first
+        if measured is None:  # S measured on the engine lm-eval builds, built with the capture (engine_strength)
             from lm_eval_sink.harness.engine_strength import engine_builder
 
             with engine_builder():
                 return original(*bound.args, **bound.kwargs)
-        with provided(kept.measured), kept.on_failure():  # kept_strength: S kept if the call fails after it
+        with provided(measured):
             return original(*bound.args, **bound.kwargs)
 
     return simple_evaluate

@@ -71,9 +71,7 @@ def load_resident(
     """Load `reference` as the subprocess path's HFLM would (dtype, model_args), straight onto its devices, with one
     TaskManager as lm-eval's CLI builds it for the reference's command line; without eval settings (`eval: false`)
     in `dtype` on `device` (Sink Strength's), with none."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from lm_eval_sink.models import load_placed, torch_dtype
+    from lm_eval_sink.models import load_checkpoint, torch_dtype
 
     load_kwargs: dict[str, Any] = {}
     revision: dict[str, Any] = {}
@@ -89,11 +87,10 @@ def load_resident(
         revision = {"revision": cfg.model_args["revision"]} if "revision" in cfg.model_args else {}
         manager = task_manager(settings, reference)
     device = resident_device(settings, device)
-    model, placement = load_placed(
-        AutoModelForCausalLM, str(reference), torch_dtype(dtype or "auto"), device, **revision, **load_kwargs
+    model, tokenizer, placement = load_checkpoint(
+        str(reference), torch_dtype(dtype or "auto"), device, (reference, revision), **revision, **load_kwargs
     )
-    model = model.eval().requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(str(reference), **revision)
+    model = model.requires_grad_(False)
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     return Resident(
         model=model, tokenizer=tokenizer, task_manager=manager, settings=settings, dtype=dtype, placement=placement

@@ -100,19 +100,13 @@ def engine_model_args(model_args: Any, load: HfLoad) -> Any:
     return ",".join([*kept, *(f"{k}={v}" for k, v in pins.items())])
 
 
-def _causal_class(config: Any) -> type | None:
-    """The transformers causal-LM class of a config (None for remote code or a type that has none)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)] if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING else None
-
-
 def check_loadable(load: HfLoad, task: str, backend: str) -> None:
     """Refuse, before anything loads, a checkpoint transformers cannot load or the capture cannot measure."""
     from transformers import AutoConfig
     from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
 
-    from lm_eval_sink.capture import attention_layers_from_config, check_supported_class
+    from lm_eval_sink.capture import attention_layers_from_config
+    from lm_eval_sink.models import attention_args, causal_class
 
     where = f"task {task} under --model {backend}: {load.pretrained}"
     fix = "pass a transformers checkpoint of the same weights as pretrained, or measure S in a separate --model hf call"
@@ -129,12 +123,10 @@ def check_loadable(load: HfLoad, task: str, backend: str) -> None:
     method = (quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)) or None
     if method is not None and str(method) not in AUTO_QUANTIZATION_CONFIG_MAPPING:
         raise UserError(f"{where} is quantized with {method}, which transformers cannot load", fix)
-    cls = _causal_class(config)
-    if cls is None and not getattr(config, "auto_map", None):
+    if causal_class(config) is None and not getattr(config, "auto_map", None):
         raise UserError(f"{where}: model type {config.model_type!r} is not a causal LM transformers knows", fix)
     try:
-        if cls is not None:
-            check_supported_class(cls)
+        attention_args(config)  # a class the capture refuses
         attention_layers_from_config(config)
     except UserError as e:
         raise UserError(f"{where}: {e.message}", e.hint) from None
@@ -195,24 +187,21 @@ def measure_first(load: HfLoad, jobs: dict[str, dict[str, Any]], backend: str) -
 
 
 def _load(load: HfLoad) -> tuple[Any, Any]:
-    """The checkpoint and its tokenizer, placed as `--device auto` places a model (`models.load_placed`)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    """The checkpoint and its tokenizer, placed as `--device auto` places a model (`models.load_checkpoint`)."""
+    from transformers import AutoConfig
 
-    from lm_eval_sink.capture import attn_implementation_for
     from lm_eval_sink.devices import DEFAULT_DEVICE
-    from lm_eval_sink.models import load_placed, torch_dtype
+    from lm_eval_sink.models import attention_args, load_checkpoint, torch_dtype
 
     rev = {"revision": load.revision} if load.revision else {}
     remote = {"trust_remote_code": load.trust_remote_code}
     config = AutoConfig.from_pretrained(load.pretrained, **rev, **remote)
-    cls = _causal_class(config)
-    impl = {"attn_implementation": attn_implementation_for(cls, config)} if cls is not None else {}
-    model, _ = load_placed(
-        AutoModelForCausalLM, load.pretrained, torch_dtype(load.dtype), DEFAULT_DEVICE, config, **rev, **remote, **impl
-    )
-    model.eval()
     tok_rev = {"revision": load.tokenizer_revision} if load.tokenizer_revision else {}  # never `revision`: lm-eval's
-    tokenizer = AutoTokenizer.from_pretrained(load.tokenizer or load.pretrained, **tok_rev, **remote)
+    tokenizer_from = (load.tokenizer or load.pretrained, {**tok_rev, **remote})
+    args = {"config": config, **rev, **remote, **attention_args(config)}
+    model, tokenizer, _ = load_checkpoint(
+        load.pretrained, torch_dtype(load.dtype), DEFAULT_DEVICE, tokenizer_from, **args
+    )
     return model, tokenizer
 
 

@@ -68,10 +68,10 @@ class EvalSettings:
     python: str | None = field(default=None, metadata=UNKEYED)  # lm-eval's python, keyed by its `eval_versions`
 
     def __post_init__(self) -> None:
+        tasks = self.tasks.split(",") if isinstance(self.tasks, str) else self.tasks
+        object.__setattr__(self, "tasks", tuple(t.strip() for t in tasks if t.strip()))
         if not self.tasks:
             raise UserError("no tasks to evaluate", "pass at least one lm-eval task name")
-        if isinstance(self.tasks, str):
-            object.__setattr__(self, "tasks", tuple(t for t in self.tasks.split(",") if t))
         if self.limit is not None and self.limit <= 0:
             raise UserError(f"limit must be positive, got {self.limit}", "drop --limit or give a positive number")
         if self.backend not in BACKENDS:

@@ -54,26 +54,24 @@ def decisions(folders: list[str]) -> dict:
 def hook(folder: str) -> dict:
     """What the start-up hook (`discovery.measure_first_request`) does under `--model vllm` for `folder` as lm-eval's
     `pretrained`: the model_args the engine gets, the lines it says, and where the child measured S, the capture
-    record (the child itself stood in for: `kept_strength.measured_or_kept` returns rows without running it)."""
+    record (the child itself stood in for: `measure_first.measure_first` returns rows without running it)."""
     import contextlib
     import io
-    from pathlib import Path
 
-    from lm_eval_sink.harness import discovery, kept_strength
+    from lm_eval_sink.harness import discovery, measure_first
     from lm_eval_sink.harness.task import Measured
 
-    def stand_in(load, jobs, backend, measure):
-        rows = {name: Measured(job["settings"], {}, {"capture_backend": "hf"}) for name, job in jobs.items()}
-        return kept_strength.Kept(rows, Path("/nonexistent"))
+    def stand_in(load, jobs, backend):
+        return {name: Measured(job["settings"], {}, {"capture_backend": "hf"}) for name, job in jobs.items()}
 
-    kept_strength.measured_or_kept = stand_in
+    measure_first.measure_first = stand_in
     out = {}
     for name, more in {"engine": "", "quantization": ",quantization=fp8"}.items():
         arguments = {"model": "vllm", "model_args": f"pretrained={folder}{more}", "tasks": ["sink_strength"]}
         said = io.StringIO()
         with contextlib.redirect_stderr(said):
-            kept, _ = discovery.measure_first_request(arguments)
-        record = None if kept is None else kept.measured["sink_strength"].record
+            measured, _ = discovery.measure_first_request(arguments)
+        record = None if measured is None else measured["sink_strength"].record
         out[name] = {"model_args": arguments["model_args"], "said": said.getvalue(), "record": record}
     return out
 
