@@ -580,8 +580,9 @@ def test_protection_refuses_learned_sinks_with_one_line(tiny_tokenizer, tmp_path
 
 
 def test_protect_plan_chooses_the_attention_layers_s_is_measured_on(tiny_tokenizer):
-    """On a hybrid (a conv layer between attention layers) the plan captures the last K attention layers, as S does,
-    not the last K layers (a conv layer never reaches the capture)."""
+    """On a hybrid (a conv layer between attention layers) the plan takes the last K attention layers, as S does, not
+    the last K layers; LFM2's attention (q_layernorm, which the rules do not read) is then refused in one line naming
+    the first of them, layer 0 (the last K layers would name the conv layer 1)."""
     from transformers import Lfm2Config, Lfm2ForCausalLM
 
     from lm_eval_sink.strength import measure
@@ -601,6 +602,8 @@ def test_protect_plan_chooses_the_attention_layers_s_is_measured_on(tiny_tokeniz
     torch.manual_seed(0)
     model = Lfm2ForCausalLM._from_config(config, attn_implementation="sdpa").eval()
     settings = StrengthSettings(last_k=2, n_prompts=5)
-    plan = select_sink_heads(model, tiny_tokenizer, settings, progress=False)
-    layers = sorted({h.layer for h in plan.heads})
-    assert layers == list(measure(model, tiny_tokenizer, settings, progress=False).layers) == [0, 2]
+    assert list(measure(model, tiny_tokenizer, settings, progress=False).layers) == [0, 2]
+    with pytest.raises(UserError) as refused:
+        select_sink_heads(model, tiny_tokenizer, settings, progress=False)
+    assert str(refused.value).startswith("layer 0's attention (Lfm2Attention) is not one SinkProtection reads")
+    assert "not q_layernorm, k_layernorm" in str(refused.value)

@@ -250,6 +250,20 @@ def check_no_learned_sinks(model: Any) -> None:
         )
 
 
+def protectable_attention(model: Any, layer: int) -> Any:
+    """Layer `layer`'s attention, refused in one line unless it is what the rules read: `self_attn` with q_proj and
+    k_proj, its query/key norms (if any) named q_norm/k_norm (LFM2's q_layernorm would be left out of the rules)."""
+    attn = getattr(_decoder(model).layers[layer], "self_attn", None)
+    others = [n for n, _ in getattr(attn, "named_children", list)() if "norm" in n and n not in ("q_norm", "k_norm")]
+    if attn is None or not (hasattr(attn, "q_proj") and hasattr(attn, "k_proj")) or others:
+        raise UserError(
+            f"layer {layer}'s attention ({type(attn).__name__}) is not one SinkProtection reads: it needs q_proj and "
+            f"k_proj with query/key norms named q_norm/k_norm{', not ' + ', '.join(others) if others else ''}",
+            "protect a Llama, Qwen2/3, OLMo2 or Gemma layout",
+        )
+    return attn
+
+
 def check_no_virtual_tokens(virtual: Any, what: str) -> None:
     """Refuse a prompt-learning adapter (`adapters.VirtualTokens`, None: none): position 0 is a virtual token there,
     not the real first token whose key a plan holds."""
@@ -352,10 +366,11 @@ def select_sink_heads(
     check_no_virtual_tokens(adapted(model).virtual, type(model).__name__)
     check_no_learned_sinks(model)
     n_layers, n_heads, n_kv, d = _shape(model)
-    kind = qk_norm_kind(_decoder(model).layers[0].self_attn, d)
     prompt_set, encoded = encoded_prompts(tokenizer, settings)
     sink_token = _common_first_token(encoded.input_ids)
     layers = settings.layers_for(attention_layers(unwrap_model(model), encoded.input_ids[0][:2]))  # as S chooses
+    attentions = [protectable_attention(model, layer) for layer in layers]  # each one the rules read
+    kind = qk_norm_kind(attentions[0], d)
     captures = capture_prompts(
         unwrap_model(model), encoded, layers, settings.batching(), progress=progress, desc="protect-plan capture"
     )
