@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.protocols import max_gen_toks_in
 
 FAILURE_KINDS = ("truncation", "language", "phrase_marker", "length", "format", "other")
 _PRIORITY = ("language", "phrase_marker", "length", "format", "other")
@@ -61,19 +62,6 @@ def max_gen_toks_of(sample: Mapping[str, Any]) -> int | None:
     args = sample.get("arguments")
     first = args.get("gen_args_0") if isinstance(args, Mapping) else None
     return max_gen_toks_in(first.get("arg_1") if isinstance(first, Mapping) else None)
-
-
-def max_gen_toks_in(kwargs: Any) -> int | None:
-    """The generation limit in a generation-kwargs mapping (lm-eval's aliases, in its order), if any."""
-    from lm_eval_sink.protocols import TOKEN_KEYS
-
-    if not isinstance(kwargs, Mapping):
-        return None
-    for key in TOKEN_KEYS:
-        value = kwargs.get(key)
-        if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
-            return int(value)
-    return None
 
 
 def tokenizer_counter(name: str) -> Callable[[str], int]:
