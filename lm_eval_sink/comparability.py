@@ -23,6 +23,8 @@ from lm_eval_sink.strength import (
 )
 
 _FEW_SHOT = "a Sink Strength task's requests hold the calibration prompt itself, never a few-shot context"
+_ONLY = "(the only tasks compared)"
+_RUN_FIELD = "how a Sink Strength task batches its prompts (strength.RUN_FIELDS), which leaves S unchanged"
 # The one table of what changes S. True: an applied field of `Setting`, in words; two S compare only when all of them
 # are equal (`Setting.key`). False: a protocol field S never reads, with why (`protocols.diff` marks it "no"): a harness
 # field when every task compared is a Sink Strength task, or `tasks.<field>` / `tasks.metadata.<key>` of one.
@@ -34,12 +36,9 @@ S_FIELDS: dict[str, tuple[bool, str]] = {
     "statistic": (True, "statistic"),
     "k": (True, "K"),
     "dtype": (True, "model dtype"),
-    "limit": (
-        False,
-        "--limit / --samples never cut a Sink Strength task's calibration prompts (the only tasks compared)",
-    ),
-    "gen_kwargs": (False, "a Sink Strength task generates nothing (the only tasks compared)"),
-    "batch_size": (False, "a Sink Strength task batches its prompts by its own metadata (the only tasks compared)"),
+    "limit": (False, f"--limit / --samples never cut a Sink Strength task's calibration prompts {_ONLY}"),
+    "gen_kwargs": (False, f"a Sink Strength task generates nothing {_ONLY}"),
+    "batch_size": (False, f"a Sink Strength task batches its prompts by its own metadata {_ONLY}"),
     "tasks.generation_kwargs": (False, "a Sink Strength task generates nothing"),
     "tasks.num_fewshot": (False, _FEW_SHOT),
     "tasks.multiturn": (False, _FEW_SHOT),
@@ -52,13 +51,7 @@ S_FIELDS: dict[str, tuple[bool, str]] = {
         False,
         "records that --predict_only kept a Sink Strength task's metrics",
     ),
-    **{
-        f"tasks.metadata.{f}": (
-            False,
-            "how a Sink Strength task batches its prompts (strength.RUN_FIELDS), which leaves S unchanged",
-        )
-        for f in RUN_FIELDS
-    },
+    **dict.fromkeys((f"tasks.metadata.{f}" for f in RUN_FIELDS), (False, _RUN_FIELD)),
 }
 SPLIT_FIELDS = {name: words for name, (decides, words) in S_FIELDS.items() if decides}
 
