@@ -368,11 +368,12 @@ def _harness_part(results: dict[str, Any], model_args: dict[str, Any]) -> dict[s
     }
 
 
-def generation_cap(fp: ProtocolFingerprint, task: str) -> int | None:
+def generation_cap(fp: ProtocolFingerprint | None, task: str | None) -> int | None:
     """The generation length a run set on the command line for a generating `task` (`--gen_kwargs max_gen_toks=N`
-    over the task's own, e.g. IFEval's 1,280), None when it kept the task's own: a capped run is a protocol
-    difference to an uncapped one, whatever else agrees (attribution names it first)."""
-    if (fp.harness["tasks"].get(task) or {}).get("output_type") != "generate_until":
+    over the task's own, e.g. IFEval's 1,280), None when it kept the task's own or there is no run (a registry
+    figure): a capped run is a protocol difference to an uncapped one, whatever else agrees (attribution names it
+    first)."""
+    if fp is None or (fp.harness["tasks"].get(task) or {}).get("output_type") != "generate_until":
         return None
     return max_gen_toks_in(fp.harness.get("gen_kwargs"))
 
@@ -552,23 +553,25 @@ class Protocol(_ProtocolIn):
     source: str = "builtin"
 
     def mismatches(self, fp: ProtocolFingerprint) -> list[str]:
-        """Fields of `fp` that contradict this protocol (what a results file lets one check), as
-        `vendors.stated_differences` compares a run with stated settings, then the protocol's model_args as text."""
-        from lm_eval_sink.vendors import run_stated_values, stated_differences
-
-        fixed = {"apply_chat_template": self.apply_chat_template, "system_instruction": self.system_instruction or None}
-        fixed |= {k: v for k in ("num_fewshot", "batch_size", "dtype") if (v := getattr(self, k)) not in (None, "auto")}
-        bad: dict[str, list[str]] = {}
-        for task in fp.tasks:
-            for d in stated_differences(fixed, run_stated_values(fp, task))[0]:
-                bad.setdefault(f"{d['field']}={short_text(str(d['b']), 30)}", []).append(task)
-        shown = [f"{k} in {', '.join(t)}" if k.startswith("num_fewshot=") else k for k, t in bad.items()]
-        model_args = fp.harness.get("model_args") or {}
-        return shown + [
-            f"model_args.{k}={model_args.get(k)}"
-            for k, v in (self.model_args or {}).items()
-            if str(model_args.get(k)) != str(v)
-        ]
+        """Fields of `fp` that contradict this protocol (what a results file lets one check)."""
+        h = fp.harness
+        bad = []
+        if h["apply_chat_template"] != self.apply_chat_template:
+            bad.append(f"apply_chat_template={h['apply_chat_template']}")
+        if (h.get("system_instruction") or None) != (self.system_instruction or None):
+            bad.append("system_instruction")
+        if self.num_fewshot is not None:
+            off = [t for t, v in h["tasks"].items() if v["num_fewshot"] != self.num_fewshot]
+            if off:
+                bad.append(f"num_fewshot of {', '.join(off)}")
+        if self.batch_size is not None and str(self.batch_size) != str(h.get("batch_size")):
+            bad.append(f"batch_size={h.get('batch_size')}")
+        if self.dtype not in (None, "auto") and h.get("dtype") not in (self.dtype, f"torch.{self.dtype}"):
+            bad.append(f"dtype={h.get('dtype')}")
+        for k, v in (self.model_args or {}).items():
+            if str((h.get("model_args") or {}).get(k)) != str(v):
+                bad.append(f"model_args.{k}={(h.get('model_args') or {}).get(k)}")
+        return bad
 
 
 class _ProtocolsFileIn(Strict):
