@@ -33,10 +33,6 @@ class FailureKind:
     checker_agrees: bool  # False: lm-eval's checker, re-run on the response, finds it passing
 
 
-def truncation_slack(max_gen_toks: int) -> int:
-    return max(2, math.ceil(0.01 * max_gen_toks))
-
-
 def ends_mid_sentence(response: str) -> bool:
     """True when the last visible character is a letter, a digit or one of `,;:-(`."""
     text = response.rstrip()
@@ -49,11 +45,12 @@ def ends_mid_sentence(response: str) -> bool:
 def is_truncated(
     response: str, max_gen_toks: int | None, count_tokens: Callable[[str], int] | None = None
 ) -> bool | None:
-    """Whether a response hit the generation limit (None: the limit is unknown, cannot tell)."""
+    """Whether a response hit the generation limit, within a slack of 1% of it and at least 2 tokens (None: the
+    limit is unknown, cannot tell)."""
     if max_gen_toks is None:
         return None
     if count_tokens is not None:
-        return count_tokens(response) >= max_gen_toks - truncation_slack(max_gen_toks)
+        return count_tokens(response) >= max_gen_toks - max(2, math.ceil(0.01 * max_gen_toks))
     return ends_mid_sentence(response) and len(response.encode("utf-8")) >= max_gen_toks
 
 
