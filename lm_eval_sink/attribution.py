@@ -19,8 +19,9 @@ from lm_eval_sink.errors import UserError
 from lm_eval_sink.keys import CONTENT
 from lm_eval_sink.pairing import index_docs, outcome, pair_docs
 from lm_eval_sink.power import MIN_N
-from lm_eval_sink.protocols import limit_text, short_text
+from lm_eval_sink.protocols import generation_cap, limit_text, match_protocol, short_text, task_diff
 from lm_eval_sink.tables import markdown_lines
+from lm_eval_sink.vendors import run_stated_values, stated_differences
 
 SCHEMA_VERSION = 1
 # Config fields that name the language model a VLM (or adapter) was built from.
@@ -257,22 +258,14 @@ class Attribution:
 
 def _differing(r: Measurement, c: Measurement) -> list[dict[str, Any]]:
     """Protocol fields in which two measurements differ (as far as their sources record them), a generation cap
-    first (`_cap_row`)."""
+    first (`_cap_row`; a registry figure has none)."""
     cap = _cap_row(r, c)
     return ([cap] if cap else []) + _recorded_differences(r, c)
 
 
-def _cap(m: Measurement) -> int | None:
-    """The generation length a run capped on the command line (`protocols.generation_cap`); None for a registry
-    figure (measured under the task's own settings, as far as it states)."""
-    from lm_eval_sink.protocols import generation_cap
-
-    return generation_cap(m.fingerprint, m.task or "") if m.fingerprint is not None else None
-
-
 def _cap_row(r: Measurement, c: Measurement) -> dict[str, Any] | None:
     """A capped measurement against an uncapped one (or two caps): the protocol difference named first."""
-    caps = {m.role: _cap(m) for m in (r, c)}
+    caps = {m.role: generation_cap(m.fingerprint, m.task) for m in (r, c)}
     if caps["reference"] == caps["candidate"]:
         return None
     words = {k: "the task's own" if v is None else f"{v} tokens (--gen_kwargs)" for k, v in caps.items()}
@@ -282,9 +275,6 @@ def _cap_row(r: Measurement, c: Measurement) -> dict[str, Any] | None:
 def _recorded_differences(r: Measurement, c: Measurement) -> list[dict[str, Any]]:
     """The recorded protocol fields in which two measurements differ: both fingerprints, else what each states (a
     run states every field of `vendors.STATED_KEYS`); a field one side does not state may or may not differ."""
-    from lm_eval_sink.protocols import task_diff
-    from lm_eval_sink.vendors import stated_differences
-
     if r.fingerprint is not None and c.fingerprint is not None:
         out = [
             {"field": d.field, "reference": d.a, "candidate": d.b, "affects_scores": d.affects_scores}
@@ -303,8 +293,6 @@ def _recorded_differences(r: Measurement, c: Measurement) -> list[dict[str, Any]
 
 def _stated(m: Measurement) -> dict[str, Any]:
     """What a measurement's protocol states: a run's recorded values, a registry figure's stated fields."""
-    from lm_eval_sink.vendors import run_stated_values
-
     return run_stated_values(m.fingerprint, m.task or "") if m.fingerprint is not None else dict(m.stated or {})
 
 
@@ -710,10 +698,8 @@ def _confounded(
 def _vendor_row(s: Any, m: Measurement, binary: bool) -> dict[str, Any]:
     """A vendor figure beside a measurement: the gap with its interval, the protocol fields they differ in (a
     generation cap first)."""
-    from lm_eval_sink.vendors import stated_differences
-
     interval, few = gap_interval((m.strict, m.n), (s.value, None), binary)
-    cap = _cap(m)
+    cap = generation_cap(m.fingerprint, m.task)
     capped = [{"field": "generation cap (max_gen_toks)", "vendor": "the task's own", "measured": cap}] if cap else []
     pair, one_side = stated_differences(s.protocol.stated, _stated(m))
     differ = [{"field": d["field"], "vendor": d["a"], "measured": d["b"]} for d in pair]
@@ -1070,8 +1056,6 @@ def run_measurements(
 ) -> list[Measurement]:
     """The measurements of one lm-eval run (one per task that belongs to a scored family); `benchmarks` gains the
     unknown tasks."""
-    from lm_eval_sink.protocols import match_protocol
-
     where = source["path"]
     named = match_protocol(fp)
     out = []

@@ -12,18 +12,48 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from lm_eval_sink.strength import S_MEANING, SinkStrength, StrengthSettings, fmt_optional, k_for, parse_last_k
+from lm_eval_sink.strength import (
+    RUN_FIELDS,
+    S_MEANING,
+    SinkStrength,
+    StrengthSettings,
+    fmt_optional,
+    k_for,
+    parse_last_k,
+)
 
-# The applied fields that decide S, in words: two S compare only when all of them are equal (`Setting.key`).
-SPLIT_FIELDS = {
-    "prompt_set": "calibration prompts",
-    "chat_template_applied": "chat template applied",
-    "system_prompt": "system prompt",
-    "rows": "rows",
-    "statistic": "statistic",
-    "k": "K",
-    "dtype": "model dtype",
+_FEW_SHOT = "a Sink Strength task's requests hold the calibration prompt itself, never a few-shot context"
+_ONLY = "(the only tasks compared)"
+_RUN_FIELD = "how a Sink Strength task batches its prompts (strength.RUN_FIELDS), which leaves S unchanged"
+# The one table of what changes S. True: an applied field of `Setting`, in words; two S compare only when all of them
+# are equal (`Setting.key`). False: a protocol field S never reads, with why (`protocols.diff` marks it "no"): a harness
+# field when every task compared is a Sink Strength task, or `tasks.<field>` / `tasks.metadata.<key>` of one.
+S_FIELDS: dict[str, tuple[bool, str]] = {
+    "prompt_set": (True, "calibration prompts"),
+    "chat_template_applied": (True, "chat template applied"),
+    "system_prompt": (True, "system prompt"),
+    "rows": (True, "rows"),
+    "statistic": (True, "statistic"),
+    "k": (True, "K"),
+    "dtype": (True, "model dtype"),
+    "limit": (False, f"--limit / --samples never cut a Sink Strength task's calibration prompts {_ONLY}"),
+    "gen_kwargs": (False, f"a Sink Strength task generates nothing {_ONLY}"),
+    "batch_size": (False, f"a Sink Strength task batches its prompts by its own metadata {_ONLY}"),
+    "tasks.generation_kwargs": (False, "a Sink Strength task generates nothing"),
+    "tasks.num_fewshot": (False, _FEW_SHOT),
+    "tasks.multiturn": (False, _FEW_SHOT),
+    "tasks.fewshot": (False, _FEW_SHOT),
+    "tasks.metadata.limit_ignored": (
+        False,
+        "records the --limit / --samples a Sink Strength task did not apply (S uses every prompt)",
+    ),
+    "tasks.metadata.predict_only_kept_metrics": (
+        False,
+        "records that --predict_only kept a Sink Strength task's metrics",
+    ),
+    **dict.fromkeys((f"tasks.metadata.{f}" for f in RUN_FIELDS), (False, _RUN_FIELD)),
 }
+SPLIT_FIELDS = {name: words for name, (decides, words) in S_FIELDS.items() if decides}
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.protocols import max_gen_toks_in
 
 FAILURE_KINDS = ("truncation", "language", "phrase_marker", "length", "format", "other")
 _PRIORITY = ("language", "phrase_marker", "length", "format", "other")
@@ -32,10 +33,6 @@ class FailureKind:
     checker_agrees: bool  # False: lm-eval's checker, re-run on the response, finds it passing
 
 
-def truncation_slack(max_gen_toks: int) -> int:
-    return max(2, math.ceil(0.01 * max_gen_toks))
-
-
 def ends_mid_sentence(response: str) -> bool:
     """True when the last visible character is a letter, a digit or one of `,;:-(`."""
     text = response.rstrip()
@@ -48,11 +45,12 @@ def ends_mid_sentence(response: str) -> bool:
 def is_truncated(
     response: str, max_gen_toks: int | None, count_tokens: Callable[[str], int] | None = None
 ) -> bool | None:
-    """Whether a response hit the generation limit (None: the limit is unknown, cannot tell)."""
+    """Whether a response hit the generation limit, within a slack of 1% of it and at least 2 tokens (None: the
+    limit is unknown, cannot tell)."""
     if max_gen_toks is None:
         return None
     if count_tokens is not None:
-        return count_tokens(response) >= max_gen_toks - truncation_slack(max_gen_toks)
+        return count_tokens(response) >= max_gen_toks - max(2, math.ceil(0.01 * max_gen_toks))
     return ends_mid_sentence(response) and len(response.encode("utf-8")) >= max_gen_toks
 
 
@@ -61,19 +59,6 @@ def max_gen_toks_of(sample: Mapping[str, Any]) -> int | None:
     args = sample.get("arguments")
     first = args.get("gen_args_0") if isinstance(args, Mapping) else None
     return max_gen_toks_in(first.get("arg_1") if isinstance(first, Mapping) else None)
-
-
-def max_gen_toks_in(kwargs: Any) -> int | None:
-    """The generation limit in a generation-kwargs mapping (lm-eval's aliases, in its order), if any."""
-    from lm_eval_sink.protocols import TOKEN_KEYS
-
-    if not isinstance(kwargs, Mapping):
-        return None
-    for key in TOKEN_KEYS:
-        value = kwargs.get(key)
-        if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
-            return int(value)
-    return None
 
 
 def tokenizer_counter(name: str) -> Callable[[str], int]:

@@ -9,6 +9,7 @@ each field: docs/protocols.md. Standard library, PyYAML and pydantic only: no to
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 from pathlib import Path
@@ -367,15 +368,28 @@ def _harness_part(results: dict[str, Any], model_args: dict[str, Any]) -> dict[s
     }
 
 
-def generation_cap(fp: ProtocolFingerprint, task: str) -> int | None:
+def generation_cap(fp: ProtocolFingerprint | None, task: str | None) -> int | None:
     """The generation length a run set on the command line for a generating `task` (`--gen_kwargs max_gen_toks=N`
-    over the task's own, e.g. IFEval's 1,280), None when it kept the task's own: a capped run is a protocol
-    difference to an uncapped one, whatever else agrees (attribution names it first)."""
-    given = fp.harness.get("gen_kwargs") or {}
-    if (fp.harness["tasks"].get(task) or {}).get("output_type") != "generate_until" or not isinstance(given, dict):
+    over the task's own, e.g. IFEval's 1,280), None when it kept the task's own or there is no run (a registry
+    figure): a capped run is a protocol difference to an uncapped one, whatever else agrees (attribution names it
+    first)."""
+    if fp is None or (fp.harness["tasks"].get(task) or {}).get("output_type") != "generate_until":
         return None
-    key = next((k for k in TOKEN_KEYS if k in given), None)
-    return None if key is None else int(given[key])
+    return max_gen_toks_in(fp.harness.get("gen_kwargs"))
+
+
+def gen_toks_key(kwargs: Any) -> str | None:
+    """lm-eval's name of the generation length that a generation-kwargs mapping sets: the first of `TOKEN_KEYS`
+    present (the one lm-eval reads), None when it sets none."""
+    return next((k for k in TOKEN_KEYS if k in kwargs), None) if isinstance(kwargs, Mapping) else None
+
+
+def max_gen_toks_in(kwargs: Any) -> int | None:
+    """The generation length a generation-kwargs mapping sets, read as lm-eval reads it (`gen_toks_key`); None when
+    it sets none or not a positive number. Every reader of a run's generation length asks this."""
+    key = gen_toks_key(kwargs)
+    value = kwargs[key] if key is not None else None
+    return int(value) if isinstance(value, int | float) and not isinstance(value, bool) and value > 0 else None
 
 
 def fingerprint_run(run: Any) -> ProtocolFingerprint:
@@ -436,24 +450,6 @@ def diff(a: ProtocolFingerprint, b: ProtocolFingerprint) -> tuple[FieldDiff, ...
 # What marks a Sink Strength task in a run: the dataset its YAML declares (tasks/sink_strength/sink_strength.yaml),
 # shared by every variant.
 STRENGTH_DATASET = "lm_eval_sink/calibration_prompts"
-# Fields that cannot change S (harness/task.py): a Sink Strength task's requests hold the calibration prompt itself
-# (no few-shot context), generate nothing, batch by the task's own metadata, and --limit / --samples never cut them.
-_NOT_S_HARNESS = {
-    "limit": "--limit / --samples never cut a Sink Strength task's calibration prompts (the only tasks compared)",
-    "gen_kwargs": "a Sink Strength task generates nothing (the only tasks compared)",
-    "batch_size": "a Sink Strength task batches its prompts by its own metadata (the only tasks compared)",
-}
-_NOT_S_TASK = {
-    "generation_kwargs": "a Sink Strength task generates nothing",
-    "num_fewshot": "a Sink Strength task's requests hold the calibration prompt itself, never a few-shot context",
-    "multiturn": "a Sink Strength task's requests hold the calibration prompt itself, never a few-shot context",
-    "fewshot": "a Sink Strength task's requests hold the calibration prompt itself, never a few-shot context",
-}
-_NOT_S_METADATA = {
-    "limit_ignored": "records the --limit / --samples a Sink Strength task did not apply (S uses every prompt)",
-    "predict_only_kept_metrics": "records that --predict_only kept a Sink Strength task's metrics",
-}
-_RUN_FIELD = "how a Sink Strength task batches its prompts (strength.RUN_FIELDS), which leaves S unchanged"
 
 
 def _is_strength_task(task: dict[str, Any]) -> bool:
@@ -461,18 +457,17 @@ def _is_strength_task(task: dict[str, Any]) -> bool:
 
 
 def _cannot_change_s(d: FieldDiff, strength: set[str], only_strength: bool) -> FieldDiff:
-    """`d` marked "no" (with why) where it cannot change S: a Sink Strength task's records and settings that S never
-    reads, and the harness fields S never reads when every task compared is a Sink Strength task."""
-    from lm_eval_sink.strength import RUN_FIELDS
+    """`d` marked "no" (with why) where it cannot change S (`comparability.S_FIELDS`): a Sink Strength task's
+    records and settings that S never reads, and the harness fields S never reads when every task compared is one."""
+    from lm_eval_sink.comparability import S_FIELDS
 
     parts = d.field.split(".")
     if parts[0] == "tasks" and len(parts) >= 3 and parts[1] in strength:
-        key = parts[3] if parts[2] == "metadata" and len(parts) > 3 else None
-        why = _RUN_FIELD if key in RUN_FIELDS else _NOT_S_METADATA.get(key or "", "")
-        why = why or _NOT_S_TASK.get(parts[2], "")
+        name = ".".join(["tasks", *parts[2 : 4 if parts[2] == "metadata" else 3]])
     else:
-        why = _NOT_S_HARNESS.get(d.field, "") if only_strength else ""
-    return replace(d, affects_scores=False, why_not=why) if why else d
+        name = d.field if only_strength else ""
+    decides, why = S_FIELDS.get(name, (True, ""))
+    return d if decides else replace(d, affects_scores=False, why_not=why)
 
 
 def task_diff(a: ProtocolFingerprint, b: ProtocolFingerprint, tasks: tuple[str, ...]) -> tuple[FieldDiff, ...]:
