@@ -1,17 +1,6 @@
-"""Task knowledge as data: the one table of benchmark families that `buckets` and `attribute` read.
-
-`data/benchmarks.yaml` holds, per family: its lm-eval tasks (names or fnmatch patterns), the
-construct it probes, the results keys ("metric,filter") of its strict and lenient scores, and
-what `buckets` needs besides (kind of metric, instruction-level metrics, the IFEval checker, the
-hint for a document mismatch); plus the IFEval instruction -> failure-kind table. `buckets` takes
-its default metric and filter from `strict` and its lenient twin filter from `lenient`;
-`attribute` splits gaps into access and capacity with the same two keys.
-
-`load_benchmarks(user_file)` returns the bundled families with those of a user YAML of the same
-shape added or replacing them by name (`lm-eval-sink attribute --benchmarks FILE`);
-`benchmark_of(task, benchmarks)` finds a task's family: the family listing it by name, else the
-one with the longest matching pattern. `ifeval_instructions()` is the instruction table.
-Standard library and PyYAML only.
+"""Task knowledge as data: the one table of benchmark families (`data/benchmarks.yaml`) that `buckets`, `attribute`
+and the sweep's tables read (`load_benchmarks`, `benchmark_of`, the IFEval instruction table, readable metric names;
+docs/buckets.md "Tasks are data"). Standard library and PyYAML only.
 """
 
 from __future__ import annotations
@@ -119,19 +108,8 @@ def _entry(name: str, b: _BenchmarkIn, where: str) -> Benchmark:
         raise UserError(
             f"{where}: benchmark {name!r} lacks `strict`", "name the results key of its score, e.g. acc,none"
         )
-    return Benchmark(
-        name,
-        tuple(b.tasks),
-        b.construct_,
-        b.strict,
-        b.lenient,
-        b.why,
-        kind=b.kind,
-        checker=b.checker,
-        instruction_metrics=dict(b.instruction_metrics),
-        doc_mismatch_hint=b.doc_mismatch_hint,
-        score_range=None if b.score_range is None else (float(b.score_range[0]), float(b.score_range[1])),
-    )
+    score_range = None if b.score_range is None else (float(b.score_range[0]), float(b.score_range[1]))
+    return Benchmark(name, **{**b.model_dump(by_alias=True), "tasks": tuple(b.tasks), "score_range": score_range})
 
 
 def _parse(text: str, where: str, schema: type[_UserFileIn]) -> _UserFileIn:

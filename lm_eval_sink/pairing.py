@@ -1,20 +1,6 @@
-"""Per-document pairing of two lm-eval sample logs of one task: the one implementation that
-`buckets` and `attribution` both use.
-
-`index_docs(rows, filter, label)` takes the parsed lines of a samples file (`runs.read_samples`)
-under one filter, keyed by doc_id; `pair_docs(reference, candidate, labels, ...)` pairs two such
-indexes. The rules:
-- a doc_id is an integer and appears once per filter; a filter with no lines is an error;
-- the two doc_id sets are equal; otherwise a UserError gives the counts and an example, unless
-  `allow_partial`: then the common docs are paired and the dropped doc_ids are recorded;
-- a paired doc_id holds the same document in both logs: equal `doc_hash`. Where the hashes differ
-  or one is missing, the logged docs must be equal once null fields are dropped (the hub's IFEval
-  loader fills absent kwargs with nulls, a local JSON file does not); docs that are exactly equal
-  under two different hashes are refused too (the hashes were not computed from those docs);
-- different `prompt_hash`es (and `target_hash`es) are expected across protocols (chat template,
-  few-shot, system prompt): counted and reported, never refused.
-`outcome(row, metric, label)` reads one doc's per-sample metric as a finite number.
-Standard library only.
+"""Per-document pairing of two lm-eval sample logs of one task, the one implementation `buckets`, `recovery` and
+`attribute` use: `index_docs` (one filter, keyed by doc_id), `pair_docs` (same doc sets and documents, or a
+UserError) and `outcome` (one doc's metric). The rules: docs/buckets.md "Pairing". Standard library only.
 """
 
 from __future__ import annotations
@@ -104,11 +90,8 @@ def same_doc(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[bool, bool]:
     da, db = a.get("doc"), b.get("doc")
     if da is None or db is None:
         return False, False
-    if da == db:
-        return (
-            ha is None or hb is None,
-            False,
-        )  # equal docs under two different hashes: the hashes are not of these docs
+    if da == db:  # equal docs under two different hashes: the hashes are not of these docs
+        return ha is None or hb is None, False
     if _drop_nulls(da) == _drop_nulls(db):
         return True, True
     return False, False
@@ -144,14 +127,9 @@ def pair_docs(
     doc_mismatch_hint: str | None = None,
     sides: tuple[str, str] = ("reference", "candidate"),
 ) -> tuple[list[int], dict[str, Any]]:
-    """Pair two `index_docs` results: the paired doc_ids (sorted) and a record of the pairing; `sides` name the two
-    runs in an error (a `--repeat` is the second run of the reference, not a candidate).
-
-    The record: docs per log, paired count, dropped doc_ids (only with `allow_partial`),
-    `prompt_hash_differs` / `target_hash_differs` {count, examples} and
-    `docs_equal_after_dropping_nulls`. `doc_mismatch_hint` is the fix offered when a doc_id holds
-    different documents (e.g. GPQA's --seed, which shuffles its choices).
-    """
+    """Pair two `index_docs` results: the paired doc_ids (sorted) and the record (counts, dropped doc_ids with
+    `allow_partial`, prompt and target hash differences); `sides` name the runs and `doc_mismatch_hint` is the fix
+    offered in an error."""
     ids_r, ids_c = set(reference), set(candidate)
     only_r, only_c = sorted(ids_r - ids_c), sorted(ids_c - ids_r)
     if (only_r or only_c) and not allow_partial:

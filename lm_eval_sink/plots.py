@@ -1,8 +1,5 @@
-"""Figures (matplotlib PNG, Agg backend), drawn only from numbers already computed and saved.
-
-Each function takes plain data and a path and writes the PNG atomically; with `path=None` it
-returns the PNG bytes instead (the HTML report embeds them).
-"""
+"""Figures (matplotlib PNG, Agg backend), drawn only from numbers already computed and saved: each function writes
+the PNG atomically to its path, or returns its bytes with `path=None` (the HTML report embeds them)."""
 
 from __future__ import annotations
 
@@ -75,18 +72,6 @@ def ranking_bars(
     """Bar chart of one number per model, in the given order; `groups` (each model's setting letter,
     `comparability.compare`) colours the bars by setting and, when there are several, says so in the title, with
     `legend[letter]` (how that setting differs) beside its letter."""
-    return save_figure(ranking_figure(names, values, title, ylabel, groups, legend), path)
-
-
-def ranking_figure(
-    names: Sequence[str],
-    values: Sequence[float],
-    title: str,
-    ylabel: str = "Sink Strength S",
-    groups: Sequence[str] | None = None,
-    legend: Mapping[str, str] | None = None,
-):
-    """The figure of `ranking_bars` (open, for checks of what it shows)."""
     plt = _pyplot()
     groups = list(groups) if groups is not None else ["A"] * len(names)
     letters = list(dict.fromkeys(groups))
@@ -106,7 +91,7 @@ def ranking_figure(
         seen = dict(zip(labels, handles, strict=True))
         ax.legend(seen.values(), seen.keys(), fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.set_title(title, fontsize=9)
-    return fig
+    return save_figure(fig, path)
 
 
 def _label_offsets(rings: int = 30, step: float = 7.0):
@@ -191,11 +176,8 @@ def _label_box(ax, renderer, text: str, xy: tuple[float, float], offset: tuple[f
 
 
 def gap_parts(bars: Sequence[dict], path: Path | None, title: str, footer: str = "") -> Path | bytes:
-    """Stacked bars, one per comparison: its gap split into access, capacity, protocol, unsplit and unexplained parts.
-
-    `bars`: [{"label", "gap", "parts": {"access", "capacity", "protocol", "unsplit", "unexplained"}}] in points.
-    Negative parts stack downwards from 0, positive ones upwards; a dot marks the total gap.
-    """
+    """Stacked bars, one per comparison (`bars`: [{"label", "gap", "parts": {name: points}}]): its gap split into
+    access, capacity, protocol, unsplit and unexplained parts, negative ones downwards from 0; a dot marks the gap."""
     plt = _pyplot()
     colors = {
         "access": "tab:orange",
@@ -242,20 +224,9 @@ def fit_scatter(
     screened: Sequence[tuple[str, float, float, float, float]] = (),
     note: str | None = None,
 ) -> Path | bytes:
-    """A task's pairs (S vs delta, coloured by QK-norm class), the fitted line with its prediction band, the S range
-    outside the pairs shaded and named, and screened models with their prediction intervals (`fit_figure`)."""
-    return save_figure(fit_figure(fit, qk_norm, screened, note), path)
-
-
-def fit_figure(
-    fit,
-    qk_norm: Sequence[str | None],
-    screened: Sequence[tuple[str, float, float, float, float]] = (),
-    note: str | None = None,
-):
-    """The figure of `fit_scatter` (open, for checks): `fit` is a `predict.TaskFit`; `screened` holds (label, S,
-    predicted delta, interval low, interval high), drawn as black stars with the interval as an error bar; every
-    label is placed where it overlaps no other (`place_labels`)."""
+    """A task's pairs (`fit`, a `predict.TaskFit`: S vs delta, coloured by QK-norm class), the fitted line with its
+    prediction band, the S range outside the pairs shaded and named, and `screened` (label, S, predicted delta,
+    interval low, high) as stars with error bars; no label overlaps another (`place_labels`)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 5))
     xs = [*fit.sink_strength, *(x for _, x, *_ in screened)]
@@ -276,7 +247,7 @@ def fit_figure(
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     if note:
         fig.text(0.01, -0.02, note, fontsize=7, color="dimgray", ha="left", va="top", wrap=True)
-    return fig
+    return save_figure(fig, path)
 
 
 def _fit_band(ax, fit, qk_norm: Sequence[str | None], x0: float, x1: float) -> list[float]:

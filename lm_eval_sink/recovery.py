@@ -1,14 +1,7 @@
-"""Did a merging control recover what the candidate lost? The statistics of `recovery`, on per-doc outcomes.
-
-Per task (one metric, the docs all runs share): the gap (candidate minus reference), and per control the
-comparisons `vs_candidate` (control minus candidate) and `vs_reference` (control minus reference), each with
-buckets' paired statistics (`paired_stats`: the 0/1 delta interval that agrees with the exact McNemar test, the
-bootstrap and Wilcoxon for a continuous metric) and power (`comparison_power`). p-values are Holm-adjusted
-(`holm`) across every task (the gap) or every control x task (`vs_candidate`, `vs_reference`), each comparison its
-own family; every verdict reads the adjusted p. `recovered_share` = (control - candidate) / (reference -
-candidate), with Fieller's interval for a ratio of paired means (`fieller_share`), given only where the gap is
-detectable. numpy/scipy only, no I/O: the command (commands/recovery.py) reads the runs and writes the outputs.
-"""
+"""Did a merging control recover what the candidate lost? The statistics of `recovery` on per-doc outcomes: per task
+the gap, per control x task the comparisons with the candidate and the reference (buckets' `paired_stats`, power),
+Holm within each family, the recovered share with Fieller's interval, and the verdict (docs/merging.md "Did a
+control recover the gap?"). numpy/scipy only, no I/O: the command (commands/recovery.py) reads and writes."""
 
 from __future__ import annotations
 
@@ -79,10 +72,8 @@ def fieller_share(
     reference: np.ndarray, candidate: np.ndarray, control: np.ndarray, binary: bool, confidence: float
 ) -> tuple[float, float] | None:
     """Fieller's interval of mean(a) / mean(b), a = control - candidate, b = reference - candidate per doc: the
-    shares theta with (mean a - theta mean b)^2 <= t^2 var(a - theta b) / n, which accounts for the noise of all three
-    runs and their pairing. Bounded only when mean b differs from 0 by the same t test; None otherwise. The estimate
-    solves the left side = 0, so the interval holds it; a continuous control with a = share x b on every doc (the
-    reference itself) gets the zero-width interval at its share."""
+    shares theta with (mean a - theta mean b)^2 <= t^2 var(a - theta b) / n; None where it is unbounded (mean b not
+    distinguishable from 0 by the same t test). docs/merging.md."""
     from scipy.stats import t as student
 
     a, b = np.asarray(control, float) - candidate, np.asarray(reference, float) - candidate
@@ -148,16 +139,23 @@ def gained(gap: Mapping, higher_is_better: bool | None) -> str | None:
     return f"the candidate is better than the reference ({better} is better, Holm p {gap['p_holm']:.3g}): no loss"
 
 
-def verdict(t: TaskOutcomes, gap: Mapping, cell: Mapping, s: Share, alpha: float) -> tuple[str, str]:
-    """The verdict word and its sentence, from the Holm-adjusted tests and the share's interval: never more than
-    they show (`cell`: the control's two comparisons on task `t`)."""
-    vs_cand, vs_ref, binary, n = cell["vs_candidate"], cell["vs_reference"], t.kind == "binary", len(t.ids)
-    if n < MIN_N:
-        return TOO_FEW, too_few(n)
+def _nothing_to_recover(t: TaskOutcomes, gap: Mapping, alpha: float) -> tuple[str, str] | None:
+    """Why no control of task `t` has a share or a recovery to show (the verdict word and why), else None."""
+    if len(t.ids) < MIN_N:
+        return TOO_FEW, too_few(len(t.ids))
     if gap["p_holm"] >= alpha:
         return NO_GAP, f"the gap is not detectable (Holm p {gap['p_holm']:.3g}): nothing to recover"
     if gained(gap, t.higher_is_better):
         return NO_LOSS, gained(gap, t.higher_is_better) + " to recover"
+    return None
+
+
+def verdict(t: TaskOutcomes, gap: Mapping, cell: Mapping, s: Share, alpha: float) -> tuple[str, str]:
+    """The verdict word and its sentence, from the Holm-adjusted tests and the share's interval: never more than
+    they show (`cell`: the control's two comparisons on task `t`)."""
+    vs_cand, vs_ref, binary = cell["vs_candidate"], cell["vs_reference"], t.kind == "binary"
+    if stop := _nothing_to_recover(t, gap, alpha):
+        return stop
     toward = _sign(vs_cand["delta"]) == -_sign(gap["delta"])
     if vs_cand["p_holm"] >= alpha:
         return NONE, f"no detectable change from the candidate (Holm p {vs_cand['p_holm']:.3g}); " + _could(
@@ -180,12 +178,8 @@ def verdict(t: TaskOutcomes, gap: Mapping, cell: Mapping, s: Share, alpha: float
 def share(t: TaskOutcomes, control: str, gap: Mapping, confidence: float) -> Share:
     """The recovered share of `control` on task `t`: withheld where the gap is not detectable (Holm)."""
     ref, cand, ctrl = (np.asarray(t.values[k], float) for k in ("reference", "candidate", control))
-    if len(t.ids) < MIN_N:
-        return Share(None, None, too_few(len(t.ids)))
-    if gap["p_holm"] >= 1 - confidence:
-        return Share(None, None, f"the gap is not detectable (Holm p {gap['p_holm']:.3g}): no share of it")
-    if gained(gap, t.higher_is_better):
-        return Share(None, None, gained(gap, t.higher_is_better) + " to recover, no share of it")
+    if stop := _nothing_to_recover(t, gap, 1 - confidence):
+        return Share(None, None, stop[1] + ("" if stop[0] == TOO_FEW else ", no share of it"))
     estimate = float(np.mean(ctrl - cand) / np.mean(ref - cand))
     ci = fieller_share(ref, cand, ctrl, t.kind == "binary", confidence)
     why = None if ci is not None else "interval unbounded: the gap is too uncertain for a bounded ratio (Fieller)"

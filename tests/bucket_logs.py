@@ -12,20 +12,16 @@ responses are written by hand. `write_run` lays files out as lm-eval does
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import random
 from pathlib import Path
 from typing import Any
 
 import yaml
+from constructed_runs import TS, _h
 
 LM_EVAL_TASKS = Path(__import__("lm_eval").__file__).parent / "tasks"
 SYSTEM_CHAT = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
-
-
-def _h(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -229,16 +225,7 @@ def eqbench_sample(doc_id: int, doc: dict, scores: list[int] | None) -> dict:
 # --- runs on disk ---------------------------------------------------------------------------------
 
 
-def results_json(
-    task_samples: dict[str, list[dict]],
-    *,
-    model: str,
-    chat_template: bool,
-    limit: float | None,
-    gen_kwargs: dict | None,
-    n_shot: int = 0,
-    seed: int = 0,
-) -> dict:
+def results_json(task_samples: dict[str, list[dict]], *, model: str, chat_template: bool, limit: float | None) -> dict:
     """A results_<ts>.json with the keys lm-eval 0.4.13 writes (those the tools read, with real values)."""
     template = (
         "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -249,7 +236,7 @@ def results_json(
     for task, lines in task_samples.items():
         configs[task] = {
             "task": task,
-            "num_fewshot": n_shot,
+            "num_fewshot": 0,
             "generation_kwargs": lines[0]["arguments"]["gen_args_0"]["arg_1"],
             "metadata": {"version": 1.0},
         }
@@ -257,7 +244,7 @@ def results_json(
         "results": {t: {"alias": t} for t in task_samples},
         "configs": configs,
         "versions": {t: 1.0 for t in task_samples},
-        "n-shot": {t: n_shot for t in task_samples},
+        "n-shot": {t: 0 for t in task_samples},
         "config": {
             "model": "hf",
             "model_args": {"pretrained": model, "dtype": "float32"},
@@ -266,8 +253,8 @@ def results_json(
             "batch_size": "1",
             "device": "cpu",
             "limit": limit,
-            "gen_kwargs": gen_kwargs or {},
-            "random_seed": seed,
+            "gen_kwargs": {},
+            "random_seed": 0,
             "numpy_seed": 1234,
             "torch_seed": 1234,
             "fewshot_seed": 1234,
@@ -294,19 +281,14 @@ def write_run(
     model: str = "test-model",
     chat_template: bool = True,
     limit: float | None = None,
-    gen_kwargs: dict | None = None,
-    ts: str = "2026-12-01T10-00-00.000000",
-    n_shot: int = 0,
 ) -> Path:
     """Write one run as lm-eval lays it out; returns the model folder."""
     folder = Path(out) / model.replace("/", "__")
     folder.mkdir(parents=True, exist_ok=True)
-    res = results_json(
-        task_samples, model=model, chat_template=chat_template, limit=limit, gen_kwargs=gen_kwargs, n_shot=n_shot
-    )
-    (folder / f"results_{ts}.json").write_text(json.dumps(res, indent=2, ensure_ascii=False), encoding="utf-8")
+    res = results_json(task_samples, model=model, chat_template=chat_template, limit=limit)
+    (folder / f"results_{TS}.json").write_text(json.dumps(res, indent=2, ensure_ascii=False), encoding="utf-8")
     for task, lines in task_samples.items():
-        with open(folder / f"samples_{task}_{ts}.jsonl", "w", encoding="utf-8") as f:
+        with open(folder / f"samples_{task}_{TS}.jsonl", "w", encoding="utf-8") as f:
             for line in lines:
                 f.write(json.dumps(line, ensure_ascii=False) + "\n")
     return folder

@@ -44,14 +44,9 @@ def test_same_doc_rules():
     assert same_doc(a, {"doc": {"k": 1}, "doc_hash": "h2"}) == (True, True)  # differ only by a null field
     assert same_doc(a, {"doc": {"k": 2}, "doc_hash": "h2"}) == (False, False)
     assert same_doc(a, {"doc_hash": "h2"}) == (False, False)  # nothing to compare
-    assert same_doc({"doc": {"k": 1}, "doc_hash": "h1"}, {"doc": {"k": 1}, "doc_hash": "h2"}) == (
-        False,
-        False,
-    )  # hashes not of these docs
-    assert same_doc({"doc": {"k": 1}}, {"doc": {"k": 1}, "doc_hash": "h2"}) == (
-        True,
-        False,
-    )  # a missing hash: the docs decide
+    # equal docs under two hashes: the hashes are not of these docs; a missing hash: the docs decide
+    assert same_doc({"doc": {"k": 1}, "doc_hash": "h1"}, {"doc": {"k": 1}, "doc_hash": "h2"}) == (False, False)
+    assert same_doc({"doc": {"k": 1}}, {"doc": {"k": 1}, "doc_hash": "h2"}) == (True, False)
 
 
 def test_both_commands_refuse_the_same_logs_with_the_same_message():

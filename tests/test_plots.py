@@ -17,7 +17,13 @@ def _texts(fig) -> list[str]:
     return [t.get_text() for ax in fig.axes for t in ax.texts] + [t.get_text() for t in fig.texts]
 
 
-def test_fit_figure_labels_never_overlap_and_say_outside_the_fitted_range():
+@pytest.fixture
+def figures(monkeypatch):
+    """Each plots function returns its open figure instead of writing it."""
+    monkeypatch.setattr(plots, "save_figure", lambda fig, path: fig)
+
+
+def test_fit_figure_labels_never_overlap_and_say_outside_the_fitted_range(figures):
     table = read_pairs()  # the paper's six pairs (fitted without the slow rounding envelope)
     fit = fit_task("ifeval", *task_arrays(table, "ifeval"))
     qk = {p.name: p.qk_norm for p in table.pairs}
@@ -26,7 +32,7 @@ def test_fit_figure_labels_never_overlap_and_say_outside_the_fitted_range():
         (name, s, fit.predict(s), *fit.prediction_interval(s))
         for name, s in (("twin-a", 2.36), ("twin-b", 2.36), ("near-1", 1.18), ("near-2", 1.19), ("far", 4.4))
     ]
-    fig = plots.fit_figure(fit, [qk[n] for n in fit.names], screened, note="a note")
+    fig = plots.fit_scatter(fit, [qk[n] for n in fit.names], None, screened, note="a note")
     ax = fig.axes[0]
     labels = [t for t in ax.texts if t.get_text() and not t.get_text().startswith("outside the\n")]
     assert len(labels) == len(fit.names) + len(screened)
@@ -48,11 +54,12 @@ def test_fit_figure_labels_never_overlap_and_say_outside_the_fitted_range():
     plots._pyplot().close(fig)
 
 
-def test_ranking_figure_shows_the_settings():
-    fig = plots.ranking_figure(
+def test_ranking_figure_shows_the_settings(figures):
+    fig = plots.ranking_bars(
         ["a", "b", "c"],
         [2.0, 1.0, 3.0],
         "ranking",
+        None,
         groups=["A", "A", "B"],
         legend={"A": "", "B": "differs from A in chat template applied"},
     )
@@ -69,8 +76,7 @@ def test_ranking_figure_shows_the_settings():
         {"both_pass": 3, "regression": 1, "recovered": 1, "both_fail": 0},
     ],
 )
-def test_count_axes_have_whole_numbers(monkeypatch, counts):
-    monkeypatch.setattr(plots, "save_figure", lambda fig, path: fig)
+def test_count_axes_have_whole_numbers(figures, counts):
     fig = plots.bucket_bars(counts, "buckets", None, regression_kinds={"format": counts["regression"]})
     ticks = [t for t in fig.axes[0].get_yticks() if 0 <= t <= fig.axes[0].get_ylim()[1]]
     assert ticks and all(float(t).is_integer() for t in ticks), ticks

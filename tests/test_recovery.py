@@ -117,27 +117,6 @@ def test_holm_is_adjusted_within_each_family_as_statsmodels_does(triples):
         assert all(adjusted[i] <= adjusted[j] for i, j in itertools.pairwise(order))
 
 
-def test_the_verdict_words_follow_the_adjusted_tests():
-    """100 docs, 40 the candidate lost: a control that takes all back recovers all of the gap (share 1), 30 of them
-    part of it (0.75), 2 of them no evidence (0.05), and one that loses 20 more is worse than the candidate (-0.5)."""
-    ref = np.r_[np.ones(60), np.zeros(40)]
-    cand = np.r_[np.zeros(40), np.ones(20), np.zeros(40)]
-    part, two, worse = cand.copy(), cand.copy(), cand.copy()
-    part[:30], two[:2], worse[40:60] = 1, 1, 0
-    controls = {"all": ref.copy(), "part": part, "two": two, "worse": worse}
-    r = recover([_task(ref, cand, controls)], list(controls), FAST)
-    assert r.tasks["t"]["gap"]["delta"] == pytest.approx(-0.4)
-    got = {c: (r.controls[c]["t"]["verdict"], r.controls[c]["t"]["recovered_share"]) for c in controls}
-    assert got == {
-        "all": (ALL, 1.0),
-        "part": (PART, pytest.approx(0.75)),
-        "two": (NONE, pytest.approx(0.05)),
-        "worse": (WORSE, -0.5),
-    }
-    assert "not detectable at this n" in r.controls["two"]["t"]["verdict_reason"]  # what it could have detected
-    assert r.controls["part"]["t"]["prompts"] == {"recovered": list(range(30)), "broke": []}
-
-
 def test_all_of_the_gap_needs_the_shares_interval_and_a_gain_is_no_loss():
     """40 docs, 12 lost: a control that takes back 8 differs from the reference on 4 docs only (not detectable), yet
     its share 0.67 has an interval reaching far below 1: part of it, not all; the reference itself: all (for a
@@ -216,6 +195,7 @@ def test_recovery_on_constructed_runs_gives_the_exact_shares_holm_p_and_verdicts
     )
     verdicts = {"all": ALL, "part": PART, "two": NONE, "worse": WORSE}
     assert {c: x["verdict"] for c, x in cells.items()} == verdicts
+    assert "not detectable at this n" in cells["two"]["verdict_reason"]  # what it could have detected
     assert [p["doc_id"] for p in cells["part"]["prompts"]["recovered"]] == list(range(30))
     assert [p["doc_id"] for p in cells["worse"]["prompts"]["broke"]] == list(range(40, 60))
     md, console = (out / "recovery.md").read_text(), capsys.readouterr().out

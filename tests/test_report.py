@@ -26,10 +26,7 @@ SECTIONS = ("summary", "strength", "buckets-1", "margin", "attribution", "sweep"
 def _ifeval_runs(root: Path, ref: Path, cand: Path, shared_data: Path) -> tuple[Path, Path]:
     """12 real IFEval prompts, scored by lm-eval's checker: the candidate fails 8; one response holds markup."""
     docs = bl.ifeval_docs(shared_data)
-    idxs = (
-        bl.find_single(docs, "punctuation:no_comma", 6)[:6]
-        + bl.find_single(docs, "change_case:english_lowercase", 6)[:6]
-    )
+    idxs = bl.find_single(docs, "punctuation:no_comma", 6) + bl.find_single(docs, "change_case:english_lowercase", 6)
     rs, cs = [], []
     for j, i in enumerate(idxs):
         rs.append(bl.ifeval_sample(i, docs[i], bl.designed_response(docs[i], "pass"), chat=True))
@@ -38,9 +35,8 @@ def _ifeval_runs(root: Path, ref: Path, cand: Path, shared_data: Path) -> tuple[
     dirs = []
     for side, model, samples in (("ref", ref, rs), ("cand", cand, cs)):
         d = bl.write_run(root / side, {"ifeval": samples}, model=str(model), chat_template=True)
-        f = next(
-            d.glob("results_*.json")
-        )  # the aggregate scores lm-eval writes beside the samples (attribute reads them)
+        # the aggregate scores lm-eval writes beside the samples (attribute reads them)
+        f = next(d.glob("results_*.json"))
         res = json.loads(f.read_text())
         for k in ("prompt_level_strict_acc", "prompt_level_loose_acc"):
             res["results"]["ifeval"][f"{k},none"] = sum(bool(s[k]) for s in samples) / len(samples)
@@ -90,20 +86,9 @@ def outputs(tmp_path_factory, shared_data) -> dict[str, Path]:
 
 
 def _args(o: dict[str, Path]) -> list[str]:
-    return [
-        "report",
-        "--strength",
-        str(o["strength"] / "ref.strength.json"),
-        str(o["strength"] / "cand.strength.json"),
-        "--margin",
-        str(o["margin"]),
-        "--buckets",
-        str(o["buckets"]),
-        "--attribution",
-        str(o["attribution"]),
-        "--sweep",
-        str(o["sweep"]),
-    ]
+    strength = [str(o["strength"] / f"{model}.strength.json") for model in ("ref", "cand")]
+    named = [x for what in ("margin", "buckets", "attribution", "sweep") for x in (f"--{what}", str(o[what]))]
+    return ["report", "--strength", *strength, *named]
 
 
 @pytest.fixture(scope="module")
@@ -232,23 +217,9 @@ def test_sections_follow_the_inputs_and_strength_files_win_over_margin(outputs, 
     ids = _parse(out).ids
     assert {"summary", "buckets-1", "provenance"} <= ids and not ids & {"strength", "margin", "attribution", "sweep"}
     # the sweep's strength files (5 prompts) against margin.json's S (15 prompts): the files win, the mismatch is noted
-    st = outputs["sweep"] / "strength"
+    strength = [str(outputs["sweep"] / "strength" / role / "strength.json") for role in ("reference", "candidate")]
     out2 = tmp_path / "s.html"
-    assert (
-        main(
-            [
-                "report",
-                "--strength",
-                str(st / "reference" / "strength.json"),
-                str(st / "candidate" / "strength.json"),
-                "--margin",
-                str(outputs["margin"]),
-                "-o",
-                str(out2),
-            ]
-        )
-        == 0
-    )
+    assert main(["report", "--strength", *strength, "--margin", str(outputs["margin"]), "-o", str(out2)]) == 0
     text = out2.read_text()
     assert "differs from margin.json" in text
     s_shown = [(src, t) for src, _, t in _parse(out2).found if src.endswith("#/sink_strength")]
@@ -264,23 +235,9 @@ def _one_error(capsys) -> str:
 @pytest.mark.slow
 def test_bad_inputs_are_one_line_and_write_nothing(outputs, report, tmp_path, capsys):
     out = tmp_path / "r.html"
-    st = outputs["strength"]
     # candidate's strength file given as the reference's: another model than margin.json's reference
-    assert (
-        main(
-            [
-                "report",
-                "--strength",
-                str(st / "cand.strength.json"),
-                str(st / "ref.strength.json"),
-                "--margin",
-                str(outputs["margin"]),
-                "-o",
-                str(out),
-            ]
-        )
-        == 2
-    )
+    swapped = [str(outputs["strength"] / f"{model}.strength.json") for model in ("cand", "ref")]
+    assert main(["report", "--strength", *swapped, "--margin", str(outputs["margin"]), "-o", str(out)]) == 2
     assert "different reference models" in _one_error(capsys) and not out.exists()
     # buckets of another pair (the runs name other models)
     other = tmp_path / "other"

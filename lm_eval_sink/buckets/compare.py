@@ -29,13 +29,8 @@ UNITS = (
 
 @dataclass(frozen=True, slots=True)
 class BucketReport:
-    """Buckets and paired statistics of one task's reference vs candidate samples.
-
-    `counts`/`prompts` are None for a continuous metric without a threshold (`counts_reason`
-    says so). `delta_ci` is the interval at `confidence` that `delta_ci_method` names (`delta_interval`; None:
-    withheld, the method says why). `too_few_to_tell` is the sentence every output shows before the delta when
-    fewer than MIN_N docs are paired. `rows` holds one record per paired doc, sorted by doc_id.
-    """
+    """Buckets and paired statistics of one task's reference vs candidate samples (buckets.json; None fields say
+    why in `counts_reason`, `delta_ci_method`); `rows` holds one record per paired doc, sorted by doc_id."""
 
     task: str | None
     metric: str
@@ -90,14 +85,9 @@ def bucket(
     labels: tuple[str, str] = ("reference samples", "candidate samples"),
     progress: bool = False,
 ) -> BucketReport:
-    """Pair two samples logs of `task` per doc and compute buckets and paired statistics.
-
-    `count_tokens` (a tokenizer's counter) makes truncation exact; without it the heuristic of
-    failure_kinds.is_truncated applies. The generation limit is `settings.max_gen_toks`, else the
-    one in each sample's generation kwargs, else `fallback_max_gen_toks` (per run, reference and
-    candidate: (value, where it comes from) or None), else unknown (truncation then cannot be told).
-    `labels` name the two logs in error messages.
-    """
+    """Pair two samples logs of `task` per doc and compute buckets and paired statistics. `count_tokens` makes
+    truncation exact (else failure_kinds' heuristic); `fallback_max_gen_toks` is each run's (limit, source) where
+    the samples record none; `labels` name the two logs in errors."""
     p = pair(reference_samples, candidate_samples, task, settings, labels)
     kind = metric_kind(p.ids, p.ref_v, p.cand_v, p.metric, p.spec, settings)
     stats = paired_stats(p.ids, p.ref_v, p.cand_v, kind, settings)
@@ -172,8 +162,7 @@ COLLAPSE_DISTINCT = 0.25  # at most this share of distinct responses: a few answ
 
 def _collapse_notes(ids, ref_rows, cand_rows, labels: tuple[str, str]) -> list[str]:
     """A run that gives the same few responses to every prompt has collapsed (e.g. a model trained on one caption
-    format answers IFEval with captions): its passes and failures measure the collapse, not instruction following.
-    """
+    format answers IFEval with captions): its passes and failures measure the collapse, not instruction following."""
     notes = []
     for label, rows in zip(labels, (ref_rows, cand_rows), strict=True):
         texts = [t for t in (generated(rows[i]) for i in ids) if t is not None]

@@ -20,13 +20,8 @@ def with_noise_floor(
     settings: BucketSettings,
     labels: tuple[str, str] = ("reference samples", "repeat samples"),
 ) -> BucketReport:
-    """`report` with the noise floor of a second run of the reference under the same protocol (`--repeat`).
-
-    The two reference runs are paired as the comparison was (same metric and filter); a doc "flips" when its
-    pass/fail differs between them. The flip rate, and the reference->repeat regressions as a rate, say how many
-    regressions noise alone gives over the comparison's docs; each regression on a doc that flipped is marked
-    (`noise_flip`).
-    """
+    """`report` with the noise floor of `--repeat`: the two reference runs paired as the comparison was; the docs
+    whose pass/fail flips, the regressions noise alone gives, `noise_flip` on each regression (docs/buckets.md)."""
     if report.counts is None:
         raise UserError(
             "--repeat needs pass/fail outcomes, and the metric is continuous",

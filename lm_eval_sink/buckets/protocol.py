@@ -96,15 +96,12 @@ def with_runs(
             + ", ".join(can)
             + ": its flips mix run-to-run noise and those differences"
         )
-    limits = {
-        k: runs[k]["protocol"]["limit"]
-        for k in runs
-        if runs[k].get("protocol") and runs[k]["protocol"].get("limit") is not None
-    }
-    if limits:
-        notes.append(
-            "non-final: run with --limit ("
-            + ", ".join(f"{k} {v:g}" for k, v in limits.items())
-            + "); these are not full-benchmark scores"
-        )
+    notes += limit_notes(runs)
     return replace(report, runs=runs, protocol_differences=diffs, notes=notes, provenance=provenance)
+
+
+def limit_notes(runs: Mapping[str, Any]) -> list[str]:
+    """The non-final note of the runs (records with their `protocol`) made with --limit, if any."""
+    limits = {k: (r.get("protocol") or {}).get("limit") for k, r in runs.items()}
+    shown = ", ".join(f"{k} {v:g}" for k, v in limits.items() if v is not None)
+    return [f"non-final: run with --limit ({shown}); these are not full-benchmark scores"] if shown else []

@@ -6,7 +6,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import PurePath
 from typing import Any
 
-from lm_eval_sink.buckets.rows import LATER_FIELDS
 from lm_eval_sink.buckets.stats import BUCKETS
 from lm_eval_sink.power import MAX_N, MIN_N
 from lm_eval_sink.tables import csv_text, markdown_lines
@@ -209,20 +208,7 @@ def _instruction_type_lines(report: Mapping[str, Any], top: int) -> list[str]:
     return [intro, "", *markdown_lines([*_TYPE_COLUMNS, "McNemar p", "Holm p"], rows), ""]
 
 
-CSV_COLUMNS = (
-    "doc_id",
-    "key",
-    "bucket",
-    "reference",
-    "candidate",
-    "difference",
-    "prompt_hash_same",
-    *LATER_FIELDS,
-)
-
-
 def rows_csv(report: Mapping[str, Any]) -> str:
-    """One CSV row per paired doc of a saved report."""
-    return csv_text(
-        CSV_COLUMNS, (["" if row.get(c) is None else row[c] for c in CSV_COLUMNS] for row in report["rows"])
-    )
+    """One CSV row per paired doc of a saved report, its columns the fields of the doc's record (`rows.doc_rows`)."""
+    columns = list(report["rows"][0])
+    return csv_text(columns, (["" if row.get(c) is None else row[c] for c in columns] for row in report["rows"]))

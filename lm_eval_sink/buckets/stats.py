@@ -1,11 +1,6 @@
-"""The paired statistics of two runs' per-doc outcomes (numpy/scipy only, no I/O).
-
-A 0/1 outcome: the four buckets, the exact McNemar test (`mcnemar_exact`) and the delta's interval
-(`binary_delta_interval`: the exact conditional interval that test inverts, each end widened to Newcombe's where
-farther and not across 0, so it excludes 0 exactly when the test rejects). A continuous metric: the seeded paired
-bootstrap interval (withheld below MIN_N docs) and the Wilcoxon signed-rank p (`wilcoxon_p`), with a note where the
-two disagree (`interval_test_notes`). `paired_stats` gathers them for `compare.bucket`.
-"""
+"""The paired statistics of two runs' per-doc outcomes: buckets, exact McNemar and its interval for a 0/1 outcome,
+the bootstrap and Wilcoxon for a continuous one (`paired_stats`; derivations: docs/buckets.md "Statistics").
+numpy/scipy only, no I/O."""
 
 from __future__ import annotations
 
@@ -46,11 +41,8 @@ def holm(pvalues: Sequence[float]) -> list[float]:
 
 
 def resampled_sums(columns: np.ndarray, n_boot: int, seed: int) -> np.ndarray:
-    """Column sums over `n_boot` bootstrap resamples of the rows of `columns` [doc, column].
-
-    Rows (docs or whole prompts) are drawn with replacement, seeded; the draws depend only on
-    (number of rows, n_boot, seed), so two statistics over the same docs share the same resamples.
-    """
+    """Column sums over `n_boot` seeded resamples of the rows (docs or whole prompts) of `columns` [doc, column];
+    the draws depend only on (rows, n_boot, seed), so two statistics over the same docs share them."""
     columns = np.asarray(columns, dtype=np.float64)
     n = columns.shape[0]
     rng = np.random.default_rng(seed)
@@ -86,11 +78,8 @@ def cluster_delta_ci(
     confidence: float,
     seed: int,
 ) -> tuple[float, float]:
-    """Interval of an item-level accuracy delta, resampling whole clusters (prompts).
-
-    Per prompt: instructions passed by each run and the instruction count; each resample's delta
-    is (sum candidate passed - sum reference passed) / sum instructions.
-    """
+    """Interval of an item-level accuracy delta, resampling whole prompts: each resample's delta is (sum candidate
+    passed - sum reference passed) / sum instructions."""
     cols = np.stack(
         [np.asarray(candidate_passed, float) - np.asarray(reference_passed, float), np.asarray(n_items, float)], axis=1
     )
@@ -108,11 +97,9 @@ def wilson_ci(k: int, n: int, confidence: float) -> tuple[float, float]:
 
 
 def newcombe_paired_ci(counts: Mapping[str, int], confidence: float) -> tuple[float, float]:
-    """Newcombe's (1998) hybrid score interval, method 10, of candidate minus reference for paired 0/1 outcomes
-    (`counts`: the four buckets): the Wilson intervals of both rates, combined with their correlation phi (set to
-    0 when a margin is empty, and shrunk by n/2 when positive, as Newcombe does). Its width never collapses to 0,
-    even when every doc has the same outcome (R. G. Newcombe, "Improved confidence intervals for the difference
-    between binomial proportions based on paired data", Statistics in Medicine 17:2635-2650, 1998)."""
+    """Newcombe's (1998) hybrid score interval, method 10, of candidate minus reference from the four buckets: both
+    rates' Wilson intervals combined with their correlation phi (0 when a margin is empty, shrunk by n/2 when
+    positive); never of zero width (docs/buckets.md)."""
     a, b, c, d = (counts[k] for k in BUCKETS)  # both_pass, regression, recovered, both_fail
     n = a + b + c + d
     ref, cand = (a + b) / n, (a + c) / n
@@ -144,12 +131,9 @@ _NEAR_HALF = 1e-9  # scipy finds a Clopper-Pearson bound within 2e-12 (brentq's 
 
 
 def exact_conditional_ci(regressions: int, recovered: int, n: int, confidence: float) -> tuple[float, float]:
-    """The interval of a paired 0/1 delta (recoveries minus regressions, over `n` docs) that the exact McNemar test
-    (`mcnemar_exact`) inverts: given the m = regressions + recovered discordant docs, delta = (m / n)(2 q - 1) with q
-    the recovered share of them; the Clopper-Pearson interval of q at `confidence`, mapped the same way. It holds 1/2
-    (the delta 0) exactly when the two-sided binomial test against 1/2 does not reject at alpha = 1 - confidence
-    (the binomial is symmetric there, so its two-sided p is twice the smaller tail and each bound solves one tail =
-    alpha / 2). Conditional on m, as the test and power.py are: its ends lie within [-m / n, m / n]. Needs m > 0."""
+    """The interval of a paired 0/1 delta over `n` docs that the exact McNemar test inverts: the Clopper-Pearson
+    interval of the recovered share q of the m > 0 discordant docs, mapped to (m / n)(2 q - 1); it holds 0 exactly
+    when the test does not reject at alpha = 1 - confidence (docs/buckets.md)."""
     from scipy.stats import binomtest
 
     m = regressions + recovered
@@ -159,10 +143,8 @@ def exact_conditional_ci(regressions: int, recovered: int, n: int, confidence: f
 
 
 def _exact_near_half(bound: float, k: int, m: int, confidence: float, upper: bool = True) -> float:
-    """A Clopper-Pearson bound of k of m within `_NEAR_HALF` of 1/2, on the side of 1/2 that exact arithmetic gives:
-    1/2 itself when its tail at 1/2 (P(K <= k) for the upper bound, P(K >= k) for the lower) is exactly alpha / 2,
-    the p = alpha boundary, where the delta's end is exactly 0; else at least the nearest float on the right side.
-    Farther from 1/2, the solver's error (2e-12) cannot move the bound across it."""
+    """A Clopper-Pearson bound of k of m within `_NEAR_HALF` of 1/2, put on the side of 1/2 that exact arithmetic
+    gives (1/2 itself where the tail at 1/2 is exactly alpha / 2: p = alpha, the delta's end exactly 0)."""
     if abs(bound - 0.5) > _NEAR_HALF:
         return bound
     from fractions import Fraction
@@ -176,14 +158,9 @@ def _exact_near_half(bound: float, k: int, m: int, confidence: float, upper: boo
 
 
 def binary_delta_interval(counts: Mapping[str, int], confidence: float) -> tuple[tuple[float, float], str]:
-    """The interval of a 0/1 delta from its four buckets, and its method. Where no doc differs: Newcombe's, which has
-    nonzero width and holds 0 (p = 1), the conditional interval having nothing to split. Else each end is the farther
-    of the exact conditional interval's (`exact_conditional_ci`) and Newcombe's, except where the farther one would
-    move that end across 0: the conditional end stays there. Whether the interval holds 0 is then the conditional
-    interval's answer, which is the exact McNemar test's (`mcnemar_exact`), while its ends keep Newcombe's
-    coverage of the population delta. The conditional interval alone ends at the observed delta when every
-    discordant doc goes one way: it covered a delta of -10 points over 100 docs in 53% of repetitions, this one in
-    91-96% (exact enumeration, docs/buckets.md)."""
+    """The interval of a 0/1 delta from its four buckets, and its method: Newcombe's where no doc differs, else each
+    end the farther of the exact conditional interval's and Newcombe's unless that crosses 0, so it holds 0 exactly
+    when the exact McNemar test does not reject (coverage: docs/buckets.md)."""
     b, c = counts["regression"], counts["recovered"]
     newcombe = newcombe_paired_ci(counts, confidence)
     if b + c == 0:
@@ -288,12 +265,8 @@ def paired_stats(ids, ref_v: np.ndarray, cand_v: np.ndarray, kind: str, settings
 
 
 def interval_test_notes(stats: PairedStats, confidence: float) -> list[str]:
-    """A note where a continuous metric's bootstrap interval of the mean difference and the Wilcoxon signed-rank test
-    `bucket` runs disagree on whether the runs differ at the same level (one excludes 0, the other does not reject
-    at alpha = 1 - confidence): they ask different questions (the mean against the ranks of the differences), so a
-    few large differences can move one and not the other. Said in words, so the two figures do not contradict each
-    other unspoken. A 0/1 outcome needs no note: its interval excludes 0 exactly when the exact McNemar
-    test rejects (`binary_delta_interval`)."""
+    """A note where a continuous metric's bootstrap interval of the mean difference and the Wilcoxon test disagree
+    at the same level (the mean against the ranks of the differences); a 0/1 interval always agrees with its test."""
     ci, p = stats.delta_ci, stats.wilcoxon_p
     if ci is None or p is None:
         return []

@@ -64,8 +64,7 @@ def run_record(run, fp, reason: str | None, task: str, samples_path: Path, argum
     if fp is None:
         rec.update(model=None, protocol=None, lm_eval_version=None, reason=reason)
         return rec
-    record = protocol_record(fp, task)
-    rec.update(record, model_identity=local_identity(fp.run["pretrained"]))
+    rec.update(protocol_record(fp, task), model_identity=local_identity(fp.run["pretrained"]))
     return rec
 
 

@@ -113,13 +113,12 @@ def _pair_task(task: str, runs: list[NamedRun], samples: Mapping[str, list], set
     metrics, out = _metrics(samples["reference"], task, settings), []
     label = {r.name: f"{r.name} samples of {task} ({r.path})" for r in runs}
     for metric in metrics:
-        labels = (label["reference"], label["candidate"])
-        first = pair(samples["reference"], samples["candidate"], task, replace(settings, metric=metric), labels)
-        fixed = replace(settings, metric=first.metric, filter=first.filter)
-        paired = {"candidate": first}
-        for r in runs[2:]:
-            labels = (label["reference"], label[r.name])
-            paired[r.name] = pair(samples["reference"], samples[r.name], task, fixed, labels, ("reference", r.name))
+        paired, fixed = {}, replace(settings, metric=metric)
+        for r in runs[1:]:  # the candidate first: its pair fixes the filter and metric of the rest
+            labels, sides = (label["reference"], label[r.name]), ("reference", r.name)
+            paired[r.name] = pair(samples["reference"], samples[r.name], task, fixed, labels, sides)
+            fixed = replace(settings, metric=paired[r.name].metric, filter=paired[r.name].filter)
+        first = paired["candidate"]
         kind = metric_kind(first.ids, first.ref_v, first.cand_v, first.metric, first.spec, fixed)
         values = {"reference": first.ref_v, **{name: p.cand_v for name, p in paired.items()}}
         rows = {"reference": first.ref_rows, **{name: p.cand_rows for name, p in paired.items()}}
@@ -134,7 +133,7 @@ def _pair_task(task: str, runs: list[NamedRun], samples: Mapping[str, list], set
 def _protocol_notes(task: str, diffs: Mapping[str, Mapping[str, Any]], records: Mapping[str, Any]) -> list[str]:
     """What `buckets` says of two runs' protocols, for each run against the reference on one task (`diffs`: its
     protocol_differences), and the runs made with --limit (non-final)."""
-    from lm_eval_sink.buckets.protocol import by_effect
+    from lm_eval_sink.buckets.protocol import by_effect, limit_notes
 
     notes = []
     for name, d in diffs.items():
@@ -143,11 +142,7 @@ def _protocol_notes(task: str, diffs: Mapping[str, Mapping[str, Any]], records: 
             notes.append(
                 f"{task}: {name} and the reference differ in {', '.join(can)}: its deltas mix model and protocol"
             )
-    limits = {n: (r.get("protocol") or {}).get("limit") for n, r in records.items()}
-    limited = ", ".join(f"{n} {v:g}" for n, v in limits.items() if v is not None)
-    if limited:
-        notes.append(f"{task}: non-final: run with --limit ({limited}); these are not full-benchmark scores")
-    return notes
+    return notes + [f"{task}: {note}" for note in limit_notes(records)]
 
 
 def read_runs(runs: list[NamedRun], settings) -> tuple[list[PairedTask], dict[str, Any], list[str]]:
@@ -210,7 +205,7 @@ def prompts_table(paired: Sequence[PairedTask], roles: Mapping[str, str]):
 
     from lm_eval_sink.buckets.paired import response_text
 
-    rows, seen = [], set()
+    rows, seen, metrics = [], set(), set()
     for t in paired:
         if t.task in seen:
             continue
@@ -218,6 +213,8 @@ def prompts_table(paired: Sequence[PairedTask], roles: Mapping[str, str]):
         for name, docs in t.rows.items():
             for i in t.outcomes.ids:
                 row = docs[i]
+                values = _metric_values(row)
+                metrics |= set(values)
                 rows.append(
                     {
                         "run": name,
@@ -226,18 +223,14 @@ def prompts_table(paired: Sequence[PairedTask], roles: Mapping[str, str]):
                         "doc_id": i,
                         "prompt_hash": row.get("prompt_hash"),
                         "filter": t.filter,
-                        **_metric_values(row),
+                        **values,
                         "filtered_response": response_text(row, filtered=True),
                     }
                 )
-    metrics = sorted(
-        {k for r in rows for k in r} - {"run", "role", "task", "doc_id", "prompt_hash", "filter", "filtered_response"}
-    )
     schema = [("run", pa.string()), ("role", pa.string()), ("task", pa.string()), ("doc_id", pa.int64())]
-    schema += [("prompt_hash", pa.string()), ("filter", pa.string()), *((m, pa.float64()) for m in metrics)]
+    schema += [("prompt_hash", pa.string()), ("filter", pa.string()), *((m, pa.float64()) for m in sorted(metrics))]
     schema += [("filtered_response", pa.string())]
-    columns = {name: [r.get(name) for r in rows] for name, _ in schema}
-    return pa.table(columns, schema=pa.schema(schema))
+    return pa.Table.from_pylist(rows, schema=pa.schema(schema))
 
 
 def recovery_record(paired: Sequence[PairedTask], runs: list[NamedRun], settings, records, notes) -> dict[str, Any]:

@@ -1,16 +1,7 @@
-"""`lm-eval-sink report`: read and check a report's inputs, render the page (report/), write the HTML file.
-
-The inputs are the project's own output files, nothing else (no model is loaded).
-
-Checks, each a one-line UserError before anything is written:
-- each input is the output it claims to be (strength JSON, margin.json, buckets.json, attribution.json,
-  a sweep's table.json; a folder stands for the file of that name inside it); a strength input may also be a
-  `strength` output folder holding one model, or an lm-eval run (results file or folder) of a sink_strength task;
-- all inputs name the same reference and the same candidate: two records are compared by content
-  fingerprint where both carry one, else by model path or name;
-- the two samples files each buckets.json names exist and still have the sha256 it recorded (absolute paths, or
-  relative to buckets.json's folder); the report shows every path relative to its own folder.
-"""
+"""`lm-eval-sink report`: read and check a report's inputs (the project's own output files; no model is loaded),
+render the page (report/), write the HTML file. Each check (the output each input claims to be, one reference and
+candidate throughout, the buckets' samples files unchanged) is a one-line UserError before anything is written
+(docs/reports.md)."""
 
 from __future__ import annotations
 
@@ -25,20 +16,14 @@ from lm_eval_sink.errors import UserError
 from lm_eval_sink.report.view import BucketsInput, Doc, PromptText, ReportInputs, get, sink_tasks
 
 ROLES = ("reference", "candidate")
-FILE_OF = {
-    "margin": "margin.json",
-    "buckets": "buckets.json",
-    "attribution": "attribution.json",
-    "sweep": "table.json",
-    "recovery": "recovery.json",
-}
-REQUIRED = {
-    "strength": "sink_strength",
-    "margin": "margin",
-    "buckets": "counts",
-    "attribution": "benchmarks",
-    "sweep": "rows",
-    "recovery": "controls",
+# each input: (the file its folder stands for, a key its JSON holds, the command that writes it)
+INPUTS = {
+    "strength": ("strength JSON", "sink_strength", "strength"),
+    "margin": ("margin.json", "margin", "margin"),
+    "buckets": ("buckets.json", "counts", "buckets"),
+    "attribution": ("attribution.json", "benchmarks", "attribute"),
+    "sweep": ("table.json", "rows", "sweep"),
+    "recovery": ("recovery.json", "controls", "recovery"),
 }
 
 
@@ -47,11 +32,11 @@ def _file(arg: Path, what: str) -> Path:
     if what == "strength" and p.is_dir():
         return _strength_file(p)
     if p.is_dir():
-        p = p / FILE_OF[what]
+        p = p / INPUTS[what][0]
     if not p.is_file():
         raise UserError(
-            f"--{what} {arg}: no {FILE_OF.get(what, 'strength JSON')} there",
-            f"pass the output folder (or file) of `lm-eval-sink {'attribute' if what == 'attribution' else what}`",
+            f"--{what} {arg}: no {INPUTS[what][0]} there",
+            f"pass the output folder (or file) of `lm-eval-sink {INPUTS[what][2]}`",
         )
     return p
 
@@ -90,10 +75,10 @@ def _doc(path: Path, what: str, out_dir: Path) -> Doc:
     data = read_json(path)
     if what == "strength" and isinstance(data, dict) and "sink_strength" not in data:
         _check_sink_tasks(path, data)
-    elif not isinstance(data, dict) or REQUIRED[what] not in data:
+    elif not isinstance(data, dict) or INPUTS[what][1] not in data:
         raise UserError(
-            f"{path}: not a {what} output (no '{REQUIRED[what]}' key)",
-            f"pass a file written by `lm-eval-sink {what if what != 'attribution' else 'attribute'}`",
+            f"{path}: not a {what} output (no '{INPUTS[what][1]}' key)",
+            f"pass a file written by `lm-eval-sink {INPUTS[what][2]}`",
         )
     return Doc(rel=_relative(path, out_dir), data=data, sha256=sha256_bytes(raw))
 
@@ -266,7 +251,7 @@ def load_inputs(
             "nothing to report",
             "pass at least one of --strength, --margin, --buckets, --attribution, --sweep, --recovery",
         )
-    if recovery is None and sweep is not None and (Path(sweep) / "recovery" / FILE_OF["recovery"]).is_file():
+    if recovery is None and sweep is not None and (Path(sweep) / "recovery" / INPUTS["recovery"][0]).is_file():
         recovery = Path(sweep) / "recovery"  # a sweep folder brings its recovery
     records = []
     strength_docs = None

@@ -1,9 +1,5 @@
-"""Figures and HTML of a report: one self-contained file (inline CSS, JS and PNG figures, no network).
-
-Figures are redrawn by plots.py from the loaded JSON (never copied from the input folders, which may
-be stale) and embedded as base64 PNG. The template is rendered by Jinja2 with autoescape on, so
-prompts and responses (untrusted text) always appear as text.
-"""
+"""Figures and HTML of a report: one self-contained file, its figures redrawn by plots.py from the loaded JSON and
+embedded as PNG, the template rendered by Jinja2 with autoescape on (prompts and responses are untrusted text)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
-"""The report's view model, built from already-loaded outputs: pure, no I/O.
-
-Rules:
-- Every number shown is a `Num`: its value, its text as shown, and `src`, the input file (path
-  relative to the report) and the RFC 6901 JSON pointer it was read from, so a reader can trace it.
-- A section exists only when its input was given.
-- Sink Strength S comes from the `--strength` files when given, else from margin.json; where both
-  hold S and they differ (beyond 1e-6) the mismatch is noted and the strength files are shown. Each S
-  shows its setting (`comparability.compare`); two S measured in different settings are flagged.
-- The headline comes from the IFEval buckets output, else the first one given.
-- Prompts and responses are plain text here; escaping is the template's job (autoescape).
-"""
+"""The report's view model, built from already-loaded outputs: pure, no I/O. Every number shown is a `Num` with the
+file and JSON pointer it was read from; a section exists only when its input was given; S from the strength files
+wins over margin.json's (a mismatch is noted); the headline is the IFEval buckets output, else the first
+(docs/reports.md)."""
 
 from __future__ import annotations
 
@@ -31,9 +23,7 @@ class Doc:
 
 @dataclass(frozen=True, slots=True)
 class Num:
-    """A number as shown (`text`) with where it came from (`src`: "<rel path>#<JSON pointer>"); `scale` is
-    shown/stored.
-    """
+    """A number as shown (`text`) and where it came from (`src`: "<rel path>#<JSON pointer>"); `scale`: shown/stored."""
 
     text: str
     src: str
@@ -90,19 +80,16 @@ def get(data: Any, *parts: Any) -> Any:
     return data
 
 
+_SPECS = {"f4": ".4f", "+f4": "+.4f", "f2": ".2f", "pts": ".1f", "+pts": "+.1f"}
+
+
 def fmt(value: float | int, style: str) -> str:
     """Text of a number: `f4` 4 decimals, `+f4` signed, `pts`/`+pts` points (1 decimal), `int`, `p` p-value."""
     if style == "int":
         return str(int(value))
-    if style in ("pts", "+pts"):
-        return f"{100 * value:+.1f}" if style == "+pts" else f"{100 * value:.1f}"
     if style == "p":
         return f"{value:.2e}" if 0 < value < 1e-3 else f"{value:.4f}"
-    if style == "+f4":
-        return f"{value:+.4f}"
-    if style == "f2":
-        return f"{value:.2f}"
-    return f"{value:.4f}"
+    return format(100 * value if style.endswith("pts") else value, _SPECS[style])
 
 
 def num(doc: Doc, parts: Sequence[Any], style: str = "f4") -> Num | None:
@@ -163,9 +150,8 @@ def _strength(inputs: ReportInputs) -> tuple[dict[str, Any] | None, list[str]]:
                 ms, ss = get(margin.data, f"{role}_sink_strength"), get(d.data, *parts["s"])
                 if isinstance(ms, (int, float)) and isinstance(ss, (int, float)) and abs(ms - ss) > S_TOLERANCE:
                     notes.append(
-                        f"{role}: S in {d.rel} ({ss:.4f}) differs from margin.json's ({ms:.4f}); the strength "
-                        "file's value is shown "
-                        "(the two were measured with different settings or weights)"
+                        f"{role}: S in {d.rel} ({ss:.4f}) differs from margin.json's ({ms:.4f}); the strength file's "
+                        "value is shown (the two were measured with different settings or weights)"
                     )
         elif margin is not None:
             prov = ["provenance", f"{role}_sink_strength"]
@@ -198,8 +184,7 @@ def _strength_settings(inputs: ReportInputs, roles: list[str]) -> Any:
         if "sink_strength" in data:
             settings.append(setting_of(data))
         else:
-            tasks = sink_tasks(data)
-            settings.append(setting_of_results(data, "sink_strength" if "sink_strength" in tasks else tasks[0]))
+            settings.append(setting_of_results(data, strength_pointers(data)["s"][1]))  # the task shown
     return compare(roles, settings)
 
 
@@ -290,7 +275,6 @@ def _power(d: Doc) -> dict[str, Any] | None:
         "target": num(d, ["power", "target_power"], "f2"),
         "mde": num(d, ["power", "mde"], style),
         "not_detectable": pw.get("not_detectable"),
-        "n_for_mde": num(d, ["power", "n_for_mde"], "int"),
         "effect": num(d, ["power", "effect"], style),
         "effect_source": pw.get("effect_source"),
         "effect_impossible": pw.get("effect_impossible"),
@@ -377,8 +361,6 @@ def _margin_section(d: Doc) -> dict[str, Any]:
     ]
     return {
         "source": d.rel,
-        "reference": data.get("reference"),
-        "candidate": data.get("candidate"),
         "n_negative": num(d, [*s, "n_negative_margin"], "int"),
         "n_total": num(d, [*s, "n_heads_total"], "int"),
         "n_collapse": num(d, [*s, "n_sink_collapse"], "int"),
@@ -462,11 +444,9 @@ def _figure_state(c: Mapping[str, Any]) -> str:
 
 
 def sweep_series(table: Mapping[str, Any]) -> dict[str, Any]:
-    """The sweep figure's data from a table.json: checkpoints, each metric's values under its readable name (in
-    points for shares of docs, as in the buckets section), S per checkpoint (the strength units', else an eval
-    unit's Sink Strength task), and the metric axis's unit; `drawn`: the values the figure draws, each task's
-    headline metric in the axis's one unit (points when any is a share of docs) that changes, and `note` the
-    figure's title note (not final; the unchanged ones, said once)."""
+    """The sweep figure's data from a table.json: each metric's values under its readable name (points for shares
+    of docs), S per checkpoint, the axis's unit, `drawn` (each task's headline metric in that one unit, where it
+    changes) and the title's `note` (not final; the unchanged ones, said once)."""
     from lm_eval_sink.benchmarks import (
         headline_columns,
         load_benchmarks,
@@ -607,42 +587,22 @@ def _lineage(inputs: ReportInputs) -> dict[str, Any] | None:
     return {"status": first.get("status"), "flagged": bool(first.get("flagged")), "how": first.get("how")}
 
 
+def _input_row(what: str, d: Doc) -> dict[str, Any]:
+    return {"what": what, "path": d.rel, "sha256": d.sha256, "versions": get(d.data, "provenance", "versions") or {}}
+
+
 def _inputs_table(inputs: ReportInputs) -> list[dict[str, Any]]:
-    rows = []
-    if inputs.strength is not None:
-        for role, d in zip(("reference", "candidate"), inputs.strength, strict=True):
-            rows.append(
-                {
-                    "what": f"strength ({role})",
-                    "path": d.rel,
-                    "sha256": d.sha256,
-                    "versions": get(d.data, "provenance", "versions") or {},
-                }
-            )
+    strength = zip(("reference", "candidate"), inputs.strength, strict=True) if inputs.strength else ()
+    rows = [_input_row(f"strength ({role})", d) for role, d in strength]
     docs = (("margin", inputs.margin), ("attribution", inputs.attribution), ("sweep", inputs.sweep))
-    for what, d in (*docs, ("recovery", inputs.recovery)):
-        if d is not None:
-            rows.append(
-                {
-                    "what": what,
-                    "path": d.rel,
-                    "sha256": d.sha256,
-                    "versions": get(d.data, "provenance", "versions") or {},
-                }
-            )
+    rows += [_input_row(what, d) for what, d in (*docs, ("recovery", inputs.recovery)) if d is not None]
     for b in inputs.buckets:
-        rows.append(
-            {
-                "what": f"buckets ({b.doc.data.get('task')})",
-                "path": b.doc.rel,
-                "sha256": b.doc.sha256,
-                "versions": get(b.doc.data, "provenance", "versions") or {},
-            }
-        )
-        for role, (path, sha) in b.samples.items():
-            rows.append(
-                {"what": f"samples ({role}, {b.doc.data.get('task')})", "path": path, "sha256": sha, "versions": {}}
-            )
+        task = b.doc.data.get("task")
+        rows.append(_input_row(f"buckets ({task})", b.doc))
+        rows += [
+            {"what": f"samples ({role}, {task})", "path": path, "sha256": sha, "versions": {}}
+            for role, (path, sha) in b.samples.items()
+        ]
     return rows
 
 
