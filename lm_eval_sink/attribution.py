@@ -1,36 +1,15 @@
 """Attribution of a reference-vs-candidate gap: lineage, protocol, access vs capacity, construct, mixture.
 
-"A Gap to a Reference Is Not a Loss" (2026): a gap between a VLM backbone (candidate) and a text
-reference carries four indices that must be separated before it is called a loss. For each
-benchmark family this module reports the observed gap (candidate minus reference, points) and:
-
-- lineage: is the reference the candidate's parent (same model / parent / not parent /
-  unknown / mismatched), from model-card and config fields, the registry, or the user's
-  declaration; anything but a documented parent is flagged;
-- protocol: gaps measured under one protocol are compared; a pair under different protocols is
-  never compared silently (same model: the whole gap is a protocol artefact; different models:
-  confounded, not attributed); with two or more protocols, the gap under each, the effect of each
-  relative to a baseline protocol, and whether the sign flips;
-- access vs capacity: the part of a gap that vanishes under lenient answer extraction (GSM8K
-  flexible-extract vs strict-match, IFEval loose vs strict) is loss of access (format), the rest
-  capacity. Per prompt from the sample logs when both have them: with s, l the strict and lenient
-  outcomes of doc i, gap = mean(c_s - r_s) = access + capacity, capacity = mean(c_l - r_l),
-  access = gap - capacity, so the parts add up exactly; else from the aggregate results;
-- construct: each family's class (knowledge / procedure / format) from `data/benchmarks.yaml`
-  (benchmarks.py: the task table `buckets` reads too);
-- mixture: the recipe facts the user declares, shown, never inferred.
-
-The functions take plain values, parsed results and sample rows and return data: reading lm-eval
-runs, model folders and the registry, and writing the report folder, is commands/attribute.py's.
-No torch, no transformers, no file I/O.
+"A Gap to a Reference Is Not a Loss" (2026): per benchmark family, the observed gap (candidate minus reference,
+points) and what it is made of (docs/protocols.md, "Gap attribution"). Pure: takes parsed results, sample rows and
+registry entries and returns data; reading runs and writing the report is commands/attribute.py's.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -40,10 +19,10 @@ from lm_eval_sink.errors import UserError
 from lm_eval_sink.keys import CONTENT
 from lm_eval_sink.pairing import index_docs, outcome, pair_docs
 from lm_eval_sink.power import MIN_N
+from lm_eval_sink.protocols import limit_text, short_text
 from lm_eval_sink.tables import markdown_lines
 
 SCHEMA_VERSION = 1
-LINEAGE_STATUSES = ("same_model", "parent", "not_parent", "unknown", "mismatched")
 # Config fields that name the language model a VLM (or adapter) was built from.
 LINEAGE_CONFIG_FIELDS = (
     "text_config._name_or_path",
@@ -84,24 +63,11 @@ class Measurement:
     fingerprint: Any = field(default=None, compare=False)  # ProtocolFingerprint of a run
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "role": self.role,
-            "model": self.model,
-            "model_key": self.model_key,
-            "registry_model": self.registry_model,
-            "benchmark": self.benchmark,
-            "task": self.task,
-            "strict": _pts(self.strict),
-            "lenient": _pts(self.lenient),
-            "protocol": self.protocol_label,
-            "protocol_key": self.protocol_key,
-            "source": self.source,
-            "samples": self.samples,
-            "limit": self.limit,
-            "n": self.n,
-            "n_total": self.n_total,
-            "stated_protocol": self.stated,
-        }
+        """Every field but the fingerprint, scores rounded; `protocol_label` as `protocol`, `stated` as
+        `stated_protocol`."""
+        renamed = {"protocol_label": "protocol", "stated": "stated_protocol"}
+        out = {renamed.get(f.name, f.name): getattr(self, f.name) for f in fields(self) if f.name != "fingerprint"}
+        return {**out, "strict": _pts(self.strict), "lenient": _pts(self.lenient)}
 
 
 # --- per-prompt access vs capacity -----------------------------------------------------------
@@ -118,13 +84,9 @@ def per_prompt_split(
     allow_partial: bool = False,
     doc_mismatch_hint: str | None = None,
 ) -> dict[str, Any]:
-    """Pair two sample logs per doc (pairing.py: same documents, same doc sets unless `allow_partial`)
-    and split the strict gap per prompt.
-
-    Returns points: `gap` = mean(c_s - r_s); with a lenient key, `capacity` = mean(c_l - r_l) and
-    `access` = gap - capacity, plus counts of strict regressions that the lenient check forgives
-    (access) or not (capacity). Prompt-hash differences are counted (expected across protocols).
-    """
+    """Pair two sample logs per doc (pairing.py; other doc sets only with `allow_partial`) and split the strict gap
+    per prompt, in points: gap = mean(c_s - r_s), capacity = mean(c_l - r_l), access = gap - capacity, and the
+    strict regressions the lenient check forgives (access) or not (capacity)."""
     metric, flt = strict_key.split(",", 1)
     ref_docs, cand_docs = index_docs(ref_rows, flt, ref_where), index_docs(cand_rows, flt, cand_where)
     ids, pairing = pair_docs(
@@ -211,13 +173,9 @@ def _names(text: str | None) -> set[str]:
 
 
 def lineage(ref: dict[str, Any], cand: dict[str, Any], declared: str | None = None) -> dict[str, Any]:
-    """Is the reference the candidate's parent?
-
-    `ref`/`cand`: {"key", "names" (every name the model is known by), "parents" ([(name, source)]
-    stated by its model card, config or the registry), "registry_model" (the registry entry it was matched to, or
-    None)}. `declared`: "parent" | "not-parent" | None. A model compared with itself (the same key, or the same
-    registry entry) is "same model", whatever its card says about its own parent.
-    """
+    """Is the reference the candidate's parent? `ref`/`cand`: `commands.attribute.model_info`'s dicts (key, names,
+    stated parents, registry model); `declared`: "parent" | "not-parent" | None. A model compared with itself (one
+    key or registry entry) is "same model", whatever its card says."""
     if declared not in (None, "parent", "not-parent"):
         raise UserError(
             f"--lineage {declared!r} is not one of parent, not-parent",
@@ -292,12 +250,7 @@ class Attribution:
             "units": "scores, gaps and their parts in points (x100 of lm-eval's share of docs); a gap is candidate "
             "minus reference",
             "intervals": INTERVALS,
-            "benchmarks": self.benchmarks,
-            "lineage": self.lineage,
-            "mixture": self.mixture,
-            "inputs": self.inputs,
-            "measurements": self.measurements,
-            "registry": self.registry,
+            **{f.name: getattr(self, f.name) for f in fields(self)},
             "unverified_registry_figures": unverified_figures(self),
         }
 
@@ -327,10 +280,10 @@ def _cap_row(r: Measurement, c: Measurement) -> dict[str, Any] | None:
 
 
 def _recorded_differences(r: Measurement, c: Measurement) -> list[dict[str, Any]]:
-    """The recorded protocol fields in which two measurements differ: both fingerprints, a run against a registry
-    figure's stated protocol, or two stated protocols."""
+    """The recorded protocol fields in which two measurements differ: both fingerprints, else what each states (a
+    run states every field of `vendors.STATED_KEYS`); a field one side does not state may or may not differ."""
     from lm_eval_sink.protocols import task_diff
-    from lm_eval_sink.vendors import compare_stated, compare_stated_pair, run_stated_values
+    from lm_eval_sink.vendors import stated_differences
 
     if r.fingerprint is not None and c.fingerprint is not None:
         out = [
@@ -340,23 +293,19 @@ def _recorded_differences(r: Measurement, c: Measurement) -> list[dict[str, Any]
         if r.task != c.task:
             out.insert(0, {"field": "task", "reference": r.task, "candidate": c.task, "affects_scores": True})
         return out
-    if r.fingerprint is not None or c.fingerprint is not None:
-        run, reg = (r, c) if r.fingerprint is not None else (c, r)
-        differ, unstated = compare_stated(reg.stated or {}, run.fingerprint, run.task or "")
-        values = run_stated_values(run.fingerprint, run.task or "")
-        rows = [(d["field"], d["run"], d["stated"], True) for d in differ]
-        rows += [(k, values[k], "not stated", None) for k in unstated]  # unknown: the source says nothing
-        return [{"field": f, run.role: v_run, reg.role: v_reg, "affects_scores": a} for f, v_run, v_reg, a in rows]
-    differ, one_side = compare_stated_pair(r.stated or {}, c.stated or {})
+    a, b = _stated(r), _stated(c)
+    differ, one_side = stated_differences(a, b)
     return [{"field": d["field"], "reference": d["a"], "candidate": d["b"], "affects_scores": True} for d in differ] + [
-        {
-            "field": k,
-            "reference": (r.stated or {}).get(k, "not stated"),
-            "candidate": (c.stated or {}).get(k, "not stated"),
-            "affects_scores": None,
-        }
+        {"field": k, "reference": a.get(k, "not stated"), "candidate": b.get(k, "not stated"), "affects_scores": None}
         for k in one_side
     ]
+
+
+def _stated(m: Measurement) -> dict[str, Any]:
+    """What a measurement's protocol states: a run's recorded values, a registry figure's stated fields."""
+    from lm_eval_sink.vendors import run_stated_values
+
+    return run_stated_values(m.fingerprint, m.task or "") if m.fingerprint is not None else dict(m.stated or {})
 
 
 def _side(m: Measurement) -> dict[str, Any]:
@@ -484,16 +433,12 @@ def documents(m: Measurement) -> str:
         return f"a subset ({count}; no --limit recorded; not final)"
     if m.limit is None:
         return f"all {count}" if m.n is not None else count
-    return f"a {_limit_text(m.limit)} subset ({count}; not final)"
+    return f"a --limit {limit_text(m.limit)} subset ({count}; not final)"
 
 
 def _fewer(n: int | None, total: int | None) -> bool:
     """Whether a run scored fewer documents than its task holds (as lm-eval's n-samples records them)."""
     return n is not None and total is not None and n < total
-
-
-def _limit_text(limit: Any) -> str:
-    return f"--limit {limit:g}" if isinstance(limit, int | float) else f"--limit {limit}"
 
 
 def split_explanation(
@@ -548,15 +493,8 @@ def _protocol_effect(rows: list[dict[str, Any]], baseline: str | None) -> dict[s
 
 @dataclass(frozen=True, slots=True)
 class AttributeOptions:
-    """The `attribute` command's options, checked as they are built.
-
-    `vendor`: add the registry's vendor-reported scores of the models involved; `registry_file` / `benchmarks_file`:
-    the vendor registry and the benchmark table (None: the bundled ones); `declared_lineage`: the user's word on
-    whether the reference is the candidate's parent; `mixture`: recipe facts (a dict, or "KEY=VALUE" texts as
-    `--mixture` gives them), shown as given; `baseline_protocol`: the protocol other protocols' effects are measured
-    against; `allow_partial`: pair only the docs both sample logs hold; `as_names`: `--as [FOLDER=]NAME`, the
-    registry entry a local model folder is (FOLDER left out: the one local model).
-    """
+    """The `attribute` command's options (one per flag, docs/protocols.md), checked as they are built: `mixture` a
+    dict or `--mixture` "KEY=VALUE" texts, `as_names` `--as [FOLDER=]NAME` texts; a file None is the bundled one."""
 
     vendor: bool = False
     registry_file: str | Path | None = field(default=None, metadata=CONTENT)
@@ -572,10 +510,6 @@ class AttributeOptions:
             object.__setattr__(self, "mixture", _parse_mixture(self.mixture))
         object.__setattr__(self, "as_names", tuple(self.as_names))
         parse_as(self.as_names)
-
-    def folders_as(self) -> dict[str | None, str]:
-        """`as_names` by folder (key None: the one local model)."""
-        return parse_as(self.as_names)
 
 
 def _parse_mixture(items: Any) -> dict[str, str] | None:
@@ -776,18 +710,14 @@ def _confounded(
 def _vendor_row(s: Any, m: Measurement, binary: bool) -> dict[str, Any]:
     """A vendor figure beside a measurement: the gap with its interval, the protocol fields they differ in (a
     generation cap first)."""
-    from lm_eval_sink.vendors import compare_stated, compare_stated_pair
+    from lm_eval_sink.vendors import stated_differences
 
     interval, few = gap_interval((m.strict, m.n), (s.value, None), binary)
     cap = _cap(m)
     capped = [{"field": "generation cap (max_gen_toks)", "vendor": "the task's own", "measured": cap}] if cap else []
-    if m.fingerprint is not None:
-        differ, unstated = compare_stated(s.protocol.stated, m.fingerprint, m.task or "")
-        differ = [{"field": d["field"], "vendor": d["stated"], "measured": d["run"]} for d in differ]
-    else:
-        pair, one_side = compare_stated_pair(s.protocol.stated, m.stated or {})
-        differ = [{"field": d["field"], "vendor": d["a"], "measured": d["b"]} for d in pair]
-        unstated = [k for k in one_side if k not in s.protocol.stated]
+    pair, one_side = stated_differences(s.protocol.stated, _stated(m))
+    differ = [{"field": d["field"], "vendor": d["a"], "measured": d["b"]} for d in pair]
+    unstated = [k for k in one_side if k not in s.protocol.stated]
     return {
         "model": s.model,
         "role": m.role,
@@ -816,11 +746,6 @@ def _f(x: float | None, signed: bool = True) -> str:
     return f"{x:+.2f}" if signed else f"{x:.2f}"
 
 
-def _short(x: Any) -> str:
-    text = x if isinstance(x, str) else json.dumps(x, ensure_ascii=False)
-    return text if len(text) <= 24 else text[:21] + "..."
-
-
 def _fields(fields: list[dict[str, Any]]) -> str:
     """The differing fields that can change scores, short (the JSON keeps them all, in full); the fields one side
     does not state; or that only fields that cannot change scores here differ. Never claims a difference it lacks."""
@@ -829,7 +754,8 @@ def _fields(fields: list[dict[str, Any]]) -> str:
     rest = [d["field"] for d in fields if d.get("affects_scores") is False]
     if differ:
         text = "; ".join(
-            f"{d['field']}: {_short(d.get('reference'))} vs {_short(d.get('candidate'))}" for d in differ[:6]
+            f"{d['field']}: {short_text(d.get('reference'), 24)} vs {short_text(d.get('candidate'), 24)}"
+            for d in differ[:6]
         )
         return (
             text
@@ -860,7 +786,7 @@ def to_markdown(att: Attribution) -> str:
         status = li["status"].replace("_", " ")
         lines.append(f"- lineage {li['reference']} -> {li['candidate']}: {status}{flag} ({li['how']})")
     lines += _registry_lines(att.registry)
-    caveat = subset_caveat(att)
+    caveat = subset_line(att.benchmarks, att.measurements)
     if caveat:
         lines.append(f"- {caveat}")
     mix = att.mixture
@@ -1004,7 +930,7 @@ def _vendor_cells(v: dict[str, Any]) -> list[str]:
     if v["vendor_unstated"]:
         diffs += f" (vendor does not state {', '.join(v['vendor_unstated'])})"
     limit, src = v["measured"].get("limit"), v["measured"].get("source") or {}
-    caveat = f" ({_limit_text(limit)} run: not final)" if limit is not None else ""
+    caveat = f" (--limit {limit_text(limit)} run: not final)" if limit is not None else ""
     caveat += f" ({src['id']}, {_verification(src)})" if src.get("kind") == "registry" else ""
     return [
         v["model"],
@@ -1038,15 +964,10 @@ def unverified_figures(att: Attribution) -> list[str]:
     return sorted(set(ids))
 
 
-def subset_caveat(att: Attribution) -> str | None:
-    """One line naming the measurements of a subset (`--limit`, or fewer documents than the task holds, as lm-eval's
-    --samples scores: model, benchmark, documents scored), for the report and the figure's title; None when every
-    measured run in the report's benchmarks scored all its documents."""
-    return subset_line(att.benchmarks, att.measurements)
-
-
 def subset_line(benchmarks: list[dict[str, Any]], measurements: list[dict[str, Any]]) -> str | None:
-    """`subset_caveat` from the `benchmarks` and `measurements` of an attribution (or of its JSON)."""
+    """One line naming the measurements of a subset (`--limit`, or fewer documents than the task holds: model,
+    benchmark, documents scored) of an attribution's (or its JSON's) `benchmarks` and `measurements`; None when
+    every measured run scored all its documents."""
     compared = {b["benchmark"] for b in benchmarks}
     subsets = [
         f"{m['role']} {m['model']} {m['benchmark']} "
@@ -1055,7 +976,7 @@ def subset_line(benchmarks: list[dict[str, Any]], measurements: list[dict[str, A
             if m["n"]
             else ""
         )
-        + (f"({_limit_text(m['limit'])})" if m.get("limit") is not None else "(no --limit recorded)")
+        + (f"(--limit {limit_text(m['limit'])})" if m.get("limit") is not None else "(no --limit recorded)")
         for m in measurements
         if m["benchmark"] in compared and (m.get("limit") is not None or _fewer(m["n"], m.get("n_total")))
     ]
@@ -1063,22 +984,17 @@ def subset_line(benchmarks: list[dict[str, Any]], measurements: list[dict[str, A
 
 
 def plot_title(att: Attribution) -> str:
-    """The figure's title: what the bars are, and the subset caveat (`subset_caveat`) when a run used `--limit`."""
+    """The figure's title: what the bars are, and the subset caveat (`subset_line`) when a run used `--limit`."""
     import textwrap
 
     title = "gap = candidate - reference (points), split into its parts"
-    caveat = subset_caveat(att)
+    caveat = subset_line(att.benchmarks, att.measurements)
     return title + ("\n" + "\n".join(textwrap.wrap(caveat, 72)) if caveat else "")
 
 
 def plot_rows(att: Attribution) -> list[dict[str, Any]]:
-    """One bar per comparison with its parts (access, capacity, protocol, unsplit, unexplained), for plots.gap_parts,
-    the same split as the report's table.
-
-    A gap under a non-baseline protocol is drawn as the baseline gap (with the baseline's split)
-    plus the protocol effect; a same-weights comparison whose protocols differ in a field that can change scores is
-    all protocol, one whose protocols do not is all unexplained.
-    """
+    """One bar per comparison with its parts, for plots.gap_parts, split as the report's table: a gap under another
+    protocol is the baseline's split plus the protocol effect; the same weights are all protocol or all unexplained."""
     bars = []
     for b in att.benchmarks:
         pe = b["protocol_effect"]
@@ -1166,7 +1082,7 @@ def run_measurements(
         strict = _results_value(results, task, bench.strict, where)
         lenient = _results_value(results, task, bench.lenient, where) if bench.lenient else None
         key = fp.harness_sha(tasks=(task,))
-        counts = (results.get("n-samples") or {}).get(task) or {}
+        counts = (fp.run.get("n_samples") or {}).get(task) or {}  # lm-eval's n-samples, as the fingerprint read it
         out.append(
             Measurement(
                 role=role,

@@ -1,26 +1,9 @@
 """Can these Sink Strength values be compared? The setting each S was measured in, and the groups that share one.
 
-S compares only within one setting (docs/sink-strength.md): the calibration prompts, whether the chat template was
-applied (asked is not applied: a tokenizer without a template gets plain text), the system prompt, the rows and the
-statistic, K (the last K attention layers) and the model's dtype. `setting_of` reads the setting of a strength record
-as saved (`*.strength.json`, a sweep unit's `strength.json`, `SinkStrength.to_json()`), `setting_of_results` that
-of an lm-eval results JSON's Sink Strength task; `compare` groups S values by their applied setting and says in
-words what differs, what was asked but not applied, and what K is for each model's depth. Every output that shows
-several S (strength's ranking, screen and its predictions, the report, a sweep's table) decides with `compare`.
-
-What K means across depths: K is a fixed count of last attention layers, as in the paper (`--last-k 10`), so on a
-16-layer and a 40-layer model it covers 62% and 25% of their attention layers. Equal counts are the same setting by
-the paper's definition; the share is shown beside every S and a note names the shares when they differ.
-`--last-k 33%` takes one share of each model's attention layers instead (then equal shares are the same setting).
-A count larger than a model's depth is clipped, which is another setting (fewer layers than asked).
-
-Where S was computed is no setting: S from a vLLM engine's own forward (`capture.capture_backend: vllm`) and S from
-transformers (`hf`: `strength`, `--model hf`, the child under `--model vllm`) in one dtype are one setting, since
-`dtype` is what decides (`capture.dtype`, `provenance.dtype`). In float32 the engine's statistics equal transformers'
-eager ones within 5e-6 on the tiny models of every verified family and 2.1e-5 on SmolLM2, inside the 1e-4 the hf
-capture is held to; in bfloat16 the paths differ by up to 5e-3, inside the 0.05 stated for bfloat16 on either path.
-A quantized engine or an engine-applied LoRA runs other weights: another model, not another setting.
-Pure: takes loaded data, returns data and text.
+`setting_of` / `setting_of_margin` / `setting_of_results` read the setting of a saved S, a margin's S or an lm-eval
+results file's Sink Strength task; `compare` groups S by their applied setting and says in words what differs. Every
+output that shows several S decides with `compare`. What a setting holds, K across depths and why the engine
+that measured S is no setting: docs/sink-strength.md ("Comparable S") and docs/lm-eval.md. Pure.
 """
 
 from __future__ import annotations
@@ -31,9 +14,8 @@ from typing import Any
 
 from lm_eval_sink.strength import S_MEANING, SinkStrength, StrengthSettings, fmt_optional, k_for, parse_last_k
 
-# The applied fields that decide S: two S compare only when all of them are equal (`Setting.key`).
-SPLIT_FIELDS = ("prompt_set", "chat_template_applied", "system_prompt", "rows", "statistic", "k", "dtype")
-_FIELD_WORDS = {
+# The applied fields that decide S, in words: two S compare only when all of them are equal (`Setting.key`).
+SPLIT_FIELDS = {
     "prompt_set": "calibration prompts",
     "chat_template_applied": "chat template applied",
     "system_prompt": "system prompt",
@@ -100,7 +82,7 @@ class Setting:
 
     def describe(self) -> str:
         """The setting in one line (group-level: no depth)."""
-        return ", ".join(f"{_FIELD_WORDS[f]}: {self.shown(f)}" for f in SPLIT_FIELDS)
+        return ", ".join(f"{SPLIT_FIELDS[f]}: {self.shown(f)}" for f in SPLIT_FIELDS)
 
     def k_cell(self) -> str:
         """K for this model: the layers measured of its attention layers and their share, e.g. `10/30 (33%)`."""
@@ -220,7 +202,7 @@ class Comparison:
         """The fields in which group `label` differs from group `against`, in words."""
         a, b = self.setting(against), self.setting(label)
         return [
-            f"{_FIELD_WORDS[f]}: {b.shown(f)} ({against}: {a.shown(f)})"
+            f"{SPLIT_FIELDS[f]}: {b.shown(f)} ({against}: {a.shown(f)})"
             for f in SPLIT_FIELDS
             if getattr(a, f) != getattr(b, f)
         ]

@@ -1,35 +1,15 @@
 """Protocol fingerprints of lm-eval runs, their differences, and named protocols as data.
 
-A score means little without the protocol that produced it: chat template or not, few-shot
-count, system instruction, generation settings, answer filters, task version, limit, seeds,
-batch size and dtype. `fingerprint(results)` reads them from a parsed lm-eval 0.4.13
-`results_<time>.json` (`lm_eval_sink.runs.load_results`) into two parts:
-
-- `harness`: what the person running lm-eval chose (global fields plus `tasks[task]`);
-- `model`: what the model brought (template text and sha, special tokens, max length,
-  transformers version).
-
-`diff(a, b)` lists only the fields that differ, each marked whether it can change scores;
-`require_same_harness` refuses a same-protocol comparison across different harness settings.
-Named protocols (`instruct`, `community`, or a user YAML) live in `data/protocols.yaml`.
-
-Where lm-eval 0.4.13 records each field (checked on real results files):
-- top level: `chat_template` (null when not applied), `chat_template_sha`, `system_instruction`,
-  `fewshot_as_multiturn`, `n-shot[task]`, `versions[task]`, `lm_eval_version`,
-  `transformers_version`, `tokenizer_{bos,eos,pad}_token` ([text, id]), `eot_token_id`,
-  `max_length`, `task_hashes`;
-- `config`: `model_args` (pretrained, dtype, enable_thinking, ...), `model_dtype`, `batch_size`
-  (a string), `device`, `limit`, `gen_kwargs` (CLI overrides only), `random_seed`, `numpy_seed`,
-  `torch_seed`, `fewshot_seed`;
-- `configs[task]`: effective `num_fewshot`, `generation_kwargs` (task defaults merged with the CLI
-  overrides), `filter_list`, `metric_list`, `fewshot_config`, prompt fields, `metadata.version`.
-Standard library, PyYAML and pydantic only: no torch, no transformers.
+`fingerprint(results)` reads a parsed lm-eval 0.4.13 results JSON into `harness` (what whoever ran lm-eval chose)
+and `model` (what the model brought); `diff(a, b)` lists the differing fields, each marked whether it can change
+scores; named protocols (`instruct`, `community`, a user YAML) live in `data/protocols.yaml`. Where lm-eval records
+each field: docs/protocols.md. Standard library, PyYAML and pydantic only: no torch, no transformers.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -194,14 +174,7 @@ class ProtocolFingerprint:
         return sha256_text(canonical_json(h))
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "schema_version": SCHEMA_VERSION,
-            "harness": self.harness,
-            "model": self.model,
-            "run": self.run,
-            "source": self.source,
-            "harness_sha": self.harness_sha(),
-        }
+        return {"schema_version": SCHEMA_VERSION, **asdict(self), "harness_sha": self.harness_sha()}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ProtocolFingerprint:
@@ -225,14 +198,8 @@ class FieldDiff:
         return field_reason(self.field, self.affects_scores, self.why_not)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "field": self.field,
-            "part": self.part,
-            "a": self.a,
-            "b": self.b,
-            "affects_scores": self.affects_scores,
-            "reason": self.reason,
-        }
+        """The fields with `reason` in place of `why_not`."""
+        return {**{k: v for k, v in asdict(self).items() if k != "why_not"}, "reason": self.reason}
 
 
 def field_reason(name: str, affects: bool, why_not: str = "") -> str:
@@ -538,17 +505,14 @@ def check_common_tasks(a: ProtocolFingerprint, b: ProtocolFingerprint) -> None:
         )
 
 
-def _short(value: Any, width: int = 60) -> str:
+def short_text(value: Any, width: int = 60) -> str:
     text = value if isinstance(value, str) else json.dumps(value, sort_keys=True, ensure_ascii=False)
     text = text.replace("\n", "\\n")
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def require_same_harness(fingerprints: dict[str, ProtocolFingerprint]) -> None:
-    """Refuse runs whose harness parts differ: a UserError naming every differing field and the runs.
-
-    The first run (in the mapping's order) is the reference the others are compared to.
-    """
+    """Refuse runs whose harness parts differ from the first run's: a UserError naming every differing field."""
     if len(fingerprints) < 2:
         return
     names = list(fingerprints)
@@ -557,7 +521,7 @@ def require_same_harness(fingerprints: dict[str, ProtocolFingerprint]) -> None:
     for other in names[1:]:
         fields = [d for d in diff(ref, fingerprints[other]) if d.part == "harness"]
         if fields:
-            shown = "; ".join(f"{d.field}: {_short(d.a, 30)} vs {_short(d.b, 30)}" for d in fields)
+            shown = "; ".join(f"{d.field}: {short_text(d.a, 30)} vs {short_text(d.b, 30)}" for d in fields)
             problems.append(f"{names[0]} vs {other}: {shown}")
     if problems:
         raise UserError(
@@ -569,60 +533,29 @@ def require_same_harness(fingerprints: dict[str, ProtocolFingerprint]) -> None:
 
 # --- named protocols -------------------------------------------------------------------------
 
-# The keys a protocol definition may set: EvalSettings fields that define a protocol.
-PROTOCOL_KEYS: dict[str, str] = {
-    "description": "one line saying what the protocol is and where it comes from",
-    "apply_chat_template": "render prompts through the model's chat template (bool)",
-    "num_fewshot": "few-shot count for every task; null = each task's default",
-    "fewshot_as_multiturn": "few-shot examples as chat turns (bool; needs the chat template)",
-    "system_instruction": "system message (string or null)",
-    "gen_kwargs": "generation overrides (mapping), e.g. {max_gen_toks: 256}",
-    "batch_size": "batch size (int or 'auto'); null = the caller's choice",
-    "dtype": "model dtype (auto, float32, bfloat16, float16) or null = the caller's choice",
-    "seed": "seed for every random generator (int) or null = the caller's choice",
-    "model_args": "model arguments that change prompts or decoding (mapping), e.g. {enable_thinking: false}",
-    "python": "the interpreter lm-eval runs in (relative to the file; null = this one), e.g. .venv-vllm/bin/python",
-}
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
-@dataclass(frozen=True, slots=True)
-class Protocol:
-    """A named evaluation protocol: the harness settings it fixes."""
-
-    name: str
+class _ProtocolIn(Strict):
+    what: ClassVar[str] = "protocol"
     description: str
     apply_chat_template: bool
-    num_fewshot: int | None = None
+    num_fewshot: int | None = Field(None, ge=0)
     fewshot_as_multiturn: bool | None = None
     system_instruction: str | None = None
     gen_kwargs: dict[str, Any] | None = None
     batch_size: int | str | None = None
-    dtype: str | None = None
+    dtype: Literal[_DTYPES] | None = None
     seed: int | None = None
     model_args: dict[str, Any] | None = None
-    python: str | None = None  # where lm-eval runs, not part of what a results file is compared on
-    source: str = "builtin"
+    python: str | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            k: getattr(self, k)
-            for k in (
-                "name",
-                "description",
-                "apply_chat_template",
-                "num_fewshot",
-                "fewshot_as_multiturn",
-                "system_instruction",
-                "gen_kwargs",
-                "batch_size",
-                "dtype",
-                "seed",
-                "model_args",
-                "python",
-                "source",
-            )
-        }
+
+class Protocol(_ProtocolIn):
+    """A named evaluation protocol: the harness settings it fixes (`python`: where lm-eval runs, never compared)."""
+
+    name: str
+    source: str = "builtin"
 
     def mismatches(self, fp: ProtocolFingerprint) -> list[str]:
         """Fields of `fp` that contradict this protocol (what a results file lets one check)."""
@@ -646,28 +579,10 @@ class Protocol:
         return bad
 
 
-class _ProtocolIn(Strict):
-    what: ClassVar[str] = "protocol"
-    description: str
-    apply_chat_template: bool
-    num_fewshot: int | None = Field(None, ge=0)
-    fewshot_as_multiturn: bool | None = None
-    system_instruction: str | None = None
-    gen_kwargs: dict[str, Any] | None = None
-    batch_size: int | str | None = None
-    dtype: Literal[_DTYPES] | None = None
-    seed: int | None = None
-    model_args: dict[str, Any] | None = None
-    python: str | None = None
-
-
 class _ProtocolsFileIn(Strict):
     what: ClassVar[str] = "the file"
     schema_version: int | None = None
     protocols: dict[str, _ProtocolIn]
-
-
-assert tuple(_ProtocolIn.model_fields) == tuple(PROTOCOL_KEYS)
 
 
 def _protocol(name: str, p: _ProtocolIn, where: str) -> Protocol:
@@ -732,11 +647,8 @@ def get_protocol(name: str, user_file: str | Path | None = None) -> Protocol:
 
 
 def match_protocol(fp: ProtocolFingerprint, protocols: dict[str, Protocol] | None = None) -> str | None:
-    """The first named protocol the fingerprint does not contradict, else None.
-
-    Only what the results file records can be checked: 'each task's default few-shot' cannot,
-    so `community` matches any run without template and system instruction at its batch size.
-    """
+    """The first named protocol the fingerprint does not contradict (only what a results file records can be
+    checked: `community` matches any run without template and system instruction), else None."""
     for name, p in (protocols or builtin_protocols()).items():
         if not p.mismatches(fp):
             return name
@@ -752,7 +664,7 @@ def limit_text(limit: Any) -> str:
 
 
 def _cell(value: Any, width: int = 70) -> str:
-    return _short(value, width).replace("|", "\\|")
+    return short_text(value, width).replace("|", "\\|")
 
 
 def show_rows(fp: ProtocolFingerprint) -> list[tuple[str, str, Any, bool]]:
@@ -811,14 +723,9 @@ def diff_markdown(diffs: tuple[FieldDiff, ...], name_a: str = "A", name_b: str =
 
 @dataclass(frozen=True, slots=True)
 class RunRequest:
-    """What a caller asks of one lm-eval run before its protocol applies (`settings_fields`), checked as it is built.
-
-    `tasks` may be given as "a,b"; `batch_size` as text ("8" becomes 8, "auto" stays); a whole `limit` of 1 or
-    more becomes a count of docs (below 1 it is a fraction). None leaves a setting to the protocol, then to the
-    runner's default: `device` None is the backend's (cpu for hf; vllm takes none), dtype None or "auto" the
-    model's own, `seed` None the runner's. `model_args` and `gen_kwargs` are added to the protocol's; `python`
-    (the interpreter lm-eval runs in) overrides the protocol's.
-    """
+    """What a caller asks of one lm-eval run before its protocol applies (`settings_fields`), normalised and checked
+    as it is built ("a,b" tasks, "8" batch size, a whole `limit` a count of docs); None leaves a setting to the
+    protocol, then to the runner's default."""
 
     tasks: tuple[str, ...]
     limit: float | None = None
@@ -855,12 +762,8 @@ class RunRequest:
 
 
 def settings_fields(protocol: Protocol, request: RunRequest) -> dict[str, Any]:
-    """The `lm_eval_sink.harness.runner.EvalSettings` fields of `request` run under `protocol`.
-
-    Settings the protocol fixes cannot be changed by the request (a UserError says which), except
-    `gen_kwargs`, which are merged on top of the protocol's (lm-eval records them as overrides, so
-    the run's fingerprint shows them). A `limit` marks the run's scores non-final.
-    """
+    """The `harness.runner.EvalSettings` fields of `request` run under `protocol`: a setting the protocol fixes
+    cannot be changed (a UserError says which), except `gen_kwargs`, merged on top of the protocol's."""
     _check_settings(protocol, request)
     chosen_dtype = protocol.dtype if protocol.dtype is not None else request.dtype
     fields: dict[str, Any] = {

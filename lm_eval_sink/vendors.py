@@ -1,30 +1,21 @@
-"""The vendor registry: reported and independently measured scores, each with source and protocol.
+"""The vendor registry: reported and independently measured scores, each with source, stated protocol and
+whether it was read in its source (`Verification`), validated on load (docs/protocols.md, "The vendor registry").
 
-Data, not code: `data/vendors.yaml` (bundled) plus an optional user YAML of the same shape. Every
-score and gap names a source (what report or audit, which table) and a protocol (what the source
-states about how it was measured, in the vocabulary of `STATED_KEYS`; anything not stated is
-unknown). Every score and gap records whether it was read in its source (`Verification`): `verified: {date, source,
-quote}` (when, where, and the exact text seen there) or `unverified: REASON` (what was searched and found), exactly
-one. Validated on load (`schema`): unknown keys, undefined sources/protocols/models/benchmarks, duplicate ids and a
-figure without its verification are UserErrors naming the entry.
-
-Where user figures live: `--registry FILE`, else the project cache's `vendors.yaml` (`user_registry_path`) when it
-exists; `vendor add` writes there (`add_score`), never into the package's own data. Figures read from the cache's
-file count as unverified whatever it says (`_as_unverified`): a figure is verified only in the bundled registry or
-in a file the user names.
+User figures: `--registry FILE`, else the project cache's `vendors.yaml` (`user_registry_path`), where `vendor add`
+writes; figures read from the cache count as unverified (`_as_unverified`).
 """
 
 from __future__ import annotations
 
 import copy
 import datetime
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from functools import partial
 from importlib import resources
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, create_model, field_validator
 
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.schema import Strict, did_you_mean, parse
@@ -81,7 +72,7 @@ class Source:
     note: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "title": self.title, "kind": self.kind, "url": self.url, "note": self.note}
+        return asdict(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +82,7 @@ class StatedProtocol:
     stated: dict[str, Any]
 
     def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "described": self.described, "stated": self.stated}
+        return asdict(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,28 +174,21 @@ class Registry:
                 return m.name
         return None
 
-    def scores_of(self, model: str, benchmark: str | None = None) -> list[Score]:
-        return [s for s in self.scores if s.model == model and (benchmark is None or s.benchmark == benchmark)]
+    def by_hub_id(self, hub_id: str | None) -> str | None:
+        """The model whose hub id is `hub_id` (case-insensitive), else None."""
+        return next(
+            (m.name for m in self.models.values() if hub_id and (m.hub_id or "").lower() == hub_id.lower()), None
+        )
+
+    def scores_of(self, model: str, kind: str | None = None) -> list[Score]:
+        """A model's scores; `kind` given: only those of that source kind (`vendor`: the vendor-reported ones)."""
+        return [s for s in self.scores if s.model == model and kind in (None, s.source.kind)]
 
     def gaps_of(self, model: str) -> list[Gap]:
         return [g for g in self.gaps if model in (g.reference, g.candidate)]
 
-    def gaps_between(self, reference: str, candidate: str, benchmark: str | None = None) -> list[Gap]:
-        return [
-            g
-            for g in self.gaps
-            if g.reference == reference and g.candidate == candidate and (benchmark is None or g.benchmark == benchmark)
-        ]
-
-    def score(self, entry_id: str) -> Score:
-        for s in self.scores:
-            if s.id == entry_id:
-                return s
-        ids = [s.id for s in self.scores]
-        raise UserError(
-            f"no score {entry_id!r} in the vendor registry{did_you_mean(entry_id, ids, cutoff=0.5)}",
-            "`lm-eval-sink vendor show MODEL` lists each score's id",
-        )
+    def gaps_between(self, reference: str, candidate: str) -> list[Gap]:
+        return [g for g in self.gaps if g.reference == reference and g.candidate == candidate]
 
 
 class _VerifiedIn(Strict):
@@ -254,17 +238,10 @@ class _SourceIn(Strict):
     note: str | None = None
 
 
-class _StatedIn(Strict):
+class _StatedIn(create_model("_Stated", __base__=Strict, **{k: (Any, None) for k in STATED_KEYS})):  # type: ignore[misc]
     """What a source states, in the vocabulary of STATED_KEYS."""
 
     what: ClassVar[str] = "stated protocol"
-    apply_chat_template: Any = None
-    num_fewshot: Any = None
-    enable_thinking: Any = None
-    system_instruction: Any = None
-    lm_eval_version: Any = None
-    batch_size: Any = None
-    dtype: Any = None
 
 
 class _ProtocolIn(Strict):
@@ -316,9 +293,6 @@ class _RegistryIn(Strict):
     models: dict[str, _ModelIn] = Field(default_factory=dict)
     scores: list[_ScoreIn] = Field(default_factory=list)
     gaps: list[_GapIn] = Field(default_factory=list)
-
-
-assert set(_StatedIn.model_fields) == set(STATED_KEYS)
 
 
 def _read_yaml(path_or_text: str, where: str) -> _RegistryIn:
@@ -399,21 +373,14 @@ def _reported_fields(
     benchmarks: set[str],
 ) -> dict[str, Any]:
     """The fields every reported entry has (`Reported`'s), its models, source, protocol and benchmark defined."""
-    for k in model_keys:
-        if getattr(body, k) not in models:
-            raise UserError(
-                f"{where} ({body.id}): model {getattr(body, k)!r} is not defined under models:", "add it to models:"
-            )
-    if body.source not in sources:
-        raise UserError(
-            f"{where} ({body.id}): source {body.source!r} is not defined under sources:",
-            "every entry needs a defined source",
-        )
-    if body.protocol not in protocols:
-        raise UserError(
-            f"{where} ({body.id}): protocol {body.protocol!r} is not defined under protocols:",
-            "every entry needs a defined protocol",
-        )
+    named = [
+        *(("model", getattr(body, k), models, "add it to models:") for k in model_keys),
+        ("source", body.source, sources, "every entry needs a defined source"),
+        ("protocol", body.protocol, protocols, "every entry needs a defined protocol"),
+    ]
+    for kind, name, defined, hint in named:
+        if name not in defined:
+            raise UserError(f"{where} ({body.id}): {kind} {name!r} is not defined under {kind}s:", hint)
     if body.benchmark not in benchmarks:
         raise UserError(
             f"{where} ({body.id}): unknown benchmark {body.benchmark!r}",
@@ -567,9 +534,7 @@ def _add_definitions(data: dict[str, Any], reg: Registry, new: NewScore) -> None
 def _add_model(data: dict[str, Any], reg: Registry, new: NewScore) -> None:
     """Define `new.model` in the user data unless the registry has it; a hub id the registry gives another model, or
     that contradicts the model's own, is refused."""
-    owner = next(
-        (m.name for m in reg.models.values() if new.hub_id and (m.hub_id or "").lower() == new.hub_id.lower()), None
-    )
+    owner = reg.by_hub_id(new.hub_id)
     if owner is not None and owner != new.model:
         raise UserError(f"hub id {new.hub_id} is the registry's model {owner!r}", f"pass --model {owner}")
     known = reg.models.get(new.model)
@@ -593,40 +558,30 @@ def _strict_metric(benchmark: str) -> str:
 
 
 def run_stated_values(fp: Any, task: str) -> dict[str, Any]:
-    """A run's value of each field a source may state (`STATED_KEYS`), from its fingerprint."""
-    h = fp.harness
-    return {
-        "apply_chat_template": h.get("apply_chat_template"),
-        "num_fewshot": (h["tasks"].get(task) or {}).get("num_fewshot"),
-        "enable_thinking": (h.get("model_args") or {}).get("enable_thinking"),
-        "system_instruction": h.get("system_instruction"),
-        "lm_eval_version": h.get("lm_eval_version"),
-        "batch_size": h.get("batch_size"),
-        "dtype": h.get("dtype"),
-    }
+    """A run's value of each field a source may state (`STATED_KEYS`), from its fingerprint (`protocols.task_view`)."""
+    from lm_eval_sink.protocols import task_view
+
+    view = task_view(fp, task)
+    thinking = (view.get("model_args") or {}).get("enable_thinking")
+    return {k: thinking if k == "enable_thinking" else view.get(k) for k in STATED_KEYS}
 
 
-def compare_stated(stated: dict[str, Any], fp: Any, task: str) -> tuple[list[dict[str, Any]], list[str]]:
-    """Fields where a run's fingerprint contradicts what a source states, and the fields the source leaves unstated."""
-    run_values = run_stated_values(fp, task)
-    differ = []
-    for key, want in stated.items():
-        got = run_values[key]
-        same = (
-            str(want) == str(got)
-            if key in ("batch_size", "lm_eval_version")
-            else (want == got or (key == "dtype" and got == f"torch.{want}"))
-        )
-        if not same:
-            differ.append({"field": key, "stated": want, "run": got})
-    return differ, [k for k in STATED_KEYS if k not in stated]
+def stated_differences(a: dict[str, Any], b: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
+    """Fields two stated protocols (a run's: `run_stated_values`, stating every field) both state and disagree on,
+    and the fields only one of them states."""
+    differ = [
+        {"field": k, "a": a[k], "b": b[k]}
+        for k in STATED_KEYS
+        if k in a and k in b and _compared(k, a[k]) != _compared(k, b[k])
+    ]
+    return differ, [k for k in STATED_KEYS if (k in a) != (k in b)]
 
 
-def compare_stated_pair(a: dict[str, Any], b: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
-    """Fields both stated protocols state and disagree on, and the fields only one of them states."""
-    differ = [{"field": k, "a": a[k], "b": b[k]} for k in STATED_KEYS if k in a and k in b and a[k] != b[k]]
-    one_side = [k for k in STATED_KEYS if (k in a) != (k in b)]
-    return differ, one_side
+def _compared(key: str, value: Any) -> Any:
+    """A stated value as compared: a batch size and version as text, a dtype without lm-eval's `torch.` prefix."""
+    if key in ("batch_size", "lm_eval_version"):
+        return str(value)
+    return value.removeprefix("torch.") if key == "dtype" and isinstance(value, str) else value
 
 
 def list_markdown(reg: Registry) -> str:

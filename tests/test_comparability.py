@@ -149,20 +149,8 @@ def test_screen_ranks_within_settings_and_the_report_flags_them(mixed, tmp_path,
     scr = tmp_path / "screen"
     shutil.copytree(out, scr / "strength")  # the same inputs: reused, nothing measured again
     capsys.readouterr()
-    assert (
-        main(
-            [
-                "screen",
-                *(str(root / n) for n in ("chat3", "plain", "chat4")),
-                "--last-k",
-                "2",
-                "--output",
-                str(scr),
-                "--quiet",
-            ]
-        )
-        == 0
-    )
+    models = [str(root / n) for n in ("chat3", "plain", "chat4")]
+    assert main(["screen", *models, "--last-k", "2", "--output", str(scr), "--quiet"]) == 0
     printed = capsys.readouterr().out
     assert printed.count(": reused ") == 3 and printed.count("warning: S measured in 2 different settings") == 1
     assert f"note: plain: {NO_TEMPLATE}" in printed and "| B | 1 | plain |" in printed
@@ -175,33 +163,29 @@ def test_screen_ranks_within_settings_and_the_report_flags_them(mixed, tmp_path,
     assert "| B | 1 | plain |" in (scr / "screen.md").read_text()
     # the report: each S with its setting, and the flag at the top
     page = tmp_path / "report.html"
-    assert (
-        main(
-            [
-                "report",
-                "--strength",
-                str(out / "chat3.strength.json"),
-                str(out / "plain.strength.json"),
-                "-o",
-                str(page),
-            ]
-        )
-        == 0
-    )
+    strength_files = [str(out / f"{n}.strength.json") for n in ("chat3", "plain")]
+    assert main(["report", "--strength", *strength_files, "-o", str(page)]) == 0
     html = page.read_text()
     assert "setting B: not comparable" in html and NO_TEMPLATE in html
     assert "warning: S measured in 2 different settings" in html
 
 
-def test_a_sweep_table_marks_s_of_another_setting(tmp_path):
+def _linear_plan():
+    """The plan of a linear sweep between a reference and a candidate (no units run)."""
     from pathlib import Path
 
-    from lm_eval_sink.merging.sweep import SweepSpec, build_table, plan_units, table_text
-    from lm_eval_sink.report.view import Doc, ReportInputs, build_view
+    from lm_eval_sink.merging.sweep import SweepSpec, plan_units
 
     spec = SweepSpec("sweep.yaml", Path("out"), {"reference": "r", "candidate": "c"}, ("linear",))
     identities = {r: {"fingerprint": f"sha256:{r}"} for r in ("reference", "candidate")}
-    plan = plan_units(spec, identities, [], {"eval": {}, "strength": {}})
+    return plan_units(spec, identities, [], {"eval": {}, "strength": {}})
+
+
+def test_a_sweep_table_marks_s_of_another_setting(tmp_path):
+    from lm_eval_sink.merging.sweep import build_table, table_text
+    from lm_eval_sink.report.view import Doc, ReportInputs, build_view
+
+    plan = _linear_plan()
     names = [ck.name for ck in plan.checkpoints]
     settings = {n: _setting(30, chat_template_applied=n != "candidate") for n in names}
     strengths = {n: 1.0 + i for i, n in enumerate(names)}
@@ -242,14 +226,10 @@ def test_a_sweep_table_marks_the_eval_units_s_of_another_setting(tmp_path):
     measured on plain text and instruct checkpoints under their chat template get their setting's letter beside
     each S and its delta in table.md and table.csv, the settings in words above the table, on the console and in the
     report; one setting gets no mark."""
-    from pathlib import Path
-
-    from lm_eval_sink.merging.sweep import SweepSpec, build_table, comparability_lines, plan_units, table_text
+    from lm_eval_sink.merging.sweep import build_table, comparability_lines, table_text
     from lm_eval_sink.report.view import Doc, ReportInputs, build_view
 
-    spec = SweepSpec("sweep.yaml", Path("out"), {"reference": "r", "candidate": "c"}, ("linear",))
-    identities = {r: {"fingerprint": f"sha256:{r}"} for r in ("reference", "candidate")}
-    plan = plan_units(spec, identities, [], {"eval": {}, "strength": {}})
+    plan = _linear_plan()
     results = {"reference": _sink_results(2.0, True), "candidate": _sink_results(0.5, False)}
     table = build_table(plan, {}, results, {}, {})
     comparison = table["task_strength_comparability"]["sink_strength"]

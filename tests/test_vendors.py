@@ -9,12 +9,11 @@ import pytest
 import yaml
 from constructed_runs import write_run
 
-from lm_eval_sink.attribution import to_markdown, unverified_figures
+from lm_eval_sink.attribution import AttributeOptions, to_markdown, unverified_figures
 from lm_eval_sink.cli import main
-from lm_eval_sink.attribution import AttributeOptions
 from lm_eval_sink.commands.attribute import run_attribution
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.vendors import load_registry
+from lm_eval_sink.vendors import STATED_KEYS, load_registry
 
 SCORE = "{id: x, model: Qwen3-8B, benchmark: IFEval, metric: m, value: 1, source: qwen3-report, protocol: instruct"
 GAP = (
@@ -37,9 +36,18 @@ VERIFIED = "verified: {date: 2026-12-05, source: 'T1', quote: '1'}"
             f"scores:\n  - {SCORE}, unverified: why, verfied: {{}}}}\n",
             ["unknown key 'verfied' (did you mean 'verified'?)"],
         ),
+        (f"scores:\n  - {SCORE}, unverified: u, vlaue: 2}}\n", ["unknown key 'vlaue' (did you mean 'value'?)"]),
+        ("protocols:\n  p: {described: d, stated: {num_shots: 5}}\n", ["key 'num_shots'", "'num_fewshot'?"]),
+        (f"scores:\n  - {SCORE.replace('qwen3-report', 'nowhere')}, unverified: u}}\n", ["'nowhere' is not defined"]),
+        (f"scores:\n  - {SCORE.replace(', protocol: instruct', '')}, unverified: u}}\n", ["score lacks 'protocol'"]),
+        (f"scores:\n  - {SCORE.replace('IFEval', 'IFEVAL')}, unverified: u}}\n", ["unknown benchmark 'IFEVAL'"]),
+        (
+            f"scores:\n  - {SCORE.replace('id: x', 'id: qwen3-8b/ifeval/vendor-nothink')}, unverified: u}}\n",
+            ["used twice"],
+        ),
     ],
 )
-def test_verification_fields_validate_strictly(tmp_path, extra, message):
+def test_user_registry_is_validated_strictly(tmp_path, extra, message):
     f = tmp_path / "reg.yaml"
     f.write_text(extra)
     with pytest.raises(UserError) as e:
@@ -49,7 +57,10 @@ def test_verification_fields_validate_strictly(tmp_path, extra, message):
 
 def test_bundled_registry_every_figure_verified_with_its_quote_or_unverified_with_a_reason():
     reg = load_registry()
+    assert len(reg.scores) >= 9 and len(reg.gaps) >= 11
     for e in [*reg.scores, *reg.gaps]:
+        assert e.source.title and e.source.kind in ("vendor", "independent", "paper")
+        assert e.protocol.described and set(e.protocol.stated) <= set(STATED_KEYS)
         v = e.verification
         assert (v.verified and v.date and v.source and v.quote and not v.unverified) or (
             not v.verified and v.unverified
@@ -66,14 +77,22 @@ def test_bundled_registry_every_figure_verified_with_its_quote_or_unverified_wit
         assert f"{values[sid]:g}" in v.quote and v.date == "2026-12-05", sid
     assert verified["qwen3-8b/ifeval/vendor-nothink"].quote == "IFEval strict prompt 75.0 80.2 71.2 81.0 81.2 83.0"
     assert "Table 18" in verified["qwen3-8b/ifeval/vendor-nothink"].source
+    assert values["qwen3-8b/ifeval/nothink-template"] == 83.18 and values["qwen3-8b/ifeval/default-template"] == 34.75
+    gaps = {(g.candidate, g.benchmark, g.protocol.id): g.value for g in reg.gaps}
+    assert gaps[("Qwen2.5-VL-7B", "IFEval", "instruct")] == -9.43
+    assert gaps[("Qwen2.5-VL-7B", "IFEval", "community")] == -20.52
+    assert gaps[("Qwen2.5-VL-7B", "IFEval", "sink-paper-headline")] == -9.6  # same pair, another source, kept apart
+    assert reg.identify("/data/models/Qwen2.5-VL-7B-Instruct") == "Qwen2.5-VL-7B"
 
 
 def test_vendor_show_prints_the_verification(capsys):
     assert main(["vendor", "list"]) == 0
     out = capsys.readouterr().out
     assert "| Qwen3-8B | Qwen/Qwen3-8B | llm | 3 | 2 | 1/5 |" in out and "| vlm | 0 | 6 | 0/6 |" in out
-    assert main(["vendor", "show", "Qwen3-8B"]) == 0
+    assert "| Qwen2.5-VL-7B | Qwen/Qwen2.5-VL-7B-Instruct | vlm | 0 | 6 |" in out
+    assert main(["vendor", "show", "Qwen/Qwen3-8B"]) == 0  # by its hub id
     out = capsys.readouterr().out
+    assert "qwen3-8b/ifeval/default-template | IFEval | prompt-level strict accuracy | 34.75 | independent-audit" in out
     assert "| qwen3-8b/ifeval/vendor-nothink | IFEval | prompt-level strict accuracy | 83 | qwen3-report" in out
     assert "(enable_thinking=False) | verified 2026-12-05 |" in out
     assert "| sink-paper-headline (lm_eval_version=0.4.12) | UNVERIFIED |" in out
@@ -82,7 +101,10 @@ def test_vendor_show_prints_the_verification(capsys):
     assert main(["vendor", "show", "Qwen3-8B", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     vend = next(s for s in doc["scores"] if s["id"] == "qwen3-8b/ifeval/vendor-nothink")
-    assert vend["verified"]["quote"].endswith("83.0") and vend["unverified"] is None
+    assert vend["verified"]["quote"].endswith("83.0") and vend["unverified"] is None and vend["source"]["title"]
+    assert main(["vendor", "show", "qwen3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "did you mean 'Qwen3-8B'" in err[0]
 
 
 def test_attribute_shows_which_registry_figures_are_unverified(tmp_path, capsys):

@@ -5,8 +5,8 @@ folder.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from lm_eval_sink.attribution import (
     attribute,
     lineage,
     measurements_from_registry,
+    parse_as,
     plot_rows,
     plot_title,
     relabel,
@@ -30,7 +31,16 @@ from lm_eval_sink.errors import UserError
 from lm_eval_sink.keys import CONTENT, Work, key_of
 
 
-def _model_card(path: Path) -> list[tuple[str, str]]:
+def _config(path: Path) -> dict[str, Any]:
+    """A model folder's config.json; {} when missing, undecodable or not an object (it then states nothing)."""
+    try:
+        cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def _model_card(path: Path, cfg: dict[str, Any]) -> list[tuple[str, str]]:
     """Parents a local model folder states: README front matter `base_model`, and config fields."""
     out: list[tuple[str, str]] = []
     readme = path / "README.md"
@@ -48,18 +58,12 @@ def _model_card(path: Path) -> list[tuple[str, str]]:
                 base = meta.get("base_model") if isinstance(meta, dict) else None
                 for b in [base] if isinstance(base, str) else (base or []):
                     out.append((str(b), "model card base_model"))
-    cfg_path = path / "config.json"
-    if cfg_path.is_file():
-        try:
-            cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-        except (ValueError, RecursionError):  # undecodable or malformed: no parent stated
-            cfg = {}
-        for dotted in LINEAGE_CONFIG_FIELDS:
-            node: Any = cfg
-            for part in dotted.split("."):
-                node = node.get(part) if isinstance(node, dict) else None
-            if isinstance(node, str) and node:
-                out.append((node, f"config.json {dotted}"))
+    for dotted in LINEAGE_CONFIG_FIELDS:
+        node: Any = cfg
+        for part in dotted.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, str) and node:
+            out.append((node, f"config.json {dotted}"))
     return out
 
 
@@ -73,15 +77,10 @@ def model_info(pretrained: str | None, registry: Any = None, as_names: dict[str 
     if p.is_dir():
         key = str(p.resolve())
         names.append(p.resolve().name)
-        cfg = p / "config.json"
-        if cfg.is_file():
-            try:
-                nop = json.loads(cfg.read_text(encoding="utf-8")).get("_name_or_path")
-            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-                nop = None
-            if nop:
-                names.append(str(nop))
-        parents += _model_card(p)
+        cfg = _config(p)
+        if cfg.get("_name_or_path"):
+            names.append(str(cfg["_name_or_path"]))
+        parents += _model_card(p, cfg)
     reg_name, by = _registry_match(given, registry, as_names or {}) if registry is not None else (None, None)
     if reg_name:
         entry = registry.models[reg_name]
@@ -105,7 +104,7 @@ def _registry_match(given: str, registry: Any, as_names: dict[str | None, str]) 
     p = Path(given)
     if looks_like_hub_id(split_revision(given)[0]) and not p.is_dir():
         hub = split_revision(given)[0]
-        found = _by_hub_id(registry, hub)
+        found = registry.by_hub_id(hub)
         return found, f"matched by its hub id {hub}" if found else None
     for folder, name in as_names.items():
         if folder is None or folder == given or (p.exists() and Path(folder).exists() and Path(folder).samefile(p)):
@@ -113,14 +112,9 @@ def _registry_match(given: str, registry: Any, as_names: dict[str | None, str]) 
     cache = p.parent.parent.name if p.parent.name == "snapshots" else ""
     if cache.startswith("models--"):
         hub = cache.removeprefix("models--").replace("--", "/", 1)
-        found = _by_hub_id(registry, hub)
+        found = registry.by_hub_id(hub)
         return found, f"matched by the hub id its Hugging Face cache folder records, {hub}" if found else None
     return None, None
-
-
-def _by_hub_id(registry: Any, hub: str) -> str | None:
-    """The registry model whose hub id is `hub` (case-insensitive), else None."""
-    return next((m.name for m in registry.models.values() if m.hub_id and m.hub_id.lower() == hub.lower()), None)
 
 
 def measurements_from_run(
@@ -181,7 +175,7 @@ def run_attribution(
     benchmarks = load_benchmarks(options.benchmarks_file)
     # the registry also recognises models for lineage; its scores are used only with vendor: or --vendor
     registry = load_registry(options.registry_file)
-    given_as = options.folders_as()
+    given_as = parse_as(options.as_names)
     ref_m, ref_info, ref_in = _load(references, "reference", benchmarks, registry, given_as)
     cand_m, cand_info, cand_in = _load(candidates, "candidate", benchmarks, registry, given_as)
     _check_as(given_as, [*ref_info, *cand_info])
@@ -196,7 +190,7 @@ def run_attribution(
         vendor_scores=vendor_scores,
         inputs=[*ref_in, *cand_in],
         registry=_registry_info(registry, [*ref_info, *cand_info], options.vendor),
-        samples_rows=_cached(read_samples),
+        samples_rows=cache(read_samples),
     )
     return attribute(ref_m, cand_m, evidence, options)
 
@@ -230,8 +224,7 @@ def _registry_info(registry: Any, infos: list[dict[str, Any]], vendor: bool) -> 
             {
                 i["display"]
                 for i in infos
-                if not i["registry_model"]
-                or not any(s.source.kind == "vendor" for s in registry.scores_of(i["registry_model"]))
+                if not i["registry_model"] or not registry.scores_of(i["registry_model"], "vendor")
             }
         )
     return {"matches": list(matches.values()), "vendor_missing": missing}
@@ -262,26 +255,14 @@ def _registry_figures(
     if not vendor:
         return reported, []
     names = sorted(ref_names | cand_names)
-    return reported, [s for n in names for s in registry.scores_of(n) if s.source.kind == "vendor"]
-
-
-def _cached(read: Callable[[Path], list[dict[str, Any]]]) -> Callable[[str], list[dict[str, Any]]]:
-    """`read` of a sample log by path, each log read once."""
-    cache: dict[str, list[dict[str, Any]]] = {}
-
-    def rows(path: str) -> list[dict[str, Any]]:
-        if path not in cache:
-            cache[path] = read(Path(path))
-        return cache[path]
-
-    return rows
+    return reported, [s for n in names for s in registry.scores_of(n, "vendor")]
 
 
 @dataclass(frozen=True, slots=True)
 class AttributeWork(Work):
-    """What an attribution reads: the runs (folders or results files, by content; `vendor:` entries by name), the
-    options (the benchmark table and a registry file by content), and the user's vendor figures in the project cache
-    when no registry file is given (by content); its key is recorded in the provenance."""
+    """What an attribution reads: the runs (folders or files by content, `vendor:` entries by name) with the files a
+    run given as one file reads beside it (`run_files`), the options (benchmark table, registry file) and the cache's
+    vendor figures when no registry file is given; its key is recorded in the provenance."""
 
     CODE = (__name__,)
     PACKAGES = ("numpy",)
@@ -290,6 +271,19 @@ class AttributeWork(Work):
     candidates: tuple[str, ...] = field(metadata=CONTENT)
     options: AttributeOptions
     vendor_figures: Path | None
+    run_files: tuple[Path, ...] = field(init=False, metadata=CONTENT)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "run_files", _files_beside([*self.references, *self.candidates]))
+
+
+def _files_beside(args: list[str]) -> tuple[Path, ...]:
+    """The files of each run given as one file (a results file's samples, a samples file's results), by the one
+    reader of a run (`runs.resolve_run`); a folder is keyed whole."""
+    from lm_eval_sink.runs import resolve_run
+
+    runs = [resolve_run(a) for a in args if not str(a).startswith("vendor:") and Path(a).is_file()]
+    return tuple(p for r in runs for p in (r.results, *r.samples.values()) if p is not None)
 
 
 def write_report(att: Attribution, out_dir: str | Path, work: AttributeWork, force: bool = False) -> dict[str, Path]:
