@@ -1038,8 +1038,12 @@ def _unknown_benchmark(task: str, results: dict[str, Any], benchmarks: dict[str,
     )
     if not keys:
         return None
-    bench = Benchmark(
-        task, (task,), "unknown", keys[0], None, f"not in benchmarks.yaml; scored by {keys[0]} (the first metric)"
+    bench = Benchmark.model_construct(
+        name=task,
+        tasks=[task],
+        construct_="unknown",  # no construct of CONSTRUCTS: built here, not read from a file
+        strict=keys[0],
+        why=f"not in benchmarks.yaml; scored by {keys[0]} (the first metric)",
     )
     benchmarks[task] = bench
     return bench
@@ -1110,7 +1114,7 @@ def measurements_from_registry(
         "names": sorted(entry.names()),
         "registry_model": model,
         "display": model,
-        "parents": [(entry.parent["model"], f"vendor registry ({entry.parent['source']})")] if entry.parent else [],
+        "parents": [(entry.parent.model, f"vendor registry ({entry.parent.source})")] if entry.parent else [],
     }
     out = [
         Measurement(

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -23,24 +22,37 @@ CHECKERS = ("ifeval",)
 _BUNDLED = "lm_eval_sink/data/benchmarks.yaml"
 
 
-@dataclass(frozen=True, slots=True)
-class Benchmark:
+class _BenchmarkIn(Strict):
+    what: ClassVar[str] = "benchmark"
+    tasks: list[str] = Field(min_length=1, description="must list lm-eval task names or patterns")
+    construct_: Literal[CONSTRUCTS] = Field(alias="construct")  # `construct` is a BaseModel method
+    strict: str | None = None
+    lenient: str | None = None
+    why: str = ""
+    kind: Literal[KINDS] | None = None  # binary | continuous
+    checker: Literal[CHECKERS] | None = None  # ifeval: failure kinds of regressions from lm-eval's IFEval checker
+    instruction_metrics: dict[str, str] = Field(  # prompt-level metric -> instruction-level list metric
+        {}, description="must map metric names to metric names, e.g. {prompt_level_strict_acc: inst_level_strict_acc}"
+    )
+    doc_mismatch_hint: str | None = None
+    score_range: list[float] | None = Field(  # a continuous metric's nominal range (buckets' default effect)
+        None,
+        min_length=2,
+        max_length=2,
+        description="must be [low, high], the continuous metric's nominal range, e.g. [0, 100]",
+    )
+
+
+class Benchmark(_BenchmarkIn):
     """A benchmark family: its lm-eval tasks, construct, strict / lenient results keys ("metric,filter")
     and how `buckets` reads its samples (None / empty: decided from the samples)."""
 
     name: str
-    tasks: tuple[str, ...]
-    construct: str
-    strict: str | None
-    lenient: str | None
-    why: str
-    kind: str | None = None  # binary | continuous
-    checker: str | None = None  # ifeval: failure kinds of regressions from lm-eval's IFEval checker
-    instruction_metrics: dict[str, str] = field(
-        default_factory=dict
-    )  # prompt-level metric -> instruction-level list metric
-    doc_mismatch_hint: str | None = None
-    score_range: tuple[float, float] | None = None  # a continuous metric's nominal range (buckets' default effect)
+
+    @property
+    def construct(self) -> str:  # type: ignore[override]
+        """What it measures (one of CONSTRUCTS, or "unknown" for a task in no family)."""
+        return self.construct_
 
     @property
     def metric(self) -> str | None:
@@ -59,27 +71,6 @@ class Benchmark:
             return None
         metric, filt = self.lenient.split(",", 1)
         return filt if metric == self.metric else None
-
-
-class _BenchmarkIn(Strict):
-    what: ClassVar[str] = "benchmark"
-    tasks: list[str] = Field(min_length=1, description="must list lm-eval task names or patterns")
-    construct_: Literal[CONSTRUCTS] = Field(alias="construct")  # `construct` is a BaseModel method
-    strict: str | None = None
-    lenient: str | None = None
-    why: str = ""
-    kind: Literal[KINDS] | None = None
-    checker: Literal[CHECKERS] | None = None
-    instruction_metrics: dict[str, str] = Field(
-        {}, description="must map metric names to metric names, e.g. {prompt_level_strict_acc: inst_level_strict_acc}"
-    )
-    doc_mismatch_hint: str | None = None
-    score_range: list[float] | None = Field(
-        None,
-        min_length=2,
-        max_length=2,
-        description="must be [low, high], the continuous metric's nominal range, e.g. [0, 100]",
-    )
 
 
 class _UserFileIn(Strict):
@@ -108,8 +99,8 @@ def _entry(name: str, b: _BenchmarkIn, where: str) -> Benchmark:
         raise UserError(
             f"{where}: benchmark {name!r} lacks `strict`", "name the results key of its score, e.g. acc,none"
         )
-    score_range = None if b.score_range is None else (float(b.score_range[0]), float(b.score_range[1]))
-    return Benchmark(name, **{**b.model_dump(by_alias=True), "tasks": tuple(b.tasks), "score_range": score_range})
+    score_range = None if b.score_range is None else [float(v) for v in b.score_range]
+    return Benchmark(name=name, **{**b.model_dump(by_alias=True), "score_range": score_range})
 
 
 def _parse(text: str, where: str, schema: type[_UserFileIn]) -> _UserFileIn:

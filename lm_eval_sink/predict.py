@@ -42,21 +42,6 @@ PAPER_SETTING = (
 
 
 @dataclass(frozen=True, slots=True)
-class Pair:
-    """One reference LLM / VLM pair: the reference's S and the candidate's deltas (points)."""
-
-    name: str
-    reference: str
-    candidate: str
-    sink_strength: float
-    deltas: dict[str, float]
-    source: str
-    qk_norm: str | None = None
-    notes: str | None = None
-    setting: Setting | None = None  # the setting of its S, when read from a *.strength.json; None: unknown
-
-
-@dataclass(frozen=True, slots=True)
 class PairTable:
     """The pairs of one PAIRS file, with where they came from."""
 
@@ -143,7 +128,7 @@ class FitResult:
             "schema_version": SCHEMA_VERSION,
             "tasks": tasks,
             "skipped_tasks": dict(sorted(self.skipped_tasks.items())),
-            "pairs": [asdict(p) for p in self.table.pairs],
+            "pairs": [p.model_dump() for p in self.table.pairs],
             "pairs_file": self.table.source,
             "pairs_sha256": self.table.sha256,
             "reported": self.table.reported,
@@ -184,6 +169,15 @@ class _PairIn(Strict):
         return [n for n, f in cls.model_fields.items() if f.is_required()]
 
 
+class Pair(_PairIn):
+    """One reference LLM / VLM pair: the reference's S and the candidate's deltas (points)."""
+
+    sink_strength: float
+    deltas: dict[str, float]
+    notes: str | None = None
+    setting: Setting | None = None  # the setting of its S, when read from a *.strength.json; None: unknown
+
+
 def parse_pairs(
     obj: Any, where: str, read_strength: Callable[[str, str], float | tuple[float, Setting]] | None = None
 ) -> tuple[Pair, ...]:
@@ -205,8 +199,7 @@ def parse_pairs(
         if p.name in names:
             raise UserError(f"{at} appears twice", "give every pair a unique name")
         names.add(p.name)
-        item = p.model_dump()
-        s = item["sink_strength"]
+        s = p.sink_strength
         if isinstance(s, str):
             if read_strength is None:
                 raise UserError(
@@ -216,9 +209,9 @@ def parse_pairs(
             s = read_strength(s, at)
         s, setting = s if isinstance(s, tuple) else (s, None)
         s = finite(s, at, "sink_strength")
-        clean = {task: finite(v, at, f"deltas[{task}]") for task, v in item["deltas"].items()}
-        notes = None if item["notes"] is None else str(item["notes"])
-        pairs.append(Pair(**{**item, "sink_strength": s, "deltas": clean, "notes": notes, "setting": setting}))
+        clean = {task: finite(v, at, f"deltas[{task}]") for task, v in p.deltas.items()}
+        notes = None if p.notes is None else str(p.notes)
+        pairs.append(Pair(**{**dict(p), "sink_strength": s, "deltas": clean, "notes": notes, "setting": setting}))
     if len(pairs) < MIN_PAIRS:
         raise UserError(f"{where}: {len(pairs)} pair(s); a fit needs at least {MIN_PAIRS}", "add more pairs")
     return tuple(pairs)

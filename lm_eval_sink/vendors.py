@@ -64,18 +64,6 @@ class Verification:
 
 
 @dataclass(frozen=True, slots=True)
-class Source:
-    id: str
-    title: str
-    kind: str  # vendor | independent | paper
-    url: str | None
-    note: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True, slots=True)
 class StatedProtocol:
     id: str
     described: str
@@ -83,21 +71,6 @@ class StatedProtocol:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
-
-
-@dataclass(frozen=True, slots=True)
-class ModelEntry:
-    name: str
-    hub_id: str | None
-    kind: str  # llm | vlm
-    aliases: tuple[str, ...] = ()
-    parent: dict[str, str] | None = None  # {"model": NAME, "source": SOURCE_ID} when a source states it
-
-    def names(self) -> set[str]:
-        out = {self.name.lower(), *(a.lower() for a in self.aliases)}
-        if self.hub_id:
-            out |= {self.hub_id.lower(), self.hub_id.split("/")[-1].lower()}
-        return out
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -238,6 +211,15 @@ class _SourceIn(Strict):
     note: str | None = None
 
 
+class Source(_SourceIn):
+    """A source of figures, as defined under `sources:` (its key is its `id`)."""
+
+    id: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, **self.model_dump(exclude={"id"})}
+
+
 class _StatedIn(create_model("_Stated", __base__=Strict, **{k: (Any, None) for k in STATED_KEYS})):  # type: ignore[misc]
     """What a source states, in the vocabulary of STATED_KEYS."""
 
@@ -258,10 +240,22 @@ class _ParentIn(Strict):
 
 class _ModelIn(Strict):
     what: ClassVar[str] = "model"
-    kind: str
+    kind: str  # llm | vlm
     hub_id: str | None = None
     aliases: list[str] = Field(default_factory=list)
-    parent: _ParentIn | None = None
+    parent: _ParentIn | None = None  # when a source states it
+
+
+class ModelEntry(_ModelIn):
+    """A model, as defined under `models:` (its key is its `name`)."""
+
+    name: str
+
+    def names(self) -> set[str]:
+        out = {self.name.lower(), *(a.lower() for a in self.aliases)}
+        if self.hub_id:
+            out |= {self.hub_id.lower(), self.hub_id.split("/")[-1].lower()}
+        return out
 
 
 class _ReportedIn(_VerifyIn):
@@ -331,7 +325,7 @@ def _merge(parts: list[tuple[str, _RegistryIn]], benchmarks: set[str]) -> Regist
             raise UserError(f"vendor registry: id {entry.id!r} is used twice", "give every score and gap its own id")
         ids.add(entry.id)
     for m in models.values():
-        if m.parent and (m.parent["model"] not in models or m.parent["source"] not in sources):
+        if m.parent and (m.parent.model not in models or m.parent.source not in sources):
             raise UserError(
                 f"vendor registry: model {m.name!r} parent names an undefined model or source", "define both first"
             )
@@ -349,7 +343,7 @@ def _definitions(
         for sid, src in data.sources.items():
             if sid in sources:
                 raise UserError(f"{where}: source {sid!r} is defined twice", "give it another id")
-            sources[sid] = Source(sid, src.title, src.kind, src.url, src.note)
+            sources[sid] = Source(id=sid, **dict(src))
         for pid, proto in data.protocols.items():
             if pid in protocols:
                 raise UserError(f"{where}: protocol {pid!r} is defined twice", "give it another id")
@@ -357,8 +351,7 @@ def _definitions(
         for name, m in data.models.items():
             if name in models:
                 raise UserError(f"{where}: model {name!r} is defined twice", "merge the two entries")
-            parent = m.parent.model_dump() if m.parent else None
-            models[name] = ModelEntry(name, m.hub_id, m.kind, tuple(m.aliases), parent)
+            models[name] = ModelEntry(name=name, **dict(m))
     return sources, protocols, models
 
 
@@ -615,7 +608,7 @@ def show_markdown(reg: Registry, name: str) -> str:
     m = reg.model(name)
     lines = [f"## {m.name}", f"hub id: {m.hub_id or 'not recorded'}; kind: {m.kind}"]
     if m.parent:
-        lines.append(f"parent (stated by {m.parent['source']}): {m.parent['model']}")
+        lines.append(f"parent (stated by {m.parent.source}): {m.parent.model}")
     scores = sorted(reg.scores_of(m.name), key=lambda s: (s.benchmark, s.id))
     if scores:
         cells = [_reported_cells(s, s.benchmark, s.metric, f"{s.value:g}") for s in scores]

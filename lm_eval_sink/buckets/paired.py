@@ -16,7 +16,7 @@ from lm_eval_sink.pairing import filter_of, index_docs, outcome, pair_docs
 from lm_eval_sink.schema import did_you_mean
 
 # a task in no family of data/benchmarks.yaml: metric, filter and kind come from the samples
-_GENERIC = Benchmark("generic", ("*",), "unknown", None, None, "")
+_GENERIC = Benchmark.model_construct(name="generic", tasks=["*"], construct_="unknown", strict=None, lenient=None)
 
 
 def _choose_filter(

@@ -86,7 +86,7 @@ def model_info(pretrained: str | None, registry: Any = None, as_names: dict[str 
         entry = registry.models[reg_name]
         names += sorted(entry.names())
         if entry.parent:
-            parents.append((entry.parent["model"], f"vendor registry ({entry.parent['source']})"))
+            parents.append((entry.parent.model, f"vendor registry ({entry.parent.source})"))
     return {
         "key": key,
         "names": names,

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any, ClassVar
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.io import sha256_bytes
@@ -21,52 +20,72 @@ from lm_eval_sink.schema import Strict, parse
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 
 
-@dataclass(frozen=True, slots=True)
-class TensorRule:
-    """Checkpoint tensors (`sources`, full-match regexes) -> target tensors (`targets`, templates)."""
+class TensorRule(Strict):
+    """Checkpoint tensors (`from`, full-match regexes) -> target tensors (`to`, templates); either may be one string."""
 
-    sources: tuple[str, ...]
-    targets: tuple[str, ...]
+    what: ClassVar[str] = "tensor rule"
+    sources: list[str] = Field(alias="from", description="must be a regex or a list of regexes")
+    targets: list[str] = Field(alias="to", description="must be a template or a list of templates")
     dim: int = 0
-    transpose: tuple[int, int] | None = None
+    transpose: list[int] | None = None
     per_index: str | None = None
     drop_rest: bool = False
+
+    @field_validator("sources", "targets", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
 
     def patterns(self) -> tuple[re.Pattern[str], ...]:
         return tuple(re.compile(p) for p in self.sources)
 
 
-@dataclass(frozen=True, slots=True)
-class TargetSpec:
-    """How the causal-LM config is derived from the VLM's text config."""
+class TargetSpec(Strict):
+    """How the causal-LM config is derived from the VLM's text config (`model_type` None: the text config's own)."""
 
-    model_type: str | None  # None: the text config's own model type
-    drop_config: tuple[str, ...] = ()  # dot paths, e.g. "rope_parameters.mrope_section"
-    rename_config: tuple[tuple[str, str], ...] = ()
-    set_config: tuple[tuple[str, Any], ...] = ()
+    what: ClassVar[str] = "target"
+    model_type: str | None = None
+    drop_config: list[str] = Field(default_factory=list)  # dot paths, e.g. "rope_parameters.mrope_section"
+    rename_config: dict[str, str] = Field(default_factory=dict)
+    set_config: dict[str, Any] = Field(default_factory=dict)
+
+    def over(self, base: TargetSpec) -> TargetSpec:
+        """A variant's target over its family's: its own model_type when given, its config edits after the family's."""
+        return TargetSpec(
+            model_type=self.model_type if "model_type" in self.model_fields_set else base.model_type,
+            drop_config=base.drop_config + self.drop_config,
+            rename_config={**base.rename_config, **self.rename_config},
+            set_config={**base.set_config, **self.set_config},
+        )
 
 
-@dataclass(frozen=True, slots=True)
-class Variant:
-    """A family's configuration for text configs matching `when` (dot path -> value)."""
+class Variant(Strict):
+    """A family's configuration for text configs matching `when` (dot path -> value); in `Family.variants` its target
+    is over the family's and its rules come before the family's."""
 
+    what: ClassVar[str] = "variant"
     name: str
-    when: tuple[tuple[str, Any], ...]
-    target: TargetSpec
-    rules: tuple[TensorRule, ...]
+    when: dict[str, Any]
+    target: TargetSpec = TargetSpec()
+    rules: list[TensorRule] = Field(default_factory=list)
 
 
-@dataclass(frozen=True, slots=True)
-class Family:
-    """One VLM family, as read from its architectures/*.json file."""
-
+class _FamilyIn(Strict):
+    what: ClassVar[str] = "family"
     name: str
-    description: str
-    model_types: tuple[str, ...]
+    description: str = ""
+    model_types: list[str]
     vlm_class: str
     text_config: str
-    variants: tuple[Variant, ...]
-    ignore: tuple[str, ...]
+    target: TargetSpec
+    rules: list[TensorRule]
+    ignore: list[str] = Field(default_factory=list)
+    variants: list[Variant] = Field(default_factory=list)
+
+
+class Family(_FamilyIn):
+    """One VLM family, as read from its architectures/*.json file (`variants`: with the family's target and rules)."""
+
     file: str
     sha256: str
 
@@ -80,51 +99,8 @@ def _bad(file: str, what: str) -> UserError:
     )
 
 
-class _RuleIn(Strict):
-    what: ClassVar[str] = "tensor rule"
-    sources: str | list[str] = Field(alias="from")
-    to: str | list[str]
-    dim: int = 0
-    transpose: list[int] | None = None
-    per_index: str | None = None
-    drop_rest: bool = False
-
-
-class _TargetIn(Strict):
-    what: ClassVar[str] = "target"
-    model_type: str | None = None
-    drop_config: list[str] = Field(default_factory=list)
-    rename_config: dict[str, str] = Field(default_factory=dict)
-    set_config: dict[str, Any] = Field(default_factory=dict)
-
-
-class _VariantIn(Strict):
-    what: ClassVar[str] = "variant"
-    name: str
-    when: dict[str, Any]
-    target: _TargetIn = _TargetIn()
-    rules: list[_RuleIn] = Field(default_factory=list)
-
-
-class _FamilyIn(Strict):
-    what: ClassVar[str] = "family"
-    name: str
-    description: str = ""
-    model_types: list[str]
-    vlm_class: str
-    text_config: str
-    target: _TargetIn
-    rules: list[_RuleIn]
-    ignore: list[str] = Field(default_factory=list)
-    variants: list[_VariantIn] = Field(default_factory=list)
-
-
-def _as_tuple(value: str | list[str]) -> tuple[str, ...]:
-    return (value,) if isinstance(value, str) else tuple(value)
-
-
-def _parse_rule(file: str, where: str, raw: _RuleIn) -> TensorRule:
-    sources, targets = _as_tuple(raw.sources), _as_tuple(raw.to)
+def _check_rule(file: str, where: str, rule: TensorRule) -> None:
+    sources, targets, per_index, transpose = rule.sources, rule.targets, rule.per_index, rule.transpose
     if not sources or not targets:
         raise _bad(file, f"{where}: 'from' and 'to' must not be empty")
     groups: set[str] | None = None
@@ -137,13 +113,11 @@ def _parse_rule(file: str, where: str, raw: _RuleIn) -> TensorRule:
         if groups is not None and names != groups:
             raise _bad(file, f"{where}: all 'from' patterns must have the same named groups")
         groups = names
-    per_index = raw.per_index
-    transpose = tuple(raw.transpose) if raw.transpose is not None else None
     if per_index is not None and len(sources) != 1:
         raise _bad(file, f"{where}: per_index needs exactly one 'from' pattern")
     if transpose is not None and (len(transpose) != 2 or (per_index is not None and 0 in transpose)):
         raise _bad(file, f"{where}: transpose must be two dims (not dim 0 with per_index)")
-    if raw.drop_rest and transpose is not None:
+    if rule.drop_rest and transpose is not None:
         raise _bad(file, f"{where}: drop_rest and transpose cannot be combined")
     known = (groups or set()) | ({per_index} if per_index else set())
     for template in targets:
@@ -152,19 +126,6 @@ def _parse_rule(file: str, where: str, raw: _RuleIn) -> TensorRule:
             raise _bad(
                 file, f"{where}: template {template!r} uses {sorted(unknown)}, not a group of its 'from' pattern"
             )
-    return TensorRule(
-        sources=sources, targets=targets, dim=raw.dim, transpose=transpose, per_index=per_index, drop_rest=raw.drop_rest
-    )
-
-
-def _parse_target(raw: _TargetIn, base: TargetSpec | None = None) -> TargetSpec:
-    base = base or TargetSpec(model_type=None)
-    return TargetSpec(
-        model_type=raw.model_type if "model_type" in raw.model_fields_set else base.model_type,
-        drop_config=base.drop_config + tuple(raw.drop_config),
-        rename_config=base.rename_config + tuple(sorted(raw.rename_config.items())),
-        set_config=base.set_config + tuple(sorted(raw.set_config.items())),
-    )
 
 
 def parse_family(text: str, file: str) -> Family:
@@ -177,37 +138,21 @@ def parse_family(text: str, file: str) -> Family:
         raw = parse(_FamilyIn, data, f"architecture file {file}")
     except UserError as e:
         raise UserError(e.message, _bad(file, "").hint) from None
-    target = _parse_target(raw.target)
-    rules = tuple(_parse_rule(file, f"rules[{i}]", r) for i, r in enumerate(raw.rules))
+    for i, rule in enumerate(raw.rules):
+        _check_rule(file, f"rules[{i}]", rule)
     variants = []
     for i, v in enumerate(raw.variants):
-        v_rules = tuple(_parse_rule(file, f"variants[{i}].rules[{j}]", r) for j, r in enumerate(v.rules))
-        variants.append(
-            Variant(
-                name=v.name,
-                when=tuple(sorted(v.when.items())),
-                target=_parse_target(v.target, target),
-                rules=v_rules + rules,
-            )
-        )
+        for j, rule in enumerate(v.rules):
+            _check_rule(file, f"variants[{i}].rules[{j}]", rule)
+        variants.append(Variant(name=v.name, when=v.when, target=v.target.over(raw.target), rules=v.rules + raw.rules))
     if not variants:
-        variants.append(Variant(name="default", when=(), target=target, rules=rules))
+        variants.append(Variant(name="default", when={}, target=raw.target, rules=raw.rules))
     for pattern in raw.ignore:
         try:
             re.compile(pattern)
         except re.error as e:
             raise _bad(file, f"ignore: bad regex {pattern!r} ({e})") from None
-    return Family(
-        name=raw.name,
-        description=raw.description,
-        model_types=tuple(raw.model_types),
-        vlm_class=raw.vlm_class,
-        text_config=raw.text_config,
-        variants=tuple(variants),
-        ignore=tuple(raw.ignore),
-        file=file,
-        sha256=sha256_bytes(text.encode("utf-8")),
-    )
+    return Family(**{**dict(raw), "variants": variants}, file=file, sha256=sha256_bytes(text.encode("utf-8")))
 
 
 def load_families() -> dict[str, Family]:

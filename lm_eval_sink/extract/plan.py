@@ -56,10 +56,10 @@ def _dotdel(d: dict[str, Any], path: str) -> bool:
 def select_variant(family: Family, text_config: dict[str, Any], path: Path) -> Variant:
     """The first variant whose `when` conditions all hold on the text config."""
     for variant in family.variants:
-        if all(_dotget(text_config, k) == v for k, v in variant.when):
+        if all(_dotget(text_config, k) == v for k, v in variant.when.items()):
             return variant
-    wanted = "; ".join(f"{v.name}: " + ", ".join(f"{k}={val!r}" for k, val in v.when) for v in family.variants)
-    keys = sorted({k for v in family.variants for k, _ in v.when})
+    wanted = "; ".join(f"{v.name}: " + ", ".join(f"{k}={val!r}" for k, val in v.when.items()) for v in family.variants)
+    keys = sorted({k for v in family.variants for k in v.when})
     found = ", ".join(f"{k}={_dotget(text_config, k)!r}" for k in keys)
     raise UserError(
         f"{path}: this {family.name} text config ({found}) matches no supported variant ({wanted})",
@@ -97,7 +97,7 @@ class Plan:
 
 
 def _claim(
-    tensors: dict[str, Tensor], rules: tuple[TensorRule, ...], ignore: tuple[re.Pattern[str], ...], path: Path
+    tensors: dict[str, Tensor], rules: list[TensorRule], ignore: tuple[re.Pattern[str], ...], path: Path
 ) -> tuple[list[Unit], list[str]]:
     compiled = [r.patterns() for r in rules]
     groups: dict[tuple[int, tuple[tuple[str, str], ...]], dict[int, str]] = {}
@@ -156,10 +156,10 @@ def _target_config(
             f"fix target.model_type in architectures/{family.name}.json",
         )
     dropped = [p for p in variant.target.drop_config if _dotdel(d, p)]
-    for old, new in variant.target.rename_config:
+    for old, new in variant.target.rename_config.items():
         if old in d:
             d[new] = d.pop(old)
-    d.update(dict(variant.target.set_config))
+    d.update(variant.target.set_config)
     for key in _NOT_INHERITED:
         d.pop(key, None)
     # Keys the target class does not declare are kept: modeling code reads some of them with
