@@ -226,15 +226,6 @@ def tasks_dir_cmd() -> Iterable[str]:
 # --- screening, fits and sink margins (issue 9) ---
 
 
-def _last_k(value: str) -> int | None:
-    if value == "all":
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise UserError(f"--last-k must be a number or 'all', got {value!r}", "use e.g. --last-k 10") from None
-
-
 @cli.command()
 @click.argument("model_names", metavar="MODEL [MODEL ...]", nargs=-1, required=True)
 @click.option("--last-k", default="10", show_default=True, help=_LAST_K_HELP)
@@ -335,9 +326,10 @@ def margin(reference, candidate, quantile, last_k, strength_last_k, output, **ca
     """Per-head sink margins G_base - B_gap of CANDIDATE (e.g. a VLM backbone) against REFERENCE (its LLM)."""
     from lm_eval_sink.commands.margin import run_margin
     from lm_eval_sink.margin import MarginSettings
+    from lm_eval_sink.strength import parse_last_k
 
     st, options = _measuring(strength_last_k, **calibration)
-    settings = MarginSettings(strength=st, last_k=_last_k(last_k), quantile=quantile)
+    settings = MarginSettings(strength=st, last_k=parse_last_k(last_k, shares=False), quantile=quantile)
     return run_margin(reference, candidate, settings, output, options)
 
 

@@ -16,11 +16,11 @@ from lm_eval_sink.errors import UserError
 from lm_eval_sink.cache import cache_dir, read_private_text
 from lm_eval_sink.disk_full import DiskFull
 from lm_eval_sink.io import atomic_write_json, canonical_json, sha256_text
-from lm_eval_sink.outputs import COMPLETE, read_complete
+from lm_eval_sink.outputs import COMPLETE, FAILED_FILE, REPORT_FILES, read_complete
 from lm_eval_sink.tables import first_few
 
 FINGERPRINT_RULE = "xxh3_128-whole-files-v2"
-SKIPPED_NAMES = frozenset({COMPLETE, "FAILED.json", "extraction.json", "injection.json", ".lock", ".lock.json"})
+SKIPPED_NAMES = frozenset({COMPLETE, FAILED_FILE, *REPORT_FILES.values(), ".lock", ".lock.json"})
 _CHUNK = 8 << 20
 _HASH = re.compile(r"xxh3_128:[0-9a-f]{32}")  # the one form a cached file hash may take
 
@@ -94,23 +94,21 @@ def split_revision(ref: str) -> tuple[str, str | None]:
     return path, rev or None
 
 
-# The files besides its weights that a load of a hub model reads: only these are fingerprinted (docs/identity.md).
-HUB_LOAD_FILES = frozenset(
-    {
-        "config.json",
-        "generation_config.json",
-        "tokenizer_config.json",
-        "tokenizer.json",
-        "special_tokens_map.json",
-        "added_tokens.json",
-        "tokenizer.model",
-        "vocab.json",
-        "merges.txt",
-        "vocab.txt",
-        "chat_template.jinja",
-        "chat_template.json",
-    }
+# The tokenizer files a load reads: the part of a checkpoint an engine's tokenizer and chat template come from.
+TOKENIZER_FILES = (
+    "tokenizer_config.json",
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "added_tokens.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
 )
+# The files besides its weights that a load of a hub model reads: only these are fingerprinted (docs/identity.md).
+HUB_LOAD_FILES = frozenset({"config.json", "generation_config.json", *TOKENIZER_FILES})
 
 
 def hub_load_files(files: dict[str, str]) -> dict[str, str]:

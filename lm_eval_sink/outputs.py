@@ -24,6 +24,8 @@ from lm_eval_sink.locks import hold, unwritable
 from lm_eval_sink.tables import first_few
 
 COMPLETE = "COMPLETE.json"  # the marker of a finished, reusable output folder
+FAILED_FILE = "FAILED.json"  # the marker of an extract or inject folder whose verification failed
+REPORT_FILES = {"extract": "extraction.json", "inject": "injection.json"}  # the report each of them writes
 log = logging.getLogger(__name__)
 
 

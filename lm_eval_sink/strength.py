@@ -32,12 +32,13 @@ S_MEANING = (
 ABSENT_POS0_FRACTION = 0.25  # below this share of rows sinking at position 0, with S < 0, there is no sink to measure
 
 
-def parse_last_k(value: int | str | None) -> int | str | None:
+def parse_last_k(value: int | str | None, *, shares: bool = True) -> int | str | None:
     """K as given: a count of last attention layers (the paper's), `"N%"` of each model's attention layers, or
-    None / `"all"` for all of them; a count is returned as an int, a share as its canonical `"N%"` text."""
+    None / `"all"` for all of them; a count is returned as an int, a share as its canonical `"N%"` text.
+    `shares=False` (margin's table layers) takes a count or all only."""
     if value is None or value == "all":
         return None
-    if isinstance(value, str) and value.strip().endswith("%"):
+    if shares and isinstance(value, str) and value.strip().endswith("%"):
         try:
             share = float(value.strip()[:-1])
         except ValueError:
@@ -48,9 +49,8 @@ def parse_last_k(value: int | str | None) -> int | str | None:
     try:
         k = int(value)
     except (TypeError, ValueError):
-        raise UserError(
-            f"--last-k must be a number, a share or 'all', got {value!r}", "use e.g. --last-k 10, 33% or all"
-        ) from None
+        what, e_g = ("a number, a share or 'all'", "10, 33% or all") if shares else ("a number or 'all'", "10")
+        raise UserError(f"--last-k must be {what}, got {value!r}", f"use e.g. --last-k {e_g}") from None
     if k <= 0:
         raise UserError(f"--last-k must be positive, got {k}", "use e.g. --last-k 10, or --last-k all")
     return k

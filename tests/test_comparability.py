@@ -58,6 +58,8 @@ def test_k_is_a_fixed_count_with_its_share_shown_or_a_share_on_request():
     for bad in ("0%", "150%", "x%", "0", "ten"):
         with pytest.raises(UserError):
             parse_last_k(bad)
+    with pytest.raises(UserError, match="must be a number or 'all', got '33%'"):
+        parse_last_k("33%", shares=False)  # margin's table layers: a count or all
 
 
 def test_every_applied_field_splits_and_is_named():

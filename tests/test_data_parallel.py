@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers import CHILD_ENV
 from lm_eval_sink.harness.task import decode_array
 from lm_eval_sink.runs import load_results, read_samples, resolve_run
 
@@ -19,13 +20,7 @@ TORCHRUN = str(Path(sys.executable).with_name("torchrun"))
 
 
 def _run(cmd: list[str], out: Path):
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "OMP_NUM_THREADS": "1",
-        "ACCELERATE_USE_CPU": "true",
-    }
+    env = {**os.environ, **CHILD_ENV, "ACCELERATE_USE_CPU": "true"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return resolve_run(next(out.glob("*/results_*.json")))

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import sinkmodels as sm
-from helpers import FIXTURE_LIMIT, REPO, TINY_TASK
+from helpers import CHILD_ENV, FIXTURE_LIMIT, REPO, TINY_TASK
 from lm_eval_sink.calibration import builtin_prompts, encode_prompts
 from lm_eval_sink.harness import tasks_dir
 from lm_eval_sink.harness.discovery import index_of
@@ -25,9 +25,7 @@ DRIVER = Path(__file__).parent / "drivers" / "lm_eval_counting.py"
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env.update(extra)
-    return env
+    return {**os.environ, **CHILD_ENV, **extra}
 
 
 def _closed_form_s(tiny_tokenizer, last_k=10, n_prompts=None):

@@ -15,6 +15,7 @@ import torch
 import yaml
 from safetensors.torch import save_file
 
+from helpers import CHILD_ENV
 from lm_eval_sink.devices import DEFAULT_DEVICE, check_device, empty_model, gpu_map, layers_per_device, resolve_device
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.strength import StrengthSettings
@@ -145,7 +146,7 @@ def test_tensor_parallel_model_is_refused_before_any_forward(tiny_trio, tmp_path
     """Two torchrun processes over gloo: tp_plan="auto" gives tp_size 2 and 2 of the 4 heads per rank; the
     strength measurement, the training callback and the lm-eval task each refuse it in one line, no forward run."""
     driver = Path(__file__).parent / "drivers" / "tensor_parallel.py"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, **CHILD_ENV}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     proc = subprocess.run(
         [*cmd, str(driver), str(tiny_trio["reference"]), str(tmp_path)],

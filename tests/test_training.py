@@ -15,6 +15,7 @@ import torch
 from transformers import TrainerCallback
 
 import sinkmodels as sm
+from helpers import CHILD_ENV
 from lm_eval_sink.cli import main
 from lm_eval_sink.errors import SinkWarning, UserError
 from lm_eval_sink.strength import StrengthSettings
@@ -489,13 +490,7 @@ DRIVER = Path(__file__).parent / "drivers" / "distributed_training.py"
 def two_ranks(tmp_path_factory):
     """tests/drivers/distributed_training.py in 2 torchrun processes over gloo: DDP Trainer, then FSDP2."""
     out = tmp_path_factory.mktemp("two-ranks")
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "OMP_NUM_THREADS": "1",
-        "ACCELERATE_USE_CPU": "true",
-    }
+    env = {**os.environ, **CHILD_ENV, "ACCELERATE_USE_CPU": "true"}
     cmd = [
         sys.executable,
         "-m",

@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-import bucket_logs as bl
 import sinkmodels as sm
-from helpers import REPO, save_sink_llama
+from helpers import CHILD_ENV, REPO, save_sink_llama
 from lm_eval_sink.calibration import builtin_prompts, encode_prompts
 
 DRIVER = Path(__file__).parent / "drivers" / "cli_calls.py"
@@ -109,7 +108,7 @@ def fresh_venv(root: Path, wheel: Path) -> Path:
 
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LM_EVAL_SINK_NO_HOOK")}
-    return {**env, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    return {**env, **CHILD_ENV}
 
 
 def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -118,24 +117,10 @@ def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return proc
 
 
-def _ifeval_runs(root: Path, shared_data: Path, ref_model: Path, cand_model: Path) -> tuple[Path, Path]:
-    """Two hand-made IFEval runs scored by lm-eval's checker: the candidate fails 4 of 6 prompts."""
-    docs = bl.ifeval_docs(shared_data)
-    idxs = bl.find_single(docs, "punctuation:no_comma", 6)
-    ref = [bl.ifeval_sample(i, docs[i], bl.designed_response(docs[i], "pass"), chat=True) for i in idxs]
-    cand = [
-        bl.ifeval_sample(i, docs[i], bl.designed_response(docs[i], "fail" if j % 3 else "pass"), chat=True)
-        for j, i in enumerate(idxs)
-    ]
-    return (
-        bl.write_run(root / "ref", {"ifeval": ref}, model=str(ref_model)),
-        bl.write_run(root / "cand", {"ifeval": cand}, model=str(cand_model)),
-    )
-
-
 def _inputs(root: Path, shared_data: Path, tok, handset: Path) -> dict[str, Path]:
     """Tiny models (hand-set sink Llamas, a selective-sink Llama, a tiny LLaVA) and two sample logs."""
     from test_extract import _save_vlm
+    from test_report import _ifeval_runs
 
     models = root / "models"
     selective = models / "selective"
@@ -143,7 +128,7 @@ def _inputs(root: Path, shared_data: Path, tok, handset: Path) -> dict[str, Path
     tok.save_pretrained(selective)
     ref = save_sink_llama(models / "ref", [[6.0, 4.0], [5.0, 3.0]], tok)
     cand = save_sink_llama(models / "cand", [[5.5, -1.0], [5.0, 3.5]], tok)
-    ref_run, cand_run = _ifeval_runs(root / "runs", shared_data, ref, cand)
+    ref_run, cand_run = _ifeval_runs(root / "runs", ref, cand, shared_data)
     return {
         "ref": ref,
         "cand": cand,

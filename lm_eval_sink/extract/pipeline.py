@@ -46,9 +46,18 @@ from lm_eval_sink.extract.plan import (
 )
 from lm_eval_sink.extract.rules import forward_rule, inverse_rule
 from lm_eval_sink.extract.verify import PROBE_TEXT, Verification, compare, logits, multimodal_token_ids, probe_ids
+from lm_eval_sink.identity import TOKENIZER_FILES
 from lm_eval_sink.io import atomic_write_json, atomic_write_text, read_json
 from lm_eval_sink.keys import Work, key_versions
-from lm_eval_sink.outputs import COMPLETE, check_not_inputs, check_output_dir, staged_dir, write_complete
+from lm_eval_sink.outputs import (
+    COMPLETE,
+    FAILED_FILE,
+    REPORT_FILES,
+    check_not_inputs,
+    check_output_dir,
+    staged_dir,
+    write_complete,
+)
 from lm_eval_sink.provenance import SCHEMA_VERSION, provenance
 from lm_eval_sink.models import load_placed, model_fingerprint, resolve_model
 from lm_eval_sink.weights import Tensor
@@ -56,20 +65,11 @@ from lm_eval_sink.weights import Tensor
 log = logging.getLogger(__name__)
 
 DEFAULT_SHARD_BYTES = 5 * 1024**3
-REPORT_FILE = "extraction.json"
-INJECT_REPORT_FILE = "injection.json"
-FAILED_FILE = "FAILED.json"
-REPORT_FILES = {"extract": REPORT_FILE, "inject": INJECT_REPORT_FILE}
-_MARKER_FILES = (COMPLETE, FAILED_FILE, REPORT_FILE, INJECT_REPORT_FILE)
+REPORT_FILE = REPORT_FILES["extract"]
+_MARKER_FILES = (COMPLETE, FAILED_FILE, *REPORT_FILES.values())
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
-_TOKENIZER_COPY = (
-    *_TOKENIZER_FILES,
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "merges.txt",
-    "vocab.txt",
-    "chat_template.jinja",
-)
+# A tokenizer's files, copied verbatim; the processor's chat_template.json is converted instead (`copy_tokenizer`).
+_TOKENIZER_COPY = (*(n for n in TOKENIZER_FILES if n != "chat_template.json"), "spiece.model")
 _Stream = Generator[tuple[str, torch.Tensor], None, None]
 
 

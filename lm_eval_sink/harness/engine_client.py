@@ -14,20 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.identity import TOKENIZER_FILES
 from lm_eval_sink.io import canonical_json, sha256_file
-
-# Tokenizer files an engine reads at its start (besides tokenizer_config.json, compared key by key).
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer.model",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "added_tokens.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "chat_template.json",
-)
 
 
 def _json(path: Path) -> Any:
@@ -68,7 +56,11 @@ def checkpoint_facts(folder: str | Path) -> dict[str, Any]:
         "config": _json(folder / "config.json") or {},
         "generation_config": _json(folder / "generation_config.json"),
         "tokenizer_config": _json(folder / "tokenizer_config.json"),
-        "files": {name: _file_sha(folder / name) for name in TOKENIZER_FILES if (folder / name).is_file()},
+        "files": {
+            name: _file_sha(folder / name)
+            for name in TOKENIZER_FILES
+            if name != "tokenizer_config.json" and (folder / name).is_file()  # that one: compared key by key
+        },
         "tensors": _tensors(folder),
     }
 

@@ -128,17 +128,14 @@ def _layers(llm: Any) -> tuple[int, tuple[int, ...]]:
 
 
 def engine_captures(
-    llm: Any, tokenizer: Any, prompts: Sequence[str], settings: Any, lora_request: Any = None
-) -> tuple[Any, list[Any], int, tuple[int, ...]]:
-    """(encoded prompts, `capture.PromptCapture` per prompt, depth, attention layers): `prompts` encoded as
-    `strength.measure` encodes them, measured on the engine `llm` over the settings' last K attention layers."""
-    from lm_eval_sink.calibration import encode_prompts
+    llm: Any, encoded: Any, settings: Any, lora_request: Any = None
+) -> tuple[list[Any], int, tuple[int, ...]]:
+    """(`capture.PromptCapture` per prompt, depth, attention layers): the `calibration.EncodedPrompts` measured on the
+    engine `llm` over the settings' last K attention layers."""
     from lm_eval_sink.harness.engine_capture import measure_on_engine
 
     depth, att = _layers(llm)
-    encoded = encode_prompts(tokenizer, list(prompts), settings.use_chat_template, settings.system_prompt)
-    captures = measure_on_engine(llm, encoded, settings.layers_for(att), settings.query_chunk, lora_request)
-    return encoded, captures, depth, att
+    return measure_on_engine(llm, encoded, settings.layers_for(att), settings.query_chunk, lora_request), depth, att
 
 
 def engine_record(llm: Any, lora_request: Any = None) -> dict[str, Any]:
@@ -192,10 +189,12 @@ def vllm_sink_strength(self: Any, requests: list[Any]) -> list[Any]:
         return _measured_sink_strength(self, requests)
 
     def measure(task: str, settings: Any, prompts: list[tuple[int, str]]) -> list[Any]:
+        from lm_eval_sink.calibration import encode_prompts
+
         start = time.perf_counter()
-        encoded, captures, depth, att = engine_captures(
-            self.model, self.tokenizer, [p for _, p in prompts], settings, self.lora_request
-        )
+        texts = [p for _, p in prompts]
+        encoded = encode_prompts(self.tokenizer, texts, settings.use_chat_template, settings.system_prompt)
+        captures, depth, att = engine_captures(self.model, encoded, settings, self.lora_request)
         record = _RECORDS.get(task)
         if record is not None:
             record["wall_seconds"] = round(record["wall_seconds"] + time.perf_counter() - start, 3)
@@ -237,11 +236,11 @@ def measure_strength(llm: Any, tokenizer: Any, settings: Any, provenance: dict[s
     prompts, captured in the engine's forward, reduced as `strength.measure` reduces them."""
     from dataclasses import replace
 
-    from lm_eval_sink.calibration import load_prompts
+    from lm_eval_sink.calibration import encoded_prompts
     from lm_eval_sink.strength import measured_provenance, reduce_captures, warn_beyond_window
 
-    prompt_set = load_prompts(settings.prompts_file, settings.n_prompts)
-    encoded, captures, depth, att = engine_captures(llm, tokenizer, prompt_set.prompts, settings)
+    prompt_set, encoded = encoded_prompts(tokenizer, settings)
+    captures, depth, att = engine_captures(llm, encoded, settings)
     result = reduce_captures(captures, settings, depth, att)
     warn_beyond_window(result)
     record = engine_record(llm)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lm_eval_sink.io import canonical_json, sha256_text
+from lm_eval_sink.tables import first_few
 
 Fields = dict[str, Any]  # one checkpoint's engine-fixed settings, flat: {"config.json vocab_size": 49152, ...}
 
@@ -48,12 +49,6 @@ def differences(engine: Fields, checkpoint: Fields) -> list[str]:
     return sorted(k for k in set(engine) | set(checkpoint) if engine.get(k, ...) != checkpoint.get(k, ...))
 
 
-def describe(fields: list[str], shown: int = 4) -> str:
-    """A list of differing fields for a one-line note."""
-    more = f" and {len(fields) - shown} more" if len(fields) > shown else ""
-    return ", ".join(fields[:shown]) + more
-
-
 def engine_starts(order: Sequence[str], fields: Mapping[str, Fields | None]) -> list[tuple[str, str | None]]:
     """For checkpoints in run order, each with the reason it starts an engine (None: its weights are swapped into
     the engine before it). A checkpoint whose fields are not known yet (None: a merge not made) is decided when
@@ -69,7 +64,7 @@ def engine_starts(order: Sequence[str], fields: Mapping[str, Fields | None]) -> 
             out.append((name, "the first checkpoint"))
         else:
             diff = differences(held[1], mine)
-            out.append((name, f"differs from {held[0]} in {describe(diff)}" if diff else None))
+            out.append((name, f"differs from {held[0]} in {first_few(diff, 4)}" if diff else None))
             if not diff:
                 continue
         held = (name, mine)
@@ -87,7 +82,7 @@ def new_engine_reason(
     if held is None:
         return "the first checkpoint"
     diff = differences(held[1], fields)
-    return f"{checkpoint} differs from {held[0]} in {describe(diff)}" if diff else None
+    return f"{checkpoint} differs from {held[0]} in {first_few(diff, 4)}" if diff else None
 
 
 def assign(

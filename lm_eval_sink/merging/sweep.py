@@ -24,7 +24,7 @@ from lm_eval_sink.keys import UNKEYED, Work, key_of
 from lm_eval_sink.merging.engines import EngineIn
 from lm_eval_sink.schema import Strict, parse
 from lm_eval_sink.strength import StrengthSettings
-from lm_eval_sink.tables import csv_text, markdown_table
+from lm_eval_sink.tables import csv_text, first_few, markdown_table
 
 ENDPOINTS = ("reference", "candidate")
 KINDS = ("merge", "eval", "strength")  # the unit kinds, in each checkpoint's run order
@@ -558,23 +558,12 @@ def table_text(table: dict[str, Any]) -> tuple[str, str]:
     """The table as Markdown (a title line, the not-final note and too few to tell if so, what S means, the units,
     each task's headline metric under its readable name, shares of docs in points, the headlines unchanged in every
     checkpoint said once instead) and as CSV (every column under its lm-eval results key and value)."""
-    from lm_eval_sink.benchmarks import (
-        headline_columns,
-        load_benchmarks,
-        metric_in_points,
-        metric_labels,
-        unchanged_columns,
-    )
+    from lm_eval_sink.benchmarks import headline_columns, load_benchmarks
+    from lm_eval_sink.report.view import named_columns
     from lm_eval_sink.strength import S_MEANING
 
-    benchmarks = load_benchmarks()
-    headlines = headline_columns(table["columns"], benchmarks)
-    same = set(unchanged_columns(headlines, table["rows"]))
-    named = [
-        (c, label, 100.0 if metric_in_points(c, benchmarks) else 1.0)
-        for c, label in zip(headlines, metric_labels(headlines, benchmarks), strict=True)
-    ]
-    cols, labels, scales = ([x[i] for x in named if x[0] not in same] for i in range(3))
+    named = named_columns(headline_columns(table["columns"], load_benchmarks()), table["rows"])
+    cols, labels, scales = ([x[i] for x in named if not x[3]] for i in range(3))
 
     def head(names: list[str]) -> list[str]:
         return ["checkpoint", "method", *[x for c in names for x in (c, f"{c} delta")], "S", "S delta", "status"]
@@ -588,7 +577,7 @@ def table_text(table: dict[str, Any]) -> tuple[str, str]:
         md += "".join(f"{task} (S of the eval units), {line}\n" for line in comparison["notes"])
     md += _units_line([x[1] for x in named], [x[2] for x in named]) if named else ""
     md += "Each task's headline metric; every metric is in table.csv.\n"
-    said = [f"{label} {_fmt(table['rows'][0]['metrics'][c], scale=f)}" for c, label, f in named if c in same]
+    said = [f"{label} {_fmt(table['rows'][0]['metrics'][c], scale=f)}" for c, label, f, same in named if same]
     md += f"Unchanged in every checkpoint, so left out below: {', '.join(said)}.\n" if said else ""
     everything = table["columns"]
     md_rows, csv_rows = _table_rows(table, cols, scales), _table_rows(table, everything, [1.0] * len(everything))
@@ -710,7 +699,7 @@ def _changed(source: str, conflicts: list[Unit], fields: list[str] | None) -> Us
     kinds = [k for k in KINDS if any(u.kind == k for u in conflicts)]
     return UserError(
         f"{source}: {'; '.join(fields or ['the sweep file or a model'])} changed since "
-        f"{', '.join(ids[:6])}{f' and {len(ids) - 6} more' if len(ids) > 6 else ''} "
+        f"{first_few(ids, 6)} "
         f"{'was' if len(ids) == 1 else 'were'} made",
         f"pass {' '.join(f'--redo {k}' for k in kinds)} to redo just those (the others are kept), --force to "
         "redo everything, or choose a new output folder",

@@ -443,39 +443,39 @@ def _figure_state(c: Mapping[str, Any]) -> str:
     )
 
 
+def named_columns(columns: list[str], rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, float, bool]]:
+    """Each of a sweep's table columns as (column, readable label told apart within `columns`, scale: 100 for a
+    share of docs shown in points, whether it is unchanged in every checkpoint); table.md and the figure ask it."""
+    from lm_eval_sink.benchmarks import load_benchmarks, metric_in_points, metric_labels, unchanged_columns
+
+    benchmarks = load_benchmarks()
+    same = set(unchanged_columns(columns, list(rows)))
+    return [
+        (c, label, 100.0 if metric_in_points(c, benchmarks) else 1.0, c in same)
+        for c, label in zip(columns, metric_labels(columns, benchmarks), strict=True)
+    ]
+
+
 def sweep_series(table: Mapping[str, Any]) -> dict[str, Any]:
     """The sweep figure's data from a table.json: each metric's values under its readable name (points for shares
     of docs), S per checkpoint, the axis's unit, `drawn` (each task's headline metric in that one unit, where it
     changes) and the title's `note` (not final; the unchanged ones, said once)."""
-    from lm_eval_sink.benchmarks import (
-        headline_columns,
-        load_benchmarks,
-        metric_in_points,
-        metric_labels,
-        unchanged_columns,
-    )
+    from lm_eval_sink.benchmarks import headline_columns, load_benchmarks
 
-    benchmarks = load_benchmarks()
     cols, rows = list(table.get("columns") or []), table.get("rows") or []
-    scales = [100.0 if metric_in_points(c, benchmarks) else 1.0 for c in cols]
-    labels = metric_labels(cols, benchmarks)
+    named = named_columns(cols, rows)
     values = {
         label: [None if get(r, "metrics", c) is None else get(r, "metrics", c) * f for r in rows]
-        for c, label, f in zip(cols, labels, scales, strict=True)
+        for c, label, f, _ in named
     }
-    headline = set(headline_columns(cols, benchmarks))
+    headline = set(headline_columns(cols, load_benchmarks()))
     tasks_s = [c for c in cols if c in headline and c.endswith("/sink_strength,none")]
     s = [r.get("sink_strength") for r in rows]
     if all(v is None for v in s) and tasks_s:
         s = [get(r, "metrics", tasks_s[0]) for r in rows]
-    points = any(f == 100 for c, f in zip(cols, scales, strict=True) if c in headline and c not in tasks_s)
-    axis = [
-        label
-        for c, label, f in zip(cols, labels, scales, strict=True)
-        if c in headline and c not in tasks_s and (f == 100) == points
-    ]
-    same = unchanged_columns(cols, rows)
-    unchanged = [label for c, label in zip(cols, labels, strict=True) if label in axis and c in same]
+    points = any(f == 100 for c, _, f, _ in named if c in headline and c not in tasks_s)
+    axis = [label for c, label, f, _ in named if c in headline and c not in tasks_s and (f == 100) == points]
+    unchanged = [label for _, label, _, same in named if label in axis and same]
     said = [table.get("final_note"), f"unchanged in every checkpoint: {', '.join(unchanged)}" if unchanged else None]
     return {
         "checkpoints": [r.get("checkpoint") for r in rows],
@@ -485,7 +485,7 @@ def sweep_series(table: Mapping[str, Any]) -> dict[str, Any]:
         "s": s,
         "unit": "points" if points else "the metric's own unit",
         "labels": list(values),
-        "scales": scales,
+        "scales": [x[2] for x in named],
     }
 
 
