@@ -589,9 +589,7 @@ def test_a_changed_sweep_file_names_the_field_and_redo_redoes_only_those(uninter
     capsys.readouterr()
     assert main(["sweep", str(sweep), "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
-    assert (
-        len(err.splitlines()) == 1 and "strength settings.last_k: 2 -> 1 changed since strength:reference, " in err
-    ), err
+    assert len(err.splitlines()) == 1 and "strength.last_k: 2 -> 1 changed since strength:reference, " in err, err
     assert "strength:dare_linear were made" in err and "--redo strength" in err and "configs" not in err.split("(")[0]
     assert (out / "table.json").read_text() == before and not (out / "merges" / "linear_95_5").exists()
     assert main(["sweep", str(sweep), "--quiet", "--redo", "strenght"]) == 2
@@ -633,3 +631,24 @@ def test_local_steps_without_progress_show_no_bars_and_quiet_counts_them(tmp_pat
     assert said == ["[1/2] strength:a", "[2/2] strength:b"] and "sweep steps" not in capsys.readouterr().err
     _run_local(units, lambda u, e: None, {}, StepCounter(2, said.append, progress=True), lambda u: None)
     assert len(said) == 2 and "sweep steps" in capsys.readouterr().err
+
+
+def test_a_changed_setting_is_named_as_the_sweep_file_names_it():
+    """The refusal names an eval or strength unit's changed setting by its key in the sweep file (`eval.limit`,
+    `strength.last_k`), not by the unit's declaration (`settings.limit`)."""
+    from types import SimpleNamespace
+
+    from lm_eval_sink.harness.runner import EvalSettings
+    from lm_eval_sink.io import canonical_json
+    from lm_eval_sink.keys import keyed
+    from lm_eval_sink.merging.sweep import EvalWork, SweepStrengthWork, changed_inputs
+    from lm_eval_sink.strength import StrengthSettings
+
+    def recorded(work):
+        return {"work": json.loads(canonical_json(keyed(work)))}
+
+    s_old, s_new = (SweepStrengthWork("m", "reference", StrengthSettings(last_k=k), "float32", None) for k in (2, 1))
+    e_old, e_new = (EvalWork("m", "reference", EvalSettings(tasks=("ifeval",), limit=n)) for n in (None, 3))
+    units = [SimpleNamespace(id=f"{w}:reference", kind=w, inputs=i) for w, i in (("strength", s_new), ("eval", e_new))]
+    markers = {"strength:reference": recorded(s_old), "eval:reference": recorded(e_old)}
+    assert changed_inputs(units, markers) == ["strength.last_k: 2 -> 1", "eval.limit: None -> 3"]

@@ -180,9 +180,18 @@ def changed_inputs(units: Sequence[Unit], markers: Markers) -> list[str]:
         old, new = _flat(old), _flat(json.loads(canonical_json(keyed(unit.inputs))))
         for k in sorted(set(old) | set(new)):
             a, b = (repr(x[k]) if k in x else "unset" for x in (old, new))
-            if a != b and f"{unit.kind} {k}: {a[:60]} -> {b[:60]}" not in out:
-                out.append(f"{unit.kind} {k}: {a[:60]} -> {b[:60]}")
+            line = f"{_field_name(unit.kind, k)}: {a[:60]} -> {b[:60]}"
+            if a != b and line not in out:
+                out.append(line)
     return out
+
+
+def _field_name(kind: str, key: str) -> str:
+    """A changed field as the sweep file names it where it has one (an eval or strength unit's settings are its
+    `eval:` / `strength:` section: `strength.last_k`), else the unit kind and the field (`merge random_seed`)."""
+    if kind in ("eval", "strength") and key.startswith("settings."):
+        return f"{kind}.{key.removeprefix('settings.')}"
+    return f"{kind} {key}"
 
 
 # --- units ---------------------------------------------------------------------------------
