@@ -545,9 +545,10 @@ class SinkProtection(TrainerCallback):
                 norm = getattr(attn, name, None)
                 if getattr(norm, "weight", None) is not None:
                     start[f"{lp.layer}.{name}.weight"] = norm.weight.detach().clone()
-            start[f"{lp.layer}.x_hat"] = torch.tensor(lp.x_hat, dtype=torch.float64)
+            dev = _linear(attn.q_proj).weight.device  # made where the layer is, whatever device is the default
+            start[f"{lp.layer}.x_hat"] = torch.tensor(lp.x_hat, dtype=torch.float64, device=dev)
             for g in lp.kv_heads:
-                start[f"{lp.layer}.basis.{g}"] = torch.tensor(self.plan.basis(lp, g), dtype=torch.float64)
+                start[f"{lp.layer}.basis.{g}"] = torch.tensor(self.plan.basis(lp, g), dtype=torch.float64, device=dev)
         return start
 
     def _to_freeze(self, model: Any) -> list[tuple[str, Any]]:
