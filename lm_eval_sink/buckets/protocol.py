@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import Any
 
 from lm_eval_sink.buckets.compare import BucketReport
-from lm_eval_sink.failure_kinds import max_gen_toks_in
+from lm_eval_sink.protocols import max_gen_toks_in
 
 _HF_BACKENDS = ("hf", "hf-auto", "huggingface")
 _HF_DEFAULT_MAX_GEN_TOKS = 256  # lm_eval.models.huggingface.HFLM.max_gen_toks (0.4.13)

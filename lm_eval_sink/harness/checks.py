@@ -13,7 +13,7 @@ from typing import Any
 
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.harness.model_args import model_arg_flag
-from lm_eval_sink.protocols import TOKEN_KEYS
+from lm_eval_sink.protocols import gen_toks_key
 
 
 @functools.cache
@@ -88,8 +88,8 @@ def _generation_length(task: str, own: dict[str, Any] | None, settings: Any) -> 
 
     given = settings.gen_kwargs or {}
     merged = {**(own or {"max_gen_toks": DEFAULT_MAX_GEN_TOKS}), **given}
-    read = next((k for k in TOKEN_KEYS if k in merged), None)
-    ignored = next((k for k in TOKEN_KEYS if k in given and k != read), None)
+    read = gen_toks_key(merged)
+    ignored = gen_toks_key({k: v for k, v in given.items() if k != read})
     if ignored is not None:
         raise UserError(
             f"gen_kwargs: {ignored} would be ignored for {task}: its generation settings have {read}: "
