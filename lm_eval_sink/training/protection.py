@@ -254,7 +254,8 @@ def protectable_attention(model: Any, layer: int) -> Any:
     """Layer `layer`'s attention, refused in one line unless it is what the rules read: `self_attn` with q_proj and
     k_proj, its query/key norms (if any) named q_norm/k_norm (LFM2's q_layernorm would be left out of the rules)."""
     attn = getattr(_decoder(model).layers[layer], "self_attn", None)
-    others = [n for n, _ in getattr(attn, "named_children", list)() if "norm" in n and n not in ("q_norm", "k_norm")]
+    children = [] if attn is None else [name for name, _ in attn.named_children()]
+    others = [name for name in children if "norm" in name and name not in ("q_norm", "k_norm")]
     if attn is None or not (hasattr(attn, "q_proj") and hasattr(attn, "k_proj")) or others:
         raise UserError(
             f"layer {layer}'s attention ({type(attn).__name__}) is not one SinkProtection reads: it needs q_proj and "
