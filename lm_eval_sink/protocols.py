@@ -658,6 +658,12 @@ def limit_text(limit: Any) -> str:
     return str(int(limit)) if isinstance(limit, float) and limit.is_integer() else str(limit)
 
 
+def limit_lines(fp: ProtocolFingerprint) -> list[str]:
+    """The --limit warning of a run (none without --limit), as `protocol show` and `eval` print it."""
+    limit = fp.harness.get("limit")
+    return [] if limit is None else [f"--limit {limit_text(limit)}: scores are from a subset and are not final"]
+
+
 def _cell(value: Any, width: int = 70) -> str:
     return short_text(value, width).replace("|", "\\|")
 
@@ -687,8 +693,7 @@ def show_markdown(fp: ProtocolFingerprint, protocols: dict[str, Protocol] | None
         f"protocol of {fp.source or 'run'} (harness sha256 {fp.harness_sha()[:16]})",
         f"matches named protocol: {named or 'none'}",
     ]
-    if fp.harness.get("limit") is not None:
-        lines.append(f"--limit {limit_text(fp.harness['limit'])}: scores are from a subset and are not final")
+    lines += limit_lines(fp)
     lines += ["", *markdown_lines(["part", "field", "value"], [[p, f, _cell(v)] for p, f, v, _ in show_rows(fp)])]
     return "\n".join(lines) + "\n"
 

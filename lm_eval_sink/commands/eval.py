@@ -58,7 +58,7 @@ def _report(run, settings, protocol, limit: float | None) -> list[str]:
     """The lines printed after the run: its files, the interpreter and versions, the protocol check, a subset's note."""
     from lm_eval_sink.harness.runner import eval_versions
     from lm_eval_sink.keys import versions_text
-    from lm_eval_sink.protocols import fingerprint_run, limit_text
+    from lm_eval_sink.protocols import fingerprint_run, limit_lines
 
     fp = fingerprint_run(run)
     off = protocol.mismatches(fp)
@@ -69,9 +69,7 @@ def _report(run, settings, protocol, limit: float | None) -> list[str]:
         f"protocol {protocol.name}: "
         + ("recorded settings match" if not off else "recorded settings DIFFER: " + ", ".join(off))
     )
-    if fp.harness.get("limit") is not None:
-        lines.append(f"--limit {limit_text(fp.harness['limit'])}: scores are from a subset and are not final")
-    return lines
+    return lines + limit_lines(fp)
 
 
 def run_eval(options: EvalOptions) -> list[str]:
