@@ -51,10 +51,10 @@ def file_hash(path: Path) -> str:
     return digest
 
 
-def tree_files(folder: Path) -> list[Path]:
-    """The files a folder's identity covers (sorted), lock files and markers left out."""
+def folder_identity(folder: Path) -> dict[str, str]:
+    """{relative path: file hash} of a folder's files, sorted; lock files, markers and hidden files left out."""
     folder = Path(folder)
-    return sorted(
+    files = sorted(
         p
         for p in folder.rglob("*")
         if p.is_file()
@@ -62,12 +62,7 @@ def tree_files(folder: Path) -> list[Path]:
         and not any(part.startswith(".") for part in p.relative_to(folder).parts)
         and "__pycache__" not in p.parts
     )
-
-
-def folder_identity(folder: Path) -> dict[str, str]:
-    """{relative path: file hash} of a folder."""
-    folder = Path(folder)
-    return {str(p.relative_to(folder)): file_hash(p) for p in tree_files(folder)}
+    return {str(p.relative_to(folder)): file_hash(p) for p in files}
 
 
 def files_fingerprint(files: dict[str, str]) -> str:
@@ -187,15 +182,10 @@ def _hub_online(repo_id: str, revision: str | None) -> tuple[str, dict[str, str]
     return info.sha, listed_files(info)
 
 
-def hub_offline() -> bool:
-    """huggingface_hub's offline switch (`is_offline_mode`: HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE)."""
-    from huggingface_hub import is_offline_mode
-
-    return is_offline_mode()
-
-
 def model_identity(model: str) -> dict[str, Any]:
     """The identity record of a model folder, a one-file model (GGUF) or a hub id (`org/name[@REVISION]`)."""
+    from huggingface_hub import is_offline_mode
+
     p = Path(model)
     if p.is_dir() or p.is_file():
         files = folder_identity(p) if p.is_dir() else {p.name: file_hash(p)}
@@ -204,7 +194,7 @@ def model_identity(model: str) -> dict[str, Any]:
     else:
         repo_id, revision = split_revision(model)
         snap = hub_snapshot(repo_id, revision)
-        if snap is None and hub_offline():
+        if snap is None and is_offline_mode():
             raise UserError(
                 f"{model}: not in the local Hugging Face cache and the hub is offline (HF_HUB_OFFLINE=1)",
                 "download it once online, or pass a local model folder",

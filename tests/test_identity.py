@@ -194,7 +194,7 @@ def test_hub_fingerprint_is_the_same_file_set_cached_or_listed(model_dir, tmp_pa
     from huggingface_hub import constants
     from huggingface_hub.hf_api import ModelInfo
 
-    from lm_eval_sink.identity import cached_folder, hub_offline, listed_files
+    from lm_eval_sink.identity import cached_folder, listed_files
 
     sha = "0123456789abcdef0123456789abcdef01234567"
     hub = tmp_path / "hub"
@@ -213,16 +213,9 @@ def test_hub_fingerprint_is_the_same_file_set_cached_or_listed(model_dir, tmp_pa
     info = ModelInfo(id="org/full", sha=sha, siblings=siblings)
     assert listed_files(info) == a["files"]
 
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    assert hub_offline() is False
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # huggingface_hub's switch (is_offline_mode) is asked
     with pytest.raises(UserError, match="not in the local Hugging Face cache and the hub is offline"):
         model_identity("org/absent")
-    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
-    code = "from lm_eval_sink.identity import hub_offline; print(hub_offline())"
-    for extra, want in (({}, "False"), ({"TRANSFORMERS_OFFLINE": "1"}, "True"), ({"HF_HUB_OFFLINE": "ON"}, "True")):
-        proc = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True)
-        assert proc.stdout.strip() == want, (extra, proc.stderr[-500:])
 
 
 def test_a_second_process_is_refused_while_the_first_holds_the_lock(model_dir, tmp_path):

@@ -135,10 +135,11 @@ def _pinned_configs(text: str, revisions: dict[str, str] | None, config: Any = N
     """(config to load, recipe with `@sha` references, {reference as written: sha}) for YAML text, or for its
     already parsed MergeConfiguration `config` (a deep copy: mergekit's planner rewrites what it is given)."""
     import yaml
+    from huggingface_hub import is_offline_mode
     from mergekit.common import ModelPath
     from mergekit.config import MergeConfiguration
 
-    from lm_eval_sink.identity import hub_offline, model_identity, snapshot_dir
+    from lm_eval_sink.identity import model_identity, snapshot_dir
 
     config = MergeConfiguration.model_validate(yaml.safe_load(text)) if config is None else config.model_copy(deep=True)
     pins: dict[str, str] = {}
@@ -151,7 +152,7 @@ def _pinned_configs(text: str, revisions: dict[str, str] | None, config: Any = N
 
     def loadable(path: ModelPath) -> ModelPath:
         sha = sha_of(path)
-        snap = snapshot_dir(path.path, sha) if hub_offline() else None
+        snap = snapshot_dir(path.path, sha) if is_offline_mode() else None
         return ModelPath(path=str(snap)) if snap else ModelPath(path=path.path, revision=sha)
 
     recipe = _pinned(config, lambda p: ModelPath(path=p.path, revision=sha_of(p)))
