@@ -84,25 +84,6 @@ def saved_stands(prov: dict[str, Any], identity: dict[str, Any], key: Key, where
     return changed is None and prov.get("input_key") == key.key, changed
 
 
-def _reusable(
-    json_path: Path, identity: dict[str, Any], key: Key, force: bool
-) -> tuple[dict[str, Any] | None, str | None]:
-    """(the finished result at `json_path` made with `key`, or None; what changed when other versions made it from
-    the same inputs); a result of other inputs is refused."""
-    from lm_eval_sink.io import read_earlier_output
-
-    if force or not json_path.exists():
-        return None, None
-    old = read_earlier_output(json_path)
-    same, changed = saved_stands(old.get("provenance", {}), identity, key, json_path)
-    if not same and changed is None:
-        raise UserError(
-            f"output already exists with other inputs: {json_path}",
-            "pass --force to overwrite, or choose another --output",
-        )
-    return old if same else None, changed
-
-
 @dataclass(frozen=True, slots=True)
 class _Model:
     """One model of a run: its names, key and result file, and the finished result there to reuse (None: measure)."""
@@ -156,15 +137,25 @@ def _run_locked(
 def _plan(
     models: list[tuple[str, str, str]], settings: StrengthSettings, output: Path, options: MeasureOptions
 ) -> tuple[list[_Model], list[str]]:
-    """Each model's key, result file and result to reuse; a line per model recomputed because other versions made it."""
+    """Each model's key, result file and finished result to reuse; a line per model recomputed because other versions
+    made it; a result of other inputs is refused."""
+    from lm_eval_sink.io import read_earlier_output
     from lm_eval_sink.models import model_fingerprint
 
     plan, lines = [], []
     for name, path, slug in models:
         key = key_of(StrengthWork(path, settings, options.dtype))
         json_path = output / f"{slug}.strength.json"
-        reuse, changed = _reusable(json_path, model_fingerprint(path), key, options.force)
-        plan.append(_Model(name, path, slug, key, json_path, reuse))
+        old, same, changed = None, False, None
+        if not options.force and json_path.exists():
+            old = read_earlier_output(json_path)
+            same, changed = saved_stands(old.get("provenance", {}), model_fingerprint(path), key, json_path)
+            if not same and changed is None:
+                raise UserError(
+                    f"output already exists with other inputs: {json_path}",
+                    "pass --force to overwrite, or choose another --output",
+                )
+        plan.append(_Model(name, path, slug, key, json_path, old if same else None))
         if changed:
             lines.append(f"{slug}: recomputed: {changed}")
     return plan, lines
