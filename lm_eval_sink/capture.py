@@ -276,7 +276,7 @@ def attention_layers(model: Any, probe_ids: Sequence[int]) -> tuple[int, ...]:
     from_config = attention_layers_from_config(model.config)
     if from_config is not None:
         return from_config
-    ids = torch.tensor([list(probe_ids)], dtype=torch.long, device=_input_device(model))
+    ids = torch.tensor([list(probe_ids)], dtype=torch.long, device=next(model.parameters()).device)
     with sink_capture(model, ()) as collector, _last_position_head(model), torch.no_grad():
         model(input_ids=ids, use_cache=False)
     layers = tuple(sorted(x for x in collector.reached if isinstance(x, int)))
@@ -352,10 +352,6 @@ def sink_capture(model: Any, layers: Sequence[int]) -> Iterator[_Collector]:
         for config, value in saved:
             config._attn_implementation_internal = value
         _ACTIVE.reset(token)
-
-
-def _input_device(model: Any) -> torch.device:
-    return next(model.parameters()).device
 
 
 @contextlib.contextmanager
@@ -508,7 +504,7 @@ def capture_prompts(
         )
     if sink_keys is not None:
         _check_sink_keys(sink_keys, encoded, len(layers), int(text_config_of(run.module.config).num_attention_heads))
-    pad_id = next((t for t in (getattr(run.module.config, "pad_token_id", None), 0) if t is not None), 0)
+    pad_id = getattr(run.module.config, "pad_token_id", None) or 0
     out: dict[int, PromptCapture] = {}
     lengths = [len(x) for x in encoded.input_ids]
     batches = batching.batches(lengths) if run.virtual is None else [[i] for i in range(len(lengths))]
@@ -538,7 +534,7 @@ def _capture_batch(
     """One left-padded forward of the prompts `batch` (indices into `encoded`) under the capture; with virtual
     tokens one unpadded prompt through the adapter's forward (peft adds the virtual tokens and their mask)."""
     chunk = [encoded.input_ids[i] for i in batch]
-    ids, mask, position_ids, first_real = _batch(chunk, pad_id, _input_device(model.module))
+    ids, mask, position_ids, first_real = _batch(chunk, pad_id, next(model.module.parameters()).device)
     starts = [ids.shape[1] - len(x) for x in chunk]
     collector.first_real, collector.records = first_real, {}
     if sink_keys is not None:

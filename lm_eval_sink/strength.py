@@ -109,9 +109,9 @@ class StrengthSettings:
         """The settings that decide S (not the batching ones, `RUN_FIELDS`), as given."""
         return {k: v for k, v in asdict(self).items() if k not in RUN_FIELDS}
 
-    def layers_for(self, attention_layers: Sequence[int] | int) -> tuple[int, ...]:
-        """The last K of the model's attention layers (`k_for`); an int n means layers 0..n-1."""
-        att = tuple(range(attention_layers)) if isinstance(attention_layers, int) else tuple(attention_layers)
+    def layers_for(self, attention_layers: Sequence[int]) -> tuple[int, ...]:
+        """The last K of the model's attention layers (`k_for`)."""
+        att = tuple(attention_layers)
         return att[len(att) - k_for(self.last_k, len(att)) :]
 
 
