@@ -21,7 +21,6 @@ from lm_eval_sink.tables import first_few
 
 FINGERPRINT_RULE = "xxh3_128-whole-files-v2"
 SKIPPED_NAMES = frozenset({COMPLETE, FAILED_FILE, *REPORT_FILES.values(), ".lock", ".lock.json"})
-_CHUNK = 8 << 20
 _HASH = re.compile(r"xxh3_128:[0-9a-f]{32}")  # the one form a cached file hash may take
 
 
@@ -41,7 +40,7 @@ def file_hash(path: Path) -> str:
         pass  # absent, torn, another user's or not an entry this function writes: hashed again and replaced
     h = xxhash.xxh3_128()
     with open(path, "rb") as f:
-        while block := f.read(_CHUNK):
+        while block := f.read(8 << 20):
             h.update(block)
     digest = "xxh3_128:" + h.hexdigest()
     try:
@@ -115,23 +114,6 @@ def hub_load_files(files: dict[str, str]) -> dict[str, str]:
     return {n: h for n, h in sorted(top.items()) if n in HUB_LOAD_FILES or n in weights}
 
 
-def _cached_revision(repo_id: str, revision: str | None) -> Any:
-    """huggingface_hub's `CachedRevisionInfo` of `repo_id` at `revision` (a commit sha, branch or tag; default
-    main) in the local HF cache (`scan_cache_dir`), or None when it is not cached."""
-    from huggingface_hub import constants, scan_cache_dir
-    from huggingface_hub.errors import CacheNotFound
-
-    rev = revision or "main"
-    try:
-        cache = scan_cache_dir(constants.HF_HUB_CACHE)
-    except CacheNotFound:
-        return None
-    for repo in cache.repos:
-        if repo.repo_id == repo_id and repo.repo_type == "model":
-            return next((r for r in repo.revisions if r.commit_hash == rev or rev in r.refs), None)
-    return None
-
-
 def snapshot_dir(repo_id: str, sha: str) -> Path | None:
     """The local HF cache folder of one commit of a hub model, or None when its config is not cached."""
     from huggingface_hub import try_to_load_from_cache
@@ -149,9 +131,18 @@ def cached_folder(model: str) -> Path | None:
 
 
 def hub_snapshot(repo_id: str, revision: str | None = None) -> tuple[str, dict[str, str]] | None:
-    """(revision sha, {file a load reads: blob hash, which is its blob's name}) of a hub model (at `revision`, default
-    main) from the local HF cache, or None when not cached."""
-    cached = _cached_revision(repo_id, revision)
+    """(revision sha, {file a load reads: blob hash, which is its blob's name}) of a hub model at `revision` (a commit
+    sha, branch or tag; default main) from the local HF cache (`scan_cache_dir`), or None when not cached."""
+    from huggingface_hub import constants, scan_cache_dir
+    from huggingface_hub.errors import CacheNotFound
+
+    rev = revision or "main"
+    try:
+        cache = scan_cache_dir(constants.HF_HUB_CACHE)
+    except CacheNotFound:
+        return None
+    repo = next((r for r in cache.repos if r.repo_id == repo_id and r.repo_type == "model"), None)
+    cached = next((r for r in repo.revisions if r.commit_hash == rev or rev in r.refs), None) if repo else None
     if cached is None:
         return None
     files = {
