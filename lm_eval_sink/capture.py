@@ -62,9 +62,8 @@ def _allowed_keys(
     device: torch.device,
     rows: slice = slice(None),
 ) -> torch.Tensor:
-    """Bool [batch or 1, heads or 1, query rows, key]: True where the key may be attended. A mask that is not 4-D
-    (sdpa's causal skip: None; flash: 2-D; flex: a BlockMask) is built from causal order, left padding and the
-    layer's sliding window (key > query - window, transformers' convention)."""
+    """Bool [batch or 1, heads or 1, query rows, key]: True where the key may be attended; a mask that is not 4-D is
+    built (docs/architectures.md, "The mask")."""
     if not (isinstance(attention_mask, torch.Tensor) and attention_mask.ndim == 4):
         q = torch.arange(q_len, device=device)[rows, None] + (k_len - q_len)
         k = torch.arange(k_len, device=device)[None, :]
@@ -89,8 +88,7 @@ def _pos0_visible(allowed: torch.Tensor, first_real: torch.Tensor, q_len: int) -
 
 @dataclass(frozen=True, slots=True)
 class _AttentionCall:
-    """What one layer's attention call hands the capture: query and key states, the mask, and the layer's scaling,
-    logit softcap, learned sink logits (`s_aux`) and sliding window (None where it has none)."""
+    """What one layer's attention call hands the capture (None where the layer has none)."""
 
     query: torch.Tensor
     key: torch.Tensor
@@ -214,8 +212,8 @@ def _transformers_changed(what: str) -> UserError:
 
 
 def _register(impl: str) -> str:
-    """Register the capture for delegate `impl` (and the delegate's own mask function) under one name, through
-    transformers' registry API: `register`, and the mapping an instance reads (never `_global_mapping`)."""
+    """Register the capture for delegate `impl` (and its mask function) under one name, through transformers'
+    registry API (never `_global_mapping`)."""
     from collections.abc import Mapping
 
     from transformers import AttentionInterface
@@ -300,17 +298,16 @@ def check_supported_class(cls: type) -> None:
 
 
 def attn_implementation_for(cls: type, config: Any = None) -> str:
-    """The attention implementation to load `cls` with for Sink Strength: sdpa where the class supports it, else
-    eager (learned sinks); eager too where `config` soft-caps attention logits: sdpa's kernel has no soft-capping,
-    and transformers before 5.21 (vLLM's pins) still loads Gemma 2 with sdpa, silently dropping it."""
+    """The attention implementation to load `cls` with for Sink Strength: sdpa where the class supports it and
+    `config` does not soft-cap attention logits (sdpa's kernel drops soft-capping), else eager."""
     if getattr(text_config_of(config), "attn_logit_softcapping", None) is not None:
         return "eager"
     return "sdpa" if getattr(cls, "_supports_sdpa", False) else "eager"
 
 
 def capture_delegate(impl: str, model: Any) -> str:
-    """The implementation the capture hands a model's attention to: its own, a flash one's `attn_implementation_for`
-    (transformers picks the flash kernel by the implementation name, which the capture renames)."""
+    """The implementation the capture hands a model's attention to: its own, or for flash `attn_implementation_for`
+    (docs/architectures.md, "Flash attention")."""
     return attn_implementation_for(type(model), model.config) if "flash" in impl else impl
 
 
@@ -323,9 +320,8 @@ def captured_with(model: Any) -> str:
 
 @contextlib.contextmanager
 def sink_capture(model: Any, layers: Sequence[int]) -> Iterator[_Collector]:
-    """Switch `model` to the capturing attention of its current implementation (None: eager; flash: see
-    `capture_delegate`) for the block; every config's is set back directly after, also on a raise
-    (`set_attn_implementation` would load the flash kernel again)."""
+    """Switch `model` to the capturing attention of its current implementation for the block; every config's is set
+    back directly after, also on a raise (`set_attn_implementation` would load the flash kernel again)."""
     from transformers import PreTrainedModel
 
     check_supported_class(type(model))
@@ -356,8 +352,7 @@ def sink_capture(model: Any, layers: Sequence[int]) -> Iterator[_Collector]:
 
 @contextlib.contextmanager
 def _last_position_head(model: Any) -> Iterator[None]:
-    """For the block, the output head sees the last position only (no [tokens, vocabulary] logits); unlike
-    `logits_to_keep` (Gemma 4's KV-shared layers read it) this changes nothing before the head."""
+    """For the block, the output head sees the last position only (docs/architectures.md, "Positions")."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, torch.nn.Module):
         yield
@@ -445,8 +440,7 @@ def _checked_layers(model: Adapted, encoded: EncodedPrompts, layers: Sequence[in
 
 
 def _check_finite(out: dict[int, PromptCapture], layers: tuple[int, ...], model: Any = None) -> None:
-    """Refuse non-finite sink log-odds, naming their cause: a non-finite weight, float16's range, or activations
-    past the model's dtype; `model` None (a vLLM engine's statistics): the fix names the measurement that finds it."""
+    """Refuse non-finite sink log-odds, naming their cause; `model` None: a vLLM engine's statistics."""
     bad_rows = [
         (j, li) for j in sorted(out) for li in range(len(layers)) if not np.isfinite(out[j].sink_logodds[li]).all()
     ]
@@ -490,8 +484,7 @@ def capture_prompts(
     sink_keys: Sequence[np.ndarray] | None = None,
 ) -> list[PromptCapture]:
     """Per-prompt statistics of `model` under `sink_capture`, in the prompts' order; `batching` changes none of them.
-    `sink_keys`: a fixed sink key per row (one [layer, head, query] int array per prompt, from its first real token).
-    A peft model runs as `adapters.adapted` says (virtual tokens: one prompt per forward)."""
+    `sink_keys`: a fixed sink key per row (one [layer, head, query] int array per prompt, from its first real token)."""
     from tqdm.auto import tqdm
 
     run = adapted(model)
