@@ -17,7 +17,6 @@ from lm_eval_sink.errors import UserError
 from lm_eval_sink.io import json_lines, read_text, sha256_text
 
 ALLOWED_N_PROMPTS = (5, 15)
-DEFAULT_BATCH_TOKENS = 8192  # padded tokens (prompts x longest) per forward
 DEFAULT_QUERY_CHUNK = 128  # query rows whose [row, key] logits the capture holds at once, per layer
 
 
@@ -55,7 +54,7 @@ class Batching:
     `batch_tokens` padded tokens, shortest first; `query_chunk` query rows' logits per layer at a time."""
 
     batch_size: int | None = None
-    batch_tokens: int = DEFAULT_BATCH_TOKENS
+    batch_tokens: int = 8192  # padded tokens (prompts x longest) per forward
     query_chunk: int = DEFAULT_QUERY_CHUNK
 
     def __post_init__(self) -> None:
@@ -141,8 +140,14 @@ def encode_prompts(
     where: tuple[str, ...] = (),
 ) -> EncodedPrompts:
     """Render (chat template + generation prompt) and tokenize each prompt; mark content tokens; `where` for errors."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise UserError(
+            f"{type(tokenizer).__name__} is a slow tokenizer without offsets",
+            "load the model's fast tokenizer (tokenizer.json)",
+        )
     template = getattr(tokenizer, "chat_template", None)
     apply = bool(use_chat_template and template)
+    special_ids = set(tokenizer.all_special_ids)
     ids_out, content_out = [], []
     for prompt in prompts:
         if not prompt.strip():
@@ -163,20 +168,11 @@ def encode_prompts(
         else:
             text, special = prompt, True
             start, end = 0, len(prompt)
-        if not getattr(tokenizer, "is_fast", False):
-            raise UserError(
-                f"{type(tokenizer).__name__} is a slow tokenizer without offsets",
-                "load the model's fast tokenizer (tokenizer.json)",
-            )
         enc = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True)
-        ids = list(enc["input_ids"])
-        # A token is content when its characters lie inside the user message's span.
-        flags = [s < e and s >= start and e <= end for s, e in enc["offset_mapping"]]
-        # Special tokens (BOS added by the tokenizer, role markers) never count as content.
-        special_ids = set(tokenizer.all_special_ids)
-        flags = [f and tid not in special_ids for f, tid in zip(flags, ids, strict=True)]
-        ids_out.append(tuple(ids))
-        content_out.append(tuple(flags))
+        # Content: a token whose characters lie inside the user message's span, never a special token (BOS, roles).
+        pairs = zip(enc["input_ids"], enc["offset_mapping"], strict=True)
+        ids_out.append(tuple(enc["input_ids"]))
+        content_out.append(tuple(start <= s < e <= end and t not in special_ids for t, (s, e) in pairs))
     return EncodedPrompts(
         input_ids=tuple(ids_out),
         content_mask=tuple(content_out),

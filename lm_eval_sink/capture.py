@@ -12,7 +12,7 @@ import contextvars
 import re
 import sys
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -41,16 +41,16 @@ class PromptCapture:
     pos0_visible: np.ndarray | None = None  # [layer, query]; None: not recorded (older payloads)
 
 
+@dataclass(slots=True)
 class _Collector:
     """Per-batch store that the attention function fills, one layer at a time."""
 
-    def __init__(self, layers: set[int]) -> None:
-        self.layers = layers
-        self.first_real: torch.Tensor | None = None  # [batch] index of each row's first real token
-        self.query_chunk = Batching().query_chunk
-        self.records: dict[int, tuple[torch.Tensor, ...]] = {}
-        self.fixed_keys: dict[int, torch.Tensor] | None = None  # layer -> [batch, head, query] key index, -2 = argmax
-        self.reached: set[int] = set()  # layers whose attention called the capture
+    layers: set[int]
+    first_real: torch.Tensor | None = None  # [batch] index of each row's first real token
+    query_chunk: int = Batching().query_chunk
+    records: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    fixed_keys: dict[int, torch.Tensor] | None = None  # layer -> [batch, head, query] key index, -2 = argmax
+    reached: set[int] = field(default_factory=set)  # layers whose attention called the capture
 
 
 def _allowed_keys(

@@ -221,7 +221,7 @@ _GGUF_AGAIN = "copy or download the file again (compare its size and checksum wi
 
 def pretrained_args(path: str | Path) -> tuple[str, dict[str, str]]:
     """What transformers' `from_pretrained` takes for a resolved model: (path, {}), or for a GGUF file (its folder,
-    {"gguf_file": its name}), which transformers dequantizes as it loads."""
+    {"gguf_file": its name})."""
     if is_gguf(path):
         return str(Path(path).parent), {"gguf_file": Path(path).name}
     return str(path), {}
@@ -304,17 +304,6 @@ def check_config(path: Path) -> dict[str, Any]:
     return data
 
 
-def _hub_folder(repo_id: str, offline: bool) -> str | None:
-    """The local snapshot folder of a hub model (downloaded unless offline), or None when there is none."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
-
-    try:
-        return snapshot_download(repo_id=repo_id, allow_patterns=list(_HUB_PATTERNS), local_files_only=offline)
-    except (HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError):
-        return None
-
-
 @dataclass(frozen=True, slots=True)
 class ResolvedModel:
     """A resolved model and, for a peft adapter folder, its resolved base and virtual tokens (else None)."""
@@ -348,7 +337,14 @@ def resolved(
     path = Path(text).expanduser()
     check_finished_folder(path)
     if path.is_file() and is_gguf(path):
-        return ResolvedModel(_gguf_model(path, role, allow_gguf))
+        if not allow_gguf:
+            raise UserError(
+                f"{path}: a GGUF file, where this command needs a {role} folder (strength, screen, margin and "
+                "protect-plan read GGUF files themselves)",
+                f"convert it once: lm-eval-sink models convert {path} FOLDER, and pass FOLDER",
+            )
+        check_gguf(path)
+        return ResolvedModel(str(path.resolve()))
     if path.exists():
         folder = str(_checked_folder(path, role))
         if (path / ADAPTER_CONFIG).is_file() and not allow_adapter:
@@ -358,12 +354,15 @@ def resolved(
                 "folder; lm-eval takes the pair as pretrained=BASE,peft=ADAPTER",
             )
         return with_adapter(folder)
-    from huggingface_hub import is_offline_mode
+    from huggingface_hub import is_offline_mode, snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     offline = is_offline_mode()
     looks_like_id = looks_like_hub_id(text)
     if looks_like_id and local:
-        folder = _hub_folder(text, offline)
+        folder = None
+        with contextlib.suppress(HFValidationError, LocalEntryNotFoundError, RepositoryNotFoundError):  # none there
+            folder = snapshot_download(repo_id=text, allow_patterns=list(_HUB_PATTERNS), local_files_only=offline)
         if folder is not None:
             return resolved(folder, role, allow_adapter=allow_adapter)
     elif looks_like_id and (not offline or hub_snapshot(text) is not None):
@@ -378,22 +377,9 @@ def resolved(
     )
 
 
-def _gguf_model(path: Path, role: str, allowed: bool) -> str:
-    """A GGUF file as a model, where the command loads it (`load_model`); else the one line naming the conversion."""
-    if not allowed:
-        raise UserError(
-            f"{path}: a GGUF file, where this command needs a {role} folder (strength, screen, margin and "
-            "protect-plan read GGUF files themselves)",
-            f"convert it once: lm-eval-sink models convert {path} FOLDER, and pass FOLDER",
-        )
-    check_gguf(path)
-    return str(path.resolve())
-
-
 def with_adapter(path: str) -> ResolvedModel:
-    """`path` with, for a peft adapter folder, its resolved base model (`base_model_name_or_path` in its
-    adapter_config.json) and its virtual tokens (`adapters.config_virtual_tokens`); both None for any other model.
-    An adapter Sink Strength cannot be measured on is refused (`adapters`)."""
+    """`path` with, for a peft adapter folder, its resolved base model and its virtual tokens
+    (`adapters.config_virtual_tokens`, which refuses an adapter S cannot be measured on); else both None."""
     config = Path(path) / ADAPTER_CONFIG
     if not config.is_file():
         return ResolvedModel(path)
@@ -466,8 +452,7 @@ def causal_class(config: Any) -> type | None:
 
 
 def attention_args(config: Any) -> dict[str, str]:
-    """The `attn_implementation` the capture measures a config's causal-LM class with (one line for a class it cannot
-    measure); none for remote code."""
+    """The `attn_implementation` the capture measures a config's causal-LM class with; none for remote code."""
     from lm_eval_sink.capture import attn_implementation_for, check_supported_class
 
     cls = causal_class(config)
@@ -490,9 +475,8 @@ def load_checkpoint(
 
 
 def _causal_config(path: str, source: str, args: dict[str, str]) -> dict[str, Any]:
-    """The config of the model at `path`, read from `source` (an adapter's base) with `args` (revision, gguf_file),
-    and the attention implementation to load it with, as `load_checkpoint`'s arguments; one line, before any weight
-    is read, unless it is a causal LM's whose class the capture can measure."""
+    """`load_checkpoint`'s config and attention arguments for the model at `path`, its config read from `source`
+    with `args`; one line, before any weight is read, unless it is a causal LM the capture can measure."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
