@@ -29,8 +29,7 @@ def check_device(device: str) -> str:
 
 
 def resolve_device(device: str) -> tuple[str, ...]:
-    """The devices `device` names on this machine: `auto` every visible GPU (cuda:0, cuda:1, ...), else the
-    CPU; `cuda` the current GPU; `cuda:N` that GPU. A GPU that is not there is the one-line error."""
+    """The devices `device` names on this machine (`auto`: every visible GPU, else the CPU; `cuda`: the current GPU)."""
     import torch
 
     check_device(device)
@@ -119,8 +118,7 @@ def _total_memory(devices: tuple[str, ...]) -> dict[str, int]:
 
 def empty_model(model_class: Any, config: Any, dtype: Any, **remote: Any) -> Any:
     """A `model_class` model of `config` in `dtype` on the meta device: its modules and sizes, no memory, no weight.
-    `remote`: `trust_remote_code` and `revision` as the load gets them, for an Auto class whose config names the
-    model's own code (`auto_map`); without them transformers would ask on the terminal."""
+    `remote`: `trust_remote_code` and `revision` as the load gets them (else transformers asks on the terminal)."""
     import copy
     import functools
 
@@ -137,8 +135,8 @@ def empty_model(model_class: Any, config: Any, dtype: Any, **remote: Any) -> Any
 
 
 def gpu_map(empty: Any, free: dict[str, int]) -> dict[str, str]:
-    """accelerate's balanced device map of the meta model `empty` over the GPUs of `free` (free bytes each, e.g.
-    {"cuda:0": ..., "cuda:1": ...}); what does not fit them is mapped to "disk"."""
+    """accelerate's balanced device map of the meta model `empty` over the GPUs of `free` (free bytes each); what
+    does not fit them is mapped to "disk"."""
     from transformers.integrations.accelerate import get_balanced_memory, infer_auto_device_map
 
     budget = {int(d.partition(":")[2]): v for d, v in free.items()}
@@ -180,8 +178,7 @@ def load_dtype(config: Any, dtype: Any) -> Any:
 
 
 def check_not_tensor_parallel(model: Any) -> None:
-    """Refuse, before any forward, a tensor-parallel model: each rank's attention holds only its share of the
-    heads, so a Sink Strength measured there would cover those heads only."""
+    """Refuse, before any forward, a tensor-parallel model (each rank's attention holds only its share of heads)."""
     tp = getattr(model, "tp_size", None) or 1
     if tp > 1:
         raise UserError(

@@ -66,8 +66,7 @@ def k_for(last_k: int | str | None, n_attention_layers: int) -> int:
 
 
 def absent_sink_note(sink_strength: float, pos0_argmax_fraction: float) -> str | None:
-    """The note for a model with effectively no attention sink (position 0 the argmax in under a quarter of rows
-    and S < 0: random or broken weights), whose S ranks nothing; None for any other model."""
+    """The note for a model with effectively no attention sink, whose S ranks nothing; None for any other model."""
     if sink_strength >= 0 or pos0_argmax_fraction >= ABSENT_POS0_FRACTION:
         return None
     return (
@@ -120,8 +119,8 @@ RUN_FIELDS = tuple(f.name for f in fields(StrengthSettings) if f.metadata == UNK
 
 @dataclass(frozen=True, slots=True)
 class StrengthWork(Work):
-    """What `strength` and `screen` hand to `measure_model` (one model's S), with the code that chooses the settings
-    and computes S and the packages that do (peft applies an adapter), for its key (`keys.key_of`)."""
+    """What `strength` and `screen` hand to `measure_model` (one model's S), for its key (`keys.key_of`); peft applies
+    an adapter."""
 
     CODE = (__name__, "lm_eval_sink.commands.strength", "lm_eval_sink.commands.screen")
     PACKAGES = ("torch", "transformers", "peft")
@@ -267,8 +266,8 @@ def measure(
     progress: bool = True,
     provenance: dict[str, Any] | None = None,
 ) -> SinkStrength:
-    """Sink Strength of a loaded model: encode the calibration prompts, capture, reduce. A peft model is measured
-    as `adapters.adapted` says; an adapter's virtual tokens are described in the provenance (`virtual_tokens`)."""
+    """Sink Strength of a loaded model (a peft model as `adapters.adapted` says): encode the calibration prompts,
+    capture, reduce."""
     from lm_eval_sink.adapters import adapted
     from lm_eval_sink.calibration import encoded_prompts
     from lm_eval_sink.capture import attention_layers, capture_prompts, captured_with, n_layers_of

@@ -42,8 +42,7 @@ def run_strength(
     names: list[str], slugs: list[str], settings: StrengthSettings, output, options: MeasureOptions = MeasureOptions()
 ) -> list[str]:
     """Measure each model (or reuse its result) into `<slug>.strength.json` + `<slug>.heatmap.png` in `output`, and
-    with several the `ranking.*` files; the lines to print. `options.measure_all` measures every model to (re)do
-    at once (e.g. one Ray task each), else each is measured here, in turn."""
+    with several the `ranking.*` files (`options.measure_all`: all at once); the lines to print."""
     from lm_eval_sink.calibration import load_prompts
     from lm_eval_sink.locks import hold
     from lm_eval_sink.models import resolve_model
