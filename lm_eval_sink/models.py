@@ -29,8 +29,6 @@ DEFAULT_MODEL = "default"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_DTYPE = "auto"  # the dtype the model's config names
 DTYPES = (DEFAULT_DTYPE, "float32", "bfloat16", "float16")
-_WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
-_ADAPTER_GLOBS = ("adapter_model.safetensors", "adapter_model.bin")
 _HUB_PATTERNS = ("*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken")
 
 
@@ -204,19 +202,17 @@ def check_gguf(path: Path) -> None:
     says (cut short by a copy or a download), in one line naming the file."""
     import struct
 
+    again = "copy or download the file again (compare its size and checksum with the source's)"
     size = Path(path).stat().st_size
     try:
         end = _gguf_header(path)[2]
     except (struct.error, KeyError, ValueError, OverflowError, MemoryError) as e:
         why = "it ends inside its header" if isinstance(e, struct.error) else f"its header does not parse ({e!r})"
-        raise UserError(f"{path}: a damaged GGUF file: {why}", _GGUF_AGAIN) from None
+        raise UserError(f"{path}: a damaged GGUF file: {why}", again) from None
     if end > size:
         raise UserError(
-            f"{path}: a GGUF file cut short: its header describes {end:,} bytes, the file holds {size:,}", _GGUF_AGAIN
+            f"{path}: a GGUF file cut short: its header describes {end:,} bytes, the file holds {size:,}", again
         )
-
-
-_GGUF_AGAIN = "copy or download the file again (compare its size and checksum with the source's)"
 
 
 def pretrained_args(path: str | Path) -> tuple[str, dict[str, str]]:
@@ -233,7 +229,8 @@ def _checked_folder(path: Path, role: str) -> Path:
         raise _not_a_folder(path, role)
     adapter = (path / ADAPTER_CONFIG).is_file()
     missing = [] if adapter or (path / "config.json").is_file() else ["config.json"]
-    if not any(next(path.glob(g), None) for g in (_ADAPTER_GLOBS if adapter else _WEIGHT_GLOBS)):
+    globs = ("adapter_model.safetensors", "adapter_model.bin") if adapter else ("*.safetensors", "pytorch_model*.bin")
+    if not any(next(path.glob(g), None) for g in globs):
         missing.append("adapter weights (adapter_model.safetensors)" if adapter else "weights (*.safetensors)")
     if missing:
         names = sorted(p.name for p in path.iterdir())
