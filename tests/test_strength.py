@@ -18,10 +18,6 @@ from lm_eval_sink.strength import StrengthSettings, measure
 FAMILIES = ["llama", "qwen3", "olmo2"]
 
 
-def _lengths(tok, n=None):
-    return [len(x) for x in encode_prompts(tok, load_prompts(None, n).prompts).input_ids]
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("statistic", ["median", "mean"])
 @pytest.mark.parametrize(("last_k", "layers"), [(2, (1, 2)), (10, (0, 1, 2))], ids=["2", "10 clipped to 3"])
@@ -29,7 +25,8 @@ def test_closed_form(family, statistic, last_k, layers, tiny_tokenizer):
     model = sm.build(family, n_layers=3, bos_id=tiny_tokenizer.bos_token_id)
     res = measure(model, tiny_tokenizer, StrengthSettings(last_k=last_k, statistic=statistic), progress=False)
     k = len(layers)
-    want, per = sm.expected_strength(family, 3, _lengths(tiny_tokenizer), last_k=k, statistic=statistic)
+    lengths = [len(x) for x in encode_prompts(tiny_tokenizer, load_prompts().prompts).input_ids]
+    want, per = sm.expected_strength(family, 3, lengths, last_k=k, statistic=statistic)
     assert res.sink_strength == pytest.approx(want, abs=1e-5)
     np.testing.assert_allclose(np.array(res.sink_strength_layer_head), per, atol=1e-5)
     assert res.layers == layers and res.last_k == k and res.n_layers == 3 and res.n_heads == sm.N_HEADS
