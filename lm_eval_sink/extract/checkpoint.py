@@ -98,7 +98,7 @@ class ShardWriter:
             offset += entry_bytes(entry)
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
         raw += b" " * (-len(raw) % 8)
-        self.path, self.nbytes = path, offset
+        self.path = path
         self._order = entries
         self._next = 0
         self._f = open(path, "wb")

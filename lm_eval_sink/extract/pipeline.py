@@ -66,7 +66,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SHARD_BYTES = 5 * 1024**3
 REPORT_FILE = REPORT_FILES["extract"]
-_MARKER_FILES = (COMPLETE, FAILED_FILE, *REPORT_FILES.values())
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 # A tokenizer's files, copied verbatim; the processor's chat_template.json is converted instead (`copy_tokenizer`).
 _TOKENIZER_COPY = (*(n for n in TOKENIZER_FILES if n != "chat_template.json"), "spiece.model")
@@ -111,7 +110,7 @@ class ExtractionReport:
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)  # the verification as its fields; tuples are written as JSON lists
-        out["provenance"] = provenance(tool=f"lm-eval-sink {self.operation}", code_versions=code_versions())
+        out["provenance"] = provenance(tool=f"lm-eval-sink {self.operation}", code_versions=key_versions(ExtractCode))
         return out
 
 
@@ -125,22 +124,6 @@ class _Vlm:
     tensors: dict[str, Tensor]
     plan: Plan
 
-    def report_fields(self) -> dict[str, Any]:
-        """The report fields both directions take from the VLM and its plan (the VLM's fingerprint included)."""
-        plan = self.plan
-        return {
-            "vlm": model_fingerprint(str(self.folder)),
-            "family": self.family.name,
-            "variant": plan.variant.name,
-            "architecture_file": self.family.file,
-            "architecture_sha256": self.family.sha256,
-            "source_class": plan.source_class,
-            "target_class": plan.target_class,
-            "target_model_type": plan.target_config.model_type,
-            "tensors_ignored": len(plan.ignored),
-            "dropped_config_keys": plan.dropped_config_keys,
-        }
-
 
 @dataclass(frozen=True, slots=True)
 class _Job:
@@ -153,13 +136,6 @@ class _Job:
     side_files: Callable[[Path], dict[str, Any]]  # writes the other files into the staging folder: report fields
     verify: Callable[[Path], Verification] | None  # checks the staging folder
     fields: dict[str, Any]  # the direction's report fields known before writing
-
-
-def _output(out_dir: str | Path, force: bool, inputs: list[str | Path]) -> Path:
-    """OUT_DIR, refused before any work when it is in the way or overlaps an input (`outputs.check_output_dir`)."""
-    out = Path(out_dir).expanduser()
-    check_output_dir(out, force, "OUT_DIR", inputs=inputs)
-    return out
 
 
 def _resolve(name: str | Path, role: str, out: Path) -> Path:
@@ -188,7 +164,20 @@ def _write(job: _Job, vlm: _Vlm, out: Path, *, force: bool, start: float, progre
     """Stage `out`, write the other files and the streamed shards, verify, report and mark the folder."""
     from tqdm.auto import tqdm
 
-    fields = {**vlm.report_fields(), **job.fields}
+    plan = vlm.plan
+    fields = {
+        "vlm": model_fingerprint(str(vlm.folder)),
+        "family": vlm.family.name,
+        "variant": plan.variant.name,
+        "architecture_file": vlm.family.file,
+        "architecture_sha256": vlm.family.sha256,
+        "source_class": (vlm.config.architectures or [vlm.family.vlm_class])[0],
+        "target_class": plan.target_class,
+        "target_model_type": plan.target_config.model_type,
+        "tensors_ignored": len(plan.ignored),
+        "dropped_config_keys": plan.dropped_config_keys,
+        **job.fields,
+    }
     meta = {"format": "pt", "lm_eval_sink": job.operation, "source_family": vlm.family.name}
     n_tensors = sum(len(entries) for _, entries in job.layout)
     with staged_dir(out, force=force) as tmp:
@@ -232,11 +221,6 @@ class ExtractCode(Work):
     PACKAGES = ("torch", "transformers", "safetensors")
 
 
-def code_versions() -> dict[str, Any]:
-    """The code and package versions an extraction or injection records (`ExtractCode`)."""
-    return key_versions(ExtractCode)
-
-
 def _finish(tmp: Path, report: ExtractionReport) -> None:
     report_file = REPORT_FILES[report.operation]
     atomic_write_json(tmp / report_file, report.to_json())
@@ -246,7 +230,7 @@ def _finish(tmp: Path, report: ExtractionReport) -> None:
         "status": report.status,
         "verified": report.verification is not None and report.verification.passed,
         "report": report_file,
-        "code_versions": code_versions(),
+        "code_versions": key_versions(ExtractCode),
     }
     if report.status == "failed":
         marker["reason"] = report.verification.reason if report.verification else None
@@ -334,10 +318,6 @@ def _backbone_files(vlm: Path, config: Any, tmp: Path) -> dict[str, Any]:
     return {**tok, "notes": notes}
 
 
-def _cast(t: torch.Tensor, want: torch.dtype | None) -> torch.Tensor:
-    return t.to(want) if want is not None and t.is_floating_point() and t.dtype != want else t
-
-
 def _forward(
     plan: Plan, tensors: dict[str, Tensor], reader: Reader, skip: set[str], cast: torch.dtype | None
 ) -> _Stream:
@@ -352,7 +332,7 @@ def _forward(
             )
             for t, x in zip(unit.targets, outs, strict=True):
                 if t not in skip:
-                    yield t, _cast(x, cast)
+                    yield t, x.to(cast) if cast is not None and x.is_floating_point() else x
             del outs  # free this unit's tensors before the next one is read
     finally:
         reader.close()
@@ -375,7 +355,8 @@ def extract_backbone(
     start = time.perf_counter()
     if dtype not in DTYPE_CHOICES:
         raise UserError(f"unknown dtype {dtype!r}", f"use one of {', '.join(DTYPE_CHOICES)}")
-    out = _output(out_dir, force, [vlm_path])
+    out = Path(out_dir).expanduser()
+    check_output_dir(out, force, "OUT_DIR", inputs=[vlm_path])
     vlm = _read_vlm(_resolve(vlm_path, "VLM", out), family)
     plan, tensors = vlm.plan, vlm.tensors
     out_dtype = output_dtype(dtype, tensors, plan.units)
@@ -419,7 +400,12 @@ def extract_backbone(
 def _copy_vlm_files(vlm: Path, tmp: Path) -> dict[str, Any]:
     """Every VLM file but the weights and this package's markers and reports (processor, chat template, tokenizer)."""
     for item in sorted(vlm.iterdir()):
-        if item.name.endswith(".safetensors") or item.name in (INDEX_FILE, *_MARKER_FILES):
+        if item.name.endswith(".safetensors") or item.name in (
+            INDEX_FILE,
+            COMPLETE,
+            FAILED_FILE,
+            *REPORT_FILES.values(),
+        ):
             continue
         if item.is_dir():
             shutil.copytree(item, tmp / item.name)
@@ -482,7 +468,8 @@ def inject_backbone(
     """Write a copy of the VLM at `out_dir` whose language model is the given backbone: the VLM's other files, shard
     layout, tensor names and dtypes kept, its vision tensors unchanged; verified like `extract_backbone`."""
     start = time.perf_counter()
-    out = _output(out_dir, force, [vlm_path, backbone_path])
+    out = Path(out_dir).expanduser()
+    check_output_dir(out, force, "OUT_DIR", inputs=[vlm_path, backbone_path])
     folder = _resolve(vlm_path, "VLM", out)
     backbone = _resolve(backbone_path, "backbone", out)
     vlm = _read_vlm(folder, family)

@@ -80,7 +80,6 @@ class Unit:
 class Plan:
     """Everything decided before data moves: target config, tensor map, tying."""
 
-    family: Family
     variant: Variant
     target_config: Any  # transformers PretrainedConfig of the target causal LM
     target_class: str
@@ -93,7 +92,6 @@ class Plan:
     ignored: tuple[str, ...]
     dropped_config_keys: tuple[str, ...]
     dropped_rows: dict[str, int]  # first target of a drop_rest unit -> rows kept out of the backbone
-    source_class: str
 
 
 def _claim(
@@ -215,9 +213,7 @@ def make_plan(vlm_config: Any, tensors: dict[str, Tensor], family: Family, path:
     want = {k for k in expected if not (tied and k == head)}
     _check_names(want, produced, target_class, family, path)
     dropped_rows = _check_shapes(units, tensors, expected, target_class, path)
-    source_class = (vlm_config.architectures or [family.vlm_class])[0]
     return Plan(
-        family=family,
         variant=variant,
         target_config=config,
         target_class=target_class,
@@ -230,7 +226,6 @@ def make_plan(vlm_config: Any, tensors: dict[str, Tensor], family: Family, path:
         ignored=tuple(ignored),
         dropped_config_keys=tuple(dropped),
         dropped_rows=dropped_rows,
-        source_class=source_class,
     )
 
 
