@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.outputs import COMPLETE
+from lm_eval_sink.outputs import COMPLETE, FAILED_FILE, REPORT_FILES
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,8 +26,6 @@ class ExtractOutcome:
 
 def _outcome(report: Any) -> ExtractOutcome:
     """The lines of an extract/inject report; a failed verification becomes its failure."""
-    from lm_eval_sink.extract.pipeline import FAILED_FILE, REPORT_FILES
-
     what = "extracted" if report.operation == "extract" else "injected"
     head = "tied head" if report.tied_embeddings else "untied head"
     lines = [

@@ -1,7 +1,4 @@
-"""VLM family files (`lm_eval_sink/architectures/<family>.json`), read strictly through the schema layer: unknown
-keys, bad regexes and templates using a group their pattern lacks are errors naming the file and the key
-(docs/extraction.md, 'Adding a VLM family').
-"""
+"""VLM family files, read strictly through the schema layer (docs/extraction.md, 'Adding a VLM family')."""
 
 from __future__ import annotations
 

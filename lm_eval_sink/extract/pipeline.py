@@ -1,8 +1,4 @@
-"""The one pipeline extract and inject share (docs/extraction.md): refuse OUT_DIR, resolve and read the VLM, plan,
-then build OUT_DIR staged (`outputs.staged_dir`): the other files, the shards streamed tensor by tensor, the
-verification and the report, marked COMPLETE.json or FAILED.json. With `checkpoint`, the only module here that opens
-files; a direction (`_Job`) supplies its layout, tensor stream, other files and which folder is the VLM when verified.
-"""
+"""The one pipeline extract and inject share (docs/extraction.md, 'Package layout')."""
 
 from __future__ import annotations
 
@@ -47,7 +43,7 @@ from lm_eval_sink.extract.plan import (
 from lm_eval_sink.extract.rules import forward_rule, inverse_rule
 from lm_eval_sink.extract.verify import PROBE_TEXT, Verification, compare, logits, multimodal_token_ids, probe_ids
 from lm_eval_sink.identity import TOKENIZER_FILES
-from lm_eval_sink.io import atomic_write_json, atomic_write_text, read_json
+from lm_eval_sink.io import atomic_write_json, atomic_write_text, read_json, saved_object
 from lm_eval_sink.keys import Work, key_versions
 from lm_eval_sink.outputs import (
     COMPLETE,
@@ -271,14 +267,9 @@ def _verify(vlm_dir: Path, vlm_class: str, lm_dir: Path, dtype: torch.dtype, ids
 
 def _processor_chat_template(folder: Path) -> tuple[str | None, str | None]:
     for name in ("chat_template.json", "processor_config.json"):
-        p = folder / name
-        if p.is_file():
-            try:
-                template = read_json(p).get("chat_template")
-            except (UserError, AttributeError):
-                template = None
-            if isinstance(template, str) and template:
-                return template, name
+        template = (saved_object(folder / name) or {}).get("chat_template")
+        if isinstance(template, str) and template:
+            return template, name
     return None, None
 
 

@@ -1,7 +1,4 @@
-"""Planning: everything decided from configs and safetensors headers before any data moves: which rule claims each
-tensor, the target config, the names and shapes `save_pretrained` of the target class writes (on the meta device,
-so a missing, extra or mis-shaped tensor is reported first), tying, and the output layout.
-"""
+"""Planning: what becomes what, decided from configs and headers before any data moves (docs/extraction.md)."""
 
 from __future__ import annotations
 
@@ -176,25 +173,19 @@ def _target_config(
 def _expected_tensors(config: Any) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
     """Names and shapes `save_pretrained` writes for this config, and the tie map {head: embedding}."""
     from transformers import AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    state = model.state_dict()
     tie_map = dict(getattr(model, "all_tied_weights_keys", {}) or {})
-    try:  # on-disk names and layouts (e.g. per-expert MoE tensors) differ from in-memory ones
-        from transformers.core_model_loading import revert_weight_conversion
-
-        state = revert_weight_conversion(model, state)
-    except ImportError:  # older transformers: in-memory names are the on-disk names
-        pass
+    # on-disk names and layouts (e.g. per-expert MoE tensors) differ from in-memory ones
+    state = revert_weight_conversion(model, model.state_dict())
     return {k: tuple(v.shape) for k, v in state.items()}, tie_map
 
 
 def make_plan(vlm_config: Any, tensors: dict[str, Tensor], family: Family, path: Path) -> Plan:
-    """Match the checkpoint's tensors to the target class and decide tying, before any data moves.
-
-    `vlm_config`: the VLM's transformers config; `path` names the VLM in errors.
-    """
+    """Match the checkpoint's tensors to the target class and decide tying, before any data moves (`vlm_config`: the
+    VLM's transformers config; `path` names the VLM in errors)."""
     text_config = getattr(vlm_config, family.text_config, None)
     if text_config is None:
         raise UserError(
@@ -210,8 +201,13 @@ def make_plan(vlm_config: Any, tensors: dict[str, Tensor], family: Family, path:
     head, head_source = next(iter(tie_map.items()), (None, None))
     vlm_ties = bool(getattr(vlm_config, "tie_word_embeddings", False))
     tied = _ties_absent_head(head, produced, vlm_ties, path)
-    want = {k for k in expected if not (tied and k == head)}
-    _check_names(want, produced, target_class, family, path)
+    want = {k for k in expected if not (tied and k == head)}  # the names the target class saves
+    listed = _listed(("missing", sorted(want - set(produced))), ("unexpected", sorted(set(produced) - want)))
+    if listed:
+        raise UserError(
+            f"{path}: the language tensors do not form a {target_class} ({listed})",
+            f"the checkpoint does not match architectures/{family.name}.json; extend its rules",
+        )
     dropped_rows = _check_shapes(units, tensors, expected, target_class, path)
     return Plan(
         variant=variant,
@@ -254,16 +250,6 @@ def _ties_absent_head(head: str | None, produced: dict[str, str], vlm_ties: bool
             "the checkpoint is incomplete",
         )
     return True
-
-
-def _check_names(want: set[str], produced: dict[str, str], target_class: str, family: Family, path: Path) -> None:
-    """The produced tensor names must be exactly the ones the target class saves (`want`)."""
-    listed = _listed(("missing", sorted(want - set(produced))), ("unexpected", sorted(set(produced) - want)))
-    if listed:
-        raise UserError(
-            f"{path}: the language tensors do not form a {target_class} ({listed})",
-            f"the checkpoint does not match architectures/{family.name}.json; extend its rules",
-        )
 
 
 def _listed(*groups: tuple[str, list[str]]) -> str:

@@ -1,6 +1,4 @@
-"""Verification by round-trip logits: a fixed text-only probe through the VLM's own forward and the standalone
-backbone, passing within a per-dtype tolerance (`TOLERANCES`) with no missing, unexpected or mismatched keys.
-"""
+"""Verification by round-trip logits on a fixed probe (docs/extraction.md, 'Verification')."""
 
 from __future__ import annotations
 
