@@ -1,6 +1,5 @@
-"""peft adapters under Sink Strength: weight adapters (LoRA, ...) measured through the adapted base, prompt learning
-(prompt tuning, p-tuning, prefix tuning) through peft's own forward with its virtual tokens, one prompt at a time;
-adaption prompts and other prompt-learning methods refused in one line (docs/architectures.md, 'Adapters').
+"""peft adapters under Sink Strength: how each method is measured, or refused in one line (docs/architectures.md,
+'Adapters (peft)').
 """
 
 from __future__ import annotations
