@@ -49,14 +49,12 @@ def _outcome(report: Any) -> ExtractOutcome:
     marker = COMPLETE if report.ok else FAILED_FILE
     report_file = REPORT_FILES[report.operation]
     lines.append(f"wrote {report.output} ({report_file}, {marker})")
-    failure = (
-        None
-        if report.ok
-        else UserError(
-            f"verification failed: {v.reason}; the output is kept at {report.output} and marked failed "
-            f"({FAILED_FILE}, no {COMPLETE})",
-            f"see {report_file} for the tensor mapping; the architecture rules do not reproduce this VLM's text path",
-        )
+    if report.ok:
+        return ExtractOutcome(lines=tuple(lines), failure=None)
+    failure = UserError(
+        f"verification failed: {v.reason}; the output is kept at {report.output} and marked failed "
+        f"({FAILED_FILE}, no {COMPLETE})",
+        f"see {report_file} for the tensor mapping; the architecture rules do not reproduce this VLM's text path",
     )
     return ExtractOutcome(lines=tuple(lines), failure=failure)
 

@@ -33,9 +33,6 @@ class TensorRule(Strict):
     def _one_or_many(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
 
-    def patterns(self) -> tuple[re.Pattern[str], ...]:
-        return tuple(re.compile(p) for p in self.sources)
-
 
 class TargetSpec(Strict):
     """How the causal-LM config is derived from the VLM's text config (`model_type` None: the text config's own)."""
@@ -85,9 +82,6 @@ class Family(_FamilyIn):
 
     file: str
     sha256: str
-
-    def ignore_patterns(self) -> tuple[re.Pattern[str], ...]:
-        return tuple(re.compile(p) for p in self.ignore)
 
 
 def _bad(file: str, what: str) -> UserError:
@@ -174,11 +168,7 @@ def family_for(config: dict[str, Any], path: Path) -> Family:
             return fam
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    if (
-        model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-        and "vision_config" not in config
-        and "text_config" not in config
-    ):
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not {"vision_config", "text_config"} & config.keys():
         raise UserError(
             f"{path}: model type {model_type!r} is a text-only causal LM, not a VLM",
             "evaluate or merge it as it is; extract takes a vision-language model",

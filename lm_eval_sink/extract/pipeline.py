@@ -32,6 +32,7 @@ from lm_eval_sink.extract.families import Family, family_for
 from lm_eval_sink.extract.plan import (
     DTYPE_CHOICES,
     Plan,
+    Unit,
     check_backbone,
     extract_layout,
     make_plan,
@@ -62,6 +63,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_SHARD_BYTES = 5 * 1024**3
 REPORT_FILE = REPORT_FILES["extract"]
+_MARKER_FILES = (COMPLETE, FAILED_FILE, *REPORT_FILES.values())
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 # A tokenizer's files, copied verbatim; the processor's chat_template.json is converted instead (`copy_tokenizer`).
 _TOKENIZER_COPY = (*(n for n in TOKENIZER_FILES if n != "chat_template.json"), "spiece.model")
@@ -210,8 +212,7 @@ def _write(job: _Job, vlm: _Vlm, out: Path, *, force: bool, start: float, progre
 
 @dataclass(frozen=True, slots=True)
 class ExtractCode(Work):
-    """What an extraction or injection records of the code that made it (`code_versions` in its report and marker):
-    the hashes of this module and all it imports and reads (the tensor rules, the family files), these packages'."""
+    """The code an extraction or injection records in its report and marker (`code_versions`: `keys.key_versions`)."""
 
     CODE = (__name__,)
     PACKAGES = ("torch", "transformers", "safetensors")
@@ -235,23 +236,17 @@ def _finish(tmp: Path, report: ExtractionReport) -> None:
         write_complete(tmp, marker)
 
 
-def _probe(tokenizer_dir: Path, vlm: _Vlm) -> list[int]:
-    """The probe ids, from the tokenizer in `tokenizer_dir` when it has one."""
+def _verify(vlm: _Vlm, vlm_dir: Path, lm_dir: Path, dtype: torch.dtype, tokenizer_dir: Path) -> Verification:
+    """Load the VLM, run the probe (tokenized by `tokenizer_dir`'s tokenizer when it has one), free it; load the
+    backbone, run the probe; compare. (transformers' loading bars follow `--quiet`, decided once in cli.py.)"""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tokens: list[int] = []
     if any((tokenizer_dir / n).is_file() for n in _TOKENIZER_FILES):
-        from transformers import AutoTokenizer
-
         tokens = list(AutoTokenizer.from_pretrained(tokenizer_dir)(PROBE_TEXT)["input_ids"])
-    return probe_ids(tokens, int(vlm.plan.target_config.vocab_size), multimodal_token_ids(vlm.config))
-
-
-def _verify(vlm_dir: Path, vlm_class: str, lm_dir: Path, dtype: torch.dtype, ids: list[int]) -> Verification:
-    """Load the VLM, run the probe, free it; load the backbone, run the probe; compare. (transformers' loading bars
-    follow `--quiet`, decided once in cli.py.)"""
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    vlm_cls = getattr(transformers, vlm_class)
+    ids = probe_ids(tokens, int(vlm.plan.target_config.vocab_size), multimodal_token_ids(vlm.config))
+    vlm_cls = getattr(transformers, vlm.family.vlm_class)
     ref = logits(load_placed(vlm_cls, vlm_dir, dtype, DEFAULT_DEVICE, attn_implementation="eager")[0], ids)
     gc.collect()  # the VLM is freed before the backbone loads: peak memory is one model, not two
     (model, info), _ = load_placed(
@@ -309,18 +304,19 @@ def _backbone_files(vlm: Path, config: Any, tmp: Path) -> dict[str, Any]:
     return {**tok, "notes": notes}
 
 
-def _forward(
-    plan: Plan, tensors: dict[str, Tensor], reader: Reader, skip: set[str], cast: torch.dtype | None
-) -> _Stream:
+def _apply(plan: Plan, unit: Unit, reader: Reader) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """`forward_rule` of `unit` on its stored source tensors: its backbone tensors and the rows it drops."""
+    return forward_rule(unit.rule, [reader.get(s) for s in unit.sources], [plan.expected[t] for t in unit.targets])
+
+
+def _forward(plan: Plan, reader: Reader, skip: set[str], cast: torch.dtype | None) -> _Stream:
     """Backbone tensors in production order; each source shard is closed once no later unit needs it."""
-    order = production_order(plan, tensors)
-    last_use = {tensors[s].file: i for i, unit in enumerate(order) for s in unit.sources}
+    order = production_order(plan, reader.tensors)
+    last_use = {reader.tensors[s].file: i for i, unit in enumerate(order) for s in unit.sources}
     try:
         for i, unit in enumerate(order):
             reader.keep_only({f for f, last in last_use.items() if last >= i})
-            outs, _ = forward_rule(
-                unit.rule, [reader.get(s) for s in unit.sources], [plan.expected[t] for t in unit.targets]
-            )
+            outs, _ = _apply(plan, unit, reader)
             for t, x in zip(unit.targets, outs, strict=True):
                 if t not in skip:
                     yield t, x.to(cast) if cast is not None and x.is_floating_point() else x
@@ -364,12 +360,10 @@ def extract_backbone(
     job = _Job(
         operation="extract",
         layout=layout,
-        stream=_forward(plan, tensors, reader, skip, cast),
+        stream=_forward(plan, reader, skip, cast),
         index=len(layout) > 1,
         side_files=functools.partial(_backbone_files, vlm.folder, config),
-        verify=(lambda tmp: _verify(vlm.folder, vlm.family.vlm_class, tmp, out_dtype, _probe(tmp, vlm)))
-        if verify
-        else None,
+        verify=(lambda tmp: _verify(vlm, vlm.folder, tmp, out_dtype, tmp)) if verify else None,
         fields={
             "backbone": None,
             "dtype": config.dtype,
@@ -391,12 +385,7 @@ def extract_backbone(
 def _copy_vlm_files(vlm: Path, tmp: Path) -> dict[str, Any]:
     """Every VLM file but the weights and this package's markers and reports (processor, chat template, tokenizer)."""
     for item in sorted(vlm.iterdir()):
-        if item.name.endswith(".safetensors") or item.name in (
-            INDEX_FILE,
-            COMPLETE,
-            FAILED_FILE,
-            *REPORT_FILES.values(),
-        ):
+        if item.name.endswith(".safetensors") or item.name in (INDEX_FILE, *_MARKER_FILES):
             continue
         if item.is_dir():
             shutil.copytree(item, tmp / item.name)
@@ -405,15 +394,9 @@ def _copy_vlm_files(vlm: Path, tmp: Path) -> dict[str, Any]:
     return {}
 
 
-def _inverse(
-    plan: Plan,
-    tensors: dict[str, Tensor],
-    layout: Layout,
-    vlm_reader: Reader,
-    bb_reader: Reader,
-    alias: dict[str, str],
-) -> _Stream:
+def _inverse(plan: Plan, layout: Layout, vlm_reader: Reader, bb_reader: Reader, alias: dict[str, str]) -> _Stream:
     """The VLM's tensors in layout order: language tensors rebuilt from the backbone, the others copied."""
+    stored = vlm_reader.tensors
     unit_of = {s: u for u in plan.units for s in u.sources}
     rebuilt: dict[str, torch.Tensor] = {}  # sources of a unit rebuilt together, until each is written
     try:
@@ -424,21 +407,11 @@ def _inverse(
                     continue
                 if name not in rebuilt:
                     unit = unit_of[name]
-                    rest = None
-                    if unit.rule.drop_rest:
-                        _, rest = forward_rule(
-                            unit.rule,
-                            [vlm_reader.get(s) for s in unit.sources],
-                            [plan.expected[t] for t in unit.targets],
-                        )
+                    rest = _apply(plan, unit, vlm_reader)[1] if unit.rule.drop_rest else None
                     targets = [bb_reader.get(alias.get(t, t)) for t in unit.targets]
-                    xs = inverse_rule(unit.rule, targets, [tensors[s].shape for s in unit.sources], rest)
-                    rebuilt.update(
-                        {
-                            s: x.to(ST_DTYPES[tensors[s].dtype]).contiguous()
-                            for s, x in zip(unit.sources, xs, strict=True)
-                        }
-                    )
+                    xs = inverse_rule(unit.rule, targets, [stored[s].shape for s in unit.sources], rest)
+                    for s, x in zip(unit.sources, xs, strict=True):
+                        rebuilt[s] = x.to(ST_DTYPES[stored[s].dtype]).contiguous()
                 yield name, rebuilt.pop(name)
             vlm_reader.keep_only(set())
     finally:
@@ -482,12 +455,10 @@ def inject_backbone(
     job = _Job(
         operation="inject",
         layout=layout,
-        stream=_inverse(plan, tensors, layout, Reader(folder, tensors), bb_reader, alias),
+        stream=_inverse(plan, layout, Reader(folder, tensors), bb_reader, alias),
         index=len(layout) > 1 or (folder / INDEX_FILE).is_file(),
         side_files=functools.partial(_copy_vlm_files, folder),
-        verify=(lambda tmp: _verify(tmp, vlm.family.vlm_class, backbone, vlm_dtype, _probe(folder, vlm)))
-        if verify
-        else None,
+        verify=(lambda tmp: _verify(vlm, tmp, backbone, vlm_dtype, folder)) if verify else None,
         fields={
             "backbone": model_fingerprint(str(backbone)),
             "dtype": str(vlm_dtype).removeprefix("torch."),

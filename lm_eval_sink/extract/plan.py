@@ -92,9 +92,9 @@ class Plan:
 
 
 def _claim(
-    tensors: dict[str, Tensor], rules: list[TensorRule], ignore: tuple[re.Pattern[str], ...], path: Path
+    tensors: dict[str, Tensor], rules: list[TensorRule], ignore: list[str], path: Path
 ) -> tuple[list[Unit], list[str]]:
-    compiled = [r.patterns() for r in rules]
+    compiled = [[re.compile(p) for p in r.sources] for r in rules]
     groups: dict[tuple[int, tuple[tuple[str, str], ...]], dict[int, str]] = {}
     ignored, leftover = [], []
     for name in sorted(tensors):
@@ -110,7 +110,7 @@ def _claim(
                 slot[pi] = name
                 break
         else:
-            (ignored if any(p.fullmatch(name) for p in ignore) else leftover).append(name)
+            (ignored if any(re.fullmatch(p, name) for p in ignore) else leftover).append(name)
     if leftover:
         raise UserError(
             f"{path}: {len(leftover)} tensor(s) are neither language-model nor ignored vision tensors: "
@@ -137,9 +137,7 @@ def _claim(
     return units, ignored
 
 
-def _target_config(
-    family: Family, variant: Variant, text: dict[str, Any], tie: bool, path: Path
-) -> tuple[Any, str, list[str]]:
+def _target_config(family: Family, variant: Variant, text: dict[str, Any], path: Path) -> tuple[Any, str, list[str]]:
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -160,7 +158,7 @@ def _target_config(
     # Keys the target class does not declare are kept: modeling code reads some of them with
     # getattr (Qwen3-MoE's head_dim), so only the family's drop_config removes keys.
     try:
-        config = AutoConfig.for_model(model_type, tie_word_embeddings=tie, **d)
+        config = AutoConfig.for_model(model_type, tie_word_embeddings=True, **d)  # so the tie map names the head
     except (TypeError, ValueError) as e:
         raise UserError(
             f"{path}: cannot build a {model_type} config from the VLM's text config ({str(e).splitlines()[0]})",
@@ -194,9 +192,9 @@ def make_plan(vlm_config: Any, tensors: dict[str, Tensor], family: Family, path:
         )
     text = text_config.to_dict()
     variant = select_variant(family, text, path)
-    config, target_class, dropped = _target_config(family, variant, text, tie=True, path=path)
+    config, target_class, dropped = _target_config(family, variant, text, path)
     expected, tie_map = _expected_tensors(config)
-    units, ignored = _claim(tensors, variant.rules, family.ignore_patterns(), path)
+    units, ignored = _claim(tensors, variant.rules, family.ignore, path)
     produced = _produced(units, path)
     head, head_source = next(iter(tie_map.items()), (None, None))
     vlm_ties = bool(getattr(vlm_config, "tie_word_embeddings", False))
