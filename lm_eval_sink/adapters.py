@@ -70,8 +70,7 @@ def virtual_tokens(method: str, prompt_learning: bool, n: Any, where: str) -> Vi
 
 
 def config_virtual_tokens(config_path: Any, config: dict[str, Any]) -> VirtualTokens | None:
-    """`virtual_tokens` of an adapter from its adapter_config.json (`config`, read from `config_path`), before
-    anything is loaded."""
+    """`virtual_tokens` of an adapter from its adapter_config.json (`config`, read from `config_path`)."""
     from peft.config import PromptLearningConfig
     from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
 

@@ -68,11 +68,7 @@ def tokenizer_counter(name: str) -> Callable[[str], int]:
             f"--tokenizer {name}: cannot load a tokenizer ({str(e).splitlines()[0]})",
             "pass the candidate model's folder or hub id",
         ) from None
-
-    def count(text: str) -> int:
-        return len(tok(text, add_special_tokens=False)["input_ids"])
-
-    return count
+    return lambda text: len(tok(text, add_special_tokens=False)["input_ids"])
 
 
 @contextlib.contextmanager

@@ -34,8 +34,7 @@ POST_IMPORT: dict[str, str] = {
 
 
 def _run_callback(module_name: str) -> None:
-    target = POST_IMPORT[module_name]
-    mod_name, _, func_name = target.partition(":")
+    mod_name, _, func_name = POST_IMPORT[module_name].partition(":")
     try:
         from lm_eval_sink.harness.patching import stands_aside  # an untested lm-eval: no patch, one line
 
@@ -86,9 +85,7 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 def install() -> None:
     """Watch the modules of POST_IMPORT (idempotent; already-imported ones are handled now)."""
-    if os.environ.get(DISABLE_ENV):
-        return
-    if any(isinstance(f, _Finder) for f in sys.meta_path):
+    if os.environ.get(DISABLE_ENV) or any(isinstance(f, _Finder) for f in sys.meta_path):
         return
     finder = _Finder()
     for name in POST_IMPORT:  # in a fixed order

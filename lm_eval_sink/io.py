@@ -78,9 +78,8 @@ def decode_text(data: bytes, where: str, what: str = "the file") -> str:
 
 
 def parse_json(text: str, where: str, hint: str, line: int | None = None) -> Any:
-    """JSON text -> data; what does not parse (a syntax error, nesting deeper than Python's recursion, an integer
-    longer than Python converts) is a UserError naming `where` and the line (`line`: a JSONL file's, where `text` is
-    one of its lines; else a syntax error's)."""
+    """JSON text -> data; what does not parse (a syntax error, nesting past Python's recursion, an integer longer than
+    it converts) is a UserError naming `where` and the line (`line`: that of a JSONL file's line `text`)."""
     at = f"{where}:{line}" if line else where
     try:
         return json.loads(text)

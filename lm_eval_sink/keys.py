@@ -96,9 +96,8 @@ def versioned_key(inputs_key: str, versions: Mapping[str, Any]) -> str:
 
 
 def version_change(recorded: Mapping[str, Any], inputs_key: str, versions: Mapping[str, Any]) -> str | None:
-    """What changed ("torch 2.13.0 -> 2.14.0, code changed: lm_eval_sink/capture.py") when `recorded` (a record
-    with `inputs_key` and `key_versions`) was made from the same inputs by other versions, or before results were
-    keyed by this rule (`KEY_RULE`); None otherwise."""
+    """What changed ("torch 2.13.0 -> 2.14.0, code changed: lm_eval_sink/capture.py") when `recorded` was made from
+    the same inputs by other versions, or before results were keyed by this rule (`KEY_RULE`); None otherwise."""
     old = recorded.get("key_versions")
     if not isinstance(old, dict) or old.get("key rule") != KEY_RULE:
         return "made before results were keyed by the values their work receives"

@@ -36,8 +36,7 @@ _HELD: dict[Path, int] = {}  # lock file -> pid of this process while it holds i
 @contextlib.contextmanager
 def hold(folder: Path, sibling: bool = False, wait: Callable[[str, float], None] | None = None) -> Iterator[Path]:
     """Hold `<folder>/.lock` (or with `sibling` `<folder>.lock`) for the block, reentrant within a process; refuse with
-    one line when another process holds it, or with `wait` wait, calling `wait(holder, seconds waited)` at once and
-    every `WAIT_NOTE_S`. The lock file and its record are removed on release."""
+    one line when another process holds it, or with `wait` wait, calling `wait(holder, seconds waited)` meanwhile."""
     from filelock import FileLock, Timeout
 
     folder = Path(folder)
@@ -66,9 +65,8 @@ def hold(folder: Path, sibling: bool = False, wait: Callable[[str, float], None]
     _HELD[path.absolute()] = os.getpid()
     try:
         now = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
-        atomic_write_json(
-            record, {"host": socket.gethostname(), "pid": os.getpid(), "argv": sys.argv, "started_utc": now}
-        )
+        holder = {"host": socket.gethostname(), "pid": os.getpid(), "argv": sys.argv, "started_utc": now}
+        atomic_write_json(record, holder)
         yield path
     finally:
         _HELD.pop(path.absolute(), None)
@@ -126,9 +124,8 @@ def _filesystem(folder: Path) -> str | None:
 
 
 def unwritable(folder: Path) -> tuple[Path, str] | None:
-    """(the folder to blame, why) when no file can be made in `folder` (or where it would be made): a file, a
-    pseudo-filesystem, a read-only filesystem or no permission at the deepest folder of its path that exists. Nothing
-    is written: the one test of an output's place, for `check_writable` and the lock (`hold`)."""
+    """(the folder to blame, why) when no file can be made in `folder`: a file, a pseudo-filesystem, a read-only
+    filesystem or no permission at the deepest folder of its path that exists; the one test, writing nothing."""
     folder = Path(folder).expanduser().absolute()
     there = next(p for p in (folder, *folder.parents) if _lexists(p))
     try:

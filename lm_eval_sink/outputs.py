@@ -33,16 +33,8 @@ def check_not_inputs(outputs: Iterable[str | Path], *, inputs: Iterable[str | Pa
     for out in outputs:
         o = _real(out)
         for name, i in found:
-            how = (
-                "is"
-                if o == i
-                else "lies inside"
-                if o.is_relative_to(i)
-                else "contains"
-                if i.is_relative_to(o)
-                else None
-            )
-            if how:
+            if o.is_relative_to(i) or i.is_relative_to(o):  # the same path, or one inside the other
+                how = "is" if o == i else "lies inside" if o.is_relative_to(i) else "contains"
                 raise UserError(
                     f"{option} {out} {how} the input {name}",
                     f"choose {option} outside every input (--force never replaces or writes into an input)",
@@ -150,9 +142,8 @@ def clean_stale_all(keys: Mapping[Path, str | None]) -> list[str]:
 
 @contextlib.contextmanager
 def staged_dir(out: Path, force: bool = False, key: str | None = None, size: int | None = None) -> Iterator[Path]:
-    """Build a directory in `<out>.partial-<uuid>` under `<out>.lock`, renamed to `out` only on success
-    (docs/identity.md, 'Recovery'); a build with a `key` must write its COMPLETE marker with it; a full disk is one
-    `DiskFull` line naming `out`."""
+    """Build `<out>.partial-<uuid>` under `<out>.lock`, renamed to `out` only on success (docs/identity.md, 'Recovery');
+    a build with a `key` must write its COMPLETE marker with it; a full disk is one `DiskFull` line naming `out`."""
     out = Path(out)
     _refuse_existing(out, force, "--output")
     with hold(out, sibling=True):

@@ -85,21 +85,14 @@ def model_at(model: type[BaseModel], loc: Iterable[Any]) -> type[BaseModel] | No
     return next((a for ann in anns for a in _unwrap(ann) if isinstance(a, type) and issubclass(a, BaseModel)), None)
 
 
-_EXPECT = {
-    "bool_type": "true or false",
-    "bool_parsing": "true or false",
-    "int_type": "an integer",
-    "int_parsing": "an integer",
-    "int_from_float": "an integer",
-    "float_type": "a number",
-    "float_parsing": "a number",
-    "finite_number": "a finite number",
-    "string_type": "a string",
-    "list_type": "a list",
-    "tuple_type": "a list",
-    "dict_type": "a mapping",
-    "model_type": "a mapping",
-    "model_attributes_type": "a mapping",
+_EXPECT = {  # pydantic's error types -> what the value must be, in a user's words
+    **dict.fromkeys(("bool_type", "bool_parsing"), "true or false"),
+    **dict.fromkeys(("int_type", "int_parsing", "int_from_float"), "an integer"),
+    **dict.fromkeys(("float_type", "float_parsing"), "a number"),
+    **dict.fromkeys(("finite_number",), "a finite number"),
+    **dict.fromkeys(("string_type",), "a string"),
+    **dict.fromkeys(("list_type", "tuple_type"), "a list"),
+    **dict.fromkeys(("dict_type", "model_type", "model_attributes_type"), "a mapping"),
 }
 
 
