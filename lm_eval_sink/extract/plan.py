@@ -38,16 +38,9 @@ def _dotget(d: dict[str, Any], path: str) -> Any:
 
 
 def _dotdel(d: dict[str, Any], path: str) -> bool:
-    *parents, last = path.split(".")
-    cur: Any = d
-    for part in parents:
-        if not isinstance(cur, dict) or part not in cur:
-            return False
-        cur = cur[part]
-    if isinstance(cur, dict) and last in cur:
-        del cur[last]
-        return True
-    return False
+    parent_path, _, last = path.rpartition(".")
+    parent = _dotget(d, parent_path) if parent_path else d
+    return isinstance(parent, dict) and parent.pop(last, _MISSING) is not _MISSING
 
 
 def select_variant(family: Family, text_config: dict[str, Any], path: Path) -> Variant:
