@@ -1,6 +1,5 @@
-"""peft adapters under Sink Strength: weight adapters (LoRA, ...) measured through the adapted base, prompt learning
-(prompt tuning, p-tuning, prefix tuning) through peft's own forward with its virtual tokens, one prompt at a time;
-adaption prompts and other prompt-learning methods refused in one line (docs/architectures.md, 'Adapters').
+"""peft adapters under Sink Strength: how each method is measured, or refused in one line (docs/architectures.md,
+'Adapters (peft)').
 """
 
 from __future__ import annotations
@@ -71,8 +70,7 @@ def virtual_tokens(method: str, prompt_learning: bool, n: Any, where: str) -> Vi
 
 
 def config_virtual_tokens(config_path: Any, config: dict[str, Any]) -> VirtualTokens | None:
-    """`virtual_tokens` of an adapter from its adapter_config.json (`config`, read from `config_path`), before
-    anything is loaded."""
+    """`virtual_tokens` of an adapter from its adapter_config.json (`config`, read from `config_path`)."""
     from peft.config import PromptLearningConfig
     from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
 

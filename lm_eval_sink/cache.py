@@ -1,6 +1,5 @@
-"""The project cache (lm-eval's task index, file hashes, the converted default model, the user's vendor figures):
-where it is, and the check that nobody but this user can change what it holds, on every folder of its path as given.
-Standard library only.
+"""The project cache: where it is, and the check that nobody but this user can change what it holds (docs/footguns.md,
+'The project cache is private to its user'). Standard library only.
 """
 
 from __future__ import annotations
@@ -33,9 +32,8 @@ def cache_dir() -> Path:
 
 
 def private_problem(folder: Path) -> str | None:
-    """Why another user could change what `folder` holds (None when nobody but this user and root can): it must be
-    this user's and writable by nobody else, and every folder holding an entry on its path (`_holders`, links' own
-    folders included) this user's or root's and writable by nobody else without the sticky bit."""
+    """Why another user could change what `folder` holds (None when nobody but this user and root can): the folder,
+    and every folder holding an entry on its path (`_holders`), checked as docs/footguns.md says."""
     if not hasattr(os, "geteuid"):  # no POSIX owners (Windows): nothing to check
         return None
     me = os.geteuid()
@@ -69,9 +67,8 @@ def _who(mode: int) -> str:
 
 
 def read_private_text(path: Path) -> str:
-    """The text of a file in the project cache, when this user owns it and nobody else can write it; a file that
-    another user left (before the cache was made private) raises PermissionError, which every reader treats as
-    absent: the content is built again and replaced."""
+    """The text of a file in the project cache, when this user owns it and nobody else can write it; else
+    PermissionError, which every reader treats as absent (the content is built again and replaced)."""
     with open(path, encoding="utf-8") as f:
         st = os.fstat(f.fileno())
         if hasattr(os, "geteuid") and (st.st_uid != os.geteuid() or st.st_mode & 0o022):

@@ -1,7 +1,6 @@
-"""Results keyed by the code that made them: `{package path: xxh3-128}` of every module of this project that a
-result's entry modules can import, and of the data they read, found in the source text (docs/identity.md, 'How
-`code` is found'). Each file is hashed once per process and again when its stat changes; nothing is cached on disk.
-This module names no module of the package itself, so that it adds nothing to a closure. Standard library + xxhash.
+"""Results keyed by the code that made them: `{package path: xxh3-128}` of every project file on a result's path
+(docs/identity.md, 'How `code` is found'). This module names no module of the package itself, so that it adds nothing
+to a closure. Standard library + xxhash.
 """
 
 from __future__ import annotations
@@ -89,8 +88,7 @@ def _resolve(ref: str) -> tuple[tuple[str, Path], ...]:
 
 def source_hashes(roots: Iterable[str]) -> dict[str, str]:
     """`{package path: xxh3-128}` of the modules `roots` (dotted names) can import, transitively, and of the data
-    they read. A root that names no module of this package raises ValueError: a renamed or misspelled entry module
-    would otherwise key a result by its parent package alone and leave its code out of the key."""
+    they read; a root that names no module of this package raises ValueError (docs/identity.md says why)."""
     roots = tuple(roots)
     missing = [root for root in roots if _module_file(root) is None]
     if missing:

@@ -1,6 +1,4 @@
-"""A write refused for want of room (a full disk, a used-up quota, a file over the size limit), as one line naming
-the output, about how much it needs and what is free there (`room_for`, `DiskFull`). Standard library only.
-"""
+"""A write refused for want of room, as one line naming the output (docs/development.md, 'Faults'). Standard library."""
 
 from __future__ import annotations
 
@@ -41,8 +39,7 @@ def _size(n: float) -> str:
 
 
 class DiskFull(UserError):
-    """A write refused for want of room, naming the output, about how much it needs and what is free there. Atomic
-    writes and staged folders remove their temp files on the way out, so nothing half-written is left."""
+    """A write refused for want of room, naming the output, about how much it needs and what is free there."""
 
     def __init__(self, path: Path, needed: int | None, code: int) -> None:
         self.path, self.needed, self.code = Path(path), needed, code

@@ -1,6 +1,4 @@
-"""Why an IFEval regression failed: one primary kind per regression (truncation, then the failed instructions' kind
-by priority), from lm-eval's own checker re-run on the logged response, and truncation detection (the rule, the
-slack and the heuristic without a tokenizer: docs/buckets.md, 'Failure kinds and truncation').
+"""Why an IFEval regression failed, and truncation detection (docs/buckets.md, 'Failure kinds and truncation').
 Standard library at import; lm-eval's IFEval checker and transformers load lazily when used.
 """
 
@@ -17,9 +15,7 @@ from typing import Any
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.protocols import max_gen_toks_in
 
-FAILURE_KINDS = ("truncation", "language", "phrase_marker", "length", "format", "other")
-_PRIORITY = ("language", "phrase_marker", "length", "format", "other")
-_MID_SENTENCE_TAIL = ",;:-("
+FAILURE_KINDS = ("truncation", "language", "phrase_marker", "length", "format", "other")  # truncation, then by priority
 _RELATION_KEYS = ("relation", "let_relation", "capital_relation")
 
 
@@ -36,10 +32,7 @@ class FailureKind:
 def ends_mid_sentence(response: str) -> bool:
     """True when the last visible character is a letter, a digit or one of `,;:-(`."""
     text = response.rstrip()
-    if not text:
-        return False
-    last = text[-1]
-    return last.isalnum() or last in _MID_SENTENCE_TAIL
+    return bool(text) and (text[-1].isalnum() or text[-1] in ",;:-(")
 
 
 def is_truncated(
@@ -75,11 +68,7 @@ def tokenizer_counter(name: str) -> Callable[[str], int]:
             f"--tokenizer {name}: cannot load a tokenizer ({str(e).splitlines()[0]})",
             "pass the candidate model's folder or hub id",
         ) from None
-
-    def count(text: str) -> int:
-        return len(tok(text, add_special_tokens=False)["input_ids"])
-
-    return count
+    return lambda text: len(tok(text, add_special_tokens=False)["input_ids"])
 
 
 @contextlib.contextmanager
@@ -158,7 +147,7 @@ def classify_ifeval(
     if truncated and any(_truncation_can_break(i, kw, table) for i, kw in failed):
         return FailureKind("truncation", names, "hit the generation limit; failed: " + ", ".join(names), True)
     kinds = {table.get(i, {}).get("kind", "other") for i in names}
-    kind = next(k for k in _PRIORITY if k in kinds or k == "other")
+    kind = next(k for k in FAILURE_KINDS[1:] if k in kinds or k == "other")
     return FailureKind(kind, names, "failed: " + ", ".join(names), True)
 
 

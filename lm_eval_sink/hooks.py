@@ -1,16 +1,12 @@
-"""One lazy post-import hook that registers this project with lm-eval and mergekit (neither has plugin discovery).
-
-`lm_eval_sink_hook.pth` calls `install()` at start-up, which only adds a finder to `sys.meta_path`; a watched
-module's callback runs right after someone else imports it. Off with `LM_EVAL_SINK_NO_HOOK=1`; a failing callback is
-one `SinkWarning`, the host library untouched (docs/footguns.md). Editable installs: `python -m lm_eval_sink.hooks
-install` (`make` does).
+"""One lazy post-import hook that registers this project with lm-eval and mergekit (neither has plugin discovery),
+installed at start-up by `lm_eval_sink_hook.pth` (docs/footguns.md).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.abc
-import importlib.machinery
+import importlib.util
 import os
 import sys
 import sysconfig
@@ -38,8 +34,7 @@ POST_IMPORT: dict[str, str] = {
 
 
 def _run_callback(module_name: str) -> None:
-    target = POST_IMPORT[module_name]
-    mod_name, _, func_name = target.partition(":")
+    mod_name, _, func_name = POST_IMPORT[module_name].partition(":")
     try:
         from lm_eval_sink.harness.patching import stands_aside  # an untested lm-eval: no patch, one line
 
@@ -81,15 +76,8 @@ class _Finder(importlib.abc.MetaPathFinder):
         if fullname not in self.pending:
             return None
         self.pending.discard(fullname)
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+        spec = importlib.util.find_spec(fullname)  # the other finders' (this one no longer watches `fullname`)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
         spec.loader = _Loader(spec.loader, fullname)
         return spec
@@ -97,9 +85,7 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 def install() -> None:
     """Watch the modules of POST_IMPORT (idempotent; already-imported ones are handled now)."""
-    if os.environ.get(DISABLE_ENV):
-        return
-    if any(isinstance(f, _Finder) for f in sys.meta_path):
+    if os.environ.get(DISABLE_ENV) or any(isinstance(f, _Finder) for f in sys.meta_path):
         return
     finder = _Finder()
     for name in POST_IMPORT:  # in a fixed order

@@ -1,6 +1,5 @@
-"""Reading and writing files: atomic writes (a temp sibling, fsync, `os.replace`; a full disk is one `DiskFull` line),
-canonical JSON, hashes, and the readers of a user's text, JSON and JSONL that name the file and line of what is
-wrong. Standard library only.
+"""Reading and writing files: atomic writes, canonical JSON, hashes, and the readers of a user's text, JSON and JSONL
+that name the file and line of what is wrong (docs/development.md, 'Faults'). Standard library only.
 """
 
 from __future__ import annotations
@@ -78,32 +77,23 @@ def decode_text(data: bytes, where: str, what: str = "the file") -> str:
         ) from None
 
 
-def parse_json(text: str, where: str, hint: str) -> Any:
-    """JSON text -> data; what does not parse (a syntax error, nesting deeper than Python's recursion, an integer
-    longer than Python converts) is a UserError naming `where` and, for a syntax error, the line."""
+def parse_json(text: str, where: str, hint: str, line: int | None = None) -> Any:
+    """JSON text -> data; what does not parse (a syntax error, nesting past Python's recursion, an integer longer than
+    it converts) is a UserError naming `where` and the line (`line`: that of a JSONL file's line `text`)."""
+    at = f"{where}:{line}" if line else where
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise UserError(f"{where}:{e.lineno}: not valid JSON ({e.msg})", hint) from None
+        raise UserError(f"{where}:{line or e.lineno}: not valid JSON ({e.msg})", hint) from None
     except ValueError as e:  # int(): "Exceeds the limit (4300 digits) for integer string conversion"
-        raise UserError(f"{where}: not valid JSON ({str(e).split(':')[0]})", hint) from None
+        raise UserError(f"{at}: not valid JSON ({str(e).split(':')[0]})", hint) from None
     except RecursionError:
-        raise UserError(f"{where}: not valid JSON (nested too deeply to read)", hint) from None
+        raise UserError(f"{at}: not valid JSON (nested too deeply to read)", hint) from None
 
 
 def json_lines(text: str, where: str, hint: str) -> Iterator[tuple[int, Any]]:
-    """(line number, value) of each non-blank line of JSONL text; a line that does not parse is a UserError naming
-    `where` and the line."""
-    for n, line in enumerate(text.split("\n"), 1):
-        if line.strip():
-            try:
-                yield n, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise UserError(f"{where}:{n}: not valid JSON ({e.msg})", hint) from None
-            except (ValueError, RecursionError):  # an integer longer than Python converts; nesting past its recursion
-                raise UserError(
-                    f"{where}:{n}: not valid JSON (a number too long, or nested too deeply)", hint
-                ) from None
+    """(line number, value) of each non-blank line of JSONL text, each read by `parse_json`."""
+    return ((n, parse_json(line, where, hint, n)) for n, line in enumerate(text.split("\n"), 1) if line.strip())
 
 
 def read_json(path: Path) -> Any:
@@ -112,6 +102,16 @@ def read_json(path: Path) -> Any:
     if not path.is_file():
         raise UserError(f"{path}: no such file", "check the path")
     return parse_json(read_text(path), str(path), "pass a JSON file written by lm-eval or lm-eval-sink")
+
+
+def saved_object(path: Path) -> dict[str, Any] | None:
+    """The JSON object in `path`, read leniently (one this project wrote earlier, or an optional file): None when
+    missing, unreadable, malformed (an integer past 4,300 digits, nested too deep) or not an object."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def read_earlier_output(path: Path, option: str = "--output") -> dict[str, Any]:

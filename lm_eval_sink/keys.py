@@ -1,19 +1,15 @@
-"""One key for every result, derived from the values its work receives: a result kind declares its inputs once (a
-`Work` dataclass with its `CODE`, `PACKAGES` and `ENV`), and `key_of` keys every field by value, by content
-(`CONTENT`) or by model identity (`MODEL`), except `UNKEYED` ones, with the versions of its code (docs/identity.md).
-"""
+"""One key for every result, derived from the values its work receives (docs/identity.md, `keys.py`)."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.io import canonical_json, sha256_file, sha256_text
+from lm_eval_sink.io import canonical_json, saved_object, sha256_file, sha256_text
 
 KEY_RULE = 1  # how a key is derived from a declaration: a result keyed otherwise is recomputed, saying so
 CONTENT = {"key": "content"}
@@ -43,9 +39,8 @@ class Key:
 
 
 def key_of(work: Work, versions: Mapping[str, Any] | None = None) -> Key:
-    """The key of `work` (see the module rules); `versions`: those of code that runs elsewhere (lm-eval's interpreter,
-    the resident engine, the merge that made its model), named apart (`lm-eval code`, `engine vllm`, `merge code`),
-    held beside this interpreter's `CODE` and `PACKAGES`."""
+    """The key of `work`; `versions`: those of code that runs elsewhere, named apart (`lm-eval code`, `engine vllm`,
+    `merge code`), held beside this interpreter's `CODE` and `PACKAGES`."""
     env = {name: keyed(os.environ.get(name), "content") for name in work.ENV}
     inputs = {"kind": type(work).__name__, "inputs": keyed(work), "env": env}
     ikey = sha256_text(canonical_json(inputs))
@@ -87,9 +82,8 @@ def content(path: str | Path) -> str:
 
 
 def key_versions(kind: type[Work]) -> dict[str, Any]:
-    """The versions a result of `kind` is keyed by: `{package: installed version, "code": {file: hash}}` for its
-    `PACKAGES` and the modules its `CODE` names with what they import (`code_key.source_hashes`), as this interpreter
-    has them."""
+    """The versions a result of `kind` is keyed by, as this interpreter has them: its `PACKAGES`' installed versions
+    and `code`, the hashes of its `CODE` modules with what they import (`code_key.source_hashes`)."""
     from lm_eval_sink.code_key import source_hashes
     from lm_eval_sink.provenance import package_versions
 
@@ -102,9 +96,8 @@ def versioned_key(inputs_key: str, versions: Mapping[str, Any]) -> str:
 
 
 def version_change(recorded: Mapping[str, Any], inputs_key: str, versions: Mapping[str, Any]) -> str | None:
-    """What changed ("torch 2.13.0 -> 2.14.0, code changed: lm_eval_sink/capture.py") when `recorded` (a record
-    with `inputs_key` and `key_versions`) was made from the same inputs by other versions, or before results were
-    keyed by this rule (`KEY_RULE`); None otherwise."""
+    """What changed ("torch 2.13.0 -> 2.14.0, code changed: lm_eval_sink/capture.py") when `recorded` was made from
+    the same inputs by other versions, or before results were keyed by this rule (`KEY_RULE`); None otherwise."""
     old = recorded.get("key_versions")
     if not isinstance(old, dict) or old.get("key rule") != KEY_RULE:
         return "made before results were keyed by the values their work receives"
@@ -142,19 +135,10 @@ def versions_text(versions: Mapping[str, Any]) -> str:
 
 
 def check_same_versions(path: Path, versions: Mapping[str, Any], force: bool) -> None:
-    """Refuse (unless `force`) an existing output whose record (`path`: a JSON file with `key_versions` at its
-    top or in its `provenance`) was made by other versions, naming them; other refusals (and records
-    without versions) stay the caller's."""
-    path = Path(path)
-    if force or not path.is_file():
-        return
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return
-    old = (
-        data.get("key_versions", (data.get("provenance") or {}).get("key_versions")) if isinstance(data, dict) else None
-    )
+    """Refuse (unless `force`) an existing output whose record (`path`: `key_versions` at its top or in its
+    `provenance`) was made by other versions, naming them; other refusals stay the caller's."""
+    data = {} if force else saved_object(path) or {}
+    old = data.get("key_versions", (data.get("provenance") or {}).get("key_versions"))
     changed = _changes(old, versions) if isinstance(old, dict) else None
     if changed:
         raise UserError(

@@ -1,5 +1,5 @@
-"""One writer per output folder: an exclusive, non-blocking OS file lock (`hold`) with a record of its holder, so a
-second process gets one line naming it and a killed holder frees it at once (docs/identity.md, 'Locks').
+"""One writer per output folder: an exclusive, non-blocking OS file lock with a record of its holder (docs/identity.md,
+'Locks').
 """
 
 from __future__ import annotations
@@ -36,8 +36,7 @@ _HELD: dict[Path, int] = {}  # lock file -> pid of this process while it holds i
 @contextlib.contextmanager
 def hold(folder: Path, sibling: bool = False, wait: Callable[[str, float], None] | None = None) -> Iterator[Path]:
     """Hold `<folder>/.lock` (or with `sibling` `<folder>.lock`) for the block, reentrant within a process; refuse with
-    one line when another process holds it, or with `wait` wait, calling `wait(holder, seconds waited)` at once and
-    every `WAIT_NOTE_S`. The lock file and its record are removed on release."""
+    one line when another process holds it, or with `wait` wait, calling `wait(holder, seconds waited)` meanwhile."""
     from filelock import FileLock, Timeout
 
     folder = Path(folder)
@@ -65,7 +64,9 @@ def hold(folder: Path, sibling: bool = False, wait: Callable[[str, float], None]
         _wait_for(lock, record, wait)
     _HELD[path.absolute()] = os.getpid()
     try:
-        atomic_write_json(record, _holder_record())
+        now = _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+        holder = {"host": socket.gethostname(), "pid": os.getpid(), "argv": sys.argv, "started_utc": now}
+        atomic_write_json(record, holder)
         yield path
     finally:
         _HELD.pop(path.absolute(), None)
@@ -93,15 +94,6 @@ def _wait_for(lock: Any, record: Path, wait: Callable[[str, float], None]) -> No
             return
         except Timeout:
             waited = time.monotonic() - start
-
-
-def _holder_record() -> dict[str, Any]:
-    return {
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "argv": list(sys.argv),
-        "started_utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-    }
 
 
 # Filesystems that hold no files of a user's (Linux): an output there cannot be written whatever the permissions say
@@ -132,10 +124,8 @@ def _filesystem(folder: Path) -> str | None:
 
 
 def unwritable(folder: Path) -> tuple[Path, str] | None:
-    """(the folder to blame, why) when no file can be made in `folder`, which is made first when missing; None when
-    one can. Checks the deepest folder of its path that exists: a file there, a pseudo-filesystem, a read-only
-    filesystem (root included), no write permission. Nothing is written: the one test of an output's place, for
-    `check_writable` and the lock (`hold`)."""
+    """(the folder to blame, why) when no file can be made in `folder`: a file, a pseudo-filesystem, a read-only
+    filesystem or no permission at the deepest folder of its path that exists; the one test, writing nothing."""
     folder = Path(folder).expanduser().absolute()
     there = next(p for p in (folder, *folder.parents) if _lexists(p))
     try:

@@ -1,13 +1,10 @@
-"""The output-folder mechanism (docs/identity.md, 'Locks', 'Outputs never touch inputs', 'Recovery'): refused before
-any work (`check_output_dir`, `check_not_inputs`), built in a `.partial-` sibling under its lock (`staged_dir`),
-tidied after a kill (`clean_stale`), marked `COMPLETE` (`write_complete`, read by key with `read_complete`).
-One-file outputs (`-o FILE`) are checked by `check_new_outputs` and held by `new_files`.
+"""The output-folder mechanism: refused before any work, built staged under its lock, tidied after a kill, marked
+`COMPLETE` (docs/identity.md, 'Locks', 'Outputs never touch inputs', 'Recovery'; docs/development.md, 'Outputs').
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
@@ -19,7 +16,7 @@ from typing import Any
 
 from lm_eval_sink.disk_full import DiskFull, room_for
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.io import atomic_write_json
+from lm_eval_sink.io import atomic_write_json, saved_object
 from lm_eval_sink.locks import hold, unwritable
 from lm_eval_sink.tables import first_few
 
@@ -36,16 +33,8 @@ def check_not_inputs(outputs: Iterable[str | Path], *, inputs: Iterable[str | Pa
     for out in outputs:
         o = _real(out)
         for name, i in found:
-            how = (
-                "is"
-                if o == i
-                else "lies inside"
-                if o.is_relative_to(i)
-                else "contains"
-                if i.is_relative_to(o)
-                else None
-            )
-            if how:
+            if o.is_relative_to(i) or i.is_relative_to(o):  # the same path, or one inside the other
+                how = "is" if o == i else "lies inside" if o.is_relative_to(i) else "contains"
                 raise UserError(
                     f"{option} {out} {how} the input {name}",
                     f"choose {option} outside every input (--force never replaces or writes into an input)",
@@ -58,10 +47,8 @@ def _real(path: str | Path) -> Path:
 
 
 def check_writable(out: Path, option: str = "--output") -> None:
-    """Refuse, before any work, in one line naming `out` and why, an output that cannot be written (`unwritable`):
-    a file in its path, a pseudo-filesystem (/proc, /sys), a read-only filesystem, no permission, or a missing parent
-    folder that cannot be made for one of these reasons (a parent that can be made is made when the output is
-    written). An existing folder `out` must be writable too (commands write into it)."""
+    """Refuse, before any work, in one line naming `out` and why, an output whose folder cannot be written
+    (`unwritable`); an existing folder `out` must be writable too (commands write into it)."""
     out = Path(out).expanduser()
     parent = out.absolute().parent
     for folder in (parent, out) if out.is_dir() else (parent,):
@@ -123,9 +110,8 @@ _STAGING = re.compile(r"(.+)\.(partial|old)-[0-9a-f]{8}")  # staged_dir's siblin
 
 
 def clean_stale(out: Path, key: str | None = None) -> list[str]:
-    """Tidy the `<out>.partial-*` / `<out>.old-*` siblings an interrupted build left, holding `<out>.lock` (or a lock
-    over every build of `out`): with `out` missing, promote the newest finished build made for `key`, else restore
-    the newest `.old-*`; delete the rest. One line per folder promoted, restored or removed."""
+    """Tidy the `<out>.partial-*` / `<out>.old-*` siblings an interrupted build left (docs/identity.md, 'Recovery'),
+    holding `<out>.lock` or a lock over every build of `out`; one line per folder promoted, restored or removed."""
     if not out.parent.is_dir():
         return []
     kinds = {p: m[2] for p in out.parent.iterdir() if (m := _STAGING.fullmatch(p.name)) and m[1] == out.name}
@@ -155,19 +141,15 @@ def clean_stale_all(keys: Mapping[Path, str | None]) -> list[str]:
 
 
 @contextlib.contextmanager
-def staged_dir(
-    out: Path, force: bool = False, option: str = "--output", key: str | None = None, size: int | None = None
-) -> Iterator[Path]:
-    """Build a directory in `<out>.partial-<uuid>` under `<out>.lock` (first `clean_stale`), renamed to `out` only on
-    success (with `force`, an existing `out` swapped away, then deleted). A build with a `key` must write its
-    COMPLETE marker with it; a write that fails for want of room is one `DiskFull` line naming `out` and `size` (else
-    what was written plus the file that did not fit)."""
+def staged_dir(out: Path, force: bool = False, key: str | None = None, size: int | None = None) -> Iterator[Path]:
+    """Build `<out>.partial-<uuid>` under `<out>.lock`, renamed to `out` only on success (docs/identity.md, 'Recovery');
+    a build with a `key` must write its COMPLETE marker with it; a full disk is one `DiskFull` line naming `out`."""
     out = Path(out)
-    _refuse_existing(out, force, option)
+    _refuse_existing(out, force, "--output")
     with hold(out, sibling=True):
         for note in clean_stale(out, key):
             log.warning("%s", note)
-        _refuse_existing(out, force, option)
+        _refuse_existing(out, force, "--output")
         tmp = out.with_name(f"{out.name}.partial-{uuid.uuid4().hex[:8]}")
         tmp.mkdir()
         try:
@@ -203,10 +185,5 @@ def write_complete(folder: Path, marker: Mapping[str, Any]) -> Path:
 
 def read_complete(folder: Path, key: str | None = None) -> dict[str, Any] | None:
     """The folder's COMPLETE marker; None when absent, unreadable or (with `key`) made from other inputs."""
-    try:
-        data = json.loads((Path(folder) / COMPLETE).read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError):  # missing, undecodable, malformed, too deep
-        return None
-    if not isinstance(data, dict) or (key is not None and data.get("key") != key):
-        return None
-    return data
+    data = saved_object(Path(folder) / COMPLETE)
+    return None if data is None or (key is not None and data.get("key") != key) else data

@@ -41,11 +41,9 @@ def _git_state() -> dict[str, Any]:
     if not (root / ".git").exists():
         return {"commit": None, "dirty": None}
     try:
-        commit = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
-        )
-        status = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain"], capture_output=True, text=True, timeout=5
+        commit, status = (
+            subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=5)
+            for args in (("rev-parse", "HEAD"), ("status", "--porcelain"))
         )
     except (OSError, subprocess.SubprocessError):
         return {"commit": None, "dirty": None}

@@ -1,10 +1,10 @@
-"""The one resolver for lm-eval runs, used by every command that reads saved runs: a results JSON, a samples JSONL,
-a model folder (its newest results), an output folder holding one model folder, or a sweep's eval folder (the run
-its COMPLETE marker names) resolves to one run's results and samples files of the same timestamp.
+"""The one resolver for lm-eval runs, used by every command that reads saved runs (what it accepts: docs/buckets.md),
+and the readers of their results and samples files.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,19 +53,12 @@ class RunFiles:
         return task, self.samples[task]
 
 
-def _samples_of(folder: Path, ts: str) -> dict[str, Path]:
-    out = {}
-    for p in sorted(folder.glob(f"samples_*_{ts}.jsonl")):
-        m = _SAMPLES_RE.match(p.name)
-        if m and m["ts"] == ts:
-            out[m["task"]] = p
-    return out
-
-
 def _run_at(folder: Path, ts: str) -> RunFiles:
     """The run of `folder` at time `ts`: its results file (if any) and its samples files of that time."""
     results = folder / f"results_{ts}.json"
-    return RunFiles(folder, ts, results if results.is_file() else None, _samples_of(folder, ts))
+    found = [(p, _SAMPLES_RE.match(p.name)) for p in sorted(folder.glob(f"samples_*_{ts}.jsonl"))]
+    samples = {m["task"]: p for p, m in found if m and m["ts"] == ts}
+    return RunFiles(folder, ts, results if results.is_file() else None, samples)
 
 
 def _model_folder(folder: Path) -> RunFiles:
@@ -78,6 +71,10 @@ def _model_folder(folder: Path) -> RunFiles:
         f"{folder}: no lm-eval results_*.json or samples_*.jsonl here",
         "pass an lm-eval --output_path folder, a results JSON or a samples JSONL",
     )
+
+
+def _holds_runs(folder: Path) -> bool:
+    return any(_RESULTS_RE.match(p.name) or _SAMPLES_RE.match(p.name) for p in folder.iterdir())
 
 
 def _sweep_eval_results(folder: Path) -> Path | None:
@@ -100,11 +97,8 @@ def resolve_run(arg: str | Path) -> RunFiles:
         if m:
             return _run_at(path.parent, m["ts"])
         m = _SAMPLES_RE.match(path.name)
-        if m:
-            res = path.parent / f"results_{m['ts']}.json"
-            return RunFiles(
-                folder=path.parent, timestamp=m["ts"], results=res if res.is_file() else None, samples={m["task"]: path}
-            )
+        if m:  # that run, with this task's samples only
+            return dataclasses.replace(_run_at(path.parent, m["ts"]), samples={m["task"]: path})
         if path.suffix == ".json":  # a results file renamed by the user
             return RunFiles(folder=path.parent, timestamp=None, results=path, samples={})
         if path.suffix == ".jsonl":
@@ -116,14 +110,9 @@ def resolve_run(arg: str | Path) -> RunFiles:
     unit = _sweep_eval_results(path)
     if unit is not None:
         return resolve_run(unit)
-    direct = [p for p in path.iterdir() if _RESULTS_RE.match(p.name) or _SAMPLES_RE.match(p.name)]
-    if direct:
+    if _holds_runs(path):
         return _model_folder(path)
-    models = sorted(
-        p
-        for p in path.iterdir()
-        if p.is_dir() and any(_RESULTS_RE.match(q.name) or _SAMPLES_RE.match(q.name) for q in p.iterdir())
-    )
+    models = sorted(p for p in path.iterdir() if p.is_dir() and _holds_runs(p))
     if len(models) == 1:
         return _model_folder(models[0])
     if len(models) > 1:

@@ -1,6 +1,5 @@
-"""The one schema layer: frozen pydantic models for input files (`Strict`: unknown keys are errors, no coercion), and
-`parse()`, which turns the first pydantic error into one `UserError` line naming the file, the key path
-(`scores[2].value`) and, for an unknown key, the closest allowed one. Checks across entries stay with their loader.
+"""The one schema layer: frozen pydantic models for input files, and `parse()`, which turns the first pydantic error
+into one `UserError` line naming the file and the key path (docs/development.md, 'Input files').
 """
 
 from __future__ import annotations
@@ -49,8 +48,9 @@ def _unwrap(ann: Any) -> list[Any]:
     return [ann]
 
 
-def _model_of(ann: Any) -> type[BaseModel] | None:
-    return next((a for a in _unwrap(ann) if isinstance(a, type) and issubclass(a, BaseModel)), None)
+def _field(model: type[BaseModel], key: Any) -> Any:
+    """The field of `model` that `key` names (by name or alias); None for another key or a list index."""
+    return next((f for n, f in model.model_fields.items() if key in (n, f.alias)), None)
 
 
 def _walk(model: type[BaseModel], loc: Iterable[Any]) -> tuple[tuple[Any, ...], list[Any]]:
@@ -62,11 +62,7 @@ def _walk(model: type[BaseModel], loc: Iterable[Any]) -> tuple[tuple[Any, ...], 
         for ann in anns:
             for a in _unwrap(ann):
                 if isinstance(a, type) and issubclass(a, BaseModel):
-                    field = (
-                        next((f for n, f in a.model_fields.items() if part in (n, f.alias)), None)
-                        if isinstance(part, str)
-                        else None
-                    )
+                    field = _field(a, part)
                     if field is not None:
                         nxt.append(field.annotation)
                 elif typing.get_origin(a) is dict and isinstance(part, str):
@@ -86,24 +82,17 @@ def model_at(model: type[BaseModel], loc: Iterable[Any]) -> type[BaseModel] | No
     followed, anns = _walk(model, loc)
     if len(followed) < len(loc):
         return None
-    return next((m for m in map(_model_of, anns) if m is not None), None)
+    return next((a for ann in anns for a in _unwrap(ann) if isinstance(a, type) and issubclass(a, BaseModel)), None)
 
 
-_EXPECT = {
-    "bool_type": "true or false",
-    "bool_parsing": "true or false",
-    "int_type": "an integer",
-    "int_parsing": "an integer",
-    "int_from_float": "an integer",
-    "float_type": "a number",
-    "float_parsing": "a number",
-    "finite_number": "a finite number",
-    "string_type": "a string",
-    "list_type": "a list",
-    "tuple_type": "a list",
-    "dict_type": "a mapping",
-    "model_type": "a mapping",
-    "model_attributes_type": "a mapping",
+_EXPECT = {  # pydantic's error types -> what the value must be, in a user's words
+    **dict.fromkeys(("bool_type", "bool_parsing"), "true or false"),
+    **dict.fromkeys(("int_type", "int_parsing", "int_from_float"), "an integer"),
+    **dict.fromkeys(("float_type", "float_parsing"), "a number"),
+    **dict.fromkeys(("finite_number",), "a finite number"),
+    **dict.fromkeys(("string_type",), "a string"),
+    **dict.fromkeys(("list_type", "tuple_type"), "a list"),
+    **dict.fromkeys(("dict_type", "model_type", "model_attributes_type"), "a mapping"),
 }
 
 
@@ -125,11 +114,7 @@ def _description(model: type[BaseModel], loc: tuple[Any, ...]) -> tuple[str, str
     """(key, what it expects) when the innermost field on `loc` that says what it expects does."""
     for end in range(len(loc), 0, -1):
         owner, key = model_at(model, loc[: end - 1]), loc[end - 1]
-        field = (
-            next((f for n, f in owner.model_fields.items() if key in (n, f.alias)), None)
-            if owner and isinstance(key, str)
-            else None
-        )
+        field = _field(owner, key) if owner else None
         if field is not None:
             return (key, field.description) if field.description else None
     return None
@@ -148,18 +133,15 @@ def user_error(exc: ValidationError, model: type[BaseModel], where: str) -> User
     errors = exc.errors(include_url=False)
     err = errors[0]
     loc = tuple(err["loc"])
+    owner = model_at(model, loc[:-1])  # the entry holding the key an unknown or missing key error names
+    what = owner.what if owner else "the entry"
     if err["type"] == "extra_forbidden":
-        parent, key = loc[:-1], loc[-1]
-        owner = model_at(model, parent)
         allowed = [f.alias or n for n, f in owner.model_fields.items()] if owner else []
-        what = owner.what if owner else "the entry"
         return UserError(
-            f"{_at(where, parent)}: {what} has unknown key {key!r}{did_you_mean(str(key), allowed)}",
+            f"{_at(where, loc[:-1])}: {what} has unknown key {loc[-1]!r}{did_you_mean(str(loc[-1]), allowed)}",
             f"allowed keys: {', '.join(allowed)}",
         )
     if err["type"] == "missing":
-        owner = model_at(model, loc[:-1])
-        what = owner.what if owner else "the entry"
         keys = [str(e["loc"][-1]) for e in errors if e["type"] == "missing" and tuple(e["loc"][:-1]) == loc[:-1]]
         needed = [f.alias or n for n, f in owner.model_fields.items() if f.is_required()] if owner else keys
         return UserError(

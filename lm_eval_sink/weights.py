@@ -1,5 +1,5 @@
-"""The one reader of a checkpoint's safetensors headers (`checkpoint_tensors`, through the `safetensors` library): a
-file that is missing, cut short or not safetensors is one line naming it, before anything loads (`check_weights`).
+"""The one reader of a checkpoint's safetensors headers, through the `safetensors` library (docs/development.md,
+'Faults'): a file that is missing, cut short or not safetensors is one line naming it, before anything loads.
 """
 
 from __future__ import annotations

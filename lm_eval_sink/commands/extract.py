@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.outputs import COMPLETE
+from lm_eval_sink.outputs import COMPLETE, FAILED_FILE, REPORT_FILES
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,8 +26,6 @@ class ExtractOutcome:
 
 def _outcome(report: Any) -> ExtractOutcome:
     """The lines of an extract/inject report; a failed verification becomes its failure."""
-    from lm_eval_sink.extract.pipeline import FAILED_FILE, REPORT_FILES
-
     what = "extracted" if report.operation == "extract" else "injected"
     head = "tied head" if report.tied_embeddings else "untied head"
     lines = [
@@ -51,14 +49,12 @@ def _outcome(report: Any) -> ExtractOutcome:
     marker = COMPLETE if report.ok else FAILED_FILE
     report_file = REPORT_FILES[report.operation]
     lines.append(f"wrote {report.output} ({report_file}, {marker})")
-    failure = (
-        None
-        if report.ok
-        else UserError(
-            f"verification failed: {v.reason}; the output is kept at {report.output} and marked failed "
-            f"({FAILED_FILE}, no {COMPLETE})",
-            f"see {report_file} for the tensor mapping; the architecture rules do not reproduce this VLM's text path",
-        )
+    if report.ok:
+        return ExtractOutcome(lines=tuple(lines), failure=None)
+    failure = UserError(
+        f"verification failed: {v.reason}; the output is kept at {report.output} and marked failed "
+        f"({FAILED_FILE}, no {COMPLETE})",
+        f"see {report_file} for the tensor mapping; the architecture rules do not reproduce this VLM's text path",
     )
     return ExtractOutcome(lines=tuple(lines), failure=failure)
 

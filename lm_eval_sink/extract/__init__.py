@@ -1,6 +1,4 @@
-"""Extract a VLM's language backbone as a standalone causal LM, and inject one back: one mechanism configured per
-VLM family by `lm_eval_sink/architectures/<family>.json` (docs/extraction.md, 'Package layout').
-"""
+"""Extract a VLM's language backbone as a standalone causal LM, and inject one back (docs/extraction.md)."""
 
 from lm_eval_sink.extract.families import Family, load_families, parse_family
 from lm_eval_sink.extract.pipeline import (

@@ -1,6 +1,4 @@
-"""Streaming safetensors I/O: tensor names, dtypes and shapes from the headers only; reads with
-`safe_open` that keep open only the shards still needed; a shard writer whose header is computed
-before any data, so a shard is written tensor by tensor and never held whole in memory."""
+"""Streaming safetensors I/O: headers only, shards read and written tensor by tensor (docs/extraction.md)."""
 
 from __future__ import annotations
 
@@ -98,7 +96,7 @@ class ShardWriter:
             offset += entry_bytes(entry)
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
         raw += b" " * (-len(raw) % 8)
-        self.path, self.nbytes = path, offset
+        self.path = path
         self._order = entries
         self._next = 0
         self._f = open(path, "wb")

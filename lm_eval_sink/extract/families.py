@@ -1,7 +1,4 @@
-"""VLM family files (`lm_eval_sink/architectures/<family>.json`), read strictly through the schema layer: unknown
-keys, bad regexes and templates using a group their pattern lacks are errors naming the file and the key
-(docs/extraction.md, 'Adding a VLM family').
-"""
+"""VLM family files, read strictly through the schema layer (docs/extraction.md, 'Adding a VLM family')."""
 
 from __future__ import annotations
 
@@ -35,9 +32,6 @@ class TensorRule(Strict):
     @classmethod
     def _one_or_many(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
-
-    def patterns(self) -> tuple[re.Pattern[str], ...]:
-        return tuple(re.compile(p) for p in self.sources)
 
 
 class TargetSpec(Strict):
@@ -88,9 +82,6 @@ class Family(_FamilyIn):
 
     file: str
     sha256: str
-
-    def ignore_patterns(self) -> tuple[re.Pattern[str], ...]:
-        return tuple(re.compile(p) for p in self.ignore)
 
 
 def _bad(file: str, what: str) -> UserError:
@@ -177,11 +168,7 @@ def family_for(config: dict[str, Any], path: Path) -> Family:
             return fam
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    if (
-        model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-        and "vision_config" not in config
-        and "text_config" not in config
-    ):
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not {"vision_config", "text_config"} & config.keys():
         raise UserError(
             f"{path}: model type {model_type!r} is a text-only causal LM, not a VLM",
             "evaluate or merge it as it is; extract takes a vision-language model",

@@ -1,8 +1,4 @@
-"""The one pipeline extract and inject share (docs/extraction.md): refuse OUT_DIR, resolve and read the VLM, plan,
-then build OUT_DIR staged (`outputs.staged_dir`): the other files, the shards streamed tensor by tensor, the
-verification and the report, marked COMPLETE.json or FAILED.json. With `checkpoint`, the only module here that opens
-files; a direction (`_Job`) supplies its layout, tensor stream, other files and which folder is the VLM when verified.
-"""
+"""The one pipeline extract and inject share (docs/extraction.md, 'Package layout')."""
 
 from __future__ import annotations
 
@@ -36,6 +32,7 @@ from lm_eval_sink.extract.families import Family, family_for
 from lm_eval_sink.extract.plan import (
     DTYPE_CHOICES,
     Plan,
+    Unit,
     check_backbone,
     extract_layout,
     make_plan,
@@ -47,7 +44,7 @@ from lm_eval_sink.extract.plan import (
 from lm_eval_sink.extract.rules import forward_rule, inverse_rule
 from lm_eval_sink.extract.verify import PROBE_TEXT, Verification, compare, logits, multimodal_token_ids, probe_ids
 from lm_eval_sink.identity import TOKENIZER_FILES
-from lm_eval_sink.io import atomic_write_json, atomic_write_text, read_json
+from lm_eval_sink.io import atomic_write_json, atomic_write_text, read_json, saved_object
 from lm_eval_sink.keys import Work, key_versions
 from lm_eval_sink.outputs import (
     COMPLETE,
@@ -111,7 +108,7 @@ class ExtractionReport:
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)  # the verification as its fields; tuples are written as JSON lists
-        out["provenance"] = provenance(tool=f"lm-eval-sink {self.operation}", code_versions=code_versions())
+        out["provenance"] = provenance(tool=f"lm-eval-sink {self.operation}", code_versions=key_versions(ExtractCode))
         return out
 
 
@@ -125,22 +122,6 @@ class _Vlm:
     tensors: dict[str, Tensor]
     plan: Plan
 
-    def report_fields(self) -> dict[str, Any]:
-        """The report fields both directions take from the VLM and its plan (the VLM's fingerprint included)."""
-        plan = self.plan
-        return {
-            "vlm": model_fingerprint(str(self.folder)),
-            "family": self.family.name,
-            "variant": plan.variant.name,
-            "architecture_file": self.family.file,
-            "architecture_sha256": self.family.sha256,
-            "source_class": plan.source_class,
-            "target_class": plan.target_class,
-            "target_model_type": plan.target_config.model_type,
-            "tensors_ignored": len(plan.ignored),
-            "dropped_config_keys": plan.dropped_config_keys,
-        }
-
 
 @dataclass(frozen=True, slots=True)
 class _Job:
@@ -153,13 +134,6 @@ class _Job:
     side_files: Callable[[Path], dict[str, Any]]  # writes the other files into the staging folder: report fields
     verify: Callable[[Path], Verification] | None  # checks the staging folder
     fields: dict[str, Any]  # the direction's report fields known before writing
-
-
-def _output(out_dir: str | Path, force: bool, inputs: list[str | Path]) -> Path:
-    """OUT_DIR, refused before any work when it is in the way or overlaps an input (`outputs.check_output_dir`)."""
-    out = Path(out_dir).expanduser()
-    check_output_dir(out, force, "OUT_DIR", inputs=inputs)
-    return out
 
 
 def _resolve(name: str | Path, role: str, out: Path) -> Path:
@@ -188,7 +162,20 @@ def _write(job: _Job, vlm: _Vlm, out: Path, *, force: bool, start: float, progre
     """Stage `out`, write the other files and the streamed shards, verify, report and mark the folder."""
     from tqdm.auto import tqdm
 
-    fields = {**vlm.report_fields(), **job.fields}
+    plan = vlm.plan
+    fields = {
+        "vlm": model_fingerprint(str(vlm.folder)),
+        "family": vlm.family.name,
+        "variant": plan.variant.name,
+        "architecture_file": vlm.family.file,
+        "architecture_sha256": vlm.family.sha256,
+        "source_class": (vlm.config.architectures or [vlm.family.vlm_class])[0],
+        "target_class": plan.target_class,
+        "target_model_type": plan.target_config.model_type,
+        "tensors_ignored": len(plan.ignored),
+        "dropped_config_keys": plan.dropped_config_keys,
+        **job.fields,
+    }
     meta = {"format": "pt", "lm_eval_sink": job.operation, "source_family": vlm.family.name}
     n_tensors = sum(len(entries) for _, entries in job.layout)
     with staged_dir(out, force=force) as tmp:
@@ -225,16 +212,10 @@ def _write(job: _Job, vlm: _Vlm, out: Path, *, force: bool, start: float, progre
 
 @dataclass(frozen=True, slots=True)
 class ExtractCode(Work):
-    """What an extraction or injection records of the code that made it (`code_versions` in its report and marker):
-    the hashes of this module and all it imports and reads (the tensor rules, the family files), these packages'."""
+    """The code an extraction or injection records in its report and marker (`code_versions`: `keys.key_versions`)."""
 
     CODE = (__name__,)
     PACKAGES = ("torch", "transformers", "safetensors")
-
-
-def code_versions() -> dict[str, Any]:
-    """The code and package versions an extraction or injection records (`ExtractCode`)."""
-    return key_versions(ExtractCode)
 
 
 def _finish(tmp: Path, report: ExtractionReport) -> None:
@@ -246,7 +227,7 @@ def _finish(tmp: Path, report: ExtractionReport) -> None:
         "status": report.status,
         "verified": report.verification is not None and report.verification.passed,
         "report": report_file,
-        "code_versions": code_versions(),
+        "code_versions": key_versions(ExtractCode),
     }
     if report.status == "failed":
         marker["reason"] = report.verification.reason if report.verification else None
@@ -255,23 +236,17 @@ def _finish(tmp: Path, report: ExtractionReport) -> None:
         write_complete(tmp, marker)
 
 
-def _probe(tokenizer_dir: Path, vlm: _Vlm) -> list[int]:
-    """The probe ids, from the tokenizer in `tokenizer_dir` when it has one."""
+def _verify(vlm: _Vlm, vlm_dir: Path, lm_dir: Path, dtype: torch.dtype, tokenizer_dir: Path) -> Verification:
+    """Load the VLM, run the probe (tokenized by `tokenizer_dir`'s tokenizer when it has one), free it; load the
+    backbone, run the probe; compare. (transformers' loading bars follow `--quiet`, decided once in cli.py.)"""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tokens: list[int] = []
     if any((tokenizer_dir / n).is_file() for n in _TOKENIZER_FILES):
-        from transformers import AutoTokenizer
-
         tokens = list(AutoTokenizer.from_pretrained(tokenizer_dir)(PROBE_TEXT)["input_ids"])
-    return probe_ids(tokens, int(vlm.plan.target_config.vocab_size), multimodal_token_ids(vlm.config))
-
-
-def _verify(vlm_dir: Path, vlm_class: str, lm_dir: Path, dtype: torch.dtype, ids: list[int]) -> Verification:
-    """Load the VLM, run the probe, free it; load the backbone, run the probe; compare. (transformers' loading bars
-    follow `--quiet`, decided once in cli.py.)"""
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    vlm_cls = getattr(transformers, vlm_class)
+    ids = probe_ids(tokens, int(vlm.plan.target_config.vocab_size), multimodal_token_ids(vlm.config))
+    vlm_cls = getattr(transformers, vlm.family.vlm_class)
     ref = logits(load_placed(vlm_cls, vlm_dir, dtype, DEFAULT_DEVICE, attn_implementation="eager")[0], ids)
     gc.collect()  # the VLM is freed before the backbone loads: peak memory is one model, not two
     (model, info), _ = load_placed(
@@ -287,14 +262,9 @@ def _verify(vlm_dir: Path, vlm_class: str, lm_dir: Path, dtype: torch.dtype, ids
 
 def _processor_chat_template(folder: Path) -> tuple[str | None, str | None]:
     for name in ("chat_template.json", "processor_config.json"):
-        p = folder / name
-        if p.is_file():
-            try:
-                template = read_json(p).get("chat_template")
-            except (UserError, AttributeError):
-                template = None
-            if isinstance(template, str) and template:
-                return template, name
+        template = (saved_object(folder / name) or {}).get("chat_template")
+        if isinstance(template, str) and template:
+            return template, name
     return None, None
 
 
@@ -334,25 +304,22 @@ def _backbone_files(vlm: Path, config: Any, tmp: Path) -> dict[str, Any]:
     return {**tok, "notes": notes}
 
 
-def _cast(t: torch.Tensor, want: torch.dtype | None) -> torch.Tensor:
-    return t.to(want) if want is not None and t.is_floating_point() and t.dtype != want else t
+def _apply(plan: Plan, unit: Unit, reader: Reader) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """`forward_rule` of `unit` on its stored source tensors: its backbone tensors and the rows it drops."""
+    return forward_rule(unit.rule, [reader.get(s) for s in unit.sources], [plan.expected[t] for t in unit.targets])
 
 
-def _forward(
-    plan: Plan, tensors: dict[str, Tensor], reader: Reader, skip: set[str], cast: torch.dtype | None
-) -> _Stream:
+def _forward(plan: Plan, reader: Reader, skip: set[str], cast: torch.dtype | None) -> _Stream:
     """Backbone tensors in production order; each source shard is closed once no later unit needs it."""
-    order = production_order(plan, tensors)
-    last_use = {tensors[s].file: i for i, unit in enumerate(order) for s in unit.sources}
+    order = production_order(plan, reader.tensors)
+    last_use = {reader.tensors[s].file: i for i, unit in enumerate(order) for s in unit.sources}
     try:
         for i, unit in enumerate(order):
             reader.keep_only({f for f, last in last_use.items() if last >= i})
-            outs, _ = forward_rule(
-                unit.rule, [reader.get(s) for s in unit.sources], [plan.expected[t] for t in unit.targets]
-            )
+            outs, _ = _apply(plan, unit, reader)
             for t, x in zip(unit.targets, outs, strict=True):
                 if t not in skip:
-                    yield t, _cast(x, cast)
+                    yield t, x.to(cast) if cast is not None and x.is_floating_point() else x
             del outs  # free this unit's tensors before the next one is read
     finally:
         reader.close()
@@ -375,7 +342,8 @@ def extract_backbone(
     start = time.perf_counter()
     if dtype not in DTYPE_CHOICES:
         raise UserError(f"unknown dtype {dtype!r}", f"use one of {', '.join(DTYPE_CHOICES)}")
-    out = _output(out_dir, force, [vlm_path])
+    out = Path(out_dir).expanduser()
+    check_output_dir(out, force, "OUT_DIR", inputs=[vlm_path])
     vlm = _read_vlm(_resolve(vlm_path, "VLM", out), family)
     plan, tensors = vlm.plan, vlm.tensors
     out_dtype = output_dtype(dtype, tensors, plan.units)
@@ -392,12 +360,10 @@ def extract_backbone(
     job = _Job(
         operation="extract",
         layout=layout,
-        stream=_forward(plan, tensors, reader, skip, cast),
+        stream=_forward(plan, reader, skip, cast),
         index=len(layout) > 1,
         side_files=functools.partial(_backbone_files, vlm.folder, config),
-        verify=(lambda tmp: _verify(vlm.folder, vlm.family.vlm_class, tmp, out_dtype, _probe(tmp, vlm)))
-        if verify
-        else None,
+        verify=(lambda tmp: _verify(vlm, vlm.folder, tmp, out_dtype, tmp)) if verify else None,
         fields={
             "backbone": None,
             "dtype": config.dtype,
@@ -428,15 +394,9 @@ def _copy_vlm_files(vlm: Path, tmp: Path) -> dict[str, Any]:
     return {}
 
 
-def _inverse(
-    plan: Plan,
-    tensors: dict[str, Tensor],
-    layout: Layout,
-    vlm_reader: Reader,
-    bb_reader: Reader,
-    alias: dict[str, str],
-) -> _Stream:
+def _inverse(plan: Plan, layout: Layout, vlm_reader: Reader, bb_reader: Reader, alias: dict[str, str]) -> _Stream:
     """The VLM's tensors in layout order: language tensors rebuilt from the backbone, the others copied."""
+    stored = vlm_reader.tensors
     unit_of = {s: u for u in plan.units for s in u.sources}
     rebuilt: dict[str, torch.Tensor] = {}  # sources of a unit rebuilt together, until each is written
     try:
@@ -447,21 +407,11 @@ def _inverse(
                     continue
                 if name not in rebuilt:
                     unit = unit_of[name]
-                    rest = None
-                    if unit.rule.drop_rest:
-                        _, rest = forward_rule(
-                            unit.rule,
-                            [vlm_reader.get(s) for s in unit.sources],
-                            [plan.expected[t] for t in unit.targets],
-                        )
+                    rest = _apply(plan, unit, vlm_reader)[1] if unit.rule.drop_rest else None
                     targets = [bb_reader.get(alias.get(t, t)) for t in unit.targets]
-                    xs = inverse_rule(unit.rule, targets, [tensors[s].shape for s in unit.sources], rest)
-                    rebuilt.update(
-                        {
-                            s: x.to(ST_DTYPES[tensors[s].dtype]).contiguous()
-                            for s, x in zip(unit.sources, xs, strict=True)
-                        }
-                    )
+                    xs = inverse_rule(unit.rule, targets, [stored[s].shape for s in unit.sources], rest)
+                    for s, x in zip(unit.sources, xs, strict=True):
+                        rebuilt[s] = x.to(ST_DTYPES[stored[s].dtype]).contiguous()
                 yield name, rebuilt.pop(name)
             vlm_reader.keep_only(set())
     finally:
@@ -482,7 +432,8 @@ def inject_backbone(
     """Write a copy of the VLM at `out_dir` whose language model is the given backbone: the VLM's other files, shard
     layout, tensor names and dtypes kept, its vision tensors unchanged; verified like `extract_backbone`."""
     start = time.perf_counter()
-    out = _output(out_dir, force, [vlm_path, backbone_path])
+    out = Path(out_dir).expanduser()
+    check_output_dir(out, force, "OUT_DIR", inputs=[vlm_path, backbone_path])
     folder = _resolve(vlm_path, "VLM", out)
     backbone = _resolve(backbone_path, "backbone", out)
     vlm = _read_vlm(folder, family)
@@ -504,12 +455,10 @@ def inject_backbone(
     job = _Job(
         operation="inject",
         layout=layout,
-        stream=_inverse(plan, tensors, layout, Reader(folder, tensors), bb_reader, alias),
+        stream=_inverse(plan, layout, Reader(folder, tensors), bb_reader, alias),
         index=len(layout) > 1 or (folder / INDEX_FILE).is_file(),
         side_files=functools.partial(_copy_vlm_files, folder),
-        verify=(lambda tmp: _verify(tmp, vlm.family.vlm_class, backbone, vlm_dtype, _probe(folder, vlm)))
-        if verify
-        else None,
+        verify=(lambda tmp: _verify(vlm, tmp, backbone, vlm_dtype, folder)) if verify else None,
         fields={
             "backbone": model_fingerprint(str(backbone)),
             "dtype": str(vlm_dtype).removeprefix("torch."),

@@ -1,7 +1,4 @@
-"""Planning: everything decided from configs and safetensors headers before any data moves: which rule claims each
-tensor, the target config, the names and shapes `save_pretrained` of the target class writes (on the meta device,
-so a missing, extra or mis-shaped tensor is reported first), tying, and the output layout.
-"""
+"""Planning: what becomes what, decided from configs and headers before any data moves (docs/extraction.md)."""
 
 from __future__ import annotations
 
@@ -41,16 +38,9 @@ def _dotget(d: dict[str, Any], path: str) -> Any:
 
 
 def _dotdel(d: dict[str, Any], path: str) -> bool:
-    *parents, last = path.split(".")
-    cur: Any = d
-    for part in parents:
-        if not isinstance(cur, dict) or part not in cur:
-            return False
-        cur = cur[part]
-    if isinstance(cur, dict) and last in cur:
-        del cur[last]
-        return True
-    return False
+    parent_path, _, last = path.rpartition(".")
+    parent = _dotget(d, parent_path) if parent_path else d
+    return isinstance(parent, dict) and parent.pop(last, _MISSING) is not _MISSING
 
 
 def select_variant(family: Family, text_config: dict[str, Any], path: Path) -> Variant:
@@ -80,7 +70,6 @@ class Unit:
 class Plan:
     """Everything decided before data moves: target config, tensor map, tying."""
 
-    family: Family
     variant: Variant
     target_config: Any  # transformers PretrainedConfig of the target causal LM
     target_class: str
@@ -93,13 +82,12 @@ class Plan:
     ignored: tuple[str, ...]
     dropped_config_keys: tuple[str, ...]
     dropped_rows: dict[str, int]  # first target of a drop_rest unit -> rows kept out of the backbone
-    source_class: str
 
 
 def _claim(
-    tensors: dict[str, Tensor], rules: list[TensorRule], ignore: tuple[re.Pattern[str], ...], path: Path
+    tensors: dict[str, Tensor], rules: list[TensorRule], ignore: list[str], path: Path
 ) -> tuple[list[Unit], list[str]]:
-    compiled = [r.patterns() for r in rules]
+    compiled = [[re.compile(p) for p in r.sources] for r in rules]
     groups: dict[tuple[int, tuple[tuple[str, str], ...]], dict[int, str]] = {}
     ignored, leftover = [], []
     for name in sorted(tensors):
@@ -115,7 +103,7 @@ def _claim(
                 slot[pi] = name
                 break
         else:
-            (ignored if any(p.fullmatch(name) for p in ignore) else leftover).append(name)
+            (ignored if any(re.fullmatch(p, name) for p in ignore) else leftover).append(name)
     if leftover:
         raise UserError(
             f"{path}: {len(leftover)} tensor(s) are neither language-model nor ignored vision tensors: "
@@ -142,9 +130,7 @@ def _claim(
     return units, ignored
 
 
-def _target_config(
-    family: Family, variant: Variant, text: dict[str, Any], tie: bool, path: Path
-) -> tuple[Any, str, list[str]]:
+def _target_config(family: Family, variant: Variant, text: dict[str, Any], path: Path) -> tuple[Any, str, list[str]]:
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -165,7 +151,7 @@ def _target_config(
     # Keys the target class does not declare are kept: modeling code reads some of them with
     # getattr (Qwen3-MoE's head_dim), so only the family's drop_config removes keys.
     try:
-        config = AutoConfig.for_model(model_type, tie_word_embeddings=tie, **d)
+        config = AutoConfig.for_model(model_type, tie_word_embeddings=True, **d)  # so the tie map names the head
     except (TypeError, ValueError) as e:
         raise UserError(
             f"{path}: cannot build a {model_type} config from the VLM's text config ({str(e).splitlines()[0]})",
@@ -178,25 +164,19 @@ def _target_config(
 def _expected_tensors(config: Any) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
     """Names and shapes `save_pretrained` writes for this config, and the tie map {head: embedding}."""
     from transformers import AutoModelForCausalLM
+    from transformers.core_model_loading import revert_weight_conversion
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    state = model.state_dict()
     tie_map = dict(getattr(model, "all_tied_weights_keys", {}) or {})
-    try:  # on-disk names and layouts (e.g. per-expert MoE tensors) differ from in-memory ones
-        from transformers.core_model_loading import revert_weight_conversion
-
-        state = revert_weight_conversion(model, state)
-    except ImportError:  # older transformers: in-memory names are the on-disk names
-        pass
+    # on-disk names and layouts (e.g. per-expert MoE tensors) differ from in-memory ones
+    state = revert_weight_conversion(model, model.state_dict())
     return {k: tuple(v.shape) for k, v in state.items()}, tie_map
 
 
 def make_plan(vlm_config: Any, tensors: dict[str, Tensor], family: Family, path: Path) -> Plan:
-    """Match the checkpoint's tensors to the target class and decide tying, before any data moves.
-
-    `vlm_config`: the VLM's transformers config; `path` names the VLM in errors.
-    """
+    """Match the checkpoint's tensors to the target class and decide tying, before any data moves (`vlm_config`: the
+    VLM's transformers config; `path` names the VLM in errors)."""
     text_config = getattr(vlm_config, family.text_config, None)
     if text_config is None:
         raise UserError(
@@ -205,19 +185,22 @@ def make_plan(vlm_config: Any, tensors: dict[str, Tensor], family: Family, path:
         )
     text = text_config.to_dict()
     variant = select_variant(family, text, path)
-    config, target_class, dropped = _target_config(family, variant, text, tie=True, path=path)
+    config, target_class, dropped = _target_config(family, variant, text, path)
     expected, tie_map = _expected_tensors(config)
-    units, ignored = _claim(tensors, variant.rules, family.ignore_patterns(), path)
+    units, ignored = _claim(tensors, variant.rules, family.ignore, path)
     produced = _produced(units, path)
     head, head_source = next(iter(tie_map.items()), (None, None))
     vlm_ties = bool(getattr(vlm_config, "tie_word_embeddings", False))
     tied = _ties_absent_head(head, produced, vlm_ties, path)
-    want = {k for k in expected if not (tied and k == head)}
-    _check_names(want, produced, target_class, family, path)
+    want = {k for k in expected if not (tied and k == head)}  # the names the target class saves
+    listed = _listed(("missing", sorted(want - set(produced))), ("unexpected", sorted(set(produced) - want)))
+    if listed:
+        raise UserError(
+            f"{path}: the language tensors do not form a {target_class} ({listed})",
+            f"the checkpoint does not match architectures/{family.name}.json; extend its rules",
+        )
     dropped_rows = _check_shapes(units, tensors, expected, target_class, path)
-    source_class = (vlm_config.architectures or [family.vlm_class])[0]
     return Plan(
-        family=family,
         variant=variant,
         target_config=config,
         target_class=target_class,
@@ -230,7 +213,6 @@ def make_plan(vlm_config: Any, tensors: dict[str, Tensor], family: Family, path:
         ignored=tuple(ignored),
         dropped_config_keys=tuple(dropped),
         dropped_rows=dropped_rows,
-        source_class=source_class,
     )
 
 
@@ -259,16 +241,6 @@ def _ties_absent_head(head: str | None, produced: dict[str, str], vlm_ties: bool
             "the checkpoint is incomplete",
         )
     return True
-
-
-def _check_names(want: set[str], produced: dict[str, str], target_class: str, family: Family, path: Path) -> None:
-    """The produced tensor names must be exactly the ones the target class saves (`want`)."""
-    listed = _listed(("missing", sorted(want - set(produced))), ("unexpected", sorted(set(produced) - want)))
-    if listed:
-        raise UserError(
-            f"{path}: the language tensors do not form a {target_class} ({listed})",
-            f"the checkpoint does not match architectures/{family.name}.json; extend its rules",
-        )
 
 
 def _listed(*groups: tuple[str, list[str]]) -> str:

@@ -1,6 +1,4 @@
-"""Verification by round-trip logits: a fixed text-only probe through the VLM's own forward and the standalone
-backbone, passing within a per-dtype tolerance (`TOLERANCES`) with no missing, unexpected or mismatched keys.
-"""
+"""Verification by round-trip logits on a fixed probe (docs/extraction.md, 'Verification')."""
 
 from __future__ import annotations
 
@@ -19,8 +17,6 @@ PROBE_TEXT = (
     "The capital of France is Paris. Write a list of three colors as a JSON list, then explain "
     "in two sentences why the sky is blue, using only letters and words."
 )
-PROBE_MIN_TOKENS = 16
-PROBE_MAX_TOKENS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,9 +44,9 @@ def multimodal_token_ids(vlm_config: Any) -> set[int]:
 
 def probe_ids(tokens: list[int], vocab_size: int, banned: set[int]) -> list[int]:
     """The probe: PROBE_TEXT's token ids minus multimodal ones, at most 64, padded to 16 with fixed ids."""
-    ids = [i for i in tokens if 0 <= i < vocab_size and i not in banned][:PROBE_MAX_TOKENS]
+    ids = [i for i in tokens if 0 <= i < vocab_size and i not in banned][:64]
     step = 0
-    while len(ids) < PROBE_MIN_TOKENS:
+    while len(ids) < 16:
         candidate = (7919 * step + 11) % vocab_size
         step += 1
         if candidate not in banned:
