@@ -22,12 +22,15 @@ from lm_eval_sink.errors import UserError
 from lm_eval_sink.io import atomic_write_json
 
 
+_UNKNOWN = "another process"
+
+
 def _holder(record: Path) -> str:
     try:
         info = json.loads(record.read_text(encoding="utf-8"))
         return f"pid {info['pid']} on {info['host']} since {info['started_utc']} ({' '.join(info['argv'])[:120]})"
     except (OSError, ValueError, KeyError, TypeError):
-        return "another process"
+        return _UNKNOWN
 
 
 _HELD: dict[Path, int] = {}  # lock file -> pid of this process while it holds it (`hold` is reentrant)
@@ -88,7 +91,12 @@ def _wait_for(lock: Any, record: Path, wait: Callable[[str, float], None]) -> No
 
     start, waited = time.monotonic(), 0.0
     while True:
-        wait(_holder(record), waited)
+        holder = _holder(record)
+        if waited and holder == _UNKNOWN:  # no record mid-wait: its holder is letting go; take the lock, then say so
+            with contextlib.suppress(Timeout):
+                lock.acquire(timeout=1.0, poll_interval=0.05)
+                return
+        wait(holder, waited)
         try:
             lock.acquire(timeout=WAIT_NOTE_S, poll_interval=0.2)
             return
