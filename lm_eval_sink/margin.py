@@ -145,7 +145,7 @@ class SinkMargin:
         return {**asdict(self), "schema_version": SCHEMA_VERSION}
 
 
-_MATRICES = tuple(f.name for f in fields(SinkMargin) if f.type == "Matrix")  # in margin_arrays' order
+_MATRICES = tuple(f.name for f in fields(SinkMargin) if f.type in ("Matrix", Matrix))  # in margin_arrays' order
 
 
 @dataclass(frozen=True, slots=True)
