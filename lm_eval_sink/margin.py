@@ -1,17 +1,18 @@
 """Per-head sink margins G_base - B_gap between a reference LLM and a candidate (its VLM backbone).
 
 Each row's sink key is the reference's argmax, so a collapsed sink is measured where it was; the per-row and per-head
-quantities and Lemma 1 (arXiv 2609.00746) are in docs/screening.md ("margin"). Pure numpy, no file I/O:
+quantities and Lemma 1 (arXiv 2609.00746) are in docs/screening.md ("margin"). numpy and scipy, no file I/O:
 commands/margin.py loads and captures both models and writes the output folder.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
+from scipy.special import expit
 
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.keys import MODEL, Work
@@ -22,19 +23,12 @@ SCHEMA_VERSION = 1
 DEFAULT_QUANTILE = 0.95
 
 
-def sigmoid(x: Any) -> Any:
-    """Logistic function, stable for large |x| (float64)."""
-    x = np.asarray(x, dtype=np.float64)
-    out = 0.5 * (1.0 + np.tanh(0.5 * x))
-    return float(out) if out.ndim == 0 else out
-
-
 # ---------------------------------------------------------------------------- Lemma 1
 
 
 def lemma1_bound(g_base: Any, b_gap: Any) -> Any:
     """Upper bound on the non-sink mass after a perturbation moving the sink gap by <= b_gap."""
-    return sigmoid(np.asarray(b_gap, dtype=np.float64) - np.asarray(g_base, dtype=np.float64))
+    return expit(np.asarray(b_gap, dtype=np.float64) - np.asarray(g_base, dtype=np.float64))
 
 
 def lemma1_required_margin(eta: float) -> float:
@@ -114,25 +108,16 @@ def margin_arrays(g_base: np.ndarray, g_cand: np.ndarray, quantile: float = DEFA
         "margin": g_med - b_gap,
         "margin_quantile": g_med - b_q,
         "predicted_nonsink_mass": lemma1_bound(g_med, b_gap),
-        "measured_nonsink_mass_median": np.median(sigmoid(-g_cand), axis=2),
+        "measured_nonsink_mass_median": np.median(expit(-g_cand), axis=2),
     }
 
 
-_MATRICES = (
-    "g_base_median",
-    "candidate_gap_median",
-    "b_gap",
-    "b_gap_quantile",
-    "margin",
-    "margin_quantile",
-    "predicted_nonsink_mass",
-    "measured_nonsink_mass_median",
-)
+Matrix = tuple[tuple[float, ...], ...]  # [layer, head]
 
 
 @dataclass(frozen=True, slots=True)
 class SinkMargin:
-    """Per-head margins of a candidate against its reference; [layer, head] matrices as nested tuples."""
+    """Per-head margins of a candidate against its reference; its `Matrix` fields are `margin_arrays`' matrices."""
 
     reference: str
     candidate: str
@@ -141,14 +126,14 @@ class SinkMargin:
     n_prompts: int
     n_rows: int
     quantile: float
-    g_base_median: tuple[tuple[float, ...], ...]
-    candidate_gap_median: tuple[tuple[float, ...], ...]
-    b_gap: tuple[tuple[float, ...], ...]
-    b_gap_quantile: tuple[tuple[float, ...], ...]
-    margin: tuple[tuple[float, ...], ...]
-    margin_quantile: tuple[tuple[float, ...], ...]
-    predicted_nonsink_mass: tuple[tuple[float, ...], ...]
-    measured_nonsink_mass_median: tuple[tuple[float, ...], ...]
+    g_base_median: Matrix
+    candidate_gap_median: Matrix
+    b_gap: Matrix
+    b_gap_quantile: Matrix
+    margin: Matrix
+    margin_quantile: Matrix
+    predicted_nonsink_mass: Matrix
+    measured_nonsink_mass_median: Matrix
     negative_margin_heads: tuple[dict[str, Any], ...]  # {layer, head, margin, g_base_median, b_gap, ...}
     reference_pos0_argmax_fraction: float
     reference_sink_strength: float
@@ -158,6 +143,9 @@ class SinkMargin:
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self), "schema_version": SCHEMA_VERSION}
+
+
+_MATRICES = tuple(f.name for f in fields(SinkMargin) if f.type in ("Matrix", Matrix))  # in margin_arrays' order
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,7 +195,7 @@ def build_margin(
         candidate_sink_strength=sink_strengths[1],
         summary=_summary(m, negative),
         provenance=provenance or {},
-        **{k: tuple(tuple(float(x) for x in row) for row in m[k]) for k in _MATRICES},
+        **{k: tuple(tuple(float(x) for x in row) for row in v) for k, v in m.items()},
     )
 
 
@@ -331,9 +319,6 @@ def _summary_lines(m: SinkMargin) -> list[str]:
 
 def _layer_table(m: SinkMargin) -> list[str]:
     """One row per layer: medians over its heads, its smallest margin and its negative-margin heads."""
-    neg_by_layer: dict[int, list[int]] = {}
-    for h in m.negative_margin_heads:
-        neg_by_layer.setdefault(h["layer"], []).append(h["head"])
     return markdown_lines(
         ["layer", "median G_base", "median B_gap", "median margin", "min margin", "negative heads"],
         [
@@ -343,40 +328,33 @@ def _layer_table(m: SinkMargin) -> list[str]:
                 f"{np.median(m.b_gap[li]):.3f}",
                 f"{np.median(m.margin[li]):.3f}",
                 f"{min(m.margin[li]):.3f}",
-                ", ".join(map(str, neg_by_layer.get(layer, []))) or "-",
+                ", ".join(str(h["head"]) for h in m.negative_margin_heads if h["layer"] == layer) or "-",
             ]
             for li, layer in enumerate(m.layers)
         ],
     )
 
 
+_HEAD_COLUMNS = {  # margin.md's columns of a negative-margin head after layer and head: its record's keys
+    "G_base": "g_base_median",
+    "B_gap": "b_gap",
+    "margin": "margin",
+    "sink in reference": "reference_has_sink",
+    "predicted non-sink mass": "predicted_nonsink_mass",
+    "measured non-sink mass (median)": "measured_nonsink_mass_median",
+}
+
+
 def _head_table(m: SinkMargin) -> list[str]:
     """One row per negative-margin head: its gaps, margin and Lemma 1's predicted against the measured mass."""
     return markdown_lines(
-        [
-            "layer",
-            "head",
-            "G_base",
-            "B_gap",
-            "margin",
-            "sink in reference",
-            "predicted non-sink mass",
-            "measured non-sink mass (median)",
-        ],
-        [
-            [
-                h["layer"],
-                h["head"],
-                f"{h['g_base_median']:.3f}",
-                f"{h['b_gap']:.3f}",
-                f"{h['margin']:.3f}",
-                "yes" if h["reference_has_sink"] else "no",
-                f"{h['predicted_nonsink_mass']:.3f}",
-                f"{h['measured_nonsink_mass_median']:.3f}",
-            ]
-            for h in m.negative_margin_heads
-        ],
+        ["layer", "head", *_HEAD_COLUMNS],
+        [[h["layer"], h["head"], *(_cell(h[k]) for k in _HEAD_COLUMNS.values())] for h in m.negative_margin_heads],
     )
+
+
+def _cell(value: float | bool) -> str:
+    return ("yes" if value else "no") if isinstance(value, bool) else f"{value:.3f}"
 
 
 def margin_csv(m: SinkMargin) -> str:

@@ -1,9 +1,7 @@
 """What a paired comparison could have detected: minimum detectable difference, power, documents needed.
 
-One model per design gives every figure of a record (the MDE is the root of its power function at the target power,
-the documents needed the smallest n reaching it): Connor (1987) for a 0/1 outcome, conditional on the observed
-discordant share; the normal approximation scaled by Wilcoxon's efficiency 3/pi for a continuous metric. Formulas,
-defaults and checks: docs/buckets.md ("Power"). numpy/scipy only (imported when used), no I/O.
+One model per design (Connor 1987 for a 0/1 outcome; Wilcoxon-scaled normal approximation for a continuous metric):
+docs/buckets.md ("Power"). numpy/scipy only (imported when used), no I/O.
 """
 
 from __future__ import annotations

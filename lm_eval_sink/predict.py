@@ -29,16 +29,11 @@ MONTE_CARLO_PERMUTATIONS = 200_000
 PERMUTATION_BATCH = 50_000  # orderings ranked at once: bounds memory (10! orderings at once took 3.4 GB)
 SHIPPED_PAIRS = "data/paper_pairs.yaml"
 SHIPPED_REPORTED = "data/paper_reported.json"
-QK_NORM_CLASSES = ("per_head", "layerwise", "none")
 _TIE_TOL = 1e-12
 # The largest |S| or |delta| a fit takes: S is a median of float32 log-odds (within about 104), a delta at most 100
 # points; past this a value is a typo or a unit error, and its square would overflow the fit's float64 sums.
 LARGEST = 1e6
 PI_LEVEL = 0.95  # the prediction intervals' coverage
-PAPER_SETTING = (
-    "the paper's pairs: their S were measured with the paper's own calibration prompts (which this project does not "
-    "have), so no S measured here is in their setting"
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,9 +45,6 @@ class PairTable:
     sha256: str  # of the file's bytes
     shipped: bool  # byte-identical to the shipped paper table
     reported: dict[str, Any] | None = None  # the paper's reported statistics, for the shipped table
-
-    def tasks(self) -> list[str]:
-        return sorted({t for p in self.pairs for t in p.deltas})
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,9 +92,6 @@ class TaskFit:
         """Whether s lies outside the fitted S range (a prediction there is an extrapolation)."""
         return not self.s_min <= s <= self.s_max
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 @dataclass(frozen=True, slots=True)
 class FitResult:
@@ -117,7 +106,7 @@ class FitResult:
     def to_json(self) -> dict[str, Any]:
         tasks = {
             t: {
-                **f.to_json(),
+                **asdict(f),
                 "interval_level": PI_LEVEL,
                 "setting": None if self.settings[t][0] is None else self.settings[t][0].to_json(),
                 "setting_unknown": self.settings[t][1],
@@ -161,12 +150,8 @@ class _PairIn(Strict):
         min_length=1, description="must be a non-empty mapping task -> points, e.g. deltas: {ifeval: -9.6}"
     )
     source: str = Field(min_length=1)
-    qk_norm: Literal[QK_NORM_CLASSES] | None = None
+    qk_norm: Literal["per_head", "layerwise", "none"] | None = None
     notes: Any = None
-
-    @classmethod
-    def required(cls) -> list[str]:
-        return [n for n, f in cls.model_fields.items() if f.is_required()]
 
 
 class Pair(_PairIn):
@@ -178,11 +163,9 @@ class Pair(_PairIn):
     setting: Setting | None = None  # the setting of its S, when read from a *.strength.json; None: unknown
 
 
-def parse_pairs(
-    obj: Any, where: str, read_strength: Callable[[str, str], float | tuple[float, Setting]] | None = None
-) -> tuple[Pair, ...]:
+def parse_pairs(obj: Any, where: str, read_strength: Callable[[str, str], tuple[float, Setting]]) -> tuple[Pair, ...]:
     """Validate a parsed PAIRS document (a list of mappings); `where` names it in errors. A `sink_strength` given as a
-    path is read by `read_strength(path, where)` (the command's reader): S, or (S, the Setting it was measured in)."""
+    path is read by `read_strength(path, where)` (the command's reader): (S, the Setting it was measured in)."""
     if not isinstance(obj, list):
         raise UserError(
             f"{where}: a PAIRS file must be a YAML list of pairs, got {type(obj).__name__}",
@@ -191,23 +174,14 @@ def parse_pairs(
     pairs, names = [], set()
     for i, item in enumerate(obj, 1):
         if not isinstance(item, dict):
-            raise UserError(
-                f"{where}: pair {i} is not a mapping", "each pair needs the keys " + ", ".join(_PairIn.required())
-            )
+            required = [name for name, f in _PairIn.model_fields.items() if f.is_required()]
+            raise UserError(f"{where}: pair {i} is not a mapping", "each pair needs the keys " + ", ".join(required))
         p = parse(_PairIn, item, f"{where}: pair {i}")
         at = f"{where}: pair {p.name!r}"
         if p.name in names:
             raise UserError(f"{at} appears twice", "give every pair a unique name")
         names.add(p.name)
-        s = p.sink_strength
-        if isinstance(s, str):
-            if read_strength is None:
-                raise UserError(
-                    f"{at}: sink_strength {s!r} is a path, and no file is read here",
-                    "give a number, or read the PAIRS file with commands.fit.read_pairs",
-                )
-            s = read_strength(s, at)
-        s, setting = s if isinstance(s, tuple) else (s, None)
+        s, setting = read_strength(p.sink_strength, at) if isinstance(p.sink_strength, str) else (p.sink_strength, None)
         s = finite(s, at, "sink_strength")
         clean = {task: finite(v, at, f"deltas[{task}]") for task, v in p.deltas.items()}
         notes = None if p.notes is None else str(p.notes)
@@ -218,13 +192,6 @@ def parse_pairs(
 
 
 # ---------------------------------------------------------------------------- statistics
-
-
-def _rho(x: np.ndarray, y: np.ndarray, axis: int = -1) -> np.ndarray:
-    """Spearman's rho along `axis` (vectorized for scipy's permutation_test)."""
-    rx, ry = stats.rankdata(x, axis=axis), stats.rankdata(y, axis=axis)
-    rx, ry = rx - rx.mean(axis=axis, keepdims=True), ry - ry.mean(axis=axis, keepdims=True)
-    return (rx * ry).sum(axis=axis) / np.sqrt((rx**2).sum(axis=axis) * (ry**2).sum(axis=axis))
 
 
 def spearman_rho(s: np.ndarray, d: np.ndarray) -> float:
@@ -245,8 +212,10 @@ def permutation_test(s: np.ndarray, d: np.ndarray, seed: int = 0) -> tuple[float
     exact = n <= EXACT_PERMUTATION_MAX_N
     resamples = np.inf if exact else MONTE_CARLO_PERMUTATIONS
 
-    def rho_against_s(x: np.ndarray, axis: int = -1) -> np.ndarray:
-        return _rho(np.broadcast_to(s, x.shape), x, axis=axis)
+    def rho_against_s(x: np.ndarray, axis: int = -1) -> np.ndarray:  # Spearman's rho of each ordering x, vectorized
+        rs, rx = stats.rankdata(np.broadcast_to(s, x.shape), axis=axis), stats.rankdata(x, axis=axis)
+        rs, rx = rs - rs.mean(axis=axis, keepdims=True), rx - rx.mean(axis=axis, keepdims=True)
+        return (rs * rx).sum(axis=axis) / np.sqrt((rs**2).sum(axis=axis) * (rx**2).sum(axis=axis))
 
     res = stats.permutation_test(
         (d,),
@@ -339,7 +308,10 @@ def fit_task(task: str, names: tuple[str, ...], s: np.ndarray, d: np.ndarray, se
 def pairs_setting(pairs: tuple[Pair, ...], shipped: bool = False) -> tuple[Setting | None, str | None]:
     """(the setting all `pairs` were measured in, None) when they share one; else (None, why not, in words)."""
     if shipped:
-        return None, PAPER_SETTING
+        return None, (
+            "the paper's pairs: their S were measured with the paper's own calibration prompts (which this project "
+            "does not have), so no S measured here is in their setting"
+        )
     unknown = [p.name for p in pairs if p.setting is None]
     if unknown:
         return None, (
@@ -361,17 +333,15 @@ def task_arrays(table: PairTable, task: str) -> tuple[tuple[str, ...], np.ndarra
     )
 
 
-def rounding_envelope(
-    s: np.ndarray, d: np.ndarray, s_half: float, d_half: float, max_corners: int = 1 << 14
-) -> dict[str, list[float]]:
+def rounding_envelope(s: np.ndarray, d: np.ndarray, s_half: float, d_half: float) -> dict[str, list[float]]:
     """Range of loo_mae and baseline_mae over the corners of the rounding box of (S, delta), +-s_half and +-d_half:
     equal S move together (one reference LLM), each delta alone; not a bound over the whole box."""
     s, d = np.asarray(s, dtype=np.float64), np.asarray(d, dtype=np.float64)
     groups = np.unique(np.round(s, 12), return_inverse=True)[1]
     n_dims = int(groups.max()) + 1 + len(d)
-    if 2**n_dims > max_corners:
+    if 2**n_dims > 1 << 14:
         raise UserError(
-            f"{2**n_dims} corners exceed the limit of {max_corners}", "use fewer pairs for the rounding envelope"
+            f"{2**n_dims} corners exceed the limit of {1 << 14}", "use fewer pairs for the rounding envelope"
         )
     names = tuple(str(i) for i in range(len(s)))
     loo, base = [], []
@@ -394,7 +364,7 @@ def rounding_envelope(
 def fit_pairs(table: PairTable, seed: int = 0) -> FitResult:
     """Fit every task of the table; tasks with fewer than MIN_PAIRS pairs are skipped with a reason."""
     fits, skipped = {}, {}
-    for task in table.tasks():
+    for task in sorted({t for p in table.pairs for t in p.deltas}):
         names, s, d = task_arrays(table, task)
         if len(names) < MIN_PAIRS:
             skipped[task] = f"{len(names)} pair(s) have a delta for this task; a fit needs at least {MIN_PAIRS}"
@@ -417,43 +387,30 @@ def fit_pairs(table: PairTable, seed: int = 0) -> FitResult:
 # ---------------------------------------------------------------------------- reports
 
 
+_FIT_COLUMNS: tuple[tuple[str, Callable[[TaskFit], str]], ...] = (  # fit.md's columns after `task`
+    ("pairs", lambda f: str(f.n_pairs)),
+    ("spearman_rho", lambda f: f"{f.spearman_rho:.4f}"),
+    ("permutation_p", lambda f: f"{f.permutation_p:.4f} ({f.permutation_method})"),
+    ("p_one_sided", lambda f: f"{f.permutation_p_one_sided:.4f}"),
+    ("slope", lambda f: f"{f.slope:.3f}"),
+    ("intercept", lambda f: f"{f.intercept:.3f}"),
+    ("loo_mae", lambda f: f"{f.loo_mae:.3f}"),
+    ("baseline_mae", lambda f: f"{f.baseline_mae:.3f}"),
+    (f"{PI_LEVEL:.0%} PI half-width at mean S", lambda f: f"{f.interval_half_width(f.s_mean):.2f}"),
+    ("at the fitted ends", lambda f: f"{max(f.interval_half_width(f.s_min), f.interval_half_width(f.s_max)):.2f}"),
+)
+_REPORTED = {"reported_rho": "spearman_rho", "reported_loo_mae": "loo_mae", "reported_baseline_mae": "baseline_mae"}
+
+
 def fit_table_markdown(result: FitResult) -> str:
     """One row per task, with the paper's figures beside ours when the shipped table was fitted."""
-    head = [
-        "task",
-        "pairs",
-        "spearman_rho",
-        "permutation_p",
-        "p_one_sided",
-        "slope",
-        "intercept",
-        "loo_mae",
-        "baseline_mae",
-        f"{PI_LEVEL:.0%} PI half-width at mean S",
-        "at the fitted ends",
-    ]
     rep = (result.table.reported or {}).get("tasks", {})
-    if rep:
-        head += ["reported_rho", "reported_loo_mae", "reported_baseline_mae"]
+    head = ["task", *(name for name, _ in _FIT_COLUMNS), *(_REPORTED if rep else ())]
     rows = []
     for task, f in sorted(result.tasks.items()):
-        row = [
-            task,
-            str(f.n_pairs),
-            f"{f.spearman_rho:.4f}",
-            f"{f.permutation_p:.4f} ({f.permutation_method})",
-            f"{f.permutation_p_one_sided:.4f}",
-            f"{f.slope:.3f}",
-            f"{f.intercept:.3f}",
-            f"{f.loo_mae:.3f}",
-            f"{f.baseline_mae:.3f}",
-            f"{f.interval_half_width(f.s_mean):.2f}",
-            f"{max(f.interval_half_width(f.s_min), f.interval_half_width(f.s_max)):.2f}",
-        ]
-        if rep:
-            r = rep.get(task, {})
-            row += [_opt(r.get("spearman_rho")), _opt(r.get("loo_mae")), _opt(r.get("baseline_mae"))]
-        rows.append(row)
+        paper = rep.get(task, {})
+        reported = [f"{paper[k]:.2f}" if paper.get(k) is not None else "n/a" for k in _REPORTED.values()] if rep else []
+        rows.append([task, *(cell(f) for _, cell in _FIT_COLUMNS), *reported])
     lines = markdown_lines(head, rows)
     for task, why in sorted(result.skipped_tasks.items()):
         lines.append(f"\n{task}: not fitted ({why})")
@@ -473,7 +430,3 @@ def fit_notes(result: FitResult) -> list[str]:
         where = f"measured in one setting: {setting.describe()}" if setting is not None else why
         lines.append(f"note: {task} pairs: {where}")
     return lines
-
-
-def _opt(x: Any) -> str:
-    return "n/a" if x is None else f"{x:.2f}"

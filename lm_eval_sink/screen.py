@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 from importlib import resources
 from typing import Any
 
-from lm_eval_sink.comparability import Comparison, Setting, compare, setting_of
+from lm_eval_sink.comparability import Comparison, Setting, compare, rank_strengths
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.predict import PI_LEVEL
 from lm_eval_sink.tables import csv_text, markdown_lines
@@ -188,22 +188,21 @@ def screen(
 ) -> ScreenResult:
     """Rank the models by S (`strengths`, SinkStrength results in the order of `names`) within each setting, predict
     each fitted task's delta where `fit` (None: no predictions) allows it, and add the notes."""
-    settings = [setting_of(st.to_json()) for st in strengths]
-    comparison = compare(slugs, settings)
-    ranks = comparison.ranks([st.sink_strength for st in strengths])
+    ranking = rank_strengths(list(zip(slugs, strengths, strict=True)))  # by setting, then falling S (unique slugs)
     models = []
-    for i in sorted(range(len(names)), key=lambda i: (comparison.labels[i], ranks[i], i)):
-        st, qk = strengths[i], classes[i]
-        preds, warnings = predictions_for(st.sink_strength, settings[i], fit, paper_line)
+    for (slug, st), rank, label in zip(ranking.rows, ranking.ranks, ranking.labels, strict=True):
+        i = slugs.index(slug)
+        setting, qk = ranking.comparison.settings[i], classes[i]
+        preds, warnings = predictions_for(st.sink_strength, setting, fit, paper_line)
         models.append(
             ScreenedModel(
-                *(ranks[i], comparison.labels[i], names[i], slugs[i], paths[i], st.sink_strength, st.last_k),
-                *(st.n_layers, settings[i].attention_layers, settings[i].k_share),
+                *(rank, label, names[i], slug, paths[i], st.sink_strength, st.last_k),
+                *(st.n_layers, setting.attention_layers, setting.k_share),
                 *(qk.qk_norm, qk.source, qk.model_type, preds, tuple(warnings), strength_files[i]),
             )
         )
-    notes = screen_notes(comparison, fit, paper_line) + unpredicted_notes(models)
-    return ScreenResult(tuple(models), fit, comparison, paper_line, tuple(notes))
+    notes = screen_notes(ranking.comparison, fit, paper_line) + unpredicted_notes(models)
+    return ScreenResult(tuple(models), fit, ranking.comparison, paper_line, tuple(notes))
 
 
 def unpredicted_notes(models: list[ScreenedModel]) -> list[str]:
@@ -253,18 +252,14 @@ def screen_table_markdown(result: ScreenResult) -> str:
     tasks = sorted(result.fit.tasks) if result.fit is not None else []
     head = ["setting", "rank", "model", "S", "K (share of attention layers)", "qk_norm"]
     head += [f"predicted {t} delta, points [{PI_LEVEL:.0%} PI]" for t in tasks] + ["warnings"]
+    setting = dict(zip(result.comparison.names, result.comparison.settings, strict=True))  # slug -> its S's setting
     rows = [
-        [m.setting, str(m.rank), m.slug, f"{m.sink_strength:.4f}", _k_cell(m), m.qk_norm]
+        [m.setting, str(m.rank), m.slug, f"{m.sink_strength:.4f}", setting[m.slug].k_cell(), m.qk_norm]
         + [_cell(m.predictions[t]) for t in tasks]
         + [str(len(m.warnings))]
         for m in result.models
     ]
     return "\n".join([*markdown_lines(head, rows), "", *result.notes]) + "\n"
-
-
-def _k_cell(m: ScreenedModel) -> str:
-    depth = m.attention_layers or m.n_layers
-    return f"{m.last_k}/{depth}" + ("" if m.k_share is None else f" ({m.k_share:.0%})")
 
 
 def screen_csv(result: ScreenResult) -> str:

@@ -16,7 +16,6 @@ from lm_eval_sink.margin import (
     lemma1_required_margin,
     lemma1_synthetic,
     margin_arrays,
-    sigmoid,
 )
 
 REF_GAPS = [[6.0, 4.0], [5.0, 3.0]]  # c[layer][head]: logit of key 0 in the reference
@@ -75,7 +74,7 @@ def test_margin_arrays_by_hand():
     assert m["b_gap_quantile"][0, 0] == 0.5
     assert m["margin"][0, 0] == -0.5
     assert m["margin_quantile"][0, 0] == 2.0
-    assert m["predicted_nonsink_mass"][0, 0] == pytest.approx(sigmoid(0.5))
+    assert m["predicted_nonsink_mass"][0, 0] == pytest.approx(1 / (1 + math.exp(-0.5)))
     assert m["measured_nonsink_mass_median"][0, 0] == pytest.approx(np.median(1 / (1 + np.exp(g_cand[0, 0]))))
     with pytest.raises(UserError, match="do not match"):
         margin_arrays(g_base, g_cand[:, :, :2])

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from lm_eval_sink.comparability import setting_of
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.io import atomic_write_json, atomic_write_text, decode_text, read_json, sha256_bytes
 from lm_eval_sink.predict import (
     SHIPPED_PAIRS,
     SHIPPED_REPORTED,
@@ -20,11 +23,7 @@ from lm_eval_sink.predict import (
 
 def _strength_from_file(value: str, base: Path, where: str) -> tuple[float, Any]:
     """S of a *.strength.json named in a PAIRS file, with the setting it was measured in."""
-    from lm_eval_sink.comparability import setting_of
-    from lm_eval_sink.io import read_json
-
-    path = Path(value).expanduser()
-    path = path if path.is_absolute() else base / path
+    path = base / Path(value).expanduser()  # an absolute path as it is
     if not path.is_file():
         raise UserError(
             f"{where}: sink_strength file {path} not found",
@@ -40,10 +39,10 @@ def _strength_from_file(value: str, base: Path, where: str) -> tuple[float, Any]
 
 def read_pairs(path: Path | str | None = None) -> PairTable:
     """Read and validate a PAIRS file; None reads the shipped paper table."""
-    from lm_eval_sink.io import decode_text, sha256_bytes
     from lm_eval_sink.yaml_input import parse_yaml
 
-    shipped = resources.files("lm_eval_sink").joinpath(SHIPPED_PAIRS).read_bytes()
+    package = resources.files("lm_eval_sink")
+    shipped = package.joinpath(SHIPPED_PAIRS).read_bytes()
     if path is None:
         data, where, base = shipped, f"builtin:{SHIPPED_PAIRS}", None
     else:
@@ -58,26 +57,13 @@ def read_pairs(path: Path | str | None = None) -> PairTable:
     obj = parse_yaml(decode_text(data, where, "the PAIRS file"), where)
     base = base or Path.cwd()
     pairs = parse_pairs(obj, where, lambda value, at: _strength_from_file(value, base, at))
-    return PairTable(
-        pairs=pairs,
-        source=where,
-        sha256=sha256_bytes(data),
-        shipped=data == shipped,
-        reported=reported_statistics() if data == shipped else None,
-    )
-
-
-def reported_statistics() -> dict[str, Any]:
-    """The paper's reported statistics for the shipped table (package data)."""
-    import json
-
-    return json.loads(resources.files("lm_eval_sink").joinpath(SHIPPED_REPORTED).read_text(encoding="utf-8"))
+    reported = json.loads(package.joinpath(SHIPPED_REPORTED).read_text(encoding="utf-8")) if data == shipped else None
+    return PairTable(pairs=pairs, source=where, sha256=sha256_bytes(data), shipped=data == shipped, reported=reported)
 
 
 def run_fit(pairs_file: Path | str | None, output: Path | None, force: bool = False) -> list[str]:
     """The `fit` command: fit a PAIRS file (None: the shipped table); write fit.json, fit.md, fit_<task>.png into the
     folder `output`."""
-    from lm_eval_sink.io import atomic_write_json, atomic_write_text
     from lm_eval_sink.outputs import check_output_dir, staged_dir
     from lm_eval_sink.provenance import provenance
 

@@ -3,15 +3,20 @@ folder."""
 
 from __future__ import annotations
 
+import gc
+import io
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from lm_eval_sink.calibration import EncodedPrompts, PromptSet
+from lm_eval_sink.adapters import check_same_keys
+from lm_eval_sink.calibration import EncodedPrompts, PromptSet, encoded_prompts, load_prompts
 from lm_eval_sink.capture import attention_layers_from_config, capture_prompts, text_config_of
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.io import atomic_write_bytes, atomic_write_json, atomic_write_text
+from lm_eval_sink.keys import check_same_versions, key_of, key_versions
 from lm_eval_sink.margin import (
     MarginRows,
     MarginSettings,
@@ -23,8 +28,10 @@ from lm_eval_sink.margin import (
     margin_csv,
     margin_table_markdown,
 )
+from lm_eval_sink.models import load_model, pretrained_args, resolve_model
 from lm_eval_sink.options import MeasureOptions
-from lm_eval_sink.strength import SinkStrength, StrengthSettings
+from lm_eval_sink.outputs import check_output_dir, staged_dir
+from lm_eval_sink.strength import SinkStrength, StrengthSettings, measure
 
 OUTPUT_FILES = ("margin.json", "margin.md", "margin.csv", "margin_rows.npz", "margin_heatmap.png")
 
@@ -68,9 +75,6 @@ def measure_margin(
 ) -> tuple[SinkMargin, dict[str, np.ndarray]]:
     """Capture both models on the reference's token ids, one after the other, after checking shapes and vocabularies;
     return the margins and the per-row arrays. Nothing is written (`options.force` is `run_margin`'s)."""
-    from lm_eval_sink.adapters import check_same_keys
-    from lm_eval_sink.models import resolve_model
-
     options.check_in_process("margin")
     st = settings.strength
     ref_path, cand_path = (resolve_model(m, allow_gguf=True) for m in (reference, candidate))
@@ -103,8 +107,6 @@ def _read_configs(ref_path: str, cand_path: str) -> list[Any]:
     """Both models' configs (no weights read); their layer and head counts must match."""
     from transformers import AutoConfig
 
-    from lm_eval_sink.models import pretrained_args
-
     configs = []
     for role, path in (("reference", ref_path), ("candidate", cand_path)):
         try:
@@ -132,9 +134,6 @@ def _encode_on_reference(
     ids: same vocabulary, and every id used within its embedding."""
     from transformers import AutoTokenizer
 
-    from lm_eval_sink.calibration import encoded_prompts
-    from lm_eval_sink.models import pretrained_args
-
     ref_tok, cand_tok = (AutoTokenizer.from_pretrained(s, **a) for s, a in map(pretrained_args, (ref_path, cand_path)))
     check_same_vocab(ref_tok.get_vocab(), cand_tok.get_vocab())
     prompt_set, encoded = encoded_prompts(ref_tok, st)
@@ -159,11 +158,6 @@ def _capture(
 ) -> _Measured:
     """Load one model, capture its rows (at `sink_keys` when given) and measure its own S, then free it, so that
     only one model is in memory at a time."""
-    import gc
-
-    from lm_eval_sink.models import load_model
-    from lm_eval_sink.strength import measure
-
     progress = options.progress
     loaded = load_model(path, dtype=options.dtype, device=options.device)
     captures = capture_prompts(
@@ -184,10 +178,8 @@ def _provenance(
     options: MeasureOptions,
 ) -> dict[str, Any]:
     """The result's provenance, keyed by what the measurement received (`MarginWork`)."""
-    from lm_eval_sink.keys import key_of
     from lm_eval_sink.provenance import provenance
 
-    st = settings.strength
     key = key_of(MarginWork(ref.info["model"], cand.info["model"], settings, options.dtype))
     return provenance(
         input_key=key.key,
@@ -207,7 +199,7 @@ def _provenance(
         capture_dtype="float32",
         dtype=options.dtype,
         device=options.device,
-        seed=st.seed,
+        seed=settings.strength.seed,
         reference_sink_strength=_strength_summary(ref.strength),
         candidate_sink_strength=_strength_summary(cand.strength),
     )
@@ -222,14 +214,6 @@ def run_margin(
 ) -> list[str]:
     """The `margin` command: measure and report; with `output` write the folder of margin.json/.md/.csv,
     margin_rows.npz, margin_heatmap.png."""
-    import io as _io
-
-    from lm_eval_sink.io import atomic_write_bytes, atomic_write_json, atomic_write_text
-    from lm_eval_sink.keys import check_same_versions, key_versions
-    from lm_eval_sink.outputs import check_output_dir, staged_dir
-    from lm_eval_sink.calibration import load_prompts
-    from lm_eval_sink.models import resolve_model
-
     st = settings.strength
     load_prompts(st.prompts_file, st.n_prompts)
     # `default` is a folder in the cache, named here without converting it: every check runs before any work
@@ -245,21 +229,20 @@ def run_margin(
         return [*lines, "not saved (pass --output DIR to write margin.json, tables, arrays and the heatmap)"]
     from lm_eval_sink.plots import layer_head_heatmap
 
-    names = OUTPUT_FILES  # margin.json, .md, .csv, margin_rows.npz, margin_heatmap.png
-    buf = _io.BytesIO()
+    buf = io.BytesIO()
     np.savez_compressed(buf, **arrays)
     with staged_dir(output, force=options.force) as tmp:
-        atomic_write_json(tmp / names[0], result.to_json())
-        atomic_write_text(tmp / names[1], md)
-        atomic_write_text(tmp / names[2], margin_csv(result))
-        atomic_write_bytes(tmp / names[3], buf.getvalue())
+        atomic_write_json(tmp / OUTPUT_FILES[0], result.to_json())
+        atomic_write_text(tmp / OUTPUT_FILES[1], md)
+        atomic_write_text(tmp / OUTPUT_FILES[2], margin_csv(result))
+        atomic_write_bytes(tmp / OUTPUT_FILES[3], buf.getvalue())
         layer_head_heatmap(
             result.margin,
             result.layers,
             f"margin G_base - B_gap (nats): {result.summary['n_negative_margin']} of "
             f"{result.summary['n_heads_total']} heads < 0",
-            tmp / names[4],
+            tmp / OUTPUT_FILES[4],
             label="margin (nats)",
         )
-    files = [output / n for n in names]
+    files = [output / n for n in OUTPUT_FILES]
     return [*lines, "wrote " + ", ".join(str(p) for p in files)]

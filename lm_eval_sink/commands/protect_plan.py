@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lm_eval_sink.errors import UserError
 from lm_eval_sink.options import MeasureOptions
 from lm_eval_sink.strength import StrengthSettings
 from lm_eval_sink.training.protection import ProtectSettings, check_no_virtual_tokens, select_sink_heads
@@ -25,9 +24,7 @@ def run_protect_plan(
     from lm_eval_sink.provenance import provenance
     from lm_eval_sink.models import load_model, resolve_model
 
-    output = Path(output)
-    if output.is_dir():
-        raise UserError(f"-o {output} is a folder", "pass a file path, e.g. -o plan.json")
+    output = Path(output)  # a folder is refused by `new_files`, before the model loads
     options.check_in_process("protect-plan")
     load_prompts(settings.prompts_file, settings.n_prompts)  # fail before loading the model
     planned = resolve_model(name, allow_gguf=True, convert=False)  # `default` is converted by load_model, after

@@ -6,13 +6,19 @@ folder (each S through `commands.strength.run_strength` into `DIR/strength/`, re
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from lm_eval_sink.calibration import load_prompts
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.keys import MODEL, Work
+from lm_eval_sink.io import atomic_write_json, atomic_write_text, read_json
+from lm_eval_sink.keys import MODEL, Work, check_same_versions, key_of, key_versions
+from lm_eval_sink.locks import hold
+from lm_eval_sink.models import DTYPES, check_config, model_fingerprint, pretrained_args, resolve_model
 from lm_eval_sink.options import MeasureOptions, ScreenOptions
+from lm_eval_sink.outputs import check_new_outputs, check_not_inputs, check_writable
+from lm_eval_sink.predict import fit_pairs
 from lm_eval_sink.screen import (
     PAPER_LINE_CAVEAT,
     QKNorm,
@@ -24,7 +30,7 @@ from lm_eval_sink.screen import (
     screen_table_markdown,
     text_config,
 )
-from lm_eval_sink.strength import StrengthSettings
+from lm_eval_sink.strength import SinkStrength, StrengthSettings, StrengthWork, measure_model
 from lm_eval_sink.weights import checkpoint_tensors
 
 
@@ -63,12 +69,7 @@ def reused_strength(file: Path, settings: StrengthSettings, dtype: str) -> Reuse
     """The result in `file` when `screen` with `settings` and `dtype` would measure the same S: made from its model's
     present content, in this setting (the settings that decide S, the calibration prompts, --dtype), by these
     versions; anything else is the one-line error naming what differs."""
-    from lm_eval_sink.calibration import load_prompts
     from lm_eval_sink.commands.strength import saved_stands
-    from lm_eval_sink.io import read_json
-    from lm_eval_sink.keys import key_of
-    from lm_eval_sink.models import DTYPES, model_fingerprint
-    from lm_eval_sink.strength import SinkStrength, StrengthWork
 
     data = read_json(file)
     prov = data.get("provenance") if isinstance(data, dict) else None
@@ -76,7 +77,13 @@ def reused_strength(file: Path, settings: StrengthSettings, dtype: str) -> Reuse
     if not isinstance(data, dict) or "sink_strength" not in data or "inputs_key" not in (prov or {}) or not model:
         raise UserError(f"{file}: not a result of `lm-eval-sink strength`", "pass a *.strength.json it wrote")
     path = str(model.get("model"))
-    _check_readable(file, path)
+    try:
+        resolve_model(path, allow_gguf=True, convert=False)
+    except UserError as e:
+        raise UserError(
+            f"{file}: its model cannot be read here (screen reads its config and checks its content): {e.message}",
+            "screen the strength file where its model is, or pass the model itself",
+        ) from None
     try:  # the model changed since: measure it again
         same, changed = saved_stands(prov, model_fingerprint(path), key_of(StrengthWork(path, settings, dtype)), file)
     except UserError as e:
@@ -95,23 +102,8 @@ def reused_strength(file: Path, settings: StrengthSettings, dtype: str) -> Reuse
     )
 
 
-def _check_readable(file: Path, path: str) -> None:
-    """The model `file` measured can be read here (screen reads its config and checks its content)."""
-    from lm_eval_sink.models import resolve_model
-
-    try:
-        resolve_model(path, allow_gguf=True, convert=False)
-    except UserError as e:
-        raise UserError(
-            f"{file}: its model cannot be read here (screen reads its config and checks its content): {e.message}",
-            "screen the strength file where its model is, or pass the model itself",
-        ) from None
-
-
 def _setting_differences(prov: dict[str, Any], settings: StrengthSettings, prompt_sha: str) -> list[str]:
     """The settings that decide S in which a saved result differs from `settings`, in words."""
-    from dataclasses import fields
-
     known = {f.name for f in fields(StrengthSettings)}
     made = StrengthSettings(**{k: v for k, v in (prov.get("settings") or {}).items() if k in known}).key_fields()
     now = settings.key_fields()
@@ -129,18 +121,13 @@ def detect_qk_norm(model_path: str) -> QKNorm:
     if not folder.is_dir():  # a hub id, or a GGUF file
         from transformers import AutoConfig
 
-        from lm_eval_sink.models import pretrained_args
-
         source, args = pretrained_args(model_path)
         return classify_qk_norm(AutoConfig.from_pretrained(source, **args).to_dict())
-    from lm_eval_sink.models import check_config
-
     config = check_config(folder / "config.json")
-    if text_config(config).get("model_type") in qk_norm_table()["model_types"]:
+    known = text_config(config).get("model_type") in qk_norm_table()["model_types"]
+    tensors = {} if known else checkpoint_tensors(folder)
+    if not tensors:  # a type in the table, or (raises) an unknown type and no safetensors to inspect
         return classify_qk_norm(config)
-    tensors = checkpoint_tensors(folder)
-    if not tensors:
-        return classify_qk_norm(config)  # raises: unknown type and no safetensors to inspect
     suffixes = qk_norm_table()["weight_rule"]["layer0_suffixes"]
     size = next((math.prod(t.shape) for k, t in sorted(tensors.items()) if any(k.endswith(s) for s in suffixes)), None)
     return classify_qk_norm(config, size)
@@ -156,32 +143,21 @@ def run_screen(
 ) -> list[str]:
     """Screen `names`, predicting as `predict` says; with `output` write screen.json/.md/.csv/.png and
     strength/<slug>.* there (holding its lock). Returns the lines to print."""
-    fit = _fit(predict)  # a bad PAIRS file fails before any model is loaded
+    from lm_eval_sink.commands.fit import read_pairs
+
+    asked = predict.pairs_file is not None or predict.paper_line  # a PAIRS file, else the paper's table (or no fit)
+    fit = fit_pairs(read_pairs(predict.pairs_file)) if asked else None  # a bad file fails before any model loads
     reused = {
         i: reused_strength(Path(n), settings, options.dtype) for i, n in enumerate(names) if n.endswith(STRENGTH_SUFFIX)
     }
     if output is None:
         return _run(names, slugs, settings, None, options, (predict, fit, reused))
-    from lm_eval_sink.outputs import check_not_inputs, check_writable
-    from lm_eval_sink.locks import hold
-    from lm_eval_sink.models import resolve_model
-
     check_writable(Path(output))
     planned = [resolve_model(n, allow_gguf=True, convert=False) for i, n in enumerate(names) if i not in reused]
     planned += [p for r in reused.values() for p in (str(r.file), r.path)]
     check_not_inputs([output], inputs=[*planned, predict.pairs_file, settings.prompts_file], option="--output")
     with hold(Path(output)):
         return _run(names, slugs, settings, Path(output), options, (predict, fit, reused))
-
-
-def _fit(predict: ScreenOptions) -> Any:
-    """The fit predictions come from: of the PAIRS file, of the paper's table on request, else None."""
-    from lm_eval_sink.commands.fit import read_pairs
-    from lm_eval_sink.predict import fit_pairs
-
-    if predict.pairs_file is None and not predict.paper_line:
-        return None
-    return fit_pairs(read_pairs(predict.pairs_file))
 
 
 def _run(
@@ -194,9 +170,7 @@ def _run(
 ) -> list[str]:
     """Measure each model but those of the strength files passed in (`how[2]`, by position), rank and predict from the
     fit `how[1]` (or None); write the screen's files when saving; return the lines to print."""
-    from lm_eval_sink.calibration import load_prompts
     from lm_eval_sink.commands.strength import check_output, unique_slugs
-    from lm_eval_sink.models import resolve_model
 
     predict, fit, reused = how
     load_prompts(settings.prompts_file, settings.n_prompts)
@@ -237,8 +211,6 @@ def _measure(
         return [], {}
     if output is not None:  # through `run_strength` into `output/strength` (resumable by key there), read back
         from lm_eval_sink.commands.strength import run_strength
-        from lm_eval_sink.io import read_json
-        from lm_eval_sink.strength import SinkStrength
 
         lines = run_strength(names, slugs, settings, output / "strength", options)
         files = [output / "strength" / f"{s}.strength.json" for s in slugs]
@@ -249,8 +221,6 @@ def _measure(
 def _measure_here(paths: list[str], settings: StrengthSettings, options: MeasureOptions) -> list[Any]:
     """Each model's Sink Strength, kept nowhere (no --output): through `options.measure_all` when given (the first
     failed model ends the screen), else here, in turn."""
-    from lm_eval_sink.strength import measure_model
-
     if options.measure_all is not None:
         results = {}
         for path, res, error in options.measure_all(paths, settings, options.dtype, options.device):
@@ -268,9 +238,6 @@ def _measure_here(paths: list[str], settings: StrengthSettings, options: Measure
 def _check_outputs(output: Path, force: bool) -> list[Path]:
     """The screen's files in `output`, checked before any work: `output` is a folder, and the files are new (or
     `force`) and made by the same versions (`run_screen` refused an `output` overlapping an input)."""
-    from lm_eval_sink.keys import check_same_versions, key_versions
-    from lm_eval_sink.outputs import check_new_outputs
-
     if output.exists() and not output.is_dir():
         raise UserError(f"--output {output} is a file", "pass a folder")
     files = [output / name for name in SCREEN_FILES]
@@ -288,8 +255,6 @@ def _write(
     predict: ScreenOptions,
 ) -> None:
     """screen.json (with its provenance), screen.md, screen.csv and the figure."""
-    from lm_eval_sink.io import atomic_write_json, atomic_write_text
-    from lm_eval_sink.keys import key_of
     from lm_eval_sink.provenance import provenance
 
     key = key_of(ScreenWork(tuple(m.path for m in result.models), settings, options.dtype, predict))

@@ -11,11 +11,13 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import TrainerCallback
 
 from lm_eval_sink.adapters import adapted, unwrap_parallel
 from lm_eval_sink.devices import check_not_tensor_parallel
 from lm_eval_sink.errors import SinkWarning, UserError
+from lm_eval_sink.io import atomic_write_text, json_lines, read_text
 from lm_eval_sink.strength import SinkStrength, StrengthSettings, measure
 
 TRAJECTORY_JSONL = "sink_trajectory.jsonl"
@@ -38,23 +40,16 @@ def unwrap_model(model: Any) -> Any:
     return model
 
 
-def check_measurable(model: Any) -> None:
-    """Refuse torch's FSDP1 wrapper (its flat parameters hide the model class the capture switches) and a
-    tensor-parallel model (`devices.check_not_tensor_parallel`)."""
-    check_not_tensor_parallel(model)
-    if any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
+def measure_in_training(model: Any, tokenizer: Any, settings: StrengthSettings) -> SinkStrength:
+    """`strength.measure` on a model that is being trained, restoring train mode and requires_grad. Torch's FSDP1
+    wrapper is refused (its flat parameters hide the model class the capture switches), as is tensor parallelism."""
+    model = unwrap_parallel(model)
+    check_not_tensor_parallel(adapted(model).module)
+    if any(type(m).__name__ == "FullyShardedDataParallel" for m in adapted(model).module.modules()):
         raise UserError(
             "SinkStrengthCallback cannot measure through torch's FSDP1 wrapper (FullyShardedDataParallel)",
             "shard with FSDP2 (fully_shard; Trainer fsdp_config version 2), or train with DDP",
         )
-
-
-def measure_in_training(model: Any, tokenizer: Any, settings: StrengthSettings) -> SinkStrength:
-    """`strength.measure` on a model that is being trained, restoring train mode and requires_grad."""
-    import torch
-
-    model = unwrap_parallel(model)
-    check_measurable(adapted(model).module)
     was_training = model.training
     grads = [(p, p.requires_grad) for p in model.parameters()]
     model.eval()
@@ -67,25 +62,12 @@ def measure_in_training(model: Any, tokenizer: Any, settings: StrengthSettings) 
             p.requires_grad_(flag)
 
 
-def trajectory_line(step: int, epoch: float | None, result: SinkStrength) -> dict[str, Any]:
-    """One JSONL record: step, epoch and the result's JSON without provenance."""
-    body = {k: v for k, v in result.to_json().items() if k != "provenance"}
-    return {"step": int(step), "epoch": None if epoch is None else float(epoch), **body}
-
-
 def read_trajectory(path: Path) -> list[dict[str, Any]]:
     """The records of a `sink_trajectory.jsonl` (empty when absent)."""
     path = Path(path)
     if not path.is_file():
         return []
-    out = []
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{i + 1}: not valid JSON ({e})", "delete the broken line or the file") from None
-    return out
+    return [r for _, r in json_lines(read_text(path), str(path), "delete the broken line or the file")]
 
 
 def trajectory_plot(points: list[tuple[int, float]], path: Path) -> Path:
@@ -149,9 +131,8 @@ class SinkStrengthCallback(TrainerCallback):
             self._write(args, state, step, result)
 
     def _write(self, args: Any, state: Any, step: int, result: SinkStrength) -> None:
-        from lm_eval_sink.io import atomic_write_text
-
-        record = trajectory_line(step, state.epoch, result)
+        body = {k: v for k, v in result.to_json().items() if k != "provenance"}
+        record = {"step": step, "epoch": None if state.epoch is None else float(state.epoch), **body}
         self.records.append(record)
         text = "".join(json.dumps(r, sort_keys=True, allow_nan=False) + "\n" for r in self.records)
         atomic_write_text(self._folder(args) / TRAJECTORY_JSONL, text)

@@ -8,15 +8,21 @@ numpy; the model functions only read and write parameters.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+from pydantic import TypeAdapter, ValidationError
 from transformers import TrainerCallback
 
-from lm_eval_sink.capture import text_config_of
+from lm_eval_sink.adapters import adapted
+from lm_eval_sink.calibration import encoded_prompts
+from lm_eval_sink.capture import attention_layers, capture_prompts, text_config_of
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.io import read_json
 from lm_eval_sink.margin import captured_rows
 from lm_eval_sink.strength import StrengthSettings
 from lm_eval_sink.training.callback import unwrap_model
@@ -95,9 +101,6 @@ class LayerPlan:
         return max(self.u_rank.values(), default=0)
 
 
-BY_KV_HEAD = ("k_sink", "u_rank", "excluded_energy")  # LayerPlan's fields keyed by KV head (str keys in JSON)
-
-
 @dataclass(frozen=True, slots=True)
 class ProtectionPlan:
     """Which heads to protect, and the sink geometry the rules need (from the start weights)."""
@@ -122,40 +125,30 @@ class ProtectionPlan:
         return self.layers[0].layer if self.layers else None
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        for lp in d["layers"]:
-            lp.update({k: {str(g): v for g, v in lp[k].items()} for k in BY_KV_HEAD})
-            lp["max_u_rank"] = max(lp["u_rank"].values(), default=0)
-        d["schema_version"] = SCHEMA_VERSION
-        return d
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> ProtectionPlan:
-        d = {k: v for k, v in d.items() if k != "schema_version"}
-        d["heads"] = tuple(HeadChoice(**h) for h in d["heads"])
-        layers = []
-        for lp in d["layers"]:
-            per_kv = {k: {int(g): tuple(v) if isinstance(v, list) else v for g, v in lp[k].items()} for k in BY_KV_HEAD}
-            layers.append(
-                LayerPlan(layer=lp["layer"], **{k: tuple(lp[k]) for k in ("heads", "kv_heads", "x_hat")}, **per_kv)
-            )
-        d["layers"] = tuple(layers)
-        return cls(**d)
+        d = _PLAN.dump_python(self, mode="json")  # KV-head keys as strings, tuples as lists
+        for lp, layer in zip(d["layers"], self.layers, strict=True):
+            lp["max_u_rank"] = layer.max_u_rank
+        return {**d, "schema_version": SCHEMA_VERSION}
 
     def basis(self, layer: LayerPlan, kv_head: int) -> np.ndarray:
         return sink_basis(np.asarray(layer.k_sink[kv_head]), self.rotary_dim, self.tau)[0]
 
 
-def read_plan(path: str | Path) -> ProtectionPlan:
-    from lm_eval_sink.io import read_json
+_PLAN = TypeAdapter(ProtectionPlan)
 
+
+def read_plan(path: str | Path) -> ProtectionPlan:
     data = read_json(Path(path))
-    if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION or "layers" not in data:
+    try:
+        plan = _PLAN.validate_python(data)  # int KV-head keys and tuples again; schema_version, max_u_rank left out
+    except ValidationError:
+        plan = None
+    if plan is None or data.get("schema_version") != SCHEMA_VERSION:
         raise UserError(
             f"{path}: not a protection plan (schema_version {SCHEMA_VERSION})",
             "write one with `lm-eval-sink protect-plan MODEL -o plan.json`",
         )
-    return ProtectionPlan.from_json(data)
+    return plan
 
 
 # ---------------------------------------------------------------------------- model access
@@ -172,11 +165,6 @@ def _decoder(model: Any) -> Any:
     return inner
 
 
-def _input_device(model: Any) -> Any:
-    """Where token ids go in: the device of the input embeddings (under a device map, not the first parameter's)."""
-    return _decoder(model).embed_tokens.weight.device
-
-
 def _is_lora(module: Any) -> bool:
     return hasattr(module, "lora_A") and hasattr(module, "base_layer")
 
@@ -185,14 +173,10 @@ def _linear(module: Any) -> Any:
     return module.base_layer if _is_lora(module) else module
 
 
-def _lora_parts(module: Any) -> list[tuple[Any, Any, float]]:
-    """(A weight [r, in], B weight [out, r], scaling) for each active adapter."""
+def _lora_parts(module: Any) -> list[tuple[Any, Any]]:
+    """(A weight [r, in], B weight [out, r]) of each active adapter (the rules project A or B: its scaling is moot)."""
     names = module.active_adapters if hasattr(module, "active_adapters") else list(module.lora_A)
-    return [
-        (module.lora_A[n].weight, module.lora_B[n].weight, float(module.scaling[n]))
-        for n in names
-        if n in module.lora_A
-    ]
+    return [(module.lora_A[n].weight, module.lora_B[n].weight) for n in names if n in module.lora_A]
 
 
 def _shape(model: Any) -> tuple[int, int, int, int]:
@@ -203,36 +187,16 @@ def _shape(model: Any) -> tuple[int, int, int, int]:
     return int(cfg.num_hidden_layers), n_heads, n_kv, head_dim
 
 
-def qk_norm_kind(attn: Any, head_dim: int) -> str:
-    """none, per_head (q_norm over head_dim) or layerwise (q_norm over all heads' dims)."""
-    norm = getattr(attn, "q_norm", None)
-    weight = getattr(norm, "weight", None)
-    if weight is None:
-        return "none"
-    return "per_head" if weight.numel() == head_dim else "layerwise"
-
-
-def rotary_dim_of(model: Any, head_dim: int) -> int:
-    rot = getattr(_decoder(model), "rotary_emb", None)
-    inv = getattr(rot, "inv_freq", None)
-    return head_dim if inv is None else 2 * int(inv.numel())
-
-
 def check_unsharded(model: Any, args: Any = None) -> None:
     """Refuse sharded weights (FSDP, DeepSpeed ZeRO-3): the rules need each full matrix."""
-    sharded = False
-    if args is not None:
-        sharded = bool(getattr(args, "fsdp", None))
-        ds = getattr(args, "hf_deepspeed_config", None)
-        sharded = sharded or bool(ds is not None and getattr(ds, "is_zero3", lambda: False)())
-    for p in model.parameters():
-        if (
-            hasattr(p, "ds_id")
-            or type(p).__name__ in ("DTensor", "FlatParameter")
-            or type(getattr(p, "data", None)).__name__ == "DTensor"
-        ):
-            sharded = True
-            break
+    ds = getattr(args, "hf_deepspeed_config", None)  # args None: the parameters alone tell
+    sharded = bool(getattr(args, "fsdp", None)) or bool(ds is not None and getattr(ds, "is_zero3", lambda: False)())
+    sharded = sharded or any(
+        hasattr(p, "ds_id")
+        or type(p).__name__ in ("DTensor", "FlatParameter")
+        or type(getattr(p, "data", None)).__name__ == "DTensor"
+        for p in model.parameters()
+    )
     if sharded or any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
         raise UserError(
             "SinkProtection needs unsharded weights, but FSDP / ZeRO-3 shard them",
@@ -277,27 +241,19 @@ def check_no_virtual_tokens(virtual: Any, what: str) -> None:
         )
 
 
-def sink_geometry(
-    model: Any, sink_token_id: int, layers: list[int]
-) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """Per layer: (x_s [hidden], k_s [kv, d], pre-norm q_s [heads * d]) of the sink token at position 0."""
+def sink_geometry(model: Any, sink_token_id: int, layers: list[int]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Per layer: (x_s [hidden], k_s [kv, d]) of the sink token at position 0."""
     _, _, n_kv, d = _shape(model)
     got = _attention_inputs(model, layers, [[sink_token_id]], position_ids=[[0]])
     return {
-        l: (
-            x.reshape(-1).double().cpu().numpy(),
-            k.reshape(n_kv, d).double().cpu().numpy(),
-            q.reshape(-1).double().cpu().numpy(),
-        )
-        for l, (x, k, q) in got.items()
+        l: (x.reshape(-1).double().cpu().numpy(), k.reshape(n_kv, d).double().cpu().numpy())
+        for l, (x, k) in got.items()
     }
 
 
 def _attention_inputs(model: Any, layers: list[int], input_ids: Any, position_ids: Any = None) -> dict[int, tuple]:
     """Per layer, from one forward of `input_ids` [1, L]: (the input of q_proj and k_proj, the key after k_norm where
-    present, the pre-norm query)."""
-    import torch
-
+    present)."""
     dec = _decoder(model)
     got: dict[tuple[int, str], torch.Tensor] = {}
     hooks = []
@@ -306,9 +262,8 @@ def _attention_inputs(model: Any, layers: list[int], input_ids: Any, position_id
         hooks.append(attn.k_proj.register_forward_pre_hook(lambda m, a, l=l: got.__setitem__((l, "x"), a[0].detach())))
         key_mod = attn.k_norm if getattr(attn, "k_norm", None) is not None else attn.k_proj
         hooks.append(key_mod.register_forward_hook(lambda m, a, out, l=l: got.__setitem__((l, "k"), out.detach())))
-        hooks.append(attn.q_proj.register_forward_hook(lambda m, a, out, l=l: got.__setitem__((l, "q"), out.detach())))
     try:
-        dev = _input_device(model)
+        dev = dec.embed_tokens.weight.device  # where token ids go in (under a device map, not the first parameter's)
         positions = None if position_ids is None else torch.as_tensor(position_ids, dtype=torch.long, device=dev)
         with torch.no_grad():
             unwrap_model(model)(
@@ -317,12 +272,10 @@ def _attention_inputs(model: Any, layers: list[int], input_ids: Any, position_id
     finally:
         for h in hooks:
             h.remove()
-    return {l: (got[(l, "x")], got[(l, "k")], got[(l, "q")]) for l in layers}
+    return {l: (got[(l, "x")], got[(l, "k")]) for l in layers}
 
 
 def _start_sha(model: Any, layers: list[int]) -> str:
-    import hashlib
-
     dec = _decoder(model)
     h = hashlib.sha256()
     for l in layers:
@@ -360,18 +313,21 @@ def select_sink_heads(
 ) -> ProtectionPlan:
     """Capture the calibration prompts on the start model and choose the heads to protect (`select_head` over the
     rows `settings.rows` says)."""
-    from lm_eval_sink.adapters import adapted
-    from lm_eval_sink.calibration import encoded_prompts
-    from lm_eval_sink.capture import attention_layers, capture_prompts
-
     check_no_virtual_tokens(adapted(model).virtual, type(model).__name__)
     check_no_learned_sinks(model)
     n_layers, n_heads, n_kv, d = _shape(model)
     prompt_set, encoded = encoded_prompts(tokenizer, settings)
-    sink_token = _common_first_token(encoded.input_ids)
+    first = {ids[0] for ids in encoded.input_ids}  # the sink whose key the rules hold
+    if len(first) != 1:
+        raise UserError(
+            f"the calibration prompts start with {len(first)} different tokens {sorted(first)[:5]}",
+            "use prompts whose first token (the sink) is the same, e.g. through the chat template",
+        )
+    sink_token = first.pop()
     layers = settings.layers_for(attention_layers(unwrap_model(model), encoded.input_ids[0][:2]))  # as S chooses
     attentions = [protectable_attention(model, layer) for layer in layers]  # each one the rules read
-    kind = qk_norm_kind(attentions[0], d)
+    q_norm = getattr(getattr(attentions[0], "q_norm", None), "weight", None)  # over head_dim, or all heads' dims
+    kind = "none" if q_norm is None else "per_head" if q_norm.numel() == d else "layerwise"
     captures = capture_prompts(
         unwrap_model(model), encoded, layers, settings.batching(), progress=progress, desc="protect-plan capture"
     )
@@ -380,7 +336,8 @@ def select_sink_heads(
     for c in heads:
         if c.selected:
             chosen.setdefault(c.layer, []).append(c.head)
-    rot = rotary_dim_of(model, d)
+    inv_freq = getattr(getattr(_decoder(model), "rotary_emb", None), "inv_freq", None)
+    rot = d if inv_freq is None else 2 * int(inv_freq.numel())  # the rotary dimensions (partial RoPE: fewer than d)
     return ProtectionPlan(
         n_layers=n_layers,
         n_heads=n_heads,
@@ -389,9 +346,7 @@ def select_sink_heads(
         rotary_dim=rot,
         qk_norm=kind,
         sink_token_id=int(sink_token),
-        threshold=float(protect.threshold),
-        min_pos0_fraction=float(protect.min_pos0_fraction),
-        tau=float(protect.tau),
+        **{name: float(value) for name, value in asdict(protect).items()},  # threshold, min_pos0_fraction, tau
         heads=heads,
         layers=_layer_plans(model, sink_token, chosen, n_heads // n_kv, n_kv, kind, rot, protect.tau),
         start_sha256=_start_sha(model, sorted(chosen)),
@@ -400,17 +355,6 @@ def select_sink_heads(
             "prompt_set": {"source": prompt_set.source, "sha256": prompt_set.sha256},
         },
     )
-
-
-def _common_first_token(input_ids: tuple[tuple[int, ...], ...]) -> int:
-    """The token every calibration prompt starts with: the sink whose key the rules hold."""
-    first = {ids[0] for ids in input_ids}
-    if len(first) != 1:
-        raise UserError(
-            f"the calibration prompts start with {len(first)} different tokens {sorted(first)[:5]}",
-            "use prompts whose first token (the sink) is the same, e.g. through the chat template",
-        )
-    return first.pop()
 
 
 def _choose_heads(
@@ -454,7 +398,7 @@ def _layer_plans(
     geometry = sink_geometry(model, sink_token, sorted(chosen))
     plans = []
     for l in sorted(chosen):
-        x_s, k_s, _ = geometry[l]
+        x_s, k_s = geometry[l]
         norm = float(np.linalg.norm(x_s))
         if norm == 0.0:
             raise UserError(
@@ -502,9 +446,8 @@ class SinkProtection(TrainerCallback):
         if self._start is None:
             self._start = self._take_start(model)
         dec = _decoder(model)
-        where = {"embed_row": dec.embed_tokens.weight.device}
-        for lp in self.plan.layers:
-            where[str(lp.layer)] = _linear(dec.layers[lp.layer].self_attn.q_proj).weight.device
+        where = {str(lp.layer): _linear(dec.layers[lp.layer].self_attn.q_proj).weight.device for lp in self.plan.layers}
+        where["embed_row"] = dec.embed_tokens.weight.device
         for key, tensor in self._start.items():
             device = where[key.split(".")[0]]
             if tensor.device != device:
@@ -530,8 +473,6 @@ class SinkProtection(TrainerCallback):
 
     def _take_start(self, model: Any) -> dict[str, Any]:
         """Copies of the weights the rules hold or project against, and x^ and U built once (`_bind` places them)."""
-        import torch
-
         self._check_model(model)
         dec = _decoder(model)
         start: dict[str, Any] = {"embed_row": dec.embed_tokens.weight[self.plan.sink_token_id].detach().clone()}
@@ -580,8 +521,6 @@ class SinkProtection(TrainerCallback):
 
     def project_(self, model: Any) -> None:
         """Apply Rule K and Rule Q to the cumulative updates; hold biases, QK-norm scales and the sink row."""
-        import torch
-
         start = self._bind(model)
         dec = _decoder(model)
         d = self.plan.head_dim
@@ -597,11 +536,9 @@ class SinkProtection(TrainerCallback):
                         getattr(attn, name).weight.copy_(start[key])
 
     def _rule_k(self, module: Any, start: dict[str, Any], lp: LayerPlan, d: int) -> None:
-        import torch
-
         x_hat = start[f"{lp.layer}.x_hat"]
         if _is_lora(module):
-            for a, _, _ in _lora_parts(module):
+            for a, _ in _lora_parts(module):
                 a64 = a.double()
                 a.copy_((a64 - torch.outer(a64 @ x_hat, x_hat)).to(a.dtype))
             return
@@ -623,7 +560,7 @@ class SinkProtection(TrainerCallback):
                 continue
             rows = slice(h * d, (h + 1) * d)
             if lora:
-                for _, b, _ in _lora_parts(module):
+                for _, b in _lora_parts(module):
                     b64 = b[rows].double()
                     b[rows] = (b64 - u @ (u.T @ b64)).to(b.dtype)
                 continue
@@ -638,13 +575,11 @@ class SinkProtection(TrainerCallback):
     def report(self, model: Any, input_ids: Any) -> dict[str, Any]:
         """Per protected layer: max |dk_s| over its KV heads and `q_norm_ratio`, the (min, max) over positions >= 1 and
         protected heads of |u_i0| / |u_i| (per-head QK-norm) or |Q0(x_i)| / |Q(x_i)| (layerwise; None: no QK-norm)."""
-        import torch
-
         start = self._bind(model)
         dec = _decoder(model)
         layers = [lp.layer for lp in self.plan.layers]
         geometry = sink_geometry(model, self.plan.sink_token_id, layers)
-        inputs = {l: x for l, (x, _, _) in _attention_inputs(model, layers, input_ids).items()}
+        inputs = {l: x for l, (x, _) in _attention_inputs(model, layers, input_ids).items()}
         d, out = self.plan.head_dim, {}
         for lp in self.plan.layers:
             k_now = geometry[lp.layer][1]
@@ -656,15 +591,9 @@ class SinkProtection(TrainerCallback):
                 q_now = dec.layers[lp.layer].self_attn.q_proj(inputs[lp.layer][0, 1:]).double()
                 w0 = start[f"{lp.layer}.q_proj.weight"].double()
                 q0 = x @ w0.T + (start[f"{lp.layer}.q_proj.bias"].double() if lin.bias is not None else 0.0)
-                if self.plan.qk_norm == "per_head":
-                    r = torch.stack(
-                        [
-                            q0[:, h * d : (h + 1) * d].norm(dim=-1) / q_now[:, h * d : (h + 1) * d].norm(dim=-1)
-                            for h in lp.heads
-                        ]
-                    )
-                else:
-                    r = q0.norm(dim=-1) / q_now.norm(dim=-1)
+                if self.plan.qk_norm == "per_head":  # each protected head's query apart: [position, head, d]
+                    q0, q_now = (q.reshape(q.shape[0], -1, d)[:, list(lp.heads)] for q in (q0, q_now))
+                r = q0.norm(dim=-1) / q_now.norm(dim=-1)
                 ratio = (float(r.min()), float(r.max()))
             out[lp.layer] = {"dk_sink": dk, "q_norm_ratio": ratio}
         return out
@@ -690,8 +619,6 @@ class SinkProtection(TrainerCallback):
 
     def _reset_sink_row(self, model: Any) -> None:
         """After a step with the position-0 path frozen: the sink token's embedding row back to its start value."""
-        import torch
-
         if self._frozen:
             with torch.no_grad():
                 _decoder(model).embed_tokens.weight[self.plan.sink_token_id].copy_(self._bind(model)["embed_row"])
