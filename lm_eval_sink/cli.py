@@ -394,21 +394,15 @@ class _ManyValues(_Command):
     many = ("--reference", "--candidate", "--strength")
 
     def parse_args(self, ctx, args) -> list[str]:
-        out, current, take_value = [], None, False
+        out, current, after_flag = [], None, False  # after_flag: the value right after one of `many`, taken as is
         for arg in args:
-            if take_value:
-                out.append(arg)
-                take_value = False
-            elif arg in self.many:
-                current, take_value = arg, True
-                out.append(arg)
-            elif arg.startswith("-") and arg != "-":
-                current = None
-                out.append(arg)
-            elif current is not None:
-                out += [current, arg]
-            else:
-                out.append(arg)
+            is_flag = arg.startswith("-") and arg != "-" and not after_flag
+            if is_flag:
+                current = arg if arg in self.many else None
+            elif current is not None and not after_flag:
+                out.append(current)
+            after_flag = is_flag and current is not None
+            out.append(arg)
         return super().parse_args(ctx, out)
 
 
@@ -818,19 +812,17 @@ def sweep(sweep_file, force, redo, quiet, lm_eval_python, **overrides) -> Iterat
 
 
 @cli.command("report", cls=_ManyValues)
-@click.option(
+@_path_option(
     "--strength",
     multiple=True,
-    type=_PATH,
     metavar="PATH",
     help="Given twice, reference then candidate: a strength JSON or folder (of `strength`, or a sweep's "
     "strength/NAME), or an lm-eval run of the sink_strength task.",
 )
 @_path_option("--margin", help="Output folder (or margin.json) of `margin`.")
-@click.option(
+@_path_option(
     "--buckets",
     multiple=True,
-    type=_PATH,
     help="Output folder (or buckets.json) of `buckets`; repeatable (the headline: the IFEval one, else the first).",
 )
 @_path_option("--attribution", help="Output folder (or attribution.json) of `attribute`.")
