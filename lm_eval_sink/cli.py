@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -56,7 +56,7 @@ _PATH = click.Path(path_type=Path)
 
 
 class _Command(click.Command):
-    """A command whose function returns the lines to print (None: it printed its own)."""
+    """A command whose function returns (or yields, before it fails) the lines to print (None: it printed its own)."""
 
     def invoke(self, ctx: click.Context) -> None:
         for line in super().invoke(ctx) or ():
@@ -107,8 +107,29 @@ _LAST_K_HELP = (
     "S over the last K attention layers: a count (the paper's; a different share of models of different depth), "
     "N%% of each model's attention layers (e.g. 33%%), or 'all'."
 )
-# How a Sink Strength measurement runs (calibration.Batching): memory and speed, never S.
-_BATCHING_OPTIONS = _options(
+# Shared by `strength`, `screen`, `margin` and `protect-plan` (read by `_measuring`): the calibration of a Sink
+# Strength measurement, the model's dtype and device, --force and --quiet.
+_CALIBRATION_OPTIONS = _options(
+    _path_option("--prompts", "prompts_file", help="JSONL with a 'prompt' field, or text with one prompt a line."),
+    click.option("--n-prompts", type=int, help="First N prompts (builtin set: 5 or 15; default all)."),
+    click.option(
+        "--rows",
+        type=click.Choice(["all", "content"]),
+        default="all",
+        help="Rows used: every query position >= 1, or the user message's tokens only.",
+    ),
+    click.option(
+        "--chat-template/--no-chat-template",
+        "use_chat_template",
+        default=True,
+        help="Render prompts through the chat template.",
+    ),
+    click.option("--system-prompt", help="System message before each prompt (chat template only)."),
+    click.option("--dtype", type=click.Choice(_DTYPES), default="auto"),
+    click.option("--device", default=DEFAULT_DEVICE, callback=_device, help=f"Where the model runs: {DEVICE_HELP}."),
+    _force("Overwrite earlier results."),
+    _quiet_option(),
+    # How the measurement runs (calibration.Batching): memory and speed, never S.
     click.option(
         "--batch-size",
         type=int,
@@ -119,48 +140,14 @@ _BATCHING_OPTIONS = _options(
         "--batch-tokens",
         type=int,
         default=_BATCHING.batch_tokens,
-        show_default=True,
         help="Padded tokens (prompts x longest) per forward at most; a longer prompt runs alone.",
     ),
     click.option(
         "--query-chunk",
         type=int,
         default=_BATCHING.query_chunk,
-        show_default=True,
         help="Query rows whose attention logits are held at once per layer (memory, not S).",
     ),
-)
-# Shared by `strength`, `screen`, `margin` and `protect-plan` (read by `_measuring`): the calibration of a Sink
-# Strength measurement, the model's dtype and device, --force and --quiet.
-_CALIBRATION_OPTIONS = _options(
-    _path_option("--prompts", "prompts_file", help="JSONL with a 'prompt' field, or text with one prompt a line."),
-    click.option("--n-prompts", type=int, default=None, help="First N prompts (builtin set: 5 or 15; default all)."),
-    click.option(
-        "--rows",
-        type=click.Choice(["all", "content"]),
-        default="all",
-        show_default=True,
-        help="Rows used: every query position >= 1, or the user message's tokens only.",
-    ),
-    click.option(
-        "--chat-template/--no-chat-template",
-        "use_chat_template",
-        default=True,
-        show_default=True,
-        help="Render prompts through the chat template.",
-    ),
-    click.option("--system-prompt", default=None, help="System message before each prompt (chat template only)."),
-    click.option("--dtype", type=click.Choice(_DTYPES), default="auto", show_default=True),
-    click.option(
-        "--device",
-        default=DEFAULT_DEVICE,
-        show_default=True,
-        callback=_device,
-        help=f"Where the model runs: {DEVICE_HELP}.",
-    ),
-    _force("Overwrite earlier results."),
-    _quiet_option(),
-    _BATCHING_OPTIONS,
 )
 
 
@@ -177,7 +164,7 @@ def _measuring(
     return settings, MeasureOptions(dtype=dtype, device=device, force=force, progress=not quiet)
 
 
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.version_option(package_name="lm-eval-sink")
 def cli() -> None:
     """Sink Strength, regression buckets and merging controls for lm-evaluation-harness."""
@@ -228,10 +215,10 @@ def tasks_dir_cmd() -> Iterable[str]:
 
 @cli.command()
 @click.argument("model_names", metavar="MODEL [MODEL ...]", nargs=-1, required=True)
-@click.option("--last-k", default="10", show_default=True, help=_LAST_K_HELP)
-@click.option("--statistic", type=click.Choice(["median", "mean"]), default="median", show_default=True)
+@click.option("--last-k", default="10", help=_LAST_K_HELP)
+@click.option("--statistic", type=click.Choice(["median", "mean"]), default="median")
 @_CALIBRATION_OPTIONS
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=0)
 @_path_option("--output", required=True, help="Folder for the JSON, tables and heatmaps.")
 def strength(model_names, last_k, output, **calibration) -> Iterable[str]:
     """Sink Strength S of one or more models (MODEL: a folder, a GGUF file, a hub id when online, or 'default')."""
@@ -253,23 +240,16 @@ def strength(model_names, last_k, output, **calibration) -> Iterable[str]:
     is_flag=True,
     help="Predicted deltas from the paper's six pairs (their S from the paper's prompts), each with that caveat.",
 )
-@click.option("--last-k", default="10", show_default=True, help=_LAST_K_HELP)
+@click.option("--last-k", default="10", help=_LAST_K_HELP)
 @_CALIBRATION_OPTIONS
 @_path_option(
     "--output", help="Folder for screen.json/.md/.csv/.png and per-model strength files (default: print only)."
 )
-@click.option(
-    "--engine",
-    type=click.Choice(["local", "ray"]),
-    default="local",
-    show_default=True,
-    help="ray: one Ray task per model.",
-)
-@click.option("--ray-address", default=None, help="Ray cluster: auto or ray://host:port (default: start Ray here).")
+@click.option("--engine", type=click.Choice(["local", "ray"]), default="local", help="ray: one Ray task per model.")
+@click.option("--ray-address", help="Ray cluster: auto or ray://host:port (default: start Ray here).")
 @click.option(
     "--num-gpus",
     type=float,
-    default=None,
     help="GPUs per model's Ray task (default: 1 with --device cuda, else 0: auto then runs on the CPU).",
 )
 def screen(
@@ -308,19 +288,12 @@ def fit(pairs_file, output, force) -> Iterable[str]:
 @cli.command()
 @click.argument("reference")
 @click.argument("candidate")
-@click.option(
-    "--quantile",
-    type=float,
-    default=0.95,
-    show_default=True,
-    help="Quantile of the per-row shift for the second B_gap.",
-)
-@click.option("--last-k", default="all", show_default=True, help="Layers of the margin table: the last K, or 'all'.")
-@click.option("--strength-last-k", default="10", show_default=True, help="K of both models' own Sink Strength S.")
+@click.option("--quantile", type=float, default=0.95, help="Quantile of the per-row shift for the second B_gap.")
+@click.option("--last-k", default="all", help="Layers of the margin table: the last K, or 'all'.")
+@click.option("--strength-last-k", default="10", help="K of both models' own Sink Strength S.")
 @_CALIBRATION_OPTIONS
 @_path_option(
-    "--output",
-    help="Folder for margin.json/.md/.csv, margin_rows.npz and margin_heatmap.png (default: print only).",
+    "--output", help="Folder for margin.json/.md/.csv, margin_rows.npz and margin_heatmap.png (default: print only)."
 )
 def margin(reference, candidate, quantile, last_k, strength_last_k, output, **calibration) -> Iterable[str]:
     """Per-head sink margins G_base - B_gap of CANDIDATE (e.g. a VLM backbone) against REFERENCE (its LLM)."""
@@ -343,24 +316,21 @@ def margin(reference, candidate, quantile, last_k, strength_last_k, output, **ca
     "--dtype",
     type=click.Choice(["keep", "bf16", "fp32"]),
     default="keep",
-    show_default=True,
     help="Dtype of the written tensors (keep: as stored in the VLM).",
 )
 @click.option(
     "--verify/--no-verify",
     default=True,
-    show_default=True,
     help="Compare the VLM's text path and the backbone's logits on a fixed probe (loads both, one after the other).",
 )
 @_force("Replace an existing OUT_DIR.")
 @_quiet_option()
-def extract(vlm_path, out_dir, dtype, verify, force, quiet) -> None:
+def extract(vlm_path, out_dir, dtype, verify, force, quiet) -> Iterator[str]:
     """Write VLM_PATH's language backbone to OUT_DIR as a standalone causal LM (AutoModelForCausalLM)."""
     from lm_eval_sink.commands.extract import run_extract
 
     outcome = run_extract(vlm_path, out_dir, dtype=dtype, verify=verify, force=force, progress=not quiet)
-    for line in outcome.lines:
-        click.echo(line)
+    yield from outcome.lines
     outcome.raise_for_failure()
 
 
@@ -371,18 +341,16 @@ def extract(vlm_path, out_dir, dtype, verify, force, quiet) -> None:
 @click.option(
     "--verify/--no-verify",
     default=True,
-    show_default=True,
     help="Compare the new VLM's text path with BACKBONE's logits on a fixed probe.",
 )
 @_force("Replace an existing OUT_DIR.")
 @_quiet_option()
-def inject(backbone, vlm_path, out_dir, verify, force, quiet) -> None:
+def inject(backbone, vlm_path, out_dir, verify, force, quiet) -> Iterator[str]:
     """Write a copy of VLM_PATH to OUT_DIR whose language model is BACKBONE (e.g. a merged backbone)."""
     from lm_eval_sink.commands.extract import run_inject
 
     outcome = run_inject(backbone, vlm_path, out_dir, verify=verify, force=force, progress=not quiet)
-    for line in outcome.lines:
-        click.echo(line)
+    yield from outcome.lines
     outcome.raise_for_failure()
 
 
@@ -420,26 +388,21 @@ def protocol_diff(run_a, run_b, as_json, output, force) -> Iterable[str]:
 
 
 class _ManyValues(_Command):
-    """Lets `--reference A B --candidate C` stand for `--reference A --reference B --candidate C`."""
+    """Lets `--reference A B --candidate C` stand for `--reference A --reference B --candidate C` (`attribute`), and
+    `--strength A B` for `--strength A --strength B` (`report`)."""
 
-    many = ("--reference", "--candidate")
+    many = ("--reference", "--candidate", "--strength")
 
     def parse_args(self, ctx, args) -> list[str]:
-        out, current, take_value = [], None, False
+        out, current, after_flag = [], None, False  # after_flag: the value right after one of `many`, taken as is
         for arg in args:
-            if take_value:
-                out.append(arg)
-                take_value = False
-            elif arg in self.many:
-                current, take_value = arg, True
-                out.append(arg)
-            elif arg.startswith("-") and arg != "-":
-                current = None
-                out.append(arg)
-            elif current is not None:
-                out += [current, arg]
-            else:
-                out.append(arg)
+            is_flag = arg.startswith("-") and arg != "-" and not after_flag
+            if is_flag:
+                current = arg if arg in self.many else None
+            elif current is not None and not after_flag:
+                out.append(current)
+            after_flag = is_flag and current is not None
+            out.append(arg)
         return super().parse_args(ctx, out)
 
 
@@ -491,27 +454,25 @@ def vendor_show(model, registry_file, as_json) -> None:
 @click.option("--value", type=float, required=True, help="The reported score, in points (0-100).")
 @click.option("--source", required=True, help="Source id: an existing one, or a new one with --source-title.")
 @click.option("--protocol", required=True, help="Protocol id: an existing one, or a new one with --described.")
-@click.option("--metric", default=None, help="The metric as the source names it (default: the family's strict metric).")
-@click.option("--id", "score_id", default=None, help="The score's id (default: MODEL/BENCHMARK/SOURCE, lower case).")
-@click.option("--hub-id", default=None, help="A new model's hub id (what matches a run of that hub id to it).")
-@click.option("--kind", type=click.Choice(["llm", "vlm"]), default="llm", show_default=True, help="A new model's kind.")
-@click.option("--source-title", default=None, help="A new source's title (the report, model card or page, and table).")
-@click.option(
-    "--source-kind", type=click.Choice(["vendor", "independent", "paper"]), default="vendor", show_default=True
-)
-@click.option("--source-url", default=None, help="A new source's URL.")
-@click.option("--described", default=None, help="A new protocol: what the source says about how it measured.")
+@click.option("--metric", help="The metric as the source names it (default: the family's strict metric).")
+@click.option("--id", "score_id", help="The score's id (default: MODEL/BENCHMARK/SOURCE, lower case).")
+@click.option("--hub-id", help="A new model's hub id (what matches a run of that hub id to it).")
+@click.option("--kind", type=click.Choice(["llm", "vlm"]), default="llm", help="A new model's kind.")
+@click.option("--source-title", help="A new source's title (the report, model card or page, and table).")
+@click.option("--source-kind", type=click.Choice(["vendor", "independent", "paper"]), default="vendor")
+@click.option("--source-url", help="A new source's URL.")
+@click.option("--described", help="A new protocol: what the source says about how it measured.")
 @click.option(
     "--stated",
     multiple=True,
     metavar="KEY=VALUE",
     help="A new protocol: what the source states (apply_chat_template, num_fewshot, enable_thinking, ...); repeatable.",
 )
-@click.option("--verified-at", default=None, help="Where you read the figure: URL or file, table, row and column.")
-@click.option("--quote", default=None, help="The exact text you read there (with --verified-at).")
-@click.option("--date", default=None, help="When you read it (ISO date; default today).")
-@click.option("--unverified", default=None, help="Why the figure is not verified (default: no quote was given).")
-@click.option("--note", default=None, help="A remark kept with the score.")
+@click.option("--verified-at", help="Where you read the figure: URL or file, table, row and column.")
+@click.option("--quote", help="The exact text you read there (with --verified-at).")
+@click.option("--date", help="When you read it (ISO date; default today).")
+@click.option("--unverified", help="Why the figure is not verified (default: no quote was given).")
+@click.option("--note", help="A remark kept with the score.")
 @_path_option(
     "--registry",
     "registry_file",
@@ -557,7 +518,6 @@ def vendor_add(registry_file, stated, verified_at, quote, date, unverified, **sc
     "--lineage",
     "declared_lineage",
     type=click.Choice(["parent", "not-parent"]),
-    default=None,
     help="Declare whether the reference is the candidate's parent (checked against model cards).",
 )
 @click.option(
@@ -567,9 +527,7 @@ def vendor_add(registry_file, stated, verified_at, quote, date, unverified, **sc
     help="A fact of the VL training recipe, e.g. text_share=0.1 (repeatable; shown, never inferred).",
 )
 @click.option(
-    "--baseline-protocol",
-    default=None,
-    help="Protocol the others' effects are measured against (default: the first one seen).",
+    "--baseline-protocol", help="Protocol the others' effects are measured against (default: the first one seen)."
 )
 @click.option("--allow-partial", is_flag=True, help="Pair only the docs both sample logs hold (the drop is recorded).")
 @click.option(
@@ -600,36 +558,30 @@ def attribute(references, candidates, output, force, **options) -> Iterable[str]
 )
 @_path_option("--protocol-file", help="A YAML of extra named protocols (see lm_eval_sink/data/protocols.yaml).")
 @click.option("--tasks", required=True, help="Comma-separated lm-eval task names, e.g. ifeval,gsm8k_cot_zeroshot.")
-@click.option("--limit", type=float, default=None, help="Docs per task (or a fraction); the scores are then not final.")
+@click.option("--limit", type=float, help="Docs per task (or a fraction); the scores are then not final.")
 @click.option(
     "--gen-kwargs",
     multiple=True,
     metavar="KEY=VALUE",
     help="Generation overrides on top of the protocol's, e.g. max_gen_toks=256.",
 )
-@click.option("--batch-size", default=None, help="Batch size, where the protocol does not fix it (default 1).")
-@click.option(
-    "--dtype", type=click.Choice(_DTYPES), default=None, help="Model dtype, where the protocol does not fix it."
-)
-@click.option(
-    "--seed", type=int, default=None, help="Seed for lm-eval's random generators, where the protocol does not fix it."
-)
+@click.option("--batch-size", help="Batch size, where the protocol does not fix it (default 1).")
+@click.option("--dtype", type=click.Choice(_DTYPES), help="Model dtype, where the protocol does not fix it.")
+@click.option("--seed", type=int, help="Seed for lm-eval's random generators, where the protocol does not fix it.")
 @click.option("--device", callback=_device, help=f"HF only: {DEVICE_HELP} (default {DEFAULT_DEVICE}).")
 @click.option(
     "--backend",
     type=click.Choice(["hf", "vllm"]),
     default="hf",
-    show_default=True,
     help="lm-eval model backend; vllm needs vllm installed (sink_strength is then measured first with transformers).",
 )
 @click.option(
     "--model-args",
     "model_args",
-    default=None,
     metavar="K=V,...",
     help="Extra backend arguments, e.g. tensor_parallel_size=2,max_model_len=4096.",
 )
-@click.option("--include-path", default=None, help="One extra folder of lm-eval task YAMLs.")
+@click.option("--include-path", help="One extra folder of lm-eval task YAMLs.")
 @click.option(
     "--no-log-samples",
     is_flag=True,
@@ -659,24 +611,16 @@ def eval_cmd(
 @cli.command()
 @click.argument("reference")
 @click.argument("candidate", required=False)
-@click.option("--task", default=None, help="Task whose samples to pair (default: the one task both runs share).")
+@click.option("--task", help="Task whose samples to pair (default: the one task both runs share).")
 @click.option(
     "--checkpoint",
-    default=None,
     help="With a sweep's output folder: the checkpoint to compare with its reference (default: the candidate).",
 )
-@click.option(
-    "--metric", default=None, help="Per-sample metric (default: the task's, e.g. prompt_level_strict_acc for ifeval)."
-)
-@click.option(
-    "--filter",
-    default=None,
-    help="lm-eval filter (default: the task's, e.g. strict-match for gsm8k_cot*).",
-)
+@click.option("--metric", help="Per-sample metric (default: the task's, e.g. prompt_level_strict_acc for ifeval).")
+@click.option("--filter", help="lm-eval filter (default: the task's, e.g. strict-match for gsm8k_cot*).")
 @click.option(
     "--threshold",
     type=float,
-    default=None,
     help="Continuous metrics (eq_bench): pass = score >= THRESHOLD, giving buckets and McNemar.",
 )
 @click.option(
@@ -685,21 +629,17 @@ def eval_cmd(
 @click.option(
     "--same-protocol", is_flag=True, help="Refuse runs whose protocols differ (chat template, few-shot, limit, ...)."
 )
-@click.option(
-    "--tokenizer", default=None, help="Tokenizer (folder, hub id or 'default') to count response tokens for truncation."
-)
-@click.option("--max-gen-toks", type=int, default=None, help="Generation limit, when the samples do not record it.")
+@click.option("--tokenizer", help="Tokenizer (folder, hub id or 'default') to count response tokens for truncation.")
+@click.option("--max-gen-toks", type=int, help="Generation limit, when the samples do not record it.")
 @click.option(
     "--effect",
     type=float,
-    default=None,
     metavar="SIZE",
     help="The difference whose power and documents needed are reported: points for a 0/1 metric or a pass rate "
     "(--threshold), else the metric's unit (default: 5% of the metric's range, 5 points for a 0/1 metric).",
 )
 @click.option(
     "--repeat",
-    default=None,
     metavar="RUN",
     help="A second run of the reference under the same protocol: the flip rate between the two, and how many "
     "regressions it alone would explain.",
@@ -709,17 +649,13 @@ def eval_cmd(
     "n_bootstrap",
     type=int,
     default=10_000,
-    show_default=True,
     help="Bootstrap resamples for a continuous metric's interval and IFEval's instruction-level one (a 0/1 "
     "interval is exact).",
 )
-@click.option("--confidence", type=float, default=0.95, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True, help="Bootstrap seed.")
+@click.option("--confidence", type=float, default=0.95)
+@click.option("--seed", type=int, default=0, help="Bootstrap seed.")
 @click.option(
-    "--failure-kinds/--no-failure-kinds",
-    default=True,
-    show_default=True,
-    help="IFEval: classify regressions with lm-eval's checker.",
+    "--failure-kinds/--no-failure-kinds", default=True, help="IFEval: classify regressions with lm-eval's checker."
 )
 @_path_option("--output", help="Folder for buckets.json, buckets.md, prompts.csv and PNGs (default: print only).")
 @_force("Overwrite an existing --output folder.")
@@ -745,10 +681,9 @@ def buckets(
 @click.option("--reference", required=True, help="The reference run (the LLM), as `buckets` takes a run.")
 @click.option("--candidate", required=True, help="The candidate run (the VLM backbone), as `buckets` takes a run.")
 @click.argument("controls", nargs=-1, metavar="NAME=RUN [NAME=RUN ...]")
-@click.option("--confidence", type=float, default=0.95, show_default=True)
+@click.option("--confidence", type=float, default=0.95)
 @_path_option(
-    "--output",
-    help="Folder for recovery.json, recovery.md, recovery.png and prompts.parquet (default: print only).",
+    "--output", help="Folder for recovery.json, recovery.md, recovery.png and prompts.parquet (default: print only)."
 )
 @_force("Overwrite an existing --output folder.")
 def recovery(reference, candidate, controls, confidence, output, force) -> Iterable[str]:
@@ -783,13 +718,10 @@ def configs_list() -> Iterable[str]:
 @click.option("--reference", required=True, help="The text LLM (folder).")
 @click.option("--candidate", required=True, help="The extracted VLM language backbone (folder).")
 @click.option(
-    "--base",
-    default=None,
-    help="A pretrained ancestor of both (siblings lineage); default: base = reference (chain lineage).",
+    "--base", help="A pretrained ancestor of both (siblings lineage); default: base = reference (chain lineage)."
 )
 @click.option(
     "--tokenizer-source",
-    default=None,
     help="Output vocabulary: base, union, reference, candidate or a model folder (default: "
     "mergekit's rule, the base_model's tokenizer).",
 )
@@ -822,8 +754,8 @@ def configs_validate(config_file) -> Iterable[str]:
 @cli.command("merge")
 @click.argument("config_file", type=_PATH)
 @click.argument("out", type=_PATH)
-@click.option("--random-seed", type=int, default=None, help="Seed for random methods (DARE): bit-identical reruns.")
-@click.option("--device", default="cpu", show_default=True, callback=_device, help="mergekit's math device, or auto.")
+@click.option("--random-seed", type=int, help="Seed for random methods (DARE): bit-identical reruns.")
+@click.option("--device", default="cpu", callback=_device, help="mergekit's math device, or auto.")
 @_force("Replace an existing OUT folder.")
 @_quiet_option()
 def merge(config_file, out, random_seed, device, force, quiet) -> Iterable[str]:
@@ -856,12 +788,10 @@ def merge(config_file, out, random_seed, device, force, quiet) -> Iterable[str]:
 @click.option(
     "--engine",
     type=click.Choice(["local", "ray"]),
-    default=None,
     help="Where units run (default: the file's engine.kind, else local).",
 )
 @click.option(
     "--ray-address",
-    default=None,
     help="Ray cluster: auto, ray://host:port (default: the file's engine.address; none starts Ray here).",
 )
 @_lm_eval_python("the file's eval.python")
@@ -871,37 +801,28 @@ def merge(config_file, out, random_seed, device, force, quiet) -> Iterable[str]:
     help="backend vllm: one engine per checkpoint (an lm_eval process each), not one resident engine whose "
     "weights are swapped in place (eval.engine_reuse: false).",
 )
-def sweep(sweep_file, force, redo, quiet, lm_eval_python, **overrides) -> None:
+def sweep(sweep_file, force, redo, quiet, lm_eval_python, **overrides) -> Iterator[str]:
     """Merge, evaluate (lm-eval) and measure S for every checkpoint of SWEEP.yaml; resumable."""
     from lm_eval_sink.commands.sweep import load_sweep, run_sweep
 
     spec = load_sweep(sweep_file, python=str(lm_eval_python) if lm_eval_python else None, **overrides)
     report = run_sweep(spec, force=force, progress=not quiet, redo=redo, announce=click.echo)
-    for line in report.lines():
-        click.echo(line)
+    yield from report.lines()
     report.raise_for_failures()
 
 
-class _StrengthValues(_ManyValues):
-    """Lets `--strength A B` stand for `--strength A --strength B`."""
-
-    many = ("--strength",)
-
-
-@cli.command("report", cls=_StrengthValues)
-@click.option(
+@cli.command("report", cls=_ManyValues)
+@_path_option(
     "--strength",
     multiple=True,
-    type=_PATH,
     metavar="PATH",
     help="Given twice, reference then candidate: a strength JSON or folder (of `strength`, or a sweep's "
     "strength/NAME), or an lm-eval run of the sink_strength task.",
 )
 @_path_option("--margin", help="Output folder (or margin.json) of `margin`.")
-@click.option(
+@_path_option(
     "--buckets",
     multiple=True,
-    type=_PATH,
     help="Output folder (or buckets.json) of `buckets`; repeatable (the headline: the IFEval one, else the first).",
 )
 @_path_option("--attribution", help="Output folder (or attribution.json) of `attribute`.")
@@ -909,7 +830,7 @@ class _StrengthValues(_ManyValues):
     "--recovery", help="Output folder (or recovery.json) of `recovery` (a --sweep folder brings its recovery/)."
 )
 @_path_option("--sweep", help="Output folder (or table.json) of `sweep`.")
-@click.option("--title", default=None, help="Page title (default: the two models).")
+@click.option("--title", help="Page title (default: the two models).")
 @_path_option("-o", "--output", required=True, help="The HTML file to write.")
 @_force("Overwrite an existing file.")
 def report(output, force, **inputs) -> Iterable[str]:
@@ -921,26 +842,18 @@ def report(output, force, **inputs) -> Iterable[str]:
 
 @cli.command("protect-plan")
 @click.argument("model_name", metavar="MODEL")
-@click.option("--last-k", default="10", show_default=True, help="Heads of the last K layers are candidates, or 'all'.")
-@click.option(
-    "--threshold",
-    type=float,
-    default=0.0,
-    show_default=True,
-    help="Protect heads whose median sink log-odds exceeds this.",
-)
+@click.option("--last-k", default="10", help="Heads of the last K layers are candidates, or 'all'.")
+@click.option("--threshold", type=float, default=0.0, help="Protect heads whose median sink log-odds exceeds this.")
 @click.option(
     "--min-pos0-fraction",
     type=float,
     default=0.8,
-    show_default=True,
     help="...and whose sink is position 0 in at least this share of rows.",
 )
 @click.option(
     "--tau",
     type=float,
     default=0.0,
-    show_default=True,
     help="Share of |k_s|^2 Rule Q may leave unprotected (0: the sink logit cannot move through W_q).",
 )
 @_CALIBRATION_OPTIONS
@@ -970,13 +883,10 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         click.echo(f"error: {e.line()}", err=True)
         return 2
-    except click.exceptions.Abort:
-        click.echo("interrupted", err=True)
-        return 130
     except click.ClickException as e:
         click.echo(f"error: {e.format_message()}{_our_name(e)}", err=True)
         return 2
-    except KeyboardInterrupt:
+    except (click.exceptions.Abort, KeyboardInterrupt):  # click's Abort is its Ctrl-C
         click.echo("interrupted", err=True)
         return 130
     return 0
