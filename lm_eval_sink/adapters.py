@@ -85,16 +85,24 @@ def config_virtual_tokens(config_path: Any, config: dict[str, Any]) -> VirtualTo
     return virtual_tokens(method, prompt_learning, config.get("num_virtual_tokens"), str(config_path))
 
 
-def folder_virtual_tokens(folder: str | Path) -> VirtualTokens | None:
-    """`config_virtual_tokens` of a model folder (None: not a peft adapter folder)."""
+def adapter_config(folder: str | Path) -> tuple[Path, dict[str, Any]] | None:
+    """A peft adapter folder's adapter_config.json and its object (None: not an adapter folder)."""
     path = Path(folder) / ADAPTER_CONFIG
     if not path.is_file():
         return None
     from lm_eval_sink.io import parse_json, read_text
 
-    return config_virtual_tokens(
-        path, parse_json(read_text(path, ADAPTER_CONFIG), str(path), "save the adapter with peft")
-    )
+    again = "save the adapter again with peft (save_pretrained), or copy the folder again"
+    data = parse_json(read_text(path, ADAPTER_CONFIG), str(path), again)
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: not a peft adapter config (a JSON object is expected)", again)
+    return path, data
+
+
+def folder_virtual_tokens(folder: str | Path) -> VirtualTokens | None:
+    """`config_virtual_tokens` of a model folder (None: not a peft adapter folder)."""
+    found = adapter_config(folder)
+    return None if found is None else config_virtual_tokens(*found)
 
 
 def check_same_keys(folder: str | Path, role: str) -> None:
@@ -129,11 +137,3 @@ def adapted(model: Any) -> Adapted:
     virtual = virtual_tokens(method, config.is_prompt_learning, getattr(config, "num_virtual_tokens", 0), where)
     base = model.get_base_model()
     return Adapted(base, model if virtual else base, virtual)
-
-
-def load_on_base(base: Any, adapter: str) -> Any:
-    """peft's model of `adapter` on the loaded `base`, in eval mode (prompt learning: transformers' own adapter
-    loading does not take it)."""
-    from peft import PeftModel
-
-    return PeftModel.from_pretrained(base, adapter).eval()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lm_eval_sink.adapters import ADAPTER_CONFIG, VirtualTokens, adapted, config_virtual_tokens, load_on_base
+from lm_eval_sink.adapters import ADAPTER_CONFIG, VirtualTokens, adapted, adapter_config, config_virtual_tokens
 from lm_eval_sink.devices import DEFAULT_DEVICE, Placement, load_dtype, place
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.identity import check_finished_folder, folder_identity, hub_snapshot, looks_like_hub_id
@@ -377,13 +377,10 @@ def resolved(
 def with_adapter(path: str) -> ResolvedModel:
     """`path` with, for a peft adapter folder, its resolved base model and its virtual tokens
     (`adapters.config_virtual_tokens`, which refuses an adapter S cannot be measured on); else both None."""
-    config = Path(path) / ADAPTER_CONFIG
-    if not config.is_file():
+    found = adapter_config(path)
+    if found is None:
         return ResolvedModel(path)
-    again = "save the adapter again with peft (save_pretrained), or copy the folder again"
-    data = parse_json(read_text(config, ADAPTER_CONFIG), str(config), again)
-    if not isinstance(data, dict):
-        raise UserError(f"{config}: not a peft adapter config (a JSON object is expected)", again)
+    config, data = found
     virtual = config_virtual_tokens(config, data)
     base = data.get("base_model_name_or_path")
     if not base:
@@ -508,7 +505,10 @@ def load_model(name: str | Path, dtype: str = "auto", device: str = DEFAULT_DEVI
     model, tokenizer, placement = load_checkpoint(
         base if virtual else source, td, device, (tokenizer_from, args), reuse_config=bool(gguf), **args, **loading
     )
-    model = load_on_base(model, path) if virtual else model
+    if virtual:  # peft's model on the loaded base: transformers' own adapter loading does not take prompt learning
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, path).eval()
     info = {
         **identity,
         **({"gguf_quantization": gguf_quantization(path)} if gguf else {}),

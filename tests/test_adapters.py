@@ -72,7 +72,7 @@ def test_strength_of_an_adapter_folder_measures_the_adapted_model(base_and_adapt
     assert model["fingerprint"] != got["base"]["provenance"]["model"]["fingerprint"]
 
 
-@pytest.mark.parametrize("damage", ["base gone", "weights cut short"])
+@pytest.mark.parametrize("damage", ["base gone", "weights cut short", "config not an object"])
 def test_a_damaged_adapter_is_one_line_before_its_base_loads(base_and_adapter, tmp_path, user_error, damage):
     """A base that is gone is named by the adapter's config; a broken weights file (it loaded the base first, then
     failed in safetensors without a word of the adapter or its file) is named before the base loads."""
@@ -82,12 +82,13 @@ def test_a_damaged_adapter_is_one_line_before_its_base_loads(base_and_adapter, t
     config, weights = adapter / "adapter_config.json", adapter / "adapter_model.safetensors"
     if damage == "base gone":
         config.write_text(json.dumps({**json.loads(config.read_text()), "base_model_name_or_path": "./gone"}))
+    elif damage == "config not an object":
+        config.write_text("[]")
     else:
         weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     line = user_error(["strength", adapter, "--output", tmp_path / "out", "--quiet"], tmp_path / "out")
-    assert (
-        f"{config}: gone: no such base model folder" if damage == "base gone" else f"{weights}: is cut short"
-    ) in line
+    want = {"base gone": f"{config}: gone: no such base model folder", "weights cut short": f"{weights}: is cut short"}
+    assert want.get(damage, f"{config}: not a peft adapter config (a JSON object is expected)") in line
 
 
 def _base_strength(base_and_adapter, tokenizer):
