@@ -21,7 +21,7 @@ from lm_eval_sink.pairing import index_docs, outcome, pair_docs
 from lm_eval_sink.power import MIN_N
 from lm_eval_sink.protocols import generation_cap, limit_text, match_protocol, short_text, task_diff
 from lm_eval_sink.tables import markdown_lines
-from lm_eval_sink.vendors import run_stated_values, stated_differences
+from lm_eval_sink.vendors import run_stated_values, stated_differences, verified_text
 
 SCHEMA_VERSION = 1
 # Config fields that name the language model a VLM (or adapter) was built from.
@@ -601,12 +601,11 @@ def _benchmark_report(
 ) -> dict[str, Any]:
     """One benchmark's section: its comparisons with their protocol parts, the pairs left uncompared, the
     measurements without a partner and the vendor figures beside the measured ones."""
-    rows, paired = _comparisons(rs, cs, reported, compare)
-    not_compared, confounded = _confounded(rs, cs, paired, compare)
+    rows, not_compared, held = _comparisons(rs, cs, reported, compare)
     unpaired = [
         {"role": m.role, "model": m.model, "protocol": m.protocol_label, "strict": _pts(m.strict)}
         for m in [*rs, *cs]
-        if id(m) not in paired and id(m) not in confounded
+        if id(m) not in held
     ]
     vend = [
         _vendor_row(s, m, bench is not None and bench.kind == "binary")
@@ -635,23 +634,22 @@ def _benchmark_report(
 
 def _comparisons(
     rs: list[Measurement], cs: list[Measurement], reported: list[Any], compare: _Compare
-) -> tuple[list[dict[str, Any]], set[int]]:
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], set[int]]:
     """The rows that attribute a gap, in report order (pairs under one protocol, the registry's reported gaps, the
-    same weights under two protocols), and the ids of the measurements they pair."""
-    rows: list[dict[str, Any]] = []
-    paired: set[int] = set()
-    for r in rs:
-        for c in cs:
-            if r.protocol_key == c.protocol_key:
-                rows.append(compare(r, c, "same_protocol"))
-                paired |= {id(r), id(c)}
+    same weights under two protocols); the pairs not compared (different models under different protocols, neither
+    with a partner: shown with their differing fields, the gap not attributed); the ids of the measurements held."""
+    pairs = [
+        (r, c, "same_protocol" if r.protocol_key == c.protocol_key else "protocol_artefact" if _same(r, c) else "")
+        for r in rs
+        for c in cs
+    ]
+    paired = {id(m) for r, c, kind in pairs if kind for m in (r, c)}
+    confounded = [(r, c) for r, c, kind in pairs if not kind and not {id(r), id(c)} & paired]
+    rows = [compare(r, c, kind) for r, c, kind in pairs if kind == "same_protocol"]
     rows += [_reported_row(g) for g in reported]
-    for r in rs:
-        for c in cs:
-            if r.protocol_key != c.protocol_key and _same(r, c):
-                rows.append(compare(r, c, "protocol_artefact"))
-                paired |= {id(r), id(c)}
-    return rows, paired
+    rows += [compare(r, c, kind) for r, c, kind in pairs if kind == "protocol_artefact"]
+    not_compared = [{**compare(r, c, "confounded"), "gap": None} for r, c in confounded]
+    return rows, not_compared, paired | {id(m) for pair in confounded for m in pair}
 
 
 def _same(r: Measurement, c: Measurement) -> bool:
@@ -671,28 +669,11 @@ def _reported_row(g: Any) -> dict[str, Any]:
         "reference": {"model": g.reference},
         "candidate": {"model": g.candidate},
         "non_final": False,
-        "source": {"kind": "registry", "id": g.id, **g.source.to_json()},
-        "stated_protocol": g.protocol.to_json(),
+        "source": {"kind": "registry", "id": g.id, **g.source.model_dump()},
+        "stated_protocol": g.protocol.model_dump(),
         "note": g.note,
-        "entry": {"id": g.id, **g.verification.to_json()},
+        "entry": {"id": g.id, **g.verification()},
     }
-
-
-def _confounded(
-    rs: list[Measurement], cs: list[Measurement], paired: set[int], compare: _Compare
-) -> tuple[list[dict[str, Any]], set[int]]:
-    """Different models under different protocols, neither with a partner: shown with their differing fields, the gap
-    not attributed; and the ids of the measurements they hold."""
-    rows: list[dict[str, Any]] = []
-    confounded: set[int] = set()
-    for r in rs:
-        for c in cs:
-            if r.protocol_key != c.protocol_key and not _same(r, c) and not {id(r), id(c)} & paired:
-                row = compare(r, c, "confounded")
-                row["gap"] = None
-                rows.append(row)
-                confounded |= {id(r), id(c)}
-    return rows, confounded
 
 
 def _vendor_row(s: Any, m: Measurement, binary: bool) -> dict[str, Any]:
@@ -710,9 +691,9 @@ def _vendor_row(s: Any, m: Measurement, binary: bool) -> dict[str, Any]:
         "vendor": {
             "id": s.id,
             "value": _pts(s.value),
-            "source": s.source.to_json(),
-            "protocol": s.protocol.to_json(),
-            **s.verification.to_json(),
+            "source": s.source.model_dump(),
+            "protocol": s.protocol.model_dump(),
+            **s.verification(),
         },
         "measured": {"value": _pts(m.strict), "protocol": m.protocol_label, "source": m.source, "limit": m.limit},
         "measured_minus_vendor": _pts(m.strict - s.value),
@@ -870,11 +851,11 @@ def _comparison_note(r: dict[str, Any]) -> str:
     if r.get("non_final"):
         notes.append("--limit run: not final")
     if r["kind"] == "reported_gap":
-        notes.append(f"{r['source']['id']} ({r['source']['kind']}, {_verification(r['entry'])})")
+        notes.append(f"{r['source']['id']} ({r['source']['kind']}, {verified_text(r['entry'])})")
     for side in ("reference", "candidate"):
         src = r[side].get("source") or {}
         if src.get("kind") == "registry":
-            notes.append(f"{side} figure {src['id']}: {_verification(src)}")
+            notes.append(f"{side} figure {src['id']}: {verified_text(src)}")
     if r["kind"] == "protocol_artefact":
         notes.append("same model: " + _fields(r["differing_fields"]))
     if r["kind"] == "unexplained":
@@ -917,22 +898,17 @@ def _vendor_cells(v: dict[str, Any]) -> list[str]:
         diffs += f" (vendor does not state {', '.join(v['vendor_unstated'])})"
     limit, src = v["measured"].get("limit"), v["measured"].get("source") or {}
     caveat = f" (--limit {limit_text(limit)} run: not final)" if limit is not None else ""
-    caveat += f" ({src['id']}, {_verification(src)})" if src.get("kind") == "registry" else ""
+    caveat += f" ({src['id']}, {verified_text(src)})" if src.get("kind") == "registry" else ""
     return [
         v["model"],
         _f(v["vendor"]["value"], False),
-        f"{v['vendor']['source']['id']} ({_verification(v['vendor'])})",
+        f"{v['vendor']['source']['id']} ({verified_text(v['vendor'])})",
         _f(v["measured"]["value"], False) + caveat,
         v["measured"]["protocol"],
         gap_text(v["measured_minus_vendor"], v.get("gap_interval"), bool(v.get("too_few_to_tell")))
         + (" (subset)" if "--limit" in caveat else ""),
         diffs,
     ]
-
-
-def _verification(entry: dict[str, Any]) -> str:
-    """`verified DATE` or `UNVERIFIED`, from a registry figure's JSON (vendors.Verification.to_json)."""
-    return f"verified {entry['verified']['date']}" if entry.get("verified") else "UNVERIFIED"
 
 
 def unverified_figures(att: Attribution) -> list[str]:
@@ -1132,7 +1108,7 @@ def measurements_from_registry(
                 "id": s.id,
                 "source": s.source.id,
                 "source_kind": s.source.kind,
-                **s.verification.to_json(),
+                **s.verification(),
             },
             registry_model=model,
             stated=s.protocol.stated,
