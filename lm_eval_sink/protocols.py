@@ -177,10 +177,6 @@ class ProtocolFingerprint:
     def to_json(self) -> dict[str, Any]:
         return {"schema_version": SCHEMA_VERSION, **asdict(self), "harness_sha": self.harness_sha()}
 
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> ProtocolFingerprint:
-        return cls(harness=data["harness"], model=data["model"], run=data.get("run", {}), source=data.get("source"))
-
 
 @dataclass(frozen=True, slots=True)
 class FieldDiff:
@@ -191,31 +187,26 @@ class FieldDiff:
     a: Any
     b: Any
     affects_scores: bool
-    why_not: str = ""  # why a field that can change scores in general cannot here (`field_reason`)
+    why_not: str = ""  # why a field that can change scores in general cannot here (`reason`)
 
     @property
     def reason(self) -> str:
-        """Why the field can (or cannot) change scores: its entry in the field lists above."""
-        return field_reason(self.field, self.affects_scores, self.why_not)
+        """What the field is, from HARNESS_FIELDS / TASK_FIELDS / MODEL_FIELDS: `tasks.<task>.<key>` by its key,
+        `seeds.random` or `model_args.enable_thinking` by its head; a field that can change scores in general but not
+        here says why (`why_not`; default: few-shot turns without few-shot examples)."""
+        parts = self.field.split(".")
+        if parts[0] == "tasks" and len(parts) >= 3:
+            entry = TASK_FIELDS.get(parts[2])
+        else:
+            entry = HARNESS_FIELDS.get(parts[0]) or MODEL_FIELDS.get(parts[0])
+        what = entry[1] if entry else "not a listed field"
+        if entry and entry[0] and not self.affects_scores:
+            what += "; " + (self.why_not or "no task compared here uses few-shot examples")
+        return what
 
     def to_json(self) -> dict[str, Any]:
         """The fields with `reason` in place of `why_not`."""
         return {**{k: v for k, v in asdict(self).items() if k != "why_not"}, "reason": self.reason}
-
-
-def field_reason(name: str, affects: bool, why_not: str = "") -> str:
-    """What a (dotted) diff field is, from HARNESS_FIELDS / TASK_FIELDS / MODEL_FIELDS: `tasks.<task>.<key>` by its
-    key, `seeds.random` or `model_args.enable_thinking` by its head; a field that can change scores in general but
-    not here says why (`why_not`; default: few-shot turns without few-shot examples)."""
-    parts = name.split(".")
-    if parts[0] == "tasks" and len(parts) >= 3:
-        entry = TASK_FIELDS.get(parts[2])
-    else:
-        entry = HARNESS_FIELDS.get(parts[0]) or MODEL_FIELDS.get(parts[0])
-    what = entry[1] if entry else "not a listed field"
-    if entry and entry[0] and not affects:
-        what += "; " + (why_not or "no task compared here uses few-shot examples")
-    return what
 
 
 def _where(source: str | None) -> str:
@@ -416,32 +407,29 @@ def _pairs(name: str, va: Any, vb: Any) -> list[tuple[str, Any, Any]]:
     return [(name, va, vb)]
 
 
+def _fields(fp: ProtocolFingerprint, tasks: tuple[str, ...] | list[str]) -> list[tuple[str, str, Any, bool]]:
+    """(part, field, value, can change scores) of every field as `show_markdown` shows and `diff` compares it: the
+    harness fields (`tasks`: the task names), the fields of each of `tasks`, the model's (its template by sha256)."""
+    h = fp.harness
+    rows = [("harness", n, sorted(h["tasks"]) if n == "tasks" else h.get(n), a) for n, (a, _) in HARNESS_FIELDS.items()]
+    rows += [("harness", f"tasks.{t}.{k}", h["tasks"][t].get(k), a) for t in tasks for k, (a, _) in TASK_FIELDS.items()]
+    return rows + [
+        ("model", n, _template_id(fp.model) if n == "chat_template" else fp.model.get(n), a)
+        for n, (a, _) in MODEL_FIELDS.items()
+    ]
+
+
 def diff(a: ProtocolFingerprint, b: ProtocolFingerprint) -> tuple[FieldDiff, ...]:
     """Only the fields that differ between two fingerprints, harness first; empty when identical. A field that cannot
     change the score of the tasks it concerns (`_cannot_change_s`) says "no", with why."""
-    out: list[FieldDiff] = []
     ha, hb = a.harness, b.harness
     common = sorted(set(ha["tasks"]) & set(hb["tasks"]))
     fewshot_used = any(ha["tasks"][t]["num_fewshot"] or hb["tasks"][t]["num_fewshot"] for t in common)
-    for name, (affects, _) in HARNESS_FIELDS.items():
-        if name == "tasks":
-            if sorted(ha["tasks"]) != sorted(hb["tasks"]):
-                out.append(FieldDiff("tasks", "harness", sorted(ha["tasks"]), sorted(hb["tasks"]), affects))
-            continue
-        if name == "fewshot_as_multiturn":
-            affects = fewshot_used
-        out += [FieldDiff(f, "harness", x, y, affects) for f, x, y in _pairs(name, ha.get(name), hb.get(name))]
-    for t in common:
-        ta, tb = ha["tasks"][t], hb["tasks"][t]
-        for key, (affects, _) in TASK_FIELDS.items():
-            out += [
-                FieldDiff(f, "harness", x, y, affects)
-                for f, x, y in _pairs(f"tasks.{t}.{key}", ta.get(key), tb.get(key))
-            ]
-    ma, mb = a.model, b.model
-    for name, (affects, _) in MODEL_FIELDS.items():
-        va, vb = (_template_id(ma), _template_id(mb)) if name == "chat_template" else (ma.get(name), mb.get(name))
-        out += [FieldDiff(f, "model", x, y, affects) for f, x, y in _pairs(name, va, vb)]
+    out = [
+        FieldDiff(f, part, x, y, fewshot_used if name == "fewshot_as_multiturn" else affects)
+        for (part, name, va, affects), (_, _, vb, _) in zip(_fields(a, common), _fields(b, common), strict=True)
+        for f, x, y in _pairs(name, va, vb)
+    ]
     strength = {t for t in common if _is_strength_task(ha["tasks"][t]) and _is_strength_task(hb["tasks"][t])}
     only_strength = bool(common) and strength == set(common)
     return tuple(_cannot_change_s(d, strength, only_strength) for d in out)
@@ -668,23 +656,6 @@ def _cell(value: Any, width: int = 70) -> str:
     return short_text(value, width).replace("|", "\\|")
 
 
-def show_rows(fp: ProtocolFingerprint) -> list[tuple[str, str, Any, bool]]:
-    """(part, field, value, can change scores) for every fingerprint field, tasks expanded."""
-    rows: list[tuple[str, str, Any, bool]] = []
-    for name, (affects, _) in HARNESS_FIELDS.items():
-        if name == "tasks":
-            for t, part in fp.harness["tasks"].items():
-                rows += [("harness", f"tasks.{t}.{k}", part.get(k), a) for k, (a, _) in TASK_FIELDS.items()]
-        else:
-            rows.append(("harness", name, fp.harness.get(name), affects))
-    for name, (affects, _) in MODEL_FIELDS.items():
-        value = fp.model.get(name)
-        if name == "chat_template" and value is not None:
-            value = f"sha256 {_template_id(fp.model)[:16]}: {value}"
-        rows.append(("model", name, value, affects))
-    return rows
-
-
 def show_markdown(fp: ProtocolFingerprint, protocols: dict[str, Protocol] | None = None) -> str:
     """The fingerprint as a Markdown table, with the named protocol it matches and a --limit warning. Whether a field
     can change scores is said by `diff` only: nearly every field can, so a column of it here would say nothing."""
@@ -694,7 +665,12 @@ def show_markdown(fp: ProtocolFingerprint, protocols: dict[str, Protocol] | None
         f"matches named protocol: {named or 'none'}",
     ]
     lines += limit_lines(fp)
-    lines += ["", *markdown_lines(["part", "field", "value"], [[p, f, _cell(v)] for p, f, v, _ in show_rows(fp)])]
+    rows = [
+        [part, name, _cell(f"sha256 {v[:16]}: {fp.model['chat_template']}" if name == "chat_template" and v else v)]
+        for part, name, v, _ in _fields(fp, fp.tasks)
+        if name != "tasks"
+    ]
+    lines += ["", *markdown_lines(["part", "field", "value"], rows)]
     return "\n".join(lines) + "\n"
 
 
