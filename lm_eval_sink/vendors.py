@@ -17,9 +17,14 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, ValidationInfo, create_model, field_validator
 
+from lm_eval_sink.benchmarks import load_benchmarks
+from lm_eval_sink.cache import cache_dir
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.io import read_text
+from lm_eval_sink.protocols import task_view
 from lm_eval_sink.schema import Strict, did_you_mean, parse
 from lm_eval_sink.tables import markdown_lines
+from lm_eval_sink.yaml_input import parse_yaml
 
 # What a source may state about a protocol, and where a run's fingerprint records it.
 STATED_KEYS: dict[str, str] = {
@@ -239,8 +244,6 @@ class _RegistryIn(Strict):
 
 
 def _read_yaml(path_or_text: str, where: str) -> _RegistryIn:
-    from lm_eval_sink.yaml_input import parse_yaml
-
     data = parse_yaml(path_or_text, where)
     if not isinstance(data, dict):
         raise UserError(
@@ -336,8 +339,6 @@ _BUNDLED = "lm_eval_sink/data/vendors.yaml"
 def user_registry_path() -> Path:
     """The default user registry: `vendors.yaml` in the project cache ($LM_EVAL_SINK_CACHE, else
     ~/.cache/lm_eval_sink); read when it exists and no --registry is given, written by `vendor add`."""
-    from lm_eval_sink.cache import cache_dir
-
     return cache_dir() / "vendors.yaml"
 
 
@@ -350,9 +351,6 @@ def load_registry(user_file: str | Path | None = None) -> Registry:
     """The bundled registry, plus a user YAML of the same shape (its ids must be new): `user_file`, else the default
     user registry when it exists (`user_registry_path`), whose figures all count as unverified (`_as_unverified`).
     `Registry.files` names every file read."""
-    from lm_eval_sink.benchmarks import load_benchmarks
-    from lm_eval_sink.io import read_text
-
     parts = [_bundled_part()]
     path = Path(user_file) if user_file is not None else user_registry_path()
     if user_file is not None and not path.is_file():
@@ -385,8 +383,6 @@ def _as_unverified(data: _RegistryIn, path: Path) -> _RegistryIn:
 def registry_with(user_data: dict[str, Any], where: str) -> Registry:
     """The bundled registry plus `user_data` (a user file's content, not yet written), validated as `load_registry`
     validates a file: the one check `vendor add` runs before it writes."""
-    from lm_eval_sink.benchmarks import load_benchmarks
-
     return _merge([_bundled_part(), (where, parse(_RegistryIn, user_data, where))], set(load_benchmarks()))
 
 
@@ -481,8 +477,6 @@ def _add_model(data: dict[str, Any], reg: Registry, new: NewScore) -> None:
 
 def _strict_metric(benchmark: str) -> str:
     """The metric a family's strict results key scores (the registry's benchmarks are benchmarks.yaml's families)."""
-    from lm_eval_sink.benchmarks import load_benchmarks
-
     fam = load_benchmarks().get(benchmark)
     if fam is None or not fam.metric:
         raise UserError(f"unknown benchmark {benchmark!r}", f"use one of {', '.join(sorted(load_benchmarks()))}")
@@ -491,8 +485,6 @@ def _strict_metric(benchmark: str) -> str:
 
 def run_stated_values(fp: Any, task: str) -> dict[str, Any]:
     """A run's value of each field a source may state (`STATED_KEYS`), from its fingerprint (`protocols.task_view`)."""
-    from lm_eval_sink.protocols import task_view
-
     view = task_view(fp, task)
     thinking = (view.get("model_args") or {}).get("enable_thinking")
     return {k: thinking if k == "enable_thinking" else view.get(k) for k in STATED_KEYS}
