@@ -8,8 +8,9 @@ registry entries and returns data; reading runs and writing the report is comman
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -257,19 +258,13 @@ class Attribution:
 
 
 def _differing(r: Measurement, c: Measurement) -> list[dict[str, Any]]:
-    """Protocol fields in which two measurements differ (as far as their sources record them), a generation cap
-    first (`_cap_row`; a registry figure has none)."""
-    cap = _cap_row(r, c)
-    return ([cap] if cap else []) + _recorded_differences(r, c)
-
-
-def _cap_row(r: Measurement, c: Measurement) -> dict[str, Any] | None:
-    """A capped measurement against an uncapped one (or two caps): the protocol difference named first."""
+    """Protocol fields in which two measurements differ (as far as their sources record them), named first a capped
+    measurement against an uncapped one or another cap (a registry figure has none)."""
     caps = {m.role: generation_cap(m.fingerprint, m.task) for m in (r, c)}
-    if caps["reference"] == caps["candidate"]:
-        return None
     words = {k: "the task's own" if v is None else f"{v} tokens (--gen_kwargs)" for k, v in caps.items()}
-    return {"field": "generation cap (max_gen_toks)", **words, "affects_scores": True}
+    capped = caps["reference"] != caps["candidate"]
+    cap = [{"field": "generation cap (max_gen_toks)", **words, "affects_scores": True}] if capped else []
+    return cap + _recorded_differences(r, c)
 
 
 def _recorded_differences(r: Measurement, c: Measurement) -> list[dict[str, Any]]:
@@ -794,7 +789,7 @@ def _benchmark_lines(b: dict[str, Any]) -> list[str]:
     the vendor figures."""
     lines = ["", f"## {b['benchmark']} (construct: {b['construct']}: {b['construct_why']})", ""]
     if b["comparisons"]:
-        lines += markdown_lines(_COMPARISON_HEAD, [_comparison_cells(r) for r in b["comparisons"]])
+        lines += _table([_comparison_cells(r) for r in b["comparisons"]])
         lines += [f"- {r['protocol']}: {r['explanation']}" for r in b["comparisons"] if r.get("explanation")]
     if b["protocol_effect"]:
         lines += ["", _protocol_line(b["protocol_effect"])]
@@ -808,40 +803,30 @@ def _benchmark_lines(b: dict[str, Any]) -> list[str]:
     for u in b["unpaired"]:
         lines.append(f"- no partner: {u['role']} {u['model']} under {u['protocol']} ({_f(u['strict'], False)})")
     if b["vendor"]:
-        lines += ["", *markdown_lines(_VENDOR_HEAD, [_vendor_cells(v) for v in b["vendor"]])]
+        lines += ["", *_table([_vendor_cells(v) for v in b["vendor"]])]
     return lines
 
 
-_COMPARISON_HEAD = (
-    "protocol",
-    "kind",
-    "reference",
-    "candidate",
-    "gap",
-    "access",
-    "capacity",
-    "protocol part",
-    "unexplained",
-    "split from",
-    "note",
-)
+def _table(rows: list[dict[str, str]]) -> list[str]:
+    """A Markdown table of rows given as {header: cell}."""
+    return markdown_lines(list(rows[0]), [list(r.values()) for r in rows])
 
 
-def _comparison_cells(r: dict[str, Any]) -> list[str]:
-    """One comparison row of a benchmark's table."""
-    return [
-        r["protocol"],
-        r["kind"],
-        f"{r['reference']['model']} {_f(r['reference'].get('strict'), False)}",
-        f"{r['candidate']['model']} {_f(r['candidate'].get('strict'), False)}",
-        gap_text(r["gap"], r.get("gap_interval"), bool(r.get("too_few_to_tell"))),
-        _f(r["access"]),
-        _f(r["capacity"]),
-        _f(r["protocol_part"]),
-        _f(r.get("unexplained")),
-        r["split_from"] or "-",
-        _comparison_note(r),
-    ]
+def _comparison_cells(r: dict[str, Any]) -> dict[str, str]:
+    """One comparison row of a benchmark's table, by header."""
+    return {
+        "protocol": r["protocol"],
+        "kind": r["kind"],
+        "reference": f"{r['reference']['model']} {_f(r['reference'].get('strict'), False)}",
+        "candidate": f"{r['candidate']['model']} {_f(r['candidate'].get('strict'), False)}",
+        "gap": gap_text(r["gap"], r.get("gap_interval"), bool(r.get("too_few_to_tell"))),
+        "access": _f(r["access"]),
+        "capacity": _f(r["capacity"]),
+        "protocol part": _f(r["protocol_part"]),
+        "unexplained": _f(r.get("unexplained")),
+        "split from": r["split_from"] or "-",
+        "note": _comparison_note(r),
+    }
 
 
 def _comparison_note(r: dict[str, Any]) -> str:
@@ -885,11 +870,8 @@ def _protocol_line(pe: dict[str, Any]) -> str:
     )
 
 
-_VENDOR_HEAD = ("model", "vendor says", "source", "measured", "protocol", "measured - vendor", "protocol differences")
-
-
-def _vendor_cells(v: dict[str, Any]) -> list[str]:
-    """One vendor figure beside the measured one, with the protocol fields in which they differ."""
+def _vendor_cells(v: dict[str, Any]) -> dict[str, str]:
+    """One vendor figure beside the measured one, with the protocol fields in which they differ, by header."""
     diffs = (
         "; ".join(f"{d['field']}: vendor {d['vendor']} vs {d['measured']}" for d in v["protocol_differences"])
         or "none found"
@@ -899,16 +881,16 @@ def _vendor_cells(v: dict[str, Any]) -> list[str]:
     limit, src = v["measured"].get("limit"), v["measured"].get("source") or {}
     caveat = f" (--limit {limit_text(limit)} run: not final)" if limit is not None else ""
     caveat += f" ({src['id']}, {verified_text(src)})" if src.get("kind") == "registry" else ""
-    return [
-        v["model"],
-        _f(v["vendor"]["value"], False),
-        f"{v['vendor']['source']['id']} ({verified_text(v['vendor'])})",
-        _f(v["measured"]["value"], False) + caveat,
-        v["measured"]["protocol"],
-        gap_text(v["measured_minus_vendor"], v.get("gap_interval"), bool(v.get("too_few_to_tell")))
+    return {
+        "model": v["model"],
+        "vendor says": _f(v["vendor"]["value"], False),
+        "source": f"{v['vendor']['source']['id']} ({verified_text(v['vendor'])})",
+        "measured": _f(v["measured"]["value"], False) + caveat,
+        "protocol": v["measured"]["protocol"],
+        "measured - vendor": gap_text(v["measured_minus_vendor"], v.get("gap_interval"), bool(v.get("too_few_to_tell")))
         + (" (subset)" if "--limit" in caveat else ""),
-        diffs,
-    ]
+        "protocol differences": diffs,
+    }
 
 
 def unverified_figures(att: Attribution) -> list[str]:
@@ -947,8 +929,6 @@ def subset_line(benchmarks: list[dict[str, Any]], measurements: list[dict[str, A
 
 def plot_title(att: Attribution) -> str:
     """The figure's title: what the bars are, and the subset caveat (`subset_line`) when a run used `--limit`."""
-    import textwrap
-
     title = "gap = candidate - reference (points), split into its parts"
     caveat = subset_line(att.benchmarks, att.measurements)
     return title + ("\n" + "\n".join(textwrap.wrap(caveat, 72)) if caveat else "")
@@ -1121,8 +1101,6 @@ def measurements_from_registry(
 def relabel(measurements: list[Measurement]) -> list[Measurement]:
     """Give distinct run protocols of one benchmark distinct labels (a named protocol under two limits gets a sha
     suffix)."""
-    from dataclasses import replace
-
     keys: dict[tuple[str, str], set[str]] = {}
     for m in measurements:
         if m.protocol_key.startswith("run:"):
