@@ -92,9 +92,6 @@ class Registry:
     def gaps_of(self, model: str) -> list[Gap]:
         return [g for g in self.gaps if model in (g.reference, g.candidate)]
 
-    def gaps_between(self, reference: str, candidate: str) -> list[Gap]:
-        return [g for g in self.gaps if g.reference == reference and g.candidate == candidate]
-
 
 class _VerifiedIn(Strict):
     """Where and when a figure was read in its source."""
@@ -130,10 +127,7 @@ class _VerifyIn(Strict):
 
     def verification(self) -> dict[str, Any]:
         """As reports show it: `verified` ({date, source, quote}; None: unverified) and `unverified` (a reason)."""
-        return {
-            "verified": None if self.verified is None else self.verified.model_dump(),
-            "unverified": self.unverified,
-        }
+        return self.model_dump(include={"verified", "unverified"})
 
     def verification_label(self) -> str:
         """One line for reports: where and when the figure was read, or that it was not and why."""

@@ -248,7 +248,8 @@ def _registry_figures(
         return [], []
     ref_names = {i["registry_model"] for i in ref_info if i["registry_model"]}
     cand_names = {i["registry_model"] for i in cand_info if i["registry_model"]}
-    reported = [g for r in sorted(ref_names) for c in sorted(cand_names) if r != c for g in registry.gaps_between(r, c)]
+    pairs = [(r, c) for r in sorted(ref_names) for c in sorted(cand_names) if r != c]
+    reported = [g for r, c in pairs for g in registry.gaps if (g.reference, g.candidate) == (r, c)]
     if not vendor:
         return reported, []
     names = sorted(ref_names | cand_names)
