@@ -391,10 +391,8 @@ def gap_interval(
     return [_pts(100 * low), _pts(100 * high)], few
 
 
-def gap_text(gap: float | None, interval: list[float] | None, too_few: bool) -> str:
+def gap_text(gap: float, interval: list[float] | None, too_few: bool) -> str:
     """A gap with its interval, "too few to tell" first below `power.MIN_N` documents (as `buckets` says it)."""
-    if gap is None:
-        return "-"
     shown = f"{_f(gap)} [{_f(interval[0])}, {_f(interval[1])}]" if interval else f"{_f(gap)} [no interval]"
     return ("too few to tell: " if too_few else "") + shown
 
@@ -553,7 +551,12 @@ def attribute(
     return Attribution(
         benchmarks=out,
         lineage=evidence.lineage,
-        mixture=_mixture(options.mixture),
+        mixture={  # the recipe facts as the user declared them, or a note that nothing was (never inferred)
+            "declared": dict(sorted((options.mixture or {}).items())) or None,
+            "note": "declared by the user, shown as given, never inferred"
+            if options.mixture
+            else "not declared: how much text, and in what output format, the VL recipe held is unknown",
+        },
         inputs=list(evidence.inputs),
         measurements=meas,
         registry=evidence.registry,
@@ -572,16 +575,6 @@ def _common_benchmarks(references: list[Measurement], candidates: list[Measureme
             "pass runs of the same tasks",
         )
     return common
-
-
-def _mixture(mixture: dict[str, str] | None) -> dict[str, Any]:
-    """The recipe facts as the user declared them, or a note that nothing was (never inferred)."""
-    return {
-        "declared": dict(sorted((mixture or {}).items())) or None,
-        "note": "declared by the user, shown as given, never inferred"
-        if mixture
-        else "not declared: how much text, and in what output format, the VL recipe held is unknown",
-    }
 
 
 def _benchmark_report(
@@ -949,8 +942,6 @@ def plot_rows(att: Attribution) -> list[dict[str, Any]]:
             None,
         )
         for r in b["comparisons"]:
-            if r["gap"] is None:
-                continue
             parts = {"access": 0.0, "capacity": 0.0, "protocol": 0.0, "unsplit": 0.0, "unexplained": 0.0}
             own = r
             if r["kind"] in ("protocol_artefact", "unexplained"):

@@ -213,13 +213,6 @@ def _where(source: str | None) -> str:
     return f"{source}: " if source else ""
 
 
-def _version(value: Any) -> Any:
-    """Task versions are floats in results (3.0); keep 3.0 and 3 equal and readable."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
 def _tokens(results: dict[str, Any]) -> dict[str, Any]:
     def tok(key: str) -> Any:
         v = results.get(key)
@@ -241,8 +234,10 @@ def _task_part(
     uses_fewshot = bool(nf)
     prompt = {k: cfg.get(k) for k in _PROMPT_KEYS if cfg.get(k) is not None}
     meta = cfg.get("metadata") or {}
+    version = version if version is not None else meta.get("version")
     return {
-        "version": _version(version if version is not None else meta.get("version")),
+        # task versions are floats in results (3.0): 3.0 and 3 kept equal and readable
+        "version": int(version) if isinstance(version, float) and version.is_integer() else version,
         "num_fewshot": nf,
         "multiturn": bool(multiturn_flag) and uses_fewshot,
         "fewshot": {"sampler": fs_cfg.get("sampler"), "split": fs_cfg.get("split") or cfg.get("fewshot_split")}

@@ -523,11 +523,6 @@ def _n_verified(reg: Registry, m: ModelEntry) -> str:
     return f"{sum(e.verified is not None for e in entries)}/{len(entries)}"
 
 
-def _fmt_stated(p: StatedProtocol) -> str:
-    stated = ", ".join(f"{k}={v}" for k, v in sorted(p.stated.items())) or "nothing stated"
-    return f"{p.id} ({stated})"
-
-
 def show_markdown(reg: Registry, name: str) -> str:
     """One model's entry: its scores and gaps as tables, then where each was verified, its sources and protocols."""
     m = reg.model(name)
@@ -551,7 +546,14 @@ _GAP_HEAD = ("id", "candidate - reference", "benchmark", "gap", "source", "proto
 
 def _reported_cells(e: Score | Gap, *shown: str) -> list[str]:
     """A score's or gap's row: id, the cells `shown` (what it is about, its value), source, protocol, verification."""
-    return [e.id, *shown, f"{e.source.id} ({e.source.kind})", _fmt_stated(e.protocol), verified_text(e.verification())]
+    stated = ", ".join(f"{k}={v}" for k, v in sorted(e.protocol.stated.items())) or "nothing stated"
+    return [
+        e.id,
+        *shown,
+        f"{e.source.id} ({e.source.kind})",
+        f"{e.protocol.id} ({stated})",
+        verified_text(e.verification()),
+    ]
 
 
 def _entry_notes(reg: Registry, entries: list[Score | Gap]) -> list[str]:

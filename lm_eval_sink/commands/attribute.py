@@ -272,14 +272,10 @@ class AttributeWork(Work):
     run_files: tuple[Path, ...] = field(init=False, metadata=CONTENT)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "run_files", _files_beside([*self.references, *self.candidates]))
-
-
-def _files_beside(args: list[str]) -> tuple[Path, ...]:
-    """The files of each run given as one file (a results file's samples, a samples file's results), by the one
-    reader of a run (`runs.resolve_run`); a folder is keyed whole."""
-    runs = [resolve_run(a) for a in args if not str(a).startswith("vendor:") and Path(a).is_file()]
-    return tuple(p for r in runs for p in (r.results, *r.samples.values()) if p is not None)
+        # a results file's samples, a samples file's results, by the one reader of a run; a folder is keyed whole
+        files = [a for a in [*self.references, *self.candidates] if not a.startswith("vendor:") and Path(a).is_file()]
+        runs = [resolve_run(a) for a in files]
+        object.__setattr__(self, "run_files", tuple(p for r in runs for p in (r.results, *r.samples.values()) if p))
 
 
 def write_report(att: Attribution, out_dir: str | Path, work: AttributeWork, force: bool = False) -> dict[str, Path]:
