@@ -736,30 +736,24 @@ def settings_fields(protocol: Protocol, request: RunRequest) -> dict[str, Any]:
     """The `harness.runner.EvalSettings` fields of `request` run under `protocol`: a setting the protocol fixes
     cannot be changed (a UserError says which), except `gen_kwargs`, merged on top of the protocol's."""
     _check_settings(protocol, request)
-    chosen_dtype = protocol.dtype if protocol.dtype is not None else request.dtype
+    fixed = {n: getattr(protocol, n) for n in ("batch_size", "dtype", "seed") if getattr(protocol, n) is not None}
+    chosen = {n: fixed.get(n, getattr(request, n)) for n in ("batch_size", "dtype", "seed")}
     fields: dict[str, Any] = {
         "tasks": request.tasks,
-        "apply_chat_template": protocol.apply_chat_template,
-        "num_fewshot": protocol.num_fewshot,
-        "fewshot_as_multiturn": protocol.fewshot_as_multiturn,
-        "system_instruction": protocol.system_instruction,
+        **protocol.model_dump(
+            include={"apply_chat_template", "num_fewshot", "fewshot_as_multiturn", "system_instruction"}
+        ),
+        **{name: getattr(request, name) for name in ("limit", "log_samples", "include_path", "backend")},
         "gen_kwargs": {**(protocol.gen_kwargs or {}), **request.gen_kwargs},
-        "limit": request.limit,
-        "batch_size": protocol.batch_size
-        if protocol.batch_size is not None
-        else (request.batch_size if request.batch_size is not None else 1),
+        "batch_size": 1 if chosen["batch_size"] is None else chosen["batch_size"],
         "device": request.device if request.device is not None or request.backend != "hf" else "cpu",
-        "dtype": None if chosen_dtype in (None, "auto") else chosen_dtype,
-        "log_samples": request.log_samples,
-        "include_path": request.include_path,
+        "dtype": None if chosen["dtype"] in (None, "auto") else chosen["dtype"],
         "model_args": {**(protocol.model_args or {}), **request.model_args},
-        "backend": request.backend,
     }
     if request.python or protocol.python:
         fields["python"] = request.python or protocol.python
-    chosen_seed = protocol.seed if protocol.seed is not None else request.seed
-    if chosen_seed is not None:
-        fields["seed"] = chosen_seed
+    if chosen["seed"] is not None:
+        fields["seed"] = chosen["seed"]
     return fields
 
 

@@ -537,7 +537,7 @@ def show_markdown(reg: Registry, name: str) -> str:
     if gaps:
         cells = [_reported_cells(g, f"{g.candidate} - {g.reference}", g.benchmark, f"{g.value:+g}") for g in gaps]
         lines += ["", *markdown_lines(_GAP_HEAD, cells)]
-    return "\n".join(lines + _entry_notes(reg, [*scores, *gaps])) + "\n"
+    return "\n".join(lines + _entry_notes([*scores, *gaps])) + "\n"
 
 
 _SCORE_HEAD = ("id", "benchmark", "metric", "value", "source", "protocol", "verified")
@@ -556,23 +556,23 @@ def _reported_cells(e: Score | Gap, *shown: str) -> list[str]:
     ]
 
 
-def _entry_notes(reg: Registry, entries: list[Score | Gap]) -> list[str]:
+def _entry_notes(entries: list[Score | Gap]) -> list[str]:
     """Below the tables: where each figure was verified, then the sources and protocols the figures name."""
-    lines: list[str] = []
-    if entries:
-        lines += ["", "verification (each figure read in its source, or not):"]
-        lines += [f"- {e.id}: {e.verification_label()}" for e in entries]
-    used = sorted({e.source.id for e in entries})
-    if used:
-        lines += ["", "sources:"]
-        lines += [
-            f"- {s}: {reg.sources[s].title}"
-            + (f" <{reg.sources[s].url}>" if reg.sources[s].url else "")
-            + (f"; {reg.sources[s].note}" if reg.sources[s].note else "")
-            for s in used
-        ]
-    protos = sorted({e.protocol.id for e in entries})
-    if protos:
-        lines += ["", "protocols:"]
-        lines += [f"- {p}: {reg.protocols[p].described}" for p in protos]
-    return lines
+    if not entries:
+        return []
+    sources = [s for _, s in sorted({e.source.id: e.source for e in entries}.items())]
+    protocols = [p for _, p in sorted({e.protocol.id: e.protocol for e in entries}.items())]
+    return [
+        "",
+        "verification (each figure read in its source, or not):",
+        *(f"- {e.id}: {e.verification_label()}" for e in entries),
+        "",
+        "sources:",
+        *(
+            f"- {s.id}: {s.title}" + (f" <{s.url}>" if s.url else "") + (f"; {s.note}" if s.note else "")
+            for s in sources
+        ),
+        "",
+        "protocols:",
+        *(f"- {p.id}: {p.described}" for p in protocols),
+    ]
