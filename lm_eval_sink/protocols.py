@@ -214,16 +214,10 @@ def _where(source: str | None) -> str:
 
 
 def _tokens(results: dict[str, Any]) -> dict[str, Any]:
-    def tok(key: str) -> Any:
-        v = results.get(key)
-        return list(v) if isinstance(v, (list, tuple)) else v
-
-    return {
-        "bos": tok("tokenizer_bos_token"),
-        "eos": tok("tokenizer_eos_token"),
-        "pad": tok("tokenizer_pad_token"),
-        "eot_token_id": results.get("eot_token_id"),
-    }
+    """BOS / EOS / PAD as lm-eval records them (a [text, id] pair, as a list) and the end-of-turn id."""
+    recorded = {k: results.get(f"tokenizer_{k}_token") for k in ("bos", "eos", "pad")}
+    listed = {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in recorded.items()}
+    return {**listed, "eot_token_id": results.get("eot_token_id")}
 
 
 def _task_part(
