@@ -215,16 +215,10 @@ def _registry_info(registry: Any, infos: list[dict[str, Any]], vendor: bool) -> 
         for i in infos
         if i.get("matched_by")
     }
-    missing = None
-    if vendor:
-        missing = sorted(
-            {
-                i["display"]
-                for i in infos
-                if not i["registry_model"] or not registry.scores_of(i["registry_model"], "vendor")
-            }
-        )
-    return {"matches": list(matches.values()), "vendor_missing": missing}
+    missing = {
+        i["display"] for i in infos if not (i["registry_model"] and registry.scores_of(i["registry_model"], "vendor"))
+    }
+    return {"matches": list(matches.values()), "vendor_missing": sorted(missing) if vendor else None}
 
 
 def _lineages(
