@@ -22,7 +22,7 @@ from lm_eval_sink.pairing import index_docs, outcome, pair_docs
 from lm_eval_sink.power import MIN_N
 from lm_eval_sink.protocols import generation_cap, limit_text, match_protocol, short_text, task_diff
 from lm_eval_sink.tables import markdown_lines
-from lm_eval_sink.vendors import run_stated_values, stated_differences, verified_text
+from lm_eval_sink.vendors import name_forms, run_stated_values, stated_differences, verified_text
 
 SCHEMA_VERSION = 1
 # Config fields that name the language model a VLM (or adapter) was built from.
@@ -167,13 +167,6 @@ def aggregate_split(ref: Measurement, cand: Measurement) -> dict[str, Any]:
 # --- lineage ---------------------------------------------------------------------------------
 
 
-def _names(text: str | None) -> set[str]:
-    if not text:
-        return set()
-    t = str(text).rstrip("/").lower()
-    return {t, t.split("/")[-1]}
-
-
 def lineage(ref: dict[str, Any], cand: dict[str, Any], declared: str | None = None) -> dict[str, Any]:
     """Is the reference the candidate's parent? `ref`/`cand`: `commands.attribute.model_info`'s dicts (key, names,
     stated parents, registry model); `declared`: "parent" | "not-parent" | None. A model compared with itself (one
@@ -189,9 +182,9 @@ def lineage(ref: dict[str, Any], cand: dict[str, Any], declared: str | None = No
         )
         return {"status": "same_model", "flagged": False, "how": how, "evidence": [], "declared": declared}
     evidence = [{"parent": p, "source": s} for p, s in cand.get("parents", [])]
-    ref_names = set().union(*(_names(n) for n in ref.get("names", []))) if ref.get("names") else set()
+    ref_names = set().union(*(name_forms(n) for n in ref.get("names", []))) if ref.get("names") else set()
     if evidence:
-        found = "parent" if any(_names(e["parent"]) & ref_names for e in evidence) else "not_parent"
+        found = "parent" if any(name_forms(e["parent"]) & ref_names for e in evidence) else "not_parent"
     else:
         found = None
     decl = {"parent": "parent", "not-parent": "not_parent"}.get(declared or "")

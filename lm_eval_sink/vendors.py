@@ -69,15 +69,8 @@ class Registry:
 
     def identify(self, name: str | None) -> str | None:
         """The registry name of a model given by name, hub id, alias or a path ending in one of them."""
-        if not name:
-            return None
-        key = str(name).rstrip("/").lower()
-        tail = key.split("/")[-1]
-        for m in self.models.values():
-            names = m.names()
-            if key in names or tail in names:
-                return m.name
-        return None
+        forms = name_forms(name)
+        return next((m.name for m in self.models.values() if forms & m.names()), None)
 
     def by_hub_id(self, hub_id: str | None) -> str | None:
         """The model whose hub id is `hub_id` (case-insensitive), else None."""
@@ -186,10 +179,15 @@ class ModelEntry(_ModelIn):
     name: str
 
     def names(self) -> set[str]:
-        out = {self.name.lower(), *(a.lower() for a in self.aliases)}
-        if self.hub_id:
-            out |= {self.hub_id.lower(), self.hub_id.split("/")[-1].lower()}
-        return out
+        return {self.name.lower(), *(a.lower() for a in self.aliases)} | name_forms(self.hub_id)
+
+
+def name_forms(name: str | None) -> set[str]:
+    """How a model name, hub id or path is matched: in lower case, whole and its last part (`org/Model` -> `model`)."""
+    if not name:
+        return set()
+    key = str(name).rstrip("/").lower()
+    return {key, key.split("/")[-1]}
 
 
 class _ReportedIn(_VerifyIn):
