@@ -299,14 +299,9 @@ def _compare(
         "non_final": r.limit is not None or c.limit is not None,
         "limit": {"reference": r.limit, "candidate": c.limit},
     }
-    split = aggregate_split(r, c)
+    split = aggregate_split(r, c)  # gap, access, capacity
     row.update(
-        gap=split["gap"],
-        access=split["access"],
-        capacity=split["capacity"],
-        split_from="aggregate" if split["access"] is not None else None,
-        per_prompt=None,
-        protocol_part=None,
+        split, split_from="aggregate" if split["access"] is not None else None, per_prompt=None, protocol_part=None
     )
     if kind == "same_protocol" and r.samples and c.samples and bench is not None and bench.strict:
         pp = per_prompt_split(
@@ -319,14 +314,8 @@ def _compare(
             allow_partial=allow_partial,
             doc_mismatch_hint=bench.doc_mismatch_hint,
         )
-        row["per_prompt"] = pp
-        row.update(
-            gap=pp["gap"],
-            access=pp["access"],
-            capacity=pp["capacity"],
-            split_from="samples" if pp["access"] is not None else None,
-        )
-        row["per_prompt"]["matches_results"] = (
+        row.update({k: pp[k] for k in split}, per_prompt=pp, split_from="samples" if pp["access"] is not None else None)
+        pp["matches_results"] = (
             (r.n == c.n == pp["n"] and abs(pp["gap"] - split["gap"]) < 1e-6) if r.n and c.n else None
         )
     row["explanation"] = split_explanation(row["gap"], row["access"], row["capacity"], bench.lenient if bench else None)
@@ -510,10 +499,8 @@ def parse_as(items: tuple[str, ...]) -> dict[str | None, str]:
 
 @dataclass(frozen=True, slots=True)
 class Evidence:
-    """What an attribution reads besides the two sides' measurements, as the command gathered it: the benchmark
-    table, the `lineage` of each model pair, the registry's `reported_gaps` for the pair and `vendor_scores` (vendor
-    kind) of the models involved, the `inputs` read, `registry` (which models were matched to registry entries and
-    how, and with --vendor which have no vendor figures) and `samples_rows(path) -> rows`, the sample-log reader."""
+    """What an attribution reads besides the two sides' measurements, as the command gathered it (`registry`: how
+    models were matched to registry entries and, with --vendor, which have no vendor figures)."""
 
     benchmarks: dict[str, Benchmark]
     lineage: list[dict[str, Any]]

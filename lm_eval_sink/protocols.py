@@ -618,13 +618,10 @@ def get_protocol(name: str, user_file: str | Path | None = None) -> Protocol:
     return known[name]
 
 
-def match_protocol(fp: ProtocolFingerprint, protocols: dict[str, Protocol] | None = None) -> str | None:
+def match_protocol(fp: ProtocolFingerprint) -> str | None:
     """The first named protocol the fingerprint does not contradict (only what a results file records can be
     checked: `community` matches any run without template and system instruction), else None."""
-    for name, p in (protocols or builtin_protocols()).items():
-        if not p.mismatches(fp):
-            return name
-    return None
+    return next((name for name, p in builtin_protocols().items() if not p.mismatches(fp)), None)
 
 
 # --- tables ----------------------------------------------------------------------------------
@@ -645,10 +642,10 @@ def _cell(value: Any, width: int = 70) -> str:
     return short_text(value, width).replace("|", "\\|")
 
 
-def show_markdown(fp: ProtocolFingerprint, protocols: dict[str, Protocol] | None = None) -> str:
+def show_markdown(fp: ProtocolFingerprint) -> str:
     """The fingerprint as a Markdown table, with the named protocol it matches and a --limit warning. Whether a field
     can change scores is said by `diff` only: nearly every field can, so a column of it here would say nothing."""
-    named = match_protocol(fp, protocols)
+    named = match_protocol(fp)
     lines = [
         f"protocol of {fp.source or 'run'} (harness sha256 {fp.harness_sha()[:16]})",
         f"matches named protocol: {named or 'none'}",
@@ -663,7 +660,7 @@ def show_markdown(fp: ProtocolFingerprint, protocols: dict[str, Protocol] | None
     return "\n".join(lines) + "\n"
 
 
-def diff_markdown(diffs: tuple[FieldDiff, ...], name_a: str = "A", name_b: str = "B") -> str:
+def diff_markdown(diffs: tuple[FieldDiff, ...], name_a: str, name_b: str) -> str:
     """Only the differing fields as a Markdown table (or one line saying there are none)."""
     if not diffs:
         return f"no differences between the protocols of {name_a} and {name_b}\n"
