@@ -74,9 +74,6 @@ VLLM_RESOURCE_ARGS = frozenset(
         "worker_extension_cls",
     }
 )
-# lm-eval records `config.model` as the --model name, or the class name when given a model object.
-_BACKEND_CLASSES = {"HFLM": "hf", "VLLM": "vllm"}
-
 # lm-eval's names for the generation length, in the order normalize_gen_kwargs reads them.
 TOKEN_KEYS = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
 
@@ -321,9 +318,9 @@ def _harness_part(results: dict[str, Any], model_args: dict[str, Any]) -> dict[s
     cfg = results["config"]
     n_shot = results.get("n-shot") or {}
     versions = results.get("versions") or {}
-    backend = cfg.get("model")
+    backend = cfg.get("model")  # the --model name, or the class name when lm-eval was given a model object
     return {
-        "backend": _BACKEND_CLASSES.get(backend, backend),
+        "backend": {"HFLM": "hf", "VLLM": "vllm"}.get(backend, backend),
         "apply_chat_template": results.get("chat_template") is not None,
         "system_instruction": results.get("system_instruction"),
         "fewshot_as_multiturn": results.get("fewshot_as_multiturn"),
@@ -424,13 +421,9 @@ def diff(a: ProtocolFingerprint, b: ProtocolFingerprint) -> tuple[FieldDiff, ...
     return tuple(_cannot_change_s(d, strength, only_strength) for d in out)
 
 
-# What marks a Sink Strength task in a run: the dataset its YAML declares (tasks/sink_strength/sink_strength.yaml),
-# shared by every variant.
-STRENGTH_DATASET = "lm_eval_sink/calibration_prompts"
-
-
 def _is_strength_task(task: dict[str, Any]) -> bool:
-    return (task.get("dataset") or {}).get("path") == STRENGTH_DATASET
+    """A Sink Strength task, by the dataset its YAML declares (tasks/sink_strength/sink_strength.yaml, all variants)."""
+    return (task.get("dataset") or {}).get("path") == "lm_eval_sink/calibration_prompts"
 
 
 def _cannot_change_s(d: FieldDiff, strength: set[str], only_strength: bool) -> FieldDiff:

@@ -36,7 +36,6 @@ STATED_KEYS: dict[str, str] = {
     "batch_size": "harness.batch_size",
     "dtype": "harness.dtype",
 }
-SOURCE_KINDS = ("vendor", "independent", "paper")
 
 
 class StatedProtocol(Strict):
@@ -136,7 +135,7 @@ def verified_text(figure: dict[str, Any]) -> str:
 class _SourceIn(Strict):
     what: ClassVar[str] = "source"
     title: str
-    kind: Literal[SOURCE_KINDS]
+    kind: Literal["vendor", "independent", "paper"]
     url: str | None = None
     note: str | None = None
 
