@@ -350,17 +350,15 @@ def _same_model_parts(row: dict[str, Any], r: Measurement, c: Measurement) -> No
 
 
 def gap_interval(
-    cand: tuple[float | None, int | None], ref: tuple[float | None, int | None], binary: bool
+    cand: tuple[float, int | None], ref: tuple[float, int | None], binary: bool
 ) -> tuple[list[float] | None, bool]:
-    """A gap's 95% interval in points and whether it is too few to tell (fewer than `power.MIN_N` documents on a
-    measured side: buckets' rule). Each side is (points, documents); a registry figure (no documents) counts as
-    fixed. The interval combines each side's Wilson interval (Newcombe's method for independent shares: no
-    pairing is assumed, so it is wider than buckets' paired one); none for a score that is no share of documents."""
+    """A gap's 95% interval in points (`INTERVALS`; none for a score that is no share of documents) and whether it is
+    too few to tell (buckets' rule); each side is (points, documents), a registry figure's documents None (fixed)."""
     from lm_eval_sink.buckets.stats import wilson_ci
 
     counts = [n for _, n in (cand, ref) if n is not None]
     few = bool(counts) and min(counts) < MIN_N
-    if not binary or not counts or cand[0] is None or ref[0] is None:
+    if not binary or not counts:
         return None, few
     sides = []
     for points, n in (cand, ref):
