@@ -8,8 +8,9 @@ registry entries and returns data; reading runs and writing the report is comman
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from lm_eval_sink.pairing import index_docs, outcome, pair_docs
 from lm_eval_sink.power import MIN_N
 from lm_eval_sink.protocols import generation_cap, limit_text, match_protocol, short_text, task_diff
 from lm_eval_sink.tables import markdown_lines
-from lm_eval_sink.vendors import run_stated_values, stated_differences
+from lm_eval_sink.vendors import name_forms, run_stated_values, stated_differences, verified_text
 
 SCHEMA_VERSION = 1
 # Config fields that name the language model a VLM (or adapter) was built from.
@@ -166,13 +167,6 @@ def aggregate_split(ref: Measurement, cand: Measurement) -> dict[str, Any]:
 # --- lineage ---------------------------------------------------------------------------------
 
 
-def _names(text: str | None) -> set[str]:
-    if not text:
-        return set()
-    t = str(text).rstrip("/").lower()
-    return {t, t.split("/")[-1]}
-
-
 def lineage(ref: dict[str, Any], cand: dict[str, Any], declared: str | None = None) -> dict[str, Any]:
     """Is the reference the candidate's parent? `ref`/`cand`: `commands.attribute.model_info`'s dicts (key, names,
     stated parents, registry model); `declared`: "parent" | "not-parent" | None. A model compared with itself (one
@@ -188,9 +182,9 @@ def lineage(ref: dict[str, Any], cand: dict[str, Any], declared: str | None = No
         )
         return {"status": "same_model", "flagged": False, "how": how, "evidence": [], "declared": declared}
     evidence = [{"parent": p, "source": s} for p, s in cand.get("parents", [])]
-    ref_names = set().union(*(_names(n) for n in ref.get("names", []))) if ref.get("names") else set()
+    ref_names = set().union(*(name_forms(n) for n in ref.get("names", []))) if ref.get("names") else set()
     if evidence:
-        found = "parent" if any(_names(e["parent"]) & ref_names for e in evidence) else "not_parent"
+        found = "parent" if any(name_forms(e["parent"]) & ref_names for e in evidence) else "not_parent"
     else:
         found = None
     decl = {"parent": "parent", "not-parent": "not_parent"}.get(declared or "")
@@ -257,19 +251,13 @@ class Attribution:
 
 
 def _differing(r: Measurement, c: Measurement) -> list[dict[str, Any]]:
-    """Protocol fields in which two measurements differ (as far as their sources record them), a generation cap
-    first (`_cap_row`; a registry figure has none)."""
-    cap = _cap_row(r, c)
-    return ([cap] if cap else []) + _recorded_differences(r, c)
-
-
-def _cap_row(r: Measurement, c: Measurement) -> dict[str, Any] | None:
-    """A capped measurement against an uncapped one (or two caps): the protocol difference named first."""
+    """Protocol fields in which two measurements differ (as far as their sources record them), named first a capped
+    measurement against an uncapped one or another cap (a registry figure has none)."""
     caps = {m.role: generation_cap(m.fingerprint, m.task) for m in (r, c)}
-    if caps["reference"] == caps["candidate"]:
-        return None
     words = {k: "the task's own" if v is None else f"{v} tokens (--gen_kwargs)" for k, v in caps.items()}
-    return {"field": "generation cap (max_gen_toks)", **words, "affects_scores": True}
+    capped = caps["reference"] != caps["candidate"]
+    cap = [{"field": "generation cap (max_gen_toks)", **words, "affects_scores": True}] if capped else []
+    return cap + _recorded_differences(r, c)
 
 
 def _recorded_differences(r: Measurement, c: Measurement) -> list[dict[str, Any]]:
@@ -311,14 +299,9 @@ def _compare(
         "non_final": r.limit is not None or c.limit is not None,
         "limit": {"reference": r.limit, "candidate": c.limit},
     }
-    split = aggregate_split(r, c)
+    split = aggregate_split(r, c)  # gap, access, capacity
     row.update(
-        gap=split["gap"],
-        access=split["access"],
-        capacity=split["capacity"],
-        split_from="aggregate" if split["access"] is not None else None,
-        per_prompt=None,
-        protocol_part=None,
+        split, split_from="aggregate" if split["access"] is not None else None, per_prompt=None, protocol_part=None
     )
     if kind == "same_protocol" and r.samples and c.samples and bench is not None and bench.strict:
         pp = per_prompt_split(
@@ -331,14 +314,8 @@ def _compare(
             allow_partial=allow_partial,
             doc_mismatch_hint=bench.doc_mismatch_hint,
         )
-        row["per_prompt"] = pp
-        row.update(
-            gap=pp["gap"],
-            access=pp["access"],
-            capacity=pp["capacity"],
-            split_from="samples" if pp["access"] is not None else None,
-        )
-        row["per_prompt"]["matches_results"] = (
+        row.update({k: pp[k] for k in split}, per_prompt=pp, split_from="samples" if pp["access"] is not None else None)
+        pp["matches_results"] = (
             (r.n == c.n == pp["n"] and abs(pp["gap"] - split["gap"]) < 1e-6) if r.n and c.n else None
         )
     row["explanation"] = split_explanation(row["gap"], row["access"], row["capacity"], bench.lenient if bench else None)
@@ -373,17 +350,15 @@ def _same_model_parts(row: dict[str, Any], r: Measurement, c: Measurement) -> No
 
 
 def gap_interval(
-    cand: tuple[float | None, int | None], ref: tuple[float | None, int | None], binary: bool
+    cand: tuple[float, int | None], ref: tuple[float, int | None], binary: bool
 ) -> tuple[list[float] | None, bool]:
-    """A gap's 95% interval in points and whether it is too few to tell (fewer than `power.MIN_N` documents on a
-    measured side: buckets' rule). Each side is (points, documents); a registry figure (no documents) counts as
-    fixed. The interval combines each side's Wilson interval (Newcombe's method for independent shares: no
-    pairing is assumed, so it is wider than buckets' paired one); none for a score that is no share of documents."""
+    """A gap's 95% interval in points (`INTERVALS`; none for a score that is no share of documents) and whether it is
+    too few to tell (buckets' rule); each side is (points, documents), a registry figure's documents None (fixed)."""
     from lm_eval_sink.buckets.stats import wilson_ci
 
     counts = [n for _, n in (cand, ref) if n is not None]
     few = bool(counts) and min(counts) < MIN_N
-    if not binary or not counts or cand[0] is None or ref[0] is None:
+    if not binary or not counts:
         return None, few
     sides = []
     for points, n in (cand, ref):
@@ -396,10 +371,8 @@ def gap_interval(
     return [_pts(100 * low), _pts(100 * high)], few
 
 
-def gap_text(gap: float | None, interval: list[float] | None, too_few: bool) -> str:
+def gap_text(gap: float, interval: list[float] | None, too_few: bool) -> str:
     """A gap with its interval, "too few to tell" first below `power.MIN_N` documents (as `buckets` says it)."""
-    if gap is None:
-        return "-"
     shown = f"{_f(gap)} [{_f(interval[0])}, {_f(interval[1])}]" if interval else f"{_f(gap)} [no interval]"
     return ("too few to tell: " if too_few else "") + shown
 
@@ -524,10 +497,8 @@ def parse_as(items: tuple[str, ...]) -> dict[str | None, str]:
 
 @dataclass(frozen=True, slots=True)
 class Evidence:
-    """What an attribution reads besides the two sides' measurements, as the command gathered it: the benchmark
-    table, the `lineage` of each model pair, the registry's `reported_gaps` for the pair and `vendor_scores` (vendor
-    kind) of the models involved, the `inputs` read, `registry` (which models were matched to registry entries and
-    how, and with --vendor which have no vendor figures) and `samples_rows(path) -> rows`, the sample-log reader."""
+    """What an attribution reads besides the two sides' measurements, as the command gathered it (`registry`: how
+    models were matched to registry entries and, with --vendor, which have no vendor figures)."""
 
     benchmarks: dict[str, Benchmark]
     lineage: list[dict[str, Any]]
@@ -558,7 +529,12 @@ def attribute(
     return Attribution(
         benchmarks=out,
         lineage=evidence.lineage,
-        mixture=_mixture(options.mixture),
+        mixture={  # the recipe facts as the user declared them, or a note that nothing was (never inferred)
+            "declared": dict(sorted((options.mixture or {}).items())) or None,
+            "note": "declared by the user, shown as given, never inferred"
+            if options.mixture
+            else "not declared: how much text, and in what output format, the VL recipe held is unknown",
+        },
         inputs=list(evidence.inputs),
         measurements=meas,
         registry=evidence.registry,
@@ -579,16 +555,6 @@ def _common_benchmarks(references: list[Measurement], candidates: list[Measureme
     return common
 
 
-def _mixture(mixture: dict[str, str] | None) -> dict[str, Any]:
-    """The recipe facts as the user declared them, or a note that nothing was (never inferred)."""
-    return {
-        "declared": dict(sorted((mixture or {}).items())) or None,
-        "note": "declared by the user, shown as given, never inferred"
-        if mixture
-        else "not declared: how much text, and in what output format, the VL recipe held is unknown",
-    }
-
-
 def _benchmark_report(
     name: str,
     bench: Benchmark | None,
@@ -601,12 +567,11 @@ def _benchmark_report(
 ) -> dict[str, Any]:
     """One benchmark's section: its comparisons with their protocol parts, the pairs left uncompared, the
     measurements without a partner and the vendor figures beside the measured ones."""
-    rows, paired = _comparisons(rs, cs, reported, compare)
-    not_compared, confounded = _confounded(rs, cs, paired, compare)
+    rows, not_compared, held = _comparisons(rs, cs, reported, compare)
     unpaired = [
         {"role": m.role, "model": m.model, "protocol": m.protocol_label, "strict": _pts(m.strict)}
         for m in [*rs, *cs]
-        if id(m) not in paired and id(m) not in confounded
+        if id(m) not in held
     ]
     vend = [
         _vendor_row(s, m, bench is not None and bench.kind == "binary")
@@ -635,23 +600,22 @@ def _benchmark_report(
 
 def _comparisons(
     rs: list[Measurement], cs: list[Measurement], reported: list[Any], compare: _Compare
-) -> tuple[list[dict[str, Any]], set[int]]:
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], set[int]]:
     """The rows that attribute a gap, in report order (pairs under one protocol, the registry's reported gaps, the
-    same weights under two protocols), and the ids of the measurements they pair."""
-    rows: list[dict[str, Any]] = []
-    paired: set[int] = set()
-    for r in rs:
-        for c in cs:
-            if r.protocol_key == c.protocol_key:
-                rows.append(compare(r, c, "same_protocol"))
-                paired |= {id(r), id(c)}
+    same weights under two protocols); the pairs not compared (different models under different protocols, neither
+    with a partner: shown with their differing fields, the gap not attributed); the ids of the measurements held."""
+    pairs = [
+        (r, c, "same_protocol" if r.protocol_key == c.protocol_key else "protocol_artefact" if _same(r, c) else "")
+        for r in rs
+        for c in cs
+    ]
+    paired = {id(m) for r, c, kind in pairs if kind for m in (r, c)}
+    confounded = [(r, c) for r, c, kind in pairs if not kind and not {id(r), id(c)} & paired]
+    rows = [compare(r, c, kind) for r, c, kind in pairs if kind == "same_protocol"]
     rows += [_reported_row(g) for g in reported]
-    for r in rs:
-        for c in cs:
-            if r.protocol_key != c.protocol_key and _same(r, c):
-                rows.append(compare(r, c, "protocol_artefact"))
-                paired |= {id(r), id(c)}
-    return rows, paired
+    rows += [compare(r, c, kind) for r, c, kind in pairs if kind == "protocol_artefact"]
+    not_compared = [{**compare(r, c, "confounded"), "gap": None} for r, c in confounded]
+    return rows, not_compared, paired | {id(m) for pair in confounded for m in pair}
 
 
 def _same(r: Measurement, c: Measurement) -> bool:
@@ -671,28 +635,11 @@ def _reported_row(g: Any) -> dict[str, Any]:
         "reference": {"model": g.reference},
         "candidate": {"model": g.candidate},
         "non_final": False,
-        "source": {"kind": "registry", "id": g.id, **g.source.to_json()},
-        "stated_protocol": g.protocol.to_json(),
+        "source": {"kind": "registry", "id": g.id, **g.source.model_dump()},
+        "stated_protocol": g.protocol.model_dump(),
         "note": g.note,
-        "entry": {"id": g.id, **g.verification.to_json()},
+        "entry": {"id": g.id, **g.verification()},
     }
-
-
-def _confounded(
-    rs: list[Measurement], cs: list[Measurement], paired: set[int], compare: _Compare
-) -> tuple[list[dict[str, Any]], set[int]]:
-    """Different models under different protocols, neither with a partner: shown with their differing fields, the gap
-    not attributed; and the ids of the measurements they hold."""
-    rows: list[dict[str, Any]] = []
-    confounded: set[int] = set()
-    for r in rs:
-        for c in cs:
-            if r.protocol_key != c.protocol_key and not _same(r, c) and not {id(r), id(c)} & paired:
-                row = compare(r, c, "confounded")
-                row["gap"] = None
-                rows.append(row)
-                confounded |= {id(r), id(c)}
-    return rows, confounded
 
 
 def _vendor_row(s: Any, m: Measurement, binary: bool) -> dict[str, Any]:
@@ -710,9 +657,9 @@ def _vendor_row(s: Any, m: Measurement, binary: bool) -> dict[str, Any]:
         "vendor": {
             "id": s.id,
             "value": _pts(s.value),
-            "source": s.source.to_json(),
-            "protocol": s.protocol.to_json(),
-            **s.verification.to_json(),
+            "source": s.source.model_dump(),
+            "protocol": s.protocol.model_dump(),
+            **s.verification(),
         },
         "measured": {"value": _pts(m.strict), "protocol": m.protocol_label, "source": m.source, "limit": m.limit},
         "measured_minus_vendor": _pts(m.strict - s.value),
@@ -813,7 +760,7 @@ def _benchmark_lines(b: dict[str, Any]) -> list[str]:
     the vendor figures."""
     lines = ["", f"## {b['benchmark']} (construct: {b['construct']}: {b['construct_why']})", ""]
     if b["comparisons"]:
-        lines += markdown_lines(_COMPARISON_HEAD, [_comparison_cells(r) for r in b["comparisons"]])
+        lines += _table([_comparison_cells(r) for r in b["comparisons"]])
         lines += [f"- {r['protocol']}: {r['explanation']}" for r in b["comparisons"] if r.get("explanation")]
     if b["protocol_effect"]:
         lines += ["", _protocol_line(b["protocol_effect"])]
@@ -827,40 +774,30 @@ def _benchmark_lines(b: dict[str, Any]) -> list[str]:
     for u in b["unpaired"]:
         lines.append(f"- no partner: {u['role']} {u['model']} under {u['protocol']} ({_f(u['strict'], False)})")
     if b["vendor"]:
-        lines += ["", *markdown_lines(_VENDOR_HEAD, [_vendor_cells(v) for v in b["vendor"]])]
+        lines += ["", *_table([_vendor_cells(v) for v in b["vendor"]])]
     return lines
 
 
-_COMPARISON_HEAD = (
-    "protocol",
-    "kind",
-    "reference",
-    "candidate",
-    "gap",
-    "access",
-    "capacity",
-    "protocol part",
-    "unexplained",
-    "split from",
-    "note",
-)
+def _table(rows: list[dict[str, str]]) -> list[str]:
+    """A Markdown table of rows given as {header: cell}."""
+    return markdown_lines(list(rows[0]), [list(r.values()) for r in rows])
 
 
-def _comparison_cells(r: dict[str, Any]) -> list[str]:
-    """One comparison row of a benchmark's table."""
-    return [
-        r["protocol"],
-        r["kind"],
-        f"{r['reference']['model']} {_f(r['reference'].get('strict'), False)}",
-        f"{r['candidate']['model']} {_f(r['candidate'].get('strict'), False)}",
-        gap_text(r["gap"], r.get("gap_interval"), bool(r.get("too_few_to_tell"))),
-        _f(r["access"]),
-        _f(r["capacity"]),
-        _f(r["protocol_part"]),
-        _f(r.get("unexplained")),
-        r["split_from"] or "-",
-        _comparison_note(r),
-    ]
+def _comparison_cells(r: dict[str, Any]) -> dict[str, str]:
+    """One comparison row of a benchmark's table, by header."""
+    return {
+        "protocol": r["protocol"],
+        "kind": r["kind"],
+        "reference": f"{r['reference']['model']} {_f(r['reference'].get('strict'), False)}",
+        "candidate": f"{r['candidate']['model']} {_f(r['candidate'].get('strict'), False)}",
+        "gap": gap_text(r["gap"], r.get("gap_interval"), bool(r.get("too_few_to_tell"))),
+        "access": _f(r["access"]),
+        "capacity": _f(r["capacity"]),
+        "protocol part": _f(r["protocol_part"]),
+        "unexplained": _f(r.get("unexplained")),
+        "split from": r["split_from"] or "-",
+        "note": _comparison_note(r),
+    }
 
 
 def _comparison_note(r: dict[str, Any]) -> str:
@@ -870,11 +807,11 @@ def _comparison_note(r: dict[str, Any]) -> str:
     if r.get("non_final"):
         notes.append("--limit run: not final")
     if r["kind"] == "reported_gap":
-        notes.append(f"{r['source']['id']} ({r['source']['kind']}, {_verification(r['entry'])})")
+        notes.append(f"{r['source']['id']} ({r['source']['kind']}, {verified_text(r['entry'])})")
     for side in ("reference", "candidate"):
         src = r[side].get("source") or {}
         if src.get("kind") == "registry":
-            notes.append(f"{side} figure {src['id']}: {_verification(src)}")
+            notes.append(f"{side} figure {src['id']}: {verified_text(src)}")
     if r["kind"] == "protocol_artefact":
         notes.append("same model: " + _fields(r["differing_fields"]))
     if r["kind"] == "unexplained":
@@ -904,11 +841,8 @@ def _protocol_line(pe: dict[str, Any]) -> str:
     )
 
 
-_VENDOR_HEAD = ("model", "vendor says", "source", "measured", "protocol", "measured - vendor", "protocol differences")
-
-
-def _vendor_cells(v: dict[str, Any]) -> list[str]:
-    """One vendor figure beside the measured one, with the protocol fields in which they differ."""
+def _vendor_cells(v: dict[str, Any]) -> dict[str, str]:
+    """One vendor figure beside the measured one, with the protocol fields in which they differ, by header."""
     diffs = (
         "; ".join(f"{d['field']}: vendor {d['vendor']} vs {d['measured']}" for d in v["protocol_differences"])
         or "none found"
@@ -917,22 +851,17 @@ def _vendor_cells(v: dict[str, Any]) -> list[str]:
         diffs += f" (vendor does not state {', '.join(v['vendor_unstated'])})"
     limit, src = v["measured"].get("limit"), v["measured"].get("source") or {}
     caveat = f" (--limit {limit_text(limit)} run: not final)" if limit is not None else ""
-    caveat += f" ({src['id']}, {_verification(src)})" if src.get("kind") == "registry" else ""
-    return [
-        v["model"],
-        _f(v["vendor"]["value"], False),
-        f"{v['vendor']['source']['id']} ({_verification(v['vendor'])})",
-        _f(v["measured"]["value"], False) + caveat,
-        v["measured"]["protocol"],
-        gap_text(v["measured_minus_vendor"], v.get("gap_interval"), bool(v.get("too_few_to_tell")))
+    caveat += f" ({src['id']}, {verified_text(src)})" if src.get("kind") == "registry" else ""
+    return {
+        "model": v["model"],
+        "vendor says": _f(v["vendor"]["value"], False),
+        "source": f"{v['vendor']['source']['id']} ({verified_text(v['vendor'])})",
+        "measured": _f(v["measured"]["value"], False) + caveat,
+        "protocol": v["measured"]["protocol"],
+        "measured - vendor": gap_text(v["measured_minus_vendor"], v.get("gap_interval"), bool(v.get("too_few_to_tell")))
         + (" (subset)" if "--limit" in caveat else ""),
-        diffs,
-    ]
-
-
-def _verification(entry: dict[str, Any]) -> str:
-    """`verified DATE` or `UNVERIFIED`, from a registry figure's JSON (vendors.Verification.to_json)."""
-    return f"verified {entry['verified']['date']}" if entry.get("verified") else "UNVERIFIED"
+        "protocol differences": diffs,
+    }
 
 
 def unverified_figures(att: Attribution) -> list[str]:
@@ -971,8 +900,6 @@ def subset_line(benchmarks: list[dict[str, Any]], measurements: list[dict[str, A
 
 def plot_title(att: Attribution) -> str:
     """The figure's title: what the bars are, and the subset caveat (`subset_line`) when a run used `--limit`."""
-    import textwrap
-
     title = "gap = candidate - reference (points), split into its parts"
     caveat = subset_line(att.benchmarks, att.measurements)
     return title + ("\n" + "\n".join(textwrap.wrap(caveat, 72)) if caveat else "")
@@ -993,8 +920,6 @@ def plot_rows(att: Attribution) -> list[dict[str, Any]]:
             None,
         )
         for r in b["comparisons"]:
-            if r["gap"] is None:
-                continue
             parts = {"access": 0.0, "capacity": 0.0, "protocol": 0.0, "unsplit": 0.0, "unexplained": 0.0}
             own = r
             if r["kind"] in ("protocol_artefact", "unexplained"):
@@ -1132,7 +1057,7 @@ def measurements_from_registry(
                 "id": s.id,
                 "source": s.source.id,
                 "source_kind": s.source.kind,
-                **s.verification.to_json(),
+                **s.verification(),
             },
             registry_model=model,
             stated=s.protocol.stated,
@@ -1145,8 +1070,6 @@ def measurements_from_registry(
 def relabel(measurements: list[Measurement]) -> list[Measurement]:
     """Give distinct run protocols of one benchmark distinct labels (a named protocol under two limits gets a sha
     suffix)."""
-    from dataclasses import replace
-
     keys: dict[tuple[str, str], set[str]] = {}
     for m in measurements:
         if m.protocol_key.startswith("run:"):

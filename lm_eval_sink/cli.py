@@ -438,8 +438,8 @@ def vendor_show(model, registry_file, as_json) -> None:
                     "model": m.name,
                     "hub_id": m.hub_id,
                     "kind": m.kind,
-                    "scores": [s.to_json() for s in reg.scores_of(m.name)],
-                    "gaps": [g.to_json() for g in reg.gaps_of(m.name)],
+                    "scores": [s.model_dump() for s in reg.scores_of(m.name)],
+                    "gaps": [g.model_dump() for g in reg.gaps_of(m.name)],
                 }
             ),
             nl=False,

@@ -8,7 +8,7 @@ that measured S is no setting: docs/sink-strength.md ("Comparable S") and docs/l
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -312,23 +312,26 @@ def compare(names: Sequence[str], settings: Sequence[Setting]) -> Comparison:
 
 # ---------------------------------------------------------------------------- a ranking of several models
 
-RANKING_HEAD = (
-    "rank",
-    "model",
-    "sink_strength",
-    "setting",
-    "content_rows",
-    "template_rows",
-    "template_row_fraction",
-    "pos0_argmax_fraction",
-    "pos0_mass_median",
-    "last_k",
-    "n_layers",
-    "attention_layers",
-    "k_share",
-    "chat_template_applied",
-    "dtype",
-)
+# The ranking table, one entry per column: its header and its cell for one model, from (its rank in its setting, its
+# name, its result, its setting's letter, its setting).
+RANKING_COLUMNS: dict[str, Callable[[int, str, SinkStrength, str, Setting], str]] = {
+    "rank": lambda rank, name, r, label, s: str(rank),
+    "model": lambda rank, name, r, label, s: name,
+    "sink_strength": lambda rank, name, r, label, s: f"{r.sink_strength:.4f}",
+    "setting": lambda rank, name, r, label, s: label,
+    "content_rows": lambda rank, name, r, label, s: fmt_optional(r.sink_strength_content_rows),
+    "template_rows": lambda rank, name, r, label, s: fmt_optional(r.sink_strength_template_rows),
+    "template_row_fraction": lambda rank, name, r, label, s: f"{r.template_row_fraction:.3f}",
+    "pos0_argmax_fraction": lambda rank, name, r, label, s: f"{r.pos0_argmax_fraction:.3f}",
+    "pos0_mass_median": lambda rank, name, r, label, s: f"{r.pos0_mass_median:.3f}",
+    "last_k": lambda rank, name, r, label, s: str(r.last_k),
+    "n_layers": lambda rank, name, r, label, s: str(r.n_layers),
+    "attention_layers": lambda rank, name, r, label, s: str(s.attention_layers),
+    "k_share": lambda rank, name, r, label, s: "n/a" if s.k_share is None else f"{s.k_share:.3f}",
+    "chat_template_applied": lambda rank, name, r, label, s: s.shown("chat_template_applied"),
+    "dtype": lambda rank, name, r, label, s: s.shown("dtype"),
+}
+RANKING_HEAD = tuple(RANKING_COLUMNS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -365,27 +368,11 @@ def ranking_markdown(ranking: Ranking) -> str:
 
 
 def ranking_table(ranking: Ranking) -> list[list[str]]:
-    """The cells of the ranking table (header RANKING_HEAD), one row per model in ranking order."""
+    """The cells of the ranking table (RANKING_COLUMNS), one row per model in ranking order."""
     by_name = dict(zip(ranking.comparison.names, ranking.comparison.settings, strict=True))
     return [
-        [
-            str(rank),
-            s,
-            f"{r.sink_strength:.4f}",
-            label,
-            fmt_optional(r.sink_strength_content_rows),
-            fmt_optional(r.sink_strength_template_rows),
-            f"{r.template_row_fraction:.3f}",
-            f"{r.pos0_argmax_fraction:.3f}",
-            f"{r.pos0_mass_median:.3f}",
-            str(r.last_k),
-            str(r.n_layers),
-            str(by_name[s].attention_layers),
-            "n/a" if by_name[s].k_share is None else f"{by_name[s].k_share:.3f}",
-            by_name[s].shown("chat_template_applied"),
-            by_name[s].shown("dtype"),
-        ]
-        for (s, r), rank, label in zip(ranking.rows, ranking.ranks, ranking.labels, strict=True)
+        [cell(rank, name, r, label, by_name[name]) for cell in RANKING_COLUMNS.values()]
+        for (name, r), rank, label in zip(ranking.rows, ranking.ranks, ranking.labels, strict=True)
     ]
 
 

@@ -74,9 +74,6 @@ VLLM_RESOURCE_ARGS = frozenset(
         "worker_extension_cls",
     }
 )
-# lm-eval records `config.model` as the --model name, or the class name when given a model object.
-_BACKEND_CLASSES = {"HFLM": "hf", "VLLM": "vllm"}
-
 # lm-eval's names for the generation length, in the order normalize_gen_kwargs reads them.
 TOKEN_KEYS = ("max_gen_toks", "max_new_tokens", "max_tokens", "max_completion_tokens")
 
@@ -177,10 +174,6 @@ class ProtocolFingerprint:
     def to_json(self) -> dict[str, Any]:
         return {"schema_version": SCHEMA_VERSION, **asdict(self), "harness_sha": self.harness_sha()}
 
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> ProtocolFingerprint:
-        return cls(harness=data["harness"], model=data["model"], run=data.get("run", {}), source=data.get("source"))
-
 
 @dataclass(frozen=True, slots=True)
 class FieldDiff:
@@ -191,55 +184,37 @@ class FieldDiff:
     a: Any
     b: Any
     affects_scores: bool
-    why_not: str = ""  # why a field that can change scores in general cannot here (`field_reason`)
+    why_not: str = ""  # why a field that can change scores in general cannot here (`reason`)
 
     @property
     def reason(self) -> str:
-        """Why the field can (or cannot) change scores: its entry in the field lists above."""
-        return field_reason(self.field, self.affects_scores, self.why_not)
+        """What the field is, from HARNESS_FIELDS / TASK_FIELDS / MODEL_FIELDS: `tasks.<task>.<key>` by its key,
+        `seeds.random` or `model_args.enable_thinking` by its head; a field that can change scores in general but not
+        here says why (`why_not`; default: few-shot turns without few-shot examples)."""
+        parts = self.field.split(".")
+        if parts[0] == "tasks" and len(parts) >= 3:
+            entry = TASK_FIELDS.get(parts[2])
+        else:
+            entry = HARNESS_FIELDS.get(parts[0]) or MODEL_FIELDS.get(parts[0])
+        what = entry[1] if entry else "not a listed field"
+        if entry and entry[0] and not self.affects_scores:
+            what += "; " + (self.why_not or "no task compared here uses few-shot examples")
+        return what
 
     def to_json(self) -> dict[str, Any]:
         """The fields with `reason` in place of `why_not`."""
         return {**{k: v for k, v in asdict(self).items() if k != "why_not"}, "reason": self.reason}
 
 
-def field_reason(name: str, affects: bool, why_not: str = "") -> str:
-    """What a (dotted) diff field is, from HARNESS_FIELDS / TASK_FIELDS / MODEL_FIELDS: `tasks.<task>.<key>` by its
-    key, `seeds.random` or `model_args.enable_thinking` by its head; a field that can change scores in general but
-    not here says why (`why_not`; default: few-shot turns without few-shot examples)."""
-    parts = name.split(".")
-    if parts[0] == "tasks" and len(parts) >= 3:
-        entry = TASK_FIELDS.get(parts[2])
-    else:
-        entry = HARNESS_FIELDS.get(parts[0]) or MODEL_FIELDS.get(parts[0])
-    what = entry[1] if entry else "not a listed field"
-    if entry and entry[0] and not affects:
-        what += "; " + (why_not or "no task compared here uses few-shot examples")
-    return what
-
-
 def _where(source: str | None) -> str:
     return f"{source}: " if source else ""
 
 
-def _version(value: Any) -> Any:
-    """Task versions are floats in results (3.0); keep 3.0 and 3 equal and readable."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
-
-
 def _tokens(results: dict[str, Any]) -> dict[str, Any]:
-    def tok(key: str) -> Any:
-        v = results.get(key)
-        return list(v) if isinstance(v, (list, tuple)) else v
-
-    return {
-        "bos": tok("tokenizer_bos_token"),
-        "eos": tok("tokenizer_eos_token"),
-        "pad": tok("tokenizer_pad_token"),
-        "eot_token_id": results.get("eot_token_id"),
-    }
+    """BOS / EOS / PAD as lm-eval records them (a [text, id] pair, as a list) and the end-of-turn id."""
+    recorded = {k: results.get(f"tokenizer_{k}_token") for k in ("bos", "eos", "pad")}
+    listed = {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in recorded.items()}
+    return {**listed, "eot_token_id": results.get("eot_token_id")}
 
 
 def _task_part(
@@ -250,8 +225,10 @@ def _task_part(
     uses_fewshot = bool(nf)
     prompt = {k: cfg.get(k) for k in _PROMPT_KEYS if cfg.get(k) is not None}
     meta = cfg.get("metadata") or {}
+    version = version if version is not None else meta.get("version")
     return {
-        "version": _version(version if version is not None else meta.get("version")),
+        # task versions are floats in results (3.0): 3.0 and 3 kept equal and readable
+        "version": int(version) if isinstance(version, float) and version.is_integer() else version,
         "num_fewshot": nf,
         "multiturn": bool(multiturn_flag) and uses_fewshot,
         "fewshot": {"sampler": fs_cfg.get("sampler"), "split": fs_cfg.get("split") or cfg.get("fewshot_split")}
@@ -341,9 +318,9 @@ def _harness_part(results: dict[str, Any], model_args: dict[str, Any]) -> dict[s
     cfg = results["config"]
     n_shot = results.get("n-shot") or {}
     versions = results.get("versions") or {}
-    backend = cfg.get("model")
+    backend = cfg.get("model")  # the --model name, or the class name when lm-eval was given a model object
     return {
-        "backend": _BACKEND_CLASSES.get(backend, backend),
+        "backend": {"HFLM": "hf", "VLLM": "vllm"}.get(backend, backend),
         "apply_chat_template": results.get("chat_template") is not None,
         "system_instruction": results.get("system_instruction"),
         "fewshot_as_multiturn": results.get("fewshot_as_multiturn"),
@@ -416,44 +393,37 @@ def _pairs(name: str, va: Any, vb: Any) -> list[tuple[str, Any, Any]]:
     return [(name, va, vb)]
 
 
+def _fields(fp: ProtocolFingerprint, tasks: tuple[str, ...] | list[str]) -> list[tuple[str, str, Any, bool]]:
+    """(part, field, value, can change scores) of every field as `show_markdown` shows and `diff` compares it: the
+    harness fields (`tasks`: the task names), the fields of each of `tasks`, the model's (its template by sha256)."""
+    h = fp.harness
+    rows = [("harness", n, sorted(h["tasks"]) if n == "tasks" else h.get(n), a) for n, (a, _) in HARNESS_FIELDS.items()]
+    rows += [("harness", f"tasks.{t}.{k}", h["tasks"][t].get(k), a) for t in tasks for k, (a, _) in TASK_FIELDS.items()]
+    return rows + [
+        ("model", n, _template_id(fp.model) if n == "chat_template" else fp.model.get(n), a)
+        for n, (a, _) in MODEL_FIELDS.items()
+    ]
+
+
 def diff(a: ProtocolFingerprint, b: ProtocolFingerprint) -> tuple[FieldDiff, ...]:
     """Only the fields that differ between two fingerprints, harness first; empty when identical. A field that cannot
     change the score of the tasks it concerns (`_cannot_change_s`) says "no", with why."""
-    out: list[FieldDiff] = []
     ha, hb = a.harness, b.harness
     common = sorted(set(ha["tasks"]) & set(hb["tasks"]))
     fewshot_used = any(ha["tasks"][t]["num_fewshot"] or hb["tasks"][t]["num_fewshot"] for t in common)
-    for name, (affects, _) in HARNESS_FIELDS.items():
-        if name == "tasks":
-            if sorted(ha["tasks"]) != sorted(hb["tasks"]):
-                out.append(FieldDiff("tasks", "harness", sorted(ha["tasks"]), sorted(hb["tasks"]), affects))
-            continue
-        if name == "fewshot_as_multiturn":
-            affects = fewshot_used
-        out += [FieldDiff(f, "harness", x, y, affects) for f, x, y in _pairs(name, ha.get(name), hb.get(name))]
-    for t in common:
-        ta, tb = ha["tasks"][t], hb["tasks"][t]
-        for key, (affects, _) in TASK_FIELDS.items():
-            out += [
-                FieldDiff(f, "harness", x, y, affects)
-                for f, x, y in _pairs(f"tasks.{t}.{key}", ta.get(key), tb.get(key))
-            ]
-    ma, mb = a.model, b.model
-    for name, (affects, _) in MODEL_FIELDS.items():
-        va, vb = (_template_id(ma), _template_id(mb)) if name == "chat_template" else (ma.get(name), mb.get(name))
-        out += [FieldDiff(f, "model", x, y, affects) for f, x, y in _pairs(name, va, vb)]
+    out = [
+        FieldDiff(f, part, x, y, fewshot_used if name == "fewshot_as_multiturn" else affects)
+        for (part, name, va, affects), (_, _, vb, _) in zip(_fields(a, common), _fields(b, common), strict=True)
+        for f, x, y in _pairs(name, va, vb)
+    ]
     strength = {t for t in common if _is_strength_task(ha["tasks"][t]) and _is_strength_task(hb["tasks"][t])}
     only_strength = bool(common) and strength == set(common)
     return tuple(_cannot_change_s(d, strength, only_strength) for d in out)
 
 
-# What marks a Sink Strength task in a run: the dataset its YAML declares (tasks/sink_strength/sink_strength.yaml),
-# shared by every variant.
-STRENGTH_DATASET = "lm_eval_sink/calibration_prompts"
-
-
 def _is_strength_task(task: dict[str, Any]) -> bool:
-    return (task.get("dataset") or {}).get("path") == STRENGTH_DATASET
+    """A Sink Strength task, by the dataset its YAML declares (tasks/sink_strength/sink_strength.yaml, all variants)."""
+    return (task.get("dataset") or {}).get("path") == "lm_eval_sink/calibration_prompts"
 
 
 def _cannot_change_s(d: FieldDiff, strength: set[str], only_strength: bool) -> FieldDiff:
@@ -641,13 +611,10 @@ def get_protocol(name: str, user_file: str | Path | None = None) -> Protocol:
     return known[name]
 
 
-def match_protocol(fp: ProtocolFingerprint, protocols: dict[str, Protocol] | None = None) -> str | None:
+def match_protocol(fp: ProtocolFingerprint) -> str | None:
     """The first named protocol the fingerprint does not contradict (only what a results file records can be
     checked: `community` matches any run without template and system instruction), else None."""
-    for name, p in (protocols or builtin_protocols()).items():
-        if not p.mismatches(fp):
-            return name
-    return None
+    return next((name for name, p in builtin_protocols().items() if not p.mismatches(fp)), None)
 
 
 # --- tables ----------------------------------------------------------------------------------
@@ -668,37 +635,25 @@ def _cell(value: Any, width: int = 70) -> str:
     return short_text(value, width).replace("|", "\\|")
 
 
-def show_rows(fp: ProtocolFingerprint) -> list[tuple[str, str, Any, bool]]:
-    """(part, field, value, can change scores) for every fingerprint field, tasks expanded."""
-    rows: list[tuple[str, str, Any, bool]] = []
-    for name, (affects, _) in HARNESS_FIELDS.items():
-        if name == "tasks":
-            for t, part in fp.harness["tasks"].items():
-                rows += [("harness", f"tasks.{t}.{k}", part.get(k), a) for k, (a, _) in TASK_FIELDS.items()]
-        else:
-            rows.append(("harness", name, fp.harness.get(name), affects))
-    for name, (affects, _) in MODEL_FIELDS.items():
-        value = fp.model.get(name)
-        if name == "chat_template" and value is not None:
-            value = f"sha256 {_template_id(fp.model)[:16]}: {value}"
-        rows.append(("model", name, value, affects))
-    return rows
-
-
-def show_markdown(fp: ProtocolFingerprint, protocols: dict[str, Protocol] | None = None) -> str:
+def show_markdown(fp: ProtocolFingerprint) -> str:
     """The fingerprint as a Markdown table, with the named protocol it matches and a --limit warning. Whether a field
     can change scores is said by `diff` only: nearly every field can, so a column of it here would say nothing."""
-    named = match_protocol(fp, protocols)
+    named = match_protocol(fp)
     lines = [
         f"protocol of {fp.source or 'run'} (harness sha256 {fp.harness_sha()[:16]})",
         f"matches named protocol: {named or 'none'}",
     ]
     lines += limit_lines(fp)
-    lines += ["", *markdown_lines(["part", "field", "value"], [[p, f, _cell(v)] for p, f, v, _ in show_rows(fp)])]
+    rows = [
+        [part, name, _cell(f"sha256 {v[:16]}: {fp.model['chat_template']}" if name == "chat_template" and v else v)]
+        for part, name, v, _ in _fields(fp, fp.tasks)
+        if name != "tasks"
+    ]
+    lines += ["", *markdown_lines(["part", "field", "value"], rows)]
     return "\n".join(lines) + "\n"
 
 
-def diff_markdown(diffs: tuple[FieldDiff, ...], name_a: str = "A", name_b: str = "B") -> str:
+def diff_markdown(diffs: tuple[FieldDiff, ...], name_a: str, name_b: str) -> str:
     """Only the differing fields as a Markdown table (or one line saying there are none)."""
     if not diffs:
         return f"no differences between the protocols of {name_a} and {name_b}\n"
@@ -765,30 +720,24 @@ def settings_fields(protocol: Protocol, request: RunRequest) -> dict[str, Any]:
     """The `harness.runner.EvalSettings` fields of `request` run under `protocol`: a setting the protocol fixes
     cannot be changed (a UserError says which), except `gen_kwargs`, merged on top of the protocol's."""
     _check_settings(protocol, request)
-    chosen_dtype = protocol.dtype if protocol.dtype is not None else request.dtype
+    fixed = {n: getattr(protocol, n) for n in ("batch_size", "dtype", "seed") if getattr(protocol, n) is not None}
+    chosen = {n: fixed.get(n, getattr(request, n)) for n in ("batch_size", "dtype", "seed")}
     fields: dict[str, Any] = {
         "tasks": request.tasks,
-        "apply_chat_template": protocol.apply_chat_template,
-        "num_fewshot": protocol.num_fewshot,
-        "fewshot_as_multiturn": protocol.fewshot_as_multiturn,
-        "system_instruction": protocol.system_instruction,
+        **protocol.model_dump(
+            include={"apply_chat_template", "num_fewshot", "fewshot_as_multiturn", "system_instruction"}
+        ),
+        **{name: getattr(request, name) for name in ("limit", "log_samples", "include_path", "backend")},
         "gen_kwargs": {**(protocol.gen_kwargs or {}), **request.gen_kwargs},
-        "limit": request.limit,
-        "batch_size": protocol.batch_size
-        if protocol.batch_size is not None
-        else (request.batch_size if request.batch_size is not None else 1),
+        "batch_size": 1 if chosen["batch_size"] is None else chosen["batch_size"],
         "device": request.device if request.device is not None or request.backend != "hf" else "cpu",
-        "dtype": None if chosen_dtype in (None, "auto") else chosen_dtype,
-        "log_samples": request.log_samples,
-        "include_path": request.include_path,
+        "dtype": None if chosen["dtype"] in (None, "auto") else chosen["dtype"],
         "model_args": {**(protocol.model_args or {}), **request.model_args},
-        "backend": request.backend,
     }
     if request.python or protocol.python:
         fields["python"] = request.python or protocol.python
-    chosen_seed = protocol.seed if protocol.seed is not None else request.seed
-    if chosen_seed is not None:
-        fields["seed"] = chosen_seed
+    if chosen["seed"] is not None:
+        fields["seed"] = chosen["seed"]
     return fields
 
 

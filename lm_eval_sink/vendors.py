@@ -1,5 +1,5 @@
-"""The vendor registry: reported and independently measured scores, each with source, stated protocol and
-whether it was read in its source (`Verification`), validated on load (docs/protocols.md, "The vendor registry").
+"""The vendor registry: reported and independently measured scores, each with source, stated protocol and whether
+it was read in its source (`verified:` or `unverified:`), validated on load (docs/protocols.md, "The vendor registry").
 
 User figures: `--registry FILE`, else the project cache's `vendors.yaml` (`user_registry_path`), where `vendor add`
 writes; figures read from the cache count as unverified (`_as_unverified`).
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import datetime
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from functools import partial
 from importlib import resources
 from pathlib import Path
@@ -17,9 +17,14 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, ValidationInfo, create_model, field_validator
 
+from lm_eval_sink.benchmarks import load_benchmarks
+from lm_eval_sink.cache import cache_dir
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.io import read_text
+from lm_eval_sink.protocols import task_view
 from lm_eval_sink.schema import Strict, did_you_mean, parse
 from lm_eval_sink.tables import markdown_lines
+from lm_eval_sink.yaml_input import parse_yaml
 
 # What a source may state about a protocol, and where a run's fingerprint records it.
 STATED_KEYS: dict[str, str] = {
@@ -31,88 +36,14 @@ STATED_KEYS: dict[str, str] = {
     "batch_size": "harness.batch_size",
     "dtype": "harness.dtype",
 }
-SOURCE_KINDS = ("vendor", "independent", "paper")
 
 
-@dataclass(frozen=True, slots=True)
-class Verification:
-    """Whether a figure was read in its source: verified (the date, where, the exact text seen there) or unverified
-    (what was searched and found instead)."""
+class StatedProtocol(Strict):
+    """A protocol as a source states it, as defined under `protocols:` (its key is its `id`)."""
 
-    date: str | None = None  # ISO date the figure was read in its source; None: unverified
-    source: str | None = None  # where: the URL or file, the table or section, the row and column
-    quote: str | None = None  # the exact text seen there
-    unverified: str | None = None  # an unverified figure: what was searched, what was found
-
-    @property
-    def verified(self) -> bool:
-        return self.date is not None
-
-    def to_json(self) -> dict[str, Any]:
-        shown = {"date": self.date, "source": self.source, "quote": self.quote} if self.verified else None
-        return {"verified": shown, "unverified": self.unverified}
-
-    def short(self) -> str:
-        """A table cell: `verified DATE` or `UNVERIFIED`."""
-        return f"verified {self.date}" if self.verified else "UNVERIFIED"
-
-    def label(self) -> str:
-        """One line for reports: where and when the figure was read, or that it was not and why."""
-        if self.verified:
-            return f"verified {self.date} at {self.source}: {self.quote!r}"
-        return f"UNVERIFIED: {self.unverified}"
-
-
-@dataclass(frozen=True, slots=True)
-class StatedProtocol:
     id: str
     described: str
     stated: dict[str, Any]
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Reported:
-    """What a source reports on one benchmark under a stated protocol (points): a score or a gap."""
-
-    id: str
-    benchmark: str
-    metric: str
-    value: float
-    source: Source
-    protocol: StatedProtocol
-    note: str | None = None
-    verification: Verification = Verification()
-
-    @property
-    def verified(self) -> bool:
-        return self.verification.verified
-
-    def to_json(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "verification"}
-        return {
-            **out,
-            "source": self.source.to_json(),
-            "protocol": self.protocol.to_json(),
-            **self.verification.to_json(),
-        }
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Score(Reported):
-    """One model's score on one benchmark, as some source reports it (points)."""
-
-    model: str
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Gap(Reported):
-    """A reported candidate-minus-reference gap (points) under one protocol."""
-
-    reference: str
-    candidate: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,15 +68,8 @@ class Registry:
 
     def identify(self, name: str | None) -> str | None:
         """The registry name of a model given by name, hub id, alias or a path ending in one of them."""
-        if not name:
-            return None
-        key = str(name).rstrip("/").lower()
-        tail = key.split("/")[-1]
-        for m in self.models.values():
-            names = m.names()
-            if key in names or tail in names:
-                return m.name
-        return None
+        forms = name_forms(name)
+        return next((m.name for m in self.models.values() if forms & m.names()), None)
 
     def by_hub_id(self, hub_id: str | None) -> str | None:
         """The model whose hub id is `hub_id` (case-insensitive), else None."""
@@ -160,9 +84,6 @@ class Registry:
     def gaps_of(self, model: str) -> list[Gap]:
         return [g for g in self.gaps if model in (g.reference, g.candidate)]
 
-    def gaps_between(self, reference: str, candidate: str) -> list[Gap]:
-        return [g for g in self.gaps if g.reference == reference and g.candidate == candidate]
-
 
 class _VerifiedIn(Strict):
     """Where and when a figure was read in its source."""
@@ -174,8 +95,8 @@ class _VerifiedIn(Strict):
 
     @field_validator("date")
     @classmethod
-    def _iso(cls, value: datetime.date | str) -> datetime.date:
-        return value if isinstance(value, datetime.date) else datetime.date.fromisoformat(value)
+    def _iso(cls, value: datetime.date | str) -> str:
+        return (value if isinstance(value, datetime.date) else datetime.date.fromisoformat(value)).isoformat()
 
 
 class _VerifyIn(Strict):
@@ -196,17 +117,25 @@ class _VerifyIn(Strict):
             raise ValueError("a figure records verified or unverified, exactly one")
         return value
 
-    def verification(self) -> Verification:
+    def verification(self) -> dict[str, Any]:
+        """As reports show it: `verified` ({date, source, quote}; None: unverified) and `unverified` (a reason)."""
+        return self.model_dump(include={"verified", "unverified"})
+
+    def verification_label(self) -> str:
+        """One line for reports: where and when the figure was read, or that it was not and why."""
         v = self.verified
-        if v is None:
-            return Verification(unverified=self.unverified)
-        return Verification(v.date.isoformat(), v.source, v.quote)
+        return f"UNVERIFIED: {self.unverified}" if v is None else f"verified {v.date} at {v.source}: {v.quote!r}"
+
+
+def verified_text(figure: dict[str, Any]) -> str:
+    """A table cell, from a figure's `verification()`: `verified DATE` or `UNVERIFIED`."""
+    return f"verified {figure['verified']['date']}" if figure.get("verified") else "UNVERIFIED"
 
 
 class _SourceIn(Strict):
     what: ClassVar[str] = "source"
     title: str
-    kind: Literal[SOURCE_KINDS]
+    kind: Literal["vendor", "independent", "paper"]
     url: str | None = None
     note: str | None = None
 
@@ -215,9 +144,6 @@ class Source(_SourceIn):
     """A source of figures, as defined under `sources:` (its key is its `id`)."""
 
     id: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, **self.model_dump(exclude={"id"})}
 
 
 class _StatedIn(create_model("_Stated", __base__=Strict, **{k: (Any, None) for k in STATED_KEYS})):  # type: ignore[misc]
@@ -252,10 +178,15 @@ class ModelEntry(_ModelIn):
     name: str
 
     def names(self) -> set[str]:
-        out = {self.name.lower(), *(a.lower() for a in self.aliases)}
-        if self.hub_id:
-            out |= {self.hub_id.lower(), self.hub_id.split("/")[-1].lower()}
-        return out
+        return {self.name.lower(), *(a.lower() for a in self.aliases)} | name_forms(self.hub_id)
+
+
+def name_forms(name: str | None) -> set[str]:
+    """How a model name, hub id or path is matched: in lower case, whole and its last part (`org/Model` -> `model`)."""
+    if not name:
+        return set()
+    key = str(name).rstrip("/").lower()
+    return {key, key.split("/")[-1]}
 
 
 class _ReportedIn(_VerifyIn):
@@ -279,6 +210,20 @@ class _GapIn(_ReportedIn):
     candidate: str
 
 
+class Score(_ScoreIn):
+    """One model's score on one benchmark, as some source reports it (points), its source and protocol resolved."""
+
+    source: Source
+    protocol: StatedProtocol
+
+
+class Gap(_GapIn):
+    """A reported candidate-minus-reference gap (points) under one protocol, its source and protocol resolved."""
+
+    source: Source
+    protocol: StatedProtocol
+
+
 class _RegistryIn(Strict):
     what: ClassVar[str] = "the registry"
     schema_version: int | None = None
@@ -290,8 +235,6 @@ class _RegistryIn(Strict):
 
 
 def _read_yaml(path_or_text: str, where: str) -> _RegistryIn:
-    from lm_eval_sink.yaml_input import parse_yaml
-
     data = parse_yaml(path_or_text, where)
     if not isinstance(data, dict):
         raise UserError(
@@ -304,18 +247,14 @@ def _read_yaml(path_or_text: str, where: str) -> _RegistryIn:
 def _merge(parts: list[tuple[str, _RegistryIn]], benchmarks: set[str]) -> Registry:
     """One registry from parsed files: every id defined once across them, every reference to a defined entry."""
     sources, protocols, models = _definitions(parts)
-    reported = partial(_reported_fields, sources=sources, protocols=protocols, models=models, benchmarks=benchmarks)
+    resolved = partial(_resolved, sources=sources, protocols=protocols, models=models, benchmarks=benchmarks)
     scores = [
-        Score(**reported(f"{where} scores[{i}]", body, ("model",)), model=body.model)
+        resolved(f"{where} scores[{i}]", body, Score, ("model",))
         for where, data in parts
         for i, body in enumerate(data.scores)
     ]
     gaps = [
-        Gap(
-            **reported(f"{where} gaps[{i}]", body, ("reference", "candidate")),
-            reference=body.reference,
-            candidate=body.candidate,
-        )
+        resolved(f"{where} gaps[{i}]", body, Gap, ("reference", "candidate"))
         for where, data in parts
         for i, body in enumerate(data.gaps)
     ]
@@ -347,7 +286,9 @@ def _definitions(
         for pid, proto in data.protocols.items():
             if pid in protocols:
                 raise UserError(f"{where}: protocol {pid!r} is defined twice", "give it another id")
-            protocols[pid] = StatedProtocol(pid, proto.described, proto.stated.model_dump(exclude_unset=True))
+            protocols[pid] = StatedProtocol(
+                id=pid, described=proto.described, stated=proto.stated.model_dump(exclude_unset=True)
+            )
         for name, m in data.models.items():
             if name in models:
                 raise UserError(f"{where}: model {name!r} is defined twice", "merge the two entries")
@@ -355,9 +296,10 @@ def _definitions(
     return sources, protocols, models
 
 
-def _reported_fields(
+def _resolved(
     where: str,
-    body: _ReportedIn,
+    body: _ScoreIn | _GapIn,
+    cls: type[Score | Gap],
     model_keys: tuple[str, ...],
     *,
     sources: dict[str, Source],
@@ -365,7 +307,7 @@ def _reported_fields(
     models: dict[str, ModelEntry],
     benchmarks: set[str],
 ) -> dict[str, Any]:
-    """The fields every reported entry has (`Reported`'s), its models, source, protocol and benchmark defined."""
+    """`body` as `cls` (its source and protocol resolved), its models, source, protocol and benchmark defined."""
     named = [
         *(("model", getattr(body, k), models, "add it to models:") for k in model_keys),
         ("source", body.source, sources, "every entry needs a defined source"),
@@ -379,16 +321,7 @@ def _reported_fields(
             f"{where} ({body.id}): unknown benchmark {body.benchmark!r}",
             f"use one of {', '.join(sorted(benchmarks))}",
         )
-    return {
-        "id": body.id,
-        "benchmark": body.benchmark,
-        "metric": body.metric,
-        "value": float(body.value),
-        "source": sources[body.source],
-        "protocol": protocols[body.protocol],
-        "note": body.note,
-        "verification": body.verification(),
-    }
+    return cls.model_construct(**{**dict(body), "source": sources[body.source], "protocol": protocols[body.protocol]})
 
 
 _BUNDLED = "lm_eval_sink/data/vendors.yaml"
@@ -397,8 +330,6 @@ _BUNDLED = "lm_eval_sink/data/vendors.yaml"
 def user_registry_path() -> Path:
     """The default user registry: `vendors.yaml` in the project cache ($LM_EVAL_SINK_CACHE, else
     ~/.cache/lm_eval_sink); read when it exists and no --registry is given, written by `vendor add`."""
-    from lm_eval_sink.cache import cache_dir
-
     return cache_dir() / "vendors.yaml"
 
 
@@ -411,9 +342,6 @@ def load_registry(user_file: str | Path | None = None) -> Registry:
     """The bundled registry, plus a user YAML of the same shape (its ids must be new): `user_file`, else the default
     user registry when it exists (`user_registry_path`), whose figures all count as unverified (`_as_unverified`).
     `Registry.files` names every file read."""
-    from lm_eval_sink.benchmarks import load_benchmarks
-    from lm_eval_sink.io import read_text
-
     parts = [_bundled_part()]
     path = Path(user_file) if user_file is not None else user_registry_path()
     if user_file is not None and not path.is_file():
@@ -433,7 +361,7 @@ def _as_unverified(data: _RegistryIn, path: Path) -> _RegistryIn:
         if v is None:
             return body
         why = (
-            f"marked verified {v.date.isoformat()} at {v.source} ({v.quote!r}) in the project cache's {path}, which "
+            f"marked verified {v.date} at {v.source} ({v.quote!r}) in the project cache's {path}, which "
             "never decides that a figure is verified: keep it in a file of your own and pass --registry FILE"
         )
         return body.model_copy(update={"verified": None, "unverified": why})
@@ -446,8 +374,6 @@ def _as_unverified(data: _RegistryIn, path: Path) -> _RegistryIn:
 def registry_with(user_data: dict[str, Any], where: str) -> Registry:
     """The bundled registry plus `user_data` (a user file's content, not yet written), validated as `load_registry`
     validates a file: the one check `vendor add` runs before it writes."""
-    from lm_eval_sink.benchmarks import load_benchmarks
-
     return _merge([_bundled_part(), (where, parse(_RegistryIn, user_data, where))], set(load_benchmarks()))
 
 
@@ -542,8 +468,6 @@ def _add_model(data: dict[str, Any], reg: Registry, new: NewScore) -> None:
 
 def _strict_metric(benchmark: str) -> str:
     """The metric a family's strict results key scores (the registry's benchmarks are benchmarks.yaml's families)."""
-    from lm_eval_sink.benchmarks import load_benchmarks
-
     fam = load_benchmarks().get(benchmark)
     if fam is None or not fam.metric:
         raise UserError(f"unknown benchmark {benchmark!r}", f"use one of {', '.join(sorted(load_benchmarks()))}")
@@ -552,8 +476,6 @@ def _strict_metric(benchmark: str) -> str:
 
 def run_stated_values(fp: Any, task: str) -> dict[str, Any]:
     """A run's value of each field a source may state (`STATED_KEYS`), from its fingerprint (`protocols.task_view`)."""
-    from lm_eval_sink.protocols import task_view
-
     view = task_view(fp, task)
     thinking = (view.get("model_args") or {}).get("enable_thinking")
     return {k: thinking if k == "enable_thinking" else view.get(k) for k in STATED_KEYS}
@@ -595,12 +517,7 @@ def list_markdown(reg: Registry) -> str:
 def _n_verified(reg: Registry, m: ModelEntry) -> str:
     """How many of a model's scores and gaps were read in their source, of how many."""
     entries = [*reg.scores_of(m.name), *reg.gaps_of(m.name)]
-    return f"{sum(e.verified for e in entries)}/{len(entries)}"
-
-
-def _fmt_stated(p: StatedProtocol) -> str:
-    stated = ", ".join(f"{k}={v}" for k, v in sorted(p.stated.items())) or "nothing stated"
-    return f"{p.id} ({stated})"
+    return f"{sum(e.verified is not None for e in entries)}/{len(entries)}"
 
 
 def show_markdown(reg: Registry, name: str) -> str:
@@ -617,35 +534,42 @@ def show_markdown(reg: Registry, name: str) -> str:
     if gaps:
         cells = [_reported_cells(g, f"{g.candidate} - {g.reference}", g.benchmark, f"{g.value:+g}") for g in gaps]
         lines += ["", *markdown_lines(_GAP_HEAD, cells)]
-    return "\n".join(lines + _entry_notes(reg, [*scores, *gaps])) + "\n"
+    return "\n".join(lines + _entry_notes([*scores, *gaps])) + "\n"
 
 
 _SCORE_HEAD = ("id", "benchmark", "metric", "value", "source", "protocol", "verified")
 _GAP_HEAD = ("id", "candidate - reference", "benchmark", "gap", "source", "protocol", "verified")
 
 
-def _reported_cells(e: Reported, *shown: str) -> list[str]:
+def _reported_cells(e: Score | Gap, *shown: str) -> list[str]:
     """A score's or gap's row: id, the cells `shown` (what it is about, its value), source, protocol, verification."""
-    return [e.id, *shown, f"{e.source.id} ({e.source.kind})", _fmt_stated(e.protocol), e.verification.short()]
+    stated = ", ".join(f"{k}={v}" for k, v in sorted(e.protocol.stated.items())) or "nothing stated"
+    return [
+        e.id,
+        *shown,
+        f"{e.source.id} ({e.source.kind})",
+        f"{e.protocol.id} ({stated})",
+        verified_text(e.verification()),
+    ]
 
 
-def _entry_notes(reg: Registry, entries: list[Reported]) -> list[str]:
+def _entry_notes(entries: list[Score | Gap]) -> list[str]:
     """Below the tables: where each figure was verified, then the sources and protocols the figures name."""
-    lines: list[str] = []
-    if entries:
-        lines += ["", "verification (each figure read in its source, or not):"]
-        lines += [f"- {e.id}: {e.verification.label()}" for e in entries]
-    used = sorted({e.source.id for e in entries})
-    if used:
-        lines += ["", "sources:"]
-        lines += [
-            f"- {s}: {reg.sources[s].title}"
-            + (f" <{reg.sources[s].url}>" if reg.sources[s].url else "")
-            + (f"; {reg.sources[s].note}" if reg.sources[s].note else "")
-            for s in used
-        ]
-    protos = sorted({e.protocol.id for e in entries})
-    if protos:
-        lines += ["", "protocols:"]
-        lines += [f"- {p}: {reg.protocols[p].described}" for p in protos]
-    return lines
+    if not entries:
+        return []
+    sources = [s for _, s in sorted({e.source.id: e.source for e in entries}.items())]
+    protocols = [p for _, p in sorted({e.protocol.id: e.protocol for e in entries}.items())]
+    return [
+        "",
+        "verification (each figure read in its source, or not):",
+        *(f"- {e.id}: {e.verification_label()}" for e in entries),
+        "",
+        "sources:",
+        *(
+            f"- {s.id}: {s.title}" + (f" <{s.url}>" if s.url else "") + (f"; {s.note}" if s.note else "")
+            for s in sources
+        ),
+        "",
+        "protocols:",
+        *(f"- {p.id}: {p.described}" for p in protocols),
+    ]

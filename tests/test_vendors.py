@@ -61,11 +61,11 @@ def test_bundled_registry_every_figure_verified_with_its_quote_or_unverified_wit
     for e in [*reg.scores, *reg.gaps]:
         assert e.source.title and e.source.kind in ("vendor", "independent", "paper")
         assert e.protocol.described and set(e.protocol.stated) <= set(STATED_KEYS)
-        v = e.verification
-        assert (v.verified and v.date and v.source and v.quote and not v.unverified) or (
-            not v.verified and v.unverified
+        v = e.verified
+        assert (v is not None and v.date and v.source and v.quote and not e.unverified) or (
+            v is None and e.unverified
         ), e.id
-    verified = {e.id: e.verification for e in [*reg.scores, *reg.gaps] if e.verified}
+    verified = {e.id: e.verified for e in [*reg.scores, *reg.gaps] if e.verified is not None}
     assert set(verified) == {
         "qwen2.5-7b-instruct/ifeval/vendor",
         "qwen2.5-7b-instruct/gsm8k/vendor",
@@ -267,7 +267,7 @@ def test_vendor_add_writes_the_project_cache_by_default_and_refuses_bad_figures(
     del data["scores"][0]["unverified"]
     default.write_text(yaml.safe_dump(data))
     [figure] = load_registry().scores_of("My-Base-LLM")
-    assert not figure.verified and figure.verification.unverified.startswith(
+    assert figure.verified is None and figure.unverified.startswith(
         f"marked verified 2026-12-05 at card ('IFEval 75') in the project cache's {default}, which never decides"
     )
     assert load_registry(default).scores_of("My-Base-LLM")[0].verified

@@ -28,7 +28,16 @@ from lm_eval_sink.attribution import (
 )
 from lm_eval_sink.benchmarks import Benchmark, load_benchmarks
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.identity import local_identity, looks_like_hub_id, split_revision
+from lm_eval_sink.io import atomic_write_json, atomic_write_text, canonical_json, sha256_file, sha256_text
 from lm_eval_sink.keys import CONTENT, Work, key_of
+from lm_eval_sink.outputs import check_output_dir, staged_dir
+from lm_eval_sink.plots import gap_parts
+from lm_eval_sink.protocols import fingerprint
+from lm_eval_sink.provenance import provenance
+from lm_eval_sink.runs import load_results, read_samples, resolve_run
+from lm_eval_sink.vendors import load_registry, user_registry_path
+from lm_eval_sink.yaml_input import parse_yaml
 
 
 def _config(path: Path) -> dict[str, Any]:
@@ -49,8 +58,6 @@ def _model_card(path: Path, cfg: dict[str, Any]) -> list[tuple[str, str]]:
         if text.startswith("---"):
             end = text.find("\n---", 3)
             if end > 0:
-                from lm_eval_sink.yaml_input import parse_yaml
-
                 try:
                     meta = parse_yaml(text[3:end], str(readme)) or {}
                 except UserError:  # a card's front matter is optional: one that does not parse states no parent
@@ -99,8 +106,6 @@ def model_info(pretrained: str | None, registry: Any = None, as_names: dict[str 
 
 def _registry_match(given: str, registry: Any, as_names: dict[str | None, str]) -> tuple[str | None, str | None]:
     """(registry name, how it was matched) of a run's model, or (None, None)."""
-    from lm_eval_sink.identity import looks_like_hub_id, split_revision
-
     p = Path(given)
     if looks_like_hub_id(split_revision(given)[0]) and not p.is_dir():
         hub = split_revision(given)[0]
@@ -125,11 +130,6 @@ def measurements_from_run(
     as_names: dict[str | None, str] | None = None,
 ) -> tuple[list[Measurement], dict[str, Any], dict[str, Any]]:
     """Resolve and read one lm-eval run, identify its model; its measurements (attribution.run_measurements)."""
-    from lm_eval_sink.identity import local_identity
-    from lm_eval_sink.io import sha256_file
-    from lm_eval_sink.protocols import fingerprint
-    from lm_eval_sink.runs import load_results, resolve_run
-
     files = resolve_run(arg)
     results = load_results(files)
     fp = fingerprint(results, source=files.results)
@@ -164,9 +164,6 @@ def run_attribution(
     references: list[str], candidates: list[str], options: AttributeOptions = AttributeOptions()
 ) -> Attribution:
     """Load runs (paths) and registry entries (`vendor:ID` / `vendor:MODEL`) and attribute the gaps."""
-    from lm_eval_sink.runs import read_samples
-    from lm_eval_sink.vendors import load_registry
-
     if not references or not candidates:
         raise UserError(
             "attribute needs at least one --reference and one --candidate",
@@ -218,16 +215,10 @@ def _registry_info(registry: Any, infos: list[dict[str, Any]], vendor: bool) -> 
         for i in infos
         if i.get("matched_by")
     }
-    missing = None
-    if vendor:
-        missing = sorted(
-            {
-                i["display"]
-                for i in infos
-                if not i["registry_model"] or not registry.scores_of(i["registry_model"], "vendor")
-            }
-        )
-    return {"matches": list(matches.values()), "vendor_missing": missing}
+    missing = {
+        i["display"] for i in infos if not (i["registry_model"] and registry.scores_of(i["registry_model"], "vendor"))
+    }
+    return {"matches": list(matches.values()), "vendor_missing": sorted(missing) if vendor else None}
 
 
 def _lineages(
@@ -251,7 +242,8 @@ def _registry_figures(
         return [], []
     ref_names = {i["registry_model"] for i in ref_info if i["registry_model"]}
     cand_names = {i["registry_model"] for i in cand_info if i["registry_model"]}
-    reported = [g for r in sorted(ref_names) for c in sorted(cand_names) if r != c for g in registry.gaps_between(r, c)]
+    pairs = [(r, c) for r in sorted(ref_names) for c in sorted(cand_names) if r != c]
+    reported = [g for r, c in pairs for g in registry.gaps if (g.reference, g.candidate) == (r, c)]
     if not vendor:
         return reported, []
     names = sorted(ref_names | cand_names)
@@ -274,26 +266,15 @@ class AttributeWork(Work):
     run_files: tuple[Path, ...] = field(init=False, metadata=CONTENT)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "run_files", _files_beside([*self.references, *self.candidates]))
-
-
-def _files_beside(args: list[str]) -> tuple[Path, ...]:
-    """The files of each run given as one file (a results file's samples, a samples file's results), by the one
-    reader of a run (`runs.resolve_run`); a folder is keyed whole."""
-    from lm_eval_sink.runs import resolve_run
-
-    runs = [resolve_run(a) for a in args if not str(a).startswith("vendor:") and Path(a).is_file()]
-    return tuple(p for r in runs for p in (r.results, *r.samples.values()) if p is not None)
+        # a results file's samples, a samples file's results, by the one reader of a run; a folder is keyed whole
+        files = [a for a in [*self.references, *self.candidates] if not a.startswith("vendor:") and Path(a).is_file()]
+        runs = [resolve_run(a) for a in files]
+        object.__setattr__(self, "run_files", tuple(p for r in runs for p in (r.results, *r.samples.values()) if p))
 
 
 def write_report(att: Attribution, out_dir: str | Path, work: AttributeWork, force: bool = False) -> dict[str, Path]:
     """attribution.json (with provenance and the key of `work`), attribution.md and attribution.png in `out_dir`,
     built atomically."""
-    from lm_eval_sink.io import atomic_write_json, atomic_write_text, canonical_json, sha256_text
-    from lm_eval_sink.outputs import staged_dir
-    from lm_eval_sink.provenance import provenance
-    from lm_eval_sink.plots import gap_parts
-
     out_dir = Path(out_dir)
     key = key_of(work)
     body = att.to_json()
@@ -337,9 +318,6 @@ def run_attribute(
     force: bool = False,
 ) -> list[str]:
     """The `attribute` command: refuse the output folder early, attribute, print the Markdown, write the folder."""
-    from lm_eval_sink.outputs import check_output_dir
-    from lm_eval_sink.vendors import user_registry_path
-
     if output is not None:
         files = [options.registry_file, options.benchmarks_file]
         check_output_dir(output, force, inputs=[*references, *candidates, *files])

@@ -5,17 +5,26 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from lm_eval_sink.io import atomic_write_json, canonical_json, sha256_file
+from lm_eval_sink.outputs import new_files
+from lm_eval_sink.protocols import (
+    check_common_tasks,
+    diff,
+    diff_markdown,
+    fingerprint_run,
+    match_protocol,
+    show_markdown,
+)
+from lm_eval_sink.provenance import provenance
+from lm_eval_sink.runs import resolve_run
+
 
 def _run_inputs(paths) -> list[dict]:
-    from lm_eval_sink.io import sha256_file
-
     return [{"path": str(p), "sha256": sha256_file(p)} for p in paths]
 
 
 def _emit(doc: dict[str, Any], text: str, as_json: bool, output: Path | None) -> list[str]:
     """Write `doc` to `output` (when given) and return the lines to print: the JSON or the table, then where it went."""
-    from lm_eval_sink.io import atomic_write_json, canonical_json
-
     if output:
         atomic_write_json(output, doc)
     return [(canonical_json(doc) if as_json else text).removesuffix("\n")] + ([f"wrote {output}"] if output else [])
@@ -23,11 +32,6 @@ def _emit(doc: dict[str, Any], text: str, as_json: bool, output: Path | None) ->
 
 def run_protocol_show(run: str, as_json: bool = False, output: Path | None = None, *, force: bool = False) -> list[str]:
     """The `protocol show` command: the fingerprint of one run and the named protocol it matches."""
-    from lm_eval_sink.outputs import new_files
-    from lm_eval_sink.provenance import provenance
-    from lm_eval_sink.protocols import fingerprint_run, match_protocol, show_markdown
-    from lm_eval_sink.runs import resolve_run
-
     with new_files([output] if output else [], force, inputs=[run]):
         files = resolve_run(run)
         fp = fingerprint_run(files)
@@ -44,11 +48,6 @@ def run_protocol_diff(
     run_a: str, run_b: str, as_json: bool = False, output: Path | None = None, *, force: bool = False
 ) -> list[str]:
     """The `protocol diff` command: only the fields that differ between two runs' protocols."""
-    from lm_eval_sink.outputs import new_files
-    from lm_eval_sink.provenance import provenance
-    from lm_eval_sink.protocols import check_common_tasks, diff, diff_markdown, fingerprint_run
-    from lm_eval_sink.runs import resolve_run
-
     with new_files([output] if output else [], force, inputs=[run_a, run_b]):
         fa, fb = resolve_run(run_a), resolve_run(run_b)
         a, b = fingerprint_run(fa), fingerprint_run(fb)

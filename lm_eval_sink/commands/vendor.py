@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import datetime
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+import lm_eval_sink
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.vendors import NewScore
+from lm_eval_sink.io import atomic_write_text, read_text
+from lm_eval_sink.locks import hold
+from lm_eval_sink.vendors import NewScore, add_score, load_registry, registry_with, user_registry_path
+from lm_eval_sink.yaml_input import parse_yaml
 
 
 def _verification(at: str | None, quote: str | None, date: str | None, unverified: str | None) -> dict[str, Any]:
@@ -25,9 +32,6 @@ def _verification(at: str | None, quote: str | None, date: str | None, unverifie
 
 def _target(registry_file: str | Path | None) -> Path:
     """Where the figure goes: --registry FILE, else the project cache's vendors.yaml; never the package's data."""
-    import lm_eval_sink
-    from lm_eval_sink.vendors import user_registry_path
-
     path = Path(registry_file) if registry_file is not None else user_registry_path()
     package = Path(lm_eval_sink.__file__).resolve().parent
     if path.resolve().is_relative_to(package):
@@ -43,15 +47,6 @@ def _target(registry_file: str | Path | None) -> Path:
 def run_vendor_add(new: NewScore, registry_file: str | Path | None = None, **verification: Any) -> list[str]:
     """The `vendor add` command: the user file with the new score, validated with the bundled registry, written
     atomically under its lock; `verification`: at, quote, date, unverified (the CLI's flags)."""
-    from dataclasses import replace
-
-    import yaml
-
-    from lm_eval_sink.io import atomic_write_text, read_text
-    from lm_eval_sink.locks import hold
-    from lm_eval_sink.yaml_input import parse_yaml
-    from lm_eval_sink.vendors import add_score, load_registry, registry_with
-
     new = replace(new, **_verification(**verification))
     path = _target(registry_file)
     if new.verified and registry_file is None:

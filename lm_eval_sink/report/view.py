@@ -432,7 +432,7 @@ def _attribution_section(d: Doc) -> dict[str, Any]:
 
 
 def _figure_state(c: Mapping[str, Any]) -> str:
-    """Whether the registry figures a comparison uses were read in their source (vendors.Verification), in words."""
+    """Whether the registry figures a comparison uses were read in their source (vendors' verification()), in words."""
     entries = [c.get("entry") or {}] if c.get("kind") == "reported_gap" else []
     entries += [get(c, side, "source") or {} for side in ("reference", "candidate")]
     used = [e for e in entries if e.get("kind") == "registry" or "unverified" in e]
