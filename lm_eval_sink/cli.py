@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from lm_eval_sink.calibration import Batching
-from lm_eval_sink.devices import DEFAULT_DEVICE, DEVICE_HELP, check_device
+from lm_eval_sink.devices import DEFAULT_DEVICE, DEVICE_HELP, DTYPES, check_device
 from lm_eval_sink.errors import UserError
 
 if TYPE_CHECKING:
@@ -26,7 +26,6 @@ if TYPE_CHECKING:
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
 _BATCHING = Batching()  # the defaults of --batch-size, --batch-tokens and --query-chunk
-_DTYPES = ("auto", "float32", "bfloat16", "float16")  # models.DTYPES, not imported: --help loads no model code
 
 
 def _device(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
@@ -125,7 +124,7 @@ _CALIBRATION_OPTIONS = _options(
         help="Render prompts through the chat template.",
     ),
     click.option("--system-prompt", help="System message before each prompt (chat template only)."),
-    click.option("--dtype", type=click.Choice(_DTYPES), default="auto"),
+    click.option("--dtype", type=click.Choice(DTYPES), default="auto"),
     click.option("--device", default=DEFAULT_DEVICE, callback=_device, help=f"Where the model runs: {DEVICE_HELP}."),
     _force("Overwrite earlier results."),
     _quiet_option(),
@@ -566,7 +565,7 @@ def attribute(references, candidates, output, force, **options) -> Iterable[str]
     help="Generation overrides on top of the protocol's, e.g. max_gen_toks=256.",
 )
 @click.option("--batch-size", help="Batch size, where the protocol does not fix it (default 1).")
-@click.option("--dtype", type=click.Choice(_DTYPES), help="Model dtype, where the protocol does not fix it.")
+@click.option("--dtype", type=click.Choice(DTYPES), help="Model dtype, where the protocol does not fix it.")
 @click.option("--seed", type=int, help="Seed for lm-eval's random generators, where the protocol does not fix it.")
 @click.option("--device", callback=_device, help=f"HF only: {DEVICE_HELP} (default {DEFAULT_DEVICE}).")
 @click.option(

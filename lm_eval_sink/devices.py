@@ -167,6 +167,17 @@ def place(model_class: Any, config: Any, dtype: Any, device: str, name: str, **r
     return Placement(device_map=device_map, weight_bytes=size, layers=layers_per_device(empty, device_map))
 
 
+DEFAULT_DTYPE = "auto"  # the dtype the model's config names
+DTYPES = (DEFAULT_DTYPE, "float32", "bfloat16", "float16")
+
+
+def check_dtype(name: str) -> str:
+    """`name` when it is one of DTYPES, else the one-line refusal."""
+    if name not in DTYPES:
+        raise UserError(f"unknown dtype {name!r}", f"use one of {', '.join(DTYPES)}")
+    return name
+
+
 def load_dtype(config: Any, dtype: Any) -> Any:
     """The torch dtype a model of `config` loads in: `dtype`, or for "auto" the config's own (float32 without one)."""
     import torch

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.adapters import ADAPTER_CONFIG, VirtualTokens, adapted, adapter_config, config_virtual_tokens
-from lm_eval_sink.devices import DEFAULT_DEVICE, Placement, load_dtype, place
+from lm_eval_sink.devices import DEFAULT_DEVICE, Placement, check_dtype, load_dtype, place
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.identity import check_finished_folder, folder_identity, hub_snapshot, looks_like_hub_id
 from lm_eval_sink.cache import cache_dir
@@ -27,8 +27,6 @@ from lm_eval_sink.weights import check_weights
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-DEFAULT_DTYPE = "auto"  # the dtype the model's config names
-DTYPES = (DEFAULT_DTYPE, "float32", "bfloat16", "float16")
 _HUB_PATTERNS = ("*.json", "*.safetensors", "*.jinja", "*.model", "*.txt", "*.tiktoken")
 
 
@@ -418,9 +416,7 @@ class LoadedModel:
 def torch_dtype(name: str):
     import torch
 
-    if name not in DTYPES:
-        raise UserError(f"unknown dtype {name!r}", f"use one of {', '.join(DTYPES)}")
-    return "auto" if name == "auto" else getattr(torch, name)
+    return "auto" if check_dtype(name) == "auto" else getattr(torch, name)
 
 
 def load_placed(

@@ -9,10 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lm_eval_sink.devices import DEFAULT_DEVICE, check_device
+from lm_eval_sink.devices import DEFAULT_DEVICE, DEFAULT_DTYPE, check_device, check_dtype
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.keys import CONTENT
-from lm_eval_sink.models import DEFAULT_DTYPE, DTYPES
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,8 +27,7 @@ class MeasureOptions:
     measure_all: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise UserError(f"unknown dtype {self.dtype!r}", f"use one of {', '.join(DTYPES)}")
+        check_dtype(self.dtype)
         check_device(self.device)
         if self.measure_all is not None and not callable(self.measure_all):
             raise UserError(f"measure_all is {type(self.measure_all).__name__}, not a function", "pass one, or None")

@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
+from lm_eval_sink.devices import DTYPES
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.io import canonical_json, read_text, sha256_text
 from lm_eval_sink.yaml_input import parse_yaml
@@ -498,8 +499,6 @@ def require_same_harness(fingerprints: dict[str, ProtocolFingerprint]) -> None:
 
 # --- named protocols -------------------------------------------------------------------------
 
-_DTYPES = ("auto", "float32", "bfloat16", "float16")
-
 
 class _ProtocolIn(Strict):
     what: ClassVar[str] = "protocol"
@@ -510,7 +509,7 @@ class _ProtocolIn(Strict):
     system_instruction: str | None = None
     gen_kwargs: dict[str, Any] | None = None
     batch_size: int | str | None = None
-    dtype: Literal[_DTYPES] | None = None
+    dtype: Literal[DTYPES] | None = None
     seed: int | None = None
     model_args: dict[str, Any] | None = None
     python: str | None = None

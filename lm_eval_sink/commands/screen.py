@@ -15,7 +15,8 @@ from lm_eval_sink.errors import UserError
 from lm_eval_sink.io import atomic_write_json, atomic_write_text, read_json
 from lm_eval_sink.keys import MODEL, Work, check_same_versions, key_of, key_versions
 from lm_eval_sink.locks import hold
-from lm_eval_sink.models import DTYPES, check_config, model_fingerprint, pretrained_args, resolve_model
+from lm_eval_sink.devices import DTYPES
+from lm_eval_sink.models import check_config, model_fingerprint, pretrained_args, resolve_model
 from lm_eval_sink.options import MeasureOptions, ScreenOptions
 from lm_eval_sink.outputs import check_new_outputs, check_not_inputs, check_writable
 from lm_eval_sink.predict import fit_pairs
