@@ -92,7 +92,7 @@ def _wait_for(lock: Any, record: Path, wait: Callable[[str, float], None]) -> No
     start, waited = time.monotonic(), 0.0
     while True:
         holder = _holder(record)
-        if waited and holder == _UNKNOWN:  # no record mid-wait: its holder is letting go; take the lock, then say so
+        if waited and holder == _UNKNOWN:  # no record mid-wait: its holder is letting go; take it without a note
             with contextlib.suppress(Timeout):
                 lock.acquire(timeout=1.0, poll_interval=0.05)
                 return

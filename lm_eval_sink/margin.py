@@ -263,7 +263,7 @@ class MarginWork(Work):
     keyed with the margin and S code, the command that chooses them, and the packages that compute (`keys.key_of`)."""
 
     CODE = (__name__, "lm_eval_sink.strength", "lm_eval_sink.commands.margin")
-    PACKAGES = ("torch", "transformers", "peft")
+    PACKAGES = ("torch", "transformers", "peft", "scipy")
 
     reference: str = field(metadata=MODEL)
     candidate: str = field(metadata=MODEL)

@@ -94,6 +94,7 @@ def test_protect_plan_bad_inputs_one_line_exit_2(selective_dirs, tmp_path, user_
     cases = [
         ([str(tmp_path / "missing"), "-o", str(tmp_path / "a.json")], "no such model folder"),
         ([model, "--tau", "1.5", "-o", str(tmp_path / "b.json")], "--tau"),
+        ([model, "--threshold", "-inf", "-o", str(tmp_path / "e.json")], "--threshold must be a finite log-odds"),
         ([model, "--min-pos0-fraction", "2", "-o", str(tmp_path / "c.json")], "--min-pos0-fraction"),
         ([model, "-o", str(existing)], "already exists"),
         ([model, "-o", str(tmp_path)], "is a folder"),

@@ -8,6 +8,7 @@ numpy; the model functions only read and write parameters.
 
 from __future__ import annotations
 
+import math
 import hashlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -296,6 +297,8 @@ class ProtectSettings:
     tau: float = 0.0
 
     def __post_init__(self) -> None:
+        if not math.isfinite(self.threshold):
+            raise UserError(f"--threshold must be a finite log-odds, got {self.threshold}", "use e.g. 0")
         if not 0.0 <= self.tau < 1.0:
             raise UserError(
                 f"--tau must lie in [0, 1), got {self.tau}", "use 0 to keep the sink logit exactly, or e.g. 0.05"
