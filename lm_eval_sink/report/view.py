@@ -138,14 +138,21 @@ def _strength_row(d: Doc, parts: Mapping[str, list[Any] | None]) -> dict[str, An
 
 
 def _strength(inputs: ReportInputs) -> tuple[dict[str, Any] | None, list[str]]:
+    """The strength table: from the strength files (a strength JSON or an lm-eval results JSON) when given, else
+    from margin.json; each S's setting compared (`comparability.compare`)."""
+    from lm_eval_sink.comparability import compare, setting_of, setting_of_margin, setting_of_results
+
     notes: list[str] = []
     rows: dict[str, Any] = {}
+    settings = []
     margin = inputs.margin
     for i, role in enumerate(("reference", "candidate")):
         if inputs.strength is not None:
             d = inputs.strength[i]
             parts = strength_pointers(d.data)
             rows[role] = _strength_row(d, parts)
+            sink = "sink_strength" in d.data
+            settings.append(setting_of(d.data) if sink else setting_of_results(d.data, parts["s"][1]))
             if margin is not None:
                 ms, ss = get(margin.data, f"{role}_sink_strength"), get(d.data, *parts["s"])
                 if isinstance(ms, (int, float)) and isinstance(ss, (int, float)) and abs(ms - ss) > S_TOLERANCE:
@@ -158,34 +165,17 @@ def _strength(inputs: ReportInputs) -> tuple[dict[str, Any] | None, list[str]]:
             parts = {k: [*prov, v] for k, v in _STRENGTH_FIGURES.items()}
             parts |= {"s": [f"{role}_sink_strength"], "last_k": [*prov, "last_k"], "n_layers": [*prov, "n_layers"]}
             rows[role] = _strength_row(margin, parts)
+            settings.append(setting_of_margin(margin.data, role))
     notes += [f"{role}: {r['note']}" for role, r in rows.items() if r["note"]]
     if not rows:
         return None, notes
-    comparison = _strength_settings(inputs, list(rows))
+    comparison = compare(list(rows), settings)
     for role, label, s in zip(comparison.names, comparison.labels, comparison.settings, strict=True):
         share = None if s.k_share is None else f"{s.k_share:.0%}"
         rows[role] |= {"setting": label, "attention_layers": s.attention_layers, "k_share": share}
     if not comparison.comparable:
         notes += [line for line in comparison.lines() if not line.startswith("setting ")]
     return {"rows": rows, "settings": comparison.lines(), "comparable": comparison.comparable}, notes
-
-
-def _strength_settings(inputs: ReportInputs, roles: list[str]) -> Any:
-    """The settings of the S shown, compared (`comparability.compare`): from the strength files (a strength JSON or
-    an lm-eval results JSON) when given, else from margin.json."""
-    from lm_eval_sink.comparability import compare, setting_of, setting_of_margin, setting_of_results
-
-    settings = []
-    for role in roles:
-        if inputs.strength is None:
-            settings.append(setting_of_margin(inputs.margin.data, role))
-            continue
-        data = inputs.strength[("reference", "candidate").index(role)].data
-        if "sink_strength" in data:
-            settings.append(setting_of(data))
-        else:
-            settings.append(setting_of_results(data, strength_pointers(data)["s"][1]))  # the task shown
-    return compare(roles, settings)
 
 
 def _main_kind(counts: Mapping[str, int] | None) -> tuple[str, int] | None:
