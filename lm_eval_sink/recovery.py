@@ -12,10 +12,11 @@ from typing import Any
 
 import numpy as np
 
+from lm_eval_sink.buckets.compare import power_of
 from lm_eval_sink.buckets.render import delta_text
 from lm_eval_sink.buckets.settings import BucketSettings
 from lm_eval_sink.buckets.stats import holm, paired_stats
-from lm_eval_sink.power import MIN_N, comparison_power, too_few
+from lm_eval_sink.power import MIN_N, too_few
 from lm_eval_sink.tables import markdown_lines
 
 ALL, PART, NONE, WORSE, TOO_FEW, NO_GAP, NO_LOSS = (
@@ -27,7 +28,6 @@ ALL, PART, NONE, WORSE, TOO_FEW, NO_GAP, NO_LOSS = (
     "no detectable gap to recover",
     "the candidate lost nothing here",
 )
-VERDICTS = (ALL, PART, NONE, WORSE, TOO_FEW, NO_GAP, NO_LOSS)
 ALL_FLOOR = 0.75  # "all of the gap" also needs the share's interval to rule out recovering less than this
 FAMILIES = ("gap", "vs_candidate", "vs_reference")
 SCHEMA_VERSION = 1
@@ -97,8 +97,7 @@ def compare(first: np.ndarray, second: np.ndarray, kind: str, settings: BucketSe
     Wilcoxon otherwise) and what it could have detected (power.py). `p_holm` is set by `adjust`."""
     ids = list(range(len(first)))
     s = paired_stats(ids, first, second, kind, settings)
-    values = np.concatenate([first, second])
-    pw = comparison_power(kind, second - first, settings.effect, values=values, alpha=1 - settings.confidence)
+    pw = power_of(kind, first, second, settings)
     return {
         "delta": s.delta,
         "delta_ci": None if s.delta_ci is None else list(s.delta_ci),
@@ -196,17 +195,11 @@ def prompt_lists(t: TaskOutcomes, control: str) -> dict[str, list[int]] | None:
     return {"recovered": ids[~cand & ctrl].tolist(), "broke": ids[cand & ~ctrl].tolist()}
 
 
-@dataclass(frozen=True, slots=True)
-class Recovery:
-    """Every task's gap and every control x task cell (comparisons, share, verdict, prompt lists), as JSON records."""
-
-    tasks: dict[str, dict[str, Any]]
-    controls: dict[str, dict[str, dict[str, Any]]]
-    confidence: float
-
-
-def recover(outcomes: Sequence[TaskOutcomes], controls: Sequence[str], settings: BucketSettings) -> Recovery:
-    """The gap per task, both comparisons per control x task, Holm within each family, then shares and verdicts."""
+def recover(
+    outcomes: Sequence[TaskOutcomes], controls: Sequence[str], settings: BucketSettings
+) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, dict[str, Any]]]]:
+    """Every task's gap and every control x task cell (comparisons, share, verdict, prompt lists), as JSON records:
+    Holm within each family, then shares and verdicts."""
     tasks = {
         t.task: {"metric": t.metric, "kind": t.kind, "higher_is_better": t.higher_is_better, "n": len(t.ids)}
         for t in outcomes
@@ -239,7 +232,7 @@ def recover(outcomes: Sequence[TaskOutcomes], controls: Sequence[str], settings:
                 verdict_reason=why,
                 prompts=prompt_lists(t, c),
             )
-    return Recovery(tasks, cells, settings.confidence)
+    return tasks, cells
 
 
 # --- text (recovery.md, the console, table.md) --------------------------------------------------------------------
