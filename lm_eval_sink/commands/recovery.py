@@ -233,8 +233,7 @@ def prompts_table(paired: Sequence[PairedTask], roles: Mapping[str, str]):
 
 
 def recovery_record(paired: Sequence[PairedTask], runs: list[NamedRun], settings, records, notes) -> dict[str, Any]:
-    """recovery.json (less its provenance): the runs, each task's gap, each control x task's comparisons, share,
-    verdict and prompt lists."""
+    """recovery.json, less its provenance."""
     from lm_eval_sink.power import MIN_N, too_few
     from lm_eval_sink.recovery import FAMILIES, SCHEMA_VERSION, SHARE_METHOD, UNITS, recover
 
@@ -310,8 +309,7 @@ def run_recovery(
     output: Path | None = None,
     force: bool = False,
 ) -> tuple[dict[str, Any], list[str]]:
-    """The `recovery` command: returns recovery.json's record and the lines to print (the table and the verdicts);
-    writes the output folder when `output` is given."""
+    """The `recovery` command: recovery.json's record and the lines to print; writes `output` when given."""
     from lm_eval_sink.recovery import summary_markdown
 
     runs = named_runs(reference, candidate, controls)
