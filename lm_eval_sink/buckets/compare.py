@@ -19,7 +19,6 @@ from lm_eval_sink.errors import UserError
 from lm_eval_sink.power import MIN_N, comparison_power, too_few
 
 SCHEMA_VERSION = 1
-# buckets.json keeps each metric's values as lm-eval writes them; the tables convert (said once, in the JSON).
 UNITS = (
     "scores, deltas, intervals and rates are in the metric's own unit as lm-eval writes it: a share of docs (0-1) "
     "for a 0/1 metric, which buckets.md and the report show in points (x100); power.effect_shown is in points "
@@ -180,8 +179,7 @@ def _collapse_notes(ids, ref_rows, cand_rows, labels: tuple[str, str]) -> list[s
 
 
 def self_notes(identical: bool, n: int, what: str) -> list[str]:
-    """A note when the two logs are the same samples (`identical_samples` of `n` paired docs): every difference is
-    zero by construction."""
+    """A note when the two logs hold the same samples: every difference is zero by construction."""
     if not identical:
         return []
     return [

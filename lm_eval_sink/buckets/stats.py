@@ -55,12 +55,6 @@ def resampled_sums(columns: np.ndarray, n_boot: int, seed: int) -> np.ndarray:
     return out
 
 
-def _interval(stats: np.ndarray, confidence: float) -> tuple[float, float]:
-    alpha = 1.0 - confidence
-    lo, hi = np.quantile(stats, [alpha / 2, 1 - alpha / 2])
-    return float(lo), float(hi)
-
-
 def cluster_delta_ci(
     reference_passed: np.ndarray,
     candidate_passed: np.ndarray,
@@ -75,7 +69,9 @@ def cluster_delta_ci(
         [np.asarray(candidate_passed, float) - np.asarray(reference_passed, float), np.asarray(n_items, float)], axis=1
     )
     sums = resampled_sums(cols, n_boot, seed)
-    return _interval(sums[:, 0] / sums[:, 1], confidence)
+    alpha = 1.0 - confidence
+    lo, hi = np.quantile(sums[:, 0] / sums[:, 1], [alpha / 2, 1 - alpha / 2])
+    return float(lo), float(hi)
 
 
 def wilson_ci(k: int, n: int, confidence: float) -> tuple[float, float]:
@@ -217,8 +213,7 @@ class PairedStats:
 
 
 def paired_stats(ids, ref_v: np.ndarray, cand_v: np.ndarray, kind: str, settings: BucketSettings) -> PairedStats:
-    """Delta with its interval (`delta_interval`); Wilcoxon for a continuous metric; buckets and McNemar for
-    pass/fail."""
+    """Delta with its interval; Wilcoxon for a continuous metric; buckets and McNemar for pass/fail."""
     delta_ci, method = delta_interval(ref_v, cand_v, kind == "binary", settings)
     wilcoxon_p = wilcoxon_test(cand_v - ref_v) if kind == "continuous" else None
     delta = float(cand_v.mean() - ref_v.mean())

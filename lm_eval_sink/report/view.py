@@ -138,8 +138,7 @@ def _strength_row(d: Doc, parts: Mapping[str, list[Any] | None]) -> dict[str, An
 
 
 def _strength(inputs: ReportInputs) -> tuple[dict[str, Any] | None, list[str]]:
-    """The strength table: from the strength files (a strength JSON or an lm-eval results JSON) when given, else
-    from margin.json; each S's setting compared (`comparability.compare`)."""
+    """The strength table, from the strength files when given, else from margin.json; each S's setting compared."""
     from lm_eval_sink.comparability import compare, setting_of, setting_of_margin, setting_of_results
 
     notes: list[str] = []
@@ -275,8 +274,7 @@ def _power(d: Doc) -> dict[str, Any] | None:
 
 
 def _buckets_section(b: BucketsInput) -> dict[str, Any]:
-    """The section of one buckets.json: scores and delta, bucket counts, failure kinds, regressions, instruction
-    types, notes and protocol differences."""
+    """The section of one buckets.json."""
     from lm_eval_sink.buckets.render import figure_title, notes
 
     d = b.doc
@@ -328,9 +326,7 @@ def _buckets_section(b: BucketsInput) -> dict[str, Any]:
             }
             for k, v in (data.get("protocol_differences") or {}).items()
         ],
-        "runs": {
-            role: {"model": r.get("model"), "samples": b.samples.get(role, ("", ""))[0]} for role, r in runs.items()
-        },
+        "runs": {role: {"model": r.get("model")} for role, r in runs.items()},
     }
 
 
@@ -436,10 +432,11 @@ def _figure_state(c: Mapping[str, Any]) -> str:
 def named_columns(columns: list[str], rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, float, bool]]:
     """Each of a sweep's table columns as (column, readable label told apart within `columns`, scale: 100 for a
     share of docs shown in points, whether it is unchanged in every checkpoint); table.md and the figure ask it."""
-    from lm_eval_sink.benchmarks import load_benchmarks, metric_in_points, metric_labels, unchanged_columns
+    from lm_eval_sink.benchmarks import load_benchmarks, metric_in_points, metric_labels
 
     benchmarks = load_benchmarks()
-    same = set(unchanged_columns(columns, list(rows)))
+    values = {c: {(r.get("metrics") or {}).get(c) for r in rows} for c in columns}  # unchanged: one measured value
+    same = {c for c in columns if len(rows) > 1 and len(values[c]) == 1 and None not in values[c]}
     return [
         (c, label, 100.0 if metric_in_points(c, benchmarks) else 1.0, c in same)
         for c, label in zip(columns, metric_labels(columns, benchmarks), strict=True)
@@ -568,12 +565,9 @@ def _recovery_section(d: Doc) -> dict[str, Any]:
 
 
 def _lineage(inputs: ReportInputs) -> dict[str, Any] | None:
-    if inputs.attribution is None:
+    first = None if inputs.attribution is None else get(inputs.attribution.data, "lineage", 0)
+    if not isinstance(first, Mapping):
         return None
-    items = get(inputs.attribution.data, "lineage") or []
-    if not items:
-        return None
-    first = items[0]
     return {"status": first.get("status"), "flagged": bool(first.get("flagged")), "how": first.get("how")}
 
 
