@@ -177,13 +177,6 @@ def _strength(inputs: ReportInputs) -> tuple[dict[str, Any] | None, list[str]]:
     return {"rows": rows, "settings": comparison.lines(), "comparable": comparison.comparable}, notes
 
 
-def _main_kind(counts: Mapping[str, int] | None) -> tuple[str, int] | None:
-    if not counts:
-        return None
-    kind, n = max(counts.items(), key=lambda kv: (kv[1], kv[0]))
-    return (kind, n) if n else None
-
-
 def _regression_rows(b: BucketsInput) -> list[dict[str, Any]]:
     """One row per regression (a continuous metric: also per doc that got worse), with its prompt and both responses."""
     d, data = b.doc, b.doc.data
@@ -311,7 +304,7 @@ def _buckets_section(b: BucketsInput) -> dict[str, Any]:
         "figure_title": figure_title(data),
         "kinds_raw": dict(kinds),
         "kinds": [{"kind": k, "n": num(d, ["failure_kinds", "counts", k], "int")} for k, v in kinds.items() if v],
-        "main_kind": _main_kind(kinds),
+        "main_kind": max((k for k, v in kinds.items() if v), key=lambda k: (kinds[k], k), default=None),
         "regressions": num(d, ["counts", "regression"], "int"),
         "table": _regression_rows(b),
         "types": _instruction_type_rows(d),
@@ -590,19 +583,11 @@ def _inputs_table(inputs: ReportInputs) -> list[dict[str, Any]]:
     return rows
 
 
-def headline_index(buckets: Sequence[BucketsInput]) -> int | None:
-    """The buckets output the headline comes from: the IFEval one, else the first."""
-    for i, b in enumerate(buckets):
-        if str(b.doc.data.get("task", "")).startswith("ifeval"):
-            return i
-    return 0 if buckets else None
-
-
 def build_view(inputs: ReportInputs) -> dict[str, Any]:
     """The template's context: header, one entry per section given, provenance, notes."""
     strength, notes = _strength(inputs)
     buckets = [_buckets_section(b) for b in inputs.buckets]
-    hi = headline_index(inputs.buckets)
+    ifeval = [b for b in buckets if str(b["task"]).startswith("ifeval")]  # the headline: the IFEval one, else the first
     title = inputs.title or "lm-eval-sink report: " + " vs ".join(
         inputs.identities.get(r, r) for r in ("reference", "candidate")
     )
@@ -613,7 +598,7 @@ def build_view(inputs: ReportInputs) -> dict[str, Any]:
         "identities": dict(inputs.identities),
         "strength": strength,
         "s_meaning": S_MEANING,
-        "headline": buckets[hi] if hi is not None else None,
+        "headline": (ifeval + buckets)[0] if buckets else None,
         "buckets": buckets,
         "margin": _margin_section(inputs.margin) if inputs.margin is not None else None,
         "attribution": _attribution_section(inputs.attribution) if inputs.attribution is not None else None,
