@@ -9,7 +9,7 @@ import fnmatch
 import functools
 from importlib import resources
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
@@ -17,8 +17,6 @@ from lm_eval_sink.errors import UserError
 from lm_eval_sink.schema import Strict, parse
 
 CONSTRUCTS = ("knowledge", "procedure", "format", "diagnostic")
-KINDS = ("binary", "continuous")
-CHECKERS = ("ifeval",)
 _BUNDLED = "lm_eval_sink/data/benchmarks.yaml"
 
 
@@ -29,8 +27,8 @@ class _BenchmarkIn(Strict):
     strict: str | None = None
     lenient: str | None = None
     why: str = ""
-    kind: Literal[KINDS] | None = None  # binary | continuous
-    checker: Literal[CHECKERS] | None = None  # ifeval: failure kinds of regressions from lm-eval's IFEval checker
+    kind: Literal["binary", "continuous"] | None = None
+    checker: Literal["ifeval"] | None = None  # ifeval: failure kinds of regressions from lm-eval's IFEval checker
     instruction_metrics: dict[str, str] = Field(  # prompt-level metric -> instruction-level list metric
         {}, description="must map metric names to metric names, e.g. {prompt_level_strict_acc: inst_level_strict_acc}"
     )
@@ -197,13 +195,6 @@ def headline_columns(columns: list[str], benchmarks: dict[str, Benchmark]) -> li
         wanted = [f"{task}/{family.strict}" if family and family.strict else "", f"{task}/sink_strength,none"]
         out.append(next((w for w in wanted if w in cols), cols[0]))
     return out
-
-
-def unchanged_columns(columns: list[str], rows: list[dict[str, Any]]) -> list[str]:
-    """The columns of a sweep's table whose value is the same, and measured, in each of its checkpoints (two or
-    more): table.md and table.png leave them out and say them once."""
-    values = {c: {(r.get("metrics") or {}).get(c) for r in rows} for c in columns}
-    return [c for c in columns if len(rows) > 1 and len(values[c]) == 1 and None not in values[c]]
 
 
 def metric_labels(columns: list[str], benchmarks: dict[str, Benchmark]) -> list[str]:

@@ -82,40 +82,29 @@ def _drop_nulls(obj: Any) -> Any:
     return obj
 
 
-def same_doc(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[bool, bool]:
-    """(the two lines hold the same document, only once null fields are dropped)."""
-    ha, hb = a.get("doc_hash"), b.get("doc_hash")
+def doc_difference(a: Mapping[str, Any], b: Mapping[str, Any]) -> tuple[str | None, bool]:
+    """Why two lines do not hold the same document, for the error message (None: they do), and whether they do only
+    once null fields are dropped."""
+    ha, hb, da, db = a.get("doc_hash"), b.get("doc_hash"), a.get("doc"), b.get("doc")
     if ha is not None and ha == hb:
-        return True, False
-    da, db = a.get("doc"), b.get("doc")
+        return None, False
+    hashes = "has different doc_hash" if ha is not None and hb is not None else "lacks a doc_hash in one log"
     if da is None or db is None:
-        return False, False
+        return f"{hashes} and a doc is missing", False
     if da == db:  # equal docs under two different hashes: the hashes are not of these docs
-        return ha is None or hb is None, False
+        if ha is None or hb is None:
+            return None, False
+        return f"{hashes} although the logged docs are equal (the hashes were not computed from these docs)", False
     if _drop_nulls(da) == _drop_nulls(db):
-        return True, True
-    return False, False
-
-
-def _mismatch(a: Mapping[str, Any], b: Mapping[str, Any]) -> str:
-    """Why two lines are not the same document, for the error message."""
-    da, db = a.get("doc"), b.get("doc")
-    hashes = (
-        "has different doc_hash"
-        if a.get("doc_hash") is not None and b.get("doc_hash") is not None
-        else "lacks a doc_hash in one log"
-    )
-    if da is None or db is None:
-        return f"{hashes} and a doc is missing"
-    if da == db:
-        return f"{hashes} although the logged docs are equal (the hashes were not computed from these docs)"
+        return None, True
     if isinstance(da, dict) and isinstance(db, dict):
         keys = sorted(k for k in set(da) | set(db) if _drop_nulls(da.get(k)) != _drop_nulls(db.get(k)))
         if keys:
             return (
-                f"{hashes}: field {keys[0]!r} differs: {str(da.get(keys[0]))[:40]!r} vs {str(db.get(keys[0]))[:40]!r}"
+                f"{hashes}: field {keys[0]!r} differs: {str(da.get(keys[0]))[:40]!r} vs {str(db.get(keys[0]))[:40]!r}",
+                False,
             )
-    return f"{hashes}: the docs differ"
+    return f"{hashes}: the docs differ", False
 
 
 def pair_docs(
@@ -144,17 +133,17 @@ def pair_docs(
     common = sorted(ids_r & ids_c)
     if not common:
         raise UserError(f"{labels[0]} and {labels[1]} share no doc_id", "pass two runs of the same task")
-    different, nulls_only = [], 0
+    different, nulls_only = {}, 0
     for i in common:
-        same, by_nulls = same_doc(reference[i], candidate[i])
-        if not same:
-            different.append(i)
+        why, by_nulls = doc_difference(reference[i], candidate[i])
+        if why is not None:
+            different[i] = why
         nulls_only += by_nulls
     if different:
-        i = different[0]
+        i = next(iter(different))
         raise UserError(
             f"{len(different)} of {len(common)} paired doc_ids hold different documents in the two runs "
-            f"(e.g. doc_id {i} {_mismatch(reference[i], candidate[i])})",
+            f"(e.g. doc_id {i} {different[i]})",
             doc_mismatch_hint or "pass two runs of the same task on the same dataset",
         )
     prompt_diff = [i for i in common if reference[i].get("prompt_hash") != candidate[i].get("prompt_hash")]

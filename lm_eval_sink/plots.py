@@ -35,19 +35,15 @@ def layer_head_heatmap(
     title: str,
     path: Path | None,
     label: str = "sink log-odds",
-    center: float | None = 0.0,
 ) -> Path | bytes:
-    """Heatmap of a [layer, head] matrix, layers on the y axis with their model indices."""
+    """Heatmap of a [layer, head] matrix centred at 0, layers on the y axis with their model indices."""
     import numpy as np
 
     plt = _pyplot()
     m = np.asarray(matrix, dtype=float)
     fig, ax = plt.subplots(figsize=(max(4, 0.45 * m.shape[1] + 2), max(3, 0.3 * m.shape[0] + 1.5)))
-    if center is not None:
-        span = float(np.nanmax(np.abs(m - center))) or 1.0
-        im = ax.imshow(m, cmap="RdBu_r", vmin=center - span, vmax=center + span, aspect="auto")
-    else:
-        im = ax.imshow(m, cmap="viridis", aspect="auto")
+    span = float(np.nanmax(np.abs(m))) or 1.0
+    im = ax.imshow(m, cmap="RdBu_r", vmin=-span, vmax=span, aspect="auto")
     ax.set_yticks(range(len(layers)), [str(x) for x in layers])
     ax.set_xticks(range(m.shape[1]))
     ax.set_xlabel("head")
@@ -65,15 +61,13 @@ def ranking_bars(
     values: Sequence[float],
     title: str,
     path: Path | None,
-    ylabel: str = "Sink Strength S",
-    groups: Sequence[str] | None = None,
+    groups: Sequence[str],
     legend: Mapping[str, str] | None = None,
 ) -> Path | bytes:
     """Bar chart of one number per model, in the given order; `groups` (each model's setting letter,
     `comparability.compare`) colours the bars by setting and, when there are several, says so in the title, with
     `legend[letter]` (how that setting differs) beside its letter."""
     plt = _pyplot()
-    groups = list(groups) if groups is not None else ["A"] * len(names)
     letters = list(dict.fromkeys(groups))
     fig, ax = plt.subplots(figsize=(max(4, 0.8 * len(names) + 2), 3.8))
     for i, (v, g) in enumerate(zip(values, groups, strict=True)):
@@ -84,7 +78,7 @@ def ranking_bars(
             ax.axvline(i - 0.5, color="gray", ls="--", lw=0.8)
     ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
     ax.axhline(0, color="black", lw=0.8)
-    ax.set_ylabel(ylabel)
+    ax.set_ylabel("Sink Strength S")
     if len(letters) > 1:
         title += f"\nmeasured in {len(letters)} settings: S compares only within one (see the notes)"
         handles, labels = ax.get_legend_handles_labels()
@@ -121,7 +115,9 @@ def place_labels(ax, items: Sequence[tuple[float, float, str]], fontsize: float 
     placed = []
     for x, y, text in items:
         fallback = None
-        size = _label_box(ax, renderer, text, (x, y), (0.0, 0.0), fontsize)
+        ann = ax.annotate(text, (x, y), **_label_style(0.0, 0.0, fontsize))  # drawn, measured and removed
+        size = ann.get_window_extent(renderer)
+        ann.remove()
         px, py = ax.transData.transform((x, y))
         for ring, dx, dy in _label_offsets():
             box = _moved(size, px, py, dx * ax.figure.dpi / 72, dy * ax.figure.dpi / 72).padded(2)  # margin at any dpi
@@ -165,14 +161,6 @@ def _moved(size, px: float, py: float, dx: float, dy: float):
     x0 = px + dx - (0 if dx > 1 else w if dx < -1 else w / 2)
     y0 = py + dy - (0 if dy > 1 else h if dy < -1 else h / 2)
     return Bbox.from_bounds(x0, y0, w, h)
-
-
-def _label_box(ax, renderer, text: str, xy: tuple[float, float], offset: tuple[float, float], fontsize: float):
-    """The display box a label takes at `offset` (drawn, measured and removed)."""
-    ann = ax.annotate(text, xy, **_label_style(*offset, fontsize))
-    box = ann.get_window_extent(renderer)
-    ann.remove()
-    return box
 
 
 def gap_parts(bars: Sequence[dict], path: Path | None, title: str, footer: str = "") -> Path | bytes:
@@ -324,10 +312,11 @@ def bucket_bars(
     counts: dict[str, int], title: str, path: Path | None, regression_kinds: dict[str, int] | None = None
 ) -> Path | bytes:
     """Bar chart of the four bucket counts; the regression bar stacked by failure kind when given."""
+    from lm_eval_sink.buckets.stats import BUCKETS
+
     plt = _pyplot()
-    names = ["both_pass", "regression", "recovered", "both_fail"]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for x, name in enumerate(names):
+    for x, name in enumerate(BUCKETS):
         if name == "regression" and regression_kinds and sum(regression_kinds.values()) == counts[name]:
             bottom = 0
             for kind, n in regression_kinds.items():
@@ -337,13 +326,13 @@ def bucket_bars(
         else:
             ax.bar(x, counts[name], color=_BUCKET_COLORS[name])
         ax.text(x, counts[name], str(counts[name]), ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(range(len(names)), names)
+    ax.set_xticks(range(len(BUCKETS)), BUCKETS)
     from matplotlib.ticker import MaxNLocator
 
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # prompt counts: whole numbers only
     ax.set_ylabel("prompts")
     ax.set_title(title, fontsize=9)
-    ax.set_ylim(top=max(max(counts[n] for n in names), 1) * 1.1)  # room for the count over the tallest bar
+    ax.set_ylim(top=max(max(counts[n] for n in BUCKETS), 1) * 1.1)  # room for the count over the tallest bar
     if regression_kinds and any(regression_kinds.values()):  # beside the axes, where it hides no bar or count
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     return save_figure(fig, path)

@@ -12,10 +12,11 @@ from typing import Any
 
 import numpy as np
 
+from lm_eval_sink.buckets.compare import power_of
 from lm_eval_sink.buckets.render import delta_text
 from lm_eval_sink.buckets.settings import BucketSettings
 from lm_eval_sink.buckets.stats import holm, paired_stats
-from lm_eval_sink.power import MIN_N, comparison_power, too_few
+from lm_eval_sink.power import MIN_N, too_few
 from lm_eval_sink.tables import markdown_lines
 
 ALL, PART, NONE, WORSE, TOO_FEW, NO_GAP, NO_LOSS = (
@@ -27,7 +28,6 @@ ALL, PART, NONE, WORSE, TOO_FEW, NO_GAP, NO_LOSS = (
     "no detectable gap to recover",
     "the candidate lost nothing here",
 )
-VERDICTS = (ALL, PART, NONE, WORSE, TOO_FEW, NO_GAP, NO_LOSS)
 ALL_FLOOR = 0.75  # "all of the gap" also needs the share's interval to rule out recovering less than this
 FAMILIES = ("gap", "vs_candidate", "vs_reference")
 SCHEMA_VERSION = 1
@@ -59,15 +59,6 @@ class TaskOutcomes:
     higher_is_better: bool | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class Share:
-    """The recovered share, its interval at the call's confidence, and why either is withheld (None)."""
-
-    estimate: float | None
-    ci: tuple[float, float] | None
-    reason: str | None
-
-
 def fieller_share(
     reference: np.ndarray, candidate: np.ndarray, control: np.ndarray, binary: bool, confidence: float
 ) -> tuple[float, float] | None:
@@ -97,8 +88,7 @@ def compare(first: np.ndarray, second: np.ndarray, kind: str, settings: BucketSe
     Wilcoxon otherwise) and what it could have detected (power.py). `p_holm` is set by `adjust`."""
     ids = list(range(len(first)))
     s = paired_stats(ids, first, second, kind, settings)
-    values = np.concatenate([first, second])
-    pw = comparison_power(kind, second - first, settings.effect, values=values, alpha=1 - settings.confidence)
+    pw = power_of(kind, first, second, settings)
     return {
         "delta": s.delta,
         "delta_ci": None if s.delta_ci is None else list(s.delta_ci),
@@ -118,10 +108,6 @@ def adjust(comparisons: Sequence[dict[str, Any]]) -> None:
         c["p_holm"] = p
 
 
-def _sign(x: float) -> int:
-    return (x > 0) - (x < 0)
-
-
 def _could(c: Mapping[str, Any], binary: bool) -> str:
     """What a comparison could have detected, in words (power.py's MDE)."""
     pw = c["power"]
@@ -133,7 +119,7 @@ def _could(c: Mapping[str, Any], binary: bool) -> str:
 def gained(gap: Mapping, higher_is_better: bool | None) -> str | None:
     """Why there is nothing to recover when the candidate is better than the reference (the metric's direction
     known), else None."""
-    if higher_is_better is None or _sign(gap["delta"]) != (1 if higher_is_better else -1):
+    if higher_is_better is None or np.sign(gap["delta"]) != (1 if higher_is_better else -1):
         return None
     better = "higher" if higher_is_better else "lower"
     return f"the candidate is better than the reference ({better} is better, Holm p {gap['p_holm']:.3g}): no loss"
@@ -150,45 +136,51 @@ def _nothing_to_recover(t: TaskOutcomes, gap: Mapping, alpha: float) -> tuple[st
     return None
 
 
-def verdict(t: TaskOutcomes, gap: Mapping, cell: Mapping, s: Share, alpha: float) -> tuple[str, str]:
+def verdict(t: TaskOutcomes, gap: Mapping, cell: Mapping, alpha: float) -> tuple[str, str]:
     """The verdict word and its sentence, from the Holm-adjusted tests and the share's interval: never more than
-    they show (`cell`: the control's two comparisons on task `t`)."""
+    they show (`cell`: the control's two comparisons and its `share` on task `t`)."""
     vs_cand, vs_ref, binary = cell["vs_candidate"], cell["vs_reference"], t.kind == "binary"
     if stop := _nothing_to_recover(t, gap, alpha):
         return stop
-    toward = _sign(vs_cand["delta"]) == -_sign(gap["delta"])
+    toward = np.sign(vs_cand["delta"]) == -np.sign(gap["delta"])
     if vs_cand["p_holm"] >= alpha:
         return NONE, f"no detectable change from the candidate (Holm p {vs_cand['p_holm']:.3g}); " + _could(
             vs_cand, binary
         )
     if not toward:
         return WORSE, f"farther from the reference than the candidate (Holm p {vs_cand['p_holm']:.3g})"
-    short = _sign(vs_ref["delta"]) == _sign(gap["delta"])
+    short = np.sign(vs_ref["delta"]) == np.sign(gap["delta"])
     if vs_ref["p_holm"] < alpha and short:
         return PART, f"still short of the reference (Holm p {vs_ref['p_holm']:.3g})"
     if vs_ref["p_holm"] < alpha:
         return ALL, f"beyond the reference (Holm p {vs_ref['p_holm']:.3g})"
     same = f"no detectable difference from the reference (Holm p {vs_ref['p_holm']:.3g}; {_could(vs_ref, binary)})"
-    if s.ci is None or s.ci[0] < ALL_FLOOR:  # not enough to say all: the share may be far below 1
-        low = "is unbounded" if s.ci is None else f"reaches down to {s.ci[0]:.2f}"
+    ci = cell["recovered_share_ci"]
+    if ci is None or ci[0] < ALL_FLOOR:  # not enough to say all: the share may be far below 1
+        low = "is unbounded" if ci is None else f"reaches down to {ci[0]:.2f}"
         return PART, f"at least part of it: {same}, but the share's interval {low}"
     return ALL, f"{same}, and the share's interval is above {ALL_FLOOR:g}"
 
 
-def share(t: TaskOutcomes, control: str, gap: Mapping, confidence: float) -> Share:
-    """The recovered share of `control` on task `t`: withheld where the gap is not detectable (Holm)."""
+def share(t: TaskOutcomes, control: str, gap: Mapping, confidence: float) -> dict[str, Any]:
+    """The recovered share of `control` on task `t`, its interval and why either is withheld (None): withheld where
+    the gap is not detectable (Holm)."""
     ref, cand, ctrl = (np.asarray(t.values[k], float) for k in ("reference", "candidate", control))
     if stop := _nothing_to_recover(t, gap, 1 - confidence):
-        return Share(None, None, stop[1] + ("" if stop[0] == TOO_FEW else ", no share of it"))
+        why = stop[1] + ("" if stop[0] == TOO_FEW else ", no share of it")
+        return {"recovered_share": None, "recovered_share_ci": None, "recovered_share_note": why}
     estimate = float(np.mean(ctrl - cand) / np.mean(ref - cand))
     ci = fieller_share(ref, cand, ctrl, t.kind == "binary", confidence)
     why = None if ci is not None else "interval unbounded: the gap is too uncertain for a bounded ratio (Fieller)"
-    return Share(estimate, ci, why)
+    return {
+        "recovered_share": estimate,
+        "recovered_share_ci": None if ci is None else list(ci),
+        "recovered_share_note": why,
+    }
 
 
 def prompt_lists(t: TaskOutcomes, control: str) -> dict[str, list[int]] | None:
-    """The docs `control` recovered (candidate fails, control passes) and broke (candidate passes, control fails);
-    None for a continuous metric (no pass/fail)."""
+    """The docs `control` recovered (candidate fails, control passes) and broke; None for a continuous metric."""
     if t.kind != "binary":
         return None
     cand, ctrl = np.asarray(t.values["candidate"]) >= 0.5, np.asarray(t.values[control]) >= 0.5
@@ -196,17 +188,10 @@ def prompt_lists(t: TaskOutcomes, control: str) -> dict[str, list[int]] | None:
     return {"recovered": ids[~cand & ctrl].tolist(), "broke": ids[cand & ~ctrl].tolist()}
 
 
-@dataclass(frozen=True, slots=True)
-class Recovery:
+def recover(
+    outcomes: Sequence[TaskOutcomes], controls: Sequence[str], settings: BucketSettings
+) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, dict[str, Any]]]]:
     """Every task's gap and every control x task cell (comparisons, share, verdict, prompt lists), as JSON records."""
-
-    tasks: dict[str, dict[str, Any]]
-    controls: dict[str, dict[str, dict[str, Any]]]
-    confidence: float
-
-
-def recover(outcomes: Sequence[TaskOutcomes], controls: Sequence[str], settings: BucketSettings) -> Recovery:
-    """The gap per task, both comparisons per control x task, Holm within each family, then shares and verdicts."""
     tasks = {
         t.task: {"metric": t.metric, "kind": t.kind, "higher_is_better": t.higher_is_better, "n": len(t.ids)}
         for t in outcomes
@@ -229,17 +214,10 @@ def recover(outcomes: Sequence[TaskOutcomes], controls: Sequence[str], settings:
         gap = tasks[t.task]["gap"]
         for c in controls:
             cell = cells[c][t.task]
-            s = share(t, c, gap, settings.confidence)
-            word, why = verdict(t, gap, cell, s, alpha)
-            cell.update(
-                recovered_share=s.estimate,
-                recovered_share_ci=None if s.ci is None else list(s.ci),
-                recovered_share_note=s.reason,
-                verdict=word,
-                verdict_reason=why,
-                prompts=prompt_lists(t, c),
-            )
-    return Recovery(tasks, cells, settings.confidence)
+            cell.update(share(t, c, gap, settings.confidence))
+            word, why = verdict(t, gap, cell, alpha)
+            cell.update(verdict=word, verdict_reason=why, prompts=prompt_lists(t, c))
+    return tasks, cells
 
 
 # --- text (recovery.md, the console, table.md) --------------------------------------------------------------------

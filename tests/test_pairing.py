@@ -12,7 +12,7 @@ from lm_eval_sink.attribution import per_prompt_split
 from lm_eval_sink.buckets.compare import bucket
 from lm_eval_sink.buckets.settings import BucketSettings
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.pairing import index_docs, pair_docs, same_doc
+from lm_eval_sink.pairing import doc_difference, index_docs, pair_docs
 
 
 def _h(obj) -> str:
@@ -39,14 +39,15 @@ def _rows(n: int, outcomes: list[int] | None = None) -> list[dict]:
 
 
 def test_same_doc_rules():
-    a = {"doc": {"k": 1, "x": None}, "doc_hash": "h1"}
-    assert same_doc(a, {"doc": {"k": 2}, "doc_hash": "h1"}) == (True, False)  # equal hashes decide
-    assert same_doc(a, {"doc": {"k": 1}, "doc_hash": "h2"}) == (True, True)  # differ only by a null field
-    assert same_doc(a, {"doc": {"k": 2}, "doc_hash": "h2"}) == (False, False)
-    assert same_doc(a, {"doc_hash": "h2"}) == (False, False)  # nothing to compare
+    a, k2 = {"doc": {"k": 1, "x": None}, "doc_hash": "h1"}, {"doc": {"k": 2}, "doc_hash": "h2"}
+    assert doc_difference(a, {"doc": {"k": 2}, "doc_hash": "h1"}) == (None, False)  # equal hashes decide
+    assert doc_difference(a, {"doc": {"k": 1}, "doc_hash": "h2"}) == (None, True)  # differ only by a null field
+    assert doc_difference(a, k2) == ("has different doc_hash: field 'k' differs: '1' vs '2'", False)
+    assert doc_difference(a, {"doc_hash": "h2"}) == ("has different doc_hash and a doc is missing", False)
     # equal docs under two hashes: the hashes are not of these docs; a missing hash: the docs decide
-    assert same_doc({"doc": {"k": 1}, "doc_hash": "h1"}, {"doc": {"k": 1}, "doc_hash": "h2"}) == (False, False)
-    assert same_doc({"doc": {"k": 1}}, {"doc": {"k": 1}, "doc_hash": "h2"}) == (True, False)
+    why = "has different doc_hash although the logged docs are equal (the hashes were not computed from these docs)"
+    assert doc_difference({"doc": {"k": 1}, "doc_hash": "h1"}, {**k2, "doc": {"k": 1}}) == (why, False)
+    assert doc_difference({"doc": {"k": 1}}, {"doc": {"k": 1}, "doc_hash": "h2"}) == (None, False)
 
 
 def test_both_commands_refuse_the_same_logs_with_the_same_message():

@@ -52,16 +52,16 @@ def test_a_control_equal_to_the_reference_recovers_1_equal_to_the_candidate_0(bi
     ref, cand, ctrl = data.draw(_three(binary))
     kind = "binary" if binary else "continuous"
     controls = {"same_ref": ref.copy(), "same_cand": cand.copy(), "x": ctrl}
-    r = recover([_task(ref, cand, controls, kind)], list(controls), FAST)
+    tasks, cells = recover([_task(ref, cand, controls, kind)], list(controls), FAST)
     for name, expected in (("same_ref", 1.0), ("same_cand", 0.0)):
-        cell = r.controls[name]["t"]
+        cell = cells[name]["t"]
         if cell["recovered_share"] is None:  # the gap not detectable: no share, and the reason says so
-            assert cell["recovered_share_note"] and r.tasks["t"]["gap"]["p_holm"] >= 0.05
+            assert cell["recovered_share_note"] and tasks["t"]["gap"]["p_holm"] >= 0.05
             continue
         assert cell["recovered_share"] == pytest.approx(expected, abs=1e-12)
         ci = cell["recovered_share_ci"]
         assert ci is None or (_holds(ci, expected) and (ci[1] > ci[0] or not binary))
-    x = r.controls["x"]["t"]
+    x = cells["x"]["t"]
     if x["recovered_share_ci"] is not None:
         assert _holds(x["recovered_share_ci"], x["recovered_share"])
 
@@ -104,10 +104,10 @@ def test_holm_is_adjusted_within_each_family_as_statsmodels_does(triples):
         _task(ref, cand, {"a": ctrl, "b": ref[::-1].copy()}, name=f"t{i}")
         for i, (ref, cand, ctrl) in enumerate(triples)
     ]
-    r = recover(tasks, ["a", "b"], FAST)
+    gaps, cells = recover(tasks, ["a", "b"], FAST)
     families = [
-        [r.tasks[t.task]["gap"] for t in tasks],
-        *([r.controls[c][t.task][f] for c in "ab" for t in tasks] for f in ("vs_candidate", "vs_reference")),
+        [gaps[t.task]["gap"] for t in tasks],
+        *([cells[c][t.task][f] for c in "ab" for t in tasks] for f in ("vs_candidate", "vs_reference")),
     ]
     for family in families:
         raw, adjusted = [c["p"] for c in family], [c["p_holm"] for c in family]
@@ -125,18 +125,18 @@ def test_all_of_the_gap_needs_the_shares_interval_and_a_gain_is_no_loss():
     ref = np.r_[np.ones(24), np.zeros(16)]
     cand, eight = ref.copy(), ref.copy()
     cand[:12], eight[:4] = 0, 0
-    cells = recover([_task(ref, cand, {"eight": eight, "same": ref.copy()})], ["eight", "same"], FAST).controls
+    cells = recover([_task(ref, cand, {"eight": eight, "same": ref.copy()})], ["eight", "same"], FAST)[1]
     assert (cells["eight"]["t"]["verdict"], cells["same"]["t"]["verdict"]) == (PART, ALL)
     assert cells["eight"]["t"]["vs_reference"]["p_holm"] >= 0.05
     assert cells["eight"]["t"]["recovered_share_ci"][0] < ALL_FLOOR <= cells["same"]["t"]["recovered_share_ci"][0]
     scores = np.linspace(50.0, 100.0, 40)  # a continuous metric: the reference itself, a zero-width interval at 1
-    same = recover(
+    _, same = recover(
         [_task(scores, scores - np.linspace(5, 25, 40), {"same": scores.copy()}, "continuous")], ["same"], FAST
     )
-    assert same.controls["same"]["t"]["verdict"] == ALL and same.controls["same"]["t"]["recovered_share_ci"] == [1, 1]
+    assert same["same"]["t"]["verdict"] == ALL and same["same"]["t"]["recovered_share_ci"] == [1, 1]
     for higher, runs in ((True, {"reference": cand, "candidate": ref}), (False, {"reference": ref, "candidate": cand})):
         t = TaskOutcomes("t", "acc", "binary", list(range(40)), {**runs, "x": eight}, higher)
-        cell = recover([t], ["x"], FAST).controls["x"]["t"]
+        cell = recover([t], ["x"], FAST)[1]["x"]["t"]
         assert cell["verdict"] == NO_LOSS and cell["recovered_share"] is None, cell["verdict"]
 
 
@@ -246,6 +246,6 @@ def test_the_forest_plot_draws_a_name_with_tex_markup_as_text():
     from lm_eval_sink.plots import recovery_forest
 
     ref, cand = np.r_[np.ones(24), np.zeros(16)], np.zeros(40)
-    r = recover([_task(ref, cand, {"$\\frac$": ref.copy()})], ["$\\frac$"], FAST)
-    png = recovery_forest({"controls": r.controls, "tasks": r.tasks, "confidence": r.confidence}, None)
+    tasks, cells = recover([_task(ref, cand, {"$\\frac$": ref.copy()})], ["$\\frac$"], FAST)
+    png = recovery_forest({"controls": cells, "tasks": tasks, "confidence": FAST.confidence}, None)
     assert png[:8] == b"\x89PNG\r\n\x1a\n"

@@ -27,7 +27,6 @@ from lm_eval_sink.buckets.stats import (
     interval_test_notes,
     mcnemar_exact,
     newcombe_paired_ci,
-    paired_delta_ci,
     paired_stats,
     wilson_ci,
 )
@@ -223,7 +222,7 @@ def test_paired_bootstrap_against_scipy():
     ref = rng.normal(60, 10, 60)
     cand = ref + rng.gamma(2.0, 3.0, 60) - 7  # skewed differences: the percentile method's tails matter
     want, tol = _scipy_percentile((cand - ref,), np.mean)
-    assert paired_delta_ci(ref, cand, 20_000, 0.95, 0) == pytest.approx(want, abs=tol)
+    assert cluster_delta_ci(ref, cand, np.ones(60), 20_000, 0.95, 0) == pytest.approx(want, abs=tol)
 
 
 def test_cluster_bootstrap_against_scipy():

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from lm_eval_sink.benchmarks import Benchmark
-from lm_eval_sink.buckets.paired import Paired, generated, identical_samples, pair
+from lm_eval_sink.buckets.paired import generated, identical_samples, pair
 from lm_eval_sink.buckets.rows import doc_rows, ifeval_passes, lenient_split, mark_truncation
 from lm_eval_sink.buckets.settings import BucketSettings
 from lm_eval_sink.buckets.stats import interval_test_notes, paired_stats
@@ -19,7 +19,6 @@ from lm_eval_sink.errors import UserError
 from lm_eval_sink.power import MIN_N, comparison_power, too_few
 
 SCHEMA_VERSION = 1
-# buckets.json keeps each metric's values as lm-eval writes them; the tables convert (said once, in the JSON).
 UNITS = (
     "scores, deltas, intervals and rates are in the metric's own unit as lm-eval writes it: a share of docs (0-1) "
     "for a 0/1 metric, which buckets.md and the report show in points (x100); power.effect_shown is in points "
@@ -121,22 +120,23 @@ def bucket(
         + _collapse_notes(p.ids, p.ref_rows, p.cand_rows, labels)
         + self_notes(identical_samples(p), len(p.ids), "reference and candidate")
         + interval_test_notes(stats, settings.confidence),
-        power=_power(p, kind, settings),
+        power=power_of(kind, p.ref_v, p.cand_v, settings, p.spec.score_range),
         too_few_to_tell=too_few(len(p.ids)) if len(p.ids) < MIN_N else None,
     )
 
 
-def _power(p: Paired, kind: str, settings: BucketSettings) -> dict[str, Any]:
-    """The power of the test `bucket` runs, at the level of its interval (alpha = 1 - confidence): McNemar on the 0/1
-    metric, or on pass/fail under `--threshold`; Wilcoxon on a continuous metric's differences."""
+def power_of(
+    kind: str, ref_v: np.ndarray, cand_v: np.ndarray, settings: BucketSettings, score_range: list[float] | None = None
+) -> dict[str, Any]:
+    """The power of the test a paired comparison runs, at the level of its interval (alpha = 1 - confidence): McNemar
+    on the 0/1 metric, or on pass/fail under `--threshold`; Wilcoxon on a continuous metric's differences."""
     alpha = round(1 - settings.confidence, 12)  # 0.05, not 0.050000000000000044
     if kind == "continuous" and settings.threshold is not None:
         thr = settings.threshold
-        passes = (p.cand_v >= thr).astype(float) - (p.ref_v >= thr).astype(float)
+        passes = (cand_v >= thr).astype(float) - (ref_v >= thr).astype(float)
         return comparison_power("binary", passes, settings.effect, outcome=f"pass/fail (score >= {thr:g})", alpha=alpha)
-    values = np.concatenate([p.ref_v, p.cand_v])
-    spread = {"values": values, "declared_range": p.spec.score_range}
-    return comparison_power(kind, p.cand_v - p.ref_v, settings.effect, alpha=alpha, **spread)
+    spread = {"values": np.concatenate([ref_v, cand_v]), "declared_range": score_range}
+    return comparison_power(kind, cand_v - ref_v, settings.effect, alpha=alpha, **spread)
 
 
 def metric_kind(
@@ -179,8 +179,7 @@ def _collapse_notes(ids, ref_rows, cand_rows, labels: tuple[str, str]) -> list[s
 
 
 def self_notes(identical: bool, n: int, what: str) -> list[str]:
-    """A note when the two logs are the same samples (`identical_samples` of `n` paired docs): every difference is
-    zero by construction."""
+    """A note when the two logs hold the same samples: every difference is zero by construction."""
     if not identical:
         return []
     return [

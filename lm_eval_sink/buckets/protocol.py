@@ -27,8 +27,7 @@ def _field_name(field: str, task: str) -> str:
 
 
 def protocol_record(fp, task: str) -> dict[str, Any]:
-    """Model and protocol of one run for `task`, from its fingerprint (buckets.json `runs.<side>`, less the file
-    hashes)."""
+    """Model and protocol of one run for `task` (buckets.json `runs.<side>`, less the file hashes)."""
     from lm_eval_sink.protocols import task_view
 
     return {
@@ -44,8 +43,7 @@ def protocol_record(fp, task: str) -> dict[str, Any]:
 
 
 def _run_max_gen_toks(fp, task: str) -> dict[str, Any] | None:
-    """The generation limit a run used for `task`: the task's generation kwargs, else model_args, else lm-eval's hf
-    default."""
+    """The generation limit a run used for `task`: its generation kwargs, else model_args, else lm-eval's default."""
     value = max_gen_toks_in((fp.harness["tasks"].get(task) or {}).get("generation_kwargs"))
     if value is not None:
         return {"value": value, "source": "the run's task generation_kwargs"}

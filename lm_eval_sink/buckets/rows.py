@@ -58,8 +58,7 @@ LATER_FIELDS = (
 def _truncated_side(
     p: Paired, side: int, settings: BucketSettings, count_tokens, fallback
 ) -> tuple[dict[int, bool | None], dict[str, Any]]:
-    """Whether each paired doc's response of one run (0 reference, 1 candidate) hit the generation limit, and the
-    run's counts."""
+    """Whether each response of one run (0 reference, 1 candidate) hit the generation limit, and the run's counts."""
     rows, marks, sources = (p.ref_rows, p.cand_rows)[side], {}, set()
     for i in p.ids:
         response = generated(rows[i])
@@ -209,8 +208,7 @@ def _instructions(
 
 
 def _instruction_type_table(per_type: Mapping[str, list[tuple[bool, bool]]]) -> list[dict[str, Any]]:
-    """One row per instruction type: buckets, rates, delta, exact McNemar and Holm-adjusted p; most regressions
-    first."""
+    """One row per instruction type (buckets, rates, delta, McNemar and Holm p), most regressions first."""
     table = []
     for name, pairs in per_type.items():
         counts = four([r for r, _ in pairs], [c for _, c in pairs])

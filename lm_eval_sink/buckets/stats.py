@@ -55,21 +55,6 @@ def resampled_sums(columns: np.ndarray, n_boot: int, seed: int) -> np.ndarray:
     return out
 
 
-def _interval(stats: np.ndarray, confidence: float) -> tuple[float, float]:
-    alpha = 1.0 - confidence
-    lo, hi = np.quantile(stats, [alpha / 2, 1 - alpha / 2])
-    return float(lo), float(hi)
-
-
-def paired_delta_ci(
-    reference: np.ndarray, candidate: np.ndarray, n_boot: int, confidence: float, seed: int
-) -> tuple[float, float]:
-    """Percentile interval of mean(candidate - reference) under a paired bootstrap over docs."""
-    d = (np.asarray(candidate, dtype=np.float64) - np.asarray(reference, dtype=np.float64))[:, None]
-    sums = resampled_sums(d, n_boot, seed)[:, 0]
-    return _interval(sums / d.shape[0], confidence)
-
-
 def cluster_delta_ci(
     reference_passed: np.ndarray,
     candidate_passed: np.ndarray,
@@ -78,13 +63,15 @@ def cluster_delta_ci(
     confidence: float,
     seed: int,
 ) -> tuple[float, float]:
-    """Interval of an item-level accuracy delta, resampling whole prompts: each resample's delta is (sum candidate
-    passed - sum reference passed) / sum instructions."""
+    """Percentile interval of an item-level delta under a paired bootstrap over whole prompts: each resample's delta is
+    (sum candidate passed - sum reference passed) / sum items (one item per doc: the mean per-doc difference)."""
     cols = np.stack(
         [np.asarray(candidate_passed, float) - np.asarray(reference_passed, float), np.asarray(n_items, float)], axis=1
     )
     sums = resampled_sums(cols, n_boot, seed)
-    return _interval(sums[:, 0] / sums[:, 1], confidence)
+    alpha = 1.0 - confidence
+    lo, hi = np.quantile(sums[:, 0] / sums[:, 1], [alpha / 2, 1 - alpha / 2])
+    return float(lo), float(hi)
 
 
 def wilson_ci(k: int, n: int, confidence: float) -> tuple[float, float]:
@@ -184,7 +171,7 @@ def delta_interval(
     if n < MIN_N or np.ptp(cand_v - ref_v) == 0:
         why = f"{n} paired docs (at least {MIN_N} are needed)" if n < MIN_N else "the per-doc differences do not vary"
         return None, f"withheld: {why}; a bootstrap interval there would claim a certainty the docs do not give"
-    ci = paired_delta_ci(ref_v, cand_v, settings.n_bootstrap, settings.confidence, settings.seed)
+    ci = cluster_delta_ci(ref_v, cand_v, np.ones(n), settings.n_bootstrap, settings.confidence, settings.seed)
     return ci, f"paired bootstrap over docs (percentile; {settings.n_bootstrap} resamples, seed {settings.seed})"
 
 
@@ -226,8 +213,7 @@ class PairedStats:
 
 
 def paired_stats(ids, ref_v: np.ndarray, cand_v: np.ndarray, kind: str, settings: BucketSettings) -> PairedStats:
-    """Delta with its interval (`delta_interval`); Wilcoxon for a continuous metric; buckets and McNemar for
-    pass/fail."""
+    """Delta with its interval; Wilcoxon for a continuous metric; buckets and McNemar for pass/fail."""
     delta_ci, method = delta_interval(ref_v, cand_v, kind == "binary", settings)
     wilcoxon_p = wilcoxon_test(cand_v - ref_v) if kind == "continuous" else None
     delta = float(cand_v.mean() - ref_v.mean())

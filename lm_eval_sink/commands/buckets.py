@@ -18,9 +18,7 @@ from lm_eval_sink.keys import CONTENT, Work, key_of
 
 @dataclass(frozen=True, slots=True)
 class BucketsWork(Work):
-    """What a bucket comparison reads: each run's samples and results files (by content), the task, the settings and
-    the tokenizer that counts generated tokens (a folder by content); its key is recorded in the provenance, with the
-    hashes of this module and all it imports (pairing, buckets, power, the run readers) and numpy's and scipy's."""
+    """What a bucket comparison reads (files, and the tokenizer folder, by content); its key is in the provenance."""
 
     CODE = (__name__,)
     PACKAGES = ("numpy", "scipy")

@@ -17,9 +17,8 @@ OUTPUTS = ("recovery.json", "recovery.md", "recovery.png", "prompts.parquet")
 
 @dataclass(frozen=True, slots=True)
 class RecoveryWork(Work):
-    """What `recovery` reads: every run's samples and results files (by content) and the settings; its key is in the
-    provenance, with the hashes of this module and all it imports and the versions of the packages that compute or
-    draw it. A sweep recomputes its recovery/ only when this key changes."""
+    """What `recovery` reads (files by content); its key is in the provenance, and a sweep recomputes its recovery/
+    only when it changes."""
 
     CODE = (__name__,)
     PACKAGES = ("numpy", "scipy", "pyarrow", "matplotlib")
@@ -234,21 +233,19 @@ def prompts_table(paired: Sequence[PairedTask], roles: Mapping[str, str]):
 
 
 def recovery_record(paired: Sequence[PairedTask], runs: list[NamedRun], settings, records, notes) -> dict[str, Any]:
-    """recovery.json (less its provenance): the runs, each task's gap, each control x task's comparisons, share,
-    verdict and prompt lists."""
+    """recovery.json, less its provenance."""
     from lm_eval_sink.power import MIN_N, too_few
     from lm_eval_sink.recovery import FAMILIES, SCHEMA_VERSION, SHARE_METHOD, UNITS, recover
 
     controls = [r.name for r in runs if r.role == "control"]
-    result = recover([t.outcomes for t in paired], controls, settings)
+    tasks, cells = recover([t.outcomes for t in paired], controls, settings)
     for t in paired:
         key = t.outcomes.task
         n = len(t.outcomes.ids)
-        result.tasks[key].update(task=t.task, filter=t.filter, pairing=t.pairing)
-        result.tasks[key]["too_few_to_tell"] = too_few(n) if n < MIN_N else None
+        tasks[key].update(task=t.task, filter=t.filter, pairing=t.pairing)
+        tasks[key]["too_few_to_tell"] = too_few(n) if n < MIN_N else None
         for c in controls:
-            cell = result.controls[c][key]
-            cell["prompts"] = prompt_records(t, c, cell["prompts"])
+            cells[c][key]["prompts"] = prompt_records(t, c, cells[c][key]["prompts"])
     return {
         "schema_version": SCHEMA_VERSION,
         "units": UNITS,
@@ -256,8 +253,8 @@ def recovery_record(paired: Sequence[PairedTask], runs: list[NamedRun], settings
         "share_method": SHARE_METHOD,
         "holm_families": list(FAMILIES),
         "runs": records,
-        "tasks": result.tasks,
-        "controls": result.controls,
+        "tasks": tasks,
+        "controls": cells,
         "notes": notes,
     }
 
@@ -312,8 +309,7 @@ def run_recovery(
     output: Path | None = None,
     force: bool = False,
 ) -> tuple[dict[str, Any], list[str]]:
-    """The `recovery` command: returns recovery.json's record and the lines to print (the table and the verdicts);
-    writes the output folder when `output` is given."""
+    """The `recovery` command: recovery.json's record and the lines to print; writes `output` when given."""
     from lm_eval_sink.recovery import summary_markdown
 
     runs = named_runs(reference, candidate, controls)

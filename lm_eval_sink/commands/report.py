@@ -8,7 +8,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -139,8 +139,7 @@ def _identities(what: str, doc: Doc, role_hint: str | None = None) -> list[tuple
 
 
 def check_same_pair(records: Sequence[tuple[str, str, str | None, str | None]]) -> dict[str, str]:
-    """Every pair of records of one role must agree (fingerprints where both have one, else names); returns role ->
-    shown name."""
+    """Role -> shown name; the records of one role must agree (fingerprints where both have one, else names)."""
     shown: dict[str, str] = {}
     for role in ROLES:
         rs = [r for r in records if r[1] == role]
@@ -231,59 +230,40 @@ def _buckets_input(doc: Doc, path: Path, out_dir: Path) -> BucketsInput:
     return BucketsInput(doc=doc, texts=texts, samples=shown)
 
 
-def load_inputs(
-    out: Path,
-    *,
-    strength: Sequence[Path] | None = None,
-    margin: Path | None = None,
-    buckets: Sequence[Path] = (),
-    attribution: Path | None = None,
-    sweep: Path | None = None,
-    recovery: Path | None = None,
-    title: str | None = None,
-) -> ReportInputs:
-    """Read, validate and cross-check every input; paths in the report are relative to `out`'s folder."""
+def _paths(what: str, given: Mapping[str, Any]) -> list[Path]:
+    """The paths given for the input `what` (strength and buckets take several)."""
+    value = given.get(what)
+    return list(value or ()) if what in ("strength", "buckets") else [] if value is None else [value]
+
+
+def load_inputs(out: Path, *, title: str | None = None, **given: Any) -> ReportInputs:
+    """Read, validate and cross-check every input (`given`: a path per INPUTS name, a sequence for strength and
+    buckets); paths in the report are relative to `out`'s folder."""
     from lm_eval_sink.provenance import package_versions
 
     out_dir = Path(out).parent
-    if not (strength or margin or buckets or attribution or sweep or recovery):
+    if not any(_paths(what, given) for what in INPUTS):
+        raise UserError("nothing to report", "pass at least one of " + ", ".join(f"--{what}" for what in INPUTS))
+    brought = None if given.get("sweep") is None else Path(given["sweep"]) / "recovery"
+    if given.get("recovery") is None and brought is not None and (brought / INPUTS["recovery"][0]).is_file():
+        given["recovery"] = brought  # a sweep folder brings its recovery
+    if given.get("strength") and len(given["strength"]) != 2:
         raise UserError(
-            "nothing to report",
-            "pass at least one of --strength, --margin, --buckets, --attribution, --sweep, --recovery",
+            f"--strength takes two inputs (reference, candidate), got {len(given['strength'])}",
+            "pass --strength REF --strength CAND (strength JSONs or folders, or lm-eval runs with sink_strength)",
         )
-    if recovery is None and sweep is not None and (Path(sweep) / "recovery" / INPUTS["recovery"][0]).is_file():
-        recovery = Path(sweep) / "recovery"  # a sweep folder brings its recovery
+    docs: dict[str, list[tuple[Doc, Path]]] = {}
     records = []
-    strength_docs = None
-    if strength:
-        if len(strength) != 2:
-            raise UserError(
-                f"--strength takes two inputs (reference, candidate), got {len(strength)}",
-                "pass --strength REF --strength CAND (strength JSONs or folders, or lm-eval runs with sink_strength)",
-            )
-        strength_docs = tuple(_doc(_file(p, "strength"), "strength", out_dir) for p in strength)
-        for role, d in zip(ROLES, strength_docs, strict=True):
-            records += _identities("strength", d, role)
-    docs: dict[str, Doc | None] = {}
-    for what, arg in (("margin", margin), ("attribution", attribution), ("sweep", sweep), ("recovery", recovery)):
-        docs[what] = None if arg is None else _doc(_file(arg, what), what, out_dir)
-        if docs[what] is not None:
-            records += _identities(what, docs[what])
-    bucket_docs = []
-    for arg in buckets:
-        path = _file(arg, "buckets")
-        d = _doc(path, "buckets", out_dir)
-        records += _identities("buckets", d)
-        bucket_docs.append((d, path))
+    for what in INPUTS:
+        docs[what] = [(_doc(path, what, out_dir), path) for path in (_file(a, what) for a in _paths(what, given))]
+        roles = ROLES[: len(docs[what])] if what == "strength" else [None] * len(docs[what])
+        records += [r for (d, _), role in zip(docs[what], roles, strict=True) for r in _identities(what, d, role)]
     identities = check_same_pair(records)
     return ReportInputs(
         title=title,
-        strength=strength_docs,
-        margin=docs["margin"],
-        attribution=docs["attribution"],
-        sweep=docs["sweep"],
-        recovery=docs["recovery"],
-        buckets=tuple(_buckets_input(d, p, out_dir) for d, p in bucket_docs),
+        strength=tuple(d for d, _ in docs["strength"]) or None,
+        buckets=tuple(_buckets_input(d, p, out_dir) for d, p in docs["buckets"]),
+        **{what: docs[what][0][0] if docs[what] else None for what in ("margin", "attribution", "sweep", "recovery")},
         identities=identities,
         versions=package_versions(),
         created_utc=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
@@ -291,8 +271,7 @@ def load_inputs(
 
 
 def run_report(output: Path, *, force: bool = False, **inputs: Any) -> list[str]:
-    """The `report` command: refuse `output` early, load the inputs (`inputs`: load_inputs's), write the page
-    atomically."""
+    """The `report` command: refuse `output` early, load the inputs (load_inputs's), write the page atomically."""
     from lm_eval_sink.io import atomic_write_text
     from lm_eval_sink.outputs import new_files
     from lm_eval_sink.report.render import render_html
@@ -300,7 +279,6 @@ def run_report(output: Path, *, force: bool = False, **inputs: Any) -> list[str]
     output = Path(output)
     if output.is_dir():
         raise UserError(f"-o {output} is a folder", "pass a file path, e.g. -o report.html")
-    files = [*(inputs.get("strength") or ()), *inputs.get("buckets", ())]
-    files += [inputs.get("margin"), inputs.get("attribution"), inputs.get("sweep"), inputs.get("recovery")]
+    files = [path for what in INPUTS for path in _paths(what, inputs)]
     with new_files([output], force, "-o", inputs=files):
         return [f"wrote {atomic_write_text(output, render_html(load_inputs(output, **inputs)))}"]

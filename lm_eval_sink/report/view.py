@@ -138,14 +138,20 @@ def _strength_row(d: Doc, parts: Mapping[str, list[Any] | None]) -> dict[str, An
 
 
 def _strength(inputs: ReportInputs) -> tuple[dict[str, Any] | None, list[str]]:
+    """The strength table, from the strength files when given, else from margin.json; each S's setting compared."""
+    from lm_eval_sink.comparability import compare, setting_of, setting_of_margin, setting_of_results
+
     notes: list[str] = []
     rows: dict[str, Any] = {}
+    settings = []
     margin = inputs.margin
     for i, role in enumerate(("reference", "candidate")):
         if inputs.strength is not None:
             d = inputs.strength[i]
             parts = strength_pointers(d.data)
             rows[role] = _strength_row(d, parts)
+            sink = "sink_strength" in d.data
+            settings.append(setting_of(d.data) if sink else setting_of_results(d.data, parts["s"][1]))
             if margin is not None:
                 ms, ss = get(margin.data, f"{role}_sink_strength"), get(d.data, *parts["s"])
                 if isinstance(ms, (int, float)) and isinstance(ss, (int, float)) and abs(ms - ss) > S_TOLERANCE:
@@ -158,41 +164,17 @@ def _strength(inputs: ReportInputs) -> tuple[dict[str, Any] | None, list[str]]:
             parts = {k: [*prov, v] for k, v in _STRENGTH_FIGURES.items()}
             parts |= {"s": [f"{role}_sink_strength"], "last_k": [*prov, "last_k"], "n_layers": [*prov, "n_layers"]}
             rows[role] = _strength_row(margin, parts)
+            settings.append(setting_of_margin(margin.data, role))
     notes += [f"{role}: {r['note']}" for role, r in rows.items() if r["note"]]
     if not rows:
         return None, notes
-    comparison = _strength_settings(inputs, list(rows))
+    comparison = compare(list(rows), settings)
     for role, label, s in zip(comparison.names, comparison.labels, comparison.settings, strict=True):
         share = None if s.k_share is None else f"{s.k_share:.0%}"
         rows[role] |= {"setting": label, "attention_layers": s.attention_layers, "k_share": share}
     if not comparison.comparable:
         notes += [line for line in comparison.lines() if not line.startswith("setting ")]
     return {"rows": rows, "settings": comparison.lines(), "comparable": comparison.comparable}, notes
-
-
-def _strength_settings(inputs: ReportInputs, roles: list[str]) -> Any:
-    """The settings of the S shown, compared (`comparability.compare`): from the strength files (a strength JSON or
-    an lm-eval results JSON) when given, else from margin.json."""
-    from lm_eval_sink.comparability import compare, setting_of, setting_of_margin, setting_of_results
-
-    settings = []
-    for role in roles:
-        if inputs.strength is None:
-            settings.append(setting_of_margin(inputs.margin.data, role))
-            continue
-        data = inputs.strength[("reference", "candidate").index(role)].data
-        if "sink_strength" in data:
-            settings.append(setting_of(data))
-        else:
-            settings.append(setting_of_results(data, strength_pointers(data)["s"][1]))  # the task shown
-    return compare(roles, settings)
-
-
-def _main_kind(counts: Mapping[str, int] | None) -> tuple[str, int] | None:
-    if not counts:
-        return None
-    kind, n = max(counts.items(), key=lambda kv: (kv[1], kv[0]))
-    return (kind, n) if n else None
 
 
 def _regression_rows(b: BucketsInput) -> list[dict[str, Any]]:
@@ -285,8 +267,7 @@ def _power(d: Doc) -> dict[str, Any] | None:
 
 
 def _buckets_section(b: BucketsInput) -> dict[str, Any]:
-    """The section of one buckets.json: scores and delta, bucket counts, failure kinds, regressions, instruction
-    types, notes and protocol differences."""
+    """The section of one buckets.json."""
     from lm_eval_sink.buckets.render import figure_title, notes
 
     d = b.doc
@@ -323,7 +304,7 @@ def _buckets_section(b: BucketsInput) -> dict[str, Any]:
         "figure_title": figure_title(data),
         "kinds_raw": dict(kinds),
         "kinds": [{"kind": k, "n": num(d, ["failure_kinds", "counts", k], "int")} for k, v in kinds.items() if v],
-        "main_kind": _main_kind(kinds),
+        "main_kind": max((k for k, v in kinds.items() if v), key=lambda k: (kinds[k], k), default=None),
         "regressions": num(d, ["counts", "regression"], "int"),
         "table": _regression_rows(b),
         "types": _instruction_type_rows(d),
@@ -338,9 +319,7 @@ def _buckets_section(b: BucketsInput) -> dict[str, Any]:
             }
             for k, v in (data.get("protocol_differences") or {}).items()
         ],
-        "runs": {
-            role: {"model": r.get("model"), "samples": b.samples.get(role, ("", ""))[0]} for role, r in runs.items()
-        },
+        "runs": {role: {"model": r.get("model")} for role, r in runs.items()},
     }
 
 
@@ -446,10 +425,11 @@ def _figure_state(c: Mapping[str, Any]) -> str:
 def named_columns(columns: list[str], rows: Sequence[Mapping[str, Any]]) -> list[tuple[str, str, float, bool]]:
     """Each of a sweep's table columns as (column, readable label told apart within `columns`, scale: 100 for a
     share of docs shown in points, whether it is unchanged in every checkpoint); table.md and the figure ask it."""
-    from lm_eval_sink.benchmarks import load_benchmarks, metric_in_points, metric_labels, unchanged_columns
+    from lm_eval_sink.benchmarks import load_benchmarks, metric_in_points, metric_labels
 
     benchmarks = load_benchmarks()
-    same = set(unchanged_columns(columns, list(rows)))
+    values = {c: {(r.get("metrics") or {}).get(c) for r in rows} for c in columns}  # unchanged: one measured value
+    same = {c for c in columns if len(rows) > 1 and len(values[c]) == 1 and None not in values[c]}
     return [
         (c, label, 100.0 if metric_in_points(c, benchmarks) else 1.0, c in same)
         for c, label in zip(columns, metric_labels(columns, benchmarks), strict=True)
@@ -578,12 +558,9 @@ def _recovery_section(d: Doc) -> dict[str, Any]:
 
 
 def _lineage(inputs: ReportInputs) -> dict[str, Any] | None:
-    if inputs.attribution is None:
+    first = None if inputs.attribution is None else get(inputs.attribution.data, "lineage", 0)
+    if not isinstance(first, Mapping):
         return None
-    items = get(inputs.attribution.data, "lineage") or []
-    if not items:
-        return None
-    first = items[0]
     return {"status": first.get("status"), "flagged": bool(first.get("flagged")), "how": first.get("how")}
 
 
@@ -606,19 +583,11 @@ def _inputs_table(inputs: ReportInputs) -> list[dict[str, Any]]:
     return rows
 
 
-def headline_index(buckets: Sequence[BucketsInput]) -> int | None:
-    """The buckets output the headline comes from: the IFEval one, else the first."""
-    for i, b in enumerate(buckets):
-        if str(b.doc.data.get("task", "")).startswith("ifeval"):
-            return i
-    return 0 if buckets else None
-
-
 def build_view(inputs: ReportInputs) -> dict[str, Any]:
     """The template's context: header, one entry per section given, provenance, notes."""
     strength, notes = _strength(inputs)
     buckets = [_buckets_section(b) for b in inputs.buckets]
-    hi = headline_index(inputs.buckets)
+    ifeval = [b for b in buckets if str(b["task"]).startswith("ifeval")]  # the headline: the IFEval one, else the first
     title = inputs.title or "lm-eval-sink report: " + " vs ".join(
         inputs.identities.get(r, r) for r in ("reference", "candidate")
     )
@@ -629,7 +598,7 @@ def build_view(inputs: ReportInputs) -> dict[str, Any]:
         "identities": dict(inputs.identities),
         "strength": strength,
         "s_meaning": S_MEANING,
-        "headline": buckets[hi] if hi is not None else None,
+        "headline": (ifeval + buckets)[0] if buckets else None,
         "buckets": buckets,
         "margin": _margin_section(inputs.margin) if inputs.margin is not None else None,
         "attribution": _attribution_section(inputs.attribution) if inputs.attribution is not None else None,
