@@ -155,7 +155,7 @@ def engine_s(spec: SweepSpec) -> EngineS:
 
     if spec.eval is None or spec.eval.backend != "vllm" or not spec.engine_reuse:
         return EngineS("no resident vLLM engine", "no resident vLLM engine")
-    ray = spec.engine is not None and spec.engine.kind == "ray"
+    ray = spec.on_ray
     args, gpu = {**spec.eval.model_args, "dtype": _dtype(spec.eval)}, None if ray else gpu_major()
     configs = [checkpoint_facts(weights_folder(model))["config"] or None for model in spec.models.values()]
     evals = next((why for c in configs if (why := s_refusal(c, args, gpu))), None)
@@ -227,7 +227,7 @@ def check_room(spec: SweepSpec) -> None:
     engine (`engine_s`). A CPU run and a Ray sweep (each actor's GPUs its own) are not checked (docs/scale.md)."""
     from lm_eval_sink.devices import _total_memory, resolve_device
 
-    if spec.engine is not None and spec.engine.kind == "ray":
+    if spec.on_ray:
         return
     visible = tuple(d for d in resolve_device("auto") if d != "cpu")
     if not visible:
@@ -278,13 +278,13 @@ def plan_notes(plan: Plan, todo: Sequence[Unit]) -> list[str]:
     if not evals:
         return []
     fields = {u.checkpoint: _known_fields(u.inputs.model, spec.eval) for u in evals}
-    where = "per Ray actor" if spec.engine is not None and spec.engine.kind == "ray" else "for the sweep"
+    where = "per Ray actor" if spec.on_ray else "for the sweep"
     lines = [
         f"vllm engine: one resident engine {where}, each checkpoint's weights swapped into it in place "
         "(--fresh-engine: one engine per checkpoint)"
     ]
     starts = engine_starts([u.checkpoint for u in evals], fields)
-    lines += [f"vllm engine: {name} gets an engine of its own: it {why}" for name, why in starts[1:] if why]
+    lines += [f"vllm engine: {name} gets an engine of its own: {why}" for name, why in starts[1:] if why]
     return lines + _s_notes(spec)
 
 

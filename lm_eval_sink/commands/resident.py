@@ -147,12 +147,11 @@ class Job:
 
 def jobs_of(plan: Plan, todo: list[Unit]) -> list[Job]:
     """The jobs of the checkpoints with units to run, in plan order."""
-    by_id = {u.id: u for u in plan.units}
     jobs = []
     for ck in plan.checkpoints:
         units = tuple(u for u in todo if u.checkpoint == ck.name)
         if units:
-            jobs.append(Job(ck, by_id.get(f"merge:{ck.name}"), units))
+            jobs.append(Job(ck, plan.unit("merge", ck.name), units))
     return jobs
 
 
@@ -280,7 +279,7 @@ def run_in_memory(
     spec = plan.spec
     jobs = jobs_of(plan, todo)
     by_id = {u.id: u for u in plan.units}
-    if spec.engine is not None and spec.engine.kind == "ray":
+    if spec.on_ray:
         from lm_eval_sink.merging.engines import run_on_actors
 
         def record_job(job: Job, outcomes: list[Outcome] | None, error: str | None) -> None:

@@ -94,7 +94,7 @@ def _check_eval(spec: SweepSpec) -> None:
 
     if spec.eval is not None:
         try:
-            if spec.engine is None or spec.engine.kind != "ray":  # a Ray actor's engine starts on its own node
+            if not spec.on_ray:  # a Ray actor's engine starts on its own node
                 check_engine_start(spec.eval)
             check_protocol(spec.eval, list(spec.models.values()))
         except UserError as e:
@@ -490,7 +490,6 @@ def _run_sweep_locked(
     report = SweepReport(output=out, notes=list(notes))
     state, plan_now = _start(plan, force, redo, earlier, report)
     markers, finished, manifest = dict(state.markers), set(plan_now.finished), Manifest(out / MANIFEST)
-    by_id = {u.id: u for u in plan.units}
     todo = list(plan_now.todo)
     steps = StepCounter(len(todo), announce, progress)  # --quiet: a line per step, no bars
 
@@ -508,8 +507,8 @@ def _run_sweep_locked(
         markers[unit.id] = read_complete(unit.output)
         finished.add(unit.id)
         report.ran.append(unit.id)
-        if spec.delete_merged and f"merge:{unit.checkpoint}" in by_id:
-            _maybe_delete_weights(by_id[f"merge:{unit.checkpoint}"], by_id, finished, manifest, markers)
+        if spec.delete_merged and (merge := plan.unit("merge", unit.checkpoint)) is not None:
+            _maybe_delete_weights(plan, merge, finished, manifest, markers)
 
     engine_lines = plan_notes(plan, todo)
     report.notes.extend(engine_lines)
@@ -526,7 +525,7 @@ def _run_sweep_locked(
         from lm_eval_sink.commands.resident import run_in_memory
 
         report.notes.extend(run_in_memory(plan, todo, record, progress))
-    elif spec.engine is not None and spec.engine.kind == "ray":
+    elif spec.on_ray:
         run_on_ray(todo, spec.engine, out, record, run_unit, progress=progress, pool=ray_pool(spec))
     else:
         with local_runner(spec, report.notes) as run:
@@ -534,7 +533,7 @@ def _run_sweep_locked(
     if spec.delete_merged:  # also checkpoints finished by an earlier run
         for unit in plan.units:
             if unit.kind == "merge":
-                _maybe_delete_weights(unit, by_id, finished, manifest, markers)
+                _maybe_delete_weights(plan, unit, finished, manifest, markers)
     _tabulate(plan, markers, report, steps.seconds)
     return report
 
@@ -577,9 +576,8 @@ def sweep_recovery(plan: Plan, markers: Markers) -> list[str]:
     from lm_eval_sink.io import read_json
     from lm_eval_sink.recovery import verdict_lines
 
-    by_id = {u.id: u for u in plan.units}
-    done = {ck.name: (ck.role, by_id[f"eval:{ck.name}"]) for ck in plan.checkpoints if f"eval:{ck.name}" in by_id}
-    done = {name: (role, u) for name, (role, u) in done.items() if current(u, markers) is not None}
+    evals = {ck.name: (ck.role, plan.unit("eval", ck.name)) for ck in plan.checkpoints}
+    done = {name: (role, u) for name, (role, u) in evals.items() if u is not None and current(u, markers) is not None}
     roles = [role for role, _ in done.values()]
     if "reference" not in roles or "candidate" not in roles or "merge" not in roles:
         return []
@@ -655,14 +653,11 @@ def _run_local(units: list[Unit], record: Any, failures: dict[str, str], steps: 
 
 
 def _maybe_delete_weights(
-    merge_unit: Unit, by_id: dict[str, Unit], finished: set[str], manifest: Manifest, markers: Markers
+    plan: Plan, merge_unit: Unit, finished: set[str], manifest: Manifest, markers: Markers
 ) -> None:
     """Delete a merged checkpoint's weight files once its eval and strength units are finished."""
-    downstream = [
-        f"{k}:{merge_unit.checkpoint}" for k in ("eval", "strength") if f"{k}:{merge_unit.checkpoint}" in by_id
-    ]
     complete = current(merge_unit, markers)
-    if not all(d in finished for d in downstream) or complete is None:
+    if not all(d.id in finished for d in plan.downstream(merge_unit.checkpoint)) or complete is None:
         return
     present = [n for n in complete.get("weight_files", {}) if (merge_unit.output / n).exists()]
     if not present:
@@ -686,16 +681,15 @@ def _saved_outputs(
     from lm_eval_sink.protocols import fingerprint_run
     from lm_eval_sink.runs import load_results, resolve_run
 
-    by_id = {u.id: u for u in plan.units}
     results, fingerprints, strengths, settings = {}, {}, {}, {}
     for ck in plan.checkpoints:
-        ev = by_id.get(f"eval:{ck.name}")
+        ev = plan.unit("eval", ck.name)
         complete = current(ev, markers) if ev is not None else None
         if complete is not None:
             run = resolve_run(ev.output / complete["results"])
             results[ck.name] = load_results(run)
             fingerprints[ck.name] = fingerprint_run(run)
-        st = by_id.get(f"strength:{ck.name}")
+        st = plan.unit("strength", ck.name)
         if st is not None and current(st, markers) is not None:
             saved = json.loads((st.output / "strength.json").read_text(encoding="utf-8"))
             strengths[ck.name], settings[ck.name] = saved["sink_strength"], setting_of(saved)

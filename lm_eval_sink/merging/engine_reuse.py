@@ -50,24 +50,17 @@ def differences(engine: Fields, checkpoint: Fields) -> list[str]:
 
 
 def engine_starts(order: Sequence[str], fields: Mapping[str, Fields | None]) -> list[tuple[str, str | None]]:
-    """For checkpoints in run order, each with the reason it starts an engine (None: its weights are swapped into
-    the engine before it). A checkpoint whose fields are not known yet (None: a merge not made) is decided when
-    it runs and leaves the engine as it was."""
+    """For checkpoints in run order, each with the reason it starts an engine (`new_engine_reason`; None: its weights
+    are swapped into the engine before it). A checkpoint whose fields are not known yet (None: a merge not made) is
+    decided when it runs and leaves the engine as it was."""
     out: list[tuple[str, str | None]] = []
     held: tuple[str, Fields] | None = None
     for name in order:
         mine = fields.get(name)
-        if mine is None:
-            out.append((name, None))
-            continue
-        if held is None:
-            out.append((name, "the first checkpoint"))
-        else:
-            diff = differences(held[1], mine)
-            out.append((name, f"differs from {held[0]} in {first_few(diff, 4)}" if diff else None))
-            if not diff:
-                continue
-        held = (name, mine)
+        why = None if mine is None else new_engine_reason(held, None, name, mine)
+        out.append((name, why))
+        if why is not None:
+            held = (name, mine)
     return out
 
 

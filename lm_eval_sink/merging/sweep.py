@@ -55,6 +55,10 @@ class SweepSpec:
     merges: tuple[Any, ...] = ()  # configs.Rendered per entry of `configs`: rendered and validated once, at load
     written: Any = None  # the sweep file's data as written (sweep.json keeps it: is the file the same?)
 
+    @property
+    def on_ray(self) -> bool:
+        return self.engine is not None and self.engine.kind == "ray"
+
     def to_json(self) -> dict[str, Any]:
         return {
             "source": self.source,
@@ -276,6 +280,13 @@ class Plan:
     units: tuple[Unit, ...]
     lineage: str
 
+    def unit(self, kind: str, checkpoint: str) -> Unit | None:
+        return next((u for u in self.units if u.kind == kind and u.checkpoint == checkpoint), None)
+
+    def downstream(self, checkpoint: str) -> list[Unit]:
+        """The eval and strength units of a checkpoint: what reads its merged weights."""
+        return [u for u in self.units if u.kind != "merge" and u.checkpoint == checkpoint]
+
 
 def redo_units(plan: Plan, redo: Sequence[str]) -> frozenset[str]:
     """The ids of the units `--redo` names: every unit of a kind (merge, eval, strength) or of a checkpoint."""
@@ -456,7 +467,7 @@ def comparability_lines(table: dict[str, Any]) -> list[str]:
 
 def _status(ck: Checkpoint, failures: dict[str, str]) -> str:
     """A checkpoint's status: each of its failed units with the error, else ok."""
-    units = (f"merge:{ck.name}", f"eval:{ck.name}", f"strength:{ck.name}")
+    units = (f"{kind}:{ck.name}" for kind in KINDS)
     problems = [f"{u}: {failures[u]}" for u in units if u in failures]
     return "; ".join(problems) if problems else "ok"
 
@@ -642,7 +653,7 @@ def schedule(plan: Plan, state: FolderState, force: bool, redo: frozenset[str]) 
     """The units to run: unfinished ones (all with `force`, also those in `redo`); a merge only where its eval or S
     needs weights that are not there (in memory: only to keep them), and never again once `delete_merged` removed
     them after everything downstream finished."""
-    spec, by_id = plan.spec, {u.id: u for u in plan.units}
+    spec = plan.spec
     latest = {} if force else state.latest
     finished = frozenset(u.id for u in plan.units if unit_finished(u, latest, state.markers) and u.id not in redo)
 
@@ -651,8 +662,7 @@ def schedule(plan: Plan, state: FolderState, force: bool, redo: frozenset[str]) 
             return unit.id not in finished
         if spec.in_memory:  # its eval and S read the resident model: weights only when asked for
             return spec.keep_weights and unit.id not in finished
-        downstream = [by_id[d] for k in ("eval", "strength") if (d := f"{k}:{unit.checkpoint}") in by_id]
-        if all(d.id in finished for d in downstream):
+        if all(d.id in finished for d in plan.downstream(unit.checkpoint)):
             return unit.id not in finished and not spec.delete_merged
         return unit.id not in finished or unit.id not in state.weights
 
@@ -661,7 +671,7 @@ def schedule(plan: Plan, state: FolderState, force: bool, redo: frozenset[str]) 
         u.id for u in plan.units if spec.in_memory and u.kind == "merge" and u not in todo and u.id not in finished
     )
     remerged = {
-        u.id: tuple(d.id for d in todo if d.kind != "merge" and d.checkpoint == u.checkpoint)
+        u.id: tuple(d.id for d in plan.downstream(u.checkpoint) if d in todo)
         for u in todo
         if u.kind == "merge" and u.id in finished
     }
