@@ -130,7 +130,9 @@ def load_sweep(
     models = _models(sweep, src, here)
     configs, templates = _templates(sweep, src, here)
     merge = sweep.merge
-    tokenizer_source = _tokenizer_source(here, merge.tokenizer_source)
+    tokenizer_source = merge.tokenizer_source
+    if tokenizer_source is not None and tokenizer_source not in TOKENIZER_CHOICES:  # else a model folder
+        tokenizer_source = _model_arg(here, tokenizer_source)
     eval_settings = None if "eval" in skipped else _eval_settings(sweep.eval, src, lambda p: _rel(here, p), python)
     strength, sdtype, sdevice = _strength(sweep.strength, "strength" in skipped, src, here)
     devices = {"merge": merge.device, "eval": eval_settings and eval_settings.device, "strength": sdevice}
@@ -171,11 +173,6 @@ def _checked(spec: SweepSpec) -> SweepSpec:
         check_room(spec)
     _check_eval(spec)
     return spec
-
-
-def _tokenizer_source(here: Path, given: str | None) -> str | None:
-    """merge.tokenizer_source: one of mergekit's choices, or a model folder (relative to the sweep file)."""
-    return given if given is None or given in TOKENIZER_CHOICES else _model_arg(here, given)
 
 
 def _output(given: str | Path | None, written: str | None, src: str, here: Path) -> Path:
@@ -271,23 +268,15 @@ class Manifest:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
 
-    def entries(self) -> list[dict[str, Any]]:
-        if not self.path.is_file():
-            return []
-        out = []
-        for line in self.path.read_text(encoding="utf-8").splitlines():
+    def latest(self) -> dict[str, dict[str, Any]]:
+        """Each unit's last done or failed line."""
+        last: dict[str, dict[str, Any]] = {}
+        for line in self.path.read_text(encoding="utf-8").splitlines() if self.path.is_file() else []:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line torn by kill -9: that unit is simply not finished
-            if isinstance(row, dict) and "unit" in row:
-                out.append(row)
-        return out
-
-    def latest(self) -> dict[str, dict[str, Any]]:
-        last: dict[str, dict[str, Any]] = {}
-        for row in self.entries():
-            if row.get("status") in ("done", "failed"):
+            if isinstance(row, dict) and "unit" in row and row.get("status") in ("done", "failed"):
                 last[row["unit"]] = row
         return last
 

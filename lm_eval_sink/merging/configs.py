@@ -23,7 +23,6 @@ from lm_eval_sink.keys import MODEL, UNKEYED
 from lm_eval_sink.yaml_input import parse_yaml
 from lm_eval_sink.schema import Strict, did_you_mean, key_path, model_at, parse
 
-LINEAGES = ("chain", "siblings")
 ROLES = ("reference", "candidate", "base")
 PLACEHOLDERS = ("${reference}", "${candidate}", "${base}", "${out_dtype}")
 TOKENIZER_CHOICES = ("base", "union", "reference", "candidate")
@@ -34,23 +33,6 @@ _STOCK_RANGES: dict[str, tuple[Any, ...]] = {"density": (at.Gt(0), at.Le(1)), "t
 
 
 # --- bundled templates -------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Template:
-    """One merge control: metadata plus a mergekit config per lineage, with placeholders."""
-
-    name: str
-    path: str
-    sha256: str
-    title: str
-    paper_setting: str
-    summary: str
-    lineages: dict[str, dict[str, Any]]
-
-    @property
-    def method(self) -> str:
-        return str(self.lineages["chain"]["config"].get("merge_method"))
 
 
 class _LineageIn(Strict):
@@ -69,7 +51,17 @@ class _TemplateIn(Strict):
     siblings: _LineageIn
 
 
-assert set(_TemplateIn.model_fields) >= set(LINEAGES)
+class Template(_TemplateIn):
+    """One merge control: its template file as written (a mergekit config per lineage, with placeholders), its name,
+    where it was read and the sha256 of its text; `title` is the name where the file gives none."""
+
+    name: str
+    path: str
+    sha256: str
+
+    @property
+    def method(self) -> str:
+        return str(self.chain.config.get("merge_method"))
 
 
 def _bundled_dir():
@@ -103,21 +95,9 @@ def load_template(name_or_path: str | Path) -> Template:
             )
         res = _bundled_dir().joinpath(f"{text_arg}.yaml")
         text, where, name = res.read_text(encoding="utf-8"), f"merge_configs/{text_arg}.yaml", text_arg
-    data = parse_yaml(text, where)
-    if not isinstance(data, dict):
-        raise UserError(
-            f"{where}: not a merge-control template (expected a mapping)", "see merge_configs/*.yaml for the format"
-        )
-    t = parse(_TemplateIn, data, where)
-    return Template(
-        name=name,
-        path=where,
-        sha256=sha256_text(text),
-        title=t.title if t.title is not None else name,
-        paper_setting=t.paper_setting,
-        summary=t.summary,
-        lineages={k: getattr(t, k).model_dump(exclude_unset=True) for k in LINEAGES},
-    )
+    t = parse(_TemplateIn, parse_yaml(text, where), where)
+    title = t.title if t.title is not None else name
+    return Template(**{**dict(t), "title": title}, name=name, path=where, sha256=sha256_text(text))
 
 
 def list_templates() -> list[Template]:
@@ -213,26 +193,20 @@ def render(
 ) -> Rendered:
     """Fill a template for one pair (chain lineage) or trio (siblings lineage) and validate it; `tokenizer_source`:
     None (mergekit's rule: the base_model's), `base`, `union`, `reference`, `candidate` or a model path."""
-    from lm_eval_sink.models import resolve_model
-
     template = name if isinstance(name, Template) else load_template(name)
-    paths = {
-        "reference": _resolve_role(resolve_model, "--reference", reference),
-        "candidate": _resolve_role(resolve_model, "--candidate", candidate),
-    }
+    given = {"reference": reference, "candidate": candidate, **({"base": base} if base is not None else {})}
+    paths = {role: _resolve_role(f"--{role}", value) for role, value in given.items()}
     lineage = "siblings" if base is not None else "chain"
-    if base is not None:
-        paths["base"] = _resolve_role(resolve_model, "--base", base)
-    block = template.lineages[lineage]
+    block: _LineageIn = getattr(template, lineage)
     values = {f"${{{role}}}": p for role, p in paths.items()}
     values["${out_dtype}"] = stored_dtype(paths["reference"])
-    config = _substitute(block["config"], values, f"{template.path}: {lineage}.config")
-    if tokenizer_source is not None:
-        config["tokenizer_source"] = (
-            paths[tokenizer_source]
-            if tokenizer_source in ("reference", "candidate")
-            else _tokenizer_source_arg(tokenizer_source, resolve_model)
-        )
+    config = _substitute(block.config, values, f"{template.path}: {lineage}.config")
+    if tokenizer_source in ("reference", "candidate"):
+        config["tokenizer_source"] = paths[tokenizer_source]
+    elif tokenizer_source in ("base", "union"):
+        config["tokenizer_source"] = tokenizer_source
+    elif tokenizer_source is not None:
+        config["tokenizer_source"] = _resolve_role("--tokenizer-source", tokenizer_source)
     warnings = _render_warnings(template, lineage, block, paths, tokenizer_source)
     text = _header(template, lineage, block, paths) + yaml.safe_dump(
         config, sort_keys=False, default_flow_style=None, width=1000
@@ -244,7 +218,7 @@ def render(
         lineage=lineage,
         text=text,
         config=config,
-        formula=str(block["formula"]),
+        formula=block.formula,
         warnings=tuple(warnings),
         template=template,
         validated=validated,
@@ -252,17 +226,17 @@ def render(
 
 
 def _render_warnings(
-    template: Template, lineage: str, block: dict[str, Any], paths: dict[str, str], tokenizer_source: str | None
+    template: Template, lineage: str, block: _LineageIn, paths: dict[str, str], tokenizer_source: str | None
 ) -> list[str]:
     """What the user should know about a filled template: an identity, an unused base, a base tokenizer that differs."""
     warnings = []
-    if block.get("identity"):
-        warnings.append(f"{template.name} ({lineage} lineage): {block['identity']}")
-    uses_base = _uses(block["config"], "${base}")
+    if block.identity:
+        warnings.append(f"{template.name} ({lineage} lineage): {block.identity}")
+    uses_base = _uses(block.config, "${base}")
     if "base" in paths and not uses_base:
         warnings.append(
             f"{template.name}: this control does not use the base model "
-            f"(--base only selects the siblings formula: {block['formula']})"
+            f"(--base only selects the siblings formula: {block.formula})"
         )
     if (
         tokenizer_source is None
@@ -278,30 +252,26 @@ def _render_warnings(
     return warnings
 
 
-def _header(template: Template, lineage: str, block: dict[str, Any], paths: dict[str, str]) -> str:
+def _header(template: Template, lineage: str, block: _LineageIn, paths: dict[str, str]) -> str:
     """The comment lines above a rendered config: its template, models and formula, and how to run it."""
     lines = [
         f"# Rendered by lm-eval-sink from {template.path} (sha256 {template.sha256[:16]}): "
         f"{template.title}, {lineage} lineage.",
         *(f"# {role}: {p}" for role, p in paths.items()),
-        f"# {block['formula']}",
+        f"# {block.formula}",
         "# Plain mergekit YAML: mergekit-yaml THIS_FILE OUT (tsv and star need lm-eval-sink installed); "
         "or lm-eval-sink merge THIS_FILE OUT.",
     ]
     return "\n".join(lines) + "\n"
 
 
-def _resolve_role(resolve_model, flag: str, value: str | Path) -> str:
+def _resolve_role(flag: str, value: str | Path) -> str:
+    from lm_eval_sink.models import resolve_model
+
     try:
         return resolve_model(value, allow_adapter=False)
     except UserError as e:
         raise UserError(f"{flag}: {e.message}", e.hint) from None
-
-
-def _tokenizer_source_arg(value: str, resolve_model) -> str:
-    if value in ("base", "union"):
-        return value
-    return _resolve_role(resolve_model, "--tokenizer-source", value)
 
 
 # --- validation --------------------------------------------------------------------------
@@ -872,22 +842,15 @@ def _check_compatible(ck: _Checker, config, inputs: list[str], whole_models: boo
         return
     configs = {p: _config_json(p) for p in inputs}
     first = inputs[0]
-    keys = [*_SHAPE_KEYS, *(["num_hidden_layers"] if whole_models else [])]
+    own_vocab = config.tokenizer_source is None and config.tokenizer is None  # else the merge builds one
+    keys = [*_SHAPE_KEYS, *(["num_hidden_layers"] if whole_models else []), *(["vocab_size"] if own_vocab else [])]
     for key in keys:
         a = _config_value(configs[first], key)
         for other in inputs[1:]:
             b = _config_value(configs[other], key)
-            if a is not None and b is not None and a != b:
-                ck.fail(
-                    "models",
-                    f"{key} differs: {ck.name(first)} has {a}, {ck.name(other)} has {b}",
-                    "merge models of one architecture and size",
-                )
-    if config.tokenizer_source is None and config.tokenizer is None:
-        a = _config_value(configs[first], "vocab_size")
-        for other in inputs[1:]:
-            b = _config_value(configs[other], "vocab_size")
-            if a is not None and b is not None and a != b:
+            if a is None or b is None or a == b:
+                continue
+            if key == "vocab_size":
                 ck.fail(
                     "tokenizer_source",
                     f"vocabulary sizes differ: {ck.name(first)} has vocab_size {a}, "
@@ -895,3 +858,8 @@ def _check_compatible(ck: _Checker, config, inputs: list[str], whole_models: boo
                     "choose the output vocabulary with tokenizer_source: base | union | PATH "
                     "(render: --tokenizer-source reference)",
                 )
+            ck.fail(
+                "models",
+                f"{key} differs: {ck.name(first)} has {a}, {ck.name(other)} has {b}",
+                "merge models of one architecture and size",
+            )

@@ -6,7 +6,6 @@ both paths give equal weights; rules and refusals: docs/merging.md (`merge_into`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from lm_eval_sink.errors import UserError
@@ -16,14 +15,6 @@ from lm_eval_sink.errors import UserError
 # planned with `plan_to_disk` and only the SaveTensor tasks' own tensor tasks are run: the writer task,
 # which alone would use this path, is never executed.
 _NO_WRITER = "/nonexistent/lm-eval-sink-in-memory"
-
-
-@dataclass(frozen=True, slots=True)
-class InMemoryMerge:
-    """What one in-memory merge did: the tensors it copied and the hub commits it pinned."""
-
-    n_tensors: int
-    pins: dict[str, str]
 
 
 def check_in_memory(text: str, name: str) -> None:
@@ -46,23 +37,23 @@ def endpoint_text(path: str) -> str:
     return yaml.safe_dump({"merge_method": "passthrough", "models": [{"model": str(path)}]})
 
 
-def _plan(model: Any, text: str, name: str, options: Any) -> tuple[list[Any], Any]:
-    """mergekit's SaveTensor tasks of `text` for `model` (names checked against its parameters), and the pins."""
+def _plan(model: Any, text: str, name: str, options: Any) -> list[Any]:
+    """mergekit's SaveTensor tasks of `text` for `model` (names checked against its parameters)."""
     from mergekit.architecture import get_architecture_info
     from mergekit.io.tasks import SaveTensor
     from mergekit.plan import MergePlanner
 
-    from lm_eval_sink.merging.merge import loadable_config
+    from lm_eval_sink.merging.merge import pinned_configs
     from lm_eval_sink.merging.methods import register
 
     check_in_memory(text, name)
     register()
-    config, pins = loadable_config(text)  # a fresh copy: the planner rewrites it
+    config, _, _ = pinned_configs(text, None)  # a fresh copy whose hub inputs load at their pinned commits
     arch_info = get_architecture_info(config, options)
     planner = MergePlanner(config, arch_info, options=options, out_model_config=model.config)
     saves = [t for t in planner.plan_to_disk(out_path=_NO_WRITER) if isinstance(t, SaveTensor)]
     _check_names(model, {s.tensor_name for s in saves}, name)
-    return saves, pins
+    return saves
 
 
 def check_plan(model: Any, text: str, name: str) -> None:
@@ -79,8 +70,9 @@ def merge_into(
     name: str,
     random_seed: int | None = None,
     device: str = "cpu",
-) -> InMemoryMerge:
-    """Run the validated merge config `text` and copy every tensor into `model`'s parameters of the same name.
+) -> int:
+    """Run the validated merge config `text` and copy every tensor into `model`'s parameters of the same name; returns
+    how many it copied.
 
     `copy_` writes each tensor into the parameter where it lives, on any GPU of a device map; a parameter
     offloaded by accelerate (a meta tensor in the model, its weight kept aside) cannot take it: refused."""
@@ -101,7 +93,7 @@ def merge_into(
         if random_seed is not None:
             transformers.trainer_utils.set_seed(random_seed)
         LoaderCache().setup(options=options)
-        saves, pins = _plan(model, text, name, options)
+        saves = _plan(model, text, name, options)
         by_task: dict[Any, list[Any]] = {}
         for save in saves:
             by_task.setdefault(save.tensor_task, []).append(save)
@@ -113,7 +105,7 @@ def merge_into(
                 tensor = value.to(dtype_from_name(save.dtype)) if save.dtype else value
                 targets[save.tensor_name].data.copy_(tensor)
                 n += 1
-    return InMemoryMerge(n_tensors=n, pins=pins)
+    return n
 
 
 def _check_not_offloaded(targets: dict[str, Any], control: str) -> None:

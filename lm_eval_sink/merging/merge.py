@@ -18,7 +18,7 @@ from lm_eval_sink.io import sha256_text
 from lm_eval_sink.keys import UNKEYED, Work, key_of, key_versions, keyed
 from lm_eval_sink.outputs import COMPLETE, check_output_dir, manifest, staged_dir, write_complete
 from lm_eval_sink.provenance import provenance
-from lm_eval_sink.merging.configs import ValidatedConfig, validate_file, validate_text
+from lm_eval_sink.merging.configs import ValidatedConfig, validate_file
 
 _TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")
 
@@ -26,10 +26,8 @@ _TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model"
 @dataclass(frozen=True, slots=True)
 class MergeResult:
     out: Path
-    key: str
     method: str
     n_tensors: int
-    weight_files: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +110,7 @@ def run_mergekit(
     from lm_eval_sink.merging.methods import register
 
     register()
-    to_load, recipe, pins = _pinned_configs(text, revisions, config)
+    to_load, recipe, pins = pinned_configs(text, revisions, config)
     source = (
         text
         if not pins
@@ -125,13 +123,7 @@ def run_mergekit(
     return pins
 
 
-def loadable_config(text: str) -> tuple[Any, dict[str, str]]:
-    """A fresh MergeConfiguration of `text` whose hub inputs load at their pinned commits, and the pins."""
-    to_load, _, pins = _pinned_configs(text, None)
-    return to_load, pins
-
-
-def _pinned_configs(text: str, revisions: dict[str, str] | None, config: Any = None) -> tuple[Any, Any, dict[str, str]]:
+def pinned_configs(text: str, revisions: dict[str, str] | None, config: Any = None) -> tuple[Any, Any, dict[str, str]]:
     """(config to load, recipe with `@sha` references, {reference as written: sha}) for YAML text, or for its
     already parsed MergeConfiguration `config` (a deep copy: mergekit's planner rewrites what it is given)."""
     import yaml
@@ -265,13 +257,4 @@ def merge_config(
                 ),
             },
         )
-    return MergeResult(out=out, key=work.key, method=vc.method, n_tensors=n_tensors, weight_files=files)
-
-
-__all__ = [
-    "MergeResult",
-    "merge_config",
-    "run_mergekit",
-    "validate_text",
-    "verify_checkpoint",
-]
+    return MergeResult(out=out, method=vc.method, n_tensors=n_tensors)
