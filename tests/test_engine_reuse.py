@@ -422,7 +422,7 @@ def test_merges_on_the_engines_gpu_need_each_models_largest_tensor_beside_it(
     assert "for the merges (mergekit on cuda: the largest tensor of each of linear_95_5's 2 inputs)" in line, line
     assert line.endswith("or set merge.device: cpu (mergekit's math on the CPU))")
     monkeypatch.setattr(devices, "_total_memory", lambda found: {d: 4 * largest for d in found})
-    assert load_sweep(path).merge_device == "cuda"  # room 2 x largest: fits
+    assert load_sweep(path).merge.device == "cuda"  # room 2 x largest: fits
 
 
 def test_a_strength_unit_measured_on_the_resident_engine_is_keyed_by_the_engines_vllm_and_code(

@@ -214,10 +214,10 @@ def memory_needs(spec: SweepSpec, devices: tuple[str, ...], where: EngineS) -> l
         where_s = resolve_device(spec.strength_device)
         what = f"the strength: units ({name}'s weights in {spec.strength_dtype})"
         needs.append(Need(what, size, where_s, _not_on_engine(where.strength)))
-    if spec.merges and spec.merge_device != "cpu":
+    if spec.merges and spec.merge.device != "cpu":
         name, inputs, size = _merge_need(spec)
-        what = f"the merges (mergekit on {spec.merge_device}: the largest tensor of each of {name}'s {inputs} inputs)"
-        needs.append(Need(what, size, (math_device(spec.merge_device),), MERGE_ON_CPU))
+        what = f"the merges (mergekit on {spec.merge.device}: the largest tensor of each of {name}'s {inputs} inputs)"
+        needs.append(Need(what, size, (math_device(spec.merge.device),), MERGE_ON_CPU))
     return needs
 
 

@@ -26,15 +26,15 @@ FIX = "set merge: {in_memory: false} (or pass --on-disk)"
 def check_spec(spec: SweepSpec) -> None:
     """Refuse, in one line, an in-memory sweep that one resident model cannot run as the on-disk path would."""
     src = spec.source
-    if not spec.in_memory:
-        if spec.keep_weights:
+    if not spec.merge.in_memory:
+        if spec.merge.keep_weights:
             raise UserError(
                 f"{src}: merge.keep_weights is an in-memory setting (on disk the merged weights are kept anyway)",
                 "drop keep_weights, or set merge: {in_memory: true}",
             )
         return
     ev = spec.eval
-    if spec.delete_merged:
+    if spec.merge.delete_merged:
         raise UserError(
             f"{src}: merge.delete_merged has no meaning in memory: no merged weights are written",
             "drop delete_merged (or --delete-merged), or " + FIX,

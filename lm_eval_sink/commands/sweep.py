@@ -129,10 +129,10 @@ def load_sweep(
     out = _output(output, sweep.output, src, here)
     models = _models(sweep, src, here)
     configs, templates = _templates(sweep, src, here)
-    merge = sweep.merge
-    tokenizer_source = merge.tokenizer_source
-    if tokenizer_source is not None and tokenizer_source not in TOKENIZER_CHOICES:  # else a model folder
-        tokenizer_source = _model_arg(here, tokenizer_source)
+    flags = {k: v for k, v in {"delete_merged": delete_merged, "in_memory": in_memory}.items() if v is not None}
+    merge = sweep.merge.model_copy(update=flags)
+    if merge.tokenizer_source is not None and merge.tokenizer_source not in TOKENIZER_CHOICES:  # a model folder
+        merge = merge.model_copy(update={"tokenizer_source": _model_arg(here, merge.tokenizer_source)})
     eval_settings = None if "eval" in skipped else _eval_settings(sweep.eval, src, lambda p: _rel(here, p), python)
     strength, sdtype, sdevice = _strength(sweep.strength, "strength" in skipped, src, here)
     devices = {"merge": merge.device, "eval": eval_settings and eval_settings.device, "strength": sdevice}
@@ -144,19 +144,14 @@ def load_sweep(
         output=out.resolve(),
         models=models,
         configs=configs,
-        random_seed=merge.random_seed,
-        merge_device=merge.device,
-        tokenizer_source=tokenizer_source,
-        delete_merged=merge.delete_merged if delete_merged is None else delete_merged,
-        in_memory=merge.in_memory if in_memory is None else in_memory,
-        keep_weights=merge.keep_weights,
+        merge=merge,
         eval=eval_settings,
         engine_reuse=engine_reuse(sweep.eval and sweep.eval.engine_reuse, eval_settings, fresh_engine, src),
         strength=strength,
         strength_dtype=sdtype,
         strength_device=sdevice,
         engine=engine_spec,
-        merges=_render(templates, models, tokenizer_source),
+        merges=_render(templates, models, merge.tokenizer_source),
         written=written,
     )
     return _checked(spec)
@@ -349,7 +344,7 @@ class SweepReport:
 def _inputs(spec: SweepSpec) -> list[str | None]:
     """What a sweep reads: its file, models, config templates, tokenizer, include path and prompts."""
     ev, st = spec.eval, spec.strength
-    paths = [spec.source, *spec.models.values(), *spec.configs, spec.tokenizer_source]
+    paths = [spec.source, *spec.models.values(), *spec.configs, spec.merge.tokenizer_source]
     return [*paths, ev and ev.include_path, st and st.prompts_file]
 
 
@@ -393,7 +388,7 @@ def _with_earlier_configs(spec: SweepSpec, earlier: dict[str, Any] | None) -> tu
     names, kept, merges, notes = {m.name for m in spec.merges}, [], [], []
     for config in (c for c in recorded if c not in spec.configs):
         try:
-            (merge,) = _render([load_template(config)], spec.models, spec.tokenizer_source)
+            (merge,) = _render([load_template(config)], spec.models, spec.merge.tokenizer_source)
         except UserError as e:
             notes.append(f"configs: {config} of an earlier run is left out ({e.message})")
             continue
@@ -404,7 +399,7 @@ def _with_earlier_configs(spec: SweepSpec, earlier: dict[str, Any] | None) -> tu
     if not kept:
         return spec, notes
     spec = dataclasses.replace(spec, configs=(*spec.configs, *kept), merges=(*spec.merges, *merges))
-    if spec.in_memory:
+    if spec.merge.in_memory:
         from lm_eval_sink.commands.resident import check_spec
 
         check_spec(spec)
@@ -496,7 +491,7 @@ def _run_sweep_locked(
         markers[unit.id] = read_complete(unit.output)
         finished.add(unit.id)
         report.ran.append(unit.id)
-        if spec.delete_merged and (merge := plan.unit("merge", unit.checkpoint)) is not None:
+        if spec.merge.delete_merged and (merge := plan.unit("merge", unit.checkpoint)) is not None:
             _maybe_delete_weights(plan, merge, finished, manifest, markers)
 
     engine_lines = plan_notes(plan, todo)
@@ -510,7 +505,7 @@ def _run_sweep_locked(
             f"{len(plan_now.unwritten)} merged checkpoint(s) not written to disk (in memory; keep_weights: true "
             "writes them)"
         )
-    if spec.in_memory:
+    if spec.merge.in_memory:
         from lm_eval_sink.commands.resident import run_in_memory
 
         report.notes.extend(run_in_memory(plan, todo, record, progress))
@@ -519,7 +514,7 @@ def _run_sweep_locked(
     else:
         with local_runner(spec, report.notes) as run:
             _run_local(todo, record, report.failures, steps, run)
-    if spec.delete_merged:  # also checkpoints finished by an earlier run
+    if spec.merge.delete_merged:  # also checkpoints finished by an earlier run
         for unit in plan.units:
             if unit.kind == "merge":
                 _maybe_delete_weights(plan, unit, finished, manifest, markers)

@@ -32,6 +32,22 @@ KINDS = ("merge", "eval", "strength")  # the unit kinds, in each checkpoint's ru
 # --- the sweep file ------------------------------------------------------------------------
 
 
+# A device in the sweep file: devices.check_device's values, checked with the key path in the one-line error.
+Device = Annotated[str, Field(pattern=DEVICE_PATTERN, description=f"is {DEVICE_HELP}")]
+
+
+class MergeIn(Strict):
+    """The merge section; in a SweepSpec, with `tokenizer_source` resolved and the CLI's flags on top."""
+
+    what: ClassVar[str] = "the merge section"
+    random_seed: int = 0
+    device: Device = "cpu"  # mergekit's math device
+    tokenizer_source: str | None = None
+    delete_merged: bool = False
+    in_memory: bool = False  # merge into one resident model, evaluate and measure it in-process (no unit key)
+    keep_weights: bool = False  # in memory: also write each merged checkpoint (as the on-disk path does)
+
+
 @dataclass(frozen=True)
 class SweepSpec:
     """A parsed sweep YAML with every path resolved; one source of truth for a sweep's settings."""
@@ -40,12 +56,7 @@ class SweepSpec:
     output: Path
     models: dict[str, str]  # reference, candidate (+ base)
     configs: tuple[str, ...]  # bundled names or template paths
-    random_seed: int = 0
-    merge_device: str = "cpu"
-    tokenizer_source: str | None = None
-    delete_merged: bool = False
-    in_memory: bool = False  # merge into one resident model, evaluate and measure it in-process (no unit key)
-    keep_weights: bool = False  # in memory: also write each merged checkpoint (as the on-disk path does)
+    merge: MergeIn = field(default_factory=MergeIn)
     eval: Any = None  # harness.runner.EvalSettings, or None to skip evaluation
     engine_reuse: bool = False  # vllm: one resident engine takes every checkpoint (commands/engine_sweep.py; no key)
     strength: Any = None  # strength.StrengthSettings, or None to skip S
@@ -65,14 +76,7 @@ class SweepSpec:
             "output": str(self.output),
             "models": self.models,
             "configs": list(self.configs),
-            "merge": {
-                "random_seed": self.random_seed,
-                "device": self.merge_device,
-                "tokenizer_source": self.tokenizer_source,
-                "delete_merged": self.delete_merged,
-                "in_memory": self.in_memory,
-                "keep_weights": self.keep_weights,
-            },
+            "merge": self.merge.model_dump(),
             "eval": None if self.eval is None else {**self.eval.to_json(), "engine_reuse": self.engine_reuse},
             "strength": None
             if self.strength is None
@@ -85,20 +89,6 @@ class _ModelsIn(Strict):
     reference: str
     candidate: str
     base: str | None = None
-
-
-# A device in the sweep file: devices.check_device's values, checked with the key path in the one-line error.
-Device = Annotated[str, Field(pattern=DEVICE_PATTERN, description=f"is {DEVICE_HELP}")]
-
-
-class _MergeIn(Strict):
-    what: ClassVar[str] = "the merge section"
-    random_seed: int = 0
-    device: Device = "cpu"  # mergekit's math device
-    tokenizer_source: str | None = None
-    delete_merged: bool = False
-    in_memory: bool = False
-    keep_weights: bool = False
 
 
 class _EvalSection(Strict):
@@ -143,7 +133,7 @@ class SweepFileIn(Strict):
     output: str | None = None
     models: _ModelsIn
     configs: list[str] | None = Field(None, min_length=1)
-    merge: _MergeIn = _MergeIn()
+    merge: MergeIn = MergeIn()
     eval: EvalIn | None = None
     strength: StrengthIn | None = None
     engine: EngineIn | None = None
@@ -317,7 +307,7 @@ def plan_units(
     units = [u for ck in checkpoints for u in _measure_units(spec, ck, identities.get(ck.name), versions)]
     for m in spec.merges:  # configs.Rendered, each checked once when the sweep file was loaded
         target = spec.output / "merges" / m.name
-        work = MergeWork(m.validated, spec.random_seed, spec.merge_device, m.template.path)
+        work = MergeWork(m.validated, spec.merge.random_seed, spec.merge.device, m.template.path)
         merge = unit("merge", m.name, target, work)
         merged = {f"merge {k}": v for k, v in merge.versions.items()}
         setting = m.template.paper_setting
@@ -653,22 +643,22 @@ def schedule(plan: Plan, state: FolderState, force: bool, redo: frozenset[str]) 
     """The units to run: unfinished ones (all with `force`, also those in `redo`); a merge only where its eval or S
     needs weights that are not there (in memory: only to keep them), and never again once `delete_merged` removed
     them after everything downstream finished."""
-    spec = plan.spec
+    merge = plan.spec.merge
     latest = {} if force else state.latest
     finished = frozenset(u.id for u in plan.units if unit_finished(u, latest, state.markers) and u.id not in redo)
 
     def needed(unit: Unit) -> bool:
         if unit.kind != "merge":
             return unit.id not in finished
-        if spec.in_memory:  # its eval and S read the resident model: weights only when asked for
-            return spec.keep_weights and unit.id not in finished
+        if merge.in_memory:  # its eval and S read the resident model: weights only when asked for
+            return merge.keep_weights and unit.id not in finished
         if all(d.id in finished for d in plan.downstream(unit.checkpoint)):
-            return unit.id not in finished and not spec.delete_merged
+            return unit.id not in finished and not merge.delete_merged
         return unit.id not in finished or unit.id not in state.weights
 
     todo = tuple(u for u in plan.units if needed(u))
     unwritten = tuple(
-        u.id for u in plan.units if spec.in_memory and u.kind == "merge" and u not in todo and u.id not in finished
+        u.id for u in plan.units if merge.in_memory and u.kind == "merge" and u not in todo and u.id not in finished
     )
     remerged = {
         u.id: tuple(d.id for d in plan.downstream(u.checkpoint) if d in todo)
