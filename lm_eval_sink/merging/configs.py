@@ -494,9 +494,9 @@ def _validator_error(ck: _Checker, node: Any, loc: tuple[Any, ...], message: str
         ck.fail(where, "exactly one of models or slices must be given", "list the module's inputs")
     if message.startswith("Cannot specify both tokenizer_source and tokenizer"):
         ck.fail("tokenizer", "give either tokenizer_source or tokenizer, not both", "keep one of them")
-    at = next((path for path, value in _strings(node) if message.endswith(f": {value}")), None)
+    at, value = next(((path, v) for path, v in _strings(node) if message.endswith(f": {v}")), (None, None))
     if at is not None and message.startswith("Invalid model path"):
-        ck.model_ref(_value_at(node, at), key_path((*loc, *at)))  # this project's words for a bad reference
+        ck.model_ref(value, key_path((*loc, *at)))  # this project's words for a bad reference
     key = key_path((*loc, *at)) if at is not None else where
     ck.fail(key or "(top level)", f"mergekit refuses it: {message}", "see mergekit's config format (docs/merging.md)")
 
@@ -507,12 +507,6 @@ def _strings(node: Any, loc: tuple[Any, ...] = ()) -> list[tuple[tuple[Any, ...]
         return [(loc, node)]
     items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
     return [found for k, v in items for found in _strings(v, (*loc, k))]
-
-
-def _value_at(node: Any, loc: tuple[Any, ...]) -> Any:
-    for part in loc:
-        node = node[part]
-    return node
 
 
 # --- the merge method's declared parameters --------------------------------------------------
@@ -660,26 +654,21 @@ class _Group:
 def _groups(ck: _Checker, method: _Method, config, base_model: str | None) -> list[_Group]:
     """Every group of the config (models, slices, or per module either), with its parameters checked."""
     top = method.check_params(config.parameters, "parameters", per_model=False, is_base=False)
-    if config.models:
-        return [_model_group(ck, method, config.models, "models", base_model, (top,))]
-    if config.slices:
-        return [
-            g
-            for i, s in enumerate(config.slices)
-            for g in [_slice_group(ck, method, s, f"slices[{i}]", base_model, (top,))]
-        ]
+    if not config.modules:
+        return _section_groups(ck, method, config, "", base_model, (top,))
     groups = []
     for name, module in config.modules.items():
         key = f"modules.{name}"
         levels = (method.check_params(module.parameters, f"{key}.parameters", per_model=False, is_base=False), top)
-        if module.models:
-            groups.append(_model_group(ck, method, module.models, f"{key}.models", base_model, levels))
-        else:
-            groups += [
-                _slice_group(ck, method, s, f"{key}.slices[{i}]", base_model, levels)
-                for i, s in enumerate(module.slices)
-            ]
+        groups += _section_groups(ck, method, module, f"{key}.", base_model, levels)
     return groups
+
+
+def _section_groups(ck: _Checker, method: _Method, node, prefix: str, base: str | None, levels) -> list[_Group]:
+    """The groups of a config or module: its models list, or each of its output slices."""
+    if node.models:
+        return [_model_group(ck, method, node.models, f"{prefix}models", base, levels)]
+    return [_slice_group(ck, method, s, f"{prefix}slices[{i}]", base, levels) for i, s in enumerate(node.slices)]
 
 
 def _model_group(ck: _Checker, method: _Method, models, where: str, base: str | None, levels) -> _Group:

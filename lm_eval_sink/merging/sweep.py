@@ -91,15 +91,11 @@ class _ModelsIn(Strict):
     base: str | None = None
 
 
-class _EvalSection(Strict):
-    what: ClassVar[str] = "the eval section"
-
-
 # The eval section: EvalSettings' fields (its checks and defaults stay there), the backends a sweep runs and
 # `engine_reuse` (vllm: one resident engine for every checkpoint, default true); `python` is relative to the file.
 EvalIn = create_model(
     "EvalIn",
-    __base__=_EvalSection,
+    __base__=Strict,
     tasks=(list[str], Field(min_length=1)),
     backend=(Literal["hf", "vllm"] | None, None),
     device=(Device | None, None),
@@ -110,6 +106,7 @@ EvalIn = create_model(
         if f.name not in ("tasks", "backend", "device", "log_samples")
     },
 )
+EvalIn.what = "the eval section"
 
 
 # The strength section: StrengthSettings' fields (its checks and defaults stay there) plus where S is measured.
