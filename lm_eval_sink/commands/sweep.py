@@ -355,10 +355,8 @@ def run_sweep(
     redo: Sequence[str] = (),
     announce: Callable[[str], None] | None = None,
 ) -> SweepReport:
-    """Plan, run every unfinished unit (all of them with `force`; also those `redo` names: kinds or checkpoints) on
-    the spec's engine, then write the table; the output folder is locked meanwhile. Configs of earlier runs into the
-    same folder stay in the sweep (`_with_earlier_configs`), unless `force`. `announce` gets the plan's lines
-    (`SweepReport.plan_line`, the engine's) before the first step runs."""
+    """Plan, run every unfinished unit (all with `force`; also those `redo` names) on the spec's engine, then write
+    the table, with the output folder locked; `announce` gets the plan's lines before the first step runs."""
     check_not_inputs([spec.output], inputs=_inputs(spec), option="output")
     if spec.eval is not None:
         from lm_eval_sink.harness.runner import check_interpreter

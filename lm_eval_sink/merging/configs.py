@@ -304,10 +304,8 @@ def validate_file(path: str | Path) -> ValidatedConfig:
 
 
 def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | None = None) -> ValidatedConfig:
-    """Validate mergekit YAML text: mergekit's own models, then what they leave unchecked (no weights read).
-
-    `roles` maps a model path to the role it plays (reference, candidate, base), for messages.
-    """
+    """Validate mergekit YAML text: mergekit's own models, then what they leave unchecked (no weights read); `roles`
+    names a model path's role (reference, candidate, base) in messages."""
     ck = _Checker(source, roles)
     data = parse_yaml(text, source)
     _check_unknown_keys(ck, data)
@@ -350,10 +348,8 @@ class _Checker:
         raise UserError(f"{self.source}: {key}: {message}", hint)
 
     def model_ref(self, value: Any, key: str) -> str:
-        """A local folder (resolved) or a hub id, `org/name` or `org/name@REVISION`.
-
-        A hub id is kept as written; its revision must exist.
-        """
+        """A local folder (resolved) or a hub id, `org/name` or `org/name@REVISION` (kept as written; the revision
+        must exist)."""
         from lm_eval_sink.identity import looks_like_hub_id, model_identity, split_revision
         from lm_eval_sink.models import resolve_model
 

@@ -96,10 +96,8 @@ def parse_engine(
     devices: dict[str, str | None] | None = None,
     eval_settings: Any = None,
 ) -> EngineSpec:
-    """The validated `engine:` section with the CLI's --engine / --ray-address on top; defaults from Resources.
-
-    `devices`: each unit kind's torch device; under Ray it decides the kind's GPUs (`unit_gpus`), except
-    for a vLLM eval (`eval_settings.backend`), whose GPUs follow its tensor_parallel_size (`vllm_gpus`)."""
+    """The validated `engine:` section with the CLI's --engine / --ray-address on top; under Ray each unit kind's
+    GPUs follow its torch device in `devices` (`unit_gpus`), a vLLM eval's its tensor_parallel_size (`vllm_gpus`)."""
     value = value or EngineIn()
     chosen = kind or value.kind or "local"
     addr = address if address is not None else value.address
@@ -154,10 +152,8 @@ def unit_gpus(given: float | None, device: str | None, where: str) -> float:
 
 
 def vllm_gpus(given: float | None, model_args: dict[str, Any], src: str) -> float:
-    """A vLLM eval task's GPUs: its tensor_parallel_size (the default), or 0 for vLLM's CPU build.
-
-    lm-eval's vllm backend starts Ray actors of its own for data_parallel_size > 1 or when
-    tensor_parallel_size exceeds the task's GPUs, so neither is allowed under the ray engine."""
+    """A vLLM eval task's GPUs: its tensor_parallel_size (the default), or 0 for vLLM's CPU build (lm-eval's own
+    Ray actors for data_parallel_size > 1, or more tensor_parallel_size than GPUs, are refused)."""
     dp = int(model_args.get("data_parallel_size", 1))
     tp = int(model_args.get("tensor_parallel_size", 1))
     if dp != 1:
@@ -176,10 +172,8 @@ def vllm_gpus(given: float | None, model_args: dict[str, Any], src: str) -> floa
 
 
 def import_ray(local_only: bool = False) -> Any:
-    """The ray module, or one line naming the extra that installs it.
-
-    `local_only`: Ray will be started inside this process (no address), so it is kept on 127.0.0.1
-    (Ray reads `LOOPBACK_ENV` when it is first imported; a user's own setting wins)."""
+    """The ray module, or one line naming the extra that installs it; `local_only` (Ray started inside this process)
+    keeps it on 127.0.0.1 (`LOOPBACK_ENV`, read at Ray's first import; a user's own setting wins)."""
     if local_only:
         os.environ.setdefault(LOOPBACK_ENV, "0")
     try:
@@ -308,10 +302,8 @@ def run_task(
     log_path: Path | None,
     what: str = "output folder",
 ) -> tuple[Any, str | None]:
-    """A task's body on a worker: check versions and that `must_see` exists, run `fn` (into its log).
-
-    Returns (fn's value, None) or (None, one-line error), so a failed unit is reported as locally.
-    """
+    """A task's body on a worker: check versions and that `must_see` exists, run `fn` (into its log); (fn's value,
+    None) or (None, one-line error), so a failed unit is reported as locally."""
     from lm_eval_sink.code_key import changed_files
 
     host = socket.gethostname()
@@ -596,10 +588,8 @@ def _remote_measure(
 def ray_measure_all(
     address: str | None, num_gpus: float | None = None, device: str = DEFAULT_DEVICE, progress: bool = True
 ) -> Callable[..., Iterator[tuple[str, Any, str | None]]]:
-    """A `MeasureOptions(measure_all=...)` for `strength` and `screen` that measures each model in its own Ray task,
-    yielding (path, result, None) or (path, None, error line) as each task finishes.
-
-    `num_gpus` per task follows `device` (`unit_gpus`); a bad pair is refused here, before Ray starts."""
+    """A `MeasureOptions(measure_all=...)` for `strength` and `screen`: each model in its own Ray task (its GPUs
+    from `device`: `unit_gpus`), yielding (path, result, None) or (path, None, error line) as each finishes."""
     gpus = unit_gpus(num_gpus, device, "--num-gpus")
 
     def measure_all(paths: list[str], settings: Any, dtype: str, device: str) -> Iterator[tuple[str, Any, str | None]]:

@@ -71,11 +71,8 @@ def merge_into(
     random_seed: int | None = None,
     device: str = "cpu",
 ) -> int:
-    """Run the validated merge config `text` and copy every tensor into `model`'s parameters of the same name; returns
-    how many it copied.
-
-    `copy_` writes each tensor into the parameter where it lives, on any GPU of a device map; a parameter
-    offloaded by accelerate (a meta tensor in the model, its weight kept aside) cannot take it: refused."""
+    """Run the validated merge config `text` and copy every tensor into `model`'s parameter of its name, where it
+    lives (an offloaded one is refused); returns how many it copied."""
     import torch
     import transformers
     from mergekit.common import dtype_from_name

@@ -413,10 +413,8 @@ def build_table(
 
 
 def task_strength(results: dict[str, Any], columns: list[str], rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The eval units' Sink Strength tasks (those whose results hold `sink_strength`) through the comparability check
-    the strength units go through: per task, `comparability.compare` of the checkpoints' settings as each results
-    JSON records them (`setting_of_results`); where they differ, each row's `metric_settings` marks that task's
-    columns with the row's setting letter, so no S (or delta) of one setting stands bare beside another's."""
+    """The eval units' Sink Strength tasks through the strength units' comparability check, per task; where the
+    settings differ, each row's `metric_settings` marks that task's columns with the row's setting letter."""
     from lm_eval_sink.comparability import compare, setting_of_results
 
     sink = sorted(
@@ -666,10 +664,8 @@ def schedule(plan: Plan, state: FolderState, force: bool, redo: frozenset[str]) 
 
 
 def check_conflicts(plan: Plan, state: FolderState, redo: frozenset[str], now: dict[str, Any]) -> list[str]:
-    """Refuse unit outputs made from other inputs, in one line naming the changed inputs (`changed_inputs`) and the
-    units they touch (those in `redo` are redone instead). One made from the same
-    inputs by other versions is recomputed, and so is one whose file is unchanged (a release changed a default):
-    a note per unit."""
+    """Refuse unit outputs made from other inputs (`changed_inputs`; those in `redo` are redone instead); one made by
+    other versions, or from an unchanged sweep file (a release changed a default), is recomputed with a note."""
     from lm_eval_sink.identity import FINGERPRINT_RULE, check_same_identity
     from lm_eval_sink.keys import version_change
 
