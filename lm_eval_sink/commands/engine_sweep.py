@@ -180,16 +180,11 @@ def engine_strength_versions(spec: SweepSpec, evals: dict[str, Any]) -> dict[str
     return {f"engine {k}": evals.get(k) for k in ENGINE_S_VERSIONS}
 
 
-def _not_on_engine(why: str | None) -> str:
-    """What a need's refusal adds about S from the engine."""
-    if not why or why == "no resident vLLM engine":
-        return ""
+def _not_on_engine(why: str) -> str:
+    """What a need's refusal adds about S from the engine (`why` it is not measured there)."""
     if why.startswith("strength.dtype"):
         return "; or give strength.dtype the engine's dtype (eval dtype), so S is measured on the engine"
     return f" (S from the engine is not possible here: {why})"
-
-
-MERGE_ON_CPU = "; or set merge.device: cpu (mergekit's math on the CPU)"
 
 
 def memory_needs(spec: SweepSpec, devices: tuple[str, ...], where: EngineS) -> list[Need]:
@@ -213,7 +208,8 @@ def memory_needs(spec: SweepSpec, devices: tuple[str, ...], where: EngineS) -> l
     if spec.merges and spec.merge.device != "cpu":
         name, inputs, size = _merge_need(spec)
         what = f"the merges (mergekit on {spec.merge.device}: the largest tensor of each of {name}'s {inputs} inputs)"
-        needs.append(Need(what, size, (math_device(spec.merge.device),), MERGE_ON_CPU))
+        instead = "; or set merge.device: cpu (mergekit's math on the CPU)"
+        needs.append(Need(what, size, (math_device(spec.merge.device),), instead))
     return needs
 
 

@@ -558,17 +558,13 @@ def sweep_recovery(plan: Plan, markers: Markers) -> list[str]:
     from lm_eval_sink.io import read_json
     from lm_eval_sink.recovery import verdict_lines
 
-    evals = {ck.name: (ck.role, plan.unit("eval", ck.name)) for ck in plan.checkpoints}
-    done = {name: (role, u) for name, (role, u) in evals.items() if u is not None and current(u, markers) is not None}
-    roles = [role for role, _ in done.values()]
-    if "reference" not in roles or "candidate" not in roles or "merge" not in roles:
-        return []
-    runs = [
-        NamedRun(name, "control" if role == "merge" else role, u.output)
-        for want in ("reference", "candidate", "merge")
-        for name, (role, u) in done.items()
-        if role == want
+    runs = [  # plan order: the reference, the candidate, then the merges
+        NamedRun(ck.name, "control" if ck.role == "merge" else ck.role, u.output)
+        for ck in plan.checkpoints
+        if (u := plan.unit("eval", ck.name)) is not None and current(u, markers) is not None
     ]
+    if {r.role for r in runs} != {"reference", "candidate", "control"}:
+        return []
     out, settings = plan.spec.output / "recovery", BucketSettings(failure_kinds=False)
     saved = read_json(out / "recovery.json") if (out / "recovery.json").is_file() else None
     if saved is None or saved.get("provenance", {}).get("key") != recovery_key(runs, settings).key:

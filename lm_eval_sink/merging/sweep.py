@@ -17,13 +17,20 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, create_model
 
+from lm_eval_sink.benchmarks import headline_columns, load_benchmarks
+from lm_eval_sink.comparability import compare, setting_of_results
 from lm_eval_sink.devices import DEFAULT_DEVICE, DEVICE_HELP, DEVICE_PATTERN
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.harness.runner import EvalSettings
-from lm_eval_sink.keys import UNKEYED, Work, key_of
+from lm_eval_sink.identity import FINGERPRINT_RULE, check_same_identity
+from lm_eval_sink.io import canonical_json
+from lm_eval_sink.keys import UNKEYED, Work, key_of, keyed, version_change
 from lm_eval_sink.merging.engines import EngineIn
-from lm_eval_sink.schema import Strict, parse
-from lm_eval_sink.strength import StrengthSettings
+from lm_eval_sink.power import MIN_N, too_few
+from lm_eval_sink.protocols import diff, require_same_harness
+from lm_eval_sink.report.view import fmt, named_columns
+from lm_eval_sink.schema import Strict, did_you_mean, parse
+from lm_eval_sink.strength import S_MEANING, StrengthSettings
 from lm_eval_sink.tables import csv_text, first_few, markdown_table
 
 ENDPOINTS = ("reference", "candidate")
@@ -91,11 +98,15 @@ class _ModelsIn(Strict):
     base: str | None = None
 
 
+class _EvalSection(Strict):
+    what: ClassVar[str] = "the eval section"
+
+
 # The eval section: EvalSettings' fields (its checks and defaults stay there), the backends a sweep runs and
 # `engine_reuse` (vllm: one resident engine for every checkpoint, default true); `python` is relative to the file.
 EvalIn = create_model(
     "EvalIn",
-    __base__=Strict,
+    __base__=_EvalSection,
     tasks=(list[str], Field(min_length=1)),
     backend=(Literal["hf", "vllm"] | None, None),
     device=(Device | None, None),
@@ -106,7 +117,6 @@ EvalIn = create_model(
         if f.name not in ("tasks", "backend", "device", "log_samples")
     },
 )
-EvalIn.what = "the eval section"
 
 
 # The strength section: StrengthSettings' fields (its checks and defaults stay there) plus where S is measured.
@@ -160,9 +170,6 @@ def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
 def changed_inputs(units: Sequence[Unit], markers: Markers) -> list[str]:
     """What changed in each unit's work (its `keys.Work` declaration as its key holds it) since its marker recorded
     it (`work`), each as `kind field: old -> new`; none for markers that recorded no work."""
-    from lm_eval_sink.io import canonical_json
-    from lm_eval_sink.keys import keyed
-
     out = []
     for unit in units:
         old = (markers.get(unit.id) or {}).get("work")
@@ -277,8 +284,6 @@ class Plan:
 
 def redo_units(plan: Plan, redo: Sequence[str]) -> frozenset[str]:
     """The ids of the units `--redo` names: every unit of a kind (merge, eval, strength) or of a checkpoint."""
-    from lm_eval_sink.schema import did_you_mean
-
     names = [c.name for c in plan.checkpoints]
     for r in redo:
         if r not in KINDS and r not in names:
@@ -373,9 +378,6 @@ def build_table(
     """Rows = checkpoints, columns = each task metric, its delta vs the reference, S (the caller adds provenance),
     from each checkpoint's results, protocol fingerprint and saved S; S of different settings (`strength_settings`, and
     the eval units' Sink Strength tasks: `task_strength`) are marked."""
-    from lm_eval_sink.comparability import compare
-    from lm_eval_sink.protocols import require_same_harness
-
     require_same_harness(fingerprints)
     ref_fp = fingerprints.get("reference")
     metrics = {name: _metrics(r) for name, r in results.items()}
@@ -415,8 +417,6 @@ def build_table(
 def task_strength(results: dict[str, Any], columns: list[str], rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The eval units' Sink Strength tasks through the strength units' comparability check, per task; where the
     settings differ, each row's `metric_settings` marks that task's columns with the row's setting letter."""
-    from lm_eval_sink.comparability import compare, setting_of_results
-
     sink = sorted(
         {t for r in results.values() for t, m in (r.get("results") or {}).items() if "sink_strength,none" in m}
     )
@@ -460,8 +460,6 @@ def _status(ck: Checkpoint, failures: dict[str, str]) -> str:
 def _model_differences(fingerprints: dict[str, Any]) -> list[str]:
     """A note per checkpoint whose model-owned protocol fields (chat template, special tokens, ...) differ from the
     reference's: allowed in one table, unlike the harness fields (`protocols.require_same_harness`)."""
-    from lm_eval_sink.protocols import diff
-
     ref_fp = fingerprints.get("reference")
     lines = []
     for name, fp in fingerprints.items():
@@ -493,8 +491,6 @@ def _row(
 
 def _fmt(x: float | None, signed: bool = False, scale: float = 1.0) -> str:
     """A cell: 4 decimals in lm-eval's unit, or 1 decimal in points (`scale` 100) for a share of docs."""
-    from lm_eval_sink.report.view import fmt
-
     return "n/a" if x is None else fmt(x, ("+" if signed else "") + ("pts" if scale != 1.0 else "f4"))
 
 
@@ -536,8 +532,6 @@ def _units_line(labels: list[str], scales: list[float]) -> str:
 def _too_few_line(table: dict[str, Any]) -> str:
     """buckets' small-sample rule for a sweep whose smallest scored task ran on fewer than `power.MIN_N` documents
     (`docs_per_task`, else an integer `--limit`: a fractional one or a task smaller than the limit counts too)."""
-    from lm_eval_sink.power import MIN_N, too_few
-
     limit = ((table.get("protocol") or {}).get("eval") or {}).get("limit")
     docs = list((table.get("docs_per_task") or {}).values())
     fewest = min(docs) if docs else int(limit) if isinstance(limit, int | float) and limit >= 1 else None
@@ -563,10 +557,6 @@ def table_text(table: dict[str, Any]) -> tuple[str, str]:
     """The table as Markdown (a title line, the not-final note and too few to tell if so, what S means, the units,
     each task's headline metric under its readable name, shares of docs in points, the headlines unchanged in every
     checkpoint said once instead) and as CSV (every column under its lm-eval results key and value)."""
-    from lm_eval_sink.benchmarks import headline_columns, load_benchmarks
-    from lm_eval_sink.report.view import named_columns
-    from lm_eval_sink.strength import S_MEANING
-
     named = named_columns(headline_columns(table["columns"], load_benchmarks()), table["rows"])
     cols, labels, scales = ([x[i] for x in named if not x[3]] for i in range(3))
 
@@ -666,9 +656,6 @@ def schedule(plan: Plan, state: FolderState, force: bool, redo: frozenset[str]) 
 def check_conflicts(plan: Plan, state: FolderState, redo: frozenset[str], now: dict[str, Any]) -> list[str]:
     """Refuse unit outputs made from other inputs (`changed_inputs`; those in `redo` are redone instead); one made by
     other versions, or from an unchanged sweep file (a release changed a default), is recomputed with a note."""
-    from lm_eval_sink.identity import FINGERPRINT_RULE, check_same_identity
-    from lm_eval_sink.keys import version_change
-
     notes, conflicts = [], []
     for unit in plan.units:
         if unit.id in redo or unit.id not in state.existing or current(unit, state.markers) is not None:
