@@ -17,10 +17,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from lm_eval_sink.commands.units import finish_eval, keep_logs, run_unit
+from lm_eval_sink.commands.units import finish_eval, keep_logs, run_unit, save_strength
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.harness.engine_client import EngineProcess, checkpoint_facts, reload_support
+from lm_eval_sink.harness.discovery import holds_own_task
+from lm_eval_sink.harness.engine_client import EngineProcess, checkpoint_facts, reload_support, tensor_elements
+from lm_eval_sink.harness.engine_decision import s_refusal
 from lm_eval_sink.harness.engine_worker import WORKER_EXTENSION
+from lm_eval_sink.merging.configs import embedding_elements, stored_dtype
+from lm_eval_sink.merging.engines import EvalPool
 from lm_eval_sink.outputs import staged_dir
 from lm_eval_sink.merging.engine_reuse import (
     Fields,
@@ -32,6 +36,7 @@ from lm_eval_sink.merging.engine_reuse import (
 )
 from lm_eval_sink.merging.sweep import Plan, SweepSpec, Unit
 from lm_eval_sink.runs import resolve_run
+from lm_eval_sink.strength import SinkStrength
 
 FRESH = "pass --fresh-engine (or set eval: {engine_reuse: false}) for one engine per checkpoint"
 # vLLM's own default share of each GPU (vLLM 0.32's CacheConfig.gpu_memory_utilization); lm-eval 0.4.13 passes none.
@@ -95,8 +100,6 @@ def _itemsize(dtype: str) -> int:
 def _parameters(model: str) -> int:
     """A checkpoint's parameter count, from its safetensors headers (no tensor read); for .bin weights, their
     files' size over the stored dtype's."""
-    from lm_eval_sink.merging.configs import stored_dtype
-
     from lm_eval_sink.weights import checkpoint_tensors
 
     folder = Path(weights_folder(model))
@@ -116,8 +119,6 @@ def _largest(spec: SweepSpec, dtype: str) -> tuple[str, int]:
 
 def _widest_itemsize(spec: SweepSpec) -> int:
     """The widest itemsize among the models' stored dtypes and the merges' `out_dtype` / `dtype`."""
-    from lm_eval_sink.merging.configs import stored_dtype
-
     stored = [stored_dtype(weights_folder(model)) for model in spec.models.values()]
     named = [str(m.config[k]) for m in spec.merges for k in ("out_dtype", "dtype") if m.config.get(k)]
     return max(_itemsize(d) for d in (*stored, *named))
@@ -126,8 +127,6 @@ def _widest_itemsize(spec: SweepSpec) -> int:
 def _merge_need(spec: SweepSpec) -> tuple[str, int, int]:
     """The merge whose inputs' largest tensors take the most room at once: (its name, its number of inputs, bytes):
     mergekit holds one tensor of each input at a time on its device, at the widest of the merge's and stored dtypes."""
-    from lm_eval_sink.harness.engine_client import tensor_elements
-    from lm_eval_sink.merging.configs import embedding_elements
 
     def largest(model: str) -> int:
         folder = weights_folder(model)
@@ -150,7 +149,6 @@ class EngineS:
 def engine_s(spec: SweepSpec) -> EngineS:
     """Where a resident vLLM sweep measures S (`EngineS`): `engine_decision.s_refusal` on each endpoint's config.json
     and the eval settings, as each eval unit decides it, and for the `strength:` units in their dtype too."""
-    from lm_eval_sink.harness.engine_decision import s_refusal
     from lm_eval_sink.harness.engine_strength import gpu_major
 
     if spec.eval is None or spec.eval.backend != "vllm" or not spec.engine_reuse:
@@ -191,7 +189,6 @@ def memory_needs(spec: SweepSpec, devices: tuple[str, ...], where: EngineS) -> l
     """What loads a checkpoint on the accelerators beside a local sweep's resident engine: the child that measures S
     first in each eval unit, the `strength:` units (none of either where the engine measures S), merges on a GPU."""
     from lm_eval_sink.devices import math_device, resolve_device
-    from lm_eval_sink.harness.discovery import holds_own_task
 
     needs: list[Need] = []
     settings = spec.eval
@@ -281,8 +278,6 @@ def plan_notes(plan: Plan, todo: Sequence[Unit]) -> list[str]:
 
 def _s_notes(spec: SweepSpec) -> list[str]:
     """The plan's lines about where S is measured beside the resident engine (`engine_s`)."""
-    from lm_eval_sink.harness.discovery import holds_own_task
-
     where, lines = engine_s(spec), []
     if holds_own_task(tuple(spec.eval.tasks), spec.eval.include_path):
         lines.append(
@@ -351,9 +346,7 @@ class EngineRunner:
         """Measure a strength: unit on the engine that holds its checkpoint after a unit that did not fail (the
         `strength` request, whose engine decides: `engine_decision.built_refusal`), saved as `units.save_strength`
         saves one; else why not (a note where the engine refused it), and the caller measures it with transformers."""
-        from lm_eval_sink.commands.units import save_strength
         from lm_eval_sink.models import model_fingerprint
-        from lm_eval_sink.strength import SinkStrength
 
         if self.process is None or self.failed or self.holds != unit.checkpoint:
             return "the resident engine does not hold its checkpoint now (its eval unit ran earlier, or failed)"
@@ -434,8 +427,6 @@ def local_runner(spec: SweepSpec, notes: list[str]) -> Iterator[Callable[[Unit],
 def ray_pool(spec: SweepSpec) -> Any:
     """Under Ray, the eval units' pool of actors, each with its own resident engine (`EngineRunner`); None where the
     sweep starts an engine per checkpoint."""
-    from lm_eval_sink.merging.engines import EvalPool
-
     if not spec.engine_reuse:
         return None
     return EvalPool(

@@ -12,10 +12,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from lm_eval_sink.commands.units import finish_eval, run_unit, save_strength
 from lm_eval_sink.devices import empty_cache, peak_memory
 from lm_eval_sink.errors import UserError, one_line
-from lm_eval_sink.harness.inprocess import PLACEMENT_ARGS, resident_device
+from lm_eval_sink.harness.inprocess import PLACEMENT_ARGS, evaluate, load_resident, measure_strength, resident_device
+from lm_eval_sink.merging.configs import stored_dtype
+from lm_eval_sink.merging.engines import run_on_actors
 from lm_eval_sink.merging.sweep import Checkpoint, Plan, SweepSpec, Unit
+from lm_eval_sink.outputs import staged_dir
+from lm_eval_sink.provenance import provenance
 
 FIX = "set merge: {in_memory: false} (or pass --on-disk)"
 
@@ -82,8 +87,6 @@ def _check_placement_args(src: str, model_args: dict[str, Any]) -> None:
 def resident_dtype(spec: SweepSpec) -> str:
     """The one dtype the on-disk path's eval and strength units load every checkpoint in (the resident's): a kind's
     own, or for `auto` each checkpoint's (a merge's `out_dtype`, else `dtype`, else the reference's)."""
-    from lm_eval_sink.merging.configs import stored_dtype
-
     ref = stored_dtype(spec.models["reference"])
     own = {"reference": ref, "candidate": stored_dtype(spec.models["candidate"])}
     for r in spec.merges:
@@ -182,8 +185,6 @@ class ResidentWorker:
             if done is not None:
                 done(unit, error)
 
-        from lm_eval_sink.commands.units import run_unit
-
         rest = [u for u in job.units if u is not job.merge]
         if job.merge in job.units:  # keep_weights: the on-disk merge unit writes the checkpoint
             error = _attempt(lambda: run_unit(job.merge))
@@ -208,7 +209,6 @@ class ResidentWorker:
 
     def _copy_in(self, job: Job) -> None:
         """Load the resident model at the first job, then make its parameters the job's checkpoint."""
-        from lm_eval_sink.harness.inprocess import load_resident
         from lm_eval_sink.merging.inmemory import endpoint_text, merge_into
 
         spec, ck = self.spec, job.checkpoint
@@ -236,11 +236,6 @@ class ResidentWorker:
         self.holds = ck.name
 
     def _run_unit(self, unit: Unit, ck: Checkpoint) -> None:
-        from lm_eval_sink.commands.units import finish_eval, save_strength
-        from lm_eval_sink.harness.inprocess import evaluate, measure_strength
-        from lm_eval_sink.outputs import staged_dir
-        from lm_eval_sink.provenance import provenance
-
         if unit.kind == "eval":
             with staged_dir(unit.output, force=True, key=unit.key) as tmp:
                 with peak_memory() as peak:
@@ -278,7 +273,6 @@ def run_in_memory(
     jobs = jobs_of(plan, todo)
     by_id = {u.id: u for u in plan.units}
     if spec.on_ray:
-        from lm_eval_sink.merging.engines import run_on_actors
 
         def record_job(job: Job, outcomes: list[Outcome] | None, error: str | None) -> None:
             if outcomes is None:  # the whole job failed (versions, shared folder, a lost actor)

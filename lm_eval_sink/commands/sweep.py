@@ -26,11 +26,17 @@ from lm_eval_sink.commands.engine_sweep import (
     plan_notes,
     ray_pool,
 )
+from lm_eval_sink.comparability import setting_of
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.harness.runner import EvalSettings, check_interpreter
+from lm_eval_sink.harness.vllm_preflight import check_engine_start
 from lm_eval_sink.identity import looks_like_hub_id
-from lm_eval_sink.io import atomic_write_json, atomic_write_text, read_text, sha256_file
+from lm_eval_sink.io import atomic_write_json, atomic_write_text, read_json, read_text, sha256_file
 from lm_eval_sink.outputs import check_not_inputs, check_writable, clean_stale_all, read_complete
+from lm_eval_sink.protocols import fingerprint_run
 from lm_eval_sink.provenance import provenance
+from lm_eval_sink.report.view import sweep_series
+from lm_eval_sink.runs import load_results, resolve_run
 from lm_eval_sink.yaml_input import parse_yaml
 from lm_eval_sink.locks import hold
 from lm_eval_sink.merging.configs import TOKENIZER_CHOICES, bundled_names, load_template, render
@@ -65,8 +71,6 @@ MANIFEST = "manifest.jsonl"
 
 def _eval_settings(ev: EvalIn, src: str, rel: Any, python: str | None) -> Any:
     """The `eval:` section as harness.runner.EvalSettings (backend vllm: no device; `python` overrides eval.python)."""
-    from lm_eval_sink.harness.runner import EvalSettings
-
     given = ev.model_dump(exclude_none=True, exclude={"engine_reuse"})
     given["tasks"] = tuple(given["tasks"])
     if python or ev.python:
@@ -90,7 +94,6 @@ def _check_eval(spec: SweepSpec) -> None:
     """What lm-eval would fail on only after the merges and every S (task names, generation lengths, a vLLM engine
     that cannot start), last of the sweep file's checks since it builds lm-eval's task index."""
     from lm_eval_sink.harness.checks import check_protocol
-    from lm_eval_sink.harness.vllm_preflight import check_engine_start
 
     if spec.eval is not None:
         try:
@@ -359,8 +362,6 @@ def run_sweep(
     the table, with the output folder locked; `announce` gets the plan's lines before the first step runs."""
     check_not_inputs([spec.output], inputs=_inputs(spec), option="output")
     if spec.eval is not None:
-        from lm_eval_sink.harness.runner import check_interpreter
-
         check_interpreter(spec.eval)
     earlier = None if force else _earlier_record(spec.output)
     spec, notes = _with_earlier_configs(spec, earlier)
@@ -555,7 +556,6 @@ def sweep_recovery(plan: Plan, markers: Markers) -> list[str]:
     without both endpoints and a control evaluated)."""
     from lm_eval_sink.buckets.settings import BucketSettings
     from lm_eval_sink.commands.recovery import NamedRun, compute, recovery_key, write_outputs
-    from lm_eval_sink.io import read_json
     from lm_eval_sink.recovery import verdict_lines
 
     runs = [  # plan order: the reference, the candidate, then the merges
@@ -655,10 +655,6 @@ def _saved_outputs(
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, float], dict[str, Any]]:
     """Per checkpoint with a finished unit: its lm-eval results, their protocol fingerprint, its saved S and the
     setting S was measured in (`comparability.setting_of`)."""
-    from lm_eval_sink.comparability import setting_of
-    from lm_eval_sink.protocols import fingerprint_run
-    from lm_eval_sink.runs import load_results, resolve_run
-
     results, fingerprints, strengths, settings = {}, {}, {}, {}
     for ck in plan.checkpoints:
         ev = plan.unit("eval", ck.name)
@@ -677,7 +673,6 @@ def _saved_outputs(
 def write_table(table: dict[str, Any], out: Path, verdicts: Sequence[str] = ()) -> list[Path]:
     """table.json, table.csv, table.md (ending with the recovery `verdicts`) and table.png, each written atomically."""
     from lm_eval_sink.plots import sweep_chart
-    from lm_eval_sink.report.view import sweep_series
 
     md, csv = table_text(table)
     if verdicts:
