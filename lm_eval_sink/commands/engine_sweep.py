@@ -301,8 +301,7 @@ class EngineRunner:
     def __init__(self, settings: Any, logs: Path) -> None:
         self.settings, self.logs = settings, Path(logs)
         self.process: EngineProcess | None = None
-        self.fields: Fields | None = None  # what the engine fixed (None: no engine)
-        self.holds: str | None = None  # the checkpoint it holds
+        self.held: tuple[str, Fields] | None = None  # the checkpoint the engine holds and what it fixed
         self.failed: str | None = None  # the unit that failed on it
         self.started = 0
         self.notes: list[str] = []
@@ -310,8 +309,7 @@ class EngineRunner:
     def new_engine_reason(self, checkpoint: str, fields: Fields) -> str | None:
         """Why a unit of `checkpoint` (its engine `fields`) would need a new engine now (None: the running engine
         takes its weights): `engine_reuse.new_engine_reason` on this runner's state."""
-        held = None if self.process is None or self.fields is None or self.holds is None else (self.holds, self.fields)
-        return new_engine_reason(held, self.failed, checkpoint, fields)
+        return new_engine_reason(self.held if self.process is not None else None, self.failed, checkpoint, fields)
 
     def _new_engine(self, unit: Unit, fields: Fields) -> str | None:
         """Why `unit` needs a new engine (None: the current one takes its weights); the old engine is closed and a
@@ -332,7 +330,7 @@ class EngineRunner:
         weights = weights_folder(unit.inputs.model)
         fields = checkpoint_fields(unit.inputs.model, self.settings)
         why = self._new_engine(unit, fields)
-        self.fields, self.holds, self.failed = fields, unit.checkpoint, unit.id  # until it finishes
+        self.held, self.failed = (unit.checkpoint, fields), unit.id  # failed until it finishes
         with staged_dir(unit.output, force=True, key=unit.key) as tmp:
             start = time.perf_counter()
             answer = self._request(unit, tmp, weights, why)
@@ -348,7 +346,7 @@ class EngineRunner:
         saves one; else why not (a note where the engine refused it), and the caller measures it with transformers."""
         from lm_eval_sink.models import model_fingerprint
 
-        if self.process is None or self.failed or self.holds != unit.checkpoint:
+        if self.process is None or self.failed or self.held is None or self.held[0] != unit.checkpoint:
             return "the resident engine does not hold its checkpoint now (its eval unit ran earlier, or failed)"
         model = unit.inputs.model
         info = {"path": model, **model_fingerprint(model), "resident_engine": True}
