@@ -17,19 +17,6 @@ from lm_eval_sink.errors import UserError
 _NO_WRITER = "/nonexistent/lm-eval-sink-in-memory"
 
 
-def check_in_memory(text: str, name: str) -> None:
-    """Refuse, with one line, a control whose output cannot be copied into a resident model of the reference."""
-    import yaml
-
-    data = yaml.safe_load(text) or {}
-    if data.get("tokenizer_source") is not None or data.get("tokenizer") is not None:
-        raise UserError(
-            f"control {name!r} rebuilds the tokenizer (tokenizer_source), so its output vocabulary may differ from "
-            "the resident model's",
-            "set merge: {in_memory: false} for this sweep",
-        )
-
-
 def endpoint_text(path: str) -> str:
     """The mergekit config that copies one model unchanged (`passthrough`): how an endpoint enters the resident."""
     import yaml
@@ -46,9 +33,14 @@ def _plan(model: Any, text: str, name: str, options: Any) -> list[Any]:
     from lm_eval_sink.merging.merge import pinned_configs
     from lm_eval_sink.merging.methods import register
 
-    check_in_memory(text, name)
     register()
     config, _, _ = pinned_configs(text, None)  # a fresh copy whose hub inputs load at their pinned commits
+    if config.tokenizer_source is not None or config.tokenizer is not None:
+        raise UserError(
+            f"control {name!r} rebuilds the tokenizer (tokenizer_source), so its output vocabulary may differ from "
+            "the resident model's",
+            "set merge: {in_memory: false} for this sweep",
+        )
     arch_info = get_architecture_info(config, options)
     planner = MergePlanner(config, arch_info, options=options, out_model_config=model.config)
     saves = [t for t in planner.plan_to_disk(out_path=_NO_WRITER) if isinstance(t, SaveTensor)]

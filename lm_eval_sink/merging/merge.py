@@ -60,19 +60,6 @@ def isolated_rng() -> Iterator[None]:
         torch.random.set_rng_state(states[2])
 
 
-@contextlib.contextmanager
-def _isolated() -> Iterator[None]:
-    """Empty mergekit's loader cache and keep the RNG states around one merge."""
-    from mergekit.io.tasks import LoaderCache
-
-    LoaderCache().loaders.clear()
-    try:
-        with isolated_rng():
-            yield
-    finally:
-        LoaderCache().loaders.clear()
-
-
 def _pinned(node: Any, pin) -> Any:
     """A copy of a parsed mergekit config with `pin` applied to the ModelPath of every hub-id ModelReference."""
     from mergekit.common import ModelReference
@@ -103,6 +90,7 @@ def run_mergekit(
     """mergekit's `run_merge` on validated YAML text (or its parsed `config`, merged as a deep copy) into `out_dir`,
     every hub-id input loaded at one commit (`revisions`, else its identity's; offline: that commit's cached folder).
     Returns {reference as written: commit sha}; `mergekit_config.yml` holds the `@<sha>` form."""
+    from mergekit.io.tasks import LoaderCache
     from mergekit.merge import run_merge
     from mergekit.options import MergeOptions
 
@@ -118,8 +106,12 @@ def run_mergekit(
         f"{', '.join(f'{r} -> {s}' for r, s in pins.items())}\n{recipe.to_yaml()}\n"
     )
     options = MergeOptions(random_seed=random_seed, device=math_device(device), quiet=quiet, copy_tokenizer=True)
-    with _isolated():
-        run_merge(to_load, str(out_dir), options=options, config_source=source)
+    LoaderCache().loaders.clear()  # each merge with an empty loader cache, the RNG states kept
+    try:
+        with isolated_rng():
+            run_merge(to_load, str(out_dir), options=options, config_source=source)
+    finally:
+        LoaderCache().loaders.clear()
     return pins
 
 
