@@ -44,9 +44,8 @@ VLLM_GPU_MEMORY_UTILIZATION = 0.92
 
 
 def engine_reuse(asked: bool | None, settings: Any, fresh: bool, src: str) -> bool:
-    """Whether a sweep's eval units share a resident engine: `eval.engine_reuse` (default true where it applies:
-    backend vllm), off with `--fresh-engine`; asked for with another backend, with lm-eval's data parallel (no
-    engine to keep) or with a worker extension of the user's (the engine needs its own), one line."""
+    """Whether a sweep's eval units share a resident engine: `eval.engine_reuse` (default true for backend vllm), off
+    with `--fresh-engine`; asked for where no engine can be kept or shared, one line."""
     if settings is None or settings.backend != "vllm":
         if asked:
             raise UserError(
@@ -120,7 +119,7 @@ def _largest(spec: SweepSpec, dtype: str) -> tuple[str, int]:
 def _widest_itemsize(spec: SweepSpec) -> int:
     """The widest itemsize among the models' stored dtypes and the merges' `out_dtype` / `dtype`."""
     stored = [stored_dtype(weights_folder(model)) for model in spec.models.values()]
-    named = [str(m.config[k]) for m in spec.merges for k in ("out_dtype", "dtype") if m.config.get(k)]
+    named = [str(m.validated.data[k]) for m in spec.merges for k in ("out_dtype", "dtype") if m.validated.data.get(k)]
     return max(_itemsize(d) for d in (*stored, *named))
 
 
@@ -307,8 +306,7 @@ class EngineRunner:
         self.notes: list[str] = []
 
     def new_engine_reason(self, checkpoint: str, fields: Fields) -> str | None:
-        """Why a unit of `checkpoint` (its engine `fields`) would need a new engine now (None: the running engine
-        takes its weights): `engine_reuse.new_engine_reason` on this runner's state."""
+        """`engine_reuse.new_engine_reason` on this runner's state (None: the running engine takes the weights)."""
         return new_engine_reason(self.held if self.process is not None else None, self.failed, checkpoint, fields)
 
     def _new_engine(self, unit: Unit, fields: Fields) -> str | None:
@@ -341,9 +339,8 @@ class EngineRunner:
         self.failed = None
 
     def strength(self, unit: Unit) -> str | None:
-        """Measure a strength: unit on the engine that holds its checkpoint after a unit that did not fail (the
-        `strength` request, whose engine decides: `engine_decision.built_refusal`), saved as `units.save_strength`
-        saves one; else why not (a note where the engine refused it), and the caller measures it with transformers."""
+        """Measure a strength: unit on the engine that holds its checkpoint after a unit that did not fail (the engine
+        decides: `engine_decision.built_refusal`); else why not, and the caller measures it with transformers."""
         from lm_eval_sink.models import model_fingerprint
 
         if self.process is None or self.failed or self.held is None or self.held[0] != unit.checkpoint:

@@ -31,7 +31,7 @@ from lm_eval_sink.errors import UserError
 from lm_eval_sink.harness.runner import EvalSettings, check_interpreter
 from lm_eval_sink.harness.vllm_preflight import check_engine_start
 from lm_eval_sink.identity import looks_like_hub_id
-from lm_eval_sink.io import atomic_write_json, atomic_write_text, read_json, read_text, sha256_file
+from lm_eval_sink.io import atomic_write_json, atomic_write_text, read_json, read_text
 from lm_eval_sink.outputs import check_not_inputs, check_writable, clean_stale_all, read_complete
 from lm_eval_sink.protocols import fingerprint_run
 from lm_eval_sink.provenance import provenance
@@ -120,9 +120,8 @@ def load_sweep(
     in_memory: bool | None = None,
     fresh_engine: bool = False,
 ) -> SweepSpec:
-    """Read and check a sweep YAML once (schema, models, lm-eval protocol, every merge control rendered and
-    validated; no weights read). `engine` / `ray_address` / `python` / `in_memory` override the file's (CLI flags);
-    `fresh_engine` turns eval.engine_reuse off."""
+    """Read and check a sweep YAML once (no weights read), with the CLI's flags over the file's settings
+    (`fresh_engine`: eval.engine_reuse off)."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no such sweep file", "pass a sweep YAML (see docs/merging.md)")
@@ -318,8 +317,7 @@ class SweepReport:
     times: str | None = None  # the console's last line (`times_line`)
 
     def plan_line(self, todo: int) -> str:
-        """What the run is about to do, said before any step runs: how many steps, which merges are redone and for
-        what, how many are already finished."""
+        """What the run is about to do, said before any step runs."""
         redone = _redone(self.remerged)
         return f"sweep {self.output}: plan: {todo} steps to run{redone}, {len(self.skipped)} already finished"
 
@@ -412,8 +410,8 @@ def _with_earlier_configs(spec: SweepSpec, earlier: dict[str, Any] | None) -> tu
 def _file_record(spec: SweepSpec) -> dict[str, Any]:
     """The sweep file as written, with the sha256 of its template files: what sweep.json keeps to tell whether a unit
     made from other inputs came from another file or from another release's defaults."""
-    templates = [c for c in spec.configs if c.endswith((".yaml", ".yml")) and Path(c).is_file()]
-    return {"data": spec.written, "templates": {c: sha256_file(c) for c in templates}}
+    templates = {m.template.path: m.template.sha256 for m in spec.merges if m.template.path in spec.configs}
+    return {"data": spec.written, "templates": templates}  # bundled templates are named, not given as paths
 
 
 def _weights_present(unit: Unit, marker: dict[str, Any] | None) -> bool:
@@ -537,9 +535,8 @@ def times_line(plan: Plan, markers: Markers, seconds: dict[str, float]) -> str |
 
 
 def _tabulate(plan: Plan, markers: Markers, report: SweepReport, seconds: dict[str, float]) -> None:
-    """Build the table from the saved outputs and write it (table.json, .csv, .md, .png); the console's notes say
-    which checkpoints' protocols differ and where S of different settings are compared (`comparability_lines`), and
-    its last lines give the run's times and recovery's verdicts."""
+    """Build the table from the saved outputs and write it (table.json, .csv, .md, .png); the report's notes and
+    last lines say what differs, the run's times and recovery's verdicts."""
     report.times = times_line(plan, markers, seconds)
     table = {
         **build_table(plan, report.failures, *_saved_outputs(plan, markers)),
@@ -551,9 +548,8 @@ def _tabulate(plan: Plan, markers: Markers, report: SweepReport, seconds: dict[s
 
 
 def sweep_recovery(plan: Plan, markers: Markers) -> list[str]:
-    """`recovery` over the sweep's own evaluated runs (the reference, the candidate, each merge a control) into
-    `<output>/recovery/`, recomputed only when a run or the code changed (its key); returns the verdict lines (none
-    without both endpoints and a control evaluated)."""
+    """`recovery` over the sweep's evaluated runs (each merge a control) into `<output>/recovery/`, recomputed only
+    when its key changed; the verdict lines (none without both endpoints and a control evaluated)."""
     from lm_eval_sink.buckets.settings import BucketSettings
     from lm_eval_sink.commands.recovery import NamedRun, compute, recovery_key, write_outputs
     from lm_eval_sink.recovery import verdict_lines
@@ -575,9 +571,8 @@ def sweep_recovery(plan: Plan, markers: Markers) -> list[str]:
 
 @dataclass
 class StepCounter:
-    """`[3/10] eval:linear_95_5`: one line per step as it starts (engines that run steps in turn) or ends (the
-    others), given to `announce` (None: no lines); `progress`: progress bars instead, which count the steps
-    themselves (then no lines)."""
+    """`[3/10] eval:linear_95_5`: one line per step to `announce` as it starts (engines that run steps in turn) or
+    ends (the others); none with `progress` (bars count the steps) or without `announce`."""
 
     total: int
     announce: Callable[[str], None] | None

@@ -114,7 +114,6 @@ class Rendered:
     name: str
     lineage: str
     text: str
-    config: dict[str, Any]
     formula: str
     warnings: tuple[str, ...]
     template: Template
@@ -217,7 +216,6 @@ def render(
         name=template.name,
         lineage=lineage,
         text=text,
-        config=config,
         formula=block.formula,
         warnings=tuple(warnings),
         template=template,

@@ -301,8 +301,7 @@ def plan_units(
     versions: dict[str, dict[str, Any]],
 ) -> Plan:
     """Every unit with its key, in run order (merge -> eval -> strength per checkpoint, so `delete_merged` bounds the
-    disk). `identities`: the endpoints' fingerprints; `versions`: the `eval` / `strength` versions of code that runs
-    elsewhere, and `engine`: the resident engine's model_args and dtype where it measures S."""
+    disk); `versions`: of code that runs elsewhere per kind, and `engine`: the resident engine's where it measures S."""
     from lm_eval_sink.merging.merge import MergeWork
 
     checkpoints = [Checkpoint(role, role, spec.models[role], identities[role]["fingerprint"]) for role in ENDPOINTS]
@@ -375,9 +374,8 @@ def build_table(
     strengths: dict[str, float],
     strength_settings: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Rows = checkpoints, columns = each task metric, its delta vs the reference, S (the caller adds provenance),
-    from each checkpoint's results, protocol fingerprint and saved S; S of different settings (`strength_settings`, and
-    the eval units' Sink Strength tasks: `task_strength`) are marked."""
+    """Rows = checkpoints, columns = each task metric, its delta vs the reference, S (the caller adds provenance);
+    S of different settings (`strength_settings`, and the eval units' `task_strength`) are marked."""
     require_same_harness(fingerprints)
     ref_fp = fingerprints.get("reference")
     metrics = {name: _metrics(r) for name, r in results.items()}
@@ -496,8 +494,7 @@ def _fmt(x: float | None, signed: bool = False, scale: float = 1.0) -> str:
 
 def _table_rows(table: dict[str, Any], cols: list[str], scales: list[float]) -> list[list[str]]:
     """One row per checkpoint: each metric of `cols` and its delta (scaled per column), S and its delta, the status;
-    a value of S (and its delta) measured in another setting than others of its column carries that setting's
-    letter."""
+    an S measured in another setting than others of its column carries that setting's letter."""
     comparable = (table.get("strength_comparability") or {}).get("comparable", True)
 
     def marked(text: str, label: str | None) -> str:
@@ -554,9 +551,8 @@ def docs_per_task(results: dict[str, Any]) -> dict[str, int]:
 
 
 def table_text(table: dict[str, Any]) -> tuple[str, str]:
-    """The table as Markdown (a title line, the not-final note and too few to tell if so, what S means, the units,
-    each task's headline metric under its readable name, shares of docs in points, the headlines unchanged in every
-    checkpoint said once instead) and as CSV (every column under its lm-eval results key and value)."""
+    """The table as Markdown (notes first, each task's headline metric under its readable name, shares of docs in
+    points, those unchanged in every checkpoint said once) and as CSV (every column as lm-eval names and writes it)."""
     named = named_columns(headline_columns(table["columns"], load_benchmarks()), table["rows"])
     cols, labels, scales = ([x[i] for x in named if not x[3]] for i in range(3))
 
@@ -626,8 +622,7 @@ def unit_finished(unit: Unit, latest: dict[str, dict[str, Any]], markers: Marker
 
 def schedule(plan: Plan, state: FolderState, force: bool, redo: frozenset[str]) -> Schedule:
     """The units to run: unfinished ones (all with `force`, also those in `redo`); a merge only where its eval or S
-    needs weights that are not there (in memory: only to keep them), and never again once `delete_merged` removed
-    them after everything downstream finished."""
+    needs weights that are not there (in memory: only to keep them), never for weights `delete_merged` removed."""
     merge = plan.spec.merge
     latest = {} if force else state.latest
     finished = frozenset(u.id for u in plan.units if unit_finished(u, latest, state.markers) and u.id not in redo)
