@@ -120,27 +120,21 @@ class Rendered:
     validated: ValidatedConfig  # `text` as checked by validate_text, once
 
 
-def _substitute(node: Any, values: dict[str, str], where: str) -> Any:
+def _substitute(node: Any, values: dict[str, str], where: str, used: set[str]) -> Any:
+    """`node` with each placeholder filled in from `values`; the placeholders it held are added to `used`."""
     if isinstance(node, dict):
-        return {k: _substitute(v, values, f"{where}.{k}") for k, v in node.items()}
+        return {k: _substitute(v, values, f"{where}.{k}", used) for k, v in node.items()}
     if isinstance(node, list):
-        return [_substitute(v, values, f"{where}[{i}]") for i, v in enumerate(node)]
+        return [_substitute(v, values, f"{where}[{i}]", used) for i, v in enumerate(node)]
     if isinstance(node, str) and "${" in node:
         if node not in values:
             raise UserError(
                 f"{where}: unknown or unfilled placeholder {node!r}",
                 f"templates may use {', '.join(PLACEHOLDERS)} as whole values",
             )
+        used.add(node)
         return values[node]
     return node
-
-
-def _uses(node: Any, placeholder: str) -> bool:
-    if isinstance(node, dict):
-        return any(_uses(v, placeholder) for v in node.values())
-    if isinstance(node, list):
-        return any(_uses(v, placeholder) for v in node)
-    return node == placeholder
 
 
 def _config_json(path: str) -> dict[str, Any]:
@@ -199,14 +193,15 @@ def render(
     block: _LineageIn = getattr(template, lineage)
     values = {f"${{{role}}}": p for role, p in paths.items()}
     values["${out_dtype}"] = stored_dtype(paths["reference"])
-    config = _substitute(block.config, values, f"{template.path}: {lineage}.config")
+    used: set[str] = set()
+    config = _substitute(block.config, values, f"{template.path}: {lineage}.config", used)
     if tokenizer_source in ("reference", "candidate"):
         config["tokenizer_source"] = paths[tokenizer_source]
     elif tokenizer_source in ("base", "union"):
         config["tokenizer_source"] = tokenizer_source
     elif tokenizer_source is not None:
         config["tokenizer_source"] = _resolve_role("--tokenizer-source", tokenizer_source)
-    warnings = _render_warnings(template, lineage, block, paths, tokenizer_source)
+    warnings = _render_warnings(template, lineage, block, paths, tokenizer_source, "${base}" in used)
     text = _header(template, lineage, block, paths) + yaml.safe_dump(
         config, sort_keys=False, default_flow_style=None, width=1000
     )
@@ -224,13 +219,17 @@ def render(
 
 
 def _render_warnings(
-    template: Template, lineage: str, block: _LineageIn, paths: dict[str, str], tokenizer_source: str | None
+    template: Template,
+    lineage: str,
+    block: _LineageIn,
+    paths: dict[str, str],
+    tokenizer_source: str | None,
+    uses_base: bool,
 ) -> list[str]:
     """What the user should know about a filled template: an identity, an unused base, a base tokenizer that differs."""
     warnings = []
     if block.identity:
         warnings.append(f"{template.name} ({lineage} lineage): {block.identity}")
-    uses_base = _uses(block.config, "${base}")
     if "base" in paths and not uses_base:
         warnings.append(
             f"{template.name}: this control does not use the base model "
