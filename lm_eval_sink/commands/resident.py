@@ -185,26 +185,18 @@ class ResidentWorker:
             if done is not None:
                 done(unit, error)
 
-        rest = [u for u in job.units if u is not job.merge]
+        rest, error = [u for u in job.units if u is not job.merge], None  # error: what each of `rest` reports
         if job.merge in job.units:  # keep_weights: the on-disk merge unit writes the checkpoint
             error = _attempt(lambda: run_unit(job.merge))
             report(job.merge, error)
-            if error is not None:
-                rest, lost = [], rest
-                for u in lost:
-                    report(u, f"not run: {job.merge.id} failed")
-        if not rest:
-            return out
-        error = _attempt(lambda: self._copy_in(job))
-        if error is not None:
-            if job.merge is not None and job.merge not in job.units:
+            error = None if error is None else f"not run: {job.merge.id} failed"
+        if error is None and rest:
+            error = _attempt(lambda: self._copy_in(job))
+            if error is not None and job.merge is not None and job.merge not in job.units:  # the in-memory merge
                 report(job.merge, error)
                 error = f"not run: {job.merge.id} failed"
-            for u in rest:
-                report(u, error)
-            return out
         for u in rest:
-            report(u, _attempt(lambda u=u: self._run_unit(u, job.checkpoint)))
+            report(u, error if error is not None else _attempt(lambda u=u: self._run_unit(u, job.checkpoint)))
         return out
 
     def _copy_in(self, job: Job) -> None:
@@ -220,17 +212,13 @@ class ResidentWorker:
             return
         self.holds = None  # a failed copy leaves the parameters half written
         try:
-            if job.merge is not None:
-                config = job.merge.inputs.config
-                merge_into(
-                    self.resident.model,
-                    config.text,
-                    ck.name,
-                    random_seed=job.merge.inputs.random_seed,
-                    device=job.merge.inputs.device,
-                )
-            else:
+            if job.merge is None:
                 merge_into(self.resident.model, endpoint_text(ck.path), ck.name)
+            else:
+                work = job.merge.inputs  # merging.merge.MergeWork
+                merge_into(
+                    self.resident.model, work.config.text, ck.name, random_seed=work.random_seed, device=work.device
+                )
         finally:
             empty_cache()  # mergekit's working tensors are gone: their cached blocks go back before the units run
         self.holds = ck.name
