@@ -40,11 +40,14 @@ ENV_VARS = (
 )
 
 
-@dataclass(frozen=True)
-class Resources:
-    num_cpus: float = 1
-    num_gpus: float = 0
-    memory: int | None = None  # bytes
+class Resources(Strict):
+    """One unit kind's resources per Ray task (`engine.resources.KIND`); a num_gpus not given follows the kind's
+    device under Ray (`parse_engine`)."""
+
+    what: ClassVar[str] = "the resources entry"
+    num_cpus: float = Field(1, ge=0)
+    num_gpus: float = Field(0, ge=0)
+    memory: int | None = Field(None, ge=0)  # bytes
 
     def options(self) -> dict[str, Any]:
         return {
@@ -64,18 +67,11 @@ class EngineSpec:
     resources: dict[str, Resources] = field(default_factory=lambda: {k: Resources() for k in UNIT_KINDS})
 
 
-class ResourcesIn(Strict):
-    what: ClassVar[str] = "the resources entry"
-    num_cpus: float | None = Field(None, ge=0)
-    num_gpus: float | None = Field(None, ge=0)
-    memory: int | None = Field(None, ge=0)
-
-
 class UnitResourcesIn(Strict):
     what: ClassVar[str] = "the resources section"
-    merge: ResourcesIn | None = None
-    eval: ResourcesIn | None = None
-    strength: ResourcesIn | None = None
+    merge: Resources | None = None
+    eval: Resources | None = None
+    strength: Resources | None = None
 
 
 class EngineIn(Strict):
@@ -110,9 +106,8 @@ def parse_engine(
         )
     resources = {}
     for k in UNIT_KINDS:
-        given = getattr(value.resources, k)
-        fields = given.model_dump(exclude_none=True) if given else {}
-        gpus = fields.pop("num_gpus", None)
+        given = getattr(value.resources, k) or Resources()
+        gpus = given.num_gpus if "num_gpus" in given.model_fields_set else None
         where = f"{src}: engine.resources.{k}.num_gpus"
         if chosen != "ray":
             gpus = gpus or 0
@@ -120,7 +115,7 @@ def parse_engine(
             gpus = vllm_gpus(gpus, eval_settings.model_args, src)
         else:
             gpus = unit_gpus(gpus, (devices or {}).get(k), where)
-        resources[k] = Resources(**fields, num_gpus=gpus)
+        resources[k] = given.model_copy(update={"num_gpus": gpus})
     return EngineSpec(kind=chosen, address=addr, max_pending_merges=value.max_pending_merges, resources=resources)
 
 
@@ -518,7 +513,7 @@ class PoolActor:
 
 def actor_resources(engine: EngineSpec) -> Resources:
     """One actor's resources: an eval slot's, with the GPUs of whichever of its merge, eval or S needs most."""
-    return replace(engine.resources["eval"], num_gpus=max(r.num_gpus for r in engine.resources.values()))
+    return engine.resources["eval"].model_copy(update={"num_gpus": max(r.num_gpus for r in engine.resources.values())})
 
 
 def _actor_result(ray: Any, ref: Any) -> tuple[Any, str | None, str | None]:
