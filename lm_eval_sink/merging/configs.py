@@ -23,7 +23,6 @@ from lm_eval_sink.keys import MODEL, UNKEYED
 from lm_eval_sink.yaml_input import parse_yaml
 from lm_eval_sink.schema import Strict, did_you_mean, key_path, model_at, parse
 
-ROLES = ("reference", "candidate", "base")
 PLACEHOLDERS = ("${reference}", "${candidate}", "${base}", "${out_dtype}")
 TOKENIZER_CHOICES = ("base", "union", "reference", "candidate")
 DTYPES = ("float32", "float16", "bfloat16", "float64")

@@ -23,7 +23,7 @@ from lm_eval_sink.errors import UserError, one_line
 from lm_eval_sink.schema import Strict
 
 KINDS = ("local", "ray")
-UNIT_KINDS = ("merge", "eval", "strength")
+UNIT_KINDS = ("merge", "eval", "strength")  # in each checkpoint's run order
 # Passed to every worker when set in the driver's environment.
 # "0": Ray 2.60 keeps 127.0.0.1 as the node address and listens on it alone (otherwise it replaces
 # 127.0.0.1 by the node's reachable address and listens on every interface).

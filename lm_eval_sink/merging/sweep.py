@@ -25,7 +25,7 @@ from lm_eval_sink.harness.runner import EvalSettings
 from lm_eval_sink.identity import FINGERPRINT_RULE, check_same_identity
 from lm_eval_sink.io import canonical_json
 from lm_eval_sink.keys import UNKEYED, Work, key_of, keyed, version_change
-from lm_eval_sink.merging.engines import EngineIn
+from lm_eval_sink.merging.engines import UNIT_KINDS as KINDS, EngineIn
 from lm_eval_sink.power import MIN_N, too_few
 from lm_eval_sink.protocols import diff, require_same_harness
 from lm_eval_sink.report.view import fmt, named_columns
@@ -34,7 +34,6 @@ from lm_eval_sink.strength import S_MEANING, StrengthSettings
 from lm_eval_sink.tables import csv_text, first_few, markdown_table
 
 ENDPOINTS = ("reference", "candidate")
-KINDS = ("merge", "eval", "strength")  # the unit kinds, in each checkpoint's run order
 
 # --- the sweep file ------------------------------------------------------------------------
 
