@@ -25,7 +25,7 @@ from lm_eval_sink.schema import Strict, did_you_mean, key_path, model_at, parse
 
 PLACEHOLDERS = ("${reference}", "${candidate}", "${base}", "${out_dtype}")
 TOKENIZER_CHOICES = ("base", "union", "reference", "candidate")
-DTYPES = ("float32", "float16", "bfloat16", "float64")
+DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}  # mergekit's dtypes and their bytes
 # mergekit declares these stock parameters as plain floats; the ranges where they mean something.
 # (TSV/STAR declare their ranges in their signatures; see methods.py.)
 _STOCK_RANGES: dict[str, tuple[Any, ...]] = {"density": (at.Gt(0), at.Le(1)), "t": (at.Ge(0), at.Le(1))}

@@ -18,7 +18,7 @@ from lm_eval_sink.io import sha256_text
 from lm_eval_sink.keys import UNKEYED, Work, key_of, key_versions, keyed
 from lm_eval_sink.outputs import COMPLETE, check_output_dir, manifest, staged_dir, write_complete
 from lm_eval_sink.provenance import provenance
-from lm_eval_sink.merging.configs import ValidatedConfig, validate_file
+from lm_eval_sink.merging.configs import DTYPES, ValidatedConfig, stored_dtype, validate_file
 
 _TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")
 
@@ -178,21 +178,17 @@ def verify_checkpoint(folder: Path, expect_tokenizer: bool = True) -> tuple[int,
     return len(found), tuple(f.name for f in files)
 
 
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
 def output_size(config: ValidatedConfig) -> int | None:
     """About the bytes a merge writes, for the message of a full disk: its largest input's weight files (the merge
     has the same tensors), scaled to the output dtype (`out_dtype`, else `dtype`, else the input's own)."""
     from lm_eval_sink.identity import cached_folder
-    from lm_eval_sink.merging.configs import stored_dtype
 
     out = str(config.data.get("out_dtype") or config.data.get("dtype") or "").removeprefix("torch.")
     sizes = []
     for path in config.inputs:
         folder = cached_folder(path) or Path(path)
         stored = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-        sizes.append(stored * _DTYPE_BYTES.get(out, 1) // _DTYPE_BYTES.get(out and stored_dtype(path), 1))
+        sizes.append(stored * DTYPES.get(out, 1) // DTYPES.get(out and stored_dtype(path), 1))
     return max(sizes, default=0) or None
 
 
