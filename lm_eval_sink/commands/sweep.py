@@ -27,7 +27,7 @@ from lm_eval_sink.commands.engine_sweep import (
     ray_pool,
 )
 from lm_eval_sink.comparability import setting_of
-from lm_eval_sink.errors import UserError
+from lm_eval_sink.errors import UserError, one_line
 from lm_eval_sink.harness.runner import EvalSettings, check_interpreter
 from lm_eval_sink.harness.vllm_preflight import check_engine_start
 from lm_eval_sink.identity import looks_like_hub_id
@@ -617,10 +617,8 @@ def _run_local(units: list[Unit], record: Any, failures: dict[str, str], steps: 
         steps.started(unit.id)
         try:
             run(unit)
-        except KeyboardInterrupt:
-            raise
-        except Exception as e:  # one failed step must not stop the sweep
-            record(unit, e.line() if isinstance(e, UserError) else f"{type(e).__name__}: {e}")
+        except Exception as e:  # one failed step must not stop the sweep (KeyboardInterrupt is no Exception)
+            record(unit, one_line(e))
             continue
         record(unit, None)
 
