@@ -12,7 +12,7 @@ import logging
 import os
 import socket
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -57,35 +57,21 @@ class Resources(Strict):
         }
 
 
-@dataclass(frozen=True)
-class EngineSpec:
-    """A sweep's engine settings (never part of a unit key)."""
-
-    kind: str = "local"
-    address: str | None = None
-    max_pending_merges: int | None = None  # None: the number of eval slots
-    resources: dict[str, Resources] = field(default_factory=lambda: {k: Resources() for k in UNIT_KINDS})
-
-
-class UnitResourcesIn(Strict):
-    what: ClassVar[str] = "the resources section"
-    merge: Resources | None = None
-    eval: Resources | None = None
-    strength: Resources | None = None
-
-
-class EngineIn(Strict):
-    """The sweep file's `engine:` section as written (the module docstring shows it)."""
+class EngineSpec(Strict):
+    """A sweep's `engine:` section (never part of a unit key): as the file writes it, then with the CLI's --engine /
+    --ray-address on top and every unit kind's resources decided (`parse_engine`)."""
 
     what: ClassVar[str] = "the engine section"
-    kind: Literal[KINDS] | None = None
+    kind: Literal[KINDS] | None = None  # None: local
     address: str | None = None
-    max_pending_merges: int | None = Field(None, ge=1)
-    resources: UnitResourcesIn = UnitResourcesIn()
+    max_pending_merges: int | None = Field(None, ge=1)  # None: the number of eval slots
+    resources: dict[Literal[UNIT_KINDS], Resources | None] = Field(
+        default_factory=lambda: {k: Resources() for k in UNIT_KINDS}
+    )
 
 
 def parse_engine(
-    value: EngineIn | None,
+    value: EngineSpec | None,
     src: str,
     kind: str | None = None,
     address: str | None = None,
@@ -94,7 +80,7 @@ def parse_engine(
 ) -> EngineSpec:
     """The validated `engine:` section with the CLI's --engine / --ray-address on top; under Ray each unit kind's
     GPUs follow its torch device in `devices` (`unit_gpus`), a vLLM eval's its tensor_parallel_size (`vllm_gpus`)."""
-    value = value or EngineIn()
+    value = value or EngineSpec()
     chosen = kind or value.kind or "local"
     addr = address if address is not None else value.address
     if chosen == "ray":
@@ -106,7 +92,7 @@ def parse_engine(
         )
     resources = {}
     for k in UNIT_KINDS:
-        given = getattr(value.resources, k) or Resources()
+        given = value.resources.get(k) or Resources()
         gpus = given.num_gpus if "num_gpus" in given.model_fields_set else None
         where = f"{src}: engine.resources.{k}.num_gpus"
         if chosen != "ray":
@@ -116,7 +102,7 @@ def parse_engine(
         else:
             gpus = unit_gpus(gpus, (devices or {}).get(k), where)
         resources[k] = given.model_copy(update={"num_gpus": gpus})
-    return EngineSpec(kind=chosen, address=addr, max_pending_merges=value.max_pending_merges, resources=resources)
+    return value.model_copy(update={"kind": chosen, "address": addr, "resources": resources})
 
 
 def unit_gpus(given: float | None, device: str | None, where: str) -> float:
@@ -543,7 +529,7 @@ def run_on_actors(
 
     ray, res = connect(engine.address), actor_resources(engine)
     check_fits(ray, {"engine.resources (one actor)": res}, engine.address or "this driver")
-    one = replace(engine, resources={**engine.resources, "eval": res})
+    one = engine.model_copy(update={"resources": {**engine.resources, "eval": res}})
     actors = _Pool(ray, one, output_root, EvalPool(worker_cls, args, lambda job: None), worker_versions())
     for job in jobs:
         actors.queue(job)

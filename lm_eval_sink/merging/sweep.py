@@ -25,7 +25,7 @@ from lm_eval_sink.harness.runner import EvalSettings
 from lm_eval_sink.identity import FINGERPRINT_RULE, check_same_identity
 from lm_eval_sink.io import canonical_json
 from lm_eval_sink.keys import UNKEYED, Work, key_of, keyed, version_change
-from lm_eval_sink.merging.engines import UNIT_KINDS as KINDS, EngineIn
+from lm_eval_sink.merging.engines import UNIT_KINDS as KINDS, EngineSpec
 from lm_eval_sink.power import MIN_N, too_few
 from lm_eval_sink.protocols import diff, require_same_harness
 from lm_eval_sink.report.view import fmt, named_columns
@@ -142,7 +142,7 @@ class SweepFileIn(Strict):
     merge: MergeIn = MergeIn()
     eval: EvalIn | None = None
     strength: StrengthIn | None = None
-    engine: EngineIn | None = None
+    engine: EngineSpec | None = None
 
 
 def parse_sweep_data(data: Any, src: str) -> tuple[SweepFileIn, frozenset[str]]:
