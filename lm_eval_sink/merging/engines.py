@@ -171,9 +171,8 @@ def worker_env() -> dict[str, str]:
 
 
 def _refused_for_token(e: BaseException) -> bool:
-    """Whether Ray's connection error comes from the cluster refusing this driver's auth token: Ray 2.60's
-    GcsClient raises `ray.exceptions.AuthenticationError`, which ray.init wraps (as text) in a RuntimeError
-    and then a ConnectionError."""
+    """Whether Ray's connection error comes from the cluster refusing this driver's auth token (Ray 2.60 wraps its
+    `AuthenticationError`, as text, in a RuntimeError and then a ConnectionError)."""
     from ray.exceptions import AuthenticationError
 
     chain: BaseException | None = e
@@ -365,9 +364,8 @@ def run_on_ray(
     progress: bool = True,
     pool: EvalPool | None = None,
 ) -> None:
-    """Run `units` (in plan order) as Ray tasks calling the module-level `run(unit)` (sent by reference);
-    `record(unit, error)` gets each on the driver as it finishes or fails ('not run: ...' after a failed merge). With
-    `pool`, eval units run on its actors instead, each keeping its engine (`_Pool`)."""
+    """Run `units` (in plan order) as Ray tasks calling the module-level `run(unit)`, or with `pool` the eval units on
+    its actors; `record(unit, error)` gets each on the driver as it finishes or fails (or is not run)."""
     from tqdm.auto import tqdm
 
     from lm_eval_sink.merging.scheduler import Scheduler
@@ -412,9 +410,8 @@ def run_on_ray(
 
 @dataclass(frozen=True)
 class EvalPool:
-    """Eval units on actors that each keep one `worker_cls(*args)` between units (a resident vLLM engine): its
-    `run(unit)` runs one; `fields_of(unit)`, on the driver, is what the engine the unit needs fixes
-    (`engine_reuse.engine_fields`), so that `engine_reuse.assign` can give it to an actor holding that engine."""
+    """Eval units on actors that each keep one `worker_cls(*args)` (a resident vLLM engine) whose `run(unit)` runs one;
+    `fields_of(unit)` is what the unit's engine fixes, for `engine_reuse.assign`."""
 
     worker_cls: type
     args: tuple
@@ -522,9 +519,8 @@ def run_on_actors(
     args: tuple,
     progress: bool = True,
 ) -> list[str]:
-    """Run `jobs` (each with `id`) on a `_Pool` of actors, one per eval slot, each holding one `worker_cls(*args)`;
-    `record(job, value, error)` gets what its `run(job)` returned, or None with a one-line error. A job whose actor
-    died is submitted again to a new actor, once; the notes returned say which."""
+    """Run `jobs` (each with `id`) on a `_Pool` of actors each holding one `worker_cls(*args)`; `record(job, value,
+    error)` gets what its `run(job)` returned. A job whose actor died runs once more on a new one (the notes say so)."""
     from tqdm.auto import tqdm
 
     ray, res = connect(engine.address), actor_resources(engine)

@@ -87,9 +87,8 @@ def run_mergekit(
     revisions: dict[str, str] | None = None,
     config: Any = None,
 ) -> dict[str, str]:
-    """mergekit's `run_merge` on validated YAML text (or its parsed `config`, merged as a deep copy) into `out_dir`,
-    every hub-id input loaded at one commit (`revisions`, else its identity's; offline: that commit's cached folder).
-    Returns {reference as written: commit sha}; `mergekit_config.yml` holds the `@<sha>` form."""
+    """mergekit's `run_merge` on validated YAML text (or its parsed `config`) into `out_dir`, every hub-id input at one
+    commit (`revisions`, else its identity's); {reference as written: commit sha}, as `mergekit_config.yml` says."""
     from mergekit.io.tasks import LoaderCache
     from mergekit.merge import run_merge
     from mergekit.options import MergeOptions
