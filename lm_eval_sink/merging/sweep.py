@@ -167,8 +167,7 @@ def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def changed_inputs(units: Sequence[Unit], markers: Markers) -> list[str]:
-    """What changed in each unit's work (its `keys.Work` declaration as its key holds it) since its marker recorded
-    it (`work`), each as `kind field: old -> new`; none for markers that recorded no work."""
+    """What changed in each unit's work since its marker recorded it (`work`), as `kind field: old -> new`."""
     out = []
     for unit in units:
         old = (markers.get(unit.id) or {}).get("work")
@@ -196,8 +195,8 @@ def _field_name(kind: str, key: str) -> str:
 
 @dataclass(frozen=True)
 class Unit:
-    """One independent job: its kind, checkpoint, key, output folder and the work `commands.units.run_unit` hands on
-    (`inputs`: a `MergeWork`, `EvalWork` or `SweepStrengthWork`, whose declaration is the key: `unit`)."""
+    """One independent job: its kind, checkpoint, key, output folder and the work it hands on (`inputs`, its key's
+    declaration: `unit`)."""
 
     kind: str  # merge | eval | strength
     checkpoint: str
@@ -224,9 +223,8 @@ CHOOSER = ("lm_eval_sink.commands.sweep", "lm_eval_sink.commands.units")
 
 @dataclass(frozen=True, slots=True)
 class EvalWork(Work):
-    """What an eval unit hands to `run_lm_eval`: the checkpoint (by its identity: a content fingerprint or its merge's
-    inputs key; `model` is where it lies), the settings (an include path by content), and the local data that
-    LM_EVAL_SINK_DATA names, by content. The code that runs lm-eval is keyed where it runs (`eval_versions`)."""
+    """What an eval unit hands to `run_lm_eval`: the checkpoint by its identity (`model`: where it lies), the settings
+    and LM_EVAL_SINK_DATA's files by content; lm-eval's code is keyed where it runs (`eval_versions`)."""
 
     CODE = CHOOSER
     ENV = ("LM_EVAL_SINK_DATA",)
@@ -239,9 +237,8 @@ class EvalWork(Work):
 
 @dataclass(frozen=True, slots=True)
 class SweepStrengthWork(Work):
-    """What a strength unit hands to the measurement: the checkpoint's identity, the settings (a prompt file by
-    content), the dtype, and where the plan measures S on the resident vLLM engine, that engine's model_args and dtype
-    (`engine`; None: transformers in this interpreter)."""
+    """What a strength unit hands to the measurement: the checkpoint's identity, the settings, the dtype and, where
+    the resident vLLM engine measures S, that engine's model_args and dtype (`engine`; None: transformers here)."""
 
     CODE = ("lm_eval_sink.strength", *CHOOSER, "lm_eval_sink.harness.inprocess", "lm_eval_sink.harness.engine_strength")
     PACKAGES = ("torch", "transformers", "peft")
@@ -326,8 +323,7 @@ def plan_units(
 def _measure_units(
     spec: SweepSpec, ck: Checkpoint, identity: dict[str, Any] | None, versions: dict[str, dict[str, Any]]
 ) -> list[Unit]:
-    """The eval and strength units of one checkpoint (none of a kind the sweep file turns off); a merged checkpoint's
-    also hold its merge's versions."""
+    """The eval and strength units of one checkpoint (a merged one's also hold its merge's versions)."""
     units = []
     if spec.eval is not None:
         work = EvalWork(ck.path, ck.identity, spec.eval, identity)
@@ -435,8 +431,7 @@ def task_strength(results: dict[str, Any], columns: list[str], rows: list[dict[s
 
 
 def comparability_lines(table: dict[str, Any]) -> list[str]:
-    """What the console says of S measured in different settings, in a sweep's table (strength units and each Sink
-    Strength task of the eval units): the settings and what differs, in words; nothing where S compares."""
+    """What the console says of S measured in different settings in a sweep's table; nothing where S compares."""
     parts = [("S", table.get("strength_comparability"))]
     parts += sorted((table.get("task_strength_comparability") or {}).items())
     return [
