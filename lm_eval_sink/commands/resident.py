@@ -89,8 +89,7 @@ def resident_dtype(spec: SweepSpec) -> str:
     own, or for `auto` each checkpoint's (a merge's `out_dtype`, else `dtype`, else the reference's)."""
     ref = stored_dtype(spec.models["reference"])
     own = {"reference": ref, "candidate": stored_dtype(spec.models["candidate"])}
-    for r in spec.merges:
-        own[r.name] = r.validated.data.get("out_dtype") or r.validated.data.get("dtype") or ref
+    own |= {r.name: r.validated.data.get("out_dtype") or r.validated.data.get("dtype") or ref for r in spec.merges}
     kinds = {}
     if spec.eval is not None:
         kinds["eval"] = spec.eval.dtype
@@ -101,17 +100,16 @@ def resident_dtype(spec: SweepSpec) -> str:
         for kind, given in kinds.items()
         for name, dtype in own.items()
     }
-    first = next(iter(loads.items()))
-    other = next((x for x in loads.items() if x[1] != first[1]), None)
+    ((k1, n1), d1), *rest = loads.items()
+    other = next((x for x in rest if x[1] != d1), None)
     if other is not None:
-        (k1, n1), d1 = first
         (k2, n2), d2 = other
         raise UserError(
             f"{spec.source}: one resident model serves every checkpoint, but the on-disk path would load {n1} in "
             f"{d1} for {k1} and {n2} in {d2} for {k2}",
             "set eval.dtype and strength.dtype to one dtype, or " + FIX,
         )
-    return first[1]
+    return d1
 
 
 def _check_controls(spec: SweepSpec) -> None:
