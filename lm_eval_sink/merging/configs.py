@@ -601,11 +601,9 @@ class _Method:
         if isinstance(setting, ConditionalParameter):
             self.check_setting(f"{key}.value", pname, setting.value)
         elif isinstance(setting, list) and setting:
-            conditional = isinstance(setting[0], ConditionalParameter)
+            check = self.check_setting if isinstance(setting[0], ConditionalParameter) else self.check_value
             for i, s in enumerate(setting):
-                self.check_setting(f"{key}[{i}]", pname, s) if conditional else self.check_value(
-                    f"{key}[{i}]", pname, s
-                )
+                check(f"{key}[{i}]", pname, s)
         elif isinstance(setting, list):
             expected = _expectation(self.params[pname])
             self.ck.fail(key, f"expected {expected}, got {setting!r}", f"give {pname} a value")

@@ -65,10 +65,8 @@ def _pinned(node: Any, pin) -> Any:
     from mergekit.common import ModelReference
     from pydantic import BaseModel
 
-    if isinstance(node, ModelReference):
-        return (
-            node if os.path.exists(node.model.path) else node.model_copy(update={"model": pin(node.model)})
-        )  # mergekit's own test for a hub id
+    if isinstance(node, ModelReference):  # a path that exists is a folder: mergekit's own test for a hub id
+        return node if os.path.exists(node.model.path) else node.model_copy(update={"model": pin(node.model)})
     if isinstance(node, BaseModel):
         return node.model_copy(update={k: _pinned(getattr(node, k), pin) for k in type(node).model_fields})
     if isinstance(node, list):

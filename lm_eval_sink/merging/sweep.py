@@ -350,14 +350,9 @@ def _metrics(results: dict[str, Any]) -> dict[str, float]:
     out: dict[str, float] = {}
     for task, values in sorted(results.get("results", {}).items()):
         for name, value in values.items():
-            if (
-                "_stderr" in name
-                or name in ("alias", "name", "sample_len")
-                or isinstance(value, bool)
-                or not isinstance(value, (int, float))
-            ):
-                continue
-            out[f"{task}/{name}"] = float(value)
+            numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if numeric and "_stderr" not in name and name not in ("alias", "name", "sample_len"):
+                out[f"{task}/{name}"] = float(value)
     return out
 
 
