@@ -41,33 +41,28 @@ def _finish(tmp: Path, unit: Unit, **fields: Any) -> None:
 def run_unit(unit: Unit, **fields: Any) -> None:
     """Run one unit into its staged output folder (replacing an older one); `fields` join a strength unit's marker.
     No shared state."""
+    work = unit.inputs  # a MergeWork, EvalWork or SweepStrengthWork
     if unit.kind == "merge":
         from lm_eval_sink.merging.merge import merge_config
 
         merge_config(
-            unit.inputs.config,  # validated when the sweep file was loaded; mergekit gets a copy
+            work.config,  # validated when the sweep file was loaded; mergekit gets a copy
             unit.output,
-            random_seed=unit.inputs.random_seed,
-            device=unit.inputs.device,
+            random_seed=work.random_seed,
+            device=work.device,
             force=True,
             quiet=True,
-            extra={"unit": unit.id, "template": unit.inputs.template, **placement_fields()},
+            extra={"unit": unit.id, "template": work.template, **placement_fields()},
         )
     elif unit.kind == "eval":
         with staged_dir(unit.output, force=True, key=unit.key) as tmp:
             try:
-                run = run_lm_eval(unit.inputs.model, unit.inputs.settings, tmp / "lm_eval")
+                run = run_lm_eval(work.model, work.settings, tmp / "lm_eval")
             except UserError as e:  # keep lm-eval's log: the staged folder is about to be removed
                 raise UserError(e.message, f"see lm-eval's log in {keep_logs(unit, tmp)}") from None
             finish_eval(tmp, unit, run)
     elif unit.kind == "strength":
-        res = measure_model(
-            unit.inputs.model,
-            unit.inputs.settings,
-            dtype=unit.inputs.dtype,
-            device=unit.inputs.device,
-            progress=False,
-        )
+        res = measure_model(work.model, work.settings, dtype=work.dtype, device=work.device, progress=False)
         save_strength(unit, res, **fields)
     else:
         raise ValueError(f"unknown unit kind {unit.kind!r}")
