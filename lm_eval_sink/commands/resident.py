@@ -222,25 +222,23 @@ class ResidentWorker:
         self.holds = ck.name
 
     def _run_unit(self, unit: Unit, ck: Checkpoint) -> None:
+        work = unit.inputs  # an EvalWork or SweepStrengthWork
         if unit.kind == "eval":
             with staged_dir(unit.output, force=True, key=unit.key) as tmp:
                 with peak_memory() as peak:
-                    run = evaluate(self.resident, unit.inputs.settings, tmp / "lm_eval", unit.inputs.model)
+                    run = evaluate(self.resident, work.settings, tmp / "lm_eval", work.model)
                 finish_eval(tmp, unit, run, in_memory=True, peak_accelerator_memory=peak or None)
         elif unit.kind == "strength":
-            model = self.resident.model
             info = {
-                "path": unit.inputs.model,
-                **(unit.inputs.identity or {"merge_inputs_key": ck.identity}),
+                "path": work.model,
+                **(work.identity or {"merge_inputs_key": ck.identity}),
                 "in_memory": True,
-                "architecture": type(model).__name__,
+                "architecture": type(self.resident.model).__name__,
                 "dtype": self.resident.dtype,
                 **self.resident.placement.info(),
             }
             with peak_memory() as peak:
-                res = measure_strength(
-                    self.resident, unit.inputs.settings, unit.inputs.dtype, provenance=provenance(model=info)
-                )
+                res = measure_strength(self.resident, work.settings, work.dtype, provenance=provenance(model=info))
             save_strength(unit, res, in_memory=True, peak_accelerator_memory=peak or None)
         else:
             raise ValueError(f"unit kind {unit.kind!r} does not run on a resident model")
