@@ -50,11 +50,8 @@ class Resources(Strict):
     memory: int | None = Field(None, ge=0)  # bytes
 
     def options(self) -> dict[str, Any]:
-        return {
-            "num_cpus": self.num_cpus,
-            "num_gpus": self.num_gpus,
-            **({"memory": self.memory} if self.memory else {}),
-        }
+        """Ray's task options (`memory` only where given)."""
+        return self.model_dump(exclude_none=True)
 
 
 class EngineSpec(Strict):
