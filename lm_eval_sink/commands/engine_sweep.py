@@ -117,7 +117,6 @@ def _largest(spec: SweepSpec, dtype: str) -> tuple[str, int]:
 
 
 def _widest_itemsize(spec: SweepSpec) -> int:
-    """The widest itemsize among the models' stored dtypes and the merges' `out_dtype` / `dtype`."""
     stored = [stored_dtype(weights_folder(model)) for model in spec.models.values()]
     named = [str(m.validated.data[k]) for m in spec.merges for k in ("out_dtype", "dtype") if m.validated.data.get(k)]
     return max(_itemsize(d) for d in (*stored, *named))

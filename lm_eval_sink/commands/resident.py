@@ -67,9 +67,8 @@ def check_spec(spec: SweepSpec) -> None:
 
 
 def _check_placement_args(src: str, model_args: dict[str, Any]) -> None:
-    """Refuse model_args that would place the resident otherwise than eval.device: a tensor-parallel plan (each
-    rank would hold a share of the heads) or lm-eval's offload and map settings (merges are copied into the
-    parameters in place, which an offloaded weight is not). `parallelize=True` is kept: every GPU (`auto`)."""
+    """Refuse model_args that would place the resident otherwise than eval.device (a tensor-parallel plan, lm-eval's
+    offload and map settings; docs/merging.md); `parallelize=True` is kept: every GPU (`auto`)."""
     if "tp_plan" in model_args:
         raise UserError(
             f"{src}: eval.model_args.tp_plan: a tensor-parallel resident would give each rank a share of the heads",
@@ -174,8 +173,7 @@ class ResidentWorker:
         self.holds: str | None = None  # the checkpoint the resident parameters hold now
 
     def run(self, job: Job, done: Callable[[Unit, str | None], None] | None = None) -> list[Outcome]:
-        """Run `job`'s units; each outcome goes to `done` as it is known (the local engine's manifest) and into
-        the returned list (the Ray driver's)."""
+        """Run `job`'s units; each outcome to `done` as it is known (the local manifest) and in the returned list."""
         out: list[Outcome] = []
 
         def report(unit: Unit, error: str | None) -> None:

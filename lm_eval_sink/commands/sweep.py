@@ -184,7 +184,6 @@ def _output(given: str | Path | None, written: str | None, src: str, here: Path)
 
 
 def _rel(here: Path, p: str) -> str:
-    """A path of the sweep file, relative to its folder."""
     q = Path(p).expanduser()
     return str(q if q.is_absolute() else here / q)
 
