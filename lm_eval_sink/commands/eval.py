@@ -54,7 +54,7 @@ def _check_output(output: Path, inputs: list, force: bool) -> None:
         )
 
 
-def _report(run, settings, protocol, limit: float | None) -> list[str]:
+def _report(run, settings, protocol) -> list[str]:
     """The lines printed after the run: its files, the interpreter and versions, the protocol check, a subset's note."""
     from lm_eval_sink.harness.runner import eval_versions
     from lm_eval_sink.keys import versions_text
@@ -93,4 +93,4 @@ def run_eval(options: EvalOptions) -> list[str]:
     check_lengths(lengths, settings, [model_path])  # a generation longer than the model: before lm-eval runs
     with hold(output):
         run = run_lm_eval(model_path, settings, output)
-    return _report(run, settings, protocol, options.run.limit)
+    return _report(run, settings, protocol)

@@ -12,10 +12,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from lm_eval_sink.commands.units import finish_eval, run_unit, save_strength
 from lm_eval_sink.devices import empty_cache, peak_memory
 from lm_eval_sink.errors import UserError, one_line
-from lm_eval_sink.harness.inprocess import PLACEMENT_ARGS, resident_device
+from lm_eval_sink.harness.inprocess import PLACEMENT_ARGS, evaluate, load_resident, measure_strength, resident_device
+from lm_eval_sink.merging.configs import stored_dtype
+from lm_eval_sink.merging.engines import run_on_actors
 from lm_eval_sink.merging.sweep import Checkpoint, Plan, SweepSpec, Unit
+from lm_eval_sink.outputs import staged_dir
+from lm_eval_sink.provenance import provenance
 
 FIX = "set merge: {in_memory: false} (or pass --on-disk)"
 
@@ -26,15 +31,15 @@ FIX = "set merge: {in_memory: false} (or pass --on-disk)"
 def check_spec(spec: SweepSpec) -> None:
     """Refuse, in one line, an in-memory sweep that one resident model cannot run as the on-disk path would."""
     src = spec.source
-    if not spec.in_memory:
-        if spec.keep_weights:
+    if not spec.merge.in_memory:
+        if spec.merge.keep_weights:
             raise UserError(
                 f"{src}: merge.keep_weights is an in-memory setting (on disk the merged weights are kept anyway)",
                 "drop keep_weights, or set merge: {in_memory: true}",
             )
         return
     ev = spec.eval
-    if spec.delete_merged:
+    if spec.merge.delete_merged:
         raise UserError(
             f"{src}: merge.delete_merged has no meaning in memory: no merged weights are written",
             "drop delete_merged (or --delete-merged), or " + FIX,
@@ -62,9 +67,8 @@ def check_spec(spec: SweepSpec) -> None:
 
 
 def _check_placement_args(src: str, model_args: dict[str, Any]) -> None:
-    """Refuse model_args that would place the resident otherwise than eval.device: a tensor-parallel plan (each
-    rank would hold a share of the heads) or lm-eval's offload and map settings (merges are copied into the
-    parameters in place, which an offloaded weight is not). `parallelize=True` is kept: every GPU (`auto`)."""
+    """Refuse model_args that would place the resident otherwise than eval.device (a tensor-parallel plan, lm-eval's
+    offload and map settings; docs/merging.md); `parallelize=True` is kept: every GPU (`auto`)."""
     if "tp_plan" in model_args:
         raise UserError(
             f"{src}: eval.model_args.tp_plan: a tensor-parallel resident would give each rank a share of the heads",
@@ -80,16 +84,11 @@ def _check_placement_args(src: str, model_args: dict[str, Any]) -> None:
 
 
 def resident_dtype(spec: SweepSpec) -> str:
-    """The one dtype every checkpoint is loaded in by the on-disk path's eval and strength units (the resident's).
-
-    A kind's explicit dtype is that dtype; `auto` (or eval's default) is each checkpoint's own: an
-    endpoint's config, a merge's `out_dtype` (else `dtype`, else the reference's)."""
-    from lm_eval_sink.merging.configs import stored_dtype
-
+    """The one dtype the on-disk path's eval and strength units load every checkpoint in (the resident's): a kind's
+    own, or for `auto` each checkpoint's (a merge's `out_dtype`, else `dtype`, else the reference's)."""
     ref = stored_dtype(spec.models["reference"])
     own = {"reference": ref, "candidate": stored_dtype(spec.models["candidate"])}
-    for r in spec.merges:
-        own[r.name] = r.validated.data.get("out_dtype") or r.validated.data.get("dtype") or ref
+    own |= {r.name: r.validated.data.get("out_dtype") or r.validated.data.get("dtype") or ref for r in spec.merges}
     kinds = {}
     if spec.eval is not None:
         kinds["eval"] = spec.eval.dtype
@@ -100,17 +99,16 @@ def resident_dtype(spec: SweepSpec) -> str:
         for kind, given in kinds.items()
         for name, dtype in own.items()
     }
-    first = next(iter(loads.items()))
-    other = next((x for x in loads.items() if x[1] != first[1]), None)
+    ((k1, n1), d1), *rest = loads.items()
+    other = next((x for x in rest if x[1] != d1), None)
     if other is not None:
-        (k1, n1), d1 = first
         (k2, n2), d2 = other
         raise UserError(
             f"{spec.source}: one resident model serves every checkpoint, but the on-disk path would load {n1} in "
             f"{d1} for {k1} and {n2} in {d2} for {k2}",
             "set eval.dtype and strength.dtype to one dtype, or " + FIX,
         )
-    return first[1]
+    return d1
 
 
 def _check_controls(spec: SweepSpec) -> None:
@@ -147,12 +145,11 @@ class Job:
 
 def jobs_of(plan: Plan, todo: list[Unit]) -> list[Job]:
     """The jobs of the checkpoints with units to run, in plan order."""
-    by_id = {u.id: u for u in plan.units}
     jobs = []
     for ck in plan.checkpoints:
         units = tuple(u for u in todo if u.checkpoint == ck.name)
         if units:
-            jobs.append(Job(ck, by_id.get(f"merge:{ck.name}"), units))
+            jobs.append(Job(ck, plan.unit("merge", ck.name), units))
     return jobs
 
 
@@ -176,8 +173,7 @@ class ResidentWorker:
         self.holds: str | None = None  # the checkpoint the resident parameters hold now
 
     def run(self, job: Job, done: Callable[[Unit, str | None], None] | None = None) -> list[Outcome]:
-        """Run `job`'s units; each outcome goes to `done` as it is known (the local engine's manifest) and into
-        the returned list (the Ray driver's)."""
+        """Run `job`'s units; each outcome to `done` as it is known (the local manifest) and in the returned list."""
         out: list[Outcome] = []
 
         def report(unit: Unit, error: str | None) -> None:
@@ -185,33 +181,22 @@ class ResidentWorker:
             if done is not None:
                 done(unit, error)
 
-        from lm_eval_sink.commands.units import run_unit
-
-        rest = [u for u in job.units if u is not job.merge]
+        rest, error = [u for u in job.units if u is not job.merge], None  # error: what each of `rest` reports
         if job.merge in job.units:  # keep_weights: the on-disk merge unit writes the checkpoint
             error = _attempt(lambda: run_unit(job.merge))
             report(job.merge, error)
-            if error is not None:
-                rest, lost = [], rest
-                for u in lost:
-                    report(u, f"not run: {job.merge.id} failed")
-        if not rest:
-            return out
-        error = _attempt(lambda: self._copy_in(job))
-        if error is not None:
-            if job.merge is not None and job.merge not in job.units:
+            error = None if error is None else f"not run: {job.merge.id} failed"
+        if error is None and rest:
+            error = _attempt(lambda: self._copy_in(job))
+            if error is not None and job.merge is not None and job.merge not in job.units:  # the in-memory merge
                 report(job.merge, error)
                 error = f"not run: {job.merge.id} failed"
-            for u in rest:
-                report(u, error)
-            return out
         for u in rest:
-            report(u, _attempt(lambda u=u: self._run_unit(u, job.checkpoint)))
+            report(u, error if error is not None else _attempt(lambda u=u: self._run_unit(u, job.checkpoint)))
         return out
 
     def _copy_in(self, job: Job) -> None:
         """Load the resident model at the first job, then make its parameters the job's checkpoint."""
-        from lm_eval_sink.harness.inprocess import load_resident
         from lm_eval_sink.merging.inmemory import endpoint_text, merge_into
 
         spec, ck = self.spec, job.checkpoint
@@ -223,46 +208,35 @@ class ResidentWorker:
             return
         self.holds = None  # a failed copy leaves the parameters half written
         try:
-            if job.merge is not None:
-                config = job.merge.inputs.config
-                merge_into(
-                    self.resident.model,
-                    config.text,
-                    ck.name,
-                    random_seed=job.merge.inputs.random_seed,
-                    device=job.merge.inputs.device,
-                )
-            else:
+            if job.merge is None:
                 merge_into(self.resident.model, endpoint_text(ck.path), ck.name)
+            else:
+                work = job.merge.inputs  # merging.merge.MergeWork
+                merge_into(
+                    self.resident.model, work.config.text, ck.name, random_seed=work.random_seed, device=work.device
+                )
         finally:
             empty_cache()  # mergekit's working tensors are gone: their cached blocks go back before the units run
         self.holds = ck.name
 
     def _run_unit(self, unit: Unit, ck: Checkpoint) -> None:
-        from lm_eval_sink.commands.units import finish_eval, save_strength
-        from lm_eval_sink.harness.inprocess import evaluate, measure_strength
-        from lm_eval_sink.outputs import staged_dir
-        from lm_eval_sink.provenance import provenance
-
+        work = unit.inputs  # an EvalWork or SweepStrengthWork
         if unit.kind == "eval":
             with staged_dir(unit.output, force=True, key=unit.key) as tmp:
                 with peak_memory() as peak:
-                    run = evaluate(self.resident, unit.inputs.settings, tmp / "lm_eval", unit.inputs.model)
+                    run = evaluate(self.resident, work.settings, tmp / "lm_eval", work.model)
                 finish_eval(tmp, unit, run, in_memory=True, peak_accelerator_memory=peak or None)
         elif unit.kind == "strength":
-            model = self.resident.model
             info = {
-                "path": unit.inputs.model,
-                **(unit.inputs.identity or {"merge_inputs_key": ck.identity}),
+                "path": work.model,
+                **(work.identity or {"merge_inputs_key": ck.identity}),
                 "in_memory": True,
-                "architecture": type(model).__name__,
+                "architecture": type(self.resident.model).__name__,
                 "dtype": self.resident.dtype,
                 **self.resident.placement.info(),
             }
             with peak_memory() as peak:
-                res = measure_strength(
-                    self.resident, unit.inputs.settings, unit.inputs.dtype, provenance=provenance(model=info)
-                )
+                res = measure_strength(self.resident, work.settings, work.dtype, provenance=provenance(model=info))
             save_strength(unit, res, in_memory=True, peak_accelerator_memory=peak or None)
         else:
             raise ValueError(f"unit kind {unit.kind!r} does not run on a resident model")
@@ -280,8 +254,7 @@ def run_in_memory(
     spec = plan.spec
     jobs = jobs_of(plan, todo)
     by_id = {u.id: u for u in plan.units}
-    if spec.engine is not None and spec.engine.kind == "ray":
-        from lm_eval_sink.merging.engines import run_on_actors
+    if spec.on_ray:
 
         def record_job(job: Job, outcomes: list[Outcome] | None, error: str | None) -> None:
             if outcomes is None:  # the whole job failed (versions, shared folder, a lost actor)

@@ -26,11 +26,17 @@ from lm_eval_sink.commands.engine_sweep import (
     plan_notes,
     ray_pool,
 )
-from lm_eval_sink.errors import UserError
+from lm_eval_sink.comparability import setting_of
+from lm_eval_sink.errors import UserError, one_line
+from lm_eval_sink.harness.runner import EvalSettings, check_interpreter
+from lm_eval_sink.harness.vllm_preflight import check_engine_start
 from lm_eval_sink.identity import looks_like_hub_id
-from lm_eval_sink.io import atomic_write_json, atomic_write_text, read_text, sha256_file
+from lm_eval_sink.io import atomic_write_json, atomic_write_text, read_json, read_text
 from lm_eval_sink.outputs import check_not_inputs, check_writable, clean_stale_all, read_complete
+from lm_eval_sink.protocols import fingerprint_run
 from lm_eval_sink.provenance import provenance
+from lm_eval_sink.report.view import sweep_series
+from lm_eval_sink.runs import load_results, resolve_run
 from lm_eval_sink.yaml_input import parse_yaml
 from lm_eval_sink.locks import hold
 from lm_eval_sink.merging.configs import TOKENIZER_CHOICES, bundled_names, load_template, render
@@ -65,8 +71,6 @@ MANIFEST = "manifest.jsonl"
 
 def _eval_settings(ev: EvalIn, src: str, rel: Any, python: str | None) -> Any:
     """The `eval:` section as harness.runner.EvalSettings (backend vllm: no device; `python` overrides eval.python)."""
-    from lm_eval_sink.harness.runner import EvalSettings
-
     given = ev.model_dump(exclude_none=True, exclude={"engine_reuse"})
     given["tasks"] = tuple(given["tasks"])
     if python or ev.python:
@@ -90,11 +94,10 @@ def _check_eval(spec: SweepSpec) -> None:
     """What lm-eval would fail on only after the merges and every S (task names, generation lengths, a vLLM engine
     that cannot start), last of the sweep file's checks since it builds lm-eval's task index."""
     from lm_eval_sink.harness.checks import check_protocol
-    from lm_eval_sink.harness.vllm_preflight import check_engine_start
 
     if spec.eval is not None:
         try:
-            if spec.engine is None or spec.engine.kind != "ray":  # a Ray actor's engine starts on its own node
+            if not spec.on_ray:  # a Ray actor's engine starts on its own node
                 check_engine_start(spec.eval)
             check_protocol(spec.eval, list(spec.models.values()))
         except UserError as e:
@@ -117,9 +120,8 @@ def load_sweep(
     in_memory: bool | None = None,
     fresh_engine: bool = False,
 ) -> SweepSpec:
-    """Read and check a sweep YAML once (schema, models, lm-eval protocol, every merge control rendered and
-    validated; no weights read). `engine` / `ray_address` / `python` / `in_memory` override the file's (CLI flags);
-    `fresh_engine` turns eval.engine_reuse off."""
+    """Read and check a sweep YAML once (no weights read), with the CLI's flags over the file's settings
+    (`fresh_engine`: eval.engine_reuse off)."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no such sweep file", "pass a sweep YAML (see docs/merging.md)")
@@ -129,8 +131,10 @@ def load_sweep(
     out = _output(output, sweep.output, src, here)
     models = _models(sweep, src, here)
     configs, templates = _templates(sweep, src, here)
-    merge = sweep.merge
-    tokenizer_source = _tokenizer_source(here, merge.tokenizer_source)
+    flags = {k: v for k, v in {"delete_merged": delete_merged, "in_memory": in_memory}.items() if v is not None}
+    merge = sweep.merge.model_copy(update=flags)
+    if merge.tokenizer_source is not None and merge.tokenizer_source not in TOKENIZER_CHOICES:  # a model folder
+        merge = merge.model_copy(update={"tokenizer_source": _model_arg(here, merge.tokenizer_source)})
     eval_settings = None if "eval" in skipped else _eval_settings(sweep.eval, src, lambda p: _rel(here, p), python)
     strength, sdtype, sdevice = _strength(sweep.strength, "strength" in skipped, src, here)
     devices = {"merge": merge.device, "eval": eval_settings and eval_settings.device, "strength": sdevice}
@@ -142,19 +146,14 @@ def load_sweep(
         output=out.resolve(),
         models=models,
         configs=configs,
-        random_seed=merge.random_seed,
-        merge_device=merge.device,
-        tokenizer_source=tokenizer_source,
-        delete_merged=merge.delete_merged if delete_merged is None else delete_merged,
-        in_memory=merge.in_memory if in_memory is None else in_memory,
-        keep_weights=merge.keep_weights,
+        merge=merge,
         eval=eval_settings,
         engine_reuse=engine_reuse(sweep.eval and sweep.eval.engine_reuse, eval_settings, fresh_engine, src),
         strength=strength,
         strength_dtype=sdtype,
         strength_device=sdevice,
         engine=engine_spec,
-        merges=_render(templates, models, tokenizer_source),
+        merges=_render(templates, models, merge.tokenizer_source),
         written=written,
     )
     return _checked(spec)
@@ -173,11 +172,6 @@ def _checked(spec: SweepSpec) -> SweepSpec:
     return spec
 
 
-def _tokenizer_source(here: Path, given: str | None) -> str | None:
-    """merge.tokenizer_source: one of mergekit's choices, or a model folder (relative to the sweep file)."""
-    return given if given is None or given in TOKENIZER_CHOICES else _model_arg(here, given)
-
-
 def _output(given: str | Path | None, written: str | None, src: str, here: Path) -> Path:
     """The output folder: --output, else the file's `output` (relative to its folder)."""
     out = Path(given) if given is not None else (Path(_rel(here, written)) if written else None)
@@ -190,7 +184,6 @@ def _output(given: str | Path | None, written: str | None, src: str, here: Path)
 
 
 def _rel(here: Path, p: str) -> str:
-    """A path of the sweep file, relative to its folder."""
     q = Path(p).expanduser()
     return str(q if q.is_absolute() else here / q)
 
@@ -271,23 +264,15 @@ class Manifest:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
 
-    def entries(self) -> list[dict[str, Any]]:
-        if not self.path.is_file():
-            return []
-        out = []
-        for line in self.path.read_text(encoding="utf-8").splitlines():
+    def latest(self) -> dict[str, dict[str, Any]]:
+        """Each unit's last done or failed line."""
+        last: dict[str, dict[str, Any]] = {}
+        for line in self.path.read_text(encoding="utf-8").splitlines() if self.path.is_file() else []:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line torn by kill -9: that unit is simply not finished
-            if isinstance(row, dict) and "unit" in row:
-                out.append(row)
-        return out
-
-    def latest(self) -> dict[str, dict[str, Any]]:
-        last: dict[str, dict[str, Any]] = {}
-        for row in self.entries():
-            if row.get("status") in ("done", "failed"):
+            if isinstance(row, dict) and "unit" in row and row.get("status") in ("done", "failed"):
                 last[row["unit"]] = row
         return last
 
@@ -331,8 +316,7 @@ class SweepReport:
     times: str | None = None  # the console's last line (`times_line`)
 
     def plan_line(self, todo: int) -> str:
-        """What the run is about to do, said before any step runs: how many steps, which merges are redone and for
-        what, how many are already finished."""
+        """What the run is about to do, said before any step runs."""
         redone = _redone(self.remerged)
         return f"sweep {self.output}: plan: {todo} steps to run{redone}, {len(self.skipped)} already finished"
 
@@ -360,7 +344,7 @@ class SweepReport:
 def _inputs(spec: SweepSpec) -> list[str | None]:
     """What a sweep reads: its file, models, config templates, tokenizer, include path and prompts."""
     ev, st = spec.eval, spec.strength
-    paths = [spec.source, *spec.models.values(), *spec.configs, spec.tokenizer_source]
+    paths = [spec.source, *spec.models.values(), *spec.configs, spec.merge.tokenizer_source]
     return [*paths, ev and ev.include_path, st and st.prompts_file]
 
 
@@ -371,14 +355,10 @@ def run_sweep(
     redo: Sequence[str] = (),
     announce: Callable[[str], None] | None = None,
 ) -> SweepReport:
-    """Plan, run every unfinished unit (all of them with `force`; also those `redo` names: kinds or checkpoints) on
-    the spec's engine, then write the table; the output folder is locked meanwhile. Configs of earlier runs into the
-    same folder stay in the sweep (`_with_earlier_configs`), unless `force`. `announce` gets the plan's lines
-    (`SweepReport.plan_line`, the engine's) before the first step runs."""
+    """Plan, run every unfinished unit (all with `force`; also those `redo` names) on the spec's engine, then write
+    the table, with the output folder locked; `announce` gets the plan's lines before the first step runs."""
     check_not_inputs([spec.output], inputs=_inputs(spec), option="output")
     if spec.eval is not None:
-        from lm_eval_sink.harness.runner import check_interpreter
-
         check_interpreter(spec.eval)
     earlier = None if force else _earlier_record(spec.output)
     spec, notes = _with_earlier_configs(spec, earlier)
@@ -404,7 +384,7 @@ def _with_earlier_configs(spec: SweepSpec, earlier: dict[str, Any] | None) -> tu
     names, kept, merges, notes = {m.name for m in spec.merges}, [], [], []
     for config in (c for c in recorded if c not in spec.configs):
         try:
-            (merge,) = _render([load_template(config)], spec.models, spec.tokenizer_source)
+            (merge,) = _render([load_template(config)], spec.models, spec.merge.tokenizer_source)
         except UserError as e:
             notes.append(f"configs: {config} of an earlier run is left out ({e.message})")
             continue
@@ -415,7 +395,7 @@ def _with_earlier_configs(spec: SweepSpec, earlier: dict[str, Any] | None) -> tu
     if not kept:
         return spec, notes
     spec = dataclasses.replace(spec, configs=(*spec.configs, *kept), merges=(*spec.merges, *merges))
-    if spec.in_memory:
+    if spec.merge.in_memory:
         from lm_eval_sink.commands.resident import check_spec
 
         check_spec(spec)
@@ -429,8 +409,8 @@ def _with_earlier_configs(spec: SweepSpec, earlier: dict[str, Any] | None) -> tu
 def _file_record(spec: SweepSpec) -> dict[str, Any]:
     """The sweep file as written, with the sha256 of its template files: what sweep.json keeps to tell whether a unit
     made from other inputs came from another file or from another release's defaults."""
-    templates = [c for c in spec.configs if c.endswith((".yaml", ".yml")) and Path(c).is_file()]
-    return {"data": spec.written, "templates": {c: sha256_file(c) for c in templates}}
+    templates = {m.template.path: m.template.sha256 for m in spec.merges if m.template.path in spec.configs}
+    return {"data": spec.written, "templates": templates}  # bundled templates are named, not given as paths
 
 
 def _weights_present(unit: Unit, marker: dict[str, Any] | None) -> bool:
@@ -490,7 +470,6 @@ def _run_sweep_locked(
     report = SweepReport(output=out, notes=list(notes))
     state, plan_now = _start(plan, force, redo, earlier, report)
     markers, finished, manifest = dict(state.markers), set(plan_now.finished), Manifest(out / MANIFEST)
-    by_id = {u.id: u for u in plan.units}
     todo = list(plan_now.todo)
     steps = StepCounter(len(todo), announce, progress)  # --quiet: a line per step, no bars
 
@@ -508,8 +487,8 @@ def _run_sweep_locked(
         markers[unit.id] = read_complete(unit.output)
         finished.add(unit.id)
         report.ran.append(unit.id)
-        if spec.delete_merged and f"merge:{unit.checkpoint}" in by_id:
-            _maybe_delete_weights(by_id[f"merge:{unit.checkpoint}"], by_id, finished, manifest, markers)
+        if spec.merge.delete_merged and (merge := plan.unit("merge", unit.checkpoint)) is not None:
+            _maybe_delete_weights(plan, merge, finished, manifest, markers)
 
     engine_lines = plan_notes(plan, todo)
     report.notes.extend(engine_lines)
@@ -522,19 +501,19 @@ def _run_sweep_locked(
             f"{len(plan_now.unwritten)} merged checkpoint(s) not written to disk (in memory; keep_weights: true "
             "writes them)"
         )
-    if spec.in_memory:
+    if spec.merge.in_memory:
         from lm_eval_sink.commands.resident import run_in_memory
 
         report.notes.extend(run_in_memory(plan, todo, record, progress))
-    elif spec.engine is not None and spec.engine.kind == "ray":
+    elif spec.on_ray:
         run_on_ray(todo, spec.engine, out, record, run_unit, progress=progress, pool=ray_pool(spec))
     else:
         with local_runner(spec, report.notes) as run:
             _run_local(todo, record, report.failures, steps, run)
-    if spec.delete_merged:  # also checkpoints finished by an earlier run
+    if spec.merge.delete_merged:  # also checkpoints finished by an earlier run
         for unit in plan.units:
             if unit.kind == "merge":
-                _maybe_delete_weights(unit, by_id, finished, manifest, markers)
+                _maybe_delete_weights(plan, unit, finished, manifest, markers)
     _tabulate(plan, markers, report, steps.seconds)
     return report
 
@@ -555,9 +534,8 @@ def times_line(plan: Plan, markers: Markers, seconds: dict[str, float]) -> str |
 
 
 def _tabulate(plan: Plan, markers: Markers, report: SweepReport, seconds: dict[str, float]) -> None:
-    """Build the table from the saved outputs and write it (table.json, .csv, .md, .png); the console's notes say
-    which checkpoints' protocols differ and where S of different settings are compared (`comparability_lines`), and
-    its last lines give the run's times and recovery's verdicts."""
+    """Build the table from the saved outputs and write it (table.json, .csv, .md, .png); the report's notes and
+    last lines say what differs, the run's times and recovery's verdicts."""
     report.times = times_line(plan, markers, seconds)
     table = {
         **build_table(plan, report.failures, *_saved_outputs(plan, markers)),
@@ -569,26 +547,19 @@ def _tabulate(plan: Plan, markers: Markers, report: SweepReport, seconds: dict[s
 
 
 def sweep_recovery(plan: Plan, markers: Markers) -> list[str]:
-    """`recovery` over the sweep's own evaluated runs (the reference, the candidate, each merge a control) into
-    `<output>/recovery/`, recomputed only when a run or the code changed (its key); returns the verdict lines (none
-    without both endpoints and a control evaluated)."""
+    """`recovery` over the sweep's evaluated runs (each merge a control) into `<output>/recovery/`, recomputed only
+    when its key changed; the verdict lines (none without both endpoints and a control evaluated)."""
     from lm_eval_sink.buckets.settings import BucketSettings
     from lm_eval_sink.commands.recovery import NamedRun, compute, recovery_key, write_outputs
-    from lm_eval_sink.io import read_json
     from lm_eval_sink.recovery import verdict_lines
 
-    by_id = {u.id: u for u in plan.units}
-    done = {ck.name: (ck.role, by_id[f"eval:{ck.name}"]) for ck in plan.checkpoints if f"eval:{ck.name}" in by_id}
-    done = {name: (role, u) for name, (role, u) in done.items() if current(u, markers) is not None}
-    roles = [role for role, _ in done.values()]
-    if "reference" not in roles or "candidate" not in roles or "merge" not in roles:
-        return []
-    runs = [
-        NamedRun(name, "control" if role == "merge" else role, u.output)
-        for want in ("reference", "candidate", "merge")
-        for name, (role, u) in done.items()
-        if role == want
+    runs = [  # plan order: the reference, the candidate, then the merges
+        NamedRun(ck.name, "control" if ck.role == "merge" else ck.role, u.output)
+        for ck in plan.checkpoints
+        if (u := plan.unit("eval", ck.name)) is not None and current(u, markers) is not None
     ]
+    if {r.role for r in runs} != {"reference", "candidate", "control"}:
+        return []
     out, settings = plan.spec.output / "recovery", BucketSettings(failure_kinds=False)
     saved = read_json(out / "recovery.json") if (out / "recovery.json").is_file() else None
     if saved is None or saved.get("provenance", {}).get("key") != recovery_key(runs, settings).key:
@@ -599,9 +570,8 @@ def sweep_recovery(plan: Plan, markers: Markers) -> list[str]:
 
 @dataclass
 class StepCounter:
-    """`[3/10] eval:linear_95_5`: one line per step as it starts (engines that run steps in turn) or ends (the
-    others), given to `announce` (None: no lines); `progress`: progress bars instead, which count the steps
-    themselves (then no lines)."""
+    """`[3/10] eval:linear_95_5`: one line per step to `announce` as it starts (engines that run steps in turn) or
+    ends (the others); none with `progress` (bars count the steps) or without `announce`."""
 
     total: int
     announce: Callable[[str], None] | None
@@ -646,23 +616,18 @@ def _run_local(units: list[Unit], record: Any, failures: dict[str, str], steps: 
         steps.started(unit.id)
         try:
             run(unit)
-        except KeyboardInterrupt:
-            raise
-        except Exception as e:  # one failed step must not stop the sweep
-            record(unit, e.line() if isinstance(e, UserError) else f"{type(e).__name__}: {e}")
+        except Exception as e:  # one failed step must not stop the sweep (KeyboardInterrupt is no Exception)
+            record(unit, one_line(e))
             continue
         record(unit, None)
 
 
 def _maybe_delete_weights(
-    merge_unit: Unit, by_id: dict[str, Unit], finished: set[str], manifest: Manifest, markers: Markers
+    plan: Plan, merge_unit: Unit, finished: set[str], manifest: Manifest, markers: Markers
 ) -> None:
     """Delete a merged checkpoint's weight files once its eval and strength units are finished."""
-    downstream = [
-        f"{k}:{merge_unit.checkpoint}" for k in ("eval", "strength") if f"{k}:{merge_unit.checkpoint}" in by_id
-    ]
     complete = current(merge_unit, markers)
-    if not all(d in finished for d in downstream) or complete is None:
+    if not all(d.id in finished for d in plan.downstream(merge_unit.checkpoint)) or complete is None:
         return
     present = [n for n in complete.get("weight_files", {}) if (merge_unit.output / n).exists()]
     if not present:
@@ -682,20 +647,15 @@ def _saved_outputs(
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, float], dict[str, Any]]:
     """Per checkpoint with a finished unit: its lm-eval results, their protocol fingerprint, its saved S and the
     setting S was measured in (`comparability.setting_of`)."""
-    from lm_eval_sink.comparability import setting_of
-    from lm_eval_sink.protocols import fingerprint_run
-    from lm_eval_sink.runs import load_results, resolve_run
-
-    by_id = {u.id: u for u in plan.units}
     results, fingerprints, strengths, settings = {}, {}, {}, {}
     for ck in plan.checkpoints:
-        ev = by_id.get(f"eval:{ck.name}")
+        ev = plan.unit("eval", ck.name)
         complete = current(ev, markers) if ev is not None else None
         if complete is not None:
             run = resolve_run(ev.output / complete["results"])
             results[ck.name] = load_results(run)
             fingerprints[ck.name] = fingerprint_run(run)
-        st = by_id.get(f"strength:{ck.name}")
+        st = plan.unit("strength", ck.name)
         if st is not None and current(st, markers) is not None:
             saved = json.loads((st.output / "strength.json").read_text(encoding="utf-8"))
             strengths[ck.name], settings[ck.name] = saved["sink_strength"], setting_of(saved)
@@ -705,7 +665,6 @@ def _saved_outputs(
 def write_table(table: dict[str, Any], out: Path, verdicts: Sequence[str] = ()) -> list[Path]:
     """table.json, table.csv, table.md (ending with the recovery `verdicts`) and table.png, each written atomically."""
     from lm_eval_sink.plots import sweep_chart
-    from lm_eval_sink.report.view import sweep_series
 
     md, csv = table_text(table)
     if verdicts:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.errors import UserError
+from lm_eval_sink.harness.runner import eval_versions, run_lm_eval
 from lm_eval_sink.identity import FINGERPRINT_RULE
 from lm_eval_sink.io import atomic_write_json
 from lm_eval_sink.keys import keyed
@@ -16,6 +17,7 @@ from lm_eval_sink.outputs import staged_dir, write_complete
 from lm_eval_sink.provenance import provenance
 from lm_eval_sink.merging.engines import placement_fields
 from lm_eval_sink.merging.sweep import Unit
+from lm_eval_sink.strength import measure_model
 
 
 def _finish(tmp: Path, unit: Unit, **fields: Any) -> None:
@@ -39,37 +41,28 @@ def _finish(tmp: Path, unit: Unit, **fields: Any) -> None:
 def run_unit(unit: Unit, **fields: Any) -> None:
     """Run one unit into its staged output folder (replacing an older one); `fields` join a strength unit's marker.
     No shared state."""
+    work = unit.inputs  # a MergeWork, EvalWork or SweepStrengthWork
     if unit.kind == "merge":
         from lm_eval_sink.merging.merge import merge_config
 
         merge_config(
-            unit.inputs.config,  # validated when the sweep file was loaded; mergekit gets a copy
+            work.config,  # validated when the sweep file was loaded; mergekit gets a copy
             unit.output,
-            random_seed=unit.inputs.random_seed,
-            device=unit.inputs.device,
+            random_seed=work.random_seed,
+            device=work.device,
             force=True,
             quiet=True,
-            extra={"unit": unit.id, "template": unit.inputs.template, **placement_fields()},
+            extra={"unit": unit.id, "template": work.template, **placement_fields()},
         )
     elif unit.kind == "eval":
-        from lm_eval_sink.harness.runner import run_lm_eval
-
         with staged_dir(unit.output, force=True, key=unit.key) as tmp:
             try:
-                run = run_lm_eval(unit.inputs.model, unit.inputs.settings, tmp / "lm_eval")
+                run = run_lm_eval(work.model, work.settings, tmp / "lm_eval")
             except UserError as e:  # keep lm-eval's log: the staged folder is about to be removed
                 raise UserError(e.message, f"see lm-eval's log in {keep_logs(unit, tmp)}") from None
             finish_eval(tmp, unit, run)
     elif unit.kind == "strength":
-        from lm_eval_sink.strength import measure_model
-
-        res = measure_model(
-            unit.inputs.model,
-            unit.inputs.settings,
-            dtype=unit.inputs.dtype,
-            device=unit.inputs.device,
-            progress=False,
-        )
+        res = measure_model(work.model, work.settings, dtype=work.dtype, device=work.device, progress=False)
         save_strength(unit, res, **fields)
     else:
         raise ValueError(f"unknown unit kind {unit.kind!r}")
@@ -86,8 +79,6 @@ def keep_logs(unit: Unit, tmp: Path) -> Path:
 
 def finish_eval(tmp: Path, unit: Unit, run: Any, **fields: Any) -> None:
     """Mark an eval unit's staged folder complete: where its results and samples are, what made them."""
-    from lm_eval_sink.harness.runner import eval_versions
-
     _finish(
         tmp,
         unit,

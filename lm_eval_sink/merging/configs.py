@@ -23,34 +23,15 @@ from lm_eval_sink.keys import MODEL, UNKEYED
 from lm_eval_sink.yaml_input import parse_yaml
 from lm_eval_sink.schema import Strict, did_you_mean, key_path, model_at, parse
 
-LINEAGES = ("chain", "siblings")
-ROLES = ("reference", "candidate", "base")
 PLACEHOLDERS = ("${reference}", "${candidate}", "${base}", "${out_dtype}")
 TOKENIZER_CHOICES = ("base", "union", "reference", "candidate")
-DTYPES = ("float32", "float16", "bfloat16", "float64")
+DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}  # mergekit's dtypes and their bytes
 # mergekit declares these stock parameters as plain floats; the ranges where they mean something.
 # (TSV/STAR declare their ranges in their signatures; see methods.py.)
 _STOCK_RANGES: dict[str, tuple[Any, ...]] = {"density": (at.Gt(0), at.Le(1)), "t": (at.Ge(0), at.Le(1))}
 
 
 # --- bundled templates -------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Template:
-    """One merge control: metadata plus a mergekit config per lineage, with placeholders."""
-
-    name: str
-    path: str
-    sha256: str
-    title: str
-    paper_setting: str
-    summary: str
-    lineages: dict[str, dict[str, Any]]
-
-    @property
-    def method(self) -> str:
-        return str(self.lineages["chain"]["config"].get("merge_method"))
 
 
 class _LineageIn(Strict):
@@ -69,7 +50,17 @@ class _TemplateIn(Strict):
     siblings: _LineageIn
 
 
-assert set(_TemplateIn.model_fields) >= set(LINEAGES)
+class Template(_TemplateIn):
+    """One merge control: its template file as written (a mergekit config per lineage, with placeholders), its name,
+    where it was read and the sha256 of its text; `title` is the name where the file gives none."""
+
+    name: str
+    path: str
+    sha256: str
+
+    @property
+    def method(self) -> str:
+        return str(self.chain.config.get("merge_method"))
 
 
 def _bundled_dir():
@@ -103,21 +94,9 @@ def load_template(name_or_path: str | Path) -> Template:
             )
         res = _bundled_dir().joinpath(f"{text_arg}.yaml")
         text, where, name = res.read_text(encoding="utf-8"), f"merge_configs/{text_arg}.yaml", text_arg
-    data = parse_yaml(text, where)
-    if not isinstance(data, dict):
-        raise UserError(
-            f"{where}: not a merge-control template (expected a mapping)", "see merge_configs/*.yaml for the format"
-        )
-    t = parse(_TemplateIn, data, where)
-    return Template(
-        name=name,
-        path=where,
-        sha256=sha256_text(text),
-        title=t.title if t.title is not None else name,
-        paper_setting=t.paper_setting,
-        summary=t.summary,
-        lineages={k: getattr(t, k).model_dump(exclude_unset=True) for k in LINEAGES},
-    )
+    t = parse(_TemplateIn, parse_yaml(text, where), where)
+    title = t.title if t.title is not None else name
+    return Template(**{**dict(t), "title": title}, name=name, path=where, sha256=sha256_text(text))
 
 
 def list_templates() -> list[Template]:
@@ -134,34 +113,27 @@ class Rendered:
     name: str
     lineage: str
     text: str
-    config: dict[str, Any]
     formula: str
     warnings: tuple[str, ...]
     template: Template
     validated: ValidatedConfig  # `text` as checked by validate_text, once
 
 
-def _substitute(node: Any, values: dict[str, str], where: str) -> Any:
+def _substitute(node: Any, values: dict[str, str], where: str, used: set[str]) -> Any:
+    """`node` with each placeholder filled in from `values`; the placeholders it held are added to `used`."""
     if isinstance(node, dict):
-        return {k: _substitute(v, values, f"{where}.{k}") for k, v in node.items()}
+        return {k: _substitute(v, values, f"{where}.{k}", used) for k, v in node.items()}
     if isinstance(node, list):
-        return [_substitute(v, values, f"{where}[{i}]") for i, v in enumerate(node)]
+        return [_substitute(v, values, f"{where}[{i}]", used) for i, v in enumerate(node)]
     if isinstance(node, str) and "${" in node:
         if node not in values:
             raise UserError(
                 f"{where}: unknown or unfilled placeholder {node!r}",
                 f"templates may use {', '.join(PLACEHOLDERS)} as whole values",
             )
+        used.add(node)
         return values[node]
     return node
-
-
-def _uses(node: Any, placeholder: str) -> bool:
-    if isinstance(node, dict):
-        return any(_uses(v, placeholder) for v in node.values())
-    if isinstance(node, list):
-        return any(_uses(v, placeholder) for v in node)
-    return node == placeholder
 
 
 def _config_json(path: str) -> dict[str, Any]:
@@ -213,27 +185,22 @@ def render(
 ) -> Rendered:
     """Fill a template for one pair (chain lineage) or trio (siblings lineage) and validate it; `tokenizer_source`:
     None (mergekit's rule: the base_model's), `base`, `union`, `reference`, `candidate` or a model path."""
-    from lm_eval_sink.models import resolve_model
-
     template = name if isinstance(name, Template) else load_template(name)
-    paths = {
-        "reference": _resolve_role(resolve_model, "--reference", reference),
-        "candidate": _resolve_role(resolve_model, "--candidate", candidate),
-    }
+    given = {"reference": reference, "candidate": candidate, **({"base": base} if base is not None else {})}
+    paths = {role: _resolve_role(f"--{role}", value) for role, value in given.items()}
     lineage = "siblings" if base is not None else "chain"
-    if base is not None:
-        paths["base"] = _resolve_role(resolve_model, "--base", base)
-    block = template.lineages[lineage]
+    block: _LineageIn = getattr(template, lineage)
     values = {f"${{{role}}}": p for role, p in paths.items()}
     values["${out_dtype}"] = stored_dtype(paths["reference"])
-    config = _substitute(block["config"], values, f"{template.path}: {lineage}.config")
-    if tokenizer_source is not None:
-        config["tokenizer_source"] = (
-            paths[tokenizer_source]
-            if tokenizer_source in ("reference", "candidate")
-            else _tokenizer_source_arg(tokenizer_source, resolve_model)
-        )
-    warnings = _render_warnings(template, lineage, block, paths, tokenizer_source)
+    used: set[str] = set()
+    config = _substitute(block.config, values, f"{template.path}: {lineage}.config", used)
+    if tokenizer_source in ("reference", "candidate"):
+        config["tokenizer_source"] = paths[tokenizer_source]
+    elif tokenizer_source in ("base", "union"):
+        config["tokenizer_source"] = tokenizer_source
+    elif tokenizer_source is not None:
+        config["tokenizer_source"] = _resolve_role("--tokenizer-source", tokenizer_source)
+    warnings = _render_warnings(template, lineage, block, paths, tokenizer_source, "${base}" in used)
     text = _header(template, lineage, block, paths) + yaml.safe_dump(
         config, sort_keys=False, default_flow_style=None, width=1000
     )
@@ -243,8 +210,7 @@ def render(
         name=template.name,
         lineage=lineage,
         text=text,
-        config=config,
-        formula=str(block["formula"]),
+        formula=block.formula,
         warnings=tuple(warnings),
         template=template,
         validated=validated,
@@ -252,17 +218,21 @@ def render(
 
 
 def _render_warnings(
-    template: Template, lineage: str, block: dict[str, Any], paths: dict[str, str], tokenizer_source: str | None
+    template: Template,
+    lineage: str,
+    block: _LineageIn,
+    paths: dict[str, str],
+    tokenizer_source: str | None,
+    uses_base: bool,
 ) -> list[str]:
     """What the user should know about a filled template: an identity, an unused base, a base tokenizer that differs."""
     warnings = []
-    if block.get("identity"):
-        warnings.append(f"{template.name} ({lineage} lineage): {block['identity']}")
-    uses_base = _uses(block["config"], "${base}")
+    if block.identity:
+        warnings.append(f"{template.name} ({lineage} lineage): {block.identity}")
     if "base" in paths and not uses_base:
         warnings.append(
             f"{template.name}: this control does not use the base model "
-            f"(--base only selects the siblings formula: {block['formula']})"
+            f"(--base only selects the siblings formula: {block.formula})"
         )
     if (
         tokenizer_source is None
@@ -278,30 +248,26 @@ def _render_warnings(
     return warnings
 
 
-def _header(template: Template, lineage: str, block: dict[str, Any], paths: dict[str, str]) -> str:
+def _header(template: Template, lineage: str, block: _LineageIn, paths: dict[str, str]) -> str:
     """The comment lines above a rendered config: its template, models and formula, and how to run it."""
     lines = [
         f"# Rendered by lm-eval-sink from {template.path} (sha256 {template.sha256[:16]}): "
         f"{template.title}, {lineage} lineage.",
         *(f"# {role}: {p}" for role, p in paths.items()),
-        f"# {block['formula']}",
+        f"# {block.formula}",
         "# Plain mergekit YAML: mergekit-yaml THIS_FILE OUT (tsv and star need lm-eval-sink installed); "
         "or lm-eval-sink merge THIS_FILE OUT.",
     ]
     return "\n".join(lines) + "\n"
 
 
-def _resolve_role(resolve_model, flag: str, value: str | Path) -> str:
+def _resolve_role(flag: str, value: str | Path) -> str:
+    from lm_eval_sink.models import resolve_model
+
     try:
         return resolve_model(value, allow_adapter=False)
     except UserError as e:
         raise UserError(f"{flag}: {e.message}", e.hint) from None
-
-
-def _tokenizer_source_arg(value: str, resolve_model) -> str:
-    if value in ("base", "union"):
-        return value
-    return _resolve_role(resolve_model, "--tokenizer-source", value)
 
 
 # --- validation --------------------------------------------------------------------------
@@ -334,10 +300,8 @@ def validate_file(path: str | Path) -> ValidatedConfig:
 
 
 def validate_text(text: str, source: str = "<config>", roles: dict[str, str] | None = None) -> ValidatedConfig:
-    """Validate mergekit YAML text: mergekit's own models, then what they leave unchecked (no weights read).
-
-    `roles` maps a model path to the role it plays (reference, candidate, base), for messages.
-    """
+    """Validate mergekit YAML text: mergekit's own models, then what they leave unchecked (no weights read); `roles`
+    names a model path's role (reference, candidate, base) in messages."""
     ck = _Checker(source, roles)
     data = parse_yaml(text, source)
     _check_unknown_keys(ck, data)
@@ -380,10 +344,8 @@ class _Checker:
         raise UserError(f"{self.source}: {key}: {message}", hint)
 
     def model_ref(self, value: Any, key: str) -> str:
-        """A local folder (resolved) or a hub id, `org/name` or `org/name@REVISION`.
-
-        A hub id is kept as written; its revision must exist.
-        """
+        """A local folder (resolved) or a hub id, `org/name` or `org/name@REVISION` (kept as written; the revision
+        must exist)."""
         from lm_eval_sink.identity import looks_like_hub_id, model_identity, split_revision
         from lm_eval_sink.models import resolve_model
 
@@ -524,9 +486,9 @@ def _validator_error(ck: _Checker, node: Any, loc: tuple[Any, ...], message: str
         ck.fail(where, "exactly one of models or slices must be given", "list the module's inputs")
     if message.startswith("Cannot specify both tokenizer_source and tokenizer"):
         ck.fail("tokenizer", "give either tokenizer_source or tokenizer, not both", "keep one of them")
-    at = next((path for path, value in _strings(node) if message.endswith(f": {value}")), None)
+    at, value = next(((path, v) for path, v in _strings(node) if message.endswith(f": {v}")), (None, None))
     if at is not None and message.startswith("Invalid model path"):
-        ck.model_ref(_value_at(node, at), key_path((*loc, *at)))  # this project's words for a bad reference
+        ck.model_ref(value, key_path((*loc, *at)))  # this project's words for a bad reference
     key = key_path((*loc, *at)) if at is not None else where
     ck.fail(key or "(top level)", f"mergekit refuses it: {message}", "see mergekit's config format (docs/merging.md)")
 
@@ -537,12 +499,6 @@ def _strings(node: Any, loc: tuple[Any, ...] = ()) -> list[tuple[tuple[Any, ...]
         return [(loc, node)]
     items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
     return [found for k, v in items for found in _strings(v, (*loc, k))]
-
-
-def _value_at(node: Any, loc: tuple[Any, ...]) -> Any:
-    for part in loc:
-        node = node[part]
-    return node
 
 
 # --- the merge method's declared parameters --------------------------------------------------
@@ -645,11 +601,9 @@ class _Method:
         if isinstance(setting, ConditionalParameter):
             self.check_setting(f"{key}.value", pname, setting.value)
         elif isinstance(setting, list) and setting:
-            conditional = isinstance(setting[0], ConditionalParameter)
+            check = self.check_setting if isinstance(setting[0], ConditionalParameter) else self.check_value
             for i, s in enumerate(setting):
-                self.check_setting(f"{key}[{i}]", pname, s) if conditional else self.check_value(
-                    f"{key}[{i}]", pname, s
-                )
+                check(f"{key}[{i}]", pname, s)
         elif isinstance(setting, list):
             expected = _expectation(self.params[pname])
             self.ck.fail(key, f"expected {expected}, got {setting!r}", f"give {pname} a value")
@@ -690,26 +644,21 @@ class _Group:
 def _groups(ck: _Checker, method: _Method, config, base_model: str | None) -> list[_Group]:
     """Every group of the config (models, slices, or per module either), with its parameters checked."""
     top = method.check_params(config.parameters, "parameters", per_model=False, is_base=False)
-    if config.models:
-        return [_model_group(ck, method, config.models, "models", base_model, (top,))]
-    if config.slices:
-        return [
-            g
-            for i, s in enumerate(config.slices)
-            for g in [_slice_group(ck, method, s, f"slices[{i}]", base_model, (top,))]
-        ]
+    if not config.modules:
+        return _section_groups(ck, method, config, "", base_model, (top,))
     groups = []
     for name, module in config.modules.items():
         key = f"modules.{name}"
         levels = (method.check_params(module.parameters, f"{key}.parameters", per_model=False, is_base=False), top)
-        if module.models:
-            groups.append(_model_group(ck, method, module.models, f"{key}.models", base_model, levels))
-        else:
-            groups += [
-                _slice_group(ck, method, s, f"{key}.slices[{i}]", base_model, levels)
-                for i, s in enumerate(module.slices)
-            ]
+        groups += _section_groups(ck, method, module, f"{key}.", base_model, levels)
     return groups
+
+
+def _section_groups(ck: _Checker, method: _Method, node, prefix: str, base: str | None, levels) -> list[_Group]:
+    """The groups of a config or module: its models list, or each of its output slices."""
+    if node.models:
+        return [_model_group(ck, method, node.models, f"{prefix}models", base, levels)]
+    return [_slice_group(ck, method, s, f"{prefix}slices[{i}]", base, levels) for i, s in enumerate(node.slices)]
 
 
 def _model_group(ck: _Checker, method: _Method, models, where: str, base: str | None, levels) -> _Group:
@@ -872,22 +821,15 @@ def _check_compatible(ck: _Checker, config, inputs: list[str], whole_models: boo
         return
     configs = {p: _config_json(p) for p in inputs}
     first = inputs[0]
-    keys = [*_SHAPE_KEYS, *(["num_hidden_layers"] if whole_models else [])]
+    own_vocab = config.tokenizer_source is None and config.tokenizer is None  # else the merge builds one
+    keys = [*_SHAPE_KEYS, *(["num_hidden_layers"] if whole_models else []), *(["vocab_size"] if own_vocab else [])]
     for key in keys:
         a = _config_value(configs[first], key)
         for other in inputs[1:]:
             b = _config_value(configs[other], key)
-            if a is not None and b is not None and a != b:
-                ck.fail(
-                    "models",
-                    f"{key} differs: {ck.name(first)} has {a}, {ck.name(other)} has {b}",
-                    "merge models of one architecture and size",
-                )
-    if config.tokenizer_source is None and config.tokenizer is None:
-        a = _config_value(configs[first], "vocab_size")
-        for other in inputs[1:]:
-            b = _config_value(configs[other], "vocab_size")
-            if a is not None and b is not None and a != b:
+            if a is None or b is None or a == b:
+                continue
+            if key == "vocab_size":
                 ck.fail(
                     "tokenizer_source",
                     f"vocabulary sizes differ: {ck.name(first)} has vocab_size {a}, "
@@ -895,3 +837,8 @@ def _check_compatible(ck: _Checker, config, inputs: list[str], whole_models: boo
                     "choose the output vocabulary with tokenizer_source: base | union | PATH "
                     "(render: --tokenizer-source reference)",
                 )
+            ck.fail(
+                "models",
+                f"{key} differs: {ck.name(first)} has {a}, {ck.name(other)} has {b}",
+                "merge models of one architecture and size",
+            )

@@ -24,9 +24,8 @@ WEIGHTS = "weights: tensor names and shapes"
 
 
 def engine_fields(facts: Mapping[str, Any], dtype: str | None) -> Fields:
-    """The settings an engine started from this checkpoint would fix, from `facts` (config, generation_config,
-    tokenizer_config, tokenizer files' sha256, tensor shapes); a `dtype` the eval settings fix (not None / "auto")
-    replaces the config's."""
+    """The settings an engine started from this checkpoint would fix, from `facts` (`engine_client.checkpoint_facts`);
+    a `dtype` the eval settings fix (not None / "auto") replaces the config's."""
     fixed = dtype not in (None, "auto")
     out: Fields = {"dtype": dtype} if fixed else {}
     for key, value in (facts.get("config") or {}).items():
@@ -50,24 +49,16 @@ def differences(engine: Fields, checkpoint: Fields) -> list[str]:
 
 
 def engine_starts(order: Sequence[str], fields: Mapping[str, Fields | None]) -> list[tuple[str, str | None]]:
-    """For checkpoints in run order, each with the reason it starts an engine (None: its weights are swapped into
-    the engine before it). A checkpoint whose fields are not known yet (None: a merge not made) is decided when
-    it runs and leaves the engine as it was."""
+    """For checkpoints in run order, each with the reason it starts an engine (`new_engine_reason`; None: it takes the
+    engine before it, or its fields are not known yet: a merge not made, decided when it runs)."""
     out: list[tuple[str, str | None]] = []
     held: tuple[str, Fields] | None = None
     for name in order:
         mine = fields.get(name)
-        if mine is None:
-            out.append((name, None))
-            continue
-        if held is None:
-            out.append((name, "the first checkpoint"))
-        else:
-            diff = differences(held[1], mine)
-            out.append((name, f"differs from {held[0]} in {first_few(diff, 4)}" if diff else None))
-            if not diff:
-                continue
-        held = (name, mine)
+        why = None if mine is None else new_engine_reason(held, None, name, mine)
+        out.append((name, why))
+        if why is not None:
+            held = (name, mine)
     return out
 
 

@@ -12,7 +12,7 @@ import logging
 import os
 import socket
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
@@ -23,7 +23,7 @@ from lm_eval_sink.errors import UserError, one_line
 from lm_eval_sink.schema import Strict
 
 KINDS = ("local", "ray")
-UNIT_KINDS = ("merge", "eval", "strength")
+UNIT_KINDS = ("merge", "eval", "strength")  # in each checkpoint's run order
 # Passed to every worker when set in the driver's environment.
 # "0": Ray 2.60 keeps 127.0.0.1 as the node address and listens on it alone (otherwise it replaces
 # 127.0.0.1 by the node's reachable address and listens on every interface).
@@ -40,67 +40,44 @@ ENV_VARS = (
 )
 
 
-@dataclass(frozen=True)
-class Resources:
-    num_cpus: float = 1
-    num_gpus: float = 0
-    memory: int | None = None  # bytes
+class Resources(Strict):
+    """One unit kind's resources per Ray task (`engine.resources.KIND`); a num_gpus not given follows the kind's
+    device under Ray (`parse_engine`)."""
+
+    what: ClassVar[str] = "the resources entry"
+    num_cpus: float = Field(1, ge=0)
+    num_gpus: float = Field(0, ge=0)
+    memory: int | None = Field(None, ge=0)  # bytes
 
     def options(self) -> dict[str, Any]:
-        return {
-            "num_cpus": self.num_cpus,
-            "num_gpus": self.num_gpus,
-            **({"memory": self.memory} if self.memory else {}),
-        }
+        """Ray's task options (`memory` only where given)."""
+        return self.model_dump(exclude_none=True)
 
 
-@dataclass(frozen=True)
-class EngineSpec:
-    """A sweep's engine settings (never part of a unit key)."""
-
-    kind: str = "local"
-    address: str | None = None
-    max_pending_merges: int | None = None  # None: the number of eval slots
-    resources: dict[str, Resources] = field(default_factory=lambda: {k: Resources() for k in UNIT_KINDS})
-
-
-class ResourcesIn(Strict):
-    what: ClassVar[str] = "the resources entry"
-    num_cpus: float | None = Field(None, ge=0)
-    num_gpus: float | None = Field(None, ge=0)
-    memory: int | None = Field(None, ge=0)
-
-
-class UnitResourcesIn(Strict):
-    what: ClassVar[str] = "the resources section"
-    merge: ResourcesIn | None = None
-    eval: ResourcesIn | None = None
-    strength: ResourcesIn | None = None
-
-
-class EngineIn(Strict):
-    """The sweep file's `engine:` section as written (the module docstring shows it)."""
+class EngineSpec(Strict):
+    """A sweep's `engine:` section (never part of a unit key): as the file writes it, then with the CLI's --engine /
+    --ray-address on top and every unit kind's resources decided (`parse_engine`)."""
 
     what: ClassVar[str] = "the engine section"
-    kind: Literal[KINDS] | None = None
+    kind: Literal[KINDS] | None = None  # None: local
     address: str | None = None
-    max_pending_merges: int | None = Field(None, ge=1)
-    resources: UnitResourcesIn = UnitResourcesIn()
+    max_pending_merges: int | None = Field(None, ge=1)  # None: the number of eval slots
+    resources: dict[Literal[UNIT_KINDS], Resources | None] = Field(
+        default_factory=lambda: {k: Resources() for k in UNIT_KINDS}
+    )
 
 
 def parse_engine(
-    value: EngineIn | None,
+    value: EngineSpec | None,
     src: str,
     kind: str | None = None,
     address: str | None = None,
     devices: dict[str, str | None] | None = None,
     eval_settings: Any = None,
 ) -> EngineSpec:
-    """The validated `engine:` section with the CLI's --engine / --ray-address on top; defaults from Resources.
-
-    `devices`: each unit kind's torch device; under Ray it decides the kind's GPUs (`unit_gpus`), except
-    for a vLLM eval (`eval_settings.backend`), whose GPUs follow its tensor_parallel_size (`vllm_gpus`)."""
-    value = value or EngineIn()
+    """The validated `engine:` section with the CLI's --engine / --ray-address on top; under Ray each unit kind's
+    GPUs follow its torch device in `devices` (`unit_gpus`), a vLLM eval's its tensor_parallel_size (`vllm_gpus`)."""
+    value = value or EngineSpec()
     chosen = kind or value.kind or "local"
     addr = address if address is not None else value.address
     if chosen == "ray":
@@ -112,9 +89,8 @@ def parse_engine(
         )
     resources = {}
     for k in UNIT_KINDS:
-        given = getattr(value.resources, k)
-        fields = given.model_dump(exclude_none=True) if given else {}
-        gpus = fields.pop("num_gpus", None)
+        given = value.resources.get(k) or Resources()
+        gpus = given.num_gpus if "num_gpus" in given.model_fields_set else None
         where = f"{src}: engine.resources.{k}.num_gpus"
         if chosen != "ray":
             gpus = gpus or 0
@@ -122,8 +98,8 @@ def parse_engine(
             gpus = vllm_gpus(gpus, eval_settings.model_args, src)
         else:
             gpus = unit_gpus(gpus, (devices or {}).get(k), where)
-        resources[k] = Resources(**fields, num_gpus=gpus)
-    return EngineSpec(kind=chosen, address=addr, max_pending_merges=value.max_pending_merges, resources=resources)
+        resources[k] = given.model_copy(update={"num_gpus": gpus})
+    return value.model_copy(update={"kind": chosen, "address": addr, "resources": resources})
 
 
 def unit_gpus(given: float | None, device: str | None, where: str) -> float:
@@ -154,10 +130,8 @@ def unit_gpus(given: float | None, device: str | None, where: str) -> float:
 
 
 def vllm_gpus(given: float | None, model_args: dict[str, Any], src: str) -> float:
-    """A vLLM eval task's GPUs: its tensor_parallel_size (the default), or 0 for vLLM's CPU build.
-
-    lm-eval's vllm backend starts Ray actors of its own for data_parallel_size > 1 or when
-    tensor_parallel_size exceeds the task's GPUs, so neither is allowed under the ray engine."""
+    """A vLLM eval task's GPUs: its tensor_parallel_size (the default), or 0 for vLLM's CPU build (lm-eval's own
+    Ray actors for data_parallel_size > 1, or more tensor_parallel_size than GPUs, are refused)."""
     dp = int(model_args.get("data_parallel_size", 1))
     tp = int(model_args.get("tensor_parallel_size", 1))
     if dp != 1:
@@ -176,10 +150,8 @@ def vllm_gpus(given: float | None, model_args: dict[str, Any], src: str) -> floa
 
 
 def import_ray(local_only: bool = False) -> Any:
-    """The ray module, or one line naming the extra that installs it.
-
-    `local_only`: Ray will be started inside this process (no address), so it is kept on 127.0.0.1
-    (Ray reads `LOOPBACK_ENV` when it is first imported; a user's own setting wins)."""
+    """The ray module, or one line naming the extra that installs it; `local_only` (Ray started inside this process)
+    keeps it on 127.0.0.1 (`LOOPBACK_ENV`, read at Ray's first import; a user's own setting wins)."""
     if local_only:
         os.environ.setdefault(LOOPBACK_ENV, "0")
     try:
@@ -196,9 +168,8 @@ def worker_env() -> dict[str, str]:
 
 
 def _refused_for_token(e: BaseException) -> bool:
-    """Whether Ray's connection error comes from the cluster refusing this driver's auth token: Ray 2.60's
-    GcsClient raises `ray.exceptions.AuthenticationError`, which ray.init wraps (as text) in a RuntimeError
-    and then a ConnectionError."""
+    """Whether Ray's connection error comes from the cluster refusing this driver's auth token (Ray 2.60 wraps its
+    `AuthenticationError`, as text, in a RuntimeError and then a ConnectionError)."""
     from ray.exceptions import AuthenticationError
 
     chain: BaseException | None = e
@@ -308,10 +279,8 @@ def run_task(
     log_path: Path | None,
     what: str = "output folder",
 ) -> tuple[Any, str | None]:
-    """A task's body on a worker: check versions and that `must_see` exists, run `fn` (into its log).
-
-    Returns (fn's value, None) or (None, one-line error), so a failed unit is reported as locally.
-    """
+    """A task's body on a worker: check versions and that `must_see` exists, run `fn` (into its log); (fn's value,
+    None) or (None, one-line error), so a failed unit is reported as locally."""
     from lm_eval_sink.code_key import changed_files
 
     host = socket.gethostname()
@@ -392,9 +361,8 @@ def run_on_ray(
     progress: bool = True,
     pool: EvalPool | None = None,
 ) -> None:
-    """Run `units` (in plan order) as Ray tasks calling the module-level `run(unit)` (sent by reference);
-    `record(unit, error)` gets each on the driver as it finishes or fails ('not run: ...' after a failed merge). With
-    `pool`, eval units run on its actors instead, each keeping its engine (`_Pool`)."""
+    """Run `units` (in plan order) as Ray tasks calling the module-level `run(unit)`, or with `pool` the eval units on
+    its actors; `record(unit, error)` gets each on the driver as it finishes or fails (or is not run)."""
     from tqdm.auto import tqdm
 
     from lm_eval_sink.merging.scheduler import Scheduler
@@ -439,9 +407,8 @@ def run_on_ray(
 
 @dataclass(frozen=True)
 class EvalPool:
-    """Eval units on actors that each keep one `worker_cls(*args)` between units (a resident vLLM engine): its
-    `run(unit)` runs one; `fields_of(unit)`, on the driver, is what the engine the unit needs fixes
-    (`engine_reuse.engine_fields`), so that `engine_reuse.assign` can give it to an actor holding that engine."""
+    """Eval units on actors that each keep one `worker_cls(*args)` (a resident vLLM engine) whose `run(unit)` runs one;
+    `fields_of(unit)` is what the unit's engine fixes, for `engine_reuse.assign`."""
 
     worker_cls: type
     args: tuple
@@ -526,7 +493,7 @@ class PoolActor:
 
 def actor_resources(engine: EngineSpec) -> Resources:
     """One actor's resources: an eval slot's, with the GPUs of whichever of its merge, eval or S needs most."""
-    return replace(engine.resources["eval"], num_gpus=max(r.num_gpus for r in engine.resources.values()))
+    return engine.resources["eval"].model_copy(update={"num_gpus": max(r.num_gpus for r in engine.resources.values())})
 
 
 def _actor_result(ray: Any, ref: Any) -> tuple[Any, str | None, str | None]:
@@ -549,14 +516,13 @@ def run_on_actors(
     args: tuple,
     progress: bool = True,
 ) -> list[str]:
-    """Run `jobs` (each with `id`) on a `_Pool` of actors, one per eval slot, each holding one `worker_cls(*args)`;
-    `record(job, value, error)` gets what its `run(job)` returned, or None with a one-line error. A job whose actor
-    died is submitted again to a new actor, once; the notes returned say which."""
+    """Run `jobs` (each with `id`) on a `_Pool` of actors each holding one `worker_cls(*args)`; `record(job, value,
+    error)` gets what its `run(job)` returned. A job whose actor died runs once more on a new one (the notes say so)."""
     from tqdm.auto import tqdm
 
     ray, res = connect(engine.address), actor_resources(engine)
     check_fits(ray, {"engine.resources (one actor)": res}, engine.address or "this driver")
-    one = replace(engine, resources={**engine.resources, "eval": res})
+    one = engine.model_copy(update={"resources": {**engine.resources, "eval": res}})
     actors = _Pool(ray, one, output_root, EvalPool(worker_cls, args, lambda job: None), worker_versions())
     for job in jobs:
         actors.queue(job)
@@ -596,10 +562,8 @@ def _remote_measure(
 def ray_measure_all(
     address: str | None, num_gpus: float | None = None, device: str = DEFAULT_DEVICE, progress: bool = True
 ) -> Callable[..., Iterator[tuple[str, Any, str | None]]]:
-    """A `MeasureOptions(measure_all=...)` for `strength` and `screen` that measures each model in its own Ray task,
-    yielding (path, result, None) or (path, None, error line) as each task finishes.
-
-    `num_gpus` per task follows `device` (`unit_gpus`); a bad pair is refused here, before Ray starts."""
+    """A `MeasureOptions(measure_all=...)` for `strength` and `screen`: each model in its own Ray task (its GPUs
+    from `device`: `unit_gpus`), yielding (path, result, None) or (path, None, error line) as each finishes."""
     gpus = unit_gpus(num_gpus, device, "--num-gpus")
 
     def measure_all(paths: list[str], settings: Any, dtype: str, device: str) -> Iterator[tuple[str, Any, str | None]]:

@@ -6,7 +6,6 @@ both paths give equal weights; rules and refusals: docs/merging.md (`merge_into`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from lm_eval_sink.errors import UserError
@@ -18,27 +17,6 @@ from lm_eval_sink.errors import UserError
 _NO_WRITER = "/nonexistent/lm-eval-sink-in-memory"
 
 
-@dataclass(frozen=True, slots=True)
-class InMemoryMerge:
-    """What one in-memory merge did: the tensors it copied and the hub commits it pinned."""
-
-    n_tensors: int
-    pins: dict[str, str]
-
-
-def check_in_memory(text: str, name: str) -> None:
-    """Refuse, with one line, a control whose output cannot be copied into a resident model of the reference."""
-    import yaml
-
-    data = yaml.safe_load(text) or {}
-    if data.get("tokenizer_source") is not None or data.get("tokenizer") is not None:
-        raise UserError(
-            f"control {name!r} rebuilds the tokenizer (tokenizer_source), so its output vocabulary may differ from "
-            "the resident model's",
-            "set merge: {in_memory: false} for this sweep",
-        )
-
-
 def endpoint_text(path: str) -> str:
     """The mergekit config that copies one model unchanged (`passthrough`): how an endpoint enters the resident."""
     import yaml
@@ -46,23 +24,28 @@ def endpoint_text(path: str) -> str:
     return yaml.safe_dump({"merge_method": "passthrough", "models": [{"model": str(path)}]})
 
 
-def _plan(model: Any, text: str, name: str, options: Any) -> tuple[list[Any], Any]:
-    """mergekit's SaveTensor tasks of `text` for `model` (names checked against its parameters), and the pins."""
+def _plan(model: Any, text: str, name: str, options: Any) -> list[Any]:
+    """mergekit's SaveTensor tasks of `text` for `model` (names checked against its parameters)."""
     from mergekit.architecture import get_architecture_info
     from mergekit.io.tasks import SaveTensor
     from mergekit.plan import MergePlanner
 
-    from lm_eval_sink.merging.merge import loadable_config
+    from lm_eval_sink.merging.merge import pinned_configs
     from lm_eval_sink.merging.methods import register
 
-    check_in_memory(text, name)
     register()
-    config, pins = loadable_config(text)  # a fresh copy: the planner rewrites it
+    config, _, _ = pinned_configs(text, None)  # a fresh copy whose hub inputs load at their pinned commits
+    if config.tokenizer_source is not None or config.tokenizer is not None:
+        raise UserError(
+            f"control {name!r} rebuilds the tokenizer (tokenizer_source), so its output vocabulary may differ from "
+            "the resident model's",
+            "set merge: {in_memory: false} for this sweep",
+        )
     arch_info = get_architecture_info(config, options)
     planner = MergePlanner(config, arch_info, options=options, out_model_config=model.config)
     saves = [t for t in planner.plan_to_disk(out_path=_NO_WRITER) if isinstance(t, SaveTensor)]
     _check_names(model, {s.tensor_name for s in saves}, name)
-    return saves, pins
+    return saves
 
 
 def check_plan(model: Any, text: str, name: str) -> None:
@@ -79,11 +62,9 @@ def merge_into(
     name: str,
     random_seed: int | None = None,
     device: str = "cpu",
-) -> InMemoryMerge:
-    """Run the validated merge config `text` and copy every tensor into `model`'s parameters of the same name.
-
-    `copy_` writes each tensor into the parameter where it lives, on any GPU of a device map; a parameter
-    offloaded by accelerate (a meta tensor in the model, its weight kept aside) cannot take it: refused."""
+) -> int:
+    """Run the validated merge config `text` and copy every tensor into `model`'s parameter of its name, where it
+    lives (an offloaded one is refused); returns how many it copied."""
     import torch
     import transformers
     from mergekit.common import dtype_from_name
@@ -101,7 +82,7 @@ def merge_into(
         if random_seed is not None:
             transformers.trainer_utils.set_seed(random_seed)
         LoaderCache().setup(options=options)
-        saves, pins = _plan(model, text, name, options)
+        saves = _plan(model, text, name, options)
         by_task: dict[Any, list[Any]] = {}
         for save in saves:
             by_task.setdefault(save.tensor_task, []).append(save)
@@ -113,7 +94,7 @@ def merge_into(
                 tensor = value.to(dtype_from_name(save.dtype)) if save.dtype else value
                 targets[save.tensor_name].data.copy_(tensor)
                 n += 1
-    return InMemoryMerge(n_tensors=n, pins=pins)
+    return n
 
 
 def _check_not_offloaded(targets: dict[str, Any], control: str) -> None:

@@ -18,7 +18,7 @@ from lm_eval_sink.io import sha256_text
 from lm_eval_sink.keys import UNKEYED, Work, key_of, key_versions, keyed
 from lm_eval_sink.outputs import COMPLETE, check_output_dir, manifest, staged_dir, write_complete
 from lm_eval_sink.provenance import provenance
-from lm_eval_sink.merging.configs import ValidatedConfig, validate_file, validate_text
+from lm_eval_sink.merging.configs import DTYPES, ValidatedConfig, stored_dtype, validate_file
 
 _TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model")
 
@@ -26,10 +26,8 @@ _TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model"
 @dataclass(frozen=True, slots=True)
 class MergeResult:
     out: Path
-    key: str
     method: str
     n_tensors: int
-    weight_files: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,28 +60,13 @@ def isolated_rng() -> Iterator[None]:
         torch.random.set_rng_state(states[2])
 
 
-@contextlib.contextmanager
-def _isolated() -> Iterator[None]:
-    """Empty mergekit's loader cache and keep the RNG states around one merge."""
-    from mergekit.io.tasks import LoaderCache
-
-    LoaderCache().loaders.clear()
-    try:
-        with isolated_rng():
-            yield
-    finally:
-        LoaderCache().loaders.clear()
-
-
 def _pinned(node: Any, pin) -> Any:
     """A copy of a parsed mergekit config with `pin` applied to the ModelPath of every hub-id ModelReference."""
     from mergekit.common import ModelReference
     from pydantic import BaseModel
 
-    if isinstance(node, ModelReference):
-        return (
-            node if os.path.exists(node.model.path) else node.model_copy(update={"model": pin(node.model)})
-        )  # mergekit's own test for a hub id
+    if isinstance(node, ModelReference):  # a path that exists is a folder: mergekit's own test for a hub id
+        return node if os.path.exists(node.model.path) else node.model_copy(update={"model": pin(node.model)})
     if isinstance(node, BaseModel):
         return node.model_copy(update={k: _pinned(getattr(node, k), pin) for k in type(node).model_fields})
     if isinstance(node, list):
@@ -102,9 +85,9 @@ def run_mergekit(
     revisions: dict[str, str] | None = None,
     config: Any = None,
 ) -> dict[str, str]:
-    """mergekit's `run_merge` on validated YAML text (or its parsed `config`, merged as a deep copy) into `out_dir`,
-    every hub-id input loaded at one commit (`revisions`, else its identity's; offline: that commit's cached folder).
-    Returns {reference as written: commit sha}; `mergekit_config.yml` holds the `@<sha>` form."""
+    """mergekit's `run_merge` on validated YAML text (or its parsed `config`) into `out_dir`, every hub-id input at one
+    commit (`revisions`, else its identity's); {reference as written: commit sha}, as `mergekit_config.yml` says."""
+    from mergekit.io.tasks import LoaderCache
     from mergekit.merge import run_merge
     from mergekit.options import MergeOptions
 
@@ -112,7 +95,7 @@ def run_mergekit(
     from lm_eval_sink.merging.methods import register
 
     register()
-    to_load, recipe, pins = _pinned_configs(text, revisions, config)
+    to_load, recipe, pins = pinned_configs(text, revisions, config)
     source = (
         text
         if not pins
@@ -120,18 +103,16 @@ def run_mergekit(
         f"{', '.join(f'{r} -> {s}' for r, s in pins.items())}\n{recipe.to_yaml()}\n"
     )
     options = MergeOptions(random_seed=random_seed, device=math_device(device), quiet=quiet, copy_tokenizer=True)
-    with _isolated():
-        run_merge(to_load, str(out_dir), options=options, config_source=source)
+    LoaderCache().loaders.clear()  # each merge with an empty loader cache, the RNG states kept
+    try:
+        with isolated_rng():
+            run_merge(to_load, str(out_dir), options=options, config_source=source)
+    finally:
+        LoaderCache().loaders.clear()
     return pins
 
 
-def loadable_config(text: str) -> tuple[Any, dict[str, str]]:
-    """A fresh MergeConfiguration of `text` whose hub inputs load at their pinned commits, and the pins."""
-    to_load, _, pins = _pinned_configs(text, None)
-    return to_load, pins
-
-
-def _pinned_configs(text: str, revisions: dict[str, str] | None, config: Any = None) -> tuple[Any, Any, dict[str, str]]:
+def pinned_configs(text: str, revisions: dict[str, str] | None, config: Any = None) -> tuple[Any, Any, dict[str, str]]:
     """(config to load, recipe with `@sha` references, {reference as written: sha}) for YAML text, or for its
     already parsed MergeConfiguration `config` (a deep copy: mergekit's planner rewrites what it is given)."""
     import yaml
@@ -195,21 +176,17 @@ def verify_checkpoint(folder: Path, expect_tokenizer: bool = True) -> tuple[int,
     return len(found), tuple(f.name for f in files)
 
 
-_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
 def output_size(config: ValidatedConfig) -> int | None:
     """About the bytes a merge writes, for the message of a full disk: its largest input's weight files (the merge
     has the same tensors), scaled to the output dtype (`out_dtype`, else `dtype`, else the input's own)."""
     from lm_eval_sink.identity import cached_folder
-    from lm_eval_sink.merging.configs import stored_dtype
 
     out = str(config.data.get("out_dtype") or config.data.get("dtype") or "").removeprefix("torch.")
     sizes = []
     for path in config.inputs:
         folder = cached_folder(path) or Path(path)
         stored = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-        sizes.append(stored * _DTYPE_BYTES.get(out, 1) // _DTYPE_BYTES.get(out and stored_dtype(path), 1))
+        sizes.append(stored * DTYPES.get(out, 1) // DTYPES.get(out and stored_dtype(path), 1))
     return max(sizes, default=0) or None
 
 
@@ -266,13 +243,4 @@ def merge_config(
                 ),
             },
         )
-    return MergeResult(out=out, key=work.key, method=vc.method, n_tensors=n_tensors, weight_files=files)
-
-
-__all__ = [
-    "MergeResult",
-    "merge_config",
-    "run_mergekit",
-    "validate_text",
-    "verify_checkpoint",
-]
+    return MergeResult(out=out, method=vc.method, n_tensors=n_tensors)

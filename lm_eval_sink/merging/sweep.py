@@ -17,19 +17,41 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, create_model
 
+from lm_eval_sink.benchmarks import headline_columns, load_benchmarks
+from lm_eval_sink.comparability import compare, setting_of_results
 from lm_eval_sink.devices import DEFAULT_DEVICE, DEVICE_HELP, DEVICE_PATTERN
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.harness.runner import EvalSettings
-from lm_eval_sink.keys import UNKEYED, Work, key_of
-from lm_eval_sink.merging.engines import EngineIn
-from lm_eval_sink.schema import Strict, parse
-from lm_eval_sink.strength import StrengthSettings
+from lm_eval_sink.identity import FINGERPRINT_RULE, check_same_identity
+from lm_eval_sink.io import canonical_json
+from lm_eval_sink.keys import UNKEYED, Work, key_of, keyed, version_change
+from lm_eval_sink.merging.engines import UNIT_KINDS as KINDS, EngineSpec
+from lm_eval_sink.power import MIN_N, too_few
+from lm_eval_sink.protocols import diff, require_same_harness
+from lm_eval_sink.report.view import fmt, named_columns
+from lm_eval_sink.schema import Strict, did_you_mean, parse
+from lm_eval_sink.strength import S_MEANING, StrengthSettings
 from lm_eval_sink.tables import csv_text, first_few, markdown_table
 
 ENDPOINTS = ("reference", "candidate")
-KINDS = ("merge", "eval", "strength")  # the unit kinds, in each checkpoint's run order
 
 # --- the sweep file ------------------------------------------------------------------------
+
+
+# A device in the sweep file: devices.check_device's values, checked with the key path in the one-line error.
+Device = Annotated[str, Field(pattern=DEVICE_PATTERN, description=f"is {DEVICE_HELP}")]
+
+
+class MergeIn(Strict):
+    """The merge section; in a SweepSpec, with `tokenizer_source` resolved and the CLI's flags on top."""
+
+    what: ClassVar[str] = "the merge section"
+    random_seed: int = 0
+    device: Device = "cpu"  # mergekit's math device
+    tokenizer_source: str | None = None
+    delete_merged: bool = False
+    in_memory: bool = False  # merge into one resident model, evaluate and measure it in-process (no unit key)
+    keep_weights: bool = False  # in memory: also write each merged checkpoint (as the on-disk path does)
 
 
 @dataclass(frozen=True)
@@ -40,12 +62,7 @@ class SweepSpec:
     output: Path
     models: dict[str, str]  # reference, candidate (+ base)
     configs: tuple[str, ...]  # bundled names or template paths
-    random_seed: int = 0
-    merge_device: str = "cpu"
-    tokenizer_source: str | None = None
-    delete_merged: bool = False
-    in_memory: bool = False  # merge into one resident model, evaluate and measure it in-process (no unit key)
-    keep_weights: bool = False  # in memory: also write each merged checkpoint (as the on-disk path does)
+    merge: MergeIn = field(default_factory=MergeIn)
     eval: Any = None  # harness.runner.EvalSettings, or None to skip evaluation
     engine_reuse: bool = False  # vllm: one resident engine takes every checkpoint (commands/engine_sweep.py; no key)
     strength: Any = None  # strength.StrengthSettings, or None to skip S
@@ -55,20 +72,17 @@ class SweepSpec:
     merges: tuple[Any, ...] = ()  # configs.Rendered per entry of `configs`: rendered and validated once, at load
     written: Any = None  # the sweep file's data as written (sweep.json keeps it: is the file the same?)
 
+    @property
+    def on_ray(self) -> bool:
+        return self.engine is not None and self.engine.kind == "ray"
+
     def to_json(self) -> dict[str, Any]:
         return {
             "source": self.source,
             "output": str(self.output),
             "models": self.models,
             "configs": list(self.configs),
-            "merge": {
-                "random_seed": self.random_seed,
-                "device": self.merge_device,
-                "tokenizer_source": self.tokenizer_source,
-                "delete_merged": self.delete_merged,
-                "in_memory": self.in_memory,
-                "keep_weights": self.keep_weights,
-            },
+            "merge": self.merge.model_dump(),
             "eval": None if self.eval is None else {**self.eval.to_json(), "engine_reuse": self.engine_reuse},
             "strength": None
             if self.strength is None
@@ -81,20 +95,6 @@ class _ModelsIn(Strict):
     reference: str
     candidate: str
     base: str | None = None
-
-
-# A device in the sweep file: devices.check_device's values, checked with the key path in the one-line error.
-Device = Annotated[str, Field(pattern=DEVICE_PATTERN, description=f"is {DEVICE_HELP}")]
-
-
-class _MergeIn(Strict):
-    what: ClassVar[str] = "the merge section"
-    random_seed: int = 0
-    device: Device = "cpu"  # mergekit's math device
-    tokenizer_source: str | None = None
-    delete_merged: bool = False
-    in_memory: bool = False
-    keep_weights: bool = False
 
 
 class _EvalSection(Strict):
@@ -139,10 +139,10 @@ class SweepFileIn(Strict):
     output: str | None = None
     models: _ModelsIn
     configs: list[str] | None = Field(None, min_length=1)
-    merge: _MergeIn = _MergeIn()
+    merge: MergeIn = MergeIn()
     eval: EvalIn | None = None
     strength: StrengthIn | None = None
-    engine: EngineIn | None = None
+    engine: EngineSpec | None = None
 
 
 def parse_sweep_data(data: Any, src: str) -> tuple[SweepFileIn, frozenset[str]]:
@@ -167,11 +167,7 @@ def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def changed_inputs(units: Sequence[Unit], markers: Markers) -> list[str]:
-    """What changed in each unit's work (its `keys.Work` declaration as its key holds it) since its marker recorded
-    it (`work`), each as `kind field: old -> new`; none for markers that recorded no work."""
-    from lm_eval_sink.io import canonical_json
-    from lm_eval_sink.keys import keyed
-
+    """What changed in each unit's work since its marker recorded it (`work`), as `kind field: old -> new`."""
     out = []
     for unit in units:
         old = (markers.get(unit.id) or {}).get("work")
@@ -199,8 +195,8 @@ def _field_name(kind: str, key: str) -> str:
 
 @dataclass(frozen=True)
 class Unit:
-    """One independent job: its kind, checkpoint, key, output folder and the work `commands.units.run_unit` hands on
-    (`inputs`: a `MergeWork`, `EvalWork` or `SweepStrengthWork`, whose declaration is the key: `unit`)."""
+    """One independent job: its kind, checkpoint, key, output folder and the work it hands on (`inputs`, its key's
+    declaration: `unit`)."""
 
     kind: str  # merge | eval | strength
     checkpoint: str
@@ -227,9 +223,8 @@ CHOOSER = ("lm_eval_sink.commands.sweep", "lm_eval_sink.commands.units")
 
 @dataclass(frozen=True, slots=True)
 class EvalWork(Work):
-    """What an eval unit hands to `run_lm_eval`: the checkpoint (by its identity: a content fingerprint or its merge's
-    inputs key; `model` is where it lies), the settings (an include path by content), and the local data that
-    LM_EVAL_SINK_DATA names, by content. The code that runs lm-eval is keyed where it runs (`eval_versions`)."""
+    """What an eval unit hands to `run_lm_eval`: the checkpoint by its identity (`model`: where it lies), the settings
+    and LM_EVAL_SINK_DATA's files by content; lm-eval's code is keyed where it runs (`eval_versions`)."""
 
     CODE = CHOOSER
     ENV = ("LM_EVAL_SINK_DATA",)
@@ -242,9 +237,8 @@ class EvalWork(Work):
 
 @dataclass(frozen=True, slots=True)
 class SweepStrengthWork(Work):
-    """What a strength unit hands to the measurement: the checkpoint's identity, the settings (a prompt file by
-    content), the dtype, and where the plan measures S on the resident vLLM engine, that engine's model_args and dtype
-    (`engine`; None: transformers in this interpreter)."""
+    """What a strength unit hands to the measurement: the checkpoint's identity, the settings, the dtype and, where
+    the resident vLLM engine measures S, that engine's model_args and dtype (`engine`; None: transformers here)."""
 
     CODE = ("lm_eval_sink.strength", *CHOOSER, "lm_eval_sink.harness.inprocess", "lm_eval_sink.harness.engine_strength")
     PACKAGES = ("torch", "transformers", "peft")
@@ -276,11 +270,16 @@ class Plan:
     units: tuple[Unit, ...]
     lineage: str
 
+    def unit(self, kind: str, checkpoint: str) -> Unit | None:
+        return next((u for u in self.units if u.kind == kind and u.checkpoint == checkpoint), None)
+
+    def downstream(self, checkpoint: str) -> list[Unit]:
+        """The eval and strength units of a checkpoint: what reads its merged weights."""
+        return [u for u in self.units if u.kind != "merge" and u.checkpoint == checkpoint]
+
 
 def redo_units(plan: Plan, redo: Sequence[str]) -> frozenset[str]:
     """The ids of the units `--redo` names: every unit of a kind (merge, eval, strength) or of a checkpoint."""
-    from lm_eval_sink.schema import did_you_mean
-
     names = [c.name for c in plan.checkpoints]
     for r in redo:
         if r not in KINDS and r not in names:
@@ -298,15 +297,14 @@ def plan_units(
     versions: dict[str, dict[str, Any]],
 ) -> Plan:
     """Every unit with its key, in run order (merge -> eval -> strength per checkpoint, so `delete_merged` bounds the
-    disk). `identities`: the endpoints' fingerprints; `versions`: the `eval` / `strength` versions of code that runs
-    elsewhere, and `engine`: the resident engine's model_args and dtype where it measures S."""
+    disk); `versions`: of code that runs elsewhere per kind, and `engine`: the resident engine's where it measures S."""
     from lm_eval_sink.merging.merge import MergeWork
 
     checkpoints = [Checkpoint(role, role, spec.models[role], identities[role]["fingerprint"]) for role in ENDPOINTS]
     units = [u for ck in checkpoints for u in _measure_units(spec, ck, identities.get(ck.name), versions)]
     for m in spec.merges:  # configs.Rendered, each checked once when the sweep file was loaded
         target = spec.output / "merges" / m.name
-        work = MergeWork(m.validated, spec.random_seed, spec.merge_device, m.template.path)
+        work = MergeWork(m.validated, spec.merge.random_seed, spec.merge.device, m.template.path)
         merge = unit("merge", m.name, target, work)
         merged = {f"merge {k}": v for k, v in merge.versions.items()}
         setting = m.template.paper_setting
@@ -325,8 +323,7 @@ def plan_units(
 def _measure_units(
     spec: SweepSpec, ck: Checkpoint, identity: dict[str, Any] | None, versions: dict[str, dict[str, Any]]
 ) -> list[Unit]:
-    """The eval and strength units of one checkpoint (none of a kind the sweep file turns off); a merged checkpoint's
-    also hold its merge's versions."""
+    """The eval and strength units of one checkpoint (a merged one's also hold its merge's versions)."""
     units = []
     if spec.eval is not None:
         work = EvalWork(ck.path, ck.identity, spec.eval, identity)
@@ -353,14 +350,9 @@ def _metrics(results: dict[str, Any]) -> dict[str, float]:
     out: dict[str, float] = {}
     for task, values in sorted(results.get("results", {}).items()):
         for name, value in values.items():
-            if (
-                "_stderr" in name
-                or name in ("alias", "name", "sample_len")
-                or isinstance(value, bool)
-                or not isinstance(value, (int, float))
-            ):
-                continue
-            out[f"{task}/{name}"] = float(value)
+            numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if numeric and "_stderr" not in name and name not in ("alias", "name", "sample_len"):
+                out[f"{task}/{name}"] = float(value)
     return out
 
 
@@ -372,12 +364,8 @@ def build_table(
     strengths: dict[str, float],
     strength_settings: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Rows = checkpoints, columns = each task metric, its delta vs the reference, S (the caller adds provenance),
-    from each checkpoint's results, protocol fingerprint and saved S; S of different settings (`strength_settings`, and
-    the eval units' Sink Strength tasks: `task_strength`) are marked."""
-    from lm_eval_sink.comparability import compare
-    from lm_eval_sink.protocols import require_same_harness
-
+    """Rows = checkpoints, columns = each task metric, its delta vs the reference, S (the caller adds provenance);
+    S of different settings (`strength_settings`, and the eval units' `task_strength`) are marked."""
     require_same_harness(fingerprints)
     ref_fp = fingerprints.get("reference")
     metrics = {name: _metrics(r) for name, r in results.items()}
@@ -415,12 +403,8 @@ def build_table(
 
 
 def task_strength(results: dict[str, Any], columns: list[str], rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The eval units' Sink Strength tasks (those whose results hold `sink_strength`) through the comparability check
-    the strength units go through: per task, `comparability.compare` of the checkpoints' settings as each results
-    JSON records them (`setting_of_results`); where they differ, each row's `metric_settings` marks that task's
-    columns with the row's setting letter, so no S (or delta) of one setting stands bare beside another's."""
-    from lm_eval_sink.comparability import compare, setting_of_results
-
+    """The eval units' Sink Strength tasks through the strength units' comparability check, per task; where the
+    settings differ, each row's `metric_settings` marks that task's columns with the row's setting letter."""
     sink = sorted(
         {t for r in results.values() for t, m in (r.get("results") or {}).items() if "sink_strength,none" in m}
     )
@@ -442,8 +426,7 @@ def task_strength(results: dict[str, Any], columns: list[str], rows: list[dict[s
 
 
 def comparability_lines(table: dict[str, Any]) -> list[str]:
-    """What the console says of S measured in different settings, in a sweep's table (strength units and each Sink
-    Strength task of the eval units): the settings and what differs, in words; nothing where S compares."""
+    """What the console says of S measured in different settings in a sweep's table; nothing where S compares."""
     parts = [("S", table.get("strength_comparability"))]
     parts += sorted((table.get("task_strength_comparability") or {}).items())
     return [
@@ -456,7 +439,7 @@ def comparability_lines(table: dict[str, Any]) -> list[str]:
 
 def _status(ck: Checkpoint, failures: dict[str, str]) -> str:
     """A checkpoint's status: each of its failed units with the error, else ok."""
-    units = (f"merge:{ck.name}", f"eval:{ck.name}", f"strength:{ck.name}")
+    units = (f"{kind}:{ck.name}" for kind in KINDS)
     problems = [f"{u}: {failures[u]}" for u in units if u in failures]
     return "; ".join(problems) if problems else "ok"
 
@@ -464,8 +447,6 @@ def _status(ck: Checkpoint, failures: dict[str, str]) -> str:
 def _model_differences(fingerprints: dict[str, Any]) -> list[str]:
     """A note per checkpoint whose model-owned protocol fields (chat template, special tokens, ...) differ from the
     reference's: allowed in one table, unlike the harness fields (`protocols.require_same_harness`)."""
-    from lm_eval_sink.protocols import diff
-
     ref_fp = fingerprints.get("reference")
     lines = []
     for name, fp in fingerprints.items():
@@ -497,15 +478,12 @@ def _row(
 
 def _fmt(x: float | None, signed: bool = False, scale: float = 1.0) -> str:
     """A cell: 4 decimals in lm-eval's unit, or 1 decimal in points (`scale` 100) for a share of docs."""
-    from lm_eval_sink.report.view import fmt
-
     return "n/a" if x is None else fmt(x, ("+" if signed else "") + ("pts" if scale != 1.0 else "f4"))
 
 
 def _table_rows(table: dict[str, Any], cols: list[str], scales: list[float]) -> list[list[str]]:
     """One row per checkpoint: each metric of `cols` and its delta (scaled per column), S and its delta, the status;
-    a value of S (and its delta) measured in another setting than others of its column carries that setting's
-    letter."""
+    an S measured in another setting than others of its column carries that setting's letter."""
     comparable = (table.get("strength_comparability") or {}).get("comparable", True)
 
     def marked(text: str, label: str | None) -> str:
@@ -540,8 +518,6 @@ def _units_line(labels: list[str], scales: list[float]) -> str:
 def _too_few_line(table: dict[str, Any]) -> str:
     """buckets' small-sample rule for a sweep whose smallest scored task ran on fewer than `power.MIN_N` documents
     (`docs_per_task`, else an integer `--limit`: a fractional one or a task smaller than the limit counts too)."""
-    from lm_eval_sink.power import MIN_N, too_few
-
     limit = ((table.get("protocol") or {}).get("eval") or {}).get("limit")
     docs = list((table.get("docs_per_task") or {}).values())
     fewest = min(docs) if docs else int(limit) if isinstance(limit, int | float) and limit >= 1 else None
@@ -564,13 +540,8 @@ def docs_per_task(results: dict[str, Any]) -> dict[str, int]:
 
 
 def table_text(table: dict[str, Any]) -> tuple[str, str]:
-    """The table as Markdown (a title line, the not-final note and too few to tell if so, what S means, the units,
-    each task's headline metric under its readable name, shares of docs in points, the headlines unchanged in every
-    checkpoint said once instead) and as CSV (every column under its lm-eval results key and value)."""
-    from lm_eval_sink.benchmarks import headline_columns, load_benchmarks
-    from lm_eval_sink.report.view import named_columns
-    from lm_eval_sink.strength import S_MEANING
-
+    """The table as Markdown (notes first, each task's headline metric under its readable name, shares of docs in
+    points, those unchanged in every checkpoint said once) and as CSV (every column as lm-eval names and writes it)."""
     named = named_columns(headline_columns(table["columns"], load_benchmarks()), table["rows"])
     cols, labels, scales = ([x[i] for x in named if not x[3]] for i in range(3))
 
@@ -640,28 +611,26 @@ def unit_finished(unit: Unit, latest: dict[str, dict[str, Any]], markers: Marker
 
 def schedule(plan: Plan, state: FolderState, force: bool, redo: frozenset[str]) -> Schedule:
     """The units to run: unfinished ones (all with `force`, also those in `redo`); a merge only where its eval or S
-    needs weights that are not there (in memory: only to keep them), and never again once `delete_merged` removed
-    them after everything downstream finished."""
-    spec, by_id = plan.spec, {u.id: u for u in plan.units}
+    needs weights that are not there (in memory: only to keep them), never for weights `delete_merged` removed."""
+    merge = plan.spec.merge
     latest = {} if force else state.latest
     finished = frozenset(u.id for u in plan.units if unit_finished(u, latest, state.markers) and u.id not in redo)
 
     def needed(unit: Unit) -> bool:
         if unit.kind != "merge":
             return unit.id not in finished
-        if spec.in_memory:  # its eval and S read the resident model: weights only when asked for
-            return spec.keep_weights and unit.id not in finished
-        downstream = [by_id[d] for k in ("eval", "strength") if (d := f"{k}:{unit.checkpoint}") in by_id]
-        if all(d.id in finished for d in downstream):
-            return unit.id not in finished and not spec.delete_merged
+        if merge.in_memory:  # its eval and S read the resident model: weights only when asked for
+            return merge.keep_weights and unit.id not in finished
+        if all(d.id in finished for d in plan.downstream(unit.checkpoint)):
+            return unit.id not in finished and not merge.delete_merged
         return unit.id not in finished or unit.id not in state.weights
 
     todo = tuple(u for u in plan.units if needed(u))
     unwritten = tuple(
-        u.id for u in plan.units if spec.in_memory and u.kind == "merge" and u not in todo and u.id not in finished
+        u.id for u in plan.units if merge.in_memory and u.kind == "merge" and u not in todo and u.id not in finished
     )
     remerged = {
-        u.id: tuple(d.id for d in todo if d.kind != "merge" and d.checkpoint == u.checkpoint)
+        u.id: tuple(d.id for d in plan.downstream(u.checkpoint) if d in todo)
         for u in todo
         if u.kind == "merge" and u.id in finished
     }
@@ -669,13 +638,8 @@ def schedule(plan: Plan, state: FolderState, force: bool, redo: frozenset[str]) 
 
 
 def check_conflicts(plan: Plan, state: FolderState, redo: frozenset[str], now: dict[str, Any]) -> list[str]:
-    """Refuse unit outputs made from other inputs, in one line naming the changed inputs (`changed_inputs`) and the
-    units they touch (those in `redo` are redone instead). One made from the same
-    inputs by other versions is recomputed, and so is one whose file is unchanged (a release changed a default):
-    a note per unit."""
-    from lm_eval_sink.identity import FINGERPRINT_RULE, check_same_identity
-    from lm_eval_sink.keys import version_change
-
+    """Refuse unit outputs made from other inputs (`changed_inputs`; those in `redo` are redone instead); one made by
+    other versions, or from an unchanged sweep file (a release changed a default), is recomputed with a note."""
     notes, conflicts = [], []
     for unit in plan.units:
         if unit.id in redo or unit.id not in state.existing or current(unit, state.markers) is not None:
