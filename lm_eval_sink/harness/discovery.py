@@ -185,7 +185,7 @@ def _measured_first(arguments: dict[str, Any], task_manager: Any, ours: list[str
     checks passed and recorded in each task's capture record (`not_on_engine`)."""
     from dataclasses import replace
 
-    from lm_eval_sink.harness.engine_strength import fallback_line, say
+    from lm_eval_sink.harness.engine_strength import fallback_line
     from lm_eval_sink.harness.measure_first import (
         check_loadable,
         engine_model_args,
@@ -199,7 +199,7 @@ def _measured_first(arguments: dict[str, Any], task_manager: Any, ours: list[str
     check_loadable(load, ours[0], label)
     arguments["model_args"] = engine_model_args(arguments.get("model_args"), load)  # the commits measured
     if why is not None:
-        say(fallback_line(ours, why))
+        print(fallback_line(ours, why), file=sys.stderr, flush=True)
     measured = measure_first(load, task_jobs(task_manager, ours), label)
     if why is not None:
         measured = {n: replace(m, record={**m.record, "not_on_engine": why}) for n, m in measured.items()}

@@ -219,12 +219,6 @@ class SinkCaptureMixin:
 # --- in the driver ----------------------------------------------------------------------------------------------
 
 
-def _engine_limits(llm: Any) -> tuple[int, int]:
-    """(max_num_batched_tokens, max_model_len) of the engine `llm`."""
-    config = llm.llm_engine.vllm_config
-    return int(config.scheduler_config.max_num_batched_tokens), int(config.model_config.max_model_len)
-
-
 def _has_extension(llm: Any) -> bool:
     """Whether the engine's workers were built with SinkCaptureMixin (or a class inheriting it) as their extension."""
     import importlib
@@ -248,7 +242,8 @@ def _check_prompts(llm: Any, encoded: EncodedPrompts, layers: Sequence[int]) -> 
             "the engine was built without worker_extension_cls=lm_eval_sink.harness.engine_capture.SinkCaptureMixin "
             "(or a class inheriting it)"
         )
-    batched, context = _engine_limits(llm)
+    config = llm.llm_engine.vllm_config
+    batched, context = int(config.scheduler_config.max_num_batched_tokens), int(config.model_config.max_model_len)
     longest = max(len(ids) for ids in encoded.input_ids)
     if longest > batched:
         raise EngineCaptureRefused(

@@ -21,9 +21,10 @@ from lm_eval_sink.harness.engine_worker import WORKER_EXTENSION
 from lm_eval_sink.harness.runner import EvalSettings, die_with_parent
 
 # The LLM(...) arguments that say where a checkpoint comes from (lm-eval's `pretrained`, and the commits that
-# measure-first pins for a hub id, none for a local folder): set per checkpoint, so left out of the comparison.
-# What an engine fixes of its checkpoint is compared from the files (`merging.engine_reuse.engine_fields`).
-PER_CHECKPOINT = ("model", "revision", "tokenizer_revision")
+# measure-first pins for a hub id, none for a local folder): set per checkpoint, so left out of the comparison, as is
+# the worker extension (this project's: a sweep with one of the user's is refused at plan time). What an engine fixes
+# of its checkpoint is compared from the files (`merging.engine_reuse.engine_fields`).
+NOT_FIXED = ("model", "revision", "tokenizer_revision", "worker_extension_cls")
 
 
 def _answers() -> Any:
@@ -99,12 +100,6 @@ def _peak_rss(processes: list[Any]) -> int | None:
 # --- the engine --------------------------------------------------------------------------------
 
 
-def engine_arguments(arguments: dict[str, Any]) -> dict[str, Any]:
-    """The `LLM(...)` arguments lm-eval asks for that an engine fixes: all but `PER_CHECKPOINT`'s (its worker extension
-    is this project's: a sweep with one of the user's is refused at plan time, `engine_sweep.engine_reuse`)."""
-    return {k: v for k, v in arguments.items() if k not in (*PER_CHECKPOINT, "worker_extension_cls")}
-
-
 class ResidentEngine:
     """One vLLM `LLM` for every checkpoint, and what it was built from."""
 
@@ -153,7 +148,7 @@ class ResidentEngine:
             yield
 
     def _engine(self, real: Any, arguments: dict[str, Any], weights: str, timings: dict[str, float]) -> Any:
-        fixed = engine_arguments(arguments)
+        fixed = {k: v for k, v in arguments.items() if k not in NOT_FIXED}  # what the engine fixes
         if self.llm is None:
             with _timed(timings, "engine_build"):
                 self.llm = real(**{**arguments, "worker_extension_cls": WORKER_EXTENSION})

@@ -8,7 +8,6 @@ method and its engine this project's worker extension (`engine_builder`), else t
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -65,13 +64,14 @@ def decide(model_class: type | None, model_args: Mapping[str, Any]) -> str | Non
         return "the engine path is lm-eval's --model vllm's only"
     import lm_eval.models.vllm_causallms as module
 
-    from lm_eval_sink.harness.patching import engine_target_problem
+    from lm_eval_sink.harness.patching import add_method, engine_target_problem
+    from lm_eval_sink.harness.task import REQUEST_TYPE, _instance_mismatch
 
     add_model_info(model_class)
     target = engine_target_problem(module, REQUEST_READS)
     why = s_refusal(read_config(model_args), model_args, gpu_major())
     why = why or (None if target is None else f"lm-eval's vllm_causallms {target}")
-    if why is None and not add_request_method(model_class):
+    if why is None and not add_method(model_class, REQUEST_TYPE, vllm_sink_strength, more=_instance_mismatch):
         return "lm-eval's vLLM model class was left as installed (see the lm-eval-sink warning above)"
     return why
 
@@ -110,31 +110,21 @@ def fallback_line(tasks: Sequence[str], why: str) -> str:
     )
 
 
-def say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
 # --- on the built engine --------------------------------------------------------------------------------------------
-
-
-def _layers(llm: Any) -> tuple[int, tuple[int, ...]]:
-    """(depth, attention layers) of the engine's model, as `strength.measure` reads them from a transformers config."""
-    from lm_eval_sink.capture import attention_layers_from_config
-
-    config = llm.llm_engine.vllm_config.model_config.hf_config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    depth = int(text.num_hidden_layers)
-    return depth, attention_layers_from_config(config) or tuple(range(depth))
 
 
 def engine_captures(
     llm: Any, encoded: Any, settings: Any, lora_request: Any = None
 ) -> tuple[list[Any], int, tuple[int, ...]]:
     """(`capture.PromptCapture` per prompt, depth, attention layers): the `calibration.EncodedPrompts` measured on the
-    engine `llm` over the settings' last K attention layers."""
+    engine `llm` over the settings' last K attention layers (depth and layers read as `strength.measure` reads them)."""
+    from lm_eval_sink.capture import attention_layers_from_config
     from lm_eval_sink.harness.engine_capture import measure_on_engine
 
-    depth, att = _layers(llm)
+    config = llm.llm_engine.vllm_config.model_config.hf_config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    depth = int(text.num_hidden_layers)
+    att = attention_layers_from_config(config) or tuple(range(depth))
     return measure_on_engine(llm, encoded, settings.layers_for(att), settings.query_chunk, lora_request), depth, att
 
 
@@ -220,15 +210,6 @@ def add_model_info(cls: type) -> None:
 
     if getattr(cls, "get_model_info", _model_info) is _model_info:
         add_method(cls, "get_model_info", _model_info)
-
-
-def add_request_method(cls: type) -> bool:
-    """lm-eval's VLLM gets `sink_strength` (`vllm_sink_strength`), checked first (`patching.add_method`; what it reads
-    of `VLLM.__init__`: `decide`)."""
-    from lm_eval_sink.harness.patching import add_method
-    from lm_eval_sink.harness.task import REQUEST_TYPE, _instance_mismatch
-
-    return add_method(cls, REQUEST_TYPE, vllm_sink_strength, more=_instance_mismatch)
 
 
 def measure_strength(llm: Any, tokenizer: Any, settings: Any, provenance: dict[str, Any]) -> Any:
