@@ -95,11 +95,6 @@ def index_of(manager: Any) -> dict[str, Any]:
     return getattr(manager, read_name(type(manager), INDEX) or INDEX)
 
 
-def own_tasks_in(requested: list[Any], manager: Any) -> list[str]:
-    """This project's tasks among `requested` (names, YAML paths, config dicts), through groups and tags, sorted."""
-    return own_leaves(task_leaves(requested, index_of(manager)))
-
-
 @functools.cache
 def holds_own_task(tasks: tuple[str, ...], include_path: str | None) -> bool:
     """Whether lm-eval `--tasks` names (globs and YAML paths too) hold a task of this project, by name or through a
@@ -164,7 +159,7 @@ def measure_first_request(arguments: dict[str, Any]) -> tuple[Any, Any] | None:
     if has_attention(model_class):
         return None
     task_manager = _task_manager(arguments)
-    ours = own_tasks_in(_requested(arguments), task_manager)
+    ours = own_leaves(task_leaves(_requested(arguments), index_of(task_manager)))
     if not ours:
         return None
     label = model if isinstance(model, str) else backend_label(type(model))
@@ -374,10 +369,6 @@ def _first(arguments: dict[str, Any]) -> Any:
     return measure_first_request(arguments)
 
 
-# What `measure_first_request` reads of simple_evaluate's arguments, by name.
-SIMPLE_EVALUATE_ARGS = ("model", "model_args", "tasks", "task_manager", "metadata")
-
-
 def _lm_eval_reads() -> tuple[tuple[Any, str], ...]:
     """What `measure_first_request` and `task_leaves` read on lm-eval's objects (`_lm_eval_calls`: what they pass)."""
     import lm_eval.api.registry as registry
@@ -417,8 +408,8 @@ def patch_evaluator() -> None:
     import lm_eval.evaluator as ev
 
     patch(ev, "evaluate", _wrap_evaluate, leading=("lm", "task_dict"))
-    reads = _lm_eval_reads()
-    patch(ev, "simple_evaluate", _wrap_simple_evaluate, needs=SIMPLE_EVALUATE_ARGS, reads=reads, more=_lm_eval_calls)
+    needs = ("model", "model_args", "tasks", "task_manager", "metadata")  # what measure_first_request reads, by name
+    patch(ev, "simple_evaluate", _wrap_simple_evaluate, needs=needs, reads=_lm_eval_reads(), more=_lm_eval_calls)
 
 
 def _wrap_cli(original: Any) -> Any:

@@ -240,10 +240,6 @@ def _result(items: list[Any]) -> SinkStrength:
     )
 
 
-def _chat_template_applied(items: list[Any]) -> bool:
-    return bool((items[0] if isinstance(items[0], dict) else items[0].payload)["chat_template_applied"])
-
-
 def agg_sink_strength(items: list[Any]) -> float:
     return _result(items).sink_strength
 
@@ -290,7 +286,7 @@ def agg_rows_beyond_window(items: list[Any]) -> int | None:
 
 
 def agg_chat_template_applied(items: list[Any]) -> bool:
-    return _chat_template_applied(items)
+    return bool((items[0] if isinstance(items[0], dict) else items[0].payload)["chat_template_applied"])
 
 
 def agg_layer_head(items: list[Any]) -> dict[str, Any]:
@@ -409,16 +405,6 @@ def measured_task(task: str) -> Measured | None:
     return _PROVIDED.get(task)
 
 
-def rows_for(task: str, settings: dict[str, Any], prompt_id: int) -> PromptRows | None:
-    """The `PromptRows` measured first for this task and prompt; None when none were (a bug if the settings differ)."""
-    m = _PROVIDED.get(task)
-    if m is None:
-        return None
-    if m.settings != settings or prompt_id not in m.rows:
-        raise RuntimeError(f"{task}: rows measured first do not match the request (prompt {prompt_id})")
-    return PromptRows(m.rows[prompt_id])
-
-
 def _by_task(requests: list[Instance]) -> dict[str, list[int]]:
     """Request indices per task, in order."""
     by_task: dict[str, list[int]] = {}
@@ -470,11 +456,13 @@ def _measured_sink_strength(self: LM, requests: list[Instance]) -> list[PromptRo
 
     out = []
     for req in requests:
-        task, settings = req.arguments[1]["task"], req.arguments[1]["settings"]
-        rows = rows_for(task, settings, int(req.doc["prompt_id"]))
-        if rows is None:
+        task, prompt_id = req.arguments[1]["task"], int(req.doc["prompt_id"])
+        m = _PROVIDED.get(task)
+        if m is None:
             raise unsupported(task, backend_label(type(self)))
-        out.append(rows)
+        if m.settings != req.arguments[1]["settings"] or prompt_id not in m.rows:  # a bug
+            raise RuntimeError(f"{task}: rows measured first do not match the request (prompt {prompt_id})")
+        out.append(PromptRows(m.rows[prompt_id]))
     return out
 
 
