@@ -153,7 +153,8 @@ def measure_first_request(arguments: dict[str, Any]) -> tuple[Any, Any] | None:
     """Before lm-eval builds a backend without attention, where this project's tasks are measured: (None, TaskManager)
     where the engine lm-eval builds measures S (`engine_strength.decide`), else (rows, TaskManager) with the rows the
     child measured first (`task.Measured` per task) and the revisions it measured pinned in `arguments`; None when no
-    such task is asked of such a backend. One line when the backend has no `pretrained` transformers can load."""
+    such task is asked of such a backend. One line when the backend has no `pretrained` transformers can load; why the
+    engine path was not taken is said in one line once the checks passed, and recorded (`not_on_engine`)."""
     model = arguments.get("model")
     model_class = _model_class(model)
     if has_attention(model_class):
@@ -166,36 +167,21 @@ def measure_first_request(arguments: dict[str, Any]) -> tuple[Any, Any] | None:
     model_args = parsed_model_args(arguments.get("model_args")) if isinstance(model, str) else {}
     if not model_args.get("pretrained"):
         raise unsupported(ours[0], label)
-    from lm_eval_sink.harness.engine_strength import decide, is_lm_eval_vllm
+    from dataclasses import replace
+
+    from lm_eval_sink.harness import measure_first as first
+    from lm_eval_sink.harness.engine_strength import decide, fallback_line, is_lm_eval_vllm
 
     why = decide(model_class, model_args)
     if why is None:
         return None, task_manager
-    said = why if is_lm_eval_vllm(model_class) else None  # the line is vLLM's alone
-    return _measured_first(arguments, task_manager, ours, label, said)
-
-
-def _measured_first(arguments: dict[str, Any], task_manager: Any, ours: list[str], label: str, why: str | None) -> Any:
-    """`measure_first_request`'s transformers child; `why` the engine path was not taken, said in one line once the
-    checks passed and recorded in each task's capture record (`not_on_engine`)."""
-    from dataclasses import replace
-
-    from lm_eval_sink.harness.engine_strength import fallback_line
-    from lm_eval_sink.harness.measure_first import (
-        check_loadable,
-        engine_model_args,
-        hf_load_args,
-        measure_first,
-        pin_revisions,
-        task_jobs,
-    )
-
-    load = pin_revisions(hf_load_args(parsed_model_args(arguments.get("model_args")), ours[0], label))
-    check_loadable(load, ours[0], label)
-    arguments["model_args"] = engine_model_args(arguments.get("model_args"), load)  # the commits measured
+    why = why if is_lm_eval_vllm(model_class) else None  # the line is vLLM's alone
+    load = first.pin_revisions(first.hf_load_args(model_args, ours[0], label))
+    first.check_loadable(load, ours[0], label)
+    arguments["model_args"] = first.engine_model_args(arguments.get("model_args"), load)  # the commits measured
     if why is not None:
         print(fallback_line(ours, why), file=sys.stderr, flush=True)
-    measured = measure_first(load, task_jobs(task_manager, ours), label)
+    measured = first.measure_first(load, first.task_jobs(task_manager, ours), label)
     if why is not None:
         measured = {n: replace(m, record={**m.record, "not_on_engine": why}) for n, m in measured.items()}
     return measured, task_manager
@@ -295,14 +281,10 @@ def prepare_tasks(lm: Any, task_dict: Any) -> Any:
 
 @functools.cache
 def own_task_names() -> frozenset[str]:
-    """The task and group names this project's YAMLs define."""
-    import re
+    """The task and group names this project's YAMLs define, as lm-eval indexes them."""
+    from lm_eval.tasks._index import TaskIndex
 
-    return frozenset(
-        m.group(2)
-        for p in tasks_dir().rglob("*.yaml")
-        for m in re.finditer(r"^(task|group):\s*(\S+)\s*$", p.read_text(encoding="utf-8"), re.M)
-    )
+    return frozenset(TaskIndex.build([tasks_dir()]))
 
 
 def _own_in(task_dict: Any) -> list[str]:

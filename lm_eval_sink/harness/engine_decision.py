@@ -36,6 +36,7 @@ _ONE = ("", "none", "1")
 _OFF = ("", "none", "0", "false")
 _AS_STORED = (*_UNSET, "hf", "pt", "safetensors", "fastsafetensors", "npcache")  # load_format: the files as stored
 _OTHER_WEIGHTS = "the engine runs other weights than the checkpoint's"
+_SPECULATIVE = "speculative decoding: a draft model's forwards run between the checkpoint's"
 
 
 @dataclass(frozen=True)
@@ -60,9 +61,7 @@ RULES = (
     Rule("convert", "converts the model for another task", (*_UNSET, "none")),
     Rule("kv_cache_dtype", "a quantized KV cache: the engine attends the cached keys, which differ from the layer's"),
     Rule("disable_sliding_window", "attends past the sliding windows the checkpoint's config sets", _OFF),
-    Rule("speculative_config", "speculative decoding: a draft model's forwards run between the checkpoint's"),
-    Rule("spec_method", "speculative decoding: a draft model's forwards run between the checkpoint's"),
-    Rule("spec_model", "speculative decoding: a draft model's forwards run between the checkpoint's"),
+    *(Rule(a, _SPECULATIVE) for a in ("speculative_config", "spec_method", "spec_model")),
     Rule("worker_cls", "another worker class runs the forward"),
     Rule("data_parallel_size", "lm-eval runs the engines in Ray actors, not in its own process", _ONE),
     Rule("pipeline_parallel_size", "pipeline parallelism is not verified for the engine's capture", _ONE),
