@@ -47,8 +47,7 @@ def _model_class(model: Any) -> type | None:
 
 def task_leaves(requested: Sequence[Any], index: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Every task `requested` stands for (names, YAML paths, inline config dicts; through groups and tags), with its
-    config as lm-eval will build it: the indexed one, under an inline dict's own keys. The one walk of lm-eval's
-    groups and tags in this project."""
+    config as lm-eval will build it (an inline dict's keys over the indexed config)."""
     from lm_eval.tasks._index import Kind
 
     out: dict[str, dict[str, Any]] = {}
@@ -97,9 +96,8 @@ def index_of(manager: Any) -> dict[str, Any]:
 
 @functools.cache
 def holds_own_task(tasks: tuple[str, ...], include_path: str | None) -> bool:
-    """Whether lm-eval `--tasks` names (globs and YAML paths too) hold a task of this project, by name or through a
-    group, tag or inline group. Read from this project's task folder and `include_path` alone (milliseconds): lm-eval's
-    own groups and tags never hold a task of this project. Once per arguments and process."""
+    """Whether lm-eval `--tasks` names (globs and YAML paths too) hold a task of this project, read from this
+    project's folder and `include_path` alone (lm-eval's own groups and tags never hold one)."""
     import fnmatch
 
     if set(tasks) & own_task_names():
@@ -214,9 +212,8 @@ def _apply_offline_overrides(index: dict[str, Any]) -> None:
 
 
 def _wrap_build(original: Any) -> Any:
-    """`TaskIndex.build` for lm-eval's defaults (its own folder first, as `include_defaults=True` makes): this
-    project's folder indexed next (user folders come later, so they can still shadow it), lm-eval's own index
-    read from the cache (`task_index.py`), the offline override applied. Any other call is lm-eval's own."""
+    """`TaskIndex.build` of lm-eval's defaults with this project's folder, the cache and the offline data (docs/
+    footguns.md); any other call is lm-eval's own."""
     import lm_eval
 
     from lm_eval_sink.harness.task_index import cached_build
@@ -244,7 +241,6 @@ def _wrap_build(original: Any) -> Any:
 
 
 def patch_task_index() -> None:
-    """Every `TaskManager` built with lm-eval's defaults also indexes this project's tasks (`_wrap_build`)."""
     from lm_eval.tasks._index import TaskIndex
 
     from lm_eval_sink.harness.task_index import entry_mismatch
@@ -253,8 +249,7 @@ def patch_task_index() -> None:
 
 
 def prepare_tasks(lm: Any, task_dict: Any) -> Any:
-    """Before any request of any task: check what S needs of the built model, record in each task of this
-    project's metadata how S is measured (`capture`), and put those tasks first (their requests run first)."""
+    """Before any request: the checks S needs of the built model, each own task's `capture` record, them first."""
     from lm_eval_sink.harness.task import capture_record, check_capturable, measured_task
 
     ours = _own_in(task_dict)
@@ -385,8 +380,6 @@ def _lm_eval_calls() -> str | None:
 
 
 def patch_evaluator() -> None:
-    """Checks first and this project's tasks first (`evaluate`), S measured before a backend without attention is
-    built (`simple_evaluate`)."""
     import lm_eval.evaluator as ev
 
     patch(ev, "evaluate", _wrap_evaluate, leading=("lm", "task_dict"))
@@ -430,7 +423,6 @@ def check_cli_limit(argv: Sequence[str]) -> None:
 
 
 def patch_cli() -> None:
-    """Under the `lm_eval` console script, this project's `UserError` is one line and exit code 2."""
     import lm_eval.__main__ as main_mod
 
     patch(main_mod, "cli_evaluate", _wrap_cli)
@@ -527,8 +519,6 @@ def _wrap_table(original: Any) -> Any:
 
 
 def patch_table() -> None:
-    """The console table shows this project's tasks compactly (`_compact_matrices`), and the results table is
-    followed by a line per Sink Strength task that says it in words (`strength_lines`)."""
     import lm_eval.utils as lu
 
     patch(lu, "make_table", _wrap_table, leading=("result_dict", "column"))

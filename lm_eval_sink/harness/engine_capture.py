@@ -16,9 +16,8 @@ from lm_eval_sink.errors import UserError
 from lm_eval_sink.harness.engine_decision import READABLE_BACKENDS, SWITCH
 
 CACHE_SALT = "lm_eval_sink-sink-strength"  # the measured prompts' KV blocks are reachable by no other request
-# What the wrapper of `impl.forward` reads of vLLM's call, by position (`unified_attention_with_output` passes them
-# so, then `output=` and the scales by name): an implementation whose parameters begin otherwise is refused, since
-# reading another argument as the query or the key would give statistics of the wrong tensors without an error.
+# What the wrapper of `impl.forward` reads of vLLM's call, by position: an implementation whose parameters begin
+# otherwise is refused (docs/footguns.md), since it would give statistics of the wrong tensors without an error.
 FORWARD_PARAMETERS = ("layer", "query", "key", "value", "kv_cache", "attn_metadata")
 
 

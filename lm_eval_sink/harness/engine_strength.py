@@ -78,10 +78,8 @@ def decide(model_class: type | None, model_args: Mapping[str, Any]) -> str | Non
 
 @contextlib.contextmanager
 def engine_builder(build: Callable[..., Any] | None = None) -> Iterator[None]:
-    """Within the block lm-eval's vLLM model builds its engine as `build(LLM, **arguments)` (default: vLLM's `LLM`
-    with this project's worker extension, which measures S in the engine's forward): the one way this project changes
-    the engine lm-eval builds (`patching.engine_target_problem` checks the target first). Inside another builder's
-    block (the resident engine's, whose engine carries the extension) the outer one stays."""
+    """Within the block lm-eval's vLLM model builds its engine as `build(LLM, **arguments)` (default: `LLM` with this
+    project's worker extension): docs/footguns.md. Inside another builder's block (the resident engine's) it stays."""
     import lm_eval.models.vllm_causallms as module
 
     real = module.LLM

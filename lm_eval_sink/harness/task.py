@@ -29,10 +29,8 @@ PRIMARY = "sink_strength"  # the metric whose samples-file value holds each docu
 
 
 def settings_from_metadata(meta: dict[str, Any]) -> StrengthSettings:
-    """The task variant's measurement settings (the YAML `metadata`); defaults from StrengthSettings.
-
-    `batch_size` (null: as many as `batch_tokens` allows), `batch_tokens` and `query_chunk` set how the
-    prompts are run, not S."""
+    """The task variant's measurement settings (the YAML `metadata`; `batch_size` null or "all": as many as
+    `batch_tokens` allows); defaults from StrengthSettings."""
     defaults = StrengthSettings()
     last_k = meta.get("last_k", defaults.last_k)
     batch_size = meta.get("batch_size", defaults.batch_size)
@@ -414,10 +412,7 @@ def _by_task(requests: list[Instance]) -> dict[str, list[int]]:
 
 
 def _hflm_sink_strength(self: HFLM, requests: list[Instance]) -> list[PromptRows]:
-    """HFLM method for `sink_strength` requests: capture exactly these requests' prompts, per task.
-
-    lm-eval pads a rank's list with copies of its last request; a copy is measured once.
-    """
+    """HFLM method for `sink_strength` requests: these requests' prompts captured, per task (`rows_per_task`)."""
     from lm_eval_sink.devices import check_not_tensor_parallel
 
     check_not_tensor_parallel(self.model)
