@@ -283,8 +283,12 @@ def agg_rows_beyond_window(items: list[Any]) -> int | None:
     return result.rows_beyond_window
 
 
-def agg_chat_template_applied(items: list[Any]) -> bool:
+def _chat_template_applied(items: list[Any]) -> bool:
     return bool((items[0] if isinstance(items[0], dict) else items[0].payload)["chat_template_applied"])
+
+
+def agg_chat_template_applied(items: list[Any]) -> bool:
+    return _chat_template_applied(items)
 
 
 def agg_layer_head(items: list[Any]) -> dict[str, Any]:
