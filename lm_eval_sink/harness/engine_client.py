@@ -88,8 +88,7 @@ print(json.dumps({"vllm": version, "vllm_module": spec is not None, "reload_weig
 
 
 def reload_support(python: str) -> dict[str, Any]:
-    """{vllm: version, vllm_module, reload_weights, collective_rpc, reset_prefix_cache: bool} of the vLLM in
-    `python`."""
+    """{vllm: version, vllm_module, reload_weights, collective_rpc, reset_prefix_cache} of the vLLM in `python`."""
     from lm_eval_sink.harness.runner import run_probe
 
     return run_probe(python, RELOAD_PROBE)

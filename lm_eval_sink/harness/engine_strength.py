@@ -172,8 +172,7 @@ def vllm_sink_strength(self: Any, requests: list[Any]) -> list[Any]:
     else each task's prompts measured on the engine (a copy of a request, as lm-eval pads, measured once)."""
     from lm_eval_sink.harness.task import PromptRows, _by_task, _measured_sink_strength, measured_task, rows_per_task
 
-    by_task = _by_task(requests)
-    if all(measured_task(task) is not None for task in by_task):
+    if all(measured_task(task) is not None for task in _by_task(requests)):
         return _measured_sink_strength(self, requests)
 
     def measure(task: str, settings: Any, prompts: list[tuple[int, str]]) -> list[Any]:
@@ -192,7 +191,7 @@ def vllm_sink_strength(self: Any, requests: list[Any]) -> list[Any]:
             for (pid, _), c in zip(prompts, captures, strict=True)
         ]
 
-    return rows_per_task(requests, measure, by_task)
+    return rows_per_task(requests, measure)
 
 
 def _model_info(self: Any) -> dict[str, Any]:

@@ -58,8 +58,7 @@ class EngineWorkerExtension(SinkCaptureMixin):
         }
 
     def reseed(self) -> None:
-        """The seed the worker sets after building its engine, so sampling after a weight swap starts as on a
-        fresh engine."""
+        """The seed a fresh engine's worker sets, so sampling after a weight swap starts as on a fresh engine."""
         from vllm.utils.torch_utils import set_random_seed
 
         worker: Any = self

@@ -122,14 +122,6 @@ def _tasks(manager: Any, names: str | list[str]) -> list[Any]:
     return out
 
 
-def _check_settings(resident: Resident, settings: EvalSettings) -> None:
-    if settings != resident.settings:
-        raise UserError(
-            "these eval settings differ from the ones the resident model and its TaskManager were built for",
-            "load one resident per sweep with the sweep's eval settings",
-        )
-
-
 def _hflm(resident: Resident, cfg: Any) -> Any:
     """lm-eval's HF model on the resident model, with the HFLM arguments of the command line's model_args."""
     from lm_eval.models.huggingface import HFLM
@@ -150,7 +142,11 @@ def evaluate(resident: Resident, settings: EvalSettings, output_path: str | Path
     absolute path: `owner/name` reads as a hub id)."""
     from lm_eval_sink.merging.merge import isolated_rng
 
-    _check_settings(resident, settings)
+    if settings != resident.settings:
+        raise UserError(
+            "these eval settings differ from the ones the resident model and its TaskManager were built for",
+            "load one resident per sweep with the sweep's eval settings",
+        )
     output_path = Path(output_path)
     cfg = cli_config(settings, str(name), output_path)
     with isolated_rng():  # lm-eval seeds the global generators, as in its own process; the caller's stay

@@ -163,8 +163,7 @@ def task_jobs(task_manager: Any, names: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def measure_first(load: HfLoad, jobs: dict[str, dict[str, Any]], backend: str) -> dict[str, Any]:
-    """Measure every job in a child process of this interpreter (see the module docstring): `task.Measured`
-    per task."""
+    """`task.Measured` per task: every job measured in a child process of this interpreter (module docstring)."""
     from lm_eval_sink.harness.task import Measured
 
     with tempfile.TemporaryDirectory(prefix="lm_eval_sink_first_") as tmp:

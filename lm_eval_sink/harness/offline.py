@@ -42,11 +42,6 @@ def offline_table() -> tuple[OfflineDataset, ...]:
     )
 
 
-def loader_yaml() -> Path:
-    """The installed YAML that names `load_local` as `custom_dataset` (included by every generated YAML)."""
-    return Path(str(resources.files("lm_eval_sink").joinpath("data/offline_loader.yaml")))
-
-
 def data_root() -> Path | None:
     """The folder named by LM_EVAL_SINK_DATA, or None when unset."""
     value = os.environ.get(DATA_ENV)
@@ -66,8 +61,9 @@ def override_config(
     files = {split: str(root / entry.splits[split]) for split in sorted(needed)}
     if not all(Path(f).is_file() for f in files.values()):
         return None
+    loader = resources.files("lm_eval_sink").joinpath("data/offline_loader.yaml")  # names `load_local`
     return {
-        "include": [str(source_yaml), str(loader_yaml())],
+        "include": [str(source_yaml), str(loader)],
         "task": cfg["task"],
         "dataset_path": "json",
         "dataset_name": None,

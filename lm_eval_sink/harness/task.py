@@ -430,12 +430,11 @@ def _hflm_sink_strength(self: HFLM, requests: list[Instance]) -> list[PromptRows
 def rows_per_task(
     requests: list[Instance],
     measure: Callable[[str, StrengthSettings, list[tuple[int, str]]], list[PromptRows]],
-    by_task: dict[str, list[int]] | None = None,
 ) -> list[PromptRows]:
     """Each request's rows, from `measure(task, settings, prompts)` called once per task on its distinct requests'
     (prompt_id, prompt): lm-eval pads a rank's list with copies of its last request, and a copy is measured once."""
     out: list[PromptRows | None] = [None] * len(requests)
-    for task, idxs in (by_task or _by_task(requests)).items():
+    for task, idxs in _by_task(requests).items():
         settings = StrengthSettings(**requests[idxs[0]].arguments[1]["settings"])
         first_of: dict[int, int] = {}  # id(request) -> index of its first occurrence
         for i in idxs:

@@ -113,11 +113,8 @@ def decode(data: Any, root: Path) -> dict[str, Any]:
     """The index a stored JSON document holds (ValueError when it is not one `encode` writes)."""
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("entries"), list):
         raise ValueError("not a task index of this format")
-    index = {}
-    for row in data["entries"]:
-        entry = _entry(row, root)
-        index[entry.name] = entry
-    return index
+    entries = [_entry(row, root) for row in data["entries"]]
+    return {entry.name: entry for entry in entries}
 
 
 def _read(path: Path, root: Path) -> dict[str, Any] | None:
