@@ -187,7 +187,9 @@ def measure_first_request(arguments: dict[str, Any]) -> tuple[Any, Any] | None:
 
 def _apply_offline_overrides(index: dict[str, Any]) -> None:
     """With LM_EVAL_SINK_DATA set, the stock tasks it covers pointed at generated YAMLs (`offline.py`)."""
-    from lm_eval.tasks._index import Entry, Kind
+    from dataclasses import replace
+
+    from lm_eval.tasks._index import Kind
 
     from lm_eval_sink.harness.offline import data_root, write_overrides
 
@@ -206,8 +208,7 @@ def _apply_offline_overrides(index: dict[str, Any]) -> None:
         log.warning("lm-eval-sink: offline data from %s not applied (%s)", root, err)
         return
     for name, path in written.items():
-        old = index[name]
-        index[name] = Entry(name=name, kind=old.kind, yaml_path=path, cfg=old.cfg, tags=old.tags)
+        index[name] = replace(index[name], yaml_path=path)
     log.debug("lm-eval-sink: offline data from %s", root)
 
 

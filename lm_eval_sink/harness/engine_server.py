@@ -292,10 +292,13 @@ def _answer(server: Server, request: dict[str, Any]) -> dict[str, Any]:
     """One request's answer; a failure is its one line (the traceback goes to the unit's log)."""
     import traceback
 
+    ops = {"eval": server.evaluate, "strength": server.strength}
+    if request.get("op") not in ops:
+        return {"ok": False, "error": f"unknown request {request.get('op')!r}", "hint": None}
     try:
         with _output_to(request.get("log")):
             try:
-                return server.strength(request) if request["op"] == "strength" else server.evaluate(request)
+                return ops[request["op"]](request)
             except Exception:
                 traceback.print_exc()
                 raise
@@ -312,11 +315,7 @@ def serve(requests: Any, answers: Any) -> None:
         request = json.loads(line)
         if request.get("op") == "close":
             break
-        if request.get("op") not in ("eval", "strength"):
-            answer = {"ok": False, "error": f"unknown request {request.get('op')!r}", "hint": None}
-        else:
-            answer = _answer(server, request)
-        answers.write(json.dumps(answer) + "\n")
+        answers.write(json.dumps(_answer(server, request)) + "\n")
     server.engine.shutdown()
 
 
