@@ -27,13 +27,6 @@ from lm_eval_sink.harness.runner import EvalSettings, die_with_parent
 NOT_FIXED = ("model", "revision", "tokenizer_revision", "worker_extension_cls")
 
 
-def _answers() -> Any:
-    """The protocol's stream (the stdout this process was started with); stdout itself then writes to stderr."""
-    out = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
-    os.dup2(2, 1)
-    return out
-
-
 @contextlib.contextmanager
 def _output_to(path: str | None) -> Iterator[None]:
     """Within the block this process's stdout and stderr (file descriptors 1 and 2: every library's output, vLLM's
@@ -320,6 +313,7 @@ def serve(requests: Any, answers: Any) -> None:
 
 
 if __name__ == "__main__":
-    _answers_stream = _answers()
+    answers = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")  # the stdout this process was started with
+    os.dup2(2, 1)  # stdout itself then writes to stderr
     die_with_parent()
-    serve(sys.stdin, _answers_stream)
+    serve(sys.stdin, answers)

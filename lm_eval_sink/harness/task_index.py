@@ -20,8 +20,6 @@ Build = Callable[..., dict[str, Any]]
 FORMAT = "lm-eval-sink task index, JSON v1"
 ENTRY_FIELDS = ("name", "kind", "yaml_path", "cfg", "tags")  # lm-eval's `Entry`, as stored
 KINDS = ("TASK", "PY_TASK", "GROUP", "TAG")  # the `Kind` members an index holds
-_UNREAD_SUFFIXES = (".py", ".pyc")
-_UNREAD_DIRS = frozenset({"__pycache__"})
 
 
 def entry_mismatch() -> str | None:
@@ -44,8 +42,8 @@ def _keyed(folder: str, rel: str = "") -> list[tuple[str, str]]:
     with os.scandir(folder) as entries:
         for entry in entries:
             if entry.is_dir(follow_symlinks=False):
-                out += [] if entry.name in _UNREAD_DIRS else _keyed(entry.path, f"{rel}{entry.name}/")
-            elif not entry.name.endswith(_UNREAD_SUFFIXES) and not entry.is_dir():
+                out += [] if entry.name == "__pycache__" else _keyed(entry.path, f"{rel}{entry.name}/")
+            elif not entry.name.endswith((".py", ".pyc")) and not entry.is_dir():
                 out.append((rel + entry.name, entry.path))
     return out
 
