@@ -15,14 +15,12 @@ from typing import Any
 
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.identity import TOKENIZER_FILES
-from lm_eval_sink.io import canonical_json, sha256_file
+from lm_eval_sink.io import canonical_json, parse_json, read_text, sha256_file
 
 
 def _json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
-    except ValueError as e:
-        raise UserError(f"{path}: not valid JSON ({e})", "repair or replace the checkpoint's file") from None
+    """A checkpoint's JSON file (None where there is none), one line where it does not read (`io.parse_json`)."""
+    return parse_json(read_text(path), str(path), "repair or replace the checkpoint's file") if path.is_file() else None
 
 
 def _file_sha(path: Path) -> str:
