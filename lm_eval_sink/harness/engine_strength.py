@@ -67,7 +67,8 @@ def decide(model_class: type | None, model_args: Mapping[str, Any]) -> str | Non
     from lm_eval_sink.harness.patching import add_method, engine_target_problem
     from lm_eval_sink.harness.task import REQUEST_TYPE, _instance_mismatch
 
-    add_model_info(model_class)
+    if getattr(model_class, "get_model_info", _model_info) is _model_info:
+        add_method(model_class, "get_model_info", _model_info)
     target = engine_target_problem(module, REQUEST_READS)
     why = s_refusal(read_config(model_args), model_args, gpu_major())
     why = why or (None if target is None else f"lm-eval's vllm_causallms {target}")
@@ -195,18 +196,10 @@ def vllm_sink_strength(self: Any, requests: list[Any]) -> list[Any]:
 
 
 def _model_info(self: Any) -> dict[str, Any]:
-    """The dtype lm-eval's VLLM engine runs, as HFLM's `get_model_info` names its model's (`model_dtype`)."""
+    """lm-eval's VLLM `get_model_info` where it has none: the results' `config.model_dtype` names the dtype its engine
+    ran in, as `--model hf`'s does (`protocols` reads it: vLLM runs a float32 checkpoint in bfloat16)."""
     llm = getattr(self, "model", None)
     return {} if llm is None else {"model_dtype": str(llm.llm_engine.vllm_config.model_config.dtype)}
-
-
-def add_model_info(cls: type) -> None:
-    """lm-eval's VLLM gets `get_model_info` where it has none, so the results' `config.model_dtype` names the dtype its
-    engine ran in, as `--model hf`'s does (`protocols` reads it: vLLM runs a float32 checkpoint in bfloat16)."""
-    from lm_eval_sink.harness.patching import add_method
-
-    if getattr(cls, "get_model_info", _model_info) is _model_info:
-        add_method(cls, "get_model_info", _model_info)
 
 
 def measure_strength(llm: Any, tokenizer: Any, settings: Any, provenance: dict[str, Any]) -> Any:
