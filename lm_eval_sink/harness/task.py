@@ -141,6 +141,18 @@ def decode_array(d: dict[str, Any]) -> np.ndarray:
     return np.frombuffer(base64.b64decode(d["b64"]), dtype=np.dtype(d["dtype"])).reshape(d["shape"])
 
 
+# `capture.PromptCapture`'s arrays in a payload, in order, and the dtype each is read back in (sink_pos is stored as
+# int16 where it fits, else int32); learned_sink_mass and pos0_visible may be None.
+_ARRAYS = {
+    "sink_logodds": np.float32,
+    "sink_pos": np.int64,
+    "pos0_mass": np.float32,
+    "content": bool,
+    "learned_sink_mass": np.float32,
+    "pos0_visible": bool,
+}
+
+
 @dataclass(frozen=True)
 class PromptRows:
     """One document's item: its prompt's rows as the whole-set statistics need them. `payload` is JSON-safe (in the
@@ -167,12 +179,8 @@ class PromptRows:
         chat_template_sha256: str | None,
     ) -> PromptRows:
         pos = np.asarray(capture.sink_pos)
-        pos_dtype = (
-            np.int16
-            if pos.size == 0 or (int(pos.min()) > np.iinfo(np.int16).min and int(pos.max()) < np.iinfo(np.int16).max)
-            else np.int32
-        )
-        learned, visible = capture.learned_sink_mass, capture.pos0_visible
+        small = pos.size == 0 or (int(pos.min()) > np.iinfo(np.int16).min and int(pos.max()) < np.iinfo(np.int16).max)
+        stored = {**_ARRAYS, "sink_pos": np.int16 if small else np.int32}
         return cls(
             {
                 "prompt_id": prompt_id,
@@ -183,12 +191,10 @@ class PromptRows:
                 "layers": list(capture.layers),
                 "chat_template_applied": chat_template_applied,
                 "chat_template_sha256": chat_template_sha256,
-                "sink_logodds": encode_array(np.asarray(capture.sink_logodds, dtype=np.float32)),
-                "sink_pos": encode_array(pos.astype(pos_dtype)),
-                "pos0_mass": encode_array(np.asarray(capture.pos0_mass, dtype=np.float32)),
-                "content": encode_array(np.asarray(capture.content, dtype=bool)),
-                "learned_sink_mass": None if learned is None else encode_array(np.asarray(learned, dtype=np.float32)),
-                "pos0_visible": None if visible is None else encode_array(np.asarray(visible, dtype=bool)),
+                **{
+                    name: None if (a := getattr(capture, name)) is None else encode_array(np.asarray(a, dtype=dtype))
+                    for name, dtype in stored.items()
+                },
             }
         )
 
@@ -224,12 +230,7 @@ def _result(items: list[Any]) -> SinkStrength:
     captures = [
         PromptCapture(
             layers=tuple(p["layers"]),
-            sink_logodds=decode_array(p["sink_logodds"]),
-            sink_pos=decode_array(p["sink_pos"]).astype(np.int64),
-            pos0_mass=decode_array(p["pos0_mass"]),
-            content=decode_array(p["content"]),
-            learned_sink_mass=None if p["learned_sink_mass"] is None else decode_array(p["learned_sink_mass"]),
-            pos0_visible=None if p.get("pos0_visible") is None else decode_array(p["pos0_visible"]),
+            **{n: None if p.get(n) is None else decode_array(p[n]).astype(t, copy=False) for n, t in _ARRAYS.items()},
         )
         for p in payloads
     ]
