@@ -131,14 +131,14 @@ class EngineProcess:
             )
         return json.loads(line)
 
-    def close(self, timeout: float = 120) -> None:
-        """Ask the process to shut its engine down and exit; kill it when it does not within `timeout` seconds."""
+    def close(self) -> None:
+        """Ask the process to shut its engine down and exit; kill it when it does not within 120 seconds."""
         if self.proc.poll() is None:
             try:
                 assert self.proc.stdin is not None
                 self.proc.stdin.write(json.dumps({"op": "close"}) + "\n")
                 self.proc.stdin.close()
-                self.proc.wait(timeout=timeout)
+                self.proc.wait(timeout=120)
             except (BrokenPipeError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait()

@@ -207,13 +207,7 @@ def _save(tracker: Any, results: dict[str, Any], cfg: Any, output_path: Path, be
     return new_run(output_path, before, "check that the folder is writable")
 
 
-def measure_strength(
-    resident: Resident,
-    settings: Any,
-    dtype: str,
-    progress: bool = False,
-    provenance: dict[str, Any] | None = None,
-) -> Any:
+def measure_strength(resident: Resident, settings: Any, dtype: str, provenance: dict[str, Any] | None = None) -> Any:
     """`strength.measure` on the resident model; `dtype` must be the resident's (no second copy is made)."""
     from lm_eval_sink.merging.merge import isolated_rng
     from lm_eval_sink.strength import measure
@@ -224,4 +218,4 @@ def measure_strength(
             "give strength and eval the same dtype for an in-memory sweep, or set merge: {in_memory: false}",
         )
     with isolated_rng():
-        return measure(resident.model, resident.tokenizer, settings, progress=progress, provenance=provenance)
+        return measure(resident.model, resident.tokenizer, settings, progress=False, provenance=provenance)
