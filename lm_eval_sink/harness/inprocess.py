@@ -164,28 +164,17 @@ def evaluate_model(
 
     before, start = results_files(output_path), time.perf_counter()
     tracker = EvaluationTracker(output_path=cfg.output_path)
-    seeds = cfg.seed or [None] * 4
+    seeds = ("random_seed", "numpy_random_seed", "torch_random_seed", "fewshot_random_seed")
+    # the fields of the command line that simple_evaluate takes under the same name
+    same = ("model_args", "num_fewshot", "batch_size", "max_batch_size", "device", "limit", "log_samples", "metadata")
+    same += ("system_instruction", "apply_chat_template", "fewshot_as_multiturn", "gen_kwargs")
     results = lm_eval.simple_evaluate(
         model=lm,
-        model_args=cfg.model_args,
         tasks=_tasks(task_manager, cfg.tasks),
-        num_fewshot=cfg.num_fewshot,
-        batch_size=cfg.batch_size,
-        max_batch_size=cfg.max_batch_size,
-        device=cfg.device,
-        limit=cfg.limit,
-        log_samples=cfg.log_samples,
         evaluation_tracker=tracker,
-        system_instruction=cfg.system_instruction,
-        apply_chat_template=cfg.apply_chat_template,
-        fewshot_as_multiturn=cfg.fewshot_as_multiturn,
-        gen_kwargs=cfg.gen_kwargs,
         task_manager=task_manager,
-        random_seed=seeds[0],
-        numpy_random_seed=seeds[1],
-        torch_random_seed=seeds[2],
-        fewshot_random_seed=seeds[3],
-        metadata=cfg.metadata,
+        **{name: getattr(cfg, name) for name in same},
+        **dict(zip(seeds, cfg.seed or [None] * 4, strict=True)),
     )
     written = time.perf_counter()
     run = _save(tracker, results, cfg, output_path, before)
