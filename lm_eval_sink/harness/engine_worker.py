@@ -22,8 +22,7 @@ def _cuda() -> Any:
 
 
 class EngineWorkerExtension(SinkCaptureMixin):
-    """The named calls of this project into each vLLM worker (`collective_rpc("reseed")`, ...): the resident
-    engine's, and Sink Strength's (`SinkCaptureMixin`), for every engine this project builds or extends."""
+    """The named calls of this project into each vLLM worker: the resident engine's, and Sink Strength's."""
 
     def reset_accelerator_peak(self) -> None:
         """The CUDA peak counters of this worker start again (nothing on a CPU)."""
