@@ -15,11 +15,6 @@ from typing import Any
 from lm_eval_sink.harness.engine_decision import s_refusal, workers_refusal
 from lm_eval_sink.harness.engine_worker import WORKER_EXTENSION
 
-ENGINE_PROCESS = "lm-eval's vLLM engine, in its own forward"
-ENGINE_WEIGHTS = (
-    "the engine's S is that of the weights the engine runs: its dtype, a quantized checkpoint's own quantization and "
-    "its LoRA, as lm-eval's requests run them"
-)
 CAPTURED_WITH = "vLLM's attention layers: query and key as each layer receives them (harness/engine_capture.py)"
 REQUEST_READS = ("model", "tokenizer", "lora_request")  # what `vllm_sink_strength` reads, set in VLLM.__init__
 _RECORDS: dict[str, dict[str, Any]] = {}  # task name -> its capture record in the task's metadata (this call's)
@@ -137,7 +132,7 @@ def engine_record(llm: Any, lora_request: Any = None) -> dict[str, Any]:
     config = llm.llm_engine.vllm_config
     return {
         "capture_backend": "vllm",
-        "process": ENGINE_PROCESS,
+        "process": "lm-eval's vLLM engine, in its own forward",
         "vllm": version("vllm"),
         "transformers": transformers.__version__,
         "torch": torch.__version__,
@@ -146,7 +141,10 @@ def engine_record(llm: Any, lora_request: Any = None) -> dict[str, Any]:
         "kv_cache_dtype": str(config.cache_config.cache_dtype),
         "lora": getattr(lora_request, "lora_path", None),
         "tensor_parallel_size": int(config.parallel_config.tensor_parallel_size),
-        "weights": ENGINE_WEIGHTS,
+        "weights": (
+            "the engine's S is that of the weights the engine runs: its dtype, a quantized checkpoint's own "
+            "quantization and its LoRA, as lm-eval's requests run them"
+        ),
         "captured_with": CAPTURED_WITH,
     }
 
