@@ -123,9 +123,8 @@ def _as_list(value: Any) -> list[Any]:
 
 
 def check_pretrained(arguments: dict[str, Any]) -> None:
-    """Before anything loads: a local `pretrained` folder's safetensors files, those transformers loads
-    (`model.safetensors` alone where there is one, else `weights.check_weights`), one line naming a file that is
-    missing, cut short or not safetensors; a file transformers never reads leaves the run to lm-eval."""
+    """Before anything loads: the safetensors files transformers would load of a local `pretrained` folder, one line
+    naming one that is missing, cut short or not safetensors (a file transformers never reads is left to lm-eval)."""
     from lm_eval_sink.weights import check_weights, file_tensors
 
     model_args = parsed_model_args(arguments.get("model_args")) if isinstance(arguments.get("model"), str) else {}

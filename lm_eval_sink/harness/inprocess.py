@@ -98,9 +98,8 @@ def load_resident(
 
 
 def task_manager(settings: EvalSettings, model: str | Path) -> Any:
-    """One lm-eval TaskManager for every checkpoint, with the include path and the model_args metadata of `model`'s
-    command line, as lm-eval's CLI builds it; this project's tasks and offline data reach it through the import
-    hook (`hooks.install`)."""
+    """One lm-eval TaskManager for every checkpoint, as lm-eval's CLI builds it for `model`'s command line (this
+    project's tasks and offline data through the import hook, `hooks.install`)."""
     from lm_eval.tasks import TaskManager
 
     from lm_eval_sink.hooks import install

@@ -129,8 +129,7 @@ def patch(
     more: Any = None,
 ) -> None:
     """`owner.name` replaced by `wrap(original)` when everything the wrapper relies on is there (`mismatch`,
-    `reads_mismatch`, `more()` when given); otherwise left untouched, with one line (`left_as_installed`).
-    Idempotent."""
+    `reads_mismatch`, `more()` when given), else left untouched with one line (`left_as_installed`); idempotent."""
     original = inspect.getattr_static(owner, name)
     static = isinstance(original, staticmethod)
     original = original.__func__ if static else original
