@@ -166,7 +166,7 @@ def measure_first_request(arguments: dict[str, Any]) -> tuple[Any, Any] | None:
         raise unsupported(ours[0], label)
     from dataclasses import replace
 
-    from lm_eval_sink.harness import measure_first as first
+    import lm_eval_sink.harness.measure_first as first
     from lm_eval_sink.harness.engine_strength import decide, fallback_line, is_lm_eval_vllm
 
     why = decide(model_class, model_args)
