@@ -401,17 +401,16 @@ def test_vllm_cpu_memory_check_decides_as_vllms_cpu_worker(monkeypatch):
     from lm_eval_sink.harness.vllm_preflight import GIB, NodeMemory, _kv_cache_bytes, cpu_refusal, kv_cache_refusal
 
     busy = NodeMemory(node=0, total=int(23.54 * GIB), available=11 * GIB)
-    refusal = cpu_refusal(busy, 0.92, kv_cache_given=False)  # the tour's machine: vLLM's default share
+    refusal = cpu_refusal(busy, 0.92)  # the tour's machine: vLLM's default share
     assert refusal.message == (
         "--model vllm: vLLM's CPU engine would not start: with gpu_memory_utilization 0.92 it reserves 21.66 of "
         "NUMA node 0's 23.54 GiB, and 11.00 GiB are available"
     )
     assert f"set {KV_CACHE_ENV}=N" in refusal.hint and "gpu_memory_utilization=0.41 in --model_args" in refusal.hint
-    assert cpu_refusal(busy, 0.92, kv_cache_given=True) is None  # vLLM skips its check
-    assert cpu_refusal(busy, 0.46, kv_cache_given=False) is None
+    assert cpu_refusal(busy, 0.46) is None
     exact = NodeMemory(node=1, total=100 * GIB, available=50 * GIB)  # refused only above what is available
-    assert cpu_refusal(exact, 0.5, False) is None and cpu_refusal(exact, 0.51, False) is not None
-    assert "or free memory" in cpu_refusal(NodeMemory(0, 8 * GIB, GIB // 100), 0.5, False).hint
+    assert cpu_refusal(exact, 0.5) is None and cpu_refusal(exact, 0.51) is not None
+    assert "or free memory" in cpu_refusal(NodeMemory(0, 8 * GIB, GIB // 100), 0.5).hint
     monkeypatch.setenv(KV_CACHE_ENV, "")  # set but empty: vLLM's CPU platform ignores it
     assert _kv_cache_bytes({}) is None and _kv_cache_bytes({"kv_cache_memory_bytes": 1 << 30}) == 1 << 30
     monkeypatch.setenv(KV_CACHE_ENV, "1")

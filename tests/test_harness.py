@@ -592,7 +592,7 @@ def test_groups_tags_inline_configs_and_yaml_paths_reach_their_tasks(tmp_path):
     a group of a tag and an inline task, a YAML path, an inline group; the inline keys over the indexed config."""
     from lm_eval.tasks import TaskManager
 
-    from lm_eval_sink.harness.discovery import own_tasks_in, task_leaves
+    from lm_eval_sink.harness.discovery import own_leaves, task_leaves
 
     folder = tmp_path / "suite"
     folder.mkdir()
@@ -602,17 +602,15 @@ def test_groups_tags_inline_configs_and_yaml_paths_reach_their_tasks(tmp_path):
     (folder / "suite.yaml").write_text(
         "group: suite\ntask:\n  - gens\n  - task: sink_strength\n    num_fewshot: 3\nmetadata:\n  version: 1.0\n"
     )
-    manager = TaskManager(include_defaults=False, include_path=[str(folder), str(tasks_dir())])
-    leaves = task_leaves(["suite"], index_of(manager))
+    index = index_of(TaskManager(include_defaults=False, include_path=[str(folder), str(tasks_dir())]))
+    leaves = task_leaves(["suite"], index)
     assert sorted(leaves) == ["gen_a", "gen_b", "sink_strength"]
     assert leaves["sink_strength"]["num_fewshot"] == 3 and leaves["gen_a"]["output_type"] == "generate_until"
-    assert sorted(task_leaves([str(folder / "other.yaml"), {"group": "g", "task": ["gen_b"]}], index_of(manager))) == [
-        "gen_b",
-        "other",
-    ]
-    assert own_tasks_in(["suite", "other"], manager) == ["sink_strength"]
-    assert own_tasks_in(["gens"], manager) == []
+    inline = {"group": "g", "task": ["gen_b"]}
+    assert sorted(task_leaves([str(folder / "other.yaml"), inline], index)) == ["gen_b", "other"]
+    assert own_leaves(task_leaves(["suite", "other"], index)) == ["sink_strength"]
+    assert own_leaves(task_leaves(["gens"], index)) == []
     # A YAML path is read whole: a group file's members, a task file's class (a copy of sink_strength, renamed).
     mine = tmp_path / "mine.yaml"
     mine.write_text(f"include: {tasks_dir() / 'sink_strength' / 'sink_strength.yaml'}\ntask: my_sink\n")
-    assert own_tasks_in([str(folder / "suite.yaml"), str(mine)], manager) == ["my_sink", "sink_strength"]
+    assert own_leaves(task_leaves([str(folder / "suite.yaml"), str(mine)], index)) == ["my_sink", "sink_strength"]

@@ -1,8 +1,4 @@
-"""Which lm-eval backends give this project attention access, and the one line that refuses the others.
-
-Shared by the start-up hook's check before the model loads (`discovery.py`) and the base `LM` request method
-(`task.py`), so both say the same thing.
-"""
+"""Which lm-eval backends give this project attention access, and the one line that refuses the others."""
 
 from __future__ import annotations
 

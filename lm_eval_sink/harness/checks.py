@@ -58,10 +58,8 @@ def task_facts(python: str, include_path: str | None, tasks: tuple[str, ...]) ->
 
 
 def check_protocol(settings: Any, models: Sequence[str]) -> None:
-    """Refuse, before anything runs, what lm-eval would fail on or silently ignore: unknown task names, a
-    `gen_kwargs` length key the task overrides (`check_tasks`), and a generation length that reaches a model's
-    maximum length (`check_lengths`; `settings`: harness.runner.EvalSettings). This project's tasks run under any
-    backend (`measure_first.py`)."""
+    """Refuse, before anything runs, what lm-eval would fail on or silently ignore (`check_tasks`, then
+    `check_lengths`; `settings`: harness.runner.EvalSettings)."""
     check_lengths(check_tasks(settings), settings, models)
 
 

@@ -47,8 +47,7 @@ def _model_class(model: Any) -> type | None:
 
 def task_leaves(requested: Sequence[Any], index: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Every task `requested` stands for (names, YAML paths, inline config dicts; through groups and tags), with its
-    config as lm-eval will build it: the indexed one, under an inline dict's own keys. The one walk of lm-eval's
-    groups and tags in this project."""
+    config as lm-eval will build it (an inline dict's keys over the indexed config)."""
     from lm_eval.tasks._index import Kind
 
     out: dict[str, dict[str, Any]] = {}
@@ -95,16 +94,10 @@ def index_of(manager: Any) -> dict[str, Any]:
     return getattr(manager, read_name(type(manager), INDEX) or INDEX)
 
 
-def own_tasks_in(requested: list[Any], manager: Any) -> list[str]:
-    """This project's tasks among `requested` (names, YAML paths, config dicts), through groups and tags, sorted."""
-    return own_leaves(task_leaves(requested, index_of(manager)))
-
-
 @functools.cache
 def holds_own_task(tasks: tuple[str, ...], include_path: str | None) -> bool:
-    """Whether lm-eval `--tasks` names (globs and YAML paths too) hold a task of this project, by name or through a
-    group, tag or inline group. Read from this project's task folder and `include_path` alone (milliseconds): lm-eval's
-    own groups and tags never hold a task of this project. Once per arguments and process."""
+    """Whether lm-eval `--tasks` names (globs and YAML paths too) hold a task of this project, read from this
+    project's folder and `include_path` alone (lm-eval's own groups and tags never hold one)."""
     import fnmatch
 
     if set(tasks) & own_task_names():
@@ -130,9 +123,8 @@ def _as_list(value: Any) -> list[Any]:
 
 
 def check_pretrained(arguments: dict[str, Any]) -> None:
-    """Before anything loads: a local `pretrained` folder's safetensors files, those transformers loads
-    (`model.safetensors` alone where there is one, else `weights.check_weights`), one line naming a file that is
-    missing, cut short or not safetensors; a file transformers never reads leaves the run to lm-eval."""
+    """Before anything loads: the safetensors files transformers would load of a local `pretrained` folder, one line
+    naming one that is missing, cut short or not safetensors (a file transformers never reads is left to lm-eval)."""
     from lm_eval_sink.weights import check_weights, file_tensors
 
     model_args = parsed_model_args(arguments.get("model_args")) if isinstance(arguments.get("model"), str) else {}
@@ -158,49 +150,35 @@ def measure_first_request(arguments: dict[str, Any]) -> tuple[Any, Any] | None:
     """Before lm-eval builds a backend without attention, where this project's tasks are measured: (None, TaskManager)
     where the engine lm-eval builds measures S (`engine_strength.decide`), else (rows, TaskManager) with the rows the
     child measured first (`task.Measured` per task) and the revisions it measured pinned in `arguments`; None when no
-    such task is asked of such a backend. One line when the backend has no `pretrained` transformers can load."""
+    such task is asked of such a backend. One line when the backend has no `pretrained` transformers can load; why the
+    engine path was not taken is said in one line once the checks passed, and recorded (`not_on_engine`)."""
     model = arguments.get("model")
     model_class = _model_class(model)
     if has_attention(model_class):
         return None
     task_manager = _task_manager(arguments)
-    ours = own_tasks_in(_requested(arguments), task_manager)
+    ours = own_leaves(task_leaves(_requested(arguments), index_of(task_manager)))
     if not ours:
         return None
     label = model if isinstance(model, str) else backend_label(type(model))
     model_args = parsed_model_args(arguments.get("model_args")) if isinstance(model, str) else {}
     if not model_args.get("pretrained"):
         raise unsupported(ours[0], label)
-    from lm_eval_sink.harness.engine_strength import decide, is_lm_eval_vllm
+    from dataclasses import replace
+
+    import lm_eval_sink.harness.measure_first as first
+    from lm_eval_sink.harness.engine_strength import decide, fallback_line, is_lm_eval_vllm
 
     why = decide(model_class, model_args)
     if why is None:
         return None, task_manager
-    said = why if is_lm_eval_vllm(model_class) else None  # the line is vLLM's alone
-    return _measured_first(arguments, task_manager, ours, label, said)
-
-
-def _measured_first(arguments: dict[str, Any], task_manager: Any, ours: list[str], label: str, why: str | None) -> Any:
-    """`measure_first_request`'s transformers child; `why` the engine path was not taken, said in one line once the
-    checks passed and recorded in each task's capture record (`not_on_engine`)."""
-    from dataclasses import replace
-
-    from lm_eval_sink.harness.engine_strength import fallback_line, say
-    from lm_eval_sink.harness.measure_first import (
-        check_loadable,
-        engine_model_args,
-        hf_load_args,
-        measure_first,
-        pin_revisions,
-        task_jobs,
-    )
-
-    load = pin_revisions(hf_load_args(parsed_model_args(arguments.get("model_args")), ours[0], label))
-    check_loadable(load, ours[0], label)
-    arguments["model_args"] = engine_model_args(arguments.get("model_args"), load)  # the commits measured
+    why = why if is_lm_eval_vllm(model_class) else None  # the line is vLLM's alone
+    load = first.pin_revisions(first.hf_load_args(model_args, ours[0], label))
+    first.check_loadable(load, ours[0], label)
+    arguments["model_args"] = first.engine_model_args(arguments.get("model_args"), load)  # the commits measured
     if why is not None:
-        say(fallback_line(ours, why))
-    measured = measure_first(load, task_jobs(task_manager, ours), label)
+        print(fallback_line(ours, why), file=sys.stderr, flush=True)
+    measured = first.measure_first(load, first.task_jobs(task_manager, ours), label)
     if why is not None:
         measured = {n: replace(m, record={**m.record, "not_on_engine": why}) for n, m in measured.items()}
     return measured, task_manager
@@ -208,7 +186,9 @@ def _measured_first(arguments: dict[str, Any], task_manager: Any, ours: list[str
 
 def _apply_offline_overrides(index: dict[str, Any]) -> None:
     """With LM_EVAL_SINK_DATA set, the stock tasks it covers pointed at generated YAMLs (`offline.py`)."""
-    from lm_eval.tasks._index import Entry, Kind
+    from dataclasses import replace
+
+    from lm_eval.tasks._index import Kind
 
     from lm_eval_sink.harness.offline import data_root, write_overrides
 
@@ -227,15 +207,13 @@ def _apply_offline_overrides(index: dict[str, Any]) -> None:
         log.warning("lm-eval-sink: offline data from %s not applied (%s)", root, err)
         return
     for name, path in written.items():
-        old = index[name]
-        index[name] = Entry(name=name, kind=old.kind, yaml_path=path, cfg=old.cfg, tags=old.tags)
+        index[name] = replace(index[name], yaml_path=path)
     log.debug("lm-eval-sink: offline data from %s", root)
 
 
 def _wrap_build(original: Any) -> Any:
-    """`TaskIndex.build` for lm-eval's defaults (its own folder first, as `include_defaults=True` makes): this
-    project's folder indexed next (user folders come later, so they can still shadow it), lm-eval's own index
-    read from the cache (`task_index.py`), the offline override applied. Any other call is lm-eval's own."""
+    """`TaskIndex.build` of lm-eval's defaults with this project's folder, the cache and the offline data (docs/
+    footguns.md); any other call is lm-eval's own."""
     import lm_eval
 
     from lm_eval_sink.harness.task_index import cached_build
@@ -263,7 +241,6 @@ def _wrap_build(original: Any) -> Any:
 
 
 def patch_task_index() -> None:
-    """Every `TaskManager` built with lm-eval's defaults also indexes this project's tasks (`_wrap_build`)."""
     from lm_eval.tasks._index import TaskIndex
 
     from lm_eval_sink.harness.task_index import entry_mismatch
@@ -272,8 +249,7 @@ def patch_task_index() -> None:
 
 
 def prepare_tasks(lm: Any, task_dict: Any) -> Any:
-    """Before any request of any task: check what S needs of the built model, record in each task of this
-    project's metadata how S is measured (`capture`), and put those tasks first (their requests run first)."""
+    """Before any request: the checks S needs of the built model, each own task's `capture` record, them first."""
     from lm_eval_sink.harness.task import capture_record, check_capturable, measured_task
 
     ours = _own_in(task_dict)
@@ -300,14 +276,10 @@ def prepare_tasks(lm: Any, task_dict: Any) -> Any:
 
 @functools.cache
 def own_task_names() -> frozenset[str]:
-    """The task and group names this project's YAMLs define."""
-    import re
+    """The task and group names this project's YAMLs define, as lm-eval indexes them."""
+    from lm_eval.tasks._index import TaskIndex
 
-    return frozenset(
-        m.group(2)
-        for p in tasks_dir().rglob("*.yaml")
-        for m in re.finditer(r"^(task|group):\s*(\S+)\s*$", p.read_text(encoding="utf-8"), re.M)
-    )
+    return frozenset(TaskIndex.build([tasks_dir()]))
 
 
 def _own_in(task_dict: Any) -> list[str]:
@@ -374,10 +346,6 @@ def _first(arguments: dict[str, Any]) -> Any:
     return measure_first_request(arguments)
 
 
-# What `measure_first_request` reads of simple_evaluate's arguments, by name.
-SIMPLE_EVALUATE_ARGS = ("model", "model_args", "tasks", "task_manager", "metadata")
-
-
 def _lm_eval_reads() -> tuple[tuple[Any, str], ...]:
     """What `measure_first_request` and `task_leaves` read on lm-eval's objects (`_lm_eval_calls`: what they pass)."""
     import lm_eval.api.registry as registry
@@ -412,13 +380,11 @@ def _lm_eval_calls() -> str | None:
 
 
 def patch_evaluator() -> None:
-    """Checks first and this project's tasks first (`evaluate`), S measured before a backend without attention is
-    built (`simple_evaluate`)."""
     import lm_eval.evaluator as ev
 
     patch(ev, "evaluate", _wrap_evaluate, leading=("lm", "task_dict"))
-    reads = _lm_eval_reads()
-    patch(ev, "simple_evaluate", _wrap_simple_evaluate, needs=SIMPLE_EVALUATE_ARGS, reads=reads, more=_lm_eval_calls)
+    needs = ("model", "model_args", "tasks", "task_manager", "metadata")  # what measure_first_request reads, by name
+    patch(ev, "simple_evaluate", _wrap_simple_evaluate, needs=needs, reads=_lm_eval_reads(), more=_lm_eval_calls)
 
 
 def _wrap_cli(original: Any) -> Any:
@@ -457,7 +423,6 @@ def check_cli_limit(argv: Sequence[str]) -> None:
 
 
 def patch_cli() -> None:
-    """Under the `lm_eval` console script, this project's `UserError` is one line and exit code 2."""
     import lm_eval.__main__ as main_mod
 
     patch(main_mod, "cli_evaluate", _wrap_cli)
@@ -554,8 +519,6 @@ def _wrap_table(original: Any) -> Any:
 
 
 def patch_table() -> None:
-    """The console table shows this project's tasks compactly (`_compact_matrices`), and the results table is
-    followed by a line per Sink Strength task that says it in words (`strength_lines`)."""
     import lm_eval.utils as lu
 
     patch(lu, "make_table", _wrap_table, leading=("result_dict", "column"))

@@ -16,9 +16,8 @@ from lm_eval_sink.errors import UserError
 from lm_eval_sink.harness.engine_decision import READABLE_BACKENDS, SWITCH
 
 CACHE_SALT = "lm_eval_sink-sink-strength"  # the measured prompts' KV blocks are reachable by no other request
-# What the wrapper of `impl.forward` reads of vLLM's call, by position (`unified_attention_with_output` passes them
-# so, then `output=` and the scales by name): an implementation whose parameters begin otherwise is refused, since
-# reading another argument as the query or the key would give statistics of the wrong tensors without an error.
+# What the wrapper of `impl.forward` reads of vLLM's call, by position: an implementation whose parameters begin
+# otherwise is refused (docs/footguns.md), since it would give statistics of the wrong tensors without an error.
 FORWARD_PARAMETERS = ("layer", "query", "key", "value", "kv_cache", "attn_metadata")
 
 
@@ -219,12 +218,6 @@ class SinkCaptureMixin:
 # --- in the driver ----------------------------------------------------------------------------------------------
 
 
-def _engine_limits(llm: Any) -> tuple[int, int]:
-    """(max_num_batched_tokens, max_model_len) of the engine `llm`."""
-    config = llm.llm_engine.vllm_config
-    return int(config.scheduler_config.max_num_batched_tokens), int(config.model_config.max_model_len)
-
-
 def _has_extension(llm: Any) -> bool:
     """Whether the engine's workers were built with SinkCaptureMixin (or a class inheriting it) as their extension."""
     import importlib
@@ -248,7 +241,8 @@ def _check_prompts(llm: Any, encoded: EncodedPrompts, layers: Sequence[int]) -> 
             "the engine was built without worker_extension_cls=lm_eval_sink.harness.engine_capture.SinkCaptureMixin "
             "(or a class inheriting it)"
         )
-    batched, context = _engine_limits(llm)
+    config = llm.llm_engine.vllm_config
+    batched, context = int(config.scheduler_config.max_num_batched_tokens), int(config.model_config.max_model_len)
     longest = max(len(ids) for ids in encoded.input_ids)
     if longest > batched:
         raise EngineCaptureRefused(

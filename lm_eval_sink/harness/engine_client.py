@@ -15,14 +15,12 @@ from typing import Any
 
 from lm_eval_sink.errors import UserError
 from lm_eval_sink.identity import TOKENIZER_FILES
-from lm_eval_sink.io import canonical_json, sha256_file
+from lm_eval_sink.io import canonical_json, parse_json, read_text, sha256_file
 
 
 def _json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
-    except ValueError as e:
-        raise UserError(f"{path}: not valid JSON ({e})", "repair or replace the checkpoint's file") from None
+    """A checkpoint's JSON file (None where there is none), one line where it does not read (`io.parse_json`)."""
+    return parse_json(read_text(path), str(path), "repair or replace the checkpoint's file") if path.is_file() else None
 
 
 def _file_sha(path: Path) -> str:
@@ -88,8 +86,7 @@ print(json.dumps({"vllm": version, "vllm_module": spec is not None, "reload_weig
 
 
 def reload_support(python: str) -> dict[str, Any]:
-    """{vllm: version, vllm_module, reload_weights, collective_rpc, reset_prefix_cache: bool} of the vLLM in
-    `python`."""
+    """{vllm: version, vllm_module, reload_weights, collective_rpc, reset_prefix_cache} of the vLLM in `python`."""
     from lm_eval_sink.harness.runner import run_probe
 
     return run_probe(python, RELOAD_PROBE)
@@ -134,14 +131,14 @@ class EngineProcess:
             )
         return json.loads(line)
 
-    def close(self, timeout: float = 120) -> None:
-        """Ask the process to shut its engine down and exit; kill it when it does not within `timeout` seconds."""
+    def close(self) -> None:
+        """Ask the process to shut its engine down and exit; kill it when it does not within 120 seconds."""
         if self.proc.poll() is None:
             try:
                 assert self.proc.stdin is not None
                 self.proc.stdin.write(json.dumps({"op": "close"}) + "\n")
                 self.proc.stdin.close()
-                self.proc.wait(timeout=timeout)
+                self.proc.wait(timeout=120)
             except (BrokenPipeError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait()

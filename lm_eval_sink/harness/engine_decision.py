@@ -15,9 +15,7 @@ from typing import Any
 
 SWITCH = "LM_EVAL_SINK_S_ON_ENGINE"  # 0: S with transformers wherever it would be measured on a vLLM engine
 WORKER_EXTENSION = "lm_eval_sink.harness.engine_worker.EngineWorkerExtension"  # the capture, in every engine's workers
-# The architectures whose engine statistics are tested equal to transformers' eager capture (tests/
-# test_engine_capture.py: Llama, Gemma 2, Gemma 3 in `make test`; Mistral, Qwen2, Qwen3 and tensor parallel 2 in
-# `make test-engine`). Others may well work; they stay with transformers until a test says so.
+# The architectures whose engine statistics are tested equal to transformers' eager capture (docs/sink-strength.md).
 VERIFIED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -26,9 +24,8 @@ VERIFIED_ARCHITECTURES = (
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
 )
-# vLLM 0.32's attention backends whose per-layer metadata holds each request's query rows and length
-# (`query_start_loc`, `seq_lens`), which the workers read to know a forward is one request's whole prefill. FlashInfer's
-# holds neither, and it is vLLM's default on compute capability 10.x GPUs (`platforms/cuda.py`).
+# vLLM 0.32's attention backends whose metadata tells a whole prefill (`query_start_loc`, `seq_lens`; not FlashInfer,
+# the default on compute capability 10.x): docs/sink-strength.md.
 READABLE_BACKENDS = ("CPU_ATTN", "FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION")
 _SOFTMAX_LAYER_TYPES = ("full_attention", "sliding_attention")
 _UNSET = ("", "none", "auto")
@@ -36,6 +33,7 @@ _ONE = ("", "none", "1")
 _OFF = ("", "none", "0", "false")
 _AS_STORED = (*_UNSET, "hf", "pt", "safetensors", "fastsafetensors", "npcache")  # load_format: the files as stored
 _OTHER_WEIGHTS = "the engine runs other weights than the checkpoint's"
+_SPECULATIVE = "speculative decoding: a draft model's forwards run between the checkpoint's"
 
 
 @dataclass(frozen=True)
@@ -60,9 +58,7 @@ RULES = (
     Rule("convert", "converts the model for another task", (*_UNSET, "none")),
     Rule("kv_cache_dtype", "a quantized KV cache: the engine attends the cached keys, which differ from the layer's"),
     Rule("disable_sliding_window", "attends past the sliding windows the checkpoint's config sets", _OFF),
-    Rule("speculative_config", "speculative decoding: a draft model's forwards run between the checkpoint's"),
-    Rule("spec_method", "speculative decoding: a draft model's forwards run between the checkpoint's"),
-    Rule("spec_model", "speculative decoding: a draft model's forwards run between the checkpoint's"),
+    *(Rule(a, _SPECULATIVE) for a in ("speculative_config", "spec_method", "spec_model")),
     Rule("worker_cls", "another worker class runs the forward"),
     Rule("data_parallel_size", "lm-eval runs the engines in Ray actors, not in its own process", _ONE),
     Rule("pipeline_parallel_size", "pipeline parallelism is not verified for the engine's capture", _ONE),

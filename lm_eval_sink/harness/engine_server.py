@@ -21,16 +21,10 @@ from lm_eval_sink.harness.engine_worker import WORKER_EXTENSION
 from lm_eval_sink.harness.runner import EvalSettings, die_with_parent
 
 # The LLM(...) arguments that say where a checkpoint comes from (lm-eval's `pretrained`, and the commits that
-# measure-first pins for a hub id, none for a local folder): set per checkpoint, so left out of the comparison.
-# What an engine fixes of its checkpoint is compared from the files (`merging.engine_reuse.engine_fields`).
-PER_CHECKPOINT = ("model", "revision", "tokenizer_revision")
-
-
-def _answers() -> Any:
-    """The protocol's stream (the stdout this process was started with); stdout itself then writes to stderr."""
-    out = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
-    os.dup2(2, 1)
-    return out
+# measure-first pins for a hub id, none for a local folder): set per checkpoint, so left out of the comparison, as is
+# the worker extension (this project's: a sweep with one of the user's is refused at plan time). What an engine fixes
+# of its checkpoint is compared from the files (`merging.engine_reuse.engine_fields`).
+NOT_FIXED = ("model", "revision", "tokenizer_revision", "worker_extension_cls")
 
 
 @contextlib.contextmanager
@@ -99,12 +93,6 @@ def _peak_rss(processes: list[Any]) -> int | None:
 # --- the engine --------------------------------------------------------------------------------
 
 
-def engine_arguments(arguments: dict[str, Any]) -> dict[str, Any]:
-    """The `LLM(...)` arguments lm-eval asks for that an engine fixes: all but `PER_CHECKPOINT`'s (its worker extension
-    is this project's: a sweep with one of the user's is refused at plan time, `engine_sweep.engine_reuse`)."""
-    return {k: v for k, v in arguments.items() if k not in (*PER_CHECKPOINT, "worker_extension_cls")}
-
-
 class ResidentEngine:
     """One vLLM `LLM` for every checkpoint, and what it was built from."""
 
@@ -153,7 +141,7 @@ class ResidentEngine:
             yield
 
     def _engine(self, real: Any, arguments: dict[str, Any], weights: str, timings: dict[str, float]) -> Any:
-        fixed = engine_arguments(arguments)
+        fixed = {k: v for k, v in arguments.items() if k not in NOT_FIXED}  # what the engine fixes
         if self.llm is None:
             with _timed(timings, "engine_build"):
                 self.llm = real(**{**arguments, "worker_extension_cls": WORKER_EXTENSION})
@@ -297,10 +285,13 @@ def _answer(server: Server, request: dict[str, Any]) -> dict[str, Any]:
     """One request's answer; a failure is its one line (the traceback goes to the unit's log)."""
     import traceback
 
+    ops = {"eval": server.evaluate, "strength": server.strength}
+    if request.get("op") not in ops:
+        return {"ok": False, "error": f"unknown request {request.get('op')!r}", "hint": None}
     try:
         with _output_to(request.get("log")):
             try:
-                return server.strength(request) if request["op"] == "strength" else server.evaluate(request)
+                return ops[request["op"]](request)
             except Exception:
                 traceback.print_exc()
                 raise
@@ -317,15 +308,12 @@ def serve(requests: Any, answers: Any) -> None:
         request = json.loads(line)
         if request.get("op") == "close":
             break
-        if request.get("op") not in ("eval", "strength"):
-            answer = {"ok": False, "error": f"unknown request {request.get('op')!r}", "hint": None}
-        else:
-            answer = _answer(server, request)
-        answers.write(json.dumps(answer) + "\n")
+        answers.write(json.dumps(_answer(server, request)) + "\n")
     server.engine.shutdown()
 
 
 if __name__ == "__main__":
-    _answers_stream = _answers()
+    answers = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")  # the stdout this process was started with
+    os.dup2(2, 1)  # stdout itself then writes to stderr
     die_with_parent()
-    serve(sys.stdin, _answers_stream)
+    serve(sys.stdin, answers)

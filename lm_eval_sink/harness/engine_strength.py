@@ -8,7 +8,6 @@ method and its engine this project's worker extension (`engine_builder`), else t
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -16,11 +15,6 @@ from typing import Any
 from lm_eval_sink.harness.engine_decision import s_refusal, workers_refusal
 from lm_eval_sink.harness.engine_worker import WORKER_EXTENSION
 
-ENGINE_PROCESS = "lm-eval's vLLM engine, in its own forward"
-ENGINE_WEIGHTS = (
-    "the engine's S is that of the weights the engine runs: its dtype, a quantized checkpoint's own quantization and "
-    "its LoRA, as lm-eval's requests run them"
-)
 CAPTURED_WITH = "vLLM's attention layers: query and key as each layer receives them (harness/engine_capture.py)"
 REQUEST_READS = ("model", "tokenizer", "lora_request")  # what `vllm_sink_strength` reads, set in VLLM.__init__
 _RECORDS: dict[str, dict[str, Any]] = {}  # task name -> its capture record in the task's metadata (this call's)
@@ -65,23 +59,23 @@ def decide(model_class: type | None, model_args: Mapping[str, Any]) -> str | Non
         return "the engine path is lm-eval's --model vllm's only"
     import lm_eval.models.vllm_causallms as module
 
-    from lm_eval_sink.harness.patching import engine_target_problem
+    from lm_eval_sink.harness.patching import add_method, engine_target_problem
+    from lm_eval_sink.harness.task import REQUEST_TYPE, _instance_mismatch
 
-    add_model_info(model_class)
+    if getattr(model_class, "get_model_info", _model_info) is _model_info:
+        add_method(model_class, "get_model_info", _model_info)
     target = engine_target_problem(module, REQUEST_READS)
     why = s_refusal(read_config(model_args), model_args, gpu_major())
     why = why or (None if target is None else f"lm-eval's vllm_causallms {target}")
-    if why is None and not add_request_method(model_class):
+    if why is None and not add_method(model_class, REQUEST_TYPE, vllm_sink_strength, more=_instance_mismatch):
         return "lm-eval's vLLM model class was left as installed (see the lm-eval-sink warning above)"
     return why
 
 
 @contextlib.contextmanager
 def engine_builder(build: Callable[..., Any] | None = None) -> Iterator[None]:
-    """Within the block lm-eval's vLLM model builds its engine as `build(LLM, **arguments)` (default: vLLM's `LLM`
-    with this project's worker extension, which measures S in the engine's forward): the one way this project changes
-    the engine lm-eval builds (`patching.engine_target_problem` checks the target first). Inside another builder's
-    block (the resident engine's, whose engine carries the extension) the outer one stays."""
+    """Within the block lm-eval's vLLM model builds its engine as `build(LLM, **arguments)` (default: `LLM` with this
+    project's worker extension): docs/footguns.md. Inside another builder's block (the resident engine's) it stays."""
     import lm_eval.models.vllm_causallms as module
 
     real = module.LLM
@@ -110,31 +104,21 @@ def fallback_line(tasks: Sequence[str], why: str) -> str:
     )
 
 
-def say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
 # --- on the built engine --------------------------------------------------------------------------------------------
-
-
-def _layers(llm: Any) -> tuple[int, tuple[int, ...]]:
-    """(depth, attention layers) of the engine's model, as `strength.measure` reads them from a transformers config."""
-    from lm_eval_sink.capture import attention_layers_from_config
-
-    config = llm.llm_engine.vllm_config.model_config.hf_config
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    depth = int(text.num_hidden_layers)
-    return depth, attention_layers_from_config(config) or tuple(range(depth))
 
 
 def engine_captures(
     llm: Any, encoded: Any, settings: Any, lora_request: Any = None
 ) -> tuple[list[Any], int, tuple[int, ...]]:
     """(`capture.PromptCapture` per prompt, depth, attention layers): the `calibration.EncodedPrompts` measured on the
-    engine `llm` over the settings' last K attention layers."""
+    engine `llm` over the settings' last K attention layers (depth and layers read as `strength.measure` reads them)."""
+    from lm_eval_sink.capture import attention_layers_from_config
     from lm_eval_sink.harness.engine_capture import measure_on_engine
 
-    depth, att = _layers(llm)
+    config = llm.llm_engine.vllm_config.model_config.hf_config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    depth = int(text.num_hidden_layers)
+    att = attention_layers_from_config(config) or tuple(range(depth))
     return measure_on_engine(llm, encoded, settings.layers_for(att), settings.query_chunk, lora_request), depth, att
 
 
@@ -148,7 +132,7 @@ def engine_record(llm: Any, lora_request: Any = None) -> dict[str, Any]:
     config = llm.llm_engine.vllm_config
     return {
         "capture_backend": "vllm",
-        "process": ENGINE_PROCESS,
+        "process": "lm-eval's vLLM engine, in its own forward",
         "vllm": version("vllm"),
         "transformers": transformers.__version__,
         "torch": torch.__version__,
@@ -157,7 +141,10 @@ def engine_record(llm: Any, lora_request: Any = None) -> dict[str, Any]:
         "kv_cache_dtype": str(config.cache_config.cache_dtype),
         "lora": getattr(lora_request, "lora_path", None),
         "tensor_parallel_size": int(config.parallel_config.tensor_parallel_size),
-        "weights": ENGINE_WEIGHTS,
+        "weights": (
+            "the engine's S is that of the weights the engine runs: its dtype, a quantized checkpoint's own "
+            "quantization and its LoRA, as lm-eval's requests run them"
+        ),
         "captured_with": CAPTURED_WITH,
     }
 
@@ -184,8 +171,7 @@ def vllm_sink_strength(self: Any, requests: list[Any]) -> list[Any]:
     else each task's prompts measured on the engine (a copy of a request, as lm-eval pads, measured once)."""
     from lm_eval_sink.harness.task import PromptRows, _by_task, _measured_sink_strength, measured_task, rows_per_task
 
-    by_task = _by_task(requests)
-    if all(measured_task(task) is not None for task in by_task):
+    if all(measured_task(task) is not None for task in _by_task(requests)):
         return _measured_sink_strength(self, requests)
 
     def measure(task: str, settings: Any, prompts: list[tuple[int, str]]) -> list[Any]:
@@ -204,31 +190,14 @@ def vllm_sink_strength(self: Any, requests: list[Any]) -> list[Any]:
             for (pid, _), c in zip(prompts, captures, strict=True)
         ]
 
-    return rows_per_task(requests, measure, by_task)
+    return rows_per_task(requests, measure)
 
 
 def _model_info(self: Any) -> dict[str, Any]:
-    """The dtype lm-eval's VLLM engine runs, as HFLM's `get_model_info` names its model's (`model_dtype`)."""
+    """lm-eval's VLLM `get_model_info` where it has none: the results' `config.model_dtype` names the dtype its engine
+    ran in, as `--model hf`'s does (`protocols` reads it: vLLM runs a float32 checkpoint in bfloat16)."""
     llm = getattr(self, "model", None)
     return {} if llm is None else {"model_dtype": str(llm.llm_engine.vllm_config.model_config.dtype)}
-
-
-def add_model_info(cls: type) -> None:
-    """lm-eval's VLLM gets `get_model_info` where it has none, so the results' `config.model_dtype` names the dtype its
-    engine ran in, as `--model hf`'s does (`protocols` reads it: vLLM runs a float32 checkpoint in bfloat16)."""
-    from lm_eval_sink.harness.patching import add_method
-
-    if getattr(cls, "get_model_info", _model_info) is _model_info:
-        add_method(cls, "get_model_info", _model_info)
-
-
-def add_request_method(cls: type) -> bool:
-    """lm-eval's VLLM gets `sink_strength` (`vllm_sink_strength`), checked first (`patching.add_method`; what it reads
-    of `VLLM.__init__`: `decide`)."""
-    from lm_eval_sink.harness.patching import add_method
-    from lm_eval_sink.harness.task import REQUEST_TYPE, _instance_mismatch
-
-    return add_method(cls, REQUEST_TYPE, vllm_sink_strength, more=_instance_mismatch)
 
 
 def measure_strength(llm: Any, tokenizer: Any, settings: Any, provenance: dict[str, Any]) -> Any:

@@ -22,8 +22,7 @@ def _cuda() -> Any:
 
 
 class EngineWorkerExtension(SinkCaptureMixin):
-    """The named calls of this project into each vLLM worker (`collective_rpc("reseed")`, ...): the resident
-    engine's, and Sink Strength's (`SinkCaptureMixin`), for every engine this project builds or extends."""
+    """The named calls of this project into each vLLM worker: the resident engine's, and Sink Strength's."""
 
     def reset_accelerator_peak(self) -> None:
         """The CUDA peak counters of this worker start again (nothing on a CPU)."""
@@ -58,8 +57,7 @@ class EngineWorkerExtension(SinkCaptureMixin):
         }
 
     def reseed(self) -> None:
-        """The seed the worker sets after building its engine, so sampling after a weight swap starts as on a
-        fresh engine."""
+        """The seed a fresh engine's worker sets, so sampling after a weight swap starts as on a fresh engine."""
         from vllm.utils.torch_utils import set_random_seed
 
         worker: Any = self

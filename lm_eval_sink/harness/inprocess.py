@@ -98,9 +98,8 @@ def load_resident(
 
 
 def task_manager(settings: EvalSettings, model: str | Path) -> Any:
-    """One lm-eval TaskManager for every checkpoint, with the include path and the model_args metadata of `model`'s
-    command line, as lm-eval's CLI builds it; this project's tasks and offline data reach it through the import
-    hook (`hooks.install`)."""
+    """One lm-eval TaskManager for every checkpoint, as lm-eval's CLI builds it for `model`'s command line (this
+    project's tasks and offline data through the import hook, `hooks.install`)."""
     from lm_eval.tasks import TaskManager
 
     from lm_eval_sink.hooks import install
@@ -120,14 +119,6 @@ def _tasks(manager: Any, names: str | list[str]) -> list[Any]:
             raise UserError(f"lm-eval task {name!r} not found", "check the task name and eval.include_path")
         out += [m for m in matches if m not in out]
     return out
-
-
-def _check_settings(resident: Resident, settings: EvalSettings) -> None:
-    if settings != resident.settings:
-        raise UserError(
-            "these eval settings differ from the ones the resident model and its TaskManager were built for",
-            "load one resident per sweep with the sweep's eval settings",
-        )
 
 
 def _hflm(resident: Resident, cfg: Any) -> Any:
@@ -150,7 +141,11 @@ def evaluate(resident: Resident, settings: EvalSettings, output_path: str | Path
     absolute path: `owner/name` reads as a hub id)."""
     from lm_eval_sink.merging.merge import isolated_rng
 
-    _check_settings(resident, settings)
+    if settings != resident.settings:
+        raise UserError(
+            "these eval settings differ from the ones the resident model and its TaskManager were built for",
+            "load one resident per sweep with the sweep's eval settings",
+        )
     output_path = Path(output_path)
     cfg = cli_config(settings, str(name), output_path)
     with isolated_rng():  # lm-eval seeds the global generators, as in its own process; the caller's stay
@@ -168,28 +163,17 @@ def evaluate_model(
 
     before, start = results_files(output_path), time.perf_counter()
     tracker = EvaluationTracker(output_path=cfg.output_path)
-    seeds = cfg.seed or [None] * 4
+    seeds = ("random_seed", "numpy_random_seed", "torch_random_seed", "fewshot_random_seed")
+    # the fields of the command line that simple_evaluate takes under the same name
+    same = ("model_args", "num_fewshot", "batch_size", "max_batch_size", "device", "limit", "log_samples", "metadata")
+    same += ("system_instruction", "apply_chat_template", "fewshot_as_multiturn", "gen_kwargs")
     results = lm_eval.simple_evaluate(
         model=lm,
-        model_args=cfg.model_args,
         tasks=_tasks(task_manager, cfg.tasks),
-        num_fewshot=cfg.num_fewshot,
-        batch_size=cfg.batch_size,
-        max_batch_size=cfg.max_batch_size,
-        device=cfg.device,
-        limit=cfg.limit,
-        log_samples=cfg.log_samples,
         evaluation_tracker=tracker,
-        system_instruction=cfg.system_instruction,
-        apply_chat_template=cfg.apply_chat_template,
-        fewshot_as_multiturn=cfg.fewshot_as_multiturn,
-        gen_kwargs=cfg.gen_kwargs,
         task_manager=task_manager,
-        random_seed=seeds[0],
-        numpy_random_seed=seeds[1],
-        torch_random_seed=seeds[2],
-        fewshot_random_seed=seeds[3],
-        metadata=cfg.metadata,
+        **{name: getattr(cfg, name) for name in same},
+        **dict(zip(seeds, cfg.seed or [None] * 4, strict=True)),
     )
     written = time.perf_counter()
     run = _save(tracker, results, cfg, output_path, before)
@@ -211,13 +195,7 @@ def _save(tracker: Any, results: dict[str, Any], cfg: Any, output_path: Path, be
     return new_run(output_path, before, "check that the folder is writable")
 
 
-def measure_strength(
-    resident: Resident,
-    settings: Any,
-    dtype: str,
-    progress: bool = False,
-    provenance: dict[str, Any] | None = None,
-) -> Any:
+def measure_strength(resident: Resident, settings: Any, dtype: str, provenance: dict[str, Any] | None = None) -> Any:
     """`strength.measure` on the resident model; `dtype` must be the resident's (no second copy is made)."""
     from lm_eval_sink.merging.merge import isolated_rng
     from lm_eval_sink.strength import measure
@@ -228,4 +206,4 @@ def measure_strength(
             "give strength and eval the same dtype for an in-memory sweep, or set merge: {in_memory: false}",
         )
     with isolated_rng():
-        return measure(resident.model, resident.tokenizer, settings, progress=progress, provenance=provenance)
+        return measure(resident.model, resident.tokenizer, settings, progress=False, provenance=provenance)

@@ -28,10 +28,8 @@ USED_ARGS = ("pretrained", "revision", "trust_remote_code", "dtype", "tokenizer"
 
 @dataclass(frozen=True)
 class HfLoad:
-    """What the child passes to transformers' `from_pretrained`, and the backend arguments it leaves out.
-
-    The tokenizer is `tokenizer` (else `pretrained`) at `tokenizer_revision` (None: the repo's default branch),
-    never at `revision`: lm-eval's vLLM model loads it so."""
+    """What the child passes to transformers' `from_pretrained`, and the backend arguments it leaves out; the tokenizer
+    is `tokenizer` (else `pretrained`) at `tokenizer_revision`, never at `revision` (as lm-eval's vLLM loads it)."""
 
     pretrained: str
     revision: str | None = None
@@ -133,9 +131,8 @@ def check_loadable(load: HfLoad, task: str, backend: str) -> None:
 
 
 def _check_remote_code(load: HfLoad, where: str) -> None:
-    """Refuse, from config.json alone (no code run), a model that only its own code can load (`auto_map`, a model
-    type transformers has no causal LM for) when `trust_remote_code` is not given: transformers would ask on the
-    terminal."""
+    """Refuse, from config.json alone, a model only its own code loads (`auto_map`, a model type transformers has no
+    causal LM for) without `trust_remote_code`: transformers would ask on the terminal."""
     from transformers import PretrainedConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -163,8 +160,7 @@ def task_jobs(task_manager: Any, names: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def measure_first(load: HfLoad, jobs: dict[str, dict[str, Any]], backend: str) -> dict[str, Any]:
-    """Measure every job in a child process of this interpreter (see the module docstring): `task.Measured`
-    per task."""
+    """`task.Measured` per task: every job measured in a child process of this interpreter (module docstring)."""
     from lm_eval_sink.harness.task import Measured
 
     with tempfile.TemporaryDirectory(prefix="lm_eval_sink_first_") as tmp:

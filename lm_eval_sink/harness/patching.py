@@ -43,8 +43,7 @@ def mismatch(target: Any, leading: tuple[str, ...] = (), needs: tuple[str, ...] 
 
 
 def read_name(owner: Any, names: str) -> str | None:
-    """The first of `names` ("a|b") that `owner` has (class attribute, property, method or dataclass field), without
-    running anything."""
+    """The first of `names` ("a|b") that `owner` has (attribute, property, method or dataclass field), running none."""
     import dataclasses
 
     absent = object()
@@ -74,8 +73,7 @@ def _say(label: str, line: str) -> None:
 
 
 def left_as_installed(label: str, why: str, then: str = "") -> None:
-    """The one line of a target left as installed, naming it, lm-eval's version and what to do (`then`, else the
-    explicit way)."""
+    """The one line of a target left as installed: it, lm-eval's version, what to do (`then`, else the explicit way)."""
     from importlib.metadata import version
 
     then = then or f"to use this project's tasks, pass {EXPLICIT_WAY}"
@@ -131,8 +129,7 @@ def patch(
     more: Any = None,
 ) -> None:
     """`owner.name` replaced by `wrap(original)` when everything the wrapper relies on is there (`mismatch`,
-    `reads_mismatch`, `more()` when given); otherwise left untouched, with one line (`left_as_installed`).
-    Idempotent."""
+    `reads_mismatch`, `more()` when given), else left untouched with one line (`left_as_installed`); idempotent."""
     original = inspect.getattr_static(owner, name)
     static = isinstance(original, staticmethod)
     original = original.__func__ if static else original

@@ -126,24 +126,18 @@ class EvalSettings:
             str(self.seed),
             "--output_path",
             str(output_path),
+            *(["--log_samples"] if self.log_samples else []),
+            *(["--apply_chat_template"] if self.apply_chat_template else []),
         ]
-        if self.log_samples:
-            args.append("--log_samples")
-        if self.apply_chat_template:
-            args.append("--apply_chat_template")
-        if self.fewshot_as_multiturn is not None:
-            args += ["--fewshot_as_multiturn", str(self.fewshot_as_multiturn)]
-        if self.num_fewshot is not None:
-            args += ["--num_fewshot", str(self.num_fewshot)]
-        if self.system_instruction is not None:
-            args += ["--system_instruction", self.system_instruction]
-        if self.gen_kwargs:
-            args += ["--gen_kwargs", ",".join(f"{k}={v}" for k, v in self.gen_kwargs.items())]
-        if self.limit is not None:
-            args += ["--limit", str(self.limit)]
-        if self.include_path:
-            args += ["--include_path", str(self.include_path)]
-        return args
+        given = (  # the flags with a value, in this order, where given
+            ("--fewshot_as_multiturn", self.fewshot_as_multiturn),
+            ("--num_fewshot", self.num_fewshot),
+            ("--system_instruction", self.system_instruction),
+            ("--gen_kwargs", ",".join(f"{k}={v}" for k, v in self.gen_kwargs.items()) or None),
+            ("--limit", self.limit),
+            ("--include_path", self.include_path or None),
+        )
+        return args + [text for flag, value in given if value is not None for text in (flag, str(value))]
 
 
 # The modules that compute an eval result (`code_key`): the start-up hook lm-eval runs with (its patches, the offline

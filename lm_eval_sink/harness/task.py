@@ -29,10 +29,8 @@ PRIMARY = "sink_strength"  # the metric whose samples-file value holds each docu
 
 
 def settings_from_metadata(meta: dict[str, Any]) -> StrengthSettings:
-    """The task variant's measurement settings (the YAML `metadata`); defaults from StrengthSettings.
-
-    `batch_size` (null: as many as `batch_tokens` allows), `batch_tokens` and `query_chunk` set how the
-    prompts are run, not S."""
+    """The task variant's measurement settings (the YAML `metadata`; `batch_size` null or "all": as many as
+    `batch_tokens` allows); defaults from StrengthSettings."""
     defaults = StrengthSettings()
     last_k = meta.get("last_k", defaults.last_k)
     batch_size = meta.get("batch_size", defaults.batch_size)
@@ -143,6 +141,18 @@ def decode_array(d: dict[str, Any]) -> np.ndarray:
     return np.frombuffer(base64.b64decode(d["b64"]), dtype=np.dtype(d["dtype"])).reshape(d["shape"])
 
 
+# `capture.PromptCapture`'s arrays in a payload, in order, and the dtype each is read back in (sink_pos is stored as
+# int16 where it fits, else int32); learned_sink_mass and pos0_visible may be None.
+_ARRAYS = {
+    "sink_logodds": np.float32,
+    "sink_pos": np.int64,
+    "pos0_mass": np.float32,
+    "content": bool,
+    "learned_sink_mass": np.float32,
+    "pos0_visible": bool,
+}
+
+
 @dataclass(frozen=True)
 class PromptRows:
     """One document's item: its prompt's rows as the whole-set statistics need them. `payload` is JSON-safe (in the
@@ -169,12 +179,8 @@ class PromptRows:
         chat_template_sha256: str | None,
     ) -> PromptRows:
         pos = np.asarray(capture.sink_pos)
-        pos_dtype = (
-            np.int16
-            if pos.size == 0 or (int(pos.min()) > np.iinfo(np.int16).min and int(pos.max()) < np.iinfo(np.int16).max)
-            else np.int32
-        )
-        learned, visible = capture.learned_sink_mass, capture.pos0_visible
+        small = pos.size == 0 or (int(pos.min()) > np.iinfo(np.int16).min and int(pos.max()) < np.iinfo(np.int16).max)
+        stored = {**_ARRAYS, "sink_pos": np.int16 if small else np.int32}
         return cls(
             {
                 "prompt_id": prompt_id,
@@ -185,12 +191,10 @@ class PromptRows:
                 "layers": list(capture.layers),
                 "chat_template_applied": chat_template_applied,
                 "chat_template_sha256": chat_template_sha256,
-                "sink_logodds": encode_array(np.asarray(capture.sink_logodds, dtype=np.float32)),
-                "sink_pos": encode_array(pos.astype(pos_dtype)),
-                "pos0_mass": encode_array(np.asarray(capture.pos0_mass, dtype=np.float32)),
-                "content": encode_array(np.asarray(capture.content, dtype=bool)),
-                "learned_sink_mass": None if learned is None else encode_array(np.asarray(learned, dtype=np.float32)),
-                "pos0_visible": None if visible is None else encode_array(np.asarray(visible, dtype=bool)),
+                **{
+                    name: None if (a := getattr(capture, name)) is None else encode_array(np.asarray(a, dtype=dtype))
+                    for name, dtype in stored.items()
+                },
             }
         )
 
@@ -226,22 +230,13 @@ def _result(items: list[Any]) -> SinkStrength:
     captures = [
         PromptCapture(
             layers=tuple(p["layers"]),
-            sink_logodds=decode_array(p["sink_logodds"]),
-            sink_pos=decode_array(p["sink_pos"]).astype(np.int64),
-            pos0_mass=decode_array(p["pos0_mass"]),
-            content=decode_array(p["content"]),
-            learned_sink_mass=None if p["learned_sink_mass"] is None else decode_array(p["learned_sink_mass"]),
-            pos0_visible=None if p.get("pos0_visible") is None else decode_array(p["pos0_visible"]),
+            **{n: None if p.get(n) is None else decode_array(p[n]).astype(t, copy=False) for n, t in _ARRAYS.items()},
         )
         for p in payloads
     ]
     return reduce_captures(
         captures, StrengthSettings(**first["settings"]), first["n_layers"], first["attention_layers"]
     )
-
-
-def _chat_template_applied(items: list[Any]) -> bool:
-    return bool((items[0] if isinstance(items[0], dict) else items[0].payload)["chat_template_applied"])
 
 
 def agg_sink_strength(items: list[Any]) -> float:
@@ -287,6 +282,10 @@ def agg_rows_beyond_window(items: list[Any]) -> int | None:
     result = _result(items)
     warn_beyond_window(result)
     return result.rows_beyond_window
+
+
+def _chat_template_applied(items: list[Any]) -> bool:
+    return bool((items[0] if isinstance(items[0], dict) else items[0].payload)["chat_template_applied"])
 
 
 def agg_chat_template_applied(items: list[Any]) -> bool:
@@ -409,16 +408,6 @@ def measured_task(task: str) -> Measured | None:
     return _PROVIDED.get(task)
 
 
-def rows_for(task: str, settings: dict[str, Any], prompt_id: int) -> PromptRows | None:
-    """The `PromptRows` measured first for this task and prompt; None when none were (a bug if the settings differ)."""
-    m = _PROVIDED.get(task)
-    if m is None:
-        return None
-    if m.settings != settings or prompt_id not in m.rows:
-        raise RuntimeError(f"{task}: rows measured first do not match the request (prompt {prompt_id})")
-    return PromptRows(m.rows[prompt_id])
-
-
 def _by_task(requests: list[Instance]) -> dict[str, list[int]]:
     """Request indices per task, in order."""
     by_task: dict[str, list[int]] = {}
@@ -428,10 +417,7 @@ def _by_task(requests: list[Instance]) -> dict[str, list[int]]:
 
 
 def _hflm_sink_strength(self: HFLM, requests: list[Instance]) -> list[PromptRows]:
-    """HFLM method for `sink_strength` requests: capture exactly these requests' prompts, per task.
-
-    lm-eval pads a rank's list with copies of its last request; a copy is measured once.
-    """
+    """HFLM method for `sink_strength` requests: these requests' prompts captured, per task (`rows_per_task`)."""
     from lm_eval_sink.devices import check_not_tensor_parallel
 
     check_not_tensor_parallel(self.model)
@@ -445,12 +431,11 @@ def _hflm_sink_strength(self: HFLM, requests: list[Instance]) -> list[PromptRows
 def rows_per_task(
     requests: list[Instance],
     measure: Callable[[str, StrengthSettings, list[tuple[int, str]]], list[PromptRows]],
-    by_task: dict[str, list[int]] | None = None,
 ) -> list[PromptRows]:
     """Each request's rows, from `measure(task, settings, prompts)` called once per task on its distinct requests'
     (prompt_id, prompt): lm-eval pads a rank's list with copies of its last request, and a copy is measured once."""
     out: list[PromptRows | None] = [None] * len(requests)
-    for task, idxs in (by_task or _by_task(requests)).items():
+    for task, idxs in _by_task(requests).items():
         settings = StrengthSettings(**requests[idxs[0]].arguments[1]["settings"])
         first_of: dict[int, int] = {}  # id(request) -> index of its first occurrence
         for i in idxs:
@@ -470,11 +455,13 @@ def _measured_sink_strength(self: LM, requests: list[Instance]) -> list[PromptRo
 
     out = []
     for req in requests:
-        task, settings = req.arguments[1]["task"], req.arguments[1]["settings"]
-        rows = rows_for(task, settings, int(req.doc["prompt_id"]))
-        if rows is None:
+        task, prompt_id = req.arguments[1]["task"], int(req.doc["prompt_id"])
+        m = _PROVIDED.get(task)
+        if m is None:
             raise unsupported(task, backend_label(type(self)))
-        out.append(rows)
+        if m.settings != req.arguments[1]["settings"] or prompt_id not in m.rows:  # a bug
+            raise RuntimeError(f"{task}: rows measured first do not match the request (prompt {prompt_id})")
+        out.append(PromptRows(m.rows[prompt_id]))
     return out
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path, PurePosixPath
@@ -21,8 +20,6 @@ Build = Callable[..., dict[str, Any]]
 FORMAT = "lm-eval-sink task index, JSON v1"
 ENTRY_FIELDS = ("name", "kind", "yaml_path", "cfg", "tags")  # lm-eval's `Entry`, as stored
 KINDS = ("TASK", "PY_TASK", "GROUP", "TAG")  # the `Kind` members an index holds
-_UNREAD_SUFFIXES = (".py", ".pyc")
-_UNREAD_DIRS = frozenset({"__pycache__"})
 
 
 def entry_mismatch() -> str | None:
@@ -45,8 +42,8 @@ def _keyed(folder: str, rel: str = "") -> list[tuple[str, str]]:
     with os.scandir(folder) as entries:
         for entry in entries:
             if entry.is_dir(follow_symlinks=False):
-                out += [] if entry.name in _UNREAD_DIRS else _keyed(entry.path, f"{rel}{entry.name}/")
-            elif not entry.name.endswith(_UNREAD_SUFFIXES) and not entry.is_dir():
+                out += [] if entry.name == "__pycache__" else _keyed(entry.path, f"{rel}{entry.name}/")
+            elif not entry.name.endswith((".py", ".pyc")) and not entry.is_dir():
                 out.append((rel + entry.name, entry.path))
     return out
 
@@ -61,19 +58,6 @@ def folder_key(root: Path, version: str) -> str:
         digest.update(f"{rel}\0{len(data)}\0".encode())
         digest.update(data)
     return digest.hexdigest()[:32]
-
-
-def _plain(value: Any) -> bool:
-    """Whether JSON gives `value` back equal and of the same types (str, int, finite float, bool, None, and lists
-    and str-keyed dicts of them)."""
-    kind = type(value)
-    if value is None or kind in (str, int, bool):
-        return True
-    if kind is float:
-        return math.isfinite(value)
-    if kind is list:
-        return all(_plain(v) for v in value)
-    return kind is dict and all(type(k) is str and _plain(v) for k, v in value.items())
 
 
 def _outside(rel: str) -> bool:
@@ -96,24 +80,21 @@ def _problem(row: dict[str, Any]) -> str | None:
     return None
 
 
-def _row(key: str, entry: Any, root: Path) -> dict[str, Any]:
-    """One entry as stored (ValueError when `decode` would not give it back equal)."""
+def _row(entry: Any, root: Path) -> dict[str, Any]:
     rel = None if entry.yaml_path is None else Path(entry.yaml_path).relative_to(root).as_posix()
-    row = {"name": entry.name, "kind": entry.kind.name, "yaml_path": rel, "cfg": entry.cfg, "tags": sorted(entry.tags)}
-    why = _problem(row) or (None if key == entry.name and _plain(entry.cfg) else "a name or cfg JSON does not keep")
-    if why:
-        raise ValueError(f"entry {key!r}: {why}")
-    return row
+    return {"name": entry.name, "kind": entry.kind.name, "yaml_path": rel, "cfg": entry.cfg, "tags": sorted(entry.tags)}
 
 
 def encode(index: dict[str, Any], root: Path) -> str | None:
     """The index of `root` as JSON text; None when `decode` would not give it back equal."""
     try:
-        rows = [_row(key, entry, root) for key, entry in index.items()]
+        text = json.dumps({"format": FORMAT, "entries": [_row(e, root) for e in index.values()]}, ensure_ascii=False)
+        if decode(json.loads(text), root) != index:
+            raise ValueError("a name or cfg JSON does not keep")
     except (TypeError, ValueError, AttributeError) as err:  # a value JSON does not keep, a file elsewhere, ...
         log.debug("lm-eval-sink: task index not kept (%s)", err)
         return None
-    return json.dumps({"format": FORMAT, "entries": rows}, ensure_ascii=False)
+    return text
 
 
 def _entry(row: Any, root: Path) -> Any:
@@ -130,11 +111,8 @@ def decode(data: Any, root: Path) -> dict[str, Any]:
     """The index a stored JSON document holds (ValueError when it is not one `encode` writes)."""
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("entries"), list):
         raise ValueError("not a task index of this format")
-    index = {}
-    for row in data["entries"]:
-        entry = _entry(row, root)
-        index[entry.name] = entry
-    return index
+    entries = [_entry(row, root) for row in data["entries"]]
+    return {entry.name: entry for entry in entries}
 
 
 def _read(path: Path, root: Path) -> dict[str, Any] | None:

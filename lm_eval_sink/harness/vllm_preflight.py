@@ -41,11 +41,11 @@ class NodeMemory:
     available: int
 
 
-def cpu_refusal(memory: NodeMemory, utilization: float, kv_cache_given: bool) -> UserError | None:
-    """The one-line error vLLM's CPU worker would end with, given the node's memory, `gpu_memory_utilization` and
-    whether a KV cache size was given (then vLLM skips the check); None when the engine would start."""
+def cpu_refusal(memory: NodeMemory, utilization: float) -> UserError | None:
+    """The one-line error vLLM's CPU worker would end with, given the node's memory and `gpu_memory_utilization`
+    (no KV cache size given: then vLLM skips this check, `kv_cache_refusal`); None when the engine would start."""
     requested = math.ceil(memory.total * utilization)
-    if kv_cache_given or requested <= memory.available:
+    if requested <= memory.available:
         return None
     fits = math.floor(100 * memory.available / memory.total) / 100 - 0.05  # a margin for what loads meanwhile
     share = f", or pass gpu_memory_utilization={fits:.2f} in --model_args (a share of the node's memory)"
@@ -81,10 +81,7 @@ def check_engine_memory(arguments: dict[str, Any]) -> None:
     if not current_platform.is_cpu():
         return
     memory, kv_cache = _node_memory(), _kv_cache_bytes(model_args)
-    if kv_cache is None:
-        refusal = cpu_refusal(memory, _utilization(model_args), False)
-    else:
-        refusal = kv_cache_refusal(memory, kv_cache)
+    refusal = cpu_refusal(memory, _utilization(model_args)) if kv_cache is None else kv_cache_refusal(memory, kv_cache)
     if refusal is not None:
         raise refusal
 
