@@ -148,6 +148,12 @@ def user_error(exc: ValidationError, model: type[BaseModel], where: str) -> User
             f"{_at(where, loc)}: missing key(s) {', '.join(keys)} ({what} lacks {keys[0]!r})",
             f"every {what.removeprefix('the ')} needs {', '.join(needed)}",
         )
+    if loc[-1] == "[key]":  # a mapping's key outside its Literal: an unknown key, as for an entry's
+        allowed = re.findall(r"'([^']*)'", err["ctx"]["expected"]) if err["type"] == "literal_error" else []
+        return UserError(
+            f"{_at(where, loc[:-2])}: unknown key {loc[-2]!r}{did_you_mean(str(loc[-2]), allowed)}",
+            f"allowed keys: {', '.join(allowed)}",
+        )
     loc = _walk(model, loc)[0]  # without pydantic's union-member tags
     owner = model_at(model, loc[:-1]) if loc else None
     said = f" ({owner.what} has {loc[-1]} {_got(err['input'])})" if owner and loc and isinstance(loc[-1], str) else ""

@@ -183,6 +183,7 @@ def _sweep(tmp_path: Path, trio: dict[str, Path], **extra) -> Path:
             "engine.resources.eval: the resources entry has unknown key 'gpus' (did you mean 'num_gpus'?)",
         ),
         ({"engine": {"kind": "slurm"}}, "engine.kind: expected one of 'local' or 'ray', got 'slurm'"),
+        ({"engine": {"resources": {"evals": {}}}}, "engine.resources: unknown key 'evals' (did you mean 'eval'?)"),
         ({"eval": False, "strength": False}, "eval: false and strength: false leave nothing to do"),
         (
             {"engine": {"kind": "ray", "resources": {"eval": {"num_gpus": -1}}}},
@@ -212,10 +213,11 @@ def test_sweep_vllm_eval_settings_under_ray(tmp_path, tiny_trio):
             "batch_size": "auto",
             "model_args": {"tensor_parallel_size": 2, "max_model_len": 4096},
         },
-        engine={"kind": "ray", "resources": {"eval": {"num_gpus": 2}}},
+        engine={"kind": "ray", "resources": {"eval": {"num_gpus": 2}, "merge": {"num_cpus": None, "memory": 0}}},
     )
     spec = load_sweep(path)
     assert spec.eval.backend == "vllm" and spec.eval.device is None and spec.engine.resources["eval"].num_gpus == 2
+    assert spec.engine.resources["merge"].options() == {"num_cpus": 1, "num_gpus": 0}  # null: the default; memory 0: none
     assert spec.eval.command("/m", Path("/o"))[:2] == ["--model", "vllm"]
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from lm_eval_sink.errors import UserError
-from lm_eval_sink.harness.runner import eval_versions, run_lm_eval
+from lm_eval_sink.harness import runner
+from lm_eval_sink.harness.runner import run_lm_eval
 from lm_eval_sink.identity import FINGERPRINT_RULE
 from lm_eval_sink.io import atomic_write_json
 from lm_eval_sink.keys import keyed
@@ -86,7 +87,7 @@ def finish_eval(tmp: Path, unit: Unit, run: Any, **fields: Any) -> None:
         samples={t: str(p.relative_to(tmp)) for t, p in run.samples.items()},
         model=unit.inputs.model,
         lm_eval_python=unit.inputs.settings.interpreter(),
-        eval_versions=eval_versions(unit.inputs.settings),
+        eval_versions=runner.eval_versions(unit.inputs.settings),
         **fields,
     )
 

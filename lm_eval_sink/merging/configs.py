@@ -94,7 +94,12 @@ def load_template(name_or_path: str | Path) -> Template:
             )
         res = _bundled_dir().joinpath(f"{text_arg}.yaml")
         text, where, name = res.read_text(encoding="utf-8"), f"merge_configs/{text_arg}.yaml", text_arg
-    t = parse(_TemplateIn, parse_yaml(text, where), where)
+    data = parse_yaml(text, where)
+    if not isinstance(data, dict):
+        raise UserError(
+            f"{where}: not a merge-control template (expected a mapping)", "see merge_configs/*.yaml for the format"
+        )
+    t = parse(_TemplateIn, data, where)
     title = t.title if t.title is not None else name
     return Template(**{**dict(t), "title": title}, name=name, path=where, sha256=sha256_text(text))
 

@@ -45,13 +45,13 @@ class Resources(Strict):
     device under Ray (`parse_engine`)."""
 
     what: ClassVar[str] = "the resources entry"
-    num_cpus: float = Field(1, ge=0)
-    num_gpus: float = Field(0, ge=0)
+    num_cpus: float | None = Field(1, ge=0)  # null: the default, as not given
+    num_gpus: float | None = Field(0, ge=0)
     memory: int | None = Field(None, ge=0)  # bytes
 
     def options(self) -> dict[str, Any]:
-        """Ray's task options (`memory` only where given)."""
-        return self.model_dump(exclude_none=True)
+        """Ray's task options (`memory` only where given, and not 0)."""
+        return {k: v for k, v in self.model_dump().items() if k != "memory" or v}
 
 
 class EngineSpec(Strict):
@@ -98,7 +98,8 @@ def parse_engine(
             gpus = vllm_gpus(gpus, eval_settings.model_args, src)
         else:
             gpus = unit_gpus(gpus, (devices or {}).get(k), where)
-        resources[k] = given.model_copy(update={"num_gpus": gpus})
+        cpus = 1 if given.num_cpus is None else given.num_cpus
+        resources[k] = given.model_copy(update={"num_gpus": gpus, "num_cpus": cpus})
     return value.model_copy(update={"kind": chosen, "address": addr, "resources": resources})
 
 
