@@ -217,7 +217,7 @@ def test_sweep_vllm_eval_settings_under_ray(tmp_path, tiny_trio):
     )
     spec = load_sweep(path)
     assert spec.eval.backend == "vllm" and spec.eval.device is None and spec.engine.resources["eval"].num_gpus == 2
-    assert spec.engine.resources["merge"].options() == {"num_cpus": 1, "num_gpus": 0}  # null: the default; memory 0: none
+    assert spec.engine.resources["merge"].options() == {"num_cpus": 1, "num_gpus": 0}  # null: default; memory 0: none
     assert spec.eval.command("/m", Path("/o"))[:2] == ["--model", "vllm"]
 
 
