@@ -286,7 +286,7 @@ def _answer(server: Server, request: dict[str, Any]) -> dict[str, Any]:
     import traceback
 
     ops = {"eval": server.evaluate, "strength": server.strength}
-    if request.get("op") not in ops:
+    if not isinstance(request.get("op"), str) or request["op"] not in ops:
         return {"ok": False, "error": f"unknown request {request.get('op')!r}", "hint": None}
     try:
         with _output_to(request.get("log")):

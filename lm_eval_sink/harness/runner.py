@@ -133,7 +133,7 @@ class EvalSettings:
             ("--fewshot_as_multiturn", self.fewshot_as_multiturn),
             ("--num_fewshot", self.num_fewshot),
             ("--system_instruction", self.system_instruction),
-            ("--gen_kwargs", ",".join(f"{k}={v}" for k, v in self.gen_kwargs.items()) or None),
+            ("--gen_kwargs", ",".join(f"{k}={v}" for k, v in (self.gen_kwargs or {}).items()) or None),
             ("--limit", self.limit),
             ("--include_path", self.include_path or None),
         )
