@@ -267,7 +267,9 @@ class AttributeWork(Work):
 
     def __post_init__(self) -> None:
         # a results file's samples, a samples file's results, by the one reader of a run; a folder is keyed whole
-        files = [a for a in [*self.references, *self.candidates] if not a.startswith("vendor:") and Path(a).is_file()]
+        files = [
+            a for a in [*self.references, *self.candidates] if not str(a).startswith("vendor:") and Path(a).is_file()
+        ]
         runs = [resolve_run(a) for a in files]
         object.__setattr__(self, "run_files", tuple(p for r in runs for p in (r.results, *r.samples.values()) if p))
 

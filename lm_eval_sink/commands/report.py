@@ -242,6 +242,8 @@ def load_inputs(out: Path, *, title: str | None = None, **given: Any) -> ReportI
     from lm_eval_sink.provenance import package_versions
 
     out_dir = Path(out).parent
+    if set(given) - set(INPUTS):
+        raise TypeError(f"load_inputs got unknown inputs {sorted(set(given) - set(INPUTS))}; known: {list(INPUTS)}")
     if not any(_paths(what, given) for what in INPUTS):
         raise UserError("nothing to report", "pass at least one of " + ", ".join(f"--{what}" for what in INPUTS))
     brought = None if given.get("sweep") is None else Path(given["sweep"]) / "recovery"
