@@ -256,7 +256,7 @@ def load_inputs(out: Path, *, title: str | None = None, **given: Any) -> ReportI
         )
     docs: dict[str, list[tuple[Doc, Path]]] = {}
     records = []
-    for what in INPUTS:
+    for what in sorted(INPUTS, key=lambda w: w == "buckets"):  # buckets last: the others' names show first
         docs[what] = [(_doc(path, what, out_dir), path) for path in (_file(a, what) for a in _paths(what, given))]
         roles = ROLES[: len(docs[what])] if what == "strength" else [None] * len(docs[what])
         records += [r for (d, _), role in zip(docs[what], roles, strict=True) for r in _identities(what, d, role)]
