@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from lm_eval_sink.adapters import Adapted, adapted
-from lm_eval_sink.calibration import Batching, EncodedPrompts
+from lm_eval_sink.calibration import DEFAULT_QUERY_CHUNK, Batching, EncodedPrompts
 from lm_eval_sink.errors import UserError
 
 IMPL_PREFIX = "lm_eval_sink"
@@ -47,7 +47,7 @@ class _Collector:
 
     layers: set[int]
     first_real: torch.Tensor | None = None  # [batch] index of each row's first real token
-    query_chunk: int = Batching().query_chunk
+    query_chunk: int = DEFAULT_QUERY_CHUNK
     records: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
     fixed_keys: dict[int, torch.Tensor] | None = None  # layer -> [batch, head, query] key index, -2 = argmax
     reached: set[int] = field(default_factory=set)  # layers whose attention called the capture

@@ -1,5 +1,5 @@
 """Why an IFEval regression failed, and truncation detection (docs/buckets.md, 'Failure kinds and truncation').
-Standard library at import; lm-eval's IFEval checker and transformers load lazily when used.
+No lm-eval or transformers at import: the IFEval checker and the tokenizer load lazily when used.
 """
 
 from __future__ import annotations

@@ -208,7 +208,7 @@ def check_finished_folder(path: Path) -> None:
             f"{path}: a staging folder left by an interrupted run, not a model",
             "pass the finished folder (rerun the command that makes it)",
         )
-    if path.is_dir() and (path / "FAILED.json").is_file() and read_complete(path) is None:
+    if path.is_dir() and (path / FAILED_FILE).is_file() and read_complete(path) is None:
         raise UserError(
             f"{path}: left by a failed run (FAILED.json, no COMPLETE.json)",
             "rerun the command that makes it, or pass another folder",

@@ -4,7 +4,6 @@ and the readers of their results and samples files.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,11 +52,12 @@ class RunFiles:
         return task, self.samples[task]
 
 
-def _run_at(folder: Path, ts: str) -> RunFiles:
-    """The run of `folder` at time `ts`: its results file (if any) and its samples files of that time."""
+def _run_at(folder: Path, ts: str, samples: dict[str, Path] | None = None) -> RunFiles:
+    """The run of `folder` at time `ts`: its results file (if any) and `samples` (default: its samples files then)."""
     results = folder / f"results_{ts}.json"
-    found = [(p, _SAMPLES_RE.match(p.name)) for p in sorted(folder.glob(f"samples_*_{ts}.jsonl"))]
-    samples = {m["task"]: p for p, m in found if m and m["ts"] == ts}
+    if samples is None:
+        found = [(p, _SAMPLES_RE.match(p.name)) for p in sorted(folder.glob(f"samples_*_{ts}.jsonl"))]
+        samples = {m["task"]: p for p, m in found if m and m["ts"] == ts}
     return RunFiles(folder, ts, results if results.is_file() else None, samples)
 
 
@@ -98,7 +98,7 @@ def resolve_run(arg: str | Path) -> RunFiles:
             return _run_at(path.parent, m["ts"])
         m = _SAMPLES_RE.match(path.name)
         if m:  # that run, with this task's samples only
-            return dataclasses.replace(_run_at(path.parent, m["ts"]), samples={m["task"]: path})
+            return _run_at(path.parent, m["ts"], {m["task"]: path})
         if path.suffix == ".json":  # a results file renamed by the user
             return RunFiles(folder=path.parent, timestamp=None, results=path, samples={})
         if path.suffix == ".jsonl":

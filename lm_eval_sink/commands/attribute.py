@@ -215,10 +215,16 @@ def _registry_info(registry: Any, infos: list[dict[str, Any]], vendor: bool) -> 
         for i in infos
         if i.get("matched_by")
     }
-    missing = {
-        i["display"] for i in infos if not (i["registry_model"] and registry.scores_of(i["registry_model"], "vendor"))
-    }
-    return {"matches": list(matches.values()), "vendor_missing": sorted(missing) if vendor else None}
+    missing = None
+    if vendor:  # only asked for with vendor figures
+        missing = sorted(
+            {
+                i["display"]
+                for i in infos
+                if not (i["registry_model"] and registry.scores_of(i["registry_model"], "vendor"))
+            }
+        )
+    return {"matches": list(matches.values()), "vendor_missing": missing}
 
 
 def _lineages(

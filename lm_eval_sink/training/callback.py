@@ -44,8 +44,9 @@ def measure_in_training(model: Any, tokenizer: Any, settings: StrengthSettings) 
     """`strength.measure` on a model that is being trained, restoring train mode and requires_grad. Torch's FSDP1
     wrapper is refused (its flat parameters hide the model class the capture switches), as is tensor parallelism."""
     model = unwrap_parallel(model)
-    check_not_tensor_parallel(adapted(model).module)
-    if any(type(m).__name__ == "FullyShardedDataParallel" for m in adapted(model).module.modules()):
+    module = adapted(model).module
+    check_not_tensor_parallel(module)
+    if any(type(m).__name__ == "FullyShardedDataParallel" for m in module.modules()):
         raise UserError(
             "SinkStrengthCallback cannot measure through torch's FSDP1 wrapper (FullyShardedDataParallel)",
             "shard with FSDP2 (fully_shard; Trainer fsdp_config version 2), or train with DDP",
