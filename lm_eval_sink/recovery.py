@@ -126,11 +126,12 @@ def gained(gap: Mapping, higher_is_better: bool | None) -> str | None:
 
 
 def _nothing_to_recover(t: TaskOutcomes, gap: Mapping, alpha: float) -> tuple[str, str] | None:
-    """Why no control of task `t` has a share or a recovery to show (the verdict word and why), else None."""
+    """Why no control of task `t` has a share or a recovery to show (the verdict word and why; an undetectable gap's
+    why ends where the verdict and the share each say what follows), else None."""
     if len(t.ids) < MIN_N:
         return TOO_FEW, too_few(len(t.ids))
     if gap["p_holm"] >= alpha:
-        return NO_GAP, f"the gap is not detectable (Holm p {gap['p_holm']:.3g}): nothing to recover"
+        return NO_GAP, f"the gap is not detectable (Holm p {gap['p_holm']:.3g})"
     if gained(gap, t.higher_is_better):
         return NO_LOSS, gained(gap, t.higher_is_better) + " to recover"
     return None
@@ -141,7 +142,7 @@ def verdict(t: TaskOutcomes, gap: Mapping, cell: Mapping, alpha: float) -> tuple
     they show (`cell`: the control's two comparisons and its `share` on task `t`)."""
     vs_cand, vs_ref, binary = cell["vs_candidate"], cell["vs_reference"], t.kind == "binary"
     if stop := _nothing_to_recover(t, gap, alpha):
-        return stop
+        return stop[0], stop[1] + (": nothing to recover" if stop[0] == NO_GAP else "")
     toward = np.sign(vs_cand["delta"]) == -np.sign(gap["delta"])
     if vs_cand["p_holm"] >= alpha:
         return NONE, f"no detectable change from the candidate (Holm p {vs_cand['p_holm']:.3g}); " + _could(
@@ -167,7 +168,7 @@ def share(t: TaskOutcomes, control: str, gap: Mapping, confidence: float) -> dic
     the gap is not detectable (Holm)."""
     ref, cand, ctrl = (np.asarray(t.values[k], float) for k in ("reference", "candidate", control))
     if stop := _nothing_to_recover(t, gap, 1 - confidence):
-        why = stop[1] + ("" if stop[0] == TOO_FEW else ", no share of it")
+        why = stop[1] + {TOO_FEW: "", NO_GAP: ": no share of it"}.get(stop[0], ", no share of it")
         return {"recovered_share": None, "recovered_share_ci": None, "recovered_share_note": why}
     estimate = float(np.mean(ctrl - cand) / np.mean(ref - cand))
     ci = fieller_share(ref, cand, ctrl, t.kind == "binary", confidence)
