@@ -222,7 +222,8 @@ def test_paired_bootstrap_against_scipy():
     ref = rng.normal(60, 10, 60)
     cand = ref + rng.gamma(2.0, 3.0, 60) - 7  # skewed differences: the percentile method's tails matter
     want, tol = _scipy_percentile((cand - ref,), np.mean)
-    assert cluster_delta_ci(ref, cand, np.ones(60), 20_000, 0.95, 0) == pytest.approx(want, abs=tol)
+    ci = cluster_delta_ci(ref, cand, None, 20_000, 0.95, 0)  # one item per doc, as delta_interval asks
+    assert ci == pytest.approx(want, abs=tol) and ci == cluster_delta_ci(ref, cand, np.ones(60), 20_000, 0.95, 0)
 
 
 def test_cluster_bootstrap_against_scipy():

@@ -58,19 +58,18 @@ def resampled_sums(columns: np.ndarray, n_boot: int, seed: int) -> np.ndarray:
 def cluster_delta_ci(
     reference_passed: np.ndarray,
     candidate_passed: np.ndarray,
-    n_items: np.ndarray,
+    n_items: np.ndarray | None,
     n_boot: int,
     confidence: float,
     seed: int,
 ) -> tuple[float, float]:
     """Percentile interval of an item-level delta under a paired bootstrap over whole prompts: each resample's delta is
-    (sum candidate passed - sum reference passed) / sum items (one item per doc: the mean per-doc difference)."""
-    cols = np.stack(
-        [np.asarray(candidate_passed, float) - np.asarray(reference_passed, float), np.asarray(n_items, float)], axis=1
-    )
-    sums = resampled_sums(cols, n_boot, seed)
+    (sum candidate passed - sum reference passed) / sum items (`n_items` None: one item per doc, the mean per-doc
+    difference, with no column of ones to resample)."""
+    d = np.asarray(candidate_passed, float) - np.asarray(reference_passed, float)
+    sums = resampled_sums(d[:, None] if n_items is None else np.stack([d, np.asarray(n_items, float)], 1), n_boot, seed)
     alpha = 1.0 - confidence
-    lo, hi = np.quantile(sums[:, 0] / sums[:, 1], [alpha / 2, 1 - alpha / 2])
+    lo, hi = np.quantile(sums[:, 0] / (len(d) if n_items is None else sums[:, 1]), [alpha / 2, 1 - alpha / 2])
     return float(lo), float(hi)
 
 
@@ -171,7 +170,7 @@ def delta_interval(
     if n < MIN_N or np.ptp(cand_v - ref_v) == 0:
         why = f"{n} paired docs (at least {MIN_N} are needed)" if n < MIN_N else "the per-doc differences do not vary"
         return None, f"withheld: {why}; a bootstrap interval there would claim a certainty the docs do not give"
-    ci = cluster_delta_ci(ref_v, cand_v, np.ones(n), settings.n_bootstrap, settings.confidence, settings.seed)
+    ci = cluster_delta_ci(ref_v, cand_v, None, settings.n_bootstrap, settings.confidence, settings.seed)
     return ci, f"paired bootstrap over docs (percentile; {settings.n_bootstrap} resamples, seed {settings.seed})"
 
 
