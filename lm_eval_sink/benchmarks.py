@@ -97,8 +97,7 @@ def _entry(name: str, b: _BenchmarkIn, where: str) -> Benchmark:
         raise UserError(
             f"{where}: benchmark {name!r} lacks `strict`", "name the results key of its score, e.g. acc,none"
         )
-    score_range = None if b.score_range is None else [float(v) for v in b.score_range]
-    return Benchmark(name=name, **{**b.model_dump(by_alias=True), "score_range": score_range})
+    return Benchmark(name=name, **b.model_dump(by_alias=True))  # score_range: floats, as the schema made them
 
 
 def _parse(text: str, where: str, schema: type[_UserFileIn]) -> _UserFileIn:

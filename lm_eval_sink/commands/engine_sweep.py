@@ -325,7 +325,7 @@ class EngineRunner:
     def run(self, unit: Unit) -> None:
         """Evaluate `unit`'s checkpoint on the engine into the unit's staged folder (a UserError: its one line)."""
         weights = weights_folder(unit.inputs.model)
-        fields = checkpoint_fields(unit.inputs.model, self.settings)
+        fields = engine_fields(checkpoint_facts(weights), _dtype(self.settings))  # `checkpoint_fields` of that folder
         why = self._new_engine(unit, fields)
         self.held, self.failed = (unit.checkpoint, fields), unit.id  # failed until it finishes
         with staged_dir(unit.output, force=True, key=unit.key) as tmp:
