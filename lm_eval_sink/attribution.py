@@ -272,7 +272,9 @@ def _recorded_differences(r: Measurement, c: Measurement) -> list[dict[str, Any]
             out.insert(0, {"field": "task", "reference": r.task, "candidate": c.task, "affects_scores": True})
         return out
     a, b = _stated(r), _stated(c)
-    differ, one_side = stated_differences(a, b)
+    differ, one_side = stated_differences(
+        a, b, "a" if r.fingerprint is not None else "b" if c.fingerprint is not None else None
+    )
     return [{"field": d["field"], "reference": d["a"], "candidate": d["b"], "affects_scores": True} for d in differ] + [
         {"field": k, "reference": a.get(k, "not stated"), "candidate": b.get(k, "not stated"), "affects_scores": None}
         for k in one_side
@@ -648,7 +650,7 @@ def _vendor_row(s: Any, m: Measurement, binary: bool) -> dict[str, Any]:
     interval, few = gap_interval((m.strict, m.n), (s.value, None), binary)
     cap = generation_cap(m.fingerprint, m.task)
     capped = [{"field": "generation cap (max_gen_toks)", "vendor": "the task's own", "measured": cap}] if cap else []
-    pair, one_side = stated_differences(s.protocol.stated, _stated(m))
+    pair, one_side = stated_differences(s.protocol.stated, _stated(m), "b" if m.fingerprint is not None else None)
     differ = [{"field": d["field"], "vendor": d["a"], "measured": d["b"]} for d in pair]
     unstated = [k for k in one_side if k not in s.protocol.stated]
     return {

@@ -481,22 +481,25 @@ def run_stated_values(fp: Any, task: str) -> dict[str, Any]:
     return {k: thinking if k == "enable_thinking" else view.get(k) for k in STATED_KEYS}
 
 
-def stated_differences(a: dict[str, Any], b: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
-    """Fields two stated protocols (a run's: `run_stated_values`, stating every field) both state and disagree on,
-    and the fields only one of them states."""
+def stated_differences(
+    a: dict[str, Any], b: dict[str, Any], run: str | None = None
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Fields two stated protocols both state and disagree on, and the fields only one of them states. `run` ("a" or
+    "b"): that side is a run's values (`run_stated_values`, stating every field); two sources compare exactly."""
     differ = [
         {"field": k, "a": a[k], "b": b[k]}
         for k in STATED_KEYS
-        if k in a and k in b and _compared(k, a[k]) != _compared(k, b[k])
+        if k in a and k in b and not _agree(k, *((b[k], a[k]) if run == "a" else (a[k], b[k])), run is not None)
     ]
     return differ, [k for k in STATED_KEYS if (k in a) != (k in b)]
 
 
-def _compared(key: str, value: Any) -> Any:
-    """A stated value as compared: a batch size and version as text, a dtype without lm-eval's `torch.` prefix."""
-    if key in ("batch_size", "lm_eval_version"):
-        return str(value)
-    return value.removeprefix("torch.") if key == "dtype" and isinstance(value, str) else value
+def _agree(key: str, stated: Any, got: Any, got_is_run: bool) -> bool:
+    """A stated value against another's; against a run's, a batch size and version compare as text and the run's
+    dtype may carry lm-eval's `torch.` prefix."""
+    if got_is_run and key in ("batch_size", "lm_eval_version"):
+        return str(stated) == str(got)
+    return stated == got or (got_is_run and key == "dtype" and got == f"torch.{stated}")
 
 
 def list_markdown(reg: Registry) -> str:
