@@ -276,3 +276,14 @@ def test_vendor_add_writes_the_project_cache_by_default_and_refuses_bad_figures(
     bundled = tmp_path.parent / "x"  # a path inside the installed package is refused
     assert main([*args, "--registry", str(type(bundled)(lm_eval_sink.__file__).parent / "data" / "vendors.yaml")]) == 2
     assert "inside the installed package" in capsys.readouterr().err
+
+
+def test_stated_protocols_compare_exactly_and_leniently_only_against_a_run():
+    """Two sources' statements compare exactly; a run's values as lm-eval records them (batch size as text, dtype
+    with its `torch.` prefix) agree with a source stating 8 and bfloat16."""
+    from lm_eval_sink.vendors import stated_differences
+
+    source, run = {"batch_size": 8, "dtype": "bfloat16"}, {"batch_size": "8", "dtype": "torch.bfloat16"}
+    assert [d["field"] for d in stated_differences(source, run)[0]] == ["batch_size", "dtype"]
+    assert stated_differences(source, run, "b") == stated_differences(run, source, "a") == ([], [])
+    assert [d["field"] for d in stated_differences(run, source, "b")[0]] == ["dtype"]  # a run's dtype has no prefix
